@@ -1,0 +1,3 @@
+"""flexmesh: hybrid-parallel training planner and runtime for uneven sequence lengths and devices."""
+
+__version__ = "0.1.0"

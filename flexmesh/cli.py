@@ -1,0 +1,53 @@
+"""``flexmesh`` command line: one sub-command per module under flexmesh.commands.
+
+Each command module defines ``add_parser(subparsers)`` returning its parser with ``func`` set to a
+callable taking the parsed args and returning an exit code. User errors (FlexmeshError) print one
+clear message and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rich.console import Console
+
+from flexmesh.errors import FlexmeshError
+
+# Sub-commands in the order `flexmesh --help` lists them; a module missing here is skipped.
+COMMANDS = ("plan", "simulate", "train", "profile", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flexmesh",
+        description="Plan and run hybrid-parallel transformer training with uneven sequence lengths and devices.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"flexmesh.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"flexmesh.commands.{name}":
+                continue
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 1
+    try:
+        return int(args.func(args) or 0)
+    except FlexmeshError as e:
+        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``flexmesh`` CLI (see flexmesh.cli)."""

@@ -1,0 +1,125 @@
+"""Achievable compute throughput and alpha-beta collective times, per group size and locality.
+
+A group of ``size`` ranks whose members sit ``per_node`` to a node spans ``nodes`` nodes. Collectives
+are modelled as NCCL runs them: ring algorithms inside a node over NVLink, and across nodes bounded
+by the NICs of the group's ranks (one NIC per GPU on DGX-class nodes), each part at a fitted fraction
+of the datasheet bandwidth (see ``flexmesh.cost.calibrate``).
+
+Worked example (A100 preset, 1 GiB all-reduce over the 8 GPUs of one node):
+``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus ``7 * 10 us`` latency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexmesh.spec.cluster import ClusterSpec
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """How a process group lies on the cluster."""
+
+    size: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.size / self.per_node)
+
+    @property
+    def intra_node(self) -> bool:
+        return self.nodes == 1
+
+
+def group_shape(size: int, stride: int, cluster: ClusterSpec) -> GroupShape:
+    """Shape of a group of ``size`` ranks spaced ``stride`` apart (stride 1 = consecutive ranks).
+
+    >>> from flexmesh.spec import parse_cluster
+    >>> c = parse_cluster("4x8xA100-80GB")
+    >>> group_shape(8, 1, c), group_shape(4, 8, c).nodes, group_shape(4, 2, c).nodes
+    (GroupShape(size=8, per_node=8), 4, 1)
+    """
+    dpn = cluster.devices_per_node
+    if size <= 1:
+        return GroupShape(1, 1)
+    per_node = max(1, min(size, dpn // stride)) if stride <= dpn else 1
+    return GroupShape(size, per_node)
+
+
+@dataclass(frozen=True)
+class CollectiveParams:
+    """Per-collective efficiencies and latencies; from a device preset or a hardware profile."""
+
+    intra_gbps: float  # NVLink per GPU per direction
+    inter_gbps_per_gpu: float  # node NIC bandwidth per direction divided among the node's GPUs
+    ring_intra_eff: float
+    ring_inter_eff: float
+    a2a_intra_eff: float
+    a2a_inter_eff: float
+    intra_latency_s: float
+    inter_latency_s: float
+
+
+class Hardware:
+    """Throughput and collective times for one cluster; the only place bandwidths are turned into time."""
+
+    def __init__(self, cluster: ClusterSpec, dtype: str = "bf16"):
+        d = cluster.device
+        self.cluster = cluster
+        self.dtype = dtype
+        self.peak_flops = d.peak_flops(dtype)
+        self.matmul_flops = self.peak_flops * d.mm_efficiency
+        self.attn_flops = self.peak_flops * d.attn_efficiency
+        self.hbm_bytes_per_s = d.hbm_gbps * 1e9
+        self.memory_bytes = d.usable_memory_bytes
+        self.source = f"preset:{d.name}"
+        self.comm = CollectiveParams(
+            intra_gbps=d.nvlink_gbps,
+            inter_gbps_per_gpu=d.node_net_gbps / cluster.devices_per_node,
+            ring_intra_eff=d.intra_efficiency,
+            ring_inter_eff=d.inter_efficiency,
+            a2a_intra_eff=d.a2a_intra_efficiency,
+            a2a_inter_eff=d.a2a_inter_efficiency,
+            intra_latency_s=d.intra_latency_us * 1e-6,
+            inter_latency_s=d.inter_latency_us * 1e-6,
+        )
+
+    def collective_time(self, kind: str, nbytes, shape: GroupShape):
+        """Seconds for one collective; ``nbytes`` may be a numpy array.
+
+        ``nbytes`` is the full buffer: the all-reduce buffer, the all-gather output, the reduce-scatter
+        input, the all-to-all send buffer of one rank, the message of a send/recv.
+        """
+        n = shape.size
+        if n <= 1:
+            return np.zeros_like(nbytes, dtype=float) if isinstance(nbytes, np.ndarray) else 0.0
+        c = self.comm
+        k, m = shape.per_node, shape.nodes
+        intra_bw = c.intra_gbps * 1e9
+        nic_bw = c.inter_gbps_per_gpu * 1e9
+        if kind == "send_recv":
+            if m > 1:
+                return nbytes / (nic_bw * c.ring_inter_eff) + c.inter_latency_s
+            return nbytes / (intra_bw * c.ring_intra_eff) + c.intra_latency_s
+        if kind == "all_to_all":
+            # Each rank sends (n-1)/n of its buffer; (n-k)/n of it leaves the node through its own NIC.
+            t_intra = nbytes * (k - 1) / n / (intra_bw * c.a2a_intra_eff)
+            t_inter = nbytes * (n - k) / n / (nic_bw * c.a2a_inter_eff) if m > 1 else 0.0
+            lat = c.intra_latency_s + (c.inter_latency_s if m > 1 else 0.0)
+            return np.maximum(t_intra, t_inter) + lat if isinstance(nbytes, np.ndarray) else max(t_intra, t_inter) + lat
+        factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}.get(kind)
+        if factor is None:
+            raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
+        # Hierarchical ring: inside the node over NVLink, across nodes through the k NICs of the group.
+        t_intra = factor * (k - 1) / k * nbytes / (intra_bw * c.ring_intra_eff)
+        t_inter = factor * (m - 1) / m * nbytes / (k * nic_bw * c.ring_inter_eff) if m > 1 else 0.0
+        lat = factor * ((k - 1) * c.intra_latency_s + (m - 1) * c.inter_latency_s)
+        if isinstance(nbytes, np.ndarray):
+            return np.maximum(t_intra, t_inter) + lat
+        return max(t_intra, t_inter) + lat

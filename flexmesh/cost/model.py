@@ -1,0 +1,451 @@
+"""The cost model: time and memory of a layer, a stage, a micro-batch and a whole step.
+
+This is the single source of truth for "how long" and "how much memory". The search
+(flexmesh.plan), the per-step scheduler (flexmesh.schedule) and the simulator (flexmesh.sim) all ask
+it; none keeps a private formula.
+
+Work is described by sufficient statistics, not a token count: a micro-batch with sequence lengths
+``s_k`` costs ``sum(s_k)`` in the linear layers and ``sum(s_k**2)`` in causal attention.
+
+Sources of the formulas (constants come from the device preset or a profile, see flexmesh.spec):
+
+- FLOPs: matmul FLOPs = 2 x weights per token; causal attention = 2 x q_dim per layer per squared
+  token; backward = 2 x forward; full recomputation adds one forward (Megatron-LM, 2104.04473).
+- Bytes per parameter with bf16 weights, fp32 gradients and Adam: 2 + 4 + 12, ZeRO-1 shards the 12,
+  ZeRO-2 also the 4, ZeRO-3 all 18 (Megatron-LM's distributed-optimizer notes; ZeRO, 1910.02054).
+- Saved activations per token per layer, with flash-style attention (no s^2 term) and sequence
+  parallelism dividing everything by tp (Korthikanti et al., 2205.05198, adapted to SwiGLU/GQA;
+  counted tensor by tensor in :func:`activation_elems_per_token`). Full recomputation keeps only the
+  layer input and needs one layer's activations while recomputing.
+- Logits: bf16 logits + fp32 softmax saved by the vocab-parallel cross entropy: 6 bytes per logit.
+- Gradient sync overlaps the last micro-batch's backward; overlapped compute slows down by the
+  factor Galvatron measured on A100 (1.13, 2211.13878).
+- Pipeline step time: sum of stage times + (m - 1) x the slowest stage for 1F1B and GPipe; the
+  interleaved schedule divides the fill and drain by the number of chunks (2104.04473).
+- In-flight micro-batches on pipeline rank r: 1F1B pp - r, GPipe all m, interleaved Megatron's
+  warm-up count (pp - r - 1) * 2 + (v - 1) * pp + 1 chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from flexmesh.cost.hardware import Hardware, group_shape
+from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.spec.cluster import ClusterSpec
+from flexmesh.spec.model import ModelSpec
+
+GIB = 2**30
+GRAD_BYTES = 4  # fp32 gradient accumulation and reduction (Megatron-LM's default for bf16 training)
+OPTIM_BYTES = 12  # fp32 master weights + Adam m and v
+LOGIT_BYTES = 6
+OVERLAP_SLOWDOWN = 1.13
+# Adam step traffic per parameter: read fp32 weight, grad, m, v (16 B); write weight, m, v and the
+# bf16 copy (14 B). Time = bytes / HBM bandwidth from the datasheet.
+OPTIM_TRAFFIC_BYTES = 30
+
+
+def activation_elems_per_token(model: ModelSpec) -> int:
+    """Elements one layer saves for backward per token (before dividing by tp and cp).
+
+    Attention block: norm input, qkv input, q, k, v, attention output (saved by the kernel and by
+    the output projection). MLP block: norm input, fc input, and for SwiGLU the gate and up outputs,
+    the activation output and the down-projection input (GeLU: fc1 output and activation output).
+
+    >>> from flexmesh.spec import MODEL_PRESETS
+    >>> activation_elems_per_token(MODEL_PRESETS["llama2-7b"])  # 6h + 2kv + 4ffn
+    77824
+    """
+    h = model.hidden
+    attn = 2 * h + 2 * model.q_dim + 2 * model.kv_dim
+    mlp = 2 * h + (4 if model.activation == "swiglu" else 2) * model.ffn_hidden
+    return attn + mlp
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one replica (a tp x cp group) processes in one micro-batch."""
+
+    tokens: float
+    sq_tokens: float
+    seqs: float = 1.0
+
+    @classmethod
+    def uniform(cls, seqs: float, seq_len: int) -> "Work":
+        return cls(tokens=seqs * seq_len, sq_tokens=seqs * float(seq_len) ** 2, seqs=seqs)
+
+    @classmethod
+    def from_lengths(cls, lengths) -> "Work":
+        a = np.asarray(lengths, dtype=float)
+        return cls(tokens=float(a.sum()), sq_tokens=float((a * a).sum()), seqs=float(len(a)))
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer (or the embedding/head part of a stage) on one device for one micro-batch."""
+
+    fwd: float = 0.0  # forward compute, s
+    bwd: float = 0.0  # backward compute including recomputation, s
+    comm_fwd: float = 0.0  # communication not hidden under forward compute, s
+    comm_bwd: float = 0.0  # communication not hidden under backward compute, s
+    grad_sync: float = 0.0  # once-per-step gradient/parameter collective, overlappable, s
+    optim: float = 0.0  # optimizer step, s
+    states: float = 0.0  # weights + grads + optimizer states, bytes
+    act: float = 0.0  # activations kept per in-flight micro-batch, bytes
+    transient: float = 0.0  # working memory needed while this layer runs, bytes
+
+    @property
+    def time(self) -> float:
+        return self.fwd + self.bwd + self.comm_fwd + self.comm_bwd
+
+    def __add__(self, o: "LayerCost") -> "LayerCost":
+        return LayerCost(
+            self.fwd + o.fwd, self.bwd + o.bwd, self.comm_fwd + o.comm_fwd, self.comm_bwd + o.comm_bwd,
+            self.grad_sync + o.grad_sync, self.optim + o.optim, self.states + o.states, self.act + o.act,
+            max(self.transient, o.transient),
+        )
+
+
+@dataclass
+class Evaluation:
+    """A plan's predicted step: time breakdown and per-pipeline-rank memory (bytes)."""
+
+    step_time: float
+    tokens_per_s: float
+    mfu: float
+    compute: float  # busiest rank's compute in the step, s
+    exposed_comm: float
+    bubble: float
+    grad_sync: float  # exposed gradient sync + optimizer, s
+    stage_times: list[float]  # per pp rank, one micro-batch (fwd + bwd), s
+    memory: list[dict[str, float]]  # per pp rank: states, activations, transient, logits, total (bytes)
+    fits: bool
+    budget: float  # usable bytes per device
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def peak_memory(self) -> float:
+        return max(m["total"] for m in self.memory)
+
+    def to_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "breakdown_s": {
+                "compute": self.compute, "exposed_comm": self.exposed_comm, "bubble": self.bubble,
+                "grad_sync_and_optimizer": self.grad_sync,
+            },
+            "stage_time_s": self.stage_times,
+            "peak_memory_gib": [m["total"] / GIB for m in self.memory],
+            "memory_gib": [{k: v / GIB for k, v in m.items()} for m in self.memory],
+            "memory_budget_gib": self.budget / GIB,
+            "fits": self.fits,
+        }
+
+
+def in_flight(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> float:
+    """Micro-batches (in units of a whole stage's activations) held at the peak on pipeline rank ``rank``."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(pp - rank, m))
+    if schedule == "interleaved":
+        chunks = min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1)
+        return chunks / v
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def pipeline_time(schedule: str, rank_times, m: int, v: int = 1) -> float:
+    """Step time of ``m`` equal micro-batches through ranks taking ``rank_times`` each (fwd + bwd).
+
+    >>> pipeline_time("1f1b", [1.0, 1.0, 1.0, 1.0], m=8)  # 8 + 3 bubbles
+    11.0
+    >>> pipeline_time("interleaved", [1.0, 1.0, 1.0, 1.0], m=8, v=2)
+    9.5
+    """
+    t = np.asarray(rank_times, dtype=float)
+    if schedule in ("1f1b", "gpipe"):
+        return float(t.sum() + (m - 1) * t.max())
+    if schedule == "interleaved":
+        return float(m * t.max() + (t.sum() - t.max()) / v)
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+class CostModel:
+    """Time and memory for a model on a cluster; built from presets or a hardware profile."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, hardware: Hardware | None = None):
+        self.model = model
+        self.cluster = cluster
+        self.hw = hardware or Hardware(cluster, model.dtype)
+        self.act_elems = activation_elems_per_token(model)
+        self._layer = lru_cache(maxsize=None)(self._layer_uncached)
+        self._ends = lru_cache(maxsize=None)(self._ends_uncached)
+
+    @property
+    def source(self) -> str:
+        return self.hw.source
+
+    @property
+    def memory_budget(self) -> float:
+        return self.hw.memory_bytes
+
+    # ---- building blocks ---------------------------------------------------------------------------
+    def _compute(self, lin_flops, attn_flops):
+        return lin_flops / self.hw.matmul_flops + attn_flops / self.hw.attn_flops
+
+    def _states(self, params: float, s: LayerStrategy) -> float:
+        """Bytes of weights, gradients and optimizer states for ``params`` parameters on one device."""
+        p = params / s.tp
+        w, g, o = self.model.dtype_bytes, GRAD_BYTES, OPTIM_BYTES
+        d = s.shard_degree
+        if s.zero >= 1:
+            o /= d
+        if s.zero >= 2:
+            g /= d
+        if s.zero >= 3:
+            w /= d
+        return p * (w + g + o)
+
+    def _grad_comm(self, params: float, s: LayerStrategy, work_fwd: float, work_bwd: float):
+        """(exposed fwd, exposed bwd, per-step sync, optimizer time) for ZeRO / DP of ``params``."""
+        d = s.shard_degree
+        p = params / s.tp
+        optim = p / (d if s.zero >= 1 else 1) * OPTIM_TRAFFIC_BYTES / self.hw.hbm_bytes_per_s
+        if d == 1:
+            return 0.0, 0.0, 0.0, optim
+        shape = group_shape(d, s.tp, self.cluster)
+        ct = self.hw.collective_time
+        grads = p * GRAD_BYTES
+        weights = p * self.model.dtype_bytes
+        if s.zero <= 1:  # all-reduce, or reduce-scatter + all-gather of the same volume
+            return 0.0, 0.0, ct("all_reduce", grads, shape), optim
+        if s.zero == 2:  # reduce-scatter every micro-batch, all-gather updated weights once
+            rs = ct("reduce_scatter", grads, shape)
+            return 0.0, max(0.0, rs - work_bwd), ct("all_gather", weights, shape), optim
+        # ZeRO-3: gather weights for forward and for backward, reduce-scatter grads, every micro-batch;
+        # each is prefetched under the layer's own compute.
+        ag = ct("all_gather", weights, shape)
+        rs = ct("reduce_scatter", grads, shape)
+        return max(0.0, ag - work_fwd), max(0.0, ag + rs - work_bwd), 0.0, optim
+
+    # ---- a transformer layer ----------------------------------------------------------------------
+    def layer(self, s: LayerStrategy, work: Work) -> LayerCost:
+        """One transformer layer on one device of a tp x cp group processing ``work``."""
+        return self._layer(s, work)
+
+    def _layer_uncached(self, s: LayerStrategy, work: Work) -> LayerCost:
+        m, hw, ct = self.model, self.hw, self.hw.collective_time
+        split = s.tp * s.cp
+        lin = m.layer_linear_flops_per_token * work.tokens / split
+        attn = m.layer_attn_flops_per_sq_token * work.sq_tokens / split
+        t_lin = lin / hw.matmul_flops
+        t_attn = attn / hw.attn_flops
+        fwd = t_lin + t_attn
+        bwd = 2 * fwd + (fwd if s.recompute else 0.0)
+        b = m.dtype_bytes
+        dev_tokens = work.tokens / s.cp  # tokens held by each tp rank of the group (sequence split by cp)
+        comm_f = comm_b = 0.0
+        if s.tp > 1:
+            # Sequence parallelism: all-gather before and reduce-scatter after each of the two blocks.
+            shape = group_shape(s.tp, 1, self.cluster)
+            act = dev_tokens * m.hidden * b
+            per_pass = 2 * ct("all_gather", act, shape) + 2 * ct("reduce_scatter", act, shape)
+            comm_f += per_pass
+            comm_b += per_pass * (2 if s.recompute else 1)
+        if s.cp > 1:
+            shape = group_shape(s.cp, s.tp, self.cluster)
+            if s.cp_kind == "ulysses":
+                # q, k, v scattered by head and gathered by sequence, then the output back.
+                qkv = dev_tokens * (m.q_dim + 2 * m.kv_dim) / s.tp * b
+                out = dev_tokens * m.q_dim / s.tp * b
+                per_pass = ct("all_to_all", qkv, shape) + ct("all_to_all", out, shape)
+                comm_f += per_pass
+                comm_b += per_pass * (2 if s.recompute else 1)
+            else:
+                # Ring: cp - 1 hops of the local K/V block, each hidden under one block of attention.
+                kv = dev_tokens * 2 * m.kv_dim / s.tp * b
+                hop = ct("send_recv", kv, shape)
+                block_f = t_attn / s.cp
+                exposed_f = (s.cp - 1) * max(0.0, hop - block_f)
+                exposed_b = (s.cp - 1) * max(0.0, 2 * hop - 2 * block_f)  # K/V and dK/dV travel back
+                comm_f += exposed_f
+                comm_b += exposed_b + (exposed_f if s.recompute else 0.0)
+        zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd)
+        act_full = dev_tokens / s.tp * self.act_elems * b
+        act = dev_tokens / s.tp * m.hidden * b if s.recompute else act_full
+        transient = act_full if s.recompute else 0.0
+        if s.zero == 3:  # the gathered weights of this layer and the prefetched next one
+            transient += 2 * m.layer_params / s.tp * b
+        return LayerCost(fwd=fwd, bwd=bwd, comm_fwd=comm_f + zf, comm_bwd=comm_b + zb, grad_sync=sync,
+                         optim=optim, states=self._states(m.layer_params, s), act=act, transient=transient)
+
+    # ---- embedding and LM head ----------------------------------------------------------------------
+    def ends(self, s: LayerStrategy, work: Work, embed: bool, head: bool) -> LayerCost:
+        """Embedding (first stage) and final norm + LM head + loss (last stage), vocab-parallel over tp."""
+        return self._ends(s, work, embed, head)
+
+    def _ends_uncached(self, s: LayerStrategy, work: Work, embed: bool, head: bool) -> LayerCost:
+        m = self.model
+        total = LayerCost()
+        dev_tokens = work.tokens / s.cp
+        if embed:
+            zf, zb, sync, optim = self._grad_comm(m.embedding_params, s, 0.0, 0.0)
+            total = total + LayerCost(comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
+                                      states=self._states(m.embedding_params, s),
+                                      act=dev_tokens / s.tp * m.hidden * m.dtype_bytes)
+        if head:
+            params = m.head_params
+            if m.tie_embeddings and not embed:  # a tied head on another stage keeps its own copy
+                params += m.vocab * m.hidden
+            fwd = m.head_flops_per_token * work.tokens / (s.tp * s.cp) / self.hw.matmul_flops
+            zf, zb, sync, optim = self._grad_comm(params, s, fwd, 2 * fwd)
+            logits = dev_tokens * m.vocab / s.tp * LOGIT_BYTES
+            total = total + LayerCost(fwd=fwd, bwd=2 * fwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync,
+                                      optim=optim, states=self._states(params, s), transient=logits)
+        return total
+
+    def layer_work(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int) -> Work:
+        """Work of one replica of a layer when a stage's micro-batch of equal-length sequences splits over dp."""
+        return Work.uniform(microbatch_seqs / s.dp, seq_len)
+
+    # ---- a whole plan ---------------------------------------------------------------------------------
+    def stage_cost(self, strategies, microbatch_seqs: int, seq_len: int, embed: bool, head: bool) -> LayerCost:
+        """Sum over a stage's layers (plus embedding/head), per device, for one micro-batch."""
+        total = LayerCost()
+        for s in strategies:
+            total = total + self.layer(s, self.layer_work(s, microbatch_seqs, seq_len))
+        if (embed or head) and strategies:
+            first, last = strategies[0], strategies[-1]
+            if embed:
+                total = total + self.ends(first, self.layer_work(first, microbatch_seqs, seq_len), True, False)
+            if head:
+                total = total + self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True)
+        return total
+
+    def pipeline_p2p(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int, pp: int) -> float:
+        """Send + receive of one micro-batch's boundary activations, forward and backward (exposed)."""
+        if pp == 1:
+            return 0.0
+        work = self.layer_work(s, microbatch_seqs, seq_len)
+        nbytes = work.tokens / s.cp / s.tp * self.model.hidden * self.model.dtype_bytes
+        stride = self.cluster.world_size // pp
+        shape = group_shape(2, stride, self.cluster)
+        return 2 * self.hw.collective_time("send_recv", nbytes, shape)
+
+    def evaluate_stages(self, stage_strategies, pp: int, schedule: str, m: int, v: int,
+                        microbatch_seqs: int, seq_len: int) -> Evaluation:
+        """Predict a step from per-chunk layer strategies (``pp * v`` chunks, Megatron's rank order)."""
+        chunks = list(stage_strategies)
+        n = len(chunks)
+        costs = [self.stage_cost(st, microbatch_seqs, seq_len, i == 0, i == n - 1) for i, st in enumerate(chunks)]
+        rank_cost = [LayerCost() for _ in range(pp)]
+        rank_layers = [0] * pp
+        for i, c in enumerate(costs):
+            rank_cost[i % pp] = rank_cost[i % pp] + c
+            rank_layers[i % pp] += len(chunks[i])
+        p2p = [self.pipeline_p2p(chunks[i][0], microbatch_seqs, seq_len, pp) * v if chunks[i] else 0.0
+               for i in range(pp)]
+        rank_times = [rc.time + p for rc, p in zip(rank_cost, p2p)]
+        t_pipe = pipeline_time(schedule, rank_times, m, v)
+        # Gradient sync and optimizer after the pipeline drains; sync overlaps the last backward.
+        tails = []
+        for rc, layers in zip(rank_cost, rank_layers):
+            window = rc.bwd * (1 - 1 / max(layers, 1))
+            hidden = min(rc.grad_sync, window)
+            tails.append(rc.grad_sync - hidden + (OVERLAP_SLOWDOWN - 1) * hidden + rc.optim)
+        step = t_pipe + max(tails)
+        busiest = int(np.argmax(rank_times))
+        compute = m * (rank_cost[busiest].fwd + rank_cost[busiest].bwd)
+        exposed = m * (rank_cost[busiest].comm_fwd + rank_cost[busiest].comm_bwd + p2p[busiest])
+        bubble = t_pipe - m * rank_times[busiest]
+        last = chunks[-1][-1]
+        logits = self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True).transient
+        memory = []
+        for r in range(pp):
+            rc = rank_cost[r]
+            flight = in_flight(schedule, pp, r, m, v)
+            layer_transient = max((self.layer(s, self.layer_work(s, microbatch_seqs, seq_len)).transient
+                                   for i in range(r, n, pp) for s in chunks[i]), default=0.0)
+            mem = {"states": rc.states, "activations": rc.act * flight, "transient": layer_transient,
+                   "logits": logits if r == (n - 1) % pp else 0.0}
+            mem["total"] = sum(mem.values())
+            memory.append(mem)
+        tokens = microbatch_seqs * m * seq_len
+        mfu = self.model.model_flops(tokens, microbatch_seqs * m * float(seq_len) ** 2) / (
+            step * self.cluster.world_size * self.hw.peak_flops)
+        budget = self.memory_budget
+        return Evaluation(step_time=step, tokens_per_s=tokens / step, mfu=mfu, compute=compute,
+                          exposed_comm=exposed, bubble=bubble, grad_sync=max(tails), stage_times=rank_times,
+                          memory=memory, fits=all(x["total"] <= budget for x in memory), budget=budget)
+
+    def evaluate(self, plan) -> Evaluation:
+        """Predict a :class:`flexmesh.plan.Plan`."""
+        chunks = [st.strategies for st in plan.stages]
+        return self.evaluate_stages(chunks, plan.pp, plan.schedule, plan.num_microbatches, plan.virtual_stages,
+                                    plan.microbatch_size, plan.seq_len)
+
+    # ---- for the per-step scheduler -----------------------------------------------------------------
+    def microbatch_time(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
+                        embed: bool = True, head: bool = True):
+        """Forward + backward seconds of one micro-batch on a tp x cp group; numpy arrays accepted.
+
+        Time is exactly linear in ``tokens`` and ``sq_tokens`` except where communication hides under
+        compute, so it is evaluated term by term rather than through fitted coefficients.
+        """
+        layers = self.model.num_layers if layers is None else layers
+        tokens = np.asarray(tokens, dtype=float)
+        sq = np.asarray(sq_tokens, dtype=float)
+        m, hw, ct = self.model, self.hw, self.hw.collective_time
+        split = s.tp * s.cp
+        t_attn = m.layer_attn_flops_per_sq_token * sq / split / hw.attn_flops
+        fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
+        total = fwd * (3 + (1 if s.recompute else 0))
+        dev_tokens = tokens / s.cp
+        passes = 3 if s.recompute else 2
+        if s.tp > 1:
+            shape = group_shape(s.tp, 1, self.cluster)
+            act = dev_tokens * m.hidden * m.dtype_bytes
+            total = total + passes * (2 * ct("all_gather", act, shape) + 2 * ct("reduce_scatter", act, shape))
+        if s.cp > 1:
+            shape = group_shape(s.cp, s.tp, self.cluster)
+            if s.cp_kind == "ulysses":
+                qkv = dev_tokens * (m.q_dim + 2 * m.kv_dim) / s.tp * m.dtype_bytes
+                out = dev_tokens * m.q_dim / s.tp * m.dtype_bytes
+                total = total + passes * (ct("all_to_all", qkv, shape) + ct("all_to_all", out, shape))
+            else:
+                hop = ct("send_recv", dev_tokens * 2 * m.kv_dim / s.tp * m.dtype_bytes, shape)
+                exposed_f = (s.cp - 1) * np.maximum(0.0, hop - t_attn / s.cp)
+                total = total + exposed_f * (3 + (1 if s.recompute else 0))
+        total = total * layers
+        if head:
+            total = total + 3 * m.head_flops_per_token * tokens / split / hw.matmul_flops
+        return total
+
+    def activation_bytes_per_token(self, s: LayerStrategy, layers: int | None = None,
+                                   in_flight_mbs: float = 1.0) -> float:
+        """Saved-activation bytes per token of a micro-batch on each device of a tp x cp group."""
+        layers = self.model.num_layers if layers is None else layers
+        per = (self.model.hidden if s.recompute else self.act_elems) * self.model.dtype_bytes / (s.tp * s.cp)
+        return per * layers * in_flight_mbs
+
+    def max_tokens(self, s: LayerStrategy, layers: int | None = None, embed: bool = True, head: bool = True,
+                   in_flight_mbs: float = 1.0) -> int:
+        """Largest micro-batch (tokens on the tp x cp group) that fits in device memory under ``s``."""
+        layers = self.model.num_layers if layers is None else layers
+        one = Work(tokens=1.0, sq_tokens=1.0)
+        states = self.layer(s, one).states * layers
+        if embed or head:
+            states += self.ends(s, one, embed, head).states
+        per_token = self.activation_bytes_per_token(s, layers, in_flight_mbs)
+        per_token += self.act_elems * self.model.dtype_bytes / (s.tp * s.cp) if s.recompute else 0.0
+        if head:
+            per_token += self.model.vocab / (s.tp * s.cp) * LOGIT_BYTES
+        transient = 2 * self.model.layer_params / s.tp * self.model.dtype_bytes if s.zero == 3 else 0.0
+        free = self.memory_budget - states - transient
+        return max(0, int(free / per_token))
+

@@ -1,0 +1,21 @@
+"""User-facing errors: each message says what to change. The CLI prints them without a traceback."""
+
+
+class FlexmeshError(Exception):
+    """An error caused by the user's input (spec, plan, file); its message says what to change."""
+
+
+class SpecError(FlexmeshError):
+    """A model or cluster spec is unknown, incomplete or inconsistent."""
+
+
+class PlanError(FlexmeshError):
+    """A plan is invalid, does not fit in memory, or no plan exists for the request."""
+
+
+class ScheduleError(FlexmeshError):
+    """A batch cannot be scheduled (for instance a sequence that fits nowhere)."""
+
+
+class CheckpointError(FlexmeshError):
+    """A checkpoint is missing, corrupt or from another plan."""

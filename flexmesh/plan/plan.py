@@ -1,0 +1,237 @@
+"""Plan: the parallel layout of a job, as versioned, human-readable JSON.
+
+The search writes it, the runtime reads it, a person may edit it and ``flexmesh plan --check``
+re-validates it. Ranks map to coordinates with ``tp`` innermost, then ``cp``, then ``dp``, then
+``pp`` (see :func:`rank_coords`).
+
+A small example (one stage, 4 devices, tp 2 x dp 2):
+
+.. code-block:: json
+
+    {"version": 1, "model": "tiny", "cluster": "4xA100-80GB", "world_size": 4,
+     "pp": 1, "schedule": "1f1b", "virtual_stages": 1, "num_microbatches": 2,
+     "seq_len": 2048, "global_batch": 8,
+     "stages": [{"layers": [0, 4], "strategies": ["tp2-dp2z0", "tp2-dp2z0", "tp2-dp2z0-ac", "tp2-dp2z0-ac"]}],
+     "predicted": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flexmesh.errors import PlanError
+from flexmesh.plan.strategy import LayerStrategy
+
+PLAN_VERSION = 1
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """A pipeline stage (or, with interleaving, one model chunk) holding layers [start, end)."""
+
+    start: int
+    end: int
+    strategies: tuple[LayerStrategy, ...]
+
+    def __post_init__(self) -> None:
+        if self.end < self.start:
+            raise PlanError(f"stage layers [{self.start}, {self.end}) are empty or reversed")
+        if len(self.strategies) != self.end - self.start:
+            raise PlanError(
+                f"stage [{self.start}, {self.end}) has {self.end - self.start} layers but {len(self.strategies)} strategies"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    @property
+    def devices(self) -> int:
+        return self.strategies[0].devices if self.strategies else 0
+
+    @property
+    def compact(self) -> str:
+        """Run-length form, e.g. ``8x tp2-dp4z1 + 2x tp2-dp4z1-ac``."""
+        runs: list[list] = []
+        for s in self.strategies:
+            if runs and runs[-1][1] == s:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, s])
+        return " + ".join(f"{n}x {s}" for n, s in runs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    cluster: str
+    world_size: int
+    pp: int
+    schedule: str
+    num_microbatches: int
+    seq_len: int
+    global_batch: int
+    stages: tuple[StagePlan, ...]
+    virtual_stages: int = 1
+    # Predicted figures filled by the cost model (flexmesh.cost.CostModel.evaluate); free-form dict
+    # with step_time_s, tokens_per_s, mfu, peak_memory_gib (list per pipeline rank), breakdowns.
+    predicted: dict = field(default_factory=dict, compare=False, hash=False)
+    # Where the cost model's numbers came from: "preset:<device>" or "profile:<path>".
+    cost_source: str = "preset"
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.pp < 1 or self.virtual_stages < 1 or self.num_microbatches < 1:
+            raise PlanError("pp, virtual_stages and num_microbatches must all be >= 1")
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            raise PlanError(f"virtual_stages={self.virtual_stages} needs schedule 'interleaved'")
+        if len(self.stages) != self.pp * self.virtual_stages:
+            raise PlanError(
+                f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.pp} x {self.virtual_stages}"
+            )
+        if self.world_size % self.pp:
+            raise PlanError(f"world size {self.world_size} is not divisible by pp {self.pp}")
+        if self.global_batch % self.num_microbatches:
+            raise PlanError(
+                f"global batch {self.global_batch} is not divisible into {self.num_microbatches} micro-batches"
+            )
+
+    @property
+    def stage_devices(self) -> int:
+        return self.world_size // self.pp
+
+    @property
+    def num_layers(self) -> int:
+        return sum(s.num_layers for s in self.stages)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per micro-batch across the whole stage (split further over each layer's dp)."""
+        return self.global_batch // self.num_microbatches
+
+    def chunks_of_rank(self, pp_rank: int) -> list[int]:
+        """Indices into ``stages`` held by pipeline rank ``pp_rank`` (Megatron's interleaved order)."""
+        return list(range(pp_rank, len(self.stages), self.pp))
+
+    def layer_strategies(self) -> list[LayerStrategy]:
+        out: list[LayerStrategy] = []
+        for st in sorted(self.stages, key=lambda s: s.start):
+            out.extend(st.strategies)
+        return out
+
+    @property
+    def layout(self) -> str:
+        """One line describing the plan, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
+        sched = self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        stages = " | ".join(f"[{s.start},{s.end}) {s.compact}" for s in self.stages)
+        return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
+
+    # ---- JSON ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "model": self.model,
+            "cluster": self.cluster,
+            "world_size": self.world_size,
+            "pp": self.pp,
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+            "num_microbatches": self.num_microbatches,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "cost_source": self.cost_source,
+            "stages": [
+                {"layers": [s.start, s.end], "strategies": [str(x) for x in s.strategies]} for s in self.stages
+            ],
+            "predicted": self.predicted,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        version = d.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan version {version!r} is not supported (this flexmesh reads version {PLAN_VERSION})")
+        required = ("model", "cluster", "world_size", "pp", "schedule", "num_microbatches", "seq_len",
+                    "global_batch", "stages")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise PlanError(f"plan is missing {', '.join(missing)}")
+        stages = []
+        for i, s in enumerate(d["stages"]):
+            try:
+                start, end = s["layers"]
+                strategies = tuple(LayerStrategy.parse(x) for x in s["strategies"])
+            except (KeyError, ValueError, TypeError) as e:
+                raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...] ({e})") from e
+            stages.append(StagePlan(int(start), int(end), strategies))
+        return cls(
+            model=d["model"], cluster=d["cluster"], world_size=int(d["world_size"]), pp=int(d["pp"]),
+            schedule=d["schedule"], virtual_stages=int(d.get("virtual_stages", 1)),
+            num_microbatches=int(d["num_microbatches"]), seq_len=int(d["seq_len"]),
+            global_batch=int(d["global_batch"]), stages=tuple(stages), predicted=d.get("predicted", {}),
+            cost_source=d.get("cost_source", "preset"), version=version,
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a crash never leaves a half-written plan behind."""
+        write_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"plan file {str(p)!r} does not exist")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{p}: not valid JSON ({e})") from e
+        return cls.from_dict(d)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def rank_coords(rank: int, pp: int, dp: int, cp: int, tp: int) -> dict[str, int]:
+    """Parallel coordinates of a global rank; tp is innermost so a tp group shares a node.
+
+    For world 8 with pp 2, dp 2, cp 1, tp 2:
+
+    ====  ==  ==  ==  ==
+    rank  pp  dp  cp  tp
+    ====  ==  ==  ==  ==
+    0     0   0   0   0
+    1     0   0   0   1
+    2     0   1   0   0
+    3     0   1   0   1
+    4     1   0   0   0
+    5     1   0   0   1
+    6     1   1   0   0
+    7     1   1   0   1
+    ====  ==  ==  ==  ==
+    """
+    if not 0 <= rank < pp * dp * cp * tp:
+        raise PlanError(f"rank {rank} outside a world of {pp * dp * cp * tp}")
+    tp_i = rank % tp
+    cp_i = rank // tp % cp
+    dp_i = rank // (tp * cp) % dp
+    pp_i = rank // (tp * cp * dp)
+    return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i}

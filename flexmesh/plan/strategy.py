@@ -1,0 +1,79 @@
+"""Per-layer parallel strategy: a small hashable value with a compact printable form.
+
+Within one pipeline stage of ``D`` devices a layer runs with ``tp * cp * dp == D``:
+
+- ``tp``: tensor parallel degree (Megatron column/row split, always with sequence parallelism on the
+  norms, so activations outside the matmuls are split ``tp`` ways too);
+- ``cp`` and ``cp_kind``: context parallel degree and kind, ``ulysses`` (all-to-all over heads) or
+  ``ring`` (K/V blocks passed around a ring); ``cp == 1`` means ``cp_kind == "none"``;
+- ``dp``: data parallel degree; ``zero`` (0-3) is the ZeRO stage, sharding over the ``dp * cp``
+  ranks that hold the same weights (as FSDP over a flattened dp x cp mesh does);
+- ``recompute``: full activation checkpointing of the layer.
+
+Compact form, as in ``tp2-u2-dp2z3-ac``: tp 2, Ulysses 2, dp 2 with ZeRO-3, recomputed.
+
+>>> s = LayerStrategy.parse("tp2-r4-dp1z0")
+>>> (s.tp, s.cp, s.cp_kind, s.dp, s.zero, s.recompute)
+(2, 4, 'ring', 1, 0, False)
+>>> str(s)
+'tp2-r4-dp1z0'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from flexmesh.errors import PlanError
+
+CP_KINDS = ("none", "ulysses", "ring")
+_CP_LETTER = {"ulysses": "u", "ring": "r"}
+_RE = re.compile(r"^tp(\d+)(?:-([ur])(\d+))?-dp(\d+)z([0-3])(-ac)?$")
+
+
+@dataclass(frozen=True, order=True)
+class LayerStrategy:
+    tp: int = 1
+    cp: int = 1
+    cp_kind: str = "none"
+    dp: int = 1
+    zero: int = 0
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.tp, self.cp, self.dp) < 1:
+            raise PlanError(f"strategy degrees must be >= 1, got tp={self.tp} cp={self.cp} dp={self.dp}")
+        if self.cp_kind not in CP_KINDS:
+            raise PlanError(f"cp_kind must be one of {CP_KINDS}, got {self.cp_kind!r}")
+        if (self.cp == 1) != (self.cp_kind == "none"):
+            raise PlanError(f"cp={self.cp} with cp_kind={self.cp_kind!r}: use cp_kind 'none' exactly when cp == 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks over which ZeRO shards states: every rank holding the same weights (dp x cp)."""
+        return self.dp * self.cp
+
+    def __str__(self) -> str:
+        cp = f"-{_CP_LETTER[self.cp_kind]}{self.cp}" if self.cp > 1 else ""
+        return f"tp{self.tp}{cp}-dp{self.dp}z{self.zero}{'-ac' if self.recompute else ''}"
+
+    @classmethod
+    def parse(cls, text: str) -> "LayerStrategy":
+        m = _RE.match(text.strip())
+        if not m:
+            raise PlanError(
+                f"cannot parse strategy {text!r}; expected e.g. 'tp2-dp4z1', 'tp1-u4-dp2z3-ac' (u=ulysses, r=ring)"
+            )
+        tp, letter, cp, dp, zero, ac = m.groups()
+        kind = {"u": "ulysses", "r": "ring", None: "none"}[letter]
+        return cls(tp=int(tp), cp=int(cp or 1), cp_kind=kind, dp=int(dp), zero=int(zero), recompute=bool(ac))
+
+    def same_mesh(self, other: "LayerStrategy") -> bool:
+        """True when both layers place data the same way, so no resharding happens between them."""
+        return (self.tp, self.cp, self.cp_kind, self.dp) == (other.tp, other.cp, other.cp_kind, other.dp)
