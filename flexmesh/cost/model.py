@@ -284,6 +284,18 @@ class CostModel:
         return LayerCost(fwd=fwd, bwd=bwd, comm_fwd=comm_f + zf, comm_bwd=comm_b + zb, grad_sync=sync,
                          optim=optim, states=self._states(m.layer_params, s), act=act, transient=transient)
 
+    def transition(self, a: LayerStrategy, b: LayerStrategy, work_a: Work) -> float:
+        """Resharding activations between consecutive layers placed differently (fwd + bwd), s.
+
+        The boundary activation is redistributed over the stage's devices by an all-to-all, and its
+        gradient comes back the same way.
+        """
+        if a.same_mesh(b):
+            return 0.0
+        nbytes = work_a.tokens / (a.cp * a.tp) * self.model.hidden * self.model.dtype_bytes
+        shape = group_shape(a.devices, 1, self.cluster)
+        return 2 * self.hw.collective_time("all_to_all", nbytes, shape)
+
     # ---- embedding and LM head ----------------------------------------------------------------------
     def ends(self, s: LayerStrategy, work: Work, embed: bool, head: bool) -> LayerCost:
         """Embedding (first stage) and final norm + LM head + loss (last stage), vocab-parallel over tp."""
@@ -317,8 +329,13 @@ class CostModel:
     def stage_cost(self, strategies, microbatch_seqs: int, seq_len: int, embed: bool, head: bool) -> LayerCost:
         """Sum over a stage's layers (plus embedding/head), per device, for one micro-batch."""
         total = LayerCost()
+        prev = None
         for s in strategies:
-            total = total + self.layer(s, self.layer_work(s, microbatch_seqs, seq_len))
+            work = self.layer_work(s, microbatch_seqs, seq_len)
+            if prev is not None and not prev[0].same_mesh(s):
+                total = total + LayerCost(comm_fwd=self.transition(prev[0], s, prev[1]))
+            total = total + self.layer(s, work)
+            prev = (s, work)
         if (embed or head) and strategies:
             first, last = strategies[0], strategies[-1]
             if embed:

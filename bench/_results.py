@@ -1,0 +1,31 @@
+"""Record a benchmark's table in bench/RESULTS.md, in its own section, with the commit it ran on."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+HEADER = "# Benchmark results\n\nEach section is rewritten by the script named in its heading.\n"
+
+
+def commit() -> str:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=RESULTS.parent).stdout.strip()
+
+    sha = git("rev-parse", "--short", "HEAD") or "unknown"
+    return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def record(name: str, body: str) -> None:
+    """Replace section ``name`` of RESULTS.md with ``body`` (markdown), stamped with commit and machine."""
+    stamp = (f"_commit {commit()}, {datetime.date.today().isoformat()}, {platform.machine()} "
+             f"{platform.processor() or ''} python {platform.python_version()}_\n")
+    section = f"<!-- bench:{name} -->\n## {name} (`bench/{name}.py`)\n\n{stamp}\n{body.rstrip()}\n<!-- /bench:{name} -->"
+    text = RESULTS.read_text() if RESULTS.exists() else HEADER
+    pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
+    RESULTS.write_text(text)

@@ -1,0 +1,98 @@
+"""What a scheduling policy may ask: the cost of a micro-batch on a group, and what fits in memory.
+
+Every time and memory figure comes from the one cost model (flexmesh.cost.CostModel); a policy
+never computes its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+import numpy as np
+
+from flexmesh.cost import CostModel
+from flexmesh.errors import ScheduleError
+from flexmesh.plan.strategy import LayerStrategy
+
+
+@dataclass(frozen=True)
+class ScheduleContext:
+    """A plan's view for the per-step scheduler.
+
+    ``base`` gives tp, ZeRO stage, recomputation and the context-parallel kind used when a group
+    shards a sequence; its cp and dp are ignored (the scheduler chooses the group size per step).
+    ``num_ranks`` counts data ranks (world // (tp * pp)); ``speed`` has one factor per data rank.
+    """
+
+    cost: CostModel
+    base: LayerStrategy
+    num_ranks: int
+    pp: int = 1
+    pipeline_schedule: str = "1f1b"
+    cp_kind: str = "ulysses"
+    speed: tuple[float, ...] = ()
+    max_group: int | None = None  # largest context-parallel group; default: all data ranks
+    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ScheduleError("a schedule needs at least one data rank")
+        if self.speed and len(self.speed) != self.num_ranks:
+            raise ScheduleError(f"{len(self.speed)} speed factors for {self.num_ranks} data ranks")
+
+    @property
+    def group_sizes(self) -> list[int]:
+        """Allowed group sizes: powers of two up to ``max_group`` (or the number of ranks)."""
+        top = min(self.max_group or self.num_ranks, self.num_ranks)
+        sizes, d = [], 1
+        while d <= top:
+            sizes.append(d)
+            d *= 2
+        return sizes
+
+    def group_strategy(self, d: int) -> LayerStrategy:
+        return replace(self.base, cp=d, cp_kind=self.cp_kind if d > 1 else "none", dp=1)
+
+    @property
+    def layers_per_stage(self) -> int:
+        return -(-self.cost.model.num_layers // self.pp)
+
+    def microbatch_time(self, d: int, tokens, sq_tokens, ranks: tuple[int, ...] | None = None):
+        """Seconds for one micro-batch (fwd + bwd, one pipeline stage's layers) on a group of ``d`` ranks.
+
+        ``ranks`` applies the slowest member's speed factor. Arrays are accepted.
+        """
+        t = self.cost.microbatch_time(self.group_strategy(d), tokens, sq_tokens, layers=self.layers_per_stage,
+                                      head=self.pp == 1)
+        if ranks is not None and self.speed:
+            t = t / min(self.speed[r] for r in ranks)
+        return t
+
+    def seq_time(self, d: int, lengths) -> np.ndarray:
+        """Time of each sequence alone on a group of ``d`` ranks (vectorised)."""
+        a = np.asarray(lengths, dtype=float)
+        return np.asarray(self.microbatch_time(d, a, a * a))
+
+    def max_tokens(self, d: int) -> int:
+        """Most tokens one micro-batch may hold on a group of ``d`` ranks without exceeding memory."""
+        key = ("max_tokens", d)
+        if key not in self._cache:
+            flight = 1.0 if self.pp == 1 else float(self.pp)
+            self._cache[key] = self.cost.max_tokens(self.group_strategy(d), layers=self.layers_per_stage,
+                                                    head=self.pp == 1, in_flight_mbs=flight)
+        return self._cache[key]
+
+    def min_group(self, length: int) -> int:
+        """Fewest ranks (a power of two) whose memory holds a sequence of ``length`` tokens.
+
+        Raises ScheduleError naming the length and the largest that fits anywhere.
+        """
+        for d in self.group_sizes:
+            if length <= self.max_tokens(d):
+                return d
+        largest = self.max_tokens(self.group_sizes[-1])
+        raise ScheduleError(
+            f"a sequence of {length} tokens fits nowhere: the largest group ({self.group_sizes[-1]} ranks) holds "
+            f"at most {largest} tokens; truncate sequences to {largest}, enable recomputation, or add devices"
+        )
