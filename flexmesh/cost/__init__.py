@@ -5,6 +5,7 @@ from flexmesh.cost.model import (
     CostModel,
     Evaluation,
     LayerCost,
+    MicrobatchPhases,
     Work,
     activation_elems_per_token,
     in_flight,
@@ -12,6 +13,6 @@ from flexmesh.cost.model import (
 )
 
 __all__ = [
-    "CostModel", "Evaluation", "GroupShape", "Hardware", "LayerCost", "Work", "activation_elems_per_token",
+    "CostModel", "Evaluation", "GroupShape", "Hardware", "LayerCost", "MicrobatchPhases", "Work", "activation_elems_per_token",
     "group_shape", "in_flight", "pipeline_time",
 ]

@@ -28,7 +28,7 @@ Sources of the formulas (constants come from the device preset or a profile, see
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -107,6 +107,24 @@ class LayerCost:
             self.grad_sync + o.grad_sync, self.optim + o.optim, self.states + o.states, self.act + o.act,
             max(self.transient, o.transient),
         )
+
+
+@dataclass(frozen=True)
+class MicrobatchPhases:
+    """:meth:`CostModel.microbatch_time` split by phase (seconds; numpy arrays when given arrays).
+
+    ``fwd`` and ``bwd`` are compute (``bwd`` includes recomputation); ``comm_fwd`` and ``comm_bwd``
+    are the communication that does not hide under it. The four add up to ``microbatch_time``.
+    """
+
+    fwd: object
+    bwd: object
+    comm_fwd: object
+    comm_bwd: object
+
+    @property
+    def total(self):
+        return self.fwd + self.bwd + self.comm_fwd + self.comm_bwd
 
 
 @dataclass
@@ -466,3 +484,68 @@ class CostModel:
         free = self.memory_budget - states - transient
         return max(0, int(free / per_token))
 
+    # ---- for the simulator ------------------------------------------------------------------------
+    def microbatch_phases(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
+                          head: bool = True) -> MicrobatchPhases:
+        """The terms of :meth:`microbatch_time`, kept apart so a pipeline simulation can order
+        forward and backward passes; they sum to ``microbatch_time`` (to rounding).
+
+        ``microbatch_time`` is left as it is so that its numbers stay bit-identical for its callers.
+        """
+        layers = self.model.num_layers if layers is None else layers
+        tokens = np.asarray(tokens, dtype=float)
+        sq = np.asarray(sq_tokens, dtype=float)
+        m, hw, ct = self.model, self.hw, self.hw.collective_time
+        split = s.tp * s.cp
+        t_attn = m.layer_attn_flops_per_sq_token * sq / split / hw.attn_flops
+        fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
+        bwd = fwd * (2 + (1 if s.recompute else 0))
+        dev_tokens = tokens / s.cp
+        bwd_passes = 2 if s.recompute else 1  # recomputation repeats the forward's collectives
+        cf = np.zeros_like(tokens)
+        cb = np.zeros_like(tokens)
+        if s.tp > 1:
+            shape = group_shape(s.tp, 1, self.cluster)
+            act = dev_tokens * m.hidden * m.dtype_bytes
+            per_pass = 2 * ct("all_gather", act, shape) + 2 * ct("reduce_scatter", act, shape)
+            cf, cb = cf + per_pass, cb + bwd_passes * per_pass
+        if s.cp > 1:
+            shape = group_shape(s.cp, s.tp, self.cluster)
+            if s.cp_kind == "ulysses":
+                qkv = dev_tokens * (m.q_dim + 2 * m.kv_dim) / s.tp * m.dtype_bytes
+                out = dev_tokens * m.q_dim / s.tp * m.dtype_bytes
+                per_pass = ct("all_to_all", qkv, shape) + ct("all_to_all", out, shape)
+                cf, cb = cf + per_pass, cb + bwd_passes * per_pass
+            else:
+                hop = ct("send_recv", dev_tokens * 2 * m.kv_dim / s.tp * m.dtype_bytes, shape)
+                exposed_f = (s.cp - 1) * np.maximum(0.0, hop - t_attn / s.cp)
+                cf, cb = cf + exposed_f, cb + exposed_f * (2 + (1 if s.recompute else 0))
+        head_f = m.head_flops_per_token * tokens / split / hw.matmul_flops if head else 0.0
+        return MicrobatchPhases(fwd=fwd * layers + head_f, bwd=bwd * layers + 2 * head_f,
+                                comm_fwd=cf * layers, comm_bwd=cb * layers)
+
+    def step_grad_sync(self, s: LayerStrategy, data_ranks: int, layers: int | None = None,
+                       embed: bool = True, head: bool = True) -> tuple[float, float]:
+        """(gradient sync, optimizer) seconds, once per step, for one stage's parameters over ``data_ranks``.
+
+        For per-step schedules whose ranks run different numbers of micro-batches: gradients are
+        accumulated locally and reduced once at the end of the step over every data rank holding the
+        same weights (tp-strided). ZeRO-0/1 all-reduce the gradients; ZeRO-2 and ZeRO-3 reduce-scatter
+        them and all-gather the updated weights (ZeRO-3's per-layer gathers inside the step are
+        prefetched under compute, as in :meth:`layer`). Nothing is hidden here; callers that overlap
+        the sync with a backward pass do so themselves.
+        """
+        layers = self.model.num_layers if layers is None else layers
+        m = self.model
+        t = replace(s, cp=1, cp_kind="none", dp=data_ranks, zero=min(s.zero, 2))
+        params = [(m.layer_params, layers)]
+        if embed:
+            params.append((m.embedding_params, 1))
+        if head:  # a tied head on another stage keeps its own copy (as in :meth:`ends`)
+            params.append((m.head_params + (m.vocab * m.hidden if m.tie_embeddings and not embed else 0), 1))
+        sync = optim = 0.0
+        for p, n in params:
+            zf, zb, once, opt = self._grad_comm(p, t, 0.0, 0.0)
+            sync += n * (zf + zb + once)
+            optim += n * opt
+        return sync, optim

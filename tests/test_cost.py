@@ -1,0 +1,177 @@
+"""Cost formulas against hand-computed cases on a device with round numbers."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from flexmesh.cost import CostModel, Work, group_shape, in_flight, pipeline_time
+from flexmesh.cost.hardware import Hardware
+from flexmesh.cost.model import GRAD_BYTES, OPTIM_BYTES, activation_elems_per_token
+from flexmesh.plan import LayerStrategy as S
+from flexmesh.spec import ModelSpec
+from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
+
+GB = 1e9
+# 100 TFLOP/s peak at 50% for matmuls and 25% for attention; 100 GB/s NVLink at 100%; 80 GB/s per
+# node network (10 GB/s per GPU) at 100%; no latency; 80 GiB, nothing reserved.
+DEV = replace(DEVICE_PRESETS["A100-80GB"], name="round", peak_tflops={"bf16": 100.0}, mm_efficiency=0.5,
+              attn_efficiency=0.25, nvlink_gbps=100.0, node_net_gbps=80.0, intra_efficiency=1.0,
+              inter_efficiency=1.0, a2a_intra_efficiency=1.0, a2a_inter_efficiency=1.0, intra_latency_us=0.0,
+              inter_latency_us=0.0, memory_gib=80.0, framework_reserve_gib=0.0, allocator_headroom=0.0,
+              hbm_gbps=1000.0)
+MODEL = ModelSpec(name="m", num_layers=4, hidden=1024, num_heads=8, num_kv_heads=8, ffn_hidden=4096, vocab=1000)
+
+
+def cluster(nodes=1, per_node=8):
+    return ClusterSpec(nodes=nodes, devices_per_node=per_node, device=DEV)
+
+
+def test_layer_compute_time_by_hand():
+    cm = CostModel(MODEL, cluster())
+    lin = 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096)  # q, k, v, o + SwiGLU, 2 FLOPs per weight
+    tokens, sq = 4096, 2 * 2048**2
+    c = cm.layer(S(), Work(tokens, sq))
+    fwd = lin * tokens / 50e12 + 2 * 1024 * sq / 25e12
+    assert c.fwd == pytest.approx(fwd)
+    assert c.bwd == pytest.approx(2 * fwd)
+    rc = cm.layer(S(recompute=True), Work(tokens, sq))
+    assert rc.bwd == pytest.approx(3 * fwd)
+
+
+def test_tensor_parallel_splits_compute_and_adds_sequence_parallel_collectives():
+    cm = CostModel(MODEL, cluster())
+    w = Work(4096, 4096 * 4096)
+    c1, c4 = cm.layer(S(), w), cm.layer(S(tp=4, dp=1), w)
+    assert c4.fwd == pytest.approx(c1.fwd / 4)
+    # 2 all-gathers + 2 reduce-scatters of the 4096 x 1024 bf16 activation over 4 GPUs, 3/4 of it moved.
+    act = 4096 * 1024 * 2
+    assert c4.comm_fwd == pytest.approx(4 * 0.75 * act / (100 * GB))
+    assert c4.comm_bwd == pytest.approx(c4.comm_fwd)
+
+
+def test_all_reduce_intra_and_inter_node():
+    hw = Hardware(cluster(nodes=2))
+    n = 2**30
+    # Inside a node: ring 2 (n-1)/n over NVLink.
+    assert hw.collective_time("all_reduce", n, group_shape(8, 1, hw.cluster)) == pytest.approx(2 * 7 / 8 * n / (100 * GB))
+    # 16 ranks on 2 nodes: intra part 2*7/8*n/100GB; inter part 2*1/2*n/(8 NICs x 10 GB/s); the max.
+    t = hw.collective_time("all_reduce", n, group_shape(16, 1, hw.cluster))
+    assert t == pytest.approx(max(2 * 7 / 8 * n / (100 * GB), n / (80 * GB)))
+
+
+def test_all_to_all_across_nodes_is_bounded_by_nics():
+    hw = Hardware(cluster(nodes=4))
+    n = 2**28
+    t = hw.collective_time("all_to_all", n, group_shape(32, 1, hw.cluster))
+    # (n-k)/n = 24/32 of the buffer leaves through one 10 GB/s NIC.
+    assert t == pytest.approx(max(n * 7 / 32 / (100 * GB), n * 24 / 32 / (10 * GB)))
+    arr = hw.collective_time("all_to_all", np.array([n, 2 * n]), group_shape(32, 1, hw.cluster))
+    assert arr[1] == pytest.approx(2 * arr[0])
+
+
+def test_group_shape_strided_groups_span_nodes():
+    c = ClusterSpec(nodes=4, devices_per_node=8, device=DEV)
+    assert group_shape(4, 8, c).nodes == 4
+    assert group_shape(4, 2, c).nodes == 1
+    assert group_shape(16, 1, c).nodes == 2
+
+
+@pytest.mark.parametrize("zero,expected", [(0, 2 + 4 + 12), (1, 2 + 4 + 12 / 8), (2, 2 + (4 + 12) / 8), (3, 18 / 8)])
+def test_states_bytes_per_zero_stage(zero, expected):
+    cm = CostModel(MODEL, cluster())
+    c = cm.layer(S(dp=8, zero=zero), Work(1, 1))
+    assert c.states == pytest.approx(MODEL.layer_params * expected)
+    assert 2 + GRAD_BYTES + OPTIM_BYTES == 18
+
+
+def test_activation_memory_scales_with_tokens_tp_cp_and_recompute():
+    cm = CostModel(MODEL, cluster())
+    elems = activation_elems_per_token(MODEL)
+    assert elems == 6 * 1024 + 2 * 1024 + 4 * 4096
+    w = Work(8192, 8192**2)
+    assert cm.layer(S(), w).act == pytest.approx(8192 * elems * 2)
+    assert cm.layer(S(tp=2, cp=2, cp_kind="ulysses"), w).act == pytest.approx(8192 / 4 * elems * 2)
+    rc = cm.layer(S(recompute=True), w)
+    assert rc.act == pytest.approx(8192 * 1024 * 2)
+    assert rc.transient == pytest.approx(8192 * elems * 2)  # one layer's activations while recomputing
+
+
+def test_ulysses_all_to_all_volume():
+    cm = CostModel(MODEL, cluster())
+    w = Work(8192, 8192**2)
+    c = cm.layer(S(cp=4, cp_kind="ulysses"), w)
+    local = 8192 / 4
+    qkv, out = local * 3 * 1024 * 2, local * 1024 * 2
+    a2a = (qkv + out) * 3 / 4 / (100 * GB)
+    assert c.comm_fwd == pytest.approx(a2a)
+
+
+def test_ring_hides_under_attention_when_blocks_are_long():
+    cm = CostModel(MODEL, cluster())
+    short, long_ = Work(4 * 256, 4 * 256**2), Work(131072, 131072**2)
+    assert cm.layer(S(cp=4, cp_kind="ring"), long_).comm_fwd == 0.0  # K/V hop << one attention block
+    assert cm.layer(S(cp=4, cp_kind="ring"), short).comm_fwd >= 0.0
+
+
+def test_pipeline_formulas():
+    assert pipeline_time("1f1b", [1, 2, 1], m=4) == pytest.approx(4 + 3 * 2)
+    assert pipeline_time("gpipe", [1, 1], m=1) == pytest.approx(2)
+    assert pipeline_time("interleaved", [1, 1, 1, 1], m=8, v=4) == pytest.approx(8 + 3 / 4)
+    assert [in_flight("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 0, 2) == 2
+    assert in_flight("gpipe", 4, 3, 8) == 8
+    # Megatron's interleaved warm-up on rank 0 of 4 with 2 chunks: (4-1)*2 + 4 + 1 = 11 chunks = 5.5 stages.
+    assert in_flight("interleaved", 4, 0, 8, v=2) == pytest.approx(5.5)
+
+
+def test_evaluate_stages_adds_up_and_reports_memory():
+    cm = CostModel(MODEL, cluster())
+    s = S(dp=8, zero=1)
+    ev = cm.evaluate_stages([[s] * 4], pp=1, schedule="1f1b", m=2, v=1, microbatch_seqs=8, seq_len=1024)
+    stage = cm.stage_cost([s] * 4, 8, 1024, True, True)
+    assert ev.stage_times[0] == pytest.approx(stage.time)
+    assert ev.step_time >= 2 * stage.time
+    assert ev.memory[0]["states"] == pytest.approx(stage.states)
+    assert ev.tokens_per_s == pytest.approx(2 * 8 * 1024 / ev.step_time)
+    assert 0 < ev.mfu < 0.5
+
+
+def test_recompute_trades_time_for_memory_in_a_plan():
+    cm = CostModel(MODEL, cluster())
+    plain = cm.evaluate_stages([[S(dp=8)] * 4], 1, "1f1b", 1, 1, 8, 4096)
+    rc = cm.evaluate_stages([[S(dp=8, recompute=True)] * 4], 1, "1f1b", 1, 1, 8, 4096)
+    assert rc.step_time > plain.step_time
+    assert rc.peak_memory < plain.peak_memory
+
+
+def test_pipeline_memory_first_stage_holds_more_micro_batches():
+    cm = CostModel(MODEL, cluster())
+    s = S(dp=2)
+    ev = cm.evaluate_stages([[s], [s], [s], [s]], 4, "1f1b", 8, 1, 2, 1024)
+    acts = [m["activations"] for m in ev.memory]
+    w = cm.layer_work(s, 2, 1024)
+    layer, embed = cm.layer(s, w).act, cm.ends(s, w, True, False).act
+    assert acts[3] == pytest.approx(layer)
+    assert acts[0] == pytest.approx(4 * (layer + embed))  # 1F1B: pp - rank micro-batches in flight
+    assert ev.memory[3]["logits"] > 0 and ev.memory[0]["logits"] == 0
+
+
+def test_microbatch_time_matches_layer_sum_without_overlap():
+    cm = CostModel(MODEL, cluster())
+    s = S(tp=2, cp=2, cp_kind="ulysses")
+    w = Work(8192, 3 * 2048**2 + 2048**2)
+    per_layer = cm.layer(s, w)
+    head = cm.ends(s, w, False, True)
+    expected = MODEL.num_layers * (per_layer.fwd + per_layer.bwd + per_layer.comm_fwd + per_layer.comm_bwd)
+    expected += head.fwd + head.bwd
+    assert cm.microbatch_time(s, w.tokens, w.sq_tokens) == pytest.approx(expected)
+
+
+def test_max_tokens_respects_budget():
+    cm = CostModel(MODEL, cluster())
+    s = S(cp=2, cp_kind="ulysses", zero=3)
+    t = cm.max_tokens(s)
+    assert t > 0
+    assert cm.max_tokens(replace(s, recompute=True)) > t
+    assert cm.max_tokens(replace(s, cp=4)) > t
