@@ -57,7 +57,7 @@ def activation_elems_per_token(model: ModelSpec) -> int:
 
     >>> from flexmesh.spec import MODEL_PRESETS
     >>> activation_elems_per_token(MODEL_PRESETS["llama2-7b"])  # 6h + 2kv + 4ffn
-    77824
+    76800
     """
     h = model.hidden
     attn = 2 * h + 2 * model.q_dim + 2 * model.kv_dim
