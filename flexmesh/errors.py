@@ -19,3 +19,7 @@ class ScheduleError(FlexmeshError):
 
 class CheckpointError(FlexmeshError):
     """A checkpoint is missing, corrupt or from another plan."""
+
+
+class DataError(FlexmeshError):
+    """A corpus, tokenizer or token cache is missing, empty or malformed."""

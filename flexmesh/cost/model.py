@@ -185,11 +185,21 @@ def pipeline_time(schedule: str, rank_times, m: int, v: int = 1) -> float:
     >>> pipeline_time("interleaved", [1.0, 1.0, 1.0, 1.0], m=8, v=2)
     9.5
     """
+    return float(pipeline_times(schedule, rank_times, m, v))
+
+
+def pipeline_times(schedule: str, rank_times, m: int, v: int = 1) -> np.ndarray:
+    """:func:`pipeline_time` for many candidates at once: ``rank_times`` has shape (candidates, ranks).
+
+    >>> pipeline_times("1f1b", [[1.0, 1.0], [1.0, 2.0]], m=4).tolist()
+    [5.0, 9.0]
+    """
     t = np.asarray(rank_times, dtype=float)
     if schedule in ("1f1b", "gpipe"):
-        return float(t.sum() + (m - 1) * t.max())
+        return t.sum(axis=-1) + (m - 1) * t.max(axis=-1)
     if schedule == "interleaved":
-        return float(m * t.max() + (t.sum() - t.max()) / v)
+        mx = t.max(axis=-1)
+        return m * mx + (t.sum(axis=-1) - mx) / v
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
@@ -256,25 +266,26 @@ class CostModel:
         """One transformer layer on one device of a tp x cp group processing ``work``."""
         return self._layer(s, work)
 
-    def _layer_uncached(self, s: LayerStrategy, work: Work) -> LayerCost:
+    def _layer_phases(self, s: LayerStrategy, tokens, sq_tokens):
+        """(fwd, bwd, comm_fwd, comm_bwd) seconds of one layer on a tp x cp group; scalars or arrays.
+
+        Compute, and the tensor- and context-parallel communication that does not hide under it.
+        """
         m, hw, ct = self.model, self.hw, self.hw.collective_time
         split = s.tp * s.cp
-        lin = m.layer_linear_flops_per_token * work.tokens / split
-        attn = m.layer_attn_flops_per_sq_token * work.sq_tokens / split
-        t_lin = lin / hw.matmul_flops
-        t_attn = attn / hw.attn_flops
-        fwd = t_lin + t_attn
-        bwd = 2 * fwd + (fwd if s.recompute else 0.0)
+        t_attn = m.layer_attn_flops_per_sq_token * sq_tokens / split / hw.attn_flops
+        fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
+        bwd = fwd * (3 if s.recompute else 2)
         b = m.dtype_bytes
-        dev_tokens = work.tokens / s.cp  # tokens held by each tp rank of the group (sequence split by cp)
+        dev_tokens = tokens / s.cp  # tokens held by each tp rank of the group (sequence split by cp)
+        bwd_passes = 2 if s.recompute else 1  # recomputation repeats the forward's collectives
         comm_f = comm_b = 0.0
         if s.tp > 1:
             # Sequence parallelism: all-gather before and reduce-scatter after each of the two blocks.
             shape = group_shape(s.tp, 1, self.cluster)
             act = dev_tokens * m.hidden * b
             per_pass = 2 * ct("all_gather", act, shape) + 2 * ct("reduce_scatter", act, shape)
-            comm_f += per_pass
-            comm_b += per_pass * (2 if s.recompute else 1)
+            comm_f, comm_b = comm_f + per_pass, comm_b + bwd_passes * per_pass
         if s.cp > 1:
             shape = group_shape(s.cp, s.tp, self.cluster)
             if s.cp_kind == "ulysses":
@@ -282,17 +293,20 @@ class CostModel:
                 qkv = dev_tokens * (m.q_dim + 2 * m.kv_dim) / s.tp * b
                 out = dev_tokens * m.q_dim / s.tp * b
                 per_pass = ct("all_to_all", qkv, shape) + ct("all_to_all", out, shape)
-                comm_f += per_pass
-                comm_b += per_pass * (2 if s.recompute else 1)
+                comm_f, comm_b = comm_f + per_pass, comm_b + bwd_passes * per_pass
             else:
-                # Ring: cp - 1 hops of the local K/V block, each hidden under one block of attention.
-                kv = dev_tokens * 2 * m.kv_dim / s.tp * b
-                hop = ct("send_recv", kv, shape)
-                block_f = t_attn / s.cp
-                exposed_f = (s.cp - 1) * max(0.0, hop - block_f)
-                exposed_b = (s.cp - 1) * max(0.0, 2 * hop - 2 * block_f)  # K/V and dK/dV travel back
-                comm_f += exposed_f
-                comm_b += exposed_b + (exposed_f if s.recompute else 0.0)
+                # Ring: cp - 1 hops of the local K/V block, each hidden under one block of attention;
+                # backward moves K/V and dK/dV (twice the bytes) under twice the attention work.
+                hop = ct("send_recv", dev_tokens * 2 * m.kv_dim / s.tp * b, shape)
+                exposed_f = (s.cp - 1) * np.maximum(0.0, hop - t_attn / s.cp)
+                comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (3 if s.recompute else 2)
+        return fwd, bwd, comm_f, comm_b
+
+    def _layer_uncached(self, s: LayerStrategy, work: Work) -> LayerCost:
+        m = self.model
+        fwd, bwd, comm_f, comm_b = (float(x) for x in self._layer_phases(s, work.tokens, work.sq_tokens))
+        b = m.dtype_bytes
+        dev_tokens = work.tokens / s.cp
         zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd)
         act_full = dev_tokens / s.tp * self.act_elems * b
         act = dev_tokens / s.tp * m.hidden * b if s.recompute else act_full
@@ -430,36 +444,10 @@ class CostModel:
         """Forward + backward seconds of one micro-batch on a tp x cp group; numpy arrays accepted.
 
         Time is exactly linear in ``tokens`` and ``sq_tokens`` except where communication hides under
-        compute, so it is evaluated term by term rather than through fitted coefficients.
+        compute, so it is evaluated term by term rather than through fitted coefficients. ZeRO
+        collectives are per step and left to :meth:`step_grad_sync`.
         """
-        layers = self.model.num_layers if layers is None else layers
-        tokens = np.asarray(tokens, dtype=float)
-        sq = np.asarray(sq_tokens, dtype=float)
-        m, hw, ct = self.model, self.hw, self.hw.collective_time
-        split = s.tp * s.cp
-        t_attn = m.layer_attn_flops_per_sq_token * sq / split / hw.attn_flops
-        fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
-        total = fwd * (3 + (1 if s.recompute else 0))
-        dev_tokens = tokens / s.cp
-        passes = 3 if s.recompute else 2
-        if s.tp > 1:
-            shape = group_shape(s.tp, 1, self.cluster)
-            act = dev_tokens * m.hidden * m.dtype_bytes
-            total = total + passes * (2 * ct("all_gather", act, shape) + 2 * ct("reduce_scatter", act, shape))
-        if s.cp > 1:
-            shape = group_shape(s.cp, s.tp, self.cluster)
-            if s.cp_kind == "ulysses":
-                qkv = dev_tokens * (m.q_dim + 2 * m.kv_dim) / s.tp * m.dtype_bytes
-                out = dev_tokens * m.q_dim / s.tp * m.dtype_bytes
-                total = total + passes * (ct("all_to_all", qkv, shape) + ct("all_to_all", out, shape))
-            else:
-                hop = ct("send_recv", dev_tokens * 2 * m.kv_dim / s.tp * m.dtype_bytes, shape)
-                exposed_f = (s.cp - 1) * np.maximum(0.0, hop - t_attn / s.cp)
-                total = total + exposed_f * (3 + (1 if s.recompute else 0))
-        total = total * layers
-        if head:
-            total = total + 3 * m.head_flops_per_token * tokens / split / hw.matmul_flops
-        return total
+        return self.microbatch_phases(s, tokens, sq_tokens, layers, head).total
 
     def activation_bytes_per_token(self, s: LayerStrategy, layers: int | None = None,
                                    in_flight_mbs: float = 1.0) -> float:
@@ -486,43 +474,19 @@ class CostModel:
 
     # ---- for the simulator ------------------------------------------------------------------------
     def microbatch_phases(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
-                          head: bool = True) -> MicrobatchPhases:
-        """The terms of :meth:`microbatch_time`, kept apart so a pipeline simulation can order
-        forward and backward passes; they sum to ``microbatch_time`` (to rounding).
-
-        ``microbatch_time`` is left as it is so that its numbers stay bit-identical for its callers.
+                          head: bool = True) -> "MicrobatchPhases":
+        """:meth:`microbatch_time` split into forward and backward, compute and exposed communication,
+        so that a pipeline simulation can order the passes.
         """
         layers = self.model.num_layers if layers is None else layers
         tokens = np.asarray(tokens, dtype=float)
         sq = np.asarray(sq_tokens, dtype=float)
-        m, hw, ct = self.model, self.hw, self.hw.collective_time
-        split = s.tp * s.cp
-        t_attn = m.layer_attn_flops_per_sq_token * sq / split / hw.attn_flops
-        fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
-        bwd = fwd * (2 + (1 if s.recompute else 0))
-        dev_tokens = tokens / s.cp
-        bwd_passes = 2 if s.recompute else 1  # recomputation repeats the forward's collectives
-        cf = np.zeros_like(tokens)
-        cb = np.zeros_like(tokens)
-        if s.tp > 1:
-            shape = group_shape(s.tp, 1, self.cluster)
-            act = dev_tokens * m.hidden * m.dtype_bytes
-            per_pass = 2 * ct("all_gather", act, shape) + 2 * ct("reduce_scatter", act, shape)
-            cf, cb = cf + per_pass, cb + bwd_passes * per_pass
-        if s.cp > 1:
-            shape = group_shape(s.cp, s.tp, self.cluster)
-            if s.cp_kind == "ulysses":
-                qkv = dev_tokens * (m.q_dim + 2 * m.kv_dim) / s.tp * m.dtype_bytes
-                out = dev_tokens * m.q_dim / s.tp * m.dtype_bytes
-                per_pass = ct("all_to_all", qkv, shape) + ct("all_to_all", out, shape)
-                cf, cb = cf + per_pass, cb + bwd_passes * per_pass
-            else:
-                hop = ct("send_recv", dev_tokens * 2 * m.kv_dim / s.tp * m.dtype_bytes, shape)
-                exposed_f = (s.cp - 1) * np.maximum(0.0, hop - t_attn / s.cp)
-                cf, cb = cf + exposed_f, cb + exposed_f * (2 + (1 if s.recompute else 0))
-        head_f = m.head_flops_per_token * tokens / split / hw.matmul_flops if head else 0.0
+        fwd, bwd, cf, cb = self._layer_phases(s, tokens, sq)
+        m = self.model
+        head_f = m.head_flops_per_token * tokens / (s.tp * s.cp) / self.hw.matmul_flops if head else 0.0
+        zero = np.zeros_like(tokens)
         return MicrobatchPhases(fwd=fwd * layers + head_f, bwd=bwd * layers + 2 * head_f,
-                                comm_fwd=cf * layers, comm_bwd=cb * layers)
+                                comm_fwd=(cf + zero) * layers, comm_bwd=(cb + zero) * layers)
 
     def step_grad_sync(self, s: LayerStrategy, data_ranks: int, layers: int | None = None,
                        embed: bool = True, head: bool = True) -> tuple[float, float]:

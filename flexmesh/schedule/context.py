@@ -52,7 +52,9 @@ class ScheduleContext:
         return sizes
 
     def group_strategy(self, d: int) -> LayerStrategy:
-        return replace(self.base, cp=d, cp_kind=self.cp_kind if d > 1 else "none", dp=1)
+        # Every data rank holds the same weights, so ZeRO shards states over all of them whatever the
+        # group size: dp * cp == num_ranks (with dp=1 a 7B model under ZeRO-3 would fit on no small group).
+        return replace(self.base, cp=d, cp_kind=self.cp_kind if d > 1 else "none", dp=max(1, self.num_ranks // d))
 
     @property
     def layers_per_stage(self) -> int:

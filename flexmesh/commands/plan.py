@@ -1,0 +1,169 @@
+"""``flexmesh plan``: search the best parallel layout, or ``--check`` a plan file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from flexmesh.cost.model import GIB, CostModel, Evaluation
+from flexmesh.errors import PlanError
+from flexmesh.plan.check import check_plan
+from flexmesh.plan.plan import SCHEDULES, Plan
+from flexmesh.plan.search import Candidate, SearchResult, SearchSpace, search
+from flexmesh.spec.cluster import parse_cluster
+from flexmesh.spec.model import parse_model
+
+PROGRESS_AFTER_S = 1.0  # show a progress bar only for searches that take longer than this
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="search the fastest parallel layout that fits, or --check a plan file",
+        description="Search per-layer strategies, pipeline split, schedule and micro-batches; print the best plans.")
+    p.add_argument("--model", default="llama3-8b",
+                   help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path (default llama3-8b)")
+    p.add_argument("--cluster", default="8xH100",
+                   help="e.g. 8xH100, 8x8xA100-40GB, or a JSON/TOML cluster file (default 8xH100)")
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
+    p.add_argument("--global-batch", type=int, default=128, help="sequences per step (default 128)")
+    p.add_argument("--out", help="write the best plan as JSON here (atomically)")
+    p.add_argument("--top", type=int, default=5, help="plans to list (default 5)")
+    p.add_argument("--explain", action="store_true", help="break the best plan's time and memory into parts")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (no table, no progress)")
+    p.add_argument("--check", metavar="PLAN", help="validate this plan file against --model and --cluster")
+    p.add_argument("--same-mesh", action="store_true",
+                   help="every layer on the same (tp, cp, dp) mesh; ZeRO and recompute stay per layer")
+    p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated pipeline schedules to consider")
+    p.add_argument("--mode", choices=("auto", "exact", "fast"), default="auto",
+                   help="exact: layer DP + every layer split (small models); fast: closed form per stage")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    model = parse_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    cost = CostModel(model, cluster)
+    out = Console()
+    if args.check:
+        plan = Plan.load(args.check)
+        ev = check_plan(plan, model, cluster, cost)
+        if args.json:
+            print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
+        else:
+            out.print(f"[green]valid[/]: {plan.layout}", highlight=False)
+            _explain(out, ev)
+        return 0
+    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown or not schedules:
+        raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULES)}")
+    space = SearchSpace(schedules=schedules, recompute=(False,) if args.no_recompute else (False, True),
+                        same_mesh=args.same_mesh)
+    result = _run_search(model, cluster, args, space, cost, quiet=args.json)
+    best = result.best
+    if args.out:
+        best.plan.save(args.out)
+    if args.json:
+        print(json.dumps(_result_json(result), indent=2))
+        return 0
+    _table(out, result)
+    if args.explain:
+        _explain(out, best.evaluation)
+    if args.out:
+        out.print(f"wrote best plan to {args.out}", highlight=False)
+    return 0
+
+
+def _run_search(model, cluster, args, space, cost, quiet: bool) -> SearchResult:
+    if quiet:
+        return search(model, cluster, args.seq_len, args.global_batch, space, cost, top=args.top, mode=args.mode)
+    t0 = time.perf_counter()
+    state: dict = {}
+
+    def progress(done: int, total: int) -> None:
+        # Start the bar lazily so that fast searches print nothing extra.
+        if "bar" not in state and time.perf_counter() - t0 > PROGRESS_AFTER_S and done < total:
+            bar = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                           TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            bar.start()
+            state["bar"], state["task"] = bar, bar.add_task("search", total=total)
+        if "bar" in state:
+            state["bar"].update(state["task"], completed=done)
+
+    try:
+        return search(model, cluster, args.seq_len, args.global_batch, space, cost, top=args.top, mode=args.mode,
+                      progress=progress)
+    finally:
+        if "bar" in state:
+            state["bar"].stop()
+
+
+def _row(c: Candidate) -> dict:
+    ev = c.evaluation
+    return {"layout": c.plan.layout, "origin": c.origin, "step_time_s": ev.step_time, "tokens_per_s": ev.tokens_per_s,
+            "mfu": ev.mfu, "peak_memory_gib": [m["total"] / GIB for m in ev.memory]}
+
+
+def _result_json(r: SearchResult) -> dict:
+    return {
+        "search_seconds": r.search_seconds,
+        "mode": r.mode,
+        "configurations": r.configurations,
+        "best": {**_row(r.best), "plan": r.best.plan.to_dict()},
+        "plans": [_row(c) for c in r.plans],
+        "baselines": {k: (_row(v) if v else None) for k, v in r.baselines.items()},
+    }
+
+
+def _table(out: Console, r: SearchResult) -> None:
+    t = Table(title=f"best plans ({r.mode} search, {r.configurations} configurations, {r.search_seconds:.2f} s)")
+    for col, just in (("#", "right"), ("layout", "left"), ("step s", "right"), ("tokens/s", "right"),
+                      ("MFU", "right"), ("peak GiB per stage", "left"), ("from", "left")):
+        t.add_column(col, justify=just, overflow="fold")
+    for i, c in enumerate(r.plans, 1):
+        ev = c.evaluation
+        mem = " ".join(f"{m['total'] / GIB:.1f}" for m in ev.memory)
+        t.add_row(str(i), c.plan.layout, f"{ev.step_time:.4g}", f"{ev.tokens_per_s:,.0f}", f"{ev.mfu:.1%}", mem,
+                  c.origin)
+    out.print(t)
+    for name, b in r.baselines.items():
+        if b is not None:
+            out.print(f"baseline {name}: {b.evaluation.step_time:.4g} s, {b.evaluation.tokens_per_s:,.0f} tokens/s, "
+                      f"MFU {b.evaluation.mfu:.1%}  ({b.plan.layout})", highlight=False)
+        else:
+            out.print(f"baseline {name}: no layout of this family fits", highlight=False)
+
+
+def _explain(out: Console, ev: Evaluation) -> None:
+    t = Table(title="step time (busiest pipeline rank)")
+    t.add_column("part")
+    t.add_column("seconds", justify="right")
+    t.add_column("share", justify="right")
+    parts = [("compute", ev.compute), ("exposed communication", ev.exposed_comm), ("pipeline bubble", ev.bubble),
+             ("gradient sync + optimizer", ev.grad_sync)]
+    for name, v in parts:
+        t.add_row(name, f"{v:.4f}", f"{v / ev.step_time:.1%}")
+    t.add_row("step", f"{ev.step_time:.4f}", "")
+    out.print(t)
+    m = Table(title=f"memory per pipeline rank, GiB (usable {ev.budget / GIB:.1f})")
+    keys = ["states", "activations", "transient", "logits", "total"]
+    m.add_column("rank", justify="right")
+    for k in keys:
+        m.add_column(k, justify="right")
+    for r, mem in enumerate(ev.memory):
+        m.add_row(str(r), *(f"{mem.get(k, 0.0) / GIB:.2f}" for k in keys))
+    out.print(m)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from flexmesh.cli import main
+
+    sys.exit(main(["plan", *sys.argv[1:]]))

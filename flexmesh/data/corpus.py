@@ -1,0 +1,159 @@
+"""Corpus: the raw text documents a run trains on.
+
+Two sources: a folder of text files (searched recursively; one file is one document) or a ``.jsonl``
+file with one JSON object per line whose text field is one document. The project's own real
+corpus is the running Python's standard library source (:func:`stdlib_corpus_dir`), which exists
+on every machine without a download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from flexmesh.errors import DataError
+
+DEFAULT_EXTENSIONS: tuple[str, ...] = (".txt", ".md", ".py", ".rst")
+# Third-party packages installed inside the standard library folder differ from machine to machine;
+# leaving them out keeps the stdlib corpus the same wherever one Python version runs.
+_STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A resolved corpus: which files hold it and how to read documents out of them.
+
+    ``files`` is sorted, so document order (and every cache key) is the same on every run.
+    """
+
+    root: Path
+    files: tuple[Path, ...]
+    kind: str  # "dir" or "jsonl"
+    text_field: str = "text"
+
+    def fingerprint(self) -> str:
+        """Hash of the file list, sizes and modification times: changes whenever the corpus may have.
+
+        Cheap (no file is read), so caches can be looked up before any tokenisation.
+        """
+        h = hashlib.sha256(f"{self.kind}:{self.text_field}".encode())
+        for f in self.files:
+            st = f.stat()
+            h.update(f"\0{f.relative_to(self.root) if self.kind == 'dir' else f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        return h.hexdigest()[:16]
+
+    def documents(self) -> Iterator[str]:
+        """Yield the non-empty documents in a fixed order."""
+        if self.kind == "jsonl":
+            yield from _jsonl_documents(self.files[0], self.text_field)
+            return
+        for f in self.files:
+            # Some source trees hold files in legacy encodings; replacing the odd byte keeps them usable.
+            text = f.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                yield text
+
+    def texts(self) -> list[str]:
+        """All documents in memory; raises DataError when there are none."""
+        docs = list(self.documents())
+        if not docs:
+            raise DataError(f"corpus {self.root} has no documents: every file is empty; point --corpus at text data")
+        return docs
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
+            if not isinstance(obj, dict) or field not in obj:
+                raise DataError(
+                    f"{path} line {lineno} has no {field!r} field; give each line a {field!r} string "
+                    "or choose the field with text_field"
+                )
+            text = obj[field]
+            if not isinstance(text, str):
+                raise DataError(f"{path} line {lineno}: field {field!r} is a {type(text).__name__}, expected a string")
+            if text.strip():
+                yield text
+
+
+def read_corpus(
+    path: str | Path,
+    extensions: tuple[str, ...] = DEFAULT_EXTENSIONS,
+    text_field: str = "text",
+    exclude_dirs: tuple[str, ...] = (),
+) -> Corpus:
+    """Resolve ``path`` (a folder or a ``.jsonl`` file) into a :class:`Corpus`.
+
+    Raises DataError for a missing path, an unsupported file, or a folder with no matching files.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(f"corpus path {root} does not exist; pass a folder of text files or a .jsonl file")
+    if root.is_file():
+        if root.suffix != ".jsonl":
+            raise DataError(f"corpus file {root} is not .jsonl; pass a .jsonl file or the folder holding text files")
+        return Corpus(root=root, files=(root,), kind="jsonl", text_field=text_field)
+    exts = {e if e.startswith(".") else f".{e}" for e in extensions}
+    files = tuple(sorted(_walk(root, exts, set(exclude_dirs))))
+    if not files:
+        raise DataError(
+            f"corpus folder {root} has no documents: no files ending in {', '.join(sorted(exts))}; "
+            "add text files or change the extensions"
+        )
+    return Corpus(root=root, files=files, kind="dir", text_field=text_field)
+
+
+def _walk(root: Path, exts: set[str], exclude_dirs: set[str]) -> Iterator[Path]:
+    # os.walk lets excluded folders be pruned before they are entered (site-packages can hold
+    # far more files than the standard library itself).
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in exclude_dirs]
+        for name in filenames:
+            if os.path.splitext(name)[1] in exts:
+                f = Path(dirpath) / name
+                if f.is_file():
+                    yield f
+
+
+def stdlib_corpus_dir() -> Path:
+    """The running Python's standard library source folder (e.g. ``/usr/lib/python3.11``)."""
+    d = Path(sysconfig.get_paths()["stdlib"])
+    if not d.is_dir():
+        raise DataError(f"the standard library folder {d} is missing; use a Python installation with its sources")
+    return d
+
+
+def stdlib_corpus() -> Corpus:
+    """The standard library's ``.py`` files, without third-party packages or caches."""
+    return read_corpus(stdlib_corpus_dir(), extensions=(".py",), exclude_dirs=_STDLIB_EXCLUDE)
+
+
+DEFAULT_STDLIB_VOCAB = 8192
+
+
+def stdlib_lengths(vocab_size: int = DEFAULT_STDLIB_VOCAB, cache_dir: str | Path | None = None) -> np.ndarray:
+    """Token lengths of the standard library's ``.py`` files under the project's BPE, cached on disk.
+
+    The first call trains the BPE and tokenises the corpus (see flexmesh.data.tokenizer); later
+    calls read the cache. Returns an int64 array with one length per non-empty file, in path order.
+    """
+    # Imported here: the tokenizer module builds on this one.
+    from flexmesh.data.loader import tokenize_corpus
+    from flexmesh.data.tokenizer import train_bpe
+
+    corpus = stdlib_corpus()
+    tok = train_bpe(corpus, vocab_size=vocab_size, cache_dir=cache_dir)
+    return tokenize_corpus(corpus, tok, cache_dir=cache_dir).lengths.astype(np.int64)

@@ -1,0 +1,194 @@
+"""Tokenised document store and the loader that deals global batches of whole documents.
+
+The store keeps a corpus's token ids as two ``.npy`` files (one flat array, one array of document
+offsets) under ``<cache>/tokens/<key>/`` where the key hashes the corpus fingerprint and the
+tokenizer, so tokenisation runs once per (corpus, tokenizer) and later runs memory-map the result.
+
+The loader walks a seeded permutation of the documents per epoch and cuts it into global batches;
+its position is two integers, so resuming from a checkpoint replays exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from flexmesh.data.corpus import Corpus, read_corpus
+from flexmesh.data.tokenizer import cache_root, file_lock, load_tokenizer, tokenizer_hash, train_bpe
+from flexmesh.errors import DataError
+
+_ENCODE_CHUNK = 256  # documents per encode call: bounds memory while keeping the library's threads busy
+
+
+@dataclass(frozen=True)
+class TokenizedCorpus:
+    """Documents as token ids: document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``."""
+
+    tokens: np.ndarray  # int32 [total tokens], usually a read-only memory map
+    offsets: np.ndarray  # int64 [num documents + 1]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def from_documents(cls, docs: list[np.ndarray]) -> TokenizedCorpus:
+        """Build an in-memory store from token arrays (tests, or tokens made elsewhere)."""
+        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(d) for d in docs])
+        flat = np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, dtype=np.int32)
+        return cls(tokens=flat, offsets=offsets)
+
+
+def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | Path | None = None) -> TokenizedCorpus:
+    """Token ids of every document of ``corpus``, from the cache or encoded now and cached."""
+    key = hashlib.sha256(f"{corpus.fingerprint()}|{tokenizer_hash(tokenizer)}".encode()).hexdigest()[:16]
+    folder = cache_root(cache_dir) / "tokens" / key
+    with file_lock(folder.with_suffix(".lock")):
+        if not (folder / "offsets.npy").is_file():
+            _encode_to(folder, corpus, tokenizer)
+    try:
+        offsets = np.load(folder / "offsets.npy")
+        tokens = np.load(folder / "tokens.npy", mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DataError(f"token cache {folder} is corrupt ({e}); delete that folder to re-tokenise") from None
+    if len(offsets) < 2 or offsets[-1] != len(tokens):
+        raise DataError(f"token cache {folder} is inconsistent; delete that folder to re-tokenise")
+    return TokenizedCorpus(tokens=tokens, offsets=offsets)
+
+
+def _encode_to(folder: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
+    texts = corpus.texts()  # raises DataError for a corpus with no documents
+    lengths, chunks = [], []
+    for i in range(0, len(texts), _ENCODE_CHUNK):
+        # encode_batch_fast skips character offsets, which this store never uses.
+        for enc in tokenizer.encode_batch_fast(texts[i:i + _ENCODE_CHUNK], add_special_tokens=False):
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            lengths.append(len(ids))
+            chunks.append(ids)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(lengths)
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    np.save(tmp / "tokens.npy", np.concatenate(chunks))
+    np.save(tmp / "offsets.npy", offsets)
+    shutil.rmtree(folder, ignore_errors=True)  # a broken earlier attempt, if any
+    os.replace(tmp, folder)  # atomic: readers see the whole store or none
+
+
+def load_corpus_tokens(
+    corpus: str | Path | Corpus,
+    tokenizer: str | Path | Tokenizer | None = None,
+    vocab_size: int = 8192,
+    cache_dir: str | Path | None = None,
+) -> tuple[TokenizedCorpus, Tokenizer]:
+    """Corpus path in, tokenised store out: loads ``tokenizer`` or trains a BPE of ``vocab_size``.
+
+    Safe to call from every rank at once: file locks make one rank build each cache entry while
+    the others wait and then read it.
+    """
+    if not isinstance(corpus, Corpus):
+        corpus = read_corpus(corpus)
+    if tokenizer is None:
+        tok = train_bpe(corpus, vocab_size=vocab_size, cache_dir=cache_dir)
+    elif isinstance(tokenizer, Tokenizer):
+        tok = tokenizer
+    else:
+        tok = load_tokenizer(tokenizer)
+    return tokenize_corpus(corpus, tok, cache_dir=cache_dir), tok
+
+
+class DocumentLoader:
+    """Endless global batches of ``global_batch`` whole documents, each truncated to ``max_len`` tokens.
+
+    Documents shorter than ``min_len`` (default 2: one token has no next-token label) are skipped.
+    Epoch ``e`` visits the documents in the order ``default_rng((seed, e)).permutation``; the
+    ``n % global_batch`` documents left at an epoch's end are dropped, so no batch repeats a document.
+
+    Example: 10 eligible documents, ``global_batch=4``: each epoch gives 2 batches; batch 3 is the
+    first batch of epoch 1, whatever happened before a resume.
+    """
+
+    def __init__(self, corpus_tokens: TokenizedCorpus | list[np.ndarray], global_batch: int, max_len: int,
+                 seed: int = 0, min_len: int = 2) -> None:
+        if global_batch < 1:
+            raise DataError(f"global_batch must be at least 1 document, got {global_batch}")
+        if max_len < min_len:
+            raise DataError(f"max_len {max_len} is below the shortest usable document ({min_len} tokens); raise max_len")
+        self.docs = corpus_tokens
+        self.global_batch = global_batch
+        self.max_len = max_len
+        self.seed = seed
+        lengths = (corpus_tokens.lengths if isinstance(corpus_tokens, TokenizedCorpus)
+                   else np.array([len(d) for d in corpus_tokens], dtype=np.int64))
+        self.eligible = np.flatnonzero(lengths >= min_len)
+        if len(self.eligible) == 0:
+            raise DataError(f"the corpus has no documents of at least {min_len} tokens; add text to the corpus")
+        if len(self.eligible) < global_batch:
+            raise DataError(
+                f"the corpus has {len(self.eligible)} usable documents, fewer than the global batch of "
+                f"{global_batch}; lower the global batch or add documents"
+            )
+        self.batches_per_epoch = len(self.eligible) // global_batch
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._order: np.ndarray | None = None
+
+    @property
+    def step(self) -> int:
+        """Batches handed out so far (across epochs)."""
+        return self.epoch * self.batches_per_epoch + self.batch_in_epoch
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order is None:
+            self._order = self.eligible[np.random.default_rng((self.seed, self.epoch)).permutation(len(self.eligible))]
+        return self._order
+
+    def __iter__(self) -> Iterator[list[np.ndarray]]:
+        return self
+
+    def __next__(self) -> list[np.ndarray]:
+        order = self._epoch_order()
+        start = self.batch_in_epoch * self.global_batch
+        ids = order[start:start + self.global_batch]
+        batch = [np.asarray(self.docs[int(i)][:self.max_len], dtype=np.int64) for i in ids]
+        self.batch_in_epoch += 1
+        if self.batch_in_epoch == self.batches_per_epoch:
+            self.epoch, self.batch_in_epoch, self._order = self.epoch + 1, 0, None
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
+            "global_batch": self.global_batch, "max_len": self.max_len, "num_eligible": int(len(self.eligible)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` left off; refuses a state from a different corpus or settings."""
+        mine = self.state_dict()
+        for k in ("seed", "global_batch", "max_len", "num_eligible"):
+            if k not in state:
+                raise DataError(f"loader state lacks {k!r}; the checkpoint is not from this version of flexmesh")
+            if state[k] != mine[k]:
+                raise DataError(
+                    f"loader state has {k}={state[k]} but this run has {k}={mine[k]}; resume with the same "
+                    "corpus, seed, global batch and max length as the checkpointed run"
+                )
+        self.epoch, self.batch_in_epoch, self._order = int(state["epoch"]), int(state["batch_in_epoch"]), None
+        if not 0 <= self.batch_in_epoch < self.batches_per_epoch:
+            raise DataError(f"loader state batch {self.batch_in_epoch} is outside an epoch of {self.batches_per_epoch}")

@@ -1,0 +1,220 @@
+"""A Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+No distributed code lives here (parallelism is applied afterwards by flexmesh.runtime.parallelize).
+Module names follow one fixed layout so tensor parallelism, pipeline splitting, checkpoints and the
+Hugging Face weight mapping can address parts by name::
+
+    tok_embeddings            nn.Embedding(vocab, hidden)
+    layers["0".."L-1"]        TransformerBlock
+        attention_norm        RMSNorm
+        attention             Attention: wq, wk, wv, wo (nn.Linear; q/k/v biases when spec.qkv_bias)
+        ffn_norm              RMSNorm
+        feed_forward          FeedForward: w1 (gate), w2 (down), w3 (up)
+    norm                      RMSNorm
+    output                    nn.Linear(hidden, vocab), or None when tied to tok_embeddings
+
+A pipeline stage deletes the layers it does not own (``del model.layers["3"]``) and sets missing
+ends to None: without ``tok_embeddings`` the forward takes hidden states instead of token ids;
+without ``norm`` it returns hidden states instead of logits.
+
+Positions come from the batch (they restart at every packed document), so RoPE needs no cache; the
+attention kernel sees ``cu_seqlens`` and never looks across a document (flexmesh.runtime.attention).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexmesh.errors import SpecError
+from flexmesh.runtime.attention import CPContext, attend
+from flexmesh.spec.model import ModelSpec
+
+if TYPE_CHECKING:  # the data package owns PackedBatch; the model only reads positions and cu_seqlens
+    from flexmesh.data.packing import PackedBatch
+
+
+def check_supported(spec: ModelSpec) -> None:
+    """Reject shapes this Llama-family runtime cannot build, saying what to change."""
+    wrong = []
+    if spec.norm != "rmsnorm":
+        wrong.append(f"norm={spec.norm!r} (needs 'rmsnorm')")
+    if spec.activation != "swiglu":
+        wrong.append(f"activation={spec.activation!r} (needs 'swiglu')")
+    if spec.position != "rope":
+        wrong.append(f"position={spec.position!r} (needs 'rope')")
+    if spec.linear_bias:
+        wrong.append("linear_bias=True (only q/k/v biases, qkv_bias, are supported)")
+    if spec.head_dim % 2:
+        wrong.append(f"head_dim={spec.head_dim} (RoPE needs an even head dimension)")
+    if wrong:
+        raise SpecError(
+            f"model {spec.name!r} cannot be trained by the flexmesh runtime, which builds Llama-family "
+            f"decoders: {'; '.join(wrong)}. Use a Llama/Mistral/Qwen2 config or preset."
+        )
+
+
+# ---- rotary position embedding -----------------------------------------------------------------
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [B, T, head_dim] for integer ``positions`` [B, T].
+
+    Uses the half-split ("rotate_half") convention of Hugging Face Llama checkpoints: dimension i
+    and i + head_dim/2 form a rotating pair with frequency theta^(-2i/head_dim). So position 0 is the
+    identity (cos 1, sin 0) whatever the document's offset in the packed row.
+    """
+    half = head_dim // 2
+    inv_freq = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) * 2.0 / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, half]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, T, H, D] by the angles of ``cos``/``sin`` [B, T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+# ---- blocks --------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Grouped-query self-attention over packed documents.
+
+    The number of heads is read from the projection outputs (``-1`` in the views), so the same code
+    runs when tensor parallelism has left this rank a column shard of wq/wk/wv.
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.rope_theta = spec.rope_theta
+        self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias)
+        self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
+        self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
+        self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=False)
+        self.cp: CPContext | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu_seqlens, self.cp)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.w1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False)
+        self.w3 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+        self.attention = Attention(spec)
+        self.ffn_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+        self.feed_forward = FeedForward(spec)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), positions, cu_seqlens)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The whole decoder, or one pipeline stage of it once parts are deleted (see the module doc)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        check_supported(spec)
+        self.spec = spec
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.num_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+        self.output: nn.Linear | None = (
+            None if spec.tie_embeddings else nn.Linear(spec.hidden, spec.vocab, bias=False)
+        )
+
+    def set_cp(self, cp: CPContext | None) -> None:
+        """Switch every attention layer to context parallelism over ``cp`` (None: off)."""
+        for layer in self.layers.values():
+            layer.attention.cp = cp
+
+    def forward(self, tokens: torch.Tensor, batch: "PackedBatch") -> torch.Tensor:
+        """Token ids [B, T] (or hidden states [B, T, hidden] on a stage without embeddings) ->
+        logits [B, T, vocab] (or hidden states on a stage without the final norm)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        positions, cu_seqlens = batch.positions, batch.cu_seqlens
+        for layer in self.layers.values():
+            h = layer(h, positions, cu_seqlens)
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        if self.output is not None:
+            return self.output(h)
+        if self.spec.tie_embeddings and self.tok_embeddings is not None:
+            return F.linear(h, self.tok_embeddings.weight)
+        if self.spec.tie_embeddings:
+            raise SpecError(
+                f"model {self.spec.name!r} ties its output to the embedding, but this pipeline stage holds "
+                "the final norm without the embedding; untie the embeddings (tie_embeddings=false) or use pp=1"
+            )
+        return h  # a stage that kept the norm but whose head was removed on purpose
+
+    # ---- initialisation --------------------------------------------------------------------------
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic initialisation, identical however the model is built or sharded.
+
+        Every parameter draws from its own generator seeded by (seed, its qualified name), so a
+        pipeline stage that dropped layers, a meta-built model materialised with ``to_empty`` and a
+        model whose parameters are DTensors (FSDP2 / TP shards) all get the values the full CPU model
+        gets. The full tensor is drawn on CPU and its local shard copied in (flexmesh.runtime.weights).
+
+        Scheme (Llama-style): linears and embeddings N(0, 0.02); output projections wo and w2 scaled
+        by 1/sqrt(2 * num_layers) so the residual stream's variance does not grow with depth; norm
+        weights 1; biases 0.
+        """
+        from flexmesh.runtime.weights import canonical_name, copy_full_  # layout-aware; keeps this module plain
+
+        depth_scale = 1.0 / math.sqrt(2.0 * self.spec.num_layers)
+        for wrapped_name, param in self.named_parameters():
+            name = canonical_name(wrapped_name)  # wrappers (checkpointing, compile) must not change the seed
+            shape = tuple(param.shape)  # the global shape, also for DTensors
+            if name.endswith("norm.weight"):
+                full = torch.ones(shape)
+            elif name.endswith(".bias"):
+                full = torch.zeros(shape)
+            else:
+                std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight")) else 1.0)
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(shape).normal_(0.0, std, generator=gen)
+            copy_full_(param, full)
+
+
+def build_model(spec: ModelSpec, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build the model on ``device`` (meta by default: no memory until parallelize materialises it).
+
+    On a real device the weights are initialised with ``init_weights(0)``; on meta call
+    ``model.to_empty(device=...)`` then ``model.init_weights(seed)`` after sharding.
+    """
+    with torch.device(device):
+        model = Transformer(spec)
+    model.to(dtype)
+    if torch.device(device).type != "meta":
+        model.init_weights(0)
+    return model

@@ -1,0 +1,169 @@
+"""Hugging Face safetensors weights in and out of a flexmesh Transformer, whatever its layout.
+
+The model may be plain, FSDP2-sharded or tensor-parallel (its parameters are then DTensors), and a
+pipeline stage holds only some layers: every parameter the model holds is read from the file by its
+Hugging Face Llama name, as a full tensor, and only this rank's shard is kept. Keys of the file
+that the model does not hold (other stages' layers, ``rotary_emb.inv_freq``) are skipped.
+
+Name mapping (flexmesh <- Hugging Face Llama / Mistral / Qwen2)::
+
+    tok_embeddings.weight                      model.embed_tokens.weight
+    layers.N.attention_norm.weight             model.layers.N.input_layernorm.weight
+    layers.N.attention.wq|wk|wv|wo.{weight,bias}  model.layers.N.self_attn.q_proj|k_proj|v_proj|o_proj.*
+    layers.N.ffn_norm.weight                   model.layers.N.post_attention_layernorm.weight
+    layers.N.feed_forward.w1|w2|w3.weight      model.layers.N.mlp.gate_proj|down_proj|up_proj.weight
+    norm.weight                                model.norm.weight
+    output.weight                              lm_head.weight
+
+Both use the half-split RoPE convention, so q/k weights need no permutation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from flexmesh.errors import CheckpointError
+
+# Wrappers that insert a name component without changing what the parameter is.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+_ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+_FFN = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_NORMS = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with wrapper components removed.
+
+    >>> canonical_name("layers.0._checkpoint_wrapped_module.attention.wq.weight")
+    'layers.0.attention.wq.weight'
+    """
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face Llama key of a flexmesh parameter name.
+
+    >>> hf_name("layers.3.feed_forward.w1.weight")
+    'model.layers.3.mlp.gate_proj.weight'
+    """
+    name = canonical_name(name)
+    top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) >= 4:
+        n, module, rest = parts[1], parts[2], parts[3:]
+        prefix = f"model.layers.{n}"
+        if module in _NORMS and rest == ["weight"]:
+            return f"{prefix}.{_NORMS[module]}.weight"
+        if module == "attention" and len(rest) == 2 and rest[0] in _ATTN:
+            return f"{prefix}.self_attn.{_ATTN[rest[0]]}.{rest[1]}"
+        if module == "feed_forward" and len(rest) == 2 and rest[0] in _FFN:
+            return f"{prefix}.mlp.{_FFN[rest[0]]}.{rest[1]}"
+    raise CheckpointError(f"parameter {name!r} has no Hugging Face Llama name; is this a flexmesh Transformer?")
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full (unsharded) tensor ``full`` into ``param``, keeping only this rank's shard.
+
+    For a DTensor parameter every rank holds the same ``full`` (drawn from the same seed or read
+    from the same file), so ``distribute_tensor`` may slice it locally with no communication
+    (``src_data_rank=None``).
+    """
+    if tuple(full.shape) != tuple(param.shape):
+        raise CheckpointError(f"tensor of shape {tuple(full.shape)} cannot fill a parameter of shape "
+                              f"{tuple(param.shape)}; the weights do not belong to this model config")
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        src = full.to(device=param.to_local().device, dtype=param.dtype)
+        shard = distribute_tensor(src, mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def _open_weights(path: Path) -> dict[str, Path]:
+    """Map each key to the file holding it: a single .safetensors file or a sharded index json."""
+    if not path.exists():
+        raise CheckpointError(f"weights file {str(path)!r} does not exist; give a .safetensors file or a "
+                              "*.safetensors.index.json")
+    if path.is_dir():
+        idx = sorted(path.glob("*.safetensors.index.json"))
+        single = sorted(path.glob("*.safetensors"))
+        if idx:
+            path = idx[0]
+        elif len(single) == 1:
+            path = single[0]
+        else:
+            raise CheckpointError(f"folder {str(path)!r} holds {len(single)} .safetensors files and no index; "
+                                  "give the file (or the *.safetensors.index.json) itself")
+    if path.name.endswith(".json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map' object): {e}") from e
+        files = {k: path.parent / f for k, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise CheckpointError(f"{path} names shard {f.name!r}, which is missing next to it; download it")
+        return files
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: path for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+
+
+def load_hf_safetensors(model: nn.Module, path: str | Path) -> None:
+    """Fill every parameter ``model`` holds from Hugging Face Llama-named safetensors weights.
+
+    Works for plain, FSDP2- and TP-sharded (DTensor) parameters and for pipeline stages; each tensor
+    is read on its own, so peak extra memory is one full parameter.
+    """
+    path = Path(path)
+    files = _open_weights(path)
+    wanted = {name: hf_name(name) for name, _ in model.named_parameters()}
+    missing = sorted(k for k in wanted.values() if k not in files)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: weights are missing {shown}; the file does not match the model config "
+                              "(check num_hidden_layers, tie_word_embeddings and attention_bias)")
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for name, key in wanted.items():
+        by_file.setdefault(files[key], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                key = wanted[name]
+                full = f.get_tensor(key)
+                if tuple(full.shape) != tuple(params[name].shape):
+                    raise CheckpointError(f"{file.name}: {key} has shape {tuple(full.shape)} but the model expects "
+                                          f"{tuple(params[name].shape)}; the weights belong to another config")
+                copy_full_(params[name], full)
+
+
+def save_hf_safetensors(model: nn.Module, path: str | Path) -> None:
+    """Write the model's parameters as one Hugging Face Llama-named safetensors file.
+
+    DTensor parameters are gathered first, so every rank must call it; only global rank 0 writes.
+    Meant for tests and small models (the whole model passes through host memory).
+    """
+    tensors = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        tensors[hf_name(name)] = full.detach().to("cpu").contiguous()
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        save_file(tensors, str(path))

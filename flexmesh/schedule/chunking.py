@@ -1,0 +1,124 @@
+"""``chunked``: InfiniPipe-style chunking for pipelines (``ctx.pp > 1``).
+
+With a pipeline a group's time is the sum of its micro-batches plus ``(pp - 1)`` times the largest
+one (fill and drain), so one long sequence in one micro-batch makes a long bubble. Here sequences
+are first placed on groups as in ``hdp``; then within each group every sequence longer than the
+chunk budget ``tau`` (seconds) is cut into ``k = ceil(t / tau)`` slices of equal *time*. A slice
+``[a, b)`` attends to its whole prefix, so it costs ``ctx.microbatch_time(d, b - a, b^2 - a^2)``: later
+slices hold fewer tokens. Short sequences then fill the room beside the tail slices (the last,
+shortest slice of each sequence; never two tails together) and new micro-batches of about ``tau``.
+
+Equal-time cut points: with ``F(x)`` the cost of the prefix ``[0, x)`` less the fixed micro-batch
+cost, cut ``j`` of ``k`` solves ``F(a_j) = j / k * F(L)``; ``F`` is increasing, so a vectorised
+bisection finds all cuts at once (exact for any cost shape the cost model has).
+
+Example: a 64K-token sequence whose attention dominates, in 4 slices, gets cuts near
+``64K * sqrt(j / 4)``: 32K, 45K, 55K tokens, i.e. slices of 32K, 13K, 10K and 9K tokens.
+
+Order: each sequence's slices run in order and back to back on their group (a slice needs the
+previous slices' keys and values); the fill/drain term depends only on the largest micro-batch,
+which chunking bounds by ``tau``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from flexmesh.errors import ScheduleError
+from flexmesh.schedule.assemble import aligned_layout, build_schedule
+from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.lower_bound import lower_bound, min_groups, seq_times
+from flexmesh.schedule.types import Piece, StepSchedule
+
+
+def equal_time_cuts(ctx: ScheduleContext, d: int, length: int, k: int) -> list[int]:
+    """Cut points ``0 = a_0 < a_1 < ... < a_k = length`` giving ``k`` slices of equal time on ``d`` ranks."""
+    if k <= 1 or length <= 1:
+        return [0, length]
+    c = float(ctx.microbatch_time(d, 0.0, 0.0))
+
+    def prefix(x: np.ndarray) -> np.ndarray:
+        return np.asarray(ctx.microbatch_time(d, x, x * x), dtype=float) - c
+
+    goal = prefix(np.array([float(length)]))[0] * np.arange(1, k) / k
+    lo, hi = np.zeros(k - 1), np.full(k - 1, float(length))
+    for _ in range(60):  # bisection to well below one token
+        mid = 0.5 * (lo + hi)
+        below = prefix(mid) < goal
+        lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+        if (hi - lo).max() < 0.25:
+            break
+    cuts = np.clip(np.rint(hi).astype(np.int64), 1, length - 1)
+    cuts = np.maximum.accumulate(cuts)
+    return [0, *sorted(set(int(x) for x in cuts)), length]
+
+
+def _slices(ctx: ScheduleContext, d: int, length: int, t_alone: float, tau: float, cap: int) -> list[tuple[int, int]]:
+    k = max(1, math.ceil(t_alone / tau))
+    while True:
+        cuts = equal_time_cuts(ctx, d, length, k)
+        spans = list(zip(cuts[:-1], cuts[1:]))
+        if max(b - a for a, b in spans) <= cap or k >= length:
+            return spans
+        k += 1
+
+
+def chunked_schedule(lengths, ctx: ScheduleContext, *, seed: int = 0, chunk_time: float | None = None) -> StepSchedule:
+    """Place as ``hdp``, then cut long sequences into equal-time slices of about ``chunk_time`` seconds.
+
+    ``chunk_time`` defaults to the lower bound divided by ``2 * pp``: enough micro-batches per group
+    that the ``(pp - 1)`` fill and drain cost at most about half a micro-batch per stage.
+    """
+    from flexmesh.schedule.policies import _lengths, assign_to_slots, hdp_layout
+
+    t0 = time.perf_counter()
+    if ctx.pp < 2:
+        raise ScheduleError("the 'chunked' policy is for pipelines (pp > 1); with pp = 1 use 'hdp' or 'milp'")
+    lens = _lengths(lengths)
+    need = min_groups(lens, ctx)
+    times = seq_times(lens, ctx)
+    tau = lower_bound(lens, ctx) / (2 * ctx.pp) if chunk_time is None else float(chunk_time)
+    if tau <= 0:
+        raise ScheduleError(f"chunk_time must be > 0 seconds, got {chunk_time}")
+    sizes, target = hdp_layout(lens, ctx, times, need)
+    slots = aligned_layout(sizes, ctx.num_ranks)
+    members = assign_to_slots(lens, ctx, slots, times, need, target)
+    mbs_all = []
+    for slot, mem in zip(slots, members):
+        d, cap = slot.size, ctx.max_tokens(slot.size)
+        t = times[d]
+        c = float(ctx.microbatch_time(d, 0.0, 0.0))
+        mem = sorted(mem, key=lambda i: (-t[i], i))
+        long_ids = [i for i in mem if t[i] > tau]
+        short_ids = [i for i in mem if t[i] <= tau]
+        mbs: list[list[Piece]] = []
+        room: list[tuple[float, int, int]] = []  # (time left, tokens left, micro-batch index) beside a tail
+        for i in long_ids:
+            spans = _slices(ctx, d, int(lens[i]), float(t[i]), tau, cap)
+            for a, b in spans:
+                mbs.append([Piece(int(i), a, b)])
+            a, b = spans[-1]
+            t_tail = float(ctx.microbatch_time(d, b - a, float(b) ** 2 - float(a) ** 2))
+            room.append((tau - t_tail, cap - (b - a), len(mbs) - 1))
+        # Short sequences, longest first, beside a tail with room, else into ~tau micro-batches.
+        fresh: list[tuple[float, int, int]] = []
+        for i in short_ids:
+            ti, li = float(t[i]) - c, int(lens[i])
+            placed = False
+            for pool in (room, fresh):
+                for q, (tl, kl, m) in enumerate(pool):
+                    if ti <= tl and li <= kl:
+                        mbs[m].append(Piece(int(i), 0, li))
+                        pool[q] = (tl - ti, kl - li, m)
+                        placed = True
+                        break
+                if placed:
+                    break
+            if not placed:
+                mbs.append([Piece(int(i), 0, li)])
+                fresh.append((tau - float(t[i]), cap - li, len(mbs) - 1))
+        mbs_all.append(mbs)
+    return build_schedule("chunked", lens, ctx, slots, mbs_all, t0, extra={"chunk_time": tau})

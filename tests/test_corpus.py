@@ -1,0 +1,221 @@
+"""Corpus reading, the tokenised store, stdlib lengths and the document loader (incl. exact resume)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flexmesh.data import corpus as corpusmod
+from flexmesh.data import loader as loadermod
+from flexmesh.data.corpus import read_corpus, stdlib_corpus, stdlib_corpus_dir, stdlib_lengths
+from flexmesh.data.loader import DocumentLoader, TokenizedCorpus, load_corpus_tokens, tokenize_corpus
+from flexmesh.data.tokenizer import train_bpe
+from flexmesh.errors import DataError
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+# --- corpus -------------------------------------------------------------------------------------
+
+def test_folder_is_read_recursively_with_configurable_extensions(tmp_path) -> None:
+    _write(tmp_path, {"b.txt": "bee", "sub/a.md": "ay", "sub/deep/c.py": "see", "skip.bin": "x", "e.rst": "  \n"})
+    c = read_corpus(tmp_path)
+    assert [f.relative_to(tmp_path).as_posix() for f in c.files] == ["b.txt", "e.rst", "sub/a.md", "sub/deep/c.py"]
+    assert c.texts() == ["bee", "ay", "see"]  # whitespace-only e.rst is no document
+    assert read_corpus(tmp_path, extensions=("bin",)).texts() == ["x"]
+
+
+def test_jsonl_with_configurable_field(tmp_path) -> None:
+    p = tmp_path / "docs.jsonl"
+    p.write_text("\n".join(json.dumps(d) for d in [{"text": "one"}, {"text": "two", "body": "zwei"}]) + "\n\n")
+    assert read_corpus(p).texts() == ["one", "two"]
+    q = tmp_path / "body.jsonl"
+    q.write_text(json.dumps({"body": "eins"}) + "\n")
+    assert read_corpus(q, text_field="body").texts() == ["eins"]
+
+
+@pytest.mark.parametrize("lines, msg", [
+    (['{"text": "ok"}', '{"title": "no text"}'], "line 2 has no 'text' field"),
+    (['{"text": "ok"}', "", "{broken"], "line 3 is not valid JSON"),
+    (['{"text": 5}'], "line 1: field 'text' is a int"),
+])
+def test_jsonl_errors_name_the_line(tmp_path, lines, msg) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=msg):
+        read_corpus(p).texts()
+
+
+def test_corpus_errors(tmp_path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        read_corpus(tmp_path / "nowhere")
+    with pytest.raises(DataError, match="no documents"):
+        read_corpus(tmp_path)
+    _write(tmp_path, {"empty.txt": ""})
+    with pytest.raises(DataError, match="no documents"):
+        read_corpus(tmp_path).texts()
+    with pytest.raises(DataError, match="not .jsonl"):
+        read_corpus(tmp_path / "empty.txt")
+
+
+def test_fingerprint_follows_content_and_file_list(tmp_path) -> None:
+    _write(tmp_path, {"a.txt": "alpha"})
+    before = read_corpus(tmp_path).fingerprint()
+    assert read_corpus(tmp_path).fingerprint() == before
+    (tmp_path / "a.txt").write_text("alpha, longer")
+    changed = read_corpus(tmp_path).fingerprint()
+    assert changed != before
+    _write(tmp_path, {"b.txt": "beta"})
+    assert read_corpus(tmp_path).fingerprint() != changed
+
+
+def test_stdlib_corpus_is_this_pythons_library() -> None:
+    d = stdlib_corpus_dir()
+    assert (d / "os.py").is_file()
+    c = stdlib_corpus()
+    assert d / "os.py" in c.files and len(c.files) > 500
+    assert not any("site-packages" in f.parts for f in c.files)
+
+
+# --- tokenised store ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Two real stdlib packages, a BPE trained on them, and a cache folder."""
+    root = tmp_path_factory.mktemp("lib")
+    for pkg in ("json", "email/mime"):
+        shutil.copytree(stdlib_corpus_dir() / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    cache = tmp_path_factory.mktemp("cache")
+    corpus = read_corpus(root)
+    return corpus, train_bpe(corpus, vocab_size=384, cache_dir=cache), cache
+
+
+def test_store_matches_direct_encoding_and_is_cached(small, monkeypatch) -> None:
+    corpus, tok, cache = small
+    store = tokenize_corpus(corpus, tok, cache_dir=cache)
+    texts = corpus.texts()
+    assert len(store) == len(texts)
+    for i in (0, len(texts) // 2, len(texts) - 1):
+        assert store[i].tolist() == tok.encode(texts[i], add_special_tokens=False).ids
+    assert store.lengths.sum() == len(store.tokens)
+
+    monkeypatch.setattr(loadermod, "_encode_to", lambda *a: pytest.fail("re-encoded a cached corpus"))
+    again = tokenize_corpus(corpus, tok, cache_dir=cache)
+    assert np.array_equal(again.offsets, store.offsets)
+
+
+def test_corrupt_store_is_reported(small, tmp_path) -> None:
+    corpus, tok, _ = small
+    tokenize_corpus(corpus, tok, cache_dir=tmp_path)
+    (offsets,) = (tmp_path / "tokens").glob("*/offsets.npy")
+    offsets.write_bytes(b"garbage")
+    with pytest.raises(DataError, match="delete that folder"):
+        tokenize_corpus(corpus, tok, cache_dir=tmp_path)
+
+
+def test_load_corpus_tokens_trains_or_loads(small, tmp_path) -> None:
+    corpus, tok, cache = small
+    tok.save(str(tmp_path / "tokenizer.json"))
+    a, _ = load_corpus_tokens(corpus.root, tokenizer=tmp_path / "tokenizer.json", cache_dir=cache)
+    b, tok_b = load_corpus_tokens(corpus.root, vocab_size=384, cache_dir=cache)
+    assert tok_b.to_str() == tok.to_str()
+    assert np.array_equal(a.tokens, b.tokens)
+
+
+def test_stdlib_lengths_wiring(small, monkeypatch) -> None:
+    """stdlib_lengths on a stand-in stdlib: one length per document, equal to its token count."""
+    corpus, _, cache = small
+    monkeypatch.setattr(corpusmod, "stdlib_corpus", lambda: corpus)
+    lengths = stdlib_lengths(vocab_size=384, cache_dir=cache)
+    tok = train_bpe(corpus, vocab_size=384, cache_dir=cache)
+    assert lengths.dtype == np.int64
+    assert lengths.tolist() == [len(tok.encode(t, add_special_tokens=False).ids) for t in corpus.texts()]
+
+
+# --- loader -------------------------------------------------------------------------------------
+
+def _docs(lengths: list[int]) -> list[np.ndarray]:
+    # The first token names the document, so batches can be traced back.
+    return [np.concatenate([[i], np.full(n - 1, 7)]).astype(np.int64) if n else np.zeros(0, np.int64)
+            for i, n in enumerate(lengths)]
+
+
+def test_batches_truncate_skip_tiny_and_cover_each_epoch_once() -> None:
+    lengths = [5, 1, 0, 30, 2, 9, 12, 3, 40, 6, 7]  # docs 1 and 2 are too short: 9 usable
+    store = TokenizedCorpus.from_documents(_docs(lengths))
+    ld = DocumentLoader(store, global_batch=4, max_len=8, seed=3)
+    assert ld.batches_per_epoch == 2
+    for epoch in range(3):
+        seen = []
+        for _ in range(2):
+            batch = next(ld)
+            assert len(batch) == 4
+            for d in batch:
+                assert d.dtype == np.int64 and 2 <= len(d) <= 8 and len(d) == min(lengths[d[0]], 8)
+                seen.append(int(d[0]))
+        assert len(set(seen)) == 8 and not {1, 2} & set(seen)  # 9 usable, one left out per epoch
+    assert ld.step == 6
+
+
+def test_order_depends_on_seed_and_is_reproducible() -> None:
+    docs = _docs([4] * 50)
+
+    def take(seed: int) -> list[int]:
+        ld = DocumentLoader(docs, 5, 16, seed)
+        return [int(d[0]) for _ in range(5) for d in next(ld)]
+
+    assert take(1) == take(1)
+    assert take(1) != take(2)
+
+
+def test_resume_replays_the_same_batches() -> None:
+    docs = _docs(list(range(2, 25)))
+    straight = DocumentLoader(docs, global_batch=3, max_len=10, seed=11)
+    expected = [[d.tolist() for d in next(straight)] for _ in range(17)]  # crosses epoch boundaries
+
+    first = DocumentLoader(docs, global_batch=3, max_len=10, seed=11)
+    got = [[d.tolist() for d in next(first)] for _ in range(8)]
+    state = json.loads(json.dumps(first.state_dict()))  # survives a round trip through a checkpoint
+    resumed = DocumentLoader(docs, global_batch=3, max_len=10, seed=11)
+    resumed.load_state_dict(state)
+    got += [[d.tolist() for d in next(resumed)] for _ in range(9)]
+    assert got == expected
+
+
+def test_resume_refuses_other_settings() -> None:
+    docs = _docs([5] * 10)
+    state = DocumentLoader(docs, 2, 8, seed=0).state_dict()
+    with pytest.raises(DataError, match="seed=0 but this run has seed=1"):
+        DocumentLoader(docs, 2, 8, seed=1).load_state_dict(state)
+    with pytest.raises(DataError, match="num_eligible"):
+        DocumentLoader(docs[:8], 2, 8, seed=0).load_state_dict(state)
+
+
+@pytest.mark.parametrize("lengths, batch, msg", [
+    ([1, 0, 1], 1, "no documents of at least 2"),
+    ([3, 4], 3, "lower the global batch"),
+    ([3, 4], 0, "at least 1 document"),
+])
+def test_loader_errors(lengths, batch, msg) -> None:
+    with pytest.raises(DataError, match=msg):
+        DocumentLoader(_docs(lengths), batch, 8)
+
+
+def test_cache_location_default(monkeypatch, tmp_path) -> None:
+    from flexmesh.data.tokenizer import cache_root
+
+    monkeypatch.delenv("FLEXMESH_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_root() == Path(os.path.expanduser("~")) / ".cache" / "flexmesh"
+    assert cache_root(tmp_path / "x") == tmp_path / "x"

@@ -1,0 +1,86 @@
+"""`flexmesh plan`: table, --json, --explain, --out, --check and the messages for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.cli import main
+from flexmesh.plan.plan import Plan
+
+TINY = ["plan", "--model", "tiny", "--cluster", "8xA100-80GB", "--seq-len", "2048", "--global-batch", "16"]
+
+
+def test_table_lists_plans_and_baselines(capsys):
+    assert main(TINY + ["--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "best plans" in out and "tokens/s" in out and "MFU" in out
+    assert "baseline megatron-3d" in out and "baseline zero3-ulysses" in out
+
+
+def test_json_has_the_machine_fields(capsys, tmp_path):
+    out_file = tmp_path / "plan.json"
+    assert main(TINY + ["--json", "--out", str(out_file)]) == 0
+    d = json.loads(capsys.readouterr().out)  # stdout is pure JSON
+    assert d["search_seconds"] > 0
+    best = d["best"]
+    for key in ("step_time_s", "tokens_per_s", "mfu", "peak_memory_gib"):
+        assert key in best
+    assert len(best["peak_memory_gib"]) == best["plan"]["pp"]
+    assert [p["step_time_s"] for p in d["plans"]] == sorted(p["step_time_s"] for p in d["plans"])
+    saved = Plan.load(out_file)
+    assert saved.layout == best["layout"]
+    assert saved.predicted["step_time_s"] == pytest.approx(best["step_time_s"])
+
+
+def test_explain_breaks_time_and_memory_down(capsys):
+    assert main(TINY + ["--explain", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    for part in ("compute", "exposed communication", "pipeline bubble", "gradient sync", "states", "activations"):
+        assert part in out
+
+
+def test_check_accepts_the_written_plan(capsys, tmp_path):
+    f = tmp_path / "p.json"
+    assert main(TINY + ["--out", str(f), "--top", "1"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--check", str(f), "--model", "tiny", "--cluster", "8xA100-80GB"]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+def test_unknown_preset_lists_the_known_ones(capsys):
+    assert main(["plan", "--model", "llama9", "--cluster", "8xH100", "--seq-len", "8", "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model" in err and "llama3-8b" in err and "Traceback" not in err
+    assert main(["plan", "--model", "tiny", "--cluster", "8xB999", "--seq-len", "8", "--global-batch", "8"]) == 2
+    assert "H100" in capsys.readouterr().err
+
+
+def test_config_json_missing_a_field(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                               "intermediate_size": 128, "vocab_size": 100}))
+    assert main(["plan", "--model", str(cfg), "--cluster", "8xH100", "--seq-len", "8", "--global-batch", "8"]) == 2
+    assert "num_hidden_layers" in capsys.readouterr().err
+
+
+def test_world_size_that_cannot_factor(capsys):
+    assert main(["plan", "--model", "tiny", "--cluster", "3xA100-80GB", "--seq-len", "128", "--global-batch", "8"]) == 2
+    assert "cannot be factored" in capsys.readouterr().err
+
+
+def test_no_plan_fits_says_what_would(capsys):
+    args = ["plan", "--model", "llama2-7b", "--cluster", "8xA100-40GB", "--seq-len", "32768", "--global-batch", "8",
+            "--no-recompute"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no plan" in err and "recomputation" in err
+
+
+def test_built_in_defaults_plan_llama3_8b_on_8_h100(capsys):
+    assert main(["plan", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["best"]
+    assert best["plan"]["model"] == "llama3-8b" and best["plan"]["world_size"] == 8
+    assert best["plan"]["seq_len"] == 8192 and best["plan"]["global_batch"] == 128

@@ -1,0 +1,85 @@
+"""Plan files from the search: JSON round trip, atomic write, and --check on hand-edited plans."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.cli import main
+from flexmesh.cost.model import CostModel
+from flexmesh.errors import PlanError
+from flexmesh.plan.check import check_plan
+from flexmesh.plan.plan import Plan
+from flexmesh.plan.search import search
+from flexmesh.spec import MODEL_PRESETS, parse_cluster
+
+MODEL, CLUSTER = MODEL_PRESETS["tiny"], parse_cluster("8xA100-80GB")
+
+
+@pytest.fixture(scope="module")
+def best() -> Plan:
+    return search(MODEL, CLUSTER, 2048, 16, top=1, mode="fast").best.plan
+
+
+def test_round_trip_keeps_layout_and_prediction(best, tmp_path):
+    f = tmp_path / "sub" / "plan.json"
+    best.save(f)
+    back = Plan.load(f)
+    assert back == best and back.layout == best.layout
+    assert back.predicted["step_time_s"] == best.predicted["step_time_s"]
+    assert back.cost_source.startswith("preset:")
+    assert not [p for p in f.parent.iterdir() if p.name.startswith(".")]  # no temporary file left behind
+    ev = check_plan(back, MODEL, CLUSTER)
+    assert ev.step_time == pytest.approx(best.predicted["step_time_s"], rel=1e-12)
+
+
+def edited(plan: Plan, fn) -> dict:
+    d = plan.to_dict()
+    fn(d)
+    return d
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["stages"][-1].update(layers=[d["stages"][-1]["layers"][0], 99]), "layers"),
+    (lambda d: d.update(world_size=16), "devices"),
+    (lambda d: d["stages"][0].update(strategies=["tp3-dp1z0"] + d["stages"][0]["strategies"][1:]), r"tp\*cp\*dp"),
+])
+def test_check_rejects_hand_edits_with_a_reason(best, edit, message):
+    d = edited(best, edit)
+    with pytest.raises(PlanError, match=message):
+        plan = Plan.from_dict(d)
+        check_plan(plan, MODEL, CLUSTER)
+
+
+def test_check_names_wrong_device_count_per_layer(best):
+    d = edited(best, lambda d: None)
+    n = len(d["stages"][0]["strategies"])
+    d["stages"][0]["strategies"] = ["tp1-dp1z0"] * n
+    if best.stage_devices == 1:
+        pytest.skip("best plan already uses one device per stage")
+    with pytest.raises(PlanError, match="tp\\*cp\\*dp"):
+        check_plan(Plan.from_dict(d), MODEL, CLUSTER)
+
+
+def test_check_reports_memory_with_the_change_to_make(tmp_path):
+    model, cluster = MODEL_PRESETS["llama2-13b"], parse_cluster("8xA100-40GB")
+    strategies = ["tp1-dp8z0"] * model.num_layers  # 13B replicated 8 ways: ~18 B/param on every GPU
+    d = {"version": 1, "model": model.name, "cluster": cluster.label, "world_size": 8, "pp": 1, "schedule": "1f1b",
+         "num_microbatches": 1, "seq_len": 4096, "global_batch": 8,
+         "stages": [{"layers": [0, model.num_layers], "strategies": strategies}]}
+    f = tmp_path / "big.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match=r"plan needs [\d.]+ GiB on stage 0 but the device has [\d.]+ GiB.*raise pp"):
+        check_plan(Plan.load(f), model, cluster, CostModel(model, cluster))
+    assert main(["plan", "--check", str(f), "--model", "llama2-13b", "--cluster", "8xA100-40GB"]) == 2
+
+
+def test_ulysses_needs_heads_to_split():
+    model = MODEL_PRESETS["tiny"].__class__.from_dict({**MODEL_PRESETS["tiny"].to_dict(), "name": "h12",
+                                                        "num_heads": 12, "num_kv_heads": 4, "hidden": 384})
+    d = {"version": 1, "model": "h12", "cluster": CLUSTER.label, "world_size": 8, "pp": 1, "schedule": "1f1b",
+         "num_microbatches": 1, "seq_len": 1024, "global_batch": 8,
+         "stages": [{"layers": [0, model.num_layers], "strategies": ["tp1-u8-dp1z0"] * model.num_layers}]}
+    with pytest.raises(PlanError, match="Ulysses needs the 12 heads"):
+        check_plan(Plan.from_dict(d), model, CLUSTER)

@@ -1,0 +1,140 @@
+"""Property tests of every scheduling policy (hypothesis) and a few behaviour checks."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from flexmesh.errors import ScheduleError
+from flexmesh.schedule.policies import POLICIES, make_schedule
+from flexmesh.schedule.testing import tiny_context
+
+OPTIONS = {"milp": {"time_limit": 0.3}}
+
+
+@lru_cache(maxsize=None)
+def context(num_ranks: int, pp: int, slow_rank: bool):
+    speed = tuple(0.7 if r == num_ranks - 1 else 1.0 for r in range(num_ranks)) if slow_rank else ()
+    return tiny_context(num_ranks, pp=pp, speed=speed)
+
+
+def policy_context(policy: str, num_ranks: int, slow_rank: bool):
+    return context(num_ranks, 2 if policy == "chunked" else 1, slow_rank)
+
+
+@st.composite
+def batches(draw):
+    """A policy, a context and a batch whose longest sequence fits the largest group."""
+    policy = draw(st.sampled_from(sorted(POLICIES)))
+    ctx = policy_context(policy, draw(st.sampled_from([4, 8, 16])), draw(st.booleans()))
+    top = ctx.max_tokens(ctx.group_sizes[-1])
+    # Mostly short sequences plus a few near the memory limit: the shape of real batches.
+    short = draw(st.lists(st.integers(1, max(1, top // 64)), min_size=0, max_size=40))
+    long = draw(st.lists(st.integers(1, top), min_size=1, max_size=4))
+    order = draw(st.permutations(short + long))
+    return policy, ctx, np.array(order, dtype=np.int64)
+
+
+def check(s, ctx, whole: bool) -> None:
+    s.validate(ctx.num_ranks)  # every token once, every rank once, groups consecutive
+    for g in s.groups:
+        d = g.cp
+        assert d & (d - 1) == 0 and g.ranks[0] % d == 0, "groups are aligned powers of two"
+        for mb in g.microbatches:
+            assert sum(p.length for p in mb) <= ctx.max_tokens(d), "micro-batch fits memory"
+            if whole:
+                assert all(p.start == 0 and p.end == s.lengths[p.seq_id] for p in mb)
+    assert s.predicted_step_time == pytest.approx(max(g.predicted_time for g in s.groups))
+    assert s.predicted_step_time >= s.lower_bound * (1 - 1e-9) > 0
+    assert s.extra["imbalance"] >= 1 - 1e-9
+    assert s.extra["ratio_to_lower_bound"] == pytest.approx(s.predicted_step_time / s.lower_bound)
+    assert 0 <= s.extra["padding"] < 1 and s.scheduler_seconds > 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches(), st.integers(0, 3))
+def test_every_policy_places_every_token_once_within_memory_reproducibly(case, seed):
+    policy, ctx, lens = case
+    s = make_schedule(policy, lens, ctx, seed=seed, **OPTIONS.get(policy, {}))
+    check(s, ctx, whole=policy != "chunked")
+    again = make_schedule(policy, lens, ctx, seed=seed, **OPTIONS.get(policy, {}))
+    if policy != "milp" or s.extra.get("source") == again.extra.get("source"):
+        assert again.groups == s.groups and again.deferred == s.deferred
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 20_000), min_size=1, max_size=30), st.sampled_from([4, 8]))
+def test_milp_never_worse_than_its_warm_start(lens, n):
+    ctx = context(n, 1, False)
+    s = make_schedule("milp", lens, ctx, time_limit=0.3)
+    check(s, ctx, whole=True)
+    assert s.predicted_step_time <= min(make_schedule(p, lens, ctx).predicted_step_time
+                                        for p in ("hdp", "balanced")) + 1e-12
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_sequence_that_fits_nowhere_names_its_length(policy):
+    ctx = policy_context(policy, 8, False)
+    top = ctx.max_tokens(8)
+    with pytest.raises(ScheduleError, match=f"{top + 1} tokens.*at most {top}|{top + 1} tokens exceeds"):
+        make_schedule(policy, [100, top + 1], ctx)
+
+
+def test_bad_requests_are_clear():
+    ctx = context(8, 1, False)
+    with pytest.raises(ScheduleError, match="unknown scheduling policy 'greedy'"):
+        make_schedule("greedy", [10], ctx)
+    with pytest.raises(ScheduleError, match="lengths must be >= 1"):
+        make_schedule("hdp", [10, 0], ctx)
+    with pytest.raises(ScheduleError, match="pp > 1"):
+        make_schedule("chunked", [10], ctx)
+    with pytest.raises(ScheduleError, match="use cp >= "):
+        make_schedule("fixed", [ctx.max_tokens(2) + 1], ctx, cp=1)
+    with pytest.raises(ScheduleError, match="policy 'hdp'"):
+        make_schedule("hdp", [10], ctx, nonsense=1)
+
+
+def test_fixed_pads_slots_and_spreads_round_robin():
+    ctx = context(8, 1, False)
+    lens = [3000] * 6 + [1500]
+    s = make_schedule("fixed", lens, ctx, cp=2, context=4000)
+    assert [len(g.microbatches) for g in s.groups] == [2, 2, 2, 1]  # 7 slots dealt to 4 groups
+    assert s.extra["padding"] == pytest.approx(1 - sum(lens) / (7 * 4000))
+
+
+def test_hdp_gives_long_sequences_bigger_groups_and_beats_fixed():
+    ctx = context(16, 1, False)
+    rng = np.random.default_rng(0)
+    lens = np.concatenate([rng.integers(200, 3000, 200), [ctx.max_tokens(8) - 10, ctx.max_tokens(4) - 10]])
+    hdp = make_schedule("hdp", lens, ctx)
+    sizes = {p.seq_id: g.cp for g in hdp.groups for mb in g.microbatches for p in mb}
+    assert sizes[len(lens) - 2] >= 8 and sizes[0] < 8
+    fixed = min((make_schedule("fixed", lens, ctx, cp=cp) for cp in (8, 16)), key=lambda s: s.predicted_step_time)
+    assert hdp.predicted_step_time < fixed.predicted_step_time
+    assert hdp.extra["ratio_to_lower_bound"] < fixed.extra["ratio_to_lower_bound"]
+
+
+def test_balanced_defers_outliers_beyond_the_cap():
+    ctx = context(8, 1, False)
+    lens = [15_000, 200, 300, 16_000, 17_000, 250, 400, 350]
+    s = make_schedule("balanced", lens, ctx, cp=2, defer=True, max_outliers=1)
+    assert s.deferred == (3, 4)  # the later outliers wait for the next step
+    check(s, ctx, whole=True)
+
+
+def test_chunked_cuts_long_sequences_into_equal_time_slices():
+    ctx = context(8, 2, False)
+    lens = [ctx.max_tokens(1) - 5] + [300] * 20
+    s = make_schedule("chunked", lens, ctx, chunk_time=0.05)
+    check(s, ctx, whole=False)
+    slices = sorted((p.start, p.end) for g in s.groups for mb in g.microbatches for p in mb if p.seq_id == 0)
+    assert len(slices) > 2
+    d = next(g.cp for g in s.groups for mb in g.microbatches for p in mb if p.seq_id == 0)
+    t = [float(ctx.microbatch_time(d, b - a, b * b - a * a)) for a, b in slices]
+    assert max(t) / min(t) < 1.05  # equal time ...
+    assert slices[0][1] - slices[0][0] > slices[-1][1] - slices[-1][0]  # ... so later slices are shorter
+    hdp_like = make_schedule("hdp", lens, context(8, 2, False))
+    assert s.predicted_step_time < hdp_like.predicted_step_time

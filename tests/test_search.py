@@ -1,0 +1,189 @@
+"""The static search: exact on small spaces (against brute force), memory-safe, never worse than baselines."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from itertools import combinations, product
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flexmesh.cost.model import CostModel, pipeline_time, pipeline_times
+from flexmesh.errors import PlanError
+from flexmesh.plan.baselines import megatron_3d, zero3_ulysses
+from flexmesh.plan.partition import balance, compositions, count_compositions, even_split
+from flexmesh.plan.search import SearchSpace, candidate_strategies, search
+from flexmesh.spec import MODEL_PRESETS
+from flexmesh.spec.cluster import ClusterSpec, device, parse_cluster
+from flexmesh.spec.model import ModelSpec
+
+
+def brute_force(model, cluster, seq_len, global_batch, space):
+    """Best fitting step time over every pp, schedule, m, layer split and per-layer strategy."""
+    cost = CostModel(model, cluster)
+    world, L = cluster.world_size, model.num_layers
+    best = math.inf
+    for pp in (1, 2, 4, 8):
+        if pp > min(world, L) or world % pp:
+            continue
+        for schedule in space.schedules:
+            v = 2 if schedule == "interleaved" else 1
+            if (pp == 1 and schedule != "1f1b") or L < pp * v:
+                continue
+            for m in space.microbatches:
+                if global_batch % m or (schedule == "interleaved" and m % pp):
+                    continue
+                mbs = global_batch // m
+                strategies = candidate_strategies(model, cluster, world // pp, space, mbs)
+                for cuts in combinations(range(1, L), pp * v - 1):
+                    edges = (0, *cuts, L)
+                    for assign in product(strategies, repeat=L):
+                        chunks = [assign[a:b] for a, b in zip(edges, edges[1:])]
+                        ev = cost.evaluate_stages(chunks, pp, schedule, m, v, mbs, seq_len)
+                        if ev.fits:
+                            best = min(best, ev.step_time)
+    return best
+
+
+def small_cluster(nodes, per_node, memory_gib):
+    return ClusterSpec(nodes=nodes, devices_per_node=per_node, device=replace(device("A100-80GB"), memory_gib=memory_gib))
+
+
+def assert_matches_brute_force(model, cluster, seq_len, global_batch, space):
+    expected = brute_force(model, cluster, seq_len, global_batch, space)
+    if math.isinf(expected):
+        with pytest.raises(PlanError):
+            search(model, cluster, seq_len, global_batch, space, mode="exact", with_baselines=False)
+        return
+    r = search(model, cluster, seq_len, global_batch, space, mode="exact", with_baselines=False)
+    assert r.best.evaluation.step_time == pytest.approx(expected, rel=1e-9)
+    assert all(c.evaluation.fits for c in r.plans)
+
+
+def test_exact_search_equals_brute_force_six_layers_with_binding_memory():
+    model = ModelSpec("m6", num_layers=6, hidden=256, num_heads=8, num_kv_heads=4, ffn_hidden=512, vocab=2048)
+    space = SearchSpace(schedules=("1f1b", "gpipe"), cp_kinds=("ring",), zero_stages=(3,), max_tp=2, max_cp=1,
+                        microbatches=(1, 2))
+    # Find a memory size where the unconstrained optimum does not fit but something does.
+    roomy = small_cluster(1, 2, 80.0)
+    free = search(model, roomy, 4096, 4, space, mode="exact", with_baselines=False).best.evaluation
+    peak = free.peak_memory / 2**30
+    tight_gib = (1.0 + 0.9 * peak) / 0.8  # usable = capacity * 0.8 - 1 GiB reserve
+    cluster = small_cluster(1, 2, tight_gib)
+    assert_matches_brute_force(model, cluster, 4096, 4, space)
+    tight = search(model, cluster, 4096, 4, space, mode="exact", with_baselines=False).best.evaluation
+    assert tight.step_time > free.step_time  # memory really binds
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(2, 3),
+    hidden_mult=st.integers(1, 4),
+    kv=st.sampled_from([1, 2, 4]),
+    shape=st.sampled_from([(1, 2), (1, 4), (2, 2), (2, 4), (1, 8)]),
+    seq_len=st.sampled_from([512, 2048, 8192]),
+    mem_frac=st.floats(0.001, 0.2),
+    kind=st.sampled_from(["ulysses", "ring"]),
+    zeros=st.sampled_from([(0,), (3,), (1, 2)]),
+)
+def test_exact_search_equals_brute_force_random_small(layers, hidden_mult, kv, shape, seq_len, mem_frac, kind, zeros):
+    model = ModelSpec("rand", num_layers=layers, hidden=128 * hidden_mult, num_heads=4, num_kv_heads=kv,
+                      ffn_hidden=384 * hidden_mult, vocab=1024)
+    nodes, per = shape
+    space = SearchSpace(schedules=("1f1b", "gpipe", "interleaved"), cp_kinds=(kind,), zero_stages=zeros, max_tp=2,
+                        max_cp=2 if nodes * per <= 4 else 1, microbatches=(2, 4))
+    cluster = small_cluster(nodes, per, (1.0 + mem_frac) / 0.8)
+    assert_matches_brute_force(model, cluster, seq_len, 8, space)
+
+
+def test_no_returned_plan_exceeds_memory():
+    model, cluster = MODEL_PRESETS["llama2-13b"], parse_cluster("8xA100-40GB")
+    cost = CostModel(model, cluster)
+    r = search(model, cluster, 4096, 32, cost=cost, top=8)
+    assert r.plans
+    for c in r.plans:
+        ev = cost.evaluate(c.plan)
+        assert ev.fits and ev.peak_memory <= cost.memory_budget
+        assert ev.step_time == pytest.approx(c.plan.predicted["step_time_s"], rel=1e-12)
+        if c.origin == "search":
+            assert c.estimate == pytest.approx(ev.step_time, rel=1e-9)  # the search's own figure is exact
+
+
+def test_search_never_worse_than_uniform_baselines():
+    model, cluster = MODEL_PRESETS["llama2-7b"], parse_cluster("8xA100-80GB")
+    cost = CostModel(model, cluster)
+    r = search(model, cluster, 2048, 64, cost=cost)
+    for base in (megatron_3d(model, cluster, 2048, 64, cost), zero3_ulysses(model, cluster, 2048, 64, cost)):
+        assert base is not None and base.evaluation.fits
+        assert r.best.evaluation.step_time <= base.evaluation.step_time * (1 + 1e-12)
+
+
+def test_fast_mode_is_never_better_than_exact_optimum():
+    model = ModelSpec("m4", num_layers=4, hidden=256, num_heads=8, num_kv_heads=8, ffn_hidden=512, vocab=2048)
+    cluster = small_cluster(1, 4, 80.0)
+    space = SearchSpace(cp_kinds=("ulysses",), zero_stages=(0, 3), max_tp=2, max_cp=2, microbatches=(2, 4))
+    exact = search(model, cluster, 2048, 8, space, mode="exact", with_baselines=False).best.evaluation.step_time
+    fast = search(model, cluster, 2048, 8, space, mode="fast", with_baselines=False).best.evaluation.step_time
+    assert fast >= exact * (1 - 1e-9)
+
+
+def test_same_mesh_puts_every_layer_on_one_mesh():
+    model, cluster = MODEL_PRESETS["tiny"], parse_cluster("8xA100-80GB")
+    r = search(model, cluster, 2048, 16, SearchSpace(same_mesh=True), mode="fast", with_baselines=False)
+    for c in r.plans:
+        ss = c.plan.layer_strategies()
+        assert all(s.same_mesh(ss[0]) for s in ss)
+
+
+def test_no_fit_names_the_smallest_change():
+    model = MODEL_PRESETS["llama2-7b"]
+    with pytest.raises(PlanError, match="recomputation"):
+        search(model, parse_cluster("8xA100-40GB"), 32768, 8, SearchSpace(recompute=(False,)))
+    with pytest.raises(PlanError, match="twice the devices|halve the sequence"):
+        search(model, parse_cluster("2xA100-40GB"), 16384, 8)
+
+
+def test_world_size_that_cannot_factor_is_reported():
+    with pytest.raises(PlanError, match="cannot be factored"):
+        search(MODEL_PRESETS["tiny"], parse_cluster("3xA100-80GB"), 1024, 8)
+
+
+@given(devices=st.sampled_from([1, 2, 4, 8, 16]), heads=st.sampled_from([4, 8, 12, 32]),
+       kv=st.sampled_from([1, 2, 4]), mbs=st.sampled_from([1, 2, 4, 6, 8]))
+@settings(max_examples=30, deadline=None)
+def test_candidate_strategies_respect_divisibility(devices, heads, kv, mbs):
+    model = ModelSpec("c", num_layers=2, hidden=heads * 16, num_heads=heads, num_kv_heads=kv, ffn_hidden=64, vocab=64)
+    cluster = parse_cluster("2x8xA100-80GB")
+    ss = candidate_strategies(model, cluster, devices, microbatch_seqs=mbs)
+    for s in ss:
+        assert s.devices == devices and mbs % s.dp == 0 and s.tp <= 8
+        assert heads % s.tp == 0 and (kv % s.tp == 0 or s.tp % kv == 0)
+        if s.cp_kind == "ulysses":
+            assert heads % (s.tp * s.cp) == 0
+        if s.dp * s.cp == 1:
+            assert s.zero == 0
+    assert len(set(ss)) == len(ss)
+
+
+@given(layers=st.integers(1, 12), parts=st.integers(1, 6), extra=st.lists(st.floats(0, 5), min_size=6, max_size=6))
+@settings(max_examples=40, deadline=None)
+def test_partitions(layers, parts, extra):
+    all_splits = list(compositions(layers, parts))
+    assert len(all_splits) == count_compositions(layers, parts) == len(set(all_splits))
+    assert all(sum(s) == layers and min(s) >= 1 for s in all_splits)
+    if parts <= layers:
+        assert sum(even_split(layers, parts)) == layers
+        got = balance(layers, parts, extra[:parts])
+        cost = lambda s: max(n + x for n, x in zip(s, extra))  # noqa: E731
+        assert cost(got) == pytest.approx(min(cost(s) for s in all_splits))
+
+
+def test_pipeline_times_matches_pipeline_time():
+    rng = np.random.default_rng(0)
+    t = rng.random((5, 4))
+    for sched, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+        batch = pipeline_times(sched, t, 8, v)
+        assert batch == pytest.approx([pipeline_time(sched, row, 8, v) for row in t], rel=1e-12)

@@ -1,0 +1,78 @@
+"""`flexmesh simulate`: smoke tests on a small cluster with few steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.cli import main
+
+BASE = ["simulate", "--model", "llama2-7b", "--cluster", "2x8xA100-80GB", "--context", "32768",
+        "--global-batch", "48", "--steps", "2", "--seed", "1"]
+
+
+def test_json_output_has_every_policy_and_fixed_is_the_best_static_degree(capsys, tmp_path):
+    assert main(BASE + ["--policies", "fixed,hdp", "--json", "--plots", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    runs = {r["policy"]: r for r in out["policies"]}
+    assert set(runs) == {"fixed", "hdp"}
+    assert runs["fixed"]["label"].startswith("fixed (cp=") and runs["fixed"]["speedup_vs_fixed"] == 1.0
+    cp = runs["fixed"]["options"]["cp"]
+    assert runs["fixed"]["label"] == f"fixed (cp={cp})"
+    for r in runs.values():
+        assert r["steps"] == 2 and r["mean_step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["imbalance"] >= 1.0 and 0 < r["utilisation"] <= 1
+        assert r["ratio_to_lower_bound"] >= 1.0 - 1e-9
+    assert runs["hdp"]["speedup_vs_fixed"] == pytest.approx(runs["hdp"]["tokens_per_s"] / runs["fixed"]["tokens_per_s"])
+    assert out["setup"]["data_ranks"] == 16
+    for files in out["plots"].values():
+        for f in files:
+            assert open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fixed_keeps_its_fastest_degree(capsys):
+    assert main(BASE + ["--policies", "fixed", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["policies"][0]
+    # Re-run each degree through the library and check none beats the kept one.
+    from flexmesh.commands.simulate import add_parser, build_context
+    import argparse
+    import itertools
+
+    from flexmesh.data.lengths import BatchSampler, load_lengths
+    from flexmesh.sim.compare import fixed_degrees, run_policy
+
+    p = argparse.ArgumentParser()
+    args = add_parser(p.add_subparsers()).parse_args(BASE[1:] + ["--policies", "fixed"])
+    ctx, speeds = build_context(args)
+    batches = list(itertools.islice(BatchSampler(load_lengths("wikipedia"), 1, seqs_per_batch=48, max_len=32768), 2))
+    times = [run_policy("fixed", batches, ctx, seed=1, options={"cp": d, "context": 32768}, slot_tokens=32768,
+                        speed=speeds).mean_step_time for d in fixed_degrees(ctx, 32768)]
+    assert best["mean_step_time_s"] == pytest.approx(min(times))
+
+
+def test_table_output_and_pipeline_flags(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(BASE + ["--policies", "hdp", "--pp", "2", "--schedule", "gpipe"]) == 0
+    out = capsys.readouterr().out
+    assert "hdp" in out and "tokens/s" in out and "8 data ranks" in out
+
+
+def test_slow_device_lowers_throughput(capsys):
+    assert main(BASE + ["--policies", "hdp", "--json"]) == 0
+    nominal = json.loads(capsys.readouterr().out)["policies"][0]
+    assert main(BASE + ["--policies", "hdp", "--json", "--slow", "3=0.5"]) == 0
+    slowed = json.loads(capsys.readouterr().out)["policies"][0]
+    assert slowed["tokens_per_s"] < nominal["tokens_per_s"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--tp", "3"], "divisible"),
+    (["--slow", "99=0.5"], "rank must be"),
+    (["--lengths", "no-such-dist"], "unknown lengths"),
+    (["--policies", "nope"], "unknown scheduling policy"),
+    (["--virtual-stages", "2"], "--pp > 1"),
+])
+def test_bad_flags_exit_2_with_a_message(capsys, extra, needle):
+    assert main(BASE + ["--policies", "hdp"] + extra) == 2
+    assert needle in capsys.readouterr().err
