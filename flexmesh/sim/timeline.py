@@ -7,7 +7,9 @@ what this module adds is the ordering of events:
 1. each group runs its micro-batches back to back (``pp == 1``) or through its pipeline in the plan's
    schedule (:mod:`flexmesh.sim.pipeline`); a group moves at its slowest member's speed;
 2. at the end of the step every rank of a pipeline stage waits for the slowest one (the gradient
-   collective is a barrier), then the gradient sync runs over all data ranks, then the optimizer.
+   collective is a barrier); the gradient sync over all data ranks hides partly under the slowest
+   rank's last backward (:meth:`~flexmesh.cost.CostModel.exposed_sync`), its exposed rest follows,
+   then the optimizer.
 
 A *lane* is one data rank on one pipeline stage: ``tp`` devices that always do the same thing.
 Lane ``l = stage * num_ranks + data_rank`` holds global ranks ``l * tp ... l * tp + tp - 1`` (the
@@ -18,7 +20,7 @@ not slow down with it): a micro-batch on a group whose slowest member has speed 
 long and communicates as long as before. Time at the optimizer is compute too.
 
 Example: two data ranks, ``pp = 1``; rank 0 runs micro-batches of 2 s and 1 s, rank 1 one of 1 s;
-the gradient sync takes 0.2 s and the optimizer 0.1 s::
+the exposed gradient sync takes 0.2 s and the optimizer 0.1 s::
 
     rank 0: [compute 0-2][compute 2-3]            [comm 3-3.2][compute 3.2-3.3]   step 3.3 s
     rank 1: [compute 0-1][wait 1-3               ][comm 3-3.2][compute 3.2-3.3]
@@ -63,7 +65,7 @@ class StepTimeline:
     wait: np.ndarray  # idle at the end-of-step barrier
     work_end: np.ndarray  # when each lane ends its last micro-batch
     tokens: np.ndarray  # tokens each data rank holds this step (its group's tokens / cp)
-    sync_time: float  # the gradient collective's duration (slowest stage)
+    sync_time: float  # exposed part of the gradient collective, after the last backward (slowest stage)
     tail_busy: np.ndarray  # per lane: gradient sync + optimizer, s (part of comm and compute)
     segments: tuple[tuple[Segment, ...], ...] | None = None  # per lane, when simulated with detail
 
@@ -231,6 +233,7 @@ class _Lanes:
     comm: np.ndarray
     bubble: np.ndarray
     work_end: np.ndarray
+    last_bwd: np.ndarray  # per lane: compute of its last backward pass, under which the gradient sync hides
     segments: list[list[Segment]] | None
 
 
@@ -239,6 +242,12 @@ def _no_pipeline(ctx, mbs, ph, gspeed, rank_group, n_groups, detail) -> _Lanes:
     L = ctx.layers_per_stage
     comp = ((ph["fwd"] + ph["bwd"]) * L + ph["head_fwd"] + ph["head_bwd"]) / gspeed[mbs.group]
     comm = (ph["comm_fwd"] + ph["comm_bwd"]) * L
+    bwd = (ph["bwd"] * L + ph["head_bwd"]) / gspeed[mbs.group]
+    last_bwd = np.zeros(n_groups)
+    if len(mbs.group):
+        order = np.lexsort((mbs.index, mbs.group))
+        last = order[np.r_[mbs.group[order][1:] != mbs.group[order][:-1], True]]
+        last_bwd[mbs.group[last]] = bwd[last]
     g_comp = np.bincount(mbs.group, weights=comp, minlength=n_groups)
     g_comm = np.bincount(mbs.group, weights=comm, minlength=n_groups)
     segments = None
@@ -254,7 +263,7 @@ def _no_pipeline(ctx, mbs, ph, gspeed, rank_group, n_groups, detail) -> _Lanes:
             clock[g] = t + c + k
         segments = [list(per_group[g]) for g in rank_group]
     return _Lanes(compute=g_comp[rank_group], comm=g_comm[rank_group], bubble=np.zeros(len(rank_group)),
-                  work_end=(g_comp + g_comm)[rank_group], segments=segments)
+                  work_end=(g_comp + g_comm)[rank_group], last_bwd=last_bwd[rank_group], segments=segments)
 
 
 def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _Lanes:
@@ -266,6 +275,7 @@ def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _La
     comm = np.zeros((pp, n))
     bubble = np.zeros((pp, n))
     work_end = np.zeros((pp, n))
+    last_bwd = np.zeros((pp, n))
     segments: list[list[Segment]] | None = [[] for _ in range(pp * n)] if detail else None
     for g, grp in enumerate(schedule.groups):
         sel = np.flatnonzero(mbs.group == g)
@@ -288,6 +298,7 @@ def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _La
         compute[:, ranks] = comp_r[:, None]
         comm[:, ranks] = comm_r[:, None]
         work_end[:, ranks] = finish[:, None]
+        last_bwd[:, ranks] = b_comp[:pp, -1][:, None]  # each rank ends on the last micro-batch's first chunk
         bubble[:, ranks] = (finish - comp_r - comm_r)[:, None]
         if detail:
             comps = np.stack([f_comp, b_comp])
@@ -296,7 +307,7 @@ def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _La
                 for d in ranks:
                     segments[r * n + d] = list(lane_segs)
     return _Lanes(compute=compute.ravel(), comm=comm.ravel(), bubble=bubble.ravel(), work_end=work_end.ravel(),
-                  segments=segments)
+                  last_bwd=last_bwd.ravel(), segments=segments)
 
 
 def _pipeline_segments(run, r: int, pp: int, comps: np.ndarray) -> list[Segment]:
@@ -326,6 +337,12 @@ def _finish(ctx: ScheduleContext, sp: np.ndarray, tokens: np.ndarray, lanes: _La
     for r in range(pp):
         sync[r], optim[r] = ctx.cost.step_grad_sync(ctx.base, n, layers=ctx.layers_per_stage,
                                                     embed=r == 0, head=r == pp - 1)
+    # The sync hides under the last backward of the stage's slowest lane (the collective cannot run
+    # ahead of it); the cost model's rule decides how much.
+    slowest = work_end.argmax(axis=1)
+    last_bwd = lanes.last_bwd.reshape(pp, n)[np.arange(pp), slowest]
+    sync = np.array([ctx.cost.exposed_sync(float(sync[r]), float(last_bwd[r]), ctx.layers_per_stage)
+                     for r in range(pp)])
     opt_lane = optim[:, None] / sp
     done = barrier[:, None] + sync[:, None] + opt_lane
     step = float(done.max())
