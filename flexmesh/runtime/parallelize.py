@@ -1,0 +1,257 @@
+"""Apply a Plan's layout to a plain model: TP + sequence parallel, activation checkpointing, FSDP2.
+
+The order is torchtitan's: tensor parallelism first (it turns weights into DTensors on the ``tp``
+axis), then per-layer activation checkpointing (it wraps blocks, after TP so the wrapped block's
+collectives are recomputed too), then FSDP2 per block and finally the root (FSDP must see the
+finished modules). Context parallelism needs no weight surgery: each attention layer is given a
+:class:`~flexmesh.runtime.attention.CPContext` for the ``cp`` group.
+
+Supported per-layer mixes (checked by :func:`layout_from_plan`):
+
+- one mesh for the whole plan: every layer has the same ``tp``, ``cp``, ``cp_kind`` and ``dp``;
+- ``recompute`` may vary per layer;
+- ZeRO may vary per layer among stages 1, 2 and 3 (FSDP2 shards over the ``dp x cp`` ranks;
+  stage 3 re-shards weights after forward, stages 1 and 2 keep them gathered until backward).
+  FSDP2 has no separate ZeRO-1 (sharded optimizer with replicated gradients), so ZeRO-1 runs as
+  ZeRO-2: same numerics, less gradient memory.
+- ZeRO 0 (plain replicated data parallelism) must hold for every layer or for none.
+
+Anything else (a per-layer change of tp or context degree, ZeRO 0 mixed with 1-3) is rejected with
+a message naming the layers, because it would need resharding activations between layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from flexmesh.errors import PlanError
+from flexmesh.plan.plan import Plan
+from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.spec.model import ModelSpec
+
+MESH_AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost, as flexmesh.plan.plan.rank_coords
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The mesh a plan runs on plus what may differ per layer (global layer index order).
+
+    >>> from flexmesh.plan.plan import Plan, StagePlan
+    >>> from flexmesh.plan.strategy import LayerStrategy as S
+    >>> st = StagePlan(0, 2, (S.parse("tp2-dp2z3"), S.parse("tp2-dp2z3-ac")))
+    >>> plan = Plan("tiny", "4xA100-80GB", 4, 1, "1f1b", 1, 64, 2, (st,))
+    >>> lay = layout_from_plan(plan)
+    >>> (lay.pp, lay.dp, lay.cp, lay.tp, lay.zero, lay.recompute)
+    (1, 2, 1, 2, (3, 3), (False, True))
+    """
+
+    pp: int
+    dp: int
+    cp: int
+    cp_kind: str
+    tp: int
+    zero: tuple[int, ...]
+    recompute: tuple[bool, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks holding the same weights: data parallel x context parallel (ZeRO shards over these)."""
+        return self.dp * self.cp
+
+    @property
+    def replicated(self) -> bool:
+        return self.data_ranks > 1 and all(z == 0 for z in self.zero)
+
+    @property
+    def sharded(self) -> bool:
+        return self.data_ranks > 1 and not self.replicated
+
+
+def _runs(indices: list[int]) -> str:
+    """Layer indices as compact ranges, e.g. [0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for i in indices:
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def layout_from_plan(plan: Plan) -> Layout:
+    """Check the plan's per-layer mix is one the runtime supports and return its Layout."""
+    strategies: list[LayerStrategy] = plan.layer_strategies()
+    if not strategies:
+        raise PlanError("plan has no layers; give every stage at least one layer")
+    first = strategies[0]
+    other = [i for i, s in enumerate(strategies) if not s.same_mesh(first)]
+    if other:
+        s = strategies[other[0]]
+        raise PlanError(
+            f"layers {_runs(other)} use tp{s.tp}/{s.cp_kind}{s.cp}/dp{s.dp} but layer 0 uses "
+            f"tp{first.tp}/{first.cp_kind}{first.cp}/dp{first.dp}; the runtime needs one (tp, cp, dp) "
+            "mesh for the whole plan: give every layer the same tp, context degree and kind, and dp"
+        )
+    if first.devices != plan.stage_devices:
+        raise PlanError(
+            f"layers use tp x cp x dp = {first.devices} devices but each pipeline stage has "
+            f"{plan.stage_devices} (world {plan.world_size} / pp {plan.pp}); make them equal"
+        )
+    zeros = [s.zero for s in strategies]
+    plain = [i for i, z in enumerate(zeros) if z == 0]
+    if plain and len(plain) != len(zeros):
+        sharded = [i for i, z in enumerate(zeros) if z != 0]
+        raise PlanError(
+            f"layers {_runs(plain)} use ZeRO 0 (replicated) while layers {_runs(sharded)} use ZeRO 1-3; "
+            "the runtime replicates all layers or shards all layers: set every layer's zero to 0, or every "
+            "layer's to 1, 2 or 3"
+        )
+    return Layout(pp=plan.pp, dp=first.dp, cp=first.cp, cp_kind=first.cp_kind, tp=first.tp,
+                  zero=tuple(zeros), recompute=tuple(s.recompute for s in strategies))
+
+
+def check_model_fits_layout(spec: ModelSpec, layout: Layout) -> None:
+    """Reject shapes tensor parallelism cannot split, saying what to change."""
+    tp = layout.tp
+    if tp == 1:
+        return
+    bad = [f"{name} {n}" for name, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                                          ("ffn_hidden", spec.ffn_hidden)) if n % tp]
+    if bad:
+        raise PlanError(f"tp {tp} does not divide the model's {', '.join(bad)}; choose a tp that divides them")
+    if spec.tie_embeddings:
+        raise PlanError(
+            f"model {spec.name!r} ties its output to the embedding, which the runtime does not split with "
+            "tensor parallelism; use tp 1 or untie the embeddings"
+        )
+
+
+def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh:
+    """The 4-D device mesh ("pp", "dp", "cp", "tp"), tp innermost (see flexmesh.plan.plan.rank_coords)."""
+    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.cp, layout.tp), mesh_dim_names=MESH_AXES)
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks sharing weights inside one pipeline stage: dp x cp flattened into one axis."""
+    return mesh["dp", "cp"]._flatten("dp_cp")
+
+
+# ---- tensor + sequence parallel ------------------------------------------------------------------
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style column/row split of every block, with sequence parallel norms.
+
+    Between blocks the residual stream is a plain tensor holding this rank's 1/tp slice of the
+    sequence (dim 1); attention and the MLP all-gather it on entry and reduce-scatter on exit.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    root: dict = {}
+    if model.tok_embeddings is not None:
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        root["norm"] = SequenceParallel()
+    if model.output is not None:
+        root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # attention(x, positions, cu_seqlens): only x is sharded; positions/cu_seqlens stay global
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+# ---- activation checkpointing --------------------------------------------------------------------
+def apply_ac(model: nn.Module, recompute: tuple[bool, ...]) -> None:
+    """Wrap the blocks the plan recomputes (``recompute`` is indexed by global layer number)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name in list(model.layers.keys()):
+        if recompute[int(name)]:
+            # preserve_rng_state off: the blocks draw no random numbers (no dropout)
+            model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
+
+
+# ---- data parallel (FSDP2) -----------------------------------------------------------------------
+def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None) -> None:
+    """FSDP2 per block then the root; ZeRO 0 replicates with FSDP2's replicate over the same mesh.
+
+    Gradients are summed, not averaged, over the dp x cp ranks: each rank's loss is already divided
+    by the global label-token count of the step, so the sum is the single-process gradient.
+    """
+    if layout.replicated:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for block in model.layers.values():
+            replicate(block, mesh=dmesh)
+        replicate(root if root is not None else model, mesh=dmesh)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for name, block in model.layers.items():
+            # ZeRO-3 frees gathered weights after forward; ZeRO-1/2 keep them for backward
+            fully_shard(block, mesh=dmesh, reshard_after_forward=layout.zero[int(name)] == 3)
+        fully_shard(root if root is not None else model, mesh=dmesh, reshard_after_forward=False)
+    for m in (root if root is not None else model).modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            # plain SUM collectives: gloo has no pre-multiplied sum, and NCCL copies SUM zero-copy
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
+                dmesh: DeviceMesh | None = None) -> nn.Module:
+    """TP(+SP) -> context parallel switch -> activation checkpointing -> FSDP2, in place.
+
+    ``model`` is a :class:`flexmesh.runtime.model.Transformer` (or a pipeline stage of one) whose
+    parameters are materialised, identical on every rank, or on the meta device. ``root`` is the
+    module whose forward the training loop calls (a wrapper holding ``model``; default ``model``):
+    FSDP's root goes there. ``dmesh`` is :func:`data_mesh` of ``mesh``, computed once by the caller
+    when several model chunks share it.
+    """
+    check_model_fits_layout(model.spec, layout)
+    if layout.tp > 1:
+        apply_tp(model, mesh["tp"])
+    if layout.cp > 1:
+        from flexmesh.runtime.attention import CPContext
+
+        cp_mesh = mesh["cp"]
+        model.set_cp(CPContext(kind=layout.cp_kind, group=cp_mesh.get_group(), rank=cp_mesh.get_local_rank(),
+                               size=layout.cp))
+    if any(layout.recompute):
+        apply_ac(model, layout.recompute)
+    if layout.data_ranks > 1:
+        apply_data_parallel(model, layout, dmesh if dmesh is not None else data_mesh(mesh), root=root)
+    return model
+
+
+def local_coords(mesh: DeviceMesh) -> dict[str, int]:
+    """This rank's coordinate on each mesh axis."""
+    return {axis: mesh[axis].get_local_rank() for axis in MESH_AXES}
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,139 @@
+"""Pipeline stages from a Plan's (possibly uneven) partition, run by torch.distributed.pipelining.
+
+A stage is the full model with the layers it does not own deleted from the ``layers`` ModuleDict
+(so the kept layers keep their global names, which checkpoints and weight loading rely on) and
+``tok_embeddings`` / ``norm`` / ``output`` set to None where the stage lacks them.
+
+Per-micro-batch side data. Pipelining passes one activation tensor between stages, but every stage
+also needs the micro-batch's ``positions`` and ``cu_seqlens`` (RoPE and the document mask). The
+micro-batches of a step are known before it starts, so the trainer *stashes* them on each
+:class:`StageModule` (``feed``) and the stage's forward takes the next one: every schedule here
+(GPipe, 1F1B, interleaved 1F1B) runs a given stage's forwards in micro-batch order, and
+recomputation under activation checkpointing re-enters the blocks, never this forward. The count is
+checked after the step.
+
+Shapes. Pipelining sends fixed-shape buffers, so in pipeline mode every micro-batch of a step is
+padded to the same length (labels -100 on padding); stages and schedules are built per (length,
+count) with their shapes declared (:func:`make_stages`) and cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from flexmesh.errors import PlanError
+from flexmesh.plan.plan import Plan, StagePlan
+
+SCHEDULE_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}
+
+
+class StageModule(nn.Module):
+    """The module a training step calls: ``forward(x)`` with this micro-batch's side data stashed.
+
+    Also used without pipelining (pp 1), where the batch is passed directly; keeping one wrapper
+    for both modes gives FSDP one root and checkpoints one naming.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self._stash: list = []
+        self._next = 0
+
+    def feed(self, batches: list) -> None:
+        self._stash, self._next = list(batches), 0
+
+    def consumed(self) -> int:
+        return self._next
+
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        if batch is None:
+            if self._next >= len(self._stash):
+                raise RuntimeError(f"stage ran {self._next + 1} forwards but was fed {len(self._stash)} micro-batches")
+            batch = self._stash[self._next]
+            self._next += 1
+        return self.model(x, batch)
+
+
+def split_stage(model: nn.Module, start: int, end: int, first: bool, last: bool) -> nn.Module:
+    """Keep layers [start, end) of a full model (in place) and the ends this stage owns."""
+    for name in list(model.layers.keys()):
+        if not start <= int(name) < end:
+            del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def chunks_of_rank(plan: Plan, pp_rank: int) -> list[tuple[int, StagePlan]]:
+    """(chunk index, stage) pairs pipeline rank ``pp_rank`` runs; chunk k is the k-th in layer order.
+
+    Chunk k sits on rank k % pp (Megatron's interleaved order), so with pp 2 and 4 chunks rank 0
+    runs chunks 0 and 2, rank 1 chunks 1 and 3.
+    """
+    ordered = sorted(plan.stages, key=lambda s: s.start)
+    return [(k, ordered[k]) for k in range(pp_rank, len(ordered), plan.pp)]
+
+
+def check_partition(plan: Plan, num_layers: int) -> None:
+    """The stages, in layer order, must tile [0, num_layers) without gaps or overlaps."""
+    pos = 0
+    for st in sorted(plan.stages, key=lambda s: s.start):
+        if st.start != pos:
+            raise PlanError(f"stage [{st.start}, {st.end}) should start at layer {pos}; stages must tile the layers")
+        pos = st.end
+    if pos != num_layers:
+        raise PlanError(f"plan's stages cover layers [0, {pos}) but the model has {num_layers}; fix the partition")
+
+
+def padded_microbatch_count(schedule: str, count: int, pp: int) -> int:
+    """Micro-batches a pipelined step runs: interleaved 1F1B needs a multiple of pp (dummies pad it)."""
+    if schedule == "interleaved" and pp > 1:
+        return -(-count // pp) * pp
+    return count
+
+
+def build_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn: Callable):
+    """A torch.distributed.pipelining schedule over this rank's stages.
+
+    ``scale_grads=False``: the loss is already normalised by the step's global label-token count,
+    so the schedule must not divide gradients by the number of micro-batches again.
+    """
+    from torch.distributed import pipelining
+
+    cls = getattr(pipelining, SCHEDULE_NAMES[schedule])
+    if schedule == "interleaved":
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if len(stages) != 1:
+        raise PlanError(f"schedule {schedule!r} runs one stage per rank; use 'interleaved' for virtual stages")
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: int, device: torch.device, group,
+                tokens: int, tp: int, hidden: int, vocab: int, dtype: torch.dtype) -> list:
+    """PipelineStages with their send/receive shapes given up front (``tokens`` = this rank's T).
+
+    Declaring shapes keeps pipelining in its static mode; otherwise it infers them by running an
+    extra forward of the first micro-batch, which would consume a stashed micro-batch. Between
+    stages flows the residual stream, [1, T/tp, hidden] under sequence parallelism; the last stage
+    emits full logits [1, T, vocab].
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    def hidden_states() -> torch.Tensor:
+        return torch.empty(1, tokens // tp, hidden, dtype=dtype, device="meta", requires_grad=True)
+
+    stages = []
+    for m, k in zip(modules, chunk_ids):
+        inp = torch.empty(1, tokens, dtype=torch.long, device="meta") if k == 0 else hidden_states()
+        out = (torch.empty(1, tokens, vocab, dtype=dtype, device="meta", requires_grad=True)
+               if k == num_chunks - 1 else hidden_states())
+        stages.append(PipelineStage(m, stage_index=k, num_stages=num_chunks, device=device, group=group,
+                                    input_args=inp, output_args=out))
+    return stages

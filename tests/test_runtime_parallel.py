@@ -1,0 +1,310 @@
+"""The runtime's correctness matrix: every layout gives the single-process losses and parameters.
+
+Each layout also loads a tiny model saved as Hugging Face safetensors and must give the loss (hence
+the logits) that model gives in one process.
+
+Each multi-process launch (torchrun, gloo, CPU, fp32) runs several layouts in one go to amortise
+process start-up; this file is also the worker (``python tests/test_runtime_parallel.py worker``).
+The reference is a plain PyTorch loop in the test process over the same documents: one model, no
+distributed code, loss = summed token cross-entropy / global label-token count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+STEPS = 3
+SEED = 7
+LR = 1e-3
+
+# name -> (world, plan fields). Strategies are per layer (4 layers); "layers" is the partition.
+LAYOUTS: dict[str, dict] = {
+    "dp": dict(world=2, strategies=["tp1-dp2z0"] * 4),
+    "zero2": dict(world=2, strategies=["tp1-dp2z2"] * 4),
+    "zero3": dict(world=2, strategies=["tp1-dp2z3", "tp1-dp2z3-ac", "tp1-dp2z2", "tp1-dp2z3-ac"]),
+    "tp_sp": dict(world=2, strategies=["tp2-dp1z0", "tp2-dp1z0-ac", "tp2-dp1z0", "tp2-dp1z0"]),
+    "pp_1f1b": dict(world=2, pp=2, schedule="1f1b", layers=[[0, 3], [3, 4]], strategies=["tp1-dp1z0"] * 4),
+    "pp_gpipe": dict(world=2, pp=2, schedule="gpipe", layers=[[0, 1], [1, 4]], strategies=["tp1-dp1z0"] * 4),
+    "pp_interleaved": dict(world=2, pp=2, schedule="interleaved", v=2, layers=[[0, 1], [1, 2], [2, 3], [3, 4]],
+                           strategies=["tp1-dp1z0"] * 4),
+    "ulysses": dict(world=2, strategies=["tp1-u2-dp1z3"] * 4),
+    "ring": dict(world=2, strategies=["tp1-r2-dp1z3", "tp1-r2-dp1z3-ac", "tp1-r2-dp1z3", "tp1-r2-dp1z3"]),
+    "dp_x_tp": dict(world=4, strategies=["tp2-dp2z3"] * 4),
+    "pp_x_dp": dict(world=4, pp=2, schedule="1f1b", layers=[[0, 2], [2, 4]], strategies=["tp1-dp2z2"] * 4),
+    "pp_x_tp": dict(world=4, pp=2, schedule="1f1b", layers=[[0, 3], [3, 4]], strategies=["tp2-dp1z0"] * 4),
+    "cp_x_dp": dict(world=4, strategies=["tp1-u2-dp2z3"] * 4),
+    "ring_x_dp": dict(world=4, strategies=["tp1-r2-dp2z0"] * 4),
+}
+
+
+def tiny_spec():
+    from flexmesh.spec.model import ModelSpec
+
+    return ModelSpec(name="test-tiny", num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, ffn_hidden=128,
+                     vocab=256, dtype="fp32", max_position=1024)
+
+
+def make_plan(name: str):
+    from flexmesh.plan.plan import Plan, StagePlan
+    from flexmesh.plan.strategy import LayerStrategy
+
+    cfg = LAYOUTS[name]
+    strategies = [LayerStrategy.parse(s) for s in cfg["strategies"]]
+    layers = cfg.get("layers", [[0, 4]])
+    stages = tuple(StagePlan(a, b, tuple(strategies[a:b])) for a, b in layers)
+    pp, v = cfg.get("pp", 1), cfg.get("v", 1)
+    return Plan(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=pp, schedule=cfg.get("schedule", "1f1b"),
+                virtual_stages=v, num_microbatches=1, seq_len=256, global_batch=8, stages=stages)
+
+
+def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED) -> list:
+    """Documents and hand-built StepSchedules: one group per dp replica, cp data ranks each.
+
+    Groups get different numbers of micro-batches (exercising the empty padding micro-batches), and
+    one document is cut in two pieces that land in different micro-batches.
+    """
+    from flexmesh.schedule.types import Group, Piece, StepSchedule
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in range(steps):
+        docs = [rng.integers(1, 256, size=int(n)) for n in rng.integers(3, 40, size=7)]
+        docs.append(rng.integers(1, 256, size=50))  # the document cut across micro-batches
+        n_groups = data_ranks // cp
+        per_group: list[list[list[Piece]]] = [[] for _ in range(n_groups)]
+        for i in range(7):
+            g = i % n_groups
+            mbs = per_group[g]
+            if not mbs or len(mbs[-1]) >= 2 or (g == 0 and len(mbs) < 1 + s % 2):
+                mbs.append([])
+            mbs[-1].append(Piece(i, 0, len(docs[i])))
+        last = per_group[-1]
+        last[-1].append(Piece(7, 0, 20))
+        last.append([Piece(7, 20, 50)])
+        groups = tuple(Group(ranks=tuple(range(g * cp, (g + 1) * cp)), microbatches=tuple(tuple(mb) for mb in mbs))
+                       for g, mbs in enumerate(per_group))
+        sched = StepSchedule(lengths=tuple(len(d) for d in docs), groups=groups, policy="test")
+        sched.validate(data_ranks)
+        out.append((docs, sched))
+    return out
+
+
+def train_config():
+    from flexmesh.runtime.train import TrainConfig
+
+    return TrainConfig(max_steps=STEPS, lr=LR, warmup_steps=1, weight_decay=0.1, grad_clip=1.0, seed=SEED,
+                       progress=False)
+
+
+# ---- reference ------------------------------------------------------------------------------------
+def reference(steps: list) -> tuple[list[float], dict]:
+    """A plain single-process loop over the same documents; no flexmesh runtime code but the model."""
+    import torch
+    import torch.nn.functional as F
+
+    from flexmesh.data.packing import global_label_tokens, pack_microbatch
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.train import lr_factor
+
+    torch.manual_seed(0)
+    cfg = train_config()
+    model = build_model(tiny_spec(), device="cpu")
+    model.init_weights(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps,
+                                                                       cfg.min_lr_ratio))
+    losses = []
+    for docs, schedule in steps:
+        n = global_label_tokens(docs, schedule)
+        opt.zero_grad()
+        total = 0.0
+        for g in schedule.groups:
+            for mb in g.microbatches:
+                b = pack_microbatch(docs, mb)
+                logits = model(b.tokens, b)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.labels.reshape(-1),
+                                       ignore_index=-100, reduction="sum") / n
+                loss.backward()
+                total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- launching ------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, args: list[str], timeout: float = 240, script: str = __file__) -> subprocess.CompletedProcess:
+    """torchrun ``script`` (this file) as a worker; OMP_NUM_THREADS=1 since the machine's cores are shared."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+WEIGHTS_SEED = 99
+
+
+def weights_model():
+    """The model whose Hugging Face safetensors every layout loads (seeded unlike the trained one)."""
+    from flexmesh.runtime.model import build_model
+
+    model = build_model(tiny_spec(), device="cpu")
+    model.init_weights(WEIGHTS_SEED)
+    return model
+
+
+def first_loss(model, docs, schedule) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from flexmesh.data.packing import global_label_tokens, pack_microbatch
+
+    n = global_label_tokens(docs, schedule)
+    total = 0.0
+    with torch.no_grad():
+        for g in schedule.groups:
+            for mb in g.microbatches:
+                b = pack_microbatch(docs, mb)
+                logits = model(b.tokens, b)
+                total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.labels.reshape(-1),
+                                         ignore_index=-100, reduction="sum").item() / n
+    return total
+
+
+def run_layouts(tmp: Path, world: int, names: list[str]) -> dict:
+    from flexmesh.runtime.weights import save_hf_safetensors
+
+    save_hf_safetensors(weights_model(), tmp / "weights.safetensors")
+    proc = launch(world, ["worker", str(tmp), *names])
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return {n: json.loads((tmp / n / "result.json").read_text()) for n in names}
+
+
+def load_params(folder: Path) -> dict:
+    import torch
+
+    params: dict = {}
+    for f in sorted(folder.glob("params_pp*.pt")):
+        params.update(torch.load(f))
+    return params
+
+
+# ---- worker ---------------------------------------------------------------------------------------
+def worker(out: Path, names: list[str]) -> None:
+    """Run each named layout for STEPS steps; write losses and the full parameters (per pp stage)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from flexmesh.runtime.train import Trainer, init_distributed
+    from flexmesh.runtime.weights import canonical_name
+
+    torch.set_num_threads(1)
+    init_distributed(timeout_s=60)
+    try:
+        for name in names:
+            plan = make_plan(name)
+            trainer = Trainer(plan, tiny_spec(), train_config())
+            lay = trainer.layout
+            steps = make_steps(lay.data_ranks, lay.cp)
+            losses = [trainer.step(docs, sched).loss for docs, sched in steps]
+            params = {}
+            for m in trainer.inner_models():
+                sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+                params.update({canonical_name(k): v.detach().cpu().clone() for k, v in sd.items()})
+            # Hugging Face weights (written by the test from a model seeded differently) load into
+            # this layout: the first step's loss is the one that model gives on the same batch.
+            loaded = Trainer(plan, tiny_spec(), train_config(), weights=str(out / "weights.safetensors"))
+            weights_loss = loaded.step(*steps[0]).loss
+            c = trainer.coords
+            folder = out / name
+            if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
+                folder.mkdir(parents=True, exist_ok=True)
+                torch.save(params, folder / f"params_pp{c['pp']}.pt")
+            dist.barrier()
+            if dist.get_rank() == 0:
+                (folder / "result.json").write_text(json.dumps({"losses": losses, "layout": plan.layout,
+                                                                 "weights_loss": weights_loss}))
+            dist.barrier()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- tests ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_runs() -> dict:
+    """Reference losses and parameters per distinct (data ranks, cp) batch layout."""
+    cache: dict = {}
+
+    def get(data_ranks: int, cp: int):
+        key = (data_ranks, cp)
+        if key not in cache:
+            cache[key] = reference(make_steps(data_ranks, cp))
+        return cache[key]
+
+    return get
+
+
+def _check(name: str, result: dict, folder: Path, reference_runs) -> None:
+    from flexmesh.runtime.parallelize import layout_from_plan
+
+    lay = layout_from_plan(make_plan(name))
+    ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp)
+    losses = result["losses"]
+    assert len(losses) == STEPS
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs reference {want}"
+    want = first_loss(weights_model(), *make_steps(lay.data_ranks, lay.cp, steps=1)[0])
+    assert abs(result["weights_loss"] - want) <= 1e-5 * want, f"{name}: loaded weights give {result['weights_loss']}"
+    params = load_params(folder)
+    assert set(params) == set(ref_params), f"{name}: parameter names differ: {set(params) ^ set(ref_params)}"
+    for k, want in ref_params.items():
+        diff = (params[k] - want).abs().max().item()
+        assert diff <= 1e-4, f"{name}: {k} differs from the reference by {diff}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_world2_layouts_match_single_process(tmp_path, reference_runs):
+    names = [n for n, c in LAYOUTS.items() if c["world"] == 2]
+    results = run_layouts(tmp_path, 2, names)
+    for name in names:
+        _check(name, results[name], tmp_path / name, reference_runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_world4_layouts_match_single_process(tmp_path, reference_runs):
+    names = [n for n, c in LAYOUTS.items() if c["world"] == 4]
+    results = run_layouts(tmp_path, 4, names)
+    for name in names:
+        _check(name, results[name], tmp_path / name, reference_runs)
+
+
+def test_reference_is_layout_independent():
+    """Sanity of the contract itself: the same documents packed for 1 or 2 groups give the same loss."""
+    a, _ = reference(make_steps(1, 1, steps=1))
+    b, _ = reference(make_steps(2, 1, steps=1))
+    assert a == pytest.approx(b, rel=1e-6)
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    worker(Path(sys.argv[2]), sys.argv[3:])
