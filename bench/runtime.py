@@ -75,10 +75,9 @@ def make_batches(plan, steps: int, batch_docs: int, max_len: int, seed: int = 0)
 def plain_loop(batches: list, lr: float = 3e-4) -> list[float]:
     """The baseline: the same model and packing, no flexmesh runtime. Returns step times."""
     import torch
-    import torch.nn.functional as F
 
-    from flexmesh.data.packing import global_label_tokens, pack_microbatch
     from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.reference import reference_loss
     from flexmesh.spec.model import parse_model
 
     model = build_model(parse_model("tiny"), device="cpu")
@@ -86,15 +85,8 @@ def plain_loop(batches: list, lr: float = 3e-4) -> list[float]:
     times = []
     for docs, schedule in batches:
         t0 = time.perf_counter()
-        n = global_label_tokens(docs, schedule)
         opt.zero_grad(set_to_none=True)
-        for g in schedule.groups:
-            for mb in g.microbatches:
-                b = pack_microbatch(docs, mb)
-                logits = model(b.tokens, b)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.labels.reshape(-1),
-                                       ignore_index=-100, reduction="sum") / n
-                loss.backward()
+        reference_loss(model, docs, schedule)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         times.append(time.perf_counter() - t0)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
+from _dist import free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -169,10 +169,6 @@ def _model_check(rank: int, world: int) -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{kind} grad {name}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -180,4 +176,4 @@ def _free_port() -> int:
 def test_ulysses_and_ring_match_single_process_forward_and_backward():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 4
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _dist import free_port
 
 STEPS = 3
 SEED = 7
@@ -108,10 +108,9 @@ def train_config():
 def reference(steps: list) -> tuple[list[float], dict]:
     """A plain single-process loop over the same documents; no flexmesh runtime code but the model."""
     import torch
-    import torch.nn.functional as F
 
-    from flexmesh.data.packing import global_label_tokens, pack_microbatch
     from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.reference import reference_loss
     from flexmesh.runtime.train import lr_factor
 
     torch.manual_seed(0)
@@ -123,17 +122,8 @@ def reference(steps: list) -> tuple[list[float], dict]:
                                                                        cfg.min_lr_ratio))
     losses = []
     for docs, schedule in steps:
-        n = global_label_tokens(docs, schedule)
         opt.zero_grad()
-        total = 0.0
-        for g in schedule.groups:
-            for mb in g.microbatches:
-                b = pack_microbatch(docs, mb)
-                logits = model(b.tokens, b)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.labels.reshape(-1),
-                                       ignore_index=-100, reduction="sum") / n
-                loss.backward()
-                total += loss.item()
+        total = reference_loss(model, docs, schedule)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         sched.step()
@@ -142,10 +132,6 @@ def reference(steps: list) -> tuple[list[float], dict]:
 
 
 # ---- launching ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, args: list[str], timeout: float = 240, script: str = __file__) -> subprocess.CompletedProcess:
@@ -169,21 +155,9 @@ def weights_model():
 
 
 def first_loss(model, docs, schedule) -> float:
-    import torch
-    import torch.nn.functional as F
+    from flexmesh.runtime.reference import reference_loss
 
-    from flexmesh.data.packing import global_label_tokens, pack_microbatch
-
-    n = global_label_tokens(docs, schedule)
-    total = 0.0
-    with torch.no_grad():
-        for g in schedule.groups:
-            for mb in g.microbatches:
-                b = pack_microbatch(docs, mb)
-                logits = model(b.tokens, b)
-                total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.labels.reshape(-1),
-                                         ignore_index=-100, reduction="sum").item() / n
-    return total
+    return reference_loss(model, docs, schedule, backward=False)
 
 
 def run_layouts(tmp: Path, world: int, names: list[str]) -> dict:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _dist import free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -174,10 +174,6 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -185,4 +181,4 @@ def _free_port() -> int:
 def test_loads_into_fsdp2_and_tensor_parallel_layouts(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _, path = _saved(tmp_path)
-    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(path)), nprocs=2, join=True)
