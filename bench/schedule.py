@@ -107,7 +107,7 @@ def main() -> None:
     steps = 3 if args.quick else args.steps
     out: list[str] = ["llama2-7b, 8x8xA100-40GB (64 data ranks), ZeRO-3 over all data ranks, full recomputation, "
                       "Ulysses context parallelism; simulated steps (flexmesh.sim). Ratio to LB = simulated step / "
-                      "(scheduler's lower bound + the step's gradient sync and optimizer)."]
+                      "(scheduler's lower bound + the step's tail: the gradient sync left exposed after its last backward, and the optimizer)."]
     checks: list[tuple[str, str, bool]] = []
     sched: dict[str, list[float]] = {}
     console = Console(stderr=True)

@@ -9,7 +9,7 @@ slot; the degree with the lowest mean step time is kept and named (``fixed (cp=8
 of the other policies is measured against the best static setting, not a strawman.
 
 Ratio to the lower bound: the scheduler's bound covers the micro-batch phase only (see
-:mod:`flexmesh.schedule.lower_bound`); every schedule also pays the step's gradient sync and optimizer,
+:mod:`flexmesh.schedule.lower_bound`); every schedule also pays the step's exposed gradient sync and optimizer,
 so the simulated step time is compared with ``lower_bound + tail`` where ``tail`` is that step's
 simulated gradient sync + optimizer time.
 """
