@@ -256,18 +256,11 @@ def _check(name: str, result: dict, folder: Path, reference_runs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_world2_layouts_match_single_process(tmp_path, reference_runs):
-    names = [n for n, c in LAYOUTS.items() if c["world"] == 2]
-    results = run_layouts(tmp_path, 2, names)
-    for name in names:
-        _check(name, results[name], tmp_path / name, reference_runs)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_world4_layouts_match_single_process(tmp_path, reference_runs):
-    names = [n for n, c in LAYOUTS.items() if c["world"] == 4]
-    results = run_layouts(tmp_path, 4, names)
+@pytest.mark.parametrize("world", [2, 4])
+def test_layouts_match_single_process(tmp_path, reference_runs, world):
+    """Every layout of this world size, launched together under one torchrun to pay start-up once."""
+    names = [n for n, c in LAYOUTS.items() if c["world"] == world]
+    results = run_layouts(tmp_path, world, names)
     for name in names:
         _check(name, results[name], tmp_path / name, reference_runs)
 
