@@ -430,20 +430,20 @@ class CostModel:
                           memory=memory, fits=all(x["total"] <= budget for x in memory), budget=budget)
 
     @staticmethod
-    def exposed_sync(sync: float, last_backward: float, layers: int) -> float:
-        """Seconds of a once-per-step gradient sync left after the last backward pass ends.
+    def exposed_sync(sync, last_backward, layers):
+        """Seconds of a once-per-step gradient sync left after the last backward pass ends (arrays too).
 
         Layer by layer the gradients become ready during the last micro-batch's backward, so the sync
         hides under it except for the first layer's share; compute it overlaps slows by
         OVERLAP_SLOWDOWN. The same rule serves the plan evaluation and the step simulator.
 
-        >>> round(CostModel.exposed_sync(1.0, 4.0, layers=4), 3)  # all hidden; 13% slowdown on 1 s
+        >>> round(float(CostModel.exposed_sync(1.0, 4.0, layers=4)), 3)  # all hidden; 13% slowdown on 1 s
         0.13
-        >>> round(CostModel.exposed_sync(1.0, 0.4, layers=4), 3)  # 0.3 s hidden, 0.7 s exposed
+        >>> round(float(CostModel.exposed_sync(1.0, 0.4, layers=4)), 3)  # 0.3 s hidden, 0.7 s exposed
         0.739
         """
-        window = last_backward * (1 - 1 / max(layers, 1))
-        hidden = min(sync, window)
+        window = last_backward * (1 - 1 / np.maximum(layers, 1))
+        hidden = np.minimum(sync, window)
         return sync - hidden + (OVERLAP_SLOWDOWN - 1) * hidden
 
     def evaluate(self, plan) -> Evaluation:

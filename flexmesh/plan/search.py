@@ -36,7 +36,7 @@ from itertools import product
 
 import numpy as np
 
-from flexmesh.cost.model import GIB, OVERLAP_SLOWDOWN, CostModel, Evaluation, in_flight, pipeline_times
+from flexmesh.cost.model import GIB, CostModel, Evaluation, in_flight, pipeline_times
 from flexmesh.errors import PlanError
 from flexmesh.plan.partition import balance, compositions, count_compositions, even_split, neighbours
 from flexmesh.plan.plan import Plan, StagePlan
@@ -135,14 +135,8 @@ def _mesh(s: LayerStrategy) -> tuple:
 
 # ---- what step time and memory depend on -----------------------------------------------------------
 def _tail(grad_sync, bwd, optim, layers):
-    """Exposed gradient sync + optimizer after the pipeline drains, exactly as evaluate_stages computes it.
-
-    The sync overlaps the last micro-batch's backward of all but one layer; overlapped compute runs
-    ``OVERLAP_SLOWDOWN`` times slower. Works on numpy arrays.
-    """
-    window = bwd * (1 - 1 / np.maximum(layers, 1))
-    hidden = np.minimum(grad_sync, window)
-    return grad_sync - hidden + (OVERLAP_SLOWDOWN - 1) * hidden + optim
+    """Exposed gradient sync + optimizer after the pipeline drains, as evaluate_stages computes it."""
+    return CostModel.exposed_sync(grad_sync, bwd, layers) + optim
 
 
 @dataclass(frozen=True)
