@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-LENGTHS = Path(os.environ.get("FLEXMESH_SHARED", ROOT.parent / "shared")) / "data" / "lengths" / "wikipedia.txt"
+
+from flexmesh.commands.train import free_port  # noqa: E402  (after the path: `python bench/runtime.py` works)
 
 LAYOUTS_W4 = {
     "dp4 (replicated)": dict(strategy="tp1-dp4z0"),
@@ -58,10 +58,11 @@ def make_plan(world: int, strategy: str, pp: int = 1, max_len: int = 1024):
 
 def make_batches(plan, steps: int, batch_docs: int, max_len: int, seed: int = 0) -> list:
     from flexmesh.commands.train import make_schedule_fn
+    from flexmesh.data.lengths import load_lengths
     from flexmesh.spec.model import parse_model
 
     spec = parse_model("tiny")
-    lengths = np.loadtxt(LENGTHS, dtype=np.int64, max_rows=200_000)
+    lengths = load_lengths("wikipedia")[:200_000]
     rng = np.random.default_rng(seed)
     schedule_fn = make_schedule_fn(plan, spec, "fixed", max_len, seed)
     out = []
@@ -144,10 +145,7 @@ def main() -> None:
     from rich.table import Table
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from flexmesh.runtime.train import init_distributed
 
     init_distributed()
@@ -168,7 +166,7 @@ def main() -> None:
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-               "--master-port", str(port + 1 if port < 65000 else port - 1), __file__, "worker", str(res),
+               "--master-port", str(free_port()), __file__, "worker", str(res),
                str(steps), str(args.max_len), str(args.batch_docs)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:

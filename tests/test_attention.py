@@ -6,7 +6,7 @@ import os
 from datetime import timedelta
 
 import pytest
-from _dist import free_port
+from flexmesh.commands.train import free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _dist import free_port
+from flexmesh.commands.train import free_port
 
 STEPS = 3
 SEED = 7

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _dist import free_port
+from flexmesh.commands.train import free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -46,7 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now (for torchrun's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -67,7 +68,7 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
             continue
         forwarded.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "flexmesh", *forwarded]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "flexmesh", *forwarded]
     return subprocess.call(cmd)
 
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return _launch_torchrun(args)
     if "RANK" not in os.environ:  # a plain single process: make it a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     return _train(args)
 
 
