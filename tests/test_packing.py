@@ -33,6 +33,12 @@ def test_best_fit_leaves_at_most_one_half_empty_bin(lengths, cap):
     assert len(bins) <= -(-2 * sum(lengths) // cap)  # hence fewer than twice the ideal count
 
 
+def test_best_fit_puts_a_group_that_fits_into_one_micro_batch_longest_first():
+    assert best_fit_decreasing([0, 1, 2], [3, 5, 2], cap=10) == [[1, 0, 2]]
+    assert best_fit_decreasing([0, 1, 2], [3, 5, 2], cap=9) == [[1, 0], [2]]
+    assert best_fit_decreasing([], [3], cap=9) == []
+
+
 def test_next_fit_keeps_arrival_order():
     bins = next_fit([0, 1, 2, 3, 4], [4, 4, 4, 1, 1], 8)
     assert bins == [[0, 1], [2, 3, 4]]

@@ -138,3 +138,59 @@ def test_chunked_cuts_long_sequences_into_equal_time_slices():
     assert slices[0][1] - slices[0][0] > slices[-1][1] - slices[-1][0]  # ... so later slices are shorter
     hdp_like = make_schedule("hdp", lens, context(8, 2, False))
     assert s.predicted_step_time < hdp_like.predicted_step_time
+
+
+def test_hdp_splits_long_sequences_that_share_its_slowest_group():
+    ctx = context(16, 1, False)
+    rng = np.random.default_rng(3)
+    top = ctx.max_tokens(2)
+    lens = np.concatenate([rng.integers(100, 2000, 120), [int(0.8 * top), int(0.9 * top)]])
+    long = {len(lens) - 2, len(lens) - 1}
+
+    def holders(s):
+        return {k for k, g in enumerate(s.groups) for mb in g.microbatches for p in mb if p.seq_id in long}
+
+    plain = make_schedule("hdp", lens, ctx, repairs=0)
+    repaired = make_schedule("hdp", lens, ctx)
+    check(repaired, ctx, whole=True)
+    assert len(holders(plain)) == 1  # without repairs the two long sequences share one group ...
+    assert len(holders(repaired)) == 2  # ... with them each gets its own
+    assert repaired.predicted_step_time < plain.predicted_step_time
+
+
+def test_milp_rows_keep_long_sequences_apart():
+    from flexmesh.schedule.milp import _solve
+
+    # Three sequences of 0.6 s on one rank (0.35 s on two), two ranks, makespan 1 s: on average two
+    # single ranks hold 1.8 s of work, but no real schedule does (two of them would share a rank).
+    t = {1: np.array([0.6]), 2: np.array([0.35])}
+    args = (1.0, t, t, np.array([1]), np.array([3]), 2, 5.0)
+    assert _solve(*args) is not None  # the average alone is fooled
+    assert _solve(*args, min_t=t) is None
+    groups, x = _solve(2.0, t, t, np.array([1]), np.array([3]), 2, 5.0, min_t=t)
+    assert x.sum() == 3 and sum(d * m for d, m in groups.items()) <= 2
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_milp_targets_follow_the_bucket_counts(spread):
+    from flexmesh.schedule.milp import _targets
+
+    rng = np.random.default_rng(1)
+    lens = rng.integers(100, 9000, 60)
+    index = (lens > 3000).astype(int) + (lens > 6000).astype(int)
+    sizes = [1, 2, 4]
+    counts = np.bincount(index, minlength=3)
+    x = np.zeros((3, 3), dtype=int)
+    for b in range(3):  # split every bucket over the sizes
+        x[b, 0] = counts[b] // 3
+        x[b, 1] = counts[b] // 3
+        x[b, 2] = counts[b] - x[b, 0] - x[b, 1]
+    times = {d: lens.astype(float) ** 1.5 / d for d in sizes}
+    need = np.ones(lens.size, dtype=int)
+    target = _targets(lens, sizes, x, index, times, need, spread)
+    for b in range(3):
+        got = [int(((index == b) & (target == d)).sum()) for d in sizes]
+        assert got == x[b].tolist()
+    if not spread:  # the longest of a bucket take its largest size
+        b2 = np.flatnonzero(index == 2)
+        assert lens[b2][target[b2] == 4].min() >= lens[b2][target[b2] == 1].max()

@@ -33,6 +33,10 @@ class ScheduleContext:
     cp_kind: str = "ulysses"
     speed: tuple[float, ...] = ()
     max_group: int | None = None  # largest context-parallel group; default: all data ranks
+    # Packing budget: most tokens per rank of a group in one micro-batch (None: memory alone decides).
+    # Micro-batch time grows faster than its tokens where a profile says so (caches, logits), so
+    # packing everything a group holds into one micro-batch is not always best.
+    microbatch_tokens: int | None = None
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +88,11 @@ class ScheduleContext:
             self._cache[key] = self.cost.max_tokens(self.group_strategy(d), layers=self.layers_per_stage,
                                                     head=self.pp == 1, in_flight_mbs=flight)
         return self._cache[key]
+
+    def pack_tokens(self, d: int) -> int:
+        """Most tokens the packers put in one micro-batch of a group of ``d``: memory, and the budget."""
+        cap = self.max_tokens(d)
+        return cap if self.microbatch_tokens is None else min(cap, self.microbatch_tokens * d)
 
     def min_group(self, length: int) -> int:
         """Fewest ranks (a power of two) whose memory holds a sequence of ``length`` tokens.

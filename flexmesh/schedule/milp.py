@@ -15,12 +15,17 @@ and the warm start's step time::
     sum_d x[b, d] = n_b                                   every sequence placed
     sum_b x[b, d] * tbar_d(b) <= T * m[d]                 groups of d finish within T on average
     sum_d d * m[d] <= num_ranks                           ranks exist
+    sum_{b: tmin_d(b) > T/(q+1)} x[b, d] <= q * m[d]      q = 1, 2: whole sequences do not split
     minimise sum_{b,d} x[b, d] * d * tbar_d(b)            spend the fewest rank-seconds
 
-where ``tbar_d(b)`` is the mean time of bucket b's sequences on d ranks.
+where ``tbar_d(b)`` and ``tmin_d(b)`` are the mean and the shortest time of bucket b's sequences on
+d ranks. The load row is an average over a size's groups; the rows over ``q`` (valid for every real
+schedule: a group finishing within T holds at most q sequences longer than T / (q + 1)) stop the
+MILP from planning, say, three sequences of 0.6 T onto two groups.
 
-Each feasible solution becomes a real schedule (sequences of a bucket go longest-first to the
-largest sizes chosen for it, then the LPT and balance pass place them on concrete groups) and is
+Each feasible solution becomes a real schedule three ways, all placed on the MILP's groups by LPT
+and the balance pass: sequences of a bucket go longest-first to the largest sizes chosen for it; or
+spread over those sizes by time; or every sequence may take any group that holds it. The fastest is
 scored exactly by the cost model. The warm start is the best heuristic schedule (``hdp`` and
 ``balanced``): SciPy's ``milp`` takes no initial point, so the warm start enters as the upper end of
 the bisection and as the fallback; the result is never worse than it. HiGHS solves each MILP
@@ -42,7 +47,8 @@ from flexmesh.schedule.types import StepSchedule
 
 
 def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray], need_b: np.ndarray,
-           counts: np.ndarray, n_ranks: int, time_limit: float) -> tuple[dict[int, int], np.ndarray] | None:
+           counts: np.ndarray, n_ranks: int, time_limit: float, min_t: dict[int, np.ndarray] | None = None,
+           ) -> tuple[dict[int, int], np.ndarray] | None:
     """One feasibility MILP at makespan ``T``: (groups per size, x[b, d]) or None.
 
     ``mean_t[d][b]`` is the mean time of bucket ``b``'s sequences on ``d`` ranks (so a whole bucket's
@@ -68,10 +74,26 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
         A_load[k, nx + k] = -T
     A_ranks = np.zeros((1, nv))
     A_ranks[0, nx:] = sizes
+    cons = [LinearConstraint(A_place, counts, counts), LinearConstraint(A_load, -np.inf, 0.0),
+            LinearConstraint(A_ranks, 0, n_ranks)]
+    if min_t is not None:
+        # Whole sequences do not split between groups: more than q sequences each longer than T / (q + 1)
+        # cannot share one group, so a size holds at most q * m[d] of them (q = 1, 2). The average load
+        # row alone would let two sequences of 0.6 T share a group.
+        pk = np.array([k for _, k in pairs])
+        shortest = np.array([min_t[sizes[k]][b] for b, k in pairs])
+        rows = []
+        for q in (1, 2):
+            for k in range(nd):
+                row = np.zeros(nv)
+                row[:nx] = (pk == k) & (shortest > T / (q + 1))
+                if row.any():
+                    row[nx + k] = -q
+                    rows.append(row)
+        if rows:
+            cons.append(LinearConstraint(np.array(rows), -np.inf, 0.0))
     upper = np.concatenate([[counts[b] for b, _ in pairs], [n_ranks // d for d in sizes]])
-    res = milp(cost, integrality=np.ones(nv), bounds=Bounds(np.zeros(nv), upper),
-               constraints=[LinearConstraint(A_place, counts, counts), LinearConstraint(A_load, -np.inf, 0.0),
-                            LinearConstraint(A_ranks, 0, n_ranks)],
+    res = milp(cost, integrality=np.ones(nv), bounds=Bounds(np.zeros(nv), upper), constraints=cons,
                options={"time_limit": max(time_limit, 1e-3), "disp": False})
     if res.x is None:
         return None
@@ -82,26 +104,63 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
     return {d: int(xv[nx + k]) for k, d in enumerate(sizes)}, x
 
 
-def _realise(lens: np.ndarray, ctx: ScheduleContext, groups: dict[int, int], x: np.ndarray, index: np.ndarray,
-             times, need: np.ndarray, started: float, extra: dict) -> StepSchedule:
-    from flexmesh.schedule.policies import _pack_groups, assign_to_slots
+def _targets(lens: np.ndarray, sizes: list[int], x: np.ndarray, index: np.ndarray, times, need: np.ndarray,
+             spread: bool) -> np.ndarray:
+    """Each sequence's group size from the MILP's per-bucket counts ``x[b, k]`` (on ``sizes[k]`` ranks).
 
-    sizes_sorted = sorted(groups)
+    Without ``spread``, a bucket's longest sequences take its largest sizes. With ``spread``, the
+    bucket's sequences (longest first) go to the size furthest behind its share of the bucket's
+    time, so every size gets about the work the MILP planned for it (``x[b, k]`` times the mean), not
+    the bucket's longest members alone.
+    """
     target = need.copy()
+    order_k = sorted(range(len(sizes)), key=lambda k: -sizes[k])
     for b in range(x.shape[0]):
         ids = np.flatnonzero(index == b)
         ids = ids[np.argsort(-lens[ids], kind="stable")]
-        per = [d for k, d in sorted(enumerate(sizes_sorted), key=lambda kd: -kd[1]) for _ in range(x[b, k])]
-        target[ids] = np.maximum(need[ids], per[: ids.size])
+        if not spread:
+            per = [sizes[k] for k in order_k for _ in range(x[b, k])]
+            target[ids] = np.maximum(need[ids], per[: ids.size])
+            continue
+        ks = [k for k in order_k if x[b, k] > 0]
+        left = {k: int(x[b, k]) for k in ks}
+        plan = {k: x[b, k] * float(times[sizes[k]][ids].mean()) for k in ks}
+        done = dict.fromkeys(ks, 0.0)
+        for i in ids.tolist():
+            open_k = [k for k in ks if left[k] > 0] or ks
+            k = min(open_k, key=lambda k: (done[k] + times[sizes[k]][i]) / plan[k])
+            target[i] = max(int(need[i]), sizes[k])
+            done[k] += times[sizes[k]][i]
+            left[k] -= 1
+    return target
+
+
+def _realise(lens: np.ndarray, ctx: ScheduleContext, groups: dict[int, int], x: np.ndarray, index: np.ndarray,
+             times, need: np.ndarray, started: float, extra: dict) -> StepSchedule:
+    """The best of a few concrete schedules for one MILP solution (the layout ``groups`` is fixed).
+
+    Bucket counts are only an average; the sequences behind them differ in time, so the MILP's
+    sizes are realised three ways (longest to largest, spread by time, and the layout alone with
+    every sequence free to take any group that holds it) and each is placed by LPT and balance.
+    """
+    from flexmesh.schedule.policies import _pack_groups, assign_to_slots, round_up_to
+
+    sizes_sorted = sorted(groups)
     slots = aligned_layout([d for d in sizes_sorted for _ in range(groups[d])], ctx.num_ranks)
-    have = sorted({s.size for s in slots})
-    target = np.asarray([next((h for h in have if h >= t), have[-1]) for t in target])
-    members = assign_to_slots(lens, ctx, slots, times, need, target)
-    return build_schedule("milp", lens, ctx, slots, _pack_groups(lens, ctx, slots, members), started, extra=extra)
+    best = None
+    for how in ("largest", "spread", "layout"):
+        target = need if how == "layout" else _targets(lens, sizes_sorted, x, index, times, need, how == "spread")
+        target = round_up_to(target, [s.size for s in slots])
+        members, loads = assign_to_slots(lens, ctx, slots, times, need, target, with_loads=True)
+        if best is None or loads.max() < best[0] - 1e-12:
+            best = (float(loads.max()), members, how)
+    _, members, how = best
+    return build_schedule("milp", lens, ctx, slots, _pack_groups(lens, ctx, slots, members), started,
+                          extra={**extra, "realised_by": how})
 
 
 def milp_schedule(lengths, ctx: ScheduleContext, *, seed: int = 0, buckets: int = 16, time_limit: float = 1.0,
-                  iterations: int = 8) -> StepSchedule:
+                  iterations: int = 8, cuts: bool = True) -> StepSchedule:
     """Bucketed MILP over group sizes, warm-started from the best heuristic; never worse than it."""
     from flexmesh.schedule.policies import _lengths, balanced, hdp
 
@@ -116,6 +175,11 @@ def milp_schedule(lengths, ctx: ScheduleContext, *, seed: int = 0, buckets: int 
     max_t = {d: t / speed for d, t in seq_times(bk.edges, ctx).items()}
     mean_t = {d: np.bincount(bk.index, weights=t, minlength=bk.counts.size) / bk.counts / speed
               for d, t in times.items()}
+    min_t = {}
+    for d, t in times.items():
+        m = np.full(bk.counts.size, np.inf)
+        np.minimum.at(m, bk.index, t / speed)
+        min_t[d] = m
     lo, hi = lower_bound(lens, ctx), warm.predicted_step_time
     best, solved, status = warm, 0, "warm start kept"
     deadline = t0 + time_limit
@@ -124,7 +188,7 @@ def milp_schedule(lengths, ctx: ScheduleContext, *, seed: int = 0, buckets: int 
         if left <= 0 or hi - lo <= 1e-3 * hi:
             break
         T = 0.5 * (lo + hi)
-        sol = _solve(T, mean_t, max_t, need_b, bk.counts, ctx.num_ranks, left)
+        sol = _solve(T, mean_t, max_t, need_b, bk.counts, ctx.num_ranks, left, min_t if cuts else None)
         if sol is None:
             lo = T
             continue

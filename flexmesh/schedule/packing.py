@@ -59,6 +59,8 @@ def best_fit_decreasing(ids, lengths, cap: int) -> list[list[int]]:
         _check(np.asarray([max(lens[i] for i in ids)]), cap)
     # Plain lists: groups hold a handful of sequences, where numpy's per-call cost dominates.
     order = sorted(ids, key=lambda i: -lens[i])
+    if sum(lens[i] for i in ids) <= cap:
+        return [order] if order else []  # all in one micro-batch: what the loop below would build
     bins: list[list[int]] = []
     rooms: list[tuple[int, int]] = []  # sorted (room left, bin index)
     for i in order:

@@ -12,7 +12,9 @@ numbers today; ``seed`` is part of the signature so that a randomised policy can
   a group's fair share) beyond ``max_outliers`` to a later step.
 - ``hdp`` (ByteScale): each sequence on the fewest ranks its memory needs (more only when it alone
   would outlast the balanced step), group counts per size by water-filling the work, LPT placement,
-  then a balance pass off the slowest group; groups run different numbers of micro-batches.
+  then a balance pass off the slowest group; groups run different numbers of micro-batches. When the
+  slowest group holds several sequences, up to ``repairs`` times one more group of its size is made
+  from the smallest groups' ranks, kept when that is faster.
 - ``milp`` (FlexSP) in :mod:`flexmesh.schedule.milp`; ``chunked`` (InfiniPipe, pipelines) in
   :mod:`flexmesh.schedule.chunking`.
 
@@ -68,8 +70,11 @@ def _static_cp(lens: np.ndarray, ctx: ScheduleContext, cp: int | None, tokens: i
 
 
 def _pack_groups(lens: np.ndarray, ctx: ScheduleContext, slots: list[Slot], members: list[list[int]]):
+    """Best-fit-decreasing micro-batches per group under ``ctx.pack_tokens``; a member longer than that
+    budget (it fits memory, or it would not be here) rides in a micro-batch of its own length."""
     ll = lens.tolist()
-    return [[pieces_of(mb, ll) for mb in best_fit_decreasing(m, ll, ctx.max_tokens(s.size))] if m else []
+    return [[pieces_of(mb, ll) for mb in best_fit_decreasing(m, ll, max(ctx.pack_tokens(s.size),
+                                                                        max(ll[i] for i in m)))] if m else []
             for s, m in zip(slots, members)]
 
 
@@ -194,26 +199,123 @@ def hdp_layout(lens: np.ndarray, ctx: ScheduleContext, times: dict[int, np.ndarr
     sizes = [d for d in classes for _ in range(groups[d])]
     # Sequences of a class that got no group of its own ride on the next larger class.
     have = sorted(d for d in classes if groups[d])
-    target = np.asarray([next(h for h in have if h >= d) for d in target], dtype=np.int64) if len(have) else target
+    target = round_up_to(target, have) if len(have) else target
     return sizes, target
 
 
-def hdp(lengths, ctx: ScheduleContext, *, seed: int = 0, grow: bool = True, balance: bool = True) -> StepSchedule:
+def hdp(lengths, ctx: ScheduleContext, *, seed: int = 0, grow: bool = True, balance: bool = True,
+        repairs: int = 2) -> StepSchedule:
     """Hybrid data parallelism: variable group sizes per step, LPT placement, balance pass."""
     t0 = time.perf_counter()
     lens = _lengths(lengths)
     need = min_groups(lens, ctx)
     times = seq_times(lens, ctx)
     # Two ways to size the groups; each is placed, and the one whose slowest group is faster is kept.
-    best = None
+    best, tried = None, []
     for fair in (True, False):
         sizes, target = hdp_layout(lens, ctx, times, need, grow=grow, fair_share=fair)
+        if any(sizes == s and np.array_equal(target, t) for s, t in tried):
+            continue  # both ways gave the same layout: place it once
+        tried.append((sizes, target))
         slots = aligned_layout(sizes, ctx.num_ranks)
         members, loads = assign_to_slots(lens, ctx, slots, times, need, target, balance=balance, with_loads=True)
-        if best is None or loads.max() < best[0]:
-            best = (float(loads.max()), slots, members)
-    _, slots, members = best
+        if best is None or loads.max() < best[2].max():
+            best = (slots, members, loads, target)
+    for _ in range(repairs):
+        fixed_up = _split_slowest(lens, ctx, *best, times, need, balance)
+        if fixed_up is None or not fixed_up[2].max() < best[2].max() - 1e-12:
+            break
+        best = fixed_up
+    slots, members = best[0], best[1]
     return build_schedule("hdp", lens, ctx, slots, _pack_groups(lens, ctx, slots, members), t0)
+
+
+COARSE = 0.25
+
+
+def _split_slowest(lens: np.ndarray, ctx: ScheduleContext, slots: list[Slot], members: list[list[int]],
+                   loads: np.ndarray, target: np.ndarray, times: dict[int, np.ndarray], need: np.ndarray,
+                   balance: bool = True):
+    """One more group of the slowest group's size, paid for with the smallest groups' ranks.
+
+    Whole sequences are coarse: two long ones forced onto one group can outlast every other group
+    while a second group of that size would split them. The slowest group's sequences and those of
+    the dropped groups are placed again (LPT onto the other groups' current loads), then the balance
+    pass runs. Returns ``(slots, members, loads, target)`` or None when no such layout exists; the
+    caller keeps it only if it is faster.
+    """
+    g = int(np.argmax(loads))
+    d = slots[g].size
+    own = np.sort(times[d][members[g]])[::-1]
+    # Only a group made of few long sequences is coarse: on bench/schedule.py's batches every split
+    # that helped had its second-longest sequence at >= 27% of the group's time, and below a quarter
+    # the balance pass's moves had already done what a split could (the attempt only cost time).
+    if own.size < 2 or own[1] < COARSE * own.sum():
+        return None
+    sizes = _one_more_group([s.size for s in slots], d)
+    if sizes is None:
+        return None
+    new_slots = aligned_layout(sizes, ctx.num_ranks)
+    # Old groups keep their members in order within each size; the last ones of the dropped sizes go.
+    old_by = {}
+    for k, s in enumerate(slots):
+        old_by.setdefault(s.size, []).append(k)
+    new_members: list[list[int]] = [[] for _ in new_slots]
+    taken = {c: 0 for c in old_by}
+    for k, s in enumerate(new_slots):
+        olds = old_by.get(s.size, [])
+        if taken.get(s.size, 0) < len(olds):
+            new_members[k] = list(members[olds[taken[s.size]]])
+            taken[s.size] += 1
+    used = {olds[i] for c, olds in old_by.items() for i in range(taken[c])}
+    orphans = [i for k in range(len(slots)) if k not in used or k == g for i in members[k]]
+    for k, s in enumerate(new_slots):  # the slowest group's members are orphans too
+        if s.size == d and new_members[k] == members[g]:
+            new_members[k] = []
+            break
+    tgt = round_up_to(target, [s.size for s in new_slots])
+    sizes_l = [s.size for s in new_slots]
+    speeds = [slot_speed(ctx, s) for s in new_slots]
+    init = np.array([float(times[s][m].sum()) / sp if m else 0.0 for s, m, sp in zip(sizes_l, new_members, speeds)])
+    orphans = np.asarray(orphans, dtype=np.int64)
+    t_target = np.choose(np.searchsorted(ctx.group_sizes, tgt[orphans]), [times[c][orphans] for c in ctx.group_sizes])
+    order = orphans[np.lexsort((orphans, -(tgt[orphans] * t_target)))]
+    placed, loads2 = lpt(order, tgt, times, sizes_l, speeds, loads=init)
+    for k, extra in enumerate(placed):
+        new_members[k].extend(extra)
+    if balance:
+        loads2 = rebalance(new_members, loads2, need, times, sizes_l, speeds)
+    return new_slots, new_members, loads2, tgt
+
+
+def round_up_to(target: np.ndarray, sizes) -> np.ndarray:
+    """Each target group size raised to the smallest of ``sizes`` holding it (the largest when none does).
+
+    >>> round_up_to(np.array([1, 2, 8, 16]), [4, 8, 4]).tolist()
+    [4, 4, 8, 8]
+    """
+    have = np.unique(np.asarray(sizes, dtype=np.int64))
+    return have[np.minimum(np.searchsorted(have, target, side="left"), have.size - 1)]
+
+
+def _one_more_group(sizes: list[int], d: int) -> list[int] | None:
+    """``sizes`` plus one group of ``d`` ranks, made by dropping the smallest groups (all smaller than d).
+
+    Ranks freed beyond ``d`` come back as groups of one. None when the smaller groups hold fewer than
+    ``d`` ranks.
+
+    >>> _one_more_group([4, 2, 1, 1, 1, 1], 4)
+    [4, 4, 2]
+    >>> _one_more_group([4, 2, 2, 1], 4)
+    [4, 4, 1]
+    """
+    rest = sorted(sizes)
+    freed = 0
+    while freed < d and rest and rest[0] < d:
+        freed += rest.pop(0)
+    if freed < d:
+        return None
+    return sorted(rest + [d] + [1] * (freed - d), reverse=True)
 
 
 def assign_to_slots(lens: np.ndarray, ctx: ScheduleContext, slots: list[Slot], times: dict[int, np.ndarray],
