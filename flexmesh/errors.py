@@ -23,3 +23,7 @@ class CheckpointError(FlexmeshError):
 
 class DataError(FlexmeshError):
     """A corpus, tokenizer or token cache is missing, empty or malformed."""
+
+
+class ProfileError(FlexmeshError):
+    """A hardware or model profile is missing, malformed, of another version or kind, or from another model."""

@@ -28,8 +28,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Search per-layer strategies, pipeline split, schedule and micro-batches; print the best plans.")
     p.add_argument("--model", default="llama3-8b",
                    help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path (default llama3-8b)")
-    p.add_argument("--cluster", default="8xH100",
-                   help="e.g. 8xH100, 8x8xA100-40GB, or a JSON/TOML cluster file (default 8xH100)")
+    p.add_argument("--cluster", default=None,
+                   help="e.g. 8xH100, 8x8xA100-40GB, or a JSON/TOML cluster file (default: the hardware "
+                        "profile's node, else 8xH100)")
+    p.add_argument("--hardware-profile", metavar="PATH",
+                   help="price compute and communication with this `flexmesh profile hardware` file")
+    p.add_argument("--model-profile", metavar="PATH",
+                   help="price layers and activations with this `flexmesh profile model` file")
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
     p.add_argument("--global-batch", type=int, default=128, help="sequences per step (default 128)")
     p.add_argument("--out", help="write the best plan as JSON here (atomically)")
@@ -48,9 +53,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = parse_model(args.model)
-    cluster = parse_cluster(args.cluster)
-    cost = CostModel(model, cluster)
+    from flexmesh.profile.use import cost_model_for
+
+    cost = cost_model_for(parse_model(args.model), args.cluster, args.hardware_profile, args.model_profile,
+                          default_cluster="8xH100")
+    model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = Console()
     if args.check:
         plan = Plan.load(args.check)

@@ -20,6 +20,11 @@ Sources of the formulas (constants come from the device preset or a profile, see
 - Logits: bf16 logits + fp32 softmax saved by the vocab-parallel cross entropy: 6 bytes per logit.
 - Gradient sync overlaps the last micro-batch's backward; overlapped compute slows down by the
   factor Galvatron measured on A100 (1.13, 2211.13878).
+- With a model profile (``flexmesh profile model``, :mod:`flexmesh.profile`) layer, embedding and head
+  times come from its fitted coefficients instead of FLOPs (the token-dependent part divided by
+  tp x cp), activation bytes per token from its measured table by tp/cp degree and recomputation,
+  bytes per parameter and the optimizer's seconds per parameter from its measurements, and the
+  dtype (the one the runtime trains in) from the profile. See :class:`CostModel`.
 - Pipeline step time: sum of stage times + (m - 1) x the slowest stage for 1F1B and GPipe; the
   interleaved schedule divides the fill and drain by the number of chunks (2104.04473).
 - In-flight micro-batches on pipeline rank r: 1F1B pp - r, GPipe all m, interleaved Megatron's
@@ -34,6 +39,7 @@ from functools import lru_cache
 import numpy as np
 
 from flexmesh.cost.hardware import Hardware, group_shape
+from flexmesh.errors import ProfileError
 from flexmesh.plan.strategy import LayerStrategy
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
@@ -204,19 +210,69 @@ def pipeline_times(schedule: str, rank_times, m: int, v: int = 1) -> np.ndarray:
 
 
 class CostModel:
-    """Time and memory for a model on a cluster; built from presets or a hardware profile."""
+    """Time and memory for a model on a cluster; from presets, or from profiles when given.
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, hardware: Hardware | None = None):
+    ``hardware``: a :class:`Hardware` (``Hardware.from_profile(cluster, hardware_profile)`` for a
+    measured machine; default: the cluster's device preset). ``model_profile``: a
+    :class:`flexmesh.profile.ModelProfile` of this model (checked); with it
+
+    - a layer's forward and backward seconds are the profile's fits ``c0 + (c1 * tokens +
+      c2 * sum(len^2) + c3 * tokens^2) / (tp * cp)`` (backward under recomputation has its own fit);
+      the embedding's and the head's likewise, linear in tokens;
+    - activation bytes per token come from the profile's table for the strategy's (tp, cp,
+      recompute); a degree pair it did not measure falls back to the tp = cp = 1 value divided by
+      tp * cp. The dense attention mask the CPU kernel saves (``attention_mask_bytes_per_sq_row_token``
+      x tokens^2 per layer, local and Ulysses attention; ring attention saves none) is added to a
+      layer's activations but not to :meth:`activation_bytes_per_token` (which is per token);
+    - weights, gradients and optimizer states take the profile's bytes per parameter, the optimizer
+      step its seconds per parameter, and every byte count the profile's dtype.
+    """
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, hardware: Hardware | None = None,
+                 model_profile=None):
+        if model_profile is not None:
+            model_profile.check_model(model)
+            model = replace(model, dtype=model_profile.dtype)  # the dtype the profile measured (the runtime's)
         self.model = model
         self.cluster = cluster
         self.hw = hardware or Hardware(cluster, model.dtype)
+        self.profile = model_profile
         self.act_elems = activation_elems_per_token(model)
+        if model_profile is not None:
+            st = model_profile.states
+            self.weight_bytes = float(st["weight_bytes_per_param"])
+            self.grad_bytes = float(st["grad_bytes_per_param"])
+            self.optim_bytes = float(st["optimizer_bytes_per_param"])
+        else:
+            self.weight_bytes, self.grad_bytes, self.optim_bytes = model.dtype_bytes, GRAD_BYTES, OPTIM_BYTES
         self._layer = lru_cache(maxsize=None)(self._layer_uncached)
         self._ends = lru_cache(maxsize=None)(self._ends_uncached)
 
     @property
     def source(self) -> str:
-        return self.hw.source
+        """``preset:<device>``, ``profile:<hardware profile>``, or with a model profile
+        ``profile:<hardware profile>+<model profile>`` (``preset:<device>+profile:<model profile>``)."""
+        if self.profile is None:
+            return self.hw.source
+        sep = "+" if self.hw.source.startswith("profile:") else "+profile:"
+        return f"{self.hw.source}{sep}{self.profile.name}"
+
+    # ---- measured activation bytes (model profile) ------------------------------------------------
+    def _profiled_act_per_token(self, tp: int, cp: int, recompute: bool) -> float:
+        """Bytes one layer saves per token of the micro-batch on each device of a tp x cp group."""
+        entry = self.profile.activation_entry(tp, cp, recompute)
+        if entry is not None:
+            return float(entry["bytes_per_token"])
+        base = self.profile.activation_entry(1, 1, recompute)
+        if base is None:
+            raise ProfileError(f"model profile {self.profile.name} has no tp=1 cp=1 activation measurement "
+                               f"(recompute={recompute}); re-run `flexmesh profile model`")
+        return float(base["bytes_per_token"]) / (tp * cp)
+
+    def _profiled_mask_bytes(self, s: LayerStrategy, tokens):
+        if s.cp > 1 and s.cp_kind == "ring":  # the ring kernel keeps no mask
+            return 0.0
+        return float(self.profile.activations["attention_mask_bytes_per_sq_row_token"]) * tokens * tokens
 
     @property
     def memory_budget(self) -> float:
@@ -229,7 +285,7 @@ class CostModel:
     def _states(self, params: float, s: LayerStrategy) -> float:
         """Bytes of weights, gradients and optimizer states for ``params`` parameters on one device."""
         p = params / s.tp
-        w, g, o = self.model.dtype_bytes, GRAD_BYTES, OPTIM_BYTES
+        w, g, o = self.weight_bytes, self.grad_bytes, self.optim_bytes
         d = s.shard_degree
         if s.zero >= 1:
             o /= d
@@ -243,13 +299,17 @@ class CostModel:
         """(exposed fwd, exposed bwd, per-step sync, optimizer time) for ZeRO / DP of ``params``."""
         d = s.shard_degree
         p = params / s.tp
-        optim = p / (d if s.zero >= 1 else 1) * OPTIM_TRAFFIC_BYTES / self.hw.hbm_bytes_per_s
+        if self.profile is not None:
+            per_param = float(self.profile.states["optimizer_step_s_per_param"])
+        else:
+            per_param = OPTIM_TRAFFIC_BYTES / self.hw.hbm_bytes_per_s
+        optim = p / (d if s.zero >= 1 else 1) * per_param
         if d == 1:
             return 0.0, 0.0, 0.0, optim
         shape = group_shape(d, s.tp, self.cluster)
         ct = self.hw.collective_time
-        grads = p * GRAD_BYTES
-        weights = p * self.model.dtype_bytes
+        grads = p * self.grad_bytes
+        weights = p * self.weight_bytes
         if s.zero <= 1:  # all-reduce, or reduce-scatter + all-gather of the same volume
             return 0.0, 0.0, ct("all_reduce", grads, shape), optim
         if s.zero == 2:  # reduce-scatter every micro-batch, all-gather updated weights once
@@ -273,9 +333,15 @@ class CostModel:
         """
         m, hw, ct = self.model, self.hw, self.hw.collective_time
         split = s.tp * s.cp
-        t_attn = m.layer_attn_flops_per_sq_token * sq_tokens / split / hw.attn_flops
-        fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
-        bwd = fwd * (3 if s.recompute else 2)
+        if self.profile is not None:
+            fit = self.profile.layer
+            t_attn = fit["forward"].attention(tokens, sq_tokens, split)
+            fwd = fit["forward"].time(tokens, sq_tokens, split)
+            bwd = fit["backward_recompute" if s.recompute else "backward"].time(tokens, sq_tokens, split)
+        else:
+            t_attn = m.layer_attn_flops_per_sq_token * sq_tokens / split / hw.attn_flops
+            fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
+            bwd = fwd * (3 if s.recompute else 2)
         b = m.dtype_bytes
         dev_tokens = tokens / s.cp  # tokens held by each tp rank of the group (sequence split by cp)
         bwd_passes = 2 if s.recompute else 1  # recomputation repeats the forward's collectives
@@ -308,8 +374,13 @@ class CostModel:
         b = m.dtype_bytes
         dev_tokens = work.tokens / s.cp
         zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd)
-        act_full = dev_tokens / s.tp * self.act_elems * b
-        act = dev_tokens / s.tp * m.hidden * b if s.recompute else act_full
+        if self.profile is not None:
+            act_full = (self._profiled_act_per_token(s.tp, s.cp, False) * work.tokens
+                        + self._profiled_mask_bytes(s, work.tokens))
+            act = self._profiled_act_per_token(s.tp, s.cp, True) * work.tokens if s.recompute else act_full
+        else:
+            act_full = dev_tokens / s.tp * self.act_elems * b
+            act = dev_tokens / s.tp * m.hidden * b if s.recompute else act_full
         transient = act_full if s.recompute else 0.0
         if s.zero == 3:  # the gathered weights of this layer and the prefetched next one
             transient += 2 * m.layer_params / s.tp * b
@@ -337,21 +408,41 @@ class CostModel:
         m = self.model
         total = LayerCost()
         dev_tokens = work.tokens / s.cp
+        prof = self.profile
         if embed:
-            zf, zb, sync, optim = self._grad_comm(m.embedding_params, s, 0.0, 0.0)
-            total = total + LayerCost(comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
-                                      states=self._states(m.embedding_params, s),
-                                      act=dev_tokens / s.tp * m.hidden * m.dtype_bytes)
+            fwd = bwd = 0.0
+            act = dev_tokens / s.tp * m.hidden * m.dtype_bytes
+            if prof is not None:
+                fwd = float(prof.embedding["forward"].time(work.tokens, 0.0, s.tp * s.cp))
+                bwd = float(prof.embedding["backward"].time(work.tokens, 0.0, s.tp * s.cp))
+                act = dev_tokens * float(prof.activations["embedding_bytes_per_token"])
+            zf, zb, sync, optim = self._grad_comm(m.embedding_params, s, fwd, bwd)
+            total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
+                                      states=self._states(m.embedding_params, s), act=act)
         if head:
             params = m.head_params
             if m.tie_embeddings and not embed:  # a tied head on another stage keeps its own copy
                 params += m.vocab * m.hidden
-            fwd = m.head_flops_per_token * work.tokens / (s.tp * s.cp) / self.hw.matmul_flops
-            zf, zb, sync, optim = self._grad_comm(params, s, fwd, 2 * fwd)
-            logits = dev_tokens * m.vocab / s.tp * LOGIT_BYTES
-            total = total + LayerCost(fwd=fwd, bwd=2 * fwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync,
-                                      optim=optim, states=self._states(params, s), transient=logits)
+            fwd, bwd = self._head_times(s, work.tokens)
+            zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd)
+            total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync,
+                                      optim=optim, states=self._states(params, s), transient=self._logit_bytes(s, work.tokens))
         return total
+
+    def _head_times(self, s: LayerStrategy, tokens):
+        """(forward, backward) seconds of the final norm + LM head + loss for ``tokens`` on a tp x cp group."""
+        if self.profile is not None:
+            fit = self.profile.head
+            return fit["forward"].time(tokens, 0.0, s.tp * s.cp), fit["backward"].time(tokens, 0.0, s.tp * s.cp)
+        fwd = self.model.head_flops_per_token * tokens / (s.tp * s.cp) / self.hw.matmul_flops
+        return fwd, 2 * fwd
+
+    def _logit_bytes(self, s: LayerStrategy, tokens):
+        """Bytes the head and loss keep for backward on each device (the runtime's tp head gathers the
+        logits on every tp rank, so a model profile's measurement divides by cp only)."""
+        if self.profile is not None:
+            return tokens / s.cp * float(self.profile.activations["head_bytes_per_token"])
+        return tokens / s.cp * self.model.vocab / s.tp * LOGIT_BYTES
 
     def layer_work(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int) -> Work:
         """Work of one replica of a layer when a stage's micro-batch of equal-length sequences splits over dp."""
@@ -461,13 +552,16 @@ class CostModel:
         compute, so it is evaluated term by term rather than through fitted coefficients. ZeRO
         collectives are per step and left to :meth:`step_grad_sync`.
         """
-        return self.microbatch_phases(s, tokens, sq_tokens, layers, head).total
+        return self.microbatch_phases(s, tokens, sq_tokens, layers, head, embed=embed).total
 
     def activation_bytes_per_token(self, s: LayerStrategy, layers: int | None = None,
                                    in_flight_mbs: float = 1.0) -> float:
         """Saved-activation bytes per token of a micro-batch on each device of a tp x cp group."""
         layers = self.model.num_layers if layers is None else layers
-        per = (self.model.hidden if s.recompute else self.act_elems) * self.model.dtype_bytes / (s.tp * s.cp)
+        if self.profile is not None:
+            per = self._profiled_act_per_token(s.tp, s.cp, s.recompute)
+        else:
+            per = (self.model.hidden if s.recompute else self.act_elems) * self.model.dtype_bytes / (s.tp * s.cp)
         return per * layers * in_flight_mbs
 
     def max_tokens(self, s: LayerStrategy, layers: int | None = None, embed: bool = True, head: bool = True,
@@ -479,27 +573,32 @@ class CostModel:
         if embed or head:
             states += self.ends(s, one, embed, head).states
         per_token = self.activation_bytes_per_token(s, layers, in_flight_mbs)
-        per_token += self.act_elems * self.model.dtype_bytes / (s.tp * s.cp) if s.recompute else 0.0
+        if s.recompute:  # one layer's full activations while it is recomputed
+            per_token += (self._profiled_act_per_token(s.tp, s.cp, False) if self.profile is not None
+                          else self.act_elems * self.model.dtype_bytes / (s.tp * s.cp))
         if head:
-            per_token += self.model.vocab / (s.tp * s.cp) * LOGIT_BYTES
+            per_token += self._logit_bytes(s, 1.0)
         transient = 2 * self.model.layer_params / s.tp * self.model.dtype_bytes if s.zero == 3 else 0.0
         free = self.memory_budget - states - transient
         return max(0, int(free / per_token))
 
     # ---- for the simulator ------------------------------------------------------------------------
     def microbatch_phases(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
-                          head: bool = True) -> "MicrobatchPhases":
+                          head: bool = True, embed: bool = False) -> "MicrobatchPhases":
         """:meth:`microbatch_time` split into forward and backward, compute and exposed communication,
-        so that a pipeline simulation can order the passes.
+        so that a pipeline simulation can order the passes. The embedding costs time only with a
+        model profile (the preset counts no FLOPs for a lookup).
         """
         layers = self.model.num_layers if layers is None else layers
         tokens = np.asarray(tokens, dtype=float)
         sq = np.asarray(sq_tokens, dtype=float)
         fwd, bwd, cf, cb = self._layer_phases(s, tokens, sq)
-        m = self.model
-        head_f = m.head_flops_per_token * tokens / (s.tp * s.cp) / self.hw.matmul_flops if head else 0.0
+        head_f, head_b = self._head_times(s, tokens) if head else (0.0, 0.0)
+        if embed and self.profile is not None:
+            head_f = head_f + self.profile.embedding["forward"].time(tokens, 0.0, s.tp * s.cp)
+            head_b = head_b + self.profile.embedding["backward"].time(tokens, 0.0, s.tp * s.cp)
         zero = np.zeros_like(tokens)
-        return MicrobatchPhases(fwd=fwd * layers + head_f, bwd=bwd * layers + 2 * head_f,
+        return MicrobatchPhases(fwd=fwd * layers + head_f, bwd=bwd * layers + head_b,
                                 comm_fwd=(cf + zero) * layers, comm_bwd=(cb + zero) * layers)
 
     def step_grad_sync(self, s: LayerStrategy, data_ranks: int, layers: int | None = None,

@@ -1,0 +1,128 @@
+"""``flexmesh profile hardware|model``: measure this machine or a model and write a profile (docs/cli-profile.md).
+
+Both run in one process, under your own ``torchrun``, or with ``--nproc N`` under a torchrun they
+launch themselves; with several processes every process runs the same sweep at the same time and
+rank 0 writes the median of each measurement, so the contention of N training processes is in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from flexmesh.errors import ProfileError
+
+GIB = 2**30
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="measure the hardware or a model and write a profile",
+                              description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    kinds = p.add_subparsers(dest="profile_kind", metavar="KIND")
+    hw = kinds.add_parser("hardware", help="collectives (alpha-beta per group size), matmul, memory bandwidth, attention",
+                          description="Time collectives, matmuls, memory copies and attention; fit alpha-beta per "
+                                      "collective and group size; write a hardware profile.")
+    hw.set_defaults(func=run, profile_kind="hardware")
+    mdl = kinds.add_parser("model", help="per-layer time fits, activation bytes per tp/cp degree, states",
+                           description="Time the runtime's layers over packed rows, measure saved activations per "
+                                       "tp/cp degree and recomputation, and write a model profile.")
+    mdl.add_argument("--model", default="tiny", help="preset, gpt:L:H:A or a config.json (default tiny)")
+    mdl.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                     help="dtype to measure in (default fp32, the dtype the runtime trains in)")
+    mdl.set_defaults(func=run, profile_kind="model")
+    for sp in (hw, mdl):
+        sp.add_argument("--quick", action="store_true", help="a small sweep (well under a minute on a laptop)")
+        sp.add_argument("--out", help="profile file to write, atomically (default hardware.json / model-<name>.json)")
+        sp.add_argument("--nproc", type=int, help="launch torchrun with this many processes on this node")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=lambda a: (p.print_help(), 1)[1])
+    return p
+
+
+def _forwarded(args: argparse.Namespace, out: str) -> list[str]:
+    argv = ["profile", args.profile_kind, "--out", out]
+    if args.profile_kind == "model":
+        argv += ["--model", args.model, "--dtype", args.dtype]
+    if args.quick:
+        argv.append("--quick")
+    if args.no_progress:
+        argv.append("--no-progress")
+    return argv
+
+
+def _out_path(args: argparse.Namespace) -> str:
+    if args.out:
+        return args.out
+    if args.profile_kind == "hardware":
+        return "hardware.json"
+    from flexmesh.spec.model import parse_model
+
+    return f"model-{parse_model(args.model).name.replace('/', '_')}.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    out = _out_path(args)
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        if args.nproc < 1:
+            raise ProfileError(f"--nproc must be at least 1, got {args.nproc}")
+        from flexmesh.commands.train import _launch_torchrun
+
+        return _launch_torchrun(args, _forwarded(args, str(Path(out).resolve())))
+    from flexmesh.profile.runner import World
+
+    world = World()
+    try:
+        if args.profile_kind == "hardware":
+            from flexmesh.profile.hardware import profile_hardware
+
+            prof = profile_hardware(quick=args.quick, show_progress=not args.no_progress, world=world)
+        else:
+            from flexmesh.profile.model import profile_model
+            from flexmesh.spec.model import parse_model
+
+            prof = profile_model(parse_model(args.model), quick=args.quick, dtype=args.dtype,
+                                 show_progress=not args.no_progress, world=world)
+        if prof is not None:
+            prof.save(out)
+            _summary(prof, out)
+    finally:
+        world.close()
+    return 0
+
+
+def _summary(prof, out: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if prof.kind == "hardware":
+        t = Table(title=f"hardware profile ({prof.device['name']}, {prof.produced_by['processes']} processes)")
+        for col in ("collective", "group", "scope", "alpha (us)", "bandwidth (GB/s)"):
+            t.add_column(col, justify="left" if col in ("collective", "scope") else "right")
+        for c in prof.collectives:
+            bw = f"{1e-9 / c.beta_s_per_byte:,.2f}" if c.beta_s_per_byte > 0 else "-"
+            t.add_row(c.collective, str(c.group_size), c.scope, f"{c.alpha_s * 1e6:,.1f}", bw)
+        con.print(t)
+        for dt, f in prof.matmul_flops_per_s.items():
+            con.print(f"matmul {dt}: {f / 1e9:,.1f} GFLOP/s; attention {dt}: "
+                      f"{prof.attention[dt]['flops_per_s'] / 1e9:,.1f} GFLOP/s (causal FLOPs)", highlight=False)
+        con.print(f"memory copy: {prof.memory_bytes_per_s / 1e9:,.1f} GB/s; memory per process "
+                  f"{prof.device['memory_bytes'] / GIB:,.1f} GiB", highlight=False)
+    else:
+        t = Table(title=f"model profile of {prof.model['name']} ({prof.dtype}, {prof.produced_by['processes']} processes)")
+        for col in ("pass", "c0 (ms)", "per token (us)", "per sum len^2 (ns)", "per row^2 (ns)"):
+            t.add_column(col, justify="left" if col == "pass" else "right")
+        for part, fits in (("layer", prof.layer), ("embedding", prof.embedding), ("head", prof.head)):
+            for name, f in fits.items():
+                t.add_row(f"{part} {name}", f"{f.c0_s * 1e3:.3f}", f"{f.c1_s_per_token * 1e6:.3f}",
+                          f"{f.c2_s_per_sq_token * 1e9:.4f}", f"{f.c3_s_per_sq_row_token * 1e9:.4f}")
+        con.print(t)
+        a = Table(title="saved activation bytes per token, one layer, each device")
+        for col in ("tp", "cp", "no recompute", "recompute"):
+            a.add_column(col, justify="right")
+        entries = {(e["tp"], e["cp"], e["recompute"]): e["bytes_per_token"] for e in prof.activations["layers"]}
+        for tp, cp in sorted({(k[0], k[1]) for k in entries}):
+            a.add_row(str(tp), str(cp), f"{entries.get((tp, cp, False), 0):,.0f}", f"{entries.get((tp, cp, True), 0):,.0f}")
+        con.print(a)
+    con.print(f"wrote {out}", highlight=False)

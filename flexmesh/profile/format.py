@@ -1,0 +1,314 @@
+"""Profile files: versioned plain JSON with units in key names; see docs/profiles.md for every key.
+
+Two kinds: a *hardware* profile (compute throughput, memory bandwidth, alpha-beta per collective and
+group size) and a *model* profile (per-layer time fits, activation bytes per token by tp/cp degree
+and recomputation, parameter and optimizer bytes). Both carry ``produced_by``: the machine and
+software that measured them.
+
+>>> import tempfile, pathlib
+>>> hw = HardwareProfile(device={"type": "cpu", "name": "cpu", "nodes": 1, "devices_per_node": 2,
+...                              "memory_bytes": 8 * 2**30}, dtype="fp32",
+...                      matmul_flops_per_s={"fp32": 5e10}, memory_bytes_per_s=1e10,
+...                      attention={"fp32": {"alpha_s": 0.0, "s_per_sq_token": 1e-9, "flops_per_s": 2e9}},
+...                      collectives=[CollectiveFit("all_reduce", 2, "intra", 3e-5, 1e-9)])
+>>> path = pathlib.Path(tempfile.mkdtemp()) / "hw.json"
+>>> hw.save(path)
+>>> back = load_profile(path)
+>>> back.name, back.kind, back.collectives[0].time(1e6)
+('hw.json', 'hardware', 0.00103)
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flexmesh.errors import ProfileError
+from flexmesh.profile.fit import LayerFit
+
+VERSION = 1
+KINDS = ("hardware", "model")
+SCOPES = ("intra", "inter")
+
+# Keys every profile of a kind must have (dotted paths), checked on load.
+REQUIRED = {
+    "hardware": ("produced_by", "device.type", "device.name", "device.nodes", "device.devices_per_node",
+                 "device.memory_bytes", "dtype", "matmul_flops_per_s", "memory_bytes_per_s", "attention",
+                 "collectives"),
+    "model": ("produced_by", "model", "model_hash", "dtype", "layer.forward", "layer.backward",
+              "layer.backward_recompute", "embedding.forward", "embedding.backward", "head.forward",
+              "head.backward", "activations.layers", "activations.attention_mask_bytes_per_sq_row_token",
+              "activations.embedding_bytes_per_token", "activations.head_bytes_per_token",
+              "states.weight_bytes_per_param", "states.grad_bytes_per_param", "states.optimizer_bytes_per_param",
+              "states.optimizer_step_s_per_param"),
+}
+
+
+def produced_by(processes: int = 1, device_name: str | None = None, device_count: int | None = None) -> dict:
+    """What measured a profile: machine, software, date, and how many processes ran at the same time."""
+    import torch
+
+    import flexmesh
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "gpu": gpu,
+        "device_name": device_name or gpu or _cpu_name(),
+        "device_count": device_count if device_count is not None else (torch.cuda.device_count() or 1),
+        "torch_version": torch.__version__,
+        "flexmesh_version": flexmesh.__version__,
+        "python_version": platform.python_version(),
+        "threads_per_process": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "processes": processes,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def spec_hash(spec_dict: dict) -> str:
+    """Hash of a model's shape: every ModelSpec field except ``name`` and ``dtype``.
+
+    The name is left out so that a config.json and the preset of the same shape share profiles; the
+    dtype because the profile records the dtype it measured in (the runtime's), whatever the spec says.
+    """
+    shape = {k: v for k, v in spec_dict.items() if k not in ("name", "dtype")}
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """``seconds = alpha_s + beta_s_per_byte * nbytes`` for one collective over a group of ``group_size``.
+
+    ``scope`` is ``intra`` (the group inside one node) or ``inter`` (one rank per node). ``nbytes``
+    follows flexmesh.cost.hardware: the all-reduce buffer, the all-gather output, the reduce-scatter
+    input, one rank's all-to-all send buffer, one send/recv message.
+    """
+
+    collective: str
+    group_size: int
+    scope: str
+    alpha_s: float
+    beta_s_per_byte: float
+    samples: tuple = ()  # ((nbytes, seconds), ...) the fit came from
+
+    def time(self, nbytes):
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
+    def to_dict(self) -> dict:
+        return {"collective": self.collective, "group_size": self.group_size, "scope": self.scope,
+                "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
+                "samples_bytes_s": [list(s) for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CollectiveFit":
+        return cls(d["collective"], int(d["group_size"]), d["scope"], float(d["alpha_s"]),
+                   float(d["beta_s_per_byte"]), tuple(tuple(s) for s in d.get("samples_bytes_s", ())))
+
+
+@dataclass
+class HardwareProfile:
+    """A measured machine (see docs/profiles.md); ``name`` is the file name once saved or loaded."""
+
+    device: dict
+    dtype: str
+    matmul_flops_per_s: dict
+    memory_bytes_per_s: float
+    attention: dict
+    collectives: list[CollectiveFit] = field(default_factory=list)
+    produced_by: dict = field(default_factory=dict)
+    name: str = "hardware"
+    kind: str = "hardware"
+
+    def matmul(self, dtype: str) -> float:
+        if dtype not in self.matmul_flops_per_s:
+            raise ProfileError(f"hardware profile {self.name} has no matmul throughput for {dtype}; it measured "
+                               f"{sorted(self.matmul_flops_per_s)}: use one of those or re-profile on this device")
+        return float(self.matmul_flops_per_s[dtype])
+
+    def attention_flops(self, dtype: str) -> float:
+        if dtype not in self.attention:
+            raise ProfileError(f"hardware profile {self.name} has no attention throughput for {dtype}; it measured "
+                               f"{sorted(self.attention)}")
+        return float(self.attention[dtype]["flops_per_s"])
+
+    def memory_per_device(self, processes: int) -> float:
+        """Bytes one of ``processes`` training processes on a node may use: a GPU's own memory, or on
+        CPU the RAM the profiled processes shared, divided among ``processes``."""
+        if self.device["type"] == "cpu":
+            return float(self.device["memory_bytes"]) * int(self.device["devices_per_node"]) / max(1, processes)
+        return float(self.device["memory_bytes"])
+
+    def fits(self, collective: str) -> list[CollectiveFit]:
+        return [c for c in self.collectives if c.collective == collective]
+
+    def to_dict(self) -> dict:
+        return {"version": VERSION, "kind": "hardware", "produced_by": self.produced_by, "device": self.device,
+                "dtype": self.dtype, "matmul_flops_per_s": self.matmul_flops_per_s,
+                "memory_bytes_per_s": self.memory_bytes_per_s, "attention": self.attention,
+                "collectives": [c.to_dict() for c in self.collectives]}
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "hardware") -> "HardwareProfile":
+        _check(d, "hardware", name)
+        try:
+            colls = [CollectiveFit.from_dict(c) for c in d["collectives"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"{name}: a collectives entry is malformed ({e!r}); each needs collective, "
+                               "group_size, scope, alpha_s, beta_s_per_byte") from e
+        return cls(device=d["device"], dtype=d["dtype"], matmul_flops_per_s=d["matmul_flops_per_s"],
+                   memory_bytes_per_s=float(d["memory_bytes_per_s"]), attention=d["attention"], collectives=colls,
+                   produced_by=d["produced_by"], name=name)
+
+    def save(self, path: str | Path) -> None:
+        _save(self, path)
+
+
+@dataclass
+class ModelProfile:
+    """A measured model (see docs/profiles.md); times are per layer (or per end) per micro-batch."""
+
+    model: dict  # the ModelSpec it was measured with (ModelSpec.to_dict)
+    dtype: str
+    layer: dict  # forward / backward / backward_recompute: LayerFit
+    embedding: dict  # forward / backward: LayerFit (linear only)
+    head: dict  # final norm + LM head + cross-entropy; forward / backward: LayerFit (linear only)
+    activations: dict
+    states: dict
+    produced_by: dict = field(default_factory=dict)
+    samples: dict = field(default_factory=dict)
+    name: str = "model"
+    kind: str = "model"
+
+    @property
+    def model_hash(self) -> str:
+        return spec_hash(self.model)
+
+    def check_model(self, spec) -> None:
+        """Raise ProfileError unless ``spec`` (a ModelSpec) has the shape this profile measured."""
+        if spec_hash(spec.to_dict()) != self.model_hash:
+            mine = self.model
+            diff = [f"{k} {mine.get(k)} vs {v}" for k, v in spec.to_dict().items()
+                    if k not in ("name", "dtype") and mine.get(k) != v]
+            raise ProfileError(
+                f"model profile {self.name} was measured on model {mine.get('name')!r}, not {spec.name!r} "
+                f"({'; '.join(diff[:4])}); run `flexmesh profile model --model {spec.name}` for this model")
+
+    def activation_entry(self, tp: int, cp: int, recompute: bool) -> dict | None:
+        for e in self.activations["layers"]:
+            if int(e["tp"]) == tp and int(e["cp"]) == cp and bool(e["recompute"]) == recompute:
+                return e
+        return None
+
+    def to_dict(self) -> dict:
+        def fits(d):
+            return {k: v.to_dict() for k, v in d.items()}
+
+        return {"version": VERSION, "kind": "model", "produced_by": self.produced_by, "model": self.model,
+                "model_hash": self.model_hash, "dtype": self.dtype, "layer": fits(self.layer),
+                "embedding": fits(self.embedding), "head": fits(self.head), "activations": self.activations,
+                "states": self.states, "samples": self.samples}
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "model") -> "ModelProfile":
+        _check(d, "model", name)
+        if spec_hash(d["model"]) != d["model_hash"]:
+            raise ProfileError(f"{name}: model_hash does not match the recorded model (the file was edited); "
+                               "re-run `flexmesh profile model`")
+        try:
+            def fits(part, keys):
+                return {k: LayerFit.from_dict(d[part][k]) for k in keys}
+
+            return cls(model=d["model"], dtype=d["dtype"],
+                       layer=fits("layer", ("forward", "backward", "backward_recompute")),
+                       embedding=fits("embedding", ("forward", "backward")), head=fits("head", ("forward", "backward")),
+                       activations=d["activations"], states=d["states"], produced_by=d["produced_by"],
+                       samples=d.get("samples", {}), name=name)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"{name}: a time fit is malformed ({e!r}); each needs c0_s, c1_s_per_token, "
+                               "c2_s_per_sq_token") from e
+
+    def save(self, path: str | Path) -> None:
+        _save(self, path)
+
+
+def _check(d: dict, kind: str, name: str) -> None:
+    if not isinstance(d, dict):
+        raise ProfileError(f"{name}: a profile is a JSON object, got {type(d).__name__}")
+    version = d.get("version")
+    if version != VERSION:
+        raise ProfileError(f"{name}: profile version {version!r} is not supported (this flexmesh reads version "
+                           f"{VERSION}); re-run `flexmesh profile {d.get('kind', kind)}`")
+    if d.get("kind") != kind:
+        raise ProfileError(f"{name}: this is a {d.get('kind')!r} profile, but a {kind} profile is needed here; "
+                           f"pass the file written by `flexmesh profile {kind}`")
+    missing = []
+    for path in REQUIRED[kind]:
+        node = d
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                missing.append(path)
+                break
+            node = node[part]
+    if missing:
+        raise ProfileError(f"{name}: {kind} profile is missing {', '.join(missing)}; re-run `flexmesh profile {kind}`")
+
+
+def _save(profile, path: str | Path) -> None:
+    from flexmesh.plan.plan import write_atomic
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(profile.to_dict(), indent=1) + "\n")
+    profile.name = path.name
+
+
+def load_profile(path: str | Path, kind: str | None = None) -> HardwareProfile | ModelProfile:
+    """Read a profile file; ``kind`` ("hardware" or "model") insists on one kind.
+
+    Raises ProfileError for a missing or unreadable file, an unknown version, the wrong kind or
+    missing keys. A model profile's ``check_model(spec)`` rejects another model.
+    """
+    path = Path(path)
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not path.is_file():
+        raise ProfileError(f"profile {str(path)!r} does not exist; write one with `flexmesh profile "
+                           f"{kind or 'hardware|model'} --out {path}`")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{path}: not a JSON profile ({e})") from e
+    found = d.get("kind") if isinstance(d, dict) else None
+    if kind is None:
+        if found not in KINDS:
+            _check(d, "hardware", path.name)  # reports the version or the kind
+        kind = found
+    cls = HardwareProfile if kind == "hardware" else ModelProfile
+    return cls.from_dict(d, name=path.name)
+
+
+def as_profile(p, kind: str):
+    """A profile object from a path or a profile (passed through after a kind check)."""
+    if isinstance(p, (str, os.PathLike)):
+        return load_profile(p, kind)
+    if getattr(p, "kind", None) != kind:
+        raise ProfileError(f"expected a {kind} profile, got {type(p).__name__}")
+    return p

@@ -1,0 +1,293 @@
+"""``profile_model``: time and memory of the runtime's own layers, measured and fitted.
+
+Everything is measured on the modules the runtime trains (:mod:`flexmesh.runtime.model`), in the
+dtype it trains in (fp32), one packed row (micro-batch) at a time:
+
+- layer time: a :class:`~flexmesh.runtime.model.TransformerBlock` forward, backward, and backward
+  under recomputation (``torch.utils.checkpoint``, non-reentrant, as the runtime's checkpoint
+  wrapper) over rows of several lengths, each packed with one long document, with many short ones
+  and with mixes, so that the fit ``c0 + c1 * tokens + c2 * sum(len^2) + c3 * tokens^2``
+  (:class:`~flexmesh.profile.fit.LayerFit`) separates per-token work, per-document attention and
+  whole-row attention;
+- embedding and head (final norm + LM head + summed cross-entropy): forward and backward, linear in
+  tokens;
+- saved-activation bytes per token of one layer (:class:`~flexmesh.runtime.memory.SavedActivationMeter`),
+  with and without recomputation, for each (tp, cp) degree. Shards are measured in one process by
+  building the block with one rank's shapes -- heads / tp, kv heads / tp, ffn / tp -- on tokens / cp,
+  and by replaying sequence parallelism around it: the norms run on the rank's 1/tp slice of the
+  tokens, a concatenation stands for the all-gather before attention and the MLP (a new tensor of the
+  whole slice, as the all-gather makes), and a slice of the output stands for the reduce-scatter
+  (neither saves anything for backward, like the collectives). Bytes are fitted as ``a + b * tokens +
+  m * (tokens / cp)^2`` over rows of three lengths: ``b`` is recorded per token of the micro-batch on
+  each device of the tp x cp group; ``m`` is the dense attention mask the CPU kernel saves (measured
+  once, at tp = cp = 1); ``a`` is what does not grow with tokens (recorded, not used);
+- bytes per parameter of weights, gradients and AdamW states, and the AdamW step's seconds per
+  parameter (``torch.optim.AdamW`` with its defaults, as the trainer).
+
+Under torchrun all processes run the sweep at the same time; rank 0 writes the median of each timing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from flexmesh.errors import ProfileError
+from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, least_squares
+from flexmesh.profile.format import ModelProfile, produced_by
+from flexmesh.profile.runner import World, median_time, progress, synchronize
+from flexmesh.spec.model import ModelSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def sweep(quick: bool) -> dict:
+    """Rows to time (each a list of document lengths), token counts for the ends, repetitions."""
+    rows_at = [128, 256, 512, 1024, 2048] if quick else [128, 256, 512, 1024, 2048, 3072, 4096]
+    rows = []
+    for r in rows_at:
+        rows.append([r])  # one document: sum(len^2) = tokens^2
+        rows.append([r // 8] * 8)  # many short ones: sum(len^2) = tokens^2 / 8
+        if not quick:
+            rows.append([r // 2, r // 4, r // 8, r // 8])  # a mix
+    return {"rows": rows, "reps": 2 if quick else 5, "end_tokens": [128, 256, 512] if quick else [256, 512, 1024, 2048],
+            "act_tokens": [128, 256, 512] if quick else [256, 512, 1024], "max_degree": 2 if quick else 8}
+
+
+def _row(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+    return positions, cu
+
+
+def _block(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: int = 1):
+    """One TransformerBlock with one tensor-parallel rank's shapes (heads, kv heads and ffn / tp)."""
+    from flexmesh.runtime.model import TransformerBlock
+
+    rank_spec = replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=spec.num_kv_heads // tp,
+                        ffn_hidden=spec.ffn_hidden // tp, head_dim_override=spec.head_dim)
+    with torch.device(device):
+        block = TransformerBlock(rank_spec)
+    return block.to(dtype)
+
+
+def _time_layer(block, lengths: list[int], reps: int, spec: ModelSpec, dtype, device) -> tuple[float, float, float]:
+    """Median seconds of forward, backward and backward under recomputation of one row."""
+    positions, cu = _row(lengths, device)
+    x = torch.randn(1, int(sum(lengths)), spec.hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    out = {"fwd": [], "bwd": [], "rc": []}
+    for i in range(reps + 1):  # the first run warms up
+        for recompute in (False, True):
+            t0 = time.perf_counter()
+            y = checkpoint(block, x, positions, cu, use_reentrant=False) if recompute else block(x, positions, cu)
+            synchronize(device)
+            t1 = time.perf_counter()
+            y.backward(grad)
+            synchronize(device)
+            t2 = time.perf_counter()
+            del y
+            if i:
+                out["rc" if recompute else "bwd"].append(t2 - t1)
+                if not recompute:
+                    out["fwd"].append(t1 - t0)
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    return tuple(float(np.median(out[k])) for k in ("fwd", "bwd", "rc"))
+
+
+def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device) -> dict[str, list[float]]:
+    """Forward and backward seconds of the embedding and of norm + head + loss, per token count."""
+    with torch.device(device):
+        emb = torch.nn.Embedding(spec.vocab, spec.hidden).to(dtype)
+        norm = torch.nn.RMSNorm(spec.hidden, eps=spec.norm_eps).to(dtype)
+        head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False).to(dtype)
+    out = {k: [] for k in ("embedding_forward", "embedding_backward", "head_forward", "head_backward")}
+    for n in tokens:
+        ids = torch.randint(0, spec.vocab, (1, n), device=device)
+        h = torch.randn(1, n, spec.hidden, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn(1, n, spec.hidden, device=device, dtype=dtype)
+        state: dict = {}
+
+        def emb_f():
+            state["e"] = emb(ids)
+
+        def emb_b():
+            state["e"].backward(g)
+
+        def head_f():
+            logits = head(norm(h))
+            state["loss"] = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1), reduction="sum") / n
+
+        def head_b():
+            state["loss"].backward()
+
+        for name, fwd, bwd in (("embedding", emb_f, emb_b), ("head", head_f, head_b)):
+            tf, tb = [], []
+            for i in range(reps + 1):
+                tf_i = median_time(fwd, 1, device, warmup=0)
+                tb_i = median_time(bwd, 1, device, warmup=0)
+                if i:
+                    tf.append(tf_i)
+                    tb.append(tb_i)
+            out[f"{name}_forward"].append(float(np.median(tf)))
+            out[f"{name}_backward"].append(float(np.median(tb)))
+    return out
+
+
+def degrees(spec: ModelSpec, max_degree: int) -> list[tuple[int, int]]:
+    """(tp, cp) pairs to measure: powers of two, tp dividing heads, kv heads and ffn, tp * cp <= max."""
+    out = []
+    tp = 1
+    while tp <= max_degree:
+        if spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0:
+            cp = 1
+            while tp * cp <= max_degree:
+                out.append((tp, cp))
+                cp *= 2
+        tp *= 2
+    return out
+
+
+def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool, tokens: int, dtype, device) -> int:
+    """Bytes one rank's layer saves for backward for a row of ``tokens`` (see the module doc)."""
+    from flexmesh.runtime.memory import SavedActivationMeter
+
+    block = _block(spec, dtype, device, tp)
+    local = tokens // cp  # this rank's slice of the row (context parallel)
+    sp = local // tp  # the sequence-parallel slice between blocks
+    positions, cu = _row([local], device)
+    leaf = torch.randn(1, sp, spec.hidden, device=device, dtype=dtype, requires_grad=True)
+
+    def gather(t):  # stands for the all-gather of the sequence-parallel slices
+        return torch.cat([t] * tp, dim=1) if tp > 1 else t
+
+    def scatter(t):  # stands for the reduce-scatter back to this rank's slice
+        return t[:, :sp] if tp > 1 else t
+
+    def layer(x):
+        h = x + scatter(block.attention(gather(block.attention_norm(x)), positions, cu))
+        return h + scatter(block.feed_forward(gather(block.ffn_norm(h))))
+
+    with SavedActivationMeter() as meter:
+        x = leaf * 1.0  # an activation, not a leaf, as a layer's input is in the model
+        y = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        saved = meter.live_bytes
+    del y, x
+    return saved
+
+
+def _measure_activations(spec: ModelSpec, cfg: dict, dtype, device, advance) -> dict:
+    tokens = cfg["act_tokens"]
+    layers = []
+    mask = 0.0
+    for tp, cp in degrees(spec, cfg["max_degree"]):
+        usable = [t for t in tokens if t % (tp * cp) == 0]
+        for recompute in (False, True):
+            saved = [_saved_bytes(spec, tp, cp, recompute, t, dtype, device) for t in usable]
+            t = np.asarray(usable, dtype=float)
+            a, b, m = least_squares(np.stack([np.ones_like(t), t, (t / cp) ** 2], axis=1), saved)
+            if tp == cp == 1 and not recompute:
+                mask = float(m)
+            layers.append({"tp": tp, "cp": cp, "recompute": recompute, "bytes_per_token": float(b),
+                           "constant_bytes": float(a), "samples_tokens_bytes": [list(x) for x in zip(usable, saved)]})
+        advance(f"activations tp{tp} cp{cp}")
+    # The slope between two token counts: what does not grow with tokens is not per token.
+    lo, hi = (_end_activation_bytes(spec, n, dtype, device) for n in tokens[-2:])
+    ends = {k: (hi[k] - lo[k]) / (tokens[-1] - tokens[-2]) for k in hi}
+    return {"layers": layers, "attention_mask_bytes_per_sq_row_token": mask, **ends}
+
+
+def _end_activation_bytes(spec: ModelSpec, tokens: int, dtype, device) -> dict:
+    """Bytes the embedding, and the final norm + head + loss, save for backward for ``tokens`` tokens."""
+    from flexmesh.runtime.memory import SavedActivationMeter
+
+    with torch.device(device):
+        emb = torch.nn.Embedding(spec.vocab, spec.hidden).to(dtype)
+        norm = torch.nn.RMSNorm(spec.hidden, eps=spec.norm_eps).to(dtype)
+        head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False).to(dtype)
+    ids = torch.randint(0, spec.vocab, (1, tokens), device=device)
+    with SavedActivationMeter() as m_emb:
+        e = emb(ids)
+    leaf = torch.randn(1, tokens, spec.hidden, device=device, dtype=dtype, requires_grad=True)
+    with SavedActivationMeter() as m_head:
+        logits = head(norm(leaf * 1.0))
+        loss = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1), reduction="sum")
+    del e, logits, loss
+    return {"embedding_bytes_per_token": m_emb.peak_bytes, "head_bytes_per_token": m_head.peak_bytes}
+
+
+def _states(spec: ModelSpec, reps: int, dtype, device) -> dict:
+    block = _block(spec, dtype, device)
+    params = [p for p in block.parameters()]
+    n = sum(p.numel() for p in params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    step_s = median_time(opt.step, reps, device)
+    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items()
+                      if torch.is_tensor(t) and k != "step")
+    return {"weight_bytes_per_param": params[0].element_size(), "grad_bytes_per_param": params[0].grad.element_size(),
+            "optimizer_bytes_per_param": state_bytes / n, "optimizer_step_s_per_param": step_s / n,
+            "layer_params": n, "optimizer": "torch.optim.AdamW"}
+
+
+def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", show_progress: bool = True,
+                  world: World | None = None) -> ModelProfile | None:
+    """Measure ``spec`` with the runtime's modules; every process calls it, rank 0 gets the profile."""
+    from flexmesh.runtime.model import check_supported
+
+    check_supported(spec)
+    if dtype not in DTYPES:
+        raise ProfileError(f"dtype {dtype!r} is not one flexmesh profiles; use one of {sorted(DTYPES)}")
+    world = world or World()
+    device, dt = world.device, DTYPES[dtype]
+    cfg = sweep(quick)
+    torch.manual_seed(0)
+    n_deg = len(degrees(spec, cfg["max_degree"]))
+    with progress(show_progress and world.is_main, f"profiling {spec.name}", len(cfg["rows"]) + 2 + n_deg) as advance:
+        block = _block(spec, dt, device)
+        _time_layer(block, cfg["rows"][-1], 1, spec, dt, device)  # first-call costs (allocator, threads, kernels)
+        times = []
+        for lengths in cfg["rows"]:
+            world.barrier()
+            times.append(_time_layer(block, lengths, cfg["reps"], spec, dt, device))
+            advance(f"layer, {sum(lengths)} tokens in {len(lengths)} documents")
+        flat = world.medians([x for t in times for x in t])
+        times = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+        world.barrier()
+        ends = _time_ends(spec, cfg["end_tokens"], cfg["reps"], dt, device)
+        keys = sorted(ends)
+        med = world.medians([x for k in keys for x in ends[k]])
+        n_end = len(cfg["end_tokens"])
+        ends = {k: med[i * n_end:(i + 1) * n_end] for i, k in enumerate(keys)}
+        advance("embedding and head")
+        states = _states(spec, cfg["reps"], dt, device)
+        states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
+        advance("optimizer")
+        activations = _measure_activations(spec, cfg, dt, device, advance)
+    if not world.is_main:
+        return None
+    tokens = [float(sum(r)) for r in cfg["rows"]]
+    sq = [float(sum(x * x for x in r)) for r in cfg["rows"]]
+    layer = {name: fit_layer_time(tokens, sq, [t[i] for t in times])
+             for i, name in enumerate(("forward", "backward", "backward_recompute"))}
+
+    def linear(key):
+        c0, c1 = fit_linear(cfg["end_tokens"], ends[key])
+        return LayerFit(c0, c1, 0.0, 0.0)
+
+    samples = {"layer_rows": [{"lengths": r, "forward_s": t[0], "backward_s": t[1], "backward_recompute_s": t[2]}
+                              for r, t in zip(cfg["rows"], times)],
+               "end_tokens": cfg["end_tokens"], **{f"{k}_s": v for k, v in ends.items()}}
+    return ModelProfile(model=spec.to_dict(), dtype=dtype, layer=layer,
+                        embedding={"forward": linear("embedding_forward"), "backward": linear("embedding_backward")},
+                        head={"forward": linear("head_forward"), "backward": linear("head_backward")},
+                        activations=activations, states=states,
+                        produced_by=produced_by(processes=world.size, device_count=world.size),
+                        samples=samples, name=f"model-{spec.name}")

@@ -1,0 +1,109 @@
+"""What both profilers share: the process world (one process, or torchrun's), timing, progress.
+
+Under torchrun every process runs the same sweep at the same time, in lockstep (a barrier before
+each measurement), so contention for shared cores, memory bandwidth or links is in the numbers;
+rank 0 takes the median over processes of each measurement and writes the profile.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class World:
+    """This process's place among the profiling processes (a world of one without torchrun)."""
+
+    def __init__(self) -> None:
+        self.size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.owns_group = False
+        if self.size > 1 and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+            self.owns_group = True
+        self.rank = dist.get_rank() if self.size > 1 else 0
+        self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.size)))
+        self.nodes = max(1, self.size // max(1, self.local_size))
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def medians(self, values: list[float]) -> list[float]:
+        """Element-wise median over processes of each process's ``values`` (same length everywhere)."""
+        if self.size == 1:
+            return list(values)
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, list(values))
+        return [statistics.median(col) for col in zip(*gathered)]
+
+    def gather_objects(self, obj) -> list:
+        if self.size == 1:
+            return [obj]
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def close(self) -> None:
+        if self.owns_group:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+@contextmanager
+def progress(enabled: bool, description: str, total: int):
+    """A rich progress bar on stderr (rank 0 only); yields ``advance(label)``."""
+    if not enabled:
+        yield lambda label=None: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+
+        def advance(label: str | None = None) -> None:
+            bar.update(task, advance=1, description=f"{description}: {label}" if label else description)
+
+        yield advance
+
+
+def device_memory_bytes(device: torch.device, processes: int) -> float:
+    """Memory one training process may use: the GPU's, or on CPU the machine's RAM shared by ``processes``."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(ram) / max(1, processes)

@@ -1,0 +1,93 @@
+"""Turn profiles into what the cost model takes: a ClusterSpec, a Hardware, a CostModel.
+
+>>> from flexmesh.profile.format import CollectiveFit, HardwareProfile
+>>> from flexmesh.spec import MODEL_PRESETS
+>>> hw = HardwareProfile(device={"type": "cpu", "name": "Xeon", "nodes": 1, "devices_per_node": 2,
+...                              "memory_bytes": 8 * 2**30}, dtype="fp32", matmul_flops_per_s={"fp32": 5e10},
+...                      memory_bytes_per_s=1e10, attention={"fp32": {"flops_per_s": 2e10}},
+...                      collectives=[CollectiveFit("all_reduce", 2, "intra", 3e-5, 1e-9)], name="hw.json")
+>>> c = cluster_from_profile(hw, 4)
+>>> c.label, c.device.memory_gib, c.device.peak_tflops
+('4xXeon', 4.0, {'fp32': 0.05})
+>>> cost = cost_model_from_profiles(MODEL_PRESETS["tiny"], hardware=hw, world=4)
+>>> cost.source, cost.model.dtype, cost.memory_budget / 2**30
+('profile:hw.json', 'fp32', 4.0)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from flexmesh.cost.hardware import Hardware
+from flexmesh.cost.model import CostModel
+from flexmesh.errors import ProfileError
+from flexmesh.profile.format import HardwareProfile, ModelProfile, as_profile
+from flexmesh.spec.cluster import GIB, ClusterSpec, DeviceSpec
+from flexmesh.spec.model import ModelSpec
+
+
+def cluster_from_profile(hw: HardwareProfile, world: int | None = None) -> ClusterSpec:
+    """One node of ``world`` devices (default: as many as were profiled) of the profiled device.
+
+    The device's peak per dtype is the measured matmul throughput (so efficiencies are 1), its memory
+    the profile's per device for ``world`` processes (on CPU: the RAM shared by them), its bandwidths
+    and latencies those of the measured send/recv; the cost model reads the profile itself through
+    :meth:`Hardware.from_profile`, so these fields only describe the device to people and files.
+    """
+    world = world or int(hw.device["nodes"]) * int(hw.device["devices_per_node"])
+    if world < 1:
+        raise ProfileError(f"world must be at least 1, got {world}")
+    p2p = hw.fits("send_recv")
+    alpha = min((f.alpha_s for f in p2p), default=0.0)
+    gbps = max((1.0 / f.beta_s_per_byte / 1e9 for f in p2p if f.beta_s_per_byte > 0), default=float(hw.memory_bytes_per_s) / 1e9)
+    matmul = {k: float(v) for k, v in hw.matmul_flops_per_s.items()}
+    attn = hw.attention_flops(hw.dtype) / matmul[hw.dtype] if hw.dtype in matmul else 1.0
+    dev = DeviceSpec(
+        name=re.sub(r"[^A-Za-z0-9]+", "-", str(hw.device["name"])).strip("-") or "device", peak_tflops={k: v / 1e12 for k, v in matmul.items()},
+        memory_gib=hw.memory_per_device(world) / GIB, hbm_gbps=float(hw.memory_bytes_per_s) / 1e9,
+        nvlink_gbps=gbps, node_net_gbps=gbps, intra_latency_us=alpha * 1e6, inter_latency_us=alpha * 1e6,
+        mm_efficiency=1.0, attn_efficiency=attn, intra_efficiency=1.0, inter_efficiency=1.0,
+        a2a_intra_efficiency=1.0, a2a_inter_efficiency=1.0, framework_reserve_gib=0.0, allocator_headroom=0.0)
+    return ClusterSpec(nodes=1, devices_per_node=world, device=dev)
+
+
+def cost_model_from_profiles(spec: ModelSpec, hardware=None, model=None, world: int | None = None,
+                             cluster: ClusterSpec | None = None) -> CostModel:
+    """A CostModel reading a hardware profile and/or a model profile (paths or loaded profiles).
+
+    With a hardware profile the cluster is :func:`cluster_from_profile` of ``world`` devices unless
+    ``cluster`` is given; without one, ``cluster`` is needed and its device preset prices compute
+    and communication. Bytes are counted in the profiles' dtype (the model profile's, else the
+    hardware profile's: the dtype the runtime trains in there), not the spec's.
+    """
+    hw: HardwareProfile | None = as_profile(hardware, "hardware") if hardware is not None else None
+    mp: ModelProfile | None = as_profile(model, "model") if model is not None else None
+    if hw is None and cluster is None:
+        raise ProfileError("give a hardware profile or a cluster to price the model on")
+    if cluster is None:
+        cluster = cluster_from_profile(hw, world)
+    # Bytes and throughput in the dtype the profiles measured: the one the runtime trains in.
+    dtype = mp.dtype if mp is not None else (hw.dtype if hw is not None else spec.dtype)
+    spec = replace(spec, dtype=dtype)
+    hardware_model = Hardware.from_profile(cluster, hw, dtype) if hw is not None else None
+    return CostModel(spec, cluster, hardware=hardware_model, model_profile=mp)
+
+
+def cost_model_for(spec: ModelSpec, cluster: str | None, hardware: str | None = None, model: str | None = None,
+                   default_cluster: str | None = None) -> CostModel:
+    """The CostModel the command-line flags describe: ``--cluster``, ``--hardware-profile``, ``--model-profile``.
+
+    Without ``--cluster`` a hardware profile's node is the cluster (:func:`cluster_from_profile`),
+    else ``default_cluster``; without profiles the cluster's presets price everything.
+    """
+    from flexmesh.errors import SpecError
+    from flexmesh.spec.cluster import parse_cluster
+
+    hw = as_profile(hardware, "hardware") if hardware else None
+    if cluster is None and hw is None and default_cluster is None:
+        raise SpecError("give --cluster (e.g. 8xH100) or --hardware-profile (a file from `flexmesh profile hardware`)")
+    spec_cluster = parse_cluster(cluster) if cluster else (None if hw is not None else parse_cluster(default_cluster))
+    if hw is None and not model:
+        return CostModel(spec, spec_cluster)
+    return cost_model_from_profiles(spec, hardware=hw, model=model or None, cluster=spec_cluster)

@@ -1,0 +1,273 @@
+"""Profiles: fits recover known coefficients, files round-trip, bad files fail clearly, the cost model obeys them."""
+
+import doctest
+import importlib
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from flexmesh.cost import CostModel, GroupShape, Hardware, Work
+from flexmesh.errors import ProfileError
+from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.profile import (CollectiveFit, HardwareProfile, LayerFit, ModelProfile, cluster_from_profile,
+                              cost_model_from_profiles, fit_alpha_beta, fit_layer_time, fit_linear, load_profile)
+from flexmesh.spec import MODEL_PRESETS, parse_cluster
+
+TINY = MODEL_PRESETS["tiny"]
+
+
+@pytest.mark.parametrize("name", ["flexmesh.profile.fit", "flexmesh.profile.format", "flexmesh.profile.use"])
+def test_module_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+# ---- fits --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("alpha,beta", [(5e-5, 2e-9), (1e-3, 1e-10), (0.0, 4e-9)])
+def test_alpha_beta_recovers_known_coefficients(alpha, beta):
+    n = np.array([2.0**k for k in range(10, 26, 2)])
+    a, b = fit_alpha_beta(n, alpha + beta * n)
+    assert a == pytest.approx(alpha, rel=1e-6, abs=1e-12) and b == pytest.approx(beta, rel=1e-6)
+
+
+def test_alpha_beta_robust_to_one_outlier():
+    rng = np.random.default_rng(0)
+    n = np.array([2.0**k for k in range(10, 26)])
+    t = (3e-5 + 1e-9 * n) * rng.uniform(0.98, 1.02, n.size)
+    t[2] *= 20  # another process took the core during one sample
+    a, b = fit_alpha_beta(n, t)
+    assert a == pytest.approx(3e-5, rel=0.1) and b == pytest.approx(1e-9, rel=0.05)
+
+
+def test_layer_fit_separates_per_document_and_whole_row_attention():
+    rows = [[r] for r in (256, 512, 1024, 2048)] + [[r // 8] * 8 for r in (256, 512, 1024, 2048)] \
+        + [[r // 2, r // 4, r // 8, r // 8] for r in (512, 2048)]
+    tokens = np.array([sum(r) for r in rows], dtype=float)
+    sq = np.array([sum(x * x for x in r) for r in rows], dtype=float)
+    for true in (LayerFit(2e-4, 3e-6, 4e-9, 0.0), LayerFit(1e-4, 5e-6, 0.0, 2e-9), LayerFit(0.0, 1e-6, 1e-9, 1e-9)):
+        got = fit_layer_time(tokens, sq, true.time(tokens, sq))
+        for field in ("c0_s", "c1_s_per_token", "c2_s_per_sq_token", "c3_s_per_sq_row_token"):
+            assert getattr(got, field) == pytest.approx(getattr(true, field), rel=1e-5, abs=1e-13), field
+
+
+def test_fit_never_returns_negative_time_coefficients():
+    x = np.array([100.0, 200, 400, 800])
+    c0, c1 = fit_linear(x, 1e-6 * x - 1e-5 + np.array([0, 1e-6, 0, 1e-6]) + 2e-5)
+    assert c0 >= 0 and c1 > 0
+
+
+def test_too_few_samples_is_a_profile_error():
+    with pytest.raises(ProfileError, match="widen the sweep"):
+        fit_layer_time([256, 512], [256**2, 512**2], [1e-3, 2e-3])
+
+
+# ---- files -------------------------------------------------------------------------------------------
+def hardware_profile(**kw) -> HardwareProfile:
+    d = dict(device={"type": "cpu", "name": "test cpu", "nodes": 1, "devices_per_node": 2, "memory_bytes": 4 * 2**30},
+             dtype="fp32", matmul_flops_per_s={"fp32": 4e10}, memory_bytes_per_s=8e9,
+             attention={"fp32": {"alpha_s": 0.0, "s_per_sq_token": 1e-9, "flops_per_s": 1e10}},
+             collectives=[CollectiveFit(k, 2, "intra", a, b) for k, a, b in (
+                 ("all_reduce", 2e-4, 2e-9), ("all_gather", 1e-4, 1e-9), ("reduce_scatter", 1e-4, 1.5e-9),
+                 ("all_to_all", 5e-5, 1e-9), ("send_recv", 4e-5, 5e-10))],
+             produced_by={"hostname": "test", "processes": 2}, name="hw.json")
+    d.update(kw)
+    return HardwareProfile(**d)
+
+
+def model_profile(spec=TINY, **kw) -> ModelProfile:
+    acts = [{"tp": 1, "cp": 1, "recompute": False, "bytes_per_token": 20000.0},
+            {"tp": 1, "cp": 1, "recompute": True, "bytes_per_token": 1024.0},
+            {"tp": 2, "cp": 1, "recompute": False, "bytes_per_token": 11000.0},
+            {"tp": 2, "cp": 1, "recompute": True, "bytes_per_token": 512.0}]
+    d = dict(model=spec.to_dict(), dtype="fp32",
+             layer={"forward": LayerFit(1e-3, 5e-6, 1e-9, 2e-9), "backward": LayerFit(2e-3, 1e-5, 2e-9, 4e-9),
+                    "backward_recompute": LayerFit(3e-3, 1.5e-5, 3e-9, 6e-9)},
+             embedding={"forward": LayerFit(1e-5, 1e-8, 0, 0), "backward": LayerFit(2e-4, 0.0, 0, 0)},
+             head={"forward": LayerFit(1e-4, 2e-5, 0, 0), "backward": LayerFit(2e-4, 4e-5, 0, 0)},
+             activations={"layers": acts, "attention_mask_bytes_per_sq_row_token": 4.0,
+                          "embedding_bytes_per_token": 8.0, "head_bytes_per_token": 33000.0},
+             states={"weight_bytes_per_param": 4, "grad_bytes_per_param": 4, "optimizer_bytes_per_param": 8,
+                     "optimizer_step_s_per_param": 2e-9},
+             produced_by={"hostname": "test", "processes": 1}, name="tiny.json")
+    d.update(kw)
+    return ModelProfile(**d)
+
+
+def test_hardware_profile_round_trip(tmp_path):
+    hw = hardware_profile()
+    hw.save(tmp_path / "a.json")
+    back = load_profile(tmp_path / "a.json", "hardware")
+    assert back.to_dict() == hw.to_dict() and back.name == "a.json"
+
+
+def test_model_profile_round_trip(tmp_path):
+    mp = model_profile()
+    mp.save(tmp_path / "m.json")
+    back = load_profile(tmp_path / "m.json")
+    assert isinstance(back, ModelProfile) and back.to_dict() == mp.to_dict()
+    assert back.layer["backward"] == mp.layer["backward"]
+
+
+def test_save_leaves_no_temporary_files(tmp_path):
+    hardware_profile().save(tmp_path / "hw.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["hw.json"]
+
+
+def _write(tmp_path, d, name="p.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(d))
+    return path
+
+
+def test_unknown_version_is_rejected(tmp_path):
+    d = hardware_profile().to_dict()
+    d["version"] = 99
+    with pytest.raises(ProfileError, match="version 99 is not supported"):
+        load_profile(_write(tmp_path, d))
+
+
+def test_wrong_kind_is_rejected(tmp_path):
+    path = _write(tmp_path, model_profile().to_dict())
+    with pytest.raises(ProfileError, match="'model' profile, but a hardware profile is needed"):
+        load_profile(path, "hardware")
+
+
+def test_missing_keys_are_named(tmp_path):
+    d = model_profile().to_dict()
+    del d["layer"]["backward"]
+    del d["states"]["optimizer_step_s_per_param"]
+    with pytest.raises(ProfileError, match="missing layer.backward, states.optimizer_step_s_per_param"):
+        load_profile(_write(tmp_path, d))
+
+
+def test_missing_file_and_bad_json(tmp_path):
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_profile(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ProfileError, match="not a JSON profile"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_profile_of_another_model_is_rejected(tmp_path):
+    path = tmp_path / "tiny.json"
+    model_profile().save(path)
+    other = replace(TINY, name="tiny-wide", hidden=512)
+    with pytest.raises(ProfileError, match="measured on model 'tiny', not 'tiny-wide'.*hidden 256 vs 512"):
+        load_profile(path).check_model(other)
+    with pytest.raises(ProfileError, match="not 'tiny-wide'"):
+        cost_model_from_profiles(other, hardware=hardware_profile(), model=path)
+    load_profile(path).check_model(replace(TINY, name="renamed", dtype="fp32"))  # same shape: accepted
+
+
+def test_edited_model_hash_is_rejected(tmp_path):
+    d = model_profile().to_dict()
+    d["model"]["num_layers"] = 8
+    with pytest.raises(ProfileError, match="model_hash does not match"):
+        load_profile(_write(tmp_path, d))
+
+
+# ---- hardware from a profile ---------------------------------------------------------------------------
+def test_hardware_from_profile_uses_measured_alpha_beta_and_throughput():
+    cluster = cluster_from_profile(hardware_profile(), 2)
+    hw = Hardware.from_profile(cluster, hardware_profile())
+    assert hw.matmul_flops == 4e10 and hw.attn_flops == 1e10 and hw.hbm_bytes_per_s == 8e9
+    assert hw.collective_time("all_reduce", 1e6, GroupShape(2, 2)) == pytest.approx(2e-4 + 2e-9 * 1e6)
+    arr = hw.collective_time("send_recv", np.array([0.0, 1e6]), GroupShape(2, 2))
+    assert np.allclose(arr, [4e-5, 4e-5 + 5e-10 * 1e6])
+    assert hw.collective_time("all_to_all", 1e6, GroupShape(1, 1)) == 0.0
+
+
+def test_unmeasured_group_size_scales_nearest_by_volume():
+    hw = Hardware.from_profile(parse_cluster("8xA100-80GB"), hardware_profile())
+    # all-reduce of 8 from 2: beta x (7/8)/(1/2), alpha x 7/1
+    t = hw.collective_time("all_reduce", 1e6, GroupShape(8, 8))
+    assert t == pytest.approx(2e-4 * 7 + 2e-9 * 1.75 * 1e6)
+    # inter-node group, only intra measured: same scaling from the other scope
+    assert hw.collective_time("send_recv", 1e6, GroupShape(2, 1)) == pytest.approx(4e-5 + 5e-10 * 1e6)
+
+
+def test_single_process_profile_has_no_collectives():
+    hw = Hardware.from_profile(parse_cluster("2xA100-80GB"), hardware_profile(collectives=[]))
+    with pytest.raises(ProfileError, match="--nproc"):
+        hw.collective_time("all_reduce", 1e6, GroupShape(2, 2))
+
+
+def test_cluster_from_profile_divides_cpu_memory_among_processes():
+    hw = hardware_profile()  # 4 GiB per process for 2 processes: 8 GiB of RAM
+    assert cluster_from_profile(hw, 4).device.memory_gib == pytest.approx(2.0)
+    assert cluster_from_profile(hw).world_size == 2
+    gpu = hardware_profile(device={**hw.device, "type": "cuda"})
+    assert cluster_from_profile(gpu, 4).device.memory_gib == pytest.approx(4.0)
+
+
+# ---- the cost model with a model profile -----------------------------------------------------------------
+def cost(world=2, **kw):
+    return cost_model_from_profiles(TINY, hardware=hardware_profile(), model=model_profile(**kw), world=world)
+
+
+def test_source_names_both_profiles_and_dtype_is_the_profiles():
+    c = cost()
+    assert c.source == "profile:hw.json+tiny.json" and c.model.dtype == "fp32"
+    preset = CostModel(TINY, parse_cluster("2xA100-80GB"), model_profile=model_profile())
+    assert preset.source == "preset:A100-80GB+profile:tiny.json"
+
+
+def test_layer_time_is_exactly_the_fitted_coefficients():
+    c = cost()
+    mp = model_profile()
+    lengths = [1000, 24, 500]
+    w = Work.from_lengths(lengths)
+    T, sq = 1524.0, 1000**2 + 24**2 + 500**2
+    for s, split in ((LayerStrategy(), 1), (LayerStrategy(tp=2), 2)):
+        lc = c.layer(s, w)
+        f, b = mp.layer["forward"], mp.layer["backward"]
+        assert lc.fwd == pytest.approx(f.c0_s + (f.c1_s_per_token * T + f.c2_s_per_sq_token * sq
+                                                 + f.c3_s_per_sq_row_token * T * T) / split)
+        assert lc.bwd == pytest.approx(b.c0_s + (b.c1_s_per_token * T + b.c2_s_per_sq_token * sq
+                                                 + b.c3_s_per_sq_row_token * T * T) / split)
+    rc = c.layer(LayerStrategy(recompute=True), w)
+    assert rc.bwd == pytest.approx(float(mp.layer["backward_recompute"].time(T, sq)))
+
+
+def test_activation_bytes_come_from_the_table_with_fallback():
+    c = cost()
+    w = Work(tokens=2048.0, sq_tokens=2048.0**2)
+    assert c.layer(LayerStrategy(), w).act == pytest.approx(20000 * 2048 + 4 * 2048**2)
+    assert c.layer(LayerStrategy(tp=2), w).act == pytest.approx(11000 * 2048 + 4 * 2048**2)
+    rc = c.layer(LayerStrategy(recompute=True), w)
+    assert rc.act == pytest.approx(1024 * 2048) and rc.transient == pytest.approx(20000 * 2048 + 4 * 2048**2)
+    # cp 2 was not measured: the tp=cp=1 value divided by tp*cp; the ring kernel keeps no mask
+    ring = c.layer(LayerStrategy(cp=2, cp_kind="ring"), w)
+    assert ring.act == pytest.approx(20000 / 2 * 2048)
+    assert c.activation_bytes_per_token(LayerStrategy(tp=2), layers=4) == pytest.approx(4 * 11000)
+
+
+def test_states_optimizer_and_ends_come_from_the_profile():
+    c = cost()
+    s = LayerStrategy()
+    lc = c.layer(s, Work(tokens=100.0, sq_tokens=100.0**2))
+    assert lc.states == pytest.approx(TINY.layer_params * (4 + 4 + 8))
+    assert lc.optim == pytest.approx(TINY.layer_params * 2e-9)
+    ends = c.ends(s, Work(tokens=1000.0, sq_tokens=1000.0**2), True, True)
+    assert ends.fwd == pytest.approx((1e-5 + 1e-8 * 1000) + (1e-4 + 2e-5 * 1000))
+    assert ends.bwd == pytest.approx(2e-4 + (2e-4 + 4e-5 * 1000))
+    assert ends.transient == pytest.approx(33000 * 1000)
+
+
+def test_microbatch_time_matches_layers_plus_ends():
+    c = cost()
+    s = LayerStrategy()
+    t = c.microbatch_time(s, 1000.0, 1000.0**2)
+    w = Work(tokens=1000.0, sq_tokens=1000.0**2)
+    expect = 4 * (c.layer(s, w).fwd + c.layer(s, w).bwd) + c.ends(s, w, True, True).fwd + c.ends(s, w, True, True).bwd
+    assert float(t) == pytest.approx(expect)
+
+
+def test_without_profiles_nothing_changes():
+    cluster = parse_cluster("8xA100-80GB")
+    a, b = CostModel(TINY, cluster), CostModel(TINY, cluster, hardware=None, model_profile=None)
+    s = LayerStrategy(tp=2, zero=3, recompute=True)
+    w = Work(tokens=4096.0, sq_tokens=4096.0**2)
+    assert a.layer(s, w) == b.layer(s, w) and a.source == "preset:A100-80GB"

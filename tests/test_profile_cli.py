@@ -1,0 +1,86 @@
+"""``flexmesh profile``: --quick writes valid profiles (one process, and a torchrun world of 2)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexmesh.cli import main
+from flexmesh.cost import Work
+from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.profile import cost_model_from_profiles, load_profile
+from flexmesh.spec import parse_cluster
+from flexmesh.spec.model import from_hf_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def small_config(tmp_path: Path) -> Path:
+    """A Llama-family model small enough to profile in seconds."""
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512, "torch_dtype": "float32"}
+    path = tmp_path / "small" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_model_profile_quick_single_process(tmp_path):
+    cfg = small_config(tmp_path)
+    out = tmp_path / "model.json"
+    assert main(["profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--out", str(out)]) == 0
+    prof = load_profile(out, "model")
+    spec = from_hf_config(cfg)
+    prof.check_model(spec)
+    assert prof.dtype == "fp32" and prof.produced_by["processes"] == 1
+    acts = {(e["tp"], e["cp"], e["recompute"]): e["bytes_per_token"] for e in prof.activations["layers"]}
+    assert set(acts) >= {(1, 1, False), (1, 1, True), (2, 1, False), (1, 2, False)}
+    # recomputation keeps only the layer input: hidden fp32 values per token (plus its positions)
+    assert acts[(1, 1, True)] == pytest.approx(spec.hidden * 4, rel=0.05)
+    assert acts[(1, 1, False)] > 5 * acts[(1, 1, True)]
+    assert acts[(1, 2, False)] == pytest.approx(acts[(1, 1, False)] / 2, rel=0.05)
+    assert acts[(1, 1, True)] / 2 == pytest.approx(acts[(2, 1, True)], rel=0.05)  # sequence parallel input
+    assert prof.states["optimizer_bytes_per_param"] == 8  # AdamW's two fp32 moments
+    t_short = prof.layer["forward"].time(256, 256**2)
+    t_long = prof.layer["forward"].time(2048, 2048**2)
+    assert t_long > t_short > 0
+    cost = cost_model_from_profiles(spec, model=out, cluster=parse_cluster("2xA100-80GB"))
+    assert cost.source.endswith("+profile:model.json")
+    assert cost.layer(LayerStrategy(), Work(2048.0, 2048.0**2)).fwd == pytest.approx(float(t_long))
+
+
+def test_profile_error_is_a_clear_cli_message(tmp_path, capsys):
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({"version": 7, "kind": "hardware"}))
+    assert main(["plan", "--model", "tiny", "--hardware-profile", str(bad)]) == 2
+    assert "version 7 is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_hardware_profile_quick_under_torchrun(tmp_path):
+    out = tmp_path / "hw.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "flexmesh", "profile", "hardware", "--quick", "--nproc", "2",
+                        "--no-progress", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hw = load_profile(out, "hardware")
+    assert hw.produced_by["processes"] == 2 and hw.device["devices_per_node"] == 2
+    kinds = {(c.collective, c.group_size, c.scope) for c in hw.collectives}
+    assert kinds == {(k, 2, "intra") for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")}
+    for c in hw.collectives:
+        big, small = max(c.samples), min(c.samples)
+        assert big[1] > small[1] and c.beta_s_per_byte > 0
+    assert hw.matmul_flops_per_s["fp32"] > 1e8 and hw.attention["fp32"]["flops_per_s"] > 1e7
+    # plan on the profiled node: the cluster is the profile's, the plan records where its numbers came from
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny", "--hardware-profile", str(out), "--seq-len", "512", "--global-batch", "4",
+                 "--json", "--out", str(plan)]) == 0
+    saved = json.loads(plan.read_text())
+    assert saved["cost_source"] == "profile:hw.json" and saved["world_size"] == 2
