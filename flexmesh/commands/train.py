@@ -18,18 +18,32 @@ import sys
 from flexmesh.errors import PlanError
 
 
+POLICY_CHOICES = ("fixed", "balanced", "hdp", "milp")
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a model with a plan's parallel layout",
                               description="Train a Llama-family model on a corpus with the layout of a Plan.")
     p.add_argument("--plan", required=True, help="plan.json written by `flexmesh plan`")
-    p.add_argument("--corpus", required=True, help="folder of text files, or a .jsonl file with a text field")
+    p.add_argument("--corpus", required=True, help="folder of text files, a .jsonl file with a text field, or "
+                                                    "'stdlib' (this Python's standard-library sources)")
     p.add_argument("--max-steps", type=int, required=True, help="optimizer steps to run (in total, across resumes)")
     p.add_argument("--out", required=True, help="output folder: metrics.jsonl and checkpoints/")
     p.add_argument("--model", help="model preset or config.json (default: the plan's model)")
     p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, cached")
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=int, help="launch torchrun with this many processes on this node")
-    p.add_argument("--policy", default="fixed", help="per-step scheduling policy (default: fixed)")
+    p.add_argument("--policy", default="fixed", choices=POLICY_CHOICES,
+                   help="per-step scheduling policy (default: fixed)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="never wait for a late schedule: run --fallback-policy's for that step instead")
+    p.add_argument("--fallback-policy", default="hdp", choices=POLICY_CHOICES,
+                   help="policy of a step whose --policy schedule is late, with --adaptive (default: hdp)")
+    p.add_argument("--cp", type=int, help="static context-parallel group size for fixed and balanced "
+                                          "(default: the plan's cp when above 1, else the smallest that fits)")
+    p.add_argument("--hardware-profile", metavar="PATH",
+                   help="price schedules with this `flexmesh profile hardware` file (default: the plan's cluster preset)")
+    p.add_argument("--model-profile", metavar="PATH", help="price schedules with this `flexmesh profile model` file")
     p.add_argument("--global-batch", type=int, help="documents per step (default: the plan's global_batch)")
     p.add_argument("--max-len", type=int, help="truncate documents to this many tokens (default: the plan's seq_len)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
@@ -53,9 +67,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_torchrun(args: argparse.Namespace) -> int:
-    """Re-run this command under torchrun with ``--nproc`` processes (the flag itself removed)."""
-    argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
+def _launch_torchrun(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Re-run this command (or ``flexmesh *argv``) under torchrun with ``--nproc`` processes (the flag itself removed)."""
+    if argv is None:
+        argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
     forwarded, skip = [], False
     for a in argv:
         if skip:
@@ -83,28 +98,57 @@ def run(args: argparse.Namespace) -> int:
     return _train(args)
 
 
-def make_schedule_fn(plan, spec, policy: str, max_len: int, seed: int = 0):
-    """``lengths -> StepSchedule`` with the plan's fixed context degree, for the named policy."""
+def make_schedule_fn(plan, spec, policy: str, max_len: int, seed: int = 0, *, cost=None, cp: int | None = None):
+    """``lengths -> StepSchedule`` for the named policy over the plan's data ranks.
+
+    Groups may take any power-of-two size the policy picks (``hdp``, ``milp``); ``fixed`` and
+    ``balanced`` use one static size: ``cp``, else the plan's cp when above 1, else the smallest group
+    holding the longest sequence. Micro-batches hold at most ``max_len`` tokens per rank (the
+    context the plan is for; a longer sequence on a larger group keeps its own). ``cost`` is the CostModel the policy consults (for instance one
+    built from profiles); default: the plan's cluster preset. Each schedule's ``predicted_step_time``
+    is the step simulator's (flexmesh.sim.simulate_step on the same context), which the runtime
+    reports beside the measured time. The function carries ``.policy`` and ``.context`` (the
+    ScheduleContext).
+
+    >>> from flexmesh.plan.plan import Plan, StagePlan
+    >>> from flexmesh.plan.strategy import LayerStrategy
+    >>> from flexmesh.spec.model import parse_model
+    >>> spec = parse_model("llama2-7b")
+    >>> st = StagePlan(0, 32, (LayerStrategy.parse("tp1-dp8z3"),) * 32)
+    >>> plan = Plan("llama2-7b", "8xA100-80GB", 8, 1, "1f1b", 1, 4096, 8, (st,))
+    >>> fn = make_schedule_fn(plan, spec, "hdp", 16384)
+    >>> [g.cp for g in fn([12000] + [400] * 6 + [2000] * 8).groups]  # 12000 tokens need 2+ ranks
+    [4, 1, 1, 1, 1]
+    """
     from dataclasses import replace
 
     from flexmesh.cost import CostModel
-    from flexmesh.runtime.parallelize import layout_from_plan
+    from flexmesh.runtime.parallelize import context_kind, layout_from_plan
     from flexmesh.schedule.context import ScheduleContext
     from flexmesh.schedule.policies import make_schedule
+    from flexmesh.sim.timeline import simulate_step
     from flexmesh.spec.cluster import parse_cluster
 
     layout = layout_from_plan(plan)
     strategy = replace(plan.layer_strategies()[0], cp=1, cp_kind="none", dp=1)
-    ctx = ScheduleContext(cost=CostModel(spec, parse_cluster(plan.cluster)), base=strategy,
-                          num_ranks=layout.data_ranks, pp=plan.pp, pipeline_schedule=plan.schedule,
-                          cp_kind=layout.cp_kind if layout.cp > 1 else "ulysses")
-    options: dict = {"cp": layout.cp}
+    ctx = ScheduleContext(cost=cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster)),
+                          base=strategy, num_ranks=layout.data_ranks, pp=plan.pp, pipeline_schedule=plan.schedule,
+                          cp_kind=context_kind(spec, layout), microbatch_tokens=max_len)
+    options: dict = {}
+    if policy in ("fixed", "balanced"):
+        static = cp if cp is not None else (layout.cp if layout.cp > 1 else None)
+        if static is not None:
+            options["cp"] = static
     if policy == "fixed":
         options["context"] = max_len
 
     def schedule_fn(lengths):
-        return make_schedule(policy, lengths, ctx, seed=seed, **options)
+        schedule = make_schedule(policy, lengths, ctx, seed=seed, **options)
+        return replace(schedule, predicted_step_time=simulate_step(ctx, schedule, virtual_stages=plan.virtual_stages,
+                                                                   ).step_time)
 
+    schedule_fn.policy = policy
+    schedule_fn.context = ctx
     return schedule_fn
 
 
@@ -112,11 +156,13 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from rich.console import Console
 
+    from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
     from flexmesh.plan.plan import Plan
     from flexmesh.runtime.parallelize import layout_from_plan
-    from flexmesh.runtime.train import ScheduledLoader, TrainConfig, Trainer, fit, init_distributed
+    from flexmesh.runtime.adaptive import AdaptiveSource
+    from flexmesh.runtime.train import TrainConfig, Trainer, fit, init_distributed
     from flexmesh.spec.model import parse_model
 
     plan = Plan.load(args.plan)
@@ -126,14 +172,24 @@ def _train(args: argparse.Namespace) -> int:
     if world != plan.world_size:  # before joining: a wrong launch should not wait for peers
         raise PlanError(f"plan {args.plan} is for {plan.world_size} ranks but {world} were launched; use "
                         f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
-    corpus_tokens, tok = load_corpus_tokens(args.corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
+    corpus = stdlib_corpus() if args.corpus == "stdlib" else args.corpus
+    corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
                         "tokenizer with at most that many tokens, or drop --tokenizer to train one")
     max_len = args.max_len or plan.seq_len
     loader = DocumentLoader(corpus_tokens, global_batch=args.global_batch or plan.global_batch, max_len=max_len,
                             seed=args.seed)
-    schedule_fn = make_schedule_fn(plan, spec, args.policy, max_len, args.seed)
+    cost = None  # the plan's cluster preset prices schedules unless profiles are given
+    if args.hardware_profile or args.model_profile:
+        from flexmesh.profile.use import cost_model_from_profiles
+        from flexmesh.spec.cluster import parse_cluster
+
+        cost = cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
+                                        world=plan.world_size,
+                                        cluster=None if args.hardware_profile else parse_cluster(plan.cluster))
+    schedule_fn = make_schedule_fn(plan, spec, args.policy, max_len, args.seed, cp=args.cp, cost=cost)
+    fallback_fn = make_schedule_fn(plan, spec, args.fallback_policy, max_len, args.seed, cp=args.cp, cost=cost)
 
     config = TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
                          min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -142,7 +198,10 @@ def _train(args: argparse.Namespace) -> int:
     init_distributed()
     try:
         trainer = Trainer(plan, spec, config, weights=args.weights)
-        history = fit(trainer, ScheduledLoader(loader, schedule_fn), config)
+        # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late
+        # schedule is replaced by the fallback policy's instead of waited for.
+        source = AdaptiveSource(loader, schedule_fn, fallback_fn, deadline_s=0.0 if args.adaptive else None)
+        history = fit(trainer, source, config)
         if dist.get_rank() == 0 and history:
             last = history[-1]
             Console().print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s; "

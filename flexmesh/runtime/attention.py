@@ -13,15 +13,15 @@ Worked example of the mask (T = 5, cu_seqlens = [0, 3, 5]: documents a a a b b):
                                        3            . . . 1 .
                                        4            . . . 1 1
 
-Kernels: on CPU (and for fp32 on GPU without FlexAttention) SDPA with that boolean mask; on GPU
-flash-attn's varlen kernel when installed and the dtype is fp16/bf16, else FlexAttention with a
+Kernels: on CPU (and for fp32 on GPU without FlexAttention) causal SDPA document by document (cost
+sum(len^2), as a varlen kernel; no mask kept); on GPU flash-attn's varlen kernel when installed and the dtype is fp16/bf16, else FlexAttention with a
 document mask. Only the CPU path is exercised by the test suite (no GPU in CI).
 
 Context parallelism (``cp`` given): each rank holds a contiguous 1/cp slice of the row while
 ``cu_seqlens`` stays global.
 
 - Ulysses: an all-to-all turns (all heads, my tokens) into (my heads, all tokens), runs the local kernel
-  with the global mask, and turns the result back. Needs heads divisible by cp.
+  document by document, and turns the result back. Needs heads divisible by cp.
 - Ring: K/V blocks travel around the ring (batched isend/irecv); each rank merges the blockwise
   attention of its queries with every block by log-sum-exp. The backward runs the ring again,
   carrying dK/dV with their blocks until they are back home. Written by hand because PyTorch's
@@ -93,28 +93,22 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 # ---- local kernels -----------------------------------------------------------------------------------
 def _local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA document by document, so the cost is sum(len^2), as a varlen kernel's.
+
+    One SDPA over the whole packed row with a block-diagonal mask would cost row^2 however short
+    its documents are, and keep a row^2 mask per layer for backward. Tokens after ``cu_seqlens[-1]``
+    (padding) attend among themselves, as one more document.
+    """
     t = q.shape[2]
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # GQA: each key/value head serves `groups` consecutive query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_row_mask(cu_seqlens, t)[None, None])
-
-
-# Every layer of a forward sees the same boundaries: keep the last masks (T^2 bytes each) instead of
-# rebuilding one per layer, which costs about a sixth of the CPU attention time at T = 2048.
-_MASKS: dict[tuple, torch.Tensor] = {}
-_MASKS_KEPT = 2
-
-
-def _row_mask(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
-    key = (str(cu_seqlens.device), t, tuple(cu_seqlens.tolist()))
-    mask = _MASKS.pop(key, None)
-    if mask is None:
-        mask = document_causal_mask(cu_seqlens, 0, t, 0, t, t)
-    _MASKS[key] = mask  # most recently used last
-    while len(_MASKS) > _MASKS_KEPT:
-        del _MASKS[next(iter(_MASKS))]
-    return mask
+    bounds = [int(x) for x in cu_seqlens.tolist() if 0 < int(x) < t]
+    cuts = [0, *sorted(set(bounds)), t]
+    if len(cuts) == 2:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                      for a, b in zip(cuts[:-1], cuts[1:])], dim=2)
 
 
 def _local_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

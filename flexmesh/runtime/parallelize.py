@@ -4,7 +4,8 @@ The order is torchtitan's: tensor parallelism first (it turns weights into DTens
 axis), then per-layer activation checkpointing (it wraps blocks, after TP so the wrapped block's
 collectives are recomputed too), then FSDP2 per block and finally the root (FSDP must see the
 finished modules). Context parallelism needs no weight surgery: each attention layer is given a
-:class:`~flexmesh.runtime.attention.CPContext` for the ``cp`` group.
+:class:`~flexmesh.runtime.attention.CPContext`; the trainer switches it every step to the group the
+step's schedule gives the rank, from a pool made once (:class:`ContextGroups`).
 
 Supported per-layer mixes (checked by :func:`layout_from_plan`):
 
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flexmesh.errors import PlanError
+from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.plan.plan import Plan
 from flexmesh.plan.strategy import LayerStrategy
 from flexmesh.spec.model import ModelSpec
@@ -255,3 +256,119 @@ def local_coords(mesh: DeviceMesh) -> dict[str, int]:
 
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- context-parallel groups, chosen per step --------------------------------------------------------
+def aligned_blocks(data_ranks: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of every aligned power-of-two run of at least 2 of ``data_ranks`` data ranks.
+
+    A run of ``size`` ranks starts at a multiple of ``size`` (what
+    flexmesh.schedule.assemble.aligned_layout produces), so there are ``data_ranks / size`` of each size.
+
+    >>> aligned_blocks(4)
+    [(0, 2), (2, 2), (0, 4)]
+    >>> aligned_blocks(6)
+    [(0, 2), (2, 2), (4, 2), (0, 4)]
+    """
+    out, size = [], 2
+    while size <= data_ranks:
+        out += [(start, size) for start in range(0, data_ranks - size + 1, size)]
+        size *= 2
+    return out
+
+
+def global_rank(layout: Layout, pp_index: int, data_rank: int, tp_index: int) -> int:
+    """Global rank of data rank ``d`` (``dp_index * cp + cp_index``) at tp index ``t`` on stage ``p``.
+
+    ``(p * data_ranks + d) * tp + t``, the order of :data:`MESH_AXES` (flexmesh.plan.plan.rank_coords).
+    With pp 2, dp 2, cp 1, tp 2: data rank 1 at tp index 0 on stage 1 is rank ``(1 * 2 + 1) * 2 + 0 = 6``.
+
+    >>> lay = Layout(pp=2, dp=2, cp=1, cp_kind="none", tp=2, zero=(0,), recompute=(False,))
+    >>> global_rank(lay, 1, 1, 0)
+    6
+    """
+    return (pp_index * layout.data_ranks + data_rank) * layout.tp + tp_index
+
+
+def context_kind(spec: ModelSpec, layout: Layout) -> str:
+    """The context-parallel kind a run uses for every group it forms.
+
+    The plan's kind when the plan itself uses cp > 1; otherwise Ulysses when the query and key/value
+    heads per tensor-parallel rank split evenly over the largest group the data ranks allow (Ulysses
+    moves heads, one all-to-all each way), else ring attention (which needs no head count).
+
+    >>> from flexmesh.spec.model import ModelSpec
+    >>> spec = ModelSpec(name="t", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab=256)
+    >>> lay = Layout(pp=1, dp=2, cp=1, cp_kind="none", tp=1, zero=(2, 2), recompute=(False, False))
+    >>> context_kind(spec, lay), context_kind(spec, Layout(1, 4, 1, "none", 1, (2, 2), (False, False)))
+    ('ulysses', 'ring')
+    """
+    if layout.cp > 1:
+        return layout.cp_kind
+    top = 1
+    while top * 2 <= layout.data_ranks:
+        top *= 2
+    heads, kv = spec.num_heads // layout.tp, spec.num_kv_heads // layout.tp
+    return "ulysses" if heads % top == 0 and kv % top == 0 else "ring"
+
+
+class ContextGroups:
+    """The pool of context-parallel process groups, one per aligned block of data ranks.
+
+    For each pipeline stage and tp index, every :func:`aligned_blocks` run of data ranks gets a
+    process group of the global ranks holding them (:func:`global_rank`); all ranks create all
+    groups in the same order (``dist.new_group`` is collective), once, when the trainer starts.
+    Each step :meth:`context` returns this rank's :class:`~flexmesh.runtime.attention.CPContext` for
+    a schedule group (None for a group of one rank: no context parallelism).
+
+    A group whose size does not divide the query heads per tp rank runs ring attention even when
+    the run's kind (:func:`context_kind`) is Ulysses, which would need that division.
+    """
+
+    def __init__(self, layout: Layout, spec: ModelSpec, pp_index: int, tp_index: int) -> None:
+        import torch.distributed as dist
+
+        self.layout = layout
+        self.kind = context_kind(spec, layout)
+        self.heads = spec.num_heads // layout.tp
+        self._groups: dict[tuple[int, int], object] = {}
+        for p in range(layout.pp):
+            for t in range(layout.tp):
+                for start, size in aligned_blocks(layout.data_ranks):
+                    group = dist.new_group([global_rank(layout, p, d, t) for d in range(start, start + size)])
+                    if (p, t) == (pp_index, tp_index):
+                        self._groups[(start, size)] = group
+
+    def check(self, ranks: tuple[int, ...]) -> None:
+        """Raise ScheduleError unless ``ranks`` (data ranks) is an aligned power-of-two run."""
+        size, start = len(ranks), ranks[0] if ranks else 0
+        n = self.layout.data_ranks
+        ok = (size >= 1 and size & (size - 1) == 0 and start % size == 0 and start + size <= n
+              and list(ranks) == list(range(start, start + size)))
+        if not ok:
+            if size < 1 or size & (size - 1):
+                why = f"{size} ranks is not a power of two"
+            elif list(ranks) != list(range(start, start + size)):
+                why = "the ranks are not consecutive"
+            elif start + size > n:
+                why = f"it reaches past the last data rank {n - 1}"
+            else:
+                why = f"a group of {size} must start at a multiple of {size}, not at {start}"
+            raise ScheduleError(
+                f"schedule group of data ranks {list(ranks)} cannot run: {why}. The runtime keeps context-parallel "
+                f"groups for runs of 1, 2, 4, ... consecutive data ranks (of {n}) starting at a multiple of their "
+                "size; place the step's groups with flexmesh.schedule.assemble.aligned_layout")
+
+    def kind_for(self, size: int) -> str:
+        return self.kind if self.kind == "ring" or self.heads % size == 0 else "ring"
+
+    def context(self, ranks: tuple[int, ...], data_rank: int):
+        """This rank's CPContext in schedule group ``ranks`` (which must hold ``data_rank``); None for one rank."""
+        from flexmesh.runtime.attention import CPContext
+
+        self.check(ranks)
+        if len(ranks) == 1:
+            return None
+        start, size = ranks[0], len(ranks)
+        return CPContext(kind=self.kind_for(size), group=self._groups[(start, size)], rank=data_rank - start,
+                         size=size)

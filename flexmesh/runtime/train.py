@@ -1,19 +1,29 @@
 """The training loop: run a Plan's layout on StepSchedules, step by step, and measure.
 
 The runtime decides nothing: the Plan fixes the layout, each StepSchedule fixes which documents each
-data rank packs into which micro-batch. The trainer packs, pads, runs forward/backward (directly, or
-through a pipeline schedule), clips, steps AdamW and a warmup + cosine learning rate, and reports.
+data rank packs into which micro-batch and which ranks form each context-parallel group. The trainer
+packs, pads, runs forward/backward (directly, or through a pipeline schedule), clips, steps AdamW
+and a warmup + cosine learning rate, and reports.
 
 Loss normalisation (the correctness contract). Every rank sums the token cross-entropies of its own
 label tokens and divides by the step's GLOBAL label-token count (all ranks, all micro-batches).
 FSDP2 is told to sum gradients over the dp x cp ranks instead of averaging, pipelining not to divide
 by the number of micro-batches, so the gradients equal those of one process running the whole
-batch. The reported loss is the sum over data ranks of those partial losses: the global mean.
+batch whatever the number of micro-batches per rank. The reported loss is the sum over data ranks
+of those partial losses: the global mean.
 
-Data ranks (flexmesh.schedule.types): data rank ``dp_index * cp + cp_index``; a schedule group of
-``cp`` consecutive data ranks shares its micro-batches, each rank taking a contiguous 1/cp slice.
-Every rank must run the same number of micro-batches (FSDP's collectives pair up across dp), so
-groups with fewer are padded with empty micro-batches whose labels are all ignored.
+Data ranks (flexmesh.schedule.types): data rank ``dp_index * cp + cp_index``. Each step a schedule
+group of ``g`` consecutive data ranks (an aligned power-of-two run) shards its micro-batches ``g``
+ways, each rank taking a contiguous 1/g slice, over a process group from the pool made at start
+(flexmesh.runtime.parallelize.ContextGroups); FSDP2 shards weights over all data ranks, so weights
+never depend on the step's groups.
+
+Micro-batch counts. With pp == 1 and no ZeRO-3 layer, nothing in a micro-batch talks to all data
+ranks once weights are gathered, so each rank runs only its own group's micro-batches with
+gradient sync off and weights kept gathered, then one empty micro-batch (all labels ignored) with
+sync on carries the step's single gradient reduction. ZeRO-3 (weights gathered per micro-batch)
+and pipelines pair collectives per micro-batch, so there every rank runs the step's largest count,
+groups with fewer padded with empty micro-batches.
 """
 
 from __future__ import annotations
@@ -33,11 +43,13 @@ import torch.nn.functional as F
 from flexmesh.data.packing import IGNORE_INDEX, PAD_TOKEN, PackedBatch, global_label_tokens, pack_microbatch, pad_to, \
     shard_for_cp
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.plan.plan import Plan
-from flexmesh.runtime.parallelize import Layout, build_mesh, data_mesh, layout_from_plan, local_coords, parallelize
+from flexmesh.plan.plan import Plan, rank_coords
+from flexmesh.runtime.memory import SavedActivationMeter
+from flexmesh.runtime.parallelize import ContextGroups, Layout, build_mesh, data_mesh, layout_from_plan, \
+    local_coords, parallelize
 from flexmesh.runtime.pipeline import StageModule, build_schedule, check_partition, chunks_of_rank, make_stages, \
     padded_microbatch_count, split_stage
-from flexmesh.schedule.types import StepSchedule
+from flexmesh.schedule.types import Group, StepSchedule
 from flexmesh.spec.model import ModelSpec
 
 
@@ -75,6 +87,11 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 
 @dataclass(frozen=True)
 class StepMetrics:
+    """What one step did and how long it took (fields and units in docs/metrics.md).
+
+    Lists are indexed by global rank; every rank gets the same lists (gathered once per step).
+    """
+
     step: int
     loss: float
     grad_norm: float
@@ -83,12 +100,21 @@ class StepMetrics:
     label_tokens: int
     padded_tokens: int  # tokens this rank's data group ran, padding included
     microbatches: int
-    step_time_s: float
+    step_time_s: float  # the slowest rank's wall time, packing to optimiser step
     tokens_per_s: float
     peak_memory_gib: float | None  # this rank's allocator peak (GPU) or resident set (CPU)
+    policy: str = ""  # policy of the schedule that ran
+    requested_policy: str = ""  # policy asked for; differs from ``policy`` after a fallback
+    fallback: bool = False  # the background scheduler was late and the fallback schedule ran
+    scheduler_s: float = 0.0  # seconds the schedule that ran took to compute
+    predicted_step_time_s: float | None = None  # the schedule's prediction, None when it has none
+    predicted_busy_s: tuple[float, ...] = ()  # per rank: its group's predicted time
+    busy_s: tuple[float, ...] = ()  # per rank: step start until its own micro-batches were done
+    activation_peak_bytes: tuple[int, ...] = ()  # per rank: peak bytes saved for backward
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in ((k, getattr(self, k)) for k in self.__dataclass_fields__)}
 
 
 class StepSource(Protocol):
@@ -138,6 +164,23 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s))
     else:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
+_CPU_GROUPS: dict = {}
+
+
+def cpu_group():
+    """A gloo process group over all ranks for small host-side messages (metrics, schedules).
+
+    None (the default group) when the default backend is gloo already; under NCCL one gloo group is
+    made on first use, so every rank must make its first call at the same point of the program.
+    """
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
 
 
 def _dummy_batch(length: int) -> PackedBatch:
@@ -237,6 +280,13 @@ class Trainer:
         self.mesh = build_mesh(self.layout, self.device.type)
         self.coords = local_coords(self.mesh)
         self.pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        lay = self.layout
+        self.cp_groups = ContextGroups(lay, spec, self.coords["pp"], self.coords["tp"]) if lay.data_ranks > 1 \
+            else None
+        # Ranks may run different numbers of micro-batches unless something pairs collectives per
+        # micro-batch across all data ranks: ZeRO-3's weight gathers, or a pipeline schedule.
+        self.uneven = lay.pp == 1 and not any(z == 3 for z in lay.zero)
+        self._cpu_group = cpu_group()
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         self.chunks = chunks_of_rank(plan, self.coords["pp"])
@@ -281,22 +331,35 @@ class Trainer:
     def data_rank(self) -> int:
         return self.coords["dp"] * self.layout.cp + self.coords["cp"]
 
-    def local_batches(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> list[PackedBatch]:
-        """This rank's micro-batches for the step: packed, padded, count-equalised, cp-sliced."""
+    def my_group(self, schedule: StepSchedule) -> Group:
+        """This rank's group of the step; every group must be an aligned power-of-two run (ScheduleError)."""
         lay = self.layout
+        for g in schedule.groups:
+            if self.cp_groups is not None:
+                self.cp_groups.check(g.ranks)
+            elif tuple(g.ranks) != (0,):
+                raise ScheduleError(f"schedule group {list(g.ranks)} names data ranks this run lacks: it has one "
+                                    "data rank (0); schedule for one data rank")
         groups = [g for g in schedule.groups if self.data_rank in g.ranks]
         if len(groups) != 1:
             raise ScheduleError(f"data rank {self.data_rank} appears in {len(groups)} groups; give each data rank "
                                 f"exactly one of {lay.data_ranks} data ranks (dp {lay.dp} x cp {lay.cp})")
-        group = groups[0]
-        if group.cp != lay.cp:
-            raise ScheduleError(
-                f"schedule group {group.ranks} has context degree {group.cp} but the plan runs cp {lay.cp}; "
-                f"this runtime uses the plan's fixed context degree: build groups of {lay.cp} data ranks")
-        count = max(len(g.microbatches) for g in schedule.groups)
-        count = padded_microbatch_count(self.plan.schedule, count, lay.pp)
+        return groups[0]
+
+    def local_batches(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> list[PackedBatch]:
+        """This rank's micro-batches for the step: packed, padded, cp-sliced; count-equalised unless uneven.
+
+        The first ``len(group.microbatches)`` hold data; any after them are empty padding.
+        """
+        lay = self.layout
+        group = self.my_group(schedule)
+        cp = group.cp
+        count = len(group.microbatches)
+        if not self.uneven:
+            count = max(len(g.microbatches) for g in schedule.groups)
+            count = padded_microbatch_count(self.plan.schedule, count, lay.pp)
         packed = [pack_microbatch(docs, mb) for mb in group.microbatches]
-        quantum = lay.cp * lay.tp  # T must split over cp ranks, then over tp ranks (sequence parallel)
+        quantum = cp * lay.tp  # T must split over the group's ranks, then over tp ranks (sequence parallel)
         if lay.pp > 1:  # pipelining needs one shape for every micro-batch of the step
             longest = max([b.num_tokens for b in packed] + [1])
             lengths = [-(-longest // quantum) * quantum] * count
@@ -305,10 +368,15 @@ class Trainer:
         out = []
         for i in range(count):
             b = pad_to(packed[i], lengths[i]) if i < len(packed) else _dummy_batch(lengths[i])
-            if lay.cp > 1:
-                b = shard_for_cp(b, self.coords["cp"], lay.cp)
+            if cp > 1:
+                b = shard_for_cp(b, self.data_rank - group.ranks[0], cp)
             out.append(b.to(self.device))
         return out
+
+    def _set_context(self, group: Group) -> None:
+        cp = self.cp_groups.context(group.ranks, self.data_rank) if self.cp_groups is not None else None
+        for m in self.inner_models():
+            m.set_cp(cp)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> StepMetrics:
@@ -316,46 +384,110 @@ class Trainer:
         label_tokens = global_label_tokens(docs, schedule)
         if label_tokens == 0:
             raise ScheduleError("the step has no label tokens (every document is a single token); feed longer documents")
+        group = self.my_group(schedule)
         batches = self.local_batches(docs, schedule)
+        self._set_context(group)
         self.loss_fn.normaliser = label_tokens
         self.optimizer.zero_grad(set_to_none=True)
-        local_loss = self._forward_backward(batches)
+        with SavedActivationMeter() as meter:
+            local_loss, busy = self._forward_backward(batches, group, t0)
         grad_norm = clip_grad_norm(self.params, self.config.grad_clip, self.pp_group)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
-        # earlier pipeline stages hold copies or nothing).
-        owner = self.coords["tp"] == 0 and self.coords["pp"] == self.layout.pp - 1
-        total = torch.tensor([local_loss if owner else 0.0], dtype=torch.float64)
-        if self.device.type == "cuda":
-            total = total.to(self.device)
-        dist.all_reduce(total)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
+        # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
+        owner = self.coords["tp"] == 0 and self.coords["pp"] == self.layout.pp - 1
+        mine = torch.tensor([local_loss if owner else 0.0, busy, float(meter.peak_bytes), elapsed],
+                            dtype=torch.float64)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine, group=self._cpu_group)
+        table = torch.stack(rows)
+        step_time = float(table[:, 3].max())
         tokens = sum(p.length for g in schedule.groups for mb in g.microbatches for p in mb)
+        extra = schedule.extra or {}
         self.step_index += 1
         return StepMetrics(
-            step=self.step_index, loss=float(total.item()), grad_norm=grad_norm, lr=lr, tokens=tokens,
-            label_tokens=label_tokens, padded_tokens=sum(b.num_tokens for b in batches) * self.layout.cp,
-            microbatches=len(batches), step_time_s=elapsed, tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            step=self.step_index, loss=float(table[:, 0].sum()), grad_norm=grad_norm, lr=lr, tokens=tokens,
+            label_tokens=label_tokens, padded_tokens=sum(b.num_tokens for b in batches) * group.cp,
+            microbatches=len(batches), step_time_s=step_time,
+            tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
             peak_memory_gib=_peak_memory_gib(self.device),
+            policy=schedule.policy, requested_policy=str(extra.get("requested_policy", schedule.policy)),
+            fallback=bool(extra.get("fallback", False)),
+            scheduler_s=float(extra.get("scheduler_s", schedule.scheduler_seconds)),
+            predicted_step_time_s=schedule.predicted_step_time if schedule.predicted_step_time > 0 else None,
+            predicted_busy_s=self._predicted_busy(schedule),
+            busy_s=tuple(float(x) for x in table[:, 1]),
+            activation_peak_bytes=tuple(int(x) for x in table[:, 2]),
         )
 
-    def _forward_backward(self, batches: list[PackedBatch]) -> float:
-        if self.layout.pp == 1:
-            root = self.modules[0]
-            total = 0.0
-            sync = hasattr(root, "set_requires_gradient_sync")
-            for i, b in enumerate(batches):
-                if sync:  # reduce gradients once, after the last micro-batch
-                    root.set_requires_gradient_sync(i == len(batches) - 1)
-                loss = self.loss_fn(root(b.tokens, b), b.labels)
-                loss.backward()
-                total += float(loss.detach())
-            return total
-        return self._pipeline_step(batches)
+    def _predicted_busy(self, schedule: StepSchedule) -> tuple[float, ...]:
+        """Per global rank: the predicted time of the group holding its data rank."""
+        lay = self.layout
+        by_rank = {r: g.predicted_time for g in schedule.groups for r in g.ranks}
+        out = []
+        for rank in range(lay.world_size):
+            c = rank_coords(rank, lay.pp, lay.dp, lay.cp, lay.tp)
+            out.append(float(by_rank.get(c["dp"] * lay.cp + c["cp"], 0.0)))
+        return tuple(out)
+
+    def _forward_backward(self, batches: list[PackedBatch], group: Group, t0: float) -> tuple[float, float]:
+        """Run the step's micro-batches; returns (this rank's loss, seconds until its own were done).
+
+        The group's ``len(group.microbatches)`` first batches hold data, the rest are padding. On the
+        uneven path one more empty micro-batch of ``cp * tp`` tokens carries the gradient reduction,
+        after the busy time is taken.
+        """
+        own, cp = len(group.microbatches), group.cp
+
+        def since_start() -> float:
+            if self.device.type == "cuda":  # kernels run asynchronously: time what has finished
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        if self.layout.pp > 1:
+            loss = self._pipeline_step(batches)
+            return loss, since_start()
+        root = self.modules[0]
+        sync = hasattr(root, "set_requires_gradient_sync")  # FSDP2 or replicate over the data ranks
+        total, busy = 0.0, None
+
+        def run(b: PackedBatch) -> float:
+            loss = self.loss_fn(root(b.tokens, b), b.labels)
+            loss.backward()
+            return float(loss.detach())
+
+        if self.uneven:
+            if sync:
+                # Accumulate gradients locally and keep weights gathered: with FSDP2's default
+                # re-shard after each backward, every micro-batch's forward would gather weights over
+                # all data ranks again, and ranks with different counts would wait on each other
+                # forever (seen on torch 2.13 gloo). The step's one weight gather happens in each
+                # rank's first forward, the one reduction in the empty micro-batch below.
+                root.set_requires_gradient_sync(False)
+                root.set_reshard_after_backward(False)
+            for b in batches:
+                total += run(b)
+            busy = since_start()
+            if sync:
+                root.set_requires_gradient_sync(True)
+                root.set_reshard_after_backward(True)
+                empty = _dummy_batch(cp * self.layout.tp)
+                if cp > 1:
+                    empty = shard_for_cp(empty, self.data_rank - group.ranks[0], cp)
+                total += run(empty.to(self.device))
+            return total, busy
+        for i, b in enumerate(batches):
+            if i == own:
+                busy = since_start()
+            if sync:  # reduce gradients once, after the last micro-batch
+                root.set_requires_gradient_sync(i == len(batches) - 1)
+            total += run(b)
+        return total, busy if busy is not None else since_start()
 
     def _pipeline_step(self, batches: list[PackedBatch]) -> float:
         m, length = len(batches), batches[0].num_tokens
@@ -442,6 +574,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig) -> list[StepM
     finally:
         if progress is not None:
             progress.close()
+        if hasattr(source, "close"):  # e.g. AdaptiveSource's background scheduler
+            source.close()
     return history
 
 
@@ -458,7 +592,8 @@ class _Progress:
 
     def update(self, m: StepMetrics) -> None:
         self._bar.update(self._task, completed=m.step, description=(
-            f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s * 1e3:.0f} ms/step  lr {m.lr:.2e}"))
+            f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s * 1e3:.0f} ms/step  lr {m.lr:.2e}  "
+            f"{m.policy}{' (fallback)' if m.fallback else ''}"))
 
     def close(self) -> None:
         self._bar.stop()
@@ -467,7 +602,9 @@ class _Progress:
 class ScheduledLoader:
     """Global batches of whole documents from a loader, each dealt by a scheduling policy.
 
-    ``schedule_fn(lengths) -> StepSchedule``; resuming restores the loader's position, and the
+    ``schedule_fn(lengths) -> StepSchedule``, called on every rank, so it must give every rank the
+    same schedule: a time-limited policy (``milp``) may not; :class:`flexmesh.runtime.adaptive.AdaptiveSource`
+    computes on rank 0 and broadcasts instead. Resuming restores the loader's position, and the
     policies are deterministic, so the same steps replay.
     """
 
