@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flexmesh.errors import FlexmeshError, SpecError
@@ -21,7 +21,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="compare scheduling policies on simulated training steps",
                        description=__doc__.split("\n\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
-    p.add_argument("--cluster", required=True, help="NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB) or a file")
+    p.add_argument("--cluster", help="NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB) or a file; "
+                                     "optional with --hardware-profile (its node)")
+    p.add_argument("--hardware-profile", metavar="PATH", help="a `flexmesh profile hardware` file to price with")
+    p.add_argument("--model-profile", metavar="PATH", help="a `flexmesh profile model` file to price with")
     p.add_argument("--context", type=int, required=True,
                    help="maximum sequence length; longer sequences are truncated to it")
     p.add_argument("--lengths", default="wikipedia", help="shipped distribution name or a .txt/.json file")
@@ -71,10 +74,13 @@ def build_context(args):
     from flexmesh.plan.strategy import LayerStrategy
     from flexmesh.schedule.context import ScheduleContext
     from flexmesh.sim.timeline import lane_speeds
-    from flexmesh.spec import parse_cluster, parse_model
+    from flexmesh.spec import parse_model
 
-    model = parse_model(args.model)
-    cluster = parse_cluster(args.cluster)
+    from flexmesh.profile.use import cost_model_for
+
+    base = cost_model_for(parse_model(args.model), args.cluster, getattr(args, "hardware_profile", None),
+                          getattr(args, "model_profile", None))
+    cluster = base.cluster
     cluster = replace(cluster, speed_factors=_slow(args.slow, cluster.world_size) or cluster.speed_factors)
     for name in ("tp", "pp", "virtual_stages", "steps", "context"):
         if getattr(args, name) < 1:
@@ -87,18 +93,29 @@ def build_context(args):
     if world % (args.tp * args.pp):
         raise FlexmeshError(f"{world} devices are not divisible by tp {args.tp} x pp {args.pp}; change --tp or --pp")
     speeds = lane_speeds(cluster, args.tp, args.pp)
-    ctx = ScheduleContext(cost=CostModel(model, cluster), base=LayerStrategy(tp=args.tp, zero=args.zero,
+    cost = base if cluster == base.cluster else CostModel(base.model, cluster, base.hw, base.profile)
+    ctx = ScheduleContext(cost=cost, base=LayerStrategy(tp=args.tp, zero=args.zero,
                                                                               recompute=args.recompute),
                           num_ranks=world // (args.tp * args.pp), pp=args.pp, pipeline_schedule=args.schedule,
                           cp_kind=args.cp_kind, speed=tuple(float(x) for x in speeds.min(axis=0)))
     return ctx, speeds
 
 
-def run(args) -> int:
+@dataclass
+class Simulation:
+    """What ``flexmesh simulate`` computed: the setup, one PolicyRun per policy, and PNGs written."""
+
+    setup: dict
+    runs: list
+    plots: dict
+    ctx: object
+
+
+def simulate(args) -> Simulation:
+    """Draw the batches, schedule and simulate them under every policy (with a progress bar when long)."""
     import numpy as np
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from flexmesh.data.lengths import BatchSampler, load_lengths
     from flexmesh.sim.compare import compare_policies, fixed_runs_needed
@@ -134,23 +151,39 @@ def run(args) -> int:
              "context": args.context, "lengths": args.lengths, "steps": args.steps, "seed": args.seed,
              "mean_sequences_per_step": float(np.mean([len(b) for b in batches])),
              "mean_tokens_per_step": float(np.mean([b.sum() for b in batches]))}
-    if args.json:
-        print(json.dumps({"setup": setup, "policies": [r.to_dict() for r in runs], "plots": plots}, indent=2))
-        return 0
-    table = Table(title=f"{setup['model']} on {setup['cluster']} ({ctx.num_ranks} data ranks, tp{args.tp} pp{args.pp}), "
-                        f"context {args.context}, {args.lengths}, {setup['mean_sequences_per_step']:.0f} seqs / "
-                        f"{setup['mean_tokens_per_step'] / 1e3:.0f}K tokens per step, {args.steps} steps")
+    return Simulation(setup, runs, plots, ctx)
+
+
+def print_table(sim: Simulation, console) -> None:
+    """The per-policy comparison as a rich table, then the plot files."""
+    from rich.table import Table
+
+    setup, ctx = sim.setup, sim.ctx
+    table = Table(title=f"{setup['model']} on {setup['cluster']} ({ctx.num_ranks} data ranks, tp{setup['tp']} "
+                        f"pp{setup['pp']}), context {setup['context']}, {setup['lengths']}, "
+                        f"{setup['mean_sequences_per_step']:.0f} seqs / {setup['mean_tokens_per_step'] / 1e3:.0f}K "
+                        f"tokens per step, {setup['steps']} steps")
     for col in ("policy", "step time (s)", "tokens/s", "speedup", "imbalance", "ratio to LB", "sched ms/step",
                 "utilisation"):
         table.add_column(col, justify="left" if col == "policy" else "right")
-    for r in runs:
+    for r in sim.runs:
         d = r.to_dict()
         table.add_row(r.label, f"{d['mean_step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
                       "-" if d["speedup_vs_fixed"] is None else f"{d['speedup_vs_fixed']:.2f}x",
                       f"{d['imbalance']:.3f}", f"{d['ratio_to_lower_bound']:.3f}",
                       f"{d['scheduler_ms_per_step']:.1f}", f"{d['utilisation']:.0%}")
-    console = Console()
     console.print(table)
-    for label, files in plots.items():
+    for label, files in sim.plots.items():
         console.print(f"plots for {label}: {', '.join(files)}", highlight=False)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    sim = simulate(args)
+    if args.json:
+        print(json.dumps({"setup": sim.setup, "policies": [r.to_dict() for r in sim.runs], "plots": sim.plots},
+                         indent=2))
+        return 0
+    print_table(sim, Console())
     return 0

@@ -1,0 +1,144 @@
+"""``flexmesh demo``: plan, simulate, profile, train with adaptive schedules, and write a report.
+
+With no arguments, on this machine (see docs/cli-demo.md):
+
+1. plan Llama 3 8B on one node of 8 H100s (sequences of 8192, 128 per step) and show the best layouts;
+2. simulate the ``fixed``, ``balanced``, ``hdp`` and ``milp`` policies on Llama 2 7B over 8x8 A100-40GB
+   with batches drawn from the shipped Wikipedia lengths, and show the comparison;
+3. profile this machine and the small model the demo trains (``flexmesh profile ... --quick``);
+4. train that model on ``--nproc`` local processes on the Python standard library's sources, first
+   with the ``fixed`` policy, then with adaptive per-step schedules (``milp``, falling back to
+   ``hdp`` when late) on the same batches, showing progress;
+5. write ``<out>/report.md`` with PNG plots: a simulated step timeline, a measured one, per-rank
+   balance, the loss curves and predicted against measured step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flexmesh.errors import FlexmeshError
+
+TRAIN_MODEL = "tiny"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("demo", help="plan, simulate, profile, train adaptively and write a report",
+                              description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p.add_argument("--out", default="flexmesh-demo", help="output folder (default flexmesh-demo)")
+    p.add_argument("--nproc", type=int, default=4, help="local training processes, 2 to 4 (default 4)")
+    p.add_argument("--steps", type=int, default=8, help="training steps per policy (default 8)")
+    p.add_argument("--global-batch", type=int, default=16, help="documents per training step (default 16)")
+    p.add_argument("--max-len", type=int, default=2048, help="truncate documents to this many tokens (default 2048)")
+    p.add_argument("--sim-steps", type=int, default=3, help="simulated steps per policy (default 3)")
+    p.add_argument("--quick", action="store_true",
+                   help="a shortened run for tests: 2 processes, 2 steps, small batches and a small simulation")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+    return p
+
+
+def _clean_env() -> dict:
+    env = dict(os.environ)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _flexmesh(argv: list[str], console, what: str, capture: bool = False) -> subprocess.CompletedProcess:
+    """Run ``flexmesh *argv`` in a child process (torchrun needs its own); fail with its last output."""
+    cmd = [sys.executable, "-m", "flexmesh", *argv]
+    proc = subprocess.run(cmd, env=_clean_env(), text=True, capture_output=capture,
+                          stdout=None if capture else sys.stdout, stderr=None if capture else sys.stderr)
+    if proc.returncode != 0:
+        tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:] if capture else ""
+        raise FlexmeshError(f"demo step '{what}' failed (exit {proc.returncode}): {' '.join(argv)}\n{tail}")
+    return proc
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.rule import Rule
+
+    if args.quick:
+        args.nproc, args.steps, args.global_batch, args.max_len, args.sim_steps = 2, 2, 6, 512, 1
+    if not 2 <= args.nproc <= 4:
+        raise FlexmeshError(f"--nproc must be 2 to 4 local processes, got {args.nproc}")
+    for name in ("steps", "global_batch", "max_len", "sim_steps"):
+        if getattr(args, name) < 1:
+            raise FlexmeshError(f"--{name.replace('_', '-')} must be >= 1")
+    console = Console()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    from flexmesh.cli import main as cli
+
+    # 1. plan
+    console.print(Rule("1/5  plan: Llama 3 8B on 8x H100, sequences of 8192, 128 per step"))
+    if cli(["plan", "--out", str(out / "plan-llama3-8b.json")]) != 0:
+        raise FlexmeshError("demo step 'plan' failed")
+
+    # 2. simulate
+    console.print(Rule("2/5  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
+    from flexmesh.commands import simulate
+
+    sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--context", "131072",
+                "--lengths", "wikipedia", "--policies", "fixed,balanced,hdp,milp", "--steps", str(args.sim_steps),
+                "--seed", str(args.seed), "--plots", str(out / "simulated")]
+    if args.quick:
+        sim_args += ["--global-batch", "128"]
+    from flexmesh.cli import build_parser
+
+    sim = simulate.simulate(build_parser().parse_args(sim_args))
+    simulate.print_table(sim, Console())
+
+    # 3. profile
+    console.print(Rule(f"3/5  profile this machine and the {TRAIN_MODEL} model with {args.nproc} processes"))
+    prof = out / "profiles"
+    hw, mp = prof / "hardware.json", prof / f"model-{TRAIN_MODEL}.json"
+    _flexmesh(["profile", "hardware", "--quick", "--nproc", str(args.nproc), "--out", str(hw)], console, "profile hardware")
+    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, "--quick", "--nproc", str(args.nproc), "--out", str(mp)],
+              console, "profile model")
+
+    # 4. train
+    from flexmesh.plan.plan import Plan, StagePlan
+    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.spec.model import parse_model
+
+    spec = parse_model(TRAIN_MODEL)
+    strategy = LayerStrategy.parse(f"tp1-dp{args.nproc}z2")
+    plan = Plan(model=TRAIN_MODEL, cluster=f"{args.nproc}xcpu", world_size=args.nproc, pp=1, schedule="1f1b",
+                num_microbatches=1, seq_len=args.max_len, global_batch=args.global_batch,
+                stages=(StagePlan(0, spec.num_layers, (strategy,) * spec.num_layers),), cost_source="profile")
+    plan_path = out / "plan-train.json"
+    plan.save(plan_path)
+    runs = {"fixed": ["--policy", "fixed", "--cp", "1"], "adaptive": ["--policy", "milp", "--adaptive",
+                                                                      "--fallback-policy", "hdp"]}
+    metrics = {}
+    for i, (label, policy) in enumerate(runs.items()):
+        console.print(Rule(f"4/5  train {TRAIN_MODEL} on {args.nproc} processes, standard-library sources: "
+                           f"{label} ({i + 1}/{len(runs)})"))
+        run_dir = out / "runs" / label
+        _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps),
+                   "--out", str(run_dir), "--nproc", str(args.nproc), "--no-resume", "--seed", str(args.seed),
+                   "--hardware-profile", str(hw), "--model-profile", str(mp), *policy], console, f"train {label}")
+        metrics[label] = _read_metrics(run_dir / "metrics.jsonl")
+
+    # 5. report
+    console.print(Rule("5/5  report"))
+    from flexmesh.report.demo import write_report
+
+    path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, console)
+    console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
+    return 0

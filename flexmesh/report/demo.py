@@ -1,0 +1,109 @@
+"""The report of ``flexmesh demo``: what was planned, simulated and measured, as markdown with PNGs."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from flexmesh.report.plots import balance_png, loss_png, predicted_vs_measured_png, timeline_png
+from flexmesh.report.report import Report, median_abs_error
+
+
+def run_summary(rows: list[dict], warmup: int = 1) -> dict:
+    """Figures of one measured run from its metrics.jsonl rows (the first ``warmup`` steps left out
+    of throughput, when there are more steps than that).
+
+    >>> rows = [{"step": s, "loss": 5.0, "tokens": 100, "step_time_s": t, "busy_s": [t, t / 2], "predicted_step_time_s": 1.0,
+    ...          "policy": "hdp", "fallback": s == 2} for s, t in ((1, 2.0), (2, 1.0), (3, 1.0))]
+    >>> d = run_summary(rows); d["tokens_per_s"], d["imbalance"], d["fallbacks"], d["predicted_error"]
+    (100.0, 1.3333333333333333, 1, 0.0)
+    """
+    timed = rows[warmup:] if len(rows) > warmup else rows
+    busy = np.array([r["busy_s"] for r in timed], dtype=float)
+    pred = [(r["predicted_step_time_s"], r["step_time_s"]) for r in timed if r.get("predicted_step_time_s")]
+    return {
+        "steps": len(rows),
+        "step_time_s": float(np.mean([r["step_time_s"] for r in timed])),
+        "tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed),
+        "imbalance": float(np.mean(busy.max(axis=1) / np.maximum(busy.mean(axis=1), 1e-12))),
+        "policies": sorted({r.get("policy", "?") for r in rows}),
+        "fallbacks": sum(bool(r.get("fallback")) for r in rows),
+        "predicted_error": median_abs_error([p for p, _ in pred], [m for _, m in pred]) if pred else None,
+        "final_loss": rows[-1]["loss"],
+    }
+
+
+def write_report(out: Path, sim, metrics: dict[str, list[dict]], plan_path: Path, elapsed_s: float,
+                 console=None) -> Path:
+    """``sim``: flexmesh.commands.simulate.Simulation; ``metrics``: run label -> metrics.jsonl rows."""
+    out = Path(out)
+    figs = out / "figures"
+    rep = Report("flexmesh demo", out)
+    rep.text(f"{datetime.datetime.now().isoformat(timespec='seconds')} on {platform.node()} "
+             f"({platform.machine()}, {platform.processor() or 'cpu'}); {elapsed_s:.0f} s in all.")
+
+    # 1. plan
+    plan_file = out / "plan-llama3-8b.json"
+    if plan_file.exists():
+        plan = json.loads(plan_file.read_text())
+        pred = plan.get("predicted", {})
+        rep.heading("1. Plan")
+        rep.text(f"Best layout for {plan['model']} on {plan['cluster']} (sequences of {plan['seq_len']}, "
+                 f"{plan['global_batch']} per step), found by `flexmesh plan`: written to `{plan_file.name}`.")
+        rep.table(["predicted step (s)", "tokens/s", "MFU", "peak memory per stage (GiB)"],
+                  [[f"{pred.get('step_time_s', float('nan')):.3f}", f"{pred.get('tokens_per_s', 0):,.0f}",
+                    f"{pred.get('mfu', 0):.1%}", " ".join(f"{x:.1f}" for x in pred.get("peak_memory_gib", []))]])
+
+    # 2. simulation
+    s = sim.setup
+    rep.heading("2. Simulated per-step policies")
+    rep.text(f"{s['model']} on {s['cluster']}, context {s['context']}, {s['lengths']} lengths, "
+             f"{s['mean_sequences_per_step']:.0f} sequences / {s['mean_tokens_per_step'] / 1e3:.0f}K tokens per step, "
+             f"{s['steps']} steps (`flexmesh simulate`).")
+    rows = []
+    for r in sim.runs:
+        d = r.to_dict()
+        rows.append([r.label, f"{d['mean_step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
+                     "-" if d["speedup_vs_fixed"] is None else f"{d['speedup_vs_fixed']:.2f}x",
+                     f"{d['imbalance']:.3f}", f"{d['ratio_to_lower_bound']:.3f}", f"{d['scheduler_ms_per_step']:.1f}"])
+    rep.table(["policy", "step (s)", "tokens/s", "speedup", "imbalance", "ratio to lower bound", "scheduler ms"], rows)
+    best = max(sim.runs, key=lambda r: r.tokens_per_s)
+    for r in (sim.runs[0], best) if best is not sim.runs[0] else (sim.runs[0],):
+        for f in sim.plots.get(r.label, []):
+            rep.image(f, f"simulated step, {r.label}")
+
+    # 3. measured training
+    rep.heading("3. Measured training with per-step schedules")
+    summaries = {label: run_summary(rows) for label, rows in metrics.items()}
+    table = []
+    for label, d in summaries.items():
+        table.append([label, ", ".join(d["policies"]), d["steps"], f"{d['step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
+                      f"{d['imbalance']:.3f}", d["fallbacks"],
+                      "-" if d["predicted_error"] is None else f"{d['predicted_error']:.1%}", f"{d['final_loss']:.4f}"])
+    rep.table(["run", "policies used", "steps", "mean step (s)", "tokens/s", "imbalance (busy max/mean)",
+               "late schedules (fallback)", "median step-time error", "final loss"], table)
+    labels = list(metrics)
+    if "fixed" in summaries and len(summaries) > 1:
+        other = [x for x in labels if x != "fixed"][0]
+        rep.text(f"{other} against fixed: **{summaries[other]['tokens_per_s'] / summaries['fixed']['tokens_per_s']:.2f}x** "
+                 "tokens/s on the same batches (first step left out as warm-up).")
+    rep.image(loss_png({k: ([r["step"] for r in v], [r["loss"] for r in v]) for k, v in metrics.items()},
+                       figs / "loss.png"), "loss curves")
+    rep.image(balance_png({k: np.array([r["busy_s"] for r in v]) for k, v in metrics.items()}, figs / "balance.png"),
+              "per-rank busy time")
+    for label, rows in metrics.items():
+        r = rows[-1]
+        rep.image(timeline_png(r["busy_s"], r["step_time_s"], figs / f"timeline_{label}.png",
+                               predicted=r.get("predicted_busy_s") or None,
+                               title=f"{label}: step {r['step']} as measured"), f"measured step, {label}")
+    pred = [(r["predicted_step_time_s"], r["step_time_s"], k) for k, v in metrics.items() for r in v[1:]
+            if r.get("predicted_step_time_s")]
+    if pred:
+        rep.image(predicted_vs_measured_png([p for p, _, _ in pred], [m for _, m, _ in pred], figs / "predicted.png",
+                                            labels=[k for _, _, k in pred], title="step time, simulator vs measured"),
+                  "predicted vs measured step time")
+    return rep.write()
