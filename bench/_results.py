@@ -20,6 +20,16 @@ def commit() -> str:
     return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def markdown_table(columns, rows) -> list[str]:
+    """Lines of a markdown table.
+
+    >>> markdown_table(["a", "b"], [[1, 2]])
+    ['| a | b |', '|---|---|', '| 1 | 2 |']
+    """
+    return ["| " + " | ".join(map(str, columns)) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
+
+
 def record(name: str, body: str) -> None:
     """Replace section ``name`` of RESULTS.md with ``body`` (markdown), stamped with commit and machine."""
     stamp = (f"_commit {commit()}, {datetime.date.today().isoformat()}, {platform.machine()} "

@@ -35,19 +35,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from flexmesh.commands.train import child_env  # noqa: E402  (after the path: `python bench/adaptive.py` works)
+
 MODEL = "tiny"
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def flexmesh(argv: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), capture_output=True, text=True,
                           timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"flexmesh {' '.join(argv)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -89,7 +83,7 @@ def main() -> None:
     from flexmesh.report.demo import run_summary
     from flexmesh.spec.model import parse_model
 
-    console = Console()
+    console = Console(width=max(Console().width, 140))
     n = args.nproc
     runs = {f"fixed cp={c}": ["--policy", "fixed", "--cp", str(c)] for c in (1, 2, 4) if c <= n}
     runs["hdp"] = ["--policy", "hdp"]
@@ -136,7 +130,7 @@ def main() -> None:
                  f"{d['imbalance']:.3f}", str(d["fallbacks"]),
                  "-" if d["predicted_error"] is None else f"{d['predicted_error']:.1%}")
         table.add_row(*cells)
-        md_rows.append("| " + " | ".join(cells) + " |")
+        md_rows.append(cells)
     console.print(table)
     pred = [(r["predicted_step_time_s"], r["step_time_s"]) for v in metrics.values() for r in v[1:]
             if r.get("predicted_step_time_s")]
@@ -151,14 +145,14 @@ def main() -> None:
     for line in lines:
         console.print(line, highlight=False)
     if not args.quick:
-        from bench._results import record
+        from bench._results import markdown_table, record
 
         md = [f"`{MODEL}` (4 layers, hidden 256, fp32) on {n} processes of this machine ({os.cpu_count()} cores, gloo, "
               f"OMP_NUM_THREADS=1); Python standard-library sources, {args.global_batch} documents per step truncated "
               f"to {args.max_len} tokens, {args.steps} steps, the same batches and initial weights for every run; "
               "replicated ZeRO-2 layout over all ranks; schedules priced by quick profiles of this machine; "
               "tokens/s leaves out the first step.", "",
-              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *md_rows, "",
+              *markdown_table(cols, md_rows), "",
               *[f"- {line}" for line in lines]]
         record("adaptive", "\n".join(md))
 

@@ -6,7 +6,7 @@
 2. For every plan in ``PLANS`` (the ``tiny`` model: 4 layers, hidden 256; fp32 on CPU; world 2 or 4;
    data, ZeRO-3, tensor, pipeline, Ulysses, ring, mixes, recomputation on and off), the cost model
    built from those profiles predicts the step time and the per-device activation memory
-   (``CostModel.evaluate``); the runtime then trains the plan for ``--steps`` steps on global
+   (``CostModel.evaluate``: activations plus the last stage's logits); the runtime then trains the plan for ``--steps`` steps on global
    batches of equal-length documents (the shape the plan was evaluated for) and measures the median
    step time after one warm-up step and the peak bytes autograd saved for backward on any rank
    (``flexmesh.runtime.memory.SavedActivationMeter``, reported by the trainer).
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flexmesh.commands.train import free_port  # noqa: E402  (after the path: `python bench/calibrate.py` works)
+from flexmesh.commands.train import child_env, free_port  # noqa: E402  (after the path: `python bench/calibrate.py` works)
 
 MODEL = "tiny"
 # name -> (world, per-layer strategy, pipeline degree)
@@ -126,21 +126,13 @@ def worker(out: Path, names: list[str], profiles: Path, steps: int, seq_len: int
     dist.destroy_process_group()
 
 
-def _clean_env() -> dict:
-    env = dict(os.environ)
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def profile(world: int, profiles: Path, console) -> None:
     for kind, extra in (("hardware", []), ("model", ["--model", MODEL])):
         out = profiles / f"{kind}_{world}.json"
         console.print(f"profiling {kind} with {world} processes -> {out.name}", highlight=False)
         cmd = [sys.executable, "-m", "flexmesh", "profile", kind, *extra, "--quick", "--nproc", str(world),
                "--out", str(out), "--no-progress"]
-        proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise SystemExit(f"profiling failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
@@ -150,7 +142,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--profiles", help="folder with hardware_W.json / model_W.json to reuse instead of profiling")
+    ap.add_argument("--workdir", help="keep profiles and measurements here (default: a temporary folder)")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="reuse the profiles and measurements in --workdir; only predict again")
     ap.add_argument("--quick", action="store_true", help="3 steps, 4 plans, no RESULTS.md update")
     args = ap.parse_args()
     steps = 3 if args.quick else args.steps
@@ -161,60 +155,63 @@ def main() -> None:
 
     from flexmesh.report import median_abs_error
 
-    console = Console()
+    console = Console(width=max(Console().width, 140))
     worlds = sorted({PLANS[n][0] for n in names})
+    if args.predict_only and not args.workdir:
+        raise SystemExit("--predict-only needs --workdir (where an earlier run kept its profiles and measurements)")
     with tempfile.TemporaryDirectory() as tmp:
-        profiles = Path(args.profiles) if args.profiles else Path(tmp)
-        if not args.profiles:
-            for w in worlds:
-                profile(w, profiles, console)
+        profiles = Path(args.workdir or tmp)
+        profiles.mkdir(parents=True, exist_ok=True)
         measured: dict = {}
         for w in worlds:
-            mine = [n for n in names if PLANS[n][0] == w]
-            console.print(f"training {len(mine)} plans at world {w}: {', '.join(mine)}", highlight=False)
-            res = Path(tmp) / f"measured_{w}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(w), "--master-addr",
-                   "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()), "worker", str(res),
-                   ",".join(mine), str(profiles), str(steps), str(args.seq_len), str(args.global_batch)]
-            proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=1800)
-            if proc.returncode != 0:
-                raise SystemExit(f"world-{w} run failed:\n{proc.stderr[-4000:]}")
+            res = profiles / f"measured_{w}.json"
+            if not args.predict_only:
+                profile(w, profiles, console)
+                mine = [n for n in names if PLANS[n][0] == w]
+                console.print(f"training {len(mine)} plans at world {w}: {', '.join(mine)}", highlight=False)
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(w), "--master-addr",
+                       "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()), "worker",
+                       str(res), ",".join(mine), str(profiles), str(steps), str(args.seq_len), str(args.global_batch)]
+                proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=1800)
+                if proc.returncode != 0:
+                    raise SystemExit(f"world-{w} run failed:\n{proc.stderr[-4000:]}")
             measured.update(json.loads(res.read_text()))
         rows = []
         for name in names:
             w, strategy, pp = PLANS[name]
             plan = make_plan(w, strategy, pp, args.seq_len, args.global_batch)
             ev = cost_model(w, profiles).evaluate(plan)
-            act = max(m["activations"] for m in ev.memory)
+            # What autograd keeps for backward: the layers' activations and, on the last stage, the logits.
+            act = max(m["activations"] + m["logits"] for m in ev.memory)
             got = measured[name]
-            rows.append((name, w, plan.layout, ev.step_time, got["step_time_s"], act, got["activation_bytes"]))
+            rows.append((name, w, strategy, ev.step_time, got["step_time_s"], act, got["activation_bytes"]))
 
     err_t = median_abs_error([r[3] for r in rows], [r[4] for r in rows])
     err_m = median_abs_error([r[5] for r in rows], [r[6] for r in rows])
     table = Table(title=f"{MODEL} (fp32 CPU), {args.global_batch} x {args.seq_len}-token documents per step, "
                         f"predicted from this machine's profiles vs measured")
-    cols = ("plan", "world", "layout", "step s pred", "step s meas", "error", "act MiB pred", "act MiB meas", "error")
+    cols = ("plan", "world", "strategy x 4 layers", "step s pred", "step s meas", "error", "act MiB pred", "act MiB meas", "error")
     for c in cols:
-        table.add_column(c, justify="left" if c in ("plan", "layout") else "right")
+        table.add_column(c, justify="left" if c in ("plan", cols[2]) else "right", no_wrap=True)
     md_rows = []
     for name, w, layout, tp, tm, ap_, am in rows:
         cells = (name, str(w), layout, f"{tp:.3f}", f"{tm:.3f}", f"{(tp - tm) / tm:+.1%}", f"{ap_ / 2**20:.1f}",
                  f"{am / 2**20:.1f}", f"{(ap_ - am) / am:+.1%}")
         table.add_row(*cells)
-        md_rows.append("| " + " | ".join(cells) + " |")
+        md_rows.append(cells)
     console.print(table)
     summary = (f"median |error|: step time {err_t:.1%} (target <= 15%), activation memory {err_m:.1%} "
                f"(target <= 10%) over {len(rows)} plans")
     console.print(summary, highlight=False)
     if not args.quick:
-        from bench._results import record
+        from bench._results import markdown_table, record
 
         md = [f"Profiles: `flexmesh profile hardware --quick` and `flexmesh profile model --model {MODEL} --quick`, "
               f"each with `--nproc W` for W in {worlds}, on this machine ({os.cpu_count()} cores, OMP_NUM_THREADS=1). "
               f"Each plan trained {steps} steps of {args.global_batch} random-token documents of {args.seq_len} "
               "tokens; measured step time = median after the first step; measured activation memory = peak bytes "
               "saved for backward on any rank (SavedActivationMeter).", "",
-              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *md_rows, "", f"**{summary}**"]
+              *markdown_table(cols, md_rows), "", f"**{summary}**"]
         record("calibrate", "\n".join(md))
 
 

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from flexmesh.commands.train import child_env
+
 
 def test_quick_demo_writes_report(tmp_path: Path):
     out = tmp_path / "demo"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "flexmesh", "demo", "--quick", "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -44,18 +44,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _clean_env() -> dict:
-    env = dict(os.environ)
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def _flexmesh(argv: list[str], console, what: str, capture: bool = False) -> subprocess.CompletedProcess:
     """Run ``flexmesh *argv`` in a child process (torchrun needs its own); fail with its last output."""
+    from flexmesh.commands.train import child_env
+
     cmd = [sys.executable, "-m", "flexmesh", *argv]
-    proc = subprocess.run(cmd, env=_clean_env(), text=True, capture_output=capture,
+    proc = subprocess.run(cmd, env=child_env(), text=True, capture_output=capture,
                           stdout=None if capture else sys.stdout, stderr=None if capture else sys.stderr)
     if proc.returncode != 0:
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:] if capture else ""

@@ -67,6 +67,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_env() -> dict:
+    """This process's environment for a child that launches its own ranks (torchrun, ``flexmesh train
+    --nproc``): without the rank variables of a launch this process may be part of, and with one
+    intra-op thread per process unless the caller chose otherwise."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def _launch_torchrun(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Re-run this command (or ``flexmesh *argv``) under torchrun with ``--nproc`` processes (the flag itself removed)."""
     if argv is None:
