@@ -16,7 +16,7 @@ Reported per run: tokens/s (the first step left out as warm-up), mean per-step i
 busy time (max / mean over ranks), fallbacks, and the median |predicted - measured| / measured step
 time. Records the section "adaptive" of bench/RESULTS.md.
 
-    python -m bench.adaptive             # full run (about 15 minutes on 2 cores)
+    python -m bench.adaptive             # full run (about 8 minutes on 2 cores)
     python -m bench.adaptive --quick     # 3 steps, small batches, prints only
 """
 
@@ -66,8 +66,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--global-batch", type=int, default=12)
-    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--global-batch", type=int, default=6)
+    ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profiles", help="folder holding hardware.json and model.json to reuse instead of profiling")
     ap.add_argument("--quick", action="store_true", help="3 steps of 6 documents up to 2048 tokens; prints only")
