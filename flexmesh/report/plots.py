@@ -20,11 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from flexmesh.sim.plots import COLORS, _save  # noqa: E402
-
-
-def _unit(seconds: float) -> tuple[float, str]:
-    return (1e3, "ms") if seconds < 1.0 else (1.0, "s")
+from flexmesh.sim.plots import COLORS, _save, _unit  # noqa: E402
 
 
 def loss_png(runs: Mapping[str, tuple[Sequence[int], Sequence[float]]], path: str | Path,

@@ -191,7 +191,7 @@ class AdaptiveSource:
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the batch it names is read again and its schedule recomputed."""
         self._drop_pending()
-        if "loader" not in state:  # a checkpoint that stored the loader's own state (ScheduledLoader)
+        if "loader" not in state:  # a checkpoint that stored the bare loader state (before AdaptiveSource)
             state = {"loader": state, "next_choice": None}
         self.loader.load_state_dict(state["loader"])
         choice = state.get("next_choice")

@@ -597,29 +597,3 @@ class _Progress:
 
     def close(self) -> None:
         self._bar.stop()
-
-
-class ScheduledLoader:
-    """Global batches of whole documents from a loader, each dealt by a scheduling policy.
-
-    ``schedule_fn(lengths) -> StepSchedule``, called on every rank, so it must give every rank the
-    same schedule: a time-limited policy (``milp``) may not; :class:`flexmesh.runtime.adaptive.AdaptiveSource`
-    computes on rank 0 and broadcasts instead. Resuming restores the loader's position, and the
-    policies are deterministic, so the same steps replay.
-    """
-
-    def __init__(self, loader, schedule_fn) -> None:
-        self.loader, self.schedule_fn = loader, schedule_fn
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        docs = next(self.loader)
-        return docs, self.schedule_fn([len(d) for d in docs])
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
