@@ -271,3 +271,79 @@ def test_without_profiles_nothing_changes():
     s = LayerStrategy(tp=2, zero=3, recompute=True)
     w = Work(tokens=4096.0, sq_tokens=4096.0**2)
     assert a.layer(s, w) == b.layer(s, w) and a.source == "preset:A100-80GB"
+
+
+# ---- timings under real process groups, and overlap ---------------------------------------------------
+def parallel_section():
+    """tp 2 and ring cp 2 timed under real groups (coefficients unlike the one-process fits)."""
+    return {"world_size": 2,
+            "layers": [{"tp": 2, "cp": 1, "cp_kind": "none", "forward": LayerFit(5e-3, 4e-6, 1e-9, 0.0),
+                        "backward": LayerFit(9e-3, 8e-6, 2e-9, 0.0), "backward_recompute": LayerFit(1e-2, 1e-5, 3e-9, 0.0)},
+                       {"tp": 1, "cp": 2, "cp_kind": "ring", "forward": LayerFit(2e-3, 0.0, 0.0, 7e-8),
+                        "backward": LayerFit(4e-3, 0.0, 0.0, 9e-8), "backward_recompute": LayerFit(5e-3, 0.0, 0.0, 1e-7)}],
+            "ends": [{"tp": 2, **{k: LayerFit(1e-3 * (i + 1), 1e-5, 0.0) for i, k in enumerate(
+                ("embedding_forward", "embedding_backward", "head_forward", "head_backward"))}}]}
+
+
+def test_parallel_section_round_trips(tmp_path):
+    mp = model_profile(parallel=parallel_section())
+    mp.save(tmp_path / "m.json")
+    back = load_profile(tmp_path / "m.json", "model")
+    assert back.to_dict() == mp.to_dict()
+    assert back.parallel_layer(1, "ring", 2)["forward"] == LayerFit(2e-3, 0.0, 0.0, 7e-8)
+    assert back.parallel_layer(2, "ulysses", 1) is back.parallel_layer(2, "none", 1) is not None  # cp 1: no kind
+    assert back.parallel_layer(1, "ulysses", 2) is None and back.parallel_ends(4) is None
+
+
+def test_layers_timed_under_real_groups_replace_split_fits_and_their_communication():
+    c = cost(parallel=parallel_section())
+    base = cost()
+    T, sq = 1024.0, 2 * 512.0**2
+    w = Work(tokens=T, sq_tokens=sq)
+    tp2 = c.layer(LayerStrategy(tp=2), w)
+    sec = parallel_section()["layers"][0]
+    assert tp2.fwd == pytest.approx(float(sec["forward"].time(T, sq)))
+    assert tp2.bwd == pytest.approx(float(sec["backward"].time(T, sq)))
+    assert tp2.comm_fwd == tp2.comm_bwd == 0.0  # the measured times include the tp collectives
+    assert base.layer(LayerStrategy(tp=2), w).comm_fwd > 0.0  # without them the model adds its own
+    ring = c.layer(LayerStrategy(cp=2, cp_kind="ring", recompute=True), w)
+    assert ring.bwd == pytest.approx(5e-3 + 1e-7 * T * T)  # c0 + c3 * T^2 of backward_recompute, not split
+    # a layout the profile did not time keeps the one-process fit split over tp x cp, plus modelled comm
+    uly = c.layer(LayerStrategy(cp=2, cp_kind="ulysses"), w)
+    assert uly.fwd == pytest.approx(float(model_profile().layer["forward"].time(T, sq, 2))) and uly.comm_fwd > 0
+    # the ends under tp 2: each cp rank's own tokens through the tp-timed fits
+    ends = c.ends(LayerStrategy(tp=2, cp=2, cp_kind="ulysses"), w, True, True)
+    assert ends.fwd == pytest.approx((1e-3 + 1e-5 * T / 2) + (3e-3 + 1e-5 * T / 2))
+    phases = c.microbatch_phases(LayerStrategy(tp=2), T, sq, embed=True)
+    assert float(phases.fwd) == pytest.approx(4 * tp2.fwd + (1e-3 + 1e-5 * T) + (3e-3 + 1e-5 * T))
+
+
+def test_measured_overlap_sets_how_much_communication_hides():
+    hw = Hardware.from_profile(parse_cluster("2xA100-80GB"), hardware_profile(overlap={"hidden_fraction": 0.25}))
+    assert hw.overlap == 0.25
+    assert float(hw.exposed(1.0, 4.0)) == pytest.approx(0.75)
+    assert float(hw.exposed(1.0, 0.5)) == pytest.approx(1.0 - 0.25 * 0.5)
+    # ZeRO-3's per-layer gathers: only a quarter of what overlaps the layer's forward is saved
+    c = cost_model_from_profiles(TINY, hardware=hardware_profile(overlap={"hidden_fraction": 0.25}),
+                                 model=model_profile(), world=2)
+    s = LayerStrategy(dp=2, zero=3)
+    lc = c.layer(s, Work(tokens=1024.0, sq_tokens=1024.0**2))
+    ag = c.hw.collective_time("all_gather", TINY.layer_params * 4, GroupShape(2, 2))
+    assert lc.comm_fwd == pytest.approx(ag - 0.25 * min(ag, lc.fwd))
+    assert c.exposed_sync(1.0, 4.0, layers=4) == pytest.approx(1.0 - 0.25 * 1.0)
+
+
+def test_overlap_outside_zero_one_is_rejected(tmp_path):
+    d = hardware_profile(overlap={"hidden_fraction": 1.7}).to_dict()
+    with pytest.raises(ProfileError, match="hidden_fraction"):
+        load_profile(_write(tmp_path, d), "hardware")
+
+
+def test_parallel_layouts_cover_every_split_that_divides_the_world():
+    from flexmesh.profile.model import parallel_layouts
+
+    assert parallel_layouts(TINY, 2, 8) == [(1, "ulysses", 2), (1, "ring", 2), (2, "none", 1)]
+    four = parallel_layouts(TINY, 4, 8)
+    assert (4, "none", 1) in four and (2, "ring", 2) in four and (1, "ulysses", 4) in four
+    assert all(tp * cp in (2, 4) for tp, _, cp in four) and len(four) == len(set(four)) == 8
+    assert parallel_layouts(TINY, 1, 8) == []

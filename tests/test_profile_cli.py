@@ -78,9 +78,42 @@ def test_hardware_profile_quick_under_torchrun(tmp_path):
         big, small = max(c.samples), min(c.samples)
         assert big[1] > small[1] and c.beta_s_per_byte > 0
     assert hw.matmul_flops_per_s["fp32"] > 1e8 and hw.attention["fp32"]["flops_per_s"] > 1e7
+    ov = hw.overlap
+    assert 0.0 <= ov["hidden_fraction"] <= 1.0 and ov["collective_s"] > 0 and ov["compute_s"] > 0
+    assert ov["both_s"] >= max(ov["compute_s"], ov["collective_s"]) * 0.8  # both at once take at least the longer
     # plan on the profiled node: the cluster is the profile's, the plan records where its numbers came from
     plan = tmp_path / "plan.json"
     assert main(["plan", "--model", "tiny", "--hardware-profile", str(out), "--seq-len", "512", "--global-batch", "4",
                  "--json", "--out", str(plan)]) == 0
     saved = json.loads(plan.read_text())
     assert saved["cost_source"] == "profile:hw.json" and saved["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_model_profile_under_torchrun_times_real_groups(tmp_path):
+    cfg = small_config(tmp_path)
+    out = tmp_path / "model.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "flexmesh", "profile", "model", "--model", str(cfg), "--quick",
+                        "--nproc", "2", "--no-progress", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=220)
+    assert r.returncode == 0, r.stderr[-3000:]
+    prof = load_profile(out, "model")
+    par = prof.parallel
+    assert par["world_size"] == 2 and prof.produced_by["processes"] == 2
+    assert {(e["tp"], e["cp_kind"], e["cp"]) for e in par["layers"]} == {(2, "none", 1), (1, "ulysses", 2), (1, "ring", 2)}
+    for e in par["layers"]:
+        rows = e["samples"]
+        assert all(x["forward_s"] > 0 and x["backward_s"] > 0 for x in rows)
+        longest = max(rows, key=lambda x: sum(x["lengths"]))
+        shortest = min(rows, key=lambda x: sum(x["lengths"]))
+        assert longest["forward_s"] + longest["backward_s"] > shortest["forward_s"] + shortest["backward_s"]
+    assert [e["tp"] for e in par["ends"]] == [2]
+    # the cost model prices a tp 2 layer from the tp 2 timing, communication included
+    spec = from_hf_config(cfg)
+    cost = cost_model_from_profiles(spec, model=out, cluster=parse_cluster("2xA100-80GB"))
+    lc = cost.layer(LayerStrategy(tp=2), Work(2048.0, 2048.0**2))
+    assert lc.fwd == pytest.approx(float(prof.parallel_layer(2, "none", 1)["forward"].time(2048, 2048**2)))
+    assert lc.comm_fwd == 0.0

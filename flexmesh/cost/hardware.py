@@ -33,6 +33,9 @@ if TYPE_CHECKING:  # the profile package reads the cost model's inputs; only its
     from flexmesh.profile.format import HardwareProfile
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# Compute that a collective overlaps runs 1.13x slower on A100 (ALGORITHMS.md, the measured slowdown
+# coefficient): of a collective hidden under compute, 1 - 0.13 = 0.87 of its time is really saved.
+OVERLAP_SLOWDOWN = 1.13
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class Hardware:
         self.hbm_bytes_per_s = d.hbm_gbps * 1e9
         self.memory_bytes = d.usable_memory_bytes
         self.source = f"preset:{d.name}"
+        self.overlap = 2.0 - OVERLAP_SLOWDOWN
         self.comm = CollectiveParams(
             intra_gbps=d.nvlink_gbps,
             inter_gbps_per_gpu=d.node_net_gbps / cluster.devices_per_node,
@@ -103,6 +107,20 @@ class Hardware:
             intra_latency_s=d.intra_latency_us * 1e-6,
             inter_latency_s=d.inter_latency_us * 1e-6,
         )
+
+    def exposed(self, comm, window):
+        """Seconds of a collective of ``comm`` s left exposed when it runs alongside ``window`` s of compute.
+
+        ``overlap`` is the fraction of the overlapped time that is really saved: 1 where communication
+        and compute run side by side unhindered, less where they share the device (the slowdown of the
+        compute is charged here too), 0 where they serialise. Arrays accepted.
+
+        >>> from flexmesh.spec import parse_cluster
+        >>> hw = Hardware(parse_cluster("1x8xA100-80GB"))
+        >>> round(float(hw.exposed(1.0, 4.0)), 2), round(float(hw.exposed(1.0, 0.25)), 4)
+        (0.13, 0.7825)
+        """
+        return comm - self.overlap * np.minimum(comm, window)
 
     def collective_time(self, kind: str, nbytes, shape: GroupShape):
         """Seconds for one collective; ``nbytes`` may be a numpy array.
@@ -175,6 +193,8 @@ class ProfiledHardware(Hardware):
         self.hbm_bytes_per_s = float(profile.memory_bytes_per_s)
         self.memory_bytes = profile.memory_per_device(cluster.devices_per_node)
         self.source = f"profile:{profile.name}"
+        # measured by the hardware profiler where it ran more than one process; else the preset's rule
+        self.overlap = float(profile.overlap["hidden_fraction"]) if profile.overlap else 2.0 - OVERLAP_SLOWDOWN
         self.comm = None
         self._fits = {(c.collective, c.group_size, c.scope): c for c in reversed(profile.collectives)}
 

@@ -48,7 +48,6 @@ GIB = 2**30
 GRAD_BYTES = 4  # fp32 gradient accumulation and reduction (Megatron-LM's default for bf16 training)
 OPTIM_BYTES = 12  # fp32 master weights + Adam m and v
 LOGIT_BYTES = 6
-OVERLAP_SLOWDOWN = 1.13
 # Adam step traffic per parameter: read fp32 weight, grad, m, v (16 B); write weight, m, v and the
 # bf16 copy (14 B). Time = bytes / HBM bandwidth from the datasheet.
 OPTIM_TRAFFIC_BYTES = 30
@@ -218,7 +217,9 @@ class CostModel:
 
     - a layer's forward and backward seconds are the profile's fits ``c0 + (c1 * tokens +
       c2 * sum(len^2) + c3 * tokens^2) / (tp * cp)`` (backward under recomputation has its own fit);
-      the embedding's and the head's likewise, linear in tokens;
+      the embedding's and the head's likewise, linear in tokens. Where the profile timed the layer
+      under real process groups of the strategy's (tp, cp kind, cp) -- or the ends under its tp --
+      those fits are used instead, and the TP / CP communication they include is not added again;
     - activation bytes per token come from the profile's table for the strategy's (tp, cp,
       recompute); a degree pair it did not measure falls back to the tp = cp = 1 value divided by
       tp * cp. The dense attention mask the CPU kernel saves (``attention_mask_bytes_per_sq_row_token``
@@ -312,14 +313,15 @@ class CostModel:
         weights = p * self.weight_bytes
         if s.zero <= 1:  # all-reduce, or reduce-scatter + all-gather of the same volume
             return 0.0, 0.0, ct("all_reduce", grads, shape), optim
+        exposed = self.hw.exposed
         if s.zero == 2:  # reduce-scatter every micro-batch, all-gather updated weights once
             rs = ct("reduce_scatter", grads, shape)
-            return 0.0, max(0.0, rs - work_bwd), ct("all_gather", weights, shape), optim
+            return 0.0, float(exposed(rs, work_bwd)), ct("all_gather", weights, shape), optim
         # ZeRO-3: gather weights for forward and for backward, reduce-scatter grads, every micro-batch;
         # each is prefetched under the layer's own compute.
         ag = ct("all_gather", weights, shape)
         rs = ct("reduce_scatter", grads, shape)
-        return max(0.0, ag - work_fwd), max(0.0, ag + rs - work_bwd), 0.0, optim
+        return float(exposed(ag, work_fwd)), float(exposed(ag + rs, work_bwd)), 0.0, optim
 
     # ---- a transformer layer ----------------------------------------------------------------------
     def layer(self, s: LayerStrategy, work: Work) -> LayerCost:
@@ -333,6 +335,10 @@ class CostModel:
         """
         m, hw, ct = self.model, self.hw, self.hw.collective_time
         split = s.tp * s.cp
+        measured = self.profile.parallel_layer(s.tp, s.cp_kind, s.cp) if self.profile is not None and split > 1 else None
+        if measured is not None:  # timed under real tp x cp groups: their communication is in the times
+            bwd = measured["backward_recompute" if s.recompute else "backward"].time(tokens, sq_tokens)
+            return measured["forward"].time(tokens, sq_tokens), bwd, 0.0, 0.0
         if self.profile is not None:
             fit = self.profile.layer
             t_attn = fit["forward"].attention(tokens, sq_tokens, split)
@@ -364,7 +370,7 @@ class CostModel:
                 # Ring: cp - 1 hops of the local K/V block, each hidden under one block of attention;
                 # backward moves K/V and dK/dV (twice the bytes) under twice the attention work.
                 hop = ct("send_recv", dev_tokens * 2 * m.kv_dim / s.tp * b, shape)
-                exposed_f = (s.cp - 1) * np.maximum(0.0, hop - t_attn / s.cp)
+                exposed_f = (s.cp - 1) * hw.exposed(hop, t_attn / s.cp)
                 comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (3 if s.recompute else 2)
         return fwd, bwd, comm_f, comm_b
 
@@ -413,8 +419,8 @@ class CostModel:
             fwd = bwd = 0.0
             act = dev_tokens / s.tp * m.hidden * m.dtype_bytes
             if prof is not None:
-                fwd = float(prof.embedding["forward"].time(work.tokens, 0.0, s.tp * s.cp))
-                bwd = float(prof.embedding["backward"].time(work.tokens, 0.0, s.tp * s.cp))
+                fwd = float(self._end_time("embedding_forward", s, work.tokens))
+                bwd = float(self._end_time("embedding_backward", s, work.tokens))
                 act = dev_tokens * float(prof.activations["embedding_bytes_per_token"])
             zf, zb, sync, optim = self._grad_comm(m.embedding_params, s, fwd, bwd)
             total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
@@ -432,10 +438,18 @@ class CostModel:
     def _head_times(self, s: LayerStrategy, tokens):
         """(forward, backward) seconds of the final norm + LM head + loss for ``tokens`` on a tp x cp group."""
         if self.profile is not None:
-            fit = self.profile.head
-            return fit["forward"].time(tokens, 0.0, s.tp * s.cp), fit["backward"].time(tokens, 0.0, s.tp * s.cp)
+            return self._end_time("head_forward", s, tokens), self._end_time("head_backward", s, tokens)
         fwd = self.model.head_flops_per_token * tokens / (s.tp * s.cp) / self.hw.matmul_flops
         return fwd, 2 * fwd
+
+    def _end_time(self, key: str, s: LayerStrategy, tokens):
+        """Model profile seconds of ``key`` (``embedding_forward``, ..., ``head_backward``) for ``tokens``
+        on a tp x cp group: timed under a real tp group where profiled, else the one-process fit split."""
+        measured = self.profile.parallel_ends(s.tp) if s.tp > 1 else None
+        if measured is not None:  # each cp rank runs the ends on its own tokens
+            return measured[key].time(np.asarray(tokens, dtype=float) / s.cp, 0.0)
+        part, direction = key.split("_")
+        return getattr(self.profile, part)[direction].time(tokens, 0.0, s.tp * s.cp)
 
     def _logit_bytes(self, s: LayerStrategy, tokens):
         """Bytes the head and loss keep for backward on each device (the runtime's tp head gathers the
@@ -520,22 +534,23 @@ class CostModel:
                           exposed_comm=exposed, bubble=bubble, grad_sync=max(tails), stage_times=rank_times,
                           memory=memory, fits=all(x["total"] <= budget for x in memory), budget=budget)
 
-    @staticmethod
-    def exposed_sync(sync, last_backward, layers):
+    def exposed_sync(self, sync, last_backward, layers):
         """Seconds of a once-per-step gradient sync left after the last backward pass ends (arrays too).
 
         Layer by layer the gradients become ready during the last micro-batch's backward, so the sync
-        hides under it except for the first layer's share; compute it overlaps slows by
-        OVERLAP_SLOWDOWN. The same rule serves the plan evaluation and the step simulator.
+        hides under it except for the first layer's share, as far as the hardware overlaps
+        communication with compute (:meth:`Hardware.exposed`). The same rule serves the plan
+        evaluation, the search and the step simulator.
 
-        >>> round(float(CostModel.exposed_sync(1.0, 4.0, layers=4)), 3)  # all hidden; 13% slowdown on 1 s
+        >>> from flexmesh.spec import parse_cluster, parse_model
+        >>> cm = CostModel(parse_model("llama2-7b"), parse_cluster("1x8xA100-80GB"))
+        >>> round(float(cm.exposed_sync(1.0, 4.0, layers=4)), 3)  # all hidden; 13% slowdown on 1 s
         0.13
-        >>> round(float(CostModel.exposed_sync(1.0, 0.4, layers=4)), 3)  # 0.3 s hidden, 0.7 s exposed
+        >>> round(float(cm.exposed_sync(1.0, 0.4, layers=4)), 3)  # 0.3 s hidden, 0.7 s exposed
         0.739
         """
         window = last_backward * (1 - 1 / np.maximum(layers, 1))
-        hidden = np.minimum(sync, window)
-        return sync - hidden + (OVERLAP_SLOWDOWN - 1) * hidden
+        return self.hw.exposed(sync, window)
 
     def evaluate(self, plan) -> Evaluation:
         """Predict a :class:`flexmesh.plan.Plan`."""
@@ -595,8 +610,8 @@ class CostModel:
         fwd, bwd, cf, cb = self._layer_phases(s, tokens, sq)
         head_f, head_b = self._head_times(s, tokens) if head else (0.0, 0.0)
         if embed and self.profile is not None:
-            head_f = head_f + self.profile.embedding["forward"].time(tokens, 0.0, s.tp * s.cp)
-            head_b = head_b + self.profile.embedding["backward"].time(tokens, 0.0, s.tp * s.cp)
+            head_f = head_f + self._end_time("embedding_forward", s, tokens)
+            head_b = head_b + self._end_time("embedding_backward", s, tokens)
         zero = np.zeros_like(tokens)
         return MicrobatchPhases(fwd=fwd * layers + head_f, bwd=bwd * layers + head_b,
                                 comm_fwd=(cf + zero) * layers, comm_bwd=(cb + zero) * layers)

@@ -134,9 +134,9 @@ def _mesh(s: LayerStrategy) -> tuple:
 
 
 # ---- what step time and memory depend on -----------------------------------------------------------
-def _tail(grad_sync, bwd, optim, layers):
+def _tail(cost: CostModel, grad_sync, bwd, optim, layers):
     """Exposed gradient sync + optimizer after the pipeline drains, as evaluate_stages computes it."""
-    return CostModel.exposed_sync(grad_sync, bwd, layers) + optim
+    return cost.exposed_sync(grad_sync, bwd, layers) + optim
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def _exact_rank_options(chunker: _ExactChunks, sizes, pp, v, rank):
         if vec[_MEM] + trans > ctx.budget:
             continue
         t.append(vec[_T])
-        u.append(_tail(vec[_GS], -vec[_NBWD], vec[_OPT], layers))
+        u.append(_tail(ctx.cost, vec[_GS], -vec[_NBWD], vec[_OPT], layers))
         payload.append(tuple(fronts[k][1][j] for k, j in enumerate(combo)))
     return np.asarray(t), np.asarray(u), payload
 
@@ -333,7 +333,7 @@ class _FastRanks:
         if not valid.any():
             return np.zeros(0), np.zeros(0), []
         time_ = tot("time") + self.p2p
-        tail = _tail(tot("grad_sync"), tot("bwd"), tot("optim"), n)
+        tail = _tail(ctx.cost, tot("grad_sync"), tot("bwd"), tot("optim"), n)
         g, kk = np.nonzero(valid)
         t, u = time_[g, kk], tail[g, kk]
         keep = _pareto2(t, u)

@@ -33,6 +33,7 @@ from flexmesh.errors import ProfileError
 from flexmesh.profile.fit import LayerFit
 
 VERSION = 1
+END_KEYS = ("embedding_forward", "embedding_backward", "head_forward", "head_backward")
 KINDS = ("hardware", "model")
 SCOPES = ("intra", "inter")
 
@@ -135,6 +136,7 @@ class HardwareProfile:
     collectives: list[CollectiveFit] = field(default_factory=list)
     produced_by: dict = field(default_factory=dict)
     name: str = "hardware"
+    overlap: dict = field(default_factory=dict)  # how much communication hides under compute (optional)
     kind: str = "hardware"
 
     def matmul(self, dtype: str) -> float:
@@ -163,7 +165,7 @@ class HardwareProfile:
         return {"version": VERSION, "kind": "hardware", "produced_by": self.produced_by, "device": self.device,
                 "dtype": self.dtype, "matmul_flops_per_s": self.matmul_flops_per_s,
                 "memory_bytes_per_s": self.memory_bytes_per_s, "attention": self.attention,
-                "collectives": [c.to_dict() for c in self.collectives]}
+                "collectives": [c.to_dict() for c in self.collectives], "overlap": self.overlap}
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "hardware") -> "HardwareProfile":
@@ -175,7 +177,7 @@ class HardwareProfile:
                                "group_size, scope, alpha_s, beta_s_per_byte") from e
         return cls(device=d["device"], dtype=d["dtype"], matmul_flops_per_s=d["matmul_flops_per_s"],
                    memory_bytes_per_s=float(d["memory_bytes_per_s"]), attention=d["attention"], collectives=colls,
-                   produced_by=d["produced_by"], name=name)
+                   produced_by=d["produced_by"], name=name, overlap=_overlap(d.get("overlap") or {}, name))
 
     def save(self, path: str | Path) -> None:
         _save(self, path)
@@ -196,6 +198,10 @@ class ModelProfile:
     samples: dict = field(default_factory=dict)
     name: str = "model"
     kind: str = "model"
+    # Times under real process groups (optional; profiled with more than one process): "layers", one
+    # entry per (tp, cp_kind, cp) with forward / backward / backward_recompute LayerFits, and "ends",
+    # one per tp with embedding_* / head_* LayerFits; see docs/profiles.md.
+    parallel: dict = field(default_factory=dict)
 
     @property
     def model_hash(self) -> str:
@@ -217,14 +223,26 @@ class ModelProfile:
                 return e
         return None
 
+    def parallel_layer(self, tp: int, cp_kind: str, cp: int) -> dict | None:
+        """The layer's fits timed under a real tp x cp group of ``cp_kind``, or None if not profiled."""
+        kind = cp_kind if cp > 1 else "none"
+        return next((e for e in self.parallel.get("layers", ())
+                     if (int(e["tp"]), e["cp_kind"], int(e["cp"])) == (tp, kind, cp)), None)
+
+    def parallel_ends(self, tp: int) -> dict | None:
+        """The embedding's and head's fits timed under a real tp group, or None if not profiled."""
+        return next((e for e in self.parallel.get("ends", ()) if int(e["tp"]) == tp), None)
+
     def to_dict(self) -> dict:
         def fits(d):
-            return {k: v.to_dict() for k, v in d.items()}
+            return {k: v.to_dict() if isinstance(v, LayerFit) else v for k, v in d.items()}
 
+        parallel = {**self.parallel, **{part: [fits(e) for e in self.parallel.get(part, ())]
+                                        for part in ("layers", "ends") if part in self.parallel}}
         return {"version": VERSION, "kind": "model", "produced_by": self.produced_by, "model": self.model,
                 "model_hash": self.model_hash, "dtype": self.dtype, "layer": fits(self.layer),
                 "embedding": fits(self.embedding), "head": fits(self.head), "activations": self.activations,
-                "states": self.states, "samples": self.samples}
+                "states": self.states, "samples": self.samples, "parallel": parallel}
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "model") -> "ModelProfile":
@@ -236,17 +254,28 @@ class ModelProfile:
             def fits(part, keys):
                 return {k: LayerFit.from_dict(d[part][k]) for k in keys}
 
+            parallel = dict(d.get("parallel") or {})
+            for part, keys in (("layers", ("forward", "backward", "backward_recompute")), ("ends", END_KEYS)):
+                if part in parallel:
+                    parallel[part] = [{**e, **{k: LayerFit.from_dict(e[k]) for k in keys}} for e in parallel[part]]
             return cls(model=d["model"], dtype=d["dtype"],
                        layer=fits("layer", ("forward", "backward", "backward_recompute")),
                        embedding=fits("embedding", ("forward", "backward")), head=fits("head", ("forward", "backward")),
                        activations=d["activations"], states=d["states"], produced_by=d["produced_by"],
-                       samples=d.get("samples", {}), name=name)
+                       samples=d.get("samples", {}), name=name, parallel=parallel)
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"{name}: a time fit is malformed ({e!r}); each needs c0_s, c1_s_per_token, "
                                "c2_s_per_sq_token") from e
 
     def save(self, path: str | Path) -> None:
         _save(self, path)
+
+
+def _overlap(d: dict, name: str) -> dict:
+    if d and not 0.0 <= float(d.get("hidden_fraction", -1.0)) <= 1.0:
+        raise ProfileError(f"{name}: overlap.hidden_fraction must be a number in [0, 1], got "
+                           f"{d.get('hidden_fraction')!r}; re-run `flexmesh profile hardware`")
+    return d
 
 
 def _check(d: dict, kind: str, name: str) -> None:

@@ -9,6 +9,12 @@ Run it in every process of a torchrun world (``flexmesh profile hardware --nproc
   (``inter``). All groups of a size run at once, as they do in training. Fit: alpha + beta * bytes.
 - matmul throughput: square matmuls, fp32 (and bf16 on a GPU), the best size's FLOP/s.
 - memory bandwidth: a large tensor copy (read + write bytes over time); the optimizer is bound by it.
+- overlap: an all-gather over all ranks (``overlap_bytes``, about one layer's weights) alone, a
+  loop of matmuls about twice as long alone, then both at once (the all-gather asynchronous, as
+  FSDP prefetches and DDP buckets run). ``hidden_fraction = (t_compute + t_collective - t_both) /
+  min(t_compute, t_collective)``, clipped to [0, 1]: the share of overlapped communication really
+  saved (1 on GPUs whose copy engines run beside the SMs; little on CPU, where gloo's threads take
+  the cores the compute needs). The cost model charges ``comm - hidden_fraction * min(comm, compute)``.
 - attention: :func:`flexmesh.runtime.attention.local_attention` (the runtime's kernel) over one
   document of T tokens; fit ``t = alpha + c * T^2``; throughput = the cost model's causal attention
   FLOPs per squared token (``2 * heads * head_dim``) over ``c``. On CPU the kernel masks a dense
@@ -35,8 +41,8 @@ def sweep(quick: bool, device: torch.device) -> dict:
     gpu = device.type == "cuda"
     if quick:
         return {"message_bytes": [2**k for k in range(12, 23, 2)], "reps": 3, "matmul": [256, 512],
-                "copy_bytes": 2**24, "attention_tokens": [256, 512, 768, 1024]}
-    return {"message_bytes": [2**k for k in range(10, 27 if gpu else 25)], "reps": 5,
+                "copy_bytes": 2**24, "attention_tokens": [256, 512, 768, 1024], "overlap_bytes": 2**22}
+    return {"message_bytes": [2**k for k in range(10, 27 if gpu else 25)], "reps": 5, "overlap_bytes": 2**22,
             "matmul": [512, 1024, 2048, 4096] if gpu else [256, 512, 1024],
             "copy_bytes": 2**28 if gpu else 2**26,
             "attention_tokens": [512, 1024, 2048, 4096, 8192] if gpu else [256, 512, 1024, 1536, 2048]}
@@ -132,6 +138,35 @@ def _measure_copy(world: World, cfg: dict) -> float:
     return 2.0 * cfg["copy_bytes"] / t
 
 
+def _measure_overlap(world: World, cfg: dict) -> dict:
+    """Collective alone, compute alone, both at once (see the module doc)."""
+    dev, reps = world.device, cfg["reps"]
+    n = cfg["overlap_bytes"] // 4 // world.size * world.size
+    inp, out = torch.ones(n // world.size, device=dev), torch.empty(n, device=dev)
+    a, b = torch.randn(256, 256, device=dev), torch.randn(256, 256, device=dev)
+    world.barrier()
+    t_comm, t_mm = world.medians([median_time(lambda: _all_gather(out, inp), reps, dev, warmup=2),
+                                  median_time(lambda: a @ b, reps, dev)])
+    k = max(1, round(2 * t_comm / t_mm))  # the same on every rank: both medians are shared
+
+    def compute() -> None:
+        for _ in range(k):
+            a @ b
+
+    def both() -> None:
+        work = _all_gather(out, inp, async_op=True)
+        compute()
+        work.wait()
+
+    world.barrier()
+    t_compute = world.medians([median_time(compute, reps, dev)])[0]
+    world.barrier()
+    t_both = world.medians([median_time(both, reps, dev)])[0]
+    hidden = (t_compute + t_comm - t_both) / min(t_compute, t_comm)
+    return {"hidden_fraction": min(1.0, max(0.0, hidden)), "collective": "all_gather",
+            "message_bytes": n * 4, "collective_s": t_comm, "compute_s": t_compute, "both_s": t_both}
+
+
 def _measure_attention(world: World, cfg: dict, dtypes: list[str]) -> dict:
     from flexmesh.runtime.attention import local_attention
 
@@ -162,7 +197,7 @@ def profile_hardware(quick: bool = False, show_progress: bool = True, world: Wor
     dtypes = ["fp32", "bf16"] if gpu else ["fp32"]
     layouts = _groups(world)
     n_coll = sum(len(COLLECTIVES) - (0 if size == 2 else 1) for size, _, _ in layouts)
-    with progress(show_progress and world.is_main, "profiling hardware", n_coll + 3) as advance:
+    with progress(show_progress and world.is_main, "profiling hardware", n_coll + 4) as advance:
         matmul = _measure_matmul(world, cfg, dtypes)
         advance("matmul")
         bandwidth = _measure_copy(world, cfg)
@@ -170,6 +205,8 @@ def profile_hardware(quick: bool = False, show_progress: bool = True, world: Wor
         attention = _measure_attention(world, cfg, dtypes)
         advance("attention")
         collectives = _measure_collectives(world, cfg, advance) if world.size > 1 else []
+        overlap = _measure_overlap(world, cfg) if world.size > 1 else {}
+        advance("overlap")
     if not world.is_main:
         return None
     pb = produced_by(processes=world.size, device_count=world.size)
@@ -177,4 +214,4 @@ def profile_hardware(quick: bool = False, show_progress: bool = True, world: Wor
               "devices_per_node": world.local_size, "memory_bytes": device_memory_bytes(world.device, world.local_size)}
     return HardwareProfile(device=device, dtype="bf16" if gpu else "fp32", matmul_flops_per_s=matmul,
                            memory_bytes_per_s=bandwidth, attention=attention, collectives=collectives,
-                           produced_by=pb, name=f"hardware-{pb['hostname']}")
+                           produced_by=pb, name=f"hardware-{pb['hostname']}", overlap=overlap)

@@ -22,7 +22,12 @@ dtype it trains in (fp32), one packed row (micro-batch) at a time:
   each device of the tp x cp group; ``m`` is the dense attention mask the CPU kernel saves (measured
   once, at tp = cp = 1); ``a`` is what does not grow with tokens (recorded, not used);
 - bytes per parameter of weights, gradients and AdamW states, and the AdamW step's seconds per
-  parameter (``torch.optim.AdamW`` with its defaults, as the trainer).
+  parameter (``torch.optim.AdamW`` with its defaults, as the trainer);
+- with more than one process, the same layer timings under real process groups for every
+  (tp, cp kind, cp) layout that divides the world, and the embedding and head under each tp
+  (:func:`_measure_parallel`): what one process with divided shapes cannot see -- DTensor dispatch,
+  Ulysses' permutes and copies, the ring kernel's dense blocks, the group's communication and
+  contention -- is in these times.
 
 Under torchrun all processes run the sweep at the same time; rank 0 writes the median of each timing.
 """
@@ -39,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexmesh.errors import ProfileError
 from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, least_squares
-from flexmesh.profile.format import ModelProfile, produced_by
+from flexmesh.profile.format import END_KEYS, ModelProfile, produced_by
 from flexmesh.profile.runner import World, median_time, progress, synchronize
 from flexmesh.spec.model import ModelSpec
 
@@ -76,10 +81,13 @@ def _block(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: int = 
     return block.to(dtype)
 
 
-def _time_layer(block, lengths: list[int], reps: int, spec: ModelSpec, dtype, device) -> tuple[float, float, float]:
-    """Median seconds of forward, backward and backward under recomputation of one row."""
-    positions, cu = _row(lengths, device)
-    x = torch.randn(1, int(sum(lengths)), spec.hidden, device=device, dtype=dtype, requires_grad=True)
+def _time_layer(block, positions, cu, local_tokens: int, reps: int, spec: ModelSpec, dtype,
+                device, between=None) -> tuple[float, float, float]:
+    """Median seconds of forward, backward and backward under recomputation of one row
+    (``local_tokens``: the tokens of the row this process holds between layers). ``between`` runs,
+    untimed, after each forward: a barrier there keeps a group member's backward from counting the
+    time it waits for a slower member's forward (ring attention's ranks do unequal forward work)."""
+    x = torch.randn(1, local_tokens, spec.hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     out = {"fwd": [], "bwd": [], "rc": []}
     for i in range(reps + 1):  # the first run warms up
@@ -88,12 +96,15 @@ def _time_layer(block, lengths: list[int], reps: int, spec: ModelSpec, dtype, de
             y = checkpoint(block, x, positions, cu, use_reentrant=False) if recompute else block(x, positions, cu)
             synchronize(device)
             t1 = time.perf_counter()
+            if between is not None:
+                between()
+            t2 = time.perf_counter()
             y.backward(grad)
             synchronize(device)
-            t2 = time.perf_counter()
+            t3 = time.perf_counter()
             del y
             if i:
-                out["rc" if recompute else "bwd"].append(t2 - t1)
+                out["rc" if recompute else "bwd"].append(t3 - t2)
                 if not recompute:
                     out["fwd"].append(t1 - t0)
     x.grad = None
@@ -101,21 +112,36 @@ def _time_layer(block, lengths: list[int], reps: int, spec: ModelSpec, dtype, de
     return tuple(float(np.median(out[k])) for k in ("fwd", "bwd", "rc"))
 
 
-def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device) -> dict[str, list[float]]:
-    """Forward and backward seconds of the embedding and of norm + head + loss, per token count."""
-    with torch.device(device):
-        emb = torch.nn.Embedding(spec.vocab, spec.hidden).to(dtype)
-        norm = torch.nn.RMSNorm(spec.hidden, eps=spec.norm_eps).to(dtype)
-        head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False).to(dtype)
-    out = {k: [] for k in ("embedding_forward", "embedding_backward", "head_forward", "head_backward")}
+def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_mesh=None) -> dict[str, list[float]]:
+    """Forward and backward seconds of the embedding and of norm + head + loss, per token count.
+
+    The runtime's modules; with ``tp_mesh``, split over it as the runtime splits them (vocab-parallel
+    embedding and head, sequence-parallel norm, logits gathered), so its collectives are timed too.
+    """
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.parallelize import apply_tp
+
+    model = build_model(replace(spec, num_layers=1, tie_embeddings=False), device, dtype)
+    model.layers = torch.nn.ModuleDict()
+    tp = 1
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+        tp = tp_mesh.size()
+    emb, norm, head = model.tok_embeddings, model.norm, model.output
+    out = {k: [] for k in END_KEYS}
     for n in tokens:
         ids = torch.randint(0, spec.vocab, (1, n), device=device)
-        h = torch.randn(1, n, spec.hidden, device=device, dtype=dtype, requires_grad=True)
-        g = torch.randn(1, n, spec.hidden, device=device, dtype=dtype)
+        if tp_mesh is not None:  # the same ids on every rank of the group, as the runtime feeds them
+            torch.distributed.broadcast(ids, src=torch.distributed.get_global_rank(tp_mesh.get_group(), 0),
+                                        group=tp_mesh.get_group())
+        h = torch.randn(1, n // tp, spec.hidden, device=device, dtype=dtype, requires_grad=True)  # the rank's slice
+        g = torch.randn(1, n // tp, spec.hidden, device=device, dtype=dtype)
         state: dict = {}
 
         def emb_f():
-            state["e"] = emb(ids)
+            # under tp the output is an async reduce-scatter's result; using it waits for it, as the
+            # first layer does in training
+            state["e"] = emb(ids) * 1.0
 
         def emb_b():
             state["e"].backward(g)
@@ -152,6 +178,87 @@ def degrees(spec: ModelSpec, max_degree: int) -> list[tuple[int, int]]:
                 cp *= 2
         tp *= 2
     return out
+
+
+def parallel_layouts(spec: ModelSpec, world_size: int, max_degree: int) -> list[tuple[int, str, int]]:
+    """(tp, cp kind, cp) of one layer to time under real process groups: every tp x cp > 1 of
+    :func:`degrees` that divides the world; Ulysses only where the heads per tp rank split cp ways."""
+    out = []
+    for tp, cp in degrees(spec, min(max_degree, world_size)):
+        if tp * cp == 1 or world_size % (tp * cp):
+            continue
+        if cp == 1:
+            out.append((tp, "none", 1))
+            continue
+        out.extend((tp, kind, cp) for kind in ("ulysses", "ring")
+                   if kind == "ring" or (spec.num_heads // tp) % cp == 0)
+    return out
+
+
+def _mesh(world: World, tp: int, cp: int):
+    """All ranks in groups of tp x cp (tp innermost, as the runtime's mesh); every group runs at once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(world.device.type, (world.size // (tp * cp), cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+
+
+def _parallel_block(spec: ModelSpec, mesh, kind: str, dtype, device):
+    """One runtime layer split as the runtime splits it: TP + SP over ``mesh["tp"]``, context
+    parallelism of ``kind`` over ``mesh["cp"]``."""
+    from flexmesh.runtime.attention import CPContext
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.parallelize import apply_tp
+
+    model = build_model(replace(spec, num_layers=1, tie_embeddings=False), device, dtype)
+    model.tok_embeddings = model.norm = model.output = None
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"])
+    cp = mesh["cp"]
+    if cp.size() > 1:
+        model.set_cp(CPContext(kind=kind, group=cp.get_group(), rank=cp.get_local_rank(), size=cp.size()))
+    return model.layers["0"]
+
+
+def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, advance) -> dict:
+    """Layer times per (tp, cp kind, cp) and embedding/head times per tp, under real process groups.
+
+    Each process holds what it holds in training: its cp slice of the row's positions (the global
+    ``cu_seqlens``), its 1/tp sequence-parallel slice of the hidden states. A group waits for its
+    slowest member, so each timing is the maximum over processes. Fits are in the micro-batch's
+    tokens on the group, with the group's communication inside them.
+    """
+    layers, ends = [], []
+    for tp, kind, cp in parallel_layouts(spec, world.size, cfg["max_degree"]):
+        mesh = _mesh(world, tp, cp)
+        block = _parallel_block(spec, mesh, kind, dtype, device)
+        me = mesh["cp"].get_local_rank()
+        rows = [r for r in cfg["rows"] if sum(r) % (tp * cp) == 0]
+        times = []
+        for i, lengths in enumerate([rows[-1], *rows]):  # the first run warms up
+            positions, cu = _row(lengths, device)
+            n = sum(lengths) // cp
+            world.barrier()
+            times.append(_time_layer(block, positions[:, me * n:(me + 1) * n], cu, n // tp,
+                                     cfg["reps"] if i else 1, spec, dtype, device, between=world.barrier))
+        flat = world.maxes([x for t in times[1:] for x in t])
+        times = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+        tokens = [float(sum(r)) for r in rows]
+        sq = [float(sum(x * x for x in r)) for r in rows]
+        layers.append({"tp": tp, "cp": cp, "cp_kind": kind,
+                       **{name: fit_layer_time(tokens, sq, [t[i] for t in times])
+                          for i, name in enumerate(("forward", "backward", "backward_recompute"))},
+                       "samples": [{"lengths": r, "forward_s": t[0], "backward_s": t[1], "backward_recompute_s": t[2]}
+                                   for r, t in zip(rows, times)]})
+        advance(f"layer tp{tp} {kind} cp{cp}")
+        if cp == 1:  # the embedding and the head split over tp only
+            world.barrier()
+            got = _time_ends(spec, cfg["end_tokens"], cfg["reps"], dtype, device, tp_mesh=mesh["tp"])
+            flat = world.maxes([x for k in END_KEYS for x in got[k]])
+            n_end = len(cfg["end_tokens"])
+            per_key = {k: flat[j * n_end:(j + 1) * n_end] for j, k in enumerate(END_KEYS)}
+            ends.append({"tp": tp, **{k: LayerFit(*fit_linear(cfg["end_tokens"], v), 0.0) for k, v in per_key.items()},
+                         "samples": {"tokens": cfg["end_tokens"], **{f"{k}_s": v for k, v in per_key.items()}}})
+    return {"world_size": world.size, "layers": layers, "ends": ends}
 
 
 def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool, tokens: int, dtype, device) -> int:
@@ -250,14 +357,18 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     cfg = sweep(quick)
     torch.manual_seed(0)
     n_deg = len(degrees(spec, cfg["max_degree"]))
-    with progress(show_progress and world.is_main, f"profiling {spec.name}", len(cfg["rows"]) + 2 + n_deg) as advance:
+    n_par = len(parallel_layouts(spec, world.size, cfg["max_degree"]))
+    with progress(show_progress and world.is_main, f"profiling {spec.name}",
+                  len(cfg["rows"]) + 2 + n_deg + n_par) as advance:
         block = _block(spec, dt, device)
-        _time_layer(block, cfg["rows"][-1], 1, spec, dt, device)  # first-call costs (allocator, threads, kernels)
         times = []
-        for lengths in cfg["rows"]:
+        for i, lengths in enumerate([cfg["rows"][-1], *cfg["rows"]]):  # the first run warms up
             world.barrier()
-            times.append(_time_layer(block, lengths, cfg["reps"], spec, dt, device))
-            advance(f"layer, {sum(lengths)} tokens in {len(lengths)} documents")
+            times.append(_time_layer(block, *_row(lengths, device), sum(lengths), cfg["reps"] if i else 1,
+                                     spec, dt, device))
+            if i:
+                advance(f"layer, {sum(lengths)} tokens in {len(lengths)} documents")
+        times = times[1:]
         flat = world.medians([x for t in times for x in t])
         times = [flat[i:i + 3] for i in range(0, len(flat), 3)]
         world.barrier()
@@ -271,6 +382,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
         advance("optimizer")
         activations = _measure_activations(spec, cfg, dt, device, advance)
+        parallel = _measure_parallel(spec, cfg, world, dt, device, advance) if world.size > 1 else {}
     if not world.is_main:
         return None
     tokens = [float(sum(r)) for r in cfg["rows"]]
@@ -288,6 +400,6 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     return ModelProfile(model=spec.to_dict(), dtype=dtype, layer=layer,
                         embedding={"forward": linear("embedding_forward"), "backward": linear("embedding_backward")},
                         head={"forward": linear("head_forward"), "backward": linear("head_backward")},
-                        activations=activations, states=states,
+                        activations=activations, states=states, parallel=parallel,
                         produced_by=produced_by(processes=world.size, device_count=world.size),
                         samples=samples, name=f"model-{spec.name}")

@@ -50,6 +50,12 @@ class World:
         dist.all_gather_object(gathered, list(values))
         return [statistics.median(col) for col in zip(*gathered)]
 
+    def maxes(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over processes (the slowest member of a group sets its pace)."""
+        if self.size == 1:
+            return list(values)
+        return [max(col) for col in zip(*self.gather_objects(list(values)))]
+
     def gather_objects(self, obj) -> list:
         if self.size == 1:
             return [obj]
