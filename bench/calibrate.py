@@ -2,7 +2,8 @@
 
 1. ``flexmesh profile hardware --quick`` and ``flexmesh profile model --model tiny --quick``, each with
    ``--nproc W`` for every world size W used below (so the contention of W processes on this
-   machine's cores is in the numbers).
+   machine's cores is in the numbers, the layer is timed under real tp / Ulysses / ring groups of
+   every layout that divides W, and the overlap of communication with compute is measured).
 2. For every plan in ``PLANS`` (the ``tiny`` model: 4 layers, hidden 256; fp32 on CPU; world 2 or 4;
    data, ZeRO-3, tensor, pipeline, Ulysses, ring, mixes, recomputation on and off), the cost model
    built from those profiles predicts the step time and the per-device activation memory
@@ -144,7 +145,7 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--workdir", help="keep profiles and measurements here (default: a temporary folder)")
     ap.add_argument("--predict-only", action="store_true",
-                    help="reuse the profiles and measurements in --workdir; only predict again")
+                    help="reuse the profiles and measurements in --workdir; only predict again (prints, records nothing)")
     ap.add_argument("--quick", action="store_true", help="3 steps, 4 plans, no RESULTS.md update")
     args = ap.parse_args()
     steps = 3 if args.quick else args.steps
@@ -203,7 +204,7 @@ def main() -> None:
     summary = (f"median |error|: step time {err_t:.1%} (target <= 15%), activation memory {err_m:.1%} "
                f"(target <= 10%) over {len(rows)} plans")
     console.print(summary, highlight=False)
-    if not args.quick:
+    if not (args.quick or args.predict_only):  # a record is of one run that measured what it predicts
         from bench._results import markdown_table, record
 
         md = [f"Profiles: `flexmesh profile hardware --quick` and `flexmesh profile model --model {MODEL} --quick`, "

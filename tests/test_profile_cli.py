@@ -100,6 +100,7 @@ def test_model_profile_under_torchrun_times_real_groups(tmp_path):
                         "--nproc", "2", "--no-progress", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=220)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "under real process groups" in r.stdout and "ring" in r.stdout  # the summary shows the layouts
     prof = load_profile(out, "model")
     par = prof.parallel
     assert par["world_size"] == 2 and prof.produced_by["processes"] == 2

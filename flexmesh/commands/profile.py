@@ -109,6 +109,9 @@ def _summary(prof, out: str) -> None:
                       f"{prof.attention[dt]['flops_per_s'] / 1e9:,.1f} GFLOP/s (causal FLOPs)", highlight=False)
         con.print(f"memory copy: {prof.memory_bytes_per_s / 1e9:,.1f} GB/s; memory per process "
                   f"{prof.device['memory_bytes'] / GIB:,.1f} GiB", highlight=False)
+        if prof.overlap:
+            con.print(f"overlap: {prof.overlap['hidden_fraction']:.0%} of an all-gather overlapping compute is hidden",
+                      highlight=False)
     else:
         t = Table(title=f"model profile of {prof.model['name']} ({prof.dtype}, {prof.produced_by['processes']} processes)")
         for col in ("pass", "c0 (ms)", "per token (us)", "per sum len^2 (ns)", "per row^2 (ns)"):
@@ -125,4 +128,23 @@ def _summary(prof, out: str) -> None:
         for tp, cp in sorted({(k[0], k[1]) for k in entries}):
             a.add_row(str(tp), str(cp), f"{entries.get((tp, cp, False), 0):,.0f}", f"{entries.get((tp, cp, True), 0):,.0f}")
         con.print(a)
+        if prof.parallel.get("layers"):
+            _parallel_summary(con, prof, Table)
     con.print(f"wrote {out}", highlight=False)
+
+
+def _parallel_summary(con, prof, Table) -> None:
+    """One layer's forward + backward under real groups against the one-process time split tp x cp ways."""
+    rows = [r["lengths"] for r in prof.samples.get("layer_rows", [])]
+    lengths = max(rows, key=sum) if rows else [2048]
+    tokens, sq = float(sum(lengths)), float(sum(x * x for x in lengths))
+    t = Table(title=f"one layer under real process groups of {prof.parallel['world_size']}, "
+                    f"forward + backward of {int(tokens)} tokens")
+    for col in ("tp", "cp", "kind", "measured (ms)", "one process / (tp x cp) (ms)", "ratio"):
+        t.add_column(col, justify="left" if col == "kind" else "right")
+    for e in prof.parallel["layers"]:
+        split = e["tp"] * e["cp"]
+        got = float(e["forward"].time(tokens, sq) + e["backward"].time(tokens, sq))
+        one = float(prof.layer["forward"].time(tokens, sq, split) + prof.layer["backward"].time(tokens, sq, split))
+        t.add_row(str(e["tp"]), str(e["cp"]), e["cp_kind"], f"{got * 1e3:.2f}", f"{one * 1e3:.2f}", f"{got / one:.2f}x")
+    con.print(t)
