@@ -24,12 +24,14 @@ dtype it trains in (fp32), one packed row (micro-batch) at a time:
 - bytes per parameter of weights, gradients and AdamW states, and the AdamW step's seconds per
   parameter (``torch.optim.AdamW`` with its defaults, as the trainer);
 - with more than one process, the same layer timings under real process groups for every
-  (tp, cp kind, cp) layout that divides the world, and the embedding and head under each tp
+  (tp, cp kind, cp) layout that divides the world (tp x cp up to the sweep's ``max_degree``), and
+  the embedding and head under each tp
   (:func:`_measure_parallel`): what one process with divided shapes cannot see -- DTensor dispatch,
   Ulysses' permutes and copies, the ring kernel's dense blocks, the group's communication and
   contention -- is in these times.
 
-Under torchrun all processes run the sweep at the same time; rank 0 writes the median of each timing.
+Under torchrun all processes run the sweep at the same time; rank 0 writes the median of each timing
+(the maximum for timings under real groups, which move at their slowest member's pace).
 """
 
 from __future__ import annotations
