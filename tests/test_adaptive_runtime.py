@@ -101,28 +101,6 @@ def cases() -> dict:
     return out
 
 
-class Batches:
-    """A list of global batches as a resumable loader."""
-
-    def __init__(self, batches: list) -> None:
-        self.batches, self.position = batches, 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.position >= len(self.batches):
-            raise StopIteration
-        self.position += 1
-        return self.batches[self.position - 1]
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
-
-
 def gated(fn, late_call: int, release: threading.Event):
     """``fn`` whose ``late_call``-th call (1-based) waits until ``release`` is set: a late scheduler."""
     calls = [0]
@@ -198,7 +176,7 @@ def worker(out: Path) -> None:
 
     from flexmesh.errors import FlexmeshError
     from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.train import Trainer, fit, init_distributed
+    from flexmesh.runtime.train import ListSource, Trainer, fit, init_distributed
     from flexmesh.schedule.types import Group, Piece, StepSchedule
 
     torch.set_num_threads(1)
@@ -216,7 +194,7 @@ def worker(out: Path) -> None:
 
         # AdaptiveSource: hdp in the background, the second step's forced late -> balanced runs instead.
         release = threading.Event()
-        source = AdaptiveSource(Batches(make_batches()), gated(schedule_fn("hdp"), 2, release),
+        source = AdaptiveSource(ListSource(make_batches()), gated(schedule_fn("hdp"), 2, release),
                                 releasing(schedule_fn("balanced"), release), deadline_s=0.0)
         cfg = dataclasses.replace(matrix.train_config(), out_dir=str(out / "adaptive"))
         trainer = Trainer(make_plan("z2"), matrix.tiny_spec(), cfg)
@@ -369,12 +347,13 @@ def test_train_command_schedules_in_the_background(tmp_path):
 # ---- AdaptiveSource in one process --------------------------------------------------------------------
 def _source(batches, late_call: int | None = None, deadline_s: float | None = None, lookahead: int = 1):
     from flexmesh.runtime.adaptive import AdaptiveSource
+    from flexmesh.runtime.train import ListSource
 
     release = threading.Event()
     primary = schedule_fn("hdp")
     if late_call is not None:
         primary = gated(primary, late_call, release)
-    return AdaptiveSource(Batches(batches), primary, releasing(schedule_fn("balanced"), release),
+    return AdaptiveSource(ListSource(batches), primary, releasing(schedule_fn("balanced"), release),
                           deadline_s=deadline_s, lookahead=lookahead), release
 
 

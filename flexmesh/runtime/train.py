@@ -132,7 +132,8 @@ class StepSource(Protocol):
 
 @dataclass
 class ListSource:
-    """A fixed list of (docs, schedule) steps; used by tests and the benchmark."""
+    """A fixed list of steps as a resumable source: (docs, schedule) pairs for the trainer, or global
+    batches for an AdaptiveSource to schedule; used by tests and the benchmark."""
 
     steps: list
     position: int = 0
