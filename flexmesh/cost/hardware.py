@@ -36,6 +36,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # Compute that a collective overlaps runs 1.13x slower on A100 (ALGORITHMS.md, the measured slowdown
 # coefficient): of a collective hidden under compute, 1 - 0.13 = 0.87 of its time is really saved.
 OVERLAP_SLOWDOWN = 1.13
+PRESET_OVERLAP = 2.0 - OVERLAP_SLOWDOWN
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Hardware:
         self.hbm_bytes_per_s = d.hbm_gbps * 1e9
         self.memory_bytes = d.usable_memory_bytes
         self.source = f"preset:{d.name}"
-        self.overlap = 2.0 - OVERLAP_SLOWDOWN
+        self.overlap = PRESET_OVERLAP
         self.comm = CollectiveParams(
             intra_gbps=d.nvlink_gbps,
             inter_gbps_per_gpu=d.node_net_gbps / cluster.devices_per_node,
@@ -194,7 +195,7 @@ class ProfiledHardware(Hardware):
         self.memory_bytes = profile.memory_per_device(cluster.devices_per_node)
         self.source = f"profile:{profile.name}"
         # measured by the hardware profiler where it ran more than one process; else the preset's rule
-        self.overlap = float(profile.overlap["hidden_fraction"]) if profile.overlap else 2.0 - OVERLAP_SLOWDOWN
+        self.overlap = float(profile.overlap["hidden_fraction"]) if profile.overlap else PRESET_OVERLAP
         self.comm = None
         self._fits = {(c.collective, c.group_size, c.scope): c for c in reversed(profile.collectives)}
 

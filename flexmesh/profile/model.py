@@ -168,6 +168,45 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
     return out
 
 
+PASSES = ("forward", "backward", "backward_recompute")
+
+
+def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype, device, world: World, reduce,
+                 tp: int = 1, cp: int = 1, cp_rank: int = 0, between=None, advance=None) -> tuple[dict, list]:
+    """Time ``block`` over ``rows`` (one untimed warm-up row first), combine each timing over the
+    processes with ``reduce`` (``world.medians`` or ``world.maxes``) and fit each pass.
+
+    With ``tp`` / ``cp`` this process holds its cp slice (``cp_rank``) of each row's positions and
+    its 1/tp slice of the hidden states. Returns ({pass: LayerFit}, sample rows).
+    """
+    times = []
+    for i, lengths in enumerate([rows[-1], *rows]):
+        positions, cu = _row(lengths, device)
+        n = sum(lengths) // cp
+        world.barrier()
+        times.append(_time_layer(block, positions[:, cp_rank * n:(cp_rank + 1) * n], cu, n // tp,
+                                 cfg["reps"] if i else 1, spec, dtype, device, between=between))
+        if i and advance is not None:
+            advance(f"layer, {sum(lengths)} tokens in {len(lengths)} documents")
+    flat = reduce([x for t in times[1:] for x in t])
+    times = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+    tokens = [float(sum(r)) for r in rows]
+    sq = [float(sum(x * x for x in r)) for r in rows]
+    fits = {name: fit_layer_time(tokens, sq, [t[i] for t in times]) for i, name in enumerate(PASSES)}
+    samples = [{"lengths": r, **{f"{name}_s": t[i] for i, name in enumerate(PASSES)}} for r, t in zip(rows, times)]
+    return fits, samples
+
+
+def _ends_sweep(spec: ModelSpec, cfg: dict, dtype, device, reduce, tp_mesh=None) -> tuple[dict, dict]:
+    """:func:`_time_ends` over ``cfg["end_tokens"]``, combined over processes with ``reduce`` and
+    fitted linear in tokens. Returns ({END_KEYS key: LayerFit}, {key: seconds per token count})."""
+    got = _time_ends(spec, cfg["end_tokens"], cfg["reps"], dtype, device, tp_mesh=tp_mesh)
+    flat = reduce([x for k in END_KEYS for x in got[k]])
+    n = len(cfg["end_tokens"])
+    per_key = {k: flat[j * n:(j + 1) * n] for j, k in enumerate(END_KEYS)}
+    return {k: LayerFit(*fit_linear(cfg["end_tokens"], v), 0.0) for k, v in per_key.items()}, per_key
+
+
 def degrees(spec: ModelSpec, max_degree: int) -> list[tuple[int, int]]:
     """(tp, cp) pairs to measure: powers of two, tp dividing heads, kv heads and ffn, tp * cp <= max."""
     out = []
@@ -233,32 +272,15 @@ def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, a
     for tp, kind, cp in parallel_layouts(spec, world.size, cfg["max_degree"]):
         mesh = _mesh(world, tp, cp)
         block = _parallel_block(spec, mesh, kind, dtype, device)
-        me = mesh["cp"].get_local_rank()
         rows = [r for r in cfg["rows"] if sum(r) % (tp * cp) == 0]
-        times = []
-        for i, lengths in enumerate([rows[-1], *rows]):  # the first run warms up
-            positions, cu = _row(lengths, device)
-            n = sum(lengths) // cp
-            world.barrier()
-            times.append(_time_layer(block, positions[:, me * n:(me + 1) * n], cu, n // tp,
-                                     cfg["reps"] if i else 1, spec, dtype, device, between=world.barrier))
-        flat = world.maxes([x for t in times[1:] for x in t])
-        times = [flat[i:i + 3] for i in range(0, len(flat), 3)]
-        tokens = [float(sum(r)) for r in rows]
-        sq = [float(sum(x * x for x in r)) for r in rows]
-        layers.append({"tp": tp, "cp": cp, "cp_kind": kind,
-                       **{name: fit_layer_time(tokens, sq, [t[i] for t in times])
-                          for i, name in enumerate(("forward", "backward", "backward_recompute"))},
-                       "samples": [{"lengths": r, "forward_s": t[0], "backward_s": t[1], "backward_recompute_s": t[2]}
-                                   for r, t in zip(rows, times)]})
+        fits, samples = _layer_sweep(block, rows, cfg, spec, dtype, device, world, world.maxes, tp=tp, cp=cp,
+                                     cp_rank=mesh["cp"].get_local_rank(), between=world.barrier)
+        layers.append({"tp": tp, "cp": cp, "cp_kind": kind, **fits, "samples": samples})
         advance(f"layer tp{tp} {kind} cp{cp}")
         if cp == 1:  # the embedding and the head split over tp only
             world.barrier()
-            got = _time_ends(spec, cfg["end_tokens"], cfg["reps"], dtype, device, tp_mesh=mesh["tp"])
-            flat = world.maxes([x for k in END_KEYS for x in got[k]])
-            n_end = len(cfg["end_tokens"])
-            per_key = {k: flat[j * n_end:(j + 1) * n_end] for j, k in enumerate(END_KEYS)}
-            ends.append({"tp": tp, **{k: LayerFit(*fit_linear(cfg["end_tokens"], v), 0.0) for k, v in per_key.items()},
+            fits, per_key = _ends_sweep(spec, cfg, dtype, device, world.maxes, tp_mesh=mesh["tp"])
+            ends.append({"tp": tp, **fits,
                          "samples": {"tokens": cfg["end_tokens"], **{f"{k}_s": v for k, v in per_key.items()}}})
     return {"world_size": world.size, "layers": layers, "ends": ends}
 
@@ -362,23 +384,10 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     n_par = len(parallel_layouts(spec, world.size, cfg["max_degree"]))
     with progress(show_progress and world.is_main, f"profiling {spec.name}",
                   len(cfg["rows"]) + 2 + n_deg + n_par) as advance:
-        block = _block(spec, dt, device)
-        times = []
-        for i, lengths in enumerate([cfg["rows"][-1], *cfg["rows"]]):  # the first run warms up
-            world.barrier()
-            times.append(_time_layer(block, *_row(lengths, device), sum(lengths), cfg["reps"] if i else 1,
-                                     spec, dt, device))
-            if i:
-                advance(f"layer, {sum(lengths)} tokens in {len(lengths)} documents")
-        times = times[1:]
-        flat = world.medians([x for t in times for x in t])
-        times = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+        layer, layer_rows = _layer_sweep(_block(spec, dt, device), cfg["rows"], cfg, spec, dt, device, world,
+                                         world.medians, advance=advance)
         world.barrier()
-        ends = _time_ends(spec, cfg["end_tokens"], cfg["reps"], dt, device)
-        keys = sorted(ends)
-        med = world.medians([x for k in keys for x in ends[k]])
-        n_end = len(cfg["end_tokens"])
-        ends = {k: med[i * n_end:(i + 1) * n_end] for i, k in enumerate(keys)}
+        end_fits, ends = _ends_sweep(spec, cfg, dt, device, world.medians)
         advance("embedding and head")
         states = _states(spec, cfg["reps"], dt, device)
         states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
@@ -387,21 +396,10 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         parallel = _measure_parallel(spec, cfg, world, dt, device, advance) if world.size > 1 else {}
     if not world.is_main:
         return None
-    tokens = [float(sum(r)) for r in cfg["rows"]]
-    sq = [float(sum(x * x for x in r)) for r in cfg["rows"]]
-    layer = {name: fit_layer_time(tokens, sq, [t[i] for t in times])
-             for i, name in enumerate(("forward", "backward", "backward_recompute"))}
-
-    def linear(key):
-        c0, c1 = fit_linear(cfg["end_tokens"], ends[key])
-        return LayerFit(c0, c1, 0.0, 0.0)
-
-    samples = {"layer_rows": [{"lengths": r, "forward_s": t[0], "backward_s": t[1], "backward_recompute_s": t[2]}
-                              for r, t in zip(cfg["rows"], times)],
-               "end_tokens": cfg["end_tokens"], **{f"{k}_s": v for k, v in ends.items()}}
+    samples = {"layer_rows": layer_rows, "end_tokens": cfg["end_tokens"], **{f"{k}_s": v for k, v in ends.items()}}
     return ModelProfile(model=spec.to_dict(), dtype=dtype, layer=layer,
-                        embedding={"forward": linear("embedding_forward"), "backward": linear("embedding_backward")},
-                        head={"forward": linear("head_forward"), "backward": linear("head_backward")},
+                        embedding={"forward": end_fits["embedding_forward"], "backward": end_fits["embedding_backward"]},
+                        head={"forward": end_fits["head_forward"], "backward": end_fits["head_backward"]},
                         activations=activations, states=states, parallel=parallel,
                         produced_by=produced_by(processes=world.size, device_count=world.size),
                         samples=samples, name=f"model-{spec.name}")
