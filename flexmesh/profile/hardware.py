@@ -40,7 +40,7 @@ def sweep(quick: bool, device: torch.device) -> dict:
     """Sizes of each measurement; ``quick`` is the small sweep (seconds, not minutes)."""
     gpu = device.type == "cuda"
     if quick:
-        return {"message_bytes": [2**k for k in range(12, 23, 2)], "reps": 3, "matmul": [256, 512],
+        return {"message_bytes": [2**k for k in range(12, 23, 2)], "reps": 9, "matmul": [256, 512],
                 "copy_bytes": 2**24, "attention_tokens": [256, 512, 768, 1024], "overlap_bytes": 2**22}
     return {"message_bytes": [2**k for k in range(10, 27 if gpu else 25)], "reps": 5, "overlap_bytes": 2**22,
             "matmul": [512, 1024, 2048, 4096] if gpu else [256, 512, 1024],
