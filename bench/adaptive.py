@@ -78,8 +78,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from flexmesh.plan.plan import Plan, StagePlan
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
     from flexmesh.report.demo import run_summary
     from flexmesh.spec.model import parse_model
 
@@ -99,7 +99,7 @@ def main() -> None:
                       "--no-progress"])
         spec = parse_model(MODEL)
         s = LayerStrategy.parse(f"tp1-dp{n}z2")
-        plan = Plan(model=MODEL, cluster=f"{n}xcpu", world_size=n, pp=1, schedule="1f1b", num_microbatches=1,
+        plan = Plan(model=MODEL, cluster=f"{n}xcpu", world_size=n, pp=1, pipeline_schedule="1f1b", num_microbatches=1,
                     seq_len=args.max_len, global_batch=args.global_batch,
                     stages=(StagePlan(0, spec.num_layers, (s,) * spec.num_layers),), cost_source="profile")
         plan_path = tmp / "plan.json"

@@ -54,13 +54,13 @@ QUICK = ("dp2", "tp2 (sp)", "ulysses2", "pp2 1f1b")
 
 def make_plan(world: int, strategy: str, pp: int, seq_len: int, global_batch: int):
     """A plan of one sequence per replica per micro-batch: ``global_batch / dp`` micro-batches."""
-    from flexmesh.plan.plan import Plan, StagePlan
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
 
     s = LayerStrategy.parse(strategy)
     per = 4 // pp
     stages = tuple(StagePlan(i * per, (i + 1) * per, (s,) * per) for i in range(pp))
-    return Plan(model=MODEL, cluster=f"{world}xA100-80GB", world_size=world, pp=pp, schedule="1f1b",
+    return Plan(model=MODEL, cluster=f"{world}xA100-80GB", world_size=world, pp=pp, pipeline_schedule="1f1b",
                 num_microbatches=global_batch // s.dp, seq_len=seq_len, global_batch=global_batch, stages=stages)
 
 
@@ -78,13 +78,13 @@ def steps_for(plan, cost, steps: int, seed: int = 0) -> list:
 
     import numpy as np
 
-    from flexmesh.runtime.parallelize import layout_from_plan
+    from flexmesh.layout.mesh import layout_from_plan
     from flexmesh.schedule.context import ScheduleContext
     from flexmesh.schedule.policies import make_schedule
 
     lay = layout_from_plan(plan)
     ctx = ScheduleContext(cost=cost, base=replace(plan.layer_strategies()[0], cp=1, cp_kind="none", dp=1),
-                          num_ranks=lay.data_ranks, pp=plan.pp, pipeline_schedule=plan.schedule,
+                          num_ranks=lay.data_ranks, pp=plan.pp, pipeline_schedule=plan.pipeline_schedule,
                           cp_kind=lay.cp_kind if lay.cp > 1 else "ulysses")
     rng = np.random.default_rng(seed)
     out = []

@@ -46,13 +46,13 @@ LAYOUTS_W4 = {
 
 
 def make_plan(world: int, strategy: str, pp: int = 1, max_len: int = 1024):
-    from flexmesh.plan.plan import Plan, StagePlan
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
 
     s = LayerStrategy.parse(strategy)
     per = 4 // pp
     stages = tuple(StagePlan(i * per, (i + 1) * per, (s,) * per) for i in range(pp))
-    return Plan(model="tiny", cluster=f"{world}xA100-80GB", world_size=world, pp=pp, schedule="1f1b",
+    return Plan(model="tiny", cluster=f"{world}xA100-80GB", world_size=world, pp=pp, pipeline_schedule="1f1b",
                 num_microbatches=1, seq_len=max_len, global_batch=16, stages=stages)
 
 

@@ -26,7 +26,7 @@ from rich.console import Console
 from bench._results import record
 from flexmesh.cost import CostModel
 from flexmesh.data.lengths import BatchSampler, load_lengths
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.policies import make_schedule
 from flexmesh.sim.compare import compare_policies

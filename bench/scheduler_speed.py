@@ -18,7 +18,7 @@ from rich.table import Table
 from bench._results import record
 from flexmesh.cost import CostModel
 from flexmesh.data.lengths import BatchSampler, load_lengths
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.policies import make_schedule
 from flexmesh.spec.cluster import parse_cluster

@@ -42,11 +42,11 @@ MEMORY_GIB = 0.007
 
 
 def make_plan(layout: str):
-    from flexmesh.plan.plan import Plan, StagePlan
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
 
     st = StagePlan(0, 4, tuple(LayerStrategy.parse(s) for s in LAYOUTS[layout]))
-    return Plan(model="test-tiny", cluster=f"{WORLD}xA100-80GB", world_size=WORLD, pp=1, schedule="1f1b",
+    return Plan(model="test-tiny", cluster=f"{WORLD}xA100-80GB", world_size=WORLD, pp=1, pipeline_schedule="1f1b",
                 num_microbatches=1, seq_len=1024, global_batch=12, stages=(st,))
 
 
@@ -177,7 +177,7 @@ def worker(out: Path) -> None:
     from flexmesh.errors import FlexmeshError
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.train import ListSource, Trainer, fit, init_distributed
-    from flexmesh.schedule.types import Group, Piece, StepSchedule
+    from flexmesh.layout.step import Group, Piece, StepSchedule
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=120)

@@ -145,7 +145,7 @@ def _model_check(rank: int, world: int) -> None:
 
     from flexmesh.data.packing import pack_microbatch, pad_to_multiple, shard_for_cp
     from flexmesh.runtime.model import build_model
-    from flexmesh.schedule.types import Piece
+    from flexmesh.layout.step import Piece
     from flexmesh.spec.model import ModelSpec
 
     spec = ModelSpec("t", 2, 64, 4, 2, 96, 256, dtype="fp32")

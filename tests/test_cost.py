@@ -8,7 +8,7 @@ import pytest
 from flexmesh.cost import CostModel, Work, group_shape, in_flight, pipeline_time
 from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.model import GRAD_BYTES, OPTIM_BYTES, activation_elems_per_token
-from flexmesh.plan import LayerStrategy as S
+from flexmesh.layout import LayerStrategy as S
 from flexmesh.spec import ModelSpec
 from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
 

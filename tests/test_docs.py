@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-MODULES = ["flexmesh.spec.model", "flexmesh.plan.strategy", "flexmesh.cost.model", "flexmesh.cost.hardware"]
+MODULES = ["flexmesh.spec.model", "flexmesh.layout.strategy", "flexmesh.cost.model", "flexmesh.cost.hardware"]
 DOCS = sorted(p.name for p in (Path(__file__).parent.parent / "docs").glob("*.md")
               if ">>> " in p.read_text())
 

@@ -14,7 +14,7 @@ from flexmesh.data.packing import pack_microbatch
 from flexmesh.errors import SpecError
 from flexmesh.runtime.attention import CPContext
 from flexmesh.runtime.model import Transformer, apply_rope, build_model, rope_cos_sin
-from flexmesh.schedule.types import Piece
+from flexmesh.layout.step import Piece
 from flexmesh.spec.model import ModelSpec, gpt
 
 torch.set_num_threads(1)

@@ -18,7 +18,7 @@ from flexmesh.data.packing import (
     shard_for_cp,
 )
 from flexmesh.errors import ScheduleError
-from flexmesh.schedule.types import Group, Piece, StepSchedule
+from flexmesh.layout.step import Group, Piece, StepSchedule
 
 STRIDE = 10_000  # token id = doc * STRIDE + position: every token names its own origin
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flexmesh.cli import main
-from flexmesh.plan.plan import Plan
+from flexmesh.layout.plan import Plan
 
 TINY = ["plan", "--model", "tiny", "--cluster", "8xA100-80GB", "--seq-len", "2048", "--global-batch", "16"]
 

@@ -10,7 +10,7 @@ from flexmesh.cli import main
 from flexmesh.cost.model import CostModel
 from flexmesh.errors import PlanError
 from flexmesh.plan.check import check_plan
-from flexmesh.plan.plan import Plan
+from flexmesh.layout.plan import Plan
 from flexmesh.plan.search import search
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
 

@@ -10,7 +10,7 @@ import pytest
 
 from flexmesh.cost import CostModel, GroupShape, Hardware, Work
 from flexmesh.errors import ProfileError
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.profile import (CollectiveFit, HardwareProfile, LayerFit, ModelProfile, cluster_from_profile,
                               cost_model_from_profiles, fit_alpha_beta, fit_layer_time, fit_linear, load_profile)
 from flexmesh.spec import MODEL_PRESETS, parse_cluster

@@ -10,7 +10,7 @@ import pytest
 
 from flexmesh.cli import main
 from flexmesh.cost import Work
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.profile import cost_model_from_profiles, load_profile
 from flexmesh.spec import parse_cluster
 from flexmesh.spec.model import from_hf_config

@@ -20,13 +20,13 @@ STRATEGIES = ["tp1-dp2z3", "tp1-dp2z3-ac", "tp1-dp2z2", "tp1-dp2z3"]
 
 
 def make_plan(world: int = 2):
-    from flexmesh.plan.plan import Plan, StagePlan
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
 
     st = StagePlan(0, 4, tuple(LayerStrategy.parse(s) for s in STRATEGIES))
     if world != 2:
         st = StagePlan(0, 4, tuple(LayerStrategy.parse(s.replace("dp2", f"dp{world}")) for s in STRATEGIES))
-    return Plan(model="test-tiny", cluster="cpu", world_size=world, pp=1, schedule="1f1b", num_microbatches=1,
+    return Plan(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b", num_microbatches=1,
                 seq_len=256, global_batch=8, stages=(st,))
 
 

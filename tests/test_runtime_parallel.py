@@ -53,15 +53,15 @@ def tiny_spec():
 
 
 def make_plan(name: str):
-    from flexmesh.plan.plan import Plan, StagePlan
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
 
     cfg = LAYOUTS[name]
     strategies = [LayerStrategy.parse(s) for s in cfg["strategies"]]
     layers = cfg.get("layers", [[0, 4]])
     stages = tuple(StagePlan(a, b, tuple(strategies[a:b])) for a, b in layers)
     pp, v = cfg.get("pp", 1), cfg.get("v", 1)
-    return Plan(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=pp, schedule=cfg.get("schedule", "1f1b"),
+    return Plan(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=pp, pipeline_schedule=cfg.get("schedule", "1f1b"),
                 virtual_stages=v, num_microbatches=1, seq_len=256, global_batch=8, stages=stages)
 
 
@@ -71,7 +71,7 @@ def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED) -
     Groups get different numbers of micro-batches (exercising the empty padding micro-batches), and
     one document is cut in two pieces that land in different micro-batches.
     """
-    from flexmesh.schedule.types import Group, Piece, StepSchedule
+    from flexmesh.layout.step import Group, Piece, StepSchedule
 
     rng = np.random.default_rng(seed)
     out = []
@@ -237,7 +237,7 @@ def reference_runs() -> dict:
 
 
 def _check(name: str, result: dict, folder: Path, reference_runs) -> None:
-    from flexmesh.runtime.parallelize import layout_from_plan
+    from flexmesh.layout.mesh import layout_from_plan
 
     lay = layout_from_plan(make_plan(name))
     ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp)

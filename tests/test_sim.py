@@ -7,9 +7,9 @@ import pytest
 
 from flexmesh.cost import CostModel, pipeline_time
 from flexmesh.errors import FlexmeshError, ScheduleError
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.types import Group, Piece, StepSchedule
+from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.sim.pipeline import rank_order, run_pipeline
 from flexmesh.sim.plots import gantt_png, load_png
 from flexmesh.sim.timeline import KINDS, lane_speeds, simulate_step

@@ -18,8 +18,8 @@ FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "label_tokens", "padded_t
 
 
 def write_inputs(tmp: Path, world: int) -> tuple[Path, Path, Path]:
-    from flexmesh.plan.plan import Plan, StagePlan
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
 
     cfg = tmp / "config.json"
     cfg.write_text(json.dumps({
@@ -33,7 +33,7 @@ def write_inputs(tmp: Path, world: int) -> tuple[Path, Path, Path]:
         n = 5 + (i * 37) % 90
         (corpus / f"doc{i:02d}.txt").write_text(" ".join(words[(i + j * 3) % len(words)] for j in range(n)))
     st = StagePlan(0, 2, (LayerStrategy.parse(f"tp1-dp{world}z3"), LayerStrategy.parse(f"tp1-dp{world}z2-ac")))
-    plan = Plan(model=str(cfg), cluster=f"{world}xA100-80GB", world_size=world, pp=1, schedule="1f1b",
+    plan = Plan(model=str(cfg), cluster=f"{world}xA100-80GB", world_size=world, pp=1, pipeline_schedule="1f1b",
                 num_microbatches=1, seq_len=128, global_batch=4, stages=(st,))
     plan_path = tmp / "plan.json"
     plan.save(plan_path)

@@ -20,7 +20,7 @@ from flexmesh.data.packing import pack_microbatch
 from flexmesh.errors import CheckpointError
 from flexmesh.runtime.model import build_model
 from flexmesh.runtime.weights import load_hf_safetensors, save_hf_safetensors
-from flexmesh.schedule.types import Piece
+from flexmesh.layout.step import Piece
 from flexmesh.spec.model import ModelSpec
 
 torch.set_num_threads(1)

@@ -105,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
               console, "profile model")
 
     # 4. train
-    from flexmesh.plan.plan import Plan, StagePlan
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
     from flexmesh.spec.model import parse_model
 
     spec = parse_model(TRAIN_MODEL)
     strategy = LayerStrategy.parse(f"tp1-dp{args.nproc}z2")
-    plan = Plan(model=TRAIN_MODEL, cluster=f"{args.nproc}xcpu", world_size=args.nproc, pp=1, schedule="1f1b",
+    plan = Plan(model=TRAIN_MODEL, cluster=f"{args.nproc}xcpu", world_size=args.nproc, pp=1, pipeline_schedule="1f1b",
                 num_microbatches=1, seq_len=args.max_len, global_batch=args.global_batch,
                 stages=(StagePlan(0, spec.num_layers, (strategy,) * spec.num_layers),), cost_source="profile")
     plan_path = out / "plan-train.json"

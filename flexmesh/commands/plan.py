@@ -11,10 +11,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flexmesh.cost.model import GIB, CostModel, Evaluation
+from flexmesh.cost.model import CostModel, Evaluation
+from flexmesh.units import GIB
 from flexmesh.errors import PlanError
 from flexmesh.plan.check import check_plan
-from flexmesh.plan.plan import SCHEDULES, Plan
+from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan
 from flexmesh.plan.search import Candidate, SearchResult, SearchSpace, search
 from flexmesh.spec.cluster import parse_cluster
 from flexmesh.spec.model import parse_model
@@ -45,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--same-mesh", action="store_true",
                    help="every layer on the same (tp, cp, dp) mesh; ZeRO and recompute stay per layer")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated pipeline schedules to consider")
+    p.add_argument("--schedules", default=",".join(PIPELINE_SCHEDULES), help="comma-separated pipeline schedules to consider")
     p.add_argument("--mode", choices=("auto", "exact", "fast"), default="auto",
                    help="exact: layer DP + every layer split (small models); fast: closed form per stage")
     p.set_defaults(func=run)
@@ -69,9 +70,9 @@ def run(args: argparse.Namespace) -> int:
             _explain(out, ev)
         return 0
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
-    unknown = [s for s in schedules if s not in SCHEDULES]
+    unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
     if unknown or not schedules:
-        raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(SCHEDULES)}")
+        raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(PIPELINE_SCHEDULES)}")
     space = SearchSpace(schedules=schedules, recompute=(False,) if args.no_recompute else (False, True),
                         same_mesh=args.same_mesh)
     result = _run_search(model, cluster, args, space, cost, quiet=args.json)

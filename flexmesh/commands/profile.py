@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from flexmesh.errors import ProfileError
+from flexmesh.units import GIB
 
-GIB = 2**30
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

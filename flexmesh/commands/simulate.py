@@ -71,7 +71,7 @@ def _slow(text: str, world: int) -> tuple[float, ...]:
 def build_context(args):
     """The ScheduleContext (and per-lane speeds) of the plan the flags describe."""
     from flexmesh.cost import CostModel
-    from flexmesh.plan.strategy import LayerStrategy
+    from flexmesh.layout.strategy import LayerStrategy
     from flexmesh.schedule.context import ScheduleContext
     from flexmesh.sim.timeline import lane_speeds
     from flexmesh.spec import parse_model

@@ -120,8 +120,8 @@ def make_schedule_fn(plan, spec, policy: str, max_len: int, seed: int = 0, *, co
     reports beside the measured time. The function carries ``.policy`` and ``.context`` (the
     ScheduleContext).
 
-    >>> from flexmesh.plan.plan import Plan, StagePlan
-    >>> from flexmesh.plan.strategy import LayerStrategy
+    >>> from flexmesh.layout.plan import Plan, StagePlan
+    >>> from flexmesh.layout.strategy import LayerStrategy
     >>> from flexmesh.spec.model import parse_model
     >>> spec = parse_model("llama2-7b")
     >>> st = StagePlan(0, 32, (LayerStrategy.parse("tp1-dp8z3"),) * 32)
@@ -133,7 +133,7 @@ def make_schedule_fn(plan, spec, policy: str, max_len: int, seed: int = 0, *, co
     from dataclasses import replace
 
     from flexmesh.cost import CostModel
-    from flexmesh.runtime.parallelize import context_kind, layout_from_plan
+    from flexmesh.layout.mesh import context_kind, layout_from_plan
     from flexmesh.schedule.context import ScheduleContext
     from flexmesh.schedule.policies import make_schedule
     from flexmesh.sim.timeline import simulate_step
@@ -142,7 +142,7 @@ def make_schedule_fn(plan, spec, policy: str, max_len: int, seed: int = 0, *, co
     layout = layout_from_plan(plan)
     strategy = replace(plan.layer_strategies()[0], cp=1, cp_kind="none", dp=1)
     ctx = ScheduleContext(cost=cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster)),
-                          base=strategy, num_ranks=layout.data_ranks, pp=plan.pp, pipeline_schedule=plan.schedule,
+                          base=strategy, num_ranks=layout.data_ranks, pp=plan.pp, pipeline_schedule=plan.pipeline_schedule,
                           cp_kind=context_kind(spec, layout), microbatch_tokens=max_len)
     options: dict = {}
     if policy in ("fixed", "balanced"):
@@ -169,8 +169,8 @@ def _train(args: argparse.Namespace) -> int:
     from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
-    from flexmesh.plan.plan import Plan
-    from flexmesh.runtime.parallelize import layout_from_plan
+    from flexmesh.layout.plan import Plan
+    from flexmesh.layout.mesh import layout_from_plan
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.train import TrainConfig, Trainer, fit, init_distributed
     from flexmesh.spec.model import parse_model

@@ -26,7 +26,7 @@ from scipy.optimize import minimize, minimize_scalar
 
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.model import CostModel, Evaluation
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
 from flexmesh.spec.model import MODEL_PRESETS, ModelSpec, gpt
 

@@ -40,11 +40,11 @@ import numpy as np
 
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.errors import ProfileError
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.units import GIB
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 
-GIB = 2**30
 GRAD_BYTES = 4  # fp32 gradient accumulation and reduction (Megatron-LM's default for bf16 training)
 OPTIM_BYTES = 12  # fp32 master weights + Adam m and v
 LOGIT_BYTES = 6
@@ -555,7 +555,7 @@ class CostModel:
     def evaluate(self, plan) -> Evaluation:
         """Predict a :class:`flexmesh.plan.Plan`."""
         chunks = [st.strategies for st in plan.stages]
-        return self.evaluate_stages(chunks, plan.pp, plan.schedule, plan.num_microbatches, plan.virtual_stages,
+        return self.evaluate_stages(chunks, plan.pp, plan.pipeline_schedule, plan.num_microbatches, plan.virtual_stages,
                                     plan.microbatch_size, plan.seq_len)
 
     # ---- for the per-step scheduler -----------------------------------------------------------------

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from flexmesh.errors import ScheduleError
-from flexmesh.schedule.types import Piece, StepSchedule
+from flexmesh.layout.step import Piece, StepSchedule
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 PAD_TOKEN = 0  # id fed for padding; its label is IGNORE_INDEX so its value never matters

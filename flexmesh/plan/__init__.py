@@ -1,23 +1,11 @@
-"""Parallel layouts: per-layer strategies, the Plan file, and the search that finds the best plan."""
+"""The static search: the fastest parallel layout that fits, its baselines, and the plan checker.
 
-from flexmesh.plan.plan import Plan, StagePlan, rank_coords
-from flexmesh.plan.strategy import LayerStrategy
+The Plan format itself lives on the ground floor (flexmesh.layout.plan).
+"""
 
-# The search, baselines and checker import the cost model, which itself imports LayerStrategy from
-# this package; loading them lazily (PEP 562) keeps `import flexmesh.cost` free of an import cycle.
-_LAZY = {
-    "Candidate": "search", "SearchResult": "search", "SearchSpace": "search", "candidate_strategies": "search",
-    "megatron_3d": "baselines", "uniform_plan": "baselines", "zero3_ulysses": "baselines",
-    "check_plan": "check",
-}
+from flexmesh.plan.baselines import megatron_3d, uniform_plan, zero3_ulysses
+from flexmesh.plan.check import check_plan
+from flexmesh.plan.search import Candidate, SearchResult, SearchSpace, candidate_strategies
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"flexmesh.plan.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'flexmesh.plan' has no attribute {name!r}")
-
-
-__all__ = ["LayerStrategy", "Plan", "StagePlan", "rank_coords", *_LAZY]
+__all__ = ["Candidate", "SearchResult", "SearchSpace", "candidate_strategies", "check_plan", "megatron_3d",
+           "uniform_plan", "zero3_ulysses"]

@@ -14,7 +14,7 @@ from flexmesh.cost.model import CostModel
 from flexmesh.plan.partition import even_split
 from flexmesh.plan.search import (Candidate, SearchSpace, _divisors, _pow2_upto, _to_plan, candidate_strategies,
                                   evaluate_chunks)
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 

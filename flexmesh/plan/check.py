@@ -5,9 +5,10 @@ Every failure raises :class:`PlanError` with a message saying what to change.
 
 from __future__ import annotations
 
-from flexmesh.cost.model import GIB, CostModel, Evaluation
+from flexmesh.cost.model import CostModel, Evaluation
+from flexmesh.units import GIB
 from flexmesh.errors import PlanError
-from flexmesh.plan.plan import Plan
+from flexmesh.layout.plan import Plan
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 

@@ -36,11 +36,12 @@ from itertools import product
 
 import numpy as np
 
-from flexmesh.cost.model import GIB, CostModel, Evaluation, in_flight, pipeline_times
+from flexmesh.cost.model import CostModel, Evaluation, in_flight, pipeline_times
+from flexmesh.units import GIB
 from flexmesh.errors import PlanError
 from flexmesh.plan.partition import balance, compositions, count_compositions, even_split, neighbours
-from flexmesh.plan.plan import Plan, StagePlan
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.plan import Plan, StagePlan
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 
@@ -435,7 +436,7 @@ def _to_plan(model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_b
     for st in chunks:
         stages.append(StagePlan(start, start + len(st), tuple(st)))
         start += len(st)
-    return Plan(model=model.name, cluster=cluster.label, world_size=cluster.world_size, pp=pp, schedule=schedule,
+    return Plan(model=model.name, cluster=cluster.label, world_size=cluster.world_size, pp=pp, pipeline_schedule=schedule,
                 num_microbatches=m, seq_len=seq_len, global_batch=global_batch, stages=tuple(stages),
                 virtual_stages=v, predicted=ev.to_dict(), cost_source=cost.source)
 

@@ -301,7 +301,7 @@ def _check(d: dict, kind: str, name: str) -> None:
 
 
 def _save(profile, path: str | Path) -> None:
-    from flexmesh.plan.plan import write_atomic
+    from flexmesh.files import write_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

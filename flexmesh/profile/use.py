@@ -23,7 +23,8 @@ from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.model import CostModel
 from flexmesh.errors import ProfileError
 from flexmesh.profile.format import HardwareProfile, ModelProfile, as_profile
-from flexmesh.spec.cluster import GIB, ClusterSpec, DeviceSpec
+from flexmesh.spec.cluster import ClusterSpec, DeviceSpec
+from flexmesh.units import GIB
 from flexmesh.spec.model import ModelSpec
 
 

@@ -36,7 +36,7 @@ Which later steps fall back depends on timing, in a resumed run as in any other;
 >>> src = AdaptiveSource(loader, lambda n: make_schedule("hdp", n, ctx),
 ...                      lambda n: make_schedule("balanced", n, ctx), policy="hdp", deadline_s=None)
 >>> docs, schedule = next(src)
->>> len(docs), schedule.policy, schedule.extra["fallback"]
+>>> len(docs), schedule.policy, schedule.fallback
 (3, 'hdp', False)
 >>> src.close()
 """
@@ -54,7 +54,7 @@ import numpy as np
 import torch.distributed as dist
 
 from flexmesh.errors import ScheduleError
-from flexmesh.schedule.types import StepSchedule
+from flexmesh.layout.step import StepSchedule
 
 ScheduleFn = Callable[[list[int]], StepSchedule]
 PRIMARY, FALLBACK = "primary", "fallback"
@@ -158,7 +158,7 @@ class AdaptiveSource:
         return entry.choice
 
     def _decide(self, entry: _Ahead) -> tuple[str, object]:
-        """Rank 0: the schedule this step runs, with its provenance in ``extra``; errors are passed on."""
+        """Rank 0: the schedule this step runs, with its provenance; errors are passed on."""
         try:
             if self._settle(entry) == PRIMARY:
                 schedule, seconds = entry.future.result()
@@ -169,9 +169,8 @@ class AdaptiveSource:
                 requested = self.policy or "unknown"
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
             return "error", e
-        extra = dict(schedule.extra or {})
-        extra.update(requested_policy=requested, fallback=entry.choice == FALLBACK, scheduler_s=seconds)
-        return "ok", replace(schedule, extra=extra)
+        return "ok", replace(schedule, requested_policy=requested, fallback=entry.choice == FALLBACK,
+                             scheduler_seconds=seconds)
 
     def _share(self, message):
         if not self._distributed:

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from flexmesh.errors import CheckpointError
-from flexmesh.plan.plan import Plan, write_atomic
+from flexmesh.layout.plan import Plan
+from flexmesh.files import write_atomic
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -23,100 +23,14 @@ a message naming the layers, because it would need resharding activations betwee
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.plan.plan import Plan
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.mesh import MESH_AXES, Layout, aligned_blocks, context_kind, global_rank
 from flexmesh.spec.model import ModelSpec
 
-MESH_AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost, as flexmesh.plan.plan.rank_coords
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The mesh a plan runs on plus what may differ per layer (global layer index order).
-
-    >>> from flexmesh.plan.plan import Plan, StagePlan
-    >>> from flexmesh.plan.strategy import LayerStrategy as S
-    >>> st = StagePlan(0, 2, (S.parse("tp2-dp2z3"), S.parse("tp2-dp2z3-ac")))
-    >>> plan = Plan("tiny", "4xA100-80GB", 4, 1, "1f1b", 1, 64, 2, (st,))
-    >>> lay = layout_from_plan(plan)
-    >>> (lay.pp, lay.dp, lay.cp, lay.tp, lay.zero, lay.recompute)
-    (1, 2, 1, 2, (3, 3), (False, True))
-    """
-
-    pp: int
-    dp: int
-    cp: int
-    cp_kind: str
-    tp: int
-    zero: tuple[int, ...]
-    recompute: tuple[bool, ...]
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
-
-    @property
-    def data_ranks(self) -> int:
-        """Ranks holding the same weights: data parallel x context parallel (ZeRO shards over these)."""
-        return self.dp * self.cp
-
-    @property
-    def replicated(self) -> bool:
-        return self.data_ranks > 1 and all(z == 0 for z in self.zero)
-
-    @property
-    def sharded(self) -> bool:
-        return self.data_ranks > 1 and not self.replicated
-
-
-def _runs(indices: list[int]) -> str:
-    """Layer indices as compact ranges, e.g. [0, 1, 2, 5] -> '0-2, 5'."""
-    out: list[str] = []
-    for i in indices:
-        if out and int(out[-1].split("-")[-1]) == i - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return ", ".join(out)
-
-
-def layout_from_plan(plan: Plan) -> Layout:
-    """Check the plan's per-layer mix is one the runtime supports and return its Layout."""
-    strategies: list[LayerStrategy] = plan.layer_strategies()
-    if not strategies:
-        raise PlanError("plan has no layers; give every stage at least one layer")
-    first = strategies[0]
-    other = [i for i, s in enumerate(strategies) if not s.same_mesh(first)]
-    if other:
-        s = strategies[other[0]]
-        raise PlanError(
-            f"layers {_runs(other)} use tp{s.tp}/{s.cp_kind}{s.cp}/dp{s.dp} but layer 0 uses "
-            f"tp{first.tp}/{first.cp_kind}{first.cp}/dp{first.dp}; the runtime needs one (tp, cp, dp) "
-            "mesh for the whole plan: give every layer the same tp, context degree and kind, and dp"
-        )
-    if first.devices != plan.stage_devices:
-        raise PlanError(
-            f"layers use tp x cp x dp = {first.devices} devices but each pipeline stage has "
-            f"{plan.stage_devices} (world {plan.world_size} / pp {plan.pp}); make them equal"
-        )
-    zeros = [s.zero for s in strategies]
-    plain = [i for i, z in enumerate(zeros) if z == 0]
-    if plain and len(plain) != len(zeros):
-        sharded = [i for i, z in enumerate(zeros) if z != 0]
-        raise PlanError(
-            f"layers {_runs(plain)} use ZeRO 0 (replicated) while layers {_runs(sharded)} use ZeRO 1-3; "
-            "the runtime replicates all layers or shards all layers: set every layer's zero to 0, or every "
-            "layer's to 1, 2 or 3"
-        )
-    return Layout(pp=plan.pp, dp=first.dp, cp=first.cp, cp_kind=first.cp_kind, tp=first.tp,
-                  zero=tuple(zeros), recompute=tuple(s.recompute for s in strategies))
 
 
 def check_model_fits_layout(spec: ModelSpec, layout: Layout) -> None:
@@ -136,7 +50,7 @@ def check_model_fits_layout(spec: ModelSpec, layout: Layout) -> None:
 
 
 def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh:
-    """The 4-D device mesh ("pp", "dp", "cp", "tp"), tp innermost (see flexmesh.plan.plan.rank_coords)."""
+    """The 4-D device mesh ("pp", "dp", "cp", "tp"), tp innermost (see flexmesh.layout.mesh.rank_coords)."""
     return init_device_mesh(device_type, (layout.pp, layout.dp, layout.cp, layout.tp), mesh_dim_names=MESH_AXES)
 
 
@@ -259,59 +173,6 @@ def device_type() -> str:
 
 
 # ---- context-parallel groups, chosen per step --------------------------------------------------------
-def aligned_blocks(data_ranks: int) -> list[tuple[int, int]]:
-    """``(start, size)`` of every aligned power-of-two run of at least 2 of ``data_ranks`` data ranks.
-
-    A run of ``size`` ranks starts at a multiple of ``size`` (what
-    flexmesh.schedule.assemble.aligned_layout produces), so there are ``data_ranks / size`` of each size.
-
-    >>> aligned_blocks(4)
-    [(0, 2), (2, 2), (0, 4)]
-    >>> aligned_blocks(6)
-    [(0, 2), (2, 2), (4, 2), (0, 4)]
-    """
-    out, size = [], 2
-    while size <= data_ranks:
-        out += [(start, size) for start in range(0, data_ranks - size + 1, size)]
-        size *= 2
-    return out
-
-
-def global_rank(layout: Layout, pp_index: int, data_rank: int, tp_index: int) -> int:
-    """Global rank of data rank ``d`` (``dp_index * cp + cp_index``) at tp index ``t`` on stage ``p``.
-
-    ``(p * data_ranks + d) * tp + t``, the order of :data:`MESH_AXES` (flexmesh.plan.plan.rank_coords).
-    With pp 2, dp 2, cp 1, tp 2: data rank 1 at tp index 0 on stage 1 is rank ``(1 * 2 + 1) * 2 + 0 = 6``.
-
-    >>> lay = Layout(pp=2, dp=2, cp=1, cp_kind="none", tp=2, zero=(0,), recompute=(False,))
-    >>> global_rank(lay, 1, 1, 0)
-    6
-    """
-    return (pp_index * layout.data_ranks + data_rank) * layout.tp + tp_index
-
-
-def context_kind(spec: ModelSpec, layout: Layout) -> str:
-    """The context-parallel kind a run uses for every group it forms.
-
-    The plan's kind when the plan itself uses cp > 1; otherwise Ulysses when the query and key/value
-    heads per tensor-parallel rank split evenly over the largest group the data ranks allow (Ulysses
-    moves heads, one all-to-all each way), else ring attention (which needs no head count).
-
-    >>> from flexmesh.spec.model import ModelSpec
-    >>> spec = ModelSpec(name="t", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab=256)
-    >>> lay = Layout(pp=1, dp=2, cp=1, cp_kind="none", tp=1, zero=(2, 2), recompute=(False, False))
-    >>> context_kind(spec, lay), context_kind(spec, Layout(1, 4, 1, "none", 1, (2, 2), (False, False)))
-    ('ulysses', 'ring')
-    """
-    if layout.cp > 1:
-        return layout.cp_kind
-    top = 1
-    while top * 2 <= layout.data_ranks:
-        top *= 2
-    heads, kv = spec.num_heads // layout.tp, spec.num_kv_heads // layout.tp
-    return "ulysses" if heads % top == 0 and kv % top == 0 else "ring"
-
-
 class ContextGroups:
     """The pool of context-parallel process groups, one per aligned block of data ranks.
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from flexmesh.errors import PlanError
-from flexmesh.plan.plan import Plan, StagePlan
+from flexmesh.layout.plan import Plan, StagePlan
 
 SCHEDULE_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}
 

@@ -12,7 +12,7 @@ by the number of micro-batches, so the gradients equal those of one process runn
 batch whatever the number of micro-batches per rank. The reported loss is the sum over data ranks
 of those partial losses: the global mean.
 
-Data ranks (flexmesh.schedule.types): data rank ``dp_index * cp + cp_index``. Each step a schedule
+Data ranks (flexmesh.layout.step): data rank ``dp_index * cp + cp_index``. Each step a schedule
 group of ``g`` consecutive data ranks (an aligned power-of-two run) shards its micro-batches ``g``
 ways, each rank taking a contiguous 1/g slice, over a process group from the pool made at start
 (flexmesh.runtime.parallelize.ContextGroups); FSDP2 shards weights over all data ranks, so weights
@@ -43,13 +43,13 @@ import torch.nn.functional as F
 from flexmesh.data.packing import IGNORE_INDEX, PAD_TOKEN, PackedBatch, global_label_tokens, pack_microbatch, pad_to, \
     shard_for_cp
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.plan.plan import Plan, rank_coords
+from flexmesh.layout.plan import Plan
+from flexmesh.layout.mesh import Layout, layout_from_plan, rank_coords
 from flexmesh.runtime.memory import SavedActivationMeter
-from flexmesh.runtime.parallelize import ContextGroups, Layout, build_mesh, data_mesh, layout_from_plan, \
-    local_coords, parallelize
+from flexmesh.runtime.parallelize import ContextGroups, build_mesh, data_mesh, local_coords, parallelize
 from flexmesh.runtime.pipeline import StageModule, build_schedule, check_partition, chunks_of_rank, make_stages, \
     padded_microbatch_count, split_stage
-from flexmesh.schedule.types import Group, StepSchedule
+from flexmesh.layout.step import Group, StepSchedule
 from flexmesh.spec.model import ModelSpec
 
 
@@ -358,7 +358,7 @@ class Trainer:
         count = len(group.microbatches)
         if not self.uneven:
             count = max(len(g.microbatches) for g in schedule.groups)
-            count = padded_microbatch_count(self.plan.schedule, count, lay.pp)
+            count = padded_microbatch_count(self.plan.pipeline_schedule, count, lay.pp)
         packed = [pack_microbatch(docs, mb) for mb in group.microbatches]
         quantum = cp * lay.tp  # T must split over the group's ranks, then over tp ranks (sequence parallel)
         if lay.pp > 1:  # pipelining needs one shape for every micro-batch of the step
@@ -409,7 +409,6 @@ class Trainer:
         table = torch.stack(rows)
         step_time = float(table[:, 3].max())
         tokens = sum(p.length for g in schedule.groups for mb in g.microbatches for p in mb)
-        extra = schedule.extra or {}
         self.step_index += 1
         return StepMetrics(
             step=self.step_index, loss=float(table[:, 0].sum()), grad_norm=grad_norm, lr=lr, tokens=tokens,
@@ -417,9 +416,8 @@ class Trainer:
             microbatches=len(batches), step_time_s=step_time,
             tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
             peak_memory_gib=_peak_memory_gib(self.device),
-            policy=schedule.policy, requested_policy=str(extra.get("requested_policy", schedule.policy)),
-            fallback=bool(extra.get("fallback", False)),
-            scheduler_s=float(extra.get("scheduler_s", schedule.scheduler_seconds)),
+            policy=schedule.policy, requested_policy=schedule.requested_policy or schedule.policy,
+            fallback=schedule.fallback, scheduler_s=schedule.scheduler_seconds,
             predicted_step_time_s=schedule.predicted_step_time if schedule.predicted_step_time > 0 else None,
             predicted_busy_s=self._predicted_busy(schedule),
             busy_s=tuple(float(x) for x in table[:, 1]),
@@ -498,7 +496,7 @@ class Trainer:
             stages = make_stages(self.modules, [k for k, _ in self.chunks], len(self.plan.stages), self.device,
                                  self.pp_group, tokens=length, tp=self.layout.tp, hidden=self.spec.hidden,
                                  vocab=self.spec.vocab, dtype=dtype)
-            self._schedules[key] = build_schedule(stages, self.plan.schedule, m, self.loss_fn)
+            self._schedules[key] = build_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn)
         sched = self._schedules[key]
         for mod in self.modules:
             mod.feed(batches)

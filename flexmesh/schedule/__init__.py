@@ -1,5 +1,2 @@
-"""Per-step scheduling: split, pack and assign each global batch's sequences (StepSchedule)."""
-
-from flexmesh.schedule.types import Group, MicroBatch, Piece, StepSchedule
-
-__all__ = ["Group", "MicroBatch", "Piece", "StepSchedule"]
+"""Per-step scheduling: split, pack and assign each global batch's sequences (a StepSchedule,
+defined on the ground floor in flexmesh.layout.step)."""

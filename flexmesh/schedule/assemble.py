@@ -21,7 +21,7 @@ import numpy as np
 from flexmesh.errors import ScheduleError
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import lower_bound
-from flexmesh.schedule.types import Group, Piece, StepSchedule
+from flexmesh.layout.step import Group, Piece, StepSchedule
 
 
 @dataclass(frozen=True)

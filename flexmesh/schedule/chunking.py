@@ -31,7 +31,7 @@ from flexmesh.errors import ScheduleError
 from flexmesh.schedule.assemble import aligned_layout, build_schedule
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import lower_bound, min_groups, seq_times
-from flexmesh.schedule.types import Piece, StepSchedule
+from flexmesh.layout.step import Piece, StepSchedule
 
 
 def equal_time_cuts(ctx: ScheduleContext, d: int, length: int, k: int) -> list[int]:

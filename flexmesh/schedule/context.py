@@ -13,7 +13,7 @@ import numpy as np
 
 from flexmesh.cost import CostModel
 from flexmesh.errors import ScheduleError
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from flexmesh.schedule.assemble import aligned_layout, build_schedule
 from flexmesh.schedule.bucketing import dp_buckets
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import lower_bound, min_groups, seq_times
-from flexmesh.schedule.types import StepSchedule
+from flexmesh.layout.step import StepSchedule
 
 
 def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray], need_b: np.ndarray,

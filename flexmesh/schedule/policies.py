@@ -38,7 +38,7 @@ from flexmesh.schedule.assign import lpt, rebalance
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import min_groups, seq_times
 from flexmesh.schedule.packing import best_fit_decreasing, next_fit
-from flexmesh.schedule.types import StepSchedule
+from flexmesh.layout.step import StepSchedule
 
 Policy = Callable[..., StepSchedule]
 

@@ -8,7 +8,7 @@ several ranks. Times and memory come from the one cost model like everywhere els
 from __future__ import annotations
 
 from flexmesh.cost import CostModel
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.spec.cluster import parse_cluster
 from flexmesh.spec.model import parse_model

@@ -23,7 +23,7 @@ import numpy as np
 
 from flexmesh.errors import ScheduleError
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.types import StepSchedule
+from flexmesh.layout.step import StepSchedule
 from flexmesh.sim.timeline import StepTimeline, simulate_step
 
 ScheduleFn = Callable[..., StepSchedule]

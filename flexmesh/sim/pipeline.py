@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexmesh.errors import PlanError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from flexmesh.layout.plan import PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -42,8 +41,8 @@ def rank_order(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> list[Pa
     >>> [("B" if p.backward else "F") + str(p.mb) for p in rank_order("1f1b", 4, 1, 4)]
     ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
     """
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise PlanError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)}")
     if schedule != "interleaved" and v != 1:
         raise PlanError(f"{v} model chunks per rank need the 'interleaved' schedule")
     if schedule == "gpipe":

@@ -13,7 +13,7 @@ what this module adds is the ordering of events:
 
 A *lane* is one data rank on one pipeline stage: ``tp`` devices that always do the same thing.
 Lane ``l = stage * num_ranks + data_rank`` holds global ranks ``l * tp ... l * tp + tp - 1`` (the
-rank order of :func:`flexmesh.plan.rank_coords` with the data axis = dp x cp merged).
+rank order of :func:`flexmesh.layout.mesh.rank_coords` with the data axis = dp x cp merged).
 
 Speed factors scale compute only (a throttled or older GPU computes slower; NVLink and the NICs do
 not slow down with it): a micro-batch on a group whose slowest member has speed 0.5 computes twice as
@@ -34,7 +34,7 @@ import numpy as np
 
 from flexmesh.errors import ScheduleError
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.types import StepSchedule
+from flexmesh.layout.step import StepSchedule
 from flexmesh.sim.pipeline import run_pipeline
 from flexmesh.spec.cluster import ClusterSpec
 

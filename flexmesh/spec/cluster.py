@@ -13,8 +13,8 @@ from importlib import resources
 from pathlib import Path
 
 from flexmesh.errors import SpecError
+from flexmesh.units import GIB
 
-GIB = 2**30
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,11 @@ class Group:
 
 @dataclass(frozen=True)
 class StepSchedule:
+    """One step's schedule. ``policy`` made it; ``requested_policy`` is the policy the run asked for
+    (empty: the same), ``fallback`` whether it was replaced because it came late; the runtime reports
+    all three. ``extra`` holds the scheduler's diagnostics (imbalance, padding, ratio to the lower
+    bound, ...), which nothing executes."""
+
     lengths: tuple[int, ...]
     groups: tuple[Group, ...]
     policy: str
@@ -65,6 +70,8 @@ class StepSchedule:
     lower_bound: float = 0.0
     deferred: tuple[int, ...] = ()
     scheduler_seconds: float = 0.0
+    requested_policy: str = ""
+    fallback: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property

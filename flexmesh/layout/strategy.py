@@ -13,7 +13,7 @@ Within one pipeline stage of ``D`` devices a layer runs with ``tp * cp * dp == D
 Compact form, as in ``tp2-u2-dp2z3-ac``: tp 2, Ulysses 2, dp 2 with ZeRO-3, recomputed.
 
 >>> s = LayerStrategy.parse("tp2-r4-dp1z0")
->>> (s.tp, s.cp, s.cp_kind, s.dp, s.zero, s.recompute)
+>>> (s.tp, s.cp, str(s.cp_kind), s.dp, s.zero, s.recompute)
 (2, 4, 'ring', 1, 0, False)
 >>> str(s)
 'tp2-r4-dp1z0'
@@ -25,9 +25,10 @@ import re
 from dataclasses import dataclass
 
 from flexmesh.errors import PlanError
+from flexmesh.layout.enums import CPKind, choices
 
-CP_KINDS = ("none", "ulysses", "ring")
-_CP_LETTER = {"ulysses": "u", "ring": "r"}
+CP_KINDS = choices(CPKind)
+_CP_LETTER = {CPKind.ULYSSES: "u", CPKind.RING: "r"}
 _RE = re.compile(r"^tp(\d+)(?:-([ur])(\d+))?-dp(\d+)z([0-3])(-ac)?$")
 
 
@@ -35,7 +36,7 @@ _RE = re.compile(r"^tp(\d+)(?:-([ur])(\d+))?-dp(\d+)z([0-3])(-ac)?$")
 class LayerStrategy:
     tp: int = 1
     cp: int = 1
-    cp_kind: str = "none"
+    cp_kind: CPKind = CPKind.NONE
     dp: int = 1
     zero: int = 0
     recompute: bool = False
@@ -45,6 +46,7 @@ class LayerStrategy:
             raise PlanError(f"strategy degrees must be >= 1, got tp={self.tp} cp={self.cp} dp={self.dp}")
         if self.cp_kind not in CP_KINDS:
             raise PlanError(f"cp_kind must be one of {CP_KINDS}, got {self.cp_kind!r}")
+        object.__setattr__(self, "cp_kind", CPKind(self.cp_kind))
         if (self.cp == 1) != (self.cp_kind == "none"):
             raise PlanError(f"cp={self.cp} with cp_kind={self.cp_kind!r}: use cp_kind 'none' exactly when cp == 1")
         if self.zero not in (0, 1, 2, 3):
@@ -71,7 +73,7 @@ class LayerStrategy:
                 f"cannot parse strategy {text!r}; expected e.g. 'tp2-dp4z1', 'tp1-u4-dp2z3-ac' (u=ulysses, r=ring)"
             )
         tp, letter, cp, dp, zero, ac = m.groups()
-        kind = {"u": "ulysses", "r": "ring", None: "none"}[letter]
+        kind = {"u": CPKind.ULYSSES, "r": CPKind.RING, None: CPKind.NONE}[letter]
         return cls(tp=int(tp), cp=int(cp or 1), cp_kind=kind, dp=int(dp), zero=int(zero), recompute=bool(ac))
 
     def same_mesh(self, other: "LayerStrategy") -> bool:

@@ -2,14 +2,14 @@
 
 The search writes it, the runtime reads it, a person may edit it and ``flexmesh plan --check``
 re-validates it. Ranks map to coordinates with ``tp`` innermost, then ``cp``, then ``dp``, then
-``pp`` (see :func:`rank_coords`).
+``pp`` (see :func:`flexmesh.layout.mesh.rank_coords`).
 
 A small example (one stage, 4 devices, tp 2 x dp 2):
 
 .. code-block:: json
 
-    {"version": 1, "model": "tiny", "cluster": "4xA100-80GB", "world_size": 4,
-     "pp": 1, "schedule": "1f1b", "virtual_stages": 1, "num_microbatches": 2,
+    {"version": 2, "model": "tiny", "cluster": "4xA100-80GB", "world_size": 4,
+     "pp": 1, "pipeline_schedule": "1f1b", "virtual_stages": 1, "num_microbatches": 2,
      "seq_len": 2048, "global_batch": 8,
      "stages": [{"layers": [0, 4], "strategies": ["tp2-dp2z0", "tp2-dp2z0", "tp2-dp2z0-ac", "tp2-dp2z0-ac"]}],
      "predicted": {...}}
@@ -18,16 +18,19 @@ A small example (one stage, 4 devices, tp 2 x dp 2):
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexmesh.errors import PlanError
-from flexmesh.plan.strategy import LayerStrategy
+from flexmesh.files import write_atomic
+from flexmesh.layout.enums import PipelineSchedule, choices
+from flexmesh.layout.strategy import LayerStrategy
 
-PLAN_VERSION = 1
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# Version 2 renamed the pipeline schedule's key from "schedule" to "pipeline_schedule"; version 1
+# files are still read.
+PLAN_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+PIPELINE_SCHEDULES = choices(PipelineSchedule)
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Plan:
     cluster: str
     world_size: int
     pp: int
-    schedule: str
+    pipeline_schedule: PipelineSchedule
     num_microbatches: int
     seq_len: int
     global_batch: int
@@ -86,12 +89,14 @@ class Plan:
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise PlanError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+                            f"got {self.pipeline_schedule!r}")
+        object.__setattr__(self, "pipeline_schedule", PipelineSchedule(self.pipeline_schedule))
         if self.pp < 1 or self.virtual_stages < 1 or self.num_microbatches < 1:
             raise PlanError("pp, virtual_stages and num_microbatches must all be >= 1")
-        if self.schedule != "interleaved" and self.virtual_stages != 1:
-            raise PlanError(f"virtual_stages={self.virtual_stages} needs schedule 'interleaved'")
+        if self.pipeline_schedule != PipelineSchedule.INTERLEAVED and self.virtual_stages != 1:
+            raise PlanError(f"virtual_stages={self.virtual_stages} needs pipeline schedule 'interleaved'")
         if len(self.stages) != self.pp * self.virtual_stages:
             raise PlanError(
                 f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.pp} x {self.virtual_stages}"
@@ -129,7 +134,7 @@ class Plan:
     @property
     def layout(self) -> str:
         """One line describing the plan, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
-        sched = self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        sched = str(self.pipeline_schedule) + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         stages = " | ".join(f"[{s.start},{s.end}) {s.compact}" for s in self.stages)
         return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
 
@@ -141,7 +146,7 @@ class Plan:
             "cluster": self.cluster,
             "world_size": self.world_size,
             "pp": self.pp,
-            "schedule": self.schedule,
+            "pipeline_schedule": str(self.pipeline_schedule),
             "virtual_stages": self.virtual_stages,
             "num_microbatches": self.num_microbatches,
             "seq_len": self.seq_len,
@@ -156,9 +161,11 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         version = d.get("version")
-        if version != PLAN_VERSION:
-            raise PlanError(f"plan version {version!r} is not supported (this flexmesh reads version {PLAN_VERSION})")
-        required = ("model", "cluster", "world_size", "pp", "schedule", "num_microbatches", "seq_len",
+        if version not in READABLE_VERSIONS:
+            raise PlanError(f"plan version {version!r} is not supported (this flexmesh reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))})")
+        schedule_key = "schedule" if version == 1 else "pipeline_schedule"
+        required = ("model", "cluster", "world_size", "pp", schedule_key, "num_microbatches", "seq_len",
                     "global_batch", "stages")
         missing = [k for k in required if k not in d]
         if missing:
@@ -173,15 +180,15 @@ class Plan:
             stages.append(StagePlan(int(start), int(end), strategies))
         return cls(
             model=d["model"], cluster=d["cluster"], world_size=int(d["world_size"]), pp=int(d["pp"]),
-            schedule=d["schedule"], virtual_stages=int(d.get("virtual_stages", 1)),
+            pipeline_schedule=d[schedule_key], virtual_stages=int(d.get("virtual_stages", 1)),
             num_microbatches=int(d["num_microbatches"]), seq_len=int(d["seq_len"]),
             global_batch=int(d["global_batch"]), stages=tuple(stages), predicted=d.get("predicted", {}),
-            cost_source=d.get("cost_source", "preset"), version=version,
+            cost_source=d.get("cost_source", "preset"),
         )
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash never leaves a half-written plan behind."""
-        write_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -193,45 +200,3 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(f"{p}: not valid JSON ({e})") from e
         return cls.from_dict(d)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def rank_coords(rank: int, pp: int, dp: int, cp: int, tp: int) -> dict[str, int]:
-    """Parallel coordinates of a global rank; tp is innermost so a tp group shares a node.
-
-    For world 8 with pp 2, dp 2, cp 1, tp 2:
-
-    ====  ==  ==  ==  ==
-    rank  pp  dp  cp  tp
-    ====  ==  ==  ==  ==
-    0     0   0   0   0
-    1     0   0   0   1
-    2     0   1   0   0
-    3     0   1   0   1
-    4     1   0   0   0
-    5     1   0   0   1
-    6     1   1   0   0
-    7     1   1   0   1
-    ====  ==  ==  ==  ==
-    """
-    if not 0 <= rank < pp * dp * cp * tp:
-        raise PlanError(f"rank {rank} outside a world of {pp * dp * cp * tp}")
-    tp_i = rank % tp
-    cp_i = rank // tp % cp
-    dp_i = rank // (tp * cp) % dp
-    pp_i = rank // (tp * cp * dp)
-    return {"pp": pp_i, "dp": dp_i, "cp": cp_i, "tp": tp_i}

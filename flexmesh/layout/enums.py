@@ -1,0 +1,62 @@
+"""String enums for the words a Plan, a StepSchedule and the CLI share.
+
+Each member *is* its string (``PipelineSchedule.ONE_F_ONE_B == "1f1b"``), prints as it and is
+written to JSON as it, so files and messages read the same as before the enums existed.
+
+>>> PipelineSchedule("interleaved") is PipelineSchedule.INTERLEAVED
+True
+>>> f"{CPKind.RING}", CPKind.RING == "ring", choices(Policy)
+('ring', True, ('fixed', 'balanced', 'hdp', 'milp', 'chunked'))
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class _StrEnum(str, Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class PipelineSchedule(_StrEnum):
+    """How micro-batches flow through pipeline stages (``Plan.pipeline_schedule``)."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"
+
+
+class CPKind(_StrEnum):
+    """Context parallelism: none, Ulysses (all-to-all over heads) or ring (K/V passed around)."""
+
+    NONE = "none"
+    ULYSSES = "ulysses"
+    RING = "ring"
+
+
+class Policy(_StrEnum):
+    """Per-step scheduling policies (flexmesh.schedule.registry builds a step schedule with one)."""
+
+    FIXED = "fixed"
+    BALANCED = "balanced"
+    HDP = "hdp"
+    MILP = "milp"
+    CHUNKED = "chunked"
+
+
+class MeshAxis(_StrEnum):
+    """Device mesh axes, outermost first (see flexmesh.layout.mesh.rank_coords)."""
+
+    PP = "pp"
+    DP = "dp"
+    CP = "cp"
+    TP = "tp"
+
+
+def choices(enum: type[_StrEnum]) -> tuple[str, ...]:
+    """The enum's values as plain strings, in definition order (for argparse ``choices``)."""
+    return tuple(m.value for m in enum)
