@@ -34,7 +34,8 @@ def record(name: str, body: str) -> None:
     """Replace section ``name`` of RESULTS.md with ``body`` (markdown), stamped with commit and machine."""
     stamp = (f"_commit {commit()}, {datetime.date.today().isoformat()}, {platform.machine()} "
              f"{platform.processor() or ''} python {platform.python_version()}_\n")
-    section = f"<!-- bench:{name} -->\n## {name} (`bench/{name}.py`)\n\n{stamp}\n{body.rstrip()}\n<!-- /bench:{name} -->"
+    section = (f"<!-- bench:{name} -->\n## {name} (`bench/{name}.py`)\n\n{stamp}\n{body.rstrip()}\n"
+               f"<!-- /bench:{name} -->")
     text = RESULTS.read_text() if RESULTS.exists() else HEADER
     pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"

@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flexmesh.commands.train import child_env  # noqa: E402  (after the path: `python bench/adaptive.py` works)
+from flexmesh.runtime.launch import child_env  # noqa: E402  (after the path: `python bench/adaptive.py` works)
 
 MODEL = "tiny"
 

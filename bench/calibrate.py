@@ -7,7 +7,8 @@
 2. For every plan in ``PLANS`` (the ``tiny`` model: 4 layers, hidden 256; fp32 on CPU; world 2 or 4;
    data, ZeRO-3, tensor, pipeline, Ulysses, ring, mixes, recomputation on and off), the cost model
    built from those profiles predicts the step time and the per-device activation memory
-   (``CostModel.evaluate``: activations plus the last stage's logits); the runtime then trains the plan for ``--steps`` steps on global
+   (``CostModel.evaluate``: activations plus the last stage's logits); the runtime then trains the
+   plan for ``--steps`` steps on global
    batches of equal-length documents (the shape the plan was evaluated for) and measures the median
    step time after one warm-up step and the peak bytes autograd saved for backward on any rank
    (``flexmesh.runtime.memory.SavedActivationMeter``, reported by the trainer).
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flexmesh.commands.train import child_env, free_port  # noqa: E402  (after the path: `python bench/calibrate.py` works)
+from flexmesh.runtime.launch import child_env, run_torchrun  # noqa: E402  (after the path: `python bench/calibrate.py` works)
 
 MODEL = "tiny"
 # name -> (world, per-layer strategy, pipeline degree)
@@ -80,7 +81,7 @@ def steps_for(plan, cost, steps: int, seed: int = 0) -> list:
 
     from flexmesh.layout.mesh import layout_from_plan
     from flexmesh.schedule.context import ScheduleContext
-    from flexmesh.schedule.policies import make_schedule
+    from flexmesh.schedule.registry import make_schedule
 
     lay = layout_from_plan(plan)
     ctx = ScheduleContext(cost=cost, base=replace(plan.layer_strategies()[0], cp=1, cp_kind="none", dp=1),
@@ -100,7 +101,9 @@ def worker(out: Path, names: list[str], profiles: Path, steps: int, seq_len: int
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.train import TrainConfig, Trainer, init_distributed
+    from flexmesh.runtime.config import TrainConfig
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
     torch.set_num_threads(1)
@@ -145,7 +148,8 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--workdir", help="keep profiles and measurements here (default: a temporary folder)")
     ap.add_argument("--predict-only", action="store_true",
-                    help="reuse the profiles and measurements in --workdir; only predict again (prints, records nothing)")
+                    help="reuse the profiles and measurements in --workdir; only predict again "
+                         "(prints, records nothing)")
     ap.add_argument("--quick", action="store_true", help="3 steps, 4 plans, no RESULTS.md update")
     args = ap.parse_args()
     steps = 3 if args.quick else args.steps
@@ -170,10 +174,9 @@ def main() -> None:
                 profile(w, profiles, console)
                 mine = [n for n in names if PLANS[n][0] == w]
                 console.print(f"training {len(mine)} plans at world {w}: {', '.join(mine)}", highlight=False)
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(w), "--master-addr",
-                       "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()), "worker",
-                       str(res), ",".join(mine), str(profiles), str(steps), str(args.seq_len), str(args.global_batch)]
-                proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=1800)
+                worker_argv = [str(Path(__file__).resolve()), "worker", str(res), ",".join(mine), str(profiles),
+                               str(steps), str(args.seq_len), str(args.global_batch)]
+                proc = run_torchrun(w, worker_argv, env=child_env(), capture_output=True, text=True, timeout=1800)
                 if proc.returncode != 0:
                     raise SystemExit(f"world-{w} run failed:\n{proc.stderr[-4000:]}")
             measured.update(json.loads(res.read_text()))
@@ -191,7 +194,8 @@ def main() -> None:
     err_m = median_abs_error([r[5] for r in rows], [r[6] for r in rows])
     table = Table(title=f"{MODEL} (fp32 CPU), {args.global_batch} x {args.seq_len}-token documents per step, "
                         f"predicted from this machine's profiles vs measured")
-    cols = ("plan", "world", "strategy x 4 layers", "step s pred", "step s meas", "error", "act MiB pred", "act MiB meas", "error")
+    cols = ("plan", "world", "strategy x 4 layers", "step s pred", "step s meas", "error", "act MiB pred",
+            "act MiB meas", "error")
     for c in cols:
         table.add_column(c, justify="left" if c in ("plan", cols[2]) else "right", no_wrap=True)
     md_rows = []

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flexmesh.commands.train import free_port  # noqa: E402  (after the path: `python bench/runtime.py` works)
+from flexmesh.runtime.launch import child_env, run_torchrun, single_process_env  # noqa: E402  (after the path: `python bench/runtime.py` works)
 
 LAYOUTS_W4 = {
     "dp4 (replicated)": dict(strategy="tp1-dp4z0"),
@@ -57,14 +56,15 @@ def make_plan(world: int, strategy: str, pp: int = 1, max_len: int = 1024):
 
 
 def make_batches(plan, steps: int, batch_docs: int, max_len: int, seed: int = 0) -> list:
-    from flexmesh.commands.train import make_schedule_fn
     from flexmesh.data.lengths import load_lengths
+    from flexmesh.schedule.scheduler import Scheduler
+    from flexmesh.sim.predict import simulated_scheduler
     from flexmesh.spec.model import parse_model
 
     spec = parse_model("tiny")
     lengths = load_lengths("wikipedia")[:200_000]
     rng = np.random.default_rng(seed)
-    schedule_fn = make_schedule_fn(plan, spec, "fixed", max_len, seed)
+    schedule_fn = simulated_scheduler(Scheduler(plan, spec, "fixed", max_len, seed))
     out = []
     for _ in range(steps):
         lens = np.clip(rng.choice(lengths, size=batch_docs), 2, max_len)
@@ -95,7 +95,8 @@ def plain_loop(batches: list, lr: float = 3e-4) -> list[float]:
 
 
 def flexmesh_loop(plan, batches: list) -> list[float]:
-    from flexmesh.runtime.train import TrainConfig, Trainer
+    from flexmesh.runtime.config import TrainConfig
+    from flexmesh.runtime.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
     trainer = Trainer(plan, parse_model("tiny"), TrainConfig(max_steps=len(batches), progress=False))
@@ -112,7 +113,7 @@ def worker(out: Path, steps: int, max_len: int, batch_docs: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.train import init_distributed
+    from flexmesh.runtime.distributed import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=300)
@@ -145,8 +146,8 @@ def main() -> None:
     from rich.table import Table
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    from flexmesh.runtime.train import init_distributed
+    os.environ.update(single_process_env())
+    from flexmesh.runtime.distributed import init_distributed
 
     init_distributed()
     plan1 = make_plan(1, "tp1-dp1z0", max_len=args.max_len)
@@ -162,13 +163,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         res = Path(tmp) / "w4.json"
-        env = dict(os.environ)
-        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), __file__, "worker", str(res),
-               str(steps), str(args.max_len), str(args.batch_docs)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        # child_env: without this process's own world-of-one variables, which would misdirect torchrun
+        proc = run_torchrun(4, [__file__, "worker", str(res), str(steps), str(args.max_len), str(args.batch_docs)],
+                            env=child_env(), capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"world-4 run failed:\n{proc.stderr[-4000:]}")
         w4 = json.loads(res.read_text())

@@ -28,7 +28,7 @@ from flexmesh.cost import CostModel
 from flexmesh.data.lengths import BatchSampler, load_lengths
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.policies import make_schedule
+from flexmesh.schedule.registry import make_schedule
 from flexmesh.sim.compare import compare_policies
 from flexmesh.sim.timeline import simulate_step
 from flexmesh.spec import parse_cluster, parse_model
@@ -84,7 +84,8 @@ def large_scheduler(steps: int, checks: list) -> None:
     for policy in ("balanced", "hdp"):
         secs = [make_schedule(policy, b, ctx, seed=k).scheduler_seconds for k, b in enumerate(bs)]
         p95 = float(np.percentile(secs, 95))
-        checks.append((f"scheduler {policy}, 32K seqs over 4096 ranks (p95 of {steps})", f"{p95 * 1e3:.0f} ms (<= 1000)",
+        checks.append((f"scheduler {policy}, 32K seqs over 4096 ranks (p95 of {steps})",
+                       f"{p95 * 1e3:.0f} ms (<= 1000)",
                        p95 <= 1.0))
 
 
@@ -96,7 +97,8 @@ def simulator_speed(steps: int, checks: list) -> None:
     for s in scheds:
         simulate_step(ctx, s)
     took = time.perf_counter() - t0
-    checks.append((f"simulate {steps} steps of 1024 ranks (8192 seqs/step, hdp)", f"{took:.1f} s (<= 30)", took <= 30.0))
+    checks.append((f"simulate {steps} steps of 1024 ranks (8192 seqs/step, hdp)", f"{took:.1f} s (<= 30)",
+                   took <= 30.0))
 
 
 def main() -> None:
@@ -107,7 +109,8 @@ def main() -> None:
     steps = 3 if args.quick else args.steps
     out: list[str] = ["llama2-7b, 8x8xA100-40GB (64 data ranks), ZeRO-3 over all data ranks, full recomputation, "
                       "Ulysses context parallelism; simulated steps (flexmesh.sim). Ratio to LB = simulated step / "
-                      "(scheduler's lower bound + the step's tail: the gradient sync left exposed after its last backward, and the optimizer)."]
+                      "(scheduler's lower bound + the step's tail: the gradient sync left exposed after its last "
+                      "backward, and the optimizer)."]
     checks: list[tuple[str, str, bool]] = []
     sched: dict[str, list[float]] = {}
     console = Console(stderr=True)

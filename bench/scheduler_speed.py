@@ -20,7 +20,7 @@ from flexmesh.cost import CostModel
 from flexmesh.data.lengths import BatchSampler, load_lengths
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.policies import make_schedule
+from flexmesh.schedule.registry import make_schedule
 from flexmesh.spec.cluster import parse_cluster
 from flexmesh.spec.model import parse_model
 

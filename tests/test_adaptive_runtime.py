@@ -25,13 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import flexmesh, launch, load_params, tiny_spec, train_config, write_inputs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import test_runtime_parallel as matrix  # noqa: E402  (tiny model, training config, launcher)
+from flexmesh.schedule.registry import RUNTIME_POLICIES
 
 WORLD = 4
-POLICIES = ("fixed", "balanced", "hdp", "milp")
+POLICIES = tuple(str(p) for p in RUNTIME_POLICIES)  # what `flexmesh train --policy` offers
 LAYOUTS = {
     "z2": ["tp1-dp4z2", "tp1-dp4z2-ac", "tp1-dp4z2", "tp1-dp4z2"],
     "z3": ["tp1-dp4z3", "tp1-dp4z3-ac", "tp1-dp4z2", "tp1-dp4z3"],
@@ -56,17 +55,19 @@ def small_memory_cost():
 
     c = parse_cluster(f"{WORLD}xA100-80GB")
     device = replace(c.device, memory_gib=MEMORY_GIB, framework_reserve_gib=0.0, allocator_headroom=0.0)
-    return CostModel(matrix.tiny_spec(), replace(c, device=device))
+    return CostModel(tiny_spec(), replace(c, device=device))
 
 
 def schedule_fn(policy: str, layout: str = "z2"):
-    """The policy over 4 data ranks of the small-memory cluster, through the train command's factory."""
-    from flexmesh.commands.train import make_schedule_fn
+    """The policy over 4 data ranks of the small-memory cluster, built as the train command builds it."""
+    from flexmesh.schedule.scheduler import Scheduler
+    from flexmesh.sim.predict import simulated_scheduler
 
-    fn = make_schedule_fn(make_plan(layout), matrix.tiny_spec(), policy, 1024, seed=0, cost=small_memory_cost())
+    fn = simulated_scheduler(Scheduler(make_plan(layout), tiny_spec(), policy, 1024, seed=0,
+                                       cost=small_memory_cost()))
     ctx = fn.context
     if policy == "fixed":  # slots as long as the batch's longest document, not the 1024-token maximum
-        from flexmesh.schedule.policies import make_schedule
+        from flexmesh.schedule.registry import make_schedule
 
         def fixed(lengths):
             return make_schedule("fixed", lengths, ctx)
@@ -130,16 +131,16 @@ def reference(steps: list) -> tuple[list[float], list[float], dict]:
     """Plain single-process AdamW steps over the same micro-batches: losses, gradient norms, weights."""
     import torch
 
+    from flexmesh.runtime.config import lr_schedule_factor
     from flexmesh.runtime.model import build_model
     from flexmesh.runtime.reference import reference_loss
-    from flexmesh.runtime.train import lr_factor
 
-    cfg = matrix.train_config()
-    model = build_model(matrix.tiny_spec(), device="cpu")
+    cfg = train_config()
+    model = build_model(tiny_spec(), device="cpu")
     model.init_weights(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps,
-                                                                       cfg.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
+                                                                               cfg.min_lr_ratio))
     losses, norms = [], []
     for docs, schedule in steps:
         opt.zero_grad()
@@ -175,9 +176,11 @@ def worker(out: Path) -> None:
     import torch.distributed as dist
 
     from flexmesh.errors import FlexmeshError
-    from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.train import ListSource, Trainer, fit, init_distributed
     from flexmesh.layout.step import Group, Piece, StepSchedule
+    from flexmesh.runtime.adaptive import AdaptiveSource
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.loop import ListSource, fit
+    from flexmesh.runtime.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=120)
@@ -187,7 +190,7 @@ def worker(out: Path) -> None:
         with open(out / "cases.pkl", "rb") as f:
             all_cases = pickle.load(f)
         for name, (layout, steps) in all_cases.items():
-            trainer = Trainer(make_plan(layout), matrix.tiny_spec(), matrix.train_config())
+            trainer = Trainer(make_plan(layout), tiny_spec(), train_config())
             metrics = [trainer.step(docs, sched) for docs, sched in steps]
             _save_params(trainer, out / name)
             report[name] = [m.to_dict() for m in metrics]
@@ -196,8 +199,8 @@ def worker(out: Path) -> None:
         release = threading.Event()
         source = AdaptiveSource(ListSource(make_batches()), gated(schedule_fn("hdp"), 2, release),
                                 releasing(schedule_fn("balanced"), release), deadline_s=0.0)
-        cfg = dataclasses.replace(matrix.train_config(), out_dir=str(out / "adaptive"))
-        trainer = Trainer(make_plan("z2"), matrix.tiny_spec(), cfg)
+        cfg = dataclasses.replace(train_config(), out_dir=str(out / "adaptive"))
+        trainer = Trainer(make_plan("z2"), tiny_spec(), cfg)
         fit(trainer, source, cfg)
         _save_params(trainer, out / "adaptive")
 
@@ -227,7 +230,7 @@ def run(tmp_path_factory) -> tuple[Path, dict, dict]:
     all_cases = cases()
     with open(tmp / "cases.pkl", "wb") as f:
         pickle.dump(all_cases, f)
-    proc = matrix.launch(WORLD, ["worker", str(tmp)], timeout=420, script=__file__)
+    proc = launch(WORLD, ["worker", str(tmp)], timeout=420, script=__file__)
     if proc.returncode != 0:
         raise AssertionError(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return tmp, all_cases, json.loads((tmp / "report.json").read_text())
@@ -244,7 +247,7 @@ def _assert_matches(name: str, steps: list, rows: list[dict], folder: Path) -> N
     for k, (row, loss, norm) in enumerate(zip(rows, want_losses, want_norms)):
         assert row["loss"] == pytest.approx(loss, rel=1e-5), f"{name} step {k + 1}: loss"
         assert row["grad_norm"] == pytest.approx(norm, rel=1e-5), f"{name} step {k + 1}: gradient norm"
-    params = matrix.load_params(folder)
+    params = load_params(folder)
     assert set(params) == set(want_params)
     for key, want in want_params.items():
         diff = (params[key] - want).abs().max().item()
@@ -328,11 +331,9 @@ def test_unaligned_group_is_refused(run):
 @pytest.mark.timeout(300)
 def test_train_command_schedules_in_the_background(tmp_path):
     """`flexmesh train --policy milp --adaptive`: rows name the policy that ran and the one asked for."""
-    import test_train_cli as cli
-
-    _, corpus, plan = cli.write_inputs(tmp_path, world=2)
+    _, corpus, plan = write_inputs(tmp_path, world=2)
     out = tmp_path / "run"
-    proc = cli.flexmesh("train", "--nproc", "2", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out),
+    proc = flexmesh("train", "--nproc", "2", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out),
                         "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--max-steps", "3",
                         "--policy", "milp", "--adaptive", "--fallback-policy", "balanced")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -347,7 +348,7 @@ def test_train_command_schedules_in_the_background(tmp_path):
 # ---- AdaptiveSource in one process --------------------------------------------------------------------
 def _source(batches, late_call: int | None = None, deadline_s: float | None = None, lookahead: int = 1):
     from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.train import ListSource
+    from flexmesh.runtime.loop import ListSource
 
     release = threading.Event()
     primary = schedule_fn("hdp")
@@ -360,7 +361,7 @@ def _source(batches, late_call: int | None = None, deadline_s: float | None = No
 def _same(a, b) -> bool:
     (docs_a, sa), (docs_b, sb) = a, b
     return (all(np.array_equal(x, y) for x, y in zip(docs_a, docs_b)) and len(docs_a) == len(docs_b)
-            and sa.groups == sb.groups and sa.policy == sb.policy and sa.extra["fallback"] == sb.extra["fallback"])
+            and sa.groups == sb.groups and sa.policy == sb.policy and sa.fallback == sb.fallback)
 
 
 @pytest.mark.parametrize("lookahead", [1, 2])
@@ -376,7 +377,7 @@ def test_adaptive_source_resumes_with_the_same_documents_and_schedules(lookahead
     again.load_state_dict(state)
     got += [next(again) for _ in range(3)]
     assert all(_same(a, b) for a, b in zip(got, want))
-    assert [s.extra["fallback"] for _, s in got] == [False] * 5
+    assert [s.fallback for _, s in got] == [False] * 5
     straight.close()
     again.close()
 
@@ -385,12 +386,12 @@ def test_late_choice_is_settled_by_the_checkpoint_and_replayed():
     batches = make_batches()
     src, release = _source(batches, late_call=2, deadline_s=0.0)
     docs1, s1 = next(src)
-    assert (s1.policy, s1.extra["fallback"], s1.extra["requested_policy"]) == ("hdp", False, "hdp")
+    assert (s1.policy, s1.fallback, s1.requested_policy) == ("hdp", False, "hdp")
     state = src.state_dict()  # step 2's schedule is still blocked: the checkpoint settles on the fallback
     assert state["next_choice"] == "fallback" and not release.is_set()
     docs2, s2 = next(src)
-    assert (s2.policy, s2.extra["fallback"], s2.extra["requested_policy"]) == ("balanced", True, "hdp")
-    assert s2.extra["scheduler_s"] >= 0
+    assert (s2.policy, s2.fallback, s2.requested_policy) == ("balanced", True, "hdp")
+    assert s2.scheduler_seconds >= 0
     src.close()
     resumed, _ = _source(batches)
     resumed.load_state_dict(state)
@@ -399,7 +400,7 @@ def test_late_choice_is_settled_by_the_checkpoint_and_replayed():
 
 
 def test_step_metrics_rows_are_json():
-    from flexmesh.runtime.train import StepMetrics
+    from flexmesh.runtime.config import StepMetrics
 
     m = StepMetrics(step=1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens=10, label_tokens=9, padded_tokens=12,
                     microbatches=1, step_time_s=0.5, tokens_per_s=20.0, peak_memory_gib=None, policy="hdp",

@@ -6,7 +6,6 @@ import os
 from datetime import timedelta
 
 import pytest
-from flexmesh.commands.train import free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 
 from flexmesh.errors import PlanError
 from flexmesh.runtime.attention import CPContext, attend, document_causal_mask, document_ids
+from flexmesh.runtime.launch import free_port
 
 torch.set_num_threads(1)
 
@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, port: int) -> None:
                     torch.testing.assert_close(out, ref[:, :, sl], rtol=1e-5, atol=1e-5, msg=label)
                     for name, a, b in zip("qkv", grads, ref_grads):
                         torch.testing.assert_close(a, b[:, :, sl], rtol=1e-5, atol=1e-5,
-                                                   msg=lambda m, name=name: f"{label} d{name}: {m}")
+                                                   msg=lambda m, name=name, label=label: f"{label} d{name}: {m}")
         _model_check(rank, world)
         dist.barrier()
     finally:
@@ -143,9 +143,9 @@ def _model_check(rank: int, world: int) -> None:
     """The whole model under context parallelism: same loss and gradients as one process."""
     import numpy as np
 
-    from flexmesh.data.packing import pack_microbatch, pad_to_multiple, shard_for_cp
-    from flexmesh.runtime.model import build_model
     from flexmesh.layout.step import Piece
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.packing import pack_microbatch, pad_to_multiple, shard_for_cp
     from flexmesh.spec.model import ModelSpec
 
     spec = ModelSpec("t", 2, 64, 4, 2, 96, 256, dtype="fp32")

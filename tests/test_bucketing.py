@@ -6,7 +6,8 @@ from itertools import combinations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flexmesh.data.lengths import load_lengths
 from flexmesh.errors import ScheduleError

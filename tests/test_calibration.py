@@ -25,5 +25,6 @@ def test_refit_reproduces_presets():
 def test_published_step_time_uses_the_papers_flop_formula():
     run = calibrate.PUBLISHED_RUNS[0]  # 1.7B on 32 GPUs at 137 TFLOP/s
     m, B, s = run.model, run.global_batch, run.seq_len
-    flops = 96 * B * s * m.num_layers * m.hidden**2 * (1 + s / (6 * m.hidden) + m.vocab / (16 * m.num_layers * m.hidden))
+    flops = (96 * B * s * m.num_layers * m.hidden**2
+             * (1 + s / (6 * m.hidden) + m.vocab / (16 * m.num_layers * m.hidden)))
     assert run.published_step_time() == pytest.approx(flops / (32 * 137e12))

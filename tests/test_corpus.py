@@ -10,10 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flexmesh.data import corpus as corpusmod
 from flexmesh.data import loader as loadermod
-from flexmesh.data.corpus import read_corpus, stdlib_corpus, stdlib_corpus_dir, stdlib_lengths
-from flexmesh.data.loader import DocumentLoader, TokenizedCorpus, load_corpus_tokens, tokenize_corpus
+from flexmesh.data.corpus import read_corpus, stdlib_corpus, stdlib_corpus_dir
+from flexmesh.data.loader import DocumentLoader, TokenizedCorpus, load_corpus_tokens, stdlib_lengths, tokenize_corpus
 from flexmesh.data.tokenizer import train_bpe
 from flexmesh.errors import DataError
 
@@ -136,7 +135,7 @@ def test_load_corpus_tokens_trains_or_loads(small, tmp_path) -> None:
 def test_stdlib_lengths_wiring(small, monkeypatch) -> None:
     """stdlib_lengths on a stand-in stdlib: one length per document, equal to its token count."""
     corpus, _, cache = small
-    monkeypatch.setattr(corpusmod, "stdlib_corpus", lambda: corpus)
+    monkeypatch.setattr(loadermod, "stdlib_corpus", lambda: corpus)
     lengths = stdlib_lengths(vocab_size=384, cache_dir=cache)
     tok = train_bpe(corpus, vocab_size=384, cache_dir=cache)
     assert lengths.dtype == np.int64
@@ -156,7 +155,7 @@ def test_batches_truncate_skip_tiny_and_cover_each_epoch_once() -> None:
     store = TokenizedCorpus.from_documents(_docs(lengths))
     ld = DocumentLoader(store, global_batch=4, max_len=8, seed=3)
     assert ld.batches_per_epoch == 2
-    for epoch in range(3):
+    for _epoch in range(3):
         seen = []
         for _ in range(2):
             batch = next(ld)
@@ -213,7 +212,7 @@ def test_loader_errors(lengths, batch, msg) -> None:
 
 
 def test_cache_location_default(monkeypatch, tmp_path) -> None:
-    from flexmesh.data.tokenizer import cache_root
+    from flexmesh.data.cache import cache_root
 
     monkeypatch.delenv("FLEXMESH_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))

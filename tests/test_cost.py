@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from flexmesh.cost import CostModel, Work, group_shape, in_flight, pipeline_time
+from flexmesh.cost.analytic import GRAD_BYTES, OPTIM_BYTES, activation_elems_per_token
 from flexmesh.cost.hardware import Hardware
-from flexmesh.cost.model import GRAD_BYTES, OPTIM_BYTES, activation_elems_per_token
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.spec import ModelSpec
 from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
@@ -54,7 +54,8 @@ def test_all_reduce_intra_and_inter_node():
     hw = Hardware(cluster(nodes=2))
     n = 2**30
     # Inside a node: ring 2 (n-1)/n over NVLink.
-    assert hw.collective_time("all_reduce", n, group_shape(8, 1, hw.cluster)) == pytest.approx(2 * 7 / 8 * n / (100 * GB))
+    ring = 2 * 7 / 8 * n / (100 * GB)
+    assert hw.collective_time("all_reduce", n, group_shape(8, 1, hw.cluster)) == pytest.approx(ring)
     # 16 ranks on 2 nodes: intra part 2*7/8*n/100GB; inter part 2*1/2*n/(8 NICs x 10 GB/s); the max.
     t = hw.collective_time("all_reduce", n, group_shape(16, 1, hw.cluster))
     assert t == pytest.approx(max(2 * 7 / 8 * n / (100 * GB), n / (80 * GB)))
@@ -134,7 +135,8 @@ def test_pipeline_formulas():
 def test_evaluate_stages_adds_up_and_reports_memory():
     cm = CostModel(MODEL, cluster())
     s = S(dp=8, zero=1)
-    ev = cm.evaluate_stages([[s] * 4], pp=1, schedule="1f1b", m=2, v=1, microbatch_seqs=8, seq_len=1024)
+    ev = cm.evaluate_stages([[s] * 4], pp=1, pipeline_schedule="1f1b", m=2, v=1, microbatch_seqs=8,
+                             seq_len=1024)
     stage = cm.stage_cost([s] * 4, 8, 1024, True, True)
     assert ev.stage_times[0] == pytest.approx(stage.time)
     assert ev.step_time >= 2 * stage.time

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flexmesh.commands.train import child_env
+from flexmesh.runtime.launch import child_env
 
 
 def test_quick_demo_writes_report(tmp_path: Path):

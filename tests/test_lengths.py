@@ -76,6 +76,6 @@ def test_batch_sampler_rejects_ambiguous_sizes():
 
 @pytest.mark.slow
 def test_stdlib_lengths_when_the_corpus_module_exists():
-    pytest.importorskip("flexmesh.data.corpus")
+    pytest.importorskip("flexmesh.data.loader")
     a = load_lengths("stdlib")
     assert a.size > 100 and a.min() >= 1

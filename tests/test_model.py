@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from flexmesh.data.packing import pack_microbatch
 from flexmesh.errors import SpecError
+from flexmesh.layout.step import Piece
 from flexmesh.runtime.attention import CPContext
 from flexmesh.runtime.model import Transformer, apply_rope, build_model, rope_cos_sin
-from flexmesh.layout.step import Piece
+from flexmesh.runtime.packing import pack_microbatch
 from flexmesh.spec.model import ModelSpec, gpt
 
 torch.set_num_threads(1)

@@ -8,7 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexmesh.data.packing import (
+from flexmesh.errors import ScheduleError
+from flexmesh.layout.step import Group, Piece, StepSchedule
+from flexmesh.runtime.packing import (
     IGNORE_INDEX,
     global_label_tokens,
     pack_microbatch,
@@ -17,8 +19,6 @@ from flexmesh.data.packing import (
     rank_microbatches,
     shard_for_cp,
 )
-from flexmesh.errors import ScheduleError
-from flexmesh.layout.step import Group, Piece, StepSchedule
 
 STRIDE = 10_000  # token id = doc * STRIDE + position: every token names its own origin
 
@@ -62,12 +62,12 @@ def _check_batch(b, lengths: list[int]) -> list[int]:
         docs_in_segment = {t // STRIDE for t in tok[a:e]}
         assert len(docs_in_segment) == 1, "a segment mixes documents"
         assert pos[a:e] == list(range(pos[a], pos[a] + e - a)), "positions are not consecutive in a segment"
-    for t, l, p in zip(tok, lab, pos):
+    for t, label, p in zip(tok, lab, pos):
         doc, j = divmod(t, STRIDE)
         assert p == j, "position is not the token's place in its document"
         want = t + 1 if j + 1 < lengths[doc] else IGNORE_INDEX
-        assert l == want, "label is not the next token of the same document"
-    assert b.num_label_tokens == sum(1 for l in lab if l != IGNORE_INDEX)
+        assert label == want, "label is not the next token of the same document"
+    assert b.num_label_tokens == sum(1 for x in lab if x != IGNORE_INDEX)
     return tok
 
 

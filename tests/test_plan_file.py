@@ -9,9 +9,9 @@ import pytest
 from flexmesh.cli import main
 from flexmesh.cost.model import CostModel
 from flexmesh.errors import PlanError
-from flexmesh.plan.check import check_plan
 from flexmesh.layout.plan import Plan
-from flexmesh.plan.search import search
+from flexmesh.plan import SearchRequest, best_plans
+from flexmesh.plan.check import check_plan
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
 
 MODEL, CLUSTER = MODEL_PRESETS["tiny"], parse_cluster("8xA100-80GB")
@@ -19,7 +19,7 @@ MODEL, CLUSTER = MODEL_PRESETS["tiny"], parse_cluster("8xA100-80GB")
 
 @pytest.fixture(scope="module")
 def best() -> Plan:
-    return search(MODEL, CLUSTER, 2048, 16, top=1, mode="fast").best.plan
+    return best_plans(SearchRequest(MODEL, CLUSTER, 2048, 16, top=1, mode="fast")).best.plan
 
 
 def test_round_trip_keeps_layout_and_prediction(best, tmp_path):
@@ -83,3 +83,21 @@ def test_ulysses_needs_heads_to_split():
          "stages": [{"layers": [0, model.num_layers], "strategies": ["tp1-u8-dp1z0"] * model.num_layers}]}
     with pytest.raises(PlanError, match="Ulysses needs the 12 heads"):
         check_plan(Plan.from_dict(d), model, CLUSTER)
+
+
+def test_version_1_files_are_read_and_saved_as_version_2(tmp_path):
+    """Version 2 renamed "schedule" to "pipeline_schedule"; a version 1 file still loads unchanged."""
+    layers = MODEL.num_layers
+    old = {"version": 1, "model": MODEL.name, "cluster": CLUSTER.label, "world_size": 8, "pp": 2,
+           "schedule": "interleaved", "virtual_stages": 2, "num_microbatches": 4, "seq_len": 1024, "global_batch": 8,
+           "stages": [{"layers": [i, i + 1], "strategies": ["tp1-dp4z1"]} for i in range(layers)]}
+    plan = Plan.from_dict(old)
+    assert plan.pipeline_schedule == "interleaved" and plan.virtual_stages == 2
+    plan.save(tmp_path / "plan.json")
+    new = json.loads((tmp_path / "plan.json").read_text())
+    assert new["version"] == 2 and new["pipeline_schedule"] == "interleaved" and "schedule" not in new
+    assert Plan.load(tmp_path / "plan.json") == plan
+    with pytest.raises(PlanError, match="pipeline_schedule"):
+        Plan.from_dict({k: v for k, v in new.items() if k != "pipeline_schedule"})
+    with pytest.raises(PlanError, match="version 3 is not supported"):
+        Plan.from_dict({**new, "version": 3})

@@ -6,10 +6,11 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flexmesh.errors import ScheduleError
-from flexmesh.schedule.policies import POLICIES, make_schedule
+from flexmesh.schedule.registry import POLICIES, make_schedule
 from flexmesh.schedule.testing import tiny_context
 
 OPTIONS = {"milp": {"time_limit": 0.3}}
@@ -174,6 +175,7 @@ def test_milp_rows_keep_long_sequences_apart():
 @pytest.mark.parametrize("spread", [False, True])
 def test_milp_targets_follow_the_bucket_counts(spread):
     from flexmesh.schedule.milp import _targets
+    from flexmesh.schedule.placement import Batch
 
     rng = np.random.default_rng(1)
     lens = rng.integers(100, 9000, 60)
@@ -187,7 +189,7 @@ def test_milp_targets_follow_the_bucket_counts(spread):
         x[b, 2] = counts[b] - x[b, 0] - x[b, 1]
     times = {d: lens.astype(float) ** 1.5 / d for d in sizes}
     need = np.ones(lens.size, dtype=int)
-    target = _targets(lens, sizes, x, index, times, need, spread)
+    target = _targets(Batch(lens, times, need), sizes, x, index, spread)
     for b in range(3):
         got = [int(((index == b) & (target == d)).sum()) for d in sizes]
         assert got == x[b].tolist()

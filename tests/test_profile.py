@@ -8,17 +8,30 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from flexmesh.cost import CostModel, GroupShape, Hardware, Work
+from flexmesh.cost import CostModel, GroupShape, Work
 from flexmesh.errors import ProfileError
 from flexmesh.layout.strategy import LayerStrategy
-from flexmesh.profile import (CollectiveFit, HardwareProfile, LayerFit, ModelProfile, cluster_from_profile,
-                              cost_model_from_profiles, fit_alpha_beta, fit_layer_time, fit_linear, load_profile)
+from flexmesh.profile import (
+    CollectiveFit,
+    HardwareProfile,
+    LayerFit,
+    ModelProfile,
+    ProfiledTiming,
+    cluster_from_profile,
+    cost_model_from_profiles,
+    fit_alpha_beta,
+    fit_layer_time,
+    fit_linear,
+    hardware_from_profile,
+    load_profile,
+)
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
 
 TINY = MODEL_PRESETS["tiny"]
 
 
-@pytest.mark.parametrize("name", ["flexmesh.profile.fit", "flexmesh.profile.format", "flexmesh.profile.use"])
+@pytest.mark.parametrize("name", ["flexmesh.profile.fit", "flexmesh.profile.format", "flexmesh.profile.timing",
+                                  "flexmesh.profile.use"])
 def test_module_examples(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
@@ -171,7 +184,7 @@ def test_edited_model_hash_is_rejected(tmp_path):
 # ---- hardware from a profile ---------------------------------------------------------------------------
 def test_hardware_from_profile_uses_measured_alpha_beta_and_throughput():
     cluster = cluster_from_profile(hardware_profile(), 2)
-    hw = Hardware.from_profile(cluster, hardware_profile())
+    hw = hardware_from_profile(cluster, hardware_profile())
     assert hw.matmul_flops == 4e10 and hw.attn_flops == 1e10 and hw.hbm_bytes_per_s == 8e9
     assert hw.collective_time("all_reduce", 1e6, GroupShape(2, 2)) == pytest.approx(2e-4 + 2e-9 * 1e6)
     arr = hw.collective_time("send_recv", np.array([0.0, 1e6]), GroupShape(2, 2))
@@ -180,7 +193,7 @@ def test_hardware_from_profile_uses_measured_alpha_beta_and_throughput():
 
 
 def test_unmeasured_group_size_scales_nearest_by_volume():
-    hw = Hardware.from_profile(parse_cluster("8xA100-80GB"), hardware_profile())
+    hw = hardware_from_profile(parse_cluster("8xA100-80GB"), hardware_profile())
     # all-reduce of 8 from 2: beta x (7/8)/(1/2), alpha x 7/1
     t = hw.collective_time("all_reduce", 1e6, GroupShape(8, 8))
     assert t == pytest.approx(2e-4 * 7 + 2e-9 * 1.75 * 1e6)
@@ -189,7 +202,7 @@ def test_unmeasured_group_size_scales_nearest_by_volume():
 
 
 def test_single_process_profile_has_no_collectives():
-    hw = Hardware.from_profile(parse_cluster("2xA100-80GB"), hardware_profile(collectives=[]))
+    hw = hardware_from_profile(parse_cluster("2xA100-80GB"), hardware_profile(collectives=[]))
     with pytest.raises(ProfileError, match="--nproc"):
         hw.collective_time("all_reduce", 1e6, GroupShape(2, 2))
 
@@ -210,7 +223,7 @@ def cost(world=2, **kw):
 def test_source_names_both_profiles_and_dtype_is_the_profiles():
     c = cost()
     assert c.source == "profile:hw.json+tiny.json" and c.model.dtype == "fp32"
-    preset = CostModel(TINY, parse_cluster("2xA100-80GB"), model_profile=model_profile())
+    preset = CostModel(TINY, parse_cluster("2xA100-80GB"), timing=ProfiledTiming(model_profile()))
     assert preset.source == "preset:A100-80GB+profile:tiny.json"
 
 
@@ -267,7 +280,7 @@ def test_microbatch_time_matches_layers_plus_ends():
 
 def test_without_profiles_nothing_changes():
     cluster = parse_cluster("8xA100-80GB")
-    a, b = CostModel(TINY, cluster), CostModel(TINY, cluster, hardware=None, model_profile=None)
+    a, b = CostModel(TINY, cluster), CostModel(TINY, cluster, hardware=None, timing=None)
     s = LayerStrategy(tp=2, zero=3, recompute=True)
     w = Work(tokens=4096.0, sq_tokens=4096.0**2)
     assert a.layer(s, w) == b.layer(s, w) and a.source == "preset:A100-80GB"
@@ -278,9 +291,11 @@ def parallel_section():
     """tp 2 and ring cp 2 timed under real groups (coefficients unlike the one-process fits)."""
     return {"world_size": 2,
             "layers": [{"tp": 2, "cp": 1, "cp_kind": "none", "forward": LayerFit(5e-3, 4e-6, 1e-9, 0.0),
-                        "backward": LayerFit(9e-3, 8e-6, 2e-9, 0.0), "backward_recompute": LayerFit(1e-2, 1e-5, 3e-9, 0.0)},
+                        "backward": LayerFit(9e-3, 8e-6, 2e-9, 0.0),
+                        "backward_recompute": LayerFit(1e-2, 1e-5, 3e-9, 0.0)},
                        {"tp": 1, "cp": 2, "cp_kind": "ring", "forward": LayerFit(2e-3, 0.0, 0.0, 7e-8),
-                        "backward": LayerFit(4e-3, 0.0, 0.0, 9e-8), "backward_recompute": LayerFit(5e-3, 0.0, 0.0, 1e-7)}],
+                        "backward": LayerFit(4e-3, 0.0, 0.0, 9e-8),
+                        "backward_recompute": LayerFit(5e-3, 0.0, 0.0, 1e-7)}],
             "ends": [{"tp": 2, **{k: LayerFit(1e-3 * (i + 1), 1e-5, 0.0) for i, k in enumerate(
                 ("embedding_forward", "embedding_backward", "head_forward", "head_backward"))}}]}
 
@@ -319,7 +334,7 @@ def test_layers_timed_under_real_groups_replace_split_fits_and_their_communicati
 
 
 def test_measured_overlap_sets_how_much_communication_hides():
-    hw = Hardware.from_profile(parse_cluster("2xA100-80GB"), hardware_profile(overlap={"hidden_fraction": 0.25}))
+    hw = hardware_from_profile(parse_cluster("2xA100-80GB"), hardware_profile(overlap={"hidden_fraction": 0.25}))
     assert hw.overlap == 0.25
     assert float(hw.exposed(1.0, 4.0)) == pytest.approx(0.75)
     assert float(hw.exposed(1.0, 0.5)) == pytest.approx(1.0 - 0.25 * 0.5)

@@ -104,7 +104,8 @@ def test_model_profile_under_torchrun_times_real_groups(tmp_path):
     prof = load_profile(out, "model")
     par = prof.parallel
     assert par["world_size"] == 2 and prof.produced_by["processes"] == 2
-    assert {(e["tp"], e["cp_kind"], e["cp"]) for e in par["layers"]} == {(2, "none", 1), (1, "ulysses", 2), (1, "ring", 2)}
+    assert {(e["tp"], e["cp_kind"], e["cp"]) for e in par["layers"]} == {(2, "none", 1), (1, "ulysses", 2),
+                                                                           (1, "ring", 2)}
     for e in par["layers"]:
         rows = e["samples"]
         assert all(x["forward_s"] > 0 and x["backward_s"] > 0 for x in rows)

@@ -11,10 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import test_runtime_parallel as matrix  # noqa: E402  (shared tiny model, steps and launcher)
+from helpers import launch, make_steps, tiny_spec, train_config
 
 STRATEGIES = ["tp1-dp2z3", "tp1-dp2z3-ac", "tp1-dp2z2", "tp1-dp2z3"]
 
@@ -37,12 +34,14 @@ def worker(out: Path) -> None:
     import torch.distributed as dist
 
     from flexmesh.errors import FlexmeshError
-    from flexmesh.runtime.train import ListSource, Trainer, fit, init_distributed
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.loop import ListSource, fit
+    from flexmesh.runtime.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=60)
-    steps = matrix.make_steps(2, 1, steps=6, seed=11)
-    base = dataclasses.replace(matrix.train_config(), max_steps=6, warmup_steps=2, checkpoint_every=3)
+    steps = make_steps(2, 1, steps=6, seed=11)
+    base = dataclasses.replace(train_config(), max_steps=6, warmup_steps=2, checkpoint_every=3)
     report: dict = {}
 
     def losses(folder: Path) -> list[float]:
@@ -57,23 +56,23 @@ def worker(out: Path) -> None:
 
     try:
         straight = out / "straight"
-        fit(Trainer(make_plan(), matrix.tiny_spec(), base), ListSource(steps),
+        fit(Trainer(make_plan(), tiny_spec(), base), ListSource(steps),
             dataclasses.replace(base, out_dir=str(straight)))
         report["straight"] = losses(straight)
 
         resumed = out / "resumed"
         cfg = dataclasses.replace(base, out_dir=str(resumed))
-        fit(Trainer(make_plan(), matrix.tiny_spec(), cfg), ListSource(steps[:3]), cfg)  # "crashes" after 3
+        fit(Trainer(make_plan(), tiny_spec(), cfg), ListSource(steps[:3]), cfg)  # "crashes" after 3
         report["first_half"] = losses(resumed)
-        fit(Trainer(make_plan(), matrix.tiny_spec(), cfg), ListSource(steps), cfg)
+        fit(Trainer(make_plan(), tiny_spec(), cfg), ListSource(steps), cfg)
         report["resumed"] = losses(resumed)
 
         from flexmesh.runtime.checkpoint import load_checkpoint
 
         ckpt = resumed / "checkpoints" / "step_000003"
-        trainer = Trainer(make_plan(), matrix.tiny_spec(), cfg)
+        trainer = Trainer(make_plan(), tiny_spec(), cfg)
         expect_error("missing", lambda: load_checkpoint(out / "nowhere", trainer))
-        other = Trainer(make_plan(), matrix.tiny_spec(), dataclasses.replace(cfg, lr=2e-3))
+        other = Trainer(make_plan(), tiny_spec(), dataclasses.replace(cfg, lr=2e-3))
         other.plan = dataclasses.replace(other.plan, seq_len=512)  # another plan, same shapes
         expect_error("other_plan", lambda: load_checkpoint(ckpt, other))
         dist.barrier()
@@ -82,7 +81,7 @@ def worker(out: Path) -> None:
             shard.write_bytes(shard.read_bytes()[:40])
         dist.barrier()
         expect_error("corrupt", lambda: load_checkpoint(ckpt, trainer))
-        expect_error("world", lambda: Trainer(make_plan(world=4), matrix.tiny_spec(), cfg))
+        expect_error("world", lambda: Trainer(make_plan(world=4), tiny_spec(), cfg))
         if dist.get_rank() == 0:
             (out / "report.json").write_text(json.dumps(report))
     finally:
@@ -93,7 +92,7 @@ def worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("resume")
-    proc = matrix.launch(2, ["worker", str(tmp)], script=__file__)
+    proc = launch(2, ["worker", str(tmp)], script=__file__)
     if proc.returncode != 0:
         raise AssertionError(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads((tmp / "report.json").read_text())

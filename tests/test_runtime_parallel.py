@@ -12,18 +12,11 @@ distributed code, loss = summed token cross-entropy / global label-token count.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from flexmesh.commands.train import free_port
-
-STEPS = 3
-SEED = 7
-LR = 1e-3
+from helpers import STEPS, launch, load_params, make_steps, tiny_spec, train_config
 
 # name -> (world, plan fields). Strategies are per layer (4 layers); "layers" is the partition.
 LAYOUTS: dict[str, dict] = {
@@ -45,13 +38,6 @@ LAYOUTS: dict[str, dict] = {
 }
 
 
-def tiny_spec():
-    from flexmesh.spec.model import ModelSpec
-
-    return ModelSpec(name="test-tiny", num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, ffn_hidden=128,
-                     vocab=256, dtype="fp32", max_position=1024)
-
-
 def make_plan(name: str):
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
@@ -61,47 +47,9 @@ def make_plan(name: str):
     layers = cfg.get("layers", [[0, 4]])
     stages = tuple(StagePlan(a, b, tuple(strategies[a:b])) for a, b in layers)
     pp, v = cfg.get("pp", 1), cfg.get("v", 1)
-    return Plan(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=pp, pipeline_schedule=cfg.get("schedule", "1f1b"),
-                virtual_stages=v, num_microbatches=1, seq_len=256, global_batch=8, stages=stages)
-
-
-def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED) -> list:
-    """Documents and hand-built StepSchedules: one group per dp replica, cp data ranks each.
-
-    Groups get different numbers of micro-batches (exercising the empty padding micro-batches), and
-    one document is cut in two pieces that land in different micro-batches.
-    """
-    from flexmesh.layout.step import Group, Piece, StepSchedule
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for s in range(steps):
-        docs = [rng.integers(1, 256, size=int(n)) for n in rng.integers(3, 40, size=7)]
-        docs.append(rng.integers(1, 256, size=50))  # the document cut across micro-batches
-        n_groups = data_ranks // cp
-        per_group: list[list[list[Piece]]] = [[] for _ in range(n_groups)]
-        for i in range(7):
-            g = i % n_groups
-            mbs = per_group[g]
-            if not mbs or len(mbs[-1]) >= 2 or (g == 0 and len(mbs) < 1 + s % 2):
-                mbs.append([])
-            mbs[-1].append(Piece(i, 0, len(docs[i])))
-        last = per_group[-1]
-        last[-1].append(Piece(7, 0, 20))
-        last.append([Piece(7, 20, 50)])
-        groups = tuple(Group(ranks=tuple(range(g * cp, (g + 1) * cp)), microbatches=tuple(tuple(mb) for mb in mbs))
-                       for g, mbs in enumerate(per_group))
-        sched = StepSchedule(lengths=tuple(len(d) for d in docs), groups=groups, policy="test")
-        sched.validate(data_ranks)
-        out.append((docs, sched))
-    return out
-
-
-def train_config():
-    from flexmesh.runtime.train import TrainConfig
-
-    return TrainConfig(max_steps=STEPS, lr=LR, warmup_steps=1, weight_decay=0.1, grad_clip=1.0, seed=SEED,
-                       progress=False)
+    return Plan(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=pp,
+                pipeline_schedule=cfg.get("schedule", "1f1b"), virtual_stages=v, num_microbatches=1, seq_len=256,
+                global_batch=8, stages=stages)
 
 
 # ---- reference ------------------------------------------------------------------------------------
@@ -109,17 +57,17 @@ def reference(steps: list) -> tuple[list[float], dict]:
     """A plain single-process loop over the same documents; no flexmesh runtime code but the model."""
     import torch
 
+    from flexmesh.runtime.config import lr_schedule_factor
     from flexmesh.runtime.model import build_model
     from flexmesh.runtime.reference import reference_loss
-    from flexmesh.runtime.train import lr_factor
 
     torch.manual_seed(0)
     cfg = train_config()
     model = build_model(tiny_spec(), device="cpu")
     model.init_weights(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps,
-                                                                       cfg.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
+                                                                               cfg.min_lr_ratio))
     losses = []
     for docs, schedule in steps:
         opt.zero_grad()
@@ -129,17 +77,6 @@ def reference(steps: list) -> tuple[list[float], dict]:
         sched.step()
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-# ---- launching ------------------------------------------------------------------------------------
-
-
-def launch(nproc: int, args: list[str], timeout: float = 240, script: str = __file__) -> subprocess.CompletedProcess:
-    """torchrun ``script`` (this file) as a worker; OMP_NUM_THREADS=1 since the machine's cores are shared."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 WEIGHTS_SEED = 99
@@ -164,19 +101,10 @@ def run_layouts(tmp: Path, world: int, names: list[str]) -> dict:
     from flexmesh.runtime.weights import save_hf_safetensors
 
     save_hf_safetensors(weights_model(), tmp / "weights.safetensors")
-    proc = launch(world, ["worker", str(tmp), *names])
+    proc = launch(world, ["worker", str(tmp), *names], script=__file__)
     if proc.returncode != 0:
         raise AssertionError(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return {n: json.loads((tmp / n / "result.json").read_text()) for n in names}
-
-
-def load_params(folder: Path) -> dict:
-    import torch
-
-    params: dict = {}
-    for f in sorted(folder.glob("params_pp*.pt")):
-        params.update(torch.load(f))
-    return params
 
 
 # ---- worker ---------------------------------------------------------------------------------------
@@ -186,7 +114,8 @@ def worker(out: Path, names: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from flexmesh.runtime.train import Trainer, init_distributed
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.trainer import Trainer
     from flexmesh.runtime.weights import canonical_name
 
     torch.set_num_threads(1)
@@ -243,7 +172,7 @@ def _check(name: str, result: dict, folder: Path, reference_runs) -> None:
     ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp)
     losses = result["losses"]
     assert len(losses) == STEPS
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs reference {want}"
     want = first_loss(weights_model(), *make_steps(lay.data_ranks, lay.cp, steps=1)[0])
     assert abs(result["weights_loss"] - want) <= 1e-5 * want, f"{name}: loaded weights give {result['weights_loss']}"

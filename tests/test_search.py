@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from itertools import combinations, product
+from itertools import combinations, pairwise, product
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flexmesh.cost.model import CostModel, pipeline_time, pipeline_times
+from flexmesh.cost import CostModel, pipeline_time, pipeline_times
 from flexmesh.errors import PlanError
-from flexmesh.plan.baselines import megatron_3d, zero3_ulysses
+from flexmesh.plan import SearchRequest, SearchSpace, best_plans, candidate_strategies, megatron_3d, zero3_ulysses
 from flexmesh.plan.partition import balance, compositions, count_compositions, even_split
-from flexmesh.plan.search import SearchSpace, candidate_strategies, search
 from flexmesh.spec import MODEL_PRESETS
 from flexmesh.spec.cluster import ClusterSpec, device, parse_cluster
 from flexmesh.spec.model import ModelSpec
@@ -29,7 +28,7 @@ def brute_force(model, cluster, seq_len, global_batch, space):
     for pp in (1, 2, 4, 8):
         if pp > min(world, L) or world % pp:
             continue
-        for schedule in space.schedules:
+        for schedule in space.pipeline_schedules:
             v = 2 if schedule == "interleaved" else 1
             if (pp == 1 and schedule != "1f1b") or L < pp * v:
                 continue
@@ -41,7 +40,7 @@ def brute_force(model, cluster, seq_len, global_batch, space):
                 for cuts in combinations(range(1, L), pp * v - 1):
                     edges = (0, *cuts, L)
                     for assign in product(strategies, repeat=L):
-                        chunks = [assign[a:b] for a, b in zip(edges, edges[1:])]
+                        chunks = [assign[a:b] for a, b in pairwise(edges)]
                         ev = cost.evaluate_stages(chunks, pp, schedule, m, v, mbs, seq_len)
                         if ev.fits:
                             best = min(best, ev.step_time)
@@ -49,32 +48,38 @@ def brute_force(model, cluster, seq_len, global_batch, space):
 
 
 def small_cluster(nodes, per_node, memory_gib):
-    return ClusterSpec(nodes=nodes, devices_per_node=per_node, device=replace(device("A100-80GB"), memory_gib=memory_gib))
+    return ClusterSpec(nodes=nodes, devices_per_node=per_node,
+                       device=replace(device("A100-80GB"), memory_gib=memory_gib))
+
+
+def searched(model, cluster, seq_len, global_batch, space, mode):
+    """The search's own plans in ``mode``, without the uniform baselines ranked beside them."""
+    return best_plans(SearchRequest(model, cluster, seq_len, global_batch, space, mode=mode), with_baselines=False)
 
 
 def assert_matches_brute_force(model, cluster, seq_len, global_batch, space):
     expected = brute_force(model, cluster, seq_len, global_batch, space)
     if math.isinf(expected):
         with pytest.raises(PlanError):
-            search(model, cluster, seq_len, global_batch, space, mode="exact", with_baselines=False)
+            searched(model, cluster, seq_len, global_batch, space, "exact")
         return
-    r = search(model, cluster, seq_len, global_batch, space, mode="exact", with_baselines=False)
+    r = searched(model, cluster, seq_len, global_batch, space, "exact")
     assert r.best.evaluation.step_time == pytest.approx(expected, rel=1e-9)
     assert all(c.evaluation.fits for c in r.plans)
 
 
 def test_exact_search_equals_brute_force_six_layers_with_binding_memory():
     model = ModelSpec("m6", num_layers=6, hidden=256, num_heads=8, num_kv_heads=4, ffn_hidden=512, vocab=2048)
-    space = SearchSpace(schedules=("1f1b", "gpipe"), cp_kinds=("ring",), zero_stages=(3,), max_tp=2, max_cp=1,
+    space = SearchSpace(pipeline_schedules=("1f1b", "gpipe"), cp_kinds=("ring",), zero_stages=(3,), max_tp=2, max_cp=1,
                         microbatches=(1, 2))
     # Find a memory size where the unconstrained optimum does not fit but something does.
     roomy = small_cluster(1, 2, 80.0)
-    free = search(model, roomy, 4096, 4, space, mode="exact", with_baselines=False).best.evaluation
+    free = searched(model, roomy, 4096, 4, space, "exact").best.evaluation
     peak = free.peak_memory / 2**30
     tight_gib = (1.0 + 0.9 * peak) / 0.8  # usable = capacity * 0.8 - 1 GiB reserve
     cluster = small_cluster(1, 2, tight_gib)
     assert_matches_brute_force(model, cluster, 4096, 4, space)
-    tight = search(model, cluster, 4096, 4, space, mode="exact", with_baselines=False).best.evaluation
+    tight = searched(model, cluster, 4096, 4, space, "exact").best.evaluation
     assert tight.step_time > free.step_time  # memory really binds
 
 
@@ -93,8 +98,8 @@ def test_exact_search_equals_brute_force_random_small(layers, hidden_mult, kv, s
     model = ModelSpec("rand", num_layers=layers, hidden=128 * hidden_mult, num_heads=4, num_kv_heads=kv,
                       ffn_hidden=384 * hidden_mult, vocab=1024)
     nodes, per = shape
-    space = SearchSpace(schedules=("1f1b", "gpipe", "interleaved"), cp_kinds=(kind,), zero_stages=zeros, max_tp=2,
-                        max_cp=2 if nodes * per <= 4 else 1, microbatches=(2, 4))
+    space = SearchSpace(pipeline_schedules=("1f1b", "gpipe", "interleaved"), cp_kinds=(kind,), zero_stages=zeros,
+                        max_tp=2, max_cp=2 if nodes * per <= 4 else 1, microbatches=(2, 4))
     cluster = small_cluster(nodes, per, (1.0 + mem_frac) / 0.8)
     assert_matches_brute_force(model, cluster, seq_len, 8, space)
 
@@ -102,7 +107,7 @@ def test_exact_search_equals_brute_force_random_small(layers, hidden_mult, kv, s
 def test_no_returned_plan_exceeds_memory():
     model, cluster = MODEL_PRESETS["llama2-13b"], parse_cluster("8xA100-40GB")
     cost = CostModel(model, cluster)
-    r = search(model, cluster, 4096, 32, cost=cost, top=8)
+    r = best_plans(SearchRequest(model, cluster, 4096, 32, cost=cost, top=8))
     assert r.plans
     for c in r.plans:
         ev = cost.evaluate(c.plan)
@@ -115,7 +120,7 @@ def test_no_returned_plan_exceeds_memory():
 def test_search_never_worse_than_uniform_baselines():
     model, cluster = MODEL_PRESETS["llama2-7b"], parse_cluster("8xA100-80GB")
     cost = CostModel(model, cluster)
-    r = search(model, cluster, 2048, 64, cost=cost)
+    r = best_plans(SearchRequest(model, cluster, 2048, 64, cost=cost))
     for base in (megatron_3d(model, cluster, 2048, 64, cost), zero3_ulysses(model, cluster, 2048, 64, cost)):
         assert base is not None and base.evaluation.fits
         assert r.best.evaluation.step_time <= base.evaluation.step_time * (1 + 1e-12)
@@ -125,14 +130,14 @@ def test_fast_mode_is_never_better_than_exact_optimum():
     model = ModelSpec("m4", num_layers=4, hidden=256, num_heads=8, num_kv_heads=8, ffn_hidden=512, vocab=2048)
     cluster = small_cluster(1, 4, 80.0)
     space = SearchSpace(cp_kinds=("ulysses",), zero_stages=(0, 3), max_tp=2, max_cp=2, microbatches=(2, 4))
-    exact = search(model, cluster, 2048, 8, space, mode="exact", with_baselines=False).best.evaluation.step_time
-    fast = search(model, cluster, 2048, 8, space, mode="fast", with_baselines=False).best.evaluation.step_time
-    assert fast >= exact * (1 - 1e-9)
+    exact = searched(model, cluster, 2048, 8, space, "exact").best
+    fast = searched(model, cluster, 2048, 8, space, "fast").best
+    assert fast.evaluation.step_time >= exact.evaluation.step_time * (1 - 1e-9)
 
 
 def test_same_mesh_puts_every_layer_on_one_mesh():
     model, cluster = MODEL_PRESETS["tiny"], parse_cluster("8xA100-80GB")
-    r = search(model, cluster, 2048, 16, SearchSpace(same_mesh=True), mode="fast", with_baselines=False)
+    r = searched(model, cluster, 2048, 16, SearchSpace(same_mesh=True), "fast")
     for c in r.plans:
         ss = c.plan.layer_strategies()
         assert all(s.same_mesh(ss[0]) for s in ss)
@@ -141,14 +146,14 @@ def test_same_mesh_puts_every_layer_on_one_mesh():
 def test_no_fit_names_the_smallest_change():
     model = MODEL_PRESETS["llama2-7b"]
     with pytest.raises(PlanError, match="recomputation"):
-        search(model, parse_cluster("8xA100-40GB"), 32768, 8, SearchSpace(recompute=(False,)))
+        best_plans(SearchRequest(model, parse_cluster("8xA100-40GB"), 32768, 8, SearchSpace(recompute=(False,))))
     with pytest.raises(PlanError, match="twice the devices|halve the sequence"):
-        search(model, parse_cluster("2xA100-40GB"), 16384, 8)
+        best_plans(SearchRequest(model, parse_cluster("2xA100-40GB"), 16384, 8))
 
 
 def test_world_size_that_cannot_factor_is_reported():
     with pytest.raises(PlanError, match="cannot be factored"):
-        search(MODEL_PRESETS["tiny"], parse_cluster("3xA100-80GB"), 1024, 8)
+        best_plans(SearchRequest(MODEL_PRESETS["tiny"], parse_cluster("3xA100-80GB"), 1024, 8))
 
 
 @given(devices=st.sampled_from([1, 2, 4, 8, 16]), heads=st.sampled_from([4, 8, 12, 32]),
@@ -177,7 +182,7 @@ def test_partitions(layers, parts, extra):
     if parts <= layers:
         assert sum(even_split(layers, parts)) == layers
         got = balance(layers, parts, extra[:parts])
-        cost = lambda s: max(n + x for n, x in zip(s, extra))  # noqa: E731
+        cost = lambda s: max(n + x for n, x in zip(s, extra[:parts], strict=True))  # noqa: E731
         assert cost(got) == pytest.approx(min(cost(s) for s in all_splits))
 
 

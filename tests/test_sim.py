@@ -7,9 +7,9 @@ import pytest
 
 from flexmesh.cost import CostModel, pipeline_time
 from flexmesh.errors import FlexmeshError, ScheduleError
+from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.sim.pipeline import rank_order, run_pipeline
 from flexmesh.sim.plots import gantt_png, load_png
 from flexmesh.sim.timeline import KINDS, lane_speeds, simulate_step
@@ -18,7 +18,8 @@ from flexmesh.spec import parse_cluster, parse_model
 
 def _ctx(num_ranks=4, pp=1, schedule="1f1b", tp=1, cluster=None) -> ScheduleContext:
     cl = parse_cluster(cluster or f"{max(1, num_ranks * pp * tp // 8)}x{min(8, num_ranks * pp * tp)}xA100-80GB")
-    return ScheduleContext(cost=CostModel(parse_model("llama2-7b"), cl), base=LayerStrategy(tp=tp, zero=3, recompute=True),
+    return ScheduleContext(cost=CostModel(parse_model("llama2-7b"), cl),
+                           base=LayerStrategy(tp=tp, zero=3, recompute=True),
                            num_ranks=num_ranks, pp=pp, pipeline_schedule=schedule)
 
 

@@ -35,10 +35,10 @@ def test_fixed_keeps_its_fastest_degree(capsys):
     assert main(BASE + ["--policies", "fixed", "--json"]) == 0
     best = json.loads(capsys.readouterr().out)["policies"][0]
     # Re-run each degree through the library and check none beats the kept one.
-    from flexmesh.commands.simulate import add_parser, build_context
     import argparse
     import itertools
 
+    from flexmesh.commands.simulate import add_parser, build_context
     from flexmesh.data.lengths import BatchSampler, load_lengths
     from flexmesh.sim.compare import fixed_degrees, run_policy
 
@@ -53,7 +53,7 @@ def test_fixed_keeps_its_fastest_degree(capsys):
 
 def test_table_output_and_pipeline_flags(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    assert main(BASE + ["--policies", "hdp", "--pp", "2", "--schedule", "gpipe"]) == 0
+    assert main(BASE + ["--policies", "hdp", "--pp", "2", "--pipeline-schedule", "gpipe"]) == 0
     out = capsys.readouterr().out
     assert "hdp" in out and "tokens/s" in out and "8 data ranks" in out
 

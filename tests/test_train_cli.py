@@ -7,43 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import flexmesh, write_inputs
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "label_tokens", "padded_tokens", "microbatches",
           "step_time_s", "tokens_per_s", "peak_memory_gib"}
-
-
-def write_inputs(tmp: Path, world: int) -> tuple[Path, Path, Path]:
-    from flexmesh.layout.plan import Plan, StagePlan
-    from flexmesh.layout.strategy import LayerStrategy
-
-    cfg = tmp / "config.json"
-    cfg.write_text(json.dumps({
-        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 320, "torch_dtype": "float32",
-        "max_position_embeddings": 512}))
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxing".split()
-    for i in range(24):  # documents of very different lengths
-        n = 5 + (i * 37) % 90
-        (corpus / f"doc{i:02d}.txt").write_text(" ".join(words[(i + j * 3) % len(words)] for j in range(n)))
-    st = StagePlan(0, 2, (LayerStrategy.parse(f"tp1-dp{world}z3"), LayerStrategy.parse(f"tp1-dp{world}z2-ac")))
-    plan = Plan(model=str(cfg), cluster=f"{world}xA100-80GB", world_size=world, pp=1, pipeline_schedule="1f1b",
-                num_microbatches=1, seq_len=128, global_batch=4, stages=(st,))
-    plan_path = tmp / "plan.json"
-    plan.save(plan_path)
-    return cfg, corpus, plan_path
-
-
-def flexmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "flexmesh", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.mark.slow

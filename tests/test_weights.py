@@ -10,17 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flexmesh.commands.train import free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from flexmesh.data.packing import pack_microbatch
 from flexmesh.errors import CheckpointError
-from flexmesh.runtime.model import build_model
-from flexmesh.runtime.weights import load_hf_safetensors, save_hf_safetensors
 from flexmesh.layout.step import Piece
+from flexmesh.runtime.launch import free_port
+from flexmesh.runtime.model import build_model
+from flexmesh.runtime.packing import pack_microbatch
+from flexmesh.runtime.weights import load_hf_safetensors, save_hf_safetensors
 from flexmesh.spec.model import ModelSpec
 
 torch.set_num_threads(1)
@@ -164,7 +164,7 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         load_hf_safetensors(tp, path)
         assert tp.layers["0"].attention.wq.weight.to_local().shape[0] == SPEC.q_dim // world
         torch.testing.assert_close(tp(b.tokens, b), want, rtol=1e-5, atol=1e-5)
-        out = Path(path).with_name(f"resaved.safetensors")
+        out = Path(path).with_name("resaved.safetensors")
         save_hf_safetensors(tp, out)  # gathers the shards; rank 0 writes
         dist.barrier()
         for k, v in load_file(str(out)).items():

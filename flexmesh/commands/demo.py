@@ -16,18 +16,19 @@ With no arguments, on this machine (see docs/cli-demo.md):
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
+from flexmesh.commands import plan as plan_command
+from flexmesh.commands import simulate as simulate_command
 from flexmesh.errors import FlexmeshError
 
-TRAIN_MODEL = "tiny"
 
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``flexmesh demo`` and its flags."""
     p = subparsers.add_parser("demo", help="plan, simulate, profile, train adaptively and write a report",
                               description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     p.add_argument("--out", default="flexmesh-demo", help="output folder (default flexmesh-demo)")
@@ -45,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _flexmesh(argv: list[str], console, what: str, capture: bool = False) -> subprocess.CompletedProcess:
     """Run ``flexmesh *argv`` in a child process (torchrun needs its own); fail with its last output."""
-    from flexmesh.commands.train import child_env
+    from flexmesh.runtime.launch import child_env
 
     cmd = [sys.executable, "-m", "flexmesh", *argv]
     proc = subprocess.run(cmd, env=child_env(), text=True, capture_output=capture,
@@ -56,13 +57,21 @@ def _flexmesh(argv: list[str], console, what: str, capture: bool = False) -> sub
     return proc
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _parse(command: ModuleType, argv: list[str]) -> argparse.Namespace:
+    """``flexmesh *argv`` parsed by that command's own parser (the CLI module sits above the commands)."""
+    parser = argparse.ArgumentParser(prog="flexmesh")
+    command.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
+    """``flexmesh demo``: the five steps of the module doc, each announced by a rule."""
     from rich.console import Console
     from rich.rule import Rule
+
+    # Imported here, not at the top: the report draws with matplotlib, slow to import, and every
+    # `flexmesh` invocation imports this module to build its parser.
+    from flexmesh.report.demo import TRAIN_MODEL, read_metrics, training_plan, write_report
 
     if args.quick:
         args.nproc, args.steps, args.global_batch, args.max_len, args.sim_steps = 2, 2, 6, 512, 1
@@ -75,47 +84,38 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    from flexmesh.cli import main as cli
 
     # 1. plan
     console.print(Rule("1/5  plan: Llama 3 8B on 8x H100, sequences of 8192, 128 per step"))
-    if cli(["plan", "--out", str(out / "plan-llama3-8b.json")]) != 0:
+    try:
+        failed = plan_command.run(_parse(plan_command, ["plan", "--out", str(out / "plan-llama3-8b.json")])) != 0
+    except FlexmeshError as e:
+        raise FlexmeshError(f"demo step 'plan' failed: {e}") from None
+    if failed:
         raise FlexmeshError("demo step 'plan' failed")
 
     # 2. simulate
     console.print(Rule("2/5  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
-    from flexmesh.commands import simulate
-
     sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--context", "131072",
                 "--lengths", "wikipedia", "--policies", "fixed,balanced,hdp,milp", "--steps", str(args.sim_steps),
                 "--seed", str(args.seed), "--plots", str(out / "simulated")]
     if args.quick:
         sim_args += ["--global-batch", "128"]
-    from flexmesh.cli import build_parser
-
-    sim = simulate.simulate(build_parser().parse_args(sim_args))
-    simulate.print_table(sim, Console())
+    sim = simulate_command.simulate(_parse(simulate_command, sim_args))
+    simulate_command.print_table(sim, Console())
 
     # 3. profile
     console.print(Rule(f"3/5  profile this machine and the {TRAIN_MODEL} model with {args.nproc} processes"))
     prof = out / "profiles"
     hw, mp = prof / "hardware.json", prof / f"model-{TRAIN_MODEL}.json"
-    _flexmesh(["profile", "hardware", "--quick", "--nproc", str(args.nproc), "--out", str(hw)], console, "profile hardware")
+    _flexmesh(["profile", "hardware", "--quick", "--nproc", str(args.nproc), "--out", str(hw)], console,
+              "profile hardware")
     _flexmesh(["profile", "model", "--model", TRAIN_MODEL, "--quick", "--nproc", str(args.nproc), "--out", str(mp)],
               console, "profile model")
 
     # 4. train
-    from flexmesh.layout.plan import Plan, StagePlan
-    from flexmesh.layout.strategy import LayerStrategy
-    from flexmesh.spec.model import parse_model
-
-    spec = parse_model(TRAIN_MODEL)
-    strategy = LayerStrategy.parse(f"tp1-dp{args.nproc}z2")
-    plan = Plan(model=TRAIN_MODEL, cluster=f"{args.nproc}xcpu", world_size=args.nproc, pp=1, pipeline_schedule="1f1b",
-                num_microbatches=1, seq_len=args.max_len, global_batch=args.global_batch,
-                stages=(StagePlan(0, spec.num_layers, (strategy,) * spec.num_layers),), cost_source="profile")
     plan_path = out / "plan-train.json"
-    plan.save(plan_path)
+    training_plan(args.nproc, args.max_len, args.global_batch).save(plan_path)
     runs = {"fixed": ["--policy", "fixed", "--cp", "1"], "adaptive": ["--policy", "milp", "--adaptive",
                                                                       "--fallback-policy", "hdp"]}
     metrics = {}
@@ -126,12 +126,10 @@ def run(args: argparse.Namespace) -> int:
         _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps),
                    "--out", str(run_dir), "--nproc", str(args.nproc), "--no-resume", "--seed", str(args.seed),
                    "--hardware-profile", str(hw), "--model-profile", str(mp), *policy], console, f"train {label}")
-        metrics[label] = _read_metrics(run_dir / "metrics.jsonl")
+        metrics[label] = read_metrics(run_dir / "metrics.jsonl")
 
     # 5. report
     console.print(Rule("5/5  report"))
-    from flexmesh.report.demo import write_report
-
-    path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, console)
+    path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start)
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
     return 0

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flexmesh.cost.model import CostModel, Evaluation
-from flexmesh.units import GIB
+from flexmesh.cost import Evaluation
 from flexmesh.errors import PlanError
-from flexmesh.plan.check import check_plan
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan
-from flexmesh.plan.search import Candidate, SearchResult, SearchSpace, search
-from flexmesh.spec.cluster import parse_cluster
+from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
+from flexmesh.plan.check import check_plan
+from flexmesh.plan.space import SEARCH_MODES
 from flexmesh.spec.model import parse_model
+from flexmesh.units import GIB
 
 PROGRESS_AFTER_S = 1.0  # show a progress bar only for searches that take longer than this
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``flexmesh plan`` and its options."""
     p = subparsers.add_parser(
         "plan", help="search the fastest parallel layout that fits, or --check a plan file",
         description="Search per-layer strategies, pipeline split, schedule and micro-batches; print the best plans.")
@@ -46,14 +46,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--same-mesh", action="store_true",
                    help="every layer on the same (tp, cp, dp) mesh; ZeRO and recompute stay per layer")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
-    p.add_argument("--schedules", default=",".join(PIPELINE_SCHEDULES), help="comma-separated pipeline schedules to consider")
-    p.add_argument("--mode", choices=("auto", "exact", "fast"), default="auto",
+    p.add_argument("--pipeline-schedules", "--schedules", dest="pipeline_schedules",
+                   default=",".join(PIPELINE_SCHEDULES),
+                   help="comma-separated pipeline schedules to consider (--schedules is the old name)")
+    p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
                    help="exact: layer DP + every layer split (small models); fast: closed form per stage")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check a plan file, or build a SearchRequest from the options, search, and print or write the result."""
     from flexmesh.profile.use import cost_model_for
 
     cost = cost_model_for(parse_model(args.model), args.cluster, args.hardware_profile, args.model_profile,
@@ -69,13 +72,14 @@ def run(args: argparse.Namespace) -> int:
             out.print(f"[green]valid[/]: {plan.layout}", highlight=False)
             _explain(out, ev)
         return 0
-    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    schedules = tuple(s.strip() for s in args.pipeline_schedules.split(",") if s.strip())
     unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
     if unknown or not schedules:
         raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(PIPELINE_SCHEDULES)}")
-    space = SearchSpace(schedules=schedules, recompute=(False,) if args.no_recompute else (False, True),
+    space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else (False, True),
                         same_mesh=args.same_mesh)
-    result = _run_search(model, cluster, args, space, cost, quiet=args.json)
+    request = SearchRequest(model, cluster, args.seq_len, args.global_batch, space, cost, top=args.top, mode=args.mode)
+    result = _run_search(request, quiet=args.json)
     best = result.best
     if args.out:
         best.plan.save(args.out)
@@ -90,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_search(model, cluster, args, space, cost, quiet: bool) -> SearchResult:
+def _run_search(request: SearchRequest, quiet: bool) -> SearchResult:
     if quiet:
-        return search(model, cluster, args.seq_len, args.global_batch, space, cost, top=args.top, mode=args.mode)
+        return best_plans(request)
     t0 = time.perf_counter()
     state: dict = {}
 
@@ -107,8 +111,7 @@ def _run_search(model, cluster, args, space, cost, quiet: bool) -> SearchResult:
             state["bar"].update(state["task"], completed=done)
 
     try:
-        return search(model, cluster, args.seq_len, args.global_batch, space, cost, top=args.top, mode=args.mode,
-                      progress=progress)
+        return best_plans(request, progress=progress)
     finally:
         if "bar" in state:
             state["bar"].stop()
@@ -169,9 +172,3 @@ def _explain(out: Console, ev: Evaluation) -> None:
     for r, mem in enumerate(ev.memory):
         m.add_row(str(r), *(f"{mem.get(k, 0.0) / GIB:.2f}" for k in keys))
     out.print(m)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from flexmesh.cli import main
-
-    sys.exit(main(["plan", *sys.argv[1:]]))

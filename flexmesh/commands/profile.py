@@ -15,12 +15,12 @@ from flexmesh.errors import ProfileError
 from flexmesh.units import GIB
 
 
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="measure the hardware or a model and write a profile",
                               description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     kinds = p.add_subparsers(dest="profile_kind", metavar="KIND")
-    hw = kinds.add_parser("hardware", help="collectives (alpha-beta per group size), matmul, memory bandwidth, attention",
+    hw = kinds.add_parser("hardware",
+                          help="collectives (alpha-beta per group size), matmul, memory bandwidth, attention",
                           description="Time collectives, matmuls, memory copies and attention; fit alpha-beta per "
                                       "collective and group size; write a hardware profile.")
     hw.set_defaults(func=run, profile_kind="hardware")
@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise ProfileError(f"--nproc must be at least 1, got {args.nproc}")
-        from flexmesh.commands.train import _launch_torchrun
+        from flexmesh.runtime.launch import relaunch_flexmesh
 
-        return _launch_torchrun(args, _forwarded(args, str(Path(out).resolve())))
+        return relaunch_flexmesh(args.nproc, _forwarded(args, str(Path(out).resolve())))
     from flexmesh.profile.runner import World
 
     world = World()
@@ -113,7 +113,8 @@ def _summary(prof, out: str) -> None:
             con.print(f"overlap: {prof.overlap['hidden_fraction']:.0%} of an all-gather overlapping compute is hidden",
                       highlight=False)
     else:
-        t = Table(title=f"model profile of {prof.model['name']} ({prof.dtype}, {prof.produced_by['processes']} processes)")
+        t = Table(title=f"model profile of {prof.model['name']} ({prof.dtype}, "
+                        f"{prof.produced_by['processes']} processes)")
         for col in ("pass", "c0 (ms)", "per token (us)", "per sum len^2 (ns)", "per row^2 (ns)"):
             t.add_column(col, justify="left" if col == "pass" else "right")
         for part, fits in (("layer", prof.layer), ("embedding", prof.embedding), ("head", prof.head)):
@@ -126,7 +127,8 @@ def _summary(prof, out: str) -> None:
             a.add_column(col, justify="right")
         entries = {(e["tp"], e["cp"], e["recompute"]): e["bytes_per_token"] for e in prof.activations["layers"]}
         for tp, cp in sorted({(k[0], k[1]) for k in entries}):
-            a.add_row(str(tp), str(cp), f"{entries.get((tp, cp, False), 0):,.0f}", f"{entries.get((tp, cp, True), 0):,.0f}")
+            a.add_row(str(tp), str(cp), f"{entries.get((tp, cp, False), 0):,.0f}",
+                      f"{entries.get((tp, cp, True), 0):,.0f}")
         con.print(a)
         if prof.parallel.get("layers"):
             _parallel_summary(con, prof, Table)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 
 from flexmesh.errors import PlanError
+from flexmesh.runtime.launch import relaunch_flexmesh, single_process_env
+from flexmesh.schedule.registry import RUNTIME_POLICIES
 
-
-POLICY_CHOICES = ("fixed", "balanced", "hdp", "milp")
+POLICY_NAMES = tuple(str(p) for p in RUNTIME_POLICIES)  # plain strings: argparse prints choices with repr
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,16 +32,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, cached")
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=int, help="launch torchrun with this many processes on this node")
-    p.add_argument("--policy", default="fixed", choices=POLICY_CHOICES,
+    p.add_argument("--policy", default="fixed", choices=POLICY_NAMES,
                    help="per-step scheduling policy (default: fixed)")
     p.add_argument("--adaptive", action="store_true",
                    help="never wait for a late schedule: run --fallback-policy's for that step instead")
-    p.add_argument("--fallback-policy", default="hdp", choices=POLICY_CHOICES,
+    p.add_argument("--fallback-policy", default="hdp", choices=POLICY_NAMES,
                    help="policy of a step whose --policy schedule is late, with --adaptive (default: hdp)")
     p.add_argument("--cp", type=int, help="static context-parallel group size for fixed and balanced "
                                           "(default: the plan's cp when above 1, else the smallest that fits)")
     p.add_argument("--hardware-profile", metavar="PATH",
-                   help="price schedules with this `flexmesh profile hardware` file (default: the plan's cluster preset)")
+                   help="price schedules with this `flexmesh profile hardware` file "
+                        "(default: the plan's cluster preset)")
     p.add_argument("--model-profile", metavar="PATH", help="price schedules with this `flexmesh profile model` file")
     p.add_argument("--global-batch", type=int, help="documents per step (default: the plan's global_batch)")
     p.add_argument("--max-len", type=int, help="truncate documents to this many tokens (default: the plan's seq_len)")
@@ -60,106 +60,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now (for torchrun's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env() -> dict:
-    """This process's environment for a child that launches its own ranks (torchrun, ``flexmesh train
-    --nproc``): without the rank variables of a launch this process may be part of, and with one
-    intra-op thread per process unless the caller chose otherwise."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def _launch_torchrun(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    """Re-run this command (or ``flexmesh *argv``) under torchrun with ``--nproc`` processes (the flag itself removed)."""
-    if argv is None:
-        argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
-    forwarded, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        forwarded.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "flexmesh", *forwarded]
-    return subprocess.call(cmd)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise PlanError(f"--nproc must be at least 1, got {args.nproc}")
-        return _launch_torchrun(args)
+        # Re-run this very command line under torchrun; sys.argv starts with "train" under the
+        # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
+        argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
+        return relaunch_flexmesh(args.nproc, argv)
     if "RANK" not in os.environ:  # a plain single process: make it a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(single_process_env())
     return _train(args)
-
-
-def make_schedule_fn(plan, spec, policy: str, max_len: int, seed: int = 0, *, cost=None, cp: int | None = None):
-    """``lengths -> StepSchedule`` for the named policy over the plan's data ranks.
-
-    Groups may take any power-of-two size the policy picks (``hdp``, ``milp``); ``fixed`` and
-    ``balanced`` use one static size: ``cp``, else the plan's cp when above 1, else the smallest group
-    holding the longest sequence. Micro-batches hold at most ``max_len`` tokens per rank (the
-    context the plan is for; a longer sequence on a larger group keeps its own). ``cost`` is the CostModel the policy consults (for instance one
-    built from profiles); default: the plan's cluster preset. Each schedule's ``predicted_step_time``
-    is the step simulator's (flexmesh.sim.simulate_step on the same context), which the runtime
-    reports beside the measured time. The function carries ``.policy`` and ``.context`` (the
-    ScheduleContext).
-
-    >>> from flexmesh.layout.plan import Plan, StagePlan
-    >>> from flexmesh.layout.strategy import LayerStrategy
-    >>> from flexmesh.spec.model import parse_model
-    >>> spec = parse_model("llama2-7b")
-    >>> st = StagePlan(0, 32, (LayerStrategy.parse("tp1-dp8z3"),) * 32)
-    >>> plan = Plan("llama2-7b", "8xA100-80GB", 8, 1, "1f1b", 1, 4096, 8, (st,))
-    >>> fn = make_schedule_fn(plan, spec, "hdp", 16384)
-    >>> [g.cp for g in fn([12000] + [400] * 6 + [2000] * 8).groups]  # 12000 tokens need 2+ ranks
-    [4, 1, 1, 1, 1]
-    """
-    from dataclasses import replace
-
-    from flexmesh.cost import CostModel
-    from flexmesh.layout.mesh import context_kind, layout_from_plan
-    from flexmesh.schedule.context import ScheduleContext
-    from flexmesh.schedule.policies import make_schedule
-    from flexmesh.sim.timeline import simulate_step
-    from flexmesh.spec.cluster import parse_cluster
-
-    layout = layout_from_plan(plan)
-    strategy = replace(plan.layer_strategies()[0], cp=1, cp_kind="none", dp=1)
-    ctx = ScheduleContext(cost=cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster)),
-                          base=strategy, num_ranks=layout.data_ranks, pp=plan.pp, pipeline_schedule=plan.pipeline_schedule,
-                          cp_kind=context_kind(spec, layout), microbatch_tokens=max_len)
-    options: dict = {}
-    if policy in ("fixed", "balanced"):
-        static = cp if cp is not None else (layout.cp if layout.cp > 1 else None)
-        if static is not None:
-            options["cp"] = static
-    if policy == "fixed":
-        options["context"] = max_len
-
-    def schedule_fn(lengths):
-        schedule = make_schedule(policy, lengths, ctx, seed=seed, **options)
-        return replace(schedule, predicted_step_time=simulate_step(ctx, schedule, virtual_stages=plan.virtual_stages,
-                                                                   ).step_time)
-
-    schedule_fn.policy = policy
-    schedule_fn.context = ctx
-    return schedule_fn
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -169,10 +80,13 @@ def _train(args: argparse.Namespace) -> int:
     from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
-    from flexmesh.layout.plan import Plan
     from flexmesh.layout.mesh import layout_from_plan
+    from flexmesh.layout.plan import Plan
     from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.train import TrainConfig, Trainer, fit, init_distributed
+    from flexmesh.runtime.config import TrainConfig
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.loop import fit
+    from flexmesh.runtime.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
     plan = Plan.load(args.plan)
@@ -198,8 +112,13 @@ def _train(args: argparse.Namespace) -> int:
         cost = cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
                                         world=plan.world_size,
                                         cluster=None if args.hardware_profile else parse_cluster(plan.cluster))
-    schedule_fn = make_schedule_fn(plan, spec, args.policy, max_len, args.seed, cp=args.cp, cost=cost)
-    fallback_fn = make_schedule_fn(plan, spec, args.fallback_policy, max_len, args.seed, cp=args.cp, cost=cost)
+    # Each step schedule's predicted_step_time is the step simulator's, reported beside the measured time.
+    from flexmesh.schedule.scheduler import Scheduler
+    from flexmesh.sim.predict import simulated_scheduler
+
+    schedule_fn = simulated_scheduler(Scheduler(plan, spec, args.policy, max_len, args.seed, cp=args.cp, cost=cost))
+    fallback_fn = simulated_scheduler(Scheduler(plan, spec, args.fallback_policy, max_len, args.seed, cp=args.cp,
+                                                cost=cost))
 
     config = TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
                          min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,

@@ -1,18 +1,15 @@
 """The one cost model: time and memory of layers, stages, micro-batches and steps."""
 
+from flexmesh.cost.analytic import AnalyticTiming, activation_elems_per_token
+from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import GroupShape, Hardware, group_shape
-from flexmesh.cost.model import (
-    CostModel,
-    Evaluation,
-    LayerCost,
-    MicrobatchPhases,
-    Work,
-    activation_elems_per_token,
-    in_flight,
-    pipeline_time,
-)
+from flexmesh.cost.model import CostModel
+from flexmesh.cost.pipeline import in_flight, pipeline_time, pipeline_times
+from flexmesh.cost.timing import LayerTimes, LayerTiming
+from flexmesh.cost.work import LayerCost, MicrobatchPhases, Work
 
 __all__ = [
-    "CostModel", "Evaluation", "GroupShape", "Hardware", "LayerCost", "MicrobatchPhases", "Work", "activation_elems_per_token",
-    "group_shape", "in_flight", "pipeline_time",
+    "AnalyticTiming", "CostModel", "Evaluation", "GroupShape", "Hardware", "LayerCost", "LayerTimes", "LayerTiming",
+    "MicrobatchPhases", "Work", "activation_elems_per_token", "group_shape", "in_flight", "pipeline_time",
+    "pipeline_times",
 ]

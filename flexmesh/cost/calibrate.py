@@ -24,8 +24,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 
+from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import Hardware, group_shape
-from flexmesh.cost.model import CostModel, Evaluation
+from flexmesh.cost.model import CostModel
+from flexmesh.layout.enums import CPKind
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
 from flexmesh.spec.model import MODEL_PRESETS, ModelSpec, gpt
@@ -48,7 +50,7 @@ class PublishedRun:
     recompute: bool
     zero: int = 0
     cp: int = 1
-    schedule: str = "1f1b"
+    pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
     # "unfused": attention as separate kernels over the whole s x s matrix (before flash-style fused
     # kernels): twice the causal FLOPs at UNFUSED_ATTN_EFFICIENCY, whose softmax and masking passes
@@ -84,12 +86,13 @@ class PublishedRun:
         if self.attention == "unfused":
             dev = replace(dev, attn_efficiency=(unfused_attn_efficiency or UNFUSED_ATTN_EFFICIENCY) / 2)
         cost = CostModel(self.model, self.cluster(dev))
-        kind = "ring" if self.cp > 1 else "none"
+        kind = CPKind.RING if self.cp > 1 else CPKind.NONE
         s = LayerStrategy(tp=self.tp, cp=self.cp, cp_kind=kind, dp=self.dp, zero=self.zero, recompute=self.recompute)
         L, n = self.model.num_layers, self.pp * self.virtual_stages
         chunks = [[s] * (L // n + (1 if i < L % n else 0)) for i in range(n)]
         m = self.global_batch // self.dp
-        return cost.evaluate_stages(chunks, self.pp, self.schedule, m, self.virtual_stages, self.dp, self.seq_len)
+        return cost.evaluate_stages(chunks, self.pp, self.pipeline_schedule, m, self.virtual_stages, self.dp,
+                                    self.seq_len)
 
 
 _MEGATRON = "Narayanan et al., Megatron-LM, 2104.04473, Table 1 (A100 SXM 80GB, seq 2048, vocab 51200)"
@@ -117,9 +120,9 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = tuple(
     )
 ) + (
     PublishedRun("llama3-405b-8k", _LLAMA3, _LLAMA3_405B, "H100-80GB", 8192, 8, 16, 2048, 8192, 430,
-                 recompute=False, zero=1, flops="model", schedule="interleaved", virtual_stages=V_LLAMA3),
+                 recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3),
     PublishedRun("llama3-405b-16k", _LLAMA3, _LLAMA3_405B, "H100-80GB", 16384, 8, 16, 2048, 8192, 400,
-                 recompute=False, zero=1, flops="model", schedule="interleaved", virtual_stages=V_LLAMA3),
+                 recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3),
 )
 
 # Fitted with the A100 mm_efficiency by fit_efficiencies("A100"); used only to predict the 2021 runs.

@@ -8,33 +8,25 @@ of the datasheet bandwidth (see ``flexmesh.cost.calibrate``).
 Worked example (A100 preset, 1 GiB all-reduce over the 8 GPUs of one node):
 ``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus ``7 * 10 us`` latency.
 
-With a hardware profile (:meth:`Hardware.from_profile`, written by ``flexmesh profile hardware``)
-every number comes from a measurement instead: matmul and attention throughput, memory bandwidth,
-and per (collective, group size, intra/inter node) the fitted ``alpha + beta * bytes``. A group
-size the profile did not measure takes the nearest measured size of the same scope (else of the
-other scope) and scales it by the algorithm's volume: ring collectives move ``(n - 1) / n`` of the
-buffer (twice for all-reduce) in ``n - 1`` steps and all-to-all sends ``(n - 1) / n`` of it to
-``n - 1`` peers, so beta scales by ``((n - 1) / n) / ((m - 1) / m)`` and alpha by ``(n - 1) / (m - 1)``
-from measured size ``m``; send/recv does not depend on the group.
+A hardware profile (written by ``flexmesh profile hardware``) replaces every number here with a
+measurement: ``flexmesh.profile.timing.ProfiledHardware``, a subclass built by
+``flexmesh.profile.use.hardware_from_profile`` (the cost package does not read profiles; docs/profiles.md
+describes the scaling to group sizes it did not measure).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flexmesh.errors import ProfileError
 from flexmesh.spec.cluster import ClusterSpec
 
-if TYPE_CHECKING:  # the profile package reads the cost model's inputs; only its types are used here
-    from flexmesh.profile.format import HardwareProfile
-
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-# Compute that a collective overlaps runs 1.13x slower on A100 (ALGORITHMS.md, the measured slowdown
-# coefficient): of a collective hidden under compute, 1 - 0.13 = 0.87 of its time is really saved.
+# Compute that a collective overlaps runs 1.13x slower on A100 (Galvatron, 2211.13878, its measured
+# slowdown coefficient; docs/cost-model.md): of a collective hidden under compute, 1 - 0.13 = 0.87 of
+# its time is really saved.
 OVERLAP_SLOWDOWN = 1.13
 PRESET_OVERLAP = 2.0 - OVERLAP_SLOWDOWN
 
@@ -156,72 +148,3 @@ class Hardware:
         if isinstance(nbytes, np.ndarray):
             return np.maximum(t_intra, t_inter) + lat
         return max(t_intra, t_inter) + lat
-
-    @classmethod
-    def from_profile(cls, cluster: ClusterSpec, profile: "HardwareProfile", dtype: str | None = None) -> "Hardware":
-        """Throughput and collective times measured by ``flexmesh profile hardware`` (see the module doc).
-
-        ``dtype`` (default: the profile's, the dtype the runtime trains in on that device) picks the
-        matmul and attention throughput. Memory per device is the profile's (on CPU: the RAM divided
-        among the cluster's devices per node, the processes that will share it).
-        """
-        return ProfiledHardware(cluster, profile, dtype or profile.dtype)
-
-
-class ProfiledHardware(Hardware):
-    """:class:`Hardware` whose numbers come from a hardware profile; built by :meth:`Hardware.from_profile`.
-
-    >>> from flexmesh.profile.format import CollectiveFit, HardwareProfile
-    >>> from flexmesh.spec.cluster import ClusterSpec, device
-    >>> hw = HardwareProfile(device={"type": "cpu", "name": "cpu", "nodes": 1, "devices_per_node": 2,
-    ...                              "memory_bytes": 2**33}, dtype="fp32", matmul_flops_per_s={"fp32": 5e10},
-    ...                      memory_bytes_per_s=1e10, attention={"fp32": {"flops_per_s": 2e10}},
-    ...                      collectives=[CollectiveFit("all_gather", 2, "intra", 1e-4, 1e-9)])
-    >>> h = Hardware.from_profile(ClusterSpec(1, 4, device("A100-80GB")), hw)
-    >>> h.collective_time("all_gather", 1e6, GroupShape(2, 4))  # measured: 1e-4 + 1e-9 * 1e6
-    0.0011
-    >>> round(h.collective_time("all_gather", 1e6, GroupShape(4, 4)), 6)  # 3/4 vs 1/2 volume, 3 vs 1 steps
-    0.0018
-    """
-
-    def __init__(self, cluster: ClusterSpec, profile: "HardwareProfile", dtype: str):
-        self.cluster = cluster
-        self.dtype = dtype
-        self.profile = profile
-        self.matmul_flops = profile.matmul(dtype)
-        self.peak_flops = self.matmul_flops  # measured, so MFU is against what this machine reaches
-        self.attn_flops = profile.attention_flops(dtype)
-        self.hbm_bytes_per_s = float(profile.memory_bytes_per_s)
-        self.memory_bytes = profile.memory_per_device(cluster.devices_per_node)
-        self.source = f"profile:{profile.name}"
-        # measured by the hardware profiler where it ran more than one process; else the preset's rule
-        self.overlap = float(profile.overlap["hidden_fraction"]) if profile.overlap else PRESET_OVERLAP
-        self.comm = None
-        self._fits = {(c.collective, c.group_size, c.scope): c for c in reversed(profile.collectives)}
-
-    def _fit(self, kind: str, n: int, scope: str) -> tuple[float, float]:
-        """(alpha, beta) for ``kind`` over ``n`` ranks, measured or scaled from the nearest size."""
-        exact = self._fits.get((kind, n, scope))
-        if exact is not None:
-            return exact.alpha_s, exact.beta_s_per_byte
-        sizes = [(abs(math.log2(s) - math.log2(n)), sc != scope, s, sc) for (k, s, sc) in self._fits if k == kind]
-        if not sizes:
-            raise ProfileError(
-                f"hardware profile {self.profile.name} has no {kind} measurement; it was profiled with one process? "
-                f"re-run `flexmesh profile hardware --nproc N` with N >= 2")
-        _, _, m, sc = min(sizes, key=lambda x: (x[1], x[0], -x[2]))
-        f = self._fits[(kind, m, sc)]
-        if kind == "send_recv":
-            return f.alpha_s, f.beta_s_per_byte
-        volume = ((n - 1) / n) / ((m - 1) / m)
-        return f.alpha_s * (n - 1) / (m - 1), f.beta_s_per_byte * volume
-
-    def collective_time(self, kind: str, nbytes, shape: GroupShape):
-        """Seconds for one collective from the profile's alpha-beta fits; ``nbytes`` as in :class:`Hardware`."""
-        if kind not in COLLECTIVES:
-            raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
-        if shape.size <= 1:
-            return np.zeros_like(nbytes, dtype=float) if isinstance(nbytes, np.ndarray) else 0.0
-        alpha, beta = self._fit(kind, 2 if kind == "send_recv" else shape.size,
-                                "intra" if shape.intra_node else "inter")
-        return alpha + beta * nbytes

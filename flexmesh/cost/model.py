@@ -2,250 +2,72 @@
 
 This is the single source of truth for "how long" and "how much memory". The search
 (flexmesh.plan), the per-step scheduler (flexmesh.schedule) and the simulator (flexmesh.sim) all ask
-it; none keeps a private formula.
+it; none keeps a private formula. docs/cost-model.md has every formula with its source.
 
-Work is described by sufficient statistics, not a token count: a micro-batch with sequence lengths
-``s_k`` costs ``sum(s_k)`` in the linear layers and ``sum(s_k**2)`` in causal attention.
+A layer's compute times and the bytes it keeps come from a :class:`~flexmesh.cost.timing.LayerTiming`:
+FLOPs over throughput by default (:mod:`flexmesh.cost.analytic`, which cites its sources), a model
+profile's fits with ``flexmesh.profile`` (``flexmesh.profile.use.cost_model_from_profiles``). This
+module adds what depends on the cluster and the strategy, with these sources:
 
-Sources of the formulas (constants come from the device preset or a profile, see flexmesh.spec):
-
-- FLOPs: matmul FLOPs = 2 x weights per token; causal attention = 2 x q_dim per layer per squared
-  token; backward = 2 x forward; full recomputation adds one forward (Megatron-LM, 2104.04473).
-- Bytes per parameter with bf16 weights, fp32 gradients and Adam: 2 + 4 + 12, ZeRO-1 shards the 12,
-  ZeRO-2 also the 4, ZeRO-3 all 18 (Megatron-LM's distributed-optimizer notes; ZeRO, 1910.02054).
-- Saved activations per token per layer, with flash-style attention (no s^2 term) and sequence
-  parallelism dividing everything by tp (Korthikanti et al., 2205.05198, adapted to SwiGLU/GQA;
-  counted tensor by tensor in :func:`activation_elems_per_token`). Full recomputation keeps only the
-  layer input and needs one layer's activations while recomputing.
-- Logits: bf16 logits + fp32 softmax saved by the vocab-parallel cross entropy: 6 bytes per logit.
+- Tensor parallelism with sequence parallelism: two all-gathers and two reduce-scatters of the
+  layer's activation per pass (Korthikanti et al., 2205.05198); Ulysses: all-to-all of q, k, v and
+  of the output per pass (DeepSpeed-Ulysses, 2309.14509); ring attention: ``cp - 1`` K/V hops per
+  pass, each hidden under one block of attention (Liu et al., 2310.01889).
+- ZeRO (1910.02054): ZeRO-3 gathers weights for forward and backward and reduce-scatters gradients
+  per micro-batch, prefetched under the layer's compute; DP to ZeRO-2 sync gradients once per step.
 - Gradient sync overlaps the last micro-batch's backward; overlapped compute slows down by the
-  factor Galvatron measured on A100 (1.13, 2211.13878).
-- With a model profile (``flexmesh profile model``, :mod:`flexmesh.profile`) layer, embedding and head
-  times come from its fitted coefficients instead of FLOPs (the token-dependent part divided by
-  tp x cp), activation bytes per token from its measured table by tp/cp degree and recomputation,
-  bytes per parameter and the optimizer's seconds per parameter from its measurements, and the
-  dtype (the one the runtime trains in) from the profile. See :class:`CostModel`.
-- Pipeline step time: sum of stage times + (m - 1) x the slowest stage for 1F1B and GPipe; the
-  interleaved schedule divides the fill and drain by the number of chunks (2104.04473).
-- In-flight micro-batches on pipeline rank r: 1F1B pp - r, GPipe all m, interleaved Megatron's
-  warm-up count (pp - r - 1) * 2 + (v - 1) * pp + 1 chunks.
+  factor Galvatron measured on A100 (1.13, 2211.13878), or a hardware profile's measured overlap.
+- Pipeline step time and in-flight micro-batches: :mod:`flexmesh.cost.pipeline` (2104.04473).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import lru_cache
+from typing import cast
 
 import numpy as np
 
+from flexmesh.cost.analytic import AnalyticTiming
+from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import Hardware, group_shape
-from flexmesh.errors import ProfileError
-from flexmesh.units import GIB
+from flexmesh.cost.pipeline import in_flight, pipeline_time
+from flexmesh.cost.timing import LayerTiming
+from flexmesh.cost.work import LayerCost, MicrobatchPhases, Work
+from flexmesh.layout.enums import CPKind
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 
-GRAD_BYTES = 4  # fp32 gradient accumulation and reduction (Megatron-LM's default for bf16 training)
-OPTIM_BYTES = 12  # fp32 master weights + Adam m and v
-LOGIT_BYTES = 6
-# Adam step traffic per parameter: read fp32 weight, grad, m, v (16 B); write weight, m, v and the
-# bf16 copy (14 B). Time = bytes / HBM bandwidth from the datasheet.
-OPTIM_TRAFFIC_BYTES = 30
-
-
-def activation_elems_per_token(model: ModelSpec) -> int:
-    """Elements one layer saves for backward per token (before dividing by tp and cp).
-
-    Attention block: norm input, qkv input, q, k, v, attention output (saved by the kernel and by
-    the output projection). MLP block: norm input, fc input, and for SwiGLU the gate and up outputs,
-    the activation output and the down-projection input (GeLU: fc1 output and activation output).
-
-    >>> from flexmesh.spec import MODEL_PRESETS
-    >>> activation_elems_per_token(MODEL_PRESETS["llama2-7b"])  # 6h + 2kv + 4ffn
-    76800
-    """
-    h = model.hidden
-    attn = 2 * h + 2 * model.q_dim + 2 * model.kv_dim
-    mlp = 2 * h + (4 if model.activation == "swiglu" else 2) * model.ffn_hidden
-    return attn + mlp
-
-
-@dataclass(frozen=True)
-class Work:
-    """What one replica (a tp x cp group) processes in one micro-batch."""
-
-    tokens: float
-    sq_tokens: float
-    seqs: float = 1.0
-
-    @classmethod
-    def uniform(cls, seqs: float, seq_len: int) -> "Work":
-        return cls(tokens=seqs * seq_len, sq_tokens=seqs * float(seq_len) ** 2, seqs=seqs)
-
-    @classmethod
-    def from_lengths(cls, lengths) -> "Work":
-        a = np.asarray(lengths, dtype=float)
-        return cls(tokens=float(a.sum()), sq_tokens=float((a * a).sum()), seqs=float(len(a)))
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer (or the embedding/head part of a stage) on one device for one micro-batch."""
-
-    fwd: float = 0.0  # forward compute, s
-    bwd: float = 0.0  # backward compute including recomputation, s
-    comm_fwd: float = 0.0  # communication not hidden under forward compute, s
-    comm_bwd: float = 0.0  # communication not hidden under backward compute, s
-    grad_sync: float = 0.0  # once-per-step gradient/parameter collective, overlappable, s
-    optim: float = 0.0  # optimizer step, s
-    states: float = 0.0  # weights + grads + optimizer states, bytes
-    act: float = 0.0  # activations kept per in-flight micro-batch, bytes
-    transient: float = 0.0  # working memory needed while this layer runs, bytes
-
-    @property
-    def time(self) -> float:
-        return self.fwd + self.bwd + self.comm_fwd + self.comm_bwd
-
-    def __add__(self, o: "LayerCost") -> "LayerCost":
-        return LayerCost(
-            self.fwd + o.fwd, self.bwd + o.bwd, self.comm_fwd + o.comm_fwd, self.comm_bwd + o.comm_bwd,
-            self.grad_sync + o.grad_sync, self.optim + o.optim, self.states + o.states, self.act + o.act,
-            max(self.transient, o.transient),
-        )
-
-
-@dataclass(frozen=True)
-class MicrobatchPhases:
-    """:meth:`CostModel.microbatch_time` split by phase (seconds; numpy arrays when given arrays).
-
-    ``fwd`` and ``bwd`` are compute (``bwd`` includes recomputation); ``comm_fwd`` and ``comm_bwd``
-    are the communication that does not hide under it. The four add up to ``microbatch_time``.
-    """
-
-    fwd: object
-    bwd: object
-    comm_fwd: object
-    comm_bwd: object
-
-    @property
-    def total(self):
-        return self.fwd + self.bwd + self.comm_fwd + self.comm_bwd
-
-
-@dataclass
-class Evaluation:
-    """A plan's predicted step: time breakdown and per-pipeline-rank memory (bytes)."""
-
-    step_time: float
-    tokens_per_s: float
-    mfu: float
-    compute: float  # busiest rank's compute in the step, s
-    exposed_comm: float
-    bubble: float
-    grad_sync: float  # exposed gradient sync + optimizer, s
-    stage_times: list[float]  # per pp rank, one micro-batch (fwd + bwd), s
-    memory: list[dict[str, float]]  # per pp rank: states, activations, transient, logits, total (bytes)
-    fits: bool
-    budget: float  # usable bytes per device
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def peak_memory(self) -> float:
-        return max(m["total"] for m in self.memory)
-
-    def to_dict(self) -> dict:
-        return {
-            "step_time_s": self.step_time,
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "breakdown_s": {
-                "compute": self.compute, "exposed_comm": self.exposed_comm, "bubble": self.bubble,
-                "grad_sync_and_optimizer": self.grad_sync,
-            },
-            "stage_time_s": self.stage_times,
-            "peak_memory_gib": [m["total"] / GIB for m in self.memory],
-            "memory_gib": [{k: v / GIB for k, v in m.items()} for m in self.memory],
-            "memory_budget_gib": self.budget / GIB,
-            "fits": self.fits,
-        }
-
-
-def in_flight(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> float:
-    """Micro-batches (in units of a whole stage's activations) held at the peak on pipeline rank ``rank``."""
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(pp - rank, m))
-    if schedule == "interleaved":
-        chunks = min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1)
-        return chunks / v
-    raise ValueError(f"unknown schedule {schedule!r}")
-
-
-def pipeline_time(schedule: str, rank_times, m: int, v: int = 1) -> float:
-    """Step time of ``m`` equal micro-batches through ranks taking ``rank_times`` each (fwd + bwd).
-
-    >>> pipeline_time("1f1b", [1.0, 1.0, 1.0, 1.0], m=8)  # 8 + 3 bubbles
-    11.0
-    >>> pipeline_time("interleaved", [1.0, 1.0, 1.0, 1.0], m=8, v=2)
-    9.5
-    """
-    return float(pipeline_times(schedule, rank_times, m, v))
-
-
-def pipeline_times(schedule: str, rank_times, m: int, v: int = 1) -> np.ndarray:
-    """:func:`pipeline_time` for many candidates at once: ``rank_times`` has shape (candidates, ranks).
-
-    >>> pipeline_times("1f1b", [[1.0, 1.0], [1.0, 2.0]], m=4).tolist()
-    [5.0, 9.0]
-    """
-    t = np.asarray(rank_times, dtype=float)
-    if schedule in ("1f1b", "gpipe"):
-        return t.sum(axis=-1) + (m - 1) * t.max(axis=-1)
-    if schedule == "interleaved":
-        mx = t.max(axis=-1)
-        return m * mx + (t.sum(axis=-1) - mx) / v
-    raise ValueError(f"unknown schedule {schedule!r}")
-
 
 class CostModel:
-    """Time and memory for a model on a cluster; from presets, or from profiles when given.
+    """Time and memory for a model on a cluster.
 
-    ``hardware``: a :class:`Hardware` (``Hardware.from_profile(cluster, hardware_profile)`` for a
-    measured machine; default: the cluster's device preset). ``model_profile``: a
-    :class:`flexmesh.profile.ModelProfile` of this model (checked); with it
+    ``hardware``: a :class:`Hardware` (``flexmesh.profile.use.hardware_from_profile(cluster, profile)``
+    for a measured machine; default: the cluster's device preset). ``timing``: the
+    :class:`~flexmesh.cost.timing.LayerTiming` of this model (checked), which prices each layer's and
+    the ends' compute and the bytes they keep; default :class:`~flexmesh.cost.analytic.AnalyticTiming`
+    (FLOPs over the hardware's throughput). Bytes are counted in the timing's dtype: with a model
+    profile's timing (``flexmesh.profile.timing.ProfiledTiming``) the dtype the profile measured,
+    the one the runtime trains in. Tensor- and context-parallel communication is added unless the
+    timing says its layer times include it (timed under real process groups).
 
-    - a layer's forward and backward seconds are the profile's fits ``c0 + (c1 * tokens +
-      c2 * sum(len^2) + c3 * tokens^2) / (tp * cp)`` (backward under recomputation has its own fit);
-      the embedding's and the head's likewise, linear in tokens. Where the profile timed the layer
-      under real process groups of the strategy's (tp, cp kind, cp) -- or the ends under its tp --
-      those fits are used instead, and the TP / CP communication they include is not added again;
-    - activation bytes per token come from the profile's table for the strategy's (tp, cp,
-      recompute); a degree pair it did not measure falls back to the tp = cp = 1 value divided by
-      tp * cp. The dense attention mask the CPU kernel saves (``attention_mask_bytes_per_sq_row_token``
-      x tokens^2 per layer, local and Ulysses attention; ring attention saves none) is added to a
-      layer's activations but not to :meth:`activation_bytes_per_token` (which is per token);
-    - weights, gradients and optimizer states take the profile's bytes per parameter, the optimizer
-      step its seconds per parameter, and every byte count the profile's dtype.
+    >>> from flexmesh.spec import parse_cluster, parse_model
+    >>> cm = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
+    >>> cm.source, type(cm.timing).__name__
+    ('preset:A100-80GB', 'AnalyticTiming')
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, hardware: Hardware | None = None,
-                 model_profile=None):
-        if model_profile is not None:
-            model_profile.check_model(model)
-            model = replace(model, dtype=model_profile.dtype)  # the dtype the profile measured (the runtime's)
+                 timing: LayerTiming | None = None):
+        if timing is not None:
+            timing.check_model(model)
+            model = replace(model, dtype=timing.dtype)  # bytes in the dtype the timing measured (the runtime's)
         self.model = model
         self.cluster = cluster
         self.hw = hardware or Hardware(cluster, model.dtype)
-        self.profile = model_profile
-        self.act_elems = activation_elems_per_token(model)
-        if model_profile is not None:
-            st = model_profile.states
-            self.weight_bytes = float(st["weight_bytes_per_param"])
-            self.grad_bytes = float(st["grad_bytes_per_param"])
-            self.optim_bytes = float(st["optimizer_bytes_per_param"])
-        else:
-            self.weight_bytes, self.grad_bytes, self.optim_bytes = model.dtype_bytes, GRAD_BYTES, OPTIM_BYTES
+        self.timing: LayerTiming = timing if timing is not None else AnalyticTiming(model, self.hw)
+        self.weight_bytes, self.grad_bytes, self.optim_bytes = self.timing.state_bytes_per_param()
         self._layer = lru_cache(maxsize=None)(self._layer_uncached)
         self._ends = lru_cache(maxsize=None)(self._ends_uncached)
 
@@ -253,36 +75,14 @@ class CostModel:
     def source(self) -> str:
         """``preset:<device>``, ``profile:<hardware profile>``, or with a model profile
         ``profile:<hardware profile>+<model profile>`` (``preset:<device>+profile:<model profile>``)."""
-        if self.profile is None:
-            return self.hw.source
-        sep = "+" if self.hw.source.startswith("profile:") else "+profile:"
-        return f"{self.hw.source}{sep}{self.profile.name}"
-
-    # ---- measured activation bytes (model profile) ------------------------------------------------
-    def _profiled_act_per_token(self, tp: int, cp: int, recompute: bool) -> float:
-        """Bytes one layer saves per token of the micro-batch on each device of a tp x cp group."""
-        entry = self.profile.activation_entry(tp, cp, recompute)
-        if entry is not None:
-            return float(entry["bytes_per_token"])
-        base = self.profile.activation_entry(1, 1, recompute)
-        if base is None:
-            raise ProfileError(f"model profile {self.profile.name} has no tp=1 cp=1 activation measurement "
-                               f"(recompute={recompute}); re-run `flexmesh profile model`")
-        return float(base["bytes_per_token"]) / (tp * cp)
-
-    def _profiled_mask_bytes(self, s: LayerStrategy, tokens):
-        if s.cp > 1 and s.cp_kind == "ring":  # the ring kernel keeps no mask
-            return 0.0
-        return float(self.profile.activations["attention_mask_bytes_per_sq_row_token"]) * tokens * tokens
+        return self.timing.source(self.hw.source)
 
     @property
     def memory_budget(self) -> float:
+        """Usable bytes per device."""
         return self.hw.memory_bytes
 
     # ---- building blocks ---------------------------------------------------------------------------
-    def _compute(self, lin_flops, attn_flops):
-        return lin_flops / self.hw.matmul_flops + attn_flops / self.hw.attn_flops
-
     def _states(self, params: float, s: LayerStrategy) -> float:
         """Bytes of weights, gradients and optimizer states for ``params`` parameters on one device."""
         p = params / s.tp
@@ -300,11 +100,7 @@ class CostModel:
         """(exposed fwd, exposed bwd, per-step sync, optimizer time) for ZeRO / DP of ``params``."""
         d = s.shard_degree
         p = params / s.tp
-        if self.profile is not None:
-            per_param = float(self.profile.states["optimizer_step_s_per_param"])
-        else:
-            per_param = OPTIM_TRAFFIC_BYTES / self.hw.hbm_bytes_per_s
-        optim = p / (d if s.zero >= 1 else 1) * per_param
+        optim = p / (d if s.zero >= 1 else 1) * self.timing.optimizer_s_per_param()
         if d == 1:
             return 0.0, 0.0, 0.0, optim
         shape = group_shape(d, s.tp, self.cluster)
@@ -334,20 +130,10 @@ class CostModel:
         Compute, and the tensor- and context-parallel communication that does not hide under it.
         """
         m, hw, ct = self.model, self.hw, self.hw.collective_time
-        split = s.tp * s.cp
-        measured = self.profile.parallel_layer(s.tp, s.cp_kind, s.cp) if self.profile is not None and split > 1 else None
-        if measured is not None:  # timed under real tp x cp groups: their communication is in the times
-            bwd = measured["backward_recompute" if s.recompute else "backward"].time(tokens, sq_tokens)
-            return measured["forward"].time(tokens, sq_tokens), bwd, 0.0, 0.0
-        if self.profile is not None:
-            fit = self.profile.layer
-            t_attn = fit["forward"].attention(tokens, sq_tokens, split)
-            fwd = fit["forward"].time(tokens, sq_tokens, split)
-            bwd = fit["backward_recompute" if s.recompute else "backward"].time(tokens, sq_tokens, split)
-        else:
-            t_attn = m.layer_attn_flops_per_sq_token * sq_tokens / split / hw.attn_flops
-            fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
-            bwd = fwd * (3 if s.recompute else 2)
+        times = self.timing.layer_times(s, tokens, sq_tokens)
+        if times.includes_communication:  # timed under real tp x cp groups: their communication is in the times
+            return times.fwd, times.bwd, 0.0, 0.0
+        fwd, bwd, t_attn = times.fwd, times.bwd, times.attention
         b = m.dtype_bytes
         dev_tokens = tokens / s.cp  # tokens held by each tp rank of the group (sequence split by cp)
         bwd_passes = 2 if s.recompute else 1  # recomputation repeats the forward's collectives
@@ -378,15 +164,10 @@ class CostModel:
         m = self.model
         fwd, bwd, comm_f, comm_b = (float(x) for x in self._layer_phases(s, work.tokens, work.sq_tokens))
         b = m.dtype_bytes
-        dev_tokens = work.tokens / s.cp
         zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd)
-        if self.profile is not None:
-            act_full = (self._profiled_act_per_token(s.tp, s.cp, False) * work.tokens
-                        + self._profiled_mask_bytes(s, work.tokens))
-            act = self._profiled_act_per_token(s.tp, s.cp, True) * work.tokens if s.recompute else act_full
-        else:
-            act_full = dev_tokens / s.tp * self.act_elems * b
-            act = dev_tokens / s.tp * m.hidden * b if s.recompute else act_full
+        timing = self.timing
+        act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens)
+        act = timing.activation_bytes(s, work.tokens, True) if s.recompute else act_full
         transient = act_full if s.recompute else 0.0
         if s.zero == 3:  # the gathered weights of this layer and the prefetched next one
             transient += 2 * m.layer_params / s.tp * b
@@ -413,15 +194,9 @@ class CostModel:
     def _ends_uncached(self, s: LayerStrategy, work: Work, embed: bool, head: bool) -> LayerCost:
         m = self.model
         total = LayerCost()
-        dev_tokens = work.tokens / s.cp
-        prof = self.profile
         if embed:
-            fwd = bwd = 0.0
-            act = dev_tokens / s.tp * m.hidden * m.dtype_bytes
-            if prof is not None:
-                fwd = float(self._end_time("embedding_forward", s, work.tokens))
-                bwd = float(self._end_time("embedding_backward", s, work.tokens))
-                act = dev_tokens * float(prof.activations["embedding_bytes_per_token"])
+            fwd, bwd = (float(x) for x in self.timing.embedding_times(s, work.tokens))
+            act = self.timing.embedding_activation_bytes(s, work.tokens)
             zf, zb, sync, optim = self._grad_comm(m.embedding_params, s, fwd, bwd)
             total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
                                       states=self._states(m.embedding_params, s), act=act)
@@ -429,34 +204,11 @@ class CostModel:
             params = m.head_params
             if m.tie_embeddings and not embed:  # a tied head on another stage keeps its own copy
                 params += m.vocab * m.hidden
-            fwd, bwd = self._head_times(s, work.tokens)
+            fwd, bwd = cast(tuple[float, float], self.timing.head_times(s, work.tokens))  # scalars in, scalars out
             zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd)
-            total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync,
-                                      optim=optim, states=self._states(params, s), transient=self._logit_bytes(s, work.tokens))
+            total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
+                                      states=self._states(params, s), transient=self.timing.logit_bytes(s, work.tokens))
         return total
-
-    def _head_times(self, s: LayerStrategy, tokens):
-        """(forward, backward) seconds of the final norm + LM head + loss for ``tokens`` on a tp x cp group."""
-        if self.profile is not None:
-            return self._end_time("head_forward", s, tokens), self._end_time("head_backward", s, tokens)
-        fwd = self.model.head_flops_per_token * tokens / (s.tp * s.cp) / self.hw.matmul_flops
-        return fwd, 2 * fwd
-
-    def _end_time(self, key: str, s: LayerStrategy, tokens):
-        """Model profile seconds of ``key`` (``embedding_forward``, ..., ``head_backward``) for ``tokens``
-        on a tp x cp group: timed under a real tp group where profiled, else the one-process fit split."""
-        measured = self.profile.parallel_ends(s.tp) if s.tp > 1 else None
-        if measured is not None:  # each cp rank runs the ends on its own tokens
-            return measured[key].time(np.asarray(tokens, dtype=float) / s.cp, 0.0)
-        part, direction = key.split("_")
-        return getattr(self.profile, part)[direction].time(tokens, 0.0, s.tp * s.cp)
-
-    def _logit_bytes(self, s: LayerStrategy, tokens):
-        """Bytes the head and loss keep for backward on each device (the runtime's tp head gathers the
-        logits on every tp rank, so a model profile's measurement divides by cp only)."""
-        if self.profile is not None:
-            return tokens / s.cp * float(self.profile.activations["head_bytes_per_token"])
-        return tokens / s.cp * self.model.vocab / s.tp * LOGIT_BYTES
 
     def layer_work(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int) -> Work:
         """Work of one replica of a layer when a stage's micro-batch of equal-length sequences splits over dp."""
@@ -491,7 +243,7 @@ class CostModel:
         shape = group_shape(2, stride, self.cluster)
         return 2 * self.hw.collective_time("send_recv", nbytes, shape)
 
-    def evaluate_stages(self, stage_strategies, pp: int, schedule: str, m: int, v: int,
+    def evaluate_stages(self, stage_strategies, pp: int, pipeline_schedule: str, m: int, v: int,
                         microbatch_seqs: int, seq_len: int) -> Evaluation:
         """Predict a step from per-chunk layer strategies (``pp * v`` chunks, Megatron's rank order)."""
         chunks = list(stage_strategies)
@@ -504,11 +256,11 @@ class CostModel:
             rank_layers[i % pp] += len(chunks[i])
         p2p = [self.pipeline_p2p(chunks[i][0], microbatch_seqs, seq_len, pp) * v if chunks[i] else 0.0
                for i in range(pp)]
-        rank_times = [rc.time + p for rc, p in zip(rank_cost, p2p)]
-        t_pipe = pipeline_time(schedule, rank_times, m, v)
+        rank_times = [rc.time + p for rc, p in zip(rank_cost, p2p, strict=True)]
+        t_pipe = pipeline_time(pipeline_schedule, rank_times, m, v)
         # Gradient sync and optimizer after the pipeline drains; sync overlaps the last backward.
         tails = [self.exposed_sync(rc.grad_sync, rc.bwd, layers) + rc.optim
-                 for rc, layers in zip(rank_cost, rank_layers)]
+                 for rc, layers in zip(rank_cost, rank_layers, strict=True)]
         step = t_pipe + max(tails)
         busiest = int(np.argmax(rank_times))
         compute = m * (rank_cost[busiest].fwd + rank_cost[busiest].bwd)
@@ -519,7 +271,7 @@ class CostModel:
         memory = []
         for r in range(pp):
             rc = rank_cost[r]
-            flight = in_flight(schedule, pp, r, m, v)
+            flight = in_flight(pipeline_schedule, pp, r, m, v)
             layer_transient = max((self.layer(s, self.layer_work(s, microbatch_seqs, seq_len)).transient
                                    for i in range(r, n, pp) for s in chunks[i]), default=0.0)
             mem = {"states": rc.states, "activations": rc.act * flight, "transient": layer_transient,
@@ -573,11 +325,7 @@ class CostModel:
                                    in_flight_mbs: float = 1.0) -> float:
         """Saved-activation bytes per token of a micro-batch on each device of a tp x cp group."""
         layers = self.model.num_layers if layers is None else layers
-        if self.profile is not None:
-            per = self._profiled_act_per_token(s.tp, s.cp, s.recompute)
-        else:
-            per = (self.model.hidden if s.recompute else self.act_elems) * self.model.dtype_bytes / (s.tp * s.cp)
-        return per * layers * in_flight_mbs
+        return self.timing.activation_bytes_per_token(s, s.recompute) * layers * in_flight_mbs
 
     def max_tokens(self, s: LayerStrategy, layers: int | None = None, embed: bool = True, head: bool = True,
                    in_flight_mbs: float = 1.0) -> int:
@@ -589,10 +337,9 @@ class CostModel:
             states += self.ends(s, one, embed, head).states
         per_token = self.activation_bytes_per_token(s, layers, in_flight_mbs)
         if s.recompute:  # one layer's full activations while it is recomputed
-            per_token += (self._profiled_act_per_token(s.tp, s.cp, False) if self.profile is not None
-                          else self.act_elems * self.model.dtype_bytes / (s.tp * s.cp))
+            per_token += self.timing.activation_bytes_per_token(s, False)
         if head:
-            per_token += self._logit_bytes(s, 1.0)
+            per_token += self.timing.logit_bytes(s, 1.0)
         transient = 2 * self.model.layer_params / s.tp * self.model.dtype_bytes if s.zero == 3 else 0.0
         free = self.memory_budget - states - transient
         return max(0, int(free / per_token))
@@ -601,17 +348,17 @@ class CostModel:
     def microbatch_phases(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
                           head: bool = True, embed: bool = False) -> "MicrobatchPhases":
         """:meth:`microbatch_time` split into forward and backward, compute and exposed communication,
-        so that a pipeline simulation can order the passes. The embedding costs time only with a
-        model profile (the preset counts no FLOPs for a lookup).
+        so that a pipeline simulation can order the passes. The embedding costs what the timing says
+        (nothing analytically: a lookup has no FLOPs to count; a model profile's fit).
         """
         layers = self.model.num_layers if layers is None else layers
         tokens = np.asarray(tokens, dtype=float)
         sq = np.asarray(sq_tokens, dtype=float)
         fwd, bwd, cf, cb = self._layer_phases(s, tokens, sq)
-        head_f, head_b = self._head_times(s, tokens) if head else (0.0, 0.0)
-        if embed and self.profile is not None:
-            head_f = head_f + self._end_time("embedding_forward", s, tokens)
-            head_b = head_b + self._end_time("embedding_backward", s, tokens)
+        head_f, head_b = self.timing.head_times(s, tokens) if head else (0.0, 0.0)
+        if embed:
+            emb_f, emb_b = self.timing.embedding_times(s, tokens)
+            head_f, head_b = head_f + emb_f, head_b + emb_b
         zero = np.zeros_like(tokens)
         return MicrobatchPhases(fwd=fwd * layers + head_f, bwd=bwd * layers + head_b,
                                 comm_fwd=(cf + zero) * layers, comm_bwd=(cb + zero) * layers)
@@ -629,7 +376,7 @@ class CostModel:
         """
         layers = self.model.num_layers if layers is None else layers
         m = self.model
-        t = replace(s, cp=1, cp_kind="none", dp=data_ranks, zero=min(s.zero, 2))
+        t = replace(s, cp=1, cp_kind=CPKind.NONE, dp=data_ranks, zero=min(s.zero, 2))
         params = [(m.layer_params, layers)]
         if embed:
             params.append((m.embedding_params, 1))

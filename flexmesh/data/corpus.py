@@ -16,8 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from flexmesh.errors import DataError
 
 DEFAULT_EXTENSIONS: tuple[str, ...] = (".txt", ".md", ".py", ".rst")
@@ -46,7 +44,8 @@ class Corpus:
         h = hashlib.sha256(f"{self.kind}:{self.text_field}".encode())
         for f in self.files:
             st = f.stat()
-            h.update(f"\0{f.relative_to(self.root) if self.kind == 'dir' else f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+            name = f.relative_to(self.root) if self.kind == "dir" else f.name
+            h.update(f"\0{name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
         return h.hexdigest()[:16]
 
     def documents(self) -> Iterator[str]:
@@ -140,20 +139,3 @@ def stdlib_corpus() -> Corpus:
     """The standard library's ``.py`` files, without third-party packages or caches."""
     return read_corpus(stdlib_corpus_dir(), extensions=(".py",), exclude_dirs=_STDLIB_EXCLUDE)
 
-
-DEFAULT_STDLIB_VOCAB = 8192
-
-
-def stdlib_lengths(vocab_size: int = DEFAULT_STDLIB_VOCAB, cache_dir: str | Path | None = None) -> np.ndarray:
-    """Token lengths of the standard library's ``.py`` files under the project's BPE, cached on disk.
-
-    The first call trains the BPE and tokenises the corpus (see flexmesh.data.tokenizer); later
-    calls read the cache. Returns an int64 array with one length per non-empty file, in path order.
-    """
-    # Imported here: the tokenizer module builds on this one.
-    from flexmesh.data.loader import tokenize_corpus
-    from flexmesh.data.tokenizer import train_bpe
-
-    corpus = stdlib_corpus()
-    tok = train_bpe(corpus, vocab_size=vocab_size, cache_dir=cache_dir)
-    return tokenize_corpus(corpus, tok, cache_dir=cache_dir).lengths.astype(np.int64)

@@ -6,7 +6,7 @@ Shipped distributions (files under ``flexmesh/data/lengths/``, see its README fo
 - ``prolong``: 77,932 lengths sampled from the ProLong long-context mix;
 - ``wlbllm``: 99,519 lengths shaped like a 128K-context production mix;
 - ``stdlib``: the Python standard library's source files tokenized with the project tokenizer
-  (computed on demand by :mod:`flexmesh.data.corpus`);
+  (computed on demand by :func:`flexmesh.data.loader.stdlib_lengths`);
 - ``synthetic``: :func:`synthetic_lengths` with its defaults and seed 0.
 
 >>> a = load_lengths("prolong")
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flexmesh.errors import FlexmeshError
 
@@ -51,7 +52,7 @@ def _parse(text: str, where: str) -> np.ndarray:
 
 @lru_cache(maxsize=None)
 def _shipped(name: str) -> np.ndarray:
-    f = resources.files("flexmesh.data").joinpath("lengths", SHIPPED[name])
+    f = resources.files("flexmesh.data").joinpath("lengths").joinpath(SHIPPED[name])
     raw = f.read_bytes()
     if SHIPPED[name].endswith(".gz"):
         raw = gzip.decompress(raw)
@@ -67,8 +68,9 @@ def load_lengths(name_or_path: str) -> np.ndarray:
     if name_or_path == "synthetic":
         return synthetic_lengths(100_000, seed=0)
     if name_or_path == "stdlib":
-        # Imported lazily: tokenizing the standard library is costly and lives in its own module.
-        from flexmesh.data.corpus import stdlib_lengths
+        # Imported lazily: tokenizing the standard library needs the tokenizers library, which the
+        # shipped distributions do not.
+        from flexmesh.data.loader import stdlib_lengths
 
         return np.asarray(stdlib_lengths(), dtype=np.int64)
     path = Path(name_or_path)
@@ -109,14 +111,14 @@ class BatchSampler:
     ``itertools.islice``; the same seed yields the same batches.
     """
 
-    def __init__(self, lengths, seed: int, seqs_per_batch: int | None = None, tokens_per_batch: int | None = None,
-                 max_len: int | None = None):
+    def __init__(self, lengths: ArrayLike, seed: int, seqs_per_batch: int | None = None,
+                 tokens_per_batch: int | None = None, max_len: int | None = None) -> None:
         a = np.asarray(lengths, dtype=np.int64)
         if a.ndim != 1 or a.size == 0 or (a < 1).any():
             raise FlexmeshError("BatchSampler needs a non-empty 1-D array of lengths >= 1")
         if (seqs_per_batch is None) == (tokens_per_batch is None):
             raise FlexmeshError("BatchSampler: give exactly one of seqs_per_batch or tokens_per_batch")
-        if (seqs_per_batch is not None and seqs_per_batch < 1) or (tokens_per_batch is not None and tokens_per_batch < 1):
+        if min(x for x in (seqs_per_batch, tokens_per_batch) if x is not None) < 1:
             raise FlexmeshError("BatchSampler: the batch size must be >= 1")
         if max_len is not None and max_len < 1:
             raise FlexmeshError("BatchSampler: max_len must be >= 1 (the context length)")
@@ -133,12 +135,14 @@ class BatchSampler:
                 yield a[rng.integers(0, a.size, size=self.seqs_per_batch)].copy()
                 continue
             # Draw in blocks and cut where the running total would pass the token budget.
+            budget = self.tokens_per_batch
+            assert budget is not None  # the constructor set exactly one of the two sizes
             out: list[np.ndarray] = []
             total = 0
             while True:
                 block = a[rng.integers(0, a.size, size=256)]
                 cum = total + np.cumsum(block)
-                k = int(np.searchsorted(cum, self.tokens_per_batch, side="right"))
+                k = int(np.searchsorted(cum, budget, side="right"))
                 if k < block.size:
                     out.append(block[: max(k, 1 if not out else k)])
                     break

@@ -3,6 +3,7 @@
 The store keeps a corpus's token ids as two ``.npy`` files (one flat array, one array of document
 offsets) under ``<cache>/tokens/<key>/`` where the key hashes the corpus fingerprint and the
 tokenizer, so tokenisation runs once per (corpus, tokenizer) and later runs memory-map the result.
+:func:`stdlib_lengths` reads the standard library's token lengths out of such a store.
 
 The loader walks a seeded permutation of the documents per epoch and cuts it into global batches;
 its position is two integers, so resuming from a checkpoint replays exactly the same batches.
@@ -10,7 +11,6 @@ its position is two integers, so resuming from a checkpoint replays exactly the 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from flexmesh.data.corpus import Corpus, read_corpus
-from flexmesh.data.tokenizer import cache_root, file_lock, load_tokenizer, tokenizer_hash, train_bpe
+from flexmesh.data.cache import cache_key, cache_root, file_lock
+from flexmesh.data.corpus import Corpus, read_corpus, stdlib_corpus
+from flexmesh.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
 from flexmesh.errors import DataError
 
 _ENCODE_CHUNK = 256  # documents per encode call: bounds memory while keeping the library's threads busy
@@ -43,6 +44,7 @@ class TokenizedCorpus:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Tokens per document (int64)."""
         return np.diff(self.offsets)
 
     @classmethod
@@ -56,7 +58,7 @@ class TokenizedCorpus:
 
 def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | Path | None = None) -> TokenizedCorpus:
     """Token ids of every document of ``corpus``, from the cache or encoded now and cached."""
-    key = hashlib.sha256(f"{corpus.fingerprint()}|{tokenizer_hash(tokenizer)}".encode()).hexdigest()[:16]
+    key = cache_key(corpus.fingerprint(), tokenizer_hash(tokenizer))
     folder = cache_root(cache_dir) / "tokens" / key
     with file_lock(folder.with_suffix(".lock")):
         if not (folder / "offsets.npy").is_file():
@@ -113,6 +115,20 @@ def load_corpus_tokens(
     return tokenize_corpus(corpus, tok, cache_dir=cache_dir), tok
 
 
+DEFAULT_STDLIB_VOCAB = 8192
+
+
+def stdlib_lengths(vocab_size: int = DEFAULT_STDLIB_VOCAB, cache_dir: str | Path | None = None) -> np.ndarray:
+    """Token lengths of the standard library's ``.py`` files under the project's BPE, cached on disk.
+
+    The first call trains the BPE and tokenises the corpus (:func:`stdlib_corpus`, :func:`train_bpe`);
+    later calls read the cache. Returns an int64 array with one length per non-empty file, in path order.
+    """
+    corpus = stdlib_corpus()
+    tok = train_bpe(corpus, vocab_size=vocab_size, cache_dir=cache_dir)
+    return tokenize_corpus(corpus, tok, cache_dir=cache_dir).lengths.astype(np.int64)
+
+
 class DocumentLoader:
     """Endless global batches of ``global_batch`` whole documents, each truncated to ``max_len`` tokens.
 
@@ -129,7 +145,8 @@ class DocumentLoader:
         if global_batch < 1:
             raise DataError(f"global_batch must be at least 1 document, got {global_batch}")
         if max_len < min_len:
-            raise DataError(f"max_len {max_len} is below the shortest usable document ({min_len} tokens); raise max_len")
+            raise DataError(
+                f"max_len {max_len} is below the shortest usable document ({min_len} tokens); raise max_len")
         self.docs = corpus_tokens
         self.global_batch = global_batch
         self.max_len = max_len
@@ -173,6 +190,7 @@ class DocumentLoader:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, batch) and the settings a resume must match; JSON-serialisable."""
         return {
             "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
             "global_batch": self.global_batch, "max_len": self.max_len, "num_eligible": int(len(self.eligible)),

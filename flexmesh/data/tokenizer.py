@@ -8,17 +8,15 @@ same corpus reuses it and an edited corpus retrains.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from flexmesh.data.cache import cache_key, cache_root, file_lock
 from flexmesh.data.corpus import Corpus, read_corpus
 from flexmesh.errors import DataError
+from flexmesh.files import write_atomic
 
 END_OF_TEXT = "<|endoftext|>"
 # Training cost grows with the text seen; beyond a few MB the merges barely change (measured on the
@@ -26,26 +24,6 @@ END_OF_TEXT = "<|endoftext|>"
 # in a sixth of the time), so training reads at most this much, spread over the whole corpus.
 DEFAULT_MAX_TRAIN_BYTES = 8_000_000
 _FORMAT = "bytelevel-bpe-v1"  # bump when training settings change, so old caches are not reused
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The cache folder: ``cache_dir``, else ``$FLEXMESH_CACHE``, else ``~/.cache/flexmesh``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("FLEXMESH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "flexmesh"
-
-
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` so concurrent ranks build a cache entry only once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def tokenizer_hash(tok: Tokenizer) -> str:
@@ -104,7 +82,7 @@ def train_bpe(
         corpus = read_corpus(corpus)
     if vocab_size < 257:
         raise DataError(f"vocab_size {vocab_size} is below the 256 byte tokens + 1 special; use at least 257")
-    key = hashlib.sha256(f"{_FORMAT}|{corpus.fingerprint()}|{vocab_size}|{max_train_bytes}".encode()).hexdigest()[:16]
+    key = cache_key(_FORMAT, corpus.fingerprint(), vocab_size, max_train_bytes)
     path = cache_root(cache_dir) / "tokenizers" / f"bpe-{key}.json"
     with file_lock(path.with_suffix(".lock")):
         if path.is_file():
@@ -120,7 +98,6 @@ def train_bpe(
         )
         texts = _training_texts(corpus, max_train_bytes)
         tok.train_from_iterator(texts, trainer, length=len(texts))
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tok.save(str(tmp))
-        os.replace(tmp, path)  # atomic: a reader never sees a half-written file
+        # Atomic: a reader never sees a half-written file. pretty=True is what Tokenizer.save writes.
+        write_atomic(path, tok.to_str(pretty=True))
     return tok

@@ -46,7 +46,8 @@ class StagePlan:
             raise PlanError(f"stage layers [{self.start}, {self.end}) are empty or reversed")
         if len(self.strategies) != self.end - self.start:
             raise PlanError(
-                f"stage [{self.start}, {self.end}) has {self.end - self.start} layers but {len(self.strategies)} strategies"
+                f"stage [{self.start}, {self.end}) has {self.end - self.start} layers but "
+                f"{len(self.strategies)} strategies"
             )
 
     @property

@@ -5,12 +5,12 @@ Every failure raises :class:`PlanError` with a message saying what to change.
 
 from __future__ import annotations
 
-from flexmesh.cost.model import CostModel, Evaluation
-from flexmesh.units import GIB
+from flexmesh.cost import CostModel, Evaluation
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import Plan
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
+from flexmesh.units import GIB
 
 
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostModel | None = None) -> Evaluation:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Sequence
-from itertools import combinations
+from itertools import combinations, pairwise
 from math import comb
 
 
@@ -28,7 +28,7 @@ def compositions(layers: int, parts: int) -> Iterator[tuple[int, ...]]:
     """Every split of ``layers`` into ``parts`` non-empty chunks, by choosing the cut points."""
     for cuts in combinations(range(1, layers), parts - 1):
         edges = (0, *cuts, layers)
-        yield tuple(b - a for a, b in zip(edges, edges[1:]))
+        yield tuple(b - a for a, b in pairwise(edges))
 
 
 def even_split(layers: int, parts: int) -> tuple[int, ...]:
@@ -65,3 +65,21 @@ def neighbours(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
                 s[a] -= 1
                 s[b] += 1
                 yield tuple(s)
+
+
+def balanced_splits(layers: int, parts: int, time_extra: Sequence[float], mem_weight: Sequence[float],
+                    mem_extra: Sequence[float]) -> list[tuple[int, ...]]:
+    """The even split, the time-balanced and the memory-balanced one, and their neighbours, sorted.
+
+    ``time_extra`` is each chunk's fixed work in layers' worth (embedding, LM head); ``mem_weight``
+    the memory of one layer on each chunk and ``mem_extra`` each chunk's fixed memory (see :func:`balance`).
+
+    >>> balanced_splits(6, 2, [0.0, 2.0], [1.0, 1.0], [0.0, 0.0])
+    [(2, 4), (3, 3), (4, 2), (5, 1)]
+    """
+    seeds = {even_split(layers, parts), balance(layers, parts, time_extra),
+             balance(layers, parts, mem_extra, mem_weight)}
+    out = set(seeds)
+    for s in seeds:
+        out.update(neighbours(s))
+    return sorted(out)

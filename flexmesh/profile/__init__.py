@@ -2,7 +2,8 @@
 
 - :func:`profile_hardware` / :func:`profile_model` measure (``flexmesh profile hardware|model``);
 - :func:`load_profile` reads a file (:class:`HardwareProfile` or :class:`ModelProfile`);
-- :func:`cost_model_from_profiles` / :func:`cluster_from_profile` turn them into a CostModel.
+- :func:`cost_model_from_profiles` / :func:`cluster_from_profile` / :func:`hardware_from_profile` turn them
+  into a CostModel (reading them through :mod:`flexmesh.profile.timing`).
 
 File format: docs/profiles.md. The profilers import torch; loading and using profiles does not
 need it beyond what the cost model needs.
@@ -10,7 +11,8 @@ need it beyond what the cost model needs.
 
 from flexmesh.profile.fit import LayerFit, fit_alpha_beta, fit_layer_time, fit_linear
 from flexmesh.profile.format import CollectiveFit, HardwareProfile, ModelProfile, load_profile, spec_hash
-from flexmesh.profile.use import cluster_from_profile, cost_model_from_profiles
+from flexmesh.profile.timing import ProfiledHardware, ProfiledTiming
+from flexmesh.profile.use import cluster_from_profile, cost_model_from_profiles, hardware_from_profile
 
 
 def profile_hardware(*args, **kwargs):
@@ -28,6 +30,7 @@ def profile_model(*args, **kwargs):
 
 
 __all__ = [
-    "CollectiveFit", "HardwareProfile", "LayerFit", "ModelProfile", "cluster_from_profile", "cost_model_from_profiles",
-    "fit_alpha_beta", "fit_layer_time", "fit_linear", "load_profile", "profile_hardware", "profile_model", "spec_hash",
+    "CollectiveFit", "HardwareProfile", "LayerFit", "ModelProfile", "ProfiledHardware", "ProfiledTiming",
+    "cluster_from_profile", "cost_model_from_profiles", "fit_alpha_beta", "fit_layer_time", "fit_linear",
+    "hardware_from_profile", "load_profile", "profile_hardware", "profile_model", "spec_hash",
 ]

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import least_squares as _robust, lsq_linear
+from scipy.optimize import least_squares as _robust
+from scipy.optimize import lsq_linear
 
 from flexmesh.errors import ProfileError
 
@@ -70,7 +71,8 @@ class LayerFit:
     ``c0 + c1 * tokens + c2 * sum(len_k ** 2) + c3 * tokens ** 2``. ``c2`` is the cost of attention
     that skips other documents (varlen kernels, and the runtime's CPU kernel, which runs document by
     document); ``c3`` the cost of attention that computes the whole row and masks it (dense-mask
-    kernels), so it grows with the row however the row is packed. Sweeps that mix short and long documents in rows of several lengths separate
+    kernels), so it grows with the row however the row is packed. Sweeps that mix short and long
+    documents in rows of several lengths separate
     the two.
 
     >>> f = LayerFit(1e-4, 2e-6, 3e-9, 0.0)
@@ -94,7 +96,8 @@ class LayerFit:
     def attention(self, tokens, sq_tokens, split: float = 1.0):
         """The quadratic (attention) part alone, seconds."""
         t = np.asarray(tokens, dtype=float)
-        return (self.c2_s_per_sq_token * np.asarray(sq_tokens, dtype=float) + self.c3_s_per_sq_row_token * t * t) / split
+        return (self.c2_s_per_sq_token * np.asarray(sq_tokens, dtype=float)
+                + self.c3_s_per_sq_row_token * t * t) / split
 
     def to_dict(self) -> dict:
         return {"c0_s": self.c0_s, "c1_s_per_token": self.c1_s_per_token,

@@ -185,11 +185,13 @@ def _measure_attention(world: World, cfg: dict, dtypes: list[str]) -> dict:
         alpha, c = fit_linear(sq, times)
         flops = 2.0 * ATTN_HEADS * ATTN_HEAD_DIM / c if c > 0 else math.inf
         out[name] = {"alpha_s": alpha, "s_per_sq_token": c, "flops_per_s": flops, "heads": ATTN_HEADS,
-                     "head_dim": ATTN_HEAD_DIM, "samples_tokens_s": [list(x) for x in zip(cfg["attention_tokens"], times)]}
+                     "head_dim": ATTN_HEAD_DIM,
+                     "samples_tokens_s": [list(x) for x in zip(cfg["attention_tokens"], times)]}
     return out
 
 
-def profile_hardware(quick: bool = False, show_progress: bool = True, world: World | None = None) -> HardwareProfile | None:
+def profile_hardware(quick: bool = False, show_progress: bool = True,
+                     world: World | None = None) -> HardwareProfile | None:
     """Measure this machine; every process of the world calls it, rank 0 gets the profile (others None)."""
     world = world or World()
     cfg = sweep(quick, world.device)

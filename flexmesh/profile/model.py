@@ -150,7 +150,8 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
 
         def head_f():
             logits = head(norm(h))
-            state["loss"] = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1), reduction="sum") / n
+            state["loss"] = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1),
+                                            reduction="sum") / n
 
         def head_b():
             state["loss"].backward()
@@ -398,7 +399,8 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         return None
     samples = {"layer_rows": layer_rows, "end_tokens": cfg["end_tokens"], **{f"{k}_s": v for k, v in ends.items()}}
     return ModelProfile(model=spec.to_dict(), dtype=dtype, layer=layer,
-                        embedding={"forward": end_fits["embedding_forward"], "backward": end_fits["embedding_backward"]},
+                        embedding={"forward": end_fits["embedding_forward"],
+                                   "backward": end_fits["embedding_backward"]},
                         head={"forward": end_fits["head_forward"], "backward": end_fits["head_backward"]},
                         activations=activations, states=states, parallel=parallel,
                         produced_by=produced_by(processes=world.size, device_count=world.size),

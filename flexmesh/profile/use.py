@@ -1,4 +1,4 @@
-"""Turn profiles into what the cost model takes: a ClusterSpec, a Hardware, a CostModel.
+"""Turn profiles into what the cost model takes: a ClusterSpec, a Hardware, a LayerTiming, a CostModel.
 
 >>> from flexmesh.profile.format import CollectiveFit, HardwareProfile
 >>> from flexmesh.spec import MODEL_PRESETS
@@ -23,9 +23,10 @@ from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.model import CostModel
 from flexmesh.errors import ProfileError
 from flexmesh.profile.format import HardwareProfile, ModelProfile, as_profile
+from flexmesh.profile.timing import ProfiledHardware, ProfiledTiming
 from flexmesh.spec.cluster import ClusterSpec, DeviceSpec
-from flexmesh.units import GIB
 from flexmesh.spec.model import ModelSpec
+from flexmesh.units import GIB
 
 
 def cluster_from_profile(hw: HardwareProfile, world: int | None = None) -> ClusterSpec:
@@ -34,23 +35,34 @@ def cluster_from_profile(hw: HardwareProfile, world: int | None = None) -> Clust
     The device's peak per dtype is the measured matmul throughput (so efficiencies are 1), its memory
     the profile's per device for ``world`` processes (on CPU: the RAM shared by them), its bandwidths
     and latencies those of the measured send/recv; the cost model reads the profile itself through
-    :meth:`Hardware.from_profile`, so these fields only describe the device to people and files.
+    :func:`hardware_from_profile`, so these fields only describe the device to people and files.
     """
     world = world or int(hw.device["nodes"]) * int(hw.device["devices_per_node"])
     if world < 1:
         raise ProfileError(f"world must be at least 1, got {world}")
     p2p = hw.fits("send_recv")
     alpha = min((f.alpha_s for f in p2p), default=0.0)
-    gbps = max((1.0 / f.beta_s_per_byte / 1e9 for f in p2p if f.beta_s_per_byte > 0), default=float(hw.memory_bytes_per_s) / 1e9)
+    gbps = max((1.0 / f.beta_s_per_byte / 1e9 for f in p2p if f.beta_s_per_byte > 0),
+               default=float(hw.memory_bytes_per_s) / 1e9)
     matmul = {k: float(v) for k, v in hw.matmul_flops_per_s.items()}
     attn = hw.attention_flops(hw.dtype) / matmul[hw.dtype] if hw.dtype in matmul else 1.0
     dev = DeviceSpec(
-        name=re.sub(r"[^A-Za-z0-9]+", "-", str(hw.device["name"])).strip("-") or "device", peak_tflops={k: v / 1e12 for k, v in matmul.items()},
+        name=re.sub(r"[^A-Za-z0-9]+", "-", str(hw.device["name"])).strip("-") or "device",
+        peak_tflops={k: v / 1e12 for k, v in matmul.items()},
         memory_gib=hw.memory_per_device(world) / GIB, hbm_gbps=float(hw.memory_bytes_per_s) / 1e9,
         nvlink_gbps=gbps, node_net_gbps=gbps, intra_latency_us=alpha * 1e6, inter_latency_us=alpha * 1e6,
         mm_efficiency=1.0, attn_efficiency=attn, intra_efficiency=1.0, inter_efficiency=1.0,
         a2a_intra_efficiency=1.0, a2a_inter_efficiency=1.0, framework_reserve_gib=0.0, allocator_headroom=0.0)
     return ClusterSpec(nodes=1, devices_per_node=world, device=dev)
+
+
+def hardware_from_profile(cluster: ClusterSpec, profile: HardwareProfile, dtype: str | None = None) -> Hardware:
+    """Throughput and collective times of ``cluster`` measured by ``flexmesh profile hardware``.
+
+    ``dtype`` (default: the profile's, the dtype the runtime trains in on that device) picks the
+    matmul and attention throughput; see :class:`~flexmesh.profile.timing.ProfiledHardware`.
+    """
+    return ProfiledHardware(cluster, profile, dtype or profile.dtype)
 
 
 def cost_model_from_profiles(spec: ModelSpec, hardware=None, model=None, world: int | None = None,
@@ -71,8 +83,8 @@ def cost_model_from_profiles(spec: ModelSpec, hardware=None, model=None, world: 
     # Bytes and throughput in the dtype the profiles measured: the one the runtime trains in.
     dtype = mp.dtype if mp is not None else (hw.dtype if hw is not None else spec.dtype)
     spec = replace(spec, dtype=dtype)
-    hardware_model = Hardware.from_profile(cluster, hw, dtype) if hw is not None else None
-    return CostModel(spec, cluster, hardware=hardware_model, model_profile=mp)
+    hardware_model = hardware_from_profile(cluster, hw, dtype) if hw is not None else None
+    return CostModel(spec, cluster, hardware=hardware_model, timing=ProfiledTiming(mp) if mp is not None else None)
 
 
 def cost_model_for(spec: ModelSpec, cluster: str | None, hardware: str | None = None, model: str | None = None,

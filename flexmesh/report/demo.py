@@ -1,4 +1,10 @@
-"""The report of ``flexmesh demo``: what was planned, simulated and measured, as markdown with PNGs."""
+"""What ``flexmesh demo`` trains, and its report: what was planned, simulated and measured, as markdown
+with PNGs.
+
+>>> plan = training_plan(nproc=2, max_len=512, global_batch=6)
+>>> plan.model, plan.world_size, plan.layout
+('tiny', 2, 'pp1 1f1b m1 | [0,4) 4x tp1-dp2z2')
+"""
 
 from __future__ import annotations
 
@@ -6,19 +12,44 @@ import datetime
 import json
 import platform
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from flexmesh.layout.enums import PipelineSchedule
+from flexmesh.layout.plan import Plan, StagePlan
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.report.plots import balance_png, loss_png, predicted_vs_measured_png, timeline_png
 from flexmesh.report.report import Report, median_abs_error
+from flexmesh.sim.simulation import Simulation, comparison_row
+from flexmesh.spec.model import parse_model
+
+TRAIN_MODEL = "tiny"  # the model the demo profiles and trains: small enough for a few CPU processes
+
+
+def training_plan(nproc: int, max_len: int, global_batch: int, model: str = TRAIN_MODEL) -> Plan:
+    """The demo's training plan: ``model`` sharded over ``nproc`` local CPU processes (ZeRO-2, no tp,
+    pp or cp), sequences of ``max_len``, ``global_batch`` documents per step; priced by profiles."""
+    spec = parse_model(model)
+    strategy = LayerStrategy.parse(f"tp1-dp{nproc}z2")
+    return Plan(model=model, cluster=f"{nproc}xcpu", world_size=nproc, pp=1,
+                pipeline_schedule=PipelineSchedule.ONE_F_ONE_B,
+                num_microbatches=1, seq_len=max_len, global_batch=global_batch,
+                stages=(StagePlan(0, spec.num_layers, (strategy,) * spec.num_layers),), cost_source="profile")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl`` (one JSON object per line; blank lines skipped)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def run_summary(rows: list[dict], warmup: int = 1) -> dict:
     """Figures of one measured run from its metrics.jsonl rows (the first ``warmup`` steps left out
     of throughput, when there are more steps than that).
 
-    >>> rows = [{"step": s, "loss": 5.0, "tokens": 100, "step_time_s": t, "busy_s": [t, t / 2], "predicted_step_time_s": 1.0,
-    ...          "policy": "hdp", "fallback": s == 2} for s, t in ((1, 2.0), (2, 1.0), (3, 1.0))]
+    >>> rows = [{"step": s, "loss": 5.0, "tokens": 100, "step_time_s": t, "busy_s": [t, t / 2],
+    ...          "predicted_step_time_s": 1.0, "policy": "hdp", "fallback": s == 2}
+    ...         for s, t in ((1, 2.0), (2, 1.0), (3, 1.0))]
     >>> d = run_summary(rows); d["tokens_per_s"], d["imbalance"], d["fallbacks"], d["predicted_error"]
     (100.0, 1.3333333333333333, 1, 0.0)
     """
@@ -37,9 +68,9 @@ def run_summary(rows: list[dict], warmup: int = 1) -> dict:
     }
 
 
-def write_report(out: Path, sim, metrics: dict[str, list[dict]], plan_path: Path, elapsed_s: float,
-                 console=None) -> Path:
-    """``sim``: flexmesh.commands.simulate.Simulation; ``metrics``: run label -> metrics.jsonl rows."""
+def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], plan_path: Path,
+                 elapsed_s: float) -> Path:
+    """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows."""
     out = Path(out)
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
@@ -64,13 +95,9 @@ def write_report(out: Path, sim, metrics: dict[str, list[dict]], plan_path: Path
     rep.text(f"{s['model']} on {s['cluster']}, context {s['context']}, {s['lengths']} lengths, "
              f"{s['mean_sequences_per_step']:.0f} sequences / {s['mean_tokens_per_step'] / 1e3:.0f}K tokens per step, "
              f"{s['steps']} steps (`flexmesh simulate`).")
-    rows = []
-    for r in sim.runs:
-        d = r.to_dict()
-        rows.append([r.label, f"{d['mean_step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
-                     "-" if d["speedup_vs_fixed"] is None else f"{d['speedup_vs_fixed']:.2f}x",
-                     f"{d['imbalance']:.3f}", f"{d['ratio_to_lower_bound']:.3f}", f"{d['scheduler_ms_per_step']:.1f}"])
-    rep.table(["policy", "step (s)", "tokens/s", "speedup", "imbalance", "ratio to lower bound", "scheduler ms"], rows)
+    sim_rows = [comparison_row(r)[:-1] for r in sim.runs]  # the simulate command's columns but utilisation
+    rep.table(["policy", "step (s)", "tokens/s", "speedup", "imbalance", "ratio to lower bound", "scheduler ms"],
+              sim_rows)
     best = max(sim.runs, key=lambda r: r.tokens_per_s)
     for r in (sim.runs[0], best) if best is not sim.runs[0] else (sim.runs[0],):
         for f in sim.plots.get(r.label, []):
@@ -81,25 +108,26 @@ def write_report(out: Path, sim, metrics: dict[str, list[dict]], plan_path: Path
     summaries = {label: run_summary(rows) for label, rows in metrics.items()}
     table = []
     for label, d in summaries.items():
-        table.append([label, ", ".join(d["policies"]), d["steps"], f"{d['step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
-                      f"{d['imbalance']:.3f}", d["fallbacks"],
+        table.append([label, ", ".join(d["policies"]), d["steps"], f"{d['step_time_s']:.3f}",
+                      f"{d['tokens_per_s']:,.0f}", f"{d['imbalance']:.3f}", d["fallbacks"],
                       "-" if d["predicted_error"] is None else f"{d['predicted_error']:.1%}", f"{d['final_loss']:.4f}"])
     rep.table(["run", "policies used", "steps", "mean step (s)", "tokens/s", "imbalance (busy max/mean)",
                "late schedules (fallback)", "median step-time error", "final loss"], table)
     labels = list(metrics)
     if "fixed" in summaries and len(summaries) > 1:
         other = [x for x in labels if x != "fixed"][0]
-        rep.text(f"{other} against fixed: **{summaries[other]['tokens_per_s'] / summaries['fixed']['tokens_per_s']:.2f}x** "
-                 "tokens/s on the same batches (first step left out as warm-up).")
+        gain = summaries[other]["tokens_per_s"] / summaries["fixed"]["tokens_per_s"]
+        rep.text(f"{other} against fixed: **{gain:.2f}x** tokens/s on the same batches (first step left out as "
+                 "warm-up).")
     rep.image(loss_png({k: ([r["step"] for r in v], [r["loss"] for r in v]) for k, v in metrics.items()},
                        figs / "loss.png"), "loss curves")
     rep.image(balance_png({k: np.array([r["busy_s"] for r in v]) for k, v in metrics.items()}, figs / "balance.png"),
               "per-rank busy time")
     for label, rows in metrics.items():
-        r = rows[-1]
-        rep.image(timeline_png(r["busy_s"], r["step_time_s"], figs / f"timeline_{label}.png",
-                               predicted=r.get("predicted_busy_s") or None,
-                               title=f"{label}: step {r['step']} as measured"), f"measured step, {label}")
+        last = rows[-1]
+        rep.image(timeline_png(last["busy_s"], last["step_time_s"], figs / f"timeline_{label}.png",
+                               predicted=last.get("predicted_busy_s") or None,
+                               title=f"{label}: step {last['step']} as measured"), f"measured step, {label}")
     pred = [(r["predicted_step_time_s"], r["step_time_s"], k) for k, v in metrics.items() for r in v[1:]
             if r.get("predicted_step_time_s")]
     if pred:

@@ -20,7 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from flexmesh.sim.plots import COLORS, _save, _unit  # noqa: E402
+from flexmesh.report.report import median_abs_error  # noqa: E402
+from flexmesh.sim.plots import COLORS, save_figure, time_unit  # noqa: E402
 
 
 def loss_png(runs: Mapping[str, tuple[Sequence[int], Sequence[float]]], path: str | Path,
@@ -35,7 +36,7 @@ def loss_png(runs: Mapping[str, tuple[Sequence[int], Sequence[float]]], path: st
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def balance_png(runs: Mapping[str, np.ndarray], path: str | Path, title: str = "per-rank busy time") -> Path:
@@ -46,7 +47,7 @@ def balance_png(runs: Mapping[str, np.ndarray], path: str | Path, title: str = "
     labels = list(runs)
     ranks = max(np.asarray(v).shape[1] for v in runs.values())
     top = max(float(np.asarray(v).mean(axis=0).max()) for v in runs.values())
-    scale, unit = _unit(top)
+    scale, unit = time_unit(top)
     width = 0.8 / max(1, len(labels))
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, label in enumerate(labels):
@@ -60,7 +61,7 @@ def balance_png(runs: Mapping[str, np.ndarray], path: str | Path, title: str = "
     ax.set_title(title, fontsize=10, loc="left")
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def timeline_png(busy: Sequence[float], step_time: float, path: str | Path, predicted: Sequence[float] | None = None,
@@ -69,22 +70,22 @@ def timeline_png(busy: Sequence[float], step_time: float, path: str | Path, pred
 
     ``predicted`` (per rank, seconds) draws the cost model's busy time as a thin black tick.
     """
-    busy = np.asarray(busy, dtype=float)
-    scale, unit = _unit(step_time)
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(busy)))
-    for r, b in enumerate(busy):
+    per_rank = np.asarray(busy, dtype=float)
+    scale, unit = time_unit(step_time)
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(per_rank)))
+    for r, b in enumerate(per_rank):
         ax.broken_barh([(0, b * scale)], (r - 0.35, 0.7), facecolors=COLORS["compute"])
         ax.broken_barh([(b * scale, max(0.0, step_time - b) * scale)], (r - 0.35, 0.7), facecolors=COLORS["wait"])
         if predicted is not None:
             ax.plot([predicted[r] * scale] * 2, [r - 0.45, r + 0.45], color="black", linewidth=2)
-    ax.set_yticks(range(len(busy)), [f"rank {r}" for r in range(len(busy))], fontsize=8)
+    ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, step_time * scale * 1.02)
     ax.set_xlabel(f"time in step ({unit}); blue: busy, red: waiting"
                   + ("; black tick: predicted busy" if predicted is not None else ""))
     ax.set_title(title, fontsize=10, loc="left")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def predicted_vs_measured_png(predicted: Sequence[float], measured: Sequence[float], path: str | Path,
@@ -93,7 +94,7 @@ def predicted_vs_measured_png(predicted: Sequence[float], measured: Sequence[flo
     p = np.asarray(predicted, dtype=float)
     m = np.asarray(measured, dtype=float)
     labels = list(labels) if labels is not None else [""] * len(p)
-    scale, unit = _unit(float(max(p.max(initial=0), m.max(initial=0))))
+    scale, unit = time_unit(float(max(p.max(initial=0), m.max(initial=0))))
     fig, ax = plt.subplots(figsize=(5.5, 5))
     for label in dict.fromkeys(labels):
         sel = np.array([x == label for x in labels])
@@ -104,9 +105,7 @@ def predicted_vs_measured_png(predicted: Sequence[float], measured: Sequence[flo
     ax.set_ylim(0, hi)
     ax.set_xlabel(f"predicted ({unit})")
     ax.set_ylabel(f"measured ({unit})")
-    from flexmesh.report.report import median_abs_error
-
     ax.set_title(f"{title}: median |error| {median_abs_error(p, m):.1%}", fontsize=10, loc="left")
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -24,9 +24,12 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
+
+from flexmesh.files import write_atomic
 
 
-def median_abs_error(predicted, measured) -> float:
+def median_abs_error(predicted: ArrayLike, measured: ArrayLike) -> float:
     """Median of ``|predicted - measured| / measured``.
 
     >>> median_abs_error([1.0, 2.2, 2.7], [1.0, 2.0, 3.0])
@@ -48,23 +51,26 @@ class Report:
         self.parts: list[str] = [f"# {title}\n"]
 
     def heading(self, text: str) -> None:
+        """A second-level heading."""
         self.parts.append(f"## {text}\n")
 
     def text(self, text: str) -> None:
+        """A paragraph (surrounding whitespace dropped)."""
         self.parts.append(text.strip() + "\n")
 
     def table(self, columns: Sequence[str], rows: Sequence[Sequence]) -> None:
+        """A markdown table; cells are written with ``str``."""
         lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
         self.parts.append("\n".join(lines) + "\n")
 
     def image(self, path: str | Path, caption: str) -> None:
+        """An image, linked relative to the report so the output folder can move."""
         rel = os.path.relpath(Path(path), self.out)
         self.parts.append(f"![{caption}]({rel})\n")
 
     def write(self) -> Path:
+        """Write ``<out>/report.md`` (atomically: a reader never sees half a report) and return its path."""
         path = self.out / "report.md"
-        tmp = path.with_suffix(".md.tmp")
-        tmp.write_text("\n".join(self.parts))
-        os.replace(tmp, path)
+        write_atomic(path, "\n".join(self.parts))
         return path

@@ -29,7 +29,7 @@ Which later steps fall back depends on timing, in a resumed run as in any other;
 >>> import numpy as np
 >>> from flexmesh.data.loader import DocumentLoader
 >>> from flexmesh.schedule.testing import tiny_context
->>> from flexmesh.schedule.policies import make_schedule
+>>> from flexmesh.schedule.registry import make_schedule
 >>> ctx = tiny_context(num_ranks=4)
 >>> loader = DocumentLoader([np.ones(n, dtype=np.int64) for n in (900, 50, 3000, 60, 700, 20)], global_batch=3,
 ...                         max_len=4096)
@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.step import StepSchedule
+from flexmesh.runtime.distributed import cpu_group
 
 ScheduleFn = Callable[[list[int]], StepSchedule]
 PRIMARY, FALLBACK = "primary", "fallback"
@@ -78,7 +79,7 @@ def _timed(fn: ScheduleFn, lengths: list[int]) -> tuple[StepSchedule, float]:
 
 
 class AdaptiveSource:
-    """A StepSource (flexmesh.runtime.train) whose schedules are computed one step ahead on rank 0.
+    """A StepSource (flexmesh.runtime.loop) whose schedules are computed one step ahead on rank 0.
 
     ``loader``: an iterator of global batches (lists of token arrays) with ``state_dict`` /
     ``load_state_dict`` (flexmesh.data.loader.DocumentLoader), run identically on every rank.
@@ -102,8 +103,6 @@ class AdaptiveSource:
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self._distributed else 0
         if self._distributed and group is None:
-            from flexmesh.runtime.train import cpu_group
-
             group = cpu_group()
         self.group = group
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexmesh-scheduler") \

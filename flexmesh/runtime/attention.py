@@ -14,7 +14,8 @@ Worked example of the mask (T = 5, cu_seqlens = [0, 3, 5]: documents a a a b b):
                                        4            . . . 1 1
 
 Kernels: on CPU (and for fp32 on GPU without FlexAttention) causal SDPA document by document (cost
-sum(len^2), as a varlen kernel; no mask kept); on GPU flash-attn's varlen kernel when installed and the dtype is fp16/bf16, else FlexAttention with a
+sum(len^2), as a varlen kernel; no mask kept); on GPU flash-attn's varlen kernel when installed and
+the dtype is fp16/bf16, else FlexAttention with a
 document mask. Only the CPU path is exercised by the test suite (no GPU in CI).
 
 Context parallelism (``cp`` given): each rank holds a contiguous 1/cp slice of the row while

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from flexmesh.errors import CheckpointError
-from flexmesh.layout.plan import Plan
 from flexmesh.files import write_atomic
+from flexmesh.layout.plan import Plan
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -64,7 +64,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) -> Path:
-    """Write checkpoint ``step`` of ``trainer`` (a flexmesh.runtime.train.Trainer); all ranks call it."""
+    """Write checkpoint ``step`` of ``trainer`` (a flexmesh.runtime.trainer.Trainer); all ranks call it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -78,7 +78,8 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
     dist.barrier()
     model_sd, optim_sd = get_state_dict(trainer.state_module(), trainer.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save({"rng": _rng_state(), "scheduler": trainer.scheduler.state_dict(), "loader": loader_state,
+    # The LR scheduler's state stays under the key "scheduler": checkpoints already on disk use it.
+    torch.save({"rng": _rng_state(), "scheduler": trainer.lr_scheduler.state_dict(), "loader": loader_state,
                 "step_index": trainer.step_index}, tmp / f"rank_{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
@@ -157,7 +158,7 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
                               "from an earlier one") from e
     set_state_dict(trainer.state_module(), trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    trainer.scheduler.load_state_dict(extra["scheduler"])
+    trainer.lr_scheduler.load_state_dict(extra["scheduler"])  # the LR scheduler (key kept from older files)
     trainer.step_index = int(extra["step_index"])
     _set_rng_state(extra["rng"])
     return extra["loader"]

@@ -5,7 +5,8 @@ optimizer states and allocator slack; the cost model predicts activations separa
 measured separately, with autograd's saved-tensor hooks. Each saved tensor is charged by its
 storage (a view saved twice, or two views of one buffer, count once); parameters and views of
 them (the ``weight.t()`` a linear layer saves) are not activations and are skipped. A tensor stops
-counting when autograd releases it after its backward, so :attr:`SavedActivationMeter.peak_bytes` is the high-water mark over everything the meter saw,
+counting when autograd releases it after its backward, so :attr:`SavedActivationMeter.peak_bytes`
+is the high-water mark over everything the meter saw,
 pipelines with several micro-batches in flight included.
 
 >>> import torch

@@ -35,8 +35,8 @@ from flexmesh.errors import SpecError
 from flexmesh.runtime.attention import CPContext, attend
 from flexmesh.spec.model import ModelSpec
 
-if TYPE_CHECKING:  # the data package owns PackedBatch; the model only reads positions and cu_seqlens
-    from flexmesh.data.packing import PackedBatch
+if TYPE_CHECKING:  # runtime.packing owns PackedBatch; the model only reads positions and cu_seqlens
+    from flexmesh.runtime.packing import PackedBatch
 
 
 def check_supported(spec: ModelSpec) -> None:
@@ -60,7 +60,8 @@ def check_supported(spec: ModelSpec) -> None:
 
 
 # ---- rotary position embedding -----------------------------------------------------------------
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [B, T, head_dim] for integer ``positions`` [B, T].
 
     Uses the half-split ("rotate_half") convention of Hugging Face Llama checkpoints: dimension i
@@ -206,7 +207,8 @@ class Transformer(nn.Module):
             copy_full_(param, full)
 
 
-def build_model(spec: ModelSpec, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> Transformer:
+def build_model(spec: ModelSpec, device: str | torch.device = "meta",
+                dtype: torch.dtype = torch.float32) -> Transformer:
     """Build the model on ``device`` (meta by default: no memory until parallelize materialises it).
 
     On a real device the weights are initialised with ``init_weights(0)``; on meta call

@@ -32,7 +32,6 @@ from flexmesh.layout.mesh import MESH_AXES, Layout, aligned_blocks, context_kind
 from flexmesh.spec.model import ModelSpec
 
 
-
 def check_model_fits_layout(spec: ModelSpec, layout: Layout) -> None:
     """Reject shapes tensor parallelism cannot split, saying what to change."""
     tp = layout.tp
@@ -68,7 +67,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
     )
 
     root: dict = {}

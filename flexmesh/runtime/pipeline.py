@@ -20,12 +20,16 @@ count) with their shapes declared (:func:`make_stages`) and cached.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import Plan, StagePlan
+
+if TYPE_CHECKING:  # only for annotations: pipelining is imported when a pipeline is built
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 SCHEDULE_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}
 
@@ -99,8 +103,12 @@ def padded_microbatch_count(schedule: str, count: int, pp: int) -> int:
     return count
 
 
-def build_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn: Callable):
-    """A torch.distributed.pipelining schedule over this rank's stages.
+def build_pipeline_schedule(stages: list, schedule: str, n_microbatches: int,
+                            loss_fn: Callable) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B) over this rank's stages.
+
+    Not to be confused with a StepSchedule (flexmesh.layout.step), which says which documents each
+    data rank runs; this one orders the forwards and backwards of a step's micro-batches.
 
     ``scale_grads=False``: the loss is already normalised by the step's global label-token count,
     so the schedule must not divide gradients by the number of micro-batches again.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexmesh.data.packing import global_label_tokens, pack_microbatch
+from flexmesh.runtime.packing import global_label_tokens, pack_microbatch
 
 
 def reference_loss(model: torch.nn.Module, docs, schedule, backward: bool = True) -> float:

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
+from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import lower_bound
-from flexmesh.layout.step import Group, Piece, StepSchedule
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,11 @@ class Slot:
 
     @property
     def ranks(self) -> tuple[int, ...]:
+        """The group's data ranks, in order."""
         return tuple(range(self.start, self.start + self.size))
 
 
-def aligned_layout(sizes, num_ranks: int) -> list[Slot]:
+def aligned_layout(sizes: Iterable[int], num_ranks: int) -> list[Slot]:
     """Place groups of power-of-two ``sizes`` on ranks, each aligned to its size; spare ranks become 1-groups.
 
     Placing the largest first keeps every start a multiple of its size, because each start is a sum
@@ -71,10 +74,10 @@ def microbatch_times(ctx: ScheduleContext, sizes: np.ndarray, tokens: np.ndarray
     return out
 
 
-def build_schedule(policy: str, lengths, ctx: ScheduleContext, slots: list[Slot],
-                   microbatches: list[list[list[Piece]]], started: float, deferred=(),
-                   charged_tokens: list[list[int]] | None = None, extra: dict | None = None) -> StepSchedule:
-    """Score and package a schedule.
+def build_step_schedule(policy: str, lengths: ArrayLike, ctx: ScheduleContext, slots: Sequence[Slot],
+                        microbatches: list[list[list[Piece]]], started: float, *, deferred: Sequence[int] = (),
+                        charged_tokens: list[list[int]] | None = None, extra: dict | None = None) -> StepSchedule:
+    """Score and package a step schedule.
 
     ``microbatches[g]`` lists group ``g``'s micro-batches in run order. ``charged_tokens[g][k]``, when
     given, is the token count the hardware actually processes for micro-batch ``k`` of group ``g``
@@ -91,7 +94,7 @@ def build_schedule(policy: str, lengths, ctx: ScheduleContext, slots: list[Slot]
     charged = real if charged_tokens is None else np.array([t for ts in charged_tokens for t in ts], dtype=float)
     t_mb = microbatch_times(ctx, sizes, charged, sq) if len(sizes) else np.zeros(0)
     groups, times, pos = [], [], 0
-    for slot, mbs in zip(slots, microbatches):
+    for slot, mbs in zip(slots, microbatches, strict=True):
         t = t_mb[pos:pos + len(mbs)] / slot_speed(ctx, slot)
         pos += len(mbs)
         g_time = float(t.sum() + (ctx.pp - 1) * t.max()) if len(t) else 0.0
@@ -114,6 +117,6 @@ def build_schedule(policy: str, lengths, ctx: ScheduleContext, slots: list[Slot]
                         scheduler_seconds=time.perf_counter() - started, extra=info)
 
 
-def pieces_of(seq_ids, lengths) -> list[Piece]:
+def pieces_of(seq_ids: Sequence[int], lengths: Sequence[int] | np.ndarray) -> list[Piece]:
     """A micro-batch holding the given sequences whole (``lengths``: a list is fastest)."""
     return [Piece(int(i), 0, int(lengths[i])) for i in seq_ids]

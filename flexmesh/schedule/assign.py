@@ -14,16 +14,25 @@ shorter one of a lightly loaded group.
 
 Per-sequence times include one fixed micro-batch cost each; packing several sequences into one
 micro-batch shares it, so loads here slightly overestimate. The exact times come afterwards from
-:func:`flexmesh.schedule.assemble.build_schedule`.
+:func:`flexmesh.schedule.assemble.build_step_schedule`.
+
+:func:`lpt` works on plain arrays; :func:`place` and :func:`rebalance` take and give
+:class:`~flexmesh.schedule.placement.Placement` values.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass, replace
 from itertools import chain
+from typing import Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
+from flexmesh.schedule.assemble import Slot
+from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.placement import Batch, Placement, slot_speeds
 
 # Search effort of the balance pass, chosen on bench/schedule.py's batches (512 sequences over 64
 # ranks; wikipedia, prolong, wlbllm): steps that lower the slowest group by less than 1e-4 of its time
@@ -34,7 +43,7 @@ MAX_SWAPS = 32
 MIN_GAIN = 1e-4
 
 
-def lpt(order, need: np.ndarray, times: dict[int, np.ndarray], sizes: list[int], speeds: list[float],
+def lpt(order: ArrayLike, need: np.ndarray, times: dict[int, np.ndarray], sizes: Sequence[int], speeds: Sequence[float],
         loads: np.ndarray | None = None) -> tuple[list[list[int]], np.ndarray]:
     """Place sequences ``order`` (ids, most work first) on groups of ``sizes``; returns members and loads.
 
@@ -72,22 +81,48 @@ def lpt(order, need: np.ndarray, times: dict[int, np.ndarray], sizes: list[int],
     return members, np.asarray(load_list)
 
 
-def rebalance(members: list[list[int]], loads: np.ndarray, need: np.ndarray, times: dict[int, np.ndarray],
-              sizes: list[int], speeds: list[float], max_moves: int = 256, max_swaps: int = MAX_SWAPS,
-              min_gain: float = MIN_GAIN) -> np.ndarray:
-    """Move sequences off the slowest group while that lowers it; edits ``members``, returns loads.
+def place(batch: Batch, ctx: ScheduleContext, slots: Sequence[Slot], target: np.ndarray, *,
+          balance: bool = True) -> Placement:
+    """LPT of sequences (most rank-seconds first) onto groups of at least their ``target`` size, then balance."""
+    speeds = slot_speeds(ctx, slots)
+    times = batch.times
+    t_target = np.choose(np.searchsorted(ctx.group_sizes, target), [times[d] for d in ctx.group_sizes])
+    order = np.lexsort((np.arange(batch.lens.size), -(target * t_target)))
+    members, loads = lpt(order, target, times, [s.size for s in slots], speeds)
+    placement = Placement(slots, speeds, members, loads, target)
+    return rebalance(placement, batch) if balance else placement
 
-    When no single move helps, one swap with a shorter sequence elsewhere is tried. Both are capped
-    by count (not by clock, so the result stays deterministic) to bound the run time at scale, and
-    each must lower the slowest group by at least ``min_gain`` of its time.
+
+@dataclass(frozen=True, eq=False)
+class _Costs:
+    """What the balance pass looks up, built once per pass (eq=False: numpy fields)."""
+
+    need: np.ndarray  # smallest group size each sequence may move to
+    table: np.ndarray  # table[c, i]: sequence i's time on a group of size classes[c]
+    classes: list[int]
+    sizes: list[int]  # ranks per group
+    speeds: np.ndarray  # speed factor per group
+
+
+def rebalance(placement: Placement, batch: Batch, *, max_moves: int = 256, max_swaps: int = MAX_SWAPS,
+              min_gain: float = MIN_GAIN) -> Placement:
+    """Move sequences off the slowest group while that lowers it; returns the improved placement.
+
+    A sequence may move to any group of at least ``batch.need`` ranks. When no single move helps,
+    one swap with a shorter sequence elsewhere is tried. Both are capped by count (not by clock, so
+    the result stays deterministic) to bound the run time at scale, and each must lower the slowest
+    group by at least ``min_gain`` of its time.
     """
-    loads = loads.astype(float).copy()
+    members = placement.member_lists()
+    loads = placement.loads.astype(float).copy()
+    need, times, sizes = batch.need, batch.times, placement.sizes
     size_arr = np.asarray(sizes)
-    speed_arr = np.asarray(speeds, dtype=float)
+    speed_arr = np.asarray(placement.speeds, dtype=float)
     by_size = {d: np.flatnonzero(size_arr == d) for d in sorted(set(sizes))}
     swaps = 0
     classes = sorted(times)
-    table = np.stack([times[d] for d in classes])
+    costs = _Costs(need=need, table=np.stack([times[d] for d in classes]), classes=classes, sizes=sizes,
+                   speeds=speed_arr)
     for _ in range(max_moves):
         g = int(np.argmax(loads))
         if not members[g]:
@@ -111,8 +146,7 @@ def rebalance(members: list[list[int]], loads: np.ndarray, need: np.ndarray, tim
                 best = (float(worst[k]), k, h)
         if best[1] < 0:
             swaps += 1
-            if swaps > max_swaps or not _swap(g, members, loads, need, table, classes, sizes, speed_arr,
-                                              min_gain=min_gain):
+            if swaps > max_swaps or not _swap(g, members, loads, costs, min_gain=min_gain):
                 break
             continue
         k, h = best[1], best[2]
@@ -120,19 +154,20 @@ def rebalance(members: list[list[int]], loads: np.ndarray, need: np.ndarray, tim
         members[h].append(i)
         loads[g] -= own[k]
         loads[h] += times[sizes[h]][i] / speed_arr[h]
-    return loads
+    return replace(placement, members=members, loads=loads)
 
 
-def _swap(g: int, members: list[list[int]], loads: np.ndarray, need: np.ndarray, table: np.ndarray,
-          classes: list[int], sizes: list[int], speed_arr: np.ndarray, width: int = 8, partners: int = 16,
-          max_candidates: int = 512, min_gain: float = 0.0) -> bool:
+def _swap(g: int, members: list[list[int]], loads: np.ndarray, costs: _Costs, *, width: int = 8,
+          partners: int = 16, max_candidates: int = 512, min_gain: float = 0.0) -> bool:
     """Exchange one sequence of the slowest group ``g`` with one elsewhere, if that lowers ``g``.
 
     The ``width`` longest members of ``g`` are scored at once against every sequence of the
     ``partners`` least-loaded groups, at most about ``max_candidates`` of them (only lightly loaded
-    groups can take more work; the caps keep a swap cheap on thousands of ranks): new time of both groups, keeping the pair whose larger new time is smallest.
-    ``table[c, i]`` is sequence ``i``'s time on a group of size ``classes[c]``. Returns whether it swapped.
+    groups can take more work; the caps keep a swap cheap on thousands of ranks): new time of both
+    groups, keeping the pair whose larger new time is smallest. Edits ``members`` and ``loads`` in
+    place; returns whether it swapped.
     """
+    need, table, classes, sizes, speed_arr = costs.need, costs.table, costs.classes, costs.sizes, costs.speeds
     cand = np.argsort(loads, kind="stable")[: partners + 1]
     cand = cand[cand != g][:partners]
     counts = np.array([len(members[h]) for h in cand], dtype=np.int64)

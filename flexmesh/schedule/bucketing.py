@@ -23,12 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
 
 
 @dataclass(frozen=True)
 class Buckets:
+    """Length buckets of a batch: each sequence's bucket and each bucket's upper edge and count."""
+
     edges: np.ndarray  # upper edge (longest length) of each bucket, increasing
     index: np.ndarray  # bucket of each input sequence
     counts: np.ndarray  # sequences per bucket
@@ -40,7 +43,7 @@ class Buckets:
 
     _padding: int = 0
 
-    def token_error(self, lengths) -> float:
+    def token_error(self, lengths: ArrayLike) -> float:
         """Phantom tokens as a fraction of real tokens."""
         a = np.asarray(lengths, dtype=np.int64)
         return float((self.edges[self.index] - a).sum() / a.sum())
@@ -52,7 +55,7 @@ def _grid(values: np.ndarray, max_points: int) -> np.ndarray:
     return points[np.searchsorted(points, values, side="left")]
 
 
-def dp_buckets(lengths, k: int = 16, max_points: int = 512) -> Buckets:
+def dp_buckets(lengths: ArrayLike, k: int = 16, max_points: int = 512) -> Buckets:
     """Split ``lengths`` into at most ``k`` buckets minimising phantom tokens (exact on ``max_points`` values)."""
     a = np.asarray(lengths, dtype=np.int64)
     if a.ndim != 1 or a.size == 0:
@@ -79,12 +82,12 @@ def dp_buckets(lengths, k: int = 16, max_points: int = 512) -> Buckets:
         choice.append(np.where(keep, -1, arg))
         best = np.minimum(best, new)
     # Walk back from the last value: each layer either starts a bucket at arg or defers to fewer buckets.
-    uppers, j = [u - 1], u - 1
+    uppers, last = [u - 1], u - 1
     for layer in reversed(choice):
-        start = int(layer[j])
+        start = int(layer[last])
         if start > 0:
             uppers.append(start - 1)
-            j = start - 1
+            last = start - 1
     edges_work = v[np.array(sorted(uppers))]
     index = np.searchsorted(edges_work, work, side="left")
     # Edges on the original lengths: the longest real length of each bucket (never above the grid edge).

@@ -26,12 +26,16 @@ import math
 import time
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
-from flexmesh.schedule.assemble import aligned_layout, build_schedule
-from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.lower_bound import lower_bound, min_groups, seq_times
 from flexmesh.layout.step import Piece, StepSchedule
+from flexmesh.schedule.assemble import aligned_layout, build_step_schedule
+from flexmesh.schedule.assign import place
+from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.hdp import hdp_layout
+from flexmesh.schedule.lower_bound import lower_bound
+from flexmesh.schedule.placement import Batch
 
 
 def equal_time_cuts(ctx: ScheduleContext, d: int, length: int, k: int) -> list[int]:
@@ -57,43 +61,42 @@ def equal_time_cuts(ctx: ScheduleContext, d: int, length: int, k: int) -> list[i
 
 
 def _slices(ctx: ScheduleContext, d: int, length: int, t_alone: float, tau: float, cap: int) -> list[tuple[int, int]]:
+    """Equal-time slices of about ``tau`` seconds, more of them while one would exceed ``cap`` tokens."""
     k = max(1, math.ceil(t_alone / tau))
     while True:
         cuts = equal_time_cuts(ctx, d, length, k)
-        spans = list(zip(cuts[:-1], cuts[1:]))
+        spans = list(zip(cuts[:-1], cuts[1:], strict=True))
         if max(b - a for a, b in spans) <= cap or k >= length:
             return spans
         k += 1
 
 
-def chunked_schedule(lengths, ctx: ScheduleContext, *, seed: int = 0, chunk_time: float | None = None) -> StepSchedule:
+def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
+                     chunk_time: float | None = None) -> StepSchedule:
     """Place as ``hdp``, then cut long sequences into equal-time slices of about ``chunk_time`` seconds.
 
     ``chunk_time`` defaults to the lower bound divided by ``2 * pp``: enough micro-batches per group
     that the ``(pp - 1)`` fill and drain cost at most about half a micro-batch per stage.
     """
-    from flexmesh.schedule.policies import _lengths, assign_to_slots, hdp_layout
-
     t0 = time.perf_counter()
     if ctx.pp < 2:
         raise ScheduleError("the 'chunked' policy is for pipelines (pp > 1); with pp = 1 use 'hdp' or 'milp'")
-    lens = _lengths(lengths)
-    need = min_groups(lens, ctx)
-    times = seq_times(lens, ctx)
+    batch = Batch.of(lengths, ctx)
+    lens, times = batch.lens, batch.times
     tau = lower_bound(lens, ctx) / (2 * ctx.pp) if chunk_time is None else float(chunk_time)
     if tau <= 0:
         raise ScheduleError(f"chunk_time must be > 0 seconds, got {chunk_time}")
-    sizes, target = hdp_layout(lens, ctx, times, need)
+    sizes, target = hdp_layout(batch, ctx)
     slots = aligned_layout(sizes, ctx.num_ranks)
-    members = assign_to_slots(lens, ctx, slots, times, need, target)
+    placement = place(batch, ctx, slots, target)
     mbs_all = []
-    for slot, mem in zip(slots, members):
+    for slot, mem in zip(slots, placement.members, strict=True):
         d, cap = slot.size, ctx.max_tokens(slot.size)
         t = times[d]
         c = float(ctx.microbatch_time(d, 0.0, 0.0))
-        mem = sorted(mem, key=lambda i: (-t[i], i))
-        long_ids = [i for i in mem if t[i] > tau]
-        short_ids = [i for i in mem if t[i] <= tau]
+        ordered = sorted(mem, key=lambda i: (-t[i], i))
+        long_ids = [i for i in ordered if t[i] > tau]
+        short_ids = [i for i in ordered if t[i] <= tau]
         mbs: list[list[Piece]] = []
         room: list[tuple[float, int, int]] = []  # (time left, tokens left, micro-batch index) beside a tail
         for i in long_ids:
@@ -121,4 +124,4 @@ def chunked_schedule(lengths, ctx: ScheduleContext, *, seed: int = 0, chunk_time
                 mbs.append([Piece(int(i), 0, li)])
                 fresh.append((tau - float(t[i]), cap - li, len(mbs) - 1))
         mbs_all.append(mbs)
-    return build_schedule("chunked", lens, ctx, slots, mbs_all, t0, extra={"chunk_time": tau})
+    return build_step_schedule("chunked", lens, ctx, slots, mbs_all, t0, extra={"chunk_time": tau})

@@ -7,12 +7,13 @@ never computes its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flexmesh.cost import CostModel
 from flexmesh.errors import ScheduleError
+from flexmesh.layout.enums import CPKind
 from flexmesh.layout.strategy import LayerStrategy
 
 
@@ -56,15 +57,19 @@ class ScheduleContext:
         return sizes
 
     def group_strategy(self, d: int) -> LayerStrategy:
+        """The base strategy with a context-parallel group of ``d`` ranks."""
         # Every data rank holds the same weights, so ZeRO shards states over all of them whatever the
         # group size: dp * cp == num_ranks (with dp=1 a 7B model under ZeRO-3 would fit on no small group).
-        return replace(self.base, cp=d, cp_kind=self.cp_kind if d > 1 else "none", dp=max(1, self.num_ranks // d))
+        kind = CPKind(self.cp_kind) if d > 1 else CPKind.NONE
+        return replace(self.base, cp=d, cp_kind=kind, dp=max(1, self.num_ranks // d))
 
     @property
     def layers_per_stage(self) -> int:
+        """Layers on the fullest pipeline stage."""
         return -(-self.cost.model.num_layers // self.pp)
 
-    def microbatch_time(self, d: int, tokens, sq_tokens, ranks: tuple[int, ...] | None = None):
+    def microbatch_time(self, d: int, tokens: ArrayLike, sq_tokens: ArrayLike,
+                        ranks: tuple[int, ...] | None = None) -> float | np.ndarray:
         """Seconds for one micro-batch (fwd + bwd, one pipeline stage's layers) on a group of ``d`` ranks.
 
         ``ranks`` applies the slowest member's speed factor. Arrays are accepted.
@@ -75,7 +80,7 @@ class ScheduleContext:
             t = t / min(self.speed[r] for r in ranks)
         return t
 
-    def seq_time(self, d: int, lengths) -> np.ndarray:
+    def seq_time(self, d: int, lengths: ArrayLike) -> np.ndarray:
         """Time of each sequence alone on a group of ``d`` ranks (vectorised)."""
         a = np.asarray(lengths, dtype=float)
         return np.asarray(self.microbatch_time(d, a, a * a))

@@ -25,6 +25,7 @@ by the scheduler, and are left out here as they are in the policies' predicted t
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flexmesh.schedule.context import ScheduleContext
 
@@ -49,7 +50,7 @@ def seq_times(lengths: np.ndarray, ctx: ScheduleContext) -> dict[int, np.ndarray
     return {d: np.asarray(ctx.seq_time(d, lengths), dtype=float).reshape(-1) for d in ctx.group_sizes}
 
 
-def lower_bound(lengths, ctx: ScheduleContext) -> float:
+def lower_bound(lengths: ArrayLike, ctx: ScheduleContext) -> float:
     """Seconds: the larger of perfectly spread work and the slowest single sequence (see module doc)."""
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.size == 0:

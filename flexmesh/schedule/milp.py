@@ -37,13 +37,17 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
+from numpy.typing import ArrayLike
 
-from flexmesh.schedule.assemble import aligned_layout, build_schedule
+from flexmesh.layout.step import StepSchedule
+from flexmesh.schedule.assemble import aligned_layout, build_step_schedule
+from flexmesh.schedule.assign import place
 from flexmesh.schedule.bucketing import dp_buckets
 from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.hdp import hdp
 from flexmesh.schedule.lower_bound import lower_bound, min_groups, seq_times
-from flexmesh.layout.step import StepSchedule
+from flexmesh.schedule.placement import Batch, check_lengths, pack_groups, round_up_to
+from flexmesh.schedule.static import balanced
 
 
 def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray], need_b: np.ndarray,
@@ -54,6 +58,10 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
     ``mean_t[d][b]`` is the mean time of bucket ``b``'s sequences on ``d`` ranks (so a whole bucket's
     work is exact, not rounded up to its edge); ``max_t`` that of its longest, which must fit in ``T``.
     """
+    # Imported here, not at the top: scipy.optimize takes about 0.3 s to import, and every `flexmesh`
+    # command line loads this module (train's --policy choices come from the registry).
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     sizes = sorted(mean_t)
     nb, nd = counts.size, len(sizes)
     ok = np.array([[d >= need_b[b] and max_t[d][b] <= T for d in sizes] for b in range(nb)])
@@ -70,7 +78,7 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
         cost[v] = d * mean_t[d][b]
         A_place[b, v] = 1.0
         A_load[k, v] = mean_t[d][b]
-    for k, d in enumerate(sizes):
+    for k in range(nd):
         A_load[k, nx + k] = -T
     A_ranks = np.zeros((1, nv))
     A_ranks[0, nx:] = sizes
@@ -104,8 +112,7 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
     return {d: int(xv[nx + k]) for k, d in enumerate(sizes)}, x
 
 
-def _targets(lens: np.ndarray, sizes: list[int], x: np.ndarray, index: np.ndarray, times, need: np.ndarray,
-             spread: bool) -> np.ndarray:
+def _targets(batch: Batch, sizes: list[int], x: np.ndarray, index: np.ndarray, spread: bool) -> np.ndarray:
     """Each sequence's group size from the MILP's per-bucket counts ``x[b, k]`` (on ``sizes[k]`` ranks).
 
     Without ``spread``, a bucket's longest sequences take its largest sizes. With ``spread``, the
@@ -113,6 +120,7 @@ def _targets(lens: np.ndarray, sizes: list[int], x: np.ndarray, index: np.ndarra
     time, so every size gets about the work the MILP planned for it (``x[b, k]`` times the mean), not
     the bucket's longest members alone.
     """
+    lens, times, need = batch.lens, batch.times, batch.need
     target = need.copy()
     order_k = sorted(range(len(sizes)), key=lambda k: -sizes[k])
     for b in range(x.shape[0]):
@@ -135,40 +143,39 @@ def _targets(lens: np.ndarray, sizes: list[int], x: np.ndarray, index: np.ndarra
     return target
 
 
-def _realise(lens: np.ndarray, ctx: ScheduleContext, groups: dict[int, int], x: np.ndarray, index: np.ndarray,
-             times, need: np.ndarray, started: float, extra: dict) -> StepSchedule:
+def _realise(batch: Batch, ctx: ScheduleContext, groups: dict[int, int], x: np.ndarray, index: np.ndarray,
+             started: float) -> StepSchedule:
     """The best of a few concrete schedules for one MILP solution (the layout ``groups`` is fixed).
 
     Bucket counts are only an average; the sequences behind them differ in time, so the MILP's
     sizes are realised three ways (longest to largest, spread by time, and the layout alone with
     every sequence free to take any group that holds it) and each is placed by LPT and balance.
     """
-    from flexmesh.schedule.policies import _pack_groups, assign_to_slots, round_up_to
-
     sizes_sorted = sorted(groups)
     slots = aligned_layout([d for d in sizes_sorted for _ in range(groups[d])], ctx.num_ranks)
     best = None
     for how in ("largest", "spread", "layout"):
-        target = need if how == "layout" else _targets(lens, sizes_sorted, x, index, times, need, how == "spread")
+        target = batch.need if how == "layout" else _targets(batch, sizes_sorted, x, index, how == "spread")
         target = round_up_to(target, [s.size for s in slots])
-        members, loads = assign_to_slots(lens, ctx, slots, times, need, target, with_loads=True)
-        if best is None or loads.max() < best[0] - 1e-12:
-            best = (float(loads.max()), members, how)
-    _, members, how = best
-    return build_schedule("milp", lens, ctx, slots, _pack_groups(lens, ctx, slots, members), started,
-                          extra={**extra, "realised_by": how})
+        placement = place(batch, ctx, slots, target)
+        if best is None or placement.makespan < best[0].makespan - 1e-12:
+            best = (placement, how)
+    assert best is not None  # three ways were tried
+    placement, how = best
+    return build_step_schedule("milp", batch.lens, ctx, slots, pack_groups(placement, batch.lens, ctx), started,
+                               extra={"realised_by": how})
 
 
-def milp_schedule(lengths, ctx: ScheduleContext, *, seed: int = 0, buckets: int = 16, time_limit: float = 1.0,
-                  iterations: int = 8, cuts: bool = True) -> StepSchedule:
+def milp_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, buckets: int = 16,
+                  time_limit: float = 1.0, iterations: int = 8, cuts: bool = True) -> StepSchedule:
     """Bucketed MILP over group sizes, warm-started from the best heuristic; never worse than it."""
-    from flexmesh.schedule.policies import _lengths, balanced, hdp
+    import scipy.optimize  # noqa: F401  (loaded before the clock starts: the import is no solver time)
 
     t0 = time.perf_counter()
-    lens = _lengths(lengths)
+    lens = check_lengths(lengths)
     warm = min((hdp(lens, ctx, seed=seed), balanced(lens, ctx, seed=seed)), key=lambda s: s.predicted_step_time)
-    need = min_groups(lens, ctx)
-    times = seq_times(lens, ctx)
+    batch = Batch.of(lens, ctx)
+    times = batch.times
     bk = dp_buckets(lens, k=buckets)
     need_b = min_groups(bk.edges, ctx)
     speed = min(ctx.speed) if ctx.speed else 1.0  # conservative: a bucket's sequence on the slowest ranks
@@ -193,7 +200,7 @@ def milp_schedule(lengths, ctx: ScheduleContext, *, seed: int = 0, buckets: int 
             lo = T
             continue
         solved += 1
-        cand = _realise(lens, ctx, sol[0], sol[1], bk.index, times, need, t0, {})
+        cand = _realise(batch, ctx, sol[0], sol[1], bk.index, t0)
         if cand.predicted_step_time < best.predicted_step_time:
             best, status = cand, "milp"
         hi = T

@@ -20,6 +20,7 @@ length when a sequence exceeds the cap.
 from __future__ import annotations
 
 import bisect
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -34,7 +35,7 @@ def _check(lengths: np.ndarray, cap: int) -> None:
         )
 
 
-def next_fit(ids, lengths, cap: int) -> list[list[int]]:
+def next_fit(ids: Iterable[int], lengths: Sequence[int] | np.ndarray, cap: int) -> list[list[int]]:
     """Arrival-order packing: append while the running total stays within ``cap``."""
     ids = [int(i) for i in ids]
     lens = np.asarray(lengths, dtype=np.int64)
@@ -42,16 +43,16 @@ def next_fit(ids, lengths, cap: int) -> list[list[int]]:
     out: list[list[int]] = []
     room = -1
     for i in ids:
-        l = int(lens[i])
-        if l > room:
+        n = int(lens[i])
+        if n > room:
             out.append([])
             room = cap
         out[-1].append(i)
-        room -= l
+        room -= n
     return out
 
 
-def best_fit_decreasing(ids, lengths, cap: int) -> list[list[int]]:
+def best_fit_decreasing(ids: Iterable[int], lengths: Sequence[int] | np.ndarray, cap: int) -> list[list[int]]:
     """Longest first, each into the micro-batch with the least room that still holds it."""
     ids = [int(i) for i in ids]
     lens = lengths.tolist() if isinstance(lengths, np.ndarray) else list(lengths)
@@ -64,13 +65,13 @@ def best_fit_decreasing(ids, lengths, cap: int) -> list[list[int]]:
     bins: list[list[int]] = []
     rooms: list[tuple[int, int]] = []  # sorted (room left, bin index)
     for i in order:
-        l = lens[i]
-        k = bisect.bisect_left(rooms, (l, -1))
+        n = lens[i]
+        k = bisect.bisect_left(rooms, (n, -1))
         if k == len(rooms):
             bins.append([i])
-            bisect.insort(rooms, (cap - l, len(bins) - 1))
+            bisect.insort(rooms, (cap - n, len(bins) - 1))
         else:
             room, b = rooms.pop(k)
             bins[b].append(i)
-            bisect.insort(rooms, (room - l, b))
+            bisect.insort(rooms, (room - n, b))
     return bins

@@ -1,7 +1,7 @@
 """Run scheduling policies over the same global batches and simulate every step.
 
 This is what ``flexmesh simulate`` and ``bench/schedule.py`` share: each policy schedules each batch
-(:func:`flexmesh.schedule.policies.make_schedule`), the simulator plays the schedule out
+(:func:`flexmesh.schedule.registry.make_schedule`), the simulator plays the schedule out
 (:func:`flexmesh.sim.timeline.simulate_step`), and the steps are summarised.
 
 ``fixed`` is run once for every static context-parallel degree whose memory holds a full context
@@ -16,14 +16,15 @@ simulated gradient sync + optimizer time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
-from flexmesh.schedule.context import ScheduleContext
 from flexmesh.layout.step import StepSchedule
+from flexmesh.schedule.context import ScheduleContext
 from flexmesh.sim.timeline import StepTimeline, simulate_step
 
 ScheduleFn = Callable[..., StepSchedule]
@@ -49,25 +50,31 @@ class PolicyRun:
 
     @property
     def steps(self) -> int:
+        """Steps simulated."""
         return len(self.step_times)
 
     @property
     def mean_step_time(self) -> float:
+        """Mean simulated step time, s."""
         return float(np.mean(self.step_times))
 
     @property
     def tokens_per_s(self) -> float:
+        """Tokens trained over simulated seconds, all steps together."""
         return float(np.sum(self.tokens) / np.sum(self.step_times))
 
     @property
     def scheduler_ms(self) -> float:
+        """Mean time the scheduler took per step, ms."""
         return 1e3 * float(np.mean(self.scheduler_seconds))
 
     @property
     def scheduler_ms_p95(self) -> float:
+        """95th percentile of the scheduler's time per step, ms."""
         return 1e3 * float(np.percentile(self.scheduler_seconds, 95))
 
     def to_dict(self) -> dict:
+        """Means over the steps and the per-step series, JSON-serialisable."""
         return {
             "policy": self.policy,
             "label": self.label,
@@ -98,17 +105,24 @@ def _scheduled_tokens(s: StepSchedule) -> int:
 
 
 def run_policy(policy: str, batches: Sequence[np.ndarray], ctx: ScheduleContext, *, seed: int = 0,
-               options: dict | None = None, label: str | None = None, virtual_stages: int = 1, speed=None,
+               options: dict | None = None, label: str | None = None, virtual_stages: int = 1,
+               speed: ArrayLike | None = None,
                slot_tokens: int | None = None, make_schedule: ScheduleFn | None = None,
                on_step: Callable[[], None] | None = None) -> PolicyRun:
     """Schedule and simulate every batch with one policy; the first step keeps its detailed timeline."""
+    schedule_fn: ScheduleFn
     if make_schedule is None:
-        from flexmesh.schedule.policies import make_schedule
+        # Imported here: callers that bring their own scheduling function never load the policies.
+        from flexmesh.schedule.registry import make_schedule as default_schedule
+
+        schedule_fn = cast(ScheduleFn, default_schedule)  # batches are arrays; any int sequence will do
+    else:
+        schedule_fn = make_schedule
     options = dict(options or {})
     rows: dict[str, list] = {k: [] for k in ("t", "tok", "imb", "lb", "sch", "util", "pred", "pad")}
     first = None
     for k, lengths in enumerate(batches):
-        s = make_schedule(policy, lengths, ctx, seed=seed + k, **options)
+        s = schedule_fn(policy, lengths, ctx, seed=seed + k, **options)
         tl = simulate_step(ctx, s, virtual_stages=virtual_stages, speed=speed, slot_tokens=slot_tokens,
                            detail=k == 0)
         if k == 0:
@@ -135,7 +149,7 @@ def fixed_degrees(ctx: ScheduleContext, context: int) -> list[int]:
 
 
 def compare_policies(policies: Sequence[str], batches: Sequence[np.ndarray], ctx: ScheduleContext, *,
-                     context: int, seed: int = 0, virtual_stages: int = 1, speed=None,
+                     context: int, seed: int = 0, virtual_stages: int = 1, speed: ArrayLike | None = None,
                      make_schedule: ScheduleFn | None = None,
                      on_step: Callable[[], None] | None = None) -> list[PolicyRun]:
     """Run each policy (``fixed`` at its best static degree) over ``batches``; speedups relative to fixed.
@@ -147,8 +161,8 @@ def compare_policies(policies: Sequence[str], batches: Sequence[np.ndarray], ctx
         raise ScheduleError(f"a batch holds a {longest}-token sequence but the context is {context}; "
                             f"truncate the batches to the context length")
     runs: list[PolicyRun] = []
-    common = dict(seed=seed, virtual_stages=virtual_stages, speed=speed, make_schedule=make_schedule,
-                  on_step=on_step)
+    common: dict[str, Any] = dict(seed=seed, virtual_stages=virtual_stages, speed=speed,
+                                  make_schedule=make_schedule, on_step=on_step)
     for policy in policies:
         if policy != "fixed":
             runs.append(run_policy(policy, batches, ctx, **common))
@@ -166,8 +180,6 @@ def compare_policies(policies: Sequence[str], batches: Sequence[np.ndarray], ctx
     base = next((r for r in runs if r.policy == "fixed"), None)
     if base is None:
         return runs
-    from dataclasses import replace
-
     return [replace(r, speedup=r.tokens_per_s / base.tokens_per_s) for r in runs]
 
 

@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from flexmesh.errors import FlexmeshError  # noqa: E402
@@ -31,8 +32,13 @@ def pick_lanes(tl: StepTimeline, max_lanes: int = 32) -> list[int]:
     return sorted(keep)[:max_lanes] if len(keep) > max_lanes else sorted(keep)
 
 
-def _unit(step: float) -> tuple[float, str]:
-    return (1e3, "ms") if step < 1.0 else (1.0, "s")
+def time_unit(seconds: float) -> tuple[float, str]:
+    """Scale and name of the unit to show ``seconds`` in: milliseconds below one second.
+
+    >>> time_unit(0.25), time_unit(3.0)
+    ((1000.0, 'ms'), (1.0, 's'))
+    """
+    return (1e3, "ms") if seconds < 1.0 else (1.0, "s")
 
 
 def gantt_png(tl: StepTimeline, path: str | Path, title: str = "", max_lanes: int = 32) -> Path:
@@ -40,7 +46,7 @@ def gantt_png(tl: StepTimeline, path: str | Path, title: str = "", max_lanes: in
     if tl.segments is None:
         raise FlexmeshError("the Gantt chart needs a detailed timeline: simulate the step with detail=True")
     lanes = pick_lanes(tl, max_lanes)
-    scale, unit = _unit(tl.step_time)
+    scale, unit = time_unit(tl.step_time)
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.28 * len(lanes)))
     for y, lane in enumerate(lanes):
         for kind in KINDS:
@@ -48,7 +54,7 @@ def gantt_png(tl: StepTimeline, path: str | Path, title: str = "", max_lanes: in
             if bars:
                 # Thin white edges keep back-to-back micro-batches distinguishable.
                 ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(lanes)), [tl.lane_label(l) for l in lanes], fontsize=7)
+    ax.set_yticks(range(len(lanes)), [tl.lane_label(lane) for lane in lanes], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlim(0, tl.step_time * scale)
     ax.set_xlabel(f"time in step ({unit})")
@@ -59,12 +65,12 @@ def gantt_png(tl: StepTimeline, path: str | Path, title: str = "", max_lanes: in
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in KINDS], loc="lower right",
               bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def load_png(tl: StepTimeline, path: str | Path, title: str = "") -> Path:
     """Per data rank, stacked: compute, exposed communication, bubbles and waiting (worst stage)."""
-    scale, unit = _unit(tl.step_time)
+    scale, unit = time_unit(tl.step_time)
     per = {k: getattr(tl, k).reshape(tl.pp, tl.num_ranks) for k in KINDS}
     stage = int(np.argmax(per["wait"].sum(axis=1))) if tl.pp > 1 else 0
     x = np.arange(tl.num_ranks)
@@ -83,10 +89,11 @@ def load_png(tl: StepTimeline, path: str | Path, title: str = "") -> Path:
                  f"mean utilisation {tl.utilisation.mean():.0%}", fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=5, fontsize=8, frameon=False)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig: Figure, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (folders created) and close it, so figures do not pile up."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p, dpi=110)

@@ -31,10 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
-from flexmesh.schedule.context import ScheduleContext
 from flexmesh.layout.step import StepSchedule
+from flexmesh.schedule.context import ScheduleContext
 from flexmesh.sim.pipeline import run_pipeline
 from flexmesh.spec.cluster import ClusterSpec
 
@@ -43,6 +44,8 @@ KINDS = ("compute", "comm", "bubble", "wait")
 
 @dataclass(frozen=True)
 class Segment:
+    """One stretch of one lane's step: what it did from ``start`` to ``end``."""
+
     start: float  # s from the start of the step
     end: float
     kind: str  # one of KINDS
@@ -71,10 +74,12 @@ class StepTimeline:
 
     @property
     def num_lanes(self) -> int:
+        """Lanes: one per data rank and pipeline stage."""
         return self.num_ranks * self.pp
 
     @property
     def busy(self) -> np.ndarray:
+        """Seconds each lane computes or communicates."""
         return self.compute + self.comm
 
     @property
@@ -96,6 +101,7 @@ class StepTimeline:
         return self.step_time - float(self.work_end.max())
 
     def lane_label(self, lane: int) -> str:
+        """Short name of a lane on a chart: ``r3``, or ``r3 s1`` with pipeline stages."""
         stage, rank = divmod(lane, self.num_ranks)
         return f"r{rank}" if self.pp == 1 else f"r{rank} s{stage}"
 
@@ -116,7 +122,7 @@ def lane_speeds(cluster: ClusterSpec, tp: int, pp: int) -> np.ndarray:
     return f.reshape(pp, world // (tp * pp), tp).min(axis=2)
 
 
-def _speeds(ctx: ScheduleContext, speed) -> np.ndarray:
+def _speeds(ctx: ScheduleContext, speed: ArrayLike | None) -> np.ndarray:
     if speed is None:
         speed = ctx.speed or np.ones(ctx.num_ranks)
     a = np.asarray(speed, dtype=float)
@@ -157,7 +163,8 @@ def _flatten(schedule: StepSchedule) -> _MicroBatches:
 
 
 def simulate_step(ctx: ScheduleContext, schedule: StepSchedule, *, virtual_stages: int = 1,
-                  speed=None, slot_tokens: int | None = None, detail: bool = False) -> StepTimeline:
+                  speed: ArrayLike | None = None, slot_tokens: int | None = None,
+                  detail: bool = False) -> StepTimeline:
     """Play ``schedule`` out on the plan described by ``ctx``.
 
     ``speed``: per data rank ``(num_ranks,)`` or per lane ``(pp, num_ranks)``; default ``ctx.speed``
@@ -218,10 +225,11 @@ def _phases(ctx: ScheduleContext, mbs: _MicroBatches, cp: np.ndarray) -> dict[st
         s = ctx.group_strategy(int(size))
         layer = ctx.cost.microbatch_phases(s, mbs.tokens[sel], mbs.sq[sel], layers=1, head=False)
         head = ctx.cost.microbatch_phases(s, mbs.tokens[sel], mbs.sq[sel], layers=0, head=True)
+        # Given arrays of tokens, the cost model's phases are arrays of the same length.
         for k in ("fwd", "bwd", "comm_fwd", "comm_bwd"):
-            out[k][sel] = getattr(layer, k)
-        out["head_fwd"][sel] = head.fwd
-        out["head_bwd"][sel] = head.bwd
+            out[k][sel] = np.asarray(getattr(layer, k))
+        out["head_fwd"][sel] = np.asarray(head.fwd)
+        out["head_bwd"][sel] = np.asarray(head.bwd)
     return out
 
 
@@ -254,7 +262,7 @@ def _no_pipeline(ctx, mbs, ph, gspeed, rank_group, n_groups, detail) -> _Lanes:
     if detail:
         per_group: list[list[Segment]] = [[] for _ in range(n_groups)]
         clock = np.zeros(n_groups)
-        for g, j, c, k in zip(mbs.group, mbs.index, comp, comm):
+        for g, j, c, k in zip(mbs.group, mbs.index, comp, comm, strict=True):
             t = clock[g]
             t, c, k = float(t), float(c), float(k)
             per_group[g].append(Segment(t, t + c, "compute", f"mb{j}"))
@@ -300,7 +308,7 @@ def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _La
         work_end[:, ranks] = finish[:, None]
         last_bwd[:, ranks] = b_comp[:pp, -1][:, None]  # each rank ends on the last micro-batch's first chunk
         bubble[:, ranks] = (finish - comp_r - comm_r)[:, None]
-        if detail:
+        if segments is not None:  # detail
             comps = np.stack([f_comp, b_comp])
             for r in range(pp):
                 lane_segs = _pipeline_segments(run, r, pp, comps)
@@ -349,9 +357,9 @@ def _finish(ctx: ScheduleContext, sp: np.ndarray, tokens: np.ndarray, lanes: _La
     wait = (barrier[:, None] - work_end) + (step - done)
     compute = lanes.compute + opt_lane.ravel()
     comm = lanes.comm + np.repeat(sync, n)
-    segments = None
+    segments: tuple[tuple[Segment, ...], ...] | None = None
     if lanes.segments is not None:
-        segments = []
+        per_lane: list[tuple[Segment, ...]] = []
         for lane, segs in enumerate(lanes.segments):
             r, d = divmod(lane, n)
             t_end, t_bar = float(work_end[r, d]), float(barrier[r])
@@ -364,8 +372,8 @@ def _finish(ctx: ScheduleContext, sp: np.ndarray, tokens: np.ndarray, lanes: _La
             extra.append(Segment(t, t + float(opt_lane[r, d]), "compute", "optimizer"))
             if step > float(done[r, d]):
                 extra.append(Segment(float(done[r, d]), step, "wait", "wait for step end"))
-            segments.append(tuple(segs) + tuple(extra))
-        segments = tuple(segments)
+            per_lane.append(tuple(segs) + tuple(extra))
+        segments = tuple(per_lane)
     return StepTimeline(step_time=step, num_ranks=n, pp=pp, compute=compute, comm=comm, bubble=lanes.bubble,
                         wait=wait.ravel(), work_end=lanes.work_end, tokens=tokens, sync_time=float(sync.max()),
                         tail_busy=np.repeat(sync, n) + opt_lane.ravel(), segments=segments)

@@ -1,7 +1,7 @@
 """Model and cluster specifications (dataclasses), presets, and parsers for user input."""
 
-from flexmesh.spec.cluster import ClusterSpec, DeviceSpec, parse_cluster, DEVICE_PRESETS
-from flexmesh.spec.model import ModelSpec, parse_model, MODEL_PRESETS, from_hf_config
+from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec, parse_cluster
+from flexmesh.spec.model import MODEL_PRESETS, ModelSpec, from_hf_config, parse_model
 
 __all__ = [
     "ClusterSpec",

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
+import tomllib
+
 from flexmesh.errors import SpecError
 from flexmesh.units import GIB
-
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,12 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
-            raise SpecError(f"cluster needs at least one node and one device per node, got {self.nodes}x{self.devices_per_node}")
+            raise SpecError(f"cluster needs at least one node and one device per node, "
+                            f"got {self.nodes}x{self.devices_per_node}")
         if self.speed_factors and len(self.speed_factors) != self.world_size:
             raise SpecError(
-                f"cluster has {self.world_size} devices but {len(self.speed_factors)} speed factors; give one per device"
+                f"cluster has {self.world_size} devices but {len(self.speed_factors)} speed factors; "
+                "give one per device"
             )
         if any(f <= 0 for f in self.speed_factors):
             raise SpecError("speed factors must be positive (1.0 = nominal speed)")
@@ -143,7 +145,8 @@ def _from_mapping(d: dict, where: str) -> ClusterSpec:
             try:
                 dev = DeviceSpec(**fields)
             except TypeError as e:
-                raise SpecError(f"{where}: device table is incomplete ({e}); or give base = \"A100-80GB\" and override fields") from e
+                raise SpecError(f"{where}: device table is incomplete ({e}); "
+                                "or give base = \"A100-80GB\" and override fields") from e
     else:
         raise SpecError(f"{where}: device must be a preset name or a table")
     return ClusterSpec(nodes=int(d["nodes"]), devices_per_node=int(d["devices_per_node"]), device=dev,

@@ -177,7 +177,8 @@ def shard_for_cp(batch: PackedBatch, rank: int, size: int) -> PackedBatch:
         raise ScheduleError(f"context-parallel rank {rank} is outside a group of {size}")
     t = batch.num_tokens
     if t % size:
-        raise ScheduleError(f"a micro-batch of {t} tokens does not split {size} ways; pad it with pad_to_multiple first")
+        raise ScheduleError(f"a micro-batch of {t} tokens does not split {size} ways; "
+                            "pad it with pad_to_multiple first")
     n = t // size
     sl = slice(rank * n, (rank + 1) * n)
     labels = batch.labels[:, sl]

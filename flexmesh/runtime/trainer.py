@@ -1,4 +1,4 @@
-"""The training loop: run a Plan's layout on StepSchedules, step by step, and measure.
+"""The trainer: run a Plan's layout on StepSchedules, one step at a time, and measure.
 
 The runtime decides nothing: the Plan fixes the layout, each StepSchedule fixes which documents each
 data rank packs into which micro-batch and which ranks form each context-parallel group. The trainer
@@ -28,160 +28,41 @@ groups with fewer padded with empty micro-batches.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Protocol
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from flexmesh.data.packing import IGNORE_INDEX, PAD_TOKEN, PackedBatch, global_label_tokens, pack_microbatch, pad_to, \
-    shard_for_cp
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.plan import Plan
 from flexmesh.layout.mesh import Layout, layout_from_plan, rank_coords
-from flexmesh.runtime.memory import SavedActivationMeter
-from flexmesh.runtime.parallelize import ContextGroups, build_mesh, data_mesh, local_coords, parallelize
-from flexmesh.runtime.pipeline import StageModule, build_schedule, check_partition, chunks_of_rank, make_stages, \
-    padded_microbatch_count, split_stage
+from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
+from flexmesh.runtime.config import StepMetrics, TrainConfig, lr_schedule_factor
+from flexmesh.runtime.distributed import clip_grad_norm, cpu_group, peak_memory_gib
+from flexmesh.runtime.memory import SavedActivationMeter
+from flexmesh.runtime.packing import (
+    IGNORE_INDEX,
+    PAD_TOKEN,
+    PackedBatch,
+    global_label_tokens,
+    pack_microbatch,
+    pad_to,
+    shard_for_cp,
+)
+from flexmesh.runtime.parallelize import ContextGroups, build_mesh, data_mesh, local_coords, parallelize
+from flexmesh.runtime.pipeline import (
+    StageModule,
+    build_pipeline_schedule,
+    check_partition,
+    chunks_of_rank,
+    make_stages,
+    padded_microbatch_count,
+    split_stage,
+)
 from flexmesh.spec.model import ModelSpec
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    max_steps: int
-    lr: float = 3e-4
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    seed: int = 0
-    checkpoint_every: int = 0  # steps; 0: only at the end when out_dir is set
-    out_dir: str | None = None  # metrics.jsonl and checkpoints/ go here
-    resume: bool = True  # continue from out_dir/checkpoints when one exists
-    progress: bool = True  # live progress line on rank 0
-
-
-def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
-    """Multiplier of the peak learning rate at optimiser step ``step`` (0-based).
-
-    Linear warmup over ``warmup_steps`` then a half cosine down to ``min_ratio`` at ``max_steps``.
-
-    >>> [round(lr_factor(s, 2, 6, 0.1), 3) for s in range(6)]
-    [0.5, 1.0, 1.0, 0.868, 0.55, 0.232]
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    """What one step did and how long it took (fields and units in docs/metrics.md).
-
-    Lists are indexed by global rank; every rank gets the same lists (gathered once per step).
-    """
-
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    tokens: int  # real (unpadded) tokens of the global batch
-    label_tokens: int
-    padded_tokens: int  # tokens this rank's data group ran, padding included
-    microbatches: int
-    step_time_s: float  # the slowest rank's wall time, packing to optimiser step
-    tokens_per_s: float
-    peak_memory_gib: float | None  # this rank's allocator peak (GPU) or resident set (CPU)
-    policy: str = ""  # policy of the schedule that ran
-    requested_policy: str = ""  # policy asked for; differs from ``policy`` after a fallback
-    fallback: bool = False  # the background scheduler was late and the fallback schedule ran
-    scheduler_s: float = 0.0  # seconds the schedule that ran took to compute
-    predicted_step_time_s: float | None = None  # the schedule's prediction, None when it has none
-    predicted_busy_s: tuple[float, ...] = ()  # per rank: its group's predicted time
-    busy_s: tuple[float, ...] = ()  # per rank: step start until its own micro-batches were done
-    activation_peak_bytes: tuple[int, ...] = ()  # per rank: peak bytes saved for backward
-
-    def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v
-                for k, v in ((k, getattr(self, k)) for k in self.__dataclass_fields__)}
-
-
-class StepSource(Protocol):
-    """Where global batches come from: documents of the step and their StepSchedule.
-
-    ``state_dict``/``load_state_dict`` make resume exact (the loader position is checkpointed).
-    """
-
-    def __next__(self) -> tuple[Sequence[np.ndarray], StepSchedule]: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-@dataclass
-class ListSource:
-    """A fixed list of steps as a resumable source: (docs, schedule) pairs for the trainer, or global
-    batches for an AdaptiveSource to schedule; used by tests and the benchmark."""
-
-    steps: list
-    position: int = 0
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self):
-        if self.position >= len(self.steps):
-            raise StopIteration
-        self.position += 1
-        return self.steps[self.position - 1]
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
-
-
-def init_distributed(timeout_s: float = 600.0) -> None:
-    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPUs); no-op when joined."""
-    if dist.is_initialized():
-        return
-    if torch.cuda.is_available():
-        import os
-
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s))
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-
-
-_CPU_GROUPS: dict = {}
-
-
-def cpu_group():
-    """A gloo process group over all ranks for small host-side messages (metrics, schedules).
-
-    None (the default group) when the default backend is gloo already; under NCCL one gloo group is
-    made on first use, so every rank must make its first call at the same point of the program.
-    """
-    if dist.get_backend() == "gloo":
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _CPU_GROUPS:
-        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
-    return _CPU_GROUPS[key]
 
 
 def _dummy_batch(length: int) -> PackedBatch:
@@ -193,52 +74,6 @@ def _dummy_batch(length: int) -> PackedBatch:
         cu_seqlens=torch.tensor([0, length], dtype=torch.int32),
         num_label_tokens=0,
     )
-
-
-def _peak_memory_gib(device: torch.device) -> float | None:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    except (ImportError, OSError):
-        return None
-
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> float:
-    """Global L2 norm of the gradients (DTensors of any mesh, plain tensors), clipped to ``max_norm``.
-
-    ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on
-    different meshes (FSDP-only weights next to FSDP x TP ones), so norms are taken per (mesh,
-    placement) group with ``get_total_norm`` and made global with ``full_tensor``; pipeline stages
-    hold disjoint weights, so their squared norms are summed over the pp group.
-    """
-    from torch.distributed.tensor import DTensor
-
-    groups: dict = {}
-    for p in params:
-        if p.grad is not None:
-            g = p.grad
-            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-            groups.setdefault(key, []).append(g)
-    device = params[0].device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for grads in groups.values():
-        n = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        sq = sq + n.float().to(device) ** 2
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(sq, group=pp_group)
-    total = float(sq.sqrt())
-    if max_norm > 0 and total > 0:
-        coef = min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
-        if coef < 1.0:
-            for grads in groups.values():
-                for g in grads:
-                    g.mul_(coef)
-    return total
 
 
 class _GlobalLoss:
@@ -295,8 +130,8 @@ class Trainer:
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay, foreach=self.layout.tp == 1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
         self.loss_fn = _GlobalLoss()
         self._schedules: dict = {}
         self.step_index = 0
@@ -384,7 +219,8 @@ class Trainer:
         t0 = time.perf_counter()
         label_tokens = global_label_tokens(docs, schedule)
         if label_tokens == 0:
-            raise ScheduleError("the step has no label tokens (every document is a single token); feed longer documents")
+            raise ScheduleError("the step has no label tokens (every document is a single token); "
+                                "feed longer documents")
         group = self.my_group(schedule)
         batches = self.local_batches(docs, schedule)
         self._set_context(group)
@@ -395,7 +231,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.params, self.config.grad_clip, self.pp_group)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        self.scheduler.step()
+        self.lr_scheduler.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -415,7 +251,7 @@ class Trainer:
             label_tokens=label_tokens, padded_tokens=sum(b.num_tokens for b in batches) * group.cp,
             microbatches=len(batches), step_time_s=step_time,
             tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
-            peak_memory_gib=_peak_memory_gib(self.device),
+            peak_memory_gib=peak_memory_gib(self.device),
             policy=schedule.policy, requested_policy=schedule.requested_policy or schedule.policy,
             fallback=schedule.fallback, scheduler_s=schedule.scheduler_seconds,
             predicted_step_time_s=schedule.predicted_step_time if schedule.predicted_step_time > 0 else None,
@@ -496,7 +332,7 @@ class Trainer:
             stages = make_stages(self.modules, [k for k, _ in self.chunks], len(self.plan.stages), self.device,
                                  self.pp_group, tokens=length, tp=self.layout.tp, hidden=self.spec.hidden,
                                  vocab=self.spec.vocab, dtype=dtype)
-            self._schedules[key] = build_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn)
+            self._schedules[key] = build_pipeline_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn)
         sched = self._schedules[key]
         for mod in self.modules:
             mod.feed(batches)
@@ -521,78 +357,3 @@ class Trainer:
         inner = self.inner_models()
         return inner[0] if len(inner) == 1 else torch.nn.ModuleList(inner)
 
-
-# ---- the loop --------------------------------------------------------------------------------------
-def fit(trainer: Trainer, source: StepSource, config: TrainConfig) -> list[StepMetrics]:
-    """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
-
-    Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
-    docs/metrics.md); on resume, lines of steps after the checkpoint are dropped first so the file
-    never holds a step twice. Checkpoints go to ``<out_dir>/checkpoints`` every
-    ``checkpoint_every`` steps and at the end.
-    """
-    import json
-    from pathlib import Path
-
-    from flexmesh.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-
-    out = Path(config.out_dir) if config.out_dir else None
-    ckpt_root = out / "checkpoints" if out else None
-    rank0 = dist.get_rank() == 0
-    if ckpt_root is not None and config.resume:
-        found = latest_checkpoint(ckpt_root)
-        if found is not None:
-            source.load_state_dict(load_checkpoint(found, trainer))
-    metrics_file = out / "metrics.jsonl" if out else None
-    if rank0 and metrics_file is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if metrics_file.exists():
-            kept = [ln for ln in metrics_file.read_text().splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= trainer.step_index]
-        metrics_file.write_text("".join(ln + "\n" for ln in kept))
-    history: list[StepMetrics] = []
-    progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
-    try:
-        while trainer.step_index < config.max_steps:
-            try:
-                docs, schedule = next(source)
-            except StopIteration:
-                break
-            m = trainer.step(docs, schedule)
-            history.append(m)
-            if rank0 and metrics_file is not None:
-                with metrics_file.open("a") as f:
-                    f.write(json.dumps(m.to_dict()) + "\n")
-            if progress is not None:
-                progress.update(m)
-            every = config.checkpoint_every
-            due = (every and m.step % every == 0) or m.step == config.max_steps
-            if ckpt_root is not None and due:
-                save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
-    finally:
-        if progress is not None:
-            progress.close()
-        if hasattr(source, "close"):  # e.g. AdaptiveSource's background scheduler
-            source.close()
-    return history
-
-
-class _Progress:
-    """A live one-line progress bar with loss, tokens/s and step time (rich)."""
-
-    def __init__(self, total: int, done: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                             TimeRemainingColumn(), transient=False)
-        self._task = self._bar.add_task("", total=total, completed=done)
-        self._bar.start()
-
-    def update(self, m: StepMetrics) -> None:
-        self._bar.update(self._task, completed=m.step, description=(
-            f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s * 1e3:.0f} ms/step  lr {m.lr:.2e}  "
-            f"{m.policy}{' (fallback)' if m.fallback else ''}"))
-
-    def close(self) -> None:
-        self._bar.stop()

@@ -1,0 +1,44 @@
+"""The on-disk cache that tokenizers and token stores share: where it lives, its keys, its lock.
+
+Root: ``cache_dir`` if given, else ``$FLEXMESH_CACHE``, else ``~/.cache/flexmesh``. Every entry is
+named by a short hash of what it was built from, so a changed input never reads a stale entry.
+
+>>> cache_key("corpus", 8192) == cache_key("corpus", 8192) != cache_key("corpus", 4096)
+True
+>>> len(cache_key("x"))
+16
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache folder: ``cache_dir``, else ``$FLEXMESH_CACHE``, else ``~/.cache/flexmesh``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("FLEXMESH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "flexmesh"
+
+
+def cache_key(*parts: object) -> str:
+    """16 hex digits of the SHA-256 of ``parts`` joined by ``|``: the name of one cache entry."""
+    return hashlib.sha256("|".join(str(p) for p in parts).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` so concurrent ranks build a cache entry only once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

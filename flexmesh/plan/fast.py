@@ -1,0 +1,161 @@
+"""The fast search method: closed-form rank options for identical layers (everything but small problems).
+
+Layers are identical, so within a rank whose layers share one mesh and one ZeRO stage the only
+per-layer choice left is recomputation, and then only *how many* layers recompute matters (order
+changes no cost). Each rank's options are therefore ``mesh x zero x k recomputed layers``, evaluated
+in closed form with numpy from the cost model's per-layer :class:`LayerCost`; the driver tries a few
+time- and memory-balanced layer splits (:attr:`FastSearch.exhaustive_splits` is False).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+
+from flexmesh.cost import LayerCost
+from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.plan.space import Chunk, Mesh, mesh_of
+from flexmesh.plan.stage import Options, Sizes, StageContext, pareto2, tail
+
+_ATTRS = ("time", "bwd", "states", "act", "grad_sync", "optim", "transient")
+# Per (mesh, zero): the strategy without and the one with recomputation (either may be missing).
+Group = tuple[LayerStrategy | None, LayerStrategy | None]
+Pick = tuple[LayerStrategy | None, LayerStrategy | None, int]  # (without, with recompute, k recomputed layers)
+
+
+def groups(strategies: list[LayerStrategy]) -> list[Group]:
+    """(without, with) recomputation per (mesh, zero), in first-seen order."""
+    by: dict[tuple, list[LayerStrategy | None]] = {}
+    for s in strategies:
+        by.setdefault((mesh_of(s), s.zero), [None, None])[int(s.recompute)] = s
+    return [(v[0], v[1]) for v in by.values()]
+
+
+class FastRanks:
+    """Rank options for identical layers: one mesh and ZeRO stage per rank, k of its layers recomputed.
+
+    ``groups`` lists per (mesh, zero) the strategies without and with recomputation (either may be
+    None). All groups and all k are evaluated at once as (group x k) numpy arrays from the per-layer
+    LayerCost; options are cached per (layers, embed, head, in-flight) since many ranks and splits share them.
+    Built once per (pp, v, micro-batch size, mesh): nothing here depends on the schedule or m but
+    the in-flight counts, which arrive per call.
+    """
+
+    def __init__(self, ctx: StageContext, groups: list[Group]):
+        self.ctx, self.groups = ctx, groups
+        G = len(groups)
+
+        def table(fn: Callable[[Group, LayerStrategy], LayerCost | None]) -> np.ndarray:
+            out = np.zeros((G, len(_ATTRS)))
+            for g, pair in enumerate(groups):
+                s = pair[0] or pair[1]
+                assert s is not None
+                c = fn(pair, s)
+                if c is not None:
+                    out[g] = [getattr(c, a) for a in _ATTRS]
+            return out
+
+        self.l0 = table(lambda pr, s: ctx.layer(pr[0]) if pr[0] else None)
+        self.l1 = table(lambda pr, s: ctx.layer(pr[1]) if pr[1] else None)
+        self.emb = table(lambda pr, s: ctx.ends(s, True, False))
+        self.head = table(lambda pr, s: ctx.ends(s, False, True))
+        self.has0 = np.array([p[0] is not None for p in groups])[:, None]
+        self.has1 = np.array([p[1] is not None for p in groups])[:, None]
+        self.p2p = np.array([ctx.p2p(_any(p)) for p in groups])[:, None]
+        self.cache: dict[tuple, Options] = {}
+
+    def options(self, sizes: Sizes, pp: int, rank: int, flight: float) -> Options:
+        """(times, tails, payload) on the (time, tail) frontier; payload[i] is (group, k) (see :meth:`pick`)."""
+        idx = range(rank, len(sizes), pp)
+        n = sum(sizes[i] for i in idx)
+        key = (n, 0 in idx, (len(sizes) - 1) in idx, flight)
+        if key not in self.cache:
+            self.cache[key] = self._options(*key)
+        return self.cache[key]
+
+    def pick(self, payload_item: tuple[int, int]) -> Pick:
+        """(without, with recompute, k) of a payload item (group, k)."""
+        g, k = payload_item
+        return (self.groups[g][0], self.groups[g][1], k)
+
+    def _options(self, n: int, embed: bool, head: bool, flight: float) -> Options:
+        ctx = self.ctx
+        k = np.arange(n + 1)[None, :]
+        nk = n - k
+        e = self.emb * embed + self.head * head
+
+        def tot(a: str) -> np.ndarray:
+            i = _ATTRS.index(a)
+            return nk * self.l0[:, i:i + 1] + k * self.l1[:, i:i + 1] + e[:, i:i + 1]
+
+        ti = _ATTRS.index("transient")
+        trans = np.maximum(np.where(nk > 0, self.l0[:, ti:ti + 1], 0.0), np.where(k > 0, self.l1[:, ti:ti + 1], 0.0))
+        logits = self.head[:, ti:ti + 1] if head else 0.0
+        mem = tot("states") + flight * tot("act") + trans + logits
+        valid = (self.has0 | (k == n)) & (self.has1 | (k == 0)) & (mem <= ctx.budget)
+        if not valid.any():
+            return np.zeros(0), np.zeros(0), []
+        time_ = tot("time") + self.p2p
+        tails = tail(ctx.cost, tot("grad_sync"), tot("bwd"), tot("optim"), n)
+        g, kk = np.nonzero(valid)
+        t, u = time_[g, kk], tails[g, kk]
+        keep = pareto2(t, u)
+        return t[keep], u[keep], list(zip(g[keep].tolist(), kk[keep].tolist(), strict=True))
+
+
+def _any(pair: Group) -> LayerStrategy:
+    s = pair[0] or pair[1]
+    assert s is not None  # groups() never makes an empty pair
+    return s
+
+
+def expand(picks: Sequence[Pick], sizes: Sizes, pp: int) -> list[Chunk]:
+    """Per-chunk strategy tuples from per-rank (no_ac, ac, k): the first k layers of a rank recompute.
+
+    >>> from flexmesh.layout.strategy import LayerStrategy as S
+    >>> a, b = S(tp=1, dp=2), S(tp=1, dp=2, recompute=True)
+    >>> [[str(s) for s in c] for c in expand([(a, b, 3)], (2, 2), 1)]
+    [['tp1-dp2z0-ac', 'tp1-dp2z0-ac'], ['tp1-dp2z0-ac', 'tp1-dp2z0']]
+    """
+    chunks: list[Chunk] = [()] * len(sizes)
+    for rank, (s0, s1, k) in enumerate(picks):
+        left = k
+        for i in range(rank, len(sizes), pp):
+            a = min(left, sizes[i])
+            # FastRanks allows k > 0 only with a recomputing strategy and k < n only with the other.
+            chunks[i] = cast(Chunk, (s1,) * a + (s0,) * (sizes[i] - a))
+            left -= a
+    return chunks
+
+
+class _FastView:
+    """:class:`~flexmesh.plan.stage.RankOptions` of one configuration over a shared :class:`FastRanks`."""
+
+    def __init__(self, fast: FastRanks, ctx: StageContext):
+        self.fast, self.pp, self.flight = fast, ctx.pp, ctx.flight
+
+    def options(self, sizes: Sizes, rank: int) -> Options:
+        return self.fast.options(sizes, self.pp, rank, self.flight[rank])
+
+    def chunks(self, sizes: Sizes, chosen: Sequence[Any]) -> list[Chunk]:
+        return expand([self.fast.pick(c) for c in chosen], sizes, self.pp)
+
+
+class FastSearch:
+    """The fast method: closed-form rank options on balanced layer splits. One instance per search."""
+
+    name = "fast"
+    exhaustive_splits = False
+
+    def __init__(self) -> None:
+        self._ranks: dict[tuple, FastRanks] = {}
+
+    def ranks(self, ctx: StageContext, strategies: list[LayerStrategy], mesh: Mesh | None) -> _FastView:
+        # Shared by every schedule and m with the same (pp, v, micro-batch size, mesh): the tables
+        # depend only on those; the in-flight counts of the configuration come with the view.
+        key = (ctx.pp, ctx.v, ctx.mbs, mesh)
+        if key not in self._ranks:
+            self._ranks[key] = FastRanks(ctx, groups(strategies))
+        return _FastView(self._ranks[key], ctx)

@@ -1,0 +1,74 @@
+"""What a training run is told (TrainConfig), its learning-rate schedule, and what each step reports.
+
+Torch-free: the launcher builds a TrainConfig before any process group exists, and the metrics a
+step returns are plain numbers (fields and units in docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    seed: int = 0
+    checkpoint_every: int = 0  # steps; 0: only at the end when out_dir is set
+    out_dir: str | None = None  # metrics.jsonl and checkpoints/ go here
+    resume: bool = True  # continue from out_dir/checkpoints when one exists
+    progress: bool = True  # live progress line on rank 0
+
+
+def lr_schedule_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at optimiser step ``step`` (0-based).
+
+    Linear warmup over ``warmup_steps`` then a half cosine down to ``min_ratio`` at ``max_steps``.
+
+    >>> [round(lr_schedule_factor(s, 2, 6, 0.1), 3) for s in range(6)]
+    [0.5, 1.0, 1.0, 0.868, 0.55, 0.232]
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one step did and how long it took (fields and units in docs/metrics.md).
+
+    Lists are indexed by global rank; every rank gets the same lists (gathered once per step).
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int  # real (unpadded) tokens of the global batch
+    label_tokens: int
+    padded_tokens: int  # tokens this rank's data group ran, padding included
+    microbatches: int
+    step_time_s: float  # the slowest rank's wall time, packing to optimiser step
+    tokens_per_s: float
+    peak_memory_gib: float | None  # this rank's allocator peak (GPU) or resident set (CPU)
+    policy: str = ""  # policy of the schedule that ran
+    requested_policy: str = ""  # policy asked for; differs from ``policy`` after a fallback
+    fallback: bool = False  # the background scheduler was late and the fallback schedule ran
+    scheduler_s: float = 0.0  # seconds the schedule that ran took to compute
+    predicted_step_time_s: float | None = None  # the schedule's prediction, None when it has none
+    predicted_busy_s: tuple[float, ...] = ()  # per rank: its group's predicted time
+    busy_s: tuple[float, ...] = ()  # per rank: step start until its own micro-batches were done
+    activation_peak_bytes: tuple[int, ...] = ()  # per rank: peak bytes saved for backward
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in ((k, getattr(self, k)) for k in self.__dataclass_fields__)}

@@ -1,0 +1,99 @@
+"""Process-group plumbing shared by the trainer and the adaptive source.
+
+Joining the group torchrun describes, a gloo group for small host-side messages, a global gradient
+norm that works across DTensor meshes, and the peak memory a step reports.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPUs); no-op when joined.
+
+    ``timeout_s`` bounds every collective: a peer that died makes the others fail after it instead
+    of hanging forever.
+    """
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
+_CPU_GROUPS: dict = {}
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    """A gloo process group over all ranks for small host-side messages (metrics, schedules).
+
+    None (the default group) when the default backend is gloo already; under NCCL one gloo group is
+    made on first use, so every rank must make its first call at the same point of the program.
+    """
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """This process's peak memory in GiB: the allocator's peak on a GPU, the resident set on a CPU.
+
+    None when the platform cannot tell (no ``resource`` module).
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    except (ImportError, OSError):
+        return None
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
+                   pp_group: dist.ProcessGroup | None = None) -> float:
+    """Global L2 norm of the gradients (DTensors of any mesh, plain tensors), clipped to ``max_norm``.
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on
+    different meshes (FSDP-only weights next to FSDP x TP ones), so norms are taken per (mesh,
+    placement) group with ``get_total_norm`` and made global with ``full_tensor``; pipeline stages
+    hold disjoint weights, so their squared norms are summed over the pp group.
+
+    Example: two groups with norms 3 and 4 give sqrt(9 + 16) = 5; with ``max_norm=1`` every
+    gradient is scaled by 1 / (5 + 1e-6) and 5 is returned (the norm before clipping).
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(g)
+    device = params[0].device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        sq = sq + n.float().to(device) ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    total = float(sq.sqrt())
+    if max_norm > 0 and total > 0:
+        coef = min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+        if coef < 1.0:
+            for grads in groups.values():
+                for g in grads:
+                    g.mul_(coef)
+    return total

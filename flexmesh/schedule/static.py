@@ -1,0 +1,95 @@
+"""The policies with one static group size: ``fixed`` (today's baseline) and ``balanced`` (WLB-LLM).
+
+- ``fixed``: documents packed in arrival order into fixed slots of ``context`` tokens (padding
+  included in the cost), every slot sharded over one static context-parallel degree ``cp``, slots
+  dealt round-robin to the ``num_ranks // cp`` groups.
+- ``balanced``: one static ``cp``; longest-processing-time on the cost model's time, variable-length
+  packing under the memory cap; ``defer=True`` moves outlier sequences (longer than a group's fair
+  share) beyond ``max_outliers`` to a later step.
+
+Both leave the ranks beyond the last whole group of ``cp`` idle. Run them through
+:func:`flexmesh.schedule.registry.make_schedule`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from flexmesh.errors import ScheduleError
+from flexmesh.layout.step import StepSchedule
+from flexmesh.schedule.assemble import aligned_layout, build_step_schedule, pieces_of
+from flexmesh.schedule.assign import lpt, rebalance
+from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.lower_bound import seq_times
+from flexmesh.schedule.packing import next_fit
+from flexmesh.schedule.placement import Batch, Placement, check_lengths, pack_groups, slot_speeds
+
+
+def _static_cp(ctx: ScheduleContext, cp: int | None, tokens: int) -> int:
+    """The static context-parallel degree: given, or the smallest group holding ``tokens``."""
+    if cp is None:
+        return ctx.min_group(tokens)
+    if cp not in ctx.group_sizes:
+        raise ScheduleError(f"cp={cp} is not an allowed group size; use one of {ctx.group_sizes}")
+    if ctx.max_tokens(cp) < tokens:
+        raise ScheduleError(
+            f"cp={cp} holds at most {ctx.max_tokens(cp)} tokens per micro-batch but {tokens} are needed; "
+            f"use cp >= {ctx.min_group(tokens)}"
+        )
+    return cp
+
+
+def fixed(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | None = None,
+          context: int | None = None) -> StepSchedule:
+    """Arrival-order fixed slots of ``context`` tokens on ``num_ranks // cp`` groups of ``cp``, round-robin."""
+    t0 = time.perf_counter()
+    lens = check_lengths(lengths)
+    context = int(lens.max()) if context is None else int(context)
+    if context < lens.max():
+        raise ScheduleError(f"a sequence of {int(lens.max())} tokens exceeds the slot (context) of {context}; "
+                            f"raise context or truncate sequences to it")
+    cp = _static_cp(ctx, cp, context)
+    n_groups = ctx.num_ranks // cp
+    slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
+    mbs: list[list] = [[] for _ in slots]
+    charged: list[list[int]] = [[] for _ in slots]
+    for k, slot_ids in enumerate(next_fit(range(lens.size), lens, context)):
+        mbs[k % n_groups].append(pieces_of(slot_ids, lens))
+        charged[k % n_groups].append(context)
+    return build_step_schedule("fixed", lens, ctx, slots, mbs, t0, charged_tokens=charged, extra={"cp": cp})
+
+
+def balanced(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | None = None, defer: bool = False,
+             max_outliers: int | None = None) -> StepSchedule:
+    """LPT over ``num_ranks // cp`` equal groups with best-fit packing; optional outlier deferral."""
+    t0 = time.perf_counter()
+    lens = check_lengths(lengths)
+    cp = _static_cp(ctx, cp, int(lens.max()))
+    n_groups = ctx.num_ranks // cp
+    slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
+    sizes = [s.size for s in slots]
+    speeds = slot_speeds(ctx, slots)
+    times = seq_times(lens, ctx)
+    t = times[cp]
+    ids = np.arange(lens.size)
+    deferred: list[int] = []
+    if defer:
+        # An outlier alone outlasts a group's fair share; keep the earliest ``max_outliers`` of them.
+        fair = t.sum() / n_groups
+        outliers = np.flatnonzero(t > fair)
+        keep = n_groups if max_outliers is None else max(0, int(max_outliers))
+        deferred = [int(i) for i in outliers[keep:]]
+        if len(deferred) == lens.size:
+            deferred = deferred[1:]  # never defer the whole batch
+        ids = np.setdiff1d(ids, deferred)
+    # Only groups of size cp take work; spare ranks (num_ranks not a multiple of cp) stay idle.
+    need = np.full(lens.size, cp)
+    target = np.minimum(need, np.asarray(sizes).max())
+    order = ids[np.argsort(-t[ids], kind="stable")]
+    members, loads = lpt(order, target, times, sizes, speeds)
+    placement = rebalance(Placement(slots, speeds, members, loads, target), Batch(lens, times, need))
+    return build_step_schedule("balanced", lens, ctx, slots, pack_groups(placement, lens, ctx), t0,
+                               deferred=deferred, extra={"cp": cp})

@@ -1,0 +1,120 @@
+"""What several test files share: the tiny model, its training settings and hand-built steps, the
+torchrun launcher for worker scripts, and the inputs of a `flexmesh train` run.
+
+A plain module (no ``test_`` prefix, so pytest collects no tests from it); test files import it as
+``helpers``: pytest puts this folder on ``sys.path`` (see conftest.py), and a test file run as a
+torchrun worker script has its own folder there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+STEPS = 3
+SEED = 7
+LR = 1e-3
+
+
+def tiny_spec() -> Any:
+    """The 4-layer model every multi-process runtime test trains (fp32, vocabulary of 256)."""
+    from flexmesh.spec.model import ModelSpec
+
+    return ModelSpec(name="test-tiny", num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, ffn_hidden=128,
+                     vocab=256, dtype="fp32", max_position=1024)
+
+
+def train_config() -> Any:
+    """AdamW settings for ``STEPS`` steps with warm-up and clipping, no progress bar."""
+    from flexmesh.runtime.config import TrainConfig
+
+    return TrainConfig(max_steps=STEPS, lr=LR, warmup_steps=1, weight_decay=0.1, grad_clip=1.0, seed=SEED,
+                       progress=False)
+
+
+def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED) -> list:
+    """Documents and hand-built StepSchedules: one group per dp replica, cp data ranks each.
+
+    Groups get different numbers of micro-batches (exercising the empty padding micro-batches), and
+    one document is cut in two pieces that land in different micro-batches.
+    """
+    from flexmesh.layout.step import Group, Piece, StepSchedule
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in range(steps):
+        docs = [rng.integers(1, 256, size=int(n)) for n in rng.integers(3, 40, size=7)]
+        docs.append(rng.integers(1, 256, size=50))  # the document cut across micro-batches
+        n_groups = data_ranks // cp
+        per_group: list[list[list[Piece]]] = [[] for _ in range(n_groups)]
+        for i in range(7):
+            g = i % n_groups
+            mbs = per_group[g]
+            if not mbs or len(mbs[-1]) >= 2 or (g == 0 and len(mbs) < 1 + s % 2):
+                mbs.append([])
+            mbs[-1].append(Piece(i, 0, len(docs[i])))
+        last = per_group[-1]
+        last[-1].append(Piece(7, 0, 20))
+        last.append([Piece(7, 20, 50)])
+        groups = tuple(Group(ranks=tuple(range(g * cp, (g + 1) * cp)), microbatches=tuple(tuple(mb) for mb in mbs))
+                       for g, mbs in enumerate(per_group))
+        sched = StepSchedule(lengths=tuple(len(d) for d in docs), groups=groups, policy="test")
+        sched.validate(data_ranks)
+        out.append((docs, sched))
+    return out
+
+
+def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """torchrun ``script`` (a test file that is also its worker) with ``args``; OMP_NUM_THREADS=1 since
+    the machine's cores are shared."""
+    from flexmesh.runtime.launch import run_torchrun
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return run_torchrun(nproc, [script, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def load_params(folder: Path) -> dict:
+    """The full parameters a worker saved per pipeline stage (``params_pp*.pt``), merged."""
+    import torch
+
+    params: dict = {}
+    for f in sorted(folder.glob("params_pp*.pt")):
+        params.update(torch.load(f))
+    return params
+
+
+def write_inputs(tmp: Path, world: int) -> tuple[Path, Path, Path]:
+    """A 2-layer Hugging Face config, a folder of 24 small documents and a plan for ``world`` ranks."""
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    cfg = tmp / "config.json"
+    cfg.write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 320, "torch_dtype": "float32",
+        "max_position_embeddings": 512}))
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxing".split()
+    for i in range(24):  # documents of very different lengths
+        n = 5 + (i * 37) % 90
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(words[(i + j * 3) % len(words)] for j in range(n)))
+    st = StagePlan(0, 2, (LayerStrategy.parse(f"tp1-dp{world}z3"), LayerStrategy.parse(f"tp1-dp{world}z2-ac")))
+    plan = Plan(model=str(cfg), cluster=f"{world}xA100-80GB", world_size=world, pp=1, pipeline_schedule="1f1b",
+                num_microbatches=1, seq_len=128, global_batch=4, stages=(st,))
+    plan_path = tmp / "plan.json"
+    plan.save(plan_path)
+    return cfg, corpus, plan_path
+
+
+def flexmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m flexmesh *args`` in a child process, one intra-op thread, output captured."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "flexmesh", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
