@@ -35,7 +35,25 @@ LAYOUTS: dict[str, dict] = {
     "pp_x_tp": dict(world=4, pp=2, schedule="1f1b", layers=[[0, 3], [3, 4]], strategies=["tp2-dp1z0"] * 4),
     "cp_x_dp": dict(world=4, strategies=["tp1-u2-dp2z3"] * 4),
     "ring_x_dp": dict(world=4, strategies=["tp1-r2-dp2z0"] * 4),
+    # A sliding window (shorter than most documents) on layers 0, 2 and 3: ring attention skips the
+    # K/V blocks out of reach, and pipeline stages keep their layers' windows.
+    "window_ring": dict(world=2, window=True, strategies=["tp1-r2-dp1z3"] * 4),
+    "window_pp": dict(world=2, window=True, pp=2, schedule="1f1b", layers=[[0, 2], [2, 4]],
+                      strategies=["tp1-dp1z0"] * 4),
 }
+WINDOW, WINDOW_LAYERS = 9, (True, False, True, True)
+
+
+def spec_for(window: bool):
+    """The tiny model, or the same with a sliding window on some layers."""
+    from dataclasses import replace
+
+    spec = tiny_spec()
+    return replace(spec, sliding_window=WINDOW, window_layers=WINDOW_LAYERS) if window else spec
+
+
+def layout_spec(name: str):
+    return spec_for(LAYOUTS[name].get("window", False))
 
 
 def make_plan(name: str):
@@ -53,7 +71,7 @@ def make_plan(name: str):
 
 
 # ---- reference ------------------------------------------------------------------------------------
-def reference(steps: list) -> tuple[list[float], dict]:
+def reference(steps: list, window: bool = False) -> tuple[list[float], dict]:
     """A plain single-process loop over the same documents; no flexmesh runtime code but the model."""
     import torch
 
@@ -63,7 +81,7 @@ def reference(steps: list) -> tuple[list[float], dict]:
 
     torch.manual_seed(0)
     cfg = train_config()
-    model = build_model(tiny_spec(), device="cpu")
+    model = build_model(spec_for(window), device="cpu")
     model.init_weights(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
@@ -82,11 +100,11 @@ def reference(steps: list) -> tuple[list[float], dict]:
 WEIGHTS_SEED = 99
 
 
-def weights_model():
+def weights_model(window: bool = False):
     """The model whose Hugging Face safetensors every layout loads (seeded unlike the trained one)."""
     from flexmesh.runtime.model import build_model
 
-    model = build_model(tiny_spec(), device="cpu")
+    model = build_model(spec_for(window), device="cpu")
     model.init_weights(WEIGHTS_SEED)
     return model
 
@@ -123,7 +141,7 @@ def worker(out: Path, names: list[str]) -> None:
     try:
         for name in names:
             plan = make_plan(name)
-            trainer = Trainer(plan, tiny_spec(), train_config())
+            trainer = Trainer(plan, layout_spec(name), train_config())
             lay = trainer.layout
             steps = make_steps(lay.data_ranks, lay.cp)
             losses = [trainer.step(docs, sched).loss for docs, sched in steps]
@@ -133,7 +151,7 @@ def worker(out: Path, names: list[str]) -> None:
                 params.update({canonical_name(k): v.detach().cpu().clone() for k, v in sd.items()})
             # Hugging Face weights (written by the test from a model seeded differently) load into
             # this layout: the first step's loss is the one that model gives on the same batch.
-            loaded = Trainer(plan, tiny_spec(), train_config(), weights=str(out / "weights.safetensors"))
+            loaded = Trainer(plan, layout_spec(name), train_config(), weights=str(out / "weights.safetensors"))
             weights_loss = loaded.step(*steps[0]).loss
             c = trainer.coords
             folder = out / name
@@ -153,13 +171,13 @@ def worker(out: Path, names: list[str]) -> None:
 # ---- tests ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference_runs() -> dict:
-    """Reference losses and parameters per distinct (data ranks, cp) batch layout."""
+    """Reference losses and parameters per distinct (data ranks, cp) batch layout and window."""
     cache: dict = {}
 
-    def get(data_ranks: int, cp: int):
-        key = (data_ranks, cp)
+    def get(data_ranks: int, cp: int, window: bool = False):
+        key = (data_ranks, cp, window)
         if key not in cache:
-            cache[key] = reference(make_steps(data_ranks, cp))
+            cache[key] = reference(make_steps(data_ranks, cp), window)
         return cache[key]
 
     return get
@@ -169,12 +187,13 @@ def _check(name: str, result: dict, folder: Path, reference_runs) -> None:
     from flexmesh.layout.mesh import layout_from_plan
 
     lay = layout_from_plan(make_plan(name))
-    ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp)
+    window = LAYOUTS[name].get("window", False)
+    ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp, window)
     losses = result["losses"]
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs reference {want}"
-    want = first_loss(weights_model(), *make_steps(lay.data_ranks, lay.cp, steps=1)[0])
+    want = first_loss(weights_model(window), *make_steps(lay.data_ranks, lay.cp, steps=1)[0])
     assert abs(result["weights_loss"] - want) <= 1e-5 * want, f"{name}: loaded weights give {result['weights_loss']}"
     params = load_params(folder)
     assert set(params) == set(ref_params), f"{name}: parameter names differ: {set(params) ^ set(ref_params)}"

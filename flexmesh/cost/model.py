@@ -12,7 +12,8 @@ module adds what depends on the cluster and the strategy, with these sources:
 - Tensor parallelism with sequence parallelism: two all-gathers and two reduce-scatters of the
   layer's activation per pass (Korthikanti et al., 2205.05198); Ulysses: all-to-all of q, k, v and
   of the output per pass (DeepSpeed-Ulysses, 2309.14509); ring attention: ``cp - 1`` K/V hops per
-  pass, each hidden under one block of attention (Liu et al., 2310.01889).
+  pass, each hidden under one block of attention (Liu et al., 2310.01889); with a sliding window
+  only the hops to blocks within reach (:meth:`CostModel.ring_hops`, the runtime's ``ring_steps``).
 - ZeRO (1910.02054): ZeRO-3 gathers weights for forward and backward and reduce-scatters gradients
   per micro-batch, prefetched under the layer's compute; DP to ZeRO-2 sync gradients once per step.
 - Gradient sync overlaps the last micro-batch's backward; overlapped compute slows down by the
@@ -22,6 +23,7 @@ module adds what depends on the cluster and the strategy, with these sources:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 from typing import cast
@@ -33,7 +35,7 @@ from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.pipeline import in_flight, pipeline_time
 from flexmesh.cost.timing import LayerTiming
-from flexmesh.cost.work import LayerCost, MicrobatchPhases, Work
+from flexmesh.cost.work import NO_WINDOW, LayerCost, MicrobatchPhases, Work, attention_sq
 from flexmesh.layout.enums import CPKind
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import ClusterSpec
@@ -64,6 +66,8 @@ class CostModel:
             timing.check_model(model)
             model = replace(model, dtype=timing.dtype)  # bytes in the dtype the timing measured (the runtime's)
         self.model = model
+        # Per-layer sliding windows, for attention_sq; NO_WINDOW keeps plain models on the exact s^2 path.
+        self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW
         self.cluster = cluster
         self.hw = hardware or Hardware(cluster, model.dtype)
         self.timing: LayerTiming = timing if timing is not None else AnalyticTiming(model, self.hw)
@@ -156,7 +160,11 @@ class CostModel:
                 # Ring: cp - 1 hops of the local K/V block, each hidden under one block of attention;
                 # backward moves K/V and dK/dV (twice the bytes) under twice the attention work.
                 hop = ct("send_recv", dev_tokens * 2 * m.kv_dim / s.tp * b, shape)
-                exposed_f = (s.cp - 1) * hw.exposed(hop, t_attn / s.cp)
+                hops = self.ring_hops(s.cp, dev_tokens)
+                if hops is None:
+                    exposed_f = (s.cp - 1) * hw.exposed(hop, t_attn / s.cp)
+                else:  # the attention work spreads over the blocks visited, own block included
+                    exposed_f = hops * hw.exposed(hop, t_attn / (hops + 1))
                 comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (3 if s.recompute else 2)
         return fwd, bwd, comm_f, comm_b
 
@@ -212,7 +220,32 @@ class CostModel:
 
     def layer_work(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int) -> Work:
         """Work of one replica of a layer when a stage's micro-batch of equal-length sequences splits over dp."""
-        return Work.uniform(microbatch_seqs / s.dp, seq_len)
+        return Work.uniform(microbatch_seqs / s.dp, seq_len, self.windows)
+
+    def ring_hops(self, cp: int, block_tokens):  # noqa: ANN001, ANN201 - floats or numpy arrays
+        """K/V hops of ring attention per pass with blocks of ``block_tokens``, mean over layers; None
+        without a sliding window (all ``cp - 1``).
+
+        A block ``h`` ranks back is within reach of a window ``w`` while ``(h - 1) * block + 1 < w``, so
+        ``min(cp - 1, ceil((w - 1) / block))`` hops (the runtime's ``ring_steps`` minus one).
+
+        >>> from flexmesh.spec import parse_cluster, parse_model
+        >>> from dataclasses import replace
+        >>> cm = CostModel(replace(parse_model("tiny"), sliding_window=1000), parse_cluster("8xA100-80GB"))
+        >>> cm.ring_hops(8, 512.0), cm.ring_hops(8, 100.0), cm.ring_hops(8, 1000.0)
+        (2.0, 7.0, 1.0)
+        """
+        if self.windows == NO_WINDOW:
+            return None
+        block = np.maximum(np.asarray(block_tokens, dtype=float), 1.0)
+        mean = sum(n * (np.full(block.shape, cp - 1.0) if w is None else np.minimum(cp - 1.0, np.ceil((w - 1) / block)))
+                   for w, n in Counter(self.windows).items()) / len(self.windows)
+        return mean if np.ndim(mean) else float(mean)
+
+    def attention_sq(self, start, end):  # noqa: ANN001, ANN201 - floats or numpy arrays
+        """Squared-token attention work of queries [start, end) of a sequence under this model's
+        sliding windows (:func:`flexmesh.cost.work.attention_sq`); ``end**2 - start**2`` without one."""
+        return attention_sq(start, end, self.windows)
 
     # ---- a whole plan ---------------------------------------------------------------------------------
     def stage_cost(self, strategies, microbatch_seqs: int, seq_len: int, embed: bool, head: bool) -> LayerCost:
@@ -279,7 +312,7 @@ class CostModel:
             mem["total"] = sum(mem.values())
             memory.append(mem)
         tokens = microbatch_seqs * m * seq_len
-        mfu = self.model.model_flops(tokens, microbatch_seqs * m * float(seq_len) ** 2) / (
+        mfu = self.model.model_flops(tokens, microbatch_seqs * m * float(self.attention_sq(0.0, float(seq_len)))) / (
             step * self.cluster.world_size * self.hw.peak_flops)
         budget = self.memory_budget
         return Evaluation(step_time=step, tokens_per_s=tokens / step, mfu=mfu, compute=compute,

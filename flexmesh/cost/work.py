@@ -1,7 +1,8 @@
 """What the cost model prices and what it answers: work of a micro-batch, cost of a layer, phases.
 
 Work is described by sufficient statistics, not a token count: a micro-batch with sequence lengths
-``s_k`` costs ``sum(s_k)`` in the linear layers and ``sum(s_k**2)`` in causal attention.
+``s_k`` costs ``sum(s_k)`` in the linear layers and ``sum(s_k**2)`` in causal attention (with a
+sliding window less: :func:`attention_sq`, the one place that maps lengths to squared tokens).
 
 >>> w = Work.from_lengths([1000, 24, 500])
 >>> w.tokens, w.sq_tokens, w.seqs
@@ -12,12 +13,51 @@ Work is described by sufficient statistics, not a token count: a micro-batch wit
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 # Seconds or bytes: a float, or a numpy array when many micro-batches are priced at once.
 Amount = float | np.ndarray
+
+NO_WINDOW: tuple[int | None, ...] = (None,)
+
+
+def attention_sq(start, end, windows: Sequence[int | None] = NO_WINDOW):  # noqa: ANN001, ANN201 - floats or arrays
+    """Causal attention work of queries ``[start, end)`` of one sequence, in squared tokens.
+
+    Squared tokens count ``2 x (query-key pairs) - queries``. Without a window query ``i`` sees
+    ``i + 1`` keys, so queries ``[a, b)`` give exactly ``b^2 - a^2`` (``s^2`` for a whole sequence, the
+    statistic the attention FLOPs of 2 x q_dim per squared token are written for, 2104.04473). With a
+    window ``w`` query ``i`` sees ``min(i + 1, w)`` keys (transformers' sliding window; FLOPs of a
+    windowed kernel: each token attends to at most w tokens, Mistral 7B, 2310.06825, section 2): with
+    ``m = clip(w, a, b)`` that is ``m^2 - a^2 + (2w - 1)(b - m)``.
+
+    ``windows`` holds one window per layer (None: plain causal); the result is their mean, the work of
+    an average layer (exact when all layers share one window). With no window anywhere the result is
+    ``end * end - start * start``, bit for bit the statistic used before windows existed.
+    Floats or numpy arrays (elementwise).
+
+    >>> attention_sq(0, 10), attention_sq(0, 10, (4,)), attention_sq(6, 10, (4,)), attention_sq(0, 3, (4,))
+    (100, 58.0, 28.0, 9.0)
+    >>> attention_sq(0, 10, (4, None))  # half the layers slide
+    79.0
+    """
+    counts = Counter(windows)
+    if set(counts) == {None}:
+        return end * end - start * start
+    parts = []
+    for w, n in counts.items():
+        if w is None:
+            parts.append((n, end * end - start * start))
+        else:
+            m = np.clip(w, start, end)
+            parts.append((n, m * m - start * start + (2 * w - 1) * (end - m)))
+    # one window on every layer: its statistic as is, not a mean that could round differently
+    total = parts[0][1] if len(parts) == 1 else sum(n * p for n, p in parts) / len(windows)
+    return total if np.ndim(total) else float(total)
 
 
 @dataclass(frozen=True)
@@ -29,15 +69,16 @@ class Work:
     seqs: float = 1.0
 
     @classmethod
-    def uniform(cls, seqs: float, seq_len: int) -> "Work":
-        """``seqs`` sequences of ``seq_len`` tokens each."""
-        return cls(tokens=seqs * seq_len, sq_tokens=seqs * float(seq_len) ** 2, seqs=seqs)
+    def uniform(cls, seqs: float, seq_len: int, windows: Sequence[int | None] = NO_WINDOW) -> "Work":
+        """``seqs`` sequences of ``seq_len`` tokens each (``windows``: per layer, :func:`attention_sq`)."""
+        return cls(tokens=seqs * seq_len, sq_tokens=seqs * float(attention_sq(0.0, float(seq_len), windows)),
+                   seqs=seqs)
 
     @classmethod
-    def from_lengths(cls, lengths) -> "Work":
-        """The sequences of the given lengths."""
+    def from_lengths(cls, lengths, windows: Sequence[int | None] = NO_WINDOW) -> "Work":  # noqa: ANN001
+        """The sequences of the given lengths (``windows``: per layer, :func:`attention_sq`)."""
         a = np.asarray(lengths, dtype=float)
-        return cls(tokens=float(a.sum()), sq_tokens=float((a * a).sum()), seqs=float(len(a)))
+        return cls(tokens=float(a.sum()), sq_tokens=float(attention_sq(0.0, a, windows).sum()), seqs=float(len(a)))
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from flexmesh.cost.work import attention_sq
 from flexmesh.errors import ProfileError
 from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, least_squares
 from flexmesh.profile.format import END_KEYS, ModelProfile, produced_by
@@ -192,7 +193,9 @@ def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype
     flat = reduce([x for t in times[1:] for x in t])
     times = [flat[i:i + 3] for i in range(0, len(flat), 3)]
     tokens = [float(sum(r)) for r in rows]
-    sq = [float(sum(x * x for x in r)) for r in rows]
+    # The timed block is layer 0 (_block): its window decides the squared tokens it did, and the fit's
+    # cost per squared token then prices every layer's windowed statistic (CostModel.attention_sq).
+    sq = [float(sum(attention_sq(0, x, (spec.window_of(0),)) for x in r)) for r in rows]
     fits = {name: fit_layer_time(tokens, sq, [t[i] for t in times]) for i, name in enumerate(PASSES)}
     samples = [{"lengths": r, **{f"{name}_s": t[i] for i, name in enumerate(PASSES)}} for r, t in zip(rows, times)]
     return fits, samples

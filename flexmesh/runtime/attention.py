@@ -13,6 +13,11 @@ Worked example of the mask (T = 5, cu_seqlens = [0, 3, 5]: documents a a a b b):
                                        3            . . . 1 .
                                        4            . . . 1 1
 
+Sliding window ``w`` (Mistral/Qwen2; the ``window`` argument of every function here): query i also
+needs ``i - w < j``, so it sees at most the last ``w`` keys of its document, itself included. This
+is transformers' ``sliding_window_causal`` mask (``kv_idx > q_idx - sliding_window``) and flash-attn's
+``window_size=(w - 1, 0)``. ``window=None`` is plain document-causal attention.
+
 Kernels: on CPU (and for fp32 on GPU without FlexAttention) causal SDPA document by document (cost
 sum(len^2), as a varlen kernel; no mask kept); on GPU flash-attn's varlen kernel when installed and
 the dtype is fp16/bf16, else FlexAttention with a
@@ -74,13 +79,28 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def document_causal_mask(
-    cu_seqlens: torch.Tensor, q_start: int, q_len: int, k_start: int, k_len: int, total: int
+    cu_seqlens: torch.Tensor, q_start: int, q_len: int, k_start: int, k_len: int, total: int,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Boolean mask [q_len, k_len] of global queries [q_start, +q_len) over keys [k_start, +k_len)."""
+    """Boolean mask [q_len, k_len] of global queries [q_start, +q_len) over keys [k_start, +k_len).
+
+    Positions are global (in the whole row), so a block of the mask is the slice of the whole one;
+    within a document the global distance i - j is the in-document distance the window limits.
+    """
     doc = document_ids(cu_seqlens, total)
     qi = torch.arange(q_start, q_start + q_len, device=doc.device)
     ki = torch.arange(k_start, k_start + k_len, device=doc.device)
-    return (doc[qi][:, None] == doc[ki][None, :]) & (ki[None, :] <= qi[:, None])
+    return (doc[qi][:, None] == doc[ki][None, :]) & window_causal(qi[:, None], ki[None, :], window)
+
+
+def window_causal(qi: torch.Tensor, ki: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether query position ``qi`` sees key position ``ki``: ``ki <= qi`` and, with a window, ``qi - ki < window``.
+
+    >>> window_causal(torch.tensor([[4]]), torch.arange(6)[None], 2).int().tolist()
+    [[0, 0, 0, 1, 1, 0]]
+    """
+    seen = ki <= qi
+    return seen if window is None else seen & (qi - ki < window)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -93,7 +113,32 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 # ---- local kernels -----------------------------------------------------------------------------------
-def _local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+# Query block of the windowed CPU kernel: a block of b queries reads b + w - 1 keys, so blocks of at
+# least a few hundred keep the number of SDPA calls small while the cost stays O(len * (b + w)).
+WINDOW_BLOCK = 256
+
+
+def _sdpa_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal SDPA over one document; longer than ``window``, query block by query block.
+
+    A block of queries [a, b) needs keys [a - w + 1, b) only, so a long document costs about
+    len * (block + w) instead of len^2, and the explicit mask is block x (block + w - 1).
+    """
+    n = q.shape[2]
+    if window is None or n <= window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    step = max(window, WINDOW_BLOCK)
+    outs = []
+    for a in range(0, n, step):
+        b, lo = min(a + step, n), max(0, a - window + 1)
+        qi = torch.arange(a, b, device=q.device)[:, None]
+        mask = window_causal(qi, torch.arange(lo, b, device=q.device)[None, :], window)
+        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], attn_mask=mask))
+    return torch.cat(outs, dim=2)
+
+
+def _local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
     """Causal SDPA document by document, so the cost is sum(len^2), as a varlen kernel's.
 
     One SDPA over the whole packed row with a block-diagonal mask would cost row^2 however short
@@ -107,12 +152,22 @@ def _local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     bounds = [int(x) for x in cu_seqlens.tolist() if 0 < int(x) < t]
     cuts = [0, *sorted(set(bounds)), t]
     if len(cuts) == 2:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+        return _sdpa_document(q, k, v, window)
+    return torch.cat([_sdpa_document(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], window)
                       for a, b in zip(cuts[:-1], cuts[1:])], dim=2)
 
 
-def _local_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def flash_window_size(window: int | None) -> tuple[int, int]:
+    """flash-attn's ``window_size`` (keys left, keys right of the query; -1 unbounded) for ``window``.
+
+    >>> flash_window_size(None), flash_window_size(4)
+    ((-1, -1), (3, 0))
+    """
+    return (-1, -1) if window is None else (window - 1, 0)
+
+
+def _local_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                 window: int | None = None) -> torch.Tensor:
     b, h, t, d = q.shape
     cu = cu_seqlens.to(torch.int32)
     if int(cu[-1]) < t:  # the trailing padding becomes its own document
@@ -124,14 +179,16 @@ def _local_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     def flat(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
 
-    out = _flash_varlen(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=True)
+    out = _flash_varlen(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=True,
+                        window_size=flash_window_size(window))
     return out.view(b, t, h, d).transpose(1, 2)
 
 
 _compiled_flex = None
 
 
-def _local_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def _local_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
     global _compiled_flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -141,20 +198,21 @@ def _local_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     doc = document_ids(cu_seqlens, t)
 
     def mask_mod(b, h, qi, ki):  # noqa: ANN001 - FlexAttention's callback signature
-        return (doc[qi] == doc[ki]) & (ki <= qi)
+        return (doc[qi] == doc[ki]) & window_causal(qi, ki, window)
 
     block_mask = create_block_mask(mask_mod, None, None, t, t, device=q.device)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                    window: int | None = None) -> torch.Tensor:
     """Document-causal attention of a whole row held by this rank (see the module doc for kernels)."""
     if q.is_cuda:
         if _flash_varlen is not None and q.dtype in (torch.float16, torch.bfloat16):
-            return _local_flash(q, k, v, cu_seqlens)
+            return _local_flash(q, k, v, cu_seqlens, window)
         if _has_flex():
-            return _local_flex(q, k, v, cu_seqlens)
-    return _local_sdpa(q, k, v, cu_seqlens)
+            return _local_flex(q, k, v, cu_seqlens, window)
+    return _local_sdpa(q, k, v, cu_seqlens, window)
 
 
 def _has_flex() -> bool:
@@ -211,25 +269,25 @@ def _heads_to_seq(x: torch.Tensor, cp: CPContext) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      cp: CPContext) -> torch.Tensor:
+                      cp: CPContext, window: int | None = None) -> torch.Tensor:
     h, hkv = q.shape[1], k.shape[1]
     if h % cp.size:
         raise PlanError(f"Ulysses context parallelism of degree {cp.size} needs the {h} query heads per "
                         "tensor-parallel rank to divide evenly; lower cp or tp, or use ring attention")
     if hkv % cp.size:  # too few key/value heads to split: give every query head its own copy
         k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
-    out = local_attention(_seq_to_heads(q, cp), _seq_to_heads(k, cp), _seq_to_heads(v, cp), cu_seqlens)
+    out = local_attention(_seq_to_heads(q, cp), _seq_to_heads(k, cp), _seq_to_heads(v, cp), cu_seqlens, window)
     return _heads_to_seq(out, cp)
 
 
 # ---- ring --------------------------------------------------------------------------------------------
 class _RingShift:
-    """Send a flat buffer to the next rank of the ring and receive the previous rank's, async."""
+    """Send a flat buffer ``hops`` ranks on along the ring and receive the one ``hops`` back, async."""
 
-    def __init__(self, cp: CPContext):
+    def __init__(self, cp: CPContext, hops: int = 1):
         self.cp = cp
-        self.next = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
-        self.prev = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
+        self.next = dist.get_global_rank(cp.group, (cp.rank + hops) % cp.size)
+        self.prev = dist.get_global_rank(cp.group, (cp.rank - hops) % cp.size)
 
     def start(self, tensors: list[torch.Tensor]) -> tuple[list, torch.Tensor, list[torch.Tensor]]:
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -261,15 +319,31 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+def ring_steps(cp_size: int, block: int, window: int | None) -> int:
+    """Ring steps with work for someone: block r - s is within the window of rank r's queries iff
+    its nearest key, (s - 1) * block + 1 tokens back, is closer than ``window`` (step 0: own block).
+
+    The same on every rank, so later steps (their K/V shifts too) are dropped by all.
+
+    >>> ring_steps(4, 8, None), ring_steps(4, 8, 9), ring_steps(4, 8, 10), ring_steps(4, 8, 1)
+    (4, 2, 3, 1)
+    """
+    steps = 1
+    while steps < cp_size and (window is None or (steps - 1) * block + 1 < window):
+        steps += 1
+    return steps
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention with a document-causal mask; tensors are grouped [B, Hkv, G, T, D] for queries.
 
     Block j is the kv slice that started on ring rank j; at step s rank r holds block (r - s) mod cp.
-    Contiguous slicing makes blocks j > r invisible (keys after every query), so they are skipped.
+    Contiguous slicing makes blocks j > r invisible (keys after every query), so they are skipped;
+    with a window, so are the steps past :func:`ring_steps` (every block there is out of reach).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, cp: CPContext):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, cu_seqlens, cp: CPContext, window: int | None):  # noqa: ANN001, ANN205
         b, h, tl, d = q.shape
         hkv = k.shape[1]
         scale = 1.0 / math.sqrt(d)
@@ -279,11 +353,12 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
         ring = _RingShift(cp)
         kv = [k.contiguous(), v.contiguous()]
-        for step in range(cp.size):
-            pending = ring.start(kv) if step < cp.size - 1 else None  # overlap the shift with compute
+        steps = ring_steps(cp.size, tl, window)
+        for step in range(steps):
+            pending = ring.start(kv) if step < steps - 1 else None  # overlap the shift with compute
             j = (cp.rank - step) % cp.size
             if j <= cp.rank:
-                mask = document_causal_mask(cu_seqlens, cp.rank * tl, tl, j * tl, tl, total)
+                mask = document_causal_mask(cu_seqlens, cp.rank * tl, tl, j * tl, tl, total, window)
                 s = _scores(qg, kv[0].float(), mask, scale)
                 blk_lse = torch.logsumexp(s, dim=-1)
                 p = torch.exp(s - _safe(blk_lse)[..., None])
@@ -295,7 +370,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = _RingShift.finish(pending)
         ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
-        ctx.cp = cp
+        ctx.cp, ctx.window = cp, window
         return out.reshape(b, h, tl, d).to(q.dtype)
 
     @staticmethod
@@ -311,14 +386,15 @@ class _RingAttention(torch.autograd.Function):
         delta = (doutg * out).sum(-1, keepdim=True)  # rowsum(dO * O), the softmax Jacobian term
         dq = torch.zeros_like(qg)
         ring = _RingShift(cp)
-        # Blocks travel with their gradient accumulators; after cp shifts both are home again.
+        # Blocks travel with their gradient accumulators; the gradients then go home (below).
         kv = [k.contiguous(), v.contiguous(), torch.zeros_like(k, dtype=torch.float32),
               torch.zeros_like(v, dtype=torch.float32)]
-        for step in range(cp.size):
+        steps = ring_steps(cp.size, tl, ctx.window)
+        for step in range(steps):
             j = (cp.rank - step) % cp.size
             if j <= cp.rank:
                 kb, vb, dk, dv = kv
-                mask = document_causal_mask(cu_seqlens, cp.rank * tl, tl, j * tl, tl, total)
+                mask = document_causal_mask(cu_seqlens, cp.rank * tl, tl, j * tl, tl, total, ctx.window)
                 s = _scores(qg, kb.float(), mask, scale)
                 p = torch.exp(s - _safe(lse)[..., None])
                 dv = dv + torch.matmul(p.transpose(-1, -2), doutg).sum(2)
@@ -327,30 +403,37 @@ class _RingAttention(torch.autograd.Function):
                 dq = dq + torch.matmul(ds, kb.float()[:, :, None])
                 dk = dk + torch.matmul(ds.transpose(-1, -2), qg).sum(2)
                 kv = [kb, vb, dk, dv]
-            # the last shift only needs to bring the gradients home
-            kv = _RingShift.finish(ring.start(kv if step < cp.size - 1 else kv[2:]))
-            if step == cp.size - 1:
-                dk, dv = kv
-        return (dq.reshape(b, h, tl, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None)
+            if step < steps - 1:
+                kv = _RingShift.finish(ring.start(kv))
+        # The gradients held here belong to the block from steps - 1 ranks back: send them home in one
+        # hop (the ring's next rank when steps == cp; nowhere when steps == 1).
+        dk, dv = kv[2:]
+        back = (1 - steps) % cp.size
+        if back:
+            dk, dv = _RingShift.finish(_RingShift(cp, back).start([dk, dv]))
+        return (dq.reshape(b, h, tl, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                   cp: CPContext) -> torch.Tensor:
-    return _RingAttention.apply(q, k, v, cu_seqlens, cp)
+                   cp: CPContext, window: int | None = None) -> torch.Tensor:
+    return _RingAttention.apply(q, k, v, cu_seqlens, cp, window)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-           cp: CPContext | None = None) -> torch.Tensor:
+           cp: CPContext | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention within each packed document, nothing across documents.
 
     q [B, H, T_local, D]; k, v [B, Hkv, T_local, D] with H a multiple of Hkv (grouped-query);
     ``cu_seqlens`` [n_docs + 1] are the boundaries in the whole (global) row. Without ``cp``,
-    T_local is the whole row. Returns [B, H, T_local, D].
+    T_local is the whole row. ``window``: query i sees keys j with i - window < j <= i of its
+    document (transformers' sliding window); None: every earlier key. Returns [B, H, T_local, D].
     """
     _check_shapes(q, k, v)
+    if window is not None and window <= 0:
+        raise ValueError(f"attention window must be positive or None, got {window}")
     if cp is None or cp.size == 1:
-        return local_attention(q, k, v, cu_seqlens)
+        return local_attention(q, k, v, cu_seqlens, window)
     if cp.kind == "ulysses":
-        return ulysses_attention(q, k, v, cu_seqlens, cp)
-    return ring_attention(q, k, v, cu_seqlens, cp)
+        return ulysses_attention(q, k, v, cu_seqlens, cp, window)
+    return ring_attention(q, k, v, cu_seqlens, cp, window)

@@ -7,9 +7,10 @@ Hugging Face weight mapping can address parts by name::
     tok_embeddings            nn.Embedding(vocab, hidden)
     layers["0".."L-1"]        TransformerBlock
         attention_norm        RMSNorm
-        attention             Attention: wq, wk, wv, wo (nn.Linear; q/k/v biases when spec.qkv_bias)
+        attention             Attention: wq, wk, wv, wo (nn.Linear; q/k/v biases when spec.qkv_bias,
+                              a wo bias when spec.attention_out_bias); q_norm, k_norm when spec.qk_norm
         ffn_norm              RMSNorm
-        feed_forward          FeedForward: w1 (gate), w2 (down), w3 (up)
+        feed_forward          FeedForward: w1 (gate), w2 (down), w3 (up) (biases when spec.mlp_bias)
     norm                      RMSNorm
     output                    nn.Linear(hidden, vocab), or None when tied to tok_embeddings
 
@@ -18,7 +19,8 @@ ends to None: without ``tok_embeddings`` the forward takes hidden states instead
 without ``norm`` it returns hidden states instead of logits.
 
 Positions come from the batch (they restart at every packed document), so RoPE needs no cache; the
-attention kernel sees ``cu_seqlens`` and never looks across a document (flexmesh.runtime.attention).
+attention kernel sees ``cu_seqlens`` and never looks across a document (flexmesh.runtime.attention);
+a layer with a sliding window (``spec.window_of(layer)``) passes it to the kernel too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from flexmesh.errors import SpecError
 from flexmesh.runtime.attention import CPContext, attend
+from flexmesh.runtime.rope import apply_rope, rope_cos_sin
 from flexmesh.spec.model import ModelSpec
 
 if TYPE_CHECKING:  # runtime.packing owns PackedBatch; the model only reads positions and cu_seqlens
@@ -49,7 +52,7 @@ def check_supported(spec: ModelSpec) -> None:
     if spec.position != "rope":
         wrong.append(f"position={spec.position!r} (needs 'rope')")
     if spec.linear_bias:
-        wrong.append("linear_bias=True (only q/k/v biases, qkv_bias, are supported)")
+        wrong.append("linear_bias=True (use qkv_bias, attention_out_bias and mlp_bias)")
     if spec.head_dim % 2:
         wrong.append(f"head_dim={spec.head_dim} (RoPE needs an even head dimension)")
     if wrong:
@@ -57,29 +60,6 @@ def check_supported(spec: ModelSpec) -> None:
             f"model {spec.name!r} cannot be trained by the flexmesh runtime, which builds Llama-family "
             f"decoders: {'; '.join(wrong)}. Use a Llama/Mistral/Qwen2 config or preset."
         )
-
-
-# ---- rotary position embedding -----------------------------------------------------------------
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [B, T, head_dim] for integer ``positions`` [B, T].
-
-    Uses the half-split ("rotate_half") convention of Hugging Face Llama checkpoints: dimension i
-    and i + head_dim/2 form a rotating pair with frequency theta^(-2i/head_dim). So position 0 is the
-    identity (cos 1, sin 0) whatever the document's offset in the packed row.
-    """
-    half = head_dim // 2
-    inv_freq = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) * 2.0 / head_dim)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, half]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, T, H, D] by the angles of ``cos``/``sin`` [B, T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
 # ---- blocks --------------------------------------------------------------------------------------
@@ -90,14 +70,19 @@ class Attention(nn.Module):
     runs when tensor parallelism has left this rank a column shard of wq/wk/wv.
     """
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer: int = 0):
         super().__init__()
         self.head_dim = spec.head_dim
         self.rope_theta = spec.rope_theta
+        self.rope_scaling = spec.rope_scaling
+        self.window = spec.window_of(layer)  # sliding window of this layer (None: plain causal)
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias)
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
-        self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=False)
+        self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=spec.attention_out_bias)
+        # Qwen3 normalises each head of q and k (over head_dim) before RoPE
+        self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.cp: CPContext | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -105,9 +90,11 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling, cu_seqlens)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu_seqlens, self.cp)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu_seqlens, self.cp, self.window)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -116,19 +103,21 @@ class FeedForward(nn.Module):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.w1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False)
-        self.w3 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
+        self.w1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.mlp_bias)
+        self.w2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.mlp_bias)
+        self.w3 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """Layer ``layer`` of ``spec`` (the index picks its attention window)."""
+
+    def __init__(self, spec: ModelSpec, layer: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
-        self.attention = Attention(spec)
+        self.attention = Attention(spec, layer)
         self.ffn_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
         self.feed_forward = FeedForward(spec)
 
@@ -145,7 +134,7 @@ class Transformer(nn.Module):
         check_supported(spec)
         self.spec = spec
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.num_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec, i) for i in range(spec.num_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
         self.output: nn.Linear | None = (
             None if spec.tie_embeddings else nn.Linear(spec.hidden, spec.vocab, bias=False)

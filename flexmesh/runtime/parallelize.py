@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.mesh import MESH_AXES, Layout, aligned_blocks, context_kind, global_rank
+from flexmesh.layout.mesh import MESH_AXES, Layout, aligned_blocks, context_kind, global_rank, group_cp_kind
 from flexmesh.spec.model import ModelSpec
 
 
@@ -64,6 +64,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     Between blocks the residual stream is a plain tensor holding this rank's 1/tp slice of the
     sequence (dim 1); attention and the MLP all-gather it on entry and reduce-scatter on exit.
+    Biases follow their linears: column-parallel ones are split with the outputs, the row-parallel
+    ones of wo and w2 stay replicated and DTensor adds them once to the reduced sum.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -84,6 +86,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if root:
         parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
+        if block.attention.q_norm is not None:
+            # Qwen3's per-head q/k norms see this rank's heads only: as replicated DTensors over a
+            # head-sharded input (dim 2) their weight gradients are summed over the tp ranks.
+            parallelize_module(block, tp_mesh, {
+                "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            })
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             # attention(x, positions, cu_seqlens): only x is sharded; positions/cu_seqlens stay global
@@ -224,7 +233,8 @@ class ContextGroups:
                 "size; place the step's groups with flexmesh.schedule.assemble.aligned_layout")
 
     def kind_for(self, size: int) -> str:
-        return self.kind if self.kind == "ring" or self.heads % size == 0 else "ring"
+        """The attention a group of ``size`` ranks runs: the one rule the scheduler prices with too."""
+        return str(group_cp_kind(self.kind, self.heads, size))
 
     def context(self, ranks: tuple[int, ...], data_rank: int):
         """This rank's CPContext in schedule group ``ranks`` (which must hold ``data_rank``); None for one rank."""

@@ -2,16 +2,20 @@
 
 The model may be plain, FSDP2-sharded or tensor-parallel (its parameters are then DTensors), and a
 pipeline stage holds only some layers: every parameter the model holds is read from the file by its
-Hugging Face Llama name, as a full tensor, and only this rank's shard is kept. Keys of the file
-that the model does not hold (other stages' layers, ``rotary_emb.inv_freq``) are skipped.
+Hugging Face Llama name, as a full tensor, and only this rank's shard is kept. The loader checks the
+file against the whole model its config describes: a tensor the model needs and the file lacks, or
+a tensor of the file the model has no place for, is a CheckpointError naming them; tensors of
+layers another pipeline stage holds are skipped and named in the returned :class:`LoadReport`;
+``rotary_emb.inv_freq`` buffers of old checkpoints are recomputed, not read.
 
 Name mapping (flexmesh <- Hugging Face Llama / Mistral / Qwen2)::
 
     tok_embeddings.weight                      model.embed_tokens.weight
     layers.N.attention_norm.weight             model.layers.N.input_layernorm.weight
     layers.N.attention.wq|wk|wv|wo.{weight,bias}  model.layers.N.self_attn.q_proj|k_proj|v_proj|o_proj.*
+    layers.N.attention.q_norm|k_norm.weight    model.layers.N.self_attn.q_norm|k_norm.weight (Qwen3)
     layers.N.ffn_norm.weight                   model.layers.N.post_attention_layernorm.weight
-    layers.N.feed_forward.w1|w2|w3.weight      model.layers.N.mlp.gate_proj|down_proj|up_proj.weight
+    layers.N.feed_forward.w1|w2|w3.{weight,bias}  model.layers.N.mlp.gate_proj|down_proj|up_proj.*
     norm.weight                                model.norm.weight
     output.weight                              lm_head.weight
 
@@ -21,6 +25,7 @@ Both use the half-split RoPE convention, so q/k weights need no permutation.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +42,9 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_mo
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 _FFN = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _NORMS = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_QK_NORMS = ("q_norm", "k_norm")
+# Buffers some checkpoints carry that the model recomputes instead of reading.
+_RECOMPUTED = (".rotary_emb.inv_freq",)
 
 
 def canonical_name(name: str) -> str:
@@ -69,6 +77,8 @@ def hf_name(name: str) -> str:
             return f"{prefix}.{_NORMS[module]}.weight"
         if module == "attention" and len(rest) == 2 and rest[0] in _ATTN:
             return f"{prefix}.self_attn.{_ATTN[rest[0]]}.{rest[1]}"
+        if module == "attention" and rest[0] in _QK_NORMS and rest[1:] == ["weight"]:
+            return f"{prefix}.self_attn.{rest[0]}.weight"
         if module == "feed_forward" and len(rest) == 2 and rest[0] in _FFN:
             return f"{prefix}.mlp.{_FFN[rest[0]]}.{rest[1]}"
     raise CheckpointError(f"parameter {name!r} has no Hugging Face Llama name; is this a flexmesh Transformer?")
@@ -126,20 +136,58 @@ def _open_weights(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
 
 
-def load_hf_safetensors(model: nn.Module, path: str | Path) -> None:
+@dataclass(frozen=True)
+class LoadReport:
+    """What :func:`load_hf_safetensors` did with the file's tensors (Hugging Face names, sorted)."""
+
+    loaded: tuple[str, ...]
+    other_stages: tuple[str, ...]  # tensors of layers or ends that other pipeline stages hold
+    recomputed: tuple[str, ...]  # buffers such as rotary_emb.inv_freq, which the model computes itself
+
+    def summary(self) -> str:
+        """One line: how many tensors were read and which were left to other stages."""
+        line = f"loaded {len(self.loaded)} tensors"
+        if self.other_stages:
+            line += f"; {len(self.other_stages)} belong to other pipeline stages ({_shown(self.other_stages)})"
+        return line
+
+
+def _shown(keys: list[str] | tuple[str, ...], n: int = 5) -> str:
+    return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def _whole_model_keys(model: nn.Module) -> set[str]:
+    """Hugging Face names of every parameter of the whole model ``model`` (maybe a stage) is part of."""
+    spec = getattr(model, "spec", None)
+    if spec is None:
+        return {hf_name(name) for name, _ in model.named_parameters()}
+    from flexmesh.runtime.model import Transformer  # the model module imports this one lazily
+
+    with torch.device("meta"):  # names and shapes only, no memory
+        whole = Transformer(spec)
+    return {hf_name(name) for name, _ in whole.named_parameters()}
+
+
+def load_hf_safetensors(model: nn.Module, path: str | Path) -> LoadReport:
     """Fill every parameter ``model`` holds from Hugging Face Llama-named safetensors weights.
 
     Works for plain, FSDP2- and TP-sharded (DTensor) parameters and for pipeline stages; each tensor
-    is read on its own, so peak extra memory is one full parameter.
+    is read on its own, so peak extra memory is one full parameter. Raises CheckpointError when the
+    file lacks a tensor of the model or holds one the model's config has no place for.
     """
     path = Path(path)
     files = _open_weights(path)
     wanted = {name: hf_name(name) for name, _ in model.named_parameters()}
+    whole = _whole_model_keys(model)
     missing = sorted(k for k in wanted.values() if k not in files)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{path}: weights are missing {shown}; the file does not match the model config "
-                              "(check num_hidden_layers, tie_word_embeddings and attention_bias)")
+    recomputed = sorted(k for k in files if k.endswith(_RECOMPUTED))
+    unexpected = sorted(k for k in files if k not in whole and not k.endswith(_RECOMPUTED))
+    if missing or unexpected:
+        parts = [f"weights are missing {_shown(missing)}"] if missing else []
+        if unexpected:
+            parts.append(f"hold {_shown(unexpected)}, which the model has no place for")
+        raise CheckpointError(f"{path}: {' and '.join(parts)}; the file does not match the model config "
+                              "(check num_hidden_layers, tie_word_embeddings, attention_bias and mlp_bias)")
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
     for name, key in wanted.items():
@@ -153,6 +201,9 @@ def load_hf_safetensors(model: nn.Module, path: str | Path) -> None:
                     raise CheckpointError(f"{file.name}: {key} has shape {tuple(full.shape)} but the model expects "
                                           f"{tuple(params[name].shape)}; the weights belong to another config")
                 copy_full_(params[name], full)
+    held = set(wanted.values())
+    return LoadReport(loaded=tuple(sorted(held)), other_stages=tuple(sorted(k for k in files if k in whole - held)),
+                      recomputed=tuple(recomputed))
 
 
 def save_hf_safetensors(model: nn.Module, path: str | Path) -> None:

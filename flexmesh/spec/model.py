@@ -6,7 +6,6 @@ FLOPs take is the cost model's business (flexmesh.cost).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -14,6 +13,46 @@ from pathlib import Path
 from flexmesh.errors import SpecError
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# transformers' rope_type values the runtime implements (flexmesh.runtime.model.rope_frequencies).
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched past the pre-training context (transformers' ``rope_type``).
+
+    ``original_max_position`` is the length the scaling is relative to: ``original_max_position_embeddings``
+    for llama3 and yarn, ``max_position_embeddings`` for dynamic (as transformers computes it).
+
+    >>> RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0).rope_type
+    'llama3'
+    """
+
+    rope_type: str
+    factor: float
+    original_max_position: int | None = None
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None: derived from factor (and mscale, mscale_all_dim)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range outwards to whole dimensions
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise SpecError(f"rope_type {self.rope_type!r} is not supported; use one of {', '.join(ROPE_TYPES)}")
+        if not self.factor > 0:
+            raise SpecError(f"rope scaling factor must be positive, got {self.factor}")
+        if self.rope_type != "linear" and not (self.original_max_position or 0) > 0:
+            raise SpecError(f"rope_type {self.rope_type!r} needs a positive original_max_position, "
+                            f"got {self.original_max_position}")
+        if self.rope_type == "llama3":
+            low, high = self.low_freq_factor, self.high_freq_factor
+            if low is None or high is None or not high > low:
+                raise SpecError(f"rope_type 'llama3' needs low_freq_factor < high_freq_factor, got {low} and {high}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +82,14 @@ class ModelSpec:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dtype: str = "bf16"
+    # Sliding-window attention (Mistral, Qwen2): a query sees the last `sliding_window` keys of its
+    # document, itself included. `window_layers[i]` says whether layer i slides (None: all do).
+    sliding_window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    attention_out_bias: bool = False  # a bias on the attention output projection (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # biases on the three MLP projections (Llama mlp_bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab"):
@@ -63,6 +110,28 @@ class ModelSpec:
             raise SpecError(f"model {self.name!r}: position must be rope or learned, got {self.position!r}")
         if self.dtype not in DTYPE_BYTES:
             raise SpecError(f"model {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise SpecError(f"model {self.name!r}: sliding_window must be positive or None, got {self.sliding_window}")
+        if self.window_layers is not None and len(self.window_layers) != self.num_layers:
+            raise SpecError(f"model {self.name!r}: window_layers names {len(self.window_layers)} layers, "
+                            f"the model has {self.num_layers}")
+
+    # ---- attention window --------------------------------------------------------------------------
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (query i sees keys j with i - w < j <= i), None: plain causal.
+
+        >>> m = ModelSpec("m", 3, 64, 4, 4, 128, 100, sliding_window=8, window_layers=(False, True, True))
+        >>> [m.window_of(i) for i in range(3)]
+        [None, 8, 8]
+        """
+        if self.window_layers is not None and not self.window_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """:meth:`window_of` of every layer, in order."""
+        return tuple(self.window_of(i) for i in range(self.num_layers))
 
     # ---- shape -------------------------------------------------------------------------------
     @property
@@ -97,8 +166,12 @@ class ModelSpec:
         bias = 0
         if self.qkv_bias or self.linear_bias:
             bias += self.q_dim + 2 * self.kv_dim
-        if self.linear_bias:
-            bias += h + (2 if self.activation == "swiglu" else 1) * self.ffn_hidden + h
+        if self.attention_out_bias or self.linear_bias:
+            bias += h
+        if self.mlp_bias or self.linear_bias:
+            bias += (2 if self.activation == "swiglu" else 1) * self.ffn_hidden + h
+        if self.qk_norm:
+            norm += 2 * self.head_dim
         return self.layer_linear_params + norm + bias
 
     @property
@@ -139,7 +212,18 @@ class ModelSpec:
         return 3.0 * (self.num_layers * per_layer + self.head_flops_per_token * tokens)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        # Left out when unset, so models without a window keep the dicts (and profile hashes) they had.
+        for key in ("sliding_window", "window_layers"):
+            if d[key] is None:
+                del d[key]
+        if d.get("window_layers") is not None:
+            d["window_layers"] = list(d["window_layers"])
+        # Same for the fields of Hugging Face exactness: absent when off.
+        for key in ("rope_scaling", "attention_out_bias", "mlp_bias", "qk_norm"):
+            if not d[key]:
+                del d[key]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
@@ -147,6 +231,13 @@ class ModelSpec:
         unknown = set(d) - known
         if unknown:
             raise SpecError(f"model spec has unknown fields {sorted(unknown)}; known: {sorted(known)}")
+        if d.get("window_layers") is not None:  # JSON has lists; the frozen spec keeps a hashable tuple
+            d = {**d, "window_layers": tuple(bool(x) for x in d["window_layers"])}
+        if isinstance(d.get("rope_scaling"), dict):
+            try:
+                d = {**d, "rope_scaling": RopeScaling(**d["rope_scaling"])}
+            except TypeError as e:
+                raise SpecError(f"model spec has a malformed rope_scaling {d['rope_scaling']}: {e}") from e
         return cls(**d)
 
 
@@ -165,6 +256,8 @@ def gpt(num_layers: int, hidden: int, num_heads: int, vocab: int = 51200, name: 
     )
 
 
+_LLAMA31_ROPE = RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
+
 # Shapes from each model's published config.json (Hugging Face hub model cards of meta-llama/* and Qwen/*).
 MODEL_PRESETS: dict[str, ModelSpec] = {
     m.name: m
@@ -172,8 +265,18 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000),
         _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000),
         _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000),
+        # meta-llama/Meta-Llama-3-{8B,70B}/config.json: rope_theta 5e5, 8192 positions, rope_scaling null
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, max_position=8192, rope_theta=500000.0),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, max_position=8192, rope_theta=500000.0),
+        # meta-llama/Llama-3.1-{8B,70B}/config.json: the same shapes, 131072 positions by rope_scaling
+        # {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        #  "original_max_position_embeddings": 8192}
+        _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, max_position=131072, rope_theta=500000.0,
+               rope_scaling=_LLAMA31_ROPE),
+        _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, max_position=131072, rope_theta=500000.0,
+               rope_scaling=_LLAMA31_ROPE),
+        # Qwen/Qwen2.5-{7B,32B,72B}-Instruct/config.json: q/k/v biases, rope_theta 1e6, rms_norm_eps 1e-6,
+        # use_sliding_window false (so no window), 32768 positions
         _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, qkv_bias=True, max_position=32768,
                rope_theta=1e6, norm_eps=1e-6),
         _llama("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, qkv_bias=True, max_position=32768,
@@ -187,54 +290,45 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 
 _GPT_RE = re.compile(r"^gpt:(\d+):(\d+):(\d+)(?::(\d+))?$")
 
-# Hugging Face config.json keys we need, per family; all three families share Llama's names.
-_HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-_HF_FAMILIES = ("llama", "mistral", "qwen2")
+
+def hf_sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, ...] | None]:
+    """``(sliding_window, window_layers)`` of a Hugging Face config, as transformers' models read it.
+
+    Mistral: ``sliding_window`` on every layer (null: none; MistralModel ignores ``layer_types``).
+    Qwen2: none unless ``use_sliding_window``; then the layers ``layer_types`` marks
+    ``"sliding_attention"``, or without that list layers ``i >= max_window_layers`` (Qwen2Config).
+    Llama has no window. A window no layer uses is dropped; ``window_layers`` is None when all slide.
+
+    >>> hf_sliding_window({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+    ...                    "num_hidden_layers": 3}, "qwen2")
+    (4, (False, True, True))
+    """
+    window = cfg.get("sliding_window")
+    layers = cfg["num_hidden_layers"]
+    if family == "qwen2":
+        if not cfg.get("use_sliding_window", False):
+            window = None
+        types = cfg.get("layer_types")
+        if types is not None:
+            slides = tuple(t == "sliding_attention" for t in types)
+        else:
+            start = cfg.get("max_window_layers", 28)  # Qwen2Config's default
+            slides = tuple(i >= start for i in range(layers))
+    elif family == "mistral":
+        slides = (True,) * layers
+    else:
+        window = None
+        slides = (False,) * layers
+    if window is None or not any(slides):
+        return None, None
+    return int(window), None if all(slides) else slides
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (Llama, Mistral or Qwen2 family) from disk; no network."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise SpecError(f"config file {str(path)!r} does not exist")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{path}: not valid JSON ({e})") from e
-    family = cfg.get("model_type")
-    if family not in _HF_FAMILIES:
-        raise SpecError(
-            f"{path}: model_type {family!r} is not supported; supported families: {', '.join(_HF_FAMILIES)}"
-        )
-    missing = [k for k in _HF_REQUIRED if k not in cfg]
-    if missing:
-        raise SpecError(f"{path}: config.json is missing {', '.join(missing)} (needed for a {family} model)")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise SpecError(f"{path}: hidden_act {act!r} is not supported (flexmesh models use SwiGLU with silu)")
-    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(cfg.get("torch_dtype", "bfloat16"), "bf16")
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim == cfg["hidden_size"] // heads:
-        head_dim = None
-    return ModelSpec(
-        name=cfg.get("_name_or_path") or path.parent.name or family,
-        num_layers=cfg["num_hidden_layers"],
-        hidden=cfg["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        ffn_hidden=cfg["intermediate_size"],
-        vocab=cfg["vocab_size"],
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        head_dim_override=head_dim,
-        max_position=cfg.get("max_position_embeddings", 4096),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        dtype=dtype,
-    )
+    """Read a Hugging Face ``config.json`` from disk; see :func:`flexmesh.spec.hf.from_hf_config`."""
+    from flexmesh.spec.hf import from_hf_config as read  # hf.py builds on this module's ModelSpec
+
+    return read(path)
 
 
 def parse_model(text: str) -> ModelSpec:

@@ -1,0 +1,294 @@
+"""Training checkpoints -> Hugging Face folders (``flexmesh export``), in one process, no process group.
+
+A DCP checkpoint of any layout (plain, FSDP2/ZeRO shards, tensor-parallel shards, pipeline stages,
+interleaved chunks) describes every tensor by its global shape in ``.metadata``; DCP's loader
+reassembles the full tensor from whatever pieces the ranks wrote when handed an empty tensor of
+that shape (``no_dist=True``: this process plays every rank). Only the model's tensors are read,
+never the optimizer's, and only one output shard's worth at a time, so memory stays about one
+shard whatever the model's size.
+
+Keys: the trainer saves ``{"model": state_dict, "optim": ...}``, so DCP keys are ``model.<fqn>``;
+with an interleaved pipeline the state module is a list of chunks and the fqn starts with the
+chunk index (``model.1.layers.3...``); the chunk index says nothing the layer index does not.
+Every fqn maps through :func:`flexmesh.runtime.weights.hf_name` to its Hugging Face name.
+
+The folder written (``out/``)::
+
+    model-00001-of-0000N.safetensors ...    shards of at most ``max_shard_bytes`` (one larger tensor alone)
+    model.safetensors.index.json           metadata.total_size and weight_map, as transformers writes
+    config.json                            flexmesh.spec.hf.to_hf_config of the model; written last
+
+Each file is written to a temporary name, fsynced and renamed, and ``config.json`` comes last: a
+folder with a config.json is a finished export; an interrupted one has none and loads nowhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexmesh.errors import CheckpointError, SpecError
+from flexmesh.files import write_atomic
+from flexmesh.layout.plan import Plan
+from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash
+from flexmesh.runtime.weights import canonical_name, hf_name
+from flexmesh.spec.hf import hf_family, to_hf_config
+from flexmesh.spec.model import ModelSpec, parse_model
+from flexmesh.units import GIB
+
+DEFAULT_MAX_SHARD_BYTES = 2 * GIB
+INDEX = "model.safetensors.index.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_CHUNK = re.compile(r"\d+\.")  # an interleaved pipeline's chunk index in front of the fqn
+_PASS = "pass --checkpoint RUN/checkpoints/step_NNNNNN (or the run folder RUN for its latest checkpoint)"
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What :func:`export_checkpoint` wrote."""
+
+    checkpoint: Path
+    step: int
+    out: Path
+    family: str
+    dtype: str
+    files: tuple[str, ...]  # the shards, in order
+    tensors: int
+    total_bytes: int
+
+    def summary(self) -> str:
+        """One line for the command to print."""
+        return (f"exported step {self.step} of {self.checkpoint} to {self.out}: {self.family} model, "
+                f"{self.tensors} tensors, {self.total_bytes / GIB:.3f} GiB {self.dtype} in {len(self.files)} "
+                f"shard{'s' if len(self.files) != 1 else ''}")
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The finished checkpoint folder ``path`` names: a ``step_NNNNNN`` folder, or a run folder (or its
+    ``checkpoints/``), meaning its latest checkpoint. CheckpointError, saying what to pass, otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; {_PASS}")
+    if (path / MANIFEST).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        if root.is_dir() and ((root / "latest").is_file() or any(root.glob("step_*"))):
+            found = latest_checkpoint(root)
+            if found is not None:
+                return found
+    if STEP_DIR.fullmatch(path.name) or path.name.startswith(".tmp-step_"):
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is unfinished (a crash while saving?) or not "
+                              f"a flexmesh checkpoint; export an earlier one: {_PASS}")
+    raise CheckpointError(f"{path} holds no finished flexmesh checkpoint (no {MANIFEST}); {_PASS}")
+
+
+def _manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        int(manifest["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / MANIFEST} is corrupt ({e}); export an earlier checkpoint") from e
+    files = manifest.get("sha256")
+    names = sorted(files) if isinstance(files, dict) else []
+    missing = [n for n in names if (n == ".metadata" or n.endswith(".distcp")) and not (path / n).is_file()]
+    if not (path / ".metadata").is_file() and ".metadata" not in missing:
+        missing.insert(0, ".metadata")
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing[:3])}: it is incomplete or was copied "
+                              "in part; copy the whole folder or export an earlier checkpoint")
+    return manifest
+
+
+def checkpoint_spec(checkpoint: str | Path, model: str | None = None, plan: str | Path | None = None) -> ModelSpec:
+    """The model of ``checkpoint``: ``model`` (a preset or config.json) if given, else the model the
+    plan ``plan`` names (whose layout must be the checkpoint's), else the one the manifest records."""
+    path = find_checkpoint(checkpoint)
+    manifest = _manifest(path)
+    if plan is not None:
+        loaded = Plan.load(plan)
+        if manifest.get("plan_hash") not in (None, plan_hash(loaded)):
+            raise CheckpointError(f"checkpoint {path} was written under plan {manifest.get('plan_layout')!r}, not "
+                                  f"{loaded.layout!r} ({plan}); pass the plan the run used, or --model")
+        if model is None:
+            return parse_model(loaded.model)
+    if model is not None:
+        return parse_model(model)
+    if isinstance(manifest.get("model"), dict):  # manifests that record the model spec
+        return ModelSpec.from_dict(manifest["model"])
+    raise SpecError(f"checkpoint {path} does not record its model; pass --model PRESET|config.json or --plan "
+                    "PLAN.json (the ones `flexmesh train` was given)")
+
+
+def _model_keys(path: Path) -> dict[str, tuple[str, Any]]:
+    """flexmesh fqn -> (DCP key, tensor metadata) of every model tensor of checkpoint ``path``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated or foreign .metadata raises pickle or OS errors
+        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({type(e).__name__}: {e}); it is "
+                              "corrupt: export an earlier checkpoint") from e
+    out: dict[str, tuple[str, Any]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not key.startswith("model.") or not isinstance(meta, TensorStorageMetadata):
+            continue
+        fqn = canonical_name(key[len("model."):])
+        if _CHUNK.match(fqn):
+            fqn = fqn.split(".", 1)[1]
+        if fqn.endswith(".rotary_emb.inv_freq"):  # recomputed by every loader
+            continue
+        if fqn in out:
+            raise CheckpointError(f"checkpoint {path} holds {fqn} twice ({out[fqn][0]} and {key}); it is not a "
+                                  "flexmesh training checkpoint")
+        out[fqn] = (key, meta)
+    if not out:
+        raise CheckpointError(f"checkpoint {path} holds no model tensors (no 'model.*' keys); it is not a flexmesh "
+                              "training checkpoint")
+    return out
+
+
+def _check_against(spec: ModelSpec, found: dict[str, tuple[str, Any]], path: Path) -> list[str]:
+    """The model's parameter names in model order, after checking the checkpoint holds exactly them."""
+    from flexmesh.runtime.model import Transformer
+
+    with torch.device("meta"):  # names and shapes only
+        whole = Transformer(spec)
+    shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
+    missing = [n for n in shapes if n not in found]
+    extra = sorted(n for n in found if n not in shapes)
+    wrong = [n for n in shapes if n in found and tuple(found[n][1].size) != shapes[n]]
+    if missing or extra or wrong:
+        what = (f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which the model has no place for"
+                if extra else f"has {wrong[0]} of shape {tuple(found[wrong[0]][1].size)}, not {shapes[wrong[0]]}")
+        raise CheckpointError(f"checkpoint {path} {what}: it is not of model {spec.name!r}; pass the --model or "
+                              "--plan the run trained with")
+    return list(shapes)
+
+
+def read_full_tensors(path: str | Path, keys: dict[str, tuple[str, Any]],
+                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of checkpoint ``path``: ``{name: (DCP key, metadata)}`` -> ``{name: tensor}``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in keys.values()}
+    try:
+        with warnings.catch_warnings():  # "no process group: loading locally" is what is meant here
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    except BaseException as e:  # DCP wraps read errors in CheckpointException, a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        cause = f"{type(e).__name__}: {lines[-1][:300]}" if lines else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} could not be read ({cause}); it is corrupt: export an earlier "
+                              "checkpoint") from e
+    return {name: state[key] if dtype is None else state[key].to(dtype) for name, (key, _) in keys.items()}
+
+
+def _plan_shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[str]]:
+    """Consecutive names in groups of at most ``limit`` bytes (a larger tensor makes a group alone).
+
+    >>> _plan_shards(["a", "b", "c", "d"], {"a": 4, "b": 4, "c": 9, "d": 1}, 8)
+    [['a', 'b'], ['c'], ['d']]
+    """
+    shards: list[list[str]] = []
+    size = 0
+    for n in names:
+        if not shards or size + nbytes[n] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes[n]
+    return shards
+
+
+def _write_via_temp(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a file to a temporary name next to ``path``, fsync it and rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _previous_export(out: Path) -> list[Path]:
+    """Files of an earlier export in ``out`` (which a new one replaces or, with other shard names, removes)."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if p.is_file() and (
+        p.name in ("config.json", INDEX, "model.safetensors") or _SHARD.fullmatch(p.name)))
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, *, dtype: str | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> ExportReport:
+    """Write checkpoint ``checkpoint`` of model ``spec`` as a Hugging Face folder ``out`` (see the module doc).
+
+    ``dtype`` (fp32, bf16, fp16) converts the weights; None keeps the checkpoint's (fp32 master
+    weights). ``config.json`` names the dtype written. ``out`` holding an earlier export is refused
+    unless ``overwrite``; then its files are replaced and shards the new export does not use removed.
+    """
+    from safetensors.torch import save_file
+
+    if dtype is not None and dtype not in DTYPES:
+        raise SpecError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if max_shard_bytes <= 0:
+        raise SpecError(f"the maximum shard size must be positive, got {max_shard_bytes} bytes")
+    family = hf_family(spec)  # refuse a model transformers cannot build before reading anything
+    path = find_checkpoint(checkpoint)
+    manifest = _manifest(path)
+    out = Path(out)
+    previous = _previous_export(out)
+    if previous and not overwrite:
+        raise CheckpointError(f"{out} already holds an export ({previous[0].name}); choose another --out or add "
+                              "--overwrite")
+    found = _model_keys(path)
+    names = _check_against(spec, found, path)
+    stored = {found[n][1].properties.dtype for n in names}
+    target = DTYPES[dtype] if dtype is not None else None
+    if target is None and len(stored) > 1:
+        raise CheckpointError(f"checkpoint {path} holds tensors of several dtypes ({sorted(map(str, stored))}); "
+                              "pass --dtype")
+    written = target or stored.pop()
+    if written not in _NAMES:
+        raise CheckpointError(f"checkpoint {path} holds {written} weights; pass --dtype fp32, bf16 or fp16")
+    nbytes = {n: found[n][1].size.numel() * written.itemsize for n in names}
+    groups = _plan_shards(names, nbytes, max_shard_bytes)
+    files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").unlink(missing_ok=True)  # until the new export is whole, the folder loads nowhere
+    weight_map: dict[str, str] = {}
+    for group, file in zip(groups, files, strict=True):
+        tensors = read_full_tensors(path, {n: found[n] for n in group}, written)
+        named = {hf_name(n): t.contiguous() for n, t in tensors.items()}
+        _write_via_temp(out / file, lambda tmp, named=named: save_file(named, str(tmp), metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(named, file))
+        del tensors, named
+    total = sum(nbytes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_atomic(out / INDEX, json.dumps(index, indent=2) + "\n")
+    for old in previous:  # shards of the earlier export; model.safetensors would shadow the index
+        if old.name not in files and old.name not in (INDEX, "config.json"):
+            old.unlink(missing_ok=True)
+    config = to_hf_config(replace(spec, dtype=_NAMES[written]))
+    write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
+    return ExportReport(checkpoint=path, step=int(manifest["step"]), out=out, family=family,
+                        dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total)
