@@ -12,11 +12,12 @@ import importlib
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from flexmesh.errors import FlexmeshError
 
 # Sub-commands in the order `flexmesh --help` lists them; a module missing here is skipped.
-COMMANDS = ("plan", "simulate", "train", "profile", "demo")
+COMMANDS = ("plan", "simulate", "train", "export", "profile", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except FlexmeshError as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False)
+        # escaped: messages quote paths and torch errors with [brackets] that rich reads as markup
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         return 2
 
 

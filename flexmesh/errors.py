@@ -27,3 +27,11 @@ class DataError(FlexmeshError):
 
 class ProfileError(FlexmeshError):
     """A hardware or model profile is missing, malformed, of another version or kind, or from another model."""
+
+
+class RunFolderError(FlexmeshError):
+    """An output folder is in use by another run, or holds a run that starting over would overwrite."""
+
+
+class RankError(FlexmeshError):
+    """A rank stopped answering: a collective waited longer than the collective timeout."""

@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from flexmesh.errors import PlanError
 from flexmesh.runtime.launch import relaunch_flexmesh, single_process_env
+from flexmesh.runtime.rundir import HELD_ENV, hold_run_folder, release_run_folder, start_over
 from flexmesh.schedule.registry import RUNTIME_POLICIES
 
 POLICY_NAMES = tuple(str(p) for p in RUNTIME_POLICIES)  # plain strings: argparse prints choices with repr
@@ -53,7 +57,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start over instead of resuming; refused when --out holds a run, unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds a run: move its contents into --out/previous-<time>/")
+    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="how long a collective waits for a stopped, hung or dead rank before the run fails "
+                        "naming it (default 600)")
     p.add_argument("--cache-dir", help="where tokenizers and token stores are cached")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.set_defaults(func=run)
@@ -61,19 +71,47 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.collective_timeout <= 0:
+        raise PlanError(f"--collective-timeout must be positive, got {args.collective_timeout}")
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise PlanError(f"--nproc must be at least 1, got {args.nproc}")
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
         # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
         argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
-        return relaunch_flexmesh(args.nproc, argv)
+        # The launcher holds the folder for its ranks, so a second run fails before starting any.
+        with _run_folder(args):
+            env = dict(os.environ, **{HELD_ENV: str(Path(args.out).resolve())})
+            return relaunch_flexmesh(args.nproc, argv, env=env)
     if "RANK" not in os.environ:  # a plain single process: make it a world of one
         os.environ.update(single_process_env())
-    return _train(args)
+    if os.environ.get("RANK") != "0":
+        return _train(args)
+    with _run_folder(args):  # rank 0 writes the folder; fit takes the lock again (counted)
+        return _train(args)
+
+
+@contextmanager
+def _run_folder(args: argparse.Namespace) -> Iterator[None]:
+    """Hold ``--out`` for the run and, with ``--no-resume``/``--overwrite``, clear it first: refuse, or
+    move the previous run aside and say where."""
+    hold_run_folder(args.out)
+    try:
+        if args.no_resume or args.overwrite:
+            moved = start_over(args.out, overwrite=args.overwrite)
+            if moved is not None:
+                from rich.console import Console
+
+                Console(stderr=True).print(f"moved the previous run in {args.out} to {moved} (--overwrite)",
+                                           highlight=False)
+        yield
+    finally:
+        release_run_folder(args.out)
 
 
 def _train(args: argparse.Namespace) -> int:
+    import signal
+
     import torch.distributed as dist
     from rich.console import Console
 
@@ -85,7 +123,7 @@ def _train(args: argparse.Namespace) -> int:
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.config import TrainConfig
     from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import fit
+    from flexmesh.runtime.loop import Preempted, fit
     from flexmesh.runtime.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
@@ -123,14 +161,22 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
                          min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                          seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
-                         resume=not args.no_resume, progress=not args.no_progress)
-    init_distributed()
+                         resume=not (args.no_resume or args.overwrite), progress=not args.no_progress)
+    init_distributed(timeout_s=args.collective_timeout)
     try:
         trainer = Trainer(plan, spec, config, weights=args.weights)
         # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late
         # schedule is replaced by the fallback policy's instead of waited for.
         source = AdaptiveSource(loader, schedule_fn, fallback_fn, deadline_s=0.0 if args.adaptive else None)
-        history = fit(trainer, source, config)
+        try:
+            history = fit(trainer, source, config)
+        except Preempted as e:
+            if dist.get_rank() == 0:
+                where = f"checkpoint {e.checkpoint} written" if e.checkpoint else "no checkpoint (no --out)"
+                Console(stderr=True).print(f"stopped by SIGTERM after step {e.step}; {where}; run the same command "
+                                           "again to resume", highlight=False)
+            dist.barrier()
+            return 128 + signal.SIGTERM
         if dist.get_rank() == 0 and history:
             last = history[-1]
             Console().print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s; "

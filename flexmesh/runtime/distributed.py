@@ -17,10 +17,16 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the process group torchrun describes (NCCL on GPUs, gloo on CPUs); no-op when joined.
 
     ``timeout_s`` bounds every collective: a peer that died makes the others fail after it instead
-    of hanging forever.
+    of hanging forever. It is also made the default of the groups made later (device meshes,
+    context-parallel groups, the gloo group), which would otherwise wait torch's 30 minutes.
     """
     if dist.is_initialized():
         return
+    from torch.distributed import distributed_c10d
+
+    # new_group() without a timeout reads these module defaults (torch 2.13: _get_default_timeout).
+    distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+    distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s))

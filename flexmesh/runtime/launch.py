@@ -8,15 +8,23 @@ worker script on several ranks (:func:`run_torchrun`).
 
 No torch import here: a launcher only builds a command line, and the parent of a torchrun launch
 should not pay for importing torch (seconds) when only its children train.
+
+Signals (:func:`run_supervised`): Ctrl-C or SIGTERM on ``flexmesh ... --nproc N`` is passed on to
+torchrun, which passes it to every rank and waits for them (its shutdown timeout, 30 s by default,
+then SIGKILL); the launcher waits for torchrun and kills whatever it left behind. Before, the
+launcher died at once and took torchrun with it, leaving the ranks running unseen.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # The variables torchrun sets in each rank; a child that starts its own ranks must not inherit them,
@@ -100,10 +108,79 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
     return forwarded
 
 
-def relaunch_flexmesh(nproc: int, argv: Sequence[str]) -> int:
+def relaunch_flexmesh(nproc: int, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     """Run ``flexmesh *argv`` (its ``--nproc`` removed) as ``nproc`` ranks under torchrun; its exit code.
 
-    The children inherit this process's environment and output, as if the user had typed the
-    torchrun command.
+    The children inherit this process's environment (or ``env``) and output, as if the user had
+    typed the torchrun command; signals reach them (:func:`run_supervised`).
     """
-    return run_torchrun(nproc, ["-m", "flexmesh", *without_nproc(argv)]).returncode
+    return run_supervised(torchrun_command(nproc, ["-m", "flexmesh", *without_nproc(argv)]), env=env)
+
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run ``command`` (a torchrun command line) to its end and return its exit code.
+
+    SIGINT, SIGTERM and SIGHUP sent to this process are forwarded to the child instead of ending
+    this process, so torchrun can stop its ranks; a second SIGINT kills it outright. The child runs
+    in its own process group (a terminal's Ctrl-C reaches only this process, once). On Linux this
+    process adopts orphaned descendants (a child subreaper), so ranks that outlive torchrun are
+    killed before it returns.
+    """
+    adopts = _become_subreaper()
+    proc = subprocess.Popen(list(command), env=env, start_new_session=True)
+    seen: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        again = signum == signal.SIGINT and signal.SIGINT in seen
+        seen.append(signum)
+        try:
+            os.kill(proc.pid, signal.SIGKILL if again else signum)
+        except ProcessLookupError:
+            pass
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, forward) for s in FORWARDED} if main else {}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if proc.poll() is None:  # this process is being torn down by an exception: take the child along
+            proc.kill()
+            proc.wait()
+        if adopts:
+            _kill_adopted()
+
+
+def _become_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (Linux prctl PR_SET_CHILD_SUBREAPER)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _kill_adopted() -> None:
+    """SIGKILL and reap this process's remaining children: ranks orphaned by a dead torchrun."""
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                os.waitpid(int(entry.name), 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass

@@ -5,18 +5,26 @@ checkpointing on the way (see :func:`fit`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
+from flexmesh.errors import FlexmeshError
+from flexmesh.files import write_atomic
 from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flexmesh.runtime.config import StepMetrics, TrainConfig
+from flexmesh.runtime.distributed import cpu_group
+from flexmesh.runtime.rundir import hold_run_folder, read_metrics, release_run_folder, start_over
 from flexmesh.runtime.trainer import Trainer
+from flexmesh.runtime.watchdog import Heartbeat, rank_error
 
 
 class StepSource(Protocol):
@@ -63,25 +71,30 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig) -> list[StepM
     docs/metrics.md); on resume, lines of steps after the checkpoint are dropped first so the file
     never holds a step twice. Checkpoints go to ``<out_dir>/checkpoints`` every
     ``checkpoint_every`` steps and at the end.
+
+    Rank 0 holds the folder's lock for the run (flexmesh.runtime.rundir); with ``resume`` off, a
+    folder holding an earlier run is refused (RunFolderError on every rank). SIGTERM (preemption)
+    ends the run after the current step, with a checkpoint when ``out_dir`` is set, and raises
+    :class:`Preempted`; all ranks agree on it through one small all-reduce per step.
     """
     out = Path(config.out_dir) if config.out_dir else None
     ckpt_root = out / "checkpoints" if out else None
     rank0 = dist.get_rank() == 0
-    if ckpt_root is not None and config.resume:
-        found = latest_checkpoint(ckpt_root)
-        if found is not None:
-            source.load_state_dict(load_checkpoint(found, trainer))
-    metrics_file = out / "metrics.jsonl" if out else None
-    if rank0 and metrics_file is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if metrics_file.exists():
-            kept = [ln for ln in metrics_file.read_text().splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= trainer.step_index]
-        metrics_file.write_text("".join(ln + "\n" for ln in kept))
-    history: list[StepMetrics] = []
-    progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
+    held, old_rows = _on_rank0(lambda: _open_run_folder(out, config.resume), (False, [])) if out else (False, [])
+    preemption = _Preemption()
+    heartbeat = Heartbeat()  # names a rank that stops answering (flexmesh.runtime.watchdog)
+    progress = None
     try:
+        if ckpt_root is not None and config.resume:
+            found = latest_checkpoint(ckpt_root)
+            if found is not None:
+                source.load_state_dict(load_checkpoint(found, trainer))
+        metrics_file = out / "metrics.jsonl" if out else None
+        if rank0 and metrics_file is not None:
+            kept = [ln for step, ln in old_rows if step <= trainer.step_index]
+            write_atomic(metrics_file, "".join(ln + "\n" for ln in kept))
+        history: list[StepMetrics] = []
+        progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
         while trainer.step_index < config.max_steps:
             try:
                 docs, schedule = next(source)
@@ -94,16 +107,97 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig) -> list[StepM
                     f.write(json.dumps(m.to_dict()) + "\n")
             if progress is not None:
                 progress.update(m)
+            stop = preemption.agreed()
             every = config.checkpoint_every
-            due = (every and m.step % every == 0) or m.step == config.max_steps
+            due = (every and m.step % every == 0) or m.step == config.max_steps or stop
+            saved = None
             if ckpt_root is not None and due:
-                save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
+                saved = save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
+            if stop and trainer.step_index < config.max_steps:  # at the last step the run is done anyway
+                raise Preempted(m.step, saved)
+    except RuntimeError as e:  # torch's DistBackendError included
+        named = rank_error(e, heartbeat)
+        if named is not None:
+            raise named from e
+        raise
     finally:
+        heartbeat.close()
+        preemption.restore()
         if progress is not None:
             progress.close()
         if hasattr(source, "close"):  # e.g. AdaptiveSource's background scheduler
             source.close()
+        if held:
+            release_run_folder(out)
     return history
+
+
+class Preempted(Exception):
+    """The run stopped early on SIGTERM, after step ``step``; ``checkpoint`` is the one written then."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"stopped by SIGTERM after step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+def _open_run_folder(out: Path, resume: bool) -> tuple[bool, list[tuple[int, str]]]:
+    """Rank 0: lock ``out``, refuse to start over a previous run, read the metrics to keep."""
+    held = hold_run_folder(out)
+    try:
+        if not resume:
+            start_over(out, overwrite=False)
+        return held, read_metrics(out / "metrics.jsonl") if resume else []
+    except BaseException:
+        if held:
+            release_run_folder(out)
+        raise
+
+
+def _on_rank0(fn: Callable[[], Any], elsewhere: Any) -> Any:
+    """``fn()`` on rank 0, ``elsewhere`` on the others; rank 0's FlexmeshError is raised on every rank
+    (the others would otherwise wait for rank 0 at the next collective)."""
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except FlexmeshError as e:
+            error = e
+    if dist.get_world_size() > 1:
+        box: list = [error]
+        dist.broadcast_object_list(box, src=0, group=cpu_group())
+        error = box[0]
+    if error is not None:
+        raise error
+    return result if dist.get_rank() == 0 else elsewhere
+
+
+class _Preemption:
+    """Notes SIGTERM instead of dying at once, so the step in flight finishes and is checkpointed.
+
+    Only the main thread may install a handler; elsewhere SIGTERM keeps its default.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._installed = threading.current_thread() is threading.main_thread()
+        if self._installed:
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether any rank got SIGTERM; every rank calls it at the same point of each step."""
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        if self._installed:
+            # None: the previous handler was not set from Python; the default is the closest
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
 
 
 class _Progress:

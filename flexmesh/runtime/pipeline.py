@@ -96,13 +96,6 @@ def check_partition(plan: Plan, num_layers: int) -> None:
         raise PlanError(f"plan's stages cover layers [0, {pos}) but the model has {num_layers}; fix the partition")
 
 
-def padded_microbatch_count(schedule: str, count: int, pp: int) -> int:
-    """Micro-batches a pipelined step runs: interleaved 1F1B needs a multiple of pp (dummies pad it)."""
-    if schedule == "interleaved" and pp > 1:
-        return -(-count // pp) * pp
-    return count
-
-
 def build_pipeline_schedule(stages: list, schedule: str, n_microbatches: int,
                             loss_fn: Callable) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """The torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B) over this rank's stages.

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.mesh import Layout, layout_from_plan, rank_coords
+from flexmesh.layout.mesh import Layout, layout_from_plan, padded_microbatch_count, rank_coords, runs_in_lockstep
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
 from flexmesh.runtime.config import StepMetrics, TrainConfig, lr_schedule_factor
@@ -59,7 +59,6 @@ from flexmesh.runtime.pipeline import (
     check_partition,
     chunks_of_rank,
     make_stages,
-    padded_microbatch_count,
     split_stage,
 )
 from flexmesh.spec.model import ModelSpec
@@ -120,8 +119,8 @@ class Trainer:
         self.cp_groups = ContextGroups(lay, spec, self.coords["pp"], self.coords["tp"]) if lay.data_ranks > 1 \
             else None
         # Ranks may run different numbers of micro-batches unless something pairs collectives per
-        # micro-batch across all data ranks: ZeRO-3's weight gathers, or a pipeline schedule.
-        self.uneven = lay.pp == 1 and not any(z == 3 for z in lay.zero)
+        # micro-batch across all data ranks; the scheduler and simulator price the same rule.
+        self.uneven = not runs_in_lockstep(lay.pp, lay.zero)
         self._cpu_group = cpu_group()
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)

@@ -1,0 +1,244 @@
+"""Runs that survive: signals on the `flexmesh train --nproc` launcher, preemption, a stopped rank, one
+run per output folder, starting over without losing history, a metrics file cut short.
+
+Every run here is the real command (launcher, torchrun, two ranks of a 2-layer model on CPU); the
+processes of a run carry a marker in their environment, so the tests can find its ranks and check
+that none outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import flexmesh, write_inputs
+
+MARK = "FLEXMESH_TEST_RUN"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("failures")
+    _, corpus, plan = write_inputs(tmp, world=2)
+    return {"tmp": tmp, "common": ["train", "--plan", str(plan), "--corpus", str(corpus),
+                                   "--cache-dir", str(tmp / "cache"), "--no-progress", "--lr", "1e-3"]}
+
+
+class Run:
+    """A `flexmesh train --nproc 2` started in the background, output to ``out.log``."""
+
+    def __init__(self, inputs: dict, out: Path, *extra: str, max_steps: int = 100000) -> None:
+        self.out, self.mark = out, uuid.uuid4().hex
+        self.log = out.parent / f"{out.name}-{self.mark[:6]}.log"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{MARK: self.mark})
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "flexmesh", *inputs["common"], "--nproc", "2", "--out", str(out),
+                 "--max-steps", str(max_steps), *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return " ".join(self.log.read_text().split())  # rich wraps long lines
+
+    def steps(self) -> list[int]:
+        f = self.out / "metrics.jsonl"
+        lines = f.read_text().splitlines() if f.is_file() else []
+        return [json.loads(ln)["step"] for ln in lines if ln.endswith("}")]
+
+    def wait_steps(self, n: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while len(self.steps()) < n:
+            assert self.proc.poll() is None, f"run ended early (rc {self.proc.returncode}):\n{self.text()[-3000:]}"
+            assert time.monotonic() < end, f"no {n} steps in {timeout} s:\n{self.text()[-3000:]}"
+            time.sleep(0.2)
+
+    def ranks(self) -> dict[int, int]:
+        """rank -> pid of this run's live worker processes."""
+        return {int(env["RANK"]): pid for pid, env in _marked(self.mark).items() if "RANK" in env}
+
+    def wait(self, timeout: float = 90) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"launcher still running after {timeout} s:\n{self.text()[-3000:]}") from None
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *_marked(self.mark)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def survivors(self) -> list[int]:
+        end = time.monotonic() + 5  # the kernel may take a moment to take down killed processes
+        while _marked(self.mark) and time.monotonic() < end:
+            time.sleep(0.1)
+        return sorted(_marked(self.mark))
+
+
+def _marked(mark: str) -> dict[int, dict[str, str]]:
+    """Live processes (not zombies) whose environment carries ``MARK=mark``: pid -> environment."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            raw = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
+        if env.get(MARK) == mark:
+            found[int(d.name)] = env
+    return found
+
+
+def _unlocked(out: Path) -> bool:
+    with open(out / ".flexmesh.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
+    out = inputs["tmp"] / "preempted"
+    run = Run(inputs, out, "--checkpoint-every", "0")
+    try:
+        run.wait_steps(2)
+        # A second run into the same folder fails at once, naming the folder and the holder.
+        t0 = time.monotonic()
+        second = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "3", timeout=60)
+        said = " ".join(second.stderr.split())
+        assert second.returncode == 2 and f"{out} is in use by another run (pid {run.proc.pid})" in said, said
+        assert time.monotonic() - t0 < 30
+        run.proc.send_signal(signal.SIGTERM)  # preemption
+        rc = run.wait()
+        survivors = run.survivors()  # before the clean-up below kills them
+    finally:
+        run.kill()
+    assert rc != 0
+    assert survivors == []
+    assert _unlocked(out)
+    assert "stopped by SIGTERM after step" in run.text()
+    steps = run.steps()
+    assert steps == list(range(1, len(steps) + 1))
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{steps[-1]:06d}"  # written at the end of the step that was running
+
+    # A crash while appending leaves a partial line: resume drops it with a warning.
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": %d, "loss": 1.2' % (steps[-1] + 1))
+    done = steps[-1] + 2
+    resumed = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", str(done), timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "partial line" in " ".join(resumed.stderr.split())
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, done + 1))
+
+    # Starting over: refused without --overwrite; with it the old run is moved aside, not deleted.
+    refused = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume",
+                       timeout=60)
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == 2 and "already holds a run" in said and "--overwrite" in said, said
+    fresh = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume",
+                     "--overwrite", timeout=180)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    (previous,) = out.glob("previous-*")
+    assert f"to {previous}" in " ".join(fresh.stderr.split())
+    assert len((previous / "metrics.jsonl").read_text().splitlines()) == done
+    assert (previous / "checkpoints" / f"step_{done:06d}").is_dir()
+    assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_the_launcher_stops_every_rank(inputs):
+    out = inputs["tmp"] / "interrupted"
+    run = Run(inputs, out)
+    try:
+        run.wait_steps(1)
+        assert len(run.ranks()) == 2
+        run.proc.send_signal(signal.SIGINT)
+        rc = run.wait()
+        survivors = run.survivors()  # before the clean-up below kills them
+    finally:
+        run.kill()
+    assert rc != 0
+    assert survivors == []  # before: the launcher died, torchrun with it, the ranks trained on
+    assert _unlocked(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_named_within_the_collective_timeout(inputs):
+    out = inputs["tmp"] / "stopped"
+    run = Run(inputs, out, "--collective-timeout", "4")
+    try:
+        run.wait_steps(2)
+        ranks = run.ranks()
+        os.kill(ranks[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        while "rank 1 stopped answering" not in run.text():
+            assert time.monotonic() - t0 < 40, run.text()[-3000:]
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        os.kill(ranks[1], signal.SIGKILL)  # spare torchrun's 30 s grace for a process that cannot stop
+        rc = run.wait()
+        survivors = run.survivors()  # before the clean-up below kills them
+    finally:
+        run.kill()
+    assert took < 4 + 15, took  # the timeout, three heartbeats, margin for a busy machine
+    assert "--collective-timeout (now 4 s)" in run.text()
+    assert rc != 0
+    assert survivors == []
+    assert _unlocked(out)
+
+
+def test_the_run_folder_lock_names_its_holder(tmp_path):
+    from flexmesh.errors import RunFolderError
+    from flexmesh.runtime.rundir import hold_run_folder, release_run_folder
+
+    out = tmp_path / "run"
+    assert hold_run_folder(out)
+    assert hold_run_folder(out)  # nested in one process: counted
+    code = ("import sys; from flexmesh.runtime.rundir import hold_run_folder\n"
+            f"try: hold_run_folder({str(out)!r})\nexcept Exception as e: print(e); sys.exit(3)")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 3 and f"{out} is in use by another run (pid {os.getpid()})" in other.stdout
+    release_run_folder(out)
+    assert not _unlocked(out)
+    release_run_folder(out)
+    assert _unlocked(out)
+    with pytest.raises(RunFolderError, match="already holds a run"):
+        from flexmesh.runtime.rundir import start_over
+
+        (out / "metrics.jsonl").write_text("")
+        start_over(out, overwrite=False)
+
+
+def test_metrics_with_a_partial_last_line_are_trimmed_but_bad_lines_elsewhere_fail(tmp_path):
+    from flexmesh.errors import RunFolderError
+    from flexmesh.runtime.rundir import read_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    with pytest.warns(UserWarning, match="partial line"):
+        assert [s for s, _ in read_metrics(f)] == [1, 2]
+    f.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
+    with pytest.raises(RunFolderError, match="line 2"):
+        read_metrics(f)

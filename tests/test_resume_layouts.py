@@ -1,0 +1,231 @@
+"""Resume for every layout, pipelines included, and checkpoints that are damaged, planted or cut short
+by a full disk.
+
+Pipelines: 6 steps straight equal 3 steps + resume + 3 steps for pp 2 with 1F1B and interleaved
+(world 2) and for pp 2 x dp 2 (world 4); before checkpoints kept optimizer groups per parameter,
+every pp > 1 resume failed with KeyError 'lr'. The world-2 launch then damages its checkpoints: a
+flipped byte in a shard (the sha256 check names the file), a rank file holding a pickle that would
+run code (refused by ``weights_only=True`` even with the manifest rewritten to match), and a disk
+that fills up on one rank while saving (every rank reports "disk full", the previous checkpoint
+stays usable). This file is also the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import launch, make_steps, tiny_spec, train_config
+
+LAYOUTS: dict[str, dict] = {
+    "pp_1f1b": dict(world=2, schedule="1f1b", v=1, layers=[[0, 3], [3, 4]], strategy="tp1-dp1z0"),
+    "pp_interleaved": dict(world=2, schedule="interleaved", v=2, layers=[[0, 1], [1, 2], [2, 3], [3, 4]],
+                           strategy="tp1-dp1z0"),
+    "pp_x_dp": dict(world=4, schedule="1f1b", v=1, layers=[[0, 2], [2, 4]], strategy="tp1-dp2z2"),
+}
+
+
+def make_plan(name: str):
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    cfg = LAYOUTS[name]
+    st = LayerStrategy.parse(cfg["strategy"])
+    stages = tuple(StagePlan(a, b, (st,) * (b - a)) for a, b in cfg["layers"])
+    return Plan(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=2, pipeline_schedule=cfg["schedule"],
+                virtual_stages=cfg["v"], num_microbatches=1, seq_len=256, global_batch=8, stages=stages)
+
+
+class _Planted:
+    """A pickle that runs a shell command when loaded without ``weights_only``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def worker(out: Path, names: list[str]) -> None:
+    import dataclasses
+    import errno
+
+    import torch
+    import torch.distributed as dist
+
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.loop import ListSource, fit
+    from flexmesh.runtime.trainer import Trainer
+
+    torch.set_num_threads(1)
+    init_distributed(timeout_s=60)
+    rank = dist.get_rank()
+    report: dict = {}
+
+    def losses(folder: Path) -> list[float]:
+        return [json.loads(ln)["loss"] for ln in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    def expect_error(key: str, fn) -> None:
+        try:
+            fn()
+            report[key] = None
+        except FlexmeshError as e:
+            report[key] = f"{type(e).__name__}: {e}"
+
+    try:
+        for name in names:
+            base = dataclasses.replace(train_config(), max_steps=6, warmup_steps=2, checkpoint_every=3)
+            plan = make_plan(name)
+            straight = out / name / "straight"
+            trainer = Trainer(plan, tiny_spec(), base)
+            steps = make_steps(trainer.layout.data_ranks, trainer.layout.cp, steps=6, seed=11)
+            fit(trainer, ListSource(steps), dataclasses.replace(base, out_dir=str(straight)))
+            resumed = out / name / "resumed"
+            cfg = dataclasses.replace(base, out_dir=str(resumed))
+            fit(Trainer(plan, tiny_spec(), cfg), ListSource(steps[:3]), cfg)  # "crashes" after 3
+            fit(Trainer(plan, tiny_spec(), cfg), ListSource(steps), cfg)
+            report[name] = {"straight": losses(straight), "resumed": losses(resumed)}
+        if dist.get_world_size() == 2:
+            _damage(out / "pp_1f1b" / "resumed", report, expect_error)
+            # A disk that fills up on rank 1 only, in the middle of DCP's shard writes.
+            import torch.distributed.checkpoint.filesystem as dcp_fs
+
+            from flexmesh.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+            root = out / "pp_1f1b" / "straight" / "checkpoints"
+            trainer = Trainer(make_plan("pp_1f1b"), tiny_spec(), train_config())
+            original = dcp_fs._write_item
+
+            def full_disk(*args, **kwargs):
+                if rank == 1:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return original(*args, **kwargs)
+
+            dcp_fs._write_item = full_disk
+            try:
+                expect_error("disk_full", lambda: save_checkpoint(root, 7, trainer, {"position": 7}))
+            finally:
+                dcp_fs._write_item = original
+            dist.barrier()
+            report["after_full"] = {"latest": (root / "latest").read_text().strip(),
+                                    "left": sorted(p.name for p in root.iterdir())}
+            expect_error("previous_loads", lambda: load_checkpoint(latest_checkpoint(root), trainer))
+        (out / f"report_{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _damage(run: Path, report: dict, expect_error) -> None:
+    """Flip a byte of a shard, then plant a code-running rank file behind a rewritten manifest."""
+    import hashlib
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from flexmesh.runtime.checkpoint import load_checkpoint
+    from flexmesh.runtime.trainer import Trainer
+
+    ckpt = run / "checkpoints" / "step_000006"
+    flipped = run / "checkpoints" / "step_000009"
+    planted = run / "checkpoints" / "step_000012"
+    marker = run / "planted-code-ran"
+    if dist.get_rank() == 0:
+        shutil.copytree(ckpt, flipped)
+        shard = sorted(flipped.glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size: DCP alone would load it without noticing
+        shard.write_bytes(bytes(data))
+        shutil.copytree(ckpt, planted)
+        torch.save({"rng": _Planted(marker)}, planted / "rank_00001.pt")
+        manifest = json.loads((planted / "manifest.json").read_text())
+        manifest["sha256"]["rank_00001.pt"] = hashlib.sha256((planted / "rank_00001.pt").read_bytes()).hexdigest()
+        (planted / "manifest.json").write_text(json.dumps(manifest))
+    dist.barrier()
+    trainer = Trainer(make_plan("pp_1f1b"), tiny_spec(), train_config())
+    expect_error("flipped", lambda: load_checkpoint(flipped, trainer))
+    expect_error("planted", lambda: load_checkpoint(planted, trainer))
+    dist.barrier()
+    report["planted_code_ran"] = marker.exists()
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("resume2"), 2, ["pp_1f1b", "pp_interleaved"])
+
+
+def _run(tmp: Path, world: int, names: list[str]) -> dict:
+    proc = launch(world, ["worker", str(tmp), *names], script=__file__)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return {r: json.loads((tmp / f"report_{r}.json").read_text()) for r in range(world)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["pp_1f1b", "pp_interleaved"])
+def test_pipeline_resume_gives_the_same_losses(world2, name):
+    got = world2[0][name]
+    assert len(got["straight"]) == 6
+    assert got["resumed"] == got["straight"]  # bitwise: same ops, same order, restored state
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_x_data_parallel_resume_gives_the_same_losses(tmp_path):
+    got = _run(tmp_path, 4, ["pp_x_dp"])[0]["pp_x_dp"]
+    assert len(got["straight"]) == 6
+    assert got["resumed"] == got["straight"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_damaged_or_planted_checkpoints_are_refused(world2):
+    for rank in (0, 1):
+        flipped, planted = world2[rank]["flipped"], world2[rank]["planted"]
+        assert flipped.startswith("CheckpointError") and "distcp does not match its sha256" in flipped
+        assert planted.startswith("CheckpointError") and "could not be read" in planted
+    assert world2[0]["planted_code_ran"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_full_disk_while_saving_says_so_and_keeps_the_previous_checkpoint(world2):
+    for rank in (0, 1):  # rank 0's disk was fine: it must not wait for rank 1, but fail with it
+        msg = world2[rank]["disk_full"]
+        assert msg.startswith("CheckpointError") and "disk full" in msg and "rank 1" in msg, msg
+        assert "step_000006 is intact" in msg and "unexpected pos" not in msg
+        assert world2[rank]["previous_loads"] is None
+    assert world2[0]["after_full"]["latest"] == "step_000006"
+    assert not any(n.startswith(".tmp-") or n == "step_000007" for n in world2[0]["after_full"]["left"])
+
+
+def test_latest_may_only_name_a_step_folder_of_this_run(tmp_path):
+    from flexmesh.errors import CheckpointError
+    from flexmesh.runtime.checkpoint import latest_checkpoint
+
+    root = tmp_path / "run" / "checkpoints"
+    elsewhere = tmp_path / "other" / "checkpoints" / "step_000003"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "manifest.json").write_text(json.dumps({"format": 2, "step": 3, "plan_hash": "x"}))
+    root.mkdir(parents=True)
+    for name in ("../../other/checkpoints/step_000003", str(elsewhere), "step_3"):
+        (root / "latest").write_text(name + "\n")
+        with pytest.raises(CheckpointError, match="not a step_NNNNNN folder of this run"):
+            latest_checkpoint(root)
+    (root / "step_000003").symlink_to(elsewhere)
+    (root / "latest").write_text("step_000003\n")
+    with pytest.raises(CheckpointError, match="not a step_NNNNNN folder"):
+        latest_checkpoint(root)
+    (root / "latest").unlink()
+    assert latest_checkpoint(root) is None  # a linked folder is never picked either
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    worker(Path(sys.argv[2]), sys.argv[3:])
