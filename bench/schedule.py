@@ -3,10 +3,12 @@
     OMP_NUM_THREADS=1 python -m bench.schedule [--steps 20] [--quick]
 
 1. llama2-7b on 8x8xA100-40GB (64 data ranks, ZeRO-3, recomputation), global batches of 512
-   sequences, 20 steps: wikipedia at 192K context, prolong and wlbllm at 128K. Per policy: mean step
-   time, tokens/s, speedup over the best static ``fixed``, imbalance, ratio to the lower bound,
-   scheduler time. Targets: best policy >= 1.5x fixed on wikipedia, its step <= 1.10x the lower
-   bound (plus the step's gradient sync), imbalance <= 1.05.
+   sequences, 20 steps: wikipedia at 192K context, prolong and wlbllm at 128K. The baselines
+   (``fixed``, ``padded``, ``balanced``, ``wlb``, each swept over its static degree) and the adaptive
+   policies (``hdp``, ``milp``); per policy: mean step time, tokens/s, speedup over the best baseline,
+   imbalance, ratio to the lower bound, scheduler time. Targets: best adaptive policy >= 1.2x the best
+   baseline on wikipedia, its step <= 1.05x the lower bound (plus the step's tail: gradient sync and
+   optimizer), imbalance <= 1.05; the best baseline's own ratio is printed next to it.
 2. Scheduler time on this machine: heuristics <= 20 ms per step and milp <= 2 s (p95) for 512
    sequences over 64 ranks; heuristics <= 1 s for 32K sequences over 4096 ranks.
 3. Simulator time: 100 steps of 1024 ranks <= 30 s (scheduling not counted).
@@ -29,11 +31,10 @@ from flexmesh.data.lengths import BatchSampler, load_lengths
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.registry import make_schedule
-from flexmesh.sim.compare import compare_policies
+from flexmesh.sim.compare import best_baseline, compare_policies
 from flexmesh.sim.timeline import simulate_step
 from flexmesh.spec import parse_cluster, parse_model
 
-HEURISTICS = ("fixed", "balanced", "hdp")
 DATASETS = (("wikipedia", 196608), ("prolong", 131072), ("wlbllm", 131072))
 
 
@@ -57,24 +58,28 @@ def policy_tables(steps: int, policies: list[str], out: list[str], checks: list[
     for name, ctx_len in DATASETS:
         bs = batches(name, ctx_len, 512, steps)
         runs = compare_policies(policies, bs, ctx, context=ctx_len, seed=0)
+        base = best_baseline(runs)
         out.append(f"\n**{name}**, context {ctx_len}, {np.mean([len(b) for b in bs]):.0f} seqs / "
-                   f"{np.mean([b.sum() for b in bs]) / 1e3:.0f}K tokens per step, {steps} steps\n")
-        out.append("| policy | step time (s) | tokens/s | speedup | imbalance | ratio to LB | sched ms (mean / p95) |")
-        out.append("|---|---|---|---|---|---|---|")
+                   f"{np.mean([b.sum() for b in bs]) / 1e3:.0f}K tokens per step, {steps} steps; speedup over "
+                   f"the best baseline, {base.label}\n")
+        out.append("| policy | kind | step time (s) | tokens/s | speedup | imbalance | ratio to LB | "
+                   "sched ms (mean / p95) |")
+        out.append("|---|---|---|---|---|---|---|---|")
         for r in runs:
             d = r.to_dict()
-            out.append(f"| {r.label} | {d['mean_step_time_s']:.3f} | {d['tokens_per_s']:,.0f} | "
-                       f"{d['speedup_vs_fixed']:.2f}x | {d['imbalance']:.3f} | {d['ratio_to_lower_bound']:.3f} | "
-                       f"{r.scheduler_ms:.1f} / {r.scheduler_ms_p95:.1f} |")
+            out.append(f"| {r.label} | {r.kind} | {d['mean_step_time_s']:.3f} | {d['tokens_per_s']:,.0f} | "
+                       f"{d['speedup_vs_best_baseline']:.2f}x | {d['imbalance']:.3f} | "
+                       f"{d['ratio_to_lower_bound']:.3f} | {r.scheduler_ms:.1f} / {r.scheduler_ms_p95:.1f} |")
             sched_times.setdefault(r.policy, []).extend(r.scheduler_seconds)
-        best = max(runs, key=lambda r: r.tokens_per_s)
+        best = max((r for r in runs if r.kind == "adaptive"), key=lambda r: r.tokens_per_s)
         d = best.to_dict()
-        tag = f"{name}: best policy {best.label}"
+        tag = f"{name}: best adaptive {best.label}"
+        base_ratio = f"best baseline {base.label} at {base.mean_ratio_to_lower_bound:.3f}x LB"
         if name == "wikipedia":
-            checks.append((f"{tag} tokens/s vs fixed", f"{d['speedup_vs_fixed']:.2f}x (>= 1.5x)",
-                           d["speedup_vs_fixed"] >= 1.5))
-        checks.append((f"{tag} step / lower bound", f"{d['ratio_to_lower_bound']:.3f} (<= 1.10)",
-                       d["ratio_to_lower_bound"] <= 1.10))
+            checks.append((f"{tag} tokens/s vs best baseline", f"{d['speedup_vs_best_baseline']:.2f}x (>= 1.2x)",
+                           d["speedup_vs_best_baseline"] >= 1.2))
+        checks.append((f"{tag} step / (lower bound + tail)",
+                       f"{d['ratio_to_lower_bound']:.3f} (<= 1.05; {base_ratio})", d["ratio_to_lower_bound"] <= 1.05))
         checks.append((f"{tag} imbalance", f"{d['imbalance']:.3f} (<= 1.05)", d["imbalance"] <= 1.05))
 
 
@@ -115,7 +120,7 @@ def main() -> None:
     sched: dict[str, list[float]] = {}
     console = Console(stderr=True)
     with console.status("policies on 64 ranks"):
-        policy_tables(steps, ["fixed", "balanced", "hdp", "milp"], out, checks, sched)
+        policy_tables(steps, ["hdp", "milp"], out, checks, sched)  # the four baselines always run
     for p, secs in sched.items():
         p95 = float(np.percentile(secs, 95))
         limit = 2.0 if p == "milp" else 0.020

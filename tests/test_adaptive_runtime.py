@@ -1,7 +1,7 @@
 """Per-step schedules in the runtime: any policy's schedule gives the single-process loss and weights.
 
 At world 4 (torchrun, gloo, CPU, fp32) the same global batches, documents of 8 to 900 tokens, are
-scheduled by ``fixed``, ``balanced``, ``hdp`` and ``milp`` over a memory small enough that long
+scheduled by every policy ``flexmesh train`` offers (RUNTIME_POLICIES) over a memory small enough that long
 documents need context-parallel groups of 2 or 4 ranks, and run under
 
 - plain sharded data parallelism (ZeRO-2): ranks run different numbers of micro-batches;

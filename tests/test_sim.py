@@ -105,14 +105,14 @@ def test_kinds_add_up_to_step_and_utilisation_in_range():
 def test_durations_come_from_the_cost_model():
     ctx = _ctx(num_ranks=2)
     tl = simulate_step(ctx, _one_per_rank([[4000, 1000], [6000]]))
+    # ZeRO-3 runs in lockstep: rank 1 also runs an empty micro-batch of cp * tp = 1 token, as the runtime does.
     expect = [ctx.microbatch_time(1, 4000, 4000**2) + ctx.microbatch_time(1, 1000, 1000**2),
-              ctx.microbatch_time(1, 6000, 6000**2)]
+              ctx.microbatch_time(1, 6000, 6000**2) + ctx.microbatch_time(1, 1, 1)]
     assert np.allclose(tl.work_end, expect, rtol=1e-12)
     sync, optim = ctx.cost.step_grad_sync(ctx.base, 2)
-    # The sync hides under the slowest rank's last backward (rank 1's only micro-batch) by the cost
+    # The sync hides under the slowest rank's last backward (rank 1's empty micro-batch) by the cost
     # model's rule, and only the rest of it lengthens the step.
-    last_bwd = float(ctx.cost.microbatch_phases(ctx.group_strategy(1), 6000, 6000**2,
-                                                layers=ctx.layers_per_stage).bwd)
+    last_bwd = float(ctx.cost.microbatch_phases(ctx.group_strategy(1), 1, 1, layers=ctx.layers_per_stage).bwd)
     exposed = ctx.cost.exposed_sync(sync, last_bwd, ctx.layers_per_stage)
     assert exposed < sync
     assert tl.step_time == pytest.approx(max(expect) + exposed + optim)

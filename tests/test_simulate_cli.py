@@ -12,42 +12,50 @@ BASE = ["simulate", "--model", "llama2-7b", "--cluster", "2x8xA100-80GB", "--con
         "--global-batch", "48", "--steps", "2", "--seed", "1"]
 
 
-def test_json_output_has_every_policy_and_fixed_is_the_best_static_degree(capsys, tmp_path):
+def test_json_output_has_every_baseline_and_speedups_are_over_the_best(capsys, tmp_path):
     assert main(BASE + ["--policies", "fixed,hdp", "--json", "--plots", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     runs = {r["policy"]: r for r in out["policies"]}
-    assert set(runs) == {"fixed", "hdp"}
-    assert runs["fixed"]["label"].startswith("fixed (cp=") and runs["fixed"]["speedup_vs_fixed"] == 1.0
-    cp = runs["fixed"]["options"]["cp"]
-    assert runs["fixed"]["label"] == f"fixed (cp={cp})"
+    assert list(runs) == ["fixed", "padded", "balanced", "wlb", "hdp"]  # baselines always run, first
+    assert {r["kind"] for p, r in runs.items() if p != "hdp"} == {"baseline"} and runs["hdp"]["kind"] == "adaptive"
+    for name in ("fixed", "padded", "balanced", "wlb"):
+        assert runs[name]["label"] == f"{name} (cp={runs[name]['options']['cp']})"
+    best = max((r for r in runs.values() if r["kind"] == "baseline"), key=lambda r: r["tokens_per_s"])
+    assert best["speedup_vs_best_baseline"] == 1.0
+    assert out["setup"]["best_baseline"] == {"label": best["label"], "tokens_per_s": best["tokens_per_s"],
+                                             "ratio_to_lower_bound": best["ratio_to_lower_bound"]}
+    assert runs["fixed"]["tokens_per_s"] >= runs["padded"]["tokens_per_s"]  # packing beats padding
     for r in runs.values():
         assert r["steps"] == 2 and r["mean_step_time_s"] > 0 and r["tokens_per_s"] > 0
         assert r["imbalance"] >= 1.0 and 0 < r["utilisation"] <= 1
         assert r["ratio_to_lower_bound"] >= 1.0 - 1e-9
-    assert runs["hdp"]["speedup_vs_fixed"] == pytest.approx(runs["hdp"]["tokens_per_s"] / runs["fixed"]["tokens_per_s"])
+        assert r["speedup_vs_best_baseline"] == pytest.approx(r["tokens_per_s"] / best["tokens_per_s"])
     assert out["setup"]["data_ranks"] == 16
     for files in out["plots"].values():
         for f in files:
             assert open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_fixed_keeps_its_fastest_degree(capsys):
-    assert main(BASE + ["--policies", "fixed", "--json"]) == 0
-    best = json.loads(capsys.readouterr().out)["policies"][0]
+@pytest.mark.parametrize("policy", ["fixed", "padded", "balanced", "wlb"])
+def test_each_baseline_keeps_its_fastest_degree(capsys, policy):
+    assert main(BASE + ["--policies", "hdp", "--json"]) == 0
+    best = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["policies"]}[policy]
     # Re-run each degree through the library and check none beats the kept one.
     import argparse
     import itertools
 
     from flexmesh.commands.simulate import add_parser, build_context
     from flexmesh.data.lengths import BatchSampler, load_lengths
-    from flexmesh.sim.compare import fixed_degrees, run_policy
+    from flexmesh.sim.compare import baseline_options, run_policy
 
     p = argparse.ArgumentParser()
-    args = add_parser(p.add_subparsers()).parse_args(BASE[1:] + ["--policies", "fixed"])
+    args = add_parser(p.add_subparsers()).parse_args(BASE[1:])
     ctx, speeds = build_context(args)
     batches = list(itertools.islice(BatchSampler(load_lengths("wikipedia"), 1, seqs_per_batch=48, max_len=32768), 2))
-    times = [run_policy("fixed", batches, ctx, seed=1, options={"cp": d, "context": 32768}, slot_tokens=32768,
-                        speed=speeds).mean_step_time for d in fixed_degrees(ctx, 32768)]
+    longest = max(int(b.max()) for b in batches)
+    slot = {"slot_tokens": 32768} if policy == "padded" else {}
+    times = [run_policy(policy, batches, ctx, seed=1, options=o, speed=speeds, **slot).mean_step_time
+             for o in baseline_options(policy, ctx, 32768, longest)]
     assert best["mean_step_time_s"] == pytest.approx(min(times))
 
 
@@ -56,6 +64,7 @@ def test_table_output_and_pipeline_flags(capsys, monkeypatch):
     assert main(BASE + ["--policies", "hdp", "--pp", "2", "--pipeline-schedule", "gpipe"]) == 0
     out = capsys.readouterr().out
     assert "hdp" in out and "tokens/s" in out and "8 data ranks" in out
+    assert "over the best baseline" in out and "the lower bound" in out
 
 
 def test_slow_device_lowers_throughput(capsys):

@@ -3,7 +3,7 @@
 With no arguments, on this machine (see docs/cli-demo.md):
 
 1. plan Llama 3 8B on one node of 8 H100s (sequences of 8192, 128 per step) and show the best layouts;
-2. simulate the ``fixed``, ``balanced``, ``hdp`` and ``milp`` policies on Llama 2 7B over 8x8 A100-40GB
+2. simulate the baselines and the ``hdp`` and ``milp`` policies on Llama 2 7B over 8x8 A100-40GB
    with batches drawn from the shipped Wikipedia lengths, and show the comparison;
 3. profile this machine and the small model the demo trains (``flexmesh profile ... --quick``);
 4. train that model on ``--nproc`` local processes on the Python standard library's sources, first
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     # 2. simulate
     console.print(Rule("2/5  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
     sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--context", "131072",
-                "--lengths", "wikipedia", "--policies", "fixed,balanced,hdp,milp", "--steps", str(args.sim_steps),
+                "--lengths", "wikipedia", "--policies", "hdp,milp", "--steps", str(args.sim_steps),
                 "--seed", str(args.seed), "--plots", str(out / "simulated")]
     if args.quick:
         sim_args += ["--global-batch", "128"]
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                            f"{label} ({i + 1}/{len(runs)})"))
         run_dir = out / "runs" / label
         _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps),
-                   "--out", str(run_dir), "--nproc", str(args.nproc), "--no-resume", "--seed", str(args.seed),
+                   "--out", str(run_dir), "--nproc", str(args.nproc), "--overwrite", "--seed", str(args.seed),
                    "--hardware-profile", str(hw), "--model-profile", str(mp), *policy], console, f"train {label}")
         metrics[label] = read_metrics(run_dir / "metrics.jsonl")
 

@@ -6,7 +6,7 @@ written to JSON as it, so files and messages read the same as before the enums e
 >>> PipelineSchedule("interleaved") is PipelineSchedule.INTERLEAVED
 True
 >>> f"{CPKind.RING}", CPKind.RING == "ring", choices(Policy)
-('ring', True, ('fixed', 'balanced', 'hdp', 'milp', 'chunked'))
+('ring', True, ('fixed', 'padded', 'balanced', 'wlb', 'hdp', 'milp', 'chunked'))
 """
 
 from __future__ import annotations
@@ -42,10 +42,17 @@ class Policy(_StrEnum):
     """Per-step scheduling policies (flexmesh.schedule.registry builds a step schedule with one)."""
 
     FIXED = "fixed"
+    PADDED = "padded"
     BALANCED = "balanced"
+    WLB = "wlb"
     HDP = "hdp"
     MILP = "milp"
     CHUNKED = "chunked"
+
+    @property
+    def is_baseline(self) -> bool:
+        """A baseline: one static context-parallel degree, what people run today (the rest adapt per step)."""
+        return self in (Policy.FIXED, Policy.PADDED, Policy.BALANCED, Policy.WLB)
 
 
 class MeshAxis(_StrEnum):

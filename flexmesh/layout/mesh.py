@@ -14,6 +14,7 @@ what may differ per layer; :func:`layout_from_plan` rejects mixes the runtime ca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import CPKind, MeshAxis
@@ -184,6 +185,48 @@ def context_kind(spec: ModelSpec, layout: Layout) -> CPKind:
         top *= 2
     heads, kv = spec.num_heads // layout.tp, spec.num_kv_heads // layout.tp
     return CPKind.ULYSSES if heads % top == 0 and kv % top == 0 else CPKind.RING
+
+
+def runs_in_lockstep(pp: int, zero: Iterable[int]) -> bool:
+    """Whether every data rank runs the step's largest micro-batch count, padded with empty ones.
+
+    Ranks may run different numbers of micro-batches unless something pairs collectives per
+    micro-batch across all data ranks: ZeRO-3's weight gathers, or a pipeline schedule. The runtime
+    pads by this rule (flexmesh.runtime.trainer) and the scheduler and simulator price the padding by it.
+
+    >>> runs_in_lockstep(1, (2, 2)), runs_in_lockstep(1, (2, 3)), runs_in_lockstep(2, (0,))
+    (False, True, True)
+    """
+    return pp > 1 or any(z == 3 for z in zero)
+
+
+def padded_microbatch_count(schedule: str, count: int, pp: int) -> int:
+    """Micro-batches a pipelined step runs: interleaved 1F1B needs a multiple of pp (dummies pad it).
+
+    >>> padded_microbatch_count("interleaved", 5, 2), padded_microbatch_count("1f1b", 5, 2)
+    (6, 5)
+    """
+    if schedule == "interleaved" and pp > 1:
+        return -(-count // pp) * pp
+    return count
+
+
+def group_cp_kind(kind: CPKind | str, heads: int, size: int) -> CPKind:
+    """The attention a context-parallel group of ``size`` ranks runs, given the run's ``kind``.
+
+    Ulysses gives each rank of the group ``heads / size`` of the query heads (``heads`` per
+    tensor-parallel rank), so a group whose size does not divide them runs ring attention instead
+    (key/value heads that do not split are replicated, which costs memory, not correctness). The
+    runtime picks the kernel with this function and the scheduler and simulator price with it, so
+    what is priced is what runs.
+
+    >>> [str(group_cp_kind("ulysses", 32, d)) for d in (1, 8, 64)], str(group_cp_kind("ring", 32, 8))
+    (['none', 'ulysses', 'ring'], 'ring')
+    """
+    if size <= 1:
+        return CPKind.NONE
+    k = CPKind(kind)
+    return CPKind.RING if k == CPKind.ULYSSES and heads % size else k
 
 
 def data_rank(layout: Layout, global_rank_: int) -> int:

@@ -96,8 +96,9 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
              f"{s['mean_sequences_per_step']:.0f} sequences / {s['mean_tokens_per_step'] / 1e3:.0f}K tokens per step, "
              f"{s['steps']} steps (`flexmesh simulate`).")
     sim_rows = [comparison_row(r)[:-1] for r in sim.runs]  # the simulate command's columns but utilisation
-    rep.table(["policy", "step (s)", "tokens/s", "speedup", "imbalance", "ratio to lower bound", "scheduler ms"],
-              sim_rows)
+    rep.table(["policy", "kind", "step (s)", "tokens/s", "speedup", "imbalance", "ratio to lower bound",
+               "scheduler ms"], sim_rows)
+    rep.text(sim.reference() + ".")
     best = max(sim.runs, key=lambda r: r.tokens_per_s)
     for r in (sim.runs[0], best) if best is not sim.runs[0] else (sim.runs[0],):
         for f in sim.plots.get(r.label, []):

@@ -21,6 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
+from flexmesh.layout.mesh import padded_microbatch_count
 from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import lower_bound
@@ -74,6 +75,30 @@ def microbatch_times(ctx: ScheduleContext, sizes: np.ndarray, tokens: np.ndarray
     return out
 
 
+def lockstep_padding(ctx: ScheduleContext, sizes: ArrayLike, counts: Sequence[int],
+                     longest: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """The empty micro-batches the runtime adds in lockstep, and each group's micro-batch shape.
+
+    Mirrors ``flexmesh.runtime.trainer.Trainer.local_batches``: when :attr:`ScheduleContext.in_lockstep`,
+    every group (``sizes[g]`` ranks holding ``counts[g]`` micro-batches, the longest of
+    ``longest[g]`` tokens) runs ``padded_microbatch_count(schedule, max(counts), pp)`` of them, the
+    missing ones empty: one document of ``cp * tp`` tokens (the smallest shape that shards), or with
+    ``pp > 1`` every micro-batch of the group at its longest, rounded up to that (a pipeline runs one
+    shape per step). Returns (empty micro-batches per group, tokens of each of the group's micro-batch
+    shapes; 0 where shapes are not padded).
+    """
+    n = len(counts)
+    if not ctx.in_lockstep or n == 0:
+        return np.zeros(n, dtype=np.int64), np.zeros(n)
+    top = padded_microbatch_count(ctx.pipeline_schedule, max(counts), ctx.pp)
+    quantum = np.asarray(sizes, dtype=float) * ctx.base.tp
+    if ctx.pp == 1:
+        shape = quantum
+    else:
+        shape = np.ceil(np.maximum(np.asarray(longest, dtype=float), 1.0) / quantum) * quantum
+    return top - np.asarray(counts, dtype=np.int64), shape
+
+
 def build_step_schedule(policy: str, lengths: ArrayLike, ctx: ScheduleContext, slots: Sequence[Slot],
                         microbatches: list[list[list[Piece]]], started: float, *, deferred: Sequence[int] = (),
                         charged_tokens: list[list[int]] | None = None, extra: dict | None = None) -> StepSchedule:
@@ -88,14 +113,26 @@ def build_step_schedule(policy: str, lengths: ArrayLike, ctx: ScheduleContext, s
     n_mb = [len(m) for m in microbatches]
     sizes = np.repeat([s.size for s in slots], n_mb).astype(np.int64)
     real = np.array([sum(p.end - p.start for p in mb) for mbs in microbatches for mb in mbs], dtype=float)
-    # A piece [a, b) of a sequence attends to its whole prefix: its squared-length term is b^2 - a^2.
-    sq = np.array([sum(float(p.end) ** 2 - float(p.start) ** 2 for p in mb) for mbs in microbatches for mb in mbs],
+    # A piece [a, b) of a sequence attends to its whole prefix (within the window, if any): its
+    # squared-length term is b^2 - a^2 without a window (CostModel.attention_sq).
+    sq_of = ctx.cost.attention_sq
+    sq = np.array([sum(sq_of(float(p.start), float(p.end)) for p in mb) for mbs in microbatches for mb in mbs],
                   dtype=float)
     charged = real if charged_tokens is None else np.array([t for ts in charged_tokens for t in ts], dtype=float)
     t_mb = microbatch_times(ctx, sizes, charged, sq) if len(sizes) else np.zeros(0)
+    # In lockstep (ZeRO-3, pipelines) a group also runs empty micro-batches up to the step's count, and
+    # with pp > 1 every one at the same shape: charge them as the runtime runs them.
+    ends = np.cumsum(n_mb)
+    longest = [float(charged[e - k:e].max()) if k else 0.0 for e, k in zip(ends, n_mb, strict=True)]
+    g_sizes = np.array([s.size for s in slots], dtype=np.int64)
+    n_pad, shape = lockstep_padding(ctx, g_sizes, n_mb, longest)
+    if ctx.pp > 1 and ctx.in_lockstep and len(sizes):
+        t_mb = microbatch_times(ctx, sizes, np.maximum(charged, np.repeat(shape, n_mb)), sq)
+    pad_sq = np.array([sq_of(0.0, float(x)) for x in shape])  # an empty micro-batch is one document
+    t_pad = microbatch_times(ctx, g_sizes, shape, pad_sq) if n_pad.any() else np.zeros(len(slots))
     groups, times, pos = [], [], 0
-    for slot, mbs in zip(slots, microbatches, strict=True):
-        t = t_mb[pos:pos + len(mbs)] / slot_speed(ctx, slot)
+    for g, (slot, mbs) in enumerate(zip(slots, microbatches, strict=True)):
+        t = np.concatenate([t_mb[pos:pos + len(mbs)], np.full(int(n_pad[g]), t_pad[g])]) / slot_speed(ctx, slot)
         pos += len(mbs)
         g_time = float(t.sum() + (ctx.pp - 1) * t.max()) if len(t) else 0.0
         times.append(g_time)

@@ -45,7 +45,7 @@ def equal_time_cuts(ctx: ScheduleContext, d: int, length: int, k: int) -> list[i
     c = float(ctx.microbatch_time(d, 0.0, 0.0))
 
     def prefix(x: np.ndarray) -> np.ndarray:
-        return np.asarray(ctx.microbatch_time(d, x, x * x), dtype=float) - c
+        return np.asarray(ctx.microbatch_time(d, x, ctx.cost.attention_sq(0.0, x)), dtype=float) - c
 
     goal = prefix(np.array([float(length)]))[0] * np.arange(1, k) / k
     lo, hi = np.zeros(k - 1), np.full(k - 1, float(length))
@@ -104,7 +104,7 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
             for a, b in spans:
                 mbs.append([Piece(int(i), a, b)])
             a, b = spans[-1]
-            t_tail = float(ctx.microbatch_time(d, b - a, float(b) ** 2 - float(a) ** 2))
+            t_tail = float(ctx.microbatch_time(d, b - a, ctx.cost.attention_sq(float(a), float(b))))
             room.append((tau - t_tail, cap - (b - a), len(mbs) - 1))
         # Short sequences, longest first, beside a tail with room, else into ~tau micro-batches.
         fresh: list[tuple[float, int, int]] = []

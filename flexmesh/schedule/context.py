@@ -13,7 +13,7 @@ from numpy.typing import ArrayLike
 
 from flexmesh.cost import CostModel
 from flexmesh.errors import ScheduleError
-from flexmesh.layout.enums import CPKind
+from flexmesh.layout.mesh import group_cp_kind, runs_in_lockstep
 from flexmesh.layout.strategy import LayerStrategy
 
 
@@ -38,6 +38,9 @@ class ScheduleContext:
     # Micro-batch time grows faster than its tokens where a profile says so (caches, logits), so
     # packing everything a group holds into one micro-batch is not always best.
     microbatch_tokens: int | None = None
+    # Whether every data rank runs the step's largest micro-batch count (flexmesh.layout.mesh.runs_in_lockstep);
+    # None: by that rule from pp and the base strategy's ZeRO stage (a plan passes its layers' own).
+    lockstep: bool | None = None
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +48,11 @@ class ScheduleContext:
             raise ScheduleError("a schedule needs at least one data rank")
         if self.speed and len(self.speed) != self.num_ranks:
             raise ScheduleError(f"{len(self.speed)} speed factors for {self.num_ranks} data ranks")
+
+    @property
+    def in_lockstep(self) -> bool:
+        """Whether groups with fewer micro-batches run empty ones up to the step's largest count."""
+        return runs_in_lockstep(self.pp, (self.base.zero,)) if self.lockstep is None else self.lockstep
 
     @property
     def group_sizes(self) -> list[int]:
@@ -60,7 +68,9 @@ class ScheduleContext:
         """The base strategy with a context-parallel group of ``d`` ranks."""
         # Every data rank holds the same weights, so ZeRO shards states over all of them whatever the
         # group size: dp * cp == num_ranks (with dp=1 a 7B model under ZeRO-3 would fit on no small group).
-        kind = CPKind(self.cp_kind) if d > 1 else CPKind.NONE
+        # The kind the runtime really runs on a group of d: Ulysses falls back to ring where d does not
+        # divide the heads per tensor-parallel rank.
+        kind = group_cp_kind(self.cp_kind, self.cost.model.num_heads // self.base.tp, d)
         return replace(self.base, cp=d, cp_kind=kind, dp=max(1, self.num_ranks // d))
 
     @property
@@ -83,7 +93,7 @@ class ScheduleContext:
     def seq_time(self, d: int, lengths: ArrayLike) -> np.ndarray:
         """Time of each sequence alone on a group of ``d`` ranks (vectorised)."""
         a = np.asarray(lengths, dtype=float)
-        return np.asarray(self.microbatch_time(d, a, a * a))
+        return np.asarray(self.microbatch_time(d, a, self.cost.attention_sq(0.0, a)))
 
     def max_tokens(self, d: int) -> int:
         """Most tokens one micro-batch may hold on a group of ``d`` ranks without exceeding memory."""

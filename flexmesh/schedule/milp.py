@@ -28,8 +28,14 @@ and the balance pass: sequences of a bucket go longest-first to the largest size
 spread over those sizes by time; or every sequence may take any group that holds it. The fastest is
 scored exactly by the cost model. The warm start is the best heuristic schedule (``hdp`` and
 ``balanced``): SciPy's ``milp`` takes no initial point, so the warm start enters as the upper end of
-the bisection and as the fallback; the result is never worse than it. HiGHS solves each MILP
-within ``time_limit`` seconds in all.
+the bisection and as the fallback; the result is never worse than it.
+
+Deterministic for a given input: each MILP stops after ``node_limit`` branch-and-bound nodes (HiGHS
+explores them in a fixed order), the bisection after ``iterations`` solves, so the schedule does not
+depend on the machine's load. ``time_limit`` (seconds, off by default) adds a wall-clock cap for a
+caller that needs one; a run it cuts short is no longer reproducible and says so in its
+diagnostics: ``extra["stopped_by"]`` is ``"time_limit"`` (else ``"converged"``, ``"iterations"``),
+and ``extra["source"]`` whether the MILP or the warm start gave the schedule.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ from flexmesh.schedule.static import balanced
 
 
 def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray], need_b: np.ndarray,
-           counts: np.ndarray, n_ranks: int, time_limit: float, min_t: dict[int, np.ndarray] | None = None,
-           ) -> tuple[dict[int, int], np.ndarray] | None:
+           counts: np.ndarray, n_ranks: int, node_limit: int, time_limit: float | None = None,
+           min_t: dict[int, np.ndarray] | None = None) -> tuple[dict[int, int], np.ndarray] | None:
     """One feasibility MILP at makespan ``T``: (groups per size, x[b, d]) or None.
 
     ``mean_t[d][b]`` is the mean time of bucket ``b``'s sequences on ``d`` ranks (so a whole bucket's
@@ -101,8 +107,10 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
         if rows:
             cons.append(LinearConstraint(np.array(rows), -np.inf, 0.0))
     upper = np.concatenate([[counts[b] for b, _ in pairs], [n_ranks // d for d in sizes]])
-    res = milp(cost, integrality=np.ones(nv), bounds=Bounds(np.zeros(nv), upper), constraints=cons,
-               options={"time_limit": max(time_limit, 1e-3), "disp": False})
+    options: dict = {"node_limit": int(node_limit), "disp": False}
+    if time_limit is not None:
+        options["time_limit"] = max(time_limit, 1e-3)
+    res = milp(cost, integrality=np.ones(nv), bounds=Bounds(np.zeros(nv), upper), constraints=cons, options=options)
     if res.x is None:
         return None
     xv = np.rint(res.x).astype(np.int64)
@@ -167,7 +175,8 @@ def _realise(batch: Batch, ctx: ScheduleContext, groups: dict[int, int], x: np.n
 
 
 def milp_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, buckets: int = 16,
-                  time_limit: float = 1.0, iterations: int = 8, cuts: bool = True) -> StepSchedule:
+                  node_limit: int = 200, iterations: int = 8, time_limit: float | None = None,
+                  cuts: bool = True) -> StepSchedule:
     """Bucketed MILP over group sizes, warm-started from the best heuristic; never worse than it."""
     import scipy.optimize  # noqa: F401  (loaded before the clock starts: the import is no solver time)
 
@@ -188,14 +197,17 @@ def milp_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, bu
         np.minimum.at(m, bk.index, t / speed)
         min_t[d] = m
     lo, hi = lower_bound(lens, ctx), warm.predicted_step_time
-    best, solved, status = warm, 0, "warm start kept"
-    deadline = t0 + time_limit
+    best, solved, status, stopped = warm, 0, "warm start kept", "iterations"
     for _ in range(iterations):
-        left = deadline - time.perf_counter()
-        if left <= 0 or hi - lo <= 1e-3 * hi:
+        left = None if time_limit is None else t0 + time_limit - time.perf_counter()
+        if left is not None and left <= 0:
+            stopped = "time_limit"
+            break
+        if hi - lo <= 1e-3 * hi:
+            stopped = "converged"
             break
         T = 0.5 * (lo + hi)
-        sol = _solve(T, mean_t, max_t, need_b, bk.counts, ctx.num_ranks, left, min_t if cuts else None)
+        sol = _solve(T, mean_t, max_t, need_b, bk.counts, ctx.num_ranks, node_limit, left, min_t if cuts else None)
         if sol is None:
             lo = T
             continue
@@ -204,8 +216,11 @@ def milp_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, bu
         if cand.predicted_step_time < best.predicted_step_time:
             best, status = cand, "milp"
         hi = T
+    if time_limit is not None and time.perf_counter() - t0 >= time_limit:
+        stopped = "time_limit"  # a solve may have been cut short inside HiGHS too
     extra = dict(best.extra)
-    extra.update({"source": status, "milp_solves": solved, "bucket_token_error": bk.token_error(lens),
+    extra.update({"source": status, "stopped_by": stopped, "milp_solves": solved,
+                  "bucket_token_error": bk.token_error(lens),
                   "warm_start_step_time": warm.predicted_step_time})
     return StepSchedule(lengths=best.lengths, groups=best.groups, policy="milp",
                         predicted_step_time=best.predicted_step_time, lower_bound=best.lower_bound,

@@ -5,13 +5,14 @@ Every policy is a function ``(lengths, ctx, *, seed, **options) -> StepSchedule`
 schedule (none draws random numbers today; ``seed`` is part of the signature so that a randomised
 policy can keep that promise).
 
-- ``fixed`` (today's baseline) and ``balanced`` (WLB-LLM): one static group size, in
-  :mod:`flexmesh.schedule.static`;
+- the baselines, one static group size each (``Policy.is_baseline``): ``fixed`` (Megatron-LM /
+  torchtitan with packing), ``padded`` (full-context slots), ``balanced`` (cost-aware LPT), in
+  :mod:`flexmesh.schedule.static`, and ``wlb`` (WLB-LLM, outlier delay), in :mod:`flexmesh.schedule.wlb`;
 - ``hdp`` (ByteScale): group sizes chosen per step, in :mod:`flexmesh.schedule.hdp`;
 - ``milp`` (FlexSP): group sizes by mixed-integer programming, in :mod:`flexmesh.schedule.milp`;
 - ``chunked`` (InfiniPipe, pipelines only): long sequences cut into equal-time slices, in
-  :mod:`flexmesh.schedule.chunking`; for the simulator only (``flexmesh train`` does not offer it):
-  :data:`RUNTIME_POLICIES` lists the policies the runtime runs.
+  :mod:`flexmesh.schedule.chunking`; for the simulator only (``flexmesh train`` does not offer it,
+  nor ``padded``): :data:`RUNTIME_POLICIES` lists the policies the runtime runs.
 
 >>> from flexmesh.schedule.testing import tiny_context
 >>> s = make_schedule("hdp", [900, 50, 60, 3000], tiny_context(num_ranks=4))
@@ -32,20 +33,26 @@ from flexmesh.schedule.chunking import chunked_schedule
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.hdp import hdp
 from flexmesh.schedule.milp import milp_schedule
-from flexmesh.schedule.static import balanced, fixed
+from flexmesh.schedule.static import balanced, fixed, padded
+from flexmesh.schedule.wlb import wlb
 
 PolicyFn = Callable[..., StepSchedule]
 
 POLICIES: dict[Policy, PolicyFn] = {
     Policy.FIXED: fixed,
+    Policy.PADDED: padded,
     Policy.BALANCED: balanced,
+    Policy.WLB: wlb,
     Policy.HDP: hdp,
     Policy.MILP: milp_schedule,
     Policy.CHUNKED: chunked_schedule,
 }
 
-# The policies `flexmesh train` offers (--policy, --fallback-policy); chunked is simulated only.
-RUNTIME_POLICIES: tuple[Policy, ...] = (Policy.FIXED, Policy.BALANCED, Policy.HDP, Policy.MILP)
+# The policies `flexmesh train` offers (--policy, --fallback-policy). chunked and padded are simulated
+# only: the runtime's packer never pads a micro-batch to a full slot, so "padded" would run as plain
+# arrival-order packing, not as what it is named. The runtime runs wlb without its outlier delay (see
+# flexmesh.schedule.scheduler.Scheduler).
+RUNTIME_POLICIES: tuple[Policy, ...] = (Policy.FIXED, Policy.BALANCED, Policy.WLB, Policy.HDP, Policy.MILP)
 
 
 def make_schedule(policy: Policy | str, lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,

@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike
 from flexmesh.cost import CostModel
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.enums import CPKind, Policy
-from flexmesh.layout.mesh import context_kind, layout_from_plan
+from flexmesh.layout.mesh import context_kind, layout_from_plan, runs_in_lockstep
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import StepSchedule
 from flexmesh.schedule.context import ScheduleContext
@@ -41,17 +41,18 @@ def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel 
     return ScheduleContext(cost=cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster)),
                            base=strategy, num_ranks=layout.data_ranks, pp=plan.pp,
                            pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
-                           microbatch_tokens=max_len)
+                           microbatch_tokens=max_len, lockstep=runs_in_lockstep(layout.pp, layout.zero))
 
 
 class Scheduler:
     """``lengths -> StepSchedule`` for the named policy over the plan's data ranks.
 
-    Groups may take any power-of-two size the policy picks (``hdp``, ``milp``); ``fixed`` and
-    ``balanced`` use one static size: ``cp``, else the plan's cp when above 1, else the smallest group
-    holding the longest sequence. Micro-batches hold at most ``max_len`` tokens per rank (the context
-    the plan is for; a longer sequence on a larger group keeps its own). ``cost`` is the CostModel
-    the policy consults (for instance one built from profiles); default: the plan's cluster preset.
+    Groups may take any power-of-two size the policy picks (``hdp``, ``milp``); the baselines
+    (``fixed``, ``padded``, ``balanced``, ``wlb``) use one static size: ``cp``, else the plan's cp when
+    above 1, else the smallest group holding the longest sequence. Micro-batches hold at most
+    ``max_len`` tokens per rank (the context the plan is for; a longer sequence on a larger group
+    keeps its own). ``cost`` is the CostModel the policy consults (for instance one built from
+    profiles); default: the plan's cluster preset.
     ``predict``, when given, replaces each step schedule's ``predicted_step_time`` (the scheduler's
     own estimate of the micro-batch phase) with its value: the runtime passes the step simulator's
     (flexmesh.sim.predict.simulated_scheduler) and reports it beside the measured time.
@@ -78,13 +79,18 @@ class Scheduler:
         self.virtual_stages = plan.virtual_stages
         self.predict = predict
         options: dict = {}
-        if self.policy in (Policy.FIXED, Policy.BALANCED):
+        if self.policy.is_baseline:
             layout = layout_from_plan(plan)
             static = cp if cp is not None else (layout.cp if layout.cp > 1 else None)
             if static is not None:
                 options["cp"] = static
-        if self.policy == Policy.FIXED:
+        if self.policy in (Policy.FIXED, Policy.PADDED):
             options["context"] = max_len
+        if self.policy == Policy.WLB:
+            # The loader trains the documents a schedule names and never brings deferred ones back
+            # (the next batch is scheduled ahead, before this one's deferrals are known), so a held
+            # outlier would be dropped: the runtime runs wlb's packing without the delay.
+            options["queue"] = 0
         self.options = options
 
     def __call__(self, lengths: ArrayLike) -> StepSchedule:

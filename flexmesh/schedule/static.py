@@ -1,14 +1,19 @@
-"""The policies with one static group size: ``fixed`` (today's baseline) and ``balanced`` (WLB-LLM).
+"""The baselines with one static context-parallel degree: ``fixed``, ``padded``, ``balanced``.
 
-- ``fixed``: documents packed in arrival order into fixed slots of ``context`` tokens (padding
-  included in the cost), every slot sharded over one static context-parallel degree ``cp``, slots
-  dealt round-robin to the ``num_ranks // cp`` groups.
-- ``balanced``: one static ``cp``; longest-processing-time on the cost model's time, variable-length
-  packing under the memory cap; ``defer=True`` moves outlier sequences (longer than a group's fair
-  share) beyond ``max_outliers`` to a later step.
+What people run, each at a degree ``cp`` the caller sweeps (flexmesh.sim.compare keeps the best):
 
-Both leave the ranks beyond the last whole group of ``cp`` idle. Run them through
-:func:`flexmesh.schedule.registry.make_schedule`.
+- ``fixed``: Megatron-LM / torchtitan with packing: documents packed best-fit-decreasing into
+  micro-batches of at most ``context`` tokens (the packed sequence length) with no padding, every
+  micro-batch sharded over ``cp`` ranks, micro-batches dealt round-robin to the ``num_ranks // cp``
+  groups.
+- ``padded``: the same without best-fit packing: documents in arrival order into fixed slots of
+  ``context`` tokens, padding included in the cost (a loader that pads every slot to the context).
+- ``balanced``: longest-processing-time on the cost model's time, then a balance pass, and
+  best-fit packing under the memory cap; ``defer=True`` moves outlier sequences (longer than a
+  group's fair share) beyond ``max_outliers`` to a later step.
+
+WLB-LLM's packing with outlier delay is :mod:`flexmesh.schedule.wlb`. All leave the ranks beyond the
+last whole group of ``cp`` idle. Run them through :func:`flexmesh.schedule.registry.make_schedule`.
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ from flexmesh.schedule.assemble import aligned_layout, build_step_schedule, piec
 from flexmesh.schedule.assign import lpt, rebalance
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import seq_times
-from flexmesh.schedule.packing import next_fit
+from flexmesh.schedule.packing import best_fit_decreasing, next_fit
 from flexmesh.schedule.placement import Batch, Placement, check_lengths, pack_groups, slot_speeds
 
 
-def _static_cp(ctx: ScheduleContext, cp: int | None, tokens: int) -> int:
+def static_cp(ctx: ScheduleContext, cp: int | None, tokens: int) -> int:
     """The static context-parallel degree: given, or the smallest group holding ``tokens``."""
     if cp is None:
         return ctx.min_group(tokens)
@@ -44,6 +49,30 @@ def _static_cp(ctx: ScheduleContext, cp: int | None, tokens: int) -> int:
 
 def fixed(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | None = None,
           context: int | None = None) -> StepSchedule:
+    """Best-fit-decreasing micro-batches of at most ``context`` tokens, no padding, dealt round-robin.
+
+    ``context`` defaults to what memory and the packing budget allow on ``cp`` ranks
+    (:meth:`ScheduleContext.pack_tokens`), and is never below the longest sequence.
+    """
+    t0 = time.perf_counter()
+    lens = check_lengths(lengths)
+    longest = int(lens.max())
+    if context is not None and context < longest:
+        raise ScheduleError(f"a sequence of {longest} tokens exceeds the packed length (context) of {context}; "
+                            f"raise context or truncate sequences to it")
+    cp = static_cp(ctx, cp, longest if context is None else int(context))
+    cap = max(longest, ctx.pack_tokens(cp)) if context is None else int(context)
+    n_groups = ctx.num_ranks // cp
+    slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
+    mbs: list[list] = [[] for _ in slots]
+    ll = lens.tolist()
+    for k, ids in enumerate(best_fit_decreasing(range(lens.size), ll, cap)):
+        mbs[k % n_groups].append(pieces_of(ids, ll))
+    return build_step_schedule("fixed", lens, ctx, slots, mbs, t0, extra={"cp": cp, "context": cap})
+
+
+def padded(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | None = None,
+           context: int | None = None) -> StepSchedule:
     """Arrival-order fixed slots of ``context`` tokens on ``num_ranks // cp`` groups of ``cp``, round-robin."""
     t0 = time.perf_counter()
     lens = check_lengths(lengths)
@@ -51,7 +80,7 @@ def fixed(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | 
     if context < lens.max():
         raise ScheduleError(f"a sequence of {int(lens.max())} tokens exceeds the slot (context) of {context}; "
                             f"raise context or truncate sequences to it")
-    cp = _static_cp(ctx, cp, context)
+    cp = static_cp(ctx, cp, context)
     n_groups = ctx.num_ranks // cp
     slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
     mbs: list[list] = [[] for _ in slots]
@@ -59,7 +88,8 @@ def fixed(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | 
     for k, slot_ids in enumerate(next_fit(range(lens.size), lens, context)):
         mbs[k % n_groups].append(pieces_of(slot_ids, lens))
         charged[k % n_groups].append(context)
-    return build_step_schedule("fixed", lens, ctx, slots, mbs, t0, charged_tokens=charged, extra={"cp": cp})
+    return build_step_schedule("padded", lens, ctx, slots, mbs, t0, charged_tokens=charged,
+                               extra={"cp": cp, "context": context})
 
 
 def balanced(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | None = None, defer: bool = False,
@@ -67,7 +97,7 @@ def balanced(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int
     """LPT over ``num_ranks // cp`` equal groups with best-fit packing; optional outlier deferral."""
     t0 = time.perf_counter()
     lens = check_lengths(lengths)
-    cp = _static_cp(ctx, cp, int(lens.max()))
+    cp = static_cp(ctx, cp, int(lens.max()))
     n_groups = ctx.num_ranks // cp
     slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
     sizes = [s.size for s in slots]

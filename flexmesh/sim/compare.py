@@ -4,9 +4,15 @@ This is what ``flexmesh simulate`` and ``bench/schedule.py`` share: each policy 
 (:func:`flexmesh.schedule.registry.make_schedule`), the simulator plays the schedule out
 (:func:`flexmesh.sim.timeline.simulate_step`), and the steps are summarised.
 
-``fixed`` is run once for every static context-parallel degree whose memory holds a full context
-slot; the degree with the lowest mean step time is kept and named (``fixed (cp=8)``), so the speedup
-of the other policies is measured against the best static setting, not a strawman.
+The baselines (``fixed``, ``padded``, ``balanced``, ``wlb``: what people run, one static
+context-parallel degree each) always run, each over its own knob: every static degree whose memory
+holds its micro-batches (:func:`baseline_options`); the fastest setting is kept and named
+(``fixed (cp=8)``). Every speedup is the tokens/s of a run over that of the best baseline on the same
+batches, so an adaptive policy is measured against the strongest static setting, not a strawman.
+
+Sequences a schedule defers (``wlb``'s outlier delay, ``balanced`` with ``defer=True``) go to the
+front of the next batch, as a loader that holds them would; tokens still held after the last step
+are not counted as trained.
 
 Ratio to the lower bound: the scheduler's bound covers the micro-batch phase only (see
 :mod:`flexmesh.schedule.lower_bound`); every schedule also pays the step's exposed gradient sync and optimizer,
@@ -23,6 +29,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
+from flexmesh.layout.enums import Policy
 from flexmesh.layout.step import StepSchedule
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.sim.timeline import StepTimeline, simulate_step
@@ -45,8 +52,19 @@ class PolicyRun:
     utilisation: tuple[float, ...]  # mean over lanes of compute / step
     predicted_step_times: tuple[float, ...]  # the scheduler's own estimate (micro-batch phase only)
     padding: tuple[float, ...]
-    speedup: float = float("nan")  # tokens/s over the best fixed run; filled by compare_policies
+    speedup: float = float("nan")  # tokens/s over the best baseline's; filled by compare_policies
     first_timeline: StepTimeline | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def kind(self) -> str:
+        """``baseline`` (one static degree, what people run) or ``adaptive`` (chooses per step)."""
+        known = self.policy in {str(p) for p in Policy}
+        return "baseline" if known and Policy(self.policy).is_baseline else "adaptive"
+
+    @property
+    def mean_ratio_to_lower_bound(self) -> float:
+        """Mean over the steps of simulated step / (lower bound + tail)."""
+        return float(np.mean(self.ratio_to_lower_bound))
 
     @property
     def steps(self) -> int:
@@ -78,13 +96,14 @@ class PolicyRun:
         return {
             "policy": self.policy,
             "label": self.label,
+            "kind": self.kind,
             "options": dict(self.options),
             "steps": self.steps,
             "mean_step_time_s": self.mean_step_time,
             "tokens_per_s": self.tokens_per_s,
-            "speedup_vs_fixed": None if np.isnan(self.speedup) else self.speedup,
+            "speedup_vs_best_baseline": None if np.isnan(self.speedup) else self.speedup,
             "imbalance": float(np.mean(self.imbalance)),
-            "ratio_to_lower_bound": float(np.mean(self.ratio_to_lower_bound)),
+            "ratio_to_lower_bound": self.mean_ratio_to_lower_bound,
             "scheduler_ms_per_step": self.scheduler_ms,
             "scheduler_ms_p95": self.scheduler_ms_p95,
             "utilisation": float(np.mean(self.utilisation)),
@@ -121,8 +140,11 @@ def run_policy(policy: str, batches: Sequence[np.ndarray], ctx: ScheduleContext,
     options = dict(options or {})
     rows: dict[str, list] = {k: [] for k in ("t", "tok", "imb", "lb", "sch", "util", "pred", "pad")}
     first = None
-    for k, lengths in enumerate(batches):
+    held = np.zeros(0, dtype=np.int64)
+    for k, batch in enumerate(batches):
+        lengths = np.concatenate([held, np.asarray(batch, dtype=np.int64)])  # held sequences arrive first
         s = schedule_fn(policy, lengths, ctx, seed=seed + k, **options)
+        held = lengths[list(s.deferred)] if s.deferred else held[:0]
         tl = simulate_step(ctx, s, virtual_stages=virtual_stages, speed=speed, slot_tokens=slot_tokens,
                            detail=k == 0)
         if k == 0:
@@ -144,17 +166,33 @@ def run_policy(policy: str, batches: Sequence[np.ndarray], ctx: ScheduleContext,
 
 
 def fixed_degrees(ctx: ScheduleContext, context: int) -> list[int]:
-    """Static context-parallel degrees whose memory holds one full slot of ``context`` tokens."""
+    """Static context-parallel degrees whose memory holds one micro-batch of ``context`` tokens."""
     return [d for d in ctx.group_sizes if ctx.max_tokens(d) >= context]
+
+
+BASELINES: tuple[str, ...] = tuple(str(p) for p in Policy if p.is_baseline)
+
+
+def baseline_options(policy: str, ctx: ScheduleContext, context: int, longest: int) -> list[dict]:
+    """The settings a baseline is swept over: every static degree that holds what it must hold.
+
+    ``fixed`` and ``padded`` pack micro-batches (slots) of ``context`` tokens, so their degree must
+    hold that many; ``balanced`` and ``wlb`` only need the longest sequence of the batches.
+    """
+    if policy in (Policy.FIXED, Policy.PADDED):
+        return [{"cp": d, "context": context} for d in fixed_degrees(ctx, context)]
+    return [{"cp": d} for d in fixed_degrees(ctx, longest)]
 
 
 def compare_policies(policies: Sequence[str], batches: Sequence[np.ndarray], ctx: ScheduleContext, *,
                      context: int, seed: int = 0, virtual_stages: int = 1, speed: ArrayLike | None = None,
                      make_schedule: ScheduleFn | None = None,
                      on_step: Callable[[], None] | None = None) -> list[PolicyRun]:
-    """Run each policy (``fixed`` at its best static degree) over ``batches``; speedups relative to fixed.
+    """Every baseline at its best setting, then the other ``policies``; speedups over the best baseline.
 
-    ``batches`` must already be truncated to ``context`` tokens per sequence.
+    Baselines come first (in :data:`BASELINES` order), whether or not ``policies`` names them: the
+    speedups are measured against the best of them. ``batches`` must already be truncated to
+    ``context`` tokens per sequence.
     """
     longest = max(int(np.max(b)) for b in batches)
     if longest > context:
@@ -163,26 +201,32 @@ def compare_policies(policies: Sequence[str], batches: Sequence[np.ndarray], ctx
     runs: list[PolicyRun] = []
     common: dict[str, Any] = dict(seed=seed, virtual_stages=virtual_stages, speed=speed,
                                   make_schedule=make_schedule, on_step=on_step)
-    for policy in policies:
-        if policy != "fixed":
+    for policy in list(BASELINES) + [p for p in policies if p not in BASELINES]:
+        if policy not in BASELINES:
             runs.append(run_policy(policy, batches, ctx, **common))
             continue
-        degrees = fixed_degrees(ctx, context)
-        if not degrees:
+        settings = baseline_options(policy, ctx, context, longest)
+        if not settings:
             raise ScheduleError(
-                f"no static context-parallel degree holds a {context}-token slot (largest group of "
+                f"no static context-parallel degree holds a {context}-token micro-batch (largest group of "
                 f"{ctx.group_sizes[-1]} ranks holds {ctx.max_tokens(ctx.group_sizes[-1])}); lower --context, "
                 f"enable --recompute, or add devices"
             )
-        tried = [run_policy("fixed", batches, ctx, options={"cp": d, "context": context},
-                            label=f"fixed (cp={d})", slot_tokens=context, **common) for d in degrees]
+        # A padded slot computes its padding too: the simulator charges every micro-batch `context` tokens.
+        slot = context if policy == Policy.PADDED else None
+        tried = [run_policy(policy, batches, ctx, options=o, label=f"{policy} (cp={o['cp']})", slot_tokens=slot,
+                            **common) for o in settings]
         runs.append(min(tried, key=lambda r: r.mean_step_time))
-    base = next((r for r in runs if r.policy == "fixed"), None)
-    if base is None:
-        return runs
+    base = best_baseline(runs)
     return [replace(r, speedup=r.tokens_per_s / base.tokens_per_s) for r in runs]
 
 
-def fixed_runs_needed(ctx: ScheduleContext, context: int, policies: Sequence[str]) -> int:
-    """How many policy runs :func:`compare_policies` makes (for a progress bar)."""
-    return sum(len(fixed_degrees(ctx, context)) if p == "fixed" else 1 for p in policies)
+def best_baseline(runs: Sequence[PolicyRun]) -> PolicyRun:
+    """The baseline run with the most tokens/s (the reference of every speedup)."""
+    return max((r for r in runs if r.kind == "baseline"), key=lambda r: r.tokens_per_s)
+
+
+def runs_needed(ctx: ScheduleContext, context: int, policies: Sequence[str]) -> int:
+    """How many policy runs :func:`compare_policies` makes at most (for a progress bar)."""
+    extra = [p for p in policies if p not in BASELINES]
+    return sum(len(baseline_options(p, ctx, context, 1)) for p in BASELINES) + len(extra)

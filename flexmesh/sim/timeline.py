@@ -35,6 +35,7 @@ from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.step import StepSchedule
+from flexmesh.schedule.assemble import lockstep_padding
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.sim.pipeline import run_pipeline
 from flexmesh.spec.cluster import ClusterSpec
@@ -148,16 +149,18 @@ class _MicroBatches:
     sq: np.ndarray
 
 
-def _flatten(schedule: StepSchedule) -> _MicroBatches:
+def _flatten(schedule: StepSchedule, ctx: ScheduleContext) -> _MicroBatches:
     # A piece [a, b) of a causal sequence attends to its whole prefix: (b^2 - a^2) squared tokens,
-    # which is s^2 for a whole sequence and splits that total exactly over its pieces.
+    # which is s^2 for a whole sequence and splits that total exactly over its pieces (with a sliding
+    # window, the windowed count: CostModel.attention_sq, which also splits exactly over pieces).
+    sq_of = ctx.cost.attention_sq
     group, index, tokens, sq = [], [], [], []
     for g, grp in enumerate(schedule.groups):
         for j, mb in enumerate(grp.microbatches):
             group.append(g)
             index.append(j)
             tokens.append(sum(p.end - p.start for p in mb))
-            sq.append(sum(p.end * p.end - p.start * p.start for p in mb))
+            sq.append(sum(sq_of(p.start, p.end) for p in mb))
     return _MicroBatches(np.asarray(group, dtype=int), np.asarray(index, dtype=int),
                          np.asarray(tokens, dtype=float), np.asarray(sq, dtype=float))
 
@@ -184,16 +187,38 @@ def simulate_step(ctx: ScheduleContext, schedule: StepSchedule, *, virtual_stage
     order = np.argsort(first)
     gspeed = np.empty((ctx.pp, n_groups))
     gspeed[:, order] = np.minimum.reduceat(sp, first[order], axis=1)
-    mbs = _flatten(schedule)
+    mbs = _flatten(schedule, ctx)
     tokens = np.bincount(mbs.group, weights=mbs.tokens, minlength=n_groups)[rank_group] / cp[rank_group]
     if slot_tokens is not None:
         mbs = _MicroBatches(mbs.group, mbs.index, np.maximum(mbs.tokens, float(slot_tokens)), mbs.sq)
+    mbs = _lockstep(ctx, mbs, cp)
     ph = _phases(ctx, mbs, cp)
     if ctx.pp == 1:
         lanes = _no_pipeline(ctx, mbs, ph, gspeed[0], rank_group, n_groups, detail)
     else:
         lanes = _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, virtual_stages, detail)
     return _finish(ctx, sp, tokens, lanes)
+
+
+def _lockstep(ctx: ScheduleContext, mbs: _MicroBatches, cp: np.ndarray) -> _MicroBatches:
+    """The micro-batches as the runtime runs them in lockstep (ZeRO-3, pipelines; see lockstep_padding).
+
+    Every group gets empty micro-batches up to the step's count, after its own; with ``pp > 1``
+    every micro-batch of a group takes the group's one shape (padding attends to nothing).
+    """
+    n = len(cp)
+    counts = np.bincount(mbs.group, minlength=n)
+    longest = np.zeros(n)
+    np.maximum.at(longest, mbs.group, mbs.tokens)
+    n_pad, shape = lockstep_padding(ctx, cp, counts.tolist(), longest)
+    if not n_pad.any() and not (ctx.pp > 1 and ctx.in_lockstep):
+        return mbs
+    tokens = np.maximum(mbs.tokens, shape[mbs.group]) if ctx.pp > 1 else mbs.tokens
+    g_pad = np.repeat(np.arange(n), n_pad)
+    i_pad = np.concatenate([np.arange(counts[g], counts[g] + n_pad[g]) for g in range(n)]) if n else g_pad
+    sq_pad = np.array([ctx.cost.attention_sq(0.0, float(shape[g])) for g in g_pad])  # one document each
+    return _MicroBatches(np.concatenate([mbs.group, g_pad]), np.concatenate([mbs.index, i_pad]).astype(int),
+                         np.concatenate([tokens, shape[g_pad]]), np.concatenate([mbs.sq, sq_pad]))
 
 
 def _rank_groups(schedule: StepSchedule, num_ranks: int) -> np.ndarray:
@@ -217,19 +242,27 @@ def _rank_groups(schedule: StepSchedule, num_ranks: int) -> np.ndarray:
 
 
 def _phases(ctx: ScheduleContext, mbs: _MicroBatches, cp: np.ndarray) -> dict[str, np.ndarray]:
-    """Per micro-batch: fwd/bwd compute and exposed comm of one layer, and of the LM head."""
+    """Per micro-batch: fwd/bwd compute and exposed comm of one layer, of the LM head and of the embedding.
+
+    The embedding is priced as the scheduler and the lower bound price it (ScheduleContext.microbatch_time
+    includes it): a model profile gives it a time, the analytic timing none.
+    """
     d = cp[mbs.group]
-    out = {k: np.zeros(len(d)) for k in ("fwd", "bwd", "comm_fwd", "comm_bwd", "head_fwd", "head_bwd")}
+    out = {k: np.zeros(len(d)) for k in ("fwd", "bwd", "comm_fwd", "comm_bwd", "head_fwd", "head_bwd",
+                                         "emb_fwd", "emb_bwd")}
     for size in np.unique(d):
         sel = d == size
         s = ctx.group_strategy(int(size))
         layer = ctx.cost.microbatch_phases(s, mbs.tokens[sel], mbs.sq[sel], layers=1, head=False)
         head = ctx.cost.microbatch_phases(s, mbs.tokens[sel], mbs.sq[sel], layers=0, head=True)
+        emb = ctx.cost.microbatch_phases(s, mbs.tokens[sel], mbs.sq[sel], layers=0, head=False, embed=True)
         # Given arrays of tokens, the cost model's phases are arrays of the same length.
         for k in ("fwd", "bwd", "comm_fwd", "comm_bwd"):
             out[k][sel] = np.asarray(getattr(layer, k))
         out["head_fwd"][sel] = np.asarray(head.fwd)
         out["head_bwd"][sel] = np.asarray(head.bwd)
+        out["emb_fwd"][sel] = np.asarray(emb.fwd)
+        out["emb_bwd"][sel] = np.asarray(emb.bwd)
     return out
 
 
@@ -248,9 +281,10 @@ class _Lanes:
 def _no_pipeline(ctx, mbs, ph, gspeed, rank_group, n_groups, detail) -> _Lanes:
     """pp == 1: a rank's timeline is its group's micro-batches back to back (vectorised)."""
     L = ctx.layers_per_stage
-    comp = ((ph["fwd"] + ph["bwd"]) * L + ph["head_fwd"] + ph["head_bwd"]) / gspeed[mbs.group]
+    comp = ((ph["fwd"] + ph["bwd"]) * L + ph["head_fwd"] + ph["head_bwd"] + ph["emb_fwd"] + ph["emb_bwd"]) \
+        / gspeed[mbs.group]
     comm = (ph["comm_fwd"] + ph["comm_bwd"]) * L
-    bwd = (ph["bwd"] * L + ph["head_bwd"]) / gspeed[mbs.group]
+    bwd = (ph["bwd"] * L + ph["head_bwd"] + ph["emb_bwd"]) / gspeed[mbs.group]
     last_bwd = np.zeros(n_groups)
     if len(mbs.group):
         order = np.lexsort((mbs.index, mbs.group))
@@ -294,8 +328,11 @@ def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _La
         p2p = np.array([ctx.cost.pipeline_p2p(s, 1, float(t), pp) / 2 for t in mbs.tokens[sel]])
         is_last = (np.arange(n_vs) == n_vs - 1)[:, None]
         speed_vs = np.tile(gspeed[:, g], v)[:, None]  # virtual stage c * pp + r lives on rank r
-        f_comp = (ph["fwd"][sel] * per_chunk + is_last * ph["head_fwd"][sel]) / speed_vs
-        b_comp = (ph["bwd"][sel] * per_chunk + is_last * ph["head_bwd"][sel]) / speed_vs
+        is_first = (np.arange(n_vs) == 0)[:, None]  # the embedding lives on the first virtual stage
+        f_comp = (ph["fwd"][sel] * per_chunk + is_last * ph["head_fwd"][sel] + is_first * ph["emb_fwd"][sel]) \
+            / speed_vs
+        b_comp = (ph["bwd"][sel] * per_chunk + is_last * ph["head_bwd"][sel] + is_first * ph["emb_bwd"][sel]) \
+            / speed_vs
         f_comm = np.broadcast_to(ph["comm_fwd"][sel] * per_chunk + p2p, f_comp.shape)
         b_comm = np.broadcast_to(ph["comm_bwd"][sel] * per_chunk + p2p, b_comp.shape)
         run = run_pipeline(ctx.pipeline_schedule, f_comp + f_comm, b_comp + b_comm, v)
