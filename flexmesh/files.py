@@ -11,22 +11,34 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder, fsynced, then renamed
-    over ``path`` (``os.replace`` is atomic on POSIX and Windows); parent folders are created."""
+def write_atomic_with(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Have ``write`` fill a temporary file next to ``path`` (for writers that want a file name, such
+    as safetensors), fsync it and rename it over ``path`` (``os.replace`` is atomic on POSIX and
+    Windows); parent folders are created. The temporary file is removed on any failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
+        write(Path(tmp))
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically (:func:`write_atomic_with`)."""
+    payload = data.encode() if isinstance(data, str) else data
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(payload)
+
+    write_atomic_with(path, write)

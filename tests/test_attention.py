@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
+from helpers import cp_model_check
 
 from flexmesh.errors import PlanError
 from flexmesh.runtime.attention import CPContext, attend, document_causal_mask, document_ids
@@ -141,34 +141,9 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def _model_check(rank: int, world: int) -> None:
     """The whole model under context parallelism: same loss and gradients as one process."""
-    import numpy as np
-
-    from flexmesh.layout.step import Piece
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.packing import pack_microbatch, pad_to_multiple, shard_for_cp
     from flexmesh.spec.model import ModelSpec
 
-    spec = ModelSpec("t", 2, 64, 4, 2, 96, 256, dtype="fp32")
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(0, spec.vocab, n) for n in (13, 30, 4)]
-    full = pad_to_multiple(pack_microbatch(docs, tuple(Piece(i, 0, len(d)) for i, d in enumerate(docs))), world)
-    ref = build_model(spec, "cpu")
-    ref_loss = F.cross_entropy(ref(full.tokens, full)[0], full.labels[0], reduction="sum") / full.num_label_tokens
-    ref_loss.backward()
-    mine = shard_for_cp(full, rank, world)
-    for kind in ("ulysses", "ring"):
-        model = build_model(spec, "cpu")
-        model.set_cp(CPContext(kind, dist.group.WORLD, rank, world))
-        loss = F.cross_entropy(model(mine.tokens, mine)[0], mine.labels[0], reduction="sum") / full.num_label_tokens
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=0, msg=f"{kind} loss")
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            dist.all_reduce(p.grad)
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{kind} grad {name}")
-
-
+    cp_model_check(rank, world, ModelSpec("t", 2, 64, 4, 2, 96, 256, dtype="fp32"))
 
 
 @pytest.mark.slow

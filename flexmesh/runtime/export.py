@@ -25,11 +25,8 @@ folder with a config.json is a finished export; an interrupted one has none and 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +34,7 @@ from typing import Any
 import torch
 
 from flexmesh.errors import CheckpointError, SpecError
-from flexmesh.files import write_atomic
+from flexmesh.files import write_atomic, write_atomic_with
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash
 from flexmesh.runtime.weights import canonical_name, hf_name
@@ -215,21 +212,6 @@ def _plan_shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[l
     return shards
 
 
-def _write_via_temp(path: Path, write: Callable[[Path], None]) -> None:
-    """``write`` a file to a temporary name next to ``path``, fsync it and rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _previous_export(out: Path) -> list[Path]:
     """Files of an earlier export in ``out`` (which a new one replaces or, with other shard names, removes)."""
     if not out.is_dir():
@@ -279,7 +261,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     for group, file in zip(groups, files, strict=True):
         tensors = read_full_tensors(path, {n: found[n] for n in group}, written)
         named = {hf_name(n): t.contiguous() for n, t in tensors.items()}
-        _write_via_temp(out / file, lambda tmp, named=named: save_file(named, str(tmp), metadata={"format": "pt"}))
+        write_atomic_with(out / file, lambda tmp, named=named: save_file(named, str(tmp), metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(named, file))
         del tensors, named
     total = sum(nbytes.values())
