@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def write_atomic_with(path: str | Path, write: Callable[[Path], None]) -> None:
@@ -42,3 +44,23 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         tmp.write_bytes(payload)
 
     write_atomic_with(path, write)
+
+
+def read_json(path: str | Path, error: type[Exception], *, missing: str, invalid: str = "not valid JSON") -> Any:
+    """The JSON value in ``path``; ``error(missing)`` when there is no such file and ``error("<path>:
+    <invalid> (<reason>)")`` when it is not UTF-8 JSON, so every file format reports both alike.
+
+    >>> import tempfile, pathlib
+    >>> bad = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
+    >>> _ = bad.write_bytes(b"\\xff{")
+    >>> read_json(bad, ValueError, missing="no plan")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: .../plan.json: not valid JSON (...)
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise error(missing)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: {invalid} ({e})") from e

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexmesh.errors import PlanError
-from flexmesh.files import write_atomic
+from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import PipelineSchedule, choices
 from flexmesh.layout.strategy import LayerStrategy
 
@@ -193,11 +193,4 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        p = Path(path)
-        if not p.is_file():
-            raise PlanError(f"plan file {str(p)!r} does not exist")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{p}: not valid JSON ({e})") from e
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(path, PlanError, missing=f"plan file {str(path)!r} does not exist"))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexmesh.errors import ProfileError
+from flexmesh.files import read_json
 from flexmesh.profile.fit import LayerFit
 
 VERSION = 1
@@ -318,13 +319,9 @@ def load_profile(path: str | Path, kind: str | None = None) -> HardwareProfile |
     path = Path(path)
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if not path.is_file():
-        raise ProfileError(f"profile {str(path)!r} does not exist; write one with `flexmesh profile "
-                           f"{kind or 'hardware|model'} --out {path}`")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProfileError(f"{path}: not a JSON profile ({e})") from e
+    d = read_json(path, ProfileError, invalid="not a JSON profile",
+                  missing=f"profile {str(path)!r} does not exist; write one with `flexmesh profile "
+                          f"{kind or 'hardware|model'} --out {path}`")
     found = d.get("kind") if isinstance(d, dict) else None
     if kind is None:
         if found not in KINDS:

@@ -14,11 +14,11 @@ fields need, so that ``spec_from_hf_dict(to_hf_config(spec)) == spec``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from flexmesh.errors import SpecError
+from flexmesh.files import read_json
 from flexmesh.spec.model import ModelSpec, RopeScaling, hf_sliding_window
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -52,12 +52,7 @@ def read_hf_config(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise SpecError(f"config file {str(path)!r} does not exist")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{path}: not valid JSON ({e})") from e
+    cfg = read_json(path, SpecError, missing=f"config file {str(path)!r} does not exist")
     if not isinstance(cfg, dict):
         raise SpecError(f"{path}: config.json must hold a JSON object")
     return cfg
