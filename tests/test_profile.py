@@ -250,7 +250,9 @@ def test_activation_bytes_come_from_the_table_with_fallback():
     assert c.layer(LayerStrategy(), w).act == pytest.approx(20000 * 2048 + 4 * 2048**2)
     assert c.layer(LayerStrategy(tp=2), w).act == pytest.approx(11000 * 2048 + 4 * 2048**2)
     rc = c.layer(LayerStrategy(recompute=True), w)
-    assert rc.act == pytest.approx(1024 * 2048) and rc.transient == pytest.approx(20000 * 2048 + 4 * 2048**2)
+    assert rc.act == pytest.approx(1024 * 2048)
+    # recomputing holds the layer's measured activations on top of the working memory every layer has
+    assert rc.transient - c.layer(LayerStrategy(), w).transient == pytest.approx(20000 * 2048 + 4 * 2048**2)
     # cp 2 was not measured: the tp=cp=1 value divided by tp*cp; the ring kernel keeps no mask
     ring = c.layer(LayerStrategy(cp=2, cp_kind="ring"), w)
     assert ring.act == pytest.approx(20000 / 2 * 2048)

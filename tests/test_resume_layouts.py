@@ -57,6 +57,7 @@ def worker(out: Path, names: list[str]) -> None:
     import torch.distributed as dist
 
     from flexmesh.errors import FlexmeshError
+    from flexmesh.layout.step import carries_pieces
     from flexmesh.runtime.distributed import init_distributed
     from flexmesh.runtime.loop import ListSource, fit
     from flexmesh.runtime.trainer import Trainer
@@ -82,7 +83,8 @@ def worker(out: Path, names: list[str]) -> None:
             plan = make_plan(name)
             straight = out / name / "straight"
             trainer = Trainer(plan, tiny_spec(), base)
-            steps = make_steps(trainer.layout.data_ranks, trainer.layout.cp, steps=6, seed=11)
+            steps = make_steps(trainer.layout.data_ranks, trainer.layout.cp, steps=6, seed=11,
+                               cut=carries_pieces(plan.pp))
             fit(trainer, ListSource(steps), dataclasses.replace(base, out_dir=str(straight)))
             resumed = out / name / "resumed"
             cfg = dataclasses.replace(base, out_dir=str(resumed))

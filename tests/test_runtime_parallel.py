@@ -132,6 +132,7 @@ def worker(out: Path, names: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from flexmesh.layout.step import carries_pieces
     from flexmesh.runtime.distributed import init_distributed
     from flexmesh.runtime.trainer import Trainer
     from flexmesh.runtime.weights import canonical_name
@@ -143,7 +144,7 @@ def worker(out: Path, names: list[str]) -> None:
             plan = make_plan(name)
             trainer = Trainer(plan, layout_spec(name), train_config())
             lay = trainer.layout
-            steps = make_steps(lay.data_ranks, lay.cp)
+            steps = make_steps(lay.data_ranks, lay.cp, cut=carries_pieces(lay.pp))
             losses = [trainer.step(docs, sched).loss for docs, sched in steps]
             params = {}
             for m in trainer.inner_models():

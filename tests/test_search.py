@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from flexmesh.cost import CostModel, pipeline_time, pipeline_times
 from flexmesh.errors import PlanError
+from flexmesh.layout.overlap import Overlap
 from flexmesh.plan import SearchRequest, SearchSpace, best_plans, candidate_strategies, megatron_3d, zero3_ulysses
 from flexmesh.plan.partition import balance, compositions, count_compositions, even_split
 from flexmesh.spec import MODEL_PRESETS
@@ -21,16 +22,21 @@ from flexmesh.spec.model import ModelSpec
 
 
 def brute_force(model, cluster, seq_len, global_batch, space):
-    """Best fitting step time over every pp, schedule, m, layer split and per-layer strategy."""
+    """Best fitting step time over every pp, schedule, v, m, layer split and per-layer strategy.
+
+    pp: every divisor of the world up to the layers whose stages are whole nodes or divide one; GPipe
+    too (the search skips it beside 1F1B); interleaving with v chunks where v = 2 or v splits evenly;
+    every overlap option the space names (the tests name them, so both sides price the same set).
+    """
     cost = CostModel(model, cluster)
-    world, L = cluster.world_size, model.num_layers
+    world, L, per = cluster.world_size, model.num_layers, cluster.devices_per_node
     best = math.inf
-    for pp in (1, 2, 4, 8):
-        if pp > min(world, L) or world % pp:
+    for pp in range(1, min(world, L) + 1):
+        if world % pp or not ((world // pp) % per == 0 or per % (world // pp) == 0):
             continue
-        for schedule in space.pipeline_schedules:
-            v = 2 if schedule == "interleaved" else 1
-            if (pp == 1 and schedule != "1f1b") or L < pp * v:
+        for schedule, v in [(s, 1) for s in space.pipeline_schedules if s != "interleaved"] + [
+                ("interleaved", v) for v in space.virtual_stages if "interleaved" in space.pipeline_schedules]:
+            if (pp == 1 and schedule != "1f1b") or L < pp * v or (v > 2 and L % (pp * v)):
                 continue
             for m in space.microbatches:
                 if global_batch % m or (schedule == "interleaved" and m % pp):
@@ -41,15 +47,29 @@ def brute_force(model, cluster, seq_len, global_batch, space):
                     edges = (0, *cuts, L)
                     for assign in product(strategies, repeat=L):
                         chunks = [assign[a:b] for a, b in pairwise(edges)]
-                        ev = cost.evaluate_stages(chunks, pp, schedule, m, v, mbs, seq_len)
-                        if ev.fits:
-                            best = min(best, ev.step_time)
+                        for overlap in space.overlaps:
+                            ev = cost.evaluate_stages(chunks, pp, schedule, m, v, mbs, seq_len, overlap)
+                            if ev.fits:
+                                best = min(best, ev.step_time)
     return best
+
+
+# Overlap options the brute-force tests let both sides choose from: one that saves time and one that saves memory.
+OVERLAPS = (Overlap(tp_comm=True, grad_reduce="bucketed"),
+            Overlap(tp_comm=False, grad_reduce="last", zero3_prefetch=False))
 
 
 def small_cluster(nodes, per_node, memory_gib):
     return ClusterSpec(nodes=nodes, devices_per_node=per_node,
                        device=replace(device("A100-80GB"), memory_gib=memory_gib))
+
+
+def cluster_with_budget(model, budget):
+    """Two A100s whose usable memory per device (the cost model's budget, affine in the capacity) is ``budget``."""
+    lo, hi = (CostModel(model, small_cluster(1, 2, g)).memory_budget for g in (40.0, 80.0))
+    cluster = small_cluster(1, 2, 40.0 + (budget - lo) * 40.0 / (hi - lo))
+    assert CostModel(model, cluster).memory_budget == pytest.approx(budget, rel=1e-6)
+    return cluster
 
 
 def searched(model, cluster, seq_len, global_batch, space, mode):
@@ -71,13 +91,11 @@ def assert_matches_brute_force(model, cluster, seq_len, global_batch, space):
 def test_exact_search_equals_brute_force_six_layers_with_binding_memory():
     model = ModelSpec("m6", num_layers=6, hidden=256, num_heads=8, num_kv_heads=4, ffn_hidden=512, vocab=2048)
     space = SearchSpace(pipeline_schedules=("1f1b", "gpipe"), cp_kinds=("ring",), zero_stages=(3,), max_tp=2, max_cp=1,
-                        microbatches=(1, 2))
+                        microbatches=(1, 2), overlaps=OVERLAPS)
     # Find a memory size where the unconstrained optimum does not fit but something does.
     roomy = small_cluster(1, 2, 80.0)
     free = searched(model, roomy, 4096, 4, space, "exact").best.evaluation
-    peak = free.peak_memory / 2**30
-    tight_gib = (1.0 + 0.9 * peak) / 0.8  # usable = capacity * 0.8 - 1 GiB reserve
-    cluster = small_cluster(1, 2, tight_gib)
+    cluster = cluster_with_budget(model, 0.9 * free.peak_memory)
     assert_matches_brute_force(model, cluster, 4096, 4, space)
     tight = searched(model, cluster, 4096, 4, space, "exact").best.evaluation
     assert tight.step_time > free.step_time  # memory really binds
@@ -99,7 +117,7 @@ def test_exact_search_equals_brute_force_random_small(layers, hidden_mult, kv, s
                       ffn_hidden=384 * hidden_mult, vocab=1024)
     nodes, per = shape
     space = SearchSpace(pipeline_schedules=("1f1b", "gpipe", "interleaved"), cp_kinds=(kind,), zero_stages=zeros,
-                        max_tp=2, max_cp=2 if nodes * per <= 4 else 1, microbatches=(2, 4))
+                        max_tp=2, max_cp=2 if nodes * per <= 4 else 1, microbatches=(2, 4), overlaps=OVERLAPS)
     cluster = small_cluster(nodes, per, (1.0 + mem_frac) / 0.8)
     assert_matches_brute_force(model, cluster, seq_len, 8, space)
 
@@ -146,14 +164,19 @@ def test_same_mesh_puts_every_layer_on_one_mesh():
 def test_no_fit_names_the_smallest_change():
     model = MODEL_PRESETS["llama2-7b"]
     with pytest.raises(PlanError, match="recomputation"):
-        best_plans(SearchRequest(model, parse_cluster("8xA100-40GB"), 32768, 8, SearchSpace(recompute=(False,))))
+        best_plans(SearchRequest(model, parse_cluster("8xA100-40GB"), 65536, 8, SearchSpace(recompute=(False,))))
     with pytest.raises(PlanError, match="twice the devices|halve the sequence"):
         best_plans(SearchRequest(model, parse_cluster("2xA100-40GB"), 16384, 8))
 
 
 def test_world_size_that_cannot_factor_is_reported():
+    # 3 devices, 2 layers: pp 1 leaves dp 3 (tp must divide the 8 heads), which splits no batch of 8
+    two = replace(MODEL_PRESETS["tiny"], num_layers=2)
     with pytest.raises(PlanError, match="cannot be factored"):
-        best_plans(SearchRequest(MODEL_PRESETS["tiny"], parse_cluster("3xA100-80GB"), 1024, 8))
+        best_plans(SearchRequest(two, parse_cluster("3xA100-80GB"), 1024, 8))
+    # with 4 layers, 3 pipeline stages of one device each do
+    r = best_plans(SearchRequest(MODEL_PRESETS["tiny"], parse_cluster("3xA100-80GB"), 1024, 8))
+    assert r.best.plan.pp == 3 and r.best.evaluation.fits
 
 
 @given(devices=st.sampled_from([1, 2, 4, 8, 16]), heads=st.sampled_from([4, 8, 12, 32]),

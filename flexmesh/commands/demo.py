@@ -24,6 +24,7 @@ from types import ModuleType
 
 from flexmesh.commands import plan as plan_command
 from flexmesh.commands import simulate as simulate_command
+from flexmesh.commands.args import folder, nonneg_int, positive_int
 from flexmesh.errors import FlexmeshError
 
 
@@ -31,15 +32,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register ``flexmesh demo`` and its flags."""
     p = subparsers.add_parser("demo", help="plan, simulate, profile, train adaptively and write a report",
                               description=__doc__.split("\n\n")[0].split(": ", 1)[1])
-    p.add_argument("--out", default="flexmesh-demo", help="output folder (default flexmesh-demo)")
-    p.add_argument("--nproc", type=int, default=4, help="local training processes, 2 to 4 (default 4)")
-    p.add_argument("--steps", type=int, default=8, help="training steps per policy (default 8)")
-    p.add_argument("--global-batch", type=int, default=16, help="documents per training step (default 16)")
-    p.add_argument("--max-len", type=int, default=2048, help="truncate documents to this many tokens (default 2048)")
-    p.add_argument("--sim-steps", type=int, default=3, help="simulated steps per policy (default 3)")
+    p.add_argument("--out", default="flexmesh-demo", type=folder, help="output folder (default flexmesh-demo)")
+    p.add_argument("--nproc", type=positive_int, default=4, help="local training processes, 2 to 4 (default 4)")
+    p.add_argument("--steps", type=positive_int, default=8, help="training steps per policy (default 8)")
+    p.add_argument("--global-batch", type=positive_int, default=16, help="documents per training step (default 16)")
+    p.add_argument("--max-len", type=positive_int, default=2048,
+                   help="truncate documents to this many tokens (default 2048)")
+    p.add_argument("--sim-steps", type=positive_int, default=3, help="simulated steps per policy (default 3)")
     p.add_argument("--quick", action="store_true",
                    help="a shortened run for tests: 2 processes, 2 steps, small batches and a small simulation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.set_defaults(func=run)
     return p
 
@@ -64,6 +66,29 @@ def _parse(command: ModuleType, argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def training_plan_file(out: Path, hardware_profile: Path, nproc: int, max_len: int, global_batch: int) -> Path:
+    """Write the demo's training plan to ``out/plan-train.json`` and return its path.
+
+    Its cluster is a cluster file of the profiled device (``out/profiles/cluster.json``, the device
+    as :func:`~flexmesh.profile.use.cluster_from_profile` describes it), so that ``flexmesh train
+    --plan`` prices its step schedules with or without ``--hardware-profile``.
+    """
+    import json
+    from dataclasses import replace
+
+    from flexmesh.files import write_atomic
+    from flexmesh.profile.format import load_profile
+    from flexmesh.profile.use import cluster_from_profile
+    from flexmesh.report.demo import training_plan
+
+    cluster = cluster_from_profile(load_profile(hardware_profile, "hardware"), nproc)
+    cluster_file = Path(hardware_profile).resolve().parent / "cluster.json"
+    write_atomic(cluster_file, json.dumps(cluster.to_dict(), indent=2) + "\n")
+    plan_path = out / "plan-train.json"
+    replace(training_plan(nproc, max_len, global_batch), cluster=str(cluster_file)).save(plan_path)
+    return plan_path
+
+
 def run(args: argparse.Namespace) -> int:
     """``flexmesh demo``: the five steps of the module doc, each announced by a rule."""
     from rich.console import Console
@@ -71,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Imported here, not at the top: the report draws with matplotlib, slow to import, and every
     # `flexmesh` invocation imports this module to build its parser.
-    from flexmesh.report.demo import TRAIN_MODEL, read_metrics, training_plan, write_report
+    from flexmesh.report.demo import TRAIN_MODEL, read_metrics, write_report
 
     if args.quick:
         args.nproc, args.steps, args.global_batch, args.max_len, args.sim_steps = 2, 2, 6, 512, 1
@@ -114,8 +139,7 @@ def run(args: argparse.Namespace) -> int:
               console, "profile model")
 
     # 4. train
-    plan_path = out / "plan-train.json"
-    training_plan(args.nproc, args.max_len, args.global_batch).save(plan_path)
+    plan_path = training_plan_file(out, hw, args.nproc, args.max_len, args.global_batch)
     runs = {"fixed": ["--policy", "fixed", "--cp", "1"], "adaptive": ["--policy", "milp", "--adaptive",
                                                                       "--fallback-policy", "hdp"]}
     metrics = {}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from flexmesh.commands.args import folder
+
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -23,9 +25,11 @@ def parse_size(text: str) -> int:
     (2147483648, 500000000, 1024)
     """
     m = _SIZE.fullmatch(text.strip())
-    if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give bytes or e.g. 500MB, 2GiB, 5GB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()]) if m else 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size of at least one byte; give bytes or e.g. 500MB, "
+                                         "2GiB, 5GB")
+    return size
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -34,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                           "sharded safetensors that transformers loads.")
     p.add_argument("--checkpoint", required=True,
                    help="a checkpoint folder RUN/checkpoints/step_NNNNNN, or a run folder RUN for its latest")
-    p.add_argument("--out", required=True, help="folder to write the Hugging Face model into")
+    p.add_argument("--out", required=True, type=folder, help="folder to write the Hugging Face model into")
     p.add_argument("--model", help="model preset or config.json the run trained (default: the --plan's model, "
                                    "else the one the checkpoint's manifest records)")
     p.add_argument("--plan", help="the plan.json the run trained with; its model is the default --model")

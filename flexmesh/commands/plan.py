@@ -10,12 +10,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from flexmesh.commands.args import new_file, nonempty, positive_int
 from flexmesh.cost import Evaluation
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.plan.check import check_plan
-from flexmesh.plan.space import SEARCH_MODES
+from flexmesh.plan.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.spec.model import parse_model
 from flexmesh.units import GIB
 
@@ -29,17 +30,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Search per-layer strategies, pipeline split, schedule and micro-batches; print the best plans.")
     p.add_argument("--model", default="llama3-8b",
                    help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path (default llama3-8b)")
-    p.add_argument("--cluster", default=None,
+    p.add_argument("--cluster", default=None, type=nonempty,
                    help="e.g. 8xH100, 8x8xA100-40GB, or a JSON/TOML cluster file (default: the hardware "
                         "profile's node, else 8xH100)")
     p.add_argument("--hardware-profile", metavar="PATH",
                    help="price compute and communication with this `flexmesh profile hardware` file")
     p.add_argument("--model-profile", metavar="PATH",
                    help="price layers and activations with this `flexmesh profile model` file")
-    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
-    p.add_argument("--global-batch", type=int, default=128, help="sequences per step (default 128)")
-    p.add_argument("--out", help="write the best plan as JSON here (atomically)")
-    p.add_argument("--top", type=int, default=5, help="plans to list (default 5)")
+    p.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence (default 8192)")
+    p.add_argument("--global-batch", type=positive_int, default=128, help="sequences per step (default 128)")
+    p.add_argument("--out", type=new_file, help="write the best plan as JSON here (atomically)")
+    p.add_argument("--top", type=positive_int, default=5, help="plans to list (default 5)")
     p.add_argument("--explain", action="store_true", help="break the best plan's time and memory into parts")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (no table, no progress)")
     p.add_argument("--check", metavar="PLAN", help="validate this plan file against --model and --cluster")
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
     if unknown or not schedules:
         raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(PIPELINE_SCHEDULES)}")
-    space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else (False, True),
+    # --no-recompute: none; else the full space's none / selective / full
+    space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
                         same_mesh=args.same_mesh)
     request = SearchRequest(model, cluster, args.seq_len, args.global_batch, space, cost, top=args.top, mode=args.mode)
     result = _run_search(request, quiet=args.json)

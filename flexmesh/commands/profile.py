@@ -11,6 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
+from flexmesh.commands.args import new_file, positive_int
 from flexmesh.errors import ProfileError
 from flexmesh.units import GIB
 
@@ -33,8 +34,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mdl.set_defaults(func=run, profile_kind="model")
     for sp in (hw, mdl):
         sp.add_argument("--quick", action="store_true", help="a small sweep (well under a minute on a laptop)")
-        sp.add_argument("--out", help="profile file to write, atomically (default hardware.json / model-<name>.json)")
-        sp.add_argument("--nproc", type=int, help="launch torchrun with this many processes on this node")
+        sp.add_argument("--out", type=new_file,
+                        help="profile file to write, atomically (default hardware.json / model-<name>.json)")
+        sp.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=lambda a: (p.print_help(), 1)[1])
     return p

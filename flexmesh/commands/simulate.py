@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flexmesh.commands.args import folder, nonempty, nonneg_int, positive_int
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
 from flexmesh.schedule.context import ScheduleContext
@@ -39,26 +40,27 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="compare scheduling policies on simulated training steps",
                        description=__doc__.split("\n\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
-    p.add_argument("--cluster", help="NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB) or a file; "
+    p.add_argument("--cluster", type=nonempty, help="NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB) or a file; "
                                      "optional with --hardware-profile (its node)")
     p.add_argument("--hardware-profile", metavar="PATH", help="a `flexmesh profile hardware` file to price with")
     p.add_argument("--model-profile", metavar="PATH", help="a `flexmesh profile model` file to price with")
-    p.add_argument("--context", type=int, required=True,
+    p.add_argument("--context", type=positive_int, required=True,
                    help="maximum sequence length; longer sequences are truncated to it")
     p.add_argument("--lengths", default="wikipedia", help="shipped distribution name or a .txt/.json file")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 512)")
-    size.add_argument("--tokens-per-batch", type=int, default=None, help="tokens per step instead of sequences")
+    size.add_argument("--global-batch", type=positive_int, default=None, help="sequences per step (default 512)")
+    size.add_argument("--tokens-per-batch", type=positive_int, default=None,
+                      help="tokens per step instead of sequences")
     p.add_argument("--policies", default="hdp",
                    help="comma-separated scheduling policies, run besides the baselines (fixed, padded, balanced, "
                         "wlb), which always run")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree")
-    p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree")
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel degree")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel degree")
     p.add_argument("--pipeline-schedule", "--schedule", dest="pipeline_schedule", default="1f1b",
                    choices=PIPELINE_SCHEDULES, help="pipeline schedule (pp > 1); --schedule is the old name")
-    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3),
                    help="ZeRO stage, sharded over all data ranks")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
@@ -67,7 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--slow", default="", metavar="RANK=FACTOR,...",
                    help="speed factors of individual devices, e.g. 3=0.5 (device 3 at half speed)")
     p.add_argument("--json", action="store_true", help="print plain JSON instead of a table")
-    p.add_argument("--plots", metavar="DIR", default=None, help="write a Gantt and a load PNG per policy here")
+    p.add_argument("--plots", metavar="DIR", default=None, type=folder,
+                   help="write a Gantt and a load PNG per policy here")
     p.set_defaults(func=run)
     return p
 
@@ -82,7 +85,7 @@ def _slow(text: str, world: int) -> tuple[float, ...]:
             r, x = int(rank), float(factor)
         except ValueError:
             raise SpecError(f"--slow: cannot read {item!r}; write RANK=FACTOR, e.g. 3=0.5") from None
-        if not 0 <= r < world or x <= 0:
+        if not 0 <= r < world or not 0 < x < float("inf"):
             raise SpecError(f"--slow {item!r}: rank must be in 0..{world - 1} and the factor > 0")
         f[r] = x
     return tuple(f)
@@ -91,7 +94,8 @@ def _slow(text: str, world: int) -> tuple[float, ...]:
 def _config(args: argparse.Namespace, policies: tuple[str, ...], speed_factors: tuple[float, ...]) -> SimulationConfig:
     # --global-batch and --tokens-per-batch exclude each other; with neither, 512 sequences per step.
     return SimulationConfig(policies=policies, context=args.context, lengths=args.lengths, steps=args.steps,
-                            seed=args.seed, seqs_per_batch=args.global_batch or 512,
+                            seed=args.seed,
+                            seqs_per_batch=512 if args.global_batch is None else args.global_batch,
                             tokens_per_batch=args.tokens_per_batch, tp=args.tp, pp=args.pp,
                             pipeline_schedule=args.pipeline_schedule,
                             virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,

@@ -3,7 +3,8 @@
 Three ways to start it:
 
 - ``torchrun --nproc-per-node 4 -m flexmesh train --plan plan.json --corpus DIR --max-steps N --out DIR``
-- ``flexmesh train --nproc 4 ...``: launches that torchrun command itself (one node);
+- ``flexmesh train --nproc 4 ...``: launches that torchrun command itself (one node, or one launcher per
+  node with ``--nnodes/--node-rank/--rdzv-endpoint``; ``--max-restarts`` restarts a failed group);
 - ``flexmesh train ...`` with neither: a single process (the plan must be for one rank).
 """
 
@@ -16,9 +17,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from flexmesh.commands.args import folder, fraction, nonneg_float, nonneg_int, positive_float, positive_int
 from flexmesh.errors import PlanError
-from flexmesh.runtime.launch import relaunch_flexmesh, single_process_env
-from flexmesh.runtime.rundir import HELD_ENV, hold_run_folder, release_run_folder, start_over
+from flexmesh.runtime.config import TRAIN_DTYPES
+from flexmesh.runtime.launch import (
+    DEFAULT_RUN_ID,
+    Rendezvous,
+    parse_rendezvous,
+    relaunch_flexmesh,
+    single_process_env,
+    without_flags,
+)
+from flexmesh.runtime.rundir import HELD_ENV, hold_run_folder, release_run_folder, restart_count, start_over
 from flexmesh.schedule.registry import RUNTIME_POLICIES
 
 POLICY_NAMES = tuple(str(p) for p in RUNTIME_POLICIES)  # plain strings: argparse prints choices with repr
@@ -30,42 +40,60 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, help="plan.json written by `flexmesh plan`")
     p.add_argument("--corpus", required=True, help="folder of text files, a .jsonl file with a text field, or "
                                                     "'stdlib' (this Python's standard-library sources)")
-    p.add_argument("--max-steps", type=int, required=True, help="optimizer steps to run (in total, across resumes)")
-    p.add_argument("--out", required=True, help="output folder: metrics.jsonl and checkpoints/")
+    p.add_argument("--max-steps", type=positive_int, required=True,
+                   help="optimizer steps to run (in total, across resumes)")
+    p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")
     p.add_argument("--model", help="model preset or config.json (default: the plan's model)")
     p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, cached")
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
-    p.add_argument("--nproc", type=int, help="launch torchrun with this many processes on this node")
+    p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
     p.add_argument("--policy", default="fixed", choices=POLICY_NAMES,
                    help="per-step scheduling policy (default: fixed)")
     p.add_argument("--adaptive", action="store_true",
                    help="never wait for a late schedule: run --fallback-policy's for that step instead")
     p.add_argument("--fallback-policy", default="hdp", choices=POLICY_NAMES,
                    help="policy of a step whose --policy schedule is late, with --adaptive (default: hdp)")
-    p.add_argument("--cp", type=int, help="static context-parallel group size for fixed and balanced "
+    p.add_argument("--cp", type=positive_int, help="static context-parallel group size for fixed and balanced "
                                           "(default: the plan's cp when above 1, else the smallest that fits)")
     p.add_argument("--hardware-profile", metavar="PATH",
                    help="price schedules with this `flexmesh profile hardware` file "
                         "(default: the plan's cluster preset)")
     p.add_argument("--model-profile", metavar="PATH", help="price schedules with this `flexmesh profile model` file")
-    p.add_argument("--global-batch", type=int, help="documents per step (default: the plan's global_batch)")
-    p.add_argument("--max-len", type=int, help="truncate documents to this many tokens (default: the plan's seq_len)")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
-    p.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default 0)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr (default 0.1)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables (default 1.0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--global-batch", type=positive_int, help="documents per step (default: the plan's global_batch)")
+    p.add_argument("--max-len", type=positive_int,
+                   help="truncate documents to this many tokens (default: the plan's seq_len)")
+    p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate (default 3e-4)")
+    p.add_argument("--warmup", type=nonneg_int, default=0, help="linear warmup steps (default 0)")
+    p.add_argument("--min-lr-ratio", type=fraction, default=0.1,
+                   help="cosine floor as a fraction of --lr (default 0.1)")
+    p.add_argument("--weight-decay", type=nonneg_float, default=0.1)
+    p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max gradient norm; 0 disables (default 1.0)")
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--dtype", default="fp32", choices=TRAIN_DTYPES,
+                   help="compute dtype: bf16 computes in bfloat16 with fp32 master weights, optimizer states, "
+                        "gradient reductions and loss (default: fp32; docs/precision.md)")
+    p.add_argument("--checkpoint-every", type=nonneg_int, default=0,
+                   help="steps between checkpoints (0: only at the end)")
     p.add_argument("--no-resume", action="store_true",
                    help="start over instead of resuming; refused when --out holds a run, unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds a run: move its contents into --out/previous-<time>/")
-    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
+    p.add_argument("--collective-timeout", type=positive_float, default=600.0, metavar="SECONDS",
                    help="how long a collective waits for a stopped, hung or dead rank before the run fails "
                         "naming it (default 600)")
     p.add_argument("--cache-dir", help="where tokenizers and token stores are cached")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    e = p.add_argument_group("restarts and several nodes (with --nproc; docs/failures.md)")
+    e.add_argument("--max-restarts", type=int, metavar="K",
+                   help="restart the worker group up to K times after a worker fails; it resumes from the last "
+                        "checkpoint (default 0)")
+    e.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of the run, one launcher each (default 1)")
+    e.add_argument("--node-rank", type=int, metavar="R", help="this launcher's node: 0 holds --out, 1.. the others")
+    e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the launchers meet (c10d), the same on "
+                                                                 "every node")
+    e.add_argument("--rdzv-id", metavar="ID",
+                   help=f"the run's name at the endpoint, the same on every node (default {DEFAULT_RUN_ID!r} with "
+                        "several nodes)")
     p.set_defaults(func=run)
     return p
 
@@ -76,19 +104,43 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise PlanError(f"--nproc must be at least 1, got {args.nproc}")
+        rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
+                                      args.max_restarts or 0)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
         # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
         argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
-        # The launcher holds the folder for its ranks, so a second run fails before starting any.
-        with _run_folder(args):
-            env = dict(os.environ, **{HELD_ENV: str(Path(args.out).resolve())})
-            return relaunch_flexmesh(args.nproc, argv, env=env)
+        return _launch(args, argv, rendezvous)
+    launcher_only = {"--max-restarts": args.max_restarts, "--nnodes": args.nnodes, "--node-rank": args.node_rank,
+                     "--rdzv-endpoint": args.rdzv_endpoint, "--rdzv-id": args.rdzv_id}
+    given = [flag for flag, value in launcher_only.items() if value is not None]
+    if given:
+        raise PlanError(f"{given[0]} is a flag of the launcher: add --nproc N (under torchrun, use torchrun's own "
+                        "--max-restarts, --nnodes and --rdzv-* flags)")
+    if restart_count() > 0:  # torchrun restarted this group: the same run, so it resumes whatever was asked
+        args.no_resume = args.overwrite = False
     if "RANK" not in os.environ:  # a plain single process: make it a world of one
         os.environ.update(single_process_env())
     if os.environ.get("RANK") != "0":
         return _train(args)
     with _run_folder(args):  # rank 0 writes the folder; fit takes the lock again (counted)
         return _train(args)
+
+
+def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -> int:
+    """Run ``argv`` under torchrun as this node's part of the run.
+
+    The launcher of node 0 holds ``--out`` for every rank of every node, across restarts, so a
+    second run fails before starting any; it carries out ``--no-resume``/``--overwrite`` once, before
+    any rank starts. The ranks are not given those flags: each attempt resumes from what ``--out``
+    holds (nothing on the first, the last checkpoint after a restart). Launchers of other nodes
+    leave ``--out`` to node 0's (it must be the same shared folder on every node).
+    """
+    argv = without_flags(argv, (), ("--no-resume", "--overwrite"))
+    env = dict(os.environ, **{HELD_ENV: str(Path(args.out).resolve())})
+    if rendezvous.node_rank != 0:
+        return relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
+    with _run_folder(args):
+        return relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
 
 
 @contextmanager
@@ -130,6 +182,13 @@ def _train(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     spec = parse_model(args.model or plan.model)
     layout_from_plan(plan)  # reject an unsupported per-layer mix before touching the corpus
+    # Without a hardware profile the plan's cluster prices the schedules: check it names one now.
+    plan_cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)
+    if os.environ.get("RANK", "0") == "0":
+        from flexmesh.plan.check import overlap_warnings
+
+        for warning in overlap_warnings(plan):
+            print(f"warning: {warning}", file=sys.stderr)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.world_size:  # before joining: a wrong launch should not wait for peers
         raise PlanError(f"plan {args.plan} is for {plan.world_size} ranks but {world} were launched; use "
@@ -142,14 +201,17 @@ def _train(args: argparse.Namespace) -> int:
     max_len = args.max_len or plan.seq_len
     loader = DocumentLoader(corpus_tokens, global_batch=args.global_batch or plan.global_batch, max_len=max_len,
                             seed=args.seed)
-    cost = None  # the plan's cluster preset prices schedules unless profiles are given
     if args.hardware_profile or args.model_profile:
         from flexmesh.profile.use import cost_model_from_profiles
-        from flexmesh.spec.cluster import parse_cluster
 
         cost = cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
-                                        world=plan.world_size,
-                                        cluster=None if args.hardware_profile else parse_cluster(plan.cluster))
+                                        world=plan.world_size, cluster=plan_cluster)
+    else:  # the plan's cluster prices the schedules, in the dtype this run computes in (as profiles do)
+        from dataclasses import replace
+
+        from flexmesh.cost import CostModel
+
+        cost = CostModel(replace(spec, dtype=args.dtype), plan_cluster)
     # Each step schedule's predicted_step_time is the step simulator's, reported beside the measured time.
     from flexmesh.schedule.scheduler import Scheduler
     from flexmesh.sim.predict import simulated_scheduler
@@ -161,13 +223,16 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
                          min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                          seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
-                         resume=not (args.no_resume or args.overwrite), progress=not args.no_progress)
+                         resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
+                         dtype=args.dtype)
     init_distributed(timeout_s=args.collective_timeout)
     try:
         trainer = Trainer(plan, spec, config, weights=args.weights)
         # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late
         # schedule is replaced by the fallback policy's instead of waited for.
         source = AdaptiveSource(loader, schedule_fn, fallback_fn, deadline_s=0.0 if args.adaptive else None)
+        if os.environ.get(KILL_ENV):
+            source = _KillAfterStep(source, trainer, os.environ[KILL_ENV], dist.get_rank())
         try:
             history = fit(trainer, source, config)
         except Preempted as e:
@@ -185,3 +250,52 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+# A testing hook, not a feature (tests/test_elastic.py): "RANK:STEP" makes rank RANK SIGKILL itself
+# once step STEP is done (logged, and checkpointed when one is due), in the first attempt of a run
+# that started from step 0 only, so the group torchrun restarts from a checkpoint trains on.
+KILL_ENV = "FLEXMESH_TESTING_KILL_AFTER_STEP"
+
+
+class _KillAfterStep:
+    """A step source that kills its process before handing out the step after ``KILL_ENV``'s step."""
+
+    def __init__(self, source, trainer, spec: str, rank: int) -> None:
+        target, _, step = spec.partition(":")
+        self.source, self.trainer, self.step = source, trainer, int(step)
+        self.armed = int(target) == rank and restart_count() == 0
+        self.rank, self.start = rank, None
+
+    def __next__(self):
+        import signal
+
+        if self.start is None:
+            self.start = self.trainer.step_index  # the step the run resumed from, 0 when it did not
+        if self.armed and self.start == 0 and self.trainer.step_index == self.step:
+            print(f"{KILL_ENV}: rank {self.rank} kills itself after step {self.step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return next(self.source)
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _plan_cluster(plan, path: str):
+    """Without a hardware profile the plan's cluster prices the step schedules: it must name a device
+    preset or a cluster file; say what to pass when it does not."""
+    from flexmesh.errors import SpecError
+    from flexmesh.spec.cluster import parse_cluster
+
+    try:
+        return parse_cluster(plan.cluster)
+    except SpecError as e:
+        raise PlanError(f"plan {path} records cluster {plan.cluster!r}, which prices nothing ({e}); pass "
+                        "--hardware-profile FILE (from `flexmesh profile hardware`), or set the plan's cluster to "
+                        "a preset such as 4xA100-80GB or a cluster file") from None

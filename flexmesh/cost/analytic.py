@@ -1,18 +1,31 @@
-"""Layer timing from FLOPs and throughput, bytes counted tensor by tensor: the cost model's default.
+"""Layer timing kernel by kernel, bytes counted tensor by tensor: the cost model's default.
 
-Sources of the formulas (throughput comes from a :class:`~flexmesh.cost.Hardware`: the device preset's
-datasheet peak x fitted efficiency, or a hardware profile's measurement):
+Times come from a :class:`~flexmesh.cost.kernels.Kernels` (the :class:`~flexmesh.cost.Hardware`'s:
+datasheet SMs, peak and HBM bandwidth with fitted efficiencies; for a hardware profile its measured
+throughputs, without tile quantization). Sources of the counts:
 
-- FLOPs: matmul FLOPs = 2 x weights per token; causal attention = 2 x q_dim per layer per squared
-  token; backward = 2 x forward; full recomputation adds one forward (Megatron-LM, 2104.04473).
+- Every matmul of a layer with its own shape on each device (:func:`linear_shapes`): rows are the
+  tokens of the tp group's sequence shard (sequence parallelism gathers them), columns and reduction
+  split by tp as Megatron-LM splits them (2104.04473); backward is the input-gradient and the
+  weight-gradient GEMM of each. Causal flash attention: 2 x q_dim FLOPs per layer per squared token
+  forward, twice that backward, at an efficiency falling for short blocks (context parallelism makes
+  them); ring attention's slowest rank, its per-hop kernels and the merge of partial outputs.
+- Memory-bound operators (:func:`memory_bytes_per_token`): norms, residual adds, rotary, activation,
+  and at the head softmax + cross entropy over the vocabulary; read + write once each forward
+  (fused kernels, as Megatron-LM runs them), twice the bytes backward.
+- Full recomputation charges the forward once more inside the backward (:meth:`AnalyticTiming.recompute_time`).
 - Bytes per parameter with bf16 weights, fp32 gradients and Adam: 2 + 4 + 12, ZeRO-1 shards the 12,
   ZeRO-2 also the 4, ZeRO-3 all 18 (Megatron-LM's distributed-optimizer notes; ZeRO, 1910.02054).
 - Saved activations per token per layer, with flash-style attention (no s^2 term, no mask) and
   sequence parallelism dividing everything by tp (Korthikanti et al., 2205.05198, adapted to
   SwiGLU/GQA; counted tensor by tensor in :func:`activation_elems_per_token`). Full recomputation
-  keeps only the layer input.
+  keeps only the layer input. Selective recomputation (the attention core only, 2205.05198 section
+  5) keeps the same count: what it saves there are the s^2 scores, softmax and dropout mask of
+  unfused attention, which flash-style attention never stores; the core's output is the output
+  projection's input, and its softmax statistics are left out of the count either way. So here it
+  only adds the attention forward to the backward; a model profile prices what the runtime keeps.
 - Logits: bf16 logits + fp32 softmax saved by the vocab-parallel cross entropy: 6 bytes per logit.
-- Optimizer step: Adam's HBM traffic per parameter over the datasheet HBM bandwidth.
+- Optimizer step: Adam's HBM traffic per parameter over the achievable HBM bandwidth.
 
 >>> from flexmesh.cost.hardware import Hardware
 >>> from flexmesh.layout.strategy import LayerStrategy
@@ -27,19 +40,64 @@ datasheet peak x fitted efficiency, or a hardware profile's measurement):
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
+
+import numpy as np
 
 from flexmesh.cost.hardware import Hardware
+from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.timing import LayerTimes
-from flexmesh.cost.work import Amount
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.cost.work import NO_WINDOW, Amount, ring_hops
+from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.spec.model import ModelSpec
 
 GRAD_BYTES = 4  # fp32 gradient accumulation and reduction (Megatron-LM's default for bf16 training)
 OPTIM_BYTES = 12  # fp32 master weights + Adam m and v
 LOGIT_BYTES = 6
 # Adam step traffic per parameter: read fp32 weight, grad, m, v (16 B); write weight, m, v and the
-# bf16 copy (14 B). Time = bytes / HBM bandwidth from the datasheet.
+# bf16 copy (14 B). Time = bytes / achievable HBM bandwidth.
 OPTIM_TRAFFIC_BYTES = 30
+# Streaming kernels of a layer's forward (and as many backward): 2 norms, 2 residual adds, rotary,
+# activation (Megatron-LM's fused kernels: fused RMSNorm/LayerNorm, bias-dropout-add, rope, SwiGLU).
+LAYER_MEMORY_KERNELS = 6
+# Ring attention merges each hop's partial output into an fp32 accumulator (read the accumulator and
+# the block, write the accumulator: 3 x 4 bytes per output element), and backward accumulates dq,
+# dk, dv in fp32 (read + write: 8 bytes per element), as the runtime's ring does.
+RING_MERGE_FWD_BYTES = 12
+RING_MERGE_BWD_BYTES = 8
+# Softmax + cross entropy per logit: read the bf16 logit, write the fp32 softmax (forward); read the
+# softmax, write the bf16 gradient (backward): Megatron's vocab-parallel cross entropy.
+CE_BYTES_PER_LOGIT = 6
+
+
+def linear_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
+    """(columns, reduction) of each matmul of one layer on one of ``tp`` devices: QKV, attention
+    output, MLP up (and gate, one GEMM for SwiGLU), MLP down. Rows are the tokens.
+
+    >>> from flexmesh.spec import MODEL_PRESETS
+    >>> linear_shapes(MODEL_PRESETS["llama2-7b"], 2)
+    ((6144.0, 4096), (4096, 2048.0), (11008.0, 4096), (4096, 5504.0))
+    """
+    h = model.hidden
+    up = (2 if model.activation == "swiglu" else 1) * model.ffn_hidden
+    return (((model.q_dim + 2 * model.kv_dim) / tp, h), (h, model.q_dim / tp), (up / tp, h),
+            (h, model.ffn_hidden / tp))
+
+
+def memory_bytes_per_token(model: ModelSpec) -> int:
+    """Bytes the memory-bound operators of one layer's forward move per token (before dividing by tp x cp).
+
+    Two norms (read + write h), two residual adds (read 2h, write h), rotary on q and k (read + write),
+    activation (SwiGLU: read gate and up, write ffn; GeLU: read and write ffn).
+
+    >>> from flexmesh.spec import MODEL_PRESETS
+    >>> memory_bytes_per_token(MODEL_PRESETS["llama2-7b"])  # (4h + 6h + 2(q + kv) + 3 ffn) x 2 B
+    180736
+    """
+    h, b = model.hidden, model.dtype_bytes
+    rotary = 2 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0
+    act = (3 if model.activation == "swiglu" else 2) * model.ffn_hidden
+    return (4 * h + 6 * h + rotary + act) * b
 
 
 def activation_elems_per_token(model: ModelSpec) -> int:
@@ -62,11 +120,21 @@ def activation_elems_per_token(model: ModelSpec) -> int:
 class AnalyticTiming:
     """:class:`~flexmesh.cost.timing.LayerTiming` of ``model`` from FLOPs over ``hardware``'s throughput."""
 
-    def __init__(self, model: ModelSpec, hardware: Hardware):
+    def __init__(self, model: ModelSpec, hardware: Hardware, ring_balanced: bool = False):
         self.model = model
+        # Ring attention slicing: False, contiguous slices as the runtime cuts them (the last rank does
+        # the most work); True, 2 x cp chunks paired so every rank does the same (Llama 3, 2407.21783).
+        self.ring_balanced = ring_balanced
         self.hw = hardware
         self.dtype = model.dtype
         self.act_elems = activation_elems_per_token(model)
+        # A measured machine (a hardware profile) has no datasheet tiles: its throughputs as measured.
+        self.kernels: Kernels = getattr(hardware, "kernels", None) or Kernels(
+            mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops, hbm_bytes_per_s=hardware.hbm_bytes_per_s,
+            sms=None, attn_overhead=0.0, launch_s=0.0, dtype_bytes=model.dtype_bytes)
+        self.mem_bytes = memory_bytes_per_token(model)
+        self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW
+        self._scalar_layer = lru_cache(maxsize=None)(self._layer_times)
 
     def check_model(self, model: ModelSpec) -> None:
         """Raise ValueError unless ``model`` is the one this timing was built for (any dtype)."""
@@ -78,21 +146,78 @@ class AnalyticTiming:
         return hardware_source
 
     def layer_times(self, s: LayerStrategy, tokens: Amount, sq_tokens: Amount) -> LayerTimes:
-        """FLOPs over throughput, split over tp x cp; backward 2x forward, 3x when recomputed."""
-        m, hw = self.model, self.hw
-        split = s.tp * s.cp
-        t_attn = m.layer_attn_flops_per_sq_token * sq_tokens / split / hw.attn_flops
-        fwd = m.layer_linear_flops_per_token * tokens / split / hw.matmul_flops + t_attn
-        return LayerTimes(fwd=fwd, bwd=fwd * (3 if s.recompute else 2), attention=t_attn)
+        """Each matmul by its shape, the memory-bound operators by their bytes, attention by its
+        blocks; backward input- and weight-gradient GEMMs, plus the recomputed forward."""
+        if isinstance(tokens, np.ndarray) or isinstance(sq_tokens, np.ndarray):
+            return self._layer_times(s, tokens, sq_tokens)
+        # Scalars (the search): what data parallelism and ZeRO do not change, computed once.
+        return self._scalar_layer(LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute),
+                                  float(tokens), float(sq_tokens))
+
+    def _layer_times(self, s: LayerStrategy, tokens: Amount, sq_tokens: Amount) -> LayerTimes:
+        k = self.kernels
+        rows = tokens / s.cp  # GEMM rows: the tp group's shard of the sequence, gathered
+        gemm_f = gemm_b = 0.0
+        for n, red in linear_shapes(self.model, s.tp):
+            f, b = k.linear(rows, n, red)
+            gemm_f, gemm_b = gemm_f + f, gemm_b + b
+        local = tokens / (s.tp * s.cp) * self.mem_bytes  # sequence parallel: each device its tokens
+        mem_f = k.memory_bound(local, LAYER_MEMORY_KERNELS)
+        mem_b = k.memory_bound(2 * local, LAYER_MEMORY_KERNELS)
+        attn_f, attn_b = self.attention_times(s, tokens, sq_tokens)
+        fwd = gemm_f + mem_f + attn_f
+        bwd = gemm_b + mem_b + attn_b + self.recompute_time(s, fwd, attn_f)
+        return LayerTimes(fwd=fwd, bwd=bwd, attention=attn_f)
+
+    def recompute_time(self, s: LayerStrategy, fwd: Amount, attention: Amount) -> Amount:
+        """The forward repeated inside the backward (the one place it is charged): all of ``fwd``
+        under full recomputation, the attention core's forward (``attention``, the forward's
+        attention part) under selective recomputation, else nothing."""
+        if s.recompute is Recompute.SELECTIVE:
+            return attention
+        return fwd if s.recompute else 0.0 * attention
+
+    def attention_times(self, s: LayerStrategy, tokens: Amount, sq_tokens: Amount) -> tuple[Amount, Amount]:
+        """(forward, backward) seconds of one layer's attention on each device of a tp x cp group.
+
+        Blocks are sequences of the micro-batch's mean length ``sq_tokens / tokens`` (exact for equal
+        lengths); Ulysses attends over whole sequences with ``heads / cp`` heads, ring attention over
+        ``cp`` blocks of ``length / cp`` per pass, one kernel and one merge per block. With contiguous
+        slices (as the runtime cuts them) the ring's last rank computes its diagonal block and all
+        ``hops`` blocks before it while the first computes one: the ring runs at the last rank's pace,
+        ``2 - 1 / (hops + 1)`` times the mean rank's attention (``2 - 1 / cp`` without a window).
+        """
+        m, k = self.model, self.kernels
+        flops = m.layer_attn_flops_per_sq_token * sq_tokens / (s.tp * s.cp)
+        length = sq_tokens / (np.maximum(tokens, 1e-9) if isinstance(tokens, np.ndarray) else max(tokens, 1e-9))
+        if s.cp > 1 and s.cp_kind == "ring":
+            block = length / s.cp
+            hops = s.cp - 1.0 if self.windows == NO_WINDOW else ring_hops(s.cp, block, self.windows)
+            if not self.ring_balanced:
+                flops = flops * (2.0 - 1.0 / (hops + 1.0))
+            calls = hops + 1.0
+            rows = tokens / s.cp
+            merge_f = k.memory_bound(hops * rows * m.q_dim / s.tp * RING_MERGE_FWD_BYTES, hops)
+            merge_b = k.memory_bound(hops * rows * (m.q_dim + 2 * m.kv_dim) / s.tp * RING_MERGE_BWD_BYTES, hops)
+        else:
+            block, calls, merge_f, merge_b = length, 1.0, 0.0, 0.0
+        fwd = k.attention(flops, block, calls) + merge_f
+        bwd = k.attention(2 * flops, block, 2 * calls) + merge_b
+        return fwd, bwd
 
     def embedding_times(self, s: LayerStrategy, tokens: Amount) -> tuple[Amount, Amount]:
-        """No time: a lookup has no FLOPs to count."""
+        """No time: a lookup moves ``2 h`` bytes per token, less than a tenth of one layer's memory-bound
+        bytes (:func:`memory_bytes_per_token`), and has no FLOPs to count."""
         return 0.0, 0.0
 
     def head_times(self, s: LayerStrategy, tokens: Amount) -> tuple[Amount, Amount]:
-        """The LM head's matmul FLOPs over tp x cp; backward 2x forward."""
-        fwd = self.model.head_flops_per_token * tokens / (s.tp * s.cp) / self.hw.matmul_flops
-        return fwd, 2 * fwd
+        """Final norm, the LM head GEMM over the device's vocabulary shard, softmax + cross entropy."""
+        m, k = self.model, self.kernels
+        rows = tokens / s.cp
+        f, b = k.linear(rows, m.vocab / s.tp, m.hidden)
+        norm = tokens / (s.tp * s.cp) * 4 * m.hidden * m.dtype_bytes
+        ce = rows * m.vocab / s.tp * CE_BYTES_PER_LOGIT
+        return f + k.memory_bound(norm + ce, 2), b + k.memory_bound(2 * norm + ce, 2)
 
     def activation_bytes_per_token(self, s: LayerStrategy, recompute: bool) -> float:
         """:func:`activation_elems_per_token` (the layer input alone when recomputed) / (tp x cp)."""
@@ -119,5 +244,5 @@ class AnalyticTiming:
         return self.model.dtype_bytes, GRAD_BYTES, OPTIM_BYTES
 
     def optimizer_s_per_param(self) -> float:
-        """:data:`OPTIM_TRAFFIC_BYTES` over the HBM bandwidth."""
-        return OPTIM_TRAFFIC_BYTES / self.hw.hbm_bytes_per_s
+        """:data:`OPTIM_TRAFFIC_BYTES` over the achievable HBM bandwidth."""
+        return OPTIM_TRAFFIC_BYTES / self.kernels.hbm_bytes_per_s

@@ -1,29 +1,38 @@
-"""Fits of the device presets' efficiencies to published measurements, and the check against them.
+"""Fits of the cost model's few fitted constants to a named fitting set, and leave-one-out errors.
 
-Run ``python -m flexmesh.cost.calibrate`` to redo every fit and print it beside the preset values
-and the published runs' predicted-vs-published throughput.
+Run ``python -m flexmesh.cost.calibrate`` to redo every fit, print it beside the preset values, and
+print each fitting row's published throughput next to its in-sample prediction and its
+leave-one-out prediction (refit without the row, predict it).
 
-Fits (each from a named source):
+The fitting set (nothing else is fitted to):
 
-- ``mm_efficiency`` per GPU family: least squares on log(predicted / published) step time over
-  published end-to-end training runs with their published layouts (:data:`PUBLISHED_RUNS`). The
-  A100 runs (2021) used unfused attention; its efficiency is fitted jointly and used only for them.
-- ``attn_efficiency``: FlexSP's profile of a 7B model on A100 (2412.01523): per-micro-batch time
-  ``a * s^2 + b * s`` with ``a = 5.1e-6 ms/token^2``; the model's causal attention FLOPs per
-  squared token (fwd + bwd) over ``a`` gives the achieved attention throughput.
-- ``a2a_intra_efficiency`` / ``a2a_inter_efficiency``: FlexSP's measured all-to-all bandwidth on
-  A100 nodes with 400 Gb/s InfiniBand per node (GB/s by group size 2: 119, 4: 104, 8: 96, 16: 10.3,
-  32: 5.9, 64: 4.9), bandwidth being the per-rank buffer over the time.
+- Megatron-LM, 2104.04473, Table 1 (A100, nine runs of 1.7B to 1T parameters): the A100
+  ``mm_efficiency`` (largest-GEMM fraction of peak, :mod:`flexmesh.cost.kernels`) and the efficiency
+  of the unfused attention those 2021 runs used (used only for them), by least squares on log step
+  time.
+- Llama 3, 2407.21783, Table 4 (H100, three runs of 405B, one with context parallelism 16 at 131K
+  tokens): the H100 ``mm_efficiency``.
+- FlexSP, 2412.01523: ``attn_efficiency`` from the quadratic coefficient of a 7B model on A100
+  (per-micro-batch time ``a * s^2 + b * s``, ``a = 5.1e-6 ms/token^2``); the all-to-all
+  efficiencies from its measured all-to-all bandwidth on A100 nodes with 400 Gb/s InfiniBand per
+  node (GB/s by group size 2: 119, 4: 104, 8: 96, 16: 10.3, 32: 5.9, 64: 4.9).
+
+Kept out of it for evaluation (never fitted to): the Megatron-LM repository's H100 scaling table,
+Korthikanti et al. 2205.05198, MT-NLG 2201.11990, BLOOM 2211.05100, torchtitan's and llm-foundry's
+published figures.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 
+from flexmesh.cost.analytic import AnalyticTiming
 from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.model import CostModel
@@ -59,6 +68,8 @@ class PublishedRun:
     # How the authors counted FLOPs: "megatron" = 96 B s l h^2 (1 + s/6h + V/16lh), which includes
     # the recomputed forward and non-causal attention; "model" = flexmesh's ModelSpec.model_flops.
     flops: str = "megatron"
+    # Context-parallel attention balanced over the ranks (2 x cp chunks paired), as Llama 3's is.
+    cp_balanced: bool = False
 
     @property
     def dp(self) -> int:
@@ -76,23 +87,43 @@ class PublishedRun:
     def published_tokens_per_gpu(self) -> float:
         return self.global_batch * self.seq_len / self.published_step_time() / self.gpus
 
+    @property
+    def family(self) -> str:
+        return "A100" if self.device.startswith("A100") else "H100"
+
     def cluster(self, device=None) -> ClusterSpec:
         dev = device or DEVICE_PRESETS[self.device]
         return ClusterSpec(nodes=self.gpus // 8, devices_per_node=8, device=dev)
 
-    def predict(self, device=None, unfused_attn_efficiency: float | None = None) -> Evaluation:
-        """The cost model's prediction for this run's layout (one micro-batch = one sequence per replica)."""
-        dev = device or DEVICE_PRESETS[self.device]
+    def cost_model(self, params: dict[str, float] | None = None) -> CostModel:
+        """The cost model of this run's hardware: the presets, with any of the fitted constants
+        (``mm_efficiency``, ``unfused_attn_efficiency``) replaced by ``params``."""
+        p = params or {}
+        dev = DEVICE_PRESETS[self.device]
+        if "mm_efficiency" in p:
+            dev = replace(dev, mm_efficiency=p["mm_efficiency"])
         if self.attention == "unfused":
-            dev = replace(dev, attn_efficiency=(unfused_attn_efficiency or UNFUSED_ATTN_EFFICIENCY) / 2)
-        cost = CostModel(self.model, self.cluster(dev))
+            dev = replace(dev, attn_efficiency=p.get("unfused_attn_efficiency", UNFUSED_ATTN_EFFICIENCY) / 2)
+        hw = Hardware(self.cluster(dev), self.model.dtype)
+        return CostModel(self.model, hw.cluster, hw, AnalyticTiming(self.model, hw, ring_balanced=self.cp_balanced))
+
+    def strategy(self) -> LayerStrategy:
         kind = CPKind.RING if self.cp > 1 else CPKind.NONE
-        s = LayerStrategy(tp=self.tp, cp=self.cp, cp_kind=kind, dp=self.dp, zero=self.zero, recompute=self.recompute)
+        return LayerStrategy(tp=self.tp, cp=self.cp, cp_kind=kind, dp=self.dp, zero=self.zero,
+                             recompute=self.recompute)
+
+    def predict(self, params: dict[str, float] | None = None) -> Evaluation:
+        """The cost model's prediction for this run's layout (one micro-batch = one sequence per replica)."""
+        s = self.strategy()
         L, n = self.model.num_layers, self.pp * self.virtual_stages
         chunks = [[s] * (L // n + (1 if i < L % n else 0)) for i in range(n)]
         m = self.global_batch // self.dp
-        return cost.evaluate_stages(chunks, self.pp, self.pipeline_schedule, m, self.virtual_stages, self.dp,
-                                    self.seq_len)
+        return self.cost_model(params).evaluate_stages(chunks, self.pp, self.pipeline_schedule, m,
+                                                       self.virtual_stages, self.dp, self.seq_len)
+
+    def log_error(self, params: dict[str, float] | None = None) -> float:
+        """log(predicted / published) step time."""
+        return math.log(self.predict(params).step_time / self.published_step_time())
 
 
 _MEGATRON = "Narayanan et al., Megatron-LM, 2104.04473, Table 1 (A100 SXM 80GB, seq 2048, vocab 51200)"
@@ -123,10 +154,15 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = tuple(
                  recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3),
     PublishedRun("llama3-405b-16k", _LLAMA3, _LLAMA3_405B, "H100-80GB", 16384, 8, 16, 2048, 8192, 400,
                  recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3),
+    # 16M tokens per batch of 131,072-token sequences (128 sequences); CP 16, load-balanced (all-gather
+    # based in the paper; priced as a balanced ring).
+    PublishedRun("llama3-405b-131k-cp16", _LLAMA3, _LLAMA3_405B, "H100-80GB", 16384, 8, 16, 128, 131072, 380,
+                 recompute=False, zero=1, cp=16, flops="model", pipeline_schedule="interleaved",
+                 virtual_stages=V_LLAMA3, cp_balanced=True),
 )
 
 # Fitted with the A100 mm_efficiency by fit_efficiencies("A100"); used only to predict the 2021 runs.
-UNFUSED_ATTN_EFFICIENCY = 0.129
+UNFUSED_ATTN_EFFICIENCY = 0.171
 
 # FlexSP (2412.01523): all-to-all bandwidth on A100 nodes by group size, GB/s (400 Gb/s IB per node).
 FLEXSP_A2A_GBPS = {2: 119.0, 4: 104.0, 8: 96.0, 16: 10.3, 32: 5.9, 64: 4.9}
@@ -135,33 +171,68 @@ FLEXSP_NODE_NET_GBPS = 50.0  # 400 Gb/s
 FLEXSP_7B_A_S_PER_SQ_TOKEN = 5.1e-9
 
 
-def _family_devices(family: str) -> list[str]:
-    return [n for n in DEVICE_PRESETS if n.startswith(family) or (family == "H100" and n == "H200")]
+# The constants fitted per GPU family on its fitting rows, with their bounds.
+FITTED = {"A100": ("mm_efficiency", "unfused_attn_efficiency"), "H100": ("mm_efficiency",)}
+BOUNDS = {"mm_efficiency": (0.3, 0.98), "unfused_attn_efficiency": (0.01, 0.95)}
+
+R = TypeVar("R")
+
+
+def fitting_rows(family: str) -> list[PublishedRun]:
+    """The fitting set's published runs on ``family`` GPUs (A100 or H100)."""
+    return [r for r in PUBLISHED_RUNS if r.family == family]
+
+
+def fit_runs(runs: Sequence[PublishedRun], names: Sequence[str]) -> dict[str, float]:
+    """Least squares on log(predicted / published) step time over ``runs``, in the constants ``names``
+    (the others keep their preset values)."""
+    lo = np.array([BOUNDS[n][0] for n in names])
+    hi = np.array([BOUNDS[n][1] for n in names])
+
+    def params(x) -> dict[str, float]:
+        return {n: float(np.clip(v, a, b)) for n, v, a, b in zip(names, x, lo, hi, strict=True)}
+
+    def loss(x) -> float:
+        p = params(x)
+        return sum(r.log_error(p) ** 2 for r in runs)
+
+    if len(names) == 1:
+        res = minimize_scalar(lambda e: loss([e]), bounds=(lo[0], hi[0]), method="bounded", options={"xatol": 1e-5})
+        return params([res.x])
+    start = {"mm_efficiency": 0.7, "unfused_attn_efficiency": 0.15}
+    res = minimize(loss, x0=[start[n] for n in names], method="Nelder-Mead", bounds=list(zip(lo, hi, strict=True)),
+                   options={"xatol": 1e-5, "fatol": 1e-9})
+    return params(res.x)
 
 
 def fit_efficiencies(family: str) -> dict[str, float]:
-    """Least-squares fit on log step time over the published runs on ``family`` GPUs.
+    """The fitted constants of ``family`` (:data:`FITTED`) on its fitting rows."""
+    return fit_runs(fitting_rows(family), FITTED[family])
 
-    Fits ``mm_efficiency``, and ``unfused_attn_efficiency`` too where the family's runs used unfused
-    attention (the A100 runs of 2104.04473).
+
+def leave_one_out(rows: Sequence[R], fit: Callable[[list[R]], dict[str, float]],
+                  error: Callable[[R, dict[str, float]], float]) -> list[float]:
+    """Per row, ``error(row, fit(every other row))``: how well a fit predicts a row it never saw.
+
+    >>> rows = [(1.0, 2.0), (2.0, 4.0), (3.0, 9.0)]  # y = c x, fitted as the mean of y / x
+    >>> fit = lambda rs: {"c": sum(y / x for x, y in rs) / len(rs)}
+    >>> [round(e, 3) for e in leave_one_out(rows, fit, lambda r, p: p["c"] * r[0] / r[1] - 1)]
+    [0.25, 0.25, -0.333]
     """
-    runs = [r for r in PUBLISHED_RUNS if r.device in _family_devices(family)]
-    unfused = any(r.attention == "unfused" for r in runs)
+    return [error(row, fit([r for j, r in enumerate(rows) if j != i])) for i, row in enumerate(rows)]
 
-    def loss(x) -> float:
-        err = 0.0
-        for r in runs:
-            dev = replace(DEVICE_PRESETS[r.device], mm_efficiency=float(x[0]))
-            pred = r.predict(dev, unfused_attn_efficiency=float(x[1]) if unfused else None)
-            err += math.log(pred.step_time / r.published_step_time()) ** 2
-        return err
 
-    if unfused:
-        res = minimize(loss, x0=[0.6, 0.1], method="Nelder-Mead", bounds=[(0.2, 0.95), (0.01, 0.95)],
-                       options={"xatol": 1e-5, "fatol": 1e-9})
-        return {"mm_efficiency": float(res.x[0]), "unfused_attn_efficiency": float(res.x[1])}
-    res = minimize_scalar(lambda e: loss([e]), bounds=(0.2, 0.95), method="bounded", options={"xatol": 1e-5})
-    return {"mm_efficiency": float(res.x)}
+def _ratio(run: PublishedRun, params: dict[str, float] | None) -> float:
+    """Predicted / published tokens per second (1 / the step-time ratio)."""
+    return math.exp(-run.log_error(params))
+
+
+def leave_one_out_ratios(family: str) -> list[float]:
+    """Per fitting row of ``family``: predicted / published throughput, with the constants refitted
+    without that row."""
+    names = FITTED[family]
+    return [1.0 + e for e in leave_one_out(fitting_rows(family), lambda rs: fit_runs(rs, names),
+                                           lambda r, p: _ratio(r, p) - 1.0)]
 
 
 def fit_attn_efficiency() -> float:
@@ -190,17 +261,31 @@ def fit_a2a_efficiency() -> tuple[float, float]:
     return math.exp(float(np.mean(intra))), math.exp(float(np.mean(inter)))
 
 
-def calibration_table() -> list[dict]:
-    """Each published run: published and predicted tokens/s per GPU and their ratio, with presets."""
+def calibration_table(with_loo: bool = True) -> list[dict]:
+    """Each fitting row: published and predicted tokens/s per GPU with the presets (in sample), the
+    ratio, and with ``with_loo`` the leave-one-out ratio (constants refitted without the row)."""
     rows = []
-    for r in PUBLISHED_RUNS:
-        ev = r.predict()
-        pred = r.global_batch * r.seq_len / ev.step_time / r.gpus
-        pub = r.published_tokens_per_gpu()
-        rows.append({"run": r.name, "device": r.device, "layout": f"tp{r.tp} pp{r.pp} dp{r.dp}",
-                     "published_tokens_per_gpu": pub, "predicted_tokens_per_gpu": pred, "ratio": pred / pub,
-                     "source": r.source})
+    for family in ("A100", "H100"):
+        runs = fitting_rows(family)
+        loo = leave_one_out_ratios(family) if with_loo else [float("nan")] * len(runs)
+        for r, lo in zip(runs, loo, strict=True):
+            ratio = _ratio(r, None)
+            pub = r.published_tokens_per_gpu()
+            cp = f" cp{r.cp}" if r.cp > 1 else ""
+            rows.append({"run": r.name, "device": r.device, "family": family,
+                         "layout": f"tp{r.tp}{cp} pp{r.pp} dp{r.dp}", "published_tokens_per_gpu": pub,
+                         "predicted_tokens_per_gpu": pub * ratio, "ratio": ratio, "loo_ratio": lo,
+                         "source": r.source})
     return rows
+
+
+def error_summary(rows: list[dict], key: str) -> dict[str, tuple[float, float]]:
+    """Per family: (median, worst) of ``|row[key] - 1|``."""
+    out = {}
+    for family in ("A100", "H100"):
+        errs = [abs(r[key] - 1.0) for r in rows if r["family"] == family]
+        out[family] = (float(np.median(errs)), float(max(errs)))
+    return out
 
 
 def main() -> None:
@@ -208,8 +293,8 @@ def main() -> None:
     from rich.table import Table
 
     con = Console()
-    fits = Table(title="Fitted efficiencies (redo of the preset values)")
-    for c in ("field", "fit", "preset", "source"):
+    fits = Table(title="Fitted constants (redo of the preset values) and their fitting rows")
+    for c in ("constant", "fit", "preset", "fitted on"):
         fits.add_column(c)
     intra, inter = fit_a2a_efficiency()
     a100, h100 = DEVICE_PRESETS["A100-80GB"], DEVICE_PRESETS["H100-80GB"]
@@ -222,13 +307,17 @@ def main() -> None:
     fits.add_row("a2a_intra_efficiency", f"{intra:.3f}", f"{a100.a2a_intra_efficiency:.3f}", "FlexSP all-to-all")
     fits.add_row("a2a_inter_efficiency", f"{inter:.3f}", f"{a100.a2a_inter_efficiency:.3f}", "FlexSP all-to-all")
     con.print(fits)
-    runs = Table(title="Published runs: per-GPU throughput, predicted with the presets")
-    for c in ("run", "device", "layout", "published tok/s/GPU", "predicted", "ratio"):
+    rows = calibration_table()
+    runs = Table(title="Fitting rows: per-GPU throughput, predicted / published in sample and leave-one-out")
+    for c in ("run", "device", "layout", "published tok/s/GPU", "predicted", "in-sample", "leave-one-out"):
         runs.add_column(c, justify="right" if c not in ("run", "device", "layout") else "left")
-    for row in calibration_table():
+    for row in rows:
         runs.add_row(row["run"], row["device"], row["layout"], f"{row['published_tokens_per_gpu']:.0f}",
-                     f"{row['predicted_tokens_per_gpu']:.0f}", f"{row['ratio']:.3f}")
+                     f"{row['predicted_tokens_per_gpu']:.0f}", f"{row['ratio']:.3f}", f"{row['loo_ratio']:.3f}")
     con.print(runs)
+    for key, what in (("ratio", "in sample"), ("loo_ratio", "leave-one-out")):
+        summary = error_summary(rows, key)
+        con.print(f"{what}: " + ", ".join(f"{f} median {m:.1%} worst {w:.1%}" for f, (m, w) in summary.items()))
 
 
 if __name__ == "__main__":

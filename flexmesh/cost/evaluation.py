@@ -21,13 +21,22 @@ class Evaluation:
     stage_times: list[float]  # per pp rank, one micro-batch (fwd + bwd), s
     memory: list[dict[str, float]]  # per pp rank: states, activations, transient, logits, total (bytes)
     fits: bool
-    budget: float  # usable bytes per device
+    budget: float  # usable bytes per device: what ``total`` may reach
     extra: dict = field(default_factory=dict)
+    # What the device shows beyond the tensors counted in ``memory``: the CUDA context (bytes) and the
+    # caching allocator's fragmentation (a fraction of the tensors' bytes); docs/cost-model.md, "Memory".
+    reserve: float = 0.0
+    fragmentation: float = 0.0
 
     @property
     def peak_memory(self) -> float:
         """Bytes on the fullest pipeline rank."""
         return max(m["total"] for m in self.memory)
+
+    @property
+    def device_peak_memory(self) -> float:
+        """Bytes the fullest device shows at its peak (nvidia-smi's figure): tensors, fragmentation, context."""
+        return self.peak_memory * (1.0 + self.fragmentation) + self.reserve
 
     def to_dict(self) -> dict:
         """The plan file's ``predicted`` section (docs/plan-format.md): seconds and GiB."""
@@ -43,5 +52,6 @@ class Evaluation:
             "peak_memory_gib": [m["total"] / GIB for m in self.memory],
             "memory_gib": [{k: v / GIB for k, v in m.items()} for m in self.memory],
             "memory_budget_gib": self.budget / GIB,
+            "device_peak_gib": self.device_peak_memory / GIB,
             "fits": self.fits,
         }

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexmesh.cost.kernels import HBM_EFFICIENCY, Kernels, sm_count
 from flexmesh.spec.cluster import ClusterSpec
+from flexmesh.spec.model import DTYPE_BYTES
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 # Compute that a collective overlaps runs 1.13x slower on A100 (Galvatron, 2211.13878, its measured
@@ -87,6 +89,11 @@ class Hardware:
         self.matmul_flops = self.peak_flops * d.mm_efficiency
         self.attn_flops = self.peak_flops * d.attn_efficiency
         self.hbm_bytes_per_s = d.hbm_gbps * 1e9
+        # Kernel times by shape (flexmesh.cost.kernels): GEMM tiles over the datasheet SM count,
+        # memory-bound operators at the achievable fraction of the datasheet HBM bandwidth.
+        self.kernels = Kernels(mm_flops=self.matmul_flops, attn_flops=self.attn_flops,
+                               hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=sm_count(d.name),
+                               dtype_bytes=DTYPE_BYTES.get(dtype, 2))
         self.memory_bytes = d.usable_memory_bytes
         self.source = f"preset:{d.name}"
         self.overlap = PRESET_OVERLAP

@@ -18,12 +18,16 @@ module adds what depends on the cluster and the strategy, with these sources:
   per micro-batch, prefetched under the layer's compute; DP to ZeRO-2 sync gradients once per step.
 - Gradient sync overlaps the last micro-batch's backward; overlapped compute slows down by the
   factor Galvatron measured on A100 (1.13, 2211.13878), or a hardware profile's measured overlap.
+- Overlap options (:class:`~flexmesh.layout.overlap.Overlap`, a plan-level choice): TP communication
+  under the GEMMs, ZeRO-2/3 gradients reduced once or every micro-batch, ZeRO-3 gathers prefetched;
+  every overlapped collective costs what does not fit under its compute (:meth:`Hardware.exposed`).
+- Memory: states, activations, logits and per-layer transient buffers (:mod:`flexmesh.cost.memory`).
 - Pipeline step time and in-flight micro-batches: :mod:`flexmesh.cost.pipeline` (2104.04473).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import copy
 from dataclasses import replace
 from functools import lru_cache
 from typing import cast
@@ -33,13 +37,16 @@ import numpy as np
 from flexmesh.cost.analytic import AnalyticTiming
 from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import Hardware, group_shape
+from flexmesh.cost.memory import layer_transient_bytes
 from flexmesh.cost.pipeline import in_flight, pipeline_time
 from flexmesh.cost.timing import LayerTiming
-from flexmesh.cost.work import NO_WINDOW, LayerCost, MicrobatchPhases, Work, attention_sq
+from flexmesh.cost.work import NO_WINDOW, LayerCost, MicrobatchPhases, Work, attention_sq, ring_hops
 from flexmesh.layout.enums import CPKind
+from flexmesh.layout.overlap import NO_OVERLAP, Overlap
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
+from flexmesh.units import GIB
 
 
 class CostModel:
@@ -83,25 +90,37 @@ class CostModel:
 
     @property
     def memory_budget(self) -> float:
-        """Usable bytes per device."""
+        """Bytes per device the cost model's estimates may fill: capacity less the CUDA context, over
+        ``1 + `` the allocator's fragmentation (:attr:`DeviceSpec.usable_memory_bytes`, the one formula)."""
         return self.hw.memory_bytes
 
     # ---- building blocks ---------------------------------------------------------------------------
-    def _states(self, params: float, s: LayerStrategy) -> float:
-        """Bytes of weights, gradients and optimizer states for ``params`` parameters on one device."""
+    def _states(self, params: float, s: LayerStrategy, overlap: Overlap = NO_OVERLAP) -> float:
+        """Bytes of weights, gradients and optimizer states for ``params`` parameters on one device.
+
+        With ``grad_reduce="last"`` ZeRO-2/3 gradients accumulate unsharded until the step's one
+        reduce-scatter (FSDP2 without gradient sync on the other micro-batches keeps them so).
+        """
         p = params / s.tp
         w, g, o = self.weight_bytes, self.grad_bytes, self.optim_bytes
         d = s.shard_degree
         if s.zero >= 1:
             o /= d
-        if s.zero >= 2:
+        if s.zero >= 2 and overlap.grad_reduce == "bucketed":
             g /= d
         if s.zero >= 3:
             w /= d
         return p * (w + g + o)
 
-    def _grad_comm(self, params: float, s: LayerStrategy, work_fwd: float, work_bwd: float):
-        """(exposed fwd, exposed bwd, per-step sync, optimizer time) for ZeRO / DP of ``params``."""
+    def _grad_comm(self, params: float, s: LayerStrategy, work_fwd: float, work_bwd: float,
+                   overlap: Overlap = NO_OVERLAP):
+        """(exposed fwd, exposed bwd, per-step sync, optimizer time) for ZeRO / DP of ``params``.
+
+        ZeRO-0/1 reduce once per step. ZeRO-2/3 reduce-scatter every micro-batch under its backward
+        (``grad_reduce="bucketed"``) or once per step (``"last"``, the step's sync). ZeRO-3 gathers
+        weights for forward and backward every micro-batch, under the previous layer's compute when
+        prefetched, exposed when not.
+        """
         d = s.shard_degree
         p = params / s.tp
         optim = p / (d if s.zero >= 1 else 1) * self.timing.optimizer_s_per_param()
@@ -114,24 +133,31 @@ class CostModel:
         if s.zero <= 1:  # all-reduce, or reduce-scatter + all-gather of the same volume
             return 0.0, 0.0, ct("all_reduce", grads, shape), optim
         exposed = self.hw.exposed
-        if s.zero == 2:  # reduce-scatter every micro-batch, all-gather updated weights once
-            rs = ct("reduce_scatter", grads, shape)
-            return 0.0, float(exposed(rs, work_bwd)), ct("all_gather", weights, shape), optim
-        # ZeRO-3: gather weights for forward and for backward, reduce-scatter grads, every micro-batch;
-        # each is prefetched under the layer's own compute.
-        ag = ct("all_gather", weights, shape)
         rs = ct("reduce_scatter", grads, shape)
-        return float(exposed(ag, work_fwd)), float(exposed(ag + rs, work_bwd)), 0.0, optim
+        every = overlap.grad_reduce == "bucketed"
+        if s.zero == 2:  # reduce-scatter (every micro-batch or once), all-gather updated weights once
+            ag_once = ct("all_gather", weights, shape)
+            return 0.0, float(exposed(rs, work_bwd)) if every else 0.0, ag_once + (0.0 if every else rs), optim
+        # ZeRO-3: gather weights for forward and for backward every micro-batch, under the previous
+        # layer's compute when prefetched (a window of 0 leaves a gather exposed).
+        ag = ct("all_gather", weights, shape)
+        win_f, win_b = (work_fwd, work_bwd) if overlap.zero3_prefetch else (0.0, 0.0)
+        if every:
+            bwd = exposed(ag + rs, win_b) if overlap.zero3_prefetch else ag + exposed(rs, work_bwd)
+            return float(exposed(ag, win_f)), float(bwd), 0.0, optim
+        return float(exposed(ag, win_f)), float(exposed(ag, win_b)), rs, optim
 
     # ---- a transformer layer ----------------------------------------------------------------------
-    def layer(self, s: LayerStrategy, work: Work) -> LayerCost:
+    def layer(self, s: LayerStrategy, work: Work, overlap: Overlap = NO_OVERLAP) -> LayerCost:
         """One transformer layer on one device of a tp x cp group processing ``work``."""
-        return self._layer(s, work)
+        return self._layer(s, work, overlap)
 
-    def _layer_phases(self, s: LayerStrategy, tokens, sq_tokens):
+    def _layer_phases(self, s: LayerStrategy, tokens, sq_tokens, overlap: Overlap = NO_OVERLAP):
         """(fwd, bwd, comm_fwd, comm_bwd) seconds of one layer on a tp x cp group; scalars or arrays.
 
-        Compute, and the tensor- and context-parallel communication that does not hide under it.
+        Compute, and the tensor- and context-parallel communication that does not hide under it. With
+        ``overlap.tp_comm`` the TP collectives are pipelined with the GEMMs (Megatron-Core's TP
+        overlap): exposed is what does not fit under the layer's matmul time of that pass.
         """
         m, hw, ct = self.model, self.hw, self.hw.collective_time
         times = self.timing.layer_times(s, tokens, sq_tokens)
@@ -147,7 +173,13 @@ class CostModel:
             shape = group_shape(s.tp, 1, self.cluster)
             act = dev_tokens * m.hidden * b
             per_pass = 2 * ct("all_gather", act, shape) + 2 * ct("reduce_scatter", act, shape)
-            comm_f, comm_b = comm_f + per_pass, comm_b + bwd_passes * per_pass
+            if overlap.tp_comm:  # under the GEMMs: the pass's compute less its attention core
+                gemm_f = fwd - t_attn
+                gemm_b = bwd * np.where(fwd > 0, gemm_f / np.where(fwd > 0, fwd, 1.0), 1.0)  # same share in bwd
+                comm_f = comm_f + hw.exposed(per_pass, gemm_f)
+                comm_b = comm_b + hw.exposed(bwd_passes * per_pass, gemm_b)
+            else:
+                comm_f, comm_b = comm_f + per_pass, comm_b + bwd_passes * per_pass
         if s.cp > 1:
             shape = group_shape(s.cp, s.tp, self.cluster)
             if s.cp_kind == "ulysses":
@@ -168,19 +200,18 @@ class CostModel:
                 comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (3 if s.recompute else 2)
         return fwd, bwd, comm_f, comm_b
 
-    def _layer_uncached(self, s: LayerStrategy, work: Work) -> LayerCost:
+    def _layer_uncached(self, s: LayerStrategy, work: Work, overlap: Overlap) -> LayerCost:
         m = self.model
-        fwd, bwd, comm_f, comm_b = (float(x) for x in self._layer_phases(s, work.tokens, work.sq_tokens))
-        b = m.dtype_bytes
-        zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd)
+        fwd, bwd, comm_f, comm_b = (float(x) for x in self._layer_phases(s, work.tokens, work.sq_tokens, overlap))
+        zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd, overlap)
         timing = self.timing
         act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens)
+        # Hook for partial recomputation: the timing says what a strategy keeps; full recomputation
+        # keeps the layer input and holds the full set again while the layer is recomputed.
         act = timing.activation_bytes(s, work.tokens, True) if s.recompute else act_full
-        transient = act_full if s.recompute else 0.0
-        if s.zero == 3:  # the gathered weights of this layer and the prefetched next one
-            transient += 2 * m.layer_params / s.tp * b
+        transient = layer_transient_bytes(m, s, work.tokens, overlap, act_full if s.recompute else 0.0)
         return LayerCost(fwd=fwd, bwd=bwd, comm_fwd=comm_f + zf, comm_bwd=comm_b + zb, grad_sync=sync,
-                         optim=optim, states=self._states(m.layer_params, s), act=act, transient=transient)
+                         optim=optim, states=self._states(m.layer_params, s, overlap), act=act, transient=transient)
 
     def transition(self, a: LayerStrategy, b: LayerStrategy, work_a: Work) -> float:
         """Resharding activations between consecutive layers placed differently (fwd + bwd), s.
@@ -195,27 +226,28 @@ class CostModel:
         return 2 * self.hw.collective_time("all_to_all", nbytes, shape)
 
     # ---- embedding and LM head ----------------------------------------------------------------------
-    def ends(self, s: LayerStrategy, work: Work, embed: bool, head: bool) -> LayerCost:
+    def ends(self, s: LayerStrategy, work: Work, embed: bool, head: bool, overlap: Overlap = NO_OVERLAP) -> LayerCost:
         """Embedding (first stage) and final norm + LM head + loss (last stage), vocab-parallel over tp."""
-        return self._ends(s, work, embed, head)
+        return self._ends(s, work, embed, head, overlap)
 
-    def _ends_uncached(self, s: LayerStrategy, work: Work, embed: bool, head: bool) -> LayerCost:
+    def _ends_uncached(self, s: LayerStrategy, work: Work, embed: bool, head: bool, overlap: Overlap) -> LayerCost:
         m = self.model
         total = LayerCost()
         if embed:
             fwd, bwd = (float(x) for x in self.timing.embedding_times(s, work.tokens))
             act = self.timing.embedding_activation_bytes(s, work.tokens)
-            zf, zb, sync, optim = self._grad_comm(m.embedding_params, s, fwd, bwd)
+            zf, zb, sync, optim = self._grad_comm(m.embedding_params, s, fwd, bwd, overlap)
             total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
-                                      states=self._states(m.embedding_params, s), act=act)
+                                      states=self._states(m.embedding_params, s, overlap), act=act)
         if head:
             params = m.head_params
             if m.tie_embeddings and not embed:  # a tied head on another stage keeps its own copy
                 params += m.vocab * m.hidden
             fwd, bwd = cast(tuple[float, float], self.timing.head_times(s, work.tokens))  # scalars in, scalars out
-            zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd)
+            zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd, overlap)
             total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
-                                      states=self._states(params, s), transient=self.timing.logit_bytes(s, work.tokens))
+                                      states=self._states(params, s, overlap),
+                                      transient=self.timing.logit_bytes(s, work.tokens))
         return total
 
     def layer_work(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int) -> Work:
@@ -230,17 +262,15 @@ class CostModel:
         ``min(cp - 1, ceil((w - 1) / block))`` hops (the runtime's ``ring_steps`` minus one).
 
         >>> from flexmesh.spec import parse_cluster, parse_model
-        >>> from dataclasses import replace
+        >>> import copy
+from dataclasses import replace
         >>> cm = CostModel(replace(parse_model("tiny"), sliding_window=1000), parse_cluster("8xA100-80GB"))
         >>> cm.ring_hops(8, 512.0), cm.ring_hops(8, 100.0), cm.ring_hops(8, 1000.0)
         (2.0, 7.0, 1.0)
         """
         if self.windows == NO_WINDOW:
             return None
-        block = np.maximum(np.asarray(block_tokens, dtype=float), 1.0)
-        mean = sum(n * (np.full(block.shape, cp - 1.0) if w is None else np.minimum(cp - 1.0, np.ceil((w - 1) / block)))
-                   for w, n in Counter(self.windows).items()) / len(self.windows)
-        return mean if np.ndim(mean) else float(mean)
+        return ring_hops(cp, block_tokens, self.windows)
 
     def attention_sq(self, start, end):  # noqa: ANN001, ANN201 - floats or numpy arrays
         """Squared-token attention work of queries [start, end) of a sequence under this model's
@@ -248,7 +278,8 @@ class CostModel:
         return attention_sq(start, end, self.windows)
 
     # ---- a whole plan ---------------------------------------------------------------------------------
-    def stage_cost(self, strategies, microbatch_seqs: int, seq_len: int, embed: bool, head: bool) -> LayerCost:
+    def stage_cost(self, strategies, microbatch_seqs: int, seq_len: int, embed: bool, head: bool,
+                   overlap: Overlap = NO_OVERLAP) -> LayerCost:
         """Sum over a stage's layers (plus embedding/head), per device, for one micro-batch."""
         total = LayerCost()
         prev = None
@@ -256,15 +287,21 @@ class CostModel:
             work = self.layer_work(s, microbatch_seqs, seq_len)
             if prev is not None and not prev[0].same_mesh(s):
                 total = total + LayerCost(comm_fwd=self.transition(prev[0], s, prev[1]))
-            total = total + self.layer(s, work)
+            total = total + self.layer(s, work, overlap)
             prev = (s, work)
         if (embed or head) and strategies:
             first, last = strategies[0], strategies[-1]
             if embed:
-                total = total + self.ends(first, self.layer_work(first, microbatch_seqs, seq_len), True, False)
+                total = total + self.ends(first, self.layer_work(first, microbatch_seqs, seq_len), True, False, overlap)
             if head:
-                total = total + self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True)
+                total = total + self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True, overlap)
         return total
+
+    @staticmethod
+    def effective_overlap(overlap: Overlap, m: int) -> Overlap:
+        """``overlap`` as it acts with ``m`` micro-batches: with one, its backward is the last, so
+        reducing once and reducing every micro-batch are the same thing (priced as ``"bucketed"``)."""
+        return replace(overlap, grad_reduce="bucketed") if m == 1 else overlap
 
     def pipeline_p2p(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int, pp: int) -> float:
         """Send + receive of one micro-batch's boundary activations, forward and backward (exposed)."""
@@ -277,11 +314,14 @@ class CostModel:
         return 2 * self.hw.collective_time("send_recv", nbytes, shape)
 
     def evaluate_stages(self, stage_strategies, pp: int, pipeline_schedule: str, m: int, v: int,
-                        microbatch_seqs: int, seq_len: int) -> Evaluation:
-        """Predict a step from per-chunk layer strategies (``pp * v`` chunks, Megatron's rank order)."""
+                        microbatch_seqs: int, seq_len: int, overlap: Overlap = NO_OVERLAP) -> Evaluation:
+        """Predict a step from per-chunk layer strategies (``pp * v`` chunks, Megatron's rank order)
+        under the ``overlap`` options (default :data:`NO_OVERLAP`; a plan carries its own)."""
         chunks = list(stage_strategies)
         n = len(chunks)
-        costs = [self.stage_cost(st, microbatch_seqs, seq_len, i == 0, i == n - 1) for i, st in enumerate(chunks)]
+        overlap = self.effective_overlap(overlap, m)
+        costs = [self.stage_cost(st, microbatch_seqs, seq_len, i == 0, i == n - 1, overlap)
+                 for i, st in enumerate(chunks)]
         rank_cost = [LayerCost() for _ in range(pp)]
         rank_layers = [0] * pp
         for i, c in enumerate(costs):
@@ -300,12 +340,12 @@ class CostModel:
         exposed = m * (rank_cost[busiest].comm_fwd + rank_cost[busiest].comm_bwd + p2p[busiest])
         bubble = t_pipe - m * rank_times[busiest]
         last = chunks[-1][-1]
-        logits = self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True).transient
+        logits = self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True, overlap).transient
         memory = []
         for r in range(pp):
             rc = rank_cost[r]
             flight = in_flight(pipeline_schedule, pp, r, m, v)
-            layer_transient = max((self.layer(s, self.layer_work(s, microbatch_seqs, seq_len)).transient
+            layer_transient = max((self.layer(s, self.layer_work(s, microbatch_seqs, seq_len), overlap).transient
                                    for i in range(r, n, pp) for s in chunks[i]), default=0.0)
             mem = {"states": rc.states, "activations": rc.act * flight, "transient": layer_transient,
                    "logits": logits if r == (n - 1) % pp else 0.0}
@@ -317,7 +357,9 @@ class CostModel:
         budget = self.memory_budget
         return Evaluation(step_time=step, tokens_per_s=tokens / step, mfu=mfu, compute=compute,
                           exposed_comm=exposed, bubble=bubble, grad_sync=max(tails), stage_times=rank_times,
-                          memory=memory, fits=all(x["total"] <= budget for x in memory), budget=budget)
+                          memory=memory, fits=all(x["total"] <= budget for x in memory), budget=budget,
+                          reserve=self.cluster.device.framework_reserve_gib * GIB,
+                          fragmentation=self.cluster.device.allocator_headroom)
 
     def exposed_sync(self, sync, last_backward, layers):
         """Seconds of a once-per-step gradient sync left after the last backward pass ends (arrays too).
@@ -341,9 +383,24 @@ class CostModel:
         """Predict a :class:`flexmesh.plan.Plan`."""
         chunks = [st.strategies for st in plan.stages]
         return self.evaluate_stages(chunks, plan.pp, plan.pipeline_schedule, plan.num_microbatches, plan.virtual_stages,
-                                    plan.microbatch_size, plan.seq_len)
+                                    plan.microbatch_size, plan.seq_len, plan.overlap)
 
     # ---- for the per-step scheduler -----------------------------------------------------------------
+    def lower_envelope(self) -> CostModel:
+        """This cost model with every kernel at its best rate (:meth:`flexmesh.cost.kernels.Kernels.envelope`).
+
+        Tiles, waves, launches and the memory roofline make a micro-batch of many short documents
+        cheaper than the documents run one by one; a per-document lower bound must not count them.
+        Measured timings (a model profile) are already linear in tokens and squared tokens beyond their
+        fixed cost, so they are returned as they are.
+        """
+        if not isinstance(self.timing, AnalyticTiming):
+            return self
+        hw = copy.copy(self.hw)
+        hw.kernels = self.timing.kernels.envelope()
+        return CostModel(self.model, self.cluster, hardware=hw,
+                         timing=AnalyticTiming(self.model, hw, ring_balanced=self.timing.ring_balanced))
+
     def microbatch_time(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
                         embed: bool = True, head: bool = True):
         """Forward + backward seconds of one micro-batch on a tp x cp group; numpy arrays accepted.
@@ -358,22 +415,24 @@ class CostModel:
                                    in_flight_mbs: float = 1.0) -> float:
         """Saved-activation bytes per token of a micro-batch on each device of a tp x cp group."""
         layers = self.model.num_layers if layers is None else layers
-        return self.timing.activation_bytes_per_token(s, s.recompute) * layers * in_flight_mbs
+        return self.timing.activation_bytes_per_token(s, bool(s.recompute)) * layers * in_flight_mbs
 
     def max_tokens(self, s: LayerStrategy, layers: int | None = None, embed: bool = True, head: bool = True,
-                   in_flight_mbs: float = 1.0) -> int:
+                   in_flight_mbs: float = 1.0, overlap: Overlap = NO_OVERLAP) -> int:
         """Largest micro-batch (tokens on the tp x cp group) that fits in device memory under ``s``."""
         layers = self.model.num_layers if layers is None else layers
         one = Work(tokens=1.0, sq_tokens=1.0)
-        states = self.layer(s, one).states * layers
+        states = self.layer(s, one, overlap).states * layers
         if embed or head:
-            states += self.ends(s, one, embed, head).states
+            states += self.ends(s, one, embed, head, overlap).states
         per_token = self.activation_bytes_per_token(s, layers, in_flight_mbs)
         if s.recompute:  # one layer's full activations while it is recomputed
             per_token += self.timing.activation_bytes_per_token(s, False)
         if head:
             per_token += self.timing.logit_bytes(s, 1.0)
-        transient = 2 * self.model.layer_params / s.tp * self.model.dtype_bytes if s.zero == 3 else 0.0
+        # Transient buffers: a constant part and a part linear in the micro-batch's tokens.
+        transient = layer_transient_bytes(self.model, s, 0.0, overlap, 0.0)
+        per_token += layer_transient_bytes(self.model, s, 1.0, overlap, 0.0) - transient
         free = self.memory_budget - states - transient
         return max(0, int(free / per_token))
 

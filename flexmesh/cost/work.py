@@ -60,6 +60,22 @@ def attention_sq(start, end, windows: Sequence[int | None] = NO_WINDOW):  # noqa
     return total if np.ndim(total) else float(total)
 
 
+def ring_hops(cp: int, block_tokens, windows: Sequence[int | None] = NO_WINDOW):  # noqa: ANN001, ANN201
+    """K/V hops of ring attention per pass with blocks of ``block_tokens``, mean over layers.
+
+    Without a sliding window every pass makes all ``cp - 1`` hops. A block ``h`` ranks back is within
+    reach of a window ``w`` while ``(h - 1) * block + 1 < w``, so ``min(cp - 1, ceil((w - 1) / block))``
+    hops (the runtime's ``ring_steps`` minus one). Floats or numpy arrays.
+
+    >>> ring_hops(8, 512.0, (1000,)), ring_hops(8, 100.0, (1000,)), ring_hops(8, 1000.0, (1000, None))
+    (2.0, 7.0, 4.0)
+    """
+    block = np.maximum(np.asarray(block_tokens, dtype=float), 1.0)
+    mean = sum(n * (np.full(block.shape, cp - 1.0) if w is None else np.minimum(cp - 1.0, np.ceil((w - 1) / block)))
+               for w, n in Counter(windows).items()) / len(windows)
+    return mean if np.ndim(mean) else float(mean)
+
+
 @dataclass(frozen=True)
 class Work:
     """What one replica (a tp x cp group) processes in one micro-batch."""

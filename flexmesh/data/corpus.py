@@ -68,15 +68,24 @@ class Corpus:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} line {lineno} is not UTF-8 text (byte {e.start} of the line); re-encode the "
+                                "file as UTF-8 or remove that line") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
-            if not isinstance(obj, dict) or field not in obj:
+            except (json.JSONDecodeError, RecursionError) as e:
+                reason = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+                raise DataError(f"{path} line {lineno} is not valid JSON ({reason}); fix or remove that line") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path} line {lineno} is a JSON {type(obj).__name__}, not an object; write each line "
+                                f"as {{{field!r}: \"...\"}}".replace("'", '"'))
+            if field not in obj:
                 raise DataError(
                     f"{path} line {lineno} has no {field!r} field; give each line a {field!r} string "
                     "or choose the field with text_field"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -30,24 +31,58 @@ from typing import Iterator
 import numpy as np
 from numpy.typing import ArrayLike
 
-from flexmesh.errors import FlexmeshError
+from flexmesh.errors import DataError, FlexmeshError
 
 SHIPPED = {"wikipedia": "wikipedia.txt.gz", "prolong": "dist_prolong.json", "wlbllm": "dist_wlbllm.json"}
 NAMES = (*SHIPPED, "stdlib", "synthetic")
 
 
+# The longest length a file may give: 2**31 - 1 tokens. The cost model and the schedulers square
+# lengths and sum the squares in int64 (attention work); 2**31 squared is 2**62, so a batch of a few
+# longer ones would overflow. No document of a training corpus comes near it.
+MAX_LENGTH = 2**31 - 1
+
+
 def _parse(text: str, where: str) -> np.ndarray:
+    """Lengths from a text (one whole number per line or whitespace-separated) or a JSON list."""
     text = text.strip()
-    try:
-        values = json.loads(text) if text.startswith("[") else [int(x) for x in text.split()]
-    except ValueError as e:
-        raise FlexmeshError(f"{where}: cannot read lengths ({e}); give one integer per line or a JSON list") from None
-    a = np.asarray(values, dtype=np.int64)
-    if a.ndim != 1 or a.size == 0:
-        raise FlexmeshError(f"{where}: expected a non-empty list of lengths")
-    if (a < 1).any():
-        raise FlexmeshError(f"{where}: lengths must be >= 1 token; found {int(a.min())}")
-    return a
+    if not text:
+        raise DataError(f"{where}: the file is empty; give one length (a whole number of tokens) per line or a "
+                        "JSON list")
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{where}: not a valid JSON list of lengths ({e})") from None
+        if not isinstance(values, list):
+            raise DataError(f"{where}: expected a JSON list of lengths")
+    else:
+        values = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            for word in line.split():
+                try:
+                    values.append(int(word))
+                except ValueError:
+                    raise DataError(f"{where} line {lineno}: {word[:40]!r} is not a whole number of tokens; give one "
+                                    "integer per line (or a JSON list)") from None
+    bad = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), _NONE)
+    if bad is not _NONE:
+        i = values.index(bad)
+        what = "a fraction" if isinstance(bad, float) else ("null" if bad is None else type(bad).__name__)
+        raise DataError(f"{where}: length {i} is {bad!r} ({what}), not a whole number of tokens; lengths are token "
+                        "counts (rounding them is left to you)")
+    if not values:
+        raise DataError(f"{where}: expected a non-empty list of lengths")
+    low, high = min(values), max(values)
+    if low < 1:
+        raise DataError(f"{where}: lengths must be >= 1 token; found {low}")
+    if high > MAX_LENGTH:
+        raise DataError(f"{where}: length {high} is above {MAX_LENGTH:,} tokens (2**31 - 1), the most flexmesh "
+                        "accepts: its squared lengths are summed in 64-bit integers; check the file")
+    return np.asarray(values, dtype=np.int64)
+
+
+_NONE = object()
 
 
 @lru_cache(maxsize=None)
@@ -81,8 +116,16 @@ def load_lengths(name_or_path: str) -> np.ndarray:
         )
     raw = path.read_bytes()
     if path.suffix == ".gz":
-        raw = gzip.decompress(raw)
-    return _parse(raw.decode(), str(path))
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"{path}: not a readable gzip file ({e}); re-compress it or give the plain .txt") from None
+    try:
+        content = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not a text file of lengths (byte {e.start} is not UTF-8); give one length per "
+                        "line or a JSON list") from None
+    return _parse(content, str(path))
 
 
 def synthetic_lengths(n: int, seed: int, *, median: float = 400.0, sigma: float = 1.3, tail_fraction: float = 0.03,

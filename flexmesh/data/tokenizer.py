@@ -40,8 +40,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise DataError(f"tokenizer file {p} does not exist; pass a local tokenizer.json or train one with train_bpe")
     try:
         return Tokenizer.from_file(str(p))
-    except Exception as e:  # the library raises a bare Exception for malformed JSON
-        raise DataError(f"{p} is not a valid tokenizer.json ({e}); replace it or delete it to retrain") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a bare Exception for malformed JSON; a Rust panic (a BaseException) for some
+        reason = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{p} is not a valid tokenizer.json ({reason}); replace it or delete it to retrain") from None
 
 
 def _training_texts(corpus: Corpus, max_bytes: int) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Iterable
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import CPKind, MeshAxis
 from flexmesh.layout.plan import Plan
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.spec.model import ModelSpec
 
 MESH_AXES: tuple[str, ...] = tuple(a.value for a in MeshAxis)  # ("pp", "dp", "cp", "tp"), outermost first
@@ -61,8 +61,8 @@ class Layout:
     >>> st = StagePlan(0, 2, (S.parse("tp2-dp2z3"), S.parse("tp2-dp2z3-ac")))
     >>> plan = Plan("tiny", "4xA100-80GB", 4, 1, "1f1b", 1, 64, 2, (st,))
     >>> lay = layout_from_plan(plan)
-    >>> (lay.pp, lay.dp, lay.cp, lay.tp, lay.zero, lay.recompute)
-    (1, 2, 1, 2, (3, 3), (False, True))
+    >>> (lay.pp, lay.dp, lay.cp, lay.tp, lay.zero, tuple(map(str, lay.recompute)))
+    (1, 2, 1, 2, (3, 3), ('none', 'full'))
     """
 
     pp: int
@@ -71,7 +71,7 @@ class Layout:
     cp_kind: CPKind
     tp: int
     zero: tuple[int, ...]
-    recompute: tuple[bool, ...]
+    recompute: tuple[Recompute, ...]  # none / selective / full per layer
 
     @property
     def world_size(self) -> int:
@@ -131,7 +131,7 @@ def layout_from_plan(plan: Plan) -> Layout:
             "layer's to 1, 2 or 3"
         )
     return Layout(pp=plan.pp, dp=first.dp, cp=first.cp, cp_kind=first.cp_kind, tp=first.tp,
-                  zero=tuple(zeros), recompute=tuple(s.recompute for s in strategies))
+                  zero=tuple(zeros), recompute=tuple(s.recompute_kind for s in strategies))
 
 
 def aligned_blocks(data_ranks: int) -> list[tuple[int, int]]:

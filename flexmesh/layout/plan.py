@@ -24,7 +24,9 @@ from pathlib import Path
 from flexmesh.errors import PlanError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import PipelineSchedule, choices
+from flexmesh.layout.overlap import RUNTIME, Overlap
 from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.spec.values import mapping, sequence, text, whole
 
 # Version 2 renamed the pipeline schedule's key from "schedule" to "pipeline_schedule"; version 1
 # files are still read.
@@ -42,6 +44,8 @@ class StagePlan:
     strategies: tuple[LayerStrategy, ...]
 
     def __post_init__(self) -> None:
+        whole(self.start, "stage start layer", PlanError, minimum=0)
+        whole(self.end, "stage end layer", PlanError, minimum=0)
         if self.end < self.start:
             raise PlanError(f"stage layers [{self.start}, {self.end}) are empty or reversed")
         if len(self.strategies) != self.end - self.start:
@@ -88,9 +92,22 @@ class Plan:
     # Where the cost model's numbers came from: "preset:<device>" or "profile:<path>".
     cost_source: str = "preset"
     version: int = PLAN_VERSION
+    # Which communication runs under compute (flexmesh.layout.overlap); files without it read as
+    # what the runtime runs (RUNTIME).
+    overlap: Overlap = RUNTIME
 
     def __post_init__(self) -> None:
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+        text(self.model, "plan model", PlanError)
+        text(self.cluster, "plan cluster", PlanError)
+        text(self.cost_source, "plan cost_source", PlanError)
+        for f in ("world_size", "pp", "virtual_stages", "num_microbatches", "seq_len", "global_batch"):
+            whole(getattr(self, f), f"plan {f}", PlanError, minimum=None)
+        if self.world_size < 1 or self.seq_len < 1 or self.global_batch < 1:
+            raise PlanError(f"plan world_size, seq_len and global_batch must all be >= 1, got {self.world_size}, "
+                            f"{self.seq_len} and {self.global_batch}")
+        if not isinstance(self.predicted, dict):
+            raise PlanError(f"plan predicted must be a JSON object (or left out), got {self.predicted!r}")
+        if not isinstance(self.pipeline_schedule, str) or self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise PlanError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                             f"got {self.pipeline_schedule!r}")
         object.__setattr__(self, "pipeline_schedule", PipelineSchedule(self.pipeline_schedule))
@@ -153,6 +170,7 @@ class Plan:
             "seq_len": self.seq_len,
             "global_batch": self.global_batch,
             "cost_source": self.cost_source,
+            "overlap": self.overlap.to_dict(),
             "stages": [
                 {"layers": [s.start, s.end], "strategies": [str(x) for x in s.strategies]} for s in self.stages
             ],
@@ -161,6 +179,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        mapping(d, "a plan", PlanError)
         version = d.get("version")
         if version not in READABLE_VERSIONS:
             raise PlanError(f"plan version {version!r} is not supported (this flexmesh reads versions "
@@ -172,19 +191,23 @@ class Plan:
         if missing:
             raise PlanError(f"plan is missing {', '.join(missing)}")
         stages = []
-        for i, s in enumerate(d["stages"]):
+        for i, s in enumerate(sequence(d["stages"], "plan stages", PlanError)):
             try:
                 start, end = s["layers"]
-                strategies = tuple(LayerStrategy.parse(x) for x in s["strategies"])
-            except (KeyError, ValueError, TypeError) as e:
-                raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...] ({e})") from e
-            stages.append(StagePlan(int(start), int(end), strategies))
+                strategies = tuple(LayerStrategy.parse(x) for x in sequence(s["strategies"], "strategies", PlanError))
+            except (KeyError, ValueError, TypeError, AttributeError, PlanError) as e:
+                raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...] "
+                                f"({str(e).strip() or type(e).__name__})") from None
+            stages.append(StagePlan(whole(start, f"stage {i} start layer", PlanError, minimum=0),
+                                    whole(end, f"stage {i} end layer", PlanError, minimum=0), strategies))
+        counts = {k: whole(d[k], f"plan {k}", PlanError) for k in ("world_size", "pp", "num_microbatches", "seq_len",
+                                                                      "global_batch")}
         return cls(
-            model=d["model"], cluster=d["cluster"], world_size=int(d["world_size"]), pp=int(d["pp"]),
-            pipeline_schedule=d[schedule_key], virtual_stages=int(d.get("virtual_stages", 1)),
-            num_microbatches=int(d["num_microbatches"]), seq_len=int(d["seq_len"]),
-            global_batch=int(d["global_batch"]), stages=tuple(stages), predicted=d.get("predicted", {}),
-            cost_source=d.get("cost_source", "preset"),
+            model=d["model"], cluster=d["cluster"], pipeline_schedule=d[schedule_key],
+            virtual_stages=whole(d.get("virtual_stages", 1), "plan virtual_stages", PlanError),
+            stages=tuple(stages), predicted=d.get("predicted", {}), cost_source=d.get("cost_source", "preset"),
+            overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())),
+            **counts,
         )
 
     def save(self, path: str | Path) -> None:

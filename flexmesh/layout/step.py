@@ -10,6 +10,11 @@ A piece ``(seq_id, start, end)`` is tokens ``[start, end)`` of sequence ``seq_id
 cut into pieces in different micro-batches (pipeline chunking). Every token of the batch, less the
 sequences deferred to a later step, appears in exactly one piece.
 
+Cut sequences (:meth:`StepSchedule.check_cuts`, :func:`carries_pieces`): the runtime trains a cut
+sequence exactly as the whole one by carrying the keys and values of its earlier pieces to the later
+ones. It can do so only between micro-batches of one group, in run order, and only without
+pipelining; a policy cuts only where its context allows (``ScheduleContext.cut_documents``).
+
 Example: four data ranks, a 6000-token sequence on a group of 2, two short ones packed on rank 2,
 rank 3 takes the fourth::
 
@@ -25,6 +30,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flexmesh.errors import ScheduleError
+
+
+def carries_pieces(pp: int, dynamic_rope: bool = False) -> bool:
+    """Whether the runtime keeps a sequence cut over micro-batches exact with ``pp`` pipeline stages.
+
+    Only with ``pp == 1``: the trainer then runs the forward of every micro-batch of a chain of cut
+    sequences before their one backward, so the gradient of a later piece reaches the earlier
+    pieces' keys and values (flexmesh.runtime.carry). A pipeline schedule runs each micro-batch's
+    backward on its own, in an order fixed by the schedule (1F1B: before later forwards), so it
+    cannot. Nor with dynamic RoPE scaling, whose angles depend on the length of the sequence in the
+    forward pass, which a piece does not know. The one place this rule is written; schedulers and
+    the trainer ask it.
+
+    >>> carries_pieces(1), carries_pieces(2)
+    (True, False)
+    """
+    return pp == 1 and not dynamic_rope
 
 
 @dataclass(frozen=True)
@@ -107,3 +129,38 @@ class StepSchedule:
                 pos = b
             if pos != length:
                 raise ScheduleError(f"sequence {sid}: covers {pos} of {length} tokens")
+
+    def check_cuts(self, pp: int = 1, dynamic_rope: bool = False) -> None:
+        """Raise ScheduleError, naming the sequence, unless the runtime can train every cut one exactly.
+
+        A sequence is cut when its pieces do not form one run of adjacent pieces in one micro-batch.
+        Its pieces must then all lie on one group and run in order (micro-batch by micro-batch, left
+        to right within one), and the run must be able to carry them (:func:`carries_pieces`).
+        """
+        where: dict[int, list[tuple[int, int, int, Piece]]] = {}
+        for gi, g in enumerate(self.groups):
+            for mi, mb in enumerate(g.microbatches):
+                for pi, p in enumerate(mb):
+                    where.setdefault(p.seq_id, []).append((gi, mi, pi, p))
+        for sid, spots in where.items():
+            if len(spots) == 1:
+                continue
+            groups = sorted({gi for gi, _, _, _ in spots})
+            if len(groups) > 1:
+                names = " and ".join(str(list(self.groups[gi].ranks)) for gi in groups)
+                raise ScheduleError(
+                    f"sequence {sid} is cut over the groups of data ranks {names}; the runtime carries a cut "
+                    "sequence's keys and values only between micro-batches of one group: keep its pieces on one group")
+            spots.sort(key=lambda s: (s[1], s[2]))
+            for (_, ma, _, a), (_, mb_, _, b) in zip(spots, spots[1:]):
+                if b.start < a.end:
+                    raise ScheduleError(
+                        f"sequence {sid}: piece [{b.start}, {b.end}) in micro-batch {mb_} runs after piece "
+                        f"[{a.start}, {a.end}) in micro-batch {ma}; run a cut sequence's pieces in order")
+            one_segment = len({mi for _, mi, _, _ in spots}) == 1 and \
+                [pi for _, _, pi, _ in spots] == list(range(spots[0][2], spots[0][2] + len(spots)))
+            if not one_segment and not carries_pieces(pp, dynamic_rope):
+                why = "of a model with dynamic RoPE scaling" if dynamic_rope else f"of a pipelined run (pp {pp})"
+                raise ScheduleError(
+                    f"sequence {sid} is cut over micro-batches {sorted({mi for _, mi, _, _ in spots})} {why}; the "
+                    "runtime keeps cut sequences exact only with pp = 1 and without dynamic RoPE: schedule it whole")

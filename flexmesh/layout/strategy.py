@@ -8,28 +8,52 @@ Within one pipeline stage of ``D`` devices a layer runs with ``tp * cp * dp == D
   ``ring`` (K/V blocks passed around a ring); ``cp == 1`` means ``cp_kind == "none"``;
 - ``dp``: data parallel degree; ``zero`` (0-3) is the ZeRO stage, sharding over the ``dp * cp``
   ranks that hold the same weights (as FSDP over a flattened dp x cp mesh does);
-- ``recompute``: full activation checkpointing of the layer.
+- ``recompute`` (:class:`Recompute`): ``none``; ``selective``, only the attention core
+  (softmax(QK^T)V) is recomputed in backward, as Megatron-LM's ``--recompute-granularity selective``
+  (Korthikanti et al., 2205.05198); ``full``, activation checkpointing of the whole layer.
 
-Compact form, as in ``tp2-u2-dp2z3-ac``: tp 2, Ulysses 2, dp 2 with ZeRO-3, recomputed.
+Compact form, as in ``tp2-u2-dp2z3-ac``: tp 2, Ulysses 2, dp 2 with ZeRO-3, fully recomputed
+(``-sac``: selective recomputation).
 
 >>> s = LayerStrategy.parse("tp2-r4-dp1z0")
->>> (s.tp, s.cp, str(s.cp_kind), s.dp, s.zero, s.recompute)
-(2, 4, 'ring', 1, 0, False)
->>> str(s)
-'tp2-r4-dp1z0'
+>>> (s.tp, s.cp, str(s.cp_kind), s.dp, s.zero, str(s.recompute))
+(2, 4, 'ring', 1, 0, 'none')
+>>> str(s), str(LayerStrategy.parse("tp2-dp4z1-sac").recompute)
+('tp2-r4-dp1z0', 'selective')
+>>> LayerStrategy(recompute=True).recompute is Recompute.FULL  # a bool still means full or none
+True
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from flexmesh.errors import PlanError
-from flexmesh.layout.enums import CPKind, choices
+from flexmesh.layout.enums import CPKind, _StrEnum, choices
+
+
+class Recompute(_StrEnum):
+    """What a layer recomputes in backward instead of keeping for it.
+
+    Truthy only for ``full``: code written when recomputation was a bool (``if s.recompute``) keeps
+    meaning "the whole layer is recomputed"; test ``is Recompute.SELECTIVE`` for the attention core.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    def __bool__(self) -> bool:
+        return self is Recompute.FULL
+
 
 CP_KINDS = choices(CPKind)
+RECOMPUTE_KINDS = choices(Recompute)
 _CP_LETTER = {CPKind.ULYSSES: "u", CPKind.RING: "r"}
-_RE = re.compile(r"^tp(\d+)(?:-([ur])(\d+))?-dp(\d+)z([0-3])(-ac)?$")
+_AC_SUFFIX = {Recompute.NONE: "", Recompute.SELECTIVE: "-sac", Recompute.FULL: "-ac"}
+_RE = re.compile(r"^tp(\d+)(?:-([ur])(\d+))?-dp(\d+)z([0-3])(-s?ac)?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -39,9 +63,15 @@ class LayerStrategy:
     cp_kind: CPKind = CPKind.NONE
     dp: int = 1
     zero: int = 0
-    recompute: bool = False
+    recompute: Recompute | bool = Recompute.NONE  # a bool is read as full (True) or none (False)
 
     def __post_init__(self) -> None:
+        rc = self.recompute
+        if isinstance(rc, bool):
+            rc = Recompute.FULL if rc else Recompute.NONE
+        if rc not in RECOMPUTE_KINDS:
+            raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE_KINDS)} (or a bool), got {rc!r}")
+        object.__setattr__(self, "recompute", Recompute(rc))
         if min(self.tp, self.cp, self.dp) < 1:
             raise PlanError(f"strategy degrees must be >= 1, got tp={self.tp} cp={self.cp} dp={self.dp}")
         if self.cp_kind not in CP_KINDS:
@@ -51,6 +81,11 @@ class LayerStrategy:
             raise PlanError(f"cp={self.cp} with cp_kind={self.cp_kind!r}: use cp_kind 'none' exactly when cp == 1")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+
+    @property
+    def recompute_kind(self) -> Recompute:
+        """``recompute`` as a :class:`Recompute` (it always is one once built; the field also takes a bool)."""
+        return cast(Recompute, self.recompute)
 
     @property
     def devices(self) -> int:
@@ -63,18 +98,20 @@ class LayerStrategy:
 
     def __str__(self) -> str:
         cp = f"-{_CP_LETTER[self.cp_kind]}{self.cp}" if self.cp > 1 else ""
-        return f"tp{self.tp}{cp}-dp{self.dp}z{self.zero}{'-ac' if self.recompute else ''}"
+        return f"tp{self.tp}{cp}-dp{self.dp}z{self.zero}{_AC_SUFFIX[self.recompute_kind]}"
 
     @classmethod
     def parse(cls, text: str) -> "LayerStrategy":
         m = _RE.match(text.strip())
         if not m:
             raise PlanError(
-                f"cannot parse strategy {text!r}; expected e.g. 'tp2-dp4z1', 'tp1-u4-dp2z3-ac' (u=ulysses, r=ring)"
+                f"cannot parse strategy {text!r}; expected e.g. 'tp2-dp4z1', 'tp1-u4-dp2z3-ac' (u=ulysses, r=ring; "
+                "-ac: full recomputation, -sac: selective)"
             )
         tp, letter, cp, dp, zero, ac = m.groups()
         kind = {"u": CPKind.ULYSSES, "r": CPKind.RING, None: CPKind.NONE}[letter]
-        return cls(tp=int(tp), cp=int(cp or 1), cp_kind=kind, dp=int(dp), zero=int(zero), recompute=bool(ac))
+        return cls(tp=int(tp), cp=int(cp or 1), cp_kind=kind, dp=int(dp), zero=int(zero),
+                   recompute={None: Recompute.NONE, "-sac": Recompute.SELECTIVE, "-ac": Recompute.FULL}[ac])
 
     def same_mesh(self, other: "LayerStrategy") -> bool:
         """True when both layers place data the same way, so no resharding happens between them."""

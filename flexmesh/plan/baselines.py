@@ -25,6 +25,7 @@ from flexmesh.plan.space import (
     candidate_strategies,
     divisors,
     evaluate_chunks,
+    pipeline_degrees,
     pow2_upto,
     to_plan,
 )
@@ -57,24 +58,39 @@ def megatron_3d(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_bat
     """Best uniform tp x pp x dp layout (ZeRO 0/1, recompute on/off, 1F1B or interleaved, any m)."""
     world, L = cluster.world_size, model.num_layers
     cands = []
-    for pp in pow2_upto(min(world, L)):
-        if world % pp:
+    for pp in space.pp or pipeline_degrees(world, L, cluster.devices_per_node):
+        if world % pp or pp > L:
             continue
         D = world // pp
-        for tp in pow2_upto(min(D, cluster.devices_per_node)):
+        for tp in divisors(min(D, cluster.devices_per_node)):
+            if D % tp:
+                continue
             dp = D // tp
             for m in divisors(global_batch):
                 mbs = global_batch // m
+                schedules = [("1f1b", 1)]
+                if pp > 1 and "interleaved" in space.pipeline_schedules and L >= 2 * pp and m % pp == 0:
+                    schedules.append(("interleaved", 2))
                 for zero in (0, 1):
-                    for ac in (False, True):
-                        s = LayerStrategy(tp=tp, dp=dp, zero=zero if dp > 1 else 0, recompute=ac)
-                        if not _allowed(s, space, model, cluster, D, mbs):
-                            continue
-                        cands.append(uniform_plan(model, cluster, s, pp, "1f1b", m, seq_len, global_batch, cost))
-                        if (pp > 1 and "interleaved" in space.pipeline_schedules and L >= 2 * pp and m % pp == 0):
-                            cands.append(uniform_plan(model, cluster, s, pp, "interleaved", m, seq_len,
-                                                      global_batch, cost, v=2))
+                    for schedule, v in schedules:
+                        strategies = [LayerStrategy(tp=tp, dp=dp, zero=zero if dp > 1 else 0, recompute=ac)
+                                      for ac in (False, True)]
+                        allowed = [s for s in strategies if _allowed(s, space, model, cluster, D, mbs)]
+                        cands.extend(_least_recompute(allowed, model, cluster, pp, schedule, m, seq_len,
+                                                      global_batch, cost, v))
     return _best(cands)
+
+
+def _least_recompute(strategies: list[LayerStrategy], model: ModelSpec, cluster: ClusterSpec, pp: int, schedule: str,
+                     m: int, seq_len: int, global_batch: int, cost: CostModel, v: int = 1) -> list[Candidate]:
+    """Uniform plans of ``strategies`` (least recomputation first) up to the first that fits:
+    recomputing more only adds backward time to the same layout, so the rest cannot be faster."""
+    out = []
+    for s in strategies:
+        out.append(uniform_plan(model, cluster, s, pp, schedule, m, seq_len, global_batch, cost, v))
+        if out[-1].evaluation.fits:
+            break
+    return out
 
 
 def zero3_ulysses(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_batch: int, cost: CostModel,
@@ -87,12 +103,10 @@ def zero3_ulysses(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_b
             continue
         dp = world // cp
         for m in divisors(global_batch):
-            for ac in (False, True):
-                s = LayerStrategy(tp=1, cp=cp, cp_kind=CPKind.ULYSSES if cp > 1 else CPKind.NONE, dp=dp,
-                                  zero=3 if dp * cp > 1 else 0, recompute=ac)
-                if not _allowed(s, space, model, cluster, world, global_batch // m):
-                    continue
-                cands.append(uniform_plan(model, cluster, s, 1, "1f1b", m, seq_len, global_batch, cost))
+            strategies = [LayerStrategy(tp=1, cp=cp, cp_kind=CPKind.ULYSSES if cp > 1 else CPKind.NONE, dp=dp,
+                                        zero=3 if dp * cp > 1 else 0, recompute=ac) for ac in (False, True)]
+            allowed = [s for s in strategies if _allowed(s, space, model, cluster, world, global_batch // m)]
+            cands.extend(_least_recompute(allowed, model, cluster, 1, "1f1b", m, seq_len, global_batch, cost))
     return _best(cands)
 
 

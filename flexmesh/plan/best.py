@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field, replace
 
 from flexmesh.errors import PlanError
+from flexmesh.layout.strategy import Recompute
 from flexmesh.plan.baselines import baselines as uniform_baselines
 from flexmesh.plan.search import Progress, search
-from flexmesh.plan.space import Candidate, SearchRequest
+from flexmesh.plan.space import FULL_SPACE, Candidate, SearchRequest
 from flexmesh.units import GIB
 
 
@@ -68,9 +69,9 @@ def no_fit_message(request: SearchRequest) -> str:
     # Each retry is a quick fast-mode search for one plan, priced by the preset cost model.
     retry = replace(request, cost=None, top=1, mode="fast")
     tries: list[tuple[str, SearchRequest]] = []
-    if True not in space.recompute:
+    if Recompute.FULL not in space.recompute_modes:
         tries.append(("enable recomputation (drop --no-recompute)",
-                      replace(retry, space=replace(space, recompute=(False, True)))))
+                      replace(retry, space=replace(space, recompute=FULL_SPACE.recompute))))
     if space.same_mesh:
         tries.append(("let layers use different meshes (drop --same-mesh)",
                       replace(retry, space=replace(space, same_mesh=False))))

@@ -6,16 +6,17 @@ Every failure raises :class:`PlanError` with a message saying what to change.
 from __future__ import annotations
 
 from flexmesh.cost import CostModel, Evaluation
-from flexmesh.errors import PlanError
+from flexmesh.errors import PlanError, SpecError
 from flexmesh.layout.plan import Plan
 from flexmesh.spec.cluster import ClusterSpec
-from flexmesh.spec.model import ModelSpec
+from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.units import GIB
 
 
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostModel | None = None) -> Evaluation:
     """Raise PlanError on the first problem; return the cost model's evaluation when the plan is valid."""
     cost = cost or CostModel(model, cluster)
+    _check_model(plan, model)
     if plan.world_size != cluster.world_size:
         raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
                         f"re-plan for this cluster or pass the cluster the plan was made for")
@@ -61,3 +62,61 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostMod
                             f"{ev.budget / GIB:.1f} GiB usable; raise pp or enable recompute (add '-ac') "
                             "or ZeRO-3 on that stage's layers")
     return ev
+
+
+def _shape(spec: ModelSpec) -> dict:
+    """What makes two models the same for a plan: every field but the name and the dtype."""
+    return {k: v for k, v in spec.to_dict().items() if k not in ("name", "dtype")}
+
+
+def _check_model(plan: Plan, model: ModelSpec) -> None:
+    """The plan records the name of the model it was made for; refuse another model, even one with as
+    many layers (its widths, heads and memory differ). A different name of the same shape (a preset
+    and its config.json) is the same model."""
+    if plan.model == model.name:
+        return
+    try:
+        recorded = parse_model(plan.model)
+    except SpecError:
+        recorded = None  # a config.json that is not here: only the name tells
+    if recorded is not None and _shape(recorded) == _shape(model):
+        return
+    diff = ""
+    if recorded is not None:
+        mine = _shape(recorded)
+        diff = " (" + "; ".join([f"{k} {mine.get(k)} vs {v}" for k, v in _shape(model).items()
+                                 if mine.get(k) != v][:3]) + ")"
+    raise PlanError(f"plan was made for model {plan.model!r}, not {model.name!r}{diff}; pass --model {plan.model} "
+                    f"or re-plan for {model.name}")
+
+
+def overlap_warnings(plan: Plan) -> list[str]:
+    """What the runtime will run differently from the plan's overlap options (warnings, not errors).
+
+    The runtime (FSDP2, DTensor TP) runs :data:`flexmesh.layout.overlap.RUNTIME`: no TP communication
+    overlap (TransformerEngine's userbuffers need CUDA; CPU/gloo has none), ZeRO-3 gathers prefetched,
+    gradients reduced once in the last micro-batch's backward.
+
+    >>> from flexmesh.layout.overlap import Overlap
+    >>> from flexmesh.layout.plan import StagePlan
+    >>> from flexmesh.layout.strategy import LayerStrategy as S
+    >>> p = Plan("tiny", "2xA100-80GB", 2, 1, "1f1b", 2, 128, 4, (StagePlan(0, 1, (S(tp=2),)),),
+    ...          overlap=Overlap(tp_comm=True, grad_reduce="last"))
+    >>> overlap_warnings(p)  # doctest: +ELLIPSIS
+    ['plan assumes tensor-parallel communication overlap (tp_comm=true), which the runtime does not run...']
+    """
+    from flexmesh.layout.overlap import RUNTIME
+
+    out = []
+    o = plan.overlap
+    if o.tp_comm and any(s.tp > 1 for s in plan.layer_strategies()):
+        out.append("plan assumes tensor-parallel communication overlap (tp_comm=true), which the runtime does not "
+                   "run (it needs TransformerEngine userbuffers on CUDA): TP collectives will be exposed and steps "
+                   "slower than predicted")
+    zeros = {s.zero for s in plan.layer_strategies()}
+    if plan.num_microbatches > 1 and o.grad_reduce != RUNTIME.grad_reduce and zeros & {2, 3}:
+        out.append(f"plan assumes grad_reduce={o.grad_reduce!r}; the runtime reduces gradients once, in the last "
+                   "micro-batch's backward (grad_reduce='last'): less communication, unsharded gradients")
+    if not o.zero3_prefetch and 3 in zeros:
+        out.append("plan assumes ZeRO-3 gathers without prefetch; the runtime's FSDP2 prefetches them")
+    return out

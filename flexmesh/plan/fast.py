@@ -1,8 +1,10 @@
 """The fast search method: closed-form rank options for identical layers (everything but small problems).
 
 Layers are identical, so within a rank whose layers share one mesh and one ZeRO stage the only
-per-layer choice left is recomputation, and then only *how many* layers recompute matters (order
-changes no cost). Each rank's options are therefore ``mesh x zero x k recomputed layers``, evaluated
+per-layer choice left is recomputation (none, selective, full), and then only *how many* layers
+take each kind matters (order changes no cost). A rank mixes at most two kinds, k layers of the
+more recomputing one (none + full, none + selective or selective + full: 3(n + 1) options instead of
+every (n + 1)(n + 2) / 2 split of three). Each rank's options are therefore ``mesh x zero x pair x k``, evaluated
 in closed form with numpy from the cost model's per-layer :class:`LayerCost`; the driver tries a few
 time- and memory-balanced layer splits (:attr:`FastSearch.exhaustive_splits` is False).
 """
@@ -10,34 +12,73 @@ time- and memory-balanced layer splits (:attr:`FastSearch.exhaustive_splits` is 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import combinations
 from typing import Any, cast
 
 import numpy as np
 
 from flexmesh.cost import LayerCost
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.plan.space import Chunk, Mesh, mesh_of
 from flexmesh.plan.stage import Options, Sizes, StageContext, pareto2, tail
 
 _ATTRS = ("time", "bwd", "states", "act", "grad_sync", "optim", "transient")
-# Per (mesh, zero): the strategy without and the one with recomputation (either may be missing).
+# Per (mesh, zero): two strategies differing in recomputation, the second recomputing more (it may
+# be None when the group has a single strategy).
 Group = tuple[LayerStrategy | None, LayerStrategy | None]
-Pick = tuple[LayerStrategy | None, LayerStrategy | None, int]  # (without, with recompute, k recomputed layers)
+Pick = tuple[LayerStrategy | None, LayerStrategy | None, int]  # (lesser, greater recompute, k layers of the greater)
+_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 
 def groups(strategies: list[LayerStrategy]) -> list[Group]:
-    """(without, with) recomputation per (mesh, zero), in first-seen order."""
-    by: dict[tuple, list[LayerStrategy | None]] = {}
+    """Pairs (lesser, greater recomputation) per (mesh, zero), in first-seen order.
+
+    A (mesh, zero) with one strategy gives (it, None); with two or three, every pair of them.
+
+    >>> from flexmesh.layout.strategy import LayerStrategy as S
+    >>> [(str(a), str(b)) for a, b in groups([S(dp=2), S(dp=2, recompute="full"), S(dp=2, recompute="selective")])]
+    [('tp1-dp2z0', 'tp1-dp2z0-sac'), ('tp1-dp2z0', 'tp1-dp2z0-ac'), ('tp1-dp2z0-sac', 'tp1-dp2z0-ac')]
+    """
+    by: dict[tuple, dict[Recompute, LayerStrategy]] = {}
     for s in strategies:
-        by.setdefault((mesh_of(s), s.zero), [None, None])[int(s.recompute)] = s
-    return [(v[0], v[1]) for v in by.values()]
+        by.setdefault((mesh_of(s), s.zero), {})[s.recompute_kind] = s
+    out: list[Group] = []
+    for kinds in by.values():
+        present = [kinds[k] for k in _ORDER if k in kinds]
+        out.extend(combinations(present, 2) if len(present) > 1 else [(present[0], None)])
+    return out
+
+
+def memory_saving(ctx: StageContext, strategies: list[LayerStrategy]) -> list[LayerStrategy]:
+    """Drop a strategy whose recomputation keeps no fewer activation bytes than a sibling (same mesh
+    and ZeRO stage) that recomputes less.
+
+    Recomputation trades backward time for activation memory; one that saves no memory only makes
+    each micro-batch longer. (Its longer backward may hide a little more gradient sync, at most its
+    extra time once per step against that time on every micro-batch, which is why
+    :func:`~flexmesh.plan.stage.prune`, exact, keeps it.) Under the analytic cost model selective
+    recomputation is such a case (flash-style attention keeps no s^2 term); under a model profile
+    that measured what the runtime keeps it may save bytes, and stays.
+    """
+    by: dict[tuple, list[LayerStrategy]] = {}
+    for s in strategies:
+        by.setdefault((mesh_of(s), s.zero), []).append(s)
+    out = []
+    for sibs in by.values():
+        least = float("inf")
+        for s in sorted(sibs, key=lambda x: _ORDER.index(x.recompute_kind)):
+            act = ctx.layer(s).act
+            if act < least:
+                out.append(s)
+                least = act
+    return out
 
 
 class FastRanks:
-    """Rank options for identical layers: one mesh and ZeRO stage per rank, k of its layers recomputed.
+    """Rank options for identical layers: one mesh and ZeRO stage per rank, k of its layers recomputing more.
 
-    ``groups`` lists per (mesh, zero) the strategies without and with recomputation (either may be
-    None). All groups and all k are evaluated at once as (group x k) numpy arrays from the per-layer
+    ``groups`` lists per (mesh, zero) pairs of strategies with less and more recomputation (the
+    second may be None). All groups and all k are evaluated at once as (group x k) numpy arrays from the per-layer
     LayerCost; options are cached per (layers, embed, head, in-flight) since many ranks and splits share them.
     Built once per (pp, v, micro-batch size, mesh): nothing here depends on the schedule or m but
     the in-flight counts, which arrive per call.
@@ -76,7 +117,7 @@ class FastRanks:
         return self.cache[key]
 
     def pick(self, payload_item: tuple[int, int]) -> Pick:
-        """(without, with recompute, k) of a payload item (group, k)."""
+        """(lesser, greater recompute, k) of a payload item (group, k)."""
         g, k = payload_item
         return (self.groups[g][0], self.groups[g][1], k)
 
@@ -112,7 +153,7 @@ def _any(pair: Group) -> LayerStrategy:
 
 
 def expand(picks: Sequence[Pick], sizes: Sizes, pp: int) -> list[Chunk]:
-    """Per-chunk strategy tuples from per-rank (no_ac, ac, k): the first k layers of a rank recompute.
+    """Per-chunk strategy tuples from per-rank (lesser, greater, k): the first k layers of a rank take the greater.
 
     >>> from flexmesh.layout.strategy import LayerStrategy as S
     >>> a, b = S(tp=1, dp=2), S(tp=1, dp=2, recompute=True)
@@ -155,7 +196,7 @@ class FastSearch:
     def ranks(self, ctx: StageContext, strategies: list[LayerStrategy], mesh: Mesh | None) -> _FastView:
         # Shared by every schedule and m with the same (pp, v, micro-batch size, mesh): the tables
         # depend only on those; the in-flight counts of the configuration come with the view.
-        key = (ctx.pp, ctx.v, ctx.mbs, mesh)
+        key = (ctx.pp, ctx.v, ctx.mbs, mesh, ctx.overlap)
         if key not in self._ranks:
-            self._ranks[key] = FastRanks(ctx, groups(strategies))
+            self._ranks[key] = FastRanks(ctx, groups(memory_saving(ctx, strategies)))
         return _FastView(self._ranks[key], ctx)

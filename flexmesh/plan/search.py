@@ -1,7 +1,7 @@
 """The static search: the fastest plan (per-layer strategies, pipeline split, schedule, micro-batches) that fits.
 
-Outer loop: pipeline degree ``pp`` (powers of two dividing the world), pipeline schedule (1F1B,
-GPipe, interleaved with two chunks per rank) and micro-batch count ``m``
+Outer loop: pipeline degree ``pp`` (divisors of the world whose stages are whole nodes or divide a
+node), pipeline schedule (1F1B, GPipe, interleaved with ``v`` chunks per rank) and micro-batch count ``m``
 (:func:`~flexmesh.plan.space.outer_configurations`). For each, and for each way of splitting the
 layers into chunks (:func:`~flexmesh.plan.stage.layer_splits`), every pipeline rank gets a small
 set of options; an option is the strategies of all its layers, summarised by what the step time and
@@ -29,6 +29,7 @@ from typing import Any
 
 from flexmesh.cost import in_flight
 from flexmesh.errors import PlanError
+from flexmesh.layout.overlap import Overlap
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.plan.exact import ExactSearch
 from flexmesh.plan.fast import FastSearch
@@ -52,7 +53,14 @@ EXACT_MAX_LAYERS = 6
 
 Progress = Callable[[int, int], None]  # (configurations done, configurations in all)
 Configuration = tuple[int, str, int, int]  # (pp, pipeline schedule, v, m)
-Found = tuple[float, tuple[tuple[Chunk, ...], int, str, int, int]]  # (estimate, (chunks, pp, schedule, v, m))
+# (estimate, (chunks, pp, schedule, v, m, overlap))
+Found = tuple[float, tuple[tuple[Chunk, ...], int, str, int, int, Overlap]]
+# Overlap options never slower than leaving them off: TP communication under the GEMMs and ZeRO-3
+# gathers prefetched. They cost buffers, so the lean alternative (both off) is priced too where
+# memory binds; reducing ZeRO-2/3 gradients once ("last") saves time for unsharded gradients.
+FASTEST = Overlap(tp_comm=True, grad_reduce="bucketed", zero3_prefetch=True)
+LEAN = Overlap(tp_comm=False, grad_reduce="bucketed", zero3_prefetch=False)
+REDUCE_ONCE = Overlap(tp_comm=True, grad_reduce="last", zero3_prefetch=True)
 
 
 @dataclass(frozen=True)
@@ -106,22 +114,47 @@ def search(request: SearchRequest, progress: Progress | None = None) -> SearchOu
 def _configurations(request: SearchRequest) -> list[Configuration]:
     """The outer configurations, or PlanError when the world size or the batch leaves none."""
     model, cluster, world, gb = request.model, request.cluster, request.world_size, request.global_batch
-    configs = list(outer_configurations(model, world, gb, request.space))
+    configs = list(outer_configurations(model, world, gb, request.space, cluster.devices_per_node))
     if not configs:
         raise PlanError(
             f"no pipeline/micro-batch layout for world size {world} with {model.num_layers} layers and global "
-            f"batch {gb}: use a power-of-two device count or a global batch divisible by it")
+            f"batch {gb}: pipeline stages must be whole nodes of {cluster.devices_per_node} or divide one; "
+            "change the device count or the pipeline degrees allowed")
     if not any(candidate_strategies(model, cluster, world // pp, request.space, gb // m) for pp, _, _, m in configs):
         raise PlanError(
             f"world size {world} cannot be factored into pp x tp x cp x dp for {model.name} ({model.num_heads} "
-            f"heads) with global batch {gb}: dp must divide the sequences of a micro-batch and tp/cp "
-            f"are powers of two; use a power-of-two device count or a global batch divisible by {world}")
+            f"heads) with global batch {gb}: dp must divide the sequences of a micro-batch, tp the node size "
+            f"and the heads, and cp is a power of two; use a global batch with more factors in common with "
+            f"{world}")
     return configs
+
+
+def overlap_choices(strategies: Sequence[LayerStrategy], m: int, exhaustive: bool) -> list[Overlap]:
+    """The overlap options worth pricing for these strategies and ``m`` micro-batches, fastest first.
+
+    :data:`FASTEST` always; the others only where they change something: :data:`LEAN` when some
+    strategy uses tp or ZeRO-3 (it frees their buffers), :data:`REDUCE_ONCE` when ``m > 1`` and some
+    strategy shards gradients (ZeRO-2/3). The fast method prices the alternatives only where the
+    fastest fits nothing (``exhaustive`` False), to keep the search's time.
+
+    >>> from flexmesh.layout.strategy import LayerStrategy as S
+    >>> [o.label for o in overlap_choices([S(tp=2, dp=2, zero=3)], 4, True)]
+    ['tp-overlap grad:bucketed', 'grad:bucketed no-prefetch', 'tp-overlap grad:last']
+    >>> [o.label for o in overlap_choices([S(dp=4, zero=1)], 4, True)]
+    ['tp-overlap grad:bucketed']
+    """
+    out = [FASTEST]
+    if any(s.tp > 1 or s.zero == 3 for s in strategies):
+        out.append(LEAN)
+    if exhaustive and m > 1 and any(s.zero >= 2 for s in strategies):
+        out.append(REDUCE_ONCE)
+    return out
 
 
 def _search_configuration(request: SearchRequest, method: SearchMethod, config: Configuration,
                           pruned: dict[tuple, list[LayerStrategy]]) -> tuple[int, list[Found]]:
-    """(splits examined, best layout per mesh) of one (pp, schedule, v, m); ``pruned`` caches across calls."""
+    """(splits examined, best layout per mesh and overlap) of one (pp, schedule, v, m); ``pruned`` caches
+    across calls."""
     pp, schedule, v, m = config
     cost = request.cost_model()
     D, mbs = request.world_size // pp, request.global_batch // m
@@ -129,20 +162,26 @@ def _search_configuration(request: SearchRequest, method: SearchMethod, config: 
     if not strategies:
         return 0, []
     flight = tuple(in_flight(schedule, pp, r, m, v) for r in range(pp))
-    ctx = StageContext(cost, request.seq_len, mbs, pp, v, flight, cost.memory_budget)
+    overlaps = list(request.space.overlaps or overlap_choices(strategies, m, method.exhaustive_splits))
     meshes: Sequence[Mesh | None] = sorted({mesh_of(s) for s in strategies}) if request.space.same_mesh else [None]
-    examined, found = 0, []
-    for mesh in meshes:
-        if (D, mbs, mesh) not in pruned:
-            pruned[D, mbs, mesh] = prune(ctx, [s for s in strategies if mesh is None or mesh_of(s) == mesh])
-        ranks = method.ranks(ctx, pruned[D, mbs, mesh], mesh)
-        splits = layer_splits(ctx, pruned[D, mbs, mesh], request.model.num_layers, pp * v, method.exhaustive_splits)
-        examined += len(splits)
-        best = _best_split(ranks, splits, pp, schedule, m, v)
-        if best is not None:
-            obj, sizes, chosen = best
-            chunks = tuple(tuple(c) for c in ranks.chunks(sizes, chosen))
-            found.append((obj, (chunks, pp, schedule, v, m)))
+    examined, found = 0, list[Found]()
+    for k, overlap in enumerate(overlaps):
+        if k and found and request.space.overlaps is None and not method.exhaustive_splits:
+            break  # fast method: alternatives only where the fastest options fit nothing
+        overlap = cost.effective_overlap(overlap, m)  # priced exactly as evaluate_stages prices it
+        ctx = StageContext(cost, request.seq_len, mbs, pp, v, flight, cost.memory_budget, overlap)
+        for mesh in meshes:
+            key = (D, mbs, mesh, overlap)
+            if key not in pruned:
+                pruned[key] = prune(ctx, [s for s in strategies if mesh is None or mesh_of(s) == mesh])
+            ranks = method.ranks(ctx, pruned[key], mesh)
+            splits = layer_splits(ctx, pruned[key], request.model.num_layers, pp * v, method.exhaustive_splits)
+            examined += len(splits)
+            best = _best_split(ranks, splits, pp, schedule, m, v)
+            if best is not None:
+                obj, sizes, chosen = best
+                chunks = tuple(tuple(c) for c in ranks.chunks(sizes, chosen))
+                found.append((obj, (chunks, pp, schedule, v, m, overlap)))
     return examined, found
 
 
@@ -171,14 +210,14 @@ def _evaluate(request: SearchRequest, found: list[Found]) -> list[Candidate]:
     found.sort(key=lambda x: x[0])
     results: list[Candidate] = []
     seen = set()
-    for obj, (chunks, pp, schedule, v, m) in found:
+    for obj, (chunks, pp, schedule, v, m, overlap) in found:
         if len(results) >= max(request.top, 1) * 3:
             break
-        ev = evaluate_chunks(cost, chunks, pp, schedule, v, m, request.seq_len, request.global_batch)
+        ev = evaluate_chunks(cost, chunks, pp, schedule, v, m, request.seq_len, request.global_batch, overlap)
         if not ev.fits:
             continue
         plan = to_plan(request.model, request.cluster, cost, chunks, pp, schedule, v, m, request.seq_len,
-                       request.global_batch, ev)
+                       request.global_batch, ev, overlap)
         if plan.layout in seen:
             continue
         seen.add(plan.layout)

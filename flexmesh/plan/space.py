@@ -22,8 +22,9 @@ from itertools import product
 from flexmesh.cost import CostModel, Evaluation
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import CPKind, PipelineSchedule
+from flexmesh.layout.overlap import NO_OVERLAP, Overlap
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, StagePlan
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 
@@ -39,12 +40,22 @@ class SearchSpace:
     pipeline_schedules: tuple[str, ...] = PIPELINE_SCHEDULES
     cp_kinds: tuple[str, ...] = ("ulysses", "ring")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[bool, ...] = (False, True)
+    # none / selective / full (a bool: full or none, as before selective existed)
+    recompute: tuple[Recompute | bool, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     max_tp: int | None = None
     max_cp: int | None = None
-    pp: tuple[int, ...] | None = None  # None: every power of two <= min(world, layers) dividing world
+    pp: tuple[int, ...] | None = None  # None: pipeline_degrees(world, layers, devices per node)
     microbatches: tuple[int, ...] | None = None  # None: every divisor of the global batch
+    virtual_stages: tuple[int, ...] = (2, 3, 4)  # chunks per rank the interleaved schedule may use
+
+    @property
+    def recompute_modes(self) -> tuple[Recompute, ...]:
+        """``recompute`` as :class:`Recompute` values, each once, in the given order."""
+        return tuple(dict.fromkeys(LayerStrategy(recompute=r).recompute_kind for r in self.recompute))
     same_mesh: bool = False  # every layer of every stage on one (tp, cp, dp) mesh, as the runtime runs
+    # Plan-level overlap options to price (flexmesh.layout.overlap); None: the search's own choice
+    # (flexmesh.plan.search.overlap_choices).
+    overlaps: tuple[Overlap, ...] | None = None
 
 
 FULL_SPACE = SearchSpace()
@@ -114,6 +125,19 @@ def pow2_upto(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
 
 
+def pipeline_degrees(world: int, layers: int, per_node: int) -> list[int]:
+    """Default pipeline degrees: divisors of ``world`` up to ``layers`` whose stages are whole nodes or
+    divide a node (a stage straddling part of a node would split tp or data groups across nodes).
+
+    >>> pipeline_degrees(384, 70, 8)  # BLOOM's 48 nodes of 8: 12 stages of 4 nodes among them
+    [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+    >>> pipeline_degrees(24, 32, 8)
+    [1, 3, 6, 12, 24]
+    """
+    return [p for p in divisors(world) if p <= layers and
+            ((world // p) % per_node == 0 or per_node % (world // p) == 0)]
+
+
 def divisors(n: int) -> list[int]:
     """Every divisor of ``n``, ascending.
 
@@ -133,13 +157,13 @@ def candidate_strategies(model: ModelSpec, cluster: ClusterSpec, devices: int, s
                          microbatch_seqs: int | None = None) -> list[LayerStrategy]:
     """Every strategy one layer may take on a stage of ``devices`` devices.
 
-    tp: powers of two within a node dividing the heads (and the KV heads, or divided by them);
-    cp: powers of two, Ulysses only when the heads split over tp x cp; dp fills the rest and must
-    divide the micro-batch; ZeRO above 0 only when states are replicated (dp x cp > 1).
+    tp: divisors of the node size dividing the heads (and the KV heads, or divided by them); cp:
+    powers of two, Ulysses only when the heads split over tp x cp; dp fills the rest (any integer)
+    and must divide the micro-batch; ZeRO above 0 only when states are replicated (dp x cp > 1).
 
     >>> from flexmesh.spec import MODEL_PRESETS, parse_cluster
     >>> ss = candidate_strategies(MODEL_PRESETS["tiny"], parse_cluster("2xA100-80GB"), 2)
-    >>> [str(s) for s in ss if not s.recompute and s.zero in (0, 3)]
+    >>> [str(s) for s in ss if s.recompute is Recompute.NONE and s.zero in (0, 3)]
     ['tp1-dp2z0', 'tp1-dp2z3', 'tp1-u2-dp1z0', 'tp1-u2-dp1z3', 'tp1-r2-dp1z0', 'tp1-r2-dp1z3', 'tp2-dp1z0']
     """
     return [s for s in _candidates(model, cluster, devices, space)
@@ -151,7 +175,9 @@ def _candidates(model: ModelSpec, cluster: ClusterSpec, devices: int, space: Sea
     # Cached: the search asks for the same stage size under every schedule and micro-batch count.
     out = []
     max_tp = min(cluster.devices_per_node, devices, space.max_tp or devices)
-    for tp in pow2_upto(max_tp):
+    for tp in divisors(max_tp):
+        if devices % tp or cluster.devices_per_node % tp:
+            continue
         if model.num_heads % tp or not (model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0):
             continue
         for cp in pow2_upto(min(devices // tp, space.max_cp or devices)):
@@ -162,47 +188,54 @@ def _candidates(model: ModelSpec, cluster: ClusterSpec, devices: int, space: Sea
                 CPKind(k) for k in space.cp_kinds if k != "ulysses" or model.num_heads % (tp * cp) == 0]
             for kind in kinds:
                 zeros = [z for z in space.zero_stages if z == 0 or dp * cp > 1] or [0]
-                for z, ac in product(zeros, space.recompute):
+                for z, ac in product(zeros, space.recompute_modes):
                     out.append(LayerStrategy(tp=tp, cp=cp, cp_kind=kind, dp=dp, zero=z, recompute=ac))
     return tuple(out)
 
 
-def outer_configurations(model: ModelSpec, world: int, global_batch: int,
-                         space: SearchSpace) -> Iterator[tuple[int, str, int, int]]:
+def outer_configurations(model: ModelSpec, world: int, global_batch: int, space: SearchSpace,
+                         per_node: int = 1) -> Iterator[tuple[int, str, int, int]]:
     """(pp, pipeline schedule, v, m) tuples the search examines.
 
-    pp = 1 runs only as 1F1B (gradient accumulation; GPipe holds more and interleaving needs pp > 1);
-    interleaving uses two chunks per rank and, as Megatron requires, m divisible by pp.
+    pp: ``space.pp``, else :func:`pipeline_degrees` (``per_node`` devices per node; 1: every divisor
+    of the world up to the layers). pp = 1 runs only as 1F1B (gradient accumulation; GPipe holds more
+    and interleaving needs pp > 1). GPipe only when 1F1B is not allowed: the cost model prices both
+    alike in time (:func:`~flexmesh.cost.pipeline.pipeline_time`) and GPipe with all ``m``
+    micro-batches in flight, so a GPipe layout never beats the same layout under 1F1B. Interleaving
+    runs ``v`` chunks per rank for each ``v`` of ``space.virtual_stages`` with at least one layer per
+    chunk, two chunks per rank always and more only when they split the layers evenly (Megatron's
+    rule for interleaving, which bounds the search); m must divide by pp, as Megatron requires.
 
     >>> from flexmesh.spec import MODEL_PRESETS
     >>> list(outer_configurations(MODEL_PRESETS["tiny"], 2, 2, SearchSpace(pipeline_schedules=("1f1b", "interleaved"))))
     [(1, '1f1b', 1, 1), (1, '1f1b', 1, 2), (2, '1f1b', 1, 1), (2, '1f1b', 1, 2), (2, 'interleaved', 2, 2)]
     """
-    pps = space.pp or [p for p in pow2_upto(min(world, model.num_layers)) if world % p == 0]
+    L = model.num_layers
+    pps = space.pp or pipeline_degrees(world, L, per_node)
     for pp in pps:
-        if world % pp or pp > model.num_layers:
+        if world % pp or pp > L:
             continue
         for schedule in space.pipeline_schedules:
-            if pp == 1 and schedule != "1f1b":
+            if (pp == 1 and schedule != "1f1b") or (schedule == "gpipe" and "1f1b" in space.pipeline_schedules):
                 continue
-            v = 2 if schedule == "interleaved" else 1
-            if model.num_layers < pp * v:
-                continue
-            for m in space.microbatches or divisors(global_batch):
-                if global_batch % m or (schedule == "interleaved" and m % pp):
-                    continue
-                yield pp, schedule, v, m
+            vs = [1] if schedule != "interleaved" else [
+                v for v in space.virtual_stages if v >= 2 and L >= pp * v and (v == 2 or L % (pp * v) == 0)]
+            for v in vs:
+                for m in space.microbatches or divisors(global_batch):
+                    if global_batch % m or (schedule == "interleaved" and m % pp):
+                        continue
+                    yield pp, schedule, v, m
 
 
 # ---- pricing and writing a layout -----------------------------------------------------------------
 def evaluate_chunks(cost: CostModel, chunks: Sequence[Chunk], pp: int, schedule: str, v: int, m: int, seq_len: int,
-                    global_batch: int) -> Evaluation:
+                    global_batch: int, overlap: Overlap = NO_OVERLAP) -> Evaluation:
     """The cost model's figures for ``pp * v`` chunks under ``schedule`` with ``m`` micro-batches."""
-    return cost.evaluate_stages(chunks, pp, schedule, m, v, global_batch // m, seq_len)
+    return cost.evaluate_stages(chunks, pp, schedule, m, v, global_batch // m, seq_len, overlap)
 
 
 def to_plan(model: ModelSpec, cluster: ClusterSpec, cost: CostModel, chunks: Sequence[Chunk], pp: int, schedule: str,
-            v: int, m: int, seq_len: int, global_batch: int, ev: Evaluation) -> Plan:
+            v: int, m: int, seq_len: int, global_batch: int, ev: Evaluation, overlap: Overlap = NO_OVERLAP) -> Plan:
     """The Plan of consecutive chunks (chunk ``i`` on pipeline rank ``i % pp``) with its predicted figures."""
     stages, start = [], 0
     for st in chunks:
@@ -211,4 +244,4 @@ def to_plan(model: ModelSpec, cluster: ClusterSpec, cost: CostModel, chunks: Seq
     return Plan(model=model.name, cluster=cluster.label, world_size=cluster.world_size, pp=pp,
                 pipeline_schedule=PipelineSchedule(schedule), num_microbatches=m, seq_len=seq_len,
                 global_batch=global_batch, stages=tuple(stages), virtual_stages=v, predicted=ev.to_dict(),
-                cost_source=cost.source)
+                cost_source=cost.source, overlap=overlap)

@@ -11,13 +11,15 @@ micro-batch and its tail (exposed gradient sync + optimizer after the pipeline d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Protocol
 
 import numpy as np
 
 from flexmesh.cost import CostModel, LayerCost, Work, pipeline_times
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.layout.overlap import NO_OVERLAP, Overlap
+from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.plan.partition import balanced_splits, compositions, count_compositions
 from flexmesh.plan.space import Chunk, Mesh, mesh_of
 
@@ -41,22 +43,33 @@ class StageContext:
     v: int
     flight: tuple[float, ...]  # micro-batches in flight per pipeline rank
     budget: float
+    overlap: Overlap = NO_OVERLAP  # the plan-level overlap options this configuration is priced under
+    _works: dict = field(default_factory=dict, compare=False, repr=False)  # memo of work()
 
     def work(self, s: LayerStrategy) -> Work:
-        """One layer's share of a micro-batch under ``s``."""
-        return self.cost.layer_work(s, self.mbs, self.seq_len)
+        """One layer's share of a micro-batch under ``s`` (asked for every layer, option and split)."""
+        w = self._works.get(s)
+        if w is None:
+            w = self._works[s] = self.cost.layer_work(s, self.mbs, self.seq_len)
+        return w
 
     def layer(self, s: LayerStrategy) -> LayerCost:
         """One transformer layer under ``s`` (the cost model caches it)."""
-        return self.cost.layer(s, self.work(s))
+        return self.cost.layer(s, self.work(s), self.overlap)
 
     def ends(self, s: LayerStrategy, embed: bool, head: bool) -> LayerCost:
-        """The embedding and/or LM head run next to a layer under ``s``."""
-        return self.cost.ends(s, self.work(s), embed, head)
+        """The embedding and/or LM head run next to a layer under ``s``. No recomputation touches
+        them, so strategies differing only in it share one (cached) cost."""
+        return self.cost.ends(_without_recompute(s), self.work(s), embed, head, self.overlap)
 
     def p2p(self, s: LayerStrategy) -> float:
         """Pipeline sends of a rank whose first chunk starts with ``s``, once per virtual stage."""
         return self.cost.pipeline_p2p(s, self.mbs, self.seq_len, self.pp) * self.v
+
+
+@lru_cache(maxsize=None)
+def _without_recompute(s: LayerStrategy) -> LayerStrategy:
+    return s if s.recompute_kind is Recompute.NONE else replace(s, recompute=Recompute.NONE)
 
 
 class RankOptions(Protocol):
@@ -133,7 +146,8 @@ def layer_splits(ctx: StageContext, strategies: list[LayerStrategy], layers: int
         return list(compositions(layers, parts))
     # Balance by time (the last chunk also runs the head, the first the embedding) and by memory
     # (early 1F1B ranks hold more micro-batches), with a reference strategy: the least-memory one.
-    ref = min(strategies, key=lambda s: (ctx.layer(s).states + ctx.layer(s).act, ctx.layer(s).time))
+    costs = [ctx.layer(s) for s in strategies]  # each priced once: this runs for every configuration
+    ref = strategies[min(range(len(strategies)), key=lambda i: (costs[i].states + costs[i].act, costs[i].time))]
     lc = ctx.layer(ref)
     time_extra = [0.0] * parts
     time_extra[0] += ctx.ends(ref, True, False).time / lc.time

@@ -29,9 +29,10 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flexmesh.errors import ProfileError
+from flexmesh.errors import ProfileError, SpecError
 from flexmesh.files import read_json
 from flexmesh.profile.fit import LayerFit
+from flexmesh.spec.values import mapping, number, sequence, text, whole
 
 VERSION = 1
 END_KEYS = ("embedding_forward", "embedding_backward", "head_forward", "head_backward")
@@ -171,6 +172,7 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, d: dict, name: str = "hardware") -> "HardwareProfile":
         _check(d, "hardware", name)
+        _hardware_values(d, name)
         try:
             colls = [CollectiveFit.from_dict(c) for c in d["collectives"]]
         except (KeyError, TypeError, ValueError) as e:
@@ -182,6 +184,15 @@ class HardwareProfile:
 
     def save(self, path: str | Path) -> None:
         _save(self, path)
+
+
+def recompute_name(value: bool | str) -> str:
+    """An activation entry's ``recompute`` as none / selective / full (a bool: full or none).
+
+    >>> recompute_name(True), recompute_name(False), recompute_name("selective")
+    ('full', 'none', 'selective')
+    """
+    return ("full" if value else "none") if isinstance(value, bool) else str(value)
 
 
 @dataclass
@@ -218,9 +229,12 @@ class ModelProfile:
                 f"model profile {self.name} was measured on model {mine.get('name')!r}, not {spec.name!r} "
                 f"({'; '.join(diff[:4])}); run `flexmesh profile model --model {spec.name}` for this model")
 
-    def activation_entry(self, tp: int, cp: int, recompute: bool) -> dict | None:
+    def activation_entry(self, tp: int, cp: int, recompute: bool | str) -> dict | None:
+        """The activation table's entry for (tp, cp, recompute); ``recompute`` is false / true (none /
+        full, as older profiles write it) or ``"none"`` / ``"selective"`` / ``"full"``."""
+        want = recompute_name(recompute)
         for e in self.activations["layers"]:
-            if int(e["tp"]) == tp and int(e["cp"]) == cp and bool(e["recompute"]) == recompute:
+            if int(e["tp"]) == tp and int(e["cp"]) == cp and recompute_name(e["recompute"]) == want:
                 return e
         return None
 
@@ -248,6 +262,7 @@ class ModelProfile:
     @classmethod
     def from_dict(cls, d: dict, name: str = "model") -> "ModelProfile":
         _check(d, "model", name)
+        _model_values(d, name)
         if spec_hash(d["model"]) != d["model_hash"]:
             raise ProfileError(f"{name}: model_hash does not match the recorded model (the file was edited); "
                                "re-run `flexmesh profile model`")
@@ -259,24 +274,106 @@ class ModelProfile:
             for part, keys in (("layers", ("forward", "backward", "backward_recompute")), ("ends", END_KEYS)):
                 if part in parallel:
                     parallel[part] = [{**e, **{k: LayerFit.from_dict(e[k]) for k in keys}} for e in parallel[part]]
-            return cls(model=d["model"], dtype=d["dtype"],
-                       layer=fits("layer", ("forward", "backward", "backward_recompute")),
-                       embedding=fits("embedding", ("forward", "backward")), head=fits("head", ("forward", "backward")),
-                       activations=d["activations"], states=d["states"], produced_by=d["produced_by"],
-                       samples=d.get("samples", {}), name=name, parallel=parallel)
-        except (KeyError, TypeError, ValueError) as e:
+            profile = cls(model=d["model"], dtype=d["dtype"],
+                          layer=fits("layer", ("forward", "backward", "backward_recompute")),
+                          embedding=fits("embedding", ("forward", "backward")),
+                          head=fits("head", ("forward", "backward")),
+                          activations=d["activations"], states=d["states"], produced_by=d["produced_by"],
+                          samples=d.get("samples", {}), name=name, parallel=parallel)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProfileError(f"{name}: a time fit is malformed ({e!r}); each needs c0_s, c1_s_per_token, "
-                               "c2_s_per_sq_token") from e
+                               "c2_s_per_sq_token") from None
+        for part in ("layer", "embedding", "head"):
+            _fit_values(getattr(profile, part), f"{name}: {part}")
+        for part, keys in (("layers", ("forward", "backward", "backward_recompute")), ("ends", END_KEYS)):
+            for i, e in enumerate(parallel.get(part, ())):
+                _fit_values({k: e[k] for k in keys}, f"{name}: parallel.{part}[{i}]")
+        return profile
 
     def save(self, path: str | Path) -> None:
         _save(self, path)
 
 
 def _overlap(d: dict, name: str) -> dict:
-    if d and not 0.0 <= float(d.get("hidden_fraction", -1.0)) <= 1.0:
-        raise ProfileError(f"{name}: overlap.hidden_fraction must be a number in [0, 1], got "
-                           f"{d.get('hidden_fraction')!r}; re-run `flexmesh profile hardware`")
+    if d:
+        number(mapping(d, f"{name}: overlap", ProfileError).get("hidden_fraction"), f"{name}: overlap.hidden_fraction",
+               ProfileError, strict=False, maximum=1.0)
     return d
+
+
+def _fit_values(fits: dict, where: str) -> None:
+    """Time fits are sums of non-negative terms (the fit is bounded below by 0): finite and >= 0."""
+    for k, f in fits.items():
+        for c in ("c0_s", "c1_s_per_token", "c2_s_per_sq_token", "c3_s_per_sq_row_token"):
+            number(getattr(f, c), f"{where}.{k}.{c}", ProfileError, strict=False)
+
+
+def _hardware_values(d: dict, name: str) -> None:
+    """Types and ranges of what a hardware profile says (ProfileError naming the key)."""
+    w = f"{name}: "
+    dev = mapping(d["device"], f"{w}device", ProfileError)
+    text(dev["type"], f"{w}device.type", ProfileError)
+    for k in ("nodes", "devices_per_node"):
+        whole(dev[k], f"{w}device.{k}", ProfileError)
+    number(dev["memory_bytes"], f"{w}device.memory_bytes", ProfileError)
+    text(d["dtype"], f"{w}dtype", ProfileError)
+    for k, v in mapping(d["matmul_flops_per_s"], f"{w}matmul_flops_per_s", ProfileError).items():
+        number(v, f"{w}matmul_flops_per_s.{k}", ProfileError)
+    number(d["memory_bytes_per_s"], f"{w}memory_bytes_per_s", ProfileError)
+    for k, v in mapping(d["attention"], f"{w}attention", ProfileError).items():
+        number(mapping(v, f"{w}attention.{k}", ProfileError).get("flops_per_s"), f"{w}attention.{k}.flops_per_s",
+               ProfileError)
+    for i, c in enumerate(sequence(d["collectives"], f"{w}collectives", ProfileError)):
+        mapping(c, f"{w}collectives[{i}]", ProfileError)
+        where = f"{w}collectives[{i}]"
+        text(c.get("collective"), f"{where}.collective", ProfileError)
+        whole(c.get("group_size"), f"{where}.group_size", ProfileError)
+        if c.get("scope") not in SCOPES:
+            raise ProfileError(f"{where}.scope must be one of {', '.join(SCOPES)}, got {c.get('scope')!r}")
+        for k in ("alpha_s", "beta_s_per_byte"):
+            number(c.get(k), f"{where}.{k}", ProfileError, strict=False)
+        for s in sequence(c.get("samples_bytes_s", []), f"{where}.samples_bytes_s", ProfileError):
+            if len(sequence(s, f"{where}.samples_bytes_s entry", ProfileError)) != 2:
+                raise ProfileError(f"{where}.samples_bytes_s entries must be [bytes, seconds] pairs, got {s!r}")
+    mapping(d["produced_by"], f"{w}produced_by", ProfileError)
+
+
+def _model_values(d: dict, name: str) -> None:
+    """Types and ranges of what a model profile says, before its fits are read (ProfileError naming the key)."""
+    from flexmesh.spec.model import ModelSpec
+
+    w = f"{name}: "
+    try:
+        ModelSpec.from_dict(mapping(d["model"], f"{w}model", ProfileError))
+    except SpecError as e:
+        raise ProfileError(f"{w}the recorded model is malformed ({e}); re-run `flexmesh profile model`") from None
+    text(d["dtype"], f"{w}dtype", ProfileError)
+    acts = mapping(d["activations"], f"{w}activations", ProfileError)
+    for i, e in enumerate(sequence(acts["layers"], f"{w}activations.layers", ProfileError)):
+        where = f"{w}activations.layers[{i}]"
+        mapping(e, where, ProfileError)
+        for k in ("tp", "cp"):
+            whole(e.get(k), f"{where}.{k}", ProfileError)
+        # true: the whole layer is recomputed; "selective": the attention core only
+        if not (isinstance(e.get("recompute"), bool) or e.get("recompute") == "selective"):
+            raise ProfileError(f"{where}.recompute must be false, true or \"selective\", got {e.get('recompute')!r}")
+        number(e.get("bytes_per_token"), f"{where}.bytes_per_token", ProfileError, strict=False)
+    for k in ("attention_mask_bytes_per_sq_row_token", "embedding_bytes_per_token", "head_bytes_per_token"):
+        number(acts[k], f"{w}activations.{k}", ProfileError, strict=False)
+    states = mapping(d["states"], f"{w}states", ProfileError)
+    number(states["weight_bytes_per_param"], f"{w}states.weight_bytes_per_param", ProfileError)
+    for k in ("grad_bytes_per_param", "optimizer_bytes_per_param", "optimizer_step_s_per_param"):
+        number(states[k], f"{w}states.{k}", ProfileError, strict=False)
+    mapping(d["produced_by"], f"{w}produced_by", ProfileError)
+    mapping(d.get("samples", {}), f"{w}samples", ProfileError)
+    parallel = mapping(d.get("parallel") or {}, f"{w}parallel", ProfileError)
+    for part in ("layers", "ends"):
+        for i, e in enumerate(sequence(parallel.get(part, []), f"{w}parallel.{part}", ProfileError)):
+            where = f"{w}parallel.{part}[{i}]"
+            whole(mapping(e, where, ProfileError).get("tp"), f"{where}.tp", ProfileError)
+            if part == "layers":
+                whole(e.get("cp"), f"{where}.cp", ProfileError)
+                text(e.get("cp_kind"), f"{where}.cp_kind", ProfileError)
 
 
 def _check(d: dict, kind: str, name: str) -> None:

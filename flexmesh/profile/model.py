@@ -289,11 +289,13 @@ def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, a
     return {"world_size": world.size, "layers": layers, "ends": ends}
 
 
-def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool, tokens: int, dtype, device) -> int:
-    """Bytes one rank's layer saves for backward for a row of ``tokens`` (see the module doc)."""
+def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool | str, tokens: int, dtype, device) -> int:
+    """Bytes one rank's layer saves for backward for a row of ``tokens`` (see the module doc);
+    ``recompute`` False, True (the whole layer) or "selective" (the attention core)."""
     from flexmesh.runtime.memory import SavedActivationMeter
 
     block = _block(spec, dtype, device, tp)
+    block.attention.recompute_core = recompute == "selective"
     local = tokens // cp  # this rank's slice of the row (context parallel)
     sp = local // tp  # the sequence-parallel slice between blocks
     positions, cu = _row([local], device)
@@ -311,7 +313,7 @@ def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool, tokens: int
 
     with SavedActivationMeter() as meter:
         x = leaf * 1.0  # an activation, not a leaf, as a layer's input is in the model
-        y = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        y = checkpoint(layer, x, use_reentrant=False) if recompute is True else layer(x)
         saved = meter.live_bytes
     del y, x
     return saved
@@ -323,7 +325,7 @@ def _measure_activations(spec: ModelSpec, cfg: dict, dtype, device, advance) -> 
     mask = 0.0
     for tp, cp in degrees(spec, cfg["max_degree"]):
         usable = [t for t in tokens if t % (tp * cp) == 0]
-        for recompute in (False, True):
+        for recompute in (False, True, "selective"):
             saved = [_saved_bytes(spec, tp, cp, recompute, t, dtype, device) for t in usable]
             t = np.asarray(usable, dtype=float)
             a, b, m = least_squares(np.stack([np.ones_like(t), t, (t / cp) ** 2], axis=1), saved)

@@ -12,9 +12,11 @@ uses them: docs/cost-model.md.
   under real process groups of the strategy's (tp, cp kind, cp) -- or the ends under its tp --
   those fits are used instead, and the TP / CP communication they include is not added again;
 - activation bytes per token come from the profile's table for the strategy's (tp, cp,
-  recompute); a degree pair it did not measure falls back to the tp = cp = 1 value divided by
-  tp * cp. The dense attention mask the CPU kernel saves (``attention_mask_bytes_per_sq_row_token``
-  x tokens^2 per layer, local and Ulysses attention; ring attention saves none) is the mask term;
+  recompute: none, selective or full); a degree pair it did not measure falls back to the tp = cp = 1
+  value divided by tp * cp. Selective recomputation's backward is the backward fit plus the
+  forward fit's quadratic (attention) part, which runs again. The dense attention mask the CPU
+  kernel saves (``attention_mask_bytes_per_sq_row_token`` x tokens^2 per layer, local and Ulysses
+  attention; ring attention and a selectively recomputed core save none) is the mask term;
 - weights, gradients and optimizer states take the profile's bytes per parameter, the optimizer
   step its seconds per parameter, and every byte count the profile's dtype.
 
@@ -38,7 +40,7 @@ from flexmesh.cost.hardware import COLLECTIVES, PRESET_OVERLAP, GroupShape, Hard
 from flexmesh.cost.timing import LayerTimes
 from flexmesh.cost.work import Amount
 from flexmesh.errors import ProfileError
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.profile.format import HardwareProfile, ModelProfile
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
@@ -85,14 +87,18 @@ class ProfiledTiming:
         the one-process fits with their token-dependent part split over tp x cp."""
         split = s.tp * s.cp
         backward = "backward_recompute" if s.recompute else "backward"
+        # Selective recomputation runs the forward's attention (the fit's quadratic part) again.
+        selective = s.recompute is Recompute.SELECTIVE
         measured = self.profile.parallel_layer(s.tp, s.cp_kind, s.cp) if split > 1 else None
         if measured is not None:
+            again = measured["forward"].attention(tokens, sq_tokens) if selective else 0.0
             return LayerTimes(fwd=measured["forward"].time(tokens, sq_tokens),
-                              bwd=measured[backward].time(tokens, sq_tokens), includes_communication=True)
+                              bwd=measured[backward].time(tokens, sq_tokens) + again, includes_communication=True)
         fit = self.profile.layer
+        attention = fit["forward"].attention(tokens, sq_tokens, split)
         return LayerTimes(fwd=fit["forward"].time(tokens, sq_tokens, split),
-                          bwd=fit[backward].time(tokens, sq_tokens, split),
-                          attention=fit["forward"].attention(tokens, sq_tokens, split))
+                          bwd=fit[backward].time(tokens, sq_tokens, split) + (attention if selective else 0.0),
+                          attention=attention)
 
     def embedding_times(self, s: LayerStrategy, tokens: Amount) -> tuple[Amount, Amount]:
         """(forward, backward) of the embedding's fits; see :meth:`_end_time`."""
@@ -112,11 +118,18 @@ class ProfiledTiming:
         return getattr(self.profile, part)[direction].time(tokens, 0.0, s.tp * s.cp)
 
     def activation_bytes_per_token(self, s: LayerStrategy, recompute: bool) -> float:
-        """The table's bytes per token for (tp, cp, recompute); unmeasured: tp = cp = 1 / (tp * cp)."""
-        entry = self.profile.activation_entry(s.tp, s.cp, recompute)
+        """The table's bytes per token for (tp, cp, recompute); unmeasured: tp = cp = 1 / (tp * cp).
+
+        Under selective recomputation (``recompute`` False, ``s.recompute`` selective) the table's
+        ``selective`` entry; a profile without one (made before selective existed) gives the bytes
+        without recomputation, an upper bound."""
+        mode: bool | str = recompute
+        if not recompute and s.recompute is Recompute.SELECTIVE:
+            mode = "selective" if self.profile.activation_entry(1, 1, "selective") is not None else False
+        entry = self.profile.activation_entry(s.tp, s.cp, mode)
         if entry is not None:
             return float(entry["bytes_per_token"])
-        base = self.profile.activation_entry(1, 1, recompute)
+        base = self.profile.activation_entry(1, 1, mode)
         if base is None:
             raise ProfileError(f"model profile {self.profile.name} has no tp=1 cp=1 activation measurement "
                                f"(recompute={recompute}); re-run `flexmesh profile model`")
@@ -127,8 +140,9 @@ class ProfiledTiming:
         return self.activation_bytes_per_token(s, recompute) * tokens
 
     def mask_bytes(self, s: LayerStrategy, tokens: float) -> float:
-        """``attention_mask_bytes_per_sq_row_token`` x tokens^2; the ring kernel keeps no mask."""
-        if s.cp > 1 and s.cp_kind == "ring":
+        """``attention_mask_bytes_per_sq_row_token`` x tokens^2; the ring kernel keeps no mask, nor
+        does a selectively recomputed attention core (the mask is made again in backward)."""
+        if (s.cp > 1 and s.cp_kind == "ring") or s.recompute is Recompute.SELECTIVE:
             return 0.0
         return float(self.profile.activations["attention_mask_bytes_per_sq_row_token"]) * tokens * tokens
 

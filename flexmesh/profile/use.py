@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.model import CostModel
-from flexmesh.errors import ProfileError
+from flexmesh.errors import ProfileError, SpecError
 from flexmesh.profile.format import HardwareProfile, ModelProfile, as_profile
 from flexmesh.profile.timing import ProfiledHardware, ProfiledTiming
 from flexmesh.spec.cluster import ClusterSpec, DeviceSpec
@@ -46,14 +46,17 @@ def cluster_from_profile(hw: HardwareProfile, world: int | None = None) -> Clust
                default=float(hw.memory_bytes_per_s) / 1e9)
     matmul = {k: float(v) for k, v in hw.matmul_flops_per_s.items()}
     attn = hw.attention_flops(hw.dtype) / matmul[hw.dtype] if hw.dtype in matmul else 1.0
-    dev = DeviceSpec(
-        name=re.sub(r"[^A-Za-z0-9]+", "-", str(hw.device["name"])).strip("-") or "device",
-        peak_tflops={k: v / 1e12 for k, v in matmul.items()},
-        memory_gib=hw.memory_per_device(world) / GIB, hbm_gbps=float(hw.memory_bytes_per_s) / 1e9,
-        nvlink_gbps=gbps, node_net_gbps=gbps, intra_latency_us=alpha * 1e6, inter_latency_us=alpha * 1e6,
-        mm_efficiency=1.0, attn_efficiency=attn, intra_efficiency=1.0, inter_efficiency=1.0,
-        a2a_intra_efficiency=1.0, a2a_inter_efficiency=1.0, framework_reserve_gib=0.0, allocator_headroom=0.0)
-    return ClusterSpec(nodes=1, devices_per_node=world, device=dev)
+    try:
+        dev = DeviceSpec(
+            name=re.sub(r"[^A-Za-z0-9]+", "-", str(hw.device["name"])).strip("-") or "device",
+            peak_tflops={k: v / 1e12 for k, v in matmul.items()},
+            memory_gib=hw.memory_per_device(world) / GIB, hbm_gbps=float(hw.memory_bytes_per_s) / 1e9,
+            nvlink_gbps=gbps, node_net_gbps=gbps, intra_latency_us=alpha * 1e6, inter_latency_us=alpha * 1e6,
+            mm_efficiency=1.0, attn_efficiency=attn, intra_efficiency=1.0, inter_efficiency=1.0,
+            a2a_intra_efficiency=1.0, a2a_inter_efficiency=1.0, framework_reserve_gib=0.0, allocator_headroom=0.0)
+        return ClusterSpec(nodes=1, devices_per_node=world, device=dev)
+    except SpecError as e:
+        raise ProfileError(f"hardware profile {hw.name}: {e}; re-run `flexmesh profile hardware`") from None
 
 
 def hardware_from_profile(cluster: ClusterSpec, profile: HardwareProfile, dtype: str | None = None) -> Hardware:
@@ -100,7 +103,10 @@ def cost_model_for(spec: ModelSpec, cluster: str | None, hardware: str | None = 
     hw = as_profile(hardware, "hardware") if hardware else None
     if cluster is None and hw is None and default_cluster is None:
         raise SpecError("give --cluster (e.g. 8xH100) or --hardware-profile (a file from `flexmesh profile hardware`)")
-    spec_cluster = parse_cluster(cluster) if cluster else (None if hw is not None else parse_cluster(default_cluster))
+    if cluster is not None:  # an empty string is refused by parse_cluster, not taken for "no cluster"
+        spec_cluster = parse_cluster(cluster)
+    else:
+        spec_cluster = None if hw is not None else parse_cluster(default_cluster)
     if hw is None and not model:
         return CostModel(spec, spec_cluster)
     return cost_model_from_profiles(spec, hardware=hw, model=model or None, cluster=spec_cluster)

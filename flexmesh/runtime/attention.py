@@ -416,7 +416,10 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                    cp: CPContext, window: int | None = None) -> torch.Tensor:
-    return _RingAttention.apply(q, k, v, cu_seqlens, cp, window)
+    # The ring computes scores, softmax statistics (lse) and the merge in fp32 whatever q's dtype
+    # (bf16 included) and returns q's dtype; autocast would put its matmuls back in bf16.
+    with torch.autocast(q.device.type, enabled=False):
+        return _RingAttention.apply(q, k, v, cu_seqlens, cp, window)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------

@@ -66,9 +66,12 @@ def _state_options() -> StateDictOptions:
 
 
 def plan_hash(plan: Plan) -> str:
-    """Hash of the plan's layout (predicted figures excluded: they do not change what runs)."""
+    """Hash of the plan's layout. Excluded, as they do not change what runs: the predicted figures and
+    the overlap options the cost model assumed (the runtime always runs its own), so checkpoints of
+    plans written before either field existed still resume."""
     d = plan.to_dict()
     d.pop("predicted", None)
+    d.pop("overlap", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -250,7 +253,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     pointer = root / "latest"
     if pointer.is_file():
-        name = pointer.read_text().strip()
+        name = pointer.read_text(encoding="utf-8", errors="replace").strip()  # garbage is refused below
         path = root / name
         # Only a step folder of this run: a planted pointer must not lead a resume elsewhere.
         if not STEP_DIR.fullmatch(name) or path.is_symlink():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+TRAIN_DTYPES = ("fp32", "bf16")  # what `flexmesh train --dtype` accepts
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -25,6 +27,9 @@ class TrainConfig:
     out_dir: str | None = None  # metrics.jsonl and checkpoints/ go here
     resume: bool = True  # continue from out_dir/checkpoints when one exists
     progress: bool = True  # live progress line on rank 0
+    # compute dtype (docs/precision.md): bf16 computes in bfloat16 with fp32 master weights, optimizer
+    # states, gradient reductions and loss; fp32 computes in float32
+    dtype: str = "fp32"
 
 
 def lr_schedule_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -68,6 +73,7 @@ class StepMetrics:
     predicted_busy_s: tuple[float, ...] = ()  # per rank: its group's predicted time
     busy_s: tuple[float, ...] = ()  # per rank: step start until its own micro-batches were done
     activation_peak_bytes: tuple[int, ...] = ()  # per rank: peak bytes saved for backward
+    dtype: str = "fp32"  # compute dtype of the step (TrainConfig.dtype)
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v

@@ -9,6 +9,10 @@ worker script on several ranks (:func:`run_torchrun`).
 No torch import here: a launcher only builds a command line, and the parent of a torchrun launch
 should not pay for importing torch (seconds) when only its children train.
 
+Restarts and several nodes (:class:`Rendezvous`): ``--max-restarts``, ``--nnodes``, ``--node-rank``,
+``--rdzv-endpoint`` and ``--rdzv-id`` of ``flexmesh train --nproc`` become torchrun's c10d rendezvous
+options; without them the launch is on one node, on loopback at a free port.
+
 Signals (:func:`run_supervised`): Ctrl-C or SIGTERM on ``flexmesh ... --nproc N`` is passed on to
 torchrun, which passes it to every rank and waits for them (its shutdown timeout, 30 s by default,
 then SIGKILL); the launcher waits for torchrun and kills whatever it left behind. Before, the
@@ -23,13 +27,18 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flexmesh.errors import PlanError
+
 # The variables torchrun sets in each rank; a child that starts its own ranks must not inherit them,
 # or it would join (or rendezvous at the port of) the launch this process belongs to.
-LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RESTART_COUNT")
 
 
 def free_port() -> int:
@@ -62,20 +71,120 @@ def single_process_env(port: int | None = None) -> dict[str, str]:
             "MASTER_PORT": str(port if port is not None else free_port())}
 
 
-def torchrun_command(nproc: int, target: Sequence[str], port: int | None = None) -> list[str]:
-    """The command line that runs ``target`` as ``nproc`` ranks on this node under torchrun.
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the launchers of one run meet and recover: torchrun's elastic options.
+
+    ``nnodes`` is torchrun's ``N`` or ``MIN:MAX``; ``node_rank`` tells the launchers apart (node 0's
+    holds the output folder, see ``flexmesh train``); ``endpoint`` is the ``HOST:PORT`` of the c10d
+    rendezvous, the same on every node; ``run_id`` names the run there; ``max_restarts`` is how many
+    times torchrun restarts the whole worker group after a worker fails. Build it with
+    :func:`parse_rendezvous`, which checks the values.
+    """
+
+    nnodes: str = "1"
+    node_rank: int = 0
+    endpoint: str | None = None
+    run_id: str | None = None
+    max_restarts: int = 0
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+    @property
+    def multi_node(self) -> bool:
+        return self.max_nodes > 1
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the launch needs the c10d rendezvous: several nodes, restarts or an endpoint."""
+        return self.multi_node or self.max_restarts > 0 or self.endpoint is not None
+
+    def torchrun_flags(self, port: int | None = None) -> list[str]:
+        """torchrun's rendezvous flags: c10d when :attr:`elastic`, else loopback at ``port`` (default:
+        a free one). A single node without an endpoint meets at ``127.0.0.1:0`` (the store picks a free
+        port) under a fresh id, as torchrun's ``--standalone`` does.
+
+        >>> Rendezvous().torchrun_flags(port=29500)
+        ['--master-addr', '127.0.0.1', '--master-port', '29500']
+        >>> Rendezvous("2", 1, "node0:29400", "job7", 1).torchrun_flags()
+        ['--nnodes', '2', '--max-restarts', '1', '--rdzv-backend', 'c10d', '--rdzv-endpoint', 'node0:29400', \
+'--rdzv-id', 'job7']
+        """
+        if not self.elastic:
+            return ["--master-addr", "127.0.0.1", "--master-port", str(port if port is not None else free_port())]
+        endpoint = self.endpoint or f"127.0.0.1:{port if port is not None else 0}"
+        # c10d assigns global ranks itself, so torchrun ignores (and warns about) --node-rank: not passed
+        return ["--nnodes", self.nnodes, "--max-restarts", str(self.max_restarts), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint, "--rdzv-id", self.run_id or f"flexmesh-{uuid.uuid4().hex[:12]}"]
+
+
+# torchrun's c10d agents share their store with the ranks by default; in torch 2.13 that store keeps
+# the keys of the previous attempt, so the ranks of a restarted group read their peers' old addresses
+# (gloo: "connectFullMesh failed ... Connection refused", seen on the first restart). With sharing
+# off, rank 0 of each attempt serves a fresh store for its group.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+DEFAULT_RUN_ID = "flexmesh"  # the c10d run id of a multi-node launch without --rdzv-id (the same on every node)
+
+
+def parse_rendezvous(nnodes: str | None = None, node_rank: int | None = None, endpoint: str | None = None,
+                     run_id: str | None = None, max_restarts: int = 0) -> Rendezvous:
+    """Check ``flexmesh train``'s ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-id`` and
+    ``--max-restarts``; a PlanError of one line says what is wrong.
+
+    >>> parse_rendezvous("1:2", 0, "127.0.0.1:29400").run_id
+    'flexmesh'
+    >>> parse_rendezvous(max_restarts=-1)
+    Traceback (most recent call last):
+    ...
+    flexmesh.errors.PlanError: --max-restarts must be 0 or more, got -1
+    """
+    if max_restarts < 0:
+        raise PlanError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    nnodes = "1" if nnodes is None else nnodes.strip()
+    parts = nnodes.split(":")
+    try:
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        low = high = 0
+    if len(parts) > 2 or not 1 <= low <= high:
+        raise PlanError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX (torchrun's form), got {nnodes!r}")
+    if high > 1 and node_rank is None:
+        raise PlanError(f"--nnodes {nnodes} needs --node-rank: 0 on the node whose launcher holds --out, 1 to "
+                        f"{high - 1} on the others")
+    if node_rank is not None and not 0 <= node_rank < high:
+        raise PlanError(f"--node-rank must be from 0 to {high - 1} with --nnodes {nnodes}, got {node_rank}")
+    if endpoint is not None:
+        host, _, port = endpoint.rpartition(":")
+        if not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise PlanError(f"--rdzv-endpoint must be HOST:PORT with a port from 1 to 65535 (for example "
+                            f"node0.cluster:29400), got {endpoint!r}")
+    elif high > 1:
+        raise PlanError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node: where the "
+                        "launchers meet (a port free on that host)")
+    if run_id is not None and (not run_id or any(c.isspace() for c in run_id)):
+        raise PlanError(f"--rdzv-id must be a word without spaces, got {run_id!r}")
+    if run_id is None and high > 1:
+        run_id = DEFAULT_RUN_ID
+    return Rendezvous(nnodes, node_rank or 0, endpoint, run_id, max_restarts)
+
+
+def torchrun_command(nproc: int, target: Sequence[str], port: int | None = None,
+                     rendezvous: Rendezvous | None = None) -> list[str]:
+    """The command line that runs ``target`` as ``nproc`` ranks per node under torchrun.
 
     ``target`` is a script and its arguments (``["bench/runtime.py", "worker", ...]``) or a module
-    (``["-m", "flexmesh", "train", ...]``). The rendezvous is on loopback at ``port`` (default: a
-    free one), so two launches on one machine never meet.
+    (``["-m", "flexmesh", "train", ...]``). Without ``rendezvous`` (or with a single-node one without
+    restarts or endpoint) the rendezvous is on loopback at ``port`` (default: a free one), so two
+    launches on one machine never meet; otherwise see :meth:`Rendezvous.torchrun_flags`.
 
     >>> torchrun_command(2, ["-m", "flexmesh", "train"], port=29500)[1:]  # [0] is this Python
     ['-m', 'torch.distributed.run', '--nproc-per-node', '2', '--master-addr', '127.0.0.1', \
 '--master-port', '29500', '-m', 'flexmesh', 'train']
     """
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(port if port is not None else free_port()),
-            *target]
+            *(rendezvous or Rendezvous()).torchrun_flags(port), *target]
 
 
 def run_torchrun(nproc: int, target: Sequence[str], env: dict[str, str] | None = None,
@@ -88,10 +197,15 @@ def run_torchrun(nproc: int, target: Sequence[str], env: dict[str, str] | None =
     return subprocess.run(torchrun_command(nproc, target), env=env, **run_kwargs)
 
 
-def without_nproc(argv: Sequence[str]) -> list[str]:
-    """``argv`` less its ``--nproc N`` / ``--nproc=N``: what the ranks of a relaunch are given.
+LAUNCHER_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
 
-    >>> without_nproc(["train", "--nproc", "4", "--plan", "p.json", "--nproc=2"])
+
+def without_flags(argv: Sequence[str], valued: Sequence[str] = ("--nproc",), switches: Sequence[str] = ()) -> list[str]:
+    """``argv`` less the flags in ``valued`` (``--flag V`` or ``--flag=V``) and ``switches`` (``--flag``):
+    what the ranks of a relaunch are given.
+
+    >>> argv = ["train", "--nproc", "4", "--plan", "p.json", "--nproc=2", "--overwrite"]
+    >>> without_flags(argv, switches=["--overwrite"])
     ['train', '--plan', 'p.json']
     """
     forwarded, skip = [], False
@@ -99,22 +213,37 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a == "--nproc":
+        if a in valued:
             skip = True
             continue
-        if a.startswith("--nproc="):
+        if a in switches or a.split("=", 1)[0] in valued:
             continue
         forwarded.append(a)
     return forwarded
 
 
-def relaunch_flexmesh(nproc: int, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
-    """Run ``flexmesh *argv`` (its ``--nproc`` removed) as ``nproc`` ranks under torchrun; its exit code.
+def without_nproc(argv: Sequence[str]) -> list[str]:
+    """``argv`` less its ``--nproc N`` / ``--nproc=N``.
 
-    The children inherit this process's environment (or ``env``) and output, as if the user had
-    typed the torchrun command; signals reach them (:func:`run_supervised`).
+    >>> without_nproc(["train", "--nproc", "4", "--plan", "p.json", "--nproc=2"])
+    ['train', '--plan', 'p.json']
     """
-    return run_supervised(torchrun_command(nproc, ["-m", "flexmesh", *without_nproc(argv)]), env=env)
+    return without_flags(argv)
+
+
+def relaunch_flexmesh(nproc: int, argv: Sequence[str], env: dict[str, str] | None = None,
+                      rendezvous: Rendezvous | None = None) -> int:
+    """Run ``flexmesh *argv`` as ``nproc`` ranks under torchrun; its exit code.
+
+    The launcher's own flags (:data:`LAUNCHER_FLAGS`) are removed from ``argv``; ``rendezvous``
+    (default: one node, loopback) gives torchrun's node count, restarts and rendezvous. The children
+    inherit this process's environment (or ``env``) and output, as if the user had typed the
+    torchrun command; signals reach them (:func:`run_supervised`).
+    """
+    target = ["-m", "flexmesh", *without_flags(argv, LAUNCHER_FLAGS)]
+    if rendezvous is not None and rendezvous.elastic:
+        env = {**(env if env is not None else os.environ), **ELASTIC_ENV}
+    return run_supervised(torchrun_command(nproc, target, rendezvous=rendezvous), env=env)
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

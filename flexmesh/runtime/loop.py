@@ -93,6 +93,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig) -> list[StepM
         if rank0 and metrics_file is not None:
             kept = [ln for step, ln in old_rows if step <= trainer.step_index]
             write_atomic(metrics_file, "".join(ln + "\n" for ln in kept))
+            _note_dtype_change(kept, config.dtype)
         history: list[StepMetrics] = []
         progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
         while trainer.step_index < config.max_steps:
@@ -151,6 +152,24 @@ def _open_run_folder(out: Path, resume: bool) -> tuple[bool, list[tuple[int, str
         if held:
             release_run_folder(out)
         raise
+
+
+def _note_dtype_change(kept: list[str], dtype: str) -> None:
+    """Say so when a run resumes in another compute dtype than its last kept step ran in.
+
+    Allowed on purpose: checkpoints hold fp32 weights and optimizer states whatever the dtype
+    (docs/precision.md), so the switch loses nothing; each metrics line records its step's dtype
+    (lines written before that field existed ran in fp32).
+    """
+    if not kept:
+        return
+    last = json.loads(kept[-1])
+    before = last.get("dtype", "fp32")
+    if before != dtype:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"resuming after step {last['step']} in {dtype}; the steps so far ran in "
+                                   f"{before} (metrics.jsonl records each step's dtype)", highlight=False)
 
 
 def _on_rank0(fn: Callable[[], Any], elsewhere: Any) -> Any:

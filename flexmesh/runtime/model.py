@@ -20,21 +20,27 @@ without ``norm`` it returns hidden states instead of logits.
 
 Positions come from the batch (they restart at every packed document), so RoPE needs no cache; the
 attention kernel sees ``cu_seqlens`` and never looks across a document (flexmesh.runtime.attention);
-a layer with a sliding window (``spec.window_of(layer)``) passes it to the kernel too.
+a layer with a sliding window (``spec.window_of(layer)``) passes it to the kernel too. A micro-batch
+holding a piece of a cut document brings a view of the keys and values carried between
+micro-batches (``batch.carry``), which every layer's attention reads and extends
+(flexmesh.runtime.carry).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from flexmesh.errors import SpecError
 from flexmesh.runtime.attention import CPContext, attend
+from flexmesh.runtime.carry import CarryView, carried_attend
 from flexmesh.runtime.rope import apply_rope, rope_cos_sin
 from flexmesh.spec.model import ModelSpec
 
@@ -76,6 +82,7 @@ class Attention(nn.Module):
         self.rope_theta = spec.rope_theta
         self.rope_scaling = spec.rope_scaling
         self.window = spec.window_of(layer)  # sliding window of this layer (None: plain causal)
+        self.layer = layer  # keys of a cut document are carried per layer (flexmesh.runtime.carry)
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias)
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
@@ -84,8 +91,12 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.cp: CPContext | None = None
+        # Selective recomputation (flexmesh.runtime.parallelize.apply_ac): the attention core keeps
+        # nothing for backward and runs again there; its inputs q, k, v are kept.
+        self.recompute_core = False
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                carry: CarryView | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
@@ -94,7 +105,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling, cu_seqlens)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu_seqlens, self.cp, self.window)
+        qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu_seqlens, self.cp, self.window)
+        core = attend if carry is None else partial(carried_attend, view=carry, layer=self.layer)
+        if self.recompute_core and torch.is_grad_enabled():
+            # preserve_rng_state off: attention draws no random numbers (no dropout)
+            out = checkpoint(core, *qkv, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = core(*qkv)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -121,8 +138,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
         self.feed_forward = FeedForward(spec)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions, cu_seqlens)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                carry: CarryView | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), positions, cu_seqlens, carry=carry)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -150,8 +168,9 @@ class Transformer(nn.Module):
         logits [B, T, vocab] (or hidden states on a stage without the final norm)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         positions, cu_seqlens = batch.positions, batch.cu_seqlens
+        carry = getattr(batch, "carry", None)  # set when the micro-batch continues or is continued
         for layer in self.layers.values():
-            h = layer(h, positions, cu_seqlens)
+            h = layer(h, positions, cu_seqlens, carry=carry)
         if self.norm is None:
             return h
         h = self.norm(h)

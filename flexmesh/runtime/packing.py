@@ -14,7 +14,8 @@ Worked example: documents ``a = [10, 11, 12]`` and ``b = [20, 21, 22, 23]``, mic
     cu_seqlens [0, 3, 5]                   num_label_tokens = 4
 
 The label of a piece's last token is the document's next token when the piece stops inside the
-document (the other half of ``b`` goes to another micro-batch, where it starts at position 2), and
+document (the other half of ``b`` goes to another micro-batch, where it starts at position 2 and
+attends to this half's keys and values, carried by flexmesh.runtime.carry), and
 -100 (ignored by cross-entropy) when the piece ends the document. Hence a document of length n
 contributes exactly n - 1 label tokens however it is cut, which is what makes the loss independent
 of the schedule (see :func:`global_label_tokens`).
@@ -23,7 +24,8 @@ of the schedule (see :func:`global_label_tokens`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,19 +50,19 @@ class PackedBatch:
     positions: torch.Tensor  # int64 [1, T]; position of each token inside its document
     cu_seqlens: torch.Tensor  # int32 [n_segments + 1]; boundaries within the (global) T tokens
     num_label_tokens: int  # labels != IGNORE_INDEX held by this batch (this shard, once sharded)
+    # The documents' pieces behind the first segments of cu_seqlens, in row order (padding has none).
+    segments: tuple[Piece, ...] = ()
+    # This micro-batch's view of the keys and values carried between micro-batches
+    # (flexmesh.runtime.carry.CarryView; set by the trainer when a document is cut), else None.
+    carry: Any = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(
-            tokens=self.tokens.to(device),
-            labels=self.labels.to(device),
-            positions=self.positions.to(device),
-            cu_seqlens=self.cu_seqlens.to(device),
-            num_label_tokens=self.num_label_tokens,
-        )
+        return replace(self, tokens=self.tokens.to(device), labels=self.labels.to(device),
+                       positions=self.positions.to(device), cu_seqlens=self.cu_seqlens.to(device))
 
 
 def _check_piece(docs: Sequence[np.ndarray], p: Piece) -> np.ndarray:
@@ -78,7 +80,7 @@ def _check_piece(docs: Sequence[np.ndarray], p: Piece) -> np.ndarray:
     return doc
 
 
-def _merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
+def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
     """Join consecutive pieces that continue one another in the same document.
 
     Two such pieces in one micro-batch form one attention segment: the second must see the first.
@@ -101,7 +103,7 @@ def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> Pack
     """Lay ``pieces`` of ``docs`` end to end in one row (see the module docstring for an example)."""
     if not pieces:
         raise ScheduleError("a micro-batch has no pieces; drop empty micro-batches from the schedule")
-    segments = _merge_pieces(list(pieces))
+    segments = merge_pieces(list(pieces))
     toks, labs, poss, bounds = [], [], [], [0]
     for p in segments:
         doc = np.asarray(_check_piece(docs, p), dtype=np.int64)
@@ -121,6 +123,7 @@ def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> Pack
         positions=torch.from_numpy(np.concatenate(poss))[None, :],
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+        segments=tuple(segments),
     )
 
 
@@ -151,12 +154,12 @@ def pad_to(batch: PackedBatch, length: int) -> PackedBatch:
     if pad == 0:
         return batch
     fill = torch.full((1, pad), PAD_TOKEN, dtype=batch.tokens.dtype, device=batch.tokens.device)
-    return PackedBatch(
+    return replace(
+        batch,
         tokens=torch.cat([batch.tokens, fill], dim=1),
         labels=torch.cat([batch.labels, torch.full_like(fill, IGNORE_INDEX)], dim=1),
         positions=torch.cat([batch.positions, torch.arange(pad, device=fill.device)[None, :]], dim=1),
         cu_seqlens=torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([length])]),
-        num_label_tokens=batch.num_label_tokens,
     )
 
 
@@ -182,13 +185,8 @@ def shard_for_cp(batch: PackedBatch, rank: int, size: int) -> PackedBatch:
     n = t // size
     sl = slice(rank * n, (rank + 1) * n)
     labels = batch.labels[:, sl]
-    return PackedBatch(
-        tokens=batch.tokens[:, sl],
-        labels=labels,
-        positions=batch.positions[:, sl],
-        cu_seqlens=batch.cu_seqlens,
-        num_label_tokens=int((labels != IGNORE_INDEX).sum()),
-    )
+    return replace(batch, tokens=batch.tokens[:, sl], labels=labels, positions=batch.positions[:, sl],
+                   num_label_tokens=int((labels != IGNORE_INDEX).sum()))
 
 
 def rank_microbatches(docs: Sequence[np.ndarray], schedule: StepSchedule, data_rank: int) -> list[PackedBatch]:

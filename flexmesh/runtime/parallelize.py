@@ -10,7 +10,7 @@ step's schedule gives the rank, from a pool made once (:class:`ContextGroups`).
 Supported per-layer mixes (checked by :func:`layout_from_plan`):
 
 - one mesh for the whole plan: every layer has the same ``tp``, ``cp``, ``cp_kind`` and ``dp``;
-- ``recompute`` may vary per layer;
+- ``recompute`` (none, selective or full) may vary per layer;
 - ZeRO may vary per layer among stages 1, 2 and 3 (FSDP2 shards over the ``dp x cp`` ranks;
   stage 3 re-shards weights after forward, stages 1 and 2 keep them gathered until backward).
   FSDP2 has no separate ZeRO-1 (sharded optimizer with replicated gradients), so ZeRO-1 runs as
@@ -19,9 +19,18 @@ Supported per-layer mixes (checked by :func:`layout_from_plan`):
 
 Anything else (a per-layer change of tp or context degree, ZeRO 0 mixed with 1-3) is rejected with
 a message naming the layers, because it would need resharding activations between layers.
+
+Precision (docs/precision.md): parameters are always fp32 (the master weights the optimizer
+updates). In bf16, where FSDP2 wraps the model (``fully_shard`` or ``replicate`` over more than one
+data rank) its :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` gathers bf16 copies for forward
+and backward and reduces gradients in fp32; where no data-parallel wrapper exists (one data rank:
+one process, tp only, pipeline only) the trainer runs forward under ``torch.autocast`` instead
+(:func:`autocast_bf16`), torchtitan's split.
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -29,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import MESH_AXES, Layout, aligned_blocks, context_kind, global_rank, group_cp_kind
+from flexmesh.layout.strategy import Recompute
 from flexmesh.spec.model import ModelSpec
 
 
@@ -111,36 +121,58 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 # ---- activation checkpointing --------------------------------------------------------------------
-def apply_ac(model: nn.Module, recompute: tuple[bool, ...]) -> None:
-    """Wrap the blocks the plan recomputes (``recompute`` is indexed by global layer number)."""
+def recompute_mode(value: Recompute | bool) -> Recompute:
+    """A layout's per-layer recomputation as a :class:`Recompute` (a bool means full or none).
+
+    >>> recompute_mode(True), recompute_mode("selective")
+    (<Recompute.FULL: 'full'>, <Recompute.SELECTIVE: 'selective'>)
+    """
+    if isinstance(value, bool):
+        return Recompute.FULL if value else Recompute.NONE
+    return Recompute(value)
+
+
+def apply_ac(model: nn.Module, recompute: tuple[Recompute | bool, ...]) -> None:
+    """Recompute what the plan says per block (``recompute`` is indexed by global layer number).
+
+    ``full``: the whole block is wrapped in activation checkpointing. ``selective``: only the
+    attention core (softmax(QK^T)V, and with context parallelism its collectives) is checkpointed
+    inside the block (``Attention.recompute_core``), as Megatron-LM's selective granularity.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for name in list(model.layers.keys()):
-        if recompute[int(name)]:
+        mode = recompute_mode(recompute[int(name)])
+        if mode is Recompute.FULL:
             # preserve_rng_state off: the blocks draw no random numbers (no dropout)
             model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
+        elif mode is Recompute.SELECTIVE:
+            model.layers[name].attention.recompute_core = True
 
 
 # ---- data parallel (FSDP2) -----------------------------------------------------------------------
-def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None) -> None:
+def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None,
+                        dtype: str = "fp32") -> None:
     """FSDP2 per block then the root; ZeRO 0 replicates with FSDP2's replicate over the same mesh.
 
     Gradients are summed, not averaged, over the dp x cp ranks: each rank's loss is already divided
-    by the global label-token count of the step, so the sum is the single-process gradient.
+    by the global label-token count of the step, so the sum is the single-process gradient. In
+    ``bf16`` both run with :func:`mixed_precision` (bf16 compute, fp32 gradient reductions).
     """
+    mp = mixed_precision(dtype)
     if layout.replicated:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for block in model.layers.values():
-            replicate(block, mesh=dmesh)
-        replicate(root if root is not None else model, mesh=dmesh)
+            replicate(block, mesh=dmesh, mp_policy=mp)
+        replicate(root if root is not None else model, mesh=dmesh, mp_policy=mp)
     else:
         from torch.distributed.fsdp import fully_shard
 
         for name, block in model.layers.items():
             # ZeRO-3 frees gathered weights after forward; ZeRO-1/2 keep them for backward
-            fully_shard(block, mesh=dmesh, reshard_after_forward=layout.zero[int(name)] == 3)
-        fully_shard(root if root is not None else model, mesh=dmesh, reshard_after_forward=False)
+            fully_shard(block, mesh=dmesh, reshard_after_forward=layout.zero[int(name)] == 3, mp_policy=mp)
+        fully_shard(root if root is not None else model, mesh=dmesh, reshard_after_forward=False, mp_policy=mp)
     for m in (root if root is not None else model).modules():
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)
@@ -150,14 +182,15 @@ def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, roo
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
-                dmesh: DeviceMesh | None = None) -> nn.Module:
+                dmesh: DeviceMesh | None = None, dtype: str = "fp32") -> nn.Module:
     """TP(+SP) -> context parallel switch -> activation checkpointing -> FSDP2, in place.
 
     ``model`` is a :class:`flexmesh.runtime.model.Transformer` (or a pipeline stage of one) whose
     parameters are materialised, identical on every rank, or on the meta device. ``root`` is the
     module whose forward the training loop calls (a wrapper holding ``model``; default ``model``):
     FSDP's root goes there. ``dmesh`` is :func:`data_mesh` of ``mesh``, computed once by the caller
-    when several model chunks share it.
+    when several model chunks share it. ``dtype`` is the compute dtype (module doc: Precision);
+    parameters stay fp32 either way.
     """
     check_model_fits_layout(model.spec, layout)
     if layout.tp > 1:
@@ -168,11 +201,69 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Mod
         cp_mesh = mesh["cp"]
         model.set_cp(CPContext(kind=layout.cp_kind, group=cp_mesh.get_group(), rank=cp_mesh.get_local_rank(),
                                size=layout.cp))
-    if any(layout.recompute):
+    if any(recompute_mode(r) is not Recompute.NONE for r in layout.recompute):
         apply_ac(model, layout.recompute)
     if layout.data_ranks > 1:
-        apply_data_parallel(model, layout, dmesh if dmesh is not None else data_mesh(mesh), root=root)
+        apply_data_parallel(model, layout, dmesh if dmesh is not None else data_mesh(mesh), root=root,
+                            dtype=dtype)
     return model
+
+
+# ---- precision -------------------------------------------------------------------------------------
+def check_dtype(dtype: str) -> None:
+    """Raise PlanError unless ``dtype`` is a compute dtype the runtime trains in."""
+    from flexmesh.runtime.config import TRAIN_DTYPES
+
+    if dtype not in TRAIN_DTYPES:
+        raise PlanError(f"the runtime trains in {' or '.join(TRAIN_DTYPES)}, not {dtype!r}; pass --dtype "
+                        f"{' or --dtype '.join(TRAIN_DTYPES)}")
+
+
+def mixed_precision(dtype: str):
+    """FSDP2's policy for compute dtype ``dtype``: in bf16, bf16 parameters in forward and backward
+    (gathered in bf16) and fp32 gradient reductions; in fp32, FSDP2's default (no casts).
+
+    The root's output (the logits) stays bf16; the loss upcasts it (flexmesh.runtime.trainer).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    check_dtype(dtype)
+    if dtype == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def uses_fsdp_precision(layout: Layout) -> bool:
+    """Whether FSDP2 (or its replicate) wraps the model, so that its policy casts for compute."""
+    return layout.data_ranks > 1
+
+
+def autocast_bf16(layout: Layout, dtype: str, device: str) -> AbstractContextManager:
+    """The context forward runs in: ``torch.autocast`` to bf16 for a bf16 run without FSDP2's
+    mixed precision (:func:`uses_fsdp_precision`), else nothing.
+
+    Autocast runs matrix products (linear, matmul, SDPA) in bf16 from the fp32 parameters and keeps
+    elementwise work and reductions (norms, softmax statistics of ring attention, the loss) in fp32.
+    """
+    check_dtype(dtype)
+    if dtype == "bf16" and not uses_fsdp_precision(layout):
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def activation_dtypes(layout: Layout, dtype: str) -> tuple[torch.dtype, torch.dtype]:
+    """(hidden states, logits) dtypes a pipeline stage sends: what the forward above produces.
+
+    FSDP2's bf16 policy makes every activation bf16. Under autocast the residual stream stays fp32
+    (the fp32 embedding plus bf16 block outputs promotes to fp32) and the output projection's
+    logits are bf16.
+    """
+    check_dtype(dtype)
+    if dtype == "fp32":
+        return torch.float32, torch.float32
+    if uses_fsdp_precision(layout):
+        return torch.bfloat16, torch.bfloat16
+    return torch.float32, torch.bfloat16
 
 
 def local_coords(mesh: DeviceMesh) -> dict[str, int]:

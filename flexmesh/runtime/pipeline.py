@@ -20,6 +20,7 @@ count) with their shapes declared (:func:`make_stages`) and cached.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,12 +39,15 @@ class StageModule(nn.Module):
     """The module a training step calls: ``forward(x)`` with this micro-batch's side data stashed.
 
     Also used without pipelining (pp 1), where the batch is passed directly; keeping one wrapper
-    for both modes gives FSDP one root and checkpoints one naming.
+    for both modes gives FSDP one root and checkpoints one naming. ``compute`` makes the context
+    the forward runs in (``torch.autocast`` for bf16 without FSDP2's mixed precision, see
+    flexmesh.runtime.parallelize.autocast_bf16); backward and the loss run outside it.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, compute: Callable[[], AbstractContextManager] = nullcontext):
         super().__init__()
         self.model = model
+        self.compute = compute
         self._stash: list = []
         self._next = 0
 
@@ -59,7 +63,8 @@ class StageModule(nn.Module):
                 raise RuntimeError(f"stage ran {self._next + 1} forwards but was fed {len(self._stash)} micro-batches")
             batch = self._stash[self._next]
             self._next += 1
-        return self.model(x, batch)
+        with self.compute():
+            return self.model(x, batch)
 
 
 def split_stage(model: nn.Module, start: int, end: int, first: bool, last: bool) -> nn.Module:
@@ -117,13 +122,15 @@ def build_pipeline_schedule(stages: list, schedule: str, n_microbatches: int,
 
 
 def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: int, device: torch.device, group,
-                tokens: int, tp: int, hidden: int, vocab: int, dtype: torch.dtype) -> list:
+                tokens: int, tp: int, hidden: int, vocab: int, dtype: torch.dtype,
+                logits_dtype: torch.dtype | None = None) -> list:
     """PipelineStages with their send/receive shapes given up front (``tokens`` = this rank's T).
 
     Declaring shapes keeps pipelining in its static mode; otherwise it infers them by running an
     extra forward of the first micro-batch, which would consume a stashed micro-batch. Between
-    stages flows the residual stream, [1, T/tp, hidden] under sequence parallelism; the last stage
-    emits full logits [1, T, vocab].
+    stages flows the residual stream, [1, T/tp, hidden] under sequence parallelism, in ``dtype``;
+    the last stage emits full logits [1, T, vocab] in ``logits_dtype`` (default ``dtype``; they
+    differ under bf16 autocast, flexmesh.runtime.parallelize.activation_dtypes).
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -133,7 +140,7 @@ def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: in
     stages = []
     for m, k in zip(modules, chunk_ids):
         inp = torch.empty(1, tokens, dtype=torch.long, device="meta") if k == 0 else hidden_states()
-        out = (torch.empty(1, tokens, vocab, dtype=dtype, device="meta", requires_grad=True)
+        out = (torch.empty(1, tokens, vocab, dtype=logits_dtype or dtype, device="meta", requires_grad=True)
                if k == num_chunks - 1 else hidden_states())
         stages.append(PipelineStage(m, stage_index=k, num_stages=num_chunks, device=device, group=group,
                                     input_args=inp, output_args=out))

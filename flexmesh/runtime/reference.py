@@ -1,7 +1,9 @@
 """The single-process reference: one step of plain PyTorch over a StepSchedule's micro-batches.
 
 Every parallel layout must reproduce its loss and gradients (the correctness contract), and the
-runtime benchmark measures the trainer's overhead against it.
+runtime benchmark measures the trainer's overhead against it. The reference never cuts a document:
+a document the schedule cuts into pieces runs whole in the micro-batch of its first piece, which is
+what the runtime's carried keys and values must reproduce (flexmesh.runtime.carry).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flexmesh.layout.step import Piece
 from flexmesh.runtime.packing import global_label_tokens, pack_microbatch
 
 
@@ -16,16 +19,20 @@ def reference_loss(model: torch.nn.Module, docs, schedule, backward: bool = True
     """The step's loss over every micro-batch, normalised by the step's label tokens.
 
     With ``backward`` it accumulates gradients into ``model`` (the caller zeroes them and steps the
-    optimizer); without, it runs under ``torch.no_grad``.
+    optimizer); without, it runs under ``torch.no_grad``. The loss is fp32 whatever the logits' dtype
+    (they are upcast first, as the trainer does).
     """
     n = global_label_tokens(docs, schedule)
     total = 0.0
     with torch.set_grad_enabled(backward):
         for g in schedule.groups:
             for mb in g.microbatches:
-                b = pack_microbatch(docs, mb)
+                whole = [Piece(p.seq_id, 0, len(docs[p.seq_id])) for p in mb if p.start == 0]
+                if not whole:  # only continuations of documents run whole earlier
+                    continue
+                b = pack_microbatch(docs, whole)
                 logits = model(b.tokens, b)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.labels.reshape(-1),
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.labels.reshape(-1),
                                        ignore_index=-100, reduction="sum") / n
                 if backward:
                     loss.backward()

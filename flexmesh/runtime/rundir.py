@@ -3,8 +3,11 @@ crash cut short.
 
 - :func:`hold_run_folder` takes ``<out>/.flexmesh.lock`` with ``fcntl.flock`` (exclusive, never
   waiting), writes this pid into it and keeps it until :func:`release_run_folder` or the process
-  exits, so two runs never write one folder. The ``flexmesh train --nproc`` launcher holds it for
-  its ranks and says so in ``FLEXMESH_RUN_FOLDER_HELD``.
+  exits, so two runs never write one folder. The ``flexmesh train --nproc`` launcher (with several
+  nodes, node 0's) holds it for the ranks and says so in ``FLEXMESH_RUN_FOLDER_HELD``.
+  Under ``--max-restarts`` the restarted ranks are the same run: the launcher still holds the lock,
+  and a rank 0 that takes it itself (plain torchrun) gets it back, its predecessor being gone.
+- :func:`restart_count`: how often torchrun restarted this worker group; a restart resumes.
 - :func:`start_over` moves a previous run aside into ``previous-<time>/`` (``--overwrite``) or
   refuses; nothing is deleted.
 - :func:`read_metrics` drops a partial last line of ``metrics.jsonl`` (a crash or a full disk while
@@ -25,8 +28,10 @@ from pathlib import Path
 from flexmesh.errors import RunFolderError
 
 LOCK = ".flexmesh.lock"
-HELD_ENV = "FLEXMESH_RUN_FOLDER_HELD"  # the launcher holds the lock of this (resolved) folder
+# the launcher holds the lock of this (resolved) folder, for every node with several nodes (node 0's does)
+HELD_ENV = "FLEXMESH_RUN_FOLDER_HELD"
 PREVIOUS = "previous-"
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker: 0, then 1, 2, ... per restart
 
 _held: dict[str, list[int]] = {}  # resolved folder -> [fd, holders in this process]
 
@@ -65,6 +70,15 @@ def release_run_folder(out: str | Path) -> None:
     _held[key][1] -= 1
     if _held[key][1] == 0:
         os.close(_held.pop(key)[0])  # closing the descriptor drops the flock
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this process's worker group (0: the first attempt, or not
+    under torchrun). A restarted group continues its run, so it resumes even if told not to."""
+    try:
+        return int(os.environ.get(RESTART_ENV, "0"))
+    except ValueError:
+        return 0
 
 
 def run_contents(out: str | Path) -> list[str]:

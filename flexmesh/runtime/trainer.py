@@ -18,18 +18,31 @@ ways, each rank taking a contiguous 1/g slice, over a process group from the poo
 (flexmesh.runtime.parallelize.ContextGroups); FSDP2 shards weights over all data ranks, so weights
 never depend on the step's groups.
 
+Precision (``config.dtype``, docs/precision.md): parameters, gradients and AdamW states are fp32
+in both dtypes. In bf16 the forward computes in bfloat16, through FSDP2's mixed-precision policy
+where FSDP2 wraps the model and under ``torch.autocast`` where it does not
+(flexmesh.runtime.parallelize.autocast_bf16); gradient reductions and the loss are fp32 (the
+logits are upcast before the cross-entropy).
+
 Micro-batch counts. With pp == 1 and no ZeRO-3 layer, nothing in a micro-batch talks to all data
 ranks once weights are gathered, so each rank runs only its own group's micro-batches with
 gradient sync off and weights kept gathered, then one empty micro-batch (all labels ignored) with
 sync on carries the step's single gradient reduction. ZeRO-3 (weights gathered per micro-batch)
 and pipelines pair collectives per micro-batch, so there every rank runs the step's largest count,
 groups with fewer padded with empty micro-batches.
+
+Cut documents (flexmesh.runtime.carry): micro-batches linked by a document cut into pieces form a
+chain whose forwards all run before one backward of their summed loss, the earlier pieces' keys and
+values carried to the later ones, so a cut document trains as the whole one. Without pipelining
+only; every step's schedule is checked first (StepSchedule.check_cuts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 import torch
@@ -40,6 +53,7 @@ from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import Layout, layout_from_plan, padded_microbatch_count, rank_coords, runs_in_lockstep
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
+from flexmesh.runtime.carry import KVCarry, chain_ends, chain_plan
 from flexmesh.runtime.config import StepMetrics, TrainConfig, lr_schedule_factor
 from flexmesh.runtime.distributed import clip_grad_norm, cpu_group, peak_memory_gib
 from flexmesh.runtime.memory import SavedActivationMeter
@@ -52,7 +66,16 @@ from flexmesh.runtime.packing import (
     pad_to,
     shard_for_cp,
 )
-from flexmesh.runtime.parallelize import ContextGroups, build_mesh, data_mesh, local_coords, parallelize
+from flexmesh.runtime.parallelize import (
+    ContextGroups,
+    activation_dtypes,
+    autocast_bf16,
+    build_mesh,
+    check_dtype,
+    data_mesh,
+    local_coords,
+    parallelize,
+)
 from flexmesh.runtime.pipeline import (
     StageModule,
     build_pipeline_schedule,
@@ -76,7 +99,11 @@ def _dummy_batch(length: int) -> PackedBatch:
 
 
 class _GlobalLoss:
-    """Summed token cross-entropy over the step's global label-token count (the pipeline loss_fn)."""
+    """Summed token cross-entropy over the step's global label-token count (the pipeline loss_fn).
+
+    Always fp32: bf16 logits are upcast first (as torchtitan and Megatron do), since a bf16
+    log-softmax over the vocabulary loses the small probabilities the loss is made of.
+    """
 
     def __init__(self) -> None:
         self.normaliser = 1
@@ -108,6 +135,7 @@ class Trainer:
             raise PlanError(f"plan covers {plan.num_layers} layers but model {spec.name!r} has {spec.num_layers}; "
                             "plan for this model")
         check_partition(plan, spec.num_layers)
+        check_dtype(config.dtype)
         self.plan, self.spec, self.config = plan, spec, config
         self.layout: Layout = layout_from_plan(plan)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -133,6 +161,7 @@ class Trainer:
             self.optimizer, lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
         self.loss_fn = _GlobalLoss()
         self._schedules: dict = {}
+        self.carry = KVCarry()  # keys and values of cut documents, within one chain of micro-batches
         self.step_index = 0
 
     # ---- model -----------------------------------------------------------------------------------
@@ -149,8 +178,9 @@ class Trainer:
             if not weights:
                 model.init_weights(self.config.seed)
             split_stage(model, stage.start, stage.end, first=k == 0, last=k == n - 1)
-            root = StageModule(model)
-            parallelize(model, self.layout, self.mesh, root=root, dmesh=dmesh)
+            root = StageModule(model, compute=partial(autocast_bf16, self.layout, self.config.dtype,
+                                                      self.device.type))
+            parallelize(model, self.layout, self.mesh, root=root, dmesh=dmesh, dtype=self.config.dtype)
             if weights:
                 from flexmesh.runtime.weights import load_hf_safetensors
 
@@ -200,9 +230,12 @@ class Trainer:
             lengths = [-(-longest // quantum) * quantum] * count
         else:
             lengths = [-(-b.num_tokens // quantum) * quantum for b in packed] + [quantum] * (count - len(packed))
+        keep = chain_plan(group)[0]
         out = []
         for i in range(count):
             b = pad_to(packed[i], lengths[i]) if i < len(packed) else _dummy_batch(lengths[i])
+            if i < len(packed) and (keep[i] or any(p.start > 0 for p in b.segments)):
+                b = dataclasses.replace(b, carry=self.carry.view(b.segments, keep[i]))  # a cut document's piece
             if cp > 1:
                 b = shard_for_cp(b, self.data_rank - group.ranks[0], cp)
             out.append(b.to(self.device))
@@ -217,6 +250,8 @@ class Trainer:
     def step(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> StepMetrics:
         t0 = time.perf_counter()
         label_tokens = global_label_tokens(docs, schedule)
+        schedule.check_cuts(self.layout.pp, dynamic_rope=self.spec.rope_scaling is not None
+                            and self.spec.rope_scaling.rope_type == "dynamic")
         if label_tokens == 0:
             raise ScheduleError("the step has no label tokens (every document is a single token); "
                                 "feed longer documents")
@@ -226,7 +261,7 @@ class Trainer:
         self.loss_fn.normaliser = label_tokens
         self.optimizer.zero_grad(set_to_none=True)
         with SavedActivationMeter() as meter:
-            local_loss, busy = self._forward_backward(batches, group, t0)
+            local_loss, busy = self._forward_backward(batches, group, t0, schedule)
         grad_norm = clip_grad_norm(self.params, self.config.grad_clip, self.pp_group)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -257,6 +292,7 @@ class Trainer:
             predicted_busy_s=self._predicted_busy(schedule),
             busy_s=tuple(float(x) for x in table[:, 1]),
             activation_peak_bytes=tuple(int(x) for x in table[:, 2]),
+            dtype=self.config.dtype,
         )
 
     def _predicted_busy(self, schedule: StepSchedule) -> tuple[float, ...]:
@@ -269,7 +305,8 @@ class Trainer:
             out.append(float(by_rank.get(c["dp"] * lay.cp + c["cp"], 0.0)))
         return tuple(out)
 
-    def _forward_backward(self, batches: list[PackedBatch], group: Group, t0: float) -> tuple[float, float]:
+    def _forward_backward(self, batches: list[PackedBatch], group: Group, t0: float,
+                          schedule: StepSchedule) -> tuple[float, float]:
         """Run the step's micro-batches; returns (this rank's loss, seconds until its own were done).
 
         The group's ``len(group.microbatches)`` first batches hold data, the rest are padding. On the
@@ -289,10 +326,18 @@ class Trainer:
         root = self.modules[0]
         sync = hasattr(root, "set_requires_gradient_sync")  # FSDP2 or replicate over the data ranks
         total, busy = 0.0, None
+        # A chain of micro-batches linked by a cut document runs all its forwards, then one backward of
+        # their summed loss (flexmesh.runtime.carry); ranks in lockstep end chains at the same places.
+        ends = chain_ends([group] if self.uneven else list(schedule.groups), len(batches))
+        chain: list[torch.Tensor] = []
 
-        def run(b: PackedBatch) -> float:
+        def run(b: PackedBatch, end: bool = True) -> float:
             loss = self.loss_fn(root(b.tokens, b), b.labels)
-            loss.backward()
+            chain.append(loss)
+            if end:
+                sum(chain).backward()
+                chain.clear()
+                self.carry.clear()
             return float(loss.detach())
 
         if self.uneven:
@@ -304,8 +349,8 @@ class Trainer:
                 # rank's first forward, the one reduction in the empty micro-batch below.
                 root.set_requires_gradient_sync(False)
                 root.set_reshard_after_backward(False)
-            for b in batches:
-                total += run(b)
+            for b, end in zip(batches, ends, strict=True):
+                total += run(b, end)
             busy = since_start()
             if sync:
                 root.set_requires_gradient_sync(True)
@@ -320,17 +365,17 @@ class Trainer:
                 busy = since_start()
             if sync:  # reduce gradients once, after the last micro-batch
                 root.set_requires_gradient_sync(i == len(batches) - 1)
-            total += run(b)
+            total += run(b, ends[i])
         return total, busy if busy is not None else since_start()
 
     def _pipeline_step(self, batches: list[PackedBatch]) -> float:
         m, length = len(batches), batches[0].num_tokens
         key = (m, length)
         if key not in self._schedules:
-            dtype = next(self.modules[0].parameters()).dtype
+            hidden, logits = activation_dtypes(self.layout, self.config.dtype)
             stages = make_stages(self.modules, [k for k, _ in self.chunks], len(self.plan.stages), self.device,
                                  self.pp_group, tokens=length, tp=self.layout.tp, hidden=self.spec.hidden,
-                                 vocab=self.spec.vocab, dtype=dtype)
+                                 vocab=self.spec.vocab, dtype=hidden, logits_dtype=logits)
             self._schedules[key] = build_pipeline_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn)
         sched = self._schedules[key]
         for mod in self.modules:

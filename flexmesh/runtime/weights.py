@@ -121,19 +121,28 @@ def _open_weights(path: Path) -> dict[str, Path]:
                                   "give the file (or the *.safetensors.index.json) itself")
     if path.name.endswith(".json"):
         try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map' object): {e}") from e
-        files = {k: path.parent / f for k, f in weight_map.items()}
+            weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
+            raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map' object): "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+            raise CheckpointError(f"{path}: 'weight_map' must map each tensor name to a shard file name")
+        files = {str(k): path.parent / f for k, f in weight_map.items()}
         for f in set(files.values()):
             if not f.is_file():
                 raise CheckpointError(f"{path} names shard {f.name!r}, which is missing next to it; download it")
         return files
+    return {k: path for k in _safetensors_keys(path)}
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    """The tensor names of a safetensors file; CheckpointError when it is truncated or not one."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: path for k in f.keys()}
+            return list(f.keys())
     except Exception as e:  # safetensors raises its own error types for bad headers
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); it may be truncated: download "
+                              "it again") from None
 
 
 @dataclass(frozen=True)
@@ -193,10 +202,16 @@ def load_hf_safetensors(model: nn.Module, path: str | Path) -> LoadReport:
     for name, key in wanted.items():
         by_file.setdefault(files[key], []).append(name)
     for file, names in by_file.items():
+        if file != path:  # a shard of an index: check it before reading from it
+            _safetensors_keys(file)
         with safe_open(str(file), framework="pt") as f:
             for name in names:
                 key = wanted[name]
-                full = f.get_tensor(key)
+                try:
+                    full = f.get_tensor(key)
+                except Exception as e:  # safetensors' own error types for a header naming bytes not there
+                    raise CheckpointError(f"{file}: tensor {key} cannot be read ({e}); the file is corrupt or "
+                                          "truncated: download it again") from None
                 if tuple(full.shape) != tuple(params[name].shape):
                     raise CheckpointError(f"{file.name}: {key} has shape {tuple(full.shape)} but the model expects "
                                           f"{tuple(params[name].shape)}; the weights belong to another config")

@@ -1,4 +1,4 @@
-"""``chunked``: InfiniPipe-style chunking for pipelines (``ctx.pp > 1``).
+"""``chunked``: InfiniPipe-style chunking of long sequences into slices run in order on one group.
 
 With a pipeline a group's time is the sum of its micro-batches plus ``(pp - 1)`` times the largest
 one (fill and drain), so one long sequence in one micro-batch makes a long bubble. Here sequences
@@ -9,8 +9,9 @@ slices hold fewer tokens. Short sequences then fill the room beside the tail sli
 shortest slice of each sequence; never two tails together) and new micro-batches of about ``tau``.
 
 Equal-time cut points: with ``F(x)`` the cost of the prefix ``[0, x)`` less the fixed micro-batch
-cost, cut ``j`` of ``k`` solves ``F(a_j) = j / k * F(L)``; ``F`` is increasing, so a vectorised
-bisection finds all cuts at once (exact for any cost shape the cost model has).
+cost, by the cost model's lower envelope (linear in tokens and squared tokens, so a slice costs
+``F(b) - F(a)``), cut ``j`` of ``k`` solves ``F(a_j) = j / k * F(L)``; ``F`` is increasing, so a
+vectorised bisection finds all cuts at once.
 
 Example: a 64K-token sequence whose attention dominates, in 4 slices, gets cuts near
 ``64K * sqrt(j / 4)``: 32K, 45K, 55K tokens, i.e. slices of 32K, 13K, 10K and 9K tokens.
@@ -18,6 +19,14 @@ Example: a 64K-token sequence whose attention dominates, in 4 slices, gets cuts 
 Order: each sequence's slices run in order and back to back on their group (a slice needs the
 previous slices' keys and values); the fill/drain term depends only on the largest micro-batch,
 which chunking bounds by ``tau``.
+
+Where it runs. The runtime trains slices exactly as the whole sequence by carrying the earlier
+slices' keys and values (flexmesh.runtime.carry), which it can do without pipelining only
+(flexmesh.layout.step.carries_pieces). The runtime's scheduler therefore turns cutting off
+(``ctx.cut_documents``) on a pipeline, where ``chunked`` then packs whole sequences into micro-batches
+of about ``tau``; the simulator's default context cuts as InfiniPipe does. With ``pp = 1`` there is
+no bubble to shrink: the slices bound the tokens of each micro-batch, while the whole chain's
+activations stay held until its one backward.
 """
 
 from __future__ import annotations
@@ -38,11 +47,26 @@ from flexmesh.schedule.lower_bound import lower_bound
 from flexmesh.schedule.placement import Batch
 
 
+def fixed_time(ctx: ScheduleContext, d: int) -> float:
+    """A micro-batch's fixed cost on ``d`` ranks, taken at one token: a cost model may charge any
+    non-empty micro-batch costs (kernel launches) that an empty one lacks, so the time at zero tokens
+    is not the limit from above, and cuts measured from it would put all of a slice's fixed cost in
+    its first token."""
+    return float(ctx.microbatch_time(d, 1.0, float(ctx.cost.attention_sq(0.0, 1.0))))
+
+
 def equal_time_cuts(ctx: ScheduleContext, d: int, length: int, k: int) -> list[int]:
-    """Cut points ``0 = a_0 < a_1 < ... < a_k = length`` giving ``k`` slices of equal time on ``d`` ranks."""
+    """Cut points ``0 = a_0 < a_1 < ... < a_k = length`` giving ``k`` slices of equal time on ``d`` ranks.
+
+    Equal by the cost model's lower envelope (:meth:`ScheduleContext.envelope`), whose times are linear
+    in tokens and squared tokens, so a slice ``[a, b)`` costs exactly ``F(b) - F(a)`` and the bisection
+    is exact; the model's own times differ from it by kernel tile and wave steps, which no cut can
+    even out.
+    """
     if k <= 1 or length <= 1:
         return [0, length]
-    c = float(ctx.microbatch_time(d, 0.0, 0.0))
+    ctx = ctx.envelope()
+    c = fixed_time(ctx, d)
 
     def prefix(x: np.ndarray) -> np.ndarray:
         return np.asarray(ctx.microbatch_time(d, x, ctx.cost.attention_sq(0.0, x)), dtype=float) - c
@@ -73,14 +97,13 @@ def _slices(ctx: ScheduleContext, d: int, length: int, t_alone: float, tau: floa
 
 def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
                      chunk_time: float | None = None) -> StepSchedule:
-    """Place as ``hdp``, then cut long sequences into equal-time slices of about ``chunk_time`` seconds.
+    """Place as ``hdp``, then cut long sequences into equal-time slices of about ``chunk_time`` seconds
+    (whole sequences unless ``ctx.cut_documents``).
 
     ``chunk_time`` defaults to the lower bound divided by ``2 * pp``: enough micro-batches per group
     that the ``(pp - 1)`` fill and drain cost at most about half a micro-batch per stage.
     """
     t0 = time.perf_counter()
-    if ctx.pp < 2:
-        raise ScheduleError("the 'chunked' policy is for pipelines (pp > 1); with pp = 1 use 'hdp' or 'milp'")
     batch = Batch.of(lengths, ctx)
     lens, times = batch.lens, batch.times
     tau = lower_bound(lens, ctx) / (2 * ctx.pp) if chunk_time is None else float(chunk_time)
@@ -93,14 +116,14 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
     for slot, mem in zip(slots, placement.members, strict=True):
         d, cap = slot.size, ctx.max_tokens(slot.size)
         t = times[d]
-        c = float(ctx.microbatch_time(d, 0.0, 0.0))
+        c = fixed_time(ctx, d)
         ordered = sorted(mem, key=lambda i: (-t[i], i))
         long_ids = [i for i in ordered if t[i] > tau]
         short_ids = [i for i in ordered if t[i] <= tau]
         mbs: list[list[Piece]] = []
         room: list[tuple[float, int, int]] = []  # (time left, tokens left, micro-batch index) beside a tail
         for i in long_ids:
-            spans = _slices(ctx, d, int(lens[i]), float(t[i]), tau, cap)
+            spans = _slices(ctx, d, int(lens[i]), float(t[i]), tau, cap) if ctx.cut_documents else [(0, int(lens[i]))]
             for a, b in spans:
                 mbs.append([Piece(int(i), a, b)])
             a, b = spans[-1]

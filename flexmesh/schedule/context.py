@@ -41,6 +41,11 @@ class ScheduleContext:
     # Whether every data rank runs the step's largest micro-batch count (flexmesh.layout.mesh.runs_in_lockstep);
     # None: by that rule from pp and the base strategy's ZeRO stage (a plan passes its layers' own).
     lockstep: bool | None = None
+    # Whether a policy may cut a sequence into pieces run in several micro-batches of one group. The
+    # runtime trains such pieces exactly only where flexmesh.layout.step.carries_pieces says so
+    # (pp = 1), and the runtime's scheduler sets this from it; the default (True) lets the simulator
+    # price policies as published (InfiniPipe's slices on a pipeline).
+    cut_documents: bool = True
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +99,21 @@ class ScheduleContext:
         """Time of each sequence alone on a group of ``d`` ranks (vectorised)."""
         a = np.asarray(lengths, dtype=float)
         return np.asarray(self.microbatch_time(d, a, self.cost.attention_sq(0.0, a)))
+
+    def envelope(self) -> ScheduleContext:
+        """This context priced by the cost model's lower envelope (every kernel at its best rate:
+        times linear in tokens and squared tokens, see :meth:`flexmesh.cost.CostModel.lower_envelope`)."""
+        if "envelope" not in self._cache:
+            self._cache["envelope"] = replace(self, cost=self.cost.lower_envelope(), _cache={})
+        return self._cache["envelope"]
+
+    def seq_work(self, d: int, lengths: ArrayLike) -> np.ndarray:
+        """Rank-seconds each sequence keeps a group of ``d`` busy at the least, however it is packed:
+        ``d`` times its time beyond the fixed cost of a micro-batch, by the cost model's lower
+        envelope (kernels at their best rate, so packing cannot make it cheaper). Vectorised."""
+        env = self.envelope()
+        a = np.asarray(lengths, dtype=float)
+        return d * (np.asarray(env.seq_time(d, a)) - float(env.microbatch_time(d, 0.0, 0.0)))
 
     def max_tokens(self, d: int) -> int:
         """Most tokens one micro-batch may hold on a group of ``d`` ranks without exceeding memory."""

@@ -2,17 +2,23 @@
 
 Derivation. Let sequence ``i`` have length ``l_i`` and let ``m_i`` be the smallest group whose memory
 holds it (:meth:`ScheduleContext.min_group`). Whatever the schedule, ``i`` runs on some group of
-``d >= m_i`` ranks and keeps all ``d`` of them busy for at least ``t_d(l_i) - c_d`` seconds, where
-``t_d`` is the cost model's time of the sequence alone (compute plus its context-parallel
-communication, which no schedule can avoid once memory forces ``d > 1``) and ``c_d`` the fixed cost
-of a micro-batch, which packing may share among sequences. So ``i`` consumes at least
+``d >= m_i`` ranks and keeps all ``d`` of them busy for at least ``e_d(l_i) - c_d`` seconds, where
+``e_d`` is the time of the sequence alone by the cost model's lower envelope (compute plus its
+context-parallel communication, which no schedule can avoid once memory forces ``d > 1``, with every
+kernel at its best rate: tiles, waves and launches make a packed micro-batch cheaper than its
+documents run one by one, so the model's own times would not bound a packing) and ``c_d`` the fixed
+cost of a micro-batch by the envelope, which packing may share among sequences. So ``i`` consumes at least
 
-    w_i = min over d >= m_i of  d * (t_d(l_i) - c_d)      rank-seconds (at speed 1).
+    w_i = min over d >= m_i of  d * (e_d(l_i) - c_d)      rank-seconds (at speed 1)
+
+(:meth:`ScheduleContext.seq_work`).
 
 In a step of length ``T`` a rank of speed ``s_r`` delivers ``s_r * T`` of them, hence
 ``T >= sum_i w_i / sum_r s_r`` (total work spread perfectly over all data ranks). A sequence is
 never faster than on its best group with the fastest ranks, and its pieces run one after another on
-one group, hence also ``T >= max_i min_{d >= m_i} t_d(l_i) / max_r s_r``. The bound is the larger.
+one group, hence also ``T >= max_i min_{d >= m_i} t_d(l_i) / max_r s_r`` with ``t_d`` the cost
+model's own time of the sequence alone (a micro-batch never takes less than its longest member).
+The bound is the larger.
 
 Worked example (numbers illustrative): 4 ranks of speed 1, sequences that each cost 1 s on one rank
 with ``c_1 = 0``: lengths ``[a, a, a, a, a, a]`` give ``max(6 / 4, 1) = 1.5`` s; a single one gives
@@ -61,8 +67,7 @@ def lower_bound(lengths: ArrayLike, ctx: ScheduleContext) -> float:
     alone = np.full(lens.size, np.inf)
     for d, t in times.items():
         ok = need <= d
-        c = float(ctx.microbatch_time(d, 0.0, 0.0))
-        work = np.where(ok, np.minimum(work, d * (t - c)), work)
+        work = np.where(ok, np.minimum(work, ctx.seq_work(d, lens)), work)
         alone = np.where(ok, np.minimum(alone, t), alone)
     speeds = np.asarray(ctx.speed, dtype=float) if ctx.speed else np.ones(ctx.num_ranks)
     return float(max(work.sum() / speeds.sum(), alone.max() / speeds.max()))

@@ -10,9 +10,11 @@ policy can keep that promise).
   :mod:`flexmesh.schedule.static`, and ``wlb`` (WLB-LLM, outlier delay), in :mod:`flexmesh.schedule.wlb`;
 - ``hdp`` (ByteScale): group sizes chosen per step, in :mod:`flexmesh.schedule.hdp`;
 - ``milp`` (FlexSP): group sizes by mixed-integer programming, in :mod:`flexmesh.schedule.milp`;
-- ``chunked`` (InfiniPipe, pipelines only): long sequences cut into equal-time slices, in
-  :mod:`flexmesh.schedule.chunking`; for the simulator only (``flexmesh train`` does not offer it,
-  nor ``padded``): :data:`RUNTIME_POLICIES` lists the policies the runtime runs.
+- ``chunked`` (InfiniPipe): long sequences cut into equal-time slices run in order on one group, in
+  :mod:`flexmesh.schedule.chunking`; the runtime carries the slices' keys and values, without
+  pipelining only (on a pipeline its scheduler keeps sequences whole).
+
+``flexmesh train`` offers every policy but ``padded``: :data:`RUNTIME_POLICIES` lists them.
 
 >>> from flexmesh.schedule.testing import tiny_context
 >>> s = make_schedule("hdp", [900, 50, 60, 3000], tiny_context(num_ranks=4))
@@ -48,11 +50,12 @@ POLICIES: dict[Policy, PolicyFn] = {
     Policy.CHUNKED: chunked_schedule,
 }
 
-# The policies `flexmesh train` offers (--policy, --fallback-policy). chunked and padded are simulated
-# only: the runtime's packer never pads a micro-batch to a full slot, so "padded" would run as plain
-# arrival-order packing, not as what it is named. The runtime runs wlb without its outlier delay (see
-# flexmesh.schedule.scheduler.Scheduler).
-RUNTIME_POLICIES: tuple[Policy, ...] = (Policy.FIXED, Policy.BALANCED, Policy.WLB, Policy.HDP, Policy.MILP)
+# The policies `flexmesh train` offers (--policy, --fallback-policy). padded is simulated only: the
+# runtime's packer never pads a micro-batch to a full slot, so "padded" would run as plain
+# arrival-order packing, not as what it is named. The runtime runs wlb without its outlier delay and
+# chunked's slices only where it can carry them (see flexmesh.schedule.scheduler.Scheduler).
+RUNTIME_POLICIES: tuple[Policy, ...] = (Policy.FIXED, Policy.BALANCED, Policy.WLB, Policy.HDP, Policy.MILP,
+                                        Policy.CHUNKED)
 
 
 def make_schedule(policy: Policy | str, lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,

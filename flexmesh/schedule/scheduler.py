@@ -21,7 +21,7 @@ from flexmesh.errors import ScheduleError
 from flexmesh.layout.enums import CPKind, Policy
 from flexmesh.layout.mesh import context_kind, layout_from_plan, runs_in_lockstep
 from flexmesh.layout.plan import Plan
-from flexmesh.layout.step import StepSchedule
+from flexmesh.layout.step import StepSchedule, carries_pieces
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.registry import POLICIES, make_schedule
 from flexmesh.spec.cluster import parse_cluster
@@ -34,14 +34,17 @@ def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel 
     """The per-step scheduler's view of ``plan``: its data ranks, pipeline and first layer's strategy.
 
     The group size (cp) and data-parallel degree are left to the policy; micro-batches hold at most
-    ``max_len`` tokens per rank. ``cost`` defaults to the plan's cluster preset.
+    ``max_len`` tokens per rank. ``cost`` defaults to the plan's cluster preset. Policies cut
+    sequences over micro-batches only where the runtime keeps them exact (``cut_documents``).
     """
     layout = layout_from_plan(plan)
     strategy = replace(plan.layer_strategies()[0], cp=1, cp_kind=CPKind.NONE, dp=1)
     return ScheduleContext(cost=cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster)),
                            base=strategy, num_ranks=layout.data_ranks, pp=plan.pp,
                            pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
-                           microbatch_tokens=max_len, lockstep=runs_in_lockstep(layout.pp, layout.zero))
+                           microbatch_tokens=max_len, lockstep=runs_in_lockstep(layout.pp, layout.zero),
+                           cut_documents=carries_pieces(plan.pp, dynamic_rope=spec.rope_scaling is not None
+                                                        and spec.rope_scaling.rope_type == "dynamic"))
 
 
 class Scheduler:

@@ -14,6 +14,8 @@ from pathlib import Path
 import tomllib
 
 from flexmesh.errors import SpecError
+from flexmesh.spec.values import known_keys, mapping, number, sequence, whole
+from flexmesh.spec.values import text as nonempty_text
 from flexmesh.units import GIB
 
 
@@ -38,13 +40,35 @@ class DeviceSpec:
     framework_reserve_gib: float
     allocator_headroom: float
 
+    def __post_init__(self) -> None:
+        where = f"device {self.name!r}"
+        nonempty_text(self.name, "device name", SpecError)
+        if not isinstance(self.peak_tflops, dict) or not self.peak_tflops:
+            raise SpecError(f"{where}: peak_tflops must be a table of dtype = TFLOP/s, e.g. {{bf16 = 312.0}}")
+        for dtype, v in self.peak_tflops.items():
+            number(v, f"{where}: peak_tflops.{dtype}", SpecError)
+        for f in ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps"):
+            number(getattr(self, f), f"{where}: {f}", SpecError)
+        for f in ("intra_latency_us", "inter_latency_us", "framework_reserve_gib"):
+            number(getattr(self, f), f"{where}: {f}", SpecError, strict=False)
+        # Fractions of a datasheet peak that NCCL and the matmul kernels achieve: in (0, 1].
+        for f in ("mm_efficiency", "intra_efficiency", "inter_efficiency", "a2a_intra_efficiency",
+                  "a2a_inter_efficiency"):
+            number(getattr(self, f), f"{where}: {f}", SpecError, maximum=1.0)
+        # Attention's achieved fraction of the matmul peak; a profiled device may run attention faster
+        # than its measured matmuls, so only positive and finite.
+        number(self.attn_efficiency, f"{where}: attn_efficiency", SpecError)
+        number(self.allocator_headroom, f"{where}: allocator_headroom", SpecError, strict=False, maximum=0.99)
+
     def __hash__(self) -> int:  # dict field: hash by name and memory, enough to key caches
         return hash((self.name, self.memory_gib, self.mm_efficiency))
 
     @property
     def usable_memory_bytes(self) -> float:
-        """Memory the planner may fill: capacity minus allocator headroom minus framework reserve."""
-        return (self.memory_gib * (1.0 - self.allocator_headroom) - self.framework_reserve_gib) * GIB
+        """Bytes of tensors the planner may place: capacity less the framework reserve (the CUDA
+        context, which the allocator does not see), over ``1 + allocator_headroom`` (the caching
+        allocator's fragmentation, a fraction of the bytes it hands out). The one budget formula."""
+        return max(0.0, self.memory_gib - self.framework_reserve_gib) / (1.0 + self.allocator_headroom) * GIB
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_tflops:
@@ -61,9 +85,15 @@ class ClusterSpec:
     speed_factors: tuple[float, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        for f in ("nodes", "devices_per_node"):
+            whole(getattr(self, f), f"cluster {f}", SpecError, minimum=None)
         if self.nodes < 1 or self.devices_per_node < 1:
             raise SpecError(f"cluster needs at least one node and one device per node, "
                             f"got {self.nodes}x{self.devices_per_node}")
+        if not isinstance(self.device, DeviceSpec):
+            raise SpecError(f"cluster device must be a device preset or table, got {self.device!r}")
+        for i, factor in enumerate(self.speed_factors):
+            number(factor, f"speed factor {i}", SpecError)
         if self.speed_factors and len(self.speed_factors) != self.world_size:
             raise SpecError(
                 f"cluster has {self.world_size} devices but {len(self.speed_factors)} speed factors; "
@@ -129,7 +159,13 @@ def device(name: str) -> DeviceSpec:
     raise SpecError(f"unknown device {name!r}; known: {', '.join(list(DEVICE_PRESETS) + list(_ALIASES))}")
 
 
+_CLUSTER_KEYS = ("nodes", "devices_per_node", "device", "speed_factors")
+_DEVICE_KEYS = ("base", *DeviceSpec.__dataclass_fields__)
+
+
 def _from_mapping(d: dict, where: str) -> ClusterSpec:
+    mapping(d, f"{where}: a cluster file", SpecError)
+    known_keys(d, _CLUSTER_KEYS, f"{where}: cluster file", SpecError)
     for k in ("nodes", "devices_per_node", "device"):
         if k not in d:
             raise SpecError(f"{where}: cluster file is missing {k!r} (needs nodes, devices_per_node, device)")
@@ -137,34 +173,45 @@ def _from_mapping(d: dict, where: str) -> ClusterSpec:
     if isinstance(dev, str):
         dev = device(dev)
     elif isinstance(dev, dict):
-        base = device(dev["base"]) if "base" in dev else None
+        known_keys(dev, _DEVICE_KEYS, f"{where}: device table", SpecError)
+        base = device(nonempty_text(dev["base"], f"{where}: device base", SpecError)) if "base" in dev else None
         fields = {k: v for k, v in dev.items() if k != "base"}
-        if base is not None:
-            dev = replace(base, **fields)
-        else:
-            try:
-                dev = DeviceSpec(**fields)
-            except TypeError as e:
-                raise SpecError(f"{where}: device table is incomplete ({e}); "
-                                "or give base = \"A100-80GB\" and override fields") from e
+        try:
+            dev = replace(base, **fields) if base is not None else DeviceSpec(**fields)
+        except TypeError as e:
+            raise SpecError(f"{where}: device table is incomplete ({e}); "
+                            "or give base = \"A100-80GB\" and override fields") from e
+        except SpecError as e:
+            raise SpecError(f"{where}: {e}") from None
     else:
         raise SpecError(f"{where}: device must be a preset name or a table")
-    return ClusterSpec(nodes=int(d["nodes"]), devices_per_node=int(d["devices_per_node"]), device=dev,
-                       speed_factors=tuple(float(x) for x in d.get("speed_factors", ())))
+    factors = sequence(d.get("speed_factors", []), f"{where}: speed_factors", SpecError)
+    nodes = whole(d["nodes"], f"{where}: nodes", SpecError)
+    per_node = whole(d["devices_per_node"], f"{where}: devices_per_node", SpecError)
+    try:
+        return ClusterSpec(nodes=nodes, devices_per_node=per_node, device=dev, speed_factors=tuple(factors))
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
 
 
 def parse_cluster(text: str) -> ClusterSpec:
     """``NODESxPERNODExDEVICE``, ``PERNODExDEVICE`` (one node), or a JSON/TOML file path."""
+    if not isinstance(text, str) or not text.strip():
+        raise SpecError("the cluster is empty; write NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB), PERNODExDEVICE "
+                        "(8xH100) or the path of a JSON/TOML cluster file")
     m = _CLUSTER_RE.match(text)
     if m:
         nodes, per, dev = m.groups()
-        return ClusterSpec(nodes=int(nodes or 1), devices_per_node=int(per), device=device(dev))
+        return ClusterSpec(nodes=whole(int(nodes or 1), f"cluster {text!r}: nodes", SpecError),
+                           devices_per_node=whole(int(per), f"cluster {text!r}: devices per node", SpecError),
+                           device=device(dev))
     p = Path(text)
     if p.is_file():
         try:
-            raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-            raise SpecError(f"{p}: cannot parse cluster file ({e})") from e
+            content = p.read_text(encoding="utf-8")
+            raw = tomllib.loads(content) if p.suffix == ".toml" else json.loads(content)
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise SpecError(f"{p}: cannot parse cluster file ({e})") from None
         return _from_mapping(raw, str(p))
     raise SpecError(
         f"unknown cluster {text!r}: write NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB), PERNODExDEVICE (8xH100) "

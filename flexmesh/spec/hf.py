@@ -20,6 +20,7 @@ from typing import Any
 from flexmesh.errors import SpecError
 from flexmesh.files import read_json
 from flexmesh.spec.model import ModelSpec, RopeScaling, hf_sliding_window
+from flexmesh.spec.values import flag, number, whole
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -75,6 +76,7 @@ def spec_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config.j
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise SpecError(f"{where}: config.json is missing {', '.join(missing)} (needed for a {family} model)")
+    cfg = _checked(cfg, where)
     defaults = _DEFAULTS[family]
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -120,12 +122,46 @@ def spec_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config.j
     )
 
 
+# Keys read as counts, numbers and flags. A null is allowed where transformers gives it a meaning
+# (the _NULLABLE ones: "as many as query heads", "hidden / heads", "no window"); elsewhere it is refused.
+_WHOLE = (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+          "original_max_position_embeddings")
+_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "original_max_position_embeddings",
+             "partial_rotary_factor", "rope_scaling", "rope_parameters", "dtype", "torch_dtype", "layer_types")
+_POSITIVE = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+
+
+def _checked(cfg: dict, where: str) -> dict:
+    """``cfg`` with every value flexmesh reads checked for its type and range (SpecError naming the key)."""
+    for key, value in cfg.items():
+        if value is None and key not in _REQUIRED:  # a required count that is null: whole() says what it must be
+            if key in (*_WHOLE, *_POSITIVE, *_FLAGS, "attention_dropout", "max_window_layers") \
+                    and key not in _NULLABLE:
+                raise SpecError(f"{where}: {key} is null; give a value or leave the key out")
+            continue
+        what = f"{where}: {key}"
+        if key in _WHOLE:
+            whole(value, what, SpecError)
+        elif key == "max_window_layers":
+            whole(value, what, SpecError, minimum=0)
+        elif key in _POSITIVE:
+            number(value, what, SpecError)
+        elif key == "attention_dropout":
+            number(value, what, SpecError, strict=False, maximum=1.0)
+        elif key in _FLAGS:
+            flag(value, what, SpecError)
+        elif key == "_name_or_path" and not isinstance(value, str):
+            raise SpecError(f"{what} must be a string, got {value!r}")
+    return cfg
+
+
 def _dtype(cfg: dict, where: str) -> str:
     """transformers 5 writes ``dtype``, 4 wrote ``torch_dtype``; neither: bf16 (how flexmesh trains)."""
     raw = cfg.get("dtype", cfg.get("torch_dtype"))
     if raw is None or raw == "auto":
         return "bf16"
-    if raw not in _DTYPES:
+    if not isinstance(raw, str) or raw not in _DTYPES:
         raise SpecError(f"{where}: dtype {raw!r} is not supported; use one of {', '.join(_DTYPES)}")
     return _DTYPES[raw]
 
@@ -136,7 +172,7 @@ def _check_layer_types(cfg: dict, where: str) -> None:
         return
     if not isinstance(types, list) or len(types) != cfg["num_hidden_layers"]:
         raise SpecError(f"{where}: layer_types must list one type per layer ({cfg['num_hidden_layers']})")
-    odd = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    odd = sorted({str(t) for t in types if t not in ("full_attention", "sliding_attention")})
     if odd:
         raise SpecError(f"{where}: layer_types {odd} are not supported; only full_attention and sliding_attention")
 
@@ -152,12 +188,22 @@ def _rope(cfg: dict, max_position: int, where: str) -> tuple[float, RopeScaling 
         raise SpecError(f"{where}: rope_parameters must be a JSON object, got {params!r}")
     if any(isinstance(v, dict) for v in params.values()):
         raise SpecError(f"{where}: per-layer-type rope_parameters are not supported; give one RoPE for all layers")
+    for key, value in params.items():
+        if key == "rope_theta" and value is None:
+            raise SpecError(f"{where}: rope parameter rope_theta is null; give a value or leave the key out")
+        if key in ("rope_type", "type", "truncate") or value is None:
+            continue
+        if key == "original_max_position_embeddings":
+            whole(value, f"{where}: rope parameter {key}", SpecError)
+        else:
+            number(value, f"{where}: rope parameter {key}", SpecError, strict=key not in ("mscale", "mscale_all_dim",
+                                                                                           "beta_fast", "beta_slow"))
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         raise SpecError(f"{where}: partial_rotary_factor {partial} is not supported; flexmesh rotates whole heads")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in _ROPE_KEYS:
+    if not isinstance(rope_type, str) or rope_type not in _ROPE_KEYS:
         raise SpecError(f"{where}: rope_type {rope_type!r} is not supported; "
                         f"use one of {', '.join(_ROPE_KEYS)}")
     extra = sorted(set(params) - _ROPE_KEYS[rope_type] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
@@ -192,7 +238,7 @@ def _rope(cfg: dict, max_position: int, where: str) -> tuple[float, RopeScaling 
             "yarn", float(factor) if factor is not None else max_position / original, original,
             # transformers treats a 0 or null beta as its default ("or 32", "or 1")
             beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-            truncate=bool(params.get("truncate", True)), **opt,
+            truncate=flag(params.get("truncate", True), f"{where}: rope parameter truncate", SpecError), **opt,
         )
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from e

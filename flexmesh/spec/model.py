@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from flexmesh.errors import SpecError
+from flexmesh.spec.values import flag, known_keys, mapping, number, text, whole
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -42,6 +43,17 @@ class RopeScaling:
     truncate: bool = True  # yarn: round the correction range outwards to whole dimensions
 
     def __post_init__(self) -> None:
+        where = f"rope scaling {self.rope_type!r}"
+        object.__setattr__(self, "factor", number(self.factor, f"{where}: factor", SpecError))
+        if self.original_max_position is not None:
+            object.__setattr__(self, "original_max_position",
+                               whole(self.original_max_position, f"{where}: original_max_position", SpecError))
+        for f in ("low_freq_factor", "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, number(getattr(self, f), f"{where}: {f}", SpecError, strict=False))
+        for f in ("beta_fast", "beta_slow"):
+            object.__setattr__(self, f, number(getattr(self, f), f"{where}: {f}", SpecError))
+        flag(self.truncate, f"{where}: truncate", SpecError)
         if self.rope_type not in ROPE_TYPES:
             raise SpecError(f"rope_type {self.rope_type!r} is not supported; use one of {', '.join(ROPE_TYPES)}")
         if not self.factor > 0:
@@ -92,9 +104,23 @@ class ModelSpec:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
 
     def __post_init__(self) -> None:
-        for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab"):
-            if getattr(self, f) <= 0:
-                raise SpecError(f"model {self.name!r}: {f} must be positive, got {getattr(self, f)}")
+        text(self.name, "model name", SpecError)
+        where = f"model {self.name!r}"
+        for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab", "max_position"):
+            object.__setattr__(self, f, whole(getattr(self, f), f"{where}: {f}", SpecError))
+        for f in ("tie_embeddings", "qkv_bias", "linear_bias", "attention_out_bias", "mlp_bias", "qk_norm"):
+            flag(getattr(self, f), f"{where}: {f}", SpecError)
+        for f in ("rope_theta", "norm_eps"):
+            object.__setattr__(self, f, number(getattr(self, f), f"{where}: {f}", SpecError))
+        for f in ("head_dim_override", "sliding_window"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, whole(getattr(self, f), f"{where}: {f} (or null)", SpecError))
+        if self.window_layers is not None and (not isinstance(self.window_layers, tuple)
+                                               or not all(isinstance(x, bool) for x in self.window_layers)):
+            raise SpecError(f"{where}: window_layers must be a list of true/false, one per layer")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise SpecError(f"{where}: rope_scaling must be an object with rope_type and factor, "
+                            f"got {self.rope_scaling!r}")
         if self.num_heads % self.num_kv_heads:
             raise SpecError(
                 f"model {self.name!r}: num_heads {self.num_heads} is not a multiple of "
@@ -108,7 +134,7 @@ class ModelSpec:
             raise SpecError(f"model {self.name!r}: activation must be swiglu or gelu, got {self.activation!r}")
         if self.position not in ("rope", "learned"):
             raise SpecError(f"model {self.name!r}: position must be rope or learned, got {self.position!r}")
-        if self.dtype not in DTYPE_BYTES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise SpecError(f"model {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise SpecError(f"model {self.name!r}: sliding_window must be positive or None, got {self.sliding_window}")
@@ -227,18 +253,21 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
+        mapping(d, "model spec", SpecError)
         known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known
-        if unknown:
-            raise SpecError(f"model spec has unknown fields {sorted(unknown)}; known: {sorted(known)}")
-        if d.get("window_layers") is not None:  # JSON has lists; the frozen spec keeps a hashable tuple
-            d = {**d, "window_layers": tuple(bool(x) for x in d["window_layers"])}
+        known_keys(d, known, "model spec", SpecError)
+        if isinstance(d.get("window_layers"), list):  # JSON has lists; the frozen spec keeps a hashable tuple
+            d = {**d, "window_layers": tuple(d["window_layers"])}
         if isinstance(d.get("rope_scaling"), dict):
             try:
                 d = {**d, "rope_scaling": RopeScaling(**d["rope_scaling"])}
             except TypeError as e:
                 raise SpecError(f"model spec has a malformed rope_scaling {d['rope_scaling']}: {e}") from e
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as e:  # a required field left out
+            raise SpecError(f"model spec is incomplete ({e}); it needs name, num_layers, hidden, num_heads, "
+                            "num_kv_heads, ffn_hidden and vocab") from e
 
 
 def _llama(name: str, L: int, h: int, a: int, kv: int, ffn: int, V: int, **kw) -> ModelSpec:

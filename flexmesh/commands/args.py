@@ -1,0 +1,88 @@
+"""argparse ``type=`` checks shared by the commands: a bad value is one usage line from argparse
+(``argument --top: must be a whole number >= 1, got '0'``), never a traceback or a silent default.
+
+>>> positive_int("8"), nonneg_int("0"), positive_float("3e-4"), nonneg_float("0")
+(8, 0, 0.0003, 0.0)
+>>> positive_int("0")
+Traceback (most recent call last):
+argparse.ArgumentTypeError: must be a whole number >= 1, got '0'
+>>> positive_float("nan")
+Traceback (most recent call last):
+argparse.ArgumentTypeError: must be a finite number > 0, got 'nan'
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _int(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = f"whole number >= {minimum}"  # what argparse names in "invalid ... value"
+    return parse
+
+
+def _float(minimum: float, strict: bool) -> Callable[[str], float]:
+    rel = ">" if strict else ">="
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or not (value > minimum if strict else value >= minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {rel} {minimum:g}, got {text!r}")
+        return value
+
+    parse.__name__ = f"number {rel} {minimum:g}"
+    return parse
+
+
+positive_int = _int(1)
+nonneg_int = _int(0)
+positive_float = _float(0.0, strict=True)
+nonneg_float = _float(0.0, strict=False)
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1] (a ratio such as the cosine floor of the learning rate)."""
+    value = nonneg_float(text)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
+def new_file(text: str) -> str:
+    """A file path to write: refused when it names an existing folder (the file would go nowhere)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a file, got an empty path")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path (e.g. {text.rstrip('/')}/plan.json)")
+    return text
+
+
+def folder(text: str) -> str:
+    """A folder path to write into: refused when it names an existing file."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a folder, got an empty path")
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is an existing file, not a folder; give a folder path")
+    return text
+
+
+def nonempty(text: str) -> str:
+    """A value that must not be empty (``--cluster ""`` would otherwise fall back to a default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text

@@ -1,0 +1,81 @@
+"""Overlap: which communication of a plan runs under compute, a plan-level choice the search prices.
+
+Three options, each what a framework really does (docs/cost-model.md, "Overlap", has the sources):
+
+- ``tp_comm``: tensor-parallel (sequence-parallel) all-gathers and reduce-scatters pipelined with the
+  GEMMs they feed (Megatron-Core ``--tp-comm-overlap``, TransformerEngine userbuffers). Off: every TP
+  collective is exposed, as the DTensor tensor parallelism of flexmesh's runtime runs it.
+- ``grad_reduce``: when gradients of ZeRO-2/3 layers are reduce-scattered. ``"last"``: accumulated
+  unsharded over the step's micro-batches and reduced once, bucket by bucket as the last
+  micro-batch's backward finishes them (FSDP2 with ``set_requires_gradient_sync(is_last)``,
+  Megatron-Core's ``overlap_grad_reduce``); ``"bucketed"``: reduce-scattered in every micro-batch's
+  backward, bucket by bucket (FSDP2's default), so gradients stay sharded. ZeRO-0/1 layers accumulate
+  locally and reduce once in either case.
+- ``zero3_prefetch``: ZeRO-3 all-gathers issued one layer ahead, under the previous layer's compute
+  (FSDP2's default), at the price of a second layer's gathered weights; off, each gather waits.
+
+``Overlap()`` is ZeRO as its paper describes it (gradients reduce-scattered every micro-batch) with
+nothing else overlapped; :data:`RUNTIME` is what flexmesh's runtime (FSDP2, DTensor TP) runs, and
+plans without the field read as it.
+
+>>> Overlap.from_dict({"tp_comm": True})
+Overlap(tp_comm=True, grad_reduce='bucketed', zero3_prefetch=True)
+>>> RUNTIME.to_dict()
+{'tp_comm': False, 'grad_reduce': 'last', 'zero3_prefetch': True}
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from flexmesh.errors import PlanError
+
+GRAD_REDUCE = ("last", "bucketed")
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Communication/compute overlap of a plan (see the module docstring)."""
+
+    tp_comm: bool = False
+    grad_reduce: str = "bucketed"
+    zero3_prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("tp_comm", "zero3_prefetch"):
+            if not isinstance(getattr(self, f), bool):
+                raise PlanError(f"overlap {f} must be true or false, got {getattr(self, f)!r}")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise PlanError(f"overlap grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}")
+
+    def to_dict(self) -> dict:
+        """The plan file's ``overlap`` object."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: object) -> "Overlap":
+        """Read a plan file's ``overlap`` object; missing keys take :class:`Overlap`'s defaults."""
+        if not isinstance(d, dict):
+            raise PlanError(f"plan overlap must be a JSON object, got {d!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PlanError(f"plan overlap has unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    @property
+    def label(self) -> str:
+        """Short form for one-line plan summaries, e.g. ``tp-overlap grad:last prefetch``."""
+        parts = ["tp-overlap"] if self.tp_comm else []
+        parts.append(f"grad:{self.grad_reduce}")
+        if not self.zero3_prefetch:
+            parts.append("no-prefetch")
+        return " ".join(parts)
+
+
+# The cost model's default when a caller names none (ZeRO's paper pricing, nothing else overlapped).
+NO_OVERLAP = Overlap()
+# What flexmesh's runtime runs: DTensor TP without communication overlap (not available on CPU/gloo),
+# FSDP2's implicit all-gather prefetch, and gradients reduced once in the last micro-batch's backward
+# (the trainer's set_requires_gradient_sync(is_last)).
+RUNTIME = Overlap(tp_comm=False, grad_reduce="last", zero3_prefetch=True)

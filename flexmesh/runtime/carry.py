@@ -1,0 +1,236 @@
+"""Keys and values carried between micro-batches, so that a cut document trains as the whole one.
+
+A step schedule may cut a document into pieces that run in different micro-batches of one group
+(the ``chunked`` policy's slices; flexmesh.layout.step). Queries of a later piece ``[a, b)`` must
+see the keys and values of tokens ``[0, a)``, computed by earlier micro-batches, and the loss of
+the later piece must send gradient back into them. As in TeraPipe and InfiniPipe:
+
+- forward: every attention layer keeps the keys and values (after RoPE, with their autograd graph)
+  of a piece that a later piece continues, in a per-step store keyed by (document, layer); the
+  later piece attends to ``[kept prefix ; its own keys]`` with its queries at document positions
+  ``a .. b - 1`` (packing already gives them those positions for RoPE);
+- backward: the trainer runs the forwards of every micro-batch of a *chain* (micro-batches linked
+  by a cut document) and then one backward of their summed loss, so the gradient reaching a kept
+  prefix flows on into the earlier micro-batch's graph (:func:`chains`). Without pipelining only:
+  :func:`flexmesh.layout.step.carries_pieces`.
+
+Work: queries ``[a, b)`` over keys ``[0, b)``, causal, are ``b^2 - a^2`` squared tokens
+(flexmesh.cost.work.attention_sq charges exactly that).
+
+Context parallelism. Under Ulysses each rank holds all tokens of its heads after the all-to-all,
+so it keeps and reads its heads' prefix. Under ring attention a micro-batch touching a carried
+document all-gathers the row's keys and values over the group instead of passing them round the
+ring (backward: a reduce-scatter of their gradients), so every rank keeps the whole prefix for
+its own queries. Activation checkpointing recomputes a layer in backward: a view remembers the
+prefix it read the first time, so the recomputation reads the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flexmesh.errors import PlanError, ScheduleError
+from flexmesh.layout.step import Group, Piece
+from flexmesh.runtime.attention import (
+    CPContext,
+    _check_shapes,
+    _heads_to_seq,
+    _sdpa_document,
+    _seq_to_heads,
+    window_causal,
+)
+from flexmesh.runtime.packing import merge_pieces
+
+# Queries per SDPA call on a carried segment: the explicit mask is block x keys, so a bounded block
+# keeps it small (1024 x 64K booleans: 64 MiB) while the calls stay few next to a layer's matmuls.
+CARRY_BLOCK = 1024
+
+
+class KVCarry:
+    """The step's store: (seq_id, layer) -> (keys, values) of the document's tokens ``[0, end)``."""
+
+    def __init__(self) -> None:
+        self._kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def view(self, segments: Sequence[Piece], keep: frozenset[tuple[int, int]]) -> CarryView:
+        """One micro-batch's view: its row's ``segments`` and which of them (seq_id, start) to keep."""
+        return CarryView(self, tuple(segments), keep)
+
+    def clear(self) -> None:
+        self._kv.clear()
+
+    def __len__(self) -> int:
+        return len(self._kv)
+
+
+class CarryView:
+    """What attention reads (a segment's prefix) and writes (a kept segment's keys) in one micro-batch."""
+
+    def __init__(self, store: KVCarry, segments: tuple[Piece, ...], keep: frozenset[tuple[int, int]]):
+        self.store, self.segments, self.keep = store, segments, keep
+        self._read: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prefix(self, piece: Piece, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of tokens ``[0, piece.start)`` at ``layer``; the same tensors on every call."""
+        if piece.start == 0:
+            return None
+        key = (piece.seq_id, piece.start, layer)
+        if key not in self._read:
+            kv = self.store._kv.get((piece.seq_id, layer))
+            if kv is None or kv[0].shape[2] != piece.start:
+                held = 0 if kv is None else kv[0].shape[2]
+                raise ScheduleError(f"document {piece.seq_id}: piece [{piece.start}, {piece.end}) needs the keys of "
+                                    f"tokens [0, {piece.start}) but {held} are carried; run its pieces in order")
+            self._read[key] = kv
+        return self._read[key]
+
+    def put(self, piece: Piece, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep ``k``, ``v`` (tokens ``[0, piece.end)``) when a later piece continues the document."""
+        if (piece.seq_id, piece.start) in self.keep:
+            self.store._kv[(piece.seq_id, layer)] = (k, v)
+
+
+def chain_plan(group: Group) -> tuple[list[frozenset[tuple[int, int]]], list[bool]]:
+    """Per micro-batch of ``group``: the segments (seq_id, start) a later segment continues, and
+    whether a chain ends there (no document continues into a later micro-batch).
+
+    Segments are the micro-batch's pieces with adjacent ones of one document merged
+    (flexmesh.runtime.packing), as the packed row holds them.
+
+    >>> g = Group((0,), ((Piece(0, 0, 4), Piece(1, 0, 3)), (Piece(0, 4, 9),), (Piece(2, 0, 5),)))
+    >>> keep, ends = chain_plan(g)
+    >>> [sorted(k) for k in keep], ends
+    ([[(0, 0)], [], []], [False, True, True])
+    """
+    rows = [merge_pieces(list(mb)) for mb in group.microbatches]
+    last: dict[int, tuple[int, int]] = {}  # seq_id -> (micro-batch, start) of its latest segment
+    keep: list[set[tuple[int, int]]] = [set() for _ in rows]
+    reach = [-1] * len(rows)  # the latest micro-batch continuing a document seen in this one
+    for i, row in enumerate(rows):
+        for p in row:
+            if p.start > 0 and p.seq_id in last:
+                j, start = last[p.seq_id]
+                keep[j].add((p.seq_id, start))
+                reach[j] = max(reach[j], i)
+            last[p.seq_id] = (i, p.start)
+    ends, furthest = [], -1
+    for i in range(len(rows)):
+        furthest = max(furthest, reach[i])
+        ends.append(furthest <= i)
+    return [frozenset(k) for k in keep], ends
+
+
+def chain_ends(groups: Sequence[Group], count: int) -> list[bool]:
+    """For micro-batches ``0 .. count - 1``: whether a chain ends there in every one of ``groups``.
+
+    The trainer runs the backward of a chain's summed loss at its end. Ranks that must pair their
+    collectives micro-batch by micro-batch (ZeRO-3 gathers, flexmesh.layout.mesh.runs_in_lockstep)
+    pass every group of the step, so they all run backward at the same micro-batches; others pass
+    their own group. Micro-batches past a group's own (empty padding) end chains there.
+
+    >>> a = Group((0,), ((Piece(0, 0, 4),), (Piece(0, 4, 9),), (Piece(1, 0, 3),)))
+    >>> b = Group((1,), ((Piece(2, 0, 5),), (Piece(3, 0, 2),), (Piece(3, 2, 6),)))
+    >>> chain_ends([a], 3), chain_ends([a, b], 4)
+    ([False, True, True], [False, False, True, True])
+    """
+    ends = [True] * count
+    for g in groups:
+        for i, end in enumerate(chain_plan(g)[1][:count]):
+            ends[i] = ends[i] and end
+    return ends
+
+
+# ---- attention over a carried prefix -----------------------------------------------------------------
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the token dim (2) over the context-parallel group; backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, cp: CPContext):  # noqa: ANN001, ANN205
+        ctx.cp = cp
+        b, h, tl, d = x.shape
+        parts = torch.empty((cp.size * b, h, tl, d), dtype=x.dtype, device=x.device)  # ranks stacked on dim 0
+        dist.all_gather_into_tensor(parts, x.contiguous(), group=cp.group)
+        return parts.view(cp.size, b, h, tl, d).permute(1, 2, 0, 3, 4).reshape(b, h, cp.size * tl, d)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        cp: CPContext = ctx.cp
+        b, h, t, d = grad.shape
+        tl = t // cp.size
+        blocks = grad.reshape(b, h, cp.size, tl, d).permute(2, 0, 1, 3, 4).reshape(cp.size * b, h, tl, d)
+        out = torch.empty((b, h, tl, d), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, blocks, group=cp.group)  # every rank's queries read my block: sum
+        return out, None
+
+
+def _attend_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int | None) -> torch.Tensor:
+    """Queries at document positions ``first ..`` over keys at positions ``0 ..`` of one document, causal."""
+    n = q.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    if first == 0 and k.shape[2] == n:
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return _sdpa_document(q, k, v, window)
+    outs = []
+    for r0 in range(0, n, CARRY_BLOCK):
+        r1 = min(n, r0 + CARRY_BLOCK)
+        lo, hi = (0 if window is None else max(0, first + r0 - window + 1)), first + r1
+        kb, vb = k[:, :, lo:hi], v[:, :, lo:hi]
+        if groups > 1:
+            kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
+        qi = torch.arange(first + r0, first + r1, device=q.device)[:, None]
+        mask = window_causal(qi, torch.arange(lo, hi, device=q.device)[None, :], window)
+        outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], kb, vb, attn_mask=mask))
+    return torch.cat(outs, dim=2)
+
+
+def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, q_off: int,
+                      window: int | None, view: CarryView, layer: int) -> torch.Tensor:
+    """Queries of row tokens ``[q_off, q_off + Tq)`` over the whole row's ``k``, ``v`` plus carried prefixes.
+
+    Segments are processed in row order, so a document's second segment in the same row sees the
+    first (kept, then read).
+    """
+    t, tq = k.shape[2], q.shape[2]
+    cuts = [0, *sorted({int(x) for x in cu_seqlens.tolist() if 0 < int(x) < t}), t]
+    outs = []
+    for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        piece = view.segments[s] if s < len(view.segments) else None  # None: padding
+        ks, vs = k[:, :, a:b], v[:, :, a:b]
+        start = 0
+        if piece is not None:
+            start = piece.start
+            pre = view.prefix(piece, layer)
+            if pre is not None:
+                ks, vs = torch.cat([pre[0], ks], dim=2), torch.cat([pre[1], vs], dim=2)
+            view.put(piece, layer, ks, vs)
+        qa, qb = max(a, q_off), min(b, q_off + tq)
+        if qa < qb:  # query row token i is token start + (i - a) of its document; key j is token j
+            first = start + qa - a
+            outs.append(_attend_after(q[:, :, qa - q_off:qb - q_off], ks[:, :, :first + qb - qa],
+                                      vs[:, :, :first + qb - qa], first, window))
+    return torch.cat(outs, dim=2)
+
+
+def carried_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                   cp: CPContext | None, window: int | None, view: CarryView, layer: int) -> torch.Tensor:
+    """:func:`flexmesh.runtime.attention.attend` for a micro-batch holding carried documents (module doc)."""
+    _check_shapes(q, k, v)
+    if cp is None or cp.size == 1:
+        return _prefix_attention(q, k, v, cu_seqlens, 0, window, view, layer)
+    if cp.kind == "ulysses":
+        h, hkv = q.shape[1], k.shape[1]
+        if h % cp.size:
+            raise PlanError(f"Ulysses context parallelism of degree {cp.size} needs the {h} query heads per "
+                            "tensor-parallel rank to divide evenly; lower cp or tp, or use ring attention")
+        if hkv % cp.size:  # as ulysses_attention: too few key/value heads to split
+            k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+        out = _prefix_attention(_seq_to_heads(q, cp), _seq_to_heads(k, cp), _seq_to_heads(v, cp), cu_seqlens, 0,
+                                window, view, layer)
+        return _heads_to_seq(out, cp)
+    return _prefix_attention(q, _GatherSeq.apply(k, cp), _GatherSeq.apply(v, cp), cu_seqlens, cp.rank * q.shape[2],
+                             window, view, layer)

@@ -1,0 +1,121 @@
+"""Bad flags are one usage line from argparse (never a traceback, never a silent default), the demo's
+training plan trains without its profiles, and error messages print literally (no rich markup)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from flexmesh.cli import main
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return " ".join(err.split())
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["plan", "--top", "0"], "argument --top: must be a whole number >= 1, got '0'"),
+    (["plan", "--seq-len", "0"], "argument --seq-len: must be a whole number >= 1"),
+    (["plan", "--global-batch", "0"], "argument --global-batch: must be a whole number >= 1"),
+    (["plan", "--global-batch", "2.5"], "argument --global-batch: must be a whole number >= 1, got '2.5'"),
+    (["plan", "--cluster", ""], "argument --cluster: must not be empty"),
+    (["simulate", "--model", "tiny", "--context", "128", "--cluster", ""], "argument --cluster: must not be empty"),
+    (["simulate", "--model", "tiny", "--context", "128", "--global-batch", "0"], "argument --global-batch"),
+    (["simulate", "--model", "tiny", "--context", "128", "--tokens-per-batch", "0"], "argument --tokens-per-batch"),
+    (["simulate", "--model", "tiny", "--context", "0"], "argument --context"),
+    (["simulate", "--model", "tiny", "--context", "128", "--seed", "-1"],
+     "argument --seed: must be a whole number >= 0"),
+    (["train", "--plan", "p", "--corpus", "c", "--out", "o", "--max-steps", "-3"], "argument --max-steps"),
+    (["train", "--plan", "p", "--corpus", "c", "--out", "o", "--max-steps", "1", "--lr", "-1"],
+     "argument --lr: must be a finite number > 0, got '-1'"),
+    (["train", "--plan", "p", "--corpus", "c", "--out", "o", "--max-steps", "1", "--lr", "nan"], "argument --lr"),
+    (["train", "--plan", "p", "--corpus", "c", "--out", "o", "--max-steps", "1", "--nproc", "0"], "argument --nproc"),
+    (["train", "--plan", "p", "--corpus", "c", "--out", "o", "--max-steps", "1", "--global-batch", "0"],
+     "argument --global-batch"),
+    (["train", "--plan", "p", "--corpus", "c", "--out", "o", "--max-steps", "1", "--max-len", "0"],
+     "argument --max-len"),
+    (["train", "--plan", "p", "--corpus", "c", "--out", "o", "--max-steps", "1", "--min-lr-ratio", "2"],
+     "argument --min-lr-ratio: must be a number in [0, 1]"),
+    (["train", "--plan", "p", "--corpus", "c", "--out", "o", "--max-steps", "1", "--collective-timeout", "inf"],
+     "argument --collective-timeout"),
+    (["profile", "hardware", "--nproc", "0"], "argument --nproc"),
+    (["demo", "--steps", "0"], "argument --steps"),
+    (["export", "--checkpoint", "c", "--out", "o", "--max-shard-size", "0.1B"], "argument --max-shard-size"),
+])
+def test_bad_flags_are_one_usage_line(capsys, argv, expect):
+    assert expect in _usage_error(capsys, argv)
+
+
+def test_out_naming_the_wrong_kind_of_path(capsys, tmp_path):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    for argv in (["train", "--plan", "p", "--corpus", "c", "--max-steps", "1", "--out", str(existing)],
+                 ["export", "--checkpoint", "c", "--out", str(existing)],
+                 ["demo", "--out", str(existing)],
+                 ["simulate", "--model", "tiny", "--context", "128", "--plots", str(existing)]):
+        assert "is an existing file, not a folder" in _usage_error(capsys, argv)
+    assert existing.read_text() == "keep me"
+    for argv in (["plan", "--out", str(tmp_path)], ["profile", "hardware", "--out", str(tmp_path)]):
+        assert "is a folder; give a file path" in _usage_error(capsys, argv)
+
+
+def test_messages_print_literally(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapping inside the path
+    for name in ("[bold]x[/bold].json", "a[/]b.json"):
+        assert main(["plan", "--check", str(tmp_path / name), "--model", "tiny", "--cluster", "2xA100-80GB"]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name}' does not exist" in err
+
+
+@pytest.fixture
+def single_process_env():
+    """``flexmesh train`` in this process: no torchrun variables before, none left after."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    yield
+    for k in keys:
+        os.environ.pop(k, None)
+    os.environ.update(saved)
+
+
+def test_a_plan_whose_cluster_prices_nothing_says_what_to_pass(capsys, tmp_path, single_process_env):
+    from flexmesh.report.demo import training_plan
+
+    plan = tmp_path / "plan.json"
+    training_plan(1, 64, 2).save(plan)  # the cluster label "1xcpu" names no device preset
+    rc = main(["train", "--plan", str(plan), "--corpus", str(tmp_path), "--max-steps", "1", "--out",
+               str(tmp_path / "run")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "records cluster '1xcpu', which prices nothing" in err and "--hardware-profile" in err
+
+
+@pytest.mark.timeout(300)
+def test_demo_training_plan_trains_without_profiles(tmp_path):
+    from helpers import flexmesh
+
+    from flexmesh.commands.demo import training_plan_file
+    from flexmesh.profile import CollectiveFit, HardwareProfile
+
+    hw = tmp_path / "profiles" / "hardware.json"
+    HardwareProfile(device={"type": "cpu", "name": "test cpu", "nodes": 1, "devices_per_node": 1,
+                            "memory_bytes": 8 * 2**30}, dtype="fp32", matmul_flops_per_s={"fp32": 4e10},
+                    memory_bytes_per_s=8e9, attention={"fp32": {"flops_per_s": 1e10}},
+                    collectives=[CollectiveFit("send_recv", 2, "intra", 4e-5, 5e-10)]).save(hw)
+    plan = training_plan_file(tmp_path, hw, nproc=1, max_len=64, global_batch=2)
+    assert json.loads(plan.read_text())["cluster"].endswith("cluster.json")
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (5 + 7 * i)}) + "\n"
+                              for i in range(8)))
+    out = tmp_path / "run"
+    proc = flexmesh("train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out", str(out),
+                    "--cache-dir", str(tmp_path / "cache"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["predicted_step_time_s"] > 0
