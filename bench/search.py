@@ -2,8 +2,8 @@
 
 For each case: search time, chosen plan, predicted tokens/s and MFU, and the best uniform
 Megatron-style 3D layout from a grid search through the same cost model. The searched plan must
-never be worse than that baseline (asserted). Time targets on a 2-core machine: (a) <= 1 s,
-(b) <= 20 s, (c) <= 5 s; they are printed, not asserted, since other work shares the machine.
+never be worse than that baseline (asserted). Time targets on a 2-core machine: (a) <= 0.5 s,
+(b) <= 10 s, (c) <= 5 s; they are printed, not asserted, since other work shares the machine.
 
 Run: OMP_NUM_THREADS=1 python -m bench.search
 """
@@ -21,8 +21,8 @@ from flexmesh.plan import SearchRequest, best_plans, megatron_3d
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
 
 CASES = [  # (label, model, cluster, seq len, global batch, target seconds)
-    ("a", "llama2-7b", "8xA100-80GB", 2048, 64, 1.0),
-    ("b", "llama3-70b", "128x8xH100", 8192, 1024, 20.0),
+    ("a", "llama2-7b", "8xA100-80GB", 2048, 64, 0.5),
+    ("b", "llama3-70b", "128x8xH100", 8192, 1024, 10.0),
     ("c", "llama2-13b", "8x8xA100-40GB", 32768, 64, 5.0),
 ]
 
@@ -60,7 +60,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         speed = x["tok_s"] / x["mega_tok_s"] if x["mega_tok_s"] else float("inf")
-        search_cell = f"{x['search_s']:.2f} ({x['target_s']:.0f}) {x['mode']}"
+        search_cell = f"{x['search_s']:.2f} ({x['target_s']:g}) {x['mode']}"
         table.add_row(x["case"], search_cell, x["plan"], f"{x['tok_s']:,.0f}", f"{x['mfu']:.1%}", x["mega_plan"],
                       f"{x['mega_tok_s']:,.0f}", f"{x['mega_mfu']:.1%}", f"{speed:.2f}x")
         md = lambda t: t.replace("|", "/")  # noqa: E731  (a "|" inside a cell would split the markdown table)
