@@ -62,5 +62,7 @@ def read_json(path: str | Path, error: type[Exception], *, missing: str, invalid
         raise error(missing)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError as e:  # nested deeper than Python's parser goes
+        raise error(f"{path}: {invalid} (nested too deeply)") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: {invalid} ({e})") from e

@@ -119,3 +119,30 @@ def test_demo_training_plan_trains_without_profiles(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] and rows[0]["predicted_step_time_s"] > 0
+
+
+def test_train_refuses_a_model_other_than_the_plans(capsys, tmp_path, single_process_env):
+    from dataclasses import replace
+
+    from flexmesh.report.demo import training_plan
+    from flexmesh.spec import MODEL_PRESETS
+    from flexmesh.spec.hf import to_hf_config
+
+    plan = tmp_path / "plan.json"
+    training_plan(1, 64, 2).save(plan)
+    # as many layers as the plan's model, twice as wide
+    wide = replace(MODEL_PRESETS[json.loads(plan.read_text())["model"]], hidden=512, ffn_hidden=1376)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(wide)))
+    rc = main(["train", "--plan", str(plan), "--model", str(tmp_path / "config.json"), "--corpus", str(tmp_path),
+               "--max-steps", "1", "--out", str(tmp_path / "run")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "plan was made for model 'tiny'" in err and "hidden 256 vs 512" in err
+
+
+def test_json_nested_deeper_than_the_parser_goes_is_one_error(tmp_path):
+    from flexmesh.errors import PlanError
+    from flexmesh.layout.plan import Plan
+
+    (tmp_path / "p.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(PlanError, match="nested too deeply"):
+        Plan.load(tmp_path / "p.json")

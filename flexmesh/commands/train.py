@@ -172,6 +172,7 @@ def _train(args: argparse.Namespace) -> int:
     from flexmesh.errors import DataError
     from flexmesh.layout.mesh import layout_from_plan
     from flexmesh.layout.plan import Plan
+    from flexmesh.plan.check import check_model
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.config import TrainConfig
     from flexmesh.runtime.distributed import init_distributed
@@ -181,6 +182,7 @@ def _train(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     spec = parse_model(args.model or plan.model)
+    check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     layout_from_plan(plan)  # reject an unsupported per-layer mix before touching the corpus
     # Without a hardware profile the plan's cluster prices the schedules: check it names one now.
     plan_cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)

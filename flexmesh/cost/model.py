@@ -262,8 +262,7 @@ class CostModel:
         ``min(cp - 1, ceil((w - 1) / block))`` hops (the runtime's ``ring_steps`` minus one).
 
         >>> from flexmesh.spec import parse_cluster, parse_model
-        >>> import copy
-from dataclasses import replace
+        >>> from dataclasses import replace
         >>> cm = CostModel(replace(parse_model("tiny"), sliding_window=1000), parse_cluster("8xA100-80GB"))
         >>> cm.ring_hops(8, 512.0), cm.ring_hops(8, 100.0), cm.ring_hops(8, 1000.0)
         (2.0, 7.0, 1.0)

@@ -16,7 +16,7 @@ from flexmesh.units import GIB
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostModel | None = None) -> Evaluation:
     """Raise PlanError on the first problem; return the cost model's evaluation when the plan is valid."""
     cost = cost or CostModel(model, cluster)
-    _check_model(plan, model)
+    check_model(plan, model)
     if plan.world_size != cluster.world_size:
         raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
                         f"re-plan for this cluster or pass the cluster the plan was made for")
@@ -69,16 +69,19 @@ def _shape(spec: ModelSpec) -> dict:
     return {k: v for k, v in spec.to_dict().items() if k not in ("name", "dtype")}
 
 
-def _check_model(plan: Plan, model: ModelSpec) -> None:
+def check_model(plan: Plan, model: ModelSpec, by_name: bool = True) -> None:
     """The plan records the name of the model it was made for; refuse another model, even one with as
-    many layers (its widths, heads and memory differ). A different name of the same shape (a preset
-    and its config.json) is the same model."""
-    if plan.model == model.name:
-        return
+    many layers (its widths, heads and memory differ), and a config.json under the recorded name whose
+    shape is not the recorded model's. A different name of the same shape (a preset and its
+    config.json) is the same model. Where the recorded name is no preset nor readable config
+    (a config.json that is not here), only the name tells: ``by_name`` False then accepts the model
+    (training with ``--model config.json`` of a plan made from another copy of that file)."""
     try:
         recorded = parse_model(plan.model)
     except SpecError:
-        recorded = None  # a config.json that is not here: only the name tells
+        recorded = None
+    if recorded is None and (plan.model == model.name or not by_name):
+        return
     if recorded is not None and _shape(recorded) == _shape(model):
         return
     diff = ""
