@@ -106,7 +106,7 @@ def test_plan_finds_mt_nlg_on_2240_gpus(capsys):
 
 # ---- interleaving with v chunks -------------------------------------------------------------------------
 def test_interleaving_searches_more_than_two_chunks():
-    model = replace(MODEL_PRESETS["tiny"], num_layers=16)
+    model = replace(MODEL_PRESETS["tiny"], name="tiny-16", num_layers=16)
     space = SearchSpace(pipeline_schedules=("interleaved",), virtual_stages=(2, 3, 4))
     configs = list(outer_configurations(model, 4, 8, space, per_node=4))
     vs = {(pp, v) for pp, _, v, _ in configs}
