@@ -18,6 +18,7 @@ from flexmesh.layout.enums import CPKind
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.plan.partition import even_split
 from flexmesh.plan.space import (
+    FASTEST,
     FULL_SPACE,
     Candidate,
     SearchRequest,
@@ -35,11 +36,12 @@ from flexmesh.spec.model import ModelSpec
 
 def uniform_plan(model: ModelSpec, cluster: ClusterSpec, strategy: LayerStrategy, pp: int, schedule: str, m: int,
                  seq_len: int, global_batch: int, cost: CostModel, v: int = 1) -> Candidate:
-    """One strategy for every layer, layers split evenly over ``pp * v`` chunks."""
+    """One strategy for every layer, layers split evenly over ``pp * v`` chunks, priced with the
+    overlap Megatron-Core (--tp-comm-overlap, --overlap-grad-reduce) and FSDP2 (prefetch) run."""
     sizes = even_split(model.num_layers, pp * v)
     chunks = [(strategy,) * n for n in sizes]
-    ev = evaluate_chunks(cost, chunks, pp, schedule, v, m, seq_len, global_batch)
-    plan = to_plan(model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_batch, ev)
+    ev = evaluate_chunks(cost, chunks, pp, schedule, v, m, seq_len, global_batch, FASTEST)
+    plan = to_plan(model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_batch, ev, FASTEST)
     return Candidate(plan, ev, "uniform", ev.step_time)
 
 

@@ -34,6 +34,9 @@ from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.plan.exact import ExactSearch
 from flexmesh.plan.fast import FastSearch
 from flexmesh.plan.space import (
+    FASTEST,
+    LEAN,
+    REDUCE_ONCE,
     Candidate,
     Chunk,
     Mesh,
@@ -55,12 +58,6 @@ Progress = Callable[[int, int], None]  # (configurations done, configurations in
 Configuration = tuple[int, str, int, int]  # (pp, pipeline schedule, v, m)
 # (estimate, (chunks, pp, schedule, v, m, overlap))
 Found = tuple[float, tuple[tuple[Chunk, ...], int, str, int, int, Overlap]]
-# Overlap options never slower than leaving them off: TP communication under the GEMMs and ZeRO-3
-# gathers prefetched. They cost buffers, so the lean alternative (both off) is priced too where
-# memory binds; reducing ZeRO-2/3 gradients once ("last") saves time for unsharded gradients.
-FASTEST = Overlap(tp_comm=True, grad_reduce="bucketed", zero3_prefetch=True)
-LEAN = Overlap(tp_comm=False, grad_reduce="bucketed", zero3_prefetch=False)
-REDUCE_ONCE = Overlap(tp_comm=True, grad_reduce="last", zero3_prefetch=True)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,15 @@ class SearchSpace:
 
 FULL_SPACE = SearchSpace()
 
+# Overlap options never slower than leaving them off: TP communication under the GEMMs and ZeRO-3
+# gathers prefetched (what Megatron-Core with --tp-comm-overlap and FSDP2 run, so the uniform
+# baselines are priced with them too). They cost buffers, so the search also prices the lean
+# alternative (both off) where memory binds; reducing ZeRO-2/3 gradients once ("last") saves time
+# for unsharded gradients.
+FASTEST = Overlap(tp_comm=True, grad_reduce="bucketed", zero3_prefetch=True)
+LEAN = Overlap(tp_comm=False, grad_reduce="bucketed", zero3_prefetch=False)
+REDUCE_ONCE = Overlap(tp_comm=True, grad_reduce="last", zero3_prefetch=True)
+
 
 @dataclass(frozen=True)
 class SearchRequest:
