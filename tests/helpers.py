@@ -8,6 +8,7 @@ torchrun worker script has its own folder there.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -158,3 +159,14 @@ def cp_model_check(rank: int, world: int, spec: Any, plain: Any = None) -> None:
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             dist.all_reduce(p.grad)
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{kind} grad {name}")
+
+
+def unlocked(out: Path) -> bool:
+    """Whether no run holds the output folder ``out`` (its lock file can be taken, and is let go)."""
+    with open(out / ".flexmesh.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True

@@ -9,7 +9,6 @@ share a filesystem. A worker is killed at a fixed step through the trainer's tes
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh, write_inputs
+from helpers import flexmesh, unlocked, write_inputs
 
 STEPS = 5
 KILL = "FLEXMESH_TESTING_KILL_AFTER_STEP"
@@ -45,16 +44,6 @@ def straight(inputs) -> list[float]:
 
 def _rows(out: Path) -> list[dict]:
     return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _unlocked(out: Path) -> bool:
-    with open(out / ".flexmesh.lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return True
 
 
 def _nodes(inputs: dict, out: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> list[tuple]:
@@ -101,7 +90,7 @@ def test_two_nodes_train_like_one_node(inputs, straight):
     assert _close([r["loss"] for r in rows], straight), ([r["loss"] for r in rows], straight)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000004",
                                                                        "step_000005"]
-    assert _unlocked(out)
+    assert unlocked(out)
 
 
 @pytest.mark.slow
@@ -124,7 +113,7 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes(inputs, straight):
     assert _close([r["loss"] for r in rows], straight), ([r["loss"] for r in rows], straight)
     (previous,) = out.glob("previous-*")
     assert (previous / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
-    assert _unlocked(out)
+    assert unlocked(out)
 
 
 @pytest.mark.slow
@@ -137,7 +126,7 @@ def test_without_restarts_a_killed_worker_ends_the_run(inputs):
     assert done.returncode != 0
     assert [r["step"] for r in _rows(out)] == [1, 2, 3]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    assert _unlocked(out)
+    assert unlocked(out)
 
 
 @pytest.mark.slow
@@ -150,7 +139,7 @@ def test_two_nodes_restart_together_after_a_killed_worker(inputs, straight):
     rows = _rows(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert _close([r["loss"] for r in rows], straight), ([r["loss"] for r in rows], straight)
-    assert _unlocked(out)
+    assert unlocked(out)
 
 
 @pytest.mark.parametrize("flags, message", [

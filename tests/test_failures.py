@@ -8,7 +8,6 @@ that none outlives the launcher.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh, write_inputs
+from helpers import flexmesh, unlocked, write_inputs
 
 MARK = "FLEXMESH_TEST_RUN"
 
@@ -102,16 +101,6 @@ def _marked(mark: str) -> dict[int, dict[str, str]]:
     return found
 
 
-def _unlocked(out: Path) -> bool:
-    with open(out / ".flexmesh.lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return True
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
@@ -132,7 +121,7 @@ def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
         run.kill()
     assert rc != 0
     assert survivors == []
-    assert _unlocked(out)
+    assert unlocked(out)
     assert "stopped by SIGTERM after step" in run.text()
     steps = run.steps()
     assert steps == list(range(1, len(steps) + 1))
@@ -180,7 +169,7 @@ def test_ctrl_c_on_the_launcher_stops_every_rank(inputs):
         run.kill()
     assert rc != 0
     assert survivors == []  # before: the launcher died, torchrun with it, the ranks trained on
-    assert _unlocked(out)
+    assert unlocked(out)
 
 
 @pytest.mark.slow
@@ -206,7 +195,7 @@ def test_a_stopped_rank_is_named_within_the_collective_timeout(inputs):
     assert "--collective-timeout (now 4 s)" in run.text()
     assert rc != 0
     assert survivors == []
-    assert _unlocked(out)
+    assert unlocked(out)
 
 
 def test_the_run_folder_lock_names_its_holder(tmp_path):
@@ -221,9 +210,9 @@ def test_the_run_folder_lock_names_its_holder(tmp_path):
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert other.returncode == 3 and f"{out} is in use by another run (pid {os.getpid()})" in other.stdout
     release_run_folder(out)
-    assert not _unlocked(out)
+    assert not unlocked(out)
     release_run_folder(out)
-    assert _unlocked(out)
+    assert unlocked(out)
     with pytest.raises(RunFolderError, match="already holds a run"):
         from flexmesh.runtime.rundir import start_over
 
