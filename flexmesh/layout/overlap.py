@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from flexmesh.errors import PlanError
+from flexmesh.spec.values import flag, known_keys, mapping
 
 GRAD_REDUCE = ("last", "bucketed")
 
@@ -43,8 +44,7 @@ class Overlap:
 
     def __post_init__(self) -> None:
         for f in ("tp_comm", "zero3_prefetch"):
-            if not isinstance(getattr(self, f), bool):
-                raise PlanError(f"overlap {f} must be true or false, got {getattr(self, f)!r}")
+            flag(getattr(self, f), f"overlap {f}", PlanError)
         if self.grad_reduce not in GRAD_REDUCE:
             raise PlanError(f"overlap grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}")
 
@@ -55,13 +55,9 @@ class Overlap:
     @classmethod
     def from_dict(cls, d: object) -> "Overlap":
         """Read a plan file's ``overlap`` object; missing keys take :class:`Overlap`'s defaults."""
-        if not isinstance(d, dict):
-            raise PlanError(f"plan overlap must be a JSON object, got {d!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise PlanError(f"plan overlap has unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**d)
+        given = mapping(d, "plan overlap", PlanError)
+        known_keys(given, {f.name for f in fields(cls)}, "plan overlap", PlanError)
+        return cls(**given)
 
     @property
     def label(self) -> str:
