@@ -80,7 +80,7 @@ def schedule_fn(policy: str, layout: str = "z2"):
     return fn
 
 
-def make_batches(seed: int = 5) -> list[list[np.ndarray]]:
+def make_batches(seed: int = 15) -> list[list[np.ndarray]]:
     """Three global batches; lengths log-uniform in [8, 300] plus one of 600, 900 and 500 tokens."""
     rng = np.random.default_rng(seed)
     out = []
@@ -265,10 +265,9 @@ def test_schedules_mix_group_sizes_and_microbatch_counts():
     for policy in ("hdp", "milp"):
         steps = all_cases[f"z2-{policy}"][1]
         assert any(len({g.cp for g in s.groups}) > 1 for _, s in steps), policy
-    # unequal micro-batch counts (the empty micro-batches of lockstep runs): hdp's schedules have them;
-    # milp's optimum here packs each group into one micro-batch (the tiny model's kernels are
-    # launch-bound on the preset GPU, so fewer micro-batches win)
-    assert any(len({len(g.microbatches) for g in s.groups}) > 1 for _, s in all_cases["z2-hdp"][1])
+    # unequal micro-batch counts (the empty micro-batches of lockstep runs)
+    for policy in ("hdp", "milp"):
+        assert any(len({len(g.microbatches) for g in s.groups}) > 1 for _, s in all_cases[f"z2-{policy}"][1]), policy
     for _, steps in all_cases.values():
         lengths = [len(d) for docs, _ in steps for d in docs]
         assert max(lengths) >= 50 * min(lengths)

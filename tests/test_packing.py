@@ -11,6 +11,7 @@ from flexmesh.errors import ScheduleError
 from flexmesh.schedule.assemble import aligned_layout
 from flexmesh.schedule.lower_bound import lower_bound, min_groups
 from flexmesh.schedule.packing import best_fit_decreasing, next_fit
+from flexmesh.schedule.registry import make_schedule
 from flexmesh.schedule.testing import tiny_context
 
 lengths_st = st.lists(st.integers(1, 100), min_size=1, max_size=60)
@@ -94,3 +95,23 @@ def test_min_groups_matches_context_and_errors_name_the_length():
     too_long = ctx.max_tokens(8) + 1
     with pytest.raises(ScheduleError, match=f"{too_long} tokens fits nowhere.*at most {too_long - 1}"):
         min_groups([5, too_long], ctx)
+
+
+def test_lower_bound_closes_groups_a_long_sequence_cannot_finish_on():
+    """A sequence too slow alone on its cheapest group within the step must count its work on a larger
+    one: the bound rises above the plain max(spread work, slowest sequence), and no schedule beats it."""
+    ctx = tiny_context(2)
+    n = ctx.max_tokens(1) - 8  # fits one rank, but runs faster on two
+    work = {d: float(ctx.by_size("work", np.array([n]))[d][0]) for d in ctx.group_sizes}
+    alone = {d: float(ctx.seq_time(d, [n])[0]) for d in ctx.group_sizes}
+    assert alone[2] < alone[1] and work[1] < work[2]  # cheapest on 1 rank, fastest on 2
+    lens = [n, 300, 300, 300]  # enough short work that spreading it, not the long one alone, binds
+    short = 3 * float(ctx.by_size("work", np.array([300]))[1][0])
+    plain = max((work[1] + short) / 2, alone[2])
+    assert plain < alone[1]  # a step shorter than the long sequence alone on one rank is not ruled out
+    bound = lower_bound(lens, ctx)
+    assert bound == pytest.approx(min(alone[1], (work[2] + short) / 2))
+    assert bound > plain * 1.01
+    for policy in ("hdp", "milp", "balanced"):
+        s = make_schedule(policy, lens, ctx)
+        assert s.predicted_step_time >= bound * (1 - 1e-9)

@@ -226,3 +226,60 @@ def test_milp_targets_follow_the_bucket_counts(spread):
     if not spread:  # the longest of a bucket take its largest size
         b2 = np.flatnonzero(index == 2)
         assert lens[b2][target[b2] == 4].min() >= lens[b2][target[b2] == 1].max()
+
+
+def two_single_ranks():
+    """Two groups of one rank each (no larger group), so placement alone decides the balance."""
+    from dataclasses import replace
+
+    return replace(tiny_context(2), max_group=1)
+
+
+@pytest.mark.parametrize("policy", ["balanced", "wlb", "hdp", "milp"])
+@pytest.mark.parametrize("long_share, short, count", [(3, 32, 100), (2, 64, 200)])
+def test_packed_short_sequences_get_their_share(policy, long_share, short, count) -> None:
+    """One long sequence and many short ones over two groups: the short ones, packed into one
+    micro-batch, cost far less than their times alone add up to, so a placer that sums times alone
+    gives their group too little work (priced imbalance 1.07-1.2 here); priced by packed share, the
+    two groups come out within 3%."""
+    ctx = two_single_ranks()
+    lens = np.array([ctx.max_tokens(1) // long_share] + [short] * count)
+    opts = {"cp": 1} if policy in ("balanced", "wlb") else dict(OPTIONS.get(policy, {}))
+    s = make_schedule(policy, lens, ctx, **opts)
+    assert not s.deferred and len(s.groups) == 2
+    alone = ctx.seq_time(1, [short])[0] * count
+    packed = ctx.microbatch_time(1, short * count, short * short * count)
+    assert packed < 0.8 * alone  # the premise: packing many short sequences is much cheaper
+    assert s.extra["imbalance"] <= 1.03
+
+
+def test_group_loads_match_their_priced_micro_batches() -> None:
+    """What a placer adds up for a group (its members' seq_load) is close to what the group's packed
+    micro-batches cost, for groups of short and of long sequences alike; times alone are not."""
+    from flexmesh.schedule.placement import Batch
+
+    ctx = tiny_context(8)
+    rng = np.random.default_rng(0)
+    top = ctx.max_tokens(1)
+    lens = np.concatenate([rng.integers(8, 200, 300), rng.integers(top // 4, top, 6)])
+    s = make_schedule("hdp", lens, ctx)
+    batch = Batch.of(lens, ctx)
+    for g in s.groups:
+        ids = [p.seq_id for mb in g.microbatches for p in mb]
+        if ids:
+            est = float(batch.times[g.cp][ids].sum())
+            assert est == pytest.approx(g.predicted_time, rel=0.04), (g.cp, len(ids))
+    many_short = max((g for g in s.groups if g.microbatches), key=lambda g: sum(len(mb) for mb in g.microbatches))
+    ids = [p.seq_id for mb in many_short.microbatches for p in mb]
+    assert float(ctx.seq_time(many_short.cp, lens[ids]).sum()) > 1.1 * many_short.predicted_time
+
+
+def test_tables_by_size_equal_the_per_size_figures() -> None:
+    ctx = tiny_context(8)
+    lens = np.array([1, 7, 300, 2048, ctx.max_tokens(8)])
+    for kind, per in (("time", ctx.seq_time), ("load", ctx.seq_load), ("work", ctx.seq_work)):
+        tables = ctx.by_size(kind, lens)
+        assert sorted(tables) == ctx.group_sizes
+        for d, t in tables.items():
+            np.testing.assert_allclose(t, per(d, lens), rtol=1e-12)
+            assert not t.flags.writeable

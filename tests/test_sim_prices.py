@@ -10,8 +10,8 @@ ZeRO-2 and ZeRO-3, Ulysses and ring, every pp == 1 policy's schedule is simulate
   lane's ``work_end``, for the same schedule. Both are that quantity exactly when ``pp == 1`` and
   every rank runs at nominal speed: then both sum, per group, the cost model's micro-batch times
   (embedding, layers, head, context-parallel communication), ZeRO-3's empty micro-batches included.
-  With speed factors they differ by design (the scheduler divides communication by the speed too);
-  with pipelines the scheduler's ``(pp - 1) * max`` is an estimate of the simulated pipeline.
+  With speed factors both divide compute alone by the speed (tests/test_speed_schedules.py checks
+  that case); with pipelines the scheduler's ``(pp - 1) * max`` is an estimate of the simulated pipeline.
 """
 
 from __future__ import annotations

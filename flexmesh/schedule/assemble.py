@@ -4,7 +4,8 @@ Every policy ends here, so every policy is scored the same way, by the one cost 
 :class:`ScheduleContext`:
 
 - a micro-batch on a group of ``d`` ranks costs ``ctx.microbatch_time(d, tokens, sum of squared
-  lengths)``, divided by the slowest member's speed factor;
+  lengths)``, its compute divided by the slowest member's speed factor (communication does not slow
+  down with a device's compute: :meth:`ScheduleContext.at_speed`, the simulator's rule);
 - a group's time is the sum of its micro-batch times plus ``(pp - 1)`` times the largest one (the
   pipeline fill and drain; with ``pp == 1`` just the sum);
 - the step time is the slowest group; every rank of a group is charged its group's time, which gives
@@ -66,12 +67,18 @@ def slot_speed(ctx: ScheduleContext, slot: Slot) -> float:
     return min(ctx.speed[slot.start:slot.start + slot.size]) if ctx.speed else 1.0
 
 
-def microbatch_times(ctx: ScheduleContext, sizes: np.ndarray, tokens: np.ndarray, sq: np.ndarray) -> np.ndarray:
-    """Vectorised ``ctx.microbatch_time`` over micro-batches on groups of different sizes (speed 1)."""
+def microbatch_times(ctx: ScheduleContext, sizes: np.ndarray, tokens: np.ndarray, sq: np.ndarray,
+                     speed: np.ndarray | None = None) -> np.ndarray:
+    """Vectorised ``ctx.microbatch_time`` over micro-batches on groups of different sizes, at nominal
+    speed or, given ``speed`` (one factor per micro-batch), with the compute at that speed."""
     out = np.zeros(len(sizes))
     for d in np.unique(sizes):
         m = sizes == d
-        out[m] = ctx.microbatch_time(int(d), tokens[m], sq[m])
+        if speed is None:
+            out[m] = ctx.microbatch_time(int(d), tokens[m], sq[m])
+        else:
+            compute, comm = ctx.microbatch_split(int(d), tokens[m], sq[m])
+            out[m] = ctx.at_speed(compute, comm, speed[m])
     return out
 
 
@@ -112,14 +119,20 @@ def build_step_schedule(policy: str, lengths: ArrayLike, ctx: ScheduleContext, s
     lens = np.asarray(lengths, dtype=np.int64)
     n_mb = [len(m) for m in microbatches]
     sizes = np.repeat([s.size for s in slots], n_mb).astype(np.int64)
-    real = np.array([sum(p.end - p.start for p in mb) for mbs in microbatches for mb in mbs], dtype=float)
+    # Every piece at once (one cost-model call, not one per piece), summed per micro-batch in order.
+    pieces = [p for mbs in microbatches for mb in mbs for p in mb]
+    mb_of = np.repeat(np.arange(len(sizes)), [len(mb) for mbs in microbatches for mb in mbs])
+    starts = np.fromiter((p.start for p in pieces), dtype=float, count=len(pieces))
+    stops = np.fromiter((p.end for p in pieces), dtype=float, count=len(pieces))
+    real = np.bincount(mb_of, weights=stops - starts, minlength=len(sizes))
     # A piece [a, b) of a sequence attends to its whole prefix (within the window, if any): its
     # squared-length term is b^2 - a^2 without a window (CostModel.attention_sq).
     sq_of = ctx.cost.attention_sq
-    sq = np.array([sum(sq_of(float(p.start), float(p.end)) for p in mb) for mbs in microbatches for mb in mbs],
-                  dtype=float)
+    sq = np.bincount(mb_of, weights=np.asarray(sq_of(starts, stops), dtype=float), minlength=len(sizes))
     charged = real if charged_tokens is None else np.array([t for ts in charged_tokens for t in ts], dtype=float)
-    t_mb = microbatch_times(ctx, sizes, charged, sq) if len(sizes) else np.zeros(0)
+    g_speed = np.array([slot_speed(ctx, s) for s in slots]) if ctx.speed else None
+    mb_speed = None if g_speed is None else np.repeat(g_speed, n_mb)
+    t_mb = microbatch_times(ctx, sizes, charged, sq, mb_speed) if len(sizes) else np.zeros(0)
     # In lockstep (ZeRO-3, pipelines) a group also runs empty micro-batches up to the step's count, and
     # with pp > 1 every one at the same shape: charge them as the runtime runs them.
     ends = np.cumsum(n_mb)
@@ -127,12 +140,12 @@ def build_step_schedule(policy: str, lengths: ArrayLike, ctx: ScheduleContext, s
     g_sizes = np.array([s.size for s in slots], dtype=np.int64)
     n_pad, shape = lockstep_padding(ctx, g_sizes, n_mb, longest)
     if ctx.pp > 1 and ctx.in_lockstep and len(sizes):
-        t_mb = microbatch_times(ctx, sizes, np.maximum(charged, np.repeat(shape, n_mb)), sq)
+        t_mb = microbatch_times(ctx, sizes, np.maximum(charged, np.repeat(shape, n_mb)), sq, mb_speed)
     pad_sq = np.array([sq_of(0.0, float(x)) for x in shape])  # an empty micro-batch is one document
-    t_pad = microbatch_times(ctx, g_sizes, shape, pad_sq) if n_pad.any() else np.zeros(len(slots))
+    t_pad = microbatch_times(ctx, g_sizes, shape, pad_sq, g_speed) if n_pad.any() else np.zeros(len(slots))
     groups, times, pos = [], [], 0
     for g, (slot, mbs) in enumerate(zip(slots, microbatches, strict=True)):
-        t = np.concatenate([t_mb[pos:pos + len(mbs)], np.full(int(n_pad[g]), t_pad[g])]) / slot_speed(ctx, slot)
+        t = np.concatenate([t_mb[pos:pos + len(mbs)], np.full(int(n_pad[g]), t_pad[g])])
         pos += len(mbs)
         g_time = float(t.sum() + (ctx.pp - 1) * t.max()) if len(t) else 0.0
         times.append(g_time)

@@ -1,20 +1,20 @@
 """Assigning whole sequences to groups of ranks: longest-processing-time first, then a balance pass.
 
 A sequence ``i`` may go to any group at least as large as its memory needs (``need[i]``); on a group
-of ``d`` ranks it adds ``times[d][i]`` seconds (the cost model's time of the sequence alone), divided
-by the group's speed. Greedy LPT places sequences in decreasing order of work, each on the eligible
-group that would finish earliest; per group size a heap keeps the least-loaded group on top, so a
-placement costs O(#sizes * log #groups) and a batch O(n log n) (32K sequences over 4096 ranks stay
-well under a second).
+of ``d`` ranks it adds ``times[d][i]`` seconds (its share of a packed micro-batch,
+:meth:`ScheduleContext.seq_load`), divided by the group's speed. Greedy LPT places sequences in
+decreasing order of work, each on the eligible group that would finish earliest; per group size a
+heap keeps the least-loaded group on top, so a placement costs O(#sizes * log #groups) and a batch
+O(n log n) (32K sequences over 4096 ranks stay well under a second).
 
 The balance pass then repeatedly takes the slowest group and moves the one sequence whose move
 lowers the larger of the two groups' times most, until no move helps (ByteScale's "give more to
 ranks below the slowest"); when no move helps, it swaps a long sequence of the slowest group for a
 shorter one of a lightly loaded group.
 
-Per-sequence times include one fixed micro-batch cost each; packing several sequences into one
-micro-batch shares it, so loads here slightly overestimate. The exact times come afterwards from
-:func:`flexmesh.schedule.assemble.build_step_schedule`.
+Per-sequence loads assume micro-batches packed with sequences of like length; the micro-batches
+the group really packs differ a little (a group of few tokens shares its fixed costs among fewer
+sequences). The exact times come afterwards from :func:`flexmesh.schedule.assemble.build_step_schedule`.
 
 :func:`lpt` works on plain arrays; :func:`place` and :func:`rebalance` take and give
 :class:`~flexmesh.schedule.placement.Placement` values.

@@ -43,7 +43,7 @@ from flexmesh.schedule.assemble import aligned_layout, build_step_schedule
 from flexmesh.schedule.assign import place
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.hdp import hdp_layout
-from flexmesh.schedule.lower_bound import lower_bound
+from flexmesh.schedule.lower_bound import lower_bound, seq_times
 from flexmesh.schedule.placement import Batch
 
 
@@ -105,7 +105,8 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
     """
     t0 = time.perf_counter()
     batch = Batch.of(lengths, ctx)
-    lens, times = batch.lens, batch.times
+    lens = batch.lens
+    times = seq_times(lens, ctx)  # alone: what a slice and its tail cost (placement uses the packed loads)
     tau = lower_bound(lens, ctx) / (2 * ctx.pp) if chunk_time is None else float(chunk_time)
     if tau <= 0:
         raise ScheduleError(f"chunk_time must be > 0 seconds, got {chunk_time}")

@@ -16,6 +16,11 @@ from flexmesh.errors import ScheduleError
 from flexmesh.layout.mesh import group_cp_kind, runs_in_lockstep
 from flexmesh.layout.strategy import LayerStrategy
 
+# Batches whose per-sequence tables (ScheduleContext.by_size) a context keeps: a step asks for one batch
+# (milp's warm starts and the lower bound of each schedule built ask again), and flexmesh.sim.compare's
+# deferral makes a batch of a few sequences less; 4 covers that and bounds the memory of a context
+# that schedules many steps.
+BATCH_MEMO = 4
 
 @dataclass(frozen=True)
 class ScheduleContext:
@@ -53,6 +58,9 @@ class ScheduleContext:
             raise ScheduleError("a schedule needs at least one data rank")
         if self.speed and len(self.speed) != self.num_ranks:
             raise ScheduleError(f"{len(self.speed)} speed factors for {self.num_ranks} data ranks")
+        # Each context its own memo: dataclasses.replace would hand a changed context (other group
+        # sizes, another cost model) the memo of the one it was made from.
+        object.__setattr__(self, "_cache", {})
 
     @property
     def in_lockstep(self) -> bool:
@@ -87,13 +95,37 @@ class ScheduleContext:
                         ranks: tuple[int, ...] | None = None) -> float | np.ndarray:
         """Seconds for one micro-batch (fwd + bwd, one pipeline stage's layers) on a group of ``d`` ranks.
 
-        ``ranks`` applies the slowest member's speed factor. Arrays are accepted.
+        ``ranks`` applies the slowest member's speed factor to the compute (:meth:`at_speed`). Arrays
+        are accepted.
         """
-        t = self.cost.microbatch_time(self.group_strategy(d), tokens, sq_tokens, layers=self.layers_per_stage,
-                                      head=self.pp == 1)
         if ranks is not None and self.speed:
-            t = t / min(self.speed[r] for r in ranks)
-        return t
+            compute, comm = self.microbatch_split(d, tokens, sq_tokens)
+            return self.at_speed(compute, comm, min(self.speed[r] for r in ranks))
+        return self.cost.microbatch_time(self.group_strategy(d), tokens, sq_tokens, layers=self.layers_per_stage,
+                                         head=self.pp == 1)
+
+    def microbatch_split(self, d: int, tokens: ArrayLike, sq_tokens: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`microbatch_time` at nominal speed as (compute, exposed communication), each an array.
+
+        The split the simulator plays out (:meth:`flexmesh.cost.CostModel.microbatch_phases`: embedding,
+        layers and head computing; tensor- and context-parallel communication left exposed).
+        """
+        ph = self.cost.microbatch_phases(self.group_strategy(d), tokens, sq_tokens, layers=self.layers_per_stage,
+                                         head=self.pp == 1, embed=True)
+        comm = np.asarray(ph.comm_fwd + ph.comm_bwd, dtype=float)
+        return np.asarray(ph.fwd + ph.bwd, dtype=float), comm
+
+    @staticmethod
+    def at_speed(compute: ArrayLike, comm: ArrayLike, speed: ArrayLike) -> np.ndarray:
+        """Seconds of work of ``compute`` + ``comm`` nominal seconds on a device of relative ``speed``.
+
+        A speed factor scales compute only: a throttled or older GPU computes slower, while NVLink and
+        the NICs do not slow down with it (the simulator's rule, :mod:`flexmesh.sim.timeline`).
+
+        >>> float(ScheduleContext.at_speed(2.0, 1.0, 0.5))
+        5.0
+        """
+        return np.asarray(compute, dtype=float) / np.asarray(speed, dtype=float) + np.asarray(comm, dtype=float)
 
     def seq_time(self, d: int, lengths: ArrayLike) -> np.ndarray:
         """Time of each sequence alone on a group of ``d`` ranks (vectorised)."""
@@ -114,6 +146,67 @@ class ScheduleContext:
         env = self.envelope()
         a = np.asarray(lengths, dtype=float)
         return d * (np.asarray(env.seq_time(d, a)) - float(env.microbatch_time(d, 0.0, 0.0)))
+
+    def seq_load(self, d: int, lengths: ArrayLike) -> np.ndarray:
+        """Seconds each sequence adds to a group of ``d`` ranks whose micro-batches are packed (nominal
+        speed, vectorised): what the placing policies add up per group.
+
+        Kernels run a micro-batch of many documents faster than each document alone (GEMM tiles and
+        waves, launches, the memory roofline: :mod:`flexmesh.cost.kernels`), so summing times alone
+        overstates a group of many short documents. A sequence of ``l`` tokens is charged its share of
+        a micro-batch packed (up to :meth:`pack_tokens`) with sequences like it,
+        ``t_d(n l, n sq(l)) / n`` with ``n = max(1, floor(pack_tokens(d) / l))``; one that shares its
+        micro-batch with no other like it costs its time alone (:meth:`seq_time`).
+        """
+        a = np.maximum(np.asarray(lengths, dtype=float), 1.0)
+        n = np.maximum(1.0, np.floor(self.pack_tokens(d) / a))
+        return np.asarray(self.microbatch_time(d, n * a, n * self.cost.attention_sq(0.0, a))) / n
+
+    def by_size(self, kind: str, lengths: ArrayLike) -> dict[int, np.ndarray]:
+        """``{d: per-sequence figure on d ranks}`` for every allowed group size, read-only arrays.
+
+        ``kind`` is ``"time"`` (:meth:`seq_time`), ``"load"`` (:meth:`seq_load`) or ``"work"``
+        (:meth:`seq_work`), all at nominal speed and equal to those methods' figures. A step's
+        policies (and ``milp``'s warm starts, and the lower bound of each schedule built) ask for the
+        same batch again: the tables of the latest :data:`BATCH_MEMO` batches are kept. All three
+        kinds are made together, two cost-model calls per group size (its time is mostly per call,
+        not per sequence): the model's own (each sequence alone and packed) and the envelope's.
+        """
+        lens = np.ascontiguousarray(lengths)
+        memo = self._cache.setdefault("by_size", {})
+        key = (lens.dtype.str, lens.tobytes())
+        if key not in memo:
+            while len(memo) >= BATCH_MEMO:
+                memo.pop(next(iter(memo)))  # oldest first (dicts keep insertion order)
+            memo[key] = self._tables(lens)
+        return memo[key][kind]
+
+    def _tables(self, lens: np.ndarray) -> dict[str, dict[int, np.ndarray]]:
+        """:meth:`by_size`'s three tables of one batch, the same arithmetic as the per-size methods."""
+        a = np.asarray(lens, dtype=float).reshape(-1)
+        one = np.maximum(a, 1.0)  # seq_load's guard against empty sequences
+        sq, sq_one = self.cost.attention_sq(0.0, a), self.cost.attention_sq(0.0, one)
+        env, k = self.envelope(), a.size
+        out: dict[str, dict[int, np.ndarray]] = {"time": {}, "load": {}, "work": {}}
+        for d in self.group_sizes:
+            n = np.maximum(1.0, np.floor(self.pack_tokens(d) / one))
+            t = np.asarray(self.microbatch_time(d, np.concatenate([a, n * one]), np.concatenate([sq, n * sq_one])),
+                           dtype=float)
+            e = np.asarray(env.microbatch_time(d, np.append(a, 0.0), np.append(sq, 0.0)), dtype=float)
+            out["time"][d], out["load"][d], out["work"][d] = t[:k], t[k:] / n, d * (e[:k] - e[k])
+        for tables in out.values():
+            for arr in tables.values():
+                arr.setflags(write=False)
+        return out
+
+    def seq_work_split(self, d: int, lengths: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`seq_work` as (compute, exposed communication) rank-seconds at nominal speed, by the same
+        lower envelope: the part a slower device stretches and the part it does not. Vectorised."""
+        env = self.envelope()
+        a = np.asarray(lengths, dtype=float)
+        comp, comm = env.microbatch_split(d, a, self.cost.attention_sq(0.0, a))
+        comp0, comm0 = env.microbatch_split(d, 0.0, 0.0)
+        return d * (comp - float(comp0)), d * (comm - float(comm0))
 
     def max_tokens(self, d: int) -> int:
         """Most tokens one micro-batch may hold on a group of ``d`` ranks without exceeding memory."""

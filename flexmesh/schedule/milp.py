@@ -18,10 +18,16 @@ and the warm start's step time::
     sum_{b: tmin_d(b) > T/(q+1)} x[b, d] <= q * m[d]      q = 1, 2: whole sequences do not split
     minimise sum_{b,d} x[b, d] * d * tbar_d(b)            spend the fewest rank-seconds
 
-where ``tbar_d(b)`` and ``tmin_d(b)`` are the mean and the shortest time of bucket b's sequences on
-d ranks. The load row is an average over a size's groups; the rows over ``q`` (valid for every real
-schedule: a group finishing within T holds at most q sequences longer than T / (q + 1)) stop the
-MILP from planning, say, three sequences of 0.6 T onto two groups.
+where ``tbar_d(b)`` and ``tmin_d(b)`` are the mean and the shortest load of bucket b's sequences on
+d ranks (each one's share of a packed micro-batch, :meth:`ScheduleContext.seq_load`; the edge's
+time alone for the memory and fit test). The load row is an average over a size's groups; the
+rows over ``q`` (valid for every real schedule: a group finishing within T holds at most q
+sequences longer than T / (q + 1)) stop the MILP from planning, say, three sequences of 0.6 T onto
+two groups.
+
+With speed factors the load row weighs each rank by its speed: a size's groups finish within T on
+the speed capacity they draw from the ranks' total (:func:`_speed_rows`), and the realised schedule
+prices every group at its slowest member's speed.
 
 Each feasible solution becomes a real schedule three ways, all placed on the MILP's groups by LPT
 and the balance pass: sequences of a bucket go longest-first to the largest sizes chosen for it; or
@@ -58,11 +64,14 @@ from flexmesh.schedule.static import balanced
 
 def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray], need_b: np.ndarray,
            counts: np.ndarray, n_ranks: int, node_limit: int, time_limit: float | None = None,
-           min_t: dict[int, np.ndarray] | None = None) -> tuple[dict[int, int], np.ndarray] | None:
+           min_t: dict[int, np.ndarray] | None = None,
+           speeds: tuple[float, float] | None = None) -> tuple[dict[int, int], np.ndarray] | None:
     """One feasibility MILP at makespan ``T``: (groups per size, x[b, d]) or None.
 
     ``mean_t[d][b]`` is the mean time of bucket ``b``'s sequences on ``d`` ranks (so a whole bucket's
     work is exact, not rounded up to its edge); ``max_t`` that of its longest, which must fit in ``T``.
+    ``speeds`` = (sum, largest) of the data ranks' speed factors when they differ from nominal: see
+    :func:`_speed_rows`.
     """
     # Imported here, not at the top: scipy.optimize takes about 0.3 s to import, and every `flexmesh`
     # command line loads this module (train's --policy choices come from the registry).
@@ -75,7 +84,7 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
         return None  # some bucket finishes within T on no group size
     pairs = [(b, k) for b in range(nb) for k in range(nd) if ok[b, k]]
     nx = len(pairs)
-    nv = nx + nd
+    nv = nx + nd + (nd if speeds else 0)
     cost = np.zeros(nv)
     A_place = np.zeros((nb, nv))
     A_load = np.zeros((nd, nv))
@@ -87,9 +96,11 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
     for k in range(nd):
         A_load[k, nx + k] = -T
     A_ranks = np.zeros((1, nv))
-    A_ranks[0, nx:] = sizes
+    A_ranks[0, nx:nx + nd] = sizes
     cons = [LinearConstraint(A_place, counts, counts), LinearConstraint(A_load, -np.inf, 0.0),
             LinearConstraint(A_ranks, 0, n_ranks)]
+    if speeds:
+        cons[1:2] = _speed_rows(T, A_load, sizes, nx, speeds)
     if min_t is not None:
         # Whole sequences do not split between groups: more than q sequences each longer than T / (q + 1)
         # cannot share one group, so a size holds at most q * m[d] of them (q = 1, 2). The average load
@@ -106,11 +117,13 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
                     rows.append(row)
         if rows:
             cons.append(LinearConstraint(np.array(rows), -np.inf, 0.0))
-    upper = np.concatenate([[counts[b] for b, _ in pairs], [n_ranks // d for d in sizes]])
+    upper = np.concatenate([[counts[b] for b, _ in pairs], [n_ranks // d for d in sizes],
+                            [speeds[0] if speeds else 0.0] * (nv - nx - nd)])
     options: dict = {"node_limit": int(node_limit), "disp": False}
     if time_limit is not None:
         options["time_limit"] = max(time_limit, 1e-3)
-    res = milp(cost, integrality=np.ones(nv), bounds=Bounds(np.zeros(nv), upper), constraints=cons, options=options)
+    integrality = np.r_[np.ones(nx + nd), np.zeros(nv - nx - nd)]  # speed capacity is continuous
+    res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(nv), upper), constraints=cons, options=options)
     if res.x is None:
         return None
     xv = np.rint(res.x).astype(np.int64)
@@ -118,6 +131,37 @@ def _solve(T: float, mean_t: dict[int, np.ndarray], max_t: dict[int, np.ndarray]
     for v, (b, k) in enumerate(pairs):
         x[b, k] = xv[v]
     return {d: int(xv[nx + k]) for k, d in enumerate(sizes)}, x
+
+
+def _speed_rows(T: float, A_load: np.ndarray, sizes: list[int], nx: int,
+                speeds: tuple[float, float]) -> list:
+    """The load rows with per-rank speeds: each size ``d`` draws a speed capacity ``R[d]`` (continuous,
+    the variables after the group counts) from the ranks' total, at most its ranks at the fastest speed::
+
+        sum_b x[b, d] * d * tbar_d(b) <= T * R[d]      groups of d finish within T on the speed they hold
+        R[d] <= d * m[d] * s_max                        no rank faster than the fastest
+        sum_d R[d] <= sum_r s_r                         the speed the data ranks have
+
+    Group identities stay out of the MILP (a rank's speed is a fluid it hands to a size); the realised
+    schedule places sequences on the real groups by their own speeds. At nominal speeds these rows
+    say what the plain load row says, so the plain one is used there.
+    """
+    from scipy.optimize import LinearConstraint
+
+    nd, nv = len(sizes), A_load.shape[1]
+    total, fastest = speeds
+    load = A_load.copy()
+    cap = np.zeros((nd, nv))
+    for k, d in enumerate(sizes):
+        load[k, :nx] *= d
+        load[k, nx + k] = 0.0
+        load[k, nx + nd + k] = -T
+        cap[k, nx + nd + k] = 1.0
+        cap[k, nx + k] = -d * fastest
+    supply = np.zeros((1, nv))
+    supply[0, nx + nd:] = 1.0
+    return [LinearConstraint(load, -np.inf, 0.0), LinearConstraint(cap, -np.inf, 0.0),
+            LinearConstraint(supply, 0.0, total)]
 
 
 def _targets(batch: Batch, sizes: list[int], x: np.ndarray, index: np.ndarray, spread: bool) -> np.ndarray:
@@ -187,9 +231,13 @@ def milp_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, bu
     times = batch.times
     bk = dp_buckets(lens, k=buckets)
     need_b = min_groups(bk.edges, ctx)
-    speed = min(ctx.speed) if ctx.speed else 1.0  # conservative: a bucket's sequence on the slowest ranks
+    # Per-rank speeds enter the load rows (_speed_rows); a sequence is at best on the fastest ranks,
+    # where it takes at least min(1, 1 / s_max) of its nominal time (compute scales, communication not).
+    uneven = bool(ctx.speed) and any(v != 1.0 for v in ctx.speed)
+    speeds = (float(sum(ctx.speed)), float(max(ctx.speed))) if uneven else None
+    speed = max(1.0, speeds[1]) if speeds else 1.0
     max_t = {d: t / speed for d, t in seq_times(bk.edges, ctx).items()}
-    mean_t = {d: np.bincount(bk.index, weights=t, minlength=bk.counts.size) / bk.counts / speed
+    mean_t = {d: np.bincount(bk.index, weights=t, minlength=bk.counts.size) / bk.counts
               for d, t in times.items()}
     min_t = {}
     for d, t in times.items():
@@ -207,7 +255,8 @@ def milp_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, bu
             stopped = "converged"
             break
         T = 0.5 * (lo + hi)
-        sol = _solve(T, mean_t, max_t, need_b, bk.counts, ctx.num_ranks, node_limit, left, min_t if cuts else None)
+        sol = _solve(T, mean_t, max_t, need_b, bk.counts, ctx.num_ranks, node_limit, left, min_t if cuts else None,
+                     speeds)
         if sol is None:
             lo = T
             continue

@@ -2,8 +2,9 @@
 
 A placing policy (``balanced``, ``hdp``, ``milp``, ``chunked``) works in two stages. First it decides
 which whole sequences each group of ranks runs: a :class:`Placement`, built and improved by
-:mod:`flexmesh.schedule.assign` from a :class:`Batch` (each sequence's time alone on every group size
-and the smallest group it may use). Then :func:`pack_groups` packs each group's sequences into
+:mod:`flexmesh.schedule.assign` from a :class:`Batch` (each sequence's load on every group size, its
+share of a packed micro-batch, and the smallest group it may use). Then :func:`pack_groups` packs
+each group's sequences into
 micro-batches, and :func:`flexmesh.schedule.assemble.build_step_schedule` scores the result.
 
 >>> from flexmesh.schedule.assemble import aligned_layout
@@ -25,7 +26,7 @@ from flexmesh.errors import ScheduleError
 from flexmesh.layout.step import Piece
 from flexmesh.schedule.assemble import Slot, pieces_of, slot_speed
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.lower_bound import min_groups, seq_times
+from flexmesh.schedule.lower_bound import min_groups, seq_loads
 from flexmesh.schedule.packing import best_fit_decreasing
 
 
@@ -61,9 +62,11 @@ def round_up_to(target: np.ndarray, sizes: ArrayLike) -> np.ndarray:
 class Batch:
     """One global batch as the placers see it.
 
-    ``times[d][i]``: seconds of sequence ``i`` alone on a group of ``d`` ranks (speed 1), for every
-    allowed size ``d``. ``need[i]``: the smallest group sequence ``i`` may be placed on, its memory
-    need (:func:`~flexmesh.schedule.lower_bound.min_groups`) unless a policy sets a floor of its own.
+    ``times[d][i]``: seconds sequence ``i`` adds to a group of ``d`` ranks whose micro-batches are
+    packed (speed 1; :meth:`ScheduleContext.seq_load`, not its time alone: a packed micro-batch of
+    many short sequences costs less than their times alone), for every allowed size ``d``.
+    ``need[i]``: the smallest group sequence ``i`` may be placed on, its memory need
+    (:func:`~flexmesh.schedule.lower_bound.min_groups`) unless a policy sets a floor of its own.
     """
 
     lens: np.ndarray
@@ -75,7 +78,7 @@ class Batch:
         """Checked lengths, their memory needs and their times on ``ctx`` (raises ScheduleError)."""
         lens = check_lengths(lengths)
         need = min_groups(lens, ctx)  # first: it names a sequence that fits nowhere
-        return cls(lens=lens, times=seq_times(lens, ctx), need=need)
+        return cls(lens=lens, times=seq_loads(lens, ctx), need=need)
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +87,7 @@ class Placement:
 
     ``slots[g]`` is group ``g``'s ranks and ``speeds[g]`` its speed factor (its slowest member's);
     ``members[g]`` the ids of its sequences in placement order; ``loads[g]`` its estimated seconds
-    (each member's time alone, divided by the speed); ``target[i]`` the smallest group size sequence
+    (its members' loads, :attr:`Batch.times`, divided by the speed); ``target[i]`` the smallest group size sequence
     ``i`` was placed for. Lists given for the tuples are frozen on construction.
     """
 

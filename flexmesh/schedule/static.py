@@ -5,10 +5,12 @@ What people run, each at a degree ``cp`` the caller sweeps (flexmesh.sim.compare
 - ``fixed``: Megatron-LM / torchtitan with packing: documents packed best-fit-decreasing into
   micro-batches of at most ``context`` tokens (the packed sequence length) with no padding, every
   micro-batch sharded over ``cp`` ranks, micro-batches dealt round-robin to the ``num_ranks // cp``
-  groups.
+  groups (with speed factors, in proportion to the groups' speeds: :func:`deal`, the per-device
+  batch shares users set by hand on mixed cards).
 - ``padded``: the same without best-fit packing: documents in arrival order into fixed slots of
   ``context`` tokens, padding included in the cost (a loader that pads every slot to the context).
-- ``balanced``: longest-processing-time on the cost model's time, then a balance pass, and
+- ``balanced``: longest-processing-time on the cost model's time of each sequence in a packed
+  micro-batch (:meth:`ScheduleContext.seq_load`), then a balance pass, and
   best-fit packing under the memory cap; ``defer=True`` moves outlier sequences (longer than a
   group's fair share) beyond ``max_outliers`` to a later step.
 
@@ -18,7 +20,9 @@ last whole group of ``cp`` idle. Run them through :func:`flexmesh.schedule.regis
 
 from __future__ import annotations
 
+import heapq
 import time
+from typing import Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -28,7 +32,7 @@ from flexmesh.layout.step import StepSchedule
 from flexmesh.schedule.assemble import aligned_layout, build_step_schedule, pieces_of
 from flexmesh.schedule.assign import lpt, rebalance
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.lower_bound import seq_times
+from flexmesh.schedule.lower_bound import seq_loads
 from flexmesh.schedule.packing import best_fit_decreasing, next_fit
 from flexmesh.schedule.placement import Batch, Placement, check_lengths, pack_groups, slot_speeds
 
@@ -45,6 +49,23 @@ def static_cp(ctx: ScheduleContext, cp: int | None, tokens: int) -> int:
             f"use cp >= {ctx.min_group(tokens)}"
         )
     return cp
+
+
+def deal(count: int, speeds: Sequence[float]) -> list[int]:
+    """The group of each of ``count`` micro-batches: each to the group whose share per unit of speed
+    stays smallest (lowest index on ties), which is round-robin when every speed is equal.
+
+    >>> deal(5, [1.0, 1.0]), deal(6, [1.0, 0.5])
+    ([0, 1, 0, 1, 0], [0, 0, 1, 0, 0, 1])
+    """
+    heap = [(1.0 / float(v), g) for g, v in enumerate(speeds)]
+    heapq.heapify(heap)
+    out = []
+    for _ in range(count):
+        share, g = heap[0]
+        out.append(g)
+        heapq.heapreplace(heap, (share + 1.0 / float(speeds[g]), g))
+    return out
 
 
 def fixed(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | None = None,
@@ -66,8 +87,9 @@ def fixed(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | 
     slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
     mbs: list[list] = [[] for _ in slots]
     ll = lens.tolist()
-    for k, ids in enumerate(best_fit_decreasing(range(lens.size), ll, cap)):
-        mbs[k % n_groups].append(pieces_of(ids, ll))
+    packed = best_fit_decreasing(range(lens.size), ll, cap)
+    for g, ids in zip(deal(len(packed), slot_speeds(ctx, slots)[:n_groups]), packed, strict=True):
+        mbs[g].append(pieces_of(ids, ll))
     return build_step_schedule("fixed", lens, ctx, slots, mbs, t0, extra={"cp": cp, "context": cap})
 
 
@@ -85,9 +107,10 @@ def padded(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int |
     slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
     mbs: list[list] = [[] for _ in slots]
     charged: list[list[int]] = [[] for _ in slots]
-    for k, slot_ids in enumerate(next_fit(range(lens.size), lens, context)):
-        mbs[k % n_groups].append(pieces_of(slot_ids, lens))
-        charged[k % n_groups].append(context)
+    filled = next_fit(range(lens.size), lens, context)
+    for g, slot_ids in zip(deal(len(filled), slot_speeds(ctx, slots)[:n_groups]), filled, strict=True):
+        mbs[g].append(pieces_of(slot_ids, lens))
+        charged[g].append(context)
     return build_step_schedule("padded", lens, ctx, slots, mbs, t0, charged_tokens=charged,
                                extra={"cp": cp, "context": context})
 
@@ -102,7 +125,7 @@ def balanced(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int
     slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
     sizes = [s.size for s in slots]
     speeds = slot_speeds(ctx, slots)
-    times = seq_times(lens, ctx)
+    times = seq_loads(lens, ctx)
     t = times[cp]
     ids = np.arange(lens.size)
     deferred: list[int] = []

@@ -2,15 +2,16 @@
 
 One static context-parallel degree ``cp`` (the caller sweeps it, as for every baseline). Per step:
 
-1. *Outlier delay.* A sequence whose time alone on ``cp`` ranks exceeds ``threshold`` times a
-   group's fair share of the step (total time / number of groups) is an outlier: two of them on one
+1. *Outlier delay.* A sequence whose workload on ``cp`` ranks exceeds ``threshold`` times a
+   group's fair share of the step (total workload / number of groups) is an outlier: two of them on one
    group already outlast the others. Every group takes at most one; the outliers beyond that, latest
    arrivals first, wait for a later step, at most ``queue`` of them (default: one per group), so a
    sequence is never held for long. The caller puts the held sequences at the front of the next
    batch (:func:`flexmesh.sim.compare.run_policy` does); arriving first, they are kept first.
 2. *Variable-length packing.* Longest work first, each sequence goes to the group with the least
-   workload so far, workload being the cost model's time of the sequence alone (attention-aware:
-   quadratic in its length), not its token count; each group's sequences are then packed
+   workload so far, workload being the cost model's time of the sequence in a packed micro-batch
+   (:meth:`ScheduleContext.seq_load`: attention-aware, quadratic in its length, as WLB-LLM's
+   workload model; a long sequence's time alone), not its token count; each group's sequences are then packed
    best-fit-decreasing into micro-batches under the memory cap and the packing budget.
 
 Unlike ``balanced`` there is no balance pass after the greedy placement: WLB-LLM has none.
@@ -33,7 +34,7 @@ from flexmesh.layout.step import StepSchedule
 from flexmesh.schedule.assemble import aligned_layout, build_step_schedule
 from flexmesh.schedule.assign import lpt
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.lower_bound import seq_times
+from flexmesh.schedule.lower_bound import seq_loads
 from flexmesh.schedule.placement import Placement, check_lengths, pack_groups, slot_speeds
 from flexmesh.schedule.static import static_cp
 
@@ -46,7 +47,7 @@ def wlb(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | No
     cp = static_cp(ctx, cp, int(lens.max()))
     n_groups = ctx.num_ranks // cp
     slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
-    times = seq_times(lens, ctx)
+    times = seq_loads(lens, ctx)
     t = times[cp]
     outliers = np.flatnonzero(t > threshold * t.sum() / n_groups)
     room = n_groups if queue is None else max(0, int(queue))

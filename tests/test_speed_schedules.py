@@ -1,0 +1,127 @@
+"""Per-step schedules on devices of different speeds (hypothesis, fixed seed).
+
+Over preset cost models, speed patterns (one rank at 0.5 or 0.25, several slow, half slow) and
+random speed vectors (0.25..1.0 per rank), every policy's schedule is simulated with the same speeds:
+
+- no simulated step is below the lower bound (the slowest lane's micro-batch phase is >= the bound,
+  the step >= bound + gradient sync and optimizer);
+- with ``pp == 1`` the scheduler's ``predicted_step_time`` equals the simulator's micro-batch phase,
+  as it does at nominal speed (tests/test_sim_prices.py): both scale compute, not communication;
+- with one rank at half speed, every policy gives that rank less work than the others get on average
+  (a policy that ignored speed would give it about the same).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flexmesh.cost import CostModel
+from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.lower_bound import lower_bound
+from flexmesh.schedule.registry import POLICIES, make_schedule
+from flexmesh.schedule.testing import tiny_context
+from flexmesh.sim.timeline import simulate_step
+from flexmesh.spec import parse_cluster, parse_model
+
+OPTIONS = {"milp": {"node_limit": 50}}
+PATTERNS = ("one-half", "one-quarter", "several-half", "half-half", "random")
+
+
+def speed_vector(pattern: str, n: int, rng: np.random.Generator) -> tuple[float, ...]:
+    """One speed factor per data rank for a named pattern (``random``: uniform in 0.25..1.0)."""
+    s = np.ones(n)
+    if pattern == "one-half":
+        s[rng.integers(n)] = 0.5
+    elif pattern == "one-quarter":
+        s[rng.integers(n)] = 0.25
+    elif pattern == "several-half":
+        s[rng.choice(n, size=max(2, n // 4), replace=False)] = 0.5
+    elif pattern == "half-half":
+        s[: n // 2] = 0.5
+    else:
+        s = rng.uniform(0.25, 1.0, n).round(3)
+    return tuple(float(x) for x in s)
+
+
+@lru_cache(maxsize=None)
+def _cost(model: str, cluster: str) -> CostModel:
+    return CostModel(parse_model(model), parse_cluster(cluster))
+
+
+@st.composite
+def cases(draw):
+    policy = draw(st.sampled_from(sorted(str(p) for p in POLICIES)))
+    pp = 2 if policy == "chunked" else 1
+    model = draw(st.sampled_from(["llama2-7b", "llama3-8b"]))
+    n = draw(st.sampled_from([4, 8, 16]))
+    cost = _cost(model, f"{max(1, n * pp // 8)}x{min(8, n * pp)}xA100-80GB")
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    speed = speed_vector(draw(st.sampled_from(PATTERNS)), n, rng)
+    ctx = ScheduleContext(cost=cost, base=LayerStrategy(zero=draw(st.sampled_from([2, 3])), recompute=True),
+                          num_ranks=n, pp=pp, cp_kind=draw(st.sampled_from(["ulysses", "ring"])), speed=speed)
+    top = ctx.max_tokens(ctx.group_sizes[-1])
+    short = draw(st.lists(st.integers(1, max(1, top // 64)), min_size=0, max_size=40))
+    long = draw(st.lists(st.integers(1, top), min_size=1, max_size=4))
+    return policy, ctx, np.array(draw(st.permutations(short + long)), dtype=np.int64)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_simulated_step_never_below_the_bound_and_prediction_equals_simulation(case):
+    policy, ctx, lens = case
+    s = make_schedule(policy, lens, ctx, **OPTIONS.get(policy, {}))
+    slot = s.extra["context"] if policy == "padded" else None  # a padded slot computes its padding
+    tl = simulate_step(ctx, s, slot_tokens=slot)
+    phase = float(tl.work_end.max())
+    assert phase >= s.lower_bound * (1 - 1e-9)
+    assert tl.step_time >= s.lower_bound + tl.tail - 1e-12
+    if ctx.pp == 1:
+        assert s.predicted_step_time == pytest.approx(phase, rel=1e-9)
+
+
+@pytest.mark.parametrize("policy", sorted(str(p) for p in POLICIES))
+def test_a_half_speed_rank_gets_less_work(policy):
+    n, slow = 8, 5
+    pp = 2 if policy == "chunked" else 1
+    ctx = tiny_context(n, pp=pp, speed=tuple(0.5 if r == slow else 1.0 for r in range(n)))
+    rng = np.random.default_rng(3)
+    # Many short documents, each fitting one rank: every policy can shift work between ranks.
+    lens = rng.integers(100, min(2000, ctx.max_tokens(1) // 2), 400)
+    s = make_schedule(policy, lens, ctx, cp=1, **OPTIONS.get(policy, {})) if POLICIES_TAKE_CP.get(policy) \
+        else make_schedule(policy, lens, ctx, **OPTIONS.get(policy, {}))
+    tokens = np.zeros(n)
+    for g in s.groups:
+        tokens[list(g.ranks)] = g.tokens / g.cp
+    others = np.delete(tokens, slow).mean()
+    assert tokens[slow] < 0.8 * others, (policy, tokens.tolist())
+
+
+POLICIES_TAKE_CP = {"fixed": True, "padded": True, "balanced": True, "wlb": True}
+
+
+def test_the_bound_weighs_ranks_by_speed():
+    lens = np.array([1500] * 64)
+    nominal = lower_bound(lens, tiny_context(8))
+    one_slow = lower_bound(lens, tiny_context(8, speed=(0.5,) + (1.0,) * 7))
+    all_half = lower_bound(lens, tiny_context(8, speed=(0.5,) * 8))
+    # One rank at half speed takes away at most half a rank of eight; all at half speed at most halve.
+    assert nominal < one_slow <= nominal * 8 / 7.5 * (1 + 1e-9)
+    assert one_slow < all_half <= 2 * nominal * (1 + 1e-9)
+
+
+def test_milp_load_rows_use_each_ranks_speed():
+    # One rank of eight at a quarter speed: the MILP's capacity is 7.25 ranks, not 8 x 0.25 (what
+    # treating every rank as the slowest would give), so it plans within the warm start's step.
+    ctx = tiny_context(8, speed=(1.0,) * 7 + (0.25,))
+    rng = np.random.default_rng(0)
+    lens = np.concatenate([rng.integers(50, 1500, 200), [6000, 7000]])
+    s = make_schedule("milp", lens, ctx, node_limit=50)
+    assert s.extra["milp_solves"] >= 1
+    assert s.predicted_step_time <= s.extra["warm_start_step_time"] + 1e-12
+    assert s.predicted_step_time < 1.25 * s.lower_bound
