@@ -116,6 +116,22 @@ def test_ulysses_all_to_all_volume():
     assert c.comm_fwd == pytest.approx(a2a)
 
 
+@pytest.mark.parametrize("mesh", [dict(tp=2, cp=4, cp_kind="ulysses"), dict(tp=2, cp=4, cp_kind="ring")])
+def test_selective_recompute_repeats_the_context_parallel_collectives_but_not_tp(mesh):
+    # The runtime checkpoints the attention core (attend: Ulysses all-to-alls, ring K/V passes); its
+    # backward runs the core's forward again, the TP collectives around the projections not.
+    cm = CostModel(MODEL, cluster())
+    w = Work(4 * 1024, 4 * 1024**2)
+    none, sac, full = (cm.layer(S(**mesh, recompute=r), w) for r in ("none", "selective", "full"))
+    tp_only = cm.layer(S(tp=2), Work(w.tokens / 4, w.sq_tokens / 16))  # the same tokens per device
+    cp_fwd = none.comm_fwd - tp_only.comm_fwd  # the forward's context-parallel communication
+    assert cp_fwd > 0
+    assert sac.comm_fwd == pytest.approx(none.comm_fwd)
+    assert sac.comm_bwd == pytest.approx(none.comm_bwd + cp_fwd)
+    # full recomputation repeats the TP collectives as well
+    assert full.comm_bwd == pytest.approx(none.comm_bwd + none.comm_fwd)
+
+
 def test_ring_hides_under_attention_when_blocks_are_long():
     cm = CostModel(MODEL, cluster())
     short, long_ = Work(4 * 256, 4 * 256**2), Work(131072, 131072**2)

@@ -22,6 +22,13 @@ MODEL = MODEL_PRESETS["llama2-7b"]
 # Llama 3 405B ran without activation checkpointing at 8K (2407.21783, section 3.3.2) with a pipeline
 # schedule of its own and tensors freed early; the paper gives neither the chunks per rank nor what
 # its framework keeps per layer, and flexmesh's count of what its own runtime keeps exceeds 80 GB.
+# Checked against the paper: micro-batch of one sequence, TP 8 x PP 16, no recomputation (as priced);
+# gradients accumulated in fp32 over micro-batches before the reduce-scatter (section 3.3.4), so kept
+# unsharded (ZeRO-1 states here are the same bytes). Rank 0's estimate (8K, 64 ranks of DP): states
+# 19.9 GiB + activations 95.0 GiB (19.75 stages in flight under Megatron's interleaved warm-up with the
+# assumed 4 chunks; 1F1B would hold 16) = 115 GiB; 16K GPUs and 131K: 97 GiB; budget 73.8 GiB. The
+# paper's one layer less on the first and last stages would take about 1/8 off rank 0's activations,
+# not enough; the rest is the unpublished schedule and kept tensors.
 UNKNOWN_SCHEDULE = {r.name for r in PUBLISHED_RUNS if r.name.startswith("llama3-")}
 
 

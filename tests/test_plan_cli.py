@@ -41,6 +41,31 @@ def test_explain_breaks_time_and_memory_down(capsys):
         assert part in out
 
 
+def test_explain_against_a_layout_compares_term_by_term(capsys, tmp_path, monkeypatch):
+    from flexmesh.commands.plan_terms import plan_terms
+    from flexmesh.cost import CostModel
+    from flexmesh.layout.overlap import NO_OVERLAP
+    from flexmesh.layout.plan import StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+    from flexmesh.spec import parse_cluster, parse_model
+
+    # a uniform layout with full recomputation and TP collectives exposed
+    st = StagePlan(0, 4, (LayerStrategy.parse("tp2-dp4z1-ac"),) * 4)
+    other = Plan("tiny", "8xA100-80GB", 8, 1, "1f1b", 2, 2048, 16, (st,), overlap=NO_OVERLAP)
+    f = tmp_path / "published.json"
+    other.save(f)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(TINY + ["--explain", "--top", "1", "--against", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "chosen plan against" in out and "speed-up of the chosen plan" in out
+    terms = plan_terms(CostModel(parse_model("tiny"), parse_cluster("8xA100-80GB")), other)
+    assert terms["recompute"] > 0 and terms["exposed TP/CP comm"] > 0
+    row = next(line for line in out.splitlines() if line.replace("│", " ").split()[:1] == ["recompute"])
+    assert f"{terms['recompute']:.4f}" in row
+    assert sum(terms.values()) == pytest.approx(CostModel(parse_model("tiny"), parse_cluster("8xA100-80GB"))
+                                                .evaluate(other).step_time)
+
+
 def test_check_accepts_the_written_plan(capsys, tmp_path):
     f = tmp_path / "p.json"
     assert main(TINY + ["--out", str(f), "--top", "1"]) == 0

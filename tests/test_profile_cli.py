@@ -29,10 +29,12 @@ def small_config(tmp_path: Path) -> Path:
 
 
 @pytest.mark.timeout(120)
-def test_model_profile_quick_single_process(tmp_path):
+def test_model_profile_quick_single_process(tmp_path, capsys, monkeypatch):
     cfg = small_config(tmp_path)
     out = tmp_path / "model.json"
+    monkeypatch.setenv("COLUMNS", "200")  # the summary table on one line per row
     assert main(["profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
     prof = load_profile(out, "model")
     spec = from_hf_config(cfg)
     prof.check_model(spec)
@@ -45,6 +47,11 @@ def test_model_profile_quick_single_process(tmp_path):
     assert acts[(1, 2, False)] == pytest.approx(acts[(1, 1, False)] / 2, rel=0.05)
     assert acts[(1, 1, True)] / 2 == pytest.approx(acts[(2, 1, True)], rel=0.05)  # sequence parallel input
     assert prof.states["optimizer_bytes_per_param"] == 8  # AdamW's two fp32 moments
+    # the printed summary shows every recomputation kind measured, selective included
+    assert "selective recompute" in printed
+    row = next(line for line in printed.splitlines() if line.replace("│", " ").split()[:2] == ["1", "1"])
+    cells = row.replace("│", " ").split()
+    assert cells[2:5] == [f"{acts[(1, 1, k)]:,.0f}" for k in (False, "selective", True)]
     t_short = prof.layer["forward"].time(256, 256**2)
     t_long = prof.layer["forward"].time(2048, 2048**2)
     assert t_long > t_short > 0

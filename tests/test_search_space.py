@@ -177,3 +177,18 @@ def test_search_never_worse_with_selective_in_the_space():
         a = best_plans(SearchRequest(model, cluster, 2048, 8, old, mode=mode), with_baselines=False).best
         b = best_plans(SearchRequest(model, cluster, 2048, 8, new, mode=mode), with_baselines=False).best
         assert b.evaluation.step_time <= a.evaluation.step_time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("model, cluster, seq, gb", [("llama2-7b", "8xA100-80GB", 2048, 64),
+                                                      ("llama2-13b", "2x8xA100-40GB", 4096, 64)])
+def test_fast_search_skips_only_overlap_options_that_cannot_win(model, cluster, seq, gb):
+    # The fast method prices grad_reduce="last" and the lean options only where a bound says they may
+    # win; pricing every option on every configuration must find nothing better.
+    from flexmesh.plan.search import search
+    from flexmesh.plan.space import FASTEST, LEAN, REDUCE_ONCE, SearchRequest, SearchSpace
+    from flexmesh.spec import MODEL_PRESETS, parse_cluster
+
+    req = SearchRequest(MODEL_PRESETS[model], parse_cluster(cluster), seq, gb, top=1, mode="fast")
+    pruned = search(req).candidates[0]
+    every = search(replace(req, space=SearchSpace(overlaps=(FASTEST, REDUCE_ONCE, LEAN)))).candidates[0]
+    assert pruned.evaluation.step_time == pytest.approx(every.evaluation.step_time, rel=1e-9)

@@ -97,6 +97,8 @@ def _summary(prof, out: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from flexmesh.profile.format import recompute_name
+
     con = Console()
     if prof.kind == "hardware":
         t = Table(title=f"hardware profile ({prof.device['name']}, {prof.produced_by['processes']} processes)")
@@ -125,12 +127,14 @@ def _summary(prof, out: str) -> None:
                           f"{f.c2_s_per_sq_token * 1e9:.4f}", f"{f.c3_s_per_sq_row_token * 1e9:.4f}")
         con.print(t)
         a = Table(title="saved activation bytes per token, one layer, each device")
-        for col in ("tp", "cp", "no recompute", "recompute"):
+        for col in ("tp", "cp", "no recompute", "selective recompute", "full recompute"):
             a.add_column(col, justify="right")
-        entries = {(e["tp"], e["cp"], e["recompute"]): e["bytes_per_token"] for e in prof.activations["layers"]}
+        entries = {(e["tp"], e["cp"], recompute_name(e["recompute"])): e["bytes_per_token"]
+                   for e in prof.activations["layers"]}
         for tp, cp in sorted({(k[0], k[1]) for k in entries}):
-            a.add_row(str(tp), str(cp), f"{entries.get((tp, cp, False), 0):,.0f}",
-                      f"{entries.get((tp, cp, True), 0):,.0f}")
+            # "-": not measured (an older profile; selective layers are then priced with the none bytes)
+            a.add_row(str(tp), str(cp), *(f"{entries[(tp, cp, kind)]:,.0f}" if (tp, cp, kind) in entries else "-"
+                                          for kind in ("none", "selective", "full")))
         con.print(a)
         if prof.parallel.get("layers"):
             _parallel_summary(con, prof, Table)

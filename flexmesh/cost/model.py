@@ -42,8 +42,8 @@ from flexmesh.cost.pipeline import in_flight, pipeline_time
 from flexmesh.cost.timing import LayerTiming
 from flexmesh.cost.work import NO_WINDOW, LayerCost, MicrobatchPhases, Work, attention_sq, ring_hops
 from flexmesh.layout.enums import CPKind
-from flexmesh.layout.overlap import NO_OVERLAP, Overlap
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.layout.overlap import NO_OVERLAP, Overlap, acting
+from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 from flexmesh.units import GIB
@@ -80,7 +80,10 @@ class CostModel:
         self.timing: LayerTiming = timing if timing is not None else AnalyticTiming(model, self.hw)
         self.weight_bytes, self.grad_bytes, self.optim_bytes = self.timing.state_bytes_per_param()
         self._layer = lru_cache(maxsize=None)(self._layer_uncached)
+        self.step_overlap: Overlap = NO_OVERLAP  # what the per-step methods price (with_step_overlap)
         self._ends = lru_cache(maxsize=None)(self._ends_uncached)
+        self._phases = lru_cache(maxsize=None)(self._layer_phases)
+        self._work = lru_cache(maxsize=None)(lambda seqs, seq_len: Work.uniform(seqs, seq_len, self.windows))
 
     @property
     def source(self) -> str:
@@ -150,7 +153,7 @@ class CostModel:
     # ---- a transformer layer ----------------------------------------------------------------------
     def layer(self, s: LayerStrategy, work: Work, overlap: Overlap = NO_OVERLAP) -> LayerCost:
         """One transformer layer on one device of a tp x cp group processing ``work``."""
-        return self._layer(s, work, overlap)
+        return self._layer(s, work, acting(overlap, s, True))
 
     def _layer_phases(self, s: LayerStrategy, tokens, sq_tokens, overlap: Overlap = NO_OVERLAP):
         """(fwd, bwd, comm_fwd, comm_bwd) seconds of one layer on a tp x cp group; scalars or arrays.
@@ -167,6 +170,9 @@ class CostModel:
         b = m.dtype_bytes
         dev_tokens = tokens / s.cp  # tokens held by each tp rank of the group (sequence split by cp)
         bwd_passes = 2 if s.recompute else 1  # recomputation repeats the forward's collectives
+        # Selective recomputation reruns the attention core with its CP collectives (the runtime's
+        # Attention.recompute_core checkpoints attend: all-to-alls, ring passes), not the TP ones.
+        cp_passes = 2 if s.recompute or s.recompute is Recompute.SELECTIVE else 1
         comm_f = comm_b = 0.0
         if s.tp > 1:
             # Sequence parallelism: all-gather before and reduce-scatter after each of the two blocks.
@@ -187,7 +193,7 @@ class CostModel:
                 qkv = dev_tokens * (m.q_dim + 2 * m.kv_dim) / s.tp * b
                 out = dev_tokens * m.q_dim / s.tp * b
                 per_pass = ct("all_to_all", qkv, shape) + ct("all_to_all", out, shape)
-                comm_f, comm_b = comm_f + per_pass, comm_b + bwd_passes * per_pass
+                comm_f, comm_b = comm_f + per_pass, comm_b + cp_passes * per_pass
             else:
                 # Ring: cp - 1 hops of the local K/V block, each hidden under one block of attention;
                 # backward moves K/V and dK/dV (twice the bytes) under twice the attention work.
@@ -197,12 +203,14 @@ class CostModel:
                     exposed_f = (s.cp - 1) * hw.exposed(hop, t_attn / s.cp)
                 else:  # the attention work spreads over the blocks visited, own block included
                     exposed_f = hops * hw.exposed(hop, t_attn / (hops + 1))
-                comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (3 if s.recompute else 2)
+                comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (1 + cp_passes)
         return fwd, bwd, comm_f, comm_b
 
     def _layer_uncached(self, s: LayerStrategy, work: Work, overlap: Overlap) -> LayerCost:
         m = self.model
-        fwd, bwd, comm_f, comm_b = (float(x) for x in self._layer_phases(s, work.tokens, work.sq_tokens, overlap))
+        # Phases depend on the group (tp, cp) and recomputation only, not on dp or ZeRO: shared by those.
+        group = LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute)
+        fwd, bwd, comm_f, comm_b = map(float, self._phases(group, float(work.tokens), float(work.sq_tokens), overlap))
         zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd, overlap)
         timing = self.timing
         act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens)
@@ -228,7 +236,7 @@ class CostModel:
     # ---- embedding and LM head ----------------------------------------------------------------------
     def ends(self, s: LayerStrategy, work: Work, embed: bool, head: bool, overlap: Overlap = NO_OVERLAP) -> LayerCost:
         """Embedding (first stage) and final norm + LM head + loss (last stage), vocab-parallel over tp."""
-        return self._ends(s, work, embed, head, overlap)
+        return self._ends(s, work, embed, head, acting(overlap, s, False))
 
     def _ends_uncached(self, s: LayerStrategy, work: Work, embed: bool, head: bool, overlap: Overlap) -> LayerCost:
         m = self.model
@@ -252,7 +260,7 @@ class CostModel:
 
     def layer_work(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int) -> Work:
         """Work of one replica of a layer when a stage's micro-batch of equal-length sequences splits over dp."""
-        return Work.uniform(microbatch_seqs / s.dp, seq_len, self.windows)
+        return self._work(microbatch_seqs / s.dp, seq_len)
 
     def ring_hops(self, cp: int, block_tokens):  # noqa: ANN001, ANN201 - floats or numpy arrays
         """K/V hops of ring attention per pass with blocks of ``block_tokens``, mean over layers; None
@@ -385,6 +393,13 @@ class CostModel:
                                     plan.microbatch_size, plan.seq_len, plan.overlap)
 
     # ---- for the per-step scheduler -----------------------------------------------------------------
+    def with_step_overlap(self, overlap: Overlap) -> CostModel:
+        """This cost model (sharing its caches) with its per-step methods priced under ``overlap``,
+        a plan's :attr:`~flexmesh.layout.plan.Plan.overlap` (the scheduler and the simulator use it)."""
+        other = copy.copy(self)
+        other.step_overlap = overlap
+        return other
+
     def lower_envelope(self) -> CostModel:
         """This cost model with every kernel at its best rate (:meth:`flexmesh.cost.kernels.Kernels.envelope`).
 
@@ -398,7 +413,8 @@ class CostModel:
         hw = copy.copy(self.hw)
         hw.kernels = self.timing.kernels.envelope()
         return CostModel(self.model, self.cluster, hardware=hw,
-                         timing=AnalyticTiming(self.model, hw, ring_balanced=self.timing.ring_balanced))
+                         timing=AnalyticTiming(self.model, hw, ring_balanced=self.timing.ring_balanced)
+                         ).with_step_overlap(self.step_overlap)
 
     def microbatch_time(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
                         embed: bool = True, head: bool = True):
@@ -417,9 +433,11 @@ class CostModel:
         return self.timing.activation_bytes_per_token(s, bool(s.recompute)) * layers * in_flight_mbs
 
     def max_tokens(self, s: LayerStrategy, layers: int | None = None, embed: bool = True, head: bool = True,
-                   in_flight_mbs: float = 1.0, overlap: Overlap = NO_OVERLAP) -> int:
-        """Largest micro-batch (tokens on the tp x cp group) that fits in device memory under ``s``."""
+                   in_flight_mbs: float = 1.0, overlap: Overlap | None = None) -> int:
+        """Largest micro-batch (tokens on the tp x cp group) that fits in device memory under ``s``
+        (and ``overlap``, default :attr:`step_overlap`)."""
         layers = self.model.num_layers if layers is None else layers
+        overlap = self.step_overlap if overlap is None else overlap
         one = Work(tokens=1.0, sq_tokens=1.0)
         states = self.layer(s, one, overlap).states * layers
         if embed or head:
@@ -440,12 +458,13 @@ class CostModel:
                           head: bool = True, embed: bool = False) -> "MicrobatchPhases":
         """:meth:`microbatch_time` split into forward and backward, compute and exposed communication,
         so that a pipeline simulation can order the passes. The embedding costs what the timing says
-        (nothing analytically: a lookup has no FLOPs to count; a model profile's fit).
+        (nothing analytically: a lookup has no FLOPs to count; a model profile's fit). TP communication
+        is exposed or overlapped as :attr:`step_overlap` says.
         """
         layers = self.model.num_layers if layers is None else layers
         tokens = np.asarray(tokens, dtype=float)
         sq = np.asarray(sq_tokens, dtype=float)
-        fwd, bwd, cf, cb = self._layer_phases(s, tokens, sq)
+        fwd, bwd, cf, cb = self._layer_phases(s, tokens, sq, self.step_overlap)
         head_f, head_b = self.timing.head_times(s, tokens) if head else (0.0, 0.0)
         if embed:
             emb_f, emb_b = self.timing.embedding_times(s, tokens)

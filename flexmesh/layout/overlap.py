@@ -27,8 +27,10 @@ Overlap(tp_comm=True, grad_reduce='bucketed', zero3_prefetch=True)
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 
 from flexmesh.errors import PlanError
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.values import flag, known_keys, mapping
 
 GRAD_REDUCE = ("last", "bucketed")
@@ -75,3 +77,22 @@ NO_OVERLAP = Overlap()
 # FSDP2's implicit all-gather prefetch, and gradients reduced once in the last micro-batch's backward
 # (the trainer's set_requires_gradient_sync(is_last)).
 RUNTIME = Overlap(tp_comm=False, grad_reduce="last", zero3_prefetch=True)
+
+
+@lru_cache(maxsize=4096)
+def acting(overlap: Overlap, s: LayerStrategy, layer: bool) -> Overlap:
+    """``overlap`` with the options that change nothing for ``s`` (a layer, or with ``layer`` False
+    the embedding and head) set to :data:`NO_OVERLAP`'s, so that costs priced alike share a cache entry.
+
+    TP overlap acts on a layer with tp > 1 (its collectives and buffers; the ends have no TP
+    collectives); the gradient-reduce choice on ZeRO-2/3 states sharded over more than one rank;
+    prefetching on ZeRO-3 (a layer's gathered-weight buffers even unsharded, the ends' gathers only).
+
+    >>> acting(RUNTIME, LayerStrategy(dp=4, zero=1), True) == NO_OVERLAP
+    True
+    """
+    sharded = s.shard_degree > 1
+    return Overlap(tp_comm=overlap.tp_comm and layer and s.tp > 1,
+                   grad_reduce=overlap.grad_reduce if s.zero >= 2 and sharded else NO_OVERLAP.grad_reduce,
+                   zero3_prefetch=overlap.zero3_prefetch if s.zero == 3 and (layer or sharded)
+                   else NO_OVERLAP.zero3_prefetch)

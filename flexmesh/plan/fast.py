@@ -12,14 +12,17 @@ time- and memory-balanced layer splits (:attr:`FastSearch.exhaustive_splits` is 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import combinations
 from typing import Any, cast
 
 import numpy as np
 
-from flexmesh.cost import LayerCost
+from flexmesh.cost import LayerCost, pipeline_time
+from flexmesh.cost.memory import gathered_weight_bytes, tp_buffer_bytes
+from flexmesh.layout.overlap import Overlap
 from flexmesh.layout.strategy import LayerStrategy, Recompute
-from flexmesh.plan.space import Chunk, Mesh, mesh_of
+from flexmesh.plan.space import LEAN, Chunk, Mesh, mesh_of
 from flexmesh.plan.stage import Options, Sizes, StageContext, pareto2, tail
 
 _ATTRS = ("time", "bwd", "states", "act", "grad_sync", "optim", "transient")
@@ -105,7 +108,19 @@ class FastRanks:
         self.has0 = np.array([p[0] is not None for p in groups])[:, None]
         self.has1 = np.array([p[1] is not None for p in groups])[:, None]
         self.p2p = np.array([ctx.p2p(_any(p)) for p in groups])[:, None]
-        self.cache: dict[tuple, Options] = {}
+        # Bytes each layer would free under LEAN's overlap (its buffers), when this one's grad reduce is LEAN's.
+        lean = ctx.overlap.grad_reduce == LEAN.grad_reduce
+        self.lean_l0 = np.array([_freed(ctx, p[0], LEAN) if lean and p[0] else 0.0 for p in groups])[:, None]
+        self.lean_l1 = np.array([_freed(ctx, p[1], LEAN) if lean and p[1] else 0.0 for p in groups])[:, None]
+        # Backward communication each layer (and the ends) would not expose per micro-batch with ZeRO-2/3
+        # gradients reduced once (REDUCE_ONCE), and the gradient bytes it keeps more: for the search's bound.
+        self.once_l0 = np.array([_once_saving(ctx, p[0]) if p[0] else 0.0 for p in groups])[:, None]
+        self.once_l1 = np.array([_once_saving(ctx, p[1]) if p[1] else 0.0 for p in groups])[:, None]
+        self.once_emb = np.array([_once_saving(ctx, _any(p), (True, False)) for p in groups])[:, None]
+        self.once_head = np.array([_once_saving(ctx, _any(p), (False, True)) for p in groups])[:, None]
+        self.once_x0 = np.array([_once_extra_bytes(ctx, p[0]) if p[0] else 0.0 for p in groups])[:, None]
+        self.once_x1 = np.array([_once_extra_bytes(ctx, p[1]) if p[1] else 0.0 for p in groups])[:, None]
+        self.cache: dict[tuple, tuple[Options, bool, float, float]] = {}
 
     def options(self, sizes: Sizes, pp: int, rank: int, flight: float) -> Options:
         """(times, tails, payload) on the (time, tail) frontier; payload[i] is (group, k) (see :meth:`pick`)."""
@@ -114,14 +129,24 @@ class FastRanks:
         key = (n, 0 in idx, (len(sizes) - 1) in idx, flight)
         if key not in self.cache:
             self.cache[key] = self._options(*key)
-        return self.cache[key]
+        return self.cache[key][0]
+
+    def bounds(self, sizes: Sizes, pp: int, rank: int, flight: float) -> tuple[bool, float, float]:
+        """Of the rank's options under this overlap: whether one left out for memory would fit with
+        the buffers :data:`~flexmesh.plan.space.LEAN` frees; and under
+        :data:`~flexmesh.plan.space.REDUCE_ONCE` (the same options with their ZeRO-2/3 gradients
+        reduced once: unsharded gradients kept, backward reduce-scatters not exposed, tails no
+        shorter) the least time per micro-batch and the least tail of an option that fits (inf: none)."""
+        self.options(sizes, pp, rank, flight)
+        idx = range(rank, len(sizes), pp)
+        return self.cache[(sum(sizes[i] for i in idx), 0 in idx, (len(sizes) - 1) in idx, flight)][1:]
 
     def pick(self, payload_item: tuple[int, int]) -> Pick:
         """(lesser, greater recompute, k) of a payload item (group, k)."""
         g, k = payload_item
         return (self.groups[g][0], self.groups[g][1], k)
 
-    def _options(self, n: int, embed: bool, head: bool, flight: float) -> Options:
+    def _options(self, n: int, embed: bool, head: bool, flight: float) -> tuple[Options, bool, float, float]:
         ctx = self.ctx
         k = np.arange(n + 1)[None, :]
         nk = n - k
@@ -135,15 +160,58 @@ class FastRanks:
         trans = np.maximum(np.where(nk > 0, self.l0[:, ti:ti + 1], 0.0), np.where(k > 0, self.l1[:, ti:ti + 1], 0.0))
         logits = self.head[:, ti:ti + 1] if head else 0.0
         mem = tot("states") + flight * tot("act") + trans + logits
-        valid = (self.has0 | (k == n)) & (self.has1 | (k == 0)) & (mem <= ctx.budget)
+        formed = (self.has0 | (k == n)) & (self.has1 | (k == 0))
+        valid = formed & (mem <= ctx.budget)
+        # LEAN keeps states and activations as they are and frees transient buffers only: at most the
+        # larger of the two layer kinds' savings comes off the largest transient.
+        freed = np.maximum(np.where(nk > 0, self.lean_l0, 0.0), np.where(k > 0, self.lean_l1, 0.0))
+        lean_more = bool((formed & ~valid & (mem - freed <= ctx.budget)).any())
         if not valid.any():
-            return np.zeros(0), np.zeros(0), []
+            return (np.zeros(0), np.zeros(0), []), lean_more, np.inf, np.inf
         time_ = tot("time") + self.p2p
         tails = tail(ctx.cost, tot("grad_sync"), tot("bwd"), tot("optim"), n)
+        once = nk * self.once_l0 + k * self.once_l1 + self.once_emb * embed + self.once_head * head
+        once_fits = valid & (mem + nk * self.once_x0 + k * self.once_x1 <= ctx.budget)
+        once_t = float((time_ - once)[once_fits].min()) if once_fits.any() else np.inf
+        once_u = float(tails[once_fits].min()) if once_fits.any() else np.inf
         g, kk = np.nonzero(valid)
         t, u = time_[g, kk], tails[g, kk]
         keep = pareto2(t, u)
-        return t[keep], u[keep], list(zip(g[keep].tolist(), kk[keep].tolist(), strict=True))
+        picks = list(zip(g[keep].tolist(), kk[keep].tolist(), strict=True))
+        return (t[keep], u[keep], picks), lean_more, once_t, once_u
+
+
+def _once_extra_bytes(ctx: StageContext, s: LayerStrategy) -> float:
+    """Gradient bytes a layer under ``s`` keeps beyond its shard when ZeRO-2/3 gradients are reduced
+    once (unsharded until the step's reduce-scatter; ``CostModel._states``)."""
+    if s.zero < 2 or ctx.overlap.grad_reduce == "last":
+        return 0.0
+    return ctx.cost.model.layer_params / s.tp * ctx.cost.grad_bytes * (1 - 1 / s.shard_degree)
+
+
+def _once_saving(ctx: StageContext, s: LayerStrategy, ends: tuple[bool, bool] | None = None) -> float:
+    """Backward communication per micro-batch of ``s`` (a layer, or the ``ends``) under ``ctx.overlap``
+    that reducing ZeRO-2/3 gradients once (``grad_reduce="last"``) takes off."""
+    if s.zero < 2 or ctx.overlap.grad_reduce == "last":
+        return 0.0
+    once = replace(ctx.overlap, grad_reduce="last")
+    cost, work = ctx.cost, ctx.work(s)
+    if s.zero == 2:  # its backward exposes the reduce-scatter beyond ZeRO-1's, which reduces once (cached)
+        one = replace(s, zero=1)
+        if ends is None:
+            return max(0.0, ctx.layer(s).comm_bwd - ctx.layer(one).comm_bwd)
+        return max(0.0, ctx.ends(s, *ends).comm_bwd - ctx.ends(one, *ends).comm_bwd)
+    if ends is None:
+        return max(0.0, ctx.layer(s).comm_bwd - cost.layer(s, work, once).comm_bwd)
+    return max(0.0, ctx.ends(s, *ends).comm_bwd - cost.ends(s, work, *ends, once).comm_bwd)
+
+
+def _freed(ctx: StageContext, s: LayerStrategy, other: Overlap) -> float:
+    """Transient bytes a layer under ``s`` needs less under ``other`` than under ``ctx.overlap``
+    (communication buffers: TP userbuffers, a prefetched ZeRO-3 layer); the rest of its memory is alike."""
+    m, tokens, own = ctx.cost.model, ctx.work(s).tokens, ctx.overlap
+    return max(0.0, tp_buffer_bytes(m, s, tokens, own) - tp_buffer_bytes(m, s, tokens, other)
+               + gathered_weight_bytes(m, s, own) - gathered_weight_bytes(m, s, other))
 
 
 def _any(pair: Group) -> LayerStrategy:
@@ -176,9 +244,21 @@ class _FastView:
 
     def __init__(self, fast: FastRanks, ctx: StageContext):
         self.fast, self.pp, self.flight = fast, ctx.pp, ctx.flight
+        # Whether some option of the ranks asked for so far was left out for memory that LEAN would fit.
+        self.lean_fits_more = False
 
     def options(self, sizes: Sizes, rank: int) -> Options:
-        return self.fast.options(sizes, self.pp, rank, self.flight[rank])
+        out = self.fast.options(sizes, self.pp, rank, self.flight[rank])
+        self.lean_fits_more = self.lean_fits_more or self.fast.bounds(sizes, self.pp, rank, self.flight[rank])[0]
+        return out
+
+    def once_bound(self, sizes: Sizes, schedule: str, m: int, v: int) -> float:
+        """A lower bound on the step of this split under REDUCE_ONCE: each rank's least time and least
+        tail of its options that fit then (:meth:`FastRanks.bounds`); inf when some rank has none."""
+        b = [self.fast.bounds(sizes, self.pp, r, self.flight[r])[1:] for r in range(self.pp)]
+        if any(t == np.inf for t, _ in b):
+            return np.inf
+        return pipeline_time(schedule, [t for t, _ in b], m, v) + max(u for _, u in b)
 
     def chunks(self, sizes: Sizes, chosen: Sequence[Any]) -> list[Chunk]:
         return expand([self.fast.pick(c) for c in chosen], sizes, self.pp)

@@ -58,6 +58,7 @@ Progress = Callable[[int, int], None]  # (configurations done, configurations in
 Configuration = tuple[int, str, int, int]  # (pp, pipeline schedule, v, m)
 # (estimate, (chunks, pp, schedule, v, m, overlap))
 Found = tuple[float, tuple[tuple[Chunk, ...], int, str, int, int, Overlap]]
+Deferred = tuple[float, Configuration, Overlap]  # (lower bound on the step, configuration, overlap to price)
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,21 @@ def search(request: SearchRequest, progress: Progress | None = None) -> SearchOu
     found: list[Found] = []
     examined = 0
     pruned: dict[tuple, list[LayerStrategy]] = {}  # per (stage devices, micro-batch size, mesh)
+    later: list[Deferred] = []
     for ci, config in enumerate(configs):
         if progress:
             progress(ci, len(configs))
-        n, best = _search_configuration(request, method, config, pruned)
+        n, best, deferred = _search_configuration(request, method, config, pruned)
+        examined += n
+        found.extend(best)
+        later.extend(deferred)
+    # Deferred options (fast method): priced only where their lower bound beats the top estimates so far.
+    top = max(request.top, 1)
+    for bound, config, overlap in sorted(later, key=lambda x: x[0]):
+        estimates = sorted(f[0] for f in found)[:top]
+        if len(estimates) == top and bound >= estimates[-1]:
+            break  # every later bound is higher still
+        n, best, _ = _search_configuration(request, method, config, pruned, only=overlap)
         examined += n
         found.extend(best)
     if progress:
@@ -126,45 +138,66 @@ def _configurations(request: SearchRequest) -> list[Configuration]:
     return configs
 
 
-def overlap_choices(strategies: Sequence[LayerStrategy], m: int, exhaustive: bool) -> list[Overlap]:
+def overlap_choices(strategies: Sequence[LayerStrategy], m: int) -> list[Overlap]:
     """The overlap options worth pricing for these strategies and ``m`` micro-batches, fastest first.
 
     :data:`FASTEST` always; the others only where they change something: :data:`LEAN` when some
     strategy uses tp or ZeRO-3 (it frees their buffers), :data:`REDUCE_ONCE` when ``m > 1`` and some
-    strategy shards gradients (ZeRO-2/3). The fast method prices the alternatives only where the
-    fastest fits nothing (``exhaustive`` False), to keep the search's time.
+    strategy shards gradients (ZeRO-2/3). Both methods price the same options; the fast method skips
+    :data:`LEAN` on a configuration where no option :data:`FASTEST` left out for memory would fit
+    with the buffers it frees (LEAN is otherwise never faster, see :func:`_search_configuration`).
 
     >>> from flexmesh.layout.strategy import LayerStrategy as S
-    >>> [o.label for o in overlap_choices([S(tp=2, dp=2, zero=3)], 4, True)]
-    ['tp-overlap grad:bucketed', 'grad:bucketed no-prefetch', 'tp-overlap grad:last']
-    >>> [o.label for o in overlap_choices([S(dp=4, zero=1)], 4, True)]
+    >>> [o.label for o in overlap_choices([S(tp=2, dp=2, zero=3)], 4)]
+    ['tp-overlap grad:bucketed', 'tp-overlap grad:last', 'grad:bucketed no-prefetch']
+    >>> [o.label for o in overlap_choices([S(dp=4, zero=1)], 4)]
     ['tp-overlap grad:bucketed']
     """
     out = [FASTEST]
+    if m > 1 and any(s.zero >= 2 for s in strategies):
+        out.append(REDUCE_ONCE)
     if any(s.tp > 1 or s.zero == 3 for s in strategies):
         out.append(LEAN)
-    if exhaustive and m > 1 and any(s.zero >= 2 for s in strategies):
-        out.append(REDUCE_ONCE)
     return out
 
 
 def _search_configuration(request: SearchRequest, method: SearchMethod, config: Configuration,
-                          pruned: dict[tuple, list[LayerStrategy]]) -> tuple[int, list[Found]]:
-    """(splits examined, best layout per mesh and overlap) of one (pp, schedule, v, m); ``pruned`` caches
-    across calls."""
+                          pruned: dict[tuple, list[LayerStrategy]],
+                          only: Overlap | None = None) -> tuple[int, list[Found], list[Deferred]]:
+    """(splits examined, best layout per mesh and overlap, deferred overlaps) of one (pp, schedule, v, m);
+    ``pruned`` caches across calls; ``only`` prices that one overlap option.
+
+    The exact method prices every overlap option. The fast method prices :data:`FASTEST`, then:
+
+    - :data:`LEAN` only where some option FASTEST left out for memory would fit with the buffers LEAN
+      frees: LEAN keeps the same states, activations and tails and is never faster, so elsewhere its
+      options are FASTEST's, slower;
+    - :data:`REDUCE_ONCE` deferred with a lower bound: its options are FASTEST's keeping unsharded
+      ZeRO-2/3 gradients, without their backward reduce-scatters, with tails no shorter; the step of
+      each split is at least the pipeline of each rank's least time plus the largest least tail
+      over the options that fit (:meth:`~flexmesh.plan.fast.FastRanks.bounds`). :func:`search`
+      prices it where the bound beats the estimates found.
+    """
     pp, schedule, v, m = config
     cost = request.cost_model()
     D, mbs = request.world_size // pp, request.global_batch // m
     strategies = candidate_strategies(request.model, request.cluster, D, request.space, mbs)
     if not strategies:
-        return 0, []
+        return 0, [], []
     flight = tuple(in_flight(schedule, pp, r, m, v) for r in range(pp))
-    overlaps = list(request.space.overlaps or overlap_choices(strategies, m, method.exhaustive_splits))
+    overlaps = [only] if only is not None else list(request.space.overlaps or overlap_choices(strategies, m))
     meshes: Sequence[Mesh | None] = sorted({mesh_of(s) for s in strategies}) if request.space.same_mesh else [None]
-    examined, found = 0, list[Found]()
-    for k, overlap in enumerate(overlaps):
-        if k and found and request.space.overlaps is None and not method.exhaustive_splits:
-            break  # fast method: alternatives only where the fastest options fit nothing
+    examined, found, deferred = 0, list[Found](), list[Deferred]()
+    prune_more = only is None and request.space.overlaps is None and not method.exhaustive_splits
+    lean_fits_more = not (prune_more and FASTEST in overlaps)
+    once_bound = float("inf")  # lower bound on the step under REDUCE_ONCE (fast method)
+    for overlap in overlaps:
+        if prune_more and overlap == LEAN and not lean_fits_more:
+            continue
+        if prune_more and overlap == REDUCE_ONCE:
+            if once_bound < float("inf"):
+                deferred.append((once_bound, config, overlap))
+            continue
         overlap = cost.effective_overlap(overlap, m)  # priced exactly as evaluate_stages prices it
         ctx = StageContext(cost, request.seq_len, mbs, pp, v, flight, cost.memory_budget, overlap)
         for mesh in meshes:
@@ -175,11 +208,15 @@ def _search_configuration(request: SearchRequest, method: SearchMethod, config: 
             splits = layer_splits(ctx, pruned[key], request.model.num_layers, pp * v, method.exhaustive_splits)
             examined += len(splits)
             best = _best_split(ranks, splits, pp, schedule, m, v)
+            if overlap == FASTEST:
+                lean_fits_more = lean_fits_more or getattr(ranks, "lean_fits_more", True)
+                bound = getattr(ranks, "once_bound", None)
+                once_bound = min([once_bound] + ([bound(sz, schedule, m, v) for sz in splits] if bound else [0.0]))
             if best is not None:
                 obj, sizes, chosen = best
                 chunks = tuple(tuple(c) for c in ranks.chunks(sizes, chosen))
                 found.append((obj, (chunks, pp, schedule, v, m, overlap)))
-    return examined, found
+    return examined, found, deferred
 
 
 def _best_split(ranks: RankOptions, splits: list[Sizes], pp: int, schedule: str, m: int,
