@@ -36,3 +36,10 @@ def test_quick_demo_writes_report(tmp_path: Path):
     for a, b in zip(runs["fixed"], runs["adaptive"]):
         assert a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"])
+    # The slow-rank part: rank 1 emulated at half speed in both runs, speeds measured every step.
+    assert "emulated** at 0.5x" in report
+    for label in ("static", "adaptive"):
+        rows = [json.loads(x) for x in (out / "stragglers" / "runs" / label / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["emulated_speed"] == [1.0, 0.5] and len(r["speed"]) == 2 for r in rows)
+        if label == "static":  # --no-replan: the schedules never change
+            assert all(r["assumed_speed"] == [1.0, 1.0] for r in rows)

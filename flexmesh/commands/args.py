@@ -63,6 +63,39 @@ def fraction(text: str) -> float:
     return value
 
 
+def rank_factors(text: str) -> list[tuple[int, float]]:
+    """``RANK=FACTOR[,RANK=FACTOR...]``: whole ranks >= 0 with factors in (0, 1] (whether a rank is in
+    the run is checked where the world size is known).
+
+    >>> rank_factors("1=0.5,3=0.25")
+    [(1, 0.5), (3, 0.25)]
+    >>> rank_factors("1=1.5")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: factor of rank 1 must be a number in (0, 1], got '1.5'
+    """
+    out = []
+    for item in text.split(","):
+        rank_text, sep, factor_text = item.strip().partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"must be RANK=FACTOR (e.g. 1=0.5), got {item.strip()!r}")
+        try:
+            rank = nonneg_int(rank_text.strip())
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"rank must be a whole number >= 0, got {rank_text.strip()!r}") from None
+        try:
+            factor = positive_float(factor_text.strip())
+        except argparse.ArgumentTypeError:
+            factor = math.nan
+        if not 0.0 < factor <= 1.0:
+            raise argparse.ArgumentTypeError(f"factor of rank {rank} must be a number in (0, 1], "
+                                             f"got {factor_text.strip()!r}")
+        out.append((rank, factor))
+    return out
+
+
+rank_factors.__name__ = "RANK=FACTOR list"
+
+
 def new_file(text: str) -> str:
     """A file path to write: refused when it names an existing folder (the file would go nowhere)."""
     if not text.strip():

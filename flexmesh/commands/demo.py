@@ -9,8 +9,11 @@ With no arguments, on this machine (see docs/cli-demo.md):
 4. train that model on ``--nproc`` local processes on the Python standard library's sources, first
    with the ``fixed`` policy, then with adaptive per-step schedules (``milp``, falling back to
    ``hdp`` when late) on the same batches, showing progress;
-5. write ``<out>/report.md`` with PNG plots: a simulated step timeline, a measured one, per-rank
-   balance, the loss curves and predicted against measured step time.
+5. heterogeneous devices: plan Llama 2 13B on a mixed cluster (one H100 node, two A100-40GB nodes)
+   against its baselines, then train twice on 2 processes with rank 1 emulated at half speed,
+   static against re-planned per-step schedules;
+6. write ``<out>/report.md`` with PNG plots: a simulated step timeline, a measured one, per-rank
+   balance and speed, the loss curves and predicted against measured step time.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def training_plan_file(out: Path, hardware_profile: Path, nproc: int, max_len: i
 
 
 def run(args: argparse.Namespace) -> int:
-    """``flexmesh demo``: the five steps of the module doc, each announced by a rule."""
+    """``flexmesh demo``: the six steps of the module doc, each announced by a rule."""
     from rich.console import Console
     from rich.rule import Rule
 
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
 
     # 1. plan
-    console.print(Rule("1/5  plan: Llama 3 8B on 8x H100, sequences of 8192, 128 per step"))
+    console.print(Rule("1/6  plan: Llama 3 8B on 8x H100, sequences of 8192, 128 per step"))
     try:
         failed = plan_command.run(_parse(plan_command, ["plan", "--out", str(out / "plan-llama3-8b.json")])) != 0
     except FlexmeshError as e:
@@ -120,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         raise FlexmeshError("demo step 'plan' failed")
 
     # 2. simulate
-    console.print(Rule("2/5  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
+    console.print(Rule("2/6  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
     sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--context", "131072",
                 "--lengths", "wikipedia", "--policies", "hdp,milp", "--steps", str(args.sim_steps),
                 "--seed", str(args.seed), "--plots", str(out / "simulated")]
@@ -130,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     simulate_command.print_table(sim, Console())
 
     # 3. profile
-    console.print(Rule(f"3/5  profile this machine and the {TRAIN_MODEL} model with {args.nproc} processes"))
+    console.print(Rule(f"3/6  profile this machine and the {TRAIN_MODEL} model with {args.nproc} processes"))
     prof = out / "profiles"
     hw, mp = prof / "hardware.json", prof / f"model-{TRAIN_MODEL}.json"
     _flexmesh(["profile", "hardware", "--quick", "--nproc", str(args.nproc), "--out", str(hw)], console,
@@ -144,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                                                                       "--fallback-policy", "hdp"]}
     metrics = {}
     for i, (label, policy) in enumerate(runs.items()):
-        console.print(Rule(f"4/5  train {TRAIN_MODEL} on {args.nproc} processes, standard-library sources: "
+        console.print(Rule(f"4/6  train {TRAIN_MODEL} on {args.nproc} processes, standard-library sources: "
                            f"{label} ({i + 1}/{len(runs)})"))
         run_dir = out / "runs" / label
         _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps),
@@ -152,8 +155,21 @@ def run(args: argparse.Namespace) -> int:
                    "--hardware-profile", str(hw), "--model-profile", str(mp), *policy], console, f"train {label}")
         metrics[label] = read_metrics(run_dir / "metrics.jsonl")
 
+    # heterogeneous devices: a mixed-cluster plan against its baselines
+    console.print(Rule("5/6  heterogeneous: plan Llama 2 13B on 1x8xH100+2x8xA100-40GB against its baselines"))
+    from flexmesh.report.hetero_demo import demo_mixed_plan
+
+    demo_mixed_plan(console)
+
+    # heterogeneous devices: a rank emulated at half speed, static against re-planned schedules
+    console.print(Rule("5/6  heterogeneous: 2 processes, rank 1 emulated at half speed, static vs re-planned"))
+    from flexmesh.report.stragglers import demo_comparison
+
+    stragglers = demo_comparison(out / "stragglers", hw, mp, steps=5 if args.quick else 8, global_batch=8,
+                                 max_len=128 if args.quick else 256, seed=args.seed)
+
     # 5. report
-    console.print(Rule("5/5  report"))
-    path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start)
+    console.print(Rule("6/6  report"))
+    path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, stragglers=stragglers)
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
     return 0

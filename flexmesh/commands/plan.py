@@ -13,10 +13,12 @@ from rich.table import Table
 from flexmesh.commands.args import new_file, nonempty, positive_int
 from flexmesh.cost import Evaluation
 from flexmesh.errors import PlanError
-from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan
+from flexmesh.layout.hetero import HeteroPlan, load_plan
+from flexmesh.layout.plan import PIPELINE_SCHEDULES
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.plan.check import check_plan
 from flexmesh.plan.space import FULL_SPACE, SEARCH_MODES
+from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 from flexmesh.units import GIB
 
@@ -31,8 +33,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama3-8b",
                    help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path (default llama3-8b)")
     p.add_argument("--cluster", default=None, type=nonempty,
-                   help="e.g. 8xH100, 8x8xA100-40GB, or a JSON/TOML cluster file (default: the hardware "
-                        "profile's node, else 8xH100)")
+                   help="e.g. 8xH100, 8x8xA100-40GB, groups joined by '+' (1x8xH100+2x8xA100-40GB: a "
+                        "heterogeneous plan), or a JSON/TOML cluster file (default: the hardware profile's node, "
+                        "else 8xH100)")
     p.add_argument("--hardware-profile", metavar="PATH",
                    help="price compute and communication with this `flexmesh profile hardware` file")
     p.add_argument("--model-profile", metavar="PATH",
@@ -42,8 +45,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", type=new_file, help="write the best plan as JSON here (atomically)")
     p.add_argument("--top", type=positive_int, default=5, help="plans to list (default 5)")
     p.add_argument("--explain", action="store_true", help="break the best plan's time and memory into parts")
+    p.add_argument("--against", metavar="PLAN", help="with --explain: compare the best plan term by term with "
+                   "this plan file (for instance a published layout), priced by the same cost model")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (no table, no progress)")
-    p.add_argument("--check", metavar="PLAN", help="validate this plan file against --model and --cluster")
+    p.add_argument("--check", metavar="PLAN",
+                   help="validate this plan file against --model and --cluster (a heterogeneous plan: default "
+                        "cluster the one it names)")
     p.add_argument("--same-mesh", action="store_true",
                    help="every layer on the same (tp, cp, dp) mesh; ZeRO and recompute stay per layer")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
@@ -58,14 +65,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Check a plan file, or build a SearchRequest from the options, search, and print or write the result."""
+    from flexmesh.commands.plan_hetero import check_hetero, run_hetero
     from flexmesh.profile.use import cost_model_for
 
+    loaded = load_plan(args.check) if args.check else None
+    if isinstance(loaded, HeteroPlan):
+        return check_hetero(args, loaded)
+    if loaded is None and args.cluster is not None:
+        mixed = parse_mixed_cluster(args.cluster)
+        if not mixed.uniform:  # several device groups, or devices of different speeds
+            return run_hetero(args, mixed)
     cost = cost_model_for(parse_model(args.model), args.cluster, args.hardware_profile, args.model_profile,
                           default_cluster="8xH100")
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = Console()
-    if args.check:
-        plan = Plan.load(args.check)
+    if loaded is not None:
+        plan = loaded
         ev = check_plan(plan, model, cluster, cost)
         if args.json:
             print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
@@ -91,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
     _table(out, result)
     if args.explain:
         _explain(out, best.evaluation)
+        if args.against:
+            from flexmesh.commands.plan_terms import print_against
+            from flexmesh.layout.plan import Plan
+
+            other = Plan.load(args.against)
+            check_plan(other, model, cluster, cost)  # same model and cluster, a layout that can run
+            print_against(out, cost, best.plan, other)
     if args.out:
         out.print(f"wrote best plan to {args.out}", highlight=False)
     return 0

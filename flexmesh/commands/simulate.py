@@ -21,6 +21,7 @@ from flexmesh.layout.plan import PIPELINE_SCHEDULES
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.sim.simulation import (
     COLUMNS,
+    SPEED_COLUMNS,
     Simulation,
     SimulationConfig,
     comparison_row,
@@ -28,6 +29,7 @@ from flexmesh.sim.simulation import (
     run_policies,
     sample_batches,
     simulation_context,
+    static_cells,
     summarise,
 )
 
@@ -66,8 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                    help="full activation recomputation")
     p.add_argument("--cp-kind", default="ulysses", choices=("ulysses", "ring"), help="context-parallel kind")
-    p.add_argument("--slow", default="", metavar="RANK=FACTOR,...",
-                   help="speed factors of individual devices, e.g. 3=0.5 (device 3 at half speed)")
+    p.add_argument("--slow", "--speed", dest="slow", default="", metavar="RANK=FACTOR,...",
+                   help="speed factors of individual devices, e.g. 3=0.5 (device 3 at half speed); the table "
+                        "then adds each policy's tokens/s with schedules made for nominal speed (static)")
     p.add_argument("--json", action="store_true", help="print plain JSON instead of a table")
     p.add_argument("--plots", metavar="DIR", default=None, type=folder,
                    help="write a Gantt and a load PNG per policy here")
@@ -155,12 +158,15 @@ def print_table(sim: Simulation, console: Console) -> None:
     from rich.table import Table
 
     table = Table(title=sim.title())
-    for col in COLUMNS:
+    note = sim.static_note()
+    for col in COLUMNS + (SPEED_COLUMNS if note else ()):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in sim.runs:
-        table.add_row(*comparison_row(r))
+        table.add_row(*comparison_row(r), *(static_cells(r) if note else ()))
     console.print(table)
     console.print(sim.reference(), highlight=False)
+    if note:
+        console.print(note, highlight=False)
     for label, files in sim.plots.items():
         console.print(f"plots for {label}: {', '.join(files)}", highlight=False)
 

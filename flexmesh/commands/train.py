@@ -17,7 +17,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from flexmesh.commands.args import folder, fraction, nonneg_float, nonneg_int, positive_float, positive_int
+from flexmesh.commands.args import (
+    folder,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    rank_factors,
+)
 from flexmesh.errors import PlanError
 from flexmesh.runtime.config import TRAIN_DTYPES
 from flexmesh.runtime.launch import (
@@ -83,6 +91,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "naming it (default 600)")
     p.add_argument("--cache-dir", help="where tokenizers and token stores are cached")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    s = p.add_argument_group("stragglers (docs/cli-train.md#stragglers)")
+    s.add_argument("--no-replan", action="store_true",
+                   help="measure each rank's speed and report stragglers, but keep the schedules as they are")
+    s.add_argument("--straggler-threshold", type=positive_float, default=0.25, metavar="FRACTION",
+                   help="a rank deviates when its measured speed differs from its schedule's by more than this, "
+                        "in (0, 1) (default 0.25)")
+    s.add_argument("--straggler-steps", type=positive_int, default=2, metavar="K",
+                   help="consecutive deviating steps before a speed change counts (default 2)")
+    s.add_argument("--emulate-speed", type=rank_factors, action="extend", default=[], metavar="RANK=FACTOR",
+                   help="EMULATION for testing on one machine: stretch rank RANK's compute to 1/FACTOR of its "
+                        "time, FACTOR in (0, 1]; repeatable or comma-separated")
     e = p.add_argument_group("restarts and several nodes (with --nproc; docs/failures.md)")
     e.add_argument("--max-restarts", type=int, metavar="K",
                    help="restart the worker group up to K times after a worker fails; it resumes from the last "
@@ -101,9 +120,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.collective_timeout <= 0:
         raise PlanError(f"--collective-timeout must be positive, got {args.collective_timeout}")
+    if not 0.0 < args.straggler_threshold < 1.0:
+        raise PlanError(f"--straggler-threshold must be in (0, 1), got {args.straggler_threshold}")
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise PlanError(f"--nproc must be at least 1, got {args.nproc}")
+        if args.nnodes is None:  # one node: the world is --nproc, so a wrong rank fails before launching
+            from flexmesh.runtime.stragglers import parse_emulation
+
+            parse_emulation(args.emulate_speed, args.nproc)
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
@@ -135,6 +160,9 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
     holds (nothing on the first, the last checkpoint after a restart). Launchers of other nodes
     leave ``--out`` to node 0's (it must be the same shared folder on every node).
     """
+    from flexmesh.layout.hetero import load_plan
+
+    load_plan(args.plan)  # a plan file that cannot run fails here, once, before any rank starts
     argv = without_flags(argv, (), ("--no-resume", "--overwrite"))
     env = dict(os.environ, **{HELD_ENV: str(Path(args.out).resolve())})
     if rendezvous.node_rank != 0:
@@ -170,8 +198,8 @@ def _train(args: argparse.Namespace) -> int:
     from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
+    from flexmesh.layout.hetero import HeteroPlan, load_plan
     from flexmesh.layout.mesh import layout_from_plan
-    from flexmesh.layout.plan import Plan
     from flexmesh.plan.check import check_model
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.config import TrainConfig
@@ -180,7 +208,11 @@ def _train(args: argparse.Namespace) -> int:
     from flexmesh.runtime.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
-    plan = Plan.load(args.plan)
+    plan = load_plan(args.plan)
+    if isinstance(plan, HeteroPlan):  # replicas that differ (flexmesh.commands.train_hetero)
+        from flexmesh.commands.train_hetero import train_hetero
+
+        return train_hetero(args, plan)
     spec = parse_model(args.model or plan.model)
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     layout_from_plan(plan)  # reject an unsupported per-layer mix before touching the corpus
@@ -195,6 +227,12 @@ def _train(args: argparse.Namespace) -> int:
     if world != plan.world_size:  # before joining: a wrong launch should not wait for peers
         raise PlanError(f"plan {args.plan} is for {plan.world_size} ranks but {world} were launched; use "
                         f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
+    from flexmesh.runtime.stragglers import parse_emulation
+
+    emulated = parse_emulation(args.emulate_speed, world)
+    if emulated and os.environ.get("RANK", "0") == "0":
+        print("EMULATION (--emulate-speed): " + ", ".join(f"rank {r} computes at {f:g}x" for r, f in emulated.items())
+              + "; metrics.jsonl records it as emulated_speed", file=sys.stderr)
     corpus = stdlib_corpus() if args.corpus == "stdlib" else args.corpus
     corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
@@ -226,17 +264,18 @@ def _train(args: argparse.Namespace) -> int:
                          min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                          seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
                          resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
-                         dtype=args.dtype)
+                         dtype=args.dtype, emulate_speed=tuple(emulated.items()))
     init_distributed(timeout_s=args.collective_timeout)
     try:
         trainer = Trainer(plan, spec, config, weights=args.weights)
         # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late
         # schedule is replaced by the fallback policy's instead of waited for.
         source = AdaptiveSource(loader, schedule_fn, fallback_fn, deadline_s=0.0 if args.adaptive else None)
+        monitor = _straggler_monitor(args, trainer, schedule_fn, source, dist.get_rank() == 0)
         if os.environ.get(KILL_ENV):
             source = _KillAfterStep(source, trainer, os.environ[KILL_ENV], dist.get_rank())
         try:
-            history = fit(trainer, source, config)
+            history = fit(trainer, source, config, monitor=monitor)
         except Preempted as e:
             if dist.get_rank() == 0:
                 where = f"checkpoint {e.checkpoint} written" if e.checkpoint else "no checkpoint (no --out)"
@@ -252,6 +291,18 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _straggler_monitor(args: argparse.Namespace, trainer, schedule_fn, source, rank0: bool):
+    """Every step: measured speeds into the metrics, straggler events, and (rank 0, unless
+    --no-replan) the schedules re-planned for a sustained speed change (flexmesh.runtime.stragglers)."""
+    from flexmesh.runtime.stragglers import StragglerConfig, StragglerMonitor
+    from flexmesh.sim.predict import step_time_at_speed
+
+    config = StragglerConfig(threshold=args.straggler_threshold, steps=args.straggler_steps,
+                             replan=not args.no_replan)
+    return StragglerMonitor(trainer.layout, config, scheduler=schedule_fn if rank0 else None,
+                            price=step_time_at_speed(schedule_fn) if rank0 else None, apply=source.set_speed)
 
 
 # A testing hook, not a feature (tests/test_elastic.py): "RANK:STEP" makes rank RANK SIGKILL itself

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from flexmesh.cost import CostModel, Evaluation
 from flexmesh.errors import PlanError, SpecError
+from flexmesh.layout.hetero import HeteroPlan
 from flexmesh.layout.plan import Plan
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec, parse_model
@@ -69,7 +70,7 @@ def _shape(spec: ModelSpec) -> dict:
     return {k: v for k, v in spec.to_dict().items() if k not in ("name", "dtype")}
 
 
-def check_model(plan: Plan, model: ModelSpec, by_name: bool = True) -> None:
+def check_model(plan: Plan | HeteroPlan, model: ModelSpec, by_name: bool = True) -> None:
     """The plan records the name of the model it was made for; refuse another model, even one with as
     many layers (its widths, heads and memory differ), and a config.json under the recorded name whose
     shape is not the recorded model's. A different name of the same shape (a preset and its

@@ -21,6 +21,7 @@ from flexmesh.layout.plan import Plan, StagePlan
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.report.plots import balance_png, loss_png, predicted_vs_measured_png, timeline_png
 from flexmesh.report.report import Report, median_abs_error
+from flexmesh.report.stragglers import add_section, has_speed_data, speed_png
 from flexmesh.sim.simulation import Simulation, comparison_row
 from flexmesh.spec.model import parse_model
 
@@ -69,8 +70,9 @@ def run_summary(rows: list[dict], warmup: int = 1) -> dict:
 
 
 def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], plan_path: Path,
-                 elapsed_s: float) -> Path:
-    """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows."""
+                 elapsed_s: float, stragglers: dict[str, list[dict]] | None = None) -> Path:
+    """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows; ``stragglers``:
+    the static and adaptive runs with a slow rank (flexmesh.report.stragglers.demo_comparison)."""
     out = Path(out)
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
@@ -124,6 +126,8 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
                        figs / "loss.png"), "loss curves")
     rep.image(balance_png({k: np.array([r["busy_s"] for r in v]) for k, v in metrics.items()}, figs / "balance.png"),
               "per-rank busy time")
+    if any(has_speed_data(rows) for rows in metrics.values()):
+        rep.image(speed_png(metrics, figs / "speed_runs.png"), "per-rank measured speed and throughput per step")
     for label, rows in metrics.items():
         last = rows[-1]
         rep.image(timeline_png(last["busy_s"], last["step_time_s"], figs / f"timeline_{label}.png",
@@ -135,4 +139,7 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
         rep.image(predicted_vs_measured_png([p for p, _, _ in pred], [m for _, m, _ in pred], figs / "predicted.png",
                                             labels=[k for _, _, k in pred], title="step time, simulator vs measured"),
                   "predicted vs measured step time")
+    if stragglers:
+        add_section(rep, stragglers, figs, heading="Heterogeneous devices: a slow rank, static against re-planned "
+                                                   "schedules")
     return rep.write()

@@ -26,6 +26,10 @@ policies); and every later schedule that is ready in time (the same policy on th
 Which later steps fall back depends on timing, in a resumed run as in any other; with
 ``deadline_s=None`` nothing falls back and every schedule is exact.
 
+Speeds. ``set_speed`` (rank 0; flexmesh.runtime.stragglers re-plans through it) makes both policies
+schedule for new per-rank speed factors and recomputes the schedules already computed ahead, so the
+next step runs on them; the state holds the speeds, so a resumed run schedules for them too.
+
 >>> import numpy as np
 >>> from flexmesh.data.loader import DocumentLoader
 >>> from flexmesh.schedule.testing import tiny_context
@@ -178,13 +182,38 @@ class AdaptiveSource:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    # ---- speeds (flexmesh.runtime.stragglers) ------------------------------------------------------
+    @property
+    def speed(self) -> tuple[float, ...]:
+        """Rank 0: the speed factors per data rank the schedules are made for (() when nominal or unknown)."""
+        ctx = getattr(self.schedule_fn, "context", None)
+        return tuple(ctx.speed) if ctx is not None else ()
+
+    def set_speed(self, speed: Sequence[float]) -> None:
+        """Rank 0: make the schedules (both policies') for these speeds from the next step on; the
+        schedules already computed ahead are dropped and computed again."""
+        if self.rank != 0:
+            return
+        for fn in (self.schedule_fn, self.fallback_fn):
+            if not hasattr(fn, "set_speed"):
+                raise ScheduleError(f"cannot re-plan for new speeds: {fn!r} has no set_speed "
+                                    "(give AdaptiveSource flexmesh.schedule.scheduler.Scheduler objects)")
+            fn.set_speed(speed)
+        for entry in self._pending:
+            if entry.future is not None:
+                entry.future.cancel()  # a running one finishes unused
+            entry.future = self._pool.submit(_timed, self.schedule_fn, [len(d) for d in entry.docs])
+
     # ---- resume ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Loader position of the next batch to train and (rank 0) its settled choice; see the module doc."""
+        """Loader position of the next batch to train and (rank 0) its settled choice and the speeds
+        its schedules are made for; see the module doc."""
+        speed = list(self.speed) if self.rank == 0 and self.speed else None
         head = self._pending[0] if self._pending else None
         if head is None:
-            return {"loader": self.loader.state_dict(), "next_choice": self._resume_choice}
-        return {"loader": head.loader_state, "next_choice": self._settle(head) if self.rank == 0 else None}
+            return {"loader": self.loader.state_dict(), "next_choice": self._resume_choice, "speed": speed}
+        return {"loader": head.loader_state, "next_choice": self._settle(head) if self.rank == 0 else None,
+                "speed": speed}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``: the batch it names is read again and its schedule recomputed."""
@@ -198,6 +227,8 @@ class AdaptiveSource:
                                 "version of flexmesh")
         self._resume_choice = choice if self.rank == 0 else None
         self._exhausted = False
+        if state.get("speed") and self.rank == 0:  # the speeds a re-planned run was scheduling for
+            self.set_speed(state["speed"])
 
     def _drop_pending(self) -> None:
         for entry in self._pending:

@@ -75,6 +75,16 @@ def plan_hash(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _state_dicts(trainer, saving: bool) -> tuple[dict, dict]:
+    """The (model, optimizer) state dicts a checkpoint writes or reads into. A trainer may choose
+    them (``checkpoint_state``): a heterogeneous run writes each weight from one replica only."""
+    if hasattr(trainer, "checkpoint_state"):
+        return trainer.checkpoint_state(saving, _state_options())
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(trainer.state_module(), trainer.optimizer, options=_state_options())
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
@@ -105,7 +115,6 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
     previous checkpoint and ``latest`` untouched.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = Path(root)
     final = root / step_dir_name(step)
@@ -118,7 +127,7 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
             tmp.mkdir(parents=True)
 
     def write_shards() -> None:
-        model_sd, optim_sd = get_state_dict(trainer.state_module(), trainer.optimizer, options=_state_options())
+        model_sd, optim_sd = _state_dicts(trainer, saving=True)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         # Serialised in memory, written with a plain write: torch.save to a path turns a full disk
         # into "enforce fail ... unexpected pos", a file write into OSError(ENOSPC).
@@ -288,7 +297,7 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
     """Restore ``trainer`` from checkpoint folder ``path``; returns the loader state. All ranks call it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
     manifest = read_manifest(path)
@@ -306,7 +315,7 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
     if not rank_file.is_file():
         raise CheckpointError(f"checkpoint {path} lacks {rank_file.name}; it is incomplete: resume from an earlier one")
     _verify(path, manifest)
-    model_sd, optim_sd = get_state_dict(trainer.state_module(), trainer.optimizer, options=_state_options())
+    model_sd, optim_sd = _state_dicts(trainer, saving=False)
     state = {"model": model_sd, "optim": optim_sd}
     error: BaseException | None = None
     try:
@@ -321,8 +330,11 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
         r, _, cause = failed[0]
         raise CheckpointError(f"checkpoint {path} could not be read (rank {r}: {cause}); it is corrupt: delete it "
                               "or resume from an earlier one") from error
-    set_state_dict(trainer.state_module(), trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=_state_options())
+    if hasattr(trainer, "load_checkpoint_state"):  # a heterogeneous run (flexmesh.runtime.hetero)
+        trainer.load_checkpoint_state(state["model"], state["optim"], _state_options())
+    else:
+        set_state_dict(trainer.state_module(), trainer.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=_state_options())
     trainer.lr_scheduler.load_state_dict(extra["scheduler"])  # the LR scheduler (key kept from older files)
     trainer.step_index = int(extra["step_index"])
     _set_rng_state(extra["rng"])

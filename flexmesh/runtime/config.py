@@ -30,6 +30,9 @@ class TrainConfig:
     # compute dtype (docs/precision.md): bf16 computes in bfloat16 with fp32 master weights, optimizer
     # states, gradient reductions and loss; fp32 computes in float32
     dtype: str = "fp32"
+    # Emulated slow ranks, for testing on one machine (flexmesh.runtime.stragglers): (global rank,
+    # factor in (0, 1]) pairs; that rank's micro-batch compute is stretched to 1/factor of its time.
+    emulate_speed: tuple[tuple[int, float], ...] = ()
 
 
 def lr_schedule_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -74,6 +77,12 @@ class StepMetrics:
     busy_s: tuple[float, ...] = ()  # per rank: step start until its own micro-batches were done
     activation_peak_bytes: tuple[int, ...] = ()  # per rank: peak bytes saved for backward
     dtype: str = "fp32"  # compute dtype of the step (TrainConfig.dtype)
+    # Speeds and stragglers (flexmesh.runtime.stragglers), per rank unless said otherwise:
+    compute_s: tuple[float, ...] = ()  # seconds computing its own micro-batches' forwards and backwards
+    speed: tuple[float | None, ...] = ()  # measured, relative to the fastest rank (None: no work this step)
+    assumed_speed: tuple[float, ...] = ()  # the speed the step's schedule was made for
+    emulated_speed: tuple[float, ...] = ()  # --emulate-speed factors (emulation, not measured); () without
+    events: tuple[dict, ...] = ()  # straggler events decided after this step (straggler_detected, replanned, ...)
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v

@@ -64,7 +64,7 @@ class ListSource:
         self.position = int(state["position"])
 
 
-def fit(trainer: Trainer, source: StepSource, config: TrainConfig) -> list[StepMetrics]:
+def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None) -> list[StepMetrics]:
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
@@ -76,6 +76,9 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig) -> list[StepM
     folder holding an earlier run is refused (RunFolderError on every rank). SIGTERM (preemption)
     ends the run after the current step, with a checkpoint when ``out_dir`` is set, and raises
     :class:`Preempted`; all ranks agree on it through one small all-reduce per step.
+
+    ``monitor`` (flexmesh.runtime.stragglers.StragglerMonitor) sees every step before it is logged:
+    it adds measured speeds and straggler events to the metrics and may re-plan the schedules.
     """
     out = Path(config.out_dir) if config.out_dir else None
     ckpt_root = out / "checkpoints" if out else None
@@ -102,6 +105,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig) -> list[StepM
             except StopIteration:
                 break
             m = trainer.step(docs, schedule)
+            if monitor is not None:
+                m = monitor.observe(m, docs, schedule)
             history.append(m)
             if rank0 and metrics_file is not None:
                 with metrics_file.open("a") as f:

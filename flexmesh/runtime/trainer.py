@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from functools import partial
 
 import numpy as np
@@ -84,6 +85,7 @@ from flexmesh.runtime.pipeline import (
     make_stages,
     split_stage,
 )
+from flexmesh.runtime.stragglers import ComputeClock, parse_emulation
 from flexmesh.spec.model import ModelSpec
 
 
@@ -163,6 +165,14 @@ class Trainer:
         self._schedules: dict = {}
         self.carry = KVCarry()  # keys and values of cut documents, within one chain of micro-batches
         self.step_index = 0
+        # Compute time of this rank's micro-batches, stretched where --emulate-speed names this rank
+        # (flexmesh.runtime.stragglers); the pipeline path is not timed per piece.
+        emulated = parse_emulation(config.emulate_speed, world)
+        if emulated and self.layout.pp > 1:
+            raise PlanError("--emulate-speed needs a plan without pipeline stages (pp 1): a pipeline's forwards "
+                            "and backwards run inside torch's pipeline schedule, where they are not timed")
+        self.emulated_speed = tuple(emulated.get(r, 1.0) for r in range(world)) if emulated else ()
+        self.clock = ComputeClock(self.device.type, emulated.get(dist.get_rank(), 1.0))
 
     # ---- model -----------------------------------------------------------------------------------
     def _build(self, weights: str | None) -> list[StageModule]:
@@ -260,6 +270,7 @@ class Trainer:
         self._set_context(group)
         self.loss_fn.normaliser = label_tokens
         self.optimizer.zero_grad(set_to_none=True)
+        self.clock.reset()
         with SavedActivationMeter() as meter:
             local_loss, busy = self._forward_backward(batches, group, t0, schedule)
         grad_norm = clip_grad_norm(self.params, self.config.grad_clip, self.pp_group)
@@ -272,7 +283,7 @@ class Trainer:
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
         owner = self.coords["tp"] == 0 and self.coords["pp"] == self.layout.pp - 1
-        mine = torch.tensor([local_loss if owner else 0.0, busy, float(meter.peak_bytes), elapsed],
+        mine = torch.tensor([local_loss if owner else 0.0, busy, float(meter.peak_bytes), elapsed, self.clock.total()],
                             dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine, group=self._cpu_group)
@@ -293,6 +304,8 @@ class Trainer:
             busy_s=tuple(float(x) for x in table[:, 1]),
             activation_peak_bytes=tuple(int(x) for x in table[:, 2]),
             dtype=self.config.dtype,
+            compute_s=tuple(float(x) for x in table[:, 4]) if self.layout.pp == 1 else (),
+            emulated_speed=self.emulated_speed,
         )
 
     def _predicted_busy(self, schedule: StepSchedule) -> tuple[float, ...]:
@@ -331,11 +344,15 @@ class Trainer:
         ends = chain_ends([group] if self.uneven else list(schedule.groups), len(batches))
         chain: list[torch.Tensor] = []
 
-        def run(b: PackedBatch, end: bool = True) -> float:
-            loss = self.loss_fn(root(b.tokens, b), b.labels)
+        def run(b: PackedBatch, end: bool = True, timed: bool = True) -> float:
+            # Only this rank's own micro-batches are timed (and stretched when emulating a slow rank):
+            # the empty one carrying the gradient reduction is communication, padding ones no work.
+            with self.clock.piece() if timed else nullcontext():
+                loss = self.loss_fn(root(b.tokens, b), b.labels)
             chain.append(loss)
             if end:
-                sum(chain).backward()
+                with self.clock.piece() if timed else nullcontext():
+                    sum(chain).backward()
                 chain.clear()
                 self.carry.clear()
             return float(loss.detach())
@@ -358,14 +375,14 @@ class Trainer:
                 empty = _dummy_batch(cp * self.layout.tp)
                 if cp > 1:
                     empty = shard_for_cp(empty, self.data_rank - group.ranks[0], cp)
-                total += run(empty.to(self.device))
+                total += run(empty.to(self.device), timed=False)
             return total, busy
         for i, b in enumerate(batches):
             if i == own:
                 busy = since_start()
             if sync:  # reduce gradients once, after the last micro-batch
                 root.set_requires_gradient_sync(i == len(batches) - 1)
-            total += run(b, ends[i])
+            total += run(b, ends[i], timed=i < own)
         return total, busy if busy is not None else since_start()
 
     def _pipeline_step(self, batches: list[PackedBatch]) -> float:

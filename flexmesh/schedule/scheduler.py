@@ -11,6 +11,7 @@ simulated ``predicted_step_time`` comes in as a ``predict`` callable
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Callable
 
@@ -34,12 +35,14 @@ def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel 
     """The per-step scheduler's view of ``plan``: its data ranks, pipeline and first layer's strategy.
 
     The group size (cp) and data-parallel degree are left to the policy; micro-batches hold at most
-    ``max_len`` tokens per rank. ``cost`` defaults to the plan's cluster preset. Policies cut
-    sequences over micro-batches only where the runtime keeps them exact (``cut_documents``).
+    ``max_len`` tokens per rank. ``cost`` defaults to the plan's cluster preset; either prices the
+    plan's overlap options (:meth:`CostModel.with_step_overlap`). Policies cut sequences over
+    micro-batches only where the runtime keeps them exact (``cut_documents``).
     """
     layout = layout_from_plan(plan)
     strategy = replace(plan.layer_strategies()[0], cp=1, cp_kind=CPKind.NONE, dp=1)
-    return ScheduleContext(cost=cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster)),
+    cost = cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster))
+    return ScheduleContext(cost=cost.with_step_overlap(plan.overlap),
                            base=strategy, num_ranks=layout.data_ranks, pp=plan.pp,
                            pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
                            microbatch_tokens=max_len, lockstep=runs_in_lockstep(layout.pp, layout.zero),
@@ -97,11 +100,31 @@ class Scheduler:
         self.options = options
 
     def __call__(self, lengths: ArrayLike) -> StepSchedule:
-        """The step schedule of one global batch of sequences of these lengths."""
-        schedule = make_schedule(self.policy, lengths, self.context, seed=self.seed, **self.options)
+        """The step schedule of one global batch of sequences of these lengths.
+
+        With speed factors it records them as ``extra["speed"]`` (the runtime measures speeds
+        against them, flexmesh.runtime.stragglers).
+        """
+        ctx = self.context  # read once: set_speed may swap it from another thread
+        schedule = make_schedule(self.policy, lengths, ctx, seed=self.seed, **self.options)
+        if ctx.speed:
+            schedule = replace(schedule, extra={**schedule.extra, "speed": list(ctx.speed)})
         if self.predict is None:
             return schedule
         return replace(schedule, predicted_step_time=self.predict(schedule))
+
+    def set_speed(self, speed: Sequence[float]) -> None:
+        """Schedule from now on for these speed factors, one per data rank (1.0 = nominal); a
+        ``predict`` that reads ``self.context`` (flexmesh.sim.predict.simulated_scheduler) follows."""
+        speed = tuple(float(x) for x in speed)
+        self.context = replace(self.context, speed=() if all(x == 1.0 for x in speed) else speed, _cache={})
+
+    def with_speed(self, speed: Sequence[float]) -> Scheduler:
+        """A copy scheduling for these speed factors (this one unchanged); it predicts with this one's
+        ``predict``, which prices by this scheduler's context."""
+        other = copy.copy(self)
+        Scheduler.set_speed(other, speed)
+        return other
 
     def with_predict(self, predict: Predict | None) -> Scheduler:
         """The same scheduler (sharing its context) with ``predict`` in place of the current one."""

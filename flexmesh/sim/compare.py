@@ -53,6 +53,9 @@ class PolicyRun:
     predicted_step_times: tuple[float, ...]  # the scheduler's own estimate (micro-batch phase only)
     padding: tuple[float, ...]
     speedup: float = float("nan")  # tokens/s over the best baseline's; filled by compare_policies
+    # With speed factors: tokens/s of the same policy and options when its schedules are made for
+    # nominal speed and run at the true speeds (flexmesh.sim.simulation.with_static); None otherwise.
+    static_tokens_per_s: float | None = None
     first_timeline: StepTimeline | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -109,6 +112,7 @@ class PolicyRun:
             "utilisation": float(np.mean(self.utilisation)),
             "padding": float(np.mean(self.padding)),
             "predicted_step_time_s": float(np.mean(self.predicted_step_times)),
+            "static_tokens_per_s": self.static_tokens_per_s,
             "per_step": {
                 "step_time_s": list(self.step_times),
                 "tokens": list(self.tokens),

@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable
 
 from flexmesh.layout.step import StepSchedule
@@ -34,5 +35,23 @@ def step_time_predictor(ctx: ScheduleContext, *, virtual_stages: int = 1) -> Cal
 
 def simulated_scheduler(scheduler: Scheduler) -> Scheduler:
     """``scheduler`` whose step schedules carry the simulated step time (on its own context and its
-    plan's virtual stages) as ``predicted_step_time``."""
-    return scheduler.with_predict(step_time_predictor(scheduler.context, virtual_stages=scheduler.virtual_stages))
+    plan's virtual stages) as ``predicted_step_time``; the context is read at each call, so the
+    prediction follows :meth:`~flexmesh.schedule.scheduler.Scheduler.set_speed`."""
+    out = scheduler.with_predict(None)
+
+    def predict(schedule: StepSchedule) -> float:
+        return simulate_step(out.context, schedule, virtual_stages=out.virtual_stages).step_time
+
+    out.predict = predict
+    return out
+
+
+def step_time_at_speed(scheduler: Scheduler) -> Callable[[StepSchedule, Sequence[float]], float]:
+    """``(schedule, speed per data rank) -> simulated step time`` (s) on ``scheduler``'s current
+    context: how the runtime prices a schedule at measured speeds (flexmesh.runtime.stragglers)."""
+
+    def price(schedule: StepSchedule, speed: Sequence[float]) -> float:
+        return simulate_step(scheduler.context, schedule, virtual_stages=scheduler.virtual_stages,
+                             speed=list(speed)).step_time
+
+    return price

@@ -23,15 +23,18 @@ import numpy as np
 
 from flexmesh.cost import CostModel
 from flexmesh.data.lengths import BatchSampler, load_lengths
+from flexmesh.layout.overlap import NO_OVERLAP, Overlap
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.sim.compare import PolicyRun, best_baseline, compare_policies, runs_needed
+from flexmesh.sim.compare import BASELINES, PolicyRun, best_baseline, compare_policies, run_policy, runs_needed
 from flexmesh.sim.timeline import lane_speeds
 
 # The comparison table: one row per policy (see comparison_row).
 # The speedup is over the best baseline (see flexmesh.sim.compare), named under the table.
 COLUMNS = ("policy", "kind", "step time (s)", "tokens/s", "speedup", "imbalance", "ratio to LB", "sched ms/step",
            "utilisation")
+# Added after them when devices run at different speeds (see with_static).
+SPEED_COLUMNS = ("static tokens/s", "vs static")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class SimulationConfig:
     recompute: bool = True
     cp_kind: str = "ulysses"
     speed_factors: tuple[float, ...] = ()
+    overlap: Overlap = NO_OVERLAP  # the plan's overlap options (flexmesh.layout.overlap)
 
 
 def simulation_context(base: CostModel, cfg: SimulationConfig) -> tuple[ScheduleContext, np.ndarray]:
@@ -66,6 +70,7 @@ def simulation_context(base: CostModel, cfg: SimulationConfig) -> tuple[Schedule
     cluster = replace(base.cluster, speed_factors=cfg.speed_factors or base.cluster.speed_factors)
     speeds = lane_speeds(cluster, cfg.tp, cfg.pp)
     cost = base if cluster == base.cluster else CostModel(base.model, cluster, base.hw, base.timing)
+    cost = cost.with_step_overlap(cfg.overlap)
     ctx = ScheduleContext(cost=cost, base=LayerStrategy(tp=cfg.tp, zero=cfg.zero, recompute=cfg.recompute),
                           num_ranks=cluster.world_size // (cfg.tp * cfg.pp), pp=cfg.pp,
                           pipeline_schedule=cfg.pipeline_schedule, cp_kind=cfg.cp_kind,
@@ -81,16 +86,39 @@ def sample_batches(cfg: SimulationConfig) -> list[np.ndarray]:
     return list(itertools.islice(sampler, cfg.steps))
 
 
+def uneven(ctx: ScheduleContext) -> bool:
+    """Whether some data rank runs at other than nominal speed."""
+    return any(s != 1.0 for s in ctx.speed)
+
+
 def policy_steps(cfg: SimulationConfig, ctx: ScheduleContext) -> int:
-    """Steps :func:`run_policies` schedules and simulates at most (each baseline once per static degree)."""
-    return runs_needed(ctx, cfg.context, cfg.policies) * cfg.steps
+    """Steps :func:`run_policies` schedules and simulates at most (each baseline once per static degree,
+    and each kept run once more for :func:`with_static` when speeds differ)."""
+    kept = len(set(cfg.policies) | set(BASELINES)) if uneven(ctx) else 0
+    return (runs_needed(ctx, cfg.context, cfg.policies) + kept) * cfg.steps
 
 
 def run_policies(cfg: SimulationConfig, ctx: ScheduleContext, speeds: np.ndarray, batches: list[np.ndarray],
                  on_step: Callable[[], None] | None = None) -> list[PolicyRun]:
     """Every policy of ``cfg`` over ``batches``; ``on_step`` is called after each simulated step."""
-    return compare_policies(cfg.policies, batches, ctx, context=cfg.context, seed=cfg.seed,
+    runs = compare_policies(cfg.policies, batches, ctx, context=cfg.context, seed=cfg.seed,
                             virtual_stages=cfg.virtual_stages, speed=speeds, on_step=on_step)
+    return with_static(cfg, ctx, speeds, batches, runs, on_step) if uneven(ctx) else runs
+
+
+def with_static(cfg: SimulationConfig, ctx: ScheduleContext, speeds: np.ndarray, batches: list[np.ndarray],
+                runs: list[PolicyRun], on_step: Callable[[], None] | None = None) -> list[PolicyRun]:
+    """``runs`` with ``static_tokens_per_s``: each policy at the same options with its schedules made
+    for nominal speed (the scheduler not told), simulated at the true ``speeds``: what the speed-aware
+    schedules gain over a plan that ignores the slow devices."""
+    nominal = replace(ctx, speed=(), _cache={})
+    out = []
+    for r in runs:
+        slot = cfg.context if r.policy == "padded" else None  # as compare_policies simulates padded slots
+        blind = run_policy(r.policy, batches, nominal, seed=cfg.seed, options=r.options, label=r.label,
+                           virtual_stages=cfg.virtual_stages, speed=speeds, slot_tokens=slot, on_step=on_step)
+        out.append(replace(r, static_tokens_per_s=blind.tokens_per_s))
+    return out
 
 
 @dataclass
@@ -112,6 +140,15 @@ class Simulation:
         return (f"speedup: tokens/s over the best baseline, {b['label']}, whose step is "
                 f"{b['ratio_to_lower_bound']:.3f}x the lower bound")
 
+    def static_note(self) -> str | None:
+        """One line explaining the static columns, when devices run at different speeds."""
+        if not any(r.static_tokens_per_s is not None for r in self.runs):
+            return None
+        slow = sum(1 for f in self.ctx.cost.cluster.speed_factors if f != 1.0)
+        return (f"static: the same policy and options with schedules made for nominal speed, run at the true speeds "
+                f"({slow} device{'s' * (slow != 1)} at other than nominal speed; each data rank runs at its slowest "
+                f"device); vs static: tokens/s of the speed-aware schedules over it")
+
     def title(self) -> str:
         """One line naming the model, cluster, plan and workload (the comparison table's title)."""
         s = self.setup
@@ -124,9 +161,16 @@ def comparison_row(run: PolicyRun) -> list[str]:
     """One policy's cells of the comparison table, in :data:`COLUMNS` order."""
     d = run.to_dict()
     return [run.label, run.kind, f"{d['mean_step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
-            "-" if d["speedup_vs_best_baseline"] is None else f"{d['speedup_vs_best_baseline']:.2f}x",
-            f"{d['imbalance']:.3f}", f"{d['ratio_to_lower_bound']:.3f}", f"{d['scheduler_ms_per_step']:.1f}",
-            f"{d['utilisation']:.0%}"]
+           "-" if d["speedup_vs_best_baseline"] is None else f"{d['speedup_vs_best_baseline']:.2f}x",
+           f"{d['imbalance']:.3f}", f"{d['ratio_to_lower_bound']:.3f}", f"{d['scheduler_ms_per_step']:.1f}",
+           f"{d['utilisation']:.0%}"]
+
+
+def static_cells(run: PolicyRun) -> list[str]:
+    """The :data:`SPEED_COLUMNS` cells of a run with a static comparison (:func:`with_static`), else dashes."""
+    if run.static_tokens_per_s is None:
+        return ["-"] * len(SPEED_COLUMNS)
+    return [f"{run.static_tokens_per_s:,.0f}", f"{run.tokens_per_s / run.static_tokens_per_s:.2f}x"]
 
 
 def summarise(cfg: SimulationConfig, ctx: ScheduleContext, batches: list[np.ndarray], runs: list[PolicyRun],

@@ -123,6 +123,125 @@ class ClusterSpec:
         return d
 
 
+@dataclass(frozen=True)
+class Link:
+    """The network between two device groups: bandwidth per node per direction (GB/s, as
+    ``node_net_gbps``) and the latency of one message (us, the alpha of the alpha-beta model)."""
+
+    gbps: float
+    latency_us: float
+
+    def __post_init__(self) -> None:
+        number(self.gbps, "link gbps", SpecError)
+        number(self.latency_us, "link latency_us", SpecError, strict=False)
+
+
+@dataclass(frozen=True)
+class MixedCluster:
+    """Device groups, each a :class:`ClusterSpec` of one device type, and the links between them.
+
+    Global ranks are numbered group by group, node by node (group 0's node 0 first). ``links`` holds
+    one ``(i, j, Link)`` per pair of groups ``i < j``; pairs not given default to the inter-node network
+    of the slower group (the smaller ``node_net_gbps`` and the larger ``inter_latency_us``: traffic
+    between the groups crosses both groups' NICs, the slower of which bounds it).
+
+    >>> c = MixedCluster((parse_cluster("8xH100"), parse_cluster("2x8xA100-40GB")))
+    >>> c.group_start(1), c.node_of(8), c.node_of(23), c.nodes, c.speed(3)
+    (8, 1, 2, 3, 1.0)
+    """
+
+    groups: tuple[ClusterSpec, ...]
+    links: tuple[tuple[int, int, Link], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.groups, tuple) or not self.groups:
+            raise SpecError("a mixed cluster needs at least one device group")
+        for g in self.groups:
+            if not isinstance(g, ClusterSpec):
+                raise SpecError(f"a mixed cluster's groups must be clusters of one device type, got {g!r}")
+        given: dict[tuple[int, int], Link] = {}
+        for i, j, link in self.links:
+            a, b = min(i, j), max(i, j)
+            if a == b or a < 0 or b >= len(self.groups):
+                raise SpecError(f"link {i}-{j} does not join two of the {len(self.groups)} groups "
+                                f"(0..{len(self.groups) - 1})")
+            if (a, b) in given:
+                raise SpecError(f"link {a}-{b} is given twice")
+            given[(a, b)] = link
+        full = []
+        for a in range(len(self.groups)):
+            for b in range(a + 1, len(self.groups)):
+                da, db = self.groups[a].device, self.groups[b].device
+                full.append((a, b, given.get((a, b)) or Link(min(da.node_net_gbps, db.node_net_gbps),
+                                                              max(da.inter_latency_us, db.inter_latency_us))))
+        object.__setattr__(self, "links", tuple(full))
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.world_size for g in self.groups)
+
+    @property
+    def nodes(self) -> int:
+        return sum(g.nodes for g in self.groups)
+
+    @property
+    def label(self) -> str:
+        """The groups' labels joined by ``+`` (parses back to the same groups, speed factors aside)."""
+        return "+".join(g.label for g in self.groups)
+
+    def group_start(self, group: int) -> int:
+        """Global rank of the group's first device."""
+        return sum(g.world_size for g in self.groups[:group])
+
+    def ranks(self, group: int) -> range:
+        start = self.group_start(group)
+        return range(start, start + self.groups[group].world_size)
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise SpecError(f"device {rank!r} is not in {self.label} (ranks 0..{self.world_size - 1})")
+
+    def group_of(self, rank: int) -> int:
+        self._check_rank(rank)
+        for i, g in enumerate(self.groups):
+            if rank < g.world_size:
+                return i
+            rank -= g.world_size
+        raise AssertionError  # unreachable: the rank was checked
+
+    def local_rank(self, rank: int) -> int:
+        """The rank's index inside its group."""
+        return rank - self.group_start(self.group_of(rank))
+
+    def device_of(self, rank: int) -> DeviceSpec:
+        return self.groups[self.group_of(rank)].device
+
+    def speed(self, rank: int) -> float:
+        return self.groups[self.group_of(rank)].speed(self.local_rank(rank))
+
+    def node_of(self, rank: int) -> int:
+        """Global node index of a rank (nodes numbered group by group)."""
+        g = self.group_of(rank)
+        return sum(x.nodes for x in self.groups[:g]) + self.local_rank(rank) // self.groups[g].devices_per_node
+
+    def link(self, i: int, j: int) -> Link:
+        """The link between groups ``i`` and ``j`` (``i != j``)."""
+        a, b = min(i, j), max(i, j)
+        for x, y, link in self.links:
+            if (x, y) == (a, b):
+                return link
+        raise SpecError(f"no link {i}-{j}: the cluster has groups 0..{len(self.groups) - 1}")
+
+    @property
+    def uniform(self) -> bool:
+        """One group whose devices all run at one speed: today's uniform planner answers it."""
+        return len(self.groups) == 1 and len(set(self.groups[0].speed_factors)) <= 1
+
+    def to_dict(self) -> dict:
+        return {"groups": [g.to_dict() for g in self.groups],
+                "links": {f"{a}-{b}": {"gbps": link.gbps, "latency_us": link.latency_us} for a, b, link in self.links}}
+
+
 def _load_presets() -> dict[str, DeviceSpec]:
     raw = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/devices.toml").read_text())
     eff = raw.pop("efficiency")
@@ -194,26 +313,119 @@ def _from_mapping(d: dict, where: str) -> ClusterSpec:
         raise SpecError(f"{where}: {e}") from None
 
 
+_MIXED_KEYS = ("groups", "links")
+_LINK_KEYS = ("gbps", "latency_us")
+
+
+def _link(d: object, default: Link | None, where: str) -> Link:
+    mapping(d, where, SpecError)
+    assert isinstance(d, dict)
+    known_keys(d, _LINK_KEYS, where, SpecError)
+    if default is None and ("gbps" not in d or "latency_us" not in d):
+        raise SpecError(f"{where} needs gbps and latency_us")
+    gbps = number(d.get("gbps", default.gbps if default else 0.0), f"{where}: gbps", SpecError)
+    lat = number(d.get("latency_us", default.latency_us if default else 0.0), f"{where}: latency_us", SpecError,
+                 strict=False)
+    return Link(gbps, lat)
+
+
+def _mixed_from_mapping(d: object, where: str) -> MixedCluster:
+    """A cluster file: ``groups`` (a list of one-group tables) and ``links``, or the one-group form."""
+    mapping(d, f"{where}: a cluster file", SpecError)
+    assert isinstance(d, dict)
+    if "groups" not in d:
+        if "links" in d:
+            raise SpecError(f"{where}: a cluster file with links needs groups ([[groups]] tables)")
+        return MixedCluster((_from_mapping(d, where),))
+    known_keys(d, _MIXED_KEYS, f"{where}: mixed cluster file", SpecError)
+    tables = sequence(d["groups"], f"{where}: groups", SpecError)
+    if not tables:
+        raise SpecError(f"{where}: groups is empty; give one [[groups]] table per device group")
+    groups = tuple(_from_mapping(t, f"{where}: group {i}") for i, t in enumerate(tables))
+    raw = mapping(d.get("links", {}), f"{where}: links", SpecError)
+    default = None
+    if "gbps" in raw or "latency_us" in raw:
+        default = _link({k: raw[k] for k in _LINK_KEYS if k in raw}, None, f"{where}: links")
+    links = []
+    for key, value in raw.items():
+        if key in _LINK_KEYS:
+            continue
+        pair = re.fullmatch(r"(\d{1,6})-(\d{1,6})", str(key))
+        if pair is None:
+            raise SpecError(f"{where}: links key {key!r} is not gbps, latency_us or a pair of groups like \"0-1\"")
+        i, j = int(pair.group(1)), int(pair.group(2))
+        links.append((i, j, _link(value, default, f"{where}: link {key}")))
+    if default is not None:
+        named = {(min(i, j), max(i, j)) for i, j, _ in links}
+        links += [(a, b, default) for a in range(len(groups)) for b in range(a + 1, len(groups)) if (a, b) not in named]
+    try:
+        return MixedCluster(groups, tuple(links))
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
+
+
+_MIXED_WHERE = ("mixed clusters (groups joined by '+', or a file with [[groups]]) are accepted by "
+                "`flexmesh plan` (search and --check); give one device type here")
+
+
 def parse_cluster(text: str) -> ClusterSpec:
-    """``NODESxPERNODExDEVICE``, ``PERNODExDEVICE`` (one node), or a JSON/TOML file path."""
+    """``NODESxPERNODExDEVICE``, ``PERNODExDEVICE`` (one node), or a JSON/TOML file path.
+
+    One device type only: a mixed cluster (:func:`parse_mixed_cluster`) is a one-line SpecError here.
+    """
+    mixed = parse_mixed_cluster(text)
+    if len(mixed.groups) != 1:
+        raise SpecError(f"cluster {mixed.label!r} has {len(mixed.groups)} device groups; {_MIXED_WHERE}")
+    return mixed.groups[0]
+
+
+def _read_cluster_file(p: Path) -> object:
+    try:
+        content = p.read_text(encoding="utf-8")
+        return tomllib.loads(content) if p.suffix == ".toml" else json.loads(content)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise SpecError(f"{p}: cannot parse cluster file ({e})") from None
+
+
+def _one_group(text: str) -> ClusterSpec | None:
+    m = _CLUSTER_RE.match(text)
+    if not m:
+        return None
+    nodes, per, dev = m.groups()
+    return ClusterSpec(nodes=whole(int(nodes or 1), f"cluster {text!r}: nodes", SpecError),
+                       devices_per_node=whole(int(per), f"cluster {text!r}: devices per node", SpecError),
+                       device=device(dev))
+
+
+def parse_mixed_cluster(text: str) -> MixedCluster:
+    """Any cluster string as a :class:`MixedCluster`: groups joined by ``+`` (``1x8xH100+2x8xA100-40GB``),
+    one group (``8xH100``, a single-group :class:`MixedCluster`), or a JSON/TOML file (``[[groups]]`` and
+    ``links``, or the one-group form of :func:`parse_cluster`).
+
+    >>> c = parse_mixed_cluster("1x8xH100+2x8xA100-40GB")
+    >>> c.world_size, c.label, c.group_of(8), c.device_of(8).name, c.link(0, 1).gbps
+    (24, '8xH100-80GB+2x8xA100-40GB', 1, 'A100-40GB', 200.0)
+    """
     if not isinstance(text, str) or not text.strip():
         raise SpecError("the cluster is empty; write NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB), PERNODExDEVICE "
-                        "(8xH100) or the path of a JSON/TOML cluster file")
-    m = _CLUSTER_RE.match(text)
-    if m:
-        nodes, per, dev = m.groups()
-        return ClusterSpec(nodes=whole(int(nodes or 1), f"cluster {text!r}: nodes", SpecError),
-                           devices_per_node=whole(int(per), f"cluster {text!r}: devices per node", SpecError),
-                           device=device(dev))
+                        "(8xH100), groups joined by '+' (1x8xH100+2x8xA100-40GB) or the path of a JSON/TOML "
+                        "cluster file")
+    one = _one_group(text)
+    if one is not None:
+        return MixedCluster((one,))
     p = Path(text)
     if p.is_file():
-        try:
-            content = p.read_text(encoding="utf-8")
-            raw = tomllib.loads(content) if p.suffix == ".toml" else json.loads(content)
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise SpecError(f"{p}: cannot parse cluster file ({e})") from None
-        return _from_mapping(raw, str(p))
+        return _mixed_from_mapping(_read_cluster_file(p), str(p))
+    if "+" in text:
+        groups = []
+        for i, part in enumerate(text.split("+")):
+            g = _one_group(part.strip())
+            if g is None:
+                raise SpecError(f"cluster {text!r}: group {i} {part.strip()!r} is not NODESxPERNODExDEVICE or "
+                                f"PERNODExDEVICE (e.g. 1x8xH100+2x8xA100-40GB); devices: {', '.join(DEVICE_PRESETS)}")
+            groups.append(g)
+        return MixedCluster(tuple(groups))
     raise SpecError(
-        f"unknown cluster {text!r}: write NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB), PERNODExDEVICE (8xH100) "
-        f"or a JSON/TOML file; devices: {', '.join(DEVICE_PRESETS)}"
+        f"unknown cluster {text!r}: write NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB), PERNODExDEVICE (8xH100), "
+        f"groups joined by '+' or a JSON/TOML file; devices: {', '.join(DEVICE_PRESETS)}"
     )

@@ -1,0 +1,38 @@
+"""Heterogeneous devices and stragglers, in three parts, each its own module and RESULTS.md section:
+
+(a) ``bench.hetero_plan``: planned throughput and search time on mixed clusters against the
+    ``uniform`` and ``proportional`` baselines and the sum of the parts planned alone;
+(b) ``bench.hetero_stragglers``: simulated stragglers on 64 and 1024 GPUs, static plan against
+    re-planned against the capacity bound;
+(c) ``bench.hetero_measured``: measured on this machine, 2 processes with one emulated at half
+    speed, static against adaptive tokens/s, steps until recovery, predicted against measured.
+
+``python -m bench.hetero`` runs all three (``--only a,b`` picks parts); each prints its table and
+records its own section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+PARTS = {"a": "bench.hetero_plan", "b": "bench.hetero_stragglers", "c": "bench.hetero_measured"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="a,b,c", help="comma-separated parts to run (default: a,b,c)")
+    args = parser.parse_args()
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    for p in parts:
+        module = importlib.import_module(PARTS[p])
+        sys.argv = [PARTS[p]]  # each part parses its own (default) arguments
+        module.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""The heterogeneous planner: a bi-level search for a HeteroPlan on a mixed cluster.
+
+Upper level (this module): for each device group a tensor-parallel degree (divisors of its node
+size that split the heads), pipeline shapes made of its TP groups (``p`` stages of one type), and
+mixed shapes whose stages lie on two groups (``a`` TP groups of one type, then ``b`` of another,
+in both orders), where a group too small or too short of memory for whole pipelines lends stages
+to another; and a micro-batch size shared by the replicas. A configuration is a set of shapes with
+replica counts; TP groups no shape takes are listed unused. Pipelines are laid out as the uniform
+rank order lays them out: TP groups innermost, the replicas of one shape next, stages outermost, so
+that a stage's gradient all-reduce stays inside a node where it can.
+
+Lower level (flexmesh.plan.hetero_partition), exact: each replica's layer partition (min-max stage
+time under every stage device's memory, each stage priced by its own device's CostModel) and the
+batch split across replicas (HiGHS MILP). Configurations whose optimistic throughput (every
+replica at its slowest stage's rate, no bubble, no gradient sync) cannot beat the best estimate
+so far are skipped before the MILP; the best few estimates are priced in full, gradient all-reduce
+over the slowest link included, by :func:`flexmesh.plan.hetero_cost.evaluate_hetero`, and the
+fastest that fits is the plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from itertools import product
+
+from flexmesh.cost import in_flight
+from flexmesh.errors import PlanError
+from flexmesh.layout.hetero import HeteroPlan, Replica, ReplicaStage
+from flexmesh.layout.strategy import Recompute
+from flexmesh.plan.hetero_cost import HETERO_OVERLAP, HeteroEvaluation, MixedCosts, evaluate_hetero, p2p_time
+from flexmesh.plan.hetero_partition import (
+    Partition,
+    ReplicaClass,
+    StageLine,
+    partition,
+    relaxed_split,
+    split_batch,
+    strategy,
+)
+from flexmesh.plan.space import divisors
+from flexmesh.spec.cluster import MixedCluster
+from flexmesh.spec.model import ModelSpec
+
+Progress = Callable[[int, int], None]
+# Micro-batch sizes tried (sequences), those dividing the global batch: beyond 8 sequences of a
+# micro-batch the GEMMs are already large (flexmesh.cost.kernels' tiles and waves) and activations grow.
+MICROBATCH_SIZES = (1, 2, 3, 4, 6, 8)
+# Pipeline shapes kept per (group, TP degree) for the combinations, by estimated throughput: the
+# rest are dominated in practice, and the combinations grow as the product of the kept counts.
+TOP_SHAPES = 3
+# Mixed shapes: at most this many stages (a + b); deeper mixed pipelines only add bubbles.
+MAX_MIXED_STAGES = 8
+# Estimates priced in full (with the gradient all-reduce) before choosing.
+EVALUATE_TOP = 6
+MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+
+Shape = tuple[tuple[int, int], ...]  # (group, tp) per stage, first stage first
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One TP group: ``tp`` consecutive devices of one node of one group."""
+
+    group: int
+    tp: int
+    devices: tuple[int, ...]
+    speed: float
+    node: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """Replica counts per shape, the TP degree of each group's TP groups, and the micro-batch size."""
+
+    shapes: tuple[tuple[Shape, int], ...]
+    tps: tuple[int, ...]  # per group (its TP groups' degree; unused groups keep any)
+    mu: int
+
+
+@dataclass
+class HeteroResult:
+    plan: HeteroPlan
+    evaluation: HeteroEvaluation
+    search_seconds: float
+    configurations: int  # configurations priced (partitions and batch split)
+
+
+def tp_degrees(model: ModelSpec, per_node: int) -> list[int]:
+    """TP degrees of one node's devices that split the attention heads (and the KV heads or by them)."""
+    return [t for t in divisors(per_node) if model.num_heads % t == 0 and
+            (model.num_kv_heads % t == 0 or t % model.num_kv_heads == 0)]
+
+
+class HeteroSearch:
+    """One search: the model, the mixed cluster, its cost models and the batch."""
+
+    def __init__(self, model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
+                 costs: MixedCosts | None = None):
+        if seq_len < 1 or global_batch < 1:
+            raise PlanError(f"--seq-len and --global-batch must be positive, got {seq_len} and {global_batch}")
+        self.model, self.cluster, self.seq_len, self.global_batch = model, cluster, seq_len, global_batch
+        self.costs = costs or MixedCosts(model, cluster)
+        self.L = model.num_layers
+        self.mus = [m for m in MICROBATCH_SIZES if global_batch % m == 0]
+        self._lines = lru_cache(maxsize=None)(self._line)
+        self._parts: dict[tuple, Partition | None] = {}
+        self._slots: dict[tuple[int, int], list[Slot]] = {}
+        self._p2ps: dict[tuple, float] = {}
+        self._blocks: dict[tuple, list[Partition] | None] = {}
+
+    # ---- building blocks -----------------------------------------------------------------------
+    def slots(self, group: int, tp: int) -> list[Slot]:
+        """The group's TP groups of degree ``tp``, in device order."""
+        if (group, tp) not in self._slots:
+            g, start = self.cluster.groups[group], self.cluster.group_start(group)
+            out = []
+            for q in range(g.world_size // tp):
+                devs = tuple(range(start + q * tp, start + (q + 1) * tp))
+                out.append(Slot(group, tp, devs, self.costs.speed(devs), self.costs.node_of[devs[0]]))
+            self._slots[(group, tp)] = out
+        return self._slots[(group, tp)]
+
+    def _p2p(self, a: Slot, b: Slot, mu: int) -> float:
+        # What the price depends on: the groups, whether one node holds both, the TP degrees.
+        key = (a.group, b.group, a.node == b.node, a.tp, b.tp, mu)
+        if key not in self._p2ps:
+            self._p2ps[key] = p2p_time(self.costs, ReplicaStage(0, 1, a.devices), ReplicaStage(0, 1, b.devices), mu,
+                                       self.seq_len)
+        return self._p2ps[key]
+
+    def _line(self, group: int, tp: int, speed: float, first: bool, last: bool, flight: float, mu: int,
+              p2p: float) -> StageLine:
+        """One stage's time and memory per layer and fixed, per recomputation mode (the stage's CostModel)."""
+        cost = self.costs.groups[group]
+        tau, e, beta, gamma = [], [], [], []
+        for mode in MODES:
+            s = strategy(tp, mode)
+            work = cost.layer_work(s, mu, self.seq_len)
+            layer = cost.layer(s, work, HETERO_OVERLAP)
+            ends = cost.ends(s, work, first, False, HETERO_OVERLAP) + cost.ends(s, work, False, last, HETERO_OVERLAP)
+            logits = cost.ends(strategy(tp, Recompute.NONE), work, False, True, HETERO_OVERLAP).transient if last else 0
+            tau.append((layer.fwd + layer.bwd) / speed + layer.comm_fwd + layer.comm_bwd)
+            e.append((ends.fwd + ends.bwd) / speed + ends.comm_fwd + ends.comm_bwd + p2p)
+            beta.append(layer.states + layer.act * flight)
+            gamma.append(ends.states + ends.act * flight + layer.transient + logits)
+        return StageLine(MODES, tuple(tau), tuple(e), tuple(beta), tuple(gamma), cost.memory_budget)
+
+    def lines(self, slots: Sequence[Slot], mu: int) -> list[StageLine]:
+        pp = len(slots)
+        out = []
+        for j, s in enumerate(slots):
+            p2p = 0.0 if pp == 1 else self._p2p(s, slots[j + 1] if j + 1 < pp else slots[j - 1], mu)
+            # 1F1B holds pp - j micro-batches on stage j at most (fewer only when m is smaller).
+            out.append(self._lines(s.group, s.tp, s.speed, j == 0, j == pp - 1, in_flight("1f1b", pp, j, 10**9),
+                                   mu, round(p2p, 12)))
+        return out
+
+    def partition(self, slots: Sequence[Slot], mu: int) -> Partition | None:
+        lines = self.lines(slots, mu)
+        key = (tuple(lines), mu)
+        if key not in self._parts:
+            self._parts[key] = partition(lines, self.L)
+        return self._parts[key]
+
+    # ---- shapes ----------------------------------------------------------------------------------
+    def pure_shapes(self, group: int) -> list[tuple[float, Shape]]:
+        """(estimated group tokens/s, shape) of this group's best pure shapes per TP degree."""
+        g = self.cluster.groups[group]
+        out = []
+        for tp in tp_degrees(self.model, g.devices_per_node):
+            pool = self.slots(group, tp)
+            scored = []
+            for p in range(1, min(self.L, len(pool)) + 1):
+                n = len(pool) // p
+                rate = self._rate([pool[j * n] for j in range(p)])
+                if rate > 0:
+                    scored.append((rate * n, ((group, tp),) * p))
+            out += sorted(scored, reverse=True)[:TOP_SHAPES]
+        return sorted(out, reverse=True)
+
+    def _rate(self, slots: Sequence[Slot]) -> float:
+        """Optimistic tokens/s of one replica on these slots: the best micro-batch size at its slowest stage."""
+        best = 0.0
+        for mu in self.mus:
+            part = self.partition(slots, mu)
+            if part is not None:
+                best = max(best, mu * self.seq_len / part.max_time)
+        return best
+
+    # ---- configurations ----------------------------------------------------------------------------
+    def configurations(self) -> list[Config]:
+        groups = range(len(self.cluster.groups))
+        pure = {g: self.pure_shapes(g) for g in groups}
+        configs: list[Config] = []
+        default_tp = [tp_degrees(self.model, self.cluster.groups[g].devices_per_node)[0] for g in groups]
+        choices = [[None, *[s for _, s in pure[g]]] for g in groups]
+        for combo in product(*choices):
+            used = [s for s in combo if s is not None]
+            if not used:
+                continue
+            tps = tuple(s[0][1] if s is not None else default_tp[g] for g, s in enumerate(combo))
+            shapes = tuple((s, len(self.slots(g, s[0][1])) // len(s)) for g, s in enumerate(combo) if s is not None)
+            configs += [Config(shapes, tps, mu) for mu in self.mus]
+        for g1, g2 in product(groups, groups):
+            if g1 == g2:
+                continue
+            for (_, s1), (_, s2) in product(pure[g1][:2] or [(0, ((g1, default_tp[g1]),))],
+                                            pure[g2][:2] or [(0, ((g2, default_tp[g2]),))]):
+                configs += self._mixed(g1, s1[0][1], g2, s2[0][1], pure)
+        return configs
+
+    def _mixed(self, g1: int, t1: int, g2: int, t2: int, pure: dict) -> list[Config]:
+        """Shapes of ``a`` TP groups of g1 then ``b`` of g2, as many as fit (or one), the rest of both
+        groups in their best pure shape of the same TP degree. Only where both groups use one TP degree:
+        the runtime (flexmesh.runtime.hetero) links stage to stage by TP index, so one pipeline keeps
+        one degree."""
+        if t1 != t2:
+            return []
+        q1, q2 = len(self.slots(g1, t1)), len(self.slots(g2, t2))
+        out = []
+        for a in range(1, min(q1, MAX_MIXED_STAGES - 1) + 1):
+            for b in range(1, min(q2, MAX_MIXED_STAGES - a) + 1):
+                if a + b > self.L:
+                    continue
+                shape: Shape = ((g1, t1),) * a + ((g2, t2),) * b
+                most = min(q1 // a, q2 // b)
+                for n in sorted({most, 1}):
+                    shapes = [(shape, n)]
+                    for g, t, left in ((g1, t1, q1 - n * a), (g2, t2, q2 - n * b)):
+                        best = [s for _, s in pure[g] if s[0][1] == t and len(s) <= left]
+                        if best:
+                            shapes.append((best[0], left // len(best[0])))
+                    tps = [tp_degrees(self.model, c.devices_per_node)[0] for c in self.cluster.groups]
+                    tps[g1], tps[g2] = t1, t2
+                    out += [Config(tuple(shapes), tuple(tps), mu) for mu in self.mus]
+        return out
+
+    def blocks(self, config: Config) -> list[tuple[Shape, int, tuple[int, ...]]]:
+        """(shape, replicas, first pool index per group) of each shape of the configuration."""
+        taken = [0] * len(self.cluster.groups)
+        out = []
+        for shape, n in config.shapes:
+            out.append((shape, n, tuple(taken)))
+            for g, _ in shape:
+                taken[g] += n
+        return out
+
+    def block_replicas(self, shape: Shape, n: int, offsets: tuple[int, ...], tps: tuple[int, ...]) -> list[list[Slot]]:
+        """Each replica's slots: the ``j``-th stage on group g of replica ``i`` on the block's TP group
+        ``j * n + i`` of g (the replicas' stage ``j`` on consecutive TP groups)."""
+        seen: dict[int, int] = {}
+        stage_slots = []
+        for g, _ in shape:
+            j = seen.get(g, 0)
+            seen[g] = j + 1
+            pool = self.slots(g, tps[g])
+            stage_slots.append(pool[offsets[g] + j * n: offsets[g] + (j + 1) * n])
+        return [[stage_slots[j][i] for j in range(len(shape))] for i in range(n)]
+
+    def block_partitions(self, shape: Shape, n: int, offsets: tuple[int, ...], tps: tuple[int, ...],
+                         mu: int) -> list[Partition] | None:
+        key = (shape, n, offsets, tps, mu)
+        if key not in self._blocks:
+            parts: list[Partition] | None = []
+            for slots in self.block_replicas(shape, n, offsets, tps):
+                part = self.partition(slots, mu)
+                if part is None or parts is None:
+                    parts = None
+                    break
+                parts.append(part)
+            self._blocks[key] = parts
+        return self._blocks[key]
+
+    # ---- the lower level ----------------------------------------------------------------------------
+    def estimate(self, config: Config, best: float) -> tuple[float, list[list[Slot]], list[Partition],
+                                                             list[int]] | None:
+        """(slowest pipeline s, replicas, their partitions, micro-batches each), or None when nothing
+        fits or the optimistic bound cannot beat ``best`` seconds."""
+        replicas: list[list[Slot]] = []
+        parts: list[Partition] = []
+        for shape, n, offsets in self.blocks(config):
+            block = self.block_partitions(shape, n, offsets, config.tps, config.mu)
+            if block is None:
+                return None
+            replicas += self.block_replicas(shape, n, offsets, config.tps)
+            parts += block
+        classes: dict[tuple, list[int]] = {}
+        for i, p in enumerate(parts):
+            classes.setdefault(p.times, []).append(i)
+        keys = list(classes)
+        cls = [ReplicaClass(len(classes[k]), sum(k) - max(k), max(k)) for k in keys]
+        if relaxed_split(cls, self.global_batch // config.mu) >= best:
+            return None  # even a fractional split cannot beat the best so far
+        res = split_batch(cls, self.global_batch // config.mu)
+        if res is None:
+            return None
+        t, counts = res
+        micro = [0] * len(replicas)
+        for k, ms in zip(keys, counts):
+            for i, m in zip(classes[k], ms):
+                micro[i] = m
+        return t, replicas, parts, micro
+
+    def build(self, config: Config, replicas: list[list[Slot]], parts: list[Partition], micro: list[int],
+              predicted: dict | None = None) -> HeteroPlan:
+        reps = []
+        for slots, part, m in zip(replicas, parts, micro):
+            stages, start = [], 0
+            for s, n, mode in zip(slots, part.sizes, part.recompute):
+                stages.append(ReplicaStage(start, start + n, s.devices, mode))
+                start += n
+            reps.append(Replica(tuple(stages), config.mu * m, m))
+        used = {d for r in reps for d in r.devices}
+        sources = "+".join(dict.fromkeys(c.source for c in self.costs.groups))
+        return HeteroPlan(self.model.name, self.cluster.label, self.cluster.world_size, self.seq_len,
+                          self.global_batch, tuple(reps), unused=tuple(d for d in range(self.cluster.world_size)
+                                                                       if d not in used),
+                          predicted=predicted or {}, cost_source=sources)
+
+    def run(self, progress: Progress | None = None) -> HeteroResult:
+        t0 = time.perf_counter()
+        configs = self.configurations()
+        found: list[tuple[float, int, Config, tuple]] = []
+        best = math.inf
+        for i, config in enumerate(configs):
+            if progress and i % 16 == 0:
+                progress(i, len(configs))
+            est = self.estimate(config, best * (1 + 0.02))  # keep near-ties: the full pricing decides
+            if est is not None:
+                found.append((est[0], i, config, est))
+                best = min(best, est[0])
+        if progress:
+            progress(len(configs), len(configs))
+        found.sort(key=lambda x: x[0])
+        results = []
+        for _, _, config, (_, replicas, parts, micro) in found[:EVALUATE_TOP]:
+            plan = self.build(config, replicas, parts, micro)
+            ev = evaluate_hetero(plan, self.costs)
+            if ev.fits:
+                results.append((ev.step_time, plan, ev))
+        if not results:
+            raise PlanError(f"no heterogeneous plan of {self.model.name} fits on {self.cluster.label} at seq len "
+                            f"{self.seq_len}, global batch {self.global_batch}: no pipeline of the groups' TP "
+                            "groups holds the model in memory; add devices or shorten the sequences")
+        _, plan, ev = min(results, key=lambda x: x[0])
+        seconds = time.perf_counter() - t0
+        ev.extra["search_seconds"] = seconds
+        plan = replace(plan, predicted=ev.to_dict())
+        return HeteroResult(plan, ev, seconds, len(configs))
+
+
+def plan_hetero(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
+                costs: MixedCosts | None = None, progress: Progress | None = None) -> HeteroResult:
+    """The fastest HeteroPlan the bi-level search finds (PlanError when nothing fits)."""
+    return HeteroSearch(model, cluster, seq_len, global_batch, costs).run(progress)

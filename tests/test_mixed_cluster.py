@@ -1,0 +1,161 @@
+"""Mixed clusters: `+` strings and TOML/JSON files with [[groups]] and links, rank numbering, and a
+one-line SpecError for every bad input (parse_cluster refuses mixed clusters, saying where they go)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_fuzz_parsers import FUZZ, _only_user_errors, corrupted
+
+from flexmesh.errors import FlexmeshError, SpecError
+from flexmesh.spec.cluster import MixedCluster, parse_cluster, parse_mixed_cluster
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    text = str(e.value)
+    assert "\n" not in text.strip() and "Traceback" not in text
+    return text
+
+
+def test_plus_string_numbers_ranks_group_by_group_node_by_node():
+    c = parse_mixed_cluster("1x8xH100+2x8xA100-40GB")
+    assert c.world_size == 24 and c.nodes == 3 and len(c.groups) == 2
+    assert [c.group_of(r) for r in (0, 7, 8, 23)] == [0, 0, 1, 1]
+    assert [c.node_of(r) for r in (0, 7, 8, 15, 16, 23)] == [0, 0, 1, 1, 2, 2]
+    assert c.device_of(3).name == "H100-80GB" and c.device_of(9).name == "A100-40GB"
+    assert c.local_rank(9) == 1 and list(c.ranks(1)) == list(range(8, 24))
+    # Default link: the slower group's inter-node network (A100: 200 GB/s per node, 20 us).
+    assert (c.link(0, 1).gbps, c.link(1, 0).latency_us) == (200.0, 20.0)
+    assert parse_mixed_cluster(c.label).label == c.label  # the label parses back
+    assert not c.uniform and parse_mixed_cluster("2x8xH100").uniform
+
+
+def test_a_plain_string_is_one_group_and_parse_cluster_keeps_its_type():
+    one = parse_mixed_cluster("2x8xA100-40GB")
+    assert len(one.groups) == 1 and one.groups[0] == parse_cluster("2x8xA100-40GB")
+
+
+def test_parse_cluster_refuses_a_mixed_cluster_and_says_where_it_is_accepted():
+    with pytest.raises(SpecError) as e:
+        parse_cluster("1x8xH100+2x8xA100-40GB")
+    assert "flexmesh plan" in _one_line(e) and "2 device groups" in str(e.value)
+
+
+def _write(tmp_path, d, name="mixed.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(d) if isinstance(d, (dict, list)) else d)
+    return str(path)
+
+
+TOML = """
+[[groups]]
+nodes = 1
+devices_per_node = 4
+device = "H100"
+speed_factors = [1.0, 1.0, 0.5, 1.0]
+
+[[groups]]
+nodes = 2
+devices_per_node = 4
+device = {base = "A100-40GB", node_net_gbps = 100.0}
+
+[links]
+gbps = 50.0
+latency_us = 40.0
+"""
+
+
+def test_toml_file_with_groups_speed_factors_and_links(tmp_path):
+    c = parse_mixed_cluster(_write(tmp_path, TOML, "mixed.toml"))
+    assert c.world_size == 12 and c.speed(2) == 0.5 and c.speed(3) == 1.0 and c.speed(11) == 1.0
+    assert c.groups[1].device.node_net_gbps == 100.0
+    assert (c.link(0, 1).gbps, c.link(0, 1).latency_us) == (50.0, 40.0)
+    with pytest.raises(SpecError, match="2 device groups"):
+        parse_cluster(_write(tmp_path, TOML, "again.toml"))
+
+
+def test_json_file_with_one_link_per_pair_and_defaults(tmp_path):
+    d = {"groups": [{"nodes": 1, "devices_per_node": 8, "device": "H100"},
+                    {"nodes": 1, "devices_per_node": 8, "device": "A100-80GB"},
+                    {"nodes": 1, "devices_per_node": 8, "device": "A100-40GB"}],
+         "links": {"0-2": {"gbps": 12.5, "latency_us": 80}}}
+    c = parse_mixed_cluster(_write(tmp_path, d))
+    assert c.link(2, 0).gbps == 12.5 and c.link(0, 1).gbps == 200.0 and c.link(1, 2).latency_us == 20.0
+    # One group in the groups form is a plain cluster for parse_cluster.
+    single = parse_cluster(_write(tmp_path, {"groups": d["groups"][:1]}, "one.json"))
+    assert single.label == "8xH100-80GB"
+
+
+GOOD_GROUP = {"nodes": 1, "devices_per_node": 2, "device": "H100"}
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("1x8xH100+", "group 1 ''"), ("+8xH100", "group 0 ''"), ("1x8xH100+2x8xFOO", "unknown device"),
+    ("8xH100+0x8xH100", "nodes must be a whole number"), ("8xH100++8xH100", "group 1"),
+    ("8xH100 + banana", "group 1 'banana'"),
+])
+def test_bad_plus_strings(text, expect):
+    with pytest.raises(SpecError) as e:
+        parse_mixed_cluster(text)
+    assert expect in _one_line(e)
+
+
+@pytest.mark.parametrize("d,expect", [
+    ({"groups": []}, "groups is empty"),
+    ({"groups": "8xH100"}, "groups must be a list"),
+    ({"groups": [GOOD_GROUP], "group": 1}, "unknown field(s) group"),
+    ({"groups": [GOOD_GROUP, {"nodes": 0, "devices_per_node": 2, "device": "H100"}]}, "group 1: nodes"),
+    ({"groups": [GOOD_GROUP, {**GOOD_GROUP, "speed_factors": [1.0]}]}, "group 1: cluster has 2 devices"),
+    ({"groups": [GOOD_GROUP, {**GOOD_GROUP, "speed_factors": [1.0, math.nan]}]}, "speed factor 1"),
+    ({"groups": [GOOD_GROUP, 7]}, "group 1: a cluster file must be a JSON object"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"0-0": {"gbps": 1, "latency_us": 1}}}, "link 0-0"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"0-5": {"gbps": 1, "latency_us": 1}}}, "link 0-5"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"zero-one": {"gbps": 1}}}, "links key 'zero-one'"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"0-1": {"gbps": -1, "latency_us": 1}}}, "gbps"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"0-1": {"gbps": 1}}}, "needs gbps and latency_us"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"gbps": 10, "latency_us": math.inf}}, "latency_us"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"gbps": 10, "latency_us": 1, "0-1": {"bw": 3}}},
+     "unknown field(s) bw"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": [1, 2]}, "links must be a JSON object"),
+    ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"0-1": {"gbps": 1, "latency_us": 1},
+                                                    "1-0": {"gbps": 2, "latency_us": 1}}}, "given twice"),
+    ({**GOOD_GROUP, "links": {"gbps": 1}}, "needs groups"),
+])
+def test_bad_mixed_cluster_files(tmp_path, d, expect):
+    with pytest.raises(SpecError) as e:
+        parse_mixed_cluster(_write(tmp_path, d))
+    assert expect in _one_line(e) and "mixed.json" in str(e.value)
+
+
+def test_bad_ranks_and_groups_are_spec_errors():
+    c = parse_mixed_cluster("2xH100+2xA100-40GB")
+    for bad in (-1, 4, 2.0):
+        with pytest.raises(SpecError, match="not in"):
+            c.group_of(bad)
+    with pytest.raises(SpecError, match="at least one device group"):
+        MixedCluster(())
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_mixed_cluster_file(tmp_path_factory, data):
+    valid = {"groups": [{**parse_cluster("1x4xH100").to_dict(), "speed_factors": [1.0, 0.5, 1.0, 1.0]},
+                        {"nodes": 2, "devices_per_node": 4, "device": "A100-40GB"}],
+             "links": {"gbps": 25.0, "latency_us": 30.0, "0-1": {"gbps": 12.5}}}
+    path = tmp_path_factory.mktemp("mixed") / "cluster.json"
+    _only_user_errors(lambda p: parse_mixed_cluster(str(p)), path, data.draw(corrupted(valid)))
+
+
+@FUZZ
+@given(st.one_of(st.text(max_size=40),
+                 st.from_regex(r"\A(\d{1,4}x)?\d{1,4}x[A-Za-z0-9\-]{0,10}(\+(\d{1,4}x)?\d{1,4}x[A-Za-z0-9\-]{0,10}){0,3}\Z")))
+def test_fuzz_mixed_cluster_string(text):
+    for parse in (parse_mixed_cluster, parse_cluster):
+        try:
+            parse(text)
+        except FlexmeshError as e:
+            assert "\n" not in str(e).strip()
