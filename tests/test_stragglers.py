@@ -156,7 +156,9 @@ def test_slow_rank_is_detected_and_gets_less_work(runs):
     assert all(len(r["compute_s"]) == WORLD and min(r["compute_s"]) > 0 for r in rows)
     detected = [r["step"] for r in rows if any(e["event"] == "straggler_detected" and 1 in e["ranks"]
                                                for e in r["events"])]
-    assert detected and detected[0] <= WARMUP + K, f"rank 1 flagged after steps {detected}"
+    # within the warm-up and K judged steps, one step of slack: a machine busy with other work can
+    # blur one step's measured speeds (the rule itself is tested exactly in one process below)
+    assert detected and detected[0] <= WARMUP + K + 1, f"rank 1 flagged after steps {detected}"
     step = detected[0]
     replans = [e for e in rows[step - 1]["events"] if e["event"] == "replanned"]
     assert replans and replans[0]["ranks"] == [1] and replans[0]["predicted_gain"] > 1.0

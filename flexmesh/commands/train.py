@@ -99,6 +99,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "in (0, 1) (default 0.25)")
     s.add_argument("--straggler-steps", type=positive_int, default=2, metavar="K",
                    help="consecutive deviating steps before a speed change counts (default 2)")
+    s.add_argument("--migrate", action="store_true",
+                   help="after a sustained slowdown, move to a new layout when the planner predicts it pays for "
+                        "its migration (checkpoint, relaunch, DCP reshard); needs --nproc on one node")
     s.add_argument("--emulate-speed", type=rank_factors, action="extend", default=[], metavar="RANK=FACTOR",
                    help="EMULATION for testing on one machine: stretch rank RANK's compute to 1/FACTOR of its "
                         "time, FACTOR in (0, 1]; repeatable or comma-separated")
@@ -125,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise PlanError(f"--nproc must be at least 1, got {args.nproc}")
+        if args.migrate and args.nnodes is not None and args.nnodes.strip() not in ("1", "1:1"):
+            raise PlanError("--migrate runs on one node only (one launcher relaunches the run on the new plan); "
+                            "drop --migrate or --nnodes")
         if args.nnodes is None:  # one node: the world is --nproc, so a wrong rank fails before launching
             from flexmesh.runtime.stragglers import parse_emulation
 
@@ -168,7 +174,19 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
     if rendezvous.node_rank != 0:
         return relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
     with _run_folder(args):
-        return relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
+        code = relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
+        while code == 0 and args.migrate:  # the run stopped to move to a new plan (flexmesh.commands.migrate)
+            from flexmesh.commands.migrate import RESHARD_ENV, relaunch_argv, take_request
+
+            request = take_request(args.out)
+            if request is None:
+                break
+            print(f"migrating: relaunching on {request['plan']} from checkpoint {request['checkpoint']}",
+                  file=sys.stderr, flush=True)
+            argv = relaunch_argv(argv, request["plan"])
+            code = relaunch_flexmesh(args.nproc, argv, env={**env, RESHARD_ENV: request["checkpoint"]},
+                                     rendezvous=rendezvous)
+        return code
 
 
 @contextmanager
@@ -195,6 +213,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from rich.console import Console
 
+    from flexmesh.commands.migrate import RESHARD_ENV
     from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
@@ -204,11 +223,13 @@ def _train(args: argparse.Namespace) -> int:
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.config import TrainConfig
     from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import Preempted, fit
+    from flexmesh.runtime.loop import Migrating, Preempted, fit
     from flexmesh.runtime.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
     plan = load_plan(args.plan)
+    if args.migrate and HELD_ENV not in os.environ:
+        raise PlanError("--migrate needs --nproc N: its launcher relaunches the run on the new plan")
     if isinstance(plan, HeteroPlan):  # replicas that differ (flexmesh.commands.train_hetero)
         from flexmesh.commands.train_hetero import train_hetero
 
@@ -264,7 +285,8 @@ def _train(args: argparse.Namespace) -> int:
                          min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                          seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
                          resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
-                         dtype=args.dtype, emulate_speed=tuple(emulated.items()))
+                         dtype=args.dtype, emulate_speed=tuple(emulated.items()),
+                         reshard_from=os.environ.get(RESHARD_ENV))
     init_distributed(timeout_s=args.collective_timeout)
     try:
         trainer = Trainer(plan, spec, config, weights=args.weights)
@@ -274,8 +296,23 @@ def _train(args: argparse.Namespace) -> int:
         monitor = _straggler_monitor(args, trainer, schedule_fn, source, dist.get_rank() == 0)
         if os.environ.get(KILL_ENV):
             source = _KillAfterStep(source, trainer, os.environ[KILL_ENV], dist.get_rank())
+        migration = None
+        if args.migrate and args.out:
+            from dataclasses import replace as with_batch
+
+            from flexmesh.commands.migrate import MigrationCheck
+
+            planned = with_batch(plan, global_batch=args.global_batch or plan.global_batch)  # the batch it runs
+            migration = MigrationCheck(planned, spec, monitor, args.out, args.max_steps)
         try:
-            history = fit(trainer, source, config, monitor=monitor)
+            history = fit(trainer, source, config, monitor=monitor, migration=migration)
+        except Migrating as e:
+            if dist.get_rank() == 0:
+                Console(stderr=True).print(f"migrating after step {e.step}: predicted gain "
+                                           f"{e.event.get('predicted_gain')}, new plan {e.event.get('plan')}",
+                                           highlight=False)
+            dist.barrier()
+            return 0
         except Preempted as e:
             if dist.get_rank() == 0:
                 where = f"checkpoint {e.checkpoint} written" if e.checkpoint else "no checkpoint (no --out)"

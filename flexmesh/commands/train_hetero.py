@@ -38,6 +38,7 @@ def train_hetero(args: argparse.Namespace, plan: HeteroPlan) -> int:
     import torch.distributed as dist
     from rich.console import Console
 
+    from flexmesh.commands.migrate import RESHARD_ENV
     from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
@@ -68,7 +69,7 @@ def train_hetero(args: argparse.Namespace, plan: HeteroPlan) -> int:
                          min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                          seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
                          resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
-                         dtype=args.dtype)
+                         dtype=args.dtype, reshard_from=os.environ.get(RESHARD_ENV))
     init_distributed(timeout_s=args.collective_timeout)
     try:
         trainer = HeteroTrainer(plan, spec, config, weights=args.weights)

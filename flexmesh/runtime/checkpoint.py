@@ -22,6 +22,8 @@ files: resume only folders you trust (docs/failures.md).
 
 Exact resume restores model, optimizer (AdamW moments and step), LR scheduler, RNG states and the
 data loader's position. Resuming needs the same plan (same hash): the per-rank files follow ranks.
+A migration to a new layout (``load_checkpoint(..., reshard=True)``, allowed only for the checkpoint
+the migration wrote) resumes under another plan of the same world size: DCP reshards by name.
 """
 
 from __future__ import annotations
@@ -293,8 +295,13 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def load_checkpoint(path: str | Path, trainer) -> dict:
-    """Restore ``trainer`` from checkpoint folder ``path``; returns the loader state. All ranks call it."""
+def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
+    """Restore ``trainer`` from checkpoint folder ``path``; returns the loader state. All ranks call it.
+
+    ``reshard``: the checkpoint may come from another plan of the same world size (a migration,
+    flexmesh.commands.migrate): DCP reads each parameter and AdamW state by its name into whatever
+    shards this plan holds; the rank files (RNG, LR scheduler, loader position) follow global ranks.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -303,7 +310,7 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
     manifest = read_manifest(path)
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')}, this flexmesh reads {FORMAT}")
-    if manifest["plan_hash"] != plan_hash(trainer.plan):
+    if manifest["plan_hash"] != plan_hash(trainer.plan) and not reshard:
         raise CheckpointError(
             f"checkpoint {path} was written under plan {manifest.get('plan_layout')!r} (hash {manifest['plan_hash']}) "
             f"but this run uses {trainer.plan.layout!r} (hash {plan_hash(trainer.plan)}); resume with the same plan "

@@ -33,6 +33,9 @@ class TrainConfig:
     # Emulated slow ranks, for testing on one machine (flexmesh.runtime.stragglers): (global rank,
     # factor in (0, 1]) pairs; that rank's micro-batch compute is stretched to 1/factor of its time.
     emulate_speed: tuple[tuple[int, float], ...] = ()
+    # The checkpoint folder name (``step_NNNNNN``) a migrated run may resume from under another plan
+    # (DCP reshards the state); every other resume needs the checkpoint's own plan (flexmesh.runtime.checkpoint).
+    reshard_from: str | None = None
 
 
 def lr_schedule_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:

@@ -64,7 +64,8 @@ class ListSource:
         self.position = int(state["position"])
 
 
-def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None) -> list[StepMetrics]:
+def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None,
+        migration: Any = None) -> list[StepMetrics]:
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
@@ -79,6 +80,12 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
 
     ``monitor`` (flexmesh.runtime.stragglers.StragglerMonitor) sees every step before it is logged:
     it adds measured speeds and straggler events to the metrics and may re-plan the schedules.
+
+    ``migration`` (flexmesh.commands.migrate.MigrationCheck; needs ``out_dir``): after a step whose
+    events it names as due (``due(m)``, the same answer on every rank), a checkpoint is written and
+    timed, rank 0 decides (``decide(m, save_s)`` -> an event dict with ``"event": "migrated"`` or
+    ``"migration_declined"``), every rank gets the decision, the event joins the step's metrics row,
+    and a migration raises :class:`Migrating` (the launcher relaunches on the new plan).
     """
     out = Path(config.out_dir) if config.out_dir else None
     ckpt_root = out / "checkpoints" if out else None
@@ -91,7 +98,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
         if ckpt_root is not None and config.resume:
             found = latest_checkpoint(ckpt_root)
             if found is not None:
-                source.load_state_dict(load_checkpoint(found, trainer))
+                reshard = config.reshard_from is not None and found.name == config.reshard_from
+                source.load_state_dict(load_checkpoint(found, trainer, reshard=reshard))
         metrics_file = out / "metrics.jsonl" if out else None
         if rank0 and metrics_file is not None:
             kept = [ln for step, ln in old_rows if step <= trainer.step_index]
@@ -107,6 +115,9 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             m = trainer.step(docs, schedule)
             if monitor is not None:
                 m = monitor.observe(m, docs, schedule)
+            migrated = saved = None
+            if migration is not None and ckpt_root is not None and migration.due(m):
+                m, saved, migrated = _migration_point(migration, m, ckpt_root, trainer, source)
             history.append(m)
             if rank0 and metrics_file is not None:
                 with metrics_file.open("a") as f:
@@ -116,8 +127,9 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             stop = preemption.agreed()
             every = config.checkpoint_every
             due = (every and m.step % every == 0) or m.step == config.max_steps or stop
-            saved = None
-            if ckpt_root is not None and due:
+            if migrated is not None:
+                raise Migrating(m.step, saved, migrated)
+            if ckpt_root is not None and due and saved is None:
                 saved = save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
             if stop and trainer.step_index < config.max_steps:  # at the last step the run is done anyway
                 raise Preempted(m.step, saved)
@@ -136,6 +148,34 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
         if held:
             release_run_folder(out)
     return history
+
+
+def _migration_point(migration: Any, m: StepMetrics, ckpt_root: Path, trainer: Trainer, source: StepSource
+                     ) -> tuple[StepMetrics, Path, dict | None]:
+    """Checkpoint (timed), rank 0's decision for every rank; (metrics with its event, checkpoint, the
+    event when migrating else None)."""
+    import dataclasses
+    import time
+
+    t0 = time.perf_counter()
+    saved = save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
+    save_s = time.perf_counter() - t0
+    event = _on_rank0(lambda: migration.decide(m, save_s), None)
+    if dist.get_world_size() > 1:
+        box: list = [event]
+        dist.broadcast_object_list(box, src=0, group=cpu_group())
+        event = box[0]
+    m = dataclasses.replace(m, events=tuple(m.events) + (event,))
+    return m, saved, event if event["event"] == "migrated" else None
+
+
+class Migrating(Exception):
+    """The run stopped after step ``step`` to continue on a new plan (``event``: the ``migrated`` metrics
+    event); ``checkpoint`` is the one to resume from."""
+
+    def __init__(self, step: int, checkpoint: Path, event: dict) -> None:
+        super().__init__(f"migrating after step {step}")
+        self.step, self.checkpoint, self.event = step, checkpoint, event
 
 
 class Preempted(Exception):

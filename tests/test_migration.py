@@ -1,0 +1,226 @@
+"""Migration to a new layout (`flexmesh train --migrate`, flexmesh.commands.migrate).
+
+Every run is the real command (launcher, torchrun, 2 ranks, gloo, CPU, a 2-layer model) on a
+replicated ZeRO-2 plan, with rank 1 emulated at 0.25 speed and the per-step re-balancing off
+(``--no-replan``), so the straggler is detected and only a new layout can help. The migration's
+cost is set by the testing knob (FLEXMESH_TESTING_MIGRATION_COST_S): 0 makes any predicted gain
+pay, 1e9 none, so the decision does not hang on this machine's timings.
+
+- ``declined``: the migration does not pay; the run trains on without a restart on its plan. It is
+  also the uninterrupted run on the old plan.
+- ``migrated``: the run checkpoints, the launcher relaunches it on the planner's HeteroPlan and it
+  resumes from that checkpoint resharded by DCP; every step is logged once and every loss equals the
+  declined run's (1e-5): the weights moved across layouts intact.
+- ``fresh``: the migration's checkpoint copied into a new folder and resumed on the new plan by hand
+  (the uninterrupted run on the new plan from the same checkpoint): refused without the reshard
+  permission (the plan-hash check stays for ordinary resumes); with it, its losses equal the
+  migrated run's from the first step after the migration on.
+
+The decision itself (too few remaining steps, what a migration writes) is checked in process. No
+test asserts a wall-clock figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import unlocked, write_inputs
+
+STEPS = 6
+COST = "FLEXMESH_TESTING_MIGRATION_COST_S"
+
+
+def _plan(tmp: Path, cfg: Path) -> Path:
+    """Two replicas of the whole model (ZeRO-2: each rank runs its own micro-batches, so speeds differ)."""
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp2z2"),) * 2)
+    path = tmp / "plan-z2.json"
+    Plan(model=str(cfg), cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b", num_microbatches=1,
+         seq_len=128, global_batch=4, stages=(st,)).save(path)
+    return path
+
+
+def _train(inputs: dict, out: Path, plan: Path, *extra: str, env: dict | None = None,
+           timeout: float = 400) -> subprocess.CompletedProcess:
+    args = ["train", "--nproc", "2", "--plan", str(plan), "--corpus", str(inputs["corpus"]), "--cache-dir",
+            str(inputs["tmp"] / "cache"), "--no-progress", "--lr", "1e-3", "--max-steps", str(STEPS), "--out",
+            str(out), *extra]
+    return subprocess.run([sys.executable, "-m", "flexmesh", *args], env=dict(os.environ, OMP_NUM_THREADS="1",
+                          **(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _events(rows: list[dict], kind: str) -> list[tuple[int, dict]]:
+    return [(r["step"], e) for r in rows for e in r.get("events", []) if e["event"] == kind]
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * abs(b)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("migration")
+    cfg, corpus, _ = write_inputs(tmp, world=2)
+    return {"tmp": tmp, "corpus": corpus, "plan": _plan(tmp, cfg)}
+
+
+STRAGGLING = ("--emulate-speed", "1=0.25", "--no-replan", "--migrate")
+
+
+@pytest.fixture(scope="module")
+def declined(inputs) -> list[dict]:
+    out = inputs["tmp"] / "declined"
+    done = _train(inputs, out, inputs["plan"], *STRAGGLING, env={COST: "1e9"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "migrating" not in done.stderr  # no relaunch
+    return _rows(out)
+
+
+@pytest.fixture(scope="module")
+def migrated(inputs) -> tuple[Path, list[dict]]:
+    out = inputs["tmp"] / "migrated"
+    done = _train(inputs, out, inputs["plan"], *STRAGGLING, env={COST: "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, _rows(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_migration_that_does_not_pay_is_declined_and_the_run_trains_on(inputs, declined):
+    assert [r["step"] for r in declined] == list(range(1, STEPS + 1))
+    (step, event), = _events(declined, "migration_declined")  # detected once, declined once
+    assert _events(declined, "straggler_detected")[0][0] == step
+    assert event["reason"] == "too few remaining steps" and event["remaining_steps"] == STEPS - step > 0
+    assert event["predicted_gain"] > 0 and event["cost_s"]["total"] == 1e9
+    assert {r["policy"] for r in declined} == {"fixed"}  # the same plan throughout
+    out = inputs["tmp"] / "declined"
+    assert not (out / "migration.json").exists() and not list(out.glob("plan-migrated-*"))
+    assert unlocked(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_migrates_to_a_new_plan_and_keeps_its_losses(inputs, migrated, declined):
+    from flexmesh.layout.hetero import HeteroPlan, load_plan
+
+    out, rows = migrated
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once, across the relaunch
+    (step, event), = _events(rows, "migrated")
+    assert step < STEPS and _events(rows, "straggler_detected")[0][0] == step
+    assert event["predicted_step_s"][1] < event["predicted_step_s"][0] and event["remaining_steps"] == STEPS - step
+    new = load_plan(out / event["plan"])
+    assert isinstance(new, HeteroPlan) and new.layout == event["to"] and new.world_size == 2
+    assert event["from"] == load_plan(inputs["plan"]).layout != event["to"]
+    assert [r["policy"] for r in rows] == ["fixed"] * step + ["hetero"] * (STEPS - step)
+    assert (out / "checkpoints" / f"step_{step:06d}").is_dir() and not (out / "migration.json").exists()
+    # The migrated run trains as the run that stayed on its plan: losses equal step by step.
+    assert all(_close(a["loss"], b["loss"]) for a, b in zip(rows, declined)), \
+        ([r["loss"] for r in rows], [r["loss"] for r in declined])
+    assert unlocked(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_migrated_run_equals_a_fresh_run_on_the_new_plan_from_its_checkpoint(inputs, migrated):
+    out, rows = migrated
+    (step, event), = _events(rows, "migrated")
+    name = f"step_{step:06d}"
+    fresh = inputs["tmp"] / "fresh"
+    (fresh / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / name, fresh / "checkpoints" / name)
+    (fresh / "checkpoints" / "latest").write_text(name + "\n")
+    new_plan = out / event["plan"]
+    refused = _train(inputs, fresh, new_plan)  # an ordinary resume: the checkpoint's plan differs
+    assert refused.returncode != 0 and "was written under plan" in " ".join(refused.stderr.split())
+    done = _train(inputs, fresh, new_plan, env={"FLEXMESH_RESHARD_FROM": name})
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = _rows(fresh)
+    assert [r["step"] for r in again] == list(range(step + 1, STEPS + 1))
+    after = [r for r in rows if r["step"] > step]
+    assert all(_close(a["loss"], b["loss"]) for a, b in zip(again, after)), \
+        ([r["loss"] for r in again], [r["loss"] for r in after])
+
+
+# ---- in process: the decision ----------------------------------------------------------------------
+class _Monitor:
+    def __init__(self, speeds: list[float]) -> None:
+        from types import SimpleNamespace
+
+        from flexmesh.layout.hetero import load_plan
+        from flexmesh.layout.mesh import layout_from_plan
+
+        self.layout = layout_from_plan(load_plan(_PLAN[0]))
+        self.detector = SimpleNamespace(baseline=speeds)
+
+
+_PLAN: list[Path] = []
+
+
+def _check(tmp: Path, max_steps: int):
+    from flexmesh.commands.migrate import MigrationCheck
+    from flexmesh.layout.hetero import load_plan
+    from flexmesh.spec.model import parse_model
+
+    cfg, _, _ = write_inputs(tmp, world=2)
+    _PLAN[:] = [_plan(tmp, cfg)]
+    plan = load_plan(_PLAN[0])
+    return MigrationCheck(plan, parse_model(str(cfg)), _Monitor([1.0, 0.25]), str(tmp), max_steps)
+
+
+def _metrics(step: int):
+    from flexmesh.runtime.config import StepMetrics
+
+    return StepMetrics(step=step, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=100, label_tokens=96, padded_tokens=100,
+                       microbatches=1, step_time_s=1.0, tokens_per_s=100.0, peak_memory_gib=0.0, policy="fixed",
+                       requested_policy="fixed", fallback=False, scheduler_s=0.0, assumed_speed=(1.0, 1.0),
+                       events=({"event": "straggler_detected", "ranks": [1], "speeds": [1.0, 0.25]},))
+
+
+def test_the_last_step_never_migrates(tmp_path, monkeypatch):
+    monkeypatch.setenv(COST, "0")
+    check = _check(tmp_path, max_steps=5)
+    m = _metrics(5)
+    assert check.due(m)
+    event = check.decide(m, save_s=0.1)
+    assert event["event"] == "migration_declined" and event["remaining_steps"] == 0
+    assert event["predicted_gain"] > 0  # a better layout exists, but no step is left to gain on
+    assert not (tmp_path / "migration.json").exists()
+
+
+def test_a_paying_migration_writes_the_plan_and_the_request(tmp_path, monkeypatch):
+    from flexmesh.commands.migrate import take_request
+    from flexmesh.layout.hetero import HeteroPlan, load_plan
+
+    monkeypatch.setenv(COST, "0")
+    check = _check(tmp_path, max_steps=50)
+    event = check.decide(_metrics(3), save_s=0.1)
+    assert event["event"] == "migrated", event
+    plan = load_plan(tmp_path / event["plan"])
+    assert isinstance(plan, HeteroPlan) and plan.model == load_plan(_PLAN[0]).model
+    share = {d: r.batch for r in plan.replicas for s in r.stages for d in s.devices}
+    assert sum(r.batch for r in plan.replicas) == 4
+    assert share.get(1, 0) < share.get(0, 4) or 1 in plan.unused  # the slow rank gets less, or nothing
+    request = take_request(tmp_path)
+    assert request == {"step": 3, "checkpoint": "step_000003", "plan": str((tmp_path / event["plan"]).resolve())}
+    assert take_request(tmp_path) is None  # taken once
+
+
+def test_migrate_needs_the_launcher(tmp_path):
+    from helpers import flexmesh
+
+    cfg, corpus, _ = write_inputs(tmp_path, world=2)
+    done = flexmesh("train", "--plan", str(_plan(tmp_path, cfg)), "--corpus", str(corpus), "--max-steps", "1",
+                    "--out", str(tmp_path / "o"), "--migrate")
+    assert done.returncode != 0 and "--migrate needs --nproc" in done.stderr
