@@ -348,7 +348,9 @@ def report(console, args, runs: dict, metrics: dict[str, list[dict]], longs: lis
               f"standard-library sources truncated to {args.max_len} tokens: alternately one and two long documents "
               f"per step, {args.medium} medium, the rest short (every step's longest document >= 100x its "
               "shortest); the same batches and initial weights for every run; baselines swept over their static "
-              "context-parallel degree, best kept; schedules priced by quick profiles of this machine; tokens/s "
+              "context-parallel degree, best kept; schedules priced by "
+              + (f"the profiles reused from {args.profiles}" if args.profiles else "quick profiles of this machine")
+              + "; tokens/s "
               f"and predictions leave out the first step. Speedups are over the best baseline by measured tokens/s "
               f"({best_base}); the predicted speedup is the simulator's step times of the same schedules over that "
               "run's.", "",

@@ -315,9 +315,7 @@ def _train(args: argparse.Namespace) -> int:
             return 0
         except Preempted as e:
             if dist.get_rank() == 0:
-                where = f"checkpoint {e.checkpoint} written" if e.checkpoint else "no checkpoint (no --out)"
-                Console(stderr=True).print(f"stopped by SIGTERM after step {e.step}; {where}; run the same command "
-                                           "again to resume", highlight=False)
+                Console(stderr=True).print(e.notice(), highlight=False)
             dist.barrier()
             return 128 + signal.SIGTERM
         if dist.get_rank() == 0 and history:

@@ -79,9 +79,7 @@ def train_hetero(args: argparse.Namespace, plan: HeteroPlan) -> int:
             history = fit(trainer, source, config)  # type: ignore[arg-type]  # the Trainer's interface
         except Preempted as e:
             if dist.get_rank() == 0:
-                where = f"checkpoint {e.checkpoint} written" if e.checkpoint else "no checkpoint (no --out)"
-                Console(stderr=True).print(f"stopped by SIGTERM after step {e.step}; {where}; run the same command "
-                                           "again to resume", highlight=False)
+                Console(stderr=True).print(e.notice(), highlight=False)
             dist.barrier()
             return 128 + signal.SIGTERM
         if dist.get_rank() == 0 and history:

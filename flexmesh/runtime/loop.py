@@ -185,6 +185,11 @@ class Preempted(Exception):
         super().__init__(f"stopped by SIGTERM after step {step}")
         self.step, self.checkpoint = step, checkpoint
 
+    def notice(self) -> str:
+        """The line a launcher prints: where the run stopped and how to go on."""
+        where = f"checkpoint {self.checkpoint} written" if self.checkpoint else "no checkpoint (no --out)"
+        return f"stopped by SIGTERM after step {self.step}; {where}; run the same command again to resume"
+
 
 def _open_run_folder(out: Path, resume: bool) -> tuple[bool, list[tuple[int, str]]]:
     """Rank 0: lock ``out``, refuse to start over a previous run, read the metrics to keep."""
