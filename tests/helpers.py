@@ -39,6 +39,35 @@ def train_config() -> Any:
                        progress=False)
 
 
+def reference_training(steps: list, cfg: Any = None, spec: Any = None) -> tuple[list[float], list[float], dict, dict]:
+    """Plain single-process AdamW steps over ``[(docs, StepSchedule)]`` (flexmesh.runtime.reference,
+    documents whole) of ``spec`` (default the tiny model) under ``cfg`` (default train_config()):
+    losses, gradient norms, step 1's clipped gradients and the weights after the last step -- what the
+    distributed runs are compared against."""
+    import torch
+
+    from flexmesh.runtime.config import lr_schedule_factor
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.reference import reference_loss
+
+    cfg = cfg if cfg is not None else train_config()
+    model = build_model(spec if spec is not None else tiny_spec(), device="cpu")
+    model.init_weights(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
+                                                                               cfg.min_lr_ratio))
+    losses, norms, grads = [], [], {}
+    for i, (docs, schedule) in enumerate(steps):
+        opt.zero_grad()
+        losses.append(reference_loss(model, docs, schedule))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+        if i == 0:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+        opt.step()
+        sched.step()
+    return losses, norms, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED, cut: bool = True) -> list:
     """Documents and hand-built StepSchedules: one group per dp replica, cp data ranks each.
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import flexmesh, launch, load_params, tiny_spec, train_config, write_inputs
+from helpers import flexmesh, launch, load_params, reference_training, tiny_spec, train_config, write_inputs
 
 from flexmesh.cost.memory import CUBLAS_WORKSPACE_BYTES
 from flexmesh.schedule.registry import RUNTIME_POLICIES
@@ -132,27 +132,8 @@ def releasing(fn, release: threading.Event):
 # ---- reference ------------------------------------------------------------------------------------
 def reference(steps: list) -> tuple[list[float], list[float], dict]:
     """Plain single-process AdamW steps over the same micro-batches: losses, gradient norms, weights."""
-    import torch
-
-    from flexmesh.runtime.config import lr_schedule_factor
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.reference import reference_loss
-
-    cfg = train_config()
-    model = build_model(tiny_spec(), device="cpu")
-    model.init_weights(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
-                                                                               cfg.min_lr_ratio))
-    losses, norms = [], []
-    for docs, schedule in steps:
-        opt.zero_grad()
-        losses.append(reference_loss(model, docs, schedule))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
-        opt.step()
-        sched.step()
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
+    losses, norms, _, params = reference_training(steps)
+    return losses, norms, params
 
 # ---- worker ---------------------------------------------------------------------------------------
 def _save_params(trainer, folder: Path) -> None:

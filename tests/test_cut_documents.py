@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import flexmesh, launch, tiny_spec, train_config, write_inputs
+from helpers import flexmesh, launch, reference_training, tiny_spec, train_config, write_inputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -217,29 +217,8 @@ def steps_for(name: str) -> list:
 
 def reference(steps: list) -> tuple[list[float], dict]:
     """One process, documents whole (flexmesh.runtime.reference): losses and step 1's clipped gradients."""
-    import torch
-
-    from flexmesh.runtime.config import lr_schedule_factor
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.reference import reference_loss
-
-    cfg = train_config()
-    model = build_model(tiny_spec(), device="cpu")
-    model.init_weights(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
-    losses, grads = [], {}
-    for i, (docs, schedule) in enumerate(steps):
-        opt.zero_grad()
-        losses.append(reference_loss(model, docs, schedule))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if i == 0:
-            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-        opt.step()
-        sched.step()
+    losses, _, grads, _ = reference_training(steps)
     return losses, grads
-
 
 def worker(out: Path, names: list[str]) -> None:
     import torch

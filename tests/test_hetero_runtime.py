@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import SEED, STEPS, flexmesh, launch, tiny_spec, train_config, write_inputs
+from helpers import SEED, STEPS, flexmesh, launch, reference_training, tiny_spec, train_config, write_inputs
 
 
 def _stage(a: int, b: int, *devices: int, recompute: str = "none") -> dict:
@@ -73,29 +73,8 @@ def make_steps(plan, steps: int = STEPS) -> list:
 # ---- reference ------------------------------------------------------------------------------------
 def reference(steps: list) -> tuple[list[float], dict, dict]:
     """Losses, parameters after the last step and (clipped) gradients of the first step, one process."""
-    import torch
-
-    from flexmesh.runtime.config import lr_schedule_factor
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.reference import reference_loss
-
-    cfg = train_config()
-    model = build_model(tiny_spec(), device="cpu")
-    model.init_weights(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
-                                                                               cfg.min_lr_ratio))
-    losses, grads = [], {}
-    for i, (docs, schedule) in enumerate(steps):
-        opt.zero_grad()
-        losses.append(reference_loss(model, docs, schedule))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if i == 0:
-            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-        opt.step()
-        sched.step()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
-
+    losses, _, grads, params = reference_training(steps)
+    return losses, params, grads
 
 # ---- worker ---------------------------------------------------------------------------------------
 def _full(t):

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import STEPS, launch, load_params, make_steps, tiny_spec, train_config
+from helpers import STEPS, launch, load_params, make_steps, reference_training, tiny_spec, train_config
 
 # name -> (world, plan fields). Strategies are per layer (4 layers); "layers" is the partition.
 LAYOUTS: dict[str, dict] = {
@@ -75,27 +75,9 @@ def reference(steps: list, window: bool = False) -> tuple[list[float], dict]:
     """A plain single-process loop over the same documents; no flexmesh runtime code but the model."""
     import torch
 
-    from flexmesh.runtime.config import lr_schedule_factor
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.reference import reference_loss
-
     torch.manual_seed(0)
-    cfg = train_config()
-    model = build_model(spec_for(window), device="cpu")
-    model.init_weights(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
-                                                                               cfg.min_lr_ratio))
-    losses = []
-    for docs, schedule in steps:
-        opt.zero_grad()
-        total = reference_loss(model, docs, schedule)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
+    losses, _, _, params = reference_training(steps, spec=spec_for(window))
+    return losses, params
 
 WEIGHTS_SEED = 99
 

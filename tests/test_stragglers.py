@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import launch, tiny_spec, train_config
+from helpers import launch, reference_training, tiny_spec, train_config
 
 WORLD = 2
 STEPS = 6
@@ -125,27 +125,7 @@ def _rows(folder: Path) -> list[dict]:
 
 def _reference_losses(steps: list) -> list[float]:
     """Plain single-process AdamW steps over the schedules that ran."""
-    import torch
-
-    from flexmesh.runtime.config import lr_schedule_factor
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.reference import reference_loss
-
-    cfg = dataclasses.replace(train_config(), max_steps=STEPS)
-    model = build_model(tiny_spec(), device="cpu")
-    model.init_weights(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
-                                                                               cfg.min_lr_ratio))
-    losses = []
-    for docs, schedule in steps:
-        opt.zero_grad()
-        losses.append(reference_loss(model, docs, schedule))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-    return losses
-
+    return reference_training(steps, cfg=dataclasses.replace(train_config(), max_steps=STEPS))[0]
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)

@@ -46,13 +46,13 @@ from flexmesh.layout.hetero import HeteroPlan, Replica
 from flexmesh.layout.mesh import Layout
 from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.runtime.config import StepMetrics, TrainConfig, lr_schedule_factor
-from flexmesh.runtime.distributed import cpu_group, peak_memory_gib
+from flexmesh.runtime.distributed import cpu_group
 from flexmesh.runtime.hetero_grads import HolderGroups, clip_replicated_grads
 from flexmesh.runtime.memory import SavedActivationMeter
 from flexmesh.runtime.packing import PackedBatch, global_label_tokens, pack_microbatch, pad_to
 from flexmesh.runtime.parallelize import activation_dtypes, autocast_bf16, check_dtype, check_model_fits_layout
 from flexmesh.runtime.pipeline import StageModule, build_pipeline_schedule, make_stages, split_stage
-from flexmesh.runtime.trainer import _dummy_batch, _GlobalLoss
+from flexmesh.runtime.trainer import _dummy_batch, _GlobalLoss, gathered_step
 from flexmesh.spec.model import ModelSpec
 
 POLICY = "hetero"  # the policy name a heterogeneous step schedule reports
@@ -252,22 +252,12 @@ class HeteroTrainer:
         elapsed = time.perf_counter() - t0
         # Each replica's loss is a partial sum of the global mean, held by its last stage's first rank.
         owner = self.place is not None and self.place.stage == self.replica.pp - 1 and self.place.tp_index == 0
-        mine = torch.tensor([local_loss if owner else 0.0, busy, float(peak), elapsed], dtype=torch.float64)
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, mine, group=self._cpu_group)
-        table = torch.stack(rows)
-        step_time = float(table[:, 3].max())
-        tokens = sum(p.length for g in schedule.groups for mb in g.microbatches for p in mb)
+        _, common = gathered_step([local_loss if owner else 0.0, busy, float(peak), elapsed], self._cpu_group,
+                                  schedule, self.device)
         self.step_index += 1
-        return StepMetrics(
-            step=self.step_index, loss=float(table[:, 0].sum()), grad_norm=grad_norm, lr=lr, tokens=tokens,
-            label_tokens=label_tokens, padded_tokens=sum(b.num_tokens for b in batches), microbatches=len(batches),
-            step_time_s=step_time, tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
-            peak_memory_gib=peak_memory_gib(self.device), policy=schedule.policy,
-            requested_policy=schedule.requested_policy or schedule.policy, fallback=schedule.fallback,
-            scheduler_s=schedule.scheduler_seconds, busy_s=tuple(float(x) for x in table[:, 1]),
-            activation_peak_bytes=tuple(int(x) for x in table[:, 2]), dtype=self.config.dtype,
-        )
+        return StepMetrics(step=self.step_index, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens,
+                           padded_tokens=sum(b.num_tokens for b in batches), microbatches=len(batches),
+                           dtype=self.config.dtype, **common)
 
     def _direct_step(self, batches: list[PackedBatch]) -> float:
         assert self.root is not None

@@ -100,6 +100,27 @@ def _dummy_batch(length: int) -> PackedBatch:
     )
 
 
+def gathered_step(row: Sequence[float], group, schedule: StepSchedule,
+                  device: torch.device) -> tuple[torch.Tensor, dict]:
+    """One all_gather over ``group`` of each rank's ``row`` -- its share of the loss (0 where another
+    rank holds it), busy seconds, saved-activation peak bytes, elapsed seconds, then anything else --
+    and the StepMetrics fields every trainer derives from that table and the schedule. Returns the
+    table (one row per rank) and those fields."""
+    mine = torch.tensor(list(row), dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows)
+    step_time = float(table[:, 3].max())
+    tokens = sum(p.length for g in schedule.groups for mb in g.microbatches for p in mb)
+    return table, {
+        "loss": float(table[:, 0].sum()), "tokens": tokens, "step_time_s": step_time,
+        "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "peak_memory_gib": peak_memory_gib(device),
+        "policy": schedule.policy, "requested_policy": schedule.requested_policy or schedule.policy,
+        "fallback": schedule.fallback, "scheduler_s": schedule.scheduler_seconds,
+        "busy_s": tuple(float(x) for x in table[:, 1]), "activation_peak_bytes": tuple(int(x) for x in table[:, 2]),
+    }
+
+
 class _GlobalLoss:
     """Summed token cross-entropy over the step's global label-token count (the pipeline loss_fn).
 
@@ -283,27 +304,14 @@ class Trainer:
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
         owner = self.coords["tp"] == 0 and self.coords["pp"] == self.layout.pp - 1
-        mine = torch.tensor([local_loss if owner else 0.0, busy, float(meter.peak_bytes), elapsed, self.clock.total()],
-                            dtype=torch.float64)
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, mine, group=self._cpu_group)
-        table = torch.stack(rows)
-        step_time = float(table[:, 3].max())
-        tokens = sum(p.length for g in schedule.groups for mb in g.microbatches for p in mb)
+        table, common = gathered_step([local_loss if owner else 0.0, busy, float(meter.peak_bytes), elapsed,
+                                       self.clock.total()], self._cpu_group, schedule, self.device)
         self.step_index += 1
         return StepMetrics(
-            step=self.step_index, loss=float(table[:, 0].sum()), grad_norm=grad_norm, lr=lr, tokens=tokens,
-            label_tokens=label_tokens, padded_tokens=sum(b.num_tokens for b in batches) * group.cp,
-            microbatches=len(batches), step_time_s=step_time,
-            tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
-            peak_memory_gib=peak_memory_gib(self.device),
-            policy=schedule.policy, requested_policy=schedule.requested_policy or schedule.policy,
-            fallback=schedule.fallback, scheduler_s=schedule.scheduler_seconds,
+            step=self.step_index, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens,
+            padded_tokens=sum(b.num_tokens for b in batches) * group.cp, microbatches=len(batches),
             predicted_step_time_s=schedule.predicted_step_time if schedule.predicted_step_time > 0 else None,
-            predicted_busy_s=self._predicted_busy(schedule),
-            busy_s=tuple(float(x) for x in table[:, 1]),
-            activation_peak_bytes=tuple(int(x) for x in table[:, 2]),
-            dtype=self.config.dtype,
+            predicted_busy_s=self._predicted_busy(schedule), dtype=self.config.dtype, **common,
             compute_s=tuple(float(x) for x in table[:, 4]) if self.layout.pp == 1 else (),
             emulated_speed=self.emulated_speed,
         )
