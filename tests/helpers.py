@@ -199,3 +199,23 @@ def unlocked(out: Path) -> bool:
             return False
         fcntl.flock(f, fcntl.LOCK_UN)
         return True
+
+
+def check_simulated_against_bound(policy: str, ctx: Any, lens: Any, options: dict,
+                                  exact_prediction: bool = True) -> None:
+    """Schedule ``lens`` with ``policy`` and simulate it: the micro-batch phase is never below the
+    scheduler's lower bound, the step never below bound + tail, and (``exact_prediction``) the
+    scheduler's predicted time equals the simulated phase."""
+    import pytest
+
+    from flexmesh.schedule.registry import make_schedule
+    from flexmesh.sim.timeline import simulate_step
+
+    s = make_schedule(policy, lens, ctx, **options)
+    slot = s.extra["context"] if policy == "padded" else None  # a padded slot computes its padding
+    tl = simulate_step(ctx, s, slot_tokens=slot)
+    phase = float(tl.work_end.max())
+    assert phase >= s.lower_bound * (1 - 1e-9)
+    assert tl.step_time >= s.lower_bound + tl.tail - 1e-12
+    if exact_prediction:
+        assert s.predicted_step_time == pytest.approx(phase, rel=1e-9)

@@ -17,6 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
+from helpers import check_simulated_against_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,6 @@ from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import lower_bound
 from flexmesh.schedule.registry import POLICIES, make_schedule
 from flexmesh.schedule.testing import tiny_context
-from flexmesh.sim.timeline import simulate_step
 from flexmesh.spec import parse_cluster, parse_model
 
 OPTIONS = {"milp": {"node_limit": 50}}
@@ -75,14 +75,7 @@ def cases(draw):
 @given(cases())
 def test_simulated_step_never_below_the_bound_and_prediction_equals_simulation(case):
     policy, ctx, lens = case
-    s = make_schedule(policy, lens, ctx, **OPTIONS.get(policy, {}))
-    slot = s.extra["context"] if policy == "padded" else None  # a padded slot computes its padding
-    tl = simulate_step(ctx, s, slot_tokens=slot)
-    phase = float(tl.work_end.max())
-    assert phase >= s.lower_bound * (1 - 1e-9)
-    assert tl.step_time >= s.lower_bound + tl.tail - 1e-12
-    if ctx.pp == 1:
-        assert s.predicted_step_time == pytest.approx(phase, rel=1e-9)
+    check_simulated_against_bound(policy, ctx, lens, OPTIONS.get(policy, {}), exact_prediction=ctx.pp == 1)
 
 
 @pytest.mark.parametrize("policy", sorted(str(p) for p in POLICIES))

@@ -40,12 +40,7 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostMod
             if s.devices != D:
                 raise PlanError(f"{where} uses tp x cp x dp = {s.devices} devices but each of the {plan.pp} "
                                 f"pipeline stages has {D}; make tp*cp*dp equal {D}")
-            if model.num_heads % s.tp:
-                raise PlanError(f"{where}: tp {s.tp} does not divide the {model.num_heads} attention heads; "
-                                "use a tp that divides them")
-            if not (model.num_kv_heads % s.tp == 0 or s.tp % model.num_kv_heads == 0):
-                raise PlanError(f"{where}: tp {s.tp} and the {model.num_kv_heads} KV heads do not divide each "
-                                "other; use a tp that divides them or a multiple of them")
+            check_tp_heads(model, s.tp, where)
             if s.tp > cluster.devices_per_node:
                 raise PlanError(f"{where}: tp {s.tp} spans more than one node of {cluster.devices_per_node} "
                                 "devices; keep tp within a node")
@@ -64,6 +59,16 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostMod
                             "or ZeRO-3 on that stage's layers")
     return ev
 
+
+def check_tp_heads(model: ModelSpec, tp: int, where: str) -> None:
+    """Raise PlanError unless tensor parallelism of degree ``tp`` splits the attention heads and
+    divides, or is a multiple of, the KV heads (which are then repeated)."""
+    if model.num_heads % tp:
+        raise PlanError(f"{where}: tp {tp} does not divide the {model.num_heads} attention heads; "
+                        "use a tp that divides them")
+    if not (model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0):
+        raise PlanError(f"{where}: tp {tp} and the {model.num_kv_heads} KV heads do not divide each "
+                        "other; use a tp that divides them or a multiple of them")
 
 def _shape(spec: ModelSpec) -> dict:
     """What makes two models the same for a plan: every field but the name and the dtype."""

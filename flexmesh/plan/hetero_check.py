@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.hetero import HeteroPlan
-from flexmesh.plan.check import check_model
+from flexmesh.plan.check import check_model, check_tp_heads
 from flexmesh.plan.hetero_cost import HeteroEvaluation, MixedCosts, evaluate_hetero
 from flexmesh.spec.cluster import MixedCluster
 from flexmesh.spec.model import ModelSpec
@@ -39,12 +39,7 @@ def check_hetero_plan(plan: HeteroPlan, model: ModelSpec, cluster: MixedCluster,
             if len(nodes) > 1:
                 raise PlanError(f"{where} spans nodes {nodes}; a TP group stays inside one node: take devices "
                                 f"of one node (its group has {cluster.groups[groups[0]].devices_per_node} per node)")
-            if model.num_heads % st.tp:
-                raise PlanError(f"{where}: tp {st.tp} does not divide the {model.num_heads} attention heads; "
-                                "use a TP group whose size divides them")
-            if not (model.num_kv_heads % st.tp == 0 or st.tp % model.num_kv_heads == 0):
-                raise PlanError(f"{where}: tp {st.tp} and the {model.num_kv_heads} KV heads do not divide each "
-                                "other; use a TP group whose size divides them or is a multiple of them")
+            check_tp_heads(model, st.tp, where)
     ev = evaluate_hetero(plan, costs)
     for i, j, s in ev.over_budget():
         st = plan.replicas[i].stages[j]
