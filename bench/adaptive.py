@@ -25,15 +25,15 @@ figure for it on the same batches is printed. The adaptive policies choose group
 ``hdp``, ``milp`` and ``chunked`` (each where ``flexmesh train`` offers it). ``milp`` runs without
 ``--adaptive``: every step runs its own schedule, computed in the background during the previous step.
 
-Schedules are priced by profiles of this machine (``flexmesh profile hardware|model --quick`` with
-the same number of processes); each step's predicted time is the step simulator's for the schedule
-that ran, as the trainer logs it (``predicted_step_time_s``, docs/metrics.md). Per run: measured
-tokens/s (the first step left out as warm-up), the speedup over the best baseline (by measured
-tokens/s), the predicted speedup over that same baseline run (the simulator's step times of the same
-schedules, same steps), the median step-time error, measured imbalance (busy time, max / mean over
-ranks), scheduler time and fallbacks; then mean step times by step kind. Targets: the best adaptive
-run >= 1.05x the best baseline, and its predicted speedup within 0.05 of the measured one. Records
-the section "adaptive" of bench/RESULTS.md with the commit (not with ``--quick``).
+Schedules are priced by profiles of this machine (``flexmesh profile hardware|model``, full sweeps, with
+the same number of processes; ``--quick`` profiles with the quick sweeps); each step's predicted time is
+the step simulator's for the schedule that ran, as the trainer logs it (``predicted_step_time_s``,
+docs/metrics.md). Per run: measured tokens/s (the first step left out as warm-up), the speedup over the
+best baseline (by measured tokens/s), the predicted speedup over that same baseline run (the simulator's
+step times of the same schedules, same steps), the median step-time error, measured imbalance (busy
+time, max / mean over ranks), scheduler time and fallbacks; then mean step times by step kind. Targets:
+the best adaptive run >= 1.05x the best baseline, and its predicted speedup within 0.05 of the measured
+one. Records the section "adaptive" of bench/RESULTS.md with the commit (not with ``--quick``).
 
 Why one process per core: with 4 processes on 2 cores a rank that waits for the others hands its
 core to a busy one, so an imbalanced step costs almost nothing and balancing shows no gain. The runs
@@ -41,7 +41,8 @@ go one after another, so on a shared machine a change of load between them reads
 load average before and after is recorded; only figures from a quiet machine count.
 
     python -m bench.adaptive                  # full run: 12 steps of 8 documents <= 4096 tokens, 9 runs;
-                                              # about 6 to 8 minutes on 2 quiet cores (11 at load 7 to 9)
+                                              # about 6 to 8 minutes on 2 quiet cores (11 at load 7 to 9),
+                                              # plus about 6 minutes of model profiling
     python -m bench.adaptive --quick          # 3 steps of 6 documents <= 1024 tokens, baselines: fixed
                                               # only; prints only
     python -m bench.adaptive --profiles DIR   # reuse hardware.json and model.json in DIR (profiled
@@ -78,6 +79,23 @@ def flexmesh(argv: list[str]) -> None:
                           timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"flexmesh {' '.join(argv)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def machine_profiles(folder: Path, nproc: int, quick: bool, console) -> tuple[Path, Path]:
+    """hardware.json and model.json of this machine and MODEL in ``folder``, profiled with ``nproc``
+    processes where missing: the full sweeps unless ``quick``. The quick model sweep stops at rows of
+    2048 tokens and times each row twice; its fit, stretched to rows of twice that, mispriced them by
+    10-15%."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hw, mp = folder / "hardware.json", folder / "model.json"
+    if hw.is_file() and mp.is_file():
+        console.print(f"reusing the profiles in {folder}", highlight=False)
+        return hw, mp
+    console.print(f"profiling this machine and {MODEL} with {nproc} processes", highlight=False)
+    sweep = ["--quick"] if quick else []
+    flexmesh(["profile", "hardware", *sweep, "--nproc", str(nproc), "--out", str(hw), "--no-progress"])
+    flexmesh(["profile", "model", "--model", MODEL, *sweep, "--nproc", str(nproc), "--out", str(mp), "--no-progress"])
+    return hw, mp
 
 
 def workload(tmp: Path, steps: int, global_batch: int, max_len: int, seed: int, medium: int = 0
@@ -214,16 +232,7 @@ def main() -> None:
             console.print(f"step {k + 1}: {len(b)} documents, {b.sum():,} tokens, longest {b.max()}, shortest "
                           f"{b.min()}, max/min {ratios[k]:.0f}x", highlight=False)
         assert (ratios >= 100).all(), f"every step must hold documents 100x apart; got {ratios}"
-        prof = Path(args.profiles) if args.profiles else tmp
-        prof.mkdir(parents=True, exist_ok=True)
-        hw, mp = prof / "hardware.json", prof / "model.json"
-        if hw.is_file() and mp.is_file():
-            console.print(f"reusing the profiles in {prof}", highlight=False)
-        else:
-            console.print(f"profiling this machine and {MODEL} with {n} processes", highlight=False)
-            flexmesh(["profile", "hardware", "--quick", "--nproc", str(n), "--out", str(hw), "--no-progress"])
-            flexmesh(["profile", "model", "--model", MODEL, "--quick", "--nproc", str(n), "--out", str(mp),
-                      "--no-progress"])
+        hw, mp = machine_profiles(Path(args.profiles) if args.profiles else tmp, n, args.quick, console)
         spec = parse_model(MODEL)
         s = LayerStrategy.parse(f"tp1-dp{n}z2")
         plan = Plan(model=MODEL, cluster=f"{n}xcpu", world_size=n, pp=1, pipeline_schedule="1f1b", num_microbatches=1,
@@ -349,7 +358,8 @@ def report(console, args, runs: dict, metrics: dict[str, list[dict]], longs: lis
               f"per step, {args.medium} medium, the rest short (every step's longest document >= 100x its "
               "shortest); the same batches and initial weights for every run; baselines swept over their static "
               "context-parallel degree, best kept; schedules priced by "
-              + (f"the profiles reused from {args.profiles}" if args.profiles else "quick profiles of this machine")
+              + (f"the profiles reused from {args.profiles}" if args.profiles
+                 else "full-sweep profiles of this machine")
               + "; tokens/s "
               f"and predictions leave out the first step. Speedups are over the best baseline by measured tokens/s "
               f"({best_base}); the predicted speedup is the simulator's step times of the same schedules over that "

@@ -1,13 +1,13 @@
 """A slow rank on this machine, measured: static against re-planned per-step schedules (2 processes).
 
 On this machine: the ``tiny`` model (4 layers, hidden 256, fp32, CPU), 2 processes (gloo,
-OMP_NUM_THREADS=1: one process per core), a replicated ZeRO-2 layout over both ranks, ``--steps``
-steps of ``--global-batch`` Python standard-library sources truncated to ``--max-len`` tokens, the
-``balanced`` policy (cost-aware longest-processing-time placement, speed-aware) on groups of one
-rank (``--cp 1``), schedules priced by quick profiles of this machine. Rank 1's compute is
-**emulated** at ``--factor`` of its speed (``flexmesh train --emulate-speed 1=FACTOR``: each of its
-forward and backward computations is stretched by a busy wait to 1/FACTOR of its measured time), in
-both runs, from the first step:
+OMP_NUM_THREADS=1: one process per core), a replicated ZeRO-2 layout over both ranks, ``--steps`` steps
+of ``--global-batch`` Python standard-library sources truncated to ``--max-len`` tokens, the
+``balanced`` policy (cost-aware longest-processing-time placement, speed-aware) on groups of one rank
+(``--cp 1``), schedules priced by full-sweep profiles of this machine (``--quick``: quick sweeps). Rank
+1's compute is **emulated** at ``--factor`` of its speed (``flexmesh train --emulate-speed 1=FACTOR``:
+each of its forward and backward computations is stretched by a busy wait to 1/FACTOR of its measured
+time), in both runs, from the first step:
 
 - ``static``: ``--no-replan``: speeds are measured and the straggler reported, the schedules stay
   as made for nominal speeds;
@@ -25,7 +25,8 @@ simulator within 15% of the measured step time. Records the section "hetero_meas
 bench/RESULTS.md with the commit and the load average (not with ``--quick``); the machine is shared,
 so only figures from a quiet machine count.
 
-    python -m bench.hetero_measured                  # 12 steps of 16 documents <= 512 tokens, about 3 minutes
+    python -m bench.hetero_measured                  # 12 steps of 16 documents <= 512 tokens, about 2 minutes
+                                                     # plus about 6 minutes of profiling
     python -m bench.hetero_measured --quick          # 6 steps of 8 documents <= 256 tokens; prints only
     python -m bench.hetero_measured --profiles DIR   # reuse hardware.json and model.json in DIR
 """
@@ -41,9 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.adaptive import flexmesh  # noqa: E402  (after the path: `python bench/hetero_measured.py` works)
+from bench.adaptive import MODEL, machine_profiles  # noqa: E402  (after the path: `python bench/hetero_measured.py` works)
 
-MODEL = "tiny"
 NPROC = 2
 TARGETS = {"speedup": 1.25, "recovery_steps": 5, "simulator_error": 0.15}
 
@@ -73,14 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep) if args.keep else Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
-        prof = Path(args.profiles) if args.profiles else tmp
-        prof.mkdir(parents=True, exist_ok=True)
-        hw, mp = prof / "hardware.json", prof / "model.json"
-        if not (hw.is_file() and mp.is_file()):
-            console.print(f"profiling this machine and {MODEL} with {NPROC} processes", highlight=False)
-            flexmesh(["profile", "hardware", "--quick", "--nproc", str(NPROC), "--out", str(hw), "--no-progress"])
-            flexmesh(["profile", "model", "--model", MODEL, "--quick", "--nproc", str(NPROC), "--out", str(mp),
-                      "--no-progress"])
+        hw, mp = machine_profiles(Path(args.profiles) if args.profiles else tmp, NPROC, args.quick, console)
         plan_path = tmp / "plan.json"
         training_plan(NPROC, args.max_len, args.global_batch, MODEL).save(plan_path)
         flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hw), "--model-profile", str(mp)]
@@ -143,9 +136,10 @@ def report(console, args, d: dict, metrics: dict, load: tuple[float, ...]) -> No
         return
     from bench._results import markdown_table, record
 
+    priced_by = f"the profiles reused from {args.profiles}" if args.profiles else "full-sweep profiles of this machine"
     md = [f"`{MODEL}` (4 layers, hidden 256, fp32) on {NPROC} processes of this machine ({os.cpu_count()} cores, gloo, "
           f"OMP_NUM_THREADS=1), replicated ZeRO-2 layout, `balanced` policy on one-rank groups, schedules priced by "
-          f"quick profiles of this machine; {args.steps} steps of {args.global_batch} Python standard-library "
+          f"{priced_by}; {args.steps} steps of {args.global_batch} Python standard-library "
           f"sources truncated to {args.max_len} tokens, the same batches and initial weights for both runs. Rank 1 "
           f"is emulated at {args.factor:g}x speed in both (`--emulate-speed 1={args.factor:g}`); `static` runs with "
           "`--no-replan`, `adaptive` re-plans. Throughput over the steps from the first re-planned one to the end.",

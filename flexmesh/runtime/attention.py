@@ -153,8 +153,12 @@ def _local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     cuts = [0, *sorted(set(bounds)), t]
     if len(cuts) == 2:
         return _sdpa_document(q, k, v, window)
-    return torch.cat([_sdpa_document(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], window)
-                      for a, b in zip(cuts[:-1], cuts[1:])], dim=2)
+    # split, not one slice per document: a slice's backward writes its gradient into a zero tensor
+    # of the whole row, so n documents would cost n x row in backward; split's backward is one cat.
+    sizes = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+    return torch.cat([_sdpa_document(qi, ki, vi, window)
+                      for qi, ki, vi in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))],
+                     dim=2)
 
 
 def flash_window_size(window: int | None) -> tuple[int, int]:

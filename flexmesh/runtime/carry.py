@@ -198,9 +198,10 @@ def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     t, tq = k.shape[2], q.shape[2]
     cuts = [0, *sorted({int(x) for x in cu_seqlens.tolist() if 0 < int(x) < t}), t]
     outs = []
-    for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+    # split, not slices: each slice's backward would write into a zero tensor of the whole row
+    sizes = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+    for s, (a, b, ks, vs) in enumerate(zip(cuts[:-1], cuts[1:], k.split(sizes, dim=2), v.split(sizes, dim=2))):
         piece = view.segments[s] if s < len(view.segments) else None  # None: padding
-        ks, vs = k[:, :, a:b], v[:, :, a:b]
         start = 0
         if piece is not None:
             start = piece.start
