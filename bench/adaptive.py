@@ -38,11 +38,13 @@ one. Records the section "adaptive" of bench/RESULTS.md with the commit (not wit
 Why one process per core: with 4 processes on 2 cores a rank that waits for the others hands its
 core to a busy one, so an imbalanced step costs almost nothing and balancing shows no gain. The runs
 go one after another, so on a shared machine a change of load between them reads as a speedup: the
-load average before and after is recorded; only figures from a quiet machine count.
+load average before and after is recorded; only figures from a quiet machine count. Two runs of the
+same schedules differed by up to 6% in tokens/s on this machine, more than the margins judged here,
+so every run trains ``--repeats`` times (default 3), in rounds, and each step counts its median.
 
-    python -m bench.adaptive                  # full run: 12 steps of 8 documents <= 4096 tokens, 9 runs;
-                                              # about 6 to 8 minutes on 2 quiet cores (11 at load 7 to 9),
-                                              # plus about 6 minutes of model profiling
+    python -m bench.adaptive                  # full run: 12 steps of 8 documents <= 4096 tokens, 9 runs
+                                              # x 3 repeats; about 13 minutes on 2 quiet cores, plus about
+                                              # 6 minutes of model profiling
     python -m bench.adaptive --quick          # 3 steps of 6 documents <= 1024 tokens, baselines: fixed
                                               # only; prints only
     python -m bench.adaptive --profiles DIR   # reuse hardware.json and model.json in DIR (profiled
@@ -170,6 +172,16 @@ def summarise(rows: list[dict]) -> dict:
     return d
 
 
+def median_rows(repeats: list[list[dict]]) -> list[dict]:
+    """Per step, the metrics row of the repeat whose step time is the median (the lower middle one
+    of an even count): the same schedules, so only the clock differs between repeats."""
+    out = []
+    for step_rows in zip(*repeats, strict=True):
+        ranked = sorted(step_rows, key=lambda r: r["step_time_s"])
+        out.append(ranked[(len(ranked) - 1) // 2])
+    return out
+
+
 def simulated_only(policy: str, batches: list[np.ndarray], scheduler_args: tuple, degrees: list[int]) -> tuple:
     """(predicted tokens/s, setting) of a policy `flexmesh train` does not run, simulated on the same batches
     (first step left out) and context as the runs; (None, why) when the simulator cannot schedule it."""
@@ -201,12 +213,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profiles", help="folder holding hardware.json and model.json to reuse instead of profiling")
     ap.add_argument("--keep", metavar="DIR", help="keep the corpus, profiles and every run's metrics.jsonl in DIR")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="train every run this many times, in rounds; each step's median counts (default 3)")
     ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
     ap.add_argument("--quick", action="store_true",
-                    help="3 steps of 6 documents of at most 1024 tokens, baselines: fixed only; prints only")
+                    help="3 steps of 6 documents of at most 1024 tokens, fixed only, one repeat; prints only")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.global_batch, args.max_len = 3, 6, 1024
+        args.steps, args.global_batch, args.max_len, args.repeats = 3, 6, 1024, 1
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: the first step is a warm-up")
 
@@ -240,20 +256,23 @@ def main() -> None:
                     stages=(StagePlan(0, spec.num_layers, (s,) * spec.num_layers),), cost_source="profile")
         plan_path = tmp / "plan.json"
         plan.save(plan_path)
-        metrics: dict[str, list[dict]] = {}
-        for i, (label, (_, extra)) in enumerate(runs.items()):
-            out = tmp / f"run{i}"
-            shutil.rmtree(out, ignore_errors=True)  # a kept folder's earlier run of this bench
-            flexmesh(["train", "--plan", str(plan_path), "--corpus", str(corpus), "--tokenizer", str(tok),
-                      "--cache-dir", str(tmp / "cache"), "--max-steps", str(args.steps), "--global-batch",
-                      str(args.global_batch), "--max-len", str(args.max_len), "--out", str(out), "--nproc", str(n),
-                      "--no-resume", "--no-progress", "--seed", str(args.seed), "--hardware-profile",
-                      str(hw), "--model-profile", str(mp), *extra])
-            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-            got = [r["tokens"] for r in rows]
-            assert got == [int(b.sum()) for b in batches], f"{label} trained other batches: tokens per step {got}"
-            metrics[label] = rows
-            console.print(f"trained {label}: {summarise(rows)['tokens_per_s']:,.0f} tokens/s", highlight=False)
+        repeats: dict[str, list[list[dict]]] = {label: [] for label in runs}
+        for k in range(args.repeats):  # rounds: every run once per round, so a change of load hits all alike
+            for i, (label, (_, extra)) in enumerate(runs.items()):
+                out = tmp / f"run{i}" / f"repeat{k}"
+                shutil.rmtree(out, ignore_errors=True)  # a kept folder's earlier run of this bench
+                flexmesh(["train", "--plan", str(plan_path), "--corpus", str(corpus), "--tokenizer", str(tok),
+                          "--cache-dir", str(tmp / "cache"), "--max-steps", str(args.steps), "--global-batch",
+                          str(args.global_batch), "--max-len", str(args.max_len), "--out", str(out), "--nproc",
+                          str(n), "--no-resume", "--no-progress", "--seed", str(args.seed), "--hardware-profile",
+                          str(hw), "--model-profile", str(mp), *extra])
+                rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+                got = [r["tokens"] for r in rows]
+                assert got == [int(b.sum()) for b in batches], f"{label} trained other batches: tokens per step {got}"
+                repeats[label].append(rows)
+                console.print(f"round {k + 1}/{args.repeats}, trained {label}: "
+                              f"{summarise(rows)['tokens_per_s']:,.0f} tokens/s", highlight=False)
+        metrics = {label: median_rows(rr) for label, rr in repeats.items()}
         from flexmesh.profile.use import cost_model_from_profiles
         from flexmesh.schedule.scheduler import Scheduler
 
@@ -360,7 +379,7 @@ def report(console, args, runs: dict, metrics: dict[str, list[dict]], longs: lis
               "context-parallel degree, best kept; schedules priced by "
               + (f"the profiles reused from {args.profiles}" if args.profiles
                  else "full-sweep profiles of this machine")
-              + "; tokens/s "
+              + f"; every run trained {args.repeats} times in rounds, each step's median kept; tokens/s "
               f"and predictions leave out the first step. Speedups are over the best baseline by measured tokens/s "
               f"({best_base}); the predicted speedup is the simulator's step times of the same schedules over that "
               "run's.", "",
