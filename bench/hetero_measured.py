@@ -102,6 +102,8 @@ def report(console, args, d: dict, metrics: dict, load: tuple[float, ...]) -> No
          f"<= {TARGETS['recovery_steps']}", verdict(recovery is not None and recovery <= TARGETS["recovery_steps"])),
         ("simulator vs measured step time (median absolute error)", "-" if err is None else f"{err:.1%}",
          f"<= {TARGETS['simulator_error']:.0%}", verdict(None if err is None else err <= TARGETS["simulator_error"])),
+        ("the same, each step priced at the pace of the steps before it (not the target)",
+         "-" if d["paced_error"] is None else f"{d['paced_error']:.1%}", "-", "-"),
     ]
     cols = ("run", f"tokens/s, steps {d['recovery_step'] or 2}-{args.steps}", "mean step (s)", "predicted step (s)")
     rows = [("static", f"{d['static_tokens_per_s']:,.0f}", f"{d['static_step_s']:.3f}", "-"),
@@ -124,7 +126,11 @@ def report(console, args, d: dict, metrics: dict, load: tuple[float, ...]) -> No
                                                             if k in e) for s, e in d["events"]]
     per_step = ["step " + str(r["step"]) + ": measured speeds " + str(r["speed"]) + ", scheduled for "
                 + str(r["assumed_speed"]) for r in metrics["adaptive"]]
+    pace = "-" if d["pace"] is None else f"{d['pace']:.2f}"
     lines = [*events, *per_step,
+             f"pace (the fastest rank's profiled work over its measured compute, median over the steps): {pace}; "
+             "the logged predictions price the profile as taken, so they are off by this factor on every rank "
+             "(flexmesh.report.stragglers.step_pace)",
              f"load average {load[0]:.1f} before the runs, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores); "
              "the machine is shared: re-take these figures on a quiet machine before relying on them",
              "rank 1's slowness is EMULATED (--emulate-speed: busy waits stretching its forwards and backwards), "
