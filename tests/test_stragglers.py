@@ -238,9 +238,8 @@ def test_report_plots_speeds_and_marks_events(tmp_path):
 
 
 def test_paced_predictions_use_only_earlier_steps():
-    """A machine running at 0.8 of its profile: after the warm-up step the paced prediction is the
-    logged one / 0.8, exact once a step has shown the pace; the pace of a later, faster step must
-    not leak into an earlier prediction."""
+    """After the warm-up step, each step's paced prediction is the logged one over the median pace of
+    the steps before it: neither its own pace nor a later step's leaks in."""
     from flexmesh.report.stragglers import paced_predictions, step_pace
 
     def row(step: int, pace: float) -> dict:
@@ -248,11 +247,12 @@ def test_paced_predictions_use_only_earlier_steps():
         return {"step": step, "predicted_step_time_s": 2.0, "predicted_busy_s": pred, "assumed_speed": [1.0, 0.5],
                 "compute_s": [p * a / pace for p, a in zip(pred, [1.0, 0.5])], "step_time_s": 2.0 / pace}
 
-    rows = [row(1, 0.3), row(2, 0.8), row(3, 0.8), row(4, 0.4)]
-    assert [step_pace(r) for r in rows] == pytest.approx([0.3, 0.8, 0.8, 0.4])
+    rows = [row(1, 0.3), row(2, 0.8), row(3, 0.5), row(4, 0.4)]
+    assert [step_pace(r) for r in rows] == pytest.approx([0.3, 0.8, 0.5, 0.4])
     paced = paced_predictions(rows)
     assert paced[:2] == [None, None]  # step 1 is the warm-up: nothing before step 2 counts
-    assert paced[2] == pytest.approx(2.5) and paced[3] == pytest.approx(2.5)
+    assert paced[2] == pytest.approx(2.0 / 0.8)  # step 2's pace only, not step 3's own
+    assert paced[3] == pytest.approx(2.0 / 0.65)  # the median of steps 2 and 3, not step 4's
     assert step_pace({"step": 1}) is None
 
 
