@@ -207,23 +207,83 @@ def _run_folder(args: argparse.Namespace) -> Iterator[None]:
         release_run_folder(args.out)
 
 
-def _train(args: argparse.Namespace) -> int:
+def check_world(args: argparse.Namespace, plan) -> None:
+    """Refuse a launch of another size than the plan's, before joining (a wrong launch should not
+    wait for peers)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != plan.world_size:
+        raise PlanError(f"plan {args.plan} is for {plan.world_size} ranks but {world} were launched; use "
+                        f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
+
+
+def document_loader(args: argparse.Namespace, spec, plan):
+    """The run's seeded loader over ``--corpus`` under ``--tokenizer`` (trained when not given)."""
+    from flexmesh.data.corpus import stdlib_corpus
+    from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
+    from flexmesh.errors import DataError
+
+    corpus = stdlib_corpus() if args.corpus == "stdlib" else args.corpus
+    corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
+    if tok.get_vocab_size() > spec.vocab:
+        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
+                        "tokenizer with at most that many tokens, or drop --tokenizer to train one")
+    return DocumentLoader(corpus_tokens, global_batch=args.global_batch or plan.global_batch,
+                          max_len=args.max_len or plan.seq_len, seed=args.seed)
+
+
+def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
+    """The TrainConfig the flags describe."""
+    from flexmesh.commands.migrate import RESHARD_ENV
+    from flexmesh.runtime.config import TrainConfig
+
+    return TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
+                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                       seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
+                       resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
+                       dtype=args.dtype, emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV))
+
+
+def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:
+    """Train on every rank (flexmesh.runtime.loop.fit) and say on rank 0 how it ended: the last step
+    (``what`` follows its tokens/s), a hand-over to a migration (exit 0) or a preemption (exit
+    128 + SIGTERM, after the notice of what was saved)."""
     import signal
 
     import torch.distributed as dist
     from rich.console import Console
 
-    from flexmesh.commands.migrate import RESHARD_ENV
-    from flexmesh.data.corpus import stdlib_corpus
-    from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
-    from flexmesh.errors import DataError
+    from flexmesh.runtime.loop import Migrating, Preempted, fit
+
+    try:
+        history = fit(trainer, source, config, **fit_kwargs)
+    except Migrating as e:
+        if dist.get_rank() == 0:
+            Console(stderr=True).print(f"migrating after step {e.step}: predicted gain "
+                                       f"{e.event.get('predicted_gain')}, new plan {e.event.get('plan')}",
+                                       highlight=False)
+        dist.barrier()
+        return 0
+    except Preempted as e:
+        if dist.get_rank() == 0:
+            Console(stderr=True).print(e.notice(), highlight=False)
+        dist.barrier()
+        return 128 + signal.SIGTERM
+    if dist.get_rank() == 0 and history:
+        last = history[-1]
+        Console().print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s{what}; "
+                        f"metrics in {os.path.join(out, 'metrics.jsonl')}", highlight=False)
+    dist.barrier()
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     from flexmesh.layout.hetero import HeteroPlan, load_plan
     from flexmesh.layout.mesh import layout_from_plan
     from flexmesh.plan.check import check_model
     from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.config import TrainConfig
     from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import Migrating, Preempted, fit
     from flexmesh.runtime.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
@@ -244,24 +304,15 @@ def _train(args: argparse.Namespace) -> int:
 
         for warning in overlap_warnings(plan):
             print(f"warning: {warning}", file=sys.stderr)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan.world_size:  # before joining: a wrong launch should not wait for peers
-        raise PlanError(f"plan {args.plan} is for {plan.world_size} ranks but {world} were launched; use "
-                        f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
+    check_world(args, plan)
     from flexmesh.runtime.stragglers import parse_emulation
 
-    emulated = parse_emulation(args.emulate_speed, world)
+    emulated = parse_emulation(args.emulate_speed, plan.world_size)
     if emulated and os.environ.get("RANK", "0") == "0":
         print("EMULATION (--emulate-speed): " + ", ".join(f"rank {r} computes at {f:g}x" for r, f in emulated.items())
               + "; metrics.jsonl records it as emulated_speed", file=sys.stderr)
-    corpus = stdlib_corpus() if args.corpus == "stdlib" else args.corpus
-    corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
-    if tok.get_vocab_size() > spec.vocab:
-        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
-                        "tokenizer with at most that many tokens, or drop --tokenizer to train one")
+    loader = document_loader(args, spec, plan)
     max_len = args.max_len or plan.seq_len
-    loader = DocumentLoader(corpus_tokens, global_batch=args.global_batch or plan.global_batch, max_len=max_len,
-                            seed=args.seed)
     if args.hardware_profile or args.model_profile:
         from flexmesh.profile.use import cost_model_from_profiles
 
@@ -281,12 +332,7 @@ def _train(args: argparse.Namespace) -> int:
     fallback_fn = simulated_scheduler(Scheduler(plan, spec, args.fallback_policy, max_len, args.seed, cp=args.cp,
                                                 cost=cost))
 
-    config = TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
-                         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                         seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
-                         resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
-                         dtype=args.dtype, emulate_speed=tuple(emulated.items()),
-                         reshard_from=os.environ.get(RESHARD_ENV))
+    config = train_config(args, emulate_speed=tuple(emulated.items()))
     init_distributed(timeout_s=args.collective_timeout)
     try:
         trainer = Trainer(plan, spec, config, weights=args.weights)
@@ -304,28 +350,9 @@ def _train(args: argparse.Namespace) -> int:
 
             planned = with_batch(plan, global_batch=args.global_batch or plan.global_batch)  # the batch it runs
             migration = MigrationCheck(planned, spec, monitor, args.out, args.max_steps)
-        try:
-            history = fit(trainer, source, config, monitor=monitor, migration=migration)
-        except Migrating as e:
-            if dist.get_rank() == 0:
-                Console(stderr=True).print(f"migrating after step {e.step}: predicted gain "
-                                           f"{e.event.get('predicted_gain')}, new plan {e.event.get('plan')}",
-                                           highlight=False)
-            dist.barrier()
-            return 0
-        except Preempted as e:
-            if dist.get_rank() == 0:
-                Console(stderr=True).print(e.notice(), highlight=False)
-            dist.barrier()
-            return 128 + signal.SIGTERM
-        if dist.get_rank() == 0 and history:
-            last = history[-1]
-            Console().print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s; "
-                            f"metrics in {os.path.join(args.out, 'metrics.jsonl')}", highlight=False)
-        dist.barrier()
+        return fit_and_report(trainer, source, config, args.out, monitor=monitor, migration=migration)
     finally:
         dist.destroy_process_group()
-    return 0
 
 
 def _straggler_monitor(args: argparse.Namespace, trainer, schedule_fn, source, rank0: bool):

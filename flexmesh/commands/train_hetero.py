@@ -9,8 +9,6 @@ flexmesh.runtime.hetero.HeteroTrainer (docs/cli-train.md#heterogeneous-plans).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.hetero import HeteroPlan
@@ -36,58 +34,26 @@ def check_flags(args: argparse.Namespace, plan: HeteroPlan) -> None:
 
 def train_hetero(args: argparse.Namespace, plan: HeteroPlan) -> int:
     import torch.distributed as dist
-    from rich.console import Console
 
-    from flexmesh.commands.migrate import RESHARD_ENV
-    from flexmesh.data.corpus import stdlib_corpus
-    from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
-    from flexmesh.errors import DataError
+    from flexmesh.commands.train import check_world, document_loader, fit_and_report, train_config
     from flexmesh.plan.check import check_model
     from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.config import TrainConfig
     from flexmesh.runtime.distributed import init_distributed
     from flexmesh.runtime.hetero import HeteroTrainer, check_runnable, hetero_schedule
-    from flexmesh.runtime.loop import Preempted, fit
     from flexmesh.spec.model import parse_model
 
     check_flags(args, plan)
     spec = parse_model(args.model or plan.model)
     check_model(plan, spec, by_name=False)  # type: ignore[arg-type]  # reads only plan.model
     check_runnable(plan, spec)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan.world_size:  # before joining: a wrong launch should not wait for peers
-        raise PlanError(f"plan {args.plan} is for {plan.world_size} ranks but {world} were launched; use "
-                        f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
-    corpus = stdlib_corpus() if args.corpus == "stdlib" else args.corpus
-    corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
-    if tok.get_vocab_size() > spec.vocab:
-        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
-                        "tokenizer with at most that many tokens, or drop --tokenizer to train one")
-    loader = DocumentLoader(corpus_tokens, global_batch=plan.global_batch, max_len=args.max_len or plan.seq_len,
-                            seed=args.seed)
-    config = TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
-                         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                         seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
-                         resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
-                         dtype=args.dtype, reshard_from=os.environ.get(RESHARD_ENV))
+    check_world(args, plan)
+    loader = document_loader(args, spec, plan)
+    config = train_config(args)
     init_distributed(timeout_s=args.collective_timeout)
     try:
         trainer = HeteroTrainer(plan, spec, config, weights=args.weights)
         split = hetero_schedule(plan)
         source = AdaptiveSource(loader, split, split, deadline_s=None)
-        try:
-            history = fit(trainer, source, config)  # type: ignore[arg-type]  # the Trainer's interface
-        except Preempted as e:
-            if dist.get_rank() == 0:
-                Console(stderr=True).print(e.notice(), highlight=False)
-            dist.barrier()
-            return 128 + signal.SIGTERM
-        if dist.get_rank() == 0 and history:
-            last = history[-1]
-            Console().print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s over "
-                            f"{len(plan.replicas)} replicas; metrics in {os.path.join(args.out, 'metrics.jsonl')}",
-                            highlight=False)
-        dist.barrier()
+        return fit_and_report(trainer, source, config, args.out, what=f" over {len(plan.replicas)} replicas")
     finally:
         dist.destroy_process_group()
-    return 0

@@ -52,7 +52,7 @@ from flexmesh.runtime.memory import SavedActivationMeter
 from flexmesh.runtime.packing import PackedBatch, global_label_tokens, pack_microbatch, pad_to
 from flexmesh.runtime.parallelize import activation_dtypes, autocast_bf16, check_dtype, check_model_fits_layout
 from flexmesh.runtime.pipeline import StageModule, build_pipeline_schedule, make_stages, split_stage
-from flexmesh.runtime.trainer import _dummy_batch, _GlobalLoss, gathered_step
+from flexmesh.runtime.trainer import _dummy_batch, _GlobalLoss, gathered_step, update
 from flexmesh.spec.model import ModelSpec
 
 POLICY = "hetero"  # the policy name a heterogeneous step schedule reports
@@ -244,12 +244,7 @@ class HeteroTrainer:
         self.holders.reduce([(canonical_name(n), p) for n, p in named])
         grad_norm = clip_replicated_grads(self.params, self.config.grad_clip,
                                           counts=self.place is not None and self.place.replica == 0)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
         # Each replica's loss is a partial sum of the global mean, held by its last stage's first rank.
         owner = self.place is not None and self.place.stage == self.replica.pp - 1 and self.place.tp_index == 0
         _, common = gathered_step([local_loss if owner else 0.0, busy, float(peak), elapsed], self._cpu_group,

@@ -100,6 +100,17 @@ def _dummy_batch(length: int) -> PackedBatch:
     )
 
 
+def update(optimizer: torch.optim.Optimizer, lr_scheduler, device: torch.device, t0: float) -> tuple[float, float]:
+    """The step's optimizer and learning-rate scheduler steps, once the gradients are final: (the
+    learning rate the step used, seconds since ``t0`` once the device has finished)."""
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    lr_scheduler.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return lr, time.perf_counter() - t0
+
+
 def gathered_step(row: Sequence[float], group, schedule: StepSchedule,
                   device: torch.device) -> tuple[torch.Tensor, dict]:
     """One all_gather over ``group`` of each rank's ``row`` -- its share of the loss (0 where another
@@ -295,12 +306,7 @@ class Trainer:
         with SavedActivationMeter() as meter:
             local_loss, busy = self._forward_backward(batches, group, t0, schedule)
         grad_norm = clip_grad_norm(self.params, self.config.grad_clip, self.pp_group)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
         owner = self.coords["tp"] == 0 and self.coords["pp"] == self.layout.pp - 1
