@@ -125,8 +125,8 @@ def main() -> None:
     ]
     out += markdown_table(["GPUs", "layout", "batches", "slow", "speeds", "nominal", "static", "re-planned",
                            "capacity bound", "device bound", "re-planned / capacity", "re-planned / static"], rows)
-    out.append("\n| target | measured | result |\n|---|---|---|")
-    out += [f"| {name} | {value} | {'PASS' if ok else 'FAIL'} |" for name, value, ok in checks]
+    out += ["", *markdown_table(["target", "measured", "result"],
+                                [(name, value, "PASS" if ok else "FAIL") for name, value, ok in checks])]
     out.append(f"\nRun time {time.perf_counter() - started:.0f} s on this (shared) machine: " + "; ".join(timing) + ".")
     text = "\n".join(out)
     print(text)

@@ -25,7 +25,7 @@ import time
 import numpy as np
 from rich.console import Console
 
-from bench._results import record
+from bench._results import markdown_table, record
 from flexmesh.cost import CostModel
 from flexmesh.data.lengths import BatchSampler, load_lengths
 from flexmesh.layout.strategy import LayerStrategy
@@ -130,8 +130,8 @@ def main() -> None:
         large_scheduler(2 if args.quick else 5, checks)
     with console.status("simulator at 1024 ranks"):
         simulator_speed(10 if args.quick else 100, checks)
-    out.append("\n| target | measured | result |\n|---|---|---|")
-    out += [f"| {name} | {value} | {verdict(ok)} |" for name, value, ok in checks]
+    out += ["", *markdown_table(["target", "measured", "result"],
+                                [(name, value, verdict(ok)) for name, value, ok in checks])]
     text = "\n".join(out)
     print(text)
     if not args.quick:
