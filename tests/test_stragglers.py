@@ -166,6 +166,11 @@ def test_quiet_run_fires_no_event(runs):
     assert all(r["assumed_speed"] == [1.0, 1.0] for r in rows)
     for r in rows:  # speeds are relative to the fastest rank
         assert max(r["speed"]) == pytest.approx(1.0) and min(r["speed"]) > 0
+    # The pace is measured every step; from the second step after the warm-up on, the trainer also
+    # logs the simulator's step time at the pace of the judged steps before it.
+    assert all(r["pace"] > 0 for r in rows)
+    assert [r["paced_step_time_s"] is not None for r in rows] == [k > WARMUP + 1 for k in range(1, STEPS + 1)]
+    assert all(r["paced_step_time_s"] > 0 for r in rows[WARMUP + 1:])
 
 
 # ---- one process ------------------------------------------------------------------------------------
@@ -237,23 +242,39 @@ def test_report_plots_speeds_and_marks_events(tmp_path):
     assert (tmp_path / "figures" / "speed.png").stat().st_size > 1000
 
 
-def test_paced_predictions_use_only_earlier_steps():
-    """After the warm-up step, each step's paced prediction is the logged one over the median pace of
-    the steps before it: neither its own pace nor a later step's leaks in."""
-    from flexmesh.report.stragglers import paced_predictions, step_pace
+def test_paced_prediction_uses_only_earlier_steps():
+    """After the warm-up step, each step's paced prediction is the simulator's price with every rank at
+    the median of its speeds against the cost model on the steps before: neither the step's own
+    speeds nor a later step's leak in, and a rank slower than its schedule assumed is priced as measured."""
+    from flexmesh.layout.mesh import layout_from_plan
+    from flexmesh.layout.step import Group, Piece, StepSchedule
+    from flexmesh.runtime.config import StepMetrics
+    from flexmesh.runtime.stragglers import StragglerConfig, StragglerMonitor
 
-    def row(step: int, pace: float) -> dict:
-        pred = [1.0, 2.0]  # rank 1 scheduled at half speed: the same nominal work
-        return {"step": step, "predicted_step_time_s": 2.0, "predicted_busy_s": pred, "assumed_speed": [1.0, 0.5],
-                "compute_s": [p * a / pace for p, a in zip(pred, [1.0, 0.5])], "step_time_s": 2.0 / pace}
+    priced: list[list[float]] = []
 
-    rows = [row(1, 0.3), row(2, 0.8), row(3, 0.5), row(4, 0.4)]
-    assert [step_pace(r) for r in rows] == pytest.approx([0.3, 0.8, 0.5, 0.4])
-    paced = paced_predictions(rows)
-    assert paced[:2] == [None, None]  # step 1 is the warm-up: nothing before step 2 counts
-    assert paced[2] == pytest.approx(2.0 / 0.8)  # step 2's pace only, not step 3's own
-    assert paced[3] == pytest.approx(2.0 / 0.65)  # the median of steps 2 and 3, not step 4's
-    assert step_pace({"step": 1}) is None
+    def price(schedule, speeds):
+        priced.append(list(speeds))
+        return 2.0 / min(speeds)
+
+    sched = StepSchedule(lengths=(10, 10), policy="test", extra={"speed": [1.0, 0.5]}, groups=(
+        Group((0,), ((Piece(0, 0, 10),),), predicted_time=1.0),
+        Group((1,), ((Piece(1, 0, 10),),), predicted_time=2.0)))
+    monitor = StragglerMonitor(layout_from_plan(make_plan()), StragglerConfig(warmup=1, replan=False), price=price)
+    rows = []
+    for step, pace in enumerate((0.3, 0.8, 0.5, 0.4), start=1):
+        # 1 s of nominal work on both ranks; rank 1 at 0.4 of rank 0's speed, not the 0.5 assumed
+        m = StepMetrics(step=step, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=20, label_tokens=20, padded_tokens=20,
+                        microbatches=1, step_time_s=1.0, tokens_per_s=20.0, peak_memory_gib=None,
+                        compute_s=(1.0 / pace, 1.0 / (0.4 * pace)))
+        rows.append(monitor.observe(m, [[1] * 10, [1] * 10], sched))
+    assert [r.pace for r in rows] == pytest.approx([0.3, 0.8, 0.5, 0.4])
+    assert [r.speed for r in rows] == [(1.0, 0.4)] * 4
+    assert rows[0].paced_step_time_s is None and rows[1].paced_step_time_s is None  # step 1 is the warm-up
+    assert priced[0] == pytest.approx([0.8, 0.32])  # step 2's speeds only, not step 3's own
+    assert rows[2].paced_step_time_s == pytest.approx(2.0 / 0.32)
+    assert priced[1] == pytest.approx([0.65, 0.26])  # the medians of steps 2 and 3, not step 4's
+    assert rows[3].paced_step_time_s == pytest.approx(2.0 / 0.26)
 
 
 def test_detector_ignores_noise_and_one_off_steps():
@@ -273,9 +294,10 @@ def test_speeds_from_a_schedule():
     sched = StepSchedule(lengths=(10, 10), policy="test", extra={"speed": [1.0, 0.5]}, groups=(
         Group((0,), ((Piece(0, 0, 10),),), predicted_time=2.0),
         Group((1,), ((Piece(1, 0, 10),),), predicted_time=2.0)))
-    per_rank, assumed, per_data = measured_speeds(sched, [1.0, 4.0], layout_from_plan(make_plan()))
+    per_rank, assumed, per_data, pace = measured_speeds(sched, [1.0, 4.0], layout_from_plan(make_plan()))
     assert assumed == [1.0, 0.5] and per_rank == per_data == [1.0, 0.125]
-    _, _, idle = measured_speeds(dataclasses.replace(sched, groups=sched.groups[:1] + (Group((1,), ()),)),
+    assert pace == pytest.approx(2.0)  # rank 0 did 2 s of nominal work in 1 s
+    _, _, idle, _ = measured_speeds(dataclasses.replace(sched, groups=sched.groups[:1] + (Group((1,), ()),)),
                                  [1.0, 0.0], layout_from_plan(make_plan()))
     assert idle == [1.0, None]
 

@@ -8,10 +8,11 @@ plan, corpus, seed (so the same batches and initial weights), policy and flags o
 :func:`comparison_summary` reads the two metrics.jsonl files: tokens/s after recovery (the steps
 from the first one run on a re-planned schedule to the end, the same steps of both runs), steps
 until recovery, and the simulator's predicted step time against the measured one on those steps
-of the adaptive run (the simulator then knows the measured speeds), as logged and at the pace the
-machine showed on the steps before (:func:`paced_predictions`: a profile taken at another time, or
-a runtime slower than its isolated layers, is off by one factor on every rank; relative speeds
-cancel it, absolute step times do not). :func:`speed_png` draws each
+of the adaptive run (the simulator then knows the measured relative speeds): the schedule's own
+prediction (the profile as taken) and the trainer's (``paced_step_time_s``, every rank at its speed
+against the profile measured on the steps before, flexmesh.runtime.stragglers: a profile taken
+while the machine ran faster or slower is off by one factor on every rank; relative speeds cancel
+it, absolute step times do not). :func:`speed_png` draws each
 rank's measured speed and each run's throughput per step, events marked; :func:`add_section`
 puts all of it in a report. Used by ``flexmesh demo`` and bench/hetero_measured.py.
 
@@ -81,33 +82,6 @@ def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int,
     return metrics
 
 
-def step_pace(row: dict) -> float | None:
-    """The fastest rank's work at the cost model's nominal speed over its measured compute time: how
-    fast this machine ran the step against what its profile says (1.0: as profiled); None without
-    the per-rank figures. The measured speeds in ``speed`` are relative to this rank.
-
-    >>> step_pace({"predicted_busy_s": [1.0, 1.0], "assumed_speed": [1.0, 0.5], "compute_s": [1.25, 2.5]})
-    0.8
-    """
-    pred, assumed, compute = row.get("predicted_busy_s"), row.get("assumed_speed"), row.get("compute_s")
-    if not (pred and assumed and compute):
-        return None
-    raw = [p * a / c for p, a, c in zip(pred, assumed, compute, strict=True) if p and c and c > 0]
-    return max(raw) if raw else None
-
-
-def paced_predictions(rows: Sequence[dict]) -> list[float | None]:
-    """Each step's predicted time divided by the median :func:`step_pace` of the steps before it
-    (the first, warm-up step left out): the simulator at the pace this run showed so far, a
-    prediction made before the step it predicts; None where no earlier step says."""
-    out: list[float | None] = []
-    for k, r in enumerate(rows):
-        earlier = [p for p in (step_pace(x) for x in rows[1:k]) if p]
-        pred = r.get("predicted_step_time_s")
-        out.append(pred / float(np.median(earlier)) if earlier and pred else None)
-    return out
-
-
 def comparison_summary(metrics: Mapping[str, Sequence[dict]]) -> dict:
     """Figures of a static / adaptive pair (see the module doc); ``recovery_step`` is None when the
     adaptive run never re-planned, and throughput is then over the steps after the first."""
@@ -124,9 +98,8 @@ def comparison_summary(metrics: Mapping[str, Sequence[dict]]) -> dict:
 
     a, s = after(adaptive), after(static)
     pred = [(r["predicted_step_time_s"], r["step_time_s"]) for r in a if r.get("predicted_step_time_s")]
-    paced = [(p, r["step_time_s"]) for p, r in zip(paced_predictions(adaptive), adaptive, strict=True)
-             if p is not None and r["step"] >= first]
-    paces = [p for p in (step_pace(r) for r in adaptive[1:]) if p]
+    paced = [(r["paced_step_time_s"], r["step_time_s"]) for r in a if r.get("paced_step_time_s")]
+    paces = [r["pace"] for r in adaptive[1:] if r.get("pace")]  # the first step pays one-off costs
     return {
         "recovery_step": recovery,
         "steps_until_recovery": None if recovery is None else recovery - 1,  # steps run on the old schedule
@@ -211,10 +184,11 @@ def add_section(rep: Report, metrics: Mapping[str, Sequence[dict]], figures: Pat
               [["static", f"{d['static_tokens_per_s']:,.0f}", f"{d['static_step_s']:.3f}", "1.00x"],
                ["adaptive", f"{d['adaptive_tokens_per_s']:,.0f}", f"{d['adaptive_step_s']:.3f}",
                 f"{d['speedup']:.2f}x"]])
-    paced = "" if d["paced_error"] is None else (
-        f", {d['paced_error']:.1%} at the pace the machine showed on the steps before each "
-        f"(it ran at {d['pace']:.2f} of its profile)")
-    rep.text(f"adaptive: {when}; simulator's step time on those steps {err} off the measured one (median){paced}. "
+    paced = "-" if d["paced_error"] is None else f"{d['paced_error']:.1%}"
+    pace = "" if d["pace"] is None else f"; the machine ran at {d['pace']:.2f} of its profile"
+    rep.text(f"adaptive: {when}; the trainer's predicted step time (each rank at its speed measured on the steps "
+             f"before) on those "
+             f"steps {paced} off the measured one (median), the profile as taken {err}{pace}. "
              "Events: " + ("; ".join(f"after step {s}: {e['event']} " + ", ".join(
                  f"{k} {e[k]}" for k in ("ranks", "speeds", "predicted_gain") if k in e)
                  for s, e in d["events"]) or "none") + ".")

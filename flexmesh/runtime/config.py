@@ -85,6 +85,10 @@ class StepMetrics:
     speed: tuple[float | None, ...] = ()  # measured, relative to the fastest rank (None: no work this step)
     assumed_speed: tuple[float, ...] = ()  # the speed the step's schedule was made for
     emulated_speed: tuple[float, ...] = ()  # --emulate-speed factors (emulation, not measured); () without
+    pace: float | None = None  # the fastest rank's speed against the cost model (1.0: as profiled)
+    # The simulator's step time with each data rank at its median speed against the cost model over the
+    # latest earlier steps (flexmesh.runtime.stragglers.PACE_STEPS): the prediction at measured speeds.
+    paced_step_time_s: float | None = None
     events: tuple[dict, ...] = ()  # straggler events decided after this step (straggler_detected, replanned, ...)
 
     def to_dict(self) -> dict:

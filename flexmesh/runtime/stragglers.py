@@ -10,6 +10,15 @@ divided by the fastest rank's: relative speeds, so a cost model that is off by t
 every rank (a preset for another device, an uncalibrated profile) still compares ranks correctly.
 The figures ride on the trainer's one per-step ``all_gather`` (flexmesh.runtime.trainer).
 
+Pace. The fastest rank's own speed against the cost model is the machine's pace (``pace`` in
+metrics.jsonl; 1.0: as profiled): a profile taken while a shared machine ran faster, or a device
+running hotter than when it was profiled, shows as a pace below 1 on every rank, which relative
+speeds cancel and absolute step times do not. Each step also logs ``paced_step_time_s``: the
+simulator's step time for its schedule with every data rank at the median of its own speeds against
+the cost model (relative speed times pace) over the latest :data:`PACE_STEPS` steps before it (after
+the warm-up), a prediction made before the step it predicts. Schedules and re-plans use relative
+speeds only: a pace that moves every rank alike changes no rank's share.
+
 Detect (:class:`SpeedDetector`). A data rank deviates when its measured speed differs from the speed
 its schedule assumed by more than ``threshold`` (relative); a deviation is sustained after ``steps``
 consecutive deviating steps in the same direction: slower (``straggler_detected``), faster again
@@ -226,10 +235,12 @@ class SpeedDetector:
 
 
 def measured_speeds(schedule: StepSchedule, compute_s: Sequence[float], layout: Layout
-                    ) -> tuple[list[float | None], list[float], list[float | None]]:
-    """(measured speed per global rank, assumed speed per data rank, measured speed per data rank).
+                    ) -> tuple[list[float | None], list[float], list[float | None], float | None]:
+    """(measured speed per global rank, assumed speed per data rank, measured speed per data rank, pace).
 
-    Speeds are relative to the fastest rank; None where a rank had no work.
+    Speeds are relative to the fastest rank; None where a rank had no work. The pace is that fastest
+    rank's own speed against the cost model (its work at nominal speed over its compute time; 1.0:
+    as profiled), None when no rank had work.
     """
     n = layout.data_ranks
     assumed = [float(x) for x in schedule.extra.get("speed") or [1.0] * n]
@@ -245,15 +256,20 @@ def measured_speeds(schedule: StepSchedule, compute_s: Sequence[float], layout: 
         data_of.append(d)
         raw.append(nominal[d] / t if nominal[d] > 0 and t > 0 else None)
     known = [x for x in raw if x is not None]
-    top = max(known) if known else 1.0
-    per_rank = [None if x is None else x / top for x in raw]
+    pace = max(known) if known else None
+    per_rank = [None if x is None else x / (pace or 1.0) for x in raw]
     per_data: list[float | None] = [None] * n
     for rank, d in enumerate(data_of):
         x = per_rank[rank]
         if x is not None:
             per_data[d] = x if per_data[d] is None else min(per_data[d], x)
-    return per_rank, assumed, per_data
+    return per_rank, assumed, per_data, pace
 
+
+# Steps whose measured speeds the paced prediction takes the median of: the latest few, so a
+# machine whose speed drifts over a long run is followed, and one slow step (garbage collection,
+# another process on a shared core) moves the median little.
+PACE_STEPS = 5
 
 Price = Callable[[StepSchedule, Sequence[float]], float]  # schedule, speeds -> predicted step time (s)
 
@@ -273,20 +289,38 @@ class StragglerMonitor:
         self.layout, self.config = layout, config
         self.scheduler, self.price, self.apply = scheduler, price, apply
         self.detector = SpeedDetector(layout.data_ranks, config)
+        # Per judged step: each data rank's speed against the cost model (None: no work that step).
+        self.absolute: deque[list[float | None]] = deque(maxlen=PACE_STEPS)
 
     def observe(self, m, docs: Sequence, schedule: StepSchedule):
-        """Step metrics ``m`` with speeds and the events decided after this step."""
+        """Step metrics ``m`` with speeds, pace, the paced prediction and the events decided after this step."""
         if not m.compute_s:
             return m
-        per_rank, assumed, per_data = measured_speeds(schedule, m.compute_s, self.layout)
+        per_rank, assumed, per_data, pace = measured_speeds(schedule, m.compute_s, self.layout)
+        # The simulator's step time for this schedule at the speeds measured on the steps before this
+        # one (never this step's own): a prediction made before the step.
+        paced = self.price(schedule, self._believed(assumed)) if self.absolute and self.price is not None else None
         events, proposal = self.detector.update(per_data, assumed)
+        if pace is not None and self.detector.seen > self.config.warmup:
+            self.absolute.append([None if x is None else x * pace for x in per_data])
         if proposal is not None and self.config.replan and self.scheduler is not None and self.price is not None:
             events.append(self._decide(assumed, proposal, [len(d) for d in docs]))
         lay = self.layout
         data_of = [rank_coords(r, lay.pp, lay.dp, lay.cp, lay.tp) for r in range(lay.world_size)]
         return replace(m, speed=tuple(None if x is None else round(x, 4) for x in per_rank),
                        assumed_speed=tuple(assumed[c["dp"] * lay.cp + c["cp"]] for c in data_of),
-                       events=tuple(events))
+                       pace=None if pace is None else round(pace, 4),
+                       paced_step_time_s=None if paced is None else round(paced, 6), events=tuple(events))
+
+    def _believed(self, assumed: Sequence[float]) -> list[float]:
+        """Each data rank's speed against the cost model: the median of its latest measured ones, or,
+        where it had no work on those steps, its assumed speed at the median pace."""
+        pace = statistics.median(max(x for x in step if x is not None) for step in self.absolute)
+        out = []
+        for r, a in enumerate(assumed):
+            seen = [step[r] for step in self.absolute if step[r] is not None]
+            out.append(statistics.median(seen) if seen else a * pace)
+        return out
 
     def _decide(self, assumed: list[float], proposal: tuple, lengths: list[int]) -> dict:
         """Price the step just trained at the proposed speeds, scheduled both ways; switch when it pays."""
