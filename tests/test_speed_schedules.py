@@ -118,3 +118,29 @@ def test_milp_load_rows_use_each_ranks_speed():
     assert s.extra["milp_solves"] >= 1
     assert s.predicted_step_time <= s.extra["warm_start_step_time"] + 1e-12
     assert s.predicted_step_time < 1.25 * s.lower_bound
+
+
+def test_a_slow_groups_placement_speed_stretches_compute_not_communication():
+    """Where groups run their own micro-batch counts, the placers weigh a slow group by the speed at
+    which it runs its loads as the simulator prices them (ScheduleContext.at_speed: compute
+    stretched, communication not), not by its slowest member's factor alone, which would overcharge
+    it and leave it idle at the end of the step. In lockstep the slowest member's factor stays."""
+    from dataclasses import replace
+
+    from flexmesh.schedule.assemble import aligned_layout
+    from flexmesh.schedule.placement import slot_speeds
+
+    lockstep = tiny_context(4, speed=(0.5, 0.5, 1.0, 1.0))  # ZeRO-3: every group runs the largest count
+    assert slot_speeds(lockstep, aligned_layout([2, 2], 4), np.full(64, 1000)) == (0.5, 1.0)
+    ctx = replace(lockstep, lockstep=False)
+    lens = np.full(64, 1000)
+    share = ctx.comm_share(2, lens)
+    assert 0.0 < share < 0.5  # Ulysses groups of 2 exchange activations: part of their time is all-to-all
+    assert ctx.comm_share(1, lens) == 0.0  # a group of one rank without tensor parallelism communicates nothing
+    slow, fast = slot_speeds(ctx, aligned_layout([2, 2], 4), lens)
+    assert fast == 1.0 and slow > 0.5
+    # A packed micro-batch of these sequences on the slow group: nominal time over time at its speed.
+    n = ctx.pack_tokens(2) // 1000
+    comp, comm = ctx.microbatch_split(2, n * 1000.0, n * ctx.cost.attention_sq(0.0, np.array([1000.0]))[0])
+    assert slow == pytest.approx(float((comp + comm) / ctx.at_speed(comp, comm, 0.5)))
+    assert slot_speeds(tiny_context(4), aligned_layout([2, 2], 4), lens) == (1.0, 1.0)

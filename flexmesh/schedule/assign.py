@@ -84,7 +84,7 @@ def lpt(order: ArrayLike, need: np.ndarray, times: dict[int, np.ndarray], sizes:
 def place(batch: Batch, ctx: ScheduleContext, slots: Sequence[Slot], target: np.ndarray, *,
           balance: bool = True) -> Placement:
     """LPT of sequences (most rank-seconds first) onto groups of at least their ``target`` size, then balance."""
-    speeds = slot_speeds(ctx, slots)
+    speeds = slot_speeds(ctx, slots, batch.lens)
     times = batch.times
     t_target = np.choose(np.searchsorted(ctx.group_sizes, target), [times[d] for d in ctx.group_sizes])
     order = np.lexsort((np.arange(batch.lens.size), -(target * t_target)))

@@ -162,6 +162,16 @@ class ScheduleContext:
         n = np.maximum(1.0, np.floor(self.pack_tokens(d) / a))
         return np.asarray(self.microbatch_time(d, n * a, n * self.cost.attention_sq(0.0, a))) / n
 
+    def comm_share(self, d: int, lengths: ArrayLike) -> float:
+        """Share of exposed communication in the packed loads (:meth:`seq_load`) of ``lengths`` on a group
+        of ``d`` ranks, at nominal speed: the part of a group's time that a slower device does not stretch
+        (:meth:`at_speed`)."""
+        a = np.maximum(np.asarray(lengths, dtype=float), 1.0)
+        n = np.maximum(1.0, np.floor(self.pack_tokens(d) / a))
+        comp, comm = self.microbatch_split(d, n * a, n * self.cost.attention_sq(0.0, a))
+        total = float((comp / n).sum() + (comm / n).sum())
+        return float((comm / n).sum()) / total if total > 0 else 0.0
+
     def by_size(self, kind: str, lengths: ArrayLike) -> dict[int, np.ndarray]:
         """``{d: per-sequence figure on d ranks}`` for every allowed group size, read-only arrays.
 

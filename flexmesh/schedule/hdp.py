@@ -167,7 +167,7 @@ def _split_slowest(batch: Batch, ctx: ScheduleContext, best: Placement, balance:
             break
     tgt = round_up_to(best.target, [s.size for s in new_slots])
     sizes_l = [s.size for s in new_slots]
-    speeds = slot_speeds(ctx, new_slots)
+    speeds = slot_speeds(ctx, new_slots, batch.lens)
     init = np.array([float(times[s][m].sum()) / sp if m else 0.0
                      for s, m, sp in zip(sizes_l, new_members, speeds, strict=True)])
     ids = np.asarray(orphans, dtype=np.int64)

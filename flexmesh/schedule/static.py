@@ -88,7 +88,7 @@ def fixed(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | 
     mbs: list[list] = [[] for _ in slots]
     ll = lens.tolist()
     packed = best_fit_decreasing(range(lens.size), ll, cap)
-    for g, ids in zip(deal(len(packed), slot_speeds(ctx, slots)[:n_groups]), packed, strict=True):
+    for g, ids in zip(deal(len(packed), slot_speeds(ctx, slots, lens)[:n_groups]), packed, strict=True):
         mbs[g].append(pieces_of(ids, ll))
     return build_step_schedule("fixed", lens, ctx, slots, mbs, t0, extra={"cp": cp, "context": cap})
 
@@ -108,7 +108,7 @@ def padded(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int |
     mbs: list[list] = [[] for _ in slots]
     charged: list[list[int]] = [[] for _ in slots]
     filled = next_fit(range(lens.size), lens, context)
-    for g, slot_ids in zip(deal(len(filled), slot_speeds(ctx, slots)[:n_groups]), filled, strict=True):
+    for g, slot_ids in zip(deal(len(filled), slot_speeds(ctx, slots, lens)[:n_groups]), filled, strict=True):
         mbs[g].append(pieces_of(slot_ids, lens))
         charged[g].append(context)
     return build_step_schedule("padded", lens, ctx, slots, mbs, t0, charged_tokens=charged,
@@ -124,7 +124,7 @@ def balanced(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int
     n_groups = ctx.num_ranks // cp
     slots = aligned_layout([cp] * n_groups, ctx.num_ranks)
     sizes = [s.size for s in slots]
-    speeds = slot_speeds(ctx, slots)
+    speeds = slot_speeds(ctx, slots, lens)
     times = seq_loads(lens, ctx)
     t = times[cp]
     ids = np.arange(lens.size)

@@ -58,7 +58,7 @@ def wlb(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0, cp: int | No
     deferred = sorted(int(i) for i in held)
     ids = np.setdiff1d(np.arange(lens.size), deferred)
     order = ids[np.argsort(-t[ids], kind="stable")]
-    speeds = slot_speeds(ctx, slots)
+    speeds = slot_speeds(ctx, slots, lens)
     target = np.full(lens.size, cp)
     members, loads = lpt(order, target, times, [s.size for s in slots], speeds)
     placement = Placement(slots, speeds, members, loads, target)
