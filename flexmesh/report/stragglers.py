@@ -186,9 +186,8 @@ def add_section(rep: Report, metrics: Mapping[str, Sequence[dict]], figures: Pat
                 f"{d['speedup']:.2f}x"]])
     paced = "-" if d["paced_error"] is None else f"{d['paced_error']:.1%}"
     pace = "" if d["pace"] is None else f"; the machine ran at {d['pace']:.2f} of its profile"
-    rep.text(f"adaptive: {when}; the trainer's predicted step time (each rank at its speed measured on the steps "
-             f"before) on those "
-             f"steps {paced} off the measured one (median), the profile as taken {err}{pace}. "
+    rep.text(f"adaptive: {when}; on those steps the trainer's predicted step time (each rank at its speed measured "
+             f"on the steps before) is {paced} off the measured one (median), the profile as taken {err}{pace}. "
              "Events: " + ("; ".join(f"after step {s}: {e['event']} " + ", ".join(
                  f"{k} {e[k]}" for k in ("ranks", "speeds", "predicted_gain") if k in e)
                  for s, e in d["events"]) or "none") + ".")

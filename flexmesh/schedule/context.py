@@ -158,19 +158,23 @@ class ScheduleContext:
         ``t_d(n l, n sq(l)) / n`` with ``n = max(1, floor(pack_tokens(d) / l))``; one that shares its
         micro-batch with no other like it costs its time alone (:meth:`seq_time`).
         """
-        a = np.maximum(np.asarray(lengths, dtype=float), 1.0)
-        n = np.maximum(1.0, np.floor(self.pack_tokens(d) / a))
+        a, n = self._packed_like(d, lengths)
         return np.asarray(self.microbatch_time(d, n * a, n * self.cost.attention_sq(0.0, a))) / n
 
     def comm_share(self, d: int, lengths: ArrayLike) -> float:
         """Share of exposed communication in the packed loads (:meth:`seq_load`) of ``lengths`` on a group
         of ``d`` ranks, at nominal speed: the part of a group's time that a slower device does not stretch
         (:meth:`at_speed`)."""
-        a = np.maximum(np.asarray(lengths, dtype=float), 1.0)
-        n = np.maximum(1.0, np.floor(self.pack_tokens(d) / a))
+        a, n = self._packed_like(d, lengths)
         comp, comm = self.microbatch_split(d, n * a, n * self.cost.attention_sq(0.0, a))
         total = float((comp / n).sum() + (comm / n).sum())
         return float((comm / n).sum()) / total if total > 0 else 0.0
+
+    def _packed_like(self, d: int, lengths: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths (at least 1 token) and how many of each fill a micro-batch of a group of ``d``
+        (:meth:`pack_tokens`): the packing :meth:`seq_load` assumes."""
+        a = np.maximum(np.asarray(lengths, dtype=float), 1.0)
+        return a, np.maximum(1.0, np.floor(self.pack_tokens(d) / a))
 
     def by_size(self, kind: str, lengths: ArrayLike) -> dict[int, np.ndarray]:
         """``{d: per-sequence figure on d ranks}`` for every allowed group size, read-only arrays.

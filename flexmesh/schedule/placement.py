@@ -85,7 +85,7 @@ class Batch:
 class Placement:
     """Whole sequences placed on groups of ranks, before packing.
 
-    ``slots[g]`` is group ``g``'s ranks and ``speeds[g]`` its speed factor (its slowest member's);
+    ``slots[g]`` is group ``g``'s ranks and ``speeds[g]`` its speed factor (:func:`slot_speeds`);
     ``members[g]`` the ids of its sequences in placement order; ``loads[g]`` its estimated seconds
     (its members' loads, :attr:`Batch.times`, divided by the speed); ``target[i]`` the smallest group size sequence
     ``i`` was placed for. Lists given for the tuples are frozen on construction.
