@@ -280,6 +280,33 @@ def test_microbatch_time_matches_layers_plus_ends():
     assert float(t) == pytest.approx(expect)
 
 
+def test_whole_model_factors_scale_every_pass_and_old_profiles_read_as_one(tmp_path):
+    s, w = LayerStrategy(), Work(tokens=1000.0, sq_tokens=1000.0**2)
+    plain = cost()
+    scaled = CostModel(TINY, parse_cluster("2xA100-80GB"), timing=ProfiledTiming(model_profile(
+        whole_model={"layers": 4, "forward": 1.25, "backward": 1.1, "samples": []},
+        parallel=parallel_section())))
+    for st in (s, LayerStrategy(recompute=True), LayerStrategy(tp=2), LayerStrategy(cp=2, cp_kind="ring")):
+        a, b = plain.timing.layer_times(st, 1000.0, 1000.0**2), scaled.timing.layer_times(st, 1000.0, 1000.0**2)
+        if st.tp == 1 and st.cp == 1:
+            assert (b.fwd, b.bwd, b.attention) == pytest.approx((1.25 * a.fwd, 1.1 * a.bwd, 1.25 * a.attention))
+        else:  # timed under real groups: the measured fit, scaled
+            fit = model_profile(parallel=parallel_section()).parallel_layer(st.tp, st.cp_kind, st.cp)
+            assert b.fwd == pytest.approx(1.25 * float(fit["forward"].time(1000.0, 1000.0**2)))
+            assert b.bwd == pytest.approx(1.1 * float(fit["backward"].time(1000.0, 1000.0**2)))
+    ends_a, ends_b = plain.ends(s, w, True, True), scaled.ends(s, w, True, True)
+    assert (ends_b.fwd, ends_b.bwd) == pytest.approx((1.25 * ends_a.fwd, 1.1 * ends_a.bwd))
+    # a profile written before the whole-model measurement prices the parts as they are
+    d = model_profile().to_dict()
+    del d["whole_model"]
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert load_profile(tmp_path / "old.json").whole_factor("forward") == 1.0
+    d["whole_model"] = {"layers": 4, "forward": -1.0, "backward": 1.0}
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="whole_model.forward"):
+        load_profile(tmp_path / "bad.json")
+
+
 def test_without_profiles_nothing_changes():
     cluster = parse_cluster("8xA100-80GB")
     a, b = CostModel(TINY, cluster), CostModel(TINY, cluster, hardware=None, timing=None)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flexmesh.cli import main
@@ -57,7 +58,18 @@ def test_model_profile_quick_single_process(tmp_path, capsys, monkeypatch):
     assert t_long > t_short > 0
     cost = cost_model_from_profiles(spec, model=out, cluster=parse_cluster("2xA100-80GB"))
     assert cost.source.endswith("+profile:model.json")
-    assert cost.layer(LayerStrategy(), Work(2048.0, 2048.0**2)).fwd == pytest.approx(float(t_long))
+    # the whole model timed over the sweep's rows; each factor is the least-squares ratio to the parts
+    whole = prof.whole_model
+    assert whole["layers"] == min(spec.num_layers, 4) and len(whole["samples"]) >= 4
+    for direction in ("forward", "backward"):
+        got = np.array([r[f"{direction}_s"] for r in whole["samples"]])
+        parts = np.array([r[f"parts_{direction}_s"] for r in whole["samples"]])
+        assert (got > 0).all() and (parts > 0).all()
+        # relative least squares through the origin: a weighted mean of the rows' ratios
+        assert (got / parts).min() * (1 - 1e-6) <= whole[direction] <= (got / parts).max() * (1 + 1e-6)
+    assert "whole model" in printed
+    layer = cost.layer(LayerStrategy(), Work(2048.0, 2048.0**2))
+    assert layer.fwd == pytest.approx(whole["forward"] * float(t_long))
 
 
 def test_profile_error_is_a_clear_cli_message(tmp_path, capsys):
@@ -123,5 +135,6 @@ def test_model_profile_under_torchrun_times_real_groups(tmp_path):
     spec = from_hf_config(cfg)
     cost = cost_model_from_profiles(spec, model=out, cluster=parse_cluster("2xA100-80GB"))
     lc = cost.layer(LayerStrategy(tp=2), Work(2048.0, 2048.0**2))
-    assert lc.fwd == pytest.approx(float(prof.parallel_layer(2, "none", 1)["forward"].time(2048, 2048**2)))
+    assert lc.fwd == pytest.approx(prof.whole_factor("forward")
+                                   * float(prof.parallel_layer(2, "none", 1)["forward"].time(2048, 2048**2)))
     assert lc.comm_fwd == 0.0

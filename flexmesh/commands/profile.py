@@ -136,6 +136,11 @@ def _summary(prof, out: str) -> None:
             a.add_row(str(tp), str(cp), *(f"{entries[(tp, cp, kind)]:,.0f}" if (tp, cp, kind) in entries else "-"
                                           for kind in ("none", "selective", "full")))
         con.print(a)
+        if prof.whole_model:
+            con.print(f"whole model ({prof.whole_model['layers']} layers, as the trainer runs a micro-batch) over "
+                      f"the sum of its parts: forward {prof.whole_factor('forward'):.2f}x, backward "
+                      f"{prof.whole_factor('backward'):.2f}x (every pass is priced with these factors)",
+                      highlight=False)
         if prof.parallel.get("layers"):
             _parallel_summary(con, prof, Table)
     con.print(f"wrote {out}", highlight=False)

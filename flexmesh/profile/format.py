@@ -214,6 +214,13 @@ class ModelProfile:
     # entry per (tp, cp_kind, cp) with forward / backward / backward_recompute LayerFits, and "ends",
     # one per tp with embedding_* / head_* LayerFits; see docs/profiles.md.
     parallel: dict = field(default_factory=dict)
+    # The whole model timed as the trainer runs it against the sum of its parts (optional; older
+    # profiles have none): "layers", "forward" and "backward" factors, "samples"; see docs/profiles.md.
+    whole_model: dict = field(default_factory=dict)
+
+    def whole_factor(self, direction: str) -> float:
+        """The whole-model factor of ``direction`` (forward / backward); 1.0 where not measured."""
+        return float(self.whole_model.get(direction, 1.0))
 
     @property
     def model_hash(self) -> str:
@@ -257,7 +264,7 @@ class ModelProfile:
         return {"version": VERSION, "kind": "model", "produced_by": self.produced_by, "model": self.model,
                 "model_hash": self.model_hash, "dtype": self.dtype, "layer": fits(self.layer),
                 "embedding": fits(self.embedding), "head": fits(self.head), "activations": self.activations,
-                "states": self.states, "samples": self.samples, "parallel": parallel}
+                "states": self.states, "samples": self.samples, "parallel": parallel, "whole_model": self.whole_model}
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "model") -> "ModelProfile":
@@ -279,7 +286,8 @@ class ModelProfile:
                           embedding=fits("embedding", ("forward", "backward")),
                           head=fits("head", ("forward", "backward")),
                           activations=d["activations"], states=d["states"], produced_by=d["produced_by"],
-                          samples=d.get("samples", {}), name=name, parallel=parallel)
+                          samples=d.get("samples", {}), name=name, parallel=parallel,
+                          whole_model=dict(mapping(d.get("whole_model") or {}, f"{name}: whole_model", ProfileError)))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProfileError(f"{name}: a time fit is malformed ({e!r}); each needs c0_s, c1_s_per_token, "
                                "c2_s_per_sq_token") from None
@@ -288,6 +296,9 @@ class ModelProfile:
         for part, keys in (("layers", ("forward", "backward", "backward_recompute")), ("ends", END_KEYS)):
             for i, e in enumerate(parallel.get(part, ())):
                 _fit_values({k: e[k] for k in keys}, f"{name}: parallel.{part}[{i}]")
+        for direction in ("forward", "backward"):
+            if direction in profile.whole_model:
+                number(profile.whole_model[direction], f"{name}: whole_model.{direction}", ProfileError)
         return profile
 
     def save(self, path: str | Path) -> None:

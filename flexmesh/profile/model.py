@@ -23,6 +23,13 @@ dtype it trains in (fp32), one packed row (micro-batch) at a time:
   once, at tp = cp = 1); ``a`` is what does not grow with tokens (recorded, not used);
 - bytes per parameter of weights, gradients and AdamW states, and the AdamW step's seconds per
   parameter (``torch.optim.AdamW`` with its defaults, as the trainer);
+- the whole model as the trainer runs it (:func:`_measure_whole`: the runtime's model with up to
+  ``WHOLE_LAYERS`` layers, the trainer's summed cross-entropy, one forward and one backward per row)
+  against the sum of its parts as fitted above: one factor per pass, ``measured = k * parts``
+  (least squares in relative error). Layers timed one at a time run with their weights and inputs
+  in cache, which a model's layers in sequence do not, so the parts alone under-predict a
+  micro-batch (by 10-15% measured on a 2-core machine for ``tiny``); the cost model multiplies every
+  pass by the factor (:class:`~flexmesh.profile.timing.ProfiledTiming`);
 - with more than one process, the same layer timings under real process groups for every
   (tp, cp kind, cp) layout that divides the world (tp x cp up to the sweep's ``max_degree``), and
   the embedding and head under each tp
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -171,6 +179,10 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
 
 
 PASSES = ("forward", "backward", "backward_recompute")
+# Layers of the model timed whole (_measure_whole): enough for layers to evict each other's weights
+# and activations from the caches, few enough to build for any model the layer sweep can time.
+WHOLE_LAYERS = 4
+WHOLE_MAX_TOKENS = 1024  # rows of the layer sweep up to this many tokens are timed whole
 
 
 def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype, device, world: World, reduce,
@@ -209,6 +221,53 @@ def _ends_sweep(spec: ModelSpec, cfg: dict, dtype, device, reduce, tp_mesh=None)
     n = len(cfg["end_tokens"])
     per_key = {k: flat[j * n:(j + 1) * n] for j, k in enumerate(END_KEYS)}
     return {k: LayerFit(*fit_linear(cfg["end_tokens"], v), 0.0) for k, v in per_key.items()}, per_key
+
+
+def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, device, world: World) -> dict:
+    """The runtime's model of ``min(num_layers, WHOLE_LAYERS)`` layers timed as the trainer runs a
+    micro-batch (forward with the summed cross-entropy, then backward) over the layer sweep's rows
+    of up to ``WHOLE_MAX_TOKENS`` tokens, against the parts' fits (``layer``, ``ends``: layers x
+    layer fit + embedding + head); returns {"layers", "forward": k, "backward": k, "samples"}."""
+    from flexmesh.runtime.model import build_model
+
+    n_layers = min(spec.num_layers, WHOLE_LAYERS)
+    model = build_model(replace(spec, num_layers=n_layers, tie_embeddings=False), device, dtype)
+    rows = [r for r in cfg["rows"] if sum(r) <= WHOLE_MAX_TOKENS]
+    measured = []
+    for lengths in [rows[-1], *rows]:  # the first, untimed, warms up
+        positions, cu = _row(lengths, device)
+        n = sum(lengths)
+        ids = torch.randint(0, spec.vocab, (1, n), device=device)
+        batch = SimpleNamespace(positions=positions, cu_seqlens=cu)  # what the model reads of a PackedBatch
+        tf, tb = [], []
+        for _ in range(cfg["reps"]):
+            world.barrier()
+            t0 = time.perf_counter()
+            logits = model(ids, batch)
+            loss = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1), reduction="sum") / n
+            synchronize(device)
+            t1 = time.perf_counter()
+            loss.backward()
+            synchronize(device)
+            tf.append(t1 - t0)
+            tb.append(time.perf_counter() - t1)
+            del logits, loss
+        model.zero_grad(set_to_none=True)
+        measured.append((float(np.median(tf)), float(np.median(tb))))
+    flat = world.medians([x for t in measured[1:] for x in t])
+    out: dict = {"layers": n_layers, "samples": []}
+    parts: dict[str, list[float]] = {"forward": [], "backward": []}
+    for i, lengths in enumerate(rows):
+        n = float(sum(lengths))
+        sq = float(sum(attention_sq(0, x, (spec.window_of(0),)) for x in lengths))
+        for direction in parts:
+            parts[direction].append(float(n_layers * layer[direction].time(n, sq) + ends[f"embedding_{direction}"]
+                                          .time(n, 0.0) + ends[f"head_{direction}"].time(n, 0.0)))
+        out["samples"].append({"lengths": lengths, "forward_s": flat[2 * i], "backward_s": flat[2 * i + 1],
+                               "parts_forward_s": parts["forward"][-1], "parts_backward_s": parts["backward"][-1]})
+    for j, direction in enumerate(parts):
+        out[direction] = float(least_squares(np.asarray(parts[direction])[:, None], np.asarray(flat[j::2]))[0])
+    return out
 
 
 def degrees(spec: ModelSpec, max_degree: int) -> list[tuple[int, int]]:
@@ -389,12 +448,14 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     n_deg = len(degrees(spec, cfg["max_degree"]))
     n_par = len(parallel_layouts(spec, world.size, cfg["max_degree"]))
     with progress(show_progress and world.is_main, f"profiling {spec.name}",
-                  len(cfg["rows"]) + 2 + n_deg + n_par) as advance:
+                  len(cfg["rows"]) + 3 + n_deg + n_par) as advance:
         layer, layer_rows = _layer_sweep(_block(spec, dt, device), cfg["rows"], cfg, spec, dt, device, world,
                                          world.medians, advance=advance)
         world.barrier()
         end_fits, ends = _ends_sweep(spec, cfg, dt, device, world.medians)
         advance("embedding and head")
+        whole = _measure_whole(spec, cfg, layer, end_fits, dt, device, world)
+        advance(f"whole model ({whole['layers']} layers)")
         states = _states(spec, cfg["reps"], dt, device)
         states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
         advance("optimizer")
@@ -407,6 +468,6 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
                         embedding={"forward": end_fits["embedding_forward"],
                                    "backward": end_fits["embedding_backward"]},
                         head={"forward": end_fits["head_forward"], "backward": end_fits["head_backward"]},
-                        activations=activations, states=states, parallel=parallel,
+                        activations=activations, states=states, parallel=parallel, whole_model=whole,
                         produced_by=produced_by(processes=world.size, device_count=world.size),
                         samples=samples, name=f"model-{spec.name}")

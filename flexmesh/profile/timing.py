@@ -17,6 +17,10 @@ uses them: docs/cost-model.md.
   forward fit's quadratic (attention) part, which runs again. The dense attention mask the CPU
   kernel saves (``attention_mask_bytes_per_sq_row_token`` x tokens^2 per layer, local and Ulysses
   attention; ring attention and a selectively recomputed core save none) is the mask term;
+- every pass's time (layers and ends, measured in one process or under real groups) is multiplied
+  by the profile's whole-model factor for its direction (``whole_model``: the model timed as the trainer
+  runs it over the sum of its parts; 1 for profiles without one), so that a micro-batch costs what
+  the layers cost in sequence rather than each alone with its data in cache;
 - weights, gradients and optimizer states take the profile's bytes per parameter, the optimizer
   step its seconds per parameter, and every byte count the profile's dtype.
 
@@ -71,6 +75,7 @@ class ProfiledTiming:
     def __init__(self, profile: ModelProfile):
         self.profile = profile
         self.dtype = profile.dtype  # the dtype the profile measured (the runtime's)
+        self.k_fwd, self.k_bwd = profile.whole_factor("forward"), profile.whole_factor("backward")
 
     def check_model(self, model: ModelSpec) -> None:
         """Raise ProfileError unless the profile measured a model of ``model``'s shape."""
@@ -89,16 +94,18 @@ class ProfiledTiming:
         backward = "backward_recompute" if s.recompute else "backward"
         # Selective recomputation runs the forward's attention (the fit's quadratic part) again.
         selective = s.recompute is Recompute.SELECTIVE
+        kf, kb = self.k_fwd, self.k_bwd
         measured = self.profile.parallel_layer(s.tp, s.cp_kind, s.cp) if split > 1 else None
         if measured is not None:
             again = measured["forward"].attention(tokens, sq_tokens) if selective else 0.0
-            return LayerTimes(fwd=measured["forward"].time(tokens, sq_tokens),
-                              bwd=measured[backward].time(tokens, sq_tokens) + again, includes_communication=True)
+            return LayerTimes(fwd=kf * measured["forward"].time(tokens, sq_tokens),
+                              bwd=kb * (measured[backward].time(tokens, sq_tokens) + again),
+                              includes_communication=True)
         fit = self.profile.layer
         attention = fit["forward"].attention(tokens, sq_tokens, split)
-        return LayerTimes(fwd=fit["forward"].time(tokens, sq_tokens, split),
-                          bwd=fit[backward].time(tokens, sq_tokens, split) + (attention if selective else 0.0),
-                          attention=attention)
+        return LayerTimes(fwd=kf * fit["forward"].time(tokens, sq_tokens, split),
+                          bwd=kb * (fit[backward].time(tokens, sq_tokens, split) + (attention if selective else 0.0)),
+                          attention=kf * attention)
 
     def embedding_times(self, s: LayerStrategy, tokens: Amount) -> tuple[Amount, Amount]:
         """(forward, backward) of the embedding's fits; see :meth:`_end_time`."""
@@ -111,11 +118,12 @@ class ProfiledTiming:
     def _end_time(self, key: str, s: LayerStrategy, tokens: Amount) -> Amount:
         """Seconds of ``key`` (``embedding_forward``, ..., ``head_backward``) for ``tokens`` on a
         tp x cp group: timed under a real tp group where profiled, else the one-process fit split."""
+        part, direction = key.split("_")
+        k = self.k_fwd if direction == "forward" else self.k_bwd
         measured = self.profile.parallel_ends(s.tp) if s.tp > 1 else None
         if measured is not None:  # each cp rank runs the ends on its own tokens
-            return measured[key].time(np.asarray(tokens, dtype=float) / s.cp, 0.0)
-        part, direction = key.split("_")
-        return getattr(self.profile, part)[direction].time(tokens, 0.0, s.tp * s.cp)
+            return k * measured[key].time(np.asarray(tokens, dtype=float) / s.cp, 0.0)
+        return k * getattr(self.profile, part)[direction].time(tokens, 0.0, s.tp * s.cp)
 
     def activation_bytes_per_token(self, s: LayerStrategy, recompute: bool) -> float:
         """The table's bytes per token for (tp, cp, recompute); unmeasured: tp = cp = 1 / (tp * cp).
