@@ -26,10 +26,10 @@ dtype it trains in (fp32), one packed row (micro-batch) at a time:
 - the whole model as the trainer runs it (:func:`_measure_whole`: the runtime's model with up to
   ``WHOLE_LAYERS`` layers, the trainer's summed cross-entropy, one forward and one backward per row)
   against the sum of its parts as fitted above: one factor per pass, ``measured = k * parts``
-  (least squares in relative error). Layers timed one at a time run with their weights and inputs
-  in cache, which a model's layers in sequence do not, so the parts alone under-predict a
-  micro-batch (by 10-15% measured on a 2-core machine for ``tiny``); the cost model multiplies every
-  pass by the factor (:class:`~flexmesh.profile.timing.ProfiledTiming`);
+  (least squares in relative error). A layer timed alone runs again and again on the same weights
+  and inputs (in cache, most likely), a model's layers in sequence do not, and the parts alone
+  under-predict a micro-batch (``tiny`` on a 2-core machine: factors 1.16-1.17 forward, 1.02-1.06 backward); the
+  cost model multiplies every pass by the factor (:class:`~flexmesh.profile.timing.ProfiledTiming`);
 - with more than one process, the same layer timings under real process groups for every
   (tp, cp kind, cp) layout that divides the world (tp x cp up to the sweep's ``max_degree``), and
   the embedding and head under each tp
