@@ -166,16 +166,24 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
             state["loss"].backward()
 
         for name, fwd, bwd in (("embedding", emb_f, emb_b), ("head", head_f, head_b)):
-            tf, tb = [], []
-            for i in range(reps + 1):
-                tf_i = median_time(fwd, 1, device, warmup=0)
-                tb_i = median_time(bwd, 1, device, warmup=0)
-                if i:
-                    tf.append(tf_i)
-                    tb.append(tb_i)
-            out[f"{name}_forward"].append(float(np.median(tf)))
-            out[f"{name}_backward"].append(float(np.median(tb)))
+            tf, tb = _time_passes(fwd, bwd, reps, device, warmup=1)
+            out[f"{name}_forward"].append(tf)
+            out[f"{name}_backward"].append(tb)
     return out
+
+
+def _time_passes(fwd, bwd, reps: int, device, warmup: int = 0, before=None) -> tuple[float, float]:
+    """Median seconds of ``fwd()`` and of ``bwd()``, run in turn ``warmup + reps`` times (the first
+    ``warmup`` untimed); ``before``, untimed, ahead of each turn."""
+    tf, tb = [], []
+    for i in range(warmup + reps):
+        if before is not None:
+            before()
+        f, b = median_time(fwd, 1, device, warmup=0), median_time(bwd, 1, device, warmup=0)
+        if i >= warmup:
+            tf.append(f)
+            tb.append(b)
+    return float(np.median(tf)), float(np.median(tb))
 
 
 PASSES = ("forward", "backward", "backward_recompute")
@@ -239,21 +247,18 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
         n = sum(lengths)
         ids = torch.randint(0, spec.vocab, (1, n), device=device)
         batch = SimpleNamespace(positions=positions, cu_seqlens=cu)  # what the model reads of a PackedBatch
-        tf, tb = [], []
-        for _ in range(cfg["reps"]):
-            world.barrier()
-            t0 = time.perf_counter()
+        state: dict = {}
+
+        def fwd():
             logits = model(ids, batch)
-            loss = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1), reduction="sum") / n
-            synchronize(device)
-            t1 = time.perf_counter()
-            loss.backward()
-            synchronize(device)
-            tf.append(t1 - t0)
-            tb.append(time.perf_counter() - t1)
-            del logits, loss
+            state["loss"] = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1),
+                                            reduction="sum") / n
+
+        def bwd():
+            state.pop("loss").backward()
+
+        measured.append(_time_passes(fwd, bwd, cfg["reps"], device, before=world.barrier))
         model.zero_grad(set_to_none=True)
-        measured.append((float(np.median(tf)), float(np.median(tb))))
     flat = world.medians([x for t in measured[1:] for x in t])
     out: dict = {"layers": n_layers, "samples": []}
     parts: dict[str, list[float]] = {"forward": [], "backward": []}
