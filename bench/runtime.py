@@ -157,6 +157,7 @@ def main() -> None:
     for _ in range(2):
         plain_t.append(tokens_per_s(batches, plain_loop(batches), warmup=1))
         flex_t.append(tokens_per_s(batches, flexmesh_loop(plan1, batches), warmup=1))
+    dist.barrier()
     dist.destroy_process_group()
     plain, flex = max(plain_t), max(flex_t)
     overhead = 1.0 - flex / plain
