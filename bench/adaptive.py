@@ -83,21 +83,21 @@ def flexmesh(argv: list[str]) -> None:
         raise SystemExit(f"flexmesh {' '.join(argv)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def machine_profiles(folder: Path, nproc: int, quick: bool, console) -> tuple[Path, Path]:
+def machine_profiles(folder: Path, nproc: int, quick: bool, console) -> tuple[Path, Path, str]:
     """hardware.json and model.json of this machine and MODEL in ``folder``, profiled with ``nproc``
     processes where missing: the full sweeps unless ``quick``. The quick model sweep stops at rows of
     2048 tokens and times each row twice; its fit, stretched to rows of twice that, mispriced them by
-    10-15%."""
+    10-15%. The text says which, for the record: reused from ``folder`` or taken by this run."""
     folder.mkdir(parents=True, exist_ok=True)
     hw, mp = folder / "hardware.json", folder / "model.json"
     if hw.is_file() and mp.is_file():
         console.print(f"reusing the profiles in {folder}", highlight=False)
-        return hw, mp
+        return hw, mp, f"the profiles reused from {folder}"
     console.print(f"profiling this machine and {MODEL} with {nproc} processes", highlight=False)
     sweep = ["--quick"] if quick else []
     flexmesh(["profile", "hardware", *sweep, "--nproc", str(nproc), "--out", str(hw), "--no-progress"])
     flexmesh(["profile", "model", "--model", MODEL, *sweep, "--nproc", str(nproc), "--out", str(mp), "--no-progress"])
-    return hw, mp
+    return hw, mp, f"{'quick' if quick else 'full'}-sweep profiles of this machine taken by this run"
 
 
 def workload(tmp: Path, steps: int, global_batch: int, max_len: int, seed: int, medium: int = 0
@@ -248,7 +248,7 @@ def main() -> None:
             console.print(f"step {k + 1}: {len(b)} documents, {b.sum():,} tokens, longest {b.max()}, shortest "
                           f"{b.min()}, max/min {ratios[k]:.0f}x", highlight=False)
         assert (ratios >= 100).all(), f"every step must hold documents 100x apart; got {ratios}"
-        hw, mp = machine_profiles(Path(args.profiles) if args.profiles else tmp, n, args.quick, console)
+        hw, mp, priced_by = machine_profiles(Path(args.profiles) if args.profiles else tmp, n, args.quick, console)
         spec = parse_model(MODEL)
         s = LayerStrategy.parse(f"tp1-dp{n}z2")
         plan = Plan(model=MODEL, cluster=f"{n}xcpu", world_size=n, pp=1, pipeline_schedule="1f1b", num_microbatches=1,
@@ -285,11 +285,11 @@ def main() -> None:
                                                                           args.seed, cost=cost)(b).groups)
                                     for b in batches)
                   for label, (kind, extra) in runs.items() if kind == "adaptive"}
-    report(console, args, runs, metrics, longs, ratios, missing, groups, load)
+    report(console, args, runs, metrics, longs, ratios, missing, groups, load, priced_by)
 
 
 def report(console, args, runs: dict, metrics: dict[str, list[dict]], longs: list[int], ratios: np.ndarray,
-           missing: dict[str, tuple], groups: dict[str, str], load: tuple[float, ...]) -> None:
+           missing: dict[str, tuple], groups: dict[str, str], load: tuple[float, ...], priced_by: str) -> None:
     from rich.table import Table
 
     from flexmesh.report import median_abs_error
@@ -377,8 +377,7 @@ def report(console, args, runs: dict, metrics: dict[str, list[dict]], longs: lis
               f"per step, {args.medium} medium, the rest short (every step's longest document >= 100x its "
               "shortest); the same batches and initial weights for every run; baselines swept over their static "
               "context-parallel degree, best kept; schedules priced by "
-              + (f"the profiles reused from {args.profiles}" if args.profiles
-                 else "full-sweep profiles of this machine")
+              + priced_by
               + f"; every run trained {args.repeats} times in rounds, each step's median kept; tokens/s "
               f"and predictions leave out the first step. Speedups are over the best baseline by measured tokens/s "
               f"({best_base}); the predicted speedup is the simulator's step times of the same schedules over that "

@@ -76,7 +76,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep) if args.keep else Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
-        hw, mp = machine_profiles(Path(args.profiles) if args.profiles else tmp, NPROC, args.quick, console)
+        hw, mp, priced_by = machine_profiles(Path(args.profiles) if args.profiles else tmp, NPROC, args.quick, console)
         plan_path = tmp / "plan.json"
         training_plan(NPROC, args.max_len, args.global_batch, MODEL).save(plan_path)
         flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hw), "--model-profile", str(mp)]
@@ -87,10 +87,10 @@ def main() -> None:
 
             console.print(f"plot: {speed_png(metrics, tmp / 'speed.png')}", highlight=False)
     d = comparison_summary(metrics)
-    report(console, args, d, metrics, load)
+    report(console, args, d, metrics, load, priced_by)
 
 
-def report(console, args, d: dict, metrics: dict, load: tuple[float, ...]) -> None:
+def report(console, args, d: dict, metrics: dict, load: tuple[float, ...], priced_by: str) -> None:
     from rich.table import Table
 
     def verdict(ok: bool | None) -> str:
@@ -146,7 +146,6 @@ def report(console, args, d: dict, metrics: dict, load: tuple[float, ...]) -> No
         return
     from bench._results import markdown_table, record
 
-    priced_by = f"the profiles reused from {args.profiles}" if args.profiles else "full-sweep profiles of this machine"
     md = [f"`{MODEL}` (4 layers, hidden 256, fp32) on {NPROC} processes of this machine ({os.cpu_count()} cores, gloo, "
           f"OMP_NUM_THREADS=1), replicated ZeRO-2 layout, `balanced` policy on one-rank groups, schedules priced by "
           f"{priced_by}; {args.steps} steps of {args.global_batch} Python standard-library "
