@@ -86,6 +86,31 @@ def test_simulated_micro_batch_phase_equals_the_prediction_and_is_never_below_th
     check_simulated_against_bound(policy, ctx, lens, OPTIONS.get(policy, {}))
 
 
+def test_a_short_document_packed_beside_a_long_one_does_not_undercut_the_bound():
+    # Attention is priced over blocks of a micro-batch's mean length: two tokens beside 619009 move the
+    # mean from just past a 128-key tile boundary to just below it, and the pair prices 0.02% below the
+    # long document alone. The bound's single-sequence term must not exceed what the pair costs.
+    cost = CostModel(parse_model("llama2-7b"), parse_cluster("1x8xA100-80GB"))
+    ctx = ScheduleContext(cost=cost, base=LayerStrategy(zero=2, recompute=True), num_ranks=8)
+    lens = np.array([2, 619009])
+    pair = float(ctx.microbatch_time(8, 619011.0, cost.attention_sq(0.0, 619009.0) + 4.0))
+    assert pair < float(ctx.microbatch_time(8, 619009.0, cost.attention_sq(0.0, 619009.0)))  # the model's dip
+    check_simulated_against_bound("balanced", ctx, lens, {})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(129, 400_000), st.lists(st.integers(1, 64), min_size=1, max_size=8), st.sampled_from([1, 8]))
+def test_the_packing_floor_never_charges_a_document_more_than_a_micro_batch_holding_it(long, short, d):
+    cost = CostModel(parse_model("llama2-7b"), parse_cluster("1x8xA100-80GB"))
+    ctx = ScheduleContext(cost=cost, base=LayerStrategy(zero=2, recompute=True), num_ranks=8)
+    floor = ctx.packing_floor()
+    sq = cost.attention_sq(0.0, float(long))
+    packed = float(ctx.microbatch_time(d, float(long + sum(short)), sq + sum(cost.attention_sq(0.0, float(x))
+                                                                             for x in short)))
+    alone = float(ctx.microbatch_time(d, float(long), sq))
+    assert float(floor.microbatch_time(d, float(long), sq)) <= min(packed, alone) * (1 + 1e-12)
+
+
 def test_zero3_ranks_run_in_lockstep_and_zero2_ranks_do_not():
     from flexmesh.layout.step import Group, Piece, StepSchedule
 

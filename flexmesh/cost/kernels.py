@@ -82,6 +82,8 @@ class Kernels:
     launch_s: float = LAUNCH_S
     dtype_bytes: int = 2
     roofline: bool = True  # False: GEMMs at their compute time alone (see :meth:`envelope`)
+    # True: a block is priced at the best efficiency of any block up to its length (see :meth:`floor`)
+    attn_best_below: bool = False
 
     def envelope(self) -> "Kernels":
         """The same device with every kernel at its best rate: no tiles, waves, launches or roofline.
@@ -98,6 +100,23 @@ class Kernels:
         True
         """
         return replace(self, sms=None, attn_overhead=0.0, launch_s=0.0, roofline=False)
+
+    def floor(self) -> "Kernels":
+        """The same device with attention blocks at the best efficiency of any block up to their length.
+
+        Attention is priced over blocks of the micro-batch's mean length (:meth:`attention_efficiency`),
+        whose keys are rounded up to whole tiles. A short document packed beside a long one lowers the
+        mean: past a tile boundary, that can drop a partly filled tile and price the pair below the long
+        document alone. A bound on "a micro-batch never takes less than its longest member" uses this
+        model, whose efficiency never rises as the mean falls (:func:`flexmesh.schedule.lower_bound`).
+
+        >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100)
+        >>> bool(k.attention_efficiency(257.0) < k.attention_efficiency(256.0))
+        True
+        >>> float(k.floor().attention_efficiency(257.0)) == float(k.attention_efficiency(256.0))
+        True
+        """
+        return replace(self, attn_best_below=True)
 
     # ---- GEMMs ---------------------------------------------------------------------------------
     def gemm_compute(self, m, n, k):  # noqa: ANN001, ANN201 - floats or numpy arrays
@@ -138,16 +157,25 @@ class Kernels:
     # ---- flash attention -----------------------------------------------------------------------
     def attention_efficiency(self, block):  # noqa: ANN001, ANN201
         """Fraction of ``attn_flops`` reached over blocks of ``block`` keys: keys rounded up to whole
-        tiles, and each query tile's fixed cost of ``attn_overhead`` keys."""
+        tiles, and each query tile's fixed cost of ``attn_overhead`` keys (with ``attn_best_below``,
+        the best of that over blocks up to ``block``: at the last whole number of tiles, see :meth:`floor`)."""
         if isinstance(block, np.ndarray):
             if self.sms is None:
                 return np.ones_like(block, dtype=float)
             b = np.maximum(block, 1.0)
-            return b / (np.ceil(b / ATTN_TILE) * ATTN_TILE + self.attn_overhead)
+            eff = b / (np.ceil(b / ATTN_TILE) * ATTN_TILE + self.attn_overhead)
+            if self.attn_best_below:
+                whole = np.floor(b / ATTN_TILE) * ATTN_TILE
+                eff = np.maximum(eff, whole / (whole + self.attn_overhead))
+            return eff
         if self.sms is None:
             return 1.0
         keys = max(float(block), 1.0)
-        return keys / (math.ceil(keys / ATTN_TILE) * ATTN_TILE + self.attn_overhead)
+        rate = keys / (math.ceil(keys / ATTN_TILE) * ATTN_TILE + self.attn_overhead)
+        if self.attn_best_below:
+            tiled = float(math.floor(keys / ATTN_TILE) * ATTN_TILE)
+            rate = max(rate, tiled / (tiled + self.attn_overhead))
+        return rate
 
     def attention(self, flops, block, calls: float = 1.0):  # noqa: ANN001, ANN201
         """Seconds of ``calls`` flash-attention kernels doing ``flops`` over blocks of ``block`` keys."""

@@ -30,13 +30,14 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from functools import lru_cache
-from typing import cast
+from typing import Callable, cast
 
 import numpy as np
 
 from flexmesh.cost.analytic import AnalyticTiming
 from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import Hardware, group_shape
+from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.memory import layer_transient_bytes
 from flexmesh.cost.pipeline import in_flight, pipeline_time
 from flexmesh.cost.timing import LayerTiming
@@ -401,17 +402,24 @@ class CostModel:
         return other
 
     def lower_envelope(self) -> CostModel:
-        """This cost model with every kernel at its best rate (:meth:`flexmesh.cost.kernels.Kernels.envelope`).
+        """This cost model with every kernel at its best rate (:meth:`flexmesh.cost.kernels.Kernels.envelope`):
+        tiles, waves, launches and the memory roofline make a micro-batch of many short documents
+        cheaper than the documents run one by one; a per-document lower bound must not count them."""
+        return self._with_kernels(Kernels.envelope)
 
-        Tiles, waves, launches and the memory roofline make a micro-batch of many short documents
-        cheaper than the documents run one by one; a per-document lower bound must not count them.
-        Measured timings (a model profile) are already linear in tokens and squared tokens beyond their
-        fixed cost, so they are returned as they are.
-        """
+    def packing_floor(self) -> CostModel:
+        """This cost model with attention at the best efficiency of any block up to a micro-batch's mean
+        length (:meth:`flexmesh.cost.kernels.Kernels.floor`): a document alone costs at most what any
+        micro-batch holding it costs."""
+        return self._with_kernels(Kernels.floor)
+
+    def _with_kernels(self, change: Callable[[Kernels], Kernels]) -> CostModel:
+        """The same device with its kernel-time model changed; measured timings (a model profile) are
+        linear in tokens and squared tokens beyond their fixed cost already, and are kept as they are."""
         if not isinstance(self.timing, AnalyticTiming):
             return self
         hw = copy.copy(self.hw)
-        hw.kernels = self.timing.kernels.envelope()
+        hw.kernels = change(self.timing.kernels)
         return CostModel(self.model, self.cluster, hardware=hw,
                          timing=AnalyticTiming(self.model, hw, ring_balanced=self.timing.ring_balanced)
                          ).with_step_overlap(self.step_overlap)

@@ -139,6 +139,15 @@ class ScheduleContext:
             self._cache["envelope"] = replace(self, cost=self.cost.lower_envelope(), _cache={})
         return self._cache["envelope"]
 
+    def packing_floor(self) -> ScheduleContext:
+        """This context priced by the cost model's packing floor (a document alone never costs more than
+        a micro-batch holding it, see :meth:`flexmesh.cost.CostModel.packing_floor`); itself where the
+        cost model has no such gap."""
+        if "floor" not in self._cache:
+            cost = self.cost.packing_floor()
+            self._cache["floor"] = self if cost is self.cost else replace(self, cost=cost, _cache={})
+        return self._cache["floor"]
+
     def seq_work(self, d: int, lengths: ArrayLike) -> np.ndarray:
         """Rank-seconds each sequence keeps a group of ``d`` busy at the least, however it is packed:
         ``d`` times its time beyond the fixed cost of a micro-batch, by the cost model's lower
