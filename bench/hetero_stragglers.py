@@ -119,8 +119,9 @@ def main() -> None:
         "- **speeds**: sum of the data ranks' speed factors / data ranks; nominal: all devices at speed 1; "
         "the row `none` (no slow device) shows how close each plan comes to its own bound without stragglers.",
         "- The lower bound, and so the capacity bound, covers micro-batches and the step's tail but not a "
-        "pipeline's fill and drain: the pipelined layout stays about 8% below it even with no straggler, and a "
-        "slow pipeline, running fewer micro-batches, spends a larger share of its step filling and draining.",
+        "pipeline's fill and drain, nor the LM head that the simulator runs on the last stage (the scheduler "
+        "prices a stage as its layers and the embedding): the pipelined layout stays about 8% below it with "
+        "or without stragglers.",
         "",
     ]
     out += markdown_table(["GPUs", "layout", "batches", "slow", "speeds", "nominal", "static", "re-planned",

@@ -148,6 +148,22 @@ class ScheduleContext:
             self._cache["floor"] = self if cost is self.cost else replace(self, cost=cost, _cache={})
         return self._cache["floor"]
 
+    def floor_times(self, lengths: ArrayLike) -> dict[int, np.ndarray]:
+        """``{d: each sequence alone on d ranks}`` by :meth:`packing_floor` (read-only; the model's own
+        :meth:`by_size` times where the floor is the model). One cost-model call per group size, kept
+        for the latest :data:`BATCH_MEMO` batches as :meth:`by_size`'s tables are."""
+        floor = self.packing_floor()
+        if floor is self:
+            return self.by_size("time", lengths)
+
+        def make(lens: np.ndarray) -> dict[int, np.ndarray]:
+            out = {d: floor.seq_time(d, lens) for d in self.group_sizes}
+            for arr in out.values():
+                arr.setflags(write=False)
+            return out
+
+        return self._per_batch("floor_times", lengths, make)
+
     def seq_work(self, d: int, lengths: ArrayLike) -> np.ndarray:
         """Rank-seconds each sequence keeps a group of ``d`` busy at the least, however it is packed:
         ``d`` times its time beyond the fixed cost of a micro-batch, by the cost model's lower
@@ -195,14 +211,18 @@ class ScheduleContext:
         kinds are made together, two cost-model calls per group size (its time is mostly per call,
         not per sequence): the model's own (each sequence alone and packed) and the envelope's.
         """
+        return self._per_batch("by_size", lengths, self._tables)[kind]
+
+    def _per_batch(self, name: str, lengths: ArrayLike, make):  # noqa: ANN001, ANN202 - any table
+        """``make(lengths)``, kept in memo ``name`` for the latest :data:`BATCH_MEMO` batches."""
         lens = np.ascontiguousarray(lengths)
-        memo = self._cache.setdefault("by_size", {})
+        memo = self._cache.setdefault(name, {})
         key = (lens.dtype.str, lens.tobytes())
         if key not in memo:
             while len(memo) >= BATCH_MEMO:
                 memo.pop(next(iter(memo)))  # oldest first (dicts keep insertion order)
-            memo[key] = self._tables(lens)
-        return memo[key][kind]
+            memo[key] = make(lens)
+        return memo[key]
 
     def _tables(self, lens: np.ndarray) -> dict[str, dict[int, np.ndarray]]:
         """:meth:`by_size`'s three tables of one batch, the same arithmetic as the per-size methods."""

@@ -100,7 +100,7 @@ def lower_bound(lengths: ArrayLike, ctx: ScheduleContext) -> float:
     need = min_groups(lens, ctx)
     if ctx.speed:
         return _with_speeds(lens, need, ctx)
-    times = seq_times(lens, ctx.packing_floor())
+    times = ctx.floor_times(lens)
     works = ctx.by_size("work", lens)
     alone = np.stack([np.where(need <= d, t, np.inf) for d, t in times.items()])
     work = np.stack([np.where(need <= d, works[d], np.inf) for d in times])
