@@ -65,7 +65,7 @@ def test_lower_bound_single_sequence_is_its_fastest_group():
     ctx = tiny_context(8)
     n = 20_000
     need = ctx.min_group(n)
-    # priced by the packing floor (CostModel.packing_floor), at most the model's own time of it alone
+    # priced by the packing floor (ScheduleContext.packing_floor), at most the model's own time of it alone
     floor = ctx.packing_floor()
     fastest = min(float(floor.seq_time(d, [n])[0]) for d in ctx.group_sizes if d >= need)
     assert lower_bound([n], ctx) == pytest.approx(fastest)

@@ -90,7 +90,7 @@ class Kernels:
 
         Its times are linear in tokens (plus attention's squared tokens), never above this model's,
         and additive: the sum over documents run alone equals them packed together. A lower bound
-        built on them holds for every packing (:meth:`flexmesh.cost.CostModel.lower_envelope`).
+        built on them holds for every packing (:meth:`flexmesh.cost.CostModel.with_kernels`).
 
         >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100)
         >>> e = k.envelope()

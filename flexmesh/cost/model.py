@@ -401,21 +401,10 @@ class CostModel:
         other.step_overlap = overlap
         return other
 
-    def lower_envelope(self) -> CostModel:
-        """This cost model with every kernel at its best rate (:meth:`flexmesh.cost.kernels.Kernels.envelope`):
-        tiles, waves, launches and the memory roofline make a micro-batch of many short documents
-        cheaper than the documents run one by one; a per-document lower bound must not count them."""
-        return self._with_kernels(Kernels.envelope)
-
-    def packing_floor(self) -> CostModel:
-        """This cost model with attention at the best efficiency of any block up to a micro-batch's mean
-        length (:meth:`flexmesh.cost.kernels.Kernels.floor`): a document alone costs at most what any
-        micro-batch holding it costs."""
-        return self._with_kernels(Kernels.floor)
-
-    def _with_kernels(self, change: Callable[[Kernels], Kernels]) -> CostModel:
-        """The same device with its kernel-time model changed; measured timings (a model profile) are
-        linear in tokens and squared tokens beyond their fixed cost already, and are kept as they are."""
+    def with_kernels(self, change: Callable[[Kernels], Kernels]) -> CostModel:
+        """The same device with its kernel-time model changed (``Kernels.envelope``, ``Kernels.floor``: for
+        lower bounds); measured timings (a model profile) are linear in tokens and squared tokens beyond
+        their fixed cost, and monotone, already, and are kept as they are."""
         if not isinstance(self.timing, AnalyticTiming):
             return self
         hw = copy.copy(self.hw)

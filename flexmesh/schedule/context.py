@@ -12,6 +12,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from flexmesh.cost import CostModel
+from flexmesh.cost.kernels import Kernels
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.mesh import group_cp_kind, runs_in_lockstep
 from flexmesh.layout.strategy import LayerStrategy
@@ -134,17 +135,17 @@ class ScheduleContext:
 
     def envelope(self) -> ScheduleContext:
         """This context priced by the cost model's lower envelope (every kernel at its best rate:
-        times linear in tokens and squared tokens, see :meth:`flexmesh.cost.CostModel.lower_envelope`)."""
+        times linear in tokens and squared tokens, see :meth:`flexmesh.cost.kernels.Kernels.envelope`)."""
         if "envelope" not in self._cache:
-            self._cache["envelope"] = replace(self, cost=self.cost.lower_envelope(), _cache={})
+            self._cache["envelope"] = replace(self, cost=self.cost.with_kernels(Kernels.envelope), _cache={})
         return self._cache["envelope"]
 
     def packing_floor(self) -> ScheduleContext:
         """This context priced by the cost model's packing floor (a document alone never costs more than
-        a micro-batch holding it, see :meth:`flexmesh.cost.CostModel.packing_floor`); itself where the
+        a micro-batch holding it, see :meth:`flexmesh.cost.kernels.Kernels.floor`); itself where the
         cost model has no such gap."""
         if "floor" not in self._cache:
-            cost = self.cost.packing_floor()
+            cost = self.cost.with_kernels(Kernels.floor)
             self._cache["floor"] = self if cost is self.cost else replace(self, cost=cost, _cache={})
         return self._cache["floor"]
 

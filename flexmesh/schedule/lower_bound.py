@@ -18,7 +18,7 @@ In a step of length ``T`` a rank of nominal speed delivers ``T`` of them, hence
 never faster than on its best group, and its pieces run one after another on one group, hence also
 ``T >= max_i min_{d >= m_i} t_d(l_i)`` with ``t_d`` the cost model's time of the sequence alone
 (a micro-batch never takes less than its longest member), by its packing floor
-(:meth:`flexmesh.cost.CostModel.packing_floor`: the model prices attention over blocks of a micro-batch's
+(:meth:`ScheduleContext.packing_floor`: the model prices attention over blocks of a micro-batch's
 mean length, which a short document packed beside a long one lowers, possibly past a tile boundary;
 the floor never charges a document alone more than any micro-batch holding it). The bound is the larger, tightened: in a
 step of length ``T`` sequence ``i`` can only have run on a group size with ``t_d(l_i) <= T``, so its
