@@ -30,11 +30,12 @@ def markdown_table(columns, rows) -> list[str]:
             *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
 
 
-def record(name: str, body: str) -> None:
-    """Replace section ``name`` of RESULTS.md with ``body`` (markdown), stamped with commit and machine."""
+def record(name: str, body: str, script: str | None = None) -> None:
+    """Replace section ``name`` of RESULTS.md with ``body`` (markdown), stamped with commit and machine;
+    its heading names bench/``script``.py (default: ``name``)."""
     stamp = (f"_commit {commit()}, {datetime.date.today().isoformat()}, {platform.machine()} "
              f"{platform.processor() or ''} python {platform.python_version()}_\n")
-    section = (f"<!-- bench:{name} -->\n## {name} (`bench/{name}.py`)\n\n{stamp}\n{body.rstrip()}\n"
+    section = (f"<!-- bench:{name} -->\n## {name} (`bench/{script or name}.py`)\n\n{stamp}\n{body.rstrip()}\n"
                f"<!-- /bench:{name} -->")
     text = RESULTS.read_text() if RESULTS.exists() else HEADER
     pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S)
