@@ -11,17 +11,17 @@ model's vocabulary, laid out in a .jsonl corpus so that the trainer's seeded loa
 batches: odd steps hold one long document (a file of at least ``--max-len`` tokens, truncated to
 it), even steps two, every step short ones (at most ``--max-len`` / 100 tokens, so its longest
 document is 100x its shortest or more: printed and asserted) and ``--medium`` documents of 1/16 to
-1/2 of ``--max-len`` (default none). One long document leaves a rank idle under a static
-context-parallel degree of 1; two fill both ranks, and a static degree of 2 pays its communication
-for nothing. How much a per-step choice can gain over the best static degree is what degree 2
-costs beyond degree 1 on two-long-document steps. Measured on this machine when this default was
-chosen, that was about 0.15 s a
-step at both 2048 and 4096 tokens (section adaptive: 0.93-1.02 s at degree 1 against 1.08-1.11 s at
-degree 2; adaptive-4096: 2.30-2.35 s against 2.45-2.62 s), so it weighs twice as much in the shorter
-steps of ``--max-len 2048`` (the default): there the per-step best baseline, each step at the
-fastest baseline run's time on it, was 1.13x the best baseline, at 4096 only 1.065x, and the
-adaptive runs at 4096 measured 1.025-1.051x over three runs. Each run prints that headroom next to
-the adaptive runs and records lengths other than the default in their own section (``adaptive-4096``).
+1/2 of ``--max-len`` (default none). One long document leaves a rank idle under a static context-
+parallel degree of 1; two fill both ranks, and a static degree of 2 pays its communication for
+nothing. How much a per-step choice can gain over the best static degree is what degree 2 costs
+beyond degree 1 on two-long-document steps. Measured on this machine when this default was chosen,
+that was about 0.15 s a step at both 2048 and 4096 tokens (section adaptive: 0.93-1.02 s at degree 1
+against 1.08-1.11 s at degree 2; adaptive-4096: 2.30-2.35 s against 2.45-2.62 s), so it weighs twice
+as much in the shorter steps of ``--max-len 2048`` (the default): there the per-step best baseline,
+each step at the fastest baseline run's time on it, was 1.13x the best baseline, at 4096 only
+1.065x, and the adaptive runs at 4096 measured 1.025-1.051x over three runs. Each run prints that
+headroom next to the adaptive runs and records lengths other than the default in their own section
+(``adaptive-4096``).
 
 Runs: the baselines (what people run), each swept over its static context-parallel degree (1 and 2
 with 2 ranks), its best setting kept: ``fixed`` (best-fit-decreasing packing to the token budget, no
