@@ -159,8 +159,7 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
 
         def head_f():
             logits = head(norm(h))
-            state["loss"] = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1),
-                                            reduction="sum") / n
+            state["loss"] = _summed_loss(logits, ids) / n
 
         def head_b():
             state["loss"].backward()
@@ -170,6 +169,12 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
             out[f"{name}_forward"].append(tf)
             out[f"{name}_backward"].append(tb)
     return out
+
+
+def _summed_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss on ``logits`` against ``ids``: the tokens' cross-entropy summed in fp32
+    (flexmesh.runtime.trainer's loss before its normaliser)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids.reshape(-1), reduction="sum")
 
 
 def _time_passes(fwd, bwd, reps: int, device, warmup: int = 0, before=None) -> tuple[float, float]:
@@ -251,8 +256,7 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
 
         def fwd():
             logits = model(ids, batch)
-            state["loss"] = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1),
-                                            reduction="sum") / n
+            state["loss"] = _summed_loss(logits, ids) / n
 
         def bwd():
             state.pop("loss").backward()
@@ -418,7 +422,7 @@ def _end_activation_bytes(spec: ModelSpec, tokens: int, dtype, device) -> dict:
     leaf = torch.randn(1, tokens, spec.hidden, device=device, dtype=dtype, requires_grad=True)
     with SavedActivationMeter() as m_head:
         logits = head(norm(leaf * 1.0))
-        loss = F.cross_entropy(logits.reshape(-1, spec.vocab).float(), ids.reshape(-1), reduction="sum")
+        loss = _summed_loss(logits, ids)
     del e, logits, loss
     return {"embedding_bytes_per_token": m_emb.peak_bytes, "head_bytes_per_token": m_head.peak_bytes}
 

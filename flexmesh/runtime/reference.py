@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmesh.layout.step import Piece
-from flexmesh.runtime.packing import global_label_tokens, pack_microbatch
+from flexmesh.runtime.packing import IGNORE_INDEX, global_label_tokens, pack_microbatch
 
 
 def reference_loss(model: torch.nn.Module, docs, schedule, backward: bool = True) -> float:
@@ -33,7 +33,7 @@ def reference_loss(model: torch.nn.Module, docs, schedule, backward: bool = True
                 b = pack_microbatch(docs, whole)
                 logits = model(b.tokens, b)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.labels.reshape(-1),
-                                       ignore_index=-100, reduction="sum") / n
+                                       ignore_index=IGNORE_INDEX, reduction="sum") / n
                 if backward:
                     loss.backward()
                 total += loss.item()

@@ -156,14 +156,8 @@ class ScheduleContext:
         floor = self.packing_floor()
         if floor is self:
             return self.by_size("time", lengths)
-
-        def make(lens: np.ndarray) -> dict[int, np.ndarray]:
-            out = {d: floor.seq_time(d, lens) for d in self.group_sizes}
-            for arr in out.values():
-                arr.setflags(write=False)
-            return out
-
-        return self._per_batch("floor_times", lengths, make)
+        return self._per_batch("floor_times", lengths, lambda lens: {d: floor.seq_time(d, lens)
+                                                                     for d in self.group_sizes})
 
     def seq_work(self, d: int, lengths: ArrayLike) -> np.ndarray:
         """Rank-seconds each sequence keeps a group of ``d`` busy at the least, however it is packed:
@@ -215,14 +209,15 @@ class ScheduleContext:
         return self._per_batch("by_size", lengths, self._tables)[kind]
 
     def _per_batch(self, name: str, lengths: ArrayLike, make):  # noqa: ANN001, ANN202 - any table
-        """``make(lengths)``, kept in memo ``name`` for the latest :data:`BATCH_MEMO` batches."""
+        """``make(lengths)``, kept in memo ``name`` for the latest :data:`BATCH_MEMO` batches; its arrays
+        (in dicts, nested or not) are made read-only, since every caller shares them."""
         lens = np.ascontiguousarray(lengths)
         memo = self._cache.setdefault(name, {})
         key = (lens.dtype.str, lens.tobytes())
         if key not in memo:
             while len(memo) >= BATCH_MEMO:
                 memo.pop(next(iter(memo)))  # oldest first (dicts keep insertion order)
-            memo[key] = make(lens)
+            memo[key] = _read_only(make(lens))
         return memo[key]
 
     def _tables(self, lens: np.ndarray) -> dict[str, dict[int, np.ndarray]]:
@@ -238,9 +233,6 @@ class ScheduleContext:
                            dtype=float)
             e = np.asarray(env.microbatch_time(d, np.append(a, 0.0), np.append(sq, 0.0)), dtype=float)
             out["time"][d], out["load"][d], out["work"][d] = t[:k], t[k:] / n, d * (e[:k] - e[k])
-        for tables in out.values():
-            for arr in tables.values():
-                arr.setflags(write=False)
         return out
 
     def seq_work_split(self, d: int, lengths: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
@@ -279,3 +271,13 @@ class ScheduleContext:
             f"a sequence of {length} tokens fits nowhere: the largest group ({self.group_sizes[-1]} ranks) holds "
             f"at most {largest} tokens; truncate sequences to {largest}, enable recomputation, or add devices"
         )
+
+
+def _read_only(tables: dict) -> dict:
+    """``tables`` with every array in it (in dicts, nested or not) made read-only."""
+    for value in tables.values():
+        if isinstance(value, dict):
+            _read_only(value)
+        else:
+            value.setflags(write=False)
+    return tables
