@@ -7,3 +7,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Test files import what they share from tests/helpers.py as `helpers`, whatever pytest's import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a GPU: skipped, with the reason, where torch sees none."""
+    import pytest
+
+    if not any(item.get_closest_marker("cuda") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import cp_model_check
 
-from flexmesh.runtime import attention as A
+from flexmesh.runtime import attention_kernels as AK
 from flexmesh.runtime.attention import CPContext, attend, document_causal_mask, flash_window_size, ring_steps
 from flexmesh.runtime.launch import free_port
 
@@ -60,7 +60,7 @@ def test_window_convention_matches_transformers_when_available():
     for i in range(8):
         for j in range(8):
             want = bool(fn(0, 0, torch.tensor(i), torch.tensor(j)))
-            assert bool(A.window_causal(torch.tensor(i), torch.tensor(j), 3)) == want, (i, j)
+            assert bool(AK.window_causal(torch.tensor(i), torch.tensor(j), 3)) == want, (i, j)
 
 
 def test_flash_window_size_is_flash_attn_convention():
@@ -87,7 +87,7 @@ DOCS = [0, 5, 6, 17, 40]  # lengths 5, 1, 11, 23; tail 40..45 is padding (its ow
 @pytest.mark.parametrize("window", [1, 4, 6, 12, 100])
 @pytest.mark.parametrize("block", [2, 256])
 def test_cpu_windowed_attention_matches_dense_reference_fwd_bwd(monkeypatch, window, block):
-    monkeypatch.setattr(A, "WINDOW_BLOCK", block)  # small blocks: several query blocks per document
+    monkeypatch.setattr(AK, "WINDOW_BLOCK", block)  # small blocks: several query blocks per document
     torch.manual_seed(0)
     t, h, hkv, d = 45, 4, 2, 8
     q = torch.randn(2, h, t, d, dtype=torch.float64, requires_grad=True)
@@ -109,46 +109,107 @@ def test_window_longer_than_every_document_changes_nothing():
     assert not torch.allclose(attend(q, k, v, cu, window=22), attend(q, k, v, cu))
 
 
-def test_flash_path_passes_the_window(monkeypatch):
-    """The flash-attn varlen call, replaced by a model of its documented semantics, gives the reference."""
-    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
-        assert causal
-        left, right = window_size
-        out = torch.zeros_like(q)
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            i = torch.arange(b - a)[:, None]
-            j = torch.arange(b - a)[None, :]
-            ok = (j <= i) & ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
-            g = q.shape[1] // k.shape[1]
-            kk, vv = k[a:b].repeat_interleave(g, 1), v[a:b].repeat_interleave(g, 1)
-            s = torch.einsum("qhd,khd->hqk", q[a:b], kk) / q.shape[-1] ** 0.5
-            out[a:b] = torch.einsum("hqk,khd->qhd", s.masked_fill(~ok, float("-inf")).softmax(-1), vv)
-        return out
+def flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, left: int, right: int, gqa: bool):
+    """A model of the flash varlen kernels' documented semantics on [T, H, D] rows, for faking them."""
+    assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    starts, ends = cu_q[:-1].tolist(), cu_q[1:].tolist()
+    assert max_q == max_k == max(b - a for a, b in zip(starts, ends))  # the host's figure, no device read
+    assert gqa or q.shape[1] == k.shape[1], "grouped heads passed to a kernel told they are not grouped"
+    out = torch.zeros_like(q)
+    for a, b in zip(starts, ends):
+        i = torch.arange(b - a)[:, None]
+        j = torch.arange(b - a)[None, :]
+        ok = ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
+        g = q.shape[1] // k.shape[1]
+        kk, vv = k[a:b].repeat_interleave(g, 1), v[a:b].repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", q[a:b], kk) / q.shape[-1] ** 0.5
+        out[a:b] = torch.einsum("hqk,khd->qhd", s.masked_fill(~ok, float("-inf")).softmax(-1), vv)
+    return out
 
-    monkeypatch.setattr(A, "_flash_varlen", fake_varlen)
+
+def varlen_2_13(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.13's signature: causality is the window (-1, 0), GQA a flag."""
+    return flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *window_size, enable_gqa)
+
+
+def varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None, scale=None):
+    """torch 2.10-2.11's signature: is_causal, no windows, no GQA."""
+    return flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, -1, 0 if is_causal else -1, False)
+
+
+def fake_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
+    assert causal
+    return flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, window_size[0], 0, True)
+
+
+@pytest.mark.parametrize("fake,windows", [(varlen_2_13, True), (varlen_2_11, False)])
+def test_torch_varlen_path_reads_the_signature(monkeypatch, fake, windows):
+    """PyTorch's varlen kernel, replaced by a model of its semantics under each signature it has had:
+    the call gives the reference, and a torch without windows is not picked for a windowed layer."""
+    import inspect
+
+    monkeypatch.setattr(AK, "_torch_varlen", lambda: (fake, frozenset(inspect.signature(fake).parameters)))
+    kernel = AK.KERNELS["varlen"]
+    assert kernel.serves("cuda", torch.bfloat16, None, 64, True)
+    assert kernel.serves("cuda", torch.bfloat16, 4, 64, True) is windows
+    assert not kernel.serves("cuda", torch.float32, None, 64, False)  # flash kernels: fp16/bf16 only
+    assert not kernel.serves("cpu", torch.bfloat16, None, 64, False)
+    assert not kernel.serves("cuda", torch.bfloat16, None, 320, False)  # head_dim above flash's 256
+    torch.manual_seed(3)
+    q, k = torch.randn(2, 4, 45, 8, dtype=torch.float64), torch.randn(2, 2, 45, 8, dtype=torch.float64)
+    v = torch.randn(2, 2, 45, 8, dtype=torch.float64)
+    for window in (None, 3, 12) if windows else (None,):
+        got = kernel.run(q, k, v, AK.Documents(torch.tensor(DOCS, dtype=torch.int32), total=45), window)
+        torch.testing.assert_close(got, dense_reference(q, k, v, DOCS, window), rtol=1e-10, atol=1e-10)
+
+
+def test_flash_attn_path_passes_the_window(monkeypatch):
+    """The flash-attn varlen call, replaced by a model of its documented semantics, gives the reference."""
+    monkeypatch.setattr(AK, "_flash_attn", lambda: fake_flash_attn)
     torch.manual_seed(3)
     q, k = torch.randn(2, 4, 45, 8, dtype=torch.float64), torch.randn(2, 2, 45, 8, dtype=torch.float64)
     v = torch.randn(2, 2, 45, 8, dtype=torch.float64)
     for window in (None, 3, 12):
-        got = A._local_flash(q, k, v, torch.tensor(DOCS, dtype=torch.int32), window)
+        got = AK.KERNELS["flash-attn"].run(q, k, v, AK.Documents(torch.tensor(DOCS, dtype=torch.int32), total=45),
+                                           window)
         torch.testing.assert_close(got, dense_reference(q, k, v, DOCS, window), rtol=1e-10, atol=1e-10)
+
+
+def test_kernel_choice_order(monkeypatch):
+    """CUDA bf16 takes PyTorch's varlen kernel, then flash-attn, then FlexAttention; fp32 and CPU what serves them."""
+    import inspect
+
+    params = frozenset(inspect.signature(varlen_2_11).parameters)
+    monkeypatch.setattr(AK, "_torch_varlen", lambda: (varlen_2_11, params))
+    monkeypatch.setattr(AK, "_flash_attn", lambda: fake_flash_attn)
+    assert AK.select_kernel("cuda", torch.bfloat16, None, 64, True).name == "varlen"
+    assert AK.select_kernel("cuda", torch.bfloat16, 4096, 64, True).name == "flash-attn"  # 2.11: no windows
+    assert AK.select_kernel("cuda", torch.float32, None, 64, True).name == "flex"
+    assert AK.select_kernel("cpu", torch.bfloat16, 4, 64, True).name == "sdpa"
+    monkeypatch.setattr(AK, "_flash_attn", lambda: None)
+    assert AK.select_kernel("cuda", torch.bfloat16, 4096, 64, True).name == "flex"
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_path_mask_mod_with_window(monkeypatch):
-    """FlexAttention's path on CPU, eager (the GPU compiles it); the mask_mod is the code under test."""
+    """FlexAttention's path on CPU, eager (the GPU compiles it); the block mask is built once per row
+    and window, and shared (the cache of the row's Documents)."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    monkeypatch.setattr(A, "_compiled_flex", flex.flex_attention)
+    monkeypatch.setattr(AK, "_flex", lambda: (flex.flex_attention, flex.create_block_mask))
     torch.manual_seed(4)
     t = 48  # eager FlexAttention wants whole 16-token blocks on CPU
     cu = [0, 5, 6, 17, 40]
     q, k, v = (torch.randn(1, 2, t, 16) for _ in range(3))
+    docs = AK.Documents(torch.tensor(cu, dtype=torch.int32), total=t)
     for window in (None, 4):
         try:
-            got = A._local_flex(q, k, v, torch.tensor(cu, dtype=torch.int32), window)
+            got = AK.KERNELS["flex"].run(q, k, v, docs, window)
         except Exception as e:  # pragma: no cover - CPU support of FlexAttention varies by build
             pytest.skip(f"FlexAttention does not run on this CPU build: {e}")
         torch.testing.assert_close(got, dense_reference(q, k, v, cu, window), rtol=1e-5, atol=1e-5)
+        mask = AK.flex_block_mask(docs, window, q.device, compile_mask=False)
+        assert AK.flex_block_mask(docs, window, q.device, compile_mask=False) is mask  # built once per row
 
 
 # ---- multi-process: Ulysses and ring against the dense reference ---------------------------------------

@@ -43,3 +43,41 @@ def test_quick_demo_writes_report(tmp_path: Path):
         assert all(r["emulated_speed"] == [1.0, 0.5] and len(r["speed"]) == 2 for r in rows)
         if label == "static":  # --no-replan: the schedules never change
             assert all(r["assumed_speed"] == [1.0, 1.0] for r in rows)
+
+
+def test_demo_places_its_steps_one_process_per_gpu(monkeypatch):
+    """Where the demo's parts run for 0, 1, 2 and 4 visible GPUs with 4 processes (no GPU needed)."""
+    import pytest
+    import torch
+    from rich.console import Console
+
+    from flexmesh.commands.demo import demo_devices
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.runtime import device as D
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    quiet = Console(quiet=True)
+    want = {0: ("cpu", "cpu", None), 1: ("cpu", "cpu", "NVIDIA H100 80GB HBM3"),
+            2: ("cpu", "cuda", "NVIDIA H100 80GB HBM3"), 4: ("cuda", "cuda", "NVIDIA H100 80GB HBM3")}
+    for gpus, (multi, pair, gpu) in want.items():
+        monkeypatch.setattr(D, "visible_gpus", lambda g=gpus: g)
+        got = demo_devices("auto", 4, quiet)
+        assert (got["multi"], got["pair"], got["gpu"]) == (multi, pair, gpu), gpus
+        assert ("H100" in got["text"]) == bool(gpus)
+        assert demo_devices("cpu", 4, quiet)["gpu"] is None  # --device cpu: nothing on a GPU
+    monkeypatch.setattr(D, "visible_gpus", lambda: 0)
+    with pytest.raises(FlexmeshError, match="no GPU is visible"):
+        demo_devices("cuda", 4, quiet)
+
+
+def test_report_names_the_gpu_of_the_one_gpu_run(tmp_path: Path):
+    from flexmesh.report.demo import Report, gpu_section
+
+    rows = [{"step": s, "loss": 9.0 - s, "tokens": 20000, "step_time_s": t, "busy_s": [t], "dtype": "bf16",
+             "predicted_step_time_s": 0.1, "attention_kernel": "varlen", "microbatch_tokens": 32768,
+             "peak_memory_gib": 3.5, "policy": "fixed"} for s, t in ((1, 40.0), (2, 0.1), (3, 0.1))]
+    rep = Report("r", tmp_path)
+    gpu_section(rep, {"name": "NVIDIA H100 80GB HBM3", "preset": "H100-80GB", "rows": rows})
+    text = rep.write().read_text()
+    assert "## One GPU: NVIDIA H100 80GB HBM3" in text and "`varlen`" in text and "H100-80GB device preset" in text
+    assert "200,000" in text  # tokens/s after the compiling first step: 20000 tokens / 0.1 s

@@ -37,13 +37,14 @@ COST = "FLEXMESH_TESTING_MIGRATION_COST_S"
 
 
 def _plan(tmp: Path, cfg: Path) -> Path:
-    """Two replicas of the whole model (ZeRO-2: each rank runs its own micro-batches, so speeds differ)."""
+    """Two replicas of the whole model (ZeRO-2: each rank runs its own micro-batches, so speeds differ),
+    micro-batches of one 128-token sequence per rank (2 micro-batches of 2 sequences over 2 ranks)."""
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
 
     st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp2z2"),) * 2)
     path = tmp / "plan-z2.json"
-    Plan(model=str(cfg), cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b", num_microbatches=1,
+    Plan(model=str(cfg), cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b", num_microbatches=2,
          seq_len=128, global_batch=4, stages=(st,)).save(path)
     return path
 

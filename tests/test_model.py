@@ -122,9 +122,9 @@ def test_tied_embeddings_share_the_weight_and_its_gradient():
     model = build_model(spec, "cpu")
     b = pack_microbatch(_docs(), (Piece(2, 0, 25),))
     logits = model(b.tokens, b)
+    row = model.row(b)
     h = model.norm(model.layers["3"](model.layers["2"](model.layers["1"](model.layers["0"](
-        model.tok_embeddings(b.tokens), b.positions, b.cu_seqlens), b.positions, b.cu_seqlens),
-        b.positions, b.cu_seqlens), b.positions, b.cu_seqlens))
+        model.tok_embeddings(b.tokens), row), row), row), row))
     torch.testing.assert_close(logits, h @ model.tok_embeddings.weight.T, rtol=1e-5, atol=1e-5)
     loss = F.cross_entropy(logits[0], b.labels[0])
     loss.backward()

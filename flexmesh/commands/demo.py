@@ -19,6 +19,7 @@ With no arguments, on this machine (see docs/cli-demo.md):
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from flexmesh.commands import plan as plan_command
 from flexmesh.commands import simulate as simulate_command
 from flexmesh.commands.args import folder, nonneg_int, positive_int
 from flexmesh.errors import FlexmeshError
+from flexmesh.runtime.device import DEVICES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--quick", action="store_true",
                    help="a shortened run for tests: 2 processes, 2 steps, small batches and a small simulation")
     p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto: the multi-process steps on GPUs when there is one per process, else on the CPU, and "
+                        "with any GPU one more run on one GPU; cpu: all on the CPU (default auto)")
     p.set_defaults(func=run)
     return p
 
@@ -112,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    devices = demo_devices(args.device, args.nproc, console)
 
     # 1. plan
     console.print(Rule("1/6  plan: Llama 3 8B on 8x H100, sequences of 8192, 128 per step"))
@@ -136,10 +142,11 @@ def run(args: argparse.Namespace) -> int:
     console.print(Rule(f"3/6  profile this machine and the {TRAIN_MODEL} model with {args.nproc} processes"))
     prof = out / "profiles"
     hw, mp = prof / "hardware.json", prof / f"model-{TRAIN_MODEL}.json"
-    _flexmesh(["profile", "hardware", "--quick", "--nproc", str(args.nproc), "--out", str(hw)], console,
+    on = ["--device", devices["multi"]]
+    _flexmesh(["profile", "hardware", "--quick", "--nproc", str(args.nproc), "--out", str(hw), *on], console,
               "profile hardware")
-    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, "--quick", "--nproc", str(args.nproc), "--out", str(mp)],
-              console, "profile model")
+    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, "--quick", "--nproc", str(args.nproc), "--out", str(mp),
+               *on], console, "profile model")
 
     # 4. train
     plan_path = training_plan_file(out, hw, args.nproc, args.max_len, args.global_batch)
@@ -152,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = out / "runs" / label
         _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps),
                    "--out", str(run_dir), "--nproc", str(args.nproc), "--overwrite", "--seed", str(args.seed),
-                   "--hardware-profile", str(hw), "--model-profile", str(mp), *policy], console, f"train {label}")
+                   "--hardware-profile", str(hw), "--model-profile", str(mp), *on, *policy], console, f"train {label}")
         metrics[label] = read_metrics(run_dir / "metrics.jsonl")
 
     # heterogeneous devices: a mixed-cluster plan against its baselines
@@ -166,10 +173,59 @@ def run(args: argparse.Namespace) -> int:
     from flexmesh.report.stragglers import demo_comparison
 
     stragglers = demo_comparison(out / "stragglers", hw, mp, steps=5 if args.quick else 8, global_batch=8,
-                                 max_len=128 if args.quick else 256, seed=args.seed)
+                                 max_len=128 if args.quick else 256, seed=args.seed, device=devices["pair"])
+
+    gpu = None
+    if devices["gpu"]:
+        console.print(Rule(f"5/6  one GPU: {devices['gpu']}, {TRAIN_MODEL} in bf16, {args.steps} steps"))
+        gpu = gpu_run(out, args, devices["gpu"], console)
 
     # 5. report
     console.print(Rule("6/6  report"))
-    path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, stragglers=stragglers)
+    path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, stragglers=stragglers,
+                        devices=devices["text"], gpu=gpu)
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
     return 0
+
+
+def demo_devices(requested: str, nproc: int, console) -> dict:
+    """Where each part of the demo runs (flexmesh.runtime.device's rule, one process per GPU): the
+    ``nproc``-process steps on GPUs when there are that many, else on the CPU; the straggler pair
+    likewise with 2; with any GPU, one more run on one GPU (``gpu``: its name). ``text`` says it."""
+    from flexmesh.runtime.device import visible_gpus
+
+    gpus = 0 if requested == "cpu" else visible_gpus()
+    if requested == "cuda" and gpus == 0:
+        raise FlexmeshError("--device cuda but no GPU is visible; use --device auto or cpu")
+    gpu_name = None
+    if gpus:
+        import torch
+
+        gpu_name = torch.cuda.get_device_name(0)
+    multi = "cuda" if gpus >= nproc else "cpu"
+    cpu_name = f"the CPU ({os.cpu_count()} cores)"
+    text = (f"{nproc}-process steps on {f'{nproc} x {gpu_name}' if multi == 'cuda' else cpu_name}"
+            + (f"; {gpus} x {gpu_name} visible, one of them trains alone at the end" if gpus else "; no GPU visible"))
+    if 0 < gpus < nproc:
+        console.print(f"{gpus} GPU{'s' if gpus > 1 else ''} for {nproc} processes (one process per GPU): the "
+                      f"{nproc}-process steps run on the CPU, then one GPU trains alone", highlight=False)
+    return {"multi": multi, "pair": "cuda" if gpus >= 2 else "cpu", "gpu": gpu_name, "text": text}
+
+
+def gpu_run(out: Path, args: argparse.Namespace, gpu_name: str, console) -> dict:
+    """The demo's model trained by one process on one GPU in bf16 (compiled blocks, the GPU's attention
+    kernel), priced by the GPU's device preset (A100-80GB's where it has none); its metrics rows."""
+    from dataclasses import replace
+
+    from flexmesh.report.demo import read_metrics, training_plan
+    from flexmesh.spec.cluster import preset_of_gpu
+
+    preset = preset_of_gpu(gpu_name)
+    plan_path = out / "plan-gpu.json"
+    replace(training_plan(1, args.max_len, args.global_batch), cluster=f"1x{preset or 'A100-80GB'}",
+            cost_source="preset").save(plan_path)
+    run_dir = out / "runs" / "gpu"
+    _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps), "--out",
+               str(run_dir), "--overwrite", "--seed", str(args.seed), "--device", "cuda", "--dtype", "bf16",
+               "--policy", "fixed"], console, "train on one GPU")
+    return {"name": gpu_name, "preset": preset, "rows": read_metrics(run_dir / "metrics.jsonl")}

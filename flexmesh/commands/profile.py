@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flexmesh.commands.args import new_file, positive_int
 from flexmesh.errors import ProfileError
+from flexmesh.runtime.device import DEVICES
 from flexmesh.units import GIB
 
 
@@ -38,12 +39,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="profile file to write, atomically (default hardware.json / model-<name>.json)")
         sp.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+        sp.add_argument("--device", default="auto", choices=DEVICES,
+                        help="measure the GPUs (one per process) or the CPU; auto: GPUs when there is one per "
+                             "process (default auto)")
     p.set_defaults(func=lambda a: (p.print_help(), 1)[1])
     return p
 
 
 def _forwarded(args: argparse.Namespace, out: str) -> list[str]:
-    argv = ["profile", args.profile_kind, "--out", out]
+    argv = ["profile", args.profile_kind, "--out", out, "--device", args.device]
     if args.profile_kind == "model":
         argv += ["--model", args.model, "--dtype", args.dtype]
     if args.quick:
@@ -68,12 +72,14 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise ProfileError(f"--nproc must be at least 1, got {args.nproc}")
+        from flexmesh.runtime.device import check_launch
         from flexmesh.runtime.launch import relaunch_flexmesh
 
+        check_launch(args.device, args.nproc)  # more processes than GPUs: one line, before anything starts
         return relaunch_flexmesh(args.nproc, _forwarded(args, str(Path(out).resolve())))
     from flexmesh.profile.runner import World
 
-    world = World()
+    world = World(args.device)
     try:
         if args.profile_kind == "hardware":
             from flexmesh.profile.hardware import profile_hardware

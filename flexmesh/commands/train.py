@@ -28,6 +28,7 @@ from flexmesh.commands.args import (
 )
 from flexmesh.errors import PlanError
 from flexmesh.runtime.config import TRAIN_DTYPES
+from flexmesh.runtime.device import DEVICES
 from flexmesh.runtime.launch import (
     DEFAULT_RUN_ID,
     Rendezvous,
@@ -80,6 +81,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=TRAIN_DTYPES,
                    help="compute dtype: bf16 computes in bfloat16 with fp32 master weights, optimizer states, "
                         "gradient reductions and loss (default: fp32; docs/precision.md)")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where each rank computes: auto takes one GPU per process when there are enough, else the "
+                        "CPU (default auto; docs/cli-train.md#devices)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each transformer block (default: on for GPUs, off on CPU)")
     p.add_argument("--checkpoint-every", type=nonneg_int, default=0,
                    help="steps between checkpoints (0: only at the end)")
     p.add_argument("--no-resume", action="store_true",
@@ -135,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
             from flexmesh.runtime.stragglers import parse_emulation
 
             parse_emulation(args.emulate_speed, args.nproc)
+        from flexmesh.runtime.device import check_launch
+
+        check_launch(args.device, args.nproc)  # more processes than GPUs: one line, before anything starts
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
@@ -240,7 +249,8 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
                        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                        seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
                        resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
-                       dtype=args.dtype, emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV))
+                       dtype=args.dtype, emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
+                       compile=args.compile)
 
 
 def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:
@@ -333,9 +343,11 @@ def _train(args: argparse.Namespace) -> int:
                                                 cost=cost))
 
     config = train_config(args, emulate_speed=tuple(emulated.items()))
-    init_distributed(timeout_s=args.collective_timeout)
+    init_distributed(timeout_s=args.collective_timeout, device=args.device)
     try:
         trainer = Trainer(plan, spec, config, weights=args.weights)
+        if dist.get_rank() == 0:
+            announce(trainer)
         # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late
         # schedule is replaced by the fallback policy's instead of waited for.
         source = AdaptiveSource(loader, schedule_fn, fallback_fn, deadline_s=0.0 if args.adaptive else None)
@@ -353,6 +365,23 @@ def _train(args: argparse.Namespace) -> int:
         return fit_and_report(trainer, source, config, args.out, monitor=monitor, migration=migration)
     finally:
         dist.destroy_process_group()
+
+
+def announce(trainer) -> None:
+    """One line on stderr before the first step: the device, the attention kernels, the plan's micro-batch
+    budget and whether blocks are compiled (metrics.jsonl records what each step ran)."""
+    import torch.distributed as dist
+    from rich.console import Console
+
+    from flexmesh.runtime.device import device_name
+    from flexmesh.runtime.distributed import compute_device_choice
+
+    cfg = trainer.config
+    Console(stderr=True).print(
+        f"{dist.get_world_size()} x {device_name(compute_device_choice())}, {cfg.dtype}; attention "
+        f"{'+'.join(trainer.attention_kernels())}; micro-batches of up to {trainer.plan.microbatch_tokens:,} tokens "
+        f"per data rank; {'compiled' if cfg.compile else 'eager'} blocks; "
+        f"{'chunked' if trainer.chunked_loss else 'whole-logit'} loss", highlight=False)
 
 
 def _straggler_monitor(args: argparse.Namespace, trainer, schedule_fn, source, rank0: bool):

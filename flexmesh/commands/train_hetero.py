@@ -49,7 +49,7 @@ def train_hetero(args: argparse.Namespace, plan: HeteroPlan) -> int:
     check_world(args, plan)
     loader = document_loader(args, spec, plan)
     config = train_config(args)
-    init_distributed(timeout_s=args.collective_timeout)
+    init_distributed(timeout_s=args.collective_timeout, device=args.device)
     try:
         trainer = HeteroTrainer(plan, spec, config, weights=args.weights)
         split = hetero_schedule(plan)

@@ -139,6 +139,22 @@ class Plan:
         """Sequences per micro-batch across the whole stage (split further over each layer's dp)."""
         return self.global_batch // self.num_microbatches
 
+    @property
+    def microbatch_tokens(self) -> int:
+        """Tokens one data rank packs into one micro-batch: the plan's micro-batch of
+        :attr:`microbatch_size` sequences of ``seq_len`` tokens, split over the dp x cp data ranks of
+        its layers. The one number the search prices and checks against memory
+        (``CostModel.layer_work``), the scheduler packs to and the runtime runs.
+
+        >>> from flexmesh.layout.strategy import LayerStrategy
+        >>> st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp4z2"),) * 2)
+        >>> Plan("tiny", "4xA100-80GB", 4, 1, "1f1b", 2, 2048, 32, (st,)).microbatch_tokens  # 16 x 2048 / 4
+        8192
+        """
+        first = self.stages[0].strategies[0] if self.stages and self.stages[0].strategies else None
+        ranks = first.dp * first.cp if first is not None else 1
+        return max(1, -(-self.microbatch_size * self.seq_len // ranks))
+
     def chunks_of_rank(self, pp_rank: int) -> list[int]:
         """Indices into ``stages`` held by pipeline rank ``pp_rank`` (Megatron's interleaved order)."""
         return list(range(pp_rank, len(self.stages), self.pp))

@@ -53,19 +53,25 @@ REQUIRED = {
 }
 
 
-def produced_by(processes: int = 1, device_name: str | None = None, device_count: int | None = None) -> dict:
-    """What measured a profile: machine, software, date, and how many processes ran at the same time."""
+def produced_by(processes: int = 1, device_name: str | None = None, device_count: int | None = None,
+                device_type: str | None = None) -> dict:
+    """What measured a profile: machine, software, date, and how many processes ran at the same time.
+
+    ``device_type`` ("cpu" or "cuda"): the device the measurements ran on, which names it when
+    ``device_name`` is not given (default: the GPU when there is one).
+    """
     import torch
 
     import flexmesh
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    measured = gpu if device_type != "cpu" else None
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "cpu": _cpu_name(),
         "gpu": gpu,
-        "device_name": device_name or gpu or _cpu_name(),
+        "device_name": device_name or measured or _cpu_name(),
         "device_count": device_count if device_count is not None else (torch.cuda.device_count() or 1),
         "torch_version": torch.__version__,
         "flexmesh_version": flexmesh.__version__,

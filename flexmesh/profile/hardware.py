@@ -15,10 +15,11 @@ Run it in every process of a torchrun world (``flexmesh profile hardware --nproc
   min(t_compute, t_collective)``, clipped to [0, 1]: the share of overlapped communication really
   saved (1 on GPUs whose copy engines run beside the SMs; little on CPU, where gloo's threads take
   the cores the compute needs). The cost model charges ``comm - hidden_fraction * min(comm, compute)``.
-- attention: :func:`flexmesh.runtime.attention.local_attention` (the runtime's kernel) over one
-  document of T tokens; fit ``t = alpha + c * T^2``; throughput = the cost model's causal attention
-  FLOPs per squared token (``2 * heads * head_dim``) over ``c``. On CPU the kernel masks a dense
-  T x T score matrix, so this "effective" throughput is half the raw one; that is the point.
+- attention: :func:`flexmesh.runtime.attention_kernels.local_attention` (the kernel the runtime's
+  rule picks for the device and dtype, named in the profile) over one document of T tokens; fit
+  ``t = alpha + c * T^2``; throughput = the cost model's causal attention FLOPs per squared token
+  (``2 * heads * head_dim``) over ``c``. On CPU the kernel masks a dense T x T score matrix, so this
+  "effective" throughput is half the raw one; that is the point.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def _measure_overlap(world: World, cfg: dict) -> dict:
 
 
 def _measure_attention(world: World, cfg: dict, dtypes: list[str]) -> dict:
-    from flexmesh.runtime.attention import local_attention
+    from flexmesh.runtime.attention_kernels import local_attention, select_kernel
 
     out = {}
     for name in dtypes:
@@ -186,6 +187,7 @@ def _measure_attention(world: World, cfg: dict, dtypes: list[str]) -> dict:
         flops = 2.0 * ATTN_HEADS * ATTN_HEAD_DIM / c if c > 0 else math.inf
         out[name] = {"alpha_s": alpha, "s_per_sq_token": c, "flops_per_s": flops, "heads": ATTN_HEADS,
                      "head_dim": ATTN_HEAD_DIM,
+                     "kernel": select_kernel(world.device.type, dt, None, ATTN_HEAD_DIM).name,
                      "samples_tokens_s": [list(x) for x in zip(cfg["attention_tokens"], times)]}
     return out
 
@@ -211,7 +213,7 @@ def profile_hardware(quick: bool = False, show_progress: bool = True,
         advance("overlap")
     if not world.is_main:
         return None
-    pb = produced_by(processes=world.size, device_count=world.size)
+    pb = produced_by(processes=world.size, device_count=world.size, device_type=world.device.type)
     device = {"type": world.device.type, "name": pb["device_name"], "nodes": world.nodes,
               "devices_per_node": world.local_size, "memory_bytes": device_memory_bytes(world.device, world.local_size)}
     return HardwareProfile(device=device, dtype="bf16" if gpu else "fp32", matmul_flops_per_s=matmul,

@@ -75,10 +75,16 @@ def sweep(quick: bool) -> dict:
             "act_tokens": [128, 256, 512] if quick else [256, 512, 1024], "max_degree": 2 if quick else 8}
 
 
-def _row(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _row(spec: ModelSpec, lengths: list[int], device: torch.device, cp: int = 1, cp_rank: int = 0):
+    """The runtime's :class:`~flexmesh.runtime.model.Row` of a packed row of documents of ``lengths``,
+    as context-parallel rank ``cp_rank`` of ``cp`` holds it (its slice of the positions)."""
+    from flexmesh.runtime.model import make_row
+
     positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
-    return positions, cu
+    bounds = tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    n = sum(lengths) // cp
+    return make_row(spec, positions[:, cp_rank * n:(cp_rank + 1) * n], cu, bounds, total=sum(lengths))
 
 
 def _block(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: int = 1):
@@ -92,7 +98,7 @@ def _block(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: int = 
     return block.to(dtype)
 
 
-def _time_layer(block, positions, cu, local_tokens: int, reps: int, spec: ModelSpec, dtype,
+def _time_layer(block, row, local_tokens: int, reps: int, spec: ModelSpec, dtype,
                 device, between=None) -> tuple[float, float, float]:
     """Median seconds of forward, backward and backward under recomputation of one row
     (``local_tokens``: the tokens of the row this process holds between layers). ``between`` runs,
@@ -104,7 +110,7 @@ def _time_layer(block, positions, cu, local_tokens: int, reps: int, spec: ModelS
     for i in range(reps + 1):  # the first run warms up
         for recompute in (False, True):
             t0 = time.perf_counter()
-            y = checkpoint(block, x, positions, cu, use_reentrant=False) if recompute else block(x, positions, cu)
+            y = checkpoint(block, x, row, use_reentrant=False) if recompute else block(x, row)
             synchronize(device)
             t1 = time.perf_counter()
             if between is not None:
@@ -208,10 +214,9 @@ def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype
     """
     times = []
     for i, lengths in enumerate([rows[-1], *rows]):
-        positions, cu = _row(lengths, device)
         n = sum(lengths) // cp
         world.barrier()
-        times.append(_time_layer(block, positions[:, cp_rank * n:(cp_rank + 1) * n], cu, n // tp,
+        times.append(_time_layer(block, _row(spec, lengths, device, cp, cp_rank), n // tp,
                                  cfg["reps"] if i else 1, spec, dtype, device, between=between))
         if i and advance is not None:
             advance(f"layer, {sum(lengths)} tokens in {len(lengths)} documents")
@@ -248,10 +253,12 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
     rows = [r for r in cfg["rows"] if sum(r) <= WHOLE_MAX_TOKENS]
     measured = []
     for lengths in [rows[-1], *rows]:  # the first, untimed, warms up
-        positions, cu = _row(lengths, device)
+        row = _row(spec, lengths, device)
         n = sum(lengths)
         ids = torch.randint(0, spec.vocab, (1, n), device=device)
-        batch = SimpleNamespace(positions=positions, cu_seqlens=cu)  # what the model reads of a PackedBatch
+        # what the model reads of a PackedBatch
+        batch = SimpleNamespace(positions=torch.cat([torch.arange(x) for x in lengths])[None].to(device),
+                                cu_seqlens=row.docs.cu, bounds=row.docs.bounds)
         state: dict = {}
 
         def fwd():
@@ -366,7 +373,7 @@ def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool | str, token
     block.attention.recompute_core = recompute == "selective"
     local = tokens // cp  # this rank's slice of the row (context parallel)
     sp = local // tp  # the sequence-parallel slice between blocks
-    positions, cu = _row([local], device)
+    row = _row(spec, [local], device)
     leaf = torch.randn(1, sp, spec.hidden, device=device, dtype=dtype, requires_grad=True)
 
     def gather(t):  # stands for the all-gather of the sequence-parallel slices
@@ -376,7 +383,7 @@ def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool | str, token
         return t[:, :sp] if tp > 1 else t
 
     def layer(x):
-        h = x + scatter(block.attention(gather(block.attention_norm(x)), positions, cu))
+        h = x + scatter(block.attention(gather(block.attention_norm(x)), row))
         return h + scatter(block.feed_forward(gather(block.ffn_norm(h))))
 
     with SavedActivationMeter() as meter:
@@ -478,5 +485,6 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
                                    "backward": end_fits["embedding_backward"]},
                         head={"forward": end_fits["head_forward"], "backward": end_fits["head_backward"]},
                         activations=activations, states=states, parallel=parallel, whole_model=whole,
-                        produced_by=produced_by(processes=world.size, device_count=world.size),
+                        produced_by=produced_by(processes=world.size, device_count=world.size,
+                                                device_type=world.device.type),
                         samples=samples, name=f"model-{spec.name}")

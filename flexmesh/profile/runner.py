@@ -20,19 +20,21 @@ import torch.distributed as dist
 class World:
     """This process's place among the profiling processes (a world of one without torchrun)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "auto") -> None:
+        from flexmesh.runtime.device import rank_device
+
         self.size = int(os.environ.get("WORLD_SIZE", "1"))
         self.owns_group = False
+        choice = rank_device(device)  # the rule every command follows (flexmesh.runtime.device)
+        if choice.type == "cuda":
+            torch.cuda.set_device(choice.index)
         if self.size > 1 and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend)
+            dist.init_process_group(choice.backend)
             self.owns_group = True
         self.rank = dist.get_rank() if self.size > 1 else 0
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.size)))
         self.nodes = max(1, self.size // max(1, self.local_size))
-        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+        self.device = choice.torch_device()
 
     @property
     def is_main(self) -> bool:

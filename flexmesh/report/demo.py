@@ -70,14 +70,17 @@ def run_summary(rows: list[dict], warmup: int = 1) -> dict:
 
 
 def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], plan_path: Path,
-                 elapsed_s: float, stragglers: dict[str, list[dict]] | None = None) -> Path:
+                 elapsed_s: float, stragglers: dict[str, list[dict]] | None = None, devices: str = "",
+                 gpu: dict | None = None) -> Path:
     """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows; ``stragglers``:
-    the static and adaptive runs with a slow rank (flexmesh.report.stragglers.demo_comparison)."""
+    the static and adaptive runs with a slow rank (flexmesh.report.stragglers.demo_comparison);
+    ``devices``: where the parts ran; ``gpu``: the one-GPU run ({"name", "preset", "rows"}), if any."""
     out = Path(out)
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
     rep.text(f"{datetime.datetime.now().isoformat(timespec='seconds')} on {platform.node()} "
-             f"({platform.machine()}, {platform.processor() or 'cpu'}); {elapsed_s:.0f} s in all.")
+             f"({platform.machine()}, {platform.processor() or 'cpu'}); {elapsed_s:.0f} s in all."
+             + (f" Devices: {devices}." if devices else ""))
 
     # 1. plan
     plan_file = out / "plan-llama3-8b.json"
@@ -142,4 +145,23 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
     if stragglers:
         add_section(rep, stragglers, figs, heading="Heterogeneous devices: a slow rank, static against re-planned "
                                                    "schedules")
+    if gpu:
+        gpu_section(rep, gpu)
     return rep.write()
+
+
+def gpu_section(rep: Report, gpu: dict) -> None:
+    """The one-GPU run: throughput, the kernels it ran, and the device preset's predicted step against
+    the measured one (the first step, which compiles, left out)."""
+    rows = gpu["rows"]
+    d = run_summary(rows)
+    last = rows[-1]
+    rep.heading(f"One GPU: {gpu['name']}")
+    rep.text(f"The demo's model trained by one process on {gpu['name']} in {last.get('dtype', 'bf16')}, attention "
+             f"`{last.get('attention_kernel') or '?'}`, micro-batches of up to {last.get('microbatch_tokens') or '?'} "
+             f"tokens; predicted by the {gpu['preset'] or 'A100-80GB (no preset for this GPU)'} device preset. The "
+             f"first step ({rows[0]['step_time_s']:.1f} s) compiles and is left out.")
+    rep.table(["steps", "mean step (s)", "tokens/s", "median step-time error", "peak memory (GiB)", "final loss"],
+              [[d["steps"], f"{d['step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
+                "-" if d["predicted_error"] is None else f"{d['predicted_error']:.1%}",
+                f"{last.get('peak_memory_gib') or 0:.2f}", f"{d['final_loss']:.4f}"]])

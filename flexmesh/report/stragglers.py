@@ -195,16 +195,18 @@ def add_section(rep: Report, metrics: Mapping[str, Sequence[dict]], figures: Pat
 
 
 def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, global_batch: int, max_len: int,
-                    seed: int = 0, factor: float = 0.5) -> dict[str, list[dict]]:
+                    seed: int = 0, factor: float = 0.5, device: str = "auto") -> dict[str, list[dict]]:
     """``flexmesh demo``'s straggler part: the demo's model on 2 processes, rank 1 emulated at
     ``factor``, static against adaptive (:func:`run_comparison`) with the ``balanced`` policy on
-    one-rank groups, priced by the demo's profiles; runs go to ``out/runs/static`` and ``out/runs/adaptive``."""
+    one-rank groups, priced by the demo's profiles, on ``device`` (``flexmesh train --device``); runs go
+    to ``out/runs/static`` and ``out/runs/adaptive``."""
     from flexmesh.report.demo import training_plan
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / "plan-2.json"
     training_plan(2, max_len, global_batch).save(plan_path)
-    flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hardware), "--model-profile", str(model)]
+    flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hardware), "--model-profile", str(model),
+             "--device", device]
     return run_comparison(out / "runs", plan_path, steps=steps, global_batch=global_batch, max_len=max_len,
                           seed=seed, slow={1: factor}, extra=flags)

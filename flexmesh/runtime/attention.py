@@ -18,10 +18,8 @@ needs ``i - w < j``, so it sees at most the last ``w`` keys of its document, its
 is transformers' ``sliding_window_causal`` mask (``kv_idx > q_idx - sliding_window``) and flash-attn's
 ``window_size=(w - 1, 0)``. ``window=None`` is plain document-causal attention.
 
-Kernels: on CPU (and for fp32 on GPU without FlexAttention) causal SDPA document by document (cost
-sum(len^2), as a varlen kernel; no mask kept); on GPU flash-attn's varlen kernel when installed and
-the dtype is fp16/bf16, else FlexAttention with a
-document mask. Only the CPU path is exercised by the test suite (no GPU in CI).
+Local kernels (which one runs where, and the row description they share): see
+flexmesh.runtime.attention_kernels.
 
 Context parallelism (``cp`` given): each rank holds a contiguous 1/cp slice of the row while
 ``cu_seqlens`` stays global.
@@ -41,14 +39,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from flexmesh.errors import PlanError
-
-try:  # optional GPU kernel
-    from flash_attn import flash_attn_varlen_func as _flash_varlen
-except ImportError:  # pragma: no cover - depends on the machine
-    _flash_varlen = None
+from flexmesh.runtime.attention_kernels import (  # noqa: F401 - re-exported: the names callers know
+    Documents,
+    as_documents,
+    document_ids,
+    flash_window_size,
+    local_attention,
+    repeat_kv,
+    window_causal,
+)
 
 
 @dataclass(frozen=True)
@@ -68,16 +69,6 @@ class CPContext:
 
 
 # ---- masks -----------------------------------------------------------------------------------------
-def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Document index of each of ``total`` tokens; tokens past ``cu_seqlens[-1]`` get one extra id.
-
-    >>> document_ids(torch.tensor([0, 3, 5]), 6).tolist()
-    [0, 0, 0, 1, 1, 2]
-    """
-    idx = torch.arange(total, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:].to(torch.int64).contiguous(), idx, right=True)
-
-
 def document_causal_mask(
     cu_seqlens: torch.Tensor, q_start: int, q_len: int, k_start: int, k_len: int, total: int,
     window: int | None = None,
@@ -93,16 +84,6 @@ def document_causal_mask(
     return (doc[qi][:, None] == doc[ki][None, :]) & window_causal(qi[:, None], ki[None, :], window)
 
 
-def window_causal(qi: torch.Tensor, ki: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Whether query position ``qi`` sees key position ``ki``: ``ki <= qi`` and, with a window, ``qi - ki < window``.
-
-    >>> window_causal(torch.tensor([[4]]), torch.arange(6)[None], 2).int().tolist()
-    [[0, 0, 0, 1, 1, 0]]
-    """
-    seen = ki <= qi
-    return seen if window is None else seen & (qi - ki < window)
-
-
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"attend expects q [B, H, T, D] and k, v [B, Hkv, T, D]; got {tuple(q.shape)}, "
@@ -110,121 +91,6 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.shape[1] % k.shape[1]:
         raise PlanError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads; "
                         "tensor parallelism must split both head counts by the same degree")
-
-
-# ---- local kernels -----------------------------------------------------------------------------------
-# Query block of the windowed CPU kernel: a block of b queries reads b + w - 1 keys, so blocks of at
-# least a few hundred keep the number of SDPA calls small while the cost stays O(len * (b + w)).
-WINDOW_BLOCK = 256
-
-
-def _sdpa_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal SDPA over one document; longer than ``window``, query block by query block.
-
-    A block of queries [a, b) needs keys [a - w + 1, b) only, so a long document costs about
-    len * (block + w) instead of len^2, and the explicit mask is block x (block + w - 1).
-    """
-    n = q.shape[2]
-    if window is None or n <= window:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    step = max(window, WINDOW_BLOCK)
-    outs = []
-    for a in range(0, n, step):
-        b, lo = min(a + step, n), max(0, a - window + 1)
-        qi = torch.arange(a, b, device=q.device)[:, None]
-        mask = window_causal(qi, torch.arange(lo, b, device=q.device)[None, :], window)
-        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], attn_mask=mask))
-    return torch.cat(outs, dim=2)
-
-
-def _local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                window: int | None = None) -> torch.Tensor:
-    """Causal SDPA document by document, so the cost is sum(len^2), as a varlen kernel's.
-
-    One SDPA over the whole packed row with a block-diagonal mask would cost row^2 however short
-    its documents are, and keep a row^2 mask per layer for backward. Tokens after ``cu_seqlens[-1]``
-    (padding) attend among themselves, as one more document.
-    """
-    t = q.shape[2]
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # GQA: each key/value head serves `groups` consecutive query heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    bounds = [int(x) for x in cu_seqlens.tolist() if 0 < int(x) < t]
-    cuts = [0, *sorted(set(bounds)), t]
-    if len(cuts) == 2:
-        return _sdpa_document(q, k, v, window)
-    # split, not one slice per document: a slice's backward writes its gradient into a zero tensor
-    # of the whole row, so n documents would cost n x row in backward; split's backward is one cat.
-    sizes = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
-    return torch.cat([_sdpa_document(qi, ki, vi, window)
-                      for qi, ki, vi in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))],
-                     dim=2)
-
-
-def flash_window_size(window: int | None) -> tuple[int, int]:
-    """flash-attn's ``window_size`` (keys left, keys right of the query; -1 unbounded) for ``window``.
-
-    >>> flash_window_size(None), flash_window_size(4)
-    ((-1, -1), (3, 0))
-    """
-    return (-1, -1) if window is None else (window - 1, 0)
-
-
-def _local_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                 window: int | None = None) -> torch.Tensor:
-    b, h, t, d = q.shape
-    cu = cu_seqlens.to(torch.int32)
-    if int(cu[-1]) < t:  # the trailing padding becomes its own document
-        cu = torch.cat([cu, cu.new_tensor([t])])
-    # Rows of a batch are laid end to end; every row has the same boundaries.
-    cu = torch.cat([cu[:-1] + i * t for i in range(b)] + [cu.new_tensor([b * t])])
-    max_len = int((cu[1:] - cu[:-1]).max())
-
-    def flat(x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
-
-    out = _flash_varlen(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=True,
-                        window_size=flash_window_size(window))
-    return out.view(b, t, h, d).transpose(1, 2)
-
-
-_compiled_flex = None
-
-
-def _local_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                window: int | None = None) -> torch.Tensor:
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    if _compiled_flex is None:  # compiled once: the eager FlexAttention materialises the full scores
-        _compiled_flex = torch.compile(flex_attention)
-    t = q.shape[2]
-    doc = document_ids(cu_seqlens, t)
-
-    def mask_mod(b, h, qi, ki):  # noqa: ANN001 - FlexAttention's callback signature
-        return (doc[qi] == doc[ki]) & window_causal(qi, ki, window)
-
-    block_mask = create_block_mask(mask_mod, None, None, t, t, device=q.device)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                    window: int | None = None) -> torch.Tensor:
-    """Document-causal attention of a whole row held by this rank (see the module doc for kernels)."""
-    if q.is_cuda:
-        if _flash_varlen is not None and q.dtype in (torch.float16, torch.bfloat16):
-            return _local_flash(q, k, v, cu_seqlens, window)
-        if _has_flex():
-            return _local_flex(q, k, v, cu_seqlens, window)
-    return _local_sdpa(q, k, v, cu_seqlens, window)
-
-
-def _has_flex() -> bool:
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:  # pragma: no cover
-        return False
-    return True
 
 
 # ---- Ulysses -------------------------------------------------------------------------------------------
@@ -272,7 +138,7 @@ def _heads_to_seq(x: torch.Tensor, cp: CPContext) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, cp.size * hc, tl, d)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: "torch.Tensor | Documents",
                       cp: CPContext, window: int | None = None) -> torch.Tensor:
     h, hkv = q.shape[1], k.shape[1]
     if h % cp.size:
@@ -418,21 +284,24 @@ class _RingAttention(torch.autograd.Function):
         return (dq.reshape(b, h, tl, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: "torch.Tensor | Documents",
                    cp: CPContext, window: int | None = None) -> torch.Tensor:
     # The ring computes scores, softmax statistics (lse) and the merge in fp32 whatever q's dtype
-    # (bf16 included) and returns q's dtype; autocast would put its matmuls back in bf16.
+    # (bf16 included) and returns q's dtype; autocast would put its matmuls back in bf16. It needs
+    # the softmax statistics of every block to merge them, so it keeps its own blockwise math.
+    cu = as_documents(cu_seqlens, q.shape[2] * cp.size).cu
     with torch.autocast(q.device.type, enabled=False):
-        return _RingAttention.apply(q, k, v, cu_seqlens, cp, window)
+        return _RingAttention.apply(q, k, v, cu, cp, window)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: "torch.Tensor | Documents",
            cp: CPContext | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention within each packed document, nothing across documents.
 
     q [B, H, T_local, D]; k, v [B, Hkv, T_local, D] with H a multiple of Hkv (grouped-query);
-    ``cu_seqlens`` [n_docs + 1] are the boundaries in the whole (global) row. Without ``cp``,
+    ``cu_seqlens`` [n_docs + 1] are the boundaries in the whole (global) row, as a tensor or as the
+    row's :class:`~flexmesh.runtime.attention_kernels.Documents` (which every layer shares). Without ``cp``,
     T_local is the whole row. ``window``: query i sees keys j with i - window < j <= i of its
     document (transformers' sliding window); None: every earlier key. Returns [B, H, T_local, D].
     """

@@ -37,12 +37,14 @@ from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.step import Group, Piece
 from flexmesh.runtime.attention import (
     CPContext,
+    Documents,
     _check_shapes,
     _heads_to_seq,
-    _sdpa_document,
     _seq_to_heads,
+    as_documents,
     window_causal,
 )
+from flexmesh.runtime.attention_kernels import repeat_kv, sdpa_document
 from flexmesh.runtime.packing import merge_pieces
 
 # Queries per SDPA call on a carried segment: the explicit mask is block x keys, so a bounded block
@@ -172,9 +174,7 @@ def _attend_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
     n = q.shape[2]
     groups = q.shape[1] // k.shape[1]
     if first == 0 and k.shape[2] == n:
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return _sdpa_document(q, k, v, window)
+        return sdpa_document(q, *repeat_kv(q, k, v), window)
     outs = []
     for r0 in range(0, n, CARRY_BLOCK):
         r1 = min(n, r0 + CARRY_BLOCK)
@@ -188,15 +188,15 @@ def _attend_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
     return torch.cat(outs, dim=2)
 
 
-def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, q_off: int,
+def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, q_off: int,
                       window: int | None, view: CarryView, layer: int) -> torch.Tensor:
     """Queries of row tokens ``[q_off, q_off + Tq)`` over the whole row's ``k``, ``v`` plus carried prefixes.
 
     Segments are processed in row order, so a document's second segment in the same row sees the
-    first (kept, then read).
+    first (kept, then read). The boundaries are read on the host (``docs.bounds``).
     """
     t, tq = k.shape[2], q.shape[2]
-    cuts = [0, *sorted({int(x) for x in cu_seqlens.tolist() if 0 < int(x) < t}), t]
+    cuts = [0, *sorted({x for x in docs.bounds if 0 < x < t}), t]
     outs = []
     # split, not slices: each slice's backward would write into a zero tensor of the whole row
     sizes = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
@@ -217,12 +217,13 @@ def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     return torch.cat(outs, dim=2)
 
 
-def carried_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def carried_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: "torch.Tensor | Documents",
                    cp: CPContext | None, window: int | None, view: CarryView, layer: int) -> torch.Tensor:
     """:func:`flexmesh.runtime.attention.attend` for a micro-batch holding carried documents (module doc)."""
     _check_shapes(q, k, v)
+    docs = as_documents(cu_seqlens, q.shape[2] * (cp.size if cp is not None else 1))
     if cp is None or cp.size == 1:
-        return _prefix_attention(q, k, v, cu_seqlens, 0, window, view, layer)
+        return _prefix_attention(q, k, v, docs, 0, window, view, layer)
     if cp.kind == "ulysses":
         h, hkv = q.shape[1], k.shape[1]
         if h % cp.size:
@@ -230,8 +231,8 @@ def carried_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                             "tensor-parallel rank to divide evenly; lower cp or tp, or use ring attention")
         if hkv % cp.size:  # as ulysses_attention: too few key/value heads to split
             k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
-        out = _prefix_attention(_seq_to_heads(q, cp), _seq_to_heads(k, cp), _seq_to_heads(v, cp), cu_seqlens, 0,
+        out = _prefix_attention(_seq_to_heads(q, cp), _seq_to_heads(k, cp), _seq_to_heads(v, cp), docs, 0,
                                 window, view, layer)
         return _heads_to_seq(out, cp)
-    return _prefix_attention(q, _GatherSeq.apply(k, cp), _GatherSeq.apply(v, cp), cu_seqlens, cp.rank * q.shape[2],
+    return _prefix_attention(q, _GatherSeq.apply(k, cp), _GatherSeq.apply(v, cp), docs, cp.rank * q.shape[2],
                              window, view, layer)

@@ -36,6 +36,36 @@ class TrainConfig:
     # The checkpoint folder name (``step_NNNNNN``) a migrated run may resume from under another plan
     # (DCP reshards the state); every other resume needs the checkpoint's own plan (flexmesh.runtime.checkpoint).
     reshard_from: str | None = None
+    # Speed options; None: chosen for the device (:func:`for_device`).
+    compile: bool | None = None  # torch.compile each transformer block (flexmesh.runtime.parallelize.apply_compile)
+    chunked_loss: bool | None = None  # cross-entropy chunk by chunk, no full logits (flexmesh.runtime.loss)
+    # Steps between measurements of saved activations (the first step is always measured): the meter's
+    # Python hook on every saved tensor costs little next to a CPU step, more next to a GPU's.
+    meter_every: int | None = None
+
+
+# Activations are measured on the first step and then every this many steps on a GPU (every step on CPU).
+METER_EVERY_CUDA = 25
+
+
+def for_device(config: TrainConfig, device_type: str) -> TrainConfig:
+    """``config`` with its automatic speed options chosen for ``device_type``: compiled blocks and the
+    chunked loss on CUDA, neither on CPU (where they do not pay: a CPU step is bound by the matmuls,
+    and compiling takes tens of seconds); activations metered every step on CPU, every
+    :data:`METER_EVERY_CUDA` steps on CUDA.
+
+    >>> c = for_device(TrainConfig(max_steps=1), "cuda")
+    >>> c.compile, c.chunked_loss, c.meter_every
+    (True, True, 25)
+    >>> for_device(TrainConfig(max_steps=1, compile=True), "cpu").compile
+    True
+    """
+    from dataclasses import replace
+
+    cuda = device_type == "cuda"
+    return replace(config, compile=cuda if config.compile is None else config.compile,
+                   chunked_loss=cuda if config.chunked_loss is None else config.chunked_loss,
+                   meter_every=(METER_EVERY_CUDA if cuda else 1) if config.meter_every is None else config.meter_every)
 
 
 def lr_schedule_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -78,8 +108,10 @@ class StepMetrics:
     predicted_step_time_s: float | None = None  # the schedule's prediction, None when it has none
     predicted_busy_s: tuple[float, ...] = ()  # per rank: its group's predicted time
     busy_s: tuple[float, ...] = ()  # per rank: step start until its own micro-batches were done
-    activation_peak_bytes: tuple[int, ...] = ()  # per rank: peak bytes saved for backward
+    activation_peak_bytes: tuple[int, ...] = ()  # per rank: peak bytes saved for backward; () on unmetered steps
     dtype: str = "fp32"  # compute dtype of the step (TrainConfig.dtype)
+    attention_kernel: str = ""  # the local attention kernels this rank has run ("+"-joined; attention_kernels.py)
+    microbatch_tokens: int | None = None  # the plan's token budget of one micro-batch on one data rank
     # Speeds and stragglers (flexmesh.runtime.stragglers), per rank unless said otherwise:
     compute_s: tuple[float, ...] = ()  # seconds computing its own micro-batches' forwards and backwards
     speed: tuple[float | None, ...] = ()  # measured, relative to the fastest rank (None: no work this step)

@@ -6,32 +6,52 @@ norm that works across DTensor meshes, and the peak memory a step reports.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from flexmesh.runtime.device import DeviceChoice, rank_device
 
-def init_distributed(timeout_s: float = 600.0) -> None:
-    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPUs); no-op when joined.
+_DEVICE: list[DeviceChoice] = []  # this process's device, chosen once when it joins
+
+
+def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DeviceChoice:
+    """Join the process group torchrun describes on this rank's device (``--device``, chosen by
+    :func:`flexmesh.runtime.device.choose_device`: NCCL on a GPU of its own, gloo on the CPU) and
+    return that device; no-op (the device chosen then) when joined.
 
     ``timeout_s`` bounds every collective: a peer that died makes the others fail after it instead
     of hanging forever. It is also made the default of the groups made later (device meshes,
     context-parallel groups, the gloo group), which would otherwise wait torch's 30 minutes.
     """
     if dist.is_initialized():
-        return
+        return compute_device_choice()
     from torch.distributed import distributed_c10d
 
+    choice = rank_device(device)
     # new_group() without a timeout reads these module defaults (torch 2.13: _get_default_timeout).
     distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
     distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s))
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    if choice.type == "cuda":
+        torch.cuda.set_device(choice.index)
+    dist.init_process_group(choice.backend, timeout=timedelta(seconds=timeout_s))
+    _DEVICE[:] = [choice]
+    return choice
+
+
+def compute_device_choice() -> DeviceChoice:
+    """The device :func:`init_distributed` chose; for a group joined another way, what its backend implies."""
+    if _DEVICE:
+        return _DEVICE[0]
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return DeviceChoice("cuda", torch.cuda.current_device())
+    return DeviceChoice("cpu")
+
+
+def compute_device() -> torch.device:
+    """This rank's compute device (:func:`compute_device_choice`) as a torch device."""
+    return compute_device_choice().torch_device()
 
 
 _CPU_GROUPS: dict = {}

@@ -46,7 +46,7 @@ from flexmesh.layout.hetero import HeteroPlan, Replica
 from flexmesh.layout.mesh import Layout
 from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.runtime.config import StepMetrics, TrainConfig, lr_schedule_factor
-from flexmesh.runtime.distributed import cpu_group
+from flexmesh.runtime.distributed import compute_device, cpu_group
 from flexmesh.runtime.hetero_grads import HolderGroups, clip_replicated_grads
 from flexmesh.runtime.memory import SavedActivationMeter
 from flexmesh.runtime.packing import PackedBatch, global_label_tokens, pack_microbatch, pad_to
@@ -135,8 +135,7 @@ class HeteroTrainer:
         check_runnable(plan, spec)
         check_dtype(config.dtype)
         self.plan, self.spec, self.config = plan, spec, config
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = compute_device()
         self.place = place_of(plan, dist.get_rank())
         self.replica = plan.replicas[self.place.replica] if self.place else None
         self.layout = replica_layout(self.replica, spec.num_layers) if self.replica else None

@@ -18,18 +18,30 @@ A pipeline stage deletes the layers it does not own (``del model.layers["3"]``) 
 ends to None: without ``tok_embeddings`` the forward takes hidden states instead of token ids;
 without ``norm`` it returns hidden states instead of logits.
 
-Positions come from the batch (they restart at every packed document), so RoPE needs no cache; the
-attention kernel sees ``cu_seqlens`` and never looks across a document (flexmesh.runtime.attention);
-a layer with a sliding window (``spec.window_of(layer)``) passes it to the kernel too. A micro-batch
-holding a piece of a cut document brings a view of the keys and values carried between
-micro-batches (``batch.carry``), which every layer's attention reads and extends
+What every layer of a micro-batch shares is computed once per micro-batch, before the first layer,
+into a :class:`Row`: the documents' boundaries (flexmesh.runtime.attention_kernels.Documents, on the
+device and on the host, with the attention kernels' per-row structures such as FlexAttention's block
+mask), and RoPE's cos and sin of every token's position (positions restart at every packed document
+and come from the batch). The attention kernel never looks across a document
+(flexmesh.runtime.attention); a layer with a sliding window (``spec.window_of(layer)``) passes it to
+the kernel too. A micro-batch holding a piece of a cut document brings a view of the keys and values
+carried between micro-batches (``batch.carry``), which every layer's attention reads and extends
 (flexmesh.runtime.carry).
+
+The attention core runs outside ``torch.compile`` (:func:`attention_core`): compiled blocks
+(``--compile``) fuse the norms, RoPE, the SwiGLU and the residual adds around it, while the core's
+kernels, its host-side loops over documents and its context-parallel collectives stay as they are.
+
+With ``labels`` the model's last stage returns the summed cross-entropy itself, computed chunk by
+chunk from the final hidden states (flexmesh.runtime.loss.linear_cross_entropy): the full logits
+never exist.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -39,8 +51,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from flexmesh.errors import SpecError
-from flexmesh.runtime.attention import CPContext, attend
+from flexmesh.runtime.attention import CPContext, Documents, attend
 from flexmesh.runtime.carry import CarryView, carried_attend
+from flexmesh.runtime.loss import linear_cross_entropy
 from flexmesh.runtime.rope import apply_rope, rope_cos_sin
 from flexmesh.spec.model import ModelSpec
 
@@ -68,6 +81,44 @@ def check_supported(spec: ModelSpec) -> None:
         )
 
 
+# ---- what the layers of a micro-batch share ---------------------------------------------------------
+@dataclass
+class Row:
+    """One micro-batch as every layer reads it, built once (:func:`make_row`): its documents, RoPE's
+    cos and sin [B, T, head_dim] in fp32 (each layer casts them to its compute dtype), and the view of
+    carried keys and values of cut documents (None without)."""
+
+    docs: Documents
+    cos: torch.Tensor
+    sin: torch.Tensor
+    carry: CarryView | None = None
+
+
+def make_row(spec: ModelSpec, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+             bounds: tuple[int, ...] | None = None, total: int | None = None,
+             carry: CarryView | None = None) -> Row:
+    """The :class:`Row` of a micro-batch with these ``positions`` [B, T_local] and document boundaries
+    (``cu_seqlens``; ``bounds``, the same on the host, spares reading a device tensor back). ``total``:
+    the whole row's tokens when this rank holds a context-parallel slice (default: the last boundary)."""
+    docs = Documents(cu_seqlens, bounds, total=total)
+    cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, torch.float32, spec.rope_scaling,
+                            docs.cu, total=docs.total)
+    return Row(docs, cos, sin, carry)
+
+
+@torch.compiler.disable
+def attention_core(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Row) -> torch.Tensor:
+    """softmax(QK^T)V of layer ``attn`` over the row's documents (q, k, v [B, H, T, D]), outside
+    ``torch.compile`` (see the module doc); under selective recomputation it keeps nothing for
+    backward and runs again there (its inputs q, k, v are kept)."""
+    core = attend if row.carry is None else partial(carried_attend, view=row.carry, layer=attn.layer)
+    args = (q, k, v, row.docs, attn.cp, attn.window)
+    if attn.recompute_core and torch.is_grad_enabled():
+        # preserve_rng_state off: attention draws no random numbers (no dropout)
+        return checkpoint(core, *args, use_reentrant=False, preserve_rng_state=False)
+    return core(*args)
+
+
 # ---- blocks --------------------------------------------------------------------------------------
 class Attention(nn.Module):
     """Grouped-query self-attention over packed documents.
@@ -79,8 +130,6 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int = 0):
         super().__init__()
         self.head_dim = spec.head_dim
-        self.rope_theta = spec.rope_theta
-        self.rope_scaling = spec.rope_scaling
         self.window = spec.window_of(layer)  # sliding window of this layer (None: plain causal)
         self.layer = layer  # keys of a cut document are carried per layer (flexmesh.runtime.carry)
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.qkv_bias)
@@ -91,27 +140,19 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.cp: CPContext | None = None
-        # Selective recomputation (flexmesh.runtime.parallelize.apply_ac): the attention core keeps
-        # nothing for backward and runs again there; its inputs q, k, v are kept.
+        # Selective recomputation (flexmesh.runtime.parallelize.apply_ac): see attention_core.
         self.recompute_core = False
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                carry: CarryView | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row: Row) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling, cu_seqlens)
+        cos, sin = row.cos.to(q.dtype), row.sin.to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu_seqlens, self.cp, self.window)
-        core = attend if carry is None else partial(carried_attend, view=carry, layer=self.layer)
-        if self.recompute_core and torch.is_grad_enabled():
-            # preserve_rng_state off: attention draws no random numbers (no dropout)
-            out = checkpoint(core, *qkv, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out = core(*qkv)
+        out = attention_core(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), row)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -138,9 +179,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
         self.feed_forward = FeedForward(spec)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                carry: CarryView | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions, cu_seqlens, carry=carry)
+    def forward(self, x: torch.Tensor, row: Row) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), row)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -163,27 +203,46 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             layer.attention.cp = cp
 
-    def forward(self, tokens: torch.Tensor, batch: "PackedBatch") -> torch.Tensor:
+    def row(self, batch: "PackedBatch") -> Row:
+        """The micro-batch's :class:`Row` (every layer of this model chunk reads it)."""
+        cp = next((layer.attention.cp for layer in self.layers.values()), None)
+        total = batch.positions.shape[1] * (cp.size if cp is not None else 1)
+        return make_row(self.spec, batch.positions, batch.cu_seqlens, getattr(batch, "bounds", None) or None,
+                        total=total, carry=getattr(batch, "carry", None))
+
+    def forward(self, tokens: torch.Tensor, batch: "PackedBatch", labels: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] (or hidden states [B, T, hidden] on a stage without embeddings) ->
-        logits [B, T, vocab] (or hidden states on a stage without the final norm)."""
+        logits [B, T, vocab] (or hidden states on a stage without the final norm); with ``labels``
+        (a stage with the head), the summed cross-entropy of the logits against them, chunk by chunk
+        (flexmesh.runtime.loss.linear_cross_entropy)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        positions, cu_seqlens = batch.positions, batch.cu_seqlens
-        carry = getattr(batch, "carry", None)  # set when the micro-batch continues or is continued
+        row = self.row(batch)
         for layer in self.layers.values():
-            h = layer(h, positions, cu_seqlens, carry=carry)
+            h = layer(h, row)
         if self.norm is None:
             return h
         h = self.norm(h)
+        head = self.head_weight()
+        if head is None:
+            return h  # a stage that kept the norm but whose head was removed on purpose
+        if labels is not None:  # a plain weight here: the trainer passes labels only without tensor parallelism
+            return linear_cross_entropy(h, head, labels)
         if self.output is not None:
-            return self.output(h)
+            return self.output(h)  # the module, whose tensor-parallel hooks (if any) gather the logits
+        return F.linear(h, head)
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The output projection's weight (the embedding's when tied), None on a stage without a head."""
+        if self.output is not None:
+            return self.output.weight
         if self.spec.tie_embeddings and self.tok_embeddings is not None:
-            return F.linear(h, self.tok_embeddings.weight)
+            return self.tok_embeddings.weight
         if self.spec.tie_embeddings:
             raise SpecError(
                 f"model {self.spec.name!r} ties its output to the embedding, but this pipeline stage holds "
                 "the final norm without the embedding; untie the embeddings (tie_embeddings=false) or use pp=1"
             )
-        return h  # a stage that kept the norm but whose head was removed on purpose
+        return None
 
     # ---- initialisation --------------------------------------------------------------------------
     def init_weights(self, seed: int = 0) -> None:

@@ -55,14 +55,27 @@ class PackedBatch:
     # This micro-batch's view of the keys and values carried between micro-batches
     # (flexmesh.runtime.carry.CarryView; set by the trainer when a document is cut), else None.
     carry: Any = None
+    # ``cu_seqlens`` on the host, kept by :meth:`to` so that nothing reads the device copy back.
+    bounds: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return replace(self, tokens=self.tokens.to(device), labels=self.labels.to(device),
-                       positions=self.positions.to(device), cu_seqlens=self.cu_seqlens.to(device))
+        """This batch on ``device``: on a GPU copied from pinned memory without waiting (the host's
+        boundaries kept in ``bounds``)."""
+        device = torch.device(device)
+        bounds = self.bounds or tuple(int(x) for x in self.cu_seqlens.tolist())
+        if device.type == self.tokens.device.type:
+            return replace(self, bounds=bounds)
+        cuda = device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if cuda else t).to(device, non_blocking=cuda)
+
+        return replace(self, tokens=move(self.tokens), labels=move(self.labels), positions=move(self.positions),
+                       cu_seqlens=move(self.cu_seqlens), bounds=bounds)
 
 
 def _check_piece(docs: Sequence[np.ndarray], p: Piece) -> np.ndarray:
@@ -160,6 +173,7 @@ def pad_to(batch: PackedBatch, length: int) -> PackedBatch:
         labels=torch.cat([batch.labels, torch.full_like(fill, IGNORE_INDEX)], dim=1),
         positions=torch.cat([batch.positions, torch.arange(pad, device=fill.device)[None, :]], dim=1),
         cu_seqlens=torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([length])]),
+        bounds=(*batch.bounds, length) if batch.bounds else (),
     )
 
 

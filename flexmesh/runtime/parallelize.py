@@ -2,10 +2,11 @@
 
 The order is torchtitan's: tensor parallelism first (it turns weights into DTensors on the ``tp``
 axis), then per-layer activation checkpointing (it wraps blocks, after TP so the wrapped block's
-collectives are recomputed too), then FSDP2 per block and finally the root (FSDP must see the
-finished modules). Context parallelism needs no weight surgery: each attention layer is given a
-:class:`~flexmesh.runtime.attention.CPContext`; the trainer switches it every step to the group the
-step's schedule gives the rank, from a pool made once (:class:`ContextGroups`).
+collectives are recomputed too), then ``torch.compile`` of each block (``--compile``), then FSDP2
+per block and finally the root (FSDP must see the finished modules). Context parallelism needs no
+weight surgery: each attention layer is given a :class:`~flexmesh.runtime.attention.CPContext`; the
+trainer switches it every step to the group the step's schedule gives the rank, from a pool made
+once (:class:`ContextGroups`).
 
 Supported per-layer mixes (checked by :func:`layout_from_plan`):
 
@@ -105,9 +106,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             })
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            # attention(x, positions, cu_seqlens): only x is sharded; positions/cu_seqlens stay global
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            # attention(x, row): only x is sharded; the row (positions, documents) is the same on every tp rank
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -150,6 +151,23 @@ def apply_ac(model: nn.Module, recompute: tuple[Recompute | bool, ...]) -> None:
             model.layers[name].attention.recompute_core = True
 
 
+# ---- compilation -----------------------------------------------------------------------------------
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each block's forward, in place (torchtitan compiles per block too).
+
+    The block's own forward is compiled, not the module call: the FSDP2 and checkpointing wrappers
+    around it keep running eagerly, parameter names do not change (checkpoints of compiled and eager
+    runs are the same), and the attention core stays out of the graphs
+    (flexmesh.runtime.model.attention_core). Every block shares one compiled code: each layer's
+    differences (its index, window, context-parallel group) are read inside the attention core only.
+    Shapes are static on the first micro-batch and dynamic from the first row of another length on
+    (one recompilation).
+    """
+    for block in model.layers.values():
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        inner.forward = torch.compile(inner.forward)
+
+
 # ---- data parallel (FSDP2) -----------------------------------------------------------------------
 def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None,
                         dtype: str = "fp32") -> None:
@@ -182,15 +200,15 @@ def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, roo
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
-                dmesh: DeviceMesh | None = None, dtype: str = "fp32") -> nn.Module:
-    """TP(+SP) -> context parallel switch -> activation checkpointing -> FSDP2, in place.
+                dmesh: DeviceMesh | None = None, dtype: str = "fp32", compile: bool = False) -> nn.Module:
+    """TP(+SP) -> context parallel switch -> activation checkpointing -> compile -> FSDP2, in place.
 
     ``model`` is a :class:`flexmesh.runtime.model.Transformer` (or a pipeline stage of one) whose
     parameters are materialised, identical on every rank, or on the meta device. ``root`` is the
     module whose forward the training loop calls (a wrapper holding ``model``; default ``model``):
     FSDP's root goes there. ``dmesh`` is :func:`data_mesh` of ``mesh``, computed once by the caller
     when several model chunks share it. ``dtype`` is the compute dtype (module doc: Precision);
-    parameters stay fp32 either way.
+    parameters stay fp32 either way. ``compile``: :func:`apply_compile`.
     """
     check_model_fits_layout(model.spec, layout)
     if layout.tp > 1:
@@ -203,6 +221,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Mod
                                size=layout.cp))
     if any(recompute_mode(r) is not Recompute.NONE for r in layout.recompute):
         apply_ac(model, layout.recompute)
+    if compile:
+        apply_compile(model)
     if layout.data_ranks > 1:
         apply_data_parallel(model, layout, dmesh if dmesh is not None else data_mesh(mesh), root=root,
                             dtype=dtype)
@@ -269,10 +289,6 @@ def activation_dtypes(layout: Layout, dtype: str) -> tuple[torch.dtype, torch.dt
 def local_coords(mesh: DeviceMesh) -> dict[str, int]:
     """This rank's coordinate on each mesh axis."""
     return {axis: mesh[axis].get_local_rank() for axis in MESH_AXES}
-
-
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ---- context-parallel groups, chosen per step --------------------------------------------------------

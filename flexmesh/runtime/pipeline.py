@@ -57,14 +57,15 @@ class StageModule(nn.Module):
     def consumed(self) -> int:
         return self._next
 
-    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The model on ``x`` (``labels``: its summed loss instead of its logits, without pipelining)."""
         if batch is None:
             if self._next >= len(self._stash):
                 raise RuntimeError(f"stage ran {self._next + 1} forwards but was fed {len(self._stash)} micro-batches")
             batch = self._stash[self._next]
             self._next += 1
         with self.compute():
-            return self.model(x, batch)
+            return self.model(x, batch) if labels is None else self.model(x, batch, labels)
 
 
 def split_stage(model: nn.Module, start: int, end: int, first: bool, last: bool) -> nn.Module:

@@ -9,10 +9,10 @@ what the runtime's carried keys and values must reproduce (flexmesh.runtime.carr
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flexmesh.layout.step import Piece
-from flexmesh.runtime.packing import IGNORE_INDEX, global_label_tokens, pack_microbatch
+from flexmesh.runtime.loss import summed_cross_entropy
+from flexmesh.runtime.packing import global_label_tokens, pack_microbatch
 
 
 def reference_loss(model: torch.nn.Module, docs, schedule, backward: bool = True) -> float:
@@ -31,9 +31,7 @@ def reference_loss(model: torch.nn.Module, docs, schedule, backward: bool = True
                 if not whole:  # only continuations of documents run whole earlier
                     continue
                 b = pack_microbatch(docs, whole)
-                logits = model(b.tokens, b)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.labels.reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum") / n
+                loss = summed_cross_entropy(model(b.tokens, b), b.labels) / n
                 if backward:
                     loss.backward()
                 total += loss.item()

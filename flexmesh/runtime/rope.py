@@ -87,12 +87,14 @@ def _yarn(base: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> to
     return interpolated * (1 - keep) + extrapolated * keep
 
 
-def _document_lengths(positions: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """For every token [B, T], the length of its packed document: the segment's highest position + 1."""
+def _document_lengths(positions: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                      total: int | None = None) -> torch.Tensor:
+    """For every token [B, T], the length of its packed document: the segment's highest position + 1.
+    ``total``: the row's tokens (``cu_seqlens[-1]``, read from the device when not given)."""
     flat = positions.reshape(-1)
     if cu_seqlens is None:
         return torch.full_like(positions, int(flat.max()) + 1)
-    if flat.numel() != int(cu_seqlens[-1]):
+    if flat.numel() != (int(cu_seqlens[-1]) if total is None else total):
         raise SpecError(
             "dynamic RoPE scaling needs each rank to hold whole documents, which context parallelism breaks; "
             "use cp 1, or a model with rope_type linear, yarn or llama3"
@@ -106,20 +108,22 @@ def _document_lengths(positions: torch.Tensor, cu_seqlens: torch.Tensor | None) 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: RopeScaling | None = None,
-                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 cu_seqlens: torch.Tensor | None = None,
+                 total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [B, T, head_dim] for integer ``positions`` [B, T].
 
     Uses the half-split ("rotate_half") convention of Hugging Face Llama checkpoints: dimension i
     and i + head_dim/2 form a rotating pair with frequency theta^(-2i/head_dim) (before scaling).
     So position 0 is the identity (cos 1, sin 0) whatever the document's offset in the packed row.
-    ``cu_seqlens`` (the packed row's document boundaries) is only read by dynamic scaling.
+    ``cu_seqlens`` (the packed row's document boundaries) and ``total`` (its last value, known on the
+    host) are only read by dynamic scaling.
     """
     with torch.no_grad():
         pos = positions.to(torch.float32)[..., None]
         if scaling is not None and scaling.rope_type == "dynamic":
             assert scaling.original_max_position
             n = head_dim
-            longest = torch.clamp(_document_lengths(positions, cu_seqlens), min=scaling.original_max_position)
+            longest = torch.clamp(_document_lengths(positions, cu_seqlens, total), min=scaling.original_max_position)
             growth = scaling.factor * longest.to(torch.float32) / scaling.original_max_position - (scaling.factor - 1)
             base = (theta * growth ** (n / (n - 2)))[..., None]  # [B, T, 1]: the NTK base of each document
             exps = torch.arange(0, n, 2, dtype=torch.int64, device=positions.device).to(torch.float32) / n

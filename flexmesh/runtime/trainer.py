@@ -48,15 +48,17 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import Layout, layout_from_plan, padded_microbatch_count, rank_coords, runs_in_lockstep
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
+from flexmesh.runtime.attention_kernels import USED as ATTENTION_KERNELS_USED
+from flexmesh.runtime.attention_kernels import select_kernel
 from flexmesh.runtime.carry import KVCarry, chain_ends, chain_plan
-from flexmesh.runtime.config import StepMetrics, TrainConfig, lr_schedule_factor
-from flexmesh.runtime.distributed import clip_grad_norm, cpu_group, peak_memory_gib
+from flexmesh.runtime.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
+from flexmesh.runtime.distributed import clip_grad_norm, compute_device, cpu_group, peak_memory_gib
+from flexmesh.runtime.loss import summed_cross_entropy
 from flexmesh.runtime.memory import SavedActivationMeter
 from flexmesh.runtime.packing import (
     IGNORE_INDEX,
@@ -114,9 +116,9 @@ def update(optimizer: torch.optim.Optimizer, lr_scheduler, device: torch.device,
 def gathered_step(row: Sequence[float], group, schedule: StepSchedule,
                   device: torch.device) -> tuple[torch.Tensor, dict]:
     """One all_gather over ``group`` of each rank's ``row`` -- its share of the loss (0 where another
-    rank holds it), busy seconds, saved-activation peak bytes, elapsed seconds, then anything else --
-    and the StepMetrics fields every trainer derives from that table and the schedule. Returns the
-    table (one row per rank) and those fields."""
+    rank holds it), busy seconds, saved-activation peak bytes (negative: not metered this step),
+    elapsed seconds, then anything else -- and the StepMetrics fields every trainer derives from that
+    table and the schedule. Returns the table (one row per rank) and those fields."""
     mine = torch.tensor(list(row), dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine, group=group)
@@ -128,24 +130,45 @@ def gathered_step(row: Sequence[float], group, schedule: StepSchedule,
         "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "peak_memory_gib": peak_memory_gib(device),
         "policy": schedule.policy, "requested_policy": schedule.requested_policy or schedule.policy,
         "fallback": schedule.fallback, "scheduler_s": schedule.scheduler_seconds,
-        "busy_s": tuple(float(x) for x in table[:, 1]), "activation_peak_bytes": tuple(int(x) for x in table[:, 2]),
+        "busy_s": tuple(float(x) for x in table[:, 1]),
+        "activation_peak_bytes": () if bool((table[:, 2] < 0).any()) else tuple(int(x) for x in table[:, 2]),
+        "attention_kernel": "+".join(sorted(ATTENTION_KERNELS_USED)),
     }
 
 
 class _GlobalLoss:
-    """Summed token cross-entropy over the step's global label-token count (the pipeline loss_fn).
-
-    Always fp32: bf16 logits are upcast first (as torchtitan and Megatron do), since a bf16
-    log-softmax over the vocabulary loses the small probabilities the loss is made of.
-    """
+    """Summed token cross-entropy (fp32, flexmesh.runtime.loss) over the step's global label-token
+    count (the pipeline loss_fn)."""
 
     def __init__(self) -> None:
         self.normaliser = 1
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss / self.normaliser
+        return summed_cross_entropy(logits, labels) / self.normaliser
+
+
+class _Marks:
+    """Seconds from the step's start to chosen points of it, with no synchronisation before the step's
+    end: CUDA events on a GPU, read by :meth:`seconds` once the step has synchronised; the host clock
+    on CPU."""
+
+    def __init__(self, device: torch.device, t0: float) -> None:
+        self.cuda, self.t0 = device.type == "cuda", t0
+        self.start = self._event() if self.cuda else None
+
+    @staticmethod
+    def _event():  # noqa: ANN205
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def mark(self):  # noqa: ANN201 - an event on a GPU, seconds on CPU
+        return self._event() if self.cuda else time.perf_counter() - self.t0
+
+    def seconds(self, mark) -> float:  # noqa: ANN001
+        if not self.cuda:
+            return float(mark)
+        return self.start.elapsed_time(mark) / 1e3
 
 
 class Trainer:
@@ -170,10 +193,13 @@ class Trainer:
                             "plan for this model")
         check_partition(plan, spec.num_layers)
         check_dtype(config.dtype)
-        self.plan, self.spec, self.config = plan, spec, config
         self.layout: Layout = layout_from_plan(plan)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = compute_device()
+        config = for_device(config, self.device.type)
+        self.plan, self.spec, self.config = plan, spec, config
+        # The loss chunk by chunk inside the model's forward (flexmesh.runtime.loss): where the last stage
+        # is the whole model and its head is not split over tensor-parallel ranks.
+        self.chunked_loss = bool(config.chunked_loss) and self.layout.pp == 1 and self.layout.tp == 1
         self.mesh = build_mesh(self.layout, self.device.type)
         self.coords = local_coords(self.mesh)
         self.pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
@@ -189,8 +215,12 @@ class Trainer:
         self.chunks = chunks_of_rank(plan, self.coords["pp"])
         self.modules = self._build(weights)
         self.params = [p for m in self.modules for p in m.parameters()]
+        # One fused kernel on a GPU (the multi-tensor foreach path on CPU); neither across the DTensor
+        # meshes tensor parallelism mixes.
+        fused = self.device.type == "cuda" and self.layout.tp == 1
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay, foreach=self.layout.tp == 1)
+                                           weight_decay=config.weight_decay, foreach=self.layout.tp == 1 and not fused,
+                                           fused=fused or None)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
         self.loss_fn = _GlobalLoss()
@@ -222,7 +252,8 @@ class Trainer:
             split_stage(model, stage.start, stage.end, first=k == 0, last=k == n - 1)
             root = StageModule(model, compute=partial(autocast_bf16, self.layout, self.config.dtype,
                                                       self.device.type))
-            parallelize(model, self.layout, self.mesh, root=root, dmesh=dmesh, dtype=self.config.dtype)
+            parallelize(model, self.layout, self.mesh, root=root, dmesh=dmesh, dtype=self.config.dtype,
+                        compile=bool(self.config.compile))
             if weights:
                 from flexmesh.runtime.weights import load_hf_safetensors
 
@@ -232,6 +263,14 @@ class Trainer:
                 root.to(self.device)
             modules.append(root)
         return modules
+
+    def attention_kernels(self) -> list[str]:
+        """The local attention kernels this run's layers will use (flexmesh.runtime.attention_kernels),
+        as the run's log names them before the first step; metrics.jsonl names those that ran."""
+        dtype = torch.bfloat16 if self.config.dtype == "bf16" else torch.float32
+        gqa = self.spec.num_kv_heads != self.spec.num_heads
+        windows = {self.spec.window_of(i) for i in range(self.spec.num_layers)}
+        return sorted({select_kernel(self.device.type, dtype, w, self.spec.head_dim, gqa).name for w in windows})
 
     # ---- data ------------------------------------------------------------------------------------
     @property
@@ -290,7 +329,11 @@ class Trainer:
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> StepMetrics:
+        """Run one step's schedule. Nothing in it waits for the device before the optimizer's step
+        (losses stay on the device, timings are CUDA events); activations are metered on the steps
+        ``config.meter_every`` picks."""
         t0 = time.perf_counter()
+        marks = _Marks(self.device, t0)
         label_tokens = global_label_tokens(docs, schedule)
         schedule.check_cuts(self.layout.pp, dynamic_rope=self.spec.rope_scaling is not None
                             and self.spec.rope_scaling.rope_type == "dynamic")
@@ -303,21 +346,25 @@ class Trainer:
         self.loss_fn.normaliser = label_tokens
         self.optimizer.zero_grad(set_to_none=True)
         self.clock.reset()
-        with SavedActivationMeter() as meter:
-            local_loss, busy = self._forward_backward(batches, group, t0, schedule)
+        every = self.config.meter_every or 0
+        metered = every > 0 and self.step_index % every == 0
+        with SavedActivationMeter() if metered else nullcontext() as meter:
+            local_loss, busy = self._forward_backward(batches, group, marks, schedule)
         grad_norm = clip_grad_norm(self.params, self.config.grad_clip, self.pp_group)
         lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
         owner = self.coords["tp"] == 0 and self.coords["pp"] == self.layout.pp - 1
-        table, common = gathered_step([local_loss if owner else 0.0, busy, float(meter.peak_bytes), elapsed,
+        table, common = gathered_step([float(local_loss) if owner else 0.0, marks.seconds(busy),
+                                       float(meter.peak_bytes) if metered else -1.0, elapsed,
                                        self.clock.total()], self._cpu_group, schedule, self.device)
         self.step_index += 1
         return StepMetrics(
             step=self.step_index, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens,
             padded_tokens=sum(b.num_tokens for b in batches) * group.cp, microbatches=len(batches),
             predicted_step_time_s=schedule.predicted_step_time if schedule.predicted_step_time > 0 else None,
-            predicted_busy_s=self._predicted_busy(schedule), dtype=self.config.dtype, **common,
+            predicted_busy_s=self._predicted_busy(schedule), dtype=self.config.dtype,
+            microbatch_tokens=self.plan.microbatch_tokens, **common,
             compute_s=tuple(float(x) for x in table[:, 4]) if self.layout.pp == 1 else (),
             emulated_speed=self.emulated_speed,
         )
@@ -332,44 +379,43 @@ class Trainer:
             out.append(float(by_rank.get(c["dp"] * lay.cp + c["cp"], 0.0)))
         return tuple(out)
 
-    def _forward_backward(self, batches: list[PackedBatch], group: Group, t0: float,
-                          schedule: StepSchedule) -> tuple[float, float]:
-        """Run the step's micro-batches; returns (this rank's loss, seconds until its own were done).
+    def _forward_backward(self, batches: list[PackedBatch], group: Group, marks: _Marks,
+                          schedule: StepSchedule) -> tuple[torch.Tensor, object]:
+        """Run the step's micro-batches; returns (this rank's loss, on the device; the mark where its
+        own micro-batches were done, read by ``marks.seconds`` after the step).
 
         The group's ``len(group.microbatches)`` first batches hold data, the rest are padding. On the
         uneven path one more empty micro-batch of ``cp * tp`` tokens carries the gradient reduction,
         after the busy time is taken.
         """
         own, cp = len(group.microbatches), group.cp
-
-        def since_start() -> float:
-            if self.device.type == "cuda":  # kernels run asynchronously: time what has finished
-                torch.cuda.synchronize()
-            return time.perf_counter() - t0
-
         if self.layout.pp > 1:
             loss = self._pipeline_step(batches)
-            return loss, since_start()
+            return loss, marks.mark()
         root = self.modules[0]
         sync = hasattr(root, "set_requires_gradient_sync")  # FSDP2 or replicate over the data ranks
-        total, busy = 0.0, None
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        busy = None
         # A chain of micro-batches linked by a cut document runs all its forwards, then one backward of
         # their summed loss (flexmesh.runtime.carry); ranks in lockstep end chains at the same places.
         ends = chain_ends([group] if self.uneven else list(schedule.groups), len(batches))
         chain: list[torch.Tensor] = []
 
-        def run(b: PackedBatch, end: bool = True, timed: bool = True) -> float:
+        def run(b: PackedBatch, end: bool = True, timed: bool = True) -> torch.Tensor:
             # Only this rank's own micro-batches are timed (and stretched when emulating a slow rank):
             # the empty one carrying the gradient reduction is communication, padding ones no work.
             with self.clock.piece() if timed else nullcontext():
-                loss = self.loss_fn(root(b.tokens, b), b.labels)
+                if self.chunked_loss:  # the model's forward ends in the loss (flexmesh.runtime.loss)
+                    loss = root(b.tokens, b, labels=b.labels) / self.loss_fn.normaliser
+                else:
+                    loss = self.loss_fn(root(b.tokens, b), b.labels)
             chain.append(loss)
             if end:
                 with self.clock.piece() if timed else nullcontext():
                     sum(chain).backward()
                 chain.clear()
                 self.carry.clear()
-            return float(loss.detach())
+            return loss.detach()
 
         if self.uneven:
             if sync:
@@ -381,23 +427,23 @@ class Trainer:
                 root.set_requires_gradient_sync(False)
                 root.set_reshard_after_backward(False)
             for b, end in zip(batches, ends, strict=True):
-                total += run(b, end)
-            busy = since_start()
+                total = total + run(b, end)
+            busy = marks.mark()
             if sync:
                 root.set_requires_gradient_sync(True)
                 root.set_reshard_after_backward(True)
                 empty = _dummy_batch(cp * self.layout.tp)
                 if cp > 1:
                     empty = shard_for_cp(empty, self.data_rank - group.ranks[0], cp)
-                total += run(empty.to(self.device), timed=False)
+                total = total + run(empty.to(self.device), timed=False)
             return total, busy
         for i, b in enumerate(batches):
             if i == own:
-                busy = since_start()
+                busy = marks.mark()
             if sync:  # reduce gradients once, after the last micro-batch
                 root.set_requires_gradient_sync(i == len(batches) - 1)
-            total += run(b, ends[i], timed=i < own)
-        return total, busy if busy is not None else since_start()
+            total = total + run(b, ends[i], timed=i < own)
+        return total, busy if busy is not None else marks.mark()
 
     def _pipeline_step(self, batches: list[PackedBatch]) -> float:
         m, length = len(batches), batches[0].num_tokens

@@ -35,7 +35,9 @@ def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel 
     """The per-step scheduler's view of ``plan``: its data ranks, pipeline and first layer's strategy.
 
     The group size (cp) and data-parallel degree are left to the policy; micro-batches hold at most
-    ``max_len`` tokens per rank. ``cost`` defaults to the plan's cluster preset; either prices the
+    the plan's :attr:`~flexmesh.layout.plan.Plan.microbatch_tokens` per rank (what the search sized
+    and checked against memory), whatever the documents' length ``max_len`` (a longer document
+    keeps its own micro-batch). ``cost`` defaults to the plan's cluster preset; either prices the
     plan's overlap options (:meth:`CostModel.with_step_overlap`). Policies cut sequences over
     micro-batches only where the runtime keeps them exact (``cut_documents``).
     """
@@ -45,7 +47,8 @@ def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel 
     return ScheduleContext(cost=cost.with_step_overlap(plan.overlap),
                            base=strategy, num_ranks=layout.data_ranks, pp=plan.pp,
                            pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
-                           microbatch_tokens=max_len, lockstep=runs_in_lockstep(layout.pp, layout.zero),
+                           microbatch_tokens=plan.microbatch_tokens,
+                           lockstep=runs_in_lockstep(layout.pp, layout.zero),
                            cut_documents=carries_pieces(plan.pp, dynamic_rope=spec.rope_scaling is not None
                                                         and spec.rope_scaling.rope_type == "dynamic"))
 
@@ -55,10 +58,10 @@ class Scheduler:
 
     Groups may take any power-of-two size the policy picks (``hdp``, ``milp``); the baselines
     (``fixed``, ``padded``, ``balanced``, ``wlb``) use one static size: ``cp``, else the plan's cp when
-    above 1, else the smallest group holding the longest sequence. Micro-batches hold at most
-    ``max_len`` tokens per rank (the context the plan is for; a longer sequence on a larger group
-    keeps its own). ``cost`` is the CostModel the policy consults (for instance one built from
-    profiles); default: the plan's cluster preset.
+    above 1, else the smallest group holding the longest sequence. Micro-batches hold at most the
+    plan's ``microbatch_tokens`` per rank (a longer sequence keeps its own); ``padded`` pads each
+    sequence to ``max_len``, the documents' length. ``cost`` is the CostModel the policy consults
+    (for instance one built from profiles); default: the plan's cluster preset.
     ``predict``, when given, replaces each step schedule's ``predicted_step_time`` (the scheduler's
     own estimate of the micro-batch phase) with its value: the runtime passes the step simulator's
     (flexmesh.sim.predict.simulated_scheduler) and reports it beside the measured time.
@@ -90,7 +93,7 @@ class Scheduler:
             static = cp if cp is not None else (layout.cp if layout.cp > 1 else None)
             if static is not None:
                 options["cp"] = static
-        if self.policy in (Policy.FIXED, Policy.PADDED):
+        if self.policy == Policy.PADDED:
             options["context"] = max_len
         if self.policy == Policy.WLB:
             # The loader trains the documents a schedule names and never brings deferred ones back

@@ -278,6 +278,23 @@ def device(name: str) -> DeviceSpec:
     raise SpecError(f"unknown device {name!r}; known: {', '.join(list(DEVICE_PRESETS) + list(_ALIASES))}")
 
 
+def preset_of_gpu(gpu_name: str) -> str | None:
+    """The device preset of a GPU as the driver names it (``torch.cuda.get_device_name()``), matched by
+    family and memory; None for a GPU without a preset.
+
+    >>> preset_of_gpu("NVIDIA H100 80GB HBM3"), preset_of_gpu("NVIDIA A100-SXM4-40GB"), preset_of_gpu("Tesla T4")
+    ('H100-80GB', 'A100-40GB', None)
+    """
+    name = gpu_name.upper()
+    if "H200" in name:
+        return "H200"
+    if "H100" in name:
+        return "H100-80GB"
+    if "A100" in name:
+        return "A100-40GB" if "40GB" in name.replace(" ", "") else "A100-80GB"
+    return None
+
+
 _CLUSTER_KEYS = ("nodes", "devices_per_node", "device", "speed_factors")
 _DEVICE_KEYS = ("base", *DeviceSpec.__dataclass_fields__)
 

@@ -312,6 +312,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                rope_theta=1e6, norm_eps=1e-6),
         _llama("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, qkv_bias=True, max_position=32768,
                rope_theta=1e6, norm_eps=1e-6),
+        # TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T/config.json: Llama 2's architecture at 1.1B,
+        # 2048 positions, rope_theta 1e4, rms_norm_eps 1e-5 (bench/gpu.py trains this shape)
+        _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, max_position=2048),
         # A small model for tests, benchmarks and the demo on CPUs.
         _llama("tiny", 4, 256, 8, 4, 688, 4096, max_position=4096),
     )

@@ -1,0 +1,382 @@
+"""One GPU: flexmesh's training step against transformers at the same shape, and the plan's prediction.
+
+Model: a Llama of TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 query / 4 KV heads, FFN 5632,
+vocabulary 32,000; ``tinyllama-1.1b`` with 8192 positions), bf16 autocast over fp32 master weights,
+AdamW (fused on CUDA for both), one process, the same initial weights (transformers initialises the
+model, flexmesh loads its safetensors) and the same random token ids. Cases:
+
+=======  ======================================  ========================  ==================
+case     documents per step                      tokens per micro-batch    micro-batches
+=======  ======================================  ========================  ==================
+2048     16 of 2,048 tokens                      8,192 (4 documents)       4
+8192     4 of 8,192 tokens                       8,192                     4
+mix      40 shipped Wikipedia lengths, <= 8,192  <= 8,192, packed          as packing needs
+=======  ======================================  ========================  ==================
+
+Both run the micro-batches flexmesh's ``fixed`` policy packs under the plan's budget (the plan:
+``seq_len`` the longest document, the step's documents split so that one micro-batch holds 8,192
+tokens): flexmesh as one packed row per micro-batch with document-causal attention; transformers
+(``LlamaForCausalLM``, ``attn_implementation="sdpa"``, eager: what its users run without
+flash-attn) as the micro-batch's documents padded to its longest, each micro-batch's loss weighted
+by its label tokens so that the step's loss and gradients are the global mean in both. Each system
+runs in its own process, so memory, caches and compilation start fresh; the first step's time
+(compilation included for flexmesh's default ``--compile``) is reported apart, throughput is over
+the steps after the first two.
+
+Columns: real (unpadded) tokens/s; model TFLOP/s counting 6N + causal attention
+(``ModelSpec.model_flops``: N the linear weights and the head, attention ``6 q_dim sum(len^2)`` per
+layer) over the measured step; MFU against the device preset's datasheet bf16 peak; predicted step
+time from the device preset (``--cluster``, default the preset of the GPU's family) and, with
+``--hardware-profile``/``--model-profile``, from profiles taken on the GPU; the loss of step 1
+(before any update) in both, which must agree.
+
+    python -m bench.gpu                   # on a CUDA machine; records "gpu" in bench/RESULTS.md
+    python -m bench.gpu --cpu --no-record # the same code on a tiny model on CPU (tests/test_bench_gpu.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WARMUP = 2  # steps left out of throughput: the first compiles, the second meets a new row length
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    doc_len: int  # fixed document length, or the cap of the shipped lengths (mix)
+    docs_per_step: int
+    microbatch_tokens: int
+    mixed: bool = False
+
+
+GPU_CASES = (Case("2048", 2048, 16, 8192), Case("8192", 8192, 4, 8192), Case("mix", 8192, 40, 8192, mixed=True))
+CPU_CASES = (Case("256", 256, 8, 1024), Case("1024", 1024, 2, 1024), Case("mix", 1024, 8, 1024, mixed=True))
+
+
+def model_spec(cpu: bool):
+    from flexmesh.spec.model import MODEL_PRESETS
+
+    if cpu:
+        return replace(MODEL_PRESETS["tiny"], dtype="fp32")
+    return replace(MODEL_PRESETS["tinyllama-1.1b"], max_position=8192, dtype="bf16")
+
+
+def make_plan(spec, case: Case, cluster: str):
+    """One rank, no parallelism; ``seq_len`` the case's documents, micro-batches of the case's tokens."""
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    s = LayerStrategy.parse("tp1-dp1z0")
+    m = case.docs_per_step * case.doc_len // case.microbatch_tokens
+    return Plan(model=spec.name, cluster=cluster, world_size=1, pp=1, pipeline_schedule="1f1b", num_microbatches=m,
+                seq_len=case.doc_len, global_batch=case.docs_per_step,
+                stages=(StagePlan(0, spec.num_layers, (s,) * spec.num_layers),))
+
+
+def make_steps(spec, case: Case, steps: int, seed: int = 0) -> list[list[np.ndarray]]:
+    """The documents of every step: random token ids, of the case's lengths."""
+    from flexmesh.data.lengths import load_lengths
+
+    rng = np.random.default_rng(seed)
+    if case.mixed:
+        pool = load_lengths("wikipedia")
+        lengths = np.minimum(rng.choice(pool[pool >= 2], size=(steps, case.docs_per_step)), case.doc_len)
+    else:
+        lengths = np.full((steps, case.docs_per_step), case.doc_len)
+    return [[rng.integers(1, spec.vocab, size=int(n)) for n in row] for row in lengths]
+
+
+def schedules(spec, plan, steps_docs, max_len: int, cost=None):
+    """The ``fixed`` policy's step schedules (packing under the plan's budget), with the simulator's
+    predicted step time when ``cost`` is given."""
+    from flexmesh.schedule.scheduler import Scheduler
+
+    if cost is None:
+        fn = Scheduler(plan, spec, "fixed", max_len)
+    else:
+        from flexmesh.sim.predict import simulated_scheduler
+
+        fn = simulated_scheduler(Scheduler(plan, spec, "fixed", max_len, cost=cost))
+    return [fn([len(d) for d in docs]) for docs in steps_docs]
+
+
+def peak_flops(cluster: str | None, dtype: str) -> float | None:
+    if cluster is None:
+        return None
+    from flexmesh.spec.cluster import parse_cluster
+
+    return parse_cluster(cluster).device.peak_flops.get(dtype)
+
+
+# ---- workers (one process per system and case) ----------------------------------------------------------
+def _device(cpu: bool):
+    import torch
+
+    return torch.device("cpu" if cpu or not torch.cuda.is_available() else "cuda")
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def flexmesh_worker(a: argparse.Namespace) -> dict:
+    import time
+
+    import torch
+
+    from flexmesh.runtime.config import TrainConfig
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.launch import single_process_env
+    from flexmesh.runtime.trainer import Trainer
+
+    spec, case = model_spec(a.cpu), _case(a)
+    os.environ.update(single_process_env())
+    init_distributed(timeout_s=600, device="cpu" if a.cpu else "auto")
+    plan = make_plan(spec, case, a.cluster or "1xA100-80GB")
+    steps_docs = make_steps(spec, case, a.steps)
+    costs = {}
+    if a.cluster:
+        from flexmesh.cost import CostModel
+        from flexmesh.spec.cluster import parse_cluster
+
+        costs["preset"] = CostModel(spec, parse_cluster(a.cluster))
+    if a.hardware_profile or a.model_profile:
+        from flexmesh.profile.use import cost_model_from_profiles
+
+        costs["profile"] = cost_model_from_profiles(spec, hardware=a.hardware_profile, model=a.model_profile, world=1)
+    predicted = {k: [s.predicted_step_time for s in schedules(spec, plan, steps_docs, case.doc_len, c)]
+                 for k, c in costs.items()}
+    steps = schedules(spec, plan, steps_docs, case.doc_len)
+    config = TrainConfig(max_steps=a.steps, lr=1e-4, dtype="fp32" if a.cpu else "bf16", progress=False,
+                         compile=a.compile)
+    t0 = time.perf_counter()
+    trainer = Trainer(plan, spec, config, weights=a.weights)
+    setup = time.perf_counter() - t0
+    rows = []
+    for docs, schedule in zip(steps_docs, steps):
+        m = trainer.step(docs, schedule)
+        rows.append({"time_s": m.step_time_s, "tokens": m.tokens, "loss": m.loss, "microbatches": m.microbatches})
+    out = {"setup_s": setup, "steps": rows, "kernel": m.attention_kernel, "compiled": bool(trainer.config.compile),
+           "predicted": predicted, "device": torch.cuda.get_device_name() if trainer.device.type == "cuda" else "CPU",
+           "peak_gib": m.peak_memory_gib}
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return out
+
+
+def transformers_worker(a: argparse.Namespace) -> dict:
+    import time
+
+    import torch
+    import transformers
+
+    from flexmesh.runtime.packing import IGNORE_INDEX
+
+    spec, case = model_spec(a.cpu), _case(a)
+    device = _device(a.cpu)
+    plan = make_plan(spec, case, "1xA100-80GB")
+    steps_docs = make_steps(spec, case, a.steps)
+    steps = schedules(spec, plan, steps_docs, case.doc_len)
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.hf_folder, dtype=torch.float32,
+                                                              attn_implementation="sdpa").to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    setup = time.perf_counter() - t0
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not a.cpu)
+    rows = []
+    for docs, schedule in zip(steps_docs, steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        label_tokens = sum(len(docs[p.seq_id]) - 1 for g in schedule.groups for mb in g.microbatches for p in mb)
+        total = torch.zeros((), device=device)
+        for mb in schedule.groups[0].microbatches:
+            rows_docs = [docs[p.seq_id][p.start:p.end] for p in mb]
+            width = max(len(d) for d in rows_docs)
+            ids = torch.zeros((len(rows_docs), width), dtype=torch.long)
+            labels = torch.full((len(rows_docs), width), IGNORE_INDEX, dtype=torch.long)
+            mask = torch.zeros((len(rows_docs), width), dtype=torch.long)
+            for i, d in enumerate(rows_docs):
+                ids[i, :len(d)] = torch.from_numpy(d)
+                labels[i, :len(d)] = torch.from_numpy(d)
+                mask[i, :len(d)] = 1
+            n = sum(len(d) - 1 for d in rows_docs)
+            with autocast:
+                out = model(input_ids=ids.to(device), attention_mask=mask.to(device) if width * len(rows_docs)
+                            != int(mask.sum()) else None, labels=labels.to(device))
+            loss = out.loss * (n / label_tokens)  # transformers averages over the micro-batch's label tokens
+            loss.backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = float(total)
+        _sync(device)
+        rows.append({"time_s": time.perf_counter() - t0, "tokens": sum(len(d) for d in docs), "loss": loss_value,
+                     "microbatches": len(schedule.groups[0].microbatches)})
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {"setup_s": setup, "steps": rows, "kernel": "sdpa (padded rows)", "compiled": False, "predicted": {},
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU", "peak_gib": peak}
+
+
+def _case(a: argparse.Namespace) -> Case:
+    return next(c for c in (CPU_CASES if a.cpu else GPU_CASES) if c.name == a.case)
+
+
+# ---- the parent: weights, workers, table ------------------------------------------------------------------
+def hf_weights(spec, folder: Path, seed: int = 0) -> Path:
+    """transformers' own initialisation of ``spec`` saved in ``folder`` (config.json + safetensors)."""
+    import torch
+    import transformers
+
+    from flexmesh.spec.hf import to_hf_config
+
+    cfg = transformers.AutoConfig.for_model(**to_hf_config(replace(spec, dtype="fp32")))
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def run_worker(system: str, case: Case, a: argparse.Namespace, folder: Path) -> dict:
+    out = folder / f"{system}-{case.name}.json"
+    cmd = [sys.executable, "-m", "bench.gpu", "worker", system, "--case", case.name, "--steps", str(a.steps),
+           "--out", str(out), "--hf-folder", str(folder / "hf"), "--weights", str(folder / "hf" / "model.safetensors")]
+    for flag in ("cluster", "hardware_profile", "model_profile"):
+        if getattr(a, flag):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+    if a.cpu:
+        cmd.append("--cpu")
+    if a.compile is not None:
+        cmd.append("--compile" if a.compile else "--no-compile")
+    from flexmesh.runtime.launch import child_env
+
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=a.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{system} {case.name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def summarise(spec, case: Case, result: dict, peak: float | None) -> dict:
+    steps = result["steps"]
+    timed = steps[WARMUP:] if len(steps) > WARMUP else steps
+    seconds = sum(s["time_s"] for s in timed)
+    tokens = sum(s["tokens"] for s in timed)
+    flops = sum(spec.model_flops(s["tokens"], s.get("sq_tokens", 0.0)) for s in timed)
+    return {"tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12,
+            "mfu": flops / seconds / peak if peak else None, "first_step_s": steps[0]["time_s"],
+            "step_s": seconds / len(timed), "loss1": steps[0]["loss"],
+            "predicted": {k: float(np.mean(v[WARMUP:] if len(v) > WARMUP else v))
+                          for k, v in result["predicted"].items()},
+            "microbatches": float(np.mean([s["microbatches"] for s in timed]))}
+
+
+def _predicted(summary: dict, kind: str) -> str:
+    """A predicted step time and its error against the measured one, or "-" where none was priced."""
+    if kind not in summary["predicted"]:
+        return "-"
+    t = summary["predicted"][kind]
+    return f"{t:.3f} s ({t / summary['step_s'] - 1:+.1%})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", nargs="*", help=argparse.SUPPRESS)  # "worker SYSTEM" in the children
+    p.add_argument("--cpu", action="store_true", help="a tiny model on CPU (what the test suite runs)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--cluster", default=None, help="one-device cluster preset that prices the prediction "
+                                                   "(default: the GPU family's; none on CPU)")
+    p.add_argument("--hardware-profile", default=None)
+    p.add_argument("--model-profile", default=None)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
+    # worker-only
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--hf-folder", help=argparse.SUPPRESS)
+    p.add_argument("--weights", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.mode[:1] == ["worker"]:
+        result = (flexmesh_worker if a.mode[1] == "flexmesh" else transformers_worker)(a)
+        Path(a.out).write_text(json.dumps(result))
+        return
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    cpu = a.cpu or not torch.cuda.is_available()
+    if not a.cpu and cpu:
+        raise SystemExit("no GPU visible: run with --cpu for the tiny CPU version")
+    a.cpu = cpu
+    device_name = "CPU" if cpu else torch.cuda.get_device_name()
+    if a.cluster is None and not cpu:
+        from flexmesh.spec.cluster import preset_of_gpu
+
+        preset = preset_of_gpu(device_name)
+        a.cluster = f"1x{preset}" if preset else None
+    spec = model_spec(cpu)
+    cases = [c for c in (CPU_CASES if cpu else GPU_CASES) if a.cases is None or c.name in a.cases.split(",")]
+    peak = peak_flops(a.cluster, "fp32" if cpu else "bf16") if not cpu else None
+    console = Console(width=max(200, Console().width))
+    rows, record = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        hf_weights(spec, folder / "hf")
+        for case in cases:
+            for system in ("transformers", "flexmesh"):
+                console.print(f"{case.name}: {system} ...", highlight=False)
+                result = run_worker(system, case, a, folder)
+                for s, docs in zip(result["steps"], make_steps(spec, case, a.steps)):
+                    s["sq_tokens"] = float(sum(float(len(d)) ** 2 for d in docs))
+                record[(case.name, system)] = (result, summarise(spec, case, result, peak))
+    columns = ["case", "system", "attention", "tokens/s", "vs transformers", "TFLOP/s", "MFU", "micro-batches",
+               "step s", "first step s", "predicted (preset)", "predicted (profile)", "loss step 1"]
+    for case in cases:
+        base = record[(case.name, "transformers")][1]["tokens_per_s"]
+        for system in ("transformers", "flexmesh"):
+            result, s = record[(case.name, system)]
+            rows.append([case.name, system, result["kernel"] + (", compiled" if result["compiled"] else ""),
+                         f"{s['tokens_per_s']:,.0f}", f"{s['tokens_per_s'] / base:.2f}x", f"{s['tflops']:.1f}",
+                         f"{s['mfu']:.1%}" if s["mfu"] else "-", f"{s['microbatches']:.1f}", f"{s['step_s']:.3f}",
+                         f"{s['first_step_s']:.1f}", _predicted(s, "preset"), _predicted(s, "profile"),
+                         f"{s['loss1']:.5f}"])
+    table = Table(title=f"{spec.name} on {device_name}, torch {torch.__version__}")
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    print(json.dumps({f"{k[0]}/{k[1]}": v[1] for k, v in record.items()}))
+    if not a.no_record:
+        from bench._results import markdown_table
+        from bench._results import record as write
+
+        note = (f"{spec.name} ({spec.num_layers} layers, hidden {spec.hidden}), {'fp32' if cpu else 'bf16 autocast'}, "
+                f"one process on {device_name}, torch {torch.__version__}; {a.steps} steps per run, throughput over "
+                f"the steps after the first {WARMUP}; predicted from {a.cluster or 'no preset'}"
+                f"{' and profiles' if a.hardware_profile or a.model_profile else ''}.\n"
+                "Reproduce: `python -m bench.gpu`" + (" --cpu" if cpu else "") + "\n\n")
+        write("gpu-cpu" if cpu else "gpu", note + "\n".join(markdown_table(columns, rows)), script="gpu")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""bench/gpu.py's CPU mode (a tiny model), so the GPU benchmark cannot rot between GPU runs: both
+systems train the same documents from the same weights, so their first losses agree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gpu_bench_cpu_mode_runs_both_systems_on_the_same_batches():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--cpu", "--no-record", "--steps", "3",
+                           "--cases", "256,mix", "--cluster", "1xA100-80GB"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"256/transformers", "256/flexmesh", "mix/transformers", "mix/flexmesh"}
+    for case in ("256", "mix"):
+        hf, fm = result[f"{case}/transformers"], result[f"{case}/flexmesh"]
+        # the same weights, tokens and micro-batches: the loss before any update is the same (fp32)
+        assert fm["loss1"] == pytest.approx(hf["loss1"], rel=1e-5)
+        assert fm["microbatches"] == hf["microbatches"] >= 1
+        assert fm["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0 and fm["tflops"] > 0
+        assert fm["predicted"]["preset"] > 0 and hf["predicted"] == {}
+    assert result["mix/flexmesh"]["microbatches"] > 1  # the long-tail mix packs into several micro-batches
+    assert "tiny on CPU" in proc.stdout

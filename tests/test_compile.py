@@ -1,0 +1,111 @@
+"""The GPU's speed options, checked on CPU: compiled blocks, the chunked loss and metering on chosen steps.
+
+- ``torch.compile`` of each block (flexmesh.runtime.parallelize.apply_compile) gives the eager
+  model's loss and gradients, with one compiled code for every layer (the attention core stays out);
+- the trainer with compiled blocks, the chunked loss and activations metered every other step, on
+  one and on two ranks (ZeRO-3, FSDP2), reproduces the single-process reference with a document cut
+  over micro-batches, and meters exactly the steps it says.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import launch, make_steps, reference_training, tiny_spec, train_config
+
+from flexmesh.layout.step import Piece
+from flexmesh.runtime.model import build_model
+from flexmesh.runtime.packing import pack_microbatch
+from flexmesh.runtime.parallelize import apply_ac, apply_compile
+from flexmesh.runtime.weights import canonical_name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_blocks_match_the_eager_model_with_one_compilation_for_all_layers():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    spec = tiny_spec()
+    eager, compiled = build_model(spec, "cpu"), build_model(spec, "cpu")
+    apply_ac(compiled, (False, True, False, False))  # a checkpointed block is compiled inside its wrapper
+    apply_compile(compiled)
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # three row lengths: static shapes first, then dynamic
+        docs = [rng.integers(0, spec.vocab, size=n) for n in rng.integers(5, 60, size=4)]
+        b = pack_microbatch(docs, [Piece(i, 0, len(d)) for i, d in enumerate(docs)]).to("cpu")
+        losses = []
+        for m in (eager, compiled):
+            m.zero_grad()
+            loss = torch.nn.functional.cross_entropy(m(b.tokens, b)[0], b.labels[0])
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # the blocks' own graphs (before and after the attention core, forward and backward), compiled for
+    # static then dynamic shapes: not once per layer (4 layers would make 4x as many)
+    assert 0 < counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
+    # names as the eager model's (checkpoints do not depend on compilation); only the AC wrapper shows
+    assert [canonical_name(n) for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+
+
+STEPS = 3
+
+
+def plan_for(world: int):
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    z = "z0" if world == 1 else "z3"
+    st = StagePlan(0, 4, tuple(LayerStrategy.parse(f"tp1-dp{world}{z}{ac}") for ac in ("", "-ac", "", "-sac")))
+    return Plan(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
+                num_microbatches=1, seq_len=256, global_batch=8, stages=(st,))
+
+
+def worker(out: Path) -> None:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.trainer import Trainer
+
+    torch.set_num_threads(1)
+    init_distributed(timeout_s=300)
+    world = dist.get_world_size()
+    cfg = replace(train_config(), compile=True, chunked_loss=True, meter_every=2)
+    trainer = Trainer(plan_for(world), tiny_spec(), cfg)
+    rows = [dataclasses.asdict(trainer.step(docs, sched)) for docs, sched in make_steps(world, 1, steps=STEPS)]
+    if dist.get_rank() == 0:
+        (out / "result.json").write_text(json.dumps({"rows": rows, "chunked": trainer.chunked_loss}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [1, 2])
+def test_trainer_with_the_gpu_defaults_matches_the_reference(tmp_path, world):
+    proc = launch(world, ["worker", str(tmp_path)], script=__file__, timeout=850)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["chunked"]
+    want, _, _, _ = reference_training(make_steps(world, 1, steps=STEPS), train_config())
+    for step, (row, w) in enumerate(zip(got["rows"], want, strict=True)):
+        assert abs(row["loss"] - w) <= 1e-5 * w, f"step {step + 1}: {row['loss']} vs reference {w}"
+        assert row["attention_kernel"] == "sdpa" and row["microbatch_tokens"] == plan_for(world).microbatch_tokens
+    metered = [bool(r["activation_peak_bytes"]) for r in got["rows"]]
+    assert metered == [True, False, True]  # the first step, then every other (meter_every=2)
+    assert all(len(r["activation_peak_bytes"]) == world for r in got["rows"] if r["activation_peak_bytes"])
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
+    worker(Path(sys.argv[2]))
