@@ -307,6 +307,31 @@ def test_whole_model_factors_scale_every_pass_and_old_profiles_read_as_one(tmp_p
         load_profile(tmp_path / "bad.json")
 
 
+def test_whole_model_fixed_seconds_are_paid_once_per_micro_batch_with_the_head(tmp_path):
+    s, w = LayerStrategy(), Work(tokens=1000.0, sq_tokens=1000.0**2)
+    plain = cost()
+    fixed = CostModel(TINY, parse_cluster("2xA100-80GB"), timing=ProfiledTiming(model_profile(
+        whole_model={"layers": 4, "forward": 1.0, "forward_fixed_s": 0.004, "backward": 1.0,
+                     "backward_fixed_s": 0.002, "samples": []})))
+    for st in (s, LayerStrategy(tp=2)):  # the layers do not pay it
+        a, b = plain.timing.layer_times(st, 1000.0, 1000.0**2), fixed.timing.layer_times(st, 1000.0, 1000.0**2)
+        assert (b.fwd, b.bwd) == pytest.approx((a.fwd, a.bwd))
+    head_a, head_b = plain.ends(s, w, False, True), fixed.ends(s, w, False, True)
+    assert (head_b.fwd, head_b.bwd) == pytest.approx((head_a.fwd + 0.004, head_a.bwd + 0.002))
+    emb_a, emb_b = plain.ends(s, w, True, False), fixed.ends(s, w, True, False)
+    assert (emb_b.fwd, emb_b.bwd) == pytest.approx((emb_a.fwd, emb_a.bwd))
+    # micro-batches priced together: each with tokens pays once, an empty one nothing
+    tokens = np.array([1000.0, 0.0, 10.0])
+    f_a, b_a = plain.timing.head_times(s, tokens)
+    f_b, b_b = fixed.timing.head_times(s, tokens)
+    assert f_b - f_a == pytest.approx([0.004, 0.0, 0.004]) and b_b - b_a == pytest.approx([0.002, 0.0, 0.002])
+    d = model_profile().to_dict()
+    d["whole_model"] = {"layers": 4, "forward": 1.0, "backward": 1.0, "forward_fixed_s": -0.1}
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="whole_model.forward_fixed_s must be a finite number >= 0"):
+        load_profile(tmp_path / "bad.json")
+
+
 def test_without_profiles_nothing_changes():
     cluster = parse_cluster("8xA100-80GB")
     a, b = CostModel(TINY, cluster), CostModel(TINY, cluster, hardware=None, timing=None)

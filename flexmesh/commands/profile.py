@@ -32,6 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mdl.add_argument("--model", default="tiny", help="preset, gpt:L:H:A or a config.json (default tiny)")
     mdl.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                      help="dtype to measure in (default fp32, the dtype the runtime trains in)")
+    mdl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="time compiled blocks, as `flexmesh train --compile` runs them (default: on GPUs)")
     mdl.set_defaults(func=run, profile_kind="model")
     for sp in (hw, mdl):
         sp.add_argument("--quick", action="store_true", help="a small sweep (well under a minute on a laptop)")
@@ -50,6 +52,8 @@ def _forwarded(args: argparse.Namespace, out: str) -> list[str]:
     argv = ["profile", args.profile_kind, "--out", out, "--device", args.device]
     if args.profile_kind == "model":
         argv += ["--model", args.model, "--dtype", args.dtype]
+        if args.compile is not None:
+            argv.append("--compile" if args.compile else "--no-compile")
     if args.quick:
         argv.append("--quick")
     if args.no_progress:
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             from flexmesh.spec.model import parse_model
 
             prof = profile_model(parse_model(args.model), quick=args.quick, dtype=args.dtype,
-                                 show_progress=not args.no_progress, world=world)
+                                 show_progress=not args.no_progress, world=world, compile=args.compile)
         if prof is not None:
             prof.save(out)
             _summary(prof, out)
@@ -144,8 +148,9 @@ def _summary(prof, out: str) -> None:
         con.print(a)
         if prof.whole_model:
             con.print(f"whole model ({prof.whole_model['layers']} layers, as the trainer runs a micro-batch) over "
-                      f"the sum of its parts: forward {prof.whole_factor('forward'):.2f}x, backward "
-                      f"{prof.whole_factor('backward'):.2f}x (every pass is priced with these factors)",
+                      f"the sum of its parts: forward {prof.whole_factor('forward'):.2f}x + "
+                      f"{prof.whole_fixed('forward') * 1e3:.2f} ms, backward {prof.whole_factor('backward'):.2f}x + "
+                      f"{prof.whole_fixed('backward') * 1e3:.2f} ms per micro-batch (every pass is priced with these)",
                       highlight=False)
         if prof.parallel.get("layers"):
             _parallel_summary(con, prof, Table)

@@ -50,6 +50,20 @@ def least_squares(features, y, relative: bool = True, robust: bool = True) -> np
     return x / norms
 
 
+def fit_whole(parts, measured) -> tuple[float, float]:
+    """``measured = factor * parts + fixed`` (both >= 0, least squares in relative error): the whole
+    model's time against the sum of its parts' fits, and its fixed seconds per micro-batch.
+
+    >>> parts = [0.01, 0.02, 0.05, 0.1]
+    >>> k, fixed = fit_whole(parts, [1.1 * p + 0.004 for p in parts])
+    >>> round(k, 3), round(fixed, 4)
+    (1.1, 0.004)
+    """
+    p = np.asarray(parts, dtype=float)
+    k, fixed = least_squares(np.stack([p, np.ones_like(p)], axis=1), measured)
+    return float(k), float(fixed)
+
+
 def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
     """``seconds = alpha + beta * nbytes``: latency (s) and inverse bandwidth (s/byte)."""
     n = np.asarray(nbytes, dtype=float)

@@ -228,6 +228,10 @@ class ModelProfile:
         """The whole-model factor of ``direction`` (forward / backward); 1.0 where not measured."""
         return float(self.whole_model.get(direction, 1.0))
 
+    def whole_fixed(self, direction: str) -> float:
+        """The whole model's fixed seconds per micro-batch in ``direction``; 0 where not measured."""
+        return float(self.whole_model.get(f"{direction}_fixed_s", 0.0))
+
     @property
     def model_hash(self) -> str:
         return spec_hash(self.model)
@@ -302,9 +306,10 @@ class ModelProfile:
         for part, keys in (("layers", ("forward", "backward", "backward_recompute")), ("ends", END_KEYS)):
             for i, e in enumerate(parallel.get(part, ())):
                 _fit_values({k: e[k] for k in keys}, f"{name}: parallel.{part}[{i}]")
-        for direction in ("forward", "backward"):
-            if direction in profile.whole_model:
-                number(profile.whole_model[direction], f"{name}: whole_model.{direction}", ProfileError)
+        for key in ("forward", "backward", "forward_fixed_s", "backward_fixed_s"):
+            if key in profile.whole_model:
+                number(profile.whole_model[key], f"{name}: whole_model.{key}", ProfileError,
+                       strict=not key.endswith("_fixed_s"))  # a factor > 0, a fixed time >= 0
         return profile
 
     def save(self, path: str | Path) -> None:

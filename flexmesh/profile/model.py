@@ -54,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexmesh.cost.work import attention_sq
 from flexmesh.errors import ProfileError
-from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, least_squares
+from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, fit_whole, least_squares
 from flexmesh.profile.format import END_KEYS, ModelProfile, produced_by
 from flexmesh.profile.runner import World, median_time, progress, synchronize
 from flexmesh.spec.model import ModelSpec
@@ -241,15 +241,20 @@ def _ends_sweep(spec: ModelSpec, cfg: dict, dtype, device, reduce, tp_mesh=None)
     return {k: LayerFit(*fit_linear(cfg["end_tokens"], v), 0.0) for k, v in per_key.items()}, per_key
 
 
-def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, device, world: World) -> dict:
+def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, device, world: World,
+                   compile: bool = False) -> dict:
     """The runtime's model of ``min(num_layers, WHOLE_LAYERS)`` layers timed as the trainer runs a
     micro-batch (forward with the summed cross-entropy, then backward) over the layer sweep's rows
     of up to ``WHOLE_MAX_TOKENS`` tokens, against the parts' fits (``layer``, ``ends``: layers x
-    layer fit + embedding + head); returns {"layers", "forward": k, "backward": k, "samples"}."""
+    layer fit + embedding + head), fitted as ``measured = k * parts + fixed`` per direction (both
+    >= 0; least squares in relative error); returns {"layers", "forward": k, "forward_fixed_s":
+    fixed, "backward": k, "backward_fixed_s": fixed, "samples"}."""
     from flexmesh.runtime.model import build_model
 
     n_layers = min(spec.num_layers, WHOLE_LAYERS)
     model = build_model(replace(spec, num_layers=n_layers, tie_embeddings=False), device, dtype)
+    for block in model.layers.values():
+        _compiled(block, compile)
     rows = [r for r in cfg["rows"] if sum(r) <= WHOLE_MAX_TOKENS]
     measured = []
     for lengths in [rows[-1], *rows]:  # the first, untimed, warms up
@@ -282,7 +287,7 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
         out["samples"].append({"lengths": lengths, "forward_s": flat[2 * i], "backward_s": flat[2 * i + 1],
                                "parts_forward_s": parts["forward"][-1], "parts_backward_s": parts["backward"][-1]})
     for j, direction in enumerate(parts):
-        out[direction] = float(least_squares(np.asarray(parts[direction])[:, None], np.asarray(flat[j::2]))[0])
+        out[direction], out[f"{direction}_fixed_s"] = fit_whole(parts[direction], flat[j::2])
     return out
 
 
@@ -339,7 +344,7 @@ def _parallel_block(spec: ModelSpec, mesh, kind: str, dtype, device):
     return model.layers["0"]
 
 
-def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, advance) -> dict:
+def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, advance, compile: bool = False) -> dict:
     """Layer times per (tp, cp kind, cp) and embedding/head times per tp, under real process groups.
 
     Each process holds what it holds in training: its cp slice of the row's positions (the global
@@ -350,7 +355,7 @@ def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, a
     layers, ends = [], []
     for tp, kind, cp in parallel_layouts(spec, world.size, cfg["max_degree"]):
         mesh = _mesh(world, tp, cp)
-        block = _parallel_block(spec, mesh, kind, dtype, device)
+        block = _compiled(_parallel_block(spec, mesh, kind, dtype, device), compile)
         rows = [r for r in cfg["rows"] if sum(r) % (tp * cp) == 0]
         fits, samples = _layer_sweep(block, rows, cfg, spec, dtype, device, world, world.maxes, tp=tp, cp=cp,
                                      cp_rank=mesh["cp"].get_local_rank(), between=world.barrier)
@@ -449,9 +454,19 @@ def _states(spec: ModelSpec, reps: int, dtype, device) -> dict:
             "layer_params": n, "optimizer": "torch.optim.AdamW"}
 
 
+def _compiled(block, compile: bool):
+    """``block`` with its forward compiled as the runtime compiles it (``flexmesh train --compile``), or as is."""
+    if compile:
+        block.forward = torch.compile(block.forward)
+    return block
+
+
 def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", show_progress: bool = True,
-                  world: World | None = None) -> ModelProfile | None:
-    """Measure ``spec`` with the runtime's modules; every process calls it, rank 0 gets the profile."""
+                  world: World | None = None, compile: bool | None = None) -> ModelProfile | None:
+    """Measure ``spec`` with the runtime's modules; every process calls it, rank 0 gets the profile.
+
+    ``compile``: time the layers and the whole model with compiled blocks, as the runtime runs them
+    (default: on a GPU, as ``flexmesh train``'s default); saved activations are metered eagerly."""
     from flexmesh.runtime.model import check_supported
 
     check_supported(spec)
@@ -459,24 +474,25 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         raise ProfileError(f"dtype {dtype!r} is not one flexmesh profiles; use one of {sorted(DTYPES)}")
     world = world or World()
     device, dt = world.device, DTYPES[dtype]
+    compile = device.type == "cuda" if compile is None else compile
     cfg = sweep(quick)
     torch.manual_seed(0)
     n_deg = len(degrees(spec, cfg["max_degree"]))
     n_par = len(parallel_layouts(spec, world.size, cfg["max_degree"]))
     with progress(show_progress and world.is_main, f"profiling {spec.name}",
                   len(cfg["rows"]) + 3 + n_deg + n_par) as advance:
-        layer, layer_rows = _layer_sweep(_block(spec, dt, device), cfg["rows"], cfg, spec, dt, device, world,
-                                         world.medians, advance=advance)
+        layer, layer_rows = _layer_sweep(_compiled(_block(spec, dt, device), compile), cfg["rows"], cfg, spec, dt,
+                                         device, world, world.medians, advance=advance)
         world.barrier()
         end_fits, ends = _ends_sweep(spec, cfg, dt, device, world.medians)
         advance("embedding and head")
-        whole = _measure_whole(spec, cfg, layer, end_fits, dt, device, world)
+        whole = _measure_whole(spec, cfg, layer, end_fits, dt, device, world, compile)
         advance(f"whole model ({whole['layers']} layers)")
         states = _states(spec, cfg["reps"], dt, device)
         states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
         advance("optimizer")
         activations = _measure_activations(spec, cfg, dt, device, advance)
-        parallel = _measure_parallel(spec, cfg, world, dt, device, advance) if world.size > 1 else {}
+        parallel = _measure_parallel(spec, cfg, world, dt, device, advance, compile) if world.size > 1 else {}
     if not world.is_main:
         return None
     samples = {"layer_rows": layer_rows, "end_tokens": cfg["end_tokens"], **{f"{k}_s": v for k, v in ends.items()}}

@@ -19,8 +19,9 @@ uses them: docs/cost-model.md.
   attention; ring attention and a selectively recomputed core save none) is the mask term;
 - every pass's time (layers and ends, measured in one process or under real groups) is multiplied
   by the profile's whole-model factor for its direction (``whole_model``: the model timed as the trainer
-  runs it over the sum of its parts; 1 for profiles without one), so that a micro-batch costs what
-  the layers cost in sequence rather than each alone with its data in cache;
+  runs it, fitted as ``factor x parts + fixed``; 1 for profiles without one), so that a micro-batch
+  costs what the layers cost in sequence rather than each alone with its data in cache, and each
+  micro-batch pays the fixed seconds (0 without them) once, with the head;
 - weights, gradients and optimizer states take the profile's bytes per parameter, the optimizer
   step its seconds per parameter, and every byte count the profile's dtype.
 
@@ -76,6 +77,7 @@ class ProfiledTiming:
         self.profile = profile
         self.dtype = profile.dtype  # the dtype the profile measured (the runtime's)
         self.k_fwd, self.k_bwd = profile.whole_factor("forward"), profile.whole_factor("backward")
+        self.fixed_fwd, self.fixed_bwd = profile.whole_fixed("forward"), profile.whole_fixed("backward")
 
     def check_model(self, model: ModelSpec) -> None:
         """Raise ProfileError unless the profile measured a model of ``model``'s shape."""
@@ -112,8 +114,13 @@ class ProfiledTiming:
         return self._end_time("embedding_forward", s, tokens), self._end_time("embedding_backward", s, tokens)
 
     def head_times(self, s: LayerStrategy, tokens: Amount) -> tuple[Amount, Amount]:
-        """(forward, backward) of the final norm + LM head + loss fits; see :meth:`_end_time`."""
-        return self._end_time("head_forward", s, tokens), self._end_time("head_backward", s, tokens)
+        """(forward, backward) of the final norm + LM head + loss fits (see :meth:`_end_time`), plus the
+        whole model's fixed seconds per micro-batch (charged once per micro-batch that has tokens, with
+        the head: on a pipeline's last stage)."""
+        ran = np.asarray(tokens, dtype=float) > 0
+        fwd = self._end_time("head_forward", s, tokens) + np.where(ran, self.fixed_fwd, 0.0)
+        bwd = self._end_time("head_backward", s, tokens) + np.where(ran, self.fixed_bwd, 0.0)
+        return (float(fwd), float(bwd)) if np.ndim(fwd) == 0 else (fwd, bwd)
 
     def _end_time(self, key: str, s: LayerStrategy, tokens: Amount) -> Amount:
         """Seconds of ``key`` (``embedding_forward``, ..., ``head_backward``) for ``tokens`` on a

@@ -394,7 +394,8 @@ class Trainer:
             return loss, marks.mark()
         root = self.modules[0]
         sync = hasattr(root, "set_requires_gradient_sync")  # FSDP2 or replicate over the data ranks
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        # the step's loss summed in float64, as Python floats summed it before it stayed on the device
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         busy = None
         # A chain of micro-batches linked by a cut document runs all its forwards, then one backward of
         # their summed loss (flexmesh.runtime.carry); ranks in lockstep end chains at the same places.
@@ -415,7 +416,7 @@ class Trainer:
                     sum(chain).backward()
                 chain.clear()
                 self.carry.clear()
-            return loss.detach()
+            return loss.detach().double()
 
         if self.uneven:
             if sync:
