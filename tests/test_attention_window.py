@@ -110,18 +110,20 @@ def test_window_longer_than_every_document_changes_nothing():
 
 
 def flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, left: int, right: int, gqa: bool):
-    """A model of the flash varlen kernels' documented semantics on [T, H, D] rows, for faking them."""
-    assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
-    starts, ends = cu_q[:-1].tolist(), cu_q[1:].tolist()
-    assert max_q == max_k == max(b - a for a, b in zip(starts, ends))  # the host's figure, no device read
+    """A model of the flash varlen kernels' documented semantics on [T, H, D] rows, for faking them:
+    where a sequence has more keys than queries, the queries are its last positions (bottom-right)."""
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and len(cu_q) == len(cu_k)
+    qs, ks = list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())), list(zip(cu_k[:-1].tolist(), cu_k[1:].tolist()))
+    # the host's figures, no device read
+    assert (max_q, max_k) == (max(b - a for a, b in qs), max(b - a for a, b in ks))
     assert gqa or q.shape[1] == k.shape[1], "grouped heads passed to a kernel told they are not grouped"
     out = torch.zeros_like(q)
-    for a, b in zip(starts, ends):
-        i = torch.arange(b - a)[:, None]
-        j = torch.arange(b - a)[None, :]
+    for (a, b), (c, e) in zip(qs, ks):
+        i = torch.arange(b - a)[:, None] + (e - c) - (b - a)  # query positions among the keys
+        j = torch.arange(e - c)[None, :]
         ok = ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
         g = q.shape[1] // k.shape[1]
-        kk, vv = k[a:b].repeat_interleave(g, 1), v[a:b].repeat_interleave(g, 1)
+        kk, vv = k[c:e].repeat_interleave(g, 1), v[c:e].repeat_interleave(g, 1)
         s = torch.einsum("qhd,khd->hqk", q[a:b], kk) / q.shape[-1] ** 0.5
         out[a:b] = torch.einsum("hqk,khd->qhd", s.masked_fill(~ok, float("-inf")).softmax(-1), vv)
     return out
@@ -162,6 +164,28 @@ def test_torch_varlen_path_reads_the_signature(monkeypatch, fake, windows):
     for window in (None, 3, 12) if windows else (None,):
         got = kernel.run(q, k, v, AK.Documents(torch.tensor(DOCS, dtype=torch.int32), total=45), window)
         torch.testing.assert_close(got, dense_reference(q, k, v, DOCS, window), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "flash-attn"])
+def test_suffix_path_of_the_varlen_kernels_matches_sdpa(monkeypatch, kernel):
+    """A cut document's piece after its carried prefix: n queries over m > n keys, each kernel's
+    ``suffix`` (faked by the documented semantics) against the SDPA suffix with its explicit mask."""
+    import inspect
+
+    params = frozenset(inspect.signature(varlen_2_13).parameters)
+    monkeypatch.setattr(AK, "_torch_varlen", lambda: (varlen_2_13, params))
+    monkeypatch.setattr(AK, "_flash_attn", lambda: fake_flash_attn)
+    torch.manual_seed(5)
+    q = torch.randn(1, 4, 30, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 70, 8, dtype=torch.float64), torch.randn(1, 2, 70, 8, dtype=torch.float64)
+    for window in (None, 5, 45):
+        want = AK.suffix_attention(q, k, v, window, kernel="sdpa")
+        torch.testing.assert_close(AK.KERNELS[kernel].suffix(q, k, v, window), want, rtol=1e-10, atol=1e-10)
+    # queries [40, 70) of one document, as a dense reference: the last 30 rows of the whole document's attention
+    whole = dense_reference(torch.randn(1, 4, 70, 8, dtype=torch.float64).index_copy(2, torch.arange(40, 70), q),
+                            k, v, [0, 70], 5)
+    torch.testing.assert_close(AK.suffix_attention(q, k, v, 5, kernel="sdpa"), whole[:, :, 40:], rtol=1e-10,
+                               atol=1e-10)
 
 
 def test_flash_attn_path_passes_the_window(monkeypatch):

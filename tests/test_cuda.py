@@ -7,8 +7,9 @@ outputs and gradients.
 
 - kernels: every kernel of flexmesh.runtime.attention_kernels that serves the case (``varlen``,
   ``flash-attn`` where installed, ``flex``, ``sdpa``), on packed rows of many documents, grouped-query
-  heads, sliding windows and head sizes 64 and 128, forward and the gradients of q, k and v, against
-  the fp32 CPU kernel on the same inputs;
+  heads, sliding windows and head sizes 64 and 128, and on queries after a carried prefix (the
+  kernels' ``suffix``), forward and the gradients of q, k and v, against the fp32 CPU kernel on the
+  same inputs;
 - cut documents: the trainer on one GPU, a document cut over micro-batches (its keys and values
   carried), against the single-process CPU reference with whole documents;
 - training: 5 steps of the trainer on one GPU in fp32 and in bf16 (compiled blocks, chunked loss,
@@ -70,6 +71,27 @@ def test_kernel_matches_the_cpu_reference(kernel, case, dtype):
     assert rel(out.cpu(), ref) < tol, f"{kernel} forward"
     for name, g, r in zip("qkv", grads, ref_grads):
         assert rel(g.cpu(), r) < tol, f"{kernel} d{name}"
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("kernel", list(AK.KERNELS))
+def test_suffix_kernel_matches_the_cpu_reference(kernel, window):
+    """A piece of a cut document after its carried prefix: 700 queries over 1,900 keys."""
+    k_ = AK.KERNELS[kernel]
+    if not k_.serves("cuda", torch.bfloat16, window, 64, True):
+        pytest.skip(f"{kernel} does not serve bf16 / window {window} on this machine")
+    torch.manual_seed(1)
+    cpu = [torch.randn(1, h, n, 64) for h, n in ((8, 700), (2, 1900), (2, 1900))]
+    gout = torch.randn(1, 8, 700, 64)
+    ref_in = [x.clone().requires_grad_() for x in cpu]
+    ref = AK.suffix_attention(*ref_in, window, kernel="sdpa")
+    ref_grads = torch.autograd.grad(ref, ref_in, gout)
+    gpu_in = [x.to("cuda", torch.bfloat16).requires_grad_() for x in cpu]
+    out = k_.suffix(*gpu_in, window)
+    grads = torch.autograd.grad(out, gpu_in, gout.to("cuda", torch.bfloat16))
+    assert rel(out.cpu(), ref) < 2e-2, f"{kernel} forward"
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel(g.cpu(), r) < 2e-2, f"{kernel} d{name}"
 
 
 def test_the_gpu_picks_a_kernel_made_for_packed_documents():

@@ -117,7 +117,7 @@ def test_profiler_measures_what_selective_keeps():
     kernel's own output copy and softmax statistics go)."""
     import torch
 
-    from flexmesh.profile.model import _saved_bytes
+    from flexmesh.profile.activations import _saved_bytes
 
     spec = tiny_spec()
     none, sel, full = (_saved_bytes(spec, 1, 1, r, 128, torch.float32, "cpu") for r in (False, "selective", True))

@@ -11,7 +11,8 @@ dtype it trains in (fp32), one packed row (micro-batch) at a time:
   whole-row attention;
 - embedding and head (final norm + LM head + summed cross-entropy): forward and backward, linear in
   tokens;
-- saved-activation bytes per token of one layer (:class:`~flexmesh.runtime.memory.SavedActivationMeter`),
+- saved-activation bytes per token of one layer (:class:`~flexmesh.runtime.memory.SavedActivationMeter`;
+  measured by flexmesh.profile.activations),
   with and without recomputation, for each (tp, cp) degree. Shards are measured in one process by
   building the block with one rank's shapes -- heads / tp, kv heads / tp, ffn / tp -- on tokens / cp,
   and by replaying sequence parallelism around it: the norms run on the rank's 1/tp slice of the
@@ -49,14 +50,16 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from flexmesh.cost.work import attention_sq
 from flexmesh.errors import ProfileError
-from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, fit_whole, least_squares
+from flexmesh.profile.activations import measure_activations
+from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, fit_whole
 from flexmesh.profile.format import END_KEYS, ModelProfile, produced_by
+from flexmesh.profile.modules import degrees, packed_row, rank_block
 from flexmesh.profile.runner import World, median_time, progress, synchronize
+from flexmesh.runtime.loss import summed_cross_entropy
 from flexmesh.spec.model import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -73,29 +76,6 @@ def sweep(quick: bool) -> dict:
             rows.append([r // 2, r // 4, r // 8, r // 8])  # a mix
     return {"rows": rows, "reps": 2 if quick else 5, "end_tokens": [128, 256, 512] if quick else [256, 512, 1024, 2048],
             "act_tokens": [128, 256, 512] if quick else [256, 512, 1024], "max_degree": 2 if quick else 8}
-
-
-def _row(spec: ModelSpec, lengths: list[int], device: torch.device, cp: int = 1, cp_rank: int = 0):
-    """The runtime's :class:`~flexmesh.runtime.model.Row` of a packed row of documents of ``lengths``,
-    as context-parallel rank ``cp_rank`` of ``cp`` holds it (its slice of the positions)."""
-    from flexmesh.runtime.model import make_row
-
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
-    bounds = tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    n = sum(lengths) // cp
-    return make_row(spec, positions[:, cp_rank * n:(cp_rank + 1) * n], cu, bounds, total=sum(lengths))
-
-
-def _block(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: int = 1):
-    """One TransformerBlock with one tensor-parallel rank's shapes (heads, kv heads and ffn / tp)."""
-    from flexmesh.runtime.model import TransformerBlock
-
-    rank_spec = replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=spec.num_kv_heads // tp,
-                        ffn_hidden=spec.ffn_hidden // tp, head_dim_override=spec.head_dim)
-    with torch.device(device):
-        block = TransformerBlock(rank_spec)
-    return block.to(dtype)
 
 
 def _time_layer(block, row, local_tokens: int, reps: int, spec: ModelSpec, dtype,
@@ -165,7 +145,7 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
 
         def head_f():
             logits = head(norm(h))
-            state["loss"] = _summed_loss(logits, ids) / n
+            state["loss"] = summed_cross_entropy(logits, ids) / n
 
         def head_b():
             state["loss"].backward()
@@ -175,12 +155,6 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
             out[f"{name}_forward"].append(tf)
             out[f"{name}_backward"].append(tb)
     return out
-
-
-def _summed_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The trainer's loss on ``logits`` against ``ids``: the tokens' cross-entropy summed in fp32
-    (flexmesh.runtime.trainer's loss before its normaliser)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids.reshape(-1), reduction="sum")
 
 
 def _time_passes(fwd, bwd, reps: int, device, warmup: int = 0, before=None) -> tuple[float, float]:
@@ -216,7 +190,7 @@ def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype
     for i, lengths in enumerate([rows[-1], *rows]):
         n = sum(lengths) // cp
         world.barrier()
-        times.append(_time_layer(block, _row(spec, lengths, device, cp, cp_rank), n // tp,
+        times.append(_time_layer(block, packed_row(spec, lengths, device, cp, cp_rank), n // tp,
                                  cfg["reps"] if i else 1, spec, dtype, device, between=between))
         if i and advance is not None:
             advance(f"layer, {sum(lengths)} tokens in {len(lengths)} documents")
@@ -258,7 +232,7 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
     rows = [r for r in cfg["rows"] if sum(r) <= WHOLE_MAX_TOKENS]
     measured = []
     for lengths in [rows[-1], *rows]:  # the first, untimed, warms up
-        row = _row(spec, lengths, device)
+        row = packed_row(spec, lengths, device)
         n = sum(lengths)
         ids = torch.randint(0, spec.vocab, (1, n), device=device)
         # what the model reads of a PackedBatch
@@ -268,7 +242,7 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
 
         def fwd():
             logits = model(ids, batch)
-            state["loss"] = _summed_loss(logits, ids) / n
+            state["loss"] = summed_cross_entropy(logits, ids) / n
 
         def bwd():
             state.pop("loss").backward()
@@ -288,20 +262,6 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
                                "parts_forward_s": parts["forward"][-1], "parts_backward_s": parts["backward"][-1]})
     for j, direction in enumerate(parts):
         out[direction], out[f"{direction}_fixed_s"] = fit_whole(parts[direction], flat[j::2])
-    return out
-
-
-def degrees(spec: ModelSpec, max_degree: int) -> list[tuple[int, int]]:
-    """(tp, cp) pairs to measure: powers of two, tp dividing heads, kv heads and ffn, tp * cp <= max."""
-    out = []
-    tp = 1
-    while tp <= max_degree:
-        if spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0:
-            cp = 1
-            while tp * cp <= max_degree:
-                out.append((tp, cp))
-                cp *= 2
-        tp *= 2
     return out
 
 
@@ -369,78 +329,8 @@ def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, a
     return {"world_size": world.size, "layers": layers, "ends": ends}
 
 
-def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool | str, tokens: int, dtype, device) -> int:
-    """Bytes one rank's layer saves for backward for a row of ``tokens`` (see the module doc);
-    ``recompute`` False, True (the whole layer) or "selective" (the attention core)."""
-    from flexmesh.runtime.memory import SavedActivationMeter
-
-    block = _block(spec, dtype, device, tp)
-    block.attention.recompute_core = recompute == "selective"
-    local = tokens // cp  # this rank's slice of the row (context parallel)
-    sp = local // tp  # the sequence-parallel slice between blocks
-    row = _row(spec, [local], device)
-    leaf = torch.randn(1, sp, spec.hidden, device=device, dtype=dtype, requires_grad=True)
-
-    def gather(t):  # stands for the all-gather of the sequence-parallel slices
-        return torch.cat([t] * tp, dim=1) if tp > 1 else t
-
-    def scatter(t):  # stands for the reduce-scatter back to this rank's slice
-        return t[:, :sp] if tp > 1 else t
-
-    def layer(x):
-        h = x + scatter(block.attention(gather(block.attention_norm(x)), row))
-        return h + scatter(block.feed_forward(gather(block.ffn_norm(h))))
-
-    with SavedActivationMeter() as meter:
-        x = leaf * 1.0  # an activation, not a leaf, as a layer's input is in the model
-        y = checkpoint(layer, x, use_reentrant=False) if recompute is True else layer(x)
-        saved = meter.live_bytes
-    del y, x
-    return saved
-
-
-def _measure_activations(spec: ModelSpec, cfg: dict, dtype, device, advance) -> dict:
-    tokens = cfg["act_tokens"]
-    layers = []
-    mask = 0.0
-    for tp, cp in degrees(spec, cfg["max_degree"]):
-        usable = [t for t in tokens if t % (tp * cp) == 0]
-        for recompute in (False, True, "selective"):
-            saved = [_saved_bytes(spec, tp, cp, recompute, t, dtype, device) for t in usable]
-            t = np.asarray(usable, dtype=float)
-            a, b, m = least_squares(np.stack([np.ones_like(t), t, (t / cp) ** 2], axis=1), saved)
-            if tp == cp == 1 and not recompute:
-                mask = float(m)
-            layers.append({"tp": tp, "cp": cp, "recompute": recompute, "bytes_per_token": float(b),
-                           "constant_bytes": float(a), "samples_tokens_bytes": [list(x) for x in zip(usable, saved)]})
-        advance(f"activations tp{tp} cp{cp}")
-    # The slope between two token counts: what does not grow with tokens is not per token.
-    lo, hi = (_end_activation_bytes(spec, n, dtype, device) for n in tokens[-2:])
-    ends = {k: (hi[k] - lo[k]) / (tokens[-1] - tokens[-2]) for k in hi}
-    return {"layers": layers, "attention_mask_bytes_per_sq_row_token": mask, **ends}
-
-
-def _end_activation_bytes(spec: ModelSpec, tokens: int, dtype, device) -> dict:
-    """Bytes the embedding, and the final norm + head + loss, save for backward for ``tokens`` tokens."""
-    from flexmesh.runtime.memory import SavedActivationMeter
-
-    with torch.device(device):
-        emb = torch.nn.Embedding(spec.vocab, spec.hidden).to(dtype)
-        norm = torch.nn.RMSNorm(spec.hidden, eps=spec.norm_eps).to(dtype)
-        head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False).to(dtype)
-    ids = torch.randint(0, spec.vocab, (1, tokens), device=device)
-    with SavedActivationMeter() as m_emb:
-        e = emb(ids)
-    leaf = torch.randn(1, tokens, spec.hidden, device=device, dtype=dtype, requires_grad=True)
-    with SavedActivationMeter() as m_head:
-        logits = head(norm(leaf * 1.0))
-        loss = _summed_loss(logits, ids)
-    del e, logits, loss
-    return {"embedding_bytes_per_token": m_emb.peak_bytes, "head_bytes_per_token": m_head.peak_bytes}
-
-
 def _states(spec: ModelSpec, reps: int, dtype, device) -> dict:
-    block = _block(spec, dtype, device)
+    block = rank_block(spec, dtype, device)
     params = [p for p in block.parameters()]
     n = sum(p.numel() for p in params)
     for p in params:
@@ -481,7 +371,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     n_par = len(parallel_layouts(spec, world.size, cfg["max_degree"]))
     with progress(show_progress and world.is_main, f"profiling {spec.name}",
                   len(cfg["rows"]) + 3 + n_deg + n_par) as advance:
-        layer, layer_rows = _layer_sweep(_compiled(_block(spec, dt, device), compile), cfg["rows"], cfg, spec, dt,
+        layer, layer_rows = _layer_sweep(_compiled(rank_block(spec, dt, device), compile), cfg["rows"], cfg, spec, dt,
                                          device, world, world.medians, advance=advance)
         world.barrier()
         end_fits, ends = _ends_sweep(spec, cfg, dt, device, world.medians)
@@ -491,7 +381,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         states = _states(spec, cfg["reps"], dt, device)
         states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
         advance("optimizer")
-        activations = _measure_activations(spec, cfg, dt, device, advance)
+        activations = measure_activations(spec, cfg, dt, device, advance)
         parallel = _measure_parallel(spec, cfg, world, dt, device, advance, compile) if world.size > 1 else {}
     if not world.is_main:
         return None

@@ -204,24 +204,23 @@ def _varlen_serves(window: int | None, gqa: bool) -> bool:
     return causal and (window is None or "window_size" in params)
 
 
-def _run_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, window: int | None) -> torch.Tensor:
+def _varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 max_q: int, max_k: int, window: int | None) -> torch.Tensor:
+    """PyTorch's varlen kernel on [T, H, D] rows, causal (bottom-right aligned where a sequence has more
+    keys than queries, as flash attention aligns it), within ``window``; the signature decides the keywords."""
     found = _torch_varlen()
     assert found is not None
     fn, params = found
-    b, h, t, d = q.shape
-    grouped = k.shape[1] != h
     kwargs: dict = {}
-    if grouped and "enable_gqa" in params:
+    if k.shape[1] != q.shape[1] and "enable_gqa" in params:
         kwargs["enable_gqa"] = True
-    elif grouped:
+    elif k.shape[1] != q.shape[1]:
         k, v = repeat_kv(q, k, v)
     if "window_size" in params:  # torch >= 2.12: causality is a window of (-1, 0)
         kwargs["window_size"] = (-1, 0) if window is None else flash_window_size(window)
     else:  # torch 2.10-2.11: is_causal, no windows (select_kernel does not pick it for a window)
         kwargs["is_causal"] = True
-    cu, longest = _rows_end_to_end(docs, b)
-    out = fn(_flat(q), _flat(k), _flat(v), cu, cu, longest, longest, **kwargs)
-    return out.view(b, t, h, d).transpose(1, 2)
+    return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
 @functools.lru_cache(maxsize=1)
@@ -233,15 +232,58 @@ def _flash_attn() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def _run_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
-                    window: int | None) -> torch.Tensor:
+def _flash_attn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int, window: int | None) -> torch.Tensor:
     fn = _flash_attn()
     assert fn is not None
-    b, h, t, d = q.shape
-    cu, longest = _rows_end_to_end(docs, b)
-    out = fn(_flat(q), _flat(k), _flat(v), cu, cu, longest, longest, causal=True,
-             window_size=flash_window_size(window))
-    return out.view(b, t, h, d).transpose(1, 2)
+    return fn(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window_size=flash_window_size(window))
+
+
+def _varlen_rows(call: Callable) -> Callable:
+    """A kernel over a packed row (:class:`Documents`) from a varlen ``call`` on [T, H, D] rows."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, window: int | None) -> torch.Tensor:
+        b, h, t, d = q.shape
+        cu, longest = _rows_end_to_end(docs, b)
+        return call(_flat(q), _flat(k), _flat(v), cu, cu, longest, longest, window).view(b, t, h, d).transpose(1, 2)
+
+    return run
+
+
+def _varlen_suffix(call: Callable) -> Callable:
+    """Queries that are the last n of each row's m keys (one document per row), from a varlen ``call``."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+        b, h, n, d = q.shape
+        m = k.shape[2]
+        cu_q = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
+        cu_k = torch.arange(0, (b + 1) * m, m, dtype=torch.int32, device=q.device)
+        return call(_flat(q), _flat(k), _flat(v), cu_q, cu_k, n, m, window).view(b, n, h, d).transpose(1, 2)
+
+    return run
+
+
+# Queries per SDPA call of a suffix (queries after a carried prefix): the explicit mask is block x keys,
+# so a bounded block keeps it small (1024 x 64K booleans: 64 MiB) while the calls stay few.
+SUFFIX_BLOCK = 1024
+
+
+def _sdpa_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Queries at document positions ``m - n ..`` over keys ``0 .. m - 1`` of one document, causal:
+    SDPA with an explicit mask, :data:`SUFFIX_BLOCK` queries at a time."""
+    n, m = q.shape[2], k.shape[2]
+    first = m - n
+    k, v = repeat_kv(q, k, v)
+    if first == 0:
+        return sdpa_document(q, k, v, window)
+    outs = []
+    for r0 in range(0, n, SUFFIX_BLOCK):
+        r1 = min(n, r0 + SUFFIX_BLOCK)
+        lo, hi = (0 if window is None else max(0, first + r0 - window + 1)), first + r1
+        qi = torch.arange(first + r0, first + r1, device=q.device)[:, None]
+        mask = window_causal(qi, torch.arange(lo, hi, device=q.device)[None, :], window)
+        outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask))
+    return torch.cat(outs, dim=2)
 
 
 @functools.lru_cache(maxsize=1)
@@ -287,12 +329,15 @@ HALF = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class AttentionKernel:
-    """One local kernel: where it runs and what it serves (see the module doc's table)."""
+    """One local kernel: where it runs and what it serves (see the module doc's table). ``run`` takes
+    a packed row; ``suffix`` queries that are the last of one document's keys (a piece of a cut
+    document after its carried prefix, flexmesh.runtime.carry)."""
 
     name: str
     devices: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...] | None  # None: any
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Documents, int | None], torch.Tensor]
+    suffix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None], torch.Tensor] = _sdpa_suffix
     available: Callable[[int | None, bool], bool] = field(default=lambda window, gqa: True)
     max_head_dim: int | None = None  # the flash kernels' limit (256; multiples of 8)
 
@@ -305,10 +350,11 @@ class AttentionKernel:
 
 
 KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
-    AttentionKernel("varlen", ("cuda",), HALF, _run_varlen, _varlen_serves, max_head_dim=256),
-    AttentionKernel("flash-attn", ("cuda",), HALF, _run_flash_attn, lambda w, g: _flash_attn() is not None,
-                    max_head_dim=256),
-    AttentionKernel("flex", ("cuda",), None, _run_flex, lambda w, g: _flex() is not None),
+    AttentionKernel("varlen", ("cuda",), HALF, _varlen_rows(_varlen_call), _varlen_suffix(_varlen_call),
+                    _varlen_serves, max_head_dim=256),
+    AttentionKernel("flash-attn", ("cuda",), HALF, _varlen_rows(_flash_attn_call), _varlen_suffix(_flash_attn_call),
+                    lambda w, g: _flash_attn() is not None, max_head_dim=256),
+    AttentionKernel("flex", ("cuda",), None, _run_flex, available=lambda w, g: _flex() is not None),
     AttentionKernel("sdpa", ("cuda", "cpu"), None, _run_sdpa),
 )}
 
@@ -325,12 +371,22 @@ def select_kernel(device: str, dtype: torch.dtype, window: int | None = None, he
     return next(k for k in KERNELS.values() if k.serves(device, dtype, window, head_dim, gqa))
 
 
+def _chosen(q: torch.Tensor, k: torch.Tensor, window: int | None, kernel: str | None) -> AttentionKernel:
+    chosen = KERNELS[kernel] if kernel is not None else select_kernel(
+        q.device.type, q.dtype, window, q.shape[-1], k.shape[1] != q.shape[1])
+    USED.add(chosen.name)
+    return chosen
+
+
+def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+                     kernel: str | None = None) -> torch.Tensor:
+    """Causal attention of queries that are the last ``n`` of one document's ``m`` keys (query ``i`` at
+    position ``m - n + i``), by the chosen kernel's ``suffix``; q [B, H, n, D], k, v [B, Hkv, m, D]."""
+    return _chosen(q, k, window, kernel).suffix(q, k, v, window)
+
+
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: "torch.Tensor | Documents",
                     window: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """Document-causal attention of a whole row held by this rank, by :func:`select_kernel`'s kernel
     (or the one named ``kernel``). q [B, H, T, D]; k, v [B, Hkv, T, D]."""
-    docs = as_documents(cu_seqlens, q.shape[2])
-    chosen = KERNELS[kernel] if kernel is not None else select_kernel(
-        q.device.type, q.dtype, window, q.shape[-1], k.shape[1] != q.shape[1])
-    USED.add(chosen.name)
-    return chosen.run(q, k, v, docs, window)
+    return _chosen(q, k, window, kernel).run(q, k, v, as_documents(cu_seqlens, q.shape[2]), window)

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.step import Group, Piece
@@ -42,14 +41,9 @@ from flexmesh.runtime.attention import (
     _heads_to_seq,
     _seq_to_heads,
     as_documents,
-    window_causal,
 )
-from flexmesh.runtime.attention_kernels import repeat_kv, sdpa_document
+from flexmesh.runtime.attention_kernels import suffix_attention
 from flexmesh.runtime.packing import merge_pieces
-
-# Queries per SDPA call on a carried segment: the explicit mask is block x keys, so a bounded block
-# keeps it small (1024 x 64K booleans: 64 MiB) while the calls stay few next to a layer's matmuls.
-CARRY_BLOCK = 1024
 
 
 class KVCarry:
@@ -169,25 +163,6 @@ class _GatherSeq(torch.autograd.Function):
         return out, None
 
 
-def _attend_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int | None) -> torch.Tensor:
-    """Queries at document positions ``first ..`` over keys at positions ``0 ..`` of one document, causal."""
-    n = q.shape[2]
-    groups = q.shape[1] // k.shape[1]
-    if first == 0 and k.shape[2] == n:
-        return sdpa_document(q, *repeat_kv(q, k, v), window)
-    outs = []
-    for r0 in range(0, n, CARRY_BLOCK):
-        r1 = min(n, r0 + CARRY_BLOCK)
-        lo, hi = (0 if window is None else max(0, first + r0 - window + 1)), first + r1
-        kb, vb = k[:, :, lo:hi], v[:, :, lo:hi]
-        if groups > 1:
-            kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-        qi = torch.arange(first + r0, first + r1, device=q.device)[:, None]
-        mask = window_causal(qi, torch.arange(lo, hi, device=q.device)[None, :], window)
-        outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], kb, vb, attn_mask=mask))
-    return torch.cat(outs, dim=2)
-
-
 def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, q_off: int,
                       window: int | None, view: CarryView, layer: int) -> torch.Tensor:
     """Queries of row tokens ``[q_off, q_off + Tq)`` over the whole row's ``k``, ``v`` plus carried prefixes.
@@ -212,8 +187,8 @@ def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: D
         qa, qb = max(a, q_off), min(b, q_off + tq)
         if qa < qb:  # query row token i is token start + (i - a) of its document; key j is token j
             first = start + qa - a
-            outs.append(_attend_after(q[:, :, qa - q_off:qb - q_off], ks[:, :, :first + qb - qa],
-                                      vs[:, :, :first + qb - qa], first, window))
+            outs.append(suffix_attention(q[:, :, qa - q_off:qb - q_off], ks[:, :, :first + qb - qa],
+                                         vs[:, :, :first + qb - qa], window))
     return torch.cat(outs, dim=2)
 
 

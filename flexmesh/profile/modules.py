@@ -1,0 +1,48 @@
+"""The runtime's modules as the model profilers build them: a packed row, a layer at one rank's shapes,
+the degrees to measure (flexmesh.profile.model and flexmesh.profile.activations)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from flexmesh.spec.model import ModelSpec
+
+
+def packed_row(spec: ModelSpec, lengths: list[int], device: torch.device, cp: int = 1, cp_rank: int = 0):
+    """The runtime's :class:`~flexmesh.runtime.model.Row` of a packed row of documents of ``lengths``,
+    as context-parallel rank ``cp_rank`` of ``cp`` holds it (its slice of the positions)."""
+    from flexmesh.runtime.model import make_row
+
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    bounds = tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    n = sum(lengths) // cp
+    return make_row(spec, positions[:, cp_rank * n:(cp_rank + 1) * n], cu, bounds, total=sum(lengths))
+
+
+def rank_block(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: int = 1):
+    """One TransformerBlock with one tensor-parallel rank's shapes (heads, kv heads and ffn / tp)."""
+    from flexmesh.runtime.model import TransformerBlock
+
+    rank_spec = replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=spec.num_kv_heads // tp,
+                        ffn_hidden=spec.ffn_hidden // tp, head_dim_override=spec.head_dim)
+    with torch.device(device):
+        block = TransformerBlock(rank_spec)
+    return block.to(dtype)
+
+
+def degrees(spec: ModelSpec, max_degree: int) -> list[tuple[int, int]]:
+    """(tp, cp) pairs to measure: powers of two, tp dividing heads, kv heads and ffn, tp * cp <= max."""
+    out = []
+    tp = 1
+    while tp <= max_degree:
+        if spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0:
+            cp = 1
+            while tp * cp <= max_degree:
+                out.append((tp, cp))
+                cp *= 2
+        tp *= 2
+    return out
