@@ -1,0 +1,207 @@
+"""Goldens of what the planner predicts, the step scheduler schedules and the simulator simulates, for
+every kind of plan: uniform layouts (data, ZeRO-3, pipelines, interleaving, context parallelism) and
+mixed-device plans. Recorded before the change that gives both kinds one plan type (tests/golden/, by
+``python tests/golden/record.py``, at the commit named in each file), and compared bit for bit: a
+refactoring of the plan types may move code, not numbers.
+
+The functions below compute each golden with the code of the day; they change with the API, the
+JSON files do not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+# ---- (a) predictions --------------------------------------------------------------------------------------
+SEARCH_CASES = [  # bench/search.py's cases: (label, model, cluster, seq len, global batch)
+    ("a", "llama2-7b", "8xA100-80GB", 2048, 64),
+    ("c", "llama2-13b", "8x8xA100-40GB", 32768, 64),
+]
+MIXED_CASES = [  # bench/hetero_plan.py's cases (a) and (c)
+    ("a", "llama2-13b", "1x8xH100+2x8xA100-40GB", 4096, 256),
+    ("c", "llama3-8b", "1x8xH200+1x8xH100+2x8xA100-40GB", 8192, 128),
+]
+
+
+def _plain(x):
+    """``x`` as JSON would give it back (floats exactly: json writes their repr)."""
+    return json.loads(json.dumps(x))
+
+
+def uniform_plans() -> dict:
+    """Hand-written uniform plans of the test suite, by name: the layout matrix of the runtime tests."""
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    def plan(world, strategy, pp=1, schedule="1f1b", v=1, m=1, seq=256, gb=8, cluster=None, model="tiny"):
+        s = LayerStrategy.parse(strategy)
+        layers = 4
+        chunks = pp * v
+        per = layers // chunks
+        stages = tuple(StagePlan(i * per, (i + 1) * per, (s,) * per) for i in range(chunks))
+        return Plan(model=model, cluster=cluster or f"{world}xA100-80GB", world_size=world, pp=pp,
+                    pipeline_schedule=schedule, virtual_stages=v, num_microbatches=m, seq_len=seq, global_batch=gb,
+                    stages=stages)
+
+    return {
+        "dp4-z0": plan(4, "tp1-dp4z0"), "dp4-z3": plan(4, "tp1-dp4z3"), "tp2-dp2-z2": plan(4, "tp2-dp2z2"),
+        "ulysses2-dp2": plan(4, "tp1-u2-dp2z2"), "ring2-dp2-ac": plan(4, "tp1-r2-dp2z0-ac"),
+        "pp2-dp2-1f1b": plan(4, "tp1-dp2z2", pp=2, m=4), "pp2-gpipe": plan(2, "tp1-dp1z0", pp=2, schedule="gpipe", m=2),
+        "pp2-interleaved": plan(2, "tp1-dp1z0", pp=2, schedule="interleaved", v=2, m=4),
+        "tp4-ac": plan(4, "tp4-dp1z0-ac", m=2),
+    }
+
+
+def mixed_plan_dicts() -> dict:
+    """test_hetero_runtime.py's five version-3 plans, by name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hetero_rt", Path(__file__).with_name("test_hetero_runtime.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return {name: mod.plan_dict(name, model="tiny") for name in mod.PLANS}
+
+
+def compute_predictions() -> dict:
+    from flexmesh.cost import CostModel
+    from flexmesh.layout.hetero import HeteroPlan
+    from flexmesh.plan import SearchRequest, best_plans
+    from flexmesh.plan.hetero import plan_hetero
+    from flexmesh.plan.hetero_cost import MixedCosts, evaluate_hetero
+    from flexmesh.spec import parse_cluster, parse_model
+    from flexmesh.spec.cluster import parse_mixed_cluster
+
+    out: dict = {"search": {}, "uniform": {}, "mixed_search": {}, "mixed": {}}
+    for label, model, cluster, seq, gb in SEARCH_CASES:
+        spec, c = parse_model(model), parse_cluster(cluster)
+        r = best_plans(SearchRequest(spec, c, seq, gb, cost=CostModel(spec, c), top=1))
+        best = r.best
+        out["search"][label] = {"layout": best.plan.layout, "step_time": best.evaluation.step_time,
+                                "tokens_per_s": best.evaluation.tokens_per_s, "memory": _plain(best.evaluation.memory)}
+    tiny = parse_model("tiny")
+    for name, p in uniform_plans().items():
+        ev = CostModel(tiny, parse_cluster(p.cluster)).evaluate(p)
+        out["uniform"][name] = {"step_time": ev.step_time, "tokens_per_s": ev.tokens_per_s,
+                                "memory": _plain(ev.memory)}
+    for label, model, cluster, seq, gb in MIXED_CASES:
+        spec, mc = parse_model(model), parse_mixed_cluster(cluster)
+        result = plan_hetero(spec, mc, seq, gb, MixedCosts(spec, mc))
+        predicted = _plain(result.evaluation.to_dict())
+        predicted.pop("search_seconds", None)  # how long the search took is no result of it
+        out["mixed_search"][label] = {"plan": _plain(result.plan.to_dict() | {"predicted": {}}), "predicted": predicted}
+    mc = parse_mixed_cluster("2xH100-80GB+2xA100-40GB")
+    for name, d in mixed_plan_dicts().items():
+        plan = HeteroPlan.from_dict(dict(d, cluster="2xH100-80GB+2xA100-40GB", world_size=4,
+                                         unused=[x for x in range(4) if x not in
+                                                 {dev for r in d["replicas"] for s in r["stages"]
+                                                  for dev in s["devices"]}]))
+        out["mixed"][name] = _plain(evaluate_hetero(plan, MixedCosts(tiny, mc)).to_dict())
+    return out
+
+
+# ---- (b) step schedules -------------------------------------------------------------------------------------
+BATCHES = 20
+SCHEDULE_PLANS = {  # the runtime's scheduler over these plans: (world, strategy, pp, pipeline schedule, v, m)
+    "zero3-pp1": (8, "tp1-dp8z3", 1, "1f1b", 1, 8),
+    "1f1b-pp2": (8, "tp1-dp4z2", 2, "1f1b", 1, 8),
+    "interleaved-pp2": (8, "tp1-dp4z2", 2, "interleaved", 2, 8),
+}
+
+
+def schedule_plan(name: str):
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    world, strategy, pp, sched, v, m = SCHEDULE_PLANS[name]
+    s = LayerStrategy.parse(strategy)
+    chunks = pp * v
+    per = 32 // chunks
+    stages = tuple(StagePlan(i * per, (i + 1) * per, (s,) * per) for i in range(chunks))
+    return Plan(model="llama2-7b", cluster=f"{world}xA100-80GB", world_size=world, pp=pp, pipeline_schedule=sched,
+                virtual_stages=v, num_microbatches=m, seq_len=4096, global_batch=64, stages=stages)
+
+
+def _canonical(schedule) -> str:
+    """A step schedule without the seconds the scheduler took, as sorted JSON."""
+    from dataclasses import asdict
+
+    d = asdict(schedule)
+    d.pop("scheduler_seconds")
+    return json.dumps(d, sort_keys=True, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+
+
+def compute_schedules() -> dict:
+    from flexmesh.data.lengths import load_lengths
+    from flexmesh.layout.hetero import HeteroPlan
+    from flexmesh.runtime.hetero import hetero_schedule
+    from flexmesh.schedule.registry import RUNTIME_POLICIES
+    from flexmesh.schedule.scheduler import Scheduler
+    from flexmesh.spec.model import parse_model
+
+    lengths = load_lengths("wikipedia")
+    rng = np.random.default_rng(0)
+    batches = [np.clip(rng.choice(lengths, size=64), 2, 4096) for _ in range(BATCHES)]
+    spec = parse_model("llama2-7b")
+    out: dict = {"uniform": {}, "mixed": {}}
+    for name in SCHEDULE_PLANS:
+        plan = schedule_plan(name)
+        for policy in RUNTIME_POLICIES:
+            fn = Scheduler(plan, spec, policy, 4096, 0)
+            digest = hashlib.sha256()
+            for lens in batches:
+                digest.update(_canonical(fn(lens)).encode())
+            out["uniform"][f"{name}/{policy}"] = digest.hexdigest()
+    for name, d in mixed_plan_dicts().items():
+        fn = hetero_schedule(HeteroPlan.from_dict(d))
+        digest = hashlib.sha256()
+        for lens in batches:
+            digest.update(_canonical(fn(np.minimum(lens[:d["global_batch"]], 64))).encode())
+        out["mixed"][name] = digest.hexdigest()
+    return out
+
+
+# ---- (c) simulate --json -----------------------------------------------------------------------------------
+SIMULATE_ARGS = {
+    "llama2-7b-64xa100": ["--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--context", "65536",
+                          "--policies", "hdp,milp,chunked", "--steps", "3", "--global-batch", "256"],
+    "slow-rank-pp2": ["--model", "llama2-7b", "--cluster", "2x8xA100-80GB", "--context", "16384", "--pp", "2",
+                      "--policies", "hdp", "--steps", "3", "--global-batch", "128", "--slow", "3=0.5"],
+}
+
+
+def compute_simulate() -> dict:
+    import argparse
+
+    from flexmesh.commands import simulate as sim
+
+    out = {}
+    for name, argv in SIMULATE_ARGS.items():
+        parser = argparse.ArgumentParser()
+        sim.add_parser(parser.add_subparsers())
+        d = sim.simulate(parser.parse_args(["simulate", *argv, "--json"])).to_dict()
+        for run in d["policies"]:  # timings of the scheduler itself are not results
+            for key in ("scheduler_ms_per_step", "scheduler_ms_p95"):
+                run.pop(key, None)
+            run["per_step"].pop("scheduler_s", None)
+        out[name] = _plain(d)
+    return out
+
+
+COMPUTE = {"predictions": compute_predictions, "schedules": compute_schedules, "simulate": compute_simulate}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMPUTE))
+def test_goldens_hold_bit_for_bit(name):
+    recorded = json.loads((GOLDEN / f"{name}.json").read_text())
+    got = _plain(COMPUTE[name]())
+    assert set(got) == set(recorded["values"])
+    for key, want in recorded["values"].items():
+        assert got[key] == want, f"{name}/{key} differs from the golden recorded at {recorded['commit']}"
