@@ -263,7 +263,7 @@ def main() -> None:
         if args.global_batch % n:
             raise SystemExit(f"--global-batch {args.global_batch} must divide by the {n} processes")
         # micro-batches of one --max-len sequence per rank: a budget of --max-len tokens (Plan.microbatch_tokens)
-        plan = Plan(model=MODEL, cluster=f"{n}xcpu", world_size=n, pp=1, pipeline_schedule="1f1b",
+        plan = Plan.uniform(model=MODEL, cluster=f"{n}xcpu", world_size=n, pp=1, pipeline_schedule="1f1b",
                     num_microbatches=args.global_batch // n, seq_len=args.max_len, global_batch=args.global_batch,
                     stages=(StagePlan(0, spec.num_layers, (s,) * spec.num_layers),), cost_source="profile")
         plan_path = tmp / "plan.json"

@@ -61,7 +61,7 @@ def make_plan(world: int, strategy: str, pp: int, seq_len: int, global_batch: in
     s = LayerStrategy.parse(strategy)
     per = 4 // pp
     stages = tuple(StagePlan(i * per, (i + 1) * per, (s,) * per) for i in range(pp))
-    return Plan(model=MODEL, cluster=f"{world}xA100-80GB", world_size=world, pp=pp, pipeline_schedule="1f1b",
+    return Plan.uniform(model=MODEL, cluster=f"{world}xA100-80GB", world_size=world, pp=pp, pipeline_schedule="1f1b",
                 num_microbatches=global_batch // s.dp, seq_len=seq_len, global_batch=global_batch, stages=stages)
 
 

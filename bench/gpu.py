@@ -81,9 +81,10 @@ def make_plan(spec, case: Case, cluster: str):
 
     s = LayerStrategy.parse("tp1-dp1z0")
     m = case.docs_per_step * case.doc_len // case.microbatch_tokens
-    return Plan(model=spec.name, cluster=cluster, world_size=1, pp=1, pipeline_schedule="1f1b", num_microbatches=m,
-                seq_len=case.doc_len, global_batch=case.docs_per_step,
-                stages=(StagePlan(0, spec.num_layers, (s,) * spec.num_layers),))
+    return Plan.uniform(model=spec.name, cluster=cluster, world_size=1, pp=1, pipeline_schedule="1f1b",
+                        num_microbatches=m,
+                        seq_len=case.doc_len, global_batch=case.docs_per_step,
+                        stages=(StagePlan(0, spec.num_layers, (s,) * spec.num_layers),))
 
 
 def make_steps(spec, case: Case, steps: int, seed: int = 0) -> list[list[np.ndarray]]:
@@ -374,7 +375,7 @@ def main() -> None:
                 f"one process on {device_name}, torch {torch.__version__}; {a.steps} steps per run, throughput over "
                 f"the steps after the first {WARMUP}; predicted from {a.cluster or 'no preset'}"
                 f"{' and profiles' if a.hardware_profile or a.model_profile else ''}.\n"
-                "Reproduce: `python -m bench.gpu`" + (" --cpu" if cpu else "") + "\n\n")
+                "Reproduce: `python -m bench.gpu " + " ".join(sys.argv[1:]) + "`\n\n")
         write("gpu-cpu" if cpu else "gpu", note + "\n".join(markdown_table(columns, rows)), script="gpu")
 
 

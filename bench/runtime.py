@@ -52,7 +52,7 @@ def make_plan(world: int, strategy: str, pp: int = 1, max_len: int = 1024):
     per = 4 // pp
     stages = tuple(StagePlan(i * per, (i + 1) * per, (s,) * per) for i in range(pp))
     # micro-batches of one max_len sequence per data rank: a budget of max_len tokens (Plan.microbatch_tokens)
-    return Plan(model="tiny", cluster=f"{world}xA100-80GB", world_size=world, pp=pp, pipeline_schedule="1f1b",
+    return Plan.uniform(model="tiny", cluster=f"{world}xA100-80GB", world_size=world, pp=pp, pipeline_schedule="1f1b",
                 num_microbatches=16 // (s.dp * s.cp), seq_len=max_len, global_batch=16, stages=stages)
 
 

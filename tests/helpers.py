@@ -138,7 +138,7 @@ def write_inputs(tmp: Path, world: int) -> tuple[Path, Path, Path]:
         n = 5 + (i * 37) % 90
         (corpus / f"doc{i:02d}.txt").write_text(" ".join(words[(i + j * 3) % len(words)] for j in range(n)))
     st = StagePlan(0, 2, (LayerStrategy.parse(f"tp1-dp{world}z3"), LayerStrategy.parse(f"tp1-dp{world}z2-ac")))
-    plan = Plan(model=str(cfg), cluster=f"{world}xA100-80GB", world_size=world, pp=1, pipeline_schedule="1f1b",
+    plan = Plan.uniform(model=str(cfg), cluster=f"{world}xA100-80GB", world_size=world, pp=1, pipeline_schedule="1f1b",
                 num_microbatches=1, seq_len=128, global_batch=4, stages=(st,))
     plan_path = tmp / "plan.json"
     plan.save(plan_path)
@@ -219,3 +219,20 @@ def check_simulated_against_bound(policy: str, ctx: Any, lens: Any, options: dic
     assert tl.step_time >= s.lower_bound + tl.tail - 1e-12
     if exact_prediction:
         assert s.predicted_step_time == pytest.approx(phase, rel=1e-9)
+
+
+def golden_losses() -> dict:
+    """tests/golden/losses.json: per-step losses recorded before the plan types merged
+    (tests/golden/record_losses.py says how)."""
+    return json.loads((Path(__file__).with_name("golden") / "losses.json").read_text())
+
+
+def assert_golden(section: str, name: str, losses: list[float], field: str = "loss") -> None:
+    """``losses`` (per step) equal the ones recorded before the plan types merged (:func:`golden_losses`)
+    within 1e-7, relative: the merge changed no layout's numbers."""
+    golden = golden_losses()
+    table = golden[section] if field == "loss" else golden[field][section]
+    want = table[name]
+    assert len(losses) == len(want), f"{section} {name}: {len(losses)} steps, golden {len(want)}"
+    for step, (got, ref) in enumerate(zip(losses, want)):
+        assert abs(got - ref) <= 1e-7 * abs(ref), f"{section} {name} step {step + 1}: {field} {got} vs golden {ref}"

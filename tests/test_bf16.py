@@ -51,8 +51,9 @@ def make_plan(name: str):
     from flexmesh.layout.strategy import LayerStrategy
 
     stage = StagePlan(0, 4, tuple(LayerStrategy.parse("tp1-dp1z0") for _ in range(4)))
-    return Plan(model="test-tiny", cluster="cpu", world_size=1, pp=1, pipeline_schedule="1f1b", num_microbatches=1,
-                seq_len=256, global_batch=8, stages=(stage,))
+    return Plan.uniform(model="test-tiny", cluster="cpu", world_size=1, pp=1, pipeline_schedule="1f1b",
+                        num_microbatches=1,
+                        seq_len=256, global_batch=8, stages=(stage,))
 
 
 def bf16_config():
@@ -112,10 +113,10 @@ def worker(out: Path, names: list[str]) -> None:
                 "optimizer": sorted({str(s[key].dtype) for s in states for key in ("exp_avg", "exp_avg_sq")}),
             }
             folder = out / name
-            c = trainer.coords
-            if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
+            c = trainer.place
+            if c.dp == 0 and c.cp == 0 and c.tp == 0:
                 folder.mkdir(parents=True, exist_ok=True)
-                torch.save(grads, folder / f"grads_pp{c['pp']}.pt")
+                torch.save(grads, folder / f"grads_pp{c.pp}.pt")
             seen_all: list = [None] * dist.get_world_size()
             dist.all_gather_object(seen_all, seen)
             dist.barrier()

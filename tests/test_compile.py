@@ -66,7 +66,7 @@ def plan_for(world: int):
 
     z = "z0" if world == 1 else "z3"
     st = StagePlan(0, 4, tuple(LayerStrategy.parse(f"tp1-dp{world}{z}{ac}") for ac in ("", "-ac", "", "-sac")))
-    return Plan(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
+    return Plan.uniform(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
                 num_microbatches=1, seq_len=256, global_batch=8, stages=(st,))
 
 

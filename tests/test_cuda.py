@@ -106,7 +106,7 @@ def plan_of_one():
 
     st = StagePlan(0, 4, tuple(LayerStrategy.parse(s) for s in ("tp1-dp1z0", "tp1-dp1z0-ac", "tp1-dp1z0",
                                                                  "tp1-dp1z0-sac")))
-    return Plan(model="test-tiny", cluster="1xH100-80GB", world_size=1, pp=1, pipeline_schedule="1f1b",
+    return Plan.uniform(model="test-tiny", cluster="1xH100-80GB", world_size=1, pp=1, pipeline_schedule="1f1b",
                 num_microbatches=1, seq_len=256, global_batch=8, stages=(st,))
 
 

@@ -182,7 +182,7 @@ def make_plan(name: str):
 
     world, strategies = LAYOUTS[name]
     st_ = StagePlan(0, 4, tuple(LayerStrategy.parse(s) for s in strategies))
-    return Plan(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
+    return Plan.uniform(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
                 num_microbatches=1, seq_len=256, global_batch=8, stages=(st_,))
 
 

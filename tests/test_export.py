@@ -66,7 +66,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         config = tmp / name / "config.json"
         config.write_text(json.dumps(cfg))
         st = LayerStrategy.parse(strategy)
-        plan = Plan(model=str(config), cluster=f"{world}xA100-80GB", world_size=world, pp=len(layers) // v,
+        plan = Plan.uniform(model=str(config), cluster=f"{world}xA100-80GB", world_size=world, pp=len(layers) // v,
                     pipeline_schedule=schedule, virtual_stages=v, num_microbatches=2, seq_len=128, global_batch=4,
                     stages=tuple(StagePlan(a, b, (st,) * (b - a)) for a, b in layers))
         plan_path = tmp / name / "plan.json"

@@ -131,7 +131,7 @@ def _plan_dict() -> dict:
     from flexmesh.layout.strategy import LayerStrategy
 
     s = LayerStrategy.parse("tp2-dp2z1")
-    plan = Plan(model="tiny", cluster="8xA100-80GB", world_size=8, pp=2, pipeline_schedule="1f1b",
+    plan = Plan.uniform(model="tiny", cluster="8xA100-80GB", world_size=8, pp=2, pipeline_schedule="1f1b",
                 num_microbatches=2, seq_len=1024, global_batch=8,
                 stages=(StagePlan(0, 2, (s, s)), StagePlan(2, 4, (s, LayerStrategy.parse("tp1-u2-dp2z3-ac")))),
                 predicted={"step_time_s": 1.0, "peak_memory_gib": [1.0, 2.0]})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ SEARCH_CASES = [  # bench/search.py's cases: (label, model, cluster, seq len, gl
     ("a", "llama2-7b", "8xA100-80GB", 2048, 64),
     ("c", "llama2-13b", "8x8xA100-40GB", 32768, 64),
 ]
-MIXED_CASES = [  # bench/hetero_plan.py's cases (a) and (c)
+MIXED_CASES = [  # bench/mixed_plan.py's cases (a) and (c)
     ("a", "llama2-13b", "1x8xH100+2x8xA100-40GB", 4096, 256),
     ("c", "llama3-8b", "1x8xH200+1x8xH100+2x8xA100-40GB", 8192, 128),
 ]
@@ -46,7 +47,7 @@ def uniform_plans() -> dict:
         chunks = pp * v
         per = layers // chunks
         stages = tuple(StagePlan(i * per, (i + 1) * per, (s,) * per) for i in range(chunks))
-        return Plan(model=model, cluster=cluster or f"{world}xA100-80GB", world_size=world, pp=pp,
+        return Plan.uniform(model=model, cluster=cluster or f"{world}xA100-80GB", world_size=world, pp=pp,
                     pipeline_schedule=schedule, virtual_stages=v, num_microbatches=m, seq_len=seq, global_batch=gb,
                     stages=stages)
 
@@ -60,10 +61,10 @@ def uniform_plans() -> dict:
 
 
 def mixed_plan_dicts() -> dict:
-    """test_hetero_runtime.py's five version-3 plans, by name."""
+    """test_groups_runtime.py's five version-3 plans, by name."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("hetero_rt", Path(__file__).with_name("test_hetero_runtime.py"))
+    spec = importlib.util.spec_from_file_location("groups_rt", Path(__file__).with_name("test_groups_runtime.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return {name: mod.plan_dict(name, model="tiny") for name in mod.PLANS}
@@ -71,10 +72,11 @@ def mixed_plan_dicts() -> dict:
 
 def compute_predictions() -> dict:
     from flexmesh.cost import CostModel
-    from flexmesh.layout.hetero import HeteroPlan
+    from flexmesh.cost.mixed import MixedCosts, evaluate_groups
+    from flexmesh.layout.legacy import legacy_dict
+    from flexmesh.layout.plan import Plan
     from flexmesh.plan import SearchRequest, best_plans
-    from flexmesh.plan.hetero import plan_hetero
-    from flexmesh.plan.hetero_cost import MixedCosts, evaluate_hetero
+    from flexmesh.plan.mixed import plan_mixed
     from flexmesh.spec import parse_cluster, parse_model
     from flexmesh.spec.cluster import parse_mixed_cluster
 
@@ -92,17 +94,19 @@ def compute_predictions() -> dict:
                                 "memory": _plain(ev.memory)}
     for label, model, cluster, seq, gb in MIXED_CASES:
         spec, mc = parse_model(model), parse_mixed_cluster(cluster)
-        result = plan_hetero(spec, mc, seq, gb, MixedCosts(spec, mc))
+        result = plan_mixed(spec, mc, seq, gb, MixedCosts(spec, mc))
         predicted = _plain(result.evaluation.to_dict())
         predicted.pop("search_seconds", None)  # how long the search took is no result of it
-        out["mixed_search"][label] = {"plan": _plain(result.plan.to_dict() | {"predicted": {}}), "predicted": predicted}
+        # the plan as version 3 wrote it (replica groups of one pipeline each), its predictions aside
+        out["mixed_search"][label] = {"plan": _plain(legacy_dict(result.plan) | {"predicted": {}}),
+                                      "predicted": predicted}
     mc = parse_mixed_cluster("2xH100-80GB+2xA100-40GB")
     for name, d in mixed_plan_dicts().items():
-        plan = HeteroPlan.from_dict(dict(d, cluster="2xH100-80GB+2xA100-40GB", world_size=4,
+        plan = Plan.from_dict(dict(d, cluster="2xH100-80GB+2xA100-40GB", world_size=4,
                                          unused=[x for x in range(4) if x not in
                                                  {dev for r in d["replicas"] for s in r["stages"]
                                                   for dev in s["devices"]}]))
-        out["mixed"][name] = _plain(evaluate_hetero(plan, MixedCosts(tiny, mc)).to_dict())
+        out["mixed"][name] = _plain(evaluate_groups(plan, MixedCosts(tiny, mc)).to_dict())
     return out
 
 
@@ -124,8 +128,9 @@ def schedule_plan(name: str):
     chunks = pp * v
     per = 32 // chunks
     stages = tuple(StagePlan(i * per, (i + 1) * per, (s,) * per) for i in range(chunks))
-    return Plan(model="llama2-7b", cluster=f"{world}xA100-80GB", world_size=world, pp=pp, pipeline_schedule=sched,
-                virtual_stages=v, num_microbatches=m, seq_len=4096, global_batch=64, stages=stages)
+    return Plan.uniform(model="llama2-7b", cluster=f"{world}xA100-80GB", world_size=world, pp=pp,
+                        pipeline_schedule=sched,
+                        virtual_stages=v, num_microbatches=m, seq_len=4096, global_batch=64, stages=stages)
 
 
 def _canonical(schedule) -> str:
@@ -139,8 +144,7 @@ def _canonical(schedule) -> str:
 
 def compute_schedules() -> dict:
     from flexmesh.data.lengths import load_lengths
-    from flexmesh.layout.hetero import HeteroPlan
-    from flexmesh.runtime.hetero import hetero_schedule
+    from flexmesh.layout.plan import Plan
     from flexmesh.schedule.registry import RUNTIME_POLICIES
     from flexmesh.schedule.scheduler import Scheduler
     from flexmesh.spec.model import parse_model
@@ -152,17 +156,19 @@ def compute_schedules() -> dict:
     out: dict = {"uniform": {}, "mixed": {}}
     for name in SCHEDULE_PLANS:
         plan = schedule_plan(name)
-        for policy in RUNTIME_POLICIES:
+        for policy in (p for p in RUNTIME_POLICIES if p != "shares"):  # shares: the mixed plans' below
             fn = Scheduler(plan, spec, policy, 4096, 0)
             digest = hashlib.sha256()
             for lens in batches:
                 digest.update(_canonical(fn(lens)).encode())
             out["uniform"][f"{name}/{policy}"] = digest.hexdigest()
     for name, d in mixed_plan_dicts().items():
-        fn = hetero_schedule(HeteroPlan.from_dict(d))
+        fn = Scheduler(Plan.from_dict(d), parse_model("tiny"), "shares", 64)  # the runtime's fixed shares
         digest = hashlib.sha256()
         for lens in batches:
-            digest.update(_canonical(fn(np.minimum(lens[:d["global_batch"]], 64))).encode())
+            # recorded under the policy name these schedules had then: "hetero" (the micro-batches are compared)
+            schedule = replace(fn(np.minimum(lens[:d["global_batch"]], 64)), policy="hetero")
+            digest.update(_canonical(schedule).encode())
         out["mixed"][name] = digest.hexdigest()
     return out
 

@@ -8,7 +8,7 @@ pay, 1e9 none, so the decision does not hang on this machine's timings.
 
 - ``declined``: the migration does not pay; the run trains on without a restart on its plan. It is
   also the uninterrupted run on the old plan.
-- ``migrated``: the run checkpoints, the launcher relaunches it on the planner's HeteroPlan and it
+- ``migrated``: the run checkpoints, the launcher relaunches it on the planner's plan of replica groups and it
   resumes from that checkpoint resharded by DCP; every step is logged once and every loss equals the
   declined run's (1e-5): the weights moved across layouts intact.
 - ``fresh``: the migration's checkpoint copied into a new folder and resumed on the new plan by hand
@@ -44,8 +44,9 @@ def _plan(tmp: Path, cfg: Path) -> Path:
 
     st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp2z2"),) * 2)
     path = tmp / "plan-z2.json"
-    Plan(model=str(cfg), cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b", num_microbatches=2,
-         seq_len=128, global_batch=4, stages=(st,)).save(path)
+    Plan.uniform(model=str(cfg), cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
+                 num_microbatches=2,
+                 seq_len=128, global_batch=4, stages=(st,)).save(path)
     return path
 
 
@@ -118,7 +119,7 @@ def test_a_migration_that_does_not_pay_is_declined_and_the_run_trains_on(inputs,
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_run_migrates_to_a_new_plan_and_keeps_its_losses(inputs, migrated, declined):
-    from flexmesh.layout.hetero import HeteroPlan, load_plan
+    from flexmesh.layout.plan import load_plan
 
     out, rows = migrated
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once, across the relaunch
@@ -126,9 +127,9 @@ def test_a_run_migrates_to_a_new_plan_and_keeps_its_losses(inputs, migrated, dec
     assert step < STEPS and _events(rows, "straggler_detected")[0][0] == step
     assert event["predicted_step_s"][1] < event["predicted_step_s"][0] and event["remaining_steps"] == STEPS - step
     new = load_plan(out / event["plan"])
-    assert isinstance(new, HeteroPlan) and new.layout == event["to"] and new.world_size == 2
+    assert not new.in_rank_order and new.layout == event["to"] and new.world_size == 2
     assert event["from"] == load_plan(inputs["plan"]).layout != event["to"]
-    assert [r["policy"] for r in rows] == ["fixed"] * step + ["hetero"] * (STEPS - step)
+    assert [r["policy"] for r in rows] == ["fixed"] * step + ["shares"] * (STEPS - step)
     assert (out / "checkpoints" / f"step_{step:06d}").is_dir() and not (out / "migration.json").exists()
     # The migrated run trains as the run that stayed on its plan: losses equal step by step.
     assert all(_close(a["loss"], b["loss"]) for a, b in zip(rows, declined)), \
@@ -163,10 +164,10 @@ class _Monitor:
     def __init__(self, speeds: list[float]) -> None:
         from types import SimpleNamespace
 
-        from flexmesh.layout.hetero import load_plan
-        from flexmesh.layout.mesh import layout_from_plan
+        from flexmesh.layout.mesh import data_rank_of_ranks
+        from flexmesh.layout.plan import load_plan
 
-        self.layout = layout_from_plan(load_plan(_PLAN[0]))
+        self.data_of = data_rank_of_ranks(load_plan(_PLAN[0]))
         self.detector = SimpleNamespace(baseline=speeds)
 
 
@@ -175,7 +176,7 @@ _PLAN: list[Path] = []
 
 def _check(tmp: Path, max_steps: int):
     from flexmesh.commands.migrate import MigrationCheck
-    from flexmesh.layout.hetero import load_plan
+    from flexmesh.layout.plan import load_plan
     from flexmesh.spec.model import parse_model
 
     cfg, _, _ = write_inputs(tmp, world=2)
@@ -206,16 +207,16 @@ def test_the_last_step_never_migrates(tmp_path, monkeypatch):
 
 def test_a_paying_migration_writes_the_plan_and_the_request(tmp_path, monkeypatch):
     from flexmesh.commands.migrate import take_request
-    from flexmesh.layout.hetero import HeteroPlan, load_plan
+    from flexmesh.layout.plan import load_plan
 
     monkeypatch.setenv(COST, "0")
     check = _check(tmp_path, max_steps=50)
     event = check.decide(_metrics(3), save_s=0.1)
     assert event["event"] == "migrated", event
     plan = load_plan(tmp_path / event["plan"])
-    assert isinstance(plan, HeteroPlan) and plan.model == load_plan(_PLAN[0]).model
-    share = {d: r.batch for r in plan.replicas for s in r.stages for d in s.devices}
-    assert sum(r.batch for r in plan.replicas) == 4
+    assert not plan.in_rank_order and plan.model == load_plan(_PLAN[0]).model
+    share = {d: g.share for g in plan.groups for d in g.ranks}
+    assert sum(g.share for g in plan.groups) == 4
     assert share.get(1, 0) < share.get(0, 4) or 1 in plan.unused  # the slow rank gets less, or nothing
     request = take_request(tmp_path)
     assert request == {"step": 3, "checkpoint": "step_000003", "plan": str((tmp_path / event["plan"]).resolve())}

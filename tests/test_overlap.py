@@ -28,7 +28,8 @@ TP2 = (S(tp=2),)
 
 def plan(overlap=None, strategies=TP2):
     kw = {} if overlap is None else {"overlap": overlap}
-    return Plan("tiny", "2xA100-80GB", 2, 1, "1f1b", 2, 128, 4, (StagePlan(0, len(strategies), strategies),), **kw)
+    return Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 2, 128, 4, (StagePlan(0, len(strategies),
+                        strategies),), **kw)
 
 
 def test_plan_file_round_trips_overlap_and_old_files_read_as_the_runtime(tmp_path):
@@ -89,7 +90,7 @@ def test_grad_reduce_last_reduces_once_with_unsharded_gradients():
 def test_plan_evaluation_uses_the_plans_overlap():
     cm = cost()
     strategies = (S(tp=4, dp=4),) * MODEL.num_layers
-    p = Plan(MODEL.name, "2x8xH100", 16, 1, "1f1b", 4, 4096, 16, (StagePlan(0, MODEL.num_layers, strategies),),
+    p = Plan.uniform(MODEL.name, "2x8xH100", 16, 1, "1f1b", 4, 4096, 16, (StagePlan(0, MODEL.num_layers, strategies),),
              overlap=Overlap(tp_comm=True))
     assert cm.evaluate(p).step_time < cm.evaluate(replace(p, overlap=NO_OVERLAP)).step_time
 

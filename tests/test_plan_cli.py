@@ -27,7 +27,7 @@ def test_json_has_the_machine_fields(capsys, tmp_path):
     best = d["best"]
     for key in ("step_time_s", "tokens_per_s", "mfu", "peak_memory_gib"):
         assert key in best
-    assert len(best["peak_memory_gib"]) == best["plan"]["pp"]
+    assert len(best["peak_memory_gib"]) == len(best["plan"]["groups"][0]["ranks"])  # one per pipeline stage
     assert [p["step_time_s"] for p in d["plans"]] == sorted(p["step_time_s"] for p in d["plans"])
     saved = Plan.load(out_file)
     assert saved.layout == best["layout"]
@@ -51,7 +51,7 @@ def test_explain_against_a_layout_compares_term_by_term(capsys, tmp_path, monkey
 
     # a uniform layout with full recomputation and TP collectives exposed
     st = StagePlan(0, 4, (LayerStrategy.parse("tp2-dp4z1-ac"),) * 4)
-    other = Plan("tiny", "8xA100-80GB", 8, 1, "1f1b", 2, 2048, 16, (st,), overlap=NO_OVERLAP)
+    other = Plan.uniform("tiny", "8xA100-80GB", 8, 1, "1f1b", 2, 2048, 16, (st,), overlap=NO_OVERLAP)
     f = tmp_path / "published.json"
     other.save(f)
     monkeypatch.setenv("COLUMNS", "200")

@@ -41,9 +41,11 @@ def edited(plan: Plan, fn) -> dict:
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d["stages"][-1].update(layers=[d["stages"][-1]["layers"][0], 99]), "layers"),
+    (lambda d: d["groups"][0]["stages"][-1].update(layers=[d["groups"][0]["stages"][-1]["layers"][0], 99]),
+     "layers"),
     (lambda d: d.update(world_size=16), "devices"),
-    (lambda d: d["stages"][0].update(strategies=["tp3-dp1z0"] + d["stages"][0]["strategies"][1:]), r"tp\*cp\*dp"),
+    (lambda d: d["groups"][0]["stages"][0].update(
+        strategies=["tp3-dp1z0"] + d["groups"][0]["stages"][0]["strategies"][1:]), r"tp\*cp\*dp"),
 ])
 def test_check_rejects_hand_edits_with_a_reason(best, edit, message):
     d = edited(best, edit)
@@ -54,8 +56,8 @@ def test_check_rejects_hand_edits_with_a_reason(best, edit, message):
 
 def test_check_names_wrong_device_count_per_layer(best):
     d = edited(best, lambda d: None)
-    n = len(d["stages"][0]["strategies"])
-    d["stages"][0]["strategies"] = ["tp1-dp1z0"] * n
+    n = len(d["groups"][0]["stages"][0]["strategies"])
+    d["groups"][0]["stages"][0]["strategies"] = ["tp1-dp1z0"] * n
     if best.stage_devices == 1:
         pytest.skip("best plan already uses one device per stage")
     with pytest.raises(PlanError, match="tp\\*cp\\*dp"):
@@ -85,8 +87,9 @@ def test_ulysses_needs_heads_to_split():
         check_plan(Plan.from_dict(d), model, CLUSTER)
 
 
-def test_version_1_files_are_read_and_saved_as_version_2(tmp_path):
-    """Version 2 renamed "schedule" to "pipeline_schedule"; a version 1 file still loads unchanged."""
+def test_version_1_files_are_read_and_saved_as_version_4(tmp_path):
+    """Version 2 renamed "schedule" to "pipeline_schedule", version 4 made the layout a list of replica
+    groups; a version 1 file still loads unchanged."""
     layers = MODEL.num_layers
     old = {"version": 1, "model": MODEL.name, "cluster": CLUSTER.label, "world_size": 8, "pp": 2,
            "schedule": "interleaved", "virtual_stages": 2, "num_microbatches": 4, "seq_len": 1024, "global_batch": 8,
@@ -95,9 +98,10 @@ def test_version_1_files_are_read_and_saved_as_version_2(tmp_path):
     assert plan.pipeline_schedule == "interleaved" and plan.virtual_stages == 2
     plan.save(tmp_path / "plan.json")
     new = json.loads((tmp_path / "plan.json").read_text())
-    assert new["version"] == 2 and new["pipeline_schedule"] == "interleaved" and "schedule" not in new
+    assert new["version"] == 4 and new["pipeline_schedule"] == "interleaved" and "schedule" not in new
+    assert new["groups"][0]["virtual_stages"] == 2 and new["groups"][0]["ranks"] == ["0-3", "4-7"]
     assert Plan.load(tmp_path / "plan.json") == plan
     with pytest.raises(PlanError, match="pipeline_schedule"):
         Plan.from_dict({k: v for k, v in new.items() if k != "pipeline_schedule"})
-    with pytest.raises(PlanError, match="version 3 is not supported"):
-        Plan.from_dict({**new, "version": 3})
+    with pytest.raises(PlanError, match="version 5 is not supported"):
+        Plan.from_dict({**new, "version": 5})

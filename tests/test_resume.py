@@ -23,8 +23,9 @@ def make_plan(world: int = 2):
     st = StagePlan(0, 4, tuple(LayerStrategy.parse(s) for s in STRATEGIES))
     if world != 2:
         st = StagePlan(0, 4, tuple(LayerStrategy.parse(s.replace("dp2", f"dp{world}")) for s in STRATEGIES))
-    return Plan(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b", num_microbatches=1,
-                seq_len=256, global_batch=8, stages=(st,))
+    return Plan.uniform(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
+                        num_microbatches=1,
+                        seq_len=256, global_batch=8, stages=(st,))
 
 
 def worker(out: Path) -> None:

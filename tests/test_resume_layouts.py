@@ -35,8 +35,9 @@ def make_plan(name: str):
     cfg = LAYOUTS[name]
     st = LayerStrategy.parse(cfg["strategy"])
     stages = tuple(StagePlan(a, b, (st,) * (b - a)) for a, b in cfg["layers"])
-    return Plan(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=2, pipeline_schedule=cfg["schedule"],
-                virtual_stages=cfg["v"], num_microbatches=1, seq_len=256, global_batch=8, stages=stages)
+    return Plan.uniform(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=2,
+                        pipeline_schedule=cfg["schedule"],
+                        virtual_stages=cfg["v"], num_microbatches=1, seq_len=256, global_batch=8, stages=stages)
 
 
 class _Planted:

@@ -16,7 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import STEPS, launch, load_params, make_steps, reference_training, tiny_spec, train_config
+from helpers import (
+    STEPS,
+    assert_golden,
+    golden_losses,
+    launch,
+    load_params,
+    make_steps,
+    reference_training,
+    tiny_spec,
+    train_config,
+)
 
 # name -> (world, plan fields). Strategies are per layer (4 layers); "layers" is the partition.
 LAYOUTS: dict[str, dict] = {
@@ -65,7 +75,7 @@ def make_plan(name: str):
     layers = cfg.get("layers", [[0, 4]])
     stages = tuple(StagePlan(a, b, tuple(strategies[a:b])) for a, b in layers)
     pp, v = cfg.get("pp", 1), cfg.get("v", 1)
-    return Plan(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=pp,
+    return Plan.uniform(model="test-tiny", cluster="cpu", world_size=cfg["world"], pp=pp,
                 pipeline_schedule=cfg.get("schedule", "1f1b"), virtual_stages=v, num_microbatches=1, seq_len=256,
                 global_batch=8, stages=stages)
 
@@ -136,11 +146,11 @@ def worker(out: Path, names: list[str]) -> None:
             # this layout: the first step's loss is the one that model gives on the same batch.
             loaded = Trainer(plan, layout_spec(name), train_config(), weights=str(out / "weights.safetensors"))
             weights_loss = loaded.step(*steps[0]).loss
-            c = trainer.coords
+            c = trainer.place
             folder = out / name
-            if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
+            if c.dp == 0 and c.cp == 0 and c.tp == 0:
                 folder.mkdir(parents=True, exist_ok=True)
-                torch.save(params, folder / f"params_pp{c['pp']}.pt")
+                torch.save(params, folder / f"params_pp{c.pp}.pt")
             dist.barrier()
             if dist.get_rank() == 0:
                 (folder / "result.json").write_text(json.dumps({"losses": losses, "layout": plan.layout,
@@ -176,6 +186,8 @@ def _check(name: str, result: dict, folder: Path, reference_runs) -> None:
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs reference {want}"
+    if name in golden_losses()["runtime_parallel"]:  # every layout of this file (test_goldens_cover_the_matrix)
+        assert_golden("runtime_parallel", name, losses)
     want = first_loss(weights_model(window), *make_steps(lay.data_ranks, lay.cp, steps=1)[0])
     assert abs(result["weights_loss"] - want) <= 1e-5 * want, f"{name}: loaded weights give {result['weights_loss']}"
     params = load_params(folder)
@@ -194,6 +206,12 @@ def test_layouts_match_single_process(tmp_path, reference_runs, world):
     results = run_layouts(tmp_path, world, names)
     for name in names:
         _check(name, results[name], tmp_path / name, reference_runs)
+
+
+def test_goldens_cover_the_matrix():
+    """Every layout here ran before the plan types merged and has its losses recorded (the others that
+    reuse this file's checks, tests/test_runtime_recompute.py's, are compared with the reference only)."""
+    assert set(golden_losses()["runtime_parallel"]) == set(LAYOUTS)
 
 
 def test_reference_is_layout_independent():

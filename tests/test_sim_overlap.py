@@ -22,7 +22,7 @@ LENGTHS = [4096] * 8 + [1024] * 16
 
 def _plan(overlap):
     st = StagePlan(0, 32, (LayerStrategy.parse("tp2-dp4z3"),) * 32)
-    return Plan("llama2-7b", "8xH100", 8, 1, "1f1b", 1, 4096, 8, (st,), overlap=overlap)
+    return Plan.uniform("llama2-7b", "8xH100", 8, 1, "1f1b", 1, 4096, 8, (st,), overlap=overlap)
 
 
 def test_scheduler_context_carries_the_plans_overlap():

@@ -37,8 +37,9 @@ def make_plan():
     from flexmesh.layout.strategy import LayerStrategy
 
     st = StagePlan(0, 4, (LayerStrategy.parse(f"tp1-dp{WORLD}z2"),) * 4)
-    return Plan(model="test-tiny", cluster=f"{WORLD}xA100-80GB", world_size=WORLD, pp=1, pipeline_schedule="1f1b",
-                num_microbatches=1, seq_len=1024, global_batch=16, stages=(st,))
+    return Plan.uniform(model="test-tiny", cluster=f"{WORLD}xA100-80GB", world_size=WORLD, pp=1,
+                        pipeline_schedule="1f1b",
+                        num_microbatches=1, seq_len=1024, global_batch=16, stages=(st,))
 
 
 def make_scheduler(policy: str = "balanced"):
@@ -84,7 +85,7 @@ def _train(out: Path, name: str, emulate: tuple, config) -> None:
     primary, fallback = make_scheduler(), make_scheduler("hdp")
     source = AdaptiveSource(ListSource(make_batches()), primary, fallback, deadline_s=None)
     rank0 = dist.get_rank() == 0
-    monitor = StragglerMonitor(trainer.layout, config, scheduler=primary if rank0 else None,
+    monitor = StragglerMonitor(trainer.data_of, config, scheduler=primary if rank0 else None,
                                price=step_time_at_speed(primary) if rank0 else None, apply=source.set_speed)
     fit(trainer, source, cfg, monitor=monitor)
     if rank0:
@@ -246,7 +247,7 @@ def test_paced_prediction_uses_only_earlier_steps():
     """After the warm-up step, each step's paced prediction is the simulator's price with every rank at
     the median of its speeds against the cost model on the steps before: neither the step's own
     speeds nor a later step's leak in, and a rank slower than its schedule assumed is priced as measured."""
-    from flexmesh.layout.mesh import layout_from_plan
+    from flexmesh.layout.mesh import data_rank_of_ranks
     from flexmesh.layout.step import Group, Piece, StepSchedule
     from flexmesh.runtime.config import StepMetrics
     from flexmesh.runtime.stragglers import StragglerConfig, StragglerMonitor
@@ -260,7 +261,7 @@ def test_paced_prediction_uses_only_earlier_steps():
     sched = StepSchedule(lengths=(10, 10), policy="test", extra={"speed": [1.0, 0.5]}, groups=(
         Group((0,), ((Piece(0, 0, 10),),), predicted_time=1.0),
         Group((1,), ((Piece(1, 0, 10),),), predicted_time=2.0)))
-    monitor = StragglerMonitor(layout_from_plan(make_plan()), StragglerConfig(warmup=1, replan=False), price=price)
+    monitor = StragglerMonitor(data_rank_of_ranks(make_plan()), StragglerConfig(warmup=1, replan=False), price=price)
     rows = []
     for step, pace in enumerate((0.3, 0.8, 0.5, 0.4), start=1):
         # 1 s of nominal work on both ranks; rank 1 at 0.4 of rank 0's speed, not the 0.5 assumed
@@ -287,18 +288,18 @@ def test_detector_ignores_noise_and_one_off_steps():
 
 def test_speeds_from_a_schedule():
     """Work at nominal speed (predicted time x assumed speed) over compute time, relative to the fastest."""
-    from flexmesh.layout.mesh import layout_from_plan
+    from flexmesh.layout.mesh import data_rank_of_ranks
     from flexmesh.layout.step import Group, Piece, StepSchedule
     from flexmesh.runtime.stragglers import measured_speeds
 
     sched = StepSchedule(lengths=(10, 10), policy="test", extra={"speed": [1.0, 0.5]}, groups=(
         Group((0,), ((Piece(0, 0, 10),),), predicted_time=2.0),
         Group((1,), ((Piece(1, 0, 10),),), predicted_time=2.0)))
-    per_rank, assumed, per_data, pace = measured_speeds(sched, [1.0, 4.0], layout_from_plan(make_plan()))
+    per_rank, assumed, per_data, pace = measured_speeds(sched, [1.0, 4.0], data_rank_of_ranks(make_plan()))
     assert assumed == [1.0, 0.5] and per_rank == per_data == [1.0, 0.125]
     assert pace == pytest.approx(2.0)  # rank 0 did 2 s of nominal work in 1 s
     _, _, idle, _ = measured_speeds(dataclasses.replace(sched, groups=sched.groups[:1] + (Group((1,), ()),)),
-                                 [1.0, 0.0], layout_from_plan(make_plan()))
+                                 [1.0, 0.0], data_rank_of_ranks(make_plan()))
     assert idle == [1.0, None]
 
 

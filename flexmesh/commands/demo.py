@@ -9,7 +9,7 @@ With no arguments, on this machine (see docs/cli-demo.md):
 4. train that model on ``--nproc`` local processes on the Python standard library's sources, first
    with the ``fixed`` policy, then with adaptive per-step schedules (``milp``, falling back to
    ``hdp`` when late) on the same batches, showing progress;
-5. heterogeneous devices: plan Llama 2 13B on a mixed cluster (one H100 node, two A100-40GB nodes)
+5. uneven devices: plan Llama 2 13B on a mixed cluster (one H100 node, two A100-40GB nodes)
    against its baselines, then train twice on 2 processes with rank 1 emulated at half speed,
    static against re-planned per-step schedules;
 6. write ``<out>/report.md`` with PNG plots: a simulated step timeline, a measured one, per-rank
@@ -162,14 +162,14 @@ def run(args: argparse.Namespace) -> int:
                    "--hardware-profile", str(hw), "--model-profile", str(mp), *on, *policy], console, f"train {label}")
         metrics[label] = read_metrics(run_dir / "metrics.jsonl")
 
-    # heterogeneous devices: a mixed-cluster plan against its baselines
-    console.print(Rule("5/6  heterogeneous: plan Llama 2 13B on 1x8xH100+2x8xA100-40GB against its baselines"))
-    from flexmesh.report.hetero_demo import demo_mixed_plan
+    # uneven devices: a mixed-cluster plan against its baselines
+    console.print(Rule("5/6  mixed cluster: plan Llama 2 13B on 1x8xH100+2x8xA100-40GB against its baselines"))
+    from flexmesh.report.plan_tables import demo_mixed_plan
 
     demo_mixed_plan(console)
 
-    # heterogeneous devices: a rank emulated at half speed, static against re-planned schedules
-    console.print(Rule("5/6  heterogeneous: 2 processes, rank 1 emulated at half speed, static vs re-planned"))
+    # uneven devices: a rank emulated at half speed, static against re-planned schedules
+    console.print(Rule("5/6  a slow device: 2 processes, rank 1 emulated at half speed, static vs re-planned"))
     from flexmesh.report.stragglers import demo_comparison
 
     stragglers = demo_comparison(out / "stragglers", hw, mp, steps=5 if args.quick else 8, global_batch=8,

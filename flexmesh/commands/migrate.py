@@ -7,12 +7,12 @@ needs the planner and the runtime may not import it (docs/architecture.md):
 
 1. The cluster of the plan, with the measured speeds as ``speed_factors`` (each rank at its data
    rank's sustained speed, relative to the fastest).
-2. The heterogeneous planner (flexmesh.plan.hetero.plan_hetero) plans the run's model, sequence
-   length and global batch on it: replicas with batch shares by speed, other cuts, or devices left
-   unused. The current layout is priced by the same cost model (flexmesh.plan.hetero_cost) as it
-   runs now: the uniform plan as replicas (``HeteroPlan.from_uniform``) with the batch shares its
-   schedules use (the re-planned speeds when the per-step schedules were re-balanced, else the
-   speeds they assumed).
+2. The mixed-cluster planner (flexmesh.plan.mixed.plan_mixed) plans the run's model, sequence
+   length and global batch on it: replica groups with batch shares by speed, other cuts, or devices
+   left unused. The current layout is priced by the same cost model (flexmesh.cost.mixed) as it runs
+   now, with the batch shares its schedules use (the re-planned speeds when the per-step schedules
+   were re-balanced, else the speeds they assumed): a plan of one group in the rank order as its
+   data-parallel replicas (``flexmesh.layout.mesh.replica_groups``), a plan of several groups as it is.
 3. Gain: ``1 - new / current`` of the predicted step times, a fraction (so a cost model off by the
    same factor on both, e.g. a preset for another device, still compares); time saved per step is
    that fraction of the measured step time; over the remaining steps it must exceed the cost:
@@ -23,8 +23,9 @@ needs the planner and the runtime may not import it (docs/architecture.md):
    row gets a ``migrated`` event, ``--out/migration.json`` tells the launcher, and the ranks exit;
    the launcher (flexmesh.commands.train) relaunches torchrun on the new plan, allowing the resume
    from that one checkpoint under another plan (:data:`RESHARD_ENV`; DCP reshards by parameter
-   name). It does not pay: a ``migration_declined`` event and the run trains on without a restart
-   (a relaunch on the same plan would only pay the cost).
+   name), with every other flag as given (an emulated slow rank stays slow and watched; a new plan
+   that could not emulate it is declined). It does not pay: a ``migration_declined`` event and the
+   run trains on without a restart (a relaunch on the same plan would only pay the cost).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from pathlib import Path
 
 from flexmesh.errors import FlexmeshError
 from flexmesh.files import write_atomic
-from flexmesh.layout.hetero import HeteroPlan, Replica
-from flexmesh.layout.mesh import rank_coords
+from flexmesh.layout.mesh import replica_groups
 from flexmesh.layout.plan import Plan
+from flexmesh.layout.shares import split_by_weight
 from flexmesh.spec.model import ModelSpec
 
 MIGRATION_FILE = "migration.json"  # in --out: the launcher's request to relaunch on a new plan
@@ -79,28 +80,14 @@ def pays(saved_per_step_s: float, remaining_steps: int, cost_s: float, gain: flo
     return gain > MIN_GAIN and saved_per_step_s * remaining_steps > cost_s
 
 
-def split_by_speed(total: int, speeds: list[float]) -> list[int]:
-    """``total`` documents over replicas in proportion to their speeds, at least one each (largest remainder).
-
-    >>> split_by_speed(8, [1.0, 0.25]), split_by_speed(4, [1.0, 1.0]), split_by_speed(3, [1.0, 0.01])
-    ([6, 2], [2, 2], [2, 1])
-    """
-    n = len(speeds)
-    spare = total - n
-    exact = [spare * s / sum(speeds) for s in speeds]
-    out = [1 + int(x) for x in exact]
-    order = sorted(range(n), key=lambda i: -(exact[i] - int(exact[i])))
-    for i in order[:total - sum(out)]:
-        out[i] += 1
-    return out
-
-
 class MigrationCheck:
     """``fit(..., migration=...)``'s decision hook (module doc). ``due`` runs on every rank (the
     detection events are the same everywhere); ``decide`` on rank 0."""
 
-    def __init__(self, plan: Plan, spec: ModelSpec, monitor, out: str, max_steps: int) -> None:
+    def __init__(self, plan: Plan, spec: ModelSpec, monitor, out: str, max_steps: int,
+                 emulate_speed: tuple = ()) -> None:
         self.plan, self.spec, self.monitor, self.out, self.max_steps = plan, spec, monitor, Path(out), max_steps
+        self.emulate_speed = emulate_speed
         self.started = time.monotonic() - (process_age_s() or 0.0)
         self.startup_s: float | None = None
 
@@ -110,9 +97,8 @@ class MigrationCheck:
         return any(e.get("event") in TRIGGERS for e in m.events)
 
     def _per_rank(self, per_data: list[float]) -> list[float]:
-        lay = self.monitor.layout
-        coords = [rank_coords(r, lay.pp, lay.dp, lay.cp, lay.tp) for r in range(lay.world_size)]
-        return [float(per_data[c["dp"] * lay.cp + c["cp"]]) for c in coords]
+        """Each global rank at its data rank's figure (an unused device at the fastest's, 1.0)."""
+        return [1.0 if d is None else float(per_data[d]) for d in self.monitor.data_of]
 
     def decide(self, m, save_s: float) -> dict:
         speeds = self._per_rank(list(self.monitor.detector.baseline))
@@ -132,7 +118,11 @@ class MigrationCheck:
             cost = float(forced)
         try:
             new, now, then = self._plan(speeds, scheduled)
-        except FlexmeshError as e:  # nothing fits, a cluster that prices nothing, a layout without a hetero form
+            if self.emulate_speed:  # the relaunch keeps emulating the slow rank: the new plan must allow it
+                from flexmesh.runtime.groups import check_emulation
+
+                check_emulation(new, self.emulate_speed)
+        except FlexmeshError as e:  # nothing fits, a cluster that prices nothing, a layout without replica groups
             return {"event": "migration_declined", **event, "reason": str(e)}
         gain = 1.0 - then / now if now > 0 else 0.0
         saved = gain * m.step_time_s * remaining
@@ -148,21 +138,24 @@ class MigrationCheck:
         write_atomic(self.out / MIGRATION_FILE, json.dumps(request, indent=2) + "\n")
         return {"event": "migrated", **event}
 
-    def _plan(self, speeds: list[float], scheduled: list[float]) -> tuple[HeteroPlan, float, float]:
+    def _plan(self, speeds: list[float], scheduled: list[float]) -> tuple[Plan, float, float]:
         """(the planner's plan at ``speeds``, predicted step time now, predicted step time on it)."""
-        from flexmesh.plan.hetero import plan_hetero
-        from flexmesh.plan.hetero_cost import MixedCosts, evaluate_hetero
-        from flexmesh.spec.cluster import MixedCluster, parse_cluster
+        from flexmesh.cost.mixed import MixedCosts, evaluate_groups
+        from flexmesh.plan.mixed import plan_mixed
+        from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 
-        cluster = MixedCluster((replace(parse_cluster(self.plan.cluster), speed_factors=tuple(speeds)),))
+        base = parse_mixed_cluster(self.plan.cluster)
+        cluster = MixedCluster(tuple(replace(g, speed_factors=tuple(speeds[base.group_start(i) + j]
+                                                                    for j in range(g.world_size)))
+                                     for i, g in enumerate(base.groups)), base.links)
         costs = MixedCosts(self.spec, cluster)
-        current = HeteroPlan.from_uniform(self.plan)
-        shares = split_by_speed(current.global_batch,
-                                [min(scheduled[d] for s in r.stages for d in s.devices) for r in current.replicas])
-        current = replace(current, replicas=tuple(
-            Replica(r.stages, b, math.gcd(b, r.num_microbatches)) for r, b in zip(current.replicas, shares)))
-        now = evaluate_hetero(current, costs).step_time
-        result = plan_hetero(self.spec, cluster, self.plan.seq_len, self.plan.global_batch, costs)
+        current = replica_groups(self.plan) if self.plan.in_rank_order else self.plan
+        weights = [g.share * min(scheduled[r] for r in g.ranks) for g in current.groups]
+        shares = split_by_weight(current.global_batch, weights)
+        current = replace(current, groups=tuple(replace(g, share=b, num_microbatches=math.gcd(b, g.num_microbatches))
+                                                for g, b in zip(current.groups, shares)))
+        now = evaluate_groups(current, costs).step_time
+        result = plan_mixed(self.spec, cluster, self.plan.seq_len, self.plan.global_batch, costs)
         # The plan names the run's model as the run does (a preset or a config file's path).
         return replace(result.plan, model=self.plan.model), now, result.evaluation.step_time
 
@@ -178,16 +171,11 @@ def take_request(out: str | Path) -> dict | None:
 
 
 def relaunch_argv(argv: list[str], plan: str) -> list[str]:
-    """The ranks' command line on the new plan: ``--plan`` replaced, and the flags a heterogeneous
-    plan refuses dropped (per-step policies and their pricing, ``--global-batch``: the plan's batch
-    shares fix them; ``--emulate-speed``: not supported on heterogeneous plans yet).
+    """The ranks' command line on the new plan: ``--plan`` replaced, every other flag kept.
 
     >>> relaunch_argv(["train", "--plan", "a.json", "--emulate-speed", "1=0.5", "--migrate"], "b.json")
-    ['train', '--migrate', '--plan', 'b.json']
+    ['train', '--emulate-speed', '1=0.5', '--migrate', '--plan', 'b.json']
     """
-    from flexmesh.commands.train_hetero import _NOT_FOR_HETERO
     from flexmesh.runtime.launch import without_flags
 
-    switches = [flag for flag, _, unset in _NOT_FOR_HETERO if unset is False]
-    valued = [flag for flag, _, unset in _NOT_FOR_HETERO if unset is not False]
-    return [*without_flags(argv, ["--plan", "--emulate-speed", "--global-batch", *valued], switches), "--plan", plan]
+    return [*without_flags(argv, ["--plan"], []), "--plan", plan]

@@ -12,13 +12,16 @@ from rich.table import Table
 
 from flexmesh.commands.args import new_file, nonempty, positive_int
 from flexmesh.cost import Evaluation
+from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import PlanError
-from flexmesh.layout.hetero import HeteroPlan, load_plan
-from flexmesh.layout.plan import PIPELINE_SCHEDULES
+from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
-from flexmesh.plan.check import check_plan
+from flexmesh.plan.baselines import mixed_baselines
+from flexmesh.plan.check import check_groups, check_plan
+from flexmesh.plan.mixed import MixedResult, plan_mixed
 from flexmesh.plan.space import FULL_SPACE, SEARCH_MODES
-from flexmesh.spec.cluster import parse_mixed_cluster
+from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
+from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 from flexmesh.units import GIB
 
@@ -33,9 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama3-8b",
                    help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path (default llama3-8b)")
     p.add_argument("--cluster", default=None, type=nonempty,
-                   help="e.g. 8xH100, 8x8xA100-40GB, groups joined by '+' (1x8xH100+2x8xA100-40GB: a "
-                        "heterogeneous plan), or a JSON/TOML cluster file (default: the hardware profile's node, "
-                        "else 8xH100)")
+                   help="e.g. 8xH100, 8x8xA100-40GB, device groups joined by '+' (1x8xH100+2x8xA100-40GB: a "
+                        "mixed cluster, planned as replica groups), or a JSON/TOML cluster file (default: the "
+                        "hardware profile's node, else 8xH100)")
     p.add_argument("--hardware-profile", metavar="PATH",
                    help="price compute and communication with this `flexmesh profile hardware` file")
     p.add_argument("--model-profile", metavar="PATH",
@@ -49,8 +52,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "this plan file (for instance a published layout), priced by the same cost model")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (no table, no progress)")
     p.add_argument("--check", metavar="PLAN",
-                   help="validate this plan file against --model and --cluster (a heterogeneous plan: default "
-                        "cluster the one it names)")
+                   help="validate this plan file (any version) against --model and --cluster (a plan of several "
+                        "replica groups: default cluster the one it names); with --out, write it in this version")
     p.add_argument("--same-mesh", action="store_true",
                    help="every layer on the same (tp, cp, dp) mesh; ZeRO and recompute stay per layer")
     p.add_argument("--no-recompute", action="store_true", help="never recompute activations")
@@ -65,16 +68,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Check a plan file, or build a SearchRequest from the options, search, and print or write the result."""
-    from flexmesh.commands.plan_hetero import check_hetero, run_hetero
     from flexmesh.profile.use import cost_model_for
 
     loaded = load_plan(args.check) if args.check else None
-    if isinstance(loaded, HeteroPlan):
-        return check_hetero(args, loaded)
+    if loaded is not None and not loaded.in_rank_order:
+        return check_groups_command(args, loaded)
     if loaded is None and args.cluster is not None:
         mixed = parse_mixed_cluster(args.cluster)
         if not mixed.uniform:  # several device groups, or devices of different speeds
-            return run_hetero(args, mixed)
+            return run_mixed(args, mixed)
     cost = cost_model_for(parse_model(args.model), args.cluster, args.hardware_profile, args.model_profile,
                           default_cluster="8xH100")
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
@@ -82,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if loaded is not None:
         plan = loaded
         ev = check_plan(plan, model, cluster, cost)
+        if args.out:
+            plan.save(args.out)  # in today's version: --check old.json --out new.json upgrades a file
         if args.json:
             print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
         else:
@@ -108,9 +112,8 @@ def run(args: argparse.Namespace) -> int:
         _explain(out, best.evaluation)
         if args.against:
             from flexmesh.commands.plan_terms import print_against
-            from flexmesh.layout.plan import Plan
 
-            other = Plan.load(args.against)
+            other = load_plan(args.against)
             check_plan(other, model, cluster, cost)  # same model and cluster, a layout that can run
             print_against(out, cost, best.plan, other)
     if args.out:
@@ -196,3 +199,87 @@ def _explain(out: Console, ev: Evaluation) -> None:
     for r, mem in enumerate(ev.memory):
         m.add_row(str(r), *(f"{mem.get(k, 0.0) / GIB:.2f}" for k in keys))
     out.print(m)
+
+
+# ---- mixed clusters -----------------------------------------------------------------------------------
+def _no_profiles(args: argparse.Namespace) -> None:
+    if args.hardware_profile or args.model_profile:
+        raise PlanError("profiles describe one device type; a mixed cluster is priced from the device presets "
+                        "of its groups: drop --hardware-profile / --model-profile")
+
+
+def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
+    """Validate a plan of replica groups against --model and --cluster (default: the cluster it names)."""
+    _no_profiles(args)
+    cluster = parse_mixed_cluster(args.cluster if args.cluster is not None else plan.cluster)
+    model = parse_model(args.model)
+    ev = check_groups(plan, model, cluster)
+    if args.out:
+        plan.save(args.out)  # in today's version: --check old.json --out new.json upgrades a file
+    if args.json:
+        print(json.dumps({"valid": True, "layout": plan.layout.split("\n"), **ev.to_dict()}, indent=2))
+        return 0
+    out = Console()
+    out.print(f"[green]valid[/]: {len(plan.groups)} replica groups on {cluster.label}, predicted step "
+              f"{ev.step_time:.3f} s, {ev.tokens_per_s:,.0f} tokens/s", highlight=False)
+    out.print(replica_table(plan, ev, cluster, "replica groups"))
+    out.print(stage_table(plan, ev))
+    return 0
+
+
+def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
+    """Search a plan of replica groups on a mixed cluster, rank it beside its baselines, print (or --json)
+    and --out it."""
+    _no_profiles(args)
+    model = parse_model(args.model)
+    costs = MixedCosts(model, cluster)
+    result, baselines = _search_mixed(model, cluster, args, costs)
+    plan, ev = result.plan, result.evaluation
+    if args.out:
+        plan.save(args.out)
+    if args.json:
+        print(json.dumps({"search_seconds": result.search_seconds, "configurations": result.configurations,
+                          "best": {"layout": plan.layout.split("\n"), "step_time_s": ev.step_time,
+                                   "tokens_per_s": ev.tokens_per_s, "plan": plan.to_dict()},
+                          "baselines": baselines, "ratios": ratios(ev.tokens_per_s, baselines)}, indent=2))
+        return 0
+    out = Console()
+    out.print(replica_table(plan, ev, cluster,
+                            f"plan on {cluster.label}: step {ev.step_time:.3f} s, "
+                            f"{ev.tokens_per_s:,.0f} tokens/s ({result.configurations} configurations, "
+                            f"{result.search_seconds:.2f} s)"))
+    out.print(baseline_table(ev.tokens_per_s, baselines))
+    if args.explain:
+        out.print(stage_table(plan, ev))
+    if args.out:
+        out.print(f"wrote the plan to {args.out}", highlight=False)
+    return 0
+
+
+def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs: MixedCosts
+                  ) -> tuple[MixedResult, dict]:
+    seq, gb = args.seq_len, args.global_batch
+    if args.json:
+        return plan_mixed(model, cluster, seq, gb, costs), mixed_baselines(model, cluster, seq, gb, costs)
+    t0 = time.perf_counter()
+    state: dict = {}
+
+    def bar(label: str, done: int, total: int) -> None:
+        if "bar" not in state and time.perf_counter() - t0 > PROGRESS_AFTER_S:
+            state["bar"] = Progress(TextColumn("{task.description}"), BarColumn(),
+                                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                    console=Console(stderr=True), transient=True)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task(label, total=total)
+        if "bar" in state:
+            state["bar"].update(state["task"], description=label, completed=done, total=total)
+
+    names = ["uniform", "proportional", "sum_of_parts"]
+    try:
+        result = plan_mixed(model, cluster, seq, gb, costs, progress=lambda d, t: bar("searching", d, t))
+        baselines = mixed_baselines(model, cluster, seq, gb, costs,
+                                     progress=lambda name: bar(f"baseline {name}", names.index(name), len(names)))
+    finally:
+        if "bar" in state:
+            state["bar"].stop()
+    return result, baselines

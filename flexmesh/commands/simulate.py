@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,9 +42,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``flexmesh simulate`` and its flags."""
     p = sub.add_parser("simulate", help="compare scheduling policies on simulated training steps",
                        description=__doc__.split("\n\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
+    p.add_argument("--plan", metavar="PLAN", help="simulate the layout of this plan file (any version; default "
+                   "model and cluster: the plan's); a plan of several replica groups compares its fixed shares "
+                   "with each step dispatched over its groups, and the layout flags (--tp ... --cp-kind) do not apply")
+    p.add_argument("--model", help="model preset, gpt:L:H:A, or a Hugging Face config.json (required without --plan)")
     p.add_argument("--cluster", type=nonempty, help="NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB) or a file; "
-                                     "optional with --hardware-profile (its node)")
+                                     "optional with --hardware-profile (its node) or --plan (its cluster)")
     p.add_argument("--hardware-profile", metavar="PATH", help="a `flexmesh profile hardware` file to price with")
     p.add_argument("--model-profile", metavar="PATH", help="a `flexmesh profile model` file to price with")
     p.add_argument("--context", type=positive_int, required=True,
@@ -111,10 +115,18 @@ def _prepare(args: argparse.Namespace,
     from flexmesh.profile.use import cost_model_for
     from flexmesh.spec import parse_model
 
+    plan = _plan(args)
+    if plan is not None:  # the plan's layout, as the flags would give it
+        s = plan.layer_strategies()[0]
+        args.tp, args.pp, args.pipeline_schedule, args.virtual_stages = s.tp, plan.pp, plan.pipeline_schedule, \
+            plan.virtual_stages
+        args.zero, args.recompute, args.cp_kind = s.zero, bool(s.recompute), str(s.cp_kind) if s.cp > 1 else "ulysses"
     base = cost_model_for(parse_model(args.model), args.cluster, getattr(args, "hardware_profile", None),
                           getattr(args, "model_profile", None))
     world = base.cluster.world_size
     cfg = _config(args, policies, _slow(args.slow, world))
+    if plan is not None:
+        cfg = replace(cfg, overlap=plan.overlap)
     for name in ("tp", "pp", "virtual_stages", "steps", "context"):
         if getattr(args, name) < 1:
             raise FlexmeshError(f"--{name.replace('_', '-')} must be >= 1")
@@ -133,7 +145,22 @@ def build_context(args: argparse.Namespace) -> tuple[ScheduleContext, np.ndarray
     return ctx, speeds
 
 
-def simulate(args: argparse.Namespace) -> Simulation:
+def _plan(args: argparse.Namespace):  # noqa: ANN202 - a Plan or None
+    """``--plan``'s plan, its model and cluster the defaults of ``--model`` and ``--cluster``."""
+    from flexmesh.layout.plan import load_plan
+
+    if not getattr(args, "plan", None):
+        if not args.model:
+            raise FlexmeshError("give --model (and --cluster), or --plan")
+        return None
+    plan = load_plan(args.plan)
+    args.model = args.model or plan.model
+    if args.cluster is None and not getattr(args, "hardware_profile", None):
+        args.cluster = plan.cluster
+    return plan
+
+
+def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a GroupsSimulation for several groups
     """Draw the batches, schedule and simulate them under every policy (with a progress bar when long)."""
     from rich.console import Console
     from rich.progress import Progress
@@ -141,6 +168,11 @@ def simulate(args: argparse.Namespace) -> Simulation:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if not policies:
         raise FlexmeshError("--policies is empty; give e.g. hdp,milp")
+    if getattr(args, "plan", None):
+        from flexmesh.layout.plan import load_plan
+
+        if len(load_plan(args.plan).groups) > 1:
+            return simulate_groups(args, policies)
     cfg, ctx, speeds = _prepare(args, policies)
     batches = sample_batches(cfg)
     total = policy_steps(cfg, ctx)
@@ -179,5 +211,75 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(sim.to_dict(), indent=2))
         return 0
-    print_table(sim, Console())
+    sim.print(Console()) if isinstance(sim, GroupsSimulation) else print_table(sim, Console())
     return 0
+
+
+# ---- a plan of several replica groups -----------------------------------------------------------------
+@dataclass
+class GroupsSimulation:
+    """What ``simulate --plan`` computed for a plan of several replica groups (flexmesh.sim.groups)."""
+
+    setup: dict
+    runs: list
+
+    def to_dict(self) -> dict:
+        return {"setup": self.setup, "schedules": [r.to_dict() for r in self.runs]}
+
+    def print(self, console: Console) -> None:
+        from rich.table import Table
+
+        from flexmesh.sim.groups import best_baseline
+
+        s, base = self.setup, best_baseline(self.runs)
+        table = Table(title=f"{s['model']} on {s['cluster']}: {s['groups']} replica groups, context {s['context']}, "
+                            f"{s['lengths']}, {s['global_batch']} seqs per step, {s['steps']} steps")
+        for col in ("schedule", "kind", "step time (s)", "tokens/s", "speedup", "ratio to LB", "sched ms/step"):
+            table.add_column(col, justify="left" if col in ("schedule", "kind") else "right")
+        for r in self.runs:
+            d = r.to_dict()
+            table.add_row(r.name, r.kind, f"{d['mean_step_time_s']:.3f}", f"{r.tokens_per_s:,.0f}",
+                          f"{r.tokens_per_s / base.tokens_per_s:.2f}x", f"{r.ratio_to_bound:.3f}",
+                          f"{d['scheduler_ms_per_step']:.1f}")
+        console.print(table)
+        console.print(f"speedup: tokens/s over the best fixed-share schedule, {base.name}; shares: each group its "
+                      "planned share in order, shares+P: packed inside each group by P, dispatch+P: each step's "
+                      "sequences dispatched over the groups, then packed by P", highlight=False)
+
+
+def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> GroupsSimulation:
+    """The groups of ``--plan`` on its cluster's presets, ``--slow`` devices at their speeds (each data
+    rank at its slowest device), on ``--global-batch`` sequences per step (the plan's by default; its
+    groups' shares scaled to it)."""
+    from flexmesh.layout.mesh import rank_place
+    from flexmesh.schedule.groups import groups_context
+    from flexmesh.schedule.scheduler import plan_costs
+    from flexmesh.sim.groups import compare_groups
+    from flexmesh.spec import parse_model
+
+    plan = _plan(args)
+    if getattr(args, "hardware_profile", None) or getattr(args, "model_profile", None):
+        raise FlexmeshError("profiles describe one device type; a plan of several replica groups is priced from "
+                            "the presets of its cluster: drop --hardware-profile / --model-profile")
+    if args.tokens_per_batch:
+        raise FlexmeshError("--tokens-per-batch does not apply to a plan of replica groups, whose shares count "
+                            "sequences; give --global-batch")
+    plan = plan.with_global_batch(args.global_batch or plan.global_batch)
+    spec = parse_model(args.model)
+    gctx = groups_context(plan, spec, plan_costs(plan, spec))
+    slow = _slow(args.slow, plan.world_size)
+    if slow:  # in place of the cluster's own speed factors, as for one group
+        speed = [1.0] * gctx.num_ranks
+        for rank, factor in enumerate(slow):
+            place = rank_place(plan, rank)
+            if place is not None:
+                speed[place.data_rank] = min(speed[place.data_rank], factor)
+        gctx = gctx.with_speed(speed)
+    cfg = replace(_config(args, policies, ()), seqs_per_batch=plan.global_batch)
+    batches = sample_batches(cfg)
+    runs = compare_groups(gctx, batches, policies, seed=args.seed,
+                          virtual_stages=[g.virtual_stages for g in plan.groups])
+    setup = {"model": spec.name, "cluster": plan.cluster, "plan": plan.layout.split("\n"), "groups": len(plan.groups),
+             "context": args.context, "lengths": args.lengths, "steps": args.steps, "seed": args.seed,
+             "global_batch": plan.global_batch, "speed_factors": list(slow)}
+    return GroupsSimulation(setup, runs)

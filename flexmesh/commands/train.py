@@ -56,8 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, cached")
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
-    p.add_argument("--policy", default="fixed", choices=POLICY_NAMES,
-                   help="per-step scheduling policy (default: fixed)")
+    p.add_argument("--policy", choices=POLICY_NAMES,
+                   help="per-step scheduling policy (default: fixed for a plan of one replica group, shares -- "
+                        "each group its planned share -- for several)")
     p.add_argument("--adaptive", action="store_true",
                    help="never wait for a late schedule: run --fallback-policy's for that step instead")
     p.add_argument("--fallback-policy", default="hdp", choices=POLICY_NAMES,
@@ -175,7 +176,7 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
     holds (nothing on the first, the last checkpoint after a restart). Launchers of other nodes
     leave ``--out`` to node 0's (it must be the same shared folder on every node).
     """
-    from flexmesh.layout.hetero import load_plan
+    from flexmesh.layout.plan import load_plan
 
     load_plan(args.plan)  # a plan file that cannot run fails here, once, before any rank starts
     argv = without_flags(argv, (), ("--no-resume", "--overwrite"))
@@ -289,59 +290,36 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
 def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from flexmesh.layout.hetero import HeteroPlan, load_plan
-    from flexmesh.layout.mesh import layout_from_plan
+    from flexmesh.layout.plan import load_plan
     from flexmesh.plan.check import check_model
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.groups import check_emulation, check_runnable
     from flexmesh.runtime.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
     plan = load_plan(args.plan)
     if args.migrate and HELD_ENV not in os.environ:
         raise PlanError("--migrate needs --nproc N: its launcher relaunches the run on the new plan")
-    if isinstance(plan, HeteroPlan):  # replicas that differ (flexmesh.commands.train_hetero)
-        from flexmesh.commands.train_hetero import train_hetero
-
-        return train_hetero(args, plan)
     spec = parse_model(args.model or plan.model)
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
-    layout_from_plan(plan)  # reject an unsupported per-layer mix before touching the corpus
-    # Without a hardware profile the plan's cluster prices the schedules: check it names one now.
-    plan_cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)
+    check_runnable(plan, spec)  # reject an unsupported per-layer mix before touching the corpus
+    if len(plan.groups) > 1 and args.global_batch:  # the groups' shares must add up to the batch the run takes
+        plan = plan.with_global_batch(args.global_batch)
+    # Default policy: the plan's own schedule (fixed packing for one group, the planned shares for several).
+    policy = args.policy or ("fixed" if len(plan.groups) == 1 else "shares")
+    # Each step schedule's predicted_step_time is the step simulator's, reported beside the measured time.
+    schedule_fn = _scheduler(args, plan, spec, policy)
+    fallback_fn = _scheduler(args, plan, spec, args.fallback_policy) if args.adaptive else schedule_fn
+    check_world(args, plan)
+    emulated = check_emulation(plan, args.emulate_speed)
     if os.environ.get("RANK", "0") == "0":
         from flexmesh.plan.check import overlap_warnings
 
         for warning in overlap_warnings(plan):
             print(f"warning: {warning}", file=sys.stderr)
-    check_world(args, plan)
-    from flexmesh.runtime.stragglers import parse_emulation
-
-    emulated = parse_emulation(args.emulate_speed, plan.world_size)
-    if emulated and os.environ.get("RANK", "0") == "0":
-        print("EMULATION (--emulate-speed): " + ", ".join(f"rank {r} computes at {f:g}x" for r, f in emulated.items())
-              + "; metrics.jsonl records it as emulated_speed", file=sys.stderr)
+    announce_emulation(emulated)
     loader = document_loader(args, spec, plan)
-    max_len = args.max_len or plan.seq_len
-    if args.hardware_profile or args.model_profile:
-        from flexmesh.profile.use import cost_model_from_profiles
-
-        cost = cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
-                                        world=plan.world_size, cluster=plan_cluster)
-    else:  # the plan's cluster prices the schedules, in the dtype this run computes in (as profiles do)
-        from dataclasses import replace
-
-        from flexmesh.cost import CostModel
-
-        cost = CostModel(replace(spec, dtype=args.dtype), plan_cluster)
-    # Each step schedule's predicted_step_time is the step simulator's, reported beside the measured time.
-    from flexmesh.schedule.scheduler import Scheduler
-    from flexmesh.sim.predict import simulated_scheduler
-
-    schedule_fn = simulated_scheduler(Scheduler(plan, spec, args.policy, max_len, args.seed, cp=args.cp, cost=cost))
-    fallback_fn = simulated_scheduler(Scheduler(plan, spec, args.fallback_policy, max_len, args.seed, cp=args.cp,
-                                                cost=cost))
-
     config = train_config(args, emulate_speed=tuple(emulated.items()))
     init_distributed(timeout_s=args.collective_timeout, device=args.device)
     try:
@@ -356,15 +334,44 @@ def _train(args: argparse.Namespace) -> int:
             source = _KillAfterStep(source, trainer, os.environ[KILL_ENV], dist.get_rank())
         migration = None
         if args.migrate and args.out:
-            from dataclasses import replace as with_batch
-
             from flexmesh.commands.migrate import MigrationCheck
 
-            planned = with_batch(plan, global_batch=args.global_batch or plan.global_batch)  # the batch it runs
-            migration = MigrationCheck(planned, spec, monitor, args.out, args.max_steps)
-        return fit_and_report(trainer, source, config, args.out, monitor=monitor, migration=migration)
+            planned = plan.with_global_batch(args.global_batch or plan.global_batch)  # the batch it runs
+            migration = MigrationCheck(planned, spec, monitor, args.out, args.max_steps,
+                                       emulate_speed=tuple(args.emulate_speed))
+        groups = f" over {len(plan.groups)} replica groups" if len(plan.groups) > 1 else ""
+        return fit_and_report(trainer, source, config, args.out, what=groups, monitor=monitor, migration=migration)
     finally:
         dist.destroy_process_group()
+
+
+def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
+    """The run's step scheduler for ``policy``, its schedules priced by the step simulator: on the
+    plan's cluster in the dtype the run computes in, or on ``--hardware-profile``/``--model-profile``
+    (as profiles do); ``shares`` on a cluster that prices nothing runs unpriced."""
+    from dataclasses import replace
+
+    from flexmesh.errors import ScheduleError
+    from flexmesh.schedule.scheduler import Scheduler
+    from flexmesh.sim.predict import simulated_scheduler
+
+    spec = replace(spec, dtype=args.dtype)
+    max_len = args.max_len or plan.seq_len
+    cost = None
+    if args.hardware_profile or args.model_profile:
+        from flexmesh.profile.use import cost_model_from_profiles
+
+        cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)
+        cost = cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
+                                        world=plan.world_size, cluster=cluster)
+    elif len(plan.groups) == 1 and policy != "shares":
+        from flexmesh.cost import CostModel
+
+        cost = CostModel(spec, _plan_cluster(plan, args.plan))
+    try:
+        return simulated_scheduler(Scheduler(plan, spec, policy, max_len, args.seed, cp=args.cp, cost=cost))
+    except ScheduleError as e:
+        raise PlanError(f"--policy {policy}: {e}") from None
 
 
 def announce(trainer) -> None:
@@ -376,11 +383,13 @@ def announce(trainer) -> None:
     from flexmesh.runtime.device import device_name
     from flexmesh.runtime.distributed import compute_device_choice
 
-    cfg = trainer.config
+    cfg, plan = trainer.config, trainer.plan
+    budgets = "/".join(f"{g.microbatch_tokens(plan.seq_len):,}" for g in plan.groups)
     Console(stderr=True).print(
         f"{dist.get_world_size()} x {device_name(compute_device_choice())}, {cfg.dtype}; attention "
-        f"{'+'.join(trainer.attention_kernels())}; micro-batches of up to {trainer.plan.microbatch_tokens:,} tokens "
-        f"per data rank; {'compiled' if cfg.compile else 'eager'} blocks; "
+        f"{'+'.join(trainer.attention_kernels())}; micro-batches of up to {budgets} tokens "
+        f"per data rank{' (per replica group)' if len(plan.groups) > 1 else ''}; "
+        f"{'compiled' if cfg.compile else 'eager'} blocks; "
         f"{'chunked' if trainer.chunked_loss else 'whole-logit'} loss", highlight=False)
 
 
@@ -392,8 +401,9 @@ def _straggler_monitor(args: argparse.Namespace, trainer, schedule_fn, source, r
 
     config = StragglerConfig(threshold=args.straggler_threshold, steps=args.straggler_steps,
                              replan=not args.no_replan)
-    return StragglerMonitor(trainer.layout, config, scheduler=schedule_fn if rank0 else None,
-                            price=step_time_at_speed(schedule_fn) if rank0 else None, apply=source.set_speed)
+    priced = rank0 and schedule_fn.groups is not None
+    return StragglerMonitor(trainer.data_of, config, scheduler=schedule_fn if priced else None,
+                            price=step_time_at_speed(schedule_fn) if priced else None, apply=source.set_speed)
 
 
 # A testing hook, not a feature (tests/test_elastic.py): "RANK:STEP" makes rank RANK SIGKILL itself
@@ -429,6 +439,13 @@ class _KillAfterStep:
 
     def close(self) -> None:
         self.source.close()
+
+
+def announce_emulation(emulated: dict[int, float]) -> None:
+    """Say on rank 0 that ``--emulate-speed`` slows ranks down on purpose."""
+    if emulated and os.environ.get("RANK", "0") == "0":
+        print("EMULATION (--emulate-speed): " + ", ".join(f"rank {r} computes at {f:g}x" for r, f in emulated.items())
+              + "; metrics.jsonl records it as emulated_speed", file=sys.stderr)
 
 
 def _plan_cluster(plan, path: str):

@@ -21,8 +21,8 @@ module adds what depends on the cluster and the strategy, with these sources:
 - Overlap options (:class:`~flexmesh.layout.overlap.Overlap`, a plan-level choice): TP communication
   under the GEMMs, ZeRO-2/3 gradients reduced once or every micro-batch, ZeRO-3 gathers prefetched;
   every overlapped collective costs what does not fit under its compute (:meth:`Hardware.exposed`).
-- Memory: states, activations, logits and per-layer transient buffers (:mod:`flexmesh.cost.memory`).
-- Pipeline step time and in-flight micro-batches: :mod:`flexmesh.cost.pipeline` (2104.04473).
+- Memory: states, activations, logits and per-layer transient buffers (:mod:`flexmesh.cost.memory`);
+  pipeline step time and in-flight micro-batches: :mod:`flexmesh.cost.pipeline` (2104.04473).
 """
 
 from __future__ import annotations
@@ -322,9 +322,12 @@ class CostModel:
         return 2 * self.hw.collective_time("send_recv", nbytes, shape)
 
     def evaluate_stages(self, stage_strategies, pp: int, pipeline_schedule: str, m: int, v: int,
-                        microbatch_seqs: int, seq_len: int, overlap: Overlap = NO_OVERLAP) -> Evaluation:
+                        microbatch_seqs: int, seq_len: int, overlap: Overlap = NO_OVERLAP, speed: float = 1.0,
+                        cross_sync=()) -> Evaluation:  # noqa: ANN001 - seconds per pipeline rank
         """Predict a step from per-chunk layer strategies (``pp * v`` chunks, Megatron's rank order)
-        under the ``overlap`` options (default :data:`NO_OVERLAP`; a plan carries its own)."""
+        under the ``overlap`` options (default :data:`NO_OVERLAP`; a plan carries its own); a replica
+        group of a plan (flexmesh.cost.mixed) computes at ``speed`` and adds ``cross_sync`` seconds per
+        pipeline rank of once-per-step gradient sync with the other groups."""
         chunks = list(stage_strategies)
         n = len(chunks)
         overlap = self.effective_overlap(overlap, m)
@@ -335,13 +338,16 @@ class CostModel:
         for i, c in enumerate(costs):
             rank_cost[i % pp] = rank_cost[i % pp] + c
             rank_layers[i % pp] += len(chunks[i])
+        if speed != 1.0:  # a slow device stretches compute, not communication (the simulator's rule)
+            rank_cost = [replace(rc, fwd=rc.fwd / speed, bwd=rc.bwd / speed, optim=rc.optim / speed)
+                         for rc in rank_cost]
         p2p = [self.pipeline_p2p(chunks[i][0], microbatch_seqs, seq_len, pp) * v if chunks[i] else 0.0
                for i in range(pp)]
         rank_times = [rc.time + p for rc, p in zip(rank_cost, p2p, strict=True)]
         t_pipe = pipeline_time(pipeline_schedule, rank_times, m, v)
         # Gradient sync and optimizer after the pipeline drains; sync overlaps the last backward.
-        tails = [self.exposed_sync(rc.grad_sync, rc.bwd, layers) + rc.optim
-                 for rc, layers in zip(rank_cost, rank_layers, strict=True)]
+        tails = [self.exposed_sync(rc.grad_sync + (cross_sync[r] if cross_sync else 0.0), rc.bwd, layers) + rc.optim
+                 for r, (rc, layers) in enumerate(zip(rank_cost, rank_layers, strict=True))]
         step = t_pipe + max(tails)
         busiest = int(np.argmax(rank_times))
         compute = m * (rank_cost[busiest].fwd + rank_cost[busiest].bwd)
@@ -388,10 +394,10 @@ class CostModel:
         return self.hw.exposed(sync, window)
 
     def evaluate(self, plan) -> Evaluation:
-        """Predict a :class:`flexmesh.plan.Plan`."""
-        chunks = [st.strategies for st in plan.stages]
-        return self.evaluate_stages(chunks, plan.pp, plan.pipeline_schedule, plan.num_microbatches, plan.virtual_stages,
-                                    plan.microbatch_size, plan.seq_len, plan.overlap)
+        """Predict a :class:`flexmesh.plan.Plan` of one replica group (flexmesh.cost.mixed: several)."""
+        return self.evaluate_stages([st.strategies for st in plan.stages], plan.pp, plan.pipeline_schedule,
+                                    plan.num_microbatches, plan.virtual_stages, plan.microbatch_size, plan.seq_len,
+                                    plan.overlap)
 
     # ---- for the per-step scheduler -----------------------------------------------------------------
     def with_step_overlap(self, overlap: Overlap) -> CostModel:
@@ -419,8 +425,7 @@ class CostModel:
 
         Time is exactly linear in ``tokens`` and ``sq_tokens`` except where communication hides under
         compute, so it is evaluated term by term rather than through fitted coefficients. ZeRO
-        collectives are per step and left to :meth:`step_grad_sync`.
-        """
+        collectives are per step and left to :meth:`step_grad_sync`."""
         return self.microbatch_phases(s, tokens, sq_tokens, layers, head, embed=embed).total
 
     def activation_bytes_per_token(self, s: LayerStrategy, layers: int | None = None,
@@ -456,8 +461,7 @@ class CostModel:
         """:meth:`microbatch_time` split into forward and backward, compute and exposed communication,
         so that a pipeline simulation can order the passes. The embedding costs what the timing says
         (nothing analytically: a lookup has no FLOPs to count; a model profile's fit). TP communication
-        is exposed or overlapped as :attr:`step_overlap` says.
-        """
+        is exposed or overlapped as :attr:`step_overlap` says."""
         layers = self.model.num_layers if layers is None else layers
         tokens = np.asarray(tokens, dtype=float)
         sq = np.asarray(sq_tokens, dtype=float)
@@ -479,8 +483,7 @@ class CostModel:
         same weights (tp-strided). ZeRO-0/1 all-reduce the gradients; ZeRO-2 and ZeRO-3 reduce-scatter
         them and all-gather the updated weights (ZeRO-3's per-layer gathers inside the step are
         prefetched under compute, as in :meth:`layer`). Nothing is hidden here; callers that overlap
-        the sync with a backward pass do so themselves.
-        """
+        the sync with a backward pass do so themselves."""
         layers = self.model.num_layers if layers is None else layers
         m = self.model
         t = replace(s, cp=1, cp_kind=CPKind.NONE, dp=data_ranks, zero=min(s.zero, 2))

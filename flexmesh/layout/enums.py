@@ -6,7 +6,7 @@ written to JSON as it, so files and messages read the same as before the enums e
 >>> PipelineSchedule("interleaved") is PipelineSchedule.INTERLEAVED
 True
 >>> f"{CPKind.RING}", CPKind.RING == "ring", choices(Policy)
-('ring', True, ('fixed', 'padded', 'balanced', 'wlb', 'hdp', 'milp', 'chunked'))
+('ring', True, ('fixed', 'padded', 'balanced', 'wlb', 'hdp', 'milp', 'chunked', 'shares'))
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class Policy(_StrEnum):
     HDP = "hdp"
     MILP = "milp"
     CHUNKED = "chunked"
+    # Each replica group of a plan takes its planned share of the batch, in order, blind to lengths
+    # (flexmesh.schedule.groups); no policy of one group's data ranks.
+    SHARES = "shares"
 
     @property
     def is_baseline(self) -> bool:

@@ -16,9 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from flexmesh.errors import PlanError
-from flexmesh.layout.enums import CPKind, MeshAxis
-from flexmesh.layout.plan import Plan
+from flexmesh.errors import PlanError, ScheduleError
+from flexmesh.layout.enums import CPKind, MeshAxis, PipelineSchedule
+from flexmesh.layout.overlap import FASTEST
+from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan
+from flexmesh.layout.step import Group, StepSchedule
 from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.spec.model import ModelSpec
 
@@ -59,7 +61,7 @@ class Layout:
     >>> from flexmesh.layout.plan import Plan, StagePlan
     >>> from flexmesh.layout.strategy import LayerStrategy as S
     >>> st = StagePlan(0, 2, (S.parse("tp2-dp2z3"), S.parse("tp2-dp2z3-ac")))
-    >>> plan = Plan("tiny", "4xA100-80GB", 4, 1, "1f1b", 1, 64, 2, (st,))
+    >>> plan = Plan.uniform("tiny", "4xA100-80GB", 4, 1, "1f1b", 1, 64, 2, (st,))
     >>> lay = layout_from_plan(plan)
     >>> (lay.pp, lay.dp, lay.cp, lay.tp, lay.zero, tuple(map(str, lay.recompute)))
     (1, 2, 1, 2, (3, 3), ('none', 'full'))
@@ -103,8 +105,13 @@ def _runs(indices: list[int]) -> str:
 
 
 def layout_from_plan(plan: Plan) -> Layout:
-    """Check the plan's per-layer mix is one the runtime supports and return its Layout."""
-    strategies: list[LayerStrategy] = plan.layer_strategies()
+    """The Layout of a plan of one replica group (:func:`group_layout` of :attr:`Plan.group`)."""
+    return group_layout(plan.group)
+
+
+def group_layout(group: ReplicaGroup) -> Layout:
+    """Check a replica group's per-layer mix is one the runtime supports and return its Layout."""
+    strategies: list[LayerStrategy] = group.layer_strategies()
     if not strategies:
         raise PlanError("plan has no layers; give every stage at least one layer")
     first = strategies[0]
@@ -114,12 +121,14 @@ def layout_from_plan(plan: Plan) -> Layout:
         raise PlanError(
             f"layers {_runs(other)} use tp{s.tp}/{s.cp_kind}{s.cp}/dp{s.dp} but layer 0 uses "
             f"tp{first.tp}/{first.cp_kind}{first.cp}/dp{first.dp}; the runtime needs one (tp, cp, dp) "
-            "mesh for the whole plan: give every layer the same tp, context degree and kind, and dp"
+            "mesh for a whole replica group: give its layers the same tp, context degree and kind, and dp "
+            "(replica groups may differ)"
         )
-    if first.devices != plan.stage_devices:
+    sizes = {len(b) for b in group.blocks}
+    if sizes != {first.devices}:
         raise PlanError(
-            f"layers use tp x cp x dp = {first.devices} devices but each pipeline stage has "
-            f"{plan.stage_devices} (world {plan.world_size} / pp {plan.pp}); make them equal"
+            f"layers use tp x cp x dp = {first.devices} devices but the pipeline stages have "
+            f"{'/'.join(map(str, sorted(sizes)))}; give every stage of a replica group tp x cp x dp devices"
         )
     zeros = [s.zero for s in strategies]
     plain = [i for i, z in enumerate(zeros) if z == 0]
@@ -130,8 +139,58 @@ def layout_from_plan(plan: Plan) -> Layout:
             "the runtime replicates all layers or shards all layers: set every layer's zero to 0, or every "
             "layer's to 1, 2 or 3"
         )
-    return Layout(pp=plan.pp, dp=first.dp, cp=first.cp, cp_kind=first.cp_kind, tp=first.tp,
+    return Layout(pp=group.pp, dp=first.dp, cp=first.cp, cp_kind=first.cp_kind, tp=first.tp,
                   zero=tuple(zeros), recompute=tuple(s.recompute_kind for s in strategies))
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a global rank runs: its replica group, its coordinates inside the group's layout (block
+    ``pp`` of the group, index ``(dp * cp_degree + cp) * tp_degree + tp`` in the block) and its data
+    rank in the plan's numbering (the groups' data ranks one after another, in plan order)."""
+
+    group: int
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    data_rank: int
+
+
+def data_rank_offsets(plan: Plan) -> tuple[int, ...]:
+    """The first data rank of each replica group: data ranks are numbered group by group.
+
+    >>> st = (StagePlan(0, 2, (LayerStrategy.parse("tp1-dp2z0"),) * 2),)
+    >>> one = (StagePlan(0, 2, (LayerStrategy(),) * 2),)
+    >>> p = Plan("tiny", "cpu", 3, 64, 3, "1f1b", (ReplicaGroup(((0, 1),), st, 1, 2), ReplicaGroup(((2,),), one, 1, 1)))
+    >>> data_rank_offsets(p), [rank_place(p, r).data_rank for r in range(3)]
+    ((0, 2), [0, 1, 2])
+    """
+    out, at = [], 0
+    for g in plan.groups:
+        out.append(at)
+        at += g.data_ranks
+    return tuple(out)
+
+
+def rank_place(plan: Plan, rank: int) -> Place | None:
+    """Where ``rank`` runs in ``plan`` (None: an unused device). For a plan of one group in the rank
+    order this is :func:`rank_coords` with the data rank of :func:`data_rank`."""
+    offsets = data_rank_offsets(plan)
+    for i, g in enumerate(plan.groups):
+        for p, block in enumerate(g.blocks):
+            if rank in block:
+                s = g.layer_strategies()[0]
+                c = rank_coords(block.index(rank), 1, s.dp, s.cp, s.tp)
+                return Place(i, p, c[MeshAxis.DP], c[MeshAxis.CP], c[MeshAxis.TP],
+                             offsets[i] + c[MeshAxis.DP] * s.cp + c[MeshAxis.CP])
+    return None
+
+
+def data_rank_of_ranks(plan: Plan) -> tuple[int | None, ...]:
+    """The data rank of every global rank (None for unused devices), in rank order."""
+    places = [rank_place(plan, r) for r in range(plan.world_size)]
+    return tuple(None if p is None else p.data_rank for p in places)
 
 
 def aligned_blocks(data_ranks: int) -> list[tuple[int, int]]:
@@ -239,3 +298,83 @@ def data_rank(layout: Layout, global_rank_: int) -> int:
     """
     c = rank_coords(global_rank_, layout.pp, layout.dp, layout.cp, layout.tp)
     return c[MeshAxis.DP] * layout.cp + c[MeshAxis.CP]
+
+
+def replica_groups(plan: Plan) -> Plan:
+    """A one-group plan's data-parallel replicas as replica groups of one pipeline each (dp 1, full
+    copies, no ZeRO; micro-batches the plan's count where each replica's share divides into it), priced
+    with TP communication overlapped as mixed plans are: how a uniform layout runs on a mixed cluster
+    or beside a slow device. Needs one tp degree per stage, no context parallelism, no interleaving.
+
+    >>> st = tuple(StagePlan(i, i + 2, (LayerStrategy.parse("tp2-dp2z3"),) * 2) for i in (0, 2))
+    >>> p = replica_groups(Plan.uniform("tiny", "8xA100-80GB", 8, 2, "1f1b", 4, 64, 8, st))
+    >>> [g.blocks for g in p.groups], [g.share for g in p.groups], str(p.groups[0].stages[0].strategies[0])
+    ([((0, 1), (4, 5)), ((2, 3), (6, 7))], [4, 4], 'tp2-dp1z0')
+    """
+    import math
+
+    if plan.virtual_stages != 1:
+        raise PlanError("an interleaved plan has no form as replica groups of one pipeline (one chunk per stage only)")
+    stages = sorted(plan.stages, key=lambda s: s.start)
+    for s in stages:
+        if any(x.cp != 1 for x in s.strategies) or len({x.tp for x in s.strategies}) != 1:
+            raise PlanError(f"stage [{s.start}, {s.end}) mixes tp degrees or uses context parallelism; replica "
+                            "groups of one pipeline have one tp degree per stage and no cp")
+    tps = {s.strategies[0].tp for s in stages}
+    if len(tps) != 1:
+        raise PlanError("stages use different tp degrees; the uniform rank order needs one")
+    tp = tps.pop()
+    dp = plan.stage_devices // tp
+    if plan.global_batch % dp:
+        raise PlanError(f"global batch {plan.global_batch} does not split evenly over {dp} replicas")
+    layout_from_plan(plan)  # validates the rank arithmetic
+    by_coords: dict[tuple[int, int], list[int]] = {}
+    for rank in range(plan.world_size):
+        c = rank_coords(rank, plan.pp, dp, 1, tp)
+        by_coords.setdefault((c["dp"], c["pp"]), []).append(rank)
+    batch = plan.global_batch // dp
+    micro = math.gcd(batch, plan.num_microbatches)  # the plan's count where the share divides into it
+    chunks = tuple(StagePlan(s.start, s.end, (LayerStrategy(tp=tp, dp=1, zero=0,
+                                                            recompute=Recompute(s.strategies[0].recompute)),)
+                             * s.num_layers) for s in stages)
+    groups = tuple(ReplicaGroup(tuple(tuple(by_coords[(d, p)]) for p in range(plan.pp)), chunks, micro, batch)
+                   for d in range(dp))
+    schedule = plan.pipeline_schedule if plan.pipeline_schedule in (PipelineSchedule.ONE_F_ONE_B,
+                                                                     PipelineSchedule.GPIPE) \
+        else PipelineSchedule.ONE_F_ONE_B
+    return Plan(plan.model, plan.cluster, plan.world_size, plan.seq_len, plan.global_batch, schedule, groups,
+                predicted=dict(plan.predicted), cost_source=plan.cost_source, overlap=FASTEST)
+
+
+def schedule_parts(plan: Plan, schedule: StepSchedule) -> list[list[Group]]:
+    """The step's schedule groups of each replica group, in plan order (global data-rank numbering);
+    ScheduleError for a schedule group that names data ranks outside the plan or spans two replica
+    groups (a context-parallel group stays inside one).
+
+    >>> from dataclasses import replace
+    >>> from flexmesh.layout.step import Piece
+    >>> st = (StagePlan(0, 2, (LayerStrategy.parse("tp1-dp2z0"),) * 2),)
+    >>> one = (StagePlan(0, 2, (LayerStrategy(),) * 2),)
+    >>> p = Plan("tiny", "cpu", 3, 64, 3, "1f1b", (ReplicaGroup(((0, 1),), st, 1, 2), ReplicaGroup(((2,),), one, 1, 1)))
+    >>> s = StepSchedule((5, 6), (Group((0, 1), ((Piece(0, 0, 5),),)), Group((2,), ((Piece(1, 0, 6),),)),
+    ...                           Group((3,), ())), "test")
+    >>> [[g.ranks for g in part] for part in schedule_parts(p, replace(s, groups=s.groups[:2]))]
+    [[(0, 1)], [(2,)]]
+    >>> schedule_parts(p, s)
+    Traceback (most recent call last):
+    ...
+    flexmesh.errors.ScheduleError: schedule group of data ranks [3] does not fit this plan's data ranks 0-1, ...
+    """
+    offsets = data_rank_offsets(plan)
+    ends = [o + g.data_ranks for o, g in zip(offsets, plan.groups)]
+    out: list[list[Group]] = [[] for _ in plan.groups]
+    for g in schedule.groups:
+        owner = [i for i, (lo, hi) in enumerate(zip(offsets, ends)) if lo <= g.ranks[0] < hi]
+        if not owner or any(not offsets[owner[0]] <= r < ends[owner[0]] for r in g.ranks):
+            runs = ", ".join(f"{lo}-{hi - 1}" for lo, hi in zip(offsets, ends))
+            where = f"{ends[-1]} data ranks" if len(plan.groups) == 1 else f"data ranks {runs} of its replica groups"
+            raise ScheduleError(f"schedule group of data ranks {list(g.ranks)} does not fit this plan's {where}: a "
+                                "group of data ranks stays inside one replica group; schedule for the plan the run "
+                                "trains")
+        out[owner[0]].append(g)
+    return out

@@ -77,6 +77,10 @@ NO_OVERLAP = Overlap()
 # FSDP2's implicit all-gather prefetch, and gradients reduced once in the last micro-batch's backward
 # (the trainer's set_requires_gradient_sync(is_last)).
 RUNTIME = Overlap(tp_comm=False, grad_reduce="last", zero3_prefetch=True)
+# Never slower than leaving them off: TP communication under the GEMMs and ZeRO-3 gathers prefetched
+# (what Megatron-Core with --tp-comm-overlap and FSDP2 run). The search's first option and how the
+# baselines and mixed-device plans are priced (flexmesh.plan.space).
+FASTEST = Overlap(tp_comm=True, grad_reduce="bucketed", zero3_prefetch=True)
 
 
 @lru_cache(maxsize=4096)

@@ -1,38 +1,58 @@
-"""Plan: the parallel layout of a job, as versioned, human-readable JSON.
+"""Plan: the parallel layout of a job, as versioned, human-readable JSON -- one type for every cluster.
 
-The search writes it, the runtime reads it, a person may edit it and ``flexmesh plan --check``
-re-validates it. Ranks map to coordinates with ``tp`` innermost, then ``cp``, then ``dp``, then
-``pp`` (see :func:`flexmesh.layout.mesh.rank_coords`).
+A plan is a list of **replica groups**. A group is ``dp`` identical pipelines of ``pp`` stages (each
+stage a block of ranks), with a :class:`~flexmesh.layout.strategy.LayerStrategy` per layer (tensor,
+context and data parallelism, ZeRO, recomputation) and its own micro-batch count, and it takes a
+``share`` of each step's sequences. A uniform cluster is the special case of one group over every
+rank; on a mixed cluster groups sit on different device types (or a pipeline's stages do), differ in
+layout, and the step scheduler dispatches each step's sequences over them. Every group holds every
+layer; a layer's gradient is summed over the groups. Ranks no group uses are ``unused``.
 
-A small example (one stage, 4 devices, tp 2 x dp 2):
+Inside a group ranks follow the one rank order (flexmesh.layout.mesh): block ``p`` holds pipeline rank
+``p``, its ranks in (dp, cp, tp) order, tp innermost. ``ranks`` in JSON lists each block as rank runs
+(``"0-3"``, ``"4,6"``). The search writes a plan, the runtime reads it, a person may edit it and
+``flexmesh plan --check`` re-validates it (and ``--out`` upgrades an older file).
+
+A small example (one group, 4 devices, tp 2 x dp 2):
 
 .. code-block:: json
 
-    {"version": 2, "model": "tiny", "cluster": "4xA100-80GB", "world_size": 4,
-     "pp": 1, "pipeline_schedule": "1f1b", "virtual_stages": 1, "num_microbatches": 2,
-     "seq_len": 2048, "global_batch": 8,
-     "stages": [{"layers": [0, 4], "strategies": ["tp2-dp2z0", "tp2-dp2z0", "tp2-dp2z0-ac", "tp2-dp2z0-ac"]}],
-     "predicted": {...}}
+    {"version": 4, "model": "tiny", "cluster": "4xA100-80GB", "world_size": 4, "seq_len": 2048,
+     "global_batch": 8, "pipeline_schedule": "1f1b",
+     "groups": [{"ranks": ["0-3"], "share": 8, "num_microbatches": 2,
+                 "stages": [{"layers": [0, 4], "strategies": ["tp2-dp2z0", "tp2-dp2z0", "tp2-dp2z0-ac",
+                                                               "tp2-dp2z0-ac"]}]}],
+     "predicted": {}}
+
+>>> example = __doc__.split(".. code-block:: json")[1].split(">>>")[0]
+>>> p = Plan.from_dict(json.loads(example))
+>>> p.pp, p.num_microbatches, p.microbatch_tokens, p.layout
+(1, 2, 4096, 'pp1 1f1b m2 | [0,4) 2x tp2-dp2z0 + 2x tp2-dp2z0-ac')
+
+Versions 1 and 2 (one uniform layout) and 3 (replicas of one tp degree per stage) are still read
+(flexmesh.layout.legacy); a plan is written as version 4.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 from flexmesh.errors import PlanError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import PipelineSchedule, choices
 from flexmesh.layout.overlap import RUNTIME, Overlap
 from flexmesh.layout.strategy import LayerStrategy
-from flexmesh.spec.values import mapping, sequence, text, whole
+from flexmesh.spec.values import known_keys, mapping, sequence, text, whole
 
-# Version 2 renamed the pipeline schedule's key from "schedule" to "pipeline_schedule"; version 1
-# files are still read.
-PLAN_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+PLAN_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 PIPELINE_SCHEDULES = choices(PipelineSchedule)
+_PLAN_KEYS = ("version", "model", "cluster", "world_size", "seq_len", "global_batch", "pipeline_schedule",
+              "cost_source", "overlap", "groups", "unused", "predicted")
+_GROUP_KEYS = ("ranks", "share", "num_microbatches", "virtual_stages", "stages")
 
 
 @dataclass(frozen=True)
@@ -74,33 +94,198 @@ class StagePlan:
         return " + ".join(f"{n}x {s}" for n, s in runs)
 
 
+def rank_runs(ranks: tuple[int, ...]) -> str:
+    """Ranks as runs, ``"0-3,6"`` (order kept).
+
+    >>> rank_runs((0, 1, 2, 3, 6)), rank_runs((3,)), rank_runs((2, 1))
+    ('0-3,6', '3', '2,1')
+    """
+    parts: list[list[int]] = []
+    for r in ranks:
+        if parts and r == parts[-1][1] + 1:
+            parts[-1][1] = r
+        else:
+            parts.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def parse_rank_runs(value: object, what: str) -> tuple[int, ...]:
+    """:func:`rank_runs`' form back to ranks; a PlanError naming ``what`` when it is not one.
+
+    >>> parse_rank_runs("0-3,6", "block")
+    (0, 1, 2, 3, 6)
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise PlanError(f"{what} must be ranks written as runs such as \"0-3,6\", got {value!r}")
+    out: list[int] = []
+    for item in value.split(","):
+        a, _, b = item.strip().partition("-")
+        try:
+            lo, hi = int(a), int(b) if b else int(a)
+        except ValueError:
+            raise PlanError(f"{what}: cannot read {item!r} in {value!r}; write runs such as \"0-3,6\"") from None
+        if lo < 0 or hi < lo:
+            raise PlanError(f"{what}: {item!r} is not a run of ranks (low-high, low <= high, both >= 0)")
+        out.extend(range(lo, hi + 1))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """``dp`` identical pipelines (see the module doc): ``blocks[p]`` the ranks of pipeline rank ``p`` in
+    (dp, cp, tp) order; ``stages`` the ``pp x virtual_stages`` model chunks, chunk ``i`` on pipeline
+    rank ``i % pp`` (Megatron's interleaved order); ``share`` the sequences per step it takes, in
+    ``num_microbatches`` micro-batches."""
+
+    blocks: tuple[tuple[int, ...], ...]
+    stages: tuple[StagePlan, ...]
+    num_microbatches: int
+    share: int
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        whole(self.num_microbatches, "group num_microbatches", PlanError, minimum=None)
+        whole(self.share, "group share", PlanError, minimum=None)
+        whole(self.virtual_stages, "group virtual_stages", PlanError, minimum=None)
+        if not self.blocks or any(not b for b in self.blocks):
+            raise PlanError("a replica group needs at least one pipeline stage, each on at least one rank")
+        if self.virtual_stages < 1 or self.num_microbatches < 1:
+            raise PlanError("pp, virtual_stages and num_microbatches must all be >= 1")
+        if len(self.stages) != self.pp * self.virtual_stages:
+            raise PlanError(
+                f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.pp} x {self.virtual_stages}"
+            )
+        if self.share < 1:
+            raise PlanError(f"a replica group's share must be at least one sequence per step, got {self.share}")
+        if self.share % self.num_microbatches:
+            raise PlanError(f"a share of {self.share} sequences per step (the global batch, for one group) is not "
+                            f"divisible into {self.num_microbatches} micro-batches")
+
+    @property
+    def pp(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for b in self.blocks for r in b)
+
+    @property
+    def stage_devices(self) -> int:
+        """Ranks per pipeline stage (the first block's; the runtime needs them equal)."""
+        return len(self.blocks[0])
+
+    @property
+    def num_layers(self) -> int:
+        return sum(s.num_layers for s in self.stages)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per micro-batch across the whole stage (split further over each layer's dp)."""
+        return self.share // self.num_microbatches
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks of a stage that hold the same weights and share the data: the layers' dp x cp."""
+        first = self.stages[0].strategies[0] if self.stages and self.stages[0].strategies else None
+        return first.dp * first.cp if first is not None else 1
+
+    def microbatch_tokens(self, seq_len: int) -> int:
+        """Tokens one data rank packs into one micro-batch: :attr:`microbatch_size` sequences of
+        ``seq_len`` tokens split over the group's :attr:`data_ranks`."""
+        return max(1, -(-self.microbatch_size * seq_len // self.data_ranks))
+
+    def chunks_of_rank(self, pp_rank: int) -> list[int]:
+        """Indices into ``stages`` held by pipeline rank ``pp_rank`` (Megatron's interleaved order)."""
+        return list(range(pp_rank, len(self.stages), self.pp))
+
+    def stage_of_layer(self, layer: int) -> int:
+        """The index into ``stages`` of the chunk holding ``layer``."""
+        for i, s in enumerate(self.stages):
+            if s.start <= layer < s.end:
+                return i
+        raise PlanError(f"layer {layer} is outside this group's [0, {self.num_layers})")
+
+    def stage_tp(self, index: int) -> int:
+        """The tensor-parallel degree of chunk ``index`` (its first layer's)."""
+        return self.stages[index].strategies[0].tp if self.stages[index].strategies else 1
+
+    def layer_strategies(self) -> list[LayerStrategy]:
+        out: list[LayerStrategy] = []
+        for st in sorted(self.stages, key=lambda s: s.start):
+            out.extend(st.strategies)
+        return out
+
+    def layout(self, pipeline_schedule: PipelineSchedule) -> str:
+        """One line, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
+        sched = str(pipeline_schedule) + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        stages = " | ".join(f"[{s.start},{s.end}) {s.compact}" for s in self.stages)
+        return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
+
+    def to_dict(self) -> dict:
+        return {"ranks": [rank_runs(b) for b in self.blocks], "share": self.share,
+                "num_microbatches": self.num_microbatches, "virtual_stages": self.virtual_stages,
+                "stages": [{"layers": [s.start, s.end], "strategies": [str(x) for x in s.strategies]}
+                           for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "ReplicaGroup":
+        mapping(d, where, PlanError)
+        known_keys(d, _GROUP_KEYS, where, PlanError)
+        missing = [k for k in ("ranks", "share", "stages") if k not in d]
+        if missing:
+            raise PlanError(f"{where} is missing {', '.join(missing)}")
+        blocks = tuple(parse_rank_runs(b, f"{where} ranks[{p}]")
+                       for p, b in enumerate(sequence(d["ranks"], f"{where} ranks", PlanError)))
+        stages = parse_stages(d["stages"], where)
+        try:
+            return cls(blocks, stages, whole(d.get("num_microbatches", 1), f"{where} num_microbatches", PlanError),
+                       whole(d["share"], f"{where} share", PlanError),
+                       whole(d.get("virtual_stages", 1), f"{where} virtual_stages", PlanError))
+        except PlanError as e:
+            raise PlanError(f"{where}: {e}") from None
+
+
+def parse_stages(value: object, where: str) -> tuple[StagePlan, ...]:
+    """``stages`` of a plan file: ``[{"layers": [start, end], "strategies": [...]}, ...]``."""
+    stages = []
+    for i, s in enumerate(sequence(value, f"{where} stages", PlanError)):
+        try:
+            start, end = s["layers"]
+            strategies = tuple(LayerStrategy.parse(x) for x in sequence(s["strategies"], "strategies", PlanError))
+        except (KeyError, ValueError, TypeError, AttributeError, PlanError) as e:
+            raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...] "
+                            f"({str(e).strip() or type(e).__name__})") from None
+        stages.append(StagePlan(whole(start, f"stage {i} start layer", PlanError, minimum=0),
+                                whole(end, f"stage {i} end layer", PlanError, minimum=0), strategies))
+    return tuple(stages)
+
+
 @dataclass(frozen=True)
 class Plan:
     model: str
     cluster: str
     world_size: int
-    pp: int
-    pipeline_schedule: PipelineSchedule
-    num_microbatches: int
     seq_len: int
     global_batch: int
-    stages: tuple[StagePlan, ...]
-    virtual_stages: int = 1
+    pipeline_schedule: PipelineSchedule  # a str is read as its PipelineSchedule
+    groups: tuple[ReplicaGroup, ...]
+    unused: tuple[int, ...] = ()
     # Predicted figures filled by the cost model (flexmesh.cost.CostModel.evaluate); free-form dict
     # with step_time_s, tokens_per_s, mfu, peak_memory_gib (list per pipeline rank), breakdowns.
     predicted: dict = field(default_factory=dict, compare=False, hash=False)
     # Where the cost model's numbers came from: "preset:<device>" or "profile:<path>".
     cost_source: str = "preset"
-    version: int = PLAN_VERSION
     # Which communication runs under compute (flexmesh.layout.overlap); files without it read as
     # what the runtime runs (RUNTIME).
     overlap: Overlap = RUNTIME
+    # The version of the file the plan was read from (flexmesh.layout.legacy); it is written as PLAN_VERSION.
+    version: int = field(default=PLAN_VERSION, compare=False)
 
     def __post_init__(self) -> None:
         text(self.model, "plan model", PlanError)
         text(self.cluster, "plan cluster", PlanError)
         text(self.cost_source, "plan cost_source", PlanError)
-        for f in ("world_size", "pp", "virtual_stages", "num_microbatches", "seq_len", "global_batch"):
+        for f in ("world_size", "seq_len", "global_batch"):
             whole(getattr(self, f), f"plan {f}", PlanError, minimum=None)
         if self.world_size < 1 or self.seq_len < 1 or self.global_batch < 1:
             raise PlanError(f"plan world_size, seq_len and global_batch must all be >= 1, got {self.world_size}, "
@@ -111,120 +296,175 @@ class Plan:
             raise PlanError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                             f"got {self.pipeline_schedule!r}")
         object.__setattr__(self, "pipeline_schedule", PipelineSchedule(self.pipeline_schedule))
-        if self.pp < 1 or self.virtual_stages < 1 or self.num_microbatches < 1:
+        if not self.groups:
+            raise PlanError("a plan needs at least one replica group")
+        for g in self.groups:
+            if self.pipeline_schedule != PipelineSchedule.INTERLEAVED and g.virtual_stages != 1:
+                raise PlanError(f"virtual_stages={g.virtual_stages} needs pipeline schedule 'interleaved'")
+        layers = {g.num_layers for g in self.groups}
+        if len(layers) != 1:
+            raise PlanError(f"replica groups cover different numbers of layers: {sorted(layers)}; each group runs "
+                            "the whole model")
+        self._check_ranks()
+        total = sum(g.share for g in self.groups)
+        if total != self.global_batch:
+            raise PlanError(f"the replica groups' shares add up to {total}, not the global batch {self.global_batch}")
+
+    def _check_ranks(self) -> None:
+        seen: dict[int, str] = {}
+        for i, g in enumerate(self.groups):
+            for r in g.ranks:
+                if r in seen:
+                    raise PlanError(f"rank {r} is in replica group {i} and in {seen[r]}; a rank runs one stage")
+                seen[r] = f"replica group {i}"
+        for r in self.unused:
+            whole(r, "unused rank", PlanError, minimum=0)
+            if r in seen:
+                raise PlanError(f"rank {r} is listed unused but {seen[r]} runs on it")
+            seen[r] = "unused"
+        if sorted(seen) != list(range(self.world_size)):
+            missing = sorted(set(range(self.world_size)) - set(seen))
+            extra = sorted(set(seen) - set(range(self.world_size)))
+            if len(self.groups) == 1 and not self.unused and not extra and self.world_size % self.groups[0].pp:
+                raise PlanError(f"world size {self.world_size} is not divisible by pp {self.groups[0].pp}")
+            raise PlanError(f"every rank 0..{self.world_size - 1} of the {self.world_size} devices must be in one "
+                            "replica group or in 'unused'"
+                            + (f"; not placed: {missing}" if missing else "")
+                            + (f"; beyond the world: {extra}" if extra else ""))
+
+    # ---- one group: the uniform plan ---------------------------------------------------------------
+    @classmethod
+    def uniform(cls, model: str, cluster: str, world_size: int, pp: int, pipeline_schedule: str,
+                num_microbatches: int, seq_len: int, global_batch: int, stages: tuple[StagePlan, ...],
+                virtual_stages: int = 1, predicted: dict | None = None, cost_source: str = "preset",
+                overlap: Overlap = RUNTIME) -> "Plan":
+        """One replica group over every rank: pipeline rank ``p`` on ranks ``[p * S, (p + 1) * S)``
+        with ``S = world_size / pp``, taking the whole global batch.
+
+        >>> from flexmesh.layout.strategy import LayerStrategy as S
+        >>> st = [StagePlan(0, 2, (S.parse("tp2-dp1z0"),) * 2), StagePlan(2, 4, (S.parse("tp2-dp1z0"),) * 2)]
+        >>> Plan.uniform("tiny", "4xA100-80GB", 4, 2, "1f1b", 4, 2048, 8, tuple(st)).groups[0].blocks
+        ((0, 1), (2, 3))
+        """
+        whole(world_size, "plan world_size", PlanError, minimum=None)
+        whole(pp, "plan pp", PlanError, minimum=None)
+        if pp < 1:
             raise PlanError("pp, virtual_stages and num_microbatches must all be >= 1")
-        if self.pipeline_schedule != PipelineSchedule.INTERLEAVED and self.virtual_stages != 1:
-            raise PlanError(f"virtual_stages={self.virtual_stages} needs pipeline schedule 'interleaved'")
-        if len(self.stages) != self.pp * self.virtual_stages:
-            raise PlanError(
-                f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.pp} x {self.virtual_stages}"
-            )
-        if self.world_size % self.pp:
-            raise PlanError(f"world size {self.world_size} is not divisible by pp {self.pp}")
-        if self.global_batch % self.num_microbatches:
-            raise PlanError(
-                f"global batch {self.global_batch} is not divisible into {self.num_microbatches} micro-batches"
-            )
+        if world_size % pp:
+            raise PlanError(f"world size {world_size} is not divisible by pp {pp}")
+        per = world_size // pp
+        blocks = tuple(tuple(range(p * per, (p + 1) * per)) for p in range(pp))
+        group = ReplicaGroup(blocks, tuple(stages), num_microbatches, global_batch, virtual_stages)
+        schedule = cast(PipelineSchedule, pipeline_schedule)  # checked, and made one, by __post_init__
+        return cls(model, cluster, world_size, seq_len, global_batch, schedule, (group,),
+                   predicted={} if predicted is None else predicted, cost_source=cost_source, overlap=overlap)
 
     @property
-    def stage_devices(self) -> int:
-        return self.world_size // self.pp
+    def in_rank_order(self) -> bool:
+        """Whether the plan is one replica group over every rank in the rank order (pipeline rank ``p``
+        on ranks ``[p * S, (p + 1) * S)``): the layout of a uniform cluster."""
+        if len(self.groups) != 1 or self.unused:
+            return False
+        g = self.groups[0]
+        per = self.world_size // g.pp
+        return g.blocks == tuple(tuple(range(p * per, (p + 1) * per)) for p in range(g.pp))
 
     @property
-    def num_layers(self) -> int:
-        return sum(s.num_layers for s in self.stages)
+    def group(self) -> ReplicaGroup:
+        """The plan's only replica group (PlanError when it has several: ask :attr:`groups`)."""
+        if len(self.groups) != 1:
+            raise PlanError(f"this plan has {len(self.groups)} replica groups, where one layout over every rank was "
+                            "expected; use it where plans of several groups are taken")
+        return self.groups[0]
 
-    @property
-    def microbatch_size(self) -> int:
-        """Sequences per micro-batch across the whole stage (split further over each layer's dp)."""
-        return self.global_batch // self.num_microbatches
+    # The one group's fields, read as the plan's (a uniform plan's vocabulary).
+    pp = property(lambda self: self.group.pp)
+    stages = property(lambda self: self.group.stages)
+    num_microbatches = property(lambda self: self.group.num_microbatches)
+    virtual_stages = property(lambda self: self.group.virtual_stages)
+    microbatch_size = property(lambda self: self.group.microbatch_size)
+    stage_devices = property(lambda self: self.group.stage_devices)
 
     @property
     def microbatch_tokens(self) -> int:
-        """Tokens one data rank packs into one micro-batch: the plan's micro-batch of
+        """Tokens one data rank packs into one micro-batch (one group): the plan's micro-batch of
         :attr:`microbatch_size` sequences of ``seq_len`` tokens, split over the dp x cp data ranks of
         its layers. The one number the search prices and checks against memory
         (``CostModel.layer_work``), the scheduler packs to and the runtime runs.
 
         >>> from flexmesh.layout.strategy import LayerStrategy
         >>> st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp4z2"),) * 2)
-        >>> Plan("tiny", "4xA100-80GB", 4, 1, "1f1b", 2, 2048, 32, (st,)).microbatch_tokens  # 16 x 2048 / 4
+        >>> Plan.uniform("tiny", "4xA100-80GB", 4, 1, "1f1b", 2, 2048, 32, (st,)).microbatch_tokens  # 16 x 2048 / 4
         8192
         """
-        first = self.stages[0].strategies[0] if self.stages and self.stages[0].strategies else None
-        ranks = first.dp * first.cp if first is not None else 1
-        return max(1, -(-self.microbatch_size * self.seq_len // ranks))
+        return self.group.microbatch_tokens(self.seq_len)
 
     def chunks_of_rank(self, pp_rank: int) -> list[int]:
-        """Indices into ``stages`` held by pipeline rank ``pp_rank`` (Megatron's interleaved order)."""
-        return list(range(pp_rank, len(self.stages), self.pp))
+        return self.group.chunks_of_rank(pp_rank)
 
     def layer_strategies(self) -> list[LayerStrategy]:
-        out: list[LayerStrategy] = []
-        for st in sorted(self.stages, key=lambda s: s.start):
-            out.extend(st.strategies)
-        return out
+        return self.group.layer_strategies()
+
+    @property
+    def num_layers(self) -> int:
+        return self.groups[0].num_layers
+
+    def with_global_batch(self, global_batch: int) -> "Plan":
+        """This plan taking ``global_batch`` sequences per step, the groups' shares scaled in proportion
+        (largest remainders; each keeps at least one sequence)."""
+        if global_batch == self.global_batch:
+            return self
+        from flexmesh.layout.shares import split_by_weight
+
+        shares = split_by_weight(global_batch, [g.share for g in self.groups])
+        groups = tuple(replace(g, share=s, num_microbatches=_divisor_at_most(s, g.num_microbatches))
+                       for g, s in zip(self.groups, shares))
+        return replace(self, global_batch=global_batch, groups=groups)
 
     @property
     def layout(self) -> str:
-        """One line describing the plan, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
-        sched = str(self.pipeline_schedule) + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        stages = " | ".join(f"[{s.start},{s.end}) {s.compact}" for s in self.stages)
-        return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
+        """One line per replica group, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``; with several
+        groups each line starts with its ranks and share (``g0 ranks 0-7 b24 | ...``)."""
+        if len(self.groups) == 1:
+            return self.groups[0].layout(self.pipeline_schedule)
+        return "\n".join(f"g{i} ranks {rank_runs(g.ranks)} b{g.share} | {g.layout(self.pipeline_schedule)}"
+                         for i, g in enumerate(self.groups))
 
     # ---- JSON ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "version": self.version,
-            "model": self.model,
-            "cluster": self.cluster,
-            "world_size": self.world_size,
-            "pp": self.pp,
-            "pipeline_schedule": str(self.pipeline_schedule),
-            "virtual_stages": self.virtual_stages,
-            "num_microbatches": self.num_microbatches,
-            "seq_len": self.seq_len,
-            "global_batch": self.global_batch,
-            "cost_source": self.cost_source,
-            "overlap": self.overlap.to_dict(),
-            "stages": [
-                {"layers": [s.start, s.end], "strategies": [str(x) for x in s.strategies]} for s in self.stages
-            ],
-            "predicted": self.predicted,
+            "version": PLAN_VERSION, "model": self.model, "cluster": self.cluster, "world_size": self.world_size,
+            "seq_len": self.seq_len, "global_batch": self.global_batch,
+            "pipeline_schedule": str(self.pipeline_schedule), "cost_source": self.cost_source,
+            "overlap": self.overlap.to_dict(), "groups": [g.to_dict() for g in self.groups],
+            "unused": list(self.unused), "predicted": self.predicted,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        """A plan of any readable version (1-3 through flexmesh.layout.legacy)."""
         mapping(d, "a plan", PlanError)
         version = d.get("version")
         if version not in READABLE_VERSIONS:
             raise PlanError(f"plan version {version!r} is not supported (this flexmesh reads versions "
                             f"{', '.join(map(str, READABLE_VERSIONS))})")
-        schedule_key = "schedule" if version == 1 else "pipeline_schedule"
-        required = ("model", "cluster", "world_size", "pp", schedule_key, "num_microbatches", "seq_len",
-                    "global_batch", "stages")
+        if version != PLAN_VERSION:
+            from flexmesh.layout.legacy import from_legacy
+
+            return from_legacy(d)
+        known_keys(d, _PLAN_KEYS, "plan", PlanError)
+        required = ("model", "cluster", "world_size", "seq_len", "global_batch", "pipeline_schedule", "groups")
         missing = [k for k in required if k not in d]
         if missing:
             raise PlanError(f"plan is missing {', '.join(missing)}")
-        stages = []
-        for i, s in enumerate(sequence(d["stages"], "plan stages", PlanError)):
-            try:
-                start, end = s["layers"]
-                strategies = tuple(LayerStrategy.parse(x) for x in sequence(s["strategies"], "strategies", PlanError))
-            except (KeyError, ValueError, TypeError, AttributeError, PlanError) as e:
-                raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...] "
-                                f"({str(e).strip() or type(e).__name__})") from None
-            stages.append(StagePlan(whole(start, f"stage {i} start layer", PlanError, minimum=0),
-                                    whole(end, f"stage {i} end layer", PlanError, minimum=0), strategies))
-        counts = {k: whole(d[k], f"plan {k}", PlanError) for k in ("world_size", "pp", "num_microbatches", "seq_len",
-                                                                      "global_batch")}
-        return cls(
-            model=d["model"], cluster=d["cluster"], pipeline_schedule=d[schedule_key],
-            virtual_stages=whole(d.get("virtual_stages", 1), "plan virtual_stages", PlanError),
-            stages=tuple(stages), predicted=d.get("predicted", {}), cost_source=d.get("cost_source", "preset"),
-            overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())),
-            **counts,
-        )
+        groups = tuple(ReplicaGroup.from_dict(g, f"replica group {i}")
+                       for i, g in enumerate(sequence(d["groups"], "plan groups", PlanError)))
+        counts = {k: whole(d[k], f"plan {k}", PlanError) for k in ("world_size", "seq_len", "global_batch")}
+        return cls(model=d["model"], cluster=d["cluster"], pipeline_schedule=d["pipeline_schedule"],
+                   groups=groups, unused=tuple(whole(x, "unused rank", PlanError, minimum=0)
+                                               for x in sequence(d.get("unused", []), "plan unused", PlanError)),
+                   predicted=d.get("predicted", {}), cost_source=d.get("cost_source", "preset"),
+                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts)
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash never leaves a half-written plan behind."""
@@ -233,3 +473,13 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         return cls.from_dict(read_json(path, PlanError, missing=f"plan file {str(path)!r} does not exist"))
+
+
+def _divisor_at_most(n: int, m: int) -> int:
+    """The largest divisor of ``n`` that is at most ``m`` (a micro-batch count that still divides a share)."""
+    return max(d for d in range(1, min(n, m) + 1) if n % d == 0)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """The plan in ``path``, any readable version."""
+    return Plan.load(path)

@@ -4,17 +4,25 @@
   recomputation all on or all off, an even layer split over pp stages, 1F1B or interleaved.
 - ZeRO-3 + Ulysses (DeepSpeed-Ulysses style): no pipeline, no tp, Ulysses degree cp, dp the rest.
 
-Each function grid-searches its family and returns the fastest plan that fits (or None).
+Each function grid-searches its family and returns the fastest plan that fits (or None). On a
+mixed cluster the planner's plan is compared with the baselines of :func:`mixed_baselines` (below).
 Both families lie inside the search's space (flexmesh.plan.search); this module stands on
 flexmesh.plan.space only, and flexmesh.plan.best ranks both beside each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from flexmesh.cost import CostModel
+from flexmesh.cost.mixed import MixedCosts, evaluate_groups
+from flexmesh.errors import PlanError
 from flexmesh.layout.enums import CPKind
+from flexmesh.layout.mesh import replica_groups
+from flexmesh.layout.plan import Plan
+from flexmesh.layout.shares import split_by_weight
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.plan.partition import even_split
 from flexmesh.plan.space import (
@@ -30,7 +38,7 @@ from flexmesh.plan.space import (
     pow2_upto,
     to_plan,
 )
-from flexmesh.spec.cluster import ClusterSpec
+from flexmesh.spec.cluster import ClusterSpec, MixedCluster
 from flexmesh.spec.model import ModelSpec
 
 
@@ -118,3 +126,122 @@ def baselines(request: SearchRequest) -> dict[str, Candidate | None]:
     cost = request.cost_model()
     return {"megatron-3d": megatron_3d(model, cluster, seq, gb, cost, request.space),
             "zero3-ulysses": zero3_ulysses(model, cluster, seq, gb, cost, request.space)}
+
+
+# ---- mixed clusters ------------------------------------------------------------------------------
+# What a plan on a mixed cluster is compared with, each priced by the same cost model:
+# - ``uniform``: the uniform planner (flexmesh.plan.best_plans) on the whole world with every device
+#   treated as the slowest type (lowest peak FLOP/s, then least memory), priced as such;
+# - ``proportional``: the uniform planner's best layout within what splits into replica groups of one
+#   pipeline (REPLICA_SPACE) on the slowest type, its replicas kept, the global batch shared out in
+#   proportion to each replica's peak FLOP/s (its devices' datasheet peaks times their speed factors;
+#   flexmesh.layout.shares, at least one micro-batch each), then priced with each device's own numbers
+#   (flexmesh.cost.mixed.evaluate_groups): step = slowest replica;
+# - ``sum_of_parts`` (a reference, not a plan): each device group planned alone by the uniform
+#   planner at nominal speed, with the whole global batch; their throughputs added.
+
+# The part of the uniform planner's space that splits into replica groups of one pipeline
+# (flexmesh.layout.mesh.replica_groups): whole copies (no ZeRO), one TP degree per stage, no context
+# parallelism, 1F1B.
+REPLICA_SPACE = SearchSpace(pipeline_schedules=("1f1b",), cp_kinds=(), zero_stages=(0,), max_cp=1, same_mesh=True)
+
+
+def slowest_group(cluster: MixedCluster, dtype: str = "bf16") -> int:
+    """The group whose device has the lowest peak FLOP/s (then the least memory)."""
+    return min(range(len(cluster.groups)), key=lambda g: (cluster.groups[g].device.peak_flops(dtype),
+                                                          cluster.groups[g].device.memory_gib))
+
+
+def uniform_cluster(cluster: MixedCluster, dtype: str = "bf16") -> ClusterSpec:
+    """The whole world as nodes of the slowest device (nodes of the groups' common node size).
+
+    >>> from flexmesh.spec.cluster import parse_mixed_cluster
+    >>> uniform_cluster(parse_mixed_cluster("1x8xH100+2x8xA100-40GB")).label
+    '3x8xA100-40GB'
+    """
+    per_node = math.gcd(*(g.devices_per_node for g in cluster.groups))
+    slow = cluster.groups[slowest_group(cluster, dtype)]
+    return ClusterSpec(cluster.world_size // per_node, per_node, slow.device)
+
+
+def _row(layout: str, step: float, tokens: float, **extra: object) -> dict:
+    return {"layout": layout, "step_time_s": step, "tokens_per_s": tokens, **extra}
+
+
+def uniform_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int) -> dict | None:
+    """Today's planner on the world of the slowest type (None when nothing fits there)."""
+    from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
+
+    uc = uniform_cluster(cluster, model.dtype)
+    try:
+        best = best_plans(SearchRequest(model, uc, seq_len, global_batch, top=1)).best
+    except PlanError:
+        return None
+    return _row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s, cluster=uc.label)
+
+
+def proportional_plan(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
+                      costs: MixedCosts) -> Plan | None:
+    """The uniform layout's replicas with batch shares by peak FLOP/s (None when no such layout fits)."""
+    from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
+
+    uc = uniform_cluster(cluster, model.dtype)
+    try:
+        best = best_plans(SearchRequest(model, uc, seq_len, global_batch, REPLICA_SPACE, top=1),
+                          with_baselines=False).best
+        uniform = replica_groups(best.plan)
+    except PlanError:
+        return None
+    mu = uniform.groups[0].microbatch_size
+    weights = [sum(cluster.device_of(d).peak_flops(model.dtype) * cluster.speed(d) for d in g.ranks)
+               for g in uniform.groups]
+    units = global_batch // mu
+    if units < len(weights):
+        return None
+    groups = tuple(replace(g, share=mu * m, num_microbatches=m)
+                   for g, m in zip(uniform.groups, split_by_weight(units, weights)))
+    return replace(uniform, cluster=cluster.label, groups=groups, predicted={},
+                   cost_source="+".join(dict.fromkeys(c.source for c in costs.groups)))
+
+
+def proportional_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
+                          costs: MixedCosts) -> dict | None:
+    plan = proportional_plan(model, cluster, seq_len, global_batch, costs)
+    if plan is None:
+        return None
+    ev = evaluate_groups(plan, costs)
+    shares = "/".join(str(g.share) for g in plan.groups)
+    first = plan.groups[0]
+    stages = " | ".join(f"[{s.start},{s.end}) tp{first.stage_tp(i)}" for i, s in enumerate(first.stages))
+    row = _row(f"{len(plan.groups)} replicas of {stages}, batches {shares}",
+               ev.step_time, ev.tokens_per_s, fits=ev.fits)
+    return row if ev.fits else {**row, "note": "does not fit in memory on some device"}
+
+
+def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int) -> dict:
+    """Each group planned alone by the uniform planner (whole global batch); throughputs added."""
+    from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
+
+    parts = []
+    for g in cluster.groups:
+        alone = replace(g, speed_factors=())
+        try:
+            best = best_plans(SearchRequest(model, alone, seq_len, global_batch, top=1)).best
+            parts.append(_row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s,
+                              cluster=alone.label))
+        except PlanError:
+            parts.append(_row("nothing fits", math.inf, 0.0, cluster=alone.label))
+    return {"tokens_per_s": sum(p["tokens_per_s"] for p in parts), "parts": parts}
+
+
+def mixed_baselines(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int, costs: MixedCosts,
+                     progress: Callable[[str], None] | None = None) -> dict:
+    """``{"uniform": ..., "proportional": ..., "sum_of_parts": ...}`` (a baseline is None where nothing fits)."""
+    out: dict = {}
+    for name, fn in (("uniform", lambda: uniform_baseline(model, cluster, seq_len, global_batch)),
+                     ("proportional", lambda: proportional_baseline(model, cluster, seq_len, global_batch, costs)),
+                     ("sum_of_parts", lambda: sum_of_parts(model, cluster, seq_len, global_batch))):
+        if progress:
+            progress(name)
+        out[name] = fn()
+    return out

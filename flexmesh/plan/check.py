@@ -1,4 +1,5 @@
-"""Validate a (possibly hand-edited) Plan against a model and a cluster, then evaluate it.
+"""Validate a (possibly hand-edited) Plan against a model and a cluster, then evaluate it: a layout over
+a uniform cluster (:func:`check_plan`) or replica groups on a mixed one (:func:`check_groups`).
 
 Every failure raises :class:`PlanError` with a message saying what to change.
 """
@@ -6,10 +7,10 @@ Every failure raises :class:`PlanError` with a message saying what to change.
 from __future__ import annotations
 
 from flexmesh.cost import CostModel, Evaluation
+from flexmesh.cost.mixed import GroupsEvaluation, MixedCosts, evaluate_groups
 from flexmesh.errors import PlanError, SpecError
-from flexmesh.layout.hetero import HeteroPlan
 from flexmesh.layout.plan import Plan
-from flexmesh.spec.cluster import ClusterSpec
+from flexmesh.spec.cluster import ClusterSpec, MixedCluster
 from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.units import GIB
 
@@ -75,7 +76,7 @@ def _shape(spec: ModelSpec) -> dict:
     return {k: v for k, v in spec.to_dict().items() if k not in ("name", "dtype")}
 
 
-def check_model(plan: Plan | HeteroPlan, model: ModelSpec, by_name: bool = True) -> None:
+def check_model(plan: Plan, model: ModelSpec, by_name: bool = True) -> None:
     """The plan records the name of the model it was made for; refuse another model, even one with as
     many layers (its widths, heads and memory differ), and a config.json under the recorded name whose
     shape is not the recorded model's. A different name of the same shape (a preset and its
@@ -109,7 +110,7 @@ def overlap_warnings(plan: Plan) -> list[str]:
     >>> from flexmesh.layout.overlap import Overlap
     >>> from flexmesh.layout.plan import StagePlan
     >>> from flexmesh.layout.strategy import LayerStrategy as S
-    >>> p = Plan("tiny", "2xA100-80GB", 2, 1, "1f1b", 2, 128, 4, (StagePlan(0, 1, (S(tp=2),)),),
+    >>> p = Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 2, 128, 4, (StagePlan(0, 1, (S(tp=2),)),),
     ...          overlap=Overlap(tp_comm=True, grad_reduce="last"))
     >>> overlap_warnings(p)  # doctest: +ELLIPSIS
     ['plan assumes tensor-parallel communication overlap (tp_comm=true), which the runtime does not run...']
@@ -118,14 +119,55 @@ def overlap_warnings(plan: Plan) -> list[str]:
 
     out = []
     o = plan.overlap
-    if o.tp_comm and any(s.tp > 1 for s in plan.layer_strategies()):
+    strategies = [s for g in plan.groups for s in g.layer_strategies()]
+    if o.tp_comm and any(s.tp > 1 for s in strategies):
         out.append("plan assumes tensor-parallel communication overlap (tp_comm=true), which the runtime does not "
                    "run (it needs TransformerEngine userbuffers on CUDA): TP collectives will be exposed and steps "
                    "slower than predicted")
-    zeros = {s.zero for s in plan.layer_strategies()}
-    if plan.num_microbatches > 1 and o.grad_reduce != RUNTIME.grad_reduce and zeros & {2, 3}:
+    zeros = {s.zero for s in strategies}
+    if any(g.num_microbatches > 1 for g in plan.groups) and o.grad_reduce != RUNTIME.grad_reduce and zeros & {2, 3}:
         out.append(f"plan assumes grad_reduce={o.grad_reduce!r}; the runtime reduces gradients once, in the last "
                    "micro-batch's backward (grad_reduce='last'): less communication, unsharded gradients")
     if not o.zero3_prefetch and 3 in zeros:
         out.append("plan assumes ZeRO-3 gathers without prefetch; the runtime's FSDP2 prefetches them")
     return out
+
+
+def check_groups(plan: Plan, model: ModelSpec, cluster: MixedCluster, costs: MixedCosts | None = None
+                 ) -> GroupsEvaluation:
+    """Validate a plan of replica groups of one pipeline each (what the mixed search writes) against
+    ``model`` and a mixed ``cluster``; raise PlanError on the first problem, else return its evaluation
+    (flexmesh.cost.mixed). The plan's own invariants (contiguous stages, every rank placed once, shares
+    adding up) are checked when it is read."""
+    check_model(plan, model)
+    if plan.world_size != cluster.world_size:
+        raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
+                        "re-plan for this cluster or pass the cluster the plan was made for")
+    if plan.num_layers != model.num_layers:
+        raise PlanError(f"plan covers {plan.num_layers} layers but {model.name} has {model.num_layers}; "
+                        f"make every replica group's stages cover 0..{model.num_layers}")
+    costs = costs or MixedCosts(model, cluster)
+    for i, g in enumerate(plan.groups):
+        for j, (block, st) in enumerate(zip(g.blocks, g.stages)):
+            where = f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on devices {list(block)})"
+            groups = sorted({costs.group_of[d] for d in block})
+            if len(groups) > 1:
+                names = ", ".join(cluster.groups[k].device.name for k in groups)
+                raise PlanError(f"{where} mixes device groups {groups} ({names}); a TP group runs on one device "
+                                "type: take its devices from one group")
+            nodes = sorted({costs.node_of[d] for d in block})
+            if len(nodes) > 1:
+                raise PlanError(f"{where} spans nodes {nodes}; a TP group stays inside one node: take devices "
+                                f"of one node (its group has {cluster.groups[groups[0]].devices_per_node} per node)")
+            check_tp_heads(model, g.stage_tp(j), where)
+    ev = evaluate_groups(plan, costs)
+    for i, j, s in ev.over_budget():
+        g = plan.groups[i]
+        st = g.stages[j]
+        over = (s.memory["total"] - s.budget) / GIB
+        hint = "enable recompute ('full')" if str(s.recompute) != "full" else "move layers to another stage"
+        raise PlanError(f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on {s.device} devices "
+                        f"{list(g.blocks[j])}) needs {s.memory['total'] / GIB:.1f} GiB but the device has "
+                        f"{s.budget / GIB:.1f} GiB usable, {over:.1f} GiB over; {hint}, give the stage fewer "
+                        "layers or a larger TP group, or use smaller micro-batches (more num_microbatches)")
+    return ev

@@ -22,7 +22,7 @@ from itertools import product
 from flexmesh.cost import CostModel, Evaluation
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import CPKind, PipelineSchedule
-from flexmesh.layout.overlap import NO_OVERLAP, Overlap
+from flexmesh.layout.overlap import FASTEST, NO_OVERLAP, Overlap  # noqa: F401 - FASTEST is named here too
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, StagePlan
 from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.spec.cluster import ClusterSpec
@@ -43,6 +43,7 @@ class SearchSpace:
     # none / selective / full (a bool: full or none, as before selective existed)
     recompute: tuple[Recompute | bool, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     max_tp: int | None = None
+    tp: tuple[int, ...] | None = None  # the tensor-parallel degrees allowed (None: every one up to max_tp)
     max_cp: int | None = None
     pp: tuple[int, ...] | None = None  # None: pipeline_degrees(world, layers, devices per node)
     microbatches: tuple[int, ...] | None = None  # None: every divisor of the global batch
@@ -65,7 +66,6 @@ FULL_SPACE = SearchSpace()
 # baselines are priced with them too). They cost buffers, so the search also prices the lean
 # alternative (both off) where memory binds; reducing ZeRO-2/3 gradients once ("last") saves time
 # for unsharded gradients.
-FASTEST = Overlap(tp_comm=True, grad_reduce="bucketed", zero3_prefetch=True)
 LEAN = Overlap(tp_comm=False, grad_reduce="bucketed", zero3_prefetch=False)
 REDUCE_ONCE = Overlap(tp_comm=True, grad_reduce="last", zero3_prefetch=True)
 
@@ -185,7 +185,7 @@ def _candidates(model: ModelSpec, cluster: ClusterSpec, devices: int, space: Sea
     out = []
     max_tp = min(cluster.devices_per_node, devices, space.max_tp or devices)
     for tp in divisors(max_tp):
-        if devices % tp or cluster.devices_per_node % tp:
+        if devices % tp or cluster.devices_per_node % tp or (space.tp is not None and tp not in space.tp):
             continue
         if model.num_heads % tp or not (model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0):
             continue
@@ -250,7 +250,7 @@ def to_plan(model: ModelSpec, cluster: ClusterSpec, cost: CostModel, chunks: Seq
     for st in chunks:
         stages.append(StagePlan(start, start + len(st), tuple(st)))
         start += len(st)
-    return Plan(model=model.name, cluster=cluster.label, world_size=cluster.world_size, pp=pp,
+    return Plan.uniform(model=model.name, cluster=cluster.label, world_size=cluster.world_size, pp=pp,
                 pipeline_schedule=PipelineSchedule(schedule), num_microbatches=m, seq_len=seq_len,
                 global_batch=global_batch, stages=tuple(stages), virtual_stages=v, predicted=ev.to_dict(),
                 cost_source=cost.source, overlap=overlap)

@@ -33,7 +33,7 @@ def training_plan(nproc: int, max_len: int, global_batch: int, model: str = TRAI
     pp or cp), sequences of ``max_len``, ``global_batch`` documents per step; priced by profiles."""
     spec = parse_model(model)
     strategy = LayerStrategy.parse(f"tp1-dp{nproc}z2")
-    return Plan(model=model, cluster=f"{nproc}xcpu", world_size=nproc, pp=1,
+    return Plan.uniform(model=model, cluster=f"{nproc}xcpu", world_size=nproc, pp=1,
                 pipeline_schedule=PipelineSchedule.ONE_F_ONE_B,
                 num_microbatches=1, seq_len=max_len, global_batch=global_batch,
                 stages=(StagePlan(0, spec.num_layers, (strategy,) * spec.num_layers),), cost_source="profile")

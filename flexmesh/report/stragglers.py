@@ -14,7 +14,7 @@ against the profile measured on the steps before, flexmesh.runtime.stragglers: a
 while the machine ran faster or slower is off by one factor on every rank; relative speeds cancel
 it, absolute step times do not). :func:`speed_png` draws each
 rank's measured speed and each run's throughput per step, events marked; :func:`add_section`
-puts all of it in a report. Used by ``flexmesh demo`` and bench/hetero_measured.py.
+puts all of it in a report. Used by ``flexmesh demo`` and bench/stragglers_measured.py.
 
 >>> rows = [{"step": s, "tokens": 100, "step_time_s": 2.0 if s < 3 else 1.0, "speed": [1.0, 0.5],
 ...          "predicted_step_time_s": 1.1, "events": [{"event": "replanned"}] if s == 2 else []}

@@ -186,8 +186,8 @@ class AdaptiveSource:
     @property
     def speed(self) -> tuple[float, ...]:
         """Rank 0: the speed factors per data rank the schedules are made for (() when nominal or unknown)."""
-        ctx = getattr(self.schedule_fn, "context", None)
-        return tuple(ctx.speed) if ctx is not None else ()
+        groups = getattr(self.schedule_fn, "groups", None)  # a Scheduler's contexts (None: it prices nothing)
+        return tuple(groups.speed) if groups is not None else ()
 
     def set_speed(self, speed: Sequence[float]) -> None:
         """Rank 0: make the schedules (both policies') for these speeds from the next step on; the

@@ -70,21 +70,21 @@ def _state_options() -> StateDictOptions:
 def plan_hash(plan: Plan) -> str:
     """Hash of the plan's layout. Excluded, as they do not change what runs: the predicted figures and
     the overlap options the cost model assumed (the runtime always runs its own), so checkpoints of
-    plans written before either field existed still resume."""
-    d = plan.to_dict()
+    plans written before either field existed still resume. Hashed in the form an older flexmesh wrote
+    where one exists (flexmesh.layout.legacy.legacy_dict), so a checkpoint written before plan version 4
+    resumes under its old plan file and under the same plan upgraded."""
+    from flexmesh.layout.legacy import legacy_dict
+
+    d = legacy_dict(plan) or plan.to_dict()
     d.pop("predicted", None)
     d.pop("overlap", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _state_dicts(trainer, saving: bool) -> tuple[dict, dict]:
-    """The (model, optimizer) state dicts a checkpoint writes or reads into. A trainer may choose
-    them (``checkpoint_state``): a heterogeneous run writes each weight from one replica only."""
-    if hasattr(trainer, "checkpoint_state"):
-        return trainer.checkpoint_state(saving, _state_options())
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    return get_state_dict(trainer.state_module(), trainer.optimizer, options=_state_options())
+    """The (model, optimizer) state dicts a checkpoint writes or reads into: the trainer chooses them
+    (a run of several replica groups writes each weight from one group only)."""
+    return trainer.checkpoint_state(saving, _state_options())
 
 
 def step_dir_name(step: int) -> str:
@@ -304,7 +304,6 @@ def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
     manifest = read_manifest(path)
@@ -337,11 +336,7 @@ def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
         r, _, cause = failed[0]
         raise CheckpointError(f"checkpoint {path} could not be read (rank {r}: {cause}); it is corrupt: delete it "
                               "or resume from an earlier one") from error
-    if hasattr(trainer, "load_checkpoint_state"):  # a heterogeneous run (flexmesh.runtime.hetero)
-        trainer.load_checkpoint_state(state["model"], state["optim"], _state_options())
-    else:
-        set_state_dict(trainer.state_module(), trainer.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=_state_options())
+    trainer.load_checkpoint_state(state["model"], state["optim"], _state_options())
     trainer.lr_scheduler.load_state_dict(extra["scheduler"])  # the LR scheduler (key kept from older files)
     trainer.step_index = int(extra["step_index"])
     _set_rng_state(extra["rng"])

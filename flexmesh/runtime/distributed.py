@@ -86,18 +86,29 @@ def peak_memory_gib(device: torch.device) -> float | None:
         return None
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
-                   pp_group: dist.ProcessGroup | None = None) -> float:
-    """Global L2 norm of the gradients (DTensors of any mesh, plain tensors), clipped to ``max_norm``.
+def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> float:
+    """Global L2 norm of the gradients (DTensors of any mesh, plain tensors) of one replica group.
 
     ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on
     different meshes (FSDP-only weights next to FSDP x TP ones), so norms are taken per (mesh,
     placement) group with ``get_total_norm`` and made global with ``full_tensor``; pipeline stages
     hold disjoint weights, so their squared norms are summed over the pp group.
-
-    Example: two groups with norms 3 and 4 give sqrt(9 + 16) = 5; with ``max_norm=1`` every
-    gradient is scaled by 1 / (5 + 1e-6) and 5 is returned (the norm before clipping).
     """
+    device = params[0].device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for grads in _by_placement(params).values():
+        from torch.distributed.tensor import DTensor
+
+        n = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        sq = sq + n.float().to(device) ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    return float(sq.sqrt())
+
+
+def _by_placement(params: list[torch.nn.Parameter]) -> dict:
     from torch.distributed.tensor import DTensor
 
     groups: dict = {}
@@ -106,20 +117,18 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
             g = p.grad
             key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
             groups.setdefault(key, []).append(g)
-    device = params[0].device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for grads in groups.values():
-        n = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        sq = sq + n.float().to(device) ** 2
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(sq, group=pp_group)
-    total = float(sq.sqrt())
+    return groups
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float, total: float) -> None:
+    """Scale every gradient by ``max_norm / (total + 1e-6)`` when that is below 1
+    (``torch.nn.utils.clip_grad_norm_``'s formula) given the global norm ``total``.
+
+    Example: norms 3 and 4 give a global norm of 5; with ``max_norm=1`` every gradient is scaled by
+    1 / (5 + 1e-6)."""
     if max_norm > 0 and total > 0:
-        coef = min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+        coef = min(1.0, max_norm / (total + 1e-6))
         if coef < 1.0:
-            for grads in groups.values():
+            for grads in _by_placement(params).values():
                 for g in grads:
                     g.mul_(coef)
-    return total

@@ -35,7 +35,7 @@ import torch
 
 from flexmesh.errors import CheckpointError, SpecError
 from flexmesh.files import write_atomic, write_atomic_with
-from flexmesh.layout.hetero import load_plan
+from flexmesh.layout.plan import load_plan
 from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash
 from flexmesh.runtime.weights import canonical_name, hf_name
 from flexmesh.spec.hf import hf_family, to_hf_config
@@ -113,7 +113,7 @@ def checkpoint_spec(checkpoint: str | Path, model: str | None = None, plan: str 
     path = find_checkpoint(checkpoint)
     manifest = _manifest(path)
     if plan is not None:
-        loaded = load_plan(plan)  # a uniform or a heterogeneous plan
+        loaded = load_plan(plan)  # any plan: one layout or several replica groups
         if manifest.get("plan_hash") not in (None, plan_hash(loaded)):
             raise CheckpointError(f"checkpoint {path} was written under plan {manifest.get('plan_layout')!r}, not "
                                   f"{loaded.layout!r} ({plan}); pass the plan the run used, or --model")

@@ -94,3 +94,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     (default :func:`chunk_tokens`); ``hidden`` [..., H], ``weight`` [vocab, H], ``labels`` [...]."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     return _LinearCrossEntropy.apply(flat, weight, labels.reshape(-1), chunk or chunk_tokens(weight.shape[0]))
+
+
+class GlobalLoss:
+    """Summed token cross-entropy (fp32, flexmesh.runtime.loss) over the step's global label-token
+    count (the pipeline loss_fn)."""
+
+    def __init__(self) -> None:
+        self.normaliser = 1
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return summed_cross_entropy(logits, labels) / self.normaliser

@@ -220,3 +220,14 @@ def rank_microbatches(docs: Sequence[np.ndarray], schedule: StepSchedule, data_r
                 out.append(b)
             return out
     raise ScheduleError(f"data rank {data_rank} is in no group of the schedule; give every data rank a group")
+
+
+def empty_batch(length: int) -> PackedBatch:
+    """A micro-batch with no label tokens: keeps collectives paired when a group has fewer micro-batches."""
+    return PackedBatch(
+        tokens=torch.full((1, length), PAD_TOKEN, dtype=torch.long),
+        labels=torch.full((1, length), IGNORE_INDEX, dtype=torch.long),
+        positions=torch.arange(length)[None, :],
+        cu_seqlens=torch.tensor([0, length], dtype=torch.int32),
+        num_label_tokens=0,
+    )

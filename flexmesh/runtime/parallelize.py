@@ -8,9 +8,10 @@ weight surgery: each attention layer is given a :class:`~flexmesh.runtime.attent
 trainer switches it every step to the group the step's schedule gives the rank, from a pool made
 once (:class:`ContextGroups`).
 
-Supported per-layer mixes (checked by :func:`layout_from_plan`):
+Each replica group of a plan runs on a device mesh of its own (:func:`build_group_meshes`). Supported
+per-layer mixes inside a group (checked by :func:`flexmesh.layout.mesh.group_layout`):
 
-- one mesh for the whole plan: every layer has the same ``tp``, ``cp``, ``cp_kind`` and ``dp``;
+- one mesh for the whole group: every layer has the same ``tp``, ``cp``, ``cp_kind`` and ``dp``;
 - ``recompute`` (none, selective or full) may vary per layer;
 - ZeRO may vary per layer among stages 1, 2 and 3 (FSDP2 shards over the ``dp x cp`` ranks;
   stage 3 re-shards weights after forward, stages 1 and 2 keep them gathered until backward).
@@ -35,10 +36,19 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.mesh import MESH_AXES, Layout, aligned_blocks, context_kind, global_rank, group_cp_kind
+from flexmesh.layout.mesh import (
+    MESH_AXES,
+    Layout,
+    aligned_blocks,
+    context_kind,
+    global_rank,
+    group_cp_kind,
+    group_layout,
+)
+from flexmesh.layout.plan import Plan
 from flexmesh.layout.strategy import Recompute
 from flexmesh.spec.model import ModelSpec
 
@@ -59,14 +69,25 @@ def check_model_fits_layout(spec: ModelSpec, layout: Layout) -> None:
         )
 
 
-def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh:
-    """The 4-D device mesh ("pp", "dp", "cp", "tp"), tp innermost (see flexmesh.layout.mesh.rank_coords)."""
-    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.cp, layout.tp), mesh_dim_names=MESH_AXES)
+DATA_AXIS = "dp_cp"  # the runtime mesh's data axis: dp x cp ranks, which share weights (FSDP2 shards over it)
+RUNTIME_AXES = (MESH_AXES[0], DATA_AXIS, MESH_AXES[-1])  # ("pp", "dp_cp", "tp"), the rank order's
 
 
-def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ranks sharing weights inside one pipeline stage: dp x cp flattened into one axis."""
-    return mesh["dp", "cp"]._flatten("dp_cp")
+def build_group_meshes(plan: Plan, device_type: str = "cpu") -> list[DeviceMesh]:
+    """Every replica group's device mesh (:data:`RUNTIME_AXES`: pipeline rank, data rank, tp index;
+    flexmesh.layout.mesh's rank order inside the group), in plan order.
+
+    Every rank makes every group's mesh, in the same order: a mesh's process groups are made by
+    ``new_group``, which is collective over the world; a rank keeps using its own group's. The data
+    axis is a dimension of its own, not dp and cp flattened later, so no rank ever needs to make a
+    process group of another group's mesh after the start.
+    """
+    meshes = []
+    for g in plan.groups:
+        lay = group_layout(g)
+        ranks = torch.tensor([r for block in g.blocks for r in block]).reshape(lay.pp, lay.data_ranks, lay.tp)
+        meshes.append(DeviceMesh(device_type, ranks, mesh_dim_names=RUNTIME_AXES))
+    return meshes
 
 
 # ---- tensor + sequence parallel ------------------------------------------------------------------
@@ -200,32 +221,25 @@ def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, roo
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
-                dmesh: DeviceMesh | None = None, dtype: str = "fp32", compile: bool = False) -> nn.Module:
-    """TP(+SP) -> context parallel switch -> activation checkpointing -> compile -> FSDP2, in place.
+                dtype: str = "fp32", compile: bool = False) -> nn.Module:
+    """TP(+SP) -> activation checkpointing -> compile -> FSDP2, in place.
 
     ``model`` is a :class:`flexmesh.runtime.model.Transformer` (or a pipeline stage of one) whose
-    parameters are materialised, identical on every rank, or on the meta device. ``root`` is the
-    module whose forward the training loop calls (a wrapper holding ``model``; default ``model``):
-    FSDP's root goes there. ``dmesh`` is :func:`data_mesh` of ``mesh``, computed once by the caller
-    when several model chunks share it. ``dtype`` is the compute dtype (module doc: Precision);
-    parameters stay fp32 either way. ``compile``: :func:`apply_compile`.
+    parameters are materialised, identical on every rank, or on the meta device; ``mesh`` is its
+    replica group's (:func:`build_group_meshes`). ``root`` is the module whose forward the training
+    loop calls (a wrapper holding ``model``; default ``model``): FSDP's root goes there. ``dtype`` is
+    the compute dtype (module doc: Precision); parameters stay fp32 either way. ``compile``:
+    :func:`apply_compile`. Context parallelism is set per step by the trainer (:class:`ContextGroups`).
     """
     check_model_fits_layout(model.spec, layout)
     if layout.tp > 1:
         apply_tp(model, mesh["tp"])
-    if layout.cp > 1:
-        from flexmesh.runtime.attention import CPContext
-
-        cp_mesh = mesh["cp"]
-        model.set_cp(CPContext(kind=layout.cp_kind, group=cp_mesh.get_group(), rank=cp_mesh.get_local_rank(),
-                               size=layout.cp))
     if any(recompute_mode(r) is not Recompute.NONE for r in layout.recompute):
         apply_ac(model, layout.recompute)
     if compile:
         apply_compile(model)
     if layout.data_ranks > 1:
-        apply_data_parallel(model, layout, dmesh if dmesh is not None else data_mesh(mesh), root=root,
-                            dtype=dtype)
+        apply_data_parallel(model, layout, mesh[DATA_AXIS], root=root, dtype=dtype)
     return model
 
 
@@ -286,18 +300,15 @@ def activation_dtypes(layout: Layout, dtype: str) -> tuple[torch.dtype, torch.dt
     return torch.float32, torch.bfloat16
 
 
-def local_coords(mesh: DeviceMesh) -> dict[str, int]:
-    """This rank's coordinate on each mesh axis."""
-    return {axis: mesh[axis].get_local_rank() for axis in MESH_AXES}
-
-
 # ---- context-parallel groups, chosen per step --------------------------------------------------------
 class ContextGroups:
     """The pool of context-parallel process groups, one per aligned block of data ranks.
 
-    For each pipeline stage and tp index, every :func:`aligned_blocks` run of data ranks gets a
-    process group of the global ranks holding them (:func:`global_rank`); all ranks create all
-    groups in the same order (``dist.new_group`` is collective), once, when the trainer starts.
+    For each pipeline stage and tp index of one replica group (its ``ranks``, in the rank order of
+    :func:`global_rank`), every :func:`aligned_blocks` run of data ranks gets a process group of the
+    global ranks holding them; all ranks create every group's pool in the same order
+    (``dist.new_group`` is collective), once, when the trainer starts, and keep their own (``pp_index``
+    and ``tp_index`` None: a rank of another group).
     Each step :meth:`context` returns this rank's :class:`~flexmesh.runtime.attention.CPContext` for
     a schedule group (None for a group of one rank: no context parallelism).
 
@@ -305,7 +316,8 @@ class ContextGroups:
     the run's kind (:func:`context_kind`) is Ulysses, which would need that division.
     """
 
-    def __init__(self, layout: Layout, spec: ModelSpec, pp_index: int, tp_index: int) -> None:
+    def __init__(self, layout: Layout, spec: ModelSpec, ranks: tuple[int, ...], pp_index: int | None,
+                 tp_index: int | None) -> None:
         import torch.distributed as dist
 
         self.layout = layout
@@ -315,7 +327,7 @@ class ContextGroups:
         for p in range(layout.pp):
             for t in range(layout.tp):
                 for start, size in aligned_blocks(layout.data_ranks):
-                    group = dist.new_group([global_rank(layout, p, d, t) for d in range(start, start + size)])
+                    group = dist.new_group([ranks[global_rank(layout, p, d, t)] for d in range(start, start + size)])
                     if (p, t) == (pp_index, tp_index):
                         self._groups[(start, size)] = group
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from flexmesh.errors import PlanError
-from flexmesh.layout.plan import Plan, StagePlan
+from flexmesh.layout.plan import ReplicaGroup, StagePlan
 
 if TYPE_CHECKING:  # only for annotations: pipelining is imported when a pipeline is built
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -81,20 +81,21 @@ def split_stage(model: nn.Module, start: int, end: int, first: bool, last: bool)
     return model
 
 
-def chunks_of_rank(plan: Plan, pp_rank: int) -> list[tuple[int, StagePlan]]:
-    """(chunk index, stage) pairs pipeline rank ``pp_rank`` runs; chunk k is the k-th in layer order.
+def chunks_of_rank(group: ReplicaGroup, pp_rank: int) -> list[tuple[int, StagePlan]]:
+    """(chunk index, stage) pairs pipeline rank ``pp_rank`` of a replica group runs; chunk k is the
+    k-th in layer order.
 
     Chunk k sits on rank k % pp (Megatron's interleaved order), so with pp 2 and 4 chunks rank 0
     runs chunks 0 and 2, rank 1 chunks 1 and 3.
     """
-    ordered = sorted(plan.stages, key=lambda s: s.start)
-    return [(k, ordered[k]) for k in range(pp_rank, len(ordered), plan.pp)]
+    ordered = sorted(group.stages, key=lambda s: s.start)
+    return [(k, ordered[k]) for k in range(pp_rank, len(ordered), group.pp)]
 
 
-def check_partition(plan: Plan, num_layers: int) -> None:
-    """The stages, in layer order, must tile [0, num_layers) without gaps or overlaps."""
+def check_partition(group: ReplicaGroup, num_layers: int) -> None:
+    """A group's stages, in layer order, must tile [0, num_layers) without gaps or overlaps."""
     pos = 0
-    for st in sorted(plan.stages, key=lambda s: s.start):
+    for st in sorted(group.stages, key=lambda s: s.start):
         if st.start != pos:
             raise PlanError(f"stage [{st.start}, {st.end}) should start at layer {pos}; stages must tile the layers")
         pos = st.end
@@ -124,7 +125,7 @@ def build_pipeline_schedule(stages: list, schedule: str, n_microbatches: int,
 
 def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: int, device: torch.device, group,
                 tokens: int, tp: int, hidden: int, vocab: int, dtype: torch.dtype,
-                logits_dtype: torch.dtype | None = None) -> list:
+                logits_dtype: torch.dtype | None = None, pipeline_ranks: list[int] | None = None) -> list:
     """PipelineStages with their send/receive shapes given up front (``tokens`` = this rank's T).
 
     Declaring shapes keeps pipelining in its static mode; otherwise it infers them by running an
@@ -132,6 +133,10 @@ def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: in
     stages flows the residual stream, [1, T/tp, hidden] under sequence parallelism, in ``dtype``;
     the last stage emits full logits [1, T, vocab] in ``logits_dtype`` (default ``dtype``; they
     differ under bf16 autocast, flexmesh.runtime.parallelize.activation_dtypes).
+
+    ``pipeline_ranks``: the global rank of each pipeline rank in ``group``. A process group orders
+    its members by global rank, so where a pipeline runs on falling ranks (stage 0 on rank 3, stage 1
+    on rank 2) each stage is told which group rank holds each other stage.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -143,6 +148,11 @@ def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: in
         inp = torch.empty(1, tokens, dtype=torch.long, device="meta") if k == 0 else hidden_states()
         out = (torch.empty(1, tokens, vocab, dtype=logits_dtype or dtype, device="meta", requires_grad=True)
                if k == num_chunks - 1 else hidden_states())
-        stages.append(PipelineStage(m, stage_index=k, num_stages=num_chunks, device=device, group=group,
-                                    input_args=inp, output_args=out))
+        stage = PipelineStage(m, stage_index=k, num_stages=num_chunks, device=device, group=group,
+                              input_args=inp, output_args=out)
+        if pipeline_ranks is not None:
+            order = sorted(pipeline_ranks)
+            stage.stage_index_to_group_rank = {s: order.index(pipeline_ranks[s % len(pipeline_ranks)])
+                                               for s in range(num_chunks)}
+        stages.append(stage)
     return stages

@@ -69,7 +69,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from flexmesh.errors import PlanError
-from flexmesh.layout.mesh import Layout, rank_coords
 from flexmesh.layout.step import StepSchedule
 
 
@@ -234,34 +233,30 @@ class SpeedDetector:
         return events, proposal_t
 
 
-def measured_speeds(schedule: StepSchedule, compute_s: Sequence[float], layout: Layout
+def measured_speeds(schedule: StepSchedule, compute_s: Sequence[float], data_of: Sequence[int | None]
                     ) -> tuple[list[float | None], list[float], list[float | None], float | None]:
     """(measured speed per global rank, assumed speed per data rank, measured speed per data rank, pace).
 
-    Speeds are relative to the fastest rank; None where a rank had no work. The pace is that fastest
-    rank's own speed against the cost model (its work at nominal speed over its compute time; 1.0:
-    as profiled), None when no rank had work.
+    ``data_of``: every global rank's data rank (None: a device the plan leaves unused;
+    flexmesh.layout.mesh.data_rank_of_ranks). Speeds are relative to the fastest rank; None where a
+    rank had no work. The pace is that fastest rank's own speed against the cost model (its work at
+    nominal speed over its compute time; 1.0: as profiled), None when no rank had work.
     """
-    n = layout.data_ranks
+    n = 1 + max((d for d in data_of if d is not None), default=-1)
     assumed = [float(x) for x in schedule.extra.get("speed") or [1.0] * n]
     nominal = [0.0] * n
     for g in schedule.groups:
         for d in g.ranks:
             nominal[d] = g.predicted_time * min(assumed[x] for x in g.ranks)
-    data_of = []
     raw: list[float | None] = []
-    for rank, t in enumerate(compute_s):
-        c = rank_coords(rank, layout.pp, layout.dp, layout.cp, layout.tp)
-        d = c["dp"] * layout.cp + c["cp"]
-        data_of.append(d)
-        raw.append(nominal[d] / t if nominal[d] > 0 and t > 0 else None)
+    for d, t in zip(data_of, compute_s):
+        raw.append(nominal[d] / t if d is not None and nominal[d] > 0 and t > 0 else None)
     known = [x for x in raw if x is not None]
     pace = max(known) if known else None
     per_rank = [None if x is None else x / (pace or 1.0) for x in raw]
     per_data: list[float | None] = [None] * n
-    for rank, d in enumerate(data_of):
-        x = per_rank[rank]
-        if x is not None:
+    for d, x in zip(data_of, per_rank):
+        if d is not None and x is not None:
             per_data[d] = x if per_data[d] is None else min(per_data[d], x)
     return per_rank, assumed, per_data, pace
 
@@ -284,11 +279,11 @@ class StragglerMonitor:
     ranks pass None and only measure (their metrics are not written).
     """
 
-    def __init__(self, layout: Layout, config: StragglerConfig, *, scheduler=None, price: Price | None = None,
-                 apply: Callable[[Sequence[float]], None] | None = None) -> None:
-        self.layout, self.config = layout, config
+    def __init__(self, data_of: Sequence[int | None], config: StragglerConfig, *, scheduler=None,
+                 price: Price | None = None, apply: Callable[[Sequence[float]], None] | None = None) -> None:
+        self.data_of, self.config = tuple(data_of), config
         self.scheduler, self.price, self.apply = scheduler, price, apply
-        self.detector = SpeedDetector(layout.data_ranks, config)
+        self.detector = SpeedDetector(1 + max((d for d in self.data_of if d is not None), default=-1), config)
         # Per judged step: each data rank's speed against the cost model (None: no work that step).
         self.absolute: deque[list[float | None]] = deque(maxlen=PACE_STEPS)
 
@@ -296,7 +291,7 @@ class StragglerMonitor:
         """Step metrics ``m`` with speeds, pace, the paced prediction and the events decided after this step."""
         if not m.compute_s:
             return m
-        per_rank, assumed, per_data, pace = measured_speeds(schedule, m.compute_s, self.layout)
+        per_rank, assumed, per_data, pace = measured_speeds(schedule, m.compute_s, self.data_of)
         # The simulator's step time for this schedule at the speeds measured on the steps before this
         # one (never this step's own): a prediction made before the step.
         paced = self.price(schedule, self._believed(assumed)) if self.absolute and self.price is not None else None
@@ -305,10 +300,8 @@ class StragglerMonitor:
             self.absolute.append([None if x is None else x * pace for x in per_data])
         if proposal is not None and self.config.replan and self.scheduler is not None and self.price is not None:
             events.append(self._decide(assumed, proposal, [len(d) for d in docs]))
-        lay = self.layout
-        data_of = [rank_coords(r, lay.pp, lay.dp, lay.cp, lay.tp) for r in range(lay.world_size)]
         return replace(m, speed=tuple(None if x is None else round(x, 4) for x in per_rank),
-                       assumed_speed=tuple(assumed[c["dp"] * lay.cp + c["cp"]] for c in data_of),
+                       assumed_speed=tuple(1.0 if d is None else assumed[d] for d in self.data_of),
                        pace=None if pace is None else round(pace, 4),
                        paced_step_time_s=None if paced is None else round(paced, 6), events=tuple(events))
 

@@ -31,6 +31,14 @@ sync on carries the step's single gradient reduction. ZeRO-3 (weights gathered p
 and pipelines pair collectives per micro-batch, so there every rank runs the step's largest count,
 groups with fewer padded with empty micro-batches.
 
+Replica groups (flexmesh.layout.plan): every group runs the above on a device mesh of its own
+(flexmesh.runtime.parallelize.build_group_meshes), on its part of the step's schedule (data ranks
+are numbered group by group). After the groups' own reductions, each unit of the model's gradient is
+summed over the groups holding it (flexmesh.runtime.cross_group) and the global norm taken on group
+0 is given to all, so every group holds the same gradient and makes the same update (AdamW's
+single-tensor path on every rank of a plan of several groups). A plan of one group over every rank is
+the uniform layout. Devices a plan leaves unused join every collective and train nothing.
+
 Cut documents (flexmesh.runtime.carry): micro-batches linked by a document cut into pieces form a
 chain whose forwards all run before one backward of their summed loss, the earlier pieces' keys and
 values carried to the later ones, so a cut document trains as the whole one. Without pipelining
@@ -50,20 +58,28 @@ import torch
 import torch.distributed as dist
 
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.mesh import Layout, layout_from_plan, padded_microbatch_count, rank_coords, runs_in_lockstep
+from flexmesh.layout.mesh import (
+    data_rank_of_ranks,
+    data_rank_offsets,
+    group_layout,
+    padded_microbatch_count,
+    rank_place,
+    runs_in_lockstep,
+    schedule_parts,
+)
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
-from flexmesh.runtime.attention_kernels import USED as ATTENTION_KERNELS_USED
 from flexmesh.runtime.attention_kernels import select_kernel
 from flexmesh.runtime.carry import KVCarry, chain_ends, chain_plan
 from flexmesh.runtime.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
-from flexmesh.runtime.distributed import clip_grad_norm, compute_device, cpu_group, peak_memory_gib
-from flexmesh.runtime.loss import summed_cross_entropy
+from flexmesh.runtime.cross_group import CrossGroupGrads
+from flexmesh.runtime.distributed import clip_grads, compute_device, cpu_group, grad_norm
+from flexmesh.runtime.groups import Chunks, check_emulation, check_runnable
+from flexmesh.runtime.loss import GlobalLoss
 from flexmesh.runtime.memory import SavedActivationMeter
 from flexmesh.runtime.packing import (
-    IGNORE_INDEX,
-    PAD_TOKEN,
     PackedBatch,
+    empty_batch,
     global_label_tokens,
     pack_microbatch,
     pad_to,
@@ -73,102 +89,14 @@ from flexmesh.runtime.parallelize import (
     ContextGroups,
     activation_dtypes,
     autocast_bf16,
-    build_mesh,
+    build_group_meshes,
     check_dtype,
-    data_mesh,
-    local_coords,
     parallelize,
 )
-from flexmesh.runtime.pipeline import (
-    StageModule,
-    build_pipeline_schedule,
-    check_partition,
-    chunks_of_rank,
-    make_stages,
-    split_stage,
-)
-from flexmesh.runtime.stragglers import ComputeClock, parse_emulation
+from flexmesh.runtime.pipeline import StageModule, build_pipeline_schedule, chunks_of_rank, make_stages, split_stage
+from flexmesh.runtime.step_clock import Marks, gathered_step, update
+from flexmesh.runtime.stragglers import ComputeClock
 from flexmesh.spec.model import ModelSpec
-
-
-def _dummy_batch(length: int) -> PackedBatch:
-    """A micro-batch with no label tokens: keeps collectives paired when a group has fewer micro-batches."""
-    return PackedBatch(
-        tokens=torch.full((1, length), PAD_TOKEN, dtype=torch.long),
-        labels=torch.full((1, length), IGNORE_INDEX, dtype=torch.long),
-        positions=torch.arange(length)[None, :],
-        cu_seqlens=torch.tensor([0, length], dtype=torch.int32),
-        num_label_tokens=0,
-    )
-
-
-def update(optimizer: torch.optim.Optimizer, lr_scheduler, device: torch.device, t0: float) -> tuple[float, float]:
-    """The step's optimizer and learning-rate scheduler steps, once the gradients are final: (the
-    learning rate the step used, seconds since ``t0`` once the device has finished)."""
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    lr_scheduler.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return lr, time.perf_counter() - t0
-
-
-def gathered_step(row: Sequence[float], group, schedule: StepSchedule,
-                  device: torch.device) -> tuple[torch.Tensor, dict]:
-    """One all_gather over ``group`` of each rank's ``row`` -- its share of the loss (0 where another
-    rank holds it), busy seconds, saved-activation peak bytes (negative: not metered this step),
-    elapsed seconds, then anything else -- and the StepMetrics fields every trainer derives from that
-    table and the schedule. Returns the table (one row per rank) and those fields."""
-    mine = torch.tensor(list(row), dtype=torch.float64)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows)
-    step_time = float(table[:, 3].max())
-    tokens = sum(p.length for g in schedule.groups for mb in g.microbatches for p in mb)
-    return table, {
-        "loss": float(table[:, 0].sum()), "tokens": tokens, "step_time_s": step_time,
-        "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "peak_memory_gib": peak_memory_gib(device),
-        "policy": schedule.policy, "requested_policy": schedule.requested_policy or schedule.policy,
-        "fallback": schedule.fallback, "scheduler_s": schedule.scheduler_seconds,
-        "busy_s": tuple(float(x) for x in table[:, 1]),
-        "activation_peak_bytes": () if bool((table[:, 2] < 0).any()) else tuple(int(x) for x in table[:, 2]),
-        "attention_kernel": "+".join(sorted(ATTENTION_KERNELS_USED)),
-    }
-
-
-class _GlobalLoss:
-    """Summed token cross-entropy (fp32, flexmesh.runtime.loss) over the step's global label-token
-    count (the pipeline loss_fn)."""
-
-    def __init__(self) -> None:
-        self.normaliser = 1
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return summed_cross_entropy(logits, labels) / self.normaliser
-
-
-class _Marks:
-    """Seconds from the step's start to chosen points of it, with no synchronisation before the step's
-    end: CUDA events on a GPU, read by :meth:`seconds` once the step has synchronised; the host clock
-    on CPU."""
-
-    def __init__(self, device: torch.device, t0: float) -> None:
-        self.cuda, self.t0 = device.type == "cuda", t0
-        self.start = self._event() if self.cuda else None
-
-    @staticmethod
-    def _event():  # noqa: ANN205
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def mark(self):  # noqa: ANN201 - an event on a GPU, seconds on CPU
-        return self._event() if self.cuda else time.perf_counter() - self.t0
-
-    def seconds(self, mark) -> float:  # noqa: ANN001
-        if not self.cuda:
-            return float(mark)
-        return self.start.elapsed_time(mark) / 1e3
 
 
 class Trainer:
@@ -188,51 +116,63 @@ class Trainer:
                 f"plan {plan.layout!r} is for {plan.world_size} ranks but {world} were launched; launch with "
                 f"--nproc-per-node {plan.world_size} (times nodes) or make a plan for {world} ranks"
             )
-        if plan.num_layers != spec.num_layers:
-            raise PlanError(f"plan covers {plan.num_layers} layers but model {spec.name!r} has {spec.num_layers}; "
-                            "plan for this model")
-        check_partition(plan, spec.num_layers)
+        check_runnable(plan, spec)
         check_dtype(config.dtype)
-        self.layout: Layout = layout_from_plan(plan)
         self.device = compute_device()
         config = for_device(config, self.device.type)
         self.plan, self.spec, self.config = plan, spec, config
+        self.several = len(plan.groups) > 1
+        # Where this rank runs (None: a device the plan leaves unused) and its replica group's layout.
+        self.place = rank_place(plan, dist.get_rank())
+        self.group = plan.groups[self.place.group] if self.place is not None else None
+        self.layout = group_layout(self.group) if self.group is not None else None
+        self.data_offset = data_rank_offsets(plan)[self.place.group] if self.place is not None else 0
+        self.data_of = data_rank_of_ranks(plan)
+        lay = self.layout
         # The loss chunk by chunk inside the model's forward (flexmesh.runtime.loss): where the last stage
         # is the whole model and its head is not split over tensor-parallel ranks.
-        self.chunked_loss = bool(config.chunked_loss) and self.layout.pp == 1 and self.layout.tp == 1
-        self.mesh = build_mesh(self.layout, self.device.type)
-        self.coords = local_coords(self.mesh)
-        self.pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
-        lay = self.layout
-        self.cp_groups = ContextGroups(lay, spec, self.coords["pp"], self.coords["tp"]) if lay.data_ranks > 1 \
-            else None
+        self.chunked_loss = bool(config.chunked_loss) and lay is not None and lay.pp == 1 and lay.tp == 1
+        # Process groups, made by every rank in one order (new_group is collective over the world):
+        # every group's mesh, every group's pool of context-parallel groups, the cross-group reductions.
+        meshes = build_group_meshes(plan, self.device.type)
+        self.mesh = meshes[self.place.group] if self.place is not None else None
+        self.pp_group = self.mesh["pp"].get_group() if lay is not None and lay.pp > 1 else None
+        self.cp_groups = None
+        for i, g in enumerate(plan.groups):
+            if g.data_ranks > 1:
+                mine = self.place is not None and self.place.group == i
+                pool = ContextGroups(group_layout(g), spec, g.ranks, self.place.pp if mine else None,
+                                     self.place.tp if mine else None)
+                self.cp_groups = pool if mine else self.cp_groups
+        self.cross = CrossGroupGrads(plan) if self.several else None
         # Ranks may run different numbers of micro-batches unless something pairs collectives per
         # micro-batch across all data ranks; the scheduler and simulator price the same rule.
-        self.uneven = not runs_in_lockstep(lay.pp, lay.zero)
+        self.uneven = lay is not None and not runs_in_lockstep(lay.pp, lay.zero)
         self._cpu_group = cpu_group()
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
-        self.chunks = chunks_of_rank(plan, self.coords["pp"])
+        self.chunks = chunks_of_rank(self.group, self.place.pp) if self.group is not None else []
         self.modules = self._build(weights)
-        self.params = [p for m in self.modules for p in m.parameters()]
+        # An unused device steps an optimizer over nothing it trains (a placeholder keeps AdamW and the
+        # LR scheduler, whose states checkpoints and metrics read, the same objects everywhere).
+        self.params = [p for m in self.modules for p in m.parameters()] or [torch.nn.Parameter(torch.zeros(1))]
         # One fused kernel on a GPU (the multi-tensor foreach path on CPU); neither across the DTensor
-        # meshes tensor parallelism mixes.
-        fused = self.device.type == "cuda" and self.layout.tp == 1
+        # meshes tensor parallelism mixes, nor where replica groups of other layouts must make
+        # bit-identical updates (the single-tensor path on every rank).
+        tp1 = lay is None or lay.tp == 1
+        fused = self.device.type == "cuda" and tp1 and not self.several
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay, foreach=self.layout.tp == 1 and not fused,
-                                           fused=fused or None)
+                                           weight_decay=config.weight_decay,
+                                           foreach=tp1 and not fused and not self.several, fused=fused or None)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
-        self.loss_fn = _GlobalLoss()
+        self.loss_fn = GlobalLoss()
         self._schedules: dict = {}
         self.carry = KVCarry()  # keys and values of cut documents, within one chain of micro-batches
         self.step_index = 0
         # Compute time of this rank's micro-batches, stretched where --emulate-speed names this rank
         # (flexmesh.runtime.stragglers); the pipeline path is not timed per piece.
-        emulated = parse_emulation(config.emulate_speed, world)
-        if emulated and self.layout.pp > 1:
-            raise PlanError("--emulate-speed needs a plan without pipeline stages (pp 1): a pipeline's forwards "
-                            "and backwards run inside torch's pipeline schedule, where they are not timed")
+        emulated = check_emulation(plan, config.emulate_speed)
         self.emulated_speed = tuple(emulated.get(r, 1.0) for r in range(world)) if emulated else ()
         self.clock = ComputeClock(self.device.type, emulated.get(dist.get_rank(), 1.0))
 
@@ -240,8 +180,9 @@ class Trainer:
     def _build(self, weights: str | None) -> list[StageModule]:
         from flexmesh.runtime.model import build_model
 
-        n = len(self.plan.stages)
-        dmesh = data_mesh(self.mesh) if self.layout.data_ranks > 1 else None
+        if self.group is None:
+            return []
+        n = len(self.group.stages)
         modules = []
         for k, stage in self.chunks:
             # Small models are built whole on CPU with the seeded init (identical on every rank) and
@@ -252,7 +193,7 @@ class Trainer:
             split_stage(model, stage.start, stage.end, first=k == 0, last=k == n - 1)
             root = StageModule(model, compute=partial(autocast_bf16, self.layout, self.config.dtype,
                                                       self.device.type))
-            parallelize(model, self.layout, self.mesh, root=root, dmesh=dmesh, dtype=self.config.dtype,
+            parallelize(model, self.layout, self.mesh, root=root, dtype=self.config.dtype,
                         compile=bool(self.config.compile))
             if weights:
                 from flexmesh.runtime.weights import load_hf_safetensors
@@ -275,22 +216,27 @@ class Trainer:
     # ---- data ------------------------------------------------------------------------------------
     @property
     def data_rank(self) -> int:
-        return self.coords["dp"] * self.layout.cp + self.coords["cp"]
+        """This rank's data rank inside its replica group (``dp_index * cp + cp_index``)."""
+        return self.place.dp * self.layout.cp + self.place.cp if self.place is not None else 0
 
-    def my_group(self, schedule: StepSchedule) -> Group:
-        """This rank's group of the step; every group must be an aligned power-of-two run (ScheduleError)."""
-        lay = self.layout
-        for g in schedule.groups:
+    def _own(self, schedule: StepSchedule) -> tuple[list[Group], Group]:
+        """The schedule groups of this rank's replica group in the group's own data-rank numbering, and
+        this rank's among them; every group must be an aligned power-of-two run (ScheduleError)."""
+        lo = self.data_offset
+        own = [dataclasses.replace(g, ranks=tuple(r - lo for r in g.ranks)) if lo else g
+               for g in schedule_parts(self.plan, schedule)[self.place.group]]
+        for g in own:
             if self.cp_groups is not None:
                 self.cp_groups.check(g.ranks)
             elif tuple(g.ranks) != (0,):
-                raise ScheduleError(f"schedule group {list(g.ranks)} names data ranks this run lacks: it has one "
-                                    "data rank (0); schedule for one data rank")
-        groups = [g for g in schedule.groups if self.data_rank in g.ranks]
-        if len(groups) != 1:
-            raise ScheduleError(f"data rank {self.data_rank} appears in {len(groups)} groups; give each data rank "
-                                f"exactly one of {lay.data_ranks} data ranks (dp {lay.dp} x cp {lay.cp})")
-        return groups[0]
+                raise ScheduleError(f"schedule group {list(g.ranks)} names data ranks this replica group lacks: "
+                                    "it has one data rank; schedule for one data rank")
+        mine = [g for g in own if self.data_rank in g.ranks]
+        if len(mine) != 1:
+            raise ScheduleError(f"data rank {self.data_rank + lo} appears in {len(mine)} groups; give each data rank "
+                                f"exactly one of {self.layout.data_ranks} data ranks (dp {self.layout.dp} x cp "
+                                f"{self.layout.cp}) of its replica group")
+        return own, mine[0]
 
     def local_batches(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> list[PackedBatch]:
         """This rank's micro-batches for the step: packed, padded, cp-sliced; count-equalised unless uneven.
@@ -298,23 +244,24 @@ class Trainer:
         The first ``len(group.microbatches)`` hold data; any after them are empty padding.
         """
         lay = self.layout
-        group = self.my_group(schedule)
+        own, group = self._own(schedule)
         cp = group.cp
         count = len(group.microbatches)
         if not self.uneven:
-            count = max(len(g.microbatches) for g in schedule.groups)
+            count = max(len(g.microbatches) for g in own)
             count = padded_microbatch_count(self.plan.pipeline_schedule, count, lay.pp)
         packed = [pack_microbatch(docs, mb) for mb in group.microbatches]
         quantum = cp * lay.tp  # T must split over the group's ranks, then over tp ranks (sequence parallel)
         if lay.pp > 1:  # pipelining needs one shape for every micro-batch of the step
             longest = max([b.num_tokens for b in packed] + [1])
+            count = max(count, lay.pp)  # a pipeline schedule runs at least one micro-batch per stage
             lengths = [-(-longest // quantum) * quantum] * count
         else:
             lengths = [-(-b.num_tokens // quantum) * quantum for b in packed] + [quantum] * (count - len(packed))
         keep = chain_plan(group)[0]
         out = []
         for i in range(count):
-            b = pad_to(packed[i], lengths[i]) if i < len(packed) else _dummy_batch(lengths[i])
+            b = pad_to(packed[i], lengths[i]) if i < len(packed) else empty_batch(lengths[i])
             if i < len(packed) and (keep[i] or any(p.start > 0 for p in b.segments)):
                 b = dataclasses.replace(b, carry=self.carry.view(b.segments, keep[i]))  # a cut document's piece
             if cp > 1:
@@ -327,68 +274,96 @@ class Trainer:
         for m in self.inner_models():
             m.set_cp(cp)
 
+    def _check_cuts(self, schedule: StepSchedule) -> None:
+        """Every cut sequence can be carried where it runs (StepSchedule.check_cuts per replica group)."""
+        dynamic = self.spec.rope_scaling is not None and self.spec.rope_scaling.rope_type == "dynamic"
+        if not self.several:
+            schedule.check_cuts(self.plan.pp, dynamic_rope=dynamic)
+            return
+        schedule.check_cuts(1, dynamic_rope=dynamic)  # pieces of one sequence on one group, in order
+        for part, g in zip(schedule_parts(self.plan, schedule), self.plan.groups):
+            if g.pp > 1:
+                dataclasses.replace(schedule, groups=tuple(part)).check_cuts(g.pp, dynamic_rope=dynamic)
+
     # ---- one step --------------------------------------------------------------------------------
     def step(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> StepMetrics:
         """Run one step's schedule. Nothing in it waits for the device before the optimizer's step
         (losses stay on the device, timings are CUDA events); activations are metered on the steps
         ``config.meter_every`` picks."""
         t0 = time.perf_counter()
-        marks = _Marks(self.device, t0)
+        marks = Marks(self.device, t0)
         label_tokens = global_label_tokens(docs, schedule)
-        schedule.check_cuts(self.layout.pp, dynamic_rope=self.spec.rope_scaling is not None
-                            and self.spec.rope_scaling.rope_type == "dynamic")
+        self._check_cuts(schedule)
         if label_tokens == 0:
             raise ScheduleError("the step has no label tokens (every document is a single token); "
                                 "feed longer documents")
-        group = self.my_group(schedule)
-        batches = self.local_batches(docs, schedule)
-        self._set_context(group)
+        schedule_parts(self.plan, schedule)  # every rank refuses a schedule that does not fit, before any collective
         self.loss_fn.normaliser = label_tokens
         self.optimizer.zero_grad(set_to_none=True)
         self.clock.reset()
         every = self.config.meter_every or 0
         metered = every > 0 and self.step_index % every == 0
-        with SavedActivationMeter() if metered else nullcontext() as meter:
-            local_loss, busy = self._forward_backward(batches, group, marks, schedule)
-        grad_norm = clip_grad_norm(self.params, self.config.grad_clip, self.pp_group)
+        batches: list[PackedBatch] = []
+        group = None
+        local_loss: torch.Tensor | float = 0.0
+        busy = marks.mark()
+        if self.place is not None:
+            own, group = self._own(schedule)
+            batches = self.local_batches(docs, schedule)
+            self._set_context(group)
+            with SavedActivationMeter() if metered else nullcontext() as meter:
+                local_loss, busy = self._forward_backward(batches, group, marks, own)
+        if self.cross is not None:
+            from flexmesh.runtime.weights import canonical_name
+
+            self.cross.reduce([(canonical_name(n), p) for m in self.inner_models() for n, p in m.named_parameters()])
+        grad_norm = self._clip()
         lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
-        owner = self.coords["tp"] == 0 and self.coords["pp"] == self.layout.pp - 1
-        table, common = gathered_step([float(local_loss) if owner else 0.0, marks.seconds(busy),
-                                       float(meter.peak_bytes) if metered else -1.0, elapsed,
+        owner = self.place is not None and self.place.tp == 0 and self.place.pp == self.layout.pp - 1
+        peak = float(meter.peak_bytes) if metered and self.place is not None else (0.0 if metered else -1.0)
+        table, common = gathered_step([float(local_loss) if owner else 0.0, marks.seconds(busy), peak, elapsed,
                                        self.clock.total()], self._cpu_group, schedule, self.device)
         self.step_index += 1
+        timed = any(g.pp == 1 for g in self.plan.groups)  # pipelines are not timed per piece
         return StepMetrics(
             step=self.step_index, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens,
-            padded_tokens=sum(b.num_tokens for b in batches) * group.cp, microbatches=len(batches),
-            predicted_step_time_s=schedule.predicted_step_time if schedule.predicted_step_time > 0 else None,
-            predicted_busy_s=self._predicted_busy(schedule), dtype=self.config.dtype,
-            microbatch_tokens=self.plan.microbatch_tokens, **common,
-            compute_s=tuple(float(x) for x in table[:, 4]) if self.layout.pp == 1 else (),
+            padded_tokens=sum(b.num_tokens for b in batches) * (group.cp if group is not None else 1),
+            microbatches=len(batches), predicted_busy_s=self._predicted_busy(schedule), dtype=self.config.dtype,
+            microbatch_tokens=self.group.microbatch_tokens(self.plan.seq_len) if self.group is not None else None,
+            **common, compute_s=tuple(float(x) for x in table[:, 4]) if timed else (),
             emulated_speed=self.emulated_speed,
         )
 
+    def _clip(self) -> float:
+        """The global gradient norm, every gradient clipped by it. With several replica groups, every
+        group holds the whole gradient: group 0 takes the norm and every rank clips by that one figure."""
+        if not self.several:
+            total = grad_norm(self.params, self.pp_group)
+        else:
+            mine = grad_norm(self.params, self.pp_group) if self.place is not None and self.place.group == 0 else 0.0
+            t = torch.tensor([mine], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._cpu_group)  # host side: gloo under NCCL too
+            total = float(t[0])
+        clip_grads(self.params, self.config.grad_clip, total)
+        return total
+
     def _predicted_busy(self, schedule: StepSchedule) -> tuple[float, ...]:
         """Per global rank: the predicted time of the group holding its data rank."""
-        lay = self.layout
         by_rank = {r: g.predicted_time for g in schedule.groups for r in g.ranks}
-        out = []
-        for rank in range(lay.world_size):
-            c = rank_coords(rank, lay.pp, lay.dp, lay.cp, lay.tp)
-            out.append(float(by_rank.get(c["dp"] * lay.cp + c["cp"], 0.0)))
-        return tuple(out)
+        return tuple(0.0 if d is None else float(by_rank.get(d, 0.0)) for d in self.data_of)
 
-    def _forward_backward(self, batches: list[PackedBatch], group: Group, marks: _Marks,
-                          schedule: StepSchedule) -> tuple[torch.Tensor, object]:
+    def _forward_backward(self, batches: list[PackedBatch], group: Group, marks: Marks,
+                          own: list[Group]) -> tuple[torch.Tensor, object]:
         """Run the step's micro-batches; returns (this rank's loss, on the device; the mark where its
         own micro-batches were done, read by ``marks.seconds`` after the step).
 
         The group's ``len(group.microbatches)`` first batches hold data, the rest are padding. On the
         uneven path one more empty micro-batch of ``cp * tp`` tokens carries the gradient reduction,
-        after the busy time is taken.
+        after the busy time is taken. ``own``: the step's groups of this replica group.
         """
-        own, cp = len(group.microbatches), group.cp
+        own_count, cp = len(group.microbatches), group.cp
         if self.layout.pp > 1:
             loss = self._pipeline_step(batches)
             return loss, marks.mark()
@@ -399,7 +374,7 @@ class Trainer:
         busy = None
         # A chain of micro-batches linked by a cut document runs all its forwards, then one backward of
         # their summed loss (flexmesh.runtime.carry); ranks in lockstep end chains at the same places.
-        ends = chain_ends([group] if self.uneven else list(schedule.groups), len(batches))
+        ends = chain_ends([group] if self.uneven else own, len(batches))
         chain: list[torch.Tensor] = []
 
         def run(b: PackedBatch, end: bool = True, timed: bool = True) -> torch.Tensor:
@@ -433,17 +408,17 @@ class Trainer:
             if sync:
                 root.set_requires_gradient_sync(True)
                 root.set_reshard_after_backward(True)
-                empty = _dummy_batch(cp * self.layout.tp)
+                empty = empty_batch(cp * self.layout.tp)
                 if cp > 1:
                     empty = shard_for_cp(empty, self.data_rank - group.ranks[0], cp)
                 total = total + run(empty.to(self.device), timed=False)
             return total, busy
         for i, b in enumerate(batches):
-            if i == own:
+            if i == own_count:
                 busy = marks.mark()
             if sync:  # reduce gradients once, after the last micro-batch
                 root.set_requires_gradient_sync(i == len(batches) - 1)
-            total = total + run(b, ends[i], timed=i < own)
+            total = total + run(b, ends[i], timed=i < own_count)
         return total, busy if busy is not None else marks.mark()
 
     def _pipeline_step(self, batches: list[PackedBatch]) -> float:
@@ -451,15 +426,17 @@ class Trainer:
         key = (m, length)
         if key not in self._schedules:
             hidden, logits = activation_dtypes(self.layout, self.config.dtype)
-            stages = make_stages(self.modules, [k for k, _ in self.chunks], len(self.plan.stages), self.device,
+            index = self.group.blocks[self.place.pp].index(dist.get_rank())
+            stages = make_stages(self.modules, [k for k, _ in self.chunks], len(self.group.stages), self.device,
                                  self.pp_group, tokens=length, tp=self.layout.tp, hidden=self.spec.hidden,
-                                 vocab=self.spec.vocab, dtype=hidden, logits_dtype=logits)
+                                 vocab=self.spec.vocab, dtype=hidden, logits_dtype=logits,
+                                 pipeline_ranks=[block[index] for block in self.group.blocks])
             self._schedules[key] = build_pipeline_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn)
         sched = self._schedules[key]
         for mod in self.modules:
             mod.feed(batches)
-        first = self.coords["pp"] == 0
-        last = self.coords["pp"] == self.layout.pp - 1
+        first = self.place.pp == 0
+        last = self.place.pp == self.layout.pp - 1
         tokens = torch.cat([b.tokens for b in batches]) if first else None
         labels = torch.cat([b.labels for b in batches]) if last else None
         losses: list = []
@@ -475,7 +452,28 @@ class Trainer:
         return [m.model for m in self.modules]
 
     def state_module(self) -> torch.nn.Module:
-        """The module whose state a checkpoint holds: the model chunk, or a list of chunks (interleaved)."""
+        """The module whose state a checkpoint holds: the model chunk, or the chunks of an interleaved
+        pipeline (a list of chunks with one group; under the model's own names with several, where
+        groups of other layouts read what group 0 wrote)."""
         inner = self.inner_models()
-        return inner[0] if len(inner) == 1 else torch.nn.ModuleList(inner)
+        if len(inner) == 1:
+            return inner[0]
+        return Chunks(inner) if self.several else torch.nn.ModuleList(inner)
+
+    def checkpoint_state(self, saving: bool, options) -> tuple[dict, dict]:  # noqa: ANN001
+        """(model, optimizer) state dicts a checkpoint writes (``saving``) or reads into. Every group
+        holds the same weights and AdamW states, so only group 0 writes; every group reads."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.place is None or (saving and self.place.group != 0):
+            return {}, {}
+        return get_state_dict(self.state_module(), self.optimizer, options=options)
+
+    def load_checkpoint_state(self, model_sd: dict, optim_sd: dict, options) -> None:  # noqa: ANN001
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if self.place is not None:
+            set_state_dict(self.state_module(), self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                           options=options)
+
 

@@ -129,7 +129,7 @@ def slot_speeds(ctx: ScheduleContext, slots: Sequence[Slot], lengths: ArrayLike)
     (:attr:`ScheduleContext.in_lockstep`) every group runs the step's largest micro-batch count and
     communicates for all of them, whatever its own load: there the communication a group adds by
     taking more work is not its own time but everyone's (one more micro-batch in lockstep), and the
-    slowest member's factor stays (on bench/hetero_stragglers.py's ZeRO-3 cases the load-based factor
+    slowest member's factor stays (on bench/stragglers.py's ZeRO-3 cases the load-based factor
     cost up to 1% of throughput; on its pipelines with their own counts it gained 0.5-0.8%).
 
     >>> round(1.0 / ((1 - 0.2) / 0.5 + 0.2), 3)  # speed 0.5 with 20% exposed communication

@@ -14,7 +14,8 @@ policy can keep that promise).
   :mod:`flexmesh.schedule.chunking`; the runtime carries the slices' keys and values, without
   pipelining only (on a pipeline its scheduler keeps sequences whole).
 
-``flexmesh train`` offers every policy but ``padded``: :data:`RUNTIME_POLICIES` lists them.
+``flexmesh train`` offers every policy but ``padded``, and ``shares`` (each replica group of a plan its
+planned share of the batch, flexmesh.schedule.groups): :data:`RUNTIME_POLICIES` lists them.
 
 >>> from flexmesh.schedule.testing import tiny_context
 >>> s = make_schedule("hdp", [900, 50, 60, 3000], tiny_context(num_ranks=4))
@@ -55,7 +56,7 @@ POLICIES: dict[Policy, PolicyFn] = {
 # arrival-order packing, not as what it is named. The runtime runs wlb without its outlier delay and
 # chunked's slices only where it can carry them (see flexmesh.schedule.scheduler.Scheduler).
 RUNTIME_POLICIES: tuple[Policy, ...] = (Policy.FIXED, Policy.BALANCED, Policy.WLB, Policy.HDP, Policy.MILP,
-                                        Policy.CHUNKED)
+                                        Policy.CHUNKED, Policy.SHARES)
 
 
 def make_schedule(policy: Policy | str, lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,

@@ -16,10 +16,13 @@ True
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Callable
 
-from flexmesh.layout.step import StepSchedule
+from flexmesh.errors import ScheduleError
+from flexmesh.layout.step import Group, StepSchedule
 from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.groups import GroupsContext
 from flexmesh.schedule.scheduler import Scheduler
 from flexmesh.sim.timeline import simulate_step
 
@@ -34,13 +37,17 @@ def step_time_predictor(ctx: ScheduleContext, *, virtual_stages: int = 1) -> Cal
 
 
 def simulated_scheduler(scheduler: Scheduler) -> Scheduler:
-    """``scheduler`` whose step schedules carry the simulated step time (on its own context and its
-    plan's virtual stages) as ``predicted_step_time``; the context is read at each call, so the
-    prediction follows :meth:`~flexmesh.schedule.scheduler.Scheduler.set_speed`."""
+    """``scheduler`` whose step schedules carry the simulated step time (on its own contexts and its
+    plan's virtual stages) as ``predicted_step_time``; the contexts are read at each call, so the
+    prediction follows :meth:`~flexmesh.schedule.scheduler.Scheduler.set_speed`. A scheduler that
+    prices nothing (fixed shares on an unpriced cluster) is returned as it is."""
+    if scheduler.groups is None:
+        return scheduler
     out = scheduler.with_predict(None)
 
     def predict(schedule: StepSchedule) -> float:
-        return simulate_step(out.context, schedule, virtual_stages=out.virtual_stages).step_time
+        assert out.groups is not None  # set_speed keeps a priced scheduler priced
+        return simulate_groups(out.groups, schedule, virtual_stages=out.virtual_stages)
 
     out.predict = predict
     return out
@@ -48,10 +55,41 @@ def simulated_scheduler(scheduler: Scheduler) -> Scheduler:
 
 def step_time_at_speed(scheduler: Scheduler) -> Callable[[StepSchedule, Sequence[float]], float]:
     """``(schedule, speed per data rank) -> simulated step time`` (s) on ``scheduler``'s current
-    context: how the runtime prices a schedule at measured speeds (flexmesh.runtime.stragglers)."""
+    contexts: how the runtime prices a schedule at measured speeds (flexmesh.runtime.stragglers)."""
 
     def price(schedule: StepSchedule, speed: Sequence[float]) -> float:
-        return simulate_step(scheduler.context, schedule, virtual_stages=scheduler.virtual_stages,
-                             speed=list(speed)).step_time
+        if scheduler.groups is None:
+            raise ScheduleError("this scheduler prices nothing (fixed shares on a cluster without presets)")
+        return simulate_groups(scheduler.groups.with_speed(speed), schedule, virtual_stages=scheduler.virtual_stages)
 
     return price
+
+
+def simulate_groups(gctx: GroupsContext, schedule: StepSchedule, *,
+                    virtual_stages: Sequence[int] | None = None) -> float:
+    """The simulated step of a plan of replica groups (flexmesh.schedule.groups), seconds: each group's
+    part of ``schedule`` played out on its own context at its data ranks' speeds, the slowest group,
+    then the exposed gradient all-reduce across groups (``gctx.cross_sync_s``). With one group, the
+    simulator's step on its context.
+
+    >>> from flexmesh.schedule.groups import dispatched_schedule, shares_schedule
+    >>> from flexmesh.schedule.testing import tiny_context
+    >>> ctx = [tiny_context(num_ranks=n, model="tiny") for n in (2, 1)]
+    >>> g = GroupsContext(tuple(ctx), (4, 2), (2, 2)).with_speed((1.0, 1.0, 0.5))
+    >>> lens = [900, 50, 60, 3000, 40, 30]
+    >>> simulate_groups(g, dispatched_schedule("hdp", lens, g)) < simulate_groups(g, shares_schedule(lens, g))
+    True
+    """
+    if len(gctx.contexts) == 1:
+        return simulate_step(gctx.contexts[0], schedule, virtual_stages=virtual_stages[0] if virtual_stages else 1
+                             ).step_time
+    worst = 0.0
+    for g, (ctx, first) in enumerate(zip(gctx.contexts, gctx.offsets)):
+        own = tuple(Group(tuple(r - first for r in grp.ranks), grp.microbatches, grp.predicted_time)
+                    for grp in schedule.groups if first <= grp.ranks[0] < first + ctx.num_ranks)
+        if not any(grp.microbatches for grp in own):
+            continue
+        sub = replace(schedule, groups=own, deferred=())
+        v = virtual_stages[g] if virtual_stages else 1
+        worst = max(worst, simulate_step(ctx, sub, virtual_stages=v).step_time)
+    return worst + gctx.cross_sync_s

@@ -126,7 +126,7 @@ def straggler_context(cost: CostModel, *, tp: int = 1, pp: int = 1, zero: int = 
 
     ``lockstep`` and ``microbatch_tokens`` as in :class:`ScheduleContext`: ``lockstep=False`` with
     ``pp > 1`` and ``zero < 3`` is a plan whose pipelines run their own micro-batch counts
-    (:class:`flexmesh.layout.hetero.Replica`), which a slow pipeline needs to take a smaller share.
+    (a replica group of :class:`flexmesh.layout.plan.Plan`), which a slow pipeline needs to take a smaller share.
     """
     world = cost.cluster.world_size
     if world % (tp * pp):

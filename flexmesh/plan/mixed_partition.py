@@ -1,11 +1,11 @@
-"""The lower level of the heterogeneous search, solved exactly: the layer partition of one pipeline
+"""The lower level of the mixed-cluster search, solved exactly: the layer partition of one pipeline
 and the batch split across pipelines.
 
 Layer partition (:func:`partition`): a pipeline's stages run on TP groups of possibly different
 device types and speeds. Stage ``j`` holding ``n`` layers under recomputation mode ``r`` takes
 ``n * tau[j, r] + e[j, r]`` seconds per micro-batch and ``n * beta[j, r] + gamma[j, r]`` bytes (each
 from the stage's own CostModel: :meth:`CostModel.layer` and :meth:`CostModel.ends`, speed-scaled;
-the same figures :func:`flexmesh.plan.hetero_cost.evaluate_replica` sums, since a stage's cost is
+the same figures :func:`flexmesh.cost.mixed.evaluate_group` sums, since a stage's cost is
 its layers' costs added). Both are increasing in ``n``, so for a bound ``T`` each stage holds at
 most ``c_j(T) = max_r min(floor((T - e)/tau), floor((budget - gamma)/beta))`` layers, and a partition
 with max stage time <= T exists iff every ``c_j(T) >= 1`` and ``sum_j c_j(T) >= L``. The smallest
@@ -20,7 +20,7 @@ largest, :func:`flexmesh.cost.pipeline_time`). The integer program
     minimise t  s.t.  sum_k M_k = B / mu,  N_k <= M_k <= N_k * u_k,  t >= a_k + c_k * u_k,  M_k, u_k integer
 
 is solved with SciPy's HiGHS MILP (``scipy.optimize.milp``); it is exact for this model
-(tests/test_hetero_plan.py checks it against brute force).
+(tests/test_mixed_plan.py checks it against brute force).
 """
 
 from __future__ import annotations

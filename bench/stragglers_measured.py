@@ -25,13 +25,13 @@ measured on the steps before, flexmesh.runtime.stragglers), and with the profile
 schedule's own prediction, at the relative speeds it was scheduled for), which is off by however
 much this shared machine's speed has drifted since profiling. Targets: adaptive >= 1.25x static
 after recovery, recovery within 5 steps, the trainer's prediction within 15% of the measured step
-time. Records the section "hetero_measured" of bench/RESULTS.md with the commit and the load average
+time. Records the section "stragglers_measured" of bench/RESULTS.md with the commit and the load average
 (not with ``--quick``); the machine is shared, so only figures from a quiet machine count.
 
-    python -m bench.hetero_measured                  # 12 steps of 16 documents <= 512 tokens, about 2 minutes
+    python -m bench.stragglers_measured                  # 12 steps of 16 documents <= 512 tokens, about 2 minutes
                                                      # plus about 6 minutes of profiling
-    python -m bench.hetero_measured --quick          # 6 steps of 8 documents <= 256 tokens; prints only
-    python -m bench.hetero_measured --profiles DIR   # reuse hardware.json and model.json in DIR
+    python -m bench.stragglers_measured --quick          # 6 steps of 8 documents <= 256 tokens; prints only
+    python -m bench.stragglers_measured --profiles DIR   # reuse hardware.json and model.json in DIR
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.adaptive import MODEL, machine_profiles  # noqa: E402  (after the path: `python bench/hetero_measured.py` works)
+from bench.adaptive import MODEL, machine_profiles  # noqa: E402  (after the path: `python bench/stragglers_measured.py` works)
 
 NPROC = 2
 TARGETS = {"speedup": 1.25, "recovery_steps": 5, "simulator_error": 0.15}
@@ -154,7 +154,7 @@ def report(console, args, d: dict, metrics: dict, load: tuple[float, ...], price
           "`--no-replan`, `adaptive` re-plans. Throughput over the steps from the first re-planned one to the end.",
           "", *markdown_table(cols, rows), "", *markdown_table(("figure", "measured", "target", ""), checks), "",
           *[f"- {line}" for line in lines]]
-    record("hetero_measured", "\n".join(md))
+    record("stragglers_measured", "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
-"""Heterogeneous devices and stragglers, in three parts, each its own module and RESULTS.md section:
+"""Uneven devices: mixed clusters and stragglers, in three parts, each its own module and RESULTS.md section:
 
-(a) ``bench.hetero_plan``: planned throughput and search time on mixed clusters against the
+(a) ``bench.mixed_plan``: planned throughput and search time on mixed clusters against the
     ``uniform`` and ``proportional`` baselines and the sum of the parts planned alone;
-(b) ``bench.hetero_stragglers``: simulated stragglers on 64 and 1024 GPUs, static plan against
+(b) ``bench.stragglers``: simulated stragglers on 64 and 1024 GPUs, static plan against
     re-planned against the capacity bound;
-(c) ``bench.hetero_measured``: measured on this machine, 2 processes with one emulated at half
+(c) ``bench.stragglers_measured``: measured on this machine, 2 processes with one emulated at half
     speed, static against adaptive tokens/s, steps until recovery, predicted against measured.
 
-``python -m bench.hetero`` runs all three (``--only a,b`` picks parts); each prints its table and
+``python -m bench.uneven_devices`` runs all three (``--only a,b`` picks parts); each prints its table and
 records its own section.
 """
 
@@ -17,7 +17,7 @@ import argparse
 import importlib
 import sys
 
-PARTS = {"a": "bench.hetero_plan", "b": "bench.hetero_stragglers", "c": "bench.hetero_measured"}
+PARTS = {"a": "bench.mixed_plan", "b": "bench.stragglers", "c": "bench.stragglers_measured"}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Tables of a heterogeneous plan against its baselines, and the demo's mixed-cluster planning part.
+"""Tables of a plan of replica groups against its baselines, and the demo's mixed-cluster planning part.
 
 ``flexmesh plan`` on a mixed cluster prints :func:`replica_table` and :func:`baseline_table`
 (``--explain`` adds :func:`stage_table`); ``flexmesh demo`` calls :func:`demo_mixed_plan`.
@@ -10,10 +10,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from flexmesh.layout.hetero import HeteroPlan
-from flexmesh.plan.hetero import HeteroResult, plan_hetero
-from flexmesh.plan.hetero_baselines import hetero_baselines
-from flexmesh.plan.hetero_cost import HeteroEvaluation, MixedCosts
+from flexmesh.cost.mixed import GroupsEvaluation, MixedCosts
+from flexmesh.layout.plan import Plan, ReplicaGroup, rank_runs
+from flexmesh.plan.baselines import mixed_baselines
+from flexmesh.plan.mixed import MixedResult, plan_mixed
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 from flexmesh.units import GIB
@@ -27,37 +27,39 @@ def device_list(devices: tuple[int, ...] | list[int]) -> str:
     >>> device_list((0, 1, 4, 5, 9))
     '0-1,4-5,9'
     """
-    out: list[list[int]] = []
-    for d in sorted(devices):
-        if out and d == out[-1][1] + 1:
-            out[-1][1] = d
-        else:
-            out.append([d, d])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in out)
+    return rank_runs(tuple(sorted(devices)))
 
 
-def replica_table(plan: HeteroPlan, ev: HeteroEvaluation, cluster: MixedCluster, title: str) -> Table:
-    """One row per replica: devices, layout, pipeline time, tail and peak memory against the budget."""
+def group_compact(g: ReplicaGroup) -> str:
+    """A group of one pipeline in a line, e.g. ``b96 m12 | [0,20) tp4 | [20,40) tp4-ac``."""
+    suffix = {"none": "", "selective": "-sac", "full": "-ac"}
+    stages = " | ".join(f"[{s.start},{s.end}) tp{g.stage_tp(i)}{suffix[str(s.strategies[0].recompute)]}"
+                        for i, s in enumerate(g.stages))
+    return f"b{g.share} m{g.num_microbatches} | {stages}"
+
+
+def replica_table(plan: Plan, ev: GroupsEvaluation, cluster: MixedCluster, title: str) -> Table:
+    """One row per replica group: devices, layout, pipeline time, tail and peak memory against the budget."""
     t = Table(title=title)
     for col, just in (("#", "right"), ("devices", "left"), ("layout", "left"), ("pipeline s", "right"),
                       ("tail s", "right"), ("peak GiB / usable", "right")):
         t.add_column(col, justify=just, overflow="fold")
-    for i, (r, e) in enumerate(zip(plan.replicas, ev.replicas)):
+    for i, (g, e) in enumerate(zip(plan.groups, ev.replicas)):
         worst = max(e.stages, key=lambda s: s.memory["total"] / s.budget)
-        names = "+".join(dict.fromkeys(cluster.device_of(d).name for d in r.devices))
-        t.add_row(str(i), f"{device_list(r.devices)} {names}", r.compact, f"{e.pipeline_time:.3f}", f"{e.tail:.3f}",
-                  f"{worst.memory['total'] / GIB:.1f} / {worst.budget / GIB:.1f}")
+        names = "+".join(dict.fromkeys(cluster.device_of(d).name for d in g.ranks))
+        t.add_row(str(i), f"{device_list(g.ranks)} {names}", group_compact(g), f"{e.pipeline_time:.3f}",
+                  f"{e.tail:.3f}", f"{worst.memory['total'] / GIB:.1f} / {worst.budget / GIB:.1f}")
     if plan.unused:
         t.caption = f"unused devices: {device_list(plan.unused)}"
     return t
 
 
-def stage_table(plan: HeteroPlan, ev: HeteroEvaluation) -> Table:
+def stage_table(plan: Plan, ev: GroupsEvaluation) -> Table:
     """``--explain``: every stage's device, time per micro-batch and memory (GiB)."""
     t = Table(title=f"stages: step {ev.step_time:.3f} s = slowest pipeline + largest tail (exposed gradient "
                     "all-reduce + optimizer); memory in GiB, max = usable", box=box.SIMPLE_HEAD, padding=(0, 1),
               pad_edge=False, show_edge=False)
-    for col in ("r.s", "device", "layers", "tp", "ac", "s/mb", "states", "act", "other", "total/max"):
+    for col in ("g.s", "device", "layers", "tp", "ac", "s/mb", "states", "act", "other", "total/max"):
         t.add_column(col, justify="left" if col in ("device", "ac") else "right", no_wrap=True)
     short = {"none": "-", "selective": "sel", "full": "full"}
     for i, e in enumerate(ev.replicas):
@@ -75,7 +77,7 @@ def baseline_table(tokens_per_s: float, baselines: dict) -> Table:
     t = Table(title="against the baselines (one cost model prices all)")
     for col, just in (("", "left"), ("tokens/s", "right"), ("plan is", "right"), ("layout", "left")):
         t.add_column(col, justify=just, overflow="fold")
-    t.add_row("heterogeneous plan", f"{tokens_per_s:,.0f}", "", "")
+    t.add_row("the plan", f"{tokens_per_s:,.0f}", "", "")
     labels = {"uniform": "uniform (all as the slowest type)", "proportional": "proportional (batch by peak FLOP/s)",
               "sum_of_parts": "sum of the parts planned alone"}
     for name, label in labels.items():
@@ -94,11 +96,11 @@ def ratios(tokens_per_s: float, baselines: dict) -> dict[str, float | None]:
             for k, v in baselines.items()}
 
 
-def plan_with_baselines(model: str, cluster: str, seq_len: int, global_batch: int) -> tuple[HeteroResult, dict]:
+def plan_with_baselines(model: str, cluster: str, seq_len: int, global_batch: int) -> tuple[MixedResult, dict]:
     spec, mixed = parse_model(model), parse_mixed_cluster(cluster)
     costs = MixedCosts(spec, mixed)
-    result = plan_hetero(spec, mixed, seq_len, global_batch, costs)
-    return result, hetero_baselines(spec, mixed, seq_len, global_batch, costs)
+    result = plan_mixed(spec, mixed, seq_len, global_batch, costs)
+    return result, mixed_baselines(spec, mixed, seq_len, global_batch, costs)
 
 
 def demo_mixed_plan(console: Console) -> dict:

@@ -1,6 +1,6 @@
 """Benchmark: simulated stragglers on 64 and 1024 GPUs, static plan vs re-planned vs the capacity bound.
 
-    OMP_NUM_THREADS=1 python -m bench.hetero_stragglers [--quick]
+    OMP_NUM_THREADS=1 python -m bench.stragglers [--quick]
 
 llama2-13b on H100 nodes (8 per node), context 4096, real length distributions (wikipedia, prolong;
 flexmesh.data.lengths), 4M tokens per step on 64 GPUs and 16M on 1024. Devices slowed: one at 0.5,
@@ -11,7 +11,7 @@ speed: batch shares move between data-parallel replicas and pipelines), the capa
 device bound. Targets: re-planned >= 90% of the capacity bound in every case, and >= 1.5x static with
 one device of 64 at 0.25.
 
-Prints the table and records it with bench/_results.record("hetero_stragglers", ...).
+Prints the table and records it with bench/_results.record("stragglers", ...).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ MODEL, CONTEXT, POLICY = "llama2-13b", 4096, "hdp"
 # (GPUs, layout label, straggler_context keywords, lengths, tokens per step, steps).
 # tp 2 within a node, ZeRO-3 over the data ranks: every data rank runs the step's micro-batch count
 # (ZeRO-3 gathers pair up), pp = 1 keeps the padding empty micro-batches cheap. The pipelined layout
-# has no ZeRO-3 across its replicas (as a heterogeneous plan's replicas, flexmesh.layout.hetero), so each
+# has no ZeRO-3 across its replicas (as a plan of replica groups' pipelines, flexmesh.layout.plan), so each
 # pipeline runs its own micro-batch count; micro-batches of at most 8192 tokens per rank (two full-context
 # sequences) give each pipeline about 30 per step at 64 GPUs, so its fill and drain stay short (4096 and
 # 16384 gave lower re-planned throughput on the same batches).
@@ -132,7 +132,7 @@ def main() -> None:
     text = "\n".join(out)
     print(text)
     if not args.quick:
-        record("hetero_stragglers", text)
+        record("stragglers", text)
 
 
 if __name__ == "__main__":

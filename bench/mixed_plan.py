@@ -1,4 +1,4 @@
-"""Part (a) of bench/hetero.py: the heterogeneous planner on mixed clusters against its baselines.
+"""Part (a) of bench/uneven_devices.py: the mixed-cluster planner against its baselines.
 
 For each case: search time, the plan's predicted tokens/s, and the same for ``uniform`` (today's
 planner, every device as the slowest type), ``proportional`` (a uniform layout's replicas with
@@ -8,7 +8,7 @@ search <= 10 s); (b) has 1024 GPUs (search <= 60 s); the ratios of (b) and (c) a
 the same thresholds for reference. Times are wall-clock on whatever shares the machine: PASS/FAIL
 is printed, not asserted.
 
-Run: OMP_NUM_THREADS=1 python -m bench.hetero_plan
+Run: OMP_NUM_THREADS=1 python -m bench.mixed_plan
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench._results import markdown_table, record
-from flexmesh.plan.hetero import plan_hetero
-from flexmesh.plan.hetero_baselines import hetero_baselines
-from flexmesh.plan.hetero_cost import MixedCosts
+from flexmesh.cost.mixed import MixedCosts
+from flexmesh.plan.baselines import mixed_baselines
+from flexmesh.plan.mixed import plan_mixed
 from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 
@@ -37,13 +37,13 @@ def run_case(model_name: str, cluster_name: str, seq: int, gb: int) -> dict:
     model, cluster = parse_model(model_name), parse_mixed_cluster(cluster_name)
     costs = MixedCosts(model, cluster)
     t0 = time.perf_counter()
-    result = plan_hetero(model, cluster, seq, gb, costs)
+    result = plan_mixed(model, cluster, seq, gb, costs)
     search_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    base = hetero_baselines(model, cluster, seq, gb, costs)
+    base = mixed_baselines(model, cluster, seq, gb, costs)
     tput = result.evaluation.tokens_per_s
     return {"search_s": search_s, "baselines_s": time.perf_counter() - t1, "tok_s": tput,
-            "configs": result.configurations, "replicas": len(result.plan.replicas),
+            "configs": result.configurations, "replicas": len(result.plan.groups),
             "unused": len(result.plan.unused), "layout": result.plan.layout.split("\n"),
             "uniform": base["uniform"]["tokens_per_s"] if base["uniform"] else 0.0,
             "proportional": base["proportional"]["tokens_per_s"] if base["proportional"] else 0.0,
@@ -79,7 +79,7 @@ def main() -> None:
                     _verdict(ratio("parts") >= PARTS_TARGET, asserted)]]
     columns = ["case", "search s", "configurations", "plan tokens/s", "uniform", "plan/uniform", "proportional",
                "plan/prop.", "sum of parts", "plan/parts", "plan (distinct replica layouts)"]
-    table = Table(title="heterogeneous planner against its baselines (one cost model)")
+    table = Table(title="mixed-cluster planner against its baselines (one cost model)")
     for col in columns:
         table.add_column(col, overflow="fold")
     for r in rows:
@@ -94,13 +94,13 @@ def main() -> None:
     body = "\n".join([
         *markdown_table(columns, rows), "",
         *markdown_table(["case", "what", "target", "measured", "verdict"], checks), "",
-        "Predicted figures from the device presets (no profiles). Search time is the heterogeneous search "
+        "Predicted figures from the device presets (no profiles). Search time is the mixed-cluster search "
         "alone (the baselines run the uniform planner three times more); the machine is a shared 2-core "
         "box, so times are upper bounds. `uniform` may use ZeRO and context parallelism, which a "
-        "heterogeneous plan (whole copies per replica) does not; `sum of parts` plans each group alone "
+        "plan of replica groups (whole copies per replica) does not; `sum of parts` plans each group alone "
         "with the whole global batch.",
     ])
-    record("hetero_plan", body)
+    record("mixed_plan", body)
 
 
 if __name__ == "__main__":

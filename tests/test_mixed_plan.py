@@ -1,4 +1,4 @@
-"""The heterogeneous planner: pricing agrees with the uniform cost model, the lower level is exact
+"""The mixed-cluster planner: pricing agrees with the uniform cost model, the lower level is exact
 (checked by brute force), the plan checker catches each violation, memory is respected, a uniform
 cluster loses nothing against the uniform planner, and `flexmesh plan` prints the baselines."""
 
@@ -11,15 +11,16 @@ import random
 import pytest
 
 from flexmesh.cli import main
+from flexmesh.cost.mixed import MIXED_OVERLAP, MixedCosts, evaluate_groups
 from flexmesh.errors import PlanError
-from flexmesh.layout.hetero import HeteroPlan, Replica, ReplicaStage, load_plan
-from flexmesh.layout.strategy import Recompute
+from flexmesh.layout.mesh import replica_groups
+from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan, load_plan
+from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.plan import SearchRequest, best_plans
-from flexmesh.plan.hetero import plan_hetero
-from flexmesh.plan.hetero_baselines import HETERO_SPACE, hetero_baselines
-from flexmesh.plan.hetero_check import check_hetero_plan
-from flexmesh.plan.hetero_cost import MixedCosts, evaluate_hetero
-from flexmesh.plan.hetero_partition import ReplicaClass, StageLine, partition, relaxed_split, split_batch
+from flexmesh.plan.baselines import REPLICA_SPACE, mixed_baselines
+from flexmesh.plan.check import check_groups
+from flexmesh.plan.mixed import plan_mixed
+from flexmesh.plan.mixed_partition import ReplicaClass, StageLine, partition, relaxed_split, split_batch
 from flexmesh.spec import parse_cluster, parse_model
 from flexmesh.spec.cluster import parse_mixed_cluster
 
@@ -28,8 +29,8 @@ MIXED = parse_mixed_cluster("1x4xH100+1x4xA100-40GB")
 
 def test_a_uniform_plan_is_priced_as_the_uniform_cost_model_prices_it():
     model, cluster = parse_model("llama2-7b"), parse_cluster("8xA100-80GB")
-    best = best_plans(SearchRequest(model, cluster, 4096, 32, HETERO_SPACE, top=1), with_baselines=False).best
-    ev = evaluate_hetero(HeteroPlan.from_uniform(best.plan), MixedCosts(model, parse_mixed_cluster("8xA100-80GB")))
+    best = best_plans(SearchRequest(model, cluster, 4096, 32, REPLICA_SPACE, top=1), with_baselines=False).best
+    ev = evaluate_groups(replica_groups(best.plan), MixedCosts(model, parse_mixed_cluster("8xA100-80GB")))
     assert ev.step_time == pytest.approx(best.evaluation.step_time, rel=1e-9)
     assert max(r.peak_memory for r in ev.replicas) == pytest.approx(best.evaluation.peak_memory, rel=1e-9)
 
@@ -83,10 +84,17 @@ def test_batch_split_is_the_min_max_of_every_integer_split():
 
 
 # ---- the checker ----------------------------------------------------------------------------------
-def _plan(stages_a, stages_b, batch=(8, 8), micro=(4, 4), world=8, unused=()):
-    reps = tuple(Replica(tuple(ReplicaStage(s, e, tuple(d), rc) for s, e, d, rc in st), b, m)
-                 for st, b, m in zip((stages_a, stages_b), batch, micro))
-    return HeteroPlan("llama2-7b", MIXED.label, world, 2048, sum(batch), reps, unused=unused)
+def _group(stages, share, micro):
+    """A replica group of one pipeline: (start, end, devices, recompute) per stage."""
+    return ReplicaGroup(tuple(tuple(d) for _, _, d, _ in stages),
+                        tuple(StagePlan(s, e, (LayerStrategy(tp=len(d), recompute=Recompute(rc)),) * (e - s))
+                              for s, e, d, rc in stages), micro, share)
+
+
+def _plan(stages_a, stages_b, batch=(8, 8), micro=(4, 4), world=8, unused=(), cluster=None):
+    groups = tuple(_group(st, b, m) for st, b, m in zip((stages_a, stages_b), batch, micro))
+    return Plan("llama2-7b", cluster or MIXED.label, world, 2048, sum(batch), "1f1b", groups, unused=unused,
+                overlap=MIXED_OVERLAP)
 
 
 GOOD_A = [(0, 32, [0, 1, 2, 3], "none")]
@@ -95,7 +103,7 @@ GOOD_B = [(0, 16, [4, 5], "full"), (16, 32, [6, 7], "full")]
 
 def test_a_valid_plan_is_priced_per_replica():
     model = parse_model("llama2-7b")
-    ev = check_hetero_plan(_plan(GOOD_A, GOOD_B), model, MIXED)
+    ev = check_groups(_plan(GOOD_A, GOOD_B), model, MIXED)
     assert ev.fits and len(ev.replicas) == 2 and [s.device for s in ev.replicas[1].stages] == ["A100-40GB"] * 2
     # The H100 replica is faster on the same batch: one cost model per device type.
     assert ev.replicas[0].pipeline_time < ev.replicas[1].pipeline_time
@@ -109,43 +117,41 @@ def test_a_valid_plan_is_priced_per_replica():
 ])
 def test_the_checker_catches_each_violation(a, b, kwargs, expect):
     with pytest.raises(PlanError, match=expect) as e:
-        check_hetero_plan(_plan(a, b, **kwargs), parse_model("llama2-7b"), MIXED)
+        check_groups(_plan(a, b, **kwargs), parse_model("llama2-7b"), MIXED)
     assert "\n" not in str(e.value)
 
 
 def test_the_checker_catches_tp_across_nodes_world_model_and_layers():
     two_nodes = parse_mixed_cluster("2x2xH100+1x4xA100-40GB")
-    plan = HeteroPlan("llama2-7b", two_nodes.label, 8, 2048, 16,
-                      (Replica((ReplicaStage(0, 32, (1, 2)),), 8, 4),
-                       Replica((ReplicaStage(0, 32, (4, 5, 6, 7)),), 8, 4)),
-                      unused=(0, 3))
+    plan = _plan([(0, 32, (1, 2), "none")], [(0, 32, (4, 5, 6, 7), "none")], unused=(0, 3),
+                 cluster=two_nodes.label)
     with pytest.raises(PlanError, match="spans nodes"):
-        check_hetero_plan(plan, parse_model("llama2-7b"), two_nodes)
+        check_groups(plan, parse_model("llama2-7b"), two_nodes)
     with pytest.raises(PlanError, match="devices"):
-        check_hetero_plan(_plan(GOOD_A, GOOD_B), parse_model("llama2-7b"),
+        check_groups(_plan(GOOD_A, GOOD_B), parse_model("llama2-7b"),
                           parse_mixed_cluster("1x4xH100+2x4xA100-40GB"))
     with pytest.raises(PlanError, match="made for model"):
-        check_hetero_plan(_plan(GOOD_A, GOOD_B), parse_model("llama2-13b"), MIXED)
+        check_groups(_plan(GOOD_A, GOOD_B), parse_model("llama2-13b"), MIXED)
 
 
 def test_over_budget_names_the_stage_and_device():
     with pytest.raises(PlanError) as e:
-        check_hetero_plan(_plan(GOOD_A, [(0, 32, [4, 5], "none")], unused=(6, 7)), parse_model("llama2-7b"), MIXED)
+        check_groups(_plan(GOOD_A, [(0, 32, [4, 5], "none")], unused=(6, 7)), parse_model("llama2-7b"), MIXED)
     msg = str(e.value)
-    assert "replica 1 stage 0" in msg and "A100-40GB" in msg and "usable" in msg and "recompute" in msg
+    assert "replica group 1 stage 0" in msg and "A100-40GB" in msg and "usable" in msg and "recompute" in msg
 
 
 # ---- the planner ----------------------------------------------------------------------------------
 def test_the_plan_fits_every_device_and_splits_the_batch():
     model = parse_model("llama2-7b")
-    r = plan_hetero(model, MIXED, 2048, 32)
-    ev = evaluate_hetero(r.plan, MixedCosts(model, MIXED))
+    r = plan_mixed(model, MIXED, 2048, 32)
+    ev = evaluate_groups(r.plan, MixedCosts(model, MIXED))
     assert ev.fits and ev.step_time == pytest.approx(r.evaluation.step_time)
-    assert sum(x.batch for x in r.plan.replicas) == 32
+    assert sum(g.share for g in r.plan.groups) == 32
     for rep in ev.replicas:
         for s in rep.stages:
             assert s.memory["total"] <= s.budget
-    # Round trip through the version-3 file format.
+    # The plan carries its prediction.
     assert r.plan.predicted["tokens_per_s"] == pytest.approx(ev.tokens_per_s)
 
 
@@ -155,39 +161,39 @@ def test_a_slow_device_gets_less_of_the_batch(tmp_path):
                                 "speed_factors": [1.0, 1.0, 1.0, 0.5]}))
     cluster = parse_mixed_cluster(str(path))
     assert not cluster.uniform
-    r = plan_hetero(parse_model("tiny"), cluster, 1024, 24)
-    by_device = {d: rep.batch for rep in r.plan.replicas for d in rep.devices}
+    r = plan_mixed(parse_model("tiny"), cluster, 1024, 24)
+    by_device = {d: g.share for g in r.plan.groups for d in g.ranks}
     assert by_device[3] < by_device[0]
 
 
 @pytest.mark.parametrize("model,cluster,seq,gb", [("tiny", "8xA100-80GB", 1024, 32),
                                                    ("llama2-7b", "8xA100-40GB", 4096, 64)])
 def test_a_uniform_cluster_loses_nothing_against_the_uniform_planner(model, cluster, seq, gb):
-    """Against the uniform planner within what a HeteroPlan expresses (no ZeRO, no context
-    parallelism, 1F1B: replicas hold whole copies)."""
+    """Against the uniform planner within what replica groups of one pipeline express (no ZeRO, no
+    context parallelism, 1F1B: replicas hold whole copies)."""
     spec = parse_model(model)
-    uniform = best_plans(SearchRequest(spec, parse_cluster(cluster), seq, gb, HETERO_SPACE, top=1),
+    uniform = best_plans(SearchRequest(spec, parse_cluster(cluster), seq, gb, REPLICA_SPACE, top=1),
                          with_baselines=False).best.evaluation
-    hetero = plan_hetero(spec, parse_mixed_cluster(cluster), seq, gb).evaluation
-    assert hetero.tokens_per_s >= uniform.tokens_per_s * (1 - 1e-3)
+    mixed = plan_mixed(spec, parse_mixed_cluster(cluster), seq, gb).evaluation
+    assert mixed.tokens_per_s >= uniform.tokens_per_s * (1 - 1e-3)
 
 
 def test_target_llama2_13b_on_h100_plus_a100():
     """The planned throughput beats `uniform` by 1.3x and reaches 0.9x of the parts planned alone."""
     model, cluster = parse_model("llama2-13b"), parse_mixed_cluster("1x8xH100+2x8xA100-40GB")
     costs = MixedCosts(model, cluster)
-    r = plan_hetero(model, cluster, 4096, 256, costs)
-    b = hetero_baselines(model, cluster, 4096, 256, costs)
+    r = plan_mixed(model, cluster, 4096, 256, costs)
+    b = mixed_baselines(model, cluster, 4096, 256, costs)
     tput = r.evaluation.tokens_per_s
     assert tput >= 1.3 * b["uniform"]["tokens_per_s"]
     assert tput >= 0.9 * b["sum_of_parts"]["tokens_per_s"]
     assert tput >= b["proportional"]["tokens_per_s"]
-    assert r.search_seconds < 60  # the 10 s target is measured by bench/hetero_plan.py, not on a loaded machine
+    assert r.search_seconds < 60  # the 10 s target is measured by bench/mixed_plan.py, not on a loaded machine
 
 
 # ---- the command ------------------------------------------------------------------------------------
-def test_plan_command_json_has_baselines_and_check_reads_version_3(capsys, tmp_path):
-    out = tmp_path / "hetero.json"
+def test_plan_command_json_has_baselines_and_check_reads_the_plan(capsys, tmp_path):
+    out = tmp_path / "mixed.json"
     args = ["plan", "--model", "llama2-7b", "--cluster", "1x4xH100+1x4xA100-40GB", "--seq-len", "2048",
             "--global-batch", "32"]
     assert main(args + ["--json", "--out", str(out)]) == 0
@@ -197,7 +203,7 @@ def test_plan_command_json_has_baselines_and_check_reads_version_3(capsys, tmp_p
         assert d["baselines"][name]["tokens_per_s"] > 0 and d["ratios"][name] > 0
     assert len(d["baselines"]["sum_of_parts"]["parts"]) == 2
     saved = load_plan(out)
-    assert isinstance(saved, HeteroPlan) and saved.predicted["tokens_per_s"] == pytest.approx(d["best"]["tokens_per_s"])
+    assert len(saved.groups) > 1 and saved.predicted["tokens_per_s"] == pytest.approx(d["best"]["tokens_per_s"])
     assert main(["plan", "--model", "llama2-7b", "--check", str(out)]) == 0
     text = capsys.readouterr().out
     assert "valid" in text and "A100-40GB" in text and "H100-80GB" in text

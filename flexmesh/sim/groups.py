@@ -1,0 +1,98 @@
+"""Scheduling policies compared on a plan of several replica groups, simulated step by step.
+
+What ``flexmesh simulate --plan`` runs for such a plan (and bench/mixed_dispatch.py). Every global
+batch is scheduled three ways (flexmesh.schedule.groups), each priced by the same simulator
+(:func:`flexmesh.sim.predict.simulate_groups`: each group on its own device's cost model, the slowest
+group, then the exposed gradient all-reduce across groups):
+
+- ``shares``: the plan's fixed shares, group ``g`` the next ``share_g`` sequences in ``m_g``
+  micro-batches of equal sequence counts (what the runtime runs with ``--policy shares``);
+- ``shares+P``: the same fixed shares, each packed inside its group by the per-step policy ``P``:
+  fixed shares at their best, the strongest baseline;
+- ``dispatch+P``: each step's sequences dispatched over the groups by predicted time under each
+  group's memory, then packed inside each group by ``P`` (Hydraulis's two stages; what the runtime
+  runs with ``--policy P``).
+
+The per-step lower bound is :func:`flexmesh.schedule.groups.groups_lower_bound` plus the same
+all-reduce. A sequence no group's memory holds fails the step (ScheduleError, naming it).
+
+>>> from flexmesh.schedule.groups import GroupsContext
+>>> from flexmesh.schedule.testing import tiny_context
+>>> two, one = tiny_context(num_ranks=2, model="tiny"), tiny_context(num_ranks=1, model="tiny")
+>>> g = GroupsContext((two, one), (4, 2), (2, 2))
+>>> runs = compare_groups(g.with_speed((1.0, 1.0, 0.5)), [np.array([900, 50, 60, 3000, 40, 30])], ("balanced",))
+>>> [r.name for r in runs], runs[-1].tokens_per_s > runs[0].tokens_per_s
+(['shares', 'shares+balanced', 'dispatch+balanced'], True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexmesh.schedule.groups import GroupsContext, dispatched_schedule, groups_lower_bound, packed_shares_schedule
+from flexmesh.schedule.groups import shares_schedule as fixed_shares
+from flexmesh.sim.predict import simulate_groups
+
+
+@dataclass
+class GroupsRun:
+    """One way of scheduling over the steps: simulated step times, their lower bounds, scheduler time."""
+
+    name: str
+    step_times: list[float]
+    bounds: list[float]
+    tokens: float  # real tokens of all steps
+    scheduler_s: float
+
+    @property
+    def kind(self) -> str:
+        return "adaptive" if self.name.startswith("dispatch") else "baseline"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / sum(self.step_times)
+
+    @property
+    def ratio_to_bound(self) -> float:
+        """Mean over steps of the simulated step over its lower bound."""
+        return float(np.mean(np.array(self.step_times) / np.array(self.bounds)))
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.name, "kind": self.kind, "tokens_per_s": self.tokens_per_s,
+                "mean_step_time_s": float(np.mean(self.step_times)), "ratio_to_lower_bound": self.ratio_to_bound,
+                "scheduler_ms_per_step": 1e3 * self.scheduler_s / len(self.step_times),
+                "step_times_s": list(self.step_times)}
+
+
+def compare_groups(gctx: GroupsContext, batches: Sequence[np.ndarray], policies: Sequence[str], *, seed: int = 0,
+                   virtual_stages: Sequence[int] | None = None) -> list[GroupsRun]:
+    """``shares``, then ``shares+P`` and ``dispatch+P`` for every policy ``P`` (module doc), over ``batches``."""
+    names = ["shares", *(f"shares+{p}" for p in policies), *(f"dispatch+{p}" for p in policies)]
+    bounds = [groups_lower_bound(b, gctx) + gctx.cross_sync_s for b in batches]
+    tokens = float(sum(int(np.sum(b)) for b in batches))
+    runs = []
+    for name in names:
+        kind, _, policy = name.partition("+")
+        times, seconds = [], 0.0
+        for lens in batches:
+            t0 = time.perf_counter()
+            if not policy:
+                s = fixed_shares(lens, gctx)
+            elif kind == "shares":
+                s = packed_shares_schedule(policy, lens, gctx, seed=seed)
+            else:
+                s = dispatched_schedule(policy, lens, gctx, seed=seed)
+            seconds += time.perf_counter() - t0
+            s.validate(gctx.num_ranks)
+            times.append(simulate_groups(gctx, s, virtual_stages=virtual_stages))
+        runs.append(GroupsRun(name, times, bounds, tokens, seconds))
+    return runs
+
+
+def best_baseline(runs: Sequence[GroupsRun]) -> GroupsRun:
+    """The fastest fixed-share schedule: every speedup's reference."""
+    return max((r for r in runs if r.kind == "baseline"), key=lambda r: r.tokens_per_s)

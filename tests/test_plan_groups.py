@@ -1,0 +1,161 @@
+"""One plan type: replica groups (layout/plan.py), version-3 files read as groups (layout/legacy.py),
+the uniform plan as the special case, and checkpoints of older plan files still matching."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.errors import PlanError
+from flexmesh.layout.legacy import legacy_dict
+from flexmesh.layout.mesh import layout_from_plan, rank_coords, replica_groups
+from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan, load_plan
+from flexmesh.layout.strategy import LayerStrategy
+
+
+def _v3_dict() -> dict:
+    return {"version": 3, "model": "tiny", "cluster": "2xH100+2xA100-40GB", "world_size": 5,
+            "seq_len": 512, "global_batch": 12, "pipeline_schedule": "1f1b",
+            "replicas": [{"batch": 8, "num_microbatches": 4,
+                          "stages": [{"layers": [0, 4], "devices": [0, 1]}]},
+                         {"batch": 4, "num_microbatches": 2,
+                          "stages": [{"layers": [0, 1], "devices": [2], "recompute": "full"},
+                                     {"layers": [1, 4], "devices": [3]}]}],
+            "unused": [4]}
+
+
+def test_a_version_3_file_reads_as_groups_and_saves_as_version_4(tmp_path):
+    old = tmp_path / "v3.json"
+    old.write_text(json.dumps(_v3_dict()))
+    p = load_plan(old)
+    assert [g.pp for g in p.groups] == [1, 2] and p.unused == (4,) and p.version == 3
+    assert [g.share for g in p.groups] == [8, 4] and p.groups[1].microbatch_size == 2
+    assert p.groups[0].blocks == ((0, 1),) and p.groups[1].blocks == ((2,), (3,))
+    assert [str(s.strategies[0]) for s in p.groups[1].stages] == ["tp1-dp1z0-ac", "tp1-dp1z0"]
+    assert [g.stage_of_layer(2) for g in p.groups] == [0, 1] and p.groups[0].stage_tp(0) == 2
+    assert not p.in_rank_order and "ranks 0-1 b8" in p.layout and "[1,4) 3x tp1-dp1z0" in p.layout
+    new = tmp_path / "v4.json"
+    p.save(new)
+    assert json.loads(new.read_text())["version"] == 4
+    assert load_plan(new) == p
+    # the form version 3 wrote comes back, so checkpoints hashed under it match (runtime.checkpoint.plan_hash)
+    back = legacy_dict(p)
+    assert back is not None and back["replicas"][1]["stages"][0] == {"layers": [0, 1], "devices": [2],
+                                                                       "recompute": "full"}
+    assert Plan.from_dict(back) == p
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["replicas"][0].update(batch=4), "add up to 8"),
+    (lambda d: d.update(unused=[]), r"not placed: \[4\]"),
+    (lambda d: d.update(unused=[4, 5]), r"beyond the world: \[5\]"),
+    (lambda d: d["replicas"][1]["stages"][1].update(devices=[0]), "rank 0 is in replica group 1 and in replica"),
+    (lambda d: d["replicas"][1]["stages"][1].update(layers=[2, 4]), "not contiguous"),
+    (lambda d: d["replicas"][1]["stages"][1].update(layers=[1, 3]), "different numbers of layers"),
+    (lambda d: d["replicas"][0].update(num_microbatches=3), "not divisible into 3"),
+    (lambda d: d["replicas"][0]["stages"][0].update(recompute="some"), "recompute must be one of"),
+    (lambda d: d["replicas"][0]["stages"][0].update(devices=[]), "has no devices"),
+    (lambda d: d["replicas"][0]["stages"][0].update(devices=[1, 1]), "names a device twice"),
+    (lambda d: d["replicas"][0]["stages"][0].update(device=[1]), "unknown field"),
+    (lambda d: d.update(pipeline_schedule="interleaved"), "pipeline schedule must be one of"),
+    (lambda d: d.update(replicas=[]), "at least one replica group"),
+    (lambda d: d["replicas"][0].update(batch=-1), "replica 0"),
+])
+def test_bad_version_3_plans_name_the_fault(edit, message):
+    d = _v3_dict()
+    edit(d)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict(json.loads(json.dumps(d)))
+
+
+def _v4_dict() -> dict:
+    d = Plan.from_dict(_v3_dict()).to_dict()
+    return json.loads(json.dumps(d))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["groups"][0].update(ranks=["0-x"]), r"cannot read '0-x'"),
+    (lambda d: d["groups"][0].update(ranks=["3-1"]), "not a run of ranks"),
+    (lambda d: d["groups"][0].update(share=4, num_microbatches=2), "add up to 8"),
+    (lambda d: d["groups"][0].update(share=5), "share of 5 sequences .* not divisible into 4"),
+    (lambda d: d["groups"][0].update(ranks=["0-1", "2"]), "1 stages but pp x virtual_stages = 2 x 1"),
+    (lambda d: d["groups"][0].update(extra=1), "unknown field"),
+    (lambda d: d.update(groups=[]), "at least one replica group"),
+    (lambda d: d["groups"][1]["stages"][0].update(strategies=["tp9"]), "stage 0"),
+])
+def test_bad_version_4_plans_name_the_fault(edit, message):
+    d = _v4_dict()
+    edit(d)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict(d)
+
+
+def test_versions_1_and_2_read_as_one_group_in_rank_order():
+    st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp2z0"),) * 2)
+    uniform = Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 1, 512, 4, (st,))
+    v2 = legacy_dict(uniform)
+    assert v2 is not None and v2["version"] == 2 and v2["pp"] == 1
+    v1 = {k: v for k, v in v2.items() if k != "pipeline_schedule"} | {"version": 1, "schedule": "1f1b"}
+    for d in (v2, v1, uniform.to_dict()):
+        p = Plan.from_dict(d)
+        assert p == uniform and p.in_rank_order and p.group.blocks == ((0, 1),)
+    with pytest.raises(PlanError, match="this plan has 2 replica groups"):
+        _ = Plan.from_dict(_v3_dict()).pp
+
+
+def test_checkpoints_of_an_old_plan_file_match_it_upgraded(tmp_path):
+    """A checkpoint hashes the plan's older form: the old file and the same plan saved as version 4 agree."""
+    pytest.importorskip("torch")
+    from flexmesh.runtime.checkpoint import plan_hash
+
+    st = tuple(StagePlan(i, i + 2, (LayerStrategy.parse("tp2-dp1z3"),) * 2) for i in (0, 2))
+    uniform = Plan.uniform("tiny", "4xA100-80GB", 4, 2, "1f1b", 4, 512, 8, st)
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(legacy_dict(uniform)))
+    load_plan(old).save(new)
+    assert plan_hash(load_plan(old)) == plan_hash(load_plan(new)) == plan_hash(uniform)
+    v3 = tmp_path / "v3.json"
+    v3.write_text(json.dumps(_v3_dict()))
+    load_plan(v3).save(new)
+    assert plan_hash(load_plan(v3)) == plan_hash(load_plan(new))
+    assert plan_hash(load_plan(new)) != plan_hash(uniform)
+
+
+def test_replica_groups_of_a_uniform_plan_follow_the_rank_order():
+    """Group r, stage p holds exactly the ranks the uniform rank order gives (dp r, pp p)."""
+    strat = LayerStrategy.parse("tp2-dp2z1")
+    plan = Plan.uniform("tiny", "8xA100-80GB", 8, 2, "1f1b", 4, 512, 16,
+                        (StagePlan(0, 1, (strat,)), StagePlan(1, 4, (LayerStrategy.parse("tp2-dp2z1-ac"),) * 3)))
+    h = replica_groups(plan)
+    layout_from_plan(plan)
+    assert len(h.groups) == 2 and sum(g.share for g in h.groups) == 16
+    for r, g in enumerate(h.groups):
+        assert [(s.start, s.end) for s in g.stages] == [(0, 1), (1, 4)]
+        for p, block in enumerate(g.blocks):
+            for rank in block:
+                c = rank_coords(rank, 2, 2, 1, 2)
+                assert (c["dp"], c["pp"]) == (r, p)
+    assert [str(s.strategies[0].recompute) for s in h.groups[0].stages] == ["none", "full"]
+    with pytest.raises(PlanError, match="context parallelism"):
+        cp = StagePlan(0, 2, (LayerStrategy.parse("tp1-u2-dp1z0"),) * 2)
+        replica_groups(Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 1, 512, 4, (cp,)))
+
+
+def test_direct_construction_validates():
+    st = (StagePlan(0, 2, (LayerStrategy(),) * 2),)
+    with pytest.raises(PlanError, match="at least one pipeline stage"):
+        ReplicaGroup((), st, 1, 1)
+    with pytest.raises(PlanError, match="empty or reversed"):
+        StagePlan(2, 1, ())
+    with pytest.raises(PlanError, match="not divisible into 2"):
+        ReplicaGroup(((0,),), st, 2, 3)
+    with pytest.raises(PlanError, match="rank 0 is in replica group 1"):
+        Plan("tiny", "cpu", 1, 64, 2, "1f1b", (ReplicaGroup(((0,),), st, 1, 1), ReplicaGroup(((0,),), st, 1, 1)))
+
+
+def test_a_new_global_batch_scales_the_shares():
+    p = Plan.from_dict(_v3_dict())
+    q = p.with_global_batch(24)
+    assert [g.share for g in q.groups] == [16, 8] and q.global_batch == 24
+    assert all(g.share % g.num_microbatches == 0 for g in q.groups)
