@@ -5,9 +5,13 @@
 (b) ``bench.stragglers``: simulated stragglers on 64 and 1024 GPUs, static plan against
     re-planned against the capacity bound;
 (c) ``bench.stragglers_measured``: measured on this machine, 2 processes with one emulated at half
-    speed, static against adaptive tokens/s, steps until recovery, predicted against measured.
+    speed, static against adaptive tokens/s, steps until recovery, predicted against measured;
+(d) ``bench.mixed_dispatch``: simulated, a mixed cluster's plan of replica groups, its fixed shares
+    against each step's sequences dispatched over the groups, and the per-step lower bound;
+(e) ``bench.mixed_measured``: measured on this machine, a plan of two replica groups with one rank
+    emulated at half speed, fixed shares against per-step dispatch, predicted against measured.
 
-``python -m bench.uneven_devices`` runs all three (``--only a,b`` picks parts); each prints its table and
+``python -m bench.uneven_devices`` runs all five (``--only a,b`` picks parts); each prints its table and
 records its own section.
 """
 
@@ -17,12 +21,13 @@ import argparse
 import importlib
 import sys
 
-PARTS = {"a": "bench.mixed_plan", "b": "bench.stragglers", "c": "bench.stragglers_measured"}
+PARTS = {"a": "bench.mixed_plan", "b": "bench.stragglers", "c": "bench.stragglers_measured",
+         "d": "bench.mixed_dispatch", "e": "bench.mixed_measured"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="a,b,c", help="comma-separated parts to run (default: a,b,c)")
+    parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts to run (default: all)")
     args = parser.parse_args()
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]

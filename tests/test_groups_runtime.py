@@ -264,7 +264,7 @@ def _cli_plan(tmp: Path, **change) -> Path:
          "replicas": [{"batch": 2, "num_microbatches": 1, "stages": [_stage(0, 2, 0, 1)]},
                       {"batch": 2, "num_microbatches": 2, "stages": [_stage(0, 2, 2)]}]}
     d.update(change)
-    path = tmp / f"hetero{len(list(tmp.glob('hetero*.json')))}.json"
+    path = tmp / f"groups{len(list(tmp.glob('groups*.json')))}.json"
     path.write_text(json.dumps(d))
     return path
 

@@ -10,8 +10,9 @@ With no arguments, on this machine (see docs/cli-demo.md):
    with the ``fixed`` policy, then with adaptive per-step schedules (``milp``, falling back to
    ``hdp`` when late) on the same batches, showing progress;
 5. uneven devices: plan Llama 2 13B on a mixed cluster (one H100 node, two A100-40GB nodes)
-   against its baselines, then train twice on 2 processes with rank 1 emulated at half speed,
-   static against re-planned per-step schedules;
+   against its baselines, simulate that plan's fixed shares against each step's documents
+   dispatched over its replica groups (``flexmesh simulate --plan``), then train twice on 2 processes
+   with rank 1 emulated at half speed, static against re-planned per-step schedules;
 6. write ``<out>/report.md`` with PNG plots: a simulated step timeline, a measured one, per-rank
    balance and speed, the loss curves and predicted against measured step time.
 """
@@ -166,7 +167,15 @@ def run(args: argparse.Namespace) -> int:
     console.print(Rule("5/6  mixed cluster: plan Llama 2 13B on 1x8xH100+2x8xA100-40GB against its baselines"))
     from flexmesh.report.plan_tables import demo_mixed_plan
 
-    demo_mixed_plan(console)
+    mixed = demo_mixed_plan(console)
+    mixed_path = out / "plan-mixed.json"
+    mixed["plan"].save(mixed_path)
+    console.print(Rule("5/6  mixed cluster: each step's Wikipedia documents dispatched over its replica groups, "
+                       "simulated"))
+    dispatch = simulate_command.simulate(_parse(simulate_command, [
+        "simulate", "--plan", str(mixed_path), "--context", "4096", "--lengths", "wikipedia",
+        "--policies", "balanced,hdp", "--steps", str(args.sim_steps), "--seed", str(args.seed)]))
+    dispatch.print(console)
 
     # uneven devices: a rank emulated at half speed, static against re-planned schedules
     console.print(Rule("5/6  a slow device: 2 processes, rank 1 emulated at half speed, static vs re-planned"))
@@ -183,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     # 5. report
     console.print(Rule("6/6  report"))
     path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, stragglers=stragglers,
-                        devices=devices["text"], gpu=gpu)
+                        devices=devices["text"], gpu=gpu, mixed=(mixed, dispatch))
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
     return 0
 

@@ -49,7 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top", type=positive_int, default=5, help="plans to list (default 5)")
     p.add_argument("--explain", action="store_true", help="break the best plan's time and memory into parts")
     p.add_argument("--against", metavar="PLAN", help="with --explain: compare the best plan term by term with "
-                   "this plan file (for instance a published layout), priced by the same cost model")
+                   "this plan file (for instance a published layout), priced by the same cost model; on a mixed "
+                   "cluster: any plan of that cluster, beside the baselines")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (no table, no progress)")
     p.add_argument("--check", metavar="PLAN",
                    help="validate this plan file (any version) against --model and --cluster (a plan of several "
@@ -227,14 +228,29 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     return 0
 
 
+# Flags of the uniform search that the mixed search has no counterpart for: (flag, attribute, default).
+UNIFORM_ONLY = (("--top", "top", 5), ("--same-mesh", "same_mesh", False),
+                ("--no-recompute", "no_recompute", False), ("--mode", "mode", "auto"),
+                ("--pipeline-schedules", "pipeline_schedules", ",".join(PIPELINE_SCHEDULES)))
+
+
 def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
-    """Search a plan of replica groups on a mixed cluster, rank it beside its baselines, print (or --json)
-    and --out it."""
+    """Search a plan of replica groups on a mixed cluster, rank it beside its baselines (and --against
+    a plan file), print (or --json) and --out it."""
     _no_profiles(args)
+    given = [flag for flag, attr, default in UNIFORM_ONLY if getattr(args, attr) != default]
+    if given:
+        raise PlanError(f"{given[0]} steers the search of one device type; a mixed cluster's search chooses its "
+                        "groups' layouts itself (each type's own group is searched in full): drop it")
     model = parse_model(args.model)
     costs = MixedCosts(model, cluster)
     result, baselines = _search_mixed(model, cluster, args, costs)
     plan, ev = result.plan, result.evaluation
+    if args.against:  # a plan file of this cluster, priced by the same cost model, beside the baselines
+        other = load_plan(args.against)
+        theirs = check_groups(other, model, cluster, costs)
+        baselines["against"] = {"layout": other.layout.split("\n"), "step_time_s": theirs.step_time,
+                                "tokens_per_s": theirs.tokens_per_s, "plan": args.against}
     if args.out:
         plan.save(args.out)
     if args.json:

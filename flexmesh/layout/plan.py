@@ -194,10 +194,6 @@ class ReplicaGroup:
         ``seq_len`` tokens split over the group's :attr:`data_ranks`."""
         return max(1, -(-self.microbatch_size * seq_len // self.data_ranks))
 
-    def chunks_of_rank(self, pp_rank: int) -> list[int]:
-        """Indices into ``stages`` held by pipeline rank ``pp_rank`` (Megatron's interleaved order)."""
-        return list(range(pp_rank, len(self.stages), self.pp))
-
     def stage_of_layer(self, layer: int) -> int:
         """The index into ``stages`` of the chunk holding ``layer``."""
         for i, s in enumerate(self.stages):
@@ -245,13 +241,29 @@ class ReplicaGroup:
             raise PlanError(f"{where}: {e}") from None
 
 
+def _runs_of(item: object) -> list:
+    """``"NNx S"`` as NN copies of ``S``; anything else as itself (LayerStrategy.parse judges it)."""
+    if isinstance(item, str) and "x " in item:
+        count, _, strategy = item.partition("x ")
+        if count.strip().isdigit() and int(count) >= 1:
+            return [strategy.strip()] * int(count)
+    return [item]
+
+
 def parse_stages(value: object, where: str) -> tuple[StagePlan, ...]:
-    """``stages`` of a plan file: ``[{"layers": [start, end], "strategies": [...]}, ...]``."""
+    """``stages`` of a plan file: ``[{"layers": [start, end], "strategies": [...]}, ...]``; a strategy
+    may be written ``"NNx S"`` for NN layers in a row (:attr:`StagePlan.compact`'s form).
+
+    >>> [str(s) for s in parse_stages([{"layers": [0, 3], "strategies": ["2x tp2-dp1z0", "tp2-dp1z0-ac"]}],
+    ...                                "plan")[0].strategies]
+    ['tp2-dp1z0', 'tp2-dp1z0', 'tp2-dp1z0-ac']
+    """
     stages = []
     for i, s in enumerate(sequence(value, f"{where} stages", PlanError)):
         try:
             start, end = s["layers"]
-            strategies = tuple(LayerStrategy.parse(x) for x in sequence(s["strategies"], "strategies", PlanError))
+            strategies = tuple(LayerStrategy.parse(x) for item in sequence(s["strategies"], "strategies", PlanError)
+                               for x in _runs_of(item))
         except (KeyError, ValueError, TypeError, AttributeError, PlanError) as e:
             raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...] "
                             f"({str(e).strip() or type(e).__name__})") from None
@@ -398,9 +410,6 @@ class Plan:
         8192
         """
         return self.group.microbatch_tokens(self.seq_len)
-
-    def chunks_of_rank(self, pp_rank: int) -> list[int]:
-        return self.group.chunks_of_rank(pp_rank)
 
     def layer_strategies(self) -> list[LayerStrategy]:
         return self.group.layer_strategies()

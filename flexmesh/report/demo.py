@@ -71,10 +71,12 @@ def run_summary(rows: list[dict], warmup: int = 1) -> dict:
 
 def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], plan_path: Path,
                  elapsed_s: float, stragglers: dict[str, list[dict]] | None = None, devices: str = "",
-                 gpu: dict | None = None) -> Path:
+                 gpu: dict | None = None, mixed: tuple | None = None) -> Path:
     """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows; ``stragglers``:
     the static and adaptive runs with a slow rank (flexmesh.report.stragglers.demo_comparison);
-    ``devices``: where the parts ran; ``gpu``: the one-GPU run ({"name", "preset", "rows"}), if any."""
+    ``devices``: where the parts ran; ``gpu``: the one-GPU run ({"name", "preset", "rows"}), if any;
+    ``mixed``: the mixed-cluster plan's figures (flexmesh.report.plan_tables.demo_mixed_plan) and its
+    simulated dispatch (flexmesh.commands.simulate.GroupsSimulation)."""
     out = Path(out)
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
@@ -142,12 +144,33 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
         rep.image(predicted_vs_measured_png([p for p, _, _ in pred], [m for _, m, _ in pred], figs / "predicted.png",
                                             labels=[k for _, _, k in pred], title="step time, simulator vs measured"),
                   "predicted vs measured step time")
+    if mixed:
+        mixed_section(rep, *mixed)
     if stragglers:
-        add_section(rep, stragglers, figs, heading="Heterogeneous devices: a slow rank, static against re-planned "
-                                                   "schedules")
+        add_section(rep, stragglers, figs, heading="A slow device: static against re-planned schedules")
     if gpu:
         gpu_section(rep, gpu)
     return rep.write()
+
+
+def mixed_section(rep: Report, plan: dict, dispatch) -> None:  # noqa: ANN001 - a GroupsSimulation
+    """The mixed-cluster plan against its baselines, and its fixed shares against per-step dispatch."""
+    rep.heading(f"Mixed cluster: {plan['model']} on {plan['cluster']}")
+    groups = plan["layout"].splitlines()
+    rep.text(f"`flexmesh plan` finds {len(groups)} replica groups ({plan['tokens_per_s']:,.0f} tokens/s predicted, "
+             f"searched in {plan['search_seconds']:.1f} s; written to `plan-mixed.json`); against its baselines: "
+             + ", ".join(f"{k} {v:.2f}x" for k, v in plan["ratios"].items() if v) + ".")
+    rep.table(["replica group"], [[f"`{g}`"] for g in groups])
+    s = dispatch.setup
+    rep.text(f"`flexmesh simulate --plan plan-mixed.json`: {s['steps']} steps of {s['global_batch']} {s['lengths']} "
+             f"documents (truncated to {s['context']} tokens), the plan's fixed shares against each step's documents "
+             "dispatched over the groups by predicted time, then packed inside each group.")
+    from flexmesh.sim.groups import best_baseline
+
+    base = best_baseline(dispatch.runs)
+    rep.table(["schedule", "kind", "tokens/s", "speedup", "ratio to lower bound"],
+              [[r.name, r.kind, f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+                f"{r.ratio_to_bound:.3f}"] for r in dispatch.runs])
 
 
 def gpu_section(rep: Report, gpu: dict) -> None:

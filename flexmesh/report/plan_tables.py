@@ -79,13 +79,16 @@ def baseline_table(tokens_per_s: float, baselines: dict) -> Table:
         t.add_column(col, justify=just, overflow="fold")
     t.add_row("the plan", f"{tokens_per_s:,.0f}", "", "")
     labels = {"uniform": "uniform (all as the slowest type)", "proportional": "proportional (batch by peak FLOP/s)",
-              "sum_of_parts": "sum of the parts planned alone"}
+              "sum_of_parts": "sum of the parts planned alone", "against": "--against plan"}
     for name, label in labels.items():
-        b = baselines.get(name)
+        if name not in baselines:
+            continue
+        b = baselines[name]
         if not b or not b.get("tokens_per_s"):
             t.add_row(label, "-", "", "nothing fits")
             continue
         layout = b.get("layout") or " + ".join(f"{p['cluster']}: {p['layout']}" for p in b.get("parts", []))
+        layout = "; ".join(layout) if isinstance(layout, list) else layout
         t.add_row(label, f"{b['tokens_per_s']:,.0f}", f"{tokens_per_s / b['tokens_per_s']:.2f}x", layout)
     return t
 
@@ -114,4 +117,5 @@ def demo_mixed_plan(console: Console) -> dict:
                                 f"{ev.tokens_per_s:,.0f} tokens/s (searched in {result.search_seconds:.1f} s)"))
     console.print(baseline_table(ev.tokens_per_s, baselines))
     return {"tokens_per_s": ev.tokens_per_s, "search_seconds": result.search_seconds,
-            "ratios": ratios(ev.tokens_per_s, baselines), "layout": result.plan.layout}
+            "ratios": ratios(ev.tokens_per_s, baselines), "layout": result.plan.layout, "plan": result.plan,
+            "cluster": DEMO_CLUSTER, "model": DEMO_MODEL}

@@ -62,8 +62,9 @@ def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel 
 
 def plan_costs(plan: Plan, spec: ModelSpec, cost: CostModel | None = None) -> MixedCosts:
     """One cost model per device group of the plan's cluster: ``cost`` (a profile, one device type) for
-    a cluster of one device type, else the cluster's presets. ScheduleError where the cluster names
-    no presets or a profile would price another device type."""
+    a cluster of one device type, else the cluster's presets. With ``cost``, the plan's cluster (where
+    it parses) still says which devices run slower (its ``speed_factors``). ScheduleError where the
+    cluster names no presets or a profile would price another device type."""
     from flexmesh.errors import SpecError
     from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 
@@ -75,7 +76,10 @@ def plan_costs(plan: Plan, spec: ModelSpec, cost: CostModel | None = None) -> Mi
         if mixed is not None and len(mixed.groups) > 1:
             raise ScheduleError(f"a profile measures one device type, but the plan's cluster {plan.cluster!r} mixes "
                                 f"{len(mixed.groups)}; price it with the cluster's presets (drop the profiles)")
-        return MixedCosts(spec, MixedCluster((cost.cluster,)), groups=[cost])
+        cluster = cost.cluster
+        if mixed is not None and mixed.world_size == cluster.world_size:
+            cluster = replace(cluster, speed_factors=mixed.groups[0].speed_factors)
+        return MixedCosts(spec, MixedCluster((cluster,)), groups=[cost])
     try:
         mixed = parse_mixed_cluster(plan.cluster)
     except SpecError as e:

@@ -13,8 +13,10 @@ group, then the exposed gradient all-reduce across groups):
   group's memory, then packed inside each group by ``P`` (Hydraulis's two stages; what the runtime
   runs with ``--policy P``).
 
-The per-step lower bound is :func:`flexmesh.schedule.groups.groups_lower_bound` plus the same
-all-reduce. A sequence no group's memory holds fails the step (ScheduleError, naming it).
+Ratio to the lower bound: the simulated step over :func:`flexmesh.schedule.groups.groups_lower_bound`
+(the micro-batch phase no schedule beats) plus the step's tail (the slowest group's gradient sync and
+optimizer, and the all-reduce across groups), as for one group (flexmesh.sim.compare). A sequence no
+group's memory holds fails the step (ScheduleError, naming it).
 
 >>> from flexmesh.schedule.groups import GroupsContext
 >>> from flexmesh.schedule.testing import tiny_context
@@ -35,7 +37,7 @@ import numpy as np
 
 from flexmesh.schedule.groups import GroupsContext, dispatched_schedule, groups_lower_bound, packed_shares_schedule
 from flexmesh.schedule.groups import shares_schedule as fixed_shares
-from flexmesh.sim.predict import simulate_groups
+from flexmesh.sim.predict import groups_step
 
 
 @dataclass
@@ -72,13 +74,13 @@ def compare_groups(gctx: GroupsContext, batches: Sequence[np.ndarray], policies:
                    virtual_stages: Sequence[int] | None = None) -> list[GroupsRun]:
     """``shares``, then ``shares+P`` and ``dispatch+P`` for every policy ``P`` (module doc), over ``batches``."""
     names = ["shares", *(f"shares+{p}" for p in policies), *(f"dispatch+{p}" for p in policies)]
-    bounds = [groups_lower_bound(b, gctx) + gctx.cross_sync_s for b in batches]
+    phases = [groups_lower_bound(b, gctx) for b in batches]
     tokens = float(sum(int(np.sum(b)) for b in batches))
     runs = []
     for name in names:
         kind, _, policy = name.partition("+")
-        times, seconds = [], 0.0
-        for lens in batches:
+        times, bounds, seconds = [], [], 0.0
+        for lens, phase in zip(batches, phases):
             t0 = time.perf_counter()
             if not policy:
                 s = fixed_shares(lens, gctx)
@@ -88,7 +90,9 @@ def compare_groups(gctx: GroupsContext, batches: Sequence[np.ndarray], policies:
                 s = dispatched_schedule(policy, lens, gctx, seed=seed)
             seconds += time.perf_counter() - t0
             s.validate(gctx.num_ranks)
-            times.append(simulate_groups(gctx, s, virtual_stages=virtual_stages))
+            step, tail = groups_step(gctx, s, virtual_stages=virtual_stages)
+            times.append(step)
+            bounds.append(phase + tail)
         runs.append(GroupsRun(name, times, bounds, tokens, seconds))
     return runs
 

@@ -80,10 +80,17 @@ def simulate_groups(gctx: GroupsContext, schedule: StepSchedule, *,
     >>> simulate_groups(g, dispatched_schedule("hdp", lens, g)) < simulate_groups(g, shares_schedule(lens, g))
     True
     """
+    return groups_step(gctx, schedule, virtual_stages=virtual_stages)[0]
+
+
+def groups_step(gctx: GroupsContext, schedule: StepSchedule, *,
+                virtual_stages: Sequence[int] | None = None) -> tuple[float, float]:
+    """(:func:`simulate_groups`' step time, its tail: the slowest group's gradient sync and optimizer
+    after its micro-batches, plus the all-reduce across groups), seconds."""
     if len(gctx.contexts) == 1:
-        return simulate_step(gctx.contexts[0], schedule, virtual_stages=virtual_stages[0] if virtual_stages else 1
-                             ).step_time
-    worst = 0.0
+        tl = simulate_step(gctx.contexts[0], schedule, virtual_stages=virtual_stages[0] if virtual_stages else 1)
+        return tl.step_time, tl.tail
+    worst, tail = 0.0, 0.0
     for g, (ctx, first) in enumerate(zip(gctx.contexts, gctx.offsets)):
         own = tuple(Group(tuple(r - first for r in grp.ranks), grp.microbatches, grp.predicted_time)
                     for grp in schedule.groups if first <= grp.ranks[0] < first + ctx.num_ranks)
@@ -91,5 +98,7 @@ def simulate_groups(gctx: GroupsContext, schedule: StepSchedule, *,
             continue
         sub = replace(schedule, groups=own, deferred=())
         v = virtual_stages[g] if virtual_stages else 1
-        worst = max(worst, simulate_step(ctx, sub, virtual_stages=v).step_time)
-    return worst + gctx.cross_sync_s
+        tl = simulate_step(ctx, sub, virtual_stages=v)
+        if tl.step_time > worst:
+            worst, tail = tl.step_time, tl.tail
+    return worst + gctx.cross_sync_s, tail + gctx.cross_sync_s
