@@ -420,13 +420,23 @@ class Plan:
 
     def with_global_batch(self, global_batch: int) -> "Plan":
         """This plan taking ``global_batch`` sequences per step, the groups' shares scaled in proportion
-        (largest remainders; each keeps at least one sequence)."""
+        (largest remainders; each keeps at least one sequence), each in the fewest micro-batches that
+        hold no more sequences than the plan's (the memory the search checked).
+
+        >>> from flexmesh.layout.strategy import LayerStrategy
+        >>> st = (StagePlan(0, 2, (LayerStrategy(),) * 2),)
+        >>> groups = (ReplicaGroup(((0,),), st, 2, 4), ReplicaGroup(((1,),), st, 1, 2))
+        >>> p = Plan("tiny", "cpu", 2, 64, 6, "1f1b", groups)
+        >>> [(g.share, g.num_microbatches) for g in p.with_global_batch(12).groups]
+        [(8, 4), (4, 2)]
+        """
         if global_batch == self.global_batch:
             return self
         from flexmesh.layout.shares import split_by_weight
 
         shares = split_by_weight(global_batch, [g.share for g in self.groups])
-        groups = tuple(replace(g, share=s, num_microbatches=_divisor_at_most(s, g.num_microbatches))
+        groups = tuple(replace(g, share=s, num_microbatches=min(m for m in range(1, s + 1)
+                                                                if s % m == 0 and s // m <= g.microbatch_size))
                        for g, s in zip(self.groups, shares))
         return replace(self, global_batch=global_batch, groups=groups)
 
@@ -482,11 +492,6 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         return cls.from_dict(read_json(path, PlanError, missing=f"plan file {str(path)!r} does not exist"))
-
-
-def _divisor_at_most(n: int, m: int) -> int:
-    """The largest divisor of ``n`` that is at most ``m`` (a micro-batch count that still divides a share)."""
-    return max(d for d in range(1, min(n, m) + 1) if n % d == 0)
 
 
 def load_plan(path: str | Path) -> Plan:
