@@ -3,9 +3,9 @@
 For each case: search time, the plan's predicted tokens/s, and the same for ``uniform`` (today's
 planner, every device as the slowest type), ``proportional`` (a uniform layout's replicas with
 batch shares by peak FLOP/s) and the sum of the parts planned alone, all priced by one cost model
-(presets). Targets: case (a) is the acceptance case (>= 1.3x uniform, >= 0.9x the sum of the parts,
-search <= 10 s); (b) has 1024 GPUs (search <= 60 s); the ratios of (b) and (c) are shown against
-the same thresholds for reference. Times are wall-clock on whatever shares the machine: PASS/FAIL
+(presets). Targets: case (a) >= 1.3x uniform, >= 0.9x the sum of the parts, search <= 10 s; (b), 1024
+GPUs, >= 0.95x the sum of the parts, search <= 60 s; the other ratios are shown against the same
+thresholds for reference. Times are wall-clock on whatever shares the machine: PASS/FAIL
 is printed, not asserted.
 
 Run: OMP_NUM_THREADS=1 python -m bench.mixed_plan
@@ -25,12 +25,12 @@ from flexmesh.plan.mixed import plan_mixed
 from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 
-CASES = [  # (label, model, cluster, seq len, global batch, search-time target s, ratio targets asserted by the issue)
-    ("a", "llama2-13b", "1x8xH100+2x8xA100-40GB", 4096, 256, 10.0, True),
-    ("b", "llama2-13b", "64x8xH100+64x8xA100-40GB", 4096, 2048, 60.0, False),
-    ("c", "llama3-8b", "1x8xH200+1x8xH100+2x8xA100-40GB", 8192, 128, 10.0, False),
+CASES = [  # (label, model, cluster, seq len, global batch, search-time target s, sum-of-parts target, asserted)
+    ("a", "llama2-13b", "1x8xH100+2x8xA100-40GB", 4096, 256, 10.0, 0.9, True),
+    ("b", "llama2-13b", "64x8xH100+64x8xA100-40GB", 4096, 2048, 60.0, 0.95, True),
+    ("c", "llama3-8b", "1x8xH200+1x8xH100+2x8xA100-40GB", 8192, 128, 10.0, 0.9, False),
 ]
-UNIFORM_TARGET, PARTS_TARGET = 1.3, 0.9
+UNIFORM_TARGET = 1.3
 
 
 def run_case(model_name: str, cluster_name: str, seq: int, gb: int) -> dict:
@@ -56,7 +56,7 @@ def _verdict(ok: bool, asserted: bool) -> str:
 
 def main() -> None:
     rows, checks = [], []
-    for label, model, cluster, seq, gb, time_target, asserted in CASES:
+    for label, model, cluster, seq, gb, time_target, parts_target, asserted in CASES:
         case = f"({label}) {model}, {cluster}, seq {seq}, gb {gb}"
         print(f"running {case} ...", flush=True)
         x = run_case(model, cluster, seq, gb)
@@ -74,9 +74,9 @@ def main() -> None:
         checks += [[case, "search time", f"<= {time_target:g} s", f"{x['search_s']:.2f} s",
                     _verdict(x["search_s"] <= time_target, True)],
                    [case, "plan / uniform", f">= {UNIFORM_TARGET}x", f"{ratio('uniform'):.2f}x",
-                    _verdict(ratio("uniform") >= UNIFORM_TARGET, asserted)],
-                   [case, "plan / sum of the parts", f">= {PARTS_TARGET}x", f"{ratio('parts'):.2f}x",
-                    _verdict(ratio("parts") >= PARTS_TARGET, asserted)]]
+                    _verdict(ratio("uniform") >= UNIFORM_TARGET, label == "a")],
+                   [case, "plan / sum of the parts", f">= {parts_target}x", f"{ratio('parts'):.2f}x",
+                    _verdict(ratio("parts") >= parts_target, asserted)]]
     columns = ["case", "search s", "configurations", "plan tokens/s", "uniform", "plan/uniform", "proportional",
                "plan/prop.", "sum of parts", "plan/parts", "plan (distinct replica layouts)"]
     table = Table(title="mixed-cluster planner against its baselines (one cost model)")
@@ -96,9 +96,8 @@ def main() -> None:
         *markdown_table(["case", "what", "target", "measured", "verdict"], checks), "",
         "Predicted figures from the device presets (no profiles). Search time is the mixed-cluster search "
         "alone (the baselines run the uniform planner three times more); the machine is a shared 2-core "
-        "box, so times are upper bounds. `uniform` may use ZeRO and context parallelism, which a "
-        "plan of replica groups (whole copies per replica) does not; `sum of parts` plans each group alone "
-        "with the whole global batch.",
+        "box, so times are upper bounds. `sum of parts` plans each device type alone with the whole global "
+        "batch (no gradient all-reduce across the types, which one plan pays).",
     ])
     record("mixed_plan", body)
 

@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flexmesh",
         description="Plan and run hybrid-parallel transformer training with uneven sequence lengths and devices.",
     )
+    parser.add_argument("--version", action="version", version=f"flexmesh {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -35,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         mod.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (a source checkout that was never installed says so)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flexmesh")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

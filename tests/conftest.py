@@ -8,8 +8,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Test files import what they share from tests/helpers.py as `helpers`, whatever pytest's import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# A script that runs on the commit before the plan types merged (its docstring says how), not here.
-collect_ignore = ["golden/record_losses.py"]
+# Scripts that run on the commit before the plan types merged (their docstrings say how), not here.
+collect_ignore = ["golden/record_losses.py", "golden/make_old_runs.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -113,3 +113,45 @@ def test_groups_context_prices_each_group_on_its_device():
     h100, a100 = (c.seq_time(1, [2048])[0] for c in g.contexts)
     assert h100 < a100
     assert simulate_groups(g, groups_schedule("balanced", lens, g)) <= simulate_groups(g, shares_schedule(lens, g))
+
+
+def test_scheduler_refuses_what_a_plan_cannot_run():
+    """`shares` names the groups' planned shares, which a plan of one group does not have; a static
+    context-parallel group larger than a replica group's data ranks fits nowhere."""
+    from flexmesh.errors import ScheduleError
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+    from flexmesh.schedule.scheduler import Scheduler
+
+    spec = parse_model("tiny")
+    one = Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 1, 256, 4,
+                       (StagePlan(0, spec.num_layers, (LayerStrategy.parse("tp1-dp2z2"),) * spec.num_layers),))
+    with pytest.raises(ScheduleError, match="this plan has one group"):
+        Scheduler(one, spec, "shares", 256)
+    with pytest.raises(ScheduleError, match="give --cp at most 2"):
+        Scheduler(one, spec, "fixed", 256, cp=4)
+    assert Scheduler(one, spec, "fixed", 256, cp=2).options == [{"cp": 2}]
+
+
+def test_simulate_plan_compares_fixed_shares_with_dispatch(tmp_path, capsys):
+    """`flexmesh simulate --plan` on a plan of several groups: every way of scheduling over the same
+    steps, each no faster than its lower bound, the dispatch no slower than the plan's fixed shares."""
+    import json
+
+    from flexmesh.cli import main
+
+    spec, cluster = parse_model("llama2-7b"), parse_mixed_cluster("1x4xH100+1x4xA100-40GB")
+    d = {"version": 3, "model": "llama2-7b", "cluster": cluster.label, "world_size": 8, "seq_len": 4096,
+         "global_batch": 32, "replicas": [
+             {"batch": 20, "num_microbatches": 10, "stages": [{"layers": [0, 32], "devices": [0, 1, 2, 3]}]},
+             {"batch": 12, "num_microbatches": 6, "stages": [{"layers": [0, 32], "devices": [4, 5, 6, 7],
+                                                              "recompute": "full"}]}]}
+    path = tmp_path / "plan.json"
+    Plan.from_dict(d).save(path)
+    assert main(["simulate", "--plan", str(path), "--context", "4096", "--steps", "2", "--policies", "balanced",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    runs = {r["schedule"]: r for r in out["schedules"]}
+    assert set(runs) == {"shares", "shares+balanced", "dispatch+balanced"} and out["setup"]["groups"] == 2
+    assert all(r["ratio_to_lower_bound"] >= 1.0 - 1e-9 for r in runs.values())
+    assert runs["dispatch+balanced"]["tokens_per_s"] >= runs["shares"]["tokens_per_s"]

@@ -146,3 +146,22 @@ def test_json_nested_deeper_than_the_parser_goes_is_one_error(tmp_path):
     (tmp_path / "p.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(PlanError, match="nested too deeply"):
         Plan.load(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "train", "export", "profile", "demo"])
+def test_help_names_only_real_defaults(capsys, command):
+    """No help line says ``(default: None)`` or an empty default, nor a default twice."""
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in out and "(default: )" not in out
+    assert not re.search(r"\(default[^)]*\) \(default", out)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("flexmesh ")

@@ -230,3 +230,26 @@ def test_migrate_needs_the_launcher(tmp_path):
     done = flexmesh("train", "--plan", str(_plan(tmp_path, cfg)), "--corpus", str(corpus), "--max-steps", "1",
                     "--out", str(tmp_path / "o"), "--migrate")
     assert done.returncode != 0 and "--migrate needs --nproc" in done.stderr
+
+
+def test_a_plan_of_two_groups_is_priced_as_it_runs_and_may_migrate(tmp_path, monkeypatch):
+    """The decision on a plan of several replica groups: the current plan is priced as it is (its
+    shares moved by the speeds its schedules use), the planner's plan beside it."""
+    from flexmesh.commands.migrate import MigrationCheck
+    from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan, load_plan
+    from flexmesh.layout.strategy import LayerStrategy
+    from flexmesh.spec.model import parse_model
+
+    monkeypatch.setenv(COST, "0")
+    cfg, _, _ = write_inputs(tmp_path, world=2)
+    st = (StagePlan(0, 2, (LayerStrategy(),) * 2),)
+    plan = Plan(str(cfg), "2xA100-80GB", 2, 128, 4, "1f1b", (ReplicaGroup(((0,),), st, 2, 2),
+                                                             ReplicaGroup(((1,),), st, 2, 2)))
+    _PLAN[:] = [tmp_path / "two.json"]
+    plan.save(_PLAN[0])
+    check = MigrationCheck(load_plan(_PLAN[0]), parse_model(str(cfg)), _Monitor([1.0, 0.25]), str(tmp_path), 50)
+    event = check.decide(_metrics(3), save_s=0.1)
+    assert event["from"] == plan.layout and event["predicted_step_s"][0] > 0, event
+    # a decision on prices, not a failure to price (which declines naming the error)
+    assert event.get("reason") in (None, "no predicted gain", "too few remaining steps"), event
+    assert (event["event"] == "migrated") == ("reason" not in event), event

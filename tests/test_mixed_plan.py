@@ -210,3 +210,24 @@ def test_plan_command_json_has_baselines_and_check_reads_the_plan(capsys, tmp_pa
     assert main(args + ["--explain"]) == 0
     text = capsys.readouterr().out
     assert "uniform" in text and "sum of the parts" in text and "total/max" in text
+
+
+def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero():
+    """The search tries pipelines whose stages lie on three device types, and plans of one group per
+    type planned by the uniform search (data parallel, ZeRO inside): on a cluster of three single-device
+    types whose every pair is too small for the model, only the three-type pipeline holds it."""
+    from flexmesh.layout.mesh import group_layout
+    from flexmesh.plan.mixed import MixedSearch
+
+    cluster = parse_mixed_cluster("1x1xA100-40GB+1x1xH100+1x1xA100-80GB")
+    model = parse_model("gpt:40:4608:36")  # 10B parameters: about 160 GB of weights and AdamW states
+    search = MixedSearch(model, cluster, 512, 8)
+    chains = [shape for c in search.configurations() for shape, _ in c.shapes if len({g for g, _ in shape}) == 3]
+    assert chains and all(len({t for _, t in shape}) == 1 for shape in chains)
+    result = plan_mixed(model, cluster, 512, 8)
+    (group,) = result.plan.groups
+    assert {MixedCosts(model, cluster).group_of[r] for r in group.ranks} == {0, 1, 2} and result.evaluation.fits
+    # on two nodes of each of two types, a group per type with ZeRO over its data ranks
+    per_type = MixedSearch(parse_model("llama2-7b"), parse_mixed_cluster("2x8xH100+2x8xA100-40GB"), 4096, 256).per_type()
+    layouts = [group_layout(g) for p in per_type for g in p.groups]
+    assert per_type and any(lay.data_ranks > 1 and lay.sharded for lay in layouts)

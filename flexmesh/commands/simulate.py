@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flexmesh.commands.args import folder, nonempty, nonneg_int, positive_int
+from flexmesh.commands.args import DefaultsHelpFormatter, folder, nonempty, nonneg_int, positive_int
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
 from flexmesh.schedule.context import ScheduleContext
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``flexmesh simulate`` and its flags."""
     p = sub.add_parser("simulate", help="compare scheduling policies on simulated training steps",
-                       description=__doc__.split("\n\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--plan", metavar="PLAN", help="simulate the layout of this plan file (any version; default "
                    "model and cluster: the plan's); a plan of several replica groups compares its fixed shares "
                    "with each step dispatched over its groups, and the layout flags (--tp ... --cp-kind) do not apply")

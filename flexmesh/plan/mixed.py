@@ -3,8 +3,8 @@
 Upper level (this module): for each device group a tensor-parallel degree (divisors of its node
 size that split the heads), pipeline shapes made of its TP groups (``p`` stages of one type), and
 mixed shapes whose stages lie on two groups (``a`` TP groups of one type, then ``b`` of another,
-in both orders), where a group too small or too short of memory for whole pipelines lends stages
-to another; and a micro-batch size shared by the replicas. A configuration is a set of shapes with
+in both orders) or three (one or two TP groups of each, in every order), where a group too small or
+too short of memory for whole pipelines lends stages to others; and a micro-batch size shared by the replicas. A configuration is a set of shapes with
 replica counts; TP groups no shape takes are listed unused. Pipelines are laid out as the uniform
 rank order lays them out: TP groups innermost, the replicas of one shape next, stages outermost, so
 that a stage's gradient all-reduce stays inside a node where it can.
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from itertools import product
+from itertools import permutations, product
 from typing import TYPE_CHECKING
 
 from flexmesh.cost import in_flight
@@ -61,6 +61,8 @@ MICROBATCH_SIZES = (1, 2, 3, 4, 6, 8)
 TOP_SHAPES = 3
 # Mixed shapes: at most this many stages (a + b); deeper mixed pipelines only add bubbles.
 MAX_MIXED_STAGES = 8
+# Stages per type of a pipeline over three types (each 1 or 2 TP groups of each type).
+CHAIN3_STAGES = 2
 # Estimates priced in full (with the gradient all-reduce) before choosing.
 EVALUATE_TOP = 6
 # Times the shares of the one-group-per-type plans are moved to equalise their pipelines: the first
@@ -221,33 +223,39 @@ class MixedSearch:
                 continue
             for (_, s1), (_, s2) in product(pure[g1][:2] or [(0, ((g1, default_tp[g1]),))],
                                             pure[g2][:2] or [(0, ((g2, default_tp[g2]),))]):
-                configs += self._mixed(g1, s1[0][1], g2, s2[0][1], pure)
+                if s1[0][1] == s2[0][1]:
+                    configs += self._mixed(((g1, s1[0][1]), (g2, s2[0][1])), MAX_MIXED_STAGES - 1, pure)
+        # Pipelines over three device types, one or two TP groups of each, at a TP degree every one of
+        # them has a shape of: for a type too short of memory to hold the model with one other.
+        for chain in permutations(groups, 3):
+            best = [{s[0][1] for _, s in pure[g]} or {default_tp[g]} for g in chain]
+            for t in sorted(set.intersection(*best)):
+                configs += self._mixed(tuple((g, t) for g in chain), CHAIN3_STAGES, pure)
         return configs
 
-    def _mixed(self, g1: int, t1: int, g2: int, t2: int, pure: dict) -> list[Config]:
-        """Shapes of ``a`` TP groups of g1 then ``b`` of g2, as many as fit (or one), the rest of both
-        groups in their best pure shape of the same TP degree. Only where both groups use one TP degree:
-        the runtime links stage to stage by TP index, so one pipeline keeps
-        one degree."""
-        if t1 != t2:
-            return []
-        q1, q2 = len(self.slots(g1, t1)), len(self.slots(g2, t2))
+    def _mixed(self, members: tuple[tuple[int, int], ...], most_each: int, pure: dict) -> list[Config]:
+        """Shapes of ``a`` TP groups of the first (group, TP degree), then ``b`` of the second, ... (at
+        most ``most_each`` of each, :data:`MAX_MIXED_STAGES` in all), as many as fit (or one), the rest
+        of every member group in its best pure shape of the same TP degree. One TP degree for all: the
+        runtime links stage to stage by TP index, so one pipeline keeps one degree."""
+        pools = [len(self.slots(g, t)) for g, t in members]
         out = []
-        for a in range(1, min(q1, MAX_MIXED_STAGES - 1) + 1):
-            for b in range(1, min(q2, MAX_MIXED_STAGES - a) + 1):
-                if a + b > self.L:
-                    continue
-                shape: Shape = ((g1, t1),) * a + ((g2, t2),) * b
-                most = min(q1 // a, q2 // b)
-                for n in sorted({most, 1}):
-                    shapes = [(shape, n)]
-                    for g, t, left in ((g1, t1, q1 - n * a), (g2, t2, q2 - n * b)):
-                        best = [s for _, s in pure[g] if s[0][1] == t and len(s) <= left]
-                        if best:
-                            shapes.append((best[0], left // len(best[0])))
-                    tps = [tp_degrees(self.model, c.devices_per_node)[0] for c in self.cluster.groups]
-                    tps[g1], tps[g2] = t1, t2
-                    out += [Config(tuple(shapes), tuple(tps), mu) for mu in self.mus]
+        for counts in product(*(range(1, min(q, most_each) + 1) for q in pools)):
+            if sum(counts) > min(MAX_MIXED_STAGES, self.L):
+                continue
+            shape: Shape = tuple(m for m, c in zip(members, counts) for _ in range(c))
+            most = min(q // c for q, c in zip(pools, counts))
+            for n in sorted({most, 1}):
+                shapes = [(shape, n)]
+                for (g, t), q, c in zip(members, pools, counts):
+                    left = q - n * c
+                    best = [s for _, s in pure[g] if s[0][1] == t and len(s) <= left]
+                    if best:
+                        shapes.append((best[0], left // len(best[0])))
+                tps = [tp_degrees(self.model, cl.devices_per_node)[0] for cl in self.cluster.groups]
+                for g, t in members:
+                    tps[g] = t
+                out += [Config(tuple(shapes), tuple(tps), mu) for mu in self.mus]
         return out
 
     def blocks(self, config: Config) -> list[tuple[Shape, int, tuple[int, ...]]]:

@@ -48,6 +48,7 @@ def group_context(plan: Plan, group: ReplicaGroup, spec: ModelSpec, cost: CostMo
                            base=strategy, num_ranks=layout.data_ranks, pp=group.pp,
                            pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
                            microbatch_tokens=group.microbatch_tokens(plan.seq_len),
+                           planned_tokens=group.microbatch_tokens(plan.seq_len),
                            lockstep=runs_in_lockstep(layout.pp, layout.zero),
                            cut_documents=carries_pieces(group.pp, dynamic_rope=spec.rope_scaling is not None
                                                         and spec.rope_scaling.rope_type == "dynamic"))
@@ -150,6 +151,9 @@ class Scheduler:
         if self.policy.is_baseline:
             layout = group_layout(group)
             static = cp if cp is not None else (layout.cp if layout.cp > 1 else None)
+            if static is not None and static > layout.data_ranks:
+                raise ScheduleError(f"a static context-parallel group of {static} ranks does not fit a replica group "
+                                    f"of {layout.data_ranks} data ranks; give --cp at most {layout.data_ranks}")
             if static is not None:
                 options["cp"] = static
         if self.policy == Policy.PADDED:
