@@ -142,6 +142,11 @@ def main() -> None:
              f", target >= {TARGETS['speedup']}x); predicted {pred:.3f}x, off by {abs(pred - meas):.3f} "
              f"({'PASS' if abs(pred - meas) <= TARGETS['prediction'] else 'FAIL'}, target <= {TARGETS['prediction']})",
              f"- load average {load_before:.2f} before, {load_after:.2f} after (2 cores)"]
+    same = [(n, f) for n, f in figures.items() if n != "shares"]
+    if len({round(f["predicted_step_time_s"] or 0.0, 9) for _, f in same}) == 1 and len(same) > 1:
+        spread = max(f["tokens_per_s"] for _, f in same) / min(f["tokens_per_s"] for _, f in same)
+        lines.append(f"- {' and '.join(n for n, _ in same)} ran the same schedules (one data rank per group: every "
+                     f"policy packs alike) and measured {spread - 1:.0%} apart: the spread of this clock here")
     console.print("\n".join(lines), highlight=False)
     if not args.quick:
         from bench._results import markdown_table, record
