@@ -140,7 +140,7 @@ def test_simulate_plan_compares_fixed_shares_with_dispatch(tmp_path, capsys):
 
     from flexmesh.cli import main
 
-    spec, cluster = parse_model("llama2-7b"), parse_mixed_cluster("1x4xH100+1x4xA100-40GB")
+    cluster = parse_mixed_cluster("1x4xH100+1x4xA100-40GB")
     d = {"version": 3, "model": "llama2-7b", "cluster": cluster.label, "world_size": 8, "seq_len": 4096,
          "global_batch": 32, "replicas": [
              {"batch": 20, "num_microbatches": 10, "stages": [{"layers": [0, 32], "devices": [0, 1, 2, 3]}]},

@@ -228,6 +228,7 @@ def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero():
     (group,) = result.plan.groups
     assert {MixedCosts(model, cluster).group_of[r] for r in group.ranks} == {0, 1, 2} and result.evaluation.fits
     # on two nodes of each of two types, a group per type with ZeRO over its data ranks
-    per_type = MixedSearch(parse_model("llama2-7b"), parse_mixed_cluster("2x8xH100+2x8xA100-40GB"), 4096, 256).per_type()
+    two_types = parse_mixed_cluster("2x8xH100+2x8xA100-40GB")
+    per_type = MixedSearch(parse_model("llama2-7b"), two_types, 4096, 256).per_type()
     layouts = [group_layout(g) for p in per_type for g in p.groups]
     assert per_type and any(lay.data_ranks > 1 and lay.sharded for lay in layouts)

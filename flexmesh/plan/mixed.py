@@ -4,10 +4,11 @@ Upper level (this module): for each device group a tensor-parallel degree (divis
 size that split the heads), pipeline shapes made of its TP groups (``p`` stages of one type), and
 mixed shapes whose stages lie on two groups (``a`` TP groups of one type, then ``b`` of another,
 in both orders) or three (one or two TP groups of each, in every order), where a group too small or
-too short of memory for whole pipelines lends stages to others; and a micro-batch size shared by the replicas. A configuration is a set of shapes with
-replica counts; TP groups no shape takes are listed unused. Pipelines are laid out as the uniform
-rank order lays them out: TP groups innermost, the replicas of one shape next, stages outermost, so
-that a stage's gradient all-reduce stays inside a node where it can.
+too short of memory for whole pipelines lends stages to others; and a micro-batch size shared by the
+replicas. A configuration is a set of shapes with replica counts; TP groups no shape takes are listed
+unused. Pipelines are laid out as the uniform rank order lays them out: TP groups innermost, the
+replicas of one shape next, stages outermost, so that a stage's gradient all-reduce stays inside a
+node where it can.
 
 Lower level (flexmesh.plan.mixed_partition), exact: each replica's layer partition (min-max stage
 time under every stage device's memory, each stage priced by its own device's CostModel) and the
@@ -61,8 +62,7 @@ MICROBATCH_SIZES = (1, 2, 3, 4, 6, 8)
 TOP_SHAPES = 3
 # Mixed shapes: at most this many stages (a + b); deeper mixed pipelines only add bubbles.
 MAX_MIXED_STAGES = 8
-# Stages per type of a pipeline over three types (each 1 or 2 TP groups of each type).
-CHAIN3_STAGES = 2
+CHAIN3_STAGES = 2  # TP groups of each type in a pipeline over three types: 1 or 2
 # Estimates priced in full (with the gradient all-reduce) before choosing.
 EVALUATE_TOP = 6
 # Times the shares of the one-group-per-type plans are moved to equalise their pipelines: the first
