@@ -352,7 +352,7 @@ def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
     from dataclasses import replace
 
     from flexmesh.errors import ScheduleError
-    from flexmesh.schedule.scheduler import Scheduler
+    from flexmesh.schedule.scheduler import Scheduler, device_types
     from flexmesh.sim.predict import simulated_scheduler
 
     spec = replace(spec, dtype=args.dtype)
@@ -364,7 +364,7 @@ def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
         cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)
         cost = cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
                                         world=plan.world_size, cluster=cluster)
-    elif len(plan.groups) == 1 and policy != "shares":
+    elif len(plan.groups) == 1 and device_types(plan) in (None, 1):  # a mixed cluster: priced per device type
         from flexmesh.cost import CostModel
 
         cost = CostModel(spec, _plan_cluster(plan, args.plan))

@@ -44,10 +44,11 @@ class ScheduleContext:
     # Micro-batch time grows faster than its tokens where a profile says so (caches, logits), so
     # packing everything a group holds into one micro-batch is not always best.
     microbatch_tokens: int | None = None
-    # Tokens per rank of one micro-batch the plan's search checked against memory stage by stage (on
-    # each stage's device, with its own layers and recomputation): what memory holds at least, where
-    # this context's one estimate (the first layer's strategy on every stage) says less.
-    planned_tokens: int | None = None
+    # Most tokens one rank's micro-batch may hold, computed stage by stage (each pipeline stage on its own
+    # device with its own layers, ends and micro-batches in flight: flexmesh.schedule.groups.stage_cap)
+    # in place of this context's one estimate (ceil(layers / pp) layers of the base strategy on every
+    # stage, as many in flight as stages); None: that estimate.
+    token_cap: int | None = None
     # Whether every data rank runs the step's largest micro-batch count (flexmesh.layout.mesh.runs_in_lockstep);
     # None: by that rule from pp and the base strategy's ZeRO stage (a plan passes its layers' own).
     lockstep: bool | None = None
@@ -253,9 +254,8 @@ class ScheduleContext:
         key = ("max_tokens", d)
         if key not in self._cache:
             flight = 1.0 if self.pp == 1 else float(self.pp)
-            self._cache[key] = max(self.cost.max_tokens(self.group_strategy(d), layers=self.layers_per_stage,
-                                                        head=self.pp == 1, in_flight_mbs=flight),
-                                   (self.planned_tokens or 0) * d)
+            self._cache[key] = self.token_cap * d if self.token_cap is not None else self.cost.max_tokens(
+                self.group_strategy(d), layers=self.layers_per_stage, head=self.pp == 1, in_flight_mbs=flight)
         return self._cache[key]
 
     def pack_tokens(self, d: int) -> int:

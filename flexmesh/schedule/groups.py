@@ -38,7 +38,9 @@ from numpy.typing import ArrayLike
 
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import ScheduleError
-from flexmesh.layout.plan import Plan
+from flexmesh.layout.enums import CPKind
+from flexmesh.layout.overlap import Overlap
+from flexmesh.layout.plan import Plan, ReplicaGroup
 from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import min_groups
@@ -290,13 +292,27 @@ def groups_schedule(policy: str, lengths: ArrayLike, gctx: GroupsContext, *, see
     return dispatched_schedule(policy, lengths, gctx, seed=seed, options=options)
 
 
+def stage_cap(group: ReplicaGroup, costs: MixedCosts, overlap: Overlap) -> int:
+    """Most tokens one data rank's micro-batch may hold in a pipelined group: the least over its
+    stages, each on its own device with its own layers (the first one's strategy), its ends and the
+    micro-batches 1F1B keeps in flight there (``pp - p`` on pipeline rank ``p``)."""
+    caps = []
+    for p, block in enumerate(group.blocks):
+        layers = [s for i, chunk in enumerate(group.stages) if i % group.pp == p for s in chunk.strategies]
+        first = replace(layers[0], cp=1, cp_kind=CPKind.NONE, dp=group.data_ranks)
+        caps.append(costs.of_rank(block[0]).max_tokens(first, layers=len(layers), embed=p == 0,
+                                                       head=p == group.pp - 1, in_flight_mbs=group.pp - p,
+                                                       overlap=overlap))
+    return min(caps)
+
+
 def groups_context(plan: Plan, spec: ModelSpec, costs: MixedCosts) -> GroupsContext:
     """The scheduling view of ``plan``'s replica groups on the cluster ``costs`` prices.
 
     Each group's context is :func:`~flexmesh.schedule.scheduler.group_context` priced by the cost model
     of its slowest device type (a pipeline whose stages sit on two types runs at its slower stages'
-    pace); each data rank runs at its slowest device's speed factor (its pipeline stages and tensor-
-    parallel ranks wait for one another).
+    pace), a pipeline's memory stage by stage (:func:`stage_cap`); each data rank runs at its slowest
+    device's speed factor (its pipeline stages and tensor-parallel ranks wait for one another).
     """
     from flexmesh.cost.mixed import evaluate_groups
     from flexmesh.layout.mesh import rank_place
@@ -306,7 +322,8 @@ def groups_context(plan: Plan, spec: ModelSpec, costs: MixedCosts) -> GroupsCont
     for g in plan.groups:
         device_groups = {costs.group_of[r] for r in g.ranks}
         slowest = min(device_groups, key=lambda k: costs.groups[k].cluster.device.peak_flops(spec.dtype))
-        contexts.append(group_context(plan, g, spec, costs.groups[slowest]))
+        ctx = group_context(plan, g, spec, costs.groups[slowest])
+        contexts.append(replace(ctx, token_cap=stage_cap(g, costs, plan.overlap)) if g.pp > 1 else ctx)
     speed = [1.0] * sum(c.num_ranks for c in contexts)
     for rank in range(plan.world_size):
         place = rank_place(plan, rank)

@@ -48,7 +48,6 @@ def group_context(plan: Plan, group: ReplicaGroup, spec: ModelSpec, cost: CostMo
                            base=strategy, num_ranks=layout.data_ranks, pp=group.pp,
                            pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
                            microbatch_tokens=group.microbatch_tokens(plan.seq_len),
-                           planned_tokens=group.microbatch_tokens(plan.seq_len),
                            lockstep=runs_in_lockstep(layout.pp, layout.zero),
                            cut_documents=carries_pieces(group.pp, dynamic_rope=spec.rope_scaling is not None
                                                         and spec.rope_scaling.rope_type == "dynamic"))
@@ -139,10 +138,11 @@ class Scheduler:
         self.shares = (tuple(g.share for g in plan.groups), tuple(g.num_microbatches for g in plan.groups),
                        tuple(g.data_ranks for g in plan.groups))
         self.groups: GroupsContext | None = None  # None: fixed shares on a cluster that prices nothing
-        if len(plan.groups) == 1:
+        if len(plan.groups) == 1 and (cost is not None or device_types(plan) in (None, 1)):
             ctx = schedule_context(plan, spec, max_len, cost)
             self.groups = GroupsContext((ctx,), (plan.global_batch,), (plan.num_microbatches,))
-        elif self.policy != Policy.SHARES or cost is not None or _priced(plan):
+        elif self.policy != Policy.SHARES or cost is not None or device_types(plan) is not None:
+            # several groups, or one group whose pipeline spans device types: priced group by group
             self.groups = groups_context(plan, spec, plan_costs(plan, spec, cost))
         self.options = [self._options(g, max_len, cp) for g in plan.groups]
 
@@ -215,11 +215,13 @@ class Scheduler:
                 f"groups={len(self.shares[0])}, options={self.options}, seed={self.seed})")
 
 
-def _priced(plan: Plan) -> bool:
+def device_types(plan: Plan) -> int | None:
+    """How many device types the plan's cluster has (None: it names no presets or has another size)."""
     from flexmesh.errors import SpecError
     from flexmesh.spec.cluster import parse_mixed_cluster
 
     try:
-        return parse_mixed_cluster(plan.cluster).world_size == plan.world_size
+        mixed = parse_mixed_cluster(plan.cluster)
     except SpecError:
-        return False
+        return None
+    return len(mixed.groups) if mixed.world_size == plan.world_size else None
