@@ -238,13 +238,13 @@ class Trainer:
                                 f"{self.layout.cp}) of its replica group")
         return own, mine[0]
 
-    def local_batches(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> list[PackedBatch]:
-        """This rank's micro-batches for the step: packed, padded, cp-sliced; count-equalised unless uneven.
+    def local_batches(self, docs: Sequence[np.ndarray], own: list[Group], group: Group) -> list[PackedBatch]:
+        """This rank's micro-batches for the step (``own``, ``group``: :meth:`_own` of its schedule):
+        packed, padded, cp-sliced; count-equalised unless uneven.
 
         The first ``len(group.microbatches)`` hold data; any after them are empty padding.
         """
         lay = self.layout
-        own, group = self._own(schedule)
         cp = group.cp
         count = len(group.microbatches)
         if not self.uneven:
@@ -297,19 +297,20 @@ class Trainer:
         if label_tokens == 0:
             raise ScheduleError("the step has no label tokens (every document is a single token); "
                                 "feed longer documents")
-        schedule_parts(self.plan, schedule)  # every rank refuses a schedule that does not fit, before any collective
+        # every rank refuses a schedule that does not fit this rank's group, before any collective
+        own, group = self._own(schedule) if self.place is not None else ([], None)
+        if self.place is None:
+            schedule_parts(self.plan, schedule)  # a device left unused checks the schedule as the others do
         self.loss_fn.normaliser = label_tokens
         self.optimizer.zero_grad(set_to_none=True)
         self.clock.reset()
         every = self.config.meter_every or 0
         metered = every > 0 and self.step_index % every == 0
         batches: list[PackedBatch] = []
-        group = None
         local_loss: torch.Tensor | float = 0.0
         busy = marks.mark()
-        if self.place is not None:
-            own, group = self._own(schedule)
-            batches = self.local_batches(docs, schedule)
+        if group is not None:
+            batches = self.local_batches(docs, own, group)
             self._set_context(group)
             with SavedActivationMeter() if metered else nullcontext() as meter:
                 local_loss, busy = self._forward_backward(batches, group, marks, own)
