@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (training stops on its own: `flexmesh train`)
+        Console(stderr=True).print("interrupted", highlight=False)
+        return 130
     except FlexmeshError as e:
         # escaped: messages quote paths and torch errors with [brackets] that rich reads as markup
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)

@@ -31,6 +31,8 @@ from flexmesh.runtime.config import TRAIN_DTYPES
 from flexmesh.runtime.device import DEVICES
 from flexmesh.runtime.launch import (
     DEFAULT_RUN_ID,
+    RESUME_ENV,
+    SUPERVISED_ENV,
     Rendezvous,
     parse_rendezvous,
     relaunch_flexmesh,
@@ -161,10 +163,18 @@ def run(args: argparse.Namespace) -> int:
         args.no_resume = args.overwrite = False
     if "RANK" not in os.environ:  # a plain single process: make it a world of one
         os.environ.update(single_process_env())
-    if os.environ.get("RANK") != "0":
-        return _train(args)
-    with _run_folder(args):  # rank 0 writes the folder; fit takes the lock again (counted)
-        return _train(args)
+    try:
+        if os.environ.get("RANK") != "0":
+            return _train(args)
+        with _run_folder(args):  # rank 0 writes the folder; fit takes the lock again (counted)
+            return _train(args)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over signals (flexmesh.runtime.loop.fit)
+        if os.environ.get("RANK") == "0":
+            from rich.console import Console
+
+            Console(stderr=True, soft_wrap=True).print(f"interrupted before the first step; resume: {resume_command()}",
+                                                       highlight=False, markup=False)
+        return 0 if os.environ.get(SUPERVISED_ENV) else 130
 
 
 def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -> int:
@@ -179,8 +189,11 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
     from flexmesh.layout.plan import load_plan
 
     load_plan(args.plan)  # a plan file that cannot run fails here, once, before any rank starts
+    import shlex
+
     argv = without_flags(argv, (), ("--no-resume", "--overwrite"))
-    env = dict(os.environ, **{HELD_ENV: str(Path(args.out).resolve())})
+    env = dict(os.environ, **{"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # torchrun's default, unsaid
+                              HELD_ENV: str(Path(args.out).resolve()), RESUME_ENV: shlex.join(["flexmesh", *argv])})
     if rendezvous.node_rank != 0:
         return relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
     with _run_folder(args):
@@ -194,8 +207,8 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
             print(f"migrating: relaunching on {request['plan']} from checkpoint {request['checkpoint']}",
                   file=sys.stderr, flush=True)
             argv = relaunch_argv(argv, request["plan"])
-            code = relaunch_flexmesh(args.nproc, argv, env={**env, RESHARD_ENV: request["checkpoint"]},
-                                     rendezvous=rendezvous)
+            code = relaunch_flexmesh(args.nproc, argv, rendezvous=rendezvous, env={
+                **env, RESHARD_ENV: request["checkpoint"], RESUME_ENV: shlex.join(["flexmesh", *argv])})
         return code
 
 
@@ -256,17 +269,24 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
 
 def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:
     """Train on every rank (flexmesh.runtime.loop.fit) and say on rank 0 how it ended: the last step
-    (``what`` follows its tokens/s), a hand-over to a migration (exit 0) or a preemption (exit
-    128 + SIGTERM, after the notice of what was saved)."""
+    (``what`` follows its tokens/s), a hand-over to a migration (exit 0), a preemption or a Ctrl-C
+    (one line: what was saved and how to resume; exit 128 + the signal, or 0 under flexmesh's own
+    launcher, which returns that code itself and keeps torchrun from restarting the ranks)."""
     import signal
+    import threading
 
     import torch.distributed as dist
     from rich.console import Console
 
-    from flexmesh.runtime.loop import Migrating, Preempted, fit
+    from flexmesh.runtime.loop import Interrupted, Migrating, Preempted, fit
 
     try:
-        history = fit(trainer, source, config, **fit_kwargs)
+        try:
+            history = fit(trainer, source, config, **fit_kwargs)
+        finally:  # training is over: a signal now would only turn the rank's clean exit into a failure
+            if threading.current_thread() is threading.main_thread():
+                for s in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(s, signal.SIG_IGN)
     except Migrating as e:
         if dist.get_rank() == 0:
             Console(stderr=True).print(f"migrating after step {e.step}: predicted gain "
@@ -274,17 +294,31 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
                                        highlight=False)
         dist.barrier()
         return 0
-    except Preempted as e:
+    except (Preempted, Interrupted) as e:
         if dist.get_rank() == 0:
-            Console(stderr=True).print(e.notice(), highlight=False)
+            line = e.notice() if isinstance(e, Preempted) else e.notice(resume_command())
+            Console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
         dist.barrier()
-        return 128 + signal.SIGTERM
+        signum = signal.SIGTERM if isinstance(e, Preempted) else signal.SIGINT
+        return 0 if os.environ.get(SUPERVISED_ENV) else 128 + signum
     if dist.get_rank() == 0 and history:
         last = history[-1]
         Console().print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s{what}; "
                         f"metrics in {os.path.join(out, 'metrics.jsonl')}", highlight=False)
     dist.barrier()
     return 0
+
+
+def resume_command() -> str:
+    """The command line that resumes this run: the launcher's (with ``--nproc``), else this process's;
+    without ``--no-resume``/``--overwrite``, which would start over."""
+    import shlex
+
+    if os.environ.get(RESUME_ENV):
+        return os.environ[RESUME_ENV]
+    argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
+    command = shlex.join(["flexmesh", *without_flags(argv, (), ("--no-resume", "--overwrite"))])
+    return command if os.environ.get("WORLD_SIZE", "1") == "1" else f"under torchrun, {command}"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -385,7 +419,7 @@ def announce(trainer) -> None:
 
     cfg, plan = trainer.config, trainer.plan
     budgets = "/".join(f"{g.microbatch_tokens(plan.seq_len):,}" for g in plan.groups)
-    Console(stderr=True).print(
+    Console(stderr=True, soft_wrap=True).print(
         f"{dist.get_world_size()} x {device_name(compute_device_choice())}, {cfg.dtype}; attention "
         f"{'+'.join(trainer.attention_kernels())}; micro-batches of up to {budgets} tokens "
         f"per data rank{' (per replica group)' if len(plan.groups) > 1 else ''}; "

@@ -13,10 +13,10 @@ Restarts and several nodes (:class:`Rendezvous`): ``--max-restarts``, ``--nnodes
 ``--rdzv-endpoint`` and ``--rdzv-id`` of ``flexmesh train --nproc`` become torchrun's c10d rendezvous
 options; without them the launch is on one node, on loopback at a free port.
 
-Signals (:func:`run_supervised`): Ctrl-C or SIGTERM on ``flexmesh ... --nproc N`` is passed on to
-torchrun, which passes it to every rank and waits for them (its shutdown timeout, 30 s by default,
-then SIGKILL); the launcher waits for torchrun and kills whatever it left behind. Before, the
-launcher died at once and took torchrun with it, leaving the ranks running unseen.
+Signals (:func:`run_supervised`): Ctrl-C or SIGTERM on ``flexmesh ... --nproc N`` goes to every rank,
+which stops at its next step boundary (Ctrl-C without starting a checkpoint, SIGTERM with one) and
+exits quietly; the launcher waits for torchrun, kills whatever it left behind and exits with
+128 + the signal. A second Ctrl-C kills at once.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from flexmesh.errors import PlanError
 # or it would join (or rendezvous at the port of) the launch this process belongs to.
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RESTART_COUNT")
+SUPERVISED_ENV = "FLEXMESH_SUPERVISED"  # set for ranks whose launcher stops them itself (run_supervised)
+RESUME_ENV = "FLEXMESH_RESUME_COMMAND"  # the command line that resumes the run, for the ranks' last word
 
 
 def free_port() -> int:
@@ -52,7 +54,7 @@ def child_env() -> dict[str, str]:
     """This process's environment for a child that launches its own ranks (torchrun, ``flexmesh train
     --nproc``): without the rank variables of a launch this process may be part of, and with one
     intra-op thread per process unless the caller chose otherwise."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARIABLES, SUPERVISED_ENV, RESUME_ENV)}
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -222,15 +224,6 @@ def without_flags(argv: Sequence[str], valued: Sequence[str] = ("--nproc",), swi
     return forwarded
 
 
-def without_nproc(argv: Sequence[str]) -> list[str]:
-    """``argv`` less its ``--nproc N`` / ``--nproc=N``.
-
-    >>> without_nproc(["train", "--nproc", "4", "--plan", "p.json", "--nproc=2"])
-    ['train', '--plan', 'p.json']
-    """
-    return without_flags(argv)
-
-
 def relaunch_flexmesh(nproc: int, argv: Sequence[str], env: dict[str, str] | None = None,
                       rendezvous: Rendezvous | None = None) -> int:
     """Run ``flexmesh *argv`` as ``nproc`` ranks under torchrun; its exit code.
@@ -252,28 +245,39 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) -> int:
     """Run ``command`` (a torchrun command line) to its end and return its exit code.
 
-    SIGINT, SIGTERM and SIGHUP sent to this process are forwarded to the child instead of ending
-    this process, so torchrun can stop its ranks; a second SIGINT kills it outright. The child runs
-    in its own process group (a terminal's Ctrl-C reaches only this process, once). On Linux this
-    process adopts orphaned descendants (a child subreaper), so ranks that outlive torchrun are
-    killed before it returns.
+    SIGINT and SIGTERM sent to this process go straight to the ranks (torchrun's children that
+    carry ``LOCAL_RANK``), which stop at their next step boundary (flexmesh.runtime.loop.fit) and
+    exit 0, so torchrun neither restarts them nor prints its failure report; this process then
+    returns 128 + the signal. A second SIGINT kills everything outright; SIGHUP, or a signal before
+    the ranks exist, goes to torchrun. The child runs in its own process group (a terminal's Ctrl-C
+    reaches only this process, once). On Linux this process adopts orphaned descendants (a child
+    subreaper), so ranks that outlive torchrun are killed before it returns.
     """
     adopts = _become_subreaper()
+    env = {**(env if env is not None else os.environ), SUPERVISED_ENV: "1"}
     proc = subprocess.Popen(list(command), env=env, start_new_session=True)
     seen: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
         again = signum == signal.SIGINT and signal.SIGINT in seen
         seen.append(signum)
-        try:
-            os.kill(proc.pid, signal.SIGKILL if again else signum)
-        except ProcessLookupError:
-            pass
+        ranks = [pid for pid in _children(proc.pid) if _is_rank(pid)] if signum != signal.SIGHUP else []
+        for pid in ranks if not again else []:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        if again or not ranks:
+            try:
+                os.kill(proc.pid, signal.SIGKILL if again else signum)
+            except ProcessLookupError:
+                pass
 
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, forward) for s in FORWARDED} if main else {}
     try:
-        return proc.wait()
+        code = proc.wait()
+        return 128 + seen[0] if seen and code == 0 else code
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
@@ -282,6 +286,31 @@ def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) ->
             proc.wait()
         if adopts:
             _kill_adopted()
+
+
+def _children(parent: int) -> list[int]:
+    """The live processes whose parent is ``parent`` (Linux /proc; empty elsewhere)."""
+    found = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == parent and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether process ``pid`` is a torchrun worker (its environment names a LOCAL_RANK)."""
+    try:
+        return b"\0LOCAL_RANK=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
 
 
 def _become_subreaper() -> bool:
@@ -298,18 +327,9 @@ def _become_subreaper() -> bool:
 
 def _kill_adopted() -> None:
     """SIGKILL and reap this process's remaining children: ranks orphaned by a dead torchrun."""
-    me = os.getpid()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in _children(os.getpid()):
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me:
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                os.waitpid(int(entry.name), 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass

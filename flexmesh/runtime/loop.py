@@ -76,7 +76,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     Rank 0 holds the folder's lock for the run (flexmesh.runtime.rundir); with ``resume`` off, a
     folder holding an earlier run is refused (RunFolderError on every rank). SIGTERM (preemption)
     ends the run after the current step, with a checkpoint when ``out_dir`` is set, and raises
-    :class:`Preempted`; all ranks agree on it through one small all-reduce per step.
+    :class:`Preempted`; SIGINT (Ctrl-C) ends it there without starting a checkpoint and raises
+    :class:`Interrupted`. All ranks agree on a signal through one small all-reduce per step.
 
     ``monitor`` (flexmesh.runtime.stragglers.StragglerMonitor) sees every step before it is logged:
     it adds measured speeds and straggler events to the metrics and may re-plan the schedules.
@@ -125,6 +126,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             if progress is not None:
                 progress.update(m)
             stop = preemption.agreed()
+            if stop == signal.SIGINT:  # no checkpoint is started after Ctrl-C
+                raise Interrupted(m.step, latest_checkpoint(ckpt_root) if ckpt_root is not None else None)
             every = config.checkpoint_every
             due = (every and m.step % every == 0) or m.step == config.max_steps or stop
             if migrated is not None:
@@ -176,6 +179,21 @@ class Migrating(Exception):
     def __init__(self, step: int, checkpoint: Path, event: dict) -> None:
         super().__init__(f"migrating after step {step}")
         self.step, self.checkpoint, self.event = step, checkpoint, event
+
+
+class Interrupted(Exception):
+    """The run stopped on SIGINT (Ctrl-C) after step ``step``, starting no checkpoint; ``checkpoint`` is
+    the newest one on disk (None: none yet), the one a resume starts from."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+    def notice(self, resume: str) -> str:
+        """The one line a launcher prints: where the run stopped and the command that resumes it."""
+        if self.checkpoint is None:
+            return f"interrupted after step {self.step}; no checkpoint yet, so a resume starts over: {resume}"
+        return f"interrupted after step {self.step}; resume from {self.checkpoint}: {resume}"
 
 
 class Preempted(Exception):
@@ -241,32 +259,37 @@ def _on_rank0(fn: Callable[[], Any], elsewhere: Any) -> Any:
 
 
 class _Preemption:
-    """Notes SIGTERM instead of dying at once, so the step in flight finishes and is checkpointed.
+    """Notes SIGTERM and SIGINT instead of dying at once, so the step in flight finishes.
 
-    Only the main thread may install a handler; elsewhere SIGTERM keeps its default.
+    SIGTERM (preemption) ends the run with a checkpoint of that step; SIGINT (Ctrl-C) ends it
+    without starting one (a checkpoint already being written completes: the handler only takes
+    note). Only the main thread may install handlers; elsewhere both signals keep their defaults.
     """
 
+    CODES = {signal.SIGTERM: 1, signal.SIGINT: 2}  # the larger wins when ranks got different ones
+
     def __init__(self) -> None:
-        self.requested = False
+        self.requested = 0
         self._installed = threading.current_thread() is threading.main_thread()
-        if self._installed:
-            self._previous = signal.signal(signal.SIGTERM, self._note)
+        self._previous = {s: signal.signal(s, self._note) for s in self.CODES} if self._installed else {}
 
     def _note(self, signum: int, frame: object) -> None:
-        self.requested = True
+        self.requested = max(self.requested, self.CODES[signal.Signals(signum)])
 
-    def agreed(self) -> bool:
-        """Whether any rank got SIGTERM; every rank calls it at the same point of each step."""
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+    def agreed(self) -> signal.Signals | None:
+        """The signal any rank got (SIGINT over SIGTERM), else None; every rank calls it at the same
+        point of each step."""
+        flag = torch.tensor([self.requested], dtype=torch.int32)
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
-        return bool(flag.item())
+        code = int(flag.item())
+        return next((s for s, c in self.CODES.items() if c == code), None)
 
     def restore(self) -> None:
-        if self._installed:
+        for s, previous in self._previous.items():
             # None: the previous handler was not set from Python; the default is the closest
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-            self._installed = False
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
 
 
 class _Progress:
