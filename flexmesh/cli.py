@@ -14,10 +14,26 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
+from flexmesh.commands.args import DefaultsHelpFormatter, examples
 from flexmesh.errors import FlexmeshError
 
 # Sub-commands in the order `flexmesh --help` lists them; a module missing here is skipped.
 COMMANDS = ("plan", "simulate", "train", "export", "profile", "demo")
+
+# What each command's --help ends with: commands as a user types them (tests/test_cli_help.py parses them).
+EXAMPLES = {
+    "plan": ("flexmesh plan --model llama3-8b --cluster 8xH100 --seq-len 8192 --out plan.json",
+             "flexmesh plan --cluster 64x8xH100+64x8xA100-40GB --explain",
+             "flexmesh plan --check plan.json"),
+    "simulate": ("flexmesh simulate --plan plan.json --lengths wikipedia --policies hdp,milp",
+                 "flexmesh simulate --model llama2-7b --cluster 8x8xA100-40GB --seq-len 131072 --slow 3=0.5"),
+    "train": ("flexmesh train --plan plan.json --corpus stdlib --max-steps 100 --out run --nproc 2",
+              "torchrun --nproc-per-node 2 -m flexmesh train --plan plan.json --corpus docs --max-steps 9 --out run"),
+    "export": ("flexmesh export --checkpoint run --out run-hf",),
+    "profile": ("flexmesh profile hardware --nproc 2 --out hardware.json",
+                "flexmesh profile model --model tiny --quick --out model-tiny.json"),
+    "demo": ("flexmesh demo", "flexmesh demo --quick --out /tmp/demo"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name == f"flexmesh.commands.{name}":
                 continue
             raise
-        mod.add_parser(sub)
+        command = mod.add_parser(sub)
+        command.formatter_class = DefaultsHelpFormatter
+        command.epilog = examples(*EXAMPLES.get(name, ()))
     return parser
 
 

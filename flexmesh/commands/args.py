@@ -18,6 +18,9 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+# What `plan` and `simulate` assume when neither a plan nor the flag says: one meaning in both.
+DEFAULT_MODEL, DEFAULT_CLUSTER, DEFAULT_SEQ_LEN, DEFAULT_GLOBAL_BATCH = "llama3-8b", "8xH100", 8192, 128
+
 
 def _int(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
@@ -121,9 +124,27 @@ def nonempty(text: str) -> str:
     return text
 
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+def old_names(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str, dest: str, **kwargs) -> None:
+    """Keep ``flags`` (a flag's former spellings) working for ``dest``, unlisted in ``--help``.
+
+    >>> p = argparse.ArgumentParser()
+    >>> _ = p.add_argument("--seq-len", type=int, default=8)
+    >>> old_names(p, "--max-len", dest="seq_len", type=int)
+    >>> p.parse_args(["--max-len", "4"]).seq_len, p.parse_args([]).seq_len
+    (4, 8)
+    """
+    p.add_argument(*flags, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+def examples(*lines: str) -> str:
+    """A command's ``--help`` epilog: its examples, one per line, as they are typed."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """argparse's defaults formatter, saying a default only where there is one to say: not for flags
-    without a value (None, False, ""), nor where the help already names it."""
+    without a value (None, False, ""), nor where the help already names it; the description and the
+    examples printed as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

@@ -29,7 +29,7 @@ from types import ModuleType
 
 from flexmesh.commands import plan as plan_command
 from flexmesh.commands import simulate as simulate_command
-from flexmesh.commands.args import folder, nonneg_int, positive_int
+from flexmesh.commands.args import folder, nonneg_int, old_names, positive_int
 from flexmesh.errors import FlexmeshError
 from flexmesh.runtime.device import DEVICES
 
@@ -42,12 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--nproc", type=positive_int, default=4, help="local training processes, 2 to 4 (default 4)")
     p.add_argument("--steps", type=positive_int, default=8, help="training steps per policy (default 8)")
     p.add_argument("--global-batch", type=positive_int, default=16, help="documents per training step (default 16)")
-    p.add_argument("--max-len", type=positive_int, default=2048,
-                   help="truncate documents to this many tokens (default 2048)")
+    p.add_argument("--seq-len", type=positive_int, default=2048,
+                   help="the longest sequence, in tokens; longer documents are truncated to it (default 2048)")
+    old_names(p, "--max-len", dest="seq_len", type=positive_int)
     p.add_argument("--sim-steps", type=positive_int, default=3, help="simulated steps per policy (default 3)")
     p.add_argument("--quick", action="store_true",
                    help="a shortened run for tests: 2 processes, 2 steps, small batches and a small simulation")
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the data, the weights and the simulation")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto: the multi-process steps on GPUs when there is one per process, else on the CPU, and "
                         "with any GPU one more run on one GPU; cpu: all on the CPU (default auto)")
@@ -108,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
     from flexmesh.report.demo import TRAIN_MODEL, read_metrics, write_report
 
     if args.quick:
-        args.nproc, args.steps, args.global_batch, args.max_len, args.sim_steps = 2, 2, 6, 512, 1
+        args.nproc, args.steps, args.global_batch, args.seq_len, args.sim_steps = 2, 2, 6, 512, 1
     if not 2 <= args.nproc <= 4:
         raise FlexmeshError(f"--nproc must be 2 to 4 local processes, got {args.nproc}")
-    for name in ("steps", "global_batch", "max_len", "sim_steps"):
+    for name in ("steps", "global_batch", "seq_len", "sim_steps"):
         if getattr(args, name) < 1:
             raise FlexmeshError(f"--{name.replace('_', '-')} must be >= 1")
     console = Console()
@@ -131,11 +132,9 @@ def run(args: argparse.Namespace) -> int:
 
     # 2. simulate
     console.print(Rule("2/6  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
-    sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--context", "131072",
-                "--lengths", "wikipedia", "--policies", "hdp,milp", "--steps", str(args.sim_steps),
-                "--seed", str(args.seed), "--plots", str(out / "simulated")]
-    if args.quick:
-        sim_args += ["--global-batch", "128"]
+    sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--seq-len", "131072",
+                "--global-batch", "128" if args.quick else "512", "--lengths", "wikipedia", "--policies", "hdp,milp",
+                "--steps", str(args.sim_steps), "--seed", str(args.seed), "--plots", str(out / "simulated")]
     sim = simulate_command.simulate(_parse(simulate_command, sim_args))
     simulate_command.print_table(sim, Console())
 
@@ -150,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                *on], console, "profile model")
 
     # 4. train
-    plan_path = training_plan_file(out, hw, args.nproc, args.max_len, args.global_batch)
+    plan_path = training_plan_file(out, hw, args.nproc, args.seq_len, args.global_batch)
     runs = {"fixed": ["--policy", "fixed", "--cp", "1"], "adaptive": ["--policy", "milp", "--adaptive",
                                                                       "--fallback-policy", "hdp"]}
     metrics = {}
@@ -173,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(Rule("5/6  mixed cluster: each step's Wikipedia documents dispatched over its replica groups, "
                        "simulated"))
     dispatch = simulate_command.simulate(_parse(simulate_command, [
-        "simulate", "--plan", str(mixed_path), "--context", "4096", "--lengths", "wikipedia",
+        "simulate", "--plan", str(mixed_path), "--seq-len", "4096", "--lengths", "wikipedia",
         "--policies", "balanced,hdp", "--steps", str(args.sim_steps), "--seed", str(args.seed)]))
     dispatch.print(console)
 
@@ -231,7 +230,7 @@ def gpu_run(out: Path, args: argparse.Namespace, gpu_name: str, console) -> dict
 
     preset = preset_of_gpu(gpu_name)
     plan_path = out / "plan-gpu.json"
-    replace(training_plan(1, args.max_len, args.global_batch), cluster=f"1x{preset or 'A100-80GB'}",
+    replace(training_plan(1, args.seq_len, args.global_batch), cluster=f"1x{preset or 'A100-80GB'}",
             cost_source="preset").save(plan_path)
     run_dir = out / "runs" / "gpu"
     _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps), "--out",

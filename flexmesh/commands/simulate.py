@@ -1,6 +1,6 @@
 """``flexmesh simulate``: compare per-step scheduling policies on simulated steps.
 
-Draws ``--steps`` global batches from a length distribution (sequences longer than ``--context`` are
+Draws ``--steps`` global batches from a length distribution (sequences longer than ``--seq-len`` are
 truncated to it), schedules each with every policy, simulates the step on the plan given by the flags
 and prints, per policy, mean step time, tokens/s, speedup over the best baseline (the static settings
 people run: fixed, padded, balanced, wlb, each at its best degree; they always run), imbalance,
@@ -16,9 +16,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flexmesh.commands.args import DefaultsHelpFormatter, folder, nonempty, nonneg_int, positive_int
+from flexmesh.commands.args import (
+    DEFAULT_CLUSTER,
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_MODEL,
+    DEFAULT_SEQ_LEN,
+    DefaultsHelpFormatter,
+    folder,
+    nonempty,
+    nonneg_int,
+    old_names,
+    positive_int,
+)
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
+from flexmesh.report.tables import print_table as print_fitted
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.sim.simulation import (
     COLUMNS,
@@ -45,23 +57,26 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="PLAN", help="simulate the layout of this plan file (any version; default "
                    "model and cluster: the plan's); a plan of several replica groups compares its fixed shares "
                    "with each step dispatched over its groups, and the layout flags (--tp ... --cp-kind) do not apply")
-    p.add_argument("--model", help="model preset, gpt:L:H:A, or a Hugging Face config.json (required without --plan)")
-    p.add_argument("--cluster", type=nonempty, help="NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB) or a file; "
-                                     "optional with --hardware-profile (its node) or --plan (its cluster)")
+    p.add_argument("--model", help="model preset, gpt:L:H:A, or a Hugging Face config.json (default: the plan's, "
+                                   f"else {DEFAULT_MODEL})")
+    p.add_argument("--cluster", type=nonempty, help="NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB) or a file (default: "
+                                     f"the plan's, else the hardware profile's node, else {DEFAULT_CLUSTER})")
     p.add_argument("--hardware-profile", metavar="PATH", help="a `flexmesh profile hardware` file to price with")
     p.add_argument("--model-profile", metavar="PATH", help="a `flexmesh profile model` file to price with")
-    p.add_argument("--context", type=positive_int, required=True,
-                   help="maximum sequence length; longer sequences are truncated to it")
+    p.add_argument("--seq-len", type=positive_int, help="the longest sequence, in tokens; longer ones are truncated "
+                                                       f"to it (default: the plan's, else {DEFAULT_SEQ_LEN})")
+    old_names(p, "--context", dest="seq_len", type=positive_int)
     p.add_argument("--lengths", default="wikipedia", help="shipped distribution name or a .txt/.json file")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--global-batch", type=positive_int, default=None, help="sequences per step (default 512)")
+    size.add_argument("--global-batch", type=positive_int, default=None,
+                      help=f"sequences per step (default: the plan's, else {DEFAULT_GLOBAL_BATCH})")
     size.add_argument("--tokens-per-batch", type=positive_int, default=None,
                       help="tokens per step instead of sequences")
     p.add_argument("--policies", default="hdp",
                    help="comma-separated scheduling policies, run besides the baselines (fixed, padded, balanced, "
                         "wlb), which always run")
-    p.add_argument("--steps", type=positive_int, default=20)
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--steps", type=positive_int, default=20, help="global batches to draw and simulate")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the length draws and the policies")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel degree")
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel degree")
     p.add_argument("--pipeline-schedule", "--schedule", dest="pipeline_schedule", default="1f1b",
@@ -72,9 +87,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                    help="full activation recomputation")
     p.add_argument("--cp-kind", default="ulysses", choices=("ulysses", "ring"), help="context-parallel kind")
-    p.add_argument("--slow", "--speed", dest="slow", default="", metavar="RANK=FACTOR,...",
+    p.add_argument("--slow", dest="slow", default="", metavar="RANK=FACTOR,...",
                    help="speed factors of individual devices, e.g. 3=0.5 (device 3 at half speed); the table "
                         "then adds each policy's tokens/s with schedules made for nominal speed (static)")
+    old_names(p, "--speed", dest="slow")
     p.add_argument("--json", action="store_true", help="print plain JSON instead of a table")
     p.add_argument("--plots", metavar="DIR", default=None, type=folder,
                    help="write a Gantt and a load PNG per policy here")
@@ -99,10 +115,10 @@ def _slow(text: str, world: int) -> tuple[float, ...]:
 
 
 def _config(args: argparse.Namespace, policies: tuple[str, ...], speed_factors: tuple[float, ...]) -> SimulationConfig:
-    # --global-batch and --tokens-per-batch exclude each other; with neither, 512 sequences per step.
-    return SimulationConfig(policies=policies, context=args.context, lengths=args.lengths, steps=args.steps,
+    # --global-batch and --tokens-per-batch exclude each other; with neither, the plan's or the default.
+    return SimulationConfig(policies=policies, context=args.seq_len, lengths=args.lengths, steps=args.steps,
                             seed=args.seed,
-                            seqs_per_batch=512 if args.global_batch is None else args.global_batch,
+                            seqs_per_batch=args.global_batch or DEFAULT_GLOBAL_BATCH,
                             tokens_per_batch=args.tokens_per_batch, tp=args.tp, pp=args.pp,
                             pipeline_schedule=args.pipeline_schedule,
                             virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
@@ -122,12 +138,12 @@ def _prepare(args: argparse.Namespace,
             plan.virtual_stages
         args.zero, args.recompute, args.cp_kind = s.zero, bool(s.recompute), str(s.cp_kind) if s.cp > 1 else "ulysses"
     base = cost_model_for(parse_model(args.model), args.cluster, getattr(args, "hardware_profile", None),
-                          getattr(args, "model_profile", None))
+                          getattr(args, "model_profile", None), default_cluster=DEFAULT_CLUSTER)
     world = base.cluster.world_size
     cfg = _config(args, policies, _slow(args.slow, world))
     if plan is not None:
         cfg = replace(cfg, overlap=plan.overlap)
-    for name in ("tp", "pp", "virtual_stages", "steps", "context"):
+    for name in ("tp", "pp", "virtual_stages", "steps", "seq_len"):
         if getattr(args, name) < 1:
             raise FlexmeshError(f"--{name.replace('_', '-')} must be >= 1")
     if args.pp == 1 and (args.virtual_stages != 1 or args.pipeline_schedule == "interleaved"):
@@ -150,11 +166,14 @@ def _plan(args: argparse.Namespace):  # noqa: ANN202 - a Plan or None
     from flexmesh.layout.plan import load_plan
 
     if not getattr(args, "plan", None):
-        if not args.model:
-            raise FlexmeshError("give --model (and --cluster), or --plan")
+        args.model = args.model or DEFAULT_MODEL
+        args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
         return None
     plan = load_plan(args.plan)
     args.model = args.model or plan.model
+    args.seq_len = args.seq_len or plan.seq_len
+    if not args.tokens_per_batch:
+        args.global_batch = args.global_batch or plan.global_batch
     if args.cluster is None and not getattr(args, "hardware_profile", None):
         args.cluster = plan.cluster
     return plan
@@ -195,7 +214,7 @@ def print_table(sim: Simulation, console: Console) -> None:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in sim.runs:
         table.add_row(*comparison_row(r), *(static_cells(r) if note else ()))
-    console.print(table)
+    print_fitted(console, table)
     console.print(sim.reference(), highlight=False)
     if note:
         console.print(note, highlight=False)
@@ -232,8 +251,8 @@ class GroupsSimulation:
         from flexmesh.sim.groups import best_baseline
 
         s, base = self.setup, best_baseline(self.runs)
-        table = Table(title=f"{s['model']} on {s['cluster']}: {s['groups']} replica groups, context {s['context']}, "
-                            f"{s['lengths']}, {s['global_batch']} seqs per step, {s['steps']} steps")
+        table = Table(title=f"{s['model']} on {s['cluster']}: {s['groups']} replica groups, sequences up to "
+                            f"{s['context']}, {s['lengths']}, {s['global_batch']} seqs per step, {s['steps']} steps")
         for col in ("schedule", "step s", "tokens/s", "speedup", "step/LB", "sched ms"):
             # the schedule's name whole (never cut: the names are the comparison), 80 columns in all
             table.add_column(col, justify="left" if col == "schedule" else "right", overflow="fold",
@@ -243,7 +262,7 @@ class GroupsSimulation:
             table.add_row(r.name, f"{d['mean_step_time_s']:.3f}", f"{r.tokens_per_s:,.0f}",
                           f"{r.tokens_per_s / base.tokens_per_s:.2f}x", f"{r.ratio_to_bound:.3f}",
                           f"{d['scheduler_ms_per_step']:.1f}")
-        console.print(table)
+        print_fitted(console, table)
         console.print(f"speedup: tokens/s over the best fixed-share schedule, {base.name}; shares: each group its "
                       "planned share in order, shares+P: packed inside each group by P, dispatch+P: each step's "
                       "sequences dispatched over the groups, then packed by P; step/LB: the simulated step over "
@@ -283,6 +302,6 @@ def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> Grou
     runs = compare_groups(gctx, batches, policies, seed=args.seed,
                           virtual_stages=[g.virtual_stages for g in plan.groups])
     setup = {"model": spec.name, "cluster": plan.cluster, "plan": plan.layout.split("\n"), "groups": len(plan.groups),
-             "context": args.context, "lengths": args.lengths, "steps": args.steps, "seed": args.seed,
+             "context": args.seq_len, "lengths": args.lengths, "steps": args.steps, "seed": args.seed,
              "global_batch": plan.global_batch, "speed_factors": list(slow)}
     return GroupsSimulation(setup, runs)

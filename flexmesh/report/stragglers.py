@@ -69,7 +69,7 @@ def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int,
         run_dir = Path(out) / label
         argv = ["train", "--plan", str(plan), "--corpus", corpus, "--max-steps", str(steps), "--out", str(run_dir),
                 "--nproc", "2", "--overwrite", "--no-progress", "--seed", str(seed), "--global-batch",
-                str(global_batch), "--max-len", str(max_len), "--emulate-speed", emulate, *extra, *flags]
+                str(global_batch), "--seq-len", str(max_len), "--slow", emulate, *extra, *flags]
         proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), capture_output=True,
                               text=True, timeout=timeout_s)
         if proc.returncode != 0:
@@ -174,7 +174,7 @@ def add_section(rep: Report, metrics: Mapping[str, Sequence[dict]], figures: Pat
         rep.heading(heading)
     rep.text("Two processes of this machine, one rank's compute **emulated** "
              + (f"at {factor:g}x speed " if factor < 1.0 else "slower ")
-             + "(`--emulate-speed`), the same batches and initial weights: `static` keeps its schedules "
+             + "(`--slow`), the same batches and initial weights: `static` keeps its schedules "
              "(`--no-replan`), `adaptive` measures every rank's speed each step and re-plans the per-step "
              "schedules once the slowdown is sustained (no restart).")
     when = "never re-planned" if d["recovery_step"] is None else (

@@ -44,15 +44,15 @@ def check_runnable(plan: Plan, spec: ModelSpec) -> None:
 
 
 def check_emulation(plan: Plan, pairs) -> dict[int, float]:  # noqa: ANN001
-    """``--emulate-speed`` pairs as {rank: factor}, refused on a rank of a pipelined replica group (whose
+    """``--slow`` pairs as {rank: factor}, refused on a rank of a pipelined replica group (whose
     forwards and backwards run inside torch's pipeline schedule, not timed per piece) or an unused one."""
     emulated = parse_emulation(pairs, plan.world_size)
     for rank in emulated:
         place = rank_place(plan, rank)
         if place is None:
-            raise PlanError(f"--emulate-speed names rank {rank}, which the plan leaves unused")
+            raise PlanError(f"--slow names rank {rank}, which the plan leaves unused")
         if plan.groups[place.group].pp > 1:
-            raise PlanError("--emulate-speed needs ranks of replica groups without pipeline stages (pp 1): a "
+            raise PlanError("--slow needs ranks of replica groups without pipeline stages (pp 1): a "
                             "pipeline's forwards and backwards run inside torch's pipeline schedule, where they "
                             "are not timed")
     return emulated

@@ -133,15 +133,15 @@ class ComputeClock:
 
 
 def parse_emulation(pairs: Sequence[tuple[int, float]], world: int) -> dict[int, float]:
-    """``--emulate-speed`` pairs as {rank: factor}; PlanError for a rank outside the run or named twice."""
+    """``--slow`` pairs as {rank: factor}; PlanError for a rank outside the run or named twice."""
     out: dict[int, float] = {}
     for rank, factor in pairs:
         if not 0 <= rank < world:
-            raise PlanError(f"--emulate-speed names rank {rank}, but the run has ranks 0 to {world - 1}")
+            raise PlanError(f"--slow names rank {rank}, but the run has ranks 0 to {world - 1}")
         if rank in out:
-            raise PlanError(f"--emulate-speed names rank {rank} twice")
+            raise PlanError(f"--slow names rank {rank} twice")
         if not 0.0 < factor <= 1.0:
-            raise PlanError(f"--emulate-speed factor of rank {rank} must be in (0, 1], got {factor}")
+            raise PlanError(f"--slow factor of rank {rank} must be in (0, 1], got {factor}")
         out[rank] = factor
     return out
 

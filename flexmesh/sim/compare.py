@@ -213,7 +213,7 @@ def compare_policies(policies: Sequence[str], batches: Sequence[np.ndarray], ctx
         if not settings:
             raise ScheduleError(
                 f"no static context-parallel degree holds a {context}-token micro-batch (largest group of "
-                f"{ctx.group_sizes[-1]} ranks holds {ctx.max_tokens(ctx.group_sizes[-1])}); lower --context, "
+                f"{ctx.group_sizes[-1]} ranks holds {ctx.max_tokens(ctx.group_sizes[-1])}); lower --seq-len, "
                 f"enable --recompute, or add devices"
             )
         # A padded slot computes its padding too: the simulator charges every micro-batch `context` tokens.

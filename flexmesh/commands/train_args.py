@@ -1,0 +1,108 @@
+"""``flexmesh train``'s flags (the command itself: flexmesh.commands.train)."""
+
+from __future__ import annotations
+
+import argparse
+
+from flexmesh.commands.args import (
+    folder,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    old_names,
+    positive_float,
+    positive_int,
+    rank_factors,
+)
+from flexmesh.runtime.config import TRAIN_DTYPES
+from flexmesh.runtime.device import DEVICES
+from flexmesh.runtime.launch import DEFAULT_RUN_ID
+from flexmesh.schedule.registry import RUNTIME_POLICIES
+
+POLICY_NAMES = tuple(str(p) for p in RUNTIME_POLICIES)  # plain strings: argparse prints choices with repr
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``flexmesh train``'s flags; ``--seq-len``, ``--global-batch`` and ``--slow`` mean what they mean in
+    ``plan`` and ``simulate`` (old spellings: ``--max-len``, ``--emulate-speed``)."""
+    p.add_argument("--plan", required=True, help="plan.json written by `flexmesh plan`")
+    p.add_argument("--corpus", required=True, help="folder of text files, a .jsonl file with a text field, or "
+                                                    "'stdlib' (this Python's standard-library sources)")
+    p.add_argument("--max-steps", type=positive_int, required=True,
+                   help="optimizer steps to run (in total, across resumes)")
+    p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")
+    p.add_argument("--model", help="model preset or config.json (default: the plan's model)")
+    p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, cached")
+    p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
+    p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
+    p.add_argument("--policy", choices=POLICY_NAMES,
+                   help="per-step scheduling policy (default: fixed for a plan of one replica group, shares -- "
+                        "each group its planned share -- for several)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="never wait for a late schedule: run --fallback-policy's for that step instead")
+    p.add_argument("--fallback-policy", default="hdp", choices=POLICY_NAMES,
+                   help="policy of a step whose --policy schedule is late, with --adaptive (default: hdp)")
+    p.add_argument("--cp", type=positive_int, help="static context-parallel group size for fixed and balanced "
+                                          "(default: the plan's cp when above 1, else the smallest that fits)")
+    p.add_argument("--hardware-profile", metavar="PATH",
+                   help="price schedules with this `flexmesh profile hardware` file "
+                        "(default: the plan's cluster preset)")
+    p.add_argument("--model-profile", metavar="PATH", help="price schedules with this `flexmesh profile model` file")
+    p.add_argument("--global-batch", type=positive_int, help="documents per step (default: the plan's global_batch)")
+    p.add_argument("--seq-len", type=positive_int,
+                   help="the longest sequence, in tokens; longer documents are truncated to it (default: the plan's)")
+    old_names(p, "--max-len", dest="seq_len", type=positive_int)
+    p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate (default 3e-4)")
+    p.add_argument("--warmup", type=nonneg_int, default=0, help="linear warmup steps (default 0)")
+    p.add_argument("--min-lr-ratio", type=fraction, default=0.1,
+                   help="cosine floor as a fraction of --lr (default 0.1)")
+    p.add_argument("--weight-decay", type=nonneg_float, default=0.1, help="AdamW's decoupled weight decay")
+    p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max gradient norm; 0 disables (default 1.0)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the initial weights and the data order")
+    p.add_argument("--dtype", default="fp32", choices=TRAIN_DTYPES,
+                   help="compute dtype: bf16 computes in bfloat16 with fp32 master weights, optimizer states, "
+                        "gradient reductions and loss (default: fp32; docs/precision.md)")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where each rank computes: auto takes one GPU per process when there are enough, else the "
+                        "CPU (default auto; docs/cli-train.md#devices)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each transformer block (default: on for GPUs, off on CPU)")
+    p.add_argument("--checkpoint-every", type=nonneg_int, default=0,
+                   help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start over instead of resuming; refused when --out holds a run, unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds a run: move its contents into --out/previous-<time>/")
+    p.add_argument("--collective-timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                   help="how long a collective waits for a stopped, hung or dead rank before the run fails "
+                        "naming it (default 600)")
+    p.add_argument("--cache-dir", help="where tokenizers and token stores are cached")
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    s = p.add_argument_group("stragglers (docs/cli-train.md#stragglers)")
+    s.add_argument("--no-replan", action="store_true",
+                   help="measure each rank's speed and report stragglers, but keep the schedules as they are")
+    s.add_argument("--straggler-threshold", type=positive_float, default=0.25, metavar="FRACTION",
+                   help="a rank deviates when its measured speed differs from its schedule's by more than this, "
+                        "in (0, 1) (default 0.25)")
+    s.add_argument("--straggler-steps", type=positive_int, default=2, metavar="K",
+                   help="consecutive deviating steps before a speed change counts (default 2)")
+    s.add_argument("--migrate", action="store_true",
+                   help="after a sustained slowdown, move to a new layout when the planner predicts it pays for "
+                        "its migration (checkpoint, relaunch, DCP reshard); needs --nproc on one node")
+    s.add_argument("--slow", dest="emulate_speed", type=rank_factors, action="extend", default=[],
+                   metavar="RANK=FACTOR,...",
+                   help="rank RANK runs at FACTOR of its speed, as in `simulate --slow`; here EMULATED, for testing "
+                        "on one machine: its compute is stretched to 1/FACTOR of its time, FACTOR in (0, 1]; "
+                        "repeatable or comma-separated")
+    old_names(s, "--emulate-speed", dest="emulate_speed", type=rank_factors, action="extend")
+    e = p.add_argument_group("restarts and several nodes (with --nproc; docs/failures.md)")
+    e.add_argument("--max-restarts", type=int, metavar="K",
+                   help="restart the worker group up to K times after a worker fails; it resumes from the last "
+                        "checkpoint (default 0)")
+    e.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of the run, one launcher each (default 1)")
+    e.add_argument("--node-rank", type=int, metavar="R", help="this launcher's node: 0 holds --out, 1.. the others")
+    e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the launchers meet (c10d), the same on "
+                                                                 "every node")
+    e.add_argument("--rdzv-id", metavar="ID",
+                   help=f"the run's name at the endpoint, the same on every node (default {DEFAULT_RUN_ID!r} with "
+                        "several nodes)")

@@ -1,0 +1,73 @@
+"""One vocabulary across the commands: the same flag for the same concept, old spellings still read,
+every flag with help, an example per command that parses, and `flexmesh --version`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+import pytest
+
+from flexmesh.cli import COMMANDS, EXAMPLES, build_parser, main
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _flags(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in p._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_flag_has_help_no_empty_default_and_the_examples_parse(name, capsys):
+    p = _commands()[name]
+    undocumented = [a.option_strings[0] for a in p._actions if a.option_strings and not a.help]
+    assert undocumented == []
+    text = p.format_help()
+    assert "(default: None)" not in text and "examples:" in text
+    for line in EXAMPLES[name]:
+        words = shlex.split(line)
+        argv = words[words.index("flexmesh") + 1:] if words[0] != "flexmesh" else words[1:]
+        assert argv[0] == name
+        build_parser().parse_args(argv)  # argparse exits (SystemExit) on a flag it does not know
+
+
+def test_the_shared_concepts_have_one_flag_and_old_spellings_are_hidden_aliases(capsys):
+    cmds = _commands()
+    for name in ("plan", "simulate", "train", "demo"):
+        assert "--seq-len" in _flags(cmds[name]), name
+    for name in ("simulate", "train"):
+        assert "--slow" in _flags(cmds[name]), name
+    hidden = {"simulate": ("--context", "--speed"), "train": ("--max-len", "--emulate-speed"), "demo": ("--max-len",)}
+    for name, olds in hidden.items():
+        text = cmds[name].format_help()
+        for old in olds:
+            assert old in _flags(cmds[name]) and old not in text, (name, old)
+    parse = build_parser().parse_args
+    base = ["train", "--plan", "p.json", "--corpus", "c", "--max-steps", "1", "--out", "o"]
+    new, old = parse([*base, "--seq-len", "64", "--slow", "1=0.5"]), parse([*base, "--max-len", "64",
+                                                                                "--emulate-speed", "1=0.5"])
+    assert (new.seq_len, new.emulate_speed) == (old.seq_len, old.emulate_speed) == (64, [(1, 0.5)])
+    assert parse(["simulate", "--context", "512"]).seq_len == parse(["simulate", "--seq-len", "512"]).seq_len == 512
+    assert parse(["simulate", "--speed", "3=0.5"]).slow == parse(["simulate", "--slow", "3=0.5"]).slow == "3=0.5"
+
+
+def test_simulate_and_plan_share_their_defaults(capsys):
+    from flexmesh.commands.args import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, DEFAULT_SEQ_LEN
+
+    plan = build_parser().parse_args(["plan"])
+    assert (plan.model, plan.seq_len, plan.global_batch) == (DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_GLOBAL_BATCH)
+    assert main(["simulate", "--steps", "1", "--json", "--policies", "hdp"]) == 0  # no --model, --cluster needed
+    import json
+
+    setup = json.loads(capsys.readouterr().out)["setup"]
+    assert (setup["model"], setup["context"], setup["mean_sequences_per_step"]) == (DEFAULT_MODEL, DEFAULT_SEQ_LEN,
+                                                                                    DEFAULT_GLOBAL_BATCH)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("flexmesh ")
