@@ -376,3 +376,23 @@ def test_emulate_speed_flag_repeats_and_checks_ranks():
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
     worker(Path(sys.argv[2]))
+
+
+def test_the_console_names_each_event_and_the_start_and_end_of_fallbacks():
+    from flexmesh.runtime.config import StepMetrics
+    from flexmesh.runtime.loop import event_lines
+
+    base = dict(step=5, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=10, label_tokens=9, padded_tokens=10, microbatches=1,
+                step_time_s=1.0, tokens_per_s=10.0, peak_memory_gib=None)
+    m = StepMetrics(**base, policy="hdp", events=({"event": "straggler_detected", "ranks": [1], "speeds": [1.0, 0.5]},
+                                    {"event": "replanned", "ranks": [1], "speeds": [1.0, 0.5],
+                                     "predicted_gain": 1.4321}))
+    assert event_lines(m, 0) == ["step 5: rank(s) 1 slower than scheduled (measured speeds [1.0, 0.5])",
+                                 "step 5: schedules re-planned for speeds [1.0, 0.5], predicted 1.43x"]
+    late = StepMetrics(**base, policy="hdp", requested_policy="milp", fallback=True)
+    assert event_lines(late, 0) == ["step 5: the milp schedule was late; ran the hdp fallback (--adaptive; it says "
+                                    "so again when schedules are on time)"]
+    assert event_lines(late, 1) == []  # once, not every late step
+    on_time = StepMetrics(**base, policy="milp", requested_policy="milp")
+    assert event_lines(on_time, 3) == ["step 5: milp schedules on time again after 3 fallback step(s)"]
+    assert event_lines(on_time, 0) == []

@@ -127,7 +127,8 @@ class MigrationCheck:
         gain = 1.0 - then / now if now > 0 else 0.0
         saved = gain * m.step_time_s * remaining
         event.update({"to": new.layout, "predicted_step_s": [round(now, 6), round(then, 6)],
-                      "predicted_gain": round(gain, 4), "predicted_saving_s": round(saved, 3)})
+                      "predicted_gain": round(now / then if then > 0 else 1.0, 4),  # a ratio, as in `replanned`
+                      "predicted_saving_s": round(saved, 3)})
         if not pays(gain * m.step_time_s, remaining, cost, gain):
             return {"event": "migration_declined", **event,
                     "reason": "too few remaining steps" if gain > MIN_GAIN else "no predicted gain"}

@@ -101,6 +101,9 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             if found is not None:
                 reshard = config.reshard_from is not None and found.name == config.reshard_from
                 source.load_state_dict(load_checkpoint(found, trainer, reshard=reshard))
+                if rank0:
+                    _say(None, f"resuming from {found} (step {trainer.step_index} of {config.max_steps})"
+                               f"{', resharded to the new plan' if reshard else ''}")
         metrics_file = out / "metrics.jsonl" if out else None
         if rank0 and metrics_file is not None:
             kept = [ln for step, ln in old_rows if step <= trainer.step_index]
@@ -108,6 +111,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             _note_dtype_change(kept, config.dtype)
         history: list[StepMetrics] = []
         progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
+        late = 0  # consecutive steps that ran the fallback schedule
         while trainer.step_index < config.max_steps:
             try:
                 docs, schedule = next(source)
@@ -125,6 +129,10 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                     f.write(json.dumps(m.to_dict()) + "\n")
             if progress is not None:
                 progress.update(m)
+            if rank0:
+                for line in event_lines(m, late):
+                    _say(progress, line)
+                late = late + 1 if m.fallback else 0
             stop = preemption.agreed()
             if stop == signal.SIGINT:  # no checkpoint is started after Ctrl-C
                 raise Interrupted(m.step, latest_checkpoint(ckpt_root) if ckpt_root is not None else None)
@@ -292,6 +300,41 @@ class _Preemption:
         self._previous = {}
 
 
+def event_lines(m: StepMetrics, late_before: int) -> list[str]:
+    """What the console says after step ``m`` (one line each; metrics.jsonl has the details): its
+    straggler, re-plan and migration events, and a fallback schedule when the primary one starts
+    being late (``late_before``: fallback steps just before this one) or is on time again."""
+    lines = []
+    for e in m.events:
+        kind, ranks = e.get("event", "?"), ", ".join(str(r) for r in e.get("ranks", []))
+        gain = f"predicted {e['predicted_gain']:.2f}x" if "predicted_gain" in e else ""
+        lines.append(f"step {m.step}: " + {
+            "straggler_detected": f"rank(s) {ranks} slower than scheduled (measured speeds {e.get('speeds')})",
+            "straggler_recovered": f"rank(s) {ranks} back to speed",
+            "speed_changed": f"rank(s) {ranks} changed speed (measured {e.get('speeds')})",
+            "replanned": f"schedules re-planned for speeds {e.get('speeds')}, {gain}",
+            "replan_declined": f"schedules kept ({gain}, below the threshold)",
+            "migrated": f"migrating to {e.get('plan')} ({gain})",
+            "migration_declined": f"layout kept: {e.get('reason')}",
+        }.get(kind, kind))
+    if m.fallback and not late_before:
+        lines.append(f"step {m.step}: the {m.requested_policy} schedule was late; ran the {m.policy} fallback "
+                     "(--adaptive; it says so again when schedules are on time)")
+    elif late_before and not m.fallback:
+        lines.append(f"step {m.step}: {m.policy} schedules on time again after {late_before} fallback step(s)")
+    return lines
+
+
+def _say(progress: _Progress | None, line: str) -> None:
+    """One line on stderr, above the progress bar when there is one."""
+    if progress is not None:
+        progress.say(line)
+        return
+    from rich.console import Console
+
+    Console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
+
+
 class _Progress:
     """A live one-line progress bar with loss, tokens/s and step time (rich)."""
 
@@ -307,6 +350,9 @@ class _Progress:
         self._bar.update(self._task, completed=m.step, description=(
             f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s * 1e3:.0f} ms/step  lr {m.lr:.2e}  "
             f"{m.policy}{' (fallback)' if m.fallback else ''}"))
+
+    def say(self, line: str) -> None:
+        self._bar.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def close(self) -> None:
         self._bar.stop()
