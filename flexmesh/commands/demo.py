@@ -152,15 +152,16 @@ def run(args: argparse.Namespace) -> int:
     plan_path = training_plan_file(out, hw, args.nproc, args.seq_len, args.global_batch)
     runs = {"fixed": ["--policy", "fixed", "--cp", "1"], "adaptive": ["--policy", "milp", "--adaptive",
                                                                       "--fallback-policy", "hdp"]}
-    metrics = {}
+    metrics, loads = {}, {}
     for i, (label, policy) in enumerate(runs.items()):
         console.print(Rule(f"4/6  train {TRAIN_MODEL} on {args.nproc} processes, standard-library sources: "
                            f"{label} ({i + 1}/{len(runs)})"))
         run_dir = out / "runs" / label
+        before = os.getloadavg()[0]
         _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps),
                    "--out", str(run_dir), "--nproc", str(args.nproc), "--overwrite", "--seed", str(args.seed),
                    "--hardware-profile", str(hw), "--model-profile", str(mp), *on, *policy], console, f"train {label}")
-        metrics[label] = read_metrics(run_dir / "metrics.jsonl")
+        metrics[label], loads[label] = read_metrics(run_dir / "metrics.jsonl"), (before, os.getloadavg()[0])
 
     # uneven devices: a mixed-cluster plan against its baselines
     console.print(Rule("5/6  mixed cluster: plan Llama 2 13B on 1x8xH100+2x8xA100-40GB against its baselines"))
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     # 5. report
     console.print(Rule("6/6  report"))
     path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, stragglers=stragglers,
-                        devices=devices["text"], gpu=gpu, mixed=(mixed, dispatch))
+                        devices=devices["text"], gpu=gpu, mixed=(mixed, dispatch), loads=loads)
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
     return 0
 

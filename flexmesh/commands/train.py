@@ -344,10 +344,22 @@ def _straggler_monitor(args: argparse.Namespace, trainer, schedule_fn, source, r
     from flexmesh.sim.predict import step_time_at_speed
 
     config = StragglerConfig(threshold=args.straggler_threshold, steps=args.straggler_steps,
-                             replan=not args.no_replan)
+                             replan=not args.no_replan, judge=not oversubscribed(trainer, rank0))
     priced = rank0 and schedule_fn.groups is not None
     return StragglerMonitor(trainer.data_of, config, scheduler=schedule_fn if priced else None,
                             price=step_time_at_speed(schedule_fn) if priced else None, apply=source.set_speed)
+
+
+def oversubscribed(trainer, say: bool) -> bool:
+    """Whether this node runs more CPU ranks than it has cores (then a waiting rank lends its core to a
+    busy one, and measured speeds say nothing of stragglers); ``say``: tell the console once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    over = trainer.device.type == "cpu" and ranks > cores
+    if over and say:
+        print(f"{ranks} processes on {cores} CPU cores: measured speeds are the OS scheduler's, so stragglers are "
+              "not judged (speeds are still recorded)", file=sys.stderr)
+    return over
 
 
 # A testing hook, not a feature (tests/test_elastic.py): "RANK:STEP" makes rank RANK SIGKILL itself

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,12 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def throughput(rows: list[dict], warmup: int = 1) -> float:
+    """Tokens/s of metrics rows, the first ``warmup`` steps left out when there are more steps."""
+    timed = rows[warmup:] if len(rows) > warmup else rows
+    return sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
+
+
 def run_summary(rows: list[dict], warmup: int = 1) -> dict:
     """Figures of one measured run from its metrics.jsonl rows (the first ``warmup`` steps left out
     of throughput, when there are more steps than that).
@@ -60,7 +67,7 @@ def run_summary(rows: list[dict], warmup: int = 1) -> dict:
     return {
         "steps": len(rows),
         "step_time_s": float(np.mean([r["step_time_s"] for r in timed])),
-        "tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed),
+        "tokens_per_s": throughput(rows, warmup),
         "imbalance": float(np.mean(busy.max(axis=1) / np.maximum(busy.mean(axis=1), 1e-12))),
         "policies": sorted({r.get("policy", "?") for r in rows}),
         "fallbacks": sum(bool(r.get("fallback")) for r in rows),
@@ -69,14 +76,41 @@ def run_summary(rows: list[dict], warmup: int = 1) -> dict:
     }
 
 
+def gain_text(label: str, rows: list[dict], fixed: list[dict], loads: dict[str, tuple[float, float]]) -> str:
+    """``label``'s tokens/s against ``fixed``'s on the same batches, with what load could do to it: the
+    per-step ratios' median and middle half (a gain inside it is noise, said so) and each run's load
+    average before and after (``loads``: label -> (before, after)).
+
+    >>> fixed = [{"step": s, "tokens": 100, "step_time_s": 1.0} for s in range(1, 6)]
+    >>> fast = [{"step": s, "tokens": 100, "step_time_s": t} for s, t in enumerate((1, .5, .5, .5, .6), 1)]
+    >>> gain_text("hdp", fast, fixed, {})[:62]
+    'hdp against fixed: **1.90x** tokens/s on the same batches (fir'
+    """
+    gain = throughput(rows) / throughput(fixed)
+    per_step = [f["step_time_s"] / r["step_time_s"] for r, f in zip(rows[1:], fixed[1:], strict=False)]
+    text = f"{label} against fixed: **{gain:.2f}x** tokens/s on the same batches (first step left out as warm-up)"
+    if len(per_step) >= 2:
+        lo, mid, hi = np.percentile(per_step, [25, 50, 75])
+        noisy = lo <= 1.0 <= hi
+        text += (f"; step by step {mid:.2f}x (median; middle half {lo:.2f}x to {hi:.2f}x"
+                 f"{': the difference is within the run-to-run noise of this machine' if noisy else ''})")
+    if loads:
+        cores = os.cpu_count() or 1
+        text += "; load average " + ", ".join(f"{k} {a:.1f} before / {b:.1f} after" for k, (a, b) in loads.items())
+        text += f" on {cores} cores (above {cores}, other work shares the cores and blurs the comparison)"
+    return text + "."
+
+
 def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], plan_path: Path,
                  elapsed_s: float, stragglers: dict[str, list[dict]] | None = None, devices: str = "",
-                 gpu: dict | None = None, mixed: tuple | None = None) -> Path:
+                 gpu: dict | None = None, mixed: tuple | None = None,
+                 loads: dict[str, tuple[float, float]] | None = None) -> Path:
     """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows; ``stragglers``:
     the static and adaptive runs with a slow rank (flexmesh.report.stragglers.demo_comparison);
     ``devices``: where the parts ran; ``gpu``: the one-GPU run ({"name", "preset", "rows"}), if any;
     ``mixed``: the mixed-cluster plan's figures (flexmesh.report.plan_tables.demo_mixed_plan) and its
-    simulated dispatch (flexmesh.commands.simulate.GroupsSimulation)."""
+    simulated dispatch (flexmesh.commands.simulate.GroupsSimulation); ``loads``: run label -> the load
+    average before and after it."""
     out = Path(out)
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
@@ -124,9 +158,7 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
     labels = list(metrics)
     if "fixed" in summaries and len(summaries) > 1:
         other = [x for x in labels if x != "fixed"][0]
-        gain = summaries[other]["tokens_per_s"] / summaries["fixed"]["tokens_per_s"]
-        rep.text(f"{other} against fixed: **{gain:.2f}x** tokens/s on the same batches (first step left out as "
-                 "warm-up).")
+        rep.text(gain_text(other, metrics[other], metrics["fixed"], loads or {}))
     rep.image(loss_png({k: ([r["step"] for r in v], [r["loss"] for r in v]) for k, v in metrics.items()},
                        figs / "loss.png"), "loss curves")
     rep.image(balance_png({k: np.array([r["busy_s"] for r in v]) for k, v in metrics.items()}, figs / "balance.png"),

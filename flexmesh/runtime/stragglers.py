@@ -158,7 +158,8 @@ class StragglerConfig:
     costs one scheduler call, no restart). ``warmup`` 1: the first step pays one-off costs.
     ``min_gain`` 0.02: the simulator's predicted gain must beat its own scatter between two schedules
     of one batch (a few percent), so measurement noise never flips schedules back and forth.
-    ``replan`` off: measure and detect only (the static baseline).
+    ``replan`` off: measure and detect only (the static baseline). ``judge`` off: measure only, no
+    events (more processes than cores: a rank's speed is then the OS scheduler's choice, not its device's).
     """
 
     threshold: float = 0.25
@@ -166,6 +167,7 @@ class StragglerConfig:
     warmup: int = 1
     min_gain: float = 0.02
     replan: bool = True
+    judge: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold < 1.0:
@@ -296,6 +298,8 @@ class StragglerMonitor:
         # one (never this step's own): a prediction made before the step.
         paced = self.price(schedule, self._believed(assumed)) if self.absolute and self.price is not None else None
         events, proposal = self.detector.update(per_data, assumed)
+        if not self.config.judge:
+            events, proposal = [], None
         if pace is not None and self.detector.seen > self.config.warmup:
             self.absolute.append([None if x is None else x * pace for x in per_data])
         if proposal is not None and self.config.replan and self.scheduler is not None and self.price is not None:
