@@ -162,7 +162,8 @@ def test_ctrl_c_at_random_moments_stops_every_rank_cleanly_and_the_resumed_losse
     during a checkpoint write): each time every process is gone within 15 s, at most 3 lines were
     printed, no checkpoint was started after the signal and none is left half-written; the losses of
     the run resumed after each stop are those of a run never stopped."""
-    total, flags = 150, ["--checkpoint-every", "1"]
+    # Straggler events would add console lines on a loaded machine; they have their own tests.
+    total, flags = 150, ["--checkpoint-every", "1", "--straggler-threshold", "0.99"]
     whole = inputs["tmp"] / "never-stopped"
     ran = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(whole), "--max-steps", str(total), *flags,
                    timeout=600)
@@ -186,7 +187,7 @@ def test_ctrl_c_at_random_moments_stops_every_rank_cleanly_and_the_resumed_losse
         assert rc == 128 + signal.SIGINT, (moment, said)
         assert took < 15 and survivors == [], (moment, took, survivors)
         assert unlocked(out)
-        assert len(said) <= 3, (moment, said)  # the device line and the one that says how to resume
+        assert len(said) <= 3, (moment, said)  # the device line, "resuming from", and how to resume
         (stopped,) = [int(w.rstrip(";")) for ln in said if ln.startswith("interrupted after step")
                       for w in ln.split()[3:4]]
         assert f"--nproc 2 --out {out}" in said[-1] and f"--max-steps {total}" in said[-1], said[-1]
