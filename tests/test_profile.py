@@ -416,3 +416,24 @@ def test_parallel_layouts_cover_every_split_that_divides_the_world():
     assert (4, "none", 1) in four and (2, "ring", 2) in four and (1, "ulysses", 4) in four
     assert all(tp * cp in (2, 4) for tp, _, cp in four) and len(four) == len(set(four)) == 8
     assert parallel_layouts(TINY, 1, 8) == []
+
+
+def test_a_local_cluster_is_priced_by_this_machines_saved_profiles(tmp_path, monkeypatch):
+    from flexmesh.profile.use import cost_model_for, cost_model_from_profiles, local_profile
+
+    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path))
+    with pytest.raises(ProfileError, match="run `flexmesh profile hardware"):
+        cost_model_for(TINY, "2xlocal")
+    hw, mp = hardware_profile(), model_profile()
+    local_profile("hardware").parent.mkdir(parents=True)
+    hw.save(local_profile("hardware"))
+    alone = cost_model_for(TINY, "4xlocal")  # the hardware profile only: no profile of this model saved
+    assert alone.cluster.label == "4xlocal" and alone.cluster.world_size == 4
+    mp.save(local_profile("model", TINY, "fp32"))
+    both = cost_model_for(TINY, "LOCAL")  # as many devices as were profiled
+    assert both.cluster.label == "2xlocal"
+    want = cost_model_from_profiles(TINY, hardware=hw, model=mp, world=2)
+    from flexmesh.layout.strategy import LayerStrategy
+
+    price = [c.microbatch_time(LayerStrategy(), 1024, 1024**2) for c in (both, want, alone)]
+    assert price[0] == price[1] != price[2]  # the same as naming both profiles; the model profile counts

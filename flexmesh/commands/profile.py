@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from flexmesh.commands.args import new_file, positive_int
@@ -98,9 +99,29 @@ def run(args: argparse.Namespace) -> int:
         if prof is not None:
             prof.save(out)
             _summary(prof, out)
+            _save_local(prof, args)
     finally:
         world.close()
     return 0
+
+
+def _save_local(prof, args: argparse.Namespace) -> None:
+    """Keep a copy as this machine's own profile, which ``--cluster local`` / ``NxLOCAL`` prices by
+    (flexmesh.profile.use.local_cost_model); a later profile of the same kind replaces it."""
+    from flexmesh.profile.use import local_profile
+    from flexmesh.spec.model import parse_model
+
+    spec = parse_model(args.model) if args.profile_kind == "model" else None
+    path = local_profile(args.profile_kind, spec, prof.dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.save(path)
+    except OSError as e:  # the cache folder is not writable: the profile itself was written
+        print(f"not kept as this machine's profile ({path}: {e.strerror}); --cluster local will not find it",
+              file=sys.stderr)
+        return
+    print(f"kept as this machine's {args.profile_kind} profile ({path}): plan, simulate and train price "
+          "`--cluster local` or `NxLOCAL` by it", file=sys.stderr)
 
 
 def _summary(prof, out: str) -> None:

@@ -302,7 +302,12 @@ def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
     spec = replace(spec, dtype=args.dtype)
     max_len = args.seq_len or plan.seq_len
     cost = None
-    if args.hardware_profile or args.model_profile:
+    from flexmesh.profile.use import local_cost_model
+
+    local = local_cost_model(spec, plan.cluster, args.hardware_profile, args.model_profile)
+    if local is not None:  # the plan was made for this machine's saved profiles
+        cost = local
+    elif args.hardware_profile or args.model_profile:
         from flexmesh.profile.use import cost_model_from_profiles
 
         cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from pathlib import Path
 
 from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.model import CostModel
@@ -90,16 +91,63 @@ def cost_model_from_profiles(spec: ModelSpec, hardware=None, model=None, world: 
     return CostModel(spec, cluster, hardware=hardware_model, timing=ProfiledTiming(mp) if mp is not None else None)
 
 
+# ``--cluster local`` or ``NxLOCAL``: N devices of this machine, priced by its saved profiles.
+LOCAL = re.compile(r"(?:([1-9][0-9]*)x)?local", re.IGNORECASE)
+
+
+def local_profile(kind: str, spec: ModelSpec | None = None, dtype: str | None = None,
+                  cache_dir: str | Path | None = None) -> Path:
+    """Where ``flexmesh profile`` saves this machine's ``kind`` ("hardware" or "model") profile: in
+    flexmesh's cache folder (flexmesh.data.cache), a model's by its name and dtype.
+
+    >>> local_profile("hardware", cache_dir="/c").as_posix()
+    '/c/local/hardware.json'
+    """
+    from flexmesh.data.cache import cache_root
+
+    root = cache_root(cache_dir) / "local"
+    if kind == "hardware":
+        return root / "hardware.json"
+    assert spec is not None
+    return root / f"model-{re.sub(r'[^A-Za-z0-9.-]+', '_', spec.name)}-{dtype or spec.dtype}.json"
+
+
+def local_cost_model(spec: ModelSpec, cluster: str, hardware: str | None = None, model: str | None = None
+                     ) -> CostModel | None:
+    """The CostModel of ``--cluster local`` / ``NxLOCAL`` (None for any other cluster): this machine's
+    saved hardware profile (or ``hardware``) for N devices (default: as many as it profiled), and its
+    saved profile of this model when there is one (or ``model``)."""
+    found = LOCAL.fullmatch(cluster.strip())
+    if found is None:
+        return None
+    path = Path(hardware) if hardware else local_profile("hardware")
+    if not path.is_file():
+        raise ProfileError(f"--cluster {cluster} prices this machine by its saved profile, and there is none yet "
+                           f"({path}): run `flexmesh profile hardware --nproc N` first (it saves one)")
+    hw = as_profile(str(path), "hardware")
+    if model is None:
+        saved = [local_profile("model", spec, d) for d in (spec.dtype, hw.dtype)]
+        model = next((str(p) for p in saved if p.is_file()), None)
+    profiled = cluster_from_profile(hw, int(found.group(1)) if found.group(1) else None)
+    # named "local", so a plan records a cluster that `train` prices the same way again
+    cluster = replace(profiled, device=replace(profiled.device, name="local"))
+    return cost_model_from_profiles(spec, hardware=hw, model=model, cluster=cluster)
+
+
 def cost_model_for(spec: ModelSpec, cluster: str | None, hardware: str | None = None, model: str | None = None,
                    default_cluster: str | None = None) -> CostModel:
     """The CostModel the command-line flags describe: ``--cluster``, ``--hardware-profile``, ``--model-profile``.
 
     Without ``--cluster`` a hardware profile's node is the cluster (:func:`cluster_from_profile`),
-    else ``default_cluster``; without profiles the cluster's presets price everything.
+    else ``default_cluster``; without profiles the cluster's presets price everything; ``local``
+    clusters are priced by this machine's saved profiles (:func:`local_cost_model`).
     """
     from flexmesh.errors import SpecError
     from flexmesh.spec.cluster import parse_cluster
 
+    local = local_cost_model(spec, cluster, hardware, model) if cluster is not None else None
+    if local is not None:
+        return local
     hw = as_profile(hardware, "hardware") if hardware else None
     if cluster is None and hw is None and default_cluster is None:
         raise SpecError("give --cluster (e.g. 8xH100) or --hardware-profile (a file from `flexmesh profile hardware`)")
