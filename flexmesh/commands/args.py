@@ -18,11 +18,13 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from flexmesh.spec.limits import MAX_SEQ_LEN, MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS
+
 # What `plan` and `simulate` assume when neither a plan nor the flag says: one meaning in both.
 DEFAULT_MODEL, DEFAULT_CLUSTER, DEFAULT_SEQ_LEN, DEFAULT_GLOBAL_BATCH = "llama3-8b", "8xH100", 8192, 128
 
 
-def _int(minimum: int) -> Callable[[str], int]:
+def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -30,6 +32,9 @@ def _int(minimum: int) -> Callable[[str], int]:
             value = None
         if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:,} (flexmesh's bound; give a realistic value), "
+                                             f"got {text!r}")
         return value
 
     parse.__name__ = f"whole number >= {minimum}"  # what argparse names in "invalid ... value"
@@ -54,6 +59,11 @@ def _float(minimum: float, strict: bool) -> Callable[[str], float]:
 
 positive_int = _int(1)
 nonneg_int = _int(0)
+# sizes a user types, bounded before any work (flexmesh.spec.limits)
+sequences = _int(1, MAX_SEQUENCES)
+tokens = _int(1, MAX_TOKENS)
+seq_len = _int(1, MAX_SEQ_LEN)
+steps = _int(1, MAX_STEPS)
 positive_float = _float(0.0, strict=True)
 nonneg_float = _float(0.0, strict=False)
 

@@ -29,7 +29,7 @@ from types import ModuleType
 
 from flexmesh.commands import plan as plan_command
 from flexmesh.commands import simulate as simulate_command
-from flexmesh.commands.args import folder, nonneg_int, old_names, positive_int
+from flexmesh.commands.args import folder, nonneg_int, old_names, positive_int, seq_len, sequences, steps
 from flexmesh.errors import FlexmeshError
 from flexmesh.runtime.device import DEVICES
 
@@ -40,12 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     p.add_argument("--out", default="flexmesh-demo", type=folder, help="output folder (default flexmesh-demo)")
     p.add_argument("--nproc", type=positive_int, default=4, help="local training processes, 2 to 4 (default 4)")
-    p.add_argument("--steps", type=positive_int, default=8, help="training steps per policy (default 8)")
-    p.add_argument("--global-batch", type=positive_int, default=16, help="documents per training step (default 16)")
-    p.add_argument("--seq-len", type=positive_int, default=2048,
+    p.add_argument("--steps", type=steps, default=8, help="training steps per policy (default 8)")
+    p.add_argument("--global-batch", type=sequences, default=16, help="documents per training step (default 16)")
+    p.add_argument("--seq-len", type=seq_len, default=2048,
                    help="the longest sequence, in tokens; longer documents are truncated to it (default 2048)")
-    old_names(p, "--max-len", dest="seq_len", type=positive_int)
-    p.add_argument("--sim-steps", type=positive_int, default=3, help="simulated steps per policy (default 3)")
+    old_names(p, "--max-len", dest="seq_len", type=seq_len)
+    p.add_argument("--sim-steps", type=steps, default=3, help="simulated steps per policy (default 3)")
     p.add_argument("--quick", action="store_true",
                    help="a shortened run for tests: 2 processes, 2 steps, small batches and a small simulation")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the data, the weights and the simulation")

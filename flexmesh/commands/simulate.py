@@ -27,6 +27,10 @@ from flexmesh.commands.args import (
     nonneg_int,
     old_names,
     positive_int,
+    seq_len,
+    sequences,
+    steps,
+    tokens,
 )
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
@@ -63,19 +67,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                      f"the plan's, else the hardware profile's node, else {DEFAULT_CLUSTER})")
     p.add_argument("--hardware-profile", metavar="PATH", help="a `flexmesh profile hardware` file to price with")
     p.add_argument("--model-profile", metavar="PATH", help="a `flexmesh profile model` file to price with")
-    p.add_argument("--seq-len", type=positive_int, help="the longest sequence, in tokens; longer ones are truncated "
+    p.add_argument("--seq-len", type=seq_len, help="the longest sequence, in tokens; longer ones are truncated "
                                                        f"to it (default: the plan's, else {DEFAULT_SEQ_LEN})")
-    old_names(p, "--context", dest="seq_len", type=positive_int)
+    old_names(p, "--context", dest="seq_len", type=seq_len)
     p.add_argument("--lengths", default="wikipedia", help="shipped distribution name or a .txt/.json file")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--global-batch", type=positive_int, default=None,
+    size.add_argument("--global-batch", type=sequences, default=None,
                       help=f"sequences per step (default: the plan's, else {DEFAULT_GLOBAL_BATCH})")
-    size.add_argument("--tokens-per-batch", type=positive_int, default=None,
+    size.add_argument("--tokens-per-batch", type=tokens, default=None,
                       help="tokens per step instead of sequences")
     p.add_argument("--policies", default="hdp",
                    help="comma-separated scheduling policies, run besides the baselines (fixed, padded, balanced, "
                         "wlb), which always run")
-    p.add_argument("--steps", type=positive_int, default=20, help="global batches to draw and simulate")
+    p.add_argument("--steps", type=steps, default=20, help="global batches to draw and simulate")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the length draws and the policies")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel degree")
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel degree")

@@ -213,8 +213,8 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
         return 0 if os.environ.get(SUPERVISED_ENV) else 128 + signum
     if dist.get_rank() == 0 and history:
         last = history[-1]
-        Console(soft_wrap=True).print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s{what}; "
-                        f"metrics in {os.path.join(out, 'metrics.jsonl')}", highlight=False)
+        Console(soft_wrap=True).print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s"
+                                      f"{what}; metrics in {os.path.join(out, 'metrics.jsonl')}", highlight=False)
     dist.barrier()
     return 0
 

@@ -13,6 +13,8 @@ from flexmesh.commands.args import (
     positive_float,
     positive_int,
     rank_factors,
+    seq_len,
+    sequences,
 )
 from flexmesh.runtime.config import TRAIN_DTYPES
 from flexmesh.runtime.device import DEVICES
@@ -48,10 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="price schedules with this `flexmesh profile hardware` file "
                         "(default: the plan's cluster preset)")
     p.add_argument("--model-profile", metavar="PATH", help="price schedules with this `flexmesh profile model` file")
-    p.add_argument("--global-batch", type=positive_int, help="documents per step (default: the plan's global_batch)")
-    p.add_argument("--seq-len", type=positive_int,
+    p.add_argument("--global-batch", type=sequences, help="documents per step (default: the plan's global_batch)")
+    p.add_argument("--seq-len", type=seq_len,
                    help="the longest sequence, in tokens; longer documents are truncated to it (default: the plan's)")
-    old_names(p, "--max-len", dest="seq_len", type=positive_int)
+    old_names(p, "--max-len", dest="seq_len", type=seq_len)
     p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate (default 3e-4)")
     p.add_argument("--warmup", type=nonneg_int, default=0, help="linear warmup steps (default 0)")
     p.add_argument("--min-lr-ratio", type=fraction, default=0.1,

@@ -21,6 +21,7 @@ True
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import zlib
 from functools import lru_cache
@@ -85,6 +86,10 @@ def _parse(text: str, where: str) -> np.ndarray:
 _NONE = object()
 
 
+# A length file's bytes, decompressed: 256 MiB is about 30 million lengths, far more than a sample needs.
+MAX_FILE_BYTES = 256 << 20
+
+
 @lru_cache(maxsize=None)
 def _shipped(name: str) -> np.ndarray:
     f = resources.files("flexmesh.data").joinpath("lengths").joinpath(SHIPPED[name])
@@ -114,12 +119,19 @@ def load_lengths(name_or_path: str) -> np.ndarray:
             f"unknown lengths {name_or_path!r}: use one of {', '.join(NAMES)} or a path to a .txt (one length per "
             f"line) or .json (list) file"
         )
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise DataError(f"{path}: {path.stat().st_size:,} bytes, beyond the {MAX_FILE_BYTES:,} a length file may hold; "
+                        "give a sample of its lengths")
     raw = path.read_bytes()
     if path.suffix == ".gz":
-        try:
-            raw = gzip.decompress(raw)
+        try:  # read at most one byte past the bound: a small file may expand to gigabytes
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as unpacked:
+                raw = unpacked.read(MAX_FILE_BYTES + 1)
         except (OSError, EOFError, zlib.error) as e:
             raise DataError(f"{path}: not a readable gzip file ({e}); re-compress it or give the plain .txt") from None
+        if len(raw) > MAX_FILE_BYTES:
+            raise DataError(f"{path}: expands beyond the {MAX_FILE_BYTES:,} bytes a length file may hold; give a "
+                            "sample of its lengths")
     try:
         content = raw.decode("utf-8")
     except UnicodeDecodeError as e:

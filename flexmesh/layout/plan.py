@@ -44,7 +44,9 @@ from flexmesh.errors import PlanError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import PipelineSchedule, choices
 from flexmesh.layout.overlap import RUNTIME, Overlap
+from flexmesh.layout.ranks import parse_rank_runs, rank_runs
 from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.spec.limits import MAX_DEVICES, MAX_SEQ_LEN, MAX_SEQUENCES, within
 from flexmesh.spec.values import known_keys, mapping, sequence, text, whole
 
 PLAN_VERSION = 4
@@ -92,42 +94,6 @@ class StagePlan:
             else:
                 runs.append([1, s])
         return " + ".join(f"{n}x {s}" for n, s in runs)
-
-
-def rank_runs(ranks: tuple[int, ...]) -> str:
-    """Ranks as runs, ``"0-3,6"`` (order kept).
-
-    >>> rank_runs((0, 1, 2, 3, 6)), rank_runs((3,)), rank_runs((2, 1))
-    ('0-3,6', '3', '2,1')
-    """
-    parts: list[list[int]] = []
-    for r in ranks:
-        if parts and r == parts[-1][1] + 1:
-            parts[-1][1] = r
-        else:
-            parts.append([r, r])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
-
-
-def parse_rank_runs(value: object, what: str) -> tuple[int, ...]:
-    """:func:`rank_runs`' form back to ranks; a PlanError naming ``what`` when it is not one.
-
-    >>> parse_rank_runs("0-3,6", "block")
-    (0, 1, 2, 3, 6)
-    """
-    if not isinstance(value, str) or not value.strip():
-        raise PlanError(f"{what} must be ranks written as runs such as \"0-3,6\", got {value!r}")
-    out: list[int] = []
-    for item in value.split(","):
-        a, _, b = item.strip().partition("-")
-        try:
-            lo, hi = int(a), int(b) if b else int(a)
-        except ValueError:
-            raise PlanError(f"{what}: cannot read {item!r} in {value!r}; write runs such as \"0-3,6\"") from None
-        if lo < 0 or hi < lo:
-            raise PlanError(f"{what}: {item!r} is not a run of ranks (low-high, low <= high, both >= 0)")
-        out.extend(range(lo, hi + 1))
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -297,8 +263,8 @@ class Plan:
         text(self.model, "plan model", PlanError)
         text(self.cluster, "plan cluster", PlanError)
         text(self.cost_source, "plan cost_source", PlanError)
-        for f in ("world_size", "seq_len", "global_batch"):
-            whole(getattr(self, f), f"plan {f}", PlanError, minimum=None)
+        for f, bound in (("world_size", MAX_DEVICES), ("seq_len", MAX_SEQ_LEN), ("global_batch", MAX_SEQUENCES)):
+            within(whole(getattr(self, f), f"plan {f}", PlanError, minimum=None), bound, f"plan {f}", PlanError)
         if self.world_size < 1 or self.seq_len < 1 or self.global_batch < 1:
             raise PlanError(f"plan world_size, seq_len and global_batch must all be >= 1, got {self.world_size}, "
                             f"{self.seq_len} and {self.global_batch}")
@@ -323,6 +289,9 @@ class Plan:
             raise PlanError(f"the replica groups' shares add up to {total}, not the global batch {self.global_batch}")
 
     def _check_ranks(self) -> None:
+        placed = [r for g in self.groups for b in g.blocks for r in b] + list(self.unused)
+        if len(placed) == self.world_size and set(placed) == set(range(self.world_size)):
+            return  # each rank once: the common case, checked at C speed; the loop below names what is wrong
         seen: dict[int, str] = {}
         for i, g in enumerate(self.groups):
             for r in g.ranks:

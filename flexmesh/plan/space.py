@@ -153,7 +153,15 @@ def divisors(n: int) -> list[int]:
     >>> divisors(12)
     [1, 2, 3, 4, 6, 12]
     """
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small, large = [], []
+    d = 1
+    while d * d <= n:  # pairs (d, n // d): sqrt(n) trials, so a huge prime world or batch stays instant
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def mesh_of(s: LayerStrategy) -> Mesh:

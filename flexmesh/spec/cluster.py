@@ -14,6 +14,7 @@ from pathlib import Path
 import tomllib
 
 from flexmesh.errors import SpecError
+from flexmesh.spec.limits import MAX_DEVICES, within
 from flexmesh.spec.values import known_keys, mapping, number, sequence, whole
 from flexmesh.spec.values import text as nonempty_text
 from flexmesh.units import GIB
@@ -90,6 +91,7 @@ class ClusterSpec:
         if self.nodes < 1 or self.devices_per_node < 1:
             raise SpecError(f"cluster needs at least one node and one device per node, "
                             f"got {self.nodes}x{self.devices_per_node}")
+        within(self.world_size, MAX_DEVICES, f"cluster {self.nodes}x{self.devices_per_node}: devices")
         if not isinstance(self.device, DeviceSpec):
             raise SpecError(f"cluster device must be a device preset or table, got {self.device!r}")
         for i, factor in enumerate(self.speed_factors):
@@ -159,6 +161,7 @@ class MixedCluster:
         for g in self.groups:
             if not isinstance(g, ClusterSpec):
                 raise SpecError(f"a mixed cluster's groups must be clusters of one device type, got {g!r}")
+        within(sum(g.world_size for g in self.groups), MAX_DEVICES, "mixed cluster: devices")
         given: dict[tuple[int, int], Link] = {}
         for i, j, link in self.links:
             a, b = min(i, j), max(i, j)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from flexmesh.errors import SpecError
+from flexmesh.spec.limits import MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, within
 from flexmesh.spec.values import flag, known_keys, mapping, number, text, whole
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -106,8 +107,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         text(self.name, "model name", SpecError)
         where = f"model {self.name!r}"
+        bounds = {"num_layers": MAX_LAYERS, "vocab": MAX_VOCAB, "max_position": MAX_SEQ_LEN}
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab", "max_position"):
-            object.__setattr__(self, f, whole(getattr(self, f), f"{where}: {f}", SpecError))
+            value = whole(getattr(self, f), f"{where}: {f}", SpecError)
+            object.__setattr__(self, f, within(value, bounds.get(f, MAX_WIDTH), f"{where}: {f}"))
         for f in ("tie_embeddings", "qkv_bias", "linear_bias", "attention_out_bias", "mlp_bias", "qk_norm"):
             flag(getattr(self, f), f"{where}: {f}", SpecError)
         for f in ("rope_theta", "norm_eps"):
