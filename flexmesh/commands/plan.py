@@ -109,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_result_json(result), indent=2))
         return 0
     _table(out, result)
+    if cluster.pace != 1.0:
+        out.print(f"every device priced at speed {cluster.pace:g}: the cluster's devices all run at it (its "
+                  "speed_factors), compute stretched, communication not", highlight=False)
     if args.explain:
         _explain(out, best.evaluation)
         if args.against:
@@ -260,8 +263,11 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
                           "baselines": baselines, "ratios": ratios(ev.tokens_per_s, baselines)}, indent=2))
         return 0
     out = Console()
+    slow = sum(1 for r in range(cluster.world_size) if cluster.speed(r) != 1.0)
+    speeds = f" ({slow} device{'s' * (slow != 1)} off nominal speed)" if slow else ""
     out.print(replica_table(plan, ev, cluster,
-                            f"plan on {cluster.label}: step {ev.step_time:.3f} s, "
+                            f"plan on {cluster.label}{speeds}: "
+                            f"step {ev.step_time:.3f} s, "
                             f"{ev.tokens_per_s:,.0f} tokens/s ({result.configurations} configurations, "
                             f"{result.search_seconds:.2f} s)"))
     out.print(baseline_table(ev.tokens_per_s, baselines))

@@ -129,16 +129,19 @@ def baselines(request: SearchRequest) -> dict[str, Candidate | None]:
 
 
 # ---- mixed clusters ------------------------------------------------------------------------------
-# What a plan on a mixed cluster is compared with, each priced by the same cost model:
+# What a plan on a mixed cluster is compared with, each priced by the same cost model on the cluster
+# as given, speed factors included (a layout over devices of several speeds runs at its slowest
+# device's: ClusterSpec.pace):
 # - ``uniform``: the uniform planner (flexmesh.plan.best_plans) on the whole world with every device
-#   treated as the slowest type (lowest peak FLOP/s, then least memory), priced as such;
+#   treated as the slowest type (lowest peak FLOP/s, then least memory), each at its own speed
+#   factor, priced as such;
 # - ``proportional``: the uniform planner's best layout within what splits into replica groups of one
 #   pipeline (REPLICA_SPACE) on the slowest type, its replicas kept, the global batch shared out in
 #   proportion to each replica's peak FLOP/s (its devices' datasheet peaks times their speed factors;
 #   flexmesh.layout.shares, at least one micro-batch each), then priced with each device's own numbers
 #   (flexmesh.cost.mixed.evaluate_groups): step = slowest replica;
 # - ``sum_of_parts`` (a reference, not a plan): each device group planned alone by the uniform
-#   planner at nominal speed, with the whole global batch; their throughputs added.
+#   planner (at its slowest device's speed), with the whole global batch; their throughputs added.
 
 # The part of the uniform planner's space that splits into replica groups of one pipeline
 # (flexmesh.layout.mesh.replica_groups): whole copies (no ZeRO), one TP degree per stage, no context
@@ -153,7 +156,8 @@ def slowest_group(cluster: MixedCluster, dtype: str = "bf16") -> int:
 
 
 def uniform_cluster(cluster: MixedCluster, dtype: str = "bf16") -> ClusterSpec:
-    """The whole world as nodes of the slowest device (nodes of the groups' common node size).
+    """The whole world as nodes of the slowest device (nodes of the groups' common node size), every
+    device at its own speed factor.
 
     >>> from flexmesh.spec.cluster import parse_mixed_cluster
     >>> uniform_cluster(parse_mixed_cluster("1x8xH100+2x8xA100-40GB")).label
@@ -161,7 +165,9 @@ def uniform_cluster(cluster: MixedCluster, dtype: str = "bf16") -> ClusterSpec:
     """
     per_node = math.gcd(*(g.devices_per_node for g in cluster.groups))
     slow = cluster.groups[slowest_group(cluster, dtype)]
-    return ClusterSpec(cluster.world_size // per_node, per_node, slow.device)
+    speeds = tuple(cluster.speed(r) for r in range(cluster.world_size))
+    return ClusterSpec(cluster.world_size // per_node, per_node, slow.device,
+                       speeds if any(f != 1.0 for f in speeds) else ())
 
 
 def _row(layout: str, step: float, tokens: float, **extra: object) -> dict:
@@ -219,12 +225,12 @@ def proportional_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int,
 
 
 def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int) -> dict:
-    """Each group planned alone by the uniform planner (whole global batch); throughputs added."""
+    """Each group planned alone by the uniform planner (whole global batch, the group's speed factors);
+    throughputs added."""
     from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
 
     parts = []
-    for g in cluster.groups:
-        alone = replace(g, speed_factors=())
+    for alone in cluster.groups:
         try:
             best = best_plans(SearchRequest(model, alone, seq_len, global_batch, top=1)).best
             parts.append(_row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s,

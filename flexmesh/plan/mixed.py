@@ -375,15 +375,15 @@ class MixedSearch:
 
     def _alone(self, kind: int, batch: int, anchor: int | None = None) -> Candidate | None:
         """The uniform search's best plan of device group ``kind`` alone for ``batch`` sequences (None
-        when nothing fits), at nominal speed, one mesh for all layers, one pipeline schedule for every
-        group (the first's). With an ``anchor`` type other than ``kind``: the mesh shape that makes
-        ``kind``'s blocks shard like the anchor's own plan (its tp, data ranks and ZeRO kind)."""
+        when nothing fits), at its slowest device's speed, one mesh for all layers, one pipeline schedule
+        for every group (the first's). With an ``anchor`` type other than ``kind``: the mesh shape that
+        makes ``kind``'s blocks shard like the anchor's own plan (its tp, data ranks and ZeRO kind)."""
         from flexmesh.plan.space import FULL_SPACE
 
         key = (kind, batch, anchor if anchor != kind else None)
         if key in self._per_type:
             return self._per_type[key]
-        group = replace(self.cluster.groups[kind], speed_factors=())
+        group = self.cluster.groups[kind]
         space = FULL_SPACE
         if kind != 0 and self._schedule is not None:
             space = replace(space, pipeline_schedules=(self._schedule,))
