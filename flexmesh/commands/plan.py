@@ -18,7 +18,7 @@ from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.plan.baselines import mixed_baselines
 from flexmesh.plan.check import check_groups, check_plan
-from flexmesh.plan.mixed import MixedResult, plan_mixed
+from flexmesh.plan.mixed import MixedResult, MixedSearch
 from flexmesh.plan.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
@@ -247,7 +247,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
                         "groups' layouts itself (each type's own group is searched in full): drop it")
     model = parse_model(args.model)
     costs = MixedCosts(model, cluster)
-    result, baselines = _search_mixed(model, cluster, args, costs)
+    result, baselines, baseline_seconds = _search_mixed(model, cluster, args, costs)
     plan, ev = result.plan, result.evaluation
     if args.against:  # a plan file of this cluster, priced by the same cost model, beside the baselines
         other = load_plan(args.against)
@@ -257,7 +257,8 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     if args.out:
         plan.save(args.out)
     if args.json:
-        print(json.dumps({"search_seconds": result.search_seconds, "configurations": result.configurations,
+        print(json.dumps({"search_seconds": result.search_seconds, "baselines_seconds": baseline_seconds,
+                          "configurations": result.configurations,
                           "best": {"layout": plan.layout.split("\n"), "step_time_s": ev.step_time,
                                    "tokens_per_s": ev.tokens_per_s, "plan": plan.to_dict()},
                           "baselines": baselines, "ratios": ratios(ev.tokens_per_s, baselines)}, indent=2))
@@ -268,8 +269,8 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     out.print(replica_table(plan, ev, cluster,
                             f"plan on {cluster.label}{speeds}: "
                             f"step {ev.step_time:.3f} s, "
-                            f"{ev.tokens_per_s:,.0f} tokens/s ({result.configurations} configurations, "
-                            f"{result.search_seconds:.2f} s)"))
+                            f"{ev.tokens_per_s:,.0f} tokens/s ({result.configurations} configurations; "
+                            f"search {result.search_seconds:.2f} s, baselines {baseline_seconds:.2f} s)"))
     out.print(baseline_table(ev.tokens_per_s, baselines))
     if args.explain:
         out.print(stage_table(plan, ev))
@@ -279,10 +280,16 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
 
 
 def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs: MixedCosts
-                  ) -> tuple[MixedResult, dict]:
+                  ) -> tuple[MixedResult, dict, float]:
+    """The mixed search's plan, its baselines (each device type's uniform search shared with the plans
+    of one group per type) and the seconds the baselines took beyond the search."""
     seq, gb = args.seq_len, args.global_batch
+    search = MixedSearch(model, cluster, seq, gb, costs)
     if args.json:
-        return plan_mixed(model, cluster, seq, gb, costs), mixed_baselines(model, cluster, seq, gb, costs)
+        result = search.run()
+        t1 = time.perf_counter()
+        baselines = mixed_baselines(model, cluster, seq, gb, costs, alone=search.types.planned_alone)
+        return result, baselines, time.perf_counter() - t1
     t0 = time.perf_counter()
     state: dict = {}
 
@@ -298,10 +305,11 @@ def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs:
 
     names = ["uniform", "proportional", "sum_of_parts"]
     try:
-        result = plan_mixed(model, cluster, seq, gb, costs, progress=lambda d, t: bar("searching", d, t))
-        baselines = mixed_baselines(model, cluster, seq, gb, costs,
-                                     progress=lambda name: bar(f"baseline {name}", names.index(name), len(names)))
+        result = search.run(progress=lambda d, t: bar("searching", d, t))
+        t1 = time.perf_counter()
+        baselines = mixed_baselines(model, cluster, seq, gb, costs, alone=search.types.planned_alone,
+                                    progress=lambda name: bar(f"baseline {name}", names.index(name), len(names)))
     finally:
         if "bar" in state:
             state["bar"].stop()
-    return result, baselines
+    return result, baselines, time.perf_counter() - t1

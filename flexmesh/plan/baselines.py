@@ -143,6 +143,11 @@ def baselines(request: SearchRequest) -> dict[str, Candidate | None]:
 # - ``sum_of_parts`` (a reference, not a plan): each device group planned alone by the uniform
 #   planner (at its slowest device's speed), with the whole global batch; their throughputs added.
 
+# Device group ``kind`` of a mixed cluster -> its best plan alone by the uniform planner (search and uniform
+# baselines, the whole global batch, at its speed), None when nothing fits: a mixed search's searches
+# (flexmesh.plan.mixed_types.TypePlans.planned_alone), shared so that no group is searched twice.
+Alone = Callable[[int], Candidate | None]
+
 # The part of the uniform planner's space that splits into replica groups of one pipeline
 # (flexmesh.layout.mesh.replica_groups): whole copies (no ZeRO), one TP degree per stage, no context
 # parallelism, 1F1B.
@@ -174,15 +179,22 @@ def _row(layout: str, step: float, tokens: float, **extra: object) -> dict:
     return {"layout": layout, "step_time_s": step, "tokens_per_s": tokens, **extra}
 
 
-def uniform_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int) -> dict | None:
-    """Today's planner on the world of the slowest type (None when nothing fits there)."""
+def uniform_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
+                     alone: Alone | None = None) -> dict | None:
+    """Today's planner on the world of the slowest type (None when nothing fits there); on a cluster of
+    one device type that world is its one group: ``alone(0)`` where given (:data:`Alone`)."""
     from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
 
     uc = uniform_cluster(cluster, model.dtype)
-    try:
-        best = best_plans(SearchRequest(model, uc, seq_len, global_batch, top=1)).best
-    except PlanError:
-        return None
+    if alone is not None and len(cluster.groups) == 1:
+        best = alone(0)
+        if best is None:
+            return None
+    else:
+        try:
+            best = best_plans(SearchRequest(model, uc, seq_len, global_batch, top=1)).best
+        except PlanError:
+            return None
     return _row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s, cluster=uc.label)
 
 
@@ -224,29 +236,37 @@ def proportional_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int,
     return row if ev.fits else {**row, "note": "does not fit in memory on some device"}
 
 
-def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int) -> dict:
+def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
+                 alone: Alone | None = None) -> dict:
     """Each group planned alone by the uniform planner (whole global batch, the group's speed factors);
-    throughputs added."""
+    throughputs added. ``alone`` (:data:`Alone`) gives each group's plan where the caller has it."""
     from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
 
     parts = []
-    for alone in cluster.groups:
-        try:
-            best = best_plans(SearchRequest(model, alone, seq_len, global_batch, top=1)).best
+    for kind, group in enumerate(cluster.groups):
+        if alone is not None:
+            best = alone(kind)
+        else:
+            try:
+                best = best_plans(SearchRequest(model, group, seq_len, global_batch, top=1)).best
+            except PlanError:
+                best = None
+        if best is None:
+            parts.append(_row("nothing fits", math.inf, 0.0, cluster=group.label))
+        else:
             parts.append(_row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s,
-                              cluster=alone.label))
-        except PlanError:
-            parts.append(_row("nothing fits", math.inf, 0.0, cluster=alone.label))
+                              cluster=group.label))
     return {"tokens_per_s": sum(p["tokens_per_s"] for p in parts), "parts": parts}
 
 
 def mixed_baselines(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int, costs: MixedCosts,
-                     progress: Callable[[str], None] | None = None) -> dict:
-    """``{"uniform": ..., "proportional": ..., "sum_of_parts": ...}`` (a baseline is None where nothing fits)."""
+                     progress: Callable[[str], None] | None = None, alone: Alone | None = None) -> dict:
+    """``{"uniform": ..., "proportional": ..., "sum_of_parts": ...}`` (a baseline is None where nothing fits).
+    ``alone`` (:data:`Alone`): each device group's own plan, shared with the mixed search that ran it."""
     out: dict = {}
-    for name, fn in (("uniform", lambda: uniform_baseline(model, cluster, seq_len, global_batch)),
+    for name, fn in (("uniform", lambda: uniform_baseline(model, cluster, seq_len, global_batch, alone)),
                      ("proportional", lambda: proportional_baseline(model, cluster, seq_len, global_batch, costs)),
-                     ("sum_of_parts", lambda: sum_of_parts(model, cluster, seq_len, global_batch))):
+                     ("sum_of_parts", lambda: sum_of_parts(model, cluster, seq_len, global_batch, alone))):
         if progress:
             progress(name)
         out[name] = fn()
