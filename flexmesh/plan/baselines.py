@@ -147,6 +147,10 @@ def baselines(request: SearchRequest) -> dict[str, Candidate | None]:
 # baselines, the whole global batch, at its speed), None when nothing fits: a mixed search's searches
 # (flexmesh.plan.mixed_types.TypePlans.planned_alone), shared so that no group is searched twice.
 Alone = Callable[[int], Candidate | None]
+# Each baseline's plan(s) by name, each with the cluster it is priced on (``uniform``: the slowest
+# type's world; ``sum_of_parts``: one per group, None where nothing fits), for who prices them again
+# (flexmesh plan --lengths).
+BaselinePlans = dict[str, list[tuple[Plan, MixedCluster] | None]]
 
 # The part of the uniform planner's space that splits into replica groups of one pipeline
 # (flexmesh.layout.mesh.replica_groups): whole copies (no ZeRO), one TP degree per stage, no context
@@ -180,7 +184,7 @@ def _row(layout: str, step: float, tokens: float, **extra: object) -> dict:
 
 
 def uniform_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
-                     alone: Alone | None = None) -> dict | None:
+                     alone: Alone | None = None, plans: BaselinePlans | None = None) -> dict | None:
     """Today's planner on the world of the slowest type (None when nothing fits there); on a cluster of
     one device type that world is its one group: ``alone(0)`` where given (:data:`Alone`)."""
     from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
@@ -195,6 +199,8 @@ def uniform_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, glob
             best = best_plans(SearchRequest(model, uc, seq_len, global_batch, top=1)).best
         except PlanError:
             return None
+    if plans is not None:
+        plans["uniform"] = [(best.plan, MixedCluster((uc,)))]
     return _row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s, cluster=uc.label)
 
 
@@ -223,10 +229,12 @@ def proportional_plan(model: ModelSpec, cluster: MixedCluster, seq_len: int, glo
 
 
 def proportional_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
-                          costs: MixedCosts) -> dict | None:
+                          costs: MixedCosts, plans: BaselinePlans | None = None) -> dict | None:
     plan = proportional_plan(model, cluster, seq_len, global_batch, costs)
     if plan is None:
         return None
+    if plans is not None:
+        plans["proportional"] = [(plan, cluster)]
     ev = evaluate_groups(plan, costs)
     shares = "/".join(str(g.share) for g in plan.groups)
     first = plan.groups[0]
@@ -237,7 +245,7 @@ def proportional_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int,
 
 
 def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
-                 alone: Alone | None = None) -> dict:
+                 alone: Alone | None = None, plans: BaselinePlans | None = None) -> dict:
     """Each group planned alone by the uniform planner (whole global batch, the group's speed factors);
     throughputs added. ``alone`` (:data:`Alone`) gives each group's plan where the caller has it."""
     from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
@@ -256,17 +264,23 @@ def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_b
         else:
             parts.append(_row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s,
                               cluster=group.label))
+            if plans is not None:
+                plans.setdefault("sum_of_parts", [None] * len(cluster.groups))[kind] = (
+                    best.plan, MixedCluster((group,)))
     return {"tokens_per_s": sum(p["tokens_per_s"] for p in parts), "parts": parts}
 
 
 def mixed_baselines(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int, costs: MixedCosts,
-                     progress: Callable[[str], None] | None = None, alone: Alone | None = None) -> dict:
+                     progress: Callable[[str], None] | None = None, alone: Alone | None = None,
+                     plans: BaselinePlans | None = None) -> dict:
     """``{"uniform": ..., "proportional": ..., "sum_of_parts": ...}`` (a baseline is None where nothing fits).
-    ``alone`` (:data:`Alone`): each device group's own plan, shared with the mixed search that ran it."""
+    ``alone`` (:data:`Alone`): each device group's own plan, shared with the mixed search that ran it;
+    ``plans``, when given, receives each baseline's plan(s) (:data:`BaselinePlans`)."""
     out: dict = {}
-    for name, fn in (("uniform", lambda: uniform_baseline(model, cluster, seq_len, global_batch, alone)),
-                     ("proportional", lambda: proportional_baseline(model, cluster, seq_len, global_batch, costs)),
-                     ("sum_of_parts", lambda: sum_of_parts(model, cluster, seq_len, global_batch, alone))):
+    for name, fn in (("uniform", lambda: uniform_baseline(model, cluster, seq_len, global_batch, alone, plans)),
+                     ("proportional",
+                      lambda: proportional_baseline(model, cluster, seq_len, global_batch, costs, plans)),
+                     ("sum_of_parts", lambda: sum_of_parts(model, cluster, seq_len, global_batch, alone, plans))):
         if progress:
             progress(name)
         out[name] = fn()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import permutations, product
 
@@ -92,6 +92,8 @@ class MixedResult:
     evaluation: GroupsEvaluation
     search_seconds: float
     configurations: int  # configurations priced (partitions and batch split)
+    # Every distinct plan priced in full that fits, fastest first (the plan first), with its evaluation.
+    candidates: list[tuple[Plan, GroupsEvaluation]] = field(default_factory=list)
 
 
 def tp_degrees(model: ModelSpec, per_node: int) -> list[int]:
@@ -363,11 +365,17 @@ class MixedSearch:
             raise PlanError(f"no plan of {self.model.name} fits on {self.cluster.label} at seq len "
                             f"{self.seq_len}, global batch {self.global_batch}: no pipeline of the groups' TP "
                             "groups holds the model in memory; add devices or shorten the sequences")
-        _, plan, ev = min(results, key=lambda x: x[0])
+        ranked = sorted(results, key=lambda x: x[0])  # stable: the first of equals is the plan
+        _, plan, ev = ranked[0]
         seconds = time.perf_counter() - t0
         ev.extra["search_seconds"] = seconds
         plan = replace(plan, predicted=ev.to_dict())
-        return MixedResult(plan, ev, seconds, len(configs))
+        candidates, seen = [], set()
+        for _, other, oev in ranked:
+            if other.layout not in seen:
+                seen.add(other.layout)
+                candidates.append((plan if oev is ev else replace(other, predicted=oev.to_dict()), oev))
+        return MixedResult(plan, ev, seconds, len(configs), candidates)
 
 
 def plan_mixed(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
