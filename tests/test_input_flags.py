@@ -25,6 +25,8 @@ def _usage_error(capsys, argv: list[str]) -> str:
     (["plan", "--seq-len", "0"], "argument --seq-len: must be a whole number >= 1"),
     (["plan", "--global-batch", "0"], "argument --global-batch: must be a whole number >= 1"),
     (["plan", "--global-batch", "2.5"], "argument --global-batch: must be a whole number >= 1, got '2.5'"),
+    (["plan", "--tokens-per-batch", "0"], "argument --tokens-per-batch: must be a whole number >= 1"),
+    (["plan", "--lengths", ""], "argument --lengths: must not be empty"),
     (["plan", "--cluster", ""], "argument --cluster: must not be empty"),
     (["simulate", "--model", "tiny", "--context", "128", "--cluster", ""], "argument --cluster: must not be empty"),
     (["simulate", "--model", "tiny", "--context", "128", "--global-batch", "0"], "argument --global-batch"),

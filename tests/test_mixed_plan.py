@@ -198,6 +198,7 @@ def test_plan_command_json_has_baselines_and_check_reads_the_plan(capsys, tmp_pa
             "--global-batch", "32"]
     assert main(args + ["--json", "--out", str(out)]) == 0
     d = json.loads(capsys.readouterr().out)
+    assert d["search_seconds"] > 0 and d["baselines_seconds"] > 0  # the command's time, in two parts
     assert set(d["baselines"]) == {"uniform", "proportional", "sum_of_parts"}
     for name in ("uniform", "proportional"):
         assert d["baselines"][name]["tokens_per_s"] > 0 and d["ratios"][name] > 0
@@ -210,6 +211,27 @@ def test_plan_command_json_has_baselines_and_check_reads_the_plan(capsys, tmp_pa
     assert main(args + ["--explain"]) == 0
     text = capsys.readouterr().out
     assert "uniform" in text and "sum of the parts" in text and "total/max" in text
+    assert "search" in text and "baselines" in text and " s)" in text  # the title: search x s, baselines y s
+
+
+def test_sum_of_parts_reuses_the_searches_of_the_plans_of_one_group_per_type(monkeypatch):
+    """Each device type's uniform search runs once: the plans of one group per type and the
+    sum_of_parts baseline share it, and the baseline is what planning each type alone gives."""
+    import flexmesh.plan.mixed_types as mixed_types
+    from flexmesh.plan.baselines import sum_of_parts
+    from flexmesh.plan.mixed import MixedSearch
+
+    model = parse_model("llama2-7b")
+    alone = sum_of_parts(model, MIXED, 2048, 32)
+    search = MixedSearch(model, MIXED, 2048, 32)
+    search.run()
+    searches = []
+    real = mixed_types.search
+    monkeypatch.setattr(mixed_types, "search", lambda request: searches.append(request) or real(request))
+    shared = sum_of_parts(model, MIXED, 2048, 32, alone=search.types.planned_alone)
+    assert shared == alone
+    assert all(r.cluster != MIXED.groups[0] for r in searches)  # the first type's search is always shared
+    assert len(searches) < len(MIXED.groups)
 
 
 def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero():
@@ -229,6 +251,6 @@ def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero():
     assert {MixedCosts(model, cluster).group_of[r] for r in group.ranks} == {0, 1, 2} and result.evaluation.fits
     # on two nodes of each of two types, a group per type with ZeRO over its data ranks
     two_types = parse_mixed_cluster("2x8xH100+2x8xA100-40GB")
-    per_type = MixedSearch(parse_model("llama2-7b"), two_types, 4096, 256).per_type()
+    per_type = MixedSearch(parse_model("llama2-7b"), two_types, 4096, 256).types.plans()
     layouts = [group_layout(g) for p in per_type for g in p.groups]
     assert per_type and any(lay.data_ranks > 1 and lay.sharded for lay in layouts)

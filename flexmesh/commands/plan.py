@@ -11,16 +11,27 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from flexmesh.commands.args import new_file, nonempty, positive_int
+from flexmesh.commands.plan_lengths import (
+    RESCORED,
+    SEED,
+    STEPS,
+    score_baselines,
+    score_mixed,
+    score_uniform,
+    with_expected,
+    workload,
+)
 from flexmesh.cost import Evaluation
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
-from flexmesh.plan.baselines import mixed_baselines
+from flexmesh.plan.baselines import BaselinePlans, mixed_baselines
 from flexmesh.plan.check import check_groups, check_plan
-from flexmesh.plan.mixed import MixedResult, plan_mixed
+from flexmesh.plan.mixed import MixedResult, MixedSearch
 from flexmesh.plan.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
+from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 from flexmesh.units import GIB
@@ -43,8 +54,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="price compute and communication with this `flexmesh profile hardware` file")
     p.add_argument("--model-profile", metavar="PATH",
                    help="price layers and activations with this `flexmesh profile model` file")
-    p.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence (default 8192)")
-    p.add_argument("--global-batch", type=positive_int, default=128, help="sequences per step (default 128)")
+    p.add_argument("--seq-len", type=positive_int, default=8192,
+                   help="tokens per sequence; with --lengths the longest (longer ones are truncated) (default 8192)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--global-batch", type=positive_int, default=None, help="sequences per step (default 128)")
+    size.add_argument("--tokens-per-batch", type=positive_int, default=None,
+                      help="tokens per step instead of sequences (without --lengths: that many --seq-len tokens "
+                           "long sequences, rounded down)")
+    p.add_argument("--lengths", metavar="NAME_OR_FILE", type=nonempty,
+                   help="plan for this length distribution (a shipped name such as wikipedia, or a .txt/.json "
+                        "file of lengths, as for simulate): plans ranked by their expected step, simulated on "
+                        f"{STEPS} steps drawn with seed {SEED}, --seq-len the cap")
     p.add_argument("--out", type=new_file, help="write the best plan as JSON here (atomically)")
     p.add_argument("--top", type=positive_int, default=5, help="plans to list (default 5)")
     p.add_argument("--explain", action="store_true", help="break the best plan's time and memory into parts")
@@ -71,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
     """Check a plan file, or build a SearchRequest from the options, search, and print or write the result."""
     from flexmesh.profile.use import cost_model_for
 
+    if args.check and (args.lengths or args.tokens_per_batch):
+        raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
+                        "drop them (flexmesh simulate --plan FILE --lengths ... scores a plan on lengths)")
     loaded = load_plan(args.check) if args.check else None
     if loaded is not None and not loaded.in_rank_order:
         return check_groups_command(args, loaded)
@@ -100,15 +123,25 @@ def run(args: argparse.Namespace) -> int:
     # --no-recompute: none; else the full space's none / selective / full
     space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
                         same_mesh=args.same_mesh)
-    request = SearchRequest(model, cluster, args.seq_len, args.global_batch, space, cost, top=args.top, mode=args.mode)
+    work = workload(args)
+    top = max(args.top, RESCORED) if work.lengths else args.top  # with --lengths: re-scored, then cut to --top
+    request = SearchRequest(model, cluster, args.seq_len, work.global_batch, space, cost, top=top, mode=args.mode)
     result = _run_search(request, quiet=args.json)
+    expected: dict[str, Expected] = {}
+    if work.lengths:
+        result, expected = score_uniform(result, cost, work, args.top)
     best = result.best
+    plan = with_expected(best.plan, expected[best.plan.layout], work) if expected else best.plan
     if args.out:
-        best.plan.save(args.out)
+        plan.save(args.out)
     if args.json:
-        print(json.dumps(_result_json(result), indent=2))
+        print(json.dumps({**_result_json(result, plan, expected), "workload": work.to_dict()}, indent=2))
         return 0
-    _table(out, result)
+    _table(out, result, expected)
+    out.print(work.describe(), highlight=False)
+    if cluster.pace != 1.0:
+        out.print(f"every device priced at speed {cluster.pace:g}: the cluster's devices all run at it (its "
+                  "speed_factors), compute stretched, communication not", highlight=False)
     if args.explain:
         _explain(out, best.evaluation)
         if args.against:
@@ -145,40 +178,51 @@ def _run_search(request: SearchRequest, quiet: bool) -> SearchResult:
             state["bar"].stop()
 
 
-def _row(c: Candidate) -> dict:
+def _row(c: Candidate, e: Expected | None = None) -> dict:
     ev = c.evaluation
-    return {"layout": c.plan.layout, "origin": c.origin, "step_time_s": ev.step_time, "tokens_per_s": ev.tokens_per_s,
-            "mfu": ev.mfu, "peak_memory_gib": [m["total"] / GIB for m in ev.memory]}
+    row = {"layout": c.plan.layout, "origin": c.origin, "step_time_s": ev.step_time, "tokens_per_s": ev.tokens_per_s,
+           "mfu": ev.mfu, "peak_memory_gib": [m["total"] / GIB for m in ev.memory]}
+    if e is not None:  # --lengths: the expected step, the cost model's at --seq-len beside it
+        row.update(step_time_s=e.step_time, tokens_per_s=e.tokens_per_s, policy=e.policy,
+                   fixed_length_step_time_s=ev.step_time, fixed_length_tokens_per_s=ev.tokens_per_s)
+    return row
 
 
-def _result_json(r: SearchResult) -> dict:
+def _result_json(r: SearchResult, plan: Plan, expected: dict[str, Expected]) -> dict:
     return {
         "search_seconds": r.search_seconds,
         "mode": r.mode,
         "configurations": r.configurations,
-        "best": {**_row(r.best), "plan": r.best.plan.to_dict()},
-        "plans": [_row(c) for c in r.plans],
-        "baselines": {k: (_row(v) if v else None) for k, v in r.baselines.items()},
+        "best": {**_row(r.best, expected.get(r.best.plan.layout)), "plan": plan.to_dict()},
+        "plans": [_row(c, expected.get(c.plan.layout)) for c in r.plans],
+        "baselines": {k: (_row(v, expected.get(v.plan.layout)) if v else None) for k, v in r.baselines.items()},
     }
 
 
-def _table(out: Console, r: SearchResult) -> None:
+def _table(out: Console, r: SearchResult, expected: dict[str, Expected]) -> None:
+    """The best plans and the baselines; with --lengths (``expected``) their expected steps first."""
     t = Table(title=f"best plans ({r.mode} search, {r.configurations} configurations, {r.search_seconds:.2f} s)")
-    for col, just in (("#", "right"), ("layout", "left"), ("step s", "right"), ("tokens/s", "right"),
-                      ("MFU", "right"), ("peak GiB per stage", "left"), ("from", "left")):
+    cols = (("expected s", "tokens/s", "s at --seq-len") if expected else ("step s", "tokens/s", "MFU"))
+    for col, just in (("#", "right"), ("layout", "left"), *((c, "right") for c in cols), ("peak GiB per stage", "left"),
+                      ("from", "left")):
         t.add_column(col, justify=just, overflow="fold")
     for i, c in enumerate(r.plans, 1):
-        ev = c.evaluation
+        ev, e = c.evaluation, expected.get(c.plan.layout)
         mem = " ".join(f"{m['total'] / GIB:.1f}" for m in ev.memory)
-        t.add_row(str(i), c.plan.layout, f"{ev.step_time:.4g}", f"{ev.tokens_per_s:,.0f}", f"{ev.mfu:.1%}", mem,
-                  c.origin)
+        figures = ((f"{e.step_time:.4g}", f"{e.tokens_per_s:,.0f}", f"{ev.step_time:.4g}") if e is not None else
+                   (f"{ev.step_time:.4g}", f"{ev.tokens_per_s:,.0f}", f"{ev.mfu:.1%}"))
+        t.add_row(str(i), c.plan.layout, *figures, mem, c.origin)
     out.print(t)
     for name, b in r.baselines.items():
-        if b is not None:
+        e = expected.get(b.plan.layout) if b is not None else None
+        if b is None:
+            out.print(f"baseline {name}: no layout of this family fits", highlight=False)
+        elif e is not None:
+            out.print(f"baseline {name}: expected {e.step_time:.4g} s, {e.tokens_per_s:,.0f} tokens/s "
+                      f"({b.evaluation.step_time:.4g} s at --seq-len)  ({b.plan.layout})", highlight=False)
+        else:
             out.print(f"baseline {name}: {b.evaluation.step_time:.4g} s, {b.evaluation.tokens_per_s:,.0f} tokens/s, "
                       f"MFU {b.evaluation.mfu:.1%}  ({b.plan.layout})", highlight=False)
-        else:
-            out.print(f"baseline {name}: no layout of this family fits", highlight=False)
 
 
 def _explain(out: Console, ev: Evaluation) -> None:
@@ -236,7 +280,7 @@ UNIFORM_ONLY = (("--top", "top", 5), ("--same-mesh", "same_mesh", False),
 
 def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     """Search a plan of replica groups on a mixed cluster, rank it beside its baselines (and --against
-    a plan file), print (or --json) and --out it."""
+    a plan file), print (or --json) and --out it; with --lengths, all by their expected steps."""
     _no_profiles(args)
     given = [flag for flag, attr, default in UNIFORM_ONLY if getattr(args, attr) != default]
     if given:
@@ -244,27 +288,43 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
                         "groups' layouts itself (each type's own group is searched in full): drop it")
     model = parse_model(args.model)
     costs = MixedCosts(model, cluster)
-    result, baselines = _search_mixed(model, cluster, args, costs)
-    plan, ev = result.plan, result.evaluation
+    work = workload(args, mixed=True)
+    plans: BaselinePlans = {}
+    result, baselines, baseline_seconds = _search_mixed(model, cluster, args, costs, work.global_batch, plans)
+    plan, ev, e = result.plan, result.evaluation, None
+    if work.lengths:
+        plan, ev, e = score_mixed(result, model, costs, work)
+        score_baselines(baselines, plans, model, costs, work)
     if args.against:  # a plan file of this cluster, priced by the same cost model, beside the baselines
         other = load_plan(args.against)
         theirs = check_groups(other, model, cluster, costs)
         baselines["against"] = {"layout": other.layout.split("\n"), "step_time_s": theirs.step_time,
                                 "tokens_per_s": theirs.tokens_per_s, "plan": args.against}
+        if work.lengths:
+            score_baselines(baselines, {"against": [(other, cluster)]}, model, costs, work)
+    step, tokens_per_s = (e.step_time, e.tokens_per_s) if e is not None else (ev.step_time, ev.tokens_per_s)
     if args.out:
         plan.save(args.out)
     if args.json:
-        print(json.dumps({"search_seconds": result.search_seconds, "configurations": result.configurations,
-                          "best": {"layout": plan.layout.split("\n"), "step_time_s": ev.step_time,
-                                   "tokens_per_s": ev.tokens_per_s, "plan": plan.to_dict()},
-                          "baselines": baselines, "ratios": ratios(ev.tokens_per_s, baselines)}, indent=2))
+        best = {"layout": plan.layout.split("\n"), "step_time_s": step, "tokens_per_s": tokens_per_s}
+        if e is not None:
+            best.update(policy=e.policy, fixed_length_step_time_s=ev.step_time,
+                        fixed_length_tokens_per_s=ev.tokens_per_s)
+        print(json.dumps({"search_seconds": result.search_seconds, "baselines_seconds": baseline_seconds,
+                          "configurations": result.configurations, "workload": work.to_dict(),
+                          "best": {**best, "plan": plan.to_dict()},
+                          "baselines": baselines, "ratios": ratios(tokens_per_s, baselines)}, indent=2))
         return 0
     out = Console()
+    slow = sum(1 for r in range(cluster.world_size) if cluster.speed(r) != 1.0)
+    speeds = f" ({slow} device{'s' * (slow != 1)} off nominal speed)" if slow else ""
+    figures = (f"expected step {step:.3f} s, {tokens_per_s:,.0f} tokens/s (step {ev.step_time:.3f} s at --seq-len)"
+               if e is not None else f"step {step:.3f} s, {tokens_per_s:,.0f} tokens/s")
     out.print(replica_table(plan, ev, cluster,
-                            f"plan on {cluster.label}: step {ev.step_time:.3f} s, "
-                            f"{ev.tokens_per_s:,.0f} tokens/s ({result.configurations} configurations, "
-                            f"{result.search_seconds:.2f} s)"))
-    out.print(baseline_table(ev.tokens_per_s, baselines))
+                            f"plan on {cluster.label}{speeds}: {figures} ({result.configurations} configurations; "
+                            f"search {result.search_seconds:.2f} s, baselines {baseline_seconds:.2f} s)"))
+    out.print(baseline_table(tokens_per_s, baselines))
+    out.print(work.describe(), highlight=False)
     if args.explain:
         out.print(stage_table(plan, ev))
     if args.out:
@@ -272,11 +332,17 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     return 0
 
 
-def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs: MixedCosts
-                  ) -> tuple[MixedResult, dict]:
-    seq, gb = args.seq_len, args.global_batch
+def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs: MixedCosts, gb: int,
+                  plans: BaselinePlans) -> tuple[MixedResult, dict, float]:
+    """The mixed search's plan, its baselines (each device type's uniform search shared with the plans
+    of one group per type; ``plans`` receives theirs) and the seconds the baselines took after the search."""
+    seq = args.seq_len
+    search = MixedSearch(model, cluster, seq, gb, costs)
     if args.json:
-        return plan_mixed(model, cluster, seq, gb, costs), mixed_baselines(model, cluster, seq, gb, costs)
+        result = search.run()
+        t1 = time.perf_counter()
+        baselines = mixed_baselines(model, cluster, seq, gb, costs, alone=search.types.planned_alone, plans=plans)
+        return result, baselines, time.perf_counter() - t1
     t0 = time.perf_counter()
     state: dict = {}
 
@@ -292,10 +358,11 @@ def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs:
 
     names = ["uniform", "proportional", "sum_of_parts"]
     try:
-        result = plan_mixed(model, cluster, seq, gb, costs, progress=lambda d, t: bar("searching", d, t))
-        baselines = mixed_baselines(model, cluster, seq, gb, costs,
-                                     progress=lambda name: bar(f"baseline {name}", names.index(name), len(names)))
+        result = search.run(progress=lambda d, t: bar("searching", d, t))
+        t1 = time.perf_counter()
+        baselines = mixed_baselines(model, cluster, seq, gb, costs, alone=search.types.planned_alone, plans=plans,
+                                    progress=lambda name: bar(f"baseline {name}", names.index(name), len(names)))
     finally:
         if "bar" in state:
             state["bar"].stop()
-    return result, baselines
+    return result, baselines, time.perf_counter() - t1

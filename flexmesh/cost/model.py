@@ -322,12 +322,16 @@ class CostModel:
         return 2 * self.hw.collective_time("send_recv", nbytes, shape)
 
     def evaluate_stages(self, stage_strategies, pp: int, pipeline_schedule: str, m: int, v: int,
-                        microbatch_seqs: int, seq_len: int, overlap: Overlap = NO_OVERLAP, speed: float = 1.0,
+                        microbatch_seqs: int, seq_len: int, overlap: Overlap = NO_OVERLAP, speed: float | None = None,
                         cross_sync=()) -> Evaluation:  # noqa: ANN001 - seconds per pipeline rank
         """Predict a step from per-chunk layer strategies (``pp * v`` chunks, Megatron's rank order)
-        under the ``overlap`` options (default :data:`NO_OVERLAP`; a plan carries its own); a replica
-        group of a plan (flexmesh.cost.mixed) computes at ``speed`` and adds ``cross_sync`` seconds per
+        under the ``overlap`` options (default :data:`NO_OVERLAP`; a plan carries its own), every device
+        computing at ``speed`` (default: the cluster's :attr:`~flexmesh.spec.cluster.ClusterSpec.pace`,
+        its slowest device's speed factor, which a layout over all of them waits for); a replica group
+        of a plan (flexmesh.cost.mixed) passes its own devices' and adds ``cross_sync`` seconds per
         pipeline rank of once-per-step gradient sync with the other groups."""
+        if speed is None:
+            speed = self.cluster.pace
         chunks = list(stage_strategies)
         n = len(chunks)
         overlap = self.effective_overlap(overlap, m)

@@ -129,16 +129,28 @@ def baselines(request: SearchRequest) -> dict[str, Candidate | None]:
 
 
 # ---- mixed clusters ------------------------------------------------------------------------------
-# What a plan on a mixed cluster is compared with, each priced by the same cost model:
+# What a plan on a mixed cluster is compared with, each priced by the same cost model on the cluster
+# as given, speed factors included (a layout over devices of several speeds runs at its slowest
+# device's: ClusterSpec.pace):
 # - ``uniform``: the uniform planner (flexmesh.plan.best_plans) on the whole world with every device
-#   treated as the slowest type (lowest peak FLOP/s, then least memory), priced as such;
+#   treated as the slowest type (lowest peak FLOP/s, then least memory), each at its own speed
+#   factor, priced as such;
 # - ``proportional``: the uniform planner's best layout within what splits into replica groups of one
 #   pipeline (REPLICA_SPACE) on the slowest type, its replicas kept, the global batch shared out in
 #   proportion to each replica's peak FLOP/s (its devices' datasheet peaks times their speed factors;
 #   flexmesh.layout.shares, at least one micro-batch each), then priced with each device's own numbers
 #   (flexmesh.cost.mixed.evaluate_groups): step = slowest replica;
 # - ``sum_of_parts`` (a reference, not a plan): each device group planned alone by the uniform
-#   planner at nominal speed, with the whole global batch; their throughputs added.
+#   planner (at its slowest device's speed), with the whole global batch; their throughputs added.
+
+# Device group ``kind`` of a mixed cluster -> its best plan alone by the uniform planner (search and uniform
+# baselines, the whole global batch, at its speed), None when nothing fits: a mixed search's searches
+# (flexmesh.plan.mixed_types.TypePlans.planned_alone), shared so that no group is searched twice.
+Alone = Callable[[int], Candidate | None]
+# Each baseline's plan(s) by name, each with the cluster it is priced on (``uniform``: the slowest
+# type's world; ``sum_of_parts``: one per group, None where nothing fits), for who prices them again
+# (flexmesh plan --lengths).
+BaselinePlans = dict[str, list[tuple[Plan, MixedCluster] | None]]
 
 # The part of the uniform planner's space that splits into replica groups of one pipeline
 # (flexmesh.layout.mesh.replica_groups): whole copies (no ZeRO), one TP degree per stage, no context
@@ -153,7 +165,8 @@ def slowest_group(cluster: MixedCluster, dtype: str = "bf16") -> int:
 
 
 def uniform_cluster(cluster: MixedCluster, dtype: str = "bf16") -> ClusterSpec:
-    """The whole world as nodes of the slowest device (nodes of the groups' common node size).
+    """The whole world as nodes of the slowest device (nodes of the groups' common node size), every
+    device at its own speed factor.
 
     >>> from flexmesh.spec.cluster import parse_mixed_cluster
     >>> uniform_cluster(parse_mixed_cluster("1x8xH100+2x8xA100-40GB")).label
@@ -161,22 +174,33 @@ def uniform_cluster(cluster: MixedCluster, dtype: str = "bf16") -> ClusterSpec:
     """
     per_node = math.gcd(*(g.devices_per_node for g in cluster.groups))
     slow = cluster.groups[slowest_group(cluster, dtype)]
-    return ClusterSpec(cluster.world_size // per_node, per_node, slow.device)
+    speeds = tuple(cluster.speed(r) for r in range(cluster.world_size))
+    return ClusterSpec(cluster.world_size // per_node, per_node, slow.device,
+                       speeds if any(f != 1.0 for f in speeds) else ())
 
 
 def _row(layout: str, step: float, tokens: float, **extra: object) -> dict:
     return {"layout": layout, "step_time_s": step, "tokens_per_s": tokens, **extra}
 
 
-def uniform_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int) -> dict | None:
-    """Today's planner on the world of the slowest type (None when nothing fits there)."""
+def uniform_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
+                     alone: Alone | None = None, plans: BaselinePlans | None = None) -> dict | None:
+    """Today's planner on the world of the slowest type (None when nothing fits there); on a cluster of
+    one device type that world is its one group: ``alone(0)`` where given (:data:`Alone`)."""
     from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
 
     uc = uniform_cluster(cluster, model.dtype)
-    try:
-        best = best_plans(SearchRequest(model, uc, seq_len, global_batch, top=1)).best
-    except PlanError:
-        return None
+    if alone is not None and len(cluster.groups) == 1:
+        best = alone(0)
+        if best is None:
+            return None
+    else:
+        try:
+            best = best_plans(SearchRequest(model, uc, seq_len, global_batch, top=1)).best
+        except PlanError:
+            return None
+    if plans is not None:
+        plans["uniform"] = [(best.plan, MixedCluster((uc,)))]
     return _row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s, cluster=uc.label)
 
 
@@ -205,10 +229,12 @@ def proportional_plan(model: ModelSpec, cluster: MixedCluster, seq_len: int, glo
 
 
 def proportional_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
-                          costs: MixedCosts) -> dict | None:
+                          costs: MixedCosts, plans: BaselinePlans | None = None) -> dict | None:
     plan = proportional_plan(model, cluster, seq_len, global_batch, costs)
     if plan is None:
         return None
+    if plans is not None:
+        plans["proportional"] = [(plan, cluster)]
     ev = evaluate_groups(plan, costs)
     shares = "/".join(str(g.share) for g in plan.groups)
     first = plan.groups[0]
@@ -218,29 +244,43 @@ def proportional_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int,
     return row if ev.fits else {**row, "note": "does not fit in memory on some device"}
 
 
-def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int) -> dict:
-    """Each group planned alone by the uniform planner (whole global batch); throughputs added."""
+def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,
+                 alone: Alone | None = None, plans: BaselinePlans | None = None) -> dict:
+    """Each group planned alone by the uniform planner (whole global batch, the group's speed factors);
+    throughputs added. ``alone`` (:data:`Alone`) gives each group's plan where the caller has it."""
     from flexmesh.plan.best import best_plans  # best ranks this module's uniform baselines: imported here
 
     parts = []
-    for g in cluster.groups:
-        alone = replace(g, speed_factors=())
-        try:
-            best = best_plans(SearchRequest(model, alone, seq_len, global_batch, top=1)).best
+    for kind, group in enumerate(cluster.groups):
+        if alone is not None:
+            best = alone(kind)
+        else:
+            try:
+                best = best_plans(SearchRequest(model, group, seq_len, global_batch, top=1)).best
+            except PlanError:
+                best = None
+        if best is None:
+            parts.append(_row("nothing fits", math.inf, 0.0, cluster=group.label))
+        else:
             parts.append(_row(best.plan.layout, best.evaluation.step_time, best.evaluation.tokens_per_s,
-                              cluster=alone.label))
-        except PlanError:
-            parts.append(_row("nothing fits", math.inf, 0.0, cluster=alone.label))
+                              cluster=group.label))
+            if plans is not None:
+                plans.setdefault("sum_of_parts", [None] * len(cluster.groups))[kind] = (
+                    best.plan, MixedCluster((group,)))
     return {"tokens_per_s": sum(p["tokens_per_s"] for p in parts), "parts": parts}
 
 
 def mixed_baselines(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int, costs: MixedCosts,
-                     progress: Callable[[str], None] | None = None) -> dict:
-    """``{"uniform": ..., "proportional": ..., "sum_of_parts": ...}`` (a baseline is None where nothing fits)."""
+                     progress: Callable[[str], None] | None = None, alone: Alone | None = None,
+                     plans: BaselinePlans | None = None) -> dict:
+    """``{"uniform": ..., "proportional": ..., "sum_of_parts": ...}`` (a baseline is None where nothing fits).
+    ``alone`` (:data:`Alone`): each device group's own plan, shared with the mixed search that ran it;
+    ``plans``, when given, receives each baseline's plan(s) (:data:`BaselinePlans`)."""
     out: dict = {}
-    for name, fn in (("uniform", lambda: uniform_baseline(model, cluster, seq_len, global_batch)),
-                     ("proportional", lambda: proportional_baseline(model, cluster, seq_len, global_batch, costs)),
-                     ("sum_of_parts", lambda: sum_of_parts(model, cluster, seq_len, global_batch))):
+    for name, fn in (("uniform", lambda: uniform_baseline(model, cluster, seq_len, global_batch, alone, plans)),
+                     ("proportional",
+                      lambda: proportional_baseline(model, cluster, seq_len, global_batch, costs, plans)),
+                     ("sum_of_parts", lambda: sum_of_parts(model, cluster, seq_len, global_batch, alone, plans))):
         if progress:
             progress(name)
         out[name] = fn()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from flexmesh.errors import PlanError
 from flexmesh.layout.strategy import Recompute
 from flexmesh.plan.baselines import baselines as uniform_baselines
-from flexmesh.plan.search import Progress, search
+from flexmesh.plan.search import Progress, SearchOutcome, search
 from flexmesh.plan.space import FULL_SPACE, Candidate, SearchRequest
 from flexmesh.units import GIB
 
@@ -35,16 +35,19 @@ class SearchResult:
 
 
 def best_plans(request: SearchRequest, *, with_baselines: bool = True, explain_no_fit: bool = True,
-               progress: Progress | None = None) -> SearchResult:
+               progress: Progress | None = None, searched: SearchOutcome | None = None) -> SearchResult:
     """Find the fastest plans that fit, best first, at most ``request.top``; raise PlanError when none fits.
 
     ``with_baselines`` ranks the best Megatron-3D and ZeRO-3 + Ulysses plans beside the searched
     ones; ``explain_no_fit`` makes the no-fit error name the smallest change that fits (it searches
     again, so inner retries turn it off); ``progress(done, total)`` is called per configuration.
+    ``searched``: the outcome of :func:`~flexmesh.plan.search.search` on this very request, where a
+    caller already ran it (flexmesh.plan.mixed_types asks one question twice, with and without the
+    baselines); it is used as it is, and ``search_seconds`` then counts only the baselines.
     """
     t0 = time.perf_counter()
     request = request.resolved()  # one cost model for the search and the baselines
-    outcome = search(request, progress)
+    outcome = searched if searched is not None else search(request, progress)
     results = list(outcome.candidates)
     seen = {c.plan.layout for c in results}
     base: dict[str, Candidate | None] = uniform_baselines(request) if with_baselines else {}

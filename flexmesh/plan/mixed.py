@@ -15,8 +15,9 @@ time under every stage device's memory, each stage priced by its own device's Co
 batch split across replicas (HiGHS MILP). Configurations whose optimistic throughput (every
 replica at its slowest stage's rate, no bubble, no gradient sync) cannot beat the best estimate
 so far are skipped before the MILP; the best few estimates are priced in full, gradient all-reduce
-over the slowest link included, by :func:`flexmesh.cost.mixed.evaluate_groups`, and the fastest that
-fits is the plan: one replica group per pipeline.
+over the slowest link included, by :func:`flexmesh.cost.mixed.evaluate_groups`. Beside them, plans
+of one replica group per device type, each type planned by the uniform search
+(flexmesh.plan.mixed_types); the fastest plan of either kind that fits is the plan.
 """
 
 from __future__ import annotations
@@ -24,16 +25,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import permutations, product
-from typing import TYPE_CHECKING
 
 from flexmesh.cost import in_flight
 from flexmesh.cost.mixed import MIXED_OVERLAP, GroupsEvaluation, MixedCosts, evaluate_groups, p2p_time
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import PipelineSchedule
-from flexmesh.layout.mesh import group_layout
 from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan
 from flexmesh.layout.strategy import Recompute
 from flexmesh.plan.mixed_partition import (
@@ -45,13 +44,10 @@ from flexmesh.plan.mixed_partition import (
     split_batch,
     strategy,
 )
+from flexmesh.plan.mixed_types import TypePlans
 from flexmesh.plan.space import divisors
 from flexmesh.spec.cluster import MixedCluster
 from flexmesh.spec.model import ModelSpec
-
-if TYPE_CHECKING:  # the uniform search's types; the search itself is imported where it runs
-    from flexmesh.plan.space import Candidate, SearchSpace
-    from flexmesh.spec.cluster import ClusterSpec
 
 Progress = Callable[[int, int], None]
 # Micro-batch sizes tried (sequences), those dividing the global batch: beyond 8 sequences of a
@@ -65,9 +61,6 @@ MAX_MIXED_STAGES = 8
 CHAIN3_STAGES = 2  # TP groups of each type in a pipeline over three types: 1 or 2
 # Estimates priced in full (with the gradient all-reduce) before choosing.
 EVALUATE_TOP = 6
-# Times the shares of the one-group-per-type plans are moved to equalise their pipelines: the first
-# move takes most of the gap (the groups' throughputs alone were measured at the whole batch).
-PER_TYPE_ROUNDS = 1
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 Shape = tuple[tuple[int, int], ...]  # (group, tp) per stage, first stage first
@@ -99,6 +92,8 @@ class MixedResult:
     evaluation: GroupsEvaluation
     search_seconds: float
     configurations: int  # configurations priced (partitions and batch split)
+    # Every distinct plan priced in full that fits, fastest first (the plan first), with its evaluation.
+    candidates: list[tuple[Plan, GroupsEvaluation]] = field(default_factory=list)
 
 
 def tp_degrees(model: ModelSpec, per_node: int) -> list[int]:
@@ -123,8 +118,8 @@ class MixedSearch:
         self._slots: dict[tuple[int, int], list[Slot]] = {}
         self._p2ps: dict[tuple, float] = {}
         self._blocks: dict[tuple, list[Partition] | None] = {}
-        self._per_type: dict[tuple[int, int, int | None], Candidate | None] = {}
-        self._schedule: str | None = None  # the pipeline schedule of the first device type's own plan
+        # the plans of one replica group per device type (flexmesh.plan.mixed_types), and its searches
+        self.types = TypePlans(model, cluster, seq_len, global_batch, self.costs)
 
     # ---- building blocks -----------------------------------------------------------------------
     def slots(self, group: int, tp: int) -> list[Slot]:
@@ -341,100 +336,6 @@ class MixedSearch:
                     unused=tuple(d for d in range(self.cluster.world_size) if d not in used),
                     predicted=predicted or {}, cost_source=sources, overlap=MIXED_OVERLAP)
 
-    # ---- one group per device type -------------------------------------------------------------------
-    def per_type(self, rounds: int = PER_TYPE_ROUNDS) -> list[Plan]:
-        """Plans of one replica group per device type, each planned by the uniform search on its own
-        devices (ZeRO, context parallelism, interleaving, per-layer strategies inside the group, one
-        mesh per group as the runtime runs it) for its share of the batch. Shares start in proportion
-        to each type's throughput alone and are moved ``rounds`` times to equalise the groups'
-        predicted pipelines (a group's share over its pipeline time), each a multiple of its type's
-        data ranks alone (:func:`granular_shares`) so that the search finds its data-parallel layouts
-        again. Each type plans freely, and then, in turn, every type keeps its own layout while the
-        others take the mesh shape that lets the gradient all-reduce across groups go shard by shard
-        (the same tp degree, data ranks and ZeRO kind; flexmesh.cost.mixed.gradient_sync). A device
-        type that holds no plan of the model is left unused."""
-        kinds = range(len(self.cluster.groups))
-        alone = [self._alone(k, self.global_batch) for k in kinds]
-        used = [k for k in kinds if alone[k] is not None]
-        out: list[Plan] = []
-        for anchor in [None, *used] if len(used) > 1 else [None]:
-            weights = [c.evaluation.tokens_per_s for c in alone if c is not None]
-            for _ in range(rounds + 1):
-                first = [self._alone(k, self.global_batch, anchor) for k in used]
-                granules = [c.plan.group.data_ranks if c is not None else 0 for c in first]
-                shares = granular_shares(self.global_batch, weights, granules) if all(granules) else None
-                parts = [self._alone(k, b, anchor) for k, b in zip(used, shares or [])]
-                plans = [c.plan for c in parts if c is not None]
-                if shares is None or len(plans) < len(used):
-                    break
-                plan = self._combine(used, plans)
-                out.append(plan)
-                ev = evaluate_groups(plan, self.costs)
-                weights = [b / r.pipeline_time for b, r in zip(shares, ev.replicas)]
-        return out
-
-    def _alone(self, kind: int, batch: int, anchor: int | None = None) -> Candidate | None:
-        """The uniform search's best plan of device group ``kind`` alone for ``batch`` sequences (None
-        when nothing fits), at nominal speed, one mesh for all layers, one pipeline schedule for every
-        group (the first's). With an ``anchor`` type other than ``kind``: the mesh shape that makes
-        ``kind``'s blocks shard like the anchor's own plan (its tp, data ranks and ZeRO kind)."""
-        from flexmesh.plan.space import FULL_SPACE
-
-        key = (kind, batch, anchor if anchor != kind else None)
-        if key in self._per_type:
-            return self._per_type[key]
-        group = replace(self.cluster.groups[kind], speed_factors=())
-        space = FULL_SPACE
-        if kind != 0 and self._schedule is not None:
-            space = replace(space, pipeline_schedules=(self._schedule,))
-        ranks = None  # the anchor's data ranks, which this type's blocks must have too
-        if key[2] is not None:
-            lead = self._alone(key[2], self.global_batch)
-            if lead is None or (group.world_size * lead.plan.pp) % lead.plan.world_size:
-                self._per_type[key] = None
-                return None
-            lay = group_layout(lead.plan.group)
-            ranks = lay.data_ranks
-            space = replace(space, pp=(group.world_size * lead.plan.pp // lead.plan.world_size,), tp=(lay.tp,),
-                            zero_stages=(0,) if lay.replicated else (1, 2, 3), max_cp=ranks)
-        best = self._searched(group, batch, space, kind)
-        if best is not None and ranks is not None and best.plan.group.data_ranks != ranks:
-            best = None
-        if best is not None:
-            try:
-                group_layout(best.plan.group)
-            except PlanError:  # layers on different meshes, which a group does not run: search again with one
-                best = self._searched(group, batch, replace(space, same_mesh=True), kind)
-        if best is not None and kind == 0 and key[2] is None and best.plan.pp > 1:
-            self._schedule = str(best.plan.pipeline_schedule)
-        self._per_type[key] = best
-        return best
-
-    def _searched(self, group: ClusterSpec, batch: int, space: SearchSpace, kind: int) -> Candidate | None:
-        from flexmesh.plan.best import best_plans
-        from flexmesh.plan.space import SearchRequest
-
-        try:
-            return best_plans(SearchRequest(self.model, group, self.seq_len, batch, space, self.costs.groups[kind],
-                                            top=1), with_baselines=False, explain_no_fit=False).best
-        except PlanError:
-            return None
-
-    def _combine(self, kinds: Sequence[int], plans: Sequence[Plan]) -> Plan:
-        """The groups' plans as one plan: group ``k`` on device group ``kinds[k]``'s ranks in the rank order."""
-        groups = []
-        for kind, plan in zip(kinds, plans):
-            start = self.cluster.group_start(kind)
-            g = plan.group
-            groups.append(replace(g, blocks=tuple(tuple(start + r for r in b) for b in g.blocks)))
-        used = {r for g in groups for r in g.ranks}
-        schedules = {str(p.pipeline_schedule) for p in plans if p.pp > 1}
-        sources = "+".join(dict.fromkeys(c.source for c in self.costs.groups))
-        return Plan(self.model.name, self.cluster.label, self.cluster.world_size, self.seq_len, self.global_batch,
-                    PipelineSchedule(schedules.pop() if schedules else plans[0].pipeline_schedule), tuple(groups),
-                    unused=tuple(r for r in range(self.cluster.world_size) if r not in used),
-                    cost_source=sources, overlap=plans[0].overlap)
-
     def run(self, progress: Progress | None = None) -> MixedResult:
         t0 = time.perf_counter()
         configs = self.configurations()
@@ -456,7 +357,7 @@ class MixedSearch:
             ev = evaluate_groups(plan, self.costs)
             if ev.fits:
                 results.append((ev.step_time, plan, ev))
-        for plan in self.per_type():
+        for plan in self.types.plans():
             ev = evaluate_groups(plan, self.costs)
             if ev.fits:
                 results.append((ev.step_time, plan, ev))
@@ -464,34 +365,17 @@ class MixedSearch:
             raise PlanError(f"no plan of {self.model.name} fits on {self.cluster.label} at seq len "
                             f"{self.seq_len}, global batch {self.global_batch}: no pipeline of the groups' TP "
                             "groups holds the model in memory; add devices or shorten the sequences")
-        _, plan, ev = min(results, key=lambda x: x[0])
+        ranked = sorted(results, key=lambda x: x[0])  # stable: the first of equals is the plan
+        _, plan, ev = ranked[0]
         seconds = time.perf_counter() - t0
         ev.extra["search_seconds"] = seconds
         plan = replace(plan, predicted=ev.to_dict())
-        return MixedResult(plan, ev, seconds, len(configs))
-
-
-def granular_shares(total: int, weights: Sequence[float], granules: Sequence[int]) -> list[int] | None:
-    """``total`` sequences over parts in proportion to ``weights``, part ``i`` a positive multiple of
-    ``granules[i]`` (None when no such split adds up): each share rounded to its granule, then the
-    sum corrected one granule at a time on the part furthest from its target.
-
-    >>> granular_shares(2048, [3.67, 1.28], [256, 128]), granular_shares(10, [1, 1], [4, 4])
-    ([1536, 512], None)
-    """
-    target = [total * w / sum(weights) for w in weights]
-    shares = [max(g, round(t / g) * g) for t, g in zip(target, granules)]
-    for _ in range(sum(total // g for g in granules) + len(granules)):
-        diff = total - sum(shares)
-        if diff == 0:
-            return shares
-        sign = 1 if diff > 0 else -1
-        movable = [i for i, g in enumerate(granules) if g <= abs(diff) and shares[i] + sign * g >= g]
-        if not movable:
-            return None
-        i = max(movable, key=lambda i: sign * (target[i] - shares[i]))
-        shares[i] += sign * granules[i]
-    return None
+        candidates, seen = [], set()
+        for _, other, oev in ranked:
+            if other.layout not in seen:
+                seen.add(other.layout)
+                candidates.append((plan if oev is ev else replace(other, predicted=oev.to_dict()), oev))
+        return MixedResult(plan, ev, seconds, len(configs), candidates)
 
 
 def plan_mixed(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,

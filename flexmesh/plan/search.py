@@ -199,7 +199,7 @@ def _search_configuration(request: SearchRequest, method: SearchMethod, config: 
                 deferred.append((once_bound, config, overlap))
             continue
         overlap = cost.effective_overlap(overlap, m)  # priced exactly as evaluate_stages prices it
-        ctx = StageContext(cost, request.seq_len, mbs, pp, v, flight, cost.memory_budget, overlap)
+        ctx = StageContext(cost, request.seq_len, mbs, pp, v, flight, cost.memory_budget, overlap, cost.cluster.pace)
         for mesh in meshes:
             key = (D, mbs, mesh, overlap)
             if key not in pruned:

@@ -44,6 +44,9 @@ class StageContext:
     flight: tuple[float, ...]  # micro-batches in flight per pipeline rank
     budget: float
     overlap: Overlap = NO_OVERLAP  # the plan-level overlap options this configuration is priced under
+    # Every device's compute speed (the cluster's pace): compute stretches by 1 / speed, communication
+    # does not, as CostModel.evaluate_stages prices it, so the estimate stays the reported step.
+    speed: float = 1.0
     _works: dict = field(default_factory=dict, compare=False, repr=False)  # memo of work()
 
     def work(self, s: LayerStrategy) -> Work:
@@ -55,12 +58,17 @@ class StageContext:
 
     def layer(self, s: LayerStrategy) -> LayerCost:
         """One transformer layer under ``s`` (the cost model caches it)."""
-        return self.cost.layer(s, self.work(s), self.overlap)
+        return self._paced(self.cost.layer(s, self.work(s), self.overlap))
 
     def ends(self, s: LayerStrategy, embed: bool, head: bool) -> LayerCost:
         """The embedding and/or LM head run next to a layer under ``s``. No recomputation touches
         them, so strategies differing only in it share one (cached) cost."""
-        return self.cost.ends(_without_recompute(s), self.work(s), embed, head, self.overlap)
+        return self._paced(self.cost.ends(_without_recompute(s), self.work(s), embed, head, self.overlap))
+
+    def _paced(self, c: LayerCost) -> LayerCost:
+        if self.speed == 1.0:
+            return c
+        return replace(c, fwd=c.fwd / self.speed, bwd=c.bwd / self.speed, optim=c.optim / self.speed)
 
     def p2p(self, s: LayerStrategy) -> float:
         """Pipeline sends of a rank whose first chunk starts with ``s``, once per virtual stage."""

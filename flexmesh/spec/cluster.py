@@ -112,6 +112,18 @@ class ClusterSpec:
         return self.speed_factors[rank] if self.speed_factors else 1.0
 
     @property
+    def pace(self) -> float:
+        """The speed one layout over all the devices runs at: its slowest device's. Every data rank waits
+        for the others at each step's gradient sync (and tensor-parallel ranks at every layer), so the
+        cost model prices such a layout with every device at this speed (compute stretched,
+        communication not: :meth:`flexmesh.cost.CostModel.evaluate_stages`).
+
+        >>> replace(parse_cluster("4xH100"), speed_factors=(1.0, 0.5, 1.0, 1.0)).pace, parse_cluster("4xH100").pace
+        (0.5, 1.0)
+        """
+        return min(self.speed_factors, default=1.0)
+
+    @property
     def label(self) -> str:
         n = f"{self.nodes}x" if self.nodes > 1 else ""
         return f"{n}{self.devices_per_node}x{self.device.name}"
