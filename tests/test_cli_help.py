@@ -58,7 +58,7 @@ def test_simulate_and_plan_share_their_defaults(capsys):
     from flexmesh.commands.args import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, DEFAULT_SEQ_LEN
 
     plan = build_parser().parse_args(["plan"])
-    assert (plan.model, plan.seq_len, plan.global_batch) == (DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_GLOBAL_BATCH)
+    assert (plan.model, plan.seq_len) == (DEFAULT_MODEL, DEFAULT_SEQ_LEN)
     assert main(["simulate", "--steps", "1", "--json", "--policies", "hdp"]) == 0  # no --model, --cluster needed
     import json
 
@@ -71,3 +71,24 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith("flexmesh ")
+
+
+def test_plan_for_the_runtime_prices_only_the_overlap_it_runs(tmp_path, capsys):
+    import json
+
+    from flexmesh.layout.overlap import RUNTIME
+    from flexmesh.layout.plan import load_plan
+
+    steps = {}
+    for overlap in ("search", "runtime"):
+        out = tmp_path / f"{overlap}.json"
+        assert main(["plan", "--model", "llama2-13b", "--cluster", "8x8xA100-40GB", "--seq-len", "8192", "--top", "1",
+                     "--overlap", overlap, "--out", str(out), "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        steps[overlap] = result["best"]["step_time_s"]
+        plan = load_plan(out)
+        if overlap == "runtime":  # the plan and every baseline it was ranked against
+            assert plan.overlap == RUNTIME
+            assert all(b is None or b["step_time_s"] >= steps[overlap] for b in result["baselines"].values())
+        assert result["workload"]["global_batch"] == 128  # the shared default (flexmesh.commands.args)
+    assert steps["search"] < steps["runtime"]  # TP overlap hides communication the runtime exposes

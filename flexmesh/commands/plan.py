@@ -10,7 +10,18 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flexmesh.commands.args import new_file, nonempty, positive_int
+from flexmesh.commands.args import (
+    DEFAULT_CLUSTER,
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_MODEL,
+    DEFAULT_SEQ_LEN,
+    new_file,
+    nonempty,
+    positive_int,
+    seq_len,
+    sequences,
+    tokens,
+)
 from flexmesh.commands.plan_lengths import (
     RESCORED,
     SEED,
@@ -24,6 +35,7 @@ from flexmesh.commands.plan_lengths import (
 from flexmesh.cost import Evaluation
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import PlanError
+from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.plan.baselines import BaselinePlans, mixed_baselines
@@ -44,21 +56,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="search the fastest parallel layout that fits, or --check a plan file",
         description="Search per-layer strategies, pipeline split, schedule and micro-batches; print the best plans.")
-    p.add_argument("--model", default="llama3-8b",
-                   help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path (default llama3-8b)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path "
+                        f"(default {DEFAULT_MODEL})")
     p.add_argument("--cluster", default=None, type=nonempty,
                    help="e.g. 8xH100, 8x8xA100-40GB, device groups joined by '+' (1x8xH100+2x8xA100-40GB: a "
-                        "mixed cluster, planned as replica groups), or a JSON/TOML cluster file (default: the "
-                        "hardware profile's node, else 8xH100)")
+                        "mixed cluster, planned as replica groups), a JSON/TOML cluster file, or NxLOCAL (N devices "
+                        "of this machine, priced by its saved profiles) (default: the hardware profile's node, else "
+                        f"{DEFAULT_CLUSTER})")
     p.add_argument("--hardware-profile", metavar="PATH",
                    help="price compute and communication with this `flexmesh profile hardware` file")
     p.add_argument("--model-profile", metavar="PATH",
                    help="price layers and activations with this `flexmesh profile model` file")
-    p.add_argument("--seq-len", type=positive_int, default=8192,
-                   help="tokens per sequence; with --lengths the longest (longer ones are truncated) (default 8192)")
+    p.add_argument("--seq-len", type=seq_len, default=DEFAULT_SEQ_LEN,
+                   help="tokens per sequence; with --lengths the longest (longer ones are truncated) "
+                        f"(default {DEFAULT_SEQ_LEN})")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--global-batch", type=positive_int, default=None, help="sequences per step (default 128)")
-    size.add_argument("--tokens-per-batch", type=positive_int, default=None,
+    size.add_argument("--global-batch", type=sequences, default=None,
+                      help=f"sequences per step (default {DEFAULT_GLOBAL_BATCH})")
+    size.add_argument("--tokens-per-batch", type=tokens, default=None,
                       help="tokens per step instead of sequences (without --lengths: that many --seq-len tokens "
                            "long sequences, rounded down)")
     p.add_argument("--lengths", metavar="NAME_OR_FILE", type=nonempty,
@@ -81,6 +97,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--pipeline-schedules", "--schedules", dest="pipeline_schedules",
                    default=",".join(PIPELINE_SCHEDULES),
                    help="comma-separated pipeline schedules to consider (--schedules is the old name)")
+    p.add_argument("--overlap", choices=("search", "runtime"), default="search",
+                   help="communication the plan may hide under compute: search: every option frameworks run (TP "
+                        "overlap as Megatron-Core's --tp-comm-overlap; docs/cost-model.md); runtime: only what "
+                        "`flexmesh train` runs (no TP overlap), to plan for this runtime")
     p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
                    help="exact: layer DP + every layer split (small models); fast: closed form per stage")
     p.set_defaults(func=run)
@@ -89,7 +109,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Check a plan file, or build a SearchRequest from the options, search, and print or write the result."""
-    from flexmesh.profile.use import cost_model_for
+    from flexmesh.profile.use import LOCAL, cost_model_for
 
     if args.check and (args.lengths or args.tokens_per_batch):
         raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
@@ -97,12 +117,12 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_plan(args.check) if args.check else None
     if loaded is not None and not loaded.in_rank_order:
         return check_groups_command(args, loaded)
-    if loaded is None and args.cluster is not None:
+    if loaded is None and args.cluster is not None and not LOCAL.fullmatch(args.cluster.strip()):
         mixed = parse_mixed_cluster(args.cluster)
         if not mixed.uniform:  # several device groups, or devices of different speeds
             return run_mixed(args, mixed)
     cost = cost_model_for(parse_model(args.model), args.cluster, args.hardware_profile, args.model_profile,
-                          default_cluster="8xH100")
+                          default_cluster=DEFAULT_CLUSTER)
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = Console()
     if loaded is not None:
@@ -122,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(PIPELINE_SCHEDULES)}")
     # --no-recompute: none; else the full space's none / selective / full
     space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
-                        same_mesh=args.same_mesh)
+                        same_mesh=args.same_mesh, overlaps=(RUNTIME,) if args.overlap == "runtime" else None)
     work = workload(args)
     top = max(args.top, RESCORED) if work.lengths else args.top  # with --lengths: re-scored, then cut to --top
     request = SearchRequest(model, cluster, args.seq_len, work.global_batch, space, cost, top=top, mode=args.mode)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from flexmesh.commands.args import DEFAULT_GLOBAL_BATCH
 from flexmesh.cost import CostModel
 from flexmesh.cost.mixed import GroupsEvaluation, MixedCosts
 from flexmesh.errors import FlexmeshError, PlanError, ScheduleError
@@ -34,7 +35,6 @@ from flexmesh.spec.model import ModelSpec
 STEPS = 4  # batches drawn: enough to average the mix, few enough to score several plans in seconds
 SEED = 0
 RESCORED = 8  # plans of the search re-scored on the batches (beside every baseline)
-DEFAULT_GLOBAL_BATCH = 128  # sequences per step without --global-batch or --tokens-per-batch
 
 
 @dataclass

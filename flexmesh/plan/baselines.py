@@ -21,6 +21,7 @@ from flexmesh.cost.mixed import MixedCosts, evaluate_groups
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import CPKind
 from flexmesh.layout.mesh import replica_groups
+from flexmesh.layout.overlap import Overlap
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.shares import split_by_weight
 from flexmesh.layout.strategy import LayerStrategy
@@ -43,13 +44,14 @@ from flexmesh.spec.model import ModelSpec
 
 
 def uniform_plan(model: ModelSpec, cluster: ClusterSpec, strategy: LayerStrategy, pp: int, schedule: str, m: int,
-                 seq_len: int, global_batch: int, cost: CostModel, v: int = 1) -> Candidate:
+                 seq_len: int, global_batch: int, cost: CostModel, v: int = 1, overlap: Overlap = FASTEST) -> Candidate:
     """One strategy for every layer, layers split evenly over ``pp * v`` chunks, priced with the
-    overlap Megatron-Core (--tp-comm-overlap, --overlap-grad-reduce) and FSDP2 (prefetch) run."""
+    overlap Megatron-Core (--tp-comm-overlap, --overlap-grad-reduce) and FSDP2 (prefetch) run, or
+    ``overlap`` (a search restricted to one, e.g. what flexmesh's runtime runs)."""
     sizes = even_split(model.num_layers, pp * v)
     chunks = [(strategy,) * n for n in sizes]
-    ev = evaluate_chunks(cost, chunks, pp, schedule, v, m, seq_len, global_batch, FASTEST)
-    plan = to_plan(model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_batch, ev, FASTEST)
+    ev = evaluate_chunks(cost, chunks, pp, schedule, v, m, seq_len, global_batch, overlap)
+    plan = to_plan(model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_batch, ev, overlap)
     return Candidate(plan, ev, "uniform", ev.step_time)
 
 
@@ -87,17 +89,23 @@ def megatron_3d(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_bat
                                       for ac in (False, True)]
                         allowed = [s for s in strategies if _allowed(s, space, model, cluster, D, mbs)]
                         cands.extend(_least_recompute(allowed, model, cluster, pp, schedule, m, seq_len,
-                                                      global_batch, cost, v))
+                                                      global_batch, cost, v, _overlap(space)))
     return _best(cands)
 
 
+def _overlap(space: SearchSpace) -> Overlap:
+    """The overlap baselines are priced with: the one a restricted search allows, else FASTEST."""
+    return space.overlaps[0] if space.overlaps else FASTEST
+
+
 def _least_recompute(strategies: list[LayerStrategy], model: ModelSpec, cluster: ClusterSpec, pp: int, schedule: str,
-                     m: int, seq_len: int, global_batch: int, cost: CostModel, v: int = 1) -> list[Candidate]:
+                     m: int, seq_len: int, global_batch: int, cost: CostModel, v: int = 1,
+                     overlap: Overlap = FASTEST) -> list[Candidate]:
     """Uniform plans of ``strategies`` (least recomputation first) up to the first that fits:
     recomputing more only adds backward time to the same layout, so the rest cannot be faster."""
     out = []
     for s in strategies:
-        out.append(uniform_plan(model, cluster, s, pp, schedule, m, seq_len, global_batch, cost, v))
+        out.append(uniform_plan(model, cluster, s, pp, schedule, m, seq_len, global_batch, cost, v, overlap))
         if out[-1].evaluation.fits:
             break
     return out
@@ -116,7 +124,8 @@ def zero3_ulysses(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_b
             strategies = [LayerStrategy(tp=1, cp=cp, cp_kind=CPKind.ULYSSES if cp > 1 else CPKind.NONE, dp=dp,
                                         zero=3 if dp * cp > 1 else 0, recompute=ac) for ac in (False, True)]
             allowed = [s for s in strategies if _allowed(s, space, model, cluster, world, global_batch // m)]
-            cands.extend(_least_recompute(allowed, model, cluster, 1, "1f1b", m, seq_len, global_batch, cost))
+            cands.extend(_least_recompute(allowed, model, cluster, 1, "1f1b", m, seq_len, global_batch, cost,
+                                          overlap=_overlap(space)))
     return _best(cands)
 
 
