@@ -73,8 +73,8 @@ def main() -> None:
         results[label] = (cluster, *errors(rows))
     after = os.getloadavg()[0]
     columns = ["plan's cluster", "measured step s", "predicted step s", "median abs error", f"<= {TARGET:.0%}"]
-    table = [[c, f"{m:.3f}", f"{p:.4f}", f"{e:.1%}", "PASS" if e <= TARGET else "FAIL"]
-             for c, m, p, e in results.values()]
+    table = [[c, f"{m:.3f}", f"{p:.4f}", f"{e:.1%}", ("PASS" if e <= TARGET else "FAIL") if label == "local" else "-"]
+             for label, (c, m, p, e) in results.items()]  # the target is the local device's; the preset shows the gap
     from bench._results import markdown_table, record
 
     md = [f"`tiny` (fp32) on 2 processes of this machine (2 cores, gloo, OMP_NUM_THREADS=1), {args.steps} steps of "
