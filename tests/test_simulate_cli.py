@@ -85,3 +85,20 @@ def test_slow_device_lowers_throughput(capsys):
 def test_bad_flags_exit_2_with_a_message(capsys, extra, needle):
     assert main(BASE + ["--policies", "hdp"] + extra) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [
+    ["--model", "llama2-70b", "--cluster", "4x8xA100-80GB", "--seq-len", "4096", "--global-batch", "64"],  # pp 4
+    ["--model", "llama3-8b", "--cluster", "2x8xH100", "--seq-len", "65536", "--global-batch", "32"],  # Ulysses 2
+])
+def test_simulate_plan_fed_its_own_length_reproduces_the_predicted_step(tmp_path, capsys, flags):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", *flags, "--top", "1", "--out", str(plan), "--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["best"]["step_time_s"]
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text(flags[flags.index("--seq-len") + 1] + "\n")
+    assert main(["simulate", "--plan", str(plan), "--lengths", str(lengths), "--steps", "1", "--policies", "hdp",
+                 "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)["setup"]["plan_step"]
+    assert own["predicted_step_s"] == pytest.approx(predicted)
+    assert own["simulated_step_s"] == pytest.approx(predicted, rel=0.01)

@@ -205,7 +205,25 @@ def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a Gro
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task("scheduling and simulating", total=total)
             runs = run_policies(cfg, ctx, speeds, batches, on_step=lambda: bar.advance(task))
-    return summarise(cfg, ctx, batches, runs, plots_dir=args.plots)
+    sim = summarise(cfg, ctx, batches, runs, plots_dir=args.plots)
+    if getattr(args, "plan", None):
+        sim.setup["plan_step"] = _plan_step(args, cfg, ctx, speeds, batches)
+    return sim
+
+
+def _plan_step(args: argparse.Namespace, cfg: SimulationConfig, ctx: ScheduleContext, speeds: np.ndarray,
+               batches: list[np.ndarray]) -> dict:
+    """The plan's own layout as it trains by default (``fixed`` packing at the plan's context-parallel
+    degree, where the baselines sweep every degree), beside the step the plan file predicts."""
+    from flexmesh.layout.plan import load_plan
+    from flexmesh.sim.compare import run_policy
+
+    plan = load_plan(args.plan)
+    cp = plan.layer_strategies()[0].cp
+    own = run_policy("fixed", batches, ctx, options={"cp": cp, "context": cfg.context}, seed=cfg.seed,
+                     virtual_stages=cfg.virtual_stages, speed=speeds)
+    return {"cp": cp, "simulated_step_s": own.mean_step_time,
+            "predicted_step_s": plan.predicted.get("step_time_s") if plan.predicted else None}
 
 
 def print_table(sim: Simulation, console: Console) -> None:
@@ -220,6 +238,12 @@ def print_table(sim: Simulation, console: Console) -> None:
         table.add_row(*comparison_row(r), *(static_cells(r) if note else ()))
     print_fitted(console, table)
     console.print(sim.reference(), highlight=False)
+    own = sim.setup.get("plan_step")
+    if own:
+        predicted = own["predicted_step_s"]
+        console.print(f"the plan's own layout (fixed, cp={own['cp']}): {own['simulated_step_s']:.3f} s per step"
+                      + (f"; the plan file predicts {predicted:.3f} s at its --seq-len" if predicted else ""),
+                      highlight=False)
     if note:
         console.print(note, highlight=False)
     for label, files in sim.plots.items():
