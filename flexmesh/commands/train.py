@@ -57,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
         from flexmesh.runtime.device import check_launch
 
         check_launch(args.device, args.nproc)  # more processes than GPUs: one line, before anything starts
+        if args.nnodes is None:  # the plan's predicted memory against this node's, before any rank allocates
+            from flexmesh.layout.plan import load_plan
+            from flexmesh.runtime.device import check_memory
+
+            check_memory(predicted_peak(load_plan(args.plan)), args.device, args.nproc)
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
@@ -138,6 +143,13 @@ def _run_folder(args: argparse.Namespace) -> Iterator[None]:
         yield
     finally:
         release_run_folder(args.out)
+
+
+def predicted_peak(plan) -> float | None:
+    """The largest per-rank peak (GiB) the plan file predicts, None when it records none."""
+    peaks = plan.predicted.get("peak_memory_gib") if isinstance(plan.predicted, dict) else None
+    numbers = [x for x in peaks if isinstance(x, int | float)] if isinstance(peaks, list) else []
+    return max(numbers) if numbers else None
 
 
 def check_world(args: argparse.Namespace, plan) -> None:
@@ -256,6 +268,10 @@ def _train(args: argparse.Namespace) -> int:
     schedule_fn = _scheduler(args, plan, spec, policy)
     fallback_fn = _scheduler(args, plan, spec, args.fallback_policy) if args.adaptive else schedule_fn
     check_world(args, plan)
+    if not os.environ.get(SUPERVISED_ENV):  # under flexmesh's launcher it checked, once, for the whole node
+        from flexmesh.runtime.device import check_memory
+
+        check_memory(predicted_peak(plan), args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     emulated = check_emulation(plan, args.emulate_speed)
     if os.environ.get("RANK", "0") == "0":
         from flexmesh.plan.check import overlap_warnings

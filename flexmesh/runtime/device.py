@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from flexmesh.errors import PlanError
 
@@ -104,3 +105,36 @@ def device_name(choice: DeviceChoice) -> str:
 
         return torch.cuda.get_device_name(choice.index)
     return f"CPU ({os.cpu_count()} cores)"
+
+
+def check_memory(predicted_gib: float | None, requested: str, local_world: int) -> None:
+    """Refuse, before anything is allocated, a plan whose predicted peak per rank (``predicted_gib``, from
+    the plan file; None: a plan without a prediction, not checked) cannot fit this node: on GPUs one
+    rank per GPU against the GPU's memory, on the CPU ``local_world`` ranks against the machine's RAM
+    (MemTotal, the same figure on every rank, so every rank decides alike)."""
+    if not predicted_gib:
+        return
+    choice = choose_device(requested, 0, local_world, 0 if requested == "cpu" else visible_gpus())
+    if choice.type == "cuda":
+        import torch
+
+        have = torch.cuda.get_device_properties(0).total_memory / 2**30
+        need, where = predicted_gib, f"{device_name(choice)} has {have:.1f} GiB"
+    else:
+        have = _ram_gib()
+        need, where = predicted_gib * local_world, f"{local_world} rank(s) on this machine's {have:.1f} GiB of RAM"
+    if have and need > have:
+        raise PlanError(f"the plan predicts a peak of {predicted_gib:.1f} GiB per rank, {need:.1f} GiB here, but "
+                        f"{where}: plan for this machine (flexmesh plan --cluster NxLOCAL, or a smaller --seq-len, "
+                        "--global-batch or model)")
+
+
+def _ram_gib() -> float:
+    """This machine's RAM in GiB (Linux /proc/meminfo; 0 where it cannot be read: not checked)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
