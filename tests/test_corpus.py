@@ -218,3 +218,16 @@ def test_cache_location_default(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     assert cache_root() == Path(os.path.expanduser("~")) / ".cache" / "flexmesh"
     assert cache_root(tmp_path / "x") == tmp_path / "x"
+
+
+def test_an_edit_in_place_that_keeps_size_and_time_changes_the_fingerprint(tmp_path) -> None:
+    import os
+
+    doc = tmp_path / "a.txt"
+    doc.write_text("hello world")
+    before = read_corpus(tmp_path).fingerprint()
+    st = doc.stat()
+    doc.write_text("HELLO WORLD")  # same size
+    os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns))  # same modification time
+    assert doc.stat().st_size == st.st_size and doc.stat().st_mtime_ns == st.st_mtime_ns
+    assert read_corpus(tmp_path).fingerprint() != before

@@ -37,15 +37,19 @@ class Corpus:
     text_field: str = "text"
 
     def fingerprint(self) -> str:
-        """Hash of the file list, sizes and modification times: changes whenever the corpus may have.
+        """Hash of the file names and contents: a cache keyed by it never serves stale tokens, even
+        after an edit in place that keeps a file's size and modification time.
 
-        Cheap (no file is read), so caches can be looked up before any tokenisation.
+        It reads every byte once (SHA-256 at several hundred MB/s: a fraction of a second for the
+        standard library's sources), still far cheaper than tokenising.
         """
         h = hashlib.sha256(f"{self.kind}:{self.text_field}".encode())
         for f in self.files:
-            st = f.stat()
             name = f.relative_to(self.root) if self.kind == "dir" else f.name
-            h.update(f"\0{name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+            h.update(f"\0{name}\0".encode())
+            with f.open("rb") as fh:
+                for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                    h.update(chunk)
         return h.hexdigest()[:16]
 
     def documents(self) -> Iterator[str]:

@@ -2,7 +2,7 @@
 
 Both go through the Hugging Face ``tokenizers`` library; nothing here touches the network. A
 trained tokenizer is cached as ``<cache>/tokenizers/bpe-<key>.json`` where the key hashes the
-corpus fingerprint (file list, sizes, mtimes) and the training settings, so a second run with the
+corpus fingerprint (file names and contents) and the training settings, so a second run with the
 same corpus reuses it and an edited corpus retrains.
 """
 
