@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (training stops on its own: `flexmesh train`)
         Console(stderr=True).print("interrupted", highlight=False)
         return 130
+    except OSError as e:  # a path the user named that cannot be read or written: one line, not a traceback
+        where = f" ({e.filename})" if e.filename else ""
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e.strerror or e))}"
+                                                   f"{escape(where)}; check the path and its permissions",
+                                                   highlight=False)
+        return 2
     except FlexmeshError as e:
         # escaped: messages quote paths and torch errors with [brackets] that rich reads as markup
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)

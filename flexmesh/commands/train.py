@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         from flexmesh.runtime.device import check_launch
 
         check_launch(args.device, args.nproc)  # more processes than GPUs: one line, before anything starts
+        from flexmesh.data.cache import usable_cache
+
+        usable_cache(args.cache_dir)  # once here, not a traceback from every rank
         if args.nnodes is None:  # the plan's predicted memory against this node's, before any rank allocates
             from flexmesh.layout.plan import load_plan
             from flexmesh.runtime.device import check_memory
@@ -163,10 +166,12 @@ def check_world(args: argparse.Namespace, plan) -> None:
 
 def document_loader(args: argparse.Namespace, spec, plan):
     """The run's seeded loader over ``--corpus`` under ``--tokenizer`` (trained when not given)."""
+    from flexmesh.data.cache import usable_cache
     from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
 
+    usable_cache(args.cache_dir)
     corpus = stdlib_corpus() if args.corpus == "stdlib" else args.corpus
     corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:

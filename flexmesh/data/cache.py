@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from flexmesh.errors import DataError
+
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     """The cache folder: ``cache_dir``, else ``$FLEXMESH_CACHE``, else ``~/.cache/flexmesh``."""
@@ -25,6 +27,21 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get("FLEXMESH_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "flexmesh"
+
+
+def usable_cache(cache_dir: str | Path | None = None) -> Path:
+    """The cache folder (:func:`cache_root`), made if missing; DataError when it cannot hold files
+    (a path through a file or a read-only place, a full disk), naming it and what to pass instead."""
+    root = cache_root(cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise DataError(f"the cache folder {root} cannot hold files ({e.strerror or e}); pass --cache-dir DIR or "
+                        "set FLEXMESH_CACHE to a writable folder") from None
+    return root
 
 
 def cache_key(*parts: object) -> str:
