@@ -257,3 +257,18 @@ def test_a_plan_of_two_groups_is_priced_as_it_runs_and_may_migrate(tmp_path, mon
     # a decision on prices, not a failure to price (which declines naming the error)
     assert event.get("reason") in (None, "no predicted gain", "too few remaining steps"), event
     assert (event["event"] == "migrated") == ("reason" not in event), event
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"plan": "missing.json", "checkpoint": "step_000004"}',
+                                     '{"plan": "PLAN", "checkpoint": "../../elsewhere"}'])
+def test_a_malformed_migration_request_is_one_line(tmp_path, content):
+    from flexmesh.commands.migrate import MIGRATION_FILE, take_request
+    from flexmesh.errors import PlanError
+
+    (tmp_path / "plan.json").write_text("{}")
+    (tmp_path / MIGRATION_FILE).write_text(content.replace("PLAN", str(tmp_path / "plan.json")))
+    with pytest.raises(PlanError, match="is not a migration request this run wrote"):
+        take_request(tmp_path)
+    good = {"plan": str(tmp_path / "plan.json"), "checkpoint": "step_000004"}
+    (tmp_path / MIGRATION_FILE).write_text(json.dumps(good))
+    assert take_request(tmp_path) == good and not (tmp_path / MIGRATION_FILE).exists()

@@ -37,7 +37,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from flexmesh.errors import FlexmeshError
+from flexmesh.errors import FlexmeshError, PlanError
 from flexmesh.files import write_atomic
 from flexmesh.layout.mesh import replica_groups
 from flexmesh.layout.plan import Plan
@@ -166,7 +166,15 @@ def take_request(out: str | Path) -> dict | None:
     path = Path(out) / MIGRATION_FILE
     if not path.is_file():
         return None
-    request = json.loads(path.read_text())
+    try:
+        request = json.loads(path.read_text())
+        ok = isinstance(request, dict) and all(isinstance(request.get(k), str) for k in ("plan", "checkpoint"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        ok = False
+    step = request["checkpoint"].removeprefix("step_") if ok else ""
+    if not ok or not Path(request["plan"]).is_file() or not (step.isdigit() and step.isascii()):
+        raise PlanError(f"{path} is not a migration request this run wrote (a JSON object naming an existing plan "
+                        "file and a checkpoint step folder); delete it and run the same command again to resume")
     path.unlink()
     return request
 

@@ -48,7 +48,7 @@ class Corpus:
             name = f.relative_to(self.root) if self.kind == "dir" else f.name
             h.update(f"\0{name}\0".encode())
             with f.open("rb") as fh:
-                for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                while chunk := fh.read(1 << 20):
                     h.update(chunk)
         return h.hexdigest()[:16]
 
