@@ -167,3 +167,36 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("flexmesh ")
+
+
+@pytest.mark.timeout(300)
+def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_saved(tmp_path, capsys, monkeypatch,
+                                                                    single_process_env):
+    import dataclasses
+
+    from flexmesh.commands.demo import training_plan_file
+    from flexmesh.profile import CollectiveFit, HardwareProfile
+    from flexmesh.runtime.trainer import Trainer
+
+    hw = tmp_path / "hardware.json"
+    HardwareProfile(device={"type": "cpu", "name": "test cpu", "nodes": 1, "devices_per_node": 1,
+                            "memory_bytes": 8 * 2**30}, dtype="fp32", matmul_flops_per_s={"fp32": 4e10},
+                    memory_bytes_per_s=8e9, attention={"fp32": {"flops_per_s": 1e10}},
+                    collectives=[CollectiveFit("send_recv", 2, "intra", 4e-5, 5e-10)]).save(hw)
+    plan = training_plan_file(tmp_path, hw, nproc=1, max_len=64, global_batch=2)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (5 + 7 * i)}) + "\n" for i in range(8)))
+    step = Trainer.step
+
+    def diverging(self, *a, **kw):  # the third step's loss overflows, as a too-high learning rate makes it
+        m = step(self, *a, **kw)
+        return dataclasses.replace(m, loss=float("nan")) if m.step == 3 else m
+
+    monkeypatch.setattr(Trainer, "step", diverging)
+    out = tmp_path / "run"
+    rc = main(["train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "5", "--out", str(out),
+               "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--checkpoint-every", "1"])
+    said = " ".join(capsys.readouterr().err.split())
+    assert rc == 1 and "step 3: the loss is nan, so the run stopped before saving it" in said, said
+    assert f"{out / 'checkpoints' / 'step_000002'} is intact" in said and "lower --lr" in said
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]

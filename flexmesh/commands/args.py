@@ -41,7 +41,7 @@ def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _float(minimum: float, strict: bool) -> Callable[[str], float]:
+def _float(minimum: float, strict: bool, maximum: float | None = None) -> Callable[[str], float]:
     rel = ">" if strict else ">="
 
     def parse(text: str) -> float:
@@ -51,6 +51,8 @@ def _float(minimum: float, strict: bool) -> Callable[[str], float]:
             value = math.nan
         if not math.isfinite(value) or not (value > minimum if strict else value >= minimum):
             raise argparse.ArgumentTypeError(f"must be a finite number {rel} {minimum:g}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text!r}")
         return value
 
     parse.__name__ = f"number {rel} {minimum:g}"
@@ -66,6 +68,8 @@ seq_len = _int(1, MAX_SEQ_LEN)
 steps = _int(1, MAX_STEPS)
 positive_float = _float(0.0, strict=True)
 nonneg_float = _float(0.0, strict=False)
+learning_rate = _float(0.0, strict=True, maximum=1.0)  # no published LLM recipe comes near 1
+seconds = _float(0.0, strict=True, maximum=7 * 86400.0)  # a week: past it, a timeout is never
 
 
 def fraction(text: str) -> float:

@@ -21,6 +21,7 @@ from flexmesh.commands.train_args import add_arguments
 from flexmesh.errors import PlanError
 from flexmesh.runtime.launch import (
     RESUME_ENV,
+    STATUS_ENV,
     SUPERVISED_ENV,
     Rendezvous,
     parse_rendezvous,
@@ -197,15 +198,16 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
 def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:
     """Train on every rank (flexmesh.runtime.loop.fit) and say on rank 0 how it ended: the last step
     (``what`` follows its tokens/s), a hand-over to a migration (exit 0), a preemption or a Ctrl-C
-    (one line: what was saved and how to resume; exit 128 + the signal, or 0 under flexmesh's own
-    launcher, which returns that code itself and keeps torchrun from restarting the ranks)."""
+    or a loss that is not finite (one line: what was saved and how to resume; exit 128 + the signal, or 1;
+    under flexmesh's own launcher the ranks exit 0, so torchrun neither restarts them nor reports a
+    failure, and rank 0 leaves the code for the launcher to return)."""
     import signal
     import threading
 
     import torch.distributed as dist
     from rich.console import Console
 
-    from flexmesh.runtime.loop import Interrupted, Migrating, Preempted, fit
+    from flexmesh.runtime.loop import Diverged, Interrupted, Migrating, Preempted, fit
 
     try:
         try:
@@ -221,13 +223,15 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
                                        highlight=False)
         dist.barrier()
         return 0
-    except (Preempted, Interrupted) as e:
+    except (Preempted, Interrupted, Diverged) as e:
+        code = {Preempted: 128 + signal.SIGTERM, Interrupted: 128 + signal.SIGINT, Diverged: 1}[type(e)]
         if dist.get_rank() == 0:
             line = e.notice() if isinstance(e, Preempted) else e.notice(resume_command())
             Console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
+            if os.environ.get(STATUS_ENV):
+                Path(os.environ[STATUS_ENV]).write_text(f"{code}\n")
         dist.barrier()
-        signum = signal.SIGTERM if isinstance(e, Preempted) else signal.SIGINT
-        return 0 if os.environ.get(SUPERVISED_ENV) else 128 + signum
+        return 0 if os.environ.get(SUPERVISED_ENV) else code
     if dist.get_rank() == 0 and history:
         last = history[-1]
         Console(soft_wrap=True).print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s"

@@ -7,12 +7,14 @@ import argparse
 from flexmesh.commands.args import (
     folder,
     fraction,
+    learning_rate,
     nonneg_float,
     nonneg_int,
     old_names,
     positive_float,
     positive_int,
     rank_factors,
+    seconds,
     seq_len,
     sequences,
 )
@@ -54,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=seq_len,
                    help="the longest sequence, in tokens; longer documents are truncated to it (default: the plan's)")
     old_names(p, "--max-len", dest="seq_len", type=seq_len)
-    p.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate (default 3e-4)")
+    p.add_argument("--lr", type=learning_rate, default=3e-4, help="peak learning rate (default 3e-4)")
     p.add_argument("--warmup", type=nonneg_int, default=0, help="linear warmup steps (default 0)")
     p.add_argument("--min-lr-ratio", type=fraction, default=0.1,
                    help="cosine floor as a fraction of --lr (default 0.1)")
@@ -75,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start over instead of resuming; refused when --out holds a run, unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds a run: move its contents into --out/previous-<time>/")
-    p.add_argument("--collective-timeout", type=positive_float, default=600.0, metavar="SECONDS",
+    p.add_argument("--collective-timeout", type=seconds, default=600.0, metavar="SECONDS",
                    help="how long a collective waits for a stopped, hung or dead rank before the run fails "
                         "naming it (default 600)")
     p.add_argument("--cache-dir", help="where tokenizers and token stores are cached")

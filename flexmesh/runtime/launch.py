@@ -22,10 +22,12 @@ exits quietly; the launcher waits for torchrun, kills whatever it left behind an
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Sequence
@@ -41,6 +43,7 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAS
                     "TORCHELASTIC_RESTART_COUNT")
 SUPERVISED_ENV = "FLEXMESH_SUPERVISED"  # set for ranks whose launcher stops them itself (run_supervised)
 RESUME_ENV = "FLEXMESH_RESUME_COMMAND"  # the command line that resumes the run, for the ranks' last word
+STATUS_ENV = "FLEXMESH_EXIT_STATUS"  # a file where rank 0 leaves the exit code of a run its ranks end cleanly
 
 
 def free_port() -> int:
@@ -54,7 +57,8 @@ def child_env() -> dict[str, str]:
     """This process's environment for a child that launches its own ranks (torchrun, ``flexmesh train
     --nproc``): without the rank variables of a launch this process may be part of, and with one
     intra-op thread per process unless the caller chose otherwise."""
-    env = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARIABLES, SUPERVISED_ENV, RESUME_ENV)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*LAUNCH_VARIABLES, SUPERVISED_ENV, RESUME_ENV, STATUS_ENV)}
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -248,13 +252,16 @@ def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) ->
     SIGINT and SIGTERM sent to this process go straight to the ranks (torchrun's children that
     carry ``LOCAL_RANK``), which stop at their next step boundary (flexmesh.runtime.loop.fit) and
     exit 0, so torchrun neither restarts them nor prints its failure report; this process then
-    returns 128 + the signal. A second SIGINT kills everything outright; SIGHUP, or a signal before
-    the ranks exist, goes to torchrun. The child runs in its own process group (a terminal's Ctrl-C
-    reaches only this process, once). On Linux this process adopts orphaned descendants (a child
-    subreaper), so ranks that outlive torchrun are killed before it returns.
+    returns the code rank 0 left in the file named by ``STATUS_ENV`` (a run that ended early:
+    128 + the signal, or a loss that diverged), else 128 + the signal. A second SIGINT kills
+    everything outright; SIGHUP, or a signal before the ranks exist, goes to torchrun. The child
+    runs in its own process group (a terminal's Ctrl-C reaches only this process, once). On Linux
+    this process adopts orphaned descendants (a child subreaper), so ranks that outlive torchrun are
+    killed before it returns.
     """
     adopts = _become_subreaper()
-    env = {**(env if env is not None else os.environ), SUPERVISED_ENV: "1"}
+    status = Path(tempfile.mkdtemp(prefix="flexmesh-")) / "status"
+    env = {**(env if env is not None else os.environ), SUPERVISED_ENV: "1", STATUS_ENV: str(status)}
     proc = subprocess.Popen(list(command), env=env, start_new_session=True)
     seen: list[int] = []
 
@@ -277,8 +284,12 @@ def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) ->
     previous = {s: signal.signal(s, forward) for s in FORWARDED} if main else {}
     try:
         code = proc.wait()
+        left = status.read_text().strip() if status.is_file() else ""
+        if code == 0 and left.isdigit():  # the ranks ended the run cleanly, rank 0 said how
+            return int(left)
         return 128 + seen[0] if seen and code == 0 else code
     finally:
+        shutil.rmtree(status.parent, ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         if proc.poll() is None:  # this process is being torn down by an exception: take the child along

@@ -5,6 +5,7 @@ checkpointing on the way (see :func:`fit`).
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -129,6 +130,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                     f.write(json.dumps(m.to_dict()) + "\n")
             if progress is not None:
                 progress.update(m)
+            if not math.isfinite(m.loss):  # the same on every rank (the loss is reduced): stop before saving it
+                raise Diverged(m.step, m.loss, latest_checkpoint(ckpt_root) if ckpt_root is not None else None)
             if rank0:
                 for line in event_lines(m, late):
                     _say(progress, line)
@@ -202,6 +205,20 @@ class Interrupted(Exception):
         if self.checkpoint is None:
             return f"interrupted after step {self.step}; no checkpoint yet, so a resume starts over: {resume}"
         return f"interrupted after step {self.step}; resume from {self.checkpoint}: {resume}"
+
+
+class Diverged(Exception):
+    """Step ``step``'s loss was not finite; the run stopped before writing any checkpoint of it
+    (``checkpoint``: the newest on disk, None when there is none)."""
+
+    def __init__(self, step: int, loss: float, checkpoint: Path | None) -> None:
+        super().__init__(f"loss {loss} at step {step}")
+        self.step, self.loss, self.checkpoint = step, loss, checkpoint
+
+    def notice(self, resume: str) -> str:
+        kept = f"{self.checkpoint} is intact" if self.checkpoint else "no checkpoint was written"
+        return (f"step {self.step}: the loss is {self.loss}, so the run stopped before saving it; {kept}; lower --lr "
+                f"or raise --warmup, then: {resume}")
 
 
 class Preempted(Exception):
