@@ -11,6 +11,7 @@ Also: the config writer's round trip, shard sizes and the index, bf16, and the e
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -197,6 +198,34 @@ def test_bf16_export_and_errors(runs, tmp_path):
     (older / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecError, match="does not record its model; pass --model"):
         checkpoint_spec(older)
+    # export checks what resume checks: a flipped bit in a shard, and a planted pickle in DCP's metadata
+    # (its manifest rewritten to match) are refused before anything is read or run
+    flipped = tmp_path / "flipped" / "step_000002"
+    shutil.copytree(step, flipped)
+    shard = sorted(flipped.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard.name} does not match its sha256"):
+        export_checkpoint(flipped, tmp_path / "x", spec)
+    planted = tmp_path / "planted" / "step_000002"
+    shutil.copytree(step, planted)
+    ran = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {ran}",))
+
+    import hashlib
+    import pickle
+
+    (planted / ".metadata").write_bytes(pickle.dumps(Payload()))
+    manifest = json.loads((planted / "manifest.json").read_text())
+    manifest["sha256"][".metadata"] = hashlib.sha256((planted / ".metadata").read_bytes()).hexdigest()
+    (planted / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="which a DCP checkpoint never holds"):
+        export_checkpoint(planted, tmp_path / "x", spec)
+    assert not ran.exists()
     assert not (tmp_path / "x").exists()
 
 

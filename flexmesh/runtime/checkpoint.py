@@ -16,9 +16,11 @@ point leaves either the previous checkpoint or a ``.tmp-*`` folder that is never
 fails while saving (a full disk above all) makes every rank raise the same CheckpointError, after
 the ``.tmp-*`` folder is removed, instead of leaving the others waiting at a barrier.
 
-Trust: resume reads the rank files with ``weights_only=True`` and checks every file against the
-manifest's sha256, but DCP's ``.metadata`` is a pickle and the manifest can be rewritten with the
-files: resume only folders you trust (docs/failures.md).
+Trust: resume and export (:func:`verify_checkpoint`) check every file against the manifest's sha256,
+read the rank files with ``weights_only=True`` and DCP's ``.metadata`` pickle with only DCP's own
+classes allowed, so a planted pickle is refused before anything runs. The manifest can still be
+rewritten together with the files it hashes: the checks find corruption and planted code, not a
+checkpoint replaced whole (docs/failures.md).
 
 Exact resume restores model, optimizer (AdamW moments and step), LR scheduler, RNG states and the
 data loader's position. Resuming needs the same plan (same hash): the per-rank files follow ranks.
@@ -38,7 +40,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -247,6 +249,10 @@ def _checksums(folder: Path, names: list[str] | None = None) -> dict[str, str]:
     Rank 0 lists the folder and broadcasts the names, so every rank agrees on the shares; all ranks
     call it and get the whole table.
     """
+    if not dist.is_initialized():  # one process (flexmesh export): hash everything here
+        names = names if names is not None else sorted(p.name for p in folder.iterdir()
+                                                       if p.is_file() and p.name != MANIFEST)
+        return {n: _sha256(folder / n) if (folder / n).is_file() else "missing" for n in names}
     if names is None and dist.get_rank() == 0:
         names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
     box = [names if dist.get_rank() == 0 else None]
@@ -320,7 +326,7 @@ def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if not rank_file.is_file():
         raise CheckpointError(f"checkpoint {path} lacks {rank_file.name}; it is incomplete: resume from an earlier one")
-    _verify(path, manifest)
+    verify_checkpoint(path, manifest)
     model_sd, optim_sd = _state_dicts(trainer, saving=False)
     state = {"model": model_sd, "optim": optim_sd}
     error: BaseException | None = None
@@ -341,6 +347,47 @@ def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
     trainer.step_index = int(extra["step_index"])
     _set_rng_state(extra["rng"])
     return extra["loader"]
+
+
+def verify_checkpoint(path: Path, manifest: dict) -> Any:
+    """Every check a reader of checkpoint ``path`` needs before reading it (resume and export alike):
+    each file against the manifest's sha256 (:func:`_verify`), and DCP's ``.metadata`` read without
+    running code (:func:`read_metadata`); returns that metadata."""
+    _verify(path, manifest)
+    return read_metadata(path)
+
+
+# What DCP's .metadata pickle may name (torch 2.x writes these and nothing else): anything else means
+# the file was made to run code when unpickled.
+_METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
+                     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's ``.metadata`` of checkpoint ``path``, unpickled with only the classes DCP writes allowed
+    (torch dtypes, sizes and layouts, DCP's metadata dataclasses); CheckpointError for anything else."""
+    import pickle
+
+    import torch
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            allowed = ((module, name) in _METADATA_GLOBALS or module in _METADATA_MODULES
+                       or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+            if not allowed:
+                raise pickle.UnpicklingError(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    try:
+        with open(path / ".metadata", "rb") as f:
+            return Restricted(f).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint {path}: .metadata names {e}, which a DCP checkpoint never holds (a pickle "
+                              "made to run code?); delete the checkpoint, do not load it") from None
+    except Exception as e:  # truncated or foreign files raise EOF, OS or attribute errors
+        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({type(e).__name__}: {e}); it is corrupt: "
+                              "delete it or use an earlier checkpoint") from None
 
 
 def _verify(path: Path, manifest: dict) -> None:

@@ -36,7 +36,7 @@ import torch
 from flexmesh.errors import CheckpointError, SpecError
 from flexmesh.files import write_atomic, write_atomic_with
 from flexmesh.layout.plan import load_plan
-from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash
+from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash, verify_checkpoint
 from flexmesh.runtime.weights import canonical_name, hf_name
 from flexmesh.spec.hf import hf_family, to_hf_config
 from flexmesh.spec.model import ModelSpec, parse_model
@@ -129,14 +129,9 @@ def checkpoint_spec(checkpoint: str | Path, model: str | None = None, plan: str 
 
 def _model_keys(path: Path) -> dict[str, tuple[str, Any]]:
     """flexmesh fqn -> (DCP key, tensor metadata) of every model tensor of checkpoint ``path``."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a truncated or foreign .metadata raises pickle or OS errors
-        raise CheckpointError(f"checkpoint {path}: .metadata cannot be read ({type(e).__name__}: {e}); it is "
-                              "corrupt: export an earlier checkpoint") from e
+    metadata = verify_checkpoint(path, _manifest(path))  # hashes, and the metadata read without running code
     out: dict[str, tuple[str, Any]] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if not key.startswith("model.") or not isinstance(meta, TensorStorageMetadata):
