@@ -200,3 +200,18 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_saved(tmp_path, ca
     assert rc == 1 and "step 3: the loss is nan, so the run stopped before saving it" in said, said
     assert f"{out / 'checkpoints' / 'step_000002'} is intact" in said and "lower --lr" in said
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+
+
+@pytest.mark.parametrize("stray", [{"RANK": "0"}, {"RANK": "0", "WORLD_SIZE": "1"},
+                                   {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "x"}])
+def test_stray_launch_variables_are_one_line(tmp_path, capsys, monkeypatch, single_process_env, stray):
+    from flexmesh.report.demo import training_plan
+
+    plan = tmp_path / "plan.json"
+    training_plan(1, 64, 2).save(plan)
+    for k, v in stray.items():
+        monkeypatch.setenv(k, v)
+    rc = main(["train", "--plan", str(plan), "--corpus", str(tmp_path), "--max-steps", "1", "--out",
+               str(tmp_path / "run")])
+    said = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "a process torchrun did not start, with variables left from another launch?" in said, said

@@ -24,9 +24,9 @@ from flexmesh.runtime.launch import (
     STATUS_ENV,
     SUPERVISED_ENV,
     Rendezvous,
+    launch_env,
     parse_rendezvous,
     relaunch_flexmesh,
-    single_process_env,
     without_flags,
 )
 from flexmesh.runtime.rundir import HELD_ENV, hold_run_folder, release_run_folder, restart_count, start_over
@@ -80,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
                         "--max-restarts, --nnodes and --rdzv-* flags)")
     if restart_count() > 0:  # torchrun restarted this group: the same run, so it resumes whatever was asked
         args.no_resume = args.overwrite = False
-    if "RANK" not in os.environ:  # a plain single process: make it a world of one
-        os.environ.update(single_process_env())
+    os.environ.update(launch_env())  # a plain single process: a world of one; stray variables: one line
     try:
         if os.environ.get("RANK") != "0":
             return _train(args)

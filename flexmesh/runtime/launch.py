@@ -77,6 +77,30 @@ def single_process_env(port: int | None = None) -> dict[str, str]:
             "MASTER_PORT": str(port if port is not None else free_port())}
 
 
+def launch_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables to add so this process can join its world: none under a complete launch
+    (torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), a world of one when none of them is
+    set; PlanError for a partial or malformed set (stray variables left from another launch).
+
+    >>> launch_env({})["WORLD_SIZE"], launch_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h",
+    ...                                          "MASTER_PORT": "29500"})
+    ('1', {})
+    """
+    env = dict(os.environ) if env is None else env
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    given = [k for k in needed if k in env]
+    if not given:
+        return single_process_env()
+    missing = [k for k in needed if k not in env]
+    bad = [k for k in ("RANK", "WORLD_SIZE", "MASTER_PORT") if k in env and not env[k].strip().isdigit()]
+    if missing or bad:
+        what = f"sets {', '.join(given)} but not {', '.join(missing)}" if missing else \
+            f"sets {bad[0]}={env[bad[0]]!r}, not a whole number"
+        raise PlanError(f"the environment {what}: a process torchrun did not start, with variables left from "
+                        f"another launch? Unset {', '.join(given)}, or start it with torchrun or --nproc")
+    return {}
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """How the launchers of one run meet and recover: torchrun's elastic options.
