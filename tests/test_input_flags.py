@@ -98,10 +98,8 @@ def test_a_plan_whose_cluster_prices_nothing_says_what_to_pass(capsys, tmp_path,
     assert rc == 2 and "records cluster '1xcpu', which prices nothing" in err and "--hardware-profile" in err
 
 
-@pytest.mark.timeout(300)
-def test_demo_training_plan_trains_without_profiles(tmp_path):
-    from helpers import flexmesh
-
+def _profiled_plan(tmp_path):
+    """A one-rank plan of the demo's model priced by a made-up CPU hardware profile, and a small corpus."""
     from flexmesh.commands.demo import training_plan_file
     from flexmesh.profile import CollectiveFit, HardwareProfile
 
@@ -111,10 +109,17 @@ def test_demo_training_plan_trains_without_profiles(tmp_path):
                     memory_bytes_per_s=8e9, attention={"fp32": {"flops_per_s": 1e10}},
                     collectives=[CollectiveFit("send_recv", 2, "intra", 4e-5, 5e-10)]).save(hw)
     plan = training_plan_file(tmp_path, hw, nproc=1, max_len=64, global_batch=2)
-    assert json.loads(plan.read_text())["cluster"].endswith("cluster.json")
     corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (5 + 7 * i)}) + "\n"
-                              for i in range(8)))
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (5 + 7 * i)}) + "\n" for i in range(8)))
+    return plan, corpus
+
+
+@pytest.mark.timeout(300)
+def test_demo_training_plan_trains_without_profiles(tmp_path):
+    from helpers import flexmesh
+
+    plan, corpus = _profiled_plan(tmp_path)
+    assert json.loads(plan.read_text())["cluster"].endswith("cluster.json")
     out = tmp_path / "run"
     proc = flexmesh("train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out", str(out),
                     "--cache-dir", str(tmp_path / "cache"), "--no-progress")
@@ -174,18 +179,9 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_saved(tmp_path, ca
                                                                     single_process_env):
     import dataclasses
 
-    from flexmesh.commands.demo import training_plan_file
-    from flexmesh.profile import CollectiveFit, HardwareProfile
     from flexmesh.runtime.trainer import Trainer
 
-    hw = tmp_path / "hardware.json"
-    HardwareProfile(device={"type": "cpu", "name": "test cpu", "nodes": 1, "devices_per_node": 1,
-                            "memory_bytes": 8 * 2**30}, dtype="fp32", matmul_flops_per_s={"fp32": 4e10},
-                    memory_bytes_per_s=8e9, attention={"fp32": {"flops_per_s": 1e10}},
-                    collectives=[CollectiveFit("send_recv", 2, "intra", 4e-5, 5e-10)]).save(hw)
-    plan = training_plan_file(tmp_path, hw, nproc=1, max_len=64, global_batch=2)
-    corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (5 + 7 * i)}) + "\n" for i in range(8)))
+    plan, corpus = _profiled_plan(tmp_path)
     step = Trainer.step
 
     def diverging(self, *a, **kw):  # the third step's loss overflows, as a too-high learning rate makes it
