@@ -46,26 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.straggler_threshold < 1.0:
         raise PlanError(f"--straggler-threshold must be in (0, 1), got {args.straggler_threshold}")
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        if args.nproc < 1:
-            raise PlanError(f"--nproc must be at least 1, got {args.nproc}")
-        if args.migrate and args.nnodes is not None and args.nnodes.strip() not in ("1", "1:1"):
-            raise PlanError("--migrate runs on one node only (one launcher relaunches the run on the new plan); "
-                            "drop --migrate or --nnodes")
-        if args.nnodes is None:  # one node: the world is --nproc, so a wrong rank fails before launching
-            from flexmesh.runtime.stragglers import parse_emulation
-
-            parse_emulation(args.emulate_speed, args.nproc)
-        from flexmesh.runtime.device import check_launch
-
-        check_launch(args.device, args.nproc)  # more processes than GPUs: one line, before anything starts
-        from flexmesh.data.cache import usable_cache
-
-        usable_cache(args.cache_dir)  # once here, not a traceback from every rank
-        if args.nnodes is None:  # the plan's predicted memory against this node's, before any rank allocates
-            from flexmesh.layout.plan import load_plan
-            from flexmesh.runtime.device import check_memory
-
-            check_memory(predicted_peak(load_plan(args.plan)), args.device, args.nproc)
+        _preflight(args)
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
@@ -95,6 +76,28 @@ def run(args: argparse.Namespace) -> int:
         return 0 if os.environ.get(SUPERVISED_ENV) else 130
 
 
+def _preflight(args: argparse.Namespace) -> None:
+    """What the ``--nproc`` launcher refuses, in one line, before torchrun starts anything: flags that
+    do not go together, an emulated rank outside the run, more processes than GPUs, an unusable cache
+    folder, a plan file that cannot be read or whose predicted memory this node does not have."""
+    from flexmesh.data.cache import usable_cache
+    from flexmesh.layout.plan import load_plan
+    from flexmesh.runtime.device import check_launch, check_memory
+    from flexmesh.runtime.stragglers import parse_emulation
+
+    if args.nproc < 1:
+        raise PlanError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.migrate and args.nnodes is not None and args.nnodes.strip() not in ("1", "1:1"):
+        raise PlanError("--migrate runs on one node only (one launcher relaunches the run on the new plan); "
+                        "drop --migrate or --nnodes")
+    check_launch(args.device, args.nproc)
+    usable_cache(args.cache_dir)
+    plan = load_plan(args.plan)
+    if args.nnodes is None:  # one node: the world is --nproc
+        parse_emulation(args.emulate_speed, args.nproc)
+        check_memory(predicted_peak(plan), args.device, args.nproc)
+
+
 def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -> int:
     """Run ``argv`` under torchrun as this node's part of the run.
 
@@ -104,9 +107,6 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
     holds (nothing on the first, the last checkpoint after a restart). Launchers of other nodes
     leave ``--out`` to node 0's (it must be the same shared folder on every node).
     """
-    from flexmesh.layout.plan import load_plan
-
-    load_plan(args.plan)  # a plan file that cannot run fails here, once, before any rank starts
     import shlex
 
     argv = without_flags(argv, (), ("--no-resume", "--overwrite"))
