@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.straggler_threshold < 1.0:
         raise PlanError(f"--straggler-threshold must be in (0, 1), got {args.straggler_threshold}")
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        _preflight(args)
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
+        _preflight(args)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
         # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
         argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
@@ -90,11 +90,12 @@ def _preflight(args: argparse.Namespace) -> None:
     if args.migrate and args.nnodes is not None and args.nnodes.strip() not in ("1", "1:1"):
         raise PlanError("--migrate runs on one node only (one launcher relaunches the run on the new plan); "
                         "drop --migrate or --nnodes")
+    if args.nnodes is None:  # one node: the world is --nproc
+        parse_emulation(args.emulate_speed, args.nproc)
     check_launch(args.device, args.nproc)
     usable_cache(args.cache_dir)
     plan = load_plan(args.plan)
-    if args.nnodes is None:  # one node: the world is --nproc
-        parse_emulation(args.emulate_speed, args.nproc)
+    if args.nnodes is None:
         check_memory(predicted_peak(plan), args.device, args.nproc)
 
 
