@@ -8,9 +8,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # flexmesh's cache (token stores, tokenizers, this machine's kept profiles) in a folder of this test
 # session, inherited by every child process: tests never write into the user's ~/.cache/flexmesh.
 if "FLEXMESH_CACHE" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["FLEXMESH_CACHE"] = tempfile.mkdtemp(prefix="flexmesh-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["FLEXMESH_CACHE"], ignore_errors=True)
 
 # Test files import what they share from tests/helpers.py as `helpers`, whatever pytest's import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
