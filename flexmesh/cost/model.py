@@ -88,14 +88,12 @@ class CostModel:
 
     @property
     def source(self) -> str:
-        """``preset:<device>``, ``profile:<hardware profile>``, or with a model profile
-        ``profile:<hardware profile>+<model profile>`` (``preset:<device>+profile:<model profile>``)."""
+        """``preset:<dev>``, ``profile:<hw>``, ``profile:<hw>+<model>`` or ``preset:<dev>+profile:<model>``."""
         return self.timing.source(self.hw.source)
 
     @property
     def memory_budget(self) -> float:
-        """Bytes per device the cost model's estimates may fill: capacity less the CUDA context, over
-        ``1 + `` the allocator's fragmentation (:attr:`DeviceSpec.usable_memory_bytes`, the one formula)."""
+        """Bytes per device the estimates may fill (:attr:`DeviceSpec.usable_memory_bytes`, the one formula)."""
         return self.hw.memory_bytes
 
     # ---- building blocks ---------------------------------------------------------------------------
@@ -325,13 +323,11 @@ class CostModel:
                         microbatch_seqs: int, seq_len: int, overlap: Overlap = NO_OVERLAP, speed: float | None = None,
                         cross_sync=()) -> Evaluation:  # noqa: ANN001 - seconds per pipeline rank
         """Predict a step from per-chunk layer strategies (``pp * v`` chunks, Megatron's rank order)
-        under the ``overlap`` options (default :data:`NO_OVERLAP`; a plan carries its own), every device
-        computing at ``speed`` (default: the cluster's :attr:`~flexmesh.spec.cluster.ClusterSpec.pace`,
-        its slowest device's speed factor, which a layout over all of them waits for); a replica group
-        of a plan (flexmesh.cost.mixed) passes its own devices' and adds ``cross_sync`` seconds per
-        pipeline rank of once-per-step gradient sync with the other groups."""
-        if speed is None:
-            speed = self.cluster.pace
+        under ``overlap`` (default :data:`NO_OVERLAP`; a plan carries its own), every device at ``speed``
+        (default: the cluster's ``pace``, its slowest device's, which a layout over all of them waits
+        for); a replica group (flexmesh.cost.mixed) passes its devices' and adds ``cross_sync`` seconds
+        per pipeline rank of once-per-step gradient sync with the other groups."""
+        speed = self.cluster.pace if speed is None else speed
         chunks = list(stage_strategies)
         n = len(chunks)
         overlap = self.effective_overlap(overlap, m)
