@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -15,6 +16,7 @@ from flexmesh.cost import Evaluation
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
+from flexmesh.layout.plan_model import plan_model
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.plan.baselines import mixed_baselines
 from flexmesh.plan.check import check_groups, check_plan
@@ -23,9 +25,11 @@ from flexmesh.plan.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import parse_model
+from flexmesh.spec.model_file import ModelFile
 from flexmesh.units import GIB
 
 PROGRESS_AFTER_S = 1.0  # show a progress bar only for searches that take longer than this
+DEFAULT_MODEL = "llama3-8b"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,8 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="search the fastest parallel layout that fits, or --check a plan file",
         description="Search per-layer strategies, pipeline split, schedule and micro-batches; print the best plans.")
-    p.add_argument("--model", default="llama3-8b",
-                   help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path (default llama3-8b)")
+    p.add_argument("--model", help=f"preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path or a folder "
+                                   f"holding one (default {DEFAULT_MODEL}; with --check, the plan's model)")
     p.add_argument("--cluster", default=None, type=nonempty,
                    help="e.g. 8xH100, 8x8xA100-40GB, device groups joined by '+' (1x8xH100+2x8xA100-40GB: a "
                         "mixed cluster, planned as replica groups), or a JSON/TOML cluster file (default: the "
@@ -78,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         mixed = parse_mixed_cluster(args.cluster)
         if not mixed.uniform:  # several device groups, or devices of different speeds
             return run_mixed(args, mixed)
-    cost = cost_model_for(parse_model(args.model), args.cluster, args.hardware_profile, args.model_profile,
+    spec = (parse_model(args.model or DEFAULT_MODEL) if loaded is None
+            else plan_model(loaded, args.model, args.check, recheck=True))
+    cost = cost_model_for(spec, args.cluster, args.hardware_profile, args.model_profile,
                           default_cluster="8xH100")
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = Console()
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         plan = loaded
         ev = check_plan(plan, model, cluster, cost)
         if args.out:
-            plan.save(args.out)  # in today's version: --check old.json --out new.json upgrades a file
+            recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
         if args.json:
             print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
         else:
@@ -104,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
     result = _run_search(request, quiet=args.json)
     best = result.best
     if args.out:
-        best.plan.save(args.out)
+        recorded(best.plan, args.model).save(args.out)
     if args.json:
-        print(json.dumps(_result_json(result), indent=2))
+        print(json.dumps(_result_json(result, args.model), indent=2))
         return 0
     _table(out, result)
     if args.explain:
@@ -120,6 +126,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out.print(f"wrote best plan to {args.out}", highlight=False)
     return 0
+
+
+def recorded(plan: Plan, model: str | None) -> Plan:
+    """``plan`` recording the config.json that ``--model`` names (its path and sha256), so that a command
+    run from another folder finds the model again (flexmesh.layout.plan_model); as it is for a preset."""
+    found = ModelFile.of(model) if model else None
+    return plan if found is None else replace(plan, model_config=found)
 
 
 def _run_search(request: SearchRequest, quiet: bool) -> SearchResult:
@@ -151,12 +164,12 @@ def _row(c: Candidate) -> dict:
             "mfu": ev.mfu, "peak_memory_gib": [m["total"] / GIB for m in ev.memory]}
 
 
-def _result_json(r: SearchResult) -> dict:
+def _result_json(r: SearchResult, model: str | None) -> dict:
     return {
         "search_seconds": r.search_seconds,
         "mode": r.mode,
         "configurations": r.configurations,
-        "best": {**_row(r.best), "plan": r.best.plan.to_dict()},
+        "best": {**_row(r.best), "plan": recorded(r.best.plan, model).to_dict()},
         "plans": [_row(c) for c in r.plans],
         "baselines": {k: (_row(v) if v else None) for k, v in r.baselines.items()},
     }
@@ -213,10 +226,10 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     """Validate a plan of replica groups against --model and --cluster (default: the cluster it names)."""
     _no_profiles(args)
     cluster = parse_mixed_cluster(args.cluster if args.cluster is not None else plan.cluster)
-    model = parse_model(args.model)
+    model = plan_model(plan, args.model, args.check, recheck=True)
     ev = check_groups(plan, model, cluster)
     if args.out:
-        plan.save(args.out)  # in today's version: --check old.json --out new.json upgrades a file
+        recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
     if args.json:
         print(json.dumps({"valid": True, "layout": plan.layout.split("\n"), **ev.to_dict()}, indent=2))
         return 0
@@ -242,7 +255,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     if given:
         raise PlanError(f"{given[0]} steers the search of one device type; a mixed cluster's search chooses its "
                         "groups' layouts itself (each type's own group is searched in full): drop it")
-    model = parse_model(args.model)
+    model = parse_model(args.model or DEFAULT_MODEL)
     costs = MixedCosts(model, cluster)
     result, baselines = _search_mixed(model, cluster, args, costs)
     plan, ev = result.plan, result.evaluation
@@ -251,6 +264,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
         theirs = check_groups(other, model, cluster, costs)
         baselines["against"] = {"layout": other.layout.split("\n"), "step_time_s": theirs.step_time,
                                 "tokens_per_s": theirs.tokens_per_s, "plan": args.against}
+    plan = recorded(plan, args.model)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -52,7 +52,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=positive_int, required=True,
                    help="optimizer steps to run (in total, across resumes)")
     p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")
-    p.add_argument("--model", help="model preset or config.json (default: the plan's model)")
+    p.add_argument("--model", help="model preset or config.json (default: the plan's model: the config.json it "
+                                   "records, else its preset)")
     p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, cached")
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
@@ -177,8 +178,9 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
     leave ``--out`` to node 0's (it must be the same shared folder on every node).
     """
     from flexmesh.layout.plan import load_plan
+    from flexmesh.layout.plan_model import plan_model
 
-    load_plan(args.plan)  # a plan file that cannot run fails here, once, before any rank starts
+    plan_model(load_plan(args.plan), args.model, args.plan)  # a plan (or model) that cannot run fails here, once
     argv = without_flags(argv, (), ("--no-resume", "--overwrite"))
     env = dict(os.environ, **{HELD_ENV: str(Path(args.out).resolve())})
     if rendezvous.node_rank != 0:
@@ -291,17 +293,17 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from flexmesh.layout.plan import load_plan
+    from flexmesh.layout.plan_model import plan_model
     from flexmesh.plan.check import check_model
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.distributed import init_distributed
     from flexmesh.runtime.groups import check_emulation, check_runnable
     from flexmesh.runtime.trainer import Trainer
-    from flexmesh.spec.model import parse_model
 
     plan = load_plan(args.plan)
     if args.migrate and HELD_ENV not in os.environ:
         raise PlanError("--migrate needs --nproc N: its launcher relaunches the run on the new plan")
-    spec = parse_model(args.model or plan.model)
+    spec = plan_model(plan, args.model, args.plan)  # --model, else the plan's (its recorded config.json)
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     check_runnable(plan, spec)  # reject an unsupported per-layer mix before touching the corpus
     if len(plan.groups) > 1 and args.global_batch:  # the groups' shares must add up to the batch the run takes

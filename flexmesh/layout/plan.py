@@ -30,7 +30,9 @@ A small example (one group, 4 devices, tp 2 x dp 2):
 (1, 2, 4096, 'pp1 1f1b m2 | [0,4) 2x tp2-dp2z0 + 2x tp2-dp2z0-ac')
 
 Versions 1 and 2 (one uniform layout) and 3 (replicas of one tp degree per stage) are still read
-(flexmesh.layout.legacy); a plan is written as version 4.
+(flexmesh.layout.legacy); a plan is written as version 4. A plan made from a config.json records
+that file (``model_config``: its absolute path and sha256; optional, plans of presets have none),
+from which flexmesh.layout.plan_model finds the model again.
 """
 
 from __future__ import annotations
@@ -44,14 +46,16 @@ from flexmesh.errors import PlanError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import PipelineSchedule, choices
 from flexmesh.layout.overlap import RUNTIME, Overlap
+from flexmesh.layout.ranks import parse_rank_runs, rank_runs
 from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.spec.model_file import ModelFile
 from flexmesh.spec.values import known_keys, mapping, sequence, text, whole
 
 PLAN_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 PIPELINE_SCHEDULES = choices(PipelineSchedule)
-_PLAN_KEYS = ("version", "model", "cluster", "world_size", "seq_len", "global_batch", "pipeline_schedule",
-              "cost_source", "overlap", "groups", "unused", "predicted")
+_PLAN_KEYS = ("version", "model", "model_config", "cluster", "world_size", "seq_len", "global_batch",
+              "pipeline_schedule", "cost_source", "overlap", "groups", "unused", "predicted")
 _GROUP_KEYS = ("ranks", "share", "num_microbatches", "virtual_stages", "stages")
 
 
@@ -92,42 +96,6 @@ class StagePlan:
             else:
                 runs.append([1, s])
         return " + ".join(f"{n}x {s}" for n, s in runs)
-
-
-def rank_runs(ranks: tuple[int, ...]) -> str:
-    """Ranks as runs, ``"0-3,6"`` (order kept).
-
-    >>> rank_runs((0, 1, 2, 3, 6)), rank_runs((3,)), rank_runs((2, 1))
-    ('0-3,6', '3', '2,1')
-    """
-    parts: list[list[int]] = []
-    for r in ranks:
-        if parts and r == parts[-1][1] + 1:
-            parts[-1][1] = r
-        else:
-            parts.append([r, r])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
-
-
-def parse_rank_runs(value: object, what: str) -> tuple[int, ...]:
-    """:func:`rank_runs`' form back to ranks; a PlanError naming ``what`` when it is not one.
-
-    >>> parse_rank_runs("0-3,6", "block")
-    (0, 1, 2, 3, 6)
-    """
-    if not isinstance(value, str) or not value.strip():
-        raise PlanError(f"{what} must be ranks written as runs such as \"0-3,6\", got {value!r}")
-    out: list[int] = []
-    for item in value.split(","):
-        a, _, b = item.strip().partition("-")
-        try:
-            lo, hi = int(a), int(b) if b else int(a)
-        except ValueError:
-            raise PlanError(f"{what}: cannot read {item!r} in {value!r}; write runs such as \"0-3,6\"") from None
-        if lo < 0 or hi < lo:
-            raise PlanError(f"{what}: {item!r} is not a run of ranks (low-high, low <= high, both >= 0)")
-        out.extend(range(lo, hi + 1))
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -292,11 +260,15 @@ class Plan:
     overlap: Overlap = RUNTIME
     # The version of the file the plan was read from (flexmesh.layout.legacy); it is written as PLAN_VERSION.
     version: int = field(default=PLAN_VERSION, compare=False)
+    # The config.json ``model`` was read from (flexmesh.layout.plan_model resolves it); None: a preset.
+    model_config: ModelFile | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         text(self.model, "plan model", PlanError)
         text(self.cluster, "plan cluster", PlanError)
         text(self.cost_source, "plan cost_source", PlanError)
+        if self.model_config is not None and not isinstance(self.model_config, ModelFile):
+            raise PlanError(f"plan model_config must be a ModelFile, got {self.model_config!r}")
         for f in ("world_size", "seq_len", "global_batch"):
             whole(getattr(self, f), f"plan {f}", PlanError, minimum=None)
         if self.world_size < 1 or self.seq_len < 1 or self.global_batch < 1:
@@ -452,7 +424,9 @@ class Plan:
     # ---- JSON ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "version": PLAN_VERSION, "model": self.model, "cluster": self.cluster, "world_size": self.world_size,
+            "version": PLAN_VERSION, "model": self.model,
+            **({"model_config": self.model_config.to_dict()} if self.model_config else {}),
+            "cluster": self.cluster, "world_size": self.world_size,
             "seq_len": self.seq_len, "global_batch": self.global_batch,
             "pipeline_schedule": str(self.pipeline_schedule), "cost_source": self.cost_source,
             "overlap": self.overlap.to_dict(), "groups": [g.to_dict() for g in self.groups],
@@ -483,7 +457,9 @@ class Plan:
                    groups=groups, unused=tuple(whole(x, "unused rank", PlanError, minimum=0)
                                                for x in sequence(d.get("unused", []), "plan unused", PlanError)),
                    predicted=d.get("predicted", {}), cost_source=d.get("cost_source", "preset"),
-                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts)
+                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts,
+                   model_config=None if d.get("model_config") is None
+                   else ModelFile.from_dict(d["model_config"], "plan model_config", PlanError))
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash never leaves a half-written plan behind."""

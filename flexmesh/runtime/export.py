@@ -36,6 +36,7 @@ import torch
 from flexmesh.errors import CheckpointError, SpecError
 from flexmesh.files import write_atomic, write_atomic_with
 from flexmesh.layout.plan import load_plan
+from flexmesh.layout.plan_model import plan_model
 from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash
 from flexmesh.runtime.weights import canonical_name, hf_name
 from flexmesh.spec.hf import hf_family, to_hf_config
@@ -117,8 +118,7 @@ def checkpoint_spec(checkpoint: str | Path, model: str | None = None, plan: str 
         if manifest.get("plan_hash") not in (None, plan_hash(loaded)):
             raise CheckpointError(f"checkpoint {path} was written under plan {manifest.get('plan_layout')!r}, not "
                                   f"{loaded.layout!r} ({plan}); pass the plan the run used, or --model")
-        if model is None:
-            return parse_model(loaded.model)
+        return plan_model(loaded, model, str(plan))  # its recorded config.json when it has one
     if model is not None:
         return parse_model(model)
     if isinstance(manifest.get("model"), dict):  # manifests that record the model spec
