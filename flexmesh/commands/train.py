@@ -54,7 +54,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")
     p.add_argument("--model", help="model preset or config.json (default: the plan's model: the config.json it "
                                    "records, else its preset)")
-    p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, cached")
+    p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, "
+                                       "cached (either way recorded in --out/tokenizer/ for `flexmesh export`)")
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
     p.add_argument("--policy", choices=POLICY_NAMES,
@@ -229,8 +230,10 @@ def check_world(args: argparse.Namespace, plan) -> None:
 
 
 def document_loader(args: argparse.Namespace, spec, plan):
-    """The run's seeded loader over ``--corpus`` under ``--tokenizer`` (trained when not given)."""
+    """The run's seeded loader over ``--corpus`` under ``--tokenizer`` (trained when not given); rank 0
+    records the tokenizer in ``--out/tokenizer/`` for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
     from flexmesh.data.corpus import stdlib_corpus
+    from flexmesh.data.hf_tokenizer import record_tokenizer
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
 
@@ -239,6 +242,10 @@ def document_loader(args: argparse.Namespace, spec, plan):
     if tok.get_vocab_size() > spec.vocab:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
                         "tokenizer with at most that many tokens, or drop --tokenizer to train one")
+    if os.environ.get("RANK", "0") == "0":
+        warning = record_tokenizer(args.out, tok, args.tokenizer, spec.max_position)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     return DocumentLoader(corpus_tokens, global_batch=args.global_batch or plan.global_batch,
                           max_len=args.max_len or plan.seq_len, seed=args.seed)
 
