@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except FlexmeshError as e:
         # escaped: messages quote paths and torch errors with [brackets] that rich reads as markup
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         return 2
 
 

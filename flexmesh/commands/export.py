@@ -2,13 +2,15 @@
 
 ``flexmesh export --checkpoint RUN/checkpoints/step_000100 --out hf/`` writes
 ``config.json``, sharded safetensors and ``model.safetensors.index.json`` that
-``transformers.AutoModelForCausalLM.from_pretrained("hf/")`` loads, from a checkpoint of any layout.
+``transformers.AutoModelForCausalLM.from_pretrained("hf/")`` loads, from a checkpoint of any layout,
+and the run's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) that ``AutoTokenizer`` loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 from flexmesh.commands.args import folder
 
@@ -42,6 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", help="model preset or config.json the run trained (default: the --plan's model, "
                                    "else the one the checkpoint's manifest records)")
     p.add_argument("--plan", help="the plan.json the run trained with; its model is the default --model")
+    p.add_argument("--tokenizer", help="the tokenizer.json (or a folder holding one) to write beside the model "
+                                       "(default: the one the run recorded in RUN/tokenizer/)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
                    help="dtype of the written weights (default: the checkpoint's, fp32 master weights)")
     p.add_argument("--max-shard-size", type=parse_size, default="2GiB",
@@ -57,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
     from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
 
     spec = checkpoint_spec(args.checkpoint, model=args.model, plan=args.plan)
-    report = export_checkpoint(args.checkpoint, args.out, spec, dtype=args.dtype,
-                               max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
+    report = export_checkpoint(args.checkpoint, args.out, spec, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                               overwrite=args.overwrite, tokenizer=args.tokenizer)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     Console().print(report.summary(), highlight=False)
     return 0

@@ -157,8 +157,10 @@ class MigrationCheck:
                                                 for g, b in zip(current.groups, shares)))
         now = evaluate_groups(current, costs).step_time
         result = plan_mixed(self.spec, cluster, self.plan.seq_len, self.plan.global_batch, costs)
-        # The plan names the run's model as the run does (a preset or a config file's path).
-        return replace(result.plan, model=self.plan.model), now, result.evaluation.step_time
+        # The plan names the run's model as the run does (a preset or a config file's path, or the
+        # config.json it records).
+        return (replace(result.plan, model=self.plan.model, model_config=self.plan.model_config), now,
+                result.evaluation.step_time)
 
 
 def take_request(out: str | Path) -> dict | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -37,6 +38,7 @@ from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import PlanError
 from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
+from flexmesh.layout.plan_model import plan_model
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.plan.baselines import BaselinePlans, mixed_baselines
 from flexmesh.plan.check import check_groups, check_plan
@@ -46,6 +48,7 @@ from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, s
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import parse_model
+from flexmesh.spec.model_file import ModelFile
 from flexmesh.units import GIB
 
 PROGRESS_AFTER_S = 1.0  # show a progress bar only for searches that take longer than this
@@ -56,9 +59,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="search the fastest parallel layout that fits, or --check a plan file",
         description="Search per-layer strategies, pipeline split, schedule and micro-batches; print the best plans.")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path "
-                        f"(default {DEFAULT_MODEL})")
+    p.add_argument("--model", help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path or a folder "
+                                   f"holding one (default {DEFAULT_MODEL}; with --check, the plan's model)")
     p.add_argument("--cluster", default=None, type=nonempty,
                    help="e.g. 8xH100, 8x8xA100-40GB, device groups joined by '+' (1x8xH100+2x8xA100-40GB: a "
                         "mixed cluster, planned as replica groups), a JSON/TOML cluster file, or NxLOCAL (N devices "
@@ -121,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         mixed = parse_mixed_cluster(args.cluster)
         if not mixed.uniform:  # several device groups, or devices of different speeds
             return run_mixed(args, mixed)
-    cost = cost_model_for(parse_model(args.model), args.cluster, args.hardware_profile, args.model_profile,
+    spec = (parse_model(args.model or DEFAULT_MODEL) if loaded is None
+            else plan_model(loaded, args.model, args.check, recheck=True))
+    cost = cost_model_for(spec, args.cluster, args.hardware_profile, args.model_profile,
                           default_cluster=DEFAULT_CLUSTER)
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = Console()
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         plan = loaded
         ev = check_plan(plan, model, cluster, cost)
         if args.out:
-            plan.save(args.out)  # in today's version: --check old.json --out new.json upgrades a file
+            recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
         if args.json:
             print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
         else:
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if work.lengths:
         result, expected = score_uniform(result, cost, work, args.top)
     best = result.best
-    plan = with_expected(best.plan, expected[best.plan.layout], work) if expected else best.plan
+    plan = recorded(with_expected(best.plan, expected[best.plan.layout], work) if expected else best.plan, args.model)
     if args.out:
         plan.save(args.out)
     if args.json:
@@ -173,6 +177,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out.print(f"wrote best plan to {args.out}", highlight=False)
     return 0
+
+
+def recorded(plan: Plan, model: str | None) -> Plan:
+    """``plan`` recording the config.json that ``--model`` names (its path and sha256), so that a command
+    run from another folder finds the model again (flexmesh.layout.plan_model); as it is for a preset."""
+    found = ModelFile.of(model) if model else None
+    return plan if found is None else replace(plan, model_config=found)
 
 
 def _run_search(request: SearchRequest, quiet: bool) -> SearchResult:
@@ -277,10 +288,10 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     """Validate a plan of replica groups against --model and --cluster (default: the cluster it names)."""
     _no_profiles(args)
     cluster = parse_mixed_cluster(args.cluster if args.cluster is not None else plan.cluster)
-    model = parse_model(args.model)
+    model = plan_model(plan, args.model, args.check, recheck=True)
     ev = check_groups(plan, model, cluster)
     if args.out:
-        plan.save(args.out)  # in today's version: --check old.json --out new.json upgrades a file
+        recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
     if args.json:
         print(json.dumps({"valid": True, "layout": plan.layout.split("\n"), **ev.to_dict()}, indent=2))
         return 0
@@ -306,7 +317,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     if given:
         raise PlanError(f"{given[0]} steers the search of one device type; a mixed cluster's search chooses its "
                         "groups' layouts itself (each type's own group is searched in full): drop it")
-    model = parse_model(args.model)
+    model = parse_model(args.model or DEFAULT_MODEL)
     costs = MixedCosts(model, cluster)
     work = workload(args, mixed=True)
     plans: BaselinePlans = {}
@@ -323,6 +334,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
         if work.lengths:
             score_baselines(baselines, {"against": [(other, cluster)]}, model, costs, work)
     step, tokens_per_s = (e.step_time, e.tokens_per_s) if e is not None else (ev.step_time, ev.tokens_per_s)
+    plan = recorded(plan, args.model)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -133,7 +133,6 @@ def _prepare(args: argparse.Namespace,
              policies: tuple[str, ...]) -> tuple[SimulationConfig, ScheduleContext, np.ndarray]:
     """Check the flags and build the plan they describe (errors in the order a user meets them)."""
     from flexmesh.profile.use import cost_model_for
-    from flexmesh.spec import parse_model
 
     plan = _plan(args)
     if plan is not None:  # the plan's layout, as the flags would give it
@@ -141,7 +140,7 @@ def _prepare(args: argparse.Namespace,
         args.tp, args.pp, args.pipeline_schedule, args.virtual_stages = s.tp, plan.pp, plan.pipeline_schedule, \
             plan.virtual_stages
         args.zero, args.recompute, args.cp_kind = s.zero, bool(s.recompute), str(s.cp_kind) if s.cp > 1 else "ulysses"
-    base = cost_model_for(parse_model(args.model), args.cluster, getattr(args, "hardware_profile", None),
+    base = cost_model_for(_model(args, plan), args.cluster, getattr(args, "hardware_profile", None),
                           getattr(args, "model_profile", None), default_cluster=DEFAULT_CLUSTER)
     world = base.cluster.world_size
     cfg = _config(args, policies, _slow(args.slow, world))
@@ -174,13 +173,20 @@ def _plan(args: argparse.Namespace):  # noqa: ANN202 - a Plan or None
         args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
         return None
     plan = load_plan(args.plan)
-    args.model = args.model or plan.model
     args.seq_len = args.seq_len or plan.seq_len
     if not args.tokens_per_batch:
         args.global_batch = args.global_batch or plan.global_batch
     if args.cluster is None and not getattr(args, "hardware_profile", None):
         args.cluster = plan.cluster
     return plan
+
+
+def _model(args: argparse.Namespace, plan):  # noqa: ANN202 - a ModelSpec
+    """``--model``, else ``--plan``'s model (its recorded config.json: flexmesh.layout.plan_model)."""
+    from flexmesh.layout.plan_model import plan_model
+    from flexmesh.spec import parse_model
+
+    return parse_model(args.model) if plan is None else plan_model(plan, args.model, args.plan)
 
 
 def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a GroupsSimulation for several groups
@@ -305,7 +311,6 @@ def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> Grou
     from flexmesh.schedule.groups import groups_context
     from flexmesh.schedule.scheduler import plan_costs
     from flexmesh.sim.groups import compare_groups
-    from flexmesh.spec import parse_model
 
     plan = _plan(args)
     if getattr(args, "hardware_profile", None) or getattr(args, "model_profile", None):
@@ -315,7 +320,7 @@ def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> Grou
         raise FlexmeshError("--tokens-per-batch does not apply to a plan of replica groups, whose shares count "
                             "sequences; give --global-batch")
     plan = plan.with_global_batch(args.global_batch or plan.global_batch)
-    spec = parse_model(args.model)
+    spec = _model(args, plan)
     gctx = groups_context(plan, spec, plan_costs(plan, spec))
     slow = _slow(args.slow, plan.world_size)
     if slow:  # in place of the cluster's own speed factors, as for one group

@@ -82,6 +82,7 @@ def _preflight(args: argparse.Namespace) -> None:
     folder, a plan file that cannot be read or whose predicted memory this node does not have."""
     from flexmesh.data.cache import usable_cache
     from flexmesh.layout.plan import load_plan
+    from flexmesh.layout.plan_model import plan_model
     from flexmesh.runtime.device import check_launch, check_memory
     from flexmesh.runtime.stragglers import parse_emulation
 
@@ -95,6 +96,7 @@ def _preflight(args: argparse.Namespace) -> None:
     check_launch(args.device, args.nproc)
     usable_cache(args.cache_dir)
     plan = load_plan(args.plan)
+    plan_model(plan, args.model, args.plan)  # a plan (or model) that cannot run fails here, once
     if args.nnodes is None:
         check_memory(predicted_peak(plan), args.device, args.nproc)
 
@@ -166,9 +168,11 @@ def check_world(args: argparse.Namespace, plan) -> None:
 
 
 def document_loader(args: argparse.Namespace, spec, plan):
-    """The run's seeded loader over ``--corpus`` under ``--tokenizer`` (trained when not given)."""
+    """The run's seeded loader over ``--corpus`` under ``--tokenizer`` (trained when not given); rank 0
+    records the tokenizer in ``--out/tokenizer/`` for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
     from flexmesh.data.cache import usable_cache
     from flexmesh.data.corpus import stdlib_corpus
+    from flexmesh.data.hf_tokenizer import record_tokenizer
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
 
@@ -178,6 +182,10 @@ def document_loader(args: argparse.Namespace, spec, plan):
     if tok.get_vocab_size() > spec.vocab:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
                         "tokenizer with at most that many tokens, or drop --tokenizer to train one")
+    if os.environ.get("RANK", "0") == "0":
+        warning = record_tokenizer(args.out, tok, args.tokenizer, spec.max_position)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     return DocumentLoader(corpus_tokens, global_batch=args.global_batch or plan.global_batch,
                           max_len=args.seq_len or plan.seq_len, seed=args.seed)
 
@@ -256,17 +264,17 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from flexmesh.layout.plan import load_plan
+    from flexmesh.layout.plan_model import plan_model
     from flexmesh.plan.check import check_model
     from flexmesh.runtime.adaptive import AdaptiveSource
     from flexmesh.runtime.distributed import init_distributed
     from flexmesh.runtime.groups import check_emulation, check_runnable
     from flexmesh.runtime.trainer import Trainer
-    from flexmesh.spec.model import parse_model
 
     plan = load_plan(args.plan)
     if args.migrate and HELD_ENV not in os.environ:
         raise PlanError("--migrate needs --nproc N: its launcher relaunches the run on the new plan")
-    spec = parse_model(args.model or plan.model)
+    spec = plan_model(plan, args.model, args.plan)  # --model, else the plan's (its recorded config.json)
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     check_runnable(plan, spec)  # reject an unsupported per-layer mix before touching the corpus
     if len(plan.groups) > 1 and args.global_batch:  # the groups' shares must add up to the batch the run takes

@@ -2,7 +2,9 @@
 
 - :mod:`~flexmesh.layout.enums`: pipeline schedule, context-parallel kind, policy, mesh axis;
 - :mod:`~flexmesh.layout.strategy`: ``LayerStrategy``, one layer's parallel strategy;
-- :mod:`~flexmesh.layout.plan`: ``Plan`` / ``StagePlan``, the versioned plan file;
+- :mod:`~flexmesh.layout.plan`: ``Plan`` / ``StagePlan``, the versioned plan file (its ranks written as
+  runs by :mod:`~flexmesh.layout.ranks`);
+- :mod:`~flexmesh.layout.plan_model`: the model a plan runs with, found again from what the plan records;
 - :mod:`~flexmesh.layout.mesh`: the rank order (coordinates, global and data ranks) and ``Layout``;
 - :mod:`~flexmesh.layout.step`: ``StepSchedule``, one step's split, pack and assignment.
 """

@@ -343,7 +343,8 @@ def replica_groups(plan: Plan) -> Plan:
                                                                      PipelineSchedule.GPIPE) \
         else PipelineSchedule.ONE_F_ONE_B
     return Plan(plan.model, plan.cluster, plan.world_size, plan.seq_len, plan.global_batch, schedule, groups,
-                predicted=dict(plan.predicted), cost_source=plan.cost_source, overlap=FASTEST)
+                predicted=dict(plan.predicted), cost_source=plan.cost_source, overlap=FASTEST,
+                model_config=plan.model_config)
 
 
 def schedule_parts(plan: Plan, schedule: StepSchedule) -> list[list[Group]]:

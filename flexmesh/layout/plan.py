@@ -30,7 +30,9 @@ A small example (one group, 4 devices, tp 2 x dp 2):
 (1, 2, 4096, 'pp1 1f1b m2 | [0,4) 2x tp2-dp2z0 + 2x tp2-dp2z0-ac')
 
 Versions 1 and 2 (one uniform layout) and 3 (replicas of one tp degree per stage) are still read
-(flexmesh.layout.legacy); a plan is written as version 4.
+(flexmesh.layout.legacy); a plan is written as version 4. A plan made from a config.json records
+that file (``model_config``: its absolute path and sha256; optional, plans of presets have none),
+from which flexmesh.layout.plan_model finds the model again.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ from flexmesh.layout.overlap import RUNTIME, Overlap
 from flexmesh.layout.ranks import parse_rank_runs, rank_runs
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.limits import MAX_DEVICES, MAX_SEQ_LEN, MAX_SEQUENCES, within
+from flexmesh.spec.model_file import ModelFile
 from flexmesh.spec.values import known_keys, mapping, sequence, text, whole
 
 PLAN_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 PIPELINE_SCHEDULES = choices(PipelineSchedule)
-_PLAN_KEYS = ("version", "model", "cluster", "world_size", "seq_len", "global_batch", "pipeline_schedule",
-              "cost_source", "overlap", "groups", "unused", "predicted")
+_PLAN_KEYS = ("version", "model", "model_config", "cluster", "world_size", "seq_len", "global_batch",
+              "pipeline_schedule", "cost_source", "overlap", "groups", "unused", "predicted")
 _GROUP_KEYS = ("ranks", "share", "num_microbatches", "virtual_stages", "stages")
 
 
@@ -258,11 +261,15 @@ class Plan:
     overlap: Overlap = RUNTIME
     # The version of the file the plan was read from (flexmesh.layout.legacy); it is written as PLAN_VERSION.
     version: int = field(default=PLAN_VERSION, compare=False)
+    # The config.json ``model`` was read from (flexmesh.layout.plan_model resolves it); None: a preset.
+    model_config: ModelFile | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         text(self.model, "plan model", PlanError)
         text(self.cluster, "plan cluster", PlanError)
         text(self.cost_source, "plan cost_source", PlanError)
+        if self.model_config is not None and not isinstance(self.model_config, ModelFile):
+            raise PlanError(f"plan model_config must be a ModelFile, got {self.model_config!r}")
         for f, bound in (("world_size", MAX_DEVICES), ("seq_len", MAX_SEQ_LEN), ("global_batch", MAX_SEQUENCES)):
             within(whole(getattr(self, f), f"plan {f}", PlanError, minimum=None), bound, f"plan {f}", PlanError)
         if self.world_size < 1 or self.seq_len < 1 or self.global_batch < 1:
@@ -421,7 +428,9 @@ class Plan:
     # ---- JSON ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "version": PLAN_VERSION, "model": self.model, "cluster": self.cluster, "world_size": self.world_size,
+            "version": PLAN_VERSION, "model": self.model,
+            **({"model_config": self.model_config.to_dict()} if self.model_config else {}),
+            "cluster": self.cluster, "world_size": self.world_size,
             "seq_len": self.seq_len, "global_batch": self.global_batch,
             "pipeline_schedule": str(self.pipeline_schedule), "cost_source": self.cost_source,
             "overlap": self.overlap.to_dict(), "groups": [g.to_dict() for g in self.groups],
@@ -452,7 +461,9 @@ class Plan:
                    groups=groups, unused=tuple(whole(x, "unused rank", PlanError, minimum=0)
                                                for x in sequence(d.get("unused", []), "plan unused", PlanError)),
                    predicted=d.get("predicted", {}), cost_source=d.get("cost_source", "preset"),
-                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts)
+                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts,
+                   model_config=None if d.get("model_config") is None
+                   else ModelFile.from_dict(d["model_config"], "plan model_config", PlanError))
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a crash never leaves a half-written plan behind."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from flexmesh.cost import CostModel, Evaluation
 from flexmesh.cost.mixed import GroupsEvaluation, MixedCosts, evaluate_groups
-from flexmesh.errors import PlanError, SpecError
+from flexmesh.errors import PlanError
 from flexmesh.layout.plan import Plan
+from flexmesh.layout.plan_model import model_shape, recorded_model, shape_diff
 from flexmesh.spec.cluster import ClusterSpec, MixedCluster
-from flexmesh.spec.model import ModelSpec, parse_model
+from flexmesh.spec.model import ModelSpec
 from flexmesh.units import GIB
 
 
@@ -71,32 +72,22 @@ def check_tp_heads(model: ModelSpec, tp: int, where: str) -> None:
         raise PlanError(f"{where}: tp {tp} and the {model.num_kv_heads} KV heads do not divide each "
                         "other; use a tp that divides them or a multiple of them")
 
-def _shape(spec: ModelSpec) -> dict:
-    """What makes two models the same for a plan: every field but the name and the dtype."""
-    return {k: v for k, v in spec.to_dict().items() if k not in ("name", "dtype")}
-
-
 def check_model(plan: Plan, model: ModelSpec, by_name: bool = True) -> None:
-    """The plan records the name of the model it was made for; refuse another model, even one with as
-    many layers (its widths, heads and memory differ), and a config.json under the recorded name whose
-    shape is not the recorded model's. A different name of the same shape (a preset and its
-    config.json) is the same model. Where the recorded name is no preset nor readable config
-    (a config.json that is not here), only the name tells: ``by_name`` False then accepts the model
-    (training with ``--model config.json`` of a plan made from another copy of that file)."""
-    try:
-        recorded = parse_model(plan.model)
-    except SpecError:
-        recorded = None
+    """The plan records the model it was made for; refuse another model, even one with as many layers
+    (its widths, heads and memory differ), and a config.json under the recorded name whose shape is not
+    the recorded model's. A different name of the same shape (a preset and its config.json) is the
+    same model. Where the recorded model cannot be read here (no preset, and a config.json that is
+    not here or has changed: flexmesh.layout.plan_model.recorded_model), only the name tells:
+    ``by_name`` False then accepts the model (training with ``--model config.json`` of a plan made
+    from another copy of that file)."""
+    recorded = recorded_model(plan)
     if recorded is None and (plan.model == model.name or not by_name):
         return
-    if recorded is not None and _shape(recorded) == _shape(model):
+    if recorded is not None and model_shape(recorded) == model_shape(model):
         return
-    diff = ""
-    if recorded is not None:
-        mine = _shape(recorded)
-        diff = " (" + "; ".join([f"{k} {mine.get(k)} vs {v}" for k, v in _shape(model).items()
-                                 if mine.get(k) != v][:3]) + ")"
-    raise PlanError(f"plan was made for model {plan.model!r}, not {model.name!r}{diff}; pass --model {plan.model} "
+    diff = f" ({shape_diff(recorded, model)})" if recorded is not None else ""
+    source = plan.model_config.path if plan.model_config is not None else plan.model
+    raise PlanError(f"plan was made for model {plan.model!r}, not {model.name!r}{diff}; pass --model {source} "
                     f"or re-plan for {model.name}")
 
 

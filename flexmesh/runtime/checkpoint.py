@@ -70,16 +70,17 @@ def _state_options() -> StateDictOptions:
 
 
 def plan_hash(plan: Plan) -> str:
-    """Hash of the plan's layout. Excluded, as they do not change what runs: the predicted figures and
-    the overlap options the cost model assumed (the runtime always runs its own), so checkpoints of
-    plans written before either field existed still resume. Hashed in the form an older flexmesh wrote
+    """Hash of the plan's layout. Excluded, as they do not change what runs: the predicted figures, the
+    overlap options the cost model assumed (the runtime always runs its own) and where the model's
+    config.json lies (``model_config``), so checkpoints of plans written before any of them existed
+    still resume. Hashed in the form an older flexmesh wrote
     where one exists (flexmesh.layout.legacy.legacy_dict), so a checkpoint written before plan version 4
     resumes under its old plan file and under the same plan upgraded."""
     from flexmesh.layout.legacy import legacy_dict
 
     d = legacy_dict(plan) or plan.to_dict()
-    d.pop("predicted", None)
-    d.pop("overlap", None)
+    for key in ("predicted", "overlap", "model_config"):  # the model is checked apart (plan_model, check_model)
+        d.pop(key, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -16,6 +16,8 @@ The folder written (``out/``)::
 
     model-00001-of-0000N.safetensors ...    shards of at most ``max_shard_bytes`` (one larger tensor alone)
     model.safetensors.index.json           metadata.total_size and weight_map, as transformers writes
+    tokenizer.json, tokenizer_config.json  the tokenizer the run recorded (flexmesh.data.hf_tokenizer)
+    generation_config.json                 its bos/eos/pad token ids, also written into config.json
     config.json                            flexmesh.spec.hf.to_hf_config of the model; written last
 
 Each file is written to a temporary name, fsynced and renamed, and ``config.json`` comes last: a
@@ -33,9 +35,19 @@ from typing import Any
 
 import torch
 
-from flexmesh.errors import CheckpointError, SpecError
+from flexmesh.data.hf_tokenizer import (
+    RUN_TOKENIZER,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    read_hf_tokenizer,
+    special_token_ids,
+    tokenizer_file,
+    write_hf_tokenizer,
+)
+from flexmesh.errors import CheckpointError, DataError, SpecError
 from flexmesh.files import write_atomic, write_atomic_with
 from flexmesh.layout.plan import load_plan
+from flexmesh.layout.plan_model import plan_model
 from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash, verify_checkpoint
 from flexmesh.runtime.weights import canonical_name, hf_name
 from flexmesh.spec.hf import hf_family, to_hf_config
@@ -44,6 +56,8 @@ from flexmesh.units import GIB
 
 DEFAULT_MAX_SHARD_BYTES = 2 * GIB
 INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
+_ASIDE = (TOKENIZER_JSON, TOKENIZER_CONFIG, GENERATION_CONFIG)  # written beside the weights when there is a tokenizer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NAMES = {v: k for k, v in DTYPES.items()}
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -63,12 +77,15 @@ class ExportReport:
     files: tuple[str, ...]  # the shards, in order
     tensors: int
     total_bytes: int
+    tokenizer: Path | None = None  # the tokenizer.json written beside the model, None when none was
+    warnings: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One line for the command to print."""
         return (f"exported step {self.step} of {self.checkpoint} to {self.out}: {self.family} model, "
                 f"{self.tensors} tensors, {self.total_bytes / GIB:.3f} GiB {self.dtype} in {len(self.files)} "
-                f"shard{'s' if len(self.files) != 1 else ''}")
+                f"shard{'s' if len(self.files) != 1 else ''}"
+                + (f", tokenizer from {self.tokenizer}" if self.tokenizer is not None else ", no tokenizer"))
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -117,8 +134,7 @@ def checkpoint_spec(checkpoint: str | Path, model: str | None = None, plan: str 
         if manifest.get("plan_hash") not in (None, plan_hash(loaded)):
             raise CheckpointError(f"checkpoint {path} was written under plan {manifest.get('plan_layout')!r}, not "
                                   f"{loaded.layout!r} ({plan}); pass the plan the run used, or --model")
-        if model is None:
-            return parse_model(loaded.model)
+        return plan_model(loaded, model, str(plan))  # its recorded config.json when it has one
     if model is not None:
         return parse_model(model)
     if isinstance(manifest.get("model"), dict):  # manifests that record the model spec
@@ -212,16 +228,57 @@ def _previous_export(out: Path) -> list[Path]:
     if not out.is_dir():
         return []
     return sorted(p for p in out.iterdir() if p.is_file() and (
-        p.name in ("config.json", INDEX, "model.safetensors") or _SHARD.fullmatch(p.name)))
+        p.name in ("config.json", INDEX, "model.safetensors", *_ASIDE) or _SHARD.fullmatch(p.name)))
+
+
+def run_tokenizer(checkpoint: Path) -> Path | None:
+    """The tokenizer folder ``flexmesh train`` recorded in the run of ``checkpoint``
+    (``RUN/checkpoints/step_N`` -> ``RUN/tokenizer``), None when there is none."""
+    if checkpoint.parent.name != "checkpoints":
+        return None
+    folder = checkpoint.parent.parent / RUN_TOKENIZER
+    return folder if (folder / TOKENIZER_JSON).is_file() else None
+
+
+@dataclass(frozen=True)
+class _Tokenizer:
+    """What an export writes of a tokenizer: ``file``'s ``text``, the ``config`` beside it and the special
+    token ids for config.json and generation_config.json."""
+
+    file: Path
+    text: str
+    config: dict
+    ids: dict
+
+
+def _tokenizer(path: Path, tokenizer: str | Path | None, spec: ModelSpec) -> _Tokenizer | str:
+    """The tokenizer to export with checkpoint ``path``: ``tokenizer`` if given, else the one its run
+    recorded; a warning saying what to pass when there is none."""
+    if tokenizer is None:
+        found = run_tokenizer(path)
+        if found is None:
+            return (f"the run of {path} records no tokenizer (`flexmesh train` records it in "
+                    f"RUN/{RUN_TOKENIZER}/; this run predates that, or was copied without it): the export has none "
+                    "and cannot encode text; pass --tokenizer with the run's tokenizer.json (its --tokenizer, or "
+                    "the BPE it trained, cached as tokenizers/bpe-*.json under --cache-dir)")
+        tokenizer = found
+    tok, text, config = read_hf_tokenizer(tokenizer, spec.max_position)
+    if tok.get_vocab_size() > spec.vocab:
+        raise DataError(f"tokenizer {tokenizer_file(tokenizer)} has {tok.get_vocab_size()} tokens but model "
+                        f"{spec.name!r} only {spec.vocab}: it is not the run's; pass the --tokenizer it trained with")
+    return _Tokenizer(tokenizer_file(tokenizer), text, config, special_token_ids(tok, config))
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, *, dtype: str | None = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> ExportReport:
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
+                      tokenizer: str | Path | None = None) -> ExportReport:
     """Write checkpoint ``checkpoint`` of model ``spec`` as a Hugging Face folder ``out`` (see the module doc).
 
     ``dtype`` (fp32, bf16, fp16) converts the weights; None keeps the checkpoint's (fp32 master
     weights). ``config.json`` names the dtype written. ``out`` holding an earlier export is refused
-    unless ``overwrite``; then its files are replaced and shards the new export does not use removed.
+    unless ``overwrite``; then its files are replaced and files the new export does not write removed.
+    ``tokenizer`` (a tokenizer.json or a folder holding one) is written beside the model; None: the
+    one the run recorded, and when it recorded none the report warns that the export has no tokenizer.
     """
     from safetensors.torch import save_file
 
@@ -239,6 +296,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
                               "--overwrite")
     found = _model_keys(path)
     names = _check_against(spec, found, path)
+    tok = _tokenizer(path, tokenizer, spec)  # a wrong one is refused before anything is written
     stored = {found[n][1].properties.dtype for n in names}
     target = DTYPES[dtype] if dtype is not None else None
     if target is None and len(stored) > 1:
@@ -262,10 +320,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     total = sum(nbytes.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_atomic(out / INDEX, json.dumps(index, indent=2) + "\n")
-    for old in previous:  # shards of the earlier export; model.safetensors would shadow the index
-        if old.name not in files and old.name not in (INDEX, "config.json"):
-            old.unlink(missing_ok=True)
     config = to_hf_config(replace(spec, dtype=_NAMES[written]))
+    if isinstance(tok, _Tokenizer):
+        write_hf_tokenizer(out, tok.text, tok.config)
+        write_atomic(out / GENERATION_CONFIG, json.dumps(tok.ids, indent=2) + "\n")
+        config.update(tok.ids)  # else transformers' defaults (Llama: bos 1, eos 2) would stop generation on a byte
+    keep = {*files, INDEX, "config.json", *(_ASIDE if isinstance(tok, _Tokenizer) else ())}
+    for old in previous:  # files of the earlier export; model.safetensors would shadow the index
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
     write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     return ExportReport(checkpoint=path, step=int(manifest["step"]), out=out, family=family,
-                        dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total)
+                        dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total,
+                        tokenizer=tok.file if isinstance(tok, _Tokenizer) else None,
+                        warnings=() if isinstance(tok, _Tokenizer) else (tok,))

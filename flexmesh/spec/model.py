@@ -366,6 +366,18 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     return read(path)
 
 
+def config_path(text: str) -> Path | None:
+    """The config.json file that model text ``text`` names: a ``.json`` path or a folder holding a
+    config.json; None for a preset name or ``gpt:...`` (which come first: ``tiny`` is the preset
+    even beside a folder ``tiny``, which ``./tiny`` or ``tiny/config.json`` names) and anything else."""
+    if text in MODEL_PRESETS or _GPT_RE.match(text):
+        return None
+    p = Path(text).expanduser()
+    if p.is_dir():
+        return p / "config.json"
+    return p if p.suffix == ".json" else None
+
+
 def parse_model(text: str) -> ModelSpec:
     """A preset name, ``gpt:LAYERS:HIDDEN:HEADS[:VOCAB]``, a config.json path, or a folder holding one."""
     if text in MODEL_PRESETS:
@@ -374,9 +386,9 @@ def parse_model(text: str) -> ModelSpec:
     if m:
         L, h, a, V = m.groups()
         return gpt(int(L), int(h), int(a), int(V) if V else 51200)
-    p = Path(text)
-    if p.suffix == ".json" or p.is_dir():
-        return from_hf_config(p)
+    path = config_path(text)
+    if path is not None:
+        return from_hf_config(path)
     raise SpecError(
         f"unknown model {text!r}; known presets: {', '.join(MODEL_PRESETS)}; "
         "or give gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a path to a Hugging Face config.json"

@@ -1,0 +1,174 @@
+"""`flexmesh export` writes the tokenizer the run used, so the exported model encodes and generates text.
+
+One real one-step `flexmesh train` run (one process, a 2-layer Llama, the byte-level BPE flexmesh
+trains and caches) records its tokenizer in ``RUN/tokenizer/``; its export loads with
+``transformers.AutoTokenizer``, encodes text to the ids flexmesh trained on and decodes it back, and
+``AutoModelForCausalLM.generate`` makes 20 new tokens from a prompt it encoded. Also: a run from
+before tokenizers were recorded (a warning, and ``--tokenizer``), a ``--tokenizer`` whose
+``tokenizer_config.json`` names its own special tokens, and the errors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexmesh.data.hf_tokenizer import RUN_TOKENIZER, record_tokenizer
+from flexmesh.errors import DataError
+
+torch.set_num_threads(1)
+TEXT = "the quick brown fox\n  jumps over\ta lazy dog: été, 北京, 😀 -- seven wizards!"
+PROMPT = "the quick brown fox jumps over"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict[str, Path]:
+    """A one-step `flexmesh train` run of a 2-layer Llama (vocabulary 320) on the BPE flexmesh trains."""
+    from helpers import flexmesh, write_inputs
+
+    tmp = tmp_path_factory.mktemp("tokenizer-run")
+    config, corpus, plan = write_inputs(tmp, world=1)
+    r = flexmesh("train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out",
+                 str(tmp / "run"), "--cache-dir", str(tmp / "cache"), "--no-progress")
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {"run": tmp / "run", "config": config, "corpus": corpus, "cache": tmp / "cache", "tmp": tmp}
+
+
+def _flexmesh_bpe(run: dict[str, Path]):
+    """The tokenizer the run trained on: the cached BPE of its corpus and the model's vocabulary."""
+    from flexmesh.data.tokenizer import train_bpe
+
+    return train_bpe(run["corpus"], vocab_size=320, cache_dir=run["cache"])
+
+
+def test_export_loads_in_transformers_encodes_as_training_did_and_generates(run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from flexmesh.cli import main
+
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run["run"]), "--out", str(out)]) == 0
+    bpe = _flexmesh_bpe(run)
+    recorded = run["run"] / RUN_TOKENIZER / "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == recorded.read_bytes()
+    assert json.loads(recorded.read_text()) == json.loads(bpe.to_str())
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tok(TEXT)["input_ids"]
+    assert ids == bpe.encode(TEXT, add_special_tokens=False).ids  # the ids training fed the model
+    assert tok.decode(ids) == TEXT
+    # documents are delimited by the packed batch, never by a token: no BOS; <|endoftext|> ends and pads
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (None, "<|endoftext|>", "<|endoftext|>")
+    eos = bpe.token_to_id("<|endoftext|>")
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    for d in (config, generation):  # not transformers' Llama defaults (bos 1, eos 2: byte tokens here)
+        assert (d["bos_token_id"], d["eos_token_id"], d["pad_token_id"]) == (None, eos, eos)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.generation_config.eos_token_id == eos
+    prompt = tok(PROMPT, return_tensors="pt")
+    n = prompt["input_ids"].shape[1]
+    with torch.no_grad():
+        generated = model.generate(**prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert generated.shape == (1, n + 20) and torch.equal(generated[0, :n], prompt["input_ids"][0])
+    assert int(generated.max()) < 320 and tok.decode(generated[0, :n]) == PROMPT
+
+
+def test_a_run_that_recorded_no_tokenizer_exports_with_a_warning(run, tmp_path, capsys):
+    from flexmesh.cli import main
+
+    old = tmp_path / "old"
+    shutil.copytree(run["run"], old)
+    shutil.rmtree(old / RUN_TOKENIZER)  # as runs made before flexmesh recorded their tokenizer
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(old), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "warning: the run of" in captured.err and "records no tokenizer" in captured.err
+    assert "pass --tokenizer" in captured.err and "no tokenizer" in captured.out
+    assert not (out / "tokenizer.json").exists() and not (out / "generation_config.json").exists()
+    assert "eos_token_id" not in json.loads((out / "config.json").read_text())
+
+    cached = next((run["cache"] / "tokenizers").glob("bpe-*.json"))  # the BPE the run trained, as the warning says
+    assert main(["export", "--checkpoint", str(old), "--out", str(out), "--tokenizer", str(cached),
+                 "--overwrite"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert (out / "tokenizer.json").read_bytes() == cached.read_bytes()
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+    # an export without a tokenizer over one with: the earlier tokenizer files go, they are not this model's
+    assert main(["export", "--checkpoint", str(old), "--out", str(out), "--overwrite"]) == 0
+    assert not any((out / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"))
+
+
+def _own_tokenizer(folder: Path, vocab: int = 300):
+    """A BPE with <s>, </s> and <pad> whose post-processor adds <s>, and the tokenizer_config.json that
+    declares them, as a Hugging Face model folder holds them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT, PROMPT * 3], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "pad_token": "<pad>",
+        "unk_token": None, "add_bos_token": True}))
+    return tok
+
+
+def test_a_given_tokenizer_keeps_its_special_tokens_and_encodes_as_training_did(run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
+
+    own = _own_tokenizer(tmp_path / "own")
+    assert own.encode(PROMPT).ids[0] == 1  # its post-processor adds <s>; training encodes without it
+    # what `flexmesh train --tokenizer own/tokenizer.json` records
+    assert record_tokenizer(tmp_path / "run", own, tmp_path / "own" / "tokenizer.json", 512) is None
+    assert (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes() == \
+        (tmp_path / "own" / "tokenizer.json").read_bytes()
+    written = json.loads((tmp_path / "run" / RUN_TOKENIZER / "tokenizer_config.json").read_text())
+    assert (written["bos_token"], written["eos_token"], written["pad_token"]) == ("<s>", "</s>", "<pad>")
+    assert written["model_max_length"] == 512
+
+    spec = checkpoint_spec(run["run"])
+    report = export_checkpoint(run["run"], tmp_path / "hf", spec, tokenizer=tmp_path / "run" / RUN_TOKENIZER)
+    assert report.tokenizer == tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json" and report.warnings == ()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok(TEXT)["input_ids"] == own.encode(TEXT, add_special_tokens=False).ids  # no <s>, as training
+    assert tok.decode(tok(TEXT)["input_ids"]) == TEXT
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+
+
+def test_a_resume_under_another_tokenizer_warns_and_records_it(tmp_path):
+    first = _own_tokenizer(tmp_path / "a")
+    second = _own_tokenizer(tmp_path / "b", vocab=280)
+    assert record_tokenizer(tmp_path / "run", first, None, 512) is None
+    assert record_tokenizer(tmp_path / "run", first, None, 512) is None  # the same one again: nothing to say
+    warning = record_tokenizer(tmp_path / "run", second, None, 512)
+    assert warning is not None and "held another tokenizer" in warning
+    from flexmesh.data.tokenizer import load_tokenizer, tokenizer_hash
+
+    assert tokenizer_hash(load_tokenizer(tmp_path / "run" / RUN_TOKENIZER)) == tokenizer_hash(second)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_writing(run, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
+
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w0"))
+    big.save(str(tmp_path / "big.json"))
+    with pytest.raises(DataError, match="has 400 tokens but model .* only 320: it is not the run's"):
+        export_checkpoint(run["run"], tmp_path / "hf", checkpoint_spec(run["run"]), tokenizer=tmp_path / "big.json")
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(DataError, match="does not exist"):
+        export_checkpoint(run["run"], tmp_path / "hf", checkpoint_spec(run["run"]), tokenizer=tmp_path / "none.json")
