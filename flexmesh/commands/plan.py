@@ -35,7 +35,7 @@ from flexmesh.commands.plan_lengths import (
 )
 from flexmesh.cost import Evaluation
 from flexmesh.cost.mixed import MixedCosts
-from flexmesh.errors import PlanError
+from flexmesh.errors import PlanError, SpecError
 from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
@@ -125,8 +125,16 @@ def run(args: argparse.Namespace) -> int:
             return run_mixed(args, mixed)
     spec = (parse_model(args.model or DEFAULT_MODEL) if loaded is None
             else plan_model(loaded, args.model, args.check, recheck=True))
-    cost = cost_model_for(spec, args.cluster, args.hardware_profile, args.model_profile,
-                          default_cluster=DEFAULT_CLUSTER)
+    # --check: the plan's own cluster unless --cluster or a hardware profile says otherwise
+    own = loaded.cluster if loaded is not None and args.cluster is None and not args.hardware_profile else None
+    try:
+        cost = cost_model_for(spec, args.cluster or own, args.hardware_profile, args.model_profile,
+                              default_cluster=DEFAULT_CLUSTER)
+    except SpecError as e:
+        if own is None:
+            raise
+        raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
+                        "--cluster") from None
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = Console()
     if loaded is not None:
