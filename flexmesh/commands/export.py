@@ -52,12 +52,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from flexmesh.console import plain_console
     from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
 
     spec = checkpoint_spec(args.checkpoint, model=args.model, plan=args.plan)
     report = export_checkpoint(args.checkpoint, args.out, spec, dtype=args.dtype,
                                max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
-    Console().print(report.summary(), highlight=False)
+    plain_console().print(report.summary(), highlight=False)
     return 0

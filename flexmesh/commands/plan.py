@@ -11,9 +11,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from flexmesh.commands.args import new_file, nonempty, positive_int
+from flexmesh.console import plain_console, styled
 from flexmesh.cost import Evaluation
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import PlanError
+from flexmesh.files import check_file_target
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.plan.baselines import mixed_baselines
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     """Check a plan file, or build a SearchRequest from the options, search, and print or write the result."""
     from flexmesh.profile.use import cost_model_for
 
+    if args.out:
+        check_file_target(args.out)  # a device, fifo or symlink there: refused before searching
     loaded = load_plan(args.check) if args.check else None
     if loaded is not None and not loaded.in_rank_order:
         return check_groups_command(args, loaded)
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     cost = cost_model_for(parse_model(args.model), args.cluster, args.hardware_profile, args.model_profile,
                           default_cluster="8xH100")
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
-    out = Console()
+    out = plain_console()
     if loaded is not None:
         plan = loaded
         ev = check_plan(plan, model, cluster, cost)
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
         else:
-            out.print(f"[green]valid[/]: {plan.layout}", highlight=False)
+            out.print(styled("valid", "green", f": {plan.layout}"))
             _explain(out, ev)
         return 0
     schedules = tuple(s.strip() for s in args.pipeline_schedules.split(",") if s.strip())
@@ -132,7 +136,7 @@ def _run_search(request: SearchRequest, quiet: bool) -> SearchResult:
         # Start the bar lazily so that fast searches print nothing extra.
         if "bar" not in state and time.perf_counter() - t0 > PROGRESS_AFTER_S and done < total:
             bar = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                           TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                           TimeElapsedColumn(), console=plain_console(stderr=True), transient=True)
             bar.start()
             state["bar"], state["task"] = bar, bar.add_task("search", total=total)
         if "bar" in state:
@@ -220,9 +224,9 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     if args.json:
         print(json.dumps({"valid": True, "layout": plan.layout.split("\n"), **ev.to_dict()}, indent=2))
         return 0
-    out = Console()
-    out.print(f"[green]valid[/]: {len(plan.groups)} replica groups on {cluster.label}, predicted step "
-              f"{ev.step_time:.3f} s, {ev.tokens_per_s:,.0f} tokens/s", highlight=False)
+    out = plain_console()
+    out.print(styled("valid", "green", f": {len(plan.groups)} replica groups on {cluster.label}, predicted step "
+                                       f"{ev.step_time:.3f} s, {ev.tokens_per_s:,.0f} tokens/s"))
     out.print(replica_table(plan, ev, cluster, "replica groups"))
     out.print(stage_table(plan, ev))
     return 0
@@ -259,7 +263,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
                                    "tokens_per_s": ev.tokens_per_s, "plan": plan.to_dict()},
                           "baselines": baselines, "ratios": ratios(ev.tokens_per_s, baselines)}, indent=2))
         return 0
-    out = Console()
+    out = plain_console()
     out.print(replica_table(plan, ev, cluster,
                             f"plan on {cluster.label}: step {ev.step_time:.3f} s, "
                             f"{ev.tokens_per_s:,.0f} tokens/s ({result.configurations} configurations, "
@@ -282,9 +286,9 @@ def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs:
 
     def bar(label: str, done: int, total: int) -> None:
         if "bar" not in state and time.perf_counter() - t0 > PROGRESS_AFTER_S:
-            state["bar"] = Progress(TextColumn("{task.description}"), BarColumn(),
+            state["bar"] = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                    console=Console(stderr=True), transient=True)
+                                    console=plain_console(stderr=True), transient=True)
             state["bar"].start()
             state["task"] = state["bar"].add_task(label, total=total)
         if "bar" in state:
