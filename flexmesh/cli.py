@@ -11,11 +11,10 @@ import argparse
 import importlib
 import sys
 
-from rich.console import Console
-from rich.markup import escape
-
 from flexmesh.commands.args import DefaultsHelpFormatter, examples
+from flexmesh.console import plain_console, styled
 from flexmesh.errors import FlexmeshError
+from flexmesh.runtime.launch import die_with_launcher
 
 # Sub-commands in the order `flexmesh --help` lists them; a module missing here is skipped.
 COMMANDS = ("plan", "simulate", "train", "export", "profile", "demo")
@@ -72,20 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 1
+    die_with_launcher()  # a rank of `flexmesh ... --nproc N` does not outlive its launcher
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (training stops on its own: `flexmesh train`)
-        Console(stderr=True).print("interrupted", highlight=False)
+        plain_console(stderr=True).print("interrupted")
         return 130
     except OSError as e:  # a path the user named that cannot be read or written: one line, not a traceback
         where = f" ({e.filename})" if e.filename else ""
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e.strerror or e))}"
-                                                   f"{escape(where)}; check the path and its permissions",
-                                                   highlight=False)
+        plain_console(stderr=True, soft_wrap=True).print(
+            styled("error:", "bold red", f" {e.strerror or e}{where}; check the path and its permissions"))
         return 2
     except FlexmeshError as e:
-        # escaped: messages quote paths and torch errors with [brackets] that rich reads as markup
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        # verbatim: messages quote model names, paths and torch errors, which may hold [brackets] or :codes:
+        plain_console(stderr=True, soft_wrap=True).print(styled("error:", "bold red", f" {e}"))
         return 2
 
 

@@ -33,5 +33,10 @@ class RunFolderError(FlexmeshError):
     """An output folder is in use by another run, or holds a run that starting over would overwrite."""
 
 
+class OutputError(FlexmeshError):
+    """A path flexmesh would write is something other than what it writes there (a symlink, a device, a
+    fifo, a socket, a folder for a file or a file for a folder): it is refused, never replaced."""
+
+
 class RankError(FlexmeshError):
     """A rank stopped answering: a collective waited longer than the collective timeout."""

@@ -1,27 +1,109 @@
-"""Atomic file writing: a crash or a full disk never leaves a half-written file behind.
+"""Writing files safely: a crash or a full disk never leaves a half-written file behind, and nothing
+flexmesh writes goes through a symlink or replaces what is not a regular file.
 
 >>> import tempfile, pathlib
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "sub" / "x.json"
 >>> write_atomic(p, '{"ok": true}\\n')
 >>> p.read_text()
 '{"ok": true}\\n'
+
+The path a user names may lead through symlinked folders (its parents are the user's choice), but
+the file or folder flexmesh writes at its end, and everything it writes inside such a folder, is
+checked with ``lstat``: a symlink, device, fifo, socket, or a folder where a file goes (or a file
+where a folder goes) is refused with an OutputError naming it, never replaced or written through.
+
+>>> write_atomic("/dev/null", "x")
+Traceback (most recent call last):
+flexmesh.errors.OutputError: /dev/null is a device, not a file flexmesh writes; remove it or choose another path
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flexmesh.errors import OutputError
+
+_KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
+          (stat.S_ISBLK, "a device"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    return next((word for test, word in _KINDS if test(mode)), "not a regular file")
+
+
+def check_file_target(path: str | Path) -> None:
+    """Refuse (OutputError) to write the file ``path`` when something other than a regular file is
+    there: a symlink (even one to a regular file), a device, a fifo, a socket or a folder."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise OutputError(f"{path} is {_kind(mode)}, not a file flexmesh writes; remove it or choose another path")
+
+
+def make_folder(path: str | Path, create: bool = True) -> Path:
+    """Create the folder ``path`` (parents too) unless it is there (or ``create`` is False); an
+    OutputError when ``path`` is a symlink or anything but a folder. Returns ``path``."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        if not create:
+            return path
+        path.mkdir(parents=True, exist_ok=True)
+        mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise OutputError(f"{path} is a symlink; flexmesh writes only into a real folder: give the folder it points "
+                          f"to ({os.path.realpath(path)}) or another path")
+    if not stat.S_ISDIR(mode):
+        raise OutputError(f"{path} is {_kind(mode) if not stat.S_ISREG(mode) else 'a file'}, not a folder flexmesh "
+                          "writes in; remove it or choose another path")
+    return path
+
+
+def open_file(path: str | Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags, mode)`` for a regular file only: a symlink at the end of ``path`` is not
+    followed and, like a device, fifo, socket or folder there, refused with an OutputError (checked
+    before opening, as opening a device or a fifo can block or act, and again on what was opened)."""
+    check_file_target(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # a symlink, or a fifo, put there since the check
+            raise OutputError(f"{path} is not a regular file flexmesh writes; remove it or choose another "
+                              "path") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OutputError(f"{path} is {_kind(st.st_mode)}, not a file flexmesh writes; remove it or choose "
+                          "another path")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+def append_file(path: str | Path):
+    """``path`` opened for appending text (created if missing) under :func:`open_file`'s rules."""
+    return os.fdopen(open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+
 
 def write_atomic_with(path: str | Path, write: Callable[[Path], None]) -> None:
     """Have ``write`` fill a temporary file next to ``path`` (for writers that want a file name, such
     as safetensors), fsync it and rename it over ``path`` (``os.replace`` is atomic on POSIX and
-    Windows); parent folders are created. The temporary file is removed on any failure."""
+    Windows); parent folders are created. The temporary file is removed on any failure. Something at
+    ``path`` that is not a regular file is refused (:func:`check_file_target`), never replaced."""
     path = Path(path)
+    check_file_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
@@ -29,6 +111,7 @@ def write_atomic_with(path: str | Path, write: Callable[[Path], None]) -> None:
         write(Path(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        check_file_target(path)  # again: the write may have taken long
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -31,6 +31,7 @@ from flexmesh.commands import plan as plan_command
 from flexmesh.commands import simulate as simulate_command
 from flexmesh.commands.args import folder, nonneg_int, old_names, positive_int, seq_len, sequences, steps
 from flexmesh.errors import FlexmeshError
+from flexmesh.files import make_folder
 from flexmesh.runtime.device import DEVICES
 
 
@@ -101,8 +102,9 @@ def training_plan_file(out: Path, hardware_profile: Path, nproc: int, max_len: i
 
 def run(args: argparse.Namespace) -> int:
     """``flexmesh demo``: the six steps of the module doc, each announced by a rule."""
-    from rich.console import Console
     from rich.rule import Rule
+
+    from flexmesh.console import plain_console
 
     # Imported here, not at the top: the report draws with matplotlib, slow to import, and every
     # `flexmesh` invocation imports this module to build its parser.
@@ -115,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("steps", "global_batch", "seq_len", "sim_steps"):
         if getattr(args, name) < 1:
             raise FlexmeshError(f"--{name.replace('_', '-')} must be >= 1")
-    console = Console()
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    console = plain_console()
+    out = make_folder(args.out).resolve()
     t_start = time.perf_counter()
     devices = demo_devices(args.device, args.nproc, console)
 
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 "--global-batch", "128" if args.quick else "512", "--lengths", "wikipedia", "--policies", "hdp,milp",
                 "--steps", str(args.sim_steps), "--seed", str(args.seed), "--plots", str(out / "simulated")]
     sim = simulate_command.simulate(_parse(simulate_command, sim_args))
-    simulate_command.print_table(sim, Console())
+    simulate_command.print_table(sim, plain_console())
 
     # 3. profile
     console.print(Rule(f"3/6  profile this machine and the {TRAIN_MODEL} model with {args.nproc} processes"))

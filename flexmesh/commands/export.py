@@ -56,8 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from flexmesh.console import plain_console
     from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
 
     spec = checkpoint_spec(args.checkpoint, model=args.model, plan=args.plan)
@@ -65,5 +64,5 @@ def run(args: argparse.Namespace) -> int:
                                overwrite=args.overwrite, tokenizer=args.tokenizer)
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    Console().print(report.summary(), highlight=False)
+    plain_console().print(report.summary(), highlight=False)
     return 0

@@ -42,9 +42,9 @@ from flexmesh.files import write_atomic
 from flexmesh.layout.mesh import replica_groups
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.shares import split_by_weight
+from flexmesh.runtime.rundir import MIGRATED_PLAN, MIGRATION_FILE
 from flexmesh.spec.model import ModelSpec
 
-MIGRATION_FILE = "migration.json"  # in --out: the launcher's request to relaunch on a new plan
 # The checkpoint folder (step_NNNNNN) the relaunched ranks may resume from under the new plan.
 RESHARD_ENV = "FLEXMESH_RESHARD_FROM"
 # A testing knob, not a feature (tests/test_migration.py): replaces the migration's cost in seconds, so
@@ -132,7 +132,7 @@ class MigrationCheck:
         if not pays(gain * m.step_time_s, remaining, cost, gain):
             return {"event": "migration_declined", **event,
                     "reason": "too few remaining steps" if gain > MIN_GAIN else "no predicted gain"}
-        path = self.out / f"plan-migrated-{m.step:06d}.json"
+        path = self.out / MIGRATED_PLAN.format(step=m.step)
         new.save(path)
         event["plan"] = path.name
         request = {"step": m.step, "checkpoint": f"step_{m.step:06d}", "plan": str(path.resolve())}
@@ -166,7 +166,7 @@ class MigrationCheck:
 def take_request(out: str | Path) -> dict | None:
     """The launcher: the relaunch request a migrating run left in ``out`` (removed), or None."""
     path = Path(out) / MIGRATION_FILE
-    if not path.is_file():
+    if not path.is_file() or path.is_symlink():  # only the file the run wrote, not one planted as a link
         return None
     try:
         request = json.loads(path.read_text())

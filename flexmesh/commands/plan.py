@@ -33,9 +33,11 @@ from flexmesh.commands.plan_lengths import (
     with_expected,
     workload,
 )
+from flexmesh.console import plain_console, styled
 from flexmesh.cost import Evaluation
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import PlanError, SpecError
+from flexmesh.files import check_file_target
 from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if args.check and (args.lengths or args.tokens_per_batch):
         raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
                         "drop them (flexmesh simulate --plan FILE --lengths ... scores a plan on lengths)")
+    if args.out:
+        check_file_target(args.out)  # a device, fifo or symlink there: refused before searching
     loaded = load_plan(args.check) if args.check else None
     if loaded is not None and not loaded.in_rank_order:
         return check_groups_command(args, loaded)
@@ -136,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
-    out = Console()
+    out = plain_console()
     if loaded is not None:
         plan = loaded
         ev = check_plan(plan, model, cluster, cost)
@@ -145,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
         else:
-            out.print(f"[green]valid[/]: {plan.layout}", highlight=False)
+            out.print(styled("valid", "green", f": {plan.layout}"))
             _explain(out, ev)
         return 0
     schedules = tuple(s.strip() for s in args.pipeline_schedules.split(",") if s.strip())
@@ -204,7 +208,7 @@ def _run_search(request: SearchRequest, quiet: bool) -> SearchResult:
         # Start the bar lazily so that fast searches print nothing extra.
         if "bar" not in state and time.perf_counter() - t0 > PROGRESS_AFTER_S and done < total:
             bar = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                           TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                           TimeElapsedColumn(), console=plain_console(stderr=True), transient=True)
             bar.start()
             state["bar"], state["task"] = bar, bar.add_task("search", total=total)
         if "bar" in state:
@@ -303,9 +307,9 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     if args.json:
         print(json.dumps({"valid": True, "layout": plan.layout.split("\n"), **ev.to_dict()}, indent=2))
         return 0
-    out = Console()
-    out.print(f"[green]valid[/]: {len(plan.groups)} replica groups on {cluster.label}, predicted step "
-              f"{ev.step_time:.3f} s, {ev.tokens_per_s:,.0f} tokens/s", highlight=False)
+    out = plain_console()
+    out.print(styled("valid", "green", f": {len(plan.groups)} replica groups on {cluster.label}, predicted step "
+                                       f"{ev.step_time:.3f} s, {ev.tokens_per_s:,.0f} tokens/s"))
     out.print(replica_table(plan, ev, cluster, "replica groups"))
     out.print(stage_table(plan, ev))
     return 0
@@ -355,7 +359,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
                           "best": {**best, "plan": plan.to_dict()},
                           "baselines": baselines, "ratios": ratios(tokens_per_s, baselines)}, indent=2))
         return 0
-    out = Console()
+    out = plain_console()
     slow = sum(1 for r in range(cluster.world_size) if cluster.speed(r) != 1.0)
     speeds = f" ({slow} device{'s' * (slow != 1)} off nominal speed)" if slow else ""
     figures = (f"expected step {step:.3f} s, {tokens_per_s:,.0f} tokens/s (step {ev.step_time:.3f} s at --seq-len)"
@@ -388,9 +392,9 @@ def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs:
 
     def bar(label: str, done: int, total: int) -> None:
         if "bar" not in state and time.perf_counter() - t0 > PROGRESS_AFTER_S:
-            state["bar"] = Progress(TextColumn("{task.description}"), BarColumn(),
+            state["bar"] = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                    console=Console(stderr=True), transient=True)
+                                    console=plain_console(stderr=True), transient=True)
             state["bar"].start()
             state["task"] = state["bar"].add_task(label, total=total)
         if "bar" in state:

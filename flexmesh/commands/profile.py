@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from flexmesh.commands.args import new_file, positive_int
-from flexmesh.errors import ProfileError
+from flexmesh.errors import OutputError, ProfileError
+from flexmesh.files import check_file_target, make_folder
 from flexmesh.runtime.device import DEVICES
 from flexmesh.units import GIB
 
@@ -74,6 +75,7 @@ def _out_path(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     out = _out_path(args)
+    check_file_target(out)  # a device, fifo or symlink there: refused now, not after minutes of profiling
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise ProfileError(f"--nproc must be at least 1, got {args.nproc}")
@@ -114,10 +116,11 @@ def _save_local(prof, args: argparse.Namespace) -> None:
     spec = parse_model(args.model) if args.profile_kind == "model" else None
     path = local_profile(args.profile_kind, spec, prof.dtype)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(path.parent)
         prof.save(path)
-    except OSError as e:  # the cache folder is not writable: the profile itself was written
-        print(f"not kept as this machine's profile ({path}: {e.strerror}); --cluster local will not find it",
+    except (OSError, OutputError) as e:  # the cache folder is not writable: the profile itself was written
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        print(f"not kept as this machine's profile ({path}: {why}); --cluster local will not find it",
               file=sys.stderr)
         return
     print(f"kept as this machine's {args.profile_kind} profile ({path}): plan, simulate and train price "
@@ -125,12 +128,12 @@ def _save_local(prof, args: argparse.Namespace) -> None:
 
 
 def _summary(prof, out: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from flexmesh.console import plain_console
     from flexmesh.profile.format import recompute_name
 
-    con = Console()
+    con = plain_console()
     if prof.kind == "hardware":
         t = Table(title=f"hardware profile ({prof.device['name']}, {prof.produced_by['processes']} processes)")
         for col in ("collective", "group", "scope", "alpha (us)", "bandwidth (GB/s)"):

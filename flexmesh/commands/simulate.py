@@ -191,8 +191,9 @@ def _model(args: argparse.Namespace, plan):  # noqa: ANN202 - a ModelSpec
 
 def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a GroupsSimulation for several groups
     """Draw the batches, schedule and simulate them under every policy (with a progress bar when long)."""
-    from rich.console import Console
     from rich.progress import Progress
+
+    from flexmesh.console import plain_console
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if not policies:
@@ -208,7 +209,7 @@ def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a Gro
     if args.json or total < 40:
         runs = run_policies(cfg, ctx, speeds, batches)
     else:
-        with Progress(console=Console(stderr=True), transient=True) as bar:
+        with Progress(console=plain_console(stderr=True), transient=True) as bar:
             task = bar.add_task("scheduling and simulating", total=total)
             runs = run_policies(cfg, ctx, speeds, batches, on_step=lambda: bar.advance(task))
     sim = summarise(cfg, ctx, batches, runs, plots_dir=args.plots)
@@ -258,13 +259,16 @@ def print_table(sim: Simulation, console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``flexmesh simulate``: the comparison as a table, or as JSON with ``--json``."""
-    from rich.console import Console
+    from flexmesh.console import plain_console
+    from flexmesh.files import make_folder
 
+    if args.plots:
+        make_folder(args.plots, create=False)  # a symlink or a file there: refused before simulating
     sim = simulate(args)
     if args.json:
         print(json.dumps(sim.to_dict(), indent=2))
         return 0
-    sim.print(Console()) if isinstance(sim, GroupsSimulation) else print_table(sim, Console())
+    sim.print(plain_console()) if isinstance(sim, GroupsSimulation) else print_table(sim, plain_console())
     return 0
 
 

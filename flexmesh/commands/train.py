@@ -29,7 +29,7 @@ from flexmesh.runtime.launch import (
     relaunch_flexmesh,
     without_flags,
 )
-from flexmesh.runtime.rundir import HELD_ENV, hold_run_folder, release_run_folder, restart_count, start_over
+from flexmesh.runtime.rundir import HELD_ENV, PEER, hold_run_folder, release_run_folder, restart_count, start_over
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -63,16 +63,18 @@ def run(args: argparse.Namespace) -> int:
         args.no_resume = args.overwrite = False
     os.environ.update(launch_env())  # a plain single process: a world of one; stray variables: one line
     try:
-        if os.environ.get("RANK") != "0":
+        # Rank 0 writes the folder; fit takes the lock again (counted). Under a launcher, fit checks
+        # that the launcher does hold it (no flag to carry out: the launcher did), else takes it.
+        if os.environ.get("RANK") != "0" or (HELD_ENV in os.environ and not (args.no_resume or args.overwrite)):
             return _train(args)
-        with _run_folder(args):  # rank 0 writes the folder; fit takes the lock again (counted)
+        with _run_folder(args):
             return _train(args)
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over signals (flexmesh.runtime.loop.fit)
         if os.environ.get("RANK") == "0":
-            from rich.console import Console
+            from flexmesh.console import plain_console
 
-            Console(stderr=True, soft_wrap=True).print(f"interrupted before the first step; resume: {resume_command()}",
-                                                       highlight=False, markup=False)
+            plain_console(stderr=True, soft_wrap=True).print(
+                f"interrupted before the first step; resume: {resume_command()}")
         return 0 if os.environ.get(SUPERVISED_ENV) else 130
 
 
@@ -114,10 +116,11 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
 
     argv = without_flags(argv, (), ("--no-resume", "--overwrite"))
     env = dict(os.environ, **{"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # torchrun's default, unsaid
-                              HELD_ENV: str(Path(args.out).resolve()), RESUME_ENV: shlex.join(["flexmesh", *argv])})
-    if rendezvous.node_rank != 0:
-        return relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
-    with _run_folder(args):
+                              RESUME_ENV: shlex.join(["flexmesh", *argv])})
+    if rendezvous.node_rank != 0:  # node 0's ranks vouch for the lock (flexmesh.runtime.loop.fit)
+        return relaunch_flexmesh(args.nproc, argv, env={**env, HELD_ENV: PEER}, rendezvous=rendezvous)
+    with _run_folder(args) as secret:
+        env[HELD_ENV] = secret  # what the ranks prove the hold is their launcher's with (rundir.launcher_holds)
         code = relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
         while code == 0 and args.migrate:  # the run stopped to move to a new plan (flexmesh.commands.migrate)
             from flexmesh.commands.migrate import RESHARD_ENV, relaunch_argv, take_request
@@ -134,19 +137,19 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
 
 
 @contextmanager
-def _run_folder(args: argparse.Namespace) -> Iterator[None]:
-    """Hold ``--out`` for the run and, with ``--no-resume``/``--overwrite``, clear it first: refuse, or
-    move the previous run aside and say where."""
-    hold_run_folder(args.out)
+def _run_folder(args: argparse.Namespace) -> Iterator[str]:
+    """Hold ``--out`` for the run (yields the hold's secret) and, with ``--no-resume``/``--overwrite``,
+    clear it first: refuse, or move the previous run aside and say where."""
+    secret = hold_run_folder(args.out)
     try:
         if args.no_resume or args.overwrite:
             moved = start_over(args.out, overwrite=args.overwrite)
             if moved is not None:
-                from rich.console import Console
+                from flexmesh.console import plain_console
 
-                Console(stderr=True).print(f"moved the previous run in {args.out} to {moved} (--overwrite)",
+                plain_console(stderr=True).print(f"moved the previous run in {args.out} to {moved} (--overwrite)",
                                            highlight=False)
-        yield
+        yield secret
     finally:
         release_run_folder(args.out)
 
@@ -213,8 +216,8 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
     import threading
 
     import torch.distributed as dist
-    from rich.console import Console
 
+    from flexmesh.console import plain_console
     from flexmesh.runtime.loop import Diverged, Interrupted, Migrating, Preempted, fit
 
     try:
@@ -226,7 +229,7 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
                     signal.signal(s, signal.SIG_IGN)
     except Migrating as e:
         if dist.get_rank() == 0:
-            Console(stderr=True).print(f"migrating after step {e.step}: predicted gain "
+            plain_console(stderr=True).print(f"migrating after step {e.step}: predicted gain "
                                        f"{e.event.get('predicted_gain')}, new plan {e.event.get('plan')}",
                                        highlight=False)
         dist.barrier()
@@ -235,14 +238,14 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
         code = {Preempted: 128 + signal.SIGTERM, Interrupted: 128 + signal.SIGINT, Diverged: 1}[type(e)]
         if dist.get_rank() == 0:
             line = e.notice() if isinstance(e, Preempted) else e.notice(resume_command())
-            Console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
+            plain_console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
             if os.environ.get(STATUS_ENV):
                 Path(os.environ[STATUS_ENV]).write_text(f"{code}\n")
         dist.barrier()
         return 0 if os.environ.get(SUPERVISED_ENV) else code
     if dist.get_rank() == 0 and history:
         last = history[-1]
-        Console(soft_wrap=True).print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s"
+        plain_console(soft_wrap=True).print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s"
                                       f"{what}; metrics in {os.path.join(out, 'metrics.jsonl')}", highlight=False)
     dist.barrier()
     return 0
@@ -360,14 +363,14 @@ def announce(trainer) -> None:
     """One line on stderr before the first step: the device, the attention kernels, the plan's micro-batch
     budget and whether blocks are compiled (metrics.jsonl records what each step ran)."""
     import torch.distributed as dist
-    from rich.console import Console
 
+    from flexmesh.console import plain_console
     from flexmesh.runtime.device import device_name
     from flexmesh.runtime.distributed import compute_device_choice
 
     cfg, plan = trainer.config, trainer.plan
     budgets = "/".join(f"{g.microbatch_tokens(plan.seq_len):,}" for g in plan.groups)
-    Console(stderr=True, soft_wrap=True).print(
+    plain_console(stderr=True, soft_wrap=True).print(
         f"{dist.get_world_size()} x {device_name(compute_device_choice())}, {cfg.dtype}; attention "
         f"{'+'.join(trainer.attention_kernels())}; micro-batches of up to {budgets} tokens "
         f"per data rank{' (per replica group)' if len(plan.groups) > 1 else ''}; "

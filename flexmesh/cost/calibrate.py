@@ -289,10 +289,11 @@ def error_summary(rows: list[dict], key: str) -> dict[str, tuple[float, float]]:
 
 
 def main() -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    from flexmesh.console import plain_console
+
+    con = plain_console()
     fits = Table(title="Fitted constants (redo of the preset values) and their fitting rows")
     for c in ("constant", "fit", "preset", "fitted on"):
         fits.add_column(c)

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from flexmesh.errors import DataError
+from flexmesh.files import make_folder, open_file
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -51,11 +52,15 @@ def cache_key(*parts: object) -> str:
 
 @contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` so concurrent ranks build a cache entry only once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    """Hold an exclusive lock on ``path`` so concurrent ranks build a cache entry only once. Its folder
+    (created if needed) and the lock file itself must be real: never a symlink (flexmesh.files)."""
+    make_folder(path.parent)
+    fd = open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

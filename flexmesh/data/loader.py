@@ -25,6 +25,7 @@ from flexmesh.data.cache import cache_key, cache_root, file_lock
 from flexmesh.data.corpus import Corpus, read_corpus, stdlib_corpus
 from flexmesh.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
 from flexmesh.errors import DataError
+from flexmesh.files import make_folder
 
 _ENCODE_CHUNK = 256  # documents per encode call: bounds memory while keeping the library's threads busy
 
@@ -61,6 +62,7 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | Path 
     key = cache_key(corpus.fingerprint(), tokenizer_hash(tokenizer))
     folder = cache_root(cache_dir) / "tokens" / key
     with file_lock(folder.with_suffix(".lock")):
+        make_folder(folder, create=False)  # replaced when broken: a real folder, never a symlink
         if not (folder / "offsets.npy").is_file():
             _encode_to(folder, corpus, tokenizer)
     try:

@@ -96,11 +96,12 @@ def progress(enabled: bool, description: str, total: int):
     if not enabled:
         yield lambda label=None: None
         return
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
+    from flexmesh.console import plain_console
+
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=plain_console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
 
         def advance(label: str | None = None) -> None:

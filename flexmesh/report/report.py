@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-from flexmesh.files import write_atomic
+from flexmesh.files import make_folder, write_atomic
 
 
 def median_abs_error(predicted: ArrayLike, measured: ArrayLike) -> float:
@@ -46,8 +46,7 @@ class Report:
     """Collects sections in order; :meth:`write` writes ``<out>/report.md`` atomically."""
 
     def __init__(self, title: str, out: str | Path) -> None:
-        self.out = Path(out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = make_folder(out)
         self.parts: list[str] = [f"# {title}\n"]
 
     def heading(self, text: str) -> None:

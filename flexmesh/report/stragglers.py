@@ -39,6 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 from flexmesh.errors import FlexmeshError  # noqa: E402
+from flexmesh.files import make_folder  # noqa: E402
 from flexmesh.report.report import Report, median_abs_error  # noqa: E402
 from flexmesh.sim.plots import save_figure  # noqa: E402
 
@@ -202,8 +203,7 @@ def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, globa
     to ``out/runs/static`` and ``out/runs/adaptive``."""
     from flexmesh.report.demo import training_plan
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(out)
     plan_path = out / "plan-2.json"
     training_plan(2, max_len, global_batch).save(plan_path)
     flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hardware), "--model-profile", str(model),

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from flexmesh.errors import CheckpointError
-from flexmesh.files import write_atomic
+from flexmesh.files import make_folder, write_atomic
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.distributed import cpu_group
 
@@ -128,8 +128,9 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
 
     def prepare() -> None:
         if rank == 0:
+            make_folder(root)  # a real folder in the run folder, not a symlink to somewhere else
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            tmp.mkdir()
 
     def write_shards() -> None:
         model_sd, optim_sd = _state_dicts(trainer, saving=True)

@@ -45,7 +45,7 @@ from flexmesh.data.hf_tokenizer import (
     write_hf_tokenizer,
 )
 from flexmesh.errors import CheckpointError, DataError, SpecError
-from flexmesh.files import write_atomic, write_atomic_with
+from flexmesh.files import check_file_target, make_folder, write_atomic, write_atomic_with
 from flexmesh.layout.plan import load_plan
 from flexmesh.layout.plan_model import plan_model
 from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash, verify_checkpoint
@@ -227,7 +227,7 @@ def _previous_export(out: Path) -> list[Path]:
     """Files of an earlier export in ``out`` (which a new one replaces or, with other shard names, removes)."""
     if not out.is_dir():
         return []
-    return sorted(p for p in out.iterdir() if p.is_file() and (
+    return sorted(p for p in out.iterdir() if p.is_file() and not p.is_symlink() and (
         p.name in ("config.json", INDEX, "model.safetensors", *_ASIDE) or _SHARD.fullmatch(p.name)))
 
 
@@ -287,9 +287,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     if max_shard_bytes <= 0:
         raise SpecError(f"the maximum shard size must be positive, got {max_shard_bytes} bytes")
     family = hf_family(spec)  # refuse a model transformers cannot build before reading anything
+    out = make_folder(out, create=False)  # a symlink or a file there: refused before reading anything
+    for name in ("config.json", INDEX):  # replaced or removed below: only a regular file is
+        check_file_target(out / name)
     path = find_checkpoint(checkpoint)
     manifest = _manifest(path)
-    out = Path(out)
     previous = _previous_export(out)
     if previous and not overwrite:
         raise CheckpointError(f"{out} already holds an export ({previous[0].name}); choose another --out or add "
@@ -308,7 +310,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     nbytes = {n: found[n][1].size.numel() * written.itemsize for n in names}
     groups = _plan_shards(names, nbytes, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     (out / "config.json").unlink(missing_ok=True)  # until the new export is whole, the folder loads nowhere
     weight_map: dict[str, str] = {}
     for group, file in zip(groups, files, strict=True):

@@ -16,7 +16,9 @@ options; without them the launch is on one node, on loopback at a free port.
 Signals (:func:`run_supervised`): Ctrl-C or SIGTERM on ``flexmesh ... --nproc N`` goes to every rank,
 which stops at its next step boundary (Ctrl-C without starting a checkpoint, SIGTERM with one) and
 exits quietly; the launcher waits for torchrun, kills whatever it left behind and exits with
-128 + the signal. A second Ctrl-C kills at once.
+128 + the signal. A second Ctrl-C kills at once. A launcher killed outright (SIGKILL, which it cannot
+forward) takes its run along: on Linux torchrun and every rank die with their parent
+(``PR_SET_PDEATHSIG``, :func:`die_with_launcher`), so no rank trains on without the folder's lock.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from flexmesh.errors import PlanError
+from flexmesh.runtime.procs import parent_of
+from flexmesh.runtime.rundir import HELD_ENV
 
 # The variables torchrun sets in each rank; a child that starts its own ranks must not inherit them,
 # or it would join (or rendezvous at the port of) the launch this process belongs to.
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RESTART_COUNT")
-SUPERVISED_ENV = "FLEXMESH_SUPERVISED"  # set for ranks whose launcher stops them itself (run_supervised)
+SUPERVISED_ENV = "FLEXMESH_SUPERVISED"  # the pid of the launcher that stops the ranks itself (run_supervised)
 RESUME_ENV = "FLEXMESH_RESUME_COMMAND"  # the command line that resumes the run, for the ranks' last word
 STATUS_ENV = "FLEXMESH_EXIT_STATUS"  # a file where rank 0 leaves the exit code of a run its ranks end cleanly
 
@@ -58,7 +62,7 @@ def child_env() -> dict[str, str]:
     --nproc``): without the rank variables of a launch this process may be part of, and with one
     intra-op thread per process unless the caller chose otherwise."""
     env = {k: v for k, v in os.environ.items()
-           if k not in (*LAUNCH_VARIABLES, SUPERVISED_ENV, RESUME_ENV, STATUS_ENV)}
+           if k not in (*LAUNCH_VARIABLES, SUPERVISED_ENV, RESUME_ENV, STATUS_ENV, HELD_ENV)}
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -281,12 +285,13 @@ def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) ->
     everything outright; SIGHUP, or a signal before the ranks exist, goes to torchrun. The child
     runs in its own process group (a terminal's Ctrl-C reaches only this process, once). On Linux
     this process adopts orphaned descendants (a child subreaper), so ranks that outlive torchrun are
-    killed before it returns.
+    killed before it returns; and should this process be killed outright, torchrun gets SIGKILL from
+    the kernel (``PR_SET_PDEATHSIG``), as do the ranks when torchrun dies (:func:`die_with_launcher`).
     """
     adopts = _become_subreaper()
     status = Path(tempfile.mkdtemp(prefix="flexmesh-")) / "status"
-    env = {**(env if env is not None else os.environ), SUPERVISED_ENV: "1", STATUS_ENV: str(status)}
-    proc = subprocess.Popen(list(command), env=env, start_new_session=True)
+    env = {**(env if env is not None else os.environ), SUPERVISED_ENV: str(os.getpid()), STATUS_ENV: str(status)}
+    proc = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=_dies_with(os.getpid()))
     seen: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
@@ -348,16 +353,54 @@ def _is_rank(pid: int) -> bool:
         return False
 
 
-def _become_subreaper() -> bool:
-    """Make this process adopt its orphaned descendants (Linux prctl PR_SET_CHILD_SUBREAPER)."""
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
+
+
+def _prctl() -> Any:
+    """libc's ``prctl`` (Linux), else None."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         import ctypes
 
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def _become_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (Linux prctl PR_SET_CHILD_SUBREAPER)."""
+    prctl = _prctl()
+    return prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _dies_with(parent: int) -> Any:
+    """A ``preexec_fn`` that makes the child get SIGKILL when ``parent`` (this process) dies, and exit at
+    once if it already has (Linux); None elsewhere. ``prctl`` is looked up here, not in the child."""
+    prctl = _prctl()
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above armed the signal
+            os._exit(1)
+
+    return preexec
+
+
+def die_with_launcher() -> None:
+    """In a rank that :func:`run_supervised` started (its launcher's pid in SUPERVISED_ENV): get SIGKILL
+    when torchrun, the rank's parent, dies (Linux ``PR_SET_PDEATHSIG``), and exit now when torchrun
+    or the launcher is already gone (the rank's grandparent is then not the launcher). A no-op
+    elsewhere: plain torchrun, a single process, not Linux."""
+    launcher = os.environ.get(SUPERVISED_ENV, "")
+    prctl = _prctl() if "LOCAL_RANK" in os.environ and launcher.isdigit() else None
+    if prctl is None or prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    if parent_of(os.getppid()) != int(launcher):
+        print("flexmesh: the launcher of this rank is gone; stopping", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _kill_adopted() -> None:

@@ -18,12 +18,21 @@ import torch
 import torch.distributed as dist
 
 from flexmesh.errors import FlexmeshError
-from flexmesh.files import write_atomic
+from flexmesh.files import append_file, write_atomic
 from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flexmesh.runtime.config import StepMetrics, TrainConfig
 from flexmesh.runtime.distributed import cpu_group
-from flexmesh.runtime.rundir import hold_run_folder, read_metrics, release_run_folder, start_over
+from flexmesh.runtime.rundir import (
+    CHECKPOINTS,
+    METRICS,
+    check_run_entries,
+    hold_run_folder,
+    launcher_holds,
+    read_metrics,
+    release_run_folder,
+    start_over,
+)
 from flexmesh.runtime.trainer import Trainer
 from flexmesh.runtime.watchdog import Heartbeat, rank_error
 
@@ -90,9 +99,11 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     and a migration raises :class:`Migrating` (the launcher relaunches on the new plan).
     """
     out = Path(config.out_dir) if config.out_dir else None
-    ckpt_root = out / "checkpoints" if out else None
+    ckpt_root = out / CHECKPOINTS if out else None
     rank0 = dist.get_rank() == 0
-    held, old_rows = _on_rank0(lambda: _open_run_folder(out, config.resume), (False, [])) if out else (False, [])
+    launched = _any_rank(launcher_holds(out)) if out else False  # several nodes: node 0's ranks can tell
+    held, old_rows = _on_rank0(lambda: _open_run_folder(out, config.resume, launched), (False, [])) if out else (
+        False, [])
     preemption = _Preemption()
     heartbeat = Heartbeat()  # names a rank that stops answering (flexmesh.runtime.watchdog)
     progress = None
@@ -105,7 +116,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                 if rank0:
                     _say(None, f"resuming from {found} (step {trainer.step_index} of {config.max_steps})"
                                f"{', resharded to the new plan' if reshard else ''}")
-        metrics_file = out / "metrics.jsonl" if out else None
+        metrics_file = out / METRICS if out else None
         if rank0 and metrics_file is not None:
             kept = [ln for step, ln in old_rows if step <= trainer.step_index]
             write_atomic(metrics_file, "".join(ln + "\n" for ln in kept))
@@ -126,7 +137,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                 m, saved, migrated = _migration_point(migration, m, ckpt_root, trainer, source)
             history.append(m)
             if rank0 and metrics_file is not None:
-                with metrics_file.open("a") as f:
+                with append_file(metrics_file) as f:
                     f.write(json.dumps(m.to_dict()) + "\n")
             if progress is not None:
                 progress.update(m)
@@ -234,13 +245,15 @@ class Preempted(Exception):
         return f"stopped by SIGTERM after step {self.step}; {where}; run the same command again to resume"
 
 
-def _open_run_folder(out: Path, resume: bool) -> tuple[bool, list[tuple[int, str]]]:
-    """Rank 0: lock ``out``, refuse to start over a previous run, read the metrics to keep."""
-    held = hold_run_folder(out)
+def _open_run_folder(out: Path, resume: bool, launched: bool) -> tuple[bool, list[tuple[int, str]]]:
+    """Rank 0: lock ``out`` unless the run's launcher holds it (``launched``), refuse to start over a
+    previous run, read the metrics to keep; (whether this process holds the lock, those metrics)."""
+    held = not launched and bool(hold_run_folder(out))
     try:
+        check_run_entries(out)  # hold_run_folder checks too, but the launcher's hold was taken a while ago
         if not resume:
             start_over(out, overwrite=False)
-        return held, read_metrics(out / "metrics.jsonl") if resume else []
+        return held, read_metrics(out / METRICS) if resume else []
     except BaseException:
         if held:
             release_run_folder(out)
@@ -259,10 +272,18 @@ def _note_dtype_change(kept: list[str], dtype: str) -> None:
     last = json.loads(kept[-1])
     before = last.get("dtype", "fp32")
     if before != dtype:
-        from rich.console import Console
+        from flexmesh.console import plain_console
 
-        Console(stderr=True).print(f"resuming after step {last['step']} in {dtype}; the steps so far ran in "
+        plain_console(stderr=True).print(f"resuming after step {last['step']} in {dtype}; the steps so far ran in "
                                    f"{before} (metrics.jsonl records each step's dtype)", highlight=False)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (every rank calls it at the same point)."""
+    box = torch.tensor([int(flag)], dtype=torch.int32)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=cpu_group())
+    return bool(box.item())
 
 
 def _on_rank0(fn: Callable[[], Any], elsewhere: Any) -> Any:
@@ -347,9 +368,9 @@ def _say(progress: _Progress | None, line: str) -> None:
     if progress is not None:
         progress.say(line)
         return
-    from rich.console import Console
+    from flexmesh.console import plain_console
 
-    Console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
+    plain_console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
 
 
 class _Progress:
@@ -358,8 +379,11 @@ class _Progress:
     def __init__(self, total: int, done: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                             TimeRemainingColumn(), transient=False)
+        from flexmesh.console import plain_console
+
+        self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.description}", markup=False), TimeRemainingColumn(),
+                             console=plain_console(), transient=False)
         self._task = self._bar.add_task("", total=total, completed=done)
         self._bar.start()
 

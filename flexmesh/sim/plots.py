@@ -17,6 +17,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from flexmesh.errors import FlexmeshError  # noqa: E402
+from flexmesh.files import make_folder, write_atomic_with  # noqa: E402
 from flexmesh.sim.timeline import KINDS, StepTimeline  # noqa: E402
 
 COLORS = {"compute": "#2b7bba", "comm": "#f28e2b", "bubble": "#bab0ac", "wait": "#e15759"}
@@ -93,9 +94,12 @@ def load_png(tl: StepTimeline, path: str | Path, title: str = "") -> Path:
 
 
 def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` (folders created) and close it, so figures do not pile up."""
+    """Write ``fig`` as a PNG at ``path`` (folders created; atomically, and never through a symlink or
+    over anything but a regular file: flexmesh.files) and close it, so figures do not pile up."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    try:
+        make_folder(p.parent)
+        write_atomic_with(p, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
     return p
