@@ -35,6 +35,7 @@ import time
 import warnings
 from pathlib import Path
 
+from flexmesh.data.hf_tokenizer import RUN_TOKENIZER
 from flexmesh.errors import RunFolderError
 from flexmesh.files import check_file_target, make_folder, open_file
 from flexmesh.runtime.procs import ancestors
@@ -150,8 +151,8 @@ def run_contents(out: str | Path) -> list[str]:
 
 def foreign_entries(out: str | Path) -> list[str]:
     """The entries of ``out`` that no flexmesh run writes there: anything but regular files named as
-    :data:`METRICS`, :data:`MIGRATION_FILE` or :data:`MIGRATED_PLAN`, a real ``checkpoints`` folder, the
-    lock and ``previous-*`` folders (``.git``, sources, a symlink named ``checkpoints``, ...).
+    :data:`METRICS`, :data:`MIGRATION_FILE` or :data:`MIGRATED_PLAN`, real ``checkpoints`` and ``tokenizer``
+    folders, the lock and ``previous-*`` folders (``.git``, sources, a symlink named ``checkpoints``, ...).
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -166,7 +167,8 @@ def foreign_entries(out: str | Path) -> list[str]:
         mode = p.lstat().st_mode
         if p.name == LOCK and stat.S_ISREG(mode) or p.name.startswith(PREVIOUS) and stat.S_ISDIR(mode):
             continue
-        if p.name == CHECKPOINTS and stat.S_ISDIR(mode) or _RUN_FILE.fullmatch(p.name) and stat.S_ISREG(mode):
+        folder = p.name in (CHECKPOINTS, RUN_TOKENIZER) and stat.S_ISDIR(mode)
+        if folder or _RUN_FILE.fullmatch(p.name) and stat.S_ISREG(mode):
             continue
         found.append(p.name)
     return found
