@@ -40,6 +40,14 @@ def _kind(mode: int) -> str:
     return next((word for test, word in _KINDS if test(mode)), "not a regular file")
 
 
+def _why(e: OSError) -> str:
+    """What an OSError says of a folder, as words: ``is read-only``, ``does not exist``, ..."""
+    words = {errno.EROFS: "is on a read-only file system", errno.EACCES: "is not writable for you",
+             errno.EPERM: "is not writable for you", errno.ENOENT: "cannot hold new files",
+             errno.ENOSPC: "is on a full disk", errno.ENOTDIR: "is not a folder"}
+    return words.get(e.errno or 0, f"cannot hold files ({e.strerror or e})")
+
+
 def check_file_target(path: str | Path) -> None:
     """Refuse (OutputError) to write the file ``path`` when something other than a regular file is
     there: a symlink (even one to a regular file), a device, a fifo, a socket or a folder."""
@@ -47,6 +55,9 @@ def check_file_target(path: str | Path) -> None:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
+    except NotADirectoryError:
+        raise OutputError(f"cannot write {path}: a part of its folder is a file, not a folder; choose another "
+                          "path") from None
     if not stat.S_ISREG(mode):
         raise OutputError(f"{path} is {_kind(mode)}, not a file flexmesh writes; remove it or choose another path")
 
@@ -104,8 +115,11 @@ def write_atomic_with(path: str | Path, write: Callable[[Path], None]) -> None:
     ``path`` that is not a regular file is refused (:func:`check_file_target`), never replaced."""
     path = Path(path)
     check_file_target(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as e:  # a folder that cannot hold files: say so of the path the user gave
+        raise OutputError(f"cannot write {path}: {path.parent} {_why(e)}; choose a writable folder") from None
     os.close(fd)
     try:
         write(Path(tmp))

@@ -83,3 +83,13 @@ def test_train_refuses_a_plan_that_needs_more_memory_than_the_machine_has(tmp_pa
     said = " ".join(capsys.readouterr().err.split())
     assert code == 2 and "the plan predicts a peak of 1000000.0 GiB per rank" in said, said
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = blocker / "plan.json"  # a folder that is a file: nothing can be written under it
+    assert main(["plan", "--model", "tiny", "--cluster", "2xA100-80GB", "--seq-len", "512", "--global-batch", "4",
+                 "--top", "1", "--out", str(target)]) == 2
+    said = capsys.readouterr().err
+    assert len(said.strip().splitlines()) == 1 and f"cannot write {target}" in said and ".plan.json." not in said
