@@ -123,6 +123,17 @@ def test_corrupt_store_is_reported(small, tmp_path) -> None:
         tokenize_corpus(corpus, tok, cache_dir=tmp_path)
 
 
+def test_a_store_with_ids_the_tokenizer_cannot_make_is_refused(small, tmp_path) -> None:
+    corpus, tok, _ = small
+    tokenize_corpus(corpus, tok, cache_dir=tmp_path)
+    (tokens,) = (tmp_path / "tokens").glob("*/tokens.npy")
+    ids = np.load(tokens)
+    ids[len(ids) // 2] = tok.get_vocab_size() + 7  # what a flipped bit can make of an id
+    np.save(tokens, ids)
+    with pytest.raises(DataError, match="holds ids outside the tokenizer's 384 tokens"):
+        tokenize_corpus(corpus, tok, cache_dir=tmp_path)
+
+
 def test_load_corpus_tokens_trains_or_loads(small, tmp_path) -> None:
     corpus, tok, cache = small
     tok.save(str(tmp_path / "tokenizer.json"))

@@ -72,6 +72,10 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | Path 
         raise DataError(f"token cache {folder} is corrupt ({e}); delete that folder to re-tokenise") from None
     if len(offsets) < 2 or offsets[-1] != len(tokens):
         raise DataError(f"token cache {folder} is inconsistent; delete that folder to re-tokenise")
+    # ids the tokenizer cannot have made (a damaged store) would index past the embedding at step 1
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= tokenizer.get_vocab_size()):
+        raise DataError(f"token cache {folder} holds ids outside the tokenizer's {tokenizer.get_vocab_size()} "
+                        "tokens: it is damaged; delete that folder to re-tokenise")
     return TokenizedCorpus(tokens=tokens, offsets=offsets)
 
 
