@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps),
                    "--out", str(run_dir), "--nproc", str(args.nproc), "--overwrite", "--seed", str(args.seed),
                    "--hardware-profile", str(hw), "--model-profile", str(mp), *on, *policy], console, f"train {label}")
-        metrics[label], loads[label] = read_metrics(run_dir / "metrics.jsonl"), (before, os.getloadavg()[0])
+        metrics[label], loads[label] = read_metrics(run_dir / "metrics.jsonl"), before
 
     # uneven devices: a mixed-cluster plan against its baselines
     console.print(Rule("5/6  mixed cluster: plan Llama 2 13B on 1x8xH100+2x8xA100-40GB against its baselines"))

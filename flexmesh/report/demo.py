@@ -76,10 +76,10 @@ def run_summary(rows: list[dict], warmup: int = 1) -> dict:
     }
 
 
-def gain_text(label: str, rows: list[dict], fixed: list[dict], loads: dict[str, tuple[float, float]]) -> str:
+def gain_text(label: str, rows: list[dict], fixed: list[dict], loads: dict[str, float]) -> str:
     """``label``'s tokens/s against ``fixed``'s on the same batches, with what load could do to it: the
-    per-step ratios' median and middle half (a gain inside it is noise, said so) and each run's load
-    average before and after (``loads``: label -> (before, after)).
+    per-step ratios' median and middle half (a gain inside it is noise, said so) and the load average
+    as each run started (``loads``: label -> 1-minute load average).
 
     >>> fixed = [{"step": s, "tokens": 100, "step_time_s": 1.0} for s in range(1, 6)]
     >>> fast = [{"step": s, "tokens": 100, "step_time_s": t} for s, t in enumerate((1, .5, .5, .5, .6), 1)]
@@ -96,21 +96,22 @@ def gain_text(label: str, rows: list[dict], fixed: list[dict], loads: dict[str, 
                  f"{': the difference is within the run-to-run noise of this machine' if noisy else ''})")
     if loads:
         cores = os.cpu_count() or 1
-        text += "; load average " + ", ".join(f"{k} {a:.1f} before / {b:.1f} after" for k, (a, b) in loads.items())
-        text += f" on {cores} cores (above {cores}, other work shares the cores and blurs the comparison)"
+        text += ("; 1-minute load average as each run started: " + ", ".join(f"{k} {a:.1f}" for k, a in loads.items())
+                 + f", on {cores} cores (the demo's own processes count toward it: about their number is the demo "
+                 "alone, more is other work sharing the cores, which blurs the comparison)")
     return text + "."
 
 
 def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], plan_path: Path,
                  elapsed_s: float, stragglers: dict[str, list[dict]] | None = None, devices: str = "",
                  gpu: dict | None = None, mixed: tuple | None = None,
-                 loads: dict[str, tuple[float, float]] | None = None) -> Path:
+                 loads: dict[str, float] | None = None) -> Path:
     """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows; ``stragglers``:
     the static and adaptive runs with a slow rank (flexmesh.report.stragglers.demo_comparison);
     ``devices``: where the parts ran; ``gpu``: the one-GPU run ({"name", "preset", "rows"}), if any;
     ``mixed``: the mixed-cluster plan's figures (flexmesh.report.plan_tables.demo_mixed_plan) and its
-    simulated dispatch (flexmesh.commands.simulate.GroupsSimulation); ``loads``: run label -> the load
-    average before and after it."""
+    simulated dispatch (flexmesh.commands.simulate.GroupsSimulation); ``loads``: run label -> the 1-minute
+    load average as it started."""
     out = Path(out)
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
