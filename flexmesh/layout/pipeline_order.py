@@ -1,0 +1,269 @@
+"""The order of forwards and backwards on each pipeline rank when documents are cut into slices.
+
+A document cut into slices that run in consecutive micro-batches (flexmesh.layout.step, the
+``chunked`` policy) forms a *unit*: micro-batches linked by a cut document. A later slice attends to
+the keys and values of the earlier ones, so its backward must run before theirs and hand them the
+gradient of those keys and values (flexmesh.runtime.carry). On every stage a unit therefore runs its
+forwards in order and its backwards in reverse; units follow one another as the micro-batches of
+1F1B do (InfiniPipe, 2509.21275; TeraPipe, 2102.07988). A micro-batch no document links to another
+is a unit of one, so a step without cut documents gets plain 1F1B.
+
+:func:`pipeline_order` builds the per-rank lists by list scheduling (each rank, whenever it is free,
+starts the first ready action: a backward, else a forward while fewer than ``num_stages - stage``
+micro-batches are in flight on that stage, or while the next backward still needs more forwards).
+Actions are taken in the time order of a simulation, so the lists can never deadlock; stage ``s``
+runs on pipeline rank ``s % pp`` (interleaved chunks). :func:`check_order` checks any given lists:
+every action once, dependencies respected (stage to stage, slice order within a unit, forwards in
+micro-batch order on a stage), no deadlock, and reports the peak in flight per stage.
+:func:`simulate_order` times lists with given per-action durations (the simulator prices a sliced
+step by it, the report draws it).
+
+Written by hand: torch.distributed.pipelining runs a given per-rank list
+(``_PipelineScheduleRuntime``), but has no generator for this order.
+
+>>> order = pipeline_order([[0, 1], [2]], num_stages=2, pp=2)
+>>> [" ".join(str(a) for a in rank) for rank in order]
+['F0.0 F0.1 B0.1 B0.0 F0.2 B0.2', 'F1.0 F1.1 B1.1 B1.0 F1.2 B1.2']
+>>> check_order(order, [[0, 1], [2]], num_stages=2).peak_in_flight
+(2, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from flexmesh.errors import ScheduleError
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """``kind`` "F" (forward) or "B" (full backward) of micro-batch ``mb`` on stage ``stage``."""
+
+    kind: str
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.mb}"
+
+
+def units_from_ends(ends: Sequence[bool]) -> list[list[int]]:
+    """Micro-batch units from per-micro-batch "a chain ends here" flags (flexmesh.runtime.carry.chain_ends).
+
+    >>> units_from_ends([False, True, True, False, False, True])
+    [[0, 1], [2], [3, 4, 5]]
+    """
+    units: list[list[int]] = [[]]
+    for i, end in enumerate(ends):
+        units[-1].append(i)
+        if end and i < len(ends) - 1:
+            units.append([])
+    return [u for u in units if u]
+
+
+def _check_units(units: Sequence[Sequence[int]]) -> int:
+    flat = [i for u in units for i in u]
+    if flat != list(range(len(flat))) or any(not u for u in units):
+        raise ScheduleError(f"units {[list(u) for u in units]} must split micro-batches 0..{len(flat) - 1} "
+                            "into consecutive, non-empty runs")
+    return len(flat)
+
+
+def _backward_sequence(units: Sequence[Sequence[int]]) -> list[int]:
+    return [i for u in units for i in reversed(list(u))]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end of every action (same order as the per-rank lists) and the step's span."""
+
+    spans: tuple[tuple[tuple[Action, float, float], ...], ...]  # per rank
+    makespan: float
+
+    def busy(self, rank: int) -> float:
+        return sum(e - s for _, s, e in self.spans[rank])
+
+    def bubble(self) -> float:
+        """Idle share of the ranks over the step: 1 - busy / (ranks x makespan)."""
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(r) for r in range(len(self.spans))) / (len(self.spans) * self.makespan)
+
+
+Durations = Callable[[Action], float]
+
+
+def _unit_time(a: Action) -> float:
+    return 1.0 if a.kind == "F" else 2.0
+
+
+def pipeline_order(units: Sequence[Sequence[int]], num_stages: int, pp: int,
+                   duration: Durations = _unit_time) -> list[list[Action]]:
+    """Per pipeline rank, the actions it runs in order (module doc); ``duration`` only steers the
+    interleaving (default: a backward takes twice a forward)."""
+    return list(_list_schedule(units, num_stages, pp, duration)[0])
+
+
+def _list_schedule(units: Sequence[Sequence[int]], num_stages: int, pp: int,
+                   duration: Durations) -> tuple[list[list[Action]], Timeline]:
+    m = _check_units(units)
+    if num_stages < 1 or pp < 1 or num_stages % pp:
+        raise ScheduleError(f"{num_stages} stages cannot be spread evenly over {pp} pipeline ranks")
+    unit_end = {i: max(u) for u in units for i in u}  # the forward a unit's first backward waits for
+    bseq = _backward_sequence(units)
+    f_next = [0] * num_stages  # next forward's micro-batch per stage
+    b_next = [0] * num_stages  # position in bseq per stage
+    f_done: dict[tuple[int, int], float] = {}  # (stage, mb) -> end time
+    b_done: dict[tuple[int, int], float] = {}
+    free_at = [0.0] * pp
+    order: list[list[Action]] = [[] for _ in range(pp)]
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
+    remaining = 2 * m * num_stages
+    now = 0.0
+    while remaining:
+        started = False
+        for r in range(pp):
+            if free_at[r] > now:
+                continue
+            act = _pick(r, now, pp, num_stages, m, f_next, b_next, bseq, unit_end, f_done, b_done)
+            if act is None:
+                continue
+            end = now + float(duration(act))
+            (f_done if act.kind == "F" else b_done)[(act.stage, act.mb)] = end
+            if act.kind == "F":
+                f_next[act.stage] += 1
+            else:
+                b_next[act.stage] += 1
+            free_at[r] = end
+            order[r].append(act)
+            spans[r].append((act, now, end))
+            remaining -= 1
+            started = True
+        if remaining and not started:
+            later = [t for t in free_at if t > now] + [t for t in (*f_done.values(), *b_done.values()) if t > now]
+            if not later:
+                raise ScheduleError("pipeline order stalled: no action can start (a bug in the generator)")
+            now = min(later)
+    makespan = max(free_at) if m else 0.0
+    return order, Timeline(tuple(tuple(s) for s in spans), makespan)
+
+
+def _pick(r: int, now: float, pp: int, num_stages: int, m: int, f_next: list[int], b_next: list[int],
+          bseq: list[int], unit_end: dict[int, int], f_done: dict, b_done: dict) -> Action | None:
+    """The action rank ``r`` starts at ``now``: a ready backward (latest stage first), else a ready
+    forward the in-flight rule allows (earliest micro-batch, then latest stage: depth first)."""
+    stages = range(r, num_stages, pp)
+    for s in sorted(stages, reverse=True):
+        if b_next[s] < m:
+            i = bseq[b_next[s]]
+            if (f_done.get((s, i), now + 1) <= now
+                    and (s == num_stages - 1 or b_done.get((s + 1, i), now + 1) <= now)):
+                return Action("B", s, i)
+    best: Action | None = None
+    for s in stages:
+        i = f_next[s]
+        if i >= m or (s > 0 and f_done.get((s - 1, i), now + 1) > now):
+            continue
+        in_flight = f_next[s] - b_next[s]
+        needed = b_next[s] < m and i <= unit_end[bseq[b_next[s]]]
+        if in_flight < num_stages - s or needed:
+            cand = Action("F", s, i)
+            if best is None or (i, -s) < (best.mb, -best.stage):
+                best = cand
+    return best
+
+
+def _later_slices(units: Sequence[Sequence[int]]) -> dict[int, int]:
+    """micro-batch -> the next one of its unit, whose backward must run before its own."""
+    return {a: b for u in units for a, b in zip(u, u[1:])}
+
+
+def _deps(a: Action, num_stages: int, later_slice: dict[int, int]) -> list[Action]:
+    """What must finish before ``a`` starts: the previous stage's forward; for a backward its own
+    forward, the next stage's backward and the backward of the unit's next slice."""
+    if a.kind == "F":
+        return [Action("F", a.stage - 1, a.mb)] if a.stage else []
+    deps = [Action("F", a.stage, a.mb)]
+    if a.stage < num_stages - 1:
+        deps.append(Action("B", a.stage + 1, a.mb))
+    if a.mb in later_slice:
+        deps.append(Action("B", a.stage, later_slice[a.mb]))
+    return deps
+
+
+@dataclass(frozen=True)
+class OrderCheck:
+    peak_in_flight: tuple[int, ...]  # per stage: most micro-batches forwarded and not yet backwarded
+
+
+def check_order(order: Sequence[Sequence[Action]], units: Sequence[Sequence[int]], num_stages: int) -> OrderCheck:
+    """Raise ScheduleError unless the per-rank lists run every action once without deadlock and in
+    a legal order (module doc); returns the peak in flight per stage."""
+    m = _check_units(units)
+    pp = len(order)
+    want = {Action(k, s, i) for k in "FB" for s in range(num_stages) for i in range(m)}
+    seen = [a for rank in order for a in rank]
+    if len(seen) != len(set(seen)) or set(seen) != want:
+        missing = sorted(want - set(seen))[:3]
+        raise ScheduleError(f"the order must run each forward and backward once; missing {missing or 'none'}, "
+                            f"{len(seen) - len(set(seen))} repeated")
+    for r, rank in enumerate(order):
+        wrong = [a for a in rank if a.stage % pp != r]
+        if wrong:
+            raise ScheduleError(f"{wrong[0]} is on pipeline rank {r}, but stage {wrong[0].stage} runs on rank "
+                                f"{wrong[0].stage % pp}")
+    later_slice = _later_slices(units)
+    done: set[Action] = set()
+    pos = [0] * pp
+    in_flight = [0] * num_stages
+    peak = [0] * num_stages
+    f_count = [0] * num_stages
+    while len(done) < len(want):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(order[r]):
+                a = order[r][pos[r]]
+                if a.kind == "F" and a.mb != f_count[a.stage]:
+                    raise ScheduleError(f"stage {a.stage} runs forward {a.mb} before forward {f_count[a.stage]}; "
+                                        "a stage runs its forwards in micro-batch order")
+                if any(d not in done for d in _deps(a, num_stages, later_slice)):
+                    break
+                done.add(a)
+                pos[r] += 1
+                progressed = True
+                if a.kind == "F":
+                    f_count[a.stage] += 1
+                    in_flight[a.stage] += 1
+                    peak[a.stage] = max(peak[a.stage], in_flight[a.stage])
+                else:
+                    in_flight[a.stage] -= 1
+        if not progressed:
+            stuck = {r: str(order[r][pos[r]]) for r in range(pp) if pos[r] < len(order[r])}
+            raise ScheduleError(f"the pipeline order deadlocks: each rank waits at {stuck}")
+    return OrderCheck(tuple(peak))
+
+
+def simulate_order(order: Sequence[Sequence[Action]], units: Sequence[Sequence[int]], num_stages: int,
+                   duration: Durations = _unit_time) -> Timeline:
+    """Start and end of every action when each rank runs its list as soon as dependencies allow
+    (``check_order`` first: an illegal order raises)."""
+    check_order(order, units, num_stages)
+    later_slice = _later_slices(units)
+    end: dict[Action, float] = {}
+    pos = [0] * len(order)
+    free = [0.0] * len(order)
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in order]
+    total = sum(len(r) for r in order)
+    while len(end) < total:
+        for r, rank in enumerate(order):
+            while pos[r] < len(rank):
+                a = rank[pos[r]]
+                deps = _deps(a, num_stages, later_slice)
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] for d in deps])
+                end[a] = free[r] = start + float(duration(a))
+                spans[r].append((a, start, end[a]))
+                pos[r] += 1
+    return Timeline(tuple(tuple(s) for s in spans), max(free) if free else 0.0)
