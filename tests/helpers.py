@@ -73,7 +73,7 @@ def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED, c
 
     Groups get different numbers of micro-batches (exercising the empty padding micro-batches), and
     with ``cut`` one document is cut in two pieces that land in different micro-batches (else it
-    stays whole where its first piece would be: a pipelined run cannot carry a cut document).
+    stays whole where its first piece would be).
     """
     from flexmesh.layout.step import Group, Piece, StepSchedule
 

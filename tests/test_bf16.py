@@ -64,7 +64,7 @@ def steps_for(lay) -> list:
     """The steps layout ``lay`` trains on: test_runtime_parallel's (a cut document unless pipelined)."""
     from flexmesh.layout.step import carries_pieces
 
-    return make_steps(lay.data_ranks, lay.cp, cut=carries_pieces(lay.pp))
+    return make_steps(lay.data_ranks, lay.cp, cut=carries_pieces())
 
 
 def window_of(name: str) -> bool:

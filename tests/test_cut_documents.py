@@ -57,10 +57,13 @@ def _loss(model, batch, n):
     return F.cross_entropy(model(batch.tokens, batch)[0], batch.labels[0], reduction="sum") / n
 
 
+@pytest.mark.parametrize("detached", [False, True])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("recompute", ["none", "block", "core"])
 @pytest.mark.parametrize("cut", sorted(CUTS))
-def test_carried_pieces_give_the_whole_documents_loss_and_gradients(cut, recompute, window):
+def test_carried_pieces_give_the_whole_documents_loss_and_gradients(cut, recompute, window, detached):
+    """Attached store: one backward per chain. Detached store (pipelines): one backward per
+    micro-batch, a chain's in reverse, the later pieces handing back their keys' gradients."""
     import torch
 
     from flexmesh.runtime.carry import KVCarry, chain_plan
@@ -83,16 +86,16 @@ def test_carried_pieces_give_the_whole_documents_loss_and_gradients(cut, recompu
     elif recompute == "core":
         for layer in model.layers.values():
             layer.attention.recompute_core = True
-    store, (keep, ends) = KVCarry(), chain_plan(group)
+    store, (keep, ends) = KVCarry(detached=detached), chain_plan(group)
     assert not ends[0]  # document 0 continues past the first micro-batch
     total, chain = 0.0, []
     for mb, kept, end in zip(group.microbatches, keep, ends, strict=True):
         b = pack_microbatch(docs, mb)
         chain.append(_loss(model, replace(b, carry=store.view(b.segments, kept)), n))
-        if end:  # as the trainer: one backward per chain of micro-batches
-            loss = sum(chain)
-            loss.backward()
-            total += loss.item()
+        if end:  # as the trainer: one backward per chain of micro-batches, or each in reverse
+            for loss in ([sum(chain)] if not detached else reversed(chain)):
+                loss.backward()
+                total += loss.item()
             chain.clear()
             store.clear()
     assert abs(total - whole.item()) <= 1e-5 * whole.item()
@@ -104,6 +107,24 @@ def test_carried_pieces_give_the_whole_documents_loss_and_gradients(cut, recompu
     with pytest.raises(AssertionError):
         for p, q in zip(alone.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_detached_carry_refuses_backwards_in_forward_order():
+    """Under a pipeline a cut document's backwards must run in reverse; in forward order the later
+    piece's gradient would reach the earlier piece's keys too late, so it raises instead of losing it."""
+    from flexmesh.runtime.carry import KVCarry, chain_plan
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.packing import pack_microbatch
+
+    docs, group = _docs(), Group((0,), CUTS["two"])
+    model, store = build_model(tiny_spec(), "cpu"), KVCarry(detached=True)
+    losses = []
+    for mb, kept in zip(group.microbatches[:2], chain_plan(group)[0]):
+        b = pack_microbatch(docs, mb)
+        losses.append(_loss(model, replace(b, carry=store.view(b.segments, kept)), 100))
+    losses[0].backward()
+    with pytest.raises(ScheduleError, match=r"document 0: piece \[0, 31\) ran its backward before a later piece's"):
+        losses[1].backward()
 
 
 def test_attention_charge_is_the_pairs_a_carried_slice_attends():
@@ -120,21 +141,19 @@ def test_attention_charge_is_the_pairs_a_carried_slice_attends():
 
 def test_check_cuts_names_the_sequence_the_runtime_cannot_carry():
     ok = StepSchedule((10, 5), (Group((0,), ((Piece(0, 0, 4), Piece(1, 0, 5)), (Piece(0, 4, 10),))),), "t")
-    ok.check_cuts(1)
-    with pytest.raises(ScheduleError, match=r"sequence 0 is cut over micro-batches \[0, 1\] of a pipelined run"):
-        ok.check_cuts(2)
-    with pytest.raises(ScheduleError, match="sequence 0 .* dynamic RoPE"):
-        ok.check_cuts(1, dynamic_rope=True)
+    ok.check_cuts()  # with or without a pipeline
+    with pytest.raises(ScheduleError, match=r"sequence 0 is cut over micro-batches \[0, 1\] .* dynamic RoPE"):
+        ok.check_cuts(dynamic_rope=True)
     whole = StepSchedule((10, 5), (Group((0,), ((Piece(0, 0, 4), Piece(0, 4, 10)), (Piece(1, 0, 5),))),), "t")
-    whole.check_cuts(2)  # adjacent pieces in one micro-batch form one segment: nothing to carry
+    whole.check_cuts(dynamic_rope=True)  # adjacent pieces in one micro-batch form one segment: nothing to carry
     swapped = StepSchedule((10, 5), (Group((0,), ((Piece(0, 4, 10), Piece(1, 0, 5)), (Piece(0, 0, 4),))),), "t")
     with pytest.raises(ScheduleError, match=r"sequence 0: piece \[0, 4\) .* in order"):
-        swapped.check_cuts(1)
+        swapped.check_cuts()
     split = StepSchedule((10, 5), (Group((0,), ((Piece(0, 0, 4), Piece(1, 0, 5)),)),
                                    Group((1,), ((Piece(0, 4, 10),),))), "t")
     with pytest.raises(ScheduleError, match=r"sequence 0 is cut over the groups of data ranks \[0\] and \[1\]"):
-        split.check_cuts(1)
-    assert carries_pieces(1) and not carries_pieces(2) and not carries_pieces(1, dynamic_rope=True)
+        split.check_cuts()
+    assert carries_pieces() and not carries_pieces(dynamic_rope=True)
 
 
 @st.composite
@@ -145,7 +164,7 @@ def _policy_batches(draw):
     policy = str(draw(st.sampled_from(sorted(POLICIES))))
     pp = draw(st.sampled_from([1, 2]))
     base = tiny_context(draw(st.sampled_from([2, 4, 8])), pp=pp)
-    ctx = replace(base, cut_documents=carries_pieces(pp))  # as the runtime's scheduler builds it
+    ctx = replace(base, cut_documents=carries_pieces())  # as the runtime's scheduler builds it
     top = ctx.max_tokens(ctx.group_sizes[-1])
     short = draw(st.lists(st.integers(1, max(1, top // 64)), max_size=30))
     long = draw(st.lists(st.integers(1, top), min_size=1, max_size=3))
@@ -160,7 +179,7 @@ def test_no_policy_cuts_a_sequence_the_runtime_cannot_keep_exact(case):
     policy, pp, ctx, lens = case
     s = make_schedule(policy, lens, ctx, **({"node_limit": 50} if policy == "milp" else {}))
     s.validate(ctx.num_ranks)
-    s.check_cuts(pp)  # one group per sequence, pieces in order, and cut only where carried
+    s.check_cuts()  # one group per sequence, pieces in order
     if not ctx.cut_documents:
         assert all(p.start == 0 and p.end == s.lengths[p.seq_id] for g in s.groups for mb in g.microbatches for p in mb)
 

@@ -85,7 +85,7 @@ def worker(out: Path, names: list[str]) -> None:
             straight = out / name / "straight"
             trainer = Trainer(plan, tiny_spec(), base)
             steps = make_steps(trainer.layout.data_ranks, trainer.layout.cp, steps=6, seed=11,
-                               cut=carries_pieces(plan.pp))
+                               cut=carries_pieces())
             fit(trainer, ListSource(steps), dataclasses.replace(base, out_dir=str(straight)))
             resumed = out / name / "resumed"
             cfg = dataclasses.replace(base, out_dir=str(resumed))

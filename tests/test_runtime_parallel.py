@@ -136,7 +136,7 @@ def worker(out: Path, names: list[str]) -> None:
             plan = make_plan(name)
             trainer = Trainer(plan, layout_spec(name), train_config())
             lay = trainer.layout
-            steps = make_steps(lay.data_ranks, lay.cp, cut=carries_pieces(lay.pp))
+            steps = make_steps(lay.data_ranks, lay.cp, cut=carries_pieces())
             losses = [trainer.step(docs, sched).loss for docs, sched in steps]
             params = {}
             for m in trainer.inner_models():

@@ -12,8 +12,9 @@ sequences deferred to a later step, appears in exactly one piece.
 
 Cut sequences (:meth:`StepSchedule.check_cuts`, :func:`carries_pieces`): the runtime trains a cut
 sequence exactly as the whole one by carrying the keys and values of its earlier pieces to the later
-ones. It can do so only between micro-batches of one group, in run order, and only without
-pipelining; a policy cuts only where its context allows (``ScheduleContext.cut_documents``).
+ones. It can do so only between micro-batches of one group, in run order (under a pipeline the
+schedule runs their backwards in reverse, flexmesh.layout.pipeline_order), and not with dynamic
+RoPE scaling; a policy cuts only where its context allows (``ScheduleContext.cut_documents``).
 
 Example: four data ranks, a 6000-token sequence on a group of 2, two short ones packed on rank 2,
 rank 3 takes the fourth::
@@ -32,21 +33,21 @@ from dataclasses import dataclass, field
 from flexmesh.errors import ScheduleError
 
 
-def carries_pieces(pp: int, dynamic_rope: bool = False) -> bool:
-    """Whether the runtime keeps a sequence cut over micro-batches exact with ``pp`` pipeline stages.
+def carries_pieces(dynamic_rope: bool = False) -> bool:
+    """Whether the runtime keeps a sequence cut over micro-batches exact.
 
-    Only with ``pp == 1``: the trainer then runs the forward of every micro-batch of a chain of cut
-    sequences before their one backward, so the gradient of a later piece reaches the earlier
-    pieces' keys and values (flexmesh.runtime.carry). A pipeline schedule runs each micro-batch's
-    backward on its own, in an order fixed by the schedule (1F1B: before later forwards), so it
-    cannot. Nor with dynamic RoPE scaling, whose angles depend on the length of the sequence in the
-    forward pass, which a piece does not know. The one place this rule is written; schedulers and
-    the trainer ask it.
+    With any pipeline depth: without pipelining the trainer runs the forwards of a chain of
+    micro-batches linked by a cut sequence before their one backward; under a pipeline each
+    micro-batch runs its own backward, a unit's in reverse, the later pieces handing the earlier
+    ones the gradient of their keys and values (flexmesh.runtime.carry,
+    flexmesh.layout.pipeline_order). Not with dynamic RoPE scaling, whose angles depend on the length
+    of the sequence in the forward pass, which a piece does not know. The one place this rule is
+    written; schedulers and the trainer ask it.
 
-    >>> carries_pieces(1), carries_pieces(2)
+    >>> carries_pieces(), carries_pieces(dynamic_rope=True)
     (True, False)
     """
-    return pp == 1 and not dynamic_rope
+    return not dynamic_rope
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class StepSchedule:
             if pos != length:
                 raise ScheduleError(f"sequence {sid}: covers {pos} of {length} tokens")
 
-    def check_cuts(self, pp: int = 1, dynamic_rope: bool = False) -> None:
+    def check_cuts(self, dynamic_rope: bool = False) -> None:
         """Raise ScheduleError, naming the sequence, unless the runtime can train every cut one exactly.
 
         A sequence is cut when its pieces do not form one run of adjacent pieces in one micro-batch.
@@ -159,8 +160,7 @@ class StepSchedule:
                         f"[{a.start}, {a.end}) in micro-batch {ma}; run a cut sequence's pieces in order")
             one_segment = len({mi for _, mi, _, _ in spots}) == 1 and \
                 [pi for _, _, pi, _ in spots] == list(range(spots[0][2], spots[0][2] + len(spots)))
-            if not one_segment and not carries_pieces(pp, dynamic_rope):
-                why = "of a model with dynamic RoPE scaling" if dynamic_rope else f"of a pipelined run (pp {pp})"
+            if not one_segment and not carries_pieces(dynamic_rope):
                 raise ScheduleError(
-                    f"sequence {sid} is cut over micro-batches {sorted({mi for _, mi, _, _ in spots})} {why}; the "
-                    "runtime keeps cut sequences exact only with pp = 1 and without dynamic RoPE: schedule it whole")
+                    f"sequence {sid} is cut over micro-batches {sorted({mi for _, mi, _, _ in spots})} of a model "
+                    "with dynamic RoPE scaling, whose angles depend on the whole length: schedule it whole")

@@ -9,10 +9,16 @@ the later piece must send gradient back into them. As in TeraPipe and InfiniPipe
   of a piece that a later piece continues, in a per-step store keyed by (document, layer); the
   later piece attends to ``[kept prefix ; its own keys]`` with its queries at document positions
   ``a .. b - 1`` (packing already gives them those positions for RoPE);
-- backward: the trainer runs the forwards of every micro-batch of a *chain* (micro-batches linked
-  by a cut document) and then one backward of their summed loss, so the gradient reaching a kept
-  prefix flows on into the earlier micro-batch's graph (:func:`chains`). Without pipelining only:
-  :func:`flexmesh.layout.step.carries_pieces`.
+- backward, without pipelining: the trainer runs the forwards of every micro-batch of a *chain*
+  (micro-batches linked by a cut document) and then one backward of their summed loss, so the
+  gradient reaching a kept prefix flows on into the earlier micro-batch's graph (:func:`chain_plan`);
+- backward, under a pipeline (``KVCarry(detached=True)``): every micro-batch runs its own backward,
+  so the graphs stay apart. The store keeps a *detached* copy of the kept keys and values (a leaf
+  that collects the gradient later pieces send it), and the earlier piece's own keys and values pass
+  through :class:`_HandBack`, an identity whose backward adds that collected gradient. The pipeline
+  runs a unit's backwards in reverse (flexmesh.layout.pipeline_order), so a piece's backward starts
+  when every later piece has handed back its share. Two segments of one document in one micro-batch
+  share one graph: the later reads the earlier's attached tensors.
 
 Work: queries ``[a, b)`` over keys ``[0, b)``, causal, are ``b^2 - a^2`` squared tokens
 (flexmesh.cost.work.attention_sq charges exactly that).
@@ -47,9 +53,11 @@ from flexmesh.runtime.packing import merge_pieces
 
 
 class KVCarry:
-    """The step's store: (seq_id, layer) -> (keys, values) of the document's tokens ``[0, end)``."""
+    """The step's store: (seq_id, layer) -> (keys, values) of the document's tokens ``[0, end)``;
+    ``detached``: keep leaves that collect later pieces' gradients (module doc: under a pipeline)."""
 
-    def __init__(self) -> None:
+    def __init__(self, detached: bool = False) -> None:
+        self.detached = detached
         self._kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def view(self, segments: Sequence[Piece], keep: frozenset[tuple[int, int]]) -> CarryView:
@@ -69,6 +77,9 @@ class CarryView:
     def __init__(self, store: KVCarry, segments: tuple[Piece, ...], keep: frozenset[tuple[int, int]]):
         self.store, self.segments, self.keep = store, segments, keep
         self._read: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # detached store: what this micro-batch put, attached, per (seq_id, layer) and per (seq_id, start, layer)
+        self._own: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._put: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prefix(self, piece: Piece, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values of tokens ``[0, piece.start)`` at ``layer``; the same tensors on every call."""
@@ -76,7 +87,7 @@ class CarryView:
             return None
         key = (piece.seq_id, piece.start, layer)
         if key not in self._read:
-            kv = self.store._kv.get((piece.seq_id, layer))
+            kv = self._own.get((piece.seq_id, layer)) or self.store._kv.get((piece.seq_id, layer))
             if kv is None or kv[0].shape[2] != piece.start:
                 held = 0 if kv is None else kv[0].shape[2]
                 raise ScheduleError(f"document {piece.seq_id}: piece [{piece.start}, {piece.end}) needs the keys of "
@@ -84,10 +95,63 @@ class CarryView:
             self._read[key] = kv
         return self._read[key]
 
-    def put(self, piece: Piece, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep ``k``, ``v`` (tokens ``[0, piece.end)``) when a later piece continues the document."""
-        if (piece.seq_id, piece.start) in self.keep:
+    def put(self, piece: Piece, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep ``k``, ``v`` (tokens ``[0, piece.end)``) when a later piece continues the document;
+        returns the keys and values this piece's attention must use (in a detached store, the ones
+        whose backward adds the gradient later pieces hand back)."""
+        if (piece.seq_id, piece.start) not in self.keep:
+            return k, v
+        if not self.store.detached:
             self.store._kv[(piece.seq_id, layer)] = (k, v)
+            return k, v
+        key = (piece.seq_id, piece.start, layer)
+        if key not in self._put:  # a recomputation (activation checkpointing) keeps the first leaves
+            self._put[key] = _Kept(piece, k, v)
+            self.store._kv[(piece.seq_id, layer)] = (self._put[key].k, self._put[key].v)
+        if k.requires_grad or v.requires_grad:
+            k, v = _HandBack.apply(k, v, self._put[key])
+        self._own[(piece.seq_id, layer)] = (k, v)
+        return k, v
+
+
+class _Kept:
+    """A kept piece's keys and values as detached leaves, and whether its backward has taken their
+    gradient: a later piece whose backward comes after that would be lost, so it raises instead."""
+
+    def __init__(self, piece: Piece, k: torch.Tensor, v: torch.Tensor):
+        self.piece, self.taken = piece, False
+        self.k = k.detach().requires_grad_(k.requires_grad)
+        self.v = v.detach().requires_grad_(v.requires_grad)
+        for leaf in (self.k, self.v):
+            if leaf.requires_grad:
+                leaf.register_hook(self._check)
+
+    def _check(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.taken:
+            p = self.piece
+            raise ScheduleError(f"document {p.seq_id}: piece [{p.start}, {p.end}) ran its backward before a later "
+                                "piece's; run the backwards of a cut document's pieces in reverse")
+        return grad
+
+
+class _HandBack(torch.autograd.Function):
+    """Identity on a kept piece's keys and values; backward adds the gradient that later pieces left
+    on the store's detached leaves (``kept``), then frees it."""
+
+    @staticmethod
+    def forward(ctx, k, v, kept: _Kept):  # noqa: ANN001, ANN205
+        ctx.kept = kept
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, gk, gv):  # noqa: ANN001, ANN205
+        kept: _Kept = ctx.kept
+        kept.taken = True
+        if kept.k.grad is not None:
+            gk, kept.k.grad = gk + kept.k.grad, None
+        if kept.v.grad is not None:
+            gv, kept.v.grad = gv + kept.v.grad, None
+        return gk, gv, None
 
 
 def chain_plan(group: Group) -> tuple[list[frozenset[tuple[int, int]]], list[bool]]:
@@ -183,7 +247,7 @@ def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: D
             pre = view.prefix(piece, layer)
             if pre is not None:
                 ks, vs = torch.cat([pre[0], ks], dim=2), torch.cat([pre[1], vs], dim=2)
-            view.put(piece, layer, ks, vs)
+            ks, vs = view.put(piece, layer, ks, vs)
         qa, qb = max(a, q_off), min(b, q_off + tq)
         if qa < qb:  # query row token i is token start + (i - a) of its document; key j is token j
             first = start + qa - a

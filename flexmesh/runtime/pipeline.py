@@ -8,7 +8,7 @@ Per-micro-batch side data. Pipelining passes one activation tensor between stage
 also needs the micro-batch's ``positions`` and ``cu_seqlens`` (RoPE and the document mask). The
 micro-batches of a step are known before it starts, so the trainer *stashes* them on each
 :class:`StageModule` (``feed``) and the stage's forward takes the next one: every schedule here
-(GPipe, 1F1B, interleaved 1F1B) runs a given stage's forwards in micro-batch order, and
+(GPipe, 1F1B, interleaved 1F1B, the sliced order) runs a given stage's forwards in micro-batch order, and
 recomputation under activation checkpointing re-enters the blocks, never this forward. The count is
 checked after the step.
 
@@ -121,6 +121,35 @@ def build_pipeline_schedule(stages: list, schedule: str, n_microbatches: int,
     if len(stages) != 1:
         raise PlanError(f"schedule {schedule!r} runs one stage per rank; use 'interleaved' for virtual stages")
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def build_sliced_schedule(stages: list, units: list[list[int]], pp: int, loss_fn: Callable,
+                          pipeline_ranks: list[int] | None = None) -> PipelineScheduleMulti:
+    """A schedule for a step whose micro-batches are linked by cut documents (``units``,
+    flexmesh.layout.pipeline_order): each unit's forwards in order, its backwards in reverse.
+
+    torch.distributed.pipelining runs any per-rank list of forwards and full backwards through its
+    schedule runtime (``_PipelineScheduleRuntime``, which adds the sends and receives; private in
+    torch 2.13, the class its own interleaved schedules are built on); the lists come from
+    :func:`flexmesh.layout.pipeline_order.pipeline_order`. Stage ``s`` runs on pipeline rank
+    ``s % pp``; ``pipeline_ranks`` as in :func:`make_stages`.
+    """
+    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action, _PipelineScheduleRuntime
+
+    from flexmesh.layout.pipeline_order import pipeline_order
+
+    num_stages = stages[0].num_stages
+    order = sorted(pipeline_ranks) if pipeline_ranks is not None else list(range(pp))
+    group_rank = [order.index(pipeline_ranks[r]) if pipeline_ranks is not None else r for r in range(pp)]
+    kind = {"F": FORWARD, "B": FULL_BACKWARD}
+    actions: dict[int, list[_Action | None]] = {
+        group_rank[r]: [_Action(a.stage, kind[a.kind], a.mb) for a in acts]
+        for r, acts in enumerate(pipeline_order(units, num_stages, pp))}
+    m = sum(len(u) for u in units)
+    sched = _PipelineScheduleRuntime(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    sched.pipeline_order = actions
+    sched._prepare_schedule_with_comms(actions)
+    return sched
 
 
 def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: int, device: torch.device, group,

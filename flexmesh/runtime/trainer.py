@@ -40,9 +40,12 @@ single-tensor path on every rank of a plan of several groups). A plan of one gro
 the uniform layout. Devices a plan leaves unused join every collective and train nothing.
 
 Cut documents (flexmesh.runtime.carry): micro-batches linked by a document cut into pieces form a
-chain whose forwards all run before one backward of their summed loss, the earlier pieces' keys and
-values carried to the later ones, so a cut document trains as the whole one. Without pipelining
-only; every step's schedule is checked first (StepSchedule.check_cuts).
+chain (a *unit*), the earlier pieces' keys and values carried to the later ones, so a cut document
+trains as the whole one. Without pipelining a chain's forwards all run before one backward of their
+summed loss; under a pipeline the step runs a schedule whose units run forwards in order and
+backwards in reverse (flexmesh.layout.pipeline_order), built from the units of every group of the
+replica group so that data ranks pair their collectives. Every step's schedule is checked first
+(StepSchedule.check_cuts).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from flexmesh.layout.mesh import (
     runs_in_lockstep,
     schedule_parts,
 )
+from flexmesh.layout.pipeline_order import units_from_ends
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
 from flexmesh.runtime.attention_kernels import select_kernel
@@ -93,7 +97,14 @@ from flexmesh.runtime.parallelize import (
     check_dtype,
     parallelize,
 )
-from flexmesh.runtime.pipeline import StageModule, build_pipeline_schedule, chunks_of_rank, make_stages, split_stage
+from flexmesh.runtime.pipeline import (
+    StageModule,
+    build_pipeline_schedule,
+    build_sliced_schedule,
+    chunks_of_rank,
+    make_stages,
+    split_stage,
+)
 from flexmesh.runtime.step_clock import Marks, gathered_step, update
 from flexmesh.runtime.stragglers import ComputeClock
 from flexmesh.spec.model import ModelSpec
@@ -168,7 +179,9 @@ class Trainer:
             self.optimizer, lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
         self.loss_fn = GlobalLoss()
         self._schedules: dict = {}
-        self.carry = KVCarry()  # keys and values of cut documents, within one chain of micro-batches
+        # keys and values of cut documents, within one chain of micro-batches (detached leaves under a
+        # pipeline, whose micro-batches each run their own backward: flexmesh.runtime.carry)
+        self.carry = KVCarry(detached=lay is not None and lay.pp > 1)
         self.step_index = 0
         # Compute time of this rank's micro-batches, stretched where --emulate-speed names this rank
         # (flexmesh.runtime.stragglers); the pipeline path is not timed per piece.
@@ -275,15 +288,9 @@ class Trainer:
             m.set_cp(cp)
 
     def _check_cuts(self, schedule: StepSchedule) -> None:
-        """Every cut sequence can be carried where it runs (StepSchedule.check_cuts per replica group)."""
-        dynamic = self.spec.rope_scaling is not None and self.spec.rope_scaling.rope_type == "dynamic"
-        if not self.several:
-            schedule.check_cuts(self.plan.pp, dynamic_rope=dynamic)
-            return
-        schedule.check_cuts(1, dynamic_rope=dynamic)  # pieces of one sequence on one group, in order
-        for part, g in zip(schedule_parts(self.plan, schedule), self.plan.groups):
-            if g.pp > 1:
-                dataclasses.replace(schedule, groups=tuple(part)).check_cuts(g.pp, dynamic_rope=dynamic)
+        """Every cut sequence can be carried where it runs (StepSchedule.check_cuts)."""
+        schedule.check_cuts(dynamic_rope=self.spec.rope_scaling is not None
+                            and self.spec.rope_scaling.rope_type == "dynamic")
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> StepMetrics:
@@ -366,7 +373,7 @@ class Trainer:
         """
         own_count, cp = len(group.microbatches), group.cp
         if self.layout.pp > 1:
-            loss = self._pipeline_step(batches)
+            loss = self._pipeline_step(batches, units_from_ends(chain_ends(own, len(batches))))
             return loss, marks.mark()
         root = self.modules[0]
         sync = hasattr(root, "set_requires_gradient_sync")  # FSDP2 or replicate over the data ranks
@@ -422,17 +429,23 @@ class Trainer:
             total = total + run(b, ends[i], timed=i < own_count)
         return total, busy if busy is not None else marks.mark()
 
-    def _pipeline_step(self, batches: list[PackedBatch]) -> float:
+    def _pipeline_step(self, batches: list[PackedBatch], units: list[list[int]]) -> float:
+        """The step through this rank's pipeline stages; ``units``: micro-batches linked by cut
+        documents (one each where none is cut: the plan's own schedule runs)."""
         m, length = len(batches), batches[0].num_tokens
-        key = (m, length)
+        sliced = any(len(u) > 1 for u in units)
+        key = (m, length, tuple(map(tuple, units)) if sliced else None)
         if key not in self._schedules:
             hidden, logits = activation_dtypes(self.layout, self.config.dtype)
             index = self.group.blocks[self.place.pp].index(dist.get_rank())
+            pipeline_ranks = [block[index] for block in self.group.blocks]
             stages = make_stages(self.modules, [k for k, _ in self.chunks], len(self.group.stages), self.device,
                                  self.pp_group, tokens=length, tp=self.layout.tp, hidden=self.spec.hidden,
                                  vocab=self.spec.vocab, dtype=hidden, logits_dtype=logits,
-                                 pipeline_ranks=[block[index] for block in self.group.blocks])
-            self._schedules[key] = build_pipeline_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn)
+                                 pipeline_ranks=pipeline_ranks)
+            self._schedules[key] = (build_sliced_schedule(stages, units, self.layout.pp, self.loss_fn, pipeline_ranks)
+                                    if sliced else
+                                    build_pipeline_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn))
         sched = self._schedules[key]
         for mod in self.modules:
             mod.feed(batches)
@@ -442,7 +455,10 @@ class Trainer:
         labels = torch.cat([b.labels for b in batches]) if last else None
         losses: list = []
         args = (tokens,) if first else ()
-        sched.step(*args, target=labels, losses=losses if last else None, return_outputs=False)
+        try:
+            sched.step(*args, target=labels, losses=losses if last else None, return_outputs=False)
+        finally:
+            self.carry.clear()
         for mod in self.modules:
             if mod.consumed() != m:
                 raise RuntimeError(f"pipeline stage ran {mod.consumed()} forwards for {m} micro-batches")

@@ -53,9 +53,8 @@ class ScheduleContext:
     # None: by that rule from pp and the base strategy's ZeRO stage (a plan passes its layers' own).
     lockstep: bool | None = None
     # Whether a policy may cut a sequence into pieces run in several micro-batches of one group. The
-    # runtime trains such pieces exactly only where flexmesh.layout.step.carries_pieces says so
-    # (pp = 1), and the runtime's scheduler sets this from it; the default (True) lets the simulator
-    # price policies as published (InfiniPipe's slices on a pipeline).
+    # runtime trains such pieces exactly where flexmesh.layout.step.carries_pieces says so (not
+    # with dynamic RoPE scaling), and the runtime's scheduler sets this from it.
     cut_documents: bool = True
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
