@@ -92,9 +92,11 @@ def worker(out: Path, names: list[str]) -> None:
         for name in names:
             trainer = Trainer(make_plan(name), tiny_spec(), train_config())
             steps = sliced_steps(trainer.layout.dp)
-            losses, grads = [], {}
+            losses, grads, cuts = [], {}, []
             for i, (docs, sched) in enumerate(steps):
-                losses.append(trainer.step(docs, sched).loss)
+                metrics = trainer.step(docs, sched)
+                losses.append(metrics.loss)
+                cuts.append(metrics.cut_documents)
                 if i == 0:
                     for m in trainer.inner_models():
                         for k, p in m.named_parameters():
@@ -105,7 +107,7 @@ def worker(out: Path, names: list[str]) -> None:
             torch.save(grads, out / name / f"grads{dist.get_rank()}.pt")
             if dist.get_rank() == 0:
                 (out / name / "result.json").write_text(json.dumps(
-                    {"losses": losses, "units": units, "carried_left": len(trainer.carry)}))
+                    {"losses": losses, "units": units, "carried_left": len(trainer.carry), "cuts": cuts}))
             dist.barrier()
     finally:
         dist.barrier()
@@ -138,6 +140,7 @@ def test_sliced_pipelines_match_the_whole_documents(tmp_path, world):
         assert result["units"] and all(u[:2] == [list(x) for x in first_units] for u in
                                        [[list(x) for x in units] for units in result["units"]]), result["units"]
         assert result["carried_left"] == 0
+        assert result["cuts"] == [4 if "dp2" in name else 3] * STEPS  # documents 0, 1, 2 (and 3 on group 1)
 
 
 def test_units_merge_every_groups_chains():

@@ -50,6 +50,13 @@ def carries_pieces(dynamic_rope: bool = False) -> bool:
     return not dynamic_rope
 
 
+def _one_segment(spots: list[tuple[int, int, int, Piece]]) -> bool:
+    """Whether a sequence's pieces (group, micro-batch, position, piece), in run order, sit side by
+    side in one micro-batch: one segment of the packed row, nothing carried."""
+    return len({mi for _, mi, _, _ in spots}) == 1 and \
+        [pi for _, _, pi, _ in spots] == list(range(spots[0][2], spots[0][2] + len(spots)))
+
+
 @dataclass(frozen=True)
 class Piece:
     seq_id: int
@@ -131,6 +138,27 @@ class StepSchedule:
             if pos != length:
                 raise ScheduleError(f"sequence {sid}: covers {pos} of {length} tokens")
 
+    def cut_sequences(self) -> list[int]:
+        """Sequences whose pieces do not form one run of adjacent pieces in one micro-batch: those the
+        runtime carries keys and values for (flexmesh.runtime.carry).
+
+        >>> mb = (Piece(0, 0, 4), Piece(0, 4, 6), Piece(1, 0, 3))
+        >>> StepSchedule((6, 5), (Group((0,), (mb, (Piece(1, 3, 5),))),), "t").cut_sequences()
+        [1]
+        """
+        return sorted(sid for sid, spots in self._spots().items() if not _one_segment(spots))
+
+    def _spots(self) -> dict[int, list[tuple[int, int, int, Piece]]]:
+        """seq_id -> its pieces as (group, micro-batch, position, piece), in run order."""
+        where: dict[int, list[tuple[int, int, int, Piece]]] = {}
+        for gi, g in enumerate(self.groups):
+            for mi, mb in enumerate(g.microbatches):
+                for pi, p in enumerate(mb):
+                    where.setdefault(p.seq_id, []).append((gi, mi, pi, p))
+        for spots in where.values():
+            spots.sort(key=lambda s: (s[1], s[2]))
+        return where
+
     def check_cuts(self, dynamic_rope: bool = False) -> None:
         """Raise ScheduleError, naming the sequence, unless the runtime can train every cut one exactly.
 
@@ -138,12 +166,7 @@ class StepSchedule:
         Its pieces must then all lie on one group and run in order (micro-batch by micro-batch, left
         to right within one), and the run must be able to carry them (:func:`carries_pieces`).
         """
-        where: dict[int, list[tuple[int, int, int, Piece]]] = {}
-        for gi, g in enumerate(self.groups):
-            for mi, mb in enumerate(g.microbatches):
-                for pi, p in enumerate(mb):
-                    where.setdefault(p.seq_id, []).append((gi, mi, pi, p))
-        for sid, spots in where.items():
+        for sid, spots in self._spots().items():
             if len(spots) == 1:
                 continue
             groups = sorted({gi for gi, _, _, _ in spots})
@@ -152,15 +175,12 @@ class StepSchedule:
                 raise ScheduleError(
                     f"sequence {sid} is cut over the groups of data ranks {names}; the runtime carries a cut "
                     "sequence's keys and values only between micro-batches of one group: keep its pieces on one group")
-            spots.sort(key=lambda s: (s[1], s[2]))
             for (_, ma, _, a), (_, mb_, _, b) in zip(spots, spots[1:]):
                 if b.start < a.end:
                     raise ScheduleError(
                         f"sequence {sid}: piece [{b.start}, {b.end}) in micro-batch {mb_} runs after piece "
                         f"[{a.start}, {a.end}) in micro-batch {ma}; run a cut sequence's pieces in order")
-            one_segment = len({mi for _, mi, _, _ in spots}) == 1 and \
-                [pi for _, _, pi, _ in spots] == list(range(spots[0][2], spots[0][2] + len(spots)))
-            if not one_segment and not carries_pieces(dynamic_rope):
+            if not _one_segment(spots) and not carries_pieces(dynamic_rope):
                 raise ScheduleError(
                     f"sequence {sid} is cut over micro-batches {sorted({mi for _, mi, _, _ in spots})} of a model "
                     "with dynamic RoPE scaling, whose angles depend on the whole length: schedule it whole")

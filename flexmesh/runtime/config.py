@@ -112,6 +112,7 @@ class StepMetrics:
     dtype: str = "fp32"  # compute dtype of the step (TrainConfig.dtype)
     attention_kernel: str = ""  # the local attention kernels this rank has run ("+"-joined; attention_kernels.py)
     microbatch_tokens: int | None = None  # the plan's token budget of one micro-batch on one data rank
+    cut_documents: int = 0  # documents of the step cut over micro-batches (StepSchedule.cut_sequences)
     # Speeds and stragglers (flexmesh.runtime.stragglers), per rank unless said otherwise:
     compute_s: tuple[float, ...] = ()  # seconds computing its own micro-batches' forwards and backwards
     speed: tuple[float | None, ...] = ()  # measured, relative to the fastest rank (None: no work this step)

@@ -338,7 +338,8 @@ class Trainer:
         return StepMetrics(
             step=self.step_index, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens,
             padded_tokens=sum(b.num_tokens for b in batches) * (group.cp if group is not None else 1),
-            microbatches=len(batches), predicted_busy_s=self._predicted_busy(schedule), dtype=self.config.dtype,
+            microbatches=len(batches), cut_documents=len(schedule.cut_sequences()),
+            predicted_busy_s=self._predicted_busy(schedule), dtype=self.config.dtype,
             microbatch_tokens=self.group.microbatch_tokens(self.plan.seq_len) if self.group is not None else None,
             **common, compute_s=tuple(float(x) for x in table[:, 4]) if timed else (),
             emulated_speed=self.emulated_speed,
