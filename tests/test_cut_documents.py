@@ -66,7 +66,8 @@ def test_carried_pieces_give_the_whole_documents_loss_and_gradients(cut, recompu
     micro-batch, a chain's in reverse, the later pieces handing back their keys' gradients."""
     import torch
 
-    from flexmesh.runtime.carry import KVCarry, chain_plan
+    from flexmesh.layout.pipeline_order import chain_plan
+    from flexmesh.runtime.carry import KVCarry
     from flexmesh.runtime.model import build_model
     from flexmesh.runtime.packing import pack_microbatch
     from flexmesh.runtime.parallelize import apply_ac
@@ -112,7 +113,8 @@ def test_carried_pieces_give_the_whole_documents_loss_and_gradients(cut, recompu
 def test_detached_carry_refuses_backwards_in_forward_order():
     """Under a pipeline a cut document's backwards must run in reverse; in forward order the later
     piece's gradient would reach the earlier piece's keys too late, so it raises instead of losing it."""
-    from flexmesh.runtime.carry import KVCarry, chain_plan
+    from flexmesh.layout.pipeline_order import chain_plan
+    from flexmesh.runtime.carry import KVCarry
     from flexmesh.runtime.model import build_model
     from flexmesh.runtime.packing import pack_microbatch
 

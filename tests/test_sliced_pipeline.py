@@ -145,8 +145,7 @@ def test_sliced_pipelines_match_the_whole_documents(tmp_path, world):
 
 def test_units_merge_every_groups_chains():
     """Ranks that pair collectives per micro-batch run one order: units are unions of the groups' chains."""
-    from flexmesh.layout.pipeline_order import units_from_ends
-    from flexmesh.runtime.carry import chain_ends
+    from flexmesh.layout.pipeline_order import chain_ends, units_from_ends
 
     (_, one), (_, two) = sliced_steps(1)[0], sliced_steps(2)[0]
     assert units_from_ends(chain_ends(list(one.groups), 8)) == [[0, 1, 2, 3], [4, 5, 6], [7]]

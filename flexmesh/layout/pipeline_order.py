@@ -15,8 +15,7 @@ Actions are taken in the time order of a simulation, so the lists can never dead
 runs on pipeline rank ``s % pp`` (interleaved chunks). :func:`check_order` checks any given lists:
 every action once, dependencies respected (stage to stage, slice order within a unit, forwards in
 micro-batch order on a stage), no deadlock, and reports the peak in flight per stage.
-:func:`simulate_order` times lists with given per-action durations (the simulator prices a sliced
-step by it, the report draws it).
+The simulator times a step in this order (flexmesh.sim.pipeline.run_pipeline with ``units``).
 
 Written by hand: torch.distributed.pipelining runs a given per-rank list
 (``_PipelineScheduleRuntime``), but has no generator for this order.
@@ -34,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flexmesh.errors import ScheduleError
+from flexmesh.layout.step import Group, merge_pieces
 
 
 @dataclass(frozen=True, order=True)
@@ -60,6 +60,58 @@ def units_from_ends(ends: Sequence[bool]) -> list[list[int]]:
         if end and i < len(ends) - 1:
             units.append([])
     return [u for u in units if u]
+
+
+def chain_plan(group: Group) -> tuple[list[frozenset[tuple[int, int]]], list[bool]]:
+    """Per micro-batch of ``group``: the segments (seq_id, start) a later segment continues, and
+    whether a chain ends there (no document continues into a later micro-batch).
+
+    Segments are the micro-batch's pieces with adjacent ones of one document merged
+    (flexmesh.layout.step.merge_pieces), as the packed row holds them.
+
+    >>> from flexmesh.layout.step import Piece
+    >>> g = Group((0,), ((Piece(0, 0, 4), Piece(1, 0, 3)), (Piece(0, 4, 9),), (Piece(2, 0, 5),)))
+    >>> keep, ends = chain_plan(g)
+    >>> [sorted(k) for k in keep], ends
+    ([[(0, 0)], [], []], [False, True, True])
+    """
+    rows = [merge_pieces(list(mb)) for mb in group.microbatches]
+    last: dict[int, tuple[int, int]] = {}  # seq_id -> (micro-batch, start) of its latest segment
+    keep: list[set[tuple[int, int]]] = [set() for _ in rows]
+    reach = [-1] * len(rows)  # the latest micro-batch continuing a document seen in this one
+    for i, row in enumerate(rows):
+        for p in row:
+            if p.start > 0 and p.seq_id in last:
+                j, start = last[p.seq_id]
+                keep[j].add((p.seq_id, start))
+                reach[j] = max(reach[j], i)
+            last[p.seq_id] = (i, p.start)
+    ends, furthest = [], -1
+    for i in range(len(rows)):
+        furthest = max(furthest, reach[i])
+        ends.append(furthest <= i)
+    return [frozenset(k) for k in keep], ends
+
+
+def chain_ends(groups: Sequence[Group], count: int) -> list[bool]:
+    """For micro-batches ``0 .. count - 1``: whether a chain ends there in every one of ``groups``.
+
+    The trainer runs the backward of a chain's summed loss at its end. Ranks that must pair their
+    collectives micro-batch by micro-batch (ZeRO-3 gathers, flexmesh.layout.mesh.runs_in_lockstep)
+    pass every group of the step, so they all run backward at the same micro-batches; others pass
+    their own group. Micro-batches past a group's own (empty padding) end chains there.
+
+    >>> from flexmesh.layout.step import Piece
+    >>> a = Group((0,), ((Piece(0, 0, 4),), (Piece(0, 4, 9),), (Piece(1, 0, 3),)))
+    >>> b = Group((1,), ((Piece(2, 0, 5),), (Piece(3, 0, 2),), (Piece(3, 2, 6),)))
+    >>> chain_ends([a], 3), chain_ends([a, b], 4)
+    ([False, True, True], [False, False, True, True])
+    """
+    ends = [True] * count
+    for g in groups:
+        for i, end in enumerate(chain_plan(g)[1][:count]):
+            ends[i] = ends[i] and end
+    return ends
 
 
 def _check_units(units: Sequence[Sequence[int]]) -> int:
@@ -242,28 +294,3 @@ def check_order(order: Sequence[Sequence[Action]], units: Sequence[Sequence[int]
             stuck = {r: str(order[r][pos[r]]) for r in range(pp) if pos[r] < len(order[r])}
             raise ScheduleError(f"the pipeline order deadlocks: each rank waits at {stuck}")
     return OrderCheck(tuple(peak))
-
-
-def simulate_order(order: Sequence[Sequence[Action]], units: Sequence[Sequence[int]], num_stages: int,
-                   duration: Durations = _unit_time) -> Timeline:
-    """Start and end of every action when each rank runs its list as soon as dependencies allow
-    (``check_order`` first: an illegal order raises)."""
-    check_order(order, units, num_stages)
-    later_slice = _later_slices(units)
-    end: dict[Action, float] = {}
-    pos = [0] * len(order)
-    free = [0.0] * len(order)
-    spans: list[list[tuple[Action, float, float]]] = [[] for _ in order]
-    total = sum(len(r) for r in order)
-    while len(end) < total:
-        for r, rank in enumerate(order):
-            while pos[r] < len(rank):
-                a = rank[pos[r]]
-                deps = _deps(a, num_stages, later_slice)
-                if any(d not in end for d in deps):
-                    break
-                start = max([free[r]] + [end[d] for d in deps])
-                end[a] = free[r] = start + float(duration(a))
-                spans[r].append((a, start, end[a]))
-                pos[r] += 1
-    return Timeline(tuple(tuple(s) for s in spans), max(free) if free else 0.0)

@@ -28,6 +28,7 @@ rank 3 takes the fourth::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flexmesh.errors import ScheduleError
@@ -48,6 +49,20 @@ def carries_pieces(dynamic_rope: bool = False) -> bool:
     (True, False)
     """
     return not dynamic_rope
+
+
+def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
+    """Join consecutive pieces that continue one another in the same document.
+
+    Two such pieces in one micro-batch form one attention segment: the second must see the first.
+    """
+    merged: list[Piece] = []
+    for p in pieces:
+        if merged and merged[-1].seq_id == p.seq_id and merged[-1].end == p.start:
+            merged[-1] = Piece(p.seq_id, merged[-1].start, p.end)
+        else:
+            merged.append(p)
+    return merged
 
 
 def _one_segment(spots: list[tuple[int, int, int, Piece]]) -> bool:

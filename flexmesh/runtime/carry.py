@@ -11,7 +11,8 @@ the later piece must send gradient back into them. As in TeraPipe and InfiniPipe
   ``a .. b - 1`` (packing already gives them those positions for RoPE);
 - backward, without pipelining: the trainer runs the forwards of every micro-batch of a *chain*
   (micro-batches linked by a cut document) and then one backward of their summed loss, so the
-  gradient reaching a kept prefix flows on into the earlier micro-batch's graph (:func:`chain_plan`);
+  gradient reaching a kept prefix flows on into the earlier micro-batch's graph
+  (flexmesh.layout.pipeline_order.chain_plan);
 - backward, under a pipeline (``KVCarry(detached=True)``): every micro-batch runs its own backward,
   so the graphs stay apart. The store keeps a *detached* copy of the kept keys and values (a leaf
   that collects the gradient later pieces send it), and the earlier piece's own keys and values pass
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.step import Group, Piece
+from flexmesh.layout.step import Piece
 from flexmesh.runtime.attention import (
     CPContext,
     Documents,
@@ -49,7 +50,6 @@ from flexmesh.runtime.attention import (
     as_documents,
 )
 from flexmesh.runtime.attention_kernels import suffix_attention
-from flexmesh.runtime.packing import merge_pieces
 
 
 class KVCarry:
@@ -152,56 +152,6 @@ class _HandBack(torch.autograd.Function):
         if kept.v.grad is not None:
             gv, kept.v.grad = gv + kept.v.grad, None
         return gk, gv, None
-
-
-def chain_plan(group: Group) -> tuple[list[frozenset[tuple[int, int]]], list[bool]]:
-    """Per micro-batch of ``group``: the segments (seq_id, start) a later segment continues, and
-    whether a chain ends there (no document continues into a later micro-batch).
-
-    Segments are the micro-batch's pieces with adjacent ones of one document merged
-    (flexmesh.runtime.packing), as the packed row holds them.
-
-    >>> g = Group((0,), ((Piece(0, 0, 4), Piece(1, 0, 3)), (Piece(0, 4, 9),), (Piece(2, 0, 5),)))
-    >>> keep, ends = chain_plan(g)
-    >>> [sorted(k) for k in keep], ends
-    ([[(0, 0)], [], []], [False, True, True])
-    """
-    rows = [merge_pieces(list(mb)) for mb in group.microbatches]
-    last: dict[int, tuple[int, int]] = {}  # seq_id -> (micro-batch, start) of its latest segment
-    keep: list[set[tuple[int, int]]] = [set() for _ in rows]
-    reach = [-1] * len(rows)  # the latest micro-batch continuing a document seen in this one
-    for i, row in enumerate(rows):
-        for p in row:
-            if p.start > 0 and p.seq_id in last:
-                j, start = last[p.seq_id]
-                keep[j].add((p.seq_id, start))
-                reach[j] = max(reach[j], i)
-            last[p.seq_id] = (i, p.start)
-    ends, furthest = [], -1
-    for i in range(len(rows)):
-        furthest = max(furthest, reach[i])
-        ends.append(furthest <= i)
-    return [frozenset(k) for k in keep], ends
-
-
-def chain_ends(groups: Sequence[Group], count: int) -> list[bool]:
-    """For micro-batches ``0 .. count - 1``: whether a chain ends there in every one of ``groups``.
-
-    The trainer runs the backward of a chain's summed loss at its end. Ranks that must pair their
-    collectives micro-batch by micro-batch (ZeRO-3 gathers, flexmesh.layout.mesh.runs_in_lockstep)
-    pass every group of the step, so they all run backward at the same micro-batches; others pass
-    their own group. Micro-batches past a group's own (empty padding) end chains there.
-
-    >>> a = Group((0,), ((Piece(0, 0, 4),), (Piece(0, 4, 9),), (Piece(1, 0, 3),)))
-    >>> b = Group((1,), ((Piece(2, 0, 5),), (Piece(3, 0, 2),), (Piece(3, 2, 6),)))
-    >>> chain_ends([a], 3), chain_ends([a, b], 4)
-    ([False, True, True], [False, False, True, True])
-    """
-    ends = [True] * count
-    for g in groups:
-        for i, end in enumerate(chain_plan(g)[1][:count]):
-            ends[i] = ends[i] and end
-    return ends
 
 
 # ---- attention over a carried prefix -----------------------------------------------------------------

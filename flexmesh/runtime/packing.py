@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from flexmesh.errors import ScheduleError
-from flexmesh.layout.step import Piece, StepSchedule
+from flexmesh.layout.step import Piece, StepSchedule, merge_pieces
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 PAD_TOKEN = 0  # id fed for padding; its label is IGNORE_INDEX so its value never matters
@@ -91,20 +91,6 @@ def _check_piece(docs: Sequence[np.ndarray], p: Piece) -> np.ndarray:
             "the schedule's lengths must be the documents' token counts"
         )
     return doc
-
-
-def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
-    """Join consecutive pieces that continue one another in the same document.
-
-    Two such pieces in one micro-batch form one attention segment: the second must see the first.
-    """
-    merged: list[Piece] = []
-    for p in pieces:
-        if merged and merged[-1].seq_id == p.seq_id and merged[-1].end == p.start:
-            merged[-1] = Piece(p.seq_id, merged[-1].start, p.end)
-        else:
-            merged.append(p)
-    return merged
 
 
 def piece_label_tokens(doc_length: int, piece: Piece) -> int:

@@ -70,11 +70,11 @@ from flexmesh.layout.mesh import (
     runs_in_lockstep,
     schedule_parts,
 )
-from flexmesh.layout.pipeline_order import units_from_ends
+from flexmesh.layout.pipeline_order import chain_ends, chain_plan, units_from_ends
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
 from flexmesh.runtime.attention_kernels import select_kernel
-from flexmesh.runtime.carry import KVCarry, chain_ends, chain_plan
+from flexmesh.runtime.carry import KVCarry
 from flexmesh.runtime.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
 from flexmesh.runtime.cross_group import CrossGroupGrads
 from flexmesh.runtime.distributed import clip_grads, compute_device, cpu_group, grad_norm

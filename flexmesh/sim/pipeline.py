@@ -18,11 +18,13 @@ Orders, for ``pp = 2``, ``m = 3`` (F = forward, B = backward, digits = micro-bat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from flexmesh.errors import PlanError
+from flexmesh.layout.pipeline_order import pipeline_order
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
 
 
@@ -89,9 +91,14 @@ class PipelineRun:
                          for r in range(pp)])
 
 
-def run_pipeline(schedule: str, fwd: np.ndarray, bwd: np.ndarray, v: int = 1) -> PipelineRun:
+def run_pipeline(schedule: str, fwd: np.ndarray, bwd: np.ndarray, v: int = 1,
+                 units: Sequence[Sequence[int]] | None = None) -> PipelineRun:
     """Simulate one pipeline: ``fwd[vs, j]`` / ``bwd[vs, j]`` are the durations (s) of micro-batch ``j``
     on virtual stage ``vs`` (``pp * v`` virtual stages, chunk ``c`` of rank ``r`` at ``c * pp + r``).
+
+    ``units``: micro-batches linked by cut documents (flexmesh.layout.pipeline_order.chain_plan). Where
+    one holds more than one micro-batch the step runs the runtime's unit order instead of
+    ``schedule`` (forwards in order, backwards reversed, a backward waiting for the next slice's).
 
     >>> float(run_pipeline("1f1b", np.ones((2, 3)), 2 * np.ones((2, 3))).end.max())  # (m + pp - 1) * 3
     12.0
@@ -105,7 +112,13 @@ def run_pipeline(schedule: str, fwd: np.ndarray, bwd: np.ndarray, v: int = 1) ->
     dur = np.stack([fwd, bwd])
     start = np.full_like(dur, np.nan)
     end = np.full_like(dur, np.nan)
-    orders = tuple(tuple(rank_order(schedule, pp, r, m, v)) for r in range(pp))
+    later = {a: b for u in units or () for a, b in zip(u, u[1:])}
+    if later:
+        assert units is not None
+        sliced = pipeline_order(units, n_vs, pp, duration=lambda a: float(dur[int(a.kind == "B"), a.stage, a.mb]))
+        orders = tuple(tuple(Pass(a.kind == "B", a.stage // pp, a.mb) for a in acts) for acts in sliced)
+    else:
+        orders = tuple(tuple(rank_order(schedule, pp, r, m, v)) for r in range(pp))
     pos = [0] * pp
     free = [0.0] * pp
     remaining = sum(len(o) for o in orders)
@@ -120,6 +133,9 @@ def run_pipeline(schedule: str, fwd: np.ndarray, bwd: np.ndarray, v: int = 1) ->
                     ready = 0.0 if vs == 0 else end[0, vs - 1, p.mb]
                 else:
                     ready = end[0, vs, p.mb] if vs == n_vs - 1 else end[1, vs + 1, p.mb]
+                    if p.mb in later:  # the next slice's backward hands this one its keys' gradient
+                        ready = np.fmax(ready, end[1, vs, later[p.mb]]) if not np.isnan(end[1, vs, later[p.mb]]) \
+                            else np.nan
                 if np.isnan(ready):
                     break
                 b = int(p.backward)

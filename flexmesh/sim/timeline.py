@@ -34,6 +34,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
+from flexmesh.layout.pipeline_order import chain_ends, units_from_ends
 from flexmesh.layout.step import StepSchedule
 from flexmesh.schedule.assemble import lockstep_padding
 from flexmesh.schedule.context import ScheduleContext
@@ -335,7 +336,8 @@ def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _La
             / speed_vs
         f_comm = np.broadcast_to(ph["comm_fwd"][sel] * per_chunk + p2p, f_comp.shape)
         b_comm = np.broadcast_to(ph["comm_bwd"][sel] * per_chunk + p2p, b_comp.shape)
-        run = run_pipeline(ctx.pipeline_schedule, f_comp + f_comm, b_comp + b_comm, v)
+        units = units_from_ends(chain_ends([grp], len(sel)))  # cut documents: the runtime's unit order
+        run = run_pipeline(ctx.pipeline_schedule, f_comp + f_comm, b_comp + b_comm, v, units)
         finish = run.finish
         comp_r = (f_comp + b_comp).reshape(v, pp, -1).sum(axis=(0, 2))
         comm_r = (f_comm + b_comm).reshape(v, pp, -1).sum(axis=(0, 2))
