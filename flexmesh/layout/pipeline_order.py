@@ -154,11 +154,13 @@ def pipeline_order(units: Sequence[Sequence[int]], num_stages: int, pp: int,
                    duration: Durations = _unit_time) -> list[list[Action]]:
     """Per pipeline rank, the actions it runs in order (module doc); ``duration`` only steers the
     interleaving (default: a backward takes twice a forward)."""
-    return list(_list_schedule(units, num_stages, pp, duration)[0])
+    return list(timed_order(units, num_stages, pp, duration)[0])
 
 
-def _list_schedule(units: Sequence[Sequence[int]], num_stages: int, pp: int,
-                   duration: Durations) -> tuple[list[list[Action]], Timeline]:
+def timed_order(units: Sequence[Sequence[int]], num_stages: int, pp: int,
+                duration: Durations) -> tuple[list[list[Action]], Timeline]:
+    """:func:`pipeline_order` with the timeline of its list scheduling (each action as soon as its
+    rank is free and its inputs are done): the step's span in that order."""
     m = _check_units(units)
     if num_stages < 1 or pp < 1 or num_stages % pp:
         raise ScheduleError(f"{num_stages} stages cannot be spread evenly over {pp} pipeline ranks")

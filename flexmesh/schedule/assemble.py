@@ -7,7 +7,8 @@ Every policy ends here, so every policy is scored the same way, by the one cost 
   lengths)``, its compute divided by the slowest member's speed factor (communication does not slow
   down with a device's compute: :meth:`ScheduleContext.at_speed`, the simulator's rule);
 - a group's time is the sum of its micro-batch times plus ``(pp - 1)`` times the largest one (the
-  pipeline fill and drain; with ``pp == 1`` just the sum);
+  pipeline fill and drain; with ``pp == 1`` just the sum); with cut documents under a pipeline, the
+  span of the unit order (:func:`group_time`);
 - the step time is the slowest group; every rank of a group is charged its group's time, which gives
   the imbalance ``max / mean`` over ranks.
 """
@@ -23,6 +24,7 @@ from numpy.typing import ArrayLike
 
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.mesh import padded_microbatch_count
+from flexmesh.layout.pipeline_order import chain_plan, timed_order, units_from_ends
 from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.lower_bound import lower_bound
@@ -147,7 +149,8 @@ def build_step_schedule(policy: str, lengths: ArrayLike, ctx: ScheduleContext, s
     for g, (slot, mbs) in enumerate(zip(slots, microbatches, strict=True)):
         t = np.concatenate([t_mb[pos:pos + len(mbs)], np.full(int(n_pad[g]), t_pad[g])])
         pos += len(mbs)
-        g_time = float(t.sum() + (ctx.pp - 1) * t.max()) if len(t) else 0.0
+        g_time = group_time(ctx.pp, t, units_from_ends(chain_plan(Group(slot.ranks, tuple(map(tuple, mbs))))[1]
+                                                       + [True] * int(n_pad[g])))
         times.append(g_time)
         groups.append(Group(ranks=slot.ranks, microbatches=tuple(tuple(mb) for mb in mbs), predicted_time=g_time))
     rank_time = np.repeat(times, [s.size for s in slots])
@@ -165,6 +168,18 @@ def build_step_schedule(policy: str, lengths: ArrayLike, ctx: ScheduleContext, s
     return StepSchedule(lengths=tuple(int(x) for x in lens), groups=tuple(groups), policy=policy,
                         predicted_step_time=step, lower_bound=lb, deferred=tuple(sorted(int(i) for i in deferred)),
                         scheduler_seconds=time.perf_counter() - started, extra=info)
+
+
+def group_time(pp: int, t: np.ndarray, units: Sequence[Sequence[int]]) -> float:
+    """A group's time from its micro-batches' times ``t`` (fwd + bwd of one stage): the sum plus
+    ``(pp - 1)`` times the largest (fill and drain), or, where cut documents link micro-batches into
+    units under a pipeline, the span of the runtime's unit order (flexmesh.layout.pipeline_order) with
+    a backward taking twice a forward."""
+    if not len(t):
+        return 0.0
+    if pp == 1 or all(len(u) == 1 for u in units):
+        return float(t.sum() + (pp - 1) * t.max())
+    return timed_order(units, pp, pp, lambda a: float(t[a.mb]) * (1 / 3 if a.kind == "F" else 2 / 3))[1].makespan
 
 
 def pieces_of(seq_ids: Sequence[int], lengths: Sequence[int] | np.ndarray) -> list[Piece]:

@@ -17,22 +17,24 @@ Example: a 64K-token sequence whose attention dominates, in 4 slices, gets cuts 
 ``64K * sqrt(j / 4)``: 32K, 45K, 55K tokens, i.e. slices of 32K, 13K, 10K and 9K tokens.
 
 Order: each sequence's slices run in order and back to back on their group (a slice needs the
-previous slices' keys and values); the fill/drain term depends only on the largest micro-batch,
-which chunking bounds by ``tau``.
+previous slices' keys and values). Under a pipeline the micro-batches a cut sequence links form a
+unit that runs its forwards in order and its backwards in reverse (flexmesh.layout.pipeline_order),
+so a unit holds all its activations like GPipe; every micro-batch of a pipelined step also takes the
+longest one's shape. Both are priced (flexmesh.schedule.assemble.group_time), and the slice time is
+chosen per step among a few candidates, whole sequences included, by that price.
 
 Where it runs. The runtime trains slices exactly as the whole sequence by carrying the earlier
-slices' keys and values (flexmesh.runtime.carry), which it can do without pipelining only
-(flexmesh.layout.step.carries_pieces). The runtime's scheduler therefore turns cutting off
-(``ctx.cut_documents``) on a pipeline, where ``chunked`` then packs whole sequences into micro-batches
-of about ``tau``; the simulator's default context cuts as InfiniPipe does. With ``pp = 1`` there is
-no bubble to shrink: the slices bound the tokens of each micro-batch, while the whole chain's
-activations stay held until its one backward.
+slices' keys and values (flexmesh.runtime.carry), with or without a pipeline, not with dynamic RoPE
+scaling (flexmesh.layout.step.carries_pieces; ``ctx.cut_documents`` off: whole sequences packed into
+micro-batches of about ``tau``). With ``pp = 1`` there is no bubble to shrink: the slices bound the
+tokens of each micro-batch, while the whole chain's activations stay held until its one backward.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -100,19 +102,35 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
     """Place as ``hdp``, then cut long sequences into equal-time slices of about ``chunk_time`` seconds
     (whole sequences unless ``ctx.cut_documents``).
 
-    ``chunk_time`` defaults to the lower bound divided by ``2 * pp``: enough micro-batches per group
-    that the ``(pp - 1)`` fill and drain cost at most about half a micro-batch per stage.
+    ``chunk_time`` by default is chosen per step: the lower bound divided by ``2 * pp`` (enough
+    micro-batches per group that the ``(pp - 1)`` fill and drain cost at most about half a
+    micro-batch per stage); under a pipeline also by ``pp`` and by ``pp / 2`` and whole documents
+    (``tau`` = infinity), each priced as it runs (group_time: the unit order of cut documents, every
+    micro-batch of the step padded to the longest), the fastest kept: cutting only where it pays.
     """
     t0 = time.perf_counter()
     batch = Batch.of(lengths, ctx)
     lens = batch.lens
-    times = seq_times(lens, ctx)  # alone: what a slice and its tail cost (placement uses the packed loads)
-    tau = lower_bound(lens, ctx) / (2 * ctx.pp) if chunk_time is None else float(chunk_time)
-    if tau <= 0:
+    if chunk_time is not None and chunk_time <= 0:
         raise ScheduleError(f"chunk_time must be > 0 seconds, got {chunk_time}")
     sizes, target = hdp_layout(batch, ctx)
     slots = aligned_layout(sizes, ctx.num_ranks)
     placement = place(batch, ctx, slots, target)
+    if chunk_time is not None:
+        return _chunked(batch, ctx, slots, placement, float(chunk_time), t0)
+    lb = lower_bound(lens, ctx)
+    taus = [lb / (2 * ctx.pp)]
+    if ctx.cut_documents and ctx.pp > 1:  # without a pipeline slices bound memory, which time cannot see
+        taus += [lb / ctx.pp, 2 * lb / ctx.pp, math.inf]
+    best = min((_chunked(batch, ctx, slots, placement, tau, t0) for tau in taus),
+               key=lambda s: s.predicted_step_time)
+    return replace(best, scheduler_seconds=time.perf_counter() - t0)
+
+
+def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: float, t0: float) -> StepSchedule:
+    """:func:`chunked_schedule` with slice time ``tau`` (infinity: no slices) on a placement."""
+    lens = batch.lens
+    times = seq_times(lens, ctx)  # alone: what a slice and its tail cost (placement uses the packed loads)
     mbs_all = []
     for slot, mem in zip(slots, placement.members, strict=True):
         d, cap = slot.size, ctx.max_tokens(slot.size)
@@ -148,4 +166,5 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
                 mbs.append([Piece(int(i), 0, li)])
                 fresh.append((tau - float(t[i]), cap - li, len(mbs) - 1))
         mbs_all.append(mbs)
-    return build_step_schedule("chunked", lens, ctx, slots, mbs_all, t0, extra={"chunk_time": tau})
+    return build_step_schedule("chunked", lens, ctx, slots, mbs_all, t0,
+                               extra={"chunk_time": tau if math.isfinite(tau) else None})
