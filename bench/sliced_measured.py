@@ -5,10 +5,13 @@
 2. The ``tiny`` model on a pp 2 pipeline (1F1B, 2 layers per stage, fp32 on CPU, 2 processes,
    OMP_NUM_THREADS=1: no more processes than cores), ``--steps`` global batches of random-token
    documents whose lengths are drawn from the shipped ProLong length set, cut at ``--seq-len``.
-   Every batch runs under three schedules of the same documents:
-   - ``chunked``: long documents cut into slices of equal time (flexmesh.schedule.chunking), the
-     slices of a document in consecutive micro-batches beside short ones, run in the unit order
+   Every batch runs under four schedules of the same documents:
+   - ``chunked, sliced``: long documents cut into slices of equal time (flexmesh.schedule.chunking)
+     of the policy's first candidate slice time (lower bound / 2 pp), the slices of a document in
+     consecutive micro-batches beside short ones, run in the unit order
      (flexmesh.layout.pipeline_order) with the earlier slices' keys and values carried;
+   - ``chunked``: the policy as ``flexmesh train`` runs it, choosing slice time and whether to cut
+     by the step's price;
    - ``chunked, whole``: the same policy with cutting off (``cut_documents=False``);
    - ``fixed``: the plan's micro-batches packed first-fit, no cutting.
 3. Per schedule: measured median step time (after the first step), the simulator's prediction for
@@ -38,7 +41,7 @@ from bench.calibrate import MODEL, cost_model, profile  # noqa: E402  (after the
 from flexmesh.runtime.launch import child_env, run_torchrun  # noqa: E402
 
 WORLD = 2
-RUNS = ("chunked", "chunked, whole", "fixed")
+RUNS = ("chunked, sliced", "chunked", "chunked, whole", "fixed")
 
 
 def make_plan(seq_len: int, global_batch: int):
@@ -70,6 +73,9 @@ def schedules(plan, cost, docs_per_step: list[list]) -> dict[str, list]:
     """Per run: the StepSchedule of every batch, and its simulated step time."""
     from dataclasses import replace
 
+    import numpy as np
+
+    from flexmesh.schedule.lower_bound import lower_bound
     from flexmesh.schedule.registry import make_schedule
     from flexmesh.schedule.scheduler import schedule_context
     from flexmesh.sim.predict import step_time_predictor
@@ -77,11 +83,13 @@ def schedules(plan, cost, docs_per_step: list[list]) -> dict[str, list]:
     ctx = schedule_context(plan, cost.model, plan.seq_len, cost)
     whole = replace(ctx, cut_documents=False)
     predict = step_time_predictor(ctx)
-    out: dict[str, list] = {}
-    for run, (policy, c) in zip(RUNS, (("chunked", ctx), ("chunked", whole), ("fixed", whole))):
-        out[run] = []
-        for docs in docs_per_step:
-            s = make_schedule(policy, [len(d) for d in docs], c)
+    out: dict[str, list] = {run: [] for run in RUNS}
+    for docs in docs_per_step:
+        lens = [len(d) for d in docs]
+        tau = lower_bound(np.asarray(lens), ctx) / (2 * ctx.pp)  # the policy's first candidate, always cut
+        made = (make_schedule("chunked", lens, ctx, chunk_time=tau), make_schedule("chunked", lens, ctx),
+                make_schedule("chunked", lens, whole), make_schedule("fixed", lens, whole))
+        for run, s in zip(RUNS, made):
             out[run].append((s, predict(s)))
     return out
 

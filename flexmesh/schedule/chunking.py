@@ -104,9 +104,9 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
 
     ``chunk_time`` by default is chosen per step: the lower bound divided by ``2 * pp`` (enough
     micro-batches per group that the ``(pp - 1)`` fill and drain cost at most about half a
-    micro-batch per stage); under a pipeline also by ``pp`` and by ``pp / 2`` and whole documents
-    (``tau`` = infinity), each priced as it runs (group_time: the unit order of cut documents, every
-    micro-batch of the step padded to the longest), the fastest kept: cutting only where it pays.
+    micro-batch per stage); under a pipeline also twice and four times that, each with sequences cut
+    and whole, priced as they run (group_time: the unit order of cut documents, every micro-batch of
+    the step padded to the longest), the fastest kept: cutting only where it pays.
     """
     t0 = time.perf_counter()
     batch = Batch.of(lengths, ctx)
@@ -117,18 +117,20 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
     slots = aligned_layout(sizes, ctx.num_ranks)
     placement = place(batch, ctx, slots, target)
     if chunk_time is not None:
-        return _chunked(batch, ctx, slots, placement, float(chunk_time), t0)
+        return _chunked(batch, ctx, slots, placement, float(chunk_time), ctx.cut_documents, t0)
     lb = lower_bound(lens, ctx)
-    taus = [lb / (2 * ctx.pp)]
+    tau = lb / (2 * ctx.pp)
+    options = [(tau, ctx.cut_documents)]
     if ctx.cut_documents and ctx.pp > 1:  # without a pipeline slices bound memory, which time cannot see
-        taus += [lb / ctx.pp, 2 * lb / ctx.pp, math.inf]
-    best = min((_chunked(batch, ctx, slots, placement, tau, t0) for tau in taus),
+        options += [(x, cut) for x in (tau, 2 * tau, 4 * tau) for cut in (True, False)][1:]
+    best = min((_chunked(batch, ctx, slots, placement, x, cut, t0) for x, cut in options),
                key=lambda s: s.predicted_step_time)
     return replace(best, scheduler_seconds=time.perf_counter() - t0)
 
 
-def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: float, t0: float) -> StepSchedule:
-    """:func:`chunked_schedule` with slice time ``tau`` (infinity: no slices) on a placement."""
+def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: float, cut: bool,
+             t0: float) -> StepSchedule:
+    """:func:`chunked_schedule` with slice time ``tau`` on a placement, cutting sequences or not."""
     lens = batch.lens
     times = seq_times(lens, ctx)  # alone: what a slice and its tail cost (placement uses the packed loads)
     mbs_all = []
@@ -142,7 +144,7 @@ def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: fl
         mbs: list[list[Piece]] = []
         room: list[tuple[float, int, int]] = []  # (time left, tokens left, micro-batch index) beside a tail
         for i in long_ids:
-            spans = _slices(ctx, d, int(lens[i]), float(t[i]), tau, cap) if ctx.cut_documents else [(0, int(lens[i]))]
+            spans = _slices(ctx, d, int(lens[i]), float(t[i]), tau, cap) if cut else [(0, int(lens[i]))]
             for a, b in spans:
                 mbs.append([Piece(int(i), a, b)])
             a, b = spans[-1]
@@ -166,5 +168,4 @@ def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: fl
                 mbs.append([Piece(int(i), 0, li)])
                 fresh.append((tau - float(t[i]), cap - li, len(mbs) - 1))
         mbs_all.append(mbs)
-    return build_step_schedule("chunked", lens, ctx, slots, mbs_all, t0,
-                               extra={"chunk_time": tau if math.isfinite(tau) else None})
+    return build_step_schedule("chunked", lens, ctx, slots, mbs_all, t0, extra={"chunk_time": tau, "cut": cut})
