@@ -236,3 +236,20 @@ def assert_golden(section: str, name: str, losses: list[float], field: str = "lo
     assert len(losses) == len(want), f"{section} {name}: {len(losses)} steps, golden {len(want)}"
     for step, (got, ref) in enumerate(zip(losses, want)):
         assert abs(got - ref) <= 1e-7 * abs(ref), f"{section} {name} step {step + 1}: {field} {got} vs golden {ref}"
+
+
+def spawn(fn: Any, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn`` of ``fn(rank, *args)``, each process leaving by ``os._exit(0)``
+    once ``fn`` returns: at interpreter exit gloo's threads can abort a process whose run passed
+    ("terminate called without an active exception"), which spawn reports as a failure."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_exit_after, args=(fn, *args), nprocs=nprocs, join=True)
+
+
+def _exit_after(rank: int, fn: Any, *args: Any) -> None:
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+

@@ -8,8 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import cp_model_check
+from helpers import cp_model_check, spawn
 
 from flexmesh.errors import PlanError
 from flexmesh.runtime.attention import CPContext, attend, document_causal_mask, document_ids
@@ -151,4 +150,4 @@ def _model_check(rank: int, world: int) -> None:
 def test_ulysses_and_ring_match_single_process_forward_and_backward():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 4
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+    spawn(_worker, (world, free_port()), world)

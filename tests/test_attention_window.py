@@ -12,8 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import cp_model_check
+from helpers import cp_model_check, spawn
 
 from flexmesh.runtime import attention_kernels as AK
 from flexmesh.runtime.attention import CPContext, attend, document_causal_mask, flash_window_size, ring_steps
@@ -288,7 +287,7 @@ def _model_check(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_ulysses_and_ring_with_window_match_dense_reference(world):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+    spawn(_worker, (world, free_port()), world)
 
 
 def test_cost_model_ring_hops_are_the_runtime_ring_steps():

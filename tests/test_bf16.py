@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import STEPS, launch, make_steps, train_config
+from helpers import STEPS, launch, make_steps, spawn, train_config
 
 # bf16 keeps 8 significant bits (7 stored + the implicit one): one rounding is off by at most 2**-8
 # (0.4%) relative. Sums over the tiny model's 64-128 wide products and 4 layers average such
@@ -356,11 +356,10 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ring_attention_keeps_softmax_statistics_fp32_in_bf16():
-    import torch.multiprocessing as mp
 
     from flexmesh.runtime.launch import free_port
 
-    mp.spawn(_ring_worker, args=(2, free_port()), nprocs=2, join=True)
+    spawn(_ring_worker, (2, free_port()), 2)
 
 
 def test_precision_policy_per_layout():

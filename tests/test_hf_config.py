@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import spawn
 from safetensors.torch import load_file, save_file
 
 from flexmesh.errors import CheckpointError, SpecError
@@ -189,9 +190,8 @@ def _tp_worker(rank: int, port: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tensor_parallel_biases_and_qk_norms(monkeypatch):
-    import torch.multiprocessing as mp
 
     from flexmesh.runtime.launch import free_port
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    mp.spawn(_tp_worker, args=(free_port(),), nprocs=2, join=True)
+    spawn(_tp_worker, (free_port(),), 2)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import spawn
 from safetensors.torch import load_file, save_file
 
 from flexmesh.errors import CheckpointError
@@ -181,4 +181,4 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
 def test_loads_into_fsdp2_and_tensor_parallel_layouts(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _, path = _saved(tmp_path)
-    mp.spawn(_worker, args=(2, free_port(), str(path)), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), str(path)), 2)
