@@ -98,7 +98,7 @@ def _slices(ctx: ScheduleContext, d: int, length: int, t_alone: float, tau: floa
 
 
 def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
-                     chunk_time: float | None = None) -> StepSchedule:
+                     chunk_time: float | None = None, slice_tokens: int | None = None) -> StepSchedule:
     """Place as ``hdp``, then cut long sequences into equal-time slices of about ``chunk_time`` seconds
     (whole sequences unless ``ctx.cut_documents``).
 
@@ -107,12 +107,18 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
     micro-batch per stage); under a pipeline also twice and four times that, each with sequences cut
     and whole, priced as they run (group_time: the unit order of cut documents, every micro-batch of
     the step padded to the longest), the fastest kept: cutting only where it pays.
+
+    ``slice_tokens``: fixed-size slicing instead (Seq1F1B, 2406.03488, the baseline InfiniPipe
+    compares with): every sequence longer than that cut into slices of equal *tokens*, short ones
+    packed as above into micro-batches of about the default chunk time.
     """
     t0 = time.perf_counter()
     batch = Batch.of(lengths, ctx)
     lens = batch.lens
     if chunk_time is not None and chunk_time <= 0:
         raise ScheduleError(f"chunk_time must be > 0 seconds, got {chunk_time}")
+    if slice_tokens is not None and slice_tokens < 1:
+        raise ScheduleError(f"slice_tokens must be a positive number of tokens, got {slice_tokens}")
     sizes, target = hdp_layout(batch, ctx)
     slots = aligned_layout(sizes, ctx.num_ranks)
     placement = place(batch, ctx, slots, target)
@@ -120,6 +126,8 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
         return _chunked(batch, ctx, slots, placement, float(chunk_time), ctx.cut_documents, t0)
     lb = lower_bound(lens, ctx)
     tau = lb / (2 * ctx.pp)
+    if slice_tokens is not None:
+        return _chunked(batch, ctx, slots, placement, tau, ctx.cut_documents, t0, slice_tokens)
     options = [(tau, ctx.cut_documents)]
     if ctx.cut_documents and ctx.pp > 1:  # without a pipeline slices bound memory, which time cannot see
         options += [(x, cut) for x in (tau, 2 * tau, 4 * tau) for cut in (True, False)][1:]
@@ -129,8 +137,9 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
 
 
 def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: float, cut: bool,
-             t0: float) -> StepSchedule:
-    """:func:`chunked_schedule` with slice time ``tau`` on a placement, cutting sequences or not."""
+             t0: float, slice_tokens: int | None = None) -> StepSchedule:
+    """:func:`chunked_schedule` with slice time ``tau`` on a placement, cutting sequences or not
+    (into equal-time slices, or of ``slice_tokens`` tokens each)."""
     lens = batch.lens
     times = seq_times(lens, ctx)  # alone: what a slice and its tail cost (placement uses the packed loads)
     mbs_all = []
@@ -139,12 +148,20 @@ def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: fl
         t = times[d]
         c = fixed_time(ctx, d)
         ordered = sorted(mem, key=lambda i: (-t[i], i))
-        long_ids = [i for i in ordered if t[i] > tau]
-        short_ids = [i for i in ordered if t[i] <= tau]
+        is_long = (t > tau) if slice_tokens is None else (lens > slice_tokens)
+        long_ids = [i for i in ordered if is_long[i]]
+        short_ids = [i for i in ordered if not is_long[i]]
         mbs: list[list[Piece]] = []
         room: list[tuple[float, int, int]] = []  # (time left, tokens left, micro-batch index) beside a tail
         for i in long_ids:
-            spans = _slices(ctx, d, int(lens[i]), float(t[i]), tau, cap) if cut else [(0, int(lens[i]))]
+            if not cut:
+                spans = [(0, int(lens[i]))]
+            elif slice_tokens is not None:
+                k = max(-(-int(lens[i]) // slice_tokens), -(-int(lens[i]) // cap))
+                edges = [int(lens[i]) * j // k for j in range(k + 1)]
+                spans = list(zip(edges[:-1], edges[1:]))
+            else:
+                spans = _slices(ctx, d, int(lens[i]), float(t[i]), tau, cap)
             for a, b in spans:
                 mbs.append([Piece(int(i), a, b)])
             a, b = spans[-1]
@@ -168,4 +185,5 @@ def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: fl
                 mbs.append([Piece(int(i), 0, li)])
                 fresh.append((tau - float(t[i]), cap - li, len(mbs) - 1))
         mbs_all.append(mbs)
-    return build_step_schedule("chunked", lens, ctx, slots, mbs_all, t0, extra={"chunk_time": tau, "cut": cut})
+    return build_step_schedule("chunked", lens, ctx, slots, mbs_all, t0,
+                               extra={"chunk_time": tau, "cut": cut, "slice_tokens": slice_tokens})
