@@ -186,4 +186,5 @@ def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: fl
                 fresh.append((tau - float(t[i]), cap - li, len(mbs) - 1))
         mbs_all.append(mbs)
     return build_step_schedule("chunked", lens, ctx, slots, mbs_all, t0,
-                               extra={"chunk_time": tau, "cut": cut, "slice_tokens": slice_tokens})
+                               extra={"chunk_time": tau, "cut": cut,
+                                      **({"slice_tokens": slice_tokens} if slice_tokens is not None else {})})
