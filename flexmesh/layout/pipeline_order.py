@@ -9,8 +9,9 @@ forwards in order and its backwards in reverse; units follow one another as the 
 is a unit of one, so a step without cut documents gets plain 1F1B.
 
 :func:`pipeline_order` builds the per-rank lists by list scheduling (each rank, whenever it is free,
-starts the first ready action: a backward, else a forward while fewer than ``num_stages - stage``
-micro-batches are in flight on that stage, or while the next backward still needs more forwards).
+starts the first ready action: a backward, else a forward of a unit it has started, or of a new one
+while fewer than ``num_stages - stage`` units are in flight on that stage: a unit acts as one
+micro-batch of 1F1B).
 Actions are taken in the time order of a simulation, so the lists can never deadlock; stage ``s``
 runs on pipeline rank ``s % pp`` (interleaved chunks). :func:`check_order` checks any given lists:
 every action once, dependencies respected (stage to stage, slice order within a unit, forwards in
@@ -22,9 +23,9 @@ Written by hand: torch.distributed.pipelining runs a given per-rank list
 
 >>> order = pipeline_order([[0, 1], [2]], num_stages=2, pp=2)
 >>> [" ".join(str(a) for a in rank) for rank in order]
-['F0.0 F0.1 B0.1 B0.0 F0.2 B0.2', 'F1.0 F1.1 B1.1 B1.0 F1.2 B1.2']
+['F0.0 F0.1 F0.2 B0.1 B0.0 B0.2', 'F1.0 F1.1 B1.1 B1.0 F1.2 B1.2']
 >>> check_order(order, [[0, 1], [2]], num_stages=2).peak_in_flight
-(2, 2)
+(3, 2)
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def timed_order(units: Sequence[Sequence[int]], num_stages: int, pp: int,
     if num_stages < 1 or pp < 1 or num_stages % pp:
         raise ScheduleError(f"{num_stages} stages cannot be spread evenly over {pp} pipeline ranks")
     unit_end = {i: max(u) for u in units for i in u}  # the forward a unit's first backward waits for
+    unit_of = {i: k for k, u in enumerate(units) for i in u}
     bseq = _backward_sequence(units)
     f_next = [0] * num_stages  # next forward's micro-batch per stage
     b_next = [0] * num_stages  # position in bseq per stage
@@ -180,7 +182,7 @@ def timed_order(units: Sequence[Sequence[int]], num_stages: int, pp: int,
         for r in range(pp):
             if free_at[r] > now:
                 continue
-            act = _pick(r, now, pp, num_stages, m, f_next, b_next, bseq, unit_end, f_done, b_done)
+            act = _pick(r, now, pp, num_stages, m, f_next, b_next, bseq, unit_end, unit_of, f_done, b_done)
             if act is None:
                 continue
             end = now + float(duration(act))
@@ -204,9 +206,14 @@ def timed_order(units: Sequence[Sequence[int]], num_stages: int, pp: int,
 
 
 def _pick(r: int, now: float, pp: int, num_stages: int, m: int, f_next: list[int], b_next: list[int],
-          bseq: list[int], unit_end: dict[int, int], f_done: dict, b_done: dict) -> Action | None:
+          bseq: list[int], unit_end: dict[int, int], unit_of: dict[int, int], f_done: dict,
+          b_done: dict) -> Action | None:
     """The action rank ``r`` starts at ``now``: a ready backward (latest stage first), else a ready
-    forward the in-flight rule allows (earliest micro-batch, then latest stage: depth first)."""
+    forward the in-flight rule allows (earliest micro-batch, then latest stage: depth first).
+
+    In flight is counted in units: a unit acts as one micro-batch of 1F1B would, so a stage starts
+    a new unit while fewer than ``num_stages - stage`` are in flight there, and runs on with one it
+    has started (its backwards wait for its last forward)."""
     stages = range(r, num_stages, pp)
     for s in sorted(stages, reverse=True):
         if b_next[s] < m:
@@ -219,9 +226,10 @@ def _pick(r: int, now: float, pp: int, num_stages: int, m: int, f_next: list[int
         i = f_next[s]
         if i >= m or (s > 0 and f_done.get((s - 1, i), now + 1) > now):
             continue
-        in_flight = f_next[s] - b_next[s]
+        started = i > 0 and unit_of[i - 1] == unit_of[i]
+        in_flight = unit_of[i] - unit_of[bseq[b_next[s]]] if b_next[s] < m else 0
         needed = b_next[s] < m and i <= unit_end[bseq[b_next[s]]]
-        if in_flight < num_stages - s or needed:
+        if started or in_flight < num_stages - s or needed:
             cand = Action("F", s, i)
             if best is None or (i, -s) < (best.mb, -best.stage):
                 best = cand

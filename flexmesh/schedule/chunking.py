@@ -98,7 +98,8 @@ def _slices(ctx: ScheduleContext, d: int, length: int, t_alone: float, tau: floa
 
 
 def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
-                     chunk_time: float | None = None, slice_tokens: int | None = None) -> StepSchedule:
+                     chunk_time: float | None = None, slice_tokens: int | None = None,
+                     cp: int | None = None) -> StepSchedule:
     """Place as ``hdp``, then cut long sequences into equal-time slices of about ``chunk_time`` seconds
     (whole sequences unless ``ctx.cut_documents``).
 
@@ -111,6 +112,12 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
     ``slice_tokens``: fixed-size slicing instead (Seq1F1B, 2406.03488, the baseline InfiniPipe
     compares with): every sequence longer than that cut into slices of equal *tokens*, short ones
     packed as above into micro-batches of about the default chunk time.
+
+    Groups: ``hdp``'s sizes; under a pipeline (cutting on, nothing fixed) also every static size
+    over all data ranks, priced alike, and on those each group's sequences streamed into full
+    micro-batches of 1, 1/2, 1/4 and 1/8 of what a group holds (:func:`stream_pack`): a pipelined
+    step runs one shape, and cutting is what lets small micro-batches (a short fill and drain) go
+    unpadded. ``cp``: one static size only.
     """
     t0 = time.perf_counter()
     batch = Batch.of(lengths, ctx)
@@ -119,36 +126,110 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
         raise ScheduleError(f"chunk_time must be > 0 seconds, got {chunk_time}")
     if slice_tokens is not None and slice_tokens < 1:
         raise ScheduleError(f"slice_tokens must be a positive number of tokens, got {slice_tokens}")
-    sizes, target = hdp_layout(batch, ctx)
-    slots = aligned_layout(sizes, ctx.num_ranks)
-    placement = place(batch, ctx, slots, target)
-    if chunk_time is not None:
-        return _chunked(batch, ctx, slots, placement, float(chunk_time), ctx.cut_documents, t0)
+    if cp is not None and (cp not in ctx.group_sizes or not ctx.cut_documents and batch.need.max() > cp):
+        raise ScheduleError(f"a static group of {cp} ranks is not one of {list(ctx.group_sizes)} or holds not "
+                            "every sequence whole; choose another --cp")
     lb = lower_bound(lens, ctx)
     tau = lb / (2 * ctx.pp)
-    if slice_tokens is not None:
-        return _chunked(batch, ctx, slots, placement, tau, ctx.cut_documents, t0, slice_tokens)
-    options = [(tau, ctx.cut_documents)]
-    if ctx.cut_documents and ctx.pp > 1:  # without a pipeline slices bound memory, which time cannot see
+    fixed = chunk_time is not None or slice_tokens is not None or cp is not None
+    layouts = [_layout(batch, ctx, cp)] if cp is not None else [_layout(batch, ctx, None)]
+    if ctx.pp > 1 and ctx.cut_documents and not fixed:  # also one static group size over all data ranks
+        layouts += [_layout(batch, ctx, d) for d in ctx.group_sizes]
+    options = [(float(chunk_time) if chunk_time is not None else tau, ctx.cut_documents)]
+    if ctx.pp > 1 and ctx.cut_documents and chunk_time is None and slice_tokens is None:
+        # without a pipeline slices bound memory, which time cannot see
         options += [(x, cut) for x in (tau, 2 * tau, 4 * tau) for cut in (True, False)][1:]
-    best = min((_chunked(batch, ctx, slots, placement, x, cut, t0) for x, cut in options),
-               key=lambda s: s.predicted_step_time)
+    times = seq_times(lens, ctx)
+    made = [_chunked(batch, ctx, times, slots, placement, x, cut, t0, slice_tokens)
+            for d, slots, placement in layouts for x, cut in options if cut or d is None or batch.need.max() <= d]
+    if ctx.pp > 1 and ctx.cut_documents and not fixed:  # full micro-batches of one shape, of a few sizes
+        made += [_streamed(batch, ctx, slots, placement, share, t0)
+                 for d, slots, placement in layouts if d is not None for share in (1, 2, 4, 8)]
+    best = min(made, key=lambda s: s.predicted_step_time)
     return replace(best, scheduler_seconds=time.perf_counter() - t0)
 
 
-def _chunked(batch: Batch, ctx: ScheduleContext, slots: list, placement, tau: float, cut: bool,
+def stream_pack(ids: list[int], lens: np.ndarray, tokens: int) -> list[list[Piece]]:
+    """Micro-batches of ``tokens`` tokens from the sequences ``ids``, a sequence cut where it crosses
+    a boundary, so that micro-batches of one shape need almost no padding.
+
+    A pipeline runs every micro-batch of a step at one shape, so whole sequences of mixed lengths
+    either pad small micro-batches up to the longest sequence or need large ones (a long fill and
+    drain); cutting lets small micro-batches pack full. Longest first; the longest that does not fit
+    runs on into the next micro-batch, which is then filled with whole sequences (the shortest once
+    the longest does not fit) and closed without a cut, so a unit of linked micro-batches spans two
+    (more only where one sequence is longer than a micro-batch).
+
+    >>> lens = np.array([10, 7, 3, 2, 2])
+    >>> [[(p.seq_id, p.start, p.end) for p in mb] for mb in stream_pack([0, 1, 2, 3, 4], lens, 8)]
+    [[(0, 0, 8)], [(0, 8, 10), (4, 0, 2), (3, 0, 2)], [(1, 0, 7), (2, 0, 1)], [(2, 1, 3)]]
+    """
+    order = sorted(ids, key=lambda i: (-int(lens[i]), i))
+    front, back = 0, len(order) - 1
+    mbs: list[list[Piece]] = []
+    carry: tuple[int, int] | None = None  # (sequence, start) running on into the next micro-batch
+    while front <= back or carry is not None:
+        mb: list[Piece] = []
+        room, cut_in = tokens, carry is not None
+        if carry is not None:
+            i, a = carry
+            b = min(int(lens[i]), a + room)
+            mb.append(Piece(i, a, b))
+            room -= b - a
+            carry = (i, b) if b < int(lens[i]) else None
+        while carry is None and room > 0 and front <= back:
+            i = order[front]
+            if int(lens[i]) <= room:  # the longest left fits whole
+                mb.append(Piece(i, 0, int(lens[i])))
+                room -= int(lens[i])
+                front += 1
+            elif not cut_in:  # it runs on into the next micro-batch
+                mb.append(Piece(i, 0, room))
+                carry, room = (i, room), 0
+                front += 1
+            elif int(lens[order[back]]) <= room:  # after a cut: the shortest left, whole
+                mb.append(Piece(order[back], 0, int(lens[order[back]])))
+                room -= int(lens[order[back]])
+                back -= 1
+            else:
+                break
+        mbs.append(mb)
+    return mbs
+
+
+def _streamed(batch: Batch, ctx: ScheduleContext, slots: list, placement, share: int, t0: float) -> StepSchedule:
+    """Every group's sequences streamed into micro-batches of ``1 / share`` of what the smallest
+    group holds (:func:`stream_pack`): one size on every group, as a pipelined step runs one shape."""
+    size = max(1, min(ctx.max_tokens(slot.size) for slot in slots) // share)
+    mbs_all = [stream_pack(list(mem), batch.lens, size) for mem in placement.members]
+    return build_step_schedule("chunked", batch.lens, ctx, slots, mbs_all, t0,
+                               extra={"cut": True, "packed_tokens": size})
+
+
+def _layout(batch: Batch, ctx: ScheduleContext, cp: int | None) -> tuple[int | None, list, object]:
+    """(static size or None, slots, placement): hdp's group sizes, or groups of ``cp`` ranks each
+    (slices bound a cut sequence's micro-batches to what such a group holds)."""
+    if cp is None:
+        sizes, target = hdp_layout(batch, ctx)
+    else:
+        sizes, target = [cp] * (ctx.num_ranks // cp), np.full(batch.lens.size, cp)
+    slots = aligned_layout(sizes, ctx.num_ranks)
+    return cp, slots, place(batch, ctx, slots, target)
+
+
+def _chunked(batch: Batch, ctx: ScheduleContext, times: dict, slots: list, placement, tau: float, cut: bool,
              t0: float, slice_tokens: int | None = None) -> StepSchedule:
     """:func:`chunked_schedule` with slice time ``tau`` on a placement, cutting sequences or not
-    (into equal-time slices, or of ``slice_tokens`` tokens each)."""
+    (into equal-time slices, or of ``slice_tokens`` tokens each); ``times``: seq_times of the batch
+    alone (what a slice and its tail cost; placement uses the packed loads)."""
     lens = batch.lens
-    times = seq_times(lens, ctx)  # alone: what a slice and its tail cost (placement uses the packed loads)
     mbs_all = []
     for slot, mem in zip(slots, placement.members, strict=True):
         d, cap = slot.size, ctx.max_tokens(slot.size)
         t = times[d]
         c = fixed_time(ctx, d)
         ordered = sorted(mem, key=lambda i: (-t[i], i))
-        is_long = (t > tau) if slice_tokens is None else (lens > slice_tokens)
+        is_long = ((t > tau) if slice_tokens is None else (lens > slice_tokens)) | (cut & (lens > cap))
         long_ids = [i for i in ordered if is_long[i]]
         short_ids = [i for i in ordered if not is_long[i]]
         mbs: list[list[Piece]] = []
