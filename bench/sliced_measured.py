@@ -17,8 +17,10 @@
 3. Per schedule: measured median step time (after the first step), the simulator's prediction for
    the schedules that ran (flexmesh.sim.timeline.simulate_step on the profiles' cost model), the
    error, the documents cut per step, micro-batches per step, the measured peak of saved
-   activations on either stage, and the largest loss difference from the ``fixed`` run over all
-   steps (the correctness contract: the same batch gives the same loss under every schedule).
+   activations on either stage against the prediction (flexmesh.sim.memory: the in-flight sets of the
+   step's order, the profile's bytes per token and its fit of what a carried piece keeps) with the
+   median error over steps, and the largest loss difference from the ``fixed`` run over all steps
+   (the correctness contract: the same batch gives the same loss under every schedule).
 
     python -m bench.sliced_measured                 # records the "sliced_measured" section
     python -m bench.sliced_measured --quick         # 3 steps, prints only
@@ -70,7 +72,8 @@ def batches(seq_len: int, global_batch: int, steps: int, vocab: int, seed: int =
 
 
 def schedules(plan, cost, docs_per_step: list[list]) -> dict[str, list]:
-    """Per run: the StepSchedule of every batch, and its simulated step time."""
+    """Per run: the StepSchedule of every batch, its simulated step time and its predicted peak of
+    saved activations on the fuller stage (flexmesh.sim.memory)."""
     from dataclasses import replace
 
     import numpy as np
@@ -78,6 +81,7 @@ def schedules(plan, cost, docs_per_step: list[list]) -> dict[str, list]:
     from flexmesh.schedule.lower_bound import lower_bound
     from flexmesh.schedule.registry import make_schedule
     from flexmesh.schedule.scheduler import schedule_context
+    from flexmesh.sim.memory import stage_activation_peaks
     from flexmesh.sim.predict import step_time_predictor
 
     ctx = schedule_context(plan, cost.model, plan.seq_len, cost)
@@ -90,7 +94,7 @@ def schedules(plan, cost, docs_per_step: list[list]) -> dict[str, list]:
         made = (make_schedule("chunked", lens, ctx, chunk_time=tau), make_schedule("chunked", lens, ctx),
                 make_schedule("chunked", lens, whole), make_schedule("fixed", lens, whole))
         for run, s in zip(RUNS, made):
-            out[run].append((s, predict(s)))
+            out[run].append((s, predict(s), float(stage_activation_peaks(ctx, s).max())))
     return out
 
 
@@ -110,9 +114,9 @@ def worker(out: Path, profiles: Path, steps: int, seq_len: int, global_batch: in
     for run, scheds in schedules(plan, cost, docs).items():
         trainer = Trainer(plan, cost.model, TrainConfig(max_steps=steps, progress=False, meter_every=1))
         rows = []
-        for d, (s, pred) in zip(docs, scheds):
+        for d, (s, pred, act) in zip(docs, scheds):
             m = trainer.step(d, s)
-            rows.append({"loss": m.loss, "step_time_s": m.step_time_s, "predicted_s": pred,
+            rows.append({"loss": m.loss, "step_time_s": m.step_time_s, "predicted_s": pred, "act_pred": act,
                          "cut": m.cut_documents, "microbatches": m.microbatches,
                          "act": max(m.activation_peak_bytes or (0,))})
         results[run] = rows
@@ -153,8 +157,8 @@ def main() -> None:
         measured = json.loads(res.read_text())
 
     ref = [r["loss"] for r in measured["fixed"]]
-    cols = ("schedule", "cut docs/step", "micro-batches/step", "step s pred", "step s meas", "error",
-            "act MiB meas (peak)", "max |loss - fixed|")
+    cols = ("schedule", "cut/step", "mbs/step", "step pred s", "step meas s", "error", "act pred MiB",
+            "act meas MiB", "act error", "max |loss - fixed|")
     table = Table(title=f"{MODEL} (fp32 CPU), pp 2 (1F1B), {args.global_batch} documents of up to {args.seq_len} "
                         f"tokens per step (ProLong lengths), {steps} steps; predicted from this machine's profiles")
     for c in cols:
@@ -169,7 +173,9 @@ def main() -> None:
         base = meas if run == "fixed" else base
         cells = (run, f"{statistics.mean(r['cut'] for r in rows):.1f}",
                  f"{statistics.mean(r['microbatches'] for r in rows):.1f}", f"{pred:.3f}", f"{meas:.3f}",
-                 f"{(pred - meas) / meas:+.1%}", f"{max(r['act'] for r in rows) / 2**20:.1f}",
+                 f"{(pred - meas) / meas:+.1%}", f"{max(r['act_pred'] for r in rows) / 2**20:.1f}",
+                 f"{max(r['act'] for r in rows) / 2**20:.1f}",
+                 f"{statistics.median((r['act_pred'] - r['act']) / r['act'] for r in rows):+.1%}",
                  f"{max(abs(r['loss'] - x) for r, x in zip(rows, ref)):.1e}")
         table.add_row(*cells)
         md_rows.append(cells)

@@ -231,6 +231,12 @@ class AnalyticTiming:
         """None: flash-style attention keeps no mask."""
         return 0.0
 
+    def carried_bytes(self, s: LayerStrategy, prefix: float, tokens: float) -> float:
+        """The prefix's keys and values, which a flash-style kernel keeps for the later piece's
+        backward: 2 x kv heads x head dim per prefix token, split over tp x cp."""
+        m = self.model
+        return 2.0 * m.num_kv_heads * m.head_dim * prefix * m.dtype_bytes / (s.tp * s.cp)
+
     def embedding_activation_bytes(self, s: LayerStrategy, tokens: float) -> float:
         """The embedding output, split over tp x cp (sequence parallel)."""
         return tokens / s.cp / s.tp * self.model.hidden * self.model.dtype_bytes

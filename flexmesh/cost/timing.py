@@ -81,6 +81,11 @@ class LayerTiming(Protocol):
         """Bytes of an attention mask a layer's attention kernel keeps for ``tokens`` (0: none)."""
         ...
 
+    def carried_bytes(self, s: LayerStrategy, prefix: float, tokens: float) -> float:
+        """Bytes a layer keeps beyond the same ``tokens`` whole when they continue a cut document's
+        ``prefix`` (flexmesh.runtime.carry)."""
+        ...
+
     def embedding_activation_bytes(self, s: LayerStrategy, tokens: float) -> float:
         """Bytes the embedding keeps for backward for ``tokens``."""
         ...

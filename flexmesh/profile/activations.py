@@ -66,7 +66,56 @@ def measure_activations(spec: ModelSpec, cfg: dict, dtype, device, advance) -> d
     # The slope between two token counts: what does not grow with tokens is not per token.
     lo, hi = (_end_activation_bytes(spec, n, dtype, device) for n in tokens[-2:])
     ends = {k: (hi[k] - lo[k]) / (tokens[-1] - tokens[-2]) for k in hi}
-    return {"layers": layers, "attention_mask_bytes_per_sq_row_token": mask, **ends}
+    return {"layers": layers, "attention_mask_bytes_per_sq_row_token": mask, **ends,
+            "carried": measure_carried(spec, tokens, dtype, device)}
+
+
+CARRIED_TERMS = ("per_prefix_token", "per_prefix_query_pair", "per_query_sq", "per_query")
+
+
+def measure_carried(spec: ModelSpec, tokens: list[int], dtype, device) -> dict:
+    """What a layer saves beyond the same tokens whole when they continue a cut document's prefix
+    (flexmesh.runtime.carry: the prefix's keys and values, and whatever the kernel keeps for queries
+    over a longer key range), fitted as ``a * p + b * p * n + c * n^2 + d * n`` for ``n`` tokens
+    after a prefix of ``p``, on one device without tp or cp (shards divide it by tp * cp)."""
+    samples = []
+    for n in tokens[:2]:
+        for p in tokens:
+            samples.append((p, n, _carried_extra(spec, p, n, dtype, device)))
+    x = np.array([[p, p * n, n * n, n] for p, n, _ in samples], dtype=float)
+    coef = least_squares(x, [e for _, _, e in samples])
+    return {**{k: float(c) for k, c in zip(CARRIED_TERMS, coef)},
+            "samples_prefix_tokens_bytes": [list(x) for x in samples]}
+
+
+def _carried_extra(spec: ModelSpec, prefix: int, tokens: int, dtype, device) -> int:
+    """Saved bytes of a layer on ``tokens`` tokens continuing a ``prefix``-token piece of one
+    document, less the same tokens as a document of their own."""
+    from flexmesh.layout.step import Piece
+    from flexmesh.runtime.carry import KVCarry
+    from flexmesh.runtime.memory import SavedActivationMeter
+    from flexmesh.runtime.model import make_row
+
+    block = rank_block(spec, dtype, device, 1)
+    store = KVCarry(detached=True)
+    first, second = Piece(0, 0, prefix), Piece(0, prefix, prefix + tokens)
+
+    def row(piece: Piece, keep: frozenset):
+        cu = torch.tensor([0, piece.length], dtype=torch.int32, device=device)
+        positions = torch.arange(piece.start, piece.end, device=device)[None]
+        return make_row(spec, positions, cu, (0, piece.length), carry=store.view((piece,), keep))
+
+    x = torch.randn(1, prefix, spec.hidden, device=device, dtype=dtype, requires_grad=True)
+    block.attention(block.attention_norm(x * 1.0), row(first, frozenset({(0, 0)})))  # keeps the prefix
+    later = row(second, frozenset())
+    y = torch.randn(1, tokens, spec.hidden, device=device, dtype=dtype, requires_grad=True)
+    with SavedActivationMeter() as meter:
+        h = y * 1.0
+        h = h + block.attention(block.attention_norm(h), later)
+        h = h + block.feed_forward(block.ffn_norm(h))
+        saved = meter.live_bytes
+    del h
+    return saved - _saved_bytes(spec, 1, 1, False, tokens, dtype, device)
 
 
 def _end_activation_bytes(spec: ModelSpec, tokens: int, dtype, device) -> dict:

@@ -48,7 +48,7 @@ from flexmesh.errors import ProfileError
 from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.profile.format import HardwareProfile, ModelProfile
 from flexmesh.spec.cluster import ClusterSpec
-from flexmesh.spec.model import ModelSpec
+from flexmesh.spec.model import DTYPE_BYTES, ModelSpec
 
 
 class ProfiledTiming:
@@ -160,6 +160,20 @@ class ProfiledTiming:
         if (s.cp > 1 and s.cp_kind == "ring") or s.recompute is Recompute.SELECTIVE:
             return 0.0
         return float(self.profile.activations["attention_mask_bytes_per_sq_row_token"]) * tokens * tokens
+
+    def carried_bytes(self, s: LayerStrategy, prefix: float, tokens: float) -> float:
+        """The profile's fit of what a carried piece keeps beyond the same tokens whole (one device;
+        shards divide it by tp x cp), or the analytic prefix keys and values where the profile
+        predates the measurement."""
+        fit = self.profile.activations.get("carried")
+        if fit is None:
+            m = self.profile.model
+            head_dim = m.get("head_dim_override") or m["hidden"] // m["num_heads"]
+            return 2.0 * m["num_kv_heads"] * head_dim * prefix * DTYPE_BYTES[self.dtype] / (s.tp * s.cp)
+        p, n = float(prefix), float(tokens)
+        total = (fit["per_prefix_token"] * p + fit["per_prefix_query_pair"] * p * n + fit["per_query_sq"] * n * n
+                 + fit["per_query"] * n)
+        return float(total) / (s.tp * s.cp)
 
     def embedding_activation_bytes(self, s: LayerStrategy, tokens: float) -> float:
         """``embedding_bytes_per_token`` x each cp rank's tokens."""
