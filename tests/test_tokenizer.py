@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from flexmesh.data import tokenizer as tokmod
@@ -42,9 +42,18 @@ def test_trained_bpe_has_bytes_merges_and_bounded_vocab(trained) -> None:
 @settings(max_examples=50, deadline=None)
 @given(st.text(max_size=200))
 def test_byte_level_round_trip_for_any_text(trained, text) -> None:
+    """Any text but the special token's own spelling, which the tokenizer reads as that token (next test)."""
     tok, _ = trained
+    assume(tokmod.END_OF_TEXT not in text)
     enc = tok.encode(text, add_special_tokens=False)
     assert tok.decode(enc.ids) == text
+
+
+def test_the_special_tokens_spelling_is_read_as_the_token(trained) -> None:
+    tok, _ = trained
+    ids = tok.encode(f"a{tokmod.END_OF_TEXT}b", add_special_tokens=False).ids
+    assert tok.token_to_id(tokmod.END_OF_TEXT) in ids
+    assert tok.decode(ids) == "ab"  # decoding skips special tokens
 
 
 def test_cache_is_reused_and_invalidated_by_corpus_change(small_corpus, tmp_path, monkeypatch) -> None:
