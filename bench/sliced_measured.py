@@ -82,9 +82,9 @@ def schedules(plan, cost, docs_per_step: list[list]) -> dict[str, list]:
     from flexmesh.schedule.registry import make_schedule
     from flexmesh.schedule.scheduler import schedule_context
     from flexmesh.sim.memory import stage_activation_peaks
-    from flexmesh.sim.predict import step_time_predictor
+    from flexmesh.sim.predict import simulated_price, step_time_predictor
 
-    ctx = schedule_context(plan, cost.model, plan.seq_len, cost)
+    ctx = replace(schedule_context(plan, cost.model, plan.seq_len, cost), price=simulated_price())  # as train
     whole = replace(ctx, cut_documents=False)
     predict = step_time_predictor(ctx)
     out: dict[str, list] = {run: [] for run in RUNS}

@@ -38,6 +38,7 @@ from flexmesh.data.lengths import BatchSampler, load_lengths
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.sim.compare import compare_policies, run_policy
+from flexmesh.sim.predict import simulated_price
 from flexmesh.sim.timeline import simulate_step
 from flexmesh.spec import parse_cluster, parse_model
 
@@ -48,9 +49,11 @@ SLICE_TOKENS = (4096, 8192, 16384, 32768)
 
 
 def context() -> ScheduleContext:
+    """The runs' context; policies weighing candidates price them by the simulator, as in ``flexmesh train``."""
     c = parse_cluster(CLUSTER)
     return ScheduleContext(cost=CostModel(parse_model(MODEL), c), base=LayerStrategy(zero=1, recompute=True),
-                           num_ranks=c.world_size // PP, pp=PP, pipeline_schedule="1f1b", cp_kind="ulysses")
+                           num_ranks=c.world_size // PP, pp=PP, pipeline_schedule="1f1b", cp_kind="ulysses",
+                           price=simulated_price())
 
 
 def batches(name: str, ctx_len: int, steps: int, seed: int = 0) -> list[np.ndarray]:

@@ -107,7 +107,8 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
     micro-batches per group that the ``(pp - 1)`` fill and drain cost at most about half a
     micro-batch per stage); under a pipeline also twice and four times that, each with sequences cut
     and whole, priced as they run (group_time: the unit order of cut documents, every micro-batch of
-    the step padded to the longest), the fastest kept: cutting only where it pays.
+    the step padded to the longest; by ``ctx.price``, the step simulator, where set), the fastest
+    kept: cutting only where it pays.
 
     ``slice_tokens``: fixed-size slicing instead (Seq1F1B, 2406.03488, the baseline InfiniPipe
     compares with): every sequence longer than that cut into slices of equal *tokens*, short ones
@@ -145,7 +146,8 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
     if ctx.pp > 1 and ctx.cut_documents and not fixed:  # full micro-batches of one shape, of a few sizes
         made += [_streamed(batch, ctx, slots, placement, share, t0)
                  for d, slots, placement in layouts if d is not None for share in (1, 2, 4, 8)]
-    best = min(made, key=lambda s: s.predicted_step_time)
+    price = ctx.price
+    best = min(made, key=(lambda s: price(ctx, s)) if price is not None else (lambda s: s.predicted_step_time))
     return replace(best, scheduler_seconds=time.perf_counter() - t0)
 
 

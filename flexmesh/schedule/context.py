@@ -6,7 +6,9 @@ never computes its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -16,6 +18,9 @@ from flexmesh.cost.kernels import Kernels
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.mesh import group_cp_kind, runs_in_lockstep
 from flexmesh.layout.strategy import LayerStrategy
+
+if TYPE_CHECKING:
+    from flexmesh.layout.step import StepSchedule
 
 # Batches whose per-sequence tables (ScheduleContext.by_size) a context keeps: a step asks for one batch
 # (milp's warm starts and the lower bound of each schedule built ask again), and flexmesh.sim.compare's
@@ -56,6 +61,10 @@ class ScheduleContext:
     # runtime trains such pieces exactly where flexmesh.layout.step.carries_pieces says so (not
     # with dynamic RoPE scaling), and the runtime's scheduler sets this from it.
     cut_documents: bool = True
+    # How a policy that weighs candidate schedules of one step prices them (``chunked`` under a
+    # pipeline): ``price(ctx, schedule)`` in seconds; None: the schedule's own estimate. The step
+    # simulator sets it (flexmesh.sim.predict.simulated_price), so that choice and prediction agree.
+    price: Callable[[ScheduleContext, StepSchedule], float] | None = field(default=None, compare=False, repr=False)
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -36,14 +36,28 @@ def step_time_predictor(ctx: ScheduleContext, *, virtual_stages: int = 1) -> Cal
     return predict
 
 
+def simulated_price(virtual_stages: int = 1) -> Callable[[ScheduleContext, StepSchedule], float]:
+    """``(ctx, schedule) -> simulated step time``: a context's ``price``, by which a policy weighing
+    candidates of one step (``chunked``) chooses as the simulator will judge."""
+
+    def price(ctx: ScheduleContext, schedule: StepSchedule) -> float:
+        return simulate_step(ctx, schedule, virtual_stages=virtual_stages).step_time
+
+    return price
+
+
 def simulated_scheduler(scheduler: Scheduler) -> Scheduler:
     """``scheduler`` whose step schedules carry the simulated step time (on its own contexts and its
-    plan's virtual stages) as ``predicted_step_time``; the contexts are read at each call, so the
-    prediction follows :meth:`~flexmesh.schedule.scheduler.Scheduler.set_speed`. A scheduler that
-    prices nothing (fixed shares on an unpriced cluster) is returned as it is."""
-    if scheduler.groups is None:
+    plan's virtual stages) as ``predicted_step_time``, and whose contexts price candidates by it; the
+    contexts are read at each call, so the prediction follows
+    :meth:`~flexmesh.schedule.scheduler.Scheduler.set_speed`. A scheduler that prices nothing (fixed
+    shares on an unpriced cluster) is returned as it is."""
+    groups = scheduler.groups
+    if groups is None:
         return scheduler
     out = scheduler.with_predict(None)
+    out.groups = replace(groups, contexts=tuple(
+        replace(c, price=simulated_price(v)) for c, v in zip(groups.contexts, scheduler.virtual_stages)))
 
     def predict(schedule: StepSchedule) -> float:
         assert out.groups is not None  # set_speed keeps a priced scheduler priced
