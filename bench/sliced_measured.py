@@ -158,7 +158,7 @@ def main() -> None:
 
     ref = [r["loss"] for r in measured["fixed"]]
     cols = ("schedule", "cut/step", "mbs/step", "step pred s", "step meas s", "error", "act pred MiB",
-            "act meas MiB", "act error", "max |loss - fixed|")
+            "act meas MiB", "act error", "max loss diff vs fixed")
     table = Table(title=f"{MODEL} (fp32 CPU), pp 2 (1F1B), {args.global_batch} documents of up to {args.seq_len} "
                         f"tokens per step (ProLong lengths), {steps} steps; predicted from this machine's profiles")
     for c in cols:
@@ -183,10 +183,13 @@ def main() -> None:
     if not args.quick:
         from bench._results import markdown_table, record
 
-        md = [f"Profiles: `flexmesh profile hardware --quick` and `flexmesh profile model --model {MODEL} --quick` "
+        md = [f"The `{MODEL}` model on a pp 2 pipeline (1F1B, 2 layers per stage, fp32, {WORLD} processes), "
+              f"{args.global_batch} random-token documents per step with ProLong's lengths cut at {args.seq_len}. "
+              f"Profiles: `flexmesh profile hardware --quick` and `flexmesh profile model --model {MODEL} --quick` "
               f"with `--nproc {WORLD}` on this machine ({os.cpu_count()} cores, OMP_NUM_THREADS=1). The same "
               f"{steps} global batches under each schedule; step times are medians after the first step; "
-              "predictions are the step simulator's for the schedules that ran.", "",
+              "predictions are the step simulator's for the schedules that ran; activation peaks are the "
+              "largest over steps and ranks, the error the median over steps.", "",
               *markdown_table(cols, md_rows)]
         record("sliced_measured", "\n".join(md))
 
