@@ -27,6 +27,7 @@ from flexmesh.layout.overlap import NO_OVERLAP, Overlap
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.sim.compare import BASELINES, PolicyRun, best_baseline, compare_policies, run_policy, runs_needed
+from flexmesh.sim.predict import simulated_price
 from flexmesh.sim.timeline import lane_speeds
 
 # The comparison table: one row per policy (see comparison_row).
@@ -74,7 +75,8 @@ def simulation_context(base: CostModel, cfg: SimulationConfig) -> tuple[Schedule
     ctx = ScheduleContext(cost=cost, base=LayerStrategy(tp=cfg.tp, zero=cfg.zero, recompute=cfg.recompute),
                           num_ranks=cluster.world_size // (cfg.tp * cfg.pp), pp=cfg.pp,
                           pipeline_schedule=cfg.pipeline_schedule, cp_kind=cfg.cp_kind,
-                          speed=tuple(float(x) for x in speeds.min(axis=0)))
+                          speed=tuple(float(x) for x in speeds.min(axis=0)),
+                          price=simulated_price(cfg.virtual_stages))  # chunked chooses as train's does
     return ctx, speeds
 
 
