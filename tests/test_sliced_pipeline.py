@@ -1,12 +1,12 @@
 """Documents cut into slices across pipeline stages train exactly as whole documents.
 
 Under torchrun (gloo, CPU, fp32): pp 2 and pp 4, plain, with activation checkpointing, interleaved
-(two chunks per rank), with data parallelism (ZeRO-3, whose ranks pair their weight gathers micro-batch
-by micro-batch, so both pipelines run one order built from both groups' units) and with tensor
-parallelism inside a stage. Documents are cut into 2 to 4 slices that span micro-batches and share
-them with short documents. Every run's losses and first-step gradients equal a single process that
-never cuts (1e-5); the trainer ran the sliced order (flexmesh.layout.pipeline_order) and emptied the
-carried keys and values after each step.
+(two chunks per rank), with data parallelism (ZeRO-3, whose ranks pair their weight gathers micro-
+batch by micro-batch, so both pipelines run one order built from both groups' units), with tensor
+parallelism, and with Ulysses and ring context parallelism inside a stage. Documents are cut into 2
+to 4 slices that span micro-batches and share them with short documents. Every run's losses and
+first-step gradients equal a single process that never cuts (1e-5); the trainer ran the sliced order
+(flexmesh.layout.pipeline_order) and emptied the carried keys and values after each step.
 
 This file is also the torchrun worker (``python tests/test_sliced_pipeline.py worker OUT NAME...``).
 """
@@ -34,6 +34,8 @@ LAYOUTS = {  # name -> (world, pp, pipeline schedule, partition, per-layer strat
     "pp4_ac": (4, 4, "gpipe", [[0, 1], [1, 2], [2, 3], [3, 4]], "tp1-dp1z0-ac"),
     "pp2_dp2_z3": (4, 2, "1f1b", [[0, 2], [2, 4]], "tp1-dp2z3"),
     "pp2_tp2": (4, 2, "1f1b", [[0, 2], [2, 4]], "tp2-dp1z0-ac"),
+    "pp2_ulysses2": (4, 2, "1f1b", [[0, 2], [2, 4]], "tp1-u2-dp1z0"),
+    "pp2_ring2": (4, 2, "1f1b", [[0, 2], [2, 4]], "tp1-r2-dp1z0-ac"),
 }
 STEPS = 2
 
@@ -50,10 +52,11 @@ def make_plan(name: str):
                         stages=stages)
 
 
-def sliced_steps(groups: int) -> list:
+def sliced_steps(groups: int, cp: int = 1) -> list:
     """STEPS steps. Group 0: document 0 (80 tokens) in 4 slices and document 1 (50) in 2, their slices
     interleaved over micro-batches 0-3 beside short documents, then document 2 (45) in 3 slices; with
-    two groups the second cuts document 3 in 2 (other units: the pipelines run one merged order)."""
+    two groups the second cuts document 3 in 2 (other units: the pipelines run one merged order); each
+    group a context-parallel group of ``cp`` data ranks."""
     out = []
     for step in range(STEPS):
         rng = np.random.default_rng(31 + step)
@@ -65,14 +68,14 @@ def sliced_steps(groups: int) -> list:
         short = [Piece(i, 0, lens[i]) for i in range(4, 9)]
         g0 = [[short[0], d0[0]], [d0[1], d1[0]], [d0[2]], [d0[3], d1[1], short[1]], [short[2], d2[0]], [d2[1]],
               [d2[2], short[3]]]
-        layout = [((0,), g0)]
+        layout = [(tuple(range(cp)), g0)]
         if groups == 1:
             g0[-1].append(Piece(3, 0, 36))
             g0.append([short[4]])
         else:
-            layout.append(((1,), [[Piece(3, 0, 20)], [short[4], Piece(3, 20, 36)]]))
+            layout.append((tuple(range(cp, 2 * cp)), [[Piece(3, 0, 20)], [short[4], Piece(3, 20, 36)]]))
         sched = StepSchedule(lens, tuple(Group(r, tuple(tuple(mb) for mb in mbs)) for r, mbs in layout), "test")
-        sched.validate(groups)
+        sched.validate(groups * cp)
         out.append((docs, sched))
     return out
 
@@ -91,7 +94,7 @@ def worker(out: Path, names: list[str]) -> None:
     try:
         for name in names:
             trainer = Trainer(make_plan(name), tiny_spec(), train_config())
-            steps = sliced_steps(trainer.layout.dp)
+            steps = sliced_steps(trainer.layout.dp, trainer.layout.cp)
             losses, grads, cuts = [], {}, []
             for i, (docs, sched) in enumerate(steps):
                 metrics = trainer.step(docs, sched)
