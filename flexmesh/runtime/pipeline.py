@@ -103,9 +103,12 @@ def check_partition(group: ReplicaGroup, num_layers: int) -> None:
         raise PlanError(f"plan's stages cover layers [0, {pos}) but the model has {num_layers}; fix the partition")
 
 
-def build_pipeline_schedule(stages: list, schedule: str, n_microbatches: int,
-                            loss_fn: Callable) -> PipelineScheduleSingle | PipelineScheduleMulti:
-    """The torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B) over this rank's stages.
+def build_pipeline_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn: Callable,
+                            units: list[list[int]] | None = None,
+                            pipeline_ranks: list[int] | None = None) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B) over this rank's stages;
+    with ``units`` (micro-batches linked by cut documents) the sliced order instead
+    (:func:`build_sliced_schedule`; ``pipeline_ranks`` as in :func:`make_stages`).
 
     Not to be confused with a StepSchedule (flexmesh.layout.step), which says which documents each
     data rank runs; this one orders the forwards and backwards of a step's micro-batches.
@@ -115,6 +118,8 @@ def build_pipeline_schedule(stages: list, schedule: str, n_microbatches: int,
     """
     from torch.distributed import pipelining
 
+    if units is not None:
+        return build_sliced_schedule(stages, units, stages[0].group_size, loss_fn, pipeline_ranks)
     cls = getattr(pipelining, SCHEDULE_NAMES[schedule])
     if schedule == "interleaved":
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

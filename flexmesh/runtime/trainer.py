@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -97,17 +98,12 @@ from flexmesh.runtime.parallelize import (
     check_dtype,
     parallelize,
 )
-from flexmesh.runtime.pipeline import (
-    StageModule,
-    build_pipeline_schedule,
-    build_sliced_schedule,
-    chunks_of_rank,
-    make_stages,
-    split_stage,
-)
+from flexmesh.runtime.pipeline import StageModule, build_pipeline_schedule, chunks_of_rank, make_stages, split_stage
 from flexmesh.runtime.step_clock import Marks, gathered_step, update
 from flexmesh.runtime.stragglers import ComputeClock
 from flexmesh.spec.model import ModelSpec
+
+PIPELINE_SCHEDULES_KEPT = 8
 
 
 class Trainer:
@@ -178,7 +174,9 @@ class Trainer:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
         self.loss_fn = GlobalLoss()
-        self._schedules: dict = {}
+        # pipeline schedules by (micro-batches, shape, units): the latest few (a step's shape and cut
+        # documents vary, and each schedule holds its stages' receive buffers)
+        self._schedules: OrderedDict = OrderedDict()
         # keys and values of cut documents, within one chain of micro-batches (detached leaves under a
         # pipeline, whose micro-batches each run their own backward: flexmesh.runtime.carry)
         self.carry = KVCarry(detached=lay is not None and lay.pp > 1)
@@ -444,9 +442,11 @@ class Trainer:
                                  self.pp_group, tokens=length, tp=self.layout.tp, hidden=self.spec.hidden,
                                  vocab=self.spec.vocab, dtype=hidden, logits_dtype=logits,
                                  pipeline_ranks=pipeline_ranks)
-            self._schedules[key] = (build_sliced_schedule(stages, units, self.layout.pp, self.loss_fn, pipeline_ranks)
-                                    if sliced else
-                                    build_pipeline_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn))
+            self._schedules[key] = build_pipeline_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn,
+                                                           units if sliced else None, pipeline_ranks)
+            while len(self._schedules) > PIPELINE_SCHEDULES_KEPT:
+                self._schedules.popitem(last=False)
+        self._schedules.move_to_end(key)
         sched = self._schedules[key]
         for mod in self.modules:
             mod.feed(batches)
