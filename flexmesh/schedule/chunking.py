@@ -132,18 +132,18 @@ def chunked_schedule(lengths: ArrayLike, ctx: ScheduleContext, *, seed: int = 0,
                             "every sequence whole; choose another --cp")
     lb = lower_bound(lens, ctx)
     tau = lb / (2 * ctx.pp)
-    fixed = chunk_time is not None or slice_tokens is not None or cp is not None
-    layouts = [_layout(batch, ctx, cp)] if cp is not None else [_layout(batch, ctx, None)]
-    if ctx.pp > 1 and ctx.cut_documents and not fixed:  # also one static group size over all data ranks
-        layouts += [_layout(batch, ctx, d) for d in ctx.group_sizes]
+    # Candidates only under a pipeline with cutting on: without one, slices bound memory, which a
+    # price in time cannot see, so the first candidate stands.
+    explore = ctx.pp > 1 and ctx.cut_documents
+    free = explore and chunk_time is None and slice_tokens is None and cp is None
+    layouts = [_layout(batch, ctx, cp)] + ([_layout(batch, ctx, d) for d in ctx.group_sizes] if free else [])
     options = [(float(chunk_time) if chunk_time is not None else tau, ctx.cut_documents)]
-    if ctx.pp > 1 and ctx.cut_documents and chunk_time is None and slice_tokens is None:
-        # without a pipeline slices bound memory, which time cannot see
+    if explore and chunk_time is None and slice_tokens is None:
         options += [(x, cut) for x in (tau, 2 * tau, 4 * tau) for cut in (True, False)][1:]
     times = seq_times(lens, ctx)
     made = [_chunked(batch, ctx, times, slots, placement, x, cut, t0, slice_tokens)
             for d, slots, placement in layouts for x, cut in options if cut or d is None or batch.need.max() <= d]
-    if ctx.pp > 1 and ctx.cut_documents and not fixed:  # full micro-batches of one shape, of a few sizes
+    if free:  # full micro-batches of one shape, of a few sizes
         made += [_streamed(batch, ctx, slots, placement, share, t0)
                  for d, slots, placement in layouts if d is not None for share in (1, 2, 4, 8)]
     price = ctx.price
