@@ -165,3 +165,18 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.Argum
         if action.default in (None, False, "", argparse.SUPPRESS) or "default" in text:
             return text
         return super()._get_help_string(action)
+
+
+TASKS_HELP = ("LoRA fine-tuning: a job file (TOML) of [[task]] tables, one adapter each, on the frozen base model "
+              "(docs/adapters.md)")
+
+
+def job_tasks(args, spec):  # noqa: ANN001, ANN201
+    """The LoRA tasks of ``--tasks`` checked against model ``spec``; None without the flag."""
+    if getattr(args, "tasks", None) is None:
+        return None
+    from flexmesh.spec.tasks import load_tasks
+
+    tasks = load_tasks(args.tasks)
+    tasks.check(spec)
+    return tasks

@@ -16,6 +16,8 @@ from flexmesh.commands.args import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
     DEFAULT_SEQ_LEN,
+    TASKS_HELP,
+    job_tasks,
     new_file,
     nonempty,
     positive_int,
@@ -35,6 +37,7 @@ from flexmesh.commands.plan_lengths import (
 )
 from flexmesh.console import plain_console, styled
 from flexmesh.cost import Evaluation
+from flexmesh.cost.finetune import with_tasks
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.files import check_file_target
@@ -105,6 +108,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="communication the plan may hide under compute: search: every option frameworks run (TP "
                         "overlap as Megatron-Core's --tp-comm-overlap; docs/cost-model.md); runtime: only what "
                         "`flexmesh train` runs (no TP overlap), to plan for this runtime")
+    p.add_argument("--tasks", metavar="FILE", help=TASKS_HELP + "; plans layouts adapters train on (tp 1, pp 1)")
     p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
                    help="exact: layer DP + every layer split (small models); fast: closed form per stage")
     p.set_defaults(func=run)
@@ -139,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
+    tasks = job_tasks(args, spec)
+    cost = with_tasks(cost, tasks)  # LoRA: a frozen base and the tasks' adapters (flexmesh.cost.finetune)
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = plain_console()
     if loaded is not None:
@@ -158,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(PIPELINE_SCHEDULES)}")
     # --no-recompute: none; else the full space's none / selective / full
     space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
-                        same_mesh=args.same_mesh, overlaps=(RUNTIME,) if args.overlap == "runtime" else None)
+                        same_mesh=args.same_mesh, overlaps=(RUNTIME,) if args.overlap == "runtime" else None,
+                        **({"tp": (1,), "pp": (1,)} if tasks else {}))
     work = workload(args)
     top = max(args.top, RESCORED) if work.lengths else args.top  # with --lengths: re-scored, then cut to --top
     request = SearchRequest(model, cluster, args.seq_len, work.global_batch, space, cost, top=top, mode=args.mode)

@@ -21,8 +21,10 @@ from flexmesh.commands.args import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
     DEFAULT_SEQ_LEN,
+    TASKS_HELP,
     DefaultsHelpFormatter,
     folder,
+    job_tasks,
     nonempty,
     nonneg_int,
     old_names,
@@ -32,6 +34,7 @@ from flexmesh.commands.args import (
     steps,
     tokens,
 )
+from flexmesh.cost.finetune import with_tasks
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
 from flexmesh.report.tables import print_table as print_fitted
@@ -71,6 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                                        f"to it (default: the plan's, else {DEFAULT_SEQ_LEN})")
     old_names(p, "--context", dest="seq_len", type=seq_len)
     p.add_argument("--lengths", default="wikipedia", help="shipped distribution name or a .txt/.json file")
+    p.add_argument("--tasks", metavar="FILE", help=TASKS_HELP)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--global-batch", type=sequences, default=None,
                       help=f"sequences per step (default: the plan's, else {DEFAULT_GLOBAL_BATCH})")
@@ -142,6 +146,7 @@ def _prepare(args: argparse.Namespace,
         args.zero, args.recompute, args.cp_kind = s.zero, bool(s.recompute), str(s.cp_kind) if s.cp > 1 else "ulysses"
     base = cost_model_for(_model(args, plan), args.cluster, getattr(args, "hardware_profile", None),
                           getattr(args, "model_profile", None), default_cluster=DEFAULT_CLUSTER)
+    base = with_tasks(base, job_tasks(args, base.model))  # LoRA: flexmesh.cost.finetune
     world = base.cluster.world_size
     cfg = _config(args, policies, _slow(args.slow, world))
     if plan is not None:

@@ -98,7 +98,10 @@ def _preflight(args: argparse.Namespace) -> None:
     check_launch(args.device, args.nproc)
     usable_cache(args.cache_dir)
     plan = load_plan(args.plan)
-    plan_model(plan, args.model, args.plan)  # a plan (or model) that cannot run fails here, once
+    spec = plan_model(plan, args.model, args.plan)  # a plan (or model) that cannot run fails here, once
+    from flexmesh.runtime.task_training import check_task_layout
+
+    check_task_layout(run_tasks(args, spec), plan)  # a bad job file, too
     if args.nnodes is None:
         check_memory(predicted_peak(plan), args.device, args.nproc)
 
@@ -170,9 +173,24 @@ def check_world(args: argparse.Namespace, plan) -> None:
                         f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
 
 
-def document_loader(args: argparse.Namespace, spec, plan):
-    """The run's seeded loader over ``--corpus`` under ``--tokenizer`` (trained when not given); rank 0
-    records the tokenizer in ``--out/tokenizer/`` for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
+def run_tasks(args: argparse.Namespace, spec):
+    """The LoRA tasks of ``--tasks`` (checked against the model), None without."""
+    if args.tasks is None:
+        if args.corpus is None:
+            raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
+        return None
+    from flexmesh.spec.tasks import load_tasks
+
+    tasks = load_tasks(args.tasks)
+    tasks.check(spec)
+    return tasks
+
+
+def document_loader(args: argparse.Namespace, spec, plan, tasks=None):
+    """The run's seeded loader over ``--corpus`` (with ``tasks``, over every task's corpus, each its own
+    batch per step: flexmesh.data.tasks.TaskLoader) under ``--tokenizer`` (when not given, a BPE trained
+    on ``--corpus``, else on the first task's); rank 0 records the tokenizer in ``--out/tokenizer/``
+    for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
     from flexmesh.data.cache import usable_cache
     from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.hf_tokenizer import record_tokenizer
@@ -180,7 +198,8 @@ def document_loader(args: argparse.Namespace, spec, plan):
     from flexmesh.errors import DataError
 
     usable_cache(args.cache_dir)
-    corpus = stdlib_corpus() if args.corpus == "stdlib" else args.corpus
+    first = args.corpus or tasks.tasks[0].corpus
+    corpus = stdlib_corpus() if first == "stdlib" else first
     corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
@@ -189,6 +208,13 @@ def document_loader(args: argparse.Namespace, spec, plan):
         warning = record_tokenizer(args.out, tok, args.tokenizer, spec.max_position)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
+    if tasks is not None:
+        from flexmesh.data.tasks import TaskLoader
+
+        corpora = [load_corpus_tokens(stdlib_corpus() if t.corpus == "stdlib" else t.corpus, tok,
+                                      cache_dir=args.cache_dir)[0] for t in tasks]
+        return TaskLoader(tasks.names, corpora, tasks.batches(args.global_batch or plan.global_batch),
+                          [t.steps or args.max_steps for t in tasks], args.seq_len or plan.seq_len, seed=args.seed)
     return DocumentLoader(corpus_tokens, global_batch=args.global_batch or plan.global_batch,
                           max_len=args.seq_len or plan.seq_len, seed=args.seed)
 
@@ -280,6 +306,9 @@ def _train(args: argparse.Namespace) -> int:
     spec = plan_model(plan, args.model, args.plan)  # --model, else the plan's (its recorded config.json)
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     check_runnable(plan, spec)  # reject an unsupported per-layer mix before touching the corpus
+    tasks = run_tasks(args, spec)
+    if tasks is not None:  # the step's documents: every task's batch
+        args.global_batch = sum(tasks.batches(args.global_batch or plan.global_batch))
     if len(plan.groups) > 1 and args.global_batch:  # the groups' shares must add up to the batch the run takes
         plan = plan.with_global_batch(args.global_batch)
     # Default policy: the plan's own schedule (fixed packing for one group, the planned shares for several).
@@ -299,11 +328,11 @@ def _train(args: argparse.Namespace) -> int:
         for warning in overlap_warnings(plan):
             print(f"warning: {warning}", file=sys.stderr)
     announce_emulation(emulated)
-    loader = document_loader(args, spec, plan)
+    loader = document_loader(args, spec, plan, tasks)
     config = train_config(args, emulate_speed=tuple(emulated.items()))
     init_distributed(timeout_s=args.collective_timeout, device=args.device)
     try:
-        trainer = Trainer(plan, spec, config, weights=args.weights)
+        trainer = Trainer(plan, spec, config, weights=args.weights, tasks=tasks)
         if dist.get_rank() == 0:
             announce(trainer)
         # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late
@@ -353,6 +382,11 @@ def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
         from flexmesh.cost import CostModel
 
         cost = CostModel(spec, _plan_cluster(plan, args.plan))
+    if cost is not None and args.tasks:  # LoRA: a frozen base and the tasks' adapters (flexmesh.cost.finetune)
+        from flexmesh.commands.args import job_tasks
+        from flexmesh.cost.finetune import with_tasks
+
+        cost = with_tasks(cost, job_tasks(args, spec))
     try:
         return simulated_scheduler(Scheduler(plan, spec, policy, max_len, args.seed, cp=args.cp, cost=cost))
     except ScheduleError as e:

@@ -30,8 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``flexmesh train``'s flags; ``--seq-len``, ``--global-batch`` and ``--slow`` mean what they mean in
     ``plan`` and ``simulate`` (old spellings: ``--max-len``, ``--emulate-speed``)."""
     p.add_argument("--plan", required=True, help="plan.json written by `flexmesh plan`")
-    p.add_argument("--corpus", required=True, help="folder of text files, a .jsonl file with a text field, or "
-                                                    "'stdlib' (this Python's standard-library sources)")
+    p.add_argument("--corpus", help="folder of text files, a .jsonl file with a text field, or 'stdlib' (this "
+                                    "Python's standard-library sources); with --tasks each task names its own")
+    p.add_argument("--tasks", metavar="FILE",
+                   help="LoRA fine-tuning: a job file (TOML) of [[task]] tables, one adapter each, trained together "
+                        "on the frozen base model (docs/adapters.md)")
     p.add_argument("--max-steps", type=positive_int, required=True,
                    help="optimizer steps to run (in total, across resumes)")
     p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")

@@ -50,6 +50,7 @@ from flexmesh.errors import CheckpointError
 from flexmesh.files import make_folder, write_atomic
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.distributed import cpu_group
+from flexmesh.spec.tasks import Task, TaskSet
 
 if TYPE_CHECKING:  # DCP itself is imported when a checkpoint is saved or loaded
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -152,6 +153,8 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
         manifest = {"format": FORMAT, "step": step, "plan_hash": plan_hash(trainer.plan),
                     "plan_layout": trainer.plan.layout, "world_size": dist.get_world_size(), "sha256": sums,
                     "model": trainer.spec.to_dict()}  # what `flexmesh export` rebuilds the model from
+        if trainer.tasks is not None:  # LoRA tasks: what `flexmesh export` writes PEFT adapters from
+            manifest["tasks"] = [t.to_dict() for t in trainer.tasks.tasks]
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -303,6 +306,25 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
+def manifest_tasks(manifest: dict, path: Path) -> TaskSet | None:
+    """The LoRA tasks a checkpoint's manifest records (None: a run without tasks)."""
+    if "tasks" not in manifest:
+        return None
+    try:
+        return TaskSet(tuple(Task.from_dict(t) for t in manifest["tasks"]))
+    except (TypeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path}: its manifest's tasks are corrupt ({e})") from None
+
+
+def check_tasks(manifest: dict, tasks: TaskSet | None, path: Path) -> None:
+    """Refuse to resume adapters of other tasks, ranks or targets (slot by slot) than the job file's."""
+    held = manifest_tasks(manifest, path)
+    if (held.adapters() if held else None) != (tasks.adapters() if tasks else None):
+        have = ", ".join(f"{n} (rank {r})" for n, r, _ in held.adapters()) if held else "no LoRA tasks"
+        raise CheckpointError(f"checkpoint {path} holds {have}; this run's job file differs in its tasks, ranks "
+                              "or targets: resume with the job file the run started with, or start a new --out")
+
+
 def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
     """Restore ``trainer`` from checkpoint folder ``path``; returns the loader state. All ranks call it.
 
@@ -322,6 +344,7 @@ def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
             f"checkpoint {path} was written under plan {manifest.get('plan_layout')!r} (hash {manifest['plan_hash']}) "
             f"but this run uses {trainer.plan.layout!r} (hash {plan_hash(trainer.plan)}); resume with the same plan "
             "file, or start a new output folder")
+    check_tasks(manifest, trainer.tasks.tasks if trainer.tasks is not None else None, path)
     if manifest.get("world_size") != dist.get_world_size():
         raise CheckpointError(f"checkpoint {path} was written by {manifest.get('world_size')} ranks, this run has "
                               f"{dist.get_world_size()}; launch the same number of ranks")

@@ -123,6 +123,10 @@ class StepMetrics:
     # latest earlier steps (flexmesh.runtime.stragglers.PACE_STEPS): the prediction at measured speeds.
     paced_step_time_s: float | None = None
     events: tuple[dict, ...] = ()  # straggler events decided after this step (straggler_detected, replanned, ...)
+    # LoRA tasks (docs/adapters.md), by task slot: names, each task's own mean loss and its label tokens
+    tasks: tuple[str, ...] = ()
+    task_loss: tuple[float, ...] = ()
+    task_tokens: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v

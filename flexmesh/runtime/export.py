@@ -48,8 +48,16 @@ from flexmesh.errors import CheckpointError, DataError, SpecError
 from flexmesh.files import check_file_target, make_folder, write_atomic, write_atomic_with
 from flexmesh.layout.plan import load_plan
 from flexmesh.layout.plan_model import plan_model
-from flexmesh.runtime.checkpoint import MANIFEST, STEP_DIR, latest_checkpoint, plan_hash, verify_checkpoint
-from flexmesh.runtime.weights import canonical_name, hf_name
+from flexmesh.runtime.checkpoint import (
+    MANIFEST,
+    STEP_DIR,
+    latest_checkpoint,
+    manifest_tasks,
+    plan_hash,
+    verify_checkpoint,
+)
+from flexmesh.runtime.peft import write_adapters
+from flexmesh.runtime.weights import canonical_name, hf_name, is_adapter
 from flexmesh.spec.hf import hf_family, to_hf_config
 from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.units import GIB
@@ -79,13 +87,16 @@ class ExportReport:
     total_bytes: int
     tokenizer: Path | None = None  # the tokenizer.json written beside the model, None when none was
     warnings: tuple[str, ...] = ()
+    adapters: tuple[Path, ...] = ()  # the PEFT folders of a run's LoRA tasks (flexmesh.runtime.peft)
 
     def summary(self) -> str:
         """One line for the command to print."""
         return (f"exported step {self.step} of {self.checkpoint} to {self.out}: {self.family} model, "
                 f"{self.tensors} tensors, {self.total_bytes / GIB:.3f} GiB {self.dtype} in {len(self.files)} "
                 f"shard{'s' if len(self.files) != 1 else ''}"
-                + (f", tokenizer from {self.tokenizer}" if self.tokenizer is not None else ", no tokenizer"))
+                + (f", tokenizer from {self.tokenizer}" if self.tokenizer is not None else ", no tokenizer")
+                + (f"; {len(self.adapters)} PEFT adapter{'s' if len(self.adapters) != 1 else ''} in "
+                   f"{self.out / 'adapters'}" if self.adapters else ""))
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -297,6 +308,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
         raise CheckpointError(f"{out} already holds an export ({previous[0].name}); choose another --out or add "
                               "--overwrite")
     found = _model_keys(path)
+    adapters = {n: found.pop(n) for n in [n for n in found if is_adapter(n)]}
+    tasks = manifest_tasks(manifest, path)
+    if adapters and tasks is None:
+        raise CheckpointError(f"checkpoint {path} holds adapters but its manifest names no tasks; it is damaged")
     names = _check_against(spec, found, path)
     tok = _tokenizer(path, tokenizer, spec)  # a wrong one is refused before anything is written
     stored = {found[n][1].properties.dtype for n in names}
@@ -332,7 +347,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
         if old.name not in keep:
             old.unlink(missing_ok=True)
     write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
-    return ExportReport(checkpoint=path, step=int(manifest["step"]), out=out, family=family,
+    folders = write_adapters(out, tasks, read_full_tensors(path, adapters), str(out)) if tasks else []
+    return ExportReport(adapters=tuple(folders),checkpoint=path, step=int(manifest["step"]), out=out, family=family,
                         dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total,
                         tokenizer=tok.file if isinstance(tok, _Tokenizer) else None,
                         warnings=() if isinstance(tok, _Tokenizer) else (tok,))

@@ -105,3 +105,15 @@ class GlobalLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return summed_cross_entropy(logits, labels) / self.normaliser
+
+
+def weighted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+                           tasks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of the tokens' cross-entropy, each times its weight (LoRA tasks: 1 / its task's label tokens
+    in the step, so each task's loss is its own mean whatever shares its micro-batches), and the same
+    sum per task slot (``slots`` [T]; -1: padding, left out) as a detached [tasks] float64 vector."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                         ignore_index=IGNORE_INDEX, reduction="none") * weights.reshape(-1)
+    per_task = torch.zeros(tasks + 1, dtype=torch.float64, device=ce.device)
+    per_task.index_add_(0, torch.where(slots < 0, tasks, slots), ce.detach().double())
+    return ce.sum(), per_task[:tasks]

@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from flexmesh.errors import SpecError
 from flexmesh.runtime.attention import CPContext, Documents, attend
 from flexmesh.runtime.carry import CarryView, carried_attend
+from flexmesh.runtime.lora import AdapterRow
 from flexmesh.runtime.loss import linear_cross_entropy
 from flexmesh.runtime.rope import apply_rope, rope_cos_sin
 from flexmesh.spec.model import ModelSpec
@@ -92,6 +93,7 @@ class Row:
     cos: torch.Tensor
     sin: torch.Tensor
     carry: CarryView | None = None
+    adapters: AdapterRow | None = None  # the tokens' tasks, where the model carries LoRA adapters
 
 
 def make_row(spec: ModelSpec, positions: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -120,6 +122,16 @@ def attention_core(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 # ---- blocks --------------------------------------------------------------------------------------
+def adapted(owner: nn.Module, name: str, x: torch.Tensor, row: Row | None) -> torch.Tensor:
+    """Projection ``name`` of ``owner`` applied to ``x``, plus its LoRA adapters' addition where it has
+    some (flexmesh.runtime.lora) and the row says which task each token belongs to."""
+    y = getattr(owner, name)(x)
+    adapters = owner.adapters
+    if adapters is None or name not in adapters or row is None or row.adapters is None:
+        return y
+    return y + adapters[name](x, row.adapters)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over packed documents.
 
@@ -140,20 +152,22 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.cp: CPContext | None = None
+        # LoRA adapters per projection name (flexmesh.runtime.lora.attach_adapters), None without
+        self.adapters: nn.ModuleDict | None = None
         # Selective recomputation (flexmesh.runtime.parallelize.apply_ac): see attention_core.
         self.recompute_core = False
 
     def forward(self, x: torch.Tensor, row: Row) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim)
-        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q = adapted(self, "wq", x, row).view(b, t, -1, self.head_dim)
+        k = adapted(self, "wk", x, row).view(b, t, -1, self.head_dim)
+        v = adapted(self, "wv", x, row).view(b, t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = row.cos.to(q.dtype), row.sin.to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention_core(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), row)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return adapted(self, "wo", out.transpose(1, 2).reshape(b, t, -1), row)
 
 
 class FeedForward(nn.Module):
@@ -164,9 +178,12 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.mlp_bias)
         self.w2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.mlp_bias)
         self.w3 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.mlp_bias)
+        self.adapters: nn.ModuleDict | None = None  # as Attention.adapters
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: torch.Tensor, row: Row | None = None) -> torch.Tensor:
+        if self.adapters is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return adapted(self, "w2", F.silu(adapted(self, "w1", x, row)) * adapted(self, "w3", x, row), row)
 
 
 class TransformerBlock(nn.Module):
@@ -181,7 +198,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, row: Row) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), row)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(self.ffn_norm(h), row)
 
 
 class Transformer(nn.Module):
@@ -207,8 +224,12 @@ class Transformer(nn.Module):
         """The micro-batch's :class:`Row` (every layer of this model chunk reads it)."""
         cp = next((layer.attention.cp for layer in self.layers.values()), None)
         total = batch.positions.shape[1] * (cp.size if cp is not None else 1)
-        return make_row(self.spec, batch.positions, batch.cu_seqlens, getattr(batch, "bounds", None) or None,
-                        total=total, carry=getattr(batch, "carry", None))
+        row = make_row(self.spec, batch.positions, batch.cu_seqlens, getattr(batch, "bounds", None) or None,
+                       total=total, carry=getattr(batch, "carry", None))
+        runs = getattr(batch, "task_runs", ())
+        if runs:
+            row.adapters = AdapterRow.of(runs, batch.positions.device)
+        return row
 
     def forward(self, tokens: torch.Tensor, batch: "PackedBatch", labels: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] (or hidden states [B, T, hidden] on a stage without embeddings) ->
@@ -257,11 +278,14 @@ class Transformer(nn.Module):
         by 1/sqrt(2 * num_layers) so the residual stream's variance does not grow with depth; norm
         weights 1; biases 0.
         """
-        from flexmesh.runtime.weights import canonical_name, copy_full_  # layout-aware; keeps this module plain
+        # layout-aware; imported here to keep this module plain
+        from flexmesh.runtime.weights import canonical_name, copy_full_, is_adapter
 
         depth_scale = 1.0 / math.sqrt(2.0 * self.spec.num_layers)
         for wrapped_name, param in self.named_parameters():
             name = canonical_name(wrapped_name)  # wrappers (checkpointing, compile) must not change the seed
+            if is_adapter(name):  # LoRA adapters draw their own (flexmesh.runtime.lora.init_adapters)
+                continue
             shape = tuple(param.shape)  # the global shape, also for DTensors
             if name.endswith("norm.weight"):
                 full = torch.ones(shape)

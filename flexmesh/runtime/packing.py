@@ -35,6 +35,7 @@ from flexmesh.layout.step import Piece, StepSchedule, merge_pieces
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 PAD_TOKEN = 0  # id fed for padding; its label is IGNORE_INDEX so its value never matters
+PADDING_SLOT = -1  # the task slot of padding tokens (flexmesh.runtime.lora: no adapter)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class PackedBatch:
     carry: Any = None
     # ``cu_seqlens`` on the host, kept by :meth:`to` so that nothing reads the device copy back.
     bounds: tuple[int, ...] = ()
+    # With LoRA tasks (flexmesh.runtime.lora): (task slot, tokens) runs covering the row in order, and
+    # each token's loss weight [1, T] (1 / its task's label tokens in the step; 0 on ignored labels).
+    task_runs: tuple[tuple[int, int], ...] = ()
+    weights: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +80,8 @@ class PackedBatch:
             return (t.pin_memory() if cuda else t).to(device, non_blocking=cuda)
 
         return replace(self, tokens=move(self.tokens), labels=move(self.labels), positions=move(self.positions),
-                       cu_seqlens=move(self.cu_seqlens), bounds=bounds)
+                       cu_seqlens=move(self.cu_seqlens), bounds=bounds,
+                       weights=None if self.weights is None else move(self.weights))
 
 
 def _check_piece(docs: Sequence[np.ndarray], p: Piece) -> np.ndarray:
@@ -98,11 +104,20 @@ def piece_label_tokens(doc_length: int, piece: Piece) -> int:
     return piece.length - (1 if piece.end == doc_length else 0)
 
 
-def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> PackedBatch:
-    """Lay ``pieces`` of ``docs`` end to end in one row (see the module docstring for an example)."""
+def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece], tasks: Sequence[int] | None = None,
+                    task_weights: Sequence[float] | None = None) -> PackedBatch:
+    """Lay ``pieces`` of ``docs`` end to end in one row (see the module docstring for an example).
+
+    With ``tasks`` (the task slot of every document, flexmesh.runtime.lora) the pieces are laid task by
+    task, in slot order (attention never crosses a document, so the order changes nothing else), the
+    batch records the row's task runs, and, with ``task_weights`` (per slot), each label token's loss
+    weight.
+    """
     if not pieces:
         raise ScheduleError("a micro-batch has no pieces; drop empty micro-batches from the schedule")
     segments = merge_pieces(list(pieces))
+    if tasks is not None:
+        segments = sorted(segments, key=lambda p: tasks[p.seq_id])
     toks, labs, poss, bounds = [], [], [], [0]
     for p in segments:
         doc = np.asarray(_check_piece(docs, p), dtype=np.int64)
@@ -116,6 +131,18 @@ def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> Pack
         poss.append(np.arange(p.start, p.end, dtype=np.int64))
         bounds.append(bounds[-1] + p.length)
     labels = np.concatenate(labs)
+    runs: list[tuple[int, int]] = []
+    weights = None
+    if tasks is not None:
+        for p in segments:
+            slot = int(tasks[p.seq_id])
+            if runs and runs[-1][0] == slot:
+                runs[-1] = (slot, runs[-1][1] + p.length)
+            else:
+                runs.append((slot, p.length))
+        if task_weights is not None:
+            per_token = np.concatenate([np.full(p.length, task_weights[tasks[p.seq_id]]) for p in segments])
+            weights = torch.from_numpy(np.where(labels != IGNORE_INDEX, per_token, 0.0).astype(np.float32))[None, :]
     return PackedBatch(
         tokens=torch.from_numpy(np.concatenate(toks))[None, :],
         labels=torch.from_numpy(labels)[None, :],
@@ -123,6 +150,8 @@ def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> Pack
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
         segments=tuple(segments),
+        task_runs=tuple(runs),
+        weights=weights,
     )
 
 
@@ -160,6 +189,8 @@ def pad_to(batch: PackedBatch, length: int) -> PackedBatch:
         positions=torch.cat([batch.positions, torch.arange(pad, device=fill.device)[None, :]], dim=1),
         cu_seqlens=torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([length])]),
         bounds=(*batch.bounds, length) if batch.bounds else (),
+        task_runs=(*batch.task_runs, (PADDING_SLOT, pad)) if batch.task_runs else (),
+        weights=None if batch.weights is None else torch.cat([batch.weights, batch.weights.new_zeros(1, pad)], dim=1),
     )
 
 
@@ -185,8 +216,15 @@ def shard_for_cp(batch: PackedBatch, rank: int, size: int) -> PackedBatch:
     n = t // size
     sl = slice(rank * n, (rank + 1) * n)
     labels = batch.labels[:, sl]
+    runs, start = [], 0
+    for slot, length in batch.task_runs:  # the runs' parts inside the slice
+        part = min(start + length, sl.stop) - max(start, sl.start)
+        if part > 0:
+            runs.append((slot, part))
+        start += length
     return replace(batch, tokens=batch.tokens[:, sl], labels=labels, positions=batch.positions[:, sl],
-                   num_label_tokens=int((labels != IGNORE_INDEX).sum()))
+                   num_label_tokens=int((labels != IGNORE_INDEX).sum()), task_runs=tuple(runs),
+                   weights=None if batch.weights is None else batch.weights[:, sl])
 
 
 def rank_microbatches(docs: Sequence[np.ndarray], schedule: StepSchedule, data_rank: int) -> list[PackedBatch]:
@@ -208,9 +246,12 @@ def rank_microbatches(docs: Sequence[np.ndarray], schedule: StepSchedule, data_r
     raise ScheduleError(f"data rank {data_rank} is in no group of the schedule; give every data rank a group")
 
 
-def empty_batch(length: int) -> PackedBatch:
-    """A micro-batch with no label tokens: keeps collectives paired when a group has fewer micro-batches."""
+def empty_batch(length: int, tasks: bool = False) -> PackedBatch:
+    """A micro-batch with no label tokens: keeps collectives paired when a group has fewer micro-batches.
+    With ``tasks`` its tokens are padding of a LoRA run, so every adapter runs (and gets a zero gradient)."""
     return PackedBatch(
+        task_runs=((PADDING_SLOT, length),) if tasks else (),
+        weights=torch.zeros(1, length) if tasks else None,
         tokens=torch.full((1, length), PAD_TOKEN, dtype=torch.long),
         labels=torch.full((1, length), IGNORE_INDEX, dtype=torch.long),
         positions=torch.arange(length)[None, :],

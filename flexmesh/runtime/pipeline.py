@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flexmesh.errors import PlanError
@@ -190,3 +191,48 @@ def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: in
                                                for s in range(num_chunks)}
         stages.append(stage)
     return stages
+
+
+PIPELINE_SCHEDULES_KEPT = 8
+
+
+def run_pipeline_step(trainer: Any, batches: list, units: list[list[int]]) -> float:
+    """Trainer ``trainer``'s step through this rank's pipeline stages; ``units``: micro-batches linked by
+    cut documents (one each where none is cut: the plan's own schedule runs). Schedules are kept for
+    the latest :data:`PIPELINE_SCHEDULES_KEPT` (micro-batches, shape, units): a step's shape and cut
+    documents vary, and each schedule holds its stages' receive buffers."""
+    m, length = len(batches), batches[0].num_tokens
+    sliced = any(len(u) > 1 for u in units)
+    key = (m, length, tuple(map(tuple, units)) if sliced else None)
+    if key not in trainer._schedules:
+        from flexmesh.runtime.parallelize import activation_dtypes
+
+        hidden, logits = activation_dtypes(trainer.layout, trainer.config.dtype)
+        index = trainer.group.blocks[trainer.place.pp].index(dist.get_rank())
+        pipeline_ranks = [block[index] for block in trainer.group.blocks]
+        stages = make_stages(trainer.modules, [k for k, _ in trainer.chunks], len(trainer.group.stages), trainer.device,
+                             trainer.pp_group, tokens=length, tp=trainer.layout.tp, hidden=trainer.spec.hidden,
+                             vocab=trainer.spec.vocab, dtype=hidden, logits_dtype=logits,
+                             pipeline_ranks=pipeline_ranks)
+        trainer._schedules[key] = build_pipeline_schedule(stages, trainer.plan.pipeline_schedule, m, trainer.loss_fn,
+                                                       units if sliced else None, pipeline_ranks)
+        while len(trainer._schedules) > PIPELINE_SCHEDULES_KEPT:
+            trainer._schedules.popitem(last=False)
+    trainer._schedules.move_to_end(key)
+    sched = trainer._schedules[key]
+    for mod in trainer.modules:
+        mod.feed(batches)
+    first = trainer.place.pp == 0
+    last = trainer.place.pp == trainer.layout.pp - 1
+    tokens = torch.cat([b.tokens for b in batches]) if first else None
+    labels = torch.cat([b.labels for b in batches]) if last else None
+    losses: list = []
+    args = (tokens,) if first else ()
+    try:
+        sched.step(*args, target=labels, losses=losses if last else None, return_outputs=False)
+    finally:
+        trainer.carry.clear()
+    for mod in trainer.modules:
+        if mod.consumed() != m:
+            raise RuntimeError(f"pipeline stage ran {mod.consumed()} forwards for {m} micro-batches")
+    return float(sum(float(x.detach()) for x in losses)) if last else 0.0

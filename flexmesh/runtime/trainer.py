@@ -80,7 +80,8 @@ from flexmesh.runtime.config import StepMetrics, TrainConfig, for_device, lr_sch
 from flexmesh.runtime.cross_group import CrossGroupGrads
 from flexmesh.runtime.distributed import clip_grads, compute_device, cpu_group, grad_norm
 from flexmesh.runtime.groups import Chunks, check_emulation, check_runnable
-from flexmesh.runtime.loss import GlobalLoss
+from flexmesh.runtime.lora import attach_adapters
+from flexmesh.runtime.loss import GlobalLoss, weighted_cross_entropy
 from flexmesh.runtime.memory import SavedActivationMeter
 from flexmesh.runtime.packing import (
     PackedBatch,
@@ -92,18 +93,17 @@ from flexmesh.runtime.packing import (
 )
 from flexmesh.runtime.parallelize import (
     ContextGroups,
-    activation_dtypes,
     autocast_bf16,
     build_group_meshes,
     check_dtype,
     parallelize,
 )
-from flexmesh.runtime.pipeline import StageModule, build_pipeline_schedule, chunks_of_rank, make_stages, split_stage
+from flexmesh.runtime.pipeline import StageModule, chunks_of_rank, run_pipeline_step, split_stage
 from flexmesh.runtime.step_clock import Marks, gathered_step, update
 from flexmesh.runtime.stragglers import ComputeClock
+from flexmesh.runtime.task_training import TaskTraining, check_task_layout, doc_tasks, task_label_tokens
 from flexmesh.spec.model import ModelSpec
-
-PIPELINE_SCHEDULES_KEPT = 8
+from flexmesh.spec.tasks import TaskSet
 
 
 class Trainer:
@@ -114,7 +114,8 @@ class Trainer:
     >>> # metrics = trainer.step(docs, schedule)
     """
 
-    def __init__(self, plan: Plan, spec: ModelSpec, config: TrainConfig, weights: str | None = None):
+    def __init__(self, plan: Plan, spec: ModelSpec, config: TrainConfig, weights: str | None = None,
+                 tasks: TaskSet | None = None):
         if not dist.is_initialized():
             raise PlanError("the trainer needs a process group: launch with torchrun (or `flexmesh train --nproc N`)")
         world = dist.get_world_size()
@@ -136,9 +137,14 @@ class Trainer:
         self.data_offset = data_rank_offsets(plan)[self.place.group] if self.place is not None else 0
         self.data_of = data_rank_of_ranks(plan)
         lay = self.layout
+        # LoRA tasks (flexmesh.runtime.task_training): adapters train, the base model is frozen
+        check_task_layout(tasks, plan)
+        self.tasks = TaskTraining(tasks, config) if tasks is not None else None
+        self.task_loss = torch.zeros(len(tasks) if tasks else 0, dtype=torch.float64)
         # The loss chunk by chunk inside the model's forward (flexmesh.runtime.loss): where the last stage
         # is the whole model and its head is not split over tensor-parallel ranks.
-        self.chunked_loss = bool(config.chunked_loss) and lay is not None and lay.pp == 1 and lay.tp == 1
+        self.chunked_loss = (bool(config.chunked_loss) and lay is not None and lay.pp == 1 and lay.tp == 1
+                             and tasks is None)
         # Process groups, made by every rank in one order (new_group is collective over the world):
         # every group's mesh, every group's pool of context-parallel groups, the cross-group reductions.
         meshes = build_group_meshes(plan, self.device.type)
@@ -162,20 +168,24 @@ class Trainer:
         self.modules = self._build(weights)
         # An unused device steps an optimizer over nothing it trains (a placeholder keeps AdamW and the
         # LR scheduler, whose states checkpoints and metrics read, the same objects everywhere).
-        self.params = [p for m in self.modules for p in m.parameters()] or [torch.nn.Parameter(torch.zeros(1))]
+        self.params = ([p for m in self.modules for p in m.parameters() if p.requires_grad]
+                       or [torch.nn.Parameter(torch.zeros(1))])
+        groups = self.tasks.param_groups(self.modules) if self.tasks else [{"params": self.params}]
+        for g in groups:
+            g["params"] = g["params"] or [torch.nn.Parameter(torch.zeros(1))]
         # One fused kernel on a GPU (the multi-tensor foreach path on CPU); neither across the DTensor
         # meshes tensor parallelism mixes, nor where replica groups of other layouts must make
         # bit-identical updates (the single-tensor path on every rank).
         tp1 = lay is None or lay.tp == 1
         fused = self.device.type == "cuda" and tp1 and not self.several
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, eps=config.eps,
+        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay,
                                            foreach=tp1 and not fused and not self.several, fused=fused or None)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
+        lr = self.tasks.lr_lambdas() if self.tasks else (
+            lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr)
         self.loss_fn = GlobalLoss()
-        # pipeline schedules by (micro-batches, shape, units): the latest few (a step's shape and cut
-        # documents vary, and each schedule holds its stages' receive buffers)
+        # pipeline schedules by (micro-batches, shape, units): the latest few (flexmesh.runtime.pipeline)
         self._schedules: OrderedDict = OrderedDict()
         # keys and values of cut documents, within one chain of micro-batches (detached leaves under a
         # pipeline, whose micro-batches each run their own backward: flexmesh.runtime.carry)
@@ -202,6 +212,8 @@ class Trainer:
             if not weights:
                 model.init_weights(self.config.seed)
             split_stage(model, stage.start, stage.end, first=k == 0, last=k == n - 1)
+            if self.tasks:
+                attach_adapters(model, self.spec, self.tasks.tasks)
             root = StageModule(model, compute=partial(autocast_bf16, self.layout, self.config.dtype,
                                                       self.device.type))
             parallelize(model, self.layout, self.mesh, root=root, dtype=self.config.dtype,
@@ -213,6 +225,8 @@ class Trainer:
                 load_hf_safetensors(model, weights)
             else:
                 root.to(self.device)
+            if self.tasks:
+                self.tasks.init(model, self.spec)
             modules.append(root)
         return modules
 
@@ -261,7 +275,8 @@ class Trainer:
         if not self.uneven:
             count = max(len(g.microbatches) for g in own)
             count = padded_microbatch_count(self.plan.pipeline_schedule, count, lay.pp)
-        packed = [pack_microbatch(docs, mb) for mb in group.microbatches]
+        slots, weights = self._task_weights
+        packed = [pack_microbatch(docs, mb, slots, weights) for mb in group.microbatches]
         quantum = cp * lay.tp  # T must split over the group's ranks, then over tp ranks (sequence parallel)
         if lay.pp > 1:  # pipelining needs one shape for every micro-batch of the step
             longest = max([b.num_tokens for b in packed] + [1])
@@ -272,7 +287,7 @@ class Trainer:
         keep = chain_plan(group)[0]
         out = []
         for i in range(count):
-            b = pad_to(packed[i], lengths[i]) if i < len(packed) else empty_batch(lengths[i])
+            b = pad_to(packed[i], lengths[i]) if i < len(packed) else empty_batch(lengths[i], self.tasks is not None)
             if i < len(packed) and (keep[i] or any(p.start > 0 for p in b.segments)):
                 b = dataclasses.replace(b, carry=self.carry.view(b.segments, keep[i]))  # a cut document's piece
             if cp > 1:
@@ -307,6 +322,13 @@ class Trainer:
         if self.place is None:
             schedule_parts(self.plan, schedule)  # a device left unused checks the schedule as the others do
         self.loss_fn.normaliser = label_tokens
+        task_tokens: list[int] = []
+        self._task_weights: tuple = (None, None)
+        if self.tasks is not None:
+            slots = doc_tasks(docs, self.tasks.tasks)
+            task_tokens = task_label_tokens(docs, schedule, slots, len(self.tasks.tasks))
+            self._task_weights = (slots, self.tasks.weights(task_tokens))
+            self.task_loss.zero_()
         self.optimizer.zero_grad(set_to_none=True)
         self.clock.reset()
         every = self.config.meter_every or 0
@@ -322,7 +344,8 @@ class Trainer:
         if self.cross is not None:
             from flexmesh.runtime.weights import canonical_name
 
-            self.cross.reduce([(canonical_name(n), p) for m in self.inner_models() for n, p in m.named_parameters()])
+            self.cross.reduce([(canonical_name(n), p) for m in self.inner_models() for n, p in m.named_parameters()
+                               if p.requires_grad])
         grad_norm = self._clip()
         lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
@@ -333,6 +356,9 @@ class Trainer:
                                        self.clock.total()], self._cpu_group, schedule, self.device)
         self.step_index += 1
         timed = any(g.pp == 1 for g in self.plan.groups)  # pipelines are not timed per piece
+        if self.tasks is not None:  # each task's own mean loss (every data rank holds a part of it)
+            dist.all_reduce(self.task_loss, group=self._cpu_group)
+            common["loss"] = float(self.task_loss.sum()) / max(1, sum(1 for n in task_tokens if n))
         return StepMetrics(
             step=self.step_index, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens,
             padded_tokens=sum(b.num_tokens for b in batches) * (group.cp if group is not None else 1),
@@ -341,11 +367,17 @@ class Trainer:
             microbatch_tokens=self.group.microbatch_tokens(self.plan.seq_len) if self.group is not None else None,
             **common, compute_s=tuple(float(x) for x in table[:, 4]) if timed else (),
             emulated_speed=self.emulated_speed,
+            tasks=self.tasks.tasks.names if self.tasks else (), task_loss=tuple(self.task_loss.tolist()),
+            task_tokens=tuple(task_tokens),
         )
 
     def _clip(self) -> float:
         """The global gradient norm, every gradient clipped by it. With several replica groups, every
         group holds the whole gradient: group 0 takes the norm and every rank clips by that one figure."""
+        if self.tasks is not None:
+            leader = self.place is not None and self.place.group == 0
+            norms = self.tasks.clip(self.optimizer.param_groups, leader, self.several, self._cpu_group)
+            return float(sum(n * n for n in norms) ** 0.5)
         if not self.several:
             total = grad_norm(self.params, self.pp_group)
         else:
@@ -372,7 +404,7 @@ class Trainer:
         """
         own_count, cp = len(group.microbatches), group.cp
         if self.layout.pp > 1:
-            loss = self._pipeline_step(batches, units_from_ends(chain_ends(own, len(batches))))
+            loss = run_pipeline_step(self, batches, units_from_ends(chain_ends(own, len(batches))))
             return loss, marks.mark()
         root = self.modules[0]
         sync = hasattr(root, "set_requires_gradient_sync")  # FSDP2 or replicate over the data ranks
@@ -388,7 +420,12 @@ class Trainer:
             # Only this rank's own micro-batches are timed (and stretched when emulating a slow rank):
             # the empty one carrying the gradient reduction is communication, padding ones no work.
             with self.clock.piece() if timed else nullcontext():
-                if self.chunked_loss:  # the model's forward ends in the loss (flexmesh.runtime.loss)
+                if b.weights is not None:  # LoRA tasks: each task's own mean (flexmesh.runtime.task_training)
+                    slots = torch.tensor([s for s, n in b.task_runs for _ in range(n)], device=b.weights.device)
+                    loss, per_task = weighted_cross_entropy(root(b.tokens, b), b.labels, b.weights, slots,
+                                                            len(self.task_loss))
+                    self.task_loss += per_task.cpu()
+                elif self.chunked_loss:  # the model's forward ends in the loss (flexmesh.runtime.loss)
                     loss = root(b.tokens, b, labels=b.labels) / self.loss_fn.normaliser
                 else:
                     loss = self.loss_fn(root(b.tokens, b), b.labels)
@@ -415,7 +452,7 @@ class Trainer:
             if sync:
                 root.set_requires_gradient_sync(True)
                 root.set_reshard_after_backward(True)
-                empty = empty_batch(cp * self.layout.tp)
+                empty = empty_batch(cp * self.layout.tp, self.tasks is not None)
                 if cp > 1:
                     empty = shard_for_cp(empty, self.data_rank - group.ranks[0], cp)
                 total = total + run(empty.to(self.device), timed=False)
@@ -427,43 +464,6 @@ class Trainer:
                 root.set_requires_gradient_sync(i == len(batches) - 1)
             total = total + run(b, ends[i], timed=i < own_count)
         return total, busy if busy is not None else marks.mark()
-
-    def _pipeline_step(self, batches: list[PackedBatch], units: list[list[int]]) -> float:
-        """The step through this rank's pipeline stages; ``units``: micro-batches linked by cut
-        documents (one each where none is cut: the plan's own schedule runs)."""
-        m, length = len(batches), batches[0].num_tokens
-        sliced = any(len(u) > 1 for u in units)
-        key = (m, length, tuple(map(tuple, units)) if sliced else None)
-        if key not in self._schedules:
-            hidden, logits = activation_dtypes(self.layout, self.config.dtype)
-            index = self.group.blocks[self.place.pp].index(dist.get_rank())
-            pipeline_ranks = [block[index] for block in self.group.blocks]
-            stages = make_stages(self.modules, [k for k, _ in self.chunks], len(self.group.stages), self.device,
-                                 self.pp_group, tokens=length, tp=self.layout.tp, hidden=self.spec.hidden,
-                                 vocab=self.spec.vocab, dtype=hidden, logits_dtype=logits,
-                                 pipeline_ranks=pipeline_ranks)
-            self._schedules[key] = build_pipeline_schedule(stages, self.plan.pipeline_schedule, m, self.loss_fn,
-                                                           units if sliced else None, pipeline_ranks)
-            while len(self._schedules) > PIPELINE_SCHEDULES_KEPT:
-                self._schedules.popitem(last=False)
-        self._schedules.move_to_end(key)
-        sched = self._schedules[key]
-        for mod in self.modules:
-            mod.feed(batches)
-        first = self.place.pp == 0
-        last = self.place.pp == self.layout.pp - 1
-        tokens = torch.cat([b.tokens for b in batches]) if first else None
-        labels = torch.cat([b.labels for b in batches]) if last else None
-        losses: list = []
-        args = (tokens,) if first else ()
-        try:
-            sched.step(*args, target=labels, losses=losses if last else None, return_outputs=False)
-        finally:
-            self.carry.clear()
-        for mod in self.modules:
-            if mod.consumed() != m:
-                raise RuntimeError(f"pipeline stage ran {mod.consumed()} forwards for {m} micro-batches")
-        return float(sum(float(x.detach()) for x in losses)) if last else 0.0
 
     # ---- state for checkpoints -------------------------------------------------------------------
     def inner_models(self) -> list[torch.nn.Module]:

@@ -47,6 +47,11 @@ _QK_NORMS = ("q_norm", "k_norm")
 _RECOMPUTED = (".rotary_emb.inv_freq",)
 
 
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` is a LoRA adapter's (flexmesh.runtime.lora), not the base model's."""
+    return ".adapters." in name
+
+
 def canonical_name(name: str) -> str:
     """A parameter's name with wrapper components removed.
 
@@ -186,7 +191,7 @@ def load_hf_safetensors(model: nn.Module, path: str | Path) -> LoadReport:
     """
     path = Path(path)
     files = _open_weights(path)
-    wanted = {name: hf_name(name) for name, _ in model.named_parameters()}
+    wanted = {name: hf_name(name) for name, _ in model.named_parameters() if not is_adapter(name)}
     whole = _whole_model_keys(model)
     missing = sorted(k for k in wanted.values() if k not in files)
     recomputed = sorted(k for k in files if k.endswith(_RECOMPUTED))
@@ -229,6 +234,8 @@ def save_hf_safetensors(model: nn.Module, path: str | Path) -> None:
     """
     tensors = {}
     for name, p in model.named_parameters():
+        if is_adapter(name):  # LoRA adapters: PEFT's format (flexmesh.runtime.peft)
+            continue
         full = p.full_tensor() if isinstance(p, DTensor) else p
         tensors[hf_name(name)] = full.detach().to("cpu").contiguous()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

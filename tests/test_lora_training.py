@@ -1,0 +1,242 @@
+"""Many LoRA tasks in one run (docs/adapters.md): each adapter after 5 steps equals training it alone on
+its own documents (a plain single-process loop, per-adapter matmuls, no flexmesh trainer), under one
+process, data parallelism, ZeRO-3/FSDP2, context parallelism and replica groups of different layouts;
+and which tasks share a micro-batch changes no adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import SEED, spawn, tiny_spec
+
+from flexmesh.runtime.launch import free_port
+
+STEPS = 5
+RANKS = (4, 8, 16)
+TARGET_SETS = (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+               ("o_proj", "down_proj"), ("gate_proj", "up_proj"))
+
+
+def task_set():
+    """8 tasks: ranks 4, 8 and 16, different targets, scalings (one rsLoRA), learning rates; one stops
+    after 3 steps and one clips its gradient hard."""
+    from flexmesh.spec.tasks import Task, TaskSet
+
+    return TaskSet(tuple(
+        Task(name=f"task{i}", rank=RANKS[i % 3], alpha=float(8 + 4 * i), targets=TARGET_SETS[i % 4],
+             lr=1e-3 * (1 + i % 2), steps=3 if i == 5 else None, clip=1e-3 if i == 6 else None, rslora=i == 3)
+        for i in range(8)))
+
+
+def config():
+    from flexmesh.runtime.config import TrainConfig
+
+    return TrainConfig(max_steps=STEPS, lr=1e-3, warmup_steps=1, weight_decay=0.1, grad_clip=1.0, seed=SEED,
+                       progress=False)
+
+
+def task_steps(seed: int = SEED) -> list:
+    """Per step: every task's documents (2 of 3..40 tokens; task 0's 3 to 60), task 5's for 3 steps."""
+    rng = np.random.default_rng(seed)
+    steps = []
+    for s in range(STEPS):
+        per_task = []
+        for i in range(8):
+            n = 0 if (i == 5 and s >= 3) else 2
+            per_task.append([rng.integers(1, 256, size=int(k)) for k in rng.integers(3, 60 if i == 0 else 40, size=n)])
+        steps.append(per_task)
+    return steps
+
+
+def step_docs(per_task: list):
+    from flexmesh.data.tasks import TaskDocuments
+
+    docs = [d for ds in per_task for d in ds]
+    return TaskDocuments(docs, [i for i, ds in enumerate(per_task) for _ in ds])
+
+
+# ---- the reference: one task alone, plain PyTorch around the model -----------------------------------
+def alone(slot: int) -> dict:
+    """Task ``slot``'s adapters after training it alone: one process, its own documents, one document
+    per forward, per-adapter matmuls, torch's AdamW, LambdaLR and clip_grad_norm_."""
+    import torch
+    import torch.nn.functional as F
+
+    from flexmesh.layout.step import Piece
+    from flexmesh.runtime.config import lr_schedule_factor
+    from flexmesh.runtime.lora import Adapters, attach_adapters, init_adapters
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.packing import pack_microbatch
+    from flexmesh.spec.tasks import TaskSet
+
+    task, cfg, spec = task_set().tasks[slot], config(), tiny_spec()
+    one = TaskSet((task,))
+    model = build_model(spec, device="cpu")
+    model.init_weights(cfg.seed)
+    attach_adapters(model, spec, one)
+    init_adapters(model, one, cfg.seed)
+    for m in model.modules():
+        if isinstance(m, Adapters):
+            m.loop = True
+    params = [p for p in model.parameters() if p.requires_grad]
+    steps = task.steps or cfg.max_steps
+    opt = torch.optim.AdamW(params, lr=task.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, steps, cfg.min_lr_ratio) if s < steps else 0.0)
+    for per_task in task_steps():
+        docs = per_task[slot]
+        if not docs:
+            break
+        opt.zero_grad()
+        total = sum(len(d) - 1 for d in docs)
+        for i in range(len(docs)):
+            b = pack_microbatch(docs, (Piece(i, 0, len(docs[i])),), [0] * len(docs))
+            logits = model(b.tokens, b)
+            (F.cross_entropy(logits[0], b.labels[0], ignore_index=-100, reduction="sum") / total).backward()
+        torch.nn.utils.clip_grad_norm_(params, task.clip if task.clip is not None else cfg.grad_clip)
+        opt.step()
+        sched.step()
+    return {_key(n, task.name): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _key(name: str, task: str) -> str:
+    """An adapter tensor's place with its task's name instead of its slot."""
+    return f"{name.rsplit('.', 1)[0]}.{task}"
+
+
+# ---- the distributed runs ---------------------------------------------------------------------------
+def _group(ranks: list[str], share: int, m: int, strategy: str) -> dict:
+    return {"ranks": ranks, "share": share, "num_microbatches": m, "virtual_stages": 1,
+            "stages": [{"layers": [0, 4], "strategies": [strategy] * 4}]}
+
+
+# name -> (world, groups)
+LAYOUTS = {
+    "one": (1, [_group(["0"], 16, 4, "tp1-dp1z0")]),
+    "dp": (2, [_group(["0-1"], 16, 2, "tp1-dp2z0")]),
+    "fsdp": (2, [_group(["0-1"], 16, 2, "tp1-dp2z3")]),
+    "pair": (2, [_group(["0"], 8, 2, "tp1-dp1z0"), _group(["1"], 8, 1, "tp1-dp1z0-ac")]),
+    "fsdp4": (4, [_group(["0-3"], 16, 1, "tp1-dp4z3")]),
+    "pair4": (4, [_group(["0-1"], 8, 1, "tp1-dp2z3"), _group(["2-3"], 8, 2, "tp1-u2-dp1z3")]),
+}
+
+
+def make_plan(name: str):
+    from flexmesh.layout.plan import Plan
+
+    world, groups = LAYOUTS[name]
+    return Plan.from_dict({"version": 4, "model": "test-tiny", "cluster": f"{world}xA100-80GB", "world_size": world,
+                           "seq_len": 64, "global_batch": sum(g["share"] for g in groups), "pipeline_schedule": "1f1b",
+                           "groups": groups})
+
+
+def schedules(plan, policy: str = "balanced") -> list:
+    from flexmesh.schedule.scheduler import Scheduler
+    from flexmesh.sim.predict import simulated_scheduler
+
+    schedule = simulated_scheduler(Scheduler(plan, tiny_spec(), policy, 64))
+    return [schedule([len(d) for d in step_docs(s)]) for s in task_steps()]
+
+
+def swapped(docs) -> object:
+    """A one-rank schedule pairing other tasks in each micro-batch: documents dealt round-robin over 5
+    micro-batches in reverse order."""
+    from flexmesh.layout.step import Group, Piece, StepSchedule
+
+    mbs: list[list] = [[] for _ in range(5)]
+    for k, i in enumerate(reversed(range(len(docs)))):
+        mbs[k % 5].append(Piece(i, 0, len(docs[i])))
+    return StepSchedule(lengths=tuple(len(d) for d in docs),
+                        groups=(Group((0,), tuple(tuple(mb) for mb in mbs if mb)),), policy="test")
+
+
+def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.weights import canonical_name
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    init_distributed(timeout_s=120)
+    tasks = task_set()
+    try:
+        for name in names:
+            plan = make_plan(name.removesuffix("+swapped"))
+            trainer = Trainer(plan, tiny_spec(), config(), tasks=tasks)
+            scheds = schedules(plan) if not name.endswith("+swapped") else [swapped(step_docs(s)) for s in task_steps()]
+            metrics = [trainer.step(step_docs(s), sched) for s, sched in zip(task_steps(), scheds)]
+            adapters = {}
+            for m in trainer.inner_models():
+                sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+                for k, v in sd.items():
+                    k = canonical_name(k)
+                    if ".adapters." in k:
+                        adapters[_key(k, tasks.tasks[int(k.rsplit('.', 1)[1])].name)] = v.detach().cpu().clone()
+            if rank == 0:
+                torch.save(adapters, Path(out) / f"{name}.pt")
+                (Path(out) / f"{name}.json").write_text(json.dumps([m.to_dict() for m in metrics]))
+            dist.barrier()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    out: dict = {}
+    for slot in range(8):
+        out.update(alone(slot))
+    return out
+
+
+def _run(tmp_path: Path, world: int, names: list[str]) -> None:
+    spawn(_worker, (world, free_port(), str(tmp_path), names), world)
+
+
+def _check(tmp_path: Path, name: str, references: dict) -> None:
+    import torch
+
+    got = torch.load(tmp_path / f"{name}.pt")
+    assert sorted(got) == sorted(references)
+    for k, ref in references.items():
+        torch.testing.assert_close(got[k], ref, rtol=0, atol=1e-5, msg=f"{name}: {k}")
+    metrics = json.loads((tmp_path / f"{name}.json").read_text())
+    assert [m["task_tokens"][5] > 0 for m in metrics] == [True, True, True, False, False]  # task 5 stops after 3
+    assert all(len(m["task_loss"]) == 8 and m["tasks"][0] == "task0" for m in metrics)
+
+
+def test_adapters_move_and_base_is_frozen(references):
+    """The reference itself: after 5 steps every B has left its zero start and every A its draw; a task
+    keeps its place."""
+
+    b = [v for k, v in references.items() if ".lora_B." in k]
+    assert b and all(float(v.abs().max()) > 1e-4 for v in b)
+
+
+def test_one_process_and_swapped_micro_batches(tmp_path, references):
+    _run(tmp_path, 1, ["one", "one+swapped"])
+    _check(tmp_path, "one", references)
+    _check(tmp_path, "one+swapped", references)
+
+
+@pytest.mark.parametrize("names", [["dp", "fsdp", "pair"]])
+def test_two_ranks(tmp_path, references, names):
+    _run(tmp_path, 2, names)
+    for name in names:
+        _check(tmp_path, name, references)
+
+
+def test_four_ranks(tmp_path, references):
+    _run(tmp_path, 4, ["fsdp4", "pair4"])
+    for name in ("fsdp4", "pair4"):
+        _check(tmp_path, name, references)
