@@ -198,6 +198,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, row: Row) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), row)
+        if self.feed_forward.adapters is None:  # one input, as tensor parallelism's input layouts say
+            return h + self.feed_forward(self.ffn_norm(h))
         return h + self.feed_forward(self.ffn_norm(h), row)
 
 
