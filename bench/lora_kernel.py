@@ -103,7 +103,8 @@ def main() -> None:
     t_grouped = timed(lambda: run(many, many_row, False), args.repeat, sync)
     t_loop = timed(lambda: run(many, many_row, True), args.repeat, sync)
     t_one = timed(lambda: run(one, one_row, False), args.repeat, sync)
-    kernel = "torch._grouped_mm" if grouped_kernel_ok(x, args.rank, args.hidden) else "per-run matmuls (no grouped kernel)"
+    grouped = grouped_kernel_ok(x, args.rank, args.hidden)
+    kernel = "torch._grouped_mm" if grouped else "per-run matmuls (no grouped kernel)"
     speedup, overhead = t_loop / t_grouped, t_grouped / t_one
     from bench._results import markdown_table, record
 
