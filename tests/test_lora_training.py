@@ -86,20 +86,25 @@ def alone(slot: int) -> dict:
     opt = torch.optim.AdamW(params, lr=task.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, steps, cfg.min_lr_ratio) if s < steps else 0.0)
+    losses = []
     for per_task in task_steps():
         docs = per_task[slot]
         if not docs:
             break
         opt.zero_grad()
         total = sum(len(d) - 1 for d in docs)
+        losses.append(0.0)
         for i in range(len(docs)):
             b = pack_microbatch(docs, (Piece(i, 0, len(docs[i])),), [0] * len(docs))
             logits = model(b.tokens, b)
-            (F.cross_entropy(logits[0], b.labels[0], ignore_index=-100, reduction="sum") / total).backward()
+            loss = F.cross_entropy(logits[0], b.labels[0], ignore_index=-100, reduction="sum") / total
+            loss.backward()
+            losses[-1] += float(loss)
         torch.nn.utils.clip_grad_norm_(params, task.clip if task.clip is not None else cfg.grad_clip)
         opt.step()
         sched.step()
-    return {_key(n, task.name): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    params = {_key(n, task.name): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return params, losses
 
 
 def _key(name: str, task: str) -> str:
@@ -119,7 +124,9 @@ LAYOUTS = {
     "dp": (2, [_group(["0-1"], 16, 2, "tp1-dp2z0")]),
     "fsdp": (2, [_group(["0-1"], 16, 2, "tp1-dp2z3")]),
     "pair": (2, [_group(["0"], 8, 2, "tp1-dp1z0"), _group(["1"], 8, 1, "tp1-dp1z0-ac")]),
+    "tp": (2, [_group(["0-1"], 16, 2, "tp2-dp1z0")]),
     "fsdp4": (4, [_group(["0-3"], 16, 1, "tp1-dp4z3")]),
+    "tp_x_fsdp": (4, [_group(["0-3"], 16, 2, "tp2-dp2z3")]),
     "pair4": (4, [_group(["0-1"], 8, 1, "tp1-dp2z3"), _group(["2-3"], 8, 2, "tp1-u2-dp1z3")]),
 }
 
@@ -192,34 +199,45 @@ def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> Non
 
 
 @pytest.fixture(scope="module")
-def references() -> dict:
-    out: dict = {}
+def references() -> tuple[dict, list]:
+    """Every task's adapters after training alone, and its losses per step."""
+    params: dict = {}
+    losses = []
     for slot in range(8):
-        out.update(alone(slot))
-    return out
+        p, loss = alone(slot)
+        params.update(p)
+        losses.append(loss)
+    return params, losses
 
 
 def _run(tmp_path: Path, world: int, names: list[str]) -> None:
     spawn(_worker, (world, free_port(), str(tmp_path), names), world)
 
 
-def _check(tmp_path: Path, name: str, references: dict) -> None:
+def _check(tmp_path: Path, name: str, refs: tuple[dict, list]) -> None:
     import torch
 
+    references, losses = refs
     got = torch.load(tmp_path / f"{name}.pt")
     assert sorted(got) == sorted(references)
+    # Tensor parallelism sums each projection's products over head shards in another order; AdamW's
+    # first steps on near-zero gradients of A (B starts at 0) turn that into a few 1e-5 (measured 1.6e-5)
+    atol = 3e-5 if name.startswith("tp") else 1e-5
     for k, ref in references.items():
-        torch.testing.assert_close(got[k], ref, rtol=0, atol=1e-5, msg=f"{name}: {k}")
+        diff = float((got[k] - ref).abs().max())
+        assert diff <= atol, f"{name}: {k} differs by {diff:.2e} (> {atol:g})"
     metrics = json.loads((tmp_path / f"{name}.json").read_text())
     assert [m["task_tokens"][5] > 0 for m in metrics] == [True, True, True, False, False]  # task 5 stops after 3
     assert all(len(m["task_loss"]) == 8 and m["tasks"][0] == "task0" for m in metrics)
+    for slot, want in enumerate(losses):  # each task's reported loss is its own mean, counted once
+        assert [m["task_loss"][slot] for m in metrics[:len(want)]] == pytest.approx(want, rel=1e-5)
 
 
 def test_adapters_move_and_base_is_frozen(references):
     """The reference itself: after 5 steps every B has left its zero start and every A its draw; a task
     keeps its place."""
 
-    b = [v for k, v in references.items() if ".lora_B." in k]
+    b = [v for k, v in references[0].items() if ".lora_B." in k]
     assert b and all(float(v.abs().max()) > 1e-4 for v in b)
 
 
@@ -229,7 +247,7 @@ def test_one_process_and_swapped_micro_batches(tmp_path, references):
     _check(tmp_path, "one+swapped", references)
 
 
-@pytest.mark.parametrize("names", [["dp", "fsdp", "pair"]])
+@pytest.mark.parametrize("names", [["dp", "fsdp", "pair", "tp"]])
 def test_two_ranks(tmp_path, references, names):
     _run(tmp_path, 2, names)
     for name in names:
@@ -237,6 +255,6 @@ def test_two_ranks(tmp_path, references, names):
 
 
 def test_four_ranks(tmp_path, references):
-    _run(tmp_path, 4, ["fsdp4", "pair4"])
-    for name in ("fsdp4", "pair4"):
+    _run(tmp_path, 4, ["fsdp4", "pair4", "tp_x_fsdp"])
+    for name in ("fsdp4", "pair4", "tp_x_fsdp"):
         _check(tmp_path, name, references)

@@ -108,7 +108,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="communication the plan may hide under compute: search: every option frameworks run (TP "
                         "overlap as Megatron-Core's --tp-comm-overlap; docs/cost-model.md); runtime: only what "
                         "`flexmesh train` runs (no TP overlap), to plan for this runtime")
-    p.add_argument("--tasks", metavar="FILE", help=TASKS_HELP + "; plans layouts adapters train on (tp 1, pp 1)")
+    p.add_argument("--tasks", metavar="FILE", help=TASKS_HELP + "; plans layouts adapters train on (pp 1)")
     p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
                    help="exact: layer DP + every layer split (small models); fast: closed form per stage")
     p.set_defaults(func=run)
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     # --no-recompute: none; else the full space's none / selective / full
     space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
                         same_mesh=args.same_mesh, overlaps=(RUNTIME,) if args.overlap == "runtime" else None,
-                        **({"tp": (1,), "pp": (1,)} if tasks else {}))
+                        **({"pp": (1,)} if tasks else {}))
     work = workload(args)
     top = max(args.top, RESCORED) if work.lengths else args.top  # with --lengths: re-scored, then cut to --top
     request = SearchRequest(model, cluster, args.seq_len, work.global_batch, space, cost, top=top, mode=args.mode)

@@ -8,7 +8,9 @@ What changes against training every weight (:class:`~flexmesh.cost.model.CostMod
   share is taken off as the analytic model of the same device gives it.
 - The adapters add, per adapted projection, the two skinny GEMMs ``x A^T`` (rank r) and ``(.) B^T``
   forward and both gradients backward, priced by the same kernels at the largest rank of a task
-  that adapts the projection (every token is charged at it: an upper bound).
+  that adapts the projection (every token is charged at it: an upper bound); under tensor
+  parallelism split as the runtime splits them (the rank-r all-reduce of row-parallel ones is left
+  out: T x r values).
 - States: the base keeps its weights only (no gradient, no optimizer state; ZeRO-3 still shards
   them); the adapters keep weights, gradients and AdamW states, replicated.
 - Gradient sync moves the adapters' gradients only, once per step; ZeRO-3 still gathers the base's
@@ -91,7 +93,11 @@ class AdapterCostModel(CostModel):
         a_f = a_b = 0.0
         for target, r in self.ranks.items():
             fan_in, fan_out = projection_shape(self.model, target)
-            for n, red in ((r, fan_in), (fan_out, r)):
+            # under tp the adapter splits as its projection does (flexmesh.runtime.lora.Adapters): a
+            # column-parallel one's B by rows, a row-parallel one's A by columns; the other factor whole
+            column = target not in ("o_proj", "down_proj")
+            shapes = ((r, fan_in), (fan_out / s.tp, r)) if column else ((r, fan_in / s.tp), (fan_out, r))
+            for n, red in shapes:
                 f, b = k.linear(rows, n, red)
                 a_f, a_b = a_f + f, a_b + b
         return fwd + a_f, bwd * (1 - share) + a_b, comm_f, comm_b

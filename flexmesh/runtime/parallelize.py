@@ -125,6 +125,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                 "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             })
+        rest = (None,) if block.feed_forward.adapters is not None else ()
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             # attention(x, row): only x is sharded; the row (positions, documents) is the same on every tp rank
@@ -135,7 +136,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            # feed_forward(x) or, carrying LoRA adapters, feed_forward(x, row)
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1), *rest),
+                                               desired_input_layouts=(Replicate(), *rest)),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
@@ -233,7 +236,10 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Mod
     """
     check_model_fits_layout(model.spec, layout)
     if layout.tp > 1:
+        from flexmesh.runtime.lora import shard_adapters
+
         apply_tp(model, mesh["tp"])
+        shard_adapters(model, mesh["tp"])  # LoRA adapters, where the model carries some
     if any(recompute_mode(r) is not Recompute.NONE for r in layout.recompute):
         apply_ac(model, layout.recompute)
     if compile:

@@ -31,13 +31,13 @@ from flexmesh.spec.tasks import TaskSet
 
 def check_task_layout(tasks: TaskSet | None, plan: Plan) -> None:
     """Adapters run under data parallelism, FSDP2/ZeRO and context parallelism, and replica groups of
-    different layouts; not yet split over tensor-parallel ranks or pipeline stages."""
+    different layouts, tensor parallelism; not yet over pipeline stages."""
     for g in plan.groups if tasks is not None else ():
         lay = group_layout(g)
-        if lay.tp > 1 or lay.pp > 1:
-            raise PlanError(f"LoRA tasks train under data parallelism, ZeRO/FSDP2, context parallelism and replica "
-                            f"groups, not yet with tp {lay.tp} or pp {lay.pp} (plan {plan.layout!r}): make the plan "
-                            "with --max-tp 1 --max-pp 1")
+        if lay.pp > 1:
+            raise PlanError(f"LoRA tasks train under data parallelism, ZeRO/FSDP2, tensor and context parallelism "
+                            f"and replica groups, not yet over pipeline stages (plan {plan.layout!r} has pp "
+                            f"{lay.pp}): make the plan with `flexmesh plan --tasks`, which keeps to pp 1")
 
 
 def doc_tasks(docs: Sequence[np.ndarray], tasks: TaskSet) -> np.ndarray:

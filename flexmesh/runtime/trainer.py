@@ -80,7 +80,7 @@ from flexmesh.runtime.config import StepMetrics, TrainConfig, for_device, lr_sch
 from flexmesh.runtime.cross_group import CrossGroupGrads
 from flexmesh.runtime.distributed import clip_grads, compute_device, cpu_group, grad_norm
 from flexmesh.runtime.groups import Chunks, check_emulation, check_runnable
-from flexmesh.runtime.lora import attach_adapters
+from flexmesh.runtime.lora import attach_adapters, tp_sum_replicated
 from flexmesh.runtime.loss import GlobalLoss, weighted_cross_entropy
 from flexmesh.runtime.memory import SavedActivationMeter
 from flexmesh.runtime.packing import (
@@ -341,9 +341,10 @@ class Trainer:
             self._set_context(group)
             with SavedActivationMeter() if metered else nullcontext() as meter:
                 local_loss, busy = self._forward_backward(batches, group, marks, own)
+            if self.tasks is not None:  # adapter factors replicated over tp ranks hold partial gradients
+                tp_sum_replicated(self.inner_models())
         if self.cross is not None:
             from flexmesh.runtime.weights import canonical_name
-
             self.cross.reduce([(canonical_name(n), p) for m in self.inner_models() for n, p in m.named_parameters()
                                if p.requires_grad])
         grad_norm = self._clip()
@@ -356,7 +357,8 @@ class Trainer:
                                        self.clock.total()], self._cpu_group, schedule, self.device)
         self.step_index += 1
         timed = any(g.pp == 1 for g in self.plan.groups)  # pipelines are not timed per piece
-        if self.tasks is not None:  # each task's own mean loss (every data rank holds a part of it)
+        if self.tasks is not None:  # each task's own mean loss: a part on every data rank, counted once
+            self.task_loss *= float(owner)
             dist.all_reduce(self.task_loss, group=self._cpu_group)
             common["loss"] = float(self.task_loss.sum()) / max(1, sum(1 for n in task_tokens if n))
         return StepMetrics(
