@@ -99,7 +99,7 @@ def alone(slot: int) -> dict:
             logits = model(b.tokens, b)
             loss = F.cross_entropy(logits[0], b.labels[0], ignore_index=-100, reduction="sum") / total
             loss.backward()
-            losses[-1] += float(loss)
+            losses[-1] += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, task.clip if task.clip is not None else cfg.grad_clip)
         opt.step()
         sched.step()
