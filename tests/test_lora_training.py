@@ -189,6 +189,8 @@ def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> Non
                     k = canonical_name(k)
                     if ".adapters." in k:
                         adapters[_key(k, tasks.tasks[int(k.rsplit('.', 1)[1])].name)] = v.detach().cpu().clone()
+                    elif k in BASE_KEYS:
+                        adapters[f"base:{k}"] = v.detach().cpu().clone()
             if rank == 0:
                 torch.save(adapters, Path(out) / f"{name}.pt")
                 (Path(out) / f"{name}.json").write_text(json.dumps([m.to_dict() for m in metrics]))
@@ -214,11 +216,20 @@ def _run(tmp_path: Path, world: int, names: list[str]) -> None:
     spawn(_worker, (world, free_port(), str(tmp_path), names), world)
 
 
+BASE_KEYS = ("layers.0.attention.wq.weight", "layers.3.feed_forward.w2.weight", "norm.weight", "output.weight")
+
+
 def _check(tmp_path: Path, name: str, refs: tuple[dict, list]) -> None:
     import torch
 
+    from flexmesh.runtime.model import build_model
+
     references, losses = refs
     got = torch.load(tmp_path / f"{name}.pt")
+    fresh = build_model(tiny_spec(), device="cpu")
+    fresh.init_weights(SEED)
+    for k in BASE_KEYS:  # the base stays as initialised (no weight decay, no update)
+        assert torch.equal(got.pop(f"base:{k}"), fresh.state_dict()[k]), f"{name}: base {k} changed"
     assert sorted(got) == sorted(references)
     # Tensor parallelism sums each projection's products over head shards in another order; AdamW's
     # first steps on near-zero gradients of A (B starts at 0) turn that into a few 1e-5 (measured 1.6e-5)
@@ -233,9 +244,8 @@ def _check(tmp_path: Path, name: str, refs: tuple[dict, list]) -> None:
         assert [m["task_loss"][slot] for m in metrics[:len(want)]] == pytest.approx(want, rel=1e-5)
 
 
-def test_adapters_move_and_base_is_frozen(references):
-    """The reference itself: after 5 steps every B has left its zero start and every A its draw; a task
-    keeps its place."""
+def test_adapters_move(references):
+    """The reference itself: after 5 steps every B has left its zero start."""
 
     b = [v for k, v in references[0].items() if ".lora_B." in k]
     assert b and all(float(v.abs().max()) > 1e-4 for v in b)
