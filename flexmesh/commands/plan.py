@@ -109,6 +109,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "overlap as Megatron-Core's --tp-comm-overlap; docs/cost-model.md); runtime: only what "
                         "`flexmesh train` runs (no TP overlap), to plan for this runtime")
     p.add_argument("--tasks", metavar="FILE", help=TASKS_HELP + "; plans layouts adapters train on (pp 1)")
+    p.add_argument("--replicas", action="store_true",
+                   help="with --tasks: a mix of replica layouts and per-step dispatch for the tasks' lengths "
+                        "(each task's `lengths`, else --lengths), against every single layout")
     p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
                    help="exact: layer DP + every layer split (small models); fast: closed form per stage")
     p.set_defaults(func=run)
@@ -145,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
                         "--cluster") from None
     tasks = job_tasks(args, spec)
     cost = with_tasks(cost, tasks)  # LoRA: a frozen base and the tasks' adapters (flexmesh.cost.finetune)
+    if args.replicas:
+        from flexmesh.commands.plan_replicas import replica_command
+
+        return replica_command(args, cost, tasks)
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = plain_console()
     if loaded is not None:

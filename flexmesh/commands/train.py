@@ -183,6 +183,9 @@ def run_tasks(args: argparse.Namespace, spec):
 
     tasks = load_tasks(args.tasks)
     tasks.check(spec)
+    for t in tasks:
+        if not t.corpus:
+            raise PlanError(f"task {t.name!r} of {args.tasks} has no corpus (its lengths only plan); give it one")
     return tasks
 
 

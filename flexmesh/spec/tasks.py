@@ -11,7 +11,8 @@ A job file (TOML) lists one ``[[task]]`` table per adapter::
     # optional: batch (sequences per step; default an equal share of --global-batch), lr (default the
     # run's --lr), steps (default the run's --max-steps; a task may finish early), clip (its own gradient
     # norm limit; default the run's --grad-clip), dropout (default 0), rslora (default false),
-    # init (a PEFT adapter folder to continue from)
+    # init (a PEFT adapter folder to continue from), lengths (a length set, shipped name or file, that
+    # `flexmesh plan --tasks --replicas` plans with when the corpus is not at hand)
 
 Torch-free: the planner and the simulator read tasks as well as the runtime. Every check that needs
 only the file and the model is here, so a bad job file fails before any process starts.
@@ -33,7 +34,8 @@ TARGETS = {
     "q_proj": "attention.wq", "k_proj": "attention.wk", "v_proj": "attention.wv", "o_proj": "attention.wo",
     "gate_proj": "feed_forward.w1", "up_proj": "feed_forward.w3", "down_proj": "feed_forward.w2",
 }
-_KEYS = {"name", "corpus", "rank", "alpha", "targets", "batch", "lr", "steps", "clip", "dropout", "rslora", "init"}
+_KEYS = {"name", "corpus", "rank", "alpha", "targets", "batch", "lr", "steps", "clip", "dropout", "rslora", "init",
+         "lengths"}
 
 
 def projection_shape(spec: ModelSpec, target: str) -> tuple[int, int]:
@@ -59,6 +61,7 @@ class Task:
     dropout: float = 0.0
     rslora: bool = False
     init: str | None = None  # a PEFT adapter folder whose weights this task starts from
+    lengths: str | None = None  # the task's sequence lengths for planning: a shipped length set or a file
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -157,6 +160,13 @@ def parse_task(table: dict, where: str, base: Path | None = None) -> Task:
     def opt(key: str, kind: type, low: float, low_open: bool = False) -> float | None:
         return None if key not in table else kind(_number(where, key, table[key], kind, low, low_open))
 
+    def lengths(value: object) -> str | None:  # a shipped set's name, or a file relative to the job file
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise SpecError(f"{where}: lengths must be a length set's name or a file, got {value!r}")
+        return str(base / value) if base is not None and (base / value).is_file() else value
+
     def whole(key: str) -> int | None:
         return None if key not in table else int(_number(where, key, table[key], int, 1))
 
@@ -170,7 +180,8 @@ def parse_task(table: dict, where: str, base: Path | None = None) -> Task:
                 alpha=float(_number(where, "alpha", table["alpha"], float, 0.0, low_open=True)),
                 targets=tuple(t for t in TARGETS if t in targets), corpus=path("corpus") or "",
                 batch=whole("batch"), lr=opt("lr", float, 0.0), steps=whole("steps"),
-                clip=opt("clip", float, 0.0), dropout=dropout, rslora=rslora, init=path("init"))
+                clip=opt("clip", float, 0.0), dropout=dropout, rslora=rslora, init=path("init"),
+                lengths=lengths(table.get("lengths")))
 
 
 def make_tasks(tasks: list[Task]) -> TaskSet:
@@ -203,6 +214,6 @@ def load_tasks(path: str | Path) -> TaskSet:
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise SpecError(f"job file {path}: write tasks as [[task]] tables (an array of tables)")
     for t in tables:
-        if "corpus" not in t:
-            raise SpecError(f"job file {path}: task {t.get('name', '?')!r} has no corpus")
+        if "corpus" not in t and "lengths" not in t:
+            raise SpecError(f"job file {path}: task {t.get('name', '?')!r} has no corpus (nor lengths, to plan with)")
     return make_tasks([parse_task(t, f"job file {path}, task {i + 1}", path.parent) for i, t in enumerate(tables)])

@@ -1,0 +1,67 @@
+"""``flexmesh plan --tasks FILE --replicas``: a mix of replica layouts for LoRA tasks (flexmesh.plan.replicas).
+
+Each task's lengths come from its job-file ``lengths`` (a shipped set or a file), else from
+``--lengths`` (default wikipedia); sequences longer than ``--seq-len`` are truncated to it. Steps of
+every task's batch are drawn (seeded): 4 to plan the mix on, 8 others to score it and every single
+layout that holds ``--seq-len`` on, with the same dispatch and cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+from rich.table import Table
+
+from flexmesh.console import plain_console
+from flexmesh.cost.model import CostModel
+from flexmesh.errors import PlanError
+from flexmesh.spec.tasks import TaskSet
+
+PLAN_STEPS, SCORED_STEPS = 4, 8
+
+
+def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | None) -> int:
+    from flexmesh.data.lengths import load_lengths
+    from flexmesh.plan.replicas import Pricer, plan_mix, replica_types, step_time
+
+    if tasks is None:
+        raise PlanError("--replicas plans replicas for LoRA tasks: give --tasks FILE")
+    world, longest = cost.cluster.world_size, args.seq_len
+    sets = [np.minimum(load_lengths(t.lengths or args.lengths or "wikipedia"), longest) for t in tasks]
+    batches = tasks.batches(args.global_batch or 8 * len(tasks))
+    rng = np.random.default_rng(0)
+    steps = [np.concatenate([rng.choice(s, b) for s, b in zip(sets, batches, strict=True)]).astype(int)
+             for _ in range(PLAN_STEPS + SCORED_STEPS)]
+    t0 = time.perf_counter()
+    best, _ = plan_mix(cost, world, steps[:PLAN_STEPS])
+    seconds = time.perf_counter() - t0
+    pricer, scored = Pricer(cost), steps[PLAN_STEPS:]
+
+    def mean(replicas: list) -> float:
+        return statistics.mean(step_time(s, replicas, pricer) for s in scored)
+
+    singles = sorted(((mean([t] * (world // t.devices)), t) for t in replica_types(cost, world, prune=False)
+                      if t.capacity >= longest and world % t.devices == 0), key=lambda x: x[0])
+    mix_s = mean(best.replicas)
+    if args.json:
+        print(json.dumps({"mix": [{"layout": t.label, "replicas": n, "devices": t.devices, "max_tokens": t.capacity}
+                                  for t, n in best.counts], "step_s": mix_s,
+                          "single": [{"layout": t.label, "replicas": world // t.devices, "step_s": s}
+                                     for s, t in singles[:5]], "plan_seconds": seconds}, indent=2))
+        return 0
+    out = plain_console()
+    table = Table(title=f"replicas for {len(tasks)} LoRA tasks on {world} devices (planned in {seconds:.1f} s, "
+                        f"scored on {SCORED_STEPS} steps of {sum(batches)} sequences)")
+    for col, just in (("setting", "left"), ("replicas", "left"), ("mean step s", "right"), ("mix saves", "right")):
+        table.add_column(col, justify=just, overflow="fold")
+    table.add_row("mix", best.label, f"{mix_s:.4g}", "-")
+    for s, t in singles[:3]:
+        table.add_row("single layout", f"{world // t.devices}x {t.label}", f"{s:.4g}", f"{1 - mix_s / s:.1%}")
+    out.print(table)
+    out.print("each step, the longest sequence first goes to the replica that finishes it earliest; "
+              "a planning result: the runtime trains adapters with pp 1 (docs/adapters.md)", highlight=False)
+    return 0
