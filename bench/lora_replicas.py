@@ -56,7 +56,7 @@ def main() -> None:
     from flexmesh.cost import CostModel
     from flexmesh.cost.finetune import AdapterCostModel
     from flexmesh.layout.strategy import Recompute
-    from flexmesh.plan.replicas import Pricer, dispatch, plan_mix, replica_types, step_time
+    from flexmesh.plan.replicas import Pricer, dispatch, plan_mix, replica_types, single_layouts, step_time
     from flexmesh.spec import parse_cluster, parse_model
     from flexmesh.spec.tasks import Task, TaskSet
 
@@ -81,8 +81,7 @@ def main() -> None:
         return statistics.mean(step_time(s, replicas, pricer) for s in scored)
 
     every = replica_types(cost, devices, prune=False)
-    uniform = sorted(((mean_step([t] * (devices // t.devices)), t) for t in every
-                      if t.capacity >= LONGEST and devices % t.devices == 0), key=lambda x: x[0])
+    uniform = single_layouts(cost, devices, LONGEST, scored, pricer)
     single_s, single = uniform[0]
     no_cp_s, no_cp = next((s, t) for s, t in uniform if t.cp == 1)
 

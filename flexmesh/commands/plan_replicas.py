@@ -26,7 +26,7 @@ PLAN_STEPS, SCORED_STEPS = 4, 8
 
 def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | None) -> int:
     from flexmesh.data.lengths import load_lengths
-    from flexmesh.plan.replicas import Pricer, plan_mix, replica_types, step_time
+    from flexmesh.plan.replicas import Pricer, plan_mix, single_layouts, step_time
 
     if tasks is None:
         raise PlanError("--replicas plans replicas for LoRA tasks: give --tasks FILE")
@@ -44,8 +44,7 @@ def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | 
     def mean(replicas: list) -> float:
         return statistics.mean(step_time(s, replicas, pricer) for s in scored)
 
-    singles = sorted(((mean([t] * (world // t.devices)), t) for t in replica_types(cost, world, prune=False)
-                      if t.capacity >= longest and world % t.devices == 0), key=lambda x: x[0])
+    singles = single_layouts(cost, world, longest, scored, pricer)
     mix_s = mean(best.replicas)
     if args.json:
         print(json.dumps({"mix": [{"layout": t.label, "replicas": n, "devices": t.devices, "max_tokens": t.capacity}

@@ -175,14 +175,13 @@ def check_world(args: argparse.Namespace, plan) -> None:
 
 def run_tasks(args: argparse.Namespace, spec):
     """The LoRA tasks of ``--tasks`` (checked against the model), None without."""
-    if args.tasks is None:
+    from flexmesh.commands.args import job_tasks
+
+    tasks = job_tasks(args, spec)
+    if tasks is None:
         if args.corpus is None:
             raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
         return None
-    from flexmesh.spec.tasks import load_tasks
-
-    tasks = load_tasks(args.tasks)
-    tasks.check(spec)
     for t in tasks:
         if not t.corpus:
             raise PlanError(f"task {t.name!r} of {args.tasks} has no corpus (its lengths only plan); give it one")

@@ -263,3 +263,12 @@ def plan_mix(cost: CostModel, devices: int, steps: Sequence[Sequence[int]], kind
              for _, counts in bounded[:keep]]
     tried.sort(key=lambda m: m.step_s)
     return tried[0], tried
+
+
+def single_layouts(cost: CostModel, devices: int, longest: int, steps: Sequence[Sequence[int]],
+                   pricer: Pricer) -> list[tuple[float, ReplicaType]]:
+    """Every layout that holds ``longest`` tokens, ``devices`` / its devices replicas of it, by mean step
+    on ``steps`` (the same dispatch), fastest first: what one layout for every task gives."""
+    every = replica_types(cost, devices, prune=False)
+    return sorted(((float(np.mean([step_time(s, [t] * (devices // t.devices), pricer) for s in steps])), t)
+                   for t in every if t.capacity >= longest and devices % t.devices == 0), key=lambda x: x[0])
