@@ -27,6 +27,7 @@ each run is its own pair of matmuls (:func:`segment_matmul`); ``loop=True`` asks
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Sequence
@@ -65,14 +66,30 @@ class AdapterRow:
 
 
 def grouped_kernel_ok(x: torch.Tensor, *dims: int) -> bool:
-    """Whether ``torch._grouped_mm`` runs for ``x``'s device and dtype: on CPU always (torch >= 2.9);
-    on CUDA for bf16 on sm90 and later, with 16-byte aligned rows (dims multiples of 8)."""
+    """Whether ``torch._grouped_mm`` runs for ``x``'s device and dtype: on CPU (torch >= 2.9); on CUDA
+    for bf16 on sm90 and later, with 16-byte aligned rows (dims multiples of 8), once a small forward and
+    backward of it has run there (:func:`_grouped_probe`: its layout rules differ between releases)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
         return True
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0) and all(d % 8 == 0 for d in dims))
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and all(d % 8 == 0 for d in dims)
+            and _grouped_probe(x.device, x.dtype))
+
+
+@functools.cache
+def _grouped_probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped kernel's forward and backward run on ``device`` in ``dtype`` as the adapters
+    call it (two groups, one empty); the per-run matmuls serve where it does not."""
+    try:
+        x = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(2, 16, 8, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+        torch._grouped_mm(x, w, offs=offs).float().square().sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def segment_matmul(x: torch.Tensor, w: torch.Tensor, row: AdapterRow, loop: bool = False) -> torch.Tensor:
@@ -127,8 +144,10 @@ class Adapters(nn.Module):
         b.append(torch.zeros_like(b[0]))
         return torch.stack(a).to(dtype), torch.stack(b).to(dtype)
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, row: AdapterRow) -> torch.Tensor:
-        """The adapters' addition to the projection of ``x`` [B, T, in] -> [B, T, out]."""
+        """The adapters' addition to the projection of ``x`` [B, T, in] -> [B, T, out]; outside
+        ``torch.compile`` (compiled blocks would recompile for every micro-batch's task runs)."""
         if isinstance(x, DTensor):  # a column-parallel projection's replicated input: each rank's gradient is a share
             from torch.distributed.tensor import Partial
 
