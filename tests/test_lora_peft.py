@@ -69,6 +69,7 @@ def run(tmp_path_factory) -> dict:
     proc = flexmesh("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(job), "--max-steps", "3",
                     "--out", str(out), "--no-progress", "--seq-len", "96", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "latest loss" in proc.stdout and "long" in proc.stdout  # the per-task table
     exported = tmp / "export"
     proc = flexmesh("export", "--checkpoint", str(out), "--out", str(exported), "--model", str(cfg), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -275,8 +275,29 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
         last = history[-1]
         plain_console(soft_wrap=True).print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s"
                                       f"{what}; metrics in {os.path.join(out, 'metrics.jsonl')}", highlight=False)
+        if last.tasks:
+            task_table(history)
     dist.barrier()
     return 0
+
+
+def task_table(history) -> None:  # noqa: ANN001 - StepMetrics of this run
+    """Per LoRA task: its loss at its first and latest step of this run, its steps and label tokens."""
+    from rich.table import Table
+
+    from flexmesh.console import plain_console
+
+    table = Table(title="tasks")
+    for col in ("task", "first loss", "latest loss", "steps", "label tokens"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for i, name in enumerate(history[-1].tasks):
+        trained = [m for m in history if m.task_tokens and m.task_tokens[i]]
+        if not trained:
+            table.add_row(name, "-", "-", "0", "0")
+            continue
+        table.add_row(name, f"{trained[0].task_loss[i]:.4f}", f"{trained[-1].task_loss[i]:.4f}", str(len(trained)),
+                      f"{sum(m.task_tokens[i] for m in trained):,}")
+    plain_console().print(table)
 
 
 def resume_command() -> str:
