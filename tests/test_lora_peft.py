@@ -208,18 +208,30 @@ def test_imported_peft_adapter_trains_as_peft_does(tmp_path):
     ('[[task]]\nname = "a"\ncorpus = "c"\nrank = 4\nalpha = 8\ntargets = ["qkv"]\n', "no projection 'qkv'"),
     ('[[task]]\nname = "a"\ncorpus = "c"\nrank = 4\nalpha = 8\ntargets = ["q_proj"]\n'
      '[[task]]\nname = "a"\ncorpus = "c"\nrank = 4\nalpha = 8\ntargets = ["q_proj"]\n', "two tasks are named 'a'"),
-    ('[[task]]\nname = "a"\ncorpus = "c"\nrank = 4096\nalpha = 8\ntargets = ["k_proj"]\n', "rank 4096 is larger than"),
     ('[[task]]\nname = "a"\ncorpus = "c"\nrank = 4\nalpha = 8\ntargets = ["q_proj"]\nranks = 3\n',
      "unknown key 'ranks'"),
+    ('[[task]]\nname = "a"\ncorpus = "c"\nrank = 0\nalpha = 8\ntargets = ["q_proj"]\n', "rank must be at least 1"),
+    ('[[task]]\nname = "a/b"\ncorpus = "c"\nrank = 4\nalpha = 8\ntargets = ["q_proj"]\n', "usable as a folder name"),
     ('', "lists no task"),
 ])
 def test_bad_job_files_say_what_to_change(tmp_path, job, says):
-    cfg, corpus, plan = write_inputs(tmp_path, 1)
+    from flexmesh.errors import SpecError
+    from flexmesh.spec.tasks import load_tasks
+
     (tmp_path / "jobs.toml").write_text(job)
+    with pytest.raises(SpecError, match=says.replace("(", r"\(")):
+        load_tasks(tmp_path / "jobs.toml")
+
+
+def test_a_rank_the_model_cannot_carry_is_one_line_before_training(tmp_path):
+    cfg, corpus, plan = write_inputs(tmp_path, 1)
+    (tmp_path / "jobs.toml").write_text('[[task]]\nname = "a"\ncorpus = "corpus"\nrank = 4096\nalpha = 8\n'
+                                        'targets = ["k_proj"]\n')
     proc = flexmesh("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(tmp_path / "jobs.toml"),
                     "--max-steps", "1", "--out", str(tmp_path / "run"))
     assert proc.returncode != 0
-    assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "rank 4096 is larger than k_proj" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_empty_task_corpus_and_foreign_adapter_are_refused(tmp_path, run):
