@@ -5,12 +5,12 @@ of ``--adapters`` tasks with uneven shares (a seeded draw), hidden ``--hidden`` 
 ``--rank``; three ways:
 
 - grouped: what the runtime runs (two ``torch._grouped_mm`` over the micro-batch's task runs)
-- loop: the same adapters, one pair of matmuls per task run (the per-adapter reference)
+- loop: the same adapters, one pair of ``F.linear`` per task run (the per-adapter loop)
 - one LoRA: a single adapter over all the tokens (the floor: the same FLOPs, one task)
 
-Median of ``--repeat`` timed runs after two warm-ups, on whichever device this machine has (CUDA when
-present, in bf16 there; fp32 on CPU, one thread). A CPU figure says nothing of a GPU's: there the loop
-pays a kernel launch per task and per pass, which is what grouping removes.
+Median of ``--repeat`` timed runs of each, round-robin, after two warm-ups, on whichever device this
+machine has (CUDA when present, in bf16 there; fp32 on CPU, one thread). A CPU figure says nothing
+of a GPU's: there the loop pays a kernel launch per task and per pass, which is what grouping removes.
 
     OMP_NUM_THREADS=1 python -m bench.lora_kernel          # records "lora_kernel" in bench/RESULTS.md
 """
@@ -40,17 +40,20 @@ def shares(tokens: int, adapters: int, seed: int = 0) -> list[int]:
     return [int(x) for x in n]
 
 
-def timed(fn, repeat: int, sync) -> float:  # noqa: ANN001
-    for _ in range(2):
+def timed(fns: dict, repeat: int, sync) -> dict[str, float]:  # noqa: ANN001
+    """Median seconds of each of ``fns``, run round-robin (so that a machine's drift touches all alike)."""
+    for fn in fns.values():
+        fn()
         fn()
     sync()
-    out = []
+    out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            sync()
+            out[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in out.items()}
 
 
 def main() -> None:
@@ -64,7 +67,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=40)
     ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -100,9 +103,9 @@ def main() -> None:
     want = many(x, many_row)
     many.loop = False
     torch.testing.assert_close(many(x, many_row), want, rtol=2e-2 if cuda else 1e-5, atol=1e-3 if cuda else 1e-6)
-    t_grouped = timed(lambda: run(many, many_row, False), args.repeat, sync)
-    t_loop = timed(lambda: run(many, many_row, True), args.repeat, sync)
-    t_one = timed(lambda: run(one, one_row, False), args.repeat, sync)
+    t = timed({"grouped": lambda: run(many, many_row, False), "loop": lambda: run(many, many_row, True),
+               "one": lambda: run(one, one_row, False)}, args.repeat, sync)
+    t_grouped, t_loop, t_one = t["grouped"], t["loop"], t["one"]
     grouped = grouped_kernel_ok(x, args.rank, args.hidden)
     kernel = "torch._grouped_mm" if grouped else "per-run matmuls (no grouped kernel)"
     speedup, overhead = t_loop / t_grouped, t_grouped / t_one

@@ -21,8 +21,8 @@ Every task's weights enter the stack on every step, so every adapter has a gradi
 task had no tokens) on every rank and data-parallel reductions always pair.
 
 Where the grouped kernel is not available for the device and dtype (CUDA below sm90 or not bf16),
-each run is its own pair of matmuls (:func:`segment_matmul`); ``loop=True`` asks for that path
-(the per-adapter reference the kernel benchmark compares against).
+each run is its own pair of ``F.linear`` (:func:`segment_matmul`); ``loop=True`` asks for that path
+(the per-adapter loop the kernel benchmark compares against).
 """
 
 from __future__ import annotations
@@ -78,27 +78,35 @@ def grouped_kernel_ok(x: torch.Tensor, *dims: int) -> bool:
             and _grouped_probe(x.device, x.dtype))
 
 
+def _grouped_layout(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [G, N, K] as the grouped kernel's [G, K, N] operand: the transposed view on CUDA (its
+    kernels take the second operand column-major), a contiguous copy on CPU (faster there)."""
+    wt = w.transpose(1, 2)
+    return wt.contiguous() if w.device.type == "cpu" else wt
+
+
 @functools.cache
 def _grouped_probe(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the grouped kernel's forward and backward run on ``device`` in ``dtype`` as the adapters
     call it (two groups, one empty); the per-run matmuls serve where it does not."""
     try:
         x = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 8, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(2, 8, 16, device=device, dtype=dtype, requires_grad=True)
         offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
-        torch._grouped_mm(x, w, offs=offs).float().square().sum().backward()
+        torch._grouped_mm(x, _grouped_layout(w), offs=offs).float().square().sum().backward()
         return True
     except (RuntimeError, NotImplementedError):
         return False
 
 
 def segment_matmul(x: torch.Tensor, w: torch.Tensor, row: AdapterRow, loop: bool = False) -> torch.Tensor:
-    """Rows of ``x`` [T, K] in run ``i`` of ``row`` times ``w[i]`` [K, N]: [T, N]."""
+    """Rows of ``x`` [T, K] in run ``i`` of ``row`` times ``w[i]^T`` (``w`` [runs, N, K]): [T, N]. One
+    grouped kernel, or (``loop``, or no grouped kernel here) one ``F.linear`` per run."""
     if not loop and grouped_kernel_ok(x, w.shape[-1], w.shape[-2]):
-        return torch._grouped_mm(x, w, offs=row.offsets)
+        return torch._grouped_mm(x, _grouped_layout(w), offs=row.offsets)
     out, start = [], 0
     for i, (_, n) in enumerate(row.runs):
-        out.append(x[start:start + n] @ w[i])
+        out.append(F.linear(x[start:start + n], w[i]))
         start += n
     return torch.cat(out)
 
@@ -134,12 +142,12 @@ class Adapters(nn.Module):
                                         for i in self.slots})
 
     def _stacked(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot's A^T [in, r_max] and B^T [r_max, out], zero-padded and stacked (one more all-zero
+        """Every slot's A [r_max, in] and B [out, r_max], zero-padded and stacked (one more all-zero
         entry last, for runs this projection does not adapt)."""
         r = self.rank
         a_, b_ = [_local(self.lora_A[str(i)]) for i in self.slots], [_local(self.lora_B[str(i)]) for i in self.slots]
-        a = [F.pad(t, (0, 0, 0, r - t.shape[0])).t() for t in a_]
-        b = [F.pad(t, (0, r - t.shape[1])).t() for t in b_]
+        a = [F.pad(t, (0, 0, 0, r - t.shape[0])) for t in a_]
+        b = [F.pad(t, (0, r - t.shape[1])) for t in b_]
         a.append(torch.zeros_like(a[0]))
         b.append(torch.zeros_like(b[0]))
         return torch.stack(a).to(dtype), torch.stack(b).to(dtype)
