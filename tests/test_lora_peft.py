@@ -77,6 +77,7 @@ def run(tmp_path_factory) -> dict:
             "export_line": proc.stdout}
 
 
+@pytest.mark.slow
 def test_train_reports_every_task(run):
     rows = [json.loads(x) for x in (run["out"] / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "task_loss" in r]
@@ -111,6 +112,7 @@ def _flexmesh_logits(run: dict, slot: int, tokens: torch.Tensor) -> torch.Tensor
         return model(b.tokens, b)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slot,name", [(0, "short"), (1, "long"), (2, "mid")])
 def test_peft_loads_the_export(run, slot, name):
     from peft import PeftModel
@@ -175,6 +177,7 @@ def _import_worker(rank: int, port: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_imported_peft_adapter_trains_as_peft_does(tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -223,6 +226,7 @@ def test_bad_job_files_say_what_to_change(tmp_path, job, says):
         load_tasks(tmp_path / "jobs.toml")
 
 
+@pytest.mark.slow
 def test_a_rank_the_model_cannot_carry_is_one_line_before_training(tmp_path):
     cfg, corpus, plan = write_inputs(tmp_path, 1)
     (tmp_path / "jobs.toml").write_text('[[task]]\nname = "a"\ncorpus = "corpus"\nrank = 4096\nalpha = 8\n'
@@ -234,6 +238,7 @@ def test_a_rank_the_model_cannot_carry_is_one_line_before_training(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_empty_task_corpus_and_foreign_adapter_are_refused(tmp_path, run):
     from flexmesh.errors import CheckpointError
     from flexmesh.runtime.peft import read_adapter

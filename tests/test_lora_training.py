@@ -251,12 +251,14 @@ def test_adapters_move(references):
     assert b and all(float(v.abs().max()) > 1e-4 for v in b)
 
 
+@pytest.mark.slow
 def test_one_process_and_swapped_micro_batches(tmp_path, references):
     _run(tmp_path, 1, ["one", "one+swapped"])
     _check(tmp_path, "one", references)
     _check(tmp_path, "one+swapped", references)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("names", [["dp", "fsdp", "pair", "tp"]])
 def test_two_ranks(tmp_path, references, names):
     _run(tmp_path, 2, names)
@@ -264,6 +266,7 @@ def test_two_ranks(tmp_path, references, names):
         _check(tmp_path, name, references)
 
 
+@pytest.mark.slow
 def test_four_ranks(tmp_path, references):
     _run(tmp_path, 4, ["pair4", "tp_x_fsdp"])
     for name in ("pair4", "tp_x_fsdp"):

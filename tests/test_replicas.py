@@ -61,6 +61,7 @@ def test_ranked_search_finds_the_best_mix_of_all(cost):
     assert ranked.step_s == pytest.approx(best.step_s)
 
 
+@pytest.mark.slow
 def test_plan_replicas_cli(tmp_path):
     job = tmp_path / "jobs.toml"
     job.write_text('[[task]]\nname = "chat"\nlengths = "wikipedia"\nrank = 8\nalpha = 16\ntargets = ["q_proj"]\n'
