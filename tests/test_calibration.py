@@ -1,10 +1,12 @@
 """Calibration: the presets are the fits on the named fitting set, and leave-one-out errors are honest."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from flexmesh.cost import calibrate
-from flexmesh.spec.cluster import DEVICE_PRESETS
+from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,21 @@ def test_leave_one_out_refits_without_the_row():
     # row 2 (y / x = 3) held out: c = 2, predicted 6 for 9
     assert errors[2] == pytest.approx(6 / 9 - 1)
     assert errors[0] == pytest.approx(7 / 3 / 2 - 1)
+
+
+def test_leave_one_source_out_uses_nothing_of_the_source(monkeypatch):
+    """The A100 rows predicted without Megatron-LM's table: the constants do not move when that table
+    does, and come from the H100 fit through the measured GEMM tables."""
+    before = calibrate.transferred_params("A100")
+    doubled = tuple(replace(r, tflops_per_gpu=2 * r.tflops_per_gpu) if r.family == "A100" else r
+                    for r in calibrate.PUBLISHED_RUNS)
+    monkeypatch.setattr(calibrate, "PUBLISHED_RUNS", doubled)
+    assert calibrate.transferred_params("A100") == before
+    assert calibrate.fit_efficiencies("A100")["mm_efficiency"] > before["mm_efficiency"]  # in sample it moves
+    t = GEMM_TABLES
+    h100_fit = calibrate.fit_efficiencies("H100")["mm_efficiency"]
+    assert before["mm_efficiency"] == pytest.approx(
+        h100_fit * t["a100_sxm"].efficiency / t["h100_sxm"].efficiency)
 
 
 def test_refit_reproduces_presets():

@@ -6,21 +6,22 @@ import numpy as np
 import pytest
 
 from flexmesh.cost import CostModel, Work, group_shape, in_flight, pipeline_time
-from flexmesh.cost.analytic import GRAD_BYTES, OPTIM_BYTES, AnalyticTiming, activation_elems_per_token
+from flexmesh.cost.analytic import AnalyticTiming, activation_elems_per_token
 from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.kernels import HBM_EFFICIENCY, LAUNCH_S
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.spec import MODEL_PRESETS, ModelSpec, parse_cluster
 from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
+from flexmesh.spec.model import with_dtype
 
 GB = 1e9
 # 100 TFLOP/s peak at 50% for matmuls and 25% for attention; 100 GB/s NVLink at 100%; 80 GB/s per
 # node network (10 GB/s per GPU) at 100%; no latency; 80 GiB, nothing reserved.
-DEV = replace(DEVICE_PRESETS["A100-80GB"], name="round", peak_tflops={"bf16": 100.0}, mm_efficiency=0.5,
-              attn_efficiency=0.25, nvlink_gbps=100.0, node_net_gbps=80.0, intra_efficiency=1.0,
+DEV = replace(DEVICE_PRESETS["A100-80GB"], name="round", peak_tflops=dict.fromkeys(("bf16", "fp16", "fp32"), 100.0),
+              mm_efficiency=0.5, attn_efficiency=0.25, nvlink_gbps=100.0, node_net_gbps=80.0, intra_efficiency=1.0,
               inter_efficiency=1.0, a2a_intra_efficiency=1.0, a2a_inter_efficiency=1.0, intra_latency_us=0.0,
               inter_latency_us=0.0, memory_gib=80.0, framework_reserve_gib=0.0, allocator_headroom=0.0,
-              hbm_gbps=1000.0)
+              hbm_gbps=1000.0, sms=None)
 MODEL = ModelSpec(name="m", num_layers=4, hidden=1024, num_heads=8, num_kv_heads=8, ffn_hidden=4096, vocab=1000)
 
 
@@ -29,7 +30,7 @@ def cluster(nodes=1, per_node=8):
 
 
 def test_layer_compute_time_by_hand():
-    # "round" has no datasheet SM count: GEMMs at peak x mm_efficiency whatever their shape, plus a
+    # "round" has no SM count: GEMMs at peak x mm_efficiency whatever their shape, plus a
     # kernel's fixed cost; memory-bound operators at 1000 GB/s x HBM_EFFICIENCY.
     cm = CostModel(MODEL, cluster())
     lin = 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096)  # q, k, v, o + SwiGLU, 2 FLOPs per weight
@@ -90,7 +91,17 @@ def test_states_bytes_per_zero_stage(zero, expected):
     cm = CostModel(MODEL, cluster())
     c = cm.layer(S(dp=8, zero=zero), Work(1, 1))
     assert c.states == pytest.approx(MODEL.layer_params * expected)
-    assert 2 + GRAD_BYTES + OPTIM_BYTES == 18
+
+
+@pytest.mark.parametrize("dtype,total,zero1", [("bf16", 18, 6 + 12 / 8), ("fp16", 20, 4 + 16 / 8),
+                                               ("fp32", 16, 8 + 8 / 8)])
+def test_state_bytes_follow_the_training_precision(dtype, total, zero1):
+    """Megatron-LM's distributed-optimizer table: 18 / 20 / 16 bytes per parameter, and with the
+    optimizer states sharded over d ranks 6 + 12/d, 4 + 16/d, 8 + 8/d."""
+    model = with_dtype(MODEL, dtype)
+    for zero, expected in ((0, total), (1, zero1)):
+        c = CostModel(model, cluster()).layer(S(dp=8, zero=zero), Work(1, 1))
+        assert c.states == pytest.approx(model.layer_params * expected)
 
 
 def test_activation_memory_scales_with_tokens_tp_cp_and_recompute():

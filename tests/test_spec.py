@@ -63,7 +63,7 @@ def test_cluster_strings():
 
 def test_cluster_unknown_device_lists_known():
     with pytest.raises(SpecError, match="H100-80GB"):
-        parse_cluster("8xV100")
+        parse_cluster("8xMI300X")
 
 
 def test_cluster_file_with_override_and_speed_factors(tmp_path):

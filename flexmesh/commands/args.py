@@ -180,3 +180,25 @@ def job_tasks(args, spec):  # noqa: ANN001, ANN201
     tasks = load_tasks(args.tasks)
     tasks.check(spec)
     return tasks
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    """``--attention``, ``--no-sequence-parallel``, ``--dropout``: price a stack other than flexmesh's runtime
+    (flexmesh.layout.stack)."""
+    g = p.add_argument_group("another training stack's layers (default: flexmesh's runtime)")
+    g.add_argument("--attention", choices=("fused", "unfused"), default="fused",
+                   help="unfused: the s x s attention scores are kept for backward (Megatron-LM before flash "
+                        "attention); changes activation memory, not time")
+    g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="tensor parallelism without sequence parallelism: norms, dropouts and the GEMM inputs "
+                        "kept whole on every tp rank")
+    g.add_argument("--dropout", action="store_true", help="the stack trains with dropout (a one-byte mask per "
+                   "dropped element kept for backward)")
+
+
+def stack_of(args):  # noqa: ANN001, ANN201
+    """The :class:`~flexmesh.layout.stack.Stack` of :func:`add_stack_args`' flags."""
+    from flexmesh.layout.stack import Stack
+
+    return Stack(attention=getattr(args, "attention", "fused"),
+                 sequence_parallel=getattr(args, "sequence_parallel", True), dropout=getattr(args, "dropout", False))

@@ -17,12 +17,14 @@ from flexmesh.commands.args import (
     DEFAULT_MODEL,
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
+    add_stack_args,
     job_tasks,
     new_file,
     nonempty,
     positive_int,
     seq_len,
     sequences,
+    stack_of,
     tokens,
 )
 from flexmesh.commands.plan_lengths import (
@@ -39,6 +41,7 @@ from flexmesh.console import plain_console, styled
 from flexmesh.cost import Evaluation
 from flexmesh.cost.finetune import with_tasks
 from flexmesh.cost.mixed import MixedCosts
+from flexmesh.cost.stack import with_stack
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.files import check_file_target
 from flexmesh.layout.overlap import RUNTIME
@@ -112,6 +115,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--replicas", action="store_true",
                    help="with --tasks: a mix of replica layouts and per-step dispatch for the tasks' lengths "
                         "(each task's `lengths`, else --lengths), against every single layout")
+    add_stack_args(p)
     p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
                    help="exact: layer DP + every layer split (small models); fast: closed form per stage")
     p.set_defaults(func=run)
@@ -147,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
     tasks = job_tasks(args, spec)
-    cost = with_tasks(cost, tasks)  # LoRA: a frozen base and the tasks' adapters (flexmesh.cost.finetune)
+    # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters (cost.finetune)
+    cost = with_tasks(with_stack(cost, stack_of(args)), tasks)
     if args.replicas:
         from flexmesh.commands.plan_replicas import replica_command
 

@@ -23,6 +23,7 @@ from flexmesh.commands.args import (
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
     DefaultsHelpFormatter,
+    add_stack_args,
     folder,
     job_tasks,
     nonempty,
@@ -31,10 +32,12 @@ from flexmesh.commands.args import (
     positive_int,
     seq_len,
     sequences,
+    stack_of,
     steps,
     tokens,
 )
 from flexmesh.cost.finetune import with_tasks
+from flexmesh.cost.stack import with_stack
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
 from flexmesh.report.tables import print_table as print_fitted
@@ -102,6 +105,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print plain JSON instead of a table")
     p.add_argument("--plots", metavar="DIR", default=None, type=folder,
                    help="write a Gantt and a load PNG per policy here")
+    add_stack_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -146,7 +150,7 @@ def _prepare(args: argparse.Namespace,
         args.zero, args.recompute, args.cp_kind = s.zero, bool(s.recompute), str(s.cp_kind) if s.cp > 1 else "ulysses"
     base = cost_model_for(_model(args, plan), args.cluster, getattr(args, "hardware_profile", None),
                           getattr(args, "model_profile", None), default_cluster=DEFAULT_CLUSTER)
-    base = with_tasks(base, job_tasks(args, base.model))  # LoRA: flexmesh.cost.finetune
+    base = with_tasks(with_stack(base, stack_of(args)), job_tasks(args, base.model))  # layout.stack; cost.finetune
     world = base.cluster.world_size
     cfg = _config(args, policies, _slow(args.slow, world))
     if plan is not None:

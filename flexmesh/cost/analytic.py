@@ -14,8 +14,11 @@ throughputs, without tile quantization). Sources of the counts:
   and at the head softmax + cross entropy over the vocabulary; read + write once each forward
   (fused kernels, as Megatron-LM runs them), twice the bytes backward.
 - Full recomputation charges the forward once more inside the backward (:meth:`AnalyticTiming.recompute_time`).
-- Bytes per parameter with bf16 weights, fp32 gradients and Adam: 2 + 4 + 12, ZeRO-1 shards the 12,
-  ZeRO-2 also the 4, ZeRO-3 all 18 (Megatron-LM's distributed-optimizer notes; ZeRO, 1910.02054).
+- Bytes per parameter (weights, gradients, optimizer states) by training precision, as Megatron-LM's
+  distributed-optimizer notes tabulate them: bf16 weights with fp32 gradients 2 + 4 + 12 (fp32 main
+  weights, Adam m and v); fp16 weights and gradients 2 + 2 + 16 (fp32 main weights and main
+  gradients, m, v); fp32 4 + 4 + 8 (Adam m and v only). ZeRO-1 shards the optimizer states, ZeRO-2
+  also the gradients, ZeRO-3 all of them (ZeRO, 1910.02054).
 - Saved activations per token per layer, with flash-style attention (no s^2 term, no mask) and
   sequence parallelism dividing everything by tp (Korthikanti et al., 2205.05198, adapted to
   SwiGLU/GQA; counted tensor by tensor in :func:`activation_elems_per_token`). Full recomputation
@@ -48,15 +51,27 @@ from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.timing import LayerTimes
 from flexmesh.cost.work import NO_WINDOW, Amount, ring_hops
+from flexmesh.layout.stack import RUNTIME_STACK, Stack
 from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.spec.model import ModelSpec
 
-GRAD_BYTES = 4  # fp32 gradient accumulation and reduction (Megatron-LM's default for bf16 training)
-OPTIM_BYTES = 12  # fp32 master weights + Adam m and v
+# (weight, gradient, optimizer-state) bytes per parameter by training precision (Megatron-LM,
+# docs/source/api-guide/dist_optimizer.md, "fp16 param, fp16 grads 20; bf16 param, fp32 grads 18;
+# fp32 param, fp32 grads 16"): bf16 accumulates and reduces gradients in fp32 (Megatron-LM's default).
+STATE_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 2, 16), "fp32": (4, 4, 8)}
 LOGIT_BYTES = 6
-# Adam step traffic per parameter: read fp32 weight, grad, m, v (16 B); write weight, m, v and the
-# bf16 copy (14 B). Time = bytes / achievable HBM bandwidth.
-OPTIM_TRAFFIC_BYTES = 30
+# Of a layer's saved activations (activation_elems_per_token), x hidden per token: the two norm inputs
+# and the inputs of the QKV and MLP-up GEMMs, which tensor parallelism without sequence parallelism
+# keeps whole on every tp rank (2205.05198 section 4.2.1); dropout keeps two one-byte masks of hidden
+# size (after attention and after the MLP). Norms and residual adds (2 x 2h + 2 x 3h bytes moved per
+# token, memory_bytes_per_token) likewise run on every tp rank.
+REPLICATED_ACT_ELEMS = 4
+DROPOUT_MASKS = 2
+REPLICATED_MEMORY_ELEMS = 10
+# Adam step traffic per parameter (time = bytes / achievable HBM bandwidth): mixed precision reads
+# the fp32 weight, grad, m, v (16 B) and writes weight, m, v and the 2-byte copy (14 B); fp16 also
+# reads its fp16 gradient into the fp32 main gradient (2 + 4 B); fp32 reads 16 B and writes 12 B.
+OPTIM_TRAFFIC_BYTES = {"bf16": 30, "fp16": 36, "fp32": 28}
 # Streaming kernels of a layer's forward (and as many backward): 2 norms, 2 residual adds, rotary,
 # activation (Megatron-LM's fused kernels: fused RMSNorm/LayerNorm, bias-dropout-add, rope, SwiGLU).
 LAYER_MEMORY_KERNELS = 6
@@ -120,8 +135,10 @@ def activation_elems_per_token(model: ModelSpec) -> int:
 class AnalyticTiming:
     """:class:`~flexmesh.cost.timing.LayerTiming` of ``model`` from FLOPs over ``hardware``'s throughput."""
 
-    def __init__(self, model: ModelSpec, hardware: Hardware, ring_balanced: bool = False):
+    def __init__(self, model: ModelSpec, hardware: Hardware, ring_balanced: bool = False,
+                 stack: Stack = RUNTIME_STACK):
         self.model = model
+        self.stack = stack  # how the stack runs a layer where stacks differ (flexmesh.layout.stack)
         # Ring attention slicing: False, contiguous slices as the runtime cuts them (the last rank does
         # the most work); True, 2 x cp chunks paired so every rank does the same (Llama 3, 2407.21783).
         self.ring_balanced = ring_balanced
@@ -162,6 +179,9 @@ class AnalyticTiming:
             f, b = k.linear(rows, n, red)
             gemm_f, gemm_b = gemm_f + f, gemm_b + b
         local = tokens / (s.tp * s.cp) * self.mem_bytes  # sequence parallel: each device its tokens
+        if s.tp > 1 and not self.stack.sequence_parallel:  # norms and residual adds on every tp rank
+            local = local + tokens / s.cp * (1.0 - 1.0 / s.tp) * REPLICATED_MEMORY_ELEMS * self.model.hidden \
+                * self.model.dtype_bytes
         mem_f = k.memory_bound(local, LAYER_MEMORY_KERNELS)
         mem_b = k.memory_bound(2 * local, LAYER_MEMORY_KERNELS)
         attn_f, attn_b = self.attention_times(s, tokens, sq_tokens)
@@ -220,16 +240,30 @@ class AnalyticTiming:
         return f + k.memory_bound(norm + ce, 2), b + k.memory_bound(2 * norm + ce, 2)
 
     def activation_bytes_per_token(self, s: LayerStrategy, recompute: bool) -> float:
-        """:func:`activation_elems_per_token` (the layer input alone when recomputed) / (tp x cp)."""
-        return (self.model.hidden if recompute else self.act_elems) * self.model.dtype_bytes / (s.tp * s.cp)
+        """:func:`activation_elems_per_token` (the layer input alone when recomputed) / (tp x cp); without
+        sequence parallelism the norm inputs, the inputs of the column-parallel GEMMs and the dropout
+        masks are whole on every tp rank (Korthikanti et al. 2205.05198, eq. 2: ``10 + 24 / t``)."""
+        m, sp = self.model, self.stack.sequence_parallel or s.tp == 1
+        b = m.dtype_bytes
+        if recompute:
+            return m.hidden * b / (s.cp * (s.tp if sp else 1))
+        masks = DROPOUT_MASKS * m.hidden if self.stack.dropout else 0  # one byte per element
+        whole = REPLICATED_ACT_ELEMS * m.hidden * b + masks
+        return ((self.act_elems * b - REPLICATED_ACT_ELEMS * m.hidden * b) / s.tp + whole / (s.tp if sp else 1)) / s.cp
 
     def activation_bytes(self, s: LayerStrategy, tokens: float, recompute: bool) -> float:
         """As :meth:`activation_bytes_per_token`, for ``tokens`` of the micro-batch."""
-        return tokens / s.cp / s.tp * (self.model.hidden if recompute else self.act_elems) * self.model.dtype_bytes
+        return tokens * self.activation_bytes_per_token(s, recompute)
 
-    def mask_bytes(self, s: LayerStrategy, tokens: float) -> float:
-        """None: flash-style attention keeps no mask."""
-        return 0.0
+    def mask_bytes(self, s: LayerStrategy, tokens: float, sq_tokens: float = 0.0) -> float:
+        """Nothing for fused (flash-style) attention, the runtime's. Unfused attention's ``s x s`` scores
+        kept for backward (``sq_tokens`` summed over the micro-batch's sequences), per head and split over tp (x cp):
+        the softmax output, and with dropout its one-byte mask and its output (2205.05198: ``5 a s^2 b``);
+        none for fused kernels or when the core is recomputed (selective recomputation)."""
+        if self.stack.attention == "fused" or s.recompute is Recompute.SELECTIVE:
+            return 0.0
+        per_score = self.model.dtype_bytes + ((1 + self.model.dtype_bytes) if self.stack.dropout else 0)
+        return self.model.num_heads * sq_tokens * per_score / (s.tp * s.cp)
 
     def carried_bytes(self, s: LayerStrategy, prefix: float, tokens: float) -> float:
         """The prefix's keys and values, which a flash-style kernel keeps for the later piece's
@@ -238,17 +272,18 @@ class AnalyticTiming:
         return 2.0 * m.num_kv_heads * m.head_dim * prefix * m.dtype_bytes / (s.tp * s.cp)
 
     def embedding_activation_bytes(self, s: LayerStrategy, tokens: float) -> float:
-        """The embedding output, split over tp x cp (sequence parallel)."""
-        return tokens / s.cp / s.tp * self.model.hidden * self.model.dtype_bytes
+        """The embedding output, split over tp x cp (sequence parallel; over cp alone without it)."""
+        tp = s.tp if self.stack.sequence_parallel else 1
+        return tokens / s.cp / tp * self.model.hidden * self.model.dtype_bytes
 
     def logit_bytes(self, s: LayerStrategy, tokens: float) -> float:
         """:data:`LOGIT_BYTES` per logit of the device's tokens and vocabulary shard."""
         return tokens / s.cp * self.model.vocab / s.tp * LOGIT_BYTES
 
     def state_bytes_per_param(self) -> tuple[float, float, float]:
-        """Weights in the model's dtype, fp32 gradients, fp32 Adam states."""
-        return self.model.dtype_bytes, GRAD_BYTES, OPTIM_BYTES
+        """:data:`STATE_BYTES` of the model's dtype."""
+        return STATE_BYTES[self.model.dtype]
 
     def optimizer_s_per_param(self) -> float:
-        """:data:`OPTIM_TRAFFIC_BYTES` over the achievable HBM bandwidth."""
-        return OPTIM_TRAFFIC_BYTES / self.kernels.hbm_bytes_per_s
+        """:data:`OPTIM_TRAFFIC_BYTES` of the model's dtype over the achievable HBM bandwidth."""
+        return OPTIM_TRAFFIC_BYTES[self.model.dtype] / self.kernels.hbm_bytes_per_s

@@ -38,7 +38,7 @@ from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.model import CostModel
 from flexmesh.layout.enums import CPKind
 from flexmesh.layout.strategy import LayerStrategy
-from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
+from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES, ClusterSpec, catalogue_mm_efficiency
 from flexmesh.spec.model import MODEL_PRESETS, ModelSpec, gpt
 
 
@@ -171,6 +171,9 @@ FLEXSP_NODE_NET_GBPS = 50.0  # 400 Gb/s
 FLEXSP_7B_A_S_PER_SQ_TOKEN = 5.1e-9
 
 
+# The measured GEMM table of each family's fitted part (presets/devices.toml [gemm_tables]).
+_FAMILY_TABLE = {"A100": "a100_sxm", "H100": "h100_sxm"}
+
 # The constants fitted per GPU family on its fitting rows, with their bounds.
 FITTED = {"A100": ("mm_efficiency", "unfused_attn_efficiency"), "H100": ("mm_efficiency",)}
 BOUNDS = {"mm_efficiency": (0.3, 0.98), "unfused_attn_efficiency": (0.01, 0.95)}
@@ -235,6 +238,34 @@ def leave_one_out_ratios(family: str) -> list[float]:
                                            lambda r, p: _ratio(r, p) - 1.0)]
 
 
+# The other family whose source predicts a family's rows when its own source is left out.
+OTHER_FAMILY = {"A100": "H100", "H100": "A100"}
+
+
+def transferred_params(family: str) -> dict[str, float]:
+    """The fitted constants of ``family`` without its own source: the other family's fitted
+    ``mm_efficiency`` scaled by the two parts' measured GEMM tables (as the catalogue scales a part
+    without a fit, :func:`flexmesh.spec.cluster.catalogue_mm_efficiency`); the unfused attention of
+    the 2021 A100 runs, which only Megatron-LM's table shows, at the fused kernels' efficiency (FlexSP's,
+    another source)."""
+    other = OTHER_FAMILY[family]
+    own_table = _FAMILY_TABLE[family]
+    mm = catalogue_mm_efficiency(fit_efficiencies(other)["mm_efficiency"], GEMM_TABLES[own_table],
+                                 GEMM_TABLES[_FAMILY_TABLE[other]])
+    params = {"mm_efficiency": mm}
+    if "unfused_attn_efficiency" in FITTED[family]:
+        params["unfused_attn_efficiency"] = DEVICE_PRESETS["A100-80GB"].attn_efficiency
+    return params
+
+
+def leave_one_source_out_ratios(family: str) -> list[float]:
+    """Per fitting row of ``family``: predicted / published throughput with none of the row's source
+    in any fit (:func:`transferred_params`). Each family here has one source, so leaving out the row's
+    source leaves out the family's whole fitting set."""
+    p = transferred_params(family)
+    return [_ratio(r, p) for r in fitting_rows(family)]
+
+
 def fit_attn_efficiency() -> float:
     """Attention efficiency on A100 from FlexSP's quadratic coefficient for a 7B model."""
     model = MODEL_PRESETS["llama2-7b"]
@@ -263,18 +294,20 @@ def fit_a2a_efficiency() -> tuple[float, float]:
 
 def calibration_table(with_loo: bool = True) -> list[dict]:
     """Each fitting row: published and predicted tokens/s per GPU with the presets (in sample), the
-    ratio, and with ``with_loo`` the leave-one-out ratio (constants refitted without the row)."""
+    ratio, and with ``with_loo`` the leave-one-out ratio (constants refitted without the row) and the
+    leave-one-source-out ratio (no constant fitted to the row's source)."""
     rows = []
     for family in ("A100", "H100"):
         runs = fitting_rows(family)
         loo = leave_one_out_ratios(family) if with_loo else [float("nan")] * len(runs)
-        for r, lo in zip(runs, loo, strict=True):
+        loso = leave_one_source_out_ratios(family) if with_loo else [float("nan")] * len(runs)
+        for r, lo, so in zip(runs, loo, loso, strict=True):
             ratio = _ratio(r, None)
             pub = r.published_tokens_per_gpu()
             cp = f" cp{r.cp}" if r.cp > 1 else ""
             rows.append({"run": r.name, "device": r.device, "family": family,
                          "layout": f"tp{r.tp}{cp} pp{r.pp} dp{r.dp}", "published_tokens_per_gpu": pub,
-                         "predicted_tokens_per_gpu": pub * ratio, "ratio": ratio, "loo_ratio": lo,
+                         "predicted_tokens_per_gpu": pub * ratio, "ratio": ratio, "loo_ratio": lo, "loso_ratio": so,
                          "source": r.source})
     return rows
 
@@ -309,14 +342,21 @@ def main() -> None:
     fits.add_row("a2a_inter_efficiency", f"{inter:.3f}", f"{a100.a2a_inter_efficiency:.3f}", "FlexSP all-to-all")
     con.print(fits)
     rows = calibration_table()
-    runs = Table(title="Fitting rows: per-GPU throughput, predicted / published in sample and leave-one-out")
-    for c in ("run", "device", "layout", "published tok/s/GPU", "predicted", "in-sample", "leave-one-out"):
+    runs = Table(title="Fitting rows: per-GPU throughput, predicted / published in sample, leave-one-out and "
+                       "leave-one-source-out")
+    for c in ("run", "device", "layout", "published tok/s/GPU", "predicted", "in-sample", "leave-one-out",
+              "leave-one-source-out"):
         runs.add_column(c, justify="right" if c not in ("run", "device", "layout") else "left")
     for row in rows:
         runs.add_row(row["run"], row["device"], row["layout"], f"{row['published_tokens_per_gpu']:.0f}",
-                     f"{row['predicted_tokens_per_gpu']:.0f}", f"{row['ratio']:.3f}", f"{row['loo_ratio']:.3f}")
+                     f"{row['predicted_tokens_per_gpu']:.0f}", f"{row['ratio']:.3f}", f"{row['loo_ratio']:.3f}",
+                     f"{row['loso_ratio']:.3f}")
     con.print(runs)
-    for key, what in (("ratio", "in sample"), ("loo_ratio", "leave-one-out")):
+    for family in ("A100", "H100"):
+        p = transferred_params(family)
+        con.print(f"leave-one-source-out {family}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items())
+                  + f" (from the {OTHER_FAMILY[family]} fit and the measured GEMM tables)")
+    for key, what in (("ratio", "in sample"), ("loo_ratio", "leave-one-out"), ("loso_ratio", "leave-one-source-out")):
         summary = error_summary(rows, key)
         con.print(f"{what}: " + ", ".join(f"{f} median {m:.1%} worst {w:.1%}" for f, (m, w) in summary.items()))
 

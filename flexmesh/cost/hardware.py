@@ -6,7 +6,9 @@ by the NICs of the group's ranks (one NIC per GPU on DGX-class nodes), each part
 of the datasheet bandwidth (see ``flexmesh.cost.calibrate``).
 
 Worked example (A100 preset, 1 GiB all-reduce over the 8 GPUs of one node):
-``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus ``7 * 10 us`` latency.
+``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus ``7 * 10 us`` latency. Inside a node, a
+group runs over NVLink when its GPUs of that node lie within one NVLink domain (all 8 behind an
+NVSwitch; a bridged pair of PCIe cards) and over PCIe otherwise (``DeviceSpec.nvlink_domain``).
 
 A hardware profile (written by ``flexmesh profile hardware``) replaces every number here with a
 measurement: ``flexmesh.profile.timing.ProfiledHardware``, a subclass built by
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexmesh.cost.kernels import HBM_EFFICIENCY, Kernels, sm_count
+from flexmesh.cost.kernels import HBM_EFFICIENCY, Kernels
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import DTYPE_BYTES
 
@@ -76,6 +78,15 @@ class CollectiveParams:
     a2a_inter_eff: float
     intra_latency_s: float
     inter_latency_s: float
+    nvlink_domain: int = 0  # GPUs of a node NVLink joins (0: all); groups with more of a node use PCIe
+    pcie_gbps: float = 0.0  # per GPU per direction
+
+    def intra_bytes_per_s(self, per_node: int) -> float:
+        """Bandwidth of a group with ``per_node`` members on each node: NVLink within the NVLink domain
+        (groups lie on consecutive GPUs, tp innermost), PCIe beyond it."""
+        if self.nvlink_domain and per_node > self.nvlink_domain:
+            return self.pcie_gbps * 1e9
+        return self.intra_gbps * 1e9
 
 
 class Hardware:
@@ -92,7 +103,7 @@ class Hardware:
         # Kernel times by shape (flexmesh.cost.kernels): GEMM tiles over the datasheet SM count,
         # memory-bound operators at the achievable fraction of the datasheet HBM bandwidth.
         self.kernels = Kernels(mm_flops=self.matmul_flops, attn_flops=self.attn_flops,
-                               hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=sm_count(d.name),
+                               hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=d.sms,
                                dtype_bytes=DTYPE_BYTES.get(dtype, 2))
         self.memory_bytes = d.usable_memory_bytes
         self.source = f"preset:{d.name}"
@@ -106,6 +117,8 @@ class Hardware:
             a2a_inter_eff=d.a2a_inter_efficiency,
             intra_latency_s=d.intra_latency_us * 1e-6,
             inter_latency_s=d.inter_latency_us * 1e-6,
+            nvlink_domain=d.nvlink_domain,
+            pcie_gbps=d.pcie_gbps,
         )
 
     def exposed(self, comm, window):
@@ -133,7 +146,7 @@ class Hardware:
             return np.zeros_like(nbytes, dtype=float) if isinstance(nbytes, np.ndarray) else 0.0
         c = self.comm
         k, m = shape.per_node, shape.nodes
-        intra_bw = c.intra_gbps * 1e9
+        intra_bw = c.intra_bytes_per_s(k)
         nic_bw = c.inter_gbps_per_gpu * 1e9
         if kind == "send_recv":
             if m > 1:

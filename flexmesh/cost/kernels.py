@@ -7,8 +7,8 @@ has the table of terms):
 
 - GEMM ``(M, N, K)`` (``M x K`` times ``K x N``): output tiles of ``TILE x TILE`` (CUTLASS's default
   threadblock tile for SM80/SM90 GEMMs, docs/efficient_gemm.md; cuBLAS' heuristics pick 128- and
-  256-wide tiles) run in waves of one tile per SM (the SM count from the datasheet: A100 108, H100
-  SXM and H200 132); a wave takes ``2 TILE^2 K / (peak x mm_efficiency / SMs)``, ``mm_efficiency``
+  256-wide tiles) run in waves of one tile per SM (the SM count from the datasheet, ``DeviceSpec.sms``:
+  A100 108, H100 SXM and H200 132); a wave takes ``2 TILE^2 K / (peak x mm_efficiency / SMs)``, ``mm_efficiency``
   being what the largest GEMMs reach (fitted). Tile and wave quantization as NVIDIA's "Matrix
   Multiplication Background" guide (Deep Learning Performance documentation) describes them. The
   time is the larger of that and the bytes of A, B and C over the HBM bandwidth (roofline), plus
@@ -38,9 +38,6 @@ import numpy as np
 TILE = 128
 # Flash attention tile: 128 queries x 128 keys (FlashAttention-2, 2307.08691, section 3.3).
 ATTN_TILE = 128
-# Streaming multiprocessors per GPU family: NVIDIA A100 datasheet / A100 whitepaper (108 SMs on the
-# SXM4 part), H100 whitepaper (132 SMs on H100 SXM5); H200 is the same GH100 die as H100 SXM.
-SM_COUNT = {"A100": 108, "H100": 132, "H200": 132}
 # Fixed cost per kernel: an empty kernel sustains about 334,000 asynchronous launches per second
 # (M. Boyer, University of Virginia, "CUDA kernel overhead" measurements): 3 us per kernel.
 LAUNCH_S = 3e-6
@@ -51,18 +48,6 @@ HBM_EFFICIENCY = 0.9
 # Per query tile, flash attention loads Q and writes O and its softmax statistics: the bytes of one
 # more K/V tile iteration (FlashAttention-2's algorithm 1, 2307.08691), so one tile of keys' worth.
 ATTN_QUERY_OVERHEAD = float(ATTN_TILE)
-
-
-def sm_count(device_name: str) -> int | None:
-    """SMs of a device preset by family name; None for devices this table does not know.
-
-    >>> sm_count("A100-80GB"), sm_count("H100-80GB"), sm_count("MI300X")
-    (108, 132, None)
-    """
-    for family, n in SM_COUNT.items():
-        if device_name.upper().startswith(family):
-            return n
-    return None
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ class CostModel:
         fwd, bwd, comm_f, comm_b = map(float, self._phases(group, float(work.tokens), float(work.sq_tokens), overlap))
         zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd, overlap)
         timing = self.timing
-        act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens)
+        act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens, work.sq_tokens)
         # Hook for partial recomputation: the timing says what a strategy keeps; full recomputation
         # keeps the layer input and holds the full set again while the layer is recomputed.
         act = timing.activation_bytes(s, work.tokens, True) if s.recompute else act_full
@@ -416,7 +416,7 @@ class CostModel:
         hw = copy.copy(self.hw)
         hw.kernels = change(self.timing.kernels)
         return CostModel(self.model, self.cluster, hardware=hw,
-                         timing=AnalyticTiming(self.model, hw, ring_balanced=self.timing.ring_balanced)
+                         timing=AnalyticTiming(self.model, hw, self.timing.ring_balanced, self.timing.stack)
                          ).with_step_overlap(self.step_overlap)
 
     def microbatch_time(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,

@@ -77,8 +77,9 @@ class LayerTiming(Protocol):
         """Bytes one layer keeps for backward for ``tokens`` (no mask term), as above."""
         ...
 
-    def mask_bytes(self, s: LayerStrategy, tokens: float) -> float:
-        """Bytes of an attention mask a layer's attention kernel keeps for ``tokens`` (0: none)."""
+    def mask_bytes(self, s: LayerStrategy, tokens: float, sq_tokens: float = 0.0) -> float:
+        """Bytes of an attention mask or scores a layer's attention kernel keeps for ``tokens`` whose
+        squared sequence lengths sum to ``sq_tokens`` (0: none)."""
         ...
 
     def carried_bytes(self, s: LayerStrategy, prefix: float, tokens: float) -> float:

@@ -175,16 +175,23 @@ def slowest_group(cluster: MixedCluster, dtype: str = "bf16") -> int:
 
 def uniform_cluster(cluster: MixedCluster, dtype: str = "bf16") -> ClusterSpec:
     """The whole world as nodes of the slowest device (nodes of the groups' common node size), every
-    device at its own speed factor.
+    device at its own speed factor, on the cluster's own network: a layout over the whole world crosses
+    every link between groups, so its nodes talk at the slowest of the groups' NICs and those links.
 
     >>> from flexmesh.spec.cluster import parse_mixed_cluster
-    >>> uniform_cluster(parse_mixed_cluster("1x8xH100+2x8xA100-40GB")).label
-    '3x8xA100-40GB'
+    >>> u = uniform_cluster(parse_mixed_cluster("1x8xH100+2x8xA100-40GB"))
+    >>> u.label, u.device.node_net_gbps
+    ('3x8xA100-40GB', 200.0)
     """
     per_node = math.gcd(*(g.devices_per_node for g in cluster.groups))
     slow = cluster.groups[slowest_group(cluster, dtype)]
     speeds = tuple(cluster.speed(r) for r in range(cluster.world_size))
-    return ClusterSpec(cluster.world_size // per_node, per_node, slow.device,
+    links = [link for _, _, link in cluster.links]
+    device = replace(slow.device,
+                     node_net_gbps=min([g.device.node_net_gbps for g in cluster.groups] + [x.gbps for x in links]),
+                     inter_latency_us=max([g.device.inter_latency_us for g in cluster.groups]
+                                          + [x.latency_us for x in links]))
+    return ClusterSpec(cluster.world_size // per_node, per_node, device,
                        speeds if any(f != 1.0 for f in speeds) else ())
 
 

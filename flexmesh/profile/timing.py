@@ -154,7 +154,7 @@ class ProfiledTiming:
         """:meth:`activation_bytes_per_token` x ``tokens``."""
         return self.activation_bytes_per_token(s, recompute) * tokens
 
-    def mask_bytes(self, s: LayerStrategy, tokens: float) -> float:
+    def mask_bytes(self, s: LayerStrategy, tokens: float, sq_tokens: float = 0.0) -> float:
         """``attention_mask_bytes_per_sq_row_token`` x tokens^2; the ring kernel keeps no mask, nor
         does a selectively recomputed attention core (the mask is made again in backward)."""
         if (s.cp > 1 and s.cp_kind == "ring") or s.recompute is Recompute.SELECTIVE:

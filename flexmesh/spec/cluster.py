@@ -8,73 +8,26 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 
 import tomllib
 
 from flexmesh.errors import SpecError
+
+# The device catalogue lives in flexmesh.spec.devices; its names are importable from here too.
+from flexmesh.spec.devices import (  # noqa: F401
+    DEVICE_PRESETS,
+    GEMM_TABLES,
+    INTRA_LINKS,
+    DeviceSpec,
+    GemmTable,
+    catalogue_mm_efficiency,
+    device,
+    preset_of_gpu,
+)
 from flexmesh.spec.limits import MAX_DEVICES, within
 from flexmesh.spec.values import known_keys, mapping, number, sequence, whole
 from flexmesh.spec.values import text as nonempty_text
-from flexmesh.units import GIB
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator type: datasheet numbers plus fitted efficiencies (see presets/devices.toml)."""
-
-    name: str
-    peak_tflops: dict[str, float]
-    memory_gib: float
-    hbm_gbps: float
-    nvlink_gbps: float
-    node_net_gbps: float
-    intra_latency_us: float
-    inter_latency_us: float
-    mm_efficiency: float
-    attn_efficiency: float
-    intra_efficiency: float
-    inter_efficiency: float
-    a2a_intra_efficiency: float
-    a2a_inter_efficiency: float
-    framework_reserve_gib: float
-    allocator_headroom: float
-
-    def __post_init__(self) -> None:
-        where = f"device {self.name!r}"
-        nonempty_text(self.name, "device name", SpecError)
-        if not isinstance(self.peak_tflops, dict) or not self.peak_tflops:
-            raise SpecError(f"{where}: peak_tflops must be a table of dtype = TFLOP/s, e.g. {{bf16 = 312.0}}")
-        for dtype, v in self.peak_tflops.items():
-            number(v, f"{where}: peak_tflops.{dtype}", SpecError)
-        for f in ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps"):
-            number(getattr(self, f), f"{where}: {f}", SpecError)
-        for f in ("intra_latency_us", "inter_latency_us", "framework_reserve_gib"):
-            number(getattr(self, f), f"{where}: {f}", SpecError, strict=False)
-        # Fractions of a datasheet peak that NCCL and the matmul kernels achieve: in (0, 1].
-        for f in ("mm_efficiency", "intra_efficiency", "inter_efficiency", "a2a_intra_efficiency",
-                  "a2a_inter_efficiency"):
-            number(getattr(self, f), f"{where}: {f}", SpecError, maximum=1.0)
-        # Attention's achieved fraction of the matmul peak; a profiled device may run attention faster
-        # than its measured matmuls, so only positive and finite.
-        number(self.attn_efficiency, f"{where}: attn_efficiency", SpecError)
-        number(self.allocator_headroom, f"{where}: allocator_headroom", SpecError, strict=False, maximum=0.99)
-
-    def __hash__(self) -> int:  # dict field: hash by name and memory, enough to key caches
-        return hash((self.name, self.memory_gib, self.mm_efficiency))
-
-    @property
-    def usable_memory_bytes(self) -> float:
-        """Bytes of tensors the planner may place: capacity less the framework reserve (the CUDA
-        context, which the allocator does not see), over ``1 + allocator_headroom`` (the caching
-        allocator's fragmentation, a fraction of the bytes it hands out). The one budget formula."""
-        return max(0.0, self.memory_gib - self.framework_reserve_gib) / (1.0 + self.allocator_headroom) * GIB
-
-    def peak_flops(self, dtype: str) -> float:
-        if dtype not in self.peak_tflops:
-            raise SpecError(f"device {self.name} has no peak for dtype {dtype}; known: {sorted(self.peak_tflops)}")
-        return self.peak_tflops[dtype] * 1e12
 
 
 @dataclass(frozen=True)
@@ -257,58 +210,7 @@ class MixedCluster:
                 "links": {f"{a}-{b}": {"gbps": link.gbps, "latency_us": link.latency_us} for a, b, link in self.links}}
 
 
-def _load_presets() -> dict[str, DeviceSpec]:
-    raw = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/devices.toml").read_text())
-    eff = raw.pop("efficiency")
-    mem = raw.pop("memory")
-    out = {}
-    for name, d in raw.items():
-        e = eff[d["family"]]
-        out[name] = DeviceSpec(
-            name=name,
-            peak_tflops={k.removeprefix("peak_tflops_"): v for k, v in d.items() if k.startswith("peak_tflops_")},
-            memory_gib=d["memory_gib"],
-            hbm_gbps=d["hbm_gbps"],
-            nvlink_gbps=d["nvlink_gbps"],
-            node_net_gbps=d["node_net_gbps"],
-            intra_latency_us=d["intra_latency_us"],
-            inter_latency_us=d["inter_latency_us"],
-            framework_reserve_gib=mem["framework_reserve_gib"],
-            allocator_headroom=mem["allocator_headroom"],
-            **e,
-        )
-    return out
-
-
-DEVICE_PRESETS: dict[str, DeviceSpec] = _load_presets()
-_ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200"}
 _CLUSTER_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9\-]+)$")
-
-
-def device(name: str) -> DeviceSpec:
-    key = _ALIASES.get(name, name)
-    for k, v in DEVICE_PRESETS.items():
-        if k.lower() == key.lower():
-            return v
-    raise SpecError(f"unknown device {name!r}; known: {', '.join(list(DEVICE_PRESETS) + list(_ALIASES))}")
-
-
-def preset_of_gpu(gpu_name: str) -> str | None:
-    """The device preset of a GPU as the driver names it (``torch.cuda.get_device_name()``), matched by
-    family and memory; None for a GPU without a preset.
-
-    >>> preset_of_gpu("NVIDIA H100 80GB HBM3"), preset_of_gpu("NVIDIA A100-SXM4-40GB"), preset_of_gpu("Tesla T4")
-    ('H100-80GB', 'A100-40GB', None)
-    """
-    name = gpu_name.upper()
-    if "H200" in name:
-        return "H200"
-    if "H100" in name:
-        return "H100-80GB"
-    if "A100" in name:
-        return "A100-40GB" if "40GB" in name.replace(" ", "") else "A100-80GB"
-    return None
-
 
 _CLUSTER_KEYS = ("nodes", "devices_per_node", "device", "speed_factors")
 _DEVICE_KEYS = ("base", *DeviceSpec.__dataclass_fields__)

@@ -323,7 +323,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     )
 }
 
-_GPT_RE = re.compile(r"^gpt:(\d+):(\d+):(\d+)(?::(\d+))?$")
+_GPT_RE = re.compile(r"^gpt:(\d+):(\d+):(\d+)(?::(\d+))?(:untied)?$")
+# MODEL@DTYPE: any model text planned in another precision (llama2-7b@fp16 on V100s).
+_DTYPE_SUFFIX = re.compile(r"^(.+)@(bf16|fp16|fp32)$")
 
 
 def hf_sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, ...] | None]:
@@ -370,6 +372,9 @@ def config_path(text: str) -> Path | None:
     """The config.json file that model text ``text`` names: a ``.json`` path or a folder holding a
     config.json; None for a preset name or ``gpt:...`` (which come first: ``tiny`` is the preset
     even beside a folder ``tiny``, which ``./tiny`` or ``tiny/config.json`` names) and anything else."""
+    suffixed = _DTYPE_SUFFIX.match(text)
+    if suffixed and not Path(text).expanduser().exists():
+        text = suffixed.group(1)
     if text in MODEL_PRESETS or _GPT_RE.match(text):
         return None
     p = Path(text).expanduser()
@@ -379,19 +384,32 @@ def config_path(text: str) -> Path | None:
 
 
 def parse_model(text: str) -> ModelSpec:
-    """A preset name, ``gpt:LAYERS:HIDDEN:HEADS[:VOCAB]``, a config.json path, or a folder holding one."""
+    """A preset name, ``gpt:LAYERS:HIDDEN:HEADS[:VOCAB][:untied]``, a config.json path, or a folder holding
+    one; any of them may end in ``@bf16``, ``@fp16`` or ``@fp32``, the precision to train in (the
+    default: bf16, or a config.json's ``torch_dtype``). A ``gpt:`` model ties its head to the embedding
+    as Megatron-LM's GPT does unless ``:untied``.
+
+    >>> m = parse_model("gpt:24:2048:16:50257:untied@fp16")
+    >>> m.dtype, m.tie_embeddings, m.vocab, parse_model("llama2-7b@fp32").dtype
+    ('fp16', False, 50257, 'fp32')
+    """
+    suffixed = _DTYPE_SUFFIX.match(text)
+    if suffixed and not Path(text).expanduser().exists():
+        return with_dtype(parse_model(suffixed.group(1)), suffixed.group(2))
     if text in MODEL_PRESETS:
         return MODEL_PRESETS[text]
     m = _GPT_RE.match(text)
     if m:
-        L, h, a, V = m.groups()
-        return gpt(int(L), int(h), int(a), int(V) if V else 51200)
+        L, h, a, V, untied = m.groups()
+        spec = gpt(int(L), int(h), int(a), int(V) if V else 51200)
+        return replace(spec, name=f"{spec.name}-untied", tie_embeddings=False) if untied else spec
     path = config_path(text)
     if path is not None:
         return from_hf_config(path)
     raise SpecError(
         f"unknown model {text!r}; known presets: {', '.join(MODEL_PRESETS)}; "
-        "or give gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a path to a Hugging Face config.json"
+        "or give gpt:LAYERS:HIDDEN:HEADS[:VOCAB][:untied], or a path to a Hugging Face config.json, "
+        "optionally followed by @bf16, @fp16 or @fp32"
     )
 
 

@@ -1,0 +1,39 @@
+"""How the training stack runs a layer, where stacks differ and the plan does not say.
+
+flexmesh's runtime runs fused (flash-style) attention, tensor parallelism with sequence parallelism
+and no dropout; Megatron-LM before 2022, DeepSpeed and others may run unfused attention (the
+``s x s`` scores in memory), tensor parallelism without sequence parallelism (norms, dropouts and
+the inputs of the column-parallel GEMMs replicated on every tp rank) and dropout (a one-byte mask per
+dropped element). :class:`Stack` says which, for pricing such a run
+(:func:`flexmesh.cost.stack.with_stack`, ``flexmesh plan --attention unfused --no-sequence-parallel
+--dropout``); the activation bytes then follow Korthikanti et al., 2205.05198, section 4.
+
+>>> Stack().label, Stack(attention="unfused", sequence_parallel=False, dropout=True).label
+('fused attention, sequence parallel', 'unfused attention, no sequence parallelism, dropout')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_KERNELS = ("fused", "unfused")
+
+
+@dataclass(frozen=True)
+class Stack:
+    attention: str = "fused"  # "unfused": the softmax of the whole s x s scores kept for backward
+    sequence_parallel: bool = True  # with tp > 1: norms, dropouts and residuals split over the tp ranks
+    dropout: bool = False  # hidden and attention dropout: a one-byte mask per element kept for backward
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
+
+    @property
+    def label(self) -> str:
+        parts = [f"{self.attention} attention", "sequence parallel" if self.sequence_parallel
+                 else "no sequence parallelism"]
+        return ", ".join(parts + (["dropout"] if self.dropout else []))
+
+
+RUNTIME_STACK = Stack()

@@ -1,0 +1,205 @@
+"""The device catalogue: DeviceSpec, the presets of presets/devices.toml, and driver names to presets.
+
+Every entry cites its datasheet; a part without an end-to-end fit takes its family's fitted
+efficiencies, its GEMM efficiency scaled by measured GEMM tables (:func:`catalogue_mm_efficiency`;
+``python -m flexmesh.cost.gemm_tables`` redoes the tables' medians).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+
+import tomllib
+
+from flexmesh.errors import SpecError
+from flexmesh.spec.values import number, whole
+from flexmesh.spec.values import text as nonempty_text
+from flexmesh.units import GIB
+
+# What joins the GPUs of a node (presets/devices.toml explains each).
+INTRA_LINKS = ("nvswitch", "nvlink-bridge", "nvlink-mesh", "pcie")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator type: datasheet numbers plus fitted efficiencies (see presets/devices.toml)."""
+
+    name: str
+    peak_tflops: dict[str, float]
+    memory_gib: float
+    hbm_gbps: float
+    nvlink_gbps: float
+    node_net_gbps: float
+    intra_latency_us: float
+    inter_latency_us: float
+    mm_efficiency: float
+    attn_efficiency: float
+    intra_efficiency: float
+    inter_efficiency: float
+    a2a_intra_efficiency: float
+    a2a_inter_efficiency: float
+    framework_reserve_gib: float
+    allocator_headroom: float
+    # What the catalogue (presets/devices.toml) says beyond the numbers above; a device table in a
+    # cluster file may leave them out: SM count unknown (no tile quantization), every GPU of a node
+    # on NVLink.
+    architecture: str = ""
+    sms: int | None = None
+    intra_link: str = "nvswitch"
+    nvlink_domain: int = 0  # GPUs of a node NVLink joins; 0: all of them
+    pcie_gbps: float = 0.0  # per GPU per direction, for collectives beyond the NVLink domain
+    source: str = ""  # the datasheet the numbers come from
+    efficiency_source: str = ""  # where mm_efficiency comes from
+
+    def __post_init__(self) -> None:
+        where = f"device {self.name!r}"
+        nonempty_text(self.name, "device name", SpecError)
+        if not isinstance(self.peak_tflops, dict) or not self.peak_tflops:
+            raise SpecError(f"{where}: peak_tflops must be a table of dtype = TFLOP/s, e.g. {{bf16 = 312.0}}")
+        for dtype, v in self.peak_tflops.items():
+            number(v, f"{where}: peak_tflops.{dtype}", SpecError)
+        for f in ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps"):
+            number(getattr(self, f), f"{where}: {f}", SpecError)
+        for f in ("intra_latency_us", "inter_latency_us", "framework_reserve_gib"):
+            number(getattr(self, f), f"{where}: {f}", SpecError, strict=False)
+        # Fractions of a datasheet peak that NCCL and the matmul kernels achieve: in (0, 1].
+        for f in ("mm_efficiency", "intra_efficiency", "inter_efficiency", "a2a_intra_efficiency",
+                  "a2a_inter_efficiency"):
+            number(getattr(self, f), f"{where}: {f}", SpecError, maximum=1.0)
+        # Attention's achieved fraction of the matmul peak; a profiled device may run attention faster
+        # than its measured matmuls, so only positive and finite.
+        number(self.attn_efficiency, f"{where}: attn_efficiency", SpecError)
+        number(self.allocator_headroom, f"{where}: allocator_headroom", SpecError, strict=False, maximum=0.99)
+        if self.sms is not None:
+            whole(self.sms, f"{where}: sms", SpecError)
+        whole(self.nvlink_domain, f"{where}: nvlink_domain", SpecError, minimum=0)
+        number(self.pcie_gbps, f"{where}: pcie_gbps", SpecError, strict=False)
+        if self.intra_link not in INTRA_LINKS:
+            raise SpecError(f"{where}: intra_link must be one of {', '.join(INTRA_LINKS)}, got {self.intra_link!r}")
+        if self.nvlink_domain > 0 and self.pcie_gbps <= 0:
+            raise SpecError(f"{where}: nvlink_domain {self.nvlink_domain} needs pcie_gbps, the bandwidth of "
+                            "collectives over more GPUs of a node than NVLink joins")
+
+    def __hash__(self) -> int:  # dict field: hash by name and memory, enough to key caches
+        return hash((self.name, self.memory_gib, self.mm_efficiency))
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """Bytes of tensors the planner may place: capacity less the framework reserve (the CUDA
+        context, which the allocator does not see), over ``1 + allocator_headroom`` (the caching
+        allocator's fragmentation, a fraction of the bytes it hands out). The one budget formula."""
+        return max(0.0, self.memory_gib - self.framework_reserve_gib) / (1.0 + self.allocator_headroom) * GIB
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.peak_tflops:
+            arch = f" ({self.architecture} has no {dtype} Tensor Cores)" if self.architecture else ""
+            others = [d for d in ("bf16", "fp16", "fp32") if d in self.peak_tflops]
+            raise SpecError(f"device {self.name} cannot train in {dtype}{arch}; plan the model in "
+                            f"{' or '.join(others)} instead: append @{others[0]} to --model "
+                            f"(e.g. llama2-7b@{others[0]})")
+        return self.peak_tflops[dtype] * 1e12
+
+    def intra_node_gbps(self, gpus: int) -> float:
+        """Bandwidth per GPU per direction of a collective over ``gpus`` GPUs of one node: NVLink's
+        within the NVLink domain, PCIe's beyond it (bridged pairs, PCIe-only nodes)."""
+        if self.nvlink_domain and gpus > self.nvlink_domain:
+            return self.pcie_gbps
+        return self.nvlink_gbps
+
+
+
+@dataclass(frozen=True)
+class GemmTable:
+    """A measured GEMM table's median bf16 throughput and its part's datasheet peak (devices.toml)."""
+
+    tflops: float
+    peak_tflops: float
+    architecture: str
+
+    @property
+    def efficiency(self) -> float:
+        return self.tflops / self.peak_tflops
+
+
+def catalogue_mm_efficiency(family_fit: float, table: GemmTable, family_table: GemmTable) -> float:
+    """A part's GEMM efficiency: its family's fitted one, scaled by how its measured GEMMs compare with
+    the fitted part's, each as a fraction of its own peak.
+
+    >>> b200, h100 = GemmTable(1564.6, 2250.0, "blackwell"), GemmTable(786.9, 989.5, "hopper")
+    >>> round(catalogue_mm_efficiency(0.70, b200, h100), 3)
+    0.612
+    """
+    return family_fit * table.efficiency / family_table.efficiency
+
+
+_CATALOGUE = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/devices.toml").read_text())
+GEMM_TABLES: dict[str, GemmTable] = {k: GemmTable(**v) for k, v in _CATALOGUE["gemm_tables"].items()}
+_DATASHEET = ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps", "intra_latency_us", "inter_latency_us",
+              "architecture", "sms", "intra_link", "nvlink_domain", "pcie_gbps", "source")
+
+
+def _load_presets() -> dict[str, DeviceSpec]:
+    raw = {k: v for k, v in _CATALOGUE.items() if k not in ("efficiency", "memory", "gemm_tables")}
+    eff, mem = _CATALOGUE["efficiency"], _CATALOGUE["memory"]
+    out = {}
+    for name, d in raw.items():
+        e = {k: v for k, v in eff[d["family"]].items() if k != "gemm_table"}
+        table, own = d["gemm_table"], eff[d["family"]]["gemm_table"]
+        fit = f"{d['family']} fit (flexmesh.cost.calibrate)"
+        if GEMM_TABLES[table].architecture != d["architecture"]:
+            fit = f"assumed: no measured {d['architecture']} GEMMs, so the {fit} as it is"
+        if table != own:
+            e["mm_efficiency"] = catalogue_mm_efficiency(e["mm_efficiency"], GEMM_TABLES[table], GEMM_TABLES[own])
+            fit += f" x measured GEMMs of {table} / {own} (aiconfigurator-core, flexmesh.cost.gemm_tables)"
+        e["efficiency_source"] = fit
+        out[name] = DeviceSpec(
+            name=name,
+            peak_tflops={k.removeprefix("peak_tflops_"): v for k, v in d.items() if k.startswith("peak_tflops_")},
+            framework_reserve_gib=mem["framework_reserve_gib"],
+            allocator_headroom=mem["allocator_headroom"],
+            **{k: d[k] for k in _DATASHEET},
+            **e,
+        )
+    return out
+
+
+DEVICE_PRESETS: dict[str, DeviceSpec] = _load_presets()
+_ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H100-SXM": "H100-80GB", "A100-SXM-40GB": "A100-40GB",
+            "A100-SXM-80GB": "A100-80GB", "H200-141GB": "H200", "V100": "V100-32GB", "RTX-2080-Ti": "RTX-2080Ti"}
+
+
+def device(name: str) -> DeviceSpec:
+    key = _ALIASES.get(name, name)
+    for k, v in DEVICE_PRESETS.items():
+        if k.lower() == key.lower():
+            return v
+    raise SpecError(f"unknown device {name!r}; known: {', '.join(list(DEVICE_PRESETS) + list(_ALIASES))}")
+
+
+# Driver names (torch.cuda.get_device_name()) to presets: every listed word in the name, first match wins.
+_DRIVER_NAMES = (
+    (("GH200",), "GH200"), (("H200",), "H200"), (("B200",), "B200"), (("H100", "PCIE"), "H100-PCIe"),
+    (("H100",), "H100-80GB"), (("A100", "PCIE", "40GB"), "A100-PCIe-40GB"), (("A100", "PCIE"), "A100-PCIe-80GB"),
+    (("A100", "40GB"), "A100-40GB"), (("A100",), "A100-80GB"), (("V100", "16GB"), "V100-16GB"),
+    (("V100",), "V100-32GB"), (("A10G",), "A10G"), (("A30",), "A30"), (("L40S",), "L40S"), (("L4",), "L4"),
+    (("A10",), "A10"), (("T4",), "T4"), (("TITAN RTX",), "TITAN-RTX"), (("2080 TI",), "RTX-2080Ti"),
+    (("3090",), "RTX-3090"), (("4090",), "RTX-4090"),
+)
+
+
+def preset_of_gpu(gpu_name: str) -> str | None:
+    """The device preset of a GPU as the driver names it (``torch.cuda.get_device_name()``), matched by
+    family and memory; None for a GPU without a preset.
+
+    >>> preset_of_gpu("NVIDIA H100 80GB HBM3"), preset_of_gpu("NVIDIA A100-SXM4-40GB"), preset_of_gpu("Tesla T4")
+    ('H100-80GB', 'A100-40GB', 'T4')
+    >>> preset_of_gpu("NVIDIA A100 80GB PCIe"), preset_of_gpu("NVIDIA GeForce RTX 4090"), preset_of_gpu("AMD MI300X")
+    ('A100-PCIe-80GB', 'RTX-4090', None)
+    """
+    name = gpu_name.upper().replace("-", " ")
+    words = name.replace("  ", " ")
+    for needed, preset in _DRIVER_NAMES:
+        if all(w.replace("-", " ") in words for w in needed):
+            return preset
+    return None

@@ -1,0 +1,73 @@
+"""Saved activations per layer against Korthikanti et al. (2205.05198, section 4, Table 2) for the cases
+they cover: GPT layers (GeLU MLP of 4h, multi-head attention, 16-bit), unfused attention, dropout, tensor
+parallelism with and without sequence parallelism, selective recomputation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.cli import main
+from flexmesh.cost import CostModel, Work
+from flexmesh.cost.stack import with_stack
+from flexmesh.errors import SpecError
+from flexmesh.layout import LayerStrategy as S
+from flexmesh.layout.stack import Stack
+from flexmesh.layout.strategy import Recompute
+from flexmesh.spec import parse_cluster, parse_model
+
+MEGATRON = Stack(attention="unfused", sequence_parallel=False, dropout=True)
+GPT_22B = "gpt:48:6144:64"  # Korthikanti et al.'s 22B model (Table 3)
+
+
+def layer_act(stack: Stack, tp: int, s: int, recompute=Recompute.NONE) -> float:
+    cm = with_stack(CostModel(parse_model(GPT_22B), parse_cluster("8xA100-80GB")), stack)
+    return cm.layer(S(tp=tp, dp=8 // tp, recompute=recompute), Work(s, float(s) ** 2)).act
+
+
+@pytest.mark.parametrize("s", [2048, 8192])
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_activation_bytes_follow_the_published_formulas(s, t):
+    h, a = 6144, 64  # one sequence of s tokens (b = 1)
+    sbh = s * h
+    no_sp = sbh * (10 + 24 / t + 5 * a * s / (h * t))  # eq. 2 (t = 1: eq. 1, sbh (34 + 5as/h))
+    sp = sbh / t * (34 + 5 * a * s / h)  # eq. 4
+    selective = sbh / t * 34  # section 5
+    assert layer_act(MEGATRON, t, s) == pytest.approx(no_sp, rel=0.05)
+    with_sp = Stack(attention="unfused", dropout=True)
+    assert layer_act(with_sp, t, s) == pytest.approx(sp, rel=0.05)
+    assert layer_act(with_sp, t, s, Recompute.SELECTIVE) == pytest.approx(selective, rel=0.05)
+    # flexmesh's runtime: fused attention, no dropout masks: the 32 of the 34
+    assert layer_act(Stack(), t, s) == pytest.approx(sbh / t * 32, rel=1e-9)
+
+
+def test_without_sequence_parallelism_norms_run_on_every_tp_rank():
+    w = Work(4096, 4096.0**2)
+    base = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
+    no_sp = with_stack(base, Stack(sequence_parallel=False))
+    assert no_sp.layer(S(tp=4, dp=2), w).fwd > base.layer(S(tp=4, dp=2), w).fwd
+    assert no_sp.layer(S(dp=8), w).fwd == base.layer(S(dp=8), w).fwd  # no tp: nothing to replicate
+
+
+def test_another_stack_cannot_use_a_profile_of_this_runtime():
+    class Measured:  # stands for a model profile's timing
+        stack = None
+    cm = CostModel(parse_model("tiny"), parse_cluster("8xA100-80GB"))
+    cm.timing = Measured()  # type: ignore[assignment]
+    with pytest.raises(SpecError, match="drop --model-profile"):
+        with_stack(cm, MEGATRON)
+
+
+def test_the_command_line_prices_another_stack(tmp_path, capsys):
+    """A plan that fits flexmesh's runtime does not fit a stack that keeps the s x s scores."""
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt:24:2048:16", "--cluster", "8xA100-80GB", "--seq-len", "4096",
+                 "--global-batch", "64", "--top", "1", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    check = ["plan", "--check", str(plan), "--model", "gpt:24:2048:16", "--json"]
+    assert main(check) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert ours["valid"] and max(ours["peak_memory_gib"]) < 74.5
+    assert main(check + ["--attention", "unfused", "--no-sequence-parallel", "--dropout"]) == 2
+    assert "GiB on stage 0 but the device has" in capsys.readouterr().err

@@ -1,0 +1,168 @@
+"""The device catalogue (presets/devices.toml): every GPU people mix, its precisions, its node's links,
+its kernel efficiency and where each comes from; plans in the precision a device can train in."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.cli import main
+from flexmesh.cost import CostModel, Work
+from flexmesh.cost.hardware import GroupShape, Hardware
+from flexmesh.errors import SpecError
+from flexmesh.layout import LayerStrategy as S
+from flexmesh.spec import parse_cluster, parse_model
+from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES, INTRA_LINKS, device, preset_of_gpu
+
+ISSUE_DEVICES = ("V100-16GB", "V100-32GB", "T4", "A10", "A10G", "L4", "L40S", "A30", "RTX-2080Ti", "TITAN-RTX",
+                 "RTX-3090", "RTX-4090", "A100-PCIe-40GB", "A100-PCIe-80GB", "A100-40GB", "A100-80GB", "H100-PCIe",
+                 "H100-80GB", "H200", "B200", "GH200")
+
+
+def test_every_device_people_mix_has_a_cited_entry():
+    assert set(ISSUE_DEVICES) <= set(DEVICE_PRESETS)
+    for name, d in DEVICE_PRESETS.items():
+        assert len(d.source) > 40 and ("datasheet" in d.source or "whitepaper" in d.source or "AWS" in d.source), name
+        assert d.architecture in ("volta", "turing", "ampere", "ada", "hopper", "blackwell"), name
+        assert d.sms and d.intra_link in INTRA_LINKS and d.efficiency_source, name
+        assert d.peak_tflops["fp16"] > d.peak_tflops["fp32"] > 0, name
+        # what joins a node: NVSwitch and the DGX-1 mesh join all 8, bridges pairs, PCIe none
+        assert d.nvlink_domain == {"nvlink-bridge": 2, "pcie": 1}.get(d.intra_link, d.nvlink_domain), name
+        assert d.nvlink_domain >= 4 or d.pcie_gbps > 0, name
+
+
+def test_precisions_follow_the_architecture():
+    for name, d in DEVICE_PRESETS.items():
+        old = d.architecture in ("volta", "turing")
+        assert ("bf16" in d.peak_tflops) != old and ("tf32" in d.peak_tflops) != old, name
+    # GeForce parts run fp16/bf16 with fp32 accumulation at half their fp16-accumulate rate
+    assert device("RTX-4090").peak_tflops["bf16"] == pytest.approx(165.2)
+    assert device("RTX-3090").peak_tflops["bf16"] == pytest.approx(71.0)
+
+
+def test_gemm_efficiency_is_the_family_fit_scaled_by_measured_tables():
+    h100, a100 = device("H100-80GB"), device("A100-80GB")
+    for name, table, fitted in (("H200", "h200_sxm", h100), ("B200", "b200_sxm", h100), ("L40S", "l40s", a100),
+                                ("L4", "l40s", a100)):
+        own = "h100_sxm" if fitted is h100 else "a100_sxm"
+        ratio = GEMM_TABLES[table].efficiency / GEMM_TABLES[own].efficiency
+        assert device(name).mm_efficiency == pytest.approx(fitted.mm_efficiency * ratio)
+        assert table in device(name).efficiency_source
+    assert device("B200").mm_efficiency < h100.mm_efficiency  # its GEMMs reach a smaller fraction of its peak
+    # the fitted parts keep their fit; parts of an architecture nobody measured say it is assumed
+    assert device("A100-40GB").mm_efficiency == a100.mm_efficiency
+    assert "assumed" in device("V100-32GB").efficiency_source and "assumed" not in a100.efficiency_source
+
+
+def test_bridged_pairs_run_over_nvlink_and_larger_groups_over_pcie():
+    gib = float(2**30)
+    bridged, switched = Hardware(parse_cluster("8xA100-PCIe-80GB")), Hardware(parse_cluster("8xA100-80GB"))
+    pair, four = GroupShape(2, 2), GroupShape(4, 4)
+    # a pair on its bridge is as fast as on NVSwitch (same NVLink 3 bandwidth)
+    assert bridged.collective_time("all_reduce", gib, pair) == pytest.approx(
+        switched.collective_time("all_reduce", gib, pair))
+    # four GPUs leave the bridge: PCIe Gen4, ~10x slower than NVLink 3 at 300 GB/s
+    slow = bridged.collective_time("all_reduce", gib, four) / switched.collective_time("all_reduce", gib, four)
+    assert slow == pytest.approx(300.0 / 32.0, rel=0.01)
+    pcie = Hardware(parse_cluster("8xL40S"))
+    assert pcie.collective_time("all_gather", gib, pair) == pytest.approx(
+        gib / 2 / (32e9 * pcie.comm.ring_intra_eff) + pcie.comm.intra_latency_s)
+
+
+def test_tensor_parallel_plans_prefer_the_bridge():
+    """Over PCIe-only or bridged nodes the planner keeps tensor parallelism within what NVLink joins."""
+    model = parse_model("llama2-7b")
+    cm = CostModel(model, parse_cluster("8xA100-PCIe-80GB"))
+    w = Work(4096, 4096.0**2)
+    t2, t4 = (cm.layer(S(tp=t, dp=8 // t), w) for t in (2, 4))
+    assert t4.comm_fwd / t2.comm_fwd > 5  # beyond the pair, every TP collective runs over PCIe
+
+
+def test_training_precision_sets_peak_and_states():
+    w = Work(8192, 8192.0**2)
+    a100 = parse_cluster("8xA100-80GB")
+    bf16 = CostModel(parse_model("llama2-7b"), a100).layer(S(), w)
+    fp32 = CostModel(parse_model("llama2-7b@fp32"), a100).layer(S(), w)
+    assert fp32.fwd / bf16.fwd > 8  # CUDA-core fp32 (19.5 TFLOP/s) against bf16 Tensor Cores (312)
+    assert fp32.states / bf16.states == pytest.approx(16 / 18)
+
+
+def test_devices_without_bf16_plan_in_fp16_and_say_how(capsys, tmp_path):
+    assert main(["plan", "--model", "gpt:8:1024:16", "--cluster", "8xV100-32GB", "--seq-len", "1024",
+                 "--global-batch", "32", "--top", "1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "V100-32GB cannot train in bf16 (volta has no bf16 Tensor Cores)" in err and "@fp16" in err
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt:8:1024:16@fp16", "--cluster", "8xV100-32GB", "--seq-len", "1024",
+                 "--global-batch", "32", "--top", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["predicted"]["step_time_s"] > 0
+    assert main(["plan", "--model", "gpt:8:1024:16@fp16", "--cluster", "2x4xT4", "--seq-len", "512",
+                 "--global-batch", "16", "--top", "1"]) == 0
+
+
+def test_gpt_models_take_precision_and_head_tying_from_the_command_line():
+    tied, untied = parse_model("gpt:24:2048:16:50257"), parse_model("gpt:24:2048:16:50257:untied")
+    assert tied.tie_embeddings and not untied.tie_embeddings
+    assert untied.total_params - tied.total_params == 50257 * 2048
+    assert parse_model("gpt:24:2048:16@fp32").dtype == "fp32" and parse_model("tiny@fp16").dtype == "fp16"
+    with pytest.raises(SpecError, match="@bf16, @fp16 or @fp32"):
+        parse_model("tiny@fp8")
+
+
+@pytest.mark.parametrize("driver, preset", [
+    ("Tesla V100-SXM2-16GB", "V100-16GB"), ("NVIDIA A10G", "A10G"), ("NVIDIA A10", "A10"), ("NVIDIA L4", "L4"),
+    ("NVIDIA L40S", "L40S"), ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA GH200 480GB", "GH200"),
+    ("NVIDIA GeForce RTX 3090", "RTX-3090"), ("NVIDIA A100-PCIE-40GB", "A100-PCIe-40GB"),
+])
+def test_driver_names_find_their_preset(driver, preset):
+    assert preset_of_gpu(driver) == preset
+
+
+def test_gemm_table_medians_over_common_shapes(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from flexmesh.cost.gemm_tables import medians
+
+    def table(system, rows):
+        folder = tmp_path / "data" / system / "gemm" / "vllm" / "0.1.0"
+        folder.mkdir(parents=True)
+        cols = list(zip(*rows))
+        pq.write_table(pa.table({"gemm_dtype": list(cols[0]), "m": list(cols[1]), "n": list(cols[2]),
+                                 "k": list(cols[3]), "latency": list(cols[4])}), folder / "gemm_perf.parquet")
+
+    big = 8192
+    flops_ms = 2 * big**3 / 1e12 / 1e-3  # ms at 1 TFLOP/s
+    table("a", [("bfloat16", big, big, big, flops_ms / 100), ("bfloat16", 4096, big, big, 1.0),
+                ("fp8", big, big, big, 1e-9), ("bfloat16", 64, big, big, 1e-9)])
+    table("b", [("bfloat16", big, big, big, flops_ms / 300)])
+    got = {t.system: t for t in medians(tmp_path, ["a", "b"])}
+    # only the shape both measured counts; fp8 rows and small GEMMs never do
+    assert got["a"].shapes == 1 and got["a"].tflops == pytest.approx(100.0)
+    assert got["b"].tflops == pytest.approx(300.0)
+
+
+def test_recorded_medians_match_the_installed_tables():
+    pytest.importorskip("pyarrow")
+    from flexmesh.cost.gemm_tables import main as redo
+    from flexmesh.cost.gemm_tables import systems_dir
+
+    if systems_dir() is None:
+        pytest.skip("aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
+    assert redo([]) == 0
+
+
+def test_the_uniform_baseline_runs_on_the_clusters_own_network(tmp_path):
+    """A mixed cluster joined by 10 Gb/s Ethernet: the one-layout baseline over all of it is priced on
+    that link, not on the slowest device's datacenter NICs."""
+    from flexmesh.plan.baselines import uniform_cluster
+    from flexmesh.spec.cluster import parse_mixed_cluster
+
+    f = tmp_path / "cluster.toml"
+    f.write_text('[[groups]]\nnodes = 1\ndevices_per_node = 4\ndevice = "RTX-3090"\n\n'
+                 '[[groups]]\nnodes = 2\ndevices_per_node = 4\ndevice = "A100-PCIe-40GB"\n\n'
+                 '[links.0-1]\ngbps = 1.25\nlatency_us = 50.0\n')
+    u = uniform_cluster(parse_mixed_cluster(str(f)))
+    assert u.device.name == "RTX-3090" and u.world_size == 12
+    assert u.device.node_net_gbps == 1.25 and u.device.inter_latency_us == 50.0
