@@ -71,3 +71,19 @@ def test_the_command_line_prices_another_stack(tmp_path, capsys):
     assert ours["valid"] and max(ours["peak_memory_gib"]) < 74.5
     assert main(check + ["--attention", "unfused", "--no-sequence-parallel", "--dropout"]) == 2
     assert "GiB on stage 0 but the device has" in capsys.readouterr().err
+
+
+def test_unfused_attention_is_priced_kernel_by_kernel():
+    """Scores written and read by every pass: time per token grows with the length, dropout adds two
+    passes, and at long sequences it is slower than flash-style attention."""
+    cm = CostModel(parse_model(GPT_22B), parse_cluster("8xA100-80GB"))
+    megatron, no_dropout = with_stack(cm, MEGATRON), with_stack(cm, Stack(attention="unfused"))
+
+    def attention(c, s, tokens=8192):
+        return c.timing.attention_times(S(tp=8), float(tokens), float(tokens) * s)
+
+    f2, b2 = attention(megatron, 2048)
+    f8, b8 = attention(megatron, 8192)
+    assert 3.0 < f8 / f2 < 4.0 and 3.0 < b8 / b2 < 4.0  # the score traffic is linear in s per token
+    assert attention(no_dropout, 2048)[0] < f2
+    assert attention(cm, 8192)[0] < f8 / 2  # flash attention skips the masked half and stores nothing

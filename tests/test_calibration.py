@@ -63,7 +63,6 @@ def test_refit_reproduces_presets():
     a100, h100 = DEVICE_PRESETS["A100-80GB"], DEVICE_PRESETS["H100-80GB"]
     fa = calibrate.fit_efficiencies("A100")
     assert fa["mm_efficiency"] == pytest.approx(a100.mm_efficiency, abs=0.005)
-    assert fa["unfused_attn_efficiency"] == pytest.approx(calibrate.UNFUSED_ATTN_EFFICIENCY, abs=0.005)
     assert calibrate.fit_efficiencies("H100")["mm_efficiency"] == pytest.approx(h100.mm_efficiency, abs=0.005)
     assert calibrate.fit_attn_efficiency() == pytest.approx(a100.attn_efficiency, abs=0.005)
     intra, inter = calibrate.fit_a2a_efficiency()

@@ -187,8 +187,8 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     (flexmesh.layout.stack)."""
     g = p.add_argument_group("another training stack's layers (default: flexmesh's runtime)")
     g.add_argument("--attention", choices=("fused", "unfused"), default="fused",
-                   help="unfused: the s x s attention scores are kept for backward (Megatron-LM before flash "
-                        "attention); changes activation memory, not time")
+                   help="unfused: attention as separate kernels over the whole s x s scores, which are kept for "
+                        "backward (Megatron-LM before flash attention)")
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="tensor parallelism without sequence parallelism: norms, dropouts and the GEMM inputs "
                         "kept whole on every tp rank")

@@ -210,6 +210,8 @@ class AnalyticTiming:
         m, k = self.model, self.kernels
         flops = m.layer_attn_flops_per_sq_token * sq_tokens / (s.tp * s.cp)
         length = sq_tokens / (np.maximum(tokens, 1e-9) if isinstance(tokens, np.ndarray) else max(tokens, 1e-9))
+        if self.stack.attention == "unfused":
+            return self.unfused_attention_times(s, tokens, length)
         if s.cp > 1 and s.cp_kind == "ring":
             block = length / s.cp
             hops = s.cp - 1.0 if self.windows == NO_WINDOW else ring_hops(s.cp, block, self.windows)
@@ -223,6 +225,27 @@ class AnalyticTiming:
             block, calls, merge_f, merge_b = length, 1.0, 0.0, 0.0
         fwd = k.attention(flops, block, calls) + merge_f
         bwd = k.attention(2 * flops, block, 2 * calls) + merge_b
+        return fwd, bwd
+
+    def unfused_attention_times(self, s: LayerStrategy, tokens: Amount, length: Amount) -> tuple[Amount, Amount]:
+        """(forward, backward) seconds of attention as separate kernels over the whole ``s x s`` scores
+        (Megatron-LM before flash attention: baddbmm, fused scale-mask-softmax, dropout, bmm), each
+        device's heads stacked: the batched GEMMs by shape at ``mm_efficiency`` (roofline: at a head
+        dimension of 64-128 they are bound by writing the scores), the softmax and dropout passes by
+        the bytes they move. Forward: ``Q K^T`` (rows x length x head_dim), softmax (read and write
+        the scores), dropout (read, write, a one-byte mask), ``P V``; backward: ``dP = dO V^T``,
+        ``dV = P^T dO``, dropout and softmax backward (softmax reads probabilities and gradient, writes
+        one), ``dQ = dS K``, ``dK = dS^T Q``. No constant of its own: nothing fitted to unfused runs."""
+        m, k = self.model, self.kernels
+        rows = tokens * m.num_heads / (s.tp * s.cp)  # every local head's queries, stacked
+        scores = rows * length
+        b = m.dtype_bytes
+        dropout = (2 * b + 1) * scores if self.stack.dropout else 0.0 * scores
+        passes = 2.0 if self.stack.dropout else 1.0
+        fwd = (k.gemm(rows, length, m.head_dim) + k.gemm(rows, m.head_dim, length)
+               + k.memory_bound(2 * b * scores + dropout, passes))
+        bwd = (k.gemm(rows, length, m.head_dim) + 3 * k.gemm(rows, m.head_dim, length)
+               + k.memory_bound(3 * b * scores + dropout, passes))
         return fwd, bwd
 
     def embedding_times(self, s: LayerStrategy, tokens: Amount) -> tuple[Amount, Amount]:
@@ -256,10 +279,10 @@ class AnalyticTiming:
         return tokens * self.activation_bytes_per_token(s, recompute)
 
     def mask_bytes(self, s: LayerStrategy, tokens: float, sq_tokens: float = 0.0) -> float:
-        """Nothing for fused (flash-style) attention, the runtime's. Unfused attention's ``s x s`` scores
-        kept for backward (``sq_tokens`` summed over the micro-batch's sequences), per head and split over tp (x cp):
-        the softmax output, and with dropout its one-byte mask and its output (2205.05198: ``5 a s^2 b``);
-        none for fused kernels or when the core is recomputed (selective recomputation)."""
+        """Unfused attention's ``s x s`` scores kept for backward (``sq_tokens``: the micro-batch's squared
+        sequence lengths summed), per head, split over tp (x cp): the softmax output, and with dropout
+        its one-byte mask and its output (2205.05198: ``5 a s^2 b``). Nothing for fused (flash-style)
+        attention, the runtime's, nor when the core is recomputed (selective recomputation)."""
         if self.stack.attention == "fused" or s.recompute is Recompute.SELECTIVE:
             return 0.0
         per_score = self.model.dtype_bytes + ((1 + self.model.dtype_bytes) if self.stack.dropout else 0)

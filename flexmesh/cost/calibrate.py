@@ -7,9 +7,10 @@ leave-one-out prediction (refit without the row, predict it).
 The fitting set (nothing else is fitted to):
 
 - Megatron-LM, 2104.04473, Table 1 (A100, nine runs of 1.7B to 1T parameters): the A100
-  ``mm_efficiency`` (largest-GEMM fraction of peak, :mod:`flexmesh.cost.kernels`) and the efficiency
-  of the unfused attention those 2021 runs used (used only for them), by least squares on log step
-  time.
+  ``mm_efficiency`` (largest-GEMM fraction of peak, :mod:`flexmesh.cost.kernels`), by least squares
+  on log step time. Those 2021 runs' layers are priced as Megatron-LM ran them then
+  (:data:`MEGATRON_2021`: unfused attention, tensor parallelism without sequence parallelism,
+  dropout), the unfused attention kernel by kernel with no constant of its own.
 - Llama 3, 2407.21783, Table 4 (H100, three runs of 405B, one with context parallelism 16 at 131K
   tokens): the H100 ``mm_efficiency``.
 - FlexSP, 2412.01523: ``attn_efficiency`` from the quadratic coefficient of a 7B model on A100
@@ -30,13 +31,14 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
-from scipy.optimize import minimize, minimize_scalar
+from scipy.optimize import minimize_scalar
 
 from flexmesh.cost.analytic import AnalyticTiming
 from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.model import CostModel
 from flexmesh.layout.enums import CPKind
+from flexmesh.layout.stack import RUNTIME_STACK, Stack
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES, ClusterSpec, catalogue_mm_efficiency
 from flexmesh.spec.model import MODEL_PRESETS, ModelSpec, gpt
@@ -61,9 +63,8 @@ class PublishedRun:
     cp: int = 1
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
-    # "unfused": attention as separate kernels over the whole s x s matrix (before flash-style fused
-    # kernels): twice the causal FLOPs at UNFUSED_ATTN_EFFICIENCY, whose softmax and masking passes
-    # are memory-bound; "fused": flash-style kernels skipping the upper triangle (the preset).
+    # "unfused": Megatron-LM's 2021 layers (MEGATRON_2021: attention as separate kernels over the whole
+    # s x s scores, no sequence parallelism, dropout); "fused": flash-style kernels (the runtime's stack).
     attention: str = "fused"
     # How the authors counted FLOPs: "megatron" = 96 B s l h^2 (1 + s/6h + V/16lh), which includes
     # the recomputed forward and non-causal attention; "model" = flexmesh's ModelSpec.model_flops.
@@ -96,16 +97,15 @@ class PublishedRun:
         return ClusterSpec(nodes=self.gpus // 8, devices_per_node=8, device=dev)
 
     def cost_model(self, params: dict[str, float] | None = None) -> CostModel:
-        """The cost model of this run's hardware: the presets, with any of the fitted constants
-        (``mm_efficiency``, ``unfused_attn_efficiency``) replaced by ``params``."""
+        """The cost model of this run's hardware and stack: the presets, with the fitted ``mm_efficiency``
+        replaced by ``params``'s where given."""
         p = params or {}
         dev = DEVICE_PRESETS[self.device]
         if "mm_efficiency" in p:
             dev = replace(dev, mm_efficiency=p["mm_efficiency"])
-        if self.attention == "unfused":
-            dev = replace(dev, attn_efficiency=p.get("unfused_attn_efficiency", UNFUSED_ATTN_EFFICIENCY) / 2)
         hw = Hardware(self.cluster(dev), self.model.dtype)
-        return CostModel(self.model, hw.cluster, hw, AnalyticTiming(self.model, hw, ring_balanced=self.cp_balanced))
+        stack = MEGATRON_2021 if self.attention == "unfused" else RUNTIME_STACK
+        return CostModel(self.model, hw.cluster, hw, AnalyticTiming(self.model, hw, self.cp_balanced, stack))
 
     def strategy(self) -> LayerStrategy:
         kind = CPKind.RING if self.cp > 1 else CPKind.NONE
@@ -126,6 +126,9 @@ class PublishedRun:
         return math.log(self.predict(params).step_time / self.published_step_time())
 
 
+# Megatron-LM's layers in 2021 (2104.04473): unfused attention (flash attention came in 2022), tensor
+# parallelism without sequence parallelism (2205.05198 came later), GPT's hidden and attention dropout.
+MEGATRON_2021 = Stack(attention="unfused", sequence_parallel=False, dropout=True)
 _MEGATRON = "Narayanan et al., Megatron-LM, 2104.04473, Table 1 (A100 SXM 80GB, seq 2048, vocab 51200)"
 # Not published: the number of interleaved chunks per pipeline rank; the paper describes an interleaved
 # schedule over 16 stages of a 126-layer model. Assumed: about two layers per chunk.
@@ -161,8 +164,6 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = tuple(
                  virtual_stages=V_LLAMA3, cp_balanced=True),
 )
 
-# Fitted with the A100 mm_efficiency by fit_efficiencies("A100"); used only to predict the 2021 runs.
-UNFUSED_ATTN_EFFICIENCY = 0.171
 
 # FlexSP (2412.01523): all-to-all bandwidth on A100 nodes by group size, GB/s (400 Gb/s IB per node).
 FLEXSP_A2A_GBPS = {2: 119.0, 4: 104.0, 8: 96.0, 16: 10.3, 32: 5.9, 64: 4.9}
@@ -175,8 +176,8 @@ FLEXSP_7B_A_S_PER_SQ_TOKEN = 5.1e-9
 _FAMILY_TABLE = {"A100": "a100_sxm", "H100": "h100_sxm"}
 
 # The constants fitted per GPU family on its fitting rows, with their bounds.
-FITTED = {"A100": ("mm_efficiency", "unfused_attn_efficiency"), "H100": ("mm_efficiency",)}
-BOUNDS = {"mm_efficiency": (0.3, 0.98), "unfused_attn_efficiency": (0.01, 0.95)}
+FITTED = {"A100": ("mm_efficiency",), "H100": ("mm_efficiency",)}
+BOUNDS = {"mm_efficiency": (0.3, 0.98)}
 
 R = TypeVar("R")
 
@@ -187,25 +188,13 @@ def fitting_rows(family: str) -> list[PublishedRun]:
 
 
 def fit_runs(runs: Sequence[PublishedRun], names: Sequence[str]) -> dict[str, float]:
-    """Least squares on log(predicted / published) step time over ``runs``, in the constants ``names``
-    (the others keep their preset values)."""
-    lo = np.array([BOUNDS[n][0] for n in names])
-    hi = np.array([BOUNDS[n][1] for n in names])
-
-    def params(x) -> dict[str, float]:
-        return {n: float(np.clip(v, a, b)) for n, v, a, b in zip(names, x, lo, hi, strict=True)}
-
-    def loss(x) -> float:
-        p = params(x)
-        return sum(r.log_error(p) ** 2 for r in runs)
-
-    if len(names) == 1:
-        res = minimize_scalar(lambda e: loss([e]), bounds=(lo[0], hi[0]), method="bounded", options={"xatol": 1e-5})
-        return params([res.x])
-    start = {"mm_efficiency": 0.7, "unfused_attn_efficiency": 0.15}
-    res = minimize(loss, x0=[start[n] for n in names], method="Nelder-Mead", bounds=list(zip(lo, hi, strict=True)),
-                   options={"xatol": 1e-5, "fatol": 1e-9})
-    return params(res.x)
+    """Least squares on log(predicted / published) step time over ``runs``, in the one constant of
+    ``names`` (the others keep their preset values)."""
+    (name,) = names
+    lo, hi = BOUNDS[name]
+    res = minimize_scalar(lambda e: sum(r.log_error({name: e}) ** 2 for r in runs), bounds=(lo, hi),
+                          method="bounded", options={"xatol": 1e-5})
+    return {name: float(res.x)}
 
 
 def fit_efficiencies(family: str) -> dict[str, float]:
@@ -245,17 +234,12 @@ OTHER_FAMILY = {"A100": "H100", "H100": "A100"}
 def transferred_params(family: str) -> dict[str, float]:
     """The fitted constants of ``family`` without its own source: the other family's fitted
     ``mm_efficiency`` scaled by the two parts' measured GEMM tables (as the catalogue scales a part
-    without a fit, :func:`flexmesh.spec.cluster.catalogue_mm_efficiency`); the unfused attention of
-    the 2021 A100 runs, which only Megatron-LM's table shows, at the fused kernels' efficiency (FlexSP's,
-    another source)."""
+    without a fit, :func:`flexmesh.spec.cluster.catalogue_mm_efficiency`)."""
     other = OTHER_FAMILY[family]
     own_table = _FAMILY_TABLE[family]
     mm = catalogue_mm_efficiency(fit_efficiencies(other)["mm_efficiency"], GEMM_TABLES[own_table],
                                  GEMM_TABLES[_FAMILY_TABLE[other]])
-    params = {"mm_efficiency": mm}
-    if "unfused_attn_efficiency" in FITTED[family]:
-        params["unfused_attn_efficiency"] = DEVICE_PRESETS["A100-80GB"].attn_efficiency
-    return params
+    return {"mm_efficiency": mm}
 
 
 def leave_one_source_out_ratios(family: str) -> list[float]:
@@ -334,8 +318,6 @@ def main() -> None:
     a100, h100 = DEVICE_PRESETS["A100-80GB"], DEVICE_PRESETS["H100-80GB"]
     fa, fh = fit_efficiencies("A100"), fit_efficiencies("H100")
     fits.add_row("A100 mm_efficiency", f"{fa['mm_efficiency']:.3f}", f"{a100.mm_efficiency:.3f}", _MEGATRON)
-    fits.add_row("unfused attention (2021 runs)", f"{fa['unfused_attn_efficiency']:.3f}",
-                 f"{UNFUSED_ATTN_EFFICIENCY:.3f}", _MEGATRON)
     fits.add_row("H100 mm_efficiency", f"{fh['mm_efficiency']:.3f}", f"{h100.mm_efficiency:.3f}", _LLAMA3)
     fits.add_row("attn_efficiency", f"{fit_attn_efficiency():.3f}", f"{a100.attn_efficiency:.3f}", "FlexSP 7B profile")
     fits.add_row("a2a_intra_efficiency", f"{intra:.3f}", f"{a100.a2a_intra_efficiency:.3f}", "FlexSP all-to-all")

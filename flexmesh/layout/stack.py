@@ -6,7 +6,8 @@ and no dropout; Megatron-LM before 2022, DeepSpeed and others may run unfused at
 the inputs of the column-parallel GEMMs replicated on every tp rank) and dropout (a one-byte mask per
 dropped element). :class:`Stack` says which, for pricing such a run
 (:func:`flexmesh.cost.stack.with_stack`, ``flexmesh plan --attention unfused --no-sequence-parallel
---dropout``); the activation bytes then follow Korthikanti et al., 2205.05198, section 4.
+--dropout``): the activation bytes then follow Korthikanti et al., 2205.05198, section 4, and
+unfused attention is timed kernel by kernel (:meth:`flexmesh.cost.analytic.AnalyticTiming.unfused_attention_times`).
 
 >>> Stack().label, Stack(attention="unfused", sequence_parallel=False, dropout=True).label
 ('fused attention, sequence parallel', 'unfused attention, no sequence parallelism, dropout')

@@ -30,7 +30,14 @@ from functools import lru_cache
 from itertools import permutations, product
 
 from flexmesh.cost import in_flight
-from flexmesh.cost.mixed import MIXED_OVERLAP, GroupsEvaluation, MixedCosts, evaluate_groups, p2p_time
+from flexmesh.cost.mixed import (
+    MIXED_OVERLAP,
+    GroupsEvaluation,
+    MixedCosts,
+    evaluate_groups,
+    gradient_sync,
+    p2p_time,
+)
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import PipelineSchedule
 from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan
@@ -59,8 +66,6 @@ TOP_SHAPES = 3
 # Mixed shapes: at most this many stages (a + b); deeper mixed pipelines only add bubbles.
 MAX_MIXED_STAGES = 8
 CHAIN3_STAGES = 2  # TP groups of each type in a pipeline over three types: 1 or 2
-# Estimates priced in full (with the gradient all-reduce) before choosing.
-EVALUATE_TOP = 6
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 Shape = tuple[tuple[int, int], ...]  # (group, tp) per stage, first stage first
@@ -293,7 +298,8 @@ class MixedSearch:
     def estimate(self, config: Config, best: float) -> tuple[float, list[list[Slot]], list[Partition],
                                                              list[int]] | None:
         """(slowest pipeline s, replicas, their partitions, micro-batches each), or None when nothing
-        fits or the optimistic bound cannot beat ``best`` seconds."""
+        fits or a lower bound of the full step, the relaxed batch split plus :meth:`sync_bound`, cannot
+        beat ``best`` seconds (the best full step so far)."""
         replicas: list[list[Slot]] = []
         parts: list[Partition] = []
         for shape, n, offsets in self.blocks(config):
@@ -307,8 +313,11 @@ class MixedSearch:
             classes.setdefault(p.times, []).append(i)
         keys = list(classes)
         cls = [ReplicaClass(len(classes[k]), sum(k) - max(k), max(k)) for k in keys]
-        if relaxed_split(cls, self.global_batch // config.mu) >= best:
+        bound = relaxed_split(cls, self.global_batch // config.mu)
+        if bound >= best:
             return None  # even a fractional split cannot beat the best so far
+        if bound + self.sync_bound(self.groups(config, replicas, parts, [1] * len(replicas)), parts) >= best:
+            return None  # nor with the gradient all-reduce that cannot hide
         res = split_batch(cls, self.global_batch // config.mu)
         if res is None:
             return None
@@ -319,9 +328,9 @@ class MixedSearch:
                 micro[i] = m
         return t, replicas, parts, micro
 
-    def build(self, config: Config, replicas: list[list[Slot]], parts: list[Partition], micro: list[int],
-              predicted: dict | None = None) -> Plan:
-        """The plan: one replica group per pipeline, block ``j`` the TP group of its stage ``j``."""
+    def groups(self, config: Config, replicas: list[list[Slot]], parts: list[Partition],
+               micro: list[int]) -> list[ReplicaGroup]:
+        """One replica group per pipeline, with ``micro`` micro-batches each."""
         groups = []
         for slots, part, m in zip(replicas, parts, micro):
             stages, start = [], 0
@@ -329,6 +338,12 @@ class MixedSearch:
                 stages.append(StagePlan(start, start + n, (strategy(s.tp, mode),) * n))
                 start += n
             groups.append(ReplicaGroup(tuple(s.devices for s in slots), tuple(stages), m, config.mu * m))
+        return groups
+
+    def build(self, config: Config, replicas: list[list[Slot]], parts: list[Partition], micro: list[int],
+              predicted: dict | None = None) -> Plan:
+        """The plan: one replica group per pipeline, block ``j`` the TP group of its stage ``j``."""
+        groups = self.groups(config, replicas, parts, micro)
         used = {d for g in groups for d in g.ranks}
         sources = "+".join(dict.fromkeys(c.source for c in self.costs.groups))
         return Plan(self.model.name, self.cluster.label, self.cluster.world_size, self.seq_len, self.global_batch,
@@ -336,31 +351,39 @@ class MixedSearch:
                     unused=tuple(d for d in range(self.cluster.world_size) if d not in used),
                     predicted=predicted or {}, cost_source=sources, overlap=MIXED_OVERLAP)
 
+    def sync_bound(self, groups: list[ReplicaGroup], parts: list[Partition]) -> float:
+        """A lower bound of the step's tail beyond the slowest pipeline: each stage's gradient all-reduce
+        across groups (:func:`~flexmesh.cost.mixed.gradient_sync`, which does not depend on the
+        micro-batch counts) less one micro-batch of that stage, more than the last backward it hides
+        under (:meth:`CostModel.exposed_sync`)."""
+        sync = gradient_sync(self.costs, groups)
+        return max((max(0.0, s - t) for row, p in zip(sync, parts) for s, t in zip(row, p.times)), default=0.0)
+
     def run(self, progress: Progress | None = None) -> MixedResult:
+        """Every configuration is priced in full (pipelines, gradient all-reduce across groups, optimizer)
+        unless a lower bound of its step (:meth:`estimate`) is no better than the best full price so
+        far: the answer is the best of all configurations under the cost model, not of those whose
+        pipelines alone look fastest."""
         t0 = time.perf_counter()
         configs = self.configurations()
-        found: list[tuple[float, int, Config, tuple]] = []
-        best = math.inf
+        typed = [(ev.step_time, plan, ev) for plan in self.types.plans()
+                 for ev in [evaluate_groups(plan, self.costs)] if ev.fits]
+        best = min((t for t, _, _ in typed), default=math.inf)  # each type alone bounds the search
+        results = []
         for i, config in enumerate(configs):
             if progress and i % 16 == 0:
                 progress(i, len(configs))
-            est = self.estimate(config, best * (1 + 0.02))  # keep near-ties: the full pricing decides
-            if est is not None:
-                found.append((est[0], i, config, est))
-                best = min(best, est[0])
+            est = self.estimate(config, best)
+            if est is None:
+                continue
+            plan = self.build(config, *est[1:])
+            ev = evaluate_groups(plan, self.costs)
+            if ev.fits:
+                results.append((ev.step_time, plan, ev))
+                best = min(best, ev.step_time)
         if progress:
             progress(len(configs), len(configs))
-        found.sort(key=lambda x: x[0])
-        results = []
-        for _, _, config, (_, replicas, parts, micro) in found[:EVALUATE_TOP]:
-            plan = self.build(config, replicas, parts, micro)
-            ev = evaluate_groups(plan, self.costs)
-            if ev.fits:
-                results.append((ev.step_time, plan, ev))
-        for plan in self.types.plans():
-            ev = evaluate_groups(plan, self.costs)
-            if ev.fits:
-                results.append((ev.step_time, plan, ev))
+        results += typed
         if not results:
             raise PlanError(f"no plan of {self.model.name} fits on {self.cluster.label} at seq len "
                             f"{self.seq_len}, global batch {self.global_batch}: no pipeline of the groups' TP "

@@ -38,7 +38,7 @@ class TypePlans:
         self.costs = costs
         self._per_type: dict[tuple[int, int, int | None], Candidate | None] = {}
         self._searches: dict[tuple[int, int, SearchSpace], SearchOutcome | None] = {}
-        self._schedule: str | None = None  # the pipeline schedule of the first device type's own plan
+        self._schedule: str | None = None  # the pipeline schedule of the first own plan with a pipeline
 
     def plans(self, rounds: int = PER_TYPE_ROUNDS) -> list[Plan]:
         """Plans of one replica group per device type, each planned by the uniform search on its own
@@ -75,13 +75,14 @@ class TypePlans:
         """The uniform search's best plan of device group ``kind`` alone for ``batch`` sequences (None
         when nothing fits), at its slowest device's speed, one mesh for all layers, one pipeline schedule
         for every group (the first's). With an ``anchor`` type other than ``kind``: the mesh shape that
-        makes ``kind``'s blocks shard like the anchor's own plan (its tp, data ranks and ZeRO kind)."""
+        makes ``kind``'s blocks shard like the anchor's own plan (its tp, data ranks and ZeRO kind). The
+        first type whose plan has a pipeline sets the pipeline schedule of the types after it."""
         key = (kind, batch, anchor if anchor != kind else None)
         if key in self._per_type:
             return self._per_type[key]
         group = self.cluster.groups[kind]
         space = FULL_SPACE
-        if kind != 0 and self._schedule is not None:
+        if self._schedule is not None:
             space = replace(space, pipeline_schedules=(self._schedule,))
         ranks = None  # the anchor's data ranks, which this type's blocks must have too
         if key[2] is not None:
@@ -101,8 +102,8 @@ class TypePlans:
                 group_layout(best.plan.group)
             except PlanError:  # layers on different meshes, which a group does not run: search again with one
                 best = self._searched(group, batch, replace(space, same_mesh=True), kind)
-        if best is not None and kind == 0 and key[2] is None and best.plan.pp > 1:
-            self._schedule = str(best.plan.pipeline_schedule)
+        if best is not None and self._schedule is None and key[2] is None and best.plan.pp > 1:
+            self._schedule = str(best.plan.pipeline_schedule)  # one plan runs one pipeline schedule
         self._per_type[key] = best
         return best
 

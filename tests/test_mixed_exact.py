@@ -1,0 +1,74 @@
+"""The mixed search returns the best plan of its whole space under its own cost model: the same step as
+pricing every configuration in full, on small clusters of three device types, over fast and over slow
+networks (where ranking by the pipelines alone picks plans the gradient all-reduce makes slow)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flexmesh.cost.mixed import evaluate_groups
+from flexmesh.plan.mixed import MixedSearch
+from flexmesh.spec import parse_model
+from flexmesh.spec.cluster import parse_mixed_cluster
+
+SLOW = """
+[[groups]]
+nodes = 1
+devices_per_node = 2
+device = { base = "RTX-3090", node_net_gbps = 1.25 }
+
+[[groups]]
+nodes = 1
+devices_per_node = 2
+device = { base = "A100-PCIe-40GB", node_net_gbps = 1.25 }
+
+[[groups]]
+nodes = 1
+devices_per_node = 2
+device = { base = "V100-32GB", node_net_gbps = 1.25 }
+
+[links.0-1]
+gbps = 1.25
+latency_us = 50.0
+[links.0-2]
+gbps = 1.25
+latency_us = 50.0
+[links.1-2]
+gbps = 1.25
+latency_us = 50.0
+"""
+
+
+def exhaustive(search: MixedSearch) -> tuple[float, float]:
+    """(best full step over every configuration and the per-type plans, full step of the configuration
+    whose pipelines alone look fastest)."""
+    best, by_pipeline = math.inf, (math.inf, math.inf)
+    for config in search.configurations():
+        est = search.estimate(config, math.inf)
+        if est is None:
+            continue
+        ev = evaluate_groups(search.build(config, *est[1:]), search.costs)
+        step = ev.step_time if ev.fits else math.inf
+        best = min(best, step)
+        by_pipeline = min(by_pipeline, (est[0], step))
+    for plan in search.types.plans():
+        ev = evaluate_groups(plan, search.costs)
+        if ev.fits:
+            best = min(best, ev.step_time)
+    return best, by_pipeline[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", ["slow", "1x2xRTX-3090+1x2xA100-PCIe-40GB+1x4xV100-32GB"])
+def test_the_mixed_search_equals_exhaustive_pricing(cluster, tmp_path):
+    if cluster == "slow":
+        (tmp_path / "slow.toml").write_text(SLOW)
+        cluster = str(tmp_path / "slow.toml")
+    model = parse_model("gpt:8:512:8@fp16")  # V100s train in fp16
+    found = MixedSearch(model, parse_mixed_cluster(cluster), 1024, 32).run()
+    best, by_pipeline = exhaustive(MixedSearch(model, parse_mixed_cluster(cluster), 1024, 32))
+    assert found.evaluation.step_time == pytest.approx(best, rel=1e-12)
+    if "slow" in cluster:  # 10 Gb/s between the types: the fastest pipelines sync slowest
+        assert by_pipeline > 1.2 * best
