@@ -166,3 +166,12 @@ def test_the_uniform_baseline_runs_on_the_clusters_own_network(tmp_path):
     u = uniform_cluster(parse_mixed_cluster(str(f)))
     assert u.device.name == "RTX-3090" and u.world_size == 12
     assert u.device.node_net_gbps == 1.25 and u.device.inter_latency_us == 50.0
+
+
+def test_explain_says_where_the_devices_numbers_come_from(capsys):
+    assert main(["plan", "--model", "tiny", "--cluster", "8xL40S", "--seq-len", "1024", "--global-batch", "16",
+                 "--top", "1", "--explain", "--attention", "unfused"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "device L40S (ada, pcie), bf16 peak 362.05 TFLOP/s; GEMM efficiency 0.497" in out
+    assert "measured GEMMs of l40s / a100_sxm" in out and "NVIDIA L40S datasheet" in out
+    assert "layers priced as another stack runs them: unfused attention" in out

@@ -38,7 +38,7 @@ from flexmesh.commands.plan_lengths import (
     workload,
 )
 from flexmesh.console import plain_console, styled
-from flexmesh.cost import Evaluation
+from flexmesh.cost import CostModel, Evaluation
 from flexmesh.cost.finetune import with_tasks
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.cost.stack import with_stack
@@ -47,6 +47,7 @@ from flexmesh.files import check_file_target
 from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
+from flexmesh.layout.stack import RUNTIME_STACK
 from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.plan.baselines import BaselinePlans, mixed_baselines
 from flexmesh.plan.check import check_groups, check_plan
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
         else:
             out.print(styled("valid", "green", f": {plan.layout}"))
-            _explain(out, ev)
+            _explain(out, ev, cost)
         return 0
     schedules = tuple(s.strip() for s in args.pipeline_schedules.split(",") if s.strip())
     unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"every device priced at speed {cluster.pace:g}: the cluster's devices all run at it (its "
                   "speed_factors), compute stretched, communication not", highlight=False)
     if args.explain:
-        _explain(out, best.evaluation)
+        _explain(out, best.evaluation, cost)
         if args.against:
             from flexmesh.commands.plan_terms import print_against
 
@@ -287,7 +288,14 @@ def _table(out: Console, r: SearchResult, expected: dict[str, Expected]) -> None
                       f"MFU {b.evaluation.mfu:.1%}  ({b.plan.layout})", highlight=False)
 
 
-def _explain(out: Console, ev: Evaluation) -> None:
+def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
+    d, stack = cost.hw.cluster.device, getattr(cost.timing, "stack", None)
+    if cost.hw.source.startswith("preset:"):  # where the device's numbers come from (a profile: measured)
+        out.print(f"device {d.name} ({d.architecture}, {d.intra_link}), {cost.model.dtype} peak "
+                  f"{d.peak_tflops[cost.model.dtype]:g} TFLOP/s; GEMM efficiency {d.mm_efficiency:.3f}: "
+                  f"{d.efficiency_source}; datasheet: {d.source}", highlight=False)
+    if stack is not None and stack.label != RUNTIME_STACK.label:
+        out.print(f"layers priced as another stack runs them: {stack.label}", highlight=False)
     t = Table(title="step time (busiest pipeline rank)")
     t.add_column("part")
     t.add_column("seconds", justify="right")

@@ -12,12 +12,14 @@ node where it can.
 
 Lower level (flexmesh.plan.mixed_partition), exact: each replica's layer partition (min-max stage
 time under every stage device's memory, each stage priced by its own device's CostModel) and the
-batch split across replicas (HiGHS MILP). Configurations whose optimistic throughput (every
-replica at its slowest stage's rate, no bubble, no gradient sync) cannot beat the best estimate
-so far are skipped before the MILP; the best few estimates are priced in full, gradient all-reduce
-over the slowest link included, by :func:`flexmesh.cost.mixed.evaluate_groups`. Beside them, plans
-of one replica group per device type, each type planned by the uniform search
-(flexmesh.plan.mixed_types); the fastest plan of either kind that fits is the plan.
+batch split across replicas (HiGHS MILP). Every configuration is priced in full, gradient all-reduce
+over the slowest link included (:func:`flexmesh.cost.mixed.evaluate_groups`), unless a lower bound of
+its step cannot beat the best full step so far: its optimistic throughput (every replica at its
+slowest stage's rate, no bubble) plus the part of each stage's gradient all-reduce that one
+micro-batch of the stage cannot hide (:meth:`MixedSearch.sync_bound`), checked before the MILP. The
+plans of one replica group per device type, each type planned by the uniform search
+(flexmesh.plan.mixed_types), are priced first and bound the search; the fastest plan of either kind
+that fits is the plan.
 """
 
 from __future__ import annotations
