@@ -27,7 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flexmesh.cost import in_flight
+import numpy as np
+
+from flexmesh.cost import in_flight, pipeline_time
 from flexmesh.errors import PlanError
 from flexmesh.layout.overlap import Overlap
 from flexmesh.layout.strategy import LayerStrategy
@@ -53,6 +55,10 @@ from flexmesh.plan.stage import RankOptions, SearchMethod, Sizes, StageContext, 
 EXACT_MAX_STRATEGIES = 16
 # "auto" mode runs the exact DP only up to this many layers (the DP's frontiers grow with them).
 EXACT_MAX_LAYERS = 6
+# Skip configurations and layer splits whose lower bound passes the estimates found (tests switch it off
+# to compare with pricing every one).
+BOUNDED = True
+_SLACK = 1 + 1e-9  # a bound is summed in another order than the estimate: skip only past rounding
 
 Progress = Callable[[int, int], None]  # (configurations done, configurations in all)
 Configuration = tuple[int, str, int, int]  # (pp, pipeline schedule, v, m)
@@ -95,29 +101,107 @@ def search(request: SearchRequest, progress: Progress | None = None) -> SearchOu
     request = request.resolved()
     method = choose_method(request)
     configs = _configurations(request)
-    found: list[Found] = []
+    # Best first: configurations in order of a lower bound on their step (:func:`_lower_bound`); once the
+    # bound passes the estimates the evaluation will look at, no later configuration can enter them, and
+    # within a configuration no layer split whose bound passes them (:func:`_best_split`).
+    floors: dict[tuple, list[np.ndarray]] = {}
+    bounds = [_lower_bound(request, config, floors) if BOUNDED else 0.0 for config in configs]
+    order = sorted(range(len(configs)), key=lambda i: (bounds[i], i))
+    horizon = 3 * max(request.top, 1)  # the estimates _evaluate may need
+    # (order key, found): estimates that tie keep the order of pricing every configuration in turn
+    found: list[tuple[tuple[int, int], Found]] = []
     examined = 0
     pruned: dict[tuple, list[LayerStrategy]] = {}  # per (stage devices, micro-batch size, mesh)
-    later: list[Deferred] = []
-    for ci, config in enumerate(configs):
+    later: list[tuple[Deferred, int]] = []
+    for done, ci in enumerate(order):
         if progress:
-            progress(ci, len(configs))
-        n, best, deferred = _search_configuration(request, method, config, pruned)
+            progress(done, len(configs))
+        cutoff = _cutoff(found, horizon)
+        if bounds[ci] > cutoff * _SLACK:
+            break  # every later bound is higher still
+        n, best, deferred = _search_configuration(request, method, configs[ci], pruned, cutoff=cutoff)
         examined += n
-        found.extend(best)
-        later.extend(deferred)
+        found.extend(((0, ci), f) for f in best)
+        later.extend((d, ci) for d in deferred)
     # Deferred options (fast method): priced only where their lower bound beats the top estimates so far.
     top = max(request.top, 1)
-    for bound, config, overlap in sorted(later, key=lambda x: x[0]):
-        estimates = sorted(f[0] for f in found)[:top]
+    for turn, ((bound, config, overlap), _) in enumerate(sorted(later, key=lambda x: (x[0][0], x[1]))):
+        estimates = sorted(f[0] for _, f in found)[:top]
         if len(estimates) == top and bound >= estimates[-1]:
             break  # every later bound is higher still
-        n, best, _ = _search_configuration(request, method, config, pruned, only=overlap)
+        n, best, _ = _search_configuration(request, method, config, pruned, only=overlap,
+                                           cutoff=_cutoff(found, horizon))
         examined += n
-        found.extend(best)
+        found.extend(((1, turn), f) for f in best)
     if progress:
         progress(len(configs), len(configs))
-    return SearchOutcome(tuple(_evaluate(request, found)), method.name, examined)
+    ordered = [f for _, f in sorted(found, key=lambda x: x[0])]
+    return SearchOutcome(tuple(_evaluate(request, ordered)), method.name, examined)
+
+
+def _cutoff(found: list[tuple[tuple[int, int], Found]], horizon: int) -> float:
+    """The ``horizon``-th least estimate found so far (inf: fewer found, or bounds switched off): a plan
+    estimated above it can no longer be among the estimates the evaluation looks at."""
+    estimates = sorted(f[0] for _, f in found)[:horizon]
+    return estimates[-1] if BOUNDED and len(estimates) == horizon else float("inf")
+
+
+def _lower_bound(request: SearchRequest, config: Configuration, floors: dict[tuple, list[np.ndarray]]) -> float:
+    """A lower bound on the step of every plan of ``config`` from per-layer costs: time, and memory
+    where it binds.
+
+    A rank's time per micro-batch is its layers' times plus its ends, pipeline sends and transitions; its
+    memory is its layers' ``states + in-flight x activations`` plus transients and ends (none negative).
+    Some rank holds ``n >= ceil(layers / pp)`` layers within the budget ``B`` with at least the fewest
+    micro-batches in flight of any rank, ``f``: its time is at least ``n x h(B / n)``, ``h(b)`` the least
+    mean time of layers averaging ``b`` bytes at most (the linear relaxation: the lower convex hull of the
+    strategies' (bytes, time) points, :func:`_least_time`), which grows with ``n``; every other layer
+    takes at least the least time of any strategy. The 1F1B/GPipe (``sum + (m - 1) max``) and
+    interleaved (``m max + (sum - max) / v``) pipeline times grow with the sum and the largest of the
+    rank times, and tails are not negative. Strategies are priced under every overlap the configuration
+    may price (:data:`LEAN` frees only transient buffers and never runs faster than :data:`FASTEST`, so
+    it is left out). ``floors`` caches the (time, states, activations) arrays per (stage devices,
+    micro-batch size, one micro-batch).
+    """
+    pp, schedule, v, m = config
+    cost = request.cost_model()
+    D, mbs, L = request.world_size // pp, request.global_batch // m, request.model.num_layers
+    key = (D, mbs, m == 1)
+    if key not in floors:
+        strategies = candidate_strategies(request.model, request.cluster, D, request.space, mbs)
+        overlaps = {cost.effective_overlap(o, m) for o in request.space.overlaps or (FASTEST, REDUCE_ONCE)}
+        ctxs = [StageContext(cost, request.seq_len, mbs, pp, v, (), cost.memory_budget, o, cost.cluster.pace)
+                for o in overlaps]
+        floors[key] = [np.array([[c.time, c.states, c.act] for c in map(ctx.layer, strategies)]).reshape(-1, 3)
+                       for ctx in ctxs]
+    tables = floors[key]
+    t_min = min((float(a[:, 0].min()) for a in tables if len(a)), default=float("inf"))
+    n = -(-L // pp)
+    f = min(in_flight(schedule, pp, r, m, v) for r in range(pp))
+    busy = n * min(_least_time(a[:, 0], a[:, 1] + f * a[:, 2], cost.memory_budget / n) for a in tables)
+    if busy == float("inf"):
+        return busy  # no rank of n layers fits
+    rest = (L - n) * t_min / (pp - 1) if pp > 1 else 0.0
+    return float(pipeline_time(schedule, [busy] + [rest] * (pp - 1), m, v))
+
+
+def _least_time(times: np.ndarray, bytes_: np.ndarray, budget: float) -> float:
+    """The least ``sum(x * times)`` over weights ``x >= 0`` summing to 1 with ``sum(x * bytes_) <= budget``
+    (inf when no point fits): the best fitting point, or a mix of a fitting point and a faster larger one.
+
+    >>> _least_time(np.array([1.0, 3.0]), np.array([10.0, 2.0]), 6.0)  # half and half
+    2.0
+    """
+    fits = bytes_ <= budget
+    if not fits.any():
+        return float("inf")
+    best = float(times[fits].min())
+    faster = ~fits & (times < best)
+    if faster.any():
+        ti, wi = times[fits][:, None], bytes_[fits][:, None]
+        tj, wj = times[faster][None, :], bytes_[faster][None, :]
+        best = min(best, float((ti + (budget - wi) / (wj - wi) * (tj - ti)).min()))
+    return best
 
 
 def _configurations(request: SearchRequest) -> list[Configuration]:
@@ -163,9 +247,11 @@ def overlap_choices(strategies: Sequence[LayerStrategy], m: int) -> list[Overlap
 
 def _search_configuration(request: SearchRequest, method: SearchMethod, config: Configuration,
                           pruned: dict[tuple, list[LayerStrategy]],
-                          only: Overlap | None = None) -> tuple[int, list[Found], list[Deferred]]:
+                          only: Overlap | None = None,
+                          cutoff: float = float("inf")) -> tuple[int, list[Found], list[Deferred]]:
     """(splits examined, best layout per mesh and overlap, deferred overlaps) of one (pp, schedule, v, m);
-    ``pruned`` caches across calls; ``only`` prices that one overlap option.
+    ``pruned`` caches across calls; ``only`` prices that one overlap option; layer splits whose bound
+    passes ``cutoff`` are not combined (:func:`_best_split`).
 
     The exact method prices every overlap option. The fast method prices :data:`FASTEST`, then:
 
@@ -207,7 +293,7 @@ def _search_configuration(request: SearchRequest, method: SearchMethod, config: 
             ranks = method.ranks(ctx, pruned[key], mesh)
             splits = layer_splits(ctx, pruned[key], request.model.num_layers, pp * v, method.exhaustive_splits)
             examined += len(splits)
-            best = _best_split(ranks, splits, pp, schedule, m, v)
+            best = _best_split(ranks, splits, pp, schedule, m, v, cutoff)
             if overlap == FASTEST:
                 lean_fits_more = lean_fits_more or getattr(ranks, "lean_fits_more", True)
                 bound = getattr(ranks, "once_bound", None)
@@ -219,9 +305,15 @@ def _search_configuration(request: SearchRequest, method: SearchMethod, config: 
     return examined, found, deferred
 
 
-def _best_split(ranks: RankOptions, splits: list[Sizes], pp: int, schedule: str, m: int,
-                v: int) -> tuple[float, Sizes, list[Any]] | None:
-    """(estimate, split, chosen payload per rank) of the best split, or None when no split fits."""
+def _best_split(ranks: RankOptions, splits: list[Sizes], pp: int, schedule: str, m: int, v: int,
+                cutoff: float = float("inf")) -> tuple[float, Sizes, list[Any]] | None:
+    """(estimate, split, chosen payload per rank) of the best split, or None when no split fits or every
+    split's bound passes ``cutoff``.
+
+    A split's step is at least the pipeline of each rank's fastest option plus the largest of each
+    rank's shortest tail (the pipeline time grows with every rank's time); a split whose bound passes
+    ``cutoff`` or reaches the best step so far cannot improve on them and is not combined.
+    """
     best: tuple[float, Sizes, list[Any]] | None = None
     for sizes in splits:
         options, payloads = [], []
@@ -232,6 +324,10 @@ def _best_split(ranks: RankOptions, splits: list[Sizes], pp: int, schedule: str,
             options.append((t, u))
             payloads.append(pay)
         else:
+            # frontiers: times ascending, tails descending
+            bound = pipeline_time(schedule, [t[0] for t, _ in options], m, v) + max(u[-1] for _, u in options)
+            if bound > cutoff * _SLACK or (best is not None and bound > best[0] * _SLACK):
+                continue
             res = combine(options, schedule, m, v)
             if res is not None and (best is None or res[0] < best[0]):
                 best = (res[0], sizes, [payloads[r][int(j)] for r, j in enumerate(res[1])])

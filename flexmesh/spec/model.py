@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 from flexmesh.errors import SpecError
@@ -163,15 +164,15 @@ class ModelSpec:
         return tuple(self.window_of(i) for i in range(self.num_layers))
 
     # ---- shape -------------------------------------------------------------------------------
-    @property
+    @cached_property  # asked for on every cost of every layer a search prices
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden // self.num_heads
 
-    @property
+    @cached_property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
+    @cached_property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
@@ -180,7 +181,7 @@ class ModelSpec:
         return DTYPE_BYTES[self.dtype]
 
     # ---- parameters --------------------------------------------------------------------------
-    @property
+    @cached_property
     def layer_linear_params(self) -> int:
         """Weights of the matmuls of one layer (what tensor parallelism splits)."""
         h = self.hidden
@@ -188,7 +189,7 @@ class ModelSpec:
         mlp = (3 if self.activation == "swiglu" else 2) * h * self.ffn_hidden
         return attn + mlp
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         h = self.hidden
         norm = 2 * (h if self.norm == "rmsnorm" else 2 * h)
