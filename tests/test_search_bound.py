@@ -4,11 +4,13 @@ configuration returns, and the bound never exceeds a configuration's own best es
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import pytest
 
 from flexmesh.cost import CostModel
 from flexmesh.plan import SearchRequest
+from flexmesh.plan.space import FULL_SPACE
 from flexmesh.plan.search import search
 from flexmesh.spec import parse_cluster, parse_model
 
@@ -41,13 +43,12 @@ def test_bounded_search_returns_what_pricing_every_configuration_returns(case, m
 def test_lower_bound_never_exceeds_a_configurations_best_estimate(case):
     request = _request(*case).resolved()
     method = search_module.choose_method(request)
-    floors: dict = {}
     checked = 0
     for config in search_module._configurations(request):
-        bound = search_module._lower_bound(request, config, floors)
-        _, found, deferred = search_module._search_configuration(request, method, config, {})
+        bound = search_module._lower_bound(request, config)
+        _, found, deferred = search_module._search_configuration(request, method, config)
         for _, _, overlap in deferred:  # the options the search prices later where their bound is low
-            found += search_module._search_configuration(request, method, config, {}, only=overlap)[1]
+            found += search_module._search_configuration(request, method, config, only=overlap)[1]
         estimates = [f[0] for f in found]
         if estimates:
             assert bound <= min(estimates) * (1 + 1e-12), config
@@ -55,3 +56,18 @@ def test_lower_bound_never_exceeds_a_configurations_best_estimate(case):
         else:
             assert bound >= 0.0
     assert checked > 5
+
+
+def test_searches_sharing_a_cost_model_return_what_fresh_ones_return():
+    """What one search keeps for later ones under the same cost model (floors, pruned strategies) is keyed
+    by all it depends on: searches for other batches and spaces return what they return alone."""
+    model, cluster = parse_model("llama3-8b"), parse_cluster("12xH100")
+    shared = CostModel(model, cluster)
+    asks = [(48, FULL_SPACE), (24, FULL_SPACE), (36, replace(FULL_SPACE, pp=(1,), tp=(2,))), (48, FULL_SPACE)]
+    for gb, space in asks:
+        again = search(SearchRequest(model, cluster, 8192, gb, space, cost=shared, top=2))
+        fresh = search(SearchRequest(model, cluster, 8192, gb, space, cost=CostModel(model, cluster), top=2))
+        assert fresh.candidates
+        assert [(c.plan.layout, c.evaluation.step_time) for c in again.candidates] == \
+            [(c.plan.layout, c.evaluation.step_time) for c in fresh.candidates]
+    assert len(search_module._shared(shared)) > len(search_module._shared(CostModel(model, cluster)))

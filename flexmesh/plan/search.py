@@ -23,13 +23,14 @@ baselines and explains when nothing fits.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from flexmesh.cost import in_flight, pipeline_time
+from flexmesh.cost import CostModel, in_flight, pipeline_time
 from flexmesh.errors import PlanError
 from flexmesh.layout.overlap import Overlap
 from flexmesh.layout.strategy import LayerStrategy
@@ -65,6 +66,19 @@ Configuration = tuple[int, str, int, int]  # (pp, pipeline schedule, v, m)
 # (estimate, (chunks, pp, schedule, v, m, overlap))
 Found = tuple[float, tuple[tuple[Chunk, ...], int, str, int, int, Overlap]]
 Deferred = tuple[float, Configuration, Overlap]  # (lower bound on the step, configuration, overlap to price)
+
+# What searches under one cost model share (the mixed search runs one per device type and batch share):
+# per-layer floors (:func:`_lower_bound`) and pruned strategy sets, keyed by everything they depend on
+# besides the cost model -- sequence length, micro-batch size, the strategies, the overlap -- and not
+# by the global batch, the pipeline schedule or the search space.
+_SHARED: weakref.WeakKeyDictionary[CostModel, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+
+
+def _shared(cost: CostModel) -> dict[tuple, Any]:
+    memo = _SHARED.get(cost)
+    if memo is None:
+        memo = _SHARED[cost] = {}
+    return memo
 
 
 @dataclass(frozen=True)
@@ -104,14 +118,12 @@ def search(request: SearchRequest, progress: Progress | None = None) -> SearchOu
     # Best first: configurations in order of a lower bound on their step (:func:`_lower_bound`); once the
     # bound passes the estimates the evaluation will look at, no later configuration can enter them, and
     # within a configuration no layer split whose bound passes them (:func:`_best_split`).
-    floors: dict[tuple, list[np.ndarray]] = {}
-    bounds = [_lower_bound(request, config, floors) if BOUNDED else 0.0 for config in configs]
+    bounds = [_lower_bound(request, config) if BOUNDED else 0.0 for config in configs]
     order = sorted(range(len(configs)), key=lambda i: (bounds[i], i))
     horizon = 3 * max(request.top, 1)  # the estimates _evaluate may need
     # (order key, found): estimates that tie keep the order of pricing every configuration in turn
     found: list[tuple[tuple[int, int], Found]] = []
     examined = 0
-    pruned: dict[tuple, list[LayerStrategy]] = {}  # per (stage devices, micro-batch size, mesh)
     later: list[tuple[Deferred, int]] = []
     for done, ci in enumerate(order):
         if progress:
@@ -119,7 +131,7 @@ def search(request: SearchRequest, progress: Progress | None = None) -> SearchOu
         cutoff = _cutoff(found, horizon)
         if bounds[ci] > cutoff * _SLACK:
             break  # every later bound is higher still
-        n, best, deferred = _search_configuration(request, method, configs[ci], pruned, cutoff=cutoff)
+        n, best, deferred = _search_configuration(request, method, configs[ci], cutoff=cutoff)
         examined += n
         found.extend(((0, ci), f) for f in best)
         later.extend((d, ci) for d in deferred)
@@ -129,7 +141,7 @@ def search(request: SearchRequest, progress: Progress | None = None) -> SearchOu
         estimates = sorted(f[0] for _, f in found)[:top]
         if len(estimates) == top and bound >= estimates[-1]:
             break  # every later bound is higher still
-        n, best, _ = _search_configuration(request, method, config, pruned, only=overlap,
+        n, best, _ = _search_configuration(request, method, config, only=overlap,
                                            cutoff=_cutoff(found, horizon))
         examined += n
         found.extend(((1, turn), f) for f in best)
@@ -146,7 +158,7 @@ def _cutoff(found: list[tuple[tuple[int, int], Found]], horizon: int) -> float:
     return estimates[-1] if BOUNDED and len(estimates) == horizon else float("inf")
 
 
-def _lower_bound(request: SearchRequest, config: Configuration, floors: dict[tuple, list[np.ndarray]]) -> float:
+def _lower_bound(request: SearchRequest, config: Configuration) -> float:
     """A lower bound on the step of every plan of ``config`` from per-layer costs: time, and memory
     where it binds.
 
@@ -160,21 +172,22 @@ def _lower_bound(request: SearchRequest, config: Configuration, floors: dict[tup
     interleaved (``m max + (sum - max) / v``) pipeline times grow with the sum and the largest of the
     rank times, and tails are not negative. Strategies are priced under every overlap the configuration
     may price (:data:`LEAN` frees only transient buffers and never runs faster than :data:`FASTEST`, so
-    it is left out). ``floors`` caches the (time, states, activations) arrays per (stage devices,
-    micro-batch size, one micro-batch).
+    it is left out). The (time, states, activations) arrays are kept for later configurations and searches
+    (:func:`_shared`).
     """
     pp, schedule, v, m = config
     cost = request.cost_model()
     D, mbs, L = request.world_size // pp, request.global_batch // m, request.model.num_layers
-    key = (D, mbs, m == 1)
-    if key not in floors:
-        strategies = candidate_strategies(request.model, request.cluster, D, request.space, mbs)
-        overlaps = {cost.effective_overlap(o, m) for o in request.space.overlaps or (FASTEST, REDUCE_ONCE)}
+    strategies = tuple(candidate_strategies(request.model, request.cluster, D, request.space, mbs))
+    overlaps = sorted({cost.effective_overlap(o, m) for o in request.space.overlaps or (FASTEST, REDUCE_ONCE)},
+                      key=lambda o: o.label)
+    memo, key = _shared(cost), ("floors", request.seq_len, mbs, strategies, tuple(overlaps))
+    if key not in memo:
         ctxs = [StageContext(cost, request.seq_len, mbs, pp, v, (), cost.memory_budget, o, cost.cluster.pace)
                 for o in overlaps]
-        floors[key] = [np.array([[c.time, c.states, c.act] for c in map(ctx.layer, strategies)]).reshape(-1, 3)
-                       for ctx in ctxs]
-    tables = floors[key]
+        memo[key] = [np.array([[c.time, c.states, c.act] for c in map(ctx.layer, strategies)]).reshape(-1, 3)
+                     for ctx in ctxs]
+    tables = memo[key]
     t_min = min((float(a[:, 0].min()) for a in tables if len(a)), default=float("inf"))
     n = -(-L // pp)
     f = min(in_flight(schedule, pp, r, m, v) for r in range(pp))
@@ -246,12 +259,11 @@ def overlap_choices(strategies: Sequence[LayerStrategy], m: int) -> list[Overlap
 
 
 def _search_configuration(request: SearchRequest, method: SearchMethod, config: Configuration,
-                          pruned: dict[tuple, list[LayerStrategy]],
                           only: Overlap | None = None,
                           cutoff: float = float("inf")) -> tuple[int, list[Found], list[Deferred]]:
     """(splits examined, best layout per mesh and overlap, deferred overlaps) of one (pp, schedule, v, m);
-    ``pruned`` caches across calls; ``only`` prices that one overlap option; layer splits whose bound
-    passes ``cutoff`` are not combined (:func:`_best_split`).
+    pruned strategy sets are kept for later calls and searches (:func:`_shared`); ``only`` prices that one
+    overlap option; layer splits whose bound passes ``cutoff`` are not combined (:func:`_best_split`).
 
     The exact method prices every overlap option. The fast method prices :data:`FASTEST`, then:
 
@@ -274,6 +286,7 @@ def _search_configuration(request: SearchRequest, method: SearchMethod, config: 
     overlaps = [only] if only is not None else list(request.space.overlaps or overlap_choices(strategies, m))
     meshes: Sequence[Mesh | None] = sorted({mesh_of(s) for s in strategies}) if request.space.same_mesh else [None]
     examined, found, deferred = 0, list[Found](), list[Deferred]()
+    memo = _shared(cost)
     prune_more = only is None and request.space.overlaps is None and not method.exhaustive_splits
     lean_fits_more = not (prune_more and FASTEST in overlaps)
     once_bound = float("inf")  # lower bound on the step under REDUCE_ONCE (fast method)
@@ -287,11 +300,13 @@ def _search_configuration(request: SearchRequest, method: SearchMethod, config: 
         overlap = cost.effective_overlap(overlap, m)  # priced exactly as evaluate_stages prices it
         ctx = StageContext(cost, request.seq_len, mbs, pp, v, flight, cost.memory_budget, overlap, cost.cluster.pace)
         for mesh in meshes:
-            key = (D, mbs, mesh, overlap)
-            if key not in pruned:
-                pruned[key] = prune(ctx, [s for s in strategies if mesh is None or mesh_of(s) == mesh])
-            ranks = method.ranks(ctx, pruned[key], mesh)
-            splits = layer_splits(ctx, pruned[key], request.model.num_layers, pp * v, method.exhaustive_splits)
+            mine = tuple(s for s in strategies if mesh is None or mesh_of(s) == mesh)
+            key = ("pruned", request.seq_len, mbs, overlap, mine)
+            if key not in memo:
+                memo[key] = prune(ctx, list(mine))
+            kept = memo[key]
+            ranks = method.ranks(ctx, kept, mesh)
+            splits = layer_splits(ctx, kept, request.model.num_layers, pp * v, method.exhaustive_splits)
             examined += len(splits)
             best = _best_split(ranks, splits, pp, schedule, m, v, cutoff)
             if overlap == FASTEST:
