@@ -61,14 +61,15 @@ def exhaustive(search: MixedSearch) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cluster", ["slow", "1x2xRTX-3090+1x2xA100-PCIe-40GB+1x4xV100-32GB"])
-def test_the_mixed_search_equals_exhaustive_pricing(cluster, tmp_path):
+@pytest.mark.parametrize("cluster, batch", [("slow", 32), ("1x2xRTX-3090+1x2xA100-PCIe-40GB+1x4xV100-32GB", 32),
+                                            ("2x2xRTX-3090+1x4xA100-PCIe-40GB+2x4xV100-32GB", 64)])  # 16 GPUs
+def test_the_mixed_search_equals_exhaustive_pricing(cluster, batch, tmp_path):
     if cluster == "slow":
         (tmp_path / "slow.toml").write_text(SLOW)
         cluster = str(tmp_path / "slow.toml")
     model = parse_model("gpt:8:512:8@fp16")  # V100s train in fp16
-    found = MixedSearch(model, parse_mixed_cluster(cluster), 1024, 32).run()
-    best, by_pipeline = exhaustive(MixedSearch(model, parse_mixed_cluster(cluster), 1024, 32))
+    found = MixedSearch(model, parse_mixed_cluster(cluster), 1024, batch).run()
+    best, by_pipeline = exhaustive(MixedSearch(model, parse_mixed_cluster(cluster), 1024, batch))
     assert found.evaluation.step_time == pytest.approx(best, rel=1e-12)
     if "slow" in cluster:  # 10 Gb/s between the types: the fastest pipelines sync slowest
         assert by_pipeline > 1.2 * best
