@@ -4,7 +4,9 @@ its kernel efficiency and where each comes from; plans in the precision a device
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from flexmesh.cli import main
@@ -13,7 +15,8 @@ from flexmesh.cost.hardware import GroupShape, Hardware
 from flexmesh.errors import SpecError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.spec import parse_cluster, parse_model
-from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES, INTRA_LINKS, device, preset_of_gpu
+from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES, INTRA_LINKS, ClusterSpec, device, preset_of_gpu
+from flexmesh.spec.devices import COMM_TABLES
 
 ISSUE_DEVICES = ("V100-16GB", "V100-32GB", "T4", "A10", "A10G", "L4", "L40S", "A30", "RTX-2080Ti", "TITAN-RTX",
                  "RTX-3090", "RTX-4090", "A100-PCIe-40GB", "A100-PCIe-80GB", "A100-40GB", "A100-80GB", "H100-PCIe",
@@ -57,7 +60,9 @@ def test_gemm_efficiency_is_the_family_fit_scaled_by_measured_tables():
 
 def test_bridged_pairs_run_over_nvlink_and_larger_groups_over_pcie():
     gib = float(2**30)
-    bridged, switched = Hardware(parse_cluster("8xA100-PCIe-80GB")), Hardware(parse_cluster("8xA100-80GB"))
+    bridged = Hardware(parse_cluster("8xA100-PCIe-80GB"))
+    # the SXM part priced by the same model (its measured table set aside): only the links differ
+    switched = Hardware(ClusterSpec(1, 8, replace(device("A100-80GB"), comm_table="")))
     pair, four = GroupShape(2, 2), GroupShape(4, 4)
     # a pair on its bridge is as fast as on NVSwitch (same NVLink 3 bandwidth)
     assert bridged.collective_time("all_reduce", gib, pair) == pytest.approx(
@@ -172,6 +177,55 @@ def test_explain_says_where_the_devices_numbers_come_from(capsys):
     assert main(["plan", "--model", "tiny", "--cluster", "8xL40S", "--seq-len", "1024", "--global-batch", "16",
                  "--top", "1", "--explain", "--attention", "unfused"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "device L40S (ada, pcie), bf16 peak 362.05 TFLOP/s; GEMM efficiency 0.497" in out
+    assert "device L40S (ada, pcie), bf16 peak 362.05 TFLOP/s; GEMM efficiency 0.501" in out
     assert "measured GEMMs of l40s / a100_sxm" in out and "NVIDIA L40S datasheet" in out
     assert "layers priced as another stack runs them: unfused attention" in out
+    assert "collectives inside a node: 32 GB/s x 0.69 + 10 us per step (no measured table" in out
+    assert main(["plan", "--model", "tiny", "--cluster", "8xH100", "--seq-len", "1024", "--global-batch", "16",
+                 "--top", "1", "--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "collectives inside a node: measured NCCL times of a h100_sxm node by message size" in out
+
+
+def test_measured_parts_take_ring_collectives_inside_a_node_from_their_nccl_tables():
+    h100 = Hardware(parse_cluster("8xH100"))
+    for n in (2, 4, 8):
+        sizes, seconds = COMM_TABLES["h100_sxm"]["all_reduce"][n]
+        for b, t in list(zip(sizes, seconds))[::5]:
+            assert h100.collective_time("all_reduce", float(b), GroupShape(n, n)) == pytest.approx(t)
+    # between sizes: monotone; mid-size messages reach a smaller bus bandwidth than large ones
+    grid = np.geomspace(1e3, 2e9, 40)
+    times = h100.collective_time("all_gather", grid, GroupShape(8, 8))
+    assert np.all(np.diff(times) >= 0)
+    bus = {b: 7 / 8 * b / h100.collective_time("all_gather", b, GroupShape(8, 8)) for b in (2.0**24, 2.0**29)}
+    assert bus[2.0**24] < 0.8 * bus[2.0**29]
+    # all-reduce over NVLink SHARP beats twice an all-gather at large sizes, as measured
+    assert h100.collective_time("all_reduce", 2.0**29, GroupShape(8, 8)) < \
+        2 * h100.collective_time("all_gather", 2.0**29, GroupShape(8, 8))
+    # a group size not measured: the nearest measured one, scaled by the ring's volume
+    six = h100.collective_time("all_gather", 2.0**26, GroupShape(6, 6))
+    assert six == pytest.approx(h100.collective_time("all_gather", 2.0**26, GroupShape(8, 8)) * (5 / 6) / (7 / 8))
+    # across nodes the NICs bound it as before; all-to-all keeps its fitted efficiency
+    two_nodes = h100.collective_time("all_gather", 2.0**30, GroupShape(16, 8))
+    assert two_nodes > h100.collective_time("all_gather", 2.0**30, GroupShape(8, 8))
+    untabled = Hardware(ClusterSpec(1, 8, replace(device("H100-80GB"), comm_table="")))
+    assert h100.collective_time("all_to_all", 2.0**26, GroupShape(8, 8)) == \
+        untabled.collective_time("all_to_all", 2.0**26, GroupShape(8, 8))
+    assert h100.collective_time("all_gather", 2.0**26, GroupShape(8, 8)) != \
+        untabled.collective_time("all_gather", 2.0**26, GroupShape(8, 8))
+
+
+def test_a_cluster_file_that_changes_a_nodes_links_sets_the_measured_table_aside(tmp_path):
+    keep = tmp_path / "keep.toml"
+    keep.write_text('nodes = 1\ndevices_per_node = 8\ndevice = { base = "H100-80GB", node_net_gbps = 50.0 }\n')
+    slow = tmp_path / "slow.toml"
+    slow.write_text('nodes = 1\ndevices_per_node = 8\ndevice = { base = "H100-80GB", nvlink_gbps = 64.0 }\n')
+    assert parse_cluster(str(keep)).device.comm_table == "h100_sxm"
+    assert parse_cluster(str(slow)).device.comm_table == ""
+    gib = float(2**30)
+    assert Hardware(parse_cluster(str(slow))).collective_time("all_reduce", gib, GroupShape(8, 8)) > \
+        5 * Hardware(parse_cluster(str(keep))).collective_time("all_reduce", gib, GroupShape(8, 8))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('nodes = 1\ndevices_per_node = 8\ndevice = { base = "H100-80GB", comm_table = "h900" }\n')
+    with pytest.raises(SpecError, match="comm_table must be one of"):
+        parse_cluster(str(bad))

@@ -16,12 +16,12 @@ from flexmesh.spec.model import with_dtype
 
 GB = 1e9
 # 100 TFLOP/s peak at 50% for matmuls and 25% for attention; 100 GB/s NVLink at 100%; 80 GB/s per
-# node network (10 GB/s per GPU) at 100%; no latency; 80 GiB, nothing reserved.
+# node network (10 GB/s per GPU) at 100%; no latency; 80 GiB, nothing reserved; no measured NCCL table.
 DEV = replace(DEVICE_PRESETS["A100-80GB"], name="round", peak_tflops=dict.fromkeys(("bf16", "fp16", "fp32"), 100.0),
               mm_efficiency=0.5, attn_efficiency=0.25, nvlink_gbps=100.0, node_net_gbps=80.0, intra_efficiency=1.0,
               inter_efficiency=1.0, a2a_intra_efficiency=1.0, a2a_inter_efficiency=1.0, intra_latency_us=0.0,
               inter_latency_us=0.0, memory_gib=80.0, framework_reserve_gib=0.0, allocator_headroom=0.0,
-              hbm_gbps=1000.0, sms=None)
+              hbm_gbps=1000.0, sms=None, comm_table="")
 MODEL = ModelSpec(name="m", num_layers=4, hidden=1024, num_heads=8, num_kv_heads=8, ffn_hidden=4096, vocab=1000)
 
 

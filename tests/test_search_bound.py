@@ -10,8 +10,8 @@ import pytest
 
 from flexmesh.cost import CostModel
 from flexmesh.plan import SearchRequest
-from flexmesh.plan.space import FULL_SPACE
 from flexmesh.plan.search import search
+from flexmesh.plan.space import FULL_SPACE
 from flexmesh.spec import parse_cluster, parse_model
 
 search_module = importlib.import_module("flexmesh.plan.search")

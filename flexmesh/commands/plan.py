@@ -294,6 +294,13 @@ def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
         out.print(f"device {d.name} ({d.architecture}, {d.intra_link}), {cost.model.dtype} peak "
                   f"{d.peak_tflops[cost.model.dtype]:g} TFLOP/s; GEMM efficiency {d.mm_efficiency:.3f}: "
                   f"{d.efficiency_source}; datasheet: {d.source}", highlight=False)
+        links = (f"measured NCCL times of a {d.comm_table} node by message size (aiconfigurator-core, "
+                 "flexmesh.cost.comm_tables)" if d.comm_table else
+                 f"{d.intra_node_gbps(cost.hw.cluster.devices_per_node):g} GB/s x {d.intra_efficiency:g} "
+                 f"+ {d.intra_latency_us:g} us per step (no measured table of this part)")
+        out.print(f"collectives inside a node: {links}; across nodes: {d.node_net_gbps:g} GB/s per node x "
+                  f"{d.inter_efficiency:g} + {d.inter_latency_us:g} us per step; all-to-all at FlexSP's fitted "
+                  f"efficiencies", highlight=False)
     if stack is not None and stack.label != RUNTIME_STACK.label:
         out.print(f"layers priced as another stack runs them: {stack.label}", highlight=False)
     t = Table(title="step time (busiest pipeline rank)")

@@ -47,12 +47,12 @@ def systems_dir() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / "systems"
 
 
-def _version_key(path: Path) -> tuple:
+def version_key(path: Path) -> tuple:
     return tuple(int(p) if p.isdigit() else -1 for p in path.parent.name.replace("rc", ".").split("."))
 
 
 def newest_table(systems: Path, system: str) -> Path:
-    found = sorted((systems / "data" / system / "gemm" / FRAMEWORK).glob("*/gemm_perf.parquet"), key=_version_key)
+    found = sorted((systems / "data" / system / "gemm" / FRAMEWORK).glob("*/gemm_perf.parquet"), key=version_key)
     if not found:
         raise FileNotFoundError(f"no {FRAMEWORK} GEMM table for {system} under {systems}")
     return found[-1]

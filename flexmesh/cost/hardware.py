@@ -5,10 +5,17 @@ are modelled as NCCL runs them: ring algorithms inside a node over NVLink, and a
 by the NICs of the group's ranks (one NIC per GPU on DGX-class nodes), each part at a fitted fraction
 of the datasheet bandwidth (see ``flexmesh.cost.calibrate``).
 
-Worked example (A100 preset, 1 GiB all-reduce over the 8 GPUs of one node):
-``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus ``7 * 10 us`` latency. Inside a node, a
-group runs over NVLink when its GPUs of that node lie within one NVLink domain (all 8 behind an
+Worked example (a part without a measured table, 1 GiB all-reduce over the 8 GPUs of one node at
+300 GB/s): ``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus ``2 * 7 * 10 us`` latency. Inside a
+node, a group runs over NVLink when its GPUs of that node lie within one NVLink domain (all 8 behind an
 NVSwitch; a bridged pair of PCIe cards) and over PCIe otherwise (``DeviceSpec.nvlink_domain``).
+
+Parts whose node was measured (``DeviceSpec.comm_table``: A100 SXM, H100 SXM, H200, B200) take the
+all-reduce, all-gather and reduce-scatter inside a node from the measured NCCL times instead
+(:class:`CommTable`), by message size and GPU count: mid-size messages run well below the large ones'
+bandwidth, which no single efficiency and latency reproduce (A100, 8 GPUs: 136 GB/s bus bandwidth at
+16 MiB, 222 GB/s at 512 MiB), and H100's all-reduce uses NVLink SHARP (445 GB/s at 512 MiB against 336
+for all-gather).
 
 A hardware profile (written by ``flexmesh profile hardware``) replaces every number here with a
 measurement: ``flexmesh.profile.timing.ProfiledHardware``, a subclass built by
@@ -25,6 +32,7 @@ import numpy as np
 
 from flexmesh.cost.kernels import HBM_EFFICIENCY, Kernels
 from flexmesh.spec.cluster import ClusterSpec
+from flexmesh.spec.devices import COMM_TABLES
 from flexmesh.spec.model import DTYPE_BYTES
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -66,6 +74,74 @@ def group_shape(size: int, stride: int, cluster: ClusterSpec) -> GroupShape:
     return GroupShape(size, per_node)
 
 
+class CommTable:
+    """Measured times of ring collectives inside one node (presets/collectives.toml), by op, GPU count and
+    message size.
+
+    Between measured sizes the time is interpolated linearly in log(bytes) and log(time); below the
+    smallest it is the smallest's (the latency floor); above the largest it grows in proportion to the
+    bytes (the largest message's bandwidth). A GPU count the table did not measure takes the nearest
+    measured one (the larger on a tie), scaled by the ring's volume ``(n - 1) / n`` over the measured
+    count's.
+
+    >>> t = CommTable({"all_gather": {2: ((1e3, 1e6), (1e-5, 1e-4))}})
+    >>> [round(float(t.time("all_gather", 2, b)) * 1e6, 2) for b in (10.0, 1e3, 31622.78, 1e6, 2e6)]
+    [10.0, 10.0, 31.62, 100.0, 200.0]
+    >>> round(float(t.time("all_gather", 4, 1e6)) * 1e6, 2)  # 3/4 of the volume against 1/2
+    150.0
+    """
+
+    def __init__(self, curves: dict[str, dict[int, tuple[tuple[float, ...], tuple[float, ...]]]],
+                 linear: bool = False):
+        self._raw = curves
+        self._curves = {op: {n: (np.log(np.asarray(b, dtype=float)), np.log(np.asarray(t, dtype=float)),
+                                 float(b[-1]), float(t[-1]))
+                             for n, (b, t) in by_n.items()} for op, by_n in curves.items()}
+        # seconds per byte at the best measured bandwidth (the least t / b of a curve: at a measured size,
+        # since between sizes and beyond them t / b lies between its neighbours' or keeps the largest's)
+        self._rate = {op: {n: min(t_ / b_ for b_, t_ in zip(b, t)) for n, (b, t) in by_n.items()}
+                      for op, by_n in curves.items()}
+        self.linear = linear
+        self._memo: dict[tuple[str, int, float], float] = {}
+
+    def envelope(self) -> CommTable:
+        """The same table at each curve's best bandwidth and no latency: times proportional to the bytes,
+        never above the measured ones, and additive (the collectives of documents run alone add up to
+        theirs packed together), as :meth:`flexmesh.cost.kernels.Kernels.envelope` makes the kernels.
+
+        >>> t = CommTable({"all_gather": {2: ((1e3, 1e6), (1e-5, 1e-4))}}).envelope()
+        >>> [round(float(t.time("all_gather", 2, b)) * 1e6, 3) for b in (1e3, 1e6, 2e6)]
+        [0.1, 100.0, 200.0]
+        """
+        return CommTable(self._raw, linear=True)
+
+    def covers(self, kind: str) -> bool:
+        return kind in self._curves
+
+    def time(self, kind: str, n: int, nbytes):
+        """Seconds of one ``kind`` over ``n`` GPUs of a node with a buffer of ``nbytes`` (arrays too)."""
+        if not isinstance(nbytes, np.ndarray):
+            key = (kind, n, float(nbytes))
+            if key not in self._memo:
+                self._memo[key] = float(self._time(kind, n, np.asarray(float(nbytes))))
+            return self._memo[key]
+        return self._time(kind, n, nbytes)
+
+    def _time(self, kind: str, n: int, nbytes: np.ndarray) -> np.ndarray:
+        if n <= 1:
+            return np.zeros_like(nbytes, dtype=float)
+        by_n = self._curves[kind]
+        near = min(by_n, key=lambda m: (abs(m - n), -m))
+        if self.linear:
+            t = np.asarray(nbytes, dtype=float) * self._rate[kind][near]
+        else:
+            logb, logt, b_max, t_max = by_n[near]
+            b = np.maximum(np.asarray(nbytes, dtype=float), 1.0)
+            t = np.where(b > b_max, t_max * b / b_max, np.exp(np.interp(np.log(b), logb, logt)))
+        t = t * (((n - 1) / n) / ((near - 1) / near))
+        return np.where(np.asarray(nbytes) > 0, t, 0.0)
+
+
 @dataclass(frozen=True)
 class CollectiveParams:
     """Per-collective efficiencies and latencies; from a device preset or a hardware profile."""
@@ -80,6 +156,7 @@ class CollectiveParams:
     inter_latency_s: float
     nvlink_domain: int = 0  # GPUs of a node NVLink joins (0: all); groups with more of a node use PCIe
     pcie_gbps: float = 0.0  # per GPU per direction
+    table: CommTable | None = None  # measured ring collectives inside a node, where the part has them
 
     def intra_bytes_per_s(self, per_node: int) -> float:
         """Bandwidth of a group with ``per_node`` members on each node: NVLink within the NVLink domain
@@ -119,6 +196,7 @@ class Hardware:
             inter_latency_s=d.inter_latency_us * 1e-6,
             nvlink_domain=d.nvlink_domain,
             pcie_gbps=d.pcie_gbps,
+            table=_comm_table(d.comm_table),
         )
 
     def exposed(self, comm, window):
@@ -162,9 +240,25 @@ class Hardware:
         if factor is None:
             raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
         # Hierarchical ring: inside the node over NVLink, across nodes through the k NICs of the group.
-        t_intra = factor * (k - 1) / k * nbytes / (intra_bw * c.ring_intra_eff)
         t_inter = factor * (m - 1) / m * nbytes / (k * nic_bw * c.ring_inter_eff) if m > 1 else 0.0
-        lat = factor * ((k - 1) * c.intra_latency_s + (m - 1) * c.inter_latency_s)
+        if c.table is not None and c.table.covers(kind):  # measured, latency included
+            t_intra = c.table.time(kind, k, nbytes)
+            lat = factor * (m - 1) * c.inter_latency_s
+        else:
+            t_intra = factor * (k - 1) / k * nbytes / (intra_bw * c.ring_intra_eff)
+            lat = factor * ((k - 1) * c.intra_latency_s + (m - 1) * c.inter_latency_s)
         if isinstance(nbytes, np.ndarray):
             return np.maximum(t_intra, t_inter) + lat
         return max(t_intra, t_inter) + lat
+
+
+_TABLES: dict[str, CommTable] = {}
+
+
+def _comm_table(name: str) -> CommTable | None:
+    """The catalogue's measured table ``name`` (one instance per table: its memo is shared), None for ""."""
+    if not name:
+        return None
+    if name not in _TABLES:
+        _TABLES[name] = CommTable(COMM_TABLES[name])
+    return _TABLES[name]

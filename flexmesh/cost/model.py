@@ -53,13 +53,12 @@ from flexmesh.units import GIB
 class CostModel:
     """Time and memory for a model on a cluster.
 
-    ``hardware``: a :class:`Hardware` (``flexmesh.profile.use.hardware_from_profile(cluster, profile)``
-    for a measured machine; default: the cluster's device preset). ``timing``: the
-    :class:`~flexmesh.cost.timing.LayerTiming` of this model (checked), which prices each layer's and
-    the ends' compute and the bytes they keep; default :class:`~flexmesh.cost.analytic.AnalyticTiming`
-    (FLOPs over the hardware's throughput). Bytes are counted in the timing's dtype: with a model
-    profile's timing (``flexmesh.profile.timing.ProfiledTiming``) the dtype the profile measured,
-    the one the runtime trains in. Tensor- and context-parallel communication is added unless the
+    ``hardware``: a :class:`Hardware` (``flexmesh.profile.use.hardware_from_profile(cluster, profile)`` for a
+    measured machine; default: the cluster's device preset). ``timing``: the model's (checked)
+    :class:`~flexmesh.cost.timing.LayerTiming`, which prices each layer's and the ends' compute and the
+    bytes they keep; default :class:`~flexmesh.cost.analytic.AnalyticTiming` (FLOPs over the hardware's
+    throughput). Bytes are counted in the timing's dtype: with a model profile's timing the dtype the
+    profile measured, the runtime's. Tensor- and context-parallel communication is added unless the
     timing says its layer times include it (timed under real process groups).
 
     >>> from flexmesh.spec import parse_cluster, parse_model
@@ -74,8 +73,7 @@ class CostModel:
             timing.check_model(model)
             model = replace(model, dtype=timing.dtype)  # bytes in the dtype the timing measured (the runtime's)
         self.model = model
-        # Per-layer sliding windows, for attention_sq; NO_WINDOW keeps plain models on the exact s^2 path.
-        self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW
+        self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW  # NO_WINDOW: s^2
         self.cluster = cluster
         self.hw = hardware or Hardware(cluster, model.dtype)
         self.timing: LayerTiming = timing if timing is not None else AnalyticTiming(model, self.hw)
@@ -408,13 +406,15 @@ class CostModel:
         return other
 
     def with_kernels(self, change: Callable[[Kernels], Kernels]) -> CostModel:
-        """The same device with its kernel-time model changed (``Kernels.envelope``, ``Kernels.floor``: for
-        lower bounds); measured timings (a model profile) are linear in tokens and squared tokens beyond
-        their fixed cost, and monotone, already, and are kept as they are."""
+        """The same device with its kernel-time model changed (``Kernels.envelope``, whose collectives are
+        made additive too (``CommTable.envelope``), ``Kernels.floor``: for lower bounds); measured timings
+        (a model profile) are linear in tokens and squared tokens beyond their fixed cost, and monotone."""
         if not isinstance(self.timing, AnalyticTiming):
             return self
         hw = copy.copy(self.hw)
         hw.kernels = change(self.timing.kernels)
+        if change is Kernels.envelope and hw.comm is not None and hw.comm.table is not None:
+            hw.comm = replace(hw.comm, table=hw.comm.table.envelope())
         return CostModel(self.model, self.cluster, hardware=hw,
                          timing=AnalyticTiming(self.model, hw, self.timing.ring_balanced, self.timing.stack)
                          ).with_step_overlap(self.step_overlap)

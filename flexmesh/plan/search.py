@@ -152,10 +152,17 @@ def search(request: SearchRequest, progress: Progress | None = None) -> SearchOu
 
 
 def _cutoff(found: list[tuple[tuple[int, int], Found]], horizon: int) -> float:
-    """The ``horizon``-th least estimate found so far (inf: fewer found, or bounds switched off): a plan
-    estimated above it can no longer be among the estimates the evaluation looks at."""
-    estimates = sorted(f[0] for _, f in found)[:horizon]
-    return estimates[-1] if BOUNDED and len(estimates) == horizon else float("inf")
+    """The ``horizon``-th least estimate of distinct layouts found so far (inf: fewer found, or bounds
+    switched off): a plan estimated above it can no longer be among the plans the evaluation looks at.
+    One layout found under several overlap options counts once, as the evaluation counts it."""
+    if not BOUNDED:
+        return float("inf")
+    least: dict[tuple, float] = {}
+    for _, (estimate, (chunks, pp, schedule, v, m, _overlap)) in found:
+        key = (chunks, pp, schedule, v, m)
+        least[key] = min(estimate, least.get(key, float("inf")))
+    estimates = sorted(least.values())[:horizon]
+    return estimates[-1] if len(estimates) == horizon else float("inf")
 
 
 def _lower_bound(request: SearchRequest, config: Configuration) -> float:

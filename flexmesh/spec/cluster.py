@@ -214,6 +214,9 @@ _CLUSTER_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9\-]+)$")
 
 _CLUSTER_KEYS = ("nodes", "devices_per_node", "device", "speed_factors")
 _DEVICE_KEYS = ("base", *DeviceSpec.__dataclass_fields__)
+# Fields of a node's links: a device table that changes one prices collectives from them, not from its
+# base's measured table.
+_INTRA_FIELDS = {"nvlink_gbps", "intra_efficiency", "intra_latency_us", "intra_link", "nvlink_domain", "pcie_gbps"}
 
 
 def _from_mapping(d: dict, where: str) -> ClusterSpec:
@@ -229,6 +232,8 @@ def _from_mapping(d: dict, where: str) -> ClusterSpec:
         known_keys(dev, _DEVICE_KEYS, f"{where}: device table", SpecError)
         base = device(nonempty_text(dev["base"], f"{where}: device base", SpecError)) if "base" in dev else None
         fields = {k: v for k, v in dev.items() if k != "base"}
+        if base is not None and base.comm_table and "comm_table" not in fields and _INTRA_FIELDS & set(fields):
+            fields["comm_table"] = ""  # the measured node is not this one: price it from the fields given
         try:
             dev = replace(base, **fields) if base is not None else DeviceSpec(**fields)
         except TypeError as e:

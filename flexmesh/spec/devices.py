@@ -51,6 +51,9 @@ class DeviceSpec:
     pcie_gbps: float = 0.0  # per GPU per direction, for collectives beyond the NVLink domain
     source: str = ""  # the datasheet the numbers come from
     efficiency_source: str = ""  # where mm_efficiency comes from
+    # The measured NCCL table (presets/collectives.toml) that prices ring collectives inside a node; ""
+    # for none (then nvlink_gbps x intra_efficiency and intra_latency_us do).
+    comm_table: str = ""
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -77,6 +80,9 @@ class DeviceSpec:
         number(self.pcie_gbps, f"{where}: pcie_gbps", SpecError, strict=False)
         if self.intra_link not in INTRA_LINKS:
             raise SpecError(f"{where}: intra_link must be one of {', '.join(INTRA_LINKS)}, got {self.intra_link!r}")
+        if self.comm_table and self.comm_table not in COMM_TABLES:
+            raise SpecError(f"{where}: comm_table must be one of {', '.join(COMM_TABLES)} or empty, "
+                            f"got {self.comm_table!r}")
         if self.nvlink_domain > 0 and self.pcie_gbps <= 0:
             raise SpecError(f"{where}: nvlink_domain {self.nvlink_domain} needs pcie_gbps, the bandwidth of "
                             "collectives over more GPUs of a node than NVLink joins")
@@ -133,10 +139,31 @@ def catalogue_mm_efficiency(family_fit: float, table: GemmTable, family_table: G
     return family_fit * table.efficiency / family_table.efficiency
 
 
+def _load_comm_tables() -> dict[str, dict[str, dict[int, tuple[tuple[float, ...], tuple[float, ...]]]]]:
+    """presets/collectives.toml: per system, op and GPU count, (bytes, seconds) with the seconds made
+    non-decreasing in bytes (a larger message never takes less time than a smaller one padded to it;
+    the tables' smallest sizes wobble by a microsecond)."""
+    raw = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/collectives.toml").read_text())
+    out: dict[str, dict[str, dict[int, tuple[tuple[float, ...], tuple[float, ...]]]]] = {}
+    for system, ops in raw.items():
+        for op, by_n in ops.items():
+            if not isinstance(by_n, dict):
+                continue  # the table's path
+            for n, curve in by_n.items():
+                seconds, least = [], 0.0
+                for us in curve["us"]:
+                    least = max(least, us * 1e-6)
+                    seconds.append(least)
+                out.setdefault(system, {}).setdefault(op, {})[int(n)] = (tuple(curve["bytes"]), tuple(seconds))
+    return out
+
+
+COMM_TABLES = _load_comm_tables()
 _CATALOGUE = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/devices.toml").read_text())
 GEMM_TABLES: dict[str, GemmTable] = {k: GemmTable(**v) for k, v in _CATALOGUE["gemm_tables"].items()}
 _DATASHEET = ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps", "intra_latency_us", "inter_latency_us",
               "architecture", "sms", "intra_link", "nvlink_domain", "pcie_gbps", "source")
+_OPTIONAL = ("comm_table",)
 
 
 def _load_presets() -> dict[str, DeviceSpec]:
@@ -159,6 +186,7 @@ def _load_presets() -> dict[str, DeviceSpec]:
             framework_reserve_gib=mem["framework_reserve_gib"],
             allocator_headroom=mem["allocator_headroom"],
             **{k: d[k] for k in _DATASHEET},
+            **{k: d[k] for k in _OPTIONAL if k in d},
             **e,
         )
     return out
