@@ -19,7 +19,7 @@ from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.plan import SearchRequest, best_plans
 from flexmesh.plan.baselines import REPLICA_SPACE, mixed_baselines
 from flexmesh.plan.check import check_groups
-from flexmesh.plan.mixed import plan_mixed
+from flexmesh.plan.mixed import MixedSearch, plan_mixed
 from flexmesh.plan.mixed_partition import ReplicaClass, StageLine, partition, relaxed_split, split_batch
 from flexmesh.spec import parse_cluster, parse_model
 from flexmesh.spec.cluster import parse_mixed_cluster
@@ -254,3 +254,18 @@ def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero():
     per_type = MixedSearch(parse_model("llama2-7b"), two_types, 4096, 256).types.plans()
     layouts = [group_layout(g) for p in per_type for g in p.groups]
     assert per_type and any(lay.data_ranks > 1 and lay.sharded for lay in layouts)
+
+
+def test_a_pipeline_may_span_four_device_types_when_no_three_hold_the_model():
+    """Four types of 4 GPUs each, a model in fp16 whose states no three of them hold: one pipeline over all
+    four (most memory per device first), at the largest TP degree all allow."""
+    model = parse_model("gpt:40:4608:36@fp16")
+    with pytest.raises(PlanError, match="no pipeline"):
+        MixedSearch(model, parse_mixed_cluster("1x4xT4+1x4xV100-16GB+1x4xA10"), 1024, 32).run()
+    cluster = parse_mixed_cluster("1x4xT4+1x4xV100-16GB+1x4xRTX-2080Ti+1x4xA10")
+    found = MixedSearch(model, cluster, 1024, 32).run()
+    assert found.evaluation.fits
+    (group,) = found.plan.groups
+    kinds = [cluster.group_of(group.ranks[i * group.stage_devices]) for i in range(len(group.stages))]
+    assert sorted(kinds) == [0, 1, 2, 3] and kinds[0] == 3  # the A10s (24 GB) first
+    assert {group.stage_tp(i) for i in range(len(group.stages))} == {4}

@@ -2,13 +2,13 @@
 
 Upper level (this module): for each device group a tensor-parallel degree (divisors of its node
 size that split the heads), pipeline shapes made of its TP groups (``p`` stages of one type), and
-mixed shapes whose stages lie on two groups (``a`` TP groups of one type, then ``b`` of another,
-in both orders) or three (one or two TP groups of each, in every order), where a group too small or
-too short of memory for whole pipelines lends stages to others; and a micro-batch size shared by the
-replicas. A configuration is a set of shapes with replica counts; TP groups no shape takes are listed
-unused. Pipelines are laid out as the uniform rank order lays them out: TP groups innermost, the
-replicas of one shape next, stages outermost, so that a stage's gradient all-reduce stays inside a
-node where it can.
+mixed shapes whose stages lie on two groups (``a`` TP groups of one type, then ``b`` of another, in both
+orders), three (one or two TP groups of each, in every order) or more (one or two of each, in one order:
+:func:`chain_order`), where a group too small or too short of memory for whole pipelines lends stages to
+others; and a micro-batch size shared by the replicas. A configuration is a set of shapes with replica
+counts; TP groups no shape takes are listed unused. Pipelines are laid out as the uniform rank order lays
+them out: TP groups innermost, the replicas of one shape next, stages outermost, so that a stage's
+gradient all-reduce stays inside a node where it can.
 
 Lower level (flexmesh.plan.mixed_partition), exact: each replica's layer partition (min-max stage
 time under every stage device's memory, each stage priced by its own device's CostModel) and the
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from itertools import permutations, product
+from itertools import combinations, permutations, product
 
 from flexmesh.cost import in_flight
 from flexmesh.cost.mixed import (
@@ -67,7 +67,7 @@ MICROBATCH_SIZES = (1, 2, 3, 4, 6, 8)
 TOP_SHAPES = 3
 # Mixed shapes: at most this many stages (a + b); deeper mixed pipelines only add bubbles.
 MAX_MIXED_STAGES = 8
-CHAIN3_STAGES = 2  # TP groups of each type in a pipeline over three types: 1 or 2
+CHAIN_STAGES = 2  # TP groups of each type in a pipeline over three or more types: 1 or 2
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 Shape = tuple[tuple[int, int], ...]  # (group, tp) per stage, first stage first
@@ -101,6 +101,20 @@ class MixedResult:
     configurations: int  # configurations priced (partitions and batch split)
     # Every distinct plan priced in full that fits, fastest first (the plan first), with its evaluation.
     candidates: list[tuple[Plan, GroupsEvaluation]] = field(default_factory=list)
+
+
+def chain_order(cluster: MixedCluster, groups: Sequence[int]) -> tuple[int, ...]:
+    """The order a pipeline over four or more device groups runs them in: most memory per device first
+    (the first stages keep the most micro-batches in flight), then the faster peak.
+
+    >>> from flexmesh.spec.cluster import parse_mixed_cluster
+    >>> chain_order(parse_mixed_cluster("2xT4+2xA10+2xRTX-2080Ti+2xV100-32GB"), (0, 1, 2, 3))
+    (3, 1, 0, 2)
+    """
+    def key(g: int) -> tuple[float, float]:
+        d = cluster.groups[g].device
+        return (-d.usable_memory_bytes, -max(d.peak_tflops.values()))
+    return tuple(sorted(groups, key=key))
 
 
 def tp_degrees(model: ModelSpec, per_node: int) -> list[int]:
@@ -227,12 +241,20 @@ class MixedSearch:
                                             pure[g2][:2] or [(0, ((g2, default_tp[g2]),))]):
                 if s1[0][1] == s2[0][1]:
                     configs += self._mixed(((g1, s1[0][1]), (g2, s2[0][1])), MAX_MIXED_STAGES - 1, pure)
-        # Pipelines over three device types, one or two TP groups of each, at a TP degree every one of
-        # them has a shape of: for a type too short of memory to hold the model with one other.
-        for chain in permutations(groups, 3):
-            best = [{s[0][1] for _, s in pure[g]} or {default_tp[g]} for g in chain]
-            for t in sorted(set.intersection(*best)):
-                configs += self._mixed(tuple((g, t) for g in chain), CHAIN3_STAGES, pure)
+        # Pipelines over three or more device types, one or two TP groups of each: for types too short of
+        # memory to hold the model with one other. Three types in every order; four or more in one
+        # (chain_order), as their orders grow factorially. The TP degrees every member has a shape of;
+        # where a member has none (it holds no pipeline of its own), the largest degree all of them
+        # allow, which gives each stage the most memory.
+        chains = list(permutations(groups, 3))
+        for k in range(4, min(len(groups), MAX_MIXED_STAGES) + 1):
+            chains += [chain_order(self.cluster, members) for members in combinations(groups, k)]
+        for chain in chains:
+            own = [{s[0][1] for _, s in pure[g]} for g in chain]
+            allowed = set.intersection(*(set(tp_degrees(self.model, self.cluster.groups[g].devices_per_node))
+                                         for g in chain))
+            for t in sorted(set.intersection(*own) if all(own) else set(sorted(allowed)[-1:])):
+                configs += self._mixed(tuple((g, t) for g in chain), CHAIN_STAGES, pure)
         return configs
 
     def _mixed(self, members: tuple[tuple[int, int], ...], most_each: int, pure: dict) -> list[Config]:
