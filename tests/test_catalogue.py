@@ -185,6 +185,7 @@ def test_explain_says_where_the_devices_numbers_come_from(capsys):
                  "--top", "1", "--explain"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "collectives inside a node: measured NCCL times of a h100_sxm node by message size" in out
+    assert "framework: no fixed cost per micro-batch or pipeline stage beyond each kernel's 3 us launch" in out
 
 
 def test_measured_parts_take_ring_collectives_inside_a_node_from_their_nccl_tables():

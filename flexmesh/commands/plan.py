@@ -288,6 +288,17 @@ def _table(out: Console, r: SearchResult, expected: dict[str, Expected]) -> None
                       f"MFU {b.evaluation.mfu:.1%}  ({b.plan.layout})", highlight=False)
 
 
+def framework_terms(cost: CostModel) -> str:
+    """What the cost model charges a micro-batch beyond its kernels and collectives, and where it comes from."""
+    t = cost.timing
+    if hasattr(t, "fixed_fwd"):  # a model profile's whole-model fit (flexmesh.profile.timing.ProfiledTiming)
+        return (f"framework: the model profile's whole-model fit, forward {t.k_fwd:.2f}x its layers + "
+                f"{t.fixed_fwd * 1e3:.2f} ms, backward {t.k_bwd:.2f}x + {t.fixed_bwd * 1e3:.2f} ms per micro-batch "
+                "(the fixed part once per micro-batch, with the head on the last pipeline stage)")
+    return ("framework: no fixed cost per micro-batch or pipeline stage beyond each kernel's 3 us launch "
+            "(no source gives one for a preset; `flexmesh profile model` measures this runtime's)")
+
+
 def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
     d, stack = cost.hw.cluster.device, getattr(cost.timing, "stack", None)
     if cost.hw.source.startswith("preset:"):  # where the device's numbers come from (a profile: measured)
@@ -301,6 +312,7 @@ def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
         out.print(f"collectives inside a node: {links}; across nodes: {d.node_net_gbps:g} GB/s per node x "
                   f"{d.inter_efficiency:g} + {d.inter_latency_us:g} us per step; all-to-all at FlexSP's fitted "
                   f"efficiencies", highlight=False)
+    out.print(framework_terms(cost), highlight=False)
     if stack is not None and stack.label != RUNTIME_STACK.label:
         out.print(f"layers priced as another stack runs them: {stack.label}", highlight=False)
     t = Table(title="step time (busiest pipeline rank)")

@@ -246,7 +246,7 @@ class MixedSearch:
         # (chain_order), as their orders grow factorially. The TP degrees every member has a shape of;
         # where a member has none (it holds no pipeline of its own), the largest degree all of them
         # allow, which gives each stage the most memory.
-        chains = list(permutations(groups, 3))
+        chains: list[tuple[int, ...]] = list(permutations(groups, 3))
         for k in range(4, min(len(groups), MAX_MIXED_STAGES) + 1):
             chains += [chain_order(self.cluster, members) for members in combinations(groups, k)]
         for chain in chains:
