@@ -159,3 +159,43 @@ def test_fuzz_mixed_cluster_string(text):
             parse(text)
         except FlexmeshError as e:
             assert "\n" not in str(e).strip()
+
+
+def test_per_node_nics_and_node_links_bound_the_collectives_that_may_cross_them(tmp_path):
+    from flexmesh.cost.hardware import GroupShape, Hardware
+
+    one = tmp_path / "one.toml"
+    one.write_text('nodes = 4\ndevices_per_node = 8\ndevice = "H100"\nnic_gbps = [400.0, 400.0, 50.0, 400.0]\n')
+    slow, fast = parse_cluster(str(one)), parse_cluster("4x8xH100")
+    assert slow.device.node_net_gbps == 50.0  # a ring over the nodes runs at its slowest NIC
+    across = GroupShape(32, 8)
+    assert Hardware(slow).collective_time("all_reduce", 2.0**30, across) > \
+        4 * Hardware(fast).collective_time("all_reduce", 2.0**30, across)
+    mixed = tmp_path / "mixed.toml"
+    mixed.write_text('[[groups]]\nnodes = 2\ndevices_per_node = 4\ndevice = "A100-80GB"\n'
+                     '[[groups]]\nnodes = 2\ndevices_per_node = 4\ndevice = "H100"\n'
+                     '[node_links."0-1"]\ngbps = 10.0\nlatency_us = 40.0\n'
+                     '[node_links."3-1"]\ngbps = 1.0\nlatency_us = 80.0\n')
+    c = parse_mixed_cluster(str(mixed))
+    assert (c.groups[0].device.node_net_gbps, c.groups[0].device.inter_latency_us) == (10.0, 40.0)  # inside group 0
+    assert c.groups[1].device.node_net_gbps == 400.0
+    assert (c.link(0, 1).gbps, c.link(0, 1).latency_us) == (1.0, 80.0)  # node 3 (group 1) to node 1 (group 0)
+
+
+@pytest.mark.parametrize("text, expect", [
+    ('nodes = 2\ndevices_per_node = 4\ndevice = "H100"\nnic_gbps = [100.0]\n', "1 entries for 2 nodes"),
+    ('nodes = 2\ndevices_per_node = 4\ndevice = "H100"\nnic_gbps = [100.0, -1.0]\n', r"nic_gbps\[1\]"),
+    ('nodes = 2\ndevices_per_node = 4\ndevice = "H100"\n[node_links."0-2"]\ngbps = 1.0\nlatency_us = 1.0\n',
+     "does not join two of the 2 nodes"),
+    ('nodes = 2\ndevices_per_node = 4\ndevice = "H100"\n[node_links."1-1"]\ngbps = 1.0\nlatency_us = 1.0\n',
+     "does not join two"),
+    ('nodes = 2\ndevices_per_node = 4\ndevice = "H100"\n[node_links.a]\ngbps = 1.0\n', "not a pair of nodes"),
+    ('nodes = 2\ndevices_per_node = 4\ndevice = "H100"\n[node_links."0-1"]\ngbps = 1.0\nlatency_us = 1.0\n'
+     '[node_links."1-0"]\ngbps = 2.0\nlatency_us = 1.0\n', "given twice"),
+    ('nodes = 2\ndevices_per_node = 4\ndevice = "H100"\n[node_links."0-1"]\ngbps = 1.0\n', "needs gbps and latency_us"),
+])
+def test_bad_node_networks_are_one_line_errors(tmp_path, text, expect):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(SpecError, match=expect):
+        parse_mixed_cluster(str(f))

@@ -212,7 +212,7 @@ class MixedCluster:
 
 _CLUSTER_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9\-]+)$")
 
-_CLUSTER_KEYS = ("nodes", "devices_per_node", "device", "speed_factors")
+_CLUSTER_KEYS = ("nodes", "devices_per_node", "device", "speed_factors", "nic_gbps")
 _DEVICE_KEYS = ("base", *DeviceSpec.__dataclass_fields__)
 # Fields of a node's links: a device table that changes one prices collectives from them, not from its
 # base's measured table.
@@ -246,13 +246,19 @@ def _from_mapping(d: dict, where: str) -> ClusterSpec:
     factors = sequence(d.get("speed_factors", []), f"{where}: speed_factors", SpecError)
     nodes = whole(d["nodes"], f"{where}: nodes", SpecError)
     per_node = whole(d["devices_per_node"], f"{where}: devices_per_node", SpecError)
+    if "nic_gbps" in d:  # one NIC bandwidth per node: the group's rings across nodes run at the slowest
+        nics = sequence(d["nic_gbps"], f"{where}: nic_gbps", SpecError)
+        if len(nics) != nodes:
+            raise SpecError(f"{where}: nic_gbps has {len(nics)} entries for {nodes} nodes; give one per node")
+        slowest = min(number(x, f"{where}: nic_gbps[{i}]", SpecError) for i, x in enumerate(nics))
+        dev = replace(dev, node_net_gbps=min(slowest, dev.node_net_gbps)) if nics else dev
     try:
         return ClusterSpec(nodes=nodes, devices_per_node=per_node, device=dev, speed_factors=tuple(factors))
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
 
 
-_MIXED_KEYS = ("groups", "links")
+_MIXED_KEYS = ("groups", "links", "node_links")
 _LINK_KEYS = ("gbps", "latency_us")
 
 
@@ -275,7 +281,8 @@ def _mixed_from_mapping(d: object, where: str) -> MixedCluster:
     if "groups" not in d:
         if "links" in d:
             raise SpecError(f"{where}: a cluster file with links needs groups ([[groups]] tables)")
-        return MixedCluster((_from_mapping(d, where),))
+        one = {k: v for k, v in d.items() if k != "node_links"}
+        return _with_node_links(MixedCluster((_from_mapping(one, where),)), d.get("node_links", {}), where)
     known_keys(d, _MIXED_KEYS, f"{where}: mixed cluster file", SpecError)
     tables = sequence(d["groups"], f"{where}: groups", SpecError)
     if not tables:
@@ -298,9 +305,50 @@ def _mixed_from_mapping(d: object, where: str) -> MixedCluster:
         named = {(min(i, j), max(i, j)) for i, j, _ in links}
         links += [(a, b, default) for a in range(len(groups)) for b in range(a + 1, len(groups)) if (a, b) not in named]
     try:
-        return MixedCluster(groups, tuple(links))
+        cluster = MixedCluster(groups, tuple(links))
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
+    return _with_node_links(cluster, d.get("node_links", {}), where)
+
+
+def _with_node_links(cluster: MixedCluster, raw: object, where: str) -> MixedCluster:
+    """``cluster`` with a file's ``node_links`` applied: ``"i-j"`` tables (global node indices, numbered
+    group by group as ranks are) of ``gbps`` and ``latency_us``. The cost model prices a layout without
+    placing it on particular nodes, so a link bounds every collective that may cross it: a link inside a
+    group lowers that group's inter-node network (the smaller ``node_net_gbps``, the larger
+    ``inter_latency_us``), a link between two groups their group link the same way."""
+    raw = mapping(raw, f"{where}: node_links", SpecError)
+    if not raw:
+        return cluster
+    starts = [sum(g.nodes for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
+
+    def group_of_node(n: int) -> int:
+        return max(k for k, s0 in enumerate(starts) if s0 <= n)
+
+    groups, links = list(cluster.groups), {(a, b): link for a, b, link in cluster.links}
+    seen = set()
+    for key, value in raw.items():
+        pair = re.fullmatch(r"(\d{1,6})-(\d{1,6})", str(key))
+        if pair is None:
+            raise SpecError(f"{where}: node_links key {key!r} is not a pair of nodes like \"0-3\"")
+        i, j = sorted((int(pair.group(1)), int(pair.group(2))))
+        if i == j or j >= cluster.nodes:
+            raise SpecError(f"{where}: node link {key} does not join two of the {cluster.nodes} nodes "
+                            f"(0..{cluster.nodes - 1}, numbered group by group)")
+        if (i, j) in seen:
+            raise SpecError(f"{where}: node link {i}-{j} is given twice")
+        seen.add((i, j))
+        link = _link(value, None, f"{where}: node link {key}")
+        gi, gj = group_of_node(i), group_of_node(j)
+        if gi == gj:
+            d = groups[gi].device
+            groups[gi] = replace(groups[gi], device=replace(
+                d, node_net_gbps=min(d.node_net_gbps, link.gbps),
+                inter_latency_us=max(d.inter_latency_us, link.latency_us)))
+        else:
+            old = links[(gi, gj)]
+            links[(gi, gj)] = Link(min(old.gbps, link.gbps), max(old.latency_us, link.latency_us))
+    return MixedCluster(tuple(groups), tuple((a, b, link) for (a, b), link in links.items()))
 
 
 _MIXED_WHERE = ("mixed clusters (groups joined by '+', or a file with [[groups]]) are accepted by "
