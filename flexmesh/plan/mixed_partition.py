@@ -25,6 +25,7 @@ is solved with SciPy's HiGHS MILP (``scipy.optimize.milp``); it is exact for thi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,9 +53,9 @@ class StageLine:
         """Most layers this stage holds within ``bound`` seconds and its memory."""
         best = 0
         for t, e, b, g in zip(self.tau, self.e, self.beta, self.gamma):
-            by_mem = int(np.floor((self.budget - g) / b)) if self.budget >= g else 0
+            by_mem = math.floor((self.budget - g) / b) if self.budget >= g else 0
             if bound != np.inf:
-                by_mem = min(by_mem, int(np.floor((bound - e) / t * (1 + _EPS) + _EPS)) if bound >= e else 0)
+                by_mem = min(by_mem, math.floor((bound - e) / t * (1 + _EPS) + _EPS) if bound >= e else 0)
             best = max(best, by_mem)
         return best
 
@@ -184,25 +185,18 @@ def relaxed_split(classes: Sequence[ReplicaClass], microbatches: int) -> float:
     """A lower bound on :func:`split_batch`'s time: micro-batch counts allowed fractional (>= 1 each).
 
     The class of ``N`` replicas holds ``N * max(1, (t - a) / c)`` micro-batches within ``t`` seconds,
-    increasing in ``t``; the bound is the ``t`` at which the classes hold them all (bisection), and at
-    least the time of one micro-batch on every replica.
+    increasing in ``t``; the bound is the ``t`` at which the classes hold them all, and at least the time
+    of one micro-batch on every replica, ``t0 = max(a + c)``. From ``t0`` on every class is past its
+    ``max``, so the count held is linear in ``t`` and the crossing is solved directly.
 
     >>> round(relaxed_split([ReplicaClass(1, 0.0, 1.0), ReplicaClass(2, 0.0, 3.0)], 10), 6)
     6.0
     """
     if sum(k.count for k in classes) > microbatches:
         return float(np.inf)
-
-    def held(t: float) -> float:
-        return sum(k.count * max(1.0, (t - k.a) / k.c) for k in classes)
-
-    lo, hi = max(k.a + k.c for k in classes), max(k.a + k.c * microbatches for k in classes)
-    if held(lo) >= microbatches:
-        return lo
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if held(mid) >= microbatches else (mid, hi)
-    return hi
+    t0 = max(k.a + k.c for k in classes)
+    rate = sum(k.count / k.c for k in classes)
+    return max(t0, (microbatches + sum(k.count * k.a / k.c for k in classes)) / rate)
 
 
 def strategy(tp: int, mode: Recompute) -> LayerStrategy:
