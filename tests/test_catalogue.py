@@ -158,6 +158,42 @@ def test_recorded_medians_match_the_installed_tables():
     assert redo([]) == 0
 
 
+def test_nccl_tables_are_read_as_bytes_and_median_seconds(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import tomllib
+
+    from flexmesh.cost.comm_tables import curves, newest_table, to_toml
+
+    rows = [("all_reduce", 8, "half", 1024, 0.010), ("all_reduce", 8, "half", 1024, 0.030),
+            ("all_reduce", 8, "half", 1024, 0.020), ("all_reduce", 8, "half", 4096, 0.040),
+            ("all_reduce", 8, "int8", 1024, 0.001), ("alltoall", 8, "half", 1024, 0.001)]
+    for version in ("2.9.1", "2.27.3"):  # the newest version's table is the one read
+        folder = tmp_path / "data" / "x_sxm" / "comm" / "nccl" / version
+        folder.mkdir(parents=True)
+        cols = list(zip(*rows))
+        pq.write_table(pa.table({"op_name": list(cols[0]), "num_gpus": list(cols[1]), "nccl_dtype": list(cols[2]),
+                                 "message_size": list(cols[3]), "latency": list(cols[4])}),
+                       folder / "nccl_perf.parquet")
+    path = newest_table(tmp_path, "x_sxm")
+    assert path.parent.name == "2.27.3"
+    got = curves(path)
+    # fp16 only (2 bytes an element), all-to-all left to its fitted efficiency, the median of repeats (ms -> s)
+    assert got == {"all_reduce": {8: ([2048, 8192], [pytest.approx(20e-6), pytest.approx(40e-6)])}}
+    back = tomllib.loads(to_toml({"x_sxm": ("t", got)}))
+    assert back["x_sxm"]["all_reduce"]["8"] == {"bytes": [2048, 8192], "us": [20.0, 40.0]}
+
+
+def test_recorded_nccl_tables_match_the_installed_ones():
+    pytest.importorskip("pyarrow")
+    from flexmesh.cost.comm_tables import main as redo
+    from flexmesh.cost.gemm_tables import systems_dir
+
+    if systems_dir() is None:
+        pytest.skip("aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
+    assert redo([]) == 0
+
+
 def test_the_uniform_baseline_runs_on_the_clusters_own_network(tmp_path):
     """A mixed cluster joined by 10 Gb/s Ethernet: the one-layout baseline over all of it is priced on
     that link, not on the slowest device's datacenter NICs."""
