@@ -45,6 +45,7 @@ from flexmesh.cost.hardware import COLLECTIVES, PRESET_OVERLAP, GroupShape, Hard
 from flexmesh.cost.timing import LayerTimes
 from flexmesh.cost.work import Amount
 from flexmesh.errors import ProfileError
+from flexmesh.layout.stack import RUNTIME_STACK
 from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.profile.format import HardwareProfile, ModelProfile
 from flexmesh.spec.cluster import ClusterSpec
@@ -72,6 +73,9 @@ class ProfiledTiming:
     >>> cm.activation_bytes_per_token(LayerStrategy(tp=2), layers=1)  # not measured at tp 2: tp 1 / 2
     50.0
     """
+
+    # A profile times flexmesh's own runtime, so it prices that stack's layers and no other's.
+    stack = RUNTIME_STACK
 
     def __init__(self, profile: ModelProfile):
         self.profile = profile
