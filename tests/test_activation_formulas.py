@@ -79,6 +79,8 @@ def test_the_command_line_prices_another_stack(tmp_path, capsys):
     assert main(check) == 0
     ours = json.loads(capsys.readouterr().out)
     assert ours["valid"] and max(ours["peak_memory_gib"]) < 74.5
+    assert main(check + ["--fused-swiglu"]) == 0  # GeLU layers: the flag changes nothing
+    assert json.loads(capsys.readouterr().out)["peak_memory_gib"] == ours["peak_memory_gib"]
     assert main(check + ["--attention", "unfused", "--no-sequence-parallel", "--dropout"]) == 2
     assert "GiB on stage 0 but the device has" in capsys.readouterr().err
 
@@ -97,3 +99,18 @@ def test_unfused_attention_is_priced_kernel_by_kernel():
     assert 3.0 < f8 / f2 < 4.0 and 3.0 < b8 / b2 < 4.0  # the score traffic is linear in s per token
     assert attention(no_dropout, 2048)[0] < f2
     assert attention(cm, 8192)[0] < f8 / 2  # flash attention skips the masked half and stores nothing
+
+
+def test_a_fused_swiglu_keeps_one_ffn_wide_tensor_less():
+    """Megatron-LM's bias_swiglu and Transformer Engine keep the gate and up outputs and recompute silu in
+    backward: ffn elements fewer per token than the runtime's separate kernels; GeLU layers are as they were."""
+    llama = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
+    fused = with_stack(llama, Stack(fused_swiglu=True))
+    m = llama.model
+    for s in (S(dp=8), S(tp=4, dp=2)):
+        saved = llama.activation_bytes_per_token(s, layers=1) - fused.activation_bytes_per_token(s, layers=1)
+        assert saved == pytest.approx(m.ffn_hidden * m.dtype_bytes / s.tp)
+    gpt = CostModel(parse_model(GPT_22B), parse_cluster("8xA100-80GB"))
+    assert with_stack(gpt, Stack(fused_swiglu=True)).activation_bytes_per_token(S(tp=8), layers=1) == \
+        gpt.activation_bytes_per_token(S(tp=8), layers=1)
+    assert Stack(fused_swiglu=True).label == "fused attention, sequence parallel, fused SwiGLU"

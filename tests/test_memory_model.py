@@ -19,16 +19,16 @@ from flexmesh.spec import MODEL_PRESETS, parse_cluster
 from flexmesh.units import GIB
 
 MODEL = MODEL_PRESETS["llama2-7b"]
-# Llama 3 405B ran without activation checkpointing at 8K (2407.21783, section 3.3.2) with a pipeline
-# schedule of its own and tensors freed early; the paper gives neither the chunks per rank nor what
-# its framework keeps per layer, and flexmesh's count of what its own runtime keeps exceeds 80 GB.
-# Checked against the paper: micro-batch of one sequence, TP 8 x PP 16, no recomputation (as priced);
-# gradients accumulated in fp32 over micro-batches before the reduce-scatter (section 3.3.4), so kept
-# unsharded (ZeRO-1 states here are the same bytes). Rank 0's estimate (8K, 64 ranks of DP): states
-# 19.9 GiB + activations 95.0 GiB (19.75 stages in flight under Megatron's interleaved warm-up with the
-# assumed 4 chunks; 1F1B would hold 16) = 115 GiB; 16K GPUs and 131K: 97 GiB; budget 73.8 GiB. The
-# paper's one layer less on the first and last stages would take about 1/8 off rank 0's activations,
-# not enough; the rest is the unpublished schedule and kept tensors.
+# Llama 3 405B ran without activation checkpointing at 8K (2407.21783, section 3.3.2): micro-batch of one
+# sequence, TP 8 x PP 16, chunks of one layer (one layer fewer on the first and last stage leaves the
+# first chunk with the embedding alone and the last with the head alone: 8 chunks per rank), gradients
+# accumulated in fp32 over micro-batches before the reduce-scatter (section 3.3.4), so kept unsharded
+# (ZeRO-1 states here are the same bytes). Not published: N (micro-batches per chunk in a row) and what
+# its framework keeps per layer. Priced so (flexmesh.cost.pipeline.chunk_anchors, Megatron's warm-up with
+# N = pp, --fused-swiglu), rank 1 holds 141 one-layer chunks in flight: 8K 88.8 GiB, 16K GPUs and 131K
+# 82.1 GiB, against 73.8 usable (the presets count an "80 GB" part as 74.5 GiB; nvidia-smi shows 81559 MiB
+# = 79.65 GiB on an H100 80GB HBM3). Sharding the gradients every micro-batch would fit (77 and 70 GiB)
+# but, priced as exposed past each micro-batch's backward, makes the step 34% slower than published.
 UNKNOWN_SCHEDULE = {r.name for r in PUBLISHED_RUNS if r.name.startswith("llama3-")}
 
 

@@ -1,5 +1,6 @@
-"""Selective recomputation and interleaving with three chunks per rank run, and give the
-single-process losses and parameters (1e-5), as every layout of tests/test_runtime_parallel.py does.
+"""Selective recomputation, interleaving with three chunks per rank and chunks of the embedding or the
+head alone run, and give the single-process losses and parameters (1e-5), as every layout of
+tests/test_runtime_parallel.py does.
 
 This file reuses that file's reference, worker and checks with layouts of its own; it is also the
 worker (``python tests/test_runtime_recompute.py worker``).
@@ -25,6 +26,10 @@ LAYOUTS: dict[str, dict] = {
     "selective_ring": dict(world=2, strategies=["tp1-r2-dp1z3-sac"] * 4),
     "selective_ulysses": dict(world=2, strategies=["tp1-u2-dp1z2-sac"] * 4),
     "selective_pp": dict(world=2, pp=2, schedule="1f1b", layers=[[0, 2], [2, 4]], strategies=["tp1-dp1z0-sac"] * 4),
+    # Llama 3's pipeline (2407.21783, section 3.3.2): the first chunk holds only the embedding, the last
+    # only the norm, output projection and loss
+    "end_chunks": dict(world=2, pp=2, schedule="interleaved", v=2, layers=[[0, 0], [0, 2], [2, 4], [4, 4]],
+                       strategies=["tp1-dp1z0"] * 4),
     # three chunks per pipeline rank: rank 0 runs layers 0, 2, 4 and rank 1 layers 1, 3, 5
     "interleaved_v3": dict(world=2, pp=2, schedule="interleaved", v=3, window=SIX,
                            layers=[[i, i + 1] for i in range(6)], strategies=["tp1-dp1z0"] * 6),

@@ -194,6 +194,8 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                         "kept whole on every tp rank")
     g.add_argument("--dropout", action="store_true", help="the stack trains with dropout (a one-byte mask per "
                    "dropped element kept for backward)")
+    g.add_argument("--fused-swiglu", action="store_true", help="the stack fuses SwiGLU and recomputes silu in "
+                   "backward (Megatron-LM, Transformer Engine): 3 x ffn kept per token instead of 4")
 
 
 def stack_of(args):  # noqa: ANN001, ANN201
@@ -201,4 +203,5 @@ def stack_of(args):  # noqa: ANN001, ANN201
     from flexmesh.layout.stack import Stack
 
     return Stack(attention=getattr(args, "attention", "fused"),
-                 sequence_parallel=getattr(args, "sequence_parallel", True), dropout=getattr(args, "dropout", False))
+                 sequence_parallel=getattr(args, "sequence_parallel", True), dropout=getattr(args, "dropout", False),
+                 fused_swiglu=getattr(args, "fused_swiglu", False))

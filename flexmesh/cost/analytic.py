@@ -115,12 +115,13 @@ def memory_bytes_per_token(model: ModelSpec) -> int:
     return (4 * h + 6 * h + rotary + act) * b
 
 
-def activation_elems_per_token(model: ModelSpec) -> int:
+def activation_elems_per_token(model: ModelSpec, fused_swiglu: bool = False) -> int:
     """Elements one layer saves for backward per token (before dividing by tp and cp).
 
     Attention block: norm input, qkv input, q, k, v, attention output (saved by the kernel and by
     the output projection). MLP block: norm input, fc input, and for SwiGLU the gate and up outputs,
-    the activation output and the down-projection input (GeLU: fc1 output and activation output).
+    the activation output and the down-projection input (GeLU: fc1 output and activation output);
+    a fused SwiGLU (``fused_swiglu``, flexmesh.layout.stack) recomputes the activation output.
 
     >>> from flexmesh.spec import MODEL_PRESETS
     >>> activation_elems_per_token(MODEL_PRESETS["llama2-7b"])  # 6h + 2kv + 4ffn
@@ -128,7 +129,7 @@ def activation_elems_per_token(model: ModelSpec) -> int:
     """
     h = model.hidden
     attn = 2 * h + 2 * model.q_dim + 2 * model.kv_dim
-    mlp = 2 * h + (4 if model.activation == "swiglu" else 2) * model.ffn_hidden
+    mlp = 2 * h + ((3 if fused_swiglu else 4) if model.activation == "swiglu" else 2) * model.ffn_hidden
     return attn + mlp
 
 
@@ -144,7 +145,7 @@ class AnalyticTiming:
         self.ring_balanced = ring_balanced
         self.hw = hardware
         self.dtype = model.dtype
-        self.act_elems = activation_elems_per_token(model)
+        self.act_elems = activation_elems_per_token(model, stack.fused_swiglu)
         # A measured machine (a hardware profile) has no datasheet tiles: its throughputs as measured.
         self.kernels: Kernels = getattr(hardware, "kernels", None) or Kernels(
             mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops, hbm_bytes_per_s=hardware.hbm_bytes_per_s,

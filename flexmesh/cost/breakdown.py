@@ -16,6 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from flexmesh.cost.model import CostModel
+from flexmesh.cost.pipeline import chunk_anchors
 from flexmesh.cost.work import LayerCost
 from flexmesh.layout.overlap import NO_OVERLAP, Overlap
 from flexmesh.layout.strategy import LayerStrategy, Recompute
@@ -39,6 +40,7 @@ def step_terms(cost: CostModel, chunks: Sequence[Sequence[LayerStrategy]], pp: i
     ev = cost.evaluate_stages(chunks, pp, schedule, m, v, microbatch_seqs, seq_len, overlap)
     ov = cost.effective_overlap(overlap, m)
     n = len(chunks)
+    anchors = chunk_anchors(chunks)
     busiest = int(np.argmax(ev.stage_times))
     compute = recompute = tp_cp = zero = 0.0
     for i in range(busiest, n, pp):
@@ -51,8 +53,8 @@ def step_terms(cost: CostModel, chunks: Sequence[Sequence[LayerStrategy]], pp: i
             recompute += c.bwd - plain.bwd
             tp_cp += unsharded.comm_fwd + unsharded.comm_bwd
             zero += c.comm_fwd + c.comm_bwd - unsharded.comm_fwd - unsharded.comm_bwd
-        if chunks[i] and i in (0, n - 1):
-            first, last = chunks[i][0], chunks[i][-1]
+        if i in (0, n - 1):
+            first, last = (chunks[i] or anchors[i:i + 1])[0], (chunks[i] or anchors[i:i + 1])[-1]
             for s, embed, head in ((first, True, False), (last, False, True)):
                 if (embed and i == 0) or (head and i == n - 1):
                     e = cost.ends(s, cost.layer_work(s, microbatch_seqs, seq_len), embed, head, ov)
@@ -65,7 +67,7 @@ def step_terms(cost: CostModel, chunks: Sequence[Sequence[LayerStrategy]], pp: i
     # The tail is the slowest rank's exposed sync + optimizer; split it on that rank.
     tails = []
     for r in range(pp):
-        rc = sum((cost.stage_cost(chunks[i], microbatch_seqs, seq_len, i == 0, i == n - 1, ov)
+        rc = sum((cost.stage_cost(chunks[i], microbatch_seqs, seq_len, i == 0, i == n - 1, ov, anchors[i])
                   for i in range(r, n, pp)), start=LayerCost())
         layers = sum(len(chunks[i]) for i in range(r, n, pp))
         tails.append((float(cost.exposed_sync(rc.grad_sync, rc.bwd, layers)), rc.optim))

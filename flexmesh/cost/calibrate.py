@@ -130,8 +130,10 @@ class PublishedRun:
 # parallelism without sequence parallelism (2205.05198 came later), GPT's hidden and attention dropout.
 MEGATRON_2021 = Stack(attention="unfused", sequence_parallel=False, dropout=True)
 _MEGATRON = "Narayanan et al., Megatron-LM, 2104.04473, Table 1 (A100 SXM 80GB, seq 2048, vocab 51200)"
-# Not published: the number of interleaved chunks per pipeline rank; the paper describes an interleaved
-# schedule over 16 stages of a 126-layer model. Assumed: about two layers per chunk.
+# Chunks per pipeline rank: the paper's one layer fewer on the first and last stages leaves the first chunk
+# with the embedding alone (section 3.3.2), so its chunks hold one layer, 8 per rank. The fit here still
+# runs 4 chunks of about two layers and the embedding and head with layers (fitted so; 8 with end chunks,
+# which flexmesh now prices, shortens the bubble and would lower the H100 fit: not yet redone).
 V_LLAMA3 = 4
 _LLAMA3 = "Llama 3 herd of models, 2407.21783, Table 4 (H100 SXM, bf16 MFU)"
 # Llama 3.1 405B shape from its published config.json.

@@ -73,12 +73,13 @@ class MixedCosts:
         self.speeds = [cluster.speed(r) for r in ranks]
 
     def stage_cost(self, group: int, strategies: tuple[LayerStrategy, ...], microbatch: int, seq_len: int,
-                   embed: bool, head: bool, overlap: Overlap = MIXED_OVERLAP) -> LayerCost:
+                   embed: bool, head: bool, overlap: Overlap = MIXED_OVERLAP,
+                   anchor: LayerStrategy | None = None) -> LayerCost:
         """:meth:`CostModel.stage_cost` of a stage's layers on the device group's device (memoised)."""
-        key = (group, strategies, microbatch, seq_len, embed, head, overlap)
+        key = (group, strategies, microbatch, seq_len, embed, head, overlap, anchor)
         if key not in self._stages:
             self._stages[key] = self.groups[group].stage_cost(list(strategies), microbatch, seq_len, embed, head,
-                                                              overlap)
+                                                              overlap, anchor)
         return self._stages[key]
 
     def of_rank(self, rank: int) -> CostModel:
@@ -271,8 +272,9 @@ def evaluate_group(costs: MixedCosts, group: ReplicaGroup, seq_len: int, sync: S
     for j, (ranks, st) in enumerate(zip(group.blocks, group.stages)):
         cost = costs.of_rank(ranks[0])
         speed = costs.speed(ranks)
-        s = st.strategies[0]
-        c = costs.stage_cost(costs.group_of[ranks[0]], st.strategies, mbs, seq_len, j == 0, j == pp - 1, overlap)
+        s = group.anchor(j)
+        c = costs.stage_cost(costs.group_of[ranks[0]], st.strategies, mbs, seq_len, j == 0, j == pp - 1, overlap,
+                             None if st.strategies else s)
         p2p = 0.0
         if pp > 1:
             k = j + 1 if j + 1 < pp else j - 1
@@ -310,7 +312,7 @@ def _evaluate_layout(costs: MixedCosts, group: ReplicaGroup, seq_len: int, sync:
     stages = []
     for p in range(group.pp):
         chunk = group.stages[p]
-        s = chunk.strategies[0]
+        s = group.anchor(p)
         stages.append(StageEstimate(kind, cost.cluster.device.name, (chunk.start, chunk.end), s.tp,
                                     str(s.recompute), ev.stage_times[p], ev.grad_sync, ev.memory[p],
                                     cost.memory_budget, cross))

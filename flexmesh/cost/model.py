@@ -39,7 +39,7 @@ from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.memory import layer_transient_bytes
-from flexmesh.cost.pipeline import in_flight, pipeline_time
+from flexmesh.cost.pipeline import chunk_anchors, in_flight, pipeline_time
 from flexmesh.cost.timing import LayerTiming
 from flexmesh.cost.work import NO_WINDOW, LayerCost, MicrobatchPhases, Work, attention_sq, ring_hops
 from flexmesh.layout.enums import CPKind
@@ -283,8 +283,9 @@ class CostModel:
 
     # ---- a whole plan ---------------------------------------------------------------------------------
     def stage_cost(self, strategies, microbatch_seqs: int, seq_len: int, embed: bool, head: bool,
-                   overlap: Overlap = NO_OVERLAP) -> LayerCost:
-        """Sum over a stage's layers (plus embedding/head), per device, for one micro-batch."""
+                   overlap: Overlap = NO_OVERLAP, anchor: LayerStrategy | None = None) -> LayerCost:
+        """Sum over a stage's layers (plus embedding/head), per device, for one micro-batch; a stage of no
+        layers runs its embedding or head as ``anchor`` (flexmesh.cost.pipeline.chunk_anchors)."""
         total = LayerCost()
         prev = None
         for s in strategies:
@@ -293,12 +294,10 @@ class CostModel:
                 total = total + LayerCost(comm_fwd=self.transition(prev[0], s, prev[1]))
             total = total + self.layer(s, work, overlap)
             prev = (s, work)
-        if (embed or head) and strategies:
-            first, last = strategies[0], strategies[-1]
-            if embed:
-                total = total + self.ends(first, self.layer_work(first, microbatch_seqs, seq_len), True, False, overlap)
-            if head:
-                total = total + self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True, overlap)
+        first, last = (strategies[0], strategies[-1]) if strategies else (anchor, anchor)
+        for s, e, h in ((first, embed, False), (last, False, head)):
+            if (e or h) and s is not None:
+                total = total + self.ends(s, self.layer_work(s, microbatch_seqs, seq_len), e, h, overlap)
         return total
 
     @staticmethod
@@ -329,7 +328,8 @@ class CostModel:
         chunks = list(stage_strategies)
         n = len(chunks)
         overlap = self.effective_overlap(overlap, m)
-        costs = [self.stage_cost(st, microbatch_seqs, seq_len, i == 0, i == n - 1, overlap)
+        anchors = chunk_anchors(chunks)
+        costs = [self.stage_cost(st, microbatch_seqs, seq_len, i == 0, i == n - 1, overlap, anchors[i])
                  for i, st in enumerate(chunks)]
         rank_cost = [LayerCost() for _ in range(pp)]
         rank_layers = [0] * pp
@@ -339,8 +339,7 @@ class CostModel:
         if speed != 1.0:  # a slow device stretches compute, not communication (the simulator's rule)
             rank_cost = [replace(rc, fwd=rc.fwd / speed, bwd=rc.bwd / speed, optim=rc.optim / speed)
                          for rc in rank_cost]
-        p2p = [self.pipeline_p2p(chunks[i][0], microbatch_seqs, seq_len, pp) * v if chunks[i] else 0.0
-               for i in range(pp)]
+        p2p = [self.pipeline_p2p(anchors[i], microbatch_seqs, seq_len, pp) * v for i in range(pp)]
         rank_times = [rc.time + p for rc, p in zip(rank_cost, p2p, strict=True)]
         t_pipe = pipeline_time(pipeline_schedule, rank_times, m, v)
         # Gradient sync and optimizer after the pipeline drains; sync overlaps the last backward.
@@ -351,7 +350,7 @@ class CostModel:
         compute = m * (rank_cost[busiest].fwd + rank_cost[busiest].bwd)
         exposed = m * (rank_cost[busiest].comm_fwd + rank_cost[busiest].comm_bwd + p2p[busiest])
         bubble = t_pipe - m * rank_times[busiest]
-        last = chunks[-1][-1]
+        last = (chunks[-1] or anchors[-1:])[-1]
         logits = self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True, overlap).transient
         memory = []
         for r in range(pp):

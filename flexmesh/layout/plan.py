@@ -155,8 +155,10 @@ class ReplicaGroup:
     @property
     def data_ranks(self) -> int:
         """Ranks of a stage that hold the same weights and share the data: the layers' dp x cp."""
-        first = self.stages[0].strategies[0] if self.stages and self.stages[0].strategies else None
-        return first.dp * first.cp if first is not None else 1
+        if not any(st.strategies for st in self.stages):
+            return 1
+        first = self.anchor(0)
+        return first.dp * first.cp
 
     def microbatch_tokens(self, seq_len: int) -> int:
         """Tokens one data rank packs into one micro-batch: :attr:`microbatch_size` sequences of
@@ -171,19 +173,32 @@ class ReplicaGroup:
         raise PlanError(f"layer {layer} is outside this group's [0, {self.num_layers})")
 
     def stage_tp(self, index: int) -> int:
-        """The tensor-parallel degree of chunk ``index`` (its first layer's)."""
-        return self.stages[index].strategies[0].tp if self.stages[index].strategies else 1
+        """The tensor-parallel degree of chunk ``index`` (its first layer's; a chunk of the embedding or
+        the head alone, the nearest chunk's with layers)."""
+        return self.anchor(index).tp
+
+    def anchor(self, index: int) -> LayerStrategy:
+        """Chunk ``index``'s first layer's strategy; for a chunk of no layers (the embedding or the head
+        alone, as Llama 3's first and last chunks), the nearest chunk's with layers in layer order."""
+        ordered = sorted(range(len(self.stages)), key=lambda i: (self.stages[i].start, self.stages[i].end))
+        at = ordered.index(index)
+        for i in sorted(ordered, key=lambda i: abs(ordered.index(i) - at)):
+            if self.stages[i].strategies:
+                return self.stages[i].strategies[0]
+        raise PlanError("plan has no layers; give every stage at least one layer")
 
     def layer_strategies(self) -> list[LayerStrategy]:
         out: list[LayerStrategy] = []
-        for st in sorted(self.stages, key=lambda s: s.start):
+        for st in sorted(self.stages, key=lambda s: (s.start, s.end)):
             out.extend(st.strategies)
         return out
 
     def layout(self, pipeline_schedule: PipelineSchedule) -> str:
         """One line, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
         sched = str(pipeline_schedule) + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        stages = " | ".join(f"[{s.start},{s.end}) {s.compact}" for s in self.stages)
+        last = len(self.stages) - 1
+        ends = {0: "embedding", last: "head"}  # a chunk of no layers (flexmesh.cost.pipeline.chunk_anchors)
+        stages = " | ".join(f"[{s.start},{s.end}) {s.compact or ends.get(i, '')}" for i, s in enumerate(self.stages))
         return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
 
     def to_dict(self) -> dict:

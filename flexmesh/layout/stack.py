@@ -4,9 +4,10 @@ flexmesh's runtime runs fused (flash-style) attention, tensor parallelism with s
 and no dropout; Megatron-LM before 2022, DeepSpeed and others may run unfused attention (the
 ``s x s`` scores in memory), tensor parallelism without sequence parallelism (norms, dropouts and
 the inputs of the column-parallel GEMMs replicated on every tp rank) and dropout (a one-byte mask per
-dropped element). :class:`Stack` says which, for pricing such a run
+dropped element); Megatron-LM and Transformer Engine fuse SwiGLU and recompute its silu in backward
+(one ffn-wide tensor per token fewer). :class:`Stack` says which, for pricing such a run
 (:func:`flexmesh.cost.stack.with_stack`, ``flexmesh plan --attention unfused --no-sequence-parallel
---dropout``): the activation bytes then follow Korthikanti et al., 2205.05198, section 4, and
+--dropout --fused-swiglu``): the activation bytes then follow Korthikanti et al., 2205.05198, section 4, and
 unfused attention is timed kernel by kernel (:meth:`flexmesh.cost.analytic.AnalyticTiming.unfused_attention_times`).
 
 >>> Stack().label, Stack(attention="unfused", sequence_parallel=False, dropout=True).label
@@ -25,6 +26,9 @@ class Stack:
     attention: str = "fused"  # "unfused": the softmax of the whole s x s scores kept for backward
     sequence_parallel: bool = True  # with tp > 1: norms, dropouts and residuals split over the tp ranks
     dropout: bool = False  # hidden and attention dropout: a one-byte mask per element kept for backward
+    # SwiGLU as one kernel that keeps the gate and up outputs and recomputes silu in backward (Megatron-LM's
+    # bias_swiglu, Transformer Engine's LayerNormMLP): 3 x ffn elements kept per token, not 4
+    fused_swiglu: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -34,7 +38,8 @@ class Stack:
     def label(self) -> str:
         parts = [f"{self.attention} attention", "sequence parallel" if self.sequence_parallel
                  else "no sequence parallelism"]
-        return ", ".join(parts + (["dropout"] if self.dropout else []))
+        parts += (["dropout"] if self.dropout else []) + (["fused SwiGLU"] if self.fused_swiglu else [])
+        return ", ".join(parts)
 
 
 RUNTIME_STACK = Stack()

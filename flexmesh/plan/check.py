@@ -31,8 +31,9 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostMod
         if st.start != expect:
             raise PlanError(f"stage {i} starts at layer {st.start} but the previous stage ends at {expect}; "
                             "stages must cover consecutive layers in order")
-        if st.num_layers == 0:
-            raise PlanError(f"stage {i} has no layers; give every stage at least one layer or lower pp")
+        if st.num_layers == 0 and 0 < i < len(plan.stages) - 1:
+            raise PlanError(f"stage {i} has no layers; only the first stage may hold the embedding alone and the "
+                            "last the head alone: give it at least one layer or lower pp")
         expect = st.end
     D = plan.stage_devices
     mbs = plan.microbatch_size

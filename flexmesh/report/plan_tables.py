@@ -34,7 +34,7 @@ def device_list(devices: tuple[int, ...] | list[int]) -> str:
 def group_compact(g: ReplicaGroup) -> str:
     """A group of one pipeline in a line, e.g. ``b96 m12 | [0,20) tp4 | [20,40) tp4-ac``."""
     suffix = {"none": "", "selective": "-sac", "full": "-ac"}
-    stages = " | ".join(f"[{s.start},{s.end}) tp{g.stage_tp(i)}{suffix[str(s.strategies[0].recompute)]}"
+    stages = " | ".join(f"[{s.start},{s.end}) tp{g.stage_tp(i)}{suffix[str(g.anchor(i).recompute)]}"
                         for i, s in enumerate(g.stages))
     return f"b{g.share} m{g.num_microbatches} | {stages}"
 

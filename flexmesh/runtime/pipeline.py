@@ -89,14 +89,14 @@ def chunks_of_rank(group: ReplicaGroup, pp_rank: int) -> list[tuple[int, StagePl
     Chunk k sits on rank k % pp (Megatron's interleaved order), so with pp 2 and 4 chunks rank 0
     runs chunks 0 and 2, rank 1 chunks 1 and 3.
     """
-    ordered = sorted(group.stages, key=lambda s: s.start)
+    ordered = sorted(group.stages, key=lambda s: (s.start, s.end))
     return [(k, ordered[k]) for k in range(pp_rank, len(ordered), group.pp)]
 
 
 def check_partition(group: ReplicaGroup, num_layers: int) -> None:
     """A group's stages, in layer order, must tile [0, num_layers) without gaps or overlaps."""
     pos = 0
-    for st in sorted(group.stages, key=lambda s: s.start):
+    for st in sorted(group.stages, key=lambda s: (s.start, s.end)):
         if st.start != pos:
             raise PlanError(f"stage [{st.start}, {st.end}) should start at layer {pos}; stages must tile the layers")
         pos = st.end
