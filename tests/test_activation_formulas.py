@@ -78,7 +78,7 @@ def test_the_command_line_prices_another_stack(tmp_path, capsys):
     check = ["plan", "--check", str(plan), "--model", "gpt:24:2048:16", "--json"]
     assert main(check) == 0
     ours = json.loads(capsys.readouterr().out)
-    assert ours["valid"] and max(ours["peak_memory_gib"]) < 74.5
+    assert ours["valid"] and max(ours["peak_memory_gib"]) < 79.2
     assert main(check + ["--fused-swiglu"]) == 0  # GeLU layers: the flag changes nothing
     assert json.loads(capsys.readouterr().out)["peak_memory_gib"] == ours["peak_memory_gib"]
     assert main(check + ["--attention", "unfused", "--no-sequence-parallel", "--dropout"]) == 2

@@ -23,12 +23,12 @@ MODEL = MODEL_PRESETS["llama2-7b"]
 # sequence, TP 8 x PP 16, chunks of one layer (one layer fewer on the first and last stage leaves the
 # first chunk with the embedding alone and the last with the head alone: 8 chunks per rank), gradients
 # accumulated in fp32 over micro-batches before the reduce-scatter (section 3.3.4), so kept unsharded
-# (ZeRO-1 states here are the same bytes). Not published: N (micro-batches per chunk in a row) and what
-# its framework keeps per layer. Priced so (flexmesh.cost.pipeline.chunk_anchors, Megatron's warm-up with
-# N = pp, --fused-swiglu), rank 1 holds 141 one-layer chunks in flight: 8K 88.8 GiB, 16K GPUs and 131K
-# 82.1 GiB, against 73.8 usable (the presets count an "80 GB" part as 74.5 GiB; nvidia-smi shows 81559 MiB
-# = 79.65 GiB on an H100 80GB HBM3). Sharding the gradients every micro-batch would fit (77 and 70 GiB)
-# but, priced as exposed past each micro-batch's backward, makes the step 34% slower than published.
+# (ZeRO-1 states here are the same bytes). Not published: N (micro-batches a chunk runs in a row) and what
+# its framework keeps per layer. Priced so (calibrate.PublishedRun.end_chunks, Megatron's warm-up with
+# N = pp), rank 1 holds 141 one-layer chunks in flight: 8K 103 GiB, 16K GPUs and 131K 95 GiB, against 78.9
+# usable; with a fused SwiGLU (--fused-swiglu) 89 and 82. Sharding the gradients every micro-batch would
+# fit (fused: 77 and 70 GiB) but, priced as exposed past each micro-batch's backward, makes the step a
+# third slower than published, so the published throughput does not support it.
 UNKNOWN_SCHEDULE = {r.name for r in PUBLISHED_RUNS if r.name.startswith("llama3-")}
 
 

@@ -109,3 +109,28 @@ def test_tokens_per_batch_counts_a_step_in_tokens(capsys, tmp_path, lengths_file
     mixed = ["plan", "--model", "llama2-7b", "--cluster", "1x4xH100+1x4xA100-40GB", "--seq-len", "2048"]
     assert main(mixed + ["--tokens-per-batch", "65536", "--lengths", str(lengths_file)]) == 2
     assert "give --global-batch" in _err(capsys)
+
+
+def test_a_plan_mixing_meshes_in_one_group_is_left_out_of_the_ranking():
+    """The search may price layers of one group on different meshes; the runtime's scheduler cannot take
+    them (flexmesh.layout.mesh.group_layout), so --lengths scores the rest instead of failing."""
+    from flexmesh.commands.plan_lengths import Workload, score_plan
+    from flexmesh.cost import CostModel
+    from flexmesh.cost.mixed import MixedCosts
+    from flexmesh.layout import LayerStrategy
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.spec import parse_cluster, parse_model
+    from flexmesh.spec.cluster import MixedCluster
+
+    model, cluster = parse_model("tiny"), parse_cluster("4xA100-80GB")
+    cost = CostModel(model, cluster)
+    costs = MixedCosts(model, MixedCluster((cluster,)), groups=[cost])
+    work = Workload(512, 8, lengths="lengths.txt", batches=[np.full(8, 300)])
+
+    def plan(*strategies: str) -> Plan:
+        st = StagePlan(0, 4, tuple(LayerStrategy.parse(s) for s in strategies))
+        return Plan.uniform(model="tiny", cluster="4xA100-80GB", world_size=4, pp=1, pipeline_schedule="1f1b",
+                            virtual_stages=1, num_microbatches=1, seq_len=512, global_batch=8, stages=(st,))
+
+    assert score_plan(plan(*["tp2-dp2z1"] * 4), model, costs, work) is not None
+    assert score_plan(plan("tp2-dp2z1", "tp2-dp2z1", "tp1-dp4z2", "tp1-dp4z2"), model, costs, work) is None

@@ -101,10 +101,12 @@ def workload(args: argparse.Namespace, mixed: bool = False) -> Workload:
 
 
 def score_plan(plan: Plan, model: ModelSpec, costs: MixedCosts, work: Workload) -> Expected | None:
-    """``plan``'s expected step on the batches, None where its default policy cannot schedule them."""
+    """``plan``'s expected step on the batches, None where its default policy cannot schedule them or the
+    runtime's scheduler cannot take its layout (layers of one group on different meshes: the search may
+    price such a mix, flexmesh.layout.mesh.group_layout refuses to run it)."""
     try:
         return expected_step(plan, model, costs, work.batches, SEED)
-    except ScheduleError:
+    except (ScheduleError, PlanError):
         return None
 
 

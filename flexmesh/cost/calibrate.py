@@ -71,6 +71,8 @@ class PublishedRun:
     flops: str = "megatron"
     # Context-parallel attention balanced over the ranks (2 x cp chunks paired), as Llama 3's is.
     cp_balanced: bool = False
+    # The first chunk holds only the embedding and the last only the head (Llama 3's pipeline).
+    end_chunks: bool = False
 
     @property
     def dp(self) -> int:
@@ -115,8 +117,10 @@ class PublishedRun:
     def predict(self, params: dict[str, float] | None = None) -> Evaluation:
         """The cost model's prediction for this run's layout (one micro-batch = one sequence per replica)."""
         s = self.strategy()
-        L, n = self.model.num_layers, self.pp * self.virtual_stages
+        ends = 2 if self.end_chunks else 0
+        L, n = self.model.num_layers, self.pp * self.virtual_stages - ends
         chunks = [[s] * (L // n + (1 if i < L % n else 0)) for i in range(n)]
+        chunks = [[], *chunks, []] if ends else chunks
         m = self.global_batch // self.dp
         return self.cost_model(params).evaluate_stages(chunks, self.pp, self.pipeline_schedule, m,
                                                        self.virtual_stages, self.dp, self.seq_len)
@@ -130,11 +134,12 @@ class PublishedRun:
 # parallelism without sequence parallelism (2205.05198 came later), GPT's hidden and attention dropout.
 MEGATRON_2021 = Stack(attention="unfused", sequence_parallel=False, dropout=True)
 _MEGATRON = "Narayanan et al., Megatron-LM, 2104.04473, Table 1 (A100 SXM 80GB, seq 2048, vocab 51200)"
-# Chunks per pipeline rank: the paper's one layer fewer on the first and last stages leaves the first chunk
-# with the embedding alone (section 3.3.2), so its chunks hold one layer, 8 per rank. The fit here still
-# runs 4 chunks of about two layers and the embedding and head with layers (fitted so; 8 with end chunks,
-# which flexmesh now prices, shortens the bubble and would lower the H100 fit: not yet redone).
-V_LLAMA3 = 4
+# Llama 3's pipeline (2407.21783, section 3.3.2): one transformer layer fewer on the first and the last
+# stage, so that "the first model chunk on the first stage has only the embedding, and the last model
+# chunk on the last stage has only output projection and loss": chunks of one layer, (126 + 2) / 16 = 8
+# per pipeline rank. Not published: N, the micro-batches a chunk runs in a row (priced as Megatron's
+# interleaved schedule, N = pp).
+V_LLAMA3 = 8
 _LLAMA3 = "Llama 3 herd of models, 2407.21783, Table 4 (H100 SXM, bf16 MFU)"
 # Llama 3.1 405B shape from its published config.json.
 _LLAMA3_405B = ModelSpec(name="llama3.1-405b", num_layers=126, hidden=16384, num_heads=128, num_kv_heads=8,
@@ -156,14 +161,16 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = tuple(
     )
 ) + (
     PublishedRun("llama3-405b-8k", _LLAMA3, _LLAMA3_405B, "H100-80GB", 8192, 8, 16, 2048, 8192, 430,
-                 recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3),
+                 recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3,
+                 end_chunks=True),
     PublishedRun("llama3-405b-16k", _LLAMA3, _LLAMA3_405B, "H100-80GB", 16384, 8, 16, 2048, 8192, 400,
-                 recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3),
+                 recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3,
+                 end_chunks=True),
     # 16M tokens per batch of 131,072-token sequences (128 sequences); CP 16, load-balanced (all-gather
     # based in the paper; priced as a balanced ring).
     PublishedRun("llama3-405b-131k-cp16", _LLAMA3, _LLAMA3_405B, "H100-80GB", 16384, 8, 16, 128, 131072, 380,
                  recompute=False, zero=1, cp=16, flops="model", pipeline_schedule="interleaved",
-                 virtual_stages=V_LLAMA3, cp_balanced=True),
+                 virtual_stages=V_LLAMA3, cp_balanced=True, end_chunks=True),
 )
 
 
