@@ -97,9 +97,10 @@ def compute_predictions() -> dict:
         result = plan_mixed(spec, mc, seq, gb, MixedCosts(spec, mc))
         predicted = _plain(result.evaluation.to_dict())
         predicted.pop("search_seconds", None)  # how long the search took is no result of it
-        # the plan as version 3 wrote it (replica groups of one pipeline each), its predictions aside
-        out["mixed_search"][label] = {"plan": _plain(legacy_dict(result.plan) | {"predicted": {}}),
-                                      "predicted": predicted}
+        # the plan as version 3 wrote it (replica groups of one pipeline each) where it can, else as now;
+        # its predictions aside
+        plan_dict = legacy_dict(result.plan) or result.plan.to_dict()
+        out["mixed_search"][label] = {"plan": _plain(plan_dict | {"predicted": {}}), "predicted": predicted}
     mc = parse_mixed_cluster("2xH100-80GB+2xA100-40GB")
     for name, d in mixed_plan_dicts().items():
         plan = Plan.from_dict(dict(d, cluster="2xH100-80GB+2xA100-40GB", world_size=4,
