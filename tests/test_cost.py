@@ -268,13 +268,14 @@ def test_ring_attention_pays_the_last_ranks_blocks_and_merges():
 
 
 def test_small_models_lose_more_to_non_gemm_work_on_h100_than_on_a100():
-    """Memory-bound operators and small GEMMs weigh more where the peak is high against HBM."""
+    """Memory-bound operators and small GEMMs weigh more where the peak is high against HBM (attention
+    left out: its rate is another constant, attn_efficiency, not the GEMMs' nor HBM's)."""
     def gemm_share(model, device):
         cm = CostModel(MODEL_PRESETS[model], parse_cluster(f"8x{device}"))
         t = cm.timing
         s = S()
         ideal = MODEL_PRESETS[model].layer_linear_flops_per_token * 8192 * 3 / cm.hw.matmul_flops
-        lt = t.layer_times(s, 8192.0, 8192.0**2)
+        lt = t.layer_times(s, 8192.0, 0.0)
         return ideal / float(lt.fwd + lt.bwd)
     assert gemm_share("llama3-8b", "H100") < gemm_share("llama3-8b", "A100-80GB")
     assert gemm_share("llama3-8b", "H100") < gemm_share("llama3-70b", "H100")

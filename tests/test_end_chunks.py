@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 
 from flexmesh.cost import CostModel
-from flexmesh.cost.pipeline import chunk_anchors
 from flexmesh.errors import PlanError
 from flexmesh.layout import LayerStrategy as S
-from flexmesh.layout.plan import Plan, StagePlan
+from flexmesh.layout.plan import Plan, StagePlan, chunk_anchors
 from flexmesh.plan.check import check_plan
 from flexmesh.spec import parse_cluster, parse_model
 
@@ -49,7 +48,7 @@ def test_an_embedding_only_chunk_carries_the_embedding_and_the_head_only_chunk_t
 def test_anchors_are_the_nearest_chunk_with_layers():
     a, b = S(tp=1), S(tp=2)
     assert chunk_anchors([[], [a], [b, b], []]) == [a, a, b, b]
-    with pytest.raises(ValueError, match="no chunk holds a layer"):
+    with pytest.raises(PlanError, match="no chunk holds a layer"):
         chunk_anchors([[], []])
 
 

@@ -16,9 +16,9 @@ from dataclasses import replace
 import numpy as np
 
 from flexmesh.cost.model import CostModel
-from flexmesh.cost.pipeline import chunk_anchors
 from flexmesh.cost.work import LayerCost
 from flexmesh.layout.overlap import NO_OVERLAP, Overlap
+from flexmesh.layout.plan import chunk_anchors
 from flexmesh.layout.strategy import LayerStrategy, Recompute
 
 TERMS = ("compute", "recompute", "exposed TP/CP comm", "exposed ZeRO comm", "resharding + pipeline sends",

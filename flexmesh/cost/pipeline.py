@@ -32,24 +32,6 @@ def in_flight(pipeline_schedule: str, pp: int, rank: int, m: int, v: int = 1) ->
     raise ValueError(f"unknown pipeline schedule {pipeline_schedule!r}")
 
 
-def chunk_anchors(chunks) -> list:  # noqa: ANN001 - lists of layer strategies
-    """Each chunk's first layer strategy; for a chunk of no layers (the embedding or the head alone, as
-    Llama 3's first and last chunks, 2407.21783 section 3.3.2) the next chunk's first, else the previous
-    chunk's last: the layout its embedding or head runs on and its boundary activations are cut by.
-
-    >>> chunk_anchors([[], ["a", "b"], ["c"], []])
-    ['a', 'a', 'c', 'c']
-    """
-    out = []
-    for i in range(len(chunks)):
-        later = [c[0] for c in chunks[i:] if c]
-        earlier = [c[-1] for c in chunks[:i] if c]
-        if not later and not earlier:
-            raise ValueError("no chunk holds a layer; give every stage at least one layer")
-        out.append(later[0] if later else earlier[-1])
-    return out
-
-
 def pipeline_time(pipeline_schedule: str, rank_times, m: int, v: int = 1) -> float:
     """Step time of ``m`` equal micro-batches through ranks taking ``rank_times`` each (fwd + bwd).
 

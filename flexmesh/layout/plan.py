@@ -38,6 +38,7 @@ from which flexmesh.layout.plan_model finds the model again.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
@@ -97,6 +98,25 @@ class StagePlan:
             else:
                 runs.append([1, s])
         return " + ".join(f"{n}x {s}" for n, s in runs)
+
+
+def chunk_anchors(chunks: Sequence[Sequence[LayerStrategy]]) -> list[LayerStrategy]:
+    """Each chunk's first layer strategy; for a chunk of no layers (the embedding or the head alone, as
+    Llama 3's first and last chunks, 2407.21783 section 3.3.2) the next chunk's first, else the previous
+    chunk's last: the layout its embedding or head runs on and its boundary activations are cut by.
+
+    >>> a, b = LayerStrategy(tp=1), LayerStrategy(tp=2)
+    >>> [str(s) for s in chunk_anchors([[], [a, a], [b], []])]
+    ['tp1-dp1z0', 'tp1-dp1z0', 'tp2-dp1z0', 'tp2-dp1z0']
+    """
+    out = []
+    for i in range(len(chunks)):
+        later = [c[0] for c in chunks[i:] if c]
+        earlier = [c[-1] for c in chunks[:i] if c]
+        if not later and not earlier:
+            raise PlanError("no chunk holds a layer; give every stage at least one layer")
+        out.append(later[0] if later else earlier[-1])
+    return out
 
 
 @dataclass(frozen=True)
@@ -178,14 +198,8 @@ class ReplicaGroup:
         return self.anchor(index).tp
 
     def anchor(self, index: int) -> LayerStrategy:
-        """Chunk ``index``'s first layer's strategy; for a chunk of no layers (the embedding or the head
-        alone, as Llama 3's first and last chunks), the nearest chunk's with layers in layer order."""
-        ordered = sorted(range(len(self.stages)), key=lambda i: (self.stages[i].start, self.stages[i].end))
-        at = ordered.index(index)
-        for i in sorted(ordered, key=lambda i: abs(ordered.index(i) - at)):
-            if self.stages[i].strategies:
-                return self.stages[i].strategies[0]
-        raise PlanError("plan has no layers; give every stage at least one layer")
+        """Chunk ``index``'s first layer's strategy, or for a chunk of no layers its :func:`chunk_anchors`'."""
+        return chunk_anchors([st.strategies for st in self.stages])[index]
 
     def layer_strategies(self) -> list[LayerStrategy]:
         out: list[LayerStrategy] = []
@@ -197,7 +211,7 @@ class ReplicaGroup:
         """One line, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
         sched = str(pipeline_schedule) + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         last = len(self.stages) - 1
-        ends = {0: "embedding", last: "head"}  # a chunk of no layers (flexmesh.cost.pipeline.chunk_anchors)
+        ends = {0: "embedding", last: "head"}  # a chunk of no layers (chunk_anchors)
         stages = " | ".join(f"[{s.start},{s.end}) {s.compact or ends.get(i, '')}" for i, s in enumerate(self.stages))
         return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
 
