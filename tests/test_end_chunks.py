@@ -10,7 +10,8 @@ import pytest
 from flexmesh.cost import CostModel
 from flexmesh.errors import PlanError
 from flexmesh.layout import LayerStrategy as S
-from flexmesh.layout.plan import Plan, StagePlan, chunk_anchors
+from flexmesh.layout.plan import Plan, StagePlan
+from flexmesh.layout.strategy import chunk_anchors
 from flexmesh.plan.check import check_plan
 from flexmesh.spec import parse_cluster, parse_model
 

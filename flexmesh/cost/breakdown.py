@@ -18,8 +18,7 @@ import numpy as np
 from flexmesh.cost.model import CostModel
 from flexmesh.cost.work import LayerCost
 from flexmesh.layout.overlap import NO_OVERLAP, Overlap
-from flexmesh.layout.plan import chunk_anchors
-from flexmesh.layout.strategy import LayerStrategy, Recompute
+from flexmesh.layout.strategy import LayerStrategy, Recompute, chunk_anchors
 
 TERMS = ("compute", "recompute", "exposed TP/CP comm", "exposed ZeRO comm", "resharding + pipeline sends",
          "pipeline bubble", "exposed DP gradient sync", "optimizer")

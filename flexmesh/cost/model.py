@@ -44,8 +44,7 @@ from flexmesh.cost.timing import LayerTiming
 from flexmesh.cost.work import NO_WINDOW, LayerCost, MicrobatchPhases, Work, attention_sq, ring_hops
 from flexmesh.layout.enums import CPKind
 from flexmesh.layout.overlap import NO_OVERLAP, Overlap, acting
-from flexmesh.layout.plan import chunk_anchors
-from flexmesh.layout.strategy import LayerStrategy, Recompute
+from flexmesh.layout.strategy import LayerStrategy, Recompute, chunk_anchors
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 from flexmesh.units import GIB
@@ -286,7 +285,7 @@ class CostModel:
     def stage_cost(self, strategies, microbatch_seqs: int, seq_len: int, embed: bool, head: bool,
                    overlap: Overlap = NO_OVERLAP, anchor: LayerStrategy | None = None) -> LayerCost:
         """Sum over a stage's layers (plus embedding/head), per device, for one micro-batch; a stage of no
-        layers runs its embedding or head as ``anchor`` (flexmesh.layout.plan.chunk_anchors)."""
+        layers runs its embedding or head as ``anchor`` (flexmesh.layout.strategy.chunk_anchors)."""
         total = LayerCost()
         prev = None
         for s in strategies:

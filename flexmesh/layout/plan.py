@@ -38,7 +38,6 @@ from which flexmesh.layout.plan_model finds the model again.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
@@ -48,7 +47,7 @@ from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import PipelineSchedule, choices
 from flexmesh.layout.overlap import RUNTIME, Overlap
 from flexmesh.layout.ranks import parse_rank_runs, rank_runs
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.layout.strategy import LayerStrategy, chunk_anchors
 from flexmesh.spec.limits import MAX_DEVICES, MAX_SEQ_LEN, MAX_SEQUENCES, within
 from flexmesh.spec.model_file import ModelFile
 from flexmesh.spec.values import known_keys, mapping, sequence, text, whole
@@ -98,25 +97,6 @@ class StagePlan:
             else:
                 runs.append([1, s])
         return " + ".join(f"{n}x {s}" for n, s in runs)
-
-
-def chunk_anchors(chunks: Sequence[Sequence[LayerStrategy]]) -> list[LayerStrategy]:
-    """Each chunk's first layer strategy; for a chunk of no layers (the embedding or the head alone, as
-    Llama 3's first and last chunks, 2407.21783 section 3.3.2) the next chunk's first, else the previous
-    chunk's last: the layout its embedding or head runs on and its boundary activations are cut by.
-
-    >>> a, b = LayerStrategy(tp=1), LayerStrategy(tp=2)
-    >>> [str(s) for s in chunk_anchors([[], [a, a], [b], []])]
-    ['tp1-dp1z0', 'tp1-dp1z0', 'tp2-dp1z0', 'tp2-dp1z0']
-    """
-    out = []
-    for i in range(len(chunks)):
-        later = [c[0] for c in chunks[i:] if c]
-        earlier = [c[-1] for c in chunks[:i] if c]
-        if not later and not earlier:
-            raise PlanError("no chunk holds a layer; give every stage at least one layer")
-        out.append(later[0] if later else earlier[-1])
-    return out
 
 
 @dataclass(frozen=True)

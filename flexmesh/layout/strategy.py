@@ -27,6 +27,7 @@ True
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -116,3 +117,22 @@ class LayerStrategy:
     def same_mesh(self, other: "LayerStrategy") -> bool:
         """True when both layers place data the same way, so no resharding happens between them."""
         return (self.tp, self.cp, self.cp_kind, self.dp) == (other.tp, other.cp, other.cp_kind, other.dp)
+
+
+def chunk_anchors(chunks: Sequence[Sequence[LayerStrategy]]) -> list[LayerStrategy]:
+    """Each chunk's first layer strategy; for a chunk of no layers (the embedding or the head alone, as
+    Llama 3's first and last chunks, 2407.21783 section 3.3.2) the next chunk's first, else the previous
+    chunk's last: the layout its embedding or head runs on and its boundary activations are cut by.
+
+    >>> a, b = LayerStrategy(tp=1), LayerStrategy(tp=2)
+    >>> [str(s) for s in chunk_anchors([[], [a, a], [b], []])]
+    ['tp1-dp1z0', 'tp1-dp1z0', 'tp2-dp1z0', 'tp2-dp1z0']
+    """
+    out = []
+    for i in range(len(chunks)):
+        later = [c[0] for c in chunks[i:] if c]
+        earlier = [c[-1] for c in chunks[:i] if c]
+        if not later and not earlier:
+            raise PlanError("no chunk holds a layer; give every stage at least one layer")
+        out.append(later[0] if later else earlier[-1])
+    return out
