@@ -31,6 +31,25 @@ def tiny_spec() -> Any:
                      vocab=256, dtype="fp32", max_position=1024)
 
 
+def flat_model_profile(**fields: Any) -> Any:
+    """A model profile of the tiny model with every fit 1 ms + 1 us per token (``fields`` added or replaced)."""
+    from flexmesh.profile import ModelProfile
+    from flexmesh.profile.fit import LayerFit
+    from flexmesh.spec import MODEL_PRESETS
+
+    fit = LayerFit(1e-3, 1e-6, 0.0)
+    base: dict[str, Any] = dict(
+        model=MODEL_PRESETS["tiny"].to_dict(), dtype="fp32",
+        layer={"forward": fit, "backward": fit, "backward_recompute": fit},
+        embedding={"forward": fit, "backward": fit}, head={"forward": fit, "backward": fit},
+        activations={"layers": [{"tp": 1, "cp": 1, "recompute": False, "bytes_per_token": 100.0}],
+                     "attention_mask_bytes_per_sq_row_token": 0.0,
+                     "embedding_bytes_per_token": 4.0, "head_bytes_per_token": 8.0},
+        states={"weight_bytes_per_param": 4, "grad_bytes_per_param": 4,
+                "optimizer_bytes_per_param": 8, "optimizer_step_s_per_param": 1e-9}, name="tiny.json")
+    return ModelProfile(**{**base, **fields})
+
+
 def train_config() -> Any:
     """AdamW settings for ``STEPS`` steps with warm-up and clipping, no progress bar."""
     from flexmesh.runtime.config import TrainConfig

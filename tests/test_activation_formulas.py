@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import flat_model_profile
 
 from flexmesh.cli import main
 from flexmesh.cost import CostModel, Work
@@ -15,8 +16,6 @@ from flexmesh.errors import SpecError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.stack import Stack
 from flexmesh.layout.strategy import Recompute
-from flexmesh.profile.fit import LayerFit
-from flexmesh.profile.format import ModelProfile
 from flexmesh.profile.timing import ProfiledTiming
 from flexmesh.spec import MODEL_PRESETS, parse_cluster, parse_model
 
@@ -54,15 +53,7 @@ def test_without_sequence_parallelism_norms_run_on_every_tp_rank():
 
 
 def test_a_profile_prices_this_runtime_and_no_other_stack():
-    fit = LayerFit(1e-3, 1e-6, 0.0)
-    mp = ModelProfile(model=MODEL_PRESETS["tiny"].to_dict(), dtype="fp32",
-                      layer={"forward": fit, "backward": fit, "backward_recompute": fit},
-                      embedding={"forward": fit, "backward": fit}, head={"forward": fit, "backward": fit},
-                      activations={"layers": [{"tp": 1, "cp": 1, "recompute": False, "bytes_per_token": 100.0}],
-                                   "attention_mask_bytes_per_sq_row_token": 0.0,
-                                   "embedding_bytes_per_token": 4.0, "head_bytes_per_token": 8.0},
-                      states={"weight_bytes_per_param": 4, "grad_bytes_per_param": 4,
-                              "optimizer_bytes_per_param": 8, "optimizer_step_s_per_param": 1e-9}, name="tiny.json")
+    mp = flat_model_profile()
     cm = CostModel(MODEL_PRESETS["tiny"], parse_cluster("2xA100-80GB"), timing=ProfiledTiming(mp))
     assert with_stack(cm, Stack()) is cm  # the runtime's own stack: the profile as it is
     with pytest.raises(SpecError, match="drop --model-profile"):

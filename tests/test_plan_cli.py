@@ -114,23 +114,15 @@ def test_built_in_defaults_plan_llama3_8b_on_8_h100(capsys):
 
 
 def test_explain_names_the_framework_terms_a_model_profile_measured():
+    from helpers import flat_model_profile
+
     from flexmesh.commands.plan import framework_terms
     from flexmesh.cost import CostModel
-    from flexmesh.profile import ModelProfile, ProfiledTiming
-    from flexmesh.profile.fit import LayerFit
+    from flexmesh.profile import ProfiledTiming
     from flexmesh.spec import MODEL_PRESETS, parse_cluster
 
-    fit = LayerFit(1e-3, 1e-6, 0.0)
-    mp = ModelProfile(model=MODEL_PRESETS["tiny"].to_dict(), dtype="fp32",
-                      layer={"forward": fit, "backward": fit, "backward_recompute": fit},
-                      embedding={"forward": fit, "backward": fit}, head={"forward": fit, "backward": fit},
-                      activations={"layers": [{"tp": 1, "cp": 1, "recompute": False, "bytes_per_token": 100.0}],
-                                   "attention_mask_bytes_per_sq_row_token": 0.0,
-                                   "embedding_bytes_per_token": 4.0, "head_bytes_per_token": 8.0},
-                      states={"weight_bytes_per_param": 4, "grad_bytes_per_param": 4,
-                              "optimizer_bytes_per_param": 8, "optimizer_step_s_per_param": 1e-9},
-                      whole_model={"forward": 1.25, "forward_fixed_s": 0.004, "backward": 1.1,
-                                   "backward_fixed_s": 0.0065}, name="m.json")
+    mp = flat_model_profile(whole_model={"forward": 1.25, "forward_fixed_s": 0.004, "backward": 1.1,
+                                         "backward_fixed_s": 0.0065}, name="m.json")
     profiled = CostModel(MODEL_PRESETS["tiny"], parse_cluster("2xA100-80GB"), timing=ProfiledTiming(mp))
     line = framework_terms(profiled)
     assert "forward 1.25x its layers + 4.00 ms, backward 1.10x + 6.50 ms per micro-batch" in line

@@ -128,11 +128,15 @@ def chunk_anchors(chunks: Sequence[Sequence[LayerStrategy]]) -> list[LayerStrate
     >>> [str(s) for s in chunk_anchors([[], [a, a], [b], []])]
     ['tp1-dp1z0', 'tp1-dp1z0', 'tp2-dp1z0', 'tp2-dp1z0']
     """
-    out = []
-    for i in range(len(chunks)):
-        later = [c[0] for c in chunks[i:] if c]
-        earlier = [c[-1] for c in chunks[:i] if c]
-        if not later and not earlier:
-            raise PlanError("no chunk holds a layer; give every stage at least one layer")
-        out.append(later[0] if later else earlier[-1])
-    return out
+    out: list[LayerStrategy | None] = [None] * len(chunks)
+    later = None
+    for i in reversed(range(len(chunks))):  # the next chunk's first, one pass from the end
+        later = chunks[i][0] if chunks[i] else later
+        out[i] = later
+    earlier = None
+    for i, chunk in enumerate(chunks):  # else the previous chunk's last
+        earlier = chunk[-1] if chunk else earlier
+        out[i] = out[i] or earlier
+    if any(s is None for s in out):
+        raise PlanError("no chunk holds a layer; give every stage at least one layer")
+    return cast(list[LayerStrategy], out)
