@@ -5,6 +5,8 @@ plan as the single-process reference does (tests/test_runtime_recompute.py, layo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from flexmesh.cost import CostModel
@@ -12,8 +14,11 @@ from flexmesh.errors import PlanError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.plan import Plan, StagePlan
 from flexmesh.layout.strategy import chunk_anchors
+from flexmesh.plan import SearchRequest, SearchSpace, best_plans
 from flexmesh.plan.check import check_plan
-from flexmesh.spec import parse_cluster, parse_model
+from flexmesh.plan.partition import compositions
+from flexmesh.plan.space import outer_configurations
+from flexmesh.spec import MODEL_PRESETS, parse_cluster, parse_model
 
 MODEL = parse_model("llama2-7b")
 CLUSTER = parse_cluster("8xA100-80GB")
@@ -46,11 +51,48 @@ def test_an_embedding_only_chunk_carries_the_embedding_and_the_head_only_chunk_t
     assert cm.stage_cost([], 1, 4096, True, False).fwd == 0
 
 
-def test_anchors_are_the_nearest_chunk_with_layers():
+def test_anchors_are_the_layout_of_the_rank_running_the_chunk():
     a, b = S(tp=1), S(tp=2)
-    assert chunk_anchors([[], [a], [b, b], []]) == [a, a, b, b]
+    assert chunk_anchors([[], [a], [b, b], []]) == [a, a, b, b]  # one rank: the nearest chunk with layers
+    # pp 2: rank 0 runs chunks 0 and 2, rank 1 chunks 1 and 3
+    assert chunk_anchors([[], [a], [b, b], []], pp=2) == [b, a, b, a]
+    assert chunk_anchors([[], [a], [b]], pp=3) == [a, a, b]  # a rank with no layer: the nearest chunk's
     with pytest.raises(PlanError, match="no chunk holds a layer"):
         chunk_anchors([[], []])
+
+
+def test_an_empty_first_chunk_is_priced_on_its_own_ranks_layout():
+    cm = CostModel(MODEL, CLUSTER)
+    L, other = MODEL.num_layers, S(tp=2, dp=2, zero=3)
+    half = L // 2
+    chunks = [[], [other] * half, [STRATEGY] * (L - half), []]  # rank 0: embedding + chunk 2 (STRATEGY)
+    ev = cm.evaluate_stages(chunks, 2, "interleaved", 8, 2, 1, 4096)
+    work = cm.layer_work(STRATEGY, 1, 4096)
+    rank0 = cm.stage_cost([STRATEGY] * (L - half), 1, 4096, False, False)
+    assert ev.memory[0]["states"] == pytest.approx(cm.ends(STRATEGY, work, True, False).states + rank0.states)
+
+
+def test_the_search_runs_a_heavy_head_alone_where_that_is_faster():
+    model = replace(MODEL_PRESETS["tiny"], vocab=16384)  # the head costs about two layers
+    cluster = parse_cluster("2xA100-80GB")
+    space = SearchSpace(pp=(2,), pipeline_schedules=("interleaved",), virtual_stages=(2,))
+    cm = CostModel(model, cluster)
+    for mode in ("exact", "fast"):
+        best = best_plans(SearchRequest(model, cluster, 1024, 8, space=space, mode=mode), with_baselines=False).best
+        stages, m = best.plan.group.stages, best.plan.group.num_microbatches
+        assert stages[-1].start == stages[-1].end == model.num_layers, best.plan.layout
+        assert best.estimate == pytest.approx(best.evaluation.step_time, rel=1e-9)
+        s = stages[1].strategies[0]
+        every_chunk_a_layer = min(cm.evaluate_stages([[s] * n for n in sizes], 2, "interleaved", m, 2, 8 // m,
+                                                     1024).step_time for sizes in compositions(model.num_layers, 4))
+        assert best.evaluation.step_time < every_chunk_a_layer
+
+
+def test_interleaving_counts_the_embedding_and_loss_as_layers_where_that_evens_the_chunks():
+    m126 = replace(MODEL, num_layers=126)  # Llama 3 405B's depth: 16 x 8 chunks with both ends alone
+    space = SearchSpace(pp=(16,), virtual_stages=(2, 3, 4, 5, 8))
+    vs = {v for _, schedule, v, _ in outer_configurations(m126, 128, 16, space) if schedule == "interleaved"}
+    assert vs == {2, 4, 8}
 
 
 def test_the_first_and_last_stage_may_hold_no_layers_and_no_other():

@@ -127,3 +127,18 @@ def test_explain_names_the_framework_terms_a_model_profile_measured():
     line = framework_terms(profiled)
     assert "forward 1.25x its layers + 4.00 ms, backward 1.10x + 6.50 ms per micro-batch" in line
     assert "no fixed cost" in framework_terms(CostModel(MODEL_PRESETS["tiny"], parse_cluster("2xA100-80GB")))
+
+
+def test_virtual_stages_set_the_chunks_per_rank_tried(capsys):
+    # tiny's 4 layers over pp 2 in 3 chunks per rank: 6 chunks, the first and last the embedding and head alone
+    base = ["plan", "--model", "tiny", "--cluster", "2xA100-80GB", "--seq-len", "1024", "--global-batch", "8",
+            "--pipeline-schedules", "interleaved", "--json"]
+    assert main(base + ["--virtual-stages", "3"]) == 0
+    searched = [p for p in json.loads(capsys.readouterr().out)["plans"] if p["origin"] == "search"]
+    assert searched  # the uniform baselines (pp 1) rank beside them
+    for p in searched:
+        assert p["layout"].startswith("pp2 interleavedx3") and "[0,0) embedding" in p["layout"]
+        assert p["layout"].endswith("[4,4) head")
+    with pytest.raises(SystemExit):
+        main(base + ["--virtual-stages", "1,2"])
+    assert "chunks per rank must be whole numbers >= 2" in capsys.readouterr().err

@@ -25,7 +25,8 @@ def brute_force(model, cluster, seq_len, global_batch, space):
     """Best fitting step time over every pp, schedule, v, m, layer split and per-layer strategy.
 
     pp: every divisor of the world up to the layers whose stages are whole nodes or divide one; GPipe
-    too (the search skips it beside 1F1B); interleaving with v chunks where v = 2 or v splits evenly;
+    too (the search skips it beside 1F1B); interleaving with v chunks where v = 2 or v splits evenly
+    (the layers, or the layers and the embedding and/or loss);
     every overlap option the space names (the tests name them, so both sides price the same set).
     """
     cost = CostModel(model, cluster)
@@ -36,14 +37,18 @@ def brute_force(model, cluster, seq_len, global_batch, space):
             continue
         for schedule, v in [(s, 1) for s in space.pipeline_schedules if s != "interleaved"] + [
                 ("interleaved", v) for v in space.virtual_stages if "interleaved" in space.pipeline_schedules]:
-            if (pp == 1 and schedule != "1f1b") or L < pp * v or (v > 2 and L % (pp * v)):
+            # v > 2 where the chunks split the layers evenly, the embedding and loss counted as a layer
+            # each where that makes them even; interleaved, the first and last chunk may hold no layer
+            ends = int(schedule == "interleaved")
+            if (pp == 1 and schedule != "1f1b") or L + 2 * ends < pp * v or (
+                    v > 2 and all((L + e) % (pp * v) for e in range(3))):
                 continue
             for m in space.microbatches:
                 if global_batch % m or (schedule == "interleaved" and m % pp):
                     continue
                 mbs = global_batch // m
                 strategies = candidate_strategies(model, cluster, world // pp, space, mbs)
-                for cuts in combinations(range(1, L), pp * v - 1):
+                for cuts in combinations(range(1 - ends, L + ends), pp * v - 1):  # a cut at 0 or L: an empty end
                     edges = (0, *cuts, L)
                     for assign in product(strategies, repeat=L):
                         chunks = [assign[a:b] for a, b in pairwise(edges)]

@@ -80,6 +80,28 @@ def fraction(text: str) -> float:
     return value
 
 
+def chunk_counts(text: str) -> tuple[int, ...]:
+    """Comma-separated chunks per pipeline rank for the interleaved schedule, each >= 2.
+
+    >>> chunk_counts("2,4,8")
+    (2, 4, 8)
+    >>> chunk_counts("1,2")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: chunks per rank must be whole numbers >= 2 (interleaved: two or more), got '1'
+    """
+    out = []
+    for item in text.split(","):
+        try:
+            v = int(item.strip())
+        except ValueError:
+            v = 0
+        if v < 2:
+            raise argparse.ArgumentTypeError(
+                f"chunks per rank must be whole numbers >= 2 (interleaved: two or more), got {item.strip()!r}")
+        out.append(v)
+    return tuple(dict.fromkeys(out))
+
+
 def rank_factors(text: str) -> list[tuple[int, float]]:
     """``RANK=FACTOR[,RANK=FACTOR...]``: whole ranks >= 0 with factors in (0, 1] (whether a rank is in
     the run is checked where the world size is known).

@@ -18,6 +18,7 @@ from flexmesh.commands.args import (
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
     add_stack_args,
+    chunk_counts,
     job_tasks,
     new_file,
     nonempty,
@@ -108,6 +109,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--pipeline-schedules", "--schedules", dest="pipeline_schedules",
                    default=",".join(PIPELINE_SCHEDULES),
                    help="comma-separated pipeline schedules to consider (--schedules is the old name)")
+    p.add_argument("--virtual-stages", type=chunk_counts, default=FULL_SPACE.virtual_stages, metavar="V[,V...]",
+                   help=f"chunks per rank the interleaved schedule may try (default "
+                        f"{','.join(map(str, FULL_SPACE.virtual_stages))}; more than 2 only where they split the "
+                        "layers evenly, the embedding and loss counted as a layer each where that evens them; one "
+                        "device type)")
     p.add_argument("--overlap", choices=("search", "runtime"), default="search",
                    help="communication the plan may hide under compute: search: every option frameworks run (TP "
                         "overlap as Megatron-Core's --tp-comm-overlap; docs/cost-model.md); runtime: only what "
@@ -178,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     # --no-recompute: none; else the full space's none / selective / full
     space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
                         same_mesh=args.same_mesh, overlaps=(RUNTIME,) if args.overlap == "runtime" else None,
+                        virtual_stages=args.virtual_stages,
                         **({"pp": (1,)} if tasks else {}))
     work = workload(args)
     top = max(args.top, RESCORED) if work.lengths else args.top  # with --lengths: re-scored, then cut to --top

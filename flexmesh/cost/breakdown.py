@@ -39,7 +39,7 @@ def step_terms(cost: CostModel, chunks: Sequence[Sequence[LayerStrategy]], pp: i
     ev = cost.evaluate_stages(chunks, pp, schedule, m, v, microbatch_seqs, seq_len, overlap)
     ov = cost.effective_overlap(overlap, m)
     n = len(chunks)
-    anchors = chunk_anchors(chunks)
+    anchors = chunk_anchors(chunks, pp)
     busiest = int(np.argmax(ev.stage_times))
     compute = recompute = tp_cp = zero = 0.0
     for i in range(busiest, n, pp):

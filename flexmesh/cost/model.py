@@ -328,7 +328,7 @@ class CostModel:
         chunks = list(stage_strategies)
         n = len(chunks)
         overlap = self.effective_overlap(overlap, m)
-        anchors = chunk_anchors(chunks)
+        anchors = chunk_anchors(chunks, pp)
         costs = [self.stage_cost(st, microbatch_seqs, seq_len, i == 0, i == n - 1, overlap, anchors[i])
                  for i, st in enumerate(chunks)]
         rank_cost = [LayerCost() for _ in range(pp)]

@@ -174,12 +174,12 @@ class ReplicaGroup:
 
     def stage_tp(self, index: int) -> int:
         """The tensor-parallel degree of chunk ``index`` (its first layer's; a chunk of the embedding or
-        the head alone, the nearest chunk's with layers)."""
+        the head alone, its pipeline rank's other chunks': :func:`chunk_anchors`)."""
         return self.anchor(index).tp
 
     def anchor(self, index: int) -> LayerStrategy:
         """Chunk ``index``'s first layer's strategy, or for a chunk of no layers its :func:`chunk_anchors`'."""
-        return chunk_anchors([st.strategies for st in self.stages])[index]
+        return chunk_anchors([st.strategies for st in self.stages], self.pp)[index]
 
     def layer_strategies(self) -> list[LayerStrategy]:
         out: list[LayerStrategy] = []

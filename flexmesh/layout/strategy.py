@@ -119,24 +119,30 @@ class LayerStrategy:
         return (self.tp, self.cp, self.cp_kind, self.dp) == (other.tp, other.cp, other.cp_kind, other.dp)
 
 
-def chunk_anchors(chunks: Sequence[Sequence[LayerStrategy]]) -> list[LayerStrategy]:
+def chunk_anchors(chunks: Sequence[Sequence[LayerStrategy]], pp: int = 1) -> list[LayerStrategy]:
     """Each chunk's first layer strategy; for a chunk of no layers (the embedding or the head alone, as
-    Llama 3's first and last chunks, 2407.21783 section 3.3.2) the next chunk's first, else the previous
-    chunk's last: the layout its embedding or head runs on and its boundary activations are cut by.
+    Llama 3's first and last chunks, 2407.21783 section 3.3.2) the layout its embedding or head runs on
+    and its boundary activations are cut by: that of the devices running it, i.e. its pipeline rank's
+    (chunk ``i`` runs on rank ``i % pp``) next chunk's first strategy, else that rank's previous chunk's
+    last; on a rank with no layer at all, the next chunk's first, else the previous chunk's last.
 
     >>> a, b = LayerStrategy(tp=1), LayerStrategy(tp=2)
     >>> [str(s) for s in chunk_anchors([[], [a, a], [b], []])]
     ['tp1-dp1z0', 'tp1-dp1z0', 'tp2-dp1z0', 'tp2-dp1z0']
+    >>> [str(s) for s in chunk_anchors([[], [a], [b], []], pp=2)]  # rank 0 runs chunks 0 and 2
+    ['tp2-dp1z0', 'tp1-dp1z0', 'tp2-dp1z0', 'tp1-dp1z0']
     """
-    out: list[LayerStrategy | None] = [None] * len(chunks)
-    later = None
-    for i in reversed(range(len(chunks))):  # the next chunk's first, one pass from the end
-        later = chunks[i][0] if chunks[i] else later
-        out[i] = later
-    earlier = None
-    for i, chunk in enumerate(chunks):  # else the previous chunk's last
-        earlier = chunk[-1] if chunk else earlier
-        out[i] = out[i] or earlier
+    n = len(chunks)
+    out: list[LayerStrategy | None] = [None] * n
+    for step in dict.fromkeys((pp, 1)):  # the rank's own chunks first, then any chunk
+        for r in range(step):
+            later = earlier = None
+            for i in reversed(range(r, n, step)):  # the next chunk's first, one pass from the end
+                later = chunks[i][0] if chunks[i] else later
+                out[i] = out[i] or later
+            for i in range(r, n, step):  # else the previous chunk's last
+                earlier = chunks[i][-1] if chunks[i] else earlier
+                out[i] = out[i] or earlier
     if any(s is None for s in out):
         raise PlanError("no chunk holds a layer; give every stage at least one layer")
     return cast(list[LayerStrategy], out)

@@ -120,11 +120,18 @@ class ExactRanks:
         self.chunker = ExactChunks(ctx, strategies)
 
     def options(self, sizes: Sizes, rank: int) -> Options:
-        """Every feasible combination of the rank's chunk frontiers, reduced to the (time, tail) frontier."""
+        """Every feasible combination of the rank's chunk frontiers, reduced to the (time, tail) frontier.
+
+        A chunk of no layers (the embedding or the head alone) runs as the rank's next chunk's first
+        layer, or its previous chunk's last (:func:`~flexmesh.layout.strategy.chunk_anchors`; the search
+        makes one only where the rank holds other chunks): that chunk's frontier carries its embedding
+        or head, and the rank's pipeline sends, exactly."""
         ctx, pp = self.ctx, self.ctx.pp
         n_chunks = len(sizes)
-        idx = list(range(rank, n_chunks, pp))
-        fronts = [self.chunker.frontier(sizes[i], i == 0, i == n_chunks - 1, i < pp, ctx.flight[rank]) for i in idx]
+        idx = self._live(sizes, rank)
+        embed, head = rank == 0, rank == (n_chunks - 1) % pp
+        fronts = [self.chunker.frontier(sizes[i], embed and i == idx[0], head and i == idx[-1], i == idx[0],
+                                        ctx.flight[rank]) for i in idx]
         layers = sum(sizes[i] for i in idx)
         t, u, payload = [], [], []
         for combo in product(*[range(len(f[0])) for f in fronts]):
@@ -143,12 +150,15 @@ class ExactRanks:
 
     def chunks(self, sizes: Sizes, chosen: Sequence[Any]) -> list[Chunk]:
         """Put each rank's chunk tuples back at their chunk indices (rank r holds r, r + pp, ...)."""
-        pp = self.ctx.pp
         out: list[Chunk] = [()] * len(sizes)
         for r, pay in enumerate(chosen):
-            for k, i in enumerate(range(r, len(sizes), pp)):
+            for k, i in enumerate(self._live(sizes, r)):
                 out[i] = pay[k]
         return out
+
+    def _live(self, sizes: Sizes, rank: int) -> list[int]:
+        """The indices of the rank's chunks that hold layers."""
+        return [i for i in range(rank, len(sizes), self.ctx.pp) if sizes[i]]
 
 
 class ExactSearch:

@@ -219,13 +219,20 @@ def outer_configurations(model: ModelSpec, world: int, global_batch: int, space:
     and interleaving needs pp > 1). GPipe only when 1F1B is not allowed: the cost model prices both
     alike in time (:func:`~flexmesh.cost.pipeline.pipeline_time`) and GPipe with all ``m``
     micro-batches in flight, so a GPipe layout never beats the same layout under 1F1B. Interleaving
-    runs ``v`` chunks per rank for each ``v`` of ``space.virtual_stages`` with at least one layer per
-    chunk, two chunks per rank always and more only when they split the layers evenly (Megatron's
-    rule for interleaving, which bounds the search); m must divide by pp, as Megatron requires.
+    runs ``v`` chunks per rank for each ``v`` of ``space.virtual_stages`` (the first and last chunk may
+    hold no layer, every other one at least one): two chunks per rank always, more only when they
+    split the layers evenly, counting the embedding and the loss as a layer each where that makes
+    them even (Megatron's rule for interleaving, with Megatron-Core's
+    ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split``, as Llama 3's
+    126 layers run in 16 x 8 chunks); m must divide by pp, as Megatron requires.
 
     >>> from flexmesh.spec import MODEL_PRESETS
-    >>> list(outer_configurations(MODEL_PRESETS["tiny"], 2, 2, SearchSpace(pipeline_schedules=("1f1b", "interleaved"))))
-    [(1, '1f1b', 1, 1), (1, '1f1b', 1, 2), (2, '1f1b', 1, 1), (2, '1f1b', 1, 2), (2, 'interleaved', 2, 2)]
+    >>> list(outer_configurations(MODEL_PRESETS["tiny"], 2, 2, SearchSpace(pipeline_schedules=("1f1b",))))
+    [(1, '1f1b', 1, 1), (1, '1f1b', 1, 2), (2, '1f1b', 1, 1), (2, '1f1b', 1, 2)]
+    >>> list(outer_configurations(MODEL_PRESETS["tiny"], 2, 2, SearchSpace(pipeline_schedules=("interleaved",))))
+    [(2, 'interleaved', 2, 2), (2, 'interleaved', 3, 2)]
+
+    (tiny's 4 layers in 3 chunks per rank: 6 chunks, the first and last the embedding and head alone.)
     """
     L = model.num_layers
     pps = space.pp or pipeline_degrees(world, L, per_node)
@@ -235,8 +242,8 @@ def outer_configurations(model: ModelSpec, world: int, global_batch: int, space:
         for schedule in space.pipeline_schedules:
             if (pp == 1 and schedule != "1f1b") or (schedule == "gpipe" and "1f1b" in space.pipeline_schedules):
                 continue
-            vs = [1] if schedule != "interleaved" else [
-                v for v in space.virtual_stages if v >= 2 and L >= pp * v and (v == 2 or L % (pp * v) == 0)]
+            vs = [1] if schedule != "interleaved" else [v for v in space.virtual_stages if v >= 2 and L + 2 >= pp * v
+                                                         and (v == 2 or any((L + e) % (pp * v) == 0 for e in range(3)))]
             for v in vs:
                 for m in space.microbatches or divisors(global_batch):
                     if global_batch % m or (schedule == "interleaved" and m % pp):

@@ -20,7 +20,7 @@ import numpy as np
 from flexmesh.cost import CostModel, LayerCost, Work, pipeline_times
 from flexmesh.layout.overlap import NO_OVERLAP, Overlap
 from flexmesh.layout.strategy import LayerStrategy, Recompute
-from flexmesh.plan.partition import balanced_splits, compositions, count_compositions
+from flexmesh.plan.partition import balanced_splits, compositions, count_compositions, end_minimums
 from flexmesh.plan.space import Chunk, Mesh, mesh_of
 
 # Exhaustive splits are enumerated up to this many per (pp, schedule); beyond it, balanced ones.
@@ -149,9 +149,16 @@ def prune(ctx: StageContext, strategies: list[LayerStrategy]) -> list[LayerStrat
 
 def layer_splits(ctx: StageContext, strategies: list[LayerStrategy], layers: int, parts: int,
                  exhaustive: bool) -> list[Sizes]:
-    """Layer splits to try: all of them when asked or when few, else a few balanced ones and their neighbours."""
-    if exhaustive or count_compositions(layers, parts) <= MAX_EXACT_SPLITS:
-        return list(compositions(layers, parts))
+    """Layer splits to try: all of them when asked or when few, else a few balanced ones and their neighbours.
+
+    Interleaved (``ctx.v >= 2``), the first and last chunk may hold no layer (the embedding or the head
+    alone, :func:`~flexmesh.plan.partition.end_minimums`); each then runs on a rank that holds other
+    chunks, whose layout it takes (:func:`~flexmesh.layout.strategy.chunk_anchors`), so a rank's
+    options stay its own.
+    """
+    lo = end_minimums(parts, ctx.v >= 2)
+    if exhaustive or count_compositions(layers, parts, lo) <= MAX_EXACT_SPLITS:
+        return list(compositions(layers, parts, lo))
     # Balance by time (the last chunk also runs the head, the first the embedding) and by memory
     # (early 1F1B ranks hold more micro-batches), with a reference strategy: the least-memory one.
     costs = [ctx.layer(s) for s in strategies]  # each priced once: this runs for every configuration
@@ -163,7 +170,7 @@ def layer_splits(ctx: StageContext, strategies: list[LayerStrategy], layers: int
     mem_weight = [lc.states + ctx.flight[i % ctx.pp] * lc.act for i in range(parts)]
     mem_extra = [0.0] * parts
     mem_extra[-1] = ctx.ends(ref, False, True).transient
-    return balanced_splits(layers, parts, time_extra, mem_weight, mem_extra)
+    return balanced_splits(layers, parts, time_extra, mem_weight, mem_extra, lo)
 
 
 def combine(options: Sequence[tuple[np.ndarray, np.ndarray]], schedule: str, m: int,
