@@ -105,3 +105,25 @@ def test_simulate_plan_fed_its_own_length_reproduces_the_predicted_step(tmp_path
     own = json.loads(capsys.readouterr().out)["setup"]["plan_step"]
     assert own["predicted_step_s"] == pytest.approx(predicted)
     assert own["simulated_step_s"] == pytest.approx(predicted, rel=0.01)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 2), ("interleaved", 8)])
+def test_simulate_plan_prices_each_stage_with_its_own_layers(tmp_path, capsys, schedule, v):
+    """30 layers over 4 stages: 7, 8, 8, 7 under 1F1B; interleaved, 32 chunks of one layer but the first
+    and last (the embedding and the head alone). The simulation runs each chunk's own layers, not
+    ceil(30 / 4) on every stage (which took it ~11% past the predicted step)."""
+    from flexmesh.plan import SearchRequest, SearchSpace, best_plans
+    from flexmesh.spec import parse_cluster, parse_model
+
+    model = "gpt:30:4096:32"
+    space = SearchSpace(pp=(4,), pipeline_schedules=(schedule,), virtual_stages=(v,), same_mesh=True)
+    best = best_plans(SearchRequest(parse_model(model), parse_cluster("2x8xA100-80GB"), 4096, 64, space=space,
+                                    mode="fast", top=1), with_baselines=False).best
+    assert len({st.num_layers for st in best.plan.group.stages}) > 1, best.plan.layout  # an uneven split
+    plan, lengths = tmp_path / "plan.json", tmp_path / "lengths.txt"
+    best.plan.save(plan)
+    lengths.write_text("4096\n")
+    assert main(["simulate", "--plan", str(plan), "--model", model, "--lengths", str(lengths), "--steps", "1",
+                 "--policies", "hdp", "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)["setup"]["plan_step"]
+    assert own["simulated_step_s"] == pytest.approx(best.evaluation.step_time, rel=0.01)

@@ -154,7 +154,7 @@ def _prepare(args: argparse.Namespace,
     world = base.cluster.world_size
     cfg = _config(args, policies, _slow(args.slow, world))
     if plan is not None:
-        cfg = replace(cfg, overlap=plan.overlap)
+        cfg = replace(cfg, overlap=plan.overlap, chunk_layers=tuple(st.num_layers for st in plan.group.stages))
     for name in ("tp", "pp", "virtual_stages", "steps", "seq_len"):
         if getattr(args, name) < 1:
             raise FlexmeshError(f"--{name.replace('_', '-')} must be >= 1")

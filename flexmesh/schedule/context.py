@@ -57,6 +57,10 @@ class ScheduleContext:
     # Whether every data rank runs the step's largest micro-batch count (flexmesh.layout.mesh.runs_in_lockstep);
     # None: by that rule from pp and the base strategy's ZeRO stage (a plan passes its layers' own).
     lockstep: bool | None = None
+    # Layers of each pipeline chunk in chunk order (pp x v; chunk i on stage i % pp), as the plan splits
+    # them, the first chunk running the embedding and the last the head; empty: every stage holds
+    # ceil(layers / pp) layers, split evenly over its v chunks.
+    chunk_layers: tuple[int, ...] = ()
     # Whether a policy may cut a sequence into pieces run in several micro-batches of one group. The
     # runtime trains such pieces exactly where flexmesh.layout.step.carries_pieces says so (not
     # with dynamic RoPE scaling), and the runtime's scheduler sets this from it.
@@ -103,7 +107,22 @@ class ScheduleContext:
     @property
     def layers_per_stage(self) -> int:
         """Layers on the fullest pipeline stage."""
-        return -(-self.cost.model.num_layers // self.pp)
+        return max(self.stage_layers)
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Layers on each pipeline stage (:attr:`chunk_layers` summed per stage)."""
+        if not self.chunk_layers:
+            return (-(-self.cost.model.num_layers // self.pp),) * self.pp
+        return tuple(sum(self.chunk_layers[r::self.pp]) for r in range(self.pp))
+
+    def layers_per_chunk(self, v: int) -> np.ndarray:
+        """Layers of each of the ``pp * v`` chunks (fractions when the split is the even estimate)."""
+        if not self.chunk_layers:
+            return np.full(self.pp * v, self.layers_per_stage / v)
+        if len(self.chunk_layers) != self.pp * v:
+            raise ScheduleError(f"{len(self.chunk_layers)} chunks' layers given for pp {self.pp} x {v} chunks")
+        return np.asarray(self.chunk_layers, dtype=float)
 
     def microbatch_time(self, d: int, tokens: ArrayLike, sq_tokens: ArrayLike,
                         ranks: tuple[int, ...] | None = None) -> float | np.ndarray:

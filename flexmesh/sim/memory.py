@@ -37,7 +37,7 @@ def stage_activation_peaks(ctx: ScheduleContext, schedule: StepSchedule) -> np.n
 
 
 def _group_peaks(ctx: ScheduleContext, g: Group, count: int) -> np.ndarray:
-    cost, pp, layers = ctx.cost, ctx.pp, ctx.layers_per_stage
+    cost, pp, layers = ctx.cost, ctx.pp, np.asarray(ctx.stage_layers, dtype=float)
     s = ctx.group_strategy(g.cp)
     sizes = [sum(p.end - p.start for p in mb) for mb in g.microbatches]
     shape = max(sizes, default=0) if pp > 1 else None
@@ -51,7 +51,7 @@ def _group_peaks(ctx: ScheduleContext, g: Group, count: int) -> np.ndarray:
         sq = float(sum(cost.attention_sq(p.start, p.end) for p in mb)) if mb else float(cost.attention_sq(0.0, tokens))
         layer = cost.layer(s, Work(tokens=tokens, sq_tokens=sq)).act
         carried = sum(cost.timing.carried_bytes(s, float(p.start), float(p.end - p.start)) for p in mb if p.start > 0)
-        b = np.full(pp, (layer + carried) * layers)
+        b = (layer + carried) * layers
         b[0] += cost.timing.embedding_activation_bytes(s, tokens)
         b[-1] += cost.timing.logit_bytes(s, tokens)
         per.append(b)

@@ -61,6 +61,7 @@ class SimulationConfig:
     cp_kind: str = "ulysses"
     speed_factors: tuple[float, ...] = ()
     overlap: Overlap = NO_OVERLAP  # the plan's overlap options (flexmesh.layout.overlap)
+    chunk_layers: tuple[int, ...] = ()  # a plan's layers per pipeline chunk (ScheduleContext.chunk_layers)
 
 
 def simulation_context(base: CostModel, cfg: SimulationConfig) -> tuple[ScheduleContext, np.ndarray]:
@@ -75,7 +76,7 @@ def simulation_context(base: CostModel, cfg: SimulationConfig) -> tuple[Schedule
     ctx = ScheduleContext(cost=cost, base=LayerStrategy(tp=cfg.tp, zero=cfg.zero, recompute=cfg.recompute),
                           num_ranks=cluster.world_size // (cfg.tp * cfg.pp), pp=cfg.pp,
                           pipeline_schedule=cfg.pipeline_schedule, cp_kind=cfg.cp_kind,
-                          speed=tuple(float(x) for x in speeds.min(axis=0)),
+                          speed=tuple(float(x) for x in speeds.min(axis=0)), chunk_layers=cfg.chunk_layers,
                           price=simulated_price(cfg.virtual_stages))  # chunked chooses as train's does
     return ctx, speeds
 

@@ -313,7 +313,7 @@ def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _La
     """pp > 1: each group is a pipeline; simulate it once and copy it to the group's lanes."""
     pp, n = ctx.pp, ctx.num_ranks
     n_vs = pp * v
-    per_chunk = ctx.layers_per_stage / v  # the context's even split of layers over stages, then chunks
+    per_chunk = ctx.layers_per_chunk(v)[:, None]  # the plan's split (or the context's even estimate)
     compute = np.zeros((pp, n))
     comm = np.zeros((pp, n))
     bubble = np.zeros((pp, n))
@@ -382,13 +382,13 @@ def _finish(ctx: ScheduleContext, sp: np.ndarray, tokens: np.ndarray, lanes: _La
     sync = np.zeros(pp)
     optim = np.zeros(pp)
     for r in range(pp):
-        sync[r], optim[r] = ctx.cost.step_grad_sync(ctx.base, n, layers=ctx.layers_per_stage,
+        sync[r], optim[r] = ctx.cost.step_grad_sync(ctx.base, n, layers=ctx.stage_layers[r],
                                                     embed=r == 0, head=r == pp - 1)
     # The sync hides under the last backward of the stage's slowest lane (the collective cannot run
     # ahead of it); the cost model's rule decides how much.
     slowest = work_end.argmax(axis=1)
     last_bwd = lanes.last_bwd.reshape(pp, n)[np.arange(pp), slowest]
-    sync = np.array([ctx.cost.exposed_sync(float(sync[r]), float(last_bwd[r]), ctx.layers_per_stage)
+    sync = np.array([ctx.cost.exposed_sync(float(sync[r]), float(last_bwd[r]), ctx.stage_layers[r])
                      for r in range(pp)])
     opt_lane = optim[:, None] / sp
     done = barrier[:, None] + sync[:, None] + opt_lane
