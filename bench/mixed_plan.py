@@ -6,7 +6,8 @@ batch shares by peak FLOP/s) and the sum of the parts planned alone, all priced 
 (presets). Targets: case (a) >= 1.3x uniform, >= 0.9x the sum of the parts, search <= 10 s; (b), 1024
 GPUs, >= 0.95x the sum of the parts, search <= 30 s; (c) and (d), 32 and 48 GPUs of three types, search
 <= 10 s; the other ratios are shown against the same thresholds for reference. Times are wall-clock on
-whatever shares the machine: PASS/FAIL is printed, not asserted.
+whatever shares the machine, the fastest of ``REPEATS`` searches (the spread is printed): PASS/FAIL is
+printed, not asserted.
 
 Run: OMP_NUM_THREADS=1 python -m bench.mixed_plan
 """
@@ -32,14 +33,19 @@ CASES = [  # (label, model, cluster, seq len, global batch, search-time target s
     ("d", "llama3-8b", "2x8xH200+2x8xH100+2x8xA100-40GB", 8192, 192, 10.0, 0.9, False),
 ]
 UNIFORM_TARGET = 1.3
+REPEATS = 3  # searches per case; the fastest is recorded (other work on the machine is noise, not the code's time)
 
 
 def run_case(model_name: str, cluster_name: str, seq: int, gb: int) -> dict:
     model, cluster = parse_model(model_name), parse_mixed_cluster(cluster_name)
-    costs = MixedCosts(model, cluster)
-    t0 = time.perf_counter()
-    result = plan_mixed(model, cluster, seq, gb, costs)
-    search_s = time.perf_counter() - t0
+    times = []
+    for _ in range(REPEATS):  # fresh cost models each time, their caches empty
+        costs = MixedCosts(model, cluster)
+        t0 = time.perf_counter()
+        result = plan_mixed(model, cluster, seq, gb, costs)
+        times.append(time.perf_counter() - t0)
+    search_s = min(times)
+    print(f"{model_name} on {cluster_name}: search {', '.join(f'{t:.2f}' for t in times)} s")
     t1 = time.perf_counter()
     base = mixed_baselines(model, cluster, seq, gb, costs)
     tput = result.evaluation.tokens_per_s
@@ -78,8 +84,8 @@ def main() -> None:
                     _verdict(ratio("uniform") >= UNIFORM_TARGET, label == "a")],
                    [case, "plan / sum of the parts", f">= {parts_target}x", f"{ratio('parts'):.2f}x",
                     _verdict(ratio("parts") >= parts_target, asserted)]]
-    columns = ["case", "search s", "configurations", "plan tokens/s", "uniform", "plan/uniform", "proportional",
-               "plan/prop.", "sum of parts", "plan/parts", "plan (distinct replica layouts)"]
+    columns = ["case", "search s (fastest of 3)", "configurations", "plan tokens/s", "uniform", "plan/uniform",
+               "proportional", "plan/prop.", "sum of parts", "plan/parts", "plan (distinct replica layouts)"]
     table = Table(title="mixed-cluster planner against its baselines (one cost model)")
     for col in columns:
         table.add_column(col, overflow="fold")
