@@ -111,10 +111,13 @@ class ScheduleContext:
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
-        """Layers on each pipeline stage (:attr:`chunk_layers` summed per stage)."""
-        if not self.chunk_layers:
-            return (-(-self.cost.model.num_layers // self.pp),) * self.pp
-        return tuple(sum(self.chunk_layers[r::self.pp]) for r in range(self.pp))
+        """Layers on each pipeline stage (:attr:`chunk_layers` summed per stage); cached, since the
+        schedulers ask for the fullest stage on every micro-batch they price."""
+        if "stage_layers" not in self._cache:
+            self._cache["stage_layers"] = (
+                tuple(sum(self.chunk_layers[r::self.pp]) for r in range(self.pp)) if self.chunk_layers
+                else (-(-self.cost.model.num_layers // self.pp),) * self.pp)
+        return self._cache["stage_layers"]
 
     def layers_per_chunk(self, v: int) -> np.ndarray:
         """Layers of each of the ``pp * v`` chunks (fractions when the split is the even estimate)."""
