@@ -6,10 +6,30 @@ import datetime
 import platform
 import re
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 HEADER = "# Benchmark results\n\nEach section is rewritten by the script named in its heading.\n"
+REPEATS = 3  # timed runs of a search; the fastest is recorded
+S = TypeVar("S")
+T = TypeVar("T")
+
+
+def fastest(setup: Callable[[], S], run: Callable[[S], T], label: str) -> tuple[S, T, float]:
+    """``run(setup())`` :data:`REPEATS` times, a fresh ``setup()`` (cost models, their caches empty) each
+    time and only ``run`` timed: the last (state, result) and the fastest time, as timeit reports (what
+    other work on the machine adds is noise, not the code's time); the times are printed after ``label``."""
+    times = []
+    for _ in range(REPEATS):
+        state = setup()
+        t0 = time.perf_counter()
+        out = run(state)
+        times.append(time.perf_counter() - t0)
+    print(f"{label}: {', '.join(f'{t:.2f}' for t in times)} s")
+    return state, out, min(times)
 
 
 def commit() -> str:

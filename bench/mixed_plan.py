@@ -6,7 +6,7 @@ batch shares by peak FLOP/s) and the sum of the parts planned alone, all priced 
 (presets). Targets: case (a) >= 1.3x uniform, >= 0.9x the sum of the parts, search <= 10 s; (b), 1024
 GPUs, >= 0.95x the sum of the parts, search <= 30 s; (c) and (d), 32 and 48 GPUs of three types, search
 <= 10 s; the other ratios are shown against the same thresholds for reference. Times are wall-clock on
-whatever shares the machine, the fastest of ``REPEATS`` searches (the spread is printed): PASS/FAIL is
+whatever shares the machine, the fastest of ``bench._results.REPEATS`` searches (the spread is printed): PASS/FAIL is
 printed, not asserted.
 
 Run: OMP_NUM_THREADS=1 python -m bench.mixed_plan
@@ -19,7 +19,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from bench._results import markdown_table, record
+from bench._results import fastest, markdown_table, record
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.plan.baselines import mixed_baselines
 from flexmesh.plan.mixed import plan_mixed
@@ -33,19 +33,13 @@ CASES = [  # (label, model, cluster, seq len, global batch, search-time target s
     ("d", "llama3-8b", "2x8xH200+2x8xH100+2x8xA100-40GB", 8192, 192, 10.0, 0.9, False),
 ]
 UNIFORM_TARGET = 1.3
-REPEATS = 3  # searches per case; the fastest is recorded (other work on the machine is noise, not the code's time)
 
 
 def run_case(model_name: str, cluster_name: str, seq: int, gb: int) -> dict:
     model, cluster = parse_model(model_name), parse_mixed_cluster(cluster_name)
-    times = []
-    for _ in range(REPEATS):  # fresh cost models each time, their caches empty
-        costs = MixedCosts(model, cluster)
-        t0 = time.perf_counter()
-        result = plan_mixed(model, cluster, seq, gb, costs)
-        times.append(time.perf_counter() - t0)
-    search_s = min(times)
-    print(f"{model_name} on {cluster_name}: search {', '.join(f'{t:.2f}' for t in times)} s")
+    costs, result, search_s = fastest(lambda: MixedCosts(model, cluster),
+                                      lambda c: plan_mixed(model, cluster, seq, gb, c),
+                                      f"{model_name} on {cluster_name}: search")
     t1 = time.perf_counter()
     base = mixed_baselines(model, cluster, seq, gb, costs)
     tput = result.evaluation.tokens_per_s

@@ -5,7 +5,7 @@ Megatron-style 3D layout from a grid search through the same cost model. The sea
 never be worse than that baseline (asserted). Time targets on a 2-core machine: (a) <= 0.5 s,
 (b) <= 10 s, (c) <= 5 s, and <= 10 s for worlds up to 4096 GPUs, powers of two or not: (d) MT-NLG's
 published run (2240 A100s, Smith et al. 2201.11990) and (e) a Llama-3-405B-shaped model on 4096 H100s;
-they are printed, not asserted, since other work shares the machine. Each search runs ``REPEATS``
+they are printed, not asserted, since other work shares the machine. Each search runs ``bench._results.REPEATS``
 times, each on a fresh cost model, and the fastest is reported (as timeit does: what other work on
 the machine adds is noise, not the code's time); the spread is printed beside it.
 
@@ -15,11 +15,13 @@ Run: OMP_NUM_THREADS=1 python -m bench.search
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from functools import partial
 
 from rich.console import Console
 from rich.table import Table
 
-from bench._results import record
+from bench._results import fastest, record
 from flexmesh.cost.model import CostModel
 from flexmesh.plan import SearchRequest, best_plans, megatron_3d
 from flexmesh.spec import parse_cluster, parse_model
@@ -31,21 +33,18 @@ CASES = [  # (label, model, cluster, seq len, global batch, target seconds)
     ("d", "gpt:105:20480:128:51200", "280x8xA100-80GB", 2048, 1920, 10.0),
     ("e", "gpt:126:16384:128:128256", "512x8xH100", 8192, 2048, 10.0),
 ]
-REPEATS = 3  # runs per case; the fastest is recorded
+
+
+def _best(request: SearchRequest, cost: CostModel):  # noqa: ANN202 - a SearchResult
+    return best_plans(replace(request, cost=cost))
 
 
 def main() -> None:
     rows = []
     for label, model_name, cluster_name, seq, gb, target in CASES:
         model, cluster = parse_model(model_name), parse_cluster(cluster_name)
-        times = []
-        for _ in range(REPEATS):  # a fresh cost model each time, its caches empty
-            cost = CostModel(model, cluster)
-            t0 = time.perf_counter()
-            r = best_plans(SearchRequest(model, cluster, seq, gb, cost=cost, top=1))
-            times.append(time.perf_counter() - t0)
-        seconds = min(times)
-        print(f"({label}) search {', '.join(f'{t:.2f}' for t in times)} s")
+        request = SearchRequest(model, cluster, seq, gb, top=1)
+        cost, r, seconds = fastest(partial(CostModel, model, cluster), partial(_best, request), f"({label}) search")
         t1 = time.perf_counter()
         mega = megatron_3d(model, cluster, seq, gb, cost)
         grid_seconds = time.perf_counter() - t1
