@@ -59,7 +59,8 @@ def timed(fns: dict, repeat: int, sync) -> dict[str, float]:  # noqa: ANN001
 def main() -> None:
     import torch
 
-    from flexmesh.runtime.lora import AdapterRow, Adapters, grouped_kernel_ok
+    from flexmesh.runtime.grouped import grouped_kernel_ok
+    from flexmesh.runtime.lora import AdapterRow, Adapters
     from flexmesh.spec.tasks import Task, TaskSet
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

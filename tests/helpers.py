@@ -272,3 +272,29 @@ def _exit_after(rank: int, fn: Any, *args: Any) -> None:
     sys.stderr.flush()
     os._exit(0)
 
+
+
+def randomise_hf(model: Any, seed: int) -> None:
+    """Weights that make norm, bias and RoPE mistakes visible (transformers' init has unit norms, zero
+    biases): norms 1 + 0.5 N(0, 1), biases 0.2 N(0, 1), embeddings 0.01 N(0, 1) (small first activations,
+    so that rms_norm_eps shows), every other tensor N(0, 1) / sqrt(its last dimension)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.5 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(0.01 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def rel_diff(got: Any, want: Any) -> float:
+    """Largest difference over the largest value of ``want``."""
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max())

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import randomise_hf, rel_diff
 
 from flexmesh.layout.step import Piece
 from flexmesh.runtime.model import build_model
@@ -54,22 +55,6 @@ CASES: dict[str, tuple[str, dict, dict]] = {
 MEASURED: dict[str, float] = {}  # largest relative difference per case, printed with -s
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights that make norm, bias and RoPE mistakes visible (transformers' init has unit norms, zero biases)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.5 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(0.01 * noise)  # small first activations: rms_norm_eps then changes the result
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-
-
 def _as_transformers4(src: Path, dst: Path) -> None:
     """The same checkpoint with a transformers 4 config.json: top-level rope_theta and rope_scaling,
     torch_dtype, and default-valued fields left out (so the reader's defaults are exercised)."""
@@ -97,7 +82,7 @@ def checkpoints(tmp_path_factory):
                                                     rope_parameters={"rope_theta": 5000.0, **rope})
             torch.manual_seed(0)
             hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-            _randomise(hf, seed=len(built) + 1)
+            randomise_hf(hf, seed=len(built) + 1)
             root = tmp_path_factory.mktemp(name)
             hf.save_pretrained(root / "v5")
             _as_transformers4(root / "v5", root / "v4")
@@ -113,11 +98,6 @@ def checkpoints(tmp_path_factory):
 def _docs() -> list[np.ndarray]:
     rng = np.random.default_rng(7)
     return [rng.integers(0, SHAPE["vocab_size"], n) for n in LENGTHS]
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach(), want.detach()
-    return float((got - want).abs().max() / want.abs().max())
 
 
 def _reference(hf: torch.nn.Module, docs: list[np.ndarray]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -150,19 +130,19 @@ def test_matches_transformers(checkpoints, case, layout):
 
     single = pack_microbatch(docs[-1:], (Piece(0, 0, len(docs[-1])),))
     with torch.no_grad():
-        diffs["one sequence"] = _rel(model(single.tokens, single)[0], want_logits[-1])
+        diffs["one sequence"] = rel_diff(model(single.tokens, single)[0], want_logits[-1])
 
     packed = pack_microbatch(docs, tuple(Piece(i, 0, len(d)) for i, d in enumerate(docs)))
     logits = model(packed.tokens, packed)
-    diffs["packed row"] = _rel(logits[0], torch.cat(want_logits))
+    diffs["packed row"] = rel_diff(logits[0], torch.cat(want_logits))
     loss = F.cross_entropy(logits[0], packed.labels[0], ignore_index=-100, reduction="sum") / packed.num_label_tokens
     loss.backward()
-    diffs["loss"] = _rel(loss.detach(), want_loss)
+    diffs["loss"] = rel_diff(loss.detach(), want_loss)
 
     hf_params = dict(hf.named_parameters())
     for name, p in model.named_parameters():
         key = hf_name(name)
-        diffs[f"grad {key}"] = _rel(p.grad, hf_params[key].grad)
+        diffs[f"grad {key}"] = rel_diff(p.grad, hf_params[key].grad)
     worst = max(diffs, key=lambda k: diffs[k])
     MEASURED[f"{case}/{layout}"] = diffs[worst]
     print(f"\n{case}/{layout}: max relative difference {diffs[worst]:.2e} ({worst})")
@@ -181,4 +161,4 @@ def test_mistakes_would_show(checkpoints):
         load_hf_safetensors(model, folders["v5"])
         with torch.no_grad():
             want = hf(torch.as_tensor(docs[-1])[None]).logits[0]
-            assert _rel(model(single.tokens, single)[0], want) > 100 * TOL, case
+            assert rel_diff(model(single.tokens, single)[0], want) > 100 * TOL, case

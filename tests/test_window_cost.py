@@ -133,7 +133,7 @@ def test_hf_qwen2_window(tmp_path):
 def test_hf_window_convention_matches_transformers_configs():
     """Which layers slide: what transformers' Qwen2 attention layers say for the same config."""
     transformers = pytest.importorskip("transformers")
-    from flexmesh.spec.model import hf_sliding_window
+    from flexmesh.spec.hf import hf_sliding_window
 
     base = dict(num_hidden_layers=5, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=64, vocab_size=50)

@@ -27,7 +27,6 @@ each run is its own pair of ``F.linear`` (:func:`segment_matmul`); ``loop=True``
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flexmesh.runtime.grouped import grouped_linear
 from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.tasks import TARGETS, TaskSet, projection_shape
 
@@ -65,50 +65,10 @@ class AdapterRow:
         return torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in self.runs]).to(device)
 
 
-def grouped_kernel_ok(x: torch.Tensor, *dims: int) -> bool:
-    """Whether ``torch._grouped_mm`` runs for ``x``'s device and dtype: on CPU (torch >= 2.9); on CUDA
-    for bf16 on sm90 and later, with 16-byte aligned rows (dims multiples of 8), once a small forward and
-    backward of it has run there (:func:`_grouped_probe`: its layout rules differ between releases)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.device.type == "cpu":
-        return True
-    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0) and all(d % 8 == 0 for d in dims)
-            and _grouped_probe(x.device, x.dtype))
-
-
-def _grouped_layout(w: torch.Tensor) -> torch.Tensor:
-    """``w`` [G, N, K] as the grouped kernel's [G, K, N] operand: the transposed view on CUDA (its
-    kernels take the second operand column-major), a contiguous copy on CPU (faster there)."""
-    wt = w.transpose(1, 2)
-    return wt.contiguous() if w.device.type == "cpu" else wt
-
-
-@functools.cache
-def _grouped_probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the grouped kernel's forward and backward run on ``device`` in ``dtype`` as the adapters
-    call it (two groups, one empty); the per-run matmuls serve where it does not."""
-    try:
-        x = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 8, 16, device=device, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
-        torch._grouped_mm(x, _grouped_layout(w), offs=offs).float().square().sum().backward()
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
 def segment_matmul(x: torch.Tensor, w: torch.Tensor, row: AdapterRow, loop: bool = False) -> torch.Tensor:
     """Rows of ``x`` [T, K] in run ``i`` of ``row`` times ``w[i]^T`` (``w`` [runs, N, K]): [T, N]. One
     grouped kernel, or (``loop``, or no grouped kernel here) one ``F.linear`` per run."""
-    if not loop and grouped_kernel_ok(x, w.shape[-1], w.shape[-2]):
-        return torch._grouped_mm(x, _grouped_layout(w), offs=row.offsets)
-    out, start = [], 0
-    for i, (_, n) in enumerate(row.runs):
-        out.append(F.linear(x[start:start + n], w[i]))
-        start += n
-    return torch.cat(out)
+    return grouped_linear(x, w, row.offsets, [n for _, n in row.runs], loop)
 
 
 # Projections split by output features under tensor parallelism (the others by input features).

@@ -9,6 +9,7 @@ Hugging Face weight mapping can address parts by name::
         attention_norm        RMSNorm
         attention             Attention: wq, wk, wv, wo (nn.Linear; q/k/v biases when spec.qkv_bias,
                               a wo bias when spec.attention_out_bias); q_norm, k_norm when spec.qk_norm
+                              (per head, or over the whole projections: spec.qk_norm_scope)
         ffn_norm              RMSNorm
         feed_forward          FeedForward: w1 (gate), w2 (down), w3 (up) (biases when spec.mlp_bias)
     norm                      RMSNorm
@@ -55,6 +56,7 @@ from flexmesh.runtime.attention import CPContext, Documents, attend
 from flexmesh.runtime.carry import CarryView, carried_attend
 from flexmesh.runtime.lora import AdapterRow
 from flexmesh.runtime.loss import linear_cross_entropy
+from flexmesh.runtime.moe import MoEFeedForward
 from flexmesh.runtime.rope import apply_rope, rope_cos_sin
 from flexmesh.spec.model import ModelSpec
 
@@ -94,6 +96,7 @@ class Row:
     sin: torch.Tensor
     carry: CarryView | None = None
     adapters: AdapterRow | None = None  # the tokens' tasks, where the model carries LoRA adapters
+    real: int | None = None  # leading tokens that are documents, not padding (None: all); experts route those
 
 
 def make_row(spec: ModelSpec, positions: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -148,9 +151,12 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.qkv_bias)
         self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=spec.attention_out_bias)
-        # Qwen3 normalises each head of q and k (over head_dim) before RoPE
-        self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
-        self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        # Qwen3 normalises each head of q and k (over head_dim) before RoPE; OLMoE the whole projections
+        self.norm_heads = spec.qk_norm_scope == "head"
+        q_width, k_width = (spec.head_dim, spec.head_dim) if self.norm_heads else (spec.q_dim, spec.kv_dim)
+        self.q_norm = nn.RMSNorm(q_width, eps=spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(k_width, eps=spec.norm_eps) if spec.qk_norm else None
+        self.clip = spec.clip_qkv  # OLMoE's clip_qkv: q, k, v clamped to [-clip, clip] after the norms
         self.cp: CPContext | None = None
         # LoRA adapters per projection name (flexmesh.runtime.lora.attach_adapters), None without
         self.adapters: nn.ModuleDict | None = None
@@ -159,10 +165,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, row: Row) -> torch.Tensor:
         b, t, _ = x.shape
-        q = adapted(self, "wq", x, row).view(b, t, -1, self.head_dim)
-        k = adapted(self, "wk", x, row).view(b, t, -1, self.head_dim)
-        v = adapted(self, "wv", x, row).view(b, t, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        q, k, v = adapted(self, "wq", x, row), adapted(self, "wk", x, row), adapted(self, "wv", x, row)
+        if self.q_norm is not None and self.k_norm is not None and not self.norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
+        q, k, v = (z.view(b, t, -1, self.head_dim) for z in (q, k, v))
+        if self.q_norm is not None and self.k_norm is not None and self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = row.cos.to(q.dtype), row.sin.to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -194,10 +203,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
         self.attention = Attention(spec, layer)
         self.ffn_norm = nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
-        self.feed_forward = FeedForward(spec)
+        self.feed_forward: nn.Module = MoEFeedForward(spec) if spec.is_moe_layer(layer) else FeedForward(spec)
 
     def forward(self, x: torch.Tensor, row: Row) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), row)
+        if isinstance(self.feed_forward, MoEFeedForward):
+            return h + self.feed_forward(self.ffn_norm(h), row.real)
         if self.feed_forward.adapters is None:  # one input, as tensor parallelism's input layouts say
             return h + self.feed_forward(self.ffn_norm(h))
         return h + self.feed_forward(self.ffn_norm(h), row)
@@ -228,6 +239,7 @@ class Transformer(nn.Module):
         total = batch.positions.shape[1] * (cp.size if cp is not None else 1)
         row = make_row(self.spec, batch.positions, batch.cu_seqlens, getattr(batch, "bounds", None) or None,
                        total=total, carry=getattr(batch, "carry", None))
+        row.real = getattr(batch, "real_tokens", None)
         runs = getattr(batch, "task_runs", ())
         if runs:
             row.adapters = AdapterRow.of(runs, batch.positions.device)
@@ -276,9 +288,9 @@ class Transformer(nn.Module):
         model whose parameters are DTensors (FSDP2 / TP shards) all get the values the full CPU model
         gets. The full tensor is drawn on CPU and its local shard copied in (flexmesh.runtime.weights).
 
-        Scheme (Llama-style): linears and embeddings N(0, 0.02); output projections wo and w2 scaled
-        by 1/sqrt(2 * num_layers) so the residual stream's variance does not grow with depth; norm
-        weights 1; biases 0.
+        Scheme (Llama-style): linears, experts and embeddings N(0, 0.02); output projections wo, w2
+        and the experts' down scaled by 1/sqrt(2 * num_layers) so the residual stream's variance does
+        not grow with depth; norm weights 1; biases 0.
         """
         # layout-aware; imported here to keep this module plain
         from flexmesh.runtime.weights import canonical_name, copy_full_, is_adapter
@@ -294,7 +306,7 @@ class Transformer(nn.Module):
             elif name.endswith(".bias"):
                 full = torch.zeros(shape)
             else:
-                std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight")) else 1.0)
+                std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight", "experts.down")) else 1.0)
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 full = torch.empty(shape).normal_(0.0, std, generator=gen)
             copy_full_(param, full)

@@ -62,6 +62,9 @@ class PackedBatch:
     # each token's loss weight [1, T] (1 / its task's label tokens in the step; 0 on ignored labels).
     task_runs: tuple[tuple[int, int], ...] = ()
     weights: torch.Tensor | None = None
+    # Tokens from the row's start that belong to documents (the rest is padding, which experts do not
+    # route: flexmesh.runtime.moe); None: all of them.
+    real_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -191,6 +194,7 @@ def pad_to(batch: PackedBatch, length: int) -> PackedBatch:
         bounds=(*batch.bounds, length) if batch.bounds else (),
         task_runs=(*batch.task_runs, (PADDING_SLOT, pad)) if batch.task_runs else (),
         weights=None if batch.weights is None else torch.cat([batch.weights, batch.weights.new_zeros(1, pad)], dim=1),
+        real_tokens=t if batch.real_tokens is None else batch.real_tokens,
     )
 
 
@@ -222,9 +226,10 @@ def shard_for_cp(batch: PackedBatch, rank: int, size: int) -> PackedBatch:
         if part > 0:
             runs.append((slot, part))
         start += length
+    real = None if batch.real_tokens is None else min(n, max(0, batch.real_tokens - sl.start))
     return replace(batch, tokens=batch.tokens[:, sl], labels=labels, positions=batch.positions[:, sl],
                    num_label_tokens=int((labels != IGNORE_INDEX).sum()), task_runs=tuple(runs),
-                   weights=None if batch.weights is None else batch.weights[:, sl])
+                   weights=None if batch.weights is None else batch.weights[:, sl], real_tokens=real)
 
 
 def rank_microbatches(docs: Sequence[np.ndarray], schedule: StepSchedule, data_rank: int) -> list[PackedBatch]:
@@ -257,4 +262,5 @@ def empty_batch(length: int, tasks: bool = False) -> PackedBatch:
         positions=torch.arange(length)[None, :],
         cu_seqlens=torch.tensor([0, length], dtype=torch.int32),
         num_label_tokens=0,
+        real_tokens=0,
     )

@@ -19,6 +19,15 @@ Name mapping (flexmesh <- Hugging Face Llama / Mistral / Qwen2)::
     norm.weight                                model.norm.weight
     output.weight                              lm_head.weight
 
+A mixture-of-experts layer (flexmesh.runtime.moe) in transformers 5's fused layout; files in the
+per-expert layout of transformers 4 are read and written by flexmesh.runtime.expert_weights::
+
+    layers.N.feed_forward.router.weight        model.layers.N.mlp.gate.weight
+    layers.N.feed_forward.experts.gate_up      model.layers.N.mlp.experts.gate_up_proj
+    layers.N.feed_forward.experts.down         model.layers.N.mlp.experts.down_proj
+    layers.N.feed_forward.shared.w1|w2|w3.weight  model.layers.N.mlp.shared_expert.gate|down|up_proj.weight
+    layers.N.feed_forward.shared_gate.weight   model.layers.N.mlp.shared_expert_gate.weight
+
 Both use the half-split RoPE convention, so q/k weights need no permutation.
 """
 
@@ -43,6 +52,8 @@ _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 _FFN = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _NORMS = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _QK_NORMS = ("q_norm", "k_norm")
+_MOE = {("router", "weight"): "gate.weight", ("experts", "gate_up"): "experts.gate_up_proj",
+        ("experts", "down"): "experts.down_proj", ("shared_gate", "weight"): "shared_expert_gate.weight"}
 # Buffers some checkpoints carry that the model recomputes instead of reading.
 _RECOMPUTED = (".rotary_emb.inv_freq",)
 
@@ -64,7 +75,7 @@ def canonical_name(name: str) -> str:
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face Llama key of a flexmesh parameter name.
+    """The Hugging Face key of a flexmesh parameter name (experts: transformers 5's fused layout).
 
     >>> hf_name("layers.3.feed_forward.w1.weight")
     'model.layers.3.mlp.gate_proj.weight'
@@ -86,6 +97,10 @@ def hf_name(name: str) -> str:
             return f"{prefix}.self_attn.{rest[0]}.weight"
         if module == "feed_forward" and len(rest) == 2 and rest[0] in _FFN:
             return f"{prefix}.mlp.{_FFN[rest[0]]}.{rest[1]}"
+        if module == "feed_forward" and tuple(rest) in _MOE:
+            return f"{prefix}.mlp.{_MOE[tuple(rest)]}"
+        if module == "feed_forward" and len(rest) == 3 and rest[0] == "shared" and rest[1] in _FFN:
+            return f"{prefix}.mlp.shared_expert.{_FFN[rest[1]]}.{rest[2]}"
     raise CheckpointError(f"parameter {name!r} has no Hugging Face Llama name; is this a flexmesh Transformer?")
 
 
@@ -157,10 +172,13 @@ class LoadReport:
     loaded: tuple[str, ...]
     other_stages: tuple[str, ...]  # tensors of layers or ends that other pipeline stages hold
     recomputed: tuple[str, ...]  # buffers such as rotary_emb.inv_freq, which the model computes itself
+    expert_layout: str | None = None  # fused or per-expert (flexmesh.runtime.expert_weights); None: no experts
 
     def summary(self) -> str:
         """One line: how many tensors were read and which were left to other stages."""
         line = f"loaded {len(self.loaded)} tensors"
+        if self.expert_layout is not None:
+            line += f" (experts {self.expert_layout})"
         if self.other_stages:
             line += f"; {len(self.other_stages)} belong to other pipeline stages ({_shown(self.other_stages)})"
         return line
@@ -182,48 +200,72 @@ def _whole_model_keys(model: nn.Module) -> set[str]:
     return {hf_name(name) for name, _ in whole.named_parameters()}
 
 
+def _expert_count_error(file: Path, key: str, got: tuple[int, ...], want: tuple[int, ...]) -> CheckpointError:
+    return CheckpointError(f"{file.name}: {key} holds {got[0]} experts but the model config has {want[0]}; the "
+                           "weights belong to another config (check num_experts / num_local_experts)")
+
+
 def load_hf_safetensors(model: nn.Module, path: str | Path) -> LoadReport:
-    """Fill every parameter ``model`` holds from Hugging Face Llama-named safetensors weights.
+    """Fill every parameter ``model`` holds from Hugging Face-named safetensors weights.
 
     Works for plain, FSDP2- and TP-sharded (DTensor) parameters and for pipeline stages; each tensor
-    is read on its own, so peak extra memory is one full parameter. Raises CheckpointError when the
-    file lacks a tensor of the model or holds one the model's config has no place for.
+    is read on its own, so peak extra memory is one full parameter. Experts are read from either
+    checkpoint layout (flexmesh.runtime.expert_weights). Raises CheckpointError when the file lacks a
+    tensor of the model or holds one the model's config has no place for.
     """
+    from contextlib import ExitStack
+
+    from flexmesh.runtime.expert_weights import sources
+
     path = Path(path)
     files = _open_weights(path)
+    found, layout = sources(files)
     wanted = {name: hf_name(name) for name, _ in model.named_parameters() if not is_adapter(name)}
     whole = _whole_model_keys(model)
-    missing = sorted(k for k in wanted.values() if k not in files)
-    recomputed = sorted(k for k in files if k.endswith(_RECOMPUTED))
-    unexpected = sorted(k for k in files if k not in whole and not k.endswith(_RECOMPUTED))
+    missing = sorted(k for k in wanted.values() if k not in found)
+    recomputed = sorted(k for k in found if k.endswith(_RECOMPUTED))
+    unexpected = sorted(k for k in found if k not in whole and not k.endswith(_RECOMPUTED))
     if missing or unexpected:
         parts = [f"weights are missing {_shown(missing)}"] if missing else []
         if unexpected:
             parts.append(f"hold {_shown(unexpected)}, which the model has no place for")
         raise CheckpointError(f"{path}: {' and '.join(parts)}; the file does not match the model config "
-                              "(check num_hidden_layers, tie_word_embeddings, attention_bias and mlp_bias)")
+                              "(check num_hidden_layers, tie_word_embeddings, the experts, attention_bias and "
+                              "mlp_bias)")
     params = dict(model.named_parameters())
-    by_file: dict[Path, list[str]] = {}
-    for name, key in wanted.items():
-        by_file.setdefault(files[key], []).append(name)
-    for file, names in by_file.items():
-        if file != path:  # a shard of an index: check it before reading from it
-            _safetensors_keys(file)
-        with safe_open(str(file), framework="pt") as f:
-            for name in names:
-                key = wanted[name]
-                try:
-                    full = f.get_tensor(key)
-                except Exception as e:  # safetensors' own error types for a header naming bytes not there
-                    raise CheckpointError(f"{file}: tensor {key} cannot be read ({e}); the file is corrupt or "
-                                          "truncated: download it again") from None
-                if tuple(full.shape) != tuple(params[name].shape):
-                    raise CheckpointError(f"{file.name}: {key} has shape {tuple(full.shape)} but the model expects "
-                                          f"{tuple(params[name].shape)}; the weights belong to another config")
-                copy_full_(params[name], full)
+    checked: set[Path] = set()
+    with ExitStack() as stack:
+        opened: dict[Path, object] = {}
+
+        def read(key: str):  # one tensor of the file, its shard checked before the first read from it
+            file = files[key]
+            if file not in opened:
+                if file != path and file not in checked:
+                    _safetensors_keys(file)
+                    checked.add(file)
+                opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            try:
+                return opened[file].get_tensor(key)  # type: ignore[attr-defined]
+            except Exception as e:  # safetensors' own error types for a header naming bytes not there
+                raise CheckpointError(f"{file}: tensor {key} cannot be read ({e}); the file is corrupt or "
+                                      "truncated: download it again") from None
+
+        for name, key in wanted.items():
+            src = found[key]
+            full = src.combine([read(k) for k in src.keys])
+            want = tuple(params[name].shape)
+            if tuple(full.shape) != want:
+                file = files[src.keys[0]]
+                if key.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")) \
+                        and full.shape[0] != want[0]:
+                    raise _expert_count_error(file, key, tuple(full.shape), want)
+                raise CheckpointError(f"{file.name}: {key} has shape {tuple(full.shape)} but the model expects "
+                                      f"{want}; the weights belong to another config")
+            copy_full_(params[name], full)
     held = set(wanted.values())
-    return LoadReport(loaded=tuple(sorted(held)), other_stages=tuple(sorted(k for k in files if k in whole - held)),
-                      recomputed=tuple(recomputed))
+    has_experts = any(k.endswith("experts.gate_up_proj") for k in whole)
+    return LoadReport(loaded=tuple(sorted(held)), other_stages=tuple(sorted(k for k in found if k in whole - held)),
+                      recomputed=tuple(recomputed), expert_layout=layout if has_experts else None)
 
 
 def save_hf_safetensors(model: nn.Module, path: str | Path) -> None:

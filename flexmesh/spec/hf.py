@@ -1,6 +1,7 @@
 """Hugging Face ``config.json`` -> ModelSpec, exactly as transformers builds the model.
 
-Reads the Llama, Mistral, Qwen2 and Qwen3 families in both the transformers 4 layout (top-level
+Reads the Llama, Mistral, Qwen2 and Qwen3 families and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE and OLMoE (their expert fields: flexmesh.spec.hf_moe) in both the transformers 4 layout (top-level
 ``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the transformers 5 layout (``rope_parameters``
 holding ``rope_theta``, ``dtype``). A missing field takes the default of that family's transformers
 config class, so a config means the same model here as there. A field that changes the math and
@@ -19,10 +20,11 @@ from typing import Any
 
 from flexmesh.errors import SpecError
 from flexmesh.files import read_json
-from flexmesh.spec.model import ModelSpec, RopeScaling, hf_sliding_window
+from flexmesh.spec.hf_moe import MOE_FAMILIES, moe_family, moe_from_hf, moe_to_hf
+from flexmesh.spec.model import ModelSpec, RopeScaling
 from flexmesh.spec.values import flag, number, whole
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
 
 # Shape fields without which a config names no particular model (transformers' defaults for them
 # describe a 7B model nobody means by leaving them out).
@@ -30,11 +32,21 @@ _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "interme
 
 # transformers 5.x defaults of the fields that change the math, per family (configuration_*.py).
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None, "head_dim": None},
-    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "head_dim": None},
-    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
-    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "head_dim": None,
+                "rms_norm_eps": 1e-6},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None, "rms_norm_eps": 1e-6},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "head_dim": None,
+                "rms_norm_eps": 1e-5},
+    "qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 16, "head_dim": None,
+                  "rms_norm_eps": 1e-6},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "head_dim": None,
+                  "rms_norm_eps": 1e-6},
+    "olmoe": {"max_position_embeddings": 4096, "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-5},
 }
+# Families whose attention is another family's (same biases, norms and windows).
+_ATTENTION_OF = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 # Keys each rope_type may carry besides rope_type/type, rope_theta and partial_rotary_factor.
@@ -93,9 +105,13 @@ def spec_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config.j
         head_dim = None
     max_position = int(cfg.get("max_position_embeddings", defaults["max_position_embeddings"]))
     theta, scaling = _rope(cfg, max_position, where)
-    # Qwen3 shares Qwen2's sliding-window fields (use_sliding_window, max_window_layers, layer_types).
-    window, window_layers = hf_sliding_window(cfg, "qwen2" if family == "qwen3" else family)
+    window, window_layers = _window(cfg, family)
+    attention = _ATTENTION_OF.get(family, family)
     attention_bias = bool(cfg.get("attention_bias", False))
+    if family == "olmoe" and head_dim is not None:
+        raise SpecError(f"{where}: an OLMoE head_dim other than hidden_size / num_attention_heads is not supported "
+                        "(its q norm spans hidden_size); remove head_dim")
+    moe = moe_from_hf(cfg, family, where)
     return ModelSpec(
         name=name or cfg.get("_name_or_path") or family,
         num_layers=cfg["num_hidden_layers"],
@@ -105,21 +121,78 @@ def spec_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config.j
         ffn_hidden=cfg["intermediate_size"],
         vocab=cfg["vocab_size"],
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases and never an o_proj bias; Mistral has none; Llama and
-        # Qwen3 put attention_bias on all four projections.
-        qkv_bias=family == "qwen2" or (family in ("llama", "qwen3") and attention_bias),
-        attention_out_bias=family in ("llama", "qwen3") and attention_bias,
+        # Qwen2 always has q/k/v biases and never an o_proj bias (Qwen2-MoE: qkv_bias, default on);
+        # Mistral and Mixtral have none; Llama, Qwen3(-MoE) and OLMoE put attention_bias on all four.
+        qkv_bias=attention == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+        or (attention in ("llama", "qwen3", "olmoe") and attention_bias),
+        attention_out_bias=attention in ("llama", "qwen3", "olmoe") and attention_bias,
         mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=attention in ("qwen3", "olmoe"),
+        qk_norm_scope="projection" if family == "olmoe" else "head",
+        clip_qkv=cfg.get("clip_qkv") if family == "olmoe" else None,
         head_dim_override=head_dim,
         max_position=max_position,
         rope_theta=theta,
         rope_scaling=scaling,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
         dtype=_dtype(cfg, where),
         sliding_window=window,
         window_layers=window_layers,
+        moe=moe,
     )
+
+
+def hf_sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, ...] | None]:
+    """``(sliding_window, window_layers)`` of a Hugging Face config, as transformers' models read it.
+
+    Mistral: ``sliding_window`` on every layer (null: none; MistralModel ignores ``layer_types``).
+    Qwen2: none unless ``use_sliding_window``; then the layers ``layer_types`` marks
+    ``"sliding_attention"``, or without that list layers ``i >= max_window_layers`` (Qwen2Config).
+    Llama has no window. A window no layer uses is dropped; ``window_layers`` is None when all slide.
+
+    >>> hf_sliding_window({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+    ...                    "num_hidden_layers": 3}, "qwen2")
+    (4, (False, True, True))
+    """
+    window = cfg.get("sliding_window")
+    layers = cfg["num_hidden_layers"]
+    if family == "qwen2":
+        if not cfg.get("use_sliding_window", False):
+            window = None
+        types = cfg.get("layer_types")
+        if types is not None:
+            slides = tuple(t == "sliding_attention" for t in types)
+        else:
+            start = cfg.get("max_window_layers", 28)  # Qwen2Config's default
+            slides = tuple(i >= start for i in range(layers))
+    elif family == "mistral":
+        slides = (True,) * layers
+    else:
+        window = None
+        slides = (False,) * layers
+    if window is None or not any(slides):
+        return None, None
+    return int(window), None if all(slides) else slides
+
+
+def _window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, ...] | None]:
+    """``(sliding_window, window_layers)`` as each family's transformers model reads them: Mixtral as
+    Mistral; Qwen3 and Qwen2 alike; Qwen3-MoE on every layer when ``use_sliding_window``; Qwen2-MoE
+    by ``layer_types``, else its own default (odd-numbered layers below ``max_window_layers``); OLMoE
+    none."""
+    if family == "qwen3_moe":
+        return (int(cfg["sliding_window"]), None) if cfg.get("use_sliding_window") and cfg.get("sliding_window") \
+            else (None, None)
+    if family == "qwen2_moe" and cfg.get("layer_types") is None and cfg.get("use_sliding_window"):
+        start = cfg.get("max_window_layers", 28)
+        cfg = {**cfg, "layer_types": ["sliding_attention" if (i + 1) % 2 and i < start else "full_attention"
+                                      for i in range(cfg["num_hidden_layers"])]}
+    window, layers = hf_sliding_window(cfg, {"qwen3": "qwen2", "qwen2_moe": "qwen2", "mixtral": "mistral"}.get(family,
+                                                                                                        family))
+    if window == 0:
+        raise SpecError(f"a sliding_window of 0 would let no token see any other; set use_sliding_window false "
+                        f"or give a window (model_type {family})")
+    return window, layers
 
 
 # Keys read as counts, numbers and flags. A null is allowed where transformers gives it a meaning
@@ -127,9 +200,10 @@ def spec_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config.j
 _WHOLE = (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
           "original_max_position_embeddings")
 _NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window", "original_max_position_embeddings",
-             "partial_rotary_factor", "rope_scaling", "rope_parameters", "dtype", "torch_dtype", "layer_types")
-_POSITIVE = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")
-_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+             "partial_rotary_factor", "rope_scaling", "rope_parameters", "dtype", "torch_dtype", "layer_types",
+             "clip_qkv", "mlp_only_layers")
+_POSITIVE = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "clip_qkv")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "qkv_bias")
 
 
 def _checked(cfg: dict, where: str) -> dict:
@@ -141,7 +215,9 @@ def _checked(cfg: dict, where: str) -> dict:
                 raise SpecError(f"{where}: {key} is null; give a value or leave the key out")
             continue
         what = f"{where}: {key}"
-        if key in _WHOLE:
+        if key == "sliding_window":  # transformers 5 writes 0 for "off" in the Qwen MoE families
+            whole(value, what, SpecError, minimum=0)
+        elif key in _WHOLE:
             whole(value, what, SpecError)
         elif key == "max_window_layers":
             whole(value, what, SpecError, minimum=0)
@@ -188,6 +264,10 @@ def _rope(cfg: dict, max_position: int, where: str) -> tuple[float, RopeScaling 
         raise SpecError(f"{where}: rope_parameters must be a JSON object, got {params!r}")
     if any(isinstance(v, dict) for v in params.values()):
         raise SpecError(f"{where}: per-layer-type rope_parameters are not supported; give one RoPE for all layers")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(rope_type, str) or rope_type not in _ROPE_KEYS:
+        raise SpecError(f"{where}: rope_type {rope_type!r} is not supported; "
+                        f"use one of {', '.join(_ROPE_KEYS)}")
     for key, value in params.items():
         if key == "rope_theta" and value is None:
             raise SpecError(f"{where}: rope parameter rope_theta is null; give a value or leave the key out")
@@ -202,10 +282,6 @@ def _rope(cfg: dict, max_position: int, where: str) -> tuple[float, RopeScaling 
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         raise SpecError(f"{where}: partial_rotary_factor {partial} is not supported; flexmesh rotates whole heads")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if not isinstance(rope_type, str) or rope_type not in _ROPE_KEYS:
-        raise SpecError(f"{where}: rope_type {rope_type!r} is not supported; "
-                        f"use one of {', '.join(_ROPE_KEYS)}")
     extra = sorted(set(params) - _ROPE_KEYS[rope_type] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if extra:
         raise SpecError(f"{where}: rope parameters {extra} are not understood for rope_type {rope_type!r}; remove them")
@@ -246,7 +322,8 @@ def _rope(cfg: dict, max_position: int, where: str) -> tuple[float, RopeScaling 
 
 # ---- writing -------------------------------------------------------------------------------------
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 _HF_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -254,11 +331,15 @@ def hf_family(spec: ModelSpec) -> str:
     """The transformers family (``model_type``) that builds exactly ``spec``'s model.
 
     Qwen3 for q/k norms, Qwen2 for q/k/v biases without an o_proj bias, Mistral for a window on
-    every layer, Qwen2 for a window on some layers (which only it can say), Llama otherwise.
+    every layer, Qwen2 for a window on some layers (which only it can say), Llama otherwise. A
+    mixture of experts: OLMoE for q/k norms over the projections, Qwen3-MoE for per-head q/k norms,
+    Qwen2-MoE for a shared expert, Mixtral otherwise (flexmesh.spec.hf_moe.moe_family).
 
     >>> from flexmesh.spec.model import MODEL_PRESETS
     >>> hf_family(MODEL_PRESETS["qwen2.5-7b"]), hf_family(MODEL_PRESETS["llama3-8b"])
     ('qwen2', 'llama')
+    >>> [hf_family(MODEL_PRESETS[n]) for n in ("mixtral-8x7b", "qwen2-57b-a14b", "qwen3-30b-a3b", "olmoe-1b-7b")]
+    ['mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe']
     """
     where = f"model {spec.name!r} cannot be written as a Hugging Face config"
     wrong = [f"{k}={getattr(spec, k)!r}" for k, ok in (("norm", "rmsnorm"), ("activation", "swiglu"),
@@ -267,6 +348,11 @@ def hf_family(spec: ModelSpec) -> str:
         wrong.append("linear_bias=True")
     if wrong:
         raise SpecError(f"{where}: {', '.join(wrong)} (only Llama-family decoders: rmsnorm, swiglu, rope)")
+    if spec.moe is not None:
+        return _moe_family(spec, where)
+    if spec.qk_norm_scope != "head" or spec.clip_qkv is not None:
+        raise SpecError(f"{where}: q/k norms over the whole projections and clip_qkv exist only in OLMoE, a "
+                        "mixture of experts")
     biases = (spec.qkv_bias, spec.attention_out_bias)
     if spec.qk_norm:
         # Qwen3's attention_bias covers all four projections; it has no mlp_bias.
@@ -289,6 +375,21 @@ def hf_family(spec: ModelSpec) -> str:
         return "mistral"
     raise SpecError(f"{where}: a window on some layers only exists in Qwen2 (with q/k/v biases); "
                     "slide every layer or add qkv_bias")
+
+
+def _moe_family(spec: ModelSpec, where: str) -> str:
+    """:func:`hf_family` of a mixture of experts: the family its experts and attention need, whose
+    sliding windows can say the spec's."""
+    assert spec.moe is not None
+    family = moe_family(spec.moe, spec.qk_norm, spec.qk_norm_scope, spec.qkv_bias, spec.attention_out_bias,
+                        spec.ffn_hidden, where)
+    if spec.clip_qkv is not None and family != "olmoe":
+        raise SpecError(f"{where}: clip_qkv exists only in OLMoE (q/k norms over the projections)")
+    if spec.sliding_window is not None and (family == "olmoe" or (spec.window_layers is not None
+                                                                  and family != "qwen2_moe")):
+        raise SpecError(f"{where}: {family} cannot say this sliding window (OLMoE has none; only Qwen2-MoE slides "
+                        "some layers only)")
+    return family
 
 
 def to_hf_config(spec: ModelSpec) -> dict:
@@ -322,13 +423,22 @@ def to_hf_config(spec: ModelSpec) -> dict:
         "rope_parameters": _rope_parameters(spec),
         "dtype": _HF_DTYPES[spec.dtype],
     }
-    if family in ("llama", "qwen3"):
+    if family in ("llama", "qwen3", "qwen3_moe", "olmoe"):
         cfg["attention_bias"] = spec.qkv_bias
     if family == "llama":
         cfg["mlp_bias"] = spec.mlp_bias
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         cfg["sliding_window"] = spec.sliding_window
-    if family in ("qwen2", "qwen3"):
+    if family == "qwen3_moe":
+        cfg["use_sliding_window"] = spec.sliding_window is not None
+        cfg["sliding_window"] = spec.sliding_window
+    if family == "qwen2_moe":
+        cfg["qkv_bias"] = spec.qkv_bias
+    if family == "olmoe":
+        cfg["clip_qkv"] = spec.clip_qkv
+    if spec.moe is not None:
+        cfg.update(moe_to_hf(spec.moe, family))
+    if family in ("qwen2", "qwen3", "qwen2_moe"):
         windows = spec.attention_windows
         cfg["use_sliding_window"] = spec.sliding_window is not None
         cfg["sliding_window"] = spec.sliding_window

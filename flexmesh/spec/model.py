@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flexmesh.errors import SpecError
 from flexmesh.spec.limits import MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, within
+from flexmesh.spec.moe import MoESpec
 from flexmesh.spec.values import flag, known_keys, mapping, number, text, whole
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -76,6 +77,8 @@ class ModelSpec:
     >>> m = MODEL_PRESETS["llama2-7b"]
     >>> round(m.total_params / 1e9, 2)
     6.74
+    >>> [round(MODEL_PRESETS[n].total_params / 1e9, 2) for n in ("mixtral-8x7b", "olmoe-1b-7b")]
+    [46.7, 6.92]
     """
 
     name: str
@@ -104,6 +107,11 @@ class ModelSpec:
     attention_out_bias: bool = False  # a bias on the attention output projection (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # biases on the three MLP projections (Llama mlp_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    # Where qk_norm normalises: "head" (Qwen3: each head over head_dim) or "projection" (OLMoE: the
+    # whole q and k projections, over q_dim and kv_dim)
+    qk_norm_scope: str = "head"
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]
+    moe: MoESpec | None = None  # mixture-of-experts layers (flexmesh.spec.moe); None: dense
 
     def __post_init__(self) -> None:
         text(self.name, "model name", SpecError)
@@ -119,6 +127,20 @@ class ModelSpec:
         for f in ("head_dim_override", "sliding_window"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, whole(getattr(self, f), f"{where}: {f} (or null)", SpecError))
+        if self.clip_qkv is not None:
+            object.__setattr__(self, "clip_qkv", number(self.clip_qkv, f"{where}: clip_qkv (or null)", SpecError))
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise SpecError(f"{where}: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
+        if self.moe is not None:
+            if self.activation != "swiglu" or self.mlp_bias or self.linear_bias:
+                raise SpecError(f"{where}: experts are SwiGLU MLPs without biases; a mixture of experts needs "
+                                "activation swiglu, mlp_bias and linear_bias off")
+            if not isinstance(self.moe, MoESpec):
+                raise SpecError(f"{where}: moe must be an object with num_experts, top_k and expert_ffn, "
+                                f"got {self.moe!r}")
+            if self.moe.dense_layers and self.moe.dense_layers[-1] >= self.num_layers:
+                raise SpecError(f"{where}: dense layer {self.moe.dense_layers[-1]} is past the last layer "
+                                f"({self.num_layers - 1})")
         if self.window_layers is not None and (not isinstance(self.window_layers, tuple)
                                                or not all(isinstance(x, bool) for x in self.window_layers)):
             raise SpecError(f"{where}: window_layers must be a list of true/false, one per layer")
@@ -180,14 +202,55 @@ class ModelSpec:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    # ---- mixture of experts ------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` routes its tokens to experts (False: a dense MLP).
+
+        >>> m = MODEL_PRESETS["mixtral-8x7b"]
+        >>> m.is_moe_layer(0), MODEL_PRESETS["llama2-7b"].is_moe_layer(0)
+        (True, False)
+        """
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    @cached_property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers."""
+        return 0 if self.moe is None else self.num_layers - len(self.moe.dense_layers)
+
     # ---- parameters --------------------------------------------------------------------------
     @cached_property
-    def layer_linear_params(self) -> int:
-        """Weights of the matmuls of one layer (what tensor parallelism splits)."""
+    def attention_linear_params(self) -> int:
         h = self.hidden
-        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        mlp = (3 if self.activation == "swiglu" else 2) * h * self.ffn_hidden
-        return attn + mlp
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+
+    @cached_property
+    def dense_mlp_params(self) -> int:
+        return (3 if self.activation == "swiglu" else 2) * self.hidden * self.ffn_hidden
+
+    def _per_layer_mean(self, moe_value: int) -> int:
+        """A per-layer count averaged over the layers (dense MLP layers and MoE layers), rounded."""
+        dense = self.num_layers - self.moe_layers
+        return round((dense * self.dense_mlp_params + self.moe_layers * moe_value) / self.num_layers)
+
+    @cached_property
+    def layer_linear_params(self) -> int:
+        """Weights of the matmuls of one layer (what tensor parallelism splits); with experts, every
+        expert's, averaged over the layers where some keep a dense MLP."""
+        if self.moe is None:
+            return self.attention_linear_params + self.dense_mlp_params
+        return self.attention_linear_params + self._per_layer_mean(self.moe.total_params(self.hidden))
+
+    @cached_property
+    def layer_active_linear_params(self) -> int:
+        """Matmul weights one token of one layer multiplies with (what its FLOPs count): with experts,
+        the router's, its ``top_k`` experts' and the shared expert's, averaged over the layers."""
+        if self.moe is None:
+            return self.layer_linear_params
+        return self.attention_linear_params + self._per_layer_mean(self.moe.active_params(self.hidden))
 
     @cached_property
     def layer_params(self) -> int:
@@ -201,7 +264,7 @@ class ModelSpec:
         if self.mlp_bias or self.linear_bias:
             bias += (2 if self.activation == "swiglu" else 1) * self.ffn_hidden + h
         if self.qk_norm:
-            norm += 2 * self.head_dim
+            norm += 2 * self.head_dim if self.qk_norm_scope == "head" else self.q_dim + self.kv_dim
         return self.layer_linear_params + norm + bias
 
     @property
@@ -217,12 +280,17 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        return self.num_layers * self.layer_params + self.embedding_params + self.head_params
+        layers = self.num_layers * self.layer_params
+        if self.moe is not None:  # exact: layer_params rounds a mean over dense and MoE layers
+            dense = self.num_layers - self.moe_layers
+            layers += (dense * self.dense_mlp_params + self.moe_layers * self.moe.total_params(self.hidden)
+                       - self.num_layers * (self.layer_linear_params - self.attention_linear_params))
+        return layers + self.embedding_params + self.head_params
 
     # ---- FLOPs (forward; backward is twice the forward) --------------------------------------
     @property
     def layer_linear_flops_per_token(self) -> int:
-        return 2 * self.layer_linear_params
+        return 2 * self.layer_active_linear_params
 
     @property
     def layer_attn_flops_per_sq_token(self) -> int:
@@ -249,10 +317,14 @@ class ModelSpec:
                 del d[key]
         if d.get("window_layers") is not None:
             d["window_layers"] = list(d["window_layers"])
-        # Same for the fields of Hugging Face exactness: absent when off.
-        for key in ("rope_scaling", "attention_out_bias", "mlp_bias", "qk_norm"):
+        # Same for the fields of Hugging Face exactness and experts: absent when off.
+        for key in ("rope_scaling", "attention_out_bias", "mlp_bias", "qk_norm", "clip_qkv", "moe"):
             if not d[key]:
                 del d[key]
+        if d["qk_norm_scope"] == "head":
+            del d["qk_norm_scope"]
+        if self.moe is not None:
+            d["moe"] = self.moe.to_dict()
         return d
 
     @classmethod
@@ -262,6 +334,8 @@ class ModelSpec:
         known_keys(d, known, "model spec", SpecError)
         if isinstance(d.get("window_layers"), list):  # JSON has lists; the frozen spec keeps a hashable tuple
             d = {**d, "window_layers": tuple(d["window_layers"])}
+        if d.get("moe") is not None:
+            d = {**d, "moe": MoESpec.from_dict(d["moe"])}
         if isinstance(d.get("rope_scaling"), dict):
             try:
                 d = {**d, "rope_scaling": RopeScaling(**d["rope_scaling"])}
@@ -321,45 +395,32 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, max_position=2048),
         # A small model for tests, benchmarks and the demo on CPUs.
         _llama("tiny", 4, 256, 8, 4, 688, 4096, max_position=4096),
+        # Mixtures of experts, from each model's published config.json:
+        # mistralai/Mixtral-8x7B-v0.1: 8 experts of 14336 (intermediate_size), top 2, rope_theta 1e6,
+        # 32768 positions, router_aux_loss_coef 0.02
+        _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, max_position=32768, rope_theta=1e6,
+               moe=MoESpec(8, 2, 14336, aux_loss=0.02)),
+        # Qwen/Qwen2-57B-A14B: q/k/v biases, 64 experts of 2560 (moe_intermediate_size), top 8 not
+        # renormalised, a gated shared expert of 20480, 131072 positions, rope_theta 1e6
+        _llama("qwen2-57b-a14b", 28, 3584, 28, 4, 18944, 151936, qkv_bias=True, max_position=131072,
+               rope_theta=1e6, norm_eps=1e-6,
+               moe=MoESpec(64, 8, 2560, shared_ffn=20480, shared_gate=True, norm_topk=False, aux_loss=0.001)),
+        # Qwen/Qwen3-30B-A3B: head_dim 128, per-head q/k norms, 128 experts of 768, top 8 renormalised,
+        # 40960 positions, rope_theta 1e6
+        _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, head_dim_override=128, qk_norm=True,
+               max_position=40960, rope_theta=1e6, norm_eps=1e-6, moe=MoESpec(128, 8, 768, aux_loss=0.001)),
+        # allenai/OLMoE-1B-7B-0924: q/k norms over the whole projections, 64 experts of 1024, top 8 not
+        # renormalised, 4096 positions, rope_theta 1e4, clip_qkv null
+        _llama("olmoe-1b-7b", 16, 2048, 16, 16, 1024, 50304, qk_norm=True, qk_norm_scope="projection",
+               max_position=4096, moe=MoESpec(64, 8, 1024, norm_topk=False, aux_loss=0.01)),
+        # A small mixture of experts for tests, benchmarks and the demo on CPUs.
+        _llama("tiny-moe", 4, 256, 8, 4, 512, 4096, max_position=4096, moe=MoESpec(8, 2, 512)),
     )
 }
 
 _GPT_RE = re.compile(r"^gpt:(\d+):(\d+):(\d+)(?::(\d+))?(:untied)?$")
 # MODEL@DTYPE: any model text planned in another precision (llama2-7b@fp16 on V100s).
 _DTYPE_SUFFIX = re.compile(r"^(.+)@(bf16|fp16|fp32)$")
-
-
-def hf_sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, ...] | None]:
-    """``(sliding_window, window_layers)`` of a Hugging Face config, as transformers' models read it.
-
-    Mistral: ``sliding_window`` on every layer (null: none; MistralModel ignores ``layer_types``).
-    Qwen2: none unless ``use_sliding_window``; then the layers ``layer_types`` marks
-    ``"sliding_attention"``, or without that list layers ``i >= max_window_layers`` (Qwen2Config).
-    Llama has no window. A window no layer uses is dropped; ``window_layers`` is None when all slide.
-
-    >>> hf_sliding_window({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
-    ...                    "num_hidden_layers": 3}, "qwen2")
-    (4, (False, True, True))
-    """
-    window = cfg.get("sliding_window")
-    layers = cfg["num_hidden_layers"]
-    if family == "qwen2":
-        if not cfg.get("use_sliding_window", False):
-            window = None
-        types = cfg.get("layer_types")
-        if types is not None:
-            slides = tuple(t == "sliding_attention" for t in types)
-        else:
-            start = cfg.get("max_window_layers", 28)  # Qwen2Config's default
-            slides = tuple(i >= start for i in range(layers))
-    elif family == "mistral":
-        slides = (True,) * layers
-    else:
-        window = None
-        slides = (False,) * layers
-    if window is None or not any(slides):
-        return None, None
-    return int(window), None if all(slides) else slides
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:

@@ -1,0 +1,164 @@
+"""Mixture-of-experts layers: a router, routed SwiGLU experts as grouped matmuls, an optional shared expert.
+
+What it computes is transformers' (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; flexmesh.spec.moe)::
+
+    p = softmax(router(x)) in fp32;  top_k experts by p (+ the balancing bias, which picks but never weighs);
+    w = p of those, renormalised when norm_topk;  y = sum_k w_k expert_k(x) [+ sigmoid(gate(x)) shared(x)]
+
+Module layout (names the checkpoints, the Hugging Face mapping and the parallel plans address)::
+
+    feed_forward              MoEFeedForward
+        router                nn.Linear(hidden, experts)             HF mlp.gate
+        experts.gate_up       [experts, 2 * expert_ffn, hidden]      HF mlp.experts.gate_up_proj (gate rows first)
+        experts.down          [experts, hidden, expert_ffn]          HF mlp.experts.down_proj
+        shared.w1|w2|w3       the shared expert's SwiGLU             HF mlp.shared_expert.gate|down|up_proj
+        shared_gate           nn.Linear(hidden, 1)                   HF mlp.shared_expert_gate
+
+Each routed (token, expert) pair is sorted by expert and every expert's rows run in one grouped
+matmul (flexmesh.runtime.grouped). Padding tokens after a micro-batch's documents are not routed:
+they reach no expert, count in no load and their output is zero (nothing reads it: attention stays
+inside documents and their labels are ignored).
+
+Where the experts are sharded over data ranks (flexmesh.runtime.expert_parallel), ``dispatch`` is
+set and runs the routed part across ranks with the same math; ``None``: every expert is local.
+
+Load statistics: every forward adds its routed pairs per expert to ``load`` (a non-persistent
+buffer, on the device, no host synchronisation); the trainer reads and clears it once per step
+(routing traces, the next step's expert placement, the balancing bias).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexmesh.runtime.grouped import grouped_linear
+from flexmesh.spec.model import ModelSpec
+
+
+class Dispatch(Protocol):
+    """Runs the routed experts of one layer across ranks (flexmesh.runtime.expert_parallel)."""
+
+    def __call__(self, experts: "Experts", x: torch.Tensor, weights: torch.Tensor,
+                 chosen: torch.Tensor) -> torch.Tensor: ...
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matrix products run in here: autocast's where it is on (grouped matmuls are not in its
+    lists, so the experts cast themselves), else ``x``'s."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor,
+               sizes: list[int] | None = None) -> torch.Tensor:
+    """SwiGLU of consecutive row groups of ``x`` [T, hidden], group ``i`` through expert ``i`` of
+    ``gate_up`` [G, 2F, hidden] and ``down`` [G, hidden, F]; ``offsets``: the groups' end rows (int32)."""
+    dtype = compute_dtype(x)
+    x = x.to(dtype)
+    h = grouped_linear(x, gate_up.to(dtype), offsets, sizes)
+    gate, up = h.chunk(2, dim=-1)
+    return grouped_linear(F.silu(gate) * up, down.to(dtype), offsets, sizes)
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked (transformers 5's fused layout)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        assert spec.moe is not None
+        e, f, h = spec.moe.num_experts, spec.moe.expert_ffn, spec.hidden
+        self.num_experts = e
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * f, h))
+        self.down = nn.Parameter(torch.empty(e, h, f))
+
+    def local(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of ``gate_up`` and ``down`` as plain tensors (the whole on one rank; a
+        DTensor shard's local rows under expert parallelism), gradients flowing back to the parameters."""
+        gate_up, down = self.gate_up, self.down
+        if hasattr(gate_up, "to_local"):
+            return gate_up.to_local(), down.to_local()
+        return gate_up, down
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Every routed pair on this rank, all experts local: ``x`` [n, hidden], ``weights`` and
+        ``chosen`` [n, top_k] -> [n, hidden]."""
+        n, k = chosen.shape
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        offsets = counts.cumsum(0).to(torch.int32)
+        tokens = order // k
+        gate_up, down = self.local()
+        y = expert_mlp(x[tokens], gate_up, down, offsets)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        return x.new_zeros(n, x.shape[-1], dtype=y.dtype).index_add(0, tokens, y)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x) without biases: the shared expert."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEFeedForward(nn.Module):
+    """The MoE MLP of one layer (see the module doc)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        moe = spec.moe
+        assert moe is not None
+        self.top_k, self.norm_topk = moe.top_k, moe.norm_topk
+        self.router = nn.Linear(spec.hidden, moe.num_experts, bias=False)
+        self.experts = Experts(spec)
+        self.shared = SwiGLU(spec.hidden, moe.shared_ffn) if moe.shared_ffn else None
+        self.shared_gate = nn.Linear(spec.hidden, 1, bias=False) if moe.shared_gate else None
+        self.dispatch: Dispatch | None = None
+        self.adapters = None  # LoRA adapters are not attached to experts (flexmesh.runtime.lora refuses)
+        # Aux-loss-free balancing (DeepSeek-V3, 2412.19437): added to the probabilities to pick the
+        # experts only; the trainer moves it between steps. Zero: transformers' routing.
+        self.register_buffer("balance_bias", torch.zeros(moe.num_experts), persistent=True)
+        self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [n, top_k] fp32, chosen experts [n, top_k]) of tokens ``x`` [n, hidden]."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        bias = self.balance_bias.to(probs.device, probs.dtype)
+        chosen = torch.topk(probs + bias if self.training else probs, self.top_k, dim=-1).indices
+        weights = probs.gather(-1, chosen)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor, real: int | None = None) -> torch.Tensor:
+        """``x`` [B, T, hidden] -> [B, T, hidden]; only the first ``real`` tokens of the flattened
+        rows are routed (None: all; the rest are padding, see the module doc)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        n = flat.shape[0] if real is None else real
+        tokens = flat[:n]
+        weights, chosen = self.route(tokens)
+        with torch.no_grad():
+            self.load += torch.bincount(chosen.reshape(-1), minlength=self.load.numel()).to(self.load.device)
+        run = self.dispatch if self.dispatch is not None else self.experts
+        y = run(tokens, weights, chosen) if self.dispatch is None else run(self.experts, tokens, weights, chosen)
+        if self.shared is not None:
+            shared = self.shared(tokens)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
+            y = y + shared
+        if n < flat.shape[0]:
+            y = torch.cat([y, y.new_zeros(flat.shape[0] - n, shape[-1])])
+        return y.reshape(*shape[:-1], y.shape[-1])
