@@ -246,17 +246,21 @@ def context_kind(spec: ModelSpec, layout: Layout) -> CPKind:
     return CPKind.ULYSSES if heads % top == 0 and kv % top == 0 else CPKind.RING
 
 
-def runs_in_lockstep(pp: int, zero: Iterable[int]) -> bool:
+def runs_in_lockstep(pp: int, zero: Iterable[int], experts: bool = False) -> bool:
     """Whether every data rank runs the step's largest micro-batch count, padded with empty ones.
 
     Ranks may run different numbers of micro-batches unless something pairs collectives per
-    micro-batch across all data ranks: ZeRO-3's weight gathers, or a pipeline schedule. The runtime
-    pads by this rule (flexmesh.runtime.trainer) and the scheduler and simulator price the padding by it.
+    micro-batch across all data ranks: ZeRO-3's weight gathers, a pipeline schedule, or experts
+    sharded over the data ranks (``experts``: their all-to-alls, flexmesh.runtime.expert_parallel).
+    The runtime pads by this rule (flexmesh.runtime.trainer) and the scheduler and simulator price the
+    padding by it.
 
     >>> runs_in_lockstep(1, (2, 2)), runs_in_lockstep(1, (2, 3)), runs_in_lockstep(2, (0,))
     (False, True, True)
+    >>> runs_in_lockstep(1, (2, 2), experts=True)
+    True
     """
-    return pp > 1 or any(z == 3 for z in zero)
+    return pp > 1 or experts or any(z == 3 for z in zero)
 
 
 def padded_microbatch_count(schedule: str, count: int, pp: int) -> int:

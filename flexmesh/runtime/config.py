@@ -42,6 +42,12 @@ class TrainConfig:
     # Steps between measurements of saved activations (the first step is always measured): the meter's
     # Python hook on every saved tensor costs little next to a CPU step, more next to a GPU's.
     meter_every: int | None = None
+    # Mixtures of experts (flexmesh.runtime.expert_training): the placement policy of the experts over
+    # data ranks (flexmesh.schedule.expert_placement.PLACEMENTS), the experts one rank may run per layer
+    # (None: its static share plus one), and the rate of aux-loss-free balancing (0: off).
+    expert_placement: str = "laer"
+    expert_slots: int | None = None
+    balance_rate: float = 0.0
 
 
 # Activations are measured on the first step and then every this many steps on a GPU (every step on CPU).
@@ -127,7 +133,13 @@ class StepMetrics:
     tasks: tuple[str, ...] = ()
     task_loss: tuple[float, ...] = ()
     task_tokens: tuple[int, ...] = ()
+    # Mixtures of experts: the most loaded data rank over the mean, worst MoE layer (None: no experts),
+    # and per MoE layer the step's routing, written to routing.jsonl rather than metrics.jsonl
+    # (flexmesh.runtime.expert_training.ExpertTraining.after_step)
+    expert_imbalance: float | None = None
+    routing: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
+        """The metrics.jsonl row (routing goes to routing.jsonl)."""
         return {k: list(v) if isinstance(v, tuple) else v
-                for k, v in ((k, getattr(self, k)) for k in self.__dataclass_fields__)}
+                for k, v in ((k, getattr(self, k)) for k in self.__dataclass_fields__) if k != "routing"}

@@ -108,6 +108,19 @@ def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | No
     return float(sq.sqrt())
 
 
+def replica_grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None, several: bool,
+                      leader: bool, group: dist.ProcessGroup) -> float:
+    """:func:`grad_norm` of one replica group; with ``several`` replica groups every group holds the
+    whole gradient, so group 0's ranks (``leader``) take the norm and every rank gets that one figure
+    (a MAX over ``group``, a host-side group: gloo under NCCL too)."""
+    if not several:
+        return grad_norm(params, pp_group)
+    mine = grad_norm(params, pp_group) if leader else 0.0
+    t = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t[0])
+
+
 def _by_placement(params: list[torch.nn.Parameter]) -> dict:
     from torch.distributed.tensor import DTensor
 

@@ -56,6 +56,12 @@ from flexmesh.spec.model import ModelSpec
 def check_model_fits_layout(spec: ModelSpec, layout: Layout) -> None:
     """Reject shapes tensor parallelism cannot split, saying what to change."""
     tp = layout.tp
+    if tp > 1 and spec.is_moe:
+        raise PlanError(f"model {spec.name!r} has experts, which the runtime shards over data ranks, not tensor "
+                        "parallel ones; use tp 1 (the experts then spread over every data rank)")
+    if tp > 1 and spec.qk_norm and spec.qk_norm_scope == "projection":
+        raise PlanError(f"model {spec.name!r} normalises q and k over all heads, which tensor parallelism splits; "
+                        "use tp 1")
     if tp == 1:
         return
     bad = [f"{name} {n}" for name, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
@@ -194,27 +200,31 @@ def apply_compile(model: nn.Module) -> None:
 
 # ---- data parallel (FSDP2) -----------------------------------------------------------------------
 def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None,
-                        dtype: str = "fp32") -> None:
+                        dtype: str = "fp32", ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP2 per block then the root; ZeRO 0 replicates with FSDP2's replicate over the same mesh.
 
     Gradients are summed, not averaged, over the dp x cp ranks: each rank's loss is already divided
     by the global label-token count of the step, so the sum is the single-process gradient. In
     ``bf16`` both run with :func:`mixed_precision` (bf16 compute, fp32 gradient reductions).
+    ``ignored``: parameters sharded otherwise (experts: flexmesh.runtime.expert_parallel), left alone.
     """
     mp = mixed_precision(dtype)
+    ignored = ignored or set()
     if layout.replicated:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for block in model.layers.values():
-            replicate(block, mesh=dmesh, mp_policy=mp)
-        replicate(root if root is not None else model, mesh=dmesh, mp_policy=mp)
+            replicate(block, mesh=dmesh, mp_policy=mp, ignored_params=ignored)
+        replicate(root if root is not None else model, mesh=dmesh, mp_policy=mp, ignored_params=ignored)
     else:
         from torch.distributed.fsdp import fully_shard
 
         for name, block in model.layers.items():
             # ZeRO-3 frees gathered weights after forward; ZeRO-1/2 keep them for backward
-            fully_shard(block, mesh=dmesh, reshard_after_forward=layout.zero[int(name)] == 3, mp_policy=mp)
-        fully_shard(root if root is not None else model, mesh=dmesh, reshard_after_forward=False, mp_policy=mp)
+            fully_shard(block, mesh=dmesh, reshard_after_forward=layout.zero[int(name)] == 3, mp_policy=mp,
+                        ignored_params=ignored)
+        fully_shard(root if root is not None else model, mesh=dmesh, reshard_after_forward=False, mp_policy=mp,
+                    ignored_params=ignored)
     for m in (root if root is not None else model).modules():
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)
@@ -224,8 +234,8 @@ def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, roo
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
-                dtype: str = "fp32", compile: bool = False) -> nn.Module:
-    """TP(+SP) -> activation checkpointing -> compile -> FSDP2, in place.
+                dtype: str = "fp32", compile: bool = False, experts_group=None) -> nn.Module:  # noqa: ANN001
+    """TP(+SP) -> activation checkpointing -> compile -> expert parallelism -> FSDP2, in place.
 
     ``model`` is a :class:`flexmesh.runtime.model.Transformer` (or a pipeline stage of one) whose
     parameters are materialised, identical on every rank, or on the meta device; ``mesh`` is its
@@ -233,6 +243,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Mod
     loop calls (a wrapper holding ``model``; default ``model``): FSDP's root goes there. ``dtype`` is
     the compute dtype (module doc: Precision); parameters stay fp32 either way. ``compile``:
     :func:`apply_compile`. Context parallelism is set per step by the trainer (:class:`ContextGroups`).
+    ``experts_group``: the process group of this stage's data ranks (flexmesh.runtime.expert_parallel
+    .expert_groups), over which a model with experts shards them when there are several data ranks.
     """
     check_model_fits_layout(model.spec, layout)
     if layout.tp > 1:
@@ -244,8 +256,15 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Mod
         apply_ac(model, layout.recompute)
     if compile:
         apply_compile(model)
+    ignored: set[nn.Parameter] = set()
+    if model.spec.is_moe and layout.data_ranks > 1:
+        from flexmesh.runtime.expert_parallel import apply_expert_parallel
+
+        if experts_group is None:
+            raise PlanError("a model with experts on several data ranks needs their process group (expert_groups)")
+        ignored = set(apply_expert_parallel(model, mesh[DATA_AXIS], experts_group))
     if layout.data_ranks > 1:
-        apply_data_parallel(model, layout, mesh[DATA_AXIS], root=root, dtype=dtype)
+        apply_data_parallel(model, layout, mesh[DATA_AXIS], root=root, dtype=dtype, ignored=ignored)
     return model
 
 

@@ -78,7 +78,8 @@ from flexmesh.runtime.attention_kernels import select_kernel
 from flexmesh.runtime.carry import KVCarry
 from flexmesh.runtime.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
 from flexmesh.runtime.cross_group import CrossGroupGrads
-from flexmesh.runtime.distributed import clip_grads, compute_device, cpu_group, grad_norm
+from flexmesh.runtime.distributed import clip_grads, compute_device, cpu_group, replica_grad_norm
+from flexmesh.runtime.expert_training import ExpertTraining
 from flexmesh.runtime.groups import Chunks, check_emulation, check_runnable
 from flexmesh.runtime.lora import attach_adapters, tp_sum_replicated
 from flexmesh.runtime.loss import GlobalLoss, weighted_cross_entropy
@@ -158,9 +159,12 @@ class Trainer:
                                      self.place.tp if mine else None)
                 self.cp_groups = pool if mine else self.cp_groups
         self.cross = CrossGroupGrads(plan) if self.several else None
+        # experts: their process groups, placements and loads (flexmesh.runtime.expert_training)
+        self.experts = ExpertTraining(plan, spec, self.place, config.expert_placement, config.expert_slots,
+                                      config.balance_rate) if spec.is_moe else None
         # Ranks may run different numbers of micro-batches unless something pairs collectives per
         # micro-batch across all data ranks; the scheduler and simulator price the same rule.
-        self.uneven = lay is not None and not runs_in_lockstep(lay.pp, lay.zero)
+        self.uneven = lay is not None and not runs_in_lockstep(lay.pp, lay.zero, spec.is_moe and lay.data_ranks > 1)
         self._cpu_group = cpu_group()
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
@@ -217,7 +221,7 @@ class Trainer:
             root = StageModule(model, compute=partial(autocast_bf16, self.layout, self.config.dtype,
                                                       self.device.type))
             parallelize(model, self.layout, self.mesh, root=root, dtype=self.config.dtype,
-                        compile=bool(self.config.compile))
+                        compile=bool(self.config.compile), experts_group=self.experts and self.experts.group)
             if weights:
                 from flexmesh.runtime.weights import load_hf_safetensors
 
@@ -336,6 +340,8 @@ class Trainer:
         batches: list[PackedBatch] = []
         local_loss: torch.Tensor | float = 0.0
         busy = marks.mark()
+        if self.experts is not None:
+            self.experts.before_step(self.inner_models())
         if group is not None:
             batches = self.local_batches(docs, own, group)
             self._set_context(group)
@@ -349,6 +355,8 @@ class Trainer:
                                if p.requires_grad])
         grad_norm = self._clip()
         lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
+        imbalance, routing = (self.experts.after_step(self.inner_models(), self._cpu_group) if self.experts
+                              else (None, ()))
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
         owner = self.place is not None and self.place.tp == 0 and self.place.pp == self.layout.pp - 1
@@ -370,23 +378,16 @@ class Trainer:
             **common, compute_s=tuple(float(x) for x in table[:, 4]) if timed else (),
             emulated_speed=self.emulated_speed,
             tasks=self.tasks.tasks.names if self.tasks else (), task_loss=tuple(self.task_loss.tolist()),
-            task_tokens=tuple(task_tokens),
+            task_tokens=tuple(task_tokens), expert_imbalance=imbalance, routing=routing,
         )
 
     def _clip(self) -> float:
-        """The global gradient norm, every gradient clipped by it. With several replica groups, every
-        group holds the whole gradient: group 0 takes the norm and every rank clips by that one figure."""
+        """The global gradient norm, every gradient clipped by it (by group 0's with several replica groups)."""
+        leader = self.place is not None and self.place.group == 0
         if self.tasks is not None:
-            leader = self.place is not None and self.place.group == 0
             norms = self.tasks.clip(self.optimizer.param_groups, leader, self.several, self._cpu_group)
             return float(sum(n * n for n in norms) ** 0.5)
-        if not self.several:
-            total = grad_norm(self.params, self.pp_group)
-        else:
-            mine = grad_norm(self.params, self.pp_group) if self.place is not None and self.place.group == 0 else 0.0
-            t = torch.tensor([mine], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._cpu_group)  # host side: gloo under NCCL too
-            total = float(t[0])
+        total = replica_grad_norm(self.params, self.pp_group, self.several, leader, self._cpu_group)
         clip_grads(self.params, self.config.grad_clip, total)
         return total
 

@@ -1,0 +1,112 @@
+"""A model's experts through a run: each step's placement, load statistics, balancing, routing traces.
+
+Before a step the trainer gives every MoE layer the placement its policy chose
+(flexmesh.schedule.expert_placement.Placer) for the data ranks of its stage; after the step one
+all-reduce over every rank carries each layer's routed (token, expert) pairs per expert and the
+pairs each rank computed. From those global counts, the same on every rank:
+
+- the placer plans the next step (so every rank of a stage gathers the same experts);
+- aux-loss-free balancing (DeepSeek-V3, 2412.19437; ``balance_rate`` > 0) moves each expert's bias
+  by ``rate * sign(mean load - its load)``, the same update on every rank and under every layout;
+- the step's routing (tokens per expert, tokens per rank, the imbalance it caused and the imbalance
+  static placement would have caused) becomes one routing.jsonl row per MoE layer (docs/metrics.md).
+
+Placements change who computes, never what: losses and gradients do not depend on them (within
+float summation order), which tests/test_moe_runtime.py checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flexmesh.layout.mesh import Place, global_rank, group_layout
+from flexmesh.layout.plan import Plan
+from flexmesh.runtime.expert_parallel import ShardedExperts, expert_groups
+from flexmesh.runtime.moe import MoEFeedForward
+from flexmesh.schedule.expert_placement import Placer, static_placement
+from flexmesh.spec.model import ModelSpec
+
+
+class ExpertTraining:
+    """Made by the Trainer (collectively: it makes the experts' process groups) when the model has experts."""
+
+    def __init__(self, plan: Plan, spec: ModelSpec, place: Place | None, policy: str, slots: int | None,
+                 balance_rate: float) -> None:
+        assert spec.moe is not None
+        self.spec, self.plan = spec, plan
+        self.num_experts = spec.moe.num_experts
+        self.groups = expert_groups(plan)
+        self.group = self.groups.get((place.group, place.pp, place.tp)) if place is not None else None
+        self.moe_layers = tuple(i for i in range(spec.num_layers) if spec.is_moe_layer(i))
+        ranks = group_layout(plan.groups[place.group]).data_ranks if place is not None else 1
+        self.ranks = ranks
+        self.placer = Placer(policy, self.moe_layers, self.num_experts, ranks, slots)
+        self.balance_rate = balance_rate
+        self.holders = self._holders()
+
+    def _holders(self) -> dict[int, list[list[int]]]:
+        """Per MoE layer, per replica group: the global ranks computing its experts (its stage's data ranks)."""
+        out: dict[int, list[list[int]]] = {layer: [] for layer in self.moe_layers}
+        for g in self.plan.groups:
+            lay = group_layout(g)
+            for p, stage in enumerate(g.stages):
+                for layer in range(stage.start, stage.end):
+                    if layer in out:
+                        out[layer].append([g.ranks[global_rank(lay, p % lay.pp, d, 0)] for d in range(lay.data_ranks)])
+        return out
+
+    @staticmethod
+    def layers(models: list[torch.nn.Module]) -> dict[int, MoEFeedForward]:
+        """This rank's MoE layers by global layer number."""
+        out = {}
+        for m in models:
+            for name, block in m.layers.items():
+                ff = getattr(block, "_checkpoint_wrapped_module", block).feed_forward
+                if isinstance(ff, MoEFeedForward):
+                    out[int(name)] = ff
+        return out
+
+    def before_step(self, models: list[torch.nn.Module]) -> None:
+        placements = self.placer.place()
+        for layer, ff in self.layers(models).items():
+            if isinstance(ff.dispatch, ShardedExperts):
+                ff.dispatch.set_placement(placements[layer])
+
+    def after_step(self, models: list[torch.nn.Module], group: dist.ProcessGroup) -> tuple[float, tuple[dict, ...]]:
+        """Gather the step's loads (collective over every rank), plan the next placement, move the
+        balancing biases; (the worst layer's imbalance, the routing rows)."""
+        e, world, me = self.num_experts, dist.get_world_size(), dist.get_rank()
+        table = torch.zeros(self.spec.num_layers, e + world, dtype=torch.int64)
+        mine = self.layers(models)
+        for layer, ff in mine.items():
+            load = ff.load.detach().cpu()
+            table[layer, :e] = load
+            got = ff.dispatch.received if isinstance(ff.dispatch, ShardedExperts) else None
+            table[layer, e + me] = int(got.sum()) if got is not None else int(load.sum())
+            ff.load.zero_()
+            if isinstance(ff.dispatch, ShardedExperts):
+                ff.dispatch.received = None
+        dist.all_reduce(table, group=group)
+        loads = {layer: table[layer, :e].tolist() for layer in self.moe_layers}
+        placements = self.placer.place()
+        rows, worst = [], 1.0
+        for layer in self.moe_layers:
+            load, per_rank = loads[layer], table[layer, e:].tolist()
+            imbalance = max((_ratio([per_rank[r] for r in ranks]) for ranks in self.holders[layer]), default=1.0)
+            worst = max(worst, imbalance)
+            rows.append({"layer": layer, "expert_tokens": load, "rank_tokens": per_rank, "imbalance": imbalance,
+                         "static_imbalance": static_placement(e, self.ranks).imbalance(load),
+                         "placement": placements[layer].to_dict()})
+        self.placer.observe(loads)
+        if self.balance_rate > 0:
+            for layer, ff in mine.items():
+                load = torch.tensor(loads[layer], dtype=torch.float32)
+                step = self.balance_rate * torch.sign(load.mean() - load)
+                ff.balance_bias.add_(step.to(ff.balance_bias.device))
+        return worst, tuple(rows)
+
+
+def _ratio(values: list[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else 1.0
