@@ -50,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="dtype of the written weights (default: the checkpoint's, fp32 master weights)")
     p.add_argument("--max-shard-size", type=parse_size, default="2GiB",
                    help="largest safetensors shard, in bytes or with a unit: 500MB, 2GiB, 5GB (default 2GiB)")
+    p.add_argument("--expert-layout", choices=("fused", "per-expert"),
+                   help="experts of a mixture of experts: fused (transformers 5) or one key per expert (transformers "
+                        "4); default: the layout of the weights the run started from, else fused")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     p.set_defaults(func=run)
     return p
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     spec = checkpoint_spec(args.checkpoint, model=args.model, plan=args.plan)
     report = export_checkpoint(args.checkpoint, args.out, spec, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                               overwrite=args.overwrite, tokenizer=args.tokenizer)
+                               overwrite=args.overwrite, tokenizer=args.tokenizer, expert_layout=args.expert_layout)
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     plain_console().print(report.summary(), highlight=False)

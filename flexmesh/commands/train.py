@@ -217,7 +217,8 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
                        seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
                        resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
                        dtype=args.dtype, emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
-                       compile=args.compile)
+                       compile=args.compile, expert_placement=args.expert_placement, expert_slots=args.expert_slots,
+                       balance_rate=args.balance_rate)
 
 
 def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:
@@ -389,6 +390,7 @@ def announce(trainer) -> None:
     import torch.distributed as dist
 
     from flexmesh.console import plain_console
+    from flexmesh.runtime.attention_kernels import model_kernels
     from flexmesh.runtime.device import device_name
     from flexmesh.runtime.distributed import compute_device_choice
 
@@ -396,7 +398,8 @@ def announce(trainer) -> None:
     budgets = "/".join(f"{g.microbatch_tokens(plan.seq_len):,}" for g in plan.groups)
     plain_console(stderr=True, soft_wrap=True).print(
         f"{dist.get_world_size()} x {device_name(compute_device_choice())}, {cfg.dtype}; attention "
-        f"{'+'.join(trainer.attention_kernels())}; micro-batches of up to {budgets} tokens "
+        f"{'+'.join(model_kernels(trainer.spec, trainer.device.type, cfg.dtype))}; micro-batches of up to "
+        f"{budgets} tokens "
         f"per data rank{' (per replica group)' if len(plan.groups) > 1 else ''}; "
         f"{'compiled' if cfg.compile else 'eager'} blocks; "
         f"{'chunked' if trainer.chunked_loss else 'whole-logit'} loss", highlight=False)

@@ -390,3 +390,12 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     """Document-causal attention of a whole row held by this rank, by :func:`select_kernel`'s kernel
     (or the one named ``kernel``). q [B, H, T, D]; k, v [B, Hkv, T, D]."""
     return _chosen(q, k, window, kernel).run(q, k, v, as_documents(cu_seqlens, q.shape[2]), window)
+
+
+def model_kernels(spec, device: str, dtype: str) -> list[str]:  # noqa: ANN001 - a ModelSpec
+    """The local attention kernels ``spec``'s layers will use on ``device`` in training dtype ``dtype``
+    (as a run's log names them before its first step; metrics.jsonl names those that ran)."""
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    gqa = spec.num_kv_heads != spec.num_heads
+    windows = {spec.window_of(i) for i in range(spec.num_layers)}
+    return sorted({select_kernel(device, torch_dtype, w, spec.head_dim, gqa).name for w in windows})

@@ -155,6 +155,8 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
                     "model": trainer.spec.to_dict()}  # what `flexmesh export` rebuilds the model from
         if trainer.tasks is not None:  # LoRA tasks: what `flexmesh export` writes PEFT adapters from
             manifest["tasks"] = [t.to_dict() for t in trainer.tasks.tasks]
+        if trainer.experts is not None and trainer.experts.checkpoint_layout is not None:
+            manifest["expert_layout"] = trainer.experts.checkpoint_layout  # the layout export writes back
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)

@@ -44,6 +44,9 @@ class ExpertTraining:
         self.placer = Placer(policy, self.moe_layers, self.num_experts, ranks, slots)
         self.balance_rate = balance_rate
         self.holders = self._holders()
+        # the experts' layout in the Hugging Face weights the run started from (flexmesh.runtime.expert_weights),
+        # which `flexmesh export` writes back; None: trained from scratch (exported fused)
+        self.checkpoint_layout: str | None = None
 
     def _holders(self) -> dict[int, list[list[int]]]:
         """Per MoE layer, per replica group: the global ranks computing its experts (its stage's data ranks)."""

@@ -20,6 +20,11 @@ The folder written (``out/``)::
     generation_config.json                 its bos/eos/pad token ids, also written into config.json
     config.json                            flexmesh.spec.hf.to_hf_config of the model; written last
 
+A mixture of experts is written with its experts in the layout of the weights the run started from
+(fused or one key per expert, flexmesh.runtime.expert_weights; fused for a run trained from scratch),
+or the one asked for. The routing biases of aux-loss-free balancing pick experts in training only and
+have no Hugging Face name: they are left out.
+
 Each file is written to a temporary name, fsynced and renamed, and ``config.json`` comes last: a
 folder with a config.json is a finished export; an interrupted one has none and loads nowhere.
 """
@@ -56,6 +61,7 @@ from flexmesh.runtime.checkpoint import (
     plan_hash,
     verify_checkpoint,
 )
+from flexmesh.runtime.expert_weights import FUSED, LAYOUTS, in_layout
 from flexmesh.runtime.peft import write_adapters
 from flexmesh.runtime.weights import canonical_name, hf_name, is_adapter
 from flexmesh.spec.hf import hf_family, to_hf_config
@@ -88,12 +94,14 @@ class ExportReport:
     tokenizer: Path | None = None  # the tokenizer.json written beside the model, None when none was
     warnings: tuple[str, ...] = ()
     adapters: tuple[Path, ...] = ()  # the PEFT folders of a run's LoRA tasks (flexmesh.runtime.peft)
+    expert_layout: str | None = None  # how a mixture of experts' experts were written; None: no experts
 
     def summary(self) -> str:
         """One line for the command to print."""
         return (f"exported step {self.step} of {self.checkpoint} to {self.out}: {self.family} model, "
                 f"{self.tensors} tensors, {self.total_bytes / GIB:.3f} GiB {self.dtype} in {len(self.files)} "
                 f"shard{'s' if len(self.files) != 1 else ''}"
+                + (f", experts {self.expert_layout}" if self.expert_layout else "")
                 + (f", tokenizer from {self.tokenizer}" if self.tokenizer is not None else ", no tokenizer")
                 + (f"; {len(self.adapters)} PEFT adapter{'s' if len(self.adapters) != 1 else ''} in "
                    f"{self.out / 'adapters'}" if self.adapters else ""))
@@ -166,7 +174,7 @@ def _model_keys(path: Path) -> dict[str, tuple[str, Any]]:
         fqn = canonical_name(key[len("model."):])
         if _CHUNK.match(fqn):
             fqn = fqn.split(".", 1)[1]
-        if fqn.endswith(".rotary_emb.inv_freq"):  # recomputed by every loader
+        if fqn.endswith((".rotary_emb.inv_freq", ".balance_bias")):  # recomputed by every loader; training-only
             continue
         if fqn in out:
             raise CheckpointError(f"checkpoint {path} holds {fqn} twice ({out[fqn][0]} and {key}); it is not a "
@@ -282,7 +290,7 @@ def _tokenizer(path: Path, tokenizer: str | Path | None, spec: ModelSpec) -> _To
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, *, dtype: str | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
-                      tokenizer: str | Path | None = None) -> ExportReport:
+                      tokenizer: str | Path | None = None, expert_layout: str | None = None) -> ExportReport:
     """Write checkpoint ``checkpoint`` of model ``spec`` as a Hugging Face folder ``out`` (see the module doc).
 
     ``dtype`` (fp32, bf16, fp16) converts the weights; None keeps the checkpoint's (fp32 master
@@ -290,6 +298,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     unless ``overwrite``; then its files are replaced and files the new export does not write removed.
     ``tokenizer`` (a tokenizer.json or a folder holding one) is written beside the model; None: the
     one the run recorded, and when it recorded none the report warns that the export has no tokenizer.
+    ``expert_layout`` (fused, per-expert): how a mixture of experts' experts are written; None: as the
+    weights the run started from were (its manifest says), else fused.
     """
     from safetensors.torch import save_file
 
@@ -303,6 +313,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
         check_file_target(out / name)
     path = find_checkpoint(checkpoint)
     manifest = _manifest(path)
+    layout = (expert_layout or manifest.get("expert_layout") or FUSED) if spec.is_moe else None
+    if layout is not None and layout not in LAYOUTS:
+        raise CheckpointError(f"checkpoint {path} records expert layout {layout!r}; pass --expert-layout "
+                              f"{' or '.join(LAYOUTS)}")
     previous = _previous_export(out)
     if previous and not overwrite:
         raise CheckpointError(f"{out} already holds an export ({previous[0].name}); choose another --out or add "
@@ -330,7 +344,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     weight_map: dict[str, str] = {}
     for group, file in zip(groups, files, strict=True):
         tensors = read_full_tensors(path, {n: found[n] for n in group}, written)
-        named = {hf_name(n): t.contiguous() for n, t in tensors.items()}
+        named = {}
+        for n, t in tensors.items():  # experts one key each: copies, as safetensors refuses shared storage
+            parts = in_layout(hf_name(n), t.contiguous(), layout, family) if layout else {hf_name(n): t.contiguous()}
+            named.update({k: v.clone() if len(parts) > 1 else v for k, v in parts.items()})
         write_atomic_with(out / file, lambda tmp, named=named: save_file(named, str(tmp), metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(named, file))
         del tensors, named
@@ -348,7 +365,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
             old.unlink(missing_ok=True)
     write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     folders = write_adapters(out, tasks, read_full_tensors(path, adapters), str(out)) if tasks else []
-    return ExportReport(adapters=tuple(folders),checkpoint=path, step=int(manifest["step"]), out=out, family=family,
+    return ExportReport(adapters=tuple(folders), expert_layout=layout, checkpoint=path, step=int(manifest["step"]),
+                        out=out, family=family,
                         dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total,
                         tokenizer=tok.file if isinstance(tok, _Tokenizer) else None,
                         warnings=() if isinstance(tok, _Tokenizer) else (tok,))

@@ -26,6 +26,7 @@ from flexmesh.runtime.distributed import cpu_group
 from flexmesh.runtime.rundir import (
     CHECKPOINTS,
     METRICS,
+    ROUTING,
     check_run_entries,
     hold_run_folder,
     launcher_holds,
@@ -79,8 +80,9 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
-    docs/metrics.md); on resume, lines of steps after the checkpoint are dropped first so the file
-    never holds a step twice. Checkpoints go to ``<out_dir>/checkpoints`` every
+    docs/metrics.md), and for a model with experts one per MoE layer and step to ``routing.jsonl``;
+    on resume, lines of steps after the checkpoint are dropped first so neither file ever holds a
+    step twice. Checkpoints go to ``<out_dir>/checkpoints`` every
     ``checkpoint_every`` steps and at the end.
 
     Rank 0 holds the folder's lock for the run (flexmesh.runtime.rundir); with ``resume`` off, a
@@ -117,10 +119,14 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                     _say(None, f"resuming from {found} (step {trainer.step_index} of {config.max_steps})"
                                f"{', resharded to the new plan' if reshard else ''}")
         metrics_file = out / METRICS if out else None
-        if rank0 and metrics_file is not None:
+        routing_file = out / ROUTING if out else None
+        if rank0 and metrics_file is not None and routing_file is not None:
             kept = [ln for step, ln in old_rows if step <= trainer.step_index]
             write_atomic(metrics_file, "".join(ln + "\n" for ln in kept))
             _note_dtype_change(kept, config.dtype)
+            if routing_file.exists():
+                rows = [ln for step, ln in read_metrics(routing_file) if step <= trainer.step_index]
+                write_atomic(routing_file, "".join(ln + "\n" for ln in rows))
         history: list[StepMetrics] = []
         progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
         late = 0  # consecutive steps that ran the fallback schedule
@@ -139,6 +145,9 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             if rank0 and metrics_file is not None:
                 with append_file(metrics_file) as f:
                     f.write(json.dumps(m.to_dict()) + "\n")
+            if rank0 and routing_file is not None and m.routing:
+                with append_file(routing_file) as f:
+                    f.write("".join(json.dumps({"step": m.step, **row}) + "\n" for row in m.routing))
             if progress is not None:
                 progress.update(m)
             if not math.isfinite(m.loss):  # the same on every rank (the loss is reduced): stop before saving it

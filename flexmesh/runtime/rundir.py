@@ -48,10 +48,11 @@ PREVIOUS = "previous-"
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker: 0, then 1, 2, ... per restart
 # What a run writes in its folder besides the lock and previous-*/ (what --overwrite may move aside):
 METRICS = "metrics.jsonl"
+ROUTING = "routing.jsonl"  # a model with experts: one row per MoE layer and step (docs/metrics.md)
 CHECKPOINTS = "checkpoints"
 MIGRATION_FILE = "migration.json"  # the launcher's request to relaunch on a new plan (flexmesh.commands.migrate)
 MIGRATED_PLAN = "plan-migrated-{step:06d}.json"  # a plan a migration moved the run to
-_RUN_FILE = re.compile(r"metrics\.jsonl|migration\.json|plan-migrated-\d{6}\.json")
+_RUN_FILE = re.compile(r"metrics\.jsonl|routing\.jsonl|migration\.json|plan-migrated-\d{6}\.json")
 
 _held: dict[str, list] = {}  # resolved folder -> [fd, holds in this process, secret]
 
@@ -87,9 +88,11 @@ def hold_run_folder(out: str | Path) -> str:
 
 
 def check_run_entries(out: Path) -> None:
-    """Refuse (OutputError) a run folder whose ``metrics.jsonl`` (written and appended to) is anything
-    but a regular file, or whose ``checkpoints`` (written into) is anything but a real folder."""
+    """Refuse (OutputError) a run folder whose ``metrics.jsonl`` or ``routing.jsonl`` (written and
+    appended to) is anything but a regular file, or whose ``checkpoints`` (written into) is anything
+    but a real folder."""
     check_file_target(out / METRICS)
+    check_file_target(out / ROUTING)
     make_folder(out / CHECKPOINTS, create=False)
 
 
@@ -151,8 +154,9 @@ def run_contents(out: str | Path) -> list[str]:
 
 def foreign_entries(out: str | Path) -> list[str]:
     """The entries of ``out`` that no flexmesh run writes there: anything but regular files named as
-    :data:`METRICS`, :data:`MIGRATION_FILE` or :data:`MIGRATED_PLAN`, real ``checkpoints`` and ``tokenizer``
-    folders, the lock and ``previous-*`` folders (``.git``, sources, a symlink named ``checkpoints``, ...).
+    :data:`METRICS`, :data:`ROUTING`, :data:`MIGRATION_FILE` or :data:`MIGRATED_PLAN`, real ``checkpoints``
+    and ``tokenizer`` folders, the lock and ``previous-*`` folders (``.git``, sources, a symlink named
+    ``checkpoints``, ...).
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())

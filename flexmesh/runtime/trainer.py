@@ -74,7 +74,6 @@ from flexmesh.layout.mesh import (
 from flexmesh.layout.pipeline_order import chain_ends, chain_plan, units_from_ends
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
-from flexmesh.runtime.attention_kernels import select_kernel
 from flexmesh.runtime.carry import KVCarry
 from flexmesh.runtime.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
 from flexmesh.runtime.cross_group import CrossGroupGrads
@@ -226,21 +225,15 @@ class Trainer:
                 from flexmesh.runtime.weights import load_hf_safetensors
 
                 root.to_empty(device=self.device)
-                load_hf_safetensors(model, weights)
+                report = load_hf_safetensors(model, weights)
+                if self.experts is not None:  # the layout `flexmesh export` writes back
+                    self.experts.checkpoint_layout = report.expert_layout
             else:
                 root.to(self.device)
             if self.tasks:
                 self.tasks.init(model, self.spec)
             modules.append(root)
         return modules
-
-    def attention_kernels(self) -> list[str]:
-        """The local attention kernels this run's layers will use (flexmesh.runtime.attention_kernels),
-        as the run's log names them before the first step; metrics.jsonl names those that ran."""
-        dtype = torch.bfloat16 if self.config.dtype == "bf16" else torch.float32
-        gqa = self.spec.num_kv_heads != self.spec.num_heads
-        windows = {self.spec.window_of(i) for i in range(self.spec.num_layers)}
-        return sorted({select_kernel(self.device.type, dtype, w, self.spec.head_dim, gqa).name for w in windows})
 
     # ---- data ------------------------------------------------------------------------------------
     @property
