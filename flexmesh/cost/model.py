@@ -40,9 +40,9 @@ from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.memory import layer_transient_bytes
 from flexmesh.cost.pipeline import in_flight, pipeline_time
+from flexmesh.cost.step_pricing import StepPricing
 from flexmesh.cost.timing import LayerTiming
-from flexmesh.cost.work import NO_WINDOW, LayerCost, MicrobatchPhases, Work, attention_sq, ring_hops
-from flexmesh.layout.enums import CPKind
+from flexmesh.cost.work import NO_WINDOW, LayerCost, Work, attention_sq, ring_hops
 from flexmesh.layout.overlap import NO_OVERLAP, Overlap, acting
 from flexmesh.layout.strategy import LayerStrategy, Recompute, chunk_anchors
 from flexmesh.spec.cluster import ClusterSpec
@@ -50,7 +50,7 @@ from flexmesh.spec.model import ModelSpec
 from flexmesh.units import GIB
 
 
-class CostModel:
+class CostModel(StepPricing):
     """Time and memory for a model on a cluster.
 
     ``hardware``: a :class:`Hardware` (``flexmesh.profile.use.hardware_from_profile(cluster, profile)`` for a
@@ -396,7 +396,7 @@ class CostModel:
                                     plan.num_microbatches, plan.virtual_stages, plan.microbatch_size, plan.seq_len,
                                     plan.overlap)
 
-    # ---- for the per-step scheduler -----------------------------------------------------------------
+    # ---- variants ---------------------------------------------------------------------------------------
     def with_step_overlap(self, overlap: Overlap) -> CostModel:
         """This cost model (sharing its caches) with its per-step methods priced under ``overlap``,
         a plan's :attr:`~flexmesh.layout.plan.Plan.overlap` (the scheduler and the simulator use it)."""
@@ -417,83 +417,3 @@ class CostModel:
         return CostModel(self.model, self.cluster, hardware=hw,
                          timing=AnalyticTiming(self.model, hw, self.timing.ring_balanced, self.timing.stack)
                          ).with_step_overlap(self.step_overlap)
-
-    def microbatch_time(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
-                        embed: bool = True, head: bool = True):
-        """Forward + backward seconds of one micro-batch on a tp x cp group; numpy arrays accepted.
-
-        Time is exactly linear in ``tokens`` and ``sq_tokens`` except where communication hides under
-        compute, so it is evaluated term by term rather than through fitted coefficients. ZeRO
-        collectives are per step and left to :meth:`step_grad_sync`."""
-        return self.microbatch_phases(s, tokens, sq_tokens, layers, head, embed=embed).total
-
-    def activation_bytes_per_token(self, s: LayerStrategy, layers: int | None = None,
-                                   in_flight_mbs: float = 1.0) -> float:
-        """Saved-activation bytes per token of a micro-batch on each device of a tp x cp group."""
-        layers = self.model.num_layers if layers is None else layers
-        return self.timing.activation_bytes_per_token(s, bool(s.recompute)) * layers * in_flight_mbs
-
-    def max_tokens(self, s: LayerStrategy, layers: int | None = None, embed: bool = True, head: bool = True,
-                   in_flight_mbs: float = 1.0, overlap: Overlap | None = None) -> int:
-        """Largest micro-batch (tokens on the tp x cp group) that fits in device memory under ``s``
-        (and ``overlap``, default :attr:`step_overlap`)."""
-        layers = self.model.num_layers if layers is None else layers
-        overlap = self.step_overlap if overlap is None else overlap
-        one = Work(tokens=1.0, sq_tokens=1.0)
-        states = self.layer(s, one, overlap).states * layers
-        if embed or head:
-            states += self.ends(s, one, embed, head, overlap).states
-        per_token = self.activation_bytes_per_token(s, layers, in_flight_mbs)
-        if s.recompute:  # one layer's full activations while it is recomputed
-            per_token += self.timing.activation_bytes_per_token(s, False)
-        if head:
-            per_token += self.timing.logit_bytes(s, 1.0)
-        # Transient buffers: a constant part and a part linear in the micro-batch's tokens.
-        transient = layer_transient_bytes(self.model, s, 0.0, overlap, 0.0)
-        per_token += layer_transient_bytes(self.model, s, 1.0, overlap, 0.0) - transient
-        free = self.memory_budget - states - transient
-        return max(0, int(free / per_token))
-
-    # ---- for the simulator ------------------------------------------------------------------------
-    def microbatch_phases(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,
-                          head: bool = True, embed: bool = False) -> "MicrobatchPhases":
-        """:meth:`microbatch_time` split into forward and backward, compute and exposed communication,
-        so that a pipeline simulation can order the passes. The embedding costs what the timing says
-        (nothing analytically: a lookup has no FLOPs to count; a model profile's fit). TP communication
-        is exposed or overlapped as :attr:`step_overlap` says."""
-        layers = self.model.num_layers if layers is None else layers
-        tokens = np.asarray(tokens, dtype=float)
-        sq = np.asarray(sq_tokens, dtype=float)
-        fwd, bwd, cf, cb = self._layer_phases(s, tokens, sq, self.step_overlap)
-        head_f, head_b = self.timing.head_times(s, tokens) if head else (0.0, 0.0)
-        if embed:
-            emb_f, emb_b = self.timing.embedding_times(s, tokens)
-            head_f, head_b = head_f + emb_f, head_b + emb_b
-        zero = np.zeros_like(tokens)
-        return MicrobatchPhases(fwd=fwd * layers + head_f, bwd=bwd * layers + head_b,
-                                comm_fwd=(cf + zero) * layers, comm_bwd=(cb + zero) * layers)
-
-    def step_grad_sync(self, s: LayerStrategy, data_ranks: int, layers: int | None = None,
-                       embed: bool = True, head: bool = True) -> tuple[float, float]:
-        """(gradient sync, optimizer) seconds, once per step, for one stage's parameters over ``data_ranks``.
-
-        For per-step schedules whose ranks run different numbers of micro-batches: gradients are
-        accumulated locally and reduced once at the end of the step over every data rank holding the
-        same weights (tp-strided). ZeRO-0/1 all-reduce the gradients; ZeRO-2 and ZeRO-3 reduce-scatter
-        them and all-gather the updated weights (ZeRO-3's per-layer gathers inside the step are
-        prefetched under compute, as in :meth:`layer`). Nothing is hidden here; callers that overlap
-        the sync with a backward pass do so themselves."""
-        layers = self.model.num_layers if layers is None else layers
-        m = self.model
-        t = replace(s, cp=1, cp_kind=CPKind.NONE, dp=data_ranks, zero=min(s.zero, 2))
-        params = [(m.layer_params, layers)]
-        if embed:
-            params.append((m.embedding_params, 1))
-        if head:  # a tied head on another stage keeps its own copy (as in :meth:`ends`)
-            params.append((m.head_params + (m.vocab * m.hidden if m.tie_embeddings and not embed else 0), 1))
-        sync = optim = 0.0
-        for p, n in params:
-            zf, zb, once, opt = self._grad_comm(p, t, 0.0, 0.0)
-            sync += n * (zf + zb + once)
-            optim += n * opt
-        return sync, optim
