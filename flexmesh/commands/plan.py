@@ -28,6 +28,7 @@ from flexmesh.commands.args import (
     stack_of,
     tokens,
 )
+from flexmesh.commands.experts_args import add_expert_args, experts_of
 from flexmesh.commands.plan_lengths import (
     RESCORED,
     SEED,
@@ -123,6 +124,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --tasks: a mix of replica layouts and per-step dispatch for the tasks' lengths "
                         "(each task's `lengths`, else --lengths), against every single layout")
     add_stack_args(p)
+    add_expert_args(p)
     p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
                    help="exact: layer DP + every layer split (small models); fast: closed form per stage")
     p.set_defaults(func=run)
@@ -160,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     tasks = job_tasks(args, spec)
     # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters (cost.finetune)
     cost = with_tasks(with_stack(cost, stack_of(args)), tasks)
+    if cost.model.is_moe:  # how the experts run (flexmesh.cost.experts)
+        cost = cost.with_experts(experts_of(args, cost.model, cost.cluster.world_size))
     if args.replicas:
         from flexmesh.commands.plan_replicas import replica_command
 

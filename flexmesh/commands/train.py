@@ -378,6 +378,10 @@ def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
         from flexmesh.cost.finetune import with_tasks
 
         cost = with_tasks(cost, job_tasks(args, spec))
+    if cost is not None and spec.is_moe:  # schedules priced for the placement the run uses
+        from flexmesh.cost.experts import ExpertParallel
+
+        cost = cost.with_experts(ExpertParallel(args.expert_placement, slots=args.expert_slots))
     try:
         return simulated_scheduler(Scheduler(plan, spec, policy, max_len, args.seed, cp=args.cp, cost=cost))
     except ScheduleError as e:

@@ -47,6 +47,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from flexmesh.cost.experts import (
+    ExpertParallel,
+    expert_gemm_times,
+    moe_activation_elems,
+    moe_fraction,
+    moe_memory_bytes,
+)
 from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.timing import LayerTimes
@@ -99,7 +106,7 @@ def linear_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
             (h, model.ffn_hidden / tp))
 
 
-def memory_bytes_per_token(model: ModelSpec) -> int:
+def memory_bytes_per_token(model: ModelSpec, experts: ExpertParallel | None = None) -> float:
     """Bytes the memory-bound operators of one layer's forward move per token (before dividing by tp x cp).
 
     Two norms (read + write h), two residual adds (read 2h, write h), rotary on q and k (read + write),
@@ -112,10 +119,14 @@ def memory_bytes_per_token(model: ModelSpec) -> int:
     h, b = model.hidden, model.dtype_bytes
     rotary = 2 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0
     act = (3 if model.activation == "swiglu" else 2) * model.ffn_hidden
+    if model.is_moe:  # dense MLPs on the dense layers, experts' kernels on the others (flexmesh.cost.experts)
+        f = moe_fraction(model)
+        return (4 * h + 6 * h + rotary + (1 - f) * act) * b + f * moe_memory_bytes(model, experts or ExpertParallel())
     return (4 * h + 6 * h + rotary + act) * b
 
 
-def activation_elems_per_token(model: ModelSpec, fused_swiglu: bool = False) -> int:
+def activation_elems_per_token(model: ModelSpec, fused_swiglu: bool = False,
+                               experts: ExpertParallel | None = None) -> float:
     """Elements one layer saves for backward per token (before dividing by tp and cp).
 
     Attention block: norm input, qkv input, q, k, v, attention output (saved by the kernel and by
@@ -129,28 +140,32 @@ def activation_elems_per_token(model: ModelSpec, fused_swiglu: bool = False) -> 
     """
     h = model.hidden
     attn = 2 * h + 2 * model.q_dim + 2 * model.kv_dim
-    mlp = 2 * h + ((3 if fused_swiglu else 4) if model.activation == "swiglu" else 2) * model.ffn_hidden
-    return attn + mlp
+    dense = ((3 if fused_swiglu else 4) if model.activation == "swiglu" else 2) * model.ffn_hidden
+    if model.is_moe:  # the norm input, then the dense layers' MLP or the experts' (flexmesh.cost.experts)
+        f = moe_fraction(model)
+        return attn + 2 * h + (1 - f) * dense + f * moe_activation_elems(model, experts or ExpertParallel())
+    return attn + 2 * h + dense
 
 
 class AnalyticTiming:
     """:class:`~flexmesh.cost.timing.LayerTiming` of ``model`` from FLOPs over ``hardware``'s throughput."""
 
     def __init__(self, model: ModelSpec, hardware: Hardware, ring_balanced: bool = False,
-                 stack: Stack = RUNTIME_STACK):
+                 stack: Stack = RUNTIME_STACK, experts: ExpertParallel | None = None):
         self.model = model
+        self.experts = experts or ExpertParallel()  # how a mixture of experts' experts run (cost.experts)
         self.stack = stack  # how the stack runs a layer where stacks differ (flexmesh.layout.stack)
         # Ring attention slicing: False, contiguous slices as the runtime cuts them (the last rank does
         # the most work); True, 2 x cp chunks paired so every rank does the same (Llama 3, 2407.21783).
         self.ring_balanced = ring_balanced
         self.hw = hardware
         self.dtype = model.dtype
-        self.act_elems = activation_elems_per_token(model, stack.fused_swiglu)
+        self.act_elems = activation_elems_per_token(model, stack.fused_swiglu, self.experts)
         # A measured machine (a hardware profile) has no datasheet tiles: its throughputs as measured.
         self.kernels: Kernels = getattr(hardware, "kernels", None) or Kernels(
             mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops, hbm_bytes_per_s=hardware.hbm_bytes_per_s,
             sms=None, attn_overhead=0.0, launch_s=0.0, dtype_bytes=model.dtype_bytes)
-        self.mem_bytes = memory_bytes_per_token(model)
+        self.mem_bytes = memory_bytes_per_token(model, self.experts)
         self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW
         self._scalar_layer = lru_cache(maxsize=None)(self._layer_times)
 
@@ -168,17 +183,24 @@ class AnalyticTiming:
         blocks; backward input- and weight-gradient GEMMs, plus the recomputed forward."""
         if isinstance(tokens, np.ndarray) or isinstance(sq_tokens, np.ndarray):
             return self._layer_times(s, tokens, sq_tokens)
-        # Scalars (the search): what data parallelism and ZeRO do not change, computed once.
-        return self._scalar_layer(LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute),
+        # Scalars (the search): what data parallelism and ZeRO do not change, computed once (experts
+        # depend on the data ranks they spread over).
+        dp = s.dp if self.model.is_moe else 1
+        return self._scalar_layer(LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute, dp=dp),
                                   float(tokens), float(sq_tokens))
 
     def _layer_times(self, s: LayerStrategy, tokens: Amount, sq_tokens: Amount) -> LayerTimes:
         k = self.kernels
         rows = tokens / s.cp  # GEMM rows: the tp group's shard of the sequence, gathered
         gemm_f = gemm_b = 0.0
-        for n, red in linear_shapes(self.model, s.tp):
+        dense = 1.0 - moe_fraction(self.model) if self.model.is_moe else 1.0  # the MLP GEMMs' share
+        for i, (n, red) in enumerate(linear_shapes(self.model, s.tp)):
             f, b = k.linear(rows, n, red)
-            gemm_f, gemm_b = gemm_f + f, gemm_b + b
+            share = dense if i >= 2 else 1.0
+            gemm_f, gemm_b = gemm_f + share * f, gemm_b + share * b
+        if self.model.is_moe:
+            f, b = expert_gemm_times(k, self.model, rows, self.experts, s.dp * s.cp)
+            gemm_f, gemm_b = gemm_f + (1.0 - dense) * f, gemm_b + (1.0 - dense) * b
         local = tokens / (s.tp * s.cp) * self.mem_bytes  # sequence parallel: each device its tokens
         if s.tp > 1 and not self.stack.sequence_parallel:  # norms and residual adds on every tp rank
             local = local + tokens / s.cp * (1.0 - 1.0 / s.tp) * REPLICATED_MEMORY_ELEMS * self.model.hidden \

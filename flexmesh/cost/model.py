@@ -36,6 +36,14 @@ import numpy as np
 
 from flexmesh.cost.analytic import AnalyticTiming
 from flexmesh.cost.evaluation import Evaluation
+from flexmesh.cost.experts import (
+    ExpertParallel,
+    dense_params,
+    expert_states,
+    expert_sync,
+    gathered_expert_bytes,
+    moe_communication,
+)
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.memory import layer_transient_bytes
@@ -68,7 +76,7 @@ class CostModel(StepPricing):
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, hardware: Hardware | None = None,
-                 timing: LayerTiming | None = None):
+                 timing: LayerTiming | None = None, experts: ExpertParallel | None = None):
         if timing is not None:
             timing.check_model(model)
             model = replace(model, dtype=timing.dtype)  # bytes in the dtype the timing measured (the runtime's)
@@ -76,7 +84,9 @@ class CostModel(StepPricing):
         self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW  # NO_WINDOW: s^2
         self.cluster = cluster
         self.hw = hardware or Hardware(cluster, model.dtype)
-        self.timing: LayerTiming = timing if timing is not None else AnalyticTiming(model, self.hw)
+        self.experts = experts or ExpertParallel()  # how a mixture of experts runs (flexmesh.cost.experts)
+        self.timing: LayerTiming = timing if timing is not None else AnalyticTiming(model, self.hw,
+                                                                                    experts=self.experts)
         self.weight_bytes, self.grad_bytes, self.optim_bytes = self.timing.state_bytes_per_param()
         self._layer = lru_cache(maxsize=None)(self._layer_uncached)
         self.step_overlap: Overlap = NO_OVERLAP  # what the per-step methods price (with_step_overlap)
@@ -201,22 +211,39 @@ class CostModel(StepPricing):
                 else:  # the attention work spreads over the blocks visited, own block included
                     exposed_f = hops * hw.exposed(hop, t_attn / (hops + 1))
                 comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (1 + cp_passes)
+        if m.is_moe:  # the experts' exchanges over the data ranks (flexmesh.cost.experts)
+            tf, tb, wf, wb = moe_communication(ct, self.cluster, m, self.experts, s.dp * s.cp, s.tp, dev_tokens,
+                                               bool(s.recompute))
+            if self.experts.prefetch:  # the weights' exchanges under the layer's compute
+                wf, wb = hw.exposed(wf, fwd), hw.exposed(wb, bwd)
+            comm_f, comm_b = comm_f + tf + wf, comm_b + tb + wb
         return fwd, bwd, comm_f, comm_b
 
     def _layer_uncached(self, s: LayerStrategy, work: Work, overlap: Overlap) -> LayerCost:
         m = self.model
-        # Phases depend on the group (tp, cp) and recomputation only, not on dp or ZeRO: shared by those.
-        group = LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute)
+        # Phases depend on the group (tp, cp) and recomputation only, not on dp or ZeRO: shared by those
+        # (experts depend on the data ranks they spread over).
+        group = LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute, dp=s.dp if m.is_moe else 1)
         fwd, bwd, comm_f, comm_b = map(float, self._phases(group, float(work.tokens), float(work.sq_tokens), overlap))
-        zf, zb, sync, optim = self._grad_comm(m.layer_params, s, fwd, bwd, overlap)
+        params = dense_params(m) if m.is_moe else m.layer_params  # routed experts: below
+        zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd, overlap)
         timing = self.timing
         act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens, work.sq_tokens)
         # Hook for partial recomputation: the timing says what a strategy keeps; full recomputation
         # keeps the layer input and holds the full set again while the layer is recomputed.
         act = timing.activation_bytes(s, work.tokens, True) if s.recompute else act_full
         transient = layer_transient_bytes(m, s, work.tokens, overlap, act_full if s.recompute else 0.0)
+        states = self._states(params, s, overlap)
+        if m.is_moe:  # experts sharded over the data ranks, their gathered copies kept for backward
+            n = s.dp * s.cp
+            states += expert_states(m, self.experts, n, (self.weight_bytes, self.grad_bytes, self.optim_bytes))
+            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, n, s.tp, self.grad_bytes,
+                                      timing.optimizer_s_per_param())
+            sync, optim = sync + esync, optim + eopt
+            gathered = gathered_expert_bytes(m, self.experts, n)
+            act, transient = (act, transient + gathered) if s.recompute else (act + gathered, transient)
         return LayerCost(fwd=fwd, bwd=bwd, comm_fwd=comm_f + zf, comm_bwd=comm_b + zb, grad_sync=sync,
-                         optim=optim, states=self._states(m.layer_params, s, overlap), act=act, transient=transient)
+                         optim=optim, states=states, act=act, transient=transient)
 
     def transition(self, a: LayerStrategy, b: LayerStrategy, work_a: Work) -> float:
         """Resharding activations between consecutive layers placed differently (fwd + bwd), s.
@@ -415,5 +442,14 @@ class CostModel(StepPricing):
         if change is Kernels.envelope and hw.comm is not None and hw.comm.table is not None:
             hw.comm = replace(hw.comm, table=hw.comm.table.envelope())
         return CostModel(self.model, self.cluster, hardware=hw,
-                         timing=AnalyticTiming(self.model, hw, self.timing.ring_balanced, self.timing.stack)
-                         ).with_step_overlap(self.step_overlap)
+                         timing=AnalyticTiming(self.model, hw, self.timing.ring_balanced, self.timing.stack,
+                                               self.experts), experts=self.experts).with_step_overlap(self.step_overlap)
+
+    def with_experts(self, experts: ExpertParallel) -> CostModel:
+        """The same model and devices with a mixture of experts run as ``experts`` says (another placement
+        or expert parallelism: what baselines such as Megatron-LM's run)."""
+        timing = self.timing
+        if isinstance(timing, AnalyticTiming):
+            timing = AnalyticTiming(self.model, self.hw, timing.ring_balanced, timing.stack, experts)
+        return CostModel(self.model, self.cluster, hardware=self.hw, timing=timing,
+                         experts=experts).with_step_overlap(self.step_overlap)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flexmesh.cost.experts import ExpertParallel, dense_params, expert_sync
 from flexmesh.cost.memory import layer_transient_bytes
 from flexmesh.cost.work import MicrobatchPhases, Work
 from flexmesh.layout.enums import CPKind
@@ -20,6 +21,7 @@ from flexmesh.layout.overlap import Overlap
 from flexmesh.layout.strategy import LayerStrategy
 
 if TYPE_CHECKING:
+    from flexmesh.cost.hardware import Hardware
     from flexmesh.cost.timing import LayerTiming
     from flexmesh.cost.work import LayerCost
     from flexmesh.spec.cluster import ClusterSpec
@@ -32,6 +34,9 @@ class StepPricing:
     if TYPE_CHECKING:  # what CostModel provides
         model: ModelSpec
         cluster: ClusterSpec
+        hw: Hardware
+        experts: ExpertParallel
+        grad_bytes: float
         timing: LayerTiming
         step_overlap: Overlap
 
@@ -116,7 +121,7 @@ class StepPricing:
         layers = self.model.num_layers if layers is None else layers
         m = self.model
         t = replace(s, cp=1, cp_kind=CPKind.NONE, dp=data_ranks, zero=min(s.zero, 2))
-        params = [(m.layer_params, layers)]
+        params = [(dense_params(m) if m.is_moe else m.layer_params, layers)]  # routed experts: below
         if embed:
             params.append((m.embedding_params, 1))
         if head:  # a tied head on another stage keeps its own copy (as in :meth:`ends`)
@@ -126,4 +131,8 @@ class StepPricing:
             zf, zb, once, opt = self._grad_comm(p, t, 0.0, 0.0)
             sync += n * (zf + zb + once)
             optim += n * opt
+        if m.is_moe:
+            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, data_ranks, s.tp,
+                                      self.grad_bytes, self.timing.optimizer_s_per_param())
+            sync, optim = sync + layers * esync, optim + layers * eopt
         return sync, optim

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from flexmesh.cost import CostModel
+from flexmesh.cost.experts import ExpertParallel
 from flexmesh.cost.mixed import MixedCosts, evaluate_groups
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import CPKind
@@ -130,11 +131,24 @@ def zero3_ulysses(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_b
 
 
 def baselines(request: SearchRequest) -> dict[str, Candidate | None]:
-    """The best plan of each uniform family for the request (None where none of the family fits)."""
+    """The best plan of each uniform family for the request (None where none of the family fits).
+
+    A mixture of experts runs its experts as those stacks do: Megatron-LM's expert parallelism (whole
+    experts over ``ep`` data ranks, its best ``ep`` dividing the experts within a node, never moved)
+    and ZeRO-3's with experts fully sharded and placed statically (LAER-MoE's "FSDP+EP" baseline);
+    the search prices flexmesh's runtime (its request's cost model: load-following placement)."""
     model, cluster, seq, gb = request.model, request.cluster, request.seq_len, request.global_batch
     cost = request.cost_model()
-    return {"megatron-3d": megatron_3d(model, cluster, seq, gb, cost, request.space),
-            "zero3-ulysses": zero3_ulysses(model, cluster, seq, gb, cost, request.space)}
+    if model.moe is None:
+        return {"megatron-3d": megatron_3d(model, cluster, seq, gb, cost, request.space),
+                "zero3-ulysses": zero3_ulysses(model, cluster, seq, gb, cost, request.space)}
+    eps = [e for e in divisors(model.moe.num_experts) if e <= cluster.devices_per_node]
+    measured = cost.experts.measured  # a replayed routing trace's static placement, where given
+    ep = [megatron_3d(model, cluster, seq, gb, cost.with_experts(ExpertParallel("static", ep=e, measured=measured)),
+                      request.space) for e in eps]
+    static = cost.with_experts(replace(cost.experts, placement="static", imbalance=None))
+    return {"megatron-3d": _best([c for c in ep if c is not None]),
+            "zero3-ulysses": zero3_ulysses(model, cluster, seq, gb, static, request.space)}
 
 
 # ---- mixed clusters ------------------------------------------------------------------------------

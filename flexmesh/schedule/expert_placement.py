@@ -35,9 +35,12 @@ load vector; the greedy is a few heap operations (LAER reports 0.5 ms at 64 devi
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from flexmesh.cost.experts import default_slots
 from flexmesh.errors import PlanError
 
 PLACEMENTS = ("static", "laer", "eplb")
@@ -89,16 +92,6 @@ class ExpertPlacement:
 
     def to_dict(self) -> dict:
         return {"num_experts": self.num_experts, "hosts": [list(h) for h in self.hosts]}
-
-
-def default_slots(num_experts: int, ranks: int) -> int:
-    """Experts one rank may run in a layer: its static share plus one spare slot for a replica
-    (at most every expert).
-
-    >>> default_slots(8, 2), default_slots(8, 16), default_slots(64, 64)
-    (5, 2, 2)
-    """
-    return min(num_experts, -(-num_experts // ranks) + 1)
 
 
 def static_placement(num_experts: int, ranks: int) -> ExpertPlacement:
@@ -199,3 +192,56 @@ class Placer:
             rows = [h[layer] for h in self._history] if self.policy == "eplb" else [load[layer]]
             mean = [sum(col) / len(rows) for col in zip(*rows)]
             self._current[layer] = balanced_placement(mean, self.ranks, self.slots)
+
+
+def trace_imbalance(rows: Iterable[dict], placement: str, ranks: int, slots: int | None = None) -> float:
+    """Mean max/mean routed tokens per rank when ``placement`` places the experts of a recorded trace
+    (routing.jsonl rows: ``layer``, ``expert_tokens`` per step, in step order) over ``ranks`` ranks,
+    each step placed from the steps before it as the runtime places them; the first step of each
+    layer, placed statically by every policy for want of a history, is left out (a steady-state figure).
+
+    >>> rows = [{"layer": 0, "expert_tokens": [30, 10, 10, 10]}] * 3
+    >>> trace_imbalance(rows, "static", 2), trace_imbalance(rows, "laer", 2)
+    (1.3333333333333333, 1.0)
+    """
+    by_layer: dict[int, list[list[float]]] = {}
+    for r in rows:
+        by_layer.setdefault(int(r["layer"]), []).append([float(x) for x in r["expert_tokens"]])
+    ratios = []
+    for layer, loads in by_layer.items():
+        placer = Placer(placement, (layer,), len(loads[0]), ranks, slots)
+        for i, load in enumerate(loads):
+            if i:
+                ratios.append(placer.place()[layer].imbalance(load))
+            placer.observe({layer: load})
+    if not ratios:
+        raise PlanError("the routing trace holds fewer than two steps of a layer; record a longer run")
+    return sum(ratios) / len(ratios)
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """The rows of a routing.jsonl (flexmesh.runtime.expert_training); PlanError naming the file and line
+    when it is not one."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PlanError(f"routing trace {str(path)!r} cannot be read ({e.strerror}); give a routing.jsonl that "
+                        "`flexmesh train` wrote") from None
+    rows = []
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            loads = [float(x) for x in row["expert_tokens"]]
+            int(row["layer"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise PlanError(f"{path} line {i + 1} is not a routing record (needs layer and expert_tokens: {e}); "
+                            "give a routing.jsonl that `flexmesh train` wrote") from None
+        if not loads or min(loads) < 0:
+            raise PlanError(f"{path} line {i + 1}: expert_tokens must be a non-empty list of counts >= 0")
+        rows.append(row)
+    if not rows:
+        raise PlanError(f"routing trace {path} holds no rows")
+    return rows

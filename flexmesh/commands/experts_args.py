@@ -1,0 +1,49 @@
+"""Flags that say how a mixture of experts runs, for the commands that price one (plan, train)."""
+
+from __future__ import annotations
+
+import argparse
+
+from flexmesh.errors import SpecError
+
+# Most steps of a routing trace a plan replays per layer (the latest): enough for a stable mean, few
+# enough that a world of thousands of ranks replays in seconds.
+TRACE_STEPS = 32
+
+
+def add_expert_args(p: argparse.ArgumentParser) -> None:
+    from flexmesh.commands.args import positive_float
+    from flexmesh.schedule.expert_placement import PLACEMENTS
+
+    g = p.add_argument_group("mixtures of experts (docs/experts.md)")
+    g.add_argument("--expert-placement", default="laer", choices=PLACEMENTS,
+                   help="price the experts placed as this policy places them: laer (default: follows the load, what "
+                        "flexmesh train runs by default), eplb or static; baselines price their own")
+    g.add_argument("--expert-imbalance", type=positive_float, metavar="X",
+                   help="the most loaded data rank's routed tokens over the mean (default: measured, LAER-MoE's "
+                        "per-placement figures, or --routing's)")
+    g.add_argument("--routing", metavar="FILE",
+                   help="a routing.jsonl of an earlier run (`flexmesh train` writes one): the placement replayed on "
+                        "its loads gives the imbalance at every data-rank count")
+
+
+def experts_of(args: argparse.Namespace, model, world: int):  # noqa: ANN001, ANN201 - ModelSpec; ExpertParallel
+    """The :class:`~flexmesh.cost.experts.ExpertParallel` the flags describe for ``model`` on a world of
+    ``world`` ranks: with ``--routing``, every placement replayed on the trace's latest
+    :data:`TRACE_STEPS` steps at every data-rank count dividing the world (baselines price theirs)."""
+    from flexmesh.cost.experts import ExpertParallel
+    from flexmesh.plan.space import divisors
+    from flexmesh.schedule.expert_placement import PLACEMENTS, read_trace, trace_imbalance
+
+    measured: tuple[tuple[str, int, float], ...] = ()
+    if getattr(args, "routing", None):
+        rows = read_trace(args.routing)
+        counts = {len(r["expert_tokens"]) for r in rows}
+        if counts != {model.moe.num_experts}:
+            raise SpecError(f"routing trace {args.routing} routes to {sorted(counts)} experts but model "
+                            f"{model.name!r} has {model.moe.num_experts}; give a trace of this model")
+        steps = sorted({int(r.get("step", 0)) for r in rows})[-TRACE_STEPS:]
+        rows = [r for r in rows if int(r.get("step", 0)) in steps]
+        measured = tuple((p, n, trace_imbalance(rows, p, n)) for p in PLACEMENTS for n in divisors(world) if n > 1)
+    return ExpertParallel(getattr(args, "expert_placement", "laer"), imbalance=getattr(args, "expert_imbalance", None),
+                          measured=measured)
