@@ -6,8 +6,9 @@ bias, so it gets zero tokens on every rank and its weights must still come back 
 Layouts (gloo, fp32): experts over 2 and 4 data ranks with the other weights replicated (ZeRO 0),
 sharded by FSDP2 (ZeRO 2, ZeRO 3), and under a pipeline. Each must give the single-process
 reference's losses, first-step gradients (within 1e-5 of the largest) and parameters; and 20 steps
-whose placement changes every step (experts moved, replicated, some ranks given fewer) must equal 20
-steps of static placement within 1e-6.
+whose placement changes every step (experts moved, replicated, some ranks given fewer), and 20 whose
+experts are placed in every layer of every micro-batch from its own routing (``current``), must
+equal 20 steps of static placement within 1e-6.
 
 This file is also the worker (``python tests/test_moe_runtime.py worker OUT LAYOUT...``).
 """
@@ -66,6 +67,8 @@ def make_plan(name: str):
 class Shuffled:
     """A placer whose placement changes every step: experts dealt round robin from a rotating start,
     hot and cold ones replicated on some ranks, some ranks given fewer experts than others."""
+
+    policy = "shuffled"
 
     def __init__(self, layers, num_experts: int, ranks: int) -> None:
         self.layers, self.e, self.ranks, self.step = layers, num_experts, ranks, 0
@@ -129,7 +132,7 @@ def worker(out: Path, names: list[str]) -> None:
         for name in names:
             plan = make_plan(name)
             result: dict = {}
-            for placement in ("laer", "static", "shuffled"):
+            for placement in ("laer", "static", "shuffled", "current"):
                 long = placement != "laer"
                 cfg = dataclasses.replace(train_config(), max_steps=LONG if long else STEPS,
                                           expert_placement="static" if placement == "shuffled" else placement)
@@ -144,7 +147,8 @@ def worker(out: Path, names: list[str]) -> None:
                 for i, (docs, sched) in enumerate(steps):
                     m = trainer.step(docs, sched)
                     losses.append(m.loss)
-                    rows.append([r["placement"]["hosts"] for r in m.routing])
+                    rows.append([r["placement"] if r["placement"] == "current" else r["placement"]["hosts"]
+                                 for r in m.routing])
                     if i == 0 and not long:
                         grads = full_grads(trainer.inner_models())
                 params = full_params(trainer.inner_models())
@@ -234,11 +238,13 @@ def test_experts_over_data_ranks_match_one_process(tmp_path, world):
         static, shuffled = result["static"], result["shuffled"]
         moves = shuffled["placements"]
         assert all(a != b for a, b in zip(moves, moves[1:])), "the placement did not change every step"
-        for step, (a, b) in enumerate(zip(shuffled["losses"], static["losses"], strict=True)):
-            assert abs(a - b) <= 1e-6 * abs(b), f"{name} step {step}: {a} vs {b}"
-        p_static, p_shuffled = load(tmp_path / name / "static", "params"), load(tmp_path / name / "shuffled", "params")
-        for k, want in p_static.items():
-            assert float((p_shuffled[k] - want).abs().max()) <= 1e-6, f"{name}: {k} after {LONG} steps"
+        p_static = load(tmp_path / name / "static", "params")
+        for other in ("shuffled", "current"):  # placed every step from a rotation; every micro-batch from its load
+            for step, (a, b) in enumerate(zip(result[other]["losses"], static["losses"], strict=True)):
+                assert abs(a - b) <= 1e-6 * abs(b), f"{name} {other} step {step}: {a} vs {b}"
+            got = load(tmp_path / name / other, "params")
+            for k, want in p_static.items():
+                assert float((got[k] - want).abs().max()) <= 1e-6, f"{name}: {other} {k} after {LONG} steps"
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":

@@ -18,7 +18,7 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mixtures of experts (docs/experts.md)")
     g.add_argument("--expert-placement", default="laer", choices=PLACEMENTS,
                    help="price the experts placed as this policy places them: laer (default: follows the load, what "
-                        "flexmesh train runs by default), eplb or static; baselines price their own")
+                        "flexmesh train runs by default), current, eplb or static; baselines price their own")
     g.add_argument("--expert-imbalance", type=positive_float, metavar="X",
                    help="the most loaded data rank's routed tokens over the mean (default: measured, LAER-MoE's "
                         "per-placement figures, or --routing's)")

@@ -107,8 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     old_names(s, "--emulate-speed", dest="emulate_speed", type=rank_factors, action="extend")
     x = p.add_argument_group("mixtures of experts (docs/experts.md)")
     x.add_argument("--expert-placement", default="laer", choices=PLACEMENTS,
-                   help="which data ranks run which experts each step: laer follows the last step's load (default), "
-                        "eplb the load averaged over 10 steps, re-planned every 10; static never moves them")
+                   help="which data ranks run which experts: laer follows the last step's load (default), current "
+                        "places every layer of every micro-batch from its own routing (a load that does not persist; "
+                        "one all-reduce per layer), eplb the load averaged over 10 steps, re-planned every 10; static "
+                        "never moves them")
     x.add_argument("--expert-slots", type=positive_int, metavar="N",
                    help="experts one data rank may run per layer (default: its static share plus one, for a replica)")
     x.add_argument("--balance-rate", type=nonneg_float, default=0.0, metavar="R",

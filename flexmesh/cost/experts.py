@@ -43,9 +43,12 @@ from flexmesh.spec.model import ModelSpec
 # layer and recorded iteration, Mixtral-shaped models of 8 experts top 2 and 16 experts top 4 on 32
 # A100s), the mean over layers and iterations: static placement (its FSDP+EP) 1.664 and 1.729, LAER's
 # load-following placement 1.413 and 1.288. The means of the two models are used at any rank count;
-# a recorded trace replayed for the plan's ranks (trace_imbalance) replaces them. EPLB has no
-# published figure on these models: priced as load-following (it re-plans less often, from averages).
-IMBALANCE = {"static": (1.664 + 1.729) / 2, "laer": (1.413 + 1.288) / 2, "eplb": (1.413 + 1.288) / 2}
+# a recorded trace replayed for the plan's ranks (trace_imbalance) replaces them. EPLB and placement
+# from each micro-batch's own load ("current") have no published figure on these models: priced as
+# load-following until a trace says otherwise (on the traces recorded here, bench/experts.py, EPLB
+# does worse than it and "current" better).
+IMBALANCE = {"static": (1.664 + 1.729) / 2, "laer": (1.413 + 1.288) / 2, "eplb": (1.413 + 1.288) / 2,
+             "current": (1.413 + 1.288) / 2}
 
 
 def default_slots(num_experts: int, ranks: int) -> int:
@@ -80,6 +83,9 @@ class ExpertParallel:
             raise ValueError(f"expert placement {self.placement!r} is not one of {', '.join(IMBALANCE)}")
         if self.ep < 0 or (self.imbalance is not None and self.imbalance < 1.0):
             raise ValueError(f"ep must be >= 0 and imbalance >= 1, got {self.ep} and {self.imbalance}")
+        if self.prefetch and self.placement == "current":
+            raise ValueError("experts placed from a micro-batch's own routing cannot be gathered before it: "
+                             "no prefetch with placement 'current'")
 
     @property
     def expected_imbalance(self) -> float:
@@ -200,7 +206,8 @@ def moe_communication(collective_time, cluster, model: ModelSpec, experts: Exper
     """(tokens forward, tokens backward, weights forward, weights backward) seconds of one (mean)
     layer's expert exchanges on the most loaded rank: the routed tokens' all-to-alls (there and back,
     in each pass; again in backward's recomputed forward) and, under FSEP, the gathered experts'
-    all-to-all forward and their gradients' backward (gathered again for a recomputed forward).
+    all-to-all forward and their gradients' backward (gathered again for a recomputed forward), with
+    placement ``current`` after an all-reduce of the tokens per expert.
     ``collective_time``: the hardware's."""
     from flexmesh.cost.hardware import group_shape
 
@@ -214,6 +221,8 @@ def moe_communication(collective_time, cluster, model: ModelSpec, experts: Exper
     tokens = frac * 2 * collective_time("all_to_all", pairs * model.hidden * b, shape)
     gathered = gathered_expert_bytes(model, experts, data_ranks)
     weights = collective_time("all_to_all", gathered, group_shape(data_ranks, tp, cluster)) if gathered else 0.0
+    if experts.placement == "current" and not experts.ep:  # the micro-batch's tokens per expert, all-reduced first
+        weights += frac * collective_time("all_reduce", 8.0 * moe.num_experts, group_shape(data_ranks, tp, cluster))
     passes = 2 if recompute else 1
     return tokens, passes * tokens, weights, passes * weights
 

@@ -7,6 +7,8 @@ data axis, so checkpoints reshard them like any other parameter). The step's pla
 
 1. each rank gathers the whole experts it runs: one all-to-all per weight tensor, every rank sending
    its rows of the experts each peer runs (an expert on several ranks is sent to each);
+   (placement ``current``: first one all-reduce of the micro-batch's tokens per expert, from which every
+   rank computes the same placement, flexmesh.schedule.expert_placement.balanced_placement);
 2. each routed (token, expert) pair goes to one of that expert's ranks (every rank splits its pairs
    for an expert into equal contiguous shares over the expert's ranks, rotated by its own index),
    by an all-to-all of the tokens after one of the counts;
@@ -35,7 +37,7 @@ from flexmesh.errors import PlanError
 from flexmesh.layout.mesh import global_rank, group_layout
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.moe import Experts, MoEFeedForward, compute_dtype, expert_mlp
-from flexmesh.schedule.expert_placement import ExpertPlacement, static_placement
+from flexmesh.schedule.expert_placement import ExpertPlacement, balanced_placement, static_placement
 
 
 def shard_rows(dim: int, ranks: int) -> list[int]:
@@ -75,6 +77,10 @@ class ShardedExperts:
         self.group, self.rank, self.size = group, rank, size
         self.num_experts = num_experts
         self.received: torch.Tensor | None = None
+        # Placed in the layer from each micro-batch's own routing (placement "current"), with this many
+        # slots per rank (None: flexmesh.cost.experts.default_slots); else the step's placement as set.
+        self.current = False
+        self.slots: int | None = None
         self.set_placement(static_placement(num_experts, size))
 
     def set_placement(self, placement: ExpertPlacement) -> None:
@@ -118,6 +124,10 @@ class ShardedExperts:
     @torch.compiler.disable
     def __call__(self, experts: Experts, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         n, k = chosen.shape
+        if self.current:  # every rank the same counts, so the same placement (the greedy is deterministic)
+            counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+            dist.all_reduce(counts, group=self.group)
+            self.set_placement(balanced_placement(counts.tolist(), self.size, self.slots))
         dtype = compute_dtype(x)
         gate_up, down = experts.local()
         f2, h = experts.gate_up.shape[1], experts.gate_up.shape[2]

@@ -42,6 +42,7 @@ class ExpertTraining:
         ranks = group_layout(plan.groups[place.group]).data_ranks if place is not None else 1
         self.ranks = ranks
         self.placer = Placer(policy, self.moe_layers, self.num_experts, ranks, slots)
+        self.slots = slots
         self.balance_rate = balance_rate
         self.holders = self._holders()
         # the experts' layout in the Hugging Face weights the run started from (flexmesh.runtime.expert_weights),
@@ -75,6 +76,7 @@ class ExpertTraining:
         for layer, ff in self.layers(models).items():
             if isinstance(ff.dispatch, ShardedExperts):
                 ff.dispatch.set_placement(placements[layer])
+                ff.dispatch.current, ff.dispatch.slots = self.placer.policy == "current", self.slots
 
     def after_step(self, models: list[torch.nn.Module], group: dist.ProcessGroup) -> tuple[float, tuple[dict, ...]]:
         """Gather the step's loads (collective over every rank), plan the next placement, move the
@@ -98,9 +100,10 @@ class ExpertTraining:
             load, per_rank = loads[layer], table[layer, e:].tolist()
             imbalance = max((_ratio([per_rank[r] for r in ranks]) for ranks in self.holders[layer]), default=1.0)
             worst = max(worst, imbalance)
+            placed = placements[layer] if self.placer.policy != "current" else None  # placed per micro-batch
             rows.append({"layer": layer, "expert_tokens": load, "rank_tokens": per_rank, "imbalance": imbalance,
                          "static_imbalance": static_placement(e, self.ranks).imbalance(load),
-                         "placement": placements[layer].to_dict()})
+                         "placement": placed.to_dict() if placed is not None else "current"})
         self.placer.observe(loads)
         if self.balance_rate > 0:
             for layer, ff in mine.items():

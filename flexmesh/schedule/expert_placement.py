@@ -21,6 +21,9 @@ Policies (:data:`PLACEMENTS`):
   largest first to the least-loaded rank with a free slot that lacks that expert (LPT).
 - ``eplb``: DeepSeek's EPLB: the same replication and packing from the load averaged over a window of
   steps, re-planned every ``interval`` steps (it moves weights, so it changes rarely).
+- ``current``: the same greedy, in every MoE layer of every micro-batch, from that micro-batch's own
+  routing (one all-reduce of its tokens per expert before the experts are gathered): what a load
+  that does not persist from step to step needs; the gather cannot start before the routing.
 
 Written here rather than taken from a library: no maintained package plans expert replicas for a
 load vector; the greedy is a few heap operations (LAER reports 0.5 ms at 64 devices).
@@ -43,7 +46,7 @@ from pathlib import Path
 from flexmesh.cost.experts import default_slots
 from flexmesh.errors import PlanError
 
-PLACEMENTS = ("static", "laer", "eplb")
+PLACEMENTS = ("static", "laer", "eplb", "current")
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ class Placer:
 
     def observe(self, load: dict[int, Sequence[float]]) -> None:
         self._steps += 1
-        if self.policy == "static":
+        if self.policy in ("static", "current"):  # never moves; placed inside each layer (the runtime)
             return
         self._history = (self._history + [{k: list(v) for k, v in load.items()}])[-self.window:]
         if self.policy == "eplb" and self._steps % self.interval:
@@ -212,7 +215,8 @@ def trace_imbalance(rows: Iterable[dict], placement: str, ranks: int, slots: int
         placer = Placer(placement, (layer,), len(loads[0]), ranks, slots)
         for i, load in enumerate(loads):
             if i:
-                ratios.append(placer.place()[layer].imbalance(load))
+                placed = balanced_placement(load, ranks, slots) if placement == "current" else placer.place()[layer]
+                ratios.append(placed.imbalance(load))
             placer.observe({layer: load})
     if not ratios:
         raise PlanError("the routing trace holds fewer than two steps of a layer; record a longer run")
