@@ -47,6 +47,15 @@ def test_quick_demo_writes_report(tmp_path: Path):
         assert all(r["emulated_speed"] == [1.0, 0.5] and len(r["speed"]) == 2 for r in rows)
         if label == "static":  # --no-replan: the schedules never change
             assert all(r["assumed_speed"] == [1.0, 1.0] for r in rows)
+    # The experts part: the same losses whatever the placement, a routing trace each, the experts page.
+    assert "## A mixture of experts: static against load-following placement" in report
+    moe = {label: [json.loads(x) for x in (out / "experts" / "runs" / label / "metrics.jsonl").read_text().splitlines()]
+           for label in ("static", "laer")}
+    assert [r["loss"] for r in moe["static"]] == pytest.approx([r["loss"] for r in moe["laer"]], rel=1e-6)
+    for label in ("static", "laer"):
+        routing = (out / "experts" / "runs" / label / "routing.jsonl").read_text().splitlines()
+        assert len(routing) == 2 * 4  # 2 steps of 4 MoE layers
+        assert f"experts_{label}.png" in report
 
 
 def test_demo_places_its_steps_one_process_per_gpu(monkeypatch):

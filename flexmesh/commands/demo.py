@@ -12,7 +12,9 @@ With no arguments, on this machine (see docs/cli-demo.md):
 5. uneven devices: plan Llama 2 13B on a mixed cluster (one H100 node, two A100-40GB nodes)
    against its baselines, simulate that plan's fixed shares against each step's documents
    dispatched over its replica groups (``flexmesh simulate --plan``), then train twice on 2 processes
-   with rank 1 emulated at half speed, static against re-planned per-step schedules;
+   with rank 1 emulated at half speed, static against re-planned per-step schedules; uneven experts:
+   a mixture of experts on 2 processes, its experts over both ranks, static against load-following
+   placement;
 6. write ``<out>/report.md`` with PNG plots: a simulated step timeline, a measured one, per-rank
    balance and speed, the loss curves and predicted against measured step time.
 """
@@ -109,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: the report draws with matplotlib, slow to import, and every
     # `flexmesh` invocation imports this module to build its parser.
     from flexmesh.report.demo import TRAIN_MODEL, read_metrics, write_report
+    from flexmesh.report.experts import MOE_MODEL, demo_experts
 
     if args.quick:
         args.nproc, args.steps, args.global_batch, args.seq_len, args.sim_steps = 2, 2, 6, 512, 1
@@ -185,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     stragglers = demo_comparison(out / "stragglers", hw, mp, steps=5 if args.quick else 8, global_batch=8,
                                  max_len=128 if args.quick else 256, seed=args.seed, device=devices["pair"])
 
+    console.print(Rule(f"5/6  uneven experts: {MOE_MODEL} on 2 processes, static against load-following placement"))
+    experts = demo_experts(out / "experts", hw, steps=2 if args.quick else args.steps, global_batch=8,
+                           max_len=128 if args.quick else 256, seed=args.seed, device=devices["pair"])
+
     gpu = None
     if devices["gpu"]:
         console.print(Rule(f"5/6  one GPU: {devices['gpu']}, {TRAIN_MODEL} in bf16, {args.steps} steps"))
@@ -193,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     # 5. report
     console.print(Rule("6/6  report"))
     path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, stragglers=stragglers,
-                        devices=devices["text"], gpu=gpu, mixed=(mixed, dispatch), loads=loads)
+                        devices=devices["text"], gpu=gpu, mixed=(mixed, dispatch), loads=loads, experts=experts)
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
     return 0
 

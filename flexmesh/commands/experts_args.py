@@ -11,20 +11,31 @@ from flexmesh.errors import SpecError
 TRACE_STEPS = 32
 
 
-def add_expert_args(p: argparse.ArgumentParser) -> None:
-    from flexmesh.commands.args import positive_float
+def add_expert_args(p: argparse.ArgumentParser, train: bool = False) -> None:
+    """The flags of a command that prices a mixture of experts; with ``train``, also how the run places
+    and balances them."""
+    from flexmesh.commands.args import nonneg_float, positive_float, positive_int
     from flexmesh.schedule.expert_placement import PLACEMENTS
 
     g = p.add_argument_group("mixtures of experts (docs/experts.md)")
     g.add_argument("--expert-placement", default="laer", choices=PLACEMENTS,
-                   help="price the experts placed as this policy places them: laer (default: follows the load, what "
-                        "flexmesh train runs by default), current, eplb or static; baselines price their own")
+                   help="which data ranks run which experts: laer follows the last step's load (default), current "
+                        "places every layer of every micro-batch from its own routing (a load that does not persist; "
+                        "one all-reduce per layer), eplb the load averaged over 10 steps, re-planned every 10; static "
+                        "never moves them" + ("" if train else "; baselines price their own"))
     g.add_argument("--expert-imbalance", type=positive_float, metavar="X",
-                   help="the most loaded data rank's routed tokens over the mean (default: measured, LAER-MoE's "
-                        "per-placement figures, or --routing's)")
+                   help="price the most loaded data rank's routed tokens at X times the mean (default: measured: "
+                        "LAER-MoE's per-placement figures, or --routing's)")
     g.add_argument("--routing", metavar="FILE",
                    help="a routing.jsonl of an earlier run (`flexmesh train` writes one): the placement replayed on "
-                        "its loads gives the imbalance at every data-rank count")
+                        "its loads gives the imbalance priced at every data-rank count")
+    if train:
+        g.add_argument("--expert-slots", type=positive_int, metavar="N",
+                       help="experts one data rank may run per layer (default: its static share plus one, for a "
+                            "replica)")
+        g.add_argument("--balance-rate", type=nonneg_float, default=0.0, metavar="R",
+                       help="aux-loss-free balancing: each step every expert's routing bias moves by R towards the "
+                            "mean load (DeepSeek-V3 used 0.001); 0 (default): routing as the model routes")
 
 
 def experts_of(args: argparse.Namespace, model, world: int):  # noqa: ANN001, ANN201 - ModelSpec; ExpertParallel
@@ -46,4 +57,4 @@ def experts_of(args: argparse.Namespace, model, world: int):  # noqa: ANN001, AN
         rows = [r for r in rows if int(r.get("step", 0)) in steps]
         measured = tuple((p, n, trace_imbalance(rows, p, n)) for p in PLACEMENTS for n in divisors(world) if n > 1)
     return ExpertParallel(getattr(args, "expert_placement", "laer"), imbalance=getattr(args, "expert_imbalance", None),
-                          measured=measured)
+                          slots=getattr(args, "expert_slots", None), measured=measured)

@@ -379,9 +379,9 @@ def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
 
         cost = with_tasks(cost, job_tasks(args, spec))
     if cost is not None and spec.is_moe:  # schedules priced for the placement the run uses
-        from flexmesh.cost.experts import ExpertParallel
+        from flexmesh.commands.experts_args import experts_of
 
-        cost = cost.with_experts(ExpertParallel(args.expert_placement, slots=args.expert_slots))
+        cost = cost.with_experts(experts_of(args, spec, plan.world_size))
     try:
         return simulated_scheduler(Scheduler(plan, spec, policy, max_len, args.seed, cp=args.cp, cost=cost))
     except ScheduleError as e:

@@ -18,10 +18,10 @@ from flexmesh.commands.args import (
     seq_len,
     sequences,
 )
+from flexmesh.commands.experts_args import add_expert_args
 from flexmesh.runtime.config import TRAIN_DTYPES
 from flexmesh.runtime.device import DEVICES
 from flexmesh.runtime.launch import DEFAULT_RUN_ID
-from flexmesh.schedule.expert_placement import PLACEMENTS
 from flexmesh.schedule.registry import RUNTIME_POLICIES
 
 POLICY_NAMES = tuple(str(p) for p in RUNTIME_POLICIES)  # plain strings: argparse prints choices with repr
@@ -105,17 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on one machine: its compute is stretched to 1/FACTOR of its time, FACTOR in (0, 1]; "
                         "repeatable or comma-separated")
     old_names(s, "--emulate-speed", dest="emulate_speed", type=rank_factors, action="extend")
-    x = p.add_argument_group("mixtures of experts (docs/experts.md)")
-    x.add_argument("--expert-placement", default="laer", choices=PLACEMENTS,
-                   help="which data ranks run which experts: laer follows the last step's load (default), current "
-                        "places every layer of every micro-batch from its own routing (a load that does not persist; "
-                        "one all-reduce per layer), eplb the load averaged over 10 steps, re-planned every 10; static "
-                        "never moves them")
-    x.add_argument("--expert-slots", type=positive_int, metavar="N",
-                   help="experts one data rank may run per layer (default: its static share plus one, for a replica)")
-    x.add_argument("--balance-rate", type=nonneg_float, default=0.0, metavar="R",
-                   help="aux-loss-free balancing: each step every expert's routing bias moves by R towards the mean "
-                        "load (DeepSeek-V3 used 0.001); 0 (default): routing as the checkpoint's model routes")
+    add_expert_args(p, train=True)
     e = p.add_argument_group("restarts and several nodes (with --nproc; docs/failures.md)")
     e.add_argument("--max-restarts", type=int, metavar="K",
                    help="restart the worker group up to K times after a worker fails; it resumes from the last "

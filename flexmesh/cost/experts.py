@@ -258,3 +258,19 @@ def expert_sync(collective_time, cluster, model: ModelSpec, experts: ExpertParal
     replicas = n // ep
     sync = collective_time("all_reduce", params / ep * grad_bytes, group_shape(replicas, tp * ep, cluster))
     return sync, params / n * optimizer_s_per_param
+
+
+def expert_imbalanced(times, even, imbalance: float, s, tokens, sq_tokens):  # noqa: ANN001, ANN201
+    """``times`` (LayerTimes) of a MoE layer measured on one rank (a model profile: every expert local, so
+    every rank's share even) with its routed experts' part scaled to the most loaded rank's
+    (``imbalance``): that part is the share the analytic timing ``even`` (built with imbalance 1) gives
+    the experts' GEMMs in the layer."""
+    from dataclasses import replace as changed
+
+    if imbalance == 1.0:
+        return times
+    whole = even.layer_times(s, tokens, sq_tokens)
+    f, b = expert_gemm_times(even.kernels, even.model, tokens / s.cp, even.experts, s.dp * s.cp)
+    frac, grow = moe_fraction(even.model), imbalance - 1.0
+    return changed(times, fwd=times.fwd * (1.0 + grow * frac * f / whole.fwd),
+                   bwd=times.bwd * (1.0 + grow * frac * b / whole.bwd))

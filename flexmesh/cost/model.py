@@ -39,6 +39,7 @@ from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.experts import (
     ExpertParallel,
     dense_params,
+    expert_imbalanced,
     expert_states,
     expert_sync,
     gathered_expert_bytes,
@@ -93,6 +94,7 @@ class CostModel(StepPricing):
         self._ends = lru_cache(maxsize=None)(self._ends_uncached)
         self._phases = lru_cache(maxsize=None)(self._layer_phases)
         self._work = lru_cache(maxsize=None)(lambda seqs, seq_len: Work.uniform(seqs, seq_len, self.windows))
+        self._even: AnalyticTiming | None = None  # a MoE model's experts at an even load (flexmesh.cost.experts)
 
     @property
     def source(self) -> str:
@@ -171,6 +173,10 @@ class CostModel(StepPricing):
         """
         m, hw, ct = self.model, self.hw, self.hw.collective_time
         times = self.timing.layer_times(s, tokens, sq_tokens)
+        if m.is_moe and not isinstance(self.timing, AnalyticTiming):  # measured on one rank: experts even there
+            if self._even is None:
+                self._even = AnalyticTiming(m, hw, experts=replace(self.experts, imbalance=1.0, measured=()))
+            times = expert_imbalanced(times, self._even, self.experts.imbalance_at(s.dp * s.cp), s, tokens, sq_tokens)
         if times.includes_communication:  # timed under real tp x cp groups: their communication is in the times
             return times.fwd, times.bwd, 0.0, 0.0
         fwd, bwd, t_attn = times.fwd, times.bwd, times.attention

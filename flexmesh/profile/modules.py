@@ -35,11 +35,13 @@ def rank_block(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: in
 
 
 def degrees(spec: ModelSpec, max_degree: int) -> list[tuple[int, int]]:
-    """(tp, cp) pairs to measure: powers of two, tp dividing heads, kv heads and ffn, tp * cp <= max."""
+    """(tp, cp) pairs to measure: powers of two, tp dividing heads, kv heads and ffn, tp * cp <= max; a
+    mixture of experts at tp 1 only (the runtime spreads experts over data ranks, never over tp)."""
     out = []
     tp = 1
     while tp <= max_degree:
-        if spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0:
+        if spec.num_heads % tp == 0 and spec.num_kv_heads % tp == 0 and spec.ffn_hidden % tp == 0 \
+                and (tp == 1 or not spec.is_moe):
             cp = 1
             while tp * cp <= max_degree:
                 out.append((tp, cp))

@@ -105,13 +105,13 @@ def gain_text(label: str, rows: list[dict], fixed: list[dict], loads: dict[str, 
 def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], plan_path: Path,
                  elapsed_s: float, stragglers: dict[str, list[dict]] | None = None, devices: str = "",
                  gpu: dict | None = None, mixed: tuple | None = None,
-                 loads: dict[str, float] | None = None) -> Path:
+                 loads: dict[str, float] | None = None, experts: dict | None = None) -> Path:
     """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows; ``stragglers``:
     the static and adaptive runs with a slow rank (flexmesh.report.stragglers.demo_comparison);
     ``devices``: where the parts ran; ``gpu``: the one-GPU run ({"name", "preset", "rows"}), if any;
     ``mixed``: the mixed-cluster plan's figures (flexmesh.report.plan_tables.demo_mixed_plan) and its
     simulated dispatch (flexmesh.commands.simulate.GroupsSimulation); ``loads``: run label -> the 1-minute
-    load average as it started."""
+    load average as it started; ``experts``: the mixture-of-experts runs (flexmesh.report.experts.demo_experts)."""
     out = Path(out)
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
@@ -181,6 +181,10 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
         mixed_section(rep, *mixed)
     if stragglers:
         add_section(rep, stragglers, figs, heading="A slow device: static against re-planned schedules")
+    if experts:
+        from flexmesh.report.experts import add_demo_section
+
+        add_demo_section(rep, experts, figs)
     if gpu:
         gpu_section(rep, gpu)
     return rep.write()
