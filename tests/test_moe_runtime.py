@@ -31,6 +31,7 @@ LAYOUTS: dict[str, dict] = {
 STEPS = 3
 LONG = 20  # steps of the placement comparison
 UNUSED = 7  # the expert no token reaches
+AUX = 0.05  # the load-balancing loss's coefficient in the runs that train with one
 
 
 def moe_spec():
@@ -132,10 +133,11 @@ def worker(out: Path, names: list[str]) -> None:
         for name in names:
             plan = make_plan(name)
             result: dict = {}
-            for placement in ("laer", "static", "shuffled", "current"):
-                long = placement != "laer"
-                cfg = dataclasses.replace(train_config(), max_steps=LONG if long else STEPS,
-                                          expert_placement="static" if placement == "shuffled" else placement)
+            for placement in ("laer", "static", "shuffled", "current", "aux"):
+                long = placement not in ("laer", "aux")
+                policy = {"shuffled": "static", "aux": "laer"}.get(placement, placement)
+                cfg = dataclasses.replace(train_config(), max_steps=LONG if long else STEPS, expert_placement=policy,
+                                          aux_loss=AUX if placement == "aux" else 0.0)
                 trainer = Trainer(plan, moe_spec(), cfg)
                 starve(trainer.inner_models())
                 if placement == "shuffled":
@@ -160,7 +162,7 @@ def worker(out: Path, names: list[str]) -> None:
                     if not long:
                         torch.save(grads, folder / f"grads_pp{place.pp}.pt")
                 result[placement] = {"losses": losses, "placements": rows, "imbalance": m.expert_imbalance,
-                                     "routing": list(m.routing)}
+                                     "routing": list(m.routing), "aux": m.aux_loss}
                 dist.barrier()
             if dist.get_rank() == 0:
                 (out / name / "result.json").write_text(json.dumps(result))
@@ -192,6 +194,63 @@ def reference(data_ranks: int) -> tuple[list[float], dict, dict]:
     finally:
         model_module.build_model = built
     return losses, grads, params
+
+
+def aux_reference(data_ranks: int) -> tuple[list[float], dict]:
+    """Single-process AdamW steps with the load-balancing loss written out as its formula: alpha E
+    sum_i f_i P_i per MoE layer, f_i the previous step's share of routed pairs (even on the first),
+    P_i the step's mean router probability; the CE losses and the final weights."""
+    import torch
+    import torch.nn.functional as F
+
+    from flexmesh.layout.step import Piece
+    from flexmesh.runtime.config import lr_schedule_factor
+    from flexmesh.runtime.loss import summed_cross_entropy
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.moe import MoEFeedForward
+    from flexmesh.runtime.packing import global_label_tokens, pack_microbatch
+
+    cfg = train_config()
+    model = build_model(moe_spec(), device="cpu")
+    model.init_weights(cfg.seed)
+    starve([model])
+    ffs = {int(k): b.feed_forward for k, b in model.layers.items() if isinstance(b.feed_forward, MoEFeedForward)}
+    probs: dict[int, list] = {}
+    hooks = [ff.router.register_forward_hook(lambda m, i, o, k=k: probs[k].append(F.softmax(o.float(), -1)))
+             for k, ff in ffs.items()]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, cfg.max_steps,
+                                                                               cfg.min_lr_ratio))
+    e = moe_spec().moe.num_experts
+    frac = {k: torch.full((e,), 1.0 / e) for k in ffs}
+    losses = []
+    for docs, schedule in make_steps(data_ranks, 1, steps=STEPS, cut=False):
+        opt.zero_grad()
+        n = global_label_tokens(docs, schedule)
+        tokens = sum(len(d) for d in docs)
+        probs.clear()
+        probs.update({k: [] for k in ffs})
+        ce = 0.0
+        loss = torch.zeros(())
+        for g in schedule.groups:
+            for mb in g.microbatches:
+                b = pack_microbatch(docs, [Piece(p.seq_id, 0, len(docs[p.seq_id])) for p in mb])
+                part = summed_cross_entropy(model(b.tokens, b), b.labels) / n
+                ce += part.item()
+                loss = loss + part
+        for k, ff in ffs.items():
+            mean_p = torch.cat(probs[k]).sum(0) / tokens
+            loss = loss + AUX * e * (frac[k] * mean_p).sum()
+            frac[k] = ff.load.double() / ff.load.sum()
+            ff.load.zero_()
+        loss.backward()
+        losses.append(ce)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+    for h in hooks:
+        h.remove()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def load(folder: Path, prefix: str) -> dict:
@@ -238,6 +297,20 @@ def test_experts_over_data_ranks_match_one_process(tmp_path, world):
         static, shuffled = result["static"], result["shuffled"]
         moves = shuffled["placements"]
         assert all(a != b for a, b in zip(moves, moves[1:])), "the placement did not change every step"
+        # the load-balancing loss: its formula's single-process run, whatever the layout
+        aux_losses, aux_params = aux_reference(data_ranks)
+        for step, (got, want) in enumerate(zip(result["aux"]["losses"], aux_losses, strict=True)):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{name} aux step {step}: loss {got} vs {want}"
+        got = load(tmp_path / name / "aux", "params")
+        moved = 0.0
+        for k, want in aux_params.items():
+            if k.endswith("balance_bias"):
+                continue
+            assert float((got[k] - want).abs().max()) <= 1e-5, f"{name}: aux {k}"
+            moved = max(moved, float((got[k] - params[k]).abs().max()) if k in params else 0.0)
+        assert moved > 1e-4, "the load-balancing loss changed nothing"
+        assert result["aux"]["aux"] == pytest.approx(AUX * moe_spec().moe.num_experts * (moe_spec().num_layers - 1)
+                                                     / moe_spec().moe.num_experts, rel=0.5)
         p_static = load(tmp_path / name / "static", "params")
         for other in ("shuffled", "current"):  # placed every step from a rotation; every micro-batch from its load
             for step, (a, b) in enumerate(zip(result[other]["losses"], static["losses"], strict=True)):

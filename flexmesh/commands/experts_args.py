@@ -33,6 +33,10 @@ def add_expert_args(p: argparse.ArgumentParser, train: bool = False) -> None:
         g.add_argument("--expert-slots", type=positive_int, metavar="N",
                        help="experts one data rank may run per layer (default: its static share plus one, for a "
                             "replica)")
+        g.add_argument("--aux-loss", type=nonneg_float, default=0.0, metavar="COEF",
+                       help="train with a load-balancing loss of this coefficient (Switch Transformer's, weighted by "
+                            "the previous step's expert loads so that every layout trains the same; Mixtral's configs "
+                            "say 0.02); 0 (default): none")
         g.add_argument("--balance-rate", type=nonneg_float, default=0.0, metavar="R",
                        help="aux-loss-free balancing: each step every expert's routing bias moves by R towards the "
                             "mean load (DeepSeek-V3 used 0.001); 0 (default): routing as the model routes")

@@ -218,7 +218,7 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
                        resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
                        dtype=args.dtype, emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
                        compile=args.compile, expert_placement=args.expert_placement, expert_slots=args.expert_slots,
-                       balance_rate=args.balance_rate)
+                       balance_rate=args.balance_rate, aux_loss=args.aux_loss)
 
 
 def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:

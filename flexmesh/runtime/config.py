@@ -48,6 +48,7 @@ class TrainConfig:
     expert_placement: str = "laer"
     expert_slots: int | None = None
     balance_rate: float = 0.0
+    aux_loss: float = 0.0  # the load-balancing loss's coefficient (flexmesh.runtime.moe); 0: none
 
 
 # Activations are measured on the first step and then every this many steps on a GPU (every step on CPU).
@@ -138,6 +139,7 @@ class StepMetrics:
     # (flexmesh.runtime.expert_training.ExpertTraining.after_step)
     expert_imbalance: float | None = None
     routing: tuple[dict, ...] = ()
+    aux_loss: float | None = None  # the step's load-balancing loss term (not in ``loss``); None: none
 
     def to_dict(self) -> dict:
         """The metrics.jsonl row (routing goes to routing.jsonl)."""

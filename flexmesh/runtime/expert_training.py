@@ -8,6 +8,8 @@ pairs each rank computed. From those global counts, the same on every rank:
 - the placer plans the next step (so every rank of a stage gathers the same experts);
 - aux-loss-free balancing (DeepSeek-V3, 2412.19437; ``balance_rate`` > 0) moves each expert's bias
   by ``rate * sign(mean load - its load)``, the same update on every rank and under every layout;
+- the load-balancing loss (``aux_loss`` > 0, flexmesh.runtime.moe) weighs the next step's router
+  probabilities by the fraction of pairs each expert received;
 - the step's routing (tokens per expert, tokens per rank, the imbalance it caused and the imbalance
   static placement would have caused) becomes one routing.jsonl row per MoE layer (docs/metrics.md).
 
@@ -32,7 +34,7 @@ class ExpertTraining:
     """Made by the Trainer (collectively: it makes the experts' process groups) when the model has experts."""
 
     def __init__(self, plan: Plan, spec: ModelSpec, place: Place | None, policy: str, slots: int | None,
-                 balance_rate: float) -> None:
+                 balance_rate: float, aux_loss: float = 0.0) -> None:
         assert spec.moe is not None
         self.spec, self.plan = spec, plan
         self.num_experts = spec.moe.num_experts
@@ -44,6 +46,8 @@ class ExpertTraining:
         self.placer = Placer(policy, self.moe_layers, self.num_experts, ranks, slots)
         self.slots = slots
         self.balance_rate = balance_rate
+        self.aux_loss = aux_loss
+        self._fractions: dict[int, list[float]] = {}  # last step's share of routed pairs per expert, per layer
         self.holders = self._holders()
         # the experts' layout in the Hugging Face weights the run started from (flexmesh.runtime.expert_weights),
         # which `flexmesh export` writes back; None: trained from scratch (exported fused)
@@ -71,16 +75,26 @@ class ExpertTraining:
                     out[int(name)] = ff
         return out
 
-    def before_step(self, models: list[torch.nn.Module]) -> None:
+    def before_step(self, models: list[torch.nn.Module], tokens: int) -> None:
+        """Placements of the step's layers, and the load-balancing loss's weights for its ``tokens`` (the
+        global batch's routed tokens: every rank the same weights, whatever it holds)."""
         placements = self.placer.place()
+        e = self.num_experts
         for layer, ff in self.layers(models).items():
+            if self.aux_loss > 0:
+                f = self._fractions.get(layer, [1.0 / e] * e)  # the first step: an even load, no gradient
+                w = torch.tensor(f, dtype=torch.float32) * (self.aux_loss * e / max(1, tokens))
+                ff.aux_weights.copy_(w.to(ff.aux_weights.device))
+                ff.aux_on = True
             if isinstance(ff.dispatch, ShardedExperts):
                 ff.dispatch.set_placement(placements[layer])
                 ff.dispatch.current, ff.dispatch.slots = self.placer.policy == "current", self.slots
 
-    def after_step(self, models: list[torch.nn.Module], group: dist.ProcessGroup) -> tuple[float, tuple[dict, ...]]:
+    def after_step(self, models: list[torch.nn.Module],
+                   group: dist.ProcessGroup) -> tuple[float, tuple[dict, ...], float | None]:
         """Gather the step's loads (collective over every rank), plan the next placement, move the
-        balancing biases; (the worst layer's imbalance, the routing rows)."""
+        balancing biases; (the worst layer's imbalance, the routing rows, the load-balancing loss or
+        None without one)."""
         e, world, me = self.num_experts, dist.get_world_size(), dist.get_rank()
         table = torch.zeros(self.spec.num_layers, e + world, dtype=torch.int64)
         mine = self.layers(models)
@@ -94,6 +108,14 @@ class ExpertTraining:
                 ff.dispatch.received = None
         dist.all_reduce(table, group=group)
         loads = {layer: table[layer, :e].tolist() for layer in self.moe_layers}
+        aux = None
+        if self.aux_loss > 0:  # each rank's part of the loss term, summed (the same on every rank)
+            part = torch.tensor([float(sum(ff.aux_value.item() for ff in mine.values()))], dtype=torch.float64)
+            for ff in mine.values():
+                ff.aux_value.zero_()
+            dist.all_reduce(part, group=group)
+            aux = float(part[0])
+            self._fractions = {layer: [x / max(1, sum(load)) for x in load] for layer, load in loads.items()}
         placements = self.placer.place()
         rows, worst = [], 1.0
         for layer in self.moe_layers:
@@ -110,7 +132,7 @@ class ExpertTraining:
                 load = torch.tensor(loads[layer], dtype=torch.float32)
                 step = self.balance_rate * torch.sign(load.mean() - load)
                 ff.balance_bias.add_(step.to(ff.balance_bias.device))
-        return worst, tuple(rows)
+        return worst, tuple(rows), aux
 
 
 def _ratio(values: list[int]) -> float:

@@ -25,6 +25,15 @@ set and runs the routed part across ranks with the same math; ``None``: every ex
 Load statistics: every forward adds its routed pairs per expert to ``load`` (a non-persistent
 buffer, on the device, no host synchronisation); the trainer reads and clears it once per step
 (routing traces, the next step's expert placement, the balancing bias).
+
+Load-balancing loss (``aux_weights``, set by the trainer each step; zero: none): Switch
+Transformer's ``alpha E sum_i f_i P_i`` (2101.03961), ``P_i`` the step's mean router probability of
+expert ``i``, taken over the step's tokens here as ``sum_t p_ti w_i`` with ``w_i = alpha E f_i / N``,
+and ``f_i`` the fraction of routed pairs expert ``i`` received in the *previous* step (all ranks, every
+micro-batch): a constant of the step, the same on every rank, so the loss and its gradient are sums
+over tokens and equal under every layout and step schedule (the current step's ``f_i`` would only be
+known after the last micro-batch's forward). It enters backward through the layer's output
+(:class:`AuxLoss`), so pipelines and gradient accumulation need nothing of their own.
 """
 
 from __future__ import annotations
@@ -64,6 +73,19 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offse
     h = grouped_linear(x, gate_up.to(dtype), offsets, sizes)
     gate, up = h.chunk(2, dim=-1)
     return grouped_linear(F.silu(gate) * up, down.to(dtype), offsets, sizes)
+
+
+class AuxLoss(torch.autograd.Function):
+    """Returns ``y`` unchanged; in backward also gives ``aux`` (a scalar loss term computed from ``y``'s
+    inputs) a gradient of 1, so that the term is minimised along with the loss ``y`` flows into."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
 
 
 class Experts(nn.Module):
@@ -131,16 +153,22 @@ class MoEFeedForward(nn.Module):
         # experts only; the trainer moves it between steps. Zero: transformers' routing.
         self.register_buffer("balance_bias", torch.zeros(moe.num_experts), persistent=True)
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        # The load-balancing loss's per-expert weights for this step (module doc), and its value summed
+        # over this rank's micro-batches (for the metrics); zero weights: no loss.
+        self.register_buffer("aux_weights", torch.zeros(moe.num_experts), persistent=False)
+        self.register_buffer("aux_value", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.aux_on = False  # whether aux_weights are set (read here without looking at the device)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [n, top_k] fp32, chosen experts [n, top_k]) of tokens ``x`` [n, hidden]."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights [n, top_k] fp32, chosen experts [n, top_k], probabilities [n, experts] fp32) of tokens
+        ``x`` [n, hidden]."""
         probs = F.softmax(self.router(x).float(), dim=-1)
         bias = self.balance_bias.to(probs.device, probs.dtype)
         chosen = torch.topk(probs + bias if self.training else probs, self.top_k, dim=-1).indices
         weights = probs.gather(-1, chosen)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, chosen
+        return weights, chosen, probs
 
     def forward(self, x: torch.Tensor, real: int | None = None) -> torch.Tensor:
         """``x`` [B, T, hidden] -> [B, T, hidden]; only the first ``real`` tokens of the flattened
@@ -149,7 +177,7 @@ class MoEFeedForward(nn.Module):
         flat = x.reshape(-1, shape[-1])
         n = flat.shape[0] if real is None else real
         tokens = flat[:n]
-        weights, chosen = self.route(tokens)
+        weights, chosen, probs = self.route(tokens)
         with torch.no_grad():
             self.load += torch.bincount(chosen.reshape(-1), minlength=self.load.numel()).to(self.load.device)
         run = self.dispatch if self.dispatch is not None else self.experts
@@ -159,6 +187,11 @@ class MoEFeedForward(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(tokens)) * shared
             y = y + shared
+        if self.aux_on and self.training and torch.is_grad_enabled():
+            aux = (probs * self.aux_weights.to(probs.device)).sum()
+            if torch._C._current_graph_task_id() == -1:  # not a forward recomputed inside backward
+                self.aux_value += aux.detach().double().to(self.aux_value.device)
+            y = AuxLoss.apply(y, aux)
         if n < flat.shape[0]:
             y = torch.cat([y, y.new_zeros(flat.shape[0] - n, shape[-1])])
         return y.reshape(*shape[:-1], y.shape[-1])

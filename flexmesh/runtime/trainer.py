@@ -160,7 +160,7 @@ class Trainer:
         self.cross = CrossGroupGrads(plan) if self.several else None
         # experts: their process groups, placements and loads (flexmesh.runtime.expert_training)
         self.experts = ExpertTraining(plan, spec, self.place, config.expert_placement, config.expert_slots,
-                                      config.balance_rate) if spec.is_moe else None
+                                      config.balance_rate, config.aux_loss) if spec.is_moe else None
         # Ranks may run different numbers of micro-batches unless something pairs collectives per
         # micro-batch across all data ranks; the scheduler and simulator price the same rule.
         self.uneven = lay is not None and not runs_in_lockstep(lay.pp, lay.zero, spec.is_moe and lay.data_ranks > 1)
@@ -334,7 +334,7 @@ class Trainer:
         local_loss: torch.Tensor | float = 0.0
         busy = marks.mark()
         if self.experts is not None:
-            self.experts.before_step(self.inner_models())
+            self.experts.before_step(self.inner_models(), sum(schedule.lengths))
         if group is not None:
             batches = self.local_batches(docs, own, group)
             self._set_context(group)
@@ -348,8 +348,8 @@ class Trainer:
                                if p.requires_grad])
         grad_norm = self._clip()
         lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
-        imbalance, routing = (self.experts.after_step(self.inner_models(), self._cpu_group) if self.experts
-                              else (None, ()))
+        imbalance, routing, aux = (self.experts.after_step(self.inner_models(), self._cpu_group) if self.experts
+                                   else (None, (), None))
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
         owner = self.place is not None and self.place.tp == 0 and self.place.pp == self.layout.pp - 1
@@ -371,7 +371,7 @@ class Trainer:
             **common, compute_s=tuple(float(x) for x in table[:, 4]) if timed else (),
             emulated_speed=self.emulated_speed,
             tasks=self.tasks.tasks.names if self.tasks else (), task_loss=tuple(self.task_loss.tolist()),
-            task_tokens=tuple(task_tokens), expert_imbalance=imbalance, routing=routing,
+            task_tokens=tuple(task_tokens), expert_imbalance=imbalance, routing=routing, aux_loss=aux,
         )
 
     def _clip(self) -> float:
