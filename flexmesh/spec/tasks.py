@@ -109,9 +109,13 @@ class TaskSet:
         return tuple(t.batch if t.batch is not None else share for t in self.tasks)
 
     def check(self, spec: ModelSpec) -> None:
-        """Refuse what ``spec`` cannot carry: a rank larger than a target projection."""
+        """Refuse what ``spec`` cannot carry: a rank larger than a target projection; an MLP projection
+        of a mixture of experts (its experts are not adapted)."""
         for t in self.tasks:
             for target in t.targets:
+                if spec.is_moe and TARGETS[target].startswith("feed_forward"):
+                    raise SpecError(f"task {t.name!r}: {target} of {spec.name!r} is a mixture of experts' MLP, "
+                                    "which flexmesh does not adapt; target q_proj, k_proj, v_proj and o_proj")
                 fan_in, fan_out = projection_shape(spec, target)
                 if t.rank > min(fan_in, fan_out):
                     raise SpecError(f"task {t.name!r}: rank {t.rank} is larger than {target} of {spec.name!r} "
