@@ -172,6 +172,34 @@ def worker(out: Path, names: list[str]) -> None:
         dist.destroy_process_group()
 
 
+def resume_worker(out: Path) -> None:
+    """4 steps straight, and 2 + a resume + 2, with load-following placement and the load-balancing loss."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.loop import ListSource, fit
+    from flexmesh.runtime.trainer import Trainer
+
+    torch.set_num_threads(1)
+    init_distributed(timeout_s=120)
+    plan = make_plan("ep2_fsdp")
+    steps = make_steps(2, 1, steps=4, seed=5, cut=False)
+    cfg = dataclasses.replace(train_config(), max_steps=4, checkpoint_every=2, aux_loss=AUX, progress=False)
+    try:
+        straight = dataclasses.replace(cfg, out_dir=str(out / "straight"))
+        fit(Trainer(plan, moe_spec(), straight), ListSource(steps), straight)
+        resumed = dataclasses.replace(cfg, out_dir=str(out / "resumed"))
+        fit(Trainer(plan, moe_spec(), resumed), ListSource(steps[:2]), resumed)  # stops after step 2's checkpoint
+        fit(Trainer(plan, moe_spec(), resumed), ListSource(steps), resumed)
+        dist.barrier()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # ---- tests ----------------------------------------------------------------------------------------
 def reference(data_ranks: int) -> tuple[list[float], dict, dict]:
     """Single-process losses, first-step (clipped) gradients and final weights, expert UNUSED starved."""
@@ -320,6 +348,27 @@ def test_experts_over_data_ranks_match_one_process(tmp_path, world):
                 assert float((got[k] - want).abs().max()) <= 1e-6, f"{name}: {other} {k} after {LONG} steps"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resumed_run_places_and_balances_as_an_unbroken_one(tmp_path):
+    """The last step's routed shares travel in the checkpoint: after a resume the next step's placement
+    and load-balancing weights are the unbroken run's, so are the losses."""
+    proc = launch(2, ["resume", str(tmp_path)], script=__file__, timeout=500)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    rows = {name: [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("straight", "resumed")}
+    assert [r["step"] for r in rows["resumed"]] == [1, 2, 3, 4]
+    for a, b in zip(rows["straight"], rows["resumed"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-6)
+    routing = {name: [json.loads(x) for x in (tmp_path / name / "routing.jsonl").read_text().splitlines()]
+               for name in ("straight", "resumed")}
+    assert [r["placement"] for r in routing["straight"]] == [r["placement"] for r in routing["resumed"]]
+
+
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     worker(Path(sys.argv[2]), sys.argv[3:])
+elif __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "resume":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    resume_worker(Path(sys.argv[2]))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from flexmesh.layout.mesh import Place, global_rank, group_layout
 from flexmesh.layout.plan import Plan
+from flexmesh.runtime.distributed import cpu_group
 from flexmesh.runtime.expert_parallel import ShardedExperts, expert_groups
 from flexmesh.runtime.moe import MoEFeedForward
 from flexmesh.schedule.expert_placement import Placer, static_placement
@@ -42,12 +43,13 @@ class ExpertTraining:
         self.group = self.groups.get((place.group, place.pp, place.tp)) if place is not None else None
         self.moe_layers = tuple(i for i in range(spec.num_layers) if spec.is_moe_layer(i))
         ranks = group_layout(plan.groups[place.group]).data_ranks if place is not None else 1
+        self.cpu_group = cpu_group()
         self.ranks = ranks
         self.placer = Placer(policy, self.moe_layers, self.num_experts, ranks, slots)
         self.slots = slots
         self.balance_rate = balance_rate
         self.aux_loss = aux_loss
-        self._fractions: dict[int, list[float]] = {}  # last step's share of routed pairs per expert, per layer
+        self._started = False  # whether a step ran (else the placer starts from the checkpoint's shares)
         self.holders = self._holders()
         # the experts' layout in the Hugging Face weights the run started from (flexmesh.runtime.expert_weights),
         # which `flexmesh export` writes back; None: trained from scratch (exported fused)
@@ -64,6 +66,17 @@ class ExpertTraining:
                         out[layer].append([g.ranks[global_rank(lay, p % lay.pp, d, 0)] for d in range(lay.data_ranks)])
         return out
 
+    def _all_shares(self, mine: dict[int, torch.Tensor]) -> dict[int, list[float]]:
+        """Every MoE layer's checkpointed shares (a rank holds its stage's; one all-reduce gives all),
+        {} when the run starts fresh."""
+        table = torch.zeros(self.spec.num_layers, self.num_experts, dtype=torch.float64)
+        for layer, share in mine.items():
+            table[layer] = share
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        if float(table.sum()) == 0.0:
+            return {}
+        return {layer: table[layer].tolist() for layer in self.moe_layers}
+
     @staticmethod
     def layers(models: list[torch.nn.Module]) -> dict[int, MoEFeedForward]:
         """This rank's MoE layers by global layer number."""
@@ -78,11 +91,19 @@ class ExpertTraining:
     def before_step(self, models: list[torch.nn.Module], tokens: int) -> None:
         """Placements of the step's layers, and the load-balancing loss's weights for its ``tokens`` (the
         global batch's routed tokens: every rank the same weights, whatever it holds)."""
-        placements = self.placer.place()
         e = self.num_experts
-        for layer, ff in self.layers(models).items():
+        mine = self.layers(models)
+        shares = {layer: ff.routed_share.cpu() for layer, ff in mine.items()}
+        if not self._started:  # a resumed run: the checkpoint's last shares (every rank: all MoE layers)
+            self._started = True
+            known = self._all_shares(shares)
+            if known:
+                self.placer.observe(known)
+        placements = self.placer.place()
+        for layer, ff in mine.items():
             if self.aux_loss > 0:
-                f = self._fractions.get(layer, [1.0 / e] * e)  # the first step: an even load, no gradient
+                share = shares[layer]
+                f = share.tolist() if float(share.sum()) > 0 else [1.0 / e] * e  # before any step: even, no gradient
                 w = torch.tensor(f, dtype=torch.float32) * (self.aux_loss * e / max(1, tokens))
                 ff.aux_weights.copy_(w.to(ff.aux_weights.device))
                 ff.aux_on = True
@@ -115,7 +136,9 @@ class ExpertTraining:
                 ff.aux_value.zero_()
             dist.all_reduce(part, group=group)
             aux = float(part[0])
-            self._fractions = {layer: [x / max(1, sum(load)) for x in load] for layer, load in loads.items()}
+        for layer, ff in mine.items():
+            total = max(1, sum(loads[layer]))
+            ff.routed_share.copy_(torch.tensor([x / total for x in loads[layer]], dtype=torch.float64))
         placements = self.placer.place()
         rows, worst = [], 1.0
         for layer in self.moe_layers:

@@ -157,6 +157,9 @@ class MoEFeedForward(nn.Module):
         # over this rank's micro-batches (for the metrics); zero weights: no loss.
         self.register_buffer("aux_weights", torch.zeros(moe.num_experts), persistent=False)
         self.register_buffer("aux_value", torch.zeros((), dtype=torch.float64), persistent=False)
+        # The last step's share of routed pairs per expert, all ranks (zeros before the first step), kept
+        # in checkpoints so that a resumed run places and balances its next step as an unbroken one would.
+        self.register_buffer("routed_share", torch.zeros(moe.num_experts, dtype=torch.float64), persistent=True)
         self.aux_on = False  # whether aux_weights are set (read here without looking at the device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
