@@ -3,8 +3,8 @@
 What is checked: parameter and FLOP counts of the presets against their published totals; the most
 loaded rank sets the experts' time (imbalance); fully sharded experts keep 1/N of their states and
 exchange their weights, EP keeps E/ep experts and syncs them once per step; one rank exchanges
-nothing; the search keeps experts off tensor parallelism and the checker refuses it; baselines
-price static placement; a routing trace replays into the imbalance the plan uses.
+nothing; with tensor parallelism experts spread over every rank of the stage; baselines price
+static placement; a routing trace replays into the imbalance the plan uses.
 """
 
 from __future__ import annotations
@@ -86,17 +86,22 @@ def test_prefetched_exchanges_hide_under_compute():
     assert hidden.comm_fwd < exposed.comm_fwd and hidden.fwd == exposed.fwd
 
 
-def test_tensor_parallelism_is_kept_off_experts():
-    from flexmesh.plan import best_plans
-    from flexmesh.plan.check import check_tp_heads
-    from flexmesh.plan.space import SearchRequest, candidate_strategies
+def test_experts_spread_over_every_rank_of_a_stage_tp_included():
+    """With tensor parallelism each tp rank routes its slice of the sequence: the experts spread over
+    dp x tp ranks alike (the same expert states per rank as over as many data ranks), the router and
+    shared expert stay whole on every tp rank."""
+    from flexmesh.cost.experts import tp_whole_params
+    from flexmesh.plan.space import candidate_strategies
 
-    cluster = parse_cluster("8xA100-80GB")
-    assert {s.tp for s in candidate_strategies(MIXTRAL, cluster, 8)} == {1}
-    with pytest.raises(PlanError, match="tp 2 with experts"):
-        check_tp_heads(MIXTRAL, 2, "layer 0")
-    result = best_plans(SearchRequest(MODEL_PRESETS["tiny-moe"], parse_cluster("4xA100-80GB"), 1024, 16))
-    assert result.plans and all(s.tp == 1 for c in result.plans for s in c.plan.layer_strategies())
+    assert {s.tp for s in candidate_strategies(MIXTRAL, parse_cluster("8xA100-80GB"), 8)} > {1}
+    cm, dp32 = _layer(ExpertParallel(imbalance=1.0))
+    _, tp2 = _layer(ExpertParallel(imbalance=1.0), strategy="tp2-dp16z2")
+    w, g, o = cm.weight_bytes, cm.grad_bytes, cm.optim_bytes
+    dense = MIXTRAL.layer_params - expert_params(MIXTRAL)
+    whole = tp_whole_params(MIXTRAL)
+    assert tp2.states == pytest.approx((dense - whole) / 2 * (w + g / 16 + o / 16) + whole * (w + g / 16 + o / 16)
+                                       + expert_params(MIXTRAL) / 32 * (w + g + o))
+    assert tp2.fwd < dp32.fwd  # half the tokens per rank through the experts and the attention's GEMMs
 
 
 def test_baselines_price_static_placement():

@@ -198,8 +198,8 @@ class AnalyticTiming:
             f, b = k.linear(rows, n, red)
             share = dense if i >= 2 else 1.0
             gemm_f, gemm_b = gemm_f + share * f, gemm_b + share * b
-        if self.model.is_moe:
-            f, b = expert_gemm_times(k, self.model, rows, self.experts, s.dp * s.cp)
+        if self.model.is_moe:  # each tp rank routes its slice of the sequence; experts over every rank
+            f, b = expert_gemm_times(k, self.model, rows / s.tp, self.experts, s.dp * s.cp * s.tp)
             gemm_f, gemm_b = gemm_f + (1.0 - dense) * f, gemm_b + (1.0 - dense) * b
         local = tokens / (s.tp * s.cp) * self.mem_bytes  # sequence parallel: each device its tokens
         if s.tp > 1 and not self.stack.sequence_parallel:  # norms and residual adds on every tp rank

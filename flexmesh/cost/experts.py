@@ -201,6 +201,14 @@ def dense_params(model: ModelSpec) -> int:
     return model.layer_params - expert_params(model)
 
 
+def tp_whole_params(model: ModelSpec) -> int:
+    """Weights of one (mean) MoE layer that tensor parallelism keeps whole on every tp rank (each rank
+    routes its slice of the sequence): the router, the shared expert and its gate."""
+    moe = model.moe
+    return 0 if moe is None else round(moe_fraction(model) * (moe.router_params(model.hidden)
+                                                                 + moe.shared_params(model.hidden)))
+
+
 def moe_communication(collective_time, cluster, model: ModelSpec, experts: ExpertParallel, data_ranks: int,  # noqa: ANN001
                       tp: int, dev_tokens, recompute: bool):  # noqa: ANN001, ANN201
     """(tokens forward, tokens backward, weights forward, weights backward) seconds of one (mean)
@@ -270,7 +278,7 @@ def expert_imbalanced(times, even, imbalance: float, s, tokens, sq_tokens):  # n
     if imbalance == 1.0:
         return times
     whole = even.layer_times(s, tokens, sq_tokens)
-    f, b = expert_gemm_times(even.kernels, even.model, tokens / s.cp, even.experts, s.dp * s.cp)
+    f, b = expert_gemm_times(even.kernels, even.model, tokens / (s.cp * s.tp), even.experts, s.dp * s.cp * s.tp)
     frac, grow = moe_fraction(even.model), imbalance - 1.0
     return changed(times, fwd=times.fwd * (1.0 + grow * frac * f / whole.fwd),
                    bwd=times.bwd * (1.0 + grow * frac * b / whole.bwd))

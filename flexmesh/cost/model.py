@@ -44,6 +44,7 @@ from flexmesh.cost.experts import (
     expert_sync,
     gathered_expert_bytes,
     moe_communication,
+    tp_whole_params,
 )
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.kernels import Kernels
@@ -176,7 +177,8 @@ class CostModel(StepPricing):
         if m.is_moe and not isinstance(self.timing, AnalyticTiming):  # measured on one rank: experts even there
             if self._even is None:
                 self._even = AnalyticTiming(m, hw, experts=replace(self.experts, imbalance=1.0, measured=()))
-            times = expert_imbalanced(times, self._even, self.experts.imbalance_at(s.dp * s.cp), s, tokens, sq_tokens)
+            times = expert_imbalanced(times, self._even, self.experts.imbalance_at(s.dp * s.cp * s.tp), s, tokens,
+                                      sq_tokens)
         if times.includes_communication:  # timed under real tp x cp groups: their communication is in the times
             return times.fwd, times.bwd, 0.0, 0.0
         fwd, bwd, t_attn = times.fwd, times.bwd, times.attention
@@ -218,8 +220,8 @@ class CostModel(StepPricing):
                     exposed_f = hops * hw.exposed(hop, t_attn / (hops + 1))
                 comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (1 + cp_passes)
         if m.is_moe:  # the experts' exchanges over the data ranks (flexmesh.cost.experts)
-            tf, tb, wf, wb = moe_communication(ct, self.cluster, m, self.experts, s.dp * s.cp, s.tp, dev_tokens,
-                                               bool(s.recompute))
+            tf, tb, wf, wb = moe_communication(ct, self.cluster, m, self.experts, s.dp * s.cp * s.tp, 1,
+                                               dev_tokens / s.tp, bool(s.recompute))
             if self.experts.prefetch:  # the weights' exchanges under the layer's compute
                 wf, wb = hw.exposed(wf, fwd), hw.exposed(wb, bwd)
             comm_f, comm_b = comm_f + tf + wf, comm_b + tb + wb
@@ -231,7 +233,8 @@ class CostModel(StepPricing):
         # (experts depend on the data ranks they spread over).
         group = LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute, dp=s.dp if m.is_moe else 1)
         fwd, bwd, comm_f, comm_b = map(float, self._phases(group, float(work.tokens), float(work.sq_tokens), overlap))
-        params = dense_params(m) if m.is_moe else m.layer_params  # routed experts: below
+        # routed experts: below; the router and shared expert are whole on every tp rank (tp x as many)
+        params = dense_params(m) + (s.tp - 1) * tp_whole_params(m) if m.is_moe else m.layer_params
         zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd, overlap)
         timing = self.timing
         act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens, work.sq_tokens)
@@ -240,10 +243,10 @@ class CostModel(StepPricing):
         act = timing.activation_bytes(s, work.tokens, True) if s.recompute else act_full
         transient = layer_transient_bytes(m, s, work.tokens, overlap, act_full if s.recompute else 0.0)
         states = self._states(params, s, overlap)
-        if m.is_moe:  # experts sharded over the data ranks, their gathered copies kept for backward
-            n = s.dp * s.cp
+        if m.is_moe:  # experts sharded over the stage's ranks, their gathered copies kept for backward
+            n = s.dp * s.cp * s.tp
             states += expert_states(m, self.experts, n, (self.weight_bytes, self.grad_bytes, self.optim_bytes))
-            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, n, s.tp, self.grad_bytes,
+            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, n, 1, self.grad_bytes,
                                       timing.optimizer_s_per_param())
             sync, optim = sync + esync, optim + eopt
             gathered = gathered_expert_bytes(m, self.experts, n)

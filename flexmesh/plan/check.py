@@ -66,9 +66,6 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostMod
 def check_tp_heads(model: ModelSpec, tp: int, where: str) -> None:
     """Raise PlanError unless tensor parallelism of degree ``tp`` splits the attention heads and
     divides, or is a multiple of, the KV heads (which are then repeated)."""
-    if model.is_moe and tp > 1:
-        raise PlanError(f"{where}: tp {tp} with experts; the runtime spreads a mixture of experts over data "
-                        "ranks, not tensor-parallel ones: use tp 1")
     if model.num_heads % tp:
         raise PlanError(f"{where}: tp {tp} does not divide the {model.num_heads} attention heads; "
                         "use a tp that divides them")

@@ -195,9 +195,6 @@ def _candidates(model: ModelSpec, cluster: ClusterSpec, devices: int, space: Sea
     for tp in divisors(max_tp):
         if devices % tp or cluster.devices_per_node % tp or (space.tp is not None and tp not in space.tp):
             continue
-        # experts spread over data ranks, not tensor-parallel ones (flexmesh.runtime.expert_parallel)
-        if model.is_moe and tp > 1:
-            continue
         if model.num_heads % tp or not (model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0):
             continue
         for cp in pow2_upto(min(devices // tp, space.max_cp or devices)):

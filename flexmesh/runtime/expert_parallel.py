@@ -1,8 +1,9 @@
 """Fully sharded expert parallelism (LAER-MoE's FSEP, 2602.11686) on torch.distributed.
 
-Every routed expert's weights are sharded over the data ranks of a pipeline stage: each rank keeps
-rows ``[j*c, (j+1)*c)`` of every expert's ``gate_up`` and ``down`` (a DTensor ``Shard(1)`` over the
-data axis, so checkpoints reshard them like any other parameter). The step's placement
+Every routed expert's weights are sharded over the ranks of a pipeline stage (its data ranks, and
+with tensor parallelism their tp ranks, each computing the experts of its slice of the sequence):
+each rank keeps rows ``[j*c, (j+1)*c)`` of every expert's ``gate_up`` and ``down`` (a DTensor
+``Shard(1)`` over those ranks, so checkpoints reshard them like any other parameter). The step's placement
 (flexmesh.schedule.expert_placement) names the experts each rank runs; in every MoE layer's forward:
 
 1. each rank gathers the whole experts it runs: one all-to-all per weight tensor, every rank sending
@@ -50,19 +51,33 @@ def shard_rows(dim: int, ranks: int) -> list[int]:
     return [max(0, min(chunk, dim - j * chunk)) for j in range(ranks)]
 
 
-def expert_groups(plan: Plan) -> dict[tuple[int, int, int], dist.ProcessGroup]:
-    """A process group of the data ranks of every (replica group, pipeline stage, tp index), for the
-    experts' exchanges; every rank makes every group in one order (``new_group`` is collective) and
-    gets them all back (a rank uses its own)."""
-    out: dict[tuple[int, int, int], dist.ProcessGroup] = {}
+def expert_groups(plan: Plan) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """A process group of every (replica group, pipeline stage)'s ranks (data rank major, tp index
+    minor: the order of the flattened (data, tp) mesh the experts are sharded over), for the experts'
+    exchanges; every rank makes every group in one order (``new_group`` is collective) and gets them
+    all back (a rank uses its own)."""
+    out: dict[tuple[int, int], dist.ProcessGroup] = {}
     for i, g in enumerate(plan.groups):
         lay = group_layout(g)
-        if lay.data_ranks < 2:
+        if lay.data_ranks * lay.tp < 2:
             continue
         for p in range(lay.pp):
-            for t in range(lay.tp):
-                out[(i, p, t)] = dist.new_group([g.ranks[global_rank(lay, p, d, t)] for d in range(lay.data_ranks)])
+            out[(i, p)] = dist.new_group([g.ranks[global_rank(lay, p, d, t)] for d in range(lay.data_ranks)
+                                          for t in range(lay.tp)])
     return out
+
+
+def tp_sum_shared(models) -> None:  # noqa: ANN001 - modules
+    """Sum over the tp ranks the gradients of what a MoE layer keeps whole on each of them (router,
+    shared expert and its gate): each rank's covers only its slice of the sequence."""
+    for m in models:
+        for mod in m.modules():
+            if isinstance(mod, MoEFeedForward) and mod.sequence_shard is not None:
+                group = mod.sequence_shard[2]
+                for name, p in mod.named_parameters():
+                    if p.grad is not None and not name.startswith("experts."):
+                        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                        dist.all_reduce(g, group=group)
 
 
 class ShardedExperts:

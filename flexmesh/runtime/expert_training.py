@@ -25,7 +25,7 @@ import torch.distributed as dist
 from flexmesh.layout.mesh import Place, global_rank, group_layout
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.distributed import cpu_group
-from flexmesh.runtime.expert_parallel import ShardedExperts, expert_groups
+from flexmesh.runtime.expert_parallel import ShardedExperts, expert_groups, tp_sum_shared
 from flexmesh.runtime.moe import MoEFeedForward
 from flexmesh.schedule.expert_placement import Placer, static_placement
 from flexmesh.spec.model import ModelSpec
@@ -40,9 +40,10 @@ class ExpertTraining:
         self.spec, self.plan = spec, plan
         self.num_experts = spec.moe.num_experts
         self.groups = expert_groups(plan)
-        self.group = self.groups.get((place.group, place.pp, place.tp)) if place is not None else None
+        self.group = self.groups.get((place.group, place.pp)) if place is not None else None
         self.moe_layers = tuple(i for i in range(spec.num_layers) if spec.is_moe_layer(i))
-        ranks = group_layout(plan.groups[place.group]).data_ranks if place is not None else 1
+        lay = group_layout(plan.groups[place.group]) if place is not None else None
+        ranks = lay.data_ranks * lay.tp if lay is not None else 1  # every rank of a stage runs experts
         self.cpu_group = cpu_group()
         self.ranks = ranks
         self.placer = Placer(policy, self.moe_layers, self.num_experts, ranks, slots)
@@ -63,7 +64,8 @@ class ExpertTraining:
             for p, stage in enumerate(g.stages):
                 for layer in range(stage.start, stage.end):
                     if layer in out:
-                        out[layer].append([g.ranks[global_rank(lay, p % lay.pp, d, 0)] for d in range(lay.data_ranks)])
+                        out[layer].append([g.ranks[global_rank(lay, p % lay.pp, d, t)] for d in range(lay.data_ranks)
+                                           for t in range(lay.tp)])
         return out
 
     def _all_shares(self, mine: dict[int, torch.Tensor]) -> dict[int, list[float]]:
@@ -110,6 +112,11 @@ class ExpertTraining:
             if isinstance(ff.dispatch, ShardedExperts):
                 ff.dispatch.set_placement(placements[layer])
                 ff.dispatch.current, ff.dispatch.slots = self.placer.policy == "current", self.slots
+
+    @staticmethod
+    def after_backward(models: list[torch.nn.Module]) -> None:
+        """What tensor parallelism leaves partial: the router's and shared expert's gradients."""
+        tp_sum_shared(models)
 
     def after_step(self, models: list[torch.nn.Module],
                    group: dist.ProcessGroup) -> tuple[float, tuple[dict, ...], float | None]:

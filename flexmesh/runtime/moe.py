@@ -161,6 +161,9 @@ class MoEFeedForward(nn.Module):
         # in checkpoints so that a resumed run places and balances its next step as an unbroken one would.
         self.register_buffer("routed_share", torch.zeros(moe.num_experts, dtype=torch.float64), persistent=True)
         self.aux_on = False  # whether aux_weights are set (read here without looking at the device)
+        # Under tensor parallelism (flexmesh.runtime.parallelize.apply_tp): (tp index, tp size, tp group);
+        # this rank's tokens are its slice of the row's sequence. None: the whole row.
+        self.sequence_shard: tuple | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights [n, top_k] fp32, chosen experts [n, top_k], probabilities [n, experts] fp32) of tokens
@@ -179,6 +182,8 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         n = flat.shape[0] if real is None else real
+        if real is not None and self.sequence_shard is not None:  # this tp rank's slice of the row
+            n = min(flat.shape[0], max(0, real - self.sequence_shard[0] * flat.shape[0]))
         tokens = flat[:n]
         weights, chosen, probs = self.route(tokens)
         with torch.no_grad():

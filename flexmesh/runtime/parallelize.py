@@ -50,15 +50,13 @@ from flexmesh.layout.mesh import (
 )
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.strategy import Recompute
+from flexmesh.runtime.moe import MoEFeedForward
 from flexmesh.spec.model import ModelSpec
 
 
 def check_model_fits_layout(spec: ModelSpec, layout: Layout) -> None:
     """Reject shapes tensor parallelism cannot split, saying what to change."""
     tp = layout.tp
-    if tp > 1 and spec.is_moe:
-        raise PlanError(f"model {spec.name!r} has experts, which the runtime shards over data ranks, not tensor "
-                        "parallel ones; use tp 1 (the experts then spread over every data rank)")
     if tp > 1 and spec.qk_norm and spec.qk_norm_scope == "projection":
         raise PlanError(f"model {spec.name!r} normalises q and k over all heads, which tensor parallelism splits; "
                         "use tp 1")
@@ -132,7 +130,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             })
         rest = (None,) if block.feed_forward.adapters is not None else ()
-        parallelize_module(block, tp_mesh, {
+        attention = {
             "attention_norm": SequenceParallel(),
             # attention(x, row): only x is sharded; the row (positions, documents) is the same on every tp rank
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
@@ -141,6 +139,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if isinstance(block.feed_forward, MoEFeedForward):
+            # experts run on the tp rank's own slice of the sequence (they spread over every rank of the
+            # stage: flexmesh.runtime.expert_parallel); the router and shared expert stay whole
+            parallelize_module(block, tp_mesh, {**attention, "ffn_norm": SequenceParallel(use_local_output=True)})
+            block.feed_forward.sequence_shard = (tp_mesh.get_local_rank(), tp_mesh.size(), tp_mesh.get_group())
+            continue
+        parallelize_module(block, tp_mesh, {
+            **attention,
             "ffn_norm": SequenceParallel(),
             # feed_forward(x) or, carrying LoRA adapters, feed_forward(x, row)
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1), *rest),
@@ -243,8 +250,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Mod
     loop calls (a wrapper holding ``model``; default ``model``): FSDP's root goes there. ``dtype`` is
     the compute dtype (module doc: Precision); parameters stay fp32 either way. ``compile``:
     :func:`apply_compile`. Context parallelism is set per step by the trainer (:class:`ContextGroups`).
-    ``experts_group``: the process group of this stage's data ranks (flexmesh.runtime.expert_parallel
-    .expert_groups), over which a model with experts shards them when there are several data ranks.
+    ``experts_group``: the process group of this stage's ranks (flexmesh.runtime.expert_parallel
+    .expert_groups), over which a model with experts shards them when the stage has several.
     """
     check_model_fits_layout(model.spec, layout)
     if layout.tp > 1:
@@ -257,12 +264,14 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Mod
     if compile:
         apply_compile(model)
     ignored: set[nn.Parameter] = set()
-    if model.spec.is_moe and layout.data_ranks > 1:
+    if model.spec.is_moe and layout.data_ranks * layout.tp > 1:
         from flexmesh.runtime.expert_parallel import apply_expert_parallel
 
         if experts_group is None:
-            raise PlanError("a model with experts on several data ranks needs their process group (expert_groups)")
-        ignored = set(apply_expert_parallel(model, mesh[DATA_AXIS], experts_group))
+            raise PlanError("a model with experts on several ranks needs their process group (expert_groups)")
+        # experts over every rank of the stage: the data ranks, and the tp ranks' sequence slices
+        ranks = mesh[DATA_AXIS] if layout.tp == 1 else mesh[DATA_AXIS, "tp"]._flatten()
+        ignored = set(apply_expert_parallel(model, ranks, experts_group))
     if layout.data_ranks > 1:
         apply_data_parallel(model, layout, mesh[DATA_AXIS], root=root, dtype=dtype, ignored=ignored)
     return model

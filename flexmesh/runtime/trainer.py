@@ -342,6 +342,8 @@ class Trainer:
                 local_loss, busy = self._forward_backward(batches, group, marks, own)
             if self.tasks is not None:  # adapter factors replicated over tp ranks hold partial gradients
                 tp_sum_replicated(self.inner_models())
+            if self.experts is not None:  # so do a MoE layer's router and shared expert
+                self.experts.after_backward(self.inner_models())
         if self.cross is not None:
             from flexmesh.runtime.weights import canonical_name
             self.cross.reduce([(canonical_name(n), p) for m in self.inner_models() for n, p in m.named_parameters()
