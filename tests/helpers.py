@@ -298,3 +298,40 @@ def rel_diff(got: Any, want: Any) -> float:
     """Largest difference over the largest value of ``want``."""
     got, want = got.detach(), want.detach()
     return float((got - want).abs().max() / want.abs().max())
+
+
+def transformers_diffs(model: Any, hf: Any, docs: list) -> dict[str, float]:
+    """How far flexmesh's ``model`` is from transformers' ``hf`` holding the same weights (fp32): the
+    logits of the last document alone, of every document packed in one row (against a transformers
+    pass per document, in order: dynamic RoPE keeps state), the next-token loss and every gradient
+    (the rel_diff of each, by name). Both models' gradients are overwritten."""
+    import torch
+    import torch.nn.functional as F
+
+    from flexmesh.layout.step import Piece
+    from flexmesh.runtime.packing import pack_microbatch
+    from flexmesh.runtime.weights import hf_name
+
+    hf.zero_grad()
+    n = sum(len(d) - 1 for d in docs)
+    want_logits, want_loss = [], torch.zeros(())
+    for d in docs:
+        out = hf(torch.as_tensor(d)[None]).logits[0]
+        want_loss = want_loss + F.cross_entropy(out[:-1], torch.as_tensor(d[1:]), reduction="sum") / n
+        want_logits.append(out.detach())
+    want_loss.backward()
+    diffs = {}
+    single = pack_microbatch(docs[-1:], (Piece(0, 0, len(docs[-1])),))
+    with torch.no_grad():
+        diffs["one sequence"] = rel_diff(model(single.tokens, single)[0], want_logits[-1])
+    packed = pack_microbatch(docs, tuple(Piece(i, 0, len(d)) for i, d in enumerate(docs)))
+    logits = model(packed.tokens, packed)
+    diffs["packed row"] = rel_diff(logits[0], torch.cat(want_logits))
+    loss = F.cross_entropy(logits[0], packed.labels[0], ignore_index=-100, reduction="sum") / packed.num_label_tokens
+    loss.backward()
+    diffs["loss"] = rel_diff(loss.detach(), want_loss.detach())
+    hf_params = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        key = hf_name(name)
+        diffs[f"grad {key}"] = rel_diff(p.grad, hf_params[key].grad)
+    return diffs

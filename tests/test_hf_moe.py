@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import randomise_hf, rel_diff
+from helpers import randomise_hf, rel_diff, transformers_diffs
 from safetensors.torch import load_file, save_file
 
 from flexmesh.errors import CheckpointError, SpecError
@@ -105,29 +104,7 @@ def test_matches_transformers(checkpoints, case, layout):
     model = build_model(replace(spec, name=case), "cpu")
     report = load_hf_safetensors(model, folders[layout])
     assert report.expert_layout == layout
-    docs = _docs()
-    hf.zero_grad()
-    n = sum(len(d) - 1 for d in docs)
-    want_logits, want_loss = [], torch.zeros(())
-    for d in docs:
-        out = hf(torch.as_tensor(d)[None]).logits[0]
-        want_loss = want_loss + F.cross_entropy(out[:-1], torch.as_tensor(d[1:]), reduction="sum") / n
-        want_logits.append(out.detach())
-    want_loss.backward()
-    diffs = {}
-    single = pack_microbatch(docs[-1:], (Piece(0, 0, len(docs[-1])),))
-    with torch.no_grad():
-        diffs["one sequence"] = rel_diff(model(single.tokens, single)[0], want_logits[-1])
-    packed = pack_microbatch(docs, tuple(Piece(i, 0, len(d)) for i, d in enumerate(docs)))
-    logits = model(packed.tokens, packed)
-    diffs["packed row"] = rel_diff(logits[0], torch.cat(want_logits))
-    loss = F.cross_entropy(logits[0], packed.labels[0], ignore_index=-100, reduction="sum") / packed.num_label_tokens
-    loss.backward()
-    diffs["loss"] = rel_diff(loss.detach(), want_loss)
-    hf_params = dict(hf.named_parameters())
-    for name, p in model.named_parameters():
-        key = hf_name(name)
-        diffs[f"grad {key}"] = rel_diff(p.grad, hf_params[key].grad)
+    diffs = transformers_diffs(model, hf, _docs())
     worst = max(diffs, key=lambda k: diffs[k])
     MEASURED[f"{case}/{layout}"] = diffs[worst]
     print(f"\n{case}/{layout}: max relative difference {diffs[worst]:.2e} ({worst})")

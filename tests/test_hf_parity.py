@@ -18,13 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import randomise_hf, rel_diff
+from helpers import randomise_hf, rel_diff, transformers_diffs
 
 from flexmesh.layout.step import Piece
 from flexmesh.runtime.model import build_model
 from flexmesh.runtime.packing import pack_microbatch
-from flexmesh.runtime.weights import hf_name, load_hf_safetensors
+from flexmesh.runtime.weights import load_hf_safetensors
 from flexmesh.spec import from_hf_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference; pip install -e .[dev]")
@@ -100,20 +99,6 @@ def _docs() -> list[np.ndarray]:
     return [rng.integers(0, SHAPE["vocab_size"], n) for n in LENGTHS]
 
 
-def _reference(hf: torch.nn.Module, docs: list[np.ndarray]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """transformers' logits of each document alone (ascending lengths: dynamic RoPE keeps state) and
-    the summed next-token loss over the label count, after backward."""
-    hf.zero_grad()
-    n = sum(len(d) - 1 for d in docs)
-    logits, loss = [], torch.zeros(())
-    for d in docs:
-        out = hf(torch.as_tensor(d)[None]).logits[0]
-        loss = loss + F.cross_entropy(out[:-1], torch.as_tensor(d[1:]), reduction="sum") / n
-        logits.append(out.detach())
-    loss.backward()
-    return logits, loss.detach()
-
-
 @pytest.mark.parametrize("layout", ["v5", "v4"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_transformers(checkpoints, case, layout):
@@ -124,25 +109,7 @@ def test_matches_transformers(checkpoints, case, layout):
     model = build_model(replace(spec, name=case), "cpu")
     report = load_hf_safetensors(model, folders[layout])
     assert not report.other_stages
-    docs = _docs()
-    want_logits, want_loss = _reference(hf, docs)
-    diffs = {}
-
-    single = pack_microbatch(docs[-1:], (Piece(0, 0, len(docs[-1])),))
-    with torch.no_grad():
-        diffs["one sequence"] = rel_diff(model(single.tokens, single)[0], want_logits[-1])
-
-    packed = pack_microbatch(docs, tuple(Piece(i, 0, len(d)) for i, d in enumerate(docs)))
-    logits = model(packed.tokens, packed)
-    diffs["packed row"] = rel_diff(logits[0], torch.cat(want_logits))
-    loss = F.cross_entropy(logits[0], packed.labels[0], ignore_index=-100, reduction="sum") / packed.num_label_tokens
-    loss.backward()
-    diffs["loss"] = rel_diff(loss.detach(), want_loss)
-
-    hf_params = dict(hf.named_parameters())
-    for name, p in model.named_parameters():
-        key = hf_name(name)
-        diffs[f"grad {key}"] = rel_diff(p.grad, hf_params[key].grad)
+    diffs = transformers_diffs(model, hf, _docs())
     worst = max(diffs, key=lambda k: diffs[k])
     MEASURED[f"{case}/{layout}"] = diffs[worst]
     print(f"\n{case}/{layout}: max relative difference {diffs[worst]:.2e} ({worst})")
