@@ -77,6 +77,9 @@ class ExpertParallel:
     # weights prefetched as FSDP prefetches, the gradients sent while the next layer computes); False:
     # exposed, as flexmesh's runtime runs them
     prefetch: bool = False
+    # Tokens go to a replica in their own node where every node has one (LAER-MoE's routing); False:
+    # to every replica alike, as flexmesh's runtime routes them
+    node_local: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in IMBALANCE:
@@ -121,16 +124,17 @@ class ExpertParallel:
         return min(self.slots, num_experts) if self.slots is not None else default_slots(num_experts, data_ranks)
 
     def exchange_ranks(self, data_ranks: int, num_experts: int = 1, per_node: int = 0) -> int:
-        """Ranks a token travels among: the EP group; under FSEP, the ranks of its node when every expert
-        has a replica on every node (``per_node`` ranks of a node hold the data ranks' slots: each
-        token then goes to a replica in its own node, as the runtime routes), else every data rank.
+        """Ranks a token travels among: the EP group; under FSEP every data rank, or with ``node_local``
+        routing the ranks of its node when every expert can have a replica on every node (``per_node``
+        data ranks a node).
 
-        >>> ExpertParallel().exchange_ranks(32, 8, per_node=8), ExpertParallel().exchange_ranks(32, 64, 8)
-        (8, 32)
+        >>> local, spread = ExpertParallel(node_local=True), ExpertParallel()
+        >>> local.exchange_ranks(32, 8, per_node=8), local.exchange_ranks(32, 64, 8), spread.exchange_ranks(32, 8, 8)
+        (8, 32, 32)
         """
         if self.ep:
             return min(self.ep, data_ranks)
-        if per_node and data_ranks > per_node:
+        if self.node_local and per_node and data_ranks > per_node:
             replicas = data_ranks * self.experts_per_rank(num_experts, data_ranks) // num_experts
             if replicas >= data_ranks // per_node:
                 return per_node

@@ -3,8 +3,9 @@
 Every routed expert's weights are sharded over the ranks of a pipeline stage (its data ranks, and
 with tensor parallelism their tp ranks, each computing the experts of its slice of the sequence):
 each rank keeps rows ``[j*c, (j+1)*c)`` of every expert's ``gate_up`` and ``down`` (a DTensor
-``Shard(1)`` over those ranks, so checkpoints reshard them like any other parameter). The step's placement
-(flexmesh.schedule.expert_placement) names the experts each rank runs; in every MoE layer's forward:
+``Shard(1)`` over those ranks, so checkpoints reshard them like any other parameter). The step's
+placement (flexmesh.schedule.expert_placement) names the experts each rank runs; in every MoE layer's
+forward:
 
 1. each rank gathers the whole experts it runs: one all-to-all per weight tensor, every rank sending
    its rows of the experts each peer runs (an expert on several ranks is sent to each);
@@ -83,7 +84,7 @@ def tp_sum_shared(models) -> None:  # noqa: ANN001 - modules
 class ShardedExperts:
     """The cross-rank dispatch of one MoE layer (flexmesh.runtime.moe.Dispatch): see the module doc.
 
-    ``group``: the layer's data ranks (this rank is ``rank`` of ``size``); ``placement``: the step's,
+    ``group``: the stage's ranks (this rank is ``rank`` of ``size``); ``placement``: the step's,
     set by the trainer before each step. ``received`` counts the pairs this rank computed since the
     trainer last cleared it (on the device).
     """
@@ -185,10 +186,11 @@ class ShardedExperts:
         return x.new_zeros(n, x.shape[-1], dtype=y.dtype).index_add(0, order // k, y)
 
 
-def apply_expert_parallel(model: nn.Module, data_mesh, group: dist.ProcessGroup) -> list[nn.Parameter]:  # noqa: ANN001
-    """Shard every MoE layer's experts over ``data_mesh`` (1-D, the stage's data ranks) and give the
-    layer a :class:`ShardedExperts` over ``group``; returns the sharded parameters (FSDP2 must ignore
-    them). Materialised weights are sliced locally (no communication); meta ones stay meta."""
+def apply_expert_parallel(model: nn.Module, mesh, group: dist.ProcessGroup) -> list[nn.Parameter]:  # noqa: ANN001
+    """Shard every MoE layer's experts over ``mesh`` (1-D: the stage's ranks, data ranks x tp ranks
+    flattened, in ``group``'s order) and give the layer a :class:`ShardedExperts` over ``group``;
+    returns the sharded parameters (FSDP2 must ignore them). Materialised weights are sliced locally
+    (no communication); meta ones stay meta."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     sharded = []
@@ -199,7 +201,7 @@ def apply_expert_parallel(model: nn.Module, data_mesh, group: dist.ProcessGroup)
             continue
         for name in ("gate_up", "down"):
             p = getattr(ff.experts, name)
-            d = nn.Parameter(distribute_tensor(p.detach(), data_mesh, [Shard(1)], src_data_rank=None))
+            d = nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(1)], src_data_rank=None))
             setattr(ff.experts, name, d)
             sharded.append(d)
         ff.dispatch = ShardedExperts(group, rank, size, ff.experts.num_experts)

@@ -1,7 +1,7 @@
 """A model's experts through a run: each step's placement, load statistics, balancing, routing traces.
 
 Before a step the trainer gives every MoE layer the placement its policy chose
-(flexmesh.schedule.expert_placement.Placer) for the data ranks of its stage; after the step one
+(flexmesh.schedule.expert_placement.Placer) for the ranks of its stage; after the step one
 all-reduce over every rank carries each layer's routed (token, expert) pairs per expert and the
 pairs each rank computed. From those global counts, the same on every rank:
 
@@ -57,7 +57,7 @@ class ExpertTraining:
         self.checkpoint_layout: str | None = None
 
     def _holders(self) -> dict[int, list[list[int]]]:
-        """Per MoE layer, per replica group: the global ranks computing its experts (its stage's data ranks)."""
+        """Per MoE layer, per replica group: the global ranks computing its experts (its stage's ranks)."""
         out: dict[int, list[list[int]]] = {layer: [] for layer in self.moe_layers}
         for g in self.plan.groups:
             lay = group_layout(g)
