@@ -4,8 +4,8 @@ The model: 4 layers, the first dense, the others 8 experts (top 2, not renormali
 shared expert. One expert is never chosen (its balancing bias is -1: routing picks by probability +
 bias, so it gets zero tokens on every rank and its weights must still come back with a zero gradient).
 Layouts (gloo, fp32): experts over 2 and 4 data ranks with the other weights replicated (ZeRO 0),
-sharded by FSDP2 (ZeRO 2, ZeRO 3), under a pipeline, and with tensor parallelism (experts over the
-tp ranks' sequence slices, with and without FSDP2). Each must give the single-process
+sharded by FSDP2 (ZeRO 2, ZeRO 3), under a pipeline, with tensor parallelism (experts over the tp
+ranks' sequence slices, with and without FSDP2) and with Ulysses and ring context parallelism. Each must give the single-process
 reference's losses, first-step gradients (within 1e-5 of the largest) and parameters; and 20 steps
 whose placement changes every step (experts moved, replicated, some ranks given fewer), and 20 whose
 experts are placed in every layer of every micro-batch from its own routing (``current``), must
@@ -31,6 +31,9 @@ LAYOUTS: dict[str, dict] = {
     # tensor parallelism: each tp rank routes its slice of the sequence, experts over dp x tp ranks
     "tp2": dict(world=2, strategies=["tp2-dp1z0"] * 4),
     "tp2_dp2": dict(world=4, strategies=["tp2-dp2z2"] * 4),
+    # context parallelism: each rank routes its slice of the documents
+    "ulysses": dict(world=2, strategies=["tp1-u2-dp1z3"] * 4),
+    "ring_dp2": dict(world=4, strategies=["tp1-r2-dp2z2"] * 4),
 }
 STEPS = 3
 LONG = 20  # steps of the placement comparison

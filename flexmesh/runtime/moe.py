@@ -21,6 +21,8 @@ inside documents and their labels are ignored).
 
 Where the experts are sharded over data ranks (flexmesh.runtime.expert_parallel), ``dispatch`` is
 set and runs the routed part across ranks with the same math; ``None``: every expert is local.
+Either way the routed part runs outside ``torch.compile`` (compiled blocks, ``--compile``, fuse the
+router, norms and the rest around it).
 
 Load statistics: every forward adds its routed pairs per expert to ``load`` (a non-persistent
 buffer, on the device, no host synchronisation); the trainer reads and clears it once per step
@@ -107,6 +109,7 @@ class Experts(nn.Module):
             return gate_up.to_local(), down.to_local()
         return gate_up, down
 
+    @torch.compiler.disable  # data-dependent group sizes; the grouped kernel has no fp32 compiled form
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Every routed pair on this rank, all experts local: ``x`` [n, hidden], ``weights`` and
         ``chosen`` [n, top_k] -> [n, hidden]."""
