@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
 
     console.print(Rule(f"5/6  uneven experts: {MOE_MODEL} on 2 processes, static against load-following placement"))
     experts = demo_experts(out / "experts", hw, steps=2 if args.quick else args.steps, global_batch=8,
-                           max_len=128 if args.quick else 256, seed=args.seed, device=devices["pair"])
+                           max_len=128 if args.quick else 256, seed=args.seed, device=devices["pair"],
+                           profile=not args.quick)
 
     gpu = None
     if devices["gpu"]:

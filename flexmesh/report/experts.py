@@ -104,11 +104,14 @@ def add_section(rep: Report, runs: Mapping[str, Sequence[dict]], figures: Path,
 
 
 def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, max_len: int, seed: int = 0,
-                 device: str = "auto", timeout_s: float = 1800) -> dict[str, tuple[list[dict], list[dict]]]:
-    """``flexmesh demo``'s experts part: ``tiny-moe`` on 2 processes with its experts over both data ranks,
-    placed statically, then following the load (``laer``) on the same batches; both priced by the
-    demo's hardware profile, the second with the imbalance replayed from the first's routing trace.
-    Returns label -> (metrics.jsonl rows, routing.jsonl rows)."""
+                 device: str = "auto", profile: bool = True,
+                 timeout_s: float = 1800) -> dict[str, tuple[list[dict], list[dict]]]:
+    """``flexmesh demo``'s experts part: ``tiny-moe`` profiled (``flexmesh profile model --quick`` on 2
+    processes; not with ``profile`` off, the demo's ``--quick``), then trained on 2 processes with its
+    experts over both data ranks, placed statically, then following the load (``laer``) on the same
+    batches; both priced by the demo's hardware profile and that model profile, the second with the
+    imbalance replayed from the first's routing trace. Returns label -> (metrics.jsonl rows,
+    routing.jsonl rows)."""
     import subprocess
     import sys
 
@@ -125,18 +128,27 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, ma
     Plan.uniform(model=MOE_MODEL, cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
                  virtual_stages=1, num_microbatches=1, seq_len=max_len, global_batch=global_batch,
                  stages=(StagePlan(0, 4, (st,) * 4),)).save(plan)
+    model = out / f"model-{MOE_MODEL}.json"
+
+    def flexmesh(argv: list[str], what: str) -> None:
+        proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), capture_output=True,
+                              text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise FlexmeshError(f"the experts' {what} failed (exit {proc.returncode}): flexmesh {' '.join(argv)}\n"
+                                f"{(proc.stdout + proc.stderr)[-3000:]}")
+
+    if profile:
+        flexmesh(["profile", "model", "--model", MOE_MODEL, "--quick", "--nproc", "2", "--out", str(model),
+                  "--device", device], "model profile")
+    priced = ["--hardware-profile", str(hardware), *(["--model-profile", str(model)] if profile else [])]
     runs: dict[str, tuple[list[dict], list[dict]]] = {}
     for label in ("static", "laer"):
         run = out / "runs" / label
         trace = ["--routing", str(out / "runs" / "static" / "routing.jsonl")] if label != "static" else []
-        argv = ["train", "--plan", str(plan), "--corpus", "stdlib", "--max-steps", str(steps), "--out", str(run),
-                "--nproc", "2", "--overwrite", "--no-progress", "--seed", str(seed), "--expert-placement", label,
-                "--hardware-profile", str(hardware), "--device", device, *trace]
-        proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), capture_output=True,
-                              text=True, timeout=timeout_s)
-        if proc.returncode != 0:
-            raise FlexmeshError(f"the experts' {label} run failed (exit {proc.returncode}): flexmesh {' '.join(argv)}\n"
-                                f"{(proc.stdout + proc.stderr)[-3000:]}")
+        flexmesh(["train", "--plan", str(plan), "--corpus", "stdlib", "--max-steps", str(steps), "--out", str(run),
+                  "--nproc", "2", "--overwrite", "--no-progress", "--seed", str(seed), "--expert-placement", label,
+                  *priced, "--device", device, *trace],
+                 f"{label} run")
         routing = [json.loads(line) for line in (run / "routing.jsonl").read_text().splitlines() if line.strip()]
         runs[label] = (read_metrics(run / "metrics.jsonl"), routing)
     return runs
