@@ -3,13 +3,14 @@
 The model: 4 layers, the first dense, the others 8 experts (top 2, not renormalised) beside a gated
 shared expert. One expert is never chosen (its balancing bias is -1: routing picks by probability +
 bias, so it gets zero tokens on every rank and its weights must still come back with a zero gradient).
-Layouts (gloo, fp32): experts over 2 and 4 data ranks with the other weights replicated (ZeRO 0),
-sharded by FSDP2 (ZeRO 2, ZeRO 3), under a pipeline, with tensor parallelism (experts over the tp
-ranks' sequence slices, with and without FSDP2) and with Ulysses and ring context parallelism. Each must give the single-process
-reference's losses, first-step gradients (within 1e-5 of the largest) and parameters; and 20 steps
-whose placement changes every step (experts moved, replicated, some ranks given fewer), and 20 whose
-experts are placed in every layer of every micro-batch from its own routing (``current``), must
-equal 20 steps of static placement within 1e-6.
+Layouts (gloo, fp32): experts over 2 and 4 data ranks with the other weights replicated (ZeRO 0, one
+MoE layer recomputed: its exchanges run again inside backward), sharded by FSDP2 (ZeRO 2, ZeRO 3),
+under a pipeline, with tensor parallelism (experts over the tp ranks' sequence slices, with and
+without FSDP2) and with Ulysses and ring context parallelism. Each must give the single-process
+reference's losses, first-step gradients (within 1e-5 of the largest) and parameters, and count
+every routed pair once; and 20 steps whose placement changes every step (experts moved, replicated,
+some ranks given fewer), and 20 whose experts are placed in every layer of every micro-batch from its
+own routing (``current``), must equal 20 steps of static placement within 1e-6.
 
 This file is also the worker (``python tests/test_moe_runtime.py worker OUT LAYOUT...``).
 """
@@ -24,7 +25,7 @@ import pytest
 from helpers import launch, make_steps, reference_training, train_config
 
 LAYOUTS: dict[str, dict] = {
-    "ep2": dict(world=2, strategies=["tp1-dp2z0"] * 4),
+    "ep2": dict(world=2, strategies=["tp1-dp2z0", "tp1-dp2z0", "tp1-dp2z0-ac", "tp1-dp2z0"]),  # layer 2 recomputed
     "ep2_fsdp": dict(world=2, strategies=["tp1-dp2z2"] * 4, placements=True),
     "ep4_zero3": dict(world=4, strategies=["tp1-dp4z3"] * 4, placements=True),
     "ep2_pp2": dict(world=4, pp=2, layers=[[0, 2], [2, 4]], strategies=["tp1-dp2z2"] * 4),
@@ -331,6 +332,11 @@ def test_experts_over_data_ranks_match_one_process(tmp_path, world):
             assert float((params[k] - want).abs().max()) <= 1e-5, f"{name}: {k}"
         # the starved expert: no tokens in any routing row; static placement lets the load-following one differ
         assert all(r["expert_tokens"][UNUSED] == 0 for r in laer["routing"])
+        # every real token routed to its top 2 once (a recomputed layer counts nothing twice, padding
+        # nothing), and every routed pair computed by exactly one rank
+        tokens = sum(len(d) for d in make_steps(data_ranks, 1, steps=STEPS, cut=False)[-1][0])
+        for r in laer["routing"]:
+            assert sum(r["expert_tokens"]) == 2 * tokens == sum(r["rank_tokens"]), (name, r["layer"])
         # the load-balancing loss: its formula's single-process run, whatever the layout
         aux_losses, aux_params = aux_reference(data_ranks)
         for step, (got, want) in enumerate(zip(result["aux"]["losses"], aux_losses, strict=True)):

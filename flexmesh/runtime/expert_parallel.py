@@ -38,7 +38,7 @@ from torch import nn
 from flexmesh.errors import PlanError
 from flexmesh.layout.mesh import global_rank, group_layout
 from flexmesh.layout.plan import Plan
-from flexmesh.runtime.moe import Experts, MoEFeedForward, compute_dtype, expert_mlp
+from flexmesh.runtime.moe import Experts, MoEFeedForward, compute_dtype, expert_mlp, recomputing
 from flexmesh.schedule.expert_placement import ExpertPlacement, balanced_placement, static_placement
 
 
@@ -181,8 +181,9 @@ class ShardedExperts:
         back[by_slot] = torch.arange(by_slot.numel(), device=device)
         y = self._a2a(ys[back], sent, got)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
-        received = recv.sum().reshape(1)
-        self.received = received if self.received is None else self.received + received
+        if not recomputing():
+            received = recv.sum().reshape(1)
+            self.received = received if self.received is None else self.received + received
         return x.new_zeros(n, x.shape[-1], dtype=y.dtype).index_add(0, order // k, y)
 
 

@@ -57,6 +57,11 @@ class Dispatch(Protocol):
                  chosen: torch.Tensor) -> torch.Tensor: ...
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside backward (activation checkpointing recomputing it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype matrix products run in here: autocast's where it is on (grouped matmuls are not in its
     lists, so the experts cast themselves), else ``x``'s."""
@@ -189,10 +194,14 @@ class MoEFeedForward(nn.Module):
             n = min(flat.shape[0], max(0, real - self.sequence_shard[0] * flat.shape[0]))
         tokens = flat[:n]
         weights, chosen, probs = self.route(tokens)
-        with torch.no_grad():
-            self.load += torch.bincount(chosen.reshape(-1), minlength=self.load.numel()).to(self.load.device)
-        run = self.dispatch if self.dispatch is not None else self.experts
-        y = run(tokens, weights, chosen) if self.dispatch is None else run(self.experts, tokens, weights, chosen)
+        first = not recomputing()  # a forward recomputed inside backward counts nothing twice
+        if first:
+            with torch.no_grad():
+                self.load += torch.bincount(chosen.reshape(-1), minlength=self.load.numel()).to(self.load.device)
+        if self.dispatch is None:
+            y = self.experts(tokens, weights, chosen)
+        else:
+            y = self.dispatch(self.experts, tokens, weights, chosen)
         if self.shared is not None:
             shared = self.shared(tokens)
             if self.shared_gate is not None:
@@ -200,7 +209,7 @@ class MoEFeedForward(nn.Module):
             y = y + shared
         if self.aux_on and self.training and torch.is_grad_enabled():
             aux = (probs * self.aux_weights.to(probs.device)).sum()
-            if torch._C._current_graph_task_id() == -1:  # not a forward recomputed inside backward
+            if first:
                 self.aux_value += aux.detach().double().to(self.aux_value.device)
             y = AuxLoss.apply(y, aux)
         if n < flat.shape[0]:
