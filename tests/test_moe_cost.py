@@ -146,3 +146,24 @@ def test_a_routing_trace_replays_into_the_imbalance(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"step": 1, "layer": 0}\n')
     with pytest.raises(PlanError, match="line 1 is not a routing record"):
         read_trace(tmp_path / "bad.jsonl")
+
+
+def test_a_model_profiles_layer_grows_with_the_imbalance(recwarn):
+    """A model profile measures a MoE layer on one rank (every expert local: even); the experts' share
+    of it (the analytic one) grows with the imbalance of the ranks it runs on, and micro-batches of no
+    tokens price without a division by zero."""
+    import numpy as np
+    from helpers import flat_model_profile
+
+    from flexmesh.profile.timing import ProfiledTiming
+
+    spec = MODEL_PRESETS["tiny-moe"]
+    profile = flat_model_profile(model=spec.to_dict())
+    cluster = parse_cluster("2xA100-80GB")
+    s = LayerStrategy.parse("tp1-dp2z2")
+    times = {}
+    for imbalance in (1.0, 1.5):
+        cm = CostModel(spec, cluster, timing=ProfiledTiming(profile), experts=ExpertParallel(imbalance=imbalance))
+        times[imbalance] = cm._layer_phases(s, np.array([0.0, 4096.0]), np.array([0.0, 4096.0 ** 2]))
+    assert times[1.5][0][1] > times[1.0][0][1] and times[1.5][0][0] == times[1.0][0][0]
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

@@ -281,8 +281,15 @@ def expert_imbalanced(times, even, imbalance: float, s, tokens, sq_tokens):  # n
 
     if imbalance == 1.0:
         return times
+    import numpy as np
+
     whole = even.layer_times(s, tokens, sq_tokens)
     f, b = expert_gemm_times(even.kernels, even.model, tokens / (s.cp * s.tp), even.experts, s.dp * s.cp * s.tp)
     frac, grow = moe_fraction(even.model), imbalance - 1.0
-    return changed(times, fwd=times.fwd * (1.0 + grow * frac * f / whole.fwd),
-                   bwd=times.bwd * (1.0 + grow * frac * b / whole.bwd))
+
+    def share(part, total):  # noqa: ANN001, ANN202 - floats or arrays; no tokens: no share
+        out = np.divide(part, total, out=np.zeros_like(np.asarray(total, dtype=float)), where=np.asarray(total) > 0)
+        return out if np.ndim(out) else float(out)
+
+    return changed(times, fwd=times.fwd * (1.0 + grow * frac * share(f, whole.fwd)),
+                   bwd=times.bwd * (1.0 + grow * frac * share(b, whole.bwd)))
