@@ -174,7 +174,7 @@ def _model_keys(path: Path) -> dict[str, tuple[str, Any]]:
         fqn = canonical_name(key[len("model."):])
         if _CHUNK.match(fqn):
             fqn = fqn.split(".", 1)[1]
-        if fqn.endswith((".rotary_emb.inv_freq", ".balance_bias")):  # recomputed by every loader; training-only
+        if fqn.endswith((".rotary_emb.inv_freq", ".balance_bias", ".routed_share")):  # recomputed; training-only
             continue
         if fqn in out:
             raise CheckpointError(f"checkpoint {path} holds {fqn} twice ({out[fqn][0]} and {key}); it is not a "
