@@ -34,8 +34,11 @@ the layer is recomputed (then only while it runs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
+
+from flexmesh.cost.hardware import group_shape
 from flexmesh.spec.model import ModelSpec
 
 # Max/mean routed tokens per rank by placement, measured: LAER-MoE's artifact (github.com/PKU-DAIR/
@@ -199,10 +202,11 @@ def gathered_expert_bytes(model: ModelSpec, experts: ExpertParallel, data_ranks:
     return moe_fraction(model) * c * 3 * model.hidden * moe.expert_ffn * model.dtype_bytes
 
 
-def dense_params(model: ModelSpec) -> int:
-    """Weights of one (mean) layer that are not routed experts (attention, norms, router, shared expert,
-    dense MLPs): what data parallelism and ZeRO handle as for a dense model."""
-    return model.layer_params - expert_params(model)
+def synced_params(model: ModelSpec, tp: int) -> int:
+    """Weights of one (mean) layer that data parallelism and ZeRO handle as for a dense model: all but
+    the routed experts (attention, norms, router, shared expert, dense MLPs), with what each of the
+    ``tp`` ranks keeps whole (:func:`tp_whole_params`) counted on each; a dense model's layer_params."""
+    return model.layer_params - expert_params(model) + (tp - 1) * tp_whole_params(model)
 
 
 def tp_whole_params(model: ModelSpec) -> int:
@@ -214,27 +218,24 @@ def tp_whole_params(model: ModelSpec) -> int:
 
 
 def moe_communication(collective_time, cluster, model: ModelSpec, experts: ExpertParallel, data_ranks: int,  # noqa: ANN001
-                      tp: int, dev_tokens, recompute: bool):  # noqa: ANN001, ANN201
+                      dev_tokens, recompute: bool):  # noqa: ANN001, ANN201
     """(tokens forward, tokens backward, weights forward, weights backward) seconds of one (mean)
     layer's expert exchanges on the most loaded rank: the routed tokens' all-to-alls (there and back,
     in each pass; again in backward's recomputed forward) and, under FSEP, the gathered experts'
     all-to-all forward and their gradients' backward (gathered again for a recomputed forward), with
-    placement ``current`` after an all-reduce of the tokens per expert.
-    ``collective_time``: the hardware's."""
-    from flexmesh.cost.hardware import group_shape
-
+    placement ``current`` after an all-reduce of the tokens per expert. ``data_ranks``: every rank of
+    the stage, tp ranks included (consecutive in the cluster); ``collective_time``: the hardware's."""
     moe = model.moe
     if moe is None or data_ranks < 2:
         return 0.0, 0.0, 0.0, 0.0
     frac, b = moe_fraction(model), model.dtype_bytes
-    per_node = max(1, cluster.devices_per_node // tp)
-    shape = group_shape(experts.exchange_ranks(data_ranks, moe.num_experts, per_node), tp, cluster)
+    shape = group_shape(experts.exchange_ranks(data_ranks, moe.num_experts, cluster.devices_per_node), 1, cluster)
     pairs = dev_tokens * moe.top_k * experts.imbalance_at(data_ranks)
     tokens = frac * 2 * collective_time("all_to_all", pairs * model.hidden * b, shape)
     gathered = gathered_expert_bytes(model, experts, data_ranks)
-    weights = collective_time("all_to_all", gathered, group_shape(data_ranks, tp, cluster)) if gathered else 0.0
+    weights = collective_time("all_to_all", gathered, group_shape(data_ranks, 1, cluster)) if gathered else 0.0
     if experts.placement == "current" and not experts.ep:  # the micro-batch's tokens per expert, all-reduced first
-        weights += frac * collective_time("all_reduce", 8.0 * moe.num_experts, group_shape(data_ranks, tp, cluster))
+        weights += frac * collective_time("all_reduce", 8.0 * moe.num_experts, group_shape(data_ranks, 1, cluster))
     passes = 2 if recompute else 1
     return tokens, passes * tokens, weights, passes * weights
 
@@ -254,21 +255,19 @@ def expert_states(model: ModelSpec, experts: ExpertParallel, data_ranks: int,
     return params / ep * (w + g + o / max(1, data_ranks // ep))
 
 
-def expert_sync(collective_time, cluster, model: ModelSpec, experts: ExpertParallel, data_ranks: int, tp: int,  # noqa: ANN001
+def expert_sync(collective_time, cluster, model: ModelSpec, experts: ExpertParallel, data_ranks: int,  # noqa: ANN001
                 grad_bytes: float, optimizer_s_per_param: float) -> tuple[float, float]:
     """(once-per-step gradient sync, optimizer) seconds of one (mean) layer's routed experts: FSEP
     needs no sync (each gradient arrives in its shard through the exchanges) and steps 1/N of them;
     EP reduce-scatters the E/ep experts' gradients over the N/ep ranks holding them and all-gathers
     the weights (an all-reduce's volume) and steps its share."""
-    from flexmesh.cost.hardware import group_shape
-
     params = expert_params(model)
     n = max(1, data_ranks)
     if not experts.ep or n < 2:
         return 0.0, params / n * optimizer_s_per_param
     ep = experts.exchange_ranks(n)
     replicas = n // ep
-    sync = collective_time("all_reduce", params / ep * grad_bytes, group_shape(replicas, tp * ep, cluster))
+    sync = collective_time("all_reduce", params / ep * grad_bytes, group_shape(replicas, ep, cluster))
     return sync, params / n * optimizer_s_per_param
 
 
@@ -277,12 +276,8 @@ def expert_imbalanced(times, even, imbalance: float, s, tokens, sq_tokens):  # n
     every rank's share even) with its routed experts' part scaled to the most loaded rank's
     (``imbalance``): that part is the share the analytic timing ``even`` (built with imbalance 1) gives
     the experts' GEMMs in the layer."""
-    from dataclasses import replace as changed
-
     if imbalance == 1.0:
         return times
-    import numpy as np
-
     whole = even.layer_times(s, tokens, sq_tokens)
     f, b = expert_gemm_times(even.kernels, even.model, tokens / (s.cp * s.tp), even.experts, s.dp * s.cp * s.tp)
     frac, grow = moe_fraction(even.model), imbalance - 1.0
@@ -291,5 +286,5 @@ def expert_imbalanced(times, even, imbalance: float, s, tokens, sq_tokens):  # n
         out = np.divide(part, total, out=np.zeros_like(np.asarray(total, dtype=float)), where=np.asarray(total) > 0)
         return out if np.ndim(out) else float(out)
 
-    return changed(times, fwd=times.fwd * (1.0 + grow * frac * share(f, whole.fwd)),
+    return replace(times, fwd=times.fwd * (1.0 + grow * frac * share(f, whole.fwd)),
                    bwd=times.bwd * (1.0 + grow * frac * share(b, whole.bwd)))

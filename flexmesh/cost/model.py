@@ -38,13 +38,12 @@ from flexmesh.cost.analytic import AnalyticTiming
 from flexmesh.cost.evaluation import Evaluation
 from flexmesh.cost.experts import (
     ExpertParallel,
-    dense_params,
     expert_imbalanced,
     expert_states,
     expert_sync,
     gathered_expert_bytes,
     moe_communication,
-    tp_whole_params,
+    synced_params,
 )
 from flexmesh.cost.hardware import Hardware, group_shape
 from flexmesh.cost.kernels import Kernels
@@ -220,8 +219,8 @@ class CostModel(StepPricing):
                     exposed_f = hops * hw.exposed(hop, t_attn / (hops + 1))
                 comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (1 + cp_passes)
         if m.is_moe:  # the experts' exchanges over the data ranks (flexmesh.cost.experts)
-            tf, tb, wf, wb = moe_communication(ct, self.cluster, m, self.experts, s.dp * s.cp * s.tp, 1,
-                                               dev_tokens / s.tp, bool(s.recompute))
+            tf, tb, wf, wb = moe_communication(ct, self.cluster, m, self.experts, s.dp * s.cp * s.tp, dev_tokens / s.tp,
+                                               bool(s.recompute))
             if self.experts.prefetch:  # the weights' exchanges under the layer's compute
                 wf, wb = hw.exposed(wf, fwd), hw.exposed(wb, bwd)
             comm_f, comm_b = comm_f + tf + wf, comm_b + tb + wb
@@ -234,7 +233,7 @@ class CostModel(StepPricing):
         group = LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute, dp=s.dp if m.is_moe else 1)
         fwd, bwd, comm_f, comm_b = map(float, self._phases(group, float(work.tokens), float(work.sq_tokens), overlap))
         # routed experts: below; the router and shared expert are whole on every tp rank (tp x as many)
-        params = dense_params(m) + (s.tp - 1) * tp_whole_params(m) if m.is_moe else m.layer_params
+        params = synced_params(m, s.tp)
         zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd, overlap)
         timing = self.timing
         act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens, work.sq_tokens)
@@ -246,7 +245,7 @@ class CostModel(StepPricing):
         if m.is_moe:  # experts sharded over the stage's ranks, their gathered copies kept for backward
             n = s.dp * s.cp * s.tp
             states += expert_states(m, self.experts, n, (self.weight_bytes, self.grad_bytes, self.optim_bytes))
-            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, n, 1, self.grad_bytes,
+            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, n, self.grad_bytes,
                                       timing.optimizer_s_per_param())
             sync, optim = sync + esync, optim + eopt
             gathered = gathered_expert_bytes(m, self.experts, n)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flexmesh.cost.experts import ExpertParallel, dense_params, expert_sync, tp_whole_params
+from flexmesh.cost.experts import ExpertParallel, expert_sync, synced_params
 from flexmesh.cost.memory import layer_transient_bytes
 from flexmesh.cost.work import MicrobatchPhases, Work
 from flexmesh.layout.enums import CPKind
@@ -122,7 +122,7 @@ class StepPricing:
         m = self.model
         t = replace(s, cp=1, cp_kind=CPKind.NONE, dp=data_ranks, zero=min(s.zero, 2))
         # routed experts: below; the router and shared expert are whole on every tp rank
-        params = [(dense_params(m) + (s.tp - 1) * tp_whole_params(m) if m.is_moe else m.layer_params, layers)]
+        params = [(synced_params(m, s.tp), layers)]
         if embed:
             params.append((m.embedding_params, 1))
         if head:  # a tied head on another stage keeps its own copy (as in :meth:`ends`)
@@ -133,7 +133,7 @@ class StepPricing:
             sync += n * (zf + zb + once)
             optim += n * opt
         if m.is_moe:
-            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, data_ranks * s.tp, 1,
+            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, data_ranks * s.tp,
                                       self.grad_bytes, self.timing.optimizer_s_per_param())
             sync, optim = sync + layers * esync, optim + layers * eopt
         return sync, optim
