@@ -167,3 +167,28 @@ def test_a_model_profiles_layer_grows_with_the_imbalance(recwarn):
         times[imbalance] = cm._layer_phases(s, np.array([0.0, 4096.0]), np.array([0.0, 4096.0 ** 2]))
     assert times[1.5][0][1] > times[1.0][0][1] and times[1.5][0][0] == times[1.0][0][0]
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_model_profiles_shared_expert_does_not_grow_with_the_imbalance():
+    """Only the routed experts run more tokens on the most loaded rank: a shared expert (every token,
+    every rank alike) adds to the layer's time that does not grow, so the same measured layer grows
+    less with the imbalance with one than without (grown with the rest, it would grow more)."""
+    from helpers import flat_model_profile
+
+    from flexmesh.profile.timing import ProfiledTiming
+
+    tiny = MODEL_PRESETS["tiny-moe"]
+    assert tiny.moe is not None
+    cluster = parse_cluster("2xA100-80GB")
+    s = LayerStrategy.parse("tp1-dp2z2")
+    growth = {}
+    for width in (0, 8 * tiny.moe.top_k * tiny.moe.expert_ffn):
+        spec = replace(tiny, moe=replace(tiny.moe, shared_ffn=width, shared_gate=width > 0))
+        fwd = []
+        for imbalance in (1.0, 2.0):
+            cm = CostModel(spec, cluster, timing=ProfiledTiming(flat_model_profile(model=spec.to_dict())),
+                           experts=ExpertParallel(imbalance=imbalance))
+            fwd.append(cm._layer_phases(s, 4096.0, 4096.0 ** 2)[0])
+        growth[width] = fwd[1] / fwd[0] - 1.0
+    alone, shared = growth.values()
+    assert 0.0 < shared < alone

@@ -149,18 +149,23 @@ def moe_fraction(model: ModelSpec) -> float:
     return model.moe_layers / model.num_layers
 
 
-def expert_gemm_times(kernels, model: ModelSpec, tokens, experts: ExpertParallel, data_ranks: int):  # noqa: ANN001, ANN201
+def expert_gemm_times(kernels, model: ModelSpec, tokens, experts: ExpertParallel, data_ranks: int,  # noqa: ANN001, ANN201
+                      routed_only: bool = False):
     """(forward, backward) seconds of one MoE MLP's matmuls on the most loaded rank: router, routed
-    experts (a grouped GEMM over its experts), shared expert and gate; ``tokens`` may be an array."""
+    experts (a grouped GEMM over its experts), shared expert and gate (``routed_only``: the routed
+    experts alone, the part the imbalance grows); ``tokens`` may be an array."""
     moe = model.moe
     assert moe is not None
     h, f = model.hidden, moe.expert_ffn
     c = experts.experts_per_rank(moe.num_experts, data_ranks)
     rows = tokens * moe.top_k * experts.imbalance_at(data_ranks) / c
     fwd = bwd = 0.0
-    for n, red, count, m in ((moe.num_experts, h, 1, tokens), (2 * f, h, c, rows), (h, f, c, rows),
-                             (2 * moe.shared_ffn, h, 1, tokens), (h, moe.shared_ffn, 1, tokens),
-                             (1 if moe.shared_gate else 0, h, 1, tokens)):
+    for n, red, count, m, routed in ((moe.num_experts, h, 1, tokens, False), (2 * f, h, c, rows, True),
+                                     (h, f, c, rows, True), (2 * moe.shared_ffn, h, 1, tokens, False),
+                                     (h, moe.shared_ffn, 1, tokens, False),
+                                     (1 if moe.shared_gate else 0, h, 1, tokens, False)):
+        if routed_only and not routed:
+            continue
         a, b = kernels.linear(m, n, red)
         fwd, bwd = fwd + count * a, bwd + count * b
     return fwd, bwd
@@ -275,11 +280,12 @@ def expert_imbalanced(times, even, imbalance: float, s, tokens, sq_tokens):  # n
     """``times`` (LayerTimes) of a MoE layer measured on one rank (a model profile: every expert local, so
     every rank's share even) with its routed experts' part scaled to the most loaded rank's
     (``imbalance``): that part is the share the analytic timing ``even`` (built with imbalance 1) gives
-    the experts' GEMMs in the layer."""
+    the routed experts' GEMMs in the layer (the router and the shared expert run every token alike)."""
     if imbalance == 1.0:
         return times
     whole = even.layer_times(s, tokens, sq_tokens)
-    f, b = expert_gemm_times(even.kernels, even.model, tokens / (s.cp * s.tp), even.experts, s.dp * s.cp * s.tp)
+    f, b = expert_gemm_times(even.kernels, even.model, tokens / (s.cp * s.tp), even.experts, s.dp * s.cp * s.tp,
+                             routed_only=True)
     frac, grow = moe_fraction(even.model), imbalance - 1.0
 
     def share(part, total):  # noqa: ANN001, ANN202 - floats or arrays; no tokens: no share
