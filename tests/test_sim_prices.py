@@ -111,21 +111,23 @@ def test_the_packing_floor_never_charges_a_document_more_than_a_micro_batch_hold
     assert float(floor.microbatch_time(d, float(long), sq)) <= min(packed, alone) * (1 + 1e-12)
 
 
-def test_zero3_ranks_run_in_lockstep_and_zero2_ranks_do_not():
+@pytest.mark.parametrize("model, zero, lockstep", [("llama2-7b", 3, True), ("llama2-7b", 2, False),
+                                                   ("tiny-moe", 2, True)])
+def test_zero3_ranks_run_in_lockstep_and_zero2_ranks_do_not(model, zero, lockstep):
+    """Unless experts exchanged over the data ranks pair their micro-batches, as ZeRO-3's gathers do."""
     from flexmesh.layout.step import Group, Piece, StepSchedule
 
-    cost = CostModel(parse_model("llama2-7b"), parse_cluster("2xA100-80GB"))
+    cost = CostModel(parse_model(model), parse_cluster("2xA100-80GB"))
     # Rank 0 runs three micro-batches, rank 1 one: under ZeRO-3 rank 1 also runs two empty ones.
     sched = StepSchedule(lengths=(4000, 3000, 2000, 5000), policy="test", groups=(
         Group((0,), ((Piece(0, 0, 4000),), (Piece(1, 0, 3000),), (Piece(2, 0, 2000),))),
         Group((1,), ((Piece(3, 0, 5000),),))))
-    for zero, lockstep in ((3, True), (2, False)):
-        ctx = ScheduleContext(cost=cost, base=LayerStrategy(zero=zero, recompute=True), num_ranks=2)
-        own = float(ctx.microbatch_time(1, 5000, 5000**2))
-        empty = float(ctx.microbatch_time(1, 1, 1))  # one document of cp * tp tokens, as the runtime pads
-        expect = own + 2 * empty if lockstep else own
-        assert ctx.in_lockstep is lockstep
-        assert simulate_step(ctx, sched).work_end[1] == pytest.approx(expect, rel=1e-12)
+    ctx = ScheduleContext(cost=cost, base=LayerStrategy(zero=zero, recompute=True), num_ranks=2)
+    own = float(ctx.microbatch_time(1, 5000, 5000**2))
+    empty = float(ctx.microbatch_time(1, 1, 1))  # one document of cp * tp tokens, as the runtime pads
+    expect = own + 2 * empty if lockstep else own
+    assert ctx.in_lockstep is lockstep
+    assert simulate_step(ctx, sched).work_end[1] == pytest.approx(expect, rel=1e-12)
 
 
 def test_one_rule_decides_ring_or_ulysses_for_scheduler_and_runtime():

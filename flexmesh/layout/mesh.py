@@ -263,6 +263,12 @@ def runs_in_lockstep(pp: int, zero: Iterable[int], experts: bool = False) -> boo
     return pp > 1 or experts or any(z == 3 for z in zero)
 
 
+def layout_in_lockstep(spec: ModelSpec, layout: Layout) -> bool:
+    """:func:`runs_in_lockstep` for a group of ``layout`` training ``spec``: its experts, when it has
+    them, are exchanged over its data ranks once there are several."""
+    return runs_in_lockstep(layout.pp, layout.zero, spec.is_moe and layout.data_ranks > 1)
+
+
 def padded_microbatch_count(schedule: str, count: int, pp: int) -> int:
     """Micro-batches a pipelined step runs: interleaved 1F1B needs a multiple of pp (dummies pad it).
 

@@ -66,9 +66,9 @@ from flexmesh.layout.mesh import (
     data_rank_of_ranks,
     data_rank_offsets,
     group_layout,
+    layout_in_lockstep,
     padded_microbatch_count,
     rank_place,
-    runs_in_lockstep,
     schedule_parts,
 )
 from flexmesh.layout.pipeline_order import chain_ends, chain_plan, units_from_ends
@@ -163,7 +163,7 @@ class Trainer:
                                       config.balance_rate, config.aux_loss) if spec.is_moe else None
         # Ranks may run different numbers of micro-batches unless something pairs collectives per
         # micro-batch across all data ranks; the scheduler and simulator price the same rule.
-        self.uneven = lay is not None and not runs_in_lockstep(lay.pp, lay.zero, spec.is_moe and lay.data_ranks > 1)
+        self.uneven = lay is not None and not layout_in_lockstep(spec, lay)
         self._cpu_group = cpu_group()
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)

@@ -55,7 +55,8 @@ class ScheduleContext:
     # stage, as many in flight as stages); None: that estimate.
     token_cap: int | None = None
     # Whether every data rank runs the step's largest micro-batch count (flexmesh.layout.mesh.runs_in_lockstep);
-    # None: by that rule from pp and the base strategy's ZeRO stage (a plan passes its layers' own).
+    # None: by that rule from pp, the base strategy's ZeRO stage and the model's experts (a plan passes
+    # its layers' own).
     lockstep: bool | None = None
     # Layers of each pipeline chunk in chunk order (pp x v; chunk i on stage i % pp), as the plan splits
     # them, the first chunk running the embedding and the last the head; empty: every stage holds
@@ -83,7 +84,9 @@ class ScheduleContext:
     @property
     def in_lockstep(self) -> bool:
         """Whether groups with fewer micro-batches run empty ones up to the step's largest count."""
-        return runs_in_lockstep(self.pp, (self.base.zero,)) if self.lockstep is None else self.lockstep
+        if self.lockstep is not None:
+            return self.lockstep
+        return runs_in_lockstep(self.pp, (self.base.zero,), self.cost.model.is_moe and self.num_ranks > 1)
 
     @property
     def group_sizes(self) -> list[int]:

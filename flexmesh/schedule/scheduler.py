@@ -21,7 +21,7 @@ from flexmesh.cost import CostModel
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.enums import CPKind, Policy
-from flexmesh.layout.mesh import context_kind, group_layout, runs_in_lockstep
+from flexmesh.layout.mesh import context_kind, group_layout, layout_in_lockstep
 from flexmesh.layout.plan import Plan, ReplicaGroup
 from flexmesh.layout.step import StepSchedule, carries_pieces
 from flexmesh.schedule.context import ScheduleContext
@@ -48,7 +48,7 @@ def group_context(plan: Plan, group: ReplicaGroup, spec: ModelSpec, cost: CostMo
                            base=strategy, num_ranks=layout.data_ranks, pp=group.pp,
                            pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
                            microbatch_tokens=group.microbatch_tokens(plan.seq_len),
-                           lockstep=runs_in_lockstep(layout.pp, layout.zero, spec.is_moe and layout.data_ranks > 1),
+                           lockstep=layout_in_lockstep(spec, layout),
                            chunk_layers=tuple(st.num_layers for st in group.stages),
                            cut_documents=carries_pieces(dynamic_rope=spec.rope_scaling is not None
                                                         and spec.rope_scaling.rope_type == "dynamic"))
