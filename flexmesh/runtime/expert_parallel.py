@@ -38,7 +38,7 @@ from torch import nn
 from flexmesh.errors import PlanError
 from flexmesh.layout.mesh import global_rank, group_layout
 from flexmesh.layout.plan import Plan
-from flexmesh.runtime.moe import Experts, MoEFeedForward, compute_dtype, expert_mlp, recomputing
+from flexmesh.runtime.moe import Experts, compute_dtype, expert_mlp, moe_feed_forwards, recomputing
 from flexmesh.schedule.expert_placement import ExpertPlacement, balanced_placement, static_placement
 
 
@@ -72,10 +72,10 @@ def tp_sum_shared(models) -> None:  # noqa: ANN001 - modules
     """Sum over the tp ranks the gradients of what a MoE layer keeps whole on each of them (router,
     shared expert and its gate): each rank's covers only its slice of the sequence."""
     for m in models:
-        for mod in m.modules():
-            if isinstance(mod, MoEFeedForward) and mod.sequence_shard is not None:
-                group = mod.sequence_shard[2]
-                for name, p in mod.named_parameters():
+        for ff in moe_feed_forwards(m).values():
+            if ff.sequence_shard is not None:
+                group = ff.sequence_shard[2]
+                for name, p in ff.named_parameters():
                     if p.grad is not None and not name.startswith("experts."):
                         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                         dist.all_reduce(g, group=group)
@@ -196,10 +196,7 @@ def apply_expert_parallel(model: nn.Module, mesh, group: dist.ProcessGroup) -> l
 
     sharded = []
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    for block in model.layers.values():
-        ff = getattr(block, "_checkpoint_wrapped_module", block).feed_forward
-        if not isinstance(ff, MoEFeedForward):
-            continue
+    for ff in moe_feed_forwards(model).values():
         for name in ("gate_up", "down"):
             p = getattr(ff.experts, name)
             d = nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(1)], src_data_rank=None))

@@ -26,7 +26,7 @@ from flexmesh.layout.mesh import Place, global_rank, group_layout
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.distributed import cpu_group
 from flexmesh.runtime.expert_parallel import ShardedExperts, expert_groups, tp_sum_shared
-from flexmesh.runtime.moe import MoEFeedForward
+from flexmesh.runtime.moe import MoEFeedForward, moe_feed_forwards
 from flexmesh.schedule.expert_placement import Placer, static_placement
 from flexmesh.spec.model import ModelSpec
 
@@ -82,13 +82,7 @@ class ExpertTraining:
     @staticmethod
     def layers(models: list[torch.nn.Module]) -> dict[int, MoEFeedForward]:
         """This rank's MoE layers by global layer number."""
-        out = {}
-        for m in models:
-            for name, block in m.layers.items():
-                ff = getattr(block, "_checkpoint_wrapped_module", block).feed_forward
-                if isinstance(ff, MoEFeedForward):
-                    out[int(name)] = ff
-        return out
+        return {layer: ff for m in models for layer, ff in moe_feed_forwards(m).items()}
 
     def before_step(self, models: list[torch.nn.Module], tokens: int) -> None:
         """Placements of the step's layers, and the load-balancing loss's weights for its ``tokens`` (the

@@ -215,3 +215,14 @@ class MoEFeedForward(nn.Module):
         if n < flat.shape[0]:
             y = torch.cat([y, y.new_zeros(flat.shape[0] - n, shape[-1])])
         return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def moe_feed_forwards(model: nn.Module) -> dict[int, MoEFeedForward]:
+    """The MoE layers of ``model`` (a Transformer, or a pipeline stage of one) by global layer number,
+    activation checkpointing's wrapper looked through."""
+    out = {}
+    for name, block in model.layers.items():
+        ff = getattr(block, "_checkpoint_wrapped_module", block).feed_forward
+        if isinstance(ff, MoEFeedForward):
+            out[int(name)] = ff
+    return out
