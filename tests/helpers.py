@@ -300,6 +300,13 @@ def rel_diff(got: Any, want: Any) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def assert_below(diffs: dict[str, float], tol: float, what: str) -> None:
+    """Every one of ``diffs`` (:func:`transformers_diffs`) below ``tol``; the largest printed (``-s``)."""
+    worst = max(diffs, key=lambda k: diffs[k])
+    print(f"\n{what}: max relative difference {diffs[worst]:.2e} ({worst})")
+    assert diffs[worst] < tol, {k: v for k, v in diffs.items() if v >= tol}
+
+
 def transformers_diffs(model: Any, hf: Any, docs: list) -> dict[str, float]:
     """How far flexmesh's ``model`` is from transformers' ``hf`` holding the same weights (fp32): the
     logits of the last document alone, of every document packed in one row (against a transformers

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import randomise_hf, rel_diff, transformers_diffs
+from helpers import assert_below, randomise_hf, rel_diff, transformers_diffs
 from safetensors.torch import load_file, save_file
 
 from flexmesh.errors import CheckpointError, SpecError
@@ -45,7 +45,6 @@ CASES: dict[str, tuple[str, dict]] = {
     # flexmesh does not model for any family; None as the other families' defaults
     "olmoe": ("olmoe", {"intermediate_size": 48, "num_experts": 4, "clip_qkv": 1.5, "pad_token_id": None}),
 }
-MEASURED: dict[str, float] = {}
 
 
 def _fused(src: Path, dst: Path, hf: torch.nn.Module) -> None:
@@ -104,11 +103,7 @@ def test_matches_transformers(checkpoints, case, layout):
     model = build_model(replace(spec, name=case), "cpu")
     report = load_hf_safetensors(model, folders[layout])
     assert report.expert_layout == layout
-    diffs = transformers_diffs(model, hf, _docs())
-    worst = max(diffs, key=lambda k: diffs[k])
-    MEASURED[f"{case}/{layout}"] = diffs[worst]
-    print(f"\n{case}/{layout}: max relative difference {diffs[worst]:.2e} ({worst})")
-    assert diffs[worst] < TOL, {k: v for k, v in diffs.items() if v >= TOL}
+    assert_below(transformers_diffs(model, hf, _docs()), TOL, f"{case}/{layout}")
 
 
 def test_mistakes_would_show(checkpoints):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import randomise_hf, rel_diff, transformers_diffs
+from helpers import assert_below, randomise_hf, rel_diff, transformers_diffs
 
 from flexmesh.layout.step import Piece
 from flexmesh.runtime.model import build_model
@@ -51,7 +51,6 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "qwen2": ("qwen2", {}, {}),
     "qwen3": ("qwen3", {"head_dim": 16, "attention_bias": True}, {}),
 }
-MEASURED: dict[str, float] = {}  # largest relative difference per case, printed with -s
 
 
 def _as_transformers4(src: Path, dst: Path) -> None:
@@ -109,11 +108,7 @@ def test_matches_transformers(checkpoints, case, layout):
     model = build_model(replace(spec, name=case), "cpu")
     report = load_hf_safetensors(model, folders[layout])
     assert not report.other_stages
-    diffs = transformers_diffs(model, hf, _docs())
-    worst = max(diffs, key=lambda k: diffs[k])
-    MEASURED[f"{case}/{layout}"] = diffs[worst]
-    print(f"\n{case}/{layout}: max relative difference {diffs[worst]:.2e} ({worst})")
-    assert diffs[worst] < TOL, {k: v for k, v in diffs.items() if v >= TOL}
+    assert_below(transformers_diffs(model, hf, _docs()), TOL, f"{case}/{layout}")
 
 
 def test_mistakes_would_show(checkpoints):
