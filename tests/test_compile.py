@@ -40,16 +40,7 @@ def test_compiled_blocks_match_the_eager_model_with_one_compilation_for_all_laye
     rng = np.random.default_rng(0)
     for _ in range(3):  # three row lengths: static shapes first, then dynamic
         docs = [rng.integers(0, spec.vocab, size=n) for n in rng.integers(5, 60, size=4)]
-        b = pack_microbatch(docs, [Piece(i, 0, len(d)) for i, d in enumerate(docs)]).to("cpu")
-        losses = []
-        for m in (eager, compiled):
-            m.zero_grad()
-            loss = torch.nn.functional.cross_entropy(m(b.tokens, b)[0], b.labels[0])
-            loss.backward()
-            losses.append(loss)
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
-        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        _same_loss_and_grads(eager, compiled, pack_microbatch(docs, [Piece(i, 0, len(d)) for i, d in enumerate(docs)]))
     # the blocks' own graphs (before and after the attention core, forward and backward), compiled for
     # static then dynamic shapes: not once per layer (4 layers would make 4x as many)
     assert 0 < counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
@@ -70,9 +61,14 @@ def test_compiled_blocks_of_a_mixture_of_experts_match_the_eager_model():
     apply_compile(compiled)
     rng = np.random.default_rng(1)
     docs = [rng.integers(0, spec.vocab, size=n) for n in (40, 17, 33)]
-    b = pack_microbatch(docs, [Piece(i, 0, len(d)) for i, d in enumerate(docs)])
+    _same_loss_and_grads(eager, compiled, pack_microbatch(docs, [Piece(i, 0, len(d)) for i, d in enumerate(docs)]))
+
+
+def _same_loss_and_grads(eager, compiled, b) -> None:  # noqa: ANN001
+    """The loss of batch ``b`` and every gradient equal in the eager and the compiled model."""
     losses = []
     for m in (eager, compiled):
+        m.zero_grad()
         loss = torch.nn.functional.cross_entropy(m(b.tokens, b)[0], b.labels[0])
         loss.backward()
         losses.append(loss)
