@@ -20,6 +20,14 @@ from flexmesh.report.report import Report
 MOE_MODEL = "tiny-moe"  # the demo's mixture of experts
 
 
+def _by_layer(rows: Sequence[dict]) -> dict[int, list[dict]]:
+    """routing.jsonl rows grouped by MoE layer, in layer order, each layer's in step order."""
+    out: dict[int, list[dict]] = {}
+    for r in rows:
+        out.setdefault(int(r["layer"]), []).append(r)
+    return dict(sorted(out.items()))
+
+
 def persistence(rows: Sequence[dict]) -> float:
     """Mean over layers and steps of the Pearson correlation of tokens per expert between consecutive
     steps (nan with fewer than two steps).
@@ -28,10 +36,8 @@ def persistence(rows: Sequence[dict]) -> float:
     >>> round(persistence(rows), 3)
     0.0
     """
-    by_layer: dict[int, list[np.ndarray]] = {}
-    for r in rows:
-        by_layer.setdefault(int(r["layer"]), []).append(np.asarray(r["expert_tokens"], dtype=float))
-    found = [float(np.corrcoef(a, b)[0, 1]) for loads in by_layer.values() for a, b in zip(loads, loads[1:])
+    loads = [[np.asarray(r["expert_tokens"], dtype=float) for r in rs] for rs in _by_layer(rows).values()]
+    found = [float(np.corrcoef(a, b)[0, 1]) for layer in loads for a, b in zip(layer, layer[1:])
              if a.std() > 0 and b.std() > 0]
     return float(np.mean(found)) if found else float("nan")
 
@@ -40,11 +46,8 @@ def routing_summary(rows: Sequence[dict]) -> list[list]:
     """Per MoE layer: [layer, steps, mean imbalance met, mean static imbalance, worst imbalance met,
     tokens per expert max/mean]; the first step (placed statically by every policy) left out of the
     means where there are later ones."""
-    by_layer: dict[int, list[dict]] = {}
-    for r in rows:
-        by_layer.setdefault(int(r["layer"]), []).append(r)
     out = []
-    for layer, rs in sorted(by_layer.items()):
+    for layer, rs in _by_layer(rows).items():
         later = rs[1:] or rs
         skew = [max(r["expert_tokens"]) / max(np.mean(r["expert_tokens"]), 1e-9) for r in later]
         out.append([layer, len(rs), float(np.mean([r["imbalance"] for r in later])),
@@ -60,11 +63,8 @@ def imbalance_png(rows: Sequence[dict], path: str | Path, title: str = "routed t
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_layer: dict[int, list[dict]] = {}
-    for r in rows:
-        by_layer.setdefault(int(r["layer"]), []).append(r)
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    for i, (layer, rs) in enumerate(sorted(by_layer.items())):
+    for i, (layer, rs) in enumerate(_by_layer(rows).items()):
         color = f"C{i % 10}"
         steps = [r["step"] for r in rs]
         ax.plot(steps, [r["imbalance"] for r in rs], color=color, label=f"layer {layer}")
