@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from flexmesh.cost import CostModel, GroupShape, Work
+from flexmesh.cost.kernels import Kernels
 from flexmesh.errors import ProfileError
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.profile import (
@@ -199,6 +200,53 @@ def test_unmeasured_group_size_scales_nearest_by_volume():
     assert t == pytest.approx(2e-4 * 7 + 2e-9 * 1.75 * 1e6)
     # inter-node group, only intra measured: same scaling from the other scope
     assert hw.collective_time("send_recv", 1e6, GroupShape(2, 1)) == pytest.approx(4e-5 + 5e-10 * 1e6)
+
+
+def _knee_profile() -> HardwareProfile:
+    """An all-gather over 2 ranks that is latency-bound to 64 KiB and bandwidth-bound past it (NCCL's
+    protocol switch), with one noisy sample (the 1 MiB message timed faster than the 256 KiB one)."""
+    sizes = [2**k for k in range(10, 25, 2)]
+    times = [max(2e-5, b / 5e9) for b in sizes]
+    times[5] = times[4] * 0.9  # 1 MiB timed below 256 KiB: noise, not physics
+    knee = CollectiveFit("all_gather", 2, "intra", *fit_alpha_beta(sizes, times), tuple(zip(sizes, times)))
+    rest = [c for c in hardware_profile().collectives if c.collective != "all_gather"]
+    return hardware_profile(collectives=[knee, *rest])
+
+
+def test_measured_samples_price_collectives_by_message_size():
+    prof = _knee_profile()
+    hw = hardware_from_profile(parse_cluster("8xA100-80GB"), prof)
+    two = GroupShape(2, 8)
+    (fit,) = [c for c in prof.collectives if c.collective == "all_gather"]
+    # at measured sizes the measured times, where one line through all of them misses the knee
+    assert hw.collective_time("all_gather", 2.0**16, two) == pytest.approx(2e-5)
+    assert hw.collective_time("all_gather", 2.0**24, two) == pytest.approx(2.0**24 / 5e9)
+    assert max(abs(fit.time(b) / t - 1) for b, t in fit.samples) > 0.2
+    # between sizes log-log, beyond the largest the largest's bandwidth
+    mid = hw.collective_time("all_gather", 2.0**23, two)
+    assert 2.0**22 / 5e9 < mid < 2.0**24 / 5e9 and mid == pytest.approx(2.0**23 / 5e9)
+    assert hw.collective_time("all_gather", 2.0**26, two) == pytest.approx(2.0**26 / 5e9)
+    # a noisy sample never makes a larger message cheaper
+    grid = np.geomspace(2.0**10, 2.0**24, 57)
+    assert np.all(np.diff(hw.collective_time("all_gather", grid, two)) >= 0)
+    # a group size not measured: the measured curve scaled by the ring's volume (7/8 against 1/2)
+    assert hw.collective_time("all_gather", 2.0**24, GroupShape(8, 8)) == pytest.approx(2.0**24 / 5e9 * 1.75)
+    # collectives the profile kept no samples of keep their fit
+    assert hw.collective_time("all_reduce", 1e6, two) == pytest.approx(2e-4 + 2e-9 * 1e6)
+
+
+def test_lower_envelope_of_measured_collectives_is_additive_and_below():
+    cost = cost_model_from_profiles(TINY, hardware=_knee_profile(), world=2)
+    env = cost.with_kernels(Kernels.envelope).hw
+    two = GroupShape(2, 2)
+    grid = np.geomspace(2.0**8, 2.0**27, 40)
+    assert np.all(env.collective_time("all_gather", grid, two) <= cost.hw.collective_time("all_gather", grid, two))
+    a, b = 3e4, 7e5
+    assert env.collective_time("all_gather", a + b, two) == pytest.approx(
+        env.collective_time("all_gather", a, two) + env.collective_time("all_gather", b, two))
+    # the measured model itself is not additive: two small messages pay the latency twice
+    assert cost.hw.collective_time("all_gather", a, two) + cost.hw.collective_time("all_gather", a, two) > \
+        cost.hw.collective_time("all_gather", 2 * a, two)
 
 
 def test_single_process_profile_has_no_collectives():

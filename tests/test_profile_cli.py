@@ -89,7 +89,7 @@ def test_profile_error_is_a_clear_cli_message(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_hardware_profile_quick_under_torchrun(tmp_path):
+def test_hardware_profile_quick_under_torchrun(tmp_path, capsys):
     out = tmp_path / "hw.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
@@ -113,6 +113,11 @@ def test_hardware_profile_quick_under_torchrun(tmp_path):
                  "--json", "--out", str(plan)]) == 0
     saved = json.loads(plan.read_text())
     assert saved["cost_source"] == "profile:hw.json" and saved["world_size"] == 2
+    # --explain says the collectives are priced by the profile's measured times, one curve per measurement
+    assert main(["plan", "--model", "tiny", "--hardware-profile", str(out), "--seq-len", "512", "--global-batch", "4",
+                 "--explain"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"collectives at their measured times by message size ({len(hw.collectives)} curves)" in said
 
 
 @pytest.mark.slow

@@ -323,6 +323,8 @@ def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
         out.print(f"collectives inside a node: {links}; across nodes: {d.node_net_gbps:g} GB/s per node x "
                   f"{d.inter_efficiency:g} + {d.inter_latency_us:g} us per step; all-to-all at FlexSP's fitted "
                   f"efficiencies", highlight=False)
+    elif hasattr(cost.hw, "describe"):  # a hardware profile (flexmesh.profile.timing.ProfiledHardware)
+        out.print(cost.hw.describe(), highlight=False)
     out.print(framework_terms(cost), highlight=False)
     if stack is not None and stack.label != RUNTIME_STACK.label:
         out.print(f"layers priced as another stack runs them: {stack.label}", highlight=False)

@@ -25,8 +25,9 @@ describes the scaling to group sizes it did not measure).
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -198,6 +199,15 @@ class Hardware:
             pcie_gbps=d.pcie_gbps,
             table=_comm_table(d.comm_table),
         )
+
+    def additive(self) -> Hardware:
+        """A copy whose measured collectives take their best bandwidth and no latency: times proportional
+        to the bytes, never above this one's, so the collectives of documents run alone add up to theirs
+        packed together (:meth:`CommTable.envelope`; the cost model's lower envelope uses it)."""
+        other = copy.copy(self)
+        if self.comm is not None and self.comm.table is not None:
+            other.comm = replace(self.comm, table=self.comm.table.envelope())
+        return other
 
     def exposed(self, comm, window):
         """Seconds of a collective of ``comm`` s left exposed when it runs alongside ``window`` s of compute.

@@ -445,10 +445,8 @@ class CostModel(StepPricing):
         (a model profile) are linear in tokens and squared tokens beyond their fixed cost, and monotone."""
         if not isinstance(self.timing, AnalyticTiming):
             return self
-        hw = copy.copy(self.hw)
+        hw = self.hw.additive() if change is Kernels.envelope else copy.copy(self.hw)
         hw.kernels = change(self.timing.kernels)
-        if change is Kernels.envelope and hw.comm is not None and hw.comm.table is not None:
-            hw.comm = replace(hw.comm, table=hw.comm.table.envelope())
         return CostModel(self.model, self.cluster, hardware=hw,
                          timing=AnalyticTiming(self.model, hw, self.timing.ring_balanced, self.timing.stack,
                                                self.experts), experts=self.experts).with_step_overlap(self.step_overlap)

@@ -6,7 +6,8 @@ Run it in every process of a torchrun world (``flexmesh profile hardware --nproc
   exchange, as ring attention and pipeline stages use it) over power-of-two message sizes, for
   every power-of-two group size up to the world; groups are consecutive ranks (``intra`` while a
   group fits in one node, ``inter`` beyond), and with several nodes also one rank per node
-  (``inter``). All groups of a size run at once, as they do in training. Fit: alpha + beta * bytes.
+  (``inter``). All groups of a size run at once, as they do in training. The times are kept (the cost
+  model prices by them: :func:`flexmesh.profile.timing.measured_curve`) and fitted as alpha + beta * bytes.
 - matmul throughput: square matmuls, fp32 (and bf16 on a GPU), the best size's FLOP/s.
 - memory bandwidth: a large tensor copy (read + write bytes over time); the optimizer is bound by it.
 - overlap: an all-gather over all ranks (``overlap_bytes``, about one layer's weights) alone, a

@@ -27,27 +27,31 @@ uses them: docs/cost-model.md.
 
 :class:`ProfiledHardware` (a :class:`~flexmesh.cost.Hardware`), from ``flexmesh profile hardware``:
 every number comes from a measurement: matmul and attention throughput, memory bandwidth, and per
-(collective, group size, intra/inter node) the fitted ``alpha + beta * bytes``. A group size the
-profile did not measure takes the nearest measured size of the same scope (else of the other scope)
-and scales it by the algorithm's volume: ring collectives move ``(n - 1) / n`` of the buffer (twice
-for all-reduce) in ``n - 1`` steps and all-to-all sends ``(n - 1) / n`` of it to ``n - 1`` peers, so
-beta scales by ``((n - 1) / n) / ((m - 1) / m)`` and alpha by ``(n - 1) / (m - 1)`` from measured
+(collective, group size, intra/inter node) the measured times by message size (:func:`measured_curve`:
+made non-decreasing, interpolated log-log as the presets' NCCL tables are), or, for a collective
+the profile kept no samples of, its fitted ``alpha + beta * bytes``. A group size the profile did not
+measure takes the nearest measured size of the same scope (else of the other scope) and scales it by
+the algorithm's volume: ring collectives move ``(n - 1) / n`` of the buffer (twice for all-reduce) in
+``n - 1`` steps and all-to-all sends ``(n - 1) / n`` of it to ``n - 1`` peers, so the curve (or beta)
+scales by ``((n - 1) / n) / ((m - 1) / m)`` and a fit's alpha by ``(n - 1) / (m - 1)`` from measured
 size ``m``; send/recv does not depend on the group.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 
-from flexmesh.cost.hardware import COLLECTIVES, PRESET_OVERLAP, GroupShape, Hardware
+from flexmesh.cost.hardware import COLLECTIVES, PRESET_OVERLAP, CommTable, GroupShape, Hardware
 from flexmesh.cost.timing import LayerTimes
 from flexmesh.cost.work import Amount
 from flexmesh.errors import ProfileError
 from flexmesh.layout.stack import RUNTIME_STACK
 from flexmesh.layout.strategy import LayerStrategy, Recompute
-from flexmesh.profile.format import HardwareProfile, ModelProfile
+from flexmesh.profile.format import CollectiveFit, HardwareProfile, ModelProfile
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import DTYPE_BYTES, ModelSpec
 
@@ -232,30 +236,66 @@ class ProfiledHardware(Hardware):
         self.overlap = float(profile.overlap["hidden_fraction"]) if profile.overlap else PRESET_OVERLAP
         self.comm = None
         self._fits = {(c.collective, c.group_size, c.scope): c for c in reversed(profile.collectives)}
+        self._curves = {key: measured_curve(f) for key, f in self._fits.items() if len(f.samples) >= 2}
 
-    def _fit(self, kind: str, n: int, scope: str) -> tuple[float, float]:
-        """(alpha, beta) for ``kind`` over ``n`` ranks, measured or scaled from the nearest size."""
-        exact = self._fits.get((kind, n, scope))
-        if exact is not None:
-            return exact.alpha_s, exact.beta_s_per_byte
+    def additive(self) -> ProfiledHardware:
+        """A copy whose measured curves run at their best bandwidth with no latency (see
+        :meth:`flexmesh.cost.Hardware.additive`); collectives with only a fit keep it."""
+        other = copy.copy(self)
+        other._curves = {key: curve.envelope() for key, curve in self._curves.items()}
+        return other
+
+    def describe(self) -> str:
+        """One line for ``plan --explain``: what was measured and how collectives are priced."""
+        fitted = len(self._fits) - len(self._curves)
+        return (f"device measured by `flexmesh profile hardware` ({self.profile.name}): matmul "
+                f"{self.matmul_flops / 1e12:.3g} TFLOP/s, attention {self.attn_flops / 1e12:.3g} TFLOP/s, memory "
+                f"{self.hbm_bytes_per_s / 1e9:.3g} GB/s; collectives at their measured times by message size "
+                f"({len(self._curves)} curves" + (f", {fitted} alpha-beta fits without samples" if fitted else "")
+                + f"), overlap saves {self.overlap:.2f} of hidden communication")
+
+    def _nearest(self, kind: str, n: int, scope: str) -> tuple[str, int, str]:
+        """The measured (kind, group size, scope) that prices ``kind`` over ``n`` ranks: that one, else the
+        nearest size of the same scope, else of the other."""
+        if (kind, n, scope) in self._fits:
+            return kind, n, scope
         sizes = [(abs(math.log2(s) - math.log2(n)), sc != scope, s, sc) for (k, s, sc) in self._fits if k == kind]
         if not sizes:
             raise ProfileError(
                 f"hardware profile {self.profile.name} has no {kind} measurement; it was profiled with one process? "
                 f"re-run `flexmesh profile hardware --nproc N` with N >= 2")
         _, _, m, sc = min(sizes, key=lambda x: (x[1], x[0], -x[2]))
-        f = self._fits[(kind, m, sc)]
-        if kind == "send_recv":
-            return f.alpha_s, f.beta_s_per_byte
-        volume = ((n - 1) / n) / ((m - 1) / m)
-        return f.alpha_s * (n - 1) / (m - 1), f.beta_s_per_byte * volume
+        return kind, m, sc
 
     def collective_time(self, kind: str, nbytes, shape: GroupShape):
-        """Seconds for one collective from the profile's alpha-beta fits; ``nbytes`` as in :class:`Hardware`."""
+        """Seconds for one collective: the profile's measured times by message size where it kept them, else
+        its alpha-beta fit; ``nbytes`` as in :class:`Hardware`."""
         if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
         if shape.size <= 1:
             return np.zeros_like(nbytes, dtype=float) if isinstance(nbytes, np.ndarray) else 0.0
-        alpha, beta = self._fit(kind, 2 if kind == "send_recv" else shape.size,
-                                "intra" if shape.intra_node else "inter")
-        return alpha + beta * nbytes
+        n = 2 if kind == "send_recv" else shape.size
+        key = self._nearest(kind, n, "intra" if shape.intra_node else "inter")
+        m = key[1]
+        volume = 1.0 if m == n else ((n - 1) / n) / ((m - 1) / m)
+        curve = self._curves.get(key)
+        if curve is not None:
+            return curve.time(kind, m, nbytes) * volume
+        f = self._fits[key]
+        return f.alpha_s * (n - 1) / (m - 1) + f.beta_s_per_byte * volume * nbytes
+
+
+def measured_curve(fit: CollectiveFit) -> CommTable:
+    """A profiled collective's samples as a :class:`~flexmesh.cost.hardware.CommTable` (log-log
+    interpolation by message size, the latency floor below the smallest, the largest's bandwidth above).
+    The times are first made non-decreasing in bytes by isotonic regression (SciPy's pool-adjacent-
+    violators): a larger message never takes less time, and a noisy sample does not make one.
+
+    >>> c = measured_curve(CollectiveFit("all_gather", 2, "intra", 0.0, 0.0,
+    ...                                  ((1e3, 2e-5), (1e4, 1e-5), (1e6, 1e-4))))
+    >>> [round(float(c.time("all_gather", 2, b)) * 1e6, 1) for b in (1e3, 1e4, 1e6, 2e6)]
+    [15.0, 15.0, 100.0, 200.0]
+    """
+    pairs = sorted((float(b), float(t)) for b, t in fit.samples if b > 0)
+    times = np.maximum(isotonic_regression([t for _, t in pairs]).x, 1e-9)
+    return CommTable({fit.collective: {fit.group_size: (tuple(b for b, _ in pairs), tuple(float(t) for t in times))}})
