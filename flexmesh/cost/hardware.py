@@ -200,6 +200,10 @@ class Hardware:
             table=_comm_table(d.comm_table),
         )
 
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds of one streaming copy kernel moving ``nbytes`` (read and write) on one device."""
+        return float(self.kernels.memory_bound(nbytes))
+
     def additive(self) -> Hardware:
         """A copy whose measured collectives take their best bandwidth and no latency: times proportional
         to the bytes, never above this one's, so the collectives of documents run alone add up to theirs

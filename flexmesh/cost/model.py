@@ -132,6 +132,12 @@ class CostModel(StepPricing):
         (``grad_reduce="bucketed"``) or once per step (``"last"``, the step's sync). ZeRO-3 gathers
         weights for forward and backward every micro-batch, under the previous layer's compute when
         prefetched, exposed when not.
+
+        Sharded data parallelism also copies on the compute stream, which no overlap hides (counted from
+        FSDP2, torch.distributed.fsdp._fully_shard._fsdp_collectives): every all-gather's output is
+        split into the parameters (``foreach_all_gather_copy_out``: the layer's weights read and
+        written), and every reduce-scatter's input is first packed from the unsharded gradients
+        (``foreach_reduce_scatter_copy_in``: its gradients read and written).
         """
         d = s.shard_degree
         p = params / s.tp
@@ -146,18 +152,22 @@ class CostModel(StepPricing):
             return 0.0, 0.0, ct("all_reduce", grads, shape), optim
         exposed = self.hw.exposed
         rs = ct("reduce_scatter", grads, shape)
+        copy_out, copy_in = self.hw.copy_time(2 * weights), self.hw.copy_time(2 * grads)
         every = overlap.grad_reduce == "bucketed"
         if s.zero == 2:  # reduce-scatter (every micro-batch or once), all-gather updated weights once
-            ag_once = ct("all_gather", weights, shape)
-            return 0.0, float(exposed(rs, work_bwd)) if every else 0.0, ag_once + (0.0 if every else rs), optim
+            ag_once = ct("all_gather", weights, shape) + copy_out
+            if every:
+                return 0.0, float(exposed(rs, work_bwd)) + copy_in, ag_once, optim
+            return 0.0, 0.0, ag_once + rs + copy_in, optim
         # ZeRO-3: gather weights for forward and for backward every micro-batch, under the previous
         # layer's compute when prefetched (a window of 0 leaves a gather exposed).
         ag = ct("all_gather", weights, shape)
         win_f, win_b = (work_fwd, work_bwd) if overlap.zero3_prefetch else (0.0, 0.0)
+        fwd = float(exposed(ag, win_f)) + copy_out
         if every:
             bwd = exposed(ag + rs, win_b) if overlap.zero3_prefetch else ag + exposed(rs, work_bwd)
-            return float(exposed(ag, win_f)), float(bwd), 0.0, optim
-        return float(exposed(ag, win_f)), float(exposed(ag, win_b)), rs, optim
+            return fwd, float(bwd) + copy_out + copy_in, 0.0, optim
+        return fwd, float(exposed(ag, win_b)) + copy_out, rs + copy_in, optim
 
     # ---- a transformer layer ----------------------------------------------------------------------
     def layer(self, s: LayerStrategy, work: Work, overlap: Overlap = NO_OVERLAP) -> LayerCost:

@@ -238,6 +238,10 @@ class ProfiledHardware(Hardware):
         self._fits = {(c.collective, c.group_size, c.scope): c for c in reversed(profile.collectives)}
         self._curves = {key: measured_curve(f) for key, f in self._fits.items() if len(f.samples) >= 2}
 
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds of a copy moving ``nbytes`` at the measured memory bandwidth."""
+        return nbytes / self.hbm_bytes_per_s if nbytes > 0 else 0.0
+
     def additive(self) -> ProfiledHardware:
         """A copy whose measured curves run at their best bandwidth with no latency (see
         :meth:`flexmesh.cost.Hardware.additive`); collectives with only a fit keep it."""
