@@ -3,7 +3,12 @@
 Each term counts what a framework allocates, tensor by tensor, with its source:
 
 - ZeRO-3: the gathered weights of the running layer and, with prefetching, of the next one
-  (FSDP2 issues the next all-gather one module ahead; ZeRO, 1910.02054);
+  (FSDP2 issues the next all-gather one module ahead; ZeRO, 1910.02054), plus one all-gather's flat
+  output, alive beside the parameters it is split into (FSDP2's ``foreach_all_gather`` and
+  ``foreach_all_gather_copy_out``);
+- ZeRO-2/3 reducing every micro-batch: the running layer's unsharded gradients and the reduce-scatter
+  input packed from them in the gradients' (reduce) dtype, alive together during the packing (FSDP2's
+  ``foreach_reduce_scatter_copy_in``);
 - tensor (sequence) parallelism without communication overlap: the all-gathered input of the
   column-parallel GEMMs, the full sequence of the tp group, alive while the GEMM runs (Korthikanti et
   al., 2205.05198, section 4.2.2: sequence parallelism gathers before the GEMM);
@@ -40,10 +45,20 @@ TE_USERBUFFERS = 11
 
 
 def gathered_weight_bytes(model: ModelSpec, s: LayerStrategy, overlap: Overlap) -> float:
-    """ZeRO-3's gathered weights of one layer (this tp rank's slice), twice when the next is prefetched."""
+    """ZeRO-3's gathered weights of one layer (this tp rank's slice), twice when the next is prefetched,
+    and the flat all-gather output they are copied out of."""
     if s.zero != 3:
         return 0.0
-    return (2 if overlap.zero3_prefetch else 1) * model.layer_params / s.tp * model.dtype_bytes
+    return (3 if overlap.zero3_prefetch else 2) * model.layer_params / s.tp * model.dtype_bytes
+
+
+def sharded_dp_buffer_bytes(model: ModelSpec, s: LayerStrategy, overlap: Overlap, grad_bytes: float) -> float:
+    """Sharded data parallelism's buffers while a layer runs: ZeRO-3's gathered weights, and under a
+    reduce-scatter every micro-batch (ZeRO-2/3) the layer's unsharded gradients (the model's dtype) with
+    the reduce-scatter input packed from them (``grad_bytes`` per parameter)."""
+    reduce = model.layer_params / s.tp * (model.dtype_bytes + grad_bytes) \
+        if s.zero >= 2 and s.shard_degree > 1 and overlap.grad_reduce == "bucketed" else 0.0
+    return gathered_weight_bytes(model, s, overlap) + reduce
 
 
 def tp_buffer_bytes(model: ModelSpec, s: LayerStrategy, tokens: float, overlap: Overlap) -> float:
@@ -62,10 +77,10 @@ def gemm_workspace_bytes(model: ModelSpec, s: LayerStrategy, tokens: float) -> f
 
 
 def layer_transient_bytes(model: ModelSpec, s: LayerStrategy, tokens: float, overlap: Overlap,
-                          recompute_bytes: float) -> float:
+                          recompute_bytes: float, grad_bytes: float) -> float:
     """Working memory while one layer runs: the terms above, summed (they are alive together)."""
-    return (recompute_bytes + gathered_weight_bytes(model, s, overlap) + tp_buffer_bytes(model, s, tokens, overlap)
-            + gemm_workspace_bytes(model, s, tokens))
+    return (recompute_bytes + sharded_dp_buffer_bytes(model, s, overlap, grad_bytes)
+            + tp_buffer_bytes(model, s, tokens, overlap) + gemm_workspace_bytes(model, s, tokens))
 
 
 def fit_fragmentation(observations: Iterable[tuple[float, float, float]]) -> float | None:

@@ -250,7 +250,8 @@ class CostModel(StepPricing):
         # Hook for partial recomputation: the timing says what a strategy keeps; full recomputation
         # keeps the layer input and holds the full set again while the layer is recomputed.
         act = timing.activation_bytes(s, work.tokens, True) if s.recompute else act_full
-        transient = layer_transient_bytes(m, s, work.tokens, overlap, act_full if s.recompute else 0.0)
+        transient = layer_transient_bytes(m, s, work.tokens, overlap, act_full if s.recompute else 0.0,
+                                          self.grad_bytes)
         states = self._states(params, s, overlap)
         if m.is_moe:  # experts sharded over the stage's ranks, their gathered copies kept for backward
             n = s.dp * s.cp * s.tp

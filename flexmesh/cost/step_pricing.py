@@ -84,8 +84,8 @@ class StepPricing:
         if head:
             per_token += self.timing.logit_bytes(s, 1.0)
         # Transient buffers: a constant part and a part linear in the micro-batch's tokens.
-        transient = layer_transient_bytes(self.model, s, 0.0, overlap, 0.0)
-        per_token += layer_transient_bytes(self.model, s, 1.0, overlap, 0.0) - transient
+        transient = layer_transient_bytes(self.model, s, 0.0, overlap, 0.0, self.grad_bytes)
+        per_token += layer_transient_bytes(self.model, s, 1.0, overlap, 0.0, self.grad_bytes) - transient
         free = self.memory_budget - states - transient
         return max(0, int(free / per_token))
 

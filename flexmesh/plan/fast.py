@@ -19,7 +19,7 @@ from typing import Any, cast
 import numpy as np
 
 from flexmesh.cost import LayerCost, pipeline_time
-from flexmesh.cost.memory import gathered_weight_bytes, tp_buffer_bytes
+from flexmesh.cost.memory import sharded_dp_buffer_bytes, tp_buffer_bytes
 from flexmesh.layout.overlap import Overlap
 from flexmesh.layout.strategy import LayerStrategy, Recompute
 from flexmesh.plan.space import LEAN, Chunk, Mesh, mesh_of
@@ -208,10 +208,11 @@ def _once_saving(ctx: StageContext, s: LayerStrategy, ends: tuple[bool, bool] | 
 
 def _freed(ctx: StageContext, s: LayerStrategy, other: Overlap) -> float:
     """Transient bytes a layer under ``s`` needs less under ``other`` than under ``ctx.overlap``
-    (communication buffers: TP userbuffers, a prefetched ZeRO-3 layer); the rest of its memory is alike."""
-    m, tokens, own = ctx.cost.model, ctx.work(s).tokens, ctx.overlap
+    (communication buffers: TP userbuffers, a prefetched ZeRO-3 layer, per-micro-batch reduce-scatter
+    buffers); the rest of its memory is alike."""
+    m, tokens, own, g = ctx.cost.model, ctx.work(s).tokens, ctx.overlap, ctx.cost.grad_bytes
     return max(0.0, tp_buffer_bytes(m, s, tokens, own) - tp_buffer_bytes(m, s, tokens, other)
-               + gathered_weight_bytes(m, s, own) - gathered_weight_bytes(m, s, other))
+               + sharded_dp_buffer_bytes(m, s, own, g) - sharded_dp_buffer_bytes(m, s, other, g))
 
 
 def _any(pair: Group) -> LayerStrategy:
