@@ -10,6 +10,7 @@ from flexmesh.cost.analytic import AnalyticTiming, activation_elems_per_token
 from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.kernels import HBM_EFFICIENCY, LAUNCH_S
 from flexmesh.layout import LayerStrategy as S
+from flexmesh.layout.overlap import FASTEST
 from flexmesh.spec import MODEL_PRESETS, ModelSpec, parse_cluster
 from flexmesh.spec.cluster import DEVICE_PRESETS, ClusterSpec
 from flexmesh.spec.model import with_dtype
@@ -102,6 +103,43 @@ def test_state_bytes_follow_the_training_precision(dtype, total, zero1):
     for zero, expected in ((0, total), (1, zero1)):
         c = CostModel(model, cluster()).layer(S(dp=8, zero=zero), Work(1, 1))
         assert c.states == pytest.approx(model.layer_params * expected)
+
+
+def test_sharded_data_parallelism_pays_fsdp2_copies_that_no_overlap_hides():
+    """FSDP2 splits every all-gather's output into the parameters and packs every reduce-scatter's
+    input from the unsharded gradients on the compute stream: with every collective hidden (overlap 1,
+    a long window) a ZeRO-3 layer still pays those copies, ZeRO-2 the packing, ZeRO-1 nothing."""
+    cm = CostModel(MODEL, cluster())
+    cm.hw.overlap = 1.0  # collectives under compute cost nothing more
+    big = Work(2**20, 2**20 * 1024)  # a million tokens: every gather and reduce-scatter hides
+    weights, grads = MODEL.layer_params * 2, MODEL.layer_params * 4  # bf16 weights, fp32 gradients
+    copy = cm.hw.copy_time
+    assert copy(2 * weights) == pytest.approx(2 * weights / (1000 * GB * HBM_EFFICIENCY) + LAUNCH_S)
+    z3 = cm.layer(S(dp=8, zero=3), big, FASTEST)
+    assert z3.comm_fwd == pytest.approx(copy(2 * weights))
+    assert z3.comm_bwd == pytest.approx(copy(2 * weights) + copy(2 * grads))
+    z2 = cm.layer(S(dp=8, zero=2), big, FASTEST)
+    assert (z2.comm_fwd, z2.comm_bwd) == (0.0, pytest.approx(copy(2 * grads)))
+    z1 = cm.layer(S(dp=8, zero=1), big, FASTEST)
+    assert (z1.comm_fwd, z1.comm_bwd) == (0.0, 0.0)
+
+
+def test_sharded_data_parallelism_buffers_as_fsdp2_allocates_them():
+    """Transient bytes over ZeRO-1: ZeRO-3 holds two layers' gathered weights and one flat all-gather
+    output (prefetching; one layer and the output without), and reducing every micro-batch the layer's
+    unsharded gradients beside the reduce-scatter input packed from them."""
+    cm = CostModel(MODEL, cluster())
+    w = Work(4096, 4096 * 1024)
+    weights, grads = MODEL.layer_params * 2, MODEL.layer_params * 4
+    base = cm.layer(S(dp=8, zero=1), w, FASTEST).transient
+    reduce = weights + grads  # unsharded bf16 gradients + the fp32 reduce-scatter input
+    assert cm.layer(S(dp=8, zero=3), w, FASTEST).transient - base == pytest.approx(3 * weights + reduce)
+    no_prefetch = replace(FASTEST, zero3_prefetch=False)
+    assert cm.layer(S(dp=8, zero=3), w, no_prefetch).transient - base == pytest.approx(2 * weights + reduce)
+    assert cm.layer(S(dp=8, zero=2), w, FASTEST).transient - base == pytest.approx(reduce)
+    # reduced once per step, the gradients stay whole in the states instead: no per-layer buffers
+    last = replace(FASTEST, grad_reduce="last")
+    assert cm.layer(S(dp=8, zero=2), w, last).transient == pytest.approx(base)
 
 
 def test_activation_memory_scales_with_tokens_tp_cp_and_recompute():
