@@ -1,4 +1,4 @@
-"""Pipelined plans train on any data: a pp 2 and a pp 4 plan, 50 steps with every policy `flexmesh train`
+"""Pipelined plans train on any data: a pp 2 and a pp 4 plan, 20 steps with every policy `flexmesh train`
 offers, on the standard-library corpus and on a corpus of many tiny documents (whole batches that pack
 into fewer micro-batches than the pipeline has stages). Every policy gives the same losses: the
 schedules differ, the batches and the math do not.
@@ -21,7 +21,7 @@ from helpers import launch
 from flexmesh.schedule.registry import RUNTIME_POLICIES
 
 POLICIES = tuple(str(p) for p in RUNTIME_POLICIES if p != "shares")  # shares needs several replica groups
-STEPS = 50
+STEPS = 20
 
 
 def _inputs(tmp: Path, pp: int) -> tuple[Path, Path]:
