@@ -97,7 +97,8 @@ def recompute(ctx: ScheduleContext, schedule) -> tuple:
         act[j], ckpt[j], fwd[j] = full.act, check.act, full.fwd
     layers = [ctx.layers_per_stage] * PP
     states = cost.layer(s_ckpt, Work(tokens=1.0, sq_tokens=1.0)).states * ctx.layers_per_stage
-    budget = [cost.memory_budget - states - layer_transient_bytes(cost.model, s_ckpt, 0.0, cost.step_overlap, 0.0)] * PP
+    budget = [cost.memory_budget - states - layer_transient_bytes(cost.model, s_ckpt, 0.0, cost.step_overlap, 0.0,
+                                                                      cost.grad_bytes)] * PP
     sets = in_flight_sets(pipeline_order(units_from_ends(chain_plan(g)[1]), PP, PP), PP)
     choice = choose_recompute(act, ckpt, fwd, layers, budget, sets, time_limit=0.1)
     rows = [(st, sorted(S)) for st in range(PP) for S in set(sets[st])]
