@@ -456,6 +456,15 @@ def test_overlap_outside_zero_one_is_rejected(tmp_path):
         load_profile(_write(tmp_path, d), "hardware")
 
 
+@pytest.mark.parametrize("sample", [[4096, "fast"], [-1, 1e-4], [4096, float("nan")]])
+def test_collective_samples_that_are_not_numbers_are_rejected(tmp_path, sample):
+    """The cost model prices collectives by these samples: a corrupt one is a one-line profile error."""
+    d = _knee_profile().to_dict()
+    d["collectives"][0]["samples_bytes_s"][2] = sample
+    with pytest.raises(ProfileError, match=r"collectives\[0\]\.samples_bytes_s (bytes|seconds) must be a finite number"):
+        load_profile(_write(tmp_path, d), "hardware")
+
+
 def test_parallel_layouts_cover_every_split_that_divides_the_world():
     from flexmesh.profile.model import parallel_layouts
 

@@ -357,6 +357,8 @@ def _hardware_values(d: dict, name: str) -> None:
         for s in sequence(c.get("samples_bytes_s", []), f"{where}.samples_bytes_s", ProfileError):
             if len(sequence(s, f"{where}.samples_bytes_s entry", ProfileError)) != 2:
                 raise ProfileError(f"{where}.samples_bytes_s entries must be [bytes, seconds] pairs, got {s!r}")
+            for value, what in zip(s, ("bytes", "seconds")):  # the cost model prices by these
+                number(value, f"{where}.samples_bytes_s {what}", ProfileError, strict=False)
     mapping(d["produced_by"], f"{w}produced_by", ProfileError)
 
 
