@@ -188,3 +188,67 @@ def test_unsupported_rope_type_names_itself():
            "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [1.0, 2.0]}}
     with pytest.raises(SpecError, match="rope_type 'longrope' is not supported"):
         spec_from_hf_dict(cfg)
+
+
+def _weights_worker(rank: int, port: int, folder: str, out: str) -> None:
+    """Build a trainer from Hugging Face weights with every tensor ``to_empty`` makes filled with NaN
+    (what a reused allocator block may hold), train one step, and save the routing buffers and loss."""
+    import os
+
+    import torch.distributed as dist
+
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.step import Group, StepSchedule
+    from flexmesh.layout.strategy import LayerStrategy
+    from flexmesh.runtime.config import TrainConfig
+    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.moe import MoEFeedForward
+    from flexmesh.runtime.trainer import Trainer
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_distributed(timeout_s=120)
+    empty_like = torch.empty_like
+
+    def garbage(*args, **kwargs) -> torch.Tensor:
+        t = empty_like(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else 7)
+
+    torch.empty_like = garbage  # type: ignore[assignment]
+    spec = from_hf_config(folder)
+    st = LayerStrategy.parse("tp1-dp1z0")
+    plan = Plan.uniform(model=str(Path(folder) / "config.json"), cluster="cpu", world_size=1, pp=1,
+                        pipeline_schedule="1f1b", virtual_stages=1, num_microbatches=1, seq_len=64, global_batch=1,
+                        stages=(StagePlan(0, spec.num_layers, (st,) * spec.num_layers),))
+    cfg = TrainConfig(max_steps=1, lr=1e-3, warmup_steps=0, grad_clip=0.0, progress=False)
+    trainer = Trainer(plan, spec, cfg, weights=folder)
+    torch.empty_like = empty_like
+    buffers = {f"{name}.{b}": buf.detach().clone() for m in trainer.inner_models()
+               for name, mod in m.named_modules() if isinstance(mod, MoEFeedForward)
+               for b, buf in mod.named_buffers()}
+    doc = _docs()[-1]
+    sched = StepSchedule(lengths=(len(doc),), groups=(Group((0,), ((Piece(0, 0, len(doc)),),)),), policy="test")
+    loss = trainer.step([doc], sched).loss
+    torch.save({"buffers": buffers, "loss": loss}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_training_from_weights_starts_routing_state_at_zero(checkpoints, tmp_path):
+    """Trained from a checkpoint (built on meta, materialised by ``to_empty``, weights loaded), the
+    experts' routing state starts at zero whatever the allocator handed out: a balancing bias of garbage
+    would route to other experts, garbage shares would place them; the first step's loss is
+    transformers' own."""
+    from helpers import spawn
+
+    from flexmesh.runtime.launch import free_port
+
+    hf, folders = checkpoints("mixtral")
+    out = tmp_path / "out.pt"
+    spawn(_weights_worker, (free_port(), str(folders["per-expert"]), str(out)), 1)
+    got = torch.load(out)
+    assert got["buffers"] and all(float(b.abs().max()) == 0.0 for b in got["buffers"].values()), got["buffers"]
+    ids = torch.as_tensor(_docs()[-1])[None]
+    with torch.no_grad():
+        want = float(hf(input_ids=ids, labels=ids).loss)
+    assert abs(got["loss"] - want) <= 1e-5 * abs(want)

@@ -311,6 +311,14 @@ class Transformer(nn.Module):
                 full = torch.empty(shape).normal_(0.0, std, generator=gen)
             copy_full_(param, full)
 
+    def init_buffers(self) -> None:
+        """Every module's buffers (the experts' routing state) to their values at construction: a model
+        materialised from meta with ``to_empty`` and then loaded from a checkpoint that has no such
+        tensors (Hugging Face weights) must not keep what the allocator handed out."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta",
                 dtype: torch.dtype = torch.float32) -> Transformer:

@@ -173,6 +173,14 @@ class MoEFeedForward(nn.Module):
         # this rank's tokens are its slice of the row's sequence. None: the whole row.
         self.sequence_shard: tuple | None = None
 
+    def reset_buffers(self) -> None:
+        """Every buffer to its value at construction (all zero): a model materialised from meta with
+        ``to_empty`` holds whatever the allocator handed out, and a Hugging Face checkpoint has none of
+        these (a garbage balancing bias would pick other experts; garbage shares would place them)."""
+        for buf in (self.balance_bias, self.load, self.aux_weights, self.aux_value, self.routed_share):
+            buf.zero_()
+        self.aux_on = False
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights [n, top_k] fp32, chosen experts [n, top_k], probabilities [n, experts] fp32) of tokens
         ``x`` [n, hidden]."""

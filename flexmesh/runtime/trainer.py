@@ -225,6 +225,7 @@ class Trainer:
                 from flexmesh.runtime.weights import load_hf_safetensors
 
                 root.to_empty(device=self.device)
+                model.init_buffers()  # the checkpoint holds weights only; to_empty left the buffers unset
                 report = load_hf_safetensors(model, weights)
                 if self.experts is not None:  # the layout `flexmesh export` writes back
                     self.experts.checkpoint_layout = report.expert_layout
