@@ -360,9 +360,12 @@ def test_experts_over_data_ranks_match_one_process(tmp_path, world):
         for other in ("shuffled", "current"):  # placed every step from a rotation; every micro-batch from its load
             for step, (a, b) in enumerate(zip(result[other]["losses"], static["losses"], strict=True)):
                 assert abs(a - b) <= 1e-6 * abs(b), f"{name} {other} step {step}: {a} vs {b}"
+            # Another placement sums an expert's gradient in another order; AdamW carries the rounding
+            # over the 20 steps (1.2e-6 seen on some CPUs), far below what one misplaced token would move
+            # (~lr = 1e-3 a step): within 1e-5, as every other layout's weights.
             got = load(tmp_path / name / other, "params")
             for k, want in p_static.items():
-                assert float((got[k] - want).abs().max()) <= 1e-6, f"{name}: {other} {k} after {LONG} steps"
+                assert float((got[k] - want).abs().max()) <= 1e-5, f"{name}: {other} {k} after {LONG} steps"
 
 
 @pytest.mark.slow
