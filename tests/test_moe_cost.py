@@ -13,6 +13,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flexmesh.cost import CostModel
 from flexmesh.cost.experts import ExpertParallel, expert_params
@@ -192,3 +194,27 @@ def test_a_model_profiles_shared_expert_does_not_grow_with_the_imbalance():
         growth[width] = fwd[1] / fwd[0] - 1.0
     alone, shared = growth.values()
     assert 0.0 < shared < alone
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(0.0, 1e6), min_size=2, max_size=12), st.integers(1, 8), st.integers(0, 3))
+def test_load_following_placement_hosts_every_expert_within_the_slots(load, ranks, extra):
+    """Every expert on at least one rank, no rank above its slots or holding an expert twice, and the
+    busiest rank no busier than static placement's (the greedy replicates and packs the hot experts)."""
+    from flexmesh.cost.experts import default_slots
+    from flexmesh.schedule.expert_placement import balanced_placement, static_placement
+
+    slots = max(default_slots(len(load), ranks), -(-len(load) // ranks)) + extra
+    p = balanced_placement(load, ranks, slots)
+    assert len(p.hosts) == ranks and all(len(h) <= slots and len(set(h)) == len(h) for h in p.hosts)
+    assert {e for h in p.hosts for e in h} == set(range(len(load)))
+    if ranks <= len(load):
+        assert max(p.rank_loads(load)) <= max(static_placement(len(load), ranks).rank_loads(load)) * (1 + 1e-9) + 1e-9
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_load_that_is_no_count_is_refused_in_one_line(bad):
+    from flexmesh.schedule.expert_placement import balanced_placement
+
+    with pytest.raises(PlanError, match=r"expert loads must be finite numbers >= 0; expert 2 has"):
+        balanced_placement([5.0, 1.0, bad, 3.0], ranks=2)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,11 +116,19 @@ def static_placement(num_experts: int, ranks: int) -> ExpertPlacement:
 
 def balanced_placement(load: Sequence[float], ranks: int, slots: int | None = None) -> ExpertPlacement:
     """LAER-MoE's greedy (module doc): replicas by tokens per replica, then largest first onto the
-    least-loaded rank with a free slot lacking that expert. Deterministic: ties go to the lower expert
-    and the lower rank, so every rank computes the same placement from the same load."""
+    least-loaded rank with a free slot lacking that expert (a replica no such rank is left for is
+    dropped); static placement where that packs the busiest rank lighter. Deterministic: ties go to
+    the lower expert and the lower rank, so every rank computes the same placement from the same load.
+
+    >>> balanced_placement([1, 1, 1, 1, 1, 1e-25, 1e-25, 1e-25], ranks=2, slots=7).hosts  # expert 5's 2nd dropped
+    ((0, 1, 2, 3, 4, 6, 7), (0, 1, 2, 3, 4, 5))
+    """
     e = len(load)
     if e < 1 or ranks < 1:
         raise PlanError(f"an expert placement needs experts and ranks, got {e} experts and {ranks} ranks")
+    bad = [i for i in range(e) if not math.isfinite(float(load[i])) or float(load[i]) < 0]
+    if bad:  # a load read from a damaged checkpoint or trace, or a buffer nobody set
+        raise PlanError(f"expert loads must be finite numbers >= 0; expert {bad[0]} has {load[bad[0]]!r}")
     slots = default_slots(e, ranks) if slots is None else slots
     if slots * ranks < e:
         raise PlanError(f"{ranks} ranks of {slots} expert slots cannot hold {e} experts; give each rank at least "
@@ -143,17 +152,24 @@ def balanced_placement(load: Sequence[float], ranks: int, slots: int | None = No
     ranks_heap = [(0.0, r) for r in range(ranks)]  # (load so far, rank): the least loaded with a free slot on top
     for share, i in items:
         skipped = []
-        while True:
+        while ranks_heap:
             busy, r = heapq.heappop(ranks_heap)
             if i not in hosts[r]:
+                hosts[r].add(i)
+                if len(hosts[r]) < slots:
+                    heapq.heappush(ranks_heap, (busy + share, r))
                 break
             skipped.append((busy, r))
-        hosts[r].add(i)
-        if len(hosts[r]) < slots:
-            heapq.heappush(ranks_heap, (busy + share, r))
+        # else: every rank with a free slot holds expert i already; this replica is dropped (the
+        # expert's first replica always finds a rank, so every expert keeps a host)
         for s in skipped:
             heapq.heappush(ranks_heap, s)
-    return ExpertPlacement(e, tuple(tuple(sorted(h)) for h in hosts))
+    greedy = ExpertPlacement(e, tuple(tuple(sorted(h)) for h in hosts))
+    # Packing replicas largest first under one replica per rank is a heuristic, and with few free slots
+    # it can place a hot expert's two halves beside other hot experts: then the static blocks, which
+    # fit the same slots, are kept (never a busier rank than static placement on this load).
+    static = static_placement(e, ranks)
+    return static if max(static.rank_loads(load)) < max(greedy.rank_loads(load)) else greedy
 
 
 @dataclass
