@@ -9,6 +9,8 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flexmesh.cli import main
 from flexmesh.cost.mixed import MIXED_OVERLAP, MixedCosts, evaluate_groups
@@ -269,3 +271,19 @@ def test_a_pipeline_may_span_four_device_types_when_no_three_hold_the_model():
     kinds = [cluster.group_of(group.ranks[i * group.stage_devices]) for i in range(len(group.stages))]
     assert sorted(kinds) == [0, 1, 2, 3] and kinds[0] == 3  # the A10s (24 GB) first
     assert {group.stage_tp(i) for i in range(len(group.stages))} == {4}
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 120), st.lists(st.tuples(st.integers(1, 24), st.floats(0.01, 100.0)), min_size=1, max_size=3))
+def test_granular_shares_split_the_batch_whenever_a_split_exists(total, parts):
+    """Each type's share a positive multiple of its data ranks, summing to the batch, whenever any such
+    split exists (checked by enumeration), and None only when none does."""
+    from flexmesh.plan.mixed_types import granular_shares
+
+    granules, weights = [g for g, _ in parts], [w for _, w in parts]
+    exists = any(sum(k * g for k, g in zip(ks, granules)) == total
+                 for ks in itertools.product(*(range(1, total // g + 1) for g in granules)))
+    got = granular_shares(total, weights, granules)
+    assert (got is not None) == exists, (total, granules, got)
+    if got is not None:
+        assert sum(got) == total and all(s >= g and s % g == 0 for s, g in zip(got, granules))

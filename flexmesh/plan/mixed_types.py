@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from flexmesh.cost.mixed import MixedCosts, evaluate_groups
 from flexmesh.errors import PlanError
 from flexmesh.layout.enums import PipelineSchedule
@@ -151,10 +153,14 @@ class TypePlans:
 def granular_shares(total: int, weights: Sequence[float], granules: Sequence[int]) -> list[int] | None:
     """``total`` sequences over parts in proportion to ``weights``, part ``i`` a positive multiple of
     ``granules[i]`` (None when no such split adds up): each share rounded to its granule, then the
-    sum corrected one granule at a time on the part furthest from its target.
+    sum corrected one granule at a time on the part furthest from its target; where that gets stuck
+    (granules that do not divide what is left), part by part the multiple nearest its target that
+    leaves a sum the later parts can make (:func:`_reachable`).
 
     >>> granular_shares(2048, [3.67, 1.28], [256, 128]), granular_shares(10, [1, 1], [4, 4])
     ([1536, 512], None)
+    >>> granular_shares(10, [1, 100], [4, 6])  # rounding gives [4, 12], and 2 is no granule
+    [4, 6]
     """
     target = [total * w / sum(weights) for w in weights]
     shares = [max(g, round(t / g) * g) for t, g in zip(target, granules)]
@@ -165,7 +171,35 @@ def granular_shares(total: int, weights: Sequence[float], granules: Sequence[int
         sign = 1 if diff > 0 else -1
         movable = [i for i, g in enumerate(granules) if g <= abs(diff) and shares[i] + sign * g >= g]
         if not movable:
-            return None
+            break
         i = max(movable, key=lambda i: sign * (target[i] - shares[i]))
         shares[i] += sign * granules[i]
-    return None
+    return _nearest_split(total, target, granules)
+
+
+def _reachable(total: int, granules: Sequence[int]) -> list[np.ndarray]:
+    """``out[i][s]``: parts ``i, i+1, ...`` can make ``s`` sequences as positive multiples of their
+    granules (``out[len]`` makes only 0)."""
+    out = [np.zeros(total + 1, dtype=bool)]
+    out[0][0] = True
+    for g in reversed(granules):
+        prev, cur = out[0], np.zeros(total + 1, dtype=bool)
+        for k in range(1, total // g + 1):
+            cur[k * g:] |= prev[:total + 1 - k * g]
+        out.insert(0, cur)
+    return out
+
+
+def _nearest_split(total: int, target: Sequence[float], granules: Sequence[int]) -> list[int] | None:
+    """Part by part, the multiple of its granule nearest its target that leaves a sum the later parts
+    can make; None when the parts cannot make ``total`` at all."""
+    reach = _reachable(total, granules)
+    if not reach[0][total]:
+        return None
+    shares, left = [], total
+    for i, g in enumerate(granules):
+        options = [k * g for k in range(1, left // g + 1) if reach[i + 1][left - k * g]]
+        share = min(options, key=lambda x: (abs(x - target[i]), x))
+        shares.append(share)
+        left -= share
+    return shares
