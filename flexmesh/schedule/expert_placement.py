@@ -160,8 +160,8 @@ def balanced_placement(load: Sequence[float], ranks: int, slots: int | None = No
                     heapq.heappush(ranks_heap, (busy + share, r))
                 break
             skipped.append((busy, r))
-        # else: every rank with a free slot holds expert i already; this replica is dropped (the
-        # expert's first replica always finds a rank, so every expert keeps a host)
+        # The heap emptied without a placement when every rank with a free slot holds expert i already:
+        # this replica is dropped (an expert's first replica always finds a rank, so each keeps a host).
         for s in skipped:
             heapq.heappush(ranks_heap, s)
     greedy = ExpertPlacement(e, tuple(tuple(sorted(h)) for h in hosts))
