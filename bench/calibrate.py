@@ -49,7 +49,15 @@ PLANS = {
     "tp2 x dp2 zero3 + recompute": (4, "tp2-dp2z3-ac", 1),
     "ulysses2 x dp2 zero2": (4, "tp1-u2-dp2z2", 1),
     "pp2 x dp2 1f1b": (4, "tp1-dp2z2", 2),
+    "pp2 1f1b, short micro-batches": (2, "tp1-dp1z0", 2),
 }
+# (seq_len, global_batch) of plans that do not run the command line's: 32 micro-batches of 128 tokens,
+# where the framework's cost per pipeline chunk (the model profile's `pipeline`) is a visible share
+SHAPES = {"pp2 1f1b, short micro-batches": (128, 32)}
+
+
+def shape(name: str, seq_len: int, global_batch: int) -> tuple[int, int]:
+    return SHAPES.get(name, (seq_len, global_batch))
 QUICK = ("dp2", "tp2 (sp)", "ulysses2", "pp2 1f1b")
 
 
@@ -65,12 +73,17 @@ def make_plan(world: int, strategy: str, pp: int, seq_len: int, global_batch: in
                 num_microbatches=global_batch // s.dp, seq_len=seq_len, global_batch=global_batch, stages=stages)
 
 
-def cost_model(world: int, profiles: Path):
-    from flexmesh.profile import cost_model_from_profiles
+def cost_model(world: int, profiles: Path, stage_cost: bool = True):
+    """The cost model of this world's profiles (``stage_cost=False``: without the model profile's
+    framework seconds per pipeline chunk, to show what that term does)."""
+    from flexmesh.profile import cost_model_from_profiles, load_profile
     from flexmesh.spec.model import parse_model
 
+    model = load_profile(profiles / f"model_{world}.json", "model")
+    if not stage_cost:
+        model.pipeline = {}
     return cost_model_from_profiles(parse_model(MODEL), hardware=profiles / f"hardware_{world}.json",
-                                    model=profiles / f"model_{world}.json", world=world)
+                                    model=model, world=world)
 
 
 def steps_for(plan, cost, steps: int, seed: int = 0) -> list:
@@ -113,7 +126,7 @@ def worker(out: Path, names: list[str], profiles: Path, steps: int, seq_len: int
     results = {}
     for name in names:
         w, strategy, pp = PLANS[name]
-        plan = make_plan(w, strategy, pp, seq_len, global_batch)
+        plan = make_plan(w, strategy, pp, *shape(name, seq_len, global_batch))
         trainer = Trainer(plan, parse_model(MODEL), TrainConfig(max_steps=steps, progress=False))
         times, act = [], []
         for docs, schedule in steps_for(plan, cost, steps):
@@ -180,11 +193,16 @@ def main() -> None:
                 if proc.returncode != 0:
                     raise SystemExit(f"world-{w} run failed:\n{proc.stderr[-4000:]}")
             measured.update(json.loads(res.read_text()))
-        rows = []
+        rows, without = [], []
         for name in names:
             w, strategy, pp = PLANS[name]
-            plan = make_plan(w, strategy, pp, args.seq_len, args.global_batch)
+            plan = make_plan(w, strategy, pp, *shape(name, args.seq_len, args.global_batch))
             ev = cost_model(w, profiles).evaluate(plan)
+            if pp > 1:
+                t = cost_model(w, profiles, stage_cost=False).evaluate(plan).step_time
+                got = measured[name]["step_time_s"]
+                without.append(f"{name}: {t:.3f} s ({(t - got) / got:+.1%}) without it, {ev.step_time:.3f} s "
+                               f"({(ev.step_time - got) / got:+.1%}) with it")
             # What autograd keeps for backward: the layers' activations and, on the last stage, the logits.
             act = max(m["activations"] + m["logits"] for m in ev.memory)
             got = measured[name]
@@ -208,15 +226,19 @@ def main() -> None:
     summary = (f"median |error|: step time {err_t:.1%} (target <= 15%), activation memory {err_m:.1%} "
                f"(target <= 10%) over {len(rows)} plans")
     console.print(summary, highlight=False)
+    stage_line = ("Pipeline plans priced with and without the model profile's framework seconds per chunk "
+                  f"(`pipeline.stage_fixed_s`): {'; '.join(without)}.") if without else ""
+    console.print(stage_line, highlight=False)
     if not (args.quick or args.predict_only):  # a record is of one run that measured what it predicts
         from bench._results import markdown_table, record
 
         md = [f"Profiles: `flexmesh profile hardware --quick` and `flexmesh profile model --model {MODEL} --quick`, "
               f"each with `--nproc W` for W in {worlds}, on this machine ({os.cpu_count()} cores, OMP_NUM_THREADS=1). "
               f"Each plan trained {steps} steps of {args.global_batch} random-token documents of {args.seq_len} "
-              "tokens; measured step time = median after the first step; measured activation memory = peak bytes "
+              f"tokens (`{'`, `'.join(SHAPES)}`: {', '.join(f'{b} of {n}' for n, b in SHAPES.values())}); "
+              "measured step time = median after the first step; measured activation memory = peak bytes "
               "saved for backward on any rank (SavedActivationMeter).", "",
-              *markdown_table(cols, md_rows), "", f"**{summary}**"]
+              *markdown_table(cols, md_rows), "", f"**{summary}**", "", stage_line]
         record("calibrate", "\n".join(md))
 
 

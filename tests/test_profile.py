@@ -3,10 +3,12 @@
 import doctest
 import importlib
 import json
+import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from flexmesh.cost import CostModel, GroupShape, Work
 from flexmesh.cost.kernels import Kernels
@@ -378,6 +380,52 @@ def test_whole_model_fixed_seconds_are_paid_once_per_micro_batch_with_the_head(t
     (tmp_path / "bad.json").write_text(json.dumps(d))
     with pytest.raises(ProfileError, match="whole_model.forward_fixed_s must be a finite number >= 0"):
         load_profile(tmp_path / "bad.json")
+
+
+def test_pipeline_stage_fixed_seconds_are_paid_per_chunk_per_micro_batch(tmp_path):
+    plain, staged = cost(world=4), cost(world=4, pipeline={"stage_fixed_s": 0.003, "stages": [1, 2, 4]})
+    s = LayerStrategy()
+    assert staged.pipeline_p2p(s, 1, 1024, pp=1) == plain.pipeline_p2p(s, 1, 1024, pp=1) == 0.0  # no pipeline
+    assert staged.pipeline_p2p(s, 1, 1024, pp=2) == pytest.approx(plain.pipeline_p2p(s, 1, 1024, pp=2) + 0.003)
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):  # every chunk of a rank pays it, every micro-batch
+        chunks = [[s] * (4 // (2 * v))] * (2 * v)
+        a = plain.evaluate_stages(chunks, 2, schedule, 4, v, 1, 1024)
+        b = staged.evaluate_stages(chunks, 2, schedule, 4, v, 1, 1024)
+        assert np.subtract(b.stage_times, a.stage_times) == pytest.approx([0.003 * v] * 2)
+        assert b.step_time > a.step_time
+    one = [[s] * 4]
+    assert staged.evaluate_stages(one, 1, "1f1b", 4, 1, 1, 1024).step_time == \
+        plain.evaluate_stages(one, 1, "1f1b", 4, 1, 1, 1024).step_time
+    d = model_profile(pipeline={"stage_fixed_s": 0.003}).to_dict()
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    assert load_profile(tmp_path / "p.json").stage_fixed() == 0.003
+    del d["pipeline"]  # a profile written before the measurement: no cost per stage
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert load_profile(tmp_path / "old.json").stage_fixed() == 0.0
+    d["pipeline"] = {"stage_fixed_s": -1e-3}
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="pipeline.stage_fixed_s must be a finite number >= 0"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_measured_stage_cost_follows_the_framework_work_per_stage(monkeypatch):
+    """A delay in each stage's forward shows up in the fitted cost per chunk, and nowhere else."""
+    from flexmesh.profile.model import _measure_stages, sweep
+    from flexmesh.profile.runner import World
+    from flexmesh.runtime.pipeline import StageModule
+
+    cfg, world = sweep(quick=True), World("cpu")
+    before = _measure_stages(TINY, cfg, torch.float32, world.device, world)
+    assert before["stages"] == [1, 2, 4] and len(before["step_s"]) == 3 and before["stage_fixed_s"] >= 0
+    forward = StageModule.forward
+
+    def slow(self, *a, **kw):
+        time.sleep(0.01)
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(StageModule, "forward", slow)
+    after = _measure_stages(TINY, cfg, torch.float32, world.device, world)
+    assert 0.007 < after["stage_fixed_s"] - before["stage_fixed_s"] < 0.014
 
 
 def test_without_profiles_nothing_changes():

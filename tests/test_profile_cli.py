@@ -50,6 +50,9 @@ def test_model_profile_quick_single_process(tmp_path, capsys, monkeypatch):
     assert prof.states["optimizer_bytes_per_param"] == 8  # AdamW's two fp32 moments
     # the printed summary shows every recomputation kind measured, selective included
     assert "selective recompute" in printed
+    # two layers: the model cut into one and two pipeline stages, the cost per chunk fitted and printed
+    assert prof.pipeline["stages"] == [1, 2] and len(prof.pipeline["step_s"]) == 2 and prof.stage_fixed() >= 0
+    assert f"pipeline stages: {prof.stage_fixed() * 1e3:.2f} ms per chunk per micro-batch" in printed
     row = next(line for line in printed.splitlines() if line.replace("│", " ").split()[:2] == ["1", "1"])
     cells = row.replace("│", " ").split()
     assert cells[2:5] == [f"{acts[(1, 1, k)]:,.0f}" for k in (False, "selective", True)]
@@ -144,6 +147,7 @@ def test_model_profile_under_torchrun_times_real_groups(tmp_path):
         shortest = min(rows, key=lambda x: sum(x["lengths"]))
         assert longest["forward_s"] + longest["backward_s"] > shortest["forward_s"] + shortest["backward_s"]
     assert [e["tp"] for e in par["ends"]] == [2]
+    assert prof.pipeline["stages"] == [1, 2] and prof.stage_fixed() >= 0  # each process its own group of one
     # the cost model prices a tp 2 layer from the tp 2 timing, communication included
     spec = from_hf_config(cfg)
     cost = cost_model_from_profiles(spec, model=out, cluster=parse_cluster("2xA100-80GB"))

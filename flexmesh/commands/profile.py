@@ -176,6 +176,10 @@ def _summary(prof, out: str) -> None:
                       f"{prof.whole_fixed('forward') * 1e3:.2f} ms, backward {prof.whole_factor('backward'):.2f}x + "
                       f"{prof.whole_fixed('backward') * 1e3:.2f} ms per micro-batch (every pass is priced with these)",
                       highlight=False)
+        if prof.pipeline:
+            con.print(f"pipeline stages: {prof.stage_fixed() * 1e3:.2f} ms per chunk per micro-batch, forward and "
+                      f"backward (the runtime's schedule over {prof.pipeline['microbatches']} micro-batches with the "
+                      f"model cut into {', '.join(map(str, prof.pipeline['stages']))} stages)", highlight=False)
         if prof.parallel.get("layers"):
             _parallel_summary(con, prof, Table)
     con.print(f"wrote {out}", highlight=False)

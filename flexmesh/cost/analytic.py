@@ -333,3 +333,8 @@ class AnalyticTiming:
     def optimizer_s_per_param(self) -> float:
         """:data:`OPTIM_TRAFFIC_BYTES` of the model's dtype over the achievable HBM bandwidth."""
         return OPTIM_TRAFFIC_BYTES[self.model.dtype] / self.kernels.hbm_bytes_per_s
+
+    def stage_fixed_s(self) -> float:
+        """None: no published measurement gives a stack's framework time per pipeline chunk, and a
+        datasheet has none to count (each kernel's launch is in its time); a model profile measures it."""
+        return 0.0

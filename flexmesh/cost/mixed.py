@@ -185,12 +185,14 @@ def p2p_time(costs: MixedCosts, a: tuple[tuple[int, ...], int], b: tuple[tuple[i
              seq_len: int) -> float:
     """Send + receive of one micro-batch's boundary activations between two stages (each its ranks and tp
     degree), forward and backward, on the network between them (the sequence-parallel shard of the
-    smaller TP group)."""
+    smaller TP group), plus the framework's fixed seconds per pipeline chunk of the first stage's devices
+    (as :meth:`CostModel.pipeline_p2p`)."""
     (ranks_a, tp_a), (ranks_b, tp_b) = a, b
     cost, shape = costs.network([ranks_a[0], ranks_b[0]])
     work = cost.layer_work(LayerStrategy(tp=min(tp_a, tp_b)), microbatch, seq_len)
     nbytes = work.tokens / min(tp_a, tp_b) * costs.model.hidden * costs.model.dtype_bytes
-    return 2 * float(cost.hw.collective_time("send_recv", nbytes, shape))
+    return (2 * float(cost.hw.collective_time("send_recv", nbytes, shape))
+            + costs.of_rank(ranks_a[0]).timing.stage_fixed_s())
 
 
 def gradient_sync(costs: MixedCosts, groups: Sequence[ReplicaGroup]) -> list[list[float]]:

@@ -353,14 +353,15 @@ class CostModel(StepPricing):
         return replace(overlap, grad_reduce="bucketed") if m == 1 else overlap
 
     def pipeline_p2p(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int, pp: int) -> float:
-        """Send + receive of one micro-batch's boundary activations, forward and backward (exposed)."""
+        """Send + receive of one micro-batch's boundary activations, forward and backward (exposed),
+        plus the framework's fixed seconds per pipeline chunk (:meth:`LayerTiming.stage_fixed_s`)."""
         if pp == 1:
             return 0.0
         work = self.layer_work(s, microbatch_seqs, seq_len)
         nbytes = work.tokens / s.cp / s.tp * self.model.hidden * self.model.dtype_bytes
         stride = self.cluster.world_size // pp
         shape = group_shape(2, stride, self.cluster)
-        return 2 * self.hw.collective_time("send_recv", nbytes, shape)
+        return 2 * self.hw.collective_time("send_recv", nbytes, shape) + self.timing.stage_fixed_s()
 
     def evaluate_stages(self, stage_strategies, pp: int, pipeline_schedule: str, m: int, v: int,
                         microbatch_seqs: int, seq_len: int, overlap: Overlap = NO_OVERLAP, speed: float | None = None,

@@ -102,3 +102,8 @@ class LayerTiming(Protocol):
     def optimizer_s_per_param(self) -> float:
         """Seconds of the optimizer step per (local) parameter."""
         ...
+
+    def stage_fixed_s(self) -> float:
+        """Seconds the framework adds per pipeline chunk per micro-batch (forward and backward together,
+        beyond the chunk's layers, ends and sends)."""
+        ...

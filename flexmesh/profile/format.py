@@ -223,6 +223,9 @@ class ModelProfile:
     # The whole model timed as the trainer runs it against the sum of its parts (optional; older
     # profiles have none): "layers", "forward" and "backward" factors, "samples"; see docs/profiles.md.
     whole_model: dict = field(default_factory=dict)
+    # The framework's fixed cost per pipeline chunk per micro-batch (optional; older profiles have none):
+    # "stages", "microbatches", "tokens", "step_s", "stage_fixed_s"; see docs/profiles.md.
+    pipeline: dict = field(default_factory=dict)
 
     def whole_factor(self, direction: str) -> float:
         """The whole-model factor of ``direction`` (forward / backward); 1.0 where not measured."""
@@ -231,6 +234,10 @@ class ModelProfile:
     def whole_fixed(self, direction: str) -> float:
         """The whole model's fixed seconds per micro-batch in ``direction``; 0 where not measured."""
         return float(self.whole_model.get(f"{direction}_fixed_s", 0.0))
+
+    def stage_fixed(self) -> float:
+        """The framework's fixed seconds per pipeline chunk per micro-batch; 0 where not measured."""
+        return float(self.pipeline.get("stage_fixed_s", 0.0))
 
     @property
     def model_hash(self) -> str:
@@ -274,7 +281,8 @@ class ModelProfile:
         return {"version": VERSION, "kind": "model", "produced_by": self.produced_by, "model": self.model,
                 "model_hash": self.model_hash, "dtype": self.dtype, "layer": fits(self.layer),
                 "embedding": fits(self.embedding), "head": fits(self.head), "activations": self.activations,
-                "states": self.states, "samples": self.samples, "parallel": parallel, "whole_model": self.whole_model}
+                "states": self.states, "samples": self.samples, "parallel": parallel, "whole_model": self.whole_model,
+                "pipeline": self.pipeline}
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "model") -> "ModelProfile":
@@ -297,7 +305,8 @@ class ModelProfile:
                           head=fits("head", ("forward", "backward")),
                           activations=d["activations"], states=d["states"], produced_by=d["produced_by"],
                           samples=d.get("samples", {}), name=name, parallel=parallel,
-                          whole_model=dict(mapping(d.get("whole_model") or {}, f"{name}: whole_model", ProfileError)))
+                          whole_model=dict(mapping(d.get("whole_model") or {}, f"{name}: whole_model", ProfileError)),
+                          pipeline=dict(mapping(d.get("pipeline") or {}, f"{name}: pipeline", ProfileError)))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProfileError(f"{name}: a time fit is malformed ({e!r}); each needs c0_s, c1_s_per_token, "
                                "c2_s_per_sq_token") from None
@@ -310,6 +319,8 @@ class ModelProfile:
             if key in profile.whole_model:
                 number(profile.whole_model[key], f"{name}: whole_model.{key}", ProfileError,
                        strict=not key.endswith("_fixed_s"))  # a factor > 0, a fixed time >= 0
+        if "stage_fixed_s" in profile.pipeline:
+            number(profile.pipeline["stage_fixed_s"], f"{name}: pipeline.stage_fixed_s", ProfileError, strict=False)
         return profile
 
     def save(self, path: str | Path) -> None:

@@ -265,6 +265,73 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
     return out
 
 
+# Pipeline stages the model is cut into on one process (:func:`_measure_stages`): each a torch.distributed.
+# pipelining stage run by the runtime's interleaved schedule; enough chunk runs per step for a fraction
+# of a millisecond each to stand clear of the step's noise.
+PIPELINE_STAGES = (1, 2, 4)
+PIPELINE_MICROBATCHES = 8
+PIPELINE_TOKENS = 32  # a short row: the framework's work, not the kernels', is what grows with the stages
+
+
+def _measure_stages(spec: ModelSpec, cfg: dict, dtype, device, world: World) -> dict:
+    """The framework's fixed seconds per pipeline chunk per micro-batch (forward and backward together).
+
+    The runtime's model of ``min(num_layers, WHOLE_LAYERS)`` layers is cut into 1, 2 and 4 pipeline
+    stages (as many as it has layers; a stage may hold only the embedding), all on this process, and
+    a step of :data:`PIPELINE_MICROBATCHES` rows of :data:`PIPELINE_TOKENS` tokens runs through
+    torch.distributed.pipelining's interleaved schedule, as :mod:`flexmesh.runtime.pipeline` builds
+    it (stages on one rank hand activations over in memory: no sends). The layers' work is the same
+    whatever the cut, so the step time grows with the chunk runs (stages x micro-batches) by what
+    each costs the framework: the schedule's actions, each stage's autograd call, the stage's input
+    and gradient buffers. Fitted ``step = base + fixed x stages x micro-batches`` (both >= 0, least
+    squares in relative error); returns {"stages", "microbatches", "tokens", "step_s", "stage_fixed_s"}.
+
+    Each process measures alone (a process group of itself); rank 0 keeps the medians.
+    """
+    import copy
+
+    import torch.distributed as dist
+
+    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.pipeline import StageModule, build_pipeline_schedule, make_stages, split_stage
+
+    own = not dist.is_initialized()
+    if own:  # one process without torchrun: a group of one, in memory
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        alone = dist.group.WORLD if own else [dist.new_group([r]) for r in range(world.size)][world.rank]
+        n_layers = min(spec.num_layers, WHOLE_LAYERS)
+        base = build_model(replace(spec, num_layers=n_layers, tie_embeddings=False), device, dtype)
+        counts = sorted({min(s, max(n_layers, 2)) for s in PIPELINE_STAGES})  # one layer: an embedding-only stage
+        m, n = PIPELINE_MICROBATCHES, PIPELINE_TOKENS
+        row = packed_row(spec, [n], device)
+        batch = SimpleNamespace(positions=torch.arange(n, device=device)[None], cu_seqlens=row.docs.cu,
+                                bounds=row.docs.bounds)
+        ids = torch.randint(0, spec.vocab, (m, n), device=device)
+        times = []
+        for count in counts:
+            cuts = [round(k * n_layers / count) for k in range(count + 1)]
+            modules = [StageModule(split_stage(copy.deepcopy(base), cuts[k], cuts[k + 1], k == 0, k == count - 1))
+                       for k in range(count)]
+            stages = make_stages(modules, list(range(count)), count, device, alone, tokens=n, tp=1,
+                                 hidden=spec.hidden, vocab=spec.vocab, dtype=dtype)
+            sched = build_pipeline_schedule(stages, "interleaved", m, summed_cross_entropy)
+
+            def step():
+                for mod in modules:
+                    mod.feed([batch] * m)
+                sched.step(ids, target=ids, losses=[], return_outputs=False)
+
+            world.barrier()
+            times.append(median_time(step, cfg["reps"] + 1, device))
+        times = world.medians(times)
+    finally:
+        if own:
+            dist.destroy_process_group()
+    _, fixed = fit_linear([c * m for c in counts], times)
+    return {"stages": counts, "microbatches": m, "tokens": n, "step_s": times, "stage_fixed_s": fixed}
+
+
 def parallel_layouts(spec: ModelSpec, world_size: int, max_degree: int) -> list[tuple[int, str, int]]:
     """(tp, cp kind, cp) of one layer to time under real process groups: every tp x cp > 1 of
     :func:`degrees` that divides the world; Ulysses only where the heads per tp rank split cp ways."""
@@ -370,7 +437,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     n_deg = len(degrees(spec, cfg["max_degree"]))
     n_par = len(parallel_layouts(spec, world.size, cfg["max_degree"]))
     with progress(show_progress and world.is_main, f"profiling {spec.name}",
-                  len(cfg["rows"]) + 3 + n_deg + n_par) as advance:
+                  len(cfg["rows"]) + 4 + n_deg + n_par) as advance:
         layer, layer_rows = _layer_sweep(_compiled(rank_block(spec, dt, device), compile), cfg["rows"], cfg, spec, dt,
                                          device, world, world.medians, advance=advance)
         world.barrier()
@@ -378,6 +445,8 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         advance("embedding and head")
         whole = _measure_whole(spec, cfg, layer, end_fits, dt, device, world, compile)
         advance(f"whole model ({whole['layers']} layers)")
+        pipeline = _measure_stages(spec, cfg, dt, device, world)
+        advance(f"pipeline stages ({', '.join(map(str, pipeline['stages']))})")
         states = _states(spec, cfg["reps"], dt, device)
         states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
         advance("optimizer")
@@ -391,6 +460,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
                                    "backward": end_fits["embedding_backward"]},
                         head={"forward": end_fits["head_forward"], "backward": end_fits["head_backward"]},
                         activations=activations, states=states, parallel=parallel, whole_model=whole,
+                        pipeline=pipeline,
                         produced_by=produced_by(processes=world.size, device_count=world.size,
                                                 device_type=world.device.type),
                         samples=samples, name=f"model-{spec.name}")

@@ -22,6 +22,9 @@ uses them: docs/cost-model.md.
   runs it, fitted as ``factor x parts + fixed``; 1 for profiles without one), so that a micro-batch
   costs what the layers cost in sequence rather than each alone with its data in cache, and each
   micro-batch pays the fixed seconds (0 without them) once, with the head;
+- under pipelining, every chunk pays the profile's framework seconds per micro-batch
+  (``pipeline.stage_fixed_s``: the runtime's schedule with the model cut into more stages, less the
+  same model in fewer; 0 for profiles without it) beside its sends and receives;
 - weights, gradients and optimizer states take the profile's bytes per parameter, the optimizer
   step its seconds per parameter, and every byte count the profile's dtype.
 
@@ -201,6 +204,10 @@ class ProfiledTiming:
     def optimizer_s_per_param(self) -> float:
         """The measured optimizer step seconds per parameter."""
         return float(self.profile.states["optimizer_step_s_per_param"])
+
+    def stage_fixed_s(self) -> float:
+        """The measured framework seconds per pipeline chunk per micro-batch (0 for older profiles)."""
+        return self.profile.stage_fixed()
 
 
 class ProfiledHardware(Hardware):
