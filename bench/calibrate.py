@@ -49,11 +49,11 @@ PLANS = {
     "tp2 x dp2 zero3 + recompute": (4, "tp2-dp2z3-ac", 1),
     "ulysses2 x dp2 zero2": (4, "tp1-u2-dp2z2", 1),
     "pp2 x dp2 1f1b": (4, "tp1-dp2z2", 2),
-    "pp2 1f1b, short micro-batches": (2, "tp1-dp1z0", 2),
+    "pp2 1f1b short micro-batches": (2, "tp1-dp1z0", 2),
 }
 # (seq_len, global_batch) of plans that do not run the command line's: 32 micro-batches of 128 tokens,
 # where the framework's cost per pipeline chunk (the model profile's `pipeline`) is a visible share
-SHAPES = {"pp2 1f1b, short micro-batches": (128, 32)}
+SHAPES = {"pp2 1f1b short micro-batches": (128, 32)}
 
 
 def shape(name: str, seq_len: int, global_batch: int) -> tuple[int, int]:
