@@ -126,6 +126,9 @@ def test_explain_names_the_framework_terms_a_model_profile_measured():
     profiled = CostModel(MODEL_PRESETS["tiny"], parse_cluster("2xA100-80GB"), timing=ProfiledTiming(mp))
     line = framework_terms(profiled)
     assert "forward 1.25x its layers + 4.00 ms, backward 1.10x + 6.50 ms per micro-batch" in line
+    assert "no fixed cost per pipeline stage (the profile predates its measurement" in line
+    mp.pipeline = {"stages": [1, 2, 4], "stage_fixed_s": 0.0009}
+    assert "; 0.90 ms per pipeline chunk per micro-batch" in framework_terms(profiled)
     assert "no fixed cost" in framework_terms(CostModel(MODEL_PRESETS["tiny"], parse_cluster("2xA100-80GB")))
 
 

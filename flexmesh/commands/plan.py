@@ -303,11 +303,12 @@ def framework_terms(cost: CostModel) -> str:
     """What the cost model charges a micro-batch beyond its kernels and collectives, and where it comes from."""
     t = cost.timing
     if hasattr(t, "fixed_fwd"):  # a model profile's whole-model fit (flexmesh.profile.timing.ProfiledTiming)
-        stage = t.stage_fixed_s()
-        per_stage = (f"; {stage * 1e3:.2f} ms per pipeline chunk per micro-batch, forward and backward, beside its "
-                     "sends (measured: the runtime's schedule over the model cut into more stages)" if stage else
-                     "; no fixed cost per pipeline stage (the profile predates its measurement: re-run "
-                     "`flexmesh profile model`)" if not t.profile.pipeline else "; 0 ms per pipeline chunk (measured)")
+        if t.profile.pipeline:
+            per_stage = (f"; {t.stage_fixed_s() * 1e3:.2f} ms per pipeline chunk per micro-batch, forward and "
+                         "backward, beside its sends (the runtime's schedule over the model cut into more stages)")
+        else:
+            per_stage = ("; no fixed cost per pipeline stage (the profile predates its measurement: re-run "
+                         "`flexmesh profile model`)")
         return (f"framework: the model profile's whole-model fit, forward {t.k_fwd:.2f}x its layers + "
                 f"{t.fixed_fwd * 1e3:.2f} ms, backward {t.k_bwd:.2f}x + {t.fixed_bwd * 1e3:.2f} ms per micro-batch "
                 f"(the fixed part once per micro-batch, with the head on the last pipeline stage){per_stage}")
