@@ -4,8 +4,9 @@
 optimizer). :func:`step_terms` splits them further, on the busiest pipeline rank as the evaluation
 does: compute without recomputation, the recomputed forward, TP and context-parallel communication
 left exposed, ZeRO's per-micro-batch communication left exposed, resharding between layer meshes and
-pipeline sends, the bubble, the exposed data-parallel gradient sync and the optimizer step. The
-terms add up to the step time.
+pipeline sends (with a model profile's framework seconds per pipeline chunk, which
+:meth:`CostModel.pipeline_p2p` adds to them), the bubble, the exposed data-parallel gradient sync and
+the optimizer step. The terms add up to the step time.
 """
 
 from __future__ import annotations
