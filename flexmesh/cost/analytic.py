@@ -335,6 +335,6 @@ class AnalyticTiming:
         return OPTIM_TRAFFIC_BYTES[self.model.dtype] / self.kernels.hbm_bytes_per_s
 
     def stage_fixed_s(self) -> float:
-        """None: no published measurement gives a stack's framework time per pipeline chunk, and a
+        """0: no published measurement gives a stack's framework time per pipeline chunk, and a
         datasheet has none to count (each kernel's launch is in its time); a model profile measures it."""
         return 0.0

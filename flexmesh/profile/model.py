@@ -31,6 +31,9 @@ dtype it trains in (fp32), one packed row (micro-batch) at a time:
   and inputs (in cache, most likely), a model's layers in sequence do not, and the parts alone
   under-predict a micro-batch (``tiny`` on a 2-core machine: factors 1.16-1.17 forward, 1.02-1.06 backward); the
   cost model multiplies every pass by the factor (:class:`~flexmesh.profile.timing.ProfiledTiming`);
+- the framework's fixed cost per pipeline chunk (:func:`_measure_stages`): the same model cut into
+  1, 2 and 4 pipeline stages on one process, a step of short micro-batches through the runtime's
+  interleaved schedule per cut, fitted linear in stages x micro-batches;
 - with more than one process, the same layer timings under real process groups for every
   (tp, cp kind, cp) layout that divides the world (tp x cp up to the sweep's ``max_degree``), and
   the embedding and head under each tp
