@@ -51,6 +51,7 @@ PLANS = {
     "pp2 x dp2 1f1b": (4, "tp1-dp2z2", 2),
     "pp2 1f1b short micro-batches": (2, "tp1-dp1z0", 2),
 }
+QUICK = ("dp2", "tp2 (sp)", "ulysses2", "pp2 1f1b")
 # (seq_len, global_batch) of plans that do not run the command line's: 32 micro-batches of 128 tokens,
 # where the framework's cost per pipeline chunk (the model profile's `pipeline`) is a visible share
 SHAPES = {"pp2 1f1b short micro-batches": (128, 32)}
@@ -58,7 +59,6 @@ SHAPES = {"pp2 1f1b short micro-batches": (128, 32)}
 
 def shape(name: str, seq_len: int, global_batch: int) -> tuple[int, int]:
     return SHAPES.get(name, (seq_len, global_batch))
-QUICK = ("dp2", "tp2 (sp)", "ulysses2", "pp2 1f1b")
 
 
 def make_plan(world: int, strategy: str, pp: int, seq_len: int, global_batch: int):
@@ -200,9 +200,9 @@ def main() -> None:
             ev = cost_model(w, profiles).evaluate(plan)
             if pp > 1:
                 t = cost_model(w, profiles, stage_cost=False).evaluate(plan).step_time
-                got = measured[name]["step_time_s"]
-                without.append(f"{name}: {t:.3f} s ({(t - got) / got:+.1%}) without it, {ev.step_time:.3f} s "
-                               f"({(ev.step_time - got) / got:+.1%}) with it")
+                meas = measured[name]["step_time_s"]
+                without.append(f"{name}: {t:.3f} s ({(t - meas) / meas:+.1%}) without it, {ev.step_time:.3f} s "
+                               f"({(ev.step_time - meas) / meas:+.1%}) with it")
             # What autograd keeps for backward: the layers' activations and, on the last stage, the logits.
             act = max(m["activations"] + m["logits"] for m in ev.memory)
             got = measured[name]

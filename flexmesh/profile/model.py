@@ -218,6 +218,13 @@ def _ends_sweep(spec: ModelSpec, cfg: dict, dtype, device, reduce, tp_mesh=None)
     return {k: LayerFit(*fit_linear(cfg["end_tokens"], v), 0.0) for k, v in per_key.items()}, per_key
 
 
+def _model_batch(spec: ModelSpec, lengths: list[int], device) -> SimpleNamespace:
+    """What the runtime's model reads of a PackedBatch for one packed row of documents of ``lengths``."""
+    row = packed_row(spec, lengths, device)
+    return SimpleNamespace(positions=torch.cat([torch.arange(x) for x in lengths])[None].to(device),
+                           cu_seqlens=row.docs.cu, bounds=row.docs.bounds)
+
+
 def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, device, world: World,
                    compile: bool = False) -> dict:
     """The runtime's model of ``min(num_layers, WHOLE_LAYERS)`` layers timed as the trainer runs a
@@ -235,12 +242,9 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
     rows = [r for r in cfg["rows"] if sum(r) <= WHOLE_MAX_TOKENS]
     measured = []
     for lengths in [rows[-1], *rows]:  # the first, untimed, warms up
-        row = packed_row(spec, lengths, device)
         n = sum(lengths)
         ids = torch.randint(0, spec.vocab, (1, n), device=device)
-        # what the model reads of a PackedBatch
-        batch = SimpleNamespace(positions=torch.cat([torch.arange(x) for x in lengths])[None].to(device),
-                                cu_seqlens=row.docs.cu, bounds=row.docs.bounds)
+        batch = _model_batch(spec, lengths, device)
         state: dict = {}
 
         def fwd():
@@ -307,9 +311,7 @@ def _measure_stages(spec: ModelSpec, cfg: dict, dtype, device, world: World) -> 
         base = build_model(replace(spec, num_layers=n_layers, tie_embeddings=False), device, dtype)
         counts = sorted({min(s, max(n_layers, 2)) for s in PIPELINE_STAGES})  # one layer: an embedding-only stage
         m, n = PIPELINE_MICROBATCHES, PIPELINE_TOKENS
-        row = packed_row(spec, [n], device)
-        batch = SimpleNamespace(positions=torch.arange(n, device=device)[None], cu_seqlens=row.docs.cu,
-                                bounds=row.docs.bounds)
+        batch = _model_batch(spec, [n], device)
         ids = torch.randint(0, spec.vocab, (m, n), device=device)
         times = []
         for count in counts:
