@@ -15,7 +15,15 @@ from flexmesh.cost.hardware import GroupShape, Hardware
 from flexmesh.errors import SpecError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.spec import parse_cluster, parse_model
-from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES, INTRA_LINKS, ClusterSpec, device, preset_of_gpu
+from flexmesh.spec.cluster import (
+    ATTENTION_TABLES,
+    DEVICE_PRESETS,
+    GEMM_TABLES,
+    INTRA_LINKS,
+    ClusterSpec,
+    device,
+    preset_of_gpu,
+)
 from flexmesh.spec.devices import COMM_TABLES
 
 ISSUE_DEVICES = ("V100-16GB", "V100-32GB", "T4", "A10", "A10G", "L4", "L40S", "A30", "RTX-2080Ti", "TITAN-RTX",
@@ -44,7 +52,7 @@ def test_precisions_follow_the_architecture():
     assert device("RTX-3090").peak_tflops["bf16"] == pytest.approx(71.0)
 
 
-def test_gemm_efficiency_is_the_family_fit_scaled_by_measured_tables():
+def test_kernel_efficiencies_are_fits_scaled_by_measured_tables():
     h100, a100 = device("H100-80GB"), device("A100-80GB")
     for name, table, fitted in (("H200", "h200_sxm", h100), ("B200", "b200_sxm", h100), ("L40S", "l40s", a100),
                                 ("L4", "l40s", a100)):
@@ -53,6 +61,14 @@ def test_gemm_efficiency_is_the_family_fit_scaled_by_measured_tables():
         assert device(name).mm_efficiency == pytest.approx(fitted.mm_efficiency * ratio)
         assert table in device(name).efficiency_source
     assert device("B200").mm_efficiency < h100.mm_efficiency  # its GEMMs reach a smaller fraction of its peak
+    # attention: one fit (FlexSP's A100) scaled by every part's measured attention table
+    for name, table in (("H100-80GB", "h100_sxm"), ("H200", "h200_sxm"), ("B200", "b200_sxm"), ("L4", "l40s")):
+        ratio = ATTENTION_TABLES[table].efficiency / ATTENTION_TABLES["a100_sxm"].efficiency
+        assert device(name).attn_efficiency == pytest.approx(a100.attn_efficiency * ratio)
+        assert f"measured attention of {table}" in device(name).efficiency_source
+    # FlashAttention-3 on Hopper reaches more of its peak than FlashAttention-2 on Ampere and Ada
+    assert device("H100-80GB").attn_efficiency > a100.attn_efficiency > device("L40S").attn_efficiency
+    assert device("V100-32GB").attn_efficiency == a100.attn_efficiency  # no Volta table: assumed
     # the fitted parts keep their fit; parts of an architecture nobody measured say it is assumed
     assert device("A100-40GB").mm_efficiency == a100.mm_efficiency
     assert "assumed" in device("V100-32GB").efficiency_source and "assumed" not in a100.efficiency_source
@@ -151,6 +167,50 @@ def test_gemm_table_medians_over_common_shapes(tmp_path):
 def test_recorded_medians_match_the_installed_tables():
     pytest.importorskip("pyarrow")
     from flexmesh.cost.gemm_tables import main as redo
+    from flexmesh.cost.gemm_tables import systems_dir
+
+    if systems_dir() is None:
+        pytest.skip("aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
+    assert redo([]) == 0
+
+
+def test_attention_table_medians_keep_long_bf16_prefill_rows(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from flexmesh.cost.attention_tables import medians
+
+    cols = ("kernel_source", "batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "attn_dtype",
+            "kv_cache_dtype", "window_size", "latency")
+
+    def table(system, rows):
+        folder = tmp_path / "data" / system / "attention" / "vllm" / "0.1.0"
+        folder.mkdir(parents=True)
+        pq.write_table(pa.table(dict(zip(cols, map(list, zip(*rows))))), folder / "context_attention_perf.parquet")
+
+    s = 8192
+    ms_at_1 = 2 * s * s * 32 * 128 / 1e12 / 1e-3  # one causal pass of 32 heads at 1 TFLOP/s, ms
+    keep = ("fa", 1, s, 32, 8, 128, "bfloat16", "bfloat16", 0)
+    table("a", [(*keep, ms_at_1 / 200),
+                # left out: a decode kernel, fp8 keys and values, a sliding window, short and other-dim rows
+                ("fa_decode", 1, s, 32, 8, 128, "bfloat16", "bfloat16", 0, 1e-9),
+                ("fa", 1, s, 32, 8, 128, "bfloat16", "fp8", 0, 1e-9),
+                ("fa", 1, s, 32, 8, 128, "bfloat16", "bfloat16", 128, 1e-9),
+                ("fa", 1, 1024, 32, 8, 128, "bfloat16", "bfloat16", 0, 1e-9),
+                ("fa", 1, s, 32, 8, 64, "bfloat16", "bfloat16", 0, 1e-9),
+                ("fa", 2, s, 32, 8, 128, "bfloat16", "bfloat16", 0, 1.0)])  # not in b's table
+    table("b", [("fa3", *keep[1:], ms_at_1 / 500)])
+    got = {t.system: (t, kernel) for t, kernel in medians(tmp_path, ["a", "b"])}
+    assert got["a"][0].shapes == 1 and got["a"][0].tflops == pytest.approx(200.0) and got["a"][1] == "fa"
+    assert got["b"][0].tflops == pytest.approx(500.0) and got["b"][1] == "fa3"
+    table("c", [(*keep, 1.0), ("other", *keep[1:], 1.0)])  # two prefill kernels: which one a part runs is unclear
+    with pytest.raises(ValueError, match="expected one bf16 prefill kernel"):
+        medians(tmp_path, ["a", "c"])
+
+
+def test_recorded_attention_medians_match_the_installed_tables():
+    pytest.importorskip("pyarrow")
+    from flexmesh.cost.attention_tables import main as redo
     from flexmesh.cost.gemm_tables import systems_dir
 
     if systems_dir() is None:

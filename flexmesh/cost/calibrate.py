@@ -40,7 +40,7 @@ from flexmesh.cost.model import CostModel
 from flexmesh.layout.enums import CPKind
 from flexmesh.layout.stack import RUNTIME_STACK, Stack
 from flexmesh.layout.strategy import LayerStrategy
-from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES, ClusterSpec, catalogue_mm_efficiency
+from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES, ClusterSpec, catalogue_efficiency
 from flexmesh.spec.model import MODEL_PRESETS, ModelSpec, gpt
 
 
@@ -243,11 +243,11 @@ OTHER_FAMILY = {"A100": "H100", "H100": "A100"}
 def transferred_params(family: str) -> dict[str, float]:
     """The fitted constants of ``family`` without its own source: the other family's fitted
     ``mm_efficiency`` scaled by the two parts' measured GEMM tables (as the catalogue scales a part
-    without a fit, :func:`flexmesh.spec.cluster.catalogue_mm_efficiency`)."""
+    without a fit, :func:`flexmesh.spec.cluster.catalogue_efficiency`)."""
     other = OTHER_FAMILY[family]
     own_table = _FAMILY_TABLE[family]
-    mm = catalogue_mm_efficiency(fit_efficiencies(other)["mm_efficiency"], GEMM_TABLES[own_table],
-                                 GEMM_TABLES[_FAMILY_TABLE[other]])
+    mm = catalogue_efficiency(fit_efficiencies(other)["mm_efficiency"], GEMM_TABLES[own_table],
+                              GEMM_TABLES[_FAMILY_TABLE[other]])
     return {"mm_efficiency": mm}
 
 

@@ -8,7 +8,7 @@ runtime makes), keeps the shapes with m, n and k all >= :data:`MIN_DIM` that eve
 holds (so no GPU is scored on easier shapes than another), and reports the median achieved TFLOP/s
 over them. ``flexmesh/spec/presets/devices.toml`` records those medians under ``[gemm_tables]``; a
 device's ``mm_efficiency`` is its family's fit scaled by its table's fraction of peak over the fitted
-part's (:func:`flexmesh.spec.cluster.catalogue_mm_efficiency`).
+part's (:func:`flexmesh.spec.cluster.catalogue_efficiency`).
 
 Run ``python -m flexmesh.cost.gemm_tables`` (optionally ``--systems DIR``, the package's ``systems``
 folder) to print the medians beside the recorded ones; it exits 1 when they differ by more than 0.5%.

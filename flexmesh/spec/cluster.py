@@ -16,12 +16,13 @@ from flexmesh.errors import SpecError
 
 # The device catalogue lives in flexmesh.spec.devices; its names are importable from here too.
 from flexmesh.spec.devices import (  # noqa: F401
+    ATTENTION_TABLES,
     DEVICE_PRESETS,
     GEMM_TABLES,
     INTRA_LINKS,
     DeviceSpec,
-    GemmTable,
-    catalogue_mm_efficiency,
+    KernelTable,
+    catalogue_efficiency,
     device,
     preset_of_gpu,
 )

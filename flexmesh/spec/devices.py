@@ -1,8 +1,9 @@
 """The device catalogue: DeviceSpec, the presets of presets/devices.toml, and driver names to presets.
 
 Every entry cites its datasheet; a part without an end-to-end fit takes its family's fitted
-efficiencies, its GEMM efficiency scaled by measured GEMM tables (:func:`catalogue_mm_efficiency`;
-``python -m flexmesh.cost.gemm_tables`` redoes the tables' medians).
+efficiencies, its GEMM and attention efficiencies scaled by measured kernel tables
+(:func:`catalogue_efficiency`; ``python -m flexmesh.cost.gemm_tables`` and ``python -m
+flexmesh.cost.attention_tables`` redo the tables' medians).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class DeviceSpec:
     nvlink_domain: int = 0  # GPUs of a node NVLink joins; 0: all of them
     pcie_gbps: float = 0.0  # per GPU per direction, for collectives beyond the NVLink domain
     source: str = ""  # the datasheet the numbers come from
-    efficiency_source: str = ""  # where mm_efficiency comes from
+    efficiency_source: str = ""  # where mm_efficiency and attn_efficiency come from
     # The measured NCCL table (presets/collectives.toml) that prices ring collectives inside a node; ""
     # for none (then nvlink_gbps x intra_efficiency and intra_latency_us do).
     comm_table: str = ""
@@ -116,8 +117,9 @@ class DeviceSpec:
 
 
 @dataclass(frozen=True)
-class GemmTable:
-    """A measured GEMM table's median bf16 throughput and its part's datasheet peak (devices.toml)."""
+class KernelTable:
+    """A measured kernel table's median bf16 throughput (GEMMs or causal attention) and its part's
+    datasheet peak (devices.toml)."""
 
     tflops: float
     peak_tflops: float
@@ -128,15 +130,15 @@ class GemmTable:
         return self.tflops / self.peak_tflops
 
 
-def catalogue_mm_efficiency(family_fit: float, table: GemmTable, family_table: GemmTable) -> float:
-    """A part's GEMM efficiency: its family's fitted one, scaled by how its measured GEMMs compare with
-    the fitted part's, each as a fraction of its own peak.
+def catalogue_efficiency(fit: float, table: KernelTable, fitted_table: KernelTable) -> float:
+    """A part's GEMM or attention efficiency: the one fitted on another part, scaled by how the part's
+    measured kernels compare with the fitted part's, each as a fraction of its own peak.
 
-    >>> b200, h100 = GemmTable(1564.6, 2250.0, "blackwell"), GemmTable(786.9, 989.5, "hopper")
-    >>> round(catalogue_mm_efficiency(0.70, b200, h100), 3)
+    >>> b200, h100 = KernelTable(1564.6, 2250.0, "blackwell"), KernelTable(786.9, 989.5, "hopper")
+    >>> round(catalogue_efficiency(0.70, b200, h100), 3)
     0.612
     """
-    return family_fit * table.efficiency / family_table.efficiency
+    return fit * table.efficiency / fitted_table.efficiency
 
 
 def _load_comm_tables() -> dict[str, dict[str, dict[int, tuple[tuple[float, ...], tuple[float, ...]]]]]:
@@ -160,25 +162,35 @@ def _load_comm_tables() -> dict[str, dict[str, dict[int, tuple[tuple[float, ...]
 
 COMM_TABLES = _load_comm_tables()
 _CATALOGUE = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/devices.toml").read_text())
-GEMM_TABLES: dict[str, GemmTable] = {k: GemmTable(**v) for k, v in _CATALOGUE["gemm_tables"].items()}
+GEMM_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CATALOGUE["gemm_tables"].items()}
+ATTENTION_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CATALOGUE["attention_tables"].items()}
+# Attention's efficiency is fitted on one part (FlexSP's A100, flexmesh.cost.calibrate.fit_attn_efficiency):
+# that family's value, its kernel tables those of the fitted part.
+ATTENTION_FIT_FAMILY = "A100"
 _DATASHEET = ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps", "intra_latency_us", "inter_latency_us",
               "architecture", "sms", "intra_link", "nvlink_domain", "pcie_gbps", "source")
 _OPTIONAL = ("comm_table",)
 
 
 def _load_presets() -> dict[str, DeviceSpec]:
-    raw = {k: v for k, v in _CATALOGUE.items() if k not in ("efficiency", "memory", "gemm_tables")}
+    raw = {k: v for k, v in _CATALOGUE.items() if k not in ("efficiency", "memory", "gemm_tables", "attention_tables")}
     eff, mem = _CATALOGUE["efficiency"], _CATALOGUE["memory"]
+    attn_fit = eff[ATTENTION_FIT_FAMILY]
     out = {}
     for name, d in raw.items():
-        e = {k: v for k, v in eff[d["family"]].items() if k != "gemm_table"}
-        table, own = d["gemm_table"], eff[d["family"]]["gemm_table"]
+        e = {k: v for k, v in eff[d["family"]].items() if k != "kernel_table"}
+        table, own = d["kernel_table"], eff[d["family"]]["kernel_table"]
         fit = f"{d['family']} fit (flexmesh.cost.calibrate)"
         if GEMM_TABLES[table].architecture != d["architecture"]:
-            fit = f"assumed: no measured {d['architecture']} GEMMs, so the {fit} as it is"
+            fit = f"assumed: no measured {d['architecture']} kernels, so the {fit} as it is"
         if table != own:
-            e["mm_efficiency"] = catalogue_mm_efficiency(e["mm_efficiency"], GEMM_TABLES[table], GEMM_TABLES[own])
+            e["mm_efficiency"] = catalogue_efficiency(e["mm_efficiency"], GEMM_TABLES[table], GEMM_TABLES[own])
             fit += f" x measured GEMMs of {table} / {own} (aiconfigurator-core, flexmesh.cost.gemm_tables)"
+        e["attn_efficiency"] = catalogue_efficiency(attn_fit["attn_efficiency"], ATTENTION_TABLES[table],
+                                                    ATTENTION_TABLES[attn_fit["kernel_table"]])
+        if table != attn_fit["kernel_table"]:
+            fit += (f"; attention: {ATTENTION_FIT_FAMILY} fit x measured attention of {table} / "
+                    f"{attn_fit['kernel_table']} (flexmesh.cost.attention_tables)")
         e["efficiency_source"] = fit
         out[name] = DeviceSpec(
             name=name,
