@@ -327,3 +327,31 @@ def test_llama3_70b_at_8k_on_h100_plans_no_context_parallelism():
                         space=SearchSpace(pp=(4, 8), microbatches=(16, 32, 64)))
     best = best_plans(req, with_baselines=False).best
     assert all(s.cp == 1 for st in best.plan.stages for s in st.strategies), best.plan.layout
+
+
+def test_pipeline_sends_leave_the_node_only_at_node_edges():
+    """pp 8 over 4 nodes of 8 GPUs, 4 GPUs a stage (tp2-dp2): the sends of pipeline ranks 1, 3 and 5
+    go to the next node and pay its network; the others stay on the node's links. A slower node network
+    slows exactly those ranks."""
+    from flexmesh.cost.hardware import GroupShape
+
+    model = MODEL_PRESETS["llama2-7b"]
+    fast = CostModel(model, parse_cluster("4x8xA100-40GB"))
+    slow = CostModel(model, ClusterSpec(4, 8, replace(DEVICE_PRESETS["A100-40GB"], node_net_gbps=1.25)))
+    crossing = slow.pipeline_crossings(8)
+    assert crossing == (False, True, False, True, False, True, False, False)
+    assert slow.pipeline_crossings(8, v=2)[-1]  # interleaved, the last rank sends on to the first
+    s = S(tp=2, dp=2)
+    chunks = [[s] * 4] * 8
+    ev_fast = fast.evaluate_stages(chunks, 8, "1f1b", 16, 1, 2, 4096)
+    ev_slow = slow.evaluate_stages(chunks, 8, "1f1b", 16, 1, 2, 4096)
+    for r, crosses in enumerate(crossing):
+        if crosses:
+            assert ev_slow.stage_times[r] > ev_fast.stage_times[r] + 0.01
+        else:
+            assert ev_slow.stage_times[r] == pytest.approx(ev_fast.stage_times[r])
+    nbytes = 4096 / 2 * model.hidden * model.dtype_bytes  # one sequence per data rank, each TP rank's half
+    assert slow.pipeline_p2p(s, 2, 4096, 8, crosses_nodes=False) == pytest.approx(
+        2 * slow.hw.collective_time("send_recv", nbytes, GroupShape(2, 2)))
+    # a stage as wide as a node: every send crosses
+    assert fast.pipeline_crossings(4) == (True,) * 4

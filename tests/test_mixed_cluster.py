@@ -13,6 +13,7 @@ from test_fuzz_parsers import FUZZ, _only_user_errors, corrupted
 
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.spec.cluster import MixedCluster, parse_cluster, parse_mixed_cluster
+from flexmesh.spec.model import parse_model
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:
@@ -180,6 +181,23 @@ def test_per_node_nics_and_node_links_bound_the_collectives_that_may_cross_them(
     assert (c.groups[0].device.node_net_gbps, c.groups[0].device.inter_latency_us) == (10.0, 40.0)  # inside group 0
     assert c.groups[1].device.node_net_gbps == 400.0
     assert (c.link(0, 1).gbps, c.link(0, 1).latency_us) == (1.0, 80.0)  # node 3 (group 1) to node 1 (group 0)
+
+
+def test_the_uniform_baseline_pays_the_slow_link_its_pipeline_crosses(tmp_path):
+    """Two groups of the same GPUs joined by 10 Gb/s: the one-layout baseline's pipeline sends between
+    the groups go over that link, as the mixed search prices its own pipelines, so the baseline does not
+    beat the plan by pricing its sends at NVLink speed (it did, 1.8x, before sends were placed)."""
+    from flexmesh.plan.baselines import uniform_baseline
+    from flexmesh.plan.mixed import plan_mixed
+
+    f = tmp_path / "two.toml"
+    f.write_text('[[groups]]\nnodes = 1\ndevices_per_node = 8\ndevice = "A100-40GB"\n'
+                 '[[groups]]\nnodes = 1\ndevices_per_node = 8\ndevice = "A100-40GB"\n'
+                 '[links]\ngbps = 1.25\nlatency_us = 2000.0\n')
+    cluster, model = parse_mixed_cluster(str(f)), parse_model("llama2-7b")
+    plan = plan_mixed(model, cluster, 4096, 128)
+    base = uniform_baseline(model, cluster, 4096, 128)
+    assert base is not None and base["tokens_per_s"] <= plan.evaluation.tokens_per_s
 
 
 @pytest.mark.parametrize("text, expect", [

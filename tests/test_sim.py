@@ -163,8 +163,8 @@ def test_pipeline_timeline_matches_closed_form_with_equal_microbatches(schedule)
     tl = simulate_step(ctx, sched)
     s = ctx.group_strategy(1)
     L = ctx.layers_per_stage
-    p2p = ctx.cost.pipeline_p2p(s, 1, 3000.0, ctx.pp)
-    stage = [float(ctx.cost.microbatch_phases(s, 3000.0, 3000.0**2, layers=L, head=r == ctx.pp - 1).total) + p2p
+    p2p = [ctx.cost.pipeline_p2p(s, s.dp, 3000.0, ctx.pp, x) for x in ctx.cost.pipeline_crossings(ctx.pp)]
+    stage = [float(ctx.cost.microbatch_phases(s, 3000.0, 3000.0**2, layers=L, head=r == ctx.pp - 1).total) + p2p[r]
              for r in range(ctx.pp)]
     # With the LM head on the last stage, stages differ; the closed form still bounds from below and
     # is exact for the equal stages without the head.

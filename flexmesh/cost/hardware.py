@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -73,6 +74,32 @@ def group_shape(size: int, stride: int, cluster: ClusterSpec) -> GroupShape:
         return GroupShape(1, 1)
     per_node = max(1, min(size, dpn // stride)) if stride <= dpn else 1
     return GroupShape(size, per_node)
+
+
+@lru_cache(maxsize=4096)
+def pipeline_crossings(world: int, per_node: int, pp: int, v: int = 1) -> tuple[bool, ...]:
+    """Per pipeline rank, whether its pipeline sends leave its node. The rank order puts stage ``i`` on
+    ranks ``[i x stride, (i + 1) x stride)`` (``stride = world / pp``, stages outermost) and a rank sends
+    to the same offset of the next stage; the last stage's boundary is the one before it, or with
+    interleaving (``v > 1``) the one to the first stage, which runs its next chunk. A stage narrower
+    than a node shares nodes with its neighbours, so only the boundaries at node edges cross.
+
+    >>> pipeline_crossings(32, 8, 8)  # 4 GPUs a stage: every second boundary leaves the node
+    (False, True, False, True, False, True, False, False)
+    >>> pipeline_crossings(32, 8, 8, v=2)[-1], pipeline_crossings(16, 8, 2), pipeline_crossings(8, 8, 4)
+    (True, (True, True), (False, False, False, False))
+    """
+    stride = world // pp
+
+    def crosses(a: int, b: int) -> bool:
+        if stride >= per_node:
+            return True
+        return any((a * stride + x) // per_node != (b * stride + x) // per_node for x in range(stride))
+
+    if pp == 1:
+        return (False,)
+    last = 0 if v > 1 else pp - 2
+    return tuple(crosses(r, r + 1 if r < pp - 1 else last) for r in range(pp))
 
 
 class CommTable:

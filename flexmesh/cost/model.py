@@ -45,7 +45,7 @@ from flexmesh.cost.experts import (
     moe_communication,
     synced_params,
 )
-from flexmesh.cost.hardware import Hardware, group_shape
+from flexmesh.cost.hardware import GroupShape, Hardware, group_shape, pipeline_crossings
 from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.memory import layer_transient_bytes
 from flexmesh.cost.pipeline import in_flight, pipeline_time
@@ -352,15 +352,21 @@ class CostModel(StepPricing):
         reducing once and reducing every micro-batch are the same thing (priced as ``"bucketed"``)."""
         return replace(overlap, grad_reduce="bucketed") if m == 1 else overlap
 
-    def pipeline_p2p(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int, pp: int) -> float:
-        """Send + receive of one micro-batch's boundary activations, forward and backward (exposed),
-        plus the framework's fixed seconds per pipeline chunk (:meth:`LayerTiming.stage_fixed_s`)."""
+    def pipeline_crossings(self, pp: int, v: int = 1) -> tuple[bool, ...]:
+        """Per pipeline rank, whether its pipeline sends leave its node (:func:`pipeline_crossings`)."""
+        return pipeline_crossings(self.cluster.world_size, self.cluster.devices_per_node, pp, v)
+
+    def pipeline_p2p(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int, pp: int,
+                     crosses_nodes: bool = True) -> float:
+        """Send + receive of one micro-batch's boundary activations, forward and backward (exposed), over
+        the node network or, for a rank whose boundary stays inside its node (``crosses_nodes`` False,
+        :meth:`pipeline_crossings`), over the node's links; plus the framework's fixed seconds per
+        pipeline chunk (:meth:`LayerTiming.stage_fixed_s`)."""
         if pp == 1:
             return 0.0
         work = self.layer_work(s, microbatch_seqs, seq_len)
         nbytes = work.tokens / s.cp / s.tp * self.model.hidden * self.model.dtype_bytes
-        stride = self.cluster.world_size // pp
-        shape = group_shape(2, stride, self.cluster)
+        shape = GroupShape(2, 1 if crosses_nodes else 2)
         return 2 * self.hw.collective_time("send_recv", nbytes, shape) + self.timing.stage_fixed_s()
 
     def evaluate_stages(self, stage_strategies, pp: int, pipeline_schedule: str, m: int, v: int,
@@ -386,7 +392,8 @@ class CostModel(StepPricing):
         if speed != 1.0:  # a slow device stretches compute, not communication (the simulator's rule)
             rank_cost = [replace(rc, fwd=rc.fwd / speed, bwd=rc.bwd / speed, optim=rc.optim / speed)
                          for rc in rank_cost]
-        p2p = [self.pipeline_p2p(anchors[i], microbatch_seqs, seq_len, pp) * v for i in range(pp)]
+        crossings = self.pipeline_crossings(pp, v)
+        p2p = [self.pipeline_p2p(anchors[i], microbatch_seqs, seq_len, pp, crossings[i]) * v for i in range(pp)]
         rank_times = [rc.time + p for rc, p in zip(rank_cost, p2p, strict=True)]
         t_pipe = pipeline_time(pipeline_schedule, rank_times, m, v)
         # Gradient sync and optimizer after the pipeline drains; sync overlaps the last backward.

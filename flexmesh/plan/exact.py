@@ -54,14 +54,16 @@ class ExactChunks:
         self.strategies = strategies
         self.cache: dict[tuple, Frontier] = {}
 
-    def frontier(self, n: int, embed: bool, head: bool, first_round: bool, flight: float) -> Frontier:
-        """List of (vector, strategies) for a chunk of ``n`` layers; memory counts ``flight`` micro-batches."""
-        key = (n, embed, head, first_round, flight)
+    def frontier(self, n: int, embed: bool, head: bool, sends: bool | None, flight: float) -> Frontier:
+        """List of (vector, strategies) for a chunk of ``n`` layers; memory counts ``flight`` micro-batches.
+        ``sends``: None for a chunk that does not carry its rank's pipeline sends, else whether they
+        leave the node."""
+        key = (n, embed, head, sends, flight)
         if key not in self.cache:
-            self.cache[key] = self._finish(self._layers(n, embed, first_round, flight), head, flight)
+            self.cache[key] = self._finish(self._layers(n, embed, sends, flight), head, flight)
         return self.cache[key]
 
-    def _layers(self, n: int, embed: bool, first_round: bool, flight: float) -> list[Frontier]:
+    def _layers(self, n: int, embed: bool, sends: bool | None, flight: float) -> list[Frontier]:
         """Per last strategy, the frontier of the chunk's ``n`` layers (embedding included, head not)."""
         ctx, S = self.ctx, self.strategies
         states: list[Frontier] = []
@@ -70,8 +72,8 @@ class ExactChunks:
             if embed:
                 c = c + ctx.ends(s, True, False)
             v = _vec(c, flight)
-            if first_round:
-                v[_T] += ctx.p2p(s)
+            if sends is not None:
+                v[_T] += ctx.p2p(s, sends)
             states.append((v[None, :], [(s,)]))
         for _ in range(n - 1):
             new: list[Frontier] = []
@@ -130,8 +132,9 @@ class ExactRanks:
         n_chunks = len(sizes)
         idx = self._live(sizes, rank)
         embed, head = rank == 0, rank == (n_chunks - 1) % pp
-        fronts = [self.chunker.frontier(sizes[i], embed and i == idx[0], head and i == idx[-1], i == idx[0],
-                                        ctx.flight[rank]) for i in idx]
+        sends = ctx.crosses(rank)
+        fronts = [self.chunker.frontier(sizes[i], embed and i == idx[0], head and i == idx[-1],
+                                        sends if i == idx[0] else None, ctx.flight[rank]) for i in idx]
         layers = sum(sizes[i] for i in idx)
         t, u, payload = [], [], []
         for combo in product(*[range(len(f[0])) for f in fronts]):

@@ -107,7 +107,8 @@ class FastRanks:
         self.head = table(lambda pr, s: ctx.ends(s, False, True))
         self.has0 = np.array([p[0] is not None for p in groups])[:, None]
         self.has1 = np.array([p[1] is not None for p in groups])[:, None]
-        self.p2p = np.array([ctx.p2p(_any(p)) for p in groups])[:, None]
+        # Pipeline sends per group, by whether the rank's leave its node (False, True).
+        self.p2p = [np.array([ctx.p2p(_any(p), crosses) for p in groups])[:, None] for crosses in (False, True)]
         # Bytes each layer would free under LEAN's overlap (its buffers), when this one's grad reduce is LEAN's.
         lean = ctx.overlap.grad_reduce == LEAN.grad_reduce
         self.lean_l0 = np.array([_freed(ctx, p[0], LEAN) if lean and p[0] else 0.0 for p in groups])[:, None]
@@ -124,12 +125,14 @@ class FastRanks:
 
     def options(self, sizes: Sizes, pp: int, rank: int, flight: float) -> Options:
         """(times, tails, payload) on the (time, tail) frontier; payload[i] is (group, k) (see :meth:`pick`)."""
-        idx = range(rank, len(sizes), pp)
-        n = sum(sizes[i] for i in idx)
-        key = (n, 0 in idx, (len(sizes) - 1) in idx, flight)
+        key = self._key(sizes, pp, rank, flight)
         if key not in self.cache:
             self.cache[key] = self._options(*key)
         return self.cache[key][0]
+
+    def _key(self, sizes: Sizes, pp: int, rank: int, flight: float) -> tuple[int, bool, bool, float, bool]:
+        idx = range(rank, len(sizes), pp)
+        return (sum(sizes[i] for i in idx), 0 in idx, (len(sizes) - 1) in idx, flight, self.ctx.crosses(rank))
 
     def bounds(self, sizes: Sizes, pp: int, rank: int, flight: float) -> tuple[bool, float, float]:
         """Of the rank's options under this overlap: whether one left out for memory would fit with
@@ -138,15 +141,15 @@ class FastRanks:
         reduced once: unsharded gradients kept, backward reduce-scatters not exposed, tails no
         shorter) the least time per micro-batch and the least tail of an option that fits (inf: none)."""
         self.options(sizes, pp, rank, flight)
-        idx = range(rank, len(sizes), pp)
-        return self.cache[(sum(sizes[i] for i in idx), 0 in idx, (len(sizes) - 1) in idx, flight)][1:]
+        return self.cache[self._key(sizes, pp, rank, flight)][1:]
 
     def pick(self, payload_item: tuple[int, int]) -> Pick:
         """(lesser, greater recompute, k) of a payload item (group, k)."""
         g, k = payload_item
         return (self.groups[g][0], self.groups[g][1], k)
 
-    def _options(self, n: int, embed: bool, head: bool, flight: float) -> tuple[Options, bool, float, float]:
+    def _options(self, n: int, embed: bool, head: bool, flight: float,
+                 crosses: bool) -> tuple[Options, bool, float, float]:
         ctx = self.ctx
         k = np.arange(n + 1)[None, :]
         nk = n - k
@@ -168,7 +171,7 @@ class FastRanks:
         lean_more = bool((formed & ~valid & (mem - freed <= ctx.budget)).any())
         if not valid.any():
             return (np.zeros(0), np.zeros(0), []), lean_more, np.inf, np.inf
-        time_ = tot("time") + self.p2p
+        time_ = tot("time") + self.p2p[crosses]
         tails = tail(ctx.cost, tot("grad_sync"), tot("bwd"), tot("optim"), n)
         once = nk * self.once_l0 + k * self.once_l1 + self.once_emb * embed + self.once_head * head
         once_fits = valid & (mem + nk * self.once_x0 + k * self.once_x1 <= ctx.budget)

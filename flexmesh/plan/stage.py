@@ -70,9 +70,13 @@ class StageContext:
             return c
         return replace(c, fwd=c.fwd / self.speed, bwd=c.bwd / self.speed, optim=c.optim / self.speed)
 
-    def p2p(self, s: LayerStrategy) -> float:
+    def crosses(self, rank: int) -> bool:
+        """Whether pipeline rank ``rank``'s sends leave its node (:meth:`CostModel.pipeline_crossings`)."""
+        return self.cost.pipeline_crossings(self.pp, self.v)[rank]
+
+    def p2p(self, s: LayerStrategy, crosses_nodes: bool) -> float:
         """Pipeline sends of a rank whose first chunk starts with ``s``, once per virtual stage."""
-        return self.cost.pipeline_p2p(s, self.mbs, self.seq_len, self.pp) * self.v
+        return self.cost.pipeline_p2p(s, self.mbs, self.seq_len, self.pp, crosses_nodes) * self.v
 
 
 @lru_cache(maxsize=None)

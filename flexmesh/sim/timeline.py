@@ -325,8 +325,13 @@ def _pipelines(ctx, schedule, mbs, ph, cp, gspeed, rank_group, v, detail) -> _La
         if len(sel) == 0:
             continue
         s = ctx.group_strategy(grp.cp)
-        # Boundary activations out and gradients back, split evenly over the two passes.
-        p2p = np.array([ctx.cost.pipeline_p2p(s, 1, float(t), pp) / 2 for t in mbs.tokens[sel]])
+        # Boundary activations out and gradients back, split evenly over the two passes; a rank whose
+        # sends stay inside its node pays its node's links (virtual stage c * pp + r lives on rank r).
+        # A micro-batch's tokens are one data rank's: as s.dp sequences across the stage, one each.
+        crossings = np.tile(ctx.cost.pipeline_crossings(pp, v), v)[:, None]
+        sends = [np.array([ctx.cost.pipeline_p2p(s, s.dp, float(t), pp, crosses) / 2 for t in mbs.tokens[sel]])
+                 for crosses in (False, True)]
+        p2p = np.where(crossings, sends[1][None, :], sends[0][None, :])
         is_last = (np.arange(n_vs) == n_vs - 1)[:, None]
         speed_vs = np.tile(gspeed[:, g], v)[:, None]  # virtual stage c * pp + r lives on rank r
         is_first = (np.arange(n_vs) == 0)[:, None]  # the embedding lives on the first virtual stage
