@@ -320,7 +320,8 @@ def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
     d, stack = cost.hw.cluster.device, getattr(cost.timing, "stack", None)
     if cost.hw.source.startswith("preset:"):  # where the device's numbers come from (a profile: measured)
         out.print(f"device {d.name} ({d.architecture}, {d.intra_link}), {cost.model.dtype} peak "
-                  f"{d.peak_tflops[cost.model.dtype]:g} TFLOP/s; GEMM efficiency {d.mm_efficiency:.3f}: "
+                  f"{d.peak_tflops[cost.model.dtype]:g} TFLOP/s; GEMM efficiency {d.mm_efficiency:.3f}, "
+                  f"attention {d.attn_efficiency:.3f}: "
                   f"{d.efficiency_source}; datasheet: {d.source}", highlight=False)
         links = (f"measured NCCL times of a {d.comm_table} node by message size (aiconfigurator-core, "
                  "flexmesh.cost.comm_tables)" if d.comm_table else

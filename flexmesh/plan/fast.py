@@ -107,6 +107,7 @@ class FastRanks:
         self.head = table(lambda pr, s: ctx.ends(s, False, True))
         self.has0 = np.array([p[0] is not None for p in groups])[:, None]
         self.has1 = np.array([p[1] is not None for p in groups])[:, None]
+        self.crossings = ctx.cost.pipeline_crossings(ctx.pp, ctx.v)
         # Pipeline sends per group, by whether the rank's leave its node (False, True).
         self.p2p = [np.array([ctx.p2p(_any(p), crosses) for p in groups])[:, None] for crosses in (False, True)]
         # Bytes each layer would free under LEAN's overlap (its buffers), when this one's grad reduce is LEAN's.
@@ -131,8 +132,8 @@ class FastRanks:
         return self.cache[key][0]
 
     def _key(self, sizes: Sizes, pp: int, rank: int, flight: float) -> tuple[int, bool, bool, float, bool]:
-        idx = range(rank, len(sizes), pp)
-        return (sum(sizes[i] for i in idx), 0 in idx, (len(sizes) - 1) in idx, flight, self.ctx.crosses(rank))
+        """(layers, holds the embedding, holds the head, flight, sends leave the node) of the rank's chunks."""
+        return (sum(sizes[rank::pp]), rank == 0, (len(sizes) - 1) % pp == rank, flight, self.crossings[rank])
 
     def bounds(self, sizes: Sizes, pp: int, rank: int, flight: float) -> tuple[bool, float, float]:
         """Of the rank's options under this overlap: whether one left out for memory would fit with
