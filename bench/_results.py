@@ -37,7 +37,9 @@ def commit() -> str:
         return subprocess.run(["git", *a], capture_output=True, text=True, cwd=RESULTS.parent).stdout.strip()
 
     sha = git("rev-parse", "--short", "HEAD") or "unknown"
-    return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # The results file itself is not code: earlier benches of the same run rewrite it.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)bench/RESULTS.md")
+    return sha + ("-dirty" if changed else "")
 
 
 def markdown_table(columns, rows) -> list[str]:

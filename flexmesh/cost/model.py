@@ -382,8 +382,14 @@ class CostModel(StepPricing):
         n = len(chunks)
         overlap = self.effective_overlap(overlap, m)
         anchors = chunk_anchors(chunks, pp)
-        costs = [self.stage_cost(st, microbatch_seqs, seq_len, i == 0, i == n - 1, overlap, anchors[i])
-                 for i, st in enumerate(chunks)]
+        # Chunks of the same layers cost the same (a uniform plan has a handful of distinct chunks).
+        priced: dict[tuple, LayerCost] = {}
+        costs = []
+        for i, st in enumerate(chunks):
+            key = (tuple(st), i == 0, i == n - 1, anchors[i])
+            if key not in priced:
+                priced[key] = self.stage_cost(st, microbatch_seqs, seq_len, i == 0, i == n - 1, overlap, anchors[i])
+            costs.append(priced[key])
         rank_cost = [LayerCost() for _ in range(pp)]
         rank_layers = [0] * pp
         for i, c in enumerate(costs):
@@ -393,7 +399,12 @@ class CostModel(StepPricing):
             rank_cost = [replace(rc, fwd=rc.fwd / speed, bwd=rc.bwd / speed, optim=rc.optim / speed)
                          for rc in rank_cost]
         crossings = self.pipeline_crossings(pp, v)
-        p2p = [self.pipeline_p2p(anchors[i], microbatch_seqs, seq_len, pp, crossings[i]) * v for i in range(pp)]
+        sends: dict[tuple, float] = {}  # per (first strategy, leaves the node): most ranks share one
+        for i in range(pp):
+            if (anchors[i], crossings[i]) not in sends:
+                sends[(anchors[i], crossings[i])] = self.pipeline_p2p(anchors[i], microbatch_seqs, seq_len, pp,
+                                                                      crossings[i]) * v
+        p2p = [sends[(anchors[i], crossings[i])] for i in range(pp)]
         rank_times = [rc.time + p for rc, p in zip(rank_cost, p2p, strict=True)]
         t_pipe = pipeline_time(pipeline_schedule, rank_times, m, v)
         # Gradient sync and optimizer after the pipeline drains; sync overlaps the last backward.
@@ -407,11 +418,15 @@ class CostModel(StepPricing):
         last = (chunks[-1] or anchors[-1:])[-1]
         logits = self.ends(last, self.layer_work(last, microbatch_seqs, seq_len), False, True, overlap).transient
         memory = []
+        transients: dict[frozenset, float] = {}  # per set of strategies a rank runs
         for r in range(pp):
             rc = rank_cost[r]
             flight = in_flight(pipeline_schedule, pp, r, m, v)
-            layer_transient = max((self.layer(s, self.layer_work(s, microbatch_seqs, seq_len), overlap).transient
-                                   for i in range(r, n, pp) for s in chunks[i]), default=0.0)
+            held = frozenset(s for i in range(r, n, pp) for s in chunks[i])
+            if held not in transients:
+                transients[held] = max((self.layer(s, self.layer_work(s, microbatch_seqs, seq_len), overlap).transient
+                                        for s in held), default=0.0)
+            layer_transient = transients[held]
             mem = {"states": rc.states, "activations": rc.act * flight, "transient": layer_transient,
                    "logits": logits if r == (n - 1) % pp else 0.0}
             mem["total"] = sum(mem.values())

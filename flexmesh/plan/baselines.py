@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from flexmesh.cost import CostModel
+from flexmesh.cost import CostModel, Evaluation
 from flexmesh.cost.experts import ExpertParallel
 from flexmesh.cost.mixed import MixedCosts, evaluate_groups
 from flexmesh.errors import PlanError
@@ -49,28 +49,45 @@ def uniform_plan(model: ModelSpec, cluster: ClusterSpec, strategy: LayerStrategy
     """One strategy for every layer, layers split evenly over ``pp * v`` chunks, priced with the
     overlap Megatron-Core (--tp-comm-overlap, --overlap-grad-reduce) and FSDP2 (prefetch) run, or
     ``overlap`` (a search restricted to one, e.g. what flexmesh's runtime runs)."""
-    sizes = even_split(model.num_layers, pp * v)
-    chunks = [(strategy,) * n for n in sizes]
+    return _priced(model, cluster, strategy, pp, schedule, m, seq_len, global_batch, cost, v, overlap).candidate()
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """A uniform layout priced, its Plan built only when it is the one kept (building every
+    candidate's plan cost as much as pricing it)."""
+
+    evaluation: Evaluation
+    args: tuple
+
+    def candidate(self) -> Candidate:
+        model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_batch, overlap = self.args
+        plan = to_plan(model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_batch, self.evaluation,
+                       overlap)
+        return Candidate(plan, self.evaluation, "uniform", self.evaluation.step_time)
+
+
+def _priced(model: ModelSpec, cluster: ClusterSpec, strategy: LayerStrategy, pp: int, schedule: str, m: int,
+            seq_len: int, global_batch: int, cost: CostModel, v: int = 1, overlap: Overlap = FASTEST) -> _Priced:
+    chunks = [(strategy,) * n for n in even_split(model.num_layers, pp * v)]
     ev = evaluate_chunks(cost, chunks, pp, schedule, v, m, seq_len, global_batch, overlap)
-    plan = to_plan(model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_batch, ev, overlap)
-    return Candidate(plan, ev, "uniform", ev.step_time)
+    return _Priced(ev, (model, cluster, cost, chunks, pp, schedule, v, m, seq_len, global_batch, overlap))
 
 
-def _best(cands: Iterable[Candidate]) -> Candidate | None:
+def _best(cands: Iterable[_Priced | Candidate]) -> Candidate | None:
     fits = [c for c in cands if c.evaluation.fits]
-    return min(fits, key=lambda c: c.evaluation.step_time) if fits else None
-
-
-def _allowed(strategy: LayerStrategy, space: SearchSpace, model: ModelSpec, cluster: ClusterSpec, devices: int,
-             mbs: int) -> bool:
-    return strategy in candidate_strategies(model, cluster, devices, space, mbs)
+    if not fits:
+        return None
+    best = min(fits, key=lambda c: c.evaluation.step_time)
+    return best.candidate() if isinstance(best, _Priced) else best
 
 
 def megatron_3d(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_batch: int, cost: CostModel,
                 space: SearchSpace = FULL_SPACE) -> Candidate | None:
     """Best uniform tp x pp x dp layout (ZeRO 0/1, recompute on/off, 1F1B or interleaved, any m)."""
     world, L = cluster.world_size, model.num_layers
-    cands = []
+    cands: list[_Priced] = []
+    allowed = _allowed(space, model, cluster)
     for pp in space.pp or pipeline_degrees(world, L, cluster.devices_per_node):
         if world % pp or pp > L:
             continue
@@ -88,10 +105,22 @@ def megatron_3d(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_bat
                     for schedule, v in schedules:
                         strategies = [LayerStrategy(tp=tp, dp=dp, zero=zero if dp > 1 else 0, recompute=ac)
                                       for ac in (False, True)]
-                        allowed = [s for s in strategies if _allowed(s, space, model, cluster, D, mbs)]
-                        cands.extend(_least_recompute(allowed, model, cluster, pp, schedule, m, seq_len,
-                                                      global_batch, cost, v, _overlap(space)))
+                        cands.extend(_least_recompute([s for s in strategies if allowed(s, D, mbs)], model,
+                                                      cluster, pp, schedule, m, seq_len, global_batch, cost, v,
+                                                      _overlap(space)))
     return _best(cands)
+
+
+def _allowed(space: SearchSpace, model: ModelSpec, cluster: ClusterSpec) -> Callable[[LayerStrategy, int, int], bool]:
+    """Whether a strategy is among the search's candidates on ``devices`` per stage with ``mbs``
+    sequences a micro-batch (the candidates of each (devices, mbs) listed once)."""
+    listed: dict[tuple[int, int], set[LayerStrategy]] = {}
+
+    def allowed(strategy: LayerStrategy, devices: int, mbs: int) -> bool:
+        if (devices, mbs) not in listed:
+            listed[(devices, mbs)] = set(candidate_strategies(model, cluster, devices, space, mbs))
+        return strategy in listed[(devices, mbs)]
+    return allowed
 
 
 def _overlap(space: SearchSpace) -> Overlap:
@@ -101,12 +130,12 @@ def _overlap(space: SearchSpace) -> Overlap:
 
 def _least_recompute(strategies: list[LayerStrategy], model: ModelSpec, cluster: ClusterSpec, pp: int, schedule: str,
                      m: int, seq_len: int, global_batch: int, cost: CostModel, v: int = 1,
-                     overlap: Overlap = FASTEST) -> list[Candidate]:
-    """Uniform plans of ``strategies`` (least recomputation first) up to the first that fits:
+                     overlap: Overlap = FASTEST) -> list[_Priced]:
+    """Uniform layouts of ``strategies`` (least recomputation first) up to the first that fits:
     recomputing more only adds backward time to the same layout, so the rest cannot be faster."""
     out = []
     for s in strategies:
-        out.append(uniform_plan(model, cluster, s, pp, schedule, m, seq_len, global_batch, cost, v, overlap))
+        out.append(_priced(model, cluster, s, pp, schedule, m, seq_len, global_batch, cost, v, overlap))
         if out[-1].evaluation.fits:
             break
     return out
@@ -116,7 +145,8 @@ def zero3_ulysses(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_b
                   space: SearchSpace = FULL_SPACE) -> Candidate | None:
     """Best ZeRO-3 + Ulysses layout: pp 1, tp 1, Ulysses degree cp (heads % cp == 0), dp = world / cp."""
     world = cluster.world_size
-    cands = []
+    cands: list[_Priced] = []
+    allowed = _allowed(space, model, cluster)
     for cp in pow2_upto(world):
         if world % cp or model.num_heads % cp:
             continue
@@ -124,8 +154,8 @@ def zero3_ulysses(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_b
         for m in divisors(global_batch):
             strategies = [LayerStrategy(tp=1, cp=cp, cp_kind=CPKind.ULYSSES if cp > 1 else CPKind.NONE, dp=dp,
                                         zero=3 if dp * cp > 1 else 0, recompute=ac) for ac in (False, True)]
-            allowed = [s for s in strategies if _allowed(s, space, model, cluster, world, global_batch // m)]
-            cands.extend(_least_recompute(allowed, model, cluster, 1, "1f1b", m, seq_len, global_batch, cost,
+            cands.extend(_least_recompute([s for s in strategies if allowed(s, world, global_batch // m)], model,
+                                          cluster, 1, "1f1b", m, seq_len, global_batch, cost,
                                           overlap=_overlap(space)))
     return _best(cands)
 
