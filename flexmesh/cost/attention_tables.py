@@ -26,13 +26,12 @@ reads the tables.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from flexmesh.cost.gemm_tables import FRAMEWORK, TableMedian, systems_dir, version_key
+from flexmesh.cost.gemm_tables import FRAMEWORK, TableMedian, redo, version_key
 from flexmesh.spec.devices import ATTENTION_TABLES
 
 MIN_TOKENS = 4096  # long blocks: the tile and per-query costs are a few percent there (flexmesh.cost.kernels)
@@ -70,34 +69,20 @@ def causal_tflops(path: Path) -> tuple[str, dict[Shape, float]]:
     return next(iter(out.items()))
 
 
-def medians(systems: Path, names: list[str]) -> list[tuple[TableMedian, str]]:
-    """Median causal-attention TFLOP/s of each system over the shapes all of them measured, with its kernel."""
+def medians(systems: Path, names: list[str]) -> list[TableMedian]:
+    """Median causal-attention TFLOP/s of each system over the shapes all of them measured; the table
+    named is the parquet file and, after it, the kernel it ran."""
     tables = {s: newest_table(systems, s) for s in names}
     rows = {s: causal_tflops(p) for s, p in tables.items()}
     common = set.intersection(*(set(r) for _, r in rows.values()))
     if not common:
         raise ValueError(f"the {FRAMEWORK} attention tables of {', '.join(names)} share no shape")
-    return [(TableMedian(s, str(tables[s].relative_to(systems)), len(common),
-                         float(np.median([rows[s][1][shape] for shape in common]))), rows[s][0]) for s in names]
+    return [TableMedian(s, f"{tables[s].relative_to(systems).parent} {rows[s][0]}", len(common),
+                        float(np.median([rows[s][1][shape] for shape in common]))) for s in names]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flexmesh.cost.attention_tables", description=__doc__.split("\n")[0])
-    p.add_argument("--systems", type=Path, help="aiconfigurator-core's systems folder (default: the installed one)")
-    args = p.parse_args(argv)
-    systems = args.systems or systems_dir()
-    if systems is None:
-        print("aiconfigurator-core is not installed: pip install 'flexmesh[tables]' (or pass --systems DIR)")
-        return 2
-    worst = 0.0
-    print(f"{'system':<10} {'kernel':<30} {'shapes':>6} {'TFLOP/s':>8} {'recorded':>8} {'of peak':>7}")
-    for t, kernel in medians(systems, sorted(ATTENTION_TABLES)):
-        rec = ATTENTION_TABLES[t.system]
-        worst = max(worst, abs(t.tflops / rec.tflops - 1.0))
-        print(f"{t.system:<10} {kernel:<30} {t.shapes:>6} {t.tflops:>8.1f} {rec.tflops:>8.1f} "
-              f"{t.tflops / rec.peak_tflops:>7.3f}")
-    print(f"largest difference from the recorded medians: {worst:.2%}")
-    return 0 if worst <= 0.005 else 1
+    return redo("python -m flexmesh.cost.attention_tables", __doc__ or "", argv, medians, ATTENTION_TABLES)
 
 
 if __name__ == "__main__":
