@@ -194,3 +194,28 @@ def test_fast_search_skips_only_overlap_options_that_cannot_win(model, cluster, 
     pruned = search(req).candidates[0]
     every = search(replace(req, space=SearchSpace(overlaps=(FASTEST, REDUCE_ONCE, LEAN)))).candidates[0]
     assert pruned.evaluation.step_time == pytest.approx(every.evaluation.step_time, rel=1e-9)
+
+
+def test_the_megatron_baselines_floor_never_passes_a_layouts_price(monkeypatch):
+    """megatron_3d skips pricing a layout whose floor reaches the best step found so far: the floor must
+    stay at or below the priced step of every layout it may skip (compute at a slow cluster's pace too),
+    and the baseline is the one pricing every layout finds."""
+    from flexmesh.plan import baselines
+    from flexmesh.plan.baselines import _floor, _priced, megatron_3d
+    from flexmesh.plan.space import FASTEST
+
+    model = MODEL_PRESETS["llama2-7b"]
+    for cluster in (parse_cluster("4x8xA100-40GB"), replace(parse_cluster("4x8xA100-40GB"), speed_factors=(0.5,) * 32)):
+        cost = CostModel(model, cluster)
+        for tp, pp, m, schedule, v, ac in ((1, 1, 8, "1f1b", 1, False), (2, 4, 32, "1f1b", 1, True),
+                                           (4, 8, 16, "interleaved", 2, False), (8, 2, 64, "interleaved", 2, True)):
+            s = LayerStrategy(tp=tp, dp=32 // (tp * pp), zero=1, recompute=ac)
+            floor = _floor(cost, s, model.num_layers, pp, schedule, m, v, 4096, 256, FASTEST)
+            step = _priced(model, cluster, s, pp, schedule, m, 4096, 256, cost, v, FASTEST).evaluation.step_time
+            assert 0.5 * step < floor <= step, (tp, pp, m, schedule)
+    c = parse_cluster("4x8xA100-40GB")
+    pruned = megatron_3d(model, c, 4096, 256, CostModel(model, c))
+    monkeypatch.setattr(baselines, "_floor", lambda *a: float("-inf"))  # price every layout
+    every = megatron_3d(model, c, 4096, 256, CostModel(model, c))
+    assert pruned is not None and every is not None and pruned.plan.layout == every.plan.layout
+    assert pruned.evaluation.step_time == every.evaluation.step_time

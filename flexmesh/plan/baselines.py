@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from flexmesh.cost import CostModel, Evaluation
+from flexmesh.cost import CostModel, Evaluation, pipeline_time
 from flexmesh.cost.experts import ExpertParallel
 from flexmesh.cost.mixed import MixedCosts, evaluate_groups
 from flexmesh.errors import PlanError
@@ -88,6 +88,7 @@ def megatron_3d(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_bat
     world, L = cluster.world_size, model.num_layers
     cands: list[_Priced] = []
     allowed = _allowed(space, model, cluster)
+    best = [math.inf]  # the least step of a layout that fits so far: layouts whose floor reaches it are not priced
     for pp in space.pp or pipeline_degrees(world, L, cluster.devices_per_node):
         if world % pp or pp > L:
             continue
@@ -107,8 +108,20 @@ def megatron_3d(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_bat
                                       for ac in (False, True)]
                         cands.extend(_least_recompute([s for s in strategies if allowed(s, D, mbs)], model,
                                                       cluster, pp, schedule, m, seq_len, global_batch, cost, v,
-                                                      _overlap(space)))
+                                                      _overlap(space), best))
     return _best(cands)
+
+
+def _floor(cost: CostModel, s: LayerStrategy, layers: int, pp: int, schedule: str, m: int, v: int, seq_len: int,
+           global_batch: int, overlap: Overlap) -> float:
+    """A lower bound of a uniform layout's step: every rank runs at least ``v x floor(layers / (pp v))``
+    layers of ``s`` per micro-batch (an even split of ``pp x v`` chunks), priced as
+    :meth:`CostModel.evaluate_stages` prices them (compute at the cluster's pace), without its ends,
+    sends and tail (none negative); the pipeline time grows with every rank's time."""
+    mbs = global_batch // m
+    c = cost.layer(s, cost.layer_work(s, mbs, seq_len), cost.effective_overlap(overlap, m))
+    per_layer = (c.fwd + c.bwd) / cost.cluster.pace + c.comm_fwd + c.comm_bwd
+    return pipeline_time(schedule, [v * (layers // (pp * v)) * per_layer] * pp, m, v)
 
 
 def _allowed(space: SearchSpace, model: ModelSpec, cluster: ClusterSpec) -> Callable[[LayerStrategy, int, int], bool]:
@@ -130,13 +143,21 @@ def _overlap(space: SearchSpace) -> Overlap:
 
 def _least_recompute(strategies: list[LayerStrategy], model: ModelSpec, cluster: ClusterSpec, pp: int, schedule: str,
                      m: int, seq_len: int, global_batch: int, cost: CostModel, v: int = 1,
-                     overlap: Overlap = FASTEST) -> list[_Priced]:
+                     overlap: Overlap = FASTEST, best: list[float] | None = None) -> list[_Priced]:
     """Uniform layouts of ``strategies`` (least recomputation first) up to the first that fits:
-    recomputing more only adds backward time to the same layout, so the rest cannot be faster."""
+    recomputing more only adds backward time to the same layout, so the rest cannot be faster. With
+    ``best`` (a one-item list, the least step that fits so far, kept up to date here) a layout whose
+    :func:`_floor` reaches it is not priced, nor are those recomputing more: none of them can win (on a
+    tie the one priced first is kept, as before)."""
     out = []
     for s in strategies:
+        if best is not None and _floor(cost, s, model.num_layers, pp, schedule, m, v, seq_len, global_batch,
+                                       overlap) >= best[0]:
+            break
         out.append(_priced(model, cluster, s, pp, schedule, m, seq_len, global_batch, cost, v, overlap))
         if out[-1].evaluation.fits:
+            if best is not None:
+                best[0] = min(best[0], out[-1].evaluation.step_time)
             break
     return out
 
