@@ -119,7 +119,7 @@ def peak_flops(cluster: str | None, dtype: str) -> float | None:
         return None
     from flexmesh.spec.cluster import parse_cluster
 
-    return parse_cluster(cluster).device.peak_flops.get(dtype)
+    return parse_cluster(cluster).device.peak_flops(dtype)
 
 
 # ---- workers (one process per system and case) ----------------------------------------------------------
