@@ -93,6 +93,7 @@ class CostModel(StepPricing):
         self.step_overlap: Overlap = NO_OVERLAP  # what the per-step methods price (with_step_overlap)
         self._ends = lru_cache(maxsize=None)(self._ends_uncached)
         self._phases = lru_cache(maxsize=None)(self._layer_phases)
+        self._dp_collectives = lru_cache(maxsize=None)(self._dp_collectives_uncached)
         self._work = lru_cache(maxsize=None)(lambda seqs, seq_len: Work.uniform(seqs, seq_len, self.windows))
         self._even: AnalyticTiming | None = None  # a MoE model's experts at an even load (flexmesh.cost.experts)
 
@@ -140,34 +141,41 @@ class CostModel(StepPricing):
         (``foreach_reduce_scatter_copy_in``: its gradients read and written).
         """
         d = s.shard_degree
-        p = params / s.tp
-        optim = p / (d if s.zero >= 1 else 1) * self.timing.optimizer_s_per_param()
+        optim = params / s.tp / (d if s.zero >= 1 else 1) * self.timing.optimizer_s_per_param()
         if d == 1:
             return 0.0, 0.0, 0.0, optim
-        shape = group_shape(d, s.tp, self.cluster)
-        ct = self.hw.collective_time
-        grads = p * self.grad_bytes
-        weights = p * self.weight_bytes
+        ar, rs, ag, copy_out, copy_in = self._dp_collectives(params, s.tp, d, s.zero >= 2)
         if s.zero <= 1:  # all-reduce, or reduce-scatter + all-gather of the same volume
-            return 0.0, 0.0, ct("all_reduce", grads, shape), optim
+            return 0.0, 0.0, ar, optim
         exposed = self.hw.exposed
-        rs = ct("reduce_scatter", grads, shape)
-        copy_out, copy_in = self.hw.copy_time(2 * weights), self.hw.copy_time(2 * grads)
         every = overlap.grad_reduce == "bucketed"
         if s.zero == 2:  # reduce-scatter (every micro-batch or once), all-gather updated weights once
-            ag_once = ct("all_gather", weights, shape) + copy_out
+            ag_once = ag + copy_out
             if every:
                 return 0.0, float(exposed(rs, work_bwd)) + copy_in, ag_once, optim
             return 0.0, 0.0, ag_once + rs + copy_in, optim
         # ZeRO-3: gather weights for forward and for backward every micro-batch, under the previous
         # layer's compute when prefetched (a window of 0 leaves a gather exposed).
-        ag = ct("all_gather", weights, shape)
         win_f, win_b = (work_fwd, work_bwd) if overlap.zero3_prefetch else (0.0, 0.0)
         fwd = float(exposed(ag, win_f)) + copy_out
         if every:
             bwd = exposed(ag + rs, win_b) if overlap.zero3_prefetch else ag + exposed(rs, work_bwd)
             return fwd, float(bwd) + copy_out + copy_in, 0.0, optim
         return fwd, float(exposed(ag, win_b)) + copy_out, rs + copy_in, optim
+
+    def _dp_collectives_uncached(self, params: float, tp: int, d: int,
+                                 sharded: bool) -> tuple[float, float, float, float, float]:
+        """(gradient all-reduce, gradient reduce-scatter, weight all-gather, all-gather copy-out,
+        reduce-scatter copy-in) seconds for ``params`` split over ``tp`` and synced over ``d`` ranks
+        spaced ``tp`` apart; the all-reduce without ZeRO-2/3 sharding (``sharded`` False), the others
+        with it. No micro-batch enters them: every micro-batch size and recomputation choice shares one."""
+        shape = group_shape(d, tp, self.cluster)
+        ct = self.hw.collective_time
+        grads, weights = params / tp * self.grad_bytes, params / tp * self.weight_bytes
+        if not sharded:
+            return float(ct("all_reduce", grads, shape)), 0.0, 0.0, 0.0, 0.0
+        return (0.0, float(ct("reduce_scatter", grads, shape)), float(ct("all_gather", weights, shape)),
+                float(self.hw.copy_time(2 * weights)), float(self.hw.copy_time(2 * grads)))
 
     # ---- a transformer layer ----------------------------------------------------------------------
     def layer(self, s: LayerStrategy, work: Work, overlap: Overlap = NO_OVERLAP) -> LayerCost:
@@ -240,7 +248,7 @@ class CostModel(StepPricing):
         m = self.model
         # Phases depend on the group (tp, cp) and recomputation only, not on dp or ZeRO: shared by those
         # (experts depend on the data ranks they spread over).
-        group = LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute, dp=s.dp if m.is_moe else 1)
+        group = _phase_group(s, m.is_moe)
         fwd, bwd, comm_f, comm_b = map(float, self._phases(group, float(work.tokens), float(work.sq_tokens), overlap))
         # routed experts: below; the router and shared expert are whole on every tp rank (tp x as many)
         params = synced_params(m, s.tp)
@@ -493,3 +501,10 @@ class CostModel(StepPricing):
             timing = AnalyticTiming(self.model, self.hw, timing.ring_balanced, timing.stack, experts)
         return CostModel(self.model, self.cluster, hardware=self.hw, timing=timing,
                          experts=experts).with_step_overlap(self.step_overlap)
+
+
+@lru_cache(maxsize=None)
+def _phase_group(s: LayerStrategy, moe: bool) -> LayerStrategy:
+    """The strategy a layer's phases are priced under: its tp x cp group and recomputation (and its data
+    ranks for a mixture of experts); one instance per strategy, built once."""
+    return LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute, dp=s.dp if moe else 1)

@@ -83,7 +83,7 @@ RUNTIME = Overlap(tp_comm=False, grad_reduce="last", zero3_prefetch=True)
 FASTEST = Overlap(tp_comm=True, grad_reduce="bucketed", zero3_prefetch=True)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=None)  # bounded by the strategies x overlap options one process prices
 def acting(overlap: Overlap, s: LayerStrategy, layer: bool) -> Overlap:
     """``overlap`` with the options that change nothing for ``s`` (a layer, or with ``layer`` False
     the embedding and head) set to :data:`NO_OVERLAP`'s, so that costs priced alike share a cache entry.

@@ -126,10 +126,15 @@ class FastRanks:
 
     def options(self, sizes: Sizes, pp: int, rank: int, flight: float) -> Options:
         """(times, tails, payload) on the (time, tail) frontier; payload[i] is (group, k) (see :meth:`pick`)."""
+        return self.entry(sizes, pp, rank, flight)[0]
+
+    def entry(self, sizes: Sizes, pp: int, rank: int, flight: float) -> tuple[Options, bool, float, float]:
+        """(:meth:`options`, then :meth:`bounds`' three values) of a rank, priced once."""
         key = self._key(sizes, pp, rank, flight)
-        if key not in self.cache:
-            self.cache[key] = self._options(*key)
-        return self.cache[key][0]
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = self._options(*key)
+        return hit
 
     def _key(self, sizes: Sizes, pp: int, rank: int, flight: float) -> tuple[int, bool, bool, float, bool]:
         """(layers, holds the embedding, holds the head, flight, sends leave the node) of the rank's chunks."""
@@ -141,8 +146,7 @@ class FastRanks:
         :data:`~flexmesh.plan.space.REDUCE_ONCE` (the same options with their ZeRO-2/3 gradients
         reduced once: unsharded gradients kept, backward reduce-scatters not exposed, tails no
         shorter) the least time per micro-batch and the least tail of an option that fits (inf: none)."""
-        self.options(sizes, pp, rank, flight)
-        return self.cache[self._key(sizes, pp, rank, flight)][1:]
+        return self.entry(sizes, pp, rank, flight)[1:]
 
     def pick(self, payload_item: tuple[int, int]) -> Pick:
         """(lesser, greater recompute, k) of a payload item (group, k)."""
@@ -253,8 +257,8 @@ class _FastView:
         self.lean_fits_more = False
 
     def options(self, sizes: Sizes, rank: int) -> Options:
-        out = self.fast.options(sizes, self.pp, rank, self.flight[rank])
-        self.lean_fits_more = self.lean_fits_more or self.fast.bounds(sizes, self.pp, rank, self.flight[rank])[0]
+        out, lean_more, _, _ = self.fast.entry(sizes, self.pp, rank, self.flight[rank])
+        self.lean_fits_more = self.lean_fits_more or lean_more
         return out
 
     def once_bound(self, sizes: Sizes, schedule: str, m: int, v: int) -> float:
