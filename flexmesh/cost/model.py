@@ -165,10 +165,8 @@ class CostModel(StepPricing):
 
     def _dp_collectives_uncached(self, params: float, tp: int, d: int,
                                  sharded: bool) -> tuple[float, float, float, float, float]:
-        """(gradient all-reduce, gradient reduce-scatter, weight all-gather, all-gather copy-out,
-        reduce-scatter copy-in) seconds for ``params`` split over ``tp`` and synced over ``d`` ranks
-        spaced ``tp`` apart; the all-reduce without ZeRO-2/3 sharding (``sharded`` False), the others
-        with it. No micro-batch enters them: every micro-batch size and recomputation choice shares one."""
+        """(all-reduce, reduce-scatter, all-gather, copy-out, copy-in) seconds of :meth:`_grad_comm` for
+        ``params`` over ``tp`` x ``d`` ranks, unsharded or ZeRO-2/3; no micro-batch enters them."""
         shape = group_shape(d, tp, self.cluster)
         ct = self.hw.collective_time
         grads, weights = params / tp * self.grad_bytes, params / tp * self.weight_bytes
@@ -246,9 +244,7 @@ class CostModel(StepPricing):
 
     def _layer_uncached(self, s: LayerStrategy, work: Work, overlap: Overlap) -> LayerCost:
         m = self.model
-        # Phases depend on the group (tp, cp) and recomputation only, not on dp or ZeRO: shared by those
-        # (experts depend on the data ranks they spread over).
-        group = _phase_group(s, m.is_moe)
+        group = s.phase_group(m.is_moe)  # phases are shared by every dp and ZeRO stage of a tp x cp group
         fwd, bwd, comm_f, comm_b = map(float, self._phases(group, float(work.tokens), float(work.sq_tokens), overlap))
         # routed experts: below; the router and shared expert are whole on every tp rank (tp x as many)
         params = synced_params(m, s.tp)
@@ -501,10 +497,3 @@ class CostModel(StepPricing):
             timing = AnalyticTiming(self.model, self.hw, timing.ring_balanced, timing.stack, experts)
         return CostModel(self.model, self.cluster, hardware=self.hw, timing=timing,
                          experts=experts).with_step_overlap(self.step_overlap)
-
-
-@lru_cache(maxsize=None)
-def _phase_group(s: LayerStrategy, moe: bool) -> LayerStrategy:
-    """The strategy a layer's phases are priced under: its tp x cp group and recomputation (and its data
-    ranks for a mixture of experts); one instance per strategy, built once."""
-    return LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute, dp=s.dp if moe else 1)

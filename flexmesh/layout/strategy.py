@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import cast
 
 from flexmesh.errors import PlanError
@@ -114,6 +115,11 @@ class LayerStrategy:
         return cls(tp=int(tp), cp=int(cp or 1), cp_kind=kind, dp=int(dp), zero=int(zero),
                    recompute={None: Recompute.NONE, "-sac": Recompute.SELECTIVE, "-ac": Recompute.FULL}[ac])
 
+    def phase_group(self, moe: bool = False) -> "LayerStrategy":
+        """What a layer's phases depend on: its tp x cp group and recomputation (for a mixture of
+        experts its data ranks too); one instance per strategy, shared by every price asked for."""
+        return _phase_group(self, moe)
+
     def same_mesh(self, other: "LayerStrategy") -> bool:
         """True when both layers place data the same way, so no resharding happens between them."""
         return (self.tp, self.cp, self.cp_kind, self.dp) == (other.tp, other.cp, other.cp_kind, other.dp)
@@ -146,3 +152,8 @@ def chunk_anchors(chunks: Sequence[Sequence[LayerStrategy]], pp: int = 1) -> lis
     if any(s is None for s in out):
         raise PlanError("no chunk holds a layer; give every stage at least one layer")
     return cast(list[LayerStrategy], out)
+
+
+@lru_cache(maxsize=None)
+def _phase_group(s: LayerStrategy, moe: bool) -> LayerStrategy:
+    return LayerStrategy(tp=s.tp, cp=s.cp, cp_kind=s.cp_kind, recompute=s.recompute, dp=s.dp if moe else 1)
