@@ -5,11 +5,12 @@ Megatron-style 3D layout from a grid search through the same cost model. The sea
 never be worse than that baseline (asserted). Time targets on a 2-core machine: (a) <= 0.5 s,
 (b) <= 10 s, (c) <= 5 s, and <= 10 s for worlds up to 4096 GPUs, powers of two or not: (d) MT-NLG's
 published run (2240 A100s, Smith et al. 2201.11990), (e) a Llama-3-405B-shaped model on 4096 H100s and
-(f) the same on 4032 H100s (42 divisors of the world, 36 of the global batch: the slowest of the worlds
-tried near 4096; 2520, 3360, 3960 and 4088 GPUs search faster); they are printed, not asserted, since
-other work shares the machine. Each search runs ``bench._results.REPEATS``
-times, each on a fresh cost model, and the fastest is reported (as timeit does: what other work on
-the machine adds is noise, not the code's time); the spread is printed beside it.
+(f) the same on 4032 H100s (42 divisors of the world, 36 of the global batch: the slowest world of the
+sweep below); they are printed, not asserted, since other work shares the machine. Each search runs
+``bench._results.REPEATS`` times, each on a fresh cost model, and the fastest is reported (as timeit
+does: what other work on the machine adds is noise, not the code's time); the spread is printed
+beside it. A sweep then times the same model once on each of 16 worlds up to 4096 GPUs
+(:data:`SWEEP`) and reports the slowest.
 
 Run: OMP_NUM_THREADS=1 python -m bench.search
 """
@@ -36,6 +37,10 @@ CASES = [  # (label, model, cluster, seq len, global batch, target seconds)
     ("e", "gpt:126:16384:128:128256", "512x8xH100", 8192, 2048, 10.0),
     ("f", "gpt:126:16384:128:128256", "504x8xH100", 8192, 2016, 10.0),
 ]
+# "Any world up to 4096": the 405B shape on every world of 8-GPU H100 nodes up to 4096 GPUs with at least 40
+# divisors (the count of pipeline and data degrees grows with them), and 3840 and 4096; global batch half the
+# world. One timed search each (baselines included), not the fastest of several.
+SWEEP = (1680, 2160, 2520, 2640, 2880, 3024, 3120, 3240, 3360, 3600, 3696, 3840, 3960, 4032, 4080, 4096)
 
 
 def _best(request: SearchRequest, cost: CostModel):  # noqa: ANN202 - a SearchResult
@@ -81,6 +86,19 @@ def main() -> None:
                      f"{x['mfu']:.1%} | {x['peak']:.1f} | `{md(x['mega_plan'])}` | {x['mega_tok_s']:,.0f} | "
                      f"{x['mega_mfu']:.1%} | {speed:.2f}x |")
     Console(width=200).print(table)
+    sweep = []
+    model = parse_model(CASES[-1][1])
+    for world in SWEEP:
+        cluster = parse_cluster(f"{world // 8}x8xH100")
+        t0 = time.perf_counter()
+        best_plans(SearchRequest(model, cluster, 8192, world // 2, top=1, cost=CostModel(model, cluster)))
+        sweep.append((time.perf_counter() - t0, world))
+        print(f"sweep {world} GPUs: {sweep[-1][0]:.2f} s")
+    worst = max(sweep)
+    lines.append("")
+    lines.append(f"Sweep, {CASES[-1][1]} at seq 8192, global batch half the world, one search each on every world of "
+                 f"8-GPU H100 nodes up to 4096 with >= 40 divisors, and 3840 and 4096: slowest {worst[0]:.2f} s "
+                 f"({worst[1]} GPUs; target 10 s); " + ", ".join(f"{w}: {t:.1f}" for t, w in sweep) + " s.")
     lines.append("")
     lines.append("Search time includes the uniform baselines ranked with the searched plans; predicted figures come "
                  "from the preset cost model (no profile). The chosen plan is never slower than the Megatron grid "
