@@ -124,12 +124,9 @@ class FastRanks:
         self.once_x1 = np.array([_once_extra_bytes(ctx, p[1]) if p[1] else 0.0 for p in groups])[:, None]
         self.cache: dict[tuple, tuple[Options, bool, float, float]] = {}
 
-    def options(self, sizes: Sizes, pp: int, rank: int, flight: float) -> Options:
-        """(times, tails, payload) on the (time, tail) frontier; payload[i] is (group, k) (see :meth:`pick`)."""
-        return self.entry(sizes, pp, rank, flight)[0]
-
     def entry(self, sizes: Sizes, pp: int, rank: int, flight: float) -> tuple[Options, bool, float, float]:
-        """(:meth:`options`, then :meth:`bounds`' three values) of a rank, priced once."""
+        """A rank's options, (times, tails, payload) on the (time, tail) frontier with payload[i] = (group,
+        k) (see :meth:`pick`), then :meth:`bounds`' three values; priced once per key."""
         key = self._key(sizes, pp, rank, flight)
         hit = self.cache.get(key)
         if hit is None:
