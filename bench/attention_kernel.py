@@ -1,0 +1,141 @@
+"""The runtime's attention kernel against the cost model's price for it, forward and backward.
+
+FlashAttention-3's benchmark shape (2407.08608, section 4.1): causal attention, hidden 2048 (16 heads of
+dim 128, or 32 of dim 64), 16,384 tokens per call as documents of one length from 512 to 16,384 (here
+packed in one row, as the runtime packs them: :func:`flexmesh.runtime.attention_kernels.local_attention`
+with the kernel its rule picks for the device and dtype). Forward FLOPs are the cost model's,
+``layer_attn_flops_per_sq_token * sum(len^2)`` (``4 s^2 h d / 2``, the paper's count); the backward is
+priced at twice the forward's FLOPs (:meth:`flexmesh.cost.analytic.AnalyticTiming.attention_times`), so
+its TFLOP/s below counts 2x (the paper counts 2.5x: its backward figures are 1.25x these).
+
+Predicted: one layer's attention priced by the cost model on the device preset of this GPU's family
+(``--cluster``; default 1xH100-80GB for Hopper, 1xA100-80GB for Ampere). The ratio measured /
+predicted is how much slower the kernel the runtime runs is than the kernel the preset prices.
+Median of ``--repeat`` CUDA-synchronised runs after two warm-ups.
+
+    python -m bench.attention_kernel            # on a CUDA machine; records "attention_kernel"
+    python -m bench.attention_kernel --cpu --no-record   # small shapes on CPU (tests/test_bench_attention.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+GPU_SHAPE = {"hidden": 2048, "tokens": 16384, "lengths": [512, 1024, 2048, 4096, 8192, 16384],
+             "head_dims": [64, 128]}
+CPU_SHAPE = {"hidden": 128, "tokens": 512, "lengths": [128, 256, 512], "head_dims": [32, 64]}
+
+
+def family_cluster(device_name: str) -> str:
+    """The one-device preset that prices a GPU of this name (H100 prices H200 attention: same SMs)."""
+    return "1xH100-80GB" if ("H100" in device_name or "H200" in device_name or "GH200" in device_name) \
+        else "1xA100-80GB"
+
+
+def priced(hidden: int, head_dim: int, length: int, tokens: int, cluster: str) -> tuple[float, float]:
+    """The cost model's (forward, backward) seconds of one layer's attention over ``tokens`` tokens
+    of documents of ``length``."""
+    from flexmesh.cost import CostModel
+    from flexmesh.cost.analytic import AnalyticTiming
+    from flexmesh.layout.strategy import LayerStrategy
+    from flexmesh.spec.cluster import parse_cluster
+    from flexmesh.spec.model import MODEL_PRESETS
+
+    heads = hidden // head_dim
+    spec = replace(MODEL_PRESETS["tinyllama-1.1b"], hidden=hidden, num_heads=heads, num_kv_heads=heads,
+                   max_position=max(length, 4096), dtype="bf16")
+    timing = CostModel(spec, parse_cluster(cluster)).timing
+    assert isinstance(timing, AnalyticTiming)
+    fwd, bwd = timing.attention_times(LayerStrategy(), float(tokens), float(tokens // length * length**2))
+    return float(fwd), float(bwd)
+
+
+def measure(hidden: int, head_dim: int, length: int, tokens: int, repeat: int, device, dtype):  # noqa: ANN001
+    """Median (forward, forward + backward) seconds of the runtime's kernel; and the kernel's name."""
+    import torch
+
+    from flexmesh.runtime.attention_kernels import local_attention, select_kernel
+
+    heads = hidden // head_dim
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    cu = torch.arange(0, tokens + 1, length, dtype=torch.int32, device=device)
+    grad = torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def forward() -> None:
+        with torch.no_grad():
+            local_attention(q, k, v, cu)
+
+    def both() -> None:
+        local_attention(q, k, v, cu).backward(grad)
+
+    out = []
+    for fn in (forward, both):
+        fn()
+        fn()
+        sync()
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        out.append(statistics.median(times))
+    return out[0], out[1], select_kernel(device.type, dtype, None, head_dim).name
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="small shapes on CPU, fp32 (what the test suite runs)")
+    ap.add_argument("--cluster", default=None, help="one-device preset that prices it (default: the GPU's family)")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available() and not a.cpu
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = GPU_SHAPE if cuda else CPU_SHAPE
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    cluster = a.cluster or family_cluster(name)
+    rows, ratios = [], {"fwd": [], "bwd": []}
+    for d in shape["head_dims"]:
+        for length in shape["lengths"]:
+            fwd, both, kernel = measure(shape["hidden"], d, length, shape["tokens"], a.repeat, device, dtype)
+            bwd = max(both - fwd, 1e-12)
+            p_fwd, p_bwd = priced(shape["hidden"], d, length, shape["tokens"], cluster)
+            flops = 2 * shape["hidden"] * (shape["tokens"] // length) * length**2  # forward, cost model's count
+            ratios["fwd"].append(fwd / p_fwd)
+            ratios["bwd"].append(bwd / p_bwd)
+            rows.append([d, f"{length:,}", kernel, f"{fwd * 1e3:.3f}", f"{bwd * 1e3:.3f}",
+                         f"{flops / fwd / 1e12:.1f}", f"{2 * flops / bwd / 1e12:.1f}",
+                         f"{p_fwd * 1e3:.3f}", f"{p_bwd * 1e3:.3f}", f"{fwd / p_fwd:.2f}", f"{bwd / p_bwd:.2f}"])
+            print(*rows[-1], flush=True)
+    from bench._results import markdown_table, record
+
+    med = {k: statistics.median(v) for k, v in ratios.items()}
+    md = [f"The runtime's attention kernel on {name}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}: "
+          f"causal, hidden {shape['hidden']}, {shape['tokens']:,} tokens per call packed as documents of one length; "
+          f"median of {a.repeat} runs. Predicted: the cost model on {cluster}. TFLOP/s count the forward's "
+          "FLOPs and twice them for the backward, as the cost model does.", "",
+          *markdown_table(["head dim", "doc length", "kernel", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
+                           "predicted fwd ms", "predicted bwd ms", "fwd / predicted", "bwd / predicted"], rows), "",
+          f"- median measured / predicted: forward {med['fwd']:.2f}x, backward {med['bwd']:.2f}x",
+          f"Reproduce: `python -m bench.attention_kernel{' --cpu' if not cuda else ''}`"]
+    print("\n".join(md))
+    if not a.no_record:
+        record("attention_kernel" if cuda else "attention_kernel-cpu", "\n".join(md), script="attention_kernel")
+
+
+if __name__ == "__main__":
+    main()
