@@ -14,7 +14,7 @@ from flexmesh.cost import CostModel, Work
 from flexmesh.cost.stack import with_stack
 from flexmesh.errors import SpecError
 from flexmesh.layout import LayerStrategy as S
-from flexmesh.layout.stack import Stack
+from flexmesh.layout.stack import RUNTIME_STACK, Stack
 from flexmesh.layout.strategy import Recompute
 from flexmesh.profile.timing import ProfiledTiming
 from flexmesh.spec import MODEL_PRESETS, parse_cluster, parse_model
@@ -55,7 +55,7 @@ def test_without_sequence_parallelism_norms_run_on_every_tp_rank():
 def test_a_profile_prices_this_runtime_and_no_other_stack():
     mp = flat_model_profile()
     cm = CostModel(MODEL_PRESETS["tiny"], parse_cluster("2xA100-80GB"), timing=ProfiledTiming(mp))
-    assert with_stack(cm, Stack()) is cm  # the runtime's own stack: the profile as it is
+    assert with_stack(cm, RUNTIME_STACK) is cm  # the runtime's own stack: the profile as it is
     with pytest.raises(SpecError, match="drop --model-profile"):
         with_stack(cm, MEGATRON)
 

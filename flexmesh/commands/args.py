@@ -207,10 +207,14 @@ def job_tasks(args, spec):  # noqa: ANN001, ANN201
 def add_stack_args(p: argparse.ArgumentParser) -> None:
     """``--attention``, ``--no-sequence-parallel``, ``--dropout``: price a stack other than flexmesh's runtime
     (flexmesh.layout.stack)."""
+    from flexmesh.layout.stack import ATTENTION_KERNELS, RUNTIME_STACK
+
     g = p.add_argument_group("another training stack's layers (default: flexmesh's runtime)")
-    g.add_argument("--attention", choices=("fused", "unfused"), default="fused",
-                   help="unfused: attention as separate kernels over the whole s x s scores, which are kept for "
-                        "backward (Megatron-LM before flash attention)")
+    g.add_argument("--attention", choices=ATTENTION_KERNELS, default=RUNTIME_STACK.attention,
+                   help="flash2 (default, flexmesh's runtime): FlashAttention-2; fused: the fastest fused kernel "
+                        "of the architecture (FlashAttention-3-class on Hopper, as Transformer Engine runs it); "
+                        "unfused: separate kernels over the whole s x s scores, which are kept for backward "
+                        "(Megatron-LM before flash attention)")
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="tensor parallelism without sequence parallelism: norms, dropouts and the GEMM inputs "
                         "kept whole on every tp rank")
@@ -222,8 +226,8 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
 
 def stack_of(args):  # noqa: ANN001, ANN201
     """The :class:`~flexmesh.layout.stack.Stack` of :func:`add_stack_args`' flags."""
-    from flexmesh.layout.stack import Stack
+    from flexmesh.layout.stack import RUNTIME_STACK, Stack
 
-    return Stack(attention=getattr(args, "attention", "fused"),
+    return Stack(attention=getattr(args, "attention", RUNTIME_STACK.attention),
                  sequence_parallel=getattr(args, "sequence_parallel", True), dropout=getattr(args, "dropout", False),
                  fused_swiglu=getattr(args, "fused_swiglu", False))

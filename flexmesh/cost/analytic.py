@@ -54,6 +54,7 @@ from flexmesh.cost.experts import (
     moe_fraction,
     moe_memory_bytes,
 )
+from flexmesh.cost.flash2 import flash2_kernels
 from flexmesh.cost.hardware import Hardware
 from flexmesh.cost.kernels import Kernels
 from flexmesh.cost.timing import LayerTimes
@@ -165,6 +166,9 @@ class AnalyticTiming:
         self.kernels: Kernels = getattr(hardware, "kernels", None) or Kernels(
             mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops, hbm_bytes_per_s=hardware.hbm_bytes_per_s,
             sms=None, attn_overhead=0.0, launch_s=0.0, dtype_bytes=model.dtype_bytes)
+        device = getattr(getattr(hardware, "cluster", None), "device", None)
+        if stack.attention == "flash2" and device is not None and self.dtype in ("bf16", "fp16"):
+            self.kernels = flash2_kernels(self.kernels, device.architecture, hardware.peak_flops)
         self.mem_bytes = memory_bytes_per_token(model, self.experts)
         self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW
         self._scalar_layer = lru_cache(maxsize=None)(self._layer_times)
@@ -247,7 +251,7 @@ class AnalyticTiming:
         else:
             block, calls, merge_f, merge_b = length, 1.0, 0.0, 0.0
         fwd = k.attention(flops, block, calls) + merge_f
-        bwd = k.attention(2 * flops, block, 2 * calls) + merge_b
+        bwd = k.attention(2 * flops, block, 2 * calls, backward=True) + merge_b
         return fwd, bwd
 
     def unfused_attention_times(self, s: LayerStrategy, tokens: Amount, length: Amount) -> tuple[Amount, Amount]:
@@ -306,7 +310,7 @@ class AnalyticTiming:
         sequence lengths summed), per head, split over tp (x cp): the softmax output, and with dropout
         its one-byte mask and its output (2205.05198: ``5 a s^2 b``). Nothing for fused (flash-style)
         attention, the runtime's, nor when the core is recomputed (selective recomputation)."""
-        if self.stack.attention == "fused" or s.recompute is Recompute.SELECTIVE:
+        if self.stack.fused or s.recompute is Recompute.SELECTIVE:
             return 0.0
         per_score = self.model.dtype_bytes + ((1 + self.model.dtype_bytes) if self.stack.dropout else 0)
         return self.model.num_heads * sq_tokens * per_score / (s.tp * s.cp)

@@ -69,6 +69,10 @@ class Kernels:
     roofline: bool = True  # False: GEMMs at their compute time alone (see :meth:`envelope`)
     # True: a block is priced at the best efficiency of any block up to its length (see :meth:`floor`)
     attn_best_below: bool = False
+    # A backward that runs at its own pace (FlashAttention-2 on Hopper, :func:`flash2_kernels`): its rate
+    # over long blocks and its fixed cost per query tile in keys; None: the forward's
+    attn_bwd_flops: float | None = None
+    attn_bwd_overhead: float | None = None
 
     def envelope(self) -> "Kernels":
         """The same device with every kernel at its best rate: no tiles, waves, launches or roofline.
@@ -140,29 +144,35 @@ class Kernels:
         return nbytes / self.hbm_bytes_per_s + kernels * self.launch_s * (nbytes > 0)
 
     # ---- flash attention -----------------------------------------------------------------------
-    def attention_efficiency(self, block):  # noqa: ANN001, ANN201
+    def attention_efficiency(self, block, overhead: float | None = None):  # noqa: ANN001, ANN201
         """Fraction of ``attn_flops`` reached over blocks of ``block`` keys: keys rounded up to whole
-        tiles, and each query tile's fixed cost of ``attn_overhead`` keys (with ``attn_best_below``,
-        the best of that over blocks up to ``block``: at the last whole number of tiles, see :meth:`floor`)."""
+        tiles, and each query tile's fixed cost of ``attn_overhead`` keys (or ``overhead``; with
+        ``attn_best_below``, the best of that over blocks up to ``block``: at the last whole number of
+        tiles, see :meth:`floor`)."""
+        overhead = self.attn_overhead if overhead is None else overhead
         if isinstance(block, np.ndarray):
             if self.sms is None:
                 return np.ones_like(block, dtype=float)
             b = np.maximum(block, 1.0)
-            eff = b / (np.ceil(b / ATTN_TILE) * ATTN_TILE + self.attn_overhead)
+            eff = b / (np.ceil(b / ATTN_TILE) * ATTN_TILE + overhead)
             if self.attn_best_below:
                 whole = np.floor(b / ATTN_TILE) * ATTN_TILE
-                eff = np.maximum(eff, whole / (whole + self.attn_overhead))
+                eff = np.maximum(eff, whole / (whole + overhead))
             return eff
         if self.sms is None:
             return 1.0
         keys = max(float(block), 1.0)
-        rate = keys / (math.ceil(keys / ATTN_TILE) * ATTN_TILE + self.attn_overhead)
+        rate = keys / (math.ceil(keys / ATTN_TILE) * ATTN_TILE + overhead)
         if self.attn_best_below:
             tiled = float(math.floor(keys / ATTN_TILE) * ATTN_TILE)
-            rate = max(rate, tiled / (tiled + self.attn_overhead))
+            rate = max(rate, tiled / (tiled + overhead))
         return rate
 
-    def attention(self, flops, block, calls: float = 1.0):  # noqa: ANN001, ANN201
-        """Seconds of ``calls`` flash-attention kernels doing ``flops`` over blocks of ``block`` keys."""
-        t = flops / (self.attn_flops * self.attention_efficiency(block))
+    def attention(self, flops, block, calls: float = 1.0, backward: bool = False):  # noqa: ANN001, ANN201
+        """Seconds of ``calls`` flash-attention kernels doing ``flops`` over blocks of ``block`` keys
+        (``backward``: at the backward's own rate where it has one)."""
+        if backward and self.attn_bwd_flops is not None:
+            t = flops / (self.attn_bwd_flops * self.attention_efficiency(block, self.attn_bwd_overhead))
+        else:
+            t = flops / (self.attn_flops * self.attention_efficiency(block))
         return t + calls * self.launch_s * (flops > 0)

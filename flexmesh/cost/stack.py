@@ -6,7 +6,7 @@ from __future__ import annotations
 from flexmesh.cost.analytic import AnalyticTiming
 from flexmesh.cost.model import CostModel
 from flexmesh.errors import SpecError
-from flexmesh.layout.stack import Stack
+from flexmesh.layout.stack import RUNTIME_STACK, Stack
 
 
 def with_stack(cost: CostModel, stack: Stack) -> CostModel:
@@ -21,7 +21,7 @@ def with_stack(cost: CostModel, stack: Stack) -> CostModel:
     if getattr(timing, "stack", None) == stack:
         return cost
     if not isinstance(timing, AnalyticTiming):
-        raise SpecError(f"a model profile times flexmesh's own runtime (fused attention, sequence parallel, no "
-                        f"dropout), not {stack.label}: drop --model-profile to price that stack")
+        raise SpecError(f"a model profile times flexmesh's own runtime ({RUNTIME_STACK.label}, no dropout), "
+                        f"not {stack.label}: drop --model-profile to price that stack")
     timing = AnalyticTiming(cost.model, cost.hw, timing.ring_balanced, stack)
     return CostModel(cost.model, cost.cluster, cost.hw, timing).with_step_overlap(cost.step_overlap)

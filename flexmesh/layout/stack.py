@@ -1,8 +1,10 @@
 """How the training stack runs a layer, where stacks differ and the plan does not say.
 
-flexmesh's runtime runs fused (flash-style) attention, tensor parallelism with sequence parallelism
-and no dropout; Megatron-LM before 2022, DeepSpeed and others may run unfused attention (the
-``s x s`` scores in memory), tensor parallelism without sequence parallelism (norms, dropouts and
+flexmesh's runtime runs FlashAttention-2 (``flash2``: PyTorch's varlen kernel or the flash-attn 2
+package; on Hopper slower than the FlashAttention-3-class kernels that Transformer Engine and cuDNN run,
+the ``fused`` stacks: flexmesh.cost.flash2), tensor parallelism with sequence parallelism and no
+dropout; Megatron-LM before 2022, DeepSpeed and others may run unfused attention (the ``s x s`` scores
+in memory), tensor parallelism without sequence parallelism (norms, dropouts and
 the inputs of the column-parallel GEMMs replicated on every tp rank) and dropout (a one-byte mask per
 dropped element); Megatron-LM and Transformer Engine fuse SwiGLU and recompute its silu in backward
 (one ffn-wide tensor per token fewer). :class:`Stack` says which, for pricing such a run
@@ -10,20 +12,23 @@ dropped element); Megatron-LM and Transformer Engine fuse SwiGLU and recompute i
 --dropout --fused-swiglu``): the activation bytes then follow Korthikanti et al., 2205.05198, section 4, and
 unfused attention is timed kernel by kernel (:meth:`flexmesh.cost.analytic.AnalyticTiming.unfused_attention_times`).
 
->>> Stack().label, Stack(attention="unfused", sequence_parallel=False, dropout=True).label
-('fused attention, sequence parallel', 'unfused attention, no sequence parallelism, dropout')
+>>> RUNTIME_STACK.label, Stack(attention="unfused", sequence_parallel=False, dropout=True).label
+('flash2 attention, sequence parallel', 'unfused attention, no sequence parallelism, dropout')
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_KERNELS = ("fused", "unfused")
+# "fused": the fastest fused (flash-style) attention each architecture has, as the measured kernel tables
+# price it (FlashAttention-2 on Ampere and Ada, FlashAttention-3 on Hopper); "flash2": FlashAttention-2
+# everywhere (flexmesh's runtime); "unfused": the softmax of the whole s x s scores kept for backward.
+ATTENTION_KERNELS = ("fused", "flash2", "unfused")
 
 
 @dataclass(frozen=True)
 class Stack:
-    attention: str = "fused"  # "unfused": the softmax of the whole s x s scores kept for backward
+    attention: str = "fused"  # one of ATTENTION_KERNELS
     sequence_parallel: bool = True  # with tp > 1: norms, dropouts and residuals split over the tp ranks
     dropout: bool = False  # hidden and attention dropout: a one-byte mask per element kept for backward
     # SwiGLU as one kernel that keeps the gate and up outputs and recomputes silu in backward (Megatron-LM's
@@ -35,6 +40,11 @@ class Stack:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
 
     @property
+    def fused(self) -> bool:
+        """Flash-style attention: no ``s x s`` scores kept."""
+        return self.attention != "unfused"
+
+    @property
     def label(self) -> str:
         parts = [f"{self.attention} attention", "sequence parallel" if self.sequence_parallel
                  else "no sequence parallelism"]
@@ -42,4 +52,4 @@ class Stack:
         return ", ".join(parts)
 
 
-RUNTIME_STACK = Stack()
+RUNTIME_STACK = Stack(attention="flash2")

@@ -320,6 +320,9 @@ def _measure_stages(spec: ModelSpec, cfg: dict, dtype, device, world: World) -> 
                        for k in range(count)]
             stages = make_stages(modules, list(range(count)), count, device, alone, tokens=n, tp=1,
                                  hidden=spec.hidden, vocab=spec.vocab, dtype=dtype)
+            for stage in stages:  # every neighbour is on this process: no link to warm up (torch <= 2.11's
+                # schedules send a warm-up tensor to each neighbour stage, here to itself, which gloo refuses)
+                stage._get_init_p2p_neighbors_ops = list
             sched = build_pipeline_schedule(stages, "interleaved", m, summed_cross_entropy)
 
             def step():

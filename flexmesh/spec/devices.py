@@ -164,6 +164,9 @@ COMM_TABLES = _load_comm_tables()
 _CATALOGUE = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/devices.toml").read_text())
 GEMM_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CATALOGUE["gemm_tables"].items()}
 ATTENTION_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CATALOGUE["attention_tables"].items()}
+# FlashAttention-2's measured throughput and fit per architecture where it is not the fused kernel the
+# tables measured (devices.toml [flash_attention_2]; flexmesh.cost.flash2)
+FLASH2: dict[str, dict] = _CATALOGUE["flash_attention_2"]
 # Attention's efficiency is fitted on one part (FlexSP's A100, flexmesh.cost.calibrate.fit_attn_efficiency):
 # that family's value, its kernel tables those of the fitted part.
 ATTENTION_FIT_FAMILY = "A100"
@@ -173,7 +176,8 @@ _OPTIONAL = ("comm_table",)
 
 
 def _load_presets() -> dict[str, DeviceSpec]:
-    raw = {k: v for k, v in _CATALOGUE.items() if k not in ("efficiency", "memory", "gemm_tables", "attention_tables")}
+    raw = {k: v for k, v in _CATALOGUE.items() if k not in ("efficiency", "memory", "gemm_tables", "attention_tables",
+                                                         "flash_attention_2")}
     eff, mem = _CATALOGUE["efficiency"], _CATALOGUE["memory"]
     attn_fit = eff[ATTENTION_FIT_FAMILY]
     out = {}
