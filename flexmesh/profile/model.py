@@ -68,17 +68,29 @@ from flexmesh.spec.model import ModelSpec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def sweep(quick: bool) -> dict:
-    """Rows to time (each a list of document lengths), token counts for the ends, repetitions."""
-    rows_at = [128, 256, 512, 1024, 2048] if quick else [128, 256, 512, 1024, 2048, 3072, 4096]
+def sweep(quick: bool, gpu: bool = False) -> dict:
+    """Rows to time (each a list of document lengths), token counts for the ends, repetitions.
+
+    On a GPU the rows are longer: there a layer over up to a few thousand tokens takes no longer
+    than the host takes to launch its kernels (on an H200, TinyLlama's layer took 1.4 ms forward
+    from 128 to 4096 tokens alike), so shorter rows time the host, and a fit over them prices an
+    8,192-token micro-batch at the launch cost."""
+    if gpu:
+        rows_at = [1024, 2048, 4096] if quick else [1024, 2048, 4096, 8192, 12288, 16384]
+        ends = [1024, 2048, 4096] if quick else [2048, 4096, 8192, 16384]
+    else:
+        rows_at = [128, 256, 512, 1024, 2048] if quick else [128, 256, 512, 1024, 2048, 3072, 4096]
+        ends = [128, 256, 512] if quick else [256, 512, 1024, 2048]
     rows = []
     for r in rows_at:
         rows.append([r])  # one document: sum(len^2) = tokens^2
         rows.append([r // 8] * 8)  # many short ones: sum(len^2) = tokens^2 / 8
         if not quick:
             rows.append([r // 2, r // 4, r // 8, r // 8])  # a mix
-    return {"rows": rows, "reps": 2 if quick else 5, "end_tokens": [128, 256, 512] if quick else [256, 512, 1024, 2048],
-            "act_tokens": [128, 256, 512] if quick else [256, 512, 1024], "max_degree": 2 if quick else 8}
+    return {"rows": rows, "reps": 2 if quick else 5, "end_tokens": ends,
+            "act_tokens": [128, 256, 512] if quick else [256, 512, 1024], "max_degree": 2 if quick else 8,
+            # rows of the layer sweep up to this many tokens are timed whole (_measure_whole)
+            "whole_max_tokens": 8192 if gpu else 1024}
 
 
 def _time_layer(block, row, local_tokens: int, reps: int, spec: ModelSpec, dtype,
@@ -178,7 +190,6 @@ PASSES = ("forward", "backward", "backward_recompute")
 # Layers of the model timed whole (_measure_whole): enough for layers to evict each other's weights
 # and activations from the caches, few enough to build for any model the layer sweep can time.
 WHOLE_LAYERS = 4
-WHOLE_MAX_TOKENS = 1024  # rows of the layer sweep up to this many tokens are timed whole
 
 
 def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype, device, world: World, reduce,
@@ -229,7 +240,7 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
                    compile: bool = False) -> dict:
     """The runtime's model of ``min(num_layers, WHOLE_LAYERS)`` layers timed as the trainer runs a
     micro-batch (forward with the summed cross-entropy, then backward) over the layer sweep's rows
-    of up to ``WHOLE_MAX_TOKENS`` tokens, against the parts' fits (``layer``, ``ends``: layers x
+    of up to ``cfg["whole_max_tokens"]`` tokens, against the parts' fits (``layer``, ``ends``: layers x
     layer fit + embedding + head), fitted as ``measured = k * parts + fixed`` per direction (both
     >= 0; least squares in relative error); returns {"layers", "forward": k, "forward_fixed_s":
     fixed, "backward": k, "backward_fixed_s": fixed, "samples"}."""
@@ -239,7 +250,7 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
     model = build_model(replace(spec, num_layers=n_layers, tie_embeddings=False), device, dtype)
     for block in model.layers.values():
         _compiled(block, compile)
-    rows = [r for r in cfg["rows"] if sum(r) <= WHOLE_MAX_TOKENS]
+    rows = [r for r in cfg["rows"] if sum(r) <= cfg["whole_max_tokens"]]
     measured = []
     for lengths in [rows[-1], *rows]:  # the first, untimed, warms up
         n = sum(lengths)
@@ -440,7 +451,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     world = world or World()
     device, dt = world.device, DTYPES[dtype]
     compile = device.type == "cuda" if compile is None else compile
-    cfg = sweep(quick)
+    cfg = sweep(quick, device.type == "cuda")
     torch.manual_seed(0)
     n_deg = len(degrees(spec, cfg["max_degree"]))
     n_par = len(parallel_layouts(spec, world.size, cfg["max_degree"]))
