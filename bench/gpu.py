@@ -31,6 +31,7 @@ time from the device preset (``--cluster``, default the preset of the GPU's fami
 (before any update) in both, which must agree.
 
     python -m bench.gpu                   # on a CUDA machine; records "gpu" in bench/RESULTS.md
+    python -m bench.gpu --model-config m  # m/config.json: the model's shape, for `flexmesh profile model --model m`
     python -m bench.gpu --cpu --no-record # the same code on a tiny model on CPU (tests/test_bench_gpu.py)
 """
 
@@ -310,12 +311,20 @@ def main() -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
+    p.add_argument("--model-config", metavar="DIR", help="write the config.json of the GPU cases' model to DIR and "
+                   "exit: `flexmesh profile model --model DIR --dtype bf16` profiles that shape")
     # worker-only
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--hf-folder", help=argparse.SUPPRESS)
     p.add_argument("--weights", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.model_config:
+        from flexmesh.spec.hf import to_hf_config
+
+        Path(a.model_config).mkdir(parents=True, exist_ok=True)
+        (Path(a.model_config) / "config.json").write_text(json.dumps(to_hf_config(model_spec(False)), indent=1))
+        return
     if a.mode[:1] == ["worker"]:
         result = (flexmesh_worker if a.mode[1] == "flexmesh" else transformers_worker)(a)
         Path(a.out).write_text(json.dumps(result))

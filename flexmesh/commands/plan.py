@@ -58,6 +58,7 @@ from flexmesh.plan.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
+from flexmesh.spec.devices import FLASH2
 from flexmesh.spec.model import parse_model
 from flexmesh.spec.model_file import ModelFile
 from flexmesh.units import GIB
@@ -323,6 +324,13 @@ def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
                   f"{d.peak_tflops[cost.model.dtype]:g} TFLOP/s; GEMM efficiency {d.mm_efficiency:.3f}, "
                   f"attention {d.attn_efficiency:.3f}: "
                   f"{d.efficiency_source}; datasheet: {d.source}", highlight=False)
+        flash2 = FLASH2.get(d.architecture)
+        if stack is not None and stack.attention == "flash2" and flash2 is not None:
+            out.print(f"attention as the runtime runs it, FlashAttention-2 (not the fused kernel above): forward "
+                      f"{flash2['fwd_efficiency']:.3f} of peak + {flash2['fwd_overhead_keys']:.0f} keys per query "
+                      f"tile, backward {flash2['bwd_efficiency']:.3f} + {flash2['bwd_overhead_keys']:.0f}: measured, "
+                      f"{flash2['source']} (flexmesh.cost.flash2; --attention fused prices the faster kernel)",
+                      highlight=False)
         links = (f"measured NCCL times of a {d.comm_table} node by message size (aiconfigurator-core, "
                  "flexmesh.cost.comm_tables)" if d.comm_table else
                  f"{d.intra_node_gbps(cost.hw.cluster.devices_per_node):g} GB/s x {d.intra_efficiency:g} "

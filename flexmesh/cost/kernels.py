@@ -73,6 +73,8 @@ class Kernels:
     # over long blocks and its fixed cost per query tile in keys; None: the forward's
     attn_bwd_flops: float | None = None
     attn_bwd_overhead: float | None = None
+    # True (the envelope): attention keeps its per-query-tile cost with keys not rounded up to tiles
+    attn_untiled: bool = False
 
     def envelope(self) -> "Kernels":
         """The same device with every kernel at its best rate: no tiles, waves, launches or roofline.
@@ -80,6 +82,9 @@ class Kernels:
         Its times are linear in tokens (plus attention's squared tokens), never above this model's,
         and additive: the sum over documents run alone equals them packed together. A lower bound
         built on them holds for every packing (:meth:`flexmesh.cost.CostModel.with_kernels`).
+        Attention keeps its fixed cost per query tile (keys not rounded up to tiles): ``L^2 / (L +
+        overhead)`` per document is ``L^2 + overhead x L`` over the rate, linear in squared tokens and
+        tokens, and never above the tiled price.
 
         >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100)
         >>> e = k.envelope()
@@ -88,7 +93,8 @@ class Kernels:
         >>> float(e.gemm(64, 8, 8) + e.gemm(64, 8, 8)) == float(e.gemm(128, 8, 8))
         True
         """
-        return replace(self, sms=None, attn_overhead=0.0, launch_s=0.0, roofline=False)
+        # (a device priced without tiles, sms None, has no per-tile cost to keep: its attention is at full rate)
+        return replace(self, sms=None, launch_s=0.0, roofline=False, attn_untiled=self.sms is not None)
 
     def floor(self) -> "Kernels":
         """The same device with attention blocks at the best efficiency of any block up to their length.
@@ -151,17 +157,21 @@ class Kernels:
         tiles, see :meth:`floor`)."""
         overhead = self.attn_overhead if overhead is None else overhead
         if isinstance(block, np.ndarray):
-            if self.sms is None:
-                return np.ones_like(block, dtype=float)
             b = np.maximum(block, 1.0)
+            if self.attn_untiled:
+                return b / (b + overhead)
+            if self.sms is None:
+                return np.ones_like(b)
             eff = b / (np.ceil(b / ATTN_TILE) * ATTN_TILE + overhead)
             if self.attn_best_below:
                 whole = np.floor(b / ATTN_TILE) * ATTN_TILE
                 eff = np.maximum(eff, whole / (whole + overhead))
             return eff
+        keys = max(float(block), 1.0)
+        if self.attn_untiled:
+            return keys / (keys + overhead)
         if self.sms is None:
             return 1.0
-        keys = max(float(block), 1.0)
         rate = keys / (math.ceil(keys / ATTN_TILE) * ATTN_TILE + overhead)
         if self.attn_best_below:
             tiled = float(math.floor(keys / ATTN_TILE) * ATTN_TILE)
