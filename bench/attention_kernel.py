@@ -8,15 +8,15 @@ with the kernel its rule picks for the device and dtype). Forward FLOPs are the 
 priced at twice the forward's FLOPs (:meth:`flexmesh.cost.analytic.AnalyticTiming.attention_times`), so
 its TFLOP/s below counts 2x (the paper counts 2.5x: its backward figures are 1.25x these).
 
-Predicted: one layer's attention priced by the cost model on the device preset of this GPU's family
-(``--cluster``; default 1xH100-80GB for Hopper, 1xA100-80GB for Ampere), as two stacks run it:
+Predicted: one layer's attention priced by the cost model on this GPU's device preset (``--cluster``;
+default :func:`flexmesh.spec.devices.preset_of_gpu`'s, 1xA100-80GB on CPU), as two stacks run it:
 ``fused``, the fastest fused kernel the measured tables price (FlashAttention-3-class on Hopper), and
 ``flash2``, the runtime's (flexmesh.cost.flash2: on Hopper fitted to this bench's H200 run of 2026-11-26,
 so in-sample there). measured / predicted is how much slower the kernel the runtime runs is than priced.
 Median of ``--repeat`` CUDA-synchronised runs after two warm-ups.
 
     python -m bench.attention_kernel            # on a CUDA machine; records "attention_kernel"
-    python -m bench.attention_kernel --cpu --no-record   # small shapes on CPU (tests/test_bench_attention.py)
+    python -m bench.attention_kernel --cpu --no-record   # small shapes on CPU (tests/test_flash2.py)
 """
 
 from __future__ import annotations
@@ -34,12 +34,6 @@ sys.path.insert(0, str(ROOT))
 GPU_SHAPE = {"hidden": 2048, "tokens": 16384, "lengths": [512, 1024, 2048, 4096, 8192, 16384],
              "head_dims": [64, 128]}
 CPU_SHAPE = {"hidden": 128, "tokens": 512, "lengths": [128, 256, 512], "head_dims": [32, 64]}
-
-
-def family_cluster(device_name: str) -> str:
-    """The one-device preset that prices a GPU of this name (H100 prices H200 attention: same SMs)."""
-    return "1xH100-80GB" if ("H100" in device_name or "H200" in device_name or "GH200" in device_name) \
-        else "1xA100-80GB"
 
 
 def priced(hidden: int, head_dim: int, length: int, tokens: int, cluster: str, attention: str) -> tuple[float, float]:
@@ -100,6 +94,8 @@ def measure(hidden: int, head_dim: int, length: int, tokens: int, repeat: int, d
 def main() -> None:
     import torch
 
+    from flexmesh.spec.devices import preset_of_gpu
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="small shapes on CPU, fp32 (what the test suite runs)")
     ap.add_argument("--cluster", default=None, help="one-device preset that prices it (default: the GPU's family)")
@@ -111,7 +107,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = GPU_SHAPE if cuda else CPU_SHAPE
     name = torch.cuda.get_device_name() if cuda else "CPU"
-    cluster = a.cluster or family_cluster(name)
+    cluster = a.cluster or f"1x{preset_of_gpu(name) or 'A100-80GB'}"
     stacks = ("fused", "flash2")
     rows: list[list] = []
     ratios: dict[tuple[str, str], list[float]] = {(k, p): [] for k in stacks for p in ("fwd", "bwd")}
