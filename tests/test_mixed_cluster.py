@@ -183,6 +183,58 @@ def test_per_node_nics_and_node_links_bound_the_collectives_that_may_cross_them(
     assert (c.link(0, 1).gbps, c.link(0, 1).latency_us) == (1.0, 80.0)  # node 3 (group 1) to node 1 (group 0)
 
 
+ZONES = ('node_links."1-2" = { gbps = 1.25, latency_us = 2000.0 }\n'  # A100 nodes 0-1 and node 2 apart
+         'node_links."0-2" = { gbps = 1.25, latency_us = 2000.0 }\n'
+         '[[groups]]\nnodes = 3\ndevices_per_node = 4\ndevice = "A100-80GB"\nnic_gbps = [200.0, 200.0, 100.0]\n'
+         '[[groups]]\nnodes = 1\ndevices_per_node = 4\ndevice = "H100"\n')
+
+
+def test_node_facts_inside_a_group_bound_only_the_collectives_that_cross_them(tmp_path):
+    """A slow link between two of a group's nodes, or a slow NIC, prices what crosses it, not what stays
+    among the other nodes; a collective across groups is no faster than the network joining each
+    group's own nodes among its ranks."""
+    from flexmesh.cost.mixed import MixedCosts
+
+    f = tmp_path / "zones.toml"
+    f.write_text(ZONES)
+    c = parse_mixed_cluster(str(f))
+    assert c.groups[0].device.node_net_gbps == 1.25  # what a layout over all the group's nodes meets
+    costs = MixedCosts(parse_model("llama2-7b"), c)
+    net = {k: costs.network(ranks)[0].cluster.device for k, ranks in
+           {"island": range(0, 8), "apart": range(4, 12), "across groups": [0, 4, 12], "to node 2": [8, 12]}.items()}
+    assert net["island"].node_net_gbps == 200.0 and net["island"].inter_latency_us == 20.0
+    assert (net["apart"].node_net_gbps, net["apart"].inter_latency_us) == (1.25, 2000.0)
+    assert net["across groups"].node_net_gbps == 200.0  # nodes 0 and 1 of group 0, and the H100 node
+    assert net["to node 2"].node_net_gbps == 100.0  # one node of each group: node 2's NIC bounds the group link
+    assert costs.network([0, 4, 8, 12])[0].cluster.device.node_net_gbps == 1.25  # crosses the slow pair
+    assert costs.on(range(4)) is costs.groups[0]  # one node: no inter-node network to bound
+    ring = [costs.network(r)[0].hw.collective_time("all_reduce", 2.0**30, costs.network(r)[1])
+            for r in (range(0, 8), range(4, 12))]
+    assert ring[1] > 50 * ring[0]
+
+
+def test_a_replica_group_on_one_island_is_priced_on_its_own_network(tmp_path):
+    from flexmesh.cost.mixed import MixedCosts, evaluate_groups
+    from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    f = tmp_path / "zones.toml"
+    f.write_text(ZONES)
+    cluster, model = parse_mixed_cluster(str(f)), parse_model("llama2-7b")
+    costs = MixedCosts(model, cluster)
+
+    def step(ranks: range) -> float:
+        dp = LayerStrategy(tp=4, dp=2, zero=1)
+        pair = ReplicaGroup((tuple(ranks),), (StagePlan(0, model.num_layers, (dp,) * model.num_layers),), 4, 8)
+        one = LayerStrategy(tp=4)
+        h100 = ReplicaGroup((tuple(range(12, 16)),), (StagePlan(0, model.num_layers, (one,) * model.num_layers),), 4, 8)
+        plan = Plan(model.name, cluster.label, cluster.world_size, 4096, 16, "1f1b", (pair, h100),
+                    unused=tuple(r for r in range(12) if r not in ranks))
+        return evaluate_groups(plan, costs).replicas[0].step_time
+
+    assert step(range(4, 12)) > 1.5 * step(range(0, 8))  # its data-parallel sync crosses the slow pair
+
+
 def test_the_uniform_baseline_pays_the_slow_link_its_pipeline_crosses(tmp_path):
     """Two groups of the same GPUs joined by 10 Gb/s: the one-layout baseline's pipeline sends between
     the groups go over that link, as the mixed search prices its own pipelines, so the baseline does not

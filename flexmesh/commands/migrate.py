@@ -143,12 +143,12 @@ class MigrationCheck:
         """(the planner's plan at ``speeds``, predicted step time now, predicted step time on it)."""
         from flexmesh.cost.mixed import MixedCosts, evaluate_groups
         from flexmesh.plan.mixed import plan_mixed
-        from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
+        from flexmesh.spec.cluster import parse_mixed_cluster
 
         base = parse_mixed_cluster(self.plan.cluster)
-        cluster = MixedCluster(tuple(replace(g, speed_factors=tuple(speeds[base.group_start(i) + j]
-                                                                    for j in range(g.world_size)))
-                                     for i, g in enumerate(base.groups)), base.links)
+        cluster = replace(base, groups=tuple(replace(g, speed_factors=tuple(speeds[base.group_start(i) + j]
+                                                                            for j in range(g.world_size)))
+                                             for i, g in enumerate(base.groups)))
         costs = MixedCosts(self.spec, cluster)
         current = replica_groups(self.plan) if self.plan.in_rank_order else self.plan
         weights = [g.share * min(scheduled[r] for r in g.ranks) for g in current.groups]

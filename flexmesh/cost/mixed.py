@@ -29,6 +29,7 @@ baselines are priced with, so plans of both kinds compare on one footing).
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,7 +43,7 @@ from flexmesh.layout.mesh import group_layout
 from flexmesh.layout.overlap import FASTEST, Overlap
 from flexmesh.layout.plan import Plan, ReplicaGroup
 from flexmesh.layout.strategy import LayerStrategy, Recompute
-from flexmesh.spec.cluster import MixedCluster
+from flexmesh.spec.cluster import Link, MixedCluster
 from flexmesh.spec.model import ModelSpec
 from flexmesh.units import GIB
 
@@ -64,7 +65,8 @@ class MixedCosts:
         self.model = model
         self.cluster = cluster
         self.groups = list(groups) if groups is not None else [CostModel(model, g) for g in cluster.groups]
-        self._links: dict[tuple[int, int], CostModel] = {}
+        self._links: dict[tuple[int, int, Link], CostModel] = {}
+        self._nodes: dict[tuple[int, Link], CostModel] = {}  # a group on some of its nodes (on)
         self._stages: dict[tuple, LayerCost] = {}
         # Per rank, looked up for every stage and collective the search prices.
         ranks = range(cluster.world_size)
@@ -85,28 +87,68 @@ class MixedCosts:
     def of_rank(self, rank: int) -> CostModel:
         return self.groups[self.group_of[rank]]
 
-    def link(self, i: int, j: int) -> CostModel:
-        """The cost model whose inter-node network is the link between groups ``i`` and ``j``."""
-        key = (min(i, j), max(i, j))
+    def link(self, i: int, j: int, bound: Link | None = None) -> CostModel:
+        """The cost model whose inter-node network is the link between groups ``i`` and ``j`` (the slower
+        group's device numbers), no faster than ``bound`` where given."""
+        link = self.cluster.link(i, j)
+        if bound is not None:
+            link = Link(min(link.gbps, bound.gbps), max(link.latency_us, bound.latency_us))
+        key = (min(i, j), max(i, j), link)
         if key not in self._links:
-            link = self.cluster.link(i, j)
             gi, gj = self.cluster.groups[key[0]], self.cluster.groups[key[1]]
             slow = gi if gi.device.node_net_gbps <= gj.device.node_net_gbps else gj
             device = replace(slow.device, node_net_gbps=link.gbps, inter_latency_us=link.latency_us)
             self._links[key] = CostModel(self.model, replace(slow, device=device, speed_factors=()))
         return self._links[key]
 
+    def inter(self, group: int, nodes: frozenset[int]) -> Link:
+        """The network ``nodes`` of device group ``group`` reach each other and other groups by: the group's,
+        or where the cluster file gives per-node facts, that of these nodes (``MixedCluster.node_network``:
+        a slow NIC or a slow link between two of a group's nodes bounds only what crosses it)."""
+        net = self.cluster.node_network
+        if net is not None:
+            return net.between(group, nodes)
+        dev = self.cluster.groups[group].device
+        return Link(dev.node_net_gbps, dev.inter_latency_us)
+
+    def on(self, ranks: Iterable[int]) -> CostModel:
+        """The cost model of ``ranks`` of one device group: the group's, its inter-node network that of
+        the nodes they span (:meth:`inter`)."""
+        ranks = list(ranks)
+        g = self.group_of[ranks[0]]
+        cost = self.groups[g]
+        nodes = frozenset(self.node_of[r] for r in ranks)
+        if self.cluster.node_network is None or len(nodes) < 2:
+            return cost
+        link, dev = self.inter(g, nodes), cost.cluster.device
+        if (link.gbps, link.latency_us) == (dev.node_net_gbps, dev.inter_latency_us):
+            return cost
+        if (g, link) not in self._nodes:
+            cluster = replace(cost.cluster, device=replace(dev, node_net_gbps=link.gbps,
+                                                           inter_latency_us=link.latency_us))
+            hw = copy.copy(cost.hw)  # the group's hardware (a preset's or a profile's), another network
+            hw.cluster = cluster
+            hw.comm = replace(hw.comm, inter_gbps_per_gpu=link.gbps / cluster.devices_per_node,
+                              inter_latency_s=link.latency_us * 1e-6)
+            self._nodes[(g, link)] = CostModel(self.model, cluster, hw, cost.timing,
+                                               cost.experts).with_step_overlap(cost.step_overlap)
+        return self._nodes[(g, link)]
+
     def network(self, ranks: Iterable[int]) -> tuple[CostModel, GroupShape]:
-        """The cost model of the slowest network ``ranks`` cross and their group shape on it."""
+        """The cost model of the slowest network ``ranks`` cross and their group shape on it: inside one
+        group the network of the nodes they span (:meth:`on`); across groups the slowest link between
+        them, no faster than each group's nodes among them reach out by (:meth:`inter`: their NICs, the
+        links between them)."""
         ranks = list(ranks)
         groups = sorted({self.group_of[r] for r in ranks})
         per_node = max(Counter(self.node_of[r] for r in ranks).values())
         shape = GroupShape(len(ranks), per_node)
         if len(groups) == 1:
-            return self.groups[groups[0]], shape
+            return self.on(ranks), shape
         pairs = [(a, b) for i, a in enumerate(groups) for b in groups[i + 1:]]
         slowest = min(pairs, key=lambda p: (self.cluster.link(*p).gbps, -self.cluster.link(*p).latency_us))
-        return self.link(*slowest), shape
+        inner = [self.inter(g, frozenset(self.node_of[r] for r in ranks if self.group_of[r] == g)) for g in groups]
+        return self.link(*slowest, bound=Link(min(x.gbps for x in inner), max(x.latency_us for x in inner))), shape
 
     def speed(self, devices: Iterable[int]) -> float:
         """A TP group computes at its slowest member's speed."""
@@ -304,7 +346,7 @@ def _evaluate_layout(costs: MixedCosts, group: ReplicaGroup, seq_len: int, sync:
         raise PlanError("a replica group with data ranks, ZeRO, context parallelism or interleaving runs on one "
                         f"device type, but this one spans {len(types)}; give each device type a group of its own")
     kind = types.pop()
-    cost, speed = costs.groups[kind], costs.speed(group.ranks)
+    cost, speed = costs.on(group.ranks), costs.speed(group.ranks)
     ev = cost.evaluate_stages([st.strategies for st in group.stages], group.pp, schedule, group.num_microbatches,
                               group.virtual_stages, group.microbatch_size, seq_len, overlap, speed=speed,
                               cross_sync=sync)

@@ -322,7 +322,7 @@ def groups_context(plan: Plan, spec: ModelSpec, costs: MixedCosts) -> GroupsCont
     for g in plan.groups:
         device_groups = {costs.group_of[r] for r in g.ranks}
         slowest = min(device_groups, key=lambda k: costs.groups[k].cluster.device.peak_flops(spec.dtype))
-        ctx = group_context(plan, g, spec, costs.groups[slowest])
+        ctx = group_context(plan, g, spec, costs.on(g.ranks) if len(device_groups) == 1 else costs.groups[slowest])
         contexts.append(replace(ctx, token_cap=stage_cap(g, costs, plan.overlap)) if g.pp > 1 else ctx)
     speed = [1.0] * sum(c.num_ranks for c in contexts)
     for rank in range(plan.world_size):

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -105,6 +106,32 @@ class Link:
 
 
 @dataclass(frozen=True)
+class NodeNetwork:
+    """What a cluster file says of single nodes and of pairs of nodes inside one device group
+    (``nic_gbps``, ``node_links``). A :class:`MixedCluster`'s groups carry the slowest of it (what a
+    layout over all of a group's nodes meets); this keeps the rest, so that a collective over some of a
+    group's nodes is priced on those nodes' own network (:meth:`between`; flexmesh.cost.mixed).
+
+    >>> net = NodeNetwork(base=(Link(50.0, 5.0),), nics=(50.0, 50.0, 12.5, 50.0),
+    ...                   links=((0, 3, Link(1.0, 900.0)),))
+    >>> net.between(0, {0, 1}), net.between(0, {0, 1, 2}), net.between(0, {0, 1, 3})
+    (Link(gbps=50.0, latency_us=5.0), Link(gbps=12.5, latency_us=5.0), Link(gbps=1.0, latency_us=900.0))
+    """
+
+    base: tuple[Link, ...]  # per group: its inter-node network before these facts lowered it
+    nics: tuple[float, ...]  # per global node: its NIC's GB/s (inf where the file gives none)
+    links: tuple[tuple[int, int, Link], ...] = ()  # pairs of global nodes of one group, as given
+
+    def between(self, group: int, nodes: frozenset[int] | set[int]) -> Link:
+        """The network a collective over ``nodes`` (global indices, two or more, all of ``group``) runs
+        on: the group's, bounded by each of those nodes' NIC and by every given link between two of them."""
+        base = self.base[group]
+        inside = [link for i, j, link in self.links if i in nodes and j in nodes]
+        return Link(min([base.gbps, *(self.nics[n] for n in nodes), *(x.gbps for x in inside)]),
+                    max([base.latency_us, *(x.latency_us for x in inside)]))
+
+
+@dataclass(frozen=True)
 class MixedCluster:
     """Device groups, each a :class:`ClusterSpec` of one device type, and the links between them.
 
@@ -120,6 +147,7 @@ class MixedCluster:
 
     groups: tuple[ClusterSpec, ...]
     links: tuple[tuple[int, int, Link], ...] = ()
+    node_network: NodeNetwork | None = None  # a cluster file's per-node facts inside groups, where it gives any
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, tuple) or not self.groups:
@@ -144,6 +172,10 @@ class MixedCluster:
                 full.append((a, b, given.get((a, b)) or Link(min(da.node_net_gbps, db.node_net_gbps),
                                                               max(da.inter_latency_us, db.inter_latency_us))))
         object.__setattr__(self, "links", tuple(full))
+        net = self.node_network
+        if net is not None and (len(net.base) != len(self.groups) or len(net.nics) != self.nodes):
+            raise SpecError(f"node network of {len(net.base)} groups and {len(net.nics)} nodes given for a cluster "
+                            f"of {len(self.groups)} groups and {self.nodes} nodes")
 
     @property
     def world_size(self) -> int:
@@ -221,6 +253,23 @@ _INTRA_FIELDS = {"nvlink_gbps", "intra_efficiency", "intra_latency_us", "intra_l
 
 
 def _from_mapping(d: dict, where: str) -> ClusterSpec:
+    """One group's table, its inter-node network the slowest of its nodes' NICs (``nic_gbps``)."""
+    group, nics = _group_from_mapping(d, where)
+    return _lowered(group, min(nics))
+
+
+def _lowered(group: ClusterSpec, gbps: float, latency_us: float = 0.0) -> ClusterSpec:
+    """``group`` with its inter-node network no faster than ``gbps`` and no quicker than ``latency_us``."""
+    d = group.device
+    if gbps >= d.node_net_gbps and latency_us <= d.inter_latency_us:
+        return group
+    return replace(group, device=replace(d, node_net_gbps=min(gbps, d.node_net_gbps),
+                                         inter_latency_us=max(latency_us, d.inter_latency_us)))
+
+
+def _group_from_mapping(d: dict, where: str) -> tuple[ClusterSpec, tuple[float, ...]]:
+    """One group's table as given (its device's own inter-node network) and each node's NIC (GB/s; inf
+    where ``nic_gbps`` gives none)."""
     mapping(d, f"{where}: a cluster file", SpecError)
     known_keys(d, _CLUSTER_KEYS, f"{where}: cluster file", SpecError)
     for k in ("nodes", "devices_per_node", "device"):
@@ -247,14 +296,14 @@ def _from_mapping(d: dict, where: str) -> ClusterSpec:
     factors = sequence(d.get("speed_factors", []), f"{where}: speed_factors", SpecError)
     nodes = whole(d["nodes"], f"{where}: nodes", SpecError)
     per_node = whole(d["devices_per_node"], f"{where}: devices_per_node", SpecError)
-    if "nic_gbps" in d:  # one NIC bandwidth per node: the group's rings across nodes run at the slowest
-        nics = sequence(d["nic_gbps"], f"{where}: nic_gbps", SpecError)
-        if len(nics) != nodes:
-            raise SpecError(f"{where}: nic_gbps has {len(nics)} entries for {nodes} nodes; give one per node")
-        slowest = min(number(x, f"{where}: nic_gbps[{i}]", SpecError) for i, x in enumerate(nics))
-        dev = replace(dev, node_net_gbps=min(slowest, dev.node_net_gbps)) if nics else dev
+    nics = (math.inf,) * nodes
+    if "nic_gbps" in d:  # one NIC bandwidth per node
+        given = sequence(d["nic_gbps"], f"{where}: nic_gbps", SpecError)
+        if len(given) != nodes:
+            raise SpecError(f"{where}: nic_gbps has {len(given)} entries for {nodes} nodes; give one per node")
+        nics = tuple(number(x, f"{where}: nic_gbps[{i}]", SpecError) for i, x in enumerate(given))
     try:
-        return ClusterSpec(nodes=nodes, devices_per_node=per_node, device=dev, speed_factors=tuple(factors))
+        return ClusterSpec(nodes=nodes, devices_per_node=per_node, device=dev, speed_factors=tuple(factors)), nics
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
 
@@ -283,12 +332,14 @@ def _mixed_from_mapping(d: object, where: str) -> MixedCluster:
         if "links" in d:
             raise SpecError(f"{where}: a cluster file with links needs groups ([[groups]] tables)")
         one = {k: v for k, v in d.items() if k != "node_links"}
-        return _with_node_links(MixedCluster((_from_mapping(one, where),)), d.get("node_links", {}), where)
+        group, nics = _group_from_mapping(one, where)
+        return _with_node_links(MixedCluster((group,)), d.get("node_links", {}), where, nics)
     known_keys(d, _MIXED_KEYS, f"{where}: mixed cluster file", SpecError)
     tables = sequence(d["groups"], f"{where}: groups", SpecError)
     if not tables:
         raise SpecError(f"{where}: groups is empty; give one [[groups]] table per device group")
-    groups = tuple(_from_mapping(t, f"{where}: group {i}") for i, t in enumerate(tables))
+    given = [_group_from_mapping(t, f"{where}: group {i}") for i, t in enumerate(tables)]
+    groups = tuple(g for g, _ in given)
     raw = mapping(d.get("links", {}), f"{where}: links", SpecError)
     default = None
     if "gbps" in raw or "latency_us" in raw:
@@ -309,25 +360,27 @@ def _mixed_from_mapping(d: object, where: str) -> MixedCluster:
         cluster = MixedCluster(groups, tuple(links))
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
-    return _with_node_links(cluster, d.get("node_links", {}), where)
+    return _with_node_links(cluster, d.get("node_links", {}), where, tuple(n for _, nics in given for n in nics))
 
 
-def _with_node_links(cluster: MixedCluster, raw: object, where: str) -> MixedCluster:
-    """``cluster`` with a file's ``node_links`` applied: ``"i-j"`` tables (global node indices, numbered
-    group by group as ranks are) of ``gbps`` and ``latency_us``. The cost model prices a layout without
-    placing it on particular nodes, so a link bounds every collective that may cross it: a link inside a
-    group lowers that group's inter-node network (the smaller ``node_net_gbps``, the larger
-    ``inter_latency_us``), a link between two groups their group link the same way."""
+def _with_node_links(cluster: MixedCluster, raw: object, where: str, nics: tuple[float, ...]) -> MixedCluster:
+    """``cluster`` (its groups' networks as given) with a file's per-node facts: ``nics`` (GB/s per
+    global node) and ``node_links``, ``"i-j"`` tables (global node indices, numbered group by group as
+    ranks are) of ``gbps`` and ``latency_us``. A slow NIC or a link inside a group lowers that group's
+    inter-node network (the smaller ``node_net_gbps``, the larger ``inter_latency_us``: what a layout
+    over all its nodes meets), a link between two groups their group link the same way. The NICs and
+    the links inside groups are kept beside (:class:`NodeNetwork`) where any is slower than its group."""
     raw = mapping(raw, f"{where}: node_links", SpecError)
-    if not raw:
-        return cluster
+    base = tuple(Link(g.device.node_net_gbps, g.device.inter_latency_us) for g in cluster.groups)
     starts = [sum(g.nodes for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
 
     def group_of_node(n: int) -> int:
         return max(k for k, s0 in enumerate(starts) if s0 <= n)
 
-    groups, links = list(cluster.groups), {(a, b): link for a, b, link in cluster.links}
-    seen = set()
+    slow_nic = any(nic < base[group_of_node(n)].gbps for n, nic in enumerate(nics))
+    groups = [_lowered(g, min(nics[s0:s0 + g.nodes])) for g, s0 in zip(cluster.groups, starts)]
+    links = {(a, b): link for a, b, link in cluster.links}
+    seen, inside = set(), []
     for key, value in raw.items():
         pair = re.fullmatch(r"(\d{1,6})-(\d{1,6})", str(key))
         if pair is None:
@@ -342,14 +395,13 @@ def _with_node_links(cluster: MixedCluster, raw: object, where: str) -> MixedClu
         link = _link(value, None, f"{where}: node link {key}")
         gi, gj = group_of_node(i), group_of_node(j)
         if gi == gj:
-            d = groups[gi].device
-            groups[gi] = replace(groups[gi], device=replace(
-                d, node_net_gbps=min(d.node_net_gbps, link.gbps),
-                inter_latency_us=max(d.inter_latency_us, link.latency_us)))
+            groups[gi] = _lowered(groups[gi], link.gbps, link.latency_us)
+            inside.append((i, j, link))
         else:
             old = links[(gi, gj)]
             links[(gi, gj)] = Link(min(old.gbps, link.gbps), max(old.latency_us, link.latency_us))
-    return MixedCluster(tuple(groups), tuple((a, b, link) for (a, b), link in links.items()))
+    net = NodeNetwork(base, nics, tuple(inside)) if slow_nic or inside else None
+    return MixedCluster(tuple(groups), tuple((a, b, link) for (a, b), link in links.items()), net)
 
 
 _MIXED_WHERE = ("mixed clusters (groups joined by '+', or a file with [[groups]]) are accepted by "
