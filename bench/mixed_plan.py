@@ -23,6 +23,7 @@ from bench._results import fastest, markdown_table, record
 from flexmesh.cost.mixed import MixedCosts
 from flexmesh.plan.baselines import mixed_baselines
 from flexmesh.plan.mixed import plan_mixed
+from flexmesh.plan.mixed_types import TypePlans
 from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 
@@ -48,7 +49,34 @@ def run_case(model_name: str, cluster_name: str, seq: int, gb: int) -> dict:
             "unused": len(result.plan.unused), "layout": result.plan.layout.split("\n"),
             "uniform": base["uniform"]["tokens_per_s"] if base["uniform"] else 0.0,
             "proportional": base["proportional"]["tokens_per_s"] if base["proportional"] else 0.0,
-            "parts": base["sum_of_parts"]["tokens_per_s"]}
+            "parts": base["sum_of_parts"]["tokens_per_s"],
+            "ceiling": typed_ceiling(model_name, cluster_name, seq, gb, base["sum_of_parts"]["parts"])}
+
+
+def typed_ceiling(model_name: str, cluster_name: str, seq: int, gb: int, parts: list[dict],
+                  step: int = 32, spread: float = 0.25) -> tuple[float, int] | None:
+    """(tokens/s, the first type's share) of the best plan of one replica group per device type on a
+    cluster of two types, over every split of the batch in multiples of ``step`` within ``spread`` of
+    the split in proportion to the types' throughputs alone (``parts``): each type's best plan alone
+    for its share (flexmesh.plan.mixed_types.TypePlans.alone, searched afresh for each split), the
+    slower one setting the step. The all-reduce across the types is not counted, so no plan of one
+    group per type with a share in that range beats it; the sum of the parts assumes any share runs
+    at the rate of the whole batch. None for other than two types."""
+    model, cluster = parse_model(model_name), parse_mixed_cluster(cluster_name)
+    if len(cluster.groups) != 2:
+        return None
+    costs = MixedCosts(model, cluster)
+    target = gb * parts[0]["tokens_per_s"] / (parts[0]["tokens_per_s"] + parts[1]["tokens_per_s"])
+    best: tuple[float, int] | None = None
+    for b in range(step, gb, step):
+        if abs(b - target) > spread * target:
+            continue
+        types = TypePlans(model, cluster, seq, gb, costs)  # afresh: the first pipelined plan sets the schedule
+        a, c = types.alone(0, b), types.alone(1, gb - b)
+        if a is not None and c is not None:
+            tok = gb * seq / max(a.evaluation.step_time, c.evaluation.step_time)
+            best = max(best or (0.0, 0), (float(tok), b))
+    return best
 
 
 def _verdict(ok: bool, asserted: bool) -> str:
@@ -69,6 +97,7 @@ def main() -> None:
         rows.append([case, f"{x['search_s']:.2f}", x["configs"], f"{x['tok_s']:,.0f}", f"{x['uniform']:,.0f}",
                      f"{ratio('uniform'):.2f}x", f"{x['proportional']:,.0f}", f"{ratio('proportional'):.2f}x",
                      f"{x['parts']:,.0f}", f"{ratio('parts'):.2f}x",
+                     f"{x['ceiling'][0]:,.0f} (share {x['ceiling'][1]})" if x["ceiling"] else "-",
                      f"{x['replicas']} replicas, {x['unused']} unused; "
                      + "; ".join(f"`{d.split(' ', 1)[1].replace('|', '/')}`" for d in distinct[:3])
                      + (" ..." if len(distinct) > 3 else "")])
@@ -79,7 +108,8 @@ def main() -> None:
                    [case, "plan / sum of the parts", f">= {parts_target}x", f"{ratio('parts'):.2f}x",
                     _verdict(ratio("parts") >= parts_target, asserted)]]
     columns = ["case", "search s (fastest of 3)", "configurations", "plan tokens/s", "uniform", "plan/uniform",
-               "proportional", "plan/prop.", "sum of parts", "plan/parts", "plan (distinct replica layouts)"]
+               "proportional", "plan/prop.", "sum of parts", "plan/parts", "one group per type, best share",
+               "plan (distinct replica layouts)"]
     table = Table(title="mixed-cluster planner against its baselines (one cost model)")
     for col in columns:
         table.add_column(col, overflow="fold")
@@ -98,7 +128,11 @@ def main() -> None:
         "Predicted figures from the device presets (no profiles). Search time is the mixed-cluster search "
         "alone (the baselines run the uniform planner three times more); the machine is a shared 2-core "
         "box, so times are upper bounds. `sum of parts` plans each device type alone with the whole global "
-        "batch (no gradient all-reduce across the types, which one plan pays).",
+        "batch (no gradient all-reduce across the types, which one plan pays), as if a type's share ran at the "
+        "rate of the whole batch; `one group per type, best share` (two types only) is the best such plan "
+        "over every split of the batch in steps of 32 sequences within 25% of the split in proportion to "
+        "the parts (each type's own best plan for its share, the all-reduce across them not counted: a "
+        "ceiling of plans of one group per type), with the first type's share.",
     ])
     record("mixed_plan", body)
 
