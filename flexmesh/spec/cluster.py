@@ -123,8 +123,8 @@ class NodeNetwork:
     links: tuple[tuple[int, int, Link], ...] = ()  # pairs of global nodes of one group, as given
 
     def between(self, group: int, nodes: frozenset[int] | set[int]) -> Link:
-        """The network a collective over ``nodes`` (global indices, two or more, all of ``group``) runs
-        on: the group's, bounded by each of those nodes' NIC and by every given link between two of them."""
+        """The network ``nodes`` (global indices, all of ``group``) reach each other and other groups by:
+        the group's, bounded by each of those nodes' NIC and by every given link between two of them."""
         base = self.base[group]
         inside = [link for i, j, link in self.links if i in nodes and j in nodes]
         return Link(min([base.gbps, *(self.nics[n] for n in nodes), *(x.gbps for x in inside)]),
@@ -250,12 +250,6 @@ _DEVICE_KEYS = ("base", *DeviceSpec.__dataclass_fields__)
 # Fields of a node's links: a device table that changes one prices collectives from them, not from its
 # base's measured table.
 _INTRA_FIELDS = {"nvlink_gbps", "intra_efficiency", "intra_latency_us", "intra_link", "nvlink_domain", "pcie_gbps"}
-
-
-def _from_mapping(d: dict, where: str) -> ClusterSpec:
-    """One group's table, its inter-node network the slowest of its nodes' NICs (``nic_gbps``)."""
-    group, nics = _group_from_mapping(d, where)
-    return _lowered(group, min(nics))
 
 
 def _lowered(group: ClusterSpec, gbps: float, latency_us: float = 0.0) -> ClusterSpec:
