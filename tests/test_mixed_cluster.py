@@ -213,6 +213,21 @@ def test_node_facts_inside_a_group_bound_only_the_collectives_that_cross_them(tm
     assert ring[1] > 50 * ring[0]
 
 
+def test_a_node_link_between_two_groups_bounds_only_what_spans_both_its_nodes(tmp_path):
+    from flexmesh.cost.mixed import MixedCosts
+
+    f = tmp_path / "pair.toml"
+    f.write_text('node_links."1-2" = { gbps = 1.25, latency_us = 2000.0 }\n'  # A100 node 1 to H100 node 2
+                 '[[groups]]\nnodes = 2\ndevices_per_node = 4\ndevice = "A100-80GB"\n'
+                 '[[groups]]\nnodes = 2\ndevices_per_node = 4\ndevice = "H100"\n')
+    c = parse_mixed_cluster(str(f))
+    assert c.link(0, 1).gbps == 1.25  # what a layout over both whole groups meets
+    costs = MixedCosts(parse_model("llama2-7b"), c)
+    gbps = {ranks: costs.network(ranks)[0].cluster.device.node_net_gbps for ranks in ((0, 12), (4, 8), (0, 4, 12))}
+    assert gbps == {(0, 12): 200.0, (4, 8): 1.25, (0, 4, 12): 200.0}  # nodes 0-3, 1-2, and 0, 1, 3
+    assert costs.network((0, 4, 8))[0].cluster.device.inter_latency_us == 2000.0
+
+
 def test_a_replica_group_on_one_island_is_priced_on_its_own_network(tmp_path):
     from flexmesh.cost.mixed import MixedCosts, evaluate_groups
     from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan

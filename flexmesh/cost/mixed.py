@@ -67,11 +67,13 @@ class MixedCosts:
         self.groups = list(groups) if groups is not None else [CostModel(model, g) for g in cluster.groups]
         self._links: dict[tuple[int, int, Link], CostModel] = {}
         self._nodes: dict[tuple[int, Link], CostModel] = {}  # a group on some of its nodes (on)
+        self._across: dict[frozenset[int], Link] = {}  # nodes of several groups (across)
         self._stages: dict[tuple, LayerCost] = {}
         # Per rank, looked up for every stage and collective the search prices.
         ranks = range(cluster.world_size)
         self.group_of = [cluster.group_of(r) for r in ranks]
         self.node_of = [cluster.node_of(r) for r in ranks]
+        self.group_of_node = [k for k, g in enumerate(cluster.groups) for _ in range(g.nodes)]
         self.speeds = [cluster.speed(r) for r in ranks]
 
     def stage_cost(self, group: int, strategies: tuple[LayerStrategy, ...], microbatch: int, seq_len: int,
@@ -87,12 +89,11 @@ class MixedCosts:
     def of_rank(self, rank: int) -> CostModel:
         return self.groups[self.group_of[rank]]
 
-    def link(self, i: int, j: int, bound: Link | None = None) -> CostModel:
+    def link(self, i: int, j: int, nodes: frozenset[int] | None = None) -> CostModel:
         """The cost model whose inter-node network is the link between groups ``i`` and ``j`` (the slower
-        group's device numbers), no faster than ``bound`` where given."""
-        link = self.cluster.link(i, j)
-        if bound is not None:
-            link = Link(min(link.gbps, bound.gbps), max(link.latency_us, bound.latency_us))
+        group's device numbers); with ``nodes`` (global indices), the network those nodes of the two
+        groups reach each other by (:meth:`across`)."""
+        link = self.cluster.link(i, j) if nodes is None else self.across(nodes)
         key = (min(i, j), max(i, j), link)
         if key not in self._links:
             gi, gj = self.cluster.groups[key[0]], self.cluster.groups[key[1]]
@@ -110,6 +111,25 @@ class MixedCosts:
             return net.between(group, nodes)
         dev = self.cluster.groups[group].device
         return Link(dev.node_net_gbps, dev.inter_latency_us)
+
+    def across(self, nodes: frozenset[int]) -> Link:
+        """The network ``nodes`` of two or more device groups reach each other by: the slowest link between
+        their groups, no faster than each group's nodes among them reach out by (:meth:`inter`: the group's
+        network, or their NICs and the links between them) nor than a node link given between two of them.
+        Where the cluster file gives per-node facts, the group links are taken as given, before node links
+        between the groups lowered them: a slow link between two nodes bounds only what spans both."""
+        if nodes in self._across:
+            return self._across[nodes]
+        by_group: dict[int, set[int]] = {}
+        for n in nodes:
+            by_group.setdefault(self.group_of_node[n], set()).add(n)
+        groups, net = sorted(by_group), self.cluster.node_network
+        given = {(a, b): x for a, b, x in (net.group_links if net is not None else self.cluster.links)}
+        bounds = [given[(a, b)] for i, a in enumerate(groups) for b in groups[i + 1:]]
+        bounds += [self.inter(g, frozenset(ns)) for g, ns in by_group.items()]
+        bounds += net.among(nodes) if net is not None else []
+        self._across[nodes] = Link(min(x.gbps for x in bounds), max(x.latency_us for x in bounds))
+        return self._across[nodes]
 
     def on(self, ranks: Iterable[int]) -> CostModel:
         """The cost model of ``ranks`` of one device group: the group's, its inter-node network that of
@@ -136,9 +156,8 @@ class MixedCosts:
 
     def network(self, ranks: Iterable[int]) -> tuple[CostModel, GroupShape]:
         """The cost model of the slowest network ``ranks`` cross and their group shape on it: inside one
-        group the network of the nodes they span (:meth:`on`); across groups the slowest link between
-        them, no faster than each group's nodes among them reach out by (:meth:`inter`: their NICs, the
-        links between them)."""
+        group the network of the nodes they span (:meth:`on`); across groups the network those nodes
+        reach each other by (:meth:`across`)."""
         ranks = list(ranks)
         groups = sorted({self.group_of[r] for r in ranks})
         per_node = max(Counter(self.node_of[r] for r in ranks).values())
@@ -147,8 +166,7 @@ class MixedCosts:
             return self.on(ranks), shape
         pairs = [(a, b) for i, a in enumerate(groups) for b in groups[i + 1:]]
         slowest = min(pairs, key=lambda p: (self.cluster.link(*p).gbps, -self.cluster.link(*p).latency_us))
-        inner = [self.inter(g, frozenset(self.node_of[r] for r in ranks if self.group_of[r] == g)) for g in groups]
-        return self.link(*slowest, bound=Link(min(x.gbps for x in inner), max(x.latency_us for x in inner))), shape
+        return self.link(*slowest, frozenset(self.node_of[r] for r in ranks)), shape
 
     def speed(self, devices: Iterable[int]) -> float:
         """A TP group computes at its slowest member's speed."""

@@ -107,10 +107,10 @@ class Link:
 
 @dataclass(frozen=True)
 class NodeNetwork:
-    """What a cluster file says of single nodes and of pairs of nodes inside one device group
-    (``nic_gbps``, ``node_links``). A :class:`MixedCluster`'s groups carry the slowest of it (what a
-    layout over all of a group's nodes meets); this keeps the rest, so that a collective over some of a
-    group's nodes is priced on those nodes' own network (:meth:`between`; flexmesh.cost.mixed).
+    """What a cluster file says of single nodes and of pairs of nodes (``nic_gbps``, ``node_links``). A
+    :class:`MixedCluster`'s groups and group links carry the slowest of it (what a layout over all of a
+    group's nodes, or over two whole groups, meets); this keeps the rest, so that a collective over some
+    nodes is priced on those nodes' own network (:meth:`between`, :meth:`among`; flexmesh.cost.mixed).
 
     >>> net = NodeNetwork(base=(Link(50.0, 5.0),), nics=(50.0, 50.0, 12.5, 50.0),
     ...                   links=((0, 3, Link(1.0, 900.0)),))
@@ -120,13 +120,17 @@ class NodeNetwork:
 
     base: tuple[Link, ...]  # per group: its inter-node network before these facts lowered it
     nics: tuple[float, ...]  # per global node: its NIC's GB/s (inf where the file gives none)
-    links: tuple[tuple[int, int, Link], ...] = ()  # pairs of global nodes of one group, as given
+    links: tuple[tuple[int, int, Link], ...] = ()  # pairs of global nodes, as given
+    group_links: tuple[tuple[int, int, Link], ...] = ()  # pairs of groups, before node links lowered them
+
+    def among(self, nodes: frozenset[int] | set[int]) -> list[Link]:
+        """The given links between two of ``nodes`` (global indices)."""
+        return [link for i, j, link in self.links if i in nodes and j in nodes]
 
     def between(self, group: int, nodes: frozenset[int] | set[int]) -> Link:
         """The network ``nodes`` (global indices, all of ``group``) reach each other and other groups by:
         the group's, bounded by each of those nodes' NIC and by every given link between two of them."""
-        base = self.base[group]
-        inside = [link for i, j, link in self.links if i in nodes and j in nodes]
+        base, inside = self.base[group], self.among(nodes)
         return Link(min([base.gbps, *(self.nics[n] for n in nodes), *(x.gbps for x in inside)]),
                     max([base.latency_us, *(x.latency_us for x in inside)]))
 
@@ -147,7 +151,7 @@ class MixedCluster:
 
     groups: tuple[ClusterSpec, ...]
     links: tuple[tuple[int, int, Link], ...] = ()
-    node_network: NodeNetwork | None = None  # a cluster file's per-node facts inside groups, where it gives any
+    node_network: NodeNetwork | None = None  # a cluster file's per-node facts, where it gives any
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, tuple) or not self.groups:
@@ -363,7 +367,8 @@ def _with_node_links(cluster: MixedCluster, raw: object, where: str, nics: tuple
     ranks are) of ``gbps`` and ``latency_us``. A slow NIC or a link inside a group lowers that group's
     inter-node network (the smaller ``node_net_gbps``, the larger ``inter_latency_us``: what a layout
     over all its nodes meets), a link between two groups their group link the same way. The NICs and
-    the links inside groups are kept beside (:class:`NodeNetwork`) where any is slower than its group."""
+    the links are kept beside (:class:`NodeNetwork`) where any NIC is slower than its group or a link
+    is given."""
     raw = mapping(raw, f"{where}: node_links", SpecError)
     base = tuple(Link(g.device.node_net_gbps, g.device.inter_latency_us) for g in cluster.groups)
     starts = [sum(g.nodes for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
@@ -374,7 +379,7 @@ def _with_node_links(cluster: MixedCluster, raw: object, where: str, nics: tuple
     slow_nic = any(nic < base[group_of_node(n)].gbps for n, nic in enumerate(nics))
     groups = [_lowered(g, min(nics[s0:s0 + g.nodes])) for g, s0 in zip(cluster.groups, starts)]
     links = {(a, b): link for a, b, link in cluster.links}
-    seen, inside = set(), []
+    seen, given = set(), []
     for key, value in raw.items():
         pair = re.fullmatch(r"(\d{1,6})-(\d{1,6})", str(key))
         if pair is None:
@@ -388,13 +393,13 @@ def _with_node_links(cluster: MixedCluster, raw: object, where: str, nics: tuple
         seen.add((i, j))
         link = _link(value, None, f"{where}: node link {key}")
         gi, gj = group_of_node(i), group_of_node(j)
+        given.append((i, j, link))
         if gi == gj:
             groups[gi] = _lowered(groups[gi], link.gbps, link.latency_us)
-            inside.append((i, j, link))
         else:
             old = links[(gi, gj)]
             links[(gi, gj)] = Link(min(old.gbps, link.gbps), max(old.latency_us, link.latency_us))
-    net = NodeNetwork(base, nics, tuple(inside)) if slow_nic or inside else None
+    net = NodeNetwork(base, nics, tuple(given), cluster.links) if slow_nic or given else None
     return MixedCluster(tuple(groups), tuple((a, b, link) for (a, b), link in links.items()), net)
 
 
