@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -226,6 +227,9 @@ def test_a_node_link_between_two_groups_bounds_only_what_spans_both_its_nodes(tm
     gbps = {ranks: costs.network(ranks)[0].cluster.device.node_net_gbps for ranks in ((0, 12), (4, 8), (0, 4, 12))}
     assert gbps == {(0, 12): 200.0, (4, 8): 1.25, (0, 4, 12): 200.0}  # nodes 0-3, 1-2, and 0, 1, 3
     assert costs.network((0, 4, 8))[0].cluster.device.inter_latency_us == 2000.0
+    # Built in Python without the group links as given: the cluster's own (lowered) ones stand in.
+    bare = replace(c, node_network=replace(c.node_network, group_links=()))
+    assert MixedCosts(parse_model("llama2-7b"), bare).network((0, 12))[0].cluster.device.node_net_gbps == 1.25
 
 
 def test_a_replica_group_on_one_island_is_priced_on_its_own_network(tmp_path):

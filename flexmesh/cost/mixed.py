@@ -124,7 +124,8 @@ class MixedCosts:
         for n in nodes:
             by_group.setdefault(self.group_of_node[n], set()).add(n)
         groups, net = sorted(by_group), self.cluster.node_network
-        given = {(a, b): x for a, b, x in (net.group_links if net is not None else self.cluster.links)}
+        given = {(a, b): x for a, b, x in (net.group_links if net is not None and net.group_links
+                                           else self.cluster.links)}
         bounds = [given[(a, b)] for i, a in enumerate(groups) for b in groups[i + 1:]]
         bounds += [self.inter(g, frozenset(ns)) for g, ns in by_group.items()]
         bounds += net.among(nodes) if net is not None else []
