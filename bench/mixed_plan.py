@@ -50,22 +50,21 @@ def run_case(model_name: str, cluster_name: str, seq: int, gb: int) -> dict:
             "uniform": base["uniform"]["tokens_per_s"] if base["uniform"] else 0.0,
             "proportional": base["proportional"]["tokens_per_s"] if base["proportional"] else 0.0,
             "parts": base["sum_of_parts"]["tokens_per_s"],
-            "ceiling": typed_ceiling(model_name, cluster_name, seq, gb, base["sum_of_parts"]["parts"])}
+            "ceiling": typed_ceiling(costs, seq, gb, base["sum_of_parts"]["parts"])}
 
 
-def typed_ceiling(model_name: str, cluster_name: str, seq: int, gb: int, parts: list[dict],
-                  step: int = 32, spread: float = 0.25) -> tuple[float, int] | None:
+def typed_ceiling(costs: MixedCosts, seq: int, gb: int, parts: list[dict], step: int = 32,
+                  spread: float = 0.25) -> tuple[float, int] | None:
     """(tokens/s, the first type's share) of the best plan of one replica group per device type on a
     cluster of two types, over every split of the batch in multiples of ``step`` within ``spread`` of
     the split in proportion to the types' throughputs alone (``parts``): each type's best plan alone
     for its share (flexmesh.plan.mixed_types.TypePlans.alone, searched afresh for each split), the
     slower one setting the step. The all-reduce across the types is not counted, so no plan of one
     group per type with a share in that range beats it; the sum of the parts assumes any share runs
-    at the rate of the whole batch. None for other than two types."""
-    model, cluster = parse_model(model_name), parse_mixed_cluster(cluster_name)
+    at the rate of the whole batch. None for other than two types. ``costs``: the search's."""
+    model, cluster = costs.model, costs.cluster
     if len(cluster.groups) != 2:
         return None
-    costs = MixedCosts(model, cluster)
     target = gb * parts[0]["tokens_per_s"] / (parts[0]["tokens_per_s"] + parts[1]["tokens_per_s"])
     best: tuple[float, int] | None = None
     for b in range(step, gb, step):
