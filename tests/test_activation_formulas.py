@@ -105,3 +105,45 @@ def test_a_fused_swiglu_keeps_one_ffn_wide_tensor_less():
     assert with_stack(gpt, Stack(fused_swiglu=True)).activation_bytes_per_token(S(tp=8), layers=1) == \
         gpt.activation_bytes_per_token(S(tp=8), layers=1)
     assert Stack(fused_swiglu=True).label == "fused attention, sequence parallel, fused SwiGLU"
+
+
+def test_recomputing_the_pointwise_operators_keeps_the_gemm_outputs_alone():
+    """A compiled layer (torch.compile's partitioner) keeps the norm inputs, q, k, v, the attention output
+    and the MLP's up outputs, and pays for it in backward alone: the norms', rotary's and activation's bytes
+    moved again."""
+    llama = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
+    lean = with_stack(llama, Stack(pointwise_recompute=True))
+    m = llama.model
+    h, kv, ffn, b = m.hidden, m.kv_dim, m.ffn_hidden, m.dtype_bytes
+    for s in (S(dp=8), S(tp=4, dp=2)):
+        kept = lean.activation_bytes_per_token(s, layers=1)
+        assert kept == pytest.approx((2 * h + 2 * m.q_dim + 2 * kv + 2 * ffn) * b / s.tp)
+        assert kept < 0.65 * llama.activation_bytes_per_token(s, layers=1)
+    # without sequence parallelism the two norm inputs stay whole on every tp rank, nothing else
+    no_sp = with_stack(llama, Stack(pointwise_recompute=True, sequence_parallel=False))
+    assert no_sp.activation_bytes_per_token(S(tp=4, dp=2), layers=1) == pytest.approx(
+        (2 * h + (2 * m.q_dim + 2 * kv + 2 * ffn) / 4) * b)
+    w = Work(4096, 4096.0**2)
+    base, redo = llama.layer(S(tp=2, dp=4), w), lean.layer(S(tp=2, dp=4), w)
+    assert redo.fwd == base.fwd
+    moved = 4096 / 2 * (4 * h + 2 * (m.q_dim + kv) + 3 * ffn) * b  # 2 norms, rotary on q and k, SwiGLU
+    k = lean.timing.kernels  # four more streaming kernels, each with its launch
+    assert redo.bwd - base.bwd == pytest.approx(moved / k.hbm_bytes_per_s + 4 * k.launch_s)
+    # fully recomputed layers keep their input alone whatever the stack, and recompute nothing more
+    full = S(tp=2, dp=4, recompute=True)
+    assert lean.layer(full, w).bwd == llama.layer(full, w).bwd
+    assert lean.activation_bytes_per_token(full, layers=1) == llama.activation_bytes_per_token(full, layers=1)
+    assert Stack(pointwise_recompute=True).label == "fused attention, sequence parallel, pointwise ops recomputed"
+
+
+def test_plan_prices_the_pointwise_recomputing_stack_from_the_command_line(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama2-7b", "--cluster", "8xA100-80GB", "--seq-len", "4096",
+                 "--global-batch", "32", "--top", "1", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    check = ["plan", "--check", str(plan), "--model", "llama2-7b", "--json"]
+    peaks = []
+    for extra in ([], ["--recompute-pointwise"]):
+        assert main(check + extra) == 0
+        peaks.append(max(json.loads(capsys.readouterr().out)["peak_memory_gib"]))
+    assert peaks[1] < peaks[0]

@@ -222,6 +222,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                    "dropped element kept for backward)")
     g.add_argument("--fused-swiglu", action="store_true", help="the stack fuses SwiGLU and recomputes silu in "
                    "backward (Megatron-LM, Transformer Engine): 3 x ffn kept per token instead of 4")
+    g.add_argument("--recompute-pointwise", dest="pointwise_recompute", action="store_true",
+                   help="the stack recomputes norms, rotary and the MLP activation in backward (torch.compile's "
+                        "partitioner): per token it keeps 4h + 2kv + 2ffn, no GEMM input of its own")
 
 
 def stack_of(args):  # noqa: ANN001, ANN201
@@ -230,4 +233,5 @@ def stack_of(args):  # noqa: ANN001, ANN201
 
     return Stack(attention=getattr(args, "attention", RUNTIME_STACK.attention),
                  sequence_parallel=getattr(args, "sequence_parallel", True), dropout=getattr(args, "dropout", False),
-                 fused_swiglu=getattr(args, "fused_swiglu", False))
+                 fused_swiglu=getattr(args, "fused_swiglu", False),
+                 pointwise_recompute=getattr(args, "pointwise_recompute", False))

@@ -74,6 +74,9 @@ LOGIT_BYTES = 6
 # size (after attention and after the MLP). Norms and residual adds (2 x 2h + 2 x 3h bytes moved per
 # token, memory_bytes_per_token) likewise run on every tp rank.
 REPLICATED_ACT_ELEMS = 4
+# With the pointwise operators recomputed (Stack.pointwise_recompute) the GEMM inputs are not kept: the
+# two norm inputs alone.
+REPLICATED_ACT_ELEMS_POINTWISE = 2
 DROPOUT_MASKS = 2
 REPLICATED_MEMORY_ELEMS = 10
 # Adam step traffic per parameter (time = bytes / achievable HBM bandwidth): mixed precision reads
@@ -83,6 +86,8 @@ OPTIM_TRAFFIC_BYTES = {"bf16": 30, "fp16": 36, "fp32": 28}
 # Streaming kernels of a layer's forward (and as many backward): 2 norms, 2 residual adds, rotary,
 # activation (Megatron-LM's fused kernels: fused RMSNorm/LayerNorm, bias-dropout-add, rope, SwiGLU).
 LAYER_MEMORY_KERNELS = 6
+# Of those, what a stack recomputing the pointwise operators runs again in backward: 2 norms, rotary, activation.
+POINTWISE_KERNELS = 4
 # Ring attention merges each hop's partial output into an fp32 accumulator (read the accumulator and
 # the block, write the accumulator: 3 x 4 bytes per output element), and backward accumulates dq,
 # dk, dv in fp32 (read + write: 8 bytes per element), as the runtime's ring does.
@@ -127,25 +132,35 @@ def memory_bytes_per_token(model: ModelSpec, experts: ExpertParallel | None = No
 
 
 def activation_elems_per_token(model: ModelSpec, fused_swiglu: bool = False,
-                               experts: ExpertParallel | None = None) -> float:
+                               experts: ExpertParallel | None = None, pointwise_recompute: bool = False) -> float:
     """Elements one layer saves for backward per token (before dividing by tp and cp).
 
     Attention block: norm input, qkv input, q, k, v, attention output (saved by the kernel and by
     the output projection). MLP block: norm input, fc input, and for SwiGLU the gate and up outputs,
     the activation output and the down-projection input (GeLU: fc1 output and activation output);
-    a fused SwiGLU (``fused_swiglu``, flexmesh.layout.stack) recomputes the activation output.
+    a fused SwiGLU (``fused_swiglu``, flexmesh.layout.stack) recomputes the activation output. With
+    the pointwise operators recomputed (``pointwise_recompute``) the norms' outputs (the qkv and fc
+    inputs), the activation output and the down-projection input are not kept (an MoE layer's experts
+    keep what they keep: flexmesh.cost.experts).
 
     >>> from flexmesh.spec import MODEL_PRESETS
     >>> activation_elems_per_token(MODEL_PRESETS["llama2-7b"])  # 6h + 2kv + 4ffn
     76800
+    >>> activation_elems_per_token(MODEL_PRESETS["llama2-7b"], pointwise_recompute=True)  # 4h + 2kv + 2ffn
+    46592
     """
     h = model.hidden
-    attn = 2 * h + 2 * model.q_dim + 2 * model.kv_dim
-    dense = ((3 if fused_swiglu else 4) if model.activation == "swiglu" else 2) * model.ffn_hidden
+    kept_inputs = 1 if pointwise_recompute else 2  # per block: the norm input (and the GEMM input)
+    attn = kept_inputs * h + 2 * model.q_dim + 2 * model.kv_dim
+    up = (2 if model.activation == "swiglu" else 1) * model.ffn_hidden
+    if pointwise_recompute:
+        dense = up
+    else:
+        dense = ((3 if fused_swiglu else 4) if model.activation == "swiglu" else 2) * model.ffn_hidden
     if model.is_moe:  # the norm input, then the dense layers' MLP or the experts' (flexmesh.cost.experts)
         f = moe_fraction(model)
-        return attn + 2 * h + (1 - f) * dense + f * moe_activation_elems(model, experts or ExpertParallel())
-    return attn + 2 * h + dense
+        return attn + kept_inputs * h + (1 - f) * dense + f * moe_activation_elems(model, experts or ExpertParallel())
+    return attn + kept_inputs * h + dense
 
 
 class AnalyticTiming:
@@ -161,7 +176,7 @@ class AnalyticTiming:
         self.ring_balanced = ring_balanced
         self.hw = hardware
         self.dtype = model.dtype
-        self.act_elems = activation_elems_per_token(model, stack.fused_swiglu, self.experts)
+        self.act_elems = activation_elems_per_token(model, stack.fused_swiglu, self.experts, stack.pointwise_recompute)
         # A measured machine (a hardware profile) has no datasheet tiles: its throughputs as measured.
         self.kernels: Kernels = getattr(hardware, "kernels", None) or Kernels(
             mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops, hbm_bytes_per_s=hardware.hbm_bytes_per_s,
@@ -170,6 +185,12 @@ class AnalyticTiming:
         if stack.attention == "flash2" and device is not None and self.dtype in ("bf16", "fp16"):
             self.kernels = flash2_kernels(self.kernels, device.architecture, hardware.peak_flops)
         self.mem_bytes = memory_bytes_per_token(model, self.experts)
+        # What recomputing the pointwise operators moves again per token: the norms', rotary's and the dense
+        # MLP's activation's bytes of memory_bytes_per_token (not the residual adds'; experts keep their own)
+        rotary = 2 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0
+        act = (3 if model.activation == "swiglu" else 2) * model.ffn_hidden
+        dense = 1.0 - moe_fraction(model) if model.is_moe else 1.0
+        self.pointwise_bytes = (4 * model.hidden + rotary + dense * act) * model.dtype_bytes
         self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW
         self._scalar_layer = lru_cache(maxsize=None)(self._layer_times)
 
@@ -213,6 +234,8 @@ class AnalyticTiming:
         mem_b = k.memory_bound(2 * local, LAYER_MEMORY_KERNELS)
         attn_f, attn_b = self.attention_times(s, tokens, sq_tokens)
         fwd = gemm_f + mem_f + attn_f
+        if self.stack.pointwise_recompute and not s.recompute:  # the norms, rotary and activation again
+            mem_b = mem_b + k.memory_bound(tokens / (s.tp * s.cp) * self.pointwise_bytes, POINTWISE_KERNELS)
         bwd = gemm_b + mem_b + attn_b + self.recompute_time(s, fwd, attn_f)
         return LayerTimes(fwd=fwd, bwd=bwd, attention=attn_f)
 
@@ -298,8 +321,9 @@ class AnalyticTiming:
         if recompute:
             return m.hidden * b / (s.cp * (s.tp if sp else 1))
         masks = DROPOUT_MASKS * m.hidden if self.stack.dropout else 0  # one byte per element
-        whole = REPLICATED_ACT_ELEMS * m.hidden * b + masks
-        return ((self.act_elems * b - REPLICATED_ACT_ELEMS * m.hidden * b) / s.tp + whole / (s.tp if sp else 1)) / s.cp
+        replicated = (REPLICATED_ACT_ELEMS_POINTWISE if self.stack.pointwise_recompute else REPLICATED_ACT_ELEMS) \
+            * m.hidden * b
+        return ((self.act_elems * b - replicated) / s.tp + (replicated + masks) / (s.tp if sp else 1)) / s.cp
 
     def activation_bytes(self, s: LayerStrategy, tokens: float, recompute: bool) -> float:
         """As :meth:`activation_bytes_per_token`, for ``tokens`` of the micro-batch."""

@@ -75,6 +75,9 @@ class PublishedRun:
     cp_balanced: bool = False
     # The first chunk holds only the embedding and the last only the head (Llama 3's pipeline).
     end_chunks: bool = False
+    # The stack keeps no more than the GEMMs' and attention's outputs and the residual stream, recomputing the
+    # pointwise operators in backward (Stack.pointwise_recompute; fused attention only).
+    pointwise_recompute: bool = False
 
     @property
     def dp(self) -> int:
@@ -108,7 +111,8 @@ class PublishedRun:
         if "mm_efficiency" in p:
             dev = replace(dev, mm_efficiency=p["mm_efficiency"])
         hw = Hardware(self.cluster(dev), self.model.dtype)
-        stack = MEGATRON_2021 if self.attention == "unfused" else FUSED_STACK
+        stack = MEGATRON_2021 if self.attention == "unfused" else \
+            replace(FUSED_STACK, pointwise_recompute=self.pointwise_recompute)
         return CostModel(self.model, hw.cluster, hw, AnalyticTiming(self.model, hw, self.cp_balanced, stack))
 
     def strategy(self) -> LayerStrategy:
@@ -141,7 +145,11 @@ _MEGATRON = "Narayanan et al., Megatron-LM, 2104.04473, Table 1 (A100 SXM 80GB, 
 # stage, so that "the first model chunk on the first stage has only the embedding, and the last model
 # chunk on the last stage has only output projection and loss": chunks of one layer, (126 + 2) / 16 = 8
 # per pipeline rank. Not published: N, the micro-batches a chunk runs in a row (priced as Megatron's
-# interleaved schedule, N = pp).
+# interleaved schedule, N = pp). Its layers ran at 8K "without activation checkpointing" once Meta's stack
+# "proactively deallocate[d] tensors that will not be used for future computation"; what a layer keeps is
+# not published: priced as the least a layer keeps without recomputing a GEMM or attention (the pointwise
+# operators recomputed, as torch.compile's partitioner does: Stack.pointwise_recompute), which fits
+# (tests/test_memory_model.py); keeping every intermediate tensor, as an eager layer does, would not.
 V_LLAMA3 = 8
 _LLAMA3 = "Llama 3 herd of models, 2407.21783, Table 4 (H100 SXM, bf16 MFU)"
 # Llama 3.1 405B shape from its published config.json.
@@ -165,15 +173,15 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = tuple(
 ) + (
     PublishedRun("llama3-405b-8k", _LLAMA3, _LLAMA3_405B, "H100-80GB", 8192, 8, 16, 2048, 8192, 430,
                  recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3,
-                 end_chunks=True),
+                 end_chunks=True, pointwise_recompute=True),
     PublishedRun("llama3-405b-16k", _LLAMA3, _LLAMA3_405B, "H100-80GB", 16384, 8, 16, 2048, 8192, 400,
                  recompute=False, zero=1, flops="model", pipeline_schedule="interleaved", virtual_stages=V_LLAMA3,
-                 end_chunks=True),
+                 end_chunks=True, pointwise_recompute=True),
     # 16M tokens per batch of 131,072-token sequences (128 sequences); CP 16, load-balanced (all-gather
     # based in the paper; priced as a balanced ring).
     PublishedRun("llama3-405b-131k-cp16", _LLAMA3, _LLAMA3_405B, "H100-80GB", 16384, 8, 16, 128, 131072, 380,
                  recompute=False, zero=1, cp=16, flops="model", pipeline_schedule="interleaved",
-                 virtual_stages=V_LLAMA3, cp_balanced=True, end_chunks=True),
+                 virtual_stages=V_LLAMA3, cp_balanced=True, end_chunks=True, pointwise_recompute=True),
 )
 
 

@@ -7,10 +7,13 @@ dropout; Megatron-LM before 2022, DeepSpeed and others may run unfused attention
 in memory), tensor parallelism without sequence parallelism (norms, dropouts and
 the inputs of the column-parallel GEMMs replicated on every tp rank) and dropout (a one-byte mask per
 dropped element); Megatron-LM and Transformer Engine fuse SwiGLU and recompute its silu in backward
-(one ffn-wide tensor per token fewer). :class:`Stack` says which, for pricing such a run
-(:func:`flexmesh.cost.stack.with_stack`, ``flexmesh plan --attention unfused --no-sequence-parallel
---dropout --fused-swiglu``): the activation bytes then follow Korthikanti et al., 2205.05198, section 4, and
-unfused attention is timed kernel by kernel (:meth:`flexmesh.cost.analytic.AnalyticTiming.unfused_attention_times`).
+(one ffn-wide tensor per token fewer); a compiled layer (torch.compile's partitioner, Megatron-Core's
+``recompute_modules`` of norms and activations) keeps only the GEMMs' and attention's outputs and the
+residual stream, and recomputes the pointwise operators in backward. :class:`Stack` says which, for
+pricing such a run (:func:`flexmesh.cost.stack.with_stack`, ``flexmesh plan --attention unfused
+--no-sequence-parallel --dropout --fused-swiglu --recompute-pointwise``): the activation bytes then
+follow Korthikanti et al., 2205.05198, section 4, and unfused attention is timed kernel by kernel
+(:meth:`flexmesh.cost.analytic.AnalyticTiming.unfused_attention_times`).
 
 >>> RUNTIME_STACK.label, Stack(attention="unfused", sequence_parallel=False, dropout=True).label
 ('flash2 attention, sequence parallel', 'unfused attention, no sequence parallelism, dropout')
@@ -34,6 +37,11 @@ class Stack:
     # SwiGLU as one kernel that keeps the gate and up outputs and recomputes silu in backward (Megatron-LM's
     # bias_swiglu, Transformer Engine's LayerNormMLP): 3 x ffn elements kept per token, not 4
     fused_swiglu: bool = False
+    # Norms, rotary and the MLP activation recomputed in backward from what the GEMMs keep anyway (torch.compile's
+    # min-cut partitioner does so by default; Megatron-Core's recompute_modules "layernorm" with a fused SwiGLU
+    # that recomputes its product): per token the layer input and the mid-layer residual (the norms' inputs),
+    # q, k, v, the attention output, and the MLP's up outputs (2 x ffn for SwiGLU), no GEMM input of its own
+    pointwise_recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -49,6 +57,7 @@ class Stack:
         parts = [f"{self.attention} attention", "sequence parallel" if self.sequence_parallel
                  else "no sequence parallelism"]
         parts += (["dropout"] if self.dropout else []) + (["fused SwiGLU"] if self.fused_swiglu else [])
+        parts += ["pointwise ops recomputed"] if self.pointwise_recompute else []
         return ", ".join(parts)
 
 
