@@ -7,9 +7,9 @@ dropout; Megatron-LM before 2022, DeepSpeed and others may run unfused attention
 in memory), tensor parallelism without sequence parallelism (norms, dropouts and
 the inputs of the column-parallel GEMMs replicated on every tp rank) and dropout (a one-byte mask per
 dropped element); Megatron-LM and Transformer Engine fuse SwiGLU and recompute its silu in backward
-(one ffn-wide tensor per token fewer); a compiled layer (torch.compile's partitioner, Megatron-Core's
-``recompute_modules`` of norms and activations) keeps only the GEMMs' and attention's outputs and the
-residual stream, and recomputes the pointwise operators in backward. :class:`Stack` says which, for
+(one ffn-wide tensor per token fewer); a compiled layer (torch.compile's min-cut partitioner) keeps
+only the GEMMs' and attention's outputs and the residual stream, and recomputes the pointwise operators
+in backward. :class:`Stack` says which, for
 pricing such a run (:func:`flexmesh.cost.stack.with_stack`, ``flexmesh plan --attention unfused
 --no-sequence-parallel --dropout --fused-swiglu --recompute-pointwise``): the activation bytes then
 follow Korthikanti et al., 2205.05198, section 4, and unfused attention is timed kernel by kernel
@@ -38,8 +38,8 @@ class Stack:
     # bias_swiglu, Transformer Engine's LayerNormMLP): 3 x ffn elements kept per token, not 4
     fused_swiglu: bool = False
     # Norms, rotary and the MLP activation recomputed in backward from what the GEMMs keep anyway (torch.compile's
-    # min-cut partitioner does so by default; Megatron-Core's recompute_modules "layernorm" with a fused SwiGLU
-    # that recomputes its product): per token the layer input and the mid-layer residual (the norms' inputs),
+    # min-cut partitioner does so by default; Megatron-Core's recompute_modules name the norms, "layernorm", and
+    # MoE activations, "moe_act"): per token the layer input and the mid-layer residual (the norms' inputs),
     # q, k, v, the attention output, and the MLP's up outputs (2 x ffn for SwiGLU), no GEMM input of its own
     pointwise_recompute: bool = False
 
