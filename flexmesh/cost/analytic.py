@@ -112,6 +112,19 @@ def linear_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
             (h, model.ffn_hidden / tp))
 
 
+def pointwise_elems_per_token(model: ModelSpec) -> tuple[int, int]:
+    """(two norms and rotary, the MLP activation): elements those operators of one layer's forward move
+    per token (before dividing by tp x cp), the part of :func:`memory_bytes_per_token` a stack that recomputes
+    its pointwise operators moves again in backward (the residual adds need no recomputing).
+
+    >>> from flexmesh.spec import MODEL_PRESETS
+    >>> pointwise_elems_per_token(MODEL_PRESETS["llama2-7b"])  # (4h + 2(q + kv), 3 ffn)
+    (32768, 33024)
+    """
+    rotary = 2 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0
+    return 4 * model.hidden + rotary, (3 if model.activation == "swiglu" else 2) * model.ffn_hidden
+
+
 def memory_bytes_per_token(model: ModelSpec, experts: ExpertParallel | None = None) -> float:
     """Bytes the memory-bound operators of one layer's forward move per token (before dividing by tp x cp).
 
@@ -123,12 +136,11 @@ def memory_bytes_per_token(model: ModelSpec, experts: ExpertParallel | None = No
     180736
     """
     h, b = model.hidden, model.dtype_bytes
-    rotary = 2 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0
-    act = (3 if model.activation == "swiglu" else 2) * model.ffn_hidden
+    norms_rotary, act = pointwise_elems_per_token(model)
     if model.is_moe:  # dense MLPs on the dense layers, experts' kernels on the others (flexmesh.cost.experts)
         f = moe_fraction(model)
-        return (4 * h + 6 * h + rotary + (1 - f) * act) * b + f * moe_memory_bytes(model, experts or ExpertParallel())
-    return (4 * h + 6 * h + rotary + act) * b
+        return (norms_rotary + 6 * h + (1 - f) * act) * b + f * moe_memory_bytes(model, experts or ExpertParallel())
+    return (norms_rotary + 6 * h + act) * b
 
 
 def activation_elems_per_token(model: ModelSpec, fused_swiglu: bool = False,
@@ -185,12 +197,11 @@ class AnalyticTiming:
         if stack.attention == "flash2" and device is not None and self.dtype in ("bf16", "fp16"):
             self.kernels = flash2_kernels(self.kernels, device.architecture, hardware.peak_flops)
         self.mem_bytes = memory_bytes_per_token(model, self.experts)
-        # What recomputing the pointwise operators moves again per token: the norms', rotary's and the dense
-        # MLP's activation's bytes of memory_bytes_per_token (not the residual adds'; experts keep their own)
-        rotary = 2 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0
-        act = (3 if model.activation == "swiglu" else 2) * model.ffn_hidden
+        # What recomputing the pointwise operators moves again per token (the dense MLPs' activation alone:
+        # experts keep what they keep)
+        norms_rotary, act = pointwise_elems_per_token(model)
         dense = 1.0 - moe_fraction(model) if model.is_moe else 1.0
-        self.pointwise_bytes = (4 * model.hidden + rotary + dense * act) * model.dtype_bytes
+        self.pointwise_bytes = (norms_rotary + dense * act) * model.dtype_bytes
         self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW
         self._scalar_layer = lru_cache(maxsize=None)(self._layer_times)
 
