@@ -2,16 +2,16 @@
 
 FlashAttention-3's benchmark shape (2407.08608, section 4.1): causal attention, hidden 2048 (16 heads of
 dim 128, or 32 of dim 64), 16,384 tokens per call as documents of one length from 512 to 16,384 (here
-packed in one row, as the runtime packs them: :func:`flexmesh.runtime.attention_kernels.local_attention`
+packed in one row, as the runtime packs them: :func:`flexmesh.runtime.model.attention_kernels.local_attention`
 with the kernel its rule picks for the device and dtype). Forward FLOPs are the cost model's,
 ``layer_attn_flops_per_sq_token * sum(len^2)`` (``4 s^2 h d / 2``, the paper's count); the backward is
-priced at twice the forward's FLOPs (:meth:`flexmesh.cost.analytic.AnalyticTiming.attention_times`), so
+priced at twice the forward's FLOPs (:meth:`flexmesh.cost.training.analytic.AnalyticTiming.attention_times`), so
 its TFLOP/s below counts 2x (the paper counts 2.5x: its backward figures are 1.25x these).
 
 Predicted: one layer's attention priced by the cost model on this GPU's device preset (``--cluster``;
 default :func:`flexmesh.spec.devices.preset_of_gpu`'s, 1xA100-80GB on CPU), as two stacks run it:
 ``fused``, the fastest fused kernel the measured tables price (FlashAttention-3-class on Hopper), and
-``flash2``, the runtime's (flexmesh.cost.flash2: on Hopper fitted to this bench's H200 run of 2026-11-26,
+``flash2``, the runtime's (flexmesh.cost.device.flash2: on Hopper fitted to this bench's H200 run of 2026-11-26,
 so in-sample there). measured / predicted is how much slower the kernel the runtime runs is than priced.
 Median of ``--repeat`` CUDA-synchronised runs after two warm-ups.
 
@@ -40,8 +40,8 @@ def priced(hidden: int, head_dim: int, length: int, tokens: int, cluster: str, a
     """The cost model's (forward, backward) seconds of one layer's attention over ``tokens`` tokens
     of documents of ``length``, as a stack of ``attention`` kernels runs it."""
     from flexmesh.cost import CostModel
-    from flexmesh.cost.analytic import AnalyticTiming
-    from flexmesh.cost.stack import with_stack
+    from flexmesh.cost.training.analytic import AnalyticTiming
+    from flexmesh.cost.training.stack import with_stack
     from flexmesh.layout.stack import Stack
     from flexmesh.layout.strategy import LayerStrategy
     from flexmesh.spec.cluster import parse_cluster
@@ -60,7 +60,7 @@ def measure(hidden: int, head_dim: int, length: int, tokens: int, repeat: int, d
     """Median (forward, forward + backward) seconds of the runtime's kernel; and the kernel's name."""
     import torch
 
-    from flexmesh.runtime.attention_kernels import local_attention, select_kernel
+    from flexmesh.runtime.model.attention_kernels import local_attention, select_kernel
 
     heads = hidden // head_dim
     q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype, requires_grad=True)

@@ -11,7 +11,7 @@
    plan for ``--steps`` steps on global
    batches of equal-length documents (the shape the plan was evaluated for) and measures the median
    step time after one warm-up step and the peak bytes autograd saved for backward on any rank
-   (``flexmesh.runtime.memory.SavedActivationMeter``, reported by the trainer).
+   (``flexmesh.runtime.train.memory.SavedActivationMeter``, reported by the trainer).
 3. Prints predicted against measured and the median absolute errors (targets: <= 15% step time,
    <= 10% activation memory); records the table in the "calibrate" section of bench/RESULTS.md.
 
@@ -114,9 +114,9 @@ def worker(out: Path, names: list[str], profiles: Path, steps: int, seq_len: int
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.config import TrainConfig
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.config import TrainConfig
+    from flexmesh.runtime.train.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
     torch.set_num_threads(1)

@@ -20,7 +20,7 @@
     against LAER (load-following, the expert exchanges prefetched under compute), both routing each
     token to an expert replica inside its node as LAER-MoE's runtime does (flexmesh's routes to every
     replica alike). The imbalance of
-    each is LAER's measured per-device figure (flexmesh.cost.experts.IMBALANCE, from its artifact);
+    each is LAER's measured per-device figure (flexmesh.cost.training.experts.IMBALANCE, from its artifact);
     the times are flexmesh's. Target: the predicted speedup within 15% of the published one (its
     artifact's e2e data: 1.30-1.35, 1.43-1.47, 1.45-1.50, 1.41-1.49 per model).
 (d) Megatron-Core's Mixtral-8x7B on 64 H100 (TP1 EP8 PP4 VP8, sequences of 4096, GBS 256, MBS 1, bf16,
@@ -44,7 +44,7 @@ import numpy as np
 
 from bench._results import markdown_table, record
 from flexmesh.cost import CostModel
-from flexmesh.cost.experts import ExpertParallel, default_slots
+from flexmesh.cost.training.experts import ExpertParallel, default_slots
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.expert_placement import balanced_placement, trace_imbalance
 from flexmesh.spec import parse_cluster, parse_model

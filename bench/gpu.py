@@ -142,10 +142,10 @@ def flexmesh_worker(a: argparse.Namespace) -> dict:
 
     import torch
 
-    from flexmesh.runtime.config import TrainConfig
-    from flexmesh.runtime.distributed import init_distributed
     from flexmesh.runtime.launch import single_process_env
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.config import TrainConfig
+    from flexmesh.runtime.train.trainer import Trainer
 
     spec, case = model_spec(a.cpu), _case(a)
     os.environ.update(single_process_env())
@@ -189,7 +189,7 @@ def transformers_worker(a: argparse.Namespace) -> dict:
     import torch
     import transformers
 
-    from flexmesh.runtime.packing import IGNORE_INDEX
+    from flexmesh.runtime.model.packing import IGNORE_INDEX
 
     spec, case = model_spec(a.cpu), _case(a)
     device = _device(a.cpu)

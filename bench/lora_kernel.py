@@ -1,6 +1,6 @@
 """Many LoRA adapters in one forward: the grouped path against a per-adapter loop and against one adapter.
 
-One adapted projection (flexmesh.runtime.lora.Adapters), forward and backward, over ``--tokens`` tokens
+One adapted projection (flexmesh.runtime.model.lora.Adapters), forward and backward, over ``--tokens`` tokens
 of ``--adapters`` tasks with uneven shares (a seeded draw), hidden ``--hidden`` -> ``--hidden``, rank
 ``--rank``; three ways:
 
@@ -59,8 +59,8 @@ def timed(fns: dict, repeat: int, sync) -> dict[str, float]:  # noqa: ANN001
 def main() -> None:
     import torch
 
-    from flexmesh.runtime.grouped import grouped_kernel_ok
-    from flexmesh.runtime.lora import AdapterRow, Adapters
+    from flexmesh.runtime.model.grouped import grouped_kernel_ok
+    from flexmesh.runtime.model.lora import AdapterRow, Adapters
     from flexmesh.spec.tasks import Task, TaskSet
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -6,7 +6,7 @@ tasks, sequences up to 16K. The tasks' lengths are the project's real length set
 LobRA's task data: Wikipedia (documents up to 1K, and all), ProLong (up to 4K, and all) and the
 WLB-LLM mix (up to 2K, and all), each truncated at 16K; 32 sequences of each task per step.
 
-- mix: flexmesh.plan.replicas.plan_mix, planned on 4 sample steps, then scored on 16 other steps
+- mix: flexmesh.search.replicas.plan_mix, planned on 4 sample steps, then scored on 16 other steps
 - best single layout: every layout that holds 16K (tp x cp x pp, each recomputation mode), 16 / its
   devices replicas of it, the same dispatch; the fastest on the scored steps (and the fastest without
   context parallelism, the baseline LobRA compares with: TP and PP only)
@@ -15,7 +15,7 @@ WLB-LLM mix (up to 2K, and all), each truncated at 16K; 32 sequences of each tas
 
 GPU-seconds per step = 16 x the mean step (every device is held for the step). Simulated: the cost
 model is flexmesh's A100 preset for a frozen base with rank-16 adapters on q, k, v, o
-(flexmesh.cost.finetune); nothing here ran on a GPU.
+(flexmesh.cost.training.finetune); nothing here ran on a GPU.
 
     python -m bench.lora_replicas          # records "lora_replicas" in bench/RESULTS.md
 """
@@ -54,9 +54,9 @@ def steps(tasks: list[tuple[str, np.ndarray]], n: int, per_task: int, seed: int)
 
 def main() -> None:
     from flexmesh.cost import CostModel
-    from flexmesh.cost.finetune import AdapterCostModel
+    from flexmesh.cost.training.finetune import AdapterCostModel
     from flexmesh.layout.strategy import Recompute
-    from flexmesh.plan.replicas import Pricer, dispatch, plan_mix, replica_types, single_layouts, step_time
+    from flexmesh.search.replicas import Pricer, dispatch, plan_mix, replica_types, single_layouts, step_time
     from flexmesh.spec import parse_cluster, parse_model
     from flexmesh.spec.tasks import Task, TaskSet
 

@@ -1,7 +1,7 @@
 """Per-step dispatch over a mixed cluster's replica groups against fixed shares, simulated.
 
 The plan: what ``flexmesh plan`` writes for Llama 2 13B on one node of 8 H100 and two of 8 A100-40GB
-(flexmesh.plan.mixed, device presets), for sequences of ``--contexts`` tokens (4096 and 32768), with
+(flexmesh.search.mixed, device presets), for sequences of ``--contexts`` tokens (4096 and 32768), with
 the global batch of ``--batch`` sequences per step. Each step draws that many real document lengths
 (flexmesh/data/lengths: Wikipedia, the ProLong sample, the 128K production-like mix), truncated to the
 context, and schedules them:
@@ -40,10 +40,10 @@ POLICIES = ("fixed", "balanced", "hdp")
 
 
 def run_case(context: int, batch: int, lengths_name: str, steps: int, seed: int = 0) -> dict:
-    from flexmesh.cost.mixed import MixedCosts
+    from flexmesh.cost.training.mixed import MixedCosts
     from flexmesh.data.lengths import load_lengths
-    from flexmesh.plan.mixed import plan_mixed
     from flexmesh.schedule.groups import groups_context
+    from flexmesh.search.mixed import plan_mixed
     from flexmesh.sim.groups import compare_groups
     from flexmesh.spec.cluster import parse_mixed_cluster
     from flexmesh.spec.model import parse_model

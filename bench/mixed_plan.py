@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench._results import fastest, markdown_table, record
-from flexmesh.cost.mixed import MixedCosts
-from flexmesh.plan.baselines import mixed_baselines
-from flexmesh.plan.mixed import plan_mixed
-from flexmesh.plan.mixed_types import TypePlans
+from flexmesh.cost.training.mixed import MixedCosts
+from flexmesh.search.baselines import mixed_baselines
+from flexmesh.search.mixed import plan_mixed
+from flexmesh.search.mixed_types import TypePlans
 from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 
@@ -58,7 +58,7 @@ def typed_ceiling(costs: MixedCosts, seq: int, gb: int, parts: list[dict], step:
     """(tokens/s, the first type's share) of the best plan of one replica group per device type on a
     cluster of two types, over every split of the batch in multiples of ``step`` within ``spread`` of
     the split in proportion to the types' throughputs alone (``parts``): each type's best plan alone
-    for its share (flexmesh.plan.mixed_types.TypePlans.alone, searched afresh for each split), the
+    for its share (flexmesh.search.mixed_types.TypePlans.alone, searched afresh for each split), the
     slower one setting the step. The all-reduce across the types is not counted, so no plan of one
     group per type with a share in that range beats it; the sum of the parts assumes any share runs
     at the rate of the whole batch. None for other than two types. ``costs``: the search's."""

@@ -1,6 +1,6 @@
 """Predicted vs published per-GPU throughput of the fitting set, and the planner against each layout.
 
-For every fitting row (flexmesh.cost.calibrate: Megatron-LM 2104.04473 Table 1 on A100, Llama 3
+For every fitting row (flexmesh.cost.training.calibrate: Megatron-LM 2104.04473 Table 1 on A100, Llama 3
 2407.21783 Table 4 on H100): the published throughput, the prediction with the presets (in sample),
 with the constants refitted without the row (leave-one-out) and with nothing fitted to the row's source
 (leave-one-source-out: the other family's fit through the measured GEMM tables), and the planner's own best plan
@@ -17,10 +17,10 @@ import time
 
 from bench._results import record
 from flexmesh.commands.plan_terms import plan_terms
-from flexmesh.cost import calibrate
-from flexmesh.cost.breakdown import TERMS, step_terms
+from flexmesh.cost.training import calibrate
+from flexmesh.cost.training.breakdown import TERMS, step_terms
 from flexmesh.errors import PlanError
-from flexmesh.plan import SearchRequest, best_plans
+from flexmesh.search import SearchRequest, best_plans
 
 # The planner may claim at most this much over a tuned published layout without an explanation.
 CLAIM_LIMIT = 1.3
@@ -44,7 +44,7 @@ def planner_vs_published(run: calibrate.PublishedRun) -> dict:
         return {"plan": f"none ({e})", "speedup": float("nan"), "seconds": time.perf_counter() - t0,
                 "published_breakdown": _breakdown(published), "plan_breakdown": "", "why": ""}
     ev = best.evaluation
-    # Term by term (flexmesh.cost.breakdown, what `flexmesh plan --explain --against` prints); the
+    # Term by term (flexmesh.cost.training.breakdown, what `flexmesh plan --explain --against` prints); the
     # published layout is priced as it ran (no overlap option: 2021 Megatron-LM had no TP overlap).
     s = run.strategy()
     L, n = run.model.num_layers, run.pp * run.virtual_stages

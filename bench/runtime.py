@@ -78,8 +78,8 @@ def plain_loop(batches: list, lr: float = 3e-4) -> list[float]:
     """The baseline: the same model and packing, no flexmesh runtime. Returns step times."""
     import torch
 
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.reference import reference_loss
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.train.reference import reference_loss
     from flexmesh.spec.model import parse_model
 
     model = build_model(parse_model("tiny"), device="cpu")
@@ -96,8 +96,8 @@ def plain_loop(batches: list, lr: float = 3e-4) -> list[float]:
 
 
 def flexmesh_loop(plan, batches: list) -> list[float]:
-    from flexmesh.runtime.config import TrainConfig
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.train.config import TrainConfig
+    from flexmesh.runtime.train.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
     trainer = Trainer(plan, parse_model("tiny"), TrainConfig(max_steps=len(batches), progress=False))
@@ -114,7 +114,7 @@ def worker(out: Path, steps: int, max_len: int, batch_docs: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.parallel.distributed import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=300)
@@ -148,7 +148,7 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     os.environ.update(single_process_env())
-    from flexmesh.runtime.distributed import init_distributed
+    from flexmesh.runtime.parallel.distributed import init_distributed
 
     init_distributed()
     plan1 = make_plan(1, "tp1-dp1z0", max_len=args.max_len)

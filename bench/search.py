@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench._results import fastest, record
-from flexmesh.cost.model import CostModel
-from flexmesh.plan import SearchRequest, best_plans, megatron_3d
+from flexmesh.cost.training.model import CostModel
+from flexmesh.search import SearchRequest, best_plans, megatron_3d
 from flexmesh.spec import parse_cluster, parse_model
 
 CASES = [  # (label, model, cluster, seq len, global batch, target seconds)

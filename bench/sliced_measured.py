@@ -102,9 +102,9 @@ def worker(out: Path, profiles: Path, steps: int, seq_len: int, global_batch: in
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.config import TrainConfig
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.config import TrainConfig
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=600)

@@ -80,8 +80,8 @@ def recompute(ctx: ScheduleContext, schedule) -> tuple:
     layer from the cost model (every micro-batch at the step's one shape), each stage's budget its
     device memory less its states and the constant transient buffers. Returns the MILP's choice, the
     greedy one, and the seconds full recomputation adds."""
-    from flexmesh.cost.memory import layer_transient_bytes
-    from flexmesh.cost.work import Work
+    from flexmesh.cost.training.memory import layer_transient_bytes
+    from flexmesh.cost.training.work import Work
     from flexmesh.layout.pipeline_order import chain_plan, pipeline_order, units_from_ends
     from flexmesh.schedule.recompute import choose_recompute, greedy_recompute, in_flight_sets
 

@@ -11,7 +11,7 @@ time), in both runs, from the first step:
 
 - ``static``: ``--no-replan``: speeds are measured and the straggler reported, the schedules stay
   as made for nominal speeds;
-- ``adaptive``: the default: after a sustained slowdown (flexmesh.runtime.stragglers: 2 steps beyond
+- ``adaptive``: the default: after a sustained slowdown (flexmesh.runtime.train.stragglers: 2 steps beyond
   the 25% threshold after a 1-step warm-up) the scheduler's speeds are set to the measured ones, when
   the simulator predicts that pays, and the next step's schedule gives the slow rank less work.
 
@@ -21,7 +21,7 @@ the steps from the first one run on a re-planned schedule to the end, steps unti
 run on the old schedule, warm-up included), and the simulator's predicted step time against the
 measured one on those steps of the adaptive run (median |error|), two ways: as the trainer predicts
 a step (``paced_step_time_s``: the simulator with every rank at its speed against the profile as
-measured on the steps before, flexmesh.runtime.stragglers), and with the profile as taken (the
+measured on the steps before, flexmesh.runtime.train.stragglers), and with the profile as taken (the
 schedule's own prediction, at the relative speeds it was scheduled for), which is off by however
 much this shared machine's speed has drifted since profiling. Targets: adaptive >= 1.25x static
 after recovery, recovery within 5 steps, the trainer's prediction within 15% of the measured step
@@ -134,7 +134,7 @@ def report(console, args, d: dict, metrics: dict, load: tuple[float, ...], price
     lines = [*events, *per_step,
              f"pace (the fastest rank's profiled work over its measured compute, median over the steps): {pace}; "
              "the schedules' own predictions price the profile as taken, so they are off by about this factor on "
-             "every rank (flexmesh.runtime.stragglers)",
+             "every rank (flexmesh.runtime.train.stragglers)",
              f"load average {load[0]:.1f} before the runs, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores); "
              "the machine is shared: re-take these figures on a quiet machine before relying on them",
              "rank 1's slowness is EMULATED (--emulate-speed: busy waits stretching its forwards and backwards), "

@@ -52,22 +52,22 @@ def flat_model_profile(**fields: Any) -> Any:
 
 def train_config() -> Any:
     """AdamW settings for ``STEPS`` steps with warm-up and clipping, no progress bar."""
-    from flexmesh.runtime.config import TrainConfig
+    from flexmesh.runtime.train.config import TrainConfig
 
     return TrainConfig(max_steps=STEPS, lr=LR, warmup_steps=1, weight_decay=0.1, grad_clip=1.0, seed=SEED,
                        progress=False)
 
 
 def reference_training(steps: list, cfg: Any = None, spec: Any = None) -> tuple[list[float], list[float], dict, dict]:
-    """Plain single-process AdamW steps over ``[(docs, StepSchedule)]`` (flexmesh.runtime.reference,
+    """Plain single-process AdamW steps over ``[(docs, StepSchedule)]`` (flexmesh.runtime.train.reference,
     documents whole) of ``spec`` (default the tiny model) under ``cfg`` (default train_config()):
     losses, gradient norms, step 1's clipped gradients and the weights after the last step -- what the
     distributed runs are compared against."""
     import torch
 
-    from flexmesh.runtime.config import lr_schedule_factor
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.reference import reference_loss
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.train.config import lr_schedule_factor
+    from flexmesh.runtime.train.reference import reference_loss
 
     cfg = cfg if cfg is not None else train_config()
     model = build_model(spec if spec is not None else tiny_spec(), device="cpu")
@@ -180,9 +180,9 @@ def cp_model_check(rank: int, world: int, spec: Any, plain: Any = None) -> None:
     import torch.nn.functional as F
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.attention import CPContext
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.packing import pack_microbatch, pad_to_multiple, shard_for_cp
+    from flexmesh.runtime.model.attention import CPContext
+    from flexmesh.runtime.model.packing import pack_microbatch, pad_to_multiple, shard_for_cp
+    from flexmesh.runtime.model.transformer import build_model
 
     def loss_of(model: Any, batch: Any, count: int) -> Any:
         return F.cross_entropy(model(batch.tokens, batch)[0], batch.labels[0], reduction="sum") / count
@@ -316,8 +316,8 @@ def transformers_diffs(model: Any, hf: Any, docs: list) -> dict[str, float]:
     import torch.nn.functional as F
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.packing import pack_microbatch
-    from flexmesh.runtime.weights import hf_name
+    from flexmesh.runtime.model.packing import pack_microbatch
+    from flexmesh.runtime.state.weights import hf_name
 
     hf.zero_grad()
     n = sum(len(d) - 1 for d in docs)

@@ -11,7 +11,7 @@ from helpers import flat_model_profile
 
 from flexmesh.cli import main
 from flexmesh.cost import CostModel, Work
-from flexmesh.cost.stack import with_stack
+from flexmesh.cost.training.stack import with_stack
 from flexmesh.errors import SpecError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.stack import RUNTIME_STACK, Stack

@@ -36,7 +36,7 @@ from helpers import (
     write_inputs,
 )
 
-from flexmesh.cost.memory import CUBLAS_WORKSPACE_BYTES
+from flexmesh.cost.training.memory import CUBLAS_WORKSPACE_BYTES
 from flexmesh.schedule.registry import RUNTIME_POLICIES
 from flexmesh.units import GIB
 
@@ -49,7 +49,7 @@ LAYOUTS = {
     "u2": ["tp1-u2-dp2z0"] * 4,
 }
 # Device memory for the tiny model: 7.6 MiB of tensors besides the cuBLAS workspace every GEMM device
-# keeps (flexmesh.cost.memory); one rank holds about 370 tokens, 2 ranks 750, 4 ranks 1500.
+# keeps (flexmesh.cost.training.memory); one rank holds about 370 tokens, 2 ranks 750, 4 ranks 1500.
 MEMORY_GIB = 0.0076 + CUBLAS_WORKSPACE_BYTES / GIB
 
 
@@ -151,7 +151,7 @@ def _save_params(trainer, folder: Path) -> None:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.state.weights import canonical_name
 
     params = {}
     for m in trainer.inner_models():
@@ -172,10 +172,10 @@ def worker(out: Path) -> None:
 
     from flexmesh.errors import FlexmeshError
     from flexmesh.layout.step import Group, Piece, StepSchedule
-    from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import ListSource, fit
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.adaptive import AdaptiveSource
+    from flexmesh.runtime.train.loop import ListSource, fit
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=120)
@@ -350,8 +350,8 @@ def test_train_command_schedules_in_the_background(tmp_path):
 
 # ---- AdaptiveSource in one process --------------------------------------------------------------------
 def _source(batches, late_call: int | None = None, deadline_s: float | None = None, lookahead: int = 1):
-    from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.loop import ListSource
+    from flexmesh.runtime.train.adaptive import AdaptiveSource
+    from flexmesh.runtime.train.loop import ListSource
 
     release = threading.Event()
     primary = schedule_fn("hdp")
@@ -403,7 +403,7 @@ def test_late_choice_is_settled_by_the_checkpoint_and_replayed():
 
 
 def test_step_metrics_rows_are_json():
-    from flexmesh.runtime.config import StepMetrics
+    from flexmesh.runtime.train.config import StepMetrics
 
     m = StepMetrics(step=1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens=10, label_tokens=9, padded_tokens=12,
                     microbatches=1, step_time_s=0.5, tokens_per_s=20.0, peak_memory_gib=None, policy="hdp",

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from helpers import cp_model_check, spawn
 
 from flexmesh.errors import PlanError
-from flexmesh.runtime.attention import CPContext, attend, document_causal_mask, document_ids
 from flexmesh.runtime.launch import free_port
+from flexmesh.runtime.model.attention import CPContext, attend, document_causal_mask, document_ids
 
 torch.set_num_threads(1)
 

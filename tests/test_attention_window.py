@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from helpers import cp_model_check, spawn
 
-from flexmesh.runtime import attention_kernels as AK
-from flexmesh.runtime.attention import CPContext, attend, document_causal_mask, flash_window_size, ring_steps
 from flexmesh.runtime.launch import free_port
+from flexmesh.runtime.model import attention_kernels as AK
+from flexmesh.runtime.model.attention import CPContext, attend, document_causal_mask, flash_window_size, ring_steps
 
 torch.set_num_threads(1)
 

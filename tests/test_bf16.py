@@ -82,9 +82,9 @@ def worker(out: Path, names: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.state.weights import canonical_name
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=60)
@@ -136,9 +136,9 @@ def resume_worker(out: Path) -> None:
     import torch.distributed as dist
 
     from flexmesh.layout.mesh import layout_from_plan
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import ListSource, fit
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.loop import ListSource, fit
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=60)
@@ -165,8 +165,8 @@ def first_step_reference(steps: list, window: bool) -> tuple[float, dict]:
     import torch
     from test_runtime_parallel import spec_for
 
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.reference import reference_loss
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.train.reference import reference_loss
 
     cfg = train_config()
     model = build_model(spec_for(window), device="cpu")
@@ -297,7 +297,7 @@ def test_local_attention_takes_bf16_on_cpu():
     gradients within 2% relative error norm of fp64's (about five bf16 roundings; measured 0.1% to 0.4%)."""
     import torch
 
-    from flexmesh.runtime.attention import attend
+    from flexmesh.runtime.model.attention import attend
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 24, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
@@ -326,7 +326,7 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.attention import CPContext, attend
+    from flexmesh.runtime.model.attention import CPContext, attend
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -368,7 +368,8 @@ def test_precision_policy_per_layout():
 
     from flexmesh.errors import PlanError
     from flexmesh.layout.mesh import layout_from_plan
-    from flexmesh.runtime.parallelize import activation_dtypes, autocast_bf16, check_dtype, mixed_precision
+    from flexmesh.runtime.parallel.parallelize import activation_dtypes, autocast_bf16, mixed_precision
+    from flexmesh.runtime.parallel.precision import check_dtype
 
     single, zero3, pipe = (layout_from_plan(make_plan(n)) for n in ("single", "zero3", "pp_x_dp"))
     policy = mixed_precision("bf16")

@@ -62,7 +62,7 @@ def test_a_small_length_file_that_expands_to_gigabytes_is_refused(tmp_path, caps
 
 
 def test_divisors_of_a_large_prime_take_square_root_time():
-    from flexmesh.plan.space import divisors
+    from flexmesh.search.space import divisors
 
     assert divisors(999_999_937) == [1, 999_999_937]
     assert divisors(720) == [d for d in range(1, 721) if 720 % d == 0]

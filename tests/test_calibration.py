@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from flexmesh.cost import calibrate
+from flexmesh.cost.training import calibrate
 from flexmesh.spec.cluster import DEVICE_PRESETS, GEMM_TABLES
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from flexmesh.cli import main
 from flexmesh.cost import CostModel, Work
-from flexmesh.cost.hardware import GroupShape, Hardware
+from flexmesh.cost.device.hardware import GroupShape, Hardware
 from flexmesh.errors import SpecError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.spec import parse_cluster, parse_model
@@ -144,7 +144,7 @@ def test_gemm_table_medians_over_common_shapes(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
 
-    from flexmesh.cost.gemm_tables import medians
+    from flexmesh.cost.device.gemm_tables import medians
 
     def table(system, rows):
         folder = tmp_path / "data" / system / "gemm" / "vllm" / "0.1.0"
@@ -166,8 +166,8 @@ def test_gemm_table_medians_over_common_shapes(tmp_path):
 
 def test_recorded_medians_match_the_installed_tables():
     pytest.importorskip("pyarrow")
-    from flexmesh.cost.gemm_tables import main as redo
-    from flexmesh.cost.gemm_tables import systems_dir
+    from flexmesh.cost.device.gemm_tables import main as redo
+    from flexmesh.cost.device.gemm_tables import systems_dir
 
     if systems_dir() is None:
         pytest.skip("aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
@@ -178,7 +178,7 @@ def test_attention_table_medians_keep_long_bf16_prefill_rows(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
 
-    from flexmesh.cost.attention_tables import medians
+    from flexmesh.cost.device.attention_tables import medians
 
     cols = ("kernel_source", "batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "attn_dtype",
             "kv_cache_dtype", "window_size", "latency")
@@ -210,8 +210,8 @@ def test_attention_table_medians_keep_long_bf16_prefill_rows(tmp_path):
 
 def test_recorded_attention_medians_match_the_installed_tables():
     pytest.importorskip("pyarrow")
-    from flexmesh.cost.attention_tables import main as redo
-    from flexmesh.cost.gemm_tables import systems_dir
+    from flexmesh.cost.device.attention_tables import main as redo
+    from flexmesh.cost.device.gemm_tables import systems_dir
 
     if systems_dir() is None:
         pytest.skip("aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
@@ -223,7 +223,7 @@ def test_nccl_tables_are_read_as_bytes_and_median_seconds(tmp_path):
     import pyarrow as pa
     import tomllib
 
-    from flexmesh.cost.comm_tables import curves, newest_table, to_toml
+    from flexmesh.cost.device.comm_tables import curves, newest_table, to_toml
 
     rows = [("all_reduce", 8, "half", 1024, 0.010), ("all_reduce", 8, "half", 1024, 0.030),
             ("all_reduce", 8, "half", 1024, 0.020), ("all_reduce", 8, "half", 4096, 0.040),
@@ -246,8 +246,8 @@ def test_nccl_tables_are_read_as_bytes_and_median_seconds(tmp_path):
 
 def test_recorded_nccl_tables_match_the_installed_ones():
     pytest.importorskip("pyarrow")
-    from flexmesh.cost.comm_tables import main as redo
-    from flexmesh.cost.gemm_tables import systems_dir
+    from flexmesh.cost.device.comm_tables import main as redo
+    from flexmesh.cost.device.gemm_tables import systems_dir
 
     if systems_dir() is None:
         pytest.skip("aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
@@ -257,7 +257,7 @@ def test_recorded_nccl_tables_match_the_installed_ones():
 def test_the_uniform_baseline_runs_on_the_clusters_own_network(tmp_path):
     """A mixed cluster joined by 10 Gb/s Ethernet: the one-layout baseline over all of it is priced on
     that link, not on the slowest device's datacenter NICs."""
-    from flexmesh.plan.baselines import uniform_cluster
+    from flexmesh.search.baselines import uniform_cluster
     from flexmesh.spec.cluster import parse_mixed_cluster
 
     f = tmp_path / "cluster.toml"

@@ -1,6 +1,6 @@
 """The GPU's speed options, checked on CPU: compiled blocks, the chunked loss and metering on chosen steps.
 
-- ``torch.compile`` of each block (flexmesh.runtime.parallelize.apply_compile) gives the eager
+- ``torch.compile`` of each block (flexmesh.runtime.parallel.parallelize.apply_compile) gives the eager
   model's loss and gradients, with one compiled code for every layer (the attention core stays out);
 - the trainer with compiled blocks, the chunked loss and activations metered every other step, on
   one and on two ranks (ZeRO-3, FSDP2), reproduces the single-process reference with a document cut
@@ -20,10 +20,10 @@ import torch
 from helpers import launch, make_steps, reference_training, tiny_spec, train_config
 
 from flexmesh.layout.step import Piece
-from flexmesh.runtime.model import build_model
-from flexmesh.runtime.packing import pack_microbatch
-from flexmesh.runtime.parallelize import apply_ac, apply_compile
-from flexmesh.runtime.weights import canonical_name
+from flexmesh.runtime.model.packing import pack_microbatch
+from flexmesh.runtime.model.transformer import build_model
+from flexmesh.runtime.parallel.parallelize import apply_ac, apply_compile
+from flexmesh.runtime.state.weights import canonical_name
 
 
 @pytest.mark.slow
@@ -95,8 +95,8 @@ def worker(out: Path) -> None:
 
     import torch.distributed as dist
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=300)

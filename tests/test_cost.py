@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from flexmesh.cost import CostModel, Work, group_shape, in_flight, pipeline_time
-from flexmesh.cost.analytic import AnalyticTiming, activation_elems_per_token
-from flexmesh.cost.hardware import Hardware
-from flexmesh.cost.kernels import HBM_EFFICIENCY, LAUNCH_S
+from flexmesh.cost.device.hardware import Hardware
+from flexmesh.cost.device.kernels import HBM_EFFICIENCY, LAUNCH_S
+from flexmesh.cost.training.analytic import AnalyticTiming, activation_elems_per_token
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.overlap import FASTEST
 from flexmesh.spec import MODEL_PRESETS, ModelSpec, parse_cluster
@@ -322,7 +322,7 @@ def test_small_models_lose_more_to_non_gemm_work_on_h100_than_on_a100():
 def test_llama3_70b_at_8k_on_h100_plans_no_context_parallelism():
     """At 8K tokens context parallelism buys nothing the tensor-parallel layouts do not: small
     attention blocks, the ring's last rank and its merges cost what they cost."""
-    from flexmesh.plan import SearchRequest, SearchSpace, best_plans
+    from flexmesh.search import SearchRequest, SearchSpace, best_plans
     req = SearchRequest(MODEL_PRESETS["llama3-70b"], parse_cluster("128x8xH100"), 8192, 1024, top=1, mode="fast",
                         space=SearchSpace(pp=(4, 8), microbatches=(16, 32, 64)))
     best = best_plans(req, with_baselines=False).best
@@ -333,7 +333,7 @@ def test_pipeline_sends_leave_the_node_only_at_node_edges():
     """pp 8 over 4 nodes of 8 GPUs, 4 GPUs a stage (tp2-dp2): the sends of pipeline ranks 1, 3 and 5
     go to the next node and pay its network; the others stay on the node's links. A slower node network
     slows exactly those ranks."""
-    from flexmesh.cost.hardware import GroupShape
+    from flexmesh.cost.device.hardware import GroupShape
 
     model = MODEL_PRESETS["llama2-7b"]
     fast = CostModel(model, parse_cluster("4x8xA100-40GB"))

@@ -5,7 +5,7 @@ them on a GPU machine with ``python -m pytest -q -m cuda tests/test_cuda.py`` (w
 call). Tolerances are bf16's: relative error of the whole tensor (Frobenius norm) under 2e-2 for
 outputs and gradients.
 
-- kernels: every kernel of flexmesh.runtime.attention_kernels that serves the case (``varlen``,
+- kernels: every kernel of flexmesh.runtime.model.attention_kernels that serves the case (``varlen``,
   ``flash-attn`` where installed, ``flex``, ``sdpa``), on packed rows of many documents, grouped-query
   heads, sliding windows and head sizes 64 and 128, and on queries after a carried prefix (the
   kernels' ``suffix``), forward and the gradients of q, k and v, against the fp32 CPU kernel on the
@@ -28,7 +28,7 @@ import pytest
 import torch
 from helpers import launch, make_steps, reference_training, tiny_spec, train_config
 
-from flexmesh.runtime import attention_kernels as AK
+from flexmesh.runtime.model import attention_kernels as AK
 
 pytestmark = pytest.mark.cuda
 
@@ -118,8 +118,8 @@ def worker(out: Path, dtype: str) -> None:
 
     import torch.distributed as dist
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.trainer import Trainer
 
     init_distributed(timeout_s=300, device="cuda")
     trainer = Trainer(plan_of_one(), tiny_spec(), replace(train_config(), max_steps=STEPS, dtype=dtype))

@@ -1,4 +1,4 @@
-"""Documents cut into pieces train exactly as whole documents (flexmesh.runtime.carry).
+"""Documents cut into pieces train exactly as whole documents (flexmesh.runtime.model.carry).
 
 - In one process: the model fed a document's pieces in 2 or 3 micro-batches, keys and values
   carried, gives the loss and gradients of the whole document (also with sliding windows and
@@ -67,10 +67,10 @@ def test_carried_pieces_give_the_whole_documents_loss_and_gradients(cut, recompu
     import torch
 
     from flexmesh.layout.pipeline_order import chain_plan
-    from flexmesh.runtime.carry import KVCarry
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.packing import pack_microbatch
-    from flexmesh.runtime.parallelize import apply_ac
+    from flexmesh.runtime.model.carry import KVCarry
+    from flexmesh.runtime.model.packing import pack_microbatch
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.parallel.parallelize import apply_ac
 
     spec = replace(tiny_spec(), **WINDOW_SPEC) if window else tiny_spec()
     docs = _docs()
@@ -114,9 +114,9 @@ def test_detached_carry_refuses_backwards_in_forward_order():
     """Under a pipeline a cut document's backwards must run in reverse; in forward order the later
     piece's gradient would reach the earlier piece's keys too late, so it raises instead of losing it."""
     from flexmesh.layout.pipeline_order import chain_plan
-    from flexmesh.runtime.carry import KVCarry
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.packing import pack_microbatch
+    from flexmesh.runtime.model.carry import KVCarry
+    from flexmesh.runtime.model.packing import pack_microbatch
+    from flexmesh.runtime.model.transformer import build_model
 
     docs, group = _docs(), Group((0,), CUTS["two"])
     model, store = build_model(tiny_spec(), "cpu"), KVCarry(detached=True)
@@ -133,8 +133,8 @@ def test_attention_charge_is_the_pairs_a_carried_slice_attends():
     """cost.work.attention_sq charges a slice [a, b) what its queries see: 2 x causal pairs - queries."""
     import torch
 
-    from flexmesh.cost.work import attention_sq
-    from flexmesh.runtime.attention import window_causal
+    from flexmesh.cost.training.work import attention_sq
+    from flexmesh.runtime.model.attention import window_causal
 
     for a, b, w in ((0, 40, None), (25, 60, None), (45, 60, None), (25, 60, 9), (3, 7, 9), (0, 40, 9)):
         pairs = int(window_causal(torch.arange(a, b)[:, None], torch.arange(0, b)[None, :], w).sum())
@@ -237,7 +237,7 @@ def steps_for(name: str) -> list:
 
 
 def reference(steps: list) -> tuple[list[float], dict]:
-    """One process, documents whole (flexmesh.runtime.reference): losses and step 1's clipped gradients."""
+    """One process, documents whole (flexmesh.runtime.train.reference): losses and step 1's clipped gradients."""
     losses, _, grads, _ = reference_training(steps)
     return losses, grads
 
@@ -246,9 +246,9 @@ def worker(out: Path, names: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.state.weights import canonical_name
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=60)

@@ -65,7 +65,7 @@ def test_demo_places_its_steps_one_process_per_gpu(monkeypatch):
 
     from flexmesh.commands.demo import demo_devices
     from flexmesh.errors import FlexmeshError
-    from flexmesh.runtime import device as D
+    from flexmesh.runtime.parallel import device as D
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
     quiet = Console(quiet=True)

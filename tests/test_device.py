@@ -1,4 +1,4 @@
-"""The device of each rank: one rule (flexmesh.runtime.device.choose_device), tested without a GPU
+"""The device of each rank: one rule (flexmesh.runtime.parallel.device.choose_device), tested without a GPU
 for 0, 1, 2, 4 and 8 visible GPUs against 1 to 8 processes per node, and its refusals on the CLI."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from flexmesh.errors import PlanError
-from flexmesh.runtime import device as D
-from flexmesh.runtime.device import DeviceChoice, choose_device
+from flexmesh.runtime.parallel import device as D
+from flexmesh.runtime.parallel.device import DeviceChoice, choose_device
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 4, 8])

@@ -14,10 +14,10 @@ from flexmesh.errors import PlanError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.plan import Plan, StagePlan
 from flexmesh.layout.strategy import chunk_anchors
-from flexmesh.plan import SearchRequest, SearchSpace, best_plans
-from flexmesh.plan.check import check_plan
-from flexmesh.plan.partition import compositions
-from flexmesh.plan.space import outer_configurations
+from flexmesh.search import SearchRequest, SearchSpace, best_plans
+from flexmesh.search.check import check_plan
+from flexmesh.search.partition import compositions
+from flexmesh.search.space import outer_configurations
 from flexmesh.spec import MODEL_PRESETS, parse_cluster, parse_model
 
 MODEL = parse_model("llama2-7b")

@@ -86,8 +86,8 @@ def _reference_logits(checkpoint: Path, spec, tokens: torch.Tensor, tmp: Path) -
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.packing import pack_microbatch
+    from flexmesh.runtime.model.packing import pack_microbatch
+    from flexmesh.runtime.model.transformer import build_model
 
     dcp_to_torch_save(str(checkpoint), str(tmp / "ref.pt"))
     model = build_model(spec, device="cpu").eval()
@@ -103,7 +103,7 @@ def _reference_logits(checkpoint: Path, spec, tokens: torch.Tensor, tmp: Path) -
 def test_export_loads_in_transformers_with_the_same_logits(runs, name, tmp_path):
     transformers = pytest.importorskip("transformers")
     from flexmesh.cli import main
-    from flexmesh.runtime.weights import load_hf_safetensors
+    from flexmesh.runtime.state.weights import load_hf_safetensors
     from flexmesh.spec import from_hf_config
 
     run, plan = runs[name]
@@ -131,7 +131,7 @@ def test_export_loads_in_transformers_with_the_same_logits(runs, name, tmp_path)
     print(f"{name}: max relative logit difference {diff:.2e}")
     assert diff <= TOL
 
-    from flexmesh.runtime.model import build_model  # flexmesh's own loader reads the export too
+    from flexmesh.runtime.model.transformer import build_model  # flexmesh's own loader reads the export too
 
     model = build_model(spec, device="cpu")
     load_hf_safetensors(model, out)
@@ -152,7 +152,7 @@ def _reference_state(tmp: Path) -> dict:
 def test_bf16_export_and_errors(runs, tmp_path):
     from safetensors import safe_open
 
-    from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
+    from flexmesh.runtime.state.export import checkpoint_spec, export_checkpoint
     from flexmesh.spec import from_hf_config
 
     run, plan = runs["zero3"]

@@ -125,7 +125,7 @@ def _own_tokenizer(folder: Path, vocab: int = 300):
 
 def test_a_given_tokenizer_keeps_its_special_tokens_and_encodes_as_training_did(run, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
+    from flexmesh.runtime.state.export import checkpoint_spec, export_checkpoint
 
     own = _own_tokenizer(tmp_path / "own")
     assert own.encode(PROMPT).ids[0] == 1  # its post-processor adds <s>; training encodes without it
@@ -163,7 +163,7 @@ def test_a_resume_under_another_tokenizer_warns_and_records_it(tmp_path):
 def test_a_tokenizer_larger_than_the_model_is_refused_before_writing(run, tmp_path):
     from tokenizers import Tokenizer, models
 
-    from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
+    from flexmesh.runtime.state.export import checkpoint_spec, export_checkpoint
 
     big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w0"))
     big.save(str(tmp_path / "big.json"))

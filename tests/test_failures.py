@@ -234,12 +234,12 @@ def test_a_stopped_rank_is_named_within_the_collective_timeout(inputs):
 
 def test_the_run_folder_lock_names_its_holder(tmp_path):
     from flexmesh.errors import RunFolderError
-    from flexmesh.runtime.rundir import hold_run_folder, release_run_folder
+    from flexmesh.runtime.state.rundir import hold_run_folder, release_run_folder
 
     out = tmp_path / "run"
     assert hold_run_folder(out)
     assert hold_run_folder(out)  # nested in one process: counted
-    code = ("import sys; from flexmesh.runtime.rundir import hold_run_folder\n"
+    code = ("import sys; from flexmesh.runtime.state.rundir import hold_run_folder\n"
             f"try: hold_run_folder({str(out)!r})\nexcept Exception as e: print(e); sys.exit(3)")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert other.returncode == 3 and f"{out} is in use by another run (pid {os.getpid()})" in other.stdout
@@ -248,7 +248,7 @@ def test_the_run_folder_lock_names_its_holder(tmp_path):
     release_run_folder(out)
     assert unlocked(out)
     with pytest.raises(RunFolderError, match="already holds a run"):
-        from flexmesh.runtime.rundir import start_over
+        from flexmesh.runtime.state.rundir import start_over
 
         (out / "metrics.jsonl").write_text("")
         start_over(out, overwrite=False)
@@ -256,7 +256,7 @@ def test_the_run_folder_lock_names_its_holder(tmp_path):
 
 def test_metrics_with_a_partial_last_line_are_trimmed_but_bad_lines_elsewhere_fail(tmp_path):
     from flexmesh.errors import RunFolderError
-    from flexmesh.runtime.rundir import read_metrics
+    from flexmesh.runtime.state.rundir import read_metrics
 
     f = tmp_path / "metrics.jsonl"
     f.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')

@@ -1,4 +1,4 @@
-"""FlashAttention-2 where an architecture's fastest fused attention is another kernel (flexmesh.cost.flash2):
+"""FlashAttention-2 where an architecture's fastest fused attention is another kernel (flexmesh.cost.device.flash2):
 the runtime's stack prices it, from measurements the code can refit; other stacks and architectures do not move."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from flexmesh.cost import CostModel
-from flexmesh.cost.calibrate import FUSED_STACK, PUBLISHED_RUNS
-from flexmesh.cost.flash2 import PASSES, fit, flash2_kernels, main
-from flexmesh.cost.stack import with_stack
+from flexmesh.cost.device.flash2 import PASSES, fit, flash2_kernels, main
+from flexmesh.cost.training.calibrate import FUSED_STACK, PUBLISHED_RUNS
+from flexmesh.cost.training.stack import with_stack
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.stack import RUNTIME_STACK, Stack
 from flexmesh.profile.model import sweep
@@ -99,7 +99,7 @@ def test_the_envelope_keeps_the_per_tile_cost_and_stays_below_and_additive(archi
     """The schedulers' lower bounds price attention by the envelope: never above the kernel's price,
     additive over documents (so packing cannot beat it), and with FlashAttention-2's large per-tile cost
     kept (a bound without it is 4x loose at 512 tokens)."""
-    from flexmesh.cost.kernels import Kernels
+    from flexmesh.cost.device.kernels import Kernels
 
     k = flash2_kernels(Kernels(mm_flops=600e12, attn_flops=500e12, hbm_bytes_per_s=3e12, sms=132), architecture,
                        989.5e12)

@@ -142,7 +142,7 @@ def _plan_dict() -> dict:
 @given(st.data())
 def test_fuzz_plan_file(tmp_path_factory, data):
     from flexmesh.layout.plan import Plan
-    from flexmesh.plan.check import check_plan
+    from flexmesh.search.check import check_plan
     from flexmesh.spec import MODEL_PRESETS, parse_cluster
 
     path = tmp_path_factory.mktemp("plan") / "plan.json"

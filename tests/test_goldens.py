@@ -72,11 +72,11 @@ def mixed_plan_dicts() -> dict:
 
 def compute_predictions() -> dict:
     from flexmesh.cost import CostModel
-    from flexmesh.cost.mixed import MixedCosts, evaluate_groups
+    from flexmesh.cost.training.mixed import MixedCosts, evaluate_groups
     from flexmesh.layout.legacy import legacy_dict
     from flexmesh.layout.plan import Plan
-    from flexmesh.plan import SearchRequest, best_plans
-    from flexmesh.plan.mixed import plan_mixed
+    from flexmesh.search import SearchRequest, best_plans
+    from flexmesh.search.mixed import plan_mixed
     from flexmesh.spec import parse_cluster, parse_model
     from flexmesh.spec.cluster import parse_mixed_cluster
 

@@ -3,7 +3,7 @@
 Replica groups that differ in stage boundaries, micro-batch counts and batch shares, and tensor-parallel
 degree run under one torchrun (gloo, CPU, fp32) per world size; this file is also the worker
 (``python tests/test_groups_runtime.py worker OUT NAME...``). The reference is a plain PyTorch loop
-in the test process over the same documents and micro-batches (flexmesh.runtime.reference).
+in the test process over the same documents and micro-batches (flexmesh.runtime.train.reference).
 Every replica saves its own copy of the parameters, so replicas that drifted apart fail too.
 """
 
@@ -143,9 +143,9 @@ def worker(out: Path, names: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.state.weights import canonical_name
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=60)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flexmesh.cost.mixed import MixedCosts
+from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.layout.plan import Plan
 from flexmesh.schedule.groups import (
     GroupsContext,

@@ -11,8 +11,8 @@ from helpers import spawn
 from safetensors.torch import load_file, save_file
 
 from flexmesh.errors import CheckpointError, SpecError
-from flexmesh.runtime.model import build_model
-from flexmesh.runtime.weights import load_hf_safetensors, save_hf_safetensors
+from flexmesh.runtime.model.transformer import build_model
+from flexmesh.runtime.state.weights import load_hf_safetensors, save_hf_safetensors
 from flexmesh.spec import from_hf_config
 from flexmesh.spec.model import ModelSpec, RopeScaling
 
@@ -151,8 +151,8 @@ def _tp_worker(rank: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.packing import pack_microbatch
-    from flexmesh.runtime.parallelize import apply_tp
+    from flexmesh.runtime.model.packing import pack_microbatch
+    from flexmesh.runtime.parallel.parallelize import apply_tp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

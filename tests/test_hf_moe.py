@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from flexmesh.errors import CheckpointError, SpecError
 from flexmesh.layout.step import Piece
-from flexmesh.runtime.model import build_model
-from flexmesh.runtime.packing import pack_microbatch
-from flexmesh.runtime.weights import hf_name, load_hf_safetensors
+from flexmesh.runtime.model.packing import pack_microbatch
+from flexmesh.runtime.model.transformer import build_model
+from flexmesh.runtime.state.weights import hf_name, load_hf_safetensors
 from flexmesh.spec import from_hf_config
 from flexmesh.spec.hf import spec_from_hf_dict, to_hf_config
 
@@ -200,10 +200,10 @@ def _weights_worker(rank: int, port: int, folder: str, out: str) -> None:
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.step import Group, StepSchedule
     from flexmesh.layout.strategy import LayerStrategy
-    from flexmesh.runtime.config import TrainConfig
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.moe import MoEFeedForward
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.model.moe import MoEFeedForward
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.config import TrainConfig
+    from flexmesh.runtime.train.trainer import Trainer
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     init_distributed(timeout_s=120)

@@ -21,9 +21,9 @@ import torch
 from helpers import assert_below, randomise_hf, rel_diff, transformers_diffs
 
 from flexmesh.layout.step import Piece
-from flexmesh.runtime.model import build_model
-from flexmesh.runtime.packing import pack_microbatch
-from flexmesh.runtime.weights import load_hf_safetensors
+from flexmesh.runtime.model.packing import pack_microbatch
+from flexmesh.runtime.model.transformer import build_model
+from flexmesh.runtime.state.weights import load_hf_safetensors
 from flexmesh.spec import from_hf_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference; pip install -e .[dev]")

@@ -17,9 +17,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flexmesh.layout.step import Piece  # noqa: E402 - after the importorskip
-from flexmesh.runtime.model import build_model  # noqa: E402
-from flexmesh.runtime.packing import pack_microbatch  # noqa: E402
-from flexmesh.runtime.weights import hf_name  # noqa: E402
+from flexmesh.runtime.model.packing import pack_microbatch  # noqa: E402
+from flexmesh.runtime.model.transformer import build_model  # noqa: E402
+from flexmesh.runtime.state.weights import hf_name  # noqa: E402
 from flexmesh.spec import from_hf_config  # noqa: E402
 
 torch.set_num_threads(1)

@@ -108,7 +108,7 @@ def test_out_onto_a_device_fifo_socket_or_symlink_is_a_one_line_error(tmp_path, 
 
 
 def test_the_lock_file_is_never_followed_nor_truncated(tmp_path):
-    from flexmesh.runtime.rundir import LOCK, hold_run_folder
+    from flexmesh.runtime.state.rundir import LOCK, hold_run_folder
 
     out = tmp_path / "run"
     out.mkdir()
@@ -126,8 +126,8 @@ def test_the_lock_file_is_never_followed_nor_truncated(tmp_path):
 
 def test_folders_flexmesh_writes_in_are_real_folders(tmp_path):
     from flexmesh.report.report import Report
-    from flexmesh.runtime.export import export_checkpoint
-    from flexmesh.runtime.rundir import hold_run_folder
+    from flexmesh.runtime.state.export import export_checkpoint
+    from flexmesh.runtime.state.rundir import hold_run_folder
     from flexmesh.sim.plots import save_figure
     from flexmesh.spec.model import parse_model
 
@@ -173,7 +173,7 @@ def _run_folder(root: Path, *extra: str) -> Path:
 
 
 def test_starting_over_moves_only_a_run_folder(tmp_path):
-    from flexmesh.runtime.rundir import start_over
+    from flexmesh.runtime.state.rundir import start_over
 
     run = _run_folder(tmp_path / "a", "migration.json", "plan-migrated-000004.json")
     moved = start_over(run, overwrite=True)
@@ -228,10 +228,10 @@ def test_user_text_prints_verbatim(tmp_path, capsys, monkeypatch):
 def test_a_hand_set_variable_does_not_pass_for_the_launchers_hold(tmp_path):
     """The ranks believe FLEXMESH_RUN_FOLDER_HELD only with the secret of a hold held right now by one
     of their ancestors."""
-    from flexmesh.runtime.rundir import HELD_ENV, hold_run_folder, launcher_holds, release_run_folder
+    from flexmesh.runtime.state.rundir import HELD_ENV, hold_run_folder, launcher_holds, release_run_folder
 
     out = tmp_path / "run"
-    check = f"from flexmesh.runtime.rundir import launcher_holds; print(launcher_holds({str(out)!r}))"
+    check = f"from flexmesh.runtime.state.rundir import launcher_holds; print(launcher_holds({str(out)!r}))"
 
     def child_says(value: str) -> str:
         env = dict(os.environ, **{HELD_ENV: value})
@@ -248,7 +248,7 @@ def test_a_hand_set_variable_does_not_pass_for_the_launchers_hold(tmp_path):
     assert unlocked(out)
     assert child_says(secret) == "False"  # the hold is over
     # Held by a process that is not an ancestor: its secret, read off its output, proves nothing.
-    code = ("import sys, time; from flexmesh.runtime.rundir import hold_run_folder\n"
+    code = ("import sys, time; from flexmesh.runtime.state.rundir import hold_run_folder\n"
             f"print(hold_run_folder({str(out)!r}), flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -283,7 +283,7 @@ def test_a_launcher_killed_outright_takes_every_rank_along_and_the_lock_cannot_b
     from test_failures import Run, _marked
 
     from flexmesh.runtime.launch import free_port
-    from flexmesh.runtime.rundir import HELD_ENV
+    from flexmesh.runtime.state.rundir import HELD_ENV
 
     out = inputs["tmp"] / "killed"
     run = Run(inputs, out, "--checkpoint-every", "1")

@@ -157,7 +157,7 @@ def test_check_refuses_a_plan_for_another_model_with_as_many_layers(tmp_path):
     from dataclasses import replace
 
     from flexmesh.layout.plan import Plan
-    from flexmesh.plan.check import check_plan
+    from flexmesh.search.check import check_plan
 
     plan, cluster = Plan.from_dict(_plan()), parse_cluster("2xA100-80GB")
     other = replace(TINY, name="wide", hidden=512, ffn_hidden=1376)  # 4 layers too
@@ -239,8 +239,8 @@ def test_truncated_or_corrupt_weights(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.weights import load_hf_safetensors
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.state.weights import load_hf_safetensors
 
     spec = MODEL_PRESETS["tiny"].__class__(name="w", num_layers=1, hidden=32, num_heads=2, num_kv_heads=2,
                                            ffn_hidden=64, vocab=64, dtype="fp32")
@@ -259,7 +259,7 @@ def test_truncated_or_corrupt_weights(tmp_path):
         _one_line(e)
     # an index whose shard is truncated: refused before any tensor is read
     names = [n for n, _ in model.named_parameters()]
-    from flexmesh.runtime.weights import hf_name
+    from flexmesh.runtime.state.weights import hf_name
 
     index.write_text(json.dumps({"weight_map": {hf_name(n): shard.name for n in names}}))
     with pytest.raises(CheckpointError, match="model-00001.safetensors: not a readable safetensors file"):
@@ -268,7 +268,7 @@ def test_truncated_or_corrupt_weights(tmp_path):
 
 @pytest.mark.parametrize("content", [b"\xff\xfe{", b"[1, 2]", b"{\"step\": \"x\", \"plan_hash\": \"h\"}", b"{"])
 def test_corrupt_checkpoint_manifest(tmp_path, content):
-    from flexmesh.runtime.checkpoint import latest_checkpoint, read_manifest
+    from flexmesh.runtime.state.checkpoint import latest_checkpoint, read_manifest
 
     step = tmp_path / "step_000001"
     step.mkdir()

@@ -179,7 +179,7 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_saved(tmp_path, ca
                                                                     single_process_env):
     import dataclasses
 
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.train.trainer import Trainer
 
     plan, corpus = _profiled_plan(tmp_path)
     step = Trainer.step

@@ -92,11 +92,11 @@ def test_train_reports_every_task(run):
 def _flexmesh_logits(run: dict, slot: int, tokens: torch.Tensor) -> torch.Tensor:
     """flexmesh's logits with task ``slot``'s adapter on every token: the trained checkpoint read back."""
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.checkpoint import manifest_tasks
-    from flexmesh.runtime.export import _model_keys, find_checkpoint, read_full_tensors
-    from flexmesh.runtime.lora import attach_adapters
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.packing import pack_microbatch
+    from flexmesh.runtime.model.lora import attach_adapters
+    from flexmesh.runtime.model.packing import pack_microbatch
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.state.checkpoint import manifest_tasks
+    from flexmesh.runtime.state.export import _model_keys, find_checkpoint, read_full_tensors
     from flexmesh.spec.model import parse_model
 
     spec = parse_model(str(run["cfg"]))
@@ -130,8 +130,8 @@ def test_peft_loads_the_export(run, slot, name):
 
 # ---- import: a PEFT adapter trained one step by flexmesh equals PEFT's own step ----------------------
 def _hf_base(tmp: Path):
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.weights import save_hf_safetensors
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.state.weights import save_hf_safetensors
     from flexmesh.spec.hf import to_hf_config
     from flexmesh.spec.model import parse_model
 
@@ -154,10 +154,10 @@ def _import_worker(rank: int, port: int, tmp: str) -> None:
     from flexmesh.data.tasks import TaskDocuments
     from flexmesh.layout.plan import load_plan
     from flexmesh.layout.step import Group, Piece, StepSchedule
-    from flexmesh.runtime.config import TrainConfig
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.peft import peft_key
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.state.peft import peft_key
+    from flexmesh.runtime.train.config import TrainConfig
+    from flexmesh.runtime.train.trainer import Trainer
     from flexmesh.spec.model import parse_model
     from flexmesh.spec.tasks import load_tasks
 
@@ -241,7 +241,7 @@ def test_a_rank_the_model_cannot_carry_is_one_line_before_training(tmp_path):
 @pytest.mark.slow
 def test_empty_task_corpus_and_foreign_adapter_are_refused(tmp_path, run):
     from flexmesh.errors import CheckpointError
-    from flexmesh.runtime.peft import read_adapter
+    from flexmesh.runtime.state.peft import read_adapter
     from flexmesh.spec.model import ModelSpec
     from flexmesh.spec.tasks import Task
 

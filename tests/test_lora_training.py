@@ -33,7 +33,7 @@ def task_set():
 
 
 def config():
-    from flexmesh.runtime.config import TrainConfig
+    from flexmesh.runtime.train.config import TrainConfig
 
     return TrainConfig(max_steps=STEPS, lr=1e-3, warmup_steps=1, weight_decay=0.1, grad_clip=1.0, seed=SEED,
                        progress=False)
@@ -67,10 +67,10 @@ def alone(slot: int) -> dict:
     import torch.nn.functional as F
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.config import lr_schedule_factor
-    from flexmesh.runtime.lora import Adapters, attach_adapters, init_adapters
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.packing import pack_microbatch
+    from flexmesh.runtime.model.lora import Adapters, attach_adapters, init_adapters
+    from flexmesh.runtime.model.packing import pack_microbatch
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.train.config import lr_schedule_factor
     from flexmesh.spec.tasks import TaskSet
 
     task, cfg, spec = task_set().tasks[slot], config(), tiny_spec()
@@ -167,9 +167,9 @@ def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> Non
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.state.weights import canonical_name
+    from flexmesh.runtime.train.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -222,7 +222,7 @@ BASE_KEYS = ("layers.0.attention.wq.weight", "layers.3.feed_forward.w2.weight", 
 def _check(tmp_path: Path, name: str, refs: tuple[dict, list]) -> None:
     import torch
 
-    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.model.transformer import build_model
 
     references, losses = refs
     got = torch.load(tmp_path / f"{name}.pt")

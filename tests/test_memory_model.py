@@ -11,8 +11,13 @@ from dataclasses import replace
 import pytest
 
 from flexmesh.cost import CostModel, Work
-from flexmesh.cost.calibrate import PUBLISHED_RUNS
-from flexmesh.cost.memory import CUBLAS_WORKSPACE_BYTES, TE_USERBUFFERS, fit_fragmentation, gemm_workspace_bytes
+from flexmesh.cost.training.calibrate import PUBLISHED_RUNS
+from flexmesh.cost.training.memory import (
+    CUBLAS_WORKSPACE_BYTES,
+    TE_USERBUFFERS,
+    fit_fragmentation,
+    gemm_workspace_bytes,
+)
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.overlap import Overlap
 from flexmesh.spec import MODEL_PRESETS, parse_cluster

@@ -193,7 +193,7 @@ def _check(tmp: Path, max_steps: int):
 
 
 def _metrics(step: int):
-    from flexmesh.runtime.config import StepMetrics
+    from flexmesh.runtime.train.config import StepMetrics
 
     return StepMetrics(step=step, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=100, label_tokens=96, padded_tokens=100,
                        microbatches=1, step_time_s=1.0, tokens_per_s=100.0, peak_memory_gib=0.0, policy="fixed",

@@ -164,7 +164,7 @@ def test_fuzz_mixed_cluster_string(text):
 
 
 def test_per_node_nics_and_node_links_bound_the_collectives_that_may_cross_them(tmp_path):
-    from flexmesh.cost.hardware import GroupShape, Hardware
+    from flexmesh.cost.device.hardware import GroupShape, Hardware
 
     one = tmp_path / "one.toml"
     one.write_text('nodes = 4\ndevices_per_node = 8\ndevice = "H100"\nnic_gbps = [400.0, 400.0, 50.0, 400.0]\n')
@@ -194,7 +194,7 @@ def test_node_facts_inside_a_group_bound_only_the_collectives_that_cross_them(tm
     """A slow link between two of a group's nodes, or a slow NIC, prices what crosses it, not what stays
     among the other nodes; a collective across groups is no faster than the network joining each
     group's own nodes among its ranks."""
-    from flexmesh.cost.mixed import MixedCosts
+    from flexmesh.cost.training.mixed import MixedCosts
 
     f = tmp_path / "zones.toml"
     f.write_text(ZONES)
@@ -215,7 +215,7 @@ def test_node_facts_inside_a_group_bound_only_the_collectives_that_cross_them(tm
 
 
 def test_a_node_link_between_two_groups_bounds_only_what_spans_both_its_nodes(tmp_path):
-    from flexmesh.cost.mixed import MixedCosts
+    from flexmesh.cost.training.mixed import MixedCosts
 
     f = tmp_path / "pair.toml"
     f.write_text('node_links."1-2" = { gbps = 1.25, latency_us = 2000.0 }\n'  # A100 node 1 to H100 node 2
@@ -233,7 +233,7 @@ def test_a_node_link_between_two_groups_bounds_only_what_spans_both_its_nodes(tm
 
 
 def test_a_replica_group_on_one_island_is_priced_on_its_own_network(tmp_path):
-    from flexmesh.cost.mixed import MixedCosts, evaluate_groups
+    from flexmesh.cost.training.mixed import MixedCosts, evaluate_groups
     from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
 
@@ -258,8 +258,8 @@ def test_the_uniform_baseline_pays_the_slow_link_its_pipeline_crosses(tmp_path):
     """Two groups of the same GPUs joined by 10 Gb/s: the one-layout baseline's pipeline sends between
     the groups go over that link, as the mixed search prices its own pipelines, so the baseline does not
     beat the plan by pricing its sends at NVLink speed (it did, 1.8x, before sends were placed)."""
-    from flexmesh.plan.baselines import uniform_baseline
-    from flexmesh.plan.mixed import plan_mixed
+    from flexmesh.search.baselines import uniform_baseline
+    from flexmesh.search.mixed import plan_mixed
 
     f = tmp_path / "two.toml"
     f.write_text('[[groups]]\nnodes = 1\ndevices_per_node = 8\ndevice = "A100-40GB"\n'

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from flexmesh.cost.mixed import evaluate_groups
-from flexmesh.plan.mixed import MixedSearch
+from flexmesh.cost.training.mixed import evaluate_groups
+from flexmesh.search.mixed import MixedSearch
 from flexmesh.spec import parse_model
 from flexmesh.spec.cluster import parse_mixed_cluster
 

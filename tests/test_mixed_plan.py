@@ -13,16 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexmesh.cli import main
-from flexmesh.cost.mixed import MIXED_OVERLAP, MixedCosts, evaluate_groups
+from flexmesh.cost.training.mixed import MIXED_OVERLAP, MixedCosts, evaluate_groups
 from flexmesh.errors import PlanError
 from flexmesh.layout.mesh import replica_groups
 from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan, load_plan
 from flexmesh.layout.strategy import LayerStrategy, Recompute
-from flexmesh.plan import SearchRequest, best_plans
-from flexmesh.plan.baselines import REPLICA_SPACE, mixed_baselines
-from flexmesh.plan.check import check_groups
-from flexmesh.plan.mixed import MixedSearch, plan_mixed
-from flexmesh.plan.mixed_partition import ReplicaClass, StageLine, partition, relaxed_split, split_batch
+from flexmesh.search import SearchRequest, best_plans
+from flexmesh.search.baselines import REPLICA_SPACE, mixed_baselines
+from flexmesh.search.check import check_groups
+from flexmesh.search.mixed import MixedSearch, plan_mixed
+from flexmesh.search.mixed_partition import ReplicaClass, StageLine, partition, relaxed_split, split_batch
 from flexmesh.spec import parse_cluster, parse_model
 from flexmesh.spec.cluster import parse_mixed_cluster
 
@@ -219,9 +219,9 @@ def test_plan_command_json_has_baselines_and_check_reads_the_plan(capsys, tmp_pa
 def test_sum_of_parts_reuses_the_searches_of_the_plans_of_one_group_per_type(monkeypatch):
     """Each device type's uniform search runs once: the plans of one group per type and the
     sum_of_parts baseline share it, and the baseline is what planning each type alone gives."""
-    import flexmesh.plan.mixed_types as mixed_types
-    from flexmesh.plan.baselines import sum_of_parts
-    from flexmesh.plan.mixed import MixedSearch
+    import flexmesh.search.mixed_types as mixed_types
+    from flexmesh.search.baselines import sum_of_parts
+    from flexmesh.search.mixed import MixedSearch
 
     model = parse_model("llama2-7b")
     alone = sum_of_parts(model, MIXED, 2048, 32)
@@ -241,7 +241,7 @@ def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero():
     type planned by the uniform search (data parallel, ZeRO inside): on a cluster of three single-device
     types whose every pair is too small for the model, only the three-type pipeline holds it."""
     from flexmesh.layout.mesh import group_layout
-    from flexmesh.plan.mixed import MixedSearch
+    from flexmesh.search.mixed import MixedSearch
 
     cluster = parse_mixed_cluster("1x1xA100-40GB+1x1xH100+1x1xA100-80GB")
     model = parse_model("gpt:40:4608:36")  # 10B parameters: about 160 GB of weights and AdamW states
@@ -278,7 +278,7 @@ def test_a_pipeline_may_span_four_device_types_when_no_three_hold_the_model():
 def test_granular_shares_split_the_batch_whenever_a_split_exists(total, parts):
     """Each type's share a positive multiple of its data ranks, summing to the batch, whenever any such
     split exists (checked by enumeration), and None only when none does."""
-    from flexmesh.plan.mixed_types import granular_shares
+    from flexmesh.search.mixed_types import granular_shares
 
     granules, weights = [g for g, _ in parts], [w for _, w in parts]
     exists = any(sum(k * g for k, g in zip(ks, granules)) == total

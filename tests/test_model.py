@@ -12,9 +12,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from flexmesh.errors import SpecError
 from flexmesh.layout.step import Piece
-from flexmesh.runtime.attention import CPContext
-from flexmesh.runtime.model import Transformer, apply_rope, build_model, rope_cos_sin
-from flexmesh.runtime.packing import pack_microbatch
+from flexmesh.runtime.model.attention import CPContext
+from flexmesh.runtime.model.packing import pack_microbatch
+from flexmesh.runtime.model.transformer import Transformer, apply_rope, build_model, rope_cos_sin
 from flexmesh.spec.model import ModelSpec, gpt
 
 torch.set_num_threads(1)

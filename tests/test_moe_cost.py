@@ -1,4 +1,4 @@
-"""The cost model and the search with mixtures of experts (flexmesh.cost.experts).
+"""The cost model and the search with mixtures of experts (flexmesh.cost.training.experts).
 
 What is checked: parameter and FLOP counts of the presets against their published totals; the most
 loaded rank sets the experts' time (imbalance); fully sharded experts keep 1/N of their states and
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexmesh.cost import CostModel
-from flexmesh.cost.experts import ExpertParallel, expert_params
+from flexmesh.cost.training.experts import ExpertParallel, expert_params
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
@@ -92,8 +92,8 @@ def test_experts_spread_over_every_rank_of_a_stage_tp_included():
     """With tensor parallelism each tp rank routes its slice of the sequence: the experts spread over
     dp x tp ranks alike (the same expert states per rank as over as many data ranks), the router and
     shared expert stay whole on every tp rank."""
-    from flexmesh.cost.experts import tp_whole_params
-    from flexmesh.plan.space import candidate_strategies
+    from flexmesh.cost.training.experts import tp_whole_params
+    from flexmesh.search.space import candidate_strategies
 
     assert {s.tp for s in candidate_strategies(MIXTRAL, parse_cluster("8xA100-80GB"), 8)} > {1}
     cm, dp32 = _layer(ExpertParallel(imbalance=1.0))
@@ -107,8 +107,8 @@ def test_experts_spread_over_every_rank_of_a_stage_tp_included():
 
 
 def test_baselines_price_static_placement():
-    from flexmesh.plan.baselines import baselines
-    from flexmesh.plan.space import SearchRequest
+    from flexmesh.search.baselines import baselines
+    from flexmesh.search.space import SearchRequest
 
     request = SearchRequest(MIXTRAL, parse_cluster("4x8xA100-80GB"), 8192, 128).resolved()
     found = baselines(request)
@@ -201,7 +201,7 @@ def test_a_model_profiles_shared_expert_does_not_grow_with_the_imbalance():
 def test_load_following_placement_hosts_every_expert_within_the_slots(load, ranks, extra):
     """Every expert on at least one rank, no rank above its slots or holding an expert twice, and the
     busiest rank no busier than static placement's (the greedy replicates and packs the hot experts)."""
-    from flexmesh.cost.experts import default_slots
+    from flexmesh.cost.training.experts import default_slots
     from flexmesh.schedule.expert_placement import balanced_placement, static_placement
 
     slots = max(default_slots(len(load), ranks), -(-len(load) // ranks)) + extra

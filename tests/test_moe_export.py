@@ -65,8 +65,8 @@ def _reference_logits(checkpoint: Path, spec, tokens: torch.Tensor, tmp: Path) -
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.packing import pack_microbatch
+    from flexmesh.runtime.model.packing import pack_microbatch
+    from flexmesh.runtime.model.transformer import build_model
 
     dcp_to_torch_save(str(checkpoint), str(tmp / "ref.pt"))
     model = build_model(spec, device="cpu").eval()

@@ -53,7 +53,7 @@ def moe_spec():
 
 def starve(models) -> None:
     """Bias expert UNUSED out of every choice (probabilities are at most 1)."""
-    from flexmesh.runtime.moe import MoEFeedForward
+    from flexmesh.runtime.model.moe import MoEFeedForward
 
     for m in models:
         for mod in m.modules():
@@ -103,7 +103,7 @@ class Shuffled:
 def full_grads(models) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.state.weights import canonical_name
 
     out = {}
     for m in models:
@@ -117,7 +117,7 @@ def full_grads(models) -> dict:
 def full_params(models) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.state.weights import canonical_name
 
     out = {}
     for m in models:
@@ -132,8 +132,8 @@ def worker(out: Path, names: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=120)
@@ -190,9 +190,9 @@ def resume_worker(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import ListSource, fit
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.loop import ListSource, fit
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=120)
@@ -216,7 +216,7 @@ def reference(data_ranks: int) -> tuple[list[float], dict, dict]:
     """Single-process losses, first-step (clipped) gradients and final weights, expert UNUSED starved."""
     import torch
 
-    from flexmesh.runtime import model as model_module
+    from flexmesh.runtime.model import transformer as model_module
 
     built = model_module.build_model
 
@@ -243,11 +243,11 @@ def aux_reference(data_ranks: int) -> tuple[list[float], dict]:
     import torch.nn.functional as F
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.config import lr_schedule_factor
-    from flexmesh.runtime.loss import summed_cross_entropy
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.moe import MoEFeedForward
-    from flexmesh.runtime.packing import global_label_tokens, pack_microbatch
+    from flexmesh.runtime.model.loss import summed_cross_entropy
+    from flexmesh.runtime.model.moe import MoEFeedForward
+    from flexmesh.runtime.model.packing import global_label_tokens, pack_microbatch
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.train.config import lr_schedule_factor
 
     cfg = train_config()
     model = build_model(moe_spec(), device="cpu")

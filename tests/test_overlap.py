@@ -10,9 +10,9 @@ from flexmesh.errors import PlanError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout import Plan, StagePlan
 from flexmesh.layout.overlap import NO_OVERLAP, RUNTIME, Overlap
-from flexmesh.plan import SearchRequest, best_plans
-from flexmesh.plan.check import overlap_warnings
-from flexmesh.plan.space import SearchSpace
+from flexmesh.search import SearchRequest, best_plans
+from flexmesh.search.check import overlap_warnings
+from flexmesh.search.space import SearchSpace
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
 
 MODEL = MODEL_PRESETS["llama2-7b"]

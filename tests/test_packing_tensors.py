@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.step import Group, Piece, StepSchedule
-from flexmesh.runtime.packing import (
+from flexmesh.runtime.model.packing import (
     IGNORE_INDEX,
     global_label_tokens,
     pack_microbatch,

@@ -56,10 +56,10 @@ def worker(tmp: Path) -> None:
 
     from flexmesh.commands import train
     from flexmesh.layout.plan import load_plan
-    from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import fit
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.adaptive import AdaptiveSource
+    from flexmesh.runtime.train.loop import fit
+    from flexmesh.runtime.train.trainer import Trainer
     from flexmesh.spec.model import parse_model
 
     torch.set_num_threads(1)

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from flexmesh.cli import main
-from flexmesh.cost.model import CostModel
+from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import Plan
-from flexmesh.plan import SearchRequest, best_plans
-from flexmesh.plan.check import check_plan
+from flexmesh.search import SearchRequest, best_plans
+from flexmesh.search.check import check_plan
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
 
 MODEL, CLUSTER = MODEL_PRESETS["tiny"], parse_cluster("8xA100-80GB")

@@ -107,7 +107,7 @@ def test_versions_1_and_2_read_as_one_group_in_rank_order():
 def test_checkpoints_of_an_old_plan_file_match_it_upgraded(tmp_path):
     """A checkpoint hashes the plan's older form: the old file and the same plan saved as version 4 agree."""
     pytest.importorskip("torch")
-    from flexmesh.runtime.checkpoint import plan_hash
+    from flexmesh.runtime.state.checkpoint import plan_hash
 
     st = tuple(StagePlan(i, i + 2, (LayerStrategy.parse("tp2-dp1z3"),) * 2) for i in (0, 2))
     uniform = Plan.uniform("tiny", "4xA100-80GB", 4, 2, "1f1b", 4, 512, 8, st)

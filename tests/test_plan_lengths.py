@@ -116,7 +116,7 @@ def test_a_plan_mixing_meshes_in_one_group_is_left_out_of_the_ranking():
     them (flexmesh.layout.mesh.group_layout), so --lengths scores the rest instead of failing."""
     from flexmesh.commands.plan_lengths import Workload, score_plan
     from flexmesh.cost import CostModel
-    from flexmesh.cost.mixed import MixedCosts
+    from flexmesh.cost.training.mixed import MixedCosts
     from flexmesh.layout import LayerStrategy
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.spec import parse_cluster, parse_model

@@ -146,7 +146,7 @@ def test_a_folder_named_like_a_preset_is_that_config_not_the_preset(tmp_path, mo
 def test_the_plan_format_field_is_optional_and_checked():
     from flexmesh.layout.plan import StagePlan
     from flexmesh.layout.strategy import LayerStrategy
-    from flexmesh.runtime.checkpoint import plan_hash
+    from flexmesh.runtime.state.checkpoint import plan_hash
 
     preset = Plan.uniform("tiny", "1xA100-80GB", 1, 1, "1f1b", 1, 128, 4, (StagePlan(0, 4, (LayerStrategy(),) * 4),))
     assert preset.model_config is None and list(preset.to_dict()) == [

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from flexmesh.cli import main
-from flexmesh.plan import SearchRequest, best_plans
+from flexmesh.search import SearchRequest, best_plans
 from flexmesh.spec import parse_cluster, parse_model
 
 ARGS = ["plan", "--model", "llama2-7b", "--seq-len", "2048", "--global-batch", "16", "--json"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flexmesh.cost import CostModel, GroupShape, Work
-from flexmesh.cost.kernels import Kernels
+from flexmesh.cost.device.kernels import Kernels
 from flexmesh.errors import ProfileError
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.profile import (
@@ -412,7 +412,7 @@ def test_measured_stage_cost_follows_the_framework_work_per_stage(monkeypatch):
     """A delay in each stage's forward shows up in the fitted cost per chunk, and nowhere else."""
     from flexmesh.profile.model import _measure_stages, sweep
     from flexmesh.profile.runner import World
-    from flexmesh.runtime.pipeline import StageModule
+    from flexmesh.runtime.parallel.pipeline import StageModule
 
     cfg, world = sweep(quick=True), World("cpu")
     before = _measure_stages(TINY, cfg, torch.float32, world.device, world)

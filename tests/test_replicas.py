@@ -1,4 +1,4 @@
-"""Replica mixes for LoRA tasks (flexmesh.plan.replicas): dispatch places every sequence once, on a
+"""Replica mixes for LoRA tasks (flexmesh.search.replicas): dispatch places every sequence once, on a
 replica that holds it; the LP-ranked search finds what pricing every mix finds on a small cluster;
 `flexmesh plan --tasks --replicas` prints a mix that fills the cluster."""
 
@@ -14,7 +14,7 @@ from helpers import flexmesh
 @pytest.fixture(scope="module")
 def cost():
     from flexmesh.cost import CostModel
-    from flexmesh.cost.finetune import AdapterCostModel
+    from flexmesh.cost.training.finetune import AdapterCostModel
     from flexmesh.spec import parse_cluster, parse_model
     from flexmesh.spec.tasks import Task, TaskSet
 
@@ -31,7 +31,7 @@ def _steps(n: int, seed: int) -> list[np.ndarray]:
 
 
 def test_dispatch_places_every_sequence_once_where_it_fits(cost):
-    from flexmesh.plan.replicas import Pricer, dispatch, replica_types
+    from flexmesh.search.replicas import Pricer, dispatch, replica_types
 
     types = replica_types(cost, 4)
     small = min(types, key=lambda t: t.capacity)
@@ -50,7 +50,7 @@ def test_dispatch_places_every_sequence_once_where_it_fits(cost):
 
 def test_ranked_search_finds_the_best_mix_of_all(cost):
     """On 4 devices, pricing every mix in full (keep=all) and the LP-ranked search agree."""
-    from flexmesh.plan.replicas import mixes, plan_mix, replica_types
+    from flexmesh.search.replicas import mixes, plan_mix, replica_types
 
     sample = _steps(2, 1)
     types = replica_types(cost, 4)

@@ -35,9 +35,9 @@ def worker(out: Path) -> None:
     import torch.distributed as dist
 
     from flexmesh.errors import FlexmeshError
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import ListSource, fit
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.loop import ListSource, fit
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=60)
@@ -68,7 +68,7 @@ def worker(out: Path) -> None:
         fit(Trainer(make_plan(), tiny_spec(), cfg), ListSource(steps), cfg)
         report["resumed"] = losses(resumed)
 
-        from flexmesh.runtime.checkpoint import load_checkpoint
+        from flexmesh.runtime.state.checkpoint import load_checkpoint
 
         ckpt = resumed / "checkpoints" / "step_000003"
         trainer = Trainer(make_plan(), tiny_spec(), cfg)
@@ -118,7 +118,7 @@ def test_bad_checkpoints_and_launches_fail_clearly(report):
 
 def test_incomplete_checkpoints_are_never_picked(tmp_path):
     from flexmesh.errors import CheckpointError
-    from flexmesh.runtime.checkpoint import latest_checkpoint, read_manifest
+    from flexmesh.runtime.state.checkpoint import latest_checkpoint, read_manifest
 
     assert latest_checkpoint(tmp_path) is None
     (tmp_path / ".tmp-step_000009").mkdir()  # a crash while saving

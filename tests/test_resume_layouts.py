@@ -59,9 +59,9 @@ def worker(out: Path, names: list[str]) -> None:
 
     from flexmesh.errors import FlexmeshError
     from flexmesh.layout.step import carries_pieces
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.loop import ListSource, fit
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.loop import ListSource, fit
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=60)
@@ -97,7 +97,7 @@ def worker(out: Path, names: list[str]) -> None:
             # A disk that fills up on rank 1 only, in the middle of DCP's shard writes.
             import torch.distributed.checkpoint.filesystem as dcp_fs
 
-            from flexmesh.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+            from flexmesh.runtime.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
             root = out / "pp_1f1b" / "straight" / "checkpoints"
             trainer = Trainer(make_plan("pp_1f1b"), tiny_spec(), train_config())
@@ -131,8 +131,8 @@ def _damage(run: Path, report: dict, expect_error) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.checkpoint import load_checkpoint
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.state.checkpoint import load_checkpoint
+    from flexmesh.runtime.train.trainer import Trainer
 
     ckpt = run / "checkpoints" / "step_000006"
     flipped = run / "checkpoints" / "step_000009"
@@ -210,7 +210,7 @@ def test_full_disk_while_saving_says_so_and_keeps_the_previous_checkpoint(world2
 
 def test_latest_may_only_name_a_step_folder_of_this_run(tmp_path):
     from flexmesh.errors import CheckpointError
-    from flexmesh.runtime.checkpoint import latest_checkpoint
+    from flexmesh.runtime.state.checkpoint import latest_checkpoint
 
     root = tmp_path / "run" / "checkpoints"
     elsewhere = tmp_path / "other" / "checkpoints" / "step_000003"

@@ -94,7 +94,7 @@ WEIGHTS_SEED = 99
 
 def weights_model(window: bool = False):
     """The model whose Hugging Face safetensors every layout loads (seeded unlike the trained one)."""
-    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.model.transformer import build_model
 
     model = build_model(spec_for(window), device="cpu")
     model.init_weights(WEIGHTS_SEED)
@@ -102,13 +102,13 @@ def weights_model(window: bool = False):
 
 
 def first_loss(model, docs, schedule) -> float:
-    from flexmesh.runtime.reference import reference_loss
+    from flexmesh.runtime.train.reference import reference_loss
 
     return reference_loss(model, docs, schedule, backward=False)
 
 
 def run_layouts(tmp: Path, world: int, names: list[str]) -> dict:
-    from flexmesh.runtime.weights import save_hf_safetensors
+    from flexmesh.runtime.state.weights import save_hf_safetensors
 
     save_hf_safetensors(weights_model(), tmp / "weights.safetensors")
     proc = launch(world, ["worker", str(tmp), *names], script=__file__)
@@ -125,9 +125,9 @@ def worker(out: Path, names: list[str]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from flexmesh.layout.step import carries_pieces
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.state.weights import canonical_name
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=60)

@@ -52,7 +52,7 @@ def use_these_layouts(setattr_) -> None:  # noqa: ANN001 - monkeypatch.setattr, 
 
 def run_layouts(tmp: Path, world: int, names: list[str]) -> dict:
     """Launch the worker on ``names`` (layouts of one model) after writing the weights they load."""
-    from flexmesh.runtime.weights import save_hf_safetensors
+    from flexmesh.runtime.state.weights import save_hf_safetensors
 
     (window,) = {LAYOUTS[n].get("window", False) for n in names}
     save_hf_safetensors(trp.weights_model(window), tmp / "weights.safetensors")
@@ -92,9 +92,9 @@ def test_selective_checkpoints_the_attention_core_only():
     import torch
 
     from flexmesh.layout.strategy import Recompute
-    from flexmesh.runtime.memory import SavedActivationMeter
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.parallelize import apply_ac
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.parallel.parallelize import apply_ac
+    from flexmesh.runtime.train.memory import SavedActivationMeter
 
     spec = tiny_spec()
     tokens = torch.randint(0, spec.vocab, (1, 96), generator=torch.Generator().manual_seed(0))

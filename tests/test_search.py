@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from flexmesh.cost import CostModel, pipeline_time, pipeline_times
 from flexmesh.errors import PlanError
 from flexmesh.layout.overlap import Overlap
-from flexmesh.plan import SearchRequest, SearchSpace, best_plans, candidate_strategies, megatron_3d, zero3_ulysses
-from flexmesh.plan.partition import balance, compositions, count_compositions, even_split
+from flexmesh.search import SearchRequest, SearchSpace, best_plans, candidate_strategies, megatron_3d, zero3_ulysses
+from flexmesh.search.partition import balance, compositions, count_compositions, even_split
 from flexmesh.spec import MODEL_PRESETS
 from flexmesh.spec.cluster import ClusterSpec, device, parse_cluster
 from flexmesh.spec.model import ModelSpec

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from flexmesh.cost import CostModel
-from flexmesh.plan import SearchRequest
-from flexmesh.plan.search import search
-from flexmesh.plan.space import FULL_SPACE
+from flexmesh.search import SearchRequest
+from flexmesh.search.driver import search
+from flexmesh.search.space import FULL_SPACE
 from flexmesh.spec import parse_cluster, parse_model
 
-search_module = importlib.import_module("flexmesh.plan.search")
+search_module = importlib.import_module("flexmesh.search.driver")
 
 CASES = [  # (model, cluster, seq len, global batch): memory loose, memory tight, a world not a power of two
     ("llama2-7b", "8xA100-80GB", 2048, 64),

@@ -12,9 +12,9 @@ from flexmesh.cli import main
 from flexmesh.cost import CostModel, Work, in_flight, pipeline_time
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.strategy import LayerStrategy, Recompute
-from flexmesh.plan import SearchRequest, SearchSpace, best_plans, candidate_strategies, check_plan, uniform_plan
-from flexmesh.plan.fast import groups
-from flexmesh.plan.space import outer_configurations, pipeline_degrees
+from flexmesh.search import SearchRequest, SearchSpace, best_plans, candidate_strategies, check_plan, uniform_plan
+from flexmesh.search.fast import groups
+from flexmesh.search.space import outer_configurations, pipeline_degrees
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
 from flexmesh.spec.model import ModelSpec, gpt
 
@@ -186,8 +186,8 @@ def test_search_never_worse_with_selective_in_the_space():
 def test_fast_search_skips_only_overlap_options_that_cannot_win(model, cluster, seq, gb):
     # The fast method prices grad_reduce="last" and the lean options only where a bound says they may
     # win; pricing every option on every configuration must find nothing better.
-    from flexmesh.plan.search import search
-    from flexmesh.plan.space import FASTEST, LEAN, REDUCE_ONCE, SearchRequest, SearchSpace
+    from flexmesh.search.driver import search
+    from flexmesh.search.space import FASTEST, LEAN, REDUCE_ONCE, SearchRequest, SearchSpace
     from flexmesh.spec import MODEL_PRESETS, parse_cluster
 
     req = SearchRequest(MODEL_PRESETS[model], parse_cluster(cluster), seq, gb, top=1, mode="fast")
@@ -200,9 +200,9 @@ def test_the_megatron_baselines_floor_never_passes_a_layouts_price(monkeypatch):
     """megatron_3d skips pricing a layout whose floor reaches the best step found so far: the floor must
     stay at or below the priced step of every layout it may skip (compute at a slow cluster's pace too),
     and the baseline is the one pricing every layout finds."""
-    from flexmesh.plan import baselines
-    from flexmesh.plan.baselines import _floor, _priced, megatron_3d
-    from flexmesh.plan.space import FASTEST
+    from flexmesh.search import baselines
+    from flexmesh.search.baselines import _floor, _priced, megatron_3d
+    from flexmesh.search.space import FASTEST
 
     model = MODEL_PRESETS["llama2-7b"]
     for cluster in (parse_cluster("4x8xA100-40GB"), replace(parse_cluster("4x8xA100-40GB"), speed_factors=(0.5,) * 32)):

@@ -8,9 +8,9 @@ from flexmesh.cost import CostModel
 from flexmesh.layout.overlap import NO_OVERLAP, RUNTIME
 from flexmesh.layout.plan import Plan, StagePlan
 from flexmesh.layout.strategy import LayerStrategy
-from flexmesh.plan.space import FASTEST
 from flexmesh.schedule.registry import make_schedule
 from flexmesh.schedule.scheduler import Scheduler, schedule_context
+from flexmesh.search.space import FASTEST
 from flexmesh.sim.predict import simulated_scheduler
 from flexmesh.sim.simulation import SimulationConfig, simulation_context
 from flexmesh.sim.timeline import simulate_step

@@ -112,7 +112,7 @@ def test_simulate_plan_prices_each_stage_with_its_own_layers(tmp_path, capsys, s
     """30 layers over 4 stages: 7, 8, 8, 7 under 1F1B; interleaved, 32 chunks of one layer but the first
     and last (the embedding and the head alone). The simulation runs each chunk's own layers, not
     ceil(30 / 4) on every stage (which took it ~11% past the predicted step)."""
-    from flexmesh.plan import SearchRequest, SearchSpace, best_plans
+    from flexmesh.search import SearchRequest, SearchSpace, best_plans
     from flexmesh.spec import parse_cluster, parse_model
 
     model = "gpt:30:4096:32"

@@ -85,9 +85,9 @@ def worker(out: Path, names: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.trainer import Trainer
-    from flexmesh.runtime.weights import canonical_name
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.state.weights import canonical_name
+    from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=120)

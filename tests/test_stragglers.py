@@ -1,4 +1,4 @@
-"""Stragglers: measured speeds, detection, re-planned schedules, emulation (flexmesh.runtime.stragglers).
+"""Stragglers: measured speeds, detection, re-planned schedules, emulation (flexmesh.runtime.train.stragglers).
 
 One torchrun launch of 2 ranks (gloo, CPU, fp32, the tiny model, a replicated ZeRO-2 layout) runs
 two training loops through AdaptiveSource with the ``balanced`` policy on one-rank groups:
@@ -74,10 +74,10 @@ class _Recording:
 def _train(out: Path, name: str, emulate: tuple, config) -> None:
     import torch.distributed as dist
 
-    from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.loop import ListSource, fit
-    from flexmesh.runtime.stragglers import StragglerMonitor
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.train.adaptive import AdaptiveSource
+    from flexmesh.runtime.train.loop import ListSource, fit
+    from flexmesh.runtime.train.stragglers import StragglerMonitor
+    from flexmesh.runtime.train.trainer import Trainer
     from flexmesh.sim.predict import step_time_at_speed
 
     cfg = dataclasses.replace(train_config(), max_steps=STEPS, out_dir=str(out / name), emulate_speed=emulate)
@@ -97,8 +97,8 @@ def worker(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.stragglers import StragglerConfig
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.stragglers import StragglerConfig
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=120)
@@ -176,7 +176,7 @@ def test_quiet_run_fires_no_event(runs):
 
 # ---- one process ------------------------------------------------------------------------------------
 def test_detector_flags_within_k_steps_and_sees_recovery():
-    from flexmesh.runtime.stragglers import SpeedDetector, StragglerConfig
+    from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
 
     d = SpeedDetector(2, StragglerConfig(steps=3, warmup=1))
     assert d.update([0.1, 1.0], [1.0, 1.0]) == ([], None)  # warm-up: not judged
@@ -195,7 +195,7 @@ def test_detector_flags_within_k_steps_and_sees_recovery():
 
 def test_detector_corrects_a_speed_that_is_still_slow():
     """Faster than scheduled for but still slow is a correction (speed_changed), not a recovery."""
-    from flexmesh.runtime.stragglers import SpeedDetector, StragglerConfig
+    from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
 
     d = SpeedDetector(2, StragglerConfig(steps=2, warmup=0))
     d.update([1.0, 0.3], [1.0, 1.0])
@@ -207,7 +207,7 @@ def test_detector_corrects_a_speed_that_is_still_slow():
 
 def test_detector_reports_a_straggler_once_when_the_schedules_stay():
     """--no-replan (or a declined re-plan): a rank that stays as slow is not reported again."""
-    from flexmesh.runtime.stragglers import SpeedDetector, StragglerConfig
+    from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
 
     d = SpeedDetector(2, StragglerConfig(steps=2, warmup=0))
     events = [d.update([1.0, 0.5], [1.0, 1.0])[0] for _ in range(8)]
@@ -249,8 +249,8 @@ def test_paced_prediction_uses_only_earlier_steps():
     speeds nor a later step's leak in, and a rank slower than its schedule assumed is priced as measured."""
     from flexmesh.layout.mesh import data_rank_of_ranks
     from flexmesh.layout.step import Group, Piece, StepSchedule
-    from flexmesh.runtime.config import StepMetrics
-    from flexmesh.runtime.stragglers import StragglerConfig, StragglerMonitor
+    from flexmesh.runtime.train.config import StepMetrics
+    from flexmesh.runtime.train.stragglers import StragglerConfig, StragglerMonitor
 
     priced: list[list[float]] = []
 
@@ -279,7 +279,7 @@ def test_paced_prediction_uses_only_earlier_steps():
 
 
 def test_detector_ignores_noise_and_one_off_steps():
-    from flexmesh.runtime.stragglers import SpeedDetector, StragglerConfig
+    from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
 
     d = SpeedDetector(3, StragglerConfig(threshold=0.25, steps=2, warmup=0))
     for measured in ([1.0, 0.8, 0.9], [0.85, 1.0, 0.78], [1.0, 0.3, 1.0], [1.0, 0.9, 1.0], [1.0, 0.2, None]):
@@ -290,7 +290,7 @@ def test_speeds_from_a_schedule():
     """Work at nominal speed (predicted time x assumed speed) over compute time, relative to the fastest."""
     from flexmesh.layout.mesh import data_rank_of_ranks
     from flexmesh.layout.step import Group, Piece, StepSchedule
-    from flexmesh.runtime.stragglers import measured_speeds
+    from flexmesh.runtime.train.stragglers import measured_speeds
 
     sched = StepSchedule(lengths=(10, 10), policy="test", extra={"speed": [1.0, 0.5]}, groups=(
         Group((0,), ((Piece(0, 0, 10),),), predicted_time=2.0),
@@ -322,8 +322,8 @@ def test_scheduler_gives_a_slow_rank_less_and_the_simulator_follows():
 
 
 def test_source_reschedules_what_it_computed_ahead():
-    from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.loop import ListSource
+    from flexmesh.runtime.train.adaptive import AdaptiveSource
+    from flexmesh.runtime.train.loop import ListSource
 
     source = AdaptiveSource(ListSource(make_batches(3)), make_scheduler(), make_scheduler("hdp"), deadline_s=None)
     try:
@@ -362,7 +362,7 @@ def test_emulate_speed_flag_rejects_bad_values(value, capsys):
 def test_emulate_speed_flag_repeats_and_checks_ranks():
     from flexmesh.commands import train
     from flexmesh.errors import PlanError
-    from flexmesh.runtime.stragglers import parse_emulation
+    from flexmesh.runtime.train.stragglers import parse_emulation
 
     args = _train_parser().parse_args([*BASE, "--emulate-speed", "1=0.5,0=1", "--emulate-speed", "3=0.25"])
     assert args.emulate_speed == [(1, 0.5), (0, 1.0), (3, 0.25)]
@@ -379,8 +379,8 @@ if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
 
 
 def test_the_console_names_each_event_and_the_start_and_end_of_fallbacks():
-    from flexmesh.runtime.config import StepMetrics
-    from flexmesh.runtime.loop import event_lines
+    from flexmesh.runtime.train.config import StepMetrics
+    from flexmesh.runtime.train.loop import event_lines
 
     base = dict(step=5, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=10, label_tokens=9, padded_tokens=10, microbatches=1,
                 step_time_s=1.0, tokens_per_s=10.0, peak_memory_gib=None)

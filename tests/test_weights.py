@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from flexmesh.errors import CheckpointError
 from flexmesh.layout.step import Piece
 from flexmesh.runtime.launch import free_port
-from flexmesh.runtime.model import build_model
-from flexmesh.runtime.packing import pack_microbatch
-from flexmesh.runtime.weights import load_hf_safetensors, save_hf_safetensors
+from flexmesh.runtime.model.packing import pack_microbatch
+from flexmesh.runtime.model.transformer import build_model
+from flexmesh.runtime.state.weights import load_hf_safetensors, save_hf_safetensors
 from flexmesh.spec.model import ModelSpec
 
 torch.set_num_threads(1)

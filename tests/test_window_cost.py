@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flexmesh.cost import CostModel, Work
-from flexmesh.cost.work import attention_sq
+from flexmesh.cost.training.work import attention_sq
 from flexmesh.errors import SpecError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.spec import MODEL_PRESETS, from_hf_config, parse_cluster

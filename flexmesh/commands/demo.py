@@ -34,7 +34,7 @@ from flexmesh.commands import simulate as simulate_command
 from flexmesh.commands.args import folder, nonneg_int, old_names, positive_int, seq_len, sequences, steps
 from flexmesh.errors import FlexmeshError
 from flexmesh.files import make_folder
-from flexmesh.runtime.device import DEVICES
+from flexmesh.runtime.parallel.device import DEVICES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -207,10 +207,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def demo_devices(requested: str, nproc: int, console) -> dict:
-    """Where each part of the demo runs (flexmesh.runtime.device's rule, one process per GPU): the
+    """Where each part of the demo runs (flexmesh.runtime.parallel.device's rule, one process per GPU): the
     ``nproc``-process steps on GPUs when there are that many, else on the CPU; the straggler pair
     likewise with 2; with any GPU, one more run on one GPU (``gpu``: its name). ``text`` says it."""
-    from flexmesh.runtime.device import visible_gpus
+    from flexmesh.runtime.parallel.device import visible_gpus
 
     gpus = 0 if requested == "cpu" else visible_gpus()
     if requested == "cuda" and gpus == 0:

@@ -43,12 +43,12 @@ def add_expert_args(p: argparse.ArgumentParser, train: bool = False) -> None:
 
 
 def experts_of(args: argparse.Namespace, model, world: int):  # noqa: ANN001, ANN201 - ModelSpec; ExpertParallel
-    """The :class:`~flexmesh.cost.experts.ExpertParallel` the flags describe for ``model`` on a world of
+    """The :class:`~flexmesh.cost.training.experts.ExpertParallel` the flags describe for ``model`` on a world of
     ``world`` ranks: with ``--routing``, every placement replayed on the trace's latest
     :data:`TRACE_STEPS` steps at every data-rank count dividing the world (baselines price theirs)."""
-    from flexmesh.cost.experts import ExpertParallel
-    from flexmesh.plan.space import divisors
+    from flexmesh.cost.training.experts import ExpertParallel
     from flexmesh.schedule.expert_placement import PLACEMENTS, read_trace, trace_imbalance
+    from flexmesh.search.space import divisors
 
     measured: tuple[tuple[str, int, float], ...] = ()
     if getattr(args, "routing", None):

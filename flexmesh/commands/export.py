@@ -60,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from flexmesh.console import plain_console
-    from flexmesh.runtime.export import checkpoint_spec, export_checkpoint
+    from flexmesh.runtime.state.export import checkpoint_spec, export_checkpoint
 
     spec = checkpoint_spec(args.checkpoint, model=args.model, plan=args.plan)
     report = export_checkpoint(args.checkpoint, args.out, spec, dtype=args.dtype, max_shard_bytes=args.max_shard_size,

@@ -1,15 +1,15 @@
 """Migration to a new layout when a straggler makes one pay (``flexmesh train --migrate``).
 
-The straggler monitor (flexmesh.runtime.stragglers) detects a sustained slowdown; the training loop
-(flexmesh.runtime.loop.fit) then writes a checkpoint, timing it, and asks :class:`MigrationCheck`
+The straggler monitor (flexmesh.runtime.train.stragglers) detects a sustained slowdown; the training loop
+(flexmesh.runtime.train.loop.fit) then writes a checkpoint, timing it, and asks :class:`MigrationCheck`
 (rank 0) whether a new layout pays for its migration. This module decides, because the decision
 needs the planner and the runtime may not import it (docs/architecture.md):
 
 1. The cluster of the plan, with the measured speeds as ``speed_factors`` (each rank at its data
    rank's sustained speed, relative to the fastest).
-2. The mixed-cluster planner (flexmesh.plan.mixed.plan_mixed) plans the run's model, sequence
+2. The mixed-cluster planner (flexmesh.search.mixed.plan_mixed) plans the run's model, sequence
    length and global batch on it: replica groups with batch shares by speed, other cuts, or devices
-   left unused. The current layout is priced by the same cost model (flexmesh.cost.mixed) as it runs
+   left unused. The current layout is priced by the same cost model (flexmesh.cost.training.mixed) as it runs
    now, with the batch shares its schedules use (the re-planned speeds when the per-step schedules
    were re-balanced, else the speeds they assumed): a plan of one group in the rank order as its
    data-parallel replicas (``flexmesh.layout.mesh.replica_groups``), a plan of several groups as it is.
@@ -42,7 +42,7 @@ from flexmesh.files import write_atomic
 from flexmesh.layout.mesh import replica_groups
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.shares import split_by_weight
-from flexmesh.runtime.rundir import MIGRATED_PLAN, MIGRATION_FILE
+from flexmesh.runtime.state.rundir import MIGRATED_PLAN, MIGRATION_FILE
 from flexmesh.spec.model import ModelSpec
 
 # The checkpoint folder (step_NNNNNN) the relaunched ranks may resume from under the new plan.
@@ -56,7 +56,7 @@ COST_ENV = "FLEXMESH_TESTING_MIGRATION_COST_S"
 # a guess).
 LOAD_PER_SAVE = 1.0
 # The predicted gain must beat the simulator's scatter between two layouts of one batch, as for a
-# per-step re-plan (flexmesh.runtime.stragglers.StragglerConfig.min_gain, 0.02).
+# per-step re-plan (flexmesh.runtime.train.stragglers.StragglerConfig.min_gain, 0.02).
 MIN_GAIN = 0.02
 TRIGGERS = ("straggler_detected", "speed_changed")
 
@@ -119,7 +119,7 @@ class MigrationCheck:
         try:
             new, now, then = self._plan(speeds, scheduled)
             if self.emulate_speed:  # the relaunch keeps emulating the slow rank: the new plan must allow it
-                from flexmesh.runtime.groups import check_emulation
+                from flexmesh.runtime.train.groups import check_emulation
 
                 check_emulation(new, self.emulate_speed)
         except FlexmeshError as e:  # nothing fits, a cluster that prices nothing, a layout without replica groups
@@ -141,8 +141,8 @@ class MigrationCheck:
 
     def _plan(self, speeds: list[float], scheduled: list[float]) -> tuple[Plan, float, float]:
         """(the planner's plan at ``speeds``, predicted step time now, predicted step time on it)."""
-        from flexmesh.cost.mixed import MixedCosts, evaluate_groups
-        from flexmesh.plan.mixed import plan_mixed
+        from flexmesh.cost.training.mixed import MixedCosts, evaluate_groups
+        from flexmesh.search.mixed import plan_mixed
         from flexmesh.spec.cluster import parse_mixed_cluster
 
         base = parse_mixed_cluster(self.plan.cluster)

@@ -41,21 +41,21 @@ from flexmesh.commands.plan_lengths import (
 )
 from flexmesh.console import plain_console, styled
 from flexmesh.cost import CostModel, Evaluation
-from flexmesh.cost.finetune import with_tasks
-from flexmesh.cost.mixed import MixedCosts
-from flexmesh.cost.stack import with_stack
+from flexmesh.cost.training.finetune import with_tasks
+from flexmesh.cost.training.mixed import MixedCosts
+from flexmesh.cost.training.stack import with_stack
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.files import check_file_target
 from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
 from flexmesh.layout.stack import RUNTIME_STACK
-from flexmesh.plan import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
-from flexmesh.plan.baselines import BaselinePlans, mixed_baselines
-from flexmesh.plan.check import check_groups, check_plan
-from flexmesh.plan.mixed import MixedResult, MixedSearch
-from flexmesh.plan.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
+from flexmesh.search import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
+from flexmesh.search.baselines import BaselinePlans, mixed_baselines
+from flexmesh.search.check import check_groups, check_plan
+from flexmesh.search.mixed import MixedResult, MixedSearch
+from flexmesh.search.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.devices import FLASH2
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = job_tasks(args, spec)
     # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters (cost.finetune)
     cost = with_tasks(with_stack(cost, stack_of(args)), tasks)
-    if cost.model.is_moe:  # how the experts run (flexmesh.cost.experts)
+    if cost.model.is_moe:  # how the experts run (flexmesh.cost.training.experts)
         cost = cost.with_experts(experts_of(args, cost.model, cost.cluster.world_size))
     if args.replicas:
         from flexmesh.commands.plan_replicas import replica_command
@@ -329,10 +329,10 @@ def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
             out.print(f"attention as the runtime runs it, FlashAttention-2 (not the fused kernel above): forward "
                       f"{flash2['fwd_efficiency']:.3f} of peak + {flash2['fwd_overhead_keys']:.0f} keys per query "
                       f"tile, backward {flash2['bwd_efficiency']:.3f} + {flash2['bwd_overhead_keys']:.0f}: measured, "
-                      f"{flash2['source']} (flexmesh.cost.flash2; --attention fused prices the faster kernel)",
+                      f"{flash2['source']} (flexmesh.cost.device.flash2; --attention fused prices the faster kernel)",
                       highlight=False)
         links = (f"measured NCCL times of a {d.comm_table} node by message size (aiconfigurator-core, "
-                 "flexmesh.cost.comm_tables)" if d.comm_table else
+                 "flexmesh.cost.device.comm_tables)" if d.comm_table else
                  f"{d.intra_node_gbps(cost.hw.cluster.devices_per_node):g} GB/s x {d.intra_efficiency:g} "
                  f"+ {d.intra_latency_us:g} us per step (no measured table of this part)")
         out.print(f"collectives inside a node: {links}; across nodes: {d.node_net_gbps:g} GB/s per node x "

@@ -21,12 +21,12 @@ import numpy as np
 
 from flexmesh.commands.args import DEFAULT_GLOBAL_BATCH
 from flexmesh.cost import CostModel
-from flexmesh.cost.mixed import GroupsEvaluation, MixedCosts
+from flexmesh.cost.training.mixed import GroupsEvaluation, MixedCosts
 from flexmesh.errors import FlexmeshError, PlanError, ScheduleError
 from flexmesh.layout.plan import Plan
-from flexmesh.plan import SearchResult
-from flexmesh.plan.baselines import BaselinePlans
-from flexmesh.plan.mixed import MixedResult
+from flexmesh.search import SearchResult
+from flexmesh.search.baselines import BaselinePlans
+from flexmesh.search.mixed import MixedResult
 from flexmesh.sim.expected import Expected, expected_step
 from flexmesh.sim.simulation import SimulationConfig, sample_batches
 from flexmesh.spec.cluster import MixedCluster

@@ -1,4 +1,4 @@
-"""``flexmesh plan --tasks FILE --replicas``: a mix of replica layouts for LoRA tasks (flexmesh.plan.replicas).
+"""``flexmesh plan --tasks FILE --replicas``: a mix of replica layouts for LoRA tasks (flexmesh.search.replicas).
 
 Each task's lengths come from its job-file ``lengths`` (a shipped set or a file), else from
 ``--lengths`` (default wikipedia); sequences longer than ``--seq-len`` are truncated to it. Steps of
@@ -17,7 +17,7 @@ import numpy as np
 from rich.table import Table
 
 from flexmesh.console import plain_console
-from flexmesh.cost.model import CostModel
+from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
 from flexmesh.spec.tasks import TaskSet
 
@@ -26,7 +26,7 @@ PLAN_STEPS, SCORED_STEPS = 4, 8
 
 def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | None) -> int:
     from flexmesh.data.lengths import load_lengths
-    from flexmesh.plan.replicas import Pricer, plan_mix, single_layouts, step_time
+    from flexmesh.search.replicas import Pricer, plan_mix, single_layouts, step_time
 
     if tasks is None:
         raise PlanError("--replicas plans replicas for LoRA tasks: give --tasks FILE")

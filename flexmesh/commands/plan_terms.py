@@ -1,6 +1,6 @@
 """``flexmesh plan --explain --against PLAN``: the chosen plan against another, term by term.
 
-Both plans are priced by the same cost model (:func:`flexmesh.cost.breakdown.step_terms`), so a
+Both plans are priced by the same cost model (:func:`flexmesh.cost.training.breakdown.step_terms`), so a
 speed-up over a known layout (a published one, the one in use) shows where it comes from: less
 recomputation, TP communication hidden, a smaller bubble, a cheaper gradient sync.
 """
@@ -11,12 +11,12 @@ from rich.console import Console
 from rich.table import Table
 
 from flexmesh.cost import CostModel
-from flexmesh.cost.breakdown import TERMS, step_terms
+from flexmesh.cost.training.breakdown import TERMS, step_terms
 from flexmesh.layout.plan import Plan
 
 
 def plan_terms(cost: CostModel, plan: Plan) -> dict[str, float]:
-    """:func:`~flexmesh.cost.breakdown.step_terms` of a plan (its own overlap options)."""
+    """:func:`~flexmesh.cost.training.breakdown.step_terms` of a plan (its own overlap options)."""
     return step_terms(cost, [st.strategies for st in plan.stages], plan.pp, plan.pipeline_schedule,
                       plan.num_microbatches, plan.virtual_stages, plan.microbatch_size, plan.seq_len, plan.overlap)
 

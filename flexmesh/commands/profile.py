@@ -15,7 +15,7 @@ from pathlib import Path
 from flexmesh.commands.args import new_file, positive_int
 from flexmesh.errors import OutputError, ProfileError
 from flexmesh.files import check_file_target, make_folder
-from flexmesh.runtime.device import DEVICES
+from flexmesh.runtime.parallel.device import DEVICES
 from flexmesh.units import GIB
 
 
@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise ProfileError(f"--nproc must be at least 1, got {args.nproc}")
-        from flexmesh.runtime.device import check_launch
         from flexmesh.runtime.launch import relaunch_flexmesh
+        from flexmesh.runtime.parallel.device import check_launch
 
         check_launch(args.device, args.nproc)  # more processes than GPUs: one line, before anything starts
         return relaunch_flexmesh(args.nproc, _forwarded(args, str(Path(out).resolve())))

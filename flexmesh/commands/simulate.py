@@ -36,8 +36,8 @@ from flexmesh.commands.args import (
     steps,
     tokens,
 )
-from flexmesh.cost.finetune import with_tasks
-from flexmesh.cost.stack import with_stack
+from flexmesh.cost.training.finetune import with_tasks
+from flexmesh.cost.training.stack import with_stack
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
 from flexmesh.report.tables import print_table as print_fitted

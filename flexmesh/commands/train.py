@@ -30,7 +30,7 @@ from flexmesh.runtime.launch import (
     relaunch_flexmesh,
     without_flags,
 )
-from flexmesh.runtime.rundir import HELD_ENV, PEER, hold_run_folder, release_run_folder, restart_count, start_over
+from flexmesh.runtime.state.rundir import HELD_ENV, PEER, hold_run_folder, release_run_folder, restart_count, start_over
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             return _train(args)
         with _run_folder(args):
             return _train(args)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop took over signals (flexmesh.runtime.loop.fit)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over signals (flexmesh.runtime.train.loop.fit)
         if os.environ.get("RANK") == "0":
             from flexmesh.console import plain_console
 
@@ -86,8 +86,8 @@ def _preflight(args: argparse.Namespace) -> None:
     from flexmesh.data.cache import usable_cache
     from flexmesh.layout.plan import load_plan
     from flexmesh.layout.plan_model import plan_model
-    from flexmesh.runtime.device import check_launch, check_memory
-    from flexmesh.runtime.stragglers import parse_emulation
+    from flexmesh.runtime.parallel.device import check_launch, check_memory
+    from flexmesh.runtime.train.stragglers import parse_emulation
 
     if args.nproc < 1:
         raise PlanError(f"--nproc must be at least 1, got {args.nproc}")
@@ -100,7 +100,7 @@ def _preflight(args: argparse.Namespace) -> None:
     usable_cache(args.cache_dir)
     plan = load_plan(args.plan)
     spec = plan_model(plan, args.model, args.plan)  # a plan (or model) that cannot run fails here, once
-    from flexmesh.runtime.task_training import check_task_layout
+    from flexmesh.runtime.train.task_training import check_task_layout
 
     check_task_layout(run_tasks(args, spec), plan)  # a bad job file, too
     if args.nnodes is None:
@@ -121,7 +121,7 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
     argv = without_flags(argv, (), ("--no-resume", "--overwrite"))
     env = dict(os.environ, **{"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # torchrun's default, unsaid
                               RESUME_ENV: shlex.join(["flexmesh", *argv])})
-    if rendezvous.node_rank != 0:  # node 0's ranks vouch for the lock (flexmesh.runtime.loop.fit)
+    if rendezvous.node_rank != 0:  # node 0's ranks vouch for the lock (flexmesh.runtime.train.loop.fit)
         return relaunch_flexmesh(args.nproc, argv, env={**env, HELD_ENV: PEER}, rendezvous=rendezvous)
     with _run_folder(args) as secret:
         env[HELD_ENV] = secret  # what the ranks prove the hold is their launcher's with (rundir.launcher_holds)
@@ -210,7 +210,7 @@ def document_loader(args: argparse.Namespace, spec, plan, tasks=None):
 def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
     """The TrainConfig the flags describe."""
     from flexmesh.commands.migrate import RESHARD_ENV
-    from flexmesh.runtime.config import TrainConfig
+    from flexmesh.runtime.train.config import TrainConfig
 
     return TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
                        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -222,7 +222,7 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
 
 
 def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:
-    """Train on every rank (flexmesh.runtime.loop.fit) and say on rank 0 how it ended: the last step
+    """Train on every rank (flexmesh.runtime.train.loop.fit) and say on rank 0 how it ended: the last step
     (``what`` follows its tokens/s), a hand-over to a migration (exit 0), a preemption or a Ctrl-C
     or a loss that is not finite (one line: what was saved and how to resume; exit 128 + the signal, or 1;
     under flexmesh's own launcher the ranks exit 0, so torchrun neither restarts them nor reports a
@@ -233,7 +233,7 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
     import torch.distributed as dist
 
     from flexmesh.console import plain_console
-    from flexmesh.runtime.loop import Diverged, Interrupted, Migrating, Preempted, fit
+    from flexmesh.runtime.train.loop import Diverged, Interrupted, Migrating, Preempted, fit
 
     try:
         try:
@@ -285,11 +285,11 @@ def _train(args: argparse.Namespace) -> int:
 
     from flexmesh.layout.plan import load_plan
     from flexmesh.layout.plan_model import plan_model
-    from flexmesh.plan.check import check_model
-    from flexmesh.runtime.adaptive import AdaptiveSource
-    from flexmesh.runtime.distributed import init_distributed
-    from flexmesh.runtime.groups import check_emulation, check_runnable
-    from flexmesh.runtime.trainer import Trainer
+    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.adaptive import AdaptiveSource
+    from flexmesh.runtime.train.groups import check_emulation, check_runnable
+    from flexmesh.runtime.train.trainer import Trainer
+    from flexmesh.search.check import check_model
 
     plan = load_plan(args.plan)
     if args.migrate and HELD_ENV not in os.environ:
@@ -309,12 +309,12 @@ def _train(args: argparse.Namespace) -> int:
     fallback_fn = _scheduler(args, plan, spec, args.fallback_policy) if args.adaptive else schedule_fn
     check_world(args, plan)
     if not os.environ.get(SUPERVISED_ENV):  # under flexmesh's launcher it checked, once, for the whole node
-        from flexmesh.runtime.device import check_memory
+        from flexmesh.runtime.parallel.device import check_memory
 
         check_memory(predicted_peak(plan), args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     emulated = check_emulation(plan, args.emulate_speed)
     if os.environ.get("RANK", "0") == "0":
-        from flexmesh.plan.check import overlap_warnings
+        from flexmesh.search.check import overlap_warnings
 
         for warning in overlap_warnings(plan):
             print(f"warning: {warning}", file=sys.stderr)
@@ -373,9 +373,9 @@ def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
         from flexmesh.cost import CostModel
 
         cost = CostModel(spec, _plan_cluster(plan, args.plan))
-    if cost is not None and args.tasks:  # LoRA: a frozen base and the tasks' adapters (flexmesh.cost.finetune)
+    if cost is not None and args.tasks:  # LoRA: a frozen base and the tasks' adapters (flexmesh.cost.training.finetune)
         from flexmesh.commands.args import job_tasks
-        from flexmesh.cost.finetune import with_tasks
+        from flexmesh.cost.training.finetune import with_tasks
 
         cost = with_tasks(cost, job_tasks(args, spec))
     if cost is not None and spec.is_moe:  # schedules priced for the placement the run uses
@@ -394,9 +394,9 @@ def announce(trainer) -> None:
     import torch.distributed as dist
 
     from flexmesh.console import plain_console
-    from flexmesh.runtime.attention_kernels import model_kernels
-    from flexmesh.runtime.device import device_name
-    from flexmesh.runtime.distributed import compute_device_choice
+    from flexmesh.runtime.model.attention_kernels import model_kernels
+    from flexmesh.runtime.parallel.device import device_name
+    from flexmesh.runtime.parallel.distributed import compute_device_choice
 
     cfg, plan = trainer.config, trainer.plan
     budgets = "/".join(f"{g.microbatch_tokens(plan.seq_len):,}" for g in plan.groups)
@@ -411,8 +411,8 @@ def announce(trainer) -> None:
 
 def _straggler_monitor(args: argparse.Namespace, trainer, schedule_fn, source, rank0: bool):
     """Every step: measured speeds into the metrics, straggler events, and (rank 0, unless
-    --no-replan) the schedules re-planned for a sustained speed change (flexmesh.runtime.stragglers)."""
-    from flexmesh.runtime.stragglers import StragglerConfig, StragglerMonitor
+    --no-replan) the schedules re-planned for a sustained speed change (flexmesh.runtime.train.stragglers)."""
+    from flexmesh.runtime.train.stragglers import StragglerConfig, StragglerMonitor
     from flexmesh.sim.predict import step_time_at_speed
 
     config = StragglerConfig(threshold=args.straggler_threshold, steps=args.straggler_steps,

@@ -19,9 +19,9 @@ from flexmesh.commands.args import (
     sequences,
 )
 from flexmesh.commands.experts_args import add_expert_args
-from flexmesh.runtime.config import TRAIN_DTYPES
-from flexmesh.runtime.device import DEVICES
 from flexmesh.runtime.launch import DEFAULT_RUN_ID
+from flexmesh.runtime.parallel.device import DEVICES
+from flexmesh.runtime.parallel.precision import TRAIN_DTYPES
 from flexmesh.schedule.registry import RUNTIME_POLICIES
 
 POLICY_NAMES = tuple(str(p) for p in RUNTIME_POLICIES)  # plain strings: argparse prints choices with repr

@@ -3,7 +3,7 @@
 Each task has its own corpus and its own sequences per step; a step's documents are every active
 task's batch side by side, each document labelled with its task's slot (:class:`TaskDocuments`). A
 task that has trained its own number of steps stops contributing documents (its adapter's learning
-rate is then 0; flexmesh.runtime.task_training). The position is one DocumentLoader's per task, so
+rate is then 0; flexmesh.runtime.train.task_training). The position is one DocumentLoader's per task, so
 resuming replays exactly the same batches.
 """
 

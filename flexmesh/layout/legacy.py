@@ -11,7 +11,7 @@
 
 :func:`legacy_dict` goes the other way where it can: the dict an older flexmesh wrote for a plan
 (version 2 for one uniform group, version 3 for replicas of one tp group per stage). Checkpoints hash
-that form (flexmesh.runtime.checkpoint.plan_hash), so a run written before version 4 resumes under its
+that form (flexmesh.runtime.state.checkpoint.plan_hash), so a run written before version 4 resumes under its
 old plan file and under the same plan upgraded.
 
 >>> d = {"version": 3, "model": "tiny", "cluster": "2xH100+2xA100-40GB", "world_size": 4, "seq_len": 64,

@@ -5,7 +5,7 @@ shares a node), then ``cp``, then ``dp``, then ``pp`` (:data:`MESH_AXES`, outerm
 rank* merges the ``dp`` and ``cp`` coordinates, ``dp_index * cp + cp_index``: the axis per-step
 schedules assign work over (flexmesh.layout.step). :func:`rank_coords`, :func:`global_rank` and
 :func:`data_rank` are the only places that order is written down; the runtime's device mesh
-(flexmesh.runtime.parallelize.build_mesh) is built with the same axes.
+(flexmesh.runtime.parallel.parallelize.build_mesh) is built with the same axes.
 
 :class:`Layout` is a Plan reduced to what the runtime builds: one (tp, cp, dp) mesh per stage plus
 what may differ per layer; :func:`layout_from_plan` rejects mixes the runtime cannot run.
@@ -251,8 +251,8 @@ def runs_in_lockstep(pp: int, zero: Iterable[int], experts: bool = False) -> boo
 
     Ranks may run different numbers of micro-batches unless something pairs collectives per
     micro-batch across all data ranks: ZeRO-3's weight gathers, a pipeline schedule, or experts
-    sharded over the data ranks (``experts``: their all-to-alls, flexmesh.runtime.expert_parallel).
-    The runtime pads by this rule (flexmesh.runtime.trainer) and the scheduler and simulator price the
+    sharded over the data ranks (``experts``: their all-to-alls, flexmesh.runtime.parallel.expert_parallel).
+    The runtime pads by this rule (flexmesh.runtime.train.trainer) and the scheduler and simulator price the
     padding by it.
 
     >>> runs_in_lockstep(1, (2, 2)), runs_in_lockstep(1, (2, 3)), runs_in_lockstep(2, (0,))

@@ -79,7 +79,7 @@ NO_OVERLAP = Overlap()
 RUNTIME = Overlap(tp_comm=False, grad_reduce="last", zero3_prefetch=True)
 # Never slower than leaving them off: TP communication under the GEMMs and ZeRO-3 gathers prefetched
 # (what Megatron-Core with --tp-comm-overlap and FSDP2 run). The search's first option and how the
-# baselines and mixed-device plans are priced (flexmesh.plan.space).
+# baselines and mixed-device plans are priced (flexmesh.search.space).
 FASTEST = Overlap(tp_comm=True, grad_reduce="bucketed", zero3_prefetch=True)
 
 

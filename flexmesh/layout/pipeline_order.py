@@ -3,7 +3,7 @@
 A document cut into slices that run in consecutive micro-batches (flexmesh.layout.step, the
 ``chunked`` policy) forms a *unit*: micro-batches linked by a cut document. A later slice attends to
 the keys and values of the earlier ones, so its backward must run before theirs and hand them the
-gradient of those keys and values (flexmesh.runtime.carry). On every stage a unit therefore runs its
+gradient of those keys and values (flexmesh.runtime.model.carry). On every stage a unit therefore runs its
 forwards in order and its backwards in reverse; units follow one another as the micro-batches of
 1F1B do (InfiniPipe, 2509.21275; TeraPipe, 2102.07988). A micro-batch no document links to another
 is a unit of one, so a step without cut documents gets plain 1F1B.
@@ -50,7 +50,7 @@ class Action:
 
 
 def units_from_ends(ends: Sequence[bool]) -> list[list[int]]:
-    """Micro-batch units from per-micro-batch "a chain ends here" flags (flexmesh.runtime.carry.chain_ends).
+    """Micro-batch units from per-micro-batch "a chain ends here" flags (flexmesh.runtime.model.carry.chain_ends).
 
     >>> units_from_ends([False, True, True, False, False, True])
     [[0, 1], [2], [3, 4, 5]]

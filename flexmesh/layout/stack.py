@@ -2,7 +2,7 @@
 
 flexmesh's runtime runs FlashAttention-2 (``flash2``: PyTorch's varlen kernel or the flash-attn 2
 package; on Hopper slower than the FlashAttention-3-class kernels that Transformer Engine and cuDNN run,
-the ``fused`` stacks: flexmesh.cost.flash2), tensor parallelism with sequence parallelism and no
+the ``fused`` stacks: flexmesh.cost.device.flash2), tensor parallelism with sequence parallelism and no
 dropout; Megatron-LM before 2022, DeepSpeed and others may run unfused attention (the ``s x s`` scores
 in memory), tensor parallelism without sequence parallelism (norms, dropouts and
 the inputs of the column-parallel GEMMs replicated on every tp rank) and dropout (a one-byte mask per
@@ -10,10 +10,10 @@ dropped element); Megatron-LM and Transformer Engine fuse SwiGLU and recompute i
 (one ffn-wide tensor per token fewer); a compiled layer (torch.compile's min-cut partitioner) keeps
 only the GEMMs' and attention's outputs and the residual stream, and recomputes the pointwise operators
 in backward. :class:`Stack` says which, for
-pricing such a run (:func:`flexmesh.cost.stack.with_stack`, ``flexmesh plan --attention unfused
+pricing such a run (:func:`flexmesh.cost.training.stack.with_stack`, ``flexmesh plan --attention unfused
 --no-sequence-parallel --dropout --fused-swiglu --recompute-pointwise``): the activation bytes then
 follow Korthikanti et al., 2205.05198, section 4, and unfused attention is timed kernel by kernel
-(:meth:`flexmesh.cost.analytic.AnalyticTiming.unfused_attention_times`).
+(:meth:`flexmesh.cost.training.analytic.AnalyticTiming.unfused_attention_times`).
 
 >>> RUNTIME_STACK.label, Stack(attention="unfused", sequence_parallel=False, dropout=True).label
 ('flash2 attention, sequence parallel', 'unfused attention, no sequence parallelism, dropout')

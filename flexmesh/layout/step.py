@@ -40,7 +40,7 @@ def carries_pieces(dynamic_rope: bool = False) -> bool:
     With any pipeline depth: without pipelining the trainer runs the forwards of a chain of
     micro-batches linked by a cut sequence before their one backward; under a pipeline each
     micro-batch runs its own backward, a unit's in reverse, the later pieces handing the earlier
-    ones the gradient of their keys and values (flexmesh.runtime.carry,
+    ones the gradient of their keys and values (flexmesh.runtime.model.carry,
     flexmesh.layout.pipeline_order). Not with dynamic RoPE scaling, whose angles depend on the length
     of the sequence in the forward pass, which a piece does not know. The one place this rule is
     written; schedulers and the trainer ask it.
@@ -155,7 +155,7 @@ class StepSchedule:
 
     def cut_sequences(self) -> list[int]:
         """Sequences whose pieces do not form one run of adjacent pieces in one micro-batch: those the
-        runtime carries keys and values for (flexmesh.runtime.carry).
+        runtime carries keys and values for (flexmesh.runtime.model.carry).
 
         >>> mb = (Piece(0, 0, 4), Piece(0, 4, 6), Piece(1, 0, 3))
         >>> StepSchedule((6, 5), (Group((0,), (mb, (Piece(1, 3, 5),))),), "t").cut_sequences()

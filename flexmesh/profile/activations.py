@@ -1,7 +1,7 @@
 """Saved-activation bytes of the runtime's layers and ends, measured per (tp, cp) degree and recomputation.
 
 Part of ``flexmesh profile model`` (flexmesh.profile.model's module doc describes the method): each
-saved tensor is counted by :class:`~flexmesh.runtime.memory.SavedActivationMeter`, shards are measured
+saved tensor is counted by :class:`~flexmesh.runtime.train.memory.SavedActivationMeter`, shards are measured
 in one process by building one rank's shapes, and bytes are fitted as ``a + b * tokens + m * (tokens /
 cp)^2`` over rows of three lengths.
 """
@@ -14,14 +14,14 @@ from torch.utils.checkpoint import checkpoint
 
 from flexmesh.profile.fit import least_squares
 from flexmesh.profile.modules import degrees, packed_row, rank_block
-from flexmesh.runtime.loss import summed_cross_entropy
+from flexmesh.runtime.model.loss import summed_cross_entropy
 from flexmesh.spec.model import ModelSpec
 
 
 def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool | str, tokens: int, dtype, device) -> int:
     """Bytes one rank's layer saves for backward for a row of ``tokens`` (see the module doc);
     ``recompute`` False, True (the whole layer) or "selective" (the attention core)."""
-    from flexmesh.runtime.memory import SavedActivationMeter
+    from flexmesh.runtime.train.memory import SavedActivationMeter
 
     block = rank_block(spec, dtype, device, tp)
     block.attention.recompute_core = recompute == "selective"
@@ -75,7 +75,7 @@ CARRIED_TERMS = ("per_prefix_token", "per_prefix_query_pair", "per_query_sq", "p
 
 def measure_carried(spec: ModelSpec, tokens: list[int], dtype, device) -> dict:
     """What a layer saves beyond the same tokens whole when they continue a cut document's prefix
-    (flexmesh.runtime.carry: the prefix's keys and values, and whatever the kernel keeps for queries
+    (flexmesh.runtime.model.carry: the prefix's keys and values, and whatever the kernel keeps for queries
     over a longer key range), fitted as ``a * p + b * p * n + c * n^2 + d * n`` for ``n`` tokens
     after a prefix of ``p``, on one device without tp or cp (shards divide it by tp * cp)."""
     samples = []
@@ -92,9 +92,9 @@ def _carried_extra(spec: ModelSpec, prefix: int, tokens: int, dtype, device) -> 
     """Saved bytes of a layer on ``tokens`` tokens continuing a ``prefix``-token piece of one
     document, less the same tokens as a document of their own."""
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.carry import KVCarry
-    from flexmesh.runtime.memory import SavedActivationMeter
-    from flexmesh.runtime.model import make_row
+    from flexmesh.runtime.model.carry import KVCarry
+    from flexmesh.runtime.model.transformer import make_row
+    from flexmesh.runtime.train.memory import SavedActivationMeter
 
     block = rank_block(spec, dtype, device, 1)
     store = KVCarry(detached=True)
@@ -120,7 +120,7 @@ def _carried_extra(spec: ModelSpec, prefix: int, tokens: int, dtype, device) -> 
 
 def _end_activation_bytes(spec: ModelSpec, tokens: int, dtype, device) -> dict:
     """Bytes the embedding, and the final norm + head + loss, save for backward for ``tokens`` tokens."""
-    from flexmesh.runtime.memory import SavedActivationMeter
+    from flexmesh.runtime.train.memory import SavedActivationMeter
 
     with torch.device(device):
         emb = torch.nn.Embedding(spec.vocab, spec.hidden).to(dtype)

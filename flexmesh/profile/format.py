@@ -107,7 +107,7 @@ class CollectiveFit:
     """``seconds = alpha_s + beta_s_per_byte * nbytes`` for one collective over a group of ``group_size``.
 
     ``scope`` is ``intra`` (the group inside one node) or ``inter`` (one rank per node). ``nbytes``
-    follows flexmesh.cost.hardware: the all-reduce buffer, the all-gather output, the reduce-scatter
+    follows flexmesh.cost.device.hardware: the all-reduce buffer, the all-gather output, the reduce-scatter
     input, one rank's all-to-all send buffer, one send/recv message.
     """
 

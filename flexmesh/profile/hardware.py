@@ -16,7 +16,7 @@ Run it in every process of a torchrun world (``flexmesh profile hardware --nproc
   min(t_compute, t_collective)``, clipped to [0, 1]: the share of overlapped communication really
   saved (1 on GPUs whose copy engines run beside the SMs; little on CPU, where gloo's threads take
   the cores the compute needs). The cost model charges ``comm - hidden_fraction * min(comm, compute)``.
-- attention: :func:`flexmesh.runtime.attention_kernels.local_attention` (the kernel the runtime's
+- attention: :func:`flexmesh.runtime.model.attention_kernels.local_attention` (the kernel the runtime's
   rule picks for the device and dtype, named in the profile) over one document of T tokens; fit
   ``t = alpha + c * T^2``; throughput = the cost model's causal attention FLOPs per squared token
   (``2 * heads * head_dim``) over ``c``. On CPU the kernel masks a dense T x T score matrix, so this
@@ -170,7 +170,7 @@ def _measure_overlap(world: World, cfg: dict) -> dict:
 
 
 def _measure_attention(world: World, cfg: dict, dtypes: list[str]) -> dict:
-    from flexmesh.runtime.attention_kernels import local_attention, select_kernel
+    from flexmesh.runtime.model.attention_kernels import local_attention, select_kernel
 
     out = {}
     for name in dtypes:

@@ -1,9 +1,9 @@
 """``profile_model``: time and memory of the runtime's own layers, measured and fitted.
 
-Everything is measured on the modules the runtime trains (:mod:`flexmesh.runtime.model`), in the
+Everything is measured on the modules the runtime trains (:mod:`flexmesh.runtime.model.transformer`), in the
 dtype it trains in (fp32), one packed row (micro-batch) at a time:
 
-- layer time: a :class:`~flexmesh.runtime.model.TransformerBlock` forward, backward, and backward
+- layer time: a :class:`~flexmesh.runtime.model.transformer.TransformerBlock` forward, backward, and backward
   under recomputation (``torch.utils.checkpoint``, non-reentrant, as the runtime's checkpoint
   wrapper) over rows of several lengths, each packed with one long document, with many short ones
   and with mixes, so that the fit ``c0 + c1 * tokens + c2 * sum(len^2) + c3 * tokens^2``
@@ -11,7 +11,7 @@ dtype it trains in (fp32), one packed row (micro-batch) at a time:
   whole-row attention;
 - embedding and head (final norm + LM head + summed cross-entropy): forward and backward, linear in
   tokens;
-- saved-activation bytes per token of one layer (:class:`~flexmesh.runtime.memory.SavedActivationMeter`;
+- saved-activation bytes per token of one layer (:class:`~flexmesh.runtime.train.memory.SavedActivationMeter`;
   measured by flexmesh.profile.activations),
   with and without recomputation, for each (tp, cp) degree. Shards are measured in one process by
   building the block with one rank's shapes -- heads / tp, kv heads / tp, ffn / tp -- on tokens / cp,
@@ -55,14 +55,14 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from flexmesh.cost.work import attention_sq
+from flexmesh.cost.training.work import attention_sq
 from flexmesh.errors import ProfileError
 from flexmesh.profile.activations import measure_activations
 from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, fit_whole
 from flexmesh.profile.format import END_KEYS, ModelProfile, produced_by
 from flexmesh.profile.modules import degrees, packed_row, rank_block
 from flexmesh.profile.runner import World, median_time, progress, synchronize
-from flexmesh.runtime.loss import summed_cross_entropy
+from flexmesh.runtime.model.loss import summed_cross_entropy
 from flexmesh.spec.model import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -130,8 +130,8 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
     The runtime's modules; with ``tp_mesh``, split over it as the runtime splits them (vocab-parallel
     embedding and head, sequence-parallel norm, logits gathered), so its collectives are timed too.
     """
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.parallelize import apply_tp
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.parallel.parallelize import apply_tp
 
     model = build_model(replace(spec, num_layers=1, tie_embeddings=False), device, dtype)
     model.layers = torch.nn.ModuleDict()
@@ -244,7 +244,7 @@ def _measure_whole(spec: ModelSpec, cfg: dict, layer: dict, ends: dict, dtype, d
     layer fit + embedding + head), fitted as ``measured = k * parts + fixed`` per direction (both
     >= 0; least squares in relative error); returns {"layers", "forward": k, "forward_fixed_s":
     fixed, "backward": k, "backward_fixed_s": fixed, "samples"}."""
-    from flexmesh.runtime.model import build_model
+    from flexmesh.runtime.model.transformer import build_model
 
     n_layers = min(spec.num_layers, WHOLE_LAYERS)
     model = build_model(replace(spec, num_layers=n_layers, tie_embeddings=False), device, dtype)
@@ -297,7 +297,7 @@ def _measure_stages(spec: ModelSpec, cfg: dict, dtype, device, world: World) -> 
     The runtime's model of ``min(num_layers, WHOLE_LAYERS)`` layers is cut into 1, 2 and 4 pipeline
     stages (as many as it has layers; a stage may hold only the embedding), all on this process, and
     a step of :data:`PIPELINE_MICROBATCHES` rows of :data:`PIPELINE_TOKENS` tokens runs through
-    torch.distributed.pipelining's interleaved schedule, as :mod:`flexmesh.runtime.pipeline` builds
+    torch.distributed.pipelining's interleaved schedule, as :mod:`flexmesh.runtime.parallel.pipeline` builds
     it (stages on one rank hand activations over in memory: no sends). The layers' work is the same
     whatever the cut, so the step time grows with the chunk runs (stages x micro-batches) by what
     each costs the framework: the schedule's actions, each stage's autograd call, the stage's input
@@ -310,8 +310,8 @@ def _measure_stages(spec: ModelSpec, cfg: dict, dtype, device, world: World) -> 
 
     import torch.distributed as dist
 
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.pipeline import StageModule, build_pipeline_schedule, make_stages, split_stage
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.parallel.pipeline import StageModule, build_pipeline_schedule, make_stages, split_stage
 
     own = not dist.is_initialized()
     if own:  # one process without torchrun: a group of one, in memory
@@ -376,9 +376,9 @@ def _mesh(world: World, tp: int, cp: int):
 def _parallel_block(spec: ModelSpec, mesh, kind: str, dtype, device):
     """One runtime layer split as the runtime splits it: TP + SP over ``mesh["tp"]``, context
     parallelism of ``kind`` over ``mesh["cp"]``."""
-    from flexmesh.runtime.attention import CPContext
-    from flexmesh.runtime.model import build_model
-    from flexmesh.runtime.parallelize import apply_tp
+    from flexmesh.runtime.model.attention import CPContext
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.parallel.parallelize import apply_tp
 
     model = build_model(replace(spec, num_layers=1, tie_embeddings=False), device, dtype)
     model.tok_embeddings = model.norm = model.output = None
@@ -443,7 +443,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
 
     ``compile``: time the layers and the whole model with compiled blocks, as the runtime runs them
     (default: on a GPU, as ``flexmesh train``'s default); saved activations are metered eagerly."""
-    from flexmesh.runtime.model import check_supported
+    from flexmesh.runtime.model.transformer import check_supported
 
     check_supported(spec)
     if dtype not in DTYPES:

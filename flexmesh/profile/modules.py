@@ -12,9 +12,9 @@ from flexmesh.spec.model import ModelSpec
 
 
 def packed_row(spec: ModelSpec, lengths: list[int], device: torch.device, cp: int = 1, cp_rank: int = 0):
-    """The runtime's :class:`~flexmesh.runtime.model.Row` of a packed row of documents of ``lengths``,
+    """The runtime's :class:`~flexmesh.runtime.model.transformer.Row` of a packed row of documents of ``lengths``,
     as context-parallel rank ``cp_rank`` of ``cp`` holds it (its slice of the positions)."""
-    from flexmesh.runtime.model import make_row
+    from flexmesh.runtime.model.transformer import make_row
 
     positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
     bounds = tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
@@ -25,7 +25,7 @@ def packed_row(spec: ModelSpec, lengths: list[int], device: torch.device, cp: in
 
 def rank_block(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: int = 1):
     """One TransformerBlock with one tensor-parallel rank's shapes (heads, kv heads and ffn / tp)."""
-    from flexmesh.runtime.model import TransformerBlock
+    from flexmesh.runtime.model.transformer import TransformerBlock
 
     rank_spec = replace(spec, num_heads=spec.num_heads // tp, num_kv_heads=spec.num_kv_heads // tp,
                         ffn_hidden=spec.ffn_hidden // tp, head_dim_override=spec.head_dim)

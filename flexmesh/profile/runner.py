@@ -21,11 +21,11 @@ class World:
     """This process's place among the profiling processes (a world of one without torchrun)."""
 
     def __init__(self, device: str = "auto") -> None:
-        from flexmesh.runtime.device import rank_device
+        from flexmesh.runtime.parallel.device import rank_device
 
         self.size = int(os.environ.get("WORLD_SIZE", "1"))
         self.owns_group = False
-        choice = rank_device(device)  # the rule every command follows (flexmesh.runtime.device)
+        choice = rank_device(device)  # the rule every command follows (flexmesh.runtime.parallel.device)
         if choice.type == "cuda":
             torch.cuda.set_device(choice.index)
         if self.size > 1 and not dist.is_initialized():

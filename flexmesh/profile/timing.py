@@ -4,7 +4,7 @@ The only code that reads profile keys for pricing; :mod:`flexmesh.profile.use` b
 :class:`~flexmesh.cost.CostModel` from these. Files and keys: docs/profiles.md; how the cost model
 uses them: docs/cost-model.md.
 
-:class:`ProfiledTiming` (a :class:`~flexmesh.cost.timing.LayerTiming`), from ``flexmesh profile model``:
+:class:`ProfiledTiming` (a :class:`~flexmesh.cost.training.timing.LayerTiming`), from ``flexmesh profile model``:
 
 - a layer's forward and backward seconds are the profile's fits ``c0 + (c1 * tokens +
   c2 * sum(len^2) + c3 * tokens^2) / (tp * cp)`` (backward under recomputation has its own fit);
@@ -48,9 +48,9 @@ import math
 import numpy as np
 from scipy.optimize import isotonic_regression
 
-from flexmesh.cost.hardware import COLLECTIVES, PRESET_OVERLAP, CommTable, GroupShape, Hardware
-from flexmesh.cost.timing import LayerTimes
-from flexmesh.cost.work import Amount
+from flexmesh.cost.device.hardware import COLLECTIVES, PRESET_OVERLAP, CommTable, GroupShape, Hardware
+from flexmesh.cost.training.timing import LayerTimes
+from flexmesh.cost.training.work import Amount
 from flexmesh.errors import ProfileError
 from flexmesh.layout.stack import RUNTIME_STACK
 from flexmesh.layout.strategy import LayerStrategy, Recompute
@@ -60,7 +60,7 @@ from flexmesh.spec.model import DTYPE_BYTES, ModelSpec
 
 
 class ProfiledTiming:
-    """:class:`~flexmesh.cost.timing.LayerTiming` from a model profile (see the module doc).
+    """:class:`~flexmesh.cost.training.timing.LayerTiming` from a model profile (see the module doc).
 
     >>> from flexmesh.cost import CostModel
     >>> from flexmesh.profile.fit import LayerFit
@@ -297,7 +297,7 @@ class ProfiledHardware(Hardware):
 
 
 def measured_curve(fit: CollectiveFit) -> CommTable:
-    """A profiled collective's samples as a :class:`~flexmesh.cost.hardware.CommTable` (log-log
+    """A profiled collective's samples as a :class:`~flexmesh.cost.device.hardware.CommTable` (log-log
     interpolation by message size, the latency floor below the smallest, the largest's bandwidth above).
     The times are first made non-decreasing in bytes by isotonic regression (SciPy's pool-adjacent-
     violators): a larger message never takes less time, and a noisy sample does not make one.

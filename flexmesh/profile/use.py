@@ -20,8 +20,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from flexmesh.cost.hardware import Hardware
-from flexmesh.cost.model import CostModel
+from flexmesh.cost.device.hardware import Hardware
+from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import ProfileError, SpecError
 from flexmesh.profile.format import HardwareProfile, ModelProfile, as_profile
 from flexmesh.profile.timing import ProfiledHardware, ProfiledTiming

@@ -1,6 +1,6 @@
 """The experts page of a report: how evenly a run's routed tokens fell on its ranks, step by step.
 
-From a run's routing.jsonl (flexmesh.runtime.expert_training: per MoE layer and step, tokens per
+From a run's routing.jsonl (flexmesh.runtime.train.expert_training: per MoE layer and step, tokens per
 expert and per rank): the imbalance the run met (the most loaded rank over the mean) against the one
 static placement would have met on the same loads, per layer and over time, and how much the load
 persists from one step to the next (the correlation of each layer's tokens per expert between

@@ -10,11 +10,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from flexmesh.cost.mixed import GroupsEvaluation, MixedCosts
+from flexmesh.cost.training.mixed import GroupsEvaluation, MixedCosts
 from flexmesh.layout.plan import Plan, ReplicaGroup
 from flexmesh.layout.ranks import rank_runs
-from flexmesh.plan.baselines import mixed_baselines
-from flexmesh.plan.mixed import MixedResult, plan_mixed
+from flexmesh.search.baselines import mixed_baselines
+from flexmesh.search.mixed import MixedResult, plan_mixed
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 from flexmesh.units import GIB

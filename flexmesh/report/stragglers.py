@@ -3,14 +3,14 @@
 :func:`run_comparison` trains the same plan twice with ``flexmesh train`` on 2 processes, one rank
 emulated at a fraction of its speed (``--emulate-speed``, emulation on one machine, not a slow
 device): ``static`` keeps the schedules (``--no-replan``: speeds measured, nothing changed),
-``adaptive`` re-plans them when the slowdown is sustained (flexmesh.runtime.stragglers). Same
+``adaptive`` re-plans them when the slowdown is sustained (flexmesh.runtime.train.stragglers). Same
 plan, corpus, seed (so the same batches and initial weights), policy and flags otherwise.
 :func:`comparison_summary` reads the two metrics.jsonl files: tokens/s after recovery (the steps
 from the first one run on a re-planned schedule to the end, the same steps of both runs), steps
 until recovery, and the simulator's predicted step time against the measured one on those steps
 of the adaptive run (the simulator then knows the measured relative speeds): the schedule's own
 prediction (the profile as taken) and the trainer's (``paced_step_time_s``, every rank at its speed
-against the profile measured on the steps before, flexmesh.runtime.stragglers: a profile taken
+against the profile measured on the steps before, flexmesh.runtime.train.stragglers: a profile taken
 while the machine ran faster or slower is off by one factor on every rank; relative speeds cancel
 it, absolute step times do not). :func:`speed_png` draws each
 rank's measured speed and each run's throughput per step, events marked; :func:`add_section`

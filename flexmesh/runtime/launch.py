@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from flexmesh.errors import PlanError
-from flexmesh.runtime.procs import parent_of
-from flexmesh.runtime.rundir import HELD_ENV
+from flexmesh.runtime.state.procs import parent_of
+from flexmesh.runtime.state.rundir import HELD_ENV
 
 # The variables torchrun sets in each rank; a child that starts its own ranks must not inherit them,
 # or it would join (or rendezvous at the port of) the launch this process belongs to.
@@ -278,7 +278,7 @@ def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) ->
     """Run ``command`` (a torchrun command line) to its end and return its exit code.
 
     SIGINT and SIGTERM sent to this process go straight to the ranks (torchrun's children that
-    carry ``LOCAL_RANK``), which stop at their next step boundary (flexmesh.runtime.loop.fit) and
+    carry ``LOCAL_RANK``), which stop at their next step boundary (flexmesh.runtime.train.loop.fit) and
     exit 0, so torchrun neither restarts them nor prints its failure report; this process then
     returns the code rank 0 left in the file named by ``STATUS_ENV`` (a run that ended early:
     128 + the signal, or a loss that diverged), else 128 + the signal. A second SIGINT kills

@@ -88,7 +88,7 @@ def lockstep_padding(ctx: ScheduleContext, sizes: ArrayLike, counts: Sequence[in
                      longest: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """The empty micro-batches the runtime adds in lockstep, and each group's micro-batch shape.
 
-    Mirrors ``flexmesh.runtime.trainer.Trainer.local_batches``: when :attr:`ScheduleContext.in_lockstep`,
+    Mirrors ``flexmesh.runtime.train.trainer.Trainer.local_batches``: when :attr:`ScheduleContext.in_lockstep`,
     every group (``sizes[g]`` ranks holding ``counts[g]`` micro-batches, the longest of
     ``longest[g]`` tokens) runs ``padded_microbatch_count(schedule, max(counts), pp)`` of them, the
     missing ones empty: one document of ``cp * tp`` tokens (the smallest shape that shards), or with

@@ -24,7 +24,7 @@ longest one's shape. Both are priced (flexmesh.schedule.assemble.group_time), an
 chosen per step among a few candidates, whole sequences included, by that price.
 
 Where it runs. The runtime trains slices exactly as the whole sequence by carrying the earlier
-slices' keys and values (flexmesh.runtime.carry), with or without a pipeline, not with dynamic RoPE
+slices' keys and values (flexmesh.runtime.model.carry), with or without a pipeline, not with dynamic RoPE
 scaling (flexmesh.layout.step.carries_pieces; ``ctx.cut_documents`` off: whole sequences packed into
 micro-batches of about ``tau``). With ``pp = 1`` there is no bubble to shrink: the slices bound the
 tokens of each micro-batch, while the whole chain's activations stay held until its one backward.

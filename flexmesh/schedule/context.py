@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from flexmesh.cost import CostModel
-from flexmesh.cost.kernels import Kernels
+from flexmesh.cost.device.kernels import Kernels
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.mesh import group_cp_kind, runs_in_lockstep
 from flexmesh.layout.strategy import LayerStrategy
@@ -173,14 +173,14 @@ class ScheduleContext:
 
     def envelope(self) -> ScheduleContext:
         """This context priced by the cost model's lower envelope (every kernel at its best rate:
-        times linear in tokens and squared tokens, see :meth:`flexmesh.cost.kernels.Kernels.envelope`)."""
+        times linear in tokens and squared tokens, see :meth:`flexmesh.cost.device.kernels.Kernels.envelope`)."""
         if "envelope" not in self._cache:
             self._cache["envelope"] = replace(self, cost=self.cost.with_kernels(Kernels.envelope), _cache={})
         return self._cache["envelope"]
 
     def packing_floor(self) -> ScheduleContext:
         """This context priced by the cost model's packing floor (a document alone never costs more than
-        a micro-batch holding it, see :meth:`flexmesh.cost.kernels.Kernels.floor`); itself where the
+        a micro-batch holding it, see :meth:`flexmesh.cost.device.kernels.Kernels.floor`); itself where the
         cost model has no such gap."""
         if "floor" not in self._cache:
             cost = self.cost.with_kernels(Kernels.floor)
@@ -210,7 +210,7 @@ class ScheduleContext:
         speed, vectorised): what the placing policies add up per group.
 
         Kernels run a micro-batch of many documents faster than each document alone (GEMM tiles and
-        waves, launches, the memory roofline: :mod:`flexmesh.cost.kernels`), so summing times alone
+        waves, launches, the memory roofline: :mod:`flexmesh.cost.device.kernels`), so summing times alone
         overstates a group of many short documents. A sequence of ``l`` tokens is charged its share of
         a micro-batch packed (up to :meth:`pack_tokens`) with sequences like it,
         ``t_d(n l, n sq(l)) / n`` with ``n = max(1, floor(pack_tokens(d) / l))``; one that shares its

@@ -1,6 +1,6 @@
 """Which data ranks run which experts each step: static, load-following (LAER-MoE) and EPLB placements.
 
-Under fully sharded expert parallelism (flexmesh.runtime.expert_parallel) every expert's weights are
+Under fully sharded expert parallelism (flexmesh.runtime.parallel.expert_parallel) every expert's weights are
 sharded over all data ranks of a pipeline stage, and each step each rank gathers the whole experts
 a placement gives it; changing the placement moves no optimizer state and leaves the math as it is
 (a token's expert computes the same product wherever it runs). So the placement is free to follow
@@ -44,7 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flexmesh.cost.experts import default_slots
+from flexmesh.cost.training.experts import default_slots
 from flexmesh.errors import PlanError
 
 PLACEMENTS = ("static", "laer", "eplb", "current")
@@ -240,7 +240,7 @@ def trace_imbalance(rows: Iterable[dict], placement: str, ranks: int, slots: int
 
 
 def read_trace(path: str | Path) -> list[dict]:
-    """The rows of a routing.jsonl (flexmesh.runtime.expert_training); PlanError naming the file and line
+    """The rows of a routing.jsonl (flexmesh.runtime.train.expert_training); PlanError naming the file and line
     when it is not one."""
     path = Path(path)
     try:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from numpy.typing import ArrayLike
 
-from flexmesh.cost.mixed import MixedCosts
+from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.enums import CPKind
 from flexmesh.layout.overlap import Overlap
@@ -54,7 +54,7 @@ SHARES = "shares"  # the policy of fixed shares; any other name is a per-group p
 class GroupsContext:
     """One scheduling context per replica group (plan order; each context's ``speed`` holds its data
     ranks' speed factors), the groups' planned shares and micro-batch counts, and the seconds the
-    gradient all-reduce across groups adds to a step (exposed, priced by flexmesh.cost.mixed)."""
+    gradient all-reduce across groups adds to a step (exposed, priced by flexmesh.cost.training.mixed)."""
 
     contexts: tuple[ScheduleContext, ...]
     shares: tuple[int, ...]
@@ -314,7 +314,7 @@ def groups_context(plan: Plan, spec: ModelSpec, costs: MixedCosts) -> GroupsCont
     pace), a pipeline's memory stage by stage (:func:`stage_cap`); each data rank runs at its slowest
     device's speed factor (its pipeline stages and tensor-parallel ranks wait for one another).
     """
-    from flexmesh.cost.mixed import evaluate_groups
+    from flexmesh.cost.training.mixed import evaluate_groups
     from flexmesh.layout.mesh import rank_place
     from flexmesh.schedule.scheduler import group_context
 

@@ -1,6 +1,6 @@
 """A plan's step scheduler: one policy over the plan's data ranks, called once per global batch.
 
-:class:`Scheduler` is what the training loop (flexmesh.runtime.adaptive.AdaptiveSource) calls with
+:class:`Scheduler` is what the training loop (flexmesh.runtime.train.adaptive.AdaptiveSource) calls with
 each batch's sequence lengths. It builds the :class:`~flexmesh.schedule.context.ScheduleContext`
 once from the plan (:func:`schedule_context`) and runs the policy through
 :func:`flexmesh.schedule.registry.make_schedule`. The step simulator lives above this package, so a
@@ -18,7 +18,7 @@ from typing import Callable
 from numpy.typing import ArrayLike
 
 from flexmesh.cost import CostModel
-from flexmesh.cost.mixed import MixedCosts
+from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.enums import CPKind, Policy
 from flexmesh.layout.mesh import context_kind, group_layout, layout_in_lockstep
@@ -177,7 +177,7 @@ class Scheduler:
         """The step schedule of one global batch of sequences of these lengths.
 
         With speed factors it records them as ``extra["speed"]`` (the runtime measures speeds
-        against them, flexmesh.runtime.stragglers).
+        against them, flexmesh.runtime.train.stragglers).
         """
         gctx = self.groups  # read once: set_speed may swap it from another thread
         if self.policy == Policy.SHARES or gctx is None:

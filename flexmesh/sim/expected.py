@@ -8,7 +8,7 @@ runtime predicts each step (:func:`flexmesh.sim.predict.simulated_scheduler`), o
 ``costs`` prices, speed factors included (each data rank at its slowest device's speed). For a plan
 of several groups this is ``flexmesh simulate --plan``'s ``shares`` row on the same batches.
 
->>> from flexmesh.cost.mixed import MixedCosts
+>>> from flexmesh.cost.training.mixed import MixedCosts
 >>> from flexmesh.layout.plan import Plan, StagePlan
 >>> from flexmesh.layout.strategy import LayerStrategy
 >>> from flexmesh.spec import parse_model
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexmesh.cost.mixed import MixedCosts
+from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.layout.enums import Policy
 from flexmesh.layout.plan import Plan
 from flexmesh.schedule.groups import groups_context

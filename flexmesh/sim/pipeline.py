@@ -8,7 +8,7 @@ may differ in duration, which is why this is simulated rather than taken from th
 check this against).
 
 With interleaving, rank ``r`` holds ``v`` model chunks; chunk ``c`` of rank ``r`` is virtual stage
-``c * pp + r`` (Megatron-LM's placement, as in :meth:`flexmesh.plan.Plan.chunks_of_rank`).
+``c * pp + r`` (Megatron-LM's placement, as in :meth:`flexmesh.search.Plan.chunks_of_rank`).
 
 Orders, for ``pp = 2``, ``m = 3`` (F = forward, B = backward, digits = micro-batch)::
 

@@ -69,7 +69,7 @@ def simulated_scheduler(scheduler: Scheduler) -> Scheduler:
 
 def step_time_at_speed(scheduler: Scheduler) -> Callable[[StepSchedule, Sequence[float]], float]:
     """``(schedule, speed per data rank) -> simulated step time`` (s) on ``scheduler``'s current
-    contexts: how the runtime prices a schedule at measured speeds (flexmesh.runtime.stragglers)."""
+    contexts: how the runtime prices a schedule at measured speeds (flexmesh.runtime.train.stragglers)."""
 
     def price(schedule: StepSchedule, speed: Sequence[float]) -> float:
         if scheduler.groups is None:

@@ -110,7 +110,7 @@ class NodeNetwork:
     """What a cluster file says of single nodes and of pairs of nodes (``nic_gbps``, ``node_links``). A
     :class:`MixedCluster`'s groups and group links carry the slowest of it (what a layout over all of a
     group's nodes, or over two whole groups, meets); this keeps the rest, so that a collective over some
-    nodes is priced on those nodes' own network (:meth:`between`, :meth:`among`; flexmesh.cost.mixed).
+    nodes is priced on those nodes' own network (:meth:`between`, :meth:`among`; flexmesh.cost.training.mixed).
 
     >>> net = NodeNetwork(base=(Link(50.0, 5.0),), nics=(50.0, 50.0, 12.5, 50.0),
     ...                   links=((0, 3, Link(1.0, 900.0)),))

@@ -2,8 +2,8 @@
 
 Every entry cites its datasheet; a part without an end-to-end fit takes its family's fitted
 efficiencies, its GEMM and attention efficiencies scaled by measured kernel tables
-(:func:`catalogue_efficiency`; ``python -m flexmesh.cost.gemm_tables`` and ``python -m
-flexmesh.cost.attention_tables`` redo the tables' medians).
+(:func:`catalogue_efficiency`; ``python -m flexmesh.cost.device.gemm_tables`` and ``python -m
+flexmesh.cost.device.attention_tables`` redo the tables' medians).
 """
 
 from __future__ import annotations
@@ -165,9 +165,9 @@ _CATALOGUE = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/de
 GEMM_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CATALOGUE["gemm_tables"].items()}
 ATTENTION_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CATALOGUE["attention_tables"].items()}
 # FlashAttention-2's measured throughput and fit per architecture where it is not the fused kernel the
-# tables measured (devices.toml [flash_attention_2]; flexmesh.cost.flash2)
+# tables measured (devices.toml [flash_attention_2]; flexmesh.cost.device.flash2)
 FLASH2: dict[str, dict] = _CATALOGUE["flash_attention_2"]
-# Attention's efficiency is fitted on one part (FlexSP's A100, flexmesh.cost.calibrate.fit_attn_efficiency):
+# Attention's efficiency is fitted on one part (FlexSP's A100, flexmesh.cost.training.calibrate.fit_attn_efficiency):
 # that family's value, its kernel tables those of the fitted part.
 ATTENTION_FIT_FAMILY = "A100"
 _DATASHEET = ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps", "intra_latency_us", "inter_latency_us",
@@ -184,17 +184,17 @@ def _load_presets() -> dict[str, DeviceSpec]:
     for name, d in raw.items():
         e = {k: v for k, v in eff[d["family"]].items() if k != "kernel_table"}
         table, own = d["kernel_table"], eff[d["family"]]["kernel_table"]
-        fit = f"{d['family']} fit (flexmesh.cost.calibrate)"
+        fit = f"{d['family']} fit (flexmesh.cost.training.calibrate)"
         if GEMM_TABLES[table].architecture != d["architecture"]:
             fit = f"assumed: no measured {d['architecture']} kernels, so the {fit} as it is"
         if table != own:
             e["mm_efficiency"] = catalogue_efficiency(e["mm_efficiency"], GEMM_TABLES[table], GEMM_TABLES[own])
-            fit += f" x measured GEMMs of {table} / {own} (aiconfigurator-core, flexmesh.cost.gemm_tables)"
+            fit += f" x measured GEMMs of {table} / {own} (aiconfigurator-core, flexmesh.cost.device.gemm_tables)"
         e["attn_efficiency"] = catalogue_efficiency(attn_fit["attn_efficiency"], ATTENTION_TABLES[table],
                                                     ATTENTION_TABLES[attn_fit["kernel_table"]])
         if table != attn_fit["kernel_table"]:
             fit += (f"; attention: {ATTENTION_FIT_FAMILY} fit x measured attention of {table} / "
-                    f"{attn_fit['kernel_table']} (flexmesh.cost.attention_tables)")
+                    f"{attn_fit['kernel_table']} (flexmesh.cost.device.attention_tables)")
         e["efficiency_source"] = fit
         out[name] = DeviceSpec(
             name=name,

@@ -18,7 +18,7 @@ from flexmesh.spec.values import flag, known_keys, mapping, number, text, whole
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-# transformers' rope_type values the runtime implements (flexmesh.runtime.model.rope_frequencies).
+# transformers' rope_type values the runtime implements (flexmesh.runtime.model.transformer.rope_frequencies).
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
 

@@ -13,7 +13,7 @@ Qwen2-MoE adds a shared expert of width ``shared_ffn`` run on every token, scale
 its ``top_k`` experts (dropless, as transformers computes).
 
 Parameter and FLOP counts (total weights for memory, active weights per token for FLOPs) are
-properties of the shape and live here; the routing itself is the runtime's (flexmesh.runtime.moe).
+properties of the shape and live here; the routing itself is the runtime's (flexmesh.runtime.model.moe).
 
 >>> m = MoESpec(num_experts=8, top_k=2, expert_ffn=14336)
 >>> m.routed_params(4096) / 1e9, m.active_params(4096) / 1e9

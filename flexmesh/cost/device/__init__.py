@@ -1,0 +1,1 @@
+"""The device layer: what a device does (kernel times, collectives over links)."""

@@ -1,0 +1,89 @@
+"""Attention efficiency per GPU from measured kernel tables: the catalogue's ``[attention_tables]`` redone.
+
+NVIDIA's Apache-2.0 ``aiconfigurator-core`` package (``pip install flexmesh[tables]``) ships the times of
+fused causal attention over whole sequences measured on datacenter GPUs (``systems/data/<system>/
+attention/<framework>/<version>/context_attention_perf.parquet``: batch, sequence length, heads, KV
+heads, head dim, KV dtype, kernel, latency in ms). For each system this module takes one framework's
+newest table (vLLM's, as :mod:`flexmesh.cost.device.gemm_tables`), keeps the rows a training step's attention
+looks like — bf16 keys and values, head dim 128, no sliding window, sequences of at least
+:data:`MIN_TOKENS` tokens (the efficiency the catalogue records is the one over long blocks) — with the
+prefill kernel each system's vLLM runs there (FlashAttention-2 on Ampere and Ada, FlashAttention-3 on
+Hopper, TensorRT-LLM's through FlashInfer on Blackwell: the fastest fused attention each architecture
+has, as training stacks pick), and reports the median achieved TFLOP/s over the shapes every system's
+table holds. A causal pass over ``s`` tokens of ``h`` heads of dim ``d`` is ``2 s^2 h d`` FLOPs (half of
+``4 s^2 h d``).
+
+``flexmesh/spec/presets/devices.toml`` records the medians under ``[attention_tables]``; a device's
+``attn_efficiency`` is the fitted one (FlexSP's A100, :func:`flexmesh.cost.training.calibrate.fit_attn_efficiency`)
+scaled by its table's fraction of peak over the A100 table's (:func:`flexmesh.spec.devices.catalogue_efficiency`).
+The tables time the forward pass only; the scaling assumes a part's backward keeps the ratio its
+forward has to A100's.
+
+Run ``python -m flexmesh.cost.device.attention_tables`` (optionally ``--systems DIR``) to print the medians
+beside the recorded ones; it exits 1 when they differ by more than 0.5%. Nothing at plan or run time
+reads the tables.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from flexmesh.cost.device.gemm_tables import FRAMEWORK, TableMedian, redo, version_key
+from flexmesh.spec.devices import ATTENTION_TABLES
+
+MIN_TOKENS = 4096  # long blocks: the tile and per-query costs are a few percent there (flexmesh.cost.device.kernels)
+HEAD_DIM = 128
+
+Shape = tuple[int, int, int, int]  # batch, tokens, heads, KV heads
+
+
+def newest_table(systems: Path, system: str) -> Path:
+    found = sorted((systems / "data" / system / "attention" / FRAMEWORK).glob("*/context_attention_perf.parquet"),
+                   key=version_key)
+    if not found:
+        raise FileNotFoundError(f"no {FRAMEWORK} attention table for {system} under {systems}")
+    return found[-1]
+
+
+def causal_tflops(path: Path) -> tuple[str, dict[Shape, float]]:
+    """The prefill kernel of a table and its achieved TFLOP/s per shape, over the rows kept (module doc)."""
+    import pyarrow.parquet as pq  # the optional `tables` extra
+
+    t = pq.read_table(path).to_pydict()
+    window = t.get("window_size", [0] * len(t["latency"]))
+    out: dict[str, dict[Shape, float]] = {}
+    for i, ms in enumerate(t["latency"]):
+        kernel, s = t["kernel_source"][i], int(t["isl"][i])
+        if ("decode" in kernel or t["kv_cache_dtype"][i] != "bfloat16" or t["attn_dtype"][i] != "bfloat16"
+                or t["head_dim"][i] != HEAD_DIM or window[i] or s < MIN_TOKENS or ms <= 0):
+            continue
+        b, h = int(t["batch_size"][i]), int(t["num_heads"][i])
+        out.setdefault(kernel, {})[(b, s, h, int(t["num_key_value_heads"][i]))] = \
+            2.0 * b * s * s * h * HEAD_DIM / (ms * 1e-3) / 1e12
+    if len(out) != 1:
+        raise ValueError(f"{path}: expected one bf16 prefill kernel with head dim {HEAD_DIM}, found "
+                         f"{', '.join(sorted(out)) or 'none'}")
+    return next(iter(out.items()))
+
+
+def medians(systems: Path, names: list[str]) -> list[TableMedian]:
+    """Median causal-attention TFLOP/s of each system over the shapes all of them measured; the table
+    named is the parquet file and, after it, the kernel it ran."""
+    tables = {s: newest_table(systems, s) for s in names}
+    rows = {s: causal_tflops(p) for s, p in tables.items()}
+    common = set.intersection(*(set(r) for _, r in rows.values()))
+    if not common:
+        raise ValueError(f"the {FRAMEWORK} attention tables of {', '.join(names)} share no shape")
+    return [TableMedian(s, f"{tables[s].relative_to(systems).parent} {rows[s][0]}", len(common),
+                        float(np.median([rows[s][1][shape] for shape in common]))) for s in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    return redo("python -m flexmesh.cost.device.attention_tables", __doc__ or "", argv, medians, ATTENTION_TABLES)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Achievable compute throughput and alpha-beta collective times, per group size and locality.
+
+A group of ``size`` ranks whose members sit ``per_node`` to a node spans ``nodes`` nodes. Collectives
+are modelled as NCCL runs them: ring algorithms inside a node over NVLink, and across nodes bounded
+by the NICs of the group's ranks (one NIC per GPU on DGX-class nodes), each part at a fitted fraction
+of the datasheet bandwidth (see ``flexmesh.cost.training.calibrate``).
+
+Worked example (a part without a measured table, 1 GiB all-reduce over the 8 GPUs of one node at
+300 GB/s): ``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus ``2 * 7 * 10 us`` latency. Inside a
+node, a group runs over NVLink when its GPUs of that node lie within one NVLink domain (all 8 behind an
+NVSwitch; a bridged pair of PCIe cards) and over PCIe otherwise (``DeviceSpec.nvlink_domain``).
+
+Parts whose node was measured (``DeviceSpec.comm_table``: A100 SXM, H100 SXM, H200, B200) take the
+all-reduce, all-gather and reduce-scatter inside a node from the measured NCCL times instead
+(:class:`CommTable`), by message size and GPU count: mid-size messages run well below the large ones'
+bandwidth, which no single efficiency and latency reproduce (A100, 8 GPUs: 136 GB/s bus bandwidth at
+16 MiB, 222 GB/s at 512 MiB), and H100's all-reduce uses NVLink SHARP (445 GB/s at 512 MiB against 336
+for all-gather).
+
+A hardware profile (written by ``flexmesh profile hardware``) replaces every number here with a
+measurement: ``flexmesh.profile.timing.ProfiledHardware``, a subclass built by
+``flexmesh.profile.use.hardware_from_profile`` (the cost package does not read profiles; docs/profiles.md
+describes the scaling to group sizes it did not measure).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+
+from flexmesh.cost.device.kernels import HBM_EFFICIENCY, Kernels
+from flexmesh.spec.cluster import ClusterSpec
+from flexmesh.spec.devices import COMM_TABLES
+from flexmesh.spec.model import DTYPE_BYTES
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# Compute that a collective overlaps runs 1.13x slower on A100 (Galvatron, 2211.13878, its measured
+# slowdown coefficient; docs/cost-model.md): of a collective hidden under compute, 1 - 0.13 = 0.87 of
+# its time is really saved.
+OVERLAP_SLOWDOWN = 1.13
+PRESET_OVERLAP = 2.0 - OVERLAP_SLOWDOWN
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """How a process group lies on the cluster."""
+
+    size: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.size / self.per_node)
+
+    @property
+    def intra_node(self) -> bool:
+        return self.nodes == 1
+
+
+def group_shape(size: int, stride: int, cluster: ClusterSpec) -> GroupShape:
+    """Shape of a group of ``size`` ranks spaced ``stride`` apart (stride 1 = consecutive ranks).
+
+    >>> from flexmesh.spec import parse_cluster
+    >>> c = parse_cluster("4x8xA100-80GB")
+    >>> group_shape(8, 1, c), group_shape(4, 8, c).nodes, group_shape(4, 2, c).nodes
+    (GroupShape(size=8, per_node=8), 4, 1)
+    """
+    dpn = cluster.devices_per_node
+    if size <= 1:
+        return GroupShape(1, 1)
+    per_node = max(1, min(size, dpn // stride)) if stride <= dpn else 1
+    return GroupShape(size, per_node)
+
+
+@lru_cache(maxsize=4096)
+def pipeline_crossings(world: int, per_node: int, pp: int, v: int = 1) -> tuple[bool, ...]:
+    """Per pipeline rank, whether its pipeline sends leave its node. The rank order puts stage ``i`` on
+    ranks ``[i x stride, (i + 1) x stride)`` (``stride = world / pp``, stages outermost) and a rank sends
+    to the same offset of the next stage; the last stage's boundary is the one before it, or with
+    interleaving (``v > 1``) the one to the first stage, which runs its next chunk. A stage narrower
+    than a node shares nodes with its neighbours, so only the boundaries at node edges cross.
+
+    >>> pipeline_crossings(32, 8, 8)  # 4 GPUs a stage: every second boundary leaves the node
+    (False, True, False, True, False, True, False, False)
+    >>> pipeline_crossings(32, 8, 8, v=2)[-1], pipeline_crossings(16, 8, 2), pipeline_crossings(8, 8, 4)
+    (True, (True, True), (False, False, False, False))
+    """
+    stride = world // pp
+
+    def crosses(a: int, b: int) -> bool:
+        if stride >= per_node:
+            return True
+        return any((a * stride + x) // per_node != (b * stride + x) // per_node for x in range(stride))
+
+    if pp == 1:
+        return (False,)
+    last = 0 if v > 1 else pp - 2
+    return tuple(crosses(r, r + 1 if r < pp - 1 else last) for r in range(pp))
+
+
+class CommTable:
+    """Measured times of ring collectives inside one node (presets/collectives.toml), by op, GPU count and
+    message size.
+
+    Between measured sizes the time is interpolated linearly in log(bytes) and log(time); below the
+    smallest it is the smallest's (the latency floor); above the largest it grows in proportion to the
+    bytes (the largest message's bandwidth). A GPU count the table did not measure takes the nearest
+    measured one (the larger on a tie), scaled by the ring's volume ``(n - 1) / n`` over the measured
+    count's.
+
+    >>> t = CommTable({"all_gather": {2: ((1e3, 1e6), (1e-5, 1e-4))}})
+    >>> [round(float(t.time("all_gather", 2, b)) * 1e6, 2) for b in (10.0, 1e3, 31622.78, 1e6, 2e6)]
+    [10.0, 10.0, 31.62, 100.0, 200.0]
+    >>> round(float(t.time("all_gather", 4, 1e6)) * 1e6, 2)  # 3/4 of the volume against 1/2
+    150.0
+    """
+
+    def __init__(self, curves: dict[str, dict[int, tuple[tuple[float, ...], tuple[float, ...]]]],
+                 linear: bool = False):
+        self._raw = curves
+        self._curves = {op: {n: (np.log(np.asarray(b, dtype=float)), np.log(np.asarray(t, dtype=float)),
+                                 float(b[-1]), float(t[-1]))
+                             for n, (b, t) in by_n.items()} for op, by_n in curves.items()}
+        # seconds per byte at the best measured bandwidth (the least t / b of a curve: at a measured size,
+        # since between sizes and beyond them t / b lies between its neighbours' or keeps the largest's)
+        self._rate = {op: {n: min(t_ / b_ for b_, t_ in zip(b, t)) for n, (b, t) in by_n.items()}
+                      for op, by_n in curves.items()}
+        self.linear = linear
+        self._memo: dict[tuple[str, int, float], float] = {}
+
+    def envelope(self) -> CommTable:
+        """The same table at each curve's best bandwidth and no latency: times proportional to the bytes,
+        never above the measured ones, and additive (the collectives of documents run alone add up to
+        theirs packed together), as :meth:`flexmesh.cost.device.kernels.Kernels.envelope` makes the kernels.
+
+        >>> t = CommTable({"all_gather": {2: ((1e3, 1e6), (1e-5, 1e-4))}}).envelope()
+        >>> [round(float(t.time("all_gather", 2, b)) * 1e6, 3) for b in (1e3, 1e6, 2e6)]
+        [0.1, 100.0, 200.0]
+        """
+        return CommTable(self._raw, linear=True)
+
+    def covers(self, kind: str) -> bool:
+        return kind in self._curves
+
+    def time(self, kind: str, n: int, nbytes):
+        """Seconds of one ``kind`` over ``n`` GPUs of a node with a buffer of ``nbytes`` (arrays too)."""
+        if not isinstance(nbytes, np.ndarray):
+            key = (kind, n, float(nbytes))
+            if key not in self._memo:
+                self._memo[key] = float(self._time(kind, n, np.asarray(float(nbytes))))
+            return self._memo[key]
+        return self._time(kind, n, nbytes)
+
+    def _time(self, kind: str, n: int, nbytes: np.ndarray) -> np.ndarray:
+        if n <= 1:
+            return np.zeros_like(nbytes, dtype=float)
+        by_n = self._curves[kind]
+        near = min(by_n, key=lambda m: (abs(m - n), -m))
+        if self.linear:
+            t = np.asarray(nbytes, dtype=float) * self._rate[kind][near]
+        else:
+            logb, logt, b_max, t_max = by_n[near]
+            b = np.maximum(np.asarray(nbytes, dtype=float), 1.0)
+            t = np.where(b > b_max, t_max * b / b_max, np.exp(np.interp(np.log(b), logb, logt)))
+        t = t * (((n - 1) / n) / ((near - 1) / near))
+        return np.where(np.asarray(nbytes) > 0, t, 0.0)
+
+
+@dataclass(frozen=True)
+class CollectiveParams:
+    """Per-collective efficiencies and latencies; from a device preset or a hardware profile."""
+
+    intra_gbps: float  # NVLink per GPU per direction
+    inter_gbps_per_gpu: float  # node NIC bandwidth per direction divided among the node's GPUs
+    ring_intra_eff: float
+    ring_inter_eff: float
+    a2a_intra_eff: float
+    a2a_inter_eff: float
+    intra_latency_s: float
+    inter_latency_s: float
+    nvlink_domain: int = 0  # GPUs of a node NVLink joins (0: all); groups with more of a node use PCIe
+    pcie_gbps: float = 0.0  # per GPU per direction
+    table: CommTable | None = None  # measured ring collectives inside a node, where the part has them
+
+    def intra_bytes_per_s(self, per_node: int) -> float:
+        """Bandwidth of a group with ``per_node`` members on each node: NVLink within the NVLink domain
+        (groups lie on consecutive GPUs, tp innermost), PCIe beyond it."""
+        if self.nvlink_domain and per_node > self.nvlink_domain:
+            return self.pcie_gbps * 1e9
+        return self.intra_gbps * 1e9
+
+
+class Hardware:
+    """Throughput and collective times for one cluster; the only place bandwidths are turned into time."""
+
+    def __init__(self, cluster: ClusterSpec, dtype: str = "bf16"):
+        d = cluster.device
+        self.cluster = cluster
+        self.dtype = dtype
+        self.peak_flops = d.peak_flops(dtype)
+        self.matmul_flops = self.peak_flops * d.mm_efficiency
+        self.attn_flops = self.peak_flops * d.attn_efficiency
+        self.hbm_bytes_per_s = d.hbm_gbps * 1e9
+        # Kernel times by shape (flexmesh.cost.device.kernels): GEMM tiles over the datasheet SM count,
+        # memory-bound operators at the achievable fraction of the datasheet HBM bandwidth.
+        self.kernels = Kernels(mm_flops=self.matmul_flops, attn_flops=self.attn_flops,
+                               hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=d.sms,
+                               dtype_bytes=DTYPE_BYTES.get(dtype, 2))
+        self.memory_bytes = d.usable_memory_bytes
+        self.source = f"preset:{d.name}"
+        self.overlap = PRESET_OVERLAP
+        self.comm = CollectiveParams(
+            intra_gbps=d.nvlink_gbps,
+            inter_gbps_per_gpu=d.node_net_gbps / cluster.devices_per_node,
+            ring_intra_eff=d.intra_efficiency,
+            ring_inter_eff=d.inter_efficiency,
+            a2a_intra_eff=d.a2a_intra_efficiency,
+            a2a_inter_eff=d.a2a_inter_efficiency,
+            intra_latency_s=d.intra_latency_us * 1e-6,
+            inter_latency_s=d.inter_latency_us * 1e-6,
+            nvlink_domain=d.nvlink_domain,
+            pcie_gbps=d.pcie_gbps,
+            table=_comm_table(d.comm_table),
+        )
+
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds of one streaming copy kernel moving ``nbytes`` (read and write) on one device."""
+        return float(self.kernels.memory_bound(nbytes))
+
+    def additive(self) -> Hardware:
+        """A copy whose measured collectives take their best bandwidth and no latency: times proportional
+        to the bytes, never above this one's, so the collectives of documents run alone add up to theirs
+        packed together (:meth:`CommTable.envelope`; the cost model's lower envelope uses it)."""
+        other = copy.copy(self)
+        if self.comm is not None and self.comm.table is not None:
+            other.comm = replace(self.comm, table=self.comm.table.envelope())
+        return other
+
+    def exposed(self, comm, window):
+        """Seconds of a collective of ``comm`` s left exposed when it runs alongside ``window`` s of compute.
+
+        ``overlap`` is the fraction of the overlapped time that is really saved: 1 where communication
+        and compute run side by side unhindered, less where they share the device (the slowdown of the
+        compute is charged here too), 0 where they serialise. Arrays accepted.
+
+        >>> from flexmesh.spec import parse_cluster
+        >>> hw = Hardware(parse_cluster("1x8xA100-80GB"))
+        >>> round(float(hw.exposed(1.0, 4.0)), 2), round(float(hw.exposed(1.0, 0.25)), 4)
+        (0.13, 0.7825)
+        """
+        return comm - self.overlap * np.minimum(comm, window)
+
+    def collective_time(self, kind: str, nbytes, shape: GroupShape):
+        """Seconds for one collective; ``nbytes`` may be a numpy array.
+
+        ``nbytes`` is the full buffer: the all-reduce buffer, the all-gather output, the reduce-scatter
+        input, the all-to-all send buffer of one rank, the message of a send/recv.
+        """
+        n = shape.size
+        if n <= 1:
+            return np.zeros_like(nbytes, dtype=float) if isinstance(nbytes, np.ndarray) else 0.0
+        c = self.comm
+        k, m = shape.per_node, shape.nodes
+        intra_bw = c.intra_bytes_per_s(k)
+        nic_bw = c.inter_gbps_per_gpu * 1e9
+        if kind == "send_recv":
+            if m > 1:
+                return nbytes / (nic_bw * c.ring_inter_eff) + c.inter_latency_s
+            return nbytes / (intra_bw * c.ring_intra_eff) + c.intra_latency_s
+        if kind == "all_to_all":
+            # Each rank sends (n-1)/n of its buffer; (n-k)/n of it leaves the node through its own NIC.
+            t_intra = nbytes * (k - 1) / n / (intra_bw * c.a2a_intra_eff)
+            t_inter = nbytes * (n - k) / n / (nic_bw * c.a2a_inter_eff) if m > 1 else 0.0
+            lat = c.intra_latency_s + (c.inter_latency_s if m > 1 else 0.0)
+            return np.maximum(t_intra, t_inter) + lat if isinstance(nbytes, np.ndarray) else max(t_intra, t_inter) + lat
+        factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}.get(kind)
+        if factor is None:
+            raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
+        # Hierarchical ring: inside the node over NVLink, across nodes through the k NICs of the group.
+        t_inter = factor * (m - 1) / m * nbytes / (k * nic_bw * c.ring_inter_eff) if m > 1 else 0.0
+        if c.table is not None and c.table.covers(kind):  # measured, latency included
+            t_intra = c.table.time(kind, k, nbytes)
+            lat = factor * (m - 1) * c.inter_latency_s
+        else:
+            t_intra = factor * (k - 1) / k * nbytes / (intra_bw * c.ring_intra_eff)
+            lat = factor * ((k - 1) * c.intra_latency_s + (m - 1) * c.inter_latency_s)
+        if isinstance(nbytes, np.ndarray):
+            return np.maximum(t_intra, t_inter) + lat
+        return max(t_intra, t_inter) + lat
+
+
+_TABLES: dict[str, CommTable] = {}
+
+
+def _comm_table(name: str) -> CommTable | None:
+    """The catalogue's measured table ``name`` (one instance per table: its memo is shared), None for ""."""
+    if not name:
+        return None
+    if name not in _TABLES:
+        _TABLES[name] = CommTable(COMM_TABLES[name])
+    return _TABLES[name]

@@ -1,0 +1,188 @@
+"""Kernel times on one GPU: GEMMs by shape, memory-bound operators by bytes, flash attention by block.
+
+One efficiency per GPU type cannot follow GEMM throughput falling with matrix size, nor price the
+elementwise work that does no matmul. :class:`Kernels` prices each kernel from datasheet numbers
+and a few fitted ones (``python -m flexmesh.cost.training.calibrate`` redoes the fits; docs/cost-model.md
+has the table of terms):
+
+- GEMM ``(M, N, K)`` (``M x K`` times ``K x N``): output tiles of ``TILE x TILE`` (CUTLASS's default
+  threadblock tile for SM80/SM90 GEMMs, docs/efficient_gemm.md; cuBLAS' heuristics pick 128- and
+  256-wide tiles) run in waves of one tile per SM (the SM count from the datasheet, ``DeviceSpec.sms``:
+  A100 108, H100 SXM and H200 132); a wave takes ``2 TILE^2 K / (peak x mm_efficiency / SMs)``, ``mm_efficiency``
+  being what the largest GEMMs reach (fitted). Tile and wave quantization as NVIDIA's "Matrix
+  Multiplication Background" guide (Deep Learning Performance documentation) describes them. The
+  time is the larger of that and the bytes of A, B and C over the HBM bandwidth (roofline), plus
+  one kernel's fixed cost. (A per-tile fixed cost in K-steps was tried as a further fitted constant:
+  the fitting rows drive it to zero, so it is not part of the model.)
+- Memory-bound operators (norms, residual adds, rotary, activations, softmax and cross entropy,
+  optimizer step): bytes moved over the datasheet HBM bandwidth x :data:`HBM_EFFICIENCY`.
+- Flash attention over blocks of ``L`` keys: tiles of ``ATTN_TILE`` queries x ``ATTN_TILE`` keys
+  (FlashAttention-2, 2307.08691, section 3.3), so ``L`` rounds up to whole tiles, and each query
+  tile pays a fixed cost of ``ATTN_QUERY_OVERHEAD`` keys (loading Q, rescaling and writing O).
+- Every kernel: :data:`LAUNCH_S` of fixed cost.
+
+>>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100, launch_s=0.0)
+>>> big, small = k.gemm_efficiency(8192, 8192, 8192), k.gemm_efficiency(64, 8192, 8192)
+>>> round(float(big), 3), round(float(small), 3)  # 4096 tiles in 41 waves | 64 tiles, half-used, on 100 SMs
+(0.999, 0.32)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+# Output tile of a GEMM kernel: CUTLASS's default 128 x 128 threadblock tile (SM80 and SM90).
+TILE = 128
+# Flash attention tile: 128 queries x 128 keys (FlashAttention-2, 2307.08691, section 3.3).
+ATTN_TILE = 128
+# Fixed cost per kernel: an empty kernel sustains about 334,000 asynchronous launches per second
+# (M. Boyer, University of Virginia, "CUDA kernel overhead" measurements): 3 us per kernel.
+LAUNCH_S = 3e-6
+# Achievable fraction of the datasheet HBM bandwidth by streaming kernels: STREAM-like copy and
+# triad kernels reach about 90% of it on A100 and H100 (BabelStream, Deakin et al., and NVIDIA's
+# bandwidthTest report 1.3-1.4 TB/s of 1.555 on A100-40GB and about 3.0 TB/s of 3.35 on H100 SXM).
+HBM_EFFICIENCY = 0.9
+# Per query tile, flash attention loads Q and writes O and its softmax statistics: the bytes of one
+# more K/V tile iteration (FlashAttention-2's algorithm 1, 2307.08691), so one tile of keys' worth.
+ATTN_QUERY_OVERHEAD = float(ATTN_TILE)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Kernel-time model of one device (times in seconds; shapes may be numpy arrays).
+
+    ``mm_flops`` and ``attn_flops``: peak x the fitted efficiency of the largest GEMMs and of flash
+    attention over long blocks; ``sms`` None: no tile or wave quantization (a measured machine, or a
+    device without a datasheet entry here), GEMMs then run at ``mm_flops`` whatever their shape.
+    """
+
+    mm_flops: float
+    attn_flops: float
+    hbm_bytes_per_s: float  # achievable: datasheet x HBM_EFFICIENCY, or measured
+    sms: int | None
+    attn_overhead: float = ATTN_QUERY_OVERHEAD  # keys' worth of fixed cost per query tile
+    launch_s: float = LAUNCH_S
+    dtype_bytes: int = 2
+    roofline: bool = True  # False: GEMMs at their compute time alone (see :meth:`envelope`)
+    # True: a block is priced at the best efficiency of any block up to its length (see :meth:`floor`)
+    attn_best_below: bool = False
+    # A backward that runs at its own pace (FlashAttention-2 on Hopper, :func:`flash2_kernels`): its rate
+    # over long blocks and its fixed cost per query tile in keys; None: the forward's
+    attn_bwd_flops: float | None = None
+    attn_bwd_overhead: float | None = None
+    # True (the envelope): attention keeps its per-query-tile cost with keys not rounded up to tiles
+    attn_untiled: bool = False
+
+    def envelope(self) -> "Kernels":
+        """The same device with every kernel at its best rate: no tiles, waves, launches or roofline.
+
+        Its times are linear in tokens (plus attention's squared tokens), never above this model's,
+        and additive: the sum over documents run alone equals them packed together. A lower bound
+        built on them holds for every packing (:meth:`flexmesh.cost.CostModel.with_kernels`).
+        Attention keeps its fixed cost per query tile (keys not rounded up to tiles): ``L^2 / (L +
+        overhead)`` per document is ``L^2 + overhead x L`` over the rate, linear in squared tokens and
+        tokens, and never above the tiled price.
+
+        >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100)
+        >>> e = k.envelope()
+        >>> bool(e.gemm(64, 8192, 8192) <= k.gemm(64, 8192, 8192))
+        True
+        >>> float(e.gemm(64, 8, 8) + e.gemm(64, 8, 8)) == float(e.gemm(128, 8, 8))
+        True
+        """
+        # (a device priced without tiles, sms None, has no per-tile cost to keep: its attention is at full rate)
+        return replace(self, sms=None, launch_s=0.0, roofline=False, attn_untiled=self.sms is not None)
+
+    def floor(self) -> "Kernels":
+        """The same device with attention blocks at the best efficiency of any block up to their length.
+
+        Attention is priced over blocks of the micro-batch's mean length (:meth:`attention_efficiency`),
+        whose keys are rounded up to whole tiles. A short document packed beside a long one lowers the
+        mean: past a tile boundary, that can drop a partly filled tile and price the pair below the long
+        document alone. A bound on "a micro-batch never takes less than its longest member" uses this
+        model, whose efficiency never rises as the mean falls (:func:`flexmesh.schedule.lower_bound`).
+
+        >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100)
+        >>> bool(k.attention_efficiency(257.0) < k.attention_efficiency(256.0))
+        True
+        >>> float(k.floor().attention_efficiency(257.0)) == float(k.attention_efficiency(256.0))
+        True
+        """
+        return replace(self, attn_best_below=True)
+
+    # ---- GEMMs ---------------------------------------------------------------------------------
+    def gemm_compute(self, m, n, k):  # noqa: ANN001, ANN201 - floats or numpy arrays
+        """Seconds of the tensor-core work of ``(m, n, k)``: whole waves of whole tiles."""
+        if self.sms is None:
+            return 2.0 * m * n * k / self.mm_flops
+        if isinstance(m, np.ndarray) or isinstance(n, np.ndarray):
+            waves = np.ceil(np.ceil(m / TILE) * np.ceil(n / TILE) / self.sms)
+        else:  # scalars (the search prices one layer at a time): plain floats are much faster
+            waves = math.ceil(math.ceil(m / TILE) * math.ceil(n / TILE) / self.sms)
+        return waves * (2.0 * self.sms * TILE * TILE) * k / self.mm_flops
+
+    def gemm(self, m, n, k):  # noqa: ANN001, ANN201
+        """Seconds of one GEMM ``(m x k) @ (k x n)``: roofline of the tiled compute and the bytes of
+        the three matrices, plus the kernel's fixed cost (none for an empty ``m``)."""
+        compute = self.gemm_compute(m, n, k)
+        if not self.roofline:
+            return compute
+        memory = (m * k + k * n + m * n) * self.dtype_bytes / self.hbm_bytes_per_s
+        if isinstance(compute, np.ndarray):  # an empty dimension (no tokens) runs nothing
+            return (np.maximum(compute, memory) + self.launch_s) * ((m > 0) & (n > 0) & (k > 0))
+        return max(compute, memory) + self.launch_s if m > 0 and n > 0 and k > 0 else 0.0
+
+    def gemm_efficiency(self, m, n, k):  # noqa: ANN001, ANN201
+        """Achieved fraction of ``mm_flops`` (what :meth:`gemm` implies, launch included)."""
+        return 2.0 * m * n * k / self.mm_flops / self.gemm(m, n, k)
+
+    def linear(self, m, n, k):  # noqa: ANN001, ANN201
+        """(forward, backward) seconds of a linear layer: the forward GEMM ``(m, n, k)``; backward the
+        input gradient ``(m, k, n)`` and the weight gradient ``(n, k, m)``, reducing over tokens."""
+        return self.gemm(m, n, k), self.gemm(m, k, n) + self.gemm(n, k, m)
+
+    # ---- memory-bound operators ----------------------------------------------------------------
+    def memory_bound(self, nbytes, kernels=1.0):  # noqa: ANN001, ANN201
+        """Seconds of ``kernels`` streaming kernels moving ``nbytes`` in all."""
+        return nbytes / self.hbm_bytes_per_s + kernels * self.launch_s * (nbytes > 0)
+
+    # ---- flash attention -----------------------------------------------------------------------
+    def attention_efficiency(self, block, overhead: float | None = None):  # noqa: ANN001, ANN201
+        """Fraction of ``attn_flops`` reached over blocks of ``block`` keys: keys rounded up to whole
+        tiles, and each query tile's fixed cost of ``attn_overhead`` keys (or ``overhead``; with
+        ``attn_best_below``, the best of that over blocks up to ``block``: at the last whole number of
+        tiles, see :meth:`floor`)."""
+        overhead = self.attn_overhead if overhead is None else overhead
+        if isinstance(block, np.ndarray):
+            b = np.maximum(block, 1.0)
+            if self.attn_untiled:
+                return b / (b + overhead)
+            if self.sms is None:
+                return np.ones_like(b)
+            eff = b / (np.ceil(b / ATTN_TILE) * ATTN_TILE + overhead)
+            if self.attn_best_below:
+                whole = np.floor(b / ATTN_TILE) * ATTN_TILE
+                eff = np.maximum(eff, whole / (whole + overhead))
+            return eff
+        keys = max(float(block), 1.0)
+        if self.attn_untiled:
+            return keys / (keys + overhead)
+        if self.sms is None:
+            return 1.0
+        rate = keys / (math.ceil(keys / ATTN_TILE) * ATTN_TILE + overhead)
+        if self.attn_best_below:
+            tiled = float(math.floor(keys / ATTN_TILE) * ATTN_TILE)
+            rate = max(rate, tiled / (tiled + overhead))
+        return rate
+
+    def attention(self, flops, block, calls: float = 1.0, backward: bool = False):  # noqa: ANN001, ANN201
+        """Seconds of ``calls`` flash-attention kernels doing ``flops`` over blocks of ``block`` keys
+        (``backward``: at the backward's own rate where it has one)."""
+        if backward and self.attn_bwd_flops is not None:
+            t = flops / (self.attn_bwd_flops * self.attention_efficiency(block, self.attn_bwd_overhead))
+        else:
+            t = flops / (self.attn_flops * self.attention_efficiency(block))
+        return t + calls * self.launch_s * (flops > 0)

@@ -1,0 +1,1 @@
+"""Pricing of a training step, on the device layer."""

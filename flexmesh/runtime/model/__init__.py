@@ -1,0 +1,1 @@
+"""The model and its layers: plain PyTorch, no process groups."""

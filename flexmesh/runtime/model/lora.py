@@ -1,0 +1,253 @@
+"""LoRA adapters of many tasks on one frozen base model, applied in one forward (docs/adapters.md).
+
+Every adapted projection ``y = W x`` of the base model gains, per task ``t`` that targets it,
+``y += s_t * B_t A_t dropout_t(x)`` (LoRA, 2106.09685; ``s_t = alpha_t / r_t``, or ``alpha_t /
+sqrt(r_t)`` with rsLoRA). The adapters of one projection live beside it, in the layer's
+``adapters`` dict, so the base model's module names, tensor-parallel plan, checkpoints and Hugging
+Face names stay as they are::
+
+    layers.3.attention.wq.weight                  the frozen base projection
+    layers.3.attention.adapters.wq.lora_A.2       task slot 2's A [r_2, in]   (PEFT's lora_A.weight)
+    layers.3.attention.adapters.wq.lora_B.2       task slot 2's B [out, r_2]  (PEFT's lora_B.weight)
+
+A packed micro-batch holds documents of several tasks. Packing lays each task's documents next to
+each other (flexmesh.runtime.model.packing.pack_microbatch), so the row is a few runs of one task each,
+and every projection runs its adapters as two grouped matmuls over those runs
+(``torch._grouped_mm`` with the runs' end offsets): one call for every task's ``x A_t^T``, one for
+``(.) B_t^T``. The tasks' A (and B) are zero-padded to the largest rank and stacked, and each run
+picks its task's slice; zero padding adds exact zeros to the product and gets zero gradients, so
+ranks may differ per task. Padding tokens and tasks that do not target a projection are scaled by 0.
+Every task's weights enter the stack on every step, so every adapter has a gradient (zero when the
+task had no tokens) on every rank and data-parallel reductions always pair.
+
+Where the grouped kernel is not available for the device and dtype (CUDA below sm90 or not bf16),
+each run is its own pair of ``F.linear`` (:func:`segment_matmul`); ``loop=True`` asks for that path
+(the per-adapter loop the kernel benchmark compares against).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flexmesh.runtime.model.grouped import grouped_linear
+from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
+from flexmesh.spec.model import ModelSpec
+from flexmesh.spec.tasks import TARGETS, TaskSet, projection_shape
+
+
+@dataclass
+class AdapterRow:
+    """Which task each token of one micro-batch's row belongs to: ``runs`` of (task slot, tokens), in
+    row order, covering the row (padding: flexmesh.runtime.model.packing.PADDING_SLOT). ``offsets``: the
+    runs' end offsets on the device (int32), built once per micro-batch and read by every adapted projection."""
+
+    runs: tuple[tuple[int, int], ...]
+    offsets: torch.Tensor
+
+    @classmethod
+    def of(cls, runs: Sequence[tuple[int, int]], device: torch.device) -> AdapterRow:
+        ends, total = [], 0
+        for _, n in runs:
+            total += n
+            ends.append(total)
+        return cls(tuple(runs), torch.tensor(ends, dtype=torch.int32, device=device))
+
+    def token_slots(self, device: torch.device) -> torch.Tensor:
+        """Task slot of every token [T] (long)."""
+        return torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in self.runs]).to(device)
+
+
+def segment_matmul(x: torch.Tensor, w: torch.Tensor, row: AdapterRow, loop: bool = False) -> torch.Tensor:
+    """Rows of ``x`` [T, K] in run ``i`` of ``row`` times ``w[i]^T`` (``w`` [runs, N, K]): [T, N]. One
+    grouped kernel, or (``loop``, or no grouped kernel here) one ``F.linear`` per run."""
+    return grouped_linear(x, w, row.offsets, [n for _, n in row.runs], loop)
+
+
+# Projections split by output features under tensor parallelism (the others by input features).
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")
+
+
+class Adapters(nn.Module):
+    """The LoRA adapters of one projection (``fan_in`` -> ``fan_out``), one per task slot that targets it.
+
+    Under tensor parallelism (:func:`shard_adapters`) a column-parallel projection's B is split by
+    output rows like the projection (its product is this rank's output columns; A is replicated and
+    each rank's gradient of it partial); a row-parallel projection's A is split by input columns like
+    the projection, the rank-r products are all-reduced (backward too: each rank holds the gradient
+    of its own tokens), and the addition is cut to this rank's slice of the sequence, which the
+    projection's sequence-parallel output holds (B is replicated, its gradient partial). Partial
+    gradients are summed over the tp ranks after backward (:func:`tp_sum_replicated`).
+    """
+
+    def __init__(self, fan_in: int, fan_out: int, tasks: TaskSet, target: str, device: torch.device | None = None):
+        super().__init__()
+        self.slots = [i for i, t in enumerate(tasks) if target in t.targets]
+        self.rank = max(tasks.tasks[i].rank for i in self.slots)
+        self.scaling = {i: tasks.tasks[i].scaling for i in self.slots}
+        self.dropout = {i: tasks.tasks[i].dropout for i in self.slots}
+        self.loop = False  # the per-run reference path (segment_matmul)
+        self.tp_kind = ""  # "column" or "row" under tensor parallelism (shard_adapters)
+        self.tp_group = None
+        self.lora_A = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(tasks.tasks[i].rank, fan_in, device=device))
+                                        for i in self.slots})
+        self.lora_B = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(fan_out, tasks.tasks[i].rank, device=device))
+                                        for i in self.slots})
+
+    def _stacked(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's A [r_max, in] and B [out, r_max], zero-padded and stacked (one more all-zero
+        entry last, for runs this projection does not adapt)."""
+        r = self.rank
+        a_, b_ = [_local(self.lora_A[str(i)]) for i in self.slots], [_local(self.lora_B[str(i)]) for i in self.slots]
+        a = [F.pad(t, (0, 0, 0, r - t.shape[0])) for t in a_]
+        b = [F.pad(t, (0, r - t.shape[1])) for t in b_]
+        a.append(torch.zeros_like(a[0]))
+        b.append(torch.zeros_like(b[0]))
+        return torch.stack(a).to(dtype), torch.stack(b).to(dtype)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, row: AdapterRow) -> torch.Tensor:
+        """The adapters' addition to the projection of ``x`` [B, T, in] -> [B, T, out]; outside
+        ``torch.compile`` (compiled blocks would recompile for every micro-batch's task runs)."""
+        if isinstance(x, DTensor):  # a column-parallel projection's replicated input: each rank's gradient is a share
+            from torch.distributed.tensor import Partial
+
+            x = x.to_local(grad_placements=[Partial()])
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        a, b = self._stacked(x.dtype)
+        index = {s: k for k, s in enumerate(self.slots)}
+        pick = torch.tensor([index.get(s, len(self.slots)) for s, _ in row.runs], device=x.device)
+        scale = torch.cat([torch.full((n,), self.scaling.get(s, 0.0), dtype=x.dtype) for s, n in row.runs])
+        if self.training and any(self.dropout.get(s, 0.0) > 0 for s, _ in row.runs):
+            keep = torch.cat([torch.full((n,), 1.0 - self.dropout.get(s, 0.0)) for s, n in row.runs]).to(x.device)
+            x2 = x2 * (torch.bernoulli(keep.expand(shape[-1], -1).t()) / keep[:, None]).to(x.dtype)
+        h = segment_matmul(x2, a[pick], row, self.loop)
+        if self.tp_kind == "row":  # partial products over the input shards: summed, forward and backward
+            h = _SumOverRanks.apply(h, self.tp_group)
+        out = segment_matmul(h * scale.to(x.device)[:, None], b[pick], row, self.loop).view(*shape[:-1], -1)
+        if self.tp_kind == "row":  # this rank's slice of the sequence, as the projection's output holds
+            size, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+            n = shape[1] // size
+            out = out[:, rank * n:(rank + 1) * n]
+        return out
+
+
+def attach_adapters(model: nn.Module, spec: ModelSpec, tasks: TaskSet) -> None:
+    """Freeze every parameter of ``model`` (a Transformer or a stage of one) and give each of its
+    layers the adapters of ``tasks`` (on the model's device; zeros until :func:`init_adapters`)."""
+    tasks.check(spec)
+    model.requires_grad_(False)
+    for layer in model.layers.values():
+        device = next(layer.parameters()).device
+        for target in tasks.targets():
+            fan_in, fan_out = projection_shape(spec, target)
+            part, proj = TARGETS[target].split(".")
+            owner = getattr(layer, part)
+            if owner.adapters is None:
+                owner.adapters = nn.ModuleDict()
+            owner.adapters[proj] = Adapters(fan_in, fan_out, tasks, target, device)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) forward and backward: the rank-r products of a row-parallel projection's input
+    shards are summed, and so is their gradient, each rank holding that of its own tokens. (Written
+    here: torch.distributed.nn.functional.all_reduce does this but is deprecated, and the functional
+    collectives that replace it have no autograd.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):  # noqa: ANN001, ANN205
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _adapter_modules(model: nn.Module) -> list[tuple[str, Adapters]]:
+    """(projection name, its Adapters) of every adapted projection of ``model``."""
+    return [(proj, ad) for layer in model.layers.values() for part in (layer.attention, layer.feed_forward)
+            if part.adapters is not None for proj, ad in part.adapters.items()]
+
+
+def shard_adapters(model: nn.Module, tp_mesh) -> None:  # noqa: ANN001
+    """Split the adapters as their projections are split over ``tp_mesh`` (see :class:`Adapters`):
+    column-parallel B by rows, row-parallel A by columns, as DTensors; before FSDP2 wraps the model."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for proj, ad in _adapter_modules(model):
+        ad.tp_kind = "column" if proj in COLUMN_PARALLEL else "row"
+        ad.tp_group = tp_mesh.get_group()
+        split, dim = (ad.lora_B, 0) if ad.tp_kind == "column" else (ad.lora_A, 1)
+        for k in list(split.keys()):
+            split[k] = nn.Parameter(distribute_tensor(split[k].data, tp_mesh, [Shard(dim)], src_data_rank=None))
+
+
+def tp_sum_replicated(models: Sequence[nn.Module]) -> None:
+    """Sum, over the tp ranks, the gradients of the adapter factors replicated there (column-parallel A,
+    row-parallel B): each rank's holds only its own share (see :class:`Adapters`)."""
+    for m in models:
+        for _, ad in _adapter_modules(m):
+            if not ad.tp_kind:
+                continue
+            for p in (ad.lora_A if ad.tp_kind == "column" else ad.lora_B).values():
+                if p.grad is not None:
+                    dist.all_reduce(_local(p.grad), group=ad.tp_group)
+
+
+def adapter_slot(name: str) -> int:
+    """The task slot of adapter parameter ``name`` (``...lora_A.<slot>``)."""
+    return int(name.rsplit(".", 1)[1])
+
+
+def adapter_seed(name: str, task: str, seed: int) -> int:
+    """The generator seed of one adapter tensor: the run's seed, the tensor's place and the task's name
+    (not its slot), so a task draws the same initial adapter alone or beside others."""
+    place = name.rsplit(".", 1)[0]
+    return seed * 1_000_003 + zlib.crc32(f"{place}.{task}".encode())
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, tasks: TaskSet, seed: int) -> None:
+    """LoRA's initialisation, as PEFT draws it: A ~ U(-1/sqrt(in), 1/sqrt(in)) (Kaiming-uniform with
+    a = sqrt(5)), B = 0, so every adapter starts as the identity; drawn whole on CPU per tensor and
+    copied into this rank's shard (flexmesh.runtime.model.params.copy_full_)."""
+    for wrapped, param in model.named_parameters():
+        name = canonical_name(wrapped)
+        if not is_adapter(name):
+            continue
+        shape = tuple(param.shape)
+        if ".lora_B." in name:
+            full = torch.zeros(shape)
+        else:
+            gen = torch.Generator().manual_seed(adapter_seed(name, tasks.tasks[adapter_slot(name)].name, seed))
+            bound = 1.0 / math.sqrt(shape[1])
+            full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
+        copy_full_(param, full)
+
+
+def adapter_parameters(modules: Sequence[nn.Module], tasks: TaskSet) -> list[list[nn.Parameter]]:
+    """Per task slot, its adapter parameters held by ``modules``, in name order."""
+    out: list[list[nn.Parameter]] = [[] for _ in tasks]
+    for m in modules:
+        for name, p in sorted(m.named_parameters()):
+            if is_adapter(name):
+                out[adapter_slot(name)].append(p)
+    return out

@@ -1,0 +1,1 @@
+"""A run's state on disk: checkpoints, weights, export, the run folder."""

@@ -1,0 +1,373 @@
+"""Training checkpoints -> Hugging Face folders (``flexmesh export``), in one process, no process group.
+
+A DCP checkpoint of any layout (plain, FSDP2/ZeRO shards, tensor-parallel shards, pipeline stages,
+interleaved chunks) describes every tensor by its global shape in ``.metadata``; DCP's loader
+reassembles the full tensor from whatever pieces the ranks wrote when handed an empty tensor of
+that shape (``no_dist=True``: this process plays every rank). Only the model's tensors are read,
+never the optimizer's, and only one output shard's worth at a time, so memory stays about one
+shard whatever the model's size.
+
+Keys: the trainer saves ``{"model": state_dict, "optim": ...}``, so DCP keys are ``model.<fqn>``;
+with an interleaved pipeline the state module is a list of chunks and the fqn starts with the
+chunk index (``model.1.layers.3...``); the chunk index says nothing the layer index does not.
+Every fqn maps through :func:`flexmesh.runtime.state.weights.hf_name` to its Hugging Face name.
+
+The folder written (``out/``)::
+
+    model-00001-of-0000N.safetensors ...    shards of at most ``max_shard_bytes`` (one larger tensor alone)
+    model.safetensors.index.json           metadata.total_size and weight_map, as transformers writes
+    tokenizer.json, tokenizer_config.json  the tokenizer the run recorded (flexmesh.data.hf_tokenizer)
+    generation_config.json                 its bos/eos/pad token ids, also written into config.json
+    config.json                            flexmesh.spec.hf.to_hf_config of the model; written last
+
+A mixture of experts is written with its experts in the layout of the weights the run started from
+(fused or one key per expert, flexmesh.runtime.state.expert_weights; fused for a run trained from scratch),
+or the one asked for. The routing biases of aux-loss-free balancing pick experts in training only and
+have no Hugging Face name: they are left out.
+
+Each file is written to a temporary name, fsynced and renamed, and ``config.json`` comes last: a
+folder with a config.json is a finished export; an interrupted one has none and loads nowhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexmesh.data.hf_tokenizer import (
+    RUN_TOKENIZER,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    read_hf_tokenizer,
+    special_token_ids,
+    tokenizer_file,
+    write_hf_tokenizer,
+)
+from flexmesh.errors import CheckpointError, DataError, SpecError
+from flexmesh.files import check_file_target, make_folder, write_atomic, write_atomic_with
+from flexmesh.layout.plan import load_plan
+from flexmesh.layout.plan_model import plan_model
+from flexmesh.runtime.model.params import canonical_name, is_adapter
+from flexmesh.runtime.state.checkpoint import (
+    MANIFEST,
+    STEP_DIR,
+    latest_checkpoint,
+    manifest_tasks,
+    plan_hash,
+    verify_checkpoint,
+)
+from flexmesh.runtime.state.expert_weights import FUSED, LAYOUTS, in_layout
+from flexmesh.runtime.state.peft import write_adapters
+from flexmesh.runtime.state.weights import hf_name
+from flexmesh.spec.hf import hf_family, to_hf_config
+from flexmesh.spec.model import ModelSpec, parse_model
+from flexmesh.units import GIB
+
+DEFAULT_MAX_SHARD_BYTES = 2 * GIB
+INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
+_ASIDE = (TOKENIZER_JSON, TOKENIZER_CONFIG, GENERATION_CONFIG)  # written beside the weights when there is a tokenizer
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_CHUNK = re.compile(r"\d+\.")  # an interleaved pipeline's chunk index in front of the fqn
+_PASS = "pass --checkpoint RUN/checkpoints/step_NNNNNN (or the run folder RUN for its latest checkpoint)"
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What :func:`export_checkpoint` wrote."""
+
+    checkpoint: Path
+    step: int
+    out: Path
+    family: str
+    dtype: str
+    files: tuple[str, ...]  # the shards, in order
+    tensors: int
+    total_bytes: int
+    tokenizer: Path | None = None  # the tokenizer.json written beside the model, None when none was
+    warnings: tuple[str, ...] = ()
+    adapters: tuple[Path, ...] = ()  # the PEFT folders of a run's LoRA tasks (flexmesh.runtime.state.peft)
+    expert_layout: str | None = None  # how a mixture of experts' experts were written; None: no experts
+
+    def summary(self) -> str:
+        """One line for the command to print."""
+        return (f"exported step {self.step} of {self.checkpoint} to {self.out}: {self.family} model, "
+                f"{self.tensors} tensors, {self.total_bytes / GIB:.3f} GiB {self.dtype} in {len(self.files)} "
+                f"shard{'s' if len(self.files) != 1 else ''}"
+                + (f", experts {self.expert_layout}" if self.expert_layout else "")
+                + (f", tokenizer from {self.tokenizer}" if self.tokenizer is not None else ", no tokenizer")
+                + (f"; {len(self.adapters)} PEFT adapter{'s' if len(self.adapters) != 1 else ''} in "
+                   f"{self.out / 'adapters'}" if self.adapters else ""))
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The finished checkpoint folder ``path`` names: a ``step_NNNNNN`` folder, or a run folder (or its
+    ``checkpoints/``), meaning its latest checkpoint. CheckpointError, saying what to pass, otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; {_PASS}")
+    if (path / MANIFEST).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        if root.is_dir() and ((root / "latest").is_file() or any(root.glob("step_*"))):
+            found = latest_checkpoint(root)
+            if found is not None:
+                return found
+    if STEP_DIR.fullmatch(path.name) or path.name.startswith(".tmp-step_"):
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is unfinished (a crash while saving?) or not "
+                              f"a flexmesh checkpoint; export an earlier one: {_PASS}")
+    raise CheckpointError(f"{path} holds no finished flexmesh checkpoint (no {MANIFEST}); {_PASS}")
+
+
+def _manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        int(manifest["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / MANIFEST} is corrupt ({e}); export an earlier checkpoint") from e
+    files = manifest.get("sha256")
+    names = sorted(files) if isinstance(files, dict) else []
+    missing = [n for n in names if (n == ".metadata" or n.endswith(".distcp")) and not (path / n).is_file()]
+    if not (path / ".metadata").is_file() and ".metadata" not in missing:
+        missing.insert(0, ".metadata")
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing[:3])}: it is incomplete or was copied "
+                              "in part; copy the whole folder or export an earlier checkpoint")
+    return manifest
+
+
+def checkpoint_spec(checkpoint: str | Path, model: str | None = None, plan: str | Path | None = None) -> ModelSpec:
+    """The model of ``checkpoint``: ``model`` (a preset or config.json) if given, else the model the
+    plan ``plan`` names (whose layout must be the checkpoint's), else the one the manifest records."""
+    path = find_checkpoint(checkpoint)
+    manifest = _manifest(path)
+    if plan is not None:
+        loaded = load_plan(plan)  # any plan: one layout or several replica groups
+        if manifest.get("plan_hash") not in (None, plan_hash(loaded)):
+            raise CheckpointError(f"checkpoint {path} was written under plan {manifest.get('plan_layout')!r}, not "
+                                  f"{loaded.layout!r} ({plan}); pass the plan the run used, or --model")
+        return plan_model(loaded, model, str(plan))  # its recorded config.json when it has one
+    if model is not None:
+        return parse_model(model)
+    if isinstance(manifest.get("model"), dict):  # manifests that record the model spec
+        return ModelSpec.from_dict(manifest["model"])
+    raise SpecError(f"checkpoint {path} does not record its model; pass --model PRESET|config.json or --plan "
+                    "PLAN.json (the ones `flexmesh train` was given)")
+
+
+def _model_keys(path: Path) -> dict[str, tuple[str, Any]]:
+    """flexmesh fqn -> (DCP key, tensor metadata) of every model tensor of checkpoint ``path``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = verify_checkpoint(path, _manifest(path))  # hashes, and the metadata read without running code
+    out: dict[str, tuple[str, Any]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not key.startswith("model.") or not isinstance(meta, TensorStorageMetadata):
+            continue
+        fqn = canonical_name(key[len("model."):])
+        if _CHUNK.match(fqn):
+            fqn = fqn.split(".", 1)[1]
+        if fqn.endswith((".rotary_emb.inv_freq", ".balance_bias", ".routed_share")):  # recomputed; training-only
+            continue
+        if fqn in out:
+            raise CheckpointError(f"checkpoint {path} holds {fqn} twice ({out[fqn][0]} and {key}); it is not a "
+                                  "flexmesh training checkpoint")
+        out[fqn] = (key, meta)
+    if not out:
+        raise CheckpointError(f"checkpoint {path} holds no model tensors (no 'model.*' keys); it is not a flexmesh "
+                              "training checkpoint")
+    return out
+
+
+def _check_against(spec: ModelSpec, found: dict[str, tuple[str, Any]], path: Path) -> list[str]:
+    """The model's parameter names in model order, after checking the checkpoint holds exactly them."""
+    from flexmesh.runtime.model.transformer import Transformer
+
+    with torch.device("meta"):  # names and shapes only
+        whole = Transformer(spec)
+    shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
+    missing = [n for n in shapes if n not in found]
+    extra = sorted(n for n in found if n not in shapes)
+    wrong = [n for n in shapes if n in found and tuple(found[n][1].size) != shapes[n]]
+    if missing or extra or wrong:
+        what = (f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which the model has no place for"
+                if extra else f"has {wrong[0]} of shape {tuple(found[wrong[0]][1].size)}, not {shapes[wrong[0]]}")
+        raise CheckpointError(f"checkpoint {path} {what}: it is not of model {spec.name!r}; pass the --model or "
+                              "--plan the run trained with")
+    return list(shapes)
+
+
+def read_full_tensors(path: str | Path, keys: dict[str, tuple[str, Any]],
+                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of checkpoint ``path``: ``{name: (DCP key, metadata)}`` -> ``{name: tensor}``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in keys.values()}
+    try:
+        with warnings.catch_warnings():  # "no process group: loading locally" is what is meant here
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    except BaseException as e:  # DCP wraps read errors in CheckpointException, a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        cause = f"{type(e).__name__}: {lines[-1][:300]}" if lines else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} could not be read ({cause}); it is corrupt: export an earlier "
+                              "checkpoint") from e
+    return {name: state[key] if dtype is None else state[key].to(dtype) for name, (key, _) in keys.items()}
+
+
+def _plan_shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[str]]:
+    """Consecutive names in groups of at most ``limit`` bytes (a larger tensor makes a group alone).
+
+    >>> _plan_shards(["a", "b", "c", "d"], {"a": 4, "b": 4, "c": 9, "d": 1}, 8)
+    [['a', 'b'], ['c'], ['d']]
+    """
+    shards: list[list[str]] = []
+    size = 0
+    for n in names:
+        if not shards or size + nbytes[n] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes[n]
+    return shards
+
+
+def _previous_export(out: Path) -> list[Path]:
+    """Files of an earlier export in ``out`` (which a new one replaces or, with other shard names, removes)."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if p.is_file() and not p.is_symlink() and (
+        p.name in ("config.json", INDEX, "model.safetensors", *_ASIDE) or _SHARD.fullmatch(p.name)))
+
+
+def run_tokenizer(checkpoint: Path) -> Path | None:
+    """The tokenizer folder ``flexmesh train`` recorded in the run of ``checkpoint``
+    (``RUN/checkpoints/step_N`` -> ``RUN/tokenizer``), None when there is none."""
+    if checkpoint.parent.name != "checkpoints":
+        return None
+    folder = checkpoint.parent.parent / RUN_TOKENIZER
+    return folder if (folder / TOKENIZER_JSON).is_file() else None
+
+
+@dataclass(frozen=True)
+class _Tokenizer:
+    """What an export writes of a tokenizer: ``file``'s ``text``, the ``config`` beside it and the special
+    token ids for config.json and generation_config.json."""
+
+    file: Path
+    text: str
+    config: dict
+    ids: dict
+
+
+def _tokenizer(path: Path, tokenizer: str | Path | None, spec: ModelSpec) -> _Tokenizer | str:
+    """The tokenizer to export with checkpoint ``path``: ``tokenizer`` if given, else the one its run
+    recorded; a warning saying what to pass when there is none."""
+    if tokenizer is None:
+        found = run_tokenizer(path)
+        if found is None:
+            return (f"the run of {path} records no tokenizer (`flexmesh train` records it in "
+                    f"RUN/{RUN_TOKENIZER}/; this run predates that, or was copied without it): the export has none "
+                    "and cannot encode text; pass --tokenizer with the run's tokenizer.json (its --tokenizer, or "
+                    "the BPE it trained, cached as tokenizers/bpe-*.json under --cache-dir)")
+        tokenizer = found
+    tok, text, config = read_hf_tokenizer(tokenizer, spec.max_position)
+    if tok.get_vocab_size() > spec.vocab:
+        raise DataError(f"tokenizer {tokenizer_file(tokenizer)} has {tok.get_vocab_size()} tokens but model "
+                        f"{spec.name!r} only {spec.vocab}: it is not the run's; pass the --tokenizer it trained with")
+    return _Tokenizer(tokenizer_file(tokenizer), text, config, special_token_ids(tok, config))
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, *, dtype: str | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
+                      tokenizer: str | Path | None = None, expert_layout: str | None = None) -> ExportReport:
+    """Write checkpoint ``checkpoint`` of model ``spec`` as a Hugging Face folder ``out`` (see the module doc).
+
+    ``dtype`` (fp32, bf16, fp16) converts the weights; None keeps the checkpoint's (fp32 master
+    weights). ``config.json`` names the dtype written. ``out`` holding an earlier export is refused
+    unless ``overwrite``; then its files are replaced and files the new export does not write removed.
+    ``tokenizer`` (a tokenizer.json or a folder holding one) is written beside the model; None: the
+    one the run recorded, and when it recorded none the report warns that the export has no tokenizer.
+    ``expert_layout`` (fused, per-expert): how a mixture of experts' experts are written; None: as the
+    weights the run started from were (its manifest says), else fused.
+    """
+    from safetensors.torch import save_file
+
+    if dtype is not None and dtype not in DTYPES:
+        raise SpecError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if max_shard_bytes <= 0:
+        raise SpecError(f"the maximum shard size must be positive, got {max_shard_bytes} bytes")
+    family = hf_family(spec)  # refuse a model transformers cannot build before reading anything
+    out = make_folder(out, create=False)  # a symlink or a file there: refused before reading anything
+    for name in ("config.json", INDEX):  # replaced or removed below: only a regular file is
+        check_file_target(out / name)
+    path = find_checkpoint(checkpoint)
+    manifest = _manifest(path)
+    layout = (expert_layout or manifest.get("expert_layout") or FUSED) if spec.is_moe else None
+    if layout is not None and layout not in LAYOUTS:
+        raise CheckpointError(f"checkpoint {path} records expert layout {layout!r}; pass --expert-layout "
+                              f"{' or '.join(LAYOUTS)}")
+    previous = _previous_export(out)
+    if previous and not overwrite:
+        raise CheckpointError(f"{out} already holds an export ({previous[0].name}); choose another --out or add "
+                              "--overwrite")
+    found = _model_keys(path)
+    adapters = {n: found.pop(n) for n in [n for n in found if is_adapter(n)]}
+    tasks = manifest_tasks(manifest, path)
+    if adapters and tasks is None:
+        raise CheckpointError(f"checkpoint {path} holds adapters but its manifest names no tasks; it is damaged")
+    names = _check_against(spec, found, path)
+    tok = _tokenizer(path, tokenizer, spec)  # a wrong one is refused before anything is written
+    stored = {found[n][1].properties.dtype for n in names}
+    target = DTYPES[dtype] if dtype is not None else None
+    if target is None and len(stored) > 1:
+        raise CheckpointError(f"checkpoint {path} holds tensors of several dtypes ({sorted(map(str, stored))}); "
+                              "pass --dtype")
+    written = target or stored.pop()
+    if written not in _NAMES:
+        raise CheckpointError(f"checkpoint {path} holds {written} weights; pass --dtype fp32, bf16 or fp16")
+    nbytes = {n: found[n][1].size.numel() * written.itemsize for n in names}
+    groups = _plan_shards(names, nbytes, max_shard_bytes)
+    files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    make_folder(out)
+    (out / "config.json").unlink(missing_ok=True)  # until the new export is whole, the folder loads nowhere
+    weight_map: dict[str, str] = {}
+    for group, file in zip(groups, files, strict=True):
+        tensors = read_full_tensors(path, {n: found[n] for n in group}, written)
+        named = {}
+        for n, t in tensors.items():  # experts one key each: copies, as safetensors refuses shared storage
+            parts = in_layout(hf_name(n), t.contiguous(), layout, family) if layout else {hf_name(n): t.contiguous()}
+            named.update({k: v.clone() if len(parts) > 1 else v for k, v in parts.items()})
+        write_atomic_with(out / file, lambda tmp, named=named: save_file(named, str(tmp), metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(named, file))
+        del tensors, named
+    total = sum(nbytes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_atomic(out / INDEX, json.dumps(index, indent=2) + "\n")
+    config = to_hf_config(replace(spec, dtype=_NAMES[written]))
+    if isinstance(tok, _Tokenizer):
+        write_hf_tokenizer(out, tok.text, tok.config)
+        write_atomic(out / GENERATION_CONFIG, json.dumps(tok.ids, indent=2) + "\n")
+        config.update(tok.ids)  # else transformers' defaults (Llama: bos 1, eos 2) would stop generation on a byte
+    keep = {*files, INDEX, "config.json", *(_ASIDE if isinstance(tok, _Tokenizer) else ())}
+    for old in previous:  # files of the earlier export; model.safetensors would shadow the index
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+    write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
+    folders = write_adapters(out, tasks, read_full_tensors(path, adapters), str(out)) if tasks else []
+    return ExportReport(adapters=tuple(folders), expert_layout=layout, checkpoint=path, step=int(manifest["step"]),
+                        out=out, family=family,
+                        dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total,
+                        tokenizer=tok.file if isinstance(tok, _Tokenizer) else None,
+                        warnings=() if isinstance(tok, _Tokenizer) else (tok,))

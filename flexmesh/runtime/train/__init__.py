@@ -1,0 +1,1 @@
+"""The training loop: the trainer, its step, its extensions and monitors."""

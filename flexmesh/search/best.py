@@ -1,0 +1,92 @@
+"""The best plans: the search's candidates ranked beside the uniform baselines, or why nothing fits.
+
+Uniform baselines (flexmesh.search.baselines) lie inside the search's space; ranking their best plans
+with the searched ones makes the result never worse than them, and ``origin`` says which one won.
+This module sits on top of flexmesh.search.driver and flexmesh.search.baselines, which do not know each
+other.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from flexmesh.errors import PlanError
+from flexmesh.layout.strategy import Recompute
+from flexmesh.search.baselines import baselines as uniform_baselines
+from flexmesh.search.driver import Progress, SearchOutcome, search
+from flexmesh.search.space import FULL_SPACE, Candidate, SearchRequest
+from flexmesh.units import GIB
+
+
+@dataclass
+class SearchResult:
+    """What ``flexmesh plan`` prints: the best plans, how the search ran, and each baseline's best."""
+
+    plans: list[Candidate]  # best first; every one fits in memory
+    search_seconds: float
+    mode: str  # "exact" or "fast"
+    configurations: int  # (pp, schedule, m, mesh, split) combinations examined
+    baselines: dict[str, Candidate | None] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Candidate:
+        return self.plans[0]
+
+
+def best_plans(request: SearchRequest, *, with_baselines: bool = True, explain_no_fit: bool = True,
+               progress: Progress | None = None, searched: SearchOutcome | None = None) -> SearchResult:
+    """Find the fastest plans that fit, best first, at most ``request.top``; raise PlanError when none fits.
+
+    ``with_baselines`` ranks the best Megatron-3D and ZeRO-3 + Ulysses plans beside the searched
+    ones; ``explain_no_fit`` makes the no-fit error name the smallest change that fits (it searches
+    again, so inner retries turn it off); ``progress(done, total)`` is called per configuration.
+    ``searched``: the outcome of :func:`~flexmesh.search.driver.search` on this very request, where a
+    caller already ran it (flexmesh.search.mixed_types asks one question twice, with and without the
+    baselines); it is used as it is, and ``search_seconds`` then counts only the baselines.
+    """
+    t0 = time.perf_counter()
+    request = request.resolved()  # one cost model for the search and the baselines
+    outcome = searched if searched is not None else search(request, progress)
+    results = list(outcome.candidates)
+    seen = {c.plan.layout for c in results}
+    base: dict[str, Candidate | None] = uniform_baselines(request) if with_baselines else {}
+    for name, b in base.items():
+        if b is not None and b.plan.layout not in seen:
+            results.append(replace(b, origin=name))
+            seen.add(b.plan.layout)
+    results.sort(key=lambda c: c.evaluation.step_time)
+    if not results:
+        if not explain_no_fit:
+            raise PlanError(f"no plan fits on {request.cluster.label} at seq len {request.seq_len}")
+        raise PlanError(no_fit_message(request))
+    return SearchResult(plans=results[:request.top], search_seconds=time.perf_counter() - t0, mode=outcome.mode,
+                        configurations=outcome.configurations, baselines=base)
+
+
+def no_fit_message(request: SearchRequest) -> str:
+    """Why nothing fits, and the smallest of the usual relaxations that makes a plan fit."""
+    model, cluster, seq_len, space = request.model, request.cluster, request.seq_len, request.space
+    head = (f"no plan of {model.name} fits on {cluster.label} ({request.cost_model().memory_budget / GIB:.1f} GiB "
+            f"usable per device) at seq len {seq_len}, global batch {request.global_batch}")
+    # Each retry is a quick fast-mode search for one plan, priced by the preset cost model.
+    retry = replace(request, cost=None, top=1, mode="fast")
+    tries: list[tuple[str, SearchRequest]] = []
+    if Recompute.FULL not in space.recompute_modes:
+        tries.append(("enable recomputation (drop --no-recompute)",
+                      replace(retry, space=replace(space, recompute=FULL_SPACE.recompute))))
+    if space.same_mesh:
+        tries.append(("let layers use different meshes (drop --same-mesh)",
+                      replace(retry, space=replace(space, same_mesh=False))))
+    bigger = cluster.with_devices(cluster.nodes * 2, cluster.devices_per_node)
+    tries.append((f"use twice the devices (--cluster {bigger.label})", replace(retry, cluster=bigger)))
+    if seq_len > 1:
+        tries.append((f"halve the sequence length (--seq-len {seq_len // 2})", replace(retry, seq_len=seq_len // 2)))
+    for what, attempt in tries:
+        try:
+            r = best_plans(attempt, with_baselines=False, explain_no_fit=False)
+        except PlanError:
+            continue
+        return f"{head}; smallest change that fits: {what} (best plan then: {r.best.plan.layout})"
+    return (f"{head}; even with twice the devices or half the sequence length nothing fits: use a larger device or "
+            "a smaller model")

@@ -1,0 +1,165 @@
+"""Validate a (possibly hand-edited) Plan against a model and a cluster, then evaluate it: a layout over
+a uniform cluster (:func:`check_plan`) or replica groups on a mixed one (:func:`check_groups`).
+
+Every failure raises :class:`PlanError` with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+from flexmesh.cost import CostModel, Evaluation
+from flexmesh.cost.training.mixed import GroupsEvaluation, MixedCosts, evaluate_groups
+from flexmesh.errors import PlanError
+from flexmesh.layout.plan import Plan
+from flexmesh.layout.plan_model import model_shape, recorded_model, shape_diff
+from flexmesh.spec.cluster import ClusterSpec, MixedCluster
+from flexmesh.spec.model import ModelSpec
+from flexmesh.units import GIB
+
+
+def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostModel | None = None) -> Evaluation:
+    """Raise PlanError on the first problem; return the cost model's evaluation when the plan is valid."""
+    cost = cost or CostModel(model, cluster)
+    check_model(plan, model)
+    if plan.world_size != cluster.world_size:
+        raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
+                        f"re-plan for this cluster or pass the cluster the plan was made for")
+    if plan.num_layers != model.num_layers:
+        raise PlanError(f"plan covers {plan.num_layers} layers but {model.name} has {model.num_layers}; "
+                        f"make the stages' layer ranges cover 0..{model.num_layers}")
+    expect = 0
+    for i, st in enumerate(plan.stages):
+        if st.start != expect:
+            raise PlanError(f"stage {i} starts at layer {st.start} but the previous stage ends at {expect}; "
+                            "stages must cover consecutive layers in order")
+        if st.num_layers == 0 and 0 < i < len(plan.stages) - 1:
+            raise PlanError(f"stage {i} has no layers; only the first stage may hold the embedding alone and the "
+                            "last the head alone: give it at least one layer or lower pp")
+        expect = st.end
+    D = plan.stage_devices
+    mbs = plan.microbatch_size
+    for i, st in enumerate(plan.stages):
+        for j, s in enumerate(st.strategies):
+            where = f"stage {i}, layer {st.start + j} ({s})"
+            if s.devices != D:
+                raise PlanError(f"{where} uses tp x cp x dp = {s.devices} devices but each of the {plan.pp} "
+                                f"pipeline stages has {D}; make tp*cp*dp equal {D}")
+            check_tp_heads(model, s.tp, where)
+            if s.tp > cluster.devices_per_node:
+                raise PlanError(f"{where}: tp {s.tp} spans more than one node of {cluster.devices_per_node} "
+                                "devices; keep tp within a node")
+            if s.cp_kind == "ulysses" and model.num_heads % (s.tp * s.cp):
+                raise PlanError(f"{where}: Ulysses needs the {model.num_heads} heads to split over tp x cp = "
+                                f"{s.tp * s.cp}; lower cp or use ring ('r{s.cp}')")
+            if mbs % s.dp:
+                raise PlanError(f"{where}: dp {s.dp} does not divide the {mbs} sequences of a micro-batch "
+                                f"(global batch {plan.global_batch} / {plan.num_microbatches} micro-batches); "
+                                "change num_microbatches or dp")
+    ev = cost.evaluate(plan)
+    for r, mem in enumerate(ev.memory):
+        if mem["total"] > ev.budget:
+            raise PlanError(f"plan needs {mem['total'] / GIB:.1f} GiB on stage {r} but the device has "
+                            f"{ev.budget / GIB:.1f} GiB usable; raise pp or enable recompute (add '-ac') "
+                            "or ZeRO-3 on that stage's layers")
+    return ev
+
+
+def check_tp_heads(model: ModelSpec, tp: int, where: str) -> None:
+    """Raise PlanError unless tensor parallelism of degree ``tp`` splits the attention heads and
+    divides, or is a multiple of, the KV heads (which are then repeated)."""
+    if model.num_heads % tp:
+        raise PlanError(f"{where}: tp {tp} does not divide the {model.num_heads} attention heads; "
+                        "use a tp that divides them")
+    if not (model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0):
+        raise PlanError(f"{where}: tp {tp} and the {model.num_kv_heads} KV heads do not divide each "
+                        "other; use a tp that divides them or a multiple of them")
+
+def check_model(plan: Plan, model: ModelSpec, by_name: bool = True) -> None:
+    """The plan records the model it was made for; refuse another model, even one with as many layers
+    (its widths, heads and memory differ), and a config.json under the recorded name whose shape is not
+    the recorded model's. A different name of the same shape (a preset and its config.json) is the
+    same model. Where the recorded model cannot be read here (no preset, and a config.json that is
+    not here or has changed: flexmesh.layout.plan_model.recorded_model), only the name tells:
+    ``by_name`` False then accepts the model (training with ``--model config.json`` of a plan made
+    from another copy of that file)."""
+    recorded = recorded_model(plan)
+    if recorded is None and (plan.model == model.name or not by_name):
+        return
+    if recorded is not None and model_shape(recorded) == model_shape(model):
+        return
+    diff = f" ({shape_diff(recorded, model)})" if recorded is not None else ""
+    source = plan.model_config.path if plan.model_config is not None else plan.model
+    raise PlanError(f"plan was made for model {plan.model!r}, not {model.name!r}{diff}; pass --model {source} "
+                    f"or re-plan for {model.name}")
+
+
+def overlap_warnings(plan: Plan) -> list[str]:
+    """What the runtime will run differently from the plan's overlap options (warnings, not errors).
+
+    The runtime (FSDP2, DTensor TP) runs :data:`flexmesh.layout.overlap.RUNTIME`: no TP communication
+    overlap (TransformerEngine's userbuffers need CUDA; CPU/gloo has none), ZeRO-3 gathers prefetched,
+    gradients reduced once in the last micro-batch's backward.
+
+    >>> from flexmesh.layout.overlap import Overlap
+    >>> from flexmesh.layout.plan import StagePlan
+    >>> from flexmesh.layout.strategy import LayerStrategy as S
+    >>> p = Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 2, 128, 4, (StagePlan(0, 1, (S(tp=2),)),),
+    ...          overlap=Overlap(tp_comm=True, grad_reduce="last"))
+    >>> overlap_warnings(p)  # doctest: +ELLIPSIS
+    ['plan assumes tensor-parallel communication overlap (tp_comm=true), which the runtime does not run...']
+    """
+    from flexmesh.layout.overlap import RUNTIME
+
+    out = []
+    o = plan.overlap
+    strategies = [s for g in plan.groups for s in g.layer_strategies()]
+    if o.tp_comm and any(s.tp > 1 for s in strategies):
+        out.append("plan assumes tensor-parallel communication overlap (tp_comm=true), which the runtime does not "
+                   "run (it needs TransformerEngine userbuffers on CUDA): TP collectives will be exposed and steps "
+                   "slower than predicted")
+    zeros = {s.zero for s in strategies}
+    if any(g.num_microbatches > 1 for g in plan.groups) and o.grad_reduce != RUNTIME.grad_reduce and zeros & {2, 3}:
+        out.append(f"plan assumes grad_reduce={o.grad_reduce!r}; the runtime reduces gradients once, in the last "
+                   "micro-batch's backward (grad_reduce='last'): less communication, unsharded gradients")
+    if not o.zero3_prefetch and 3 in zeros:
+        out.append("plan assumes ZeRO-3 gathers without prefetch; the runtime's FSDP2 prefetches them")
+    return out
+
+
+def check_groups(plan: Plan, model: ModelSpec, cluster: MixedCluster, costs: MixedCosts | None = None
+                 ) -> GroupsEvaluation:
+    """Validate a plan of replica groups of one pipeline each (what the mixed search writes) against
+    ``model`` and a mixed ``cluster``; raise PlanError on the first problem, else return its evaluation
+    (flexmesh.cost.training.mixed). The plan's own invariants (contiguous stages, every rank placed once, shares
+    adding up) are checked when it is read."""
+    check_model(plan, model)
+    if plan.world_size != cluster.world_size:
+        raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
+                        "re-plan for this cluster or pass the cluster the plan was made for")
+    if plan.num_layers != model.num_layers:
+        raise PlanError(f"plan covers {plan.num_layers} layers but {model.name} has {model.num_layers}; "
+                        f"make every replica group's stages cover 0..{model.num_layers}")
+    costs = costs or MixedCosts(model, cluster)
+    for i, g in enumerate(plan.groups):
+        for j, (block, st) in enumerate(zip(g.blocks, g.stages)):
+            where = f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on devices {list(block)})"
+            groups = sorted({costs.group_of[d] for d in block})
+            if len(groups) > 1:
+                names = ", ".join(cluster.groups[k].device.name for k in groups)
+                raise PlanError(f"{where} mixes device groups {groups} ({names}); a TP group runs on one device "
+                                "type: take its devices from one group")
+            nodes = sorted({costs.node_of[d] for d in block})
+            if len(nodes) > 1:
+                raise PlanError(f"{where} spans nodes {nodes}; a TP group stays inside one node: take devices "
+                                f"of one node (its group has {cluster.groups[groups[0]].devices_per_node} per node)")
+            check_tp_heads(model, g.stage_tp(j), where)
+    ev = evaluate_groups(plan, costs)
+    for i, j, s in ev.over_budget():
+        g = plan.groups[i]
+        st = g.stages[j]
+        over = (s.memory["total"] - s.budget) / GIB
+        hint = "enable recompute ('full')" if str(s.recompute) != "full" else "move layers to another stage"
+        raise PlanError(f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on {s.device} devices "
+                        f"{list(g.blocks[j])}) needs {s.memory['total'] / GIB:.1f} GiB but the device has "
+                        f"{s.budget / GIB:.1f} GiB usable, {over:.1f} GiB over; {hint}, give the stage fewer "
+                        "layers or a larger TP group, or use smaller micro-batches (more num_microbatches)")
+    return ev
