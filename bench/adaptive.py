@@ -408,7 +408,7 @@ def report(console, args, runs: dict, metrics: dict[str, list[dict]], longs: lis
               *markdown_table([c.header for c in by_kind.columns], kind_rows), "",
               *[f"- {line}" for line in lines]]
         name = "adaptive" if args.max_len == MAX_LEN else f"adaptive-{args.max_len}"
-        record(name, "\n".join(md), script="adaptive")
+        record(name, "\n".join(md), script="adaptive", headline=lines[0].split(";")[0])
 
 
 if __name__ == "__main__":

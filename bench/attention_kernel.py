@@ -141,7 +141,9 @@ def main() -> None:
           f"Reproduce: `python -m bench.attention_kernel{' --cpu' if not cuda else ''}`"]
     print("\n".join(md))
     if not a.no_record:
-        record("attention_kernel" if cuda else "attention_kernel-cpu", "\n".join(md), script="attention_kernel")
+        record("attention_kernel" if cuda else "attention_kernel-cpu", "\n".join(md), script="attention_kernel",
+               headline="measured / price, forward and backward medians: " + "; ".join(
+                   f"{k} {med[k, 'fwd']:.2f}x, {med[k, 'bwd']:.2f}x" for k in stacks), gpu=cuda)
 
 
 if __name__ == "__main__":

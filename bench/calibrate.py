@@ -223,8 +223,9 @@ def main() -> None:
         table.add_row(*cells)
         md_rows.append(cells)
     console.print(table)
-    summary = (f"median |error|: step time {err_t:.1%} (target <= 15%), activation memory {err_m:.1%} "
-               f"(target <= 10%) over {len(rows)} plans")
+    summary = (f"median |error|: step time {err_t:.1%} (target <= 15%: {'PASS' if err_t <= 0.15 else 'FAIL'}), "
+               f"activation memory {err_m:.1%} (target <= 10%: {'PASS' if err_m <= 0.10 else 'FAIL'}) over "
+               f"{len(rows)} plans")
     console.print(summary, highlight=False)
     stage_line = ("Pipeline plans priced with and without the model profile's framework seconds per chunk "
                   f"(`pipeline.stage_fixed_s`): {'; '.join(without)}.") if without else ""
@@ -239,7 +240,8 @@ def main() -> None:
               "measured step time = median after the first step; measured activation memory = peak bytes "
               "saved for backward on any rank (SavedActivationMeter).", "",
               *markdown_table(cols, md_rows), "", f"**{summary}**", "", stage_line]
-        record("calibrate", "\n".join(md))
+        record("calibrate", "\n".join(md), headline=f"median error over {len(rows)} plans: step time {err_t:.1%}, "
+               f"activation memory {err_m:.1%}")
 
 
 if __name__ == "__main__":

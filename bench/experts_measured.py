@@ -113,7 +113,8 @@ def main() -> None:
     add_section(rep, {k: v[1] for k, v in runs.items()}, out / "figures")
     print(f"report: {rep.write()}")
     if not args.quick:
-        record("experts_measured", "\n".join(md))
+        record("experts_measured", "\n".join(md), headline="tokens/s vs static placement: " + ", ".join(
+            f"{r[0]} {r[3]}" for r in table if r[0] != "static"))
 
 
 if __name__ == "__main__":

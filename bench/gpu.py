@@ -385,7 +385,11 @@ def main() -> None:
                 f"the steps after the first {WARMUP}; predicted from {a.cluster or 'no preset'}"
                 f"{' and profiles' if a.hardware_profile or a.model_profile else ''}.\n"
                 "Reproduce: `python -m bench.gpu " + " ".join(sys.argv[1:]) + "`\n\n")
-        write("gpu-cpu" if cpu else "gpu", note + "\n".join(markdown_table(columns, rows)), script="gpu")
+        ours = [r for r in rows if r[1] == "flexmesh"]
+        headline = "flexmesh vs transformers tokens/s: " + ", ".join(f"{r[0]} {r[4]}" for r in ours) + (
+            "; predicted (preset): " + ", ".join(r[10] for r in ours) if any(r[10] != "-" for r in ours) else "")
+        write("gpu-cpu" if cpu else "gpu", note + "\n".join(markdown_table(columns, rows)), script="gpu",
+              headline=headline, gpu=not cpu)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ def main() -> None:
           "Reproduce: `OMP_NUM_THREADS=1 python -m bench.lora_measured`"]
     print("\n".join(md))
     if not args.no_record:
-        record("lora_measured", "\n".join(md))
+        record("lora_measured", "\n".join(md), headline=f"step predicted within {error:.1%} (median; measured "
+               f"{measured:.3f} s, predicted {predicted:.3f} s)")
 
 
 if __name__ == "__main__":

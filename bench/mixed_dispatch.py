@@ -110,7 +110,13 @@ def main() -> None:
                 "`step / bound`: the simulated step over the per-step lower bound (fluid LP over the groups) plus "
                 "the step's tail (the slowest group's gradient sync and optimizer, and the all-reduce across "
                 "groups), mean over steps.\n\n")
-        record("mixed_dispatch", note + "\n".join(markdown_table(cols, rows)) + "\n\n" + "\n".join(lines))
+        by_context: dict = {}
+        for c, n, _, s, _, _ in verdicts:
+            by_context.setdefault(c, {})[n] = f"{s:.3f}x"
+        names = ", ".join(next(iter(by_context.values())))
+        record("mixed_dispatch", note + "\n".join(markdown_table(cols, rows)) + "\n\n" + "\n".join(lines),
+               headline=f"best dispatch / best fixed-share schedule ({names}): " + "; ".join(
+                   f"{', '.join(v.values())} at context {c}" for c, v in by_context.items()))
 
 
 if __name__ == "__main__":

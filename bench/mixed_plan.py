@@ -133,7 +133,8 @@ def main() -> None:
         "the parts (each type's own best plan for its share, the all-reduce across them not counted: a "
         "ceiling of plans of one group per type), with the first type's share.",
     ])
-    record("mixed_plan", body)
+    record("mixed_plan", body, headline="plan over uniform / over the sum of the parts: " + ", ".join(
+        f"{r[0].split()[0]} {r[5]} / {r[9]}" for r in rows))
 
 
 if __name__ == "__main__":

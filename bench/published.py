@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from bench._results import record
+from bench._results import fold_plan, record
 from flexmesh.commands.plan_terms import plan_terms
 from flexmesh.cost.training import calibrate
 from flexmesh.cost.training.breakdown import TERMS, step_terms
@@ -93,7 +93,7 @@ def main() -> None:
         flag = " (over the 1.3x limit: see the term-by-term breakdown below)" if p["speedup"] > CLAIM_LIMIT else ""
         print(f"{run.name}: planner {p['speedup']:.2f}x{flag} in {p['seconds']:.1f} s ({p['why']}): {p['plan']}\n"
               f"  published: {p['published_breakdown']}\n  planner:   {p['plan_breakdown']}")
-        plan = p["plan"].replace("|", "/")
+        plan = fold_plan(p["plan"].replace("|", "/"))
         lines.append(f"| {run.name} | `{plan}` | {p['speedup']:.2f}x{flag} | {p['why']} | {p['seconds']:.1f} | "
                      f"{p['published_breakdown']} | {p['plan_breakdown']} |")
         if flag:
@@ -114,7 +114,9 @@ def main() -> None:
              "tables (aiconfigurator-core, devices.toml [gemm_tables]): A100 "
              f"{calibrate.transferred_params('A100')['mm_efficiency']:.3f}, H100 "
              f"{calibrate.transferred_params('H100')['mm_efficiency']:.3f}. See docs/cost-model.md.")
-    record("published", "\n".join(lines) + "\n" + notes)
+    loso = calibrate.error_summary(rows, "loso_ratio")
+    record("published", "\n".join(lines) + "\n" + notes, headline="leave-one-source-out error: " + "; ".join(
+        f"{f} median {m:.1%}, worst {w:.1%}" for f, (m, w) in loso.items()))
 
 
 if __name__ == "__main__":

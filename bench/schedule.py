@@ -135,7 +135,7 @@ def main() -> None:
     text = "\n".join(out)
     print(text)
     if not args.quick:
-        record("schedule", text)
+        record("schedule", text, headline=f"{checks[0][0]}: {checks[0][1]}")
 
 
 if __name__ == "__main__":

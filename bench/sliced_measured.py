@@ -191,7 +191,8 @@ def main() -> None:
               "predictions are the step simulator's for the schedules that ran; activation peaks are the "
               "largest over steps and ranks, the error the median over steps.", "",
               *markdown_table(cols, md_rows)]
-        record("sliced_measured", "\n".join(md))
+        record("sliced_measured", "\n".join(md), headline="step predicted against measured: " + ", ".join(
+            f"{c[0]} {c[5]}" for c in md_rows))
 
 
 if __name__ == "__main__":

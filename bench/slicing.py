@@ -178,7 +178,8 @@ def main() -> None:
               "the runs above price) and the greedy fallback:", "",
               *markdown_table(milp_cols, milp_rows), "",
               *[f"- **{'PASS' if ok else 'FAIL'}** {what}: {got}" for what, got, ok in checks]]
-        record("slicing", "\n".join(md))
+        record("slicing", "\n".join(md), headline="; ".join(f"{what.split(' >=')[0]} {got}" for what, got, _ in checks
+                                                        if "sliced /" in what))
 
 
 if __name__ == "__main__":

@@ -132,7 +132,10 @@ def main() -> None:
     text = "\n".join(out)
     print(text)
     if not args.quick:
-        record("stragglers", text)
+        capacity = [float(v.split()[0]) for n, v, _ in checks if n.endswith("capacity bound")]
+        static = [float(v.split("x")[0]) for n, v, _ in checks if n.endswith("static")]
+        record("stragglers", text, headline=f"re-planned / capacity bound >= {min(capacity):.3f} in every case; "
+               f"re-planned / static up to {max(static):.2f}x")
 
 
 if __name__ == "__main__":

@@ -154,7 +154,8 @@ def report(console, args, d: dict, metrics: dict, load: tuple[float, ...], price
           "`--no-replan`, `adaptive` re-plans. Throughput over the steps from the first re-planned one to the end.",
           "", *markdown_table(cols, rows), "", *markdown_table(("figure", "measured", "target", ""), checks), "",
           *[f"- {line}" for line in lines]]
-    record("stragglers_measured", "\n".join(md))
+    record("stragglers_measured", "\n".join(md), headline=f"{checks[0][0]} {checks[0][1]}, {checks[1][0]} "
+           f"{checks[1][1]}")
 
 
 if __name__ == "__main__":
