@@ -77,6 +77,10 @@ sys.path.insert(0, str(ROOT))
 
 from flexmesh.runtime.launch import child_env  # noqa: E402  (after the path: `python bench/adaptive.py` works)
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit): it
+# runs `flexmesh` commands, so the whole package.
+DEPENDS_ON = ("flexmesh",)
+
 MODEL = "tiny"
 MAX_LEN = 2048  # default longest document (tokens); why, in the module text
 LONG_PER_STEP = (1, 2)  # long documents per step, cycled: one leaves a rank idle at degree 1, two fill both

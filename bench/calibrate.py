@@ -35,6 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 from flexmesh.runtime.launch import child_env, run_torchrun  # noqa: E402  (after the path: `python bench/calibrate.py` works)
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit): it
+# runs `flexmesh` commands, so the whole package.
+DEPENDS_ON = ("flexmesh",)
+
 MODEL = "tiny"
 # name -> (world, per-layer strategy, pipeline degree)
 PLANS = {

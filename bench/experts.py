@@ -51,6 +51,10 @@ from flexmesh.spec import parse_cluster, parse_model
 from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.moe import MoESpec
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
+DEPENDS_ON = ("flexmesh/cost", "flexmesh/schedule", "flexmesh/layout", "flexmesh/spec", "bench/traces",
+              "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+
 TRACES = Path(__file__).with_name("traces")
 RANKS = (8, 16, 32, 64)
 # name: (layers, hidden, expert ffn, experts, top-k, heads, slots, (static, laer) imbalance, published speedups)

@@ -40,6 +40,10 @@ from bench._results import markdown_table, record
 from flexmesh.layout.plan import Plan, StagePlan
 from flexmesh.layout.strategy import LayerStrategy
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit): it
+# runs `flexmesh` commands, so the whole package.
+DEPENDS_ON = ("flexmesh",)
+
 MODEL = "tiny-moe"
 PLACEMENTS = ("static", "laer", "current")
 

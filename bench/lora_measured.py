@@ -24,6 +24,10 @@ from pathlib import Path
 
 from bench.local_device import flexmesh
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit): it
+# runs `flexmesh` commands, so the whole package.
+DEPENDS_ON = ("flexmesh", "bench/local_device.py")
+
 TARGET = 0.30  # the median |predicted - measured| / measured this project holds CPU predictions to
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxing and "
          "pack my box with five dozen liquor jugs sphinx of black quartz judge my vow").split()

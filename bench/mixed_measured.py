@@ -48,6 +48,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.adaptive import MODEL, flexmesh, machine_profiles, median_rows, summarise, workload  # noqa: E402
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit): it
+# runs `flexmesh` commands, so the whole package.
+DEPENDS_ON = ("flexmesh", "bench/adaptive.py")
+
 NPROC = 2
 POLICIES = ("balanced", "hdp")
 TARGETS = {"speedup": 1.2, "prediction": 0.05}

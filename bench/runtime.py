@@ -33,6 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 from flexmesh.runtime.launch import child_env, run_torchrun, single_process_env  # noqa: E402  (after the path: `python bench/runtime.py` works)
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
+DEPENDS_ON = ("flexmesh/runtime", "flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/data",
+              "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+
 LAYOUTS_W4 = {
     "dp4 (replicated)": dict(strategy="tp1-dp4z0"),
     "dp4 zero3": dict(strategy="tp1-dp4z3"),

@@ -24,6 +24,10 @@ from flexmesh.schedule.registry import make_schedule
 from flexmesh.spec.cluster import parse_cluster
 from flexmesh.spec.model import parse_model
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
+DEPENDS_ON = ("flexmesh/schedule", "flexmesh/cost", "flexmesh/data", "flexmesh/layout", "flexmesh/spec",
+              "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+
 CONTEXT = 192 * 1024
 
 

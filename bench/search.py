@@ -29,6 +29,10 @@ from flexmesh.cost.training.model import CostModel
 from flexmesh.search import SearchRequest, best_plans, megatron_3d
 from flexmesh.spec import parse_cluster, parse_model
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
+DEPENDS_ON = ("flexmesh/search", "flexmesh/cost", "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py",
+              "flexmesh/files.py", "flexmesh/units.py")
+
 CASES = [  # (label, model, cluster, seq len, global batch, target seconds)
     ("a", "llama2-7b", "8xA100-80GB", 2048, 64, 0.5),
     ("b", "llama3-70b", "128x8xH100", 8192, 1024, 10.0),

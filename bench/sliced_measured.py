@@ -42,6 +42,10 @@ sys.path.insert(0, str(ROOT))
 from bench.calibrate import MODEL, cost_model, profile  # noqa: E402  (after the path)
 from flexmesh.runtime.launch import child_env, run_torchrun  # noqa: E402
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit): it
+# runs `flexmesh` commands, so the whole package.
+DEPENDS_ON = ("flexmesh", "bench/calibrate.py")
+
 WORLD = 2
 RUNS = ("chunked, sliced", "chunked", "chunked, whole", "fixed")
 

@@ -42,6 +42,10 @@ from flexmesh.sim.predict import simulated_price
 from flexmesh.sim.timeline import simulate_step
 from flexmesh.spec import parse_cluster, parse_model
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
+DEPENDS_ON = ("flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/data", "flexmesh/layout",
+              "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+
 MODEL, CLUSTER, PP = "qwen2.5-32b", "4x8xA100-80GB", 4
 CASES = (("prolong", 49152), ("wlbllm", 49152), ("prolong", 98304), ("wlbllm", 98304))
 TOKENS_PER_REPLICA = 128 * 1024

@@ -29,6 +29,10 @@ from flexmesh.data.lengths import BatchSampler, load_lengths
 from flexmesh.sim.stragglers import StragglerRun, straggler_context, straggler_run
 from flexmesh.spec import parse_cluster, parse_model
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
+DEPENDS_ON = ("flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/data", "flexmesh/layout",
+              "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+
 MODEL, CONTEXT, POLICY = "llama2-13b", 4096, "hdp"
 # (GPUs, layout label, straggler_context keywords, lengths, tokens per step, steps).
 # tp 2 within a node, ZeRO-3 over the data ranks: every data rank runs the step's micro-batch count

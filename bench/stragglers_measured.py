@@ -47,6 +47,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.adaptive import MODEL, machine_profiles  # noqa: E402  (after the path: `python bench/stragglers_measured.py` works)
 
+# The code these figures depend on (`python -m bench.status` diffs it against each record's commit): it
+# runs `flexmesh` commands, so the whole package.
+DEPENDS_ON = ("flexmesh", "bench/adaptive.py")
+
 NPROC = 2
 TARGETS = {"speedup": 1.25, "recovery_steps": 5, "simulator_error": 0.15}
 

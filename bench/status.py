@@ -1,0 +1,136 @@
+"""Which benchmark records hold at HEAD: one row per section of bench/RESULTS.md, with the commit it was
+measured at, the date, the machine, its headline figure, its targets, and whether the code it depends on
+changed since that commit.
+
+    python -m bench.status            # the table (rich on a terminal, markdown otherwise)
+    python -m bench.status --files    # and, under it, the files changed since each changed record
+    python -m bench.status --write    # rewrite RESULTS.md's summary block from its sections
+
+Each bench declares the code its figures depend on in one place, a module-level tuple of paths from the
+repository root (packages, modules or data under flexmesh/, other benches it imports), its own file
+counted without being named::
+
+    DEPENDS_ON = ("flexmesh/search", "flexmesh/cost", "flexmesh/layout", "flexmesh/spec")
+
+"Code since" is ``git diff --name-only COMMIT HEAD -- <own file> <declared paths>``: "unchanged" means the
+record's figures came from the code HEAD holds (the machine aside); "changed" means re-run it to know.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench._results import RESULTS, Section, markdown_table, parse_sections, results_text, short_machine
+
+ROOT = RESULTS.parent.parent
+DECLARATION = "DEPENDS_ON"
+
+
+def declared(module: Path) -> tuple[str, ...] | None:
+    """A bench module's ``DEPENDS_ON``, read from its source (nothing is imported, so this takes
+    milliseconds), or None where it declares none."""
+    for node in ast.parse(module.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id == DECLARATION for t in targets) and node.value is not None:
+            value = ast.literal_eval(node.value)
+            if not (isinstance(value, tuple) and all(isinstance(p, str) for p in value)):
+                raise ValueError(f"{module}: {DECLARATION} must be a tuple of paths (strings)")
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class Status:
+    """A section and what git says of its code since the commit it was measured at."""
+
+    section: Section
+    code: str  # "unchanged", "changed (N files)", or why it cannot be told
+    changed: tuple[str, ...] = ()
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+
+def code_since(section: Section, root: Path = ROOT) -> Status:
+    """Whether the code ``section``'s bench declares changed between its commit and HEAD."""
+    module = root / "bench" / f"{section.script}.py"
+    if not module.exists():
+        return Status(section, f"bench/{section.script}.py is gone")
+    paths = declared(module)
+    if paths is None:
+        return Status(section, f"bench/{section.script}.py declares no {DECLARATION}")
+    gone = [p for p in paths if not (root / p).exists()]
+    if gone:
+        return Status(section, f"declared path gone: {', '.join(gone)}")
+    sha = section.base_commit
+    if _git(root, "merge-base", "--is-ancestor", sha, "HEAD").returncode != 0:
+        return Status(section, f"commit {sha} not in history")
+    diff = _git(root, "diff", "--name-only", sha, "HEAD", "--", module.relative_to(root).as_posix(), *paths)
+    if diff.returncode != 0:
+        return Status(section, f"git diff failed: {diff.stderr.strip()}")
+    changed = tuple(diff.stdout.split())
+    return Status(section, f"changed ({len(changed)} file{'s' * (len(changed) != 1)})" if changed else "unchanged",
+                  changed)
+
+
+def statuses(root: Path = ROOT) -> list[Status]:
+    results = root / "bench" / "RESULTS.md"
+    return [code_since(s, root) for s in parse_sections(results.read_text())] if results.exists() else []
+
+
+COLUMNS = ["section", "commit", "date", "machine", "headline", "targets", "code since"]
+
+
+def _row(st: Status) -> list[str]:
+    s = st.section
+    return [s.name, s.commit, s.date, short_machine(s.machine), s.headline, s.targets, st.code]
+
+
+def _colour(targets: str) -> str:
+    """Green where every stated target was met, red where one was missed, none where none was stated."""
+    met, _, rest = targets.partition(" of ")
+    return "" if not rest else "green" if met == rest.removesuffix(" met") else "red"
+
+
+def print_table(rows: list[Status], files: bool) -> None:
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        head = _git(ROOT, "rev-parse", "--short", "HEAD").stdout.strip()
+        table = Table(*COLUMNS, title=f"bench records against HEAD ({head})")
+        for st in rows:
+            cells = _row(st)
+            colour = _colour(cells[5])
+            cells[5] = f"[{colour}]{cells[5]}[/]" if colour else cells[5]
+            cells[6] = f"[{'green' if st.code == 'unchanged' else 'yellow' if st.changed else 'red'}]{cells[6]}[/]"
+            table.add_row(*cells)
+        Console().print(table)
+    else:
+        print("\n".join(markdown_table(COLUMNS, [_row(st) for st in rows])))
+    if files:
+        for st in rows:
+            if st.changed:
+                print(f"\n{st.section.name} ({st.section.commit}..HEAD):", *st.changed, sep="\n  ")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--files", action="store_true", help="list the changed files of each changed record")
+    ap.add_argument("--write", action="store_true", help="rewrite RESULTS.md's summary block from its sections")
+    args = ap.parse_args(argv)
+    if args.write:
+        RESULTS.write_text(results_text(parse_sections(RESULTS.read_text())))
+    print_table(statuses(), args.files)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
