@@ -123,7 +123,7 @@ class Section:
     campaign: str = ""  # the campaign file (relative to bench/) of a run on a GPU
 
     def render(self) -> str:
-        meta = [f"- {k}: {getattr(self, k)}" for k in KEYS if getattr(self, k)]
+        meta = [f"- {k}: {getattr(self, k) or '-'}" for k in KEYS if k != "campaign" or self.campaign]
         return "\n".join([f"<!-- bench:{self.name} -->", f"## {self.name} (`bench/{self.script}.py`)", "", *meta, "",
                           self.body.strip(), f"<!-- /bench:{self.name} -->"])
 

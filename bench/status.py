@@ -35,8 +35,12 @@ def declared(module: Path) -> tuple[str, ...] | None:
     """A bench module's ``DEPENDS_ON``, read from its source (nothing is imported, so this takes
     milliseconds), or None where it declares none."""
     for node in ast.parse(module.read_text()).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
-            else []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
         if any(isinstance(t, ast.Name) and t.id == DECLARATION for t in targets) and node.value is not None:
             value = ast.literal_eval(node.value)
             if not (isinstance(value, tuple) and all(isinstance(p, str) for p in value)):
@@ -102,12 +106,13 @@ def _colour(targets: str) -> str:
 def print_table(rows: list[Status], files: bool) -> None:
     if sys.stdout.isatty():
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         head = _git(ROOT, "rev-parse", "--short", "HEAD").stdout.strip()
         table = Table(*COLUMNS, title=f"bench records against HEAD ({head})")
         for st in rows:
-            cells = _row(st)
+            cells = [escape(c) for c in _row(st)]  # a headline may hold "[...]", which rich reads as markup
             colour = _colour(cells[5])
             cells[5] = f"[{colour}]{cells[5]}[/]" if colour else cells[5]
             cells[6] = f"[{'green' if st.code == 'unchanged' else 'yellow' if st.changed else 'red'}]{cells[6]}[/]"
