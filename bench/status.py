@@ -131,9 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", action="store_true", help="list the changed files of each changed record")
     ap.add_argument("--write", action="store_true", help="rewrite RESULTS.md's summary block from its sections")
     args = ap.parse_args(argv)
-    if args.write:
-        RESULTS.write_text(results_text(parse_sections(RESULTS.read_text())))
-    print_table(statuses(), args.files)
+    try:
+        if args.write:
+            RESULTS.write_text(results_text(parse_sections(RESULTS.read_text())))
+        rows = statuses()
+    except ValueError as e:  # a section not in the writer's form, or a DEPENDS_ON that is not a tuple of paths
+        print(f"bench.status: {e}; records are written by bench/_results.record, not by hand", file=sys.stderr)
+        return 2
+    print_table(rows, args.files)
     return 0
 
 
