@@ -14,12 +14,12 @@ from helpers import flexmesh
 @pytest.fixture(scope="module")
 def cost():
     from flexmesh.cost import CostModel
-    from flexmesh.cost.training.finetune import AdapterCostModel
+    from flexmesh.cost.training.parts import Parts
     from flexmesh.spec import parse_cluster, parse_model
     from flexmesh.spec.tasks import Task, TaskSet
 
     tasks = TaskSet((Task(name="a", rank=16, alpha=32, targets=("q_proj", "v_proj")),))
-    return AdapterCostModel(CostModel(parse_model("llama2-7b"), parse_cluster("1x4xA100-40GB")), tasks)
+    return CostModel(parse_model("llama2-7b"), parse_cluster("1x4xA100-40GB"), parts=Parts(tasks=tasks))
 
 
 def _steps(n: int, seed: int) -> list[np.ndarray]:

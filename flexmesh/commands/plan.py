@@ -41,9 +41,8 @@ from flexmesh.commands.plan_lengths import (
 )
 from flexmesh.console import plain_console, styled
 from flexmesh.cost import CostModel, Evaluation
-from flexmesh.cost.training.finetune import with_tasks
 from flexmesh.cost.training.mixed import MixedCosts
-from flexmesh.cost.training.stack import with_stack
+from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.files import check_file_target
 from flexmesh.layout.overlap import RUNTIME
@@ -161,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
     tasks = job_tasks(args, spec)
-    # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters (cost.finetune)
-    cost = with_tasks(with_stack(cost, stack_of(args)), tasks)
-    if cost.model.is_moe:  # how the experts run (flexmesh.cost.training.experts)
-        cost = cost.with_experts(experts_of(args, cost.model, cost.cluster.world_size))
+    # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters; how the
+    # experts run (flexmesh.cost.training.parts)
+    experts = experts_of(args, cost.model, cost.cluster.world_size) if cost.model.is_moe else cost.experts
+    cost = cost.replace(parts=Parts(stack=stack_of(args), experts=experts, tasks=tasks))
     if args.replicas:
         from flexmesh.commands.plan_replicas import replica_command
 

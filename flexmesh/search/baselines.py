@@ -195,9 +195,9 @@ def baselines(request: SearchRequest) -> dict[str, Candidate | None]:
                 "zero3-ulysses": zero3_ulysses(model, cluster, seq, gb, cost, request.space)}
     eps = [e for e in divisors(model.moe.num_experts) if e <= cluster.devices_per_node]
     measured = cost.experts.measured  # a replayed routing trace's static placement, where given
-    ep = [megatron_3d(model, cluster, seq, gb, cost.with_experts(ExpertParallel("static", ep=e, measured=measured)),
-                      request.space) for e in eps]
-    static = cost.with_experts(replace(cost.experts, placement="static", imbalance=None))
+    ep = [megatron_3d(model, cluster, seq, gb, cost.replace(parts=replace(
+        cost.parts, experts=ExpertParallel("static", ep=e, measured=measured))), request.space) for e in eps]
+    static = cost.replace(parts=replace(cost.parts, experts=replace(cost.experts, placement="static", imbalance=None)))
     return {"megatron-3d": _best([c for c in ep if c is not None]),
             "zero3-ulysses": zero3_ulysses(model, cluster, seq, gb, static, request.space)}
 
