@@ -21,38 +21,17 @@ from flexmesh.cost import CostModel
 from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import ScheduleError
-from flexmesh.layout.enums import CPKind, Policy
-from flexmesh.layout.mesh import context_kind, group_layout, layout_in_lockstep
+from flexmesh.layout.enums import Policy
+from flexmesh.layout.mesh import group_layout
 from flexmesh.layout.plan import Plan, ReplicaGroup
-from flexmesh.layout.step import StepSchedule, carries_pieces
+from flexmesh.layout.step import StepSchedule
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.groups import GroupsContext, dispatched_schedule, groups_context, split_shares
+from flexmesh.schedule.groups import GroupsContext, dispatched_schedule, group_context, groups_context, split_shares
 from flexmesh.schedule.registry import POLICIES, make_schedule
 from flexmesh.spec.cluster import parse_cluster
 from flexmesh.spec.model import ModelSpec
 
 Predict = Callable[[StepSchedule], float]
-
-
-def group_context(plan: Plan, group: ReplicaGroup, spec: ModelSpec, cost: CostModel) -> ScheduleContext:
-    """The per-step scheduler's view of one replica group: its data ranks, pipeline and first layer's
-    strategy, priced by ``cost`` under the plan's overlap options (``CostModel.replace(step_overlap=...)``).
-
-    The group size (cp) and data-parallel degree are left to the policy; micro-batches hold at most
-    the group's :meth:`~flexmesh.layout.plan.ReplicaGroup.microbatch_tokens` per rank (what the search
-    sized and checked against memory; a longer document keeps its own micro-batch). Policies cut
-    sequences over micro-batches only where the runtime keeps them exact (``cut_documents``).
-    """
-    layout = group_layout(group)
-    strategy = replace(group.layer_strategies()[0], cp=1, cp_kind=CPKind.NONE, dp=1)
-    return ScheduleContext(cost=cost.replace(step_overlap=plan.overlap),
-                           base=strategy, num_ranks=layout.data_ranks, pp=group.pp,
-                           pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
-                           microbatch_tokens=group.microbatch_tokens(plan.seq_len),
-                           lockstep=layout_in_lockstep(spec, layout),
-                           chunk_layers=tuple(st.num_layers for st in group.stages),
-                           cut_documents=carries_pieces(dynamic_rope=spec.rope_scaling is not None
-                                                        and spec.rope_scaling.rope_type == "dynamic"))
 
 
 def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel | None = None,
