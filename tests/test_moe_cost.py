@@ -108,8 +108,8 @@ def test_experts_spread_over_every_rank_of_a_stage_tp_included():
 
 
 def test_baselines_price_static_placement():
-    from flexmesh.search.baselines import baselines
     from flexmesh.search.space import SearchRequest
+    from flexmesh.search.uniform_baselines import baselines
 
     request = SearchRequest(MIXTRAL, parse_cluster("4x8xA100-80GB"), 8192, 128).resolved()
     found = baselines(request)

@@ -201,8 +201,8 @@ def test_the_megatron_baselines_floor_never_passes_a_layouts_price(monkeypatch):
     stay at or below the priced step of every layout it may skip (compute at a slow cluster's pace too),
     and the baseline is the one pricing every layout finds."""
     from flexmesh.search import baselines
-    from flexmesh.search.baselines import _floor, _priced, megatron_3d
     from flexmesh.search.space import FASTEST
+    from flexmesh.search.uniform_baselines import _floor, _priced, megatron_3d
 
     model = MODEL_PRESETS["llama2-7b"]
     for cluster in (parse_cluster("4x8xA100-40GB"), replace(parse_cluster("4x8xA100-40GB"), speed_factors=(0.5,) * 32)):

@@ -7,10 +7,10 @@ strategies, plan building) and ``partition`` (layer splits); ``check`` validates
 The Plan format itself lives on the ground floor (flexmesh.layout.plan).
 """
 
-from flexmesh.search.baselines import megatron_3d, uniform_plan, zero3_ulysses
 from flexmesh.search.best import SearchResult, best_plans
 from flexmesh.search.check import check_plan
 from flexmesh.search.space import Candidate, SearchRequest, SearchSpace, candidate_strategies
+from flexmesh.search.uniform_baselines import megatron_3d, uniform_plan, zero3_ulysses
 
 __all__ = ["Candidate", "SearchRequest", "SearchResult", "SearchSpace", "best_plans", "candidate_strategies",
            "check_plan", "megatron_3d", "uniform_plan", "zero3_ulysses"]
