@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas:
         from flexmesh.commands.plan_replicas import replica_command
 
-        return replica_command(args, cost, tasks)
+        return replica_command(args, cost, tasks, record=lambda plan: recorded(plan, args.model))
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = plain_console()
     if loaded is not None:
@@ -374,7 +374,10 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     _no_profiles(args)
     cluster = parse_mixed_cluster(args.cluster if args.cluster is not None else plan.cluster)
     model = plan_model(plan, args.model, args.check, recheck=True)
-    ev = check_groups(plan, model, cluster)
+    # the job's parts, as for one group: another stack's layers, experts, LoRA tasks (flexmesh.cost.training.parts)
+    experts = experts_of(args, model, cluster.world_size) if model.is_moe else Parts().experts
+    parts = Parts(stack=stack_of(args), experts=experts, tasks=job_tasks(args, model))
+    ev = check_groups(plan, model, cluster, MixedCosts(model, cluster, parts=parts))
     if args.out:
         recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
     if args.json:
