@@ -45,7 +45,7 @@ def priced(hidden: int, head_dim: int, length: int, tokens: int, cluster: str, a
     of documents of ``length``, as a stack of ``attention`` kernels runs it."""
     from flexmesh.cost import CostModel
     from flexmesh.cost.training.analytic import AnalyticTiming
-    from flexmesh.cost.training.stack import with_stack
+    from flexmesh.cost.training.parts import Parts
     from flexmesh.layout.stack import Stack
     from flexmesh.layout.strategy import LayerStrategy
     from flexmesh.spec.cluster import parse_cluster
@@ -54,7 +54,7 @@ def priced(hidden: int, head_dim: int, length: int, tokens: int, cluster: str, a
     heads = hidden // head_dim
     spec = replace(MODEL_PRESETS["tinyllama-1.1b"], hidden=hidden, num_heads=heads, num_kv_heads=heads,
                    max_position=max(length, 4096), dtype="bf16")
-    timing = with_stack(CostModel(spec, parse_cluster(cluster)), Stack(attention=attention)).timing
+    timing = CostModel(spec, parse_cluster(cluster), parts=Parts(stack=Stack(attention=attention))).timing
     assert isinstance(timing, AnalyticTiming)
     fwd, bwd = timing.attention_times(LayerStrategy(), float(tokens), float(tokens // length * length**2))
     return float(fwd), float(bwd)

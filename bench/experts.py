@@ -45,6 +45,7 @@ import numpy as np
 from bench._results import markdown_table, record
 from flexmesh.cost import CostModel
 from flexmesh.cost.training.experts import ExpertParallel, default_slots
+from flexmesh.cost.training.parts import Parts
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.expert_placement import balanced_placement, trace_imbalance
 from flexmesh.spec import parse_cluster, parse_model
@@ -116,7 +117,7 @@ def laer_rows() -> tuple[list[list], list[list]]:
         for placement, imbalance in (("static", si), ("laer", li)):
             experts = ExpertParallel(placement, imbalance=imbalance, slots=slots, prefetch=placement == "laer",
                                      node_local=True)  # LAER-MoE's runtime routes tokens inside their node
-            cm = CostModel(spec, cluster, experts=experts)
+            cm = CostModel(spec, cluster, parts=Parts(experts=experts))
             steps[placement] = cm.evaluate_stages([[s] * layers], 1, "1f1b", 2, 1, 64, 8192).step_time
         speedup = steps["static"] / steps["laer"]
         lo, hi = published
@@ -139,7 +140,7 @@ def megatron_flops(m: ModelSpec, seqs: int, s: int) -> float:
 
 def megatron_rows() -> tuple[list[list], list[list]]:
     m = parse_model("mixtral-8x7b")
-    cm = CostModel(m, parse_cluster("8x8xH100"), experts=ExpertParallel("static", ep=8, imbalance=1.0))
+    cm = CostModel(m, parse_cluster("8x8xH100"), parts=Parts(experts=ExpertParallel("static", ep=8, imbalance=1.0)))
     s = LayerStrategy.parse("tp1-dp16z1")
     ev = cm.evaluate_stages([[s]] * m.num_layers, 4, "interleaved", 256 // 16, 8, 16, 4096)
     tflops = megatron_flops(m, 256, 4096) / ev.step_time / 64 / 1e12

@@ -3,7 +3,7 @@ dispatch: predicted step against measured.
 
 What a user does: ``flexmesh profile hardware`` and ``flexmesh profile model`` (this machine's own
 profiles), ``flexmesh plan --tasks jobs.toml --cluster 2xlocal`` (layouts adapters train on, priced
-for a frozen base: flexmesh.cost.training.finetune), then ``flexmesh train --tasks jobs.toml --nproc 2 --policy
+for a frozen base: flexmesh.cost.training.adapters), then ``flexmesh train --tasks jobs.toml --nproc 2 --policy
 balanced``: every step the scheduler deals the three tasks' documents over the two data ranks by the
 cost model. Each step's prediction is the trainer's (``predicted_step_time_s`` in metrics.jsonl: the
 step simulator on the schedule that ran); the measured step is ``step_time_s``. Profiles are taken

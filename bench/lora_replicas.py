@@ -15,7 +15,7 @@ WLB-LLM mix (up to 2K, and all), each truncated at 16K; 32 sequences of each tas
 
 GPU-seconds per step = 16 x the mean step (every device is held for the step). Simulated: the cost
 model is flexmesh's A100 preset for a frozen base with rank-16 adapters on q, k, v, o
-(flexmesh.cost.training.finetune); nothing here ran on a GPU.
+(flexmesh.cost.training.adapters); nothing here ran on a GPU.
 
     python -m bench.lora_replicas          # records "lora_replicas" in bench/RESULTS.md
 """
@@ -58,7 +58,7 @@ def steps(tasks: list[tuple[str, np.ndarray]], n: int, per_task: int, seed: int)
 
 def main() -> None:
     from flexmesh.cost import CostModel
-    from flexmesh.cost.training.finetune import AdapterCostModel
+    from flexmesh.cost.training.parts import Parts
     from flexmesh.layout.strategy import Recompute
     from flexmesh.search.replicas import Pricer, dispatch, plan_mix, replica_types, single_layouts, step_time
     from flexmesh.spec import parse_cluster, parse_model
@@ -72,7 +72,7 @@ def main() -> None:
     tasks = task_lengths()
     job = TaskSet(tuple(Task(name=n, rank=16, alpha=32, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
                         for n, _ in tasks))
-    cost = AdapterCostModel(CostModel(parse_model("llama2-7b"), parse_cluster("2x8xA100-40GB")), job)
+    cost = CostModel(parse_model("llama2-7b"), parse_cluster("2x8xA100-40GB"), parts=Parts(tasks=job))
     devices = cost.cluster.world_size
     pricer = Pricer(cost)
     sample, scored = steps(tasks, 4, args.per_task, 0), steps(tasks, args.steps, args.per_task, 1)

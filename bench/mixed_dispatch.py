@@ -11,7 +11,7 @@ context, and schedules them:
 - ``shares+P``: the same fixed shares, each packed inside its group by the per-step policy ``P``
   (flexmesh.schedule.groups.packed_shares_schedule): fixed shares at their best, the baseline;
 - ``dispatch+P``: each step's documents dispatched over the groups by predicted time under each
-  group's memory (flexmesh.schedule.groups.dispatch), then packed inside each group by the per-step
+  group's memory (flexmesh.schedule.groups.dispatch_sequences), then packed inside each group by the per-step
   policy ``P`` (``fixed``, ``balanced``, ``hdp``; Hydraulis's two stages).
 
 Every schedule is priced by the same simulator and compared with the per-step lower bound

@@ -11,7 +11,7 @@ from helpers import flat_model_profile
 
 from flexmesh.cli import main
 from flexmesh.cost import CostModel, Work
-from flexmesh.cost.training.stack import with_stack
+from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import SpecError
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.stack import RUNTIME_STACK, Stack
@@ -23,8 +23,13 @@ MEGATRON = Stack(attention="unfused", sequence_parallel=False, dropout=True)
 GPT_22B = "gpt:48:6144:64"  # Korthikanti et al.'s 22B model (Table 3)
 
 
+def priced_as(cost: CostModel, stack: Stack) -> CostModel:
+    """``cost`` pricing layers as ``stack`` runs them."""
+    return cost.replace(parts=Parts(stack=stack))
+
+
 def layer_act(stack: Stack, tp: int, s: int, recompute=Recompute.NONE) -> float:
-    cm = with_stack(CostModel(parse_model(GPT_22B), parse_cluster("8xA100-80GB")), stack)
+    cm = priced_as(CostModel(parse_model(GPT_22B), parse_cluster("8xA100-80GB")), stack)
     return cm.layer(S(tp=tp, dp=8 // tp, recompute=recompute), Work(s, float(s) ** 2)).act
 
 
@@ -47,7 +52,7 @@ def test_activation_bytes_follow_the_published_formulas(s, t):
 def test_without_sequence_parallelism_norms_run_on_every_tp_rank():
     w = Work(4096, 4096.0**2)
     base = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
-    no_sp = with_stack(base, Stack(sequence_parallel=False))
+    no_sp = priced_as(base, Stack(sequence_parallel=False))
     assert no_sp.layer(S(tp=4, dp=2), w).fwd > base.layer(S(tp=4, dp=2), w).fwd
     assert no_sp.layer(S(dp=8), w).fwd == base.layer(S(dp=8), w).fwd  # no tp: nothing to replicate
 
@@ -55,9 +60,9 @@ def test_without_sequence_parallelism_norms_run_on_every_tp_rank():
 def test_a_profile_prices_this_runtime_and_no_other_stack():
     mp = flat_model_profile()
     cm = CostModel(MODEL_PRESETS["tiny"], parse_cluster("2xA100-80GB"), timing=ProfiledTiming(mp))
-    assert with_stack(cm, RUNTIME_STACK) is cm  # the runtime's own stack: the profile as it is
+    assert priced_as(cm, RUNTIME_STACK) is cm  # the runtime's own stack: the profile as it is
     with pytest.raises(SpecError, match="drop --model-profile"):
-        with_stack(cm, MEGATRON)
+        priced_as(cm, MEGATRON)
 
 
 def test_the_command_line_prices_another_stack(tmp_path, capsys):
@@ -80,7 +85,7 @@ def test_unfused_attention_is_priced_kernel_by_kernel():
     """Scores written and read by every pass: time per token grows with the length, dropout adds two
     passes, and at long sequences it is slower than flash-style attention."""
     cm = CostModel(parse_model(GPT_22B), parse_cluster("8xA100-80GB"))
-    megatron, no_dropout = with_stack(cm, MEGATRON), with_stack(cm, Stack(attention="unfused"))
+    megatron, no_dropout = priced_as(cm, MEGATRON), priced_as(cm, Stack(attention="unfused"))
 
     def attention(c, s, tokens=8192):
         return c.timing.attention_times(S(tp=8), float(tokens), float(tokens) * s)
@@ -96,13 +101,13 @@ def test_a_fused_swiglu_keeps_one_ffn_wide_tensor_less():
     """Megatron-LM's bias_swiglu and Transformer Engine keep the gate and up outputs and recompute silu in
     backward: ffn elements fewer per token than the runtime's separate kernels; GeLU layers are as they were."""
     llama = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
-    fused = with_stack(llama, Stack(fused_swiglu=True))
+    fused = priced_as(llama, Stack(fused_swiglu=True))
     m = llama.model
     for s in (S(dp=8), S(tp=4, dp=2)):
         saved = llama.activation_bytes_per_token(s, layers=1) - fused.activation_bytes_per_token(s, layers=1)
         assert saved == pytest.approx(m.ffn_hidden * m.dtype_bytes / s.tp)
     gpt = CostModel(parse_model(GPT_22B), parse_cluster("8xA100-80GB"))
-    assert with_stack(gpt, Stack(fused_swiglu=True)).activation_bytes_per_token(S(tp=8), layers=1) == \
+    assert priced_as(gpt, Stack(fused_swiglu=True)).activation_bytes_per_token(S(tp=8), layers=1) == \
         gpt.activation_bytes_per_token(S(tp=8), layers=1)
     assert Stack(fused_swiglu=True).label == "fused attention, sequence parallel, fused SwiGLU"
 
@@ -112,7 +117,7 @@ def test_recomputing_the_pointwise_operators_keeps_the_gemm_outputs_alone():
     and the MLP's up outputs, and pays for it in backward alone: the norms', rotary's and activation's bytes
     moved again."""
     llama = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
-    lean = with_stack(llama, Stack(pointwise_recompute=True))
+    lean = priced_as(llama, Stack(pointwise_recompute=True))
     m = llama.model
     h, kv, ffn, b = m.hidden, m.kv_dim, m.ffn_hidden, m.dtype_bytes
     for s in (S(dp=8), S(tp=4, dp=2)):
@@ -120,7 +125,7 @@ def test_recomputing_the_pointwise_operators_keeps_the_gemm_outputs_alone():
         assert kept == pytest.approx((2 * h + 2 * m.q_dim + 2 * kv + 2 * ffn) * b / s.tp)
         assert kept < 0.65 * llama.activation_bytes_per_token(s, layers=1)
     # without sequence parallelism the two norm inputs stay whole on every tp rank, nothing else
-    no_sp = with_stack(llama, Stack(pointwise_recompute=True, sequence_parallel=False))
+    no_sp = priced_as(llama, Stack(pointwise_recompute=True, sequence_parallel=False))
     assert no_sp.activation_bytes_per_token(S(tp=4, dp=2), layers=1) == pytest.approx(
         (2 * h + (2 * m.q_dim + 2 * kv + 2 * ffn) / 4) * b)
     w = Work(4096, 4096.0**2)

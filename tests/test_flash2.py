@@ -15,7 +15,7 @@ import pytest
 from flexmesh.cost import CostModel
 from flexmesh.cost.device.flash2 import PASSES, fit, flash2_kernels, main
 from flexmesh.cost.training.calibrate import FUSED_STACK, PUBLISHED_RUNS
-from flexmesh.cost.training.stack import with_stack
+from flexmesh.cost.training.parts import Parts
 from flexmesh.layout import LayerStrategy as S
 from flexmesh.layout.stack import RUNTIME_STACK, Stack
 from flexmesh.profile.model import sweep
@@ -23,6 +23,11 @@ from flexmesh.spec import parse_cluster, parse_model
 from flexmesh.spec.devices import FLASH2
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def priced_as(cost: CostModel, stack: Stack) -> CostModel:
+    """``cost`` pricing layers as ``stack`` runs them."""
+    return cost.replace(parts=Parts(stack=stack))
 
 
 def test_recorded_fits_are_what_the_samples_give():
@@ -35,7 +40,7 @@ def test_recorded_fits_are_what_the_samples_give():
 
 
 def _layer(cluster: str, stack: Stack, length: int, model: str = "llama2-7b"):
-    cm = with_stack(CostModel(parse_model(model), parse_cluster(cluster)), stack)
+    cm = priced_as(CostModel(parse_model(model), parse_cluster(cluster)), stack)
     return cm.timing.attention_times(S(), float(length), float(length) ** 2)
 
 
@@ -67,7 +72,7 @@ def test_plans_price_the_runtime_by_default_and_other_stacks_on_request():
     default = CostModel(parse_model("llama2-7b"), parse_cluster("8xH100-80GB"))
     assert default.timing.stack == RUNTIME_STACK
     a = default.timing.layer_times(S(dp=8), 8192.0, 8192.0**2)
-    b = with_stack(default, FUSED_STACK).timing.layer_times(S(dp=8), 8192.0, 8192.0**2)
+    b = priced_as(default, FUSED_STACK).timing.layer_times(S(dp=8), 8192.0, 8192.0**2)
     assert a.fwd > b.fwd and a.bwd > b.bwd and a.attention > b.attention
 
 

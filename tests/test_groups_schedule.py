@@ -13,7 +13,7 @@ from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.layout.plan import Plan
 from flexmesh.schedule.groups import (
     GroupsContext,
-    dispatch,
+    dispatch_sequences,
     groups_context,
     groups_lower_bound,
     groups_schedule,
@@ -60,7 +60,7 @@ def test_shares_are_the_runtimes_fixed_shares():
        st.sampled_from([(), (1.0, 0.5, 1.0), (0.25, 1.0, 1.0)]))
 def test_dispatch_places_every_token_once_where_memory_holds_it(lens, policy, speed):
     g = _gctx(speed)
-    parts = dispatch(lens, g)
+    parts = dispatch_sequences(lens, g)
     assert sorted(int(i) for p in parts for i in p) == list(range(len(lens)))
     assert all(p.size for p in parts)  # every group steps
     for ctx, part in zip(g.contexts, parts):
@@ -84,7 +84,7 @@ def test_a_slow_group_gets_less_and_dispatch_beats_fixed_shares_on_uneven_length
     g = _gctx(speed=(1.0, 0.25, 1.0))
     rng = np.random.default_rng(0)
     lens = np.clip(rng.lognormal(5, 1.3, size=12).astype(int), 2, 3000)
-    parts = dispatch(lens, g)
+    parts = dispatch_sequences(lens, g)
     tokens = [int(lens[p].sum()) for p in parts]
     assert tokens[1] < tokens[2]  # the slow rank against a rank of nominal speed
     shares = simulate_groups(g, shares_schedule(lens, g))
@@ -96,7 +96,7 @@ def test_a_document_no_group_holds_is_named():
     g = _gctx()
     too_long = max(c.max_tokens(c.group_sizes[-1]) for c in g.contexts) + 1
     with pytest.raises(Exception, match=f"a sequence of {too_long} tokens fits in no replica group"):
-        dispatch([10, too_long, 20], g)
+        dispatch_sequences([10, too_long, 20], g)
 
 
 def test_groups_context_prices_each_group_on_its_device():

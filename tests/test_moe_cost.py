@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from flexmesh.cost import CostModel
 from flexmesh.cost.training.experts import ExpertParallel, expert_params
+from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
@@ -50,7 +51,7 @@ def test_dense_layers_are_counted_apart():
 
 
 def _layer(experts: ExpertParallel, strategy: str = "tp1-dp32z2", cluster: str = "4x8xA100-80GB"):
-    cm = CostModel(MIXTRAL, parse_cluster(cluster), experts=experts)
+    cm = CostModel(MIXTRAL, parse_cluster(cluster), parts=Parts(experts=experts))
     s = LayerStrategy.parse(strategy)
     return cm, cm.layer(s, cm.layer_work(s, 32 * s.dp // 32, 8192))
 
@@ -107,12 +108,12 @@ def test_experts_spread_over_every_rank_of_a_stage_tp_included():
 
 
 def test_baselines_price_static_placement():
-    from flexmesh.search.baselines import baselines
     from flexmesh.search.space import SearchRequest
+    from flexmesh.search.uniform_baselines import baselines
 
     request = SearchRequest(MIXTRAL, parse_cluster("4x8xA100-80GB"), 8192, 128).resolved()
     found = baselines(request)
-    static = request.cost_model().with_experts(ExpertParallel("static"))
+    static = request.cost_model().replace(parts=Parts(experts=ExpertParallel("static")))
     z3 = found["zero3-ulysses"]
     assert z3 is not None and static.evaluate(z3.plan).step_time == pytest.approx(z3.evaluation.step_time)
     assert request.cost_model().evaluate(z3.plan).step_time < z3.evaluation.step_time  # laer on the same layout
@@ -165,8 +166,9 @@ def test_a_model_profiles_layer_grows_with_the_imbalance(recwarn):
     s = LayerStrategy.parse("tp1-dp2z2")
     times = {}
     for imbalance in (1.0, 1.5):
-        cm = CostModel(spec, cluster, timing=ProfiledTiming(profile), experts=ExpertParallel(imbalance=imbalance))
-        times[imbalance] = cm._layer_phases(s, np.array([0.0, 4096.0]), np.array([0.0, 4096.0 ** 2]))
+        cm = CostModel(spec, cluster, timing=ProfiledTiming(profile),
+                       parts=Parts(experts=ExpertParallel(imbalance=imbalance)))
+        times[imbalance] = cm.layer_pricing.phases(s, np.array([0.0, 4096.0]), np.array([0.0, 4096.0 ** 2]))
     assert times[1.5][0][1] > times[1.0][0][1] and times[1.5][0][0] == times[1.0][0][0]
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
@@ -189,8 +191,8 @@ def test_a_model_profiles_shared_expert_does_not_grow_with_the_imbalance():
         fwd = []
         for imbalance in (1.0, 2.0):
             cm = CostModel(spec, cluster, timing=ProfiledTiming(flat_model_profile(model=spec.to_dict())),
-                           experts=ExpertParallel(imbalance=imbalance))
-            fwd.append(cm._layer_phases(s, 4096.0, 4096.0 ** 2)[0])
+                           parts=Parts(experts=ExpertParallel(imbalance=imbalance)))
+            fwd.append(cm.layer_pricing.phases(s, 4096.0, 4096.0 ** 2)[0])
         growth[width] = fwd[1] / fwd[0] - 1.0
     alone, shared = growth.values()
     assert 0.0 < shared < alone

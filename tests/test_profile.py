@@ -239,7 +239,7 @@ def test_measured_samples_price_collectives_by_message_size():
 
 def test_lower_envelope_of_measured_collectives_is_additive_and_below():
     cost = cost_model_from_profiles(TINY, hardware=_knee_profile(), world=2)
-    env = cost.with_kernels(Kernels.envelope).hw
+    env = cost.replace(kernels=Kernels.envelope).hw
     two = GroupShape(2, 2)
     grid = np.geomspace(2.0**8, 2.0**27, 40)
     assert np.all(env.collective_time("all_gather", grid, two) <= cost.hw.collective_time("all_gather", grid, two))

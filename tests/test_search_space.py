@@ -200,9 +200,9 @@ def test_the_megatron_baselines_floor_never_passes_a_layouts_price(monkeypatch):
     """megatron_3d skips pricing a layout whose floor reaches the best step found so far: the floor must
     stay at or below the priced step of every layout it may skip (compute at a slow cluster's pace too),
     and the baseline is the one pricing every layout finds."""
-    from flexmesh.search import baselines
-    from flexmesh.search.baselines import _floor, _priced, megatron_3d
+    from flexmesh.search import uniform_baselines
     from flexmesh.search.space import FASTEST
+    from flexmesh.search.uniform_baselines import _floor, _priced, megatron_3d
 
     model = MODEL_PRESETS["llama2-7b"]
     for cluster in (parse_cluster("4x8xA100-40GB"), replace(parse_cluster("4x8xA100-40GB"), speed_factors=(0.5,) * 32)):
@@ -215,7 +215,7 @@ def test_the_megatron_baselines_floor_never_passes_a_layouts_price(monkeypatch):
             assert 0.5 * step < floor <= step, (tp, pp, m, schedule)
     c = parse_cluster("4x8xA100-40GB")
     pruned = megatron_3d(model, c, 4096, 256, CostModel(model, c))
-    monkeypatch.setattr(baselines, "_floor", lambda *a: float("-inf"))  # price every layout
+    monkeypatch.setattr(uniform_baselines, "_floor", lambda *a: float("-inf"))  # price every layout
     every = megatron_3d(model, c, 4096, 256, CostModel(model, c))
     assert pruned is not None and every is not None and pruned.plan.layout == every.plan.layout
     assert pruned.evaluation.step_time == every.evaluation.step_time

@@ -41,9 +41,8 @@ from flexmesh.commands.plan_lengths import (
 )
 from flexmesh.console import plain_console, styled
 from flexmesh.cost import CostModel, Evaluation
-from flexmesh.cost.training.finetune import with_tasks
 from flexmesh.cost.training.mixed import MixedCosts
-from flexmesh.cost.training.stack import with_stack
+from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.files import check_file_target
 from flexmesh.layout.overlap import RUNTIME
@@ -161,14 +160,14 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
     tasks = job_tasks(args, spec)
-    # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters (cost.finetune)
-    cost = with_tasks(with_stack(cost, stack_of(args)), tasks)
-    if cost.model.is_moe:  # how the experts run (flexmesh.cost.training.experts)
-        cost = cost.with_experts(experts_of(args, cost.model, cost.cluster.world_size))
+    # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters; how the
+    # experts run (flexmesh.cost.training.parts)
+    experts = experts_of(args, cost.model, cost.cluster.world_size) if cost.model.is_moe else cost.experts
+    cost = cost.replace(parts=Parts(stack=stack_of(args), experts=experts, tasks=tasks))
     if args.replicas:
         from flexmesh.commands.plan_replicas import replica_command
 
-        return replica_command(args, cost, tasks)
+        return replica_command(args, cost, tasks, record=lambda plan: recorded(plan, args.model))
     model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
     out = plain_console()
     if loaded is not None:
@@ -375,7 +374,10 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     _no_profiles(args)
     cluster = parse_mixed_cluster(args.cluster if args.cluster is not None else plan.cluster)
     model = plan_model(plan, args.model, args.check, recheck=True)
-    ev = check_groups(plan, model, cluster)
+    # the job's parts, as for one group: another stack's layers, experts, LoRA tasks (flexmesh.cost.training.parts)
+    experts = experts_of(args, model, cluster.world_size) if model.is_moe else Parts().experts
+    parts = Parts(stack=stack_of(args), experts=experts, tasks=job_tasks(args, model))
+    ev = check_groups(plan, model, cluster, MixedCosts(model, cluster, parts=parts))
     if args.out:
         recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
     if args.json:

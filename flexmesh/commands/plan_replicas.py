@@ -1,9 +1,11 @@
-"""``flexmesh plan --tasks FILE --replicas``: a mix of replica layouts for LoRA tasks (flexmesh.search.replicas).
+"""``flexmesh plan --tasks FILE --replicas``: a mix of replica layouts for LoRA tasks, as a plan of replica
+groups (flexmesh.search.replicas).
 
 Each task's lengths come from its job-file ``lengths`` (a shipped set or a file), else from
 ``--lengths`` (default wikipedia); sequences longer than ``--seq-len`` are truncated to it. Steps of
 every task's batch are drawn (seeded): 4 to plan the mix on, 8 others to score it and every single
-layout that holds ``--seq-len`` on, with the same dispatch and cost model.
+layout that holds ``--seq-len`` on, with the same dispatch and cost model. Layouts keep to pp 1 (what
+adapters train on); ``--out`` writes the mix as a plan that ``flexmesh train --tasks`` runs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 from rich.table import Table
@@ -19,14 +22,16 @@ from rich.table import Table
 from flexmesh.console import plain_console
 from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
+from flexmesh.layout.plan import Plan
 from flexmesh.spec.tasks import TaskSet
 
 PLAN_STEPS, SCORED_STEPS = 4, 8
 
 
-def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | None) -> int:
+def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | None,
+                    record: Callable[[Plan], Plan] = lambda plan: plan) -> int:
     from flexmesh.data.lengths import load_lengths
-    from flexmesh.search.replicas import Pricer, plan_mix, single_layouts, step_time
+    from flexmesh.search.replicas import Pricer, mix_plan, plan_mix, replica_types, single_layouts, step_time
 
     if tasks is None:
         raise PlanError("--replicas plans replicas for LoRA tasks: give --tasks FILE")
@@ -37,7 +42,9 @@ def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | 
     steps = [np.concatenate([rng.choice(s, b) for s, b in zip(sets, batches, strict=True)]).astype(int)
              for _ in range(PLAN_STEPS + SCORED_STEPS)]
     t0 = time.perf_counter()
-    best, _ = plan_mix(cost, world, steps[:PLAN_STEPS])
+    best, _ = plan_mix(cost, world, steps[:PLAN_STEPS], types=replica_types(cost, world, pp_options=(1,)),
+                       seq_len=longest)
+    plan = record(mix_plan(best, cost, steps[:PLAN_STEPS], longest, sum(batches)))
     seconds = time.perf_counter() - t0
     pricer, scored = Pricer(cost), steps[PLAN_STEPS:]
 
@@ -46,11 +53,14 @@ def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | 
 
     singles = single_layouts(cost, world, longest, scored, pricer)
     mix_s = mean(best.replicas)
+    if args.out:
+        plan.save(args.out)
     if args.json:
         print(json.dumps({"mix": [{"layout": t.label, "replicas": n, "devices": t.devices, "max_tokens": t.capacity}
                                   for t, n in best.counts], "step_s": mix_s,
                           "single": [{"layout": t.label, "replicas": world // t.devices, "step_s": s}
-                                     for s, t in singles[:5]], "plan_seconds": seconds}, indent=2))
+                                     for s, t in singles[:5]], "plan_seconds": seconds,
+                          "plan": plan.to_dict()}, indent=2))
         return 0
     out = plain_console()
     table = Table(title=f"replicas for {len(tasks)} LoRA tasks on {world} devices (planned in {seconds:.1f} s, "
@@ -61,6 +71,9 @@ def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | 
     for s, t in singles[:3]:
         table.add_row("single layout", f"{world // t.devices}x {t.label}", f"{s:.4g}", f"{1 - mix_s / s:.1%}")
     out.print(table)
+    out.print(f"as replica groups:\n{plan.layout}", highlight=False)
     out.print("each step, the longest sequence first goes to the replica that finishes it earliest; "
-              "a planning result: the runtime trains adapters with pp 1 (docs/adapters.md)", highlight=False)
+              "`flexmesh train --tasks FILE --plan PLAN` runs the plan (docs/adapters.md)", highlight=False)
+    if args.out:
+        out.print(f"wrote the plan to {args.out}", highlight=False)
     return 0

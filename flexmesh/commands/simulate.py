@@ -36,8 +36,7 @@ from flexmesh.commands.args import (
     steps,
     tokens,
 )
-from flexmesh.cost.training.finetune import with_tasks
-from flexmesh.cost.training.stack import with_stack
+from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.layout.plan import PIPELINE_SCHEDULES
 from flexmesh.report.tables import print_table as print_fitted
@@ -150,7 +149,8 @@ def _prepare(args: argparse.Namespace,
         args.zero, args.recompute, args.cp_kind = s.zero, bool(s.recompute), str(s.cp_kind) if s.cp > 1 else "ulysses"
     base = cost_model_for(_model(args, plan), args.cluster, getattr(args, "hardware_profile", None),
                           getattr(args, "model_profile", None), default_cluster=DEFAULT_CLUSTER)
-    base = with_tasks(with_stack(base, stack_of(args)), job_tasks(args, base.model))  # layout.stack; cost.finetune
+    # another stack's layers (flexmesh.layout.stack), LoRA adapters (flexmesh.cost.training.parts)
+    base = base.replace(parts=Parts(stack=stack_of(args), experts=base.experts, tasks=job_tasks(args, base.model)))
     world = base.cluster.world_size
     cfg = _config(args, policies, _slow(args.slow, world))
     if plan is not None:
@@ -334,7 +334,8 @@ def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> Grou
                             "sequences; give --global-batch")
     plan = plan.with_global_batch(args.global_batch or plan.global_batch)
     spec = _model(args, plan)
-    gctx = groups_context(plan, spec, plan_costs(plan, spec))
+    parts = Parts(stack=stack_of(args), tasks=job_tasks(args, spec))  # LoRA adapters (flexmesh.cost.training.parts)
+    gctx = groups_context(plan, spec, plan_costs(plan, spec, parts=parts))
     slow = _slow(args.slow, plan.world_size)
     if slow:  # in place of the cluster's own speed factors, as for one group
         speed = [1.0] * gctx.num_ranks

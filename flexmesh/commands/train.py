@@ -373,17 +373,20 @@ def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
         from flexmesh.cost import CostModel
 
         cost = CostModel(spec, _plan_cluster(plan, args.plan))
-    if cost is not None and args.tasks:  # LoRA: a frozen base and the tasks' adapters (flexmesh.cost.training.finetune)
-        from flexmesh.commands.args import job_tasks
-        from flexmesh.cost.training.finetune import with_tasks
+    from dataclasses import replace
 
-        cost = with_tasks(cost, job_tasks(args, spec))
-    if cost is not None and spec.is_moe:  # schedules priced for the placement the run uses
+    from flexmesh.commands.args import job_tasks
+    from flexmesh.cost.training.parts import Parts
+
+    parts = Parts(tasks=job_tasks(args, spec))  # LoRA: a frozen base and the tasks' adapters
+    if spec.is_moe:  # schedules priced for the placement the run uses
         from flexmesh.commands.experts_args import experts_of
 
-        cost = cost.with_experts(experts_of(args, spec, plan.world_size))
+        parts = replace(parts, experts=experts_of(args, spec, plan.world_size))
+    cost = cost.replace(parts=parts) if cost is not None else None
     try:
-        return simulated_scheduler(Scheduler(plan, spec, policy, max_len, args.seed, cp=args.cp, cost=cost))
+        return simulated_scheduler(Scheduler(plan, spec, policy, max_len, args.seed, cp=args.cp, cost=cost,
+                                             parts=parts))
     except ScheduleError as e:
         raise PlanError(f"--policy {policy}: {e}") from None
 

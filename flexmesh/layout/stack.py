@@ -10,7 +10,7 @@ dropped element); Megatron-LM and Transformer Engine fuse SwiGLU and recompute i
 (one ffn-wide tensor per token fewer); a compiled layer (torch.compile's min-cut partitioner) keeps
 only the GEMMs' and attention's outputs and the residual stream, and recomputes the pointwise operators
 in backward. :class:`Stack` says which, for
-pricing such a run (:func:`flexmesh.cost.training.stack.with_stack`, ``flexmesh plan --attention unfused
+pricing such a run (``flexmesh.cost.training.parts.Parts.stack``, ``flexmesh plan --attention unfused
 --no-sequence-parallel --dropout --fused-swiglu --recompute-pointwise``): the activation bytes then
 follow Korthikanti et al., 2205.05198, section 4, and unfused attention is timed kernel by kernel
 (:meth:`flexmesh.cost.training.analytic.AnalyticTiming.unfused_attention_times`).

@@ -175,7 +175,7 @@ class ScheduleContext:
         """This context priced by the cost model's lower envelope (every kernel at its best rate:
         times linear in tokens and squared tokens, see :meth:`flexmesh.cost.device.kernels.Kernels.envelope`)."""
         if "envelope" not in self._cache:
-            self._cache["envelope"] = replace(self, cost=self.cost.with_kernels(Kernels.envelope), _cache={})
+            self._cache["envelope"] = replace(self, cost=self.cost.replace(kernels=Kernels.envelope), _cache={})
         return self._cache["envelope"]
 
     def packing_floor(self) -> ScheduleContext:
@@ -183,7 +183,7 @@ class ScheduleContext:
         a micro-batch holding it, see :meth:`flexmesh.cost.device.kernels.Kernels.floor`); itself where the
         cost model has no such gap."""
         if "floor" not in self._cache:
-            cost = self.cost.with_kernels(Kernels.floor)
+            cost = self.cost.replace(kernels=Kernels.floor)
             self._cache["floor"] = self if cost is self.cost else replace(self, cost=cost, _cache={})
         return self._cache["floor"]
 

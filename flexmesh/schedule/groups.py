@@ -9,8 +9,9 @@ step schedule's group ``(r,)`` of a plan of one-pipeline groups is replica group
 - ``shares`` (:func:`shares_schedule`): group ``g`` takes the next ``share_g`` sequences in order, in
   ``m_g`` micro-batches of equal sequence counts dealt round-robin over its data ranks: what the plan
   was priced with, blind to lengths (the runtime's schedule before per-step dispatch).
-- any per-group policy ``P`` (:func:`dispatched_schedule`): stage 1 (:func:`dispatch`) gives each
-  sequence, longest first, to the group whose finish grows least: its accumulated load plus the
+- any per-group policy ``P`` (:func:`dispatched_schedule`): stage 1 (:func:`dispatch_sequences`, by the
+  one dispatch of :mod:`flexmesh.schedule.dispatch`) gives each sequence, costliest first, to the
+  group whose finish grows least: its accumulated load plus the
   pipeline's fill, ``(pp - 1)`` times its longest micro-batch, each priced by that group's own cost
   model and speed (:meth:`ScheduleContext.seq_load` on the fewest ranks whose memory holds the
   sequence, spread over the group's data ranks), and only on groups whose memory holds it; stage 2
@@ -36,15 +37,19 @@ from dataclasses import dataclass, replace
 import numpy as np
 from numpy.typing import ArrayLike
 
-from flexmesh.cost.training.mixed import MixedCosts
+from flexmesh.cost import CostModel
+from flexmesh.cost.training.mixed import MixedCosts, evaluate_groups
 from flexmesh.errors import ScheduleError
 from flexmesh.layout.enums import CPKind
+from flexmesh.layout.mesh import context_kind, group_layout, layout_in_lockstep, rank_place
 from flexmesh.layout.overlap import Overlap
 from flexmesh.layout.plan import Plan, ReplicaGroup
-from flexmesh.layout.step import Group, Piece, StepSchedule
+from flexmesh.layout.step import Group, Piece, StepSchedule, carries_pieces
 from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.dispatch import dispatch, members
 from flexmesh.schedule.lower_bound import min_groups
 from flexmesh.schedule.placement import check_lengths
+from flexmesh.schedule.registry import make_schedule
 from flexmesh.spec.model import ModelSpec
 
 SHARES = "shares"  # the policy of fixed shares; any other name is a per-group policy behind a dispatch
@@ -157,42 +162,23 @@ def _placement_loads(lens: np.ndarray, ctx: ScheduleContext) -> tuple[np.ndarray
     return loads, alone
 
 
-def dispatch(lengths: ArrayLike, gctx: GroupsContext) -> list[np.ndarray]:
-    """Stage 1: the sequence indices each group takes (module doc). Raises ScheduleError for a
-    sequence no group's memory holds."""
+def dispatch_sequences(lengths: ArrayLike, gctx: GroupsContext) -> list[np.ndarray]:
+    """Stage 1: the sequence indices each group takes (module doc), by the one dispatch
+    (:func:`flexmesh.schedule.dispatch.dispatch`). Raises ScheduleError for a sequence no group's
+    memory holds."""
     lens = check_lengths(lengths)
     priced = [_placement_loads(lens, ctx) for ctx in gctx.contexts]
     loads = np.stack([p[0] for p in priced])
     alone = np.stack([p[1] for p in priced])
+    holds = [c.max_tokens(c.group_sizes[-1]) for c in gctx.contexts]
     nowhere = np.flatnonzero(np.isinf(loads).all(axis=0))
     if nowhere.size:
-        worst = int(lens[nowhere].max())
-        holds = max(c.max_tokens(c.group_sizes[-1]) for c in gctx.contexts)
-        raise ScheduleError(f"a sequence of {worst} tokens fits in no replica group (the largest holds {holds}); "
-                            "truncate sequences, enable recomputation, or plan larger groups")
-    fills = np.array([c.pp - 1 for c in gctx.contexts], dtype=float)
-    finite = np.where(np.isinf(loads), -np.inf, loads)
-    order = np.argsort(-finite.max(axis=0), kind="stable")  # costliest first
-    acc = np.zeros(len(gctx.contexts))
-    longest = np.zeros(len(gctx.contexts))
-    members: list[list[int]] = [[] for _ in gctx.contexts]
-    for i in order:
-        finish = acc + loads[:, i] + np.where(fills > 0, fills * np.maximum(longest, alone[:, i]), 0.0)
-        g = int(np.argmin(finish))
-        members[g].append(int(i))
-        acc[g] += loads[g, i]
-        longest[g] = max(longest[g], alone[g, i])
-    # every group keeps a sequence while there are enough: the cheapest move from the fullest group
-    for g in range(len(members)):
-        while not members[g] and lens.size >= len(members):
-            donor = max(range(len(members)), key=lambda k: len(members[k]))
-            movable = [i for i in members[donor] if np.isfinite(loads[g, i])]
-            if len(members[donor]) < 2 or not movable:
-                break
-            i = min(movable, key=lambda i: loads[g, i])
-            members[donor].remove(i)
-            members[g].append(i)
-    return [np.array(sorted(m), dtype=np.int64) for m in members]
+        raise ScheduleError(f"a sequence of {int(lens[nowhere].max())} tokens fits in no replica group (the largest "
+                            f"holds {max(holds)}); truncate sequences, enable recomputation, or plan larger groups")
+    fills = [c.pp - 1 for c in gctx.contexts]
+    # every group keeps a sequence while there are enough (the runtime steps every group)
+    assignment = dispatch(loads, lens, holds, fill=fills, alone=alone, keep_every=True)
+    return members(assignment, len(gctx.contexts))
 
 
 def dispatched_schedule(policy: str, lengths: ArrayLike, gctx: GroupsContext, *, seed: int = 0,
@@ -201,7 +187,7 @@ def dispatched_schedule(policy: str, lengths: ArrayLike, gctx: GroupsContext, *,
     per group."""
     t0 = time.perf_counter()
     lens = check_lengths(lengths)
-    return _packed_parts(policy, lens, dispatch(lens, gctx), gctx, t0, seed=seed, options=options)
+    return _packed_parts(policy, lens, dispatch_sequences(lens, gctx), gctx, t0, seed=seed, options=options)
 
 
 def packed_shares_schedule(policy: str, lengths: ArrayLike, gctx: GroupsContext, *, seed: int = 0,
@@ -222,8 +208,6 @@ def packed_shares_schedule(policy: str, lengths: ArrayLike, gctx: GroupsContext,
 def _packed_parts(policy: str, lens: np.ndarray, parts: list[np.ndarray], gctx: GroupsContext, t0: float, *,
                   seed: int, options: Sequence[dict] | None) -> StepSchedule:
     """Stage 2: ``policy`` inside each group on the sequences ``parts[g]``, merged into one schedule."""
-    from flexmesh.schedule.registry import make_schedule
-
     contexts = gctx.contexts
     groups: list[Group] = []
     deferred: list[int] = []
@@ -292,6 +276,27 @@ def groups_schedule(policy: str, lengths: ArrayLike, gctx: GroupsContext, *, see
     return dispatched_schedule(policy, lengths, gctx, seed=seed, options=options)
 
 
+def group_context(plan: Plan, group: ReplicaGroup, spec: ModelSpec, cost: CostModel) -> ScheduleContext:
+    """The per-step scheduler's view of one replica group: its data ranks, pipeline and first layer's
+    strategy, priced by ``cost`` under the plan's overlap options (``CostModel.replace(step_overlap=...)``).
+
+    The group size (cp) and data-parallel degree are left to the policy; micro-batches hold at most
+    the group's :meth:`~flexmesh.layout.plan.ReplicaGroup.microbatch_tokens` per rank (what the search
+    sized and checked against memory; a longer document keeps its own micro-batch). Policies cut
+    sequences over micro-batches only where the runtime keeps them exact (``cut_documents``).
+    """
+    layout = group_layout(group)
+    strategy = replace(group.layer_strategies()[0], cp=1, cp_kind=CPKind.NONE, dp=1)
+    return ScheduleContext(cost=cost.replace(step_overlap=plan.overlap),
+                           base=strategy, num_ranks=layout.data_ranks, pp=group.pp,
+                           pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
+                           microbatch_tokens=group.microbatch_tokens(plan.seq_len),
+                           lockstep=layout_in_lockstep(spec, layout),
+                           chunk_layers=tuple(st.num_layers for st in group.stages),
+                           cut_documents=carries_pieces(dynamic_rope=spec.rope_scaling is not None
+                                                        and spec.rope_scaling.rope_type == "dynamic"))
+
+
 def stage_cap(group: ReplicaGroup, costs: MixedCosts, overlap: Overlap) -> int:
     """Most tokens one data rank's micro-batch may hold in a pipelined group: the least over its
     stages, each on its own device with its own layers (the first one's strategy), its ends and the
@@ -309,15 +314,11 @@ def stage_cap(group: ReplicaGroup, costs: MixedCosts, overlap: Overlap) -> int:
 def groups_context(plan: Plan, spec: ModelSpec, costs: MixedCosts) -> GroupsContext:
     """The scheduling view of ``plan``'s replica groups on the cluster ``costs`` prices.
 
-    Each group's context is :func:`~flexmesh.schedule.scheduler.group_context` priced by the cost model
+    Each group's context is :func:`group_context` priced by the cost model
     of its slowest device type (a pipeline whose stages sit on two types runs at its slower stages'
     pace), a pipeline's memory stage by stage (:func:`stage_cap`); each data rank runs at its slowest
     device's speed factor (its pipeline stages and tensor-parallel ranks wait for one another).
     """
-    from flexmesh.cost.training.mixed import evaluate_groups
-    from flexmesh.layout.mesh import rank_place
-    from flexmesh.schedule.scheduler import group_context
-
     contexts = []
     for g in plan.groups:
         device_groups = {costs.group_of[r] for r in g.ranks}

@@ -19,13 +19,14 @@ from numpy.typing import ArrayLike
 
 from flexmesh.cost import CostModel
 from flexmesh.cost.training.mixed import MixedCosts
+from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import ScheduleError
-from flexmesh.layout.enums import CPKind, Policy
-from flexmesh.layout.mesh import context_kind, group_layout, layout_in_lockstep
+from flexmesh.layout.enums import Policy
+from flexmesh.layout.mesh import group_layout
 from flexmesh.layout.plan import Plan, ReplicaGroup
-from flexmesh.layout.step import StepSchedule, carries_pieces
+from flexmesh.layout.step import StepSchedule
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.schedule.groups import GroupsContext, dispatched_schedule, groups_context, split_shares
+from flexmesh.schedule.groups import GroupsContext, dispatched_schedule, group_context, groups_context, split_shares
 from flexmesh.schedule.registry import POLICIES, make_schedule
 from flexmesh.spec.cluster import parse_cluster
 from flexmesh.spec.model import ModelSpec
@@ -33,39 +34,20 @@ from flexmesh.spec.model import ModelSpec
 Predict = Callable[[StepSchedule], float]
 
 
-def group_context(plan: Plan, group: ReplicaGroup, spec: ModelSpec, cost: CostModel) -> ScheduleContext:
-    """The per-step scheduler's view of one replica group: its data ranks, pipeline and first layer's
-    strategy, priced by ``cost`` under the plan's overlap options (:meth:`CostModel.with_step_overlap`).
-
-    The group size (cp) and data-parallel degree are left to the policy; micro-batches hold at most
-    the group's :meth:`~flexmesh.layout.plan.ReplicaGroup.microbatch_tokens` per rank (what the search
-    sized and checked against memory; a longer document keeps its own micro-batch). Policies cut
-    sequences over micro-batches only where the runtime keeps them exact (``cut_documents``).
-    """
-    layout = group_layout(group)
-    strategy = replace(group.layer_strategies()[0], cp=1, cp_kind=CPKind.NONE, dp=1)
-    return ScheduleContext(cost=cost.with_step_overlap(plan.overlap),
-                           base=strategy, num_ranks=layout.data_ranks, pp=group.pp,
-                           pipeline_schedule=plan.pipeline_schedule, cp_kind=context_kind(spec, layout),
-                           microbatch_tokens=group.microbatch_tokens(plan.seq_len),
-                           lockstep=layout_in_lockstep(spec, layout),
-                           chunk_layers=tuple(st.num_layers for st in group.stages),
-                           cut_documents=carries_pieces(dynamic_rope=spec.rope_scaling is not None
-                                                        and spec.rope_scaling.rope_type == "dynamic"))
-
-
-def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel | None = None) -> ScheduleContext:
+def schedule_context(plan: Plan, spec: ModelSpec, max_len: int, cost: CostModel | None = None,
+                     parts: Parts | None = None) -> ScheduleContext:
     """:func:`group_context` of a plan of one replica group; ``cost`` defaults to the plan's cluster
-    preset. ``max_len`` (the documents' length) does not bound the micro-batches."""
-    cost = cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster))
+    preset for the job's ``parts``. ``max_len`` (the documents' length) does not bound the micro-batches."""
+    cost = cost if cost is not None else CostModel(spec, parse_cluster(plan.cluster), parts=parts)
     return group_context(plan, plan.group, spec, cost)
 
 
-def plan_costs(plan: Plan, spec: ModelSpec, cost: CostModel | None = None) -> MixedCosts:
+def plan_costs(plan: Plan, spec: ModelSpec, cost: CostModel | None = None, parts: Parts | None = None) -> MixedCosts:
     """One cost model per device group of the plan's cluster: ``cost`` (a profile, one device type) for
-    a cluster of one device type, else the cluster's presets. With ``cost``, the plan's cluster (where
-    it parses) still says which devices run slower (its ``speed_factors``). ScheduleError where the
-    cluster names no presets or a profile would price another device type."""
+    a cluster of one device type, else the cluster's presets for the job's ``parts`` (LoRA adapters,
+    experts; default: full training). With ``cost``, the plan's cluster (where it parses) still says
+    which devices run slower (its ``speed_factors``). ScheduleError where the cluster names no presets
+    or a profile would price another device type."""
     from flexmesh.errors import SpecError
     from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 
@@ -89,7 +71,7 @@ def plan_costs(plan: Plan, spec: ModelSpec, cost: CostModel | None = None) -> Mi
     if mixed.world_size != plan.world_size:
         raise ScheduleError(f"the plan's cluster {plan.cluster!r} has {mixed.world_size} devices but the plan "
                             f"{plan.world_size}; re-plan or fix the plan's cluster")
-    return MixedCosts(spec, mixed)
+    return MixedCosts(spec, mixed, parts=parts)
 
 
 class Scheduler:
@@ -104,8 +86,8 @@ class Scheduler:
     Several replica groups (flexmesh.schedule.groups): ``shares`` gives each group its planned share
     of the batch in order, blind to lengths; any other policy dispatches each step's sequences over
     the groups by predicted time under each group's memory, then runs inside each group as above.
-    ``shares`` needs no cost model; every other policy is priced by the plan's cluster (``cost``: a
-    profile of a one-type cluster instead, flexmesh.schedule.scheduler.plan_costs).
+    ``shares`` needs no cost model; every other policy is priced by the plan's cluster for the job's
+    ``parts`` (``cost``: a profile of a one-type cluster instead, flexmesh.schedule.scheduler.plan_costs).
 
     ``predict``, when given, replaces each step schedule's ``predicted_step_time`` (the scheduler's
     own estimate of the micro-batch phase) with its value: the runtime passes the step simulator's
@@ -125,7 +107,8 @@ class Scheduler:
     """
 
     def __init__(self, plan: Plan, spec: ModelSpec, policy: Policy | str, max_len: int, seed: int = 0, *,
-                 cost: CostModel | None = None, cp: int | None = None, predict: Predict | None = None) -> None:
+                 cost: CostModel | None = None, cp: int | None = None, predict: Predict | None = None,
+                 parts: Parts | None = None) -> None:
         if policy not in POLICIES and policy != Policy.SHARES:  # fail here, not at the first step
             raise ScheduleError(f"unknown scheduling policy {policy!r}; choose one of "
                                 f"{', '.join([*POLICIES, Policy.SHARES])}")
@@ -140,11 +123,11 @@ class Scheduler:
                        tuple(g.data_ranks for g in plan.groups))
         self.groups: GroupsContext | None = None  # None: fixed shares on a cluster that prices nothing
         if len(plan.groups) == 1 and (cost is not None or device_types(plan) in (None, 1)):
-            ctx = schedule_context(plan, spec, max_len, cost)
+            ctx = schedule_context(plan, spec, max_len, cost, parts)
             self.groups = GroupsContext((ctx,), (plan.global_batch,), (plan.num_microbatches,))
         elif self.policy != Policy.SHARES or cost is not None or device_types(plan) is not None:
             # several groups, or one group whose pipeline spans device types: priced group by group
-            self.groups = groups_context(plan, spec, plan_costs(plan, spec, cost))
+            self.groups = groups_context(plan, spec, plan_costs(plan, spec, cost, parts))
         self.options = [self._options(g, max_len, cp) for g in plan.groups]
 
     def _options(self, group: ReplicaGroup, max_len: int, cp: int | None) -> dict:

@@ -1,8 +1,8 @@
 """The best plans: the search's candidates ranked beside the uniform baselines, or why nothing fits.
 
-Uniform baselines (flexmesh.search.baselines) lie inside the search's space; ranking their best plans
+Uniform baselines (flexmesh.search.uniform_baselines) lie inside the search's space; ranking their best plans
 with the searched ones makes the result never worse than them, and ``origin`` says which one won.
-This module sits on top of flexmesh.search.driver and flexmesh.search.baselines, which do not know each
+This module sits on top of flexmesh.search.driver and flexmesh.search.uniform_baselines, which do not know each
 other.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.strategy import Recompute
-from flexmesh.search.baselines import baselines as uniform_baselines
 from flexmesh.search.driver import Progress, SearchOutcome, search
 from flexmesh.search.space import FULL_SPACE, Candidate, SearchRequest
+from flexmesh.search.uniform_baselines import baselines as uniform_baselines
 from flexmesh.units import GIB
 
 

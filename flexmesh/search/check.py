@@ -127,10 +127,10 @@ def overlap_warnings(plan: Plan) -> list[str]:
 
 def check_groups(plan: Plan, model: ModelSpec, cluster: MixedCluster, costs: MixedCosts | None = None
                  ) -> GroupsEvaluation:
-    """Validate a plan of replica groups of one pipeline each (what the mixed search writes) against
-    ``model`` and a mixed ``cluster``; raise PlanError on the first problem, else return its evaluation
-    (flexmesh.cost.training.mixed). The plan's own invariants (contiguous stages, every rank placed once, shares
-    adding up) are checked when it is read."""
+    """Validate a plan of replica groups (what the mixed search and a LoRA mix of replicas write) against
+    ``model`` and a mixed ``cluster`` (each TP group on one device type, inside one node); raise PlanError
+    on the first problem, else return its evaluation (flexmesh.cost.training.mixed). The plan's own
+    invariants (contiguous stages, every rank placed once, shares adding up) are checked when it is read."""
     check_model(plan, model)
     if plan.world_size != cluster.world_size:
         raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
@@ -141,17 +141,22 @@ def check_groups(plan: Plan, model: ModelSpec, cluster: MixedCluster, costs: Mix
     costs = costs or MixedCosts(model, cluster)
     for i, g in enumerate(plan.groups):
         for j, (block, st) in enumerate(zip(g.blocks, g.stages)):
-            where = f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on devices {list(block)})"
-            groups = sorted({costs.group_of[d] for d in block})
-            if len(groups) > 1:
-                names = ", ".join(cluster.groups[k].device.name for k in groups)
-                raise PlanError(f"{where} mixes device groups {groups} ({names}); a TP group runs on one device "
-                                "type: take its devices from one group")
-            nodes = sorted({costs.node_of[d] for d in block})
-            if len(nodes) > 1:
-                raise PlanError(f"{where} spans nodes {nodes}; a TP group stays inside one node: take devices "
-                                f"of one node (its group has {cluster.groups[groups[0]].devices_per_node} per node)")
-            check_tp_heads(model, g.stage_tp(j), where)
+            tp = g.stage_tp(j)
+            for k in range(0, len(block), tp):  # the block's TP groups: runs of tp ranks (tp innermost)
+                team = block[k:k + tp]
+                where = f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on devices {list(team)})"
+                groups = sorted({costs.group_of[d] for d in team})
+                if len(groups) > 1:
+                    names = ", ".join(cluster.groups[x].device.name for x in groups)
+                    raise PlanError(f"{where} mixes device groups {groups} ({names}); a TP group runs on one device "
+                                    "type: take its devices from one group")
+                nodes = sorted({costs.node_of[d] for d in team})
+                if len(nodes) > 1:
+                    raise PlanError(f"{where} spans nodes {nodes}; a TP group stays inside one node: take devices "
+                                    f"of one node (its group has {cluster.groups[groups[0]].devices_per_node} per "
+                                    "node)")
+            check_tp_heads(model, tp, f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on devices "
+                                      f"{list(block)})")
     ev = evaluate_groups(plan, costs)
     for i, j, s in ev.over_budget():
         g = plan.groups[i]

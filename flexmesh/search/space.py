@@ -7,7 +7,7 @@
 - :func:`evaluate_chunks` / :func:`to_plan`: price per-chunk strategies with the cost model and
   turn them into a :class:`~flexmesh.layout.plan.Plan`; :class:`Candidate` holds both.
 
-Nothing here searches; flexmesh.search.driver and flexmesh.search.baselines both stand on this module
+Nothing here searches; flexmesh.search.driver and flexmesh.search.uniform_baselines both stand on this module
 and neither imports the other.
 """
 

@@ -71,8 +71,9 @@ def simulation_context(base: CostModel, cfg: SimulationConfig) -> tuple[Schedule
     """
     cluster = replace(base.cluster, speed_factors=cfg.speed_factors or base.cluster.speed_factors)
     speeds = lane_speeds(cluster, cfg.tp, cfg.pp)
-    cost = base if cluster == base.cluster else CostModel(base.model, cluster, base.hw, base.timing)
-    cost = cost.with_step_overlap(cfg.overlap)
+    # the same cost model on devices of these speeds (their hardware the base's, which prices no speed)
+    cost = base if cluster == base.cluster else CostModel(base.model, cluster, base.hw, base.timing, parts=base.parts)
+    cost = cost.replace(step_overlap=cfg.overlap)
     ctx = ScheduleContext(cost=cost, base=LayerStrategy(tp=cfg.tp, zero=cfg.zero, recompute=cfg.recompute),
                           num_ranks=cluster.world_size // (cfg.tp * cfg.pp), pp=cfg.pp,
                           pipeline_schedule=cfg.pipeline_schedule, cp_kind=cfg.cp_kind,

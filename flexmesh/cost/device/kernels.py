@@ -81,7 +81,7 @@ class Kernels:
 
         Its times are linear in tokens (plus attention's squared tokens), never above this model's,
         and additive: the sum over documents run alone equals them packed together. A lower bound
-        built on them holds for every packing (:meth:`flexmesh.cost.CostModel.with_kernels`).
+        built on them holds for every packing (:meth:`flexmesh.cost.CostModel.replace`).
         Attention keeps its fixed cost per query tile (keys not rounded up to tiles): ``L^2 / (L +
         overhead)`` per document is ``L^2 + overhead x L`` over the rate, linear in squared tokens and
         tokens, and never above the tiled price.

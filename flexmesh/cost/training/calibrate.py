@@ -37,6 +37,7 @@ from flexmesh.cost.device.hardware import Hardware, group_shape
 from flexmesh.cost.training.analytic import AnalyticTiming
 from flexmesh.cost.training.evaluation import Evaluation
 from flexmesh.cost.training.model import CostModel
+from flexmesh.cost.training.parts import Parts
 from flexmesh.layout.enums import CPKind
 from flexmesh.layout.stack import Stack
 from flexmesh.layout.strategy import LayerStrategy
@@ -113,7 +114,8 @@ class PublishedRun:
         hw = Hardware(self.cluster(dev), self.model.dtype)
         stack = MEGATRON_2021 if self.attention == "unfused" else \
             replace(FUSED_STACK, pointwise_recompute=self.pointwise_recompute)
-        return CostModel(self.model, hw.cluster, hw, AnalyticTiming(self.model, hw, self.cp_balanced, stack))
+        return CostModel(self.model, hw.cluster, hw, AnalyticTiming(self.model, hw, self.cp_balanced, stack),
+                         parts=Parts(stack=stack))
 
     def strategy(self) -> LayerStrategy:
         kind = CPKind.RING if self.cp > 1 else CPKind.NONE

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from flexmesh.cost.device.hardware import GroupShape
 from flexmesh.cost.training.model import CostModel
+from flexmesh.cost.training.parts import Parts
 from flexmesh.cost.training.pipeline import in_flight, pipeline_time
 from flexmesh.cost.training.work import LayerCost
 from flexmesh.errors import PlanError
@@ -61,10 +62,14 @@ class MixedCosts:
     (['H100-80GB', 'A100-40GB'], GroupShape(size=2, per_node=2), GroupShape(size=2, per_node=1))
     """
 
-    def __init__(self, model: ModelSpec, cluster: MixedCluster, groups: Sequence[CostModel] | None = None):
+    def __init__(self, model: ModelSpec, cluster: MixedCluster, groups: Sequence[CostModel] | None = None,
+                 parts: Parts | None = None):
         self.model = model
         self.cluster = cluster
-        self.groups = list(groups) if groups is not None else [CostModel(model, g) for g in cluster.groups]
+        # what every group trains and how (LoRA adapters, another stack, experts): the given groups' parts
+        self.parts = parts if parts is not None else groups[0].parts if groups else Parts()
+        self.groups = list(groups) if groups is not None else [CostModel(model, g, parts=self.parts)
+                                                               for g in cluster.groups]
         self._links: dict[tuple[int, int, Link], CostModel] = {}
         self._nodes: dict[tuple[int, Link], CostModel] = {}  # a group on some of its nodes (on)
         self._across: dict[frozenset[int], Link] = {}  # nodes of several groups (across)
@@ -99,7 +104,7 @@ class MixedCosts:
             gi, gj = self.cluster.groups[key[0]], self.cluster.groups[key[1]]
             slow = gi if gi.device.node_net_gbps <= gj.device.node_net_gbps else gj
             device = replace(slow.device, node_net_gbps=link.gbps, inter_latency_us=link.latency_us)
-            self._links[key] = CostModel(self.model, replace(slow, device=device, speed_factors=()))
+            self._links[key] = CostModel(self.model, replace(slow, device=device, speed_factors=()), parts=self.parts)
         return self._links[key]
 
     def inter(self, group: int, nodes: frozenset[int]) -> Link:
@@ -151,8 +156,8 @@ class MixedCosts:
             hw.cluster = cluster
             hw.comm = replace(hw.comm, inter_gbps_per_gpu=link.gbps / cluster.devices_per_node,
                               inter_latency_s=link.latency_us * 1e-6)
-            self._nodes[(g, link)] = CostModel(self.model, cluster, hw, cost.timing,
-                                               cost.experts).with_step_overlap(cost.step_overlap)
+            self._nodes[(g, link)] = CostModel(self.model, cluster, hw, cost.timing, parts=cost.parts,
+                                               step_overlap=cost.step_overlap)
         return self._nodes[(g, link)]
 
     def network(self, ranks: Iterable[int]) -> tuple[CostModel, GroupShape]:
@@ -267,8 +272,10 @@ def gradient_sync(costs: MixedCosts, groups: Sequence[ReplicaGroup]) -> list[lis
       the ``j``-th ranks all-reduce their local shards, ``1 / (tp x data ranks)`` of the unit each
       (a full ``1 / tp`` copy each where the groups replicate);
     - otherwise each block gathers the unit whole over its data ranks, then all ranks all-reduce it.
+
+    What the step trains says which gradients sync (LoRA: the adapters' alone).
     """
-    m = costs.model
+    m, trained = costs.model, costs.groups[0].trained
     out = [[0.0] * g.pp for g in groups]
     if len(groups) < 2:
         return out
@@ -276,6 +283,9 @@ def gradient_sync(costs: MixedCosts, groups: Sequence[ReplicaGroup]) -> list[lis
     pipelines = all(lay.data_ranks == 1 for lay in layouts) and all(g.virtual_stages == 1 for g in groups)
 
     def all_reduce(holders: list[tuple[int, int]], params: float) -> float:
+        params = trained.synced_params(params)  # LoRA: the adapters' gradients alone
+        if not params:
+            return 0.0
         if pipelines:
             stages = [(groups[i].blocks[j], groups[i].stage_tp(j)) for i, j in holders]
             cost, shape = costs.network(ranks[0] for ranks, _ in stages)

@@ -4,98 +4,148 @@ This is the single source of truth for "how long" and "how much memory". The sea
 (flexmesh.search), the per-step scheduler (flexmesh.schedule) and the simulator (flexmesh.sim) all ask
 it; none keeps a private formula. docs/cost-model.md has every formula with its source.
 
-A layer's compute times and the bytes it keeps come from a :class:`~flexmesh.cost.training.timing.LayerTiming`:
-FLOPs over throughput by default (:mod:`flexmesh.cost.training.analytic`, which cites its sources), a model
-profile's fits with ``flexmesh.profile`` (``flexmesh.profile.use.cost_model_from_profiles``). This
-module adds what depends on the cluster and the strategy, with these sources:
+:class:`CostModel` is assembled in one place, its constructor, from the model, the devices and the
+job's :class:`~flexmesh.cost.training.parts.Parts`:
 
-- Tensor parallelism with sequence parallelism: two all-gathers and two reduce-scatters of the
-  layer's activation per pass (Korthikanti et al., 2205.05198); Ulysses: all-to-all of q, k, v and
-  of the output per pass (DeepSpeed-Ulysses, 2309.14509); ring attention: ``cp - 1`` K/V hops per
-  pass, each hidden under one block of attention (Liu et al., 2310.01889); with a sliding window
-  only the hops to blocks within reach (:meth:`CostModel.ring_hops`, the runtime's ``ring_steps``).
-- ZeRO (1910.02054): ZeRO-3 gathers weights for forward and backward and reduce-scatters gradients
-  per micro-batch, prefetched under the layer's compute; DP to ZeRO-2 sync gradients once per step.
-- Gradient sync overlaps the last micro-batch's backward; overlapped compute slows down by the
-  factor Galvatron measured on A100 (1.13, 2211.13878), or a hardware profile's measured overlap.
-- Overlap options (:class:`~flexmesh.layout.overlap.Overlap`, a plan-level choice): TP communication
-  under the GEMMs, ZeRO-2/3 gradients reduced once or every micro-batch, ZeRO-3 gathers prefetched;
-  every overlapped collective costs what does not fit under its compute (:meth:`Hardware.exposed`).
-- Memory: states, activations, logits and per-layer transient buffers (:mod:`flexmesh.cost.training.memory`);
-  pipeline step time and in-flight micro-batches: :mod:`flexmesh.cost.training.pipeline` (2104.04473).
+- the layer timing (:mod:`flexmesh.cost.training.timing`): FLOPs over throughput by default
+  (:mod:`flexmesh.cost.training.analytic`, for the parts' stack and experts), or a model profile's fits;
+- what the step trains (:mod:`flexmesh.cost.training.weights`: every weight; or LoRA adapters on a
+  frozen base, :mod:`flexmesh.cost.training.adapters`) and, for a mixture of experts, its experts
+  (:mod:`flexmesh.cost.training.expert_layers`): parts the layer's pricing asks;
+- the layer's pricing (:mod:`flexmesh.cost.training.layer`: one layer and the ends on one device) and
+  the step's (:mod:`flexmesh.cost.training.step`: micro-batches for the scheduler and the simulator).
+
+This module adds the whole plan: a stage's layers, the pipeline (:mod:`flexmesh.cost.training.pipeline`,
+2104.04473), the gradient sync that overlaps the last micro-batch's backward (overlapped compute slows
+down by the factor Galvatron measured on A100, 1.13, 2211.13878, or a hardware profile's measured
+overlap), and the memory per pipeline rank (:mod:`flexmesh.cost.training.memory`). Another variant of a
+cost model (other parts, devices, kernel model or per-step overlap) is built by :meth:`CostModel.replace`,
+through the same constructor.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import replace
-from functools import lru_cache
-from typing import Callable, cast
 
 import numpy as np
 
-from flexmesh.cost.device.hardware import GroupShape, Hardware, group_shape, pipeline_crossings
+from flexmesh.cost.device.hardware import GroupShape, Hardware, pipeline_crossings
 from flexmesh.cost.device.kernels import Kernels
+from flexmesh.cost.training.adapters import Adapters
 from flexmesh.cost.training.analytic import AnalyticTiming
 from flexmesh.cost.training.evaluation import Evaluation
-from flexmesh.cost.training.experts import (
-    ExpertParallel,
-    expert_imbalanced,
-    expert_states,
-    expert_sync,
-    gathered_expert_bytes,
-    moe_communication,
-    synced_params,
-)
-from flexmesh.cost.training.memory import layer_transient_bytes
+from flexmesh.cost.training.expert_layers import ExpertLayers
+from flexmesh.cost.training.experts import ExpertParallel
+from flexmesh.cost.training.layer import LayerPricing
+from flexmesh.cost.training.parts import Parts
 from flexmesh.cost.training.pipeline import in_flight, pipeline_time
-from flexmesh.cost.training.step_pricing import StepPricing
+from flexmesh.cost.training.step import activation_bytes_per_token, max_tokens, microbatch_phases, step_grad_sync
 from flexmesh.cost.training.timing import LayerTiming
-from flexmesh.cost.training.work import NO_WINDOW, LayerCost, Work, attention_sq, ring_hops
-from flexmesh.layout.overlap import NO_OVERLAP, Overlap, acting
-from flexmesh.layout.strategy import LayerStrategy, Recompute, chunk_anchors
+from flexmesh.cost.training.weights import FullTraining, Trained
+from flexmesh.cost.training.work import LayerCost, MicrobatchPhases, Work
+from flexmesh.errors import SpecError
+from flexmesh.layout.overlap import NO_OVERLAP, Overlap
+from flexmesh.layout.stack import RUNTIME_STACK
+from flexmesh.layout.strategy import LayerStrategy, chunk_anchors
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
 from flexmesh.units import GIB
 
 
-class CostModel(StepPricing):
+class CostModel:
     """Time and memory for a model on a cluster.
 
     ``hardware``: a :class:`Hardware` (``flexmesh.profile.use.hardware_from_profile(cluster, profile)`` for a
     measured machine; default: the cluster's device preset). ``timing``: the model's (checked)
     :class:`~flexmesh.cost.training.timing.LayerTiming`, which prices each layer's and the ends' compute and the
     bytes they keep; default :class:`~flexmesh.cost.training.analytic.AnalyticTiming` (FLOPs over the hardware's
-    throughput). Bytes are counted in the timing's dtype: with a model profile's timing the dtype the
-    profile measured, the runtime's. Tensor- and context-parallel communication is added unless the
-    timing says its layer times include it (timed under real process groups).
+    throughput) of the parts' stack and experts. Bytes are counted in the timing's dtype: with a model
+    profile's timing the dtype the profile measured, the runtime's. Tensor- and context-parallel
+    communication is added unless the timing says its layer times include it (timed under real process
+    groups). ``parts``: what the job trains and how (:class:`~flexmesh.cost.training.parts.Parts`: another
+    stack's layers, a mixture of experts' parallelism, LoRA adapters). ``step_overlap``: the overlap
+    options the per-step methods price (a plan's :attr:`~flexmesh.layout.plan.Plan.overlap`: the scheduler
+    and the simulator set it).
 
     >>> from flexmesh.spec import parse_cluster, parse_model
     >>> cm = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
-    >>> cm.source, type(cm.timing).__name__
-    ('preset:A100-80GB', 'AnalyticTiming')
+    >>> cm.source, type(cm.timing).__name__, type(cm.trained).__name__
+    ('preset:A100-80GB', 'AnalyticTiming', 'FullTraining')
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, hardware: Hardware | None = None,
-                 timing: LayerTiming | None = None, experts: ExpertParallel | None = None):
+                 timing: LayerTiming | None = None, *, parts: Parts | None = None,
+                 step_overlap: Overlap = NO_OVERLAP):
         if timing is not None:
             timing.check_model(model)
             model = replace(model, dtype=timing.dtype)  # bytes in the dtype the timing measured (the runtime's)
         self.model = model
-        self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW  # NO_WINDOW: s^2
         self.cluster = cluster
         self.hw = hardware or Hardware(cluster, model.dtype)
-        self.experts = experts or ExpertParallel()  # how a mixture of experts runs (flexmesh.cost.training.experts)
-        self.timing: LayerTiming = timing if timing is not None else AnalyticTiming(model, self.hw,
-                                                                                    experts=self.experts)
-        self.weight_bytes, self.grad_bytes, self.optim_bytes = self.timing.state_bytes_per_param()
-        self._layer = lru_cache(maxsize=None)(self._layer_uncached)
-        self.step_overlap: Overlap = NO_OVERLAP  # what the per-step methods price (with_step_overlap)
-        self._ends = lru_cache(maxsize=None)(self._ends_uncached)
-        self._phases = lru_cache(maxsize=None)(self._layer_phases)
-        self._dp_collectives = lru_cache(maxsize=None)(self._dp_collectives_uncached)
-        self._work = lru_cache(maxsize=None)(lambda seqs, seq_len: Work.uniform(seqs, seq_len, self.windows))
-        self._even: AnalyticTiming | None = None  # experts at an even load (flexmesh.cost.training.experts)
+        self.parts = parts = Parts() if parts is None else parts
+        self.step_overlap = step_overlap  # what the per-step methods price
+        self.timing: LayerTiming = timing if timing is not None else AnalyticTiming(
+            model, self.hw, stack=parts.stack, experts=parts.experts)
+        if self.timing.stack != parts.stack:
+            raise SpecError(f"a model profile times flexmesh's own runtime ({RUNTIME_STACK.label}, no dropout), "
+                            f"not {parts.stack.label}: drop --model-profile to price that stack")
+        state_bytes = self.timing.state_bytes_per_param()
+        self.weight_bytes, self.grad_bytes, self.optim_bytes = state_bytes
+        optimizer = self.timing.optimizer_s_per_param()
+        trained: Trained
+        if parts.tasks is None:
+            trained = FullTraining(self.hw, cluster, state_bytes, optimizer)
+        else:
+            analytic = self.timing if isinstance(self.timing, AnalyticTiming) else AnalyticTiming(model, self.hw)
+            trained = Adapters(model, self.hw, cluster, state_bytes, optimizer, parts.tasks, analytic)
+        experts = ExpertLayers(model, cluster, self.hw, self.timing, parts.experts) if model.is_moe else None
+        self.layer_pricing = LayerPricing(model, cluster, self.hw, self.timing, trained, experts)
+
+    def replace(self, *, parts: Parts | None = None, cluster: ClusterSpec | None = None,
+                hardware: Hardware | None = None, kernels: Callable[[Kernels], Kernels] | None = None,
+                step_overlap: Overlap | None = None) -> CostModel:
+        """This cost model with some of what it is built from changed, through the one constructor:
+
+        - ``parts``: other parts (another stack, placement of experts, tasks); a model profile prices
+          flexmesh's own runtime only;
+        - ``cluster``: other devices, priced by their preset unless ``hardware`` is given;
+        - ``kernels``: the kernel-time model changed (``Kernels.envelope``, whose collectives are made
+          additive too (``CommTable.envelope``), ``Kernels.floor``: for lower bounds); measured timings
+          (a model profile) are linear in tokens and squared tokens beyond their fixed cost, and
+          monotone, so they stay as they are;
+        - ``step_overlap``: alone, a copy sharing this one's caches.
+
+        An analytic timing is rebuilt for the new parts and hardware; a measured one is kept.
+
+        >>> from flexmesh.layout.stack import Stack
+        >>> from flexmesh.spec import parse_cluster, parse_model
+        >>> cm = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
+        >>> cm.replace(parts=Parts(stack=Stack(dropout=True))).timing.stack.label
+        'fused attention, sequence parallel, dropout'
+        """
+        if kernels is not None and not isinstance(self.timing, AnalyticTiming):
+            kernels = None
+        if parts == self.parts:
+            parts = None
+        if parts is None and cluster is None and hardware is None and kernels is None:
+            if step_overlap is None or step_overlap == self.step_overlap:
+                return self
+            other = copy.copy(self)
+            other.step_overlap = step_overlap
+            return other
+        parts = self.parts if parts is None else parts
+        hw = hardware if hardware is not None else Hardware(cluster, self.model.dtype) if cluster is not None \
+            else self.hw
+        timing = self.timing
+        if kernels is not None and isinstance(timing, AnalyticTiming):
+            hw = hw.additive() if kernels is Kernels.envelope else copy.copy(hw)
+            hw.kernels = kernels(timing.kernels)
+        if isinstance(timing, AnalyticTiming):
+            timing = AnalyticTiming(self.model, hw, timing.ring_balanced, parts.stack, parts.experts)
+        return CostModel(self.model, cluster or self.cluster, hw, timing, parts=parts,
+                         step_overlap=self.step_overlap if step_overlap is None else step_overlap)
 
     @property
     def source(self) -> str:
@@ -107,207 +157,32 @@ class CostModel(StepPricing):
         """Bytes per device the estimates may fill (:attr:`DeviceSpec.usable_memory_bytes`, the one formula)."""
         return self.hw.memory_bytes
 
-    # ---- building blocks ---------------------------------------------------------------------------
-    def _states(self, params: float, s: LayerStrategy, overlap: Overlap = NO_OVERLAP) -> float:
-        """Bytes of weights, gradients and optimizer states for ``params`` parameters on one device.
+    @property
+    def experts(self) -> ExpertParallel:
+        """How a mixture of experts runs (the parts')."""
+        return self.parts.experts
 
-        With ``grad_reduce="last"`` ZeRO-2/3 gradients accumulate unsharded until the step's one
-        reduce-scatter (FSDP2 without gradient sync on the other micro-batches keeps them so).
-        """
-        p = params / s.tp
-        w, g, o = self.weight_bytes, self.grad_bytes, self.optim_bytes
-        d = s.shard_degree
-        if s.zero >= 1:
-            o /= d
-        if s.zero >= 2 and overlap.grad_reduce == "bucketed":
-            g /= d
-        if s.zero >= 3:
-            w /= d
-        return p * (w + g + o)
+    @property
+    def trained(self) -> Trained:
+        """What the step trains (:class:`FullTraining`, or :class:`Adapters` for LoRA tasks)."""
+        return self.layer_pricing.trained
 
-    def _grad_comm(self, params: float, s: LayerStrategy, work_fwd: float, work_bwd: float,
-                   overlap: Overlap = NO_OVERLAP):
-        """(exposed fwd, exposed bwd, per-step sync, optimizer time) for ZeRO / DP of ``params``.
-
-        ZeRO-0/1 reduce once per step. ZeRO-2/3 reduce-scatter every micro-batch under its backward
-        (``grad_reduce="bucketed"``) or once per step (``"last"``, the step's sync). ZeRO-3 gathers
-        weights for forward and backward every micro-batch, under the previous layer's compute when
-        prefetched, exposed when not.
-
-        Sharded data parallelism also copies on the compute stream, which no overlap hides (counted from
-        FSDP2, torch.distributed.fsdp._fully_shard._fsdp_collectives): every all-gather's output is
-        split into the parameters (``foreach_all_gather_copy_out``: the layer's weights read and
-        written), and every reduce-scatter's input is first packed from the unsharded gradients
-        (``foreach_reduce_scatter_copy_in``: its gradients read and written).
-        """
-        d = s.shard_degree
-        optim = params / s.tp / (d if s.zero >= 1 else 1) * self.timing.optimizer_s_per_param()
-        if d == 1:
-            return 0.0, 0.0, 0.0, optim
-        ar, rs, ag, copy_out, copy_in = self._dp_collectives(params, s.tp, d, s.zero >= 2)
-        if s.zero <= 1:  # all-reduce, or reduce-scatter + all-gather of the same volume
-            return 0.0, 0.0, ar, optim
-        exposed = self.hw.exposed
-        every = overlap.grad_reduce == "bucketed"
-        if s.zero == 2:  # reduce-scatter (every micro-batch or once), all-gather updated weights once
-            ag_once = ag + copy_out
-            if every:
-                return 0.0, float(exposed(rs, work_bwd)) + copy_in, ag_once, optim
-            return 0.0, 0.0, ag_once + rs + copy_in, optim
-        # ZeRO-3: gather weights for forward and for backward every micro-batch, under the previous
-        # layer's compute when prefetched (a window of 0 leaves a gather exposed).
-        win_f, win_b = (work_fwd, work_bwd) if overlap.zero3_prefetch else (0.0, 0.0)
-        fwd = float(exposed(ag, win_f)) + copy_out
-        if every:
-            bwd = exposed(ag + rs, win_b) if overlap.zero3_prefetch else ag + exposed(rs, work_bwd)
-            return fwd, float(bwd) + copy_out + copy_in, 0.0, optim
-        return fwd, float(exposed(ag, win_b)) + copy_out, rs + copy_in, optim
-
-    def _dp_collectives_uncached(self, params: float, tp: int, d: int,
-                                 sharded: bool) -> tuple[float, float, float, float, float]:
-        """(all-reduce, reduce-scatter, all-gather, copy-out, copy-in) seconds of :meth:`_grad_comm` for
-        ``params`` over ``tp`` x ``d`` ranks, unsharded or ZeRO-2/3; no micro-batch enters them."""
-        shape = group_shape(d, tp, self.cluster)
-        ct = self.hw.collective_time
-        grads, weights = params / tp * self.grad_bytes, params / tp * self.weight_bytes
-        if not sharded:
-            return float(ct("all_reduce", grads, shape)), 0.0, 0.0, 0.0, 0.0
-        return (0.0, float(ct("reduce_scatter", grads, shape)), float(ct("all_gather", weights, shape)),
-                float(self.hw.copy_time(2 * weights)), float(self.hw.copy_time(2 * grads)))
-
-    # ---- a transformer layer ----------------------------------------------------------------------
+    # ---- one layer (flexmesh.cost.training.layer) ------------------------------------------------------
     def layer(self, s: LayerStrategy, work: Work, overlap: Overlap = NO_OVERLAP) -> LayerCost:
         """One transformer layer on one device of a tp x cp group processing ``work``."""
-        return self._layer(s, work, acting(overlap, s, True))
+        return self.layer_pricing.layer(s, work, overlap)
 
-    def _layer_phases(self, s: LayerStrategy, tokens, sq_tokens, overlap: Overlap = NO_OVERLAP):
-        """(fwd, bwd, comm_fwd, comm_bwd) seconds of one layer on a tp x cp group; scalars or arrays.
-
-        Compute, and the tensor- and context-parallel communication that does not hide under it. With
-        ``overlap.tp_comm`` the TP collectives are pipelined with the GEMMs (Megatron-Core's TP
-        overlap): exposed is what does not fit under the layer's matmul time of that pass.
-        """
-        m, hw, ct = self.model, self.hw, self.hw.collective_time
-        times = self.timing.layer_times(s, tokens, sq_tokens)
-        if m.is_moe and not isinstance(self.timing, AnalyticTiming):  # measured on one rank: experts even there
-            if self._even is None:
-                self._even = AnalyticTiming(m, hw, experts=replace(self.experts, imbalance=1.0, measured=()))
-            times = expert_imbalanced(times, self._even, self.experts.imbalance_at(s.dp * s.cp * s.tp), s, tokens,
-                                      sq_tokens)
-        if times.includes_communication:  # timed under real tp x cp groups: their communication is in the times
-            return times.fwd, times.bwd, 0.0, 0.0
-        fwd, bwd, t_attn = times.fwd, times.bwd, times.attention
-        b = m.dtype_bytes
-        dev_tokens = tokens / s.cp  # tokens held by each tp rank of the group (sequence split by cp)
-        bwd_passes = 2 if s.recompute else 1  # recomputation repeats the forward's collectives
-        # Selective recomputation reruns the attention core with its CP collectives (the runtime's
-        # Attention.recompute_core checkpoints attend: all-to-alls, ring passes), not the TP ones.
-        cp_passes = 2 if s.recompute or s.recompute is Recompute.SELECTIVE else 1
-        comm_f = comm_b = 0.0
-        if s.tp > 1:
-            # Sequence parallelism: all-gather before and reduce-scatter after each of the two blocks.
-            shape = group_shape(s.tp, 1, self.cluster)
-            act = dev_tokens * m.hidden * b
-            per_pass = 2 * ct("all_gather", act, shape) + 2 * ct("reduce_scatter", act, shape)
-            if overlap.tp_comm:  # under the GEMMs: the pass's compute less its attention core
-                gemm_f = fwd - t_attn
-                gemm_b = bwd * np.where(fwd > 0, gemm_f / np.where(fwd > 0, fwd, 1.0), 1.0)  # same share in bwd
-                comm_f = comm_f + hw.exposed(per_pass, gemm_f)
-                comm_b = comm_b + hw.exposed(bwd_passes * per_pass, gemm_b)
-            else:
-                comm_f, comm_b = comm_f + per_pass, comm_b + bwd_passes * per_pass
-        if s.cp > 1:
-            shape = group_shape(s.cp, s.tp, self.cluster)
-            if s.cp_kind == "ulysses":
-                # q, k, v scattered by head and gathered by sequence, then the output back.
-                qkv = dev_tokens * (m.q_dim + 2 * m.kv_dim) / s.tp * b
-                out = dev_tokens * m.q_dim / s.tp * b
-                per_pass = ct("all_to_all", qkv, shape) + ct("all_to_all", out, shape)
-                comm_f, comm_b = comm_f + per_pass, comm_b + cp_passes * per_pass
-            else:
-                # Ring: cp - 1 hops of the local K/V block, each hidden under one block of attention;
-                # backward moves K/V and dK/dV (twice the bytes) under twice the attention work.
-                hop = ct("send_recv", dev_tokens * 2 * m.kv_dim / s.tp * b, shape)
-                hops = self.ring_hops(s.cp, dev_tokens)
-                if hops is None:
-                    exposed_f = (s.cp - 1) * hw.exposed(hop, t_attn / s.cp)
-                else:  # the attention work spreads over the blocks visited, own block included
-                    exposed_f = hops * hw.exposed(hop, t_attn / (hops + 1))
-                comm_f, comm_b = comm_f + exposed_f, comm_b + exposed_f * (1 + cp_passes)
-        if m.is_moe:  # the experts' exchanges over the data ranks (flexmesh.cost.training.experts)
-            tf, tb, wf, wb = moe_communication(ct, self.cluster, m, self.experts, s.dp * s.cp * s.tp, dev_tokens / s.tp,
-                                               bool(s.recompute))
-            if self.experts.prefetch:  # the weights' exchanges under the layer's compute
-                wf, wb = hw.exposed(wf, fwd), hw.exposed(wb, bwd)
-            comm_f, comm_b = comm_f + tf + wf, comm_b + tb + wb
-        return fwd, bwd, comm_f, comm_b
-
-    def _layer_uncached(self, s: LayerStrategy, work: Work, overlap: Overlap) -> LayerCost:
-        m = self.model
-        group = s.phase_group(m.is_moe)  # phases are shared by every dp and ZeRO stage of a tp x cp group
-        fwd, bwd, comm_f, comm_b = map(float, self._phases(group, float(work.tokens), float(work.sq_tokens), overlap))
-        # routed experts: below; the router and shared expert are whole on every tp rank (tp x as many)
-        params = synced_params(m, s.tp)
-        zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd, overlap)
-        timing = self.timing
-        act_full = timing.activation_bytes(s, work.tokens, False) + timing.mask_bytes(s, work.tokens, work.sq_tokens)
-        # Hook for partial recomputation: the timing says what a strategy keeps; full recomputation
-        # keeps the layer input and holds the full set again while the layer is recomputed.
-        act = timing.activation_bytes(s, work.tokens, True) if s.recompute else act_full
-        transient = layer_transient_bytes(m, s, work.tokens, overlap, act_full if s.recompute else 0.0,
-                                          self.grad_bytes)
-        states = self._states(params, s, overlap)
-        if m.is_moe:  # experts sharded over the stage's ranks, their gathered copies kept for backward
-            n = s.dp * s.cp * s.tp
-            states += expert_states(m, self.experts, n, (self.weight_bytes, self.grad_bytes, self.optim_bytes))
-            esync, eopt = expert_sync(self.hw.collective_time, self.cluster, m, self.experts, n, self.grad_bytes,
-                                      timing.optimizer_s_per_param())
-            sync, optim = sync + esync, optim + eopt
-            gathered = gathered_expert_bytes(m, self.experts, n)
-            act, transient = (act, transient + gathered) if s.recompute else (act + gathered, transient)
-        return LayerCost(fwd=fwd, bwd=bwd, comm_fwd=comm_f + zf, comm_bwd=comm_b + zb, grad_sync=sync,
-                         optim=optim, states=states, act=act, transient=transient)
-
-    def transition(self, a: LayerStrategy, b: LayerStrategy, work_a: Work) -> float:
-        """Resharding activations between consecutive layers placed differently (fwd + bwd), s.
-
-        The boundary activation is redistributed over the stage's devices by an all-to-all, and its
-        gradient comes back the same way.
-        """
-        if a.same_mesh(b):
-            return 0.0
-        nbytes = work_a.tokens / (a.cp * a.tp) * self.model.hidden * self.model.dtype_bytes
-        shape = group_shape(a.devices, 1, self.cluster)
-        return 2 * self.hw.collective_time("all_to_all", nbytes, shape)
-
-    # ---- embedding and LM head ----------------------------------------------------------------------
     def ends(self, s: LayerStrategy, work: Work, embed: bool, head: bool, overlap: Overlap = NO_OVERLAP) -> LayerCost:
         """Embedding (first stage) and final norm + LM head + loss (last stage), vocab-parallel over tp."""
-        return self._ends(s, work, embed, head, acting(overlap, s, False))
+        return self.layer_pricing.ends(s, work, embed, head, overlap)
 
-    def _ends_uncached(self, s: LayerStrategy, work: Work, embed: bool, head: bool, overlap: Overlap) -> LayerCost:
-        m = self.model
-        total = LayerCost()
-        if embed:
-            fwd, bwd = (float(x) for x in self.timing.embedding_times(s, work.tokens))
-            act = self.timing.embedding_activation_bytes(s, work.tokens)
-            zf, zb, sync, optim = self._grad_comm(m.embedding_params, s, fwd, bwd, overlap)
-            total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
-                                      states=self._states(m.embedding_params, s, overlap), act=act)
-        if head:
-            params = m.head_params
-            if m.tie_embeddings and not embed:  # a tied head on another stage keeps its own copy
-                params += m.vocab * m.hidden
-            fwd, bwd = cast(tuple[float, float], self.timing.head_times(s, work.tokens))  # scalars in, scalars out
-            zf, zb, sync, optim = self._grad_comm(params, s, fwd, bwd, overlap)
-            total = total + LayerCost(fwd=fwd, bwd=bwd, comm_fwd=zf, comm_bwd=zb, grad_sync=sync, optim=optim,
-                                      states=self._states(params, s, overlap),
-                                      transient=self.timing.logit_bytes(s, work.tokens))
-        return total
+    def transition(self, a: LayerStrategy, b: LayerStrategy, work_a: Work) -> float:
+        """Resharding activations between consecutive layers placed differently (fwd + bwd), s."""
+        return self.layer_pricing.transition(a, b, work_a)
 
     def layer_work(self, s: LayerStrategy, microbatch_seqs: int, seq_len: int) -> Work:
         """Work of one replica of a layer when a stage's micro-batch of equal-length sequences splits over dp."""
-        return self._work(microbatch_seqs / s.dp, seq_len)
+        return self.layer_pricing.layer_work(s, microbatch_seqs, seq_len)
 
     def ring_hops(self, cp: int, block_tokens):  # noqa: ANN001, ANN201 - floats or numpy arrays
         """K/V hops of ring attention per pass with blocks of ``block_tokens``, mean over layers; None
@@ -317,19 +192,53 @@ class CostModel(StepPricing):
         ``min(cp - 1, ceil((w - 1) / block))`` hops (the runtime's ``ring_steps`` minus one).
 
         >>> from flexmesh.spec import parse_cluster, parse_model
-        >>> from dataclasses import replace
         >>> cm = CostModel(replace(parse_model("tiny"), sliding_window=1000), parse_cluster("8xA100-80GB"))
         >>> cm.ring_hops(8, 512.0), cm.ring_hops(8, 100.0), cm.ring_hops(8, 1000.0)
         (2.0, 7.0, 1.0)
         """
-        if self.windows == NO_WINDOW:
-            return None
-        return ring_hops(cp, block_tokens, self.windows)
+        return self.layer_pricing.ring_hops(cp, block_tokens)
 
     def attention_sq(self, start, end):  # noqa: ANN001, ANN201 - floats or numpy arrays
         """Squared-token attention work of queries [start, end) of a sequence under this model's
         sliding windows (:func:`flexmesh.cost.training.work.attention_sq`); ``end**2 - start**2`` without one."""
-        return attention_sq(start, end, self.windows)
+        return self.layer_pricing.attention_sq(start, end)
+
+    # ---- a step's micro-batches (flexmesh.cost.training.step) ------------------------------------------
+    def microbatch_time(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,  # noqa: ANN001, ANN201
+                        embed: bool = True, head: bool = True):
+        """Forward + backward seconds of one micro-batch on a tp x cp group; numpy arrays accepted. ZeRO
+        collectives are per step and left to :meth:`step_grad_sync`."""
+        return self.microbatch_phases(s, tokens, sq_tokens, layers, head, embed=embed).total
+
+    def microbatch_phases(self, s: LayerStrategy, tokens, sq_tokens, layers: int | None = None,  # noqa: ANN001
+                          head: bool = True, embed: bool = False) -> MicrobatchPhases:
+        """:meth:`microbatch_time` split into forward and backward, compute and exposed communication,
+        so that a pipeline simulation can order the passes. The embedding costs what the timing says
+        (nothing analytically: a lookup has no FLOPs to count; a model profile's fit). TP communication
+        is exposed or overlapped as :attr:`step_overlap` says."""
+        layers = self.model.num_layers if layers is None else layers
+        return microbatch_phases(self.layer_pricing, s, tokens, sq_tokens, layers, head, embed, self.step_overlap)
+
+    def activation_bytes_per_token(self, s: LayerStrategy, layers: int | None = None,
+                                   in_flight_mbs: float = 1.0) -> float:
+        """Saved-activation bytes per token of a micro-batch on each device of a tp x cp group."""
+        layers = self.model.num_layers if layers is None else layers
+        return activation_bytes_per_token(self.layer_pricing, s, layers, in_flight_mbs)
+
+    def max_tokens(self, s: LayerStrategy, layers: int | None = None, embed: bool = True, head: bool = True,
+                   in_flight_mbs: float = 1.0, overlap: Overlap | None = None) -> int:
+        """Largest micro-batch (tokens on the tp x cp group) that fits in device memory under ``s``
+        (and ``overlap``, default :attr:`step_overlap`)."""
+        layers = self.model.num_layers if layers is None else layers
+        overlap = self.step_overlap if overlap is None else overlap
+        return max_tokens(self.layer_pricing, s, layers, embed, head, in_flight_mbs, overlap, self.memory_budget)
+
+    def step_grad_sync(self, s: LayerStrategy, data_ranks: int, layers: int | None = None,
+                       embed: bool = True, head: bool = True) -> tuple[float, float]:
+        """(gradient sync, optimizer) seconds, once per step, for one stage's parameters over
+        ``data_ranks`` (:func:`flexmesh.cost.training.step.step_grad_sync`)."""
+        layers = self.model.num_layers if layers is None else layers
+        return step_grad_sync(self.layer_pricing, s, data_ranks, layers, embed, head)
 
     # ---- a whole plan ---------------------------------------------------------------------------------
     def stage_cost(self, strategies, microbatch_seqs: int, seq_len: int, embed: bool, head: bool,
@@ -468,32 +377,3 @@ class CostModel(StepPricing):
         return self.evaluate_stages([st.strategies for st in plan.stages], plan.pp, plan.pipeline_schedule,
                                     plan.num_microbatches, plan.virtual_stages, plan.microbatch_size, plan.seq_len,
                                     plan.overlap)
-
-    # ---- variants ---------------------------------------------------------------------------------------
-    def with_step_overlap(self, overlap: Overlap) -> CostModel:
-        """This cost model (sharing its caches) with its per-step methods priced under ``overlap``,
-        a plan's :attr:`~flexmesh.layout.plan.Plan.overlap` (the scheduler and the simulator use it)."""
-        other = copy.copy(self)
-        other.step_overlap = overlap
-        return other
-
-    def with_kernels(self, change: Callable[[Kernels], Kernels]) -> CostModel:
-        """The same device with its kernel-time model changed (``Kernels.envelope``, whose collectives are
-        made additive too (``CommTable.envelope``), ``Kernels.floor``: for lower bounds); measured timings
-        (a model profile) are linear in tokens and squared tokens beyond their fixed cost, and monotone."""
-        if not isinstance(self.timing, AnalyticTiming):
-            return self
-        hw = self.hw.additive() if change is Kernels.envelope else copy.copy(self.hw)
-        hw.kernels = change(self.timing.kernels)
-        return CostModel(self.model, self.cluster, hardware=hw,
-                         timing=AnalyticTiming(self.model, hw, self.timing.ring_balanced, self.timing.stack,
-                                               self.experts), experts=self.experts).with_step_overlap(self.step_overlap)
-
-    def with_experts(self, experts: ExpertParallel) -> CostModel:
-        """The same model and devices with a mixture of experts run as ``experts`` says (another placement
-        or expert parallelism: what baselines such as Megatron-LM's run)."""
-        timing = self.timing
-        if isinstance(timing, AnalyticTiming):
-            timing = AnalyticTiming(self.model, self.hw, timing.ring_balanced, timing.stack, experts)
-        return CostModel(self.model, self.cluster, hardware=self.hw, timing=timing,
-                         experts=experts).with_step_overlap(self.step_overlap)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from flexmesh.cost.training.work import Amount
+from flexmesh.layout.stack import Stack
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.model import ModelSpec
 
@@ -47,6 +48,7 @@ class LayerTiming(Protocol):
     """Compute times and per-device byte counts of a layer and of the ends, per strategy."""
 
     dtype: str  # the dtype every byte count is in (and the one the throughput was taken for)
+    stack: Stack  # how the training stack it prices runs a layer (flexmesh.layout.stack)
 
     def check_model(self, model: ModelSpec) -> None:
         """Raise unless ``model`` has the shape this timing describes (any dtype)."""

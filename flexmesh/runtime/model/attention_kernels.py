@@ -331,7 +331,8 @@ HALF = (torch.float16, torch.bfloat16)
 class AttentionKernel:
     """One local kernel: where it runs and what it serves (see the module doc's table). ``run`` takes
     a packed row; ``suffix`` queries that are the last of one document's keys (a piece of a cut
-    document after its carried prefix, flexmesh.runtime.model.carry)."""
+    document after its carried prefix, flexmesh.runtime.model.carry); ``cost`` the cost model's function
+    that prices it (a dotted path, checked by tests/test_attention_costs.py)."""
 
     name: str
     devices: tuple[str, ...]
@@ -340,6 +341,7 @@ class AttentionKernel:
     suffix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None], torch.Tensor] = _sdpa_suffix
     available: Callable[[int | None, bool], bool] = field(default=lambda window, gqa: True)
     max_head_dim: int | None = None  # the flash kernels' limit (256; multiples of 8)
+    cost: str = ""
 
     def serves(self, device: str, dtype: torch.dtype, window: int | None, head_dim: int, gqa: bool) -> bool:
         if device not in self.devices or (self.dtypes is not None and dtype not in self.dtypes):
@@ -349,13 +351,17 @@ class AttentionKernel:
         return self.available(window, gqa)
 
 
+# The runtime's stack (flexmesh.layout.stack.RUNTIME_STACK) prices attention as FlashAttention-2 at its
+# measured rates: varlen and flash-attn run FA2, SDPA's CUDA flash backend too; FlexAttention has no fit of
+# its own and is priced the same (measured slower: docs/architecture.md).
+FLASH2_COST = "flexmesh.cost.device.flash2.flash2_kernels"
 KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
     AttentionKernel("varlen", ("cuda",), HALF, _varlen_rows(_varlen_call), _varlen_suffix(_varlen_call),
-                    _varlen_serves, max_head_dim=256),
+                    _varlen_serves, max_head_dim=256, cost=FLASH2_COST),
     AttentionKernel("flash-attn", ("cuda",), HALF, _varlen_rows(_flash_attn_call), _varlen_suffix(_flash_attn_call),
-                    lambda w, g: _flash_attn() is not None, max_head_dim=256),
-    AttentionKernel("flex", ("cuda",), None, _run_flex, available=lambda w, g: _flex() is not None),
-    AttentionKernel("sdpa", ("cuda", "cpu"), None, _run_sdpa),
+                    lambda w, g: _flash_attn() is not None, max_head_dim=256, cost=FLASH2_COST),
+    AttentionKernel("flex", ("cuda",), None, _run_flex, available=lambda w, g: _flex() is not None, cost=FLASH2_COST),
+    AttentionKernel("sdpa", ("cuda", "cpu"), None, _run_sdpa, cost=FLASH2_COST),
 )}
 
 USED: set[str] = set()  # the kernels this process has run (the trainer reports them)

@@ -1,6 +1,7 @@
-"""The cost model of LoRA fine-tuning: a frozen base model and many tasks' adapters (docs/adapters.md).
+"""LoRA fine-tuning as a part of the cost model: a frozen base and many tasks' adapters (docs/adapters.md).
 
-What changes against training every weight (:class:`~flexmesh.cost.training.model.CostModel`), nothing else:
+What changes against training every weight (:class:`~flexmesh.cost.training.weights.FullTraining`),
+nothing else:
 
 - Backward computes no weight gradient of the base: each layer's backward loses its weight-gradient
   GEMMs, one GEMM of the forward's shape per linear layer (``Kernels.linear``: backward = input
@@ -17,57 +18,68 @@ What changes against training every weight (:class:`~flexmesh.cost.training.mode
   weights every micro-batch, forward and backward. The optimizer steps the adapters only.
 - Saved activations are priced as in full training (an upper bound: a frozen linear layer that no
   adapter targets need not keep its input).
+
+>>> from flexmesh.cost import CostModel
+>>> from flexmesh.cost.training.parts import Parts
+>>> from flexmesh.spec import parse_cluster, parse_model
+>>> from flexmesh.spec.tasks import Task, TaskSet
+>>> tasks = TaskSet((Task(name="chat", rank=8, alpha=16, targets=("q_proj", "v_proj")),))
+>>> lora = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"), parts=Parts(tasks=tasks))
+>>> type(lora.trained).__name__, lora.trained.adapter_params  # r (in + out) for q and v: 8 x 2 x 8192
+('Adapters', 131072.0)
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-
 import numpy as np
 
-from flexmesh.cost.device.hardware import group_shape
-from flexmesh.cost.device.kernels import Kernels
+from flexmesh.cost.device.hardware import Hardware, group_shape
 from flexmesh.cost.training.analytic import AnalyticTiming, linear_shapes
-from flexmesh.cost.training.model import CostModel
+from flexmesh.cost.training.weights import GradComm
+from flexmesh.cost.training.work import Amount
 from flexmesh.layout.overlap import NO_OVERLAP, Overlap
 from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.spec.cluster import ClusterSpec
+from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.tasks import TaskSet, projection_shape
 
 
-def adapter_params_per_layer(cost_model: CostModel, tasks: TaskSet) -> float:
+def adapter_params_per_layer(model: ModelSpec, tasks: TaskSet) -> float:
     """Parameters of every task's adapters in one layer: r (in + out) per targeted projection."""
     total = 0.0
     for t in tasks:
         for target in t.targets:
-            fan_in, fan_out = projection_shape(cost_model.model, target)
+            fan_in, fan_out = projection_shape(model, target)
             total += t.rank * (fan_in + fan_out)
     return total
 
 
-class AdapterCostModel(CostModel):
-    """:class:`CostModel` of ``base`` (built the same way) training ``tasks``' LoRA adapters only."""
+class Adapters:
+    """A frozen base training ``tasks``' LoRA adapters (see the module doc); ``analytic``: the analytic
+    timing of the same device, whose kernels price the adapters' GEMMs and the weight gradients left out."""
 
-    def __init__(self, base: CostModel, tasks: TaskSet):
-        super().__init__(base.model, base.cluster, hardware=base.hw, timing=base.timing)
-        self.step_overlap = base.step_overlap
+    def __init__(self, model: ModelSpec, hw: Hardware, cluster: ClusterSpec, state_bytes: tuple[float, float, float],
+                 optimizer_s_per_param: float, tasks: TaskSet, analytic: AnalyticTiming):
+        self.model, self.hw, self.cluster = model, hw, cluster
+        self.weight_bytes, self.grad_bytes, self.optim_bytes = state_bytes
+        self.optimizer_s_per_param = optimizer_s_per_param
         self.tasks = tasks
-        self.adapter_params = adapter_params_per_layer(self, tasks)
+        self.adapter_params = adapter_params_per_layer(model, tasks)
         self.ranks = {t: max(task.rank for task in tasks if t in task.targets) for t in tasks.targets()}
-        self._analytic = base.timing if isinstance(base.timing, AnalyticTiming) else AnalyticTiming(base.model, base.hw)
+        self.analytic = analytic
 
-    def _trainable(self, params: float) -> float:
+    def synced_params(self, params: float) -> float:
         """Trainable parameters among ``params`` of a layer (its adapters) or of an end (none)."""
         return self.adapter_params if params == self.model.layer_params else 0.0
 
-    def _states(self, params: float, s: LayerStrategy, overlap: Overlap = NO_OVERLAP) -> float:
+    def states(self, params: float, s: LayerStrategy, overlap: Overlap = NO_OVERLAP) -> float:
         weights = params / s.tp * self.weight_bytes / (s.shard_degree if s.zero >= 3 else 1)
-        return weights + self._trainable(params) * (self.weight_bytes + self.grad_bytes + self.optim_bytes)
+        return weights + self.synced_params(params) * (self.weight_bytes + self.grad_bytes + self.optim_bytes)
 
-    def _grad_comm(self, params: float, s: LayerStrategy, work_fwd: float, work_bwd: float,
-                   overlap: Overlap = NO_OVERLAP):
-        trainable = self._trainable(params)
-        optim = trainable * self.timing.optimizer_s_per_param()
+    def grad_comm(self, params: float, s: LayerStrategy, work_fwd: float, work_bwd: float,
+                  overlap: Overlap = NO_OVERLAP) -> GradComm:
+        trainable = self.synced_params(params)
+        optim = trainable * self.optimizer_s_per_param
         d = s.shard_degree
         if d == 1:
             return 0.0, 0.0, 0.0, optim
@@ -80,14 +92,15 @@ class AdapterCostModel(CostModel):
         win_f, win_b = (work_fwd, work_bwd) if overlap.zero3_prefetch else (0.0, 0.0)
         return float(self.hw.exposed(ag, win_f)), float(self.hw.exposed(ag, win_b)), sync, optim
 
-    def _layer_phases(self, s: LayerStrategy, tokens, sq_tokens, overlap: Overlap = NO_OVERLAP):
-        fwd, bwd, comm_f, comm_b = super()._layer_phases(s, tokens, sq_tokens, overlap)
-        k = self._analytic.kernels
+    def compute(self, s: LayerStrategy, tokens: Amount, sq_tokens: Amount, fwd: Amount,
+                bwd: Amount) -> tuple[Amount, Amount]:
+        """The layer's compute less the base's weight gradients, plus the adapters' GEMMs."""
+        k = self.analytic.kernels
         rows = tokens / s.cp
         wgrad = 0.0
         for n, red in linear_shapes(self.model, s.tp):
             wgrad = wgrad + k.gemm(n, red, rows)  # the weight gradient's GEMM (Kernels.linear)
-        analytic = self._analytic.layer_times(s, tokens, sq_tokens)
+        analytic = self.analytic.layer_times(s, tokens, sq_tokens)
         total = np.asarray(analytic.bwd, dtype=float)
         share = np.where(total > 0, wgrad / np.where(total > 0, total, 1.0), 0.0)
         a_f = a_b = 0.0
@@ -100,17 +113,4 @@ class AdapterCostModel(CostModel):
             for n, red in shapes:
                 f, b = k.linear(rows, n, red)
                 a_f, a_b = a_f + f, a_b + b
-        return fwd + a_f, bwd * (1 - share) + a_b, comm_f, comm_b
-
-    def with_kernels(self, change: Callable[[Kernels], Kernels]) -> CostModel:
-        return AdapterCostModel(super().with_kernels(change), self.tasks)
-
-    def with_step_overlap(self, overlap: Overlap) -> CostModel:
-        other = copy.copy(self)
-        other.step_overlap = overlap
-        return other
-
-
-def with_tasks(cost: CostModel, tasks: TaskSet | None) -> CostModel:
-    """``cost`` for fine-tuning ``tasks``' adapters; ``cost`` itself without tasks."""
-    return cost if tasks is None else AdapterCostModel(cost, tasks)
+        return fwd + a_f, bwd * (1 - share) + a_b
