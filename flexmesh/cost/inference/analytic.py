@@ -81,6 +81,11 @@ class AnalyticIteration:
                             for crosses in pipeline_crossings(tp * pp, per_node, pp)[:pp - 1]] if pp > 1 else []
         self._dense: dict[int, float] = {}
         self._head: dict[int, float] = {}
+        # Decode-only iterations cost ``fixed(B) + per_key x keys`` (every term is affine in the KV read):
+        # their fixed part by batch, computed once, makes the simulator's commonest call a lookup.
+        k = self.kernels
+        self.per_key_s = self.layers * max(4.0 * self.q_dim / k.attn_flops, self.kv_token_bytes / k.hbm_bytes_per_s)
+        self._decode_fixed: dict[int, float] = {}
 
     # ---- the terms -------------------------------------------------------------------------------
     def _collective(self, kind: str, nbytes: float) -> float:
@@ -140,13 +145,26 @@ class AnalyticIteration:
     def split_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:
         """Seconds of an iteration of ``decodes`` one-token steps over ``decode_context`` KV tokens in all,
         and ``chunks`` ``(context, new tokens)``; constant time in the decodes."""
+        if not chunks:
+            if decodes == 0:
+                return 0.0
+            fixed = self._decode_fixed.get(decodes)
+            if fixed is None:
+                fixed = (self.dense_s(decodes) + self.attention_s(decodes, 0, ()) - self.per_key_s * decodes
+                         + self.head_s(decodes) + self.overhead.seconds(decodes))
+                self._decode_fixed[decodes] = fixed
+            return fixed + self.per_key_s * (decode_context + decodes)
         tokens, requests = decodes, decodes + len(chunks)
         for _, n in chunks:
             tokens += n
-        if requests == 0:
-            return 0.0
         return (self.dense_s(tokens) + self.attention_s(decodes, decode_context, chunks) + self.head_s(requests)
                 + self.overhead.seconds(requests))
+
+    def decode_run_s(self, decodes: int, decode_context: int, steps: int) -> float:
+        """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``decodes``
+        tokens to it): the sum in closed form, every term being affine in the context."""
+        first = self.split_s(decodes, decode_context, ())
+        return steps * first + self.per_key_s * decodes * (steps * (steps - 1) / 2)
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds of one iteration over ``batch``: ``(context, new tokens)`` per request."""
