@@ -91,6 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     e.add_argument("--kv-block-tokens", type=positive_int, help="tokens per KV block (vLLM block_size; 16)")
     e.add_argument("--memory-fraction", type=fraction, help="device memory the engine may use (vLLM "
                    "gpu_memory_utilization; 0.9)")
+    e.add_argument("--kv-blocks", type=positive_int, metavar="N", help="KV blocks per replica as given (vLLM "
+                   "num_gpu_blocks_override; default: what the memory fraction leaves)")
     e.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching")
     e.add_argument("--prefix-cache-blocks", type=nonneg_int, metavar="N",
                    help="idle cached KV blocks kept at most (default: as KV memory allows)")
@@ -204,7 +206,7 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
     knobs = {g: default_knobs(c.device, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
                               block_tokens=args.kv_block_tokens, memory_fraction=args.memory_fraction,
                               prefix_caching=False if args.no_prefix_cache else None,
-                              prefix_cache_blocks=args.prefix_cache_blocks)
+                              prefix_cache_blocks=args.prefix_cache_blocks, kv_blocks=args.kv_blocks)
              for g, c in enumerate(cluster.groups)}
     specs = (parse_replicas(args.replicas, cluster) if args.replicas
              else auto_replicas(model, cluster, knobs, workload.max_total_tokens))
