@@ -236,7 +236,7 @@ class SimulatedReplica:
             return now
         bs, bucket = self.bs, self.bucket
         cycles, rest = divmod(k, bs)
-        need = cycles * self.dec_n_blocks_per_cycle() + sum(bucket[(i + m) % bs] for m in range(rest))
+        need = cycles * b + sum(bucket[(i + m) % bs] for m in range(rest))  # a block each per bs iterations
         if need and not self.kv.can_allocate(need):
             return now
         if need:
@@ -249,10 +249,6 @@ class SimulatedReplica:
         self.tokens += b * k
         self.busy_s += took
         return now + took
-
-    def dec_n_blocks_per_cycle(self) -> int:
-        """New blocks the decoding requests take over ``bs`` iterations: one each."""
-        return self.dec_n
 
     def _fill(self, budget: int, chunks: list[tuple[int, int]], now: float) -> int:
         """Steps 2 and 3: chunks for the requests in prefill, then admissions; the budget left."""
