@@ -1,6 +1,6 @@
 """``flexmesh serve``: serving on uneven hardware, one sub-command per module ``flexmesh.commands.serve_<name>``.
 
-- ``flexmesh serve simulate``: requests over time on any GPU mix, simulated (docs/cli-serve.md).
+Sub-commands: simulate (requests over time on any GPU mix, simulated; docs/cli-serve.md).
 """
 
 from __future__ import annotations
