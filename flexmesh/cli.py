@@ -17,7 +17,7 @@ from flexmesh.errors import FlexmeshError
 from flexmesh.runtime.launch import die_with_launcher
 
 # Sub-commands in the order `flexmesh --help` lists them; a module missing here is skipped.
-COMMANDS = ("plan", "simulate", "train", "export", "profile", "demo")
+COMMANDS = ("plan", "simulate", "train", "export", "profile", "serve", "demo")
 
 # What each command's --help ends with: commands as a user types them (tests/test_cli_help.py parses them).
 EXAMPLES = {
@@ -31,6 +31,9 @@ EXAMPLES = {
     "export": ("flexmesh export --checkpoint run --out run-hf",),
     "profile": ("flexmesh profile hardware --nproc 2 --out hardware.json",
                 "flexmesh profile model --model tiny --quick --out model-tiny.json"),
+    "serve": ("flexmesh serve simulate --model llama3.1-8b --cluster 8xH100 --trace azure-conv --slo ttft=2,tpot=100ms",
+              "flexmesh serve simulate --cluster 1x8xH100+2x8xA100-40GB --replicas 2xtp4-prefill@H100,4xtp4-decode@1 "
+              "--rates 10,20,40 --out serve-out"),
     "demo": ("flexmesh demo", "flexmesh demo --quick --out /tmp/demo"),
 }
 

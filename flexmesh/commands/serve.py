@@ -1,0 +1,30 @@
+"""``flexmesh serve``: serving on uneven hardware, one sub-command per module ``flexmesh.commands.serve_<name>``.
+
+Sub-commands: simulate (requests over time on any GPU mix, simulated; docs/cli-serve.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from flexmesh.commands.args import DefaultsHelpFormatter
+
+# Sub-commands in the order `flexmesh serve --help` lists them; each module defines add_parser(subparsers).
+SUBCOMMANDS = ("simulate",)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``flexmesh serve`` and its sub-commands."""
+    p = sub.add_parser("serve", help="serve requests on uneven hardware: simulate a fleet of replicas",
+                       description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
+    inner = p.add_subparsers(dest="serve_command", metavar="SUBCOMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"flexmesh.commands.serve_{name}").add_parser(inner)
+
+    def usage(args: argparse.Namespace) -> int:
+        p.print_help()
+        return 1
+
+    p.set_defaults(func=usage)
+    return p
