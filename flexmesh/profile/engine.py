@@ -1,0 +1,105 @@
+"""``flexmesh profile engine``: measure a local engine's iterations into an engine profile.
+
+The engine is the one ``flexmesh serve run`` starts (:class:`flexmesh.serve.engine.engine.Engine`, the
+same :class:`~flexmesh.serve.engine.config.EngineConfig`), run in this process without HTTP, and every
+time comes from its own iteration log: an iteration is timed from scheduling to the tokens handed out,
+so the engine's per-iteration overhead is in every sample. Scenarios, each run ``repeats`` times:
+
+- prefill chunks: one request whose prompt is one chunk (8 tokens up to the token budget) or several
+  (two and four budgets: chunks after a prefix);
+- decode batches: ``b`` requests with prompts of ``c`` tokens, for ``b`` from 1
+  to the engine's request cap and ``c`` over a grid of contexts (the KV cache bounds ``b * c``), with
+  outputs long enough that all ``b`` decode together at the end; their prefill iterations (several
+  prompts in one budget, then decodes beside the last prompts' chunks) are samples too;
+- mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left.
+
+Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats and scenarios) keep
+their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+
+from flexmesh.errors import ProfileError
+from flexmesh.profile.format import produced_by, spec_hash
+from flexmesh.profile.iteration import EngineProfile, fit_iterations
+from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.engine.replay import prompt_ids
+
+DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
+FULL = {"batches": (1, 2, 4, 8, 16, 32, 64), "contexts": (16, 128, 512, 1024), "prefill": (8, 32, 64, 128),
+        "mixed": (1, 4, 16), "repeats": 3}
+QUICK = {"batches": (1, 4, 16), "contexts": (16, 256), "prefill": (16, 64), "mixed": (4,), "repeats": 2}
+
+
+def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[str, list[int], list[int]]]:
+    """(name, prompt lengths, output tokens) of every scenario the sweep runs for ``cfg``.
+
+    >>> [s[0] for s in scenarios(EngineConfig(num_blocks=256, max_batch_tokens=64), True, 4096)][:4]
+    ['prefill 16', 'prefill 64', 'prefill 128', 'prefill 256']
+    """
+    grid = QUICK if quick else FULL
+    budget = cfg.max_batch_tokens
+    room = int(cfg.kv_tokens * (1.0 - cfg.safety_margin))  # the FIFO scheduler admits no prefill beyond this
+    out: list[tuple[str, list[int], list[int]]] = []
+    for n in sorted({p for p in grid["prefill"] if p < budget} | {budget, 2 * budget, 4 * budget}):
+        if n + 1 <= min(room, max_position):
+            out.append((f"prefill {n}", [n], [1]))
+    for b in grid["batches"]:
+        for c in grid["contexts"]:
+            # outputs outlast the prefill of the whole batch, so that all b requests decode together at the end
+            n_out = -(-b * c // budget) + DECODE_TOKENS
+            if b <= cfg.max_requests_per_batch and b * (c + n_out) <= room and c + n_out <= max_position:
+                out.append((f"decode {b} x {c}", [c] * b, [n_out] * b))
+    long = 2 * budget
+    for b in grid["mixed"]:
+        if b < cfg.max_requests_per_batch and b * 24 + long <= room and long < max_position:
+            # short prompts finish prefill together first; they decode while the long prompt is chunked
+            out.append((f"mixed {b} + {long}", [8] * b + [long], [16] * b + [1]))
+    if not out:
+        raise ProfileError(f"an engine of {cfg.num_blocks} blocks x {cfg.page_size} tokens holds no scenario of the "
+                           "sweep; raise num_blocks")
+    return out
+
+
+def profile_engine(cfg: EngineConfig, quick: bool = False,
+                   progress: Callable[[int, int, str], None] | None = None) -> EngineProfile:
+    """Run the sweep on an engine of ``cfg`` and fit it (see the module doc)."""
+    from flexmesh.serve.engine.engine import Engine
+    from flexmesh.serve.engine.model import engine_spec
+
+    spec = engine_spec(cfg)
+    repeats = (QUICK if quick else FULL)["repeats"]
+    timed: dict[tuple, list[float]] = defaultdict(list)
+    with Engine(cfg) as engine:
+        plan = scenarios(cfg, quick, engine.max_position)
+        engine.run([prompt_ids(1, 32, engine.vocab)] * 2, [4, 4])  # warm-up: first calls allocate
+        total = len(plan) * repeats
+        for r in range(repeats):
+            for k, (name, lengths, outputs) in enumerate(plan):
+                if progress is not None:
+                    progress(r * len(plan) + k, total, name)
+                engine.iterations.clear()
+                prompts = [prompt_ids(1000 * r + i, n, engine.vocab) for i, n in enumerate(lengths)]
+                engine.run(prompts, outputs)
+                for it in list(engine.iterations):
+                    timed[tuple(sorted(it.batch))].append(it.duration_s)
+        if progress is not None:
+            progress(total, total, "fit")
+    samples = [(list(batch), statistics.median(secs)) for batch, secs in sorted(timed.items())]
+    fit = fit_iterations(samples)
+    spec_dict = spec.to_dict()
+    prof = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit=fit,
+                         samples=samples, produced_by=produced_by(1, device_type="cpu"))
+    prof.produced_by["sweep"] = {"quick": quick, "repeats": repeats, "scenarios": [s[0] for s in plan],
+                                 "iterations": sum(len(v) for v in timed.values())}
+    return prof
+
+
+def _engine_dict(cfg: EngineConfig) -> dict:
+    import json
+
+    return json.loads(cfg.to_json())
