@@ -1,5 +1,2 @@
-"""Serving: requests over time on replicas of a model (docs/serving-engines.md).
-
-Everything here is torch-free except :mod:`flexmesh.serve.engine`, the real engine processes, the
-HTTP router in front of them and the replay client.
-"""
+"""flexmesh.serve: serving on uneven hardware (torch-free core: metrics, the request simulator, routers and
+queue policies; real engines in flexmesh.serve.engine)."""

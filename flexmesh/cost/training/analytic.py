@@ -50,6 +50,7 @@ import numpy as np
 from flexmesh.cost.device.flash2 import flash2_kernels
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.device.kernels import Kernels
+from flexmesh.cost.device.layer_shapes import linear_shapes, pointwise_elems_per_token
 from flexmesh.cost.training.experts import (
     ExpertParallel,
     expert_gemm_times,
@@ -96,33 +97,6 @@ RING_MERGE_BWD_BYTES = 8
 # Softmax + cross entropy per logit: read the bf16 logit, write the fp32 softmax (forward); read the
 # softmax, write the bf16 gradient (backward): Megatron's vocab-parallel cross entropy.
 CE_BYTES_PER_LOGIT = 6
-
-
-def linear_shapes(model: ModelSpec, tp: int) -> tuple[tuple[float, float], ...]:
-    """(columns, reduction) of each matmul of one layer on one of ``tp`` devices: QKV, attention
-    output, MLP up (and gate, one GEMM for SwiGLU), MLP down. Rows are the tokens.
-
-    >>> from flexmesh.spec import MODEL_PRESETS
-    >>> linear_shapes(MODEL_PRESETS["llama2-7b"], 2)
-    ((6144.0, 4096), (4096, 2048.0), (11008.0, 4096), (4096, 5504.0))
-    """
-    h = model.hidden
-    up = (2 if model.activation == "swiglu" else 1) * model.ffn_hidden
-    return (((model.q_dim + 2 * model.kv_dim) / tp, h), (h, model.q_dim / tp), (up / tp, h),
-            (h, model.ffn_hidden / tp))
-
-
-def pointwise_elems_per_token(model: ModelSpec) -> tuple[int, int]:
-    """(two norms and rotary, the MLP activation): elements those operators of one layer's forward move
-    per token (before dividing by tp x cp), the part of :func:`memory_bytes_per_token` a stack that recomputes
-    its pointwise operators moves again in backward (the residual adds need no recomputing).
-
-    >>> from flexmesh.spec import MODEL_PRESETS
-    >>> pointwise_elems_per_token(MODEL_PRESETS["llama2-7b"])  # (4h + 2(q + kv), 3 ffn)
-    (32768, 33024)
-    """
-    rotary = 2 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0
-    return 4 * model.hidden + rotary, (3 if model.activation == "swiglu" else 2) * model.ffn_hidden
 
 
 def memory_bytes_per_token(model: ModelSpec, experts: ExpertParallel | None = None) -> float:

@@ -1,0 +1,1 @@
+"""Inference pricing on the device layer: what an engine iteration costs (:mod:`.timing`, the interface)."""

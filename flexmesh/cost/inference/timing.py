@@ -1,0 +1,53 @@
+"""What one engine iteration costs: the interface every inference pricing implements.
+
+An iteration (one forward pass of a continuous-batching engine, as vLLM v1 schedules it) computes, for each
+request in its batch, some new tokens on top of the tokens already in that request's KV cache. A decode
+step is ``(context, 1)``, a prefill chunk ``(prefix, chunk)``: prefix hits, chunked prefill and decoding are
+one thing, and the iteration is priced as a whole (weights are read once per iteration, not per request).
+
+:class:`IterationTiming` is the contract (``flexmesh.cost.inference.analytic.AnalyticIteration`` prices it
+from the device layer; an engine profile prices it from measurements). A simulator that runs millions of
+decode steps asks the equivalent :meth:`SplitTiming.split_s` with the decoding requests summed, which an
+implementation may answer in constant time; :func:`split_s` falls back on ``iteration_s`` for one that does
+not, giving every decode the mean context (exact for any timing linear in the decodes' contexts, as reading
+their KV is).
+
+>>> class PerToken:
+...     def iteration_s(self, batch):
+...         return 1e-3 + sum(1e-6 * ctx + 1e-5 * new for ctx, new in batch)
+>>> round(split_s(PerToken(), 4, 4000, [(0, 100)]) * 1e3, 3)  # 1 ms + 4 decodes + a 100-token chunk
+6.04
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+class IterationTiming(Protocol):
+    """Seconds of one engine iteration over ``batch``: ``(tokens already in the KV cache, tokens computed now)``
+    per request, everything the iteration does included (GEMMs, attention, collectives, engine overhead)."""
+
+    def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float: ...
+
+
+@runtime_checkable
+class SplitTiming(Protocol):
+    """:meth:`IterationTiming.iteration_s` with the batch given as ``decodes`` requests computing one token each
+    over ``decode_context`` KV tokens in all, beside ``chunks`` that compute more than one."""
+
+    def split_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float: ...
+
+
+def split_s(timing: IterationTiming, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:
+    """The seconds of an iteration of ``decodes`` decode steps over ``decode_context`` KV tokens in all, and
+    ``chunks``: the timing's own :meth:`SplitTiming.split_s` where it has one, else its ``iteration_s`` with
+    every decode at the mean context."""
+    if isinstance(timing, SplitTiming):
+        return timing.split_s(decodes, decode_context, chunks)
+    if decodes == 0:
+        return timing.iteration_s(list(chunks))
+    mean, extra = divmod(decode_context, decodes)
+    batch = [(mean + 1, 1)] * extra + [(mean, 1)] * (decodes - extra)
+    return timing.iteration_s(batch + list(chunks))
