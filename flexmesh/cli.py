@@ -17,7 +17,7 @@ from flexmesh.errors import FlexmeshError
 from flexmesh.runtime.launch import die_with_launcher
 
 # Sub-commands in the order `flexmesh --help` lists them; a module missing here is skipped.
-COMMANDS = ("plan", "simulate", "train", "export", "profile", "demo")
+COMMANDS = ("plan", "simulate", "train", "export", "profile", "serve", "demo")
 
 # What each command's --help ends with: commands as a user types them (tests/test_cli_help.py parses them).
 EXAMPLES = {
@@ -30,7 +30,10 @@ EXAMPLES = {
               "torchrun --nproc-per-node 2 -m flexmesh train --plan plan.json --corpus docs --max-steps 9 --out run"),
     "export": ("flexmesh export --checkpoint run --out run-hf",),
     "profile": ("flexmesh profile hardware --nproc 2 --out hardware.json",
-                "flexmesh profile model --model tiny --quick --out model-tiny.json"),
+                "flexmesh profile model --model tiny --quick --out model-tiny.json",
+                "flexmesh profile engine --model tiny --quick --out engine-tiny.json"),
+    "serve": ("flexmesh serve run --model tiny --engines 2 --port 8000",
+              "flexmesh serve bench --trace azure-conv --rate 2,4,8 --requests 100 --out bench-tiny"),
     "demo": ("flexmesh demo", "flexmesh demo --quick --out /tmp/demo"),
 }
 

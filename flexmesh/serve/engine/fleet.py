@@ -14,6 +14,7 @@ SIGINT or SIGTERM, then everything stops cleanly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -25,7 +26,7 @@ from pathlib import Path
 import flexmesh
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.config import EngineConfig
-from flexmesh.serve.engine.http import HOST, READY, check_port, serve_until_signal
+from flexmesh.serve.engine.http import HOST, READY, check_port
 
 START_TIMEOUT_S = 180.0  # building a model and its KV cache, under load
 STOP_TIMEOUT_S = 15.0
@@ -131,27 +132,74 @@ async def stop_engines(engines: list[EngineProcess], timeout_s: float = STOP_TIM
         await asyncio.wait(pending, timeout=timeout_s)
 
 
-async def serve_fleet(cfg: EngineConfig, n: int, port: int, log_dir: Path, records: Path | None,
-                      route: str = "round-robin", on_ready=None, max_outstanding: int = 4096,
-                      request_timeout_s: float = 600.0) -> None:
-    """Engines + router on ``port`` until SIGINT or SIGTERM (see the module doc). ``on_ready(port, engines)``
-    is awaited once the router listens."""
+@contextlib.asynccontextmanager
+async def running_fleet(cfg: EngineConfig, n: int, log_dir: Path, records: Path | None = None,
+                        route: str = "round-robin", port: int = 0, max_outstanding: int = 4096,
+                        request_timeout_s: float = 600.0):
+    """N engines and the router on 127.0.0.1:``port`` (0: any free port) for the body of an ``async with``:
+    yields ``(router url, engines)``; everything stops on leaving it, whatever happened."""
+    from aiohttp import web
+
     from flexmesh.files import append_file
     from flexmesh.serve.engine.router import Router
 
     check_port(port, "the router")  # before minutes of starting engines
     engines = await start_engines(cfg, n, log_dir)
     out = append_file(records) if records is not None else None
+    runner = None
     try:
         router = Router([e.url for e in engines], route=route, records=out, max_outstanding=max_outstanding,
                         request_timeout_s=request_timeout_s)
-
-        async def started(bound: int) -> None:
-            if on_ready is not None:
-                await on_ready(bound, engines)
-
-        await serve_until_signal(router.app(), port, "the router", on_started=started)
+        runner = web.AppRunner(router.app(), handle_signals=False, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, HOST, port, reuse_address=True).start()
+        except OSError as e:
+            raise ServeError(f"the router cannot listen on {HOST}:{port} ({e.strerror or e}); choose another port "
+                             "(0 picks a free one)") from None
+        yield f"http://{HOST}:{runner.addresses[0][1]}", engines
     finally:
+        if runner is not None:
+            await runner.cleanup()
         await stop_engines(engines)
         if out is not None:
             out.close()
+
+
+async def serve_fleet(cfg: EngineConfig, n: int, port: int, log_dir: Path, records: Path | None,
+                      route: str = "round-robin", on_ready=None, **limits) -> None:
+    """Engines + router on ``port`` until SIGINT or SIGTERM (see the module doc). ``on_ready(url, engines)`` is
+    awaited once the router listens."""
+    async with running_fleet(cfg, n, log_dir, records, route, port, **limits) as (url, engines):
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            if on_ready is not None:
+                await on_ready(url, engines)
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+async def fetch_iterations(session, engine_url: str, since: int = 0) -> list[dict]:
+    """An engine's iterations from the ``since``-th on (``GET /iterations``, every page)."""
+    out: list[dict] = []
+    while True:
+        async with session.get(f"{engine_url}/iterations", params={"since": str(since + len(out))}) as r:
+            if r.status != 200:
+                raise ServeError(f"engine at {engine_url} did not give its iterations (HTTP {r.status})")
+            page = (await r.json())["iterations"]
+        if not page:
+            return out
+        out.extend(page)
+
+
+async def iteration_count(session, engine_url: str) -> int:
+    """How many iterations an engine keeps (its next iteration's index while fewer than it can keep)."""
+    async with session.get(f"{engine_url}/iterations", params={"since": str(2**62)}) as r:
+        if r.status != 200:
+            raise ServeError(f"engine at {engine_url} did not give its iterations (HTTP {r.status})")
+        return int((await r.json())["total"])

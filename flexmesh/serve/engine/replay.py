@@ -7,7 +7,7 @@ and ``output_tokens`` (flexmesh.data.requests.Request). Its prompt is ``prompt_t
 drawn from a generator seeded by the request's id (so every replay of a trace sends the same prompts)
 and it asks for exactly ``output_tokens`` tokens.
 
-The records (SERVING.md's per-request record) have their times in seconds from the replay's start:
+The records (:class:`flexmesh.serve.metrics.RequestRecord`) have their times in seconds from the replay's start:
 ``arrival_s`` when the router received the request, ``first_token_s`` and ``finish_s`` from the
 engine's per-token timestamps, all on one clock (perf_counter: CLOCK_MONOTONIC on Linux). How late
 each request was sent against its schedule is kept (``send_lag_s`` in :class:`Replay`): a client that
@@ -28,22 +28,21 @@ from typing import Any
 
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.router import request_record
+from flexmesh.serve.metrics import RequestRecord, write_records
 
 
 @dataclass
 class Replay:
     """What a replay measured."""
 
-    records: list[dict]  # answered requests, by id
+    records: list[RequestRecord]  # answered requests, by id
     failed: dict[int, str] = field(default_factory=dict)  # request id -> why
     send_lag_s: list[float] = field(default_factory=list)  # actual send time - scheduled, per request
     wall_s: float = 0.0  # first send to last answer
 
     def write(self, path) -> None:
         """``requests.jsonl``: one record per line, by id (written atomically)."""
-        from flexmesh.files import write_atomic
-
-        write_atomic(path, "".join(json.dumps(r) + "\n" for r in self.records))
+        write_records(path, self.records)
 
 
 def prompt_ids(request_id: int, length: int, vocab: int) -> list[int]:
@@ -67,7 +66,7 @@ async def replay(url: str, requests: list[Any], vocab: int, request_timeout_s: f
     bodies = {r.id: json.dumps({"prompt": prompt_ids(r.id, r.prompt_tokens, vocab), "max_tokens": r.output_tokens,
                                 "temperature": 0}) for r in reqs}
     out = Replay(records=[])
-    got: dict[int, dict] = {}
+    got: dict[int, RequestRecord] = {}
     done = 0
 
     async with ClientSession(timeout=ClientTimeout(total=request_timeout_s),
@@ -117,3 +116,49 @@ def _message(text: str) -> str:
         return str(json.loads(text)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return text.strip().splitlines()[0][:200] if text.strip() else "(empty)"
+
+
+@dataclass
+class RateRun:
+    """One replay at one rate: what the client measured and the iterations each engine ran meanwhile."""
+
+    rate: float
+    replay: Replay
+    iterations: list[list[dict]]  # per engine: {"start_s", "end_s", "batch"} (perf_counter seconds)
+
+
+async def model_card(url: str) -> dict:
+    """The served model's card (``GET /v1/models``): its ``vocab_size`` and ``max_model_len``."""
+    from aiohttp import ClientError, ClientSession, ClientTimeout
+
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=30)) as s, s.get(f"{url}/v1/models") as r:
+            body = await r.json(content_type=None)
+    except (ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise ServeError(f"no flexmesh router answers at {url} ({e}); start one with `flexmesh serve run`") from None
+    try:
+        card = body["data"][0]
+        int(card["vocab_size"]), int(card["max_model_len"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ServeError(f"{url}/v1/models does not name a vocab_size and max_model_len; is it a flexmesh "
+                         "router?") from None
+    return card
+
+
+async def replay_rates(url: str, workloads: list[tuple[float, Any]], engine_urls: list[str] = (),
+                       progress=None, **limits) -> list[RateRun]:
+    """Replay each ``(rate, workload)`` in turn against the router at ``url``; the iterations of the engines at
+    ``engine_urls`` (when the caller started them) are collected for each replay."""
+    from aiohttp import ClientSession, ClientTimeout
+
+    from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count
+
+    vocab = int((await model_card(url))["vocab_size"])
+    runs = []
+    async with ClientSession(timeout=ClientTimeout(total=60)) as session:
+        for rate, workload in workloads:
+            before = [await iteration_count(session, u) for u in engine_urls]
+            rep = await replay(url, list(workload.requests), vocab, progress=progress, **limits)
+            its = [await fetch_iterations(session, u, since=b) for u, b in zip(engine_urls, before)]
+            runs.append(RateRun(rate, rep, its))
+    return runs

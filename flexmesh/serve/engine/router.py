@@ -7,8 +7,8 @@ else 503 naming the engines that did not). Policies (``route``): ``round-robin``
 turn; ``least-outstanding`` the one with the fewest requests the router has sent it and not yet had
 answered (ties: the lowest index).
 
-The record of a request (SERVING.md's per-request record; times in seconds from ``origin_s``, a
-perf_counter time: the router's start unless the caller gives one)::
+The record of a request (:class:`flexmesh.serve.metrics.RequestRecord`; times in seconds from
+``origin_s``, a perf_counter time: the router's start unless the caller gives one)::
 
     {"id": 7, "replica": 1, "arrival_s": 3.02, "first_token_s": 3.19, "finish_s": 4.87,
      "prompt_tokens": 412, "output_tokens": 60, "token_s": [3.19, ...]}
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.http import MAX_BODY_BYTES, error_body
+from flexmesh.serve.metrics import RequestRecord
 
 HEALTH_TIMEOUT_S = 5.0
 ROUTES = ("round-robin", "least-outstanding")
@@ -59,18 +60,18 @@ def pick(route: str, replicas: list[Replica], turn: int) -> Replica:
     raise ServeError(f"route {route!r} is not one of {', '.join(ROUTES)}")
 
 
-def request_record(rid: int, replica: int, arrival_s: float, body: dict, origin_s: float) -> dict:
+def request_record(rid: int, replica: int, arrival_s: float, body: dict, origin_s: float) -> RequestRecord:
     """The per-request record of an engine's answer ``body`` (times rebased to ``origin_s``).
 
     >>> body = {"usage": {"prompt_tokens": 3}, "metrics": {"token_s": [10.5, 10.75, 11.0]}}
-    >>> request_record(4, 1, 10.0, body, origin_s=10.0)
-    {'id': 4, 'replica': 1, 'arrival_s': 0.0, 'first_token_s': 0.5, 'finish_s': 1.0, 'prompt_tokens': 3, \
-'output_tokens': 3, 'token_s': [0.5, 0.75, 1.0]}
+    >>> r = request_record(4, 1, 10.0, body, origin_s=10.0)
+    >>> r.ttft_s, r.tpot_s, r.output_tokens
+    (0.5, 0.25, 3)
     """
-    token_s = [t - origin_s for t in body["metrics"]["token_s"]]
-    return {"id": rid, "replica": replica, "arrival_s": arrival_s - origin_s, "first_token_s": token_s[0],
-            "finish_s": token_s[-1], "prompt_tokens": body["usage"]["prompt_tokens"], "output_tokens": len(token_s),
-            "token_s": token_s}
+    token_s = tuple(t - origin_s for t in body["metrics"]["token_s"])
+    return RequestRecord(id=rid, replica=replica, arrival_s=arrival_s - origin_s, first_token_s=token_s[0],
+                         finish_s=token_s[-1], prompt_tokens=body["usage"]["prompt_tokens"],
+                         output_tokens=len(token_s), token_s=token_s)
 
 
 class Router:
@@ -153,15 +154,21 @@ class Router:
         body["replica"] = replica.index
         body["metrics"]["arrival_s"] = arrival
         if self.records is not None:
-            self.records.write(json.dumps(request_record(rid, replica.index, arrival, body, self.origin_s)) + "\n")
+            record = request_record(rid, replica.index, arrival, body, self.origin_s)
+            self.records.write(json.dumps(record.to_json()) + "\n")
             self.records.flush()
         return web.json_response(body)
 
     async def _models(self, request):
-        from aiohttp import web
+        """The first engine's model list (every engine of a fleet serves the same model)."""
+        from aiohttp import ClientError, web
 
-        return web.json_response({"object": "list", "data": [{"id": "flexmesh-router", "object": "model",
-                                                              "owned_by": "flexmesh"}]})
+        url = self.replicas[0].url
+        try:
+            async with self.session.get(f"{url}/v1/models") as r:
+                return web.Response(text=await r.text(), status=r.status, content_type="application/json")
+        except (ClientError, asyncio.TimeoutError) as e:
+            return web.json_response(error_body(f"engine 0 at {url} did not answer ({e})", "unavailable"), status=502)
 
     async def _health(self, request):
         from aiohttp import web

@@ -76,8 +76,7 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float):
                                  status=200 if ok else 503)
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": model_id, "object": "model",
-                                                              "owned_by": "flexmesh"}]})
+        return web.json_response({"object": "list", "data": [model_card(engine)]})
 
     async def iterations(request: web.Request) -> web.Response:
         try:
@@ -98,6 +97,12 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float):
     app.router.add_get("/iterations", iterations)
     app.on_cleanup.append(close)
     return app
+
+
+def model_card(engine) -> dict:
+    """OpenAI's model object, with vLLM's ``max_model_len`` and the vocabulary a client draws token ids from."""
+    return {"id": engine.cfg.model, "object": "model", "owned_by": "flexmesh", "max_model_len": engine.max_position,
+            "vocab_size": engine.vocab}
 
 
 def completion_body(model_id: str, f) -> dict:
