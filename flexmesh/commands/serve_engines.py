@@ -68,9 +68,11 @@ def add_bench_parser(kinds) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from flexmesh.serve.engine.fleet import serve_fleet
+    from flexmesh.serve.engine.http import check_port
 
     _aiohttp()
     cfg = engine_config(args)
+    check_port(args.port, "the router")  # a port in use: one line now, not after minutes of starting engines
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="flexmesh-serve-"))
     print(f"starting {args.engines} engine(s) of {cfg.model} (logs: {logs}) ...", file=sys.stderr, flush=True)
 

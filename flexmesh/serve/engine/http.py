@@ -22,7 +22,7 @@ import socket
 import sys
 from typing import Any
 
-from flexmesh.errors import ServeError
+from flexmesh.errors import FlexmeshError, ServeError
 
 HOST = "127.0.0.1"  # engines and the router listen on the loopback interface only
 MAX_BODY_BYTES = 8 * 2**20  # the largest request body a server reads
@@ -119,10 +119,10 @@ async def serve_until_signal(app, port: int, what: str, on_started=None) -> None
 
 
 def run_server(main) -> int:
-    """Run the coroutine ``main()`` of a server process: a ServeError is one line on stderr, exit 2."""
+    """Run the coroutine ``main()`` of a server process: a FlexmeshError is one line on stderr, exit 2."""
     try:
         asyncio.run(main())
-    except ServeError as e:
+    except FlexmeshError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -108,8 +108,6 @@ class Router:
         async def stop(app) -> None:
             if self.session is not None:
                 await self.session.close()
-            if self.records is not None:
-                self.records.flush()
 
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self._completions)
