@@ -1,0 +1,179 @@
+"""An engine iteration priced kernel by kernel on the device layer (:class:`AnalyticIteration`).
+
+One iteration of a ``tp x pp`` replica runs every layer once over the batch's new tokens ``T`` (the decodes'
+one token each plus every prefill chunk's tokens), as vLLM's model runner does (one batch in flight: the
+stages of a pipeline run one after another, so pipelining here buys memory, not speed). Per layer, on each
+of the ``tp`` devices (kernel times from :class:`flexmesh.cost.device.kernels.Kernels`: the catalogue's
+GEMM and attention efficiencies, measured on vLLM's kernels, with tiles, waves and the roofline):
+
+- the four matmuls at ``T`` rows (:func:`flexmesh.cost.device.layer_shapes.linear_shapes`): at a small batch
+  each is bound by reading its weights, so the weights are read once per iteration whatever the batch;
+- the pointwise operators: two norms fused with the residual add (vLLM's ``fused_add_rms_norm`` reads and
+  writes the residual too) on every tp device, rotary and the activation split by tp;
+- attention: each request's new tokens against its context. The decodes, one query each, read their whole
+  KV (memory-bound: priced at the larger of their FLOPs at the attention rate and their KV bytes at the HBM
+  rate); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2`` query-key pairs at the attention rate for
+  blocks of ``c + n`` keys, or reads its KV if that is slower; one kernel for the batch, plus writing the new
+  tokens' keys and values into the cache;
+- two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs).
+
+Then the final norm, the LM head over one row per request (vLLM computes logits at each request's last
+token only), gathered over tp; ``pp - 1`` sends of ``T x hidden`` between stages; the vocabulary-parallel
+embedding's all-reduce; and the engine overhead per iteration (:mod:`flexmesh.cost.inference.overhead`:
+a profile's, never zero). Dense models only (a mixture of experts is refused in one line).
+
+>>> from flexmesh.cost.device.hardware import Hardware
+>>> from flexmesh.spec import MODEL_PRESETS, parse_cluster
+>>> it = AnalyticIteration(MODEL_PRESETS["llama3-8b"], Hardware(parse_cluster("8xH100")))
+>>> one, two = it.iteration_s([(1000, 1)]), it.iteration_s([(1000, 1), (1000, 1)])
+>>> round(one * 1e3, 2), round(two / one, 3)  # a decode step reads the weights; a second request adds little
+(10.32, 1.014)
+>>> round(it.iteration_s([(0, 4096)]) / it.iteration_s([(0, 2048)]), 2)  # a prefill scales with its tokens
+2.01
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flexmesh.cost.device.hardware import GroupShape, Hardware, group_shape, pipeline_crossings
+from flexmesh.cost.device.kernels import Kernels
+from flexmesh.cost.device.layer_shapes import linear_shapes, pointwise_elems
+from flexmesh.cost.inference.memory import check_tp, kv_heads_per_device
+from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
+from flexmesh.errors import SpecError
+from flexmesh.spec.model import ModelSpec
+
+# Memory-bound kernels of a layer's forward in vLLM's Llama: two fused add + RMSNorm, rotary, SiLU-and-mul.
+LAYER_POINTWISE_KERNELS = 4
+# The residual's elements a fused add + norm moves besides the norm's own (read and write h, twice a layer).
+FUSED_RESIDUAL_ELEMS = 4
+
+
+class AnalyticIteration:
+    """:class:`~flexmesh.cost.inference.timing.IterationTiming` of ``model`` on a ``tp x pp`` replica of
+    ``hardware``'s device (its cluster places the replica's ranks: consecutive, tp innermost)."""
+
+    def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, pp: int = 1,
+                 overhead: EngineOverhead | None = None):
+        if model.is_moe:
+            raise SpecError(f"{model.name} is a mixture of experts; serving is priced for dense models only so far")
+        check_tp(model, tp, pp)
+        if tp * pp > hardware.cluster.world_size:
+            raise SpecError(f"a tp {tp} x pp {pp} replica needs {tp * pp} devices; {hardware.cluster.label} has "
+                            f"{hardware.cluster.world_size}")
+        self.model, self.hw, self.tp, self.pp = model, hardware, tp, pp
+        self.overhead = overhead or preset_overhead()
+        self.kernels: Kernels = getattr(hardware, "kernels", None) or Kernels(
+            mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops, hbm_bytes_per_s=hardware.hbm_bytes_per_s,
+            sms=None, attn_overhead=0.0, launch_s=0.0, dtype_bytes=model.dtype_bytes)
+        b, h = model.dtype_bytes, model.hidden
+        self.layers = model.num_layers
+        self.shapes = linear_shapes(model, tp)
+        p = pointwise_elems(model)
+        self.pointwise_bytes = (p.norms + FUSED_RESIDUAL_ELEMS * h + (p.rotary + p.activation) / tp) * b
+        self.q_dim = model.q_dim / tp  # per device
+        self.kv_token_bytes = 2 * kv_heads_per_device(model, tp) * model.head_dim * b  # one layer, one token
+        self.hidden_bytes = h * b
+        self.tp_shape = group_shape(tp, 1, hardware.cluster)
+        per_node = hardware.cluster.devices_per_node
+        self.send_shapes = [GroupShape(2, 1 if crosses else 2)
+                            for crosses in pipeline_crossings(tp * pp, per_node, pp)[:pp - 1]] if pp > 1 else []
+        self._dense: dict[int, float] = {}
+        self._head: dict[int, float] = {}
+        # Decode-only iterations cost ``fixed(B) + per_key x keys`` (every term is affine in the KV read):
+        # their fixed part by batch, computed once, makes the simulator's commonest call a lookup.
+        k = self.kernels
+        self.per_key_s = self.layers * max(4.0 * self.q_dim / k.attn_flops, self.kv_token_bytes / k.hbm_bytes_per_s)
+        self._decode_fixed: dict[int, float] = {}
+
+    # ---- the terms -------------------------------------------------------------------------------
+    def _collective(self, kind: str, nbytes: float) -> float:
+        return float(self.hw.collective_time(kind, nbytes, self.tp_shape)) if self.tp > 1 else 0.0
+
+    def dense_s(self, tokens: int) -> float:
+        """Everything of an iteration of ``tokens`` new tokens that does not depend on the requests' contexts
+        or count: every layer's matmuls, pointwise operators and all-reduces, the final norm, the embedding's
+        all-reduce, and the sends between stages."""
+        t = self._dense.get(tokens)
+        if t is None:
+            k = self.kernels
+            layer = sum(k.gemm(tokens, n, red) for n, red in self.shapes)
+            layer += k.memory_bound(tokens * self.pointwise_bytes, LAYER_POINTWISE_KERNELS)
+            layer += 2 * self._collective("all_reduce", tokens * self.hidden_bytes)
+            act = tokens * self.hidden_bytes
+            t = self.layers * layer + k.memory_bound(2 * act) + self._collective("all_reduce", act)
+            t += sum(float(self.hw.collective_time("send_recv", act, s)) for s in self.send_shapes)
+            self._dense[tokens] = t = float(t)
+        return t
+
+    def head_s(self, requests: int) -> float:
+        """The LM head over one row per request (its last token), its logits gathered over tp."""
+        t = self._head.get(requests)
+        if t is None:
+            m = self.model
+            t = self.kernels.gemm(requests, m.vocab / self.tp, m.hidden)
+            t += self._collective("all_gather", requests * m.vocab * m.dtype_bytes)
+            self._head[requests] = t = float(t)
+        return t
+
+    def attention_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:
+        """Attention of every layer: the decodes' KV reads, each chunk's query-key pairs, the new keys and values
+        written to the cache, one kernel each per layer."""
+        k = self.kernels
+        t = 0.0
+        if decodes:
+            keys = decode_context + decodes
+            t = max(4.0 * self.q_dim * keys / k.attn_flops, keys * self.kv_token_bytes / k.hbm_bytes_per_s)
+        new = decodes
+        for ctx, n in chunks:
+            new += n
+            flops = 4.0 * self.q_dim * (n * ctx + n * (n + 1) / 2)
+            t += max(flops / (k.attn_flops * k.attention_efficiency(ctx + n)),
+                     (ctx + n) * self.kv_token_bytes / k.hbm_bytes_per_s)
+        write = k.memory_bound(2.0 * new * self.kv_token_bytes)
+        return self.layers * (t + k.launch_s + write)
+
+    def terms(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> dict[str, float]:
+        """The iteration's seconds by term (what :meth:`split_s` sums)."""
+        tokens = decodes + sum(n for _, n in chunks)
+        requests = decodes + len(chunks)
+        return {"dense": self.dense_s(tokens), "attention": self.attention_s(decodes, decode_context, chunks),
+                "head": self.head_s(requests), "overhead": self.overhead.seconds(requests)}
+
+    # ---- the interface ---------------------------------------------------------------------------
+    def split_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:
+        """Seconds of an iteration of ``decodes`` one-token steps over ``decode_context`` KV tokens in all,
+        and ``chunks`` ``(context, new tokens)``; constant time in the decodes."""
+        if not chunks:
+            if decodes == 0:
+                return 0.0
+            fixed = self._decode_fixed.get(decodes)
+            if fixed is None:
+                fixed = (self.dense_s(decodes) + self.attention_s(decodes, 0, ()) - self.per_key_s * decodes
+                         + self.head_s(decodes) + self.overhead.seconds(decodes))
+                self._decode_fixed[decodes] = fixed
+            return fixed + self.per_key_s * (decode_context + decodes)
+        tokens, requests = decodes, decodes + len(chunks)
+        for _, n in chunks:
+            tokens += n
+        return (self.dense_s(tokens) + self.attention_s(decodes, decode_context, chunks) + self.head_s(requests)
+                + self.overhead.seconds(requests))
+
+    def decode_run_s(self, decodes: int, decode_context: int, steps: int) -> float:
+        """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``decodes``
+        tokens to it): the sum in closed form, every term being affine in the context."""
+        first = self.split_s(decodes, decode_context, ())
+        return steps * first + self.per_key_s * decodes * (steps * (steps - 1) / 2)
+
+    def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
+        """Seconds of one iteration over ``batch``: ``(context, new tokens)`` per request."""
+        decodes = context = 0
+        chunks = []
+        for ctx, n in batch:
+            if n == 1:
+                decodes += 1
+                context += ctx
+            elif n > 1:
+                chunks.append((ctx, n))
+        return self.split_s(decodes, context, chunks)

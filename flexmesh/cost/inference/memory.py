@@ -1,0 +1,143 @@
+"""KV cache bytes and capacity of an inference engine on one device.
+
+- KV bytes per token: keys and values of every layer, ``2 x layers x kv heads x head dim x dtype bytes``
+  (:func:`kv_bytes_per_token`: what a replica holds of a request, and what moves when a prefill replica hands
+  it to a decode replica). On a device of a ``tp x pp`` replica: its stage's layers and its share of the KV
+  heads; with ``tp`` above the KV heads each device keeps one head, replicated as vLLM replicates them.
+- Capacity (:func:`kv_capacity`), as vLLM sizes its cache (``gpu_memory_utilization``, default
+  :data:`VLLM_MEMORY_FRACTION` 0.9; ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``): the
+  device memory x the engine's memory fraction, less the memory outside PyTorch's allocator (the CUDA context:
+  the catalogue's ``framework_reserve_gib``), the weights on the device and the peak activations of a forward
+  pass of ``max_batched_tokens`` tokens with ``max_seqs`` requests sampling (the profiling run vLLM does
+  before it sizes the cache); what is left holds whole blocks of ``block_tokens`` tokens.
+
+>>> from flexmesh.spec import MODEL_PRESETS, parse_cluster
+>>> m, h100 = MODEL_PRESETS["llama3-8b"], parse_cluster("8xH100").device
+>>> kv_bytes_per_token(m)  # 2 x 32 layers x 8 heads x 128 x 2 B
+131072
+>>> c = kv_capacity(m, h100, tp=1, pp=1, max_batched_tokens=8192, max_seqs=1024)
+>>> round(c.weight_bytes / 2**30, 1), c.blocks, c.tokens
+(15.0, 27754, 444064)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flexmesh.errors import SpecError
+from flexmesh.spec.devices import DeviceSpec
+from flexmesh.spec.model import ModelSpec
+from flexmesh.units import GIB
+
+# vLLM's default share of device memory its engine may use (EngineArgs.gpu_memory_utilization = 0.9).
+VLLM_MEMORY_FRACTION = 0.9
+# vLLM's default KV block (CacheConfig.block_size = 16 tokens on CUDA).
+VLLM_BLOCK_TOKENS = 16
+# Bytes per logit of the sampler's profiling pass: the logits gathered in fp32 and their fp32 probabilities
+# (vLLM's sampler computes in float32).
+SAMPLER_BYTES_PER_LOGIT = 8
+
+
+def check_tp(model: ModelSpec, tp: int, pp: int = 1) -> None:
+    """Refuse (one line) a degree vLLM refuses: query heads split evenly, KV heads split or replicated evenly,
+    at most one stage per layer."""
+    if tp < 1 or pp < 1:
+        raise SpecError(f"tensor and pipeline degrees are >= 1, got tp {tp} and pp {pp}")
+    if model.num_heads % tp:
+        raise SpecError(f"{model.name} has {model.num_heads} attention heads, which tp {tp} does not divide; choose "
+                        "a tp that divides them")
+    kv = model.num_kv_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise SpecError(f"{model.name}'s {kv} KV heads cannot be split or replicated evenly over tp {tp}; choose a "
+                        f"tp that divides {kv} or a multiple of it")
+    if pp > model.num_layers:
+        raise SpecError(f"pp {pp} is more stages than {model.name}'s {model.num_layers} layers")
+
+
+def kv_heads_per_device(model: ModelSpec, tp: int) -> int:
+    """KV heads a device of a ``tp`` group keeps: its share, or one (replicated) when ``tp`` exceeds them."""
+    return max(1, model.num_kv_heads // tp)
+
+
+def kv_bytes_per_token(model: ModelSpec) -> int:
+    """Keys and values of one token over every layer, all heads: what a request's KV cache holds per token."""
+    return 2 * model.num_layers * model.kv_dim * model.dtype_bytes
+
+
+def kv_bytes_per_token_on_device(model: ModelSpec, tp: int, pp: int) -> int:
+    """Keys and values of one token on one device of a ``tp x pp`` replica (its stage's layers, the most any
+    stage holds, and its KV heads)."""
+    layers = math.ceil(model.num_layers / pp)
+    return 2 * layers * kv_heads_per_device(model, tp) * model.head_dim * model.dtype_bytes
+
+
+def weight_bytes_on_device(model: ModelSpec, tp: int, pp: int) -> float:
+    """Weights on the busiest device of a ``tp x pp`` replica: its stage's layers (the most any stage holds)
+    and the embedding (first stage) or the head (last stage; with a tied head the last stage loads the
+    embedding's matrix too), split by tp (vocabulary-parallel embedding and head, as vLLM shards them)."""
+    layers = math.ceil(model.num_layers / pp) * model.layer_params
+    if pp == 1:
+        return (layers + model.embedding_params + model.head_params) * model.dtype_bytes / tp
+    last = model.head_params + (model.vocab * model.hidden if model.tie_embeddings else 0)
+    return (layers + max(model.embedding_params, last)) * model.dtype_bytes / tp
+
+
+def activation_bytes_on_device(model: ModelSpec, tp: int, max_batched_tokens: int, max_seqs: int) -> float:
+    """Peak activations of the profiling forward pass: per token the residual and hidden states (``2h``) and the
+    larger of a layer's attention tensors (qkv and the attention output) and MLP tensors (gate and up, the
+    activation), split by tp; plus the sampler's logits over the whole vocabulary for ``max_seqs`` requests."""
+    h, b = model.hidden, model.dtype_bytes
+    attn = (2 * model.q_dim + 2 * model.kv_dim) / tp
+    up = (2 if model.activation == "swiglu" else 1) * model.ffn_hidden
+    mlp = (up + model.ffn_hidden) / tp
+    return max_batched_tokens * (2 * h + max(attn, mlp)) * b + max_seqs * model.vocab * SAMPLER_BYTES_PER_LOGIT
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """How a device's memory splits (bytes) and the KV blocks that fit in what is left."""
+
+    device_bytes: float
+    fraction: float
+    reserve_bytes: float  # outside the allocator: the CUDA context
+    weight_bytes: float
+    activation_bytes: float
+    kv_bytes_per_token: int  # on this device
+    block_tokens: int
+
+    @property
+    def kv_bytes(self) -> float:
+        return (self.device_bytes * self.fraction - self.reserve_bytes - self.weight_bytes
+                - self.activation_bytes)
+
+    @property
+    def blocks(self) -> int:
+        return max(0, int(self.kv_bytes // (self.kv_bytes_per_token * self.block_tokens)))
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_tokens
+
+    def explain(self) -> str:
+        g = GIB
+        return (f"{self.device_bytes / g:.1f} GiB x {self.fraction:g} - {self.reserve_bytes / g:.2f} GiB CUDA context "
+                f"- {self.weight_bytes / g:.2f} GiB weights - {self.activation_bytes / g:.2f} GiB activations = "
+                f"{self.kv_bytes / g:.2f} GiB of KV: {self.blocks:,} blocks of {self.block_tokens} tokens")
+
+
+def kv_capacity(model: ModelSpec, device: DeviceSpec, tp: int, pp: int, max_batched_tokens: int, max_seqs: int,
+                block_tokens: int = VLLM_BLOCK_TOKENS, fraction: float = VLLM_MEMORY_FRACTION) -> KVCapacity:
+    """The KV capacity of each device of a ``tp x pp`` replica of ``model`` on ``device``; a one-line
+    SpecError when not one block fits."""
+    check_tp(model, tp, pp)
+    if not 0 < fraction <= 1:
+        raise SpecError(f"the engine's memory fraction is in (0, 1], got {fraction}")
+    c = KVCapacity(device.memory_gib * GIB, fraction, device.framework_reserve_gib * GIB,
+                   weight_bytes_on_device(model, tp, pp),
+                   activation_bytes_on_device(model, tp, max_batched_tokens, max_seqs),
+                   kv_bytes_per_token_on_device(model, tp, pp), block_tokens)
+    if c.blocks < 1:
+        raise SpecError(f"{model.name} at tp {tp} pp {pp} leaves no room for a KV cache on a {device.name}: "
+                        f"{c.explain()}; raise tp or pp, or lower --max-batched-tokens or --max-seqs")
+    return c

@@ -1,0 +1,83 @@
+"""The per-iteration engine overhead: a named cost term, from a profile (never assumed zero).
+
+An engine iteration costs more than its forward pass: the scheduler picks the batch, inputs are prepared,
+tokens sampled, outputs processed. :class:`EngineOverhead` prices it as ``fixed + per_request x requests``
+(the requests in the iteration's batch). The preset ``vllm`` is fitted (least squares, on loading) to
+Vidur's published profile of vLLM on an A100 (``flexmesh/spec/presets/engine_overhead.toml`` has the
+samples and their source); an engine profile of one's own, or ``--engine-overhead``, replaces it.
+
+>>> o = preset_overhead("vllm")
+>>> round(o.fixed_s * 1e3, 3), round(o.per_request_s * 1e3, 4), round(o.seconds(64) * 1e3, 2)
+(1.202, 0.1, 7.6)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+import numpy as np
+import tomllib
+
+from flexmesh.errors import SpecError
+
+
+@dataclass(frozen=True)
+class EngineOverhead:
+    """Seconds an iteration spends outside the forward pass: ``fixed_s + per_request_s x requests``."""
+
+    fixed_s: float
+    per_request_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not (self.fixed_s >= 0 and self.per_request_s >= 0):
+            raise SpecError(f"an engine overhead is >= 0 s, got {self.fixed_s} s + {self.per_request_s} s per request")
+
+    def seconds(self, requests: int) -> float:
+        return self.fixed_s + self.per_request_s * requests
+
+
+def fit_overhead(requests: list[int], ms: list[float]) -> tuple[float, float]:
+    """(fixed_s, per_request_s) of the least-squares line through (requests, ms) samples."""
+    a = np.vstack([np.ones(len(requests)), np.asarray(requests, dtype=float)]).T
+    (fixed, per), *_ = np.linalg.lstsq(a, np.asarray(ms, dtype=float), rcond=None)
+    return max(0.0, float(fixed)) * 1e-3, max(0.0, float(per)) * 1e-3
+
+
+@lru_cache(maxsize=None)
+def _presets() -> dict[str, EngineOverhead]:
+    raw = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/engine_overhead.toml").read_text())
+    out = {}
+    for name, entry in raw.items():
+        fixed, per = fit_overhead(entry["requests"], entry["ms"])
+        out[name] = EngineOverhead(fixed, per, f"preset {name}: fitted to {entry['source']}")
+    return out
+
+
+def preset_overhead(name: str = "vllm") -> EngineOverhead:
+    """A preset's overhead (``flexmesh/spec/presets/engine_overhead.toml``)."""
+    if name not in _presets():
+        raise SpecError(f"unknown engine overhead {name!r}; presets: {', '.join(_presets())}")
+    return _presets()[name]
+
+
+def parse_overhead(text: str) -> EngineOverhead:
+    """``FIXED_MS`` or ``FIXED_MS,PER_REQUEST_MS`` (milliseconds) given by hand, or a preset name.
+
+    >>> parse_overhead("2,0.05").seconds(10)
+    0.0025
+    """
+    if text in _presets():
+        return _presets()[text]
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or len(values) != len(parts) or not all(v >= 0 for v in values):
+        raise SpecError(f"engine overhead {text!r} is not FIXED_MS[,PER_REQUEST_MS] (e.g. 1.2,0.1) nor a preset "
+                        f"({', '.join(_presets())})")
+    fixed, per = (values + [0.0])[:2]
+    return EngineOverhead(fixed * 1e-3, per * 1e-3, f"given: {fixed:g} ms + {per:g} ms per request")

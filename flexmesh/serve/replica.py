@@ -1,0 +1,383 @@
+"""One replica's engine, simulated iteration by iteration as vLLM's V1 engine schedules (continuous batching).
+
+One state per request (:class:`Req`): the tokens known (prompt and outputs so far) and the tokens computed
+into the KV cache. Chunked prefill, prefix hits and decoding are one thing: an iteration gives each request
+some of its uncomputed tokens, and a request whose tokens are all computed samples one more. Each iteration
+(:meth:`SimulatedReplica.start`):
+
+1. the running requests that decode (one token each) get the KV blocks they need; where the cache has no
+   room, the most recently admitted running request is preempted (its KV dropped, to be recomputed; it
+   resumes first);
+2. the running requests still in prefill get chunks of the batched-token budget, in admission order (one
+   that finds no room preempts the most recently admitted request in prefill, possibly itself);
+3. waiting requests are admitted in queue order while the budget, ``max_seqs`` and the KV cache allow
+   (a prefix-cache hit skips the whole cached blocks of its prompt, the last token always computed).
+
+The batch is priced by the replica's :class:`~flexmesh.cost.inference.timing.IterationTiming` as a whole.
+Decoding requests are kept summed (their count, their contexts' sum, their next KV block boundaries by
+iteration modulo the block size, their finishing iterations in a heap), so an iteration costs the
+simulator constant time in them: what makes a million requests a minute possible on one core.
+
+Roles: an ``aggregated`` replica serves a request start to end; a ``prefill`` replica stops after the first
+token and holds the KV until a decode replica has fetched it (:meth:`release_held`); a ``decode`` replica
+admits a handed-off request once it has room for its KV, then waits for the transfer before decoding it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+
+from flexmesh.data.requests import Request
+from flexmesh.serve.deployment import EngineKnobs
+from flexmesh.serve.kv import KVBlocks
+from flexmesh.serve.queues import QueuePolicy
+
+Price = Callable[[int, int, Sequence[tuple[int, int]]], float]
+RunPrice = Callable[[int, int, int], float]
+
+
+class Req:
+    """A request's state inside a replica (and across the hand-off of prefill/decode disaggregation)."""
+
+    __slots__ = ("r", "tokens", "computed", "outputs", "target", "ids", "shared", "own", "remote", "first_token_s",
+                 "replica", "decode_replica", "preemptions", "cached", "j", "c0", "o0", "key", "gen", "src")
+
+    def __init__(self, r: Request, target: int, ids: tuple[int, ...]):
+        self.r = r
+        self.tokens = r.prompt_tokens  # known: the prompt and the outputs so far
+        self.computed = 0  # in the KV cache (for a decoding request: as of its joining, see c0)
+        self.outputs = 0
+        self.target = target  # outputs to produce on this replica
+        self.ids = ids  # prefix block ids the replica may cache
+        self.shared = 0  # of them, the leading ones it refers to in the prefix cache
+        self.own = 0  # KV blocks of its own (outside the prefix cache)
+        self.remote = False  # its KV is computed elsewhere (handed off to a decode replica)
+        self.first_token_s: float | None = None
+        self.replica = -1  # produced its first token
+        self.decode_replica: int | None = None
+        self.preemptions = 0
+        self.cached = 0  # prompt tokens a prefix cache held at its first admission
+        self.j = self.c0 = self.o0 = self.key = self.gen = 0  # decoding since iteration j with c0 computed, o0 out
+        self.src: SimulatedReplica | None = None  # the prefill replica holding its KV until fetched
+
+
+class SimulatedReplica:
+    """A replica's scheduler and KV cache; the simulator calls :meth:`start` and :meth:`finish` per iteration."""
+
+    def __init__(self, index: int, role: str, price: Price, kv: KVBlocks, knobs: EngineKnobs, queue: QueuePolicy,
+                 prefill_s_per_token: float, decode_s_per_token: float, sample_every_s: float = float("inf"),
+                 run_price: RunPrice | None = None):
+        self.index, self.role, self.price, self.kv = index, role, price, kv
+        self.run_price = run_price  # decode-only iterations in a row, where the timing prices them at once
+        self.bs = kv.block_tokens
+        self.prefix_tokens = kv.prefix_tokens
+        self.max_tokens, self.max_seqs = knobs.max_batched_tokens, knobs.max_seqs
+        self.waiting = queue
+        self.running: dict[int, Req] = {}  # admission order; decoding and in prefill
+        self.prefilling: dict[int, Req] = {}  # running, computing more than one token
+        self.receiving: dict[int, Req] = {}  # decode role: admitted, KV on its way
+        self.ready: list[Req] = []  # KV arrived: decode from the next iteration
+        self.held: dict[int, tuple[int, int]] = {}  # prefill role: (own blocks, shared ids) until fetched
+        self.dec_n = self.dec_ctx = 0
+        self.bucket = [0] * self.bs  # decoding requests by the iteration (mod bs) they need a new block in
+        self.ends: list[tuple[int, int, int, Req]] = []  # (finishing iteration, seq, gen, request)
+        self.sched: list[tuple[Req, int]] = []
+        self.iteration = 0
+        self.busy = False
+        self._seq = 0
+        # What the simulator does with a request's outcome: (request, time)
+        self.on_finish: Callable[[Req, float], None] = lambda q, t: None
+        self.on_handoff: Callable[[Req, float], None] = lambda q, t: None
+        self.on_fetch: Callable[[Req, float], None] = lambda q, t: None
+        # For routers: tokens still to prefill and to decode, each at this replica's rate
+        self.pending_prompt = self.pending_outputs = self.waiting_prompt = 0
+        self.s_prefill, self.s_decode = prefill_s_per_token, decode_s_per_token
+        # Statistics and the timeline: (time, waiting, running, batch tokens, KV used fraction)
+        self.iterations = self.preemptions = self.tokens = 0
+        self.busy_s = 0.0
+        self._started = 0.0
+        self.samples: list[tuple[float, int, int, int, float]] = []
+        self.sample_every = sample_every_s
+        self._next_sample = 0.0
+
+    # ---- what routers read ----------------------------------------------------------------------------
+    def outstanding_s(self) -> float:
+        return self.pending_prompt * self.s_prefill + self.pending_outputs * self.s_decode
+
+    def kv_load(self) -> float:
+        return (self.kv.used + self.waiting_prompt / self.bs) / self.kv.total
+
+    # ---- requests in ----------------------------------------------------------------------------------
+    def push(self, q: Req) -> None:
+        """A new request (or, for a decode replica, a handed-off one) joins the queue."""
+        self.waiting.push(q)
+        self.waiting_prompt += q.tokens
+        self.pending_prompt += q.tokens - q.computed
+        self.pending_outputs += q.target - q.outputs
+
+    def kv_arrived(self, q: Req) -> None:
+        """``q``'s KV has landed: it decodes from the next iteration (and, if preempted, recomputes here)."""
+        del self.receiving[q.r.id]
+        q.remote = False
+        self.ready.append(q)
+
+    def release_held(self, q: Req) -> None:
+        """A decode replica has fetched ``q``'s KV: its blocks are free (its prefix entries stay cached)."""
+        own, shared = self.held.pop(q.r.id)
+        self.kv.release(own)
+        self.kv.unref(q.ids[:shared])
+
+    # ---- one iteration --------------------------------------------------------------------------------
+    def _blocks(self, q: Req, computed: int) -> int:
+        """Own blocks ``q`` needs to hold ``computed`` tokens (its prefix entries hold the shared ones)."""
+        return -(-(computed - q.shared * self.prefix_tokens) // self.bs)
+
+    def _join(self, q: Req, j: int) -> None:
+        """``q`` decodes from iteration ``j``: summed with the others."""
+        q.j, q.c0, q.o0 = j, q.computed, q.outputs
+        q.key = (j - q.computed + q.shared * self.prefix_tokens) % self.bs
+        q.gen += 1
+        self.bucket[q.key] += 1
+        self.dec_n += 1
+        self.dec_ctx += q.computed
+        self._seq += 1
+        heapq.heappush(self.ends, (j + q.target - q.outputs - 1, self._seq, q.gen, q))
+        self.running[q.r.id] = q
+
+    def _leave_decoding(self, q: Req, computed: int) -> None:
+        """Take ``q`` out of the sums with ``computed`` tokens in its KV; its state made explicit again."""
+        self.dec_n -= 1
+        self.dec_ctx -= computed
+        self.bucket[q.key] -= 1
+        q.gen += 1
+        q.outputs = q.o0 + computed - q.c0
+        q.computed = computed
+        q.tokens = computed + 1
+        q.own = self._blocks(q, computed)
+
+    def _preempt(self, q: Req) -> None:
+        """Drop ``q``'s KV (recompute): it goes back to the front of the queue."""
+        rid = q.r.id
+        if rid in self.prefilling:
+            del self.prefilling[rid]
+        else:
+            self._leave_decoding(q, q.c0 + self.iteration - q.j)
+        del self.running[rid]
+        self.kv.release(q.own)
+        self.kv.unref(q.ids[:q.shared])
+        self.pending_prompt += q.computed
+        q.own = q.shared = q.computed = 0
+        q.preemptions += 1
+        self.preemptions += 1
+        self.waiting.push_front(q)
+        self.waiting_prompt += q.tokens
+
+    def start(self, now: float) -> float | None:
+        """Schedule and price the next iteration from ``now``: its end time, or None when there is nothing to
+        run (the replica idles until a request arrives or a transfer lands)."""
+        i, bs = self.iteration, self.bs
+        if self.ready:
+            for q in self.ready:
+                self._join(q, i)
+            self.ready.clear()
+        # 1. the decoding requests' new blocks
+        need = self.bucket[i % bs]
+        if need:
+            kv = self.kv
+            while need and not kv.can_allocate(need):
+                self._preempt(next(reversed(self.running.values())))
+                need = self.bucket[i % bs]
+            if need:
+                kv.allocate(need)
+        self.sched.clear()
+        chunks: list[tuple[int, int]] = []
+        tokens = self.dec_n
+        if self.prefilling or len(self.waiting):
+            tokens = self.max_tokens - self._fill(self.max_tokens - self.dec_n, chunks, now)
+        if now >= self._next_sample or (tokens == 0 and self.samples and self.samples[-1][3] != 0):
+            self._sample(now, tokens)
+        if tokens == 0:
+            self.busy = False
+            return None
+        self.busy = True
+        self._started = now
+        self.tokens += tokens
+        return now + self.price(self.dec_n, self.dec_ctx, chunks)
+
+    def coast(self, now: float, limit: float) -> float:
+        """Run, at once, the decode-only iterations that end before ``limit`` (the next event elsewhere) and
+        finish no request: nothing else can happen meanwhile, so only their sums change. The time they end
+        (``now`` when there are none). Needs a timing that prices runs of them (``run_price``)."""
+        if (self.run_price is None or not self.dec_n or self.prefilling or self.ready or self.receiving
+                or len(self.waiting)):
+            return now
+        ends = self.ends
+        while ends and ends[0][2] != ends[0][3].gen:
+            heapq.heappop(ends)
+        i, b = self.iteration, self.dec_n
+        steps = ends[0][0] - i if ends else 0  # iterations before one finishes a request
+        limit = min(limit, self._next_sample)
+        if steps < 2 or limit <= now:
+            return now
+        run = self.run_price
+        first, two = run(b, self.dec_ctx, 1), run(b, self.dec_ctx, 2)
+        slope = two - 2 * first  # each iteration's time grows by this much (its context grows by b)
+        room = limit - now
+        if slope > 0:
+            k = int((-(first - slope / 2) + math.sqrt((first - slope / 2) ** 2 + 2 * slope * room)) / slope)
+        else:
+            k = int(room / first)
+        k = min(k, steps)
+        while k > 0 and not now + run(b, self.dec_ctx, k) < limit:
+            k -= 1
+        if k < 2:
+            return now
+        bs, bucket = self.bs, self.bucket
+        cycles, rest = divmod(k, bs)
+        need = cycles * self.dec_n_blocks_per_cycle() + sum(bucket[(i + m) % bs] for m in range(rest))
+        if need and not self.kv.can_allocate(need):
+            return now
+        if need:
+            self.kv.allocate(need)
+        took = run(b, self.dec_ctx, k)
+        self.dec_ctx += b * k
+        self.pending_outputs -= b * k
+        self.iteration += k
+        self.iterations += k
+        self.tokens += b * k
+        self.busy_s += took
+        return now + took
+
+    def dec_n_blocks_per_cycle(self) -> int:
+        """New blocks the decoding requests take over ``bs`` iterations: one each."""
+        return self.dec_n
+
+    def _fill(self, budget: int, chunks: list[tuple[int, int]], now: float) -> int:
+        """Steps 2 and 3: chunks for the requests in prefill, then admissions; the budget left."""
+        kv, sched = self.kv, self.sched
+        for q in list(self.prefilling.values()):
+            if budget <= 0:
+                break
+            if q.r.id not in self.prefilling:  # preempted by one scheduled before it
+                continue
+            n = min(q.tokens - q.computed, budget)
+            extra = self._blocks(q, q.computed + n) - q.own
+            while extra > 0 and not kv.can_allocate(extra):
+                victim = next(reversed(self.prefilling.values()))
+                self._preempt(victim)
+                if victim is q:
+                    break
+            if q.r.id not in self.prefilling:
+                continue
+            if extra > 0:
+                kv.allocate(extra)
+                q.own += extra
+            chunks.append((q.computed, n))
+            sched.append((q, n))
+            budget -= n
+        while budget > 0 and len(self.running) + len(self.receiving) < self.max_seqs:
+            head = self.waiting.peek()
+            if head is None or not self._admit(head, budget, now):
+                break
+            if not head.remote:
+                n = min(head.tokens - head.computed, budget)
+                chunks.append((head.computed, n))
+                sched.append((head, n))
+                budget -= n
+        return budget
+
+    def _admit(self, q: Req, budget: int, now: float) -> bool:
+        """Admit the queue's head if the KV cache has room for what it computes now (False: it waits)."""
+        kv = self.kv
+        if q.remote:  # a handed-off request: room for the KV it will receive
+            blocks = -(-q.computed // self.bs)
+            if not kv.can_allocate(blocks):
+                return False
+            self.waiting.pop()
+            self.waiting_prompt -= q.tokens
+            kv.allocate(blocks)
+            q.own = blocks
+            self.receiving[q.r.id] = q
+            self.on_fetch(q, now)
+            return True
+        hit = 0
+        if q.ids:
+            hit = min(kv.lookup(q.ids), (q.tokens - 1) // self.prefix_tokens)
+        computed = hit * self.prefix_tokens
+        n = min(q.tokens - computed, budget)
+        blocks = -(-n // self.bs)
+        idle_hits = sum(1 for i in q.ids[:hit] if kv.refs[i] == 0)
+        if not kv.can_allocate(blocks + idle_hits * kv.entry_blocks):
+            return False
+        self.waiting.pop()
+        self.waiting_prompt -= q.tokens
+        kv.acquire(q.ids[:hit])
+        kv.allocate(blocks)
+        if q.ids:
+            kv.lookups += len(q.ids)
+            kv.hits += hit
+        q.shared, q.own, q.computed = hit, blocks, computed
+        if q.preemptions == 0:
+            q.cached = computed
+        self.pending_prompt -= computed
+        self.running[q.r.id] = q
+        self.prefilling[q.r.id] = q
+        return True
+
+    def finish(self, now: float) -> None:
+        """The iteration started last ends at ``now``: tokens computed, tokens sampled, requests done."""
+        i = self.iteration
+        self.iterations += 1
+        self.busy_s += now - self._started
+        self.busy = False
+        self.dec_ctx += self.dec_n
+        self.pending_outputs -= self.dec_n
+        ends = self.ends
+        while ends and ends[0][0] <= i:
+            _, _, gen, q = heapq.heappop(ends)
+            if gen != q.gen:  # left the decoding set (preempted) after this entry was made
+                continue
+            self._leave_decoding(q, q.c0 + i - q.j + 1)
+            del self.running[q.r.id]
+            self._done(q, now)
+        for q, n in self.sched:
+            q.computed += n
+            self.pending_prompt -= n
+            if q.computed < q.tokens:
+                continue
+            q.outputs += 1  # all its tokens computed: it samples the next
+            q.tokens += 1
+            self.pending_outputs -= 1
+            if q.first_token_s is None:
+                q.first_token_s = now
+                q.replica = self.index
+            if q.ids and self.prefix_tokens:
+                whole = min(len(q.ids), q.r.prompt_tokens // self.prefix_tokens)
+                if whole > q.shared:
+                    self.kv.insert(q.ids[:whole], q.shared)  # their blocks move from its own to the cache
+                    q.shared = whole
+                    q.own = self._blocks(q, q.computed)
+            del self.prefilling[q.r.id]
+            if q.outputs < q.target:
+                self._join(q, i + 1)
+            else:
+                del self.running[q.r.id]
+                self._done(q, now)
+        self.iteration = i + 1
+
+    def _done(self, q: Req, now: float) -> None:
+        """``q`` produced its outputs here: finished, or (a prefill replica's) handed off with its KV held."""
+        if self.role == "prefill" and q.outputs < q.r.output_tokens:
+            self.held[q.r.id] = (q.own, q.shared)
+            self.on_handoff(q, now)
+            return
+        self.kv.release(q.own)
+        self.kv.unref(q.ids[:q.shared])
+        self.on_finish(q, now)
+
+    def _sample(self, now: float, tokens: int) -> None:
+        self.samples.append((now, len(self.waiting), len(self.running) + len(self.receiving), tokens,
+                             self.kv.used / self.kv.total))
+        self._next_sample = now + self.sample_every

@@ -1,0 +1,294 @@
+"""The request simulator: a deterministic discrete-event simulation of a fleet of replicas serving a workload.
+
+Events: a request arrives and is routed (over the aggregated and prefill replicas), a replica's iteration
+ends (:class:`~flexmesh.serve.replica.SimulatedReplica`: tokens computed, requests finished or handed off,
+the next iteration scheduled at once), a KV transfer lands (prefill/decode disaggregation: the prefill
+replica frees the request's blocks, the decode replica decodes it). A prefill replica emits the first token
+(TTFT ends there, as DistServe and Splitwise count it); a decode replica chosen by the router at that moment
+admits the request when it has room for its KV, fetches it over the link between the two replicas
+(:mod:`flexmesh.cost.inference.transfer`), then decodes.
+
+Ties in time go to arrivals, then to events in the order they were made: the same inputs give the same
+records, bit for bit.
+
+>>> from flexmesh.data.requests import constant_lengths, with_arrivals
+>>> from flexmesh.serve.deployment import parse_replicas, place
+>>> from flexmesh.serve.metrics import summarize
+>>> from flexmesh.spec import parse_model
+>>> from flexmesh.spec.cluster import parse_mixed_cluster
+>>> c = parse_mixed_cluster("2xH100")
+>>> fleet = Fleet(parse_model("llama3-8b"), c, place(parse_replicas("2xtp1", c), c))
+>>> out = fleet.run(with_arrivals(constant_lengths(1000, 100), rate=4.0, n=200))
+>>> len(out.records), sorted({r.replica for r in out.records})
+(200, [0, 1])
+>>> s = summarize(out.records)
+>>> 0.03 < s.ttft["p50"] < 0.2, 0.009 < s.tpot["p50"] < 0.02
+(True, True)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flexmesh.cost.device.hardware import Hardware
+from flexmesh.cost.inference.analytic import AnalyticIteration
+from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity
+from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
+from flexmesh.cost.inference.timing import IterationTiming, split_s
+from flexmesh.cost.inference.transfer import Path, kv_path
+from flexmesh.data.requests import Workload
+from flexmesh.errors import FlexmeshError, SpecError
+from flexmesh.serve.deployment import EngineKnobs, PlacedReplica, default_knobs
+from flexmesh.serve.kv import KVBlocks
+from flexmesh.serve.metrics import RequestRecord
+from flexmesh.serve.queues import QUEUES
+from flexmesh.serve.replica import Req, SimulatedReplica
+from flexmesh.serve.router import make_router
+from flexmesh.spec.cluster import MixedCluster
+from flexmesh.spec.model import ModelSpec
+
+# A busy decode batch: the least-work router prices a replica's decode token as one of this many.
+ROUTER_DECODE_BATCH = 32
+_ITERATION_END, _TRANSFER_DONE = 0, 1
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What one replica was and did in a run."""
+
+    index: int
+    label: str  # tp / pp / role
+    device: str
+    group: int
+    role: str
+    kv_blocks: int
+    kv_tokens: int
+    kv_explain: str
+    iterations: int
+    busy_fraction: float  # of the run's span
+    preemptions: int
+    prefix_hit_rate: float | None  # prefix blocks found in its cache over those its admissions asked for
+    samples: tuple[tuple[float, int, int, int, float], ...]  # (time, waiting, running, batch tokens, KV used)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    records: tuple[RequestRecord, ...]  # in request id order
+    replicas: tuple[ReplicaReport, ...]
+    gpus: dict[str, int]  # devices the replicas use, by type
+    events: int
+    wall_s: float
+    notes: tuple[str, ...]  # what the simulation did not do as asked, and why
+
+
+class Fleet:
+    """A deployment built once (each replica's pricing, KV capacity, the KV paths between replicas); :meth:`run`
+    simulates a workload on fresh replicas, as often as asked (a rate sweep, a goodput search).
+
+    ``knobs``: engine knobs per device group (default: vLLM's for the device); ``timing``: each replica's
+    :class:`~flexmesh.cost.inference.timing.IterationTiming` (default: :class:`AnalyticIteration` on the
+    device layer with ``overhead``)."""
+
+    def __init__(self, model: ModelSpec, cluster: MixedCluster, replicas: tuple[PlacedReplica, ...],
+                 knobs: dict[int, EngineKnobs] | None = None, overhead: EngineOverhead | None = None,
+                 timing: Callable[[PlacedReplica], IterationTiming] | None = None):
+        self.model, self.cluster, self.replicas = model, cluster, replicas
+        self.knobs = {g: (knobs or {}).get(g) or default_knobs(c.device) for g, c in enumerate(cluster.groups)}
+        self.overhead = overhead or preset_overhead()
+        hardware = {g: Hardware(c, model.dtype) for g, c in enumerate(cluster.groups)}
+        built: dict[tuple[int, int, int], IterationTiming] = {}
+        self.timings, self.capacities = [], []
+        for r in replicas:
+            s = r.spec
+            if timing is not None:
+                t = timing(r)
+            else:
+                key = (s.group, s.tp, s.pp)
+                if key not in built:
+                    built[key] = AnalyticIteration(model, hardware[s.group], s.tp, s.pp, self.overhead)
+                t = built[key]
+            self.timings.append(t)
+            k = self.knobs[s.group]
+            self.capacities.append(kv_capacity(model, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs,
+                                               k.block_tokens, k.memory_fraction))
+        self._paths: dict[tuple[int, int], Path] = {}
+
+    @property
+    def gpus(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.replicas:
+            out[r.device.name] = out.get(r.device.name, 0) + r.spec.devices
+        return out
+
+    def path(self, src: int, dst: int) -> Path:
+        if (src, dst) not in self._paths:
+            self._paths[src, dst] = kv_path(self.replicas[src].span, self.replicas[dst].span, self.cluster)
+        return self._paths[src, dst]
+
+    def check(self, workload: Workload) -> None:
+        """Refuse (one line) a workload this fleet cannot serve as asked."""
+        context = self.model.max_position
+        for r in workload.requests:
+            if r.tier != 0:
+                raise FlexmeshError(f"request {r.id} asks for model tier {r.tier}; this fleet serves one model "
+                                    "(tier 0)")
+            if r.branches != 1:
+                raise FlexmeshError(f"request {r.id} samples {r.branches} branches; test-time scaling (branches > 1) "
+                                    "is not simulated yet")
+        longest = max(workload.requests, key=lambda r: r.prompt_tokens + r.output_tokens)
+        total = longest.prompt_tokens + longest.output_tokens
+        if total > context:
+            raise FlexmeshError(f"request {longest.id} needs {total:,} tokens, more than {self.model.name}'s context "
+                                f"of {context:,}; scale the lengths to the context (--fit-context) or give a model "
+                                "with a longer one")
+        for rep, cap in zip(self.replicas, self.capacities):
+            if cap.tokens < total:
+                raise FlexmeshError(f"replica {rep.index} ({rep.spec.label} on {rep.device.name}) holds "
+                                    f"{cap.tokens:,} KV tokens, fewer than request {longest.id}'s {total:,}; raise its "
+                                    "tp or pp, or scale the lengths (--fit-context)")
+
+    def run(self, workload: Workload, router: str = "round-robin", weights: tuple[float, ...] | None = None,
+            queue: str = "fcfs", progress: Callable[[int, int], None] | None = None,
+            timeline_points: int = 400) -> SimResult:
+        """Simulate ``workload`` (requests routed by ``router``, queued by ``queue``); ``progress(done, total)``
+        is called now and then."""
+        t0 = time.perf_counter()
+        self.check(workload)
+        if queue not in QUEUES:
+            raise SpecError(f"unknown queue policy {queue!r}; policies: {', '.join(QUEUES)}")
+        notes: list[str] = []
+        prefix_tokens = workload.block_tokens
+        span = max(workload.duration_s, 1e-3)
+        typical = (sum(r.prompt_tokens for r in workload.requests) + sum(r.output_tokens for r in workload.requests)
+                   / 2) / len(workload)
+        reps: list[SimulatedReplica] = []
+        for r, t, cap in zip(self.replicas, self.timings, self.capacities):
+            k = self.knobs[r.spec.group]
+            caching = k.prefix_caching and prefix_tokens > 0
+            if caching and prefix_tokens % k.block_tokens:
+                notes.append(f"replica {r.index}: prefix blocks of {prefix_tokens} tokens are not whole KV blocks of "
+                             f"{k.block_tokens}; prefix caching off")
+                caching = False
+            price = getattr(t, "split_s", None) or (lambda d, c, ch, t=t: split_s(t, d, c, ch))
+            batch = min(k.max_seqs, ROUTER_DECODE_BATCH)
+            rep = SimulatedReplica(
+                r.index, r.spec.role, price,
+                KVBlocks(cap.blocks, k.block_tokens, prefix_tokens if caching else 0, k.prefix_cache_blocks),
+                k, QUEUES[queue](), price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
+                price(batch, int(batch * typical), []) / batch, span / max(timeline_points, 1),
+                getattr(t, "decode_run_s", None))
+            reps.append(rep)
+        entry = [p for p in reps if p.role in ("aggregated", "prefill")]
+        decoders = [p for p in reps if p.role == "decode"]
+        route = make_router(router, entry, weights)
+        route_decode = make_router("least-work" if router == "weights" else router, decoders) if decoders else None
+        caching_ids = [bool(p.prefix_tokens) for p in reps]
+
+        events: list[tuple[float, int, int, object]] = []
+        seq = 0
+        records: list[RequestRecord] = []
+
+        def push(t: float, kind: int, payload: object) -> None:
+            nonlocal seq
+            seq += 1
+            heapq.heappush(events, (t, seq, kind, payload))
+
+        def kick(rep: SimulatedReplica, now: float) -> None:
+            end = rep.start(now)
+            if end is not None:
+                push(end, _ITERATION_END, rep)
+
+        def finished(q: Req, now: float) -> None:
+            assert q.first_token_s is not None
+            r = q.r
+            records.append(RequestRecord(r.id, q.replica, r.arrival_s, q.first_token_s, now, r.prompt_tokens,
+                                         r.output_tokens, None, q.decode_replica, q.preemptions, q.cached))
+
+        def handoff(q: Req, now: float) -> None:
+            assert route_decode is not None
+            dst = route_decode.choose()
+            src = reps[q.replica]
+            q.src, q.decode_replica = src, dst.index
+            q.remote, q.target = True, q.r.output_tokens
+            q.computed, q.tokens = q.r.prompt_tokens, q.r.prompt_tokens + 1
+            q.shared = q.own = 0
+            q.ids = q.r.prefix_blocks if caching_ids[dst.index] else ()
+            dst.push(q)
+            if not dst.busy:
+                kick(dst, now)
+
+        def fetch(q: Req, now: float) -> None:
+            assert q.src is not None and q.decode_replica is not None
+            nbytes = q.r.prompt_tokens * kv_bytes_per_token(self.model)
+            push(now + self.path(q.src.index, q.decode_replica).seconds(nbytes), _TRANSFER_DONE, q)
+
+        for rep in reps:
+            rep.on_finish, rep.on_handoff, rep.on_fetch = finished, handoff, fetch
+
+        arrivals = workload.requests
+        n, a, count = len(arrivals), 0, 0
+        while a < n or events:
+            count += 1
+            if progress is not None and count % 4096 == 0:
+                progress(len(records), n)
+            if a < n and (not events or arrivals[a].arrival_s <= events[0][0]):
+                req = arrivals[a]
+                a += 1
+                rep = route.choose()
+                q = Req(req, 1 if rep.role == "prefill" else req.output_tokens,
+                        req.prefix_blocks if caching_ids[rep.index] else ())
+                rep.push(q)
+                if not rep.busy:
+                    kick(rep, req.arrival_s)
+                continue
+            now, _, kind, payload = heapq.heappop(events)
+            if kind == _ITERATION_END:
+                rep = payload  # type: ignore[assignment]
+                rep.finish(now)
+                # Nothing reaches this replica before the next arrival (routers read its state then), except, for
+                # a decode replica or a prefill replica holding KV, the next event anywhere (a hand-off, a
+                # transfer): its iterations that end before that are run here, without the heap, decode-only runs
+                # at once. Replicas do not otherwise interact, so the records are those of strict time order.
+                while True:
+                    limit = arrivals[a].arrival_s if a < n else math.inf
+                    if events and (rep.role == "decode" or rep.held):
+                        limit = min(limit, events[0][0])
+                    now = rep.coast(now, limit)
+                    end = rep.start(now)
+                    if end is None:
+                        break
+                    if end < limit:
+                        count += 1
+                        rep.finish(end)
+                        now = end
+                        continue
+                    push(end, _ITERATION_END, rep)
+                    break
+            else:
+                q = payload  # type: ignore[assignment]
+                assert q.src is not None and q.decode_replica is not None
+                src, dst = q.src, reps[q.decode_replica]
+                src.release_held(q)
+                dst.kv_arrived(q)
+                for rep in (src, dst):
+                    if not rep.busy:
+                        kick(rep, now)
+        if progress is not None:
+            progress(len(records), n)
+        if len(records) != n:  # every replica idle with requests left: none could ever be admitted
+            raise FlexmeshError(f"{n - len(records)} requests were never served (no replica could admit them); "
+                                "this is a simulator bug: report it with the command line")
+        records.sort(key=lambda rec: rec.id)
+        end = max(rec.finish_s for rec in records)
+        start = min(rec.arrival_s for rec in records)
+        reports = tuple(
+            ReplicaReport(r.index, r.spec.label, r.device.name, r.spec.group, r.spec.role, cap.blocks, cap.tokens,
+                          cap.explain(), p.iterations, p.busy_s / max(end - start, 1e-12), p.preemptions,
+                          p.kv.hits / p.kv.lookups if p.kv.lookups else None, tuple(p.samples))
+            for r, cap, p in zip(self.replicas, self.capacities, reps))
+        return SimResult(tuple(records), reports, self.gpus, count, time.perf_counter() - t0, tuple(notes))
+
