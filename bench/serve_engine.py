@@ -79,7 +79,7 @@ def main() -> int:
     if args.profile:
         prof = load_engine_profile(args.profile)
     else:
-        prof = profile_engine(cfg, quick=args.quick)
+        prof = profile_engine(cfg, quick=args.quick, engines=2)
         prof.save(out / "engine-tiny.json")
     timing = ProfiledIterationTiming(prof)
     n = 60 if args.quick and args.requests == 120 else args.requests
@@ -123,6 +123,7 @@ def main() -> int:
     k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
     k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
     its = [(it["batch"], it["end_s"] - it["start_s"]) for run in runs for per in run.iterations for it in per]
+    cpu = sum(it["cpu_s"] for run in runs for per in run.iterations for it in per)
     rel = [timing.iteration_s([tuple(b) for b in batch]) / secs - 1 for batch, secs in its]
     it_err = statistics.median(abs(r) for r in rel)
     busy_meas = sum(s for _, s in its)
@@ -146,7 +147,11 @@ def main() -> int:
           f"- iterations: {len(its)} engine iterations priced by the profile, median |predicted / measured - 1| = "
           f"{it_err:.1%} (decode-only {statistics.median(decode) if decode else float('nan'):.1%}), busy time "
           f"{busy_pred:.1f} s predicted / {busy_meas:.1f} s measured (bound {ITERATION_BOUND:.0%}): "
-          f"{'met' if it_err <= ITERATION_BOUND else 'NOT met'}"]
+          f"{'met' if it_err <= ITERATION_BOUND else 'NOT met'}",
+          f"- share of a core each engine had while iterating (CPU over wall time): "
+          f"{prof.produced_by.get('sweep', {}).get('cpu_share', float('nan')):.0%} during the profile, "
+          f"{cpu / busy_meas if busy_meas else float('nan'):.0%} during the replays (unequal shares: other work "
+          "moved the timings between the two)"]
     print("\n".join(md))
     if not args.no_record:
         record("serve_engine", "\n".join(md))

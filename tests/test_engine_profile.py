@@ -100,6 +100,7 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     prof = load_engine_profile(out)
     assert prof.engine["num_blocks"] == 512 and prof.model["name"] == "tiny"
     assert prof.produced_by["sweep"]["quick"] and len(prof.samples) >= 20
+    assert prof.produced_by["processes"] == 2  # two engines swept side by side (the default, as serve run's)
     kinds = {("decode" if all(q == 1 for _, q in b) else "prefill" if len(b) == 1 else "mixed")
              for b, _ in prof.samples}
     assert kinds == {"decode", "prefill", "mixed"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flexmesh.commands.args import new_file
+from flexmesh.commands.args import new_file, positive_int
 from flexmesh.commands.engine_args import add_engine_args, engine_config
 
 
@@ -18,6 +18,9 @@ def add_engine_parser(kinds) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small sweep (about half a minute)")
     p.add_argument("--out", type=new_file, help="profile file to write, atomically (default engine-<model>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
+    p.add_argument("--engines", type=positive_int, default=2,
+                   help="engines swept at once, each in its own process: as many as will serve side by side, so "
+                        "that their contention is in the profile (serve run's default: 2)")
     add_engine_args(p)
     p.set_defaults(func=run)
     return p
@@ -35,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_progress:
             print(f"\r[{done}/{total}] {what:<24}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    prof = profile_engine(cfg, quick=args.quick, progress=progress)
+    prof = profile_engine(cfg, quick=args.quick, engines=args.engines, progress=progress)
     prof.save(out)
     _summary(prof, out)
     return 0
@@ -49,7 +52,8 @@ def _summary(prof, out: str) -> None:
 
     con = plain_console()
     t = Table(title=f"engine profile of {prof.engine['model']} ({len(prof.samples)} distinct batches, "
-                    f"{prof.produced_by['sweep']['iterations']} iterations)")
+                    f"{prof.produced_by['sweep']['iterations']} iterations, {prof.produced_by['processes']} engines "
+                    "at once)")
     t.add_column("term")
     t.add_column("coefficient", justify="right")
     units = {"c0_s": ("per-iteration overhead", 1e3, "ms"), "per_request_s": ("per request", 1e6, "us"),
@@ -60,6 +64,10 @@ def _summary(prof, out: str) -> None:
         label, scale, unit = units[term]
         t.add_row(label, f"{prof.fit[term] * scale:,.3f} {unit}")
     con.print(t)
+    share = prof.produced_by["sweep"].get("cpu_share")
+    if share is not None:
+        con.print(f"each engine had {share:.0%} of a core while it iterated (its CPU time over the iterations' "
+                  "wall time; other work on the machine lowers it and slows every sample)", highlight=False)
     e = prof.error
     con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 {e['p90']:.1%}, "
               f"max {e['max']:.1%}", highlight=False)

@@ -13,8 +13,10 @@ so the engine's per-iteration overhead is in every sample. Scenarios, each run `
   prompts in one budget, then decodes beside the last prompts' chunks) are samples too;
 - mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left.
 
-Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats and scenarios) keep
-their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from.
+Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
+keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. Profile
+with as many engines as will serve side by side (``engines``): they share the machine's cores and memory
+bandwidth, and an engine alone runs faster than one of two.
 """
 
 from __future__ import annotations
@@ -65,15 +67,52 @@ def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[s
     return out
 
 
-def profile_engine(cfg: EngineConfig, quick: bool = False,
+def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 1,
                    progress: Callable[[int, int, str], None] | None = None) -> EngineProfile:
-    """Run the sweep on an engine of ``cfg`` and fit it (see the module doc)."""
-    from flexmesh.serve.engine.engine import Engine
+    """Run the sweep on ``engines`` engines of ``cfg`` at once and fit it (see the module doc). With more than
+    one, each runs the sweep in its own process at the same time, as ``flexmesh serve run`` runs that many
+    engines side by side on this machine's cores, so their contention is in every sample (as the training
+    profiles' ``--nproc``); the samples of all are pooled."""
     from flexmesh.serve.engine.model import engine_spec
 
     spec = engine_spec(cfg)
+    if engines == 1:
+        timed, plan, share = _sweep(cfg, quick, progress)
+    else:
+        import multiprocessing
+        import os
+
+        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)  # the engines' processes, as the fleet starts them
+        if progress is not None:
+            progress(0, 1, f"{engines} engines")
+        with multiprocessing.get_context("spawn").Pool(engines) as pool:
+            results = pool.starmap(_sweep, [(cfg, quick, None)] * engines)
+        timed = defaultdict(list)
+        for one, _, _ in results:
+            for batch, secs in one.items():
+                timed[batch].extend(secs)
+        plan = results[0][1]
+        share = statistics.mean(r[2] for r in results)
+        if progress is not None:
+            progress(1, 1, "fit")
+    samples = [(list(batch), statistics.median(secs)) for batch, secs in sorted(timed.items())]
+    fit = fit_iterations(samples)
+    spec_dict = spec.to_dict()
+    prof = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit=fit,
+                         samples=samples, produced_by=produced_by(engines, device_type="cpu"))
+    prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
+                                 "iterations": sum(len(v) for v in timed.values()), "cpu_share": share}
+    return prof
+
+
+def _sweep(cfg: EngineConfig, quick: bool, progress) -> tuple[dict[tuple, list[float]], list[str], float]:
+    """Every scenario ``repeats`` times on one engine: the seconds of each batch it ran, the scenarios, and the
+    share of a core the engine had while iterating (its CPU time over the iterations' wall time)."""
+    from flexmesh.serve.engine.engine import Engine
+
     repeats = (QUICK if quick else FULL)["repeats"]
     timed: dict[tuple, list[float]] = defaultdict(list)
+    wall = cpu = 0.0
     with Engine(cfg) as engine:
         plan = scenarios(cfg, quick, engine.max_position)
         engine.run([prompt_ids(1, 32, engine.vocab)] * 2, [4, 4])  # warm-up: first calls allocate
@@ -87,16 +126,11 @@ def profile_engine(cfg: EngineConfig, quick: bool = False,
                 engine.run(prompts, outputs)
                 for it in list(engine.iterations):
                     timed[tuple(sorted(it.batch))].append(it.duration_s)
+                    wall += it.duration_s
+                    cpu += it.cpu_s
         if progress is not None:
             progress(total, total, "fit")
-    samples = [(list(batch), statistics.median(secs)) for batch, secs in sorted(timed.items())]
-    fit = fit_iterations(samples)
-    spec_dict = spec.to_dict()
-    prof = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit=fit,
-                         samples=samples, produced_by=produced_by(1, device_type="cpu"))
-    prof.produced_by["sweep"] = {"quick": quick, "repeats": repeats, "scenarios": [s[0] for s in plan],
-                                 "iterations": sum(len(v) for v in timed.values())}
-    return prof
+    return dict(timed), [s[0] for s in plan], cpu / wall if wall > 0 else 1.0
 
 
 def _engine_dict(cfg: EngineConfig) -> dict:

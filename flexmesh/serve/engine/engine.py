@@ -12,7 +12,9 @@ Iterations: transformers offers no per-iteration callback, so :class:`_TimedMana
 manager's loop body (``_generation_loop_body``, checked against transformers 5.24 by
 tests/test_serve_engine.py): the time from scheduling to the tokens handed out, and the batch as
 ``(tokens already in the KV cache, tokens computed now)`` per request -- the batch that
-:class:`flexmesh.cost.inference` prices. The idle wait of an empty loop is not an iteration.
+:class:`flexmesh.cost.inference` prices -- and the CPU time the loop's thread had meanwhile (less than the
+duration when other processes held the cores: how contended a measurement was). The idle wait of an empty
+loop is not an iteration.
 
 Clocks: every time here is ``time.perf_counter()``, which on Linux reads CLOCK_MONOTONIC, one clock
 for every process on the machine; the router and the replay client compare times across processes
@@ -43,13 +45,15 @@ class Iteration:
     start_s: float
     end_s: float
     batch: tuple[tuple[int, int], ...]  # (tokens in the KV cache before, tokens computed now) per request
+    cpu_s: float = 0.0  # CPU time of the engine's thread meanwhile: below duration_s when it waited for a core
 
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
 
     def to_dict(self) -> dict:
-        return {"start_s": self.start_s, "end_s": self.end_s, "batch": [list(b) for b in self.batch]}
+        return {"start_s": self.start_s, "end_s": self.end_s, "batch": [list(b) for b in self.batch],
+                "cpu_s": self.cpu_s}
 
 
 @dataclass(frozen=True)
@@ -73,13 +77,13 @@ def _manager_class():
 
         def _generation_loop_body(self, batch_processor, bootstrapping: bool) -> bool:
             before = getattr(self, "current_batch", 0)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             go_on = super()._generation_loop_body(batch_processor, bootstrapping)
             if self.current_batch != before:
-                end = time.perf_counter()
+                end, cpu = time.perf_counter(), time.thread_time() - cpu
                 batch = tuple((f.state.position_offset - f.query_length, f.query_length)
                               for f in batch_processor.inputs_and_outputs.requests_in_batch)
-                self.on_iteration(Iteration(start, end, batch))
+                self.on_iteration(Iteration(start, end, batch, cpu))
             return go_on
 
         def on_iteration(self, it: Iteration) -> None:  # replaced per engine
