@@ -1,11 +1,13 @@
 """The flags of one real engine, shared by ``flexmesh serve run|bench`` and ``flexmesh profile engine``:
-resolved once into an :class:`~flexmesh.serve.engine.config.EngineConfig` (docs/serving-engines.md)."""
+resolved once into an :class:`~flexmesh.serve.engine.config.EngineConfig` (docs/serving-engines.md); the
+flags of a fleet of them behind the router."""
 
 from __future__ import annotations
 
 import argparse
 
-from flexmesh.commands.args import fraction, nonneg_int, positive_int
+from flexmesh.commands.args import fraction, nonneg_int, positive_int, seconds
+from flexmesh.errors import ServeError
 from flexmesh.serve.engine.config import SCHEDULERS, EngineConfig
 
 _DEFAULTS = EngineConfig()
@@ -39,3 +41,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, seed=args.seed, page_size=args.page_size, num_blocks=args.kv_blocks,
                         max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_batch_requests,
                         scheduler=args.scheduler, safety_margin=args.safety_margin, threads=args.threads)
+
+
+def need_aiohttp() -> None:
+    try:
+        import aiohttp  # noqa: F401
+    except ModuleNotFoundError:
+        raise ServeError("serving needs aiohttp: pip install -e .[serve]") from None
+
+
+def add_fleet_args(p: argparse.ArgumentParser, engines_default: int | None) -> None:
+    p.add_argument("--engines", type=positive_int, default=engines_default,
+                   help="engine processes to start (one model each)")
+    p.add_argument("--route", choices=("round-robin", "least-outstanding"), default="round-robin",
+                   help="how the router picks an engine for each request")
+    p.add_argument("--request-timeout", type=seconds, default=600.0, help="seconds a request may wait; then 504")
+    p.add_argument("--max-outstanding", type=positive_int, default=4096,
+                   help="requests the router holds at once; more are answered 503")

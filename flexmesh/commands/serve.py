@@ -1,21 +1,32 @@
-"""``flexmesh serve run|bench``: serving on this machine (docs/serving-engines.md).
+"""``flexmesh serve``: serving on uneven hardware, one sub-command per module ``flexmesh.commands.serve_<name>``.
 
-``run`` starts real engine processes behind flexmesh's router; ``bench`` replays a trace window against
-them at given rates and reports measured latencies.
+- ``flexmesh serve simulate``: requests over time on any GPU mix, simulated (docs/cli-serve.md).
+- ``flexmesh serve run``: real engine processes on this machine behind flexmesh's router (docs/serving-engines.md).
+- ``flexmesh serve bench``: a trace window replayed against such engines at given rates, measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+
+from flexmesh.commands.args import DefaultsHelpFormatter
+
+# Sub-commands in the order `flexmesh serve --help` lists them; each module defines add_parser(subparsers).
+SUBCOMMANDS = ("simulate", "run", "bench")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    from flexmesh.commands.serve_engines import add_bench_parser, add_run_parser
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``flexmesh serve`` and its sub-commands."""
+    p = sub.add_parser("serve", help="serve requests on uneven hardware: simulate a fleet, or run real engines here",
+                       description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
+    inner = p.add_subparsers(dest="serve_command", metavar="SUBCOMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"flexmesh.commands.serve_{name}").add_parser(inner)
 
-    p = subparsers.add_parser("serve", help="serve a model: real engines behind flexmesh's router, replayed traces",
-                              description=__doc__.split("\n\n")[0].split(": ", 1)[1])
-    kinds = p.add_subparsers(dest="serve_kind", metavar="KIND")
-    add_run_parser(kinds)
-    add_bench_parser(kinds)
-    p.set_defaults(func=lambda a: (p.print_help(), 1)[1])
+    def usage(args: argparse.Namespace) -> int:
+        p.print_help()
+        return 1
+
+    p.set_defaults(func=usage)
     return p

@@ -193,9 +193,11 @@ def _csv_rows(path: Path, text: str) -> tuple[list[str], Iterator[tuple[int, dic
 
     def rows() -> Iterator[tuple[int, dict[str, str]]]:
         for i, row in enumerate(reader, start=2):  # row 1 is the header
-            if None in row or any(v is None for v in row.values()):
-                raise DataError(f"{path} row {i}: has {len(row) - (None in row)} fields where the header names "
-                                f"{len(header)}; check the commas")
+            extra = row.pop(None, None)
+            if extra is not None or any(v is None for v in row.values()):
+                given = sum(v is not None for v in row.values()) + len(extra or ())
+                raise DataError(f"{path} row {i}: has {given} fields where the header names {len(header)}; check "
+                                "the commas")
             yield i, row
 
     return header, rows()

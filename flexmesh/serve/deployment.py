@@ -42,7 +42,7 @@ _ENTRY = re.compile(r"^(?:(\d+)x)?tp(\d+)(?:pp(\d+))?(?:-([a-z]+))?(?:@(.+))?$")
 @dataclass(frozen=True)
 class EngineKnobs:
     """What an engine is started with (vLLM's names: max_num_seqs, max_num_batched_tokens, block_size,
-    gpu_memory_utilization, enable_prefix_caching)."""
+    gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override)."""
 
     max_seqs: int
     max_batched_tokens: int
@@ -50,6 +50,7 @@ class EngineKnobs:
     memory_fraction: float = VLLM_MEMORY_FRACTION
     prefix_caching: bool = True
     prefix_cache_blocks: int | None = None  # idle cached blocks kept at most (None: as KV memory allows)
+    kv_blocks: int | None = None  # KV blocks as given, not sized from memory (vLLM's num_gpu_blocks_override)
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_batched_tokens", "block_tokens"):
@@ -58,6 +59,8 @@ class EngineKnobs:
         if self.max_batched_tokens < self.max_seqs:  # vLLM's SchedulerConfig refuses it too
             raise SpecError(f"max-batched-tokens ({self.max_batched_tokens}) must be at least max-seqs "
                             f"({self.max_seqs}): every running request computes a token each iteration")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise SpecError(f"kv-blocks must be >= 1, got {self.kv_blocks}")
         if not 0 < self.memory_fraction <= 1:
             raise SpecError(f"memory-fraction is in (0, 1], got {self.memory_fraction}")
 

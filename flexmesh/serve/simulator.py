@@ -32,7 +32,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
@@ -69,6 +69,7 @@ class ReplicaReport:
     kv_tokens: int
     kv_explain: str
     iterations: int
+    tokens: int  # computed (prompt tokens not found in a cache, recomputed ones, one per decode step)
     busy_fraction: float  # of the run's span
     preemptions: int
     prefix_hit_rate: float | None  # prefix blocks found in its cache over those its admissions asked for
@@ -113,8 +114,9 @@ class Fleet:
                 t = built[key]
             self.timings.append(t)
             k = self.knobs[s.group]
-            self.capacities.append(kv_capacity(model, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs,
-                                               k.block_tokens, k.memory_fraction))
+            cap = kv_capacity(model, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs, k.block_tokens,
+                              k.memory_fraction)
+            self.capacities.append(cap if k.kv_blocks is None else replace(cap, blocks_given=k.kv_blocks))
         self._paths: dict[tuple[int, int], Path] = {}
 
     @property
@@ -287,7 +289,7 @@ class Fleet:
         start = min(rec.arrival_s for rec in records)
         reports = tuple(
             ReplicaReport(r.index, r.spec.label, r.device.name, r.spec.group, r.spec.role, cap.blocks, cap.tokens,
-                          cap.explain(), p.iterations, p.busy_s / max(end - start, 1e-12), p.preemptions,
+                          cap.explain(), p.iterations, p.tokens, p.busy_s / max(end - start, 1e-12), p.preemptions,
                           p.kv.hits / p.kv.lookups if p.kv.lookups else None, tuple(p.samples))
             for r, cap, p in zip(self.replicas, self.capacities, reps))
         return SimResult(tuple(records), reports, self.gpus, count, time.perf_counter() - t0, tuple(notes))

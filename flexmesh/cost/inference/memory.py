@@ -105,6 +105,7 @@ class KVCapacity:
     activation_bytes: float
     kv_bytes_per_token: int  # on this device
     block_tokens: int
+    blocks_given: int | None = None  # blocks set by hand (an engine told how many), not sized from memory
 
     @property
     def kv_bytes(self) -> float:
@@ -113,6 +114,8 @@ class KVCapacity:
 
     @property
     def blocks(self) -> int:
+        if self.blocks_given is not None:
+            return self.blocks_given
         return max(0, int(self.kv_bytes // (self.kv_bytes_per_token * self.block_tokens)))
 
     @property
@@ -121,6 +124,8 @@ class KVCapacity:
 
     def explain(self) -> str:
         g = GIB
+        if self.blocks_given is not None:
+            return f"{self.blocks_given:,} blocks of {self.block_tokens} tokens, as given"
         return (f"{self.device_bytes / g:.1f} GiB x {self.fraction:g} - {self.reserve_bytes / g:.2f} GiB CUDA context "
                 f"- {self.weight_bytes / g:.2f} GiB weights - {self.activation_bytes / g:.2f} GiB activations = "
                 f"{self.kv_bytes / g:.2f} GiB of KV: {self.blocks:,} blocks of {self.block_tokens} tokens")

@@ -1,5 +1,5 @@
-"""``flexmesh serve run`` and ``flexmesh serve bench``: real engines behind flexmesh's router, and a trace
-replayed against them (docs/serving-engines.md). Registered by flexmesh.commands.serve."""
+"""``flexmesh serve bench``: a trace window replayed open loop against real engines at given rates, measured
+TTFT, TPOT and E2E percentiles (docs/serving-engines.md)."""
 
 from __future__ import annotations
 
@@ -10,42 +10,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flexmesh.commands.args import folder, new_file, nonneg_float, nonneg_int, positive_float, positive_int, seconds
-from flexmesh.commands.engine_args import add_engine_args, engine_config
+from flexmesh.commands.args import folder, nonneg_float, nonneg_int, positive_float, positive_int
+from flexmesh.commands.engine_args import add_engine_args, add_fleet_args, engine_config, need_aiohttp
 from flexmesh.errors import ServeError
 
 
-def _aiohttp() -> None:
-    try:
-        import aiohttp  # noqa: F401
-    except ModuleNotFoundError:
-        raise ServeError("serving needs aiohttp: pip install -e .[serve]") from None
-
-
-def _add_fleet_args(p: argparse.ArgumentParser, engines_default: int | None) -> None:
-    p.add_argument("--engines", type=positive_int, default=engines_default,
-                   help="engine processes to start (one model each)")
-    p.add_argument("--route", choices=("round-robin", "least-outstanding"), default="round-robin",
-                   help="how the router picks an engine for each request")
-    p.add_argument("--request-timeout", type=seconds, default=600.0, help="seconds a request may wait; then 504")
-    p.add_argument("--max-outstanding", type=positive_int, default=4096,
-                   help="requests the router holds at once; more are answered 503")
-
-
-def add_run_parser(kinds) -> argparse.ArgumentParser:
-    p = kinds.add_parser("run", help="start engine processes behind flexmesh's router (OpenAI-compatible HTTP)",
-                         description="Start N engine processes (transformers' continuous batching) and flexmesh's "
-                                     "router in front of them on 127.0.0.1; Ctrl-C or SIGTERM stops them all.")
-    _add_fleet_args(p, engines_default=2)
-    p.add_argument("--port", type=nonneg_int, default=8000, help="the router's port on 127.0.0.1 (0: any free port)")
-    p.add_argument("--requests", type=new_file, help="append one record per answered request to this JSONL file")
-    p.add_argument("--logs", type=folder, help="folder for the engines' logs (default: a temporary folder)")
-    add_engine_args(p)
-    p.set_defaults(func=run)
-    return p
-
-
-def add_bench_parser(kinds) -> argparse.ArgumentParser:
+def add_parser(kinds) -> argparse.ArgumentParser:
     p = kinds.add_parser("bench", help="replay a trace window against engines at given rates (open loop)",
                          description="Replay a trace window against real engines at each rate, open loop (arrivals "
                                      "on schedule whatever the answers), and report TTFT, TPOT and E2E percentiles.")
@@ -60,32 +30,10 @@ def add_bench_parser(kinds) -> argparse.ArgumentParser:
     p.add_argument("--arrival-seed", type=nonneg_int, default=0, help="seed of Poisson arrivals")
     p.add_argument("--url", help="a running `flexmesh serve run` (default: start --engines here for the bench)")
     p.add_argument("--out", type=folder, help="folder for requests-<rate>.jsonl, iterations and summary.json")
-    _add_fleet_args(p, engines_default=2)
+    add_fleet_args(p, engines_default=2)
     add_engine_args(p)
     p.set_defaults(func=bench)
     return p
-
-
-def run(args: argparse.Namespace) -> int:
-    from flexmesh.serve.engine.fleet import serve_fleet
-    from flexmesh.serve.engine.http import check_port
-
-    _aiohttp()
-    cfg = engine_config(args)
-    check_port(args.port, "the router")  # a port in use: one line now, not after minutes of starting engines
-    logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="flexmesh-serve-"))
-    print(f"starting {args.engines} engine(s) of {cfg.model} (logs: {logs}) ...", file=sys.stderr, flush=True)
-
-    async def ready(url: str, engines) -> None:
-        ports = ", ".join(str(e.port) for e in engines)
-        print(f"serving {cfg.model} on {url}/v1/completions ({len(engines)} engines on ports {ports}, "
-              f"{args.route}); health: {url}/health; Ctrl-C stops", flush=True)
-
-    asyncio.run(serve_fleet(cfg, args.engines, args.port, logs, Path(args.requests) if args.requests else None,
-                            args.route, on_ready=ready, max_outstanding=args.max_outstanding,
-                            request_timeout_s=args.request_timeout))
-    print("stopped", file=sys.stderr)
-    return 0
 
 
 def _rates(text: str) -> list[float]:
@@ -99,7 +47,7 @@ def bench(args: argparse.Namespace) -> int:
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window, with_arrivals
     from flexmesh.serve.engine.replay import model_card, replay_rates
 
-    _aiohttp()
+    need_aiohttp()
     rates = _rates(args.rate)
     cfg = engine_config(args)
     trace = load_trace(args.trace)
