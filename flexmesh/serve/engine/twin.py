@@ -15,19 +15,20 @@ reaches its engine.
 
 The engines run on this machine's cores, which the catalogue does not describe: the fleet's device is a
 placeholder named ``local-engine`` whose numbers nothing reads (the timing prices every iteration, the
-KV capacity is the engine's own, and aggregated replicas move no KV between them).
+KV blocks are given, as vLLM's ``num_gpu_blocks_override``, and aggregated replicas move no KV between
+them).
 """
 
 from __future__ import annotations
 
-from flexmesh.cost.inference.memory import KVCapacity, kv_bytes_per_token
+from flexmesh.cost.inference.memory import kv_bytes_per_token
 from flexmesh.cost.inference.timing import IterationTiming
 from flexmesh.serve.deployment import EngineKnobs, ReplicaSpec, place
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.simulator import Fleet
 from flexmesh.spec.cluster import ClusterSpec, MixedCluster
 from flexmesh.spec.devices import DeviceSpec
-from flexmesh.spec.model import ModelSpec, parse_model
+from flexmesh.spec.model import parse_model
 
 _ONE = {"mm_efficiency": 1.0, "attn_efficiency": 1.0, "intra_efficiency": 1.0, "inter_efficiency": 1.0,
         "a2a_intra_efficiency": 1.0, "a2a_inter_efficiency": 1.0}
@@ -36,14 +37,8 @@ _ONE = {"mm_efficiency": 1.0, "attn_efficiency": 1.0, "intra_efficiency": 1.0, "
 def engine_knobs(cfg: EngineConfig) -> EngineKnobs:
     """The simulator's knobs of an engine (see the module doc)."""
     return EngineKnobs(max_seqs=cfg.max_requests_per_batch, max_batched_tokens=cfg.max_batch_tokens,
-                       block_tokens=cfg.page_size, memory_fraction=1.0, prefix_caching=cfg.block_sharing)
-
-
-def engine_kv(model: ModelSpec, cfg: EngineConfig) -> KVCapacity:
-    """The engine's KV cache as sized: exactly ``num_blocks`` blocks of ``page_size`` tokens."""
-    per_token = kv_bytes_per_token(model)
-    return KVCapacity(float(cfg.num_blocks * cfg.page_size * per_token), 1.0, 0.0, 0.0, 0.0, per_token,
-                      cfg.page_size)
+                       block_tokens=cfg.page_size, memory_fraction=1.0, prefix_caching=cfg.block_sharing,
+                       kv_blocks=cfg.num_blocks)
 
 
 def twin_fleet(cfg: EngineConfig, engines: int, timing: IterationTiming) -> Fleet:
@@ -67,8 +62,4 @@ def twin_fleet(cfg: EngineConfig, engines: int, timing: IterationTiming) -> Flee
                      **_ONE)
     cluster = MixedCluster((ClusterSpec(nodes=1, devices_per_node=engines, device=dev),))
     replicas = place(tuple(ReplicaSpec(group=0) for _ in range(engines)), cluster)
-    fleet = Fleet(model, cluster, replicas, knobs={0: engine_knobs(cfg)}, timing=lambda r: timing)
-    # The KV cache is the engine's as sized, not what a device's memory would leave (the simulator derives
-    # it from the device; an engine here is sized explicitly).
-    fleet.capacities = [engine_kv(model, cfg) for _ in replicas]
-    return fleet
+    return Fleet(model, cluster, replicas, knobs={0: engine_knobs(cfg)}, timing=lambda r: timing)
