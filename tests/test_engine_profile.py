@@ -55,6 +55,14 @@ def test_split_form_prices_the_batch_it_stands_for(decodes, chunks):
     assert timing.iteration_s(full) >= (TRUE["c0_s"] if full else 0.0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(decodes=st.integers(1, 64), context=st.integers(0, 100_000), steps=st.integers(1, 50))
+def test_a_run_of_decodes_costs_its_iterations_one_by_one(decodes, context, steps):
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, TRUE))
+    one_by_one = sum(timing.split_s(decodes, context + decodes * j, ()) for j in range(steps))
+    assert timing.decode_run_s(decodes, context, steps) == pytest.approx(one_by_one, rel=1e-9)
+
+
 def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
     prof = EngineProfile({"name": "tiny"}, {"model": "tiny"}, TRUE, samples=[([(0, 8)], 1e-3)], name="p")
     path = tmp_path / "engine.json"

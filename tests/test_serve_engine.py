@@ -176,3 +176,37 @@ def test_an_engine_that_fails_to_start_is_one_line(tmp_path):
         asyncio.run(start_engines(bad, 2, tmp_path / "logs", start_timeout_s=150))
     msg = str(e.value)
     assert "\n" not in msg and "failed to start" in msg and "missing" in msg, msg
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path):
+    pytest.importorskip("aiohttp")
+    from flexmesh.serve.metrics import read_records
+
+    records = tmp_path / "served.jsonl"
+    run = subprocess.Popen([sys.executable, "-m", "flexmesh", "serve", "run", "--engines", "2", "--port", "0",
+                            "--kv-blocks", "256", "--requests", str(records), "--logs", str(tmp_path / "logs")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    try:
+        line = run.stdout.readline()
+        assert line.startswith("serving tiny on http://127.0.0.1:"), line + run.stderr.read()
+        url = line.split()[3].removesuffix("/v1/completions")
+        bench = subprocess.run([sys.executable, "-m", "flexmesh", "serve", "bench", "--url", url, "--rate", "4,8",
+                                "--requests", "6", "--context", "256", "--out", str(tmp_path / "bench")],
+                               capture_output=True, text=True, env={**_env(), "COLUMNS": "200"}, timeout=300)
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        assert "TTFT p50" in bench.stdout and "wrote" in bench.stdout
+        for rate in ("4", "8"):
+            recs = read_records(tmp_path / "bench" / f"requests-{rate}.jsonl")
+            assert len(recs) == 6 and all(r.prompt_tokens + r.output_tokens <= 256 for r in recs)
+            assert {r.replica for r in recs} == {0, 1}
+        summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
+        assert [s["rate"] for s in summary] == [4.0, 8.0] and all(not s["failed"] for s in summary)
+        run.send_signal(signal.SIGINT)  # Ctrl-C: the router and both engines stop
+        assert run.wait(timeout=60) == 0, run.stderr.read()
+    finally:
+        if run.poll() is None:
+            run.kill()
+    served = read_records(records)
+    assert len(served) == 12  # the router's own records: every request of both replays
