@@ -3,12 +3,13 @@
 The engine is the one ``flexmesh serve run`` starts (:class:`flexmesh.serve.engine.engine.Engine`, the
 same :class:`~flexmesh.serve.engine.config.EngineConfig`), run in this process without HTTP, and every
 time comes from its own iteration log: an iteration is timed from scheduling to the tokens handed out,
-so the engine's per-iteration overhead is in every sample. Scenarios, each run ``repeats`` times:
+so the engine's per-iteration overhead is in every sample. Scenarios, each run twice:
 
 - prefill chunks: one request whose prompt is one chunk (8 tokens up to the token budget) or several
   (two and four budgets: chunks after a prefix);
 - decode batches: ``b`` requests with prompts of ``c`` tokens, for ``b`` from 1
-  to the engine's request cap and ``c`` over a grid of contexts (the KV cache bounds ``b * c``), with
+  to the engine's request cap and ``c`` over a grid of contexts (``b * c`` at most 8192 tokens, and what the
+  KV cache holds), with
   outputs long enough that all ``b`` decode together at the end; their prefill iterations (several
   prompts in one budget, then decodes beside the last prompts' chunks) are samples too;
 - mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left.
@@ -32,9 +33,12 @@ from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.replay import prompt_ids
 
 DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
+# A decode scenario's iterations grow as b x (b x c) (transformers' SDPA path: module doc of
+# flexmesh.profile.iteration), so the grid keeps b x c within "batch_kv" tokens: minutes, not an hour.
 FULL = {"batches": (1, 2, 4, 8, 16, 32, 64), "contexts": (16, 128, 512, 1024), "prefill": (8, 32, 64, 128),
-        "mixed": (1, 4, 16), "repeats": 3}
-QUICK = {"batches": (1, 4, 16), "contexts": (16, 256), "prefill": (16, 64), "mixed": (4,), "repeats": 2}
+        "mixed": (1, 4, 16), "repeats": 2, "batch_kv": 8192}
+QUICK = {"batches": (1, 4, 16), "contexts": (16, 256), "prefill": (16, 64), "mixed": (4,), "repeats": 2,
+         "batch_kv": 4096}
 
 
 def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[str, list[int], list[int]]]:
@@ -54,7 +58,8 @@ def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[s
         for c in grid["contexts"]:
             # outputs outlast the prefill of the whole batch, so that all b requests decode together at the end
             n_out = -(-b * c // budget) + DECODE_TOKENS
-            if b <= cfg.max_requests_per_batch and b * (c + n_out) <= room and c + n_out <= max_position:
+            if (b <= cfg.max_requests_per_batch and b * (c + n_out) <= room and c + n_out <= max_position
+                    and b * c <= grid["batch_kv"]):
                 out.append((f"decode {b} x {c}", [c] * b, [n_out] * b))
     long = 2 * budget
     for b in grid["mixed"]:
