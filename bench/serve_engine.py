@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -107,6 +108,7 @@ def main() -> int:
     rows, worst, meas_p90, sim_p90 = [], 0.0, [], []
     for run in runs:
         run.replay.write(out / f"requests-{run.rate:g}.jsonl")
+        (out / f"iterations-{run.rate:g}.json").write_text(json.dumps(run.iterations))
         if run.replay.failed:
             print(f"rate {run.rate:g}: {len(run.replay.failed)} requests failed, e.g. "
                   f"{next(iter(run.replay.failed.values()))}")
