@@ -12,7 +12,8 @@ the twin simulates the same requests at the same arrivals. Checked (issue 54's b
 - the knee's rate within 20%: the rate at which p90 TTFT reaches :data:`KNEE_FACTOR` times its value at the
   lowest rate, read off each curve by linear interpolation between the rates run;
 - per-iteration times within 10%: every iteration the engines ran during the replays (their own log,
-  ``GET /iterations``) priced by the profile, median |predicted / measured - 1|.
+  ``GET /iterations``) priced by the profile, median |predicted / measured - 1| against its wall time (and,
+  beside it, against the CPU time the engine's thread had, which the profile is made of).
 
 Timings on a shared machine are noisy: the load average (``uptime``) before and after is recorded beside
 the numbers.
@@ -131,6 +132,9 @@ def main() -> int:
     busy_meas = sum(s for _, s in its)
     busy_pred = sum(timing.iteration_s([tuple(b) for b in batch]) for batch, _ in its)
     decode = [abs(r) for r, (batch, _) in zip(rel, its) if all(q == 1 for _, q in batch)]
+    cpus = [it["cpu_s"] for run in runs for per in run.iterations for it in per]
+    rel_cpu = statistics.median(abs(timing.iteration_s([tuple(b) for b in batch]) / c - 1)
+                                for (batch, _), c in zip(its, cpus) if c > 0)
 
     fit = prof.error
     md = [f"Tiny model (`{cfg.to_json()}`), 2 engine processes behind the router, {len(win)} requests of the "
@@ -147,7 +151,8 @@ def main() -> int:
           f"{k_meas if k_meas is None else round(k_meas, 2)}/s, simulated {k_sim if k_sim is None else round(k_sim, 2)}"
           f"/s, error {k_err:.0%} (bound {KNEE_BOUND:.0%}): {'met' if k_err <= KNEE_BOUND else 'NOT met'}",
           f"- iterations: {len(its)} engine iterations priced by the profile, median |predicted / measured - 1| = "
-          f"{it_err:.1%} (decode-only {statistics.median(decode) if decode else float('nan'):.1%}), busy time "
+          f"{it_err:.1%} (decode-only {statistics.median(decode) if decode else float('nan'):.1%}; against their CPU "
+          f"time {rel_cpu:.1%}), busy time "
           f"{busy_pred:.1f} s predicted / {busy_meas:.1f} s measured (bound {ITERATION_BOUND:.0%}): "
           f"{'met' if it_err <= ITERATION_BOUND else 'NOT met'}",
           f"- share of a core each engine had while iterating (CPU over wall time): "

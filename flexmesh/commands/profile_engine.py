@@ -67,7 +67,8 @@ def _summary(prof, out: str) -> None:
     share = prof.produced_by["sweep"].get("cpu_share")
     if share is not None:
         con.print(f"each engine had {share:.0%} of a core while it iterated (its CPU time over the iterations' "
-                  "wall time; other work on the machine lowers it and slows every sample)", highlight=False)
+                  "wall time; other work on the machine lowers it; the samples are CPU time, which it does not "
+                  "slow)", highlight=False)
     e = prof.error
     con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 {e['p90']:.1%}, "
               f"max {e['max']:.1%}", highlight=False)

@@ -15,9 +15,14 @@ so the engine's per-iteration overhead is in every sample. Scenarios, each run t
 - mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left.
 
 Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
-keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. Profile
-with as many engines as will serve side by side (``engines``): they share the machine's cores and memory
-bandwidth, and an engine alone runs faster than one of two.
+keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. The
+seconds are the CPU time of the engine's thread over the iteration (``time.thread_time``), not its wall
+time: on a machine other work shares, an iteration's wall time also holds the time the engine waited for a
+core, which depends on that work, not on the engine; the CPU time keeps what the engine did, stalls on
+memory included. On cores of its own an engine's wall time is its CPU time (97% of it, measured while
+serving on a quiet machine), which is what the simulator prices. Profile with as many engines as will
+serve side by side (``engines``): they share the machine's caches and memory bandwidth, and one alone runs
+faster than one of two.
 """
 
 from __future__ import annotations
@@ -130,7 +135,7 @@ def _sweep(cfg: EngineConfig, quick: bool, progress) -> tuple[dict[tuple, list[f
                 prompts = [prompt_ids(1000 * r + i, n, engine.vocab) for i, n in enumerate(lengths)]
                 engine.run(prompts, outputs)
                 for it in list(engine.iterations):
-                    timed[tuple(sorted(it.batch))].append(it.duration_s)
+                    timed[tuple(sorted(it.batch))].append(it.cpu_s)
                     wall += it.duration_s
                     cpu += it.cpu_s
         if progress is not None:

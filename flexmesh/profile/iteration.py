@@ -2,9 +2,9 @@
 
 One engine iteration is a batch of ``(tokens already in the KV cache, tokens computed now)`` per request
 (decode: ``(context, 1)``; a prefill chunk: ``(prefix, chunk)``). The profile holds the median measured
-seconds of each batch the sweep ran (:mod:`flexmesh.profile.engine`) and a fit of them, linear in six
-terms of the batch, with non-negative coefficients (:func:`flexmesh.profile.fit.least_squares`,
-relative error, robust to the outliers of a shared machine)::
+seconds of each batch the sweep ran (:mod:`flexmesh.profile.engine`; the engine thread's CPU time, which
+that module says why) and a fit of them, linear in six terms of the batch, with non-negative coefficients
+(:func:`flexmesh.profile.fit.least_squares`, relative error, robust to the outliers of a shared machine)::
 
     seconds = c0 + c_req * n + c_tok * T + c_kv * K + c_batch_attn * T * K + c_attn * sum(new * (cached + new))
 
