@@ -81,7 +81,7 @@ def main() -> int:
     if args.profile:
         prof = load_engine_profile(args.profile)
     else:
-        prof = profile_engine(cfg, quick=args.quick, engines=2)
+        prof = profile_engine(cfg, quick=args.quick, engines=2, log_dir=out / "profile-logs")
         prof.save(out / "engine-tiny.json")
     timing = ProfiledIterationTiming(prof)
     n = 60 if args.quick and args.requests == 120 else args.requests

@@ -94,9 +94,11 @@ def test_sweep_stays_inside_the_engine():
             assert outputs[0] > -(-sum(prompts) // cfg.max_batch_tokens), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
+    pytest.importorskip("aiohttp")
     from flexmesh.cli import main
 
     out = tmp_path / "engine.json"

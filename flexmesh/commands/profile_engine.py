@@ -12,24 +12,26 @@ from flexmesh.commands.engine_args import add_engine_args, engine_config
 
 def add_engine_parser(kinds) -> argparse.ArgumentParser:
     p = kinds.add_parser("engine", help="a serving engine's iteration times (prefill chunks, decode batches, overhead)",
-                         description="Run a local engine (transformers' continuous batching, as `flexmesh serve run` "
-                                     "starts it) over prefill chunks, decode and mixed batches, time every iteration "
-                                     "and fit them; the simulator prices this machine by the profile.")
+                         description="Start local engines (transformers' continuous batching, as `flexmesh serve run` "
+                                     "starts them), run prefill chunks, decode and mixed batches on them, time every "
+                                     "iteration and fit them; the simulator prices this machine by the profile.")
     p.add_argument("--quick", action="store_true", help="a small sweep (about half a minute)")
     p.add_argument("--out", type=new_file, help="profile file to write, atomically (default engine-<model>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     p.add_argument("--engines", type=positive_int, default=2,
-                   help="engines swept at once, each in its own process: as many as will serve side by side, so "
-                        "that their contention is in the profile (serve run's default: 2)")
+                   help="engine processes swept at once: as many as will serve side by side, so that their "
+                        "contention is in the profile (serve run's default: 2)")
     add_engine_args(p)
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexmesh.commands.engine_args import need_aiohttp
     from flexmesh.files import check_file_target
     from flexmesh.profile.engine import profile_engine
 
+    need_aiohttp()
     cfg = engine_config(args)
     out = args.out or f"engine-{cfg.model.replace('/', '_')}.json"
     check_file_target(out)

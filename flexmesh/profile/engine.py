@@ -1,15 +1,16 @@
 """``flexmesh profile engine``: measure a local engine's iterations into an engine profile.
 
-The engine is the one ``flexmesh serve run`` starts (:class:`flexmesh.serve.engine.engine.Engine`, the
-same :class:`~flexmesh.serve.engine.config.EngineConfig`), run in this process without HTTP, and every
-time comes from its own iteration log: an iteration is timed from scheduling to the tokens handed out,
-so the engine's per-iteration overhead is in every sample. Scenarios, each run twice:
+The engines are the processes ``flexmesh serve run`` starts (:mod:`flexmesh.serve.engine.fleet`, the same
+:class:`~flexmesh.serve.engine.config.EngineConfig`), ``engines`` of them side by side, each sent every
+scenario at once over its own HTTP endpoint (no router): so each is measured as it serves, with its HTTP
+thread and its neighbours on the machine's cores and memory. Every time comes from an engine's own
+iteration log (``GET /iterations``): an iteration is timed from scheduling to the tokens handed out, so the
+engine's per-iteration overhead is in every sample. Scenarios, each run twice:
 
 - prefill chunks: one request whose prompt is one chunk (8 tokens up to the token budget) or several
   (two and four budgets: chunks after a prefix);
-- decode batches: ``b`` requests with prompts of ``c`` tokens, for ``b`` from 1
-  to the engine's request cap and ``c`` over a grid of contexts (``b * c`` at most 8192 tokens, and what the
-  KV cache holds), with
+- decode batches: ``b`` requests with prompts of ``c`` tokens, for ``b`` from 1 to the engine's request cap
+  and ``c`` over a grid of contexts (``b * c`` at most 8192 tokens, and what the KV cache holds), with
   outputs long enough that all ``b`` decode together at the end; their prefill iterations (several
   prompts in one budget, then decodes beside the last prompts' chunks) are samples too;
 - mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left.
@@ -19,7 +20,7 @@ keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iteratio
 seconds are the CPU time of the engine's thread over the iteration (``time.thread_time``), not its wall
 time: on a machine other work shares, an iteration's wall time also holds the time the engine waited for a
 core, which depends on that work, not on the engine; the CPU time keeps what the engine did, stalls on
-memory included. On cores of its own an engine's wall time is its CPU time (97% of it, measured while
+memory included. On cores of its own an engine's wall time is its CPU time (96% of it, measured while
 serving on a quiet machine), which is what the simulator prices. Profile with as many engines as will
 serve side by side (``engines``): they share the machine's caches and memory bandwidth, and one alone runs
 faster than one of two.
@@ -27,9 +28,12 @@ faster than one of two.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 from flexmesh.errors import ProfileError
 from flexmesh.profile.format import produced_by, spec_hash
@@ -37,6 +41,7 @@ from flexmesh.profile.iteration import EngineProfile, fit_iterations
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.replay import prompt_ids
 
+SCENARIO_TIMEOUT_S = 600.0  # the longest one scenario may take on one engine
 DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
 # A decode scenario's iterations grow as b x (b x c) (transformers' SDPA path: module doc of
 # flexmesh.profile.iteration), so the grid keeps b x c within "batch_kv" tokens: minutes, not an hour.
@@ -77,34 +82,15 @@ def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[s
     return out
 
 
-def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 1,
-                   progress: Callable[[int, int, str], None] | None = None) -> EngineProfile:
-    """Run the sweep on ``engines`` engines of ``cfg`` at once and fit it (see the module doc). With more than
-    one, each runs the sweep in its own process at the same time, as ``flexmesh serve run`` runs that many
-    engines side by side on this machine's cores, so their contention is in every sample (as the training
-    profiles' ``--nproc``); the samples of all are pooled."""
+def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
+                   progress: Callable[[int, int, str], None] | None = None,
+                   log_dir: Path | None = None) -> EngineProfile:
+    """Run the sweep on ``engines`` engine processes of ``cfg`` at once and fit it (see the module doc)."""
     from flexmesh.serve.engine.model import engine_spec
 
     spec = engine_spec(cfg)
-    if engines == 1:
-        timed, plan, share = _sweep(cfg, quick, progress)
-    else:
-        import multiprocessing
-        import os
-
-        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)  # the engines' processes, as the fleet starts them
-        if progress is not None:
-            progress(0, 1, f"{engines} engines")
-        with multiprocessing.get_context("spawn").Pool(engines) as pool:
-            results = pool.starmap(_sweep, [(cfg, quick, None)] * engines)
-        timed = defaultdict(list)
-        for one, _, _ in results:
-            for batch, secs in one.items():
-                timed[batch].extend(secs)
-        plan = results[0][1]
-        share = statistics.mean(r[2] for r in results)
-        if progress is not None:
-            progress(1, 1, "fit")
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="flexmesh-profile-engine-"))
+    timed, plan, share = asyncio.run(_sweep(cfg, quick, engines, logs, progress))
     samples = [(list(batch), statistics.median(secs)) for batch, secs in sorted(timed.items())]
     fit = fit_iterations(samples)
     spec_dict = spec.to_dict()
@@ -115,31 +101,51 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 1,
     return prof
 
 
-def _sweep(cfg: EngineConfig, quick: bool, progress) -> tuple[dict[tuple, list[float]], list[str], float]:
-    """Every scenario ``repeats`` times on one engine: the seconds of each batch it ran, the scenarios, and the
-    share of a core the engine had while iterating (its CPU time over the iterations' wall time)."""
-    from flexmesh.serve.engine.engine import Engine
+async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progress):
+    """Every scenario ``repeats`` times on every engine at once: the CPU seconds of each batch they ran, the
+    scenarios, and the share of a core the engines had while iterating (CPU time over wall time)."""
+    from aiohttp import ClientSession, ClientTimeout
+
+    from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, start_engines, stop_engines
 
     repeats = (QUICK if quick else FULL)["repeats"]
     timed: dict[tuple, list[float]] = defaultdict(list)
     wall = cpu = 0.0
-    with Engine(cfg) as engine:
-        plan = scenarios(cfg, quick, engine.max_position)
-        engine.run([prompt_ids(1, 32, engine.vocab)] * 2, [4, 4])  # warm-up: first calls allocate
-        total = len(plan) * repeats
-        for r in range(repeats):
-            for k, (name, lengths, outputs) in enumerate(plan):
-                if progress is not None:
-                    progress(r * len(plan) + k, total, name)
-                engine.iterations.clear()
-                prompts = [prompt_ids(1000 * r + i, n, engine.vocab) for i, n in enumerate(lengths)]
-                engine.run(prompts, outputs)
-                for it in list(engine.iterations):
-                    timed[tuple(sorted(it.batch))].append(it.cpu_s)
-                    wall += it.duration_s
-                    cpu += it.cpu_s
-        if progress is not None:
-            progress(total, total, "fit")
+    procs = await start_engines(cfg, engines, logs)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=SCENARIO_TIMEOUT_S)) as session:
+            async with session.get(f"{procs[0].url}/v1/models") as r:
+                card = (await r.json())["data"][0]
+            vocab, max_position = int(card["vocab_size"]), int(card["max_model_len"])
+            plan = scenarios(cfg, quick, max_position)
+
+            async def run(url: str, prompts: list[list[int]], outputs: list[int]) -> None:
+                async def one(prompt: list[int], n: int) -> None:
+                    async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n}) as r:
+                        if r.status != 200:
+                            raise ProfileError(f"engine at {url} refused a sweep request: {(await r.text())[:200]}")
+
+                await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs)))
+
+            warm = [prompt_ids(1, 32, vocab)] * 2
+            await asyncio.gather(*(run(e.url, warm, [4, 4]) for e in procs))  # first calls allocate
+            total = len(plan) * repeats
+            for r in range(repeats):
+                for k, (name, lengths, outputs) in enumerate(plan):
+                    if progress is not None:
+                        progress(r * len(plan) + k, total, name)
+                    prompts = [prompt_ids(1000 * r + i, n, vocab) for i, n in enumerate(lengths)]
+                    before = [await iteration_count(session, e.url) for e in procs]
+                    await asyncio.gather(*(run(e.url, prompts, outputs) for e in procs))
+                    for e, since in zip(procs, before):
+                        for it in await fetch_iterations(session, e.url, since):
+                            timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
+                            wall += it["end_s"] - it["start_s"]
+                            cpu += it["cpu_s"]
+            if progress is not None:
+                progress(total, total, "fit")
+    finally:
+        await stop_engines(procs)
     return dict(timed), [s[0] for s in plan], cpu / wall if wall > 0 else 1.0
 
 
