@@ -1,8 +1,8 @@
 """``flexmesh serve``: serving on uneven hardware, one sub-command per module ``flexmesh.commands.serve_<name>``.
 
-- ``flexmesh serve simulate``: requests over time on any GPU mix, simulated (docs/cli-serve.md).
-- ``flexmesh serve run``: real engine processes on this machine behind flexmesh's router (docs/serving-engines.md).
-- ``flexmesh serve bench``: a trace window replayed against such engines at given rates, measured.
+Sub-commands: simulate (requests over time on any GPU mix, simulated; docs/cli-serve.md), run (real engine
+processes on this machine behind flexmesh's router) and bench (a trace window replayed against them at given
+rates, measured; docs/serving-engines.md).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +21,6 @@ from rich.table import Table
 
 from flexmesh.commands.args import (
     DEFAULT_CLUSTER,
-    DEFAULT_MODEL,
     DefaultsHelpFormatter,
     folder,
     fraction,
@@ -51,17 +51,23 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
+# Llama-3.1-8B: the shapes of `plan`'s default model (Llama-3-8B) with a context of 131,072 tokens, which every
+# request of the shipped traces fits.
+SERVE_MODEL = "llama3.1-8b"
 # The most requests one run simulates (a bound on the work a typo can ask for).
 MAX_REQUESTS = 10_000_000
-# Runs of more requests than this in all are announced, with a progress bar on a terminal.
-LONG_RUN_REQUESTS = 20_000
+# Runs of more requests than this in all are announced, with a progress bar on a terminal (about a minute of work
+# on a busy core: bench/RESULTS.md serve_sim).
+LONG_RUN_REQUESTS = 100_000
+# The most runs a goodput search makes: its start, up to 12 doublings or halvings, then about 6 bisections to 2%.
+GOODPUT_RUNS = 19
 ARRIVALS = ("trace", "poisson", "gamma")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate requests over time on a fleet of replicas",
                        description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
+    p.add_argument("--model", default=SERVE_MODEL, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, type=nonempty,
                    help="NODESxPERNODExDEVICE, groups joined by '+' (1x8xH100+2x8xA100-40GB), or a cluster file")
     p.add_argument("--replicas", help="[COUNTx]tpT[ppP][-ROLE][@GROUP],... e.g. 4xtp2 or 2xtp4-prefill@H100,"
@@ -231,7 +237,7 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
 def run(args: argparse.Namespace) -> int:
     job = resolve(args)
     console = plain_console(stderr=True)
-    runs = 1 + len(job.rates) + (12 if job.goodput else 0)
+    runs = 1 + len(job.rates) + (GOODPUT_RUNS if job.goodput else 0)
     total = len(job.workload) * runs
     if total >= LONG_RUN_REQUESTS:
         console.print(f"simulating {len(job.workload):,} requests x {runs if not job.goodput else f'up to {runs}'} "
@@ -249,13 +255,18 @@ def run(args: argparse.Namespace) -> int:
             good, tried = find_goodput(job.fleet, job.workload_at, job.slo, job.target, job.rate,
                                        job.dollars_per_hour, tick, **opts)
             points += tried
+    seen: set[float] = set()  # a rate run twice (the goodput search starts at the main rate): its first run
+    points = [p for p in points if not (p.rate in seen or seen.add(p.rate))]  # type: ignore[func-returns-value]
     doc = _document(job, main, points, good)
     if args.out:
         _write(Path(args.out), job, main, points, good, doc)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        _print(plain_console(), job, main, points, good)
+        out = plain_console()
+        if not out.is_terminal and "COLUMNS" not in os.environ:  # a file or a pipe: room for the tables' columns
+            out.width = max(out.width, 132)
+        _print(out, job, main, points, good)
     return 0
 
 

@@ -42,7 +42,8 @@ class Req:
     """A request's state inside a replica (and across the hand-off of prefill/decode disaggregation)."""
 
     __slots__ = ("r", "tokens", "computed", "outputs", "target", "ids", "shared", "own", "remote", "first_token_s",
-                 "replica", "decode_replica", "preemptions", "cached", "j", "c0", "o0", "key", "gen", "src")
+                 "replica", "decode_replica", "preemptions", "cached", "j", "c0", "o0", "key", "gen", "src",
+                 "handed_s")
 
     def __init__(self, r: Request, target: int, ids: tuple[int, ...]):
         self.r = r
@@ -61,6 +62,7 @@ class Req:
         self.cached = 0  # prompt tokens a prefix cache held at its first admission
         self.j = self.c0 = self.o0 = self.key = self.gen = 0  # decoding since iteration j with c0 computed, o0 out
         self.src: SimulatedReplica | None = None  # the prefill replica holding its KV until fetched
+        self.handed_s = 0.0  # when it was handed to a decode replica
 
 
 class SimulatedReplica:
@@ -236,7 +238,7 @@ class SimulatedReplica:
             return now
         bs, bucket = self.bs, self.bucket
         cycles, rest = divmod(k, bs)
-        need = cycles * self.dec_n_blocks_per_cycle() + sum(bucket[(i + m) % bs] for m in range(rest))
+        need = cycles * b + sum(bucket[(i + m) % bs] for m in range(rest))  # a block each per bs iterations
         if need and not self.kv.can_allocate(need):
             return now
         if need:
@@ -249,10 +251,6 @@ class SimulatedReplica:
         self.tokens += b * k
         self.busy_s += took
         return now + took
-
-    def dec_n_blocks_per_cycle(self) -> int:
-        """New blocks the decoding requests take over ``bs`` iterations: one each."""
-        return self.dec_n
 
     def _fill(self, budget: int, chunks: list[tuple[int, int]], now: float) -> int:
         """Steps 2 and 3: chunks for the requests in prefill, then admissions; the budget left."""
@@ -292,6 +290,7 @@ class SimulatedReplica:
         """Admit the queue's head if the KV cache has room for what it computes now (False: it waits)."""
         kv = self.kv
         if q.remote:  # a handed-off request: room for the KV it will receive
+            assert now >= q.handed_s, "a decode replica admitted a request before it was handed off"
             blocks = -(-q.computed // self.bs)
             if not kv.can_allocate(blocks):
                 return False

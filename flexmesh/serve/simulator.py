@@ -214,7 +214,7 @@ class Fleet:
             assert route_decode is not None
             dst = route_decode.choose()
             src = reps[q.replica]
-            q.src, q.decode_replica = src, dst.index
+            q.src, q.decode_replica, q.handed_s = src, dst.index, now
             q.remote, q.target = True, q.r.output_tokens
             q.computed, q.tokens = q.r.prompt_tokens, q.r.prompt_tokens + 1
             q.shared = q.own = 0
@@ -251,13 +251,13 @@ class Fleet:
             if kind == _ITERATION_END:
                 rep = payload  # type: ignore[assignment]
                 rep.finish(now)
-                # Nothing reaches this replica before the next arrival (routers read its state then), except, for
-                # a decode replica or a prefill replica holding KV, the next event anywhere (a hand-off, a
-                # transfer): its iterations that end before that are run here, without the heap, decode-only runs
-                # at once. Replicas do not otherwise interact, so the records are those of strict time order.
+                # An aggregated replica meets the others only at arrivals (routers read its state then): its
+                # iterations that end before the next arrival are run here, without the heap, decode-only runs at
+                # once. A prefill or decode replica hands requests over, so it runs ahead only to the next event
+                # anywhere. The records are those of strict time order.
                 while True:
                     limit = arrivals[a].arrival_s if a < n else math.inf
-                    if events and (rep.role == "decode" or rep.held):
+                    if events and rep.role != "aggregated":
                         limit = min(limit, events[0][0])
                     now = rep.coast(now, limit)
                     end = rep.start(now)

@@ -10,7 +10,9 @@ from the device layer; an engine profile prices it from measurements). A simulat
 decode steps asks the equivalent :meth:`SplitTiming.split_s` with the decoding requests summed, which an
 implementation may answer in constant time; :func:`split_s` falls back on ``iteration_s`` for one that does
 not, giving every decode the mean context (exact for any timing linear in the decodes' contexts, as reading
-their KV is).
+their KV is). A timing may also offer ``decode_run_s(decodes, decode_context, steps)``, the seconds of that
+many decode-only iterations in a row (each adding ``decodes`` to the context), which the simulator then uses
+to run such stretches at once (``AnalyticIteration`` has it in closed form).
 
 >>> class PerToken:
 ...     def iteration_s(self, batch):

@@ -1,0 +1,86 @@
+"""`flexmesh serve simulate`: its JSON and files, and one-line errors (exit 2) for bad traces, clusters, replicas
+and SLOs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.cli import main
+from flexmesh.serve.metrics import read_records
+
+SMALL = ["serve", "simulate", "--model", "llama3-8b", "--cluster", "2xH100", "--window", "0:60"]
+
+
+def test_json_has_the_fleet_the_runs_and_the_cost(capsys):
+    assert main(SMALL + ["--slo", "ttft=2,tpot=100ms", "--rates", "10", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"] == "llama3-8b" and doc["cluster"] == "2xH100-80GB"
+    assert [r["replica"] for r in doc["replicas"]] == ["tp1", "tp1"] and doc["gpus"] == {"H100-80GB": 2}
+    assert doc["dollars_per_hour"] == pytest.approx(2 * 6.88)
+    rates = [run["rate"] for run in doc["runs"]]
+    assert rates[1] == 10.0 and rates[0] == pytest.approx(doc["workload"]["rate"])
+    for run in doc["runs"]:
+        assert run["requests"] == doc["workload"]["requests"] and 0 <= run["attainment"] <= 1
+        assert run["ttft"]["p50"] <= run["ttft"]["p90"] <= run["ttft"]["p99"]
+        assert run["dollars_per_m_output"] > 0
+    assert doc["engine_overhead"]["fixed_s"] > 0 and "Vidur" in doc["engine_overhead"]["source"]
+
+
+def test_out_writes_the_records_a_summary_and_plots(capsys, tmp_path):
+    out = tmp_path / "o"
+    assert main(SMALL + ["--rates", "5,20", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "TTFT ms p50/p90/p99" in text and "simulated" in text
+    records = read_records(out / "requests.jsonl")
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(records) == summary["workload"]["requests"] and {r.replica for r in records} == {0, 1}
+    for png in ("timeline.png", "knee.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_goodput_and_disaggregation(capsys):
+    argv = ["serve", "simulate", "--cluster", "1x2xH100+1x2xA100-40GB", "--replicas", "tp1-prefill@0,2xtp1-decode@1",
+            "--trace", "const:1000:50", "--requests", "200", "--rate", "2", "--slo", "ttft=1,tpot=50ms",
+            "--goodput", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["role"] for r in doc["replicas"]] == ["prefill", "decode", "decode"]
+    g = doc["goodput"]
+    assert g["rate"] > 0 and g["bounded"] and len(g["points"]) == len(doc["runs"])  # the start rate listed once
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--trace", "no-such-trace"], "unknown trace 'no-such-trace'"),
+    (["--cluster", "2xH1000"], "unknown device 'H1000'"),
+    (["--cluster", "banana"], "unknown cluster 'banana'"),
+    (["--slo", "ttft=fast"], "SLO 'ttft=fast' is not METRIC=TIME"),
+    (["--slo", "latency=2"], "is not METRIC=TIME"),
+    (["--goodput"], "--goodput needs --slo"),
+    (["--replicas", "4xtp1"], "no group of 2xH100-80GB has that many left"),
+    (["--replicas", "tp1-prefil"], "role 'prefil' is not one of aggregated, prefill, decode"),
+    (["--replicas", "2xtp1-prefill"], "prefill replicas need decode replicas"),
+    (["--router", "weights"], "--router weights needs --weights"),
+    (["--router", "weights", "--weights", "1"], "one weight >= 0 per replica"),
+    (["--window", "soon"], "is not START:END"),
+    (["--trace", "const:100"], "is not const:PROMPT:OUTPUT"),
+    (["--trace", "const:100:10"], "synthetic arrivals need a rate: give --rate"),
+    (["--trace", "const:100:10", "--arrivals", "trace"], "constant lengths have no arrival times"),
+    (["--trace", "mooncake"], "more than llama3-8b's context"),
+    (["--max-seqs", "512", "--max-batched-tokens", "256"], "must be at least max-seqs"),
+    (["--price", "H100"], "is not DEVICE=USD_PER_GPU_HOUR"),
+    (["--engine-overhead", "slow"], "is not FIXED_MS[,PER_REQUEST_MS]"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, extra, says):
+    assert main(SMALL + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_a_bad_trace_file_names_its_row_and_field(capsys, tmp_path):
+    p = tmp_path / "mine.csv"
+    p.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,2\n1,ten,2\n")
+    assert main(["serve", "simulate", "--cluster", "1xH100", "--trace", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "mine.csv row 3: field 'prompt_tokens' is 'ten'" in err and len(err.splitlines()) == 1
