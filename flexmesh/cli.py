@@ -30,10 +30,13 @@ EXAMPLES = {
               "torchrun --nproc-per-node 2 -m flexmesh train --plan plan.json --corpus docs --max-steps 9 --out run"),
     "export": ("flexmesh export --checkpoint run --out run-hf",),
     "profile": ("flexmesh profile hardware --nproc 2 --out hardware.json",
-                "flexmesh profile model --model tiny --quick --out model-tiny.json"),
+                "flexmesh profile model --model tiny --quick --out model-tiny.json",
+                "flexmesh profile engine --model tiny --quick --out engine-tiny.json"),
     "serve": ("flexmesh serve simulate --model llama3.1-8b --cluster 8xH100 --trace azure-conv --slo ttft=2,tpot=100ms",
               "flexmesh serve simulate --cluster 1x8xH100+2x8xA100-40GB --replicas 2xtp4-prefill@H100,4xtp4-decode@1 "
-              "--rates 10,20,40 --out serve-out"),
+              "--rates 10,20,40 --out serve-out",
+              "flexmesh serve run --model tiny --engines 2 --port 8000",
+              "flexmesh serve bench --trace azure-conv --rate 2,4,8 --requests 100 --out bench-tiny"),
     "demo": ("flexmesh demo", "flexmesh demo --quick --out /tmp/demo"),
 }
 

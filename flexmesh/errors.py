@@ -40,3 +40,8 @@ class OutputError(FlexmeshError):
 
 class RankError(FlexmeshError):
     """A rank stopped answering: a collective waited longer than the collective timeout."""
+
+
+class ServeError(FlexmeshError):
+    """An engine or router cannot start or answer (a port in use, an engine that failed), or a serving
+    request or trace is malformed."""

@@ -1,6 +1,7 @@
-"""``flexmesh profile hardware|model``: measure this machine or a model and write a profile (docs/cli-profile.md).
+"""``flexmesh profile hardware|model|engine``: measure this machine, a model or a serving engine and write a
+profile (docs/cli-profile.md; engines: docs/serving-engines.md).
 
-Both run in one process, under your own ``torchrun``, or with ``--nproc N`` under a torchrun they
+Hardware and model profiles run in one process, under your own ``torchrun``, or with ``--nproc N`` under a torchrun they
 launch themselves; with several processes every process runs the same sweep at the same time and
 rank 0 writes the median of each measurement, so the contention of N training processes is in it.
 """
@@ -37,6 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mdl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="time compiled blocks, as `flexmesh train --compile` runs them (default: on GPUs)")
     mdl.set_defaults(func=run, profile_kind="model")
+    from flexmesh.commands.profile_engine import add_engine_parser
+
+    add_engine_parser(kinds)  # its own flags and runner: one engine process, no torchrun
     for sp in (hw, mdl):
         sp.add_argument("--quick", action="store_true", help="a small sweep (well under a minute on a laptop)")
         sp.add_argument("--out", type=new_file,

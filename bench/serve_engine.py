@@ -1,0 +1,169 @@
+"""Real engines against the simulator on this machine: 2 engine processes of the tiny model behind flexmesh's
+router, a window of the Azure 2023 conversation trace (lengths scaled to the model's context) replayed open
+loop at several rates, one past the knee; the simulator, priced by this machine's engine profile, predicts
+the same replay.
+
+Steps: ``flexmesh profile engine`` (in this process; or ``--profile FILE``), the twin fleet
+(:mod:`flexmesh.serve.engine.twin`) finds its own knee to place the rates (``--rates`` overrides), the
+engines replay the window at each rate (:mod:`flexmesh.serve.engine.replay`, records written to ``--out``),
+the twin simulates the same requests at the same arrivals. Checked (issue 54's bounds):
+
+- p50 and p90 TTFT and TPOT at every rate within 20% of measured;
+- the knee's rate within 20%: the rate at which p90 TTFT reaches :data:`KNEE_FACTOR` times its value at the
+  lowest rate, read off each curve by linear interpolation between the rates run;
+- per-iteration times within 10%: every iteration the engines ran during the replays (their own log,
+  ``GET /iterations``) priced by the profile, median |predicted / measured - 1| against its wall time (and,
+  beside it, against the CPU time the engine's thread had, which the profile is made of).
+
+Timings on a shared machine are noisy: the load average (``uptime``) before and after is recorded beside
+the numbers.
+
+    OMP_NUM_THREADS=1 python -m bench.serve_engine            # records "serve_engine" in bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LATENCY_BOUND, KNEE_BOUND, ITERATION_BOUND = 0.20, 0.20, 0.10
+KNEE_FACTOR = 4.0
+RATE_FACTORS = (0.4, 0.7, 1.0, 1.4)  # the measured rates, times the twin's own knee
+
+
+def knee(rates: list[float], p90_ttft: list[float]) -> float | None:
+    """The rate at which p90 TTFT reaches KNEE_FACTOR x its value at the lowest rate (linear between rates run).
+
+    >>> knee([1, 2, 3], [0.1, 0.2, 0.7])
+    2.4
+    """
+    limit = KNEE_FACTOR * p90_ttft[0]
+    for (r0, t0), (r1, t1) in zip(zip(rates, p90_ttft), zip(rates[1:], p90_ttft[1:])):
+        if t1 >= limit:
+            return r0 + (r1 - r0) * (limit - t0) / (t1 - t0)
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=120, help="requests in the trace window")
+    ap.add_argument("--context", type=int, default=2048, help="tokens the trace's lengths are scaled to fit")
+    ap.add_argument("--rates", help="requests per second (default: around the twin's knee)")
+    ap.add_argument("--profile", help="an engine profile of this machine (default: measure one now)")
+    ap.add_argument("--quick", action="store_true", help="a quick profile sweep and a 60-request window")
+    ap.add_argument("--out", help="folder for the engine profile, requests-<rate>.jsonl and the engines' logs")
+    ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
+    args = ap.parse_args()
+
+    from bench._results import markdown_table, record
+    from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
+    from flexmesh.profile.engine import profile_engine
+    from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile
+    from flexmesh.serve.engine.config import EngineConfig
+    from flexmesh.serve.engine.fleet import running_fleet
+    from flexmesh.serve.engine.replay import replay_rates
+    from flexmesh.serve.engine.twin import twin_fleet
+    from flexmesh.serve.metrics import summarize
+
+    cfg = EngineConfig(model="tiny", num_blocks=2048, page_size=16, max_batch_tokens=256, max_requests_per_batch=256)
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-serve-engine-"))
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    if args.profile:
+        prof = load_engine_profile(args.profile)
+    else:
+        prof = profile_engine(cfg, quick=args.quick, engines=2, log_dir=out / "profile-logs")
+        prof.save(out / "engine-tiny.json")
+    timing = ProfiledIterationTiming(prof)
+    n = 60 if args.quick and args.requests == 120 else args.requests
+    win = window(scale_to_context(load_trace("azure-conv"), args.context), 0.0, first=n)
+    twin = twin_fleet(cfg, 2, timing)
+
+    def simulated(rate: float):
+        return summarize(twin.run(at_rate(win, rate)).records)
+
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",")]
+    else:  # the twin's knee, by a coarse sweep, places the measured rates around it
+        grid = [0.25 * 1.25 ** k for k in range(30)]
+        base = simulated(grid[0]).ttft["p90"]
+        sim_knee = next((r for r in grid if simulated(r).ttft["p90"] >= KNEE_FACTOR * base), grid[-1])
+        rates = [round(f * sim_knee, 2) for f in RATE_FACTORS]
+    print(f"window: {len(win)} requests of azure-conv scaled to {args.context} tokens; rates {rates}", flush=True)
+
+    async def measure():
+        async with running_fleet(cfg, 2, out / "logs") as (url, engines):
+            return await replay_rates(url, [(r, at_rate(win, r)) for r in rates], [e.url for e in engines])
+
+    runs = asyncio.run(measure())
+    load_after = os.getloadavg()
+    rows, worst, meas_p90, sim_p90 = [], 0.0, [], []
+    for run in runs:
+        run.replay.write(out / f"requests-{run.rate:g}.jsonl")
+        (out / f"iterations-{run.rate:g}.json").write_text(json.dumps(run.iterations))
+        if run.replay.failed:
+            print(f"rate {run.rate:g}: {len(run.replay.failed)} requests failed, e.g. "
+                  f"{next(iter(run.replay.failed.values()))}")
+        m, s = summarize(run.replay.records), simulated(run.rate)
+        meas_p90.append(m.ttft["p90"])
+        sim_p90.append(s.ttft["p90"])
+        cells = []
+        for metric in ("ttft", "tpot"):
+            for q in ("p50", "p90"):
+                a, b = getattr(m, metric)[q], getattr(s, metric)[q]
+                worst = max(worst, abs(b / a - 1))
+                cells.append(f"{a * 1e3:,.1f} / {b * 1e3:,.1f} ({b / a - 1:+.0%})")
+        rows.append([f"{run.rate:g}", len(run.replay.records), *cells])
+    k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
+    k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
+    its = [(it["batch"], it["end_s"] - it["start_s"]) for run in runs for per in run.iterations for it in per]
+    cpu = sum(it["cpu_s"] for run in runs for per in run.iterations for it in per)
+    rel = [timing.iteration_s([tuple(b) for b in batch]) / secs - 1 for batch, secs in its]
+    it_err = statistics.median(abs(r) for r in rel)
+    busy_meas = sum(s for _, s in its)
+    busy_pred = sum(timing.iteration_s([tuple(b) for b in batch]) for batch, _ in its)
+    decode = [abs(r) for r, (batch, _) in zip(rel, its) if all(q == 1 for _, q in batch)]
+    cpus = [it["cpu_s"] for run in runs for per in run.iterations for it in per]
+    rel_cpu = statistics.median(abs(timing.iteration_s([tuple(b) for b in batch]) / c - 1)
+                                for (batch, _), c in zip(its, cpus) if c > 0)
+
+    fit = prof.error
+    md = [f"Tiny model (`{cfg.to_json()}`), 2 engine processes behind the router, {len(win)} requests of the "
+          f"Azure 2023 conversation trace scaled to {args.context} tokens, arrivals the trace's scaled to each rate. "
+          f"Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} "
+          "cores: other work shares the machine and every timing carries its noise.", "",
+          f"Engine profile: {len(prof.samples)} distinct batches, overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per "
+          f"iteration; in-sample error of the fit: median {fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
+          *markdown_table(["rate/s", "done", "TTFT p50 ms (measured / simulated)", "TTFT p90", "TPOT p50", "TPOT p90"],
+                          rows), "",
+          f"- latency: worst |simulated / measured - 1| = {worst:.0%} (bound {LATENCY_BOUND:.0%}): "
+          f"{'met' if worst <= LATENCY_BOUND else 'NOT met'}",
+          f"- knee (p90 TTFT at {KNEE_FACTOR:g}x its lowest-rate value): measured "
+          f"{k_meas if k_meas is None else round(k_meas, 2)}/s, simulated {k_sim if k_sim is None else round(k_sim, 2)}"
+          f"/s, error {k_err:.0%} (bound {KNEE_BOUND:.0%}): {'met' if k_err <= KNEE_BOUND else 'NOT met'}",
+          f"- iterations: {len(its)} engine iterations priced by the profile, median |predicted / measured - 1| = "
+          f"{it_err:.1%} (decode-only {statistics.median(decode) if decode else float('nan'):.1%}; against their CPU "
+          f"time {rel_cpu:.1%}), busy time "
+          f"{busy_pred:.1f} s predicted / {busy_meas:.1f} s measured (bound {ITERATION_BOUND:.0%}): "
+          f"{'met' if it_err <= ITERATION_BOUND else 'NOT met'}",
+          f"- share of a core each engine had while iterating (CPU over wall time): "
+          f"{prof.produced_by.get('sweep', {}).get('cpu_share', float('nan')):.0%} during the profile, "
+          f"{cpu / busy_meas if busy_meas else float('nan'):.0%} during the replays (unequal shares: other work "
+          "moved the timings between the two)"]
+    print("\n".join(md))
+    if not args.no_record:
+        record("serve_engine", "\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""``flexmesh profile engine``: measure a local engine's iterations into an engine profile
+(flexmesh.profile.engine; docs/serving-engines.md). Registered by flexmesh.commands.profile."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flexmesh.commands.args import new_file, positive_int
+from flexmesh.commands.engine_args import add_engine_args, engine_config
+
+
+def add_engine_parser(kinds) -> argparse.ArgumentParser:
+    p = kinds.add_parser("engine", help="a serving engine's iteration times (prefill chunks, decode batches, overhead)",
+                         description="Start local engines (transformers' continuous batching, as `flexmesh serve run` "
+                                     "starts them), run prefill chunks, decode and mixed batches on them, time every "
+                                     "iteration and fit them; the simulator prices this machine by the profile.")
+    p.add_argument("--quick", action="store_true", help="a small sweep (about half a minute)")
+    p.add_argument("--out", type=new_file, help="profile file to write, atomically (default engine-<model>.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    p.add_argument("--engines", type=positive_int, default=2,
+                   help="engine processes swept at once: as many as will serve side by side, so that their "
+                        "contention is in the profile (serve run's default: 2)")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from flexmesh.commands.engine_args import need_aiohttp
+    from flexmesh.files import check_file_target
+    from flexmesh.profile.engine import profile_engine
+
+    need_aiohttp()
+    cfg = engine_config(args)
+    out = args.out or f"engine-{cfg.model.replace('/', '_')}.json"
+    check_file_target(out)
+
+    def progress(done: int, total: int, what: str) -> None:
+        if not args.no_progress:
+            print(f"\r[{done}/{total}] {what:<24}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    prof = profile_engine(cfg, quick=args.quick, engines=args.engines, progress=progress)
+    prof.save(out)
+    _summary(prof, out)
+    return 0
+
+
+def _summary(prof, out: str) -> None:
+    from rich.table import Table
+
+    from flexmesh.console import plain_console
+    from flexmesh.profile.iteration import TERMS
+
+    con = plain_console()
+    t = Table(title=f"engine profile of {prof.engine['model']} ({len(prof.samples)} distinct batches, "
+                    f"{prof.produced_by['sweep']['iterations']} iterations, {prof.produced_by['processes']} engines "
+                    "at once)")
+    t.add_column("term")
+    t.add_column("coefficient", justify="right")
+    units = {"c0_s": ("per-iteration overhead", 1e3, "ms"), "per_request_s": ("per request", 1e6, "us"),
+             "per_token_s": ("per new token", 1e6, "us"), "per_kv_token_s": ("per KV token", 1e9, "ns"),
+             "per_batch_token_x_kv_token_s": ("per batch new x KV token", 1e12, "ps"),
+             "per_request_token_x_kv_token_s": ("per request new x KV token", 1e12, "ps")}
+    for term in TERMS:
+        label, scale, unit = units[term]
+        t.add_row(label, f"{prof.fit[term] * scale:,.3f} {unit}")
+    con.print(t)
+    share = prof.produced_by["sweep"].get("cpu_share")
+    if share is not None:
+        con.print(f"each engine had {share:.0%} of a core while it iterated (its CPU time over the iterations' "
+                  "wall time; other work on the machine lowers it; the samples are CPU time, which it does not "
+                  "slow)", highlight=False)
+    e = prof.error
+    con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 {e['p90']:.1%}, "
+              f"max {e['max']:.1%}", highlight=False)
+    con.print(f"wrote {out}", highlight=False)

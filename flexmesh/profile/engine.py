@@ -1,0 +1,155 @@
+"""``flexmesh profile engine``: measure a local engine's iterations into an engine profile.
+
+The engines are the processes ``flexmesh serve run`` starts (:mod:`flexmesh.serve.engine.fleet`, the same
+:class:`~flexmesh.serve.engine.config.EngineConfig`), ``engines`` of them side by side, each sent every
+scenario at once over its own HTTP endpoint (no router): so each is measured as it serves, with its HTTP
+thread and its neighbours on the machine's cores and memory. Every time comes from an engine's own
+iteration log (``GET /iterations``): an iteration is timed from scheduling to the tokens handed out, so the
+engine's per-iteration overhead is in every sample. Scenarios, each run twice:
+
+- prefill chunks: one request whose prompt is one chunk (8 tokens up to the token budget) or several
+  (two and four budgets: chunks after a prefix);
+- decode batches: ``b`` requests with prompts of ``c`` tokens, for ``b`` from 1 to the engine's request cap
+  and ``c`` over a grid of contexts (``b * c`` at most 8192 tokens, and what the KV cache holds), with
+  outputs long enough that all ``b`` decode together at the end; their prefill iterations (several
+  prompts in one budget, then decodes beside the last prompts' chunks) are samples too;
+- mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left.
+
+Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
+keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. The
+seconds are the CPU time of the engine's thread over the iteration (``time.thread_time``), not its wall
+time: on a machine other work shares, an iteration's wall time also holds the time the engine waited for a
+core, which depends on that work, not on the engine; the CPU time keeps what the engine did, stalls on
+memory included. On cores of its own an engine's wall time is its CPU time (96% of it, measured while
+serving on a quiet machine), which is what the simulator prices. Profile with as many engines as will
+serve side by side (``engines``): they share the machine's caches and memory bandwidth, and one alone runs
+faster than one of two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from flexmesh.errors import ProfileError
+from flexmesh.profile.format import produced_by, spec_hash
+from flexmesh.profile.iteration import EngineProfile, fit_iterations
+from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.engine.replay import prompt_ids
+
+SCENARIO_TIMEOUT_S = 600.0  # the longest one scenario may take on one engine
+DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
+# A decode scenario's iterations grow as b x (b x c) (transformers' SDPA path: module doc of
+# flexmesh.profile.iteration), so the grid keeps b x c within "batch_kv" tokens: minutes, not an hour.
+FULL = {"batches": (1, 2, 4, 8, 16, 32, 64), "contexts": (16, 128, 512, 1024), "prefill": (8, 32, 64, 128),
+        "mixed": (1, 4, 16), "repeats": 2, "batch_kv": 8192}
+QUICK = {"batches": (1, 4, 16), "contexts": (16, 256), "prefill": (16, 64), "mixed": (4,), "repeats": 2,
+         "batch_kv": 4096}
+
+
+def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[str, list[int], list[int]]]:
+    """(name, prompt lengths, output tokens) of every scenario the sweep runs for ``cfg``.
+
+    >>> [s[0] for s in scenarios(EngineConfig(num_blocks=256, max_batch_tokens=64), True, 4096)][:4]
+    ['prefill 16', 'prefill 64', 'prefill 128', 'prefill 256']
+    """
+    grid = QUICK if quick else FULL
+    budget = cfg.max_batch_tokens
+    room = int(cfg.kv_tokens * (1.0 - cfg.safety_margin))  # the FIFO scheduler admits no prefill beyond this
+    out: list[tuple[str, list[int], list[int]]] = []
+    for n in sorted({p for p in grid["prefill"] if p < budget} | {budget, 2 * budget, 4 * budget}):
+        if n + 1 <= min(room, max_position):
+            out.append((f"prefill {n}", [n], [1]))
+    for b in grid["batches"]:
+        for c in grid["contexts"]:
+            # outputs outlast the prefill of the whole batch, so that all b requests decode together at the end
+            n_out = -(-b * c // budget) + DECODE_TOKENS
+            if (b <= cfg.max_requests_per_batch and b * (c + n_out) <= room and c + n_out <= max_position
+                    and b * c <= grid["batch_kv"]):
+                out.append((f"decode {b} x {c}", [c] * b, [n_out] * b))
+    long = 2 * budget
+    for b in grid["mixed"]:
+        if b < cfg.max_requests_per_batch and b * 24 + long <= room and long < max_position:
+            # short prompts finish prefill together first; they decode while the long prompt is chunked
+            out.append((f"mixed {b} + {long}", [8] * b + [long], [16] * b + [1]))
+    if not out:
+        raise ProfileError(f"an engine of {cfg.num_blocks} blocks x {cfg.page_size} tokens holds no scenario of the "
+                           "sweep; raise num_blocks")
+    return out
+
+
+def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
+                   progress: Callable[[int, int, str], None] | None = None,
+                   log_dir: Path | None = None) -> EngineProfile:
+    """Run the sweep on ``engines`` engine processes of ``cfg`` at once and fit it (see the module doc)."""
+    from flexmesh.serve.engine.model import engine_spec
+
+    spec = engine_spec(cfg)
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="flexmesh-profile-engine-"))
+    timed, plan, share = asyncio.run(_sweep(cfg, quick, engines, logs, progress))
+    samples = [(list(batch), statistics.median(secs)) for batch, secs in sorted(timed.items())]
+    fit = fit_iterations(samples)
+    spec_dict = spec.to_dict()
+    prof = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit=fit,
+                         samples=samples, produced_by=produced_by(engines, device_type="cpu"))
+    prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
+                                 "iterations": sum(len(v) for v in timed.values()), "cpu_share": share}
+    return prof
+
+
+async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progress):
+    """Every scenario ``repeats`` times on every engine at once: the CPU seconds of each batch they ran, the
+    scenarios, and the share of a core the engines had while iterating (CPU time over wall time)."""
+    from aiohttp import ClientSession, ClientTimeout
+
+    from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, start_engines, stop_engines
+
+    repeats = (QUICK if quick else FULL)["repeats"]
+    timed: dict[tuple, list[float]] = defaultdict(list)
+    wall = cpu = 0.0
+    procs = await start_engines(cfg, engines, logs)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=SCENARIO_TIMEOUT_S)) as session:
+            async with session.get(f"{procs[0].url}/v1/models") as r:
+                card = (await r.json())["data"][0]
+            vocab, max_position = int(card["vocab_size"]), int(card["max_model_len"])
+            plan = scenarios(cfg, quick, max_position)
+
+            async def run(url: str, prompts: list[list[int]], outputs: list[int]) -> None:
+                async def one(prompt: list[int], n: int) -> None:
+                    async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n}) as r:
+                        if r.status != 200:
+                            raise ProfileError(f"engine at {url} refused a sweep request: {(await r.text())[:200]}")
+
+                await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs)))
+
+            warm = [prompt_ids(1, 32, vocab)] * 2
+            await asyncio.gather(*(run(e.url, warm, [4, 4]) for e in procs))  # first calls allocate
+            total = len(plan) * repeats
+            for r in range(repeats):
+                for k, (name, lengths, outputs) in enumerate(plan):
+                    if progress is not None:
+                        progress(r * len(plan) + k, total, name)
+                    prompts = [prompt_ids(1000 * r + i, n, vocab) for i, n in enumerate(lengths)]
+                    before = [await iteration_count(session, e.url) for e in procs]
+                    await asyncio.gather(*(run(e.url, prompts, outputs) for e in procs))
+                    for e, since in zip(procs, before):
+                        for it in await fetch_iterations(session, e.url, since):
+                            timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
+                            wall += it["end_s"] - it["start_s"]
+                            cpu += it["cpu_s"]
+            if progress is not None:
+                progress(total, total, "fit")
+    finally:
+        await stop_engines(procs)
+    return dict(timed), [s[0] for s in plan], cpu / wall if wall > 0 else 1.0
+
+
+def _engine_dict(cfg: EngineConfig) -> dict:
+    import json
+
+    return json.loads(cfg.to_json())

@@ -1,0 +1,193 @@
+"""An engine profile (``flexmesh profile engine``) and the iteration timing it prices this machine by.
+
+One engine iteration is a batch of ``(tokens already in the KV cache, tokens computed now)`` per request
+(decode: ``(context, 1)``; a prefill chunk: ``(prefix, chunk)``). The profile holds the median measured
+seconds of each batch the sweep ran (:mod:`flexmesh.profile.engine`; the engine thread's CPU time, which
+that module says why) and a fit of them, linear in six terms of the batch, with non-negative coefficients
+(:func:`flexmesh.profile.fit.least_squares`, relative error, robust to the outliers of a shared machine)::
+
+    seconds = c0 + c_req * n + c_tok * T + c_kv * K + c_batch_attn * T * K + c_attn * sum(new * (cached + new))
+
+    n = requests in the batch, T = sum of new tokens, K = sum of (cached + new) tokens
+
+``c0`` is the per-iteration engine overhead (scheduling, building the batch's index tensors, handing
+tokens out, the model's per-call fixed costs), ``c_req`` what each request adds (its bookkeeping, its
+row of logits), ``c_tok`` the weights' GEMMs per new token, ``c_kv`` gathering the paged KV cache into
+one tensor per layer (and SDPA's copy of it for every query head) per token. Attention has two terms:
+transformers' paged SDPA path (the attention a CPU runs under continuous batching) attends every new
+token of the batch to every key the batch read, under a block-diagonal mask (transformers
+``continuous_batching.utils.build_attention_mask``), so its products grow as ``T x K`` -- a decode
+batch of ``b`` requests at context ``c`` as ``b * (b * c)``, quadratic in the batch -- while a kernel
+that skips the masked blocks (flash varlen) grows as each request's ``new x (cached + new)``. The fit
+keeps whichever the measurements show.
+
+:class:`ProfiledIterationTiming` is the ``IterationTiming`` of flexmesh.cost.inference from this fit.
+
+>>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
+>>> def seconds(batch):
+...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(batch)))
+>>> batches = ([[(0, t)] for t in (16, 64, 256)] + [[(c, 1)] * b for b in (1, 8, 32) for c in (64, 512)]
+...            + [[(0, 200), (300, 1)], [(256, 256)] * 2, [(256, 128)]])
+>>> fit = fit_iterations([(b, seconds(b)) for b in batches])
+>>> [round(fit[t] / true[t], 3) for t in TERMS]  # the terms come back
+[1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+>>> timing = ProfiledIterationTiming(EngineProfile(model={}, engine={}, fit=fit))
+>>> round(timing.iteration_s([(0, 128)]) * 1e3, 3), round(timing.iteration_s([(100, 1)] * 4) * 1e3, 3)
+(4.164, 1.545)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from flexmesh.errors import ProfileError
+from flexmesh.files import read_json, write_atomic
+from flexmesh.profile.fit import least_squares
+
+VERSION = 1
+KIND = "engine"
+TERMS = ("c0_s", "per_request_s", "per_token_s", "per_kv_token_s", "per_batch_token_x_kv_token_s",
+         "per_request_token_x_kv_token_s")
+
+
+def iteration_features(batch: Sequence[tuple[int, int]]) -> tuple[float, ...]:
+    """The six terms of a batch (see the module doc): 1, n, T, K, T * K, sum(new * (cached + new)).
+
+    >>> iteration_features([(10, 1), (0, 5)])
+    (1.0, 2.0, 6.0, 16.0, 96.0, 36.0)
+    """
+    n = float(len(batch))
+    t = float(sum(q for _, q in batch))
+    k = float(sum(c + q for c, q in batch))
+    own = float(sum(q * (c + q) for c, q in batch))
+    return (1.0, n, t, k, t * k, own)
+
+
+def fit_iterations(samples: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> dict[str, float]:
+    """The five non-negative coefficients fitted to ``(batch, seconds)`` samples, by name (:data:`TERMS`)."""
+    if len(samples) < len(TERMS):
+        raise ProfileError(f"{len(samples)} measured batches cannot fit {len(TERMS)} terms; run a wider sweep")
+    a = np.array([iteration_features(b) for b, _ in samples])
+    y = np.array([s for _, s in samples], dtype=float)
+    c = least_squares(a, y)
+    return {name: float(v) for name, v in zip(TERMS, c)}
+
+
+def errors(fit: dict[str, float], samples: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> dict[str, float]:
+    """In-sample relative error of ``fit`` over ``samples``: median, p90 and max of |predicted / measured - 1|."""
+    c = np.array([fit[t] for t in TERMS])
+    rel = np.array([abs(float(np.dot(iteration_features(b), c)) / s - 1.0) for b, s in samples])
+    return {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)), "max": float(rel.max())}
+
+
+@dataclass
+class EngineProfile:
+    """A measured engine: its model (ModelSpec dict), its :class:`~flexmesh.serve.engine.config.EngineConfig`
+    (dict), the fit, and the samples ``(batch, median seconds)`` it came from."""
+
+    model: dict
+    engine: dict
+    fit: dict[str, float]
+    samples: list = field(default_factory=list)
+    produced_by: dict = field(default_factory=dict)
+    name: str = ""
+
+    kind = KIND
+
+    @property
+    def error(self) -> dict[str, float]:
+        """In-sample relative error of the fit (:func:`errors`)."""
+        return errors(self.fit, self.samples) if self.samples else {}
+
+    def to_dict(self) -> dict:
+        return {"version": VERSION, "kind": KIND, "produced_by": self.produced_by, "model": self.model,
+                "engine": self.engine, "fit": self.fit, "error": self.error,
+                "samples": [{"batch": [list(x) for x in b], "seconds": s} for b, s in self.samples]}
+
+    def save(self, path: str | Path) -> None:
+        write_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "") -> EngineProfile:
+        where = name or "engine profile"
+        if not isinstance(d, dict) or d.get("kind") != KIND:
+            found = d.get("kind") if isinstance(d, dict) else type(d).__name__
+            raise ProfileError(f"{where} is not an engine profile (kind {found!r}); write one with "
+                               "`flexmesh profile engine`")
+        if d.get("version") != VERSION:
+            raise ProfileError(f"{where} has version {d.get('version')!r}, this flexmesh reads {VERSION}; "
+                               "measure again with `flexmesh profile engine`")
+        fit = d.get("fit")
+        if not isinstance(fit, dict) or any(not isinstance(fit.get(t), (int, float)) or fit[t] < 0 for t in TERMS):
+            raise ProfileError(f"{where}: fit must hold {', '.join(TERMS)} as non-negative numbers")
+        try:
+            samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"{where}: malformed samples ({e}); each is {{batch: [[cached, new], ...], "
+                               "seconds}}") from None
+        return cls(model=d.get("model", {}), engine=d.get("engine", {}), fit={t: float(fit[t]) for t in TERMS},
+                   samples=samples, produced_by=d.get("produced_by", {}), name=name)
+
+
+def load_engine_profile(path: str | Path) -> EngineProfile:
+    """Read an engine profile; ProfileError (one line) when missing or malformed."""
+    path = Path(path)
+    d = read_json(path, ProfileError, invalid="not a JSON profile",
+                  missing=f"engine profile {str(path)!r} does not exist; write one with "
+                          f"`flexmesh profile engine --out {path}`")
+    return EngineProfile.from_dict(d, name=path.name)
+
+
+class ProfiledIterationTiming:
+    """``IterationTiming`` (flexmesh.cost.inference) priced by an engine profile's fit (module doc)."""
+
+    def __init__(self, profile: EngineProfile) -> None:
+        self.profile = profile
+        self._c = tuple(profile.fit[t] for t in TERMS)
+        self.source = f"profile:{profile.name or 'engine'}"
+
+    @property
+    def overhead_s(self) -> float:
+        """The per-iteration engine overhead (``c0``)."""
+        return self._c[0]
+
+    def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
+        if not batch:
+            return 0.0
+        return float(sum(c * f for c, f in zip(self._c, iteration_features(batch))))
+
+    def split_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:
+        """:meth:`iteration_s` of ``decodes`` one-token steps over ``decode_context`` cached tokens in all beside
+        ``chunks``, in constant time in the decodes (every term is linear in their contexts: exact).
+
+        >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))))
+        >>> batch = [(100, 1), (250, 1), (0, 64)]
+        >>> abs(t.split_s(2, 350, [(0, 64)]) - t.iteration_s(batch)) < 1e-15
+        True
+        """
+        if decodes == 0 and not chunks:
+            return 0.0
+        n = decodes + len(chunks)
+        t = decodes + sum(q for _, q in chunks)
+        k = decode_context + decodes + sum(c + q for c, q in chunks)
+        own = decode_context + decodes + sum(q * (c + q) for c, q in chunks)
+        return float(sum(c * f for c, f in zip(self._c, (1.0, n, t, k, t * k, own))))
+
+    def decode_run_s(self, decodes: int, decode_context: int, steps: int) -> float:
+        """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``decodes``
+        tokens to it), in closed form: each iteration is affine in the context, which grows by ``decodes``.
+
+        >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))))
+        >>> one_by_one = sum(t.split_s(4, 400 + 4 * j, ()) for j in range(7))
+        >>> abs(t.decode_run_s(4, 400, 7) - one_by_one) < 1e-15
+        True
+        """
+        first = self.split_s(decodes, decode_context, ())
+        c0, c_req, c_tok, c_kv, c_batch, c_own = self._c
+        per_context = c_kv + c_batch * decodes + c_own  # d(seconds) / d(decode_context) at fixed decodes
+        return steps * first + per_context * decodes * (steps * (steps - 1) / 2)

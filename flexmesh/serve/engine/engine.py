@@ -1,0 +1,239 @@
+"""One engine: transformers' continuous batching on one model, with per-token timestamps and a log of
+its iterations.
+
+transformers' ``ContinuousBatchingManager`` (the loop behind ``generate_batch``) runs a background
+thread that, every iteration, schedules a batch (decoding requests and prefill chunks under one token
+budget), runs the model once and appends one token to every request that finished its prompt. This
+module sizes it explicitly (:class:`~flexmesh.serve.engine.config.EngineConfig`), keeps attention as
+the model has it (``auto_switch_to_flash=False``: SDPA on a CPU), asks for greedy decoding and
+per-token timestamps, and records every iteration's batch and duration.
+
+Iterations: transformers offers no per-iteration callback, so :class:`_TimedManager` wraps the
+manager's loop body (``_generation_loop_body``, checked against transformers 5.24 by
+tests/test_serve_engine.py): the time from scheduling to the tokens handed out, and the batch as
+``(tokens already in the KV cache, tokens computed now)`` per request -- the batch that
+:class:`flexmesh.cost.inference` prices -- and the CPU time the loop's thread had meanwhile (less than the
+duration when other processes held the cores: how contended a measurement was). The idle wait of an empty
+loop is not an iteration.
+
+Clocks: every time here is ``time.perf_counter()``, which on Linux reads CLOCK_MONOTONIC, one clock
+for every process on the machine; the router and the replay client compare times across processes
+on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flexmesh.errors import ServeError
+from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.engine.model import build_model
+
+ITERATIONS_KEPT = 100_000  # iterations an engine keeps in memory for /iterations (a bounded ring)
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One engine iteration: when it started and ended (perf_counter seconds) and its batch."""
+
+    start_s: float
+    end_s: float
+    batch: tuple[tuple[int, int], ...]  # (tokens in the KV cache before, tokens computed now) per request
+    cpu_s: float = 0.0  # CPU time of the engine's thread meanwhile: below duration_s when it waited for a core
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def to_dict(self) -> dict:
+        return {"start_s": self.start_s, "end_s": self.end_s, "batch": [list(b) for b in self.batch],
+                "cpu_s": self.cpu_s}
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request the engine finished: its generated tokens and when each came (perf_counter seconds)."""
+
+    request_id: str
+    prompt_tokens: int
+    tokens: list[int]
+    token_s: list[float]
+    queued_s: float  # when the engine took the request
+    started_s: float  # when its first iteration was scheduled
+    error: str | None = None
+
+
+def _manager_class():
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
+
+    class _TimedManager(ContinuousBatchingManager):
+        """The manager with its iterations recorded (see the module doc)."""
+
+        def _generation_loop_body(self, batch_processor, bootstrapping: bool) -> bool:
+            before = getattr(self, "current_batch", 0)
+            start, cpu = time.perf_counter(), time.thread_time()
+            go_on = super()._generation_loop_body(batch_processor, bootstrapping)
+            if self.current_batch != before:
+                end, cpu = time.perf_counter(), time.thread_time() - cpu
+                batch = tuple((f.state.position_offset - f.query_length, f.query_length)
+                              for f in batch_processor.inputs_and_outputs.requests_in_batch)
+                self.on_iteration(Iteration(start, end, batch, cpu))
+            return go_on
+
+        def on_iteration(self, it: Iteration) -> None:  # replaced per engine
+            pass
+
+    return _TimedManager
+
+
+class Engine:
+    """transformers' continuous batching on ``cfg``'s model, started at construction, stopped by
+    :meth:`close` (also on ``with``).
+
+    Submit with :meth:`submit` (``on_done`` is called from the engine's thread with a
+    :class:`Finished`) or run a list of prompts to the end with :meth:`run`; :attr:`iterations` holds
+    the last :data:`ITERATIONS_KEPT` iterations, and ``on_iteration`` (if given) sees each as it ends.
+    """
+
+    def __init__(self, cfg: EngineConfig, on_iteration: Callable[[Iteration], None] | None = None) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.model = build_model(cfg)
+        self.vocab = int(self.model.config.vocab_size)
+        self.max_position = int(self.model.config.max_position_embeddings)
+        gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=16)
+        cb = ContinuousBatchingConfig(
+            page_size=cfg.page_size, num_blocks=cfg.num_blocks, max_batch_tokens=cfg.max_batch_tokens,
+            max_requests_per_batch=cfg.max_requests_per_batch, scheduler_type=cfg.scheduler,
+            safety_margin=cfg.safety_margin, allow_block_sharing=cfg.block_sharing, auto_switch_to_flash=False,
+            use_cuda_graph=False, use_async_batching=False, seed=cfg.seed)
+        self.iterations: collections.deque[Iteration] = collections.deque(maxlen=ITERATIONS_KEPT)
+        self._on_iteration = on_iteration
+        self._pending: dict[str, tuple[int, float, Callable[[Finished], None]]] = {}
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._manager = _manager_class()(self.model, gen, cb)
+        self._manager.on_iteration = self._record
+        self._manager.start()
+        self._collector = threading.Thread(target=self._collect, name="engine-results", daemon=True)
+        self._collector.start()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        """ServeError (one line) for a request this engine cannot run."""
+        if not prompt:
+            raise ServeError("prompt is empty; send at least one token id")
+        if max_new_tokens < 1:
+            raise ServeError(f"max_tokens must be at least 1, got {max_new_tokens}")
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise ServeError(f"prompt token {bad!r} is not a token id of this model (0..{self.vocab - 1})")
+        total = len(prompt) + max_new_tokens
+        if total > self.max_position:
+            raise ServeError(f"prompt ({len(prompt)}) + max_tokens ({max_new_tokens}) = {total} tokens exceed the "
+                             f"model's {self.max_position} positions; shorten either")
+        if total > self.cfg.kv_tokens:
+            raise ServeError(f"prompt + max_tokens = {total} tokens exceed the engine's KV cache of "
+                             f"{self.cfg.kv_tokens} tokens; raise num_blocks")
+
+    def submit(self, prompt: list[int], max_new_tokens: int, on_done: Callable[[Finished], None]) -> str:
+        """Queue a greedy request; ``on_done`` gets its :class:`Finished` (from another thread)."""
+        self.check(prompt, max_new_tokens)
+        if not self._manager.is_running():
+            raise ServeError("the engine has stopped; start it again")
+        with self._lock:
+            rid = f"r{self._counter}"
+            self._counter += 1
+            self._pending[rid] = (len(prompt), time.perf_counter(), on_done)
+        got = self._manager.add_request(list(prompt), request_id=rid, max_new_tokens=max_new_tokens,
+                                        record_timestamps=True, eos_token_id=-1)
+        if got is None:
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise ServeError("the engine is stopping and takes no new request")
+        return rid
+
+    def run(self, prompts: list[list[int]], max_new_tokens: list[int], timeout_s: float = 600.0) -> list[Finished]:
+        """Submit every prompt at once and wait for all (ServeError after ``timeout_s``)."""
+        done: dict[str, Finished] = {}
+        cond = threading.Condition()
+
+        def finished(f: Finished) -> None:
+            with cond:
+                done[f.request_id] = f
+                cond.notify_all()
+
+        ids = [self.submit(p, n, finished) for p, n in zip(prompts, max_new_tokens)]
+        with cond:
+            if not cond.wait_for(lambda: len(done) == len(ids) or not self._manager.is_running(), timeout_s):
+                raise ServeError(f"{len(ids) - len(done)} of {len(ids)} requests unfinished after {timeout_s:.0f} s")
+        if len(done) < len(ids):
+            raise ServeError("the engine stopped before every request finished")
+        return [done[i] for i in ids]
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet finished."""
+        with self._lock:
+            return len(self._pending)
+
+    @property
+    def running(self) -> bool:
+        return self._manager.is_running()
+
+    # -- background ---------------------------------------------------------------------------------
+
+    def _record(self, it: Iteration) -> None:
+        self.iterations.append(it)
+        if self._on_iteration is not None:
+            self._on_iteration(it)
+
+    def _collect(self) -> None:
+        """Hand each finished request to its caller (transformers' output queue, read by one thread)."""
+        manager = self._manager
+        while True:
+            out = manager.get_result(timeout=0.2)
+            if out is None:
+                if not manager.is_running() and manager.output_router.output_queue.empty():
+                    self._fail_pending("the engine stopped")
+                    return
+                continue
+            if not out.is_finished():
+                continue
+            with self._lock:
+                entry = self._pending.pop(out.request_id, None)
+            if entry is None:
+                continue
+            prompt_tokens, queued, on_done = entry
+            on_done(Finished(out.request_id, prompt_tokens, list(out.generated_tokens), list(out.timestamps or []),
+                             queued, float(out.lifespan[0]), out.error))
+
+    def _fail_pending(self, why: str) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for rid, (prompt_tokens, queued, on_done) in pending.items():
+            on_done(Finished(rid, prompt_tokens, [], [], queued, -1.0, why))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop: requests still running fail (a hard stop), within ``timeout_s``."""
+        if self._manager.is_running():
+            self._manager.stop(block=True, timeout=timeout_s, hard_stop=True)
+        self._collector.join(timeout=timeout_s)
+        self._fail_pending("the engine stopped")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,205 @@
+"""Start N engine processes and the router in front of them; stop them all, each step bounded in time.
+
+:func:`start_engines` launches ``python -m flexmesh.serve.engine.server`` N times (any free port each,
+``OMP_NUM_THREADS`` set to the engine's threads, stderr to ``engine-K.log`` in the log folder) and
+waits for each to print its ready line; an engine that exits first, or is not ready within the
+start timeout, stops them all and raises one ServeError line with the last line of its log. Each
+engine gets SIGTERM when the process that started it dies (Linux ``PR_SET_PDEATHSIG``), so none
+outlives its fleet. :func:`stop_engines` sends SIGTERM, waits, then SIGKILL.
+
+:func:`serve_fleet` is ``flexmesh serve run``: engines, then the router on 127.0.0.1:PORT, until
+SIGINT or SIGTERM, then everything stops cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import flexmesh
+from flexmesh.errors import ServeError
+from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.engine.http import HOST, READY, check_port
+
+START_TIMEOUT_S = 180.0  # building a model and its KV cache, under load
+STOP_TIMEOUT_S = 15.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class EngineProcess:
+    index: int
+    proc: asyncio.subprocess.Process
+    log: Path
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: engines are still stopped by stop_engines
+        pass
+
+
+def _child_env(cfg: EngineConfig) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(cfg.threads)
+    root = str(Path(flexmesh.__file__).resolve().parent.parent)  # this flexmesh, not another install
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return env
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if ln.startswith(("error:", "Error", "ServeError")) or "Error:" in ln]
+    return (errors or lines or [""])[-1]
+
+
+async def start_engines(cfg: EngineConfig, n: int, log_dir: Path,
+                        start_timeout_s: float = START_TIMEOUT_S) -> list[EngineProcess]:
+    """N engine processes of ``cfg``, each ready (see the module doc)."""
+    if n < 1:
+        raise ServeError(f"engines must be at least 1, got {n}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    engines: list[EngineProcess] = []
+    try:
+        for k in range(n):
+            log = log_dir / f"engine-{k}.log"
+            with open(log, "wb") as err:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "flexmesh.serve.engine.server", "--config", cfg.to_json(), "--port", "0",
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
+                    env=_child_env(cfg), preexec_fn=_die_with_parent)
+            engines.append(EngineProcess(k, proc, log))
+        await asyncio.gather(*(_wait_ready(e, start_timeout_s) for e in engines))
+    except BaseException:
+        await stop_engines(engines)
+        raise
+    return engines
+
+
+async def _wait_ready(e: EngineProcess, timeout_s: float) -> None:
+    async def ready() -> None:
+        assert e.proc.stdout is not None
+        while True:
+            line = await e.proc.stdout.readline()
+            if not line:  # the process closed its stdout: it exited
+                code = await e.proc.wait()
+                why = _last_line(e.log) or f"exit code {code}"
+                raise ServeError(f"engine {e.index} failed to start: {why} (log: {e.log})")
+            text = line.decode(errors="replace").strip()
+            if text.startswith(READY):
+                e.port = int(json.loads(text[len(READY):])["port"])
+                return
+
+    try:
+        await asyncio.wait_for(ready(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ServeError(f"engine {e.index} was not ready within {timeout_s:.0f} s (log: {e.log}); "
+                         "the machine may be overloaded") from None
+
+
+async def stop_engines(engines: list[EngineProcess], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM every engine, wait up to ``timeout_s`` for all, SIGKILL what is left."""
+    live = [e for e in engines if e.proc.returncode is None]
+    for e in live:
+        try:
+            e.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    if not live:
+        return
+    _, pending = await asyncio.wait([asyncio.ensure_future(e.proc.wait()) for e in live], timeout=timeout_s)
+    for e in live:
+        if e.proc.returncode is None:
+            e.proc.kill()
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def running_fleet(cfg: EngineConfig, n: int, log_dir: Path, records: Path | None = None,
+                        route: str = "round-robin", port: int = 0, max_outstanding: int = 4096,
+                        request_timeout_s: float = 600.0):
+    """N engines and the router on 127.0.0.1:``port`` (0: any free port) for the body of an ``async with``:
+    yields ``(router url, engines)``; everything stops on leaving it, whatever happened."""
+    from aiohttp import web
+
+    from flexmesh.files import append_file
+    from flexmesh.serve.engine.router import Router
+
+    check_port(port, "the router")  # before minutes of starting engines
+    engines = await start_engines(cfg, n, log_dir)
+    out = append_file(records) if records is not None else None
+    runner = None
+    try:
+        router = Router([e.url for e in engines], route=route, records=out, max_outstanding=max_outstanding,
+                        request_timeout_s=request_timeout_s)
+        runner = web.AppRunner(router.app(), handle_signals=False, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, HOST, port, reuse_address=True).start()
+        except OSError as e:
+            raise ServeError(f"the router cannot listen on {HOST}:{port} ({e.strerror or e}); choose another port "
+                             "(0 picks a free one)") from None
+        yield f"http://{HOST}:{runner.addresses[0][1]}", engines
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await stop_engines(engines)
+        if out is not None:
+            out.close()
+
+
+async def serve_fleet(cfg: EngineConfig, n: int, port: int, log_dir: Path, records: Path | None,
+                      route: str = "round-robin", on_ready=None, **limits) -> None:
+    """Engines + router on ``port`` until SIGINT or SIGTERM (see the module doc). ``on_ready(url, engines)`` is
+    awaited once the router listens."""
+    async with running_fleet(cfg, n, log_dir, records, route, port, **limits) as (url, engines):
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            if on_ready is not None:
+                await on_ready(url, engines)
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+async def fetch_iterations(session, engine_url: str, since: int = 0) -> list[dict]:
+    """An engine's iterations from the ``since``-th on (``GET /iterations``, every page)."""
+    out: list[dict] = []
+    while True:
+        async with session.get(f"{engine_url}/iterations", params={"since": str(since + len(out))}) as r:
+            if r.status != 200:
+                raise ServeError(f"engine at {engine_url} did not give its iterations (HTTP {r.status})")
+            page = (await r.json())["iterations"]
+        if not page:
+            return out
+        out.extend(page)
+
+
+async def iteration_count(session, engine_url: str) -> int:
+    """How many iterations an engine keeps (its next iteration's index while fewer than it can keep)."""
+    async with session.get(f"{engine_url}/iterations", params={"since": str(2**62)}) as r:
+        if r.status != 200:
+            raise ServeError(f"engine at {engine_url} did not give its iterations (HTTP {r.status})")
+        return int((await r.json())["total"])

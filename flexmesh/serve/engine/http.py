@@ -1,0 +1,128 @@
+"""What the engine processes and the router share over HTTP: the OpenAI-compatible completion request
+they accept, its one-line errors, and how a server starts on 127.0.0.1 and stops on a signal.
+
+A completion request (``POST /v1/completions``, OpenAI's legacy completions API as vLLM serves it)::
+
+    {"prompt": [17, 4, 980], "max_tokens": 32, "temperature": 0}
+
+``prompt`` is a list of token ids (the models here have random weights and no tokenizer; a string is
+refused with a line saying so), ``max_tokens`` the tokens to generate: exactly that many come back, as
+no token of a random model means "stop" (vLLM's ``ignore_eos``). Decoding is greedy; a
+``temperature`` other than 0 or ``stream: true`` is refused. The answer is OpenAI's
+``text_completion`` object with the tokens in ``choices[0].token_ids`` (vLLM's field) and the
+request's times in ``metrics`` (perf_counter seconds; see :mod:`flexmesh.serve.engine.engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import sys
+from typing import Any
+
+from flexmesh.errors import FlexmeshError, ServeError
+
+HOST = "127.0.0.1"  # engines and the router listen on the loopback interface only
+MAX_BODY_BYTES = 8 * 2**20  # the largest request body a server reads
+READY = "flexmesh-serve-ready"  # the first line a started server prints: READY {"port": ...}
+
+
+def parse_completion(body: Any, max_tokens_cap: int) -> tuple[list[int], int]:
+    """(prompt token ids, max_tokens) of a completion request; ServeError (one line) when malformed.
+
+    >>> parse_completion({"prompt": [1, 2, 3], "max_tokens": 4}, 4096)
+    ([1, 2, 3], 4)
+    >>> parse_completion({"prompt": [[5, 6]], "max_tokens": 1, "temperature": 0.0}, 4096)
+    ([5, 6], 1)
+    >>> parse_completion({"prompt": "hello", "max_tokens": 4}, 4096)
+    Traceback (most recent call last):
+    ...
+    flexmesh.errors.ServeError: prompt must be a list of token ids: this model has no tokenizer
+    """
+    if not isinstance(body, dict):
+        raise ServeError("the request body must be a JSON object with prompt and max_tokens")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]  # OpenAI's batch form with one prompt
+    if isinstance(prompt, str):
+        raise ServeError("prompt must be a list of token ids: this model has no tokenizer")
+    if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
+        raise ServeError("prompt must be a non-empty list of token ids (one prompt per request)")
+    max_tokens = body.get("max_tokens", 16)
+    if type(max_tokens) is not int or not 1 <= max_tokens <= max_tokens_cap:
+        raise ServeError(f"max_tokens must be an integer from 1 to {max_tokens_cap}, got {max_tokens!r}")
+    temperature = body.get("temperature", 0)
+    if temperature not in (0, 0.0, None):
+        raise ServeError(f"only greedy decoding is served: temperature must be 0, got {temperature!r}")
+    if body.get("stream"):
+        raise ServeError("streaming is not served: send stream false")
+    if body.get("n", 1) != 1:
+        raise ServeError("one completion per request: send n 1")
+    return prompt, max_tokens
+
+
+def error_body(message: str, kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error object around one line."""
+    return {"error": {"message": message, "type": kind}}
+
+
+def announce_ready(port: int, **extra: Any) -> None:
+    """Print the line a parent process waits for (flexmesh.serve.engine.fleet)."""
+    print(READY, json.dumps({"port": port, **extra}), flush=True)
+
+
+def check_port(port: int, what: str) -> None:
+    """ServeError (one line) when 127.0.0.1:``port`` cannot be bound now (0 always can)."""
+    if not 0 <= port <= 65535:
+        raise ServeError(f"{what}'s port must be from 0 to 65535, got {port}")
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError as e:
+            raise ServeError(f"{what} cannot listen on {HOST}:{port} ({e.strerror or e}); choose another port "
+                             "(0 picks a free one)") from None
+
+
+async def serve_until_signal(app, port: int, what: str, on_started=None) -> None:
+    """Serve ``app`` on 127.0.0.1:``port`` (0: any free port) until SIGINT or SIGTERM, then stop it
+    cleanly (its ``on_cleanup`` handlers run). A port that cannot be bound is one ServeError line."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, HOST, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise ServeError(f"{what} cannot listen on {HOST}:{port} ({e.strerror or e}); choose another port "
+                         "(0 picks a free one)") from None
+    bound = runner.addresses[0][1] if runner.addresses else port
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if on_started is not None:
+        await on_started(bound)
+    announce_ready(bound)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+
+
+def run_server(main) -> int:
+    """Run the coroutine ``main()`` of a server process: a FlexmeshError is one line on stderr, exit 2."""
+    try:
+        asyncio.run(main())
+    except FlexmeshError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -1,0 +1,65 @@
+"""The simulated twin of N local engines: the request simulator (:class:`flexmesh.serve.simulator.Fleet`) set
+up as ``flexmesh serve run`` starts them, each iteration priced by a given ``IterationTiming`` (this
+machine's engine profile: flexmesh.profile.iteration.ProfiledIterationTiming). Torch-free.
+
+What is carried over from the :class:`~flexmesh.serve.engine.config.EngineConfig`: the token budget
+(``max_batch_tokens``), the KV cache exactly as sized (``num_blocks`` blocks of ``page_size`` tokens,
+not derived from device memory), the request cap (``max_requests_per_batch``, which the simulator applies
+to running requests, as vLLM's ``max_num_seqs``; set it to the token budget and neither binds before the
+budget does) and prefix caching (``block_sharing``). transformers' FIFO scheduler and the simulator's
+vLLM-style one agree on the order (decoding requests, then prompts part way through prefill, then
+waiting requests, chunked to the budget). What the simulator does not model: transformers' safety margin
+(no new prefill beyond the first while fewer than ``safety_margin`` of the blocks are free), which binds
+only when the KV cache is nearly full, and the router's HTTP hop, a millisecond or two before a request
+reaches its engine.
+
+The engines run on this machine's cores, which the catalogue does not describe: the fleet's device is a
+placeholder named ``local-engine`` whose numbers nothing reads (the timing prices every iteration, the
+KV blocks are given, as vLLM's ``num_gpu_blocks_override``, and aggregated replicas move no KV between
+them).
+"""
+
+from __future__ import annotations
+
+from flexmesh.cost.inference.memory import kv_bytes_per_token
+from flexmesh.cost.inference.timing import IterationTiming
+from flexmesh.serve.deployment import EngineKnobs, ReplicaSpec, place
+from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.simulator import Fleet
+from flexmesh.spec.cluster import ClusterSpec, MixedCluster
+from flexmesh.spec.devices import DeviceSpec
+from flexmesh.spec.model import parse_model
+
+_ONE = {"mm_efficiency": 1.0, "attn_efficiency": 1.0, "intra_efficiency": 1.0, "inter_efficiency": 1.0,
+        "a2a_intra_efficiency": 1.0, "a2a_inter_efficiency": 1.0}
+
+
+def engine_knobs(cfg: EngineConfig) -> EngineKnobs:
+    """The simulator's knobs of an engine (see the module doc)."""
+    return EngineKnobs(max_seqs=cfg.max_requests_per_batch, max_batched_tokens=cfg.max_batch_tokens,
+                       block_tokens=cfg.page_size, memory_fraction=1.0, prefix_caching=cfg.block_sharing,
+                       kv_blocks=cfg.num_blocks)
+
+
+def twin_fleet(cfg: EngineConfig, engines: int, timing: IterationTiming) -> Fleet:
+    """A simulated fleet of ``engines`` aggregated replicas of ``cfg``, priced by ``timing``.
+
+    >>> class Flat:
+    ...     def iteration_s(self, batch):
+    ...         return 0.01
+    >>> from flexmesh.data.requests import constant_lengths, with_arrivals
+    >>> cfg = EngineConfig(num_blocks=64, page_size=16, max_batch_tokens=64, max_requests_per_batch=8)
+    >>> fleet = twin_fleet(cfg, 2, Flat())
+    >>> out = fleet.run(with_arrivals(constant_lengths(32, 5), rate=2.0, n=10))
+    >>> [r.kv_tokens for r in out.replicas], round(out.records[0].first_token_s - out.records[0].arrival_s, 3)
+    ([1024, 1024], 0.01)
+    """
+    model = parse_model(cfg.model)
+    memory = 2.0 * cfg.num_blocks * cfg.page_size * kv_bytes_per_token(model) / 2**30 + 64.0
+    dev = DeviceSpec(name="local-engine", peak_tflops={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, memory_gib=memory,
+                     hbm_gbps=1.0, nvlink_gbps=1.0, node_net_gbps=1.0, intra_latency_us=1.0, inter_latency_us=1.0,
+                     framework_reserve_gib=0.0, allocator_headroom=0.0, source="placeholder: priced by a profile",
+                     **_ONE)
+    cluster = MixedCluster((ClusterSpec(nodes=1, devices_per_node=engines, device=dev),))
+    replicas = place(tuple(ReplicaSpec(group=0) for _ in range(engines)), cluster)
+    return Fleet(model, cluster, replicas, knobs={0: engine_knobs(cfg)}, timing=lambda r: timing)

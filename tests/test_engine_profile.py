@@ -1,0 +1,123 @@
+"""Engine profiles: the fit recovers known terms, prices a batch and its split form alike, refuses malformed
+files in one line; ``flexmesh profile engine --quick`` measures a real engine and writes a profile whose
+timing prices the batches it measured."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexmesh.cost.inference.timing import SplitTiming, split_s
+from flexmesh.errors import ProfileError
+from flexmesh.profile.engine import scenarios
+from flexmesh.profile.iteration import (
+    TERMS,
+    EngineProfile,
+    ProfiledIterationTiming,
+    fit_iterations,
+    iteration_features,
+    load_engine_profile,
+)
+from flexmesh.serve.engine.config import EngineConfig
+
+TRUE = dict(zip(TERMS, (2e-3, 5e-5, 3e-5, 4e-8, 2e-10, 1e-8)))
+
+
+def seconds(batch):
+    return sum(TRUE[t] * f for t, f in zip(TERMS, iteration_features(batch)))
+
+
+def test_fit_recovers_the_terms_of_prefill_decode_and_mixed_batches():
+    batches = ([[(0, n)] for n in (8, 64, 256)] + [[(256 * k, 256)] for k in (1, 3)]
+               + [[(c, 1)] * b for b in (1, 4, 16, 64) for c in (16, 512)] + [[(100, 1)] * 8 + [(0, 200)]])
+    fit = fit_iterations([(b, seconds(b)) for b in batches])
+    assert all(fit[t] == pytest.approx(TRUE[t], rel=1e-6) for t in TERMS)
+    prof = EngineProfile({}, {}, fit, samples=[(b, seconds(b)) for b in batches])
+    assert prof.error["max"] < 1e-6
+
+
+def test_fit_needs_enough_batches():
+    with pytest.raises(ProfileError, match="cannot fit 6 terms"):
+        fit_iterations([([(0, 8)], 1e-3)] * 3)
+
+
+batch = st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 300)), min_size=0, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(decodes=st.lists(st.integers(0, 4000), max_size=40), chunks=batch)
+def test_split_form_prices_the_batch_it_stands_for(decodes, chunks):
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, TRUE))
+    assert isinstance(timing, SplitTiming)  # the simulator's constant-time path
+    full = [(c, 1) for c in decodes] + chunks
+    assert split_s(timing, len(decodes), sum(decodes), chunks) == pytest.approx(timing.iteration_s(full), rel=1e-12)
+    assert timing.iteration_s(full) >= (TRUE["c0_s"] if full else 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(decodes=st.integers(1, 64), context=st.integers(0, 100_000), steps=st.integers(1, 50))
+def test_a_run_of_decodes_costs_its_iterations_one_by_one(decodes, context, steps):
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, TRUE))
+    one_by_one = sum(timing.split_s(decodes, context + decodes * j, ()) for j in range(steps))
+    assert timing.decode_run_s(decodes, context, steps) == pytest.approx(one_by_one, rel=1e-9)
+
+
+def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
+    prof = EngineProfile({"name": "tiny"}, {"model": "tiny"}, TRUE, samples=[([(0, 8)], 1e-3)], name="p")
+    path = tmp_path / "engine.json"
+    prof.save(path)
+    back = load_engine_profile(path)
+    assert back.fit == TRUE and back.samples == [([(0, 8)], 1e-3)] and back.name == "engine.json"
+    bad = tmp_path / "bad.json"
+    for d, match in (({**prof.to_dict(), "kind": "model"}, "not an engine profile"),
+                     ({**prof.to_dict(), "version": 9}, "version 9"),
+                     ({**prof.to_dict(), "fit": {**TRUE, "c0_s": -1}}, "non-negative"),
+                     ({**prof.to_dict(), "samples": [{"batch": 3}]}, "malformed samples")):
+        bad.write_text(json.dumps(d))
+        with pytest.raises(ProfileError, match=match) as e:
+            load_engine_profile(bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ProfileError, match="flexmesh profile engine"):
+        load_engine_profile(tmp_path / "none.json")
+
+
+def test_sweep_stays_inside_the_engine():
+    cfg = EngineConfig(num_blocks=512, page_size=16, max_batch_tokens=128, max_requests_per_batch=16)
+    room = cfg.kv_tokens * (1 - cfg.safety_margin)
+    plan = scenarios(cfg, quick=False, max_position=4096)
+    assert {name.split()[0] for name, _, _ in plan} == {"prefill", "decode", "mixed"}
+    for name, prompts, outputs in plan:
+        assert len(prompts) <= cfg.max_requests_per_batch, name
+        assert sum(p + o for p, o in zip(prompts, outputs)) <= room, name
+        if name.startswith("decode"):  # every request still decodes once the last prompt is in
+            assert outputs[0] > -(-sum(prompts) // cfg.max_batch_tokens), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("aiohttp")
+    from flexmesh.cli import main
+
+    out = tmp_path / "engine.json"
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["profile", "engine", "--quick", "--no-progress", "--kv-blocks", "512", "--max-batch-tokens", "128",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "per-iteration overhead" in printed and "in-sample error" in printed
+    prof = load_engine_profile(out)
+    assert prof.engine["num_blocks"] == 512 and prof.model["name"] == "tiny"
+    assert prof.produced_by["sweep"]["quick"] and len(prof.samples) >= 20
+    assert prof.produced_by["processes"] == 2  # two engines swept side by side (the default, as serve run's)
+    kinds = {("decode" if all(q == 1 for _, q in b) else "prefill" if len(b) == 1 else "mixed")
+             for b, _ in prof.samples}
+    assert kinds == {"decode", "prefill", "mixed"}
+    timing = ProfiledIterationTiming(prof)
+    assert timing.overhead_s > 0
+    # the fit follows what it was fitted to (loose: the machine is shared; the bench reports the real error)
+    assert prof.error["median"] < 0.5
+    big = max(prof.samples, key=lambda s: s[1])
+    small = min(prof.samples, key=lambda s: s[1])
+    assert timing.iteration_s(big[0]) > timing.iteration_s(small[0])

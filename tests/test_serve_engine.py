@@ -1,0 +1,212 @@
+"""Real engines: transformers' continuous batching gives the tokens transformers' own ``generate`` gives
+(greedy, same seeded weights), in this process and through engine processes behind the router; engines
+start and stop cleanly; a bad port or an engine that fails to start is one line. The router alone
+(stand-in engines): tests/test_serve_router.py."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexmesh.errors import ServeError
+from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.engine.replay import prompt_ids
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parent.parent
+CFG = EngineConfig(model="tiny", num_blocks=256, page_size=16, max_batch_tokens=64, max_requests_per_batch=8)
+LENGTHS = [(5, 12), (90, 6), (33, 1), (140, 9)]  # (prompt, output): prompts over the 64-token budget are chunked
+
+
+def reference(cfg, prompts, outputs):
+    """transformers' own greedy ``generate`` on the same seeded model, one prompt at a time."""
+    from flexmesh.serve.engine.model import build_model
+
+    model = build_model(cfg)
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p, n in zip(prompts, outputs)]
+
+
+def test_weights_are_seeded_per_name():
+    from flexmesh.serve.engine.model import build_model
+
+    a, b, c = build_model(CFG), build_model(CFG), build_model(EngineConfig(model="tiny", seed=1))
+    for (name, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(p, q), name
+        if p.ndim >= 2:
+            assert not torch.equal(p, r), name
+
+
+@pytest.mark.timeout(300)
+def test_engine_tokens_equal_generate_and_iterations_add_up():
+    from flexmesh.serve.engine.engine import Engine
+
+    prompts = [prompt_ids(i, n, 4096) for i, (n, _) in enumerate(LENGTHS)]
+    outputs = [o for _, o in LENGTHS]
+    with Engine(CFG) as engine:
+        got = engine.run(prompts, outputs)
+        its = list(engine.iterations)
+    assert [f.tokens for f in got] == reference(CFG, prompts, outputs)
+    for f, n in zip(got, outputs):
+        assert len(f.token_s) == n and f.token_s == sorted(f.token_s) and f.queued_s <= f.started_s <= f.token_s[0]
+    # every prompt token is computed once and every output token but the last is fed back once
+    assert sum(q for it in its for _, q in it.batch) == sum(len(p) for p in prompts) + sum(n - 1 for n in outputs)
+    assert all(sum(q for _, q in it.batch) <= CFG.max_batch_tokens and it.duration_s > 0 for it in its)
+    assert max(len(it.batch) for it in its) > 1  # requests shared iterations
+    # a prompt over the budget is prefilled in chunks, each after the one before
+    chunks = [b for it in its for b in it.batch if b[1] > 1 and b[0] > 0]
+    assert chunks and all(c < 140 for c, _ in chunks)
+
+
+def test_engine_refuses_what_it_cannot_run():
+    from flexmesh.serve.engine.engine import Engine
+
+    with Engine(EngineConfig(model="tiny", num_blocks=128, page_size=16)) as engine:
+        for prompt, n, match in (([], 3, "prompt is empty"), ([1, 4096], 3, "not a token id"),
+                                 ([1] * 4000, 200, "exceed the model's 4096 positions"),
+                                 ([1] * 2000, 100, "KV cache of 2048 tokens")):
+            with pytest.raises(ServeError, match=match):
+                engine.check(prompt, n)
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fleet_tokens_equal_generate_through_the_router(tmp_path):
+    pytest.importorskip("aiohttp")
+    import aiohttp
+
+    from flexmesh.serve.engine.fleet import fetch_iterations, running_fleet
+    from flexmesh.serve.metrics import read_records
+
+    prompts = [prompt_ids(i, n, 4096) for i, (n, _) in enumerate(LENGTHS)]
+    outputs = [o for _, o in LENGTHS]
+    records = tmp_path / "requests.jsonl"
+
+    async def main():
+        async with running_fleet(CFG, 2, tmp_path / "logs", records=records) as (url, engines):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+                async def one(i):
+                    async with s.post(f"{url}/v1/completions", headers={"X-Request-Id": str(i)},
+                                      json={"prompt": prompts[i], "max_tokens": outputs[i], "temperature": 0}) as r:
+                        assert r.status == 200, await r.text()
+                        return await r.json()
+
+                answers = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+                async with s.get(f"{url}/health") as r:
+                    health = await r.json()
+                its = [await fetch_iterations(s, e.url) for e in engines]
+            pids = [e.proc.pid for e in engines]
+        return answers, health, its, pids, engines
+
+    answers, health, its, pids, engines = asyncio.run(main())
+    assert [a["choices"][0]["token_ids"] for a in answers] == reference(CFG, prompts, outputs)
+    assert health["sent"] == [2, 2] and health["down"] == []  # round robin spread them
+    assert sorted(a["replica"] for a in answers) == [0, 0, 1, 1]
+    assert all(a["usage"]["completion_tokens"] == n for a, n in zip(answers, outputs))
+    recs = {r.id: r for r in read_records(records)}
+    assert sorted(recs) == [0, 1, 2, 3]
+    assert all(recs[i].output_tokens == outputs[i] and recs[i].prompt_tokens == len(prompts[i])
+               and 0 <= recs[i].arrival_s <= recs[i].first_token_s <= recs[i].finish_s for i in recs)
+    assert all(its[e] and all(len(it["batch"]) >= 1 for it in its[e]) for e in (0, 1))
+    assert all(e.proc.returncode == 0 for e in engines)  # SIGTERM: a clean exit
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_engine_process_stops_on_sigterm_and_sigint(tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc = subprocess.Popen([sys.executable, "-m", "flexmesh.serve.engine.server", "--config", CFG.to_json(),
+                                 "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env=_env(), cwd=tmp_path)
+        try:
+            line = proc.stdout.readline()
+            assert line.startswith("flexmesh-serve-ready"), line
+            port = json.loads(line.split(" ", 1)[1])["port"]
+            import urllib.request
+
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+                assert json.loads(r.read())["status"] == "ok"
+            proc.send_signal(sig)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_port_in_use_is_one_line(tmp_path):
+    pytest.importorskip("aiohttp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        for cmd in (["-m", "flexmesh", "serve", "run", "--port", str(port), "--engines", "1"],
+                    ["-m", "flexmesh.serve.engine.server", "--port", str(port)]):
+            r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=_env(), timeout=100,
+                               cwd=tmp_path)
+            assert r.returncode == 2, r.stderr
+            lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+            assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "choose another port" in lines[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_an_engine_that_fails_to_start_is_one_line(tmp_path):
+    pytest.importorskip("aiohttp")
+    from flexmesh.serve.engine.fleet import start_engines
+
+    bad = EngineConfig(model=str(tmp_path / "missing" / "config.json"))
+    with pytest.raises(ServeError) as e:
+        asyncio.run(start_engines(bad, 2, tmp_path / "logs", start_timeout_s=150))
+    msg = str(e.value)
+    assert "\n" not in msg and "failed to start" in msg and "missing" in msg, msg
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path):
+    pytest.importorskip("aiohttp")
+    from flexmesh.serve.metrics import read_records
+
+    records = tmp_path / "served.jsonl"
+    run = subprocess.Popen([sys.executable, "-m", "flexmesh", "serve", "run", "--engines", "2", "--port", "0",
+                            "--kv-blocks", "256", "--requests", str(records), "--logs", str(tmp_path / "logs")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    try:
+        line = run.stdout.readline()
+        assert line.startswith("serving tiny on http://127.0.0.1:"), line + run.stderr.read()
+        url = line.split()[3].removesuffix("/v1/completions")
+        bench = subprocess.run([sys.executable, "-m", "flexmesh", "serve", "bench", "--url", url, "--rate", "4,8",
+                                "--requests", "6", "--context", "256", "--out", str(tmp_path / "bench")],
+                               capture_output=True, text=True, env={**_env(), "COLUMNS": "200"}, timeout=300)
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        assert "TTFT p50" in bench.stdout and "wrote" in bench.stdout
+        for rate in ("4", "8"):
+            recs = read_records(tmp_path / "bench" / f"requests-{rate}.jsonl")
+            assert len(recs) == 6 and all(r.prompt_tokens + r.output_tokens <= 256 for r in recs)
+            assert {r.replica for r in recs} == {0, 1}
+        summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
+        assert [s["rate"] for s in summary] == [4.0, 8.0] and all(not s["failed"] for s in summary)
+        run.send_signal(signal.SIGINT)  # Ctrl-C: the router and both engines stop
+        assert run.wait(timeout=60) == 0, run.stderr.read()
+    finally:
+        if run.poll() is None:
+            run.kill()
+    served = read_records(records)
+    assert len(served) == 12  # the router's own records: every request of both replays
