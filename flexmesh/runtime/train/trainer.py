@@ -15,7 +15,7 @@ of those partial losses: the global mean.
 Data ranks (flexmesh.layout.step): data rank ``dp_index * cp + cp_index``. Each step a schedule
 group of ``g`` consecutive data ranks (an aligned power-of-two run) shards its micro-batches ``g``
 ways, each rank taking a contiguous 1/g slice, over a process group from the pool made at start
-(flexmesh.runtime.parallel.parallelize.ContextGroups); FSDP2 shards weights over all data ranks, so weights
+(flexmesh.runtime.parallel.context.ContextGroups); FSDP2 shards weights over all data ranks, so weights
 never depend on the step's groups.
 
 Precision (``config.dtype``, docs/precision.md): parameters, gradients and AdamW states are fp32
@@ -75,7 +75,7 @@ from flexmesh.layout.pipeline_order import chain_ends, chain_plan, units_from_en
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, StepSchedule
 from flexmesh.runtime.model.carry import KVCarry
-from flexmesh.runtime.model.lora import attach_adapters, tp_sum_replicated
+from flexmesh.runtime.model.lora import attach_adapters
 from flexmesh.runtime.model.loss import GlobalLoss, weighted_cross_entropy
 from flexmesh.runtime.model.packing import (
     PackedBatch,
@@ -85,14 +85,11 @@ from flexmesh.runtime.model.packing import (
     pad_to,
     shard_for_cp,
 )
+from flexmesh.runtime.parallel.adapters import tp_sum_replicated
+from flexmesh.runtime.parallel.context import ContextGroups
 from flexmesh.runtime.parallel.cross_group import CrossGroupGrads
 from flexmesh.runtime.parallel.distributed import clip_grads, compute_device, cpu_group, replica_grad_norm
-from flexmesh.runtime.parallel.parallelize import (
-    ContextGroups,
-    autocast_bf16,
-    build_group_meshes,
-    parallelize,
-)
+from flexmesh.runtime.parallel.parallelize import autocast_bf16, build_group_meshes, parallelize
 from flexmesh.runtime.parallel.pipeline import StageModule, chunks_of_rank, run_pipeline_step, split_stage
 from flexmesh.runtime.parallel.precision import check_dtype
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
@@ -220,7 +217,8 @@ class Trainer:
             root = StageModule(model, compute=partial(autocast_bf16, self.layout, self.config.dtype,
                                                       self.device.type))
             parallelize(model, self.layout, self.mesh, root=root, dtype=self.config.dtype,
-                        compile=bool(self.config.compile), experts_group=self.experts and self.experts.group)
+                        compile=bool(self.config.compile), experts_group=self.experts and self.experts.group,
+                        context=self.cp_groups)
             if weights:
                 from flexmesh.runtime.state.weights import load_hf_safetensors
 
@@ -294,9 +292,9 @@ class Trainer:
         return out
 
     def _set_context(self, group: Group) -> None:
-        cp = self.cp_groups.context(group.ranks, self.data_rank) if self.cp_groups is not None else None
-        for m in self.inner_models():
-            m.set_cp(cp)
+        """Attention over this rank's context-parallel group of the step (flexmesh.runtime.parallel.context)."""
+        if self.cp_groups is not None:
+            self.cp_groups.use(group.ranks, self.data_rank)
 
     def _check_cuts(self, schedule: StepSchedule) -> None:
         """Every cut sequence can be carried where it runs (StepSchedule.check_cuts)."""
