@@ -26,9 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.mesh import group_layout
-from flexmesh.layout.plan import Plan
+from flexmesh.errors import ScheduleError
 from flexmesh.layout.step import Piece, StepSchedule
 from flexmesh.runtime.model.lora import adapter_parameters, attach_adapters, init_adapters
 from flexmesh.runtime.model.loss import weighted_cross_entropy
@@ -41,17 +39,6 @@ from flexmesh.runtime.train.config import TrainConfig, lr_schedule_factor
 from flexmesh.runtime.train.parts import TrainingPart
 from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.tasks import TaskSet
-
-
-def check_task_layout(tasks: TaskSet | None, plan: Plan) -> None:
-    """Adapters run under data parallelism, FSDP2/ZeRO and context parallelism, and replica groups of
-    different layouts, tensor parallelism; not yet over pipeline stages."""
-    for g in plan.groups if tasks is not None else ():
-        lay = group_layout(g)
-        if lay.pp > 1:
-            raise PlanError(f"LoRA tasks train under data parallelism, ZeRO/FSDP2, tensor and context parallelism "
-                            f"and replica groups, not yet over pipeline stages (plan {plan.layout!r} has pp "
-                            f"{lay.pp}): make the plan with `flexmesh plan --tasks`, which keeps to pp 1")
 
 
 def doc_tasks(docs: Sequence[np.ndarray], tasks: TaskSet) -> np.ndarray:

@@ -110,7 +110,7 @@ from flexmesh.runtime.train.memory import SavedActivationMeter
 from flexmesh.runtime.train.parts import TrainingPart, first_answer
 from flexmesh.runtime.train.step_clock import Marks, gathered_step, update
 from flexmesh.runtime.train.stragglers import ComputeClock
-from flexmesh.runtime.train.task_training import TaskTraining, check_task_layout
+from flexmesh.runtime.train.task_training import TaskTraining
 from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.tasks import TaskSet
 
@@ -161,7 +161,6 @@ class Trainer:
                                      self.place.tp if mine else None)
                 self.cp_groups = pool if mine else self.cp_groups
         self.cross = CrossGroupGrads(plan) if self.several else None
-        check_task_layout(tasks, plan)
         # The run's features as parts (flexmesh.runtime.train.parts): LoRA tasks, whose adapters train on a
         # frozen base; experts, whose process groups, placements and loads it keeps (collective to make).
         self.parts: list[TrainingPart] = [part for part in (
