@@ -52,7 +52,7 @@ class AttentionCore(Protocol):
     tokens, the row's documents, the layer's window, the micro-batch's carried keys and values (None
     without a cut document) and the layer's index (the carry's key). :func:`attend` is one."""
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: "torch.Tensor | Documents",
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: "torch.Tensor | Documents",
                  window: int | None = None, carry: CarryView | None = None, layer: int = 0) -> torch.Tensor: ...
 
 

@@ -71,7 +71,7 @@ class CarryView:
         self._read: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # detached store: what this micro-batch put, attached, per (seq_id, layer) and per (seq_id, start, layer)
         self._own: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._put: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._put: dict[tuple[int, int, int], _Kept] = {}
 
     def prefix(self, piece: Piece, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values of tokens ``[0, piece.start)`` at ``layer``; the same tensors on every call."""

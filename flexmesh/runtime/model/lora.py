@@ -153,7 +153,7 @@ def attach_adapters(model: nn.Module, spec: ModelSpec, tasks: TaskSet) -> None:
     layers the adapters of ``tasks`` (on the model's device; zeros until :func:`init_adapters`)."""
     tasks.check(spec)
     model.requires_grad_(False)
-    for layer in model.layers.values():
+    for layer in model.get_submodule("layers").children():
         device = next(layer.parameters()).device
         for target in tasks.targets():
             fan_in, fan_out = projection_shape(spec, target)
@@ -170,9 +170,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def adapter_modules(model: nn.Module) -> list[tuple[str, Adapters]]:
-    """(projection name, its Adapters) of every adapted projection of ``model``."""
-    return [(proj, ad) for layer in model.layers.values() for part in (layer.attention, layer.feed_forward)
-            if part.adapters is not None for proj, ad in part.adapters.items()]
+    """(projection name, its Adapters) of every adapted projection of ``model``, in layer order (each
+    held at ``layers.<N>.<attention|feed_forward>.adapters.<projection>``)."""
+    return [(name.rsplit(".", 1)[1], m) for name, m in model.named_modules() if isinstance(m, Adapters)]
 
 
 def adapter_slot(name: str) -> int:

@@ -110,7 +110,8 @@ def piece_label_tokens(doc_length: int, piece: Piece) -> int:
     return piece.length - (1 if piece.end == doc_length else 0)
 
 
-def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece], tasks: Sequence[int] | None = None,
+def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece],
+                    tasks: Sequence[int] | np.ndarray | None = None,
                     task_weights: Sequence[float] | None = None) -> PackedBatch:
     """Lay ``pieces`` of ``docs`` end to end in one row (see the module docstring for an example).
 

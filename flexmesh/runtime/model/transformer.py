@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +125,7 @@ def attention_core(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 # ---- blocks --------------------------------------------------------------------------------------
-def adapted(owner: nn.Module, name: str, x: torch.Tensor, row: Row | None) -> torch.Tensor:
+def adapted(owner: Attention | FeedForward, name: str, x: torch.Tensor, row: Row | None) -> torch.Tensor:
     """Projection ``name`` of ``owner`` applied to ``x``, plus its LoRA adapters' addition where it has
     some (flexmesh.runtime.model.lora) and the row says which task each token belongs to."""
     y = getattr(owner, name)(x)
@@ -311,8 +311,15 @@ class Transformer(nn.Module):
         materialised from meta with ``to_empty`` and then loaded from a checkpoint that has no such
         tensors (Hugging Face weights) must not keep what the allocator handed out."""
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_buffers"):
+            if isinstance(module, MoEFeedForward):
                 module.reset_buffers()
+
+
+def blocks(model: Transformer) -> dict[str, TransformerBlock]:
+    """``model``'s decoder blocks by name (``"0"``.. ; a pipeline stage holds its own), activation
+    checkpointing's wrapper looked through: the modules parallelism splits and installs into."""
+    return {name: cast(TransformerBlock, getattr(block, "_checkpoint_wrapped_module", block))
+            for name, block in model.layers.items()}
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta",

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import Layout, aligned_blocks, context_kind, global_rank, group_cp_kind
 from flexmesh.runtime.model.attention import Documents, as_documents, attend, check_shapes, document_causal_mask
 from flexmesh.runtime.model.carry import CarryView, prefix_attention
+from flexmesh.runtime.model.transformer import Transformer, blocks
 from flexmesh.spec.model import ModelSpec
 
 
@@ -307,17 +307,17 @@ class ContextParallelAttention:
     def __init__(self, cp: CPContext | None = None) -> None:
         self.cp = cp
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: "torch.Tensor | Documents",
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: "torch.Tensor | Documents",
                  window: int | None = None, carry: CarryView | None = None, layer: int = 0) -> torch.Tensor:
-        return context_attend(q, k, v, docs, self.cp, window, carry, layer)
+        return context_attend(q, k, v, cu_seqlens, self.cp, window, carry, layer)
 
 
-def apply_context_parallel(model: nn.Module, attention: ContextParallelAttention | None = None
+def apply_context_parallel(model: Transformer, attention: ContextParallelAttention | None = None
                            ) -> ContextParallelAttention:
     """Install ``attention`` (default: a new one, over no group until its ``cp`` is set) as the attention
     core of every layer of ``model`` (a Transformer or a pipeline stage of one); returns it."""
     core = attention if attention is not None else ContextParallelAttention()
-    for block in model.layers.values():
+    for block in blocks(model).values():
         block.attention.core = core
     return core
 
@@ -386,7 +386,7 @@ class ContextGroups:
         return CPContext(kind=self.kind_for(size), group=self._groups[(start, size)], rank=data_rank - start,
                          size=size)
 
-    def apply(self, model: nn.Module) -> None:
+    def apply(self, model: Transformer) -> None:
         """Make the pool's attention the core of every attention layer of ``model`` (a model chunk)."""
         apply_context_parallel(model, self.attention)
 

@@ -43,6 +43,7 @@ from flexmesh.layout.mesh import MESH_AXES, Layout, group_layout
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.strategy import Recompute
 from flexmesh.runtime.model.moe import MoEFeedForward
+from flexmesh.runtime.model.transformer import Transformer, blocks
 from flexmesh.runtime.parallel.context import ContextGroups
 from flexmesh.runtime.parallel.precision import check_dtype
 from flexmesh.spec.model import ModelSpec
@@ -89,7 +90,7 @@ def build_group_meshes(plan: Plan, device_type: str = "cpu") -> list[DeviceMesh]
 
 
 # ---- tensor + sequence parallel ------------------------------------------------------------------
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style column/row split of every block, with sequence parallel norms.
 
     Between blocks the residual stream is a plain tensor holding this rank's 1/tp slice of the
@@ -115,7 +116,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if root:
         parallelize_module(model, tp_mesh, root)
-    for block in model.layers.values():
+    for block in blocks(model).values():
         if block.attention.q_norm is not None:
             # Qwen3's per-head q/k norms see this rank's heads only: as replicated DTensors over a
             # head-sharded input (dim 2) their weight gradients are summed over the tp ranks.
@@ -164,7 +165,7 @@ def recompute_mode(value: Recompute | bool) -> Recompute:
     return Recompute(value)
 
 
-def apply_ac(model: nn.Module, recompute: tuple[Recompute | bool, ...]) -> None:
+def apply_ac(model: Transformer, recompute: tuple[Recompute | bool, ...]) -> None:
     """Recompute what the plan says per block (``recompute`` is indexed by global layer number).
 
     ``full``: the whole block is wrapped in activation checkpointing. ``selective``: only the
@@ -179,11 +180,11 @@ def apply_ac(model: nn.Module, recompute: tuple[Recompute | bool, ...]) -> None:
             # preserve_rng_state off: the blocks draw no random numbers (no dropout)
             model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
         elif mode is Recompute.SELECTIVE:
-            model.layers[name].attention.recompute_core = True
+            blocks(model)[name].attention.recompute_core = True
 
 
 # ---- compilation -----------------------------------------------------------------------------------
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: Transformer) -> None:
     """``torch.compile`` each block's forward, in place (torchtitan compiles per block too).
 
     The block's own forward is compiled, not the module call: the FSDP2 and checkpointing wrappers
@@ -194,13 +195,12 @@ def apply_compile(model: nn.Module) -> None:
     Shapes are static on the first micro-batch and dynamic from the first row of another length on
     (one recompilation).
     """
-    for block in model.layers.values():
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        inner.forward = torch.compile(inner.forward)
+    for inner in blocks(model).values():
+        inner.forward = torch.compile(inner.forward)  # type: ignore[method-assign]  # in place, on purpose (doc)
 
 
 # ---- data parallel (FSDP2) -----------------------------------------------------------------------
-def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None,
+def apply_data_parallel(model: Transformer, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None,
                         dtype: str = "fp32", ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP2 per block then the root; ZeRO 0 replicates with FSDP2's replicate over the same mesh.
 
@@ -226,15 +226,16 @@ def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, roo
                         ignored_params=ignored)
         fully_shard(root if root is not None else model, mesh=dmesh, reshard_after_forward=False, mp_policy=mp,
                     ignored_params=ignored)
+    from torch.distributed.fsdp import FSDPModule
+
     for m in (root if root is not None else model).modules():
-        if hasattr(m, "set_gradient_divide_factor"):
+        if isinstance(m, FSDPModule):  # fully_shard's and replicate's modules alike
             m.set_gradient_divide_factor(1.0)
-        if hasattr(m, "set_force_sum_reduction_for_comms"):
             # plain SUM collectives: gloo has no pre-multiplied sum, and NCCL copies SUM zero-copy
             m.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
+def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
                 dtype: str = "fp32", compile: bool = False, experts_group=None,  # noqa: ANN001
                 context: ContextGroups | None = None) -> nn.Module:
     """CP -> TP(+SP) -> activation checkpointing -> compile -> expert parallelism -> FSDP2, in place.

@@ -33,6 +33,7 @@ from torch import nn
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import ReplicaGroup, StagePlan
+from flexmesh.runtime.model.transformer import Transformer
 
 if TYPE_CHECKING:  # only for annotations: pipelining is imported when a pipeline is built
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -49,7 +50,7 @@ class StageModule(nn.Module):
     flexmesh.runtime.parallel.parallelize.autocast_bf16); backward and the loss run outside it.
     """
 
-    def __init__(self, model: nn.Module, compute: Callable[[], AbstractContextManager] = nullcontext):
+    def __init__(self, model: Transformer, compute: Callable[[], AbstractContextManager] = nullcontext):
         super().__init__()
         self.model = model
         self.compute = compute
@@ -73,7 +74,7 @@ class StageModule(nn.Module):
             return self.model(x, batch) if labels is None else self.model(x, batch, labels)
 
 
-def split_stage(model: nn.Module, start: int, end: int, first: bool, last: bool) -> nn.Module:
+def split_stage(model: Transformer, start: int, end: int, first: bool, last: bool) -> Transformer:
     """Keep layers [start, end) of a full model (in place) and the ends this stage owns."""
     for name in list(model.layers.keys()):
         if not start <= int(name) < end:

@@ -97,7 +97,9 @@ def step_dir_name(step: int) -> str:
 
 def _rng_state() -> dict:
     # numpy's key array becomes a tensor: rank files hold only what weights_only=True may read.
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)  # the legacy form: (kind, keys, pos, has_gauss, cached)
+    kind, keys, pos, has_gauss, cached = legacy
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available():
@@ -262,8 +264,10 @@ def _checksums(folder: Path, names: list[str] | None = None) -> dict[str, str]:
     box = [names if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=cpu_group())
     rank, world = dist.get_rank(), dist.get_world_size()
+    every = box[0]
+    assert every is not None  # rank 0's list, broadcast
     mine = {n: _sha256(folder / n) if (folder / n).is_file() else "missing"
-            for i, n in enumerate(box[0]) if i % world == rank}
+            for i, n in enumerate(every) if i % world == rank}
     parts: list = [None] * world
     dist.all_gather_object(parts, mine, group=cpu_group())
     return {k: v for p in parts for k, v in sorted(p.items())}

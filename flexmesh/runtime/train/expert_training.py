@@ -82,14 +82,14 @@ class ExpertTraining(TrainingPart):
         if loaded is not None:  # the layout `flexmesh export` writes back
             self.checkpoint_layout = loaded.expert_layout
 
-    def begin_step(self, docs: Sequence[np.ndarray], schedule: StepSchedule, models: list[nn.Module]) -> None:
+    def begin_step(self, docs: Sequence[np.ndarray], schedule: StepSchedule, models: Sequence[nn.Module]) -> None:
         self.before_step(models, sum(schedule.lengths))
 
-    def after_backward(self, models: list[nn.Module]) -> None:
+    def after_backward(self, models: Sequence[nn.Module]) -> None:
         """What tensor parallelism leaves partial: the router's and shared expert's gradients."""
         tp_sum_shared(models)
 
-    def end_step(self, models: list[nn.Module], owner: bool) -> dict[str, Any]:
+    def end_step(self, models: Sequence[nn.Module], owner: bool) -> dict[str, Any]:
         imbalance, routing, aux = self.after_step(models, self.cpu_group)
         return {"expert_imbalance": imbalance, "routing": routing, "aux_loss": aux}
 
@@ -109,7 +109,7 @@ class ExpertTraining(TrainingPart):
                                            for t in range(lay.tp)])
         return out
 
-    def _all_shares(self, mine: dict[int, torch.Tensor]) -> dict[int, list[float]]:
+    def _all_shares(self, mine: dict[int, torch.Tensor]) -> dict[int, Sequence[float]]:
         """Every MoE layer's checkpointed shares (a rank holds its stage's; one all-reduce gives all),
         {} when the run starts fresh."""
         table = torch.zeros(self.spec.num_layers, self.num_experts, dtype=torch.float64)
@@ -121,11 +121,11 @@ class ExpertTraining(TrainingPart):
         return {layer: table[layer].tolist() for layer in self.moe_layers}
 
     @staticmethod
-    def layers(models: list[torch.nn.Module]) -> dict[int, MoEFeedForward]:
+    def layers(models: Sequence[torch.nn.Module]) -> dict[int, MoEFeedForward]:
         """This rank's MoE layers by global layer number."""
         return {layer: ff for m in models for layer, ff in moe_feed_forwards(m).items()}
 
-    def before_step(self, models: list[torch.nn.Module], tokens: int) -> None:
+    def before_step(self, models: Sequence[torch.nn.Module], tokens: int) -> None:
         """Placements of the step's layers, and the load-balancing loss's weights for its ``tokens`` (the
         global batch's routed tokens: every rank the same weights, whatever it holds)."""
         e = self.num_experts
@@ -148,8 +148,8 @@ class ExpertTraining(TrainingPart):
                 ff.dispatch.set_placement(placements[layer])
                 ff.dispatch.current, ff.dispatch.slots = self.placer.policy == "current", self.slots
 
-    def after_step(self, models: list[torch.nn.Module],
-                   group: dist.ProcessGroup) -> tuple[float, tuple[dict, ...], float | None]:
+    def after_step(self, models: Sequence[torch.nn.Module],
+                   group: dist.ProcessGroup | None) -> tuple[float, tuple[dict, ...], float | None]:
         """Gather the step's loads (collective over every rank), plan the next placement, move the
         balancing biases; (the worst layer's imbalance, the routing rows, the load-balancing loss or
         None without one)."""
@@ -165,7 +165,7 @@ class ExpertTraining(TrainingPart):
             if isinstance(ff.dispatch, ShardedExperts):
                 ff.dispatch.received = None
         dist.all_reduce(table, group=group)
-        loads = {layer: table[layer, :e].tolist() for layer in self.moe_layers}
+        loads: dict[int, Sequence[float]] = {layer: table[layer, :e].tolist() for layer in self.moe_layers}
         aux = None
         if self.aux_loss > 0:  # each rank's part of the loss term, summed (the same on every rank)
             part = torch.tensor([float(sum(ff.aux_value.item() for ff in mine.values()))], dtype=torch.float64)
@@ -179,12 +179,12 @@ class ExpertTraining(TrainingPart):
         placements = self.placer.place()
         rows, worst = [], 1.0
         for layer in self.moe_layers:
-            load, per_rank = loads[layer], table[layer, e:].tolist()
+            counts, per_rank = loads[layer], table[layer, e:].tolist()
             imbalance = max((_ratio([per_rank[r] for r in ranks]) for ranks in self.holders[layer]), default=1.0)
             worst = max(worst, imbalance)
             placed = placements[layer] if self.placer.policy != "current" else None  # placed per micro-batch
-            rows.append({"layer": layer, "expert_tokens": load, "rank_tokens": per_rank, "imbalance": imbalance,
-                         "static_imbalance": static_placement(e, self.ranks).imbalance(load),
+            rows.append({"layer": layer, "expert_tokens": counts, "rank_tokens": per_rank, "imbalance": imbalance,
+                         "static_imbalance": static_placement(e, self.ranks).imbalance(counts),
                          "placement": placed.to_dict() if placed is not None else "current"})
         self.placer.observe(loads)
         if self.balance_rate > 0:

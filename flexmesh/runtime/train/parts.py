@@ -57,7 +57,7 @@ class TrainingPart:
         return None
 
     # ---- each step ---------------------------------------------------------------------------------
-    def begin_step(self, docs: Sequence[np.ndarray], schedule: StepSchedule, models: list[nn.Module]) -> None:
+    def begin_step(self, docs: Sequence[np.ndarray], schedule: StepSchedule, models: Sequence[nn.Module]) -> None:
         """Before the step's first micro-batch (every rank; ``models``: this rank's chunks, maybe none)."""
 
     def pack(self, docs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> PackedBatch | None:
@@ -72,7 +72,7 @@ class TrainingPart:
         """A micro-batch's loss from the model's ``output`` (called on the part that ``owns_loss``)."""
         raise NotImplementedError
 
-    def after_backward(self, models: list[nn.Module]) -> None:
+    def after_backward(self, models: Sequence[nn.Module]) -> None:
         """After the step's last backward on a rank that trains (before gradients leave the replica group)."""
 
     def clip(self, param_groups: list[dict], pp_group: Any, leader: bool, several: bool) -> float | None:
@@ -82,7 +82,7 @@ class TrainingPart:
         ``several``."""
         return None
 
-    def end_step(self, models: list[nn.Module], owner: bool) -> dict[str, Any]:
+    def end_step(self, models: Sequence[nn.Module], owner: bool) -> dict[str, Any]:
         """After the optimizer's step (every rank, collectively): the part's fields of StepMetrics.
         ``owner``: this rank counts its data rank's loss (tp index 0 on the last pipeline stage)."""
         return {}

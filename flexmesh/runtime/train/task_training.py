@@ -116,7 +116,7 @@ class TaskTraining(TrainingPart):
         """Loss weight of a label token of each task: 1 / the task's label tokens in the step."""
         return [1.0 / n if n else 0.0 for n in tokens]
 
-    def begin_step(self, docs: Sequence[np.ndarray], schedule: StepSchedule, models: list[nn.Module]) -> None:
+    def begin_step(self, docs: Sequence[np.ndarray], schedule: StepSchedule, models: Sequence[nn.Module]) -> None:
         self._slots = doc_tasks(docs, self.tasks)
         self.task_tokens = task_label_tokens(docs, schedule, self._slots, len(self.tasks))
         self._weights = self.weights(self.task_tokens)
@@ -137,7 +137,7 @@ class TaskTraining(TrainingPart):
         self.task_loss += per_task.cpu()
         return loss
 
-    def after_backward(self, models: list[nn.Module]) -> None:
+    def after_backward(self, models: Sequence[nn.Module]) -> None:
         tp_sum_replicated(models)  # adapter factors replicated over tp ranks hold partial gradients
 
     def clip(self, param_groups: list[dict], pp_group: Any, leader: bool, several: bool) -> float:
@@ -152,7 +152,7 @@ class TaskTraining(TrainingPart):
             clip_grads(g["params"], t.clip if t.clip is not None else self.config.grad_clip, n)
         return float(sum(n * n for n in norms.tolist()) ** 0.5)
 
-    def end_step(self, models: list[nn.Module], owner: bool) -> dict[str, Any]:
+    def end_step(self, models: Sequence[nn.Module], owner: bool) -> dict[str, Any]:
         """Each task's own mean loss (a part on every data rank, counted once) and the step's loss: their
         mean over the tasks that trained."""
         self.task_loss *= float(owner)

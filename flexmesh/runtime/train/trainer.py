@@ -61,14 +61,18 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import (
+    Layout,
+    Place,
     data_rank_of_ranks,
     data_rank_offsets,
     group_layout,
@@ -90,6 +94,7 @@ from flexmesh.runtime.model.packing import (
     pad_to,
     shard_for_cp,
 )
+from flexmesh.runtime.model.transformer import Transformer, build_model
 from flexmesh.runtime.parallel.context import ContextGroups
 from flexmesh.runtime.parallel.cross_group import CrossGroupGrads
 from flexmesh.runtime.parallel.distributed import clip_grads, compute_device, cpu_group, replica_grad_norm
@@ -152,13 +157,14 @@ class Trainer:
         # every group's mesh, every group's pool of context-parallel groups, the cross-group reductions.
         meshes = build_group_meshes(plan, self.device.type)
         self.mesh = meshes[self.place.group] if self.place is not None else None
-        self.pp_group = self.mesh["pp"].get_group() if lay is not None and lay.pp > 1 else None
-        self.cp_groups = None
+        pipelined = self.mesh is not None and lay is not None and lay.pp > 1
+        self.pp_group = self.mesh["pp"].get_group() if self.mesh is not None and pipelined else None
+        self.cp_groups: ContextGroups | None = None
         for i, g in enumerate(plan.groups):
             if g.data_ranks > 1:
-                mine = self.place is not None and self.place.group == i
-                pool = ContextGroups(group_layout(g), spec, g.ranks, self.place.pp if mine else None,
-                                     self.place.tp if mine else None)
+                mine = self.place if self.place is not None and self.place.group == i else None
+                pool = ContextGroups(group_layout(g), spec, g.ranks, mine.pp if mine else None,
+                                     mine.tp if mine else None)
                 self.cp_groups = pool if mine else self.cp_groups
         self.cross = CrossGroupGrads(plan) if self.several else None
         # The run's features as parts (flexmesh.runtime.train.parts): LoRA tasks, whose adapters train on a
@@ -178,7 +184,7 @@ class Trainer:
         self._cpu_group = cpu_group()
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
-        self.chunks = chunks_of_rank(self.group, self.place.pp) if self.group is not None else []
+        self.chunks = chunks_of_rank(self.group, self.place.pp) if self.group and self.place else []
         self.modules = self._build(weights)
         # An unused device steps an optimizer over nothing it trains (a placeholder keeps AdamW and the
         # LR scheduler, whose states checkpoints and metrics read, the same objects everywhere).
@@ -187,8 +193,8 @@ class Trainer:
         answer = first_answer(self.parts, "optimizer", self.modules)
         groups, lr = answer if answer is not None else ([{"params": self.params}], (
             lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio)))
-        for g in groups:
-            g["params"] = g["params"] or [torch.nn.Parameter(torch.zeros(1))]
+        for param_group in groups:
+            param_group["params"] = param_group["params"] or [torch.nn.Parameter(torch.zeros(1))]
         # One fused kernel on a GPU (the multi-tensor foreach path on CPU); neither across the DTensor
         # meshes tensor parallelism mixes, nor where replica groups of other layouts must make
         # bit-identical updates (the single-tensor path on every rank).
@@ -215,8 +221,6 @@ class Trainer:
 
     # ---- model -----------------------------------------------------------------------------------
     def _build(self, weights: str | None) -> list[StageModule]:
-        from flexmesh.runtime.model.transformer import build_model
-
         if self.group is None:
             return []
         n = len(self.group.stages)
@@ -230,10 +234,10 @@ class Trainer:
             split_stage(model, stage.start, stage.end, first=k == 0, last=k == n - 1)
             for part in self.parts:
                 part.adapt(model)
-            root = StageModule(model, compute=partial(autocast_bf16, self.layout, self.config.dtype,
+            root = StageModule(model, compute=partial(autocast_bf16, self._lay(), self.config.dtype,
                                                       self.device.type))
             options = {key: value for part in self.parts for key, value in part.parallel_options().items()}
-            parallelize(model, self.layout, self.mesh, root=root, dtype=self.config.dtype,
+            parallelize(model, self._lay(), self._mesh(), root=root, dtype=self.config.dtype,
                         compile=bool(self.config.compile), context=self.cp_groups, **options)
             report = None
             if weights:
@@ -247,18 +251,35 @@ class Trainer:
             modules.append(root)
         return modules
 
+    # ---- where this rank runs ----------------------------------------------------------------------
+    def _place(self) -> Place:
+        """This rank's place in the plan; asked only on a rank the plan uses."""
+        assert self.place is not None, "a device the plan leaves unused has no place"
+        return self.place
+
+    def _lay(self) -> Layout:
+        """This rank's replica group's layout; asked only on a rank the plan uses."""
+        assert self.layout is not None, "a device the plan leaves unused has no layout"
+        return self.layout
+
+    def _mesh(self) -> DeviceMesh:
+        assert self.mesh is not None, "a device the plan leaves unused has no mesh"
+        return self.mesh
+
     # ---- data ------------------------------------------------------------------------------------
     @property
     def data_rank(self) -> int:
         """This rank's data rank inside its replica group (``dp_index * cp + cp_index``)."""
-        return self.place.dp * self.layout.cp + self.place.cp if self.place is not None else 0
+        if self.place is None or self.layout is None:
+            return 0
+        return self.place.dp * self.layout.cp + self.place.cp
 
     def _own(self, schedule: StepSchedule) -> tuple[list[Group], Group]:
         """The schedule groups of this rank's replica group in the group's own data-rank numbering, and
         this rank's among them; every group must be an aligned power-of-two run (ScheduleError)."""
         lo = self.data_offset
         own = [dataclasses.replace(g, ranks=tuple(r - lo for r in g.ranks)) if lo else g
-               for g in schedule_parts(self.plan, schedule)[self.place.group]]
+               for g in schedule_parts(self.plan, schedule)[self._place().group]]
         for g in own:
             if self.cp_groups is not None:
                 self.cp_groups.check(g.ranks)
@@ -268,8 +289,8 @@ class Trainer:
         mine = [g for g in own if self.data_rank in g.ranks]
         if len(mine) != 1:
             raise ScheduleError(f"data rank {self.data_rank + lo} appears in {len(mine)} groups; give each data rank "
-                                f"exactly one of {self.layout.data_ranks} data ranks (dp {self.layout.dp} x cp "
-                                f"{self.layout.cp}) of its replica group")
+                                f"exactly one of {self._lay().data_ranks} data ranks (dp {self._lay().dp} x cp "
+                                f"{self._lay().cp}) of its replica group")
         return own, mine[0]
 
     def local_batches(self, docs: Sequence[np.ndarray], own: list[Group], group: Group) -> list[PackedBatch]:
@@ -278,7 +299,7 @@ class Trainer:
 
         The first ``len(group.microbatches)`` hold data; any after them are empty padding.
         """
-        lay = self.layout
+        lay = self._lay()
         cp = group.cp
         count = len(group.microbatches)
         if not self.uneven:
@@ -347,6 +368,7 @@ class Trainer:
         batches: list[PackedBatch] = []
         local_loss: torch.Tensor | float = 0.0
         busy = marks.mark()
+        meter: SavedActivationMeter | None = None  # on metered steps of a rank that trains
         for part in self.parts:
             part.begin_step(docs, schedule, self.inner_models())
         if group is not None:
@@ -364,8 +386,9 @@ class Trainer:
         lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
-        owner = self.place is not None and self.place.tp == 0 and self.place.pp == self.layout.pp - 1
-        peak = float(meter.peak_bytes) if metered and self.place is not None else (0.0 if metered else -1.0)
+        owner = self.place is not None and self.layout is not None and self.place.tp == 0 and \
+            self.place.pp == self.layout.pp - 1
+        peak = float(meter.peak_bytes) if meter is not None else (0.0 if metered else -1.0)
         table, common = gathered_step([float(local_loss) if owner else 0.0, marks.seconds(busy), peak, elapsed,
                                        self.clock.total()], self._cpu_group, schedule, self.device)
         self.step_index += 1
@@ -405,7 +428,7 @@ class Trainer:
         return tuple(0.0 if d is None else float(by_rank.get(d, 0.0)) for d in self.data_of)
 
     def _forward_backward(self, batches: list[PackedBatch], group: Group, marks: Marks,
-                          own: list[Group]) -> tuple[torch.Tensor, object]:
+                          own: list[Group]) -> tuple[torch.Tensor | float, object]:
         """Run the step's micro-batches; returns (this rank's loss, on the device; the mark where its
         own micro-batches were done, read by ``marks.seconds`` after the step).
 
@@ -414,11 +437,11 @@ class Trainer:
         after the busy time is taken. ``own``: the step's groups of this replica group.
         """
         own_count, cp = len(group.microbatches), group.cp
-        if self.layout.pp > 1:
+        if self._lay().pp > 1:
             loss = run_pipeline_step(self, batches, units_from_ends(chain_ends(own, len(batches))))
             return loss, marks.mark()
         root = self.modules[0]
-        sync = hasattr(root, "set_requires_gradient_sync")  # FSDP2 or replicate over the data ranks
+        fsdp = root if isinstance(root, FSDPModule) else None  # FSDP2 or replicate over the data ranks
         # the step's loss summed in float64, as Python floats summed it before it stayed on the device
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         busy = None
@@ -438,27 +461,27 @@ class Trainer:
             chain.append(loss)
             if end:
                 with self.clock.piece() if timed else nullcontext():
-                    sum(chain).backward()
+                    cast(torch.Tensor, sum(chain)).backward()
                 chain.clear()
                 self.carry.clear()
             return loss.detach().double()
 
         if self.uneven:
-            if sync:
+            if fsdp is not None:
                 # Accumulate gradients locally and keep weights gathered: with FSDP2's default
                 # re-shard after each backward, every micro-batch's forward would gather weights over
                 # all data ranks again, and ranks with different counts would wait on each other
                 # forever (seen on torch 2.13 gloo). The step's one weight gather happens in each
                 # rank's first forward, the one reduction in the empty micro-batch below.
-                root.set_requires_gradient_sync(False)
-                root.set_reshard_after_backward(False)
+                fsdp.set_requires_gradient_sync(False)
+                fsdp.set_reshard_after_backward(False)
             for b, end in zip(batches, ends, strict=True):
                 total = total + run(b, end)
             busy = marks.mark()
-            if sync:
-                root.set_requires_gradient_sync(True)
-                root.set_reshard_after_backward(True)
-                empty = self._empty(cp * self.layout.tp)
+            if fsdp is not None:
+                fsdp.set_requires_gradient_sync(True)
+                fsdp.set_reshard_after_backward(True)
+                empty = self._empty(cp * self._lay().tp)
                 if cp > 1:
                     empty = shard_for_cp(empty, self.data_rank - group.ranks[0], cp)
                 total = total + run(empty.to(self.device), timed=False)
@@ -466,8 +489,8 @@ class Trainer:
         for i, b in enumerate(batches):
             if i == own_count:
                 busy = marks.mark()
-            if sync:  # reduce gradients once, after the last micro-batch
-                root.set_requires_gradient_sync(i == len(batches) - 1)
+            if fsdp is not None:  # reduce gradients once, after the last micro-batch
+                fsdp.set_requires_gradient_sync(i == len(batches) - 1)
             total = total + run(b, ends[i], timed=i < own_count)
         return total, busy if busy is not None else marks.mark()
 
@@ -476,7 +499,7 @@ class Trainer:
         """The run's part of class ``kind`` (flexmesh.runtime.train.parts), None when the run has none."""
         return next((part for part in self.parts if isinstance(part, kind)), None)
 
-    def inner_models(self) -> list[torch.nn.Module]:
+    def inner_models(self) -> list[Transformer]:
         return [m.model for m in self.modules]
 
     def state_module(self) -> torch.nn.Module:
