@@ -24,12 +24,10 @@ where FSDP2 wraps the model and under ``torch.autocast`` where it does not
 (flexmesh.runtime.parallel.parallelize.autocast_bf16); gradient reductions and the loss are fp32 (the
 logits are upcast before the cross-entropy).
 
-Micro-batch counts. With pp == 1 and no ZeRO-3 layer, nothing in a micro-batch talks to all data
-ranks once weights are gathered, so each rank runs only its own group's micro-batches with
-gradient sync off and weights kept gathered, then one empty micro-batch (all labels ignored) with
-sync on carries the step's single gradient reduction. ZeRO-3 (weights gathered per micro-batch)
-and pipelines pair collectives per micro-batch, so there every rank runs the step's largest count,
-groups with fewer padded with empty micro-batches.
+Micro-batch counts (flexmesh.runtime.train.accumulate). With pp == 1 and no ZeRO-3 layer each rank
+runs only its own group's micro-batches, then one empty micro-batch carries the step's single
+gradient reduction; ZeRO-3 and pipelines pair collectives per micro-batch, so there every rank runs
+the step's largest count, groups with fewer padded with empty micro-batches.
 
 Replica groups (flexmesh.layout.plan): every group runs the above on a device mesh of its own
 (flexmesh.runtime.parallel.parallelize.build_group_meshes), on its part of the step's schedule (data ranks
@@ -61,13 +59,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import partial
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import (
@@ -108,6 +105,7 @@ from flexmesh.runtime.parallel.pipeline import (
 )
 from flexmesh.runtime.parallel.precision import check_dtype
 from flexmesh.runtime.state.weights import load_hf_safetensors
+from flexmesh.runtime.train.accumulate import run_microbatches
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
 from flexmesh.runtime.train.expert_training import ExpertTraining
 from flexmesh.runtime.train.groups import Chunks, check_emulation, check_runnable
@@ -316,7 +314,7 @@ class Trainer:
         keep = chain_plan(group)[0]
         out = []
         for i in range(count):
-            b = pad_to(packed[i], lengths[i]) if i < len(packed) else self._empty(lengths[i])
+            b = pad_to(packed[i], lengths[i]) if i < len(packed) else self.empty_microbatch(lengths[i])
             if i < len(packed) and (keep[i] or any(p.start > 0 for p in b.segments)):
                 b = dataclasses.replace(b, carry=self.carry.view(b.segments, keep[i]))  # a cut document's piece
             if cp > 1:
@@ -329,7 +327,7 @@ class Trainer:
         packed = first_answer(self.parts, "pack", docs, pieces)
         return packed if packed is not None else pack_microbatch(docs, pieces)
 
-    def _empty(self, length: int) -> PackedBatch:
+    def empty_microbatch(self, length: int) -> PackedBatch:
         """A micro-batch of ``length`` tokens without labels (padding), as a part lays it out or plainly."""
         empty = first_answer(self.parts, "empty", length)
         return empty if empty is not None else empty_batch(length)
@@ -432,67 +430,14 @@ class Trainer:
         """Run the step's micro-batches; returns (this rank's loss, on the device; the mark where its
         own micro-batches were done, read by ``marks.seconds`` after the step).
 
-        The group's ``len(group.microbatches)`` first batches hold data, the rest are padding. On the
-        uneven path one more empty micro-batch of ``cp * tp`` tokens carries the gradient reduction,
-        after the busy time is taken. ``own``: the step's groups of this replica group.
+        The group's ``len(group.microbatches)`` first batches hold data, the rest are padding; under a
+        pipeline its schedule runs them (flexmesh.runtime.parallel.pipeline), else they accumulate
+        (flexmesh.runtime.train.accumulate). ``own``: the step's groups of this replica group.
         """
-        own_count, cp = len(group.microbatches), group.cp
         if self._lay().pp > 1:
             loss = run_pipeline_step(self, batches, units_from_ends(chain_ends(own, len(batches))))
             return loss, marks.mark()
-        root = self.modules[0]
-        fsdp = root if isinstance(root, FSDPModule) else None  # FSDP2 or replicate over the data ranks
-        # the step's loss summed in float64, as Python floats summed it before it stayed on the device
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        busy = None
-        # A chain of micro-batches linked by a cut document runs all its forwards, then one backward of
-        # their summed loss (flexmesh.runtime.model.carry); ranks in lockstep end chains at the same places.
-        ends = chain_ends([group] if self.uneven else own, len(batches))
-        chain: list[torch.Tensor] = []
-
-        def run(b: PackedBatch, end: bool = True, timed: bool = True) -> torch.Tensor:
-            # Only this rank's own micro-batches are timed (and stretched when emulating a slow rank):
-            # the empty one carrying the gradient reduction is communication, padding ones no work.
-            with self.clock.piece() if timed else nullcontext():
-                if self.chunked_loss:  # the model's forward ends in the loss (flexmesh.runtime.model.loss)
-                    loss = root(b.tokens, b, labels=b.labels) / self.loss_fn.normaliser
-                else:
-                    loss = self.microbatch_loss(root(b.tokens, b), b)
-            chain.append(loss)
-            if end:
-                with self.clock.piece() if timed else nullcontext():
-                    cast(torch.Tensor, sum(chain)).backward()
-                chain.clear()
-                self.carry.clear()
-            return loss.detach().double()
-
-        if self.uneven:
-            if fsdp is not None:
-                # Accumulate gradients locally and keep weights gathered: with FSDP2's default
-                # re-shard after each backward, every micro-batch's forward would gather weights over
-                # all data ranks again, and ranks with different counts would wait on each other
-                # forever (seen on torch 2.13 gloo). The step's one weight gather happens in each
-                # rank's first forward, the one reduction in the empty micro-batch below.
-                fsdp.set_requires_gradient_sync(False)
-                fsdp.set_reshard_after_backward(False)
-            for b, end in zip(batches, ends, strict=True):
-                total = total + run(b, end)
-            busy = marks.mark()
-            if fsdp is not None:
-                fsdp.set_requires_gradient_sync(True)
-                fsdp.set_reshard_after_backward(True)
-                empty = self._empty(cp * self._lay().tp)
-                if cp > 1:
-                    empty = shard_for_cp(empty, self.data_rank - group.ranks[0], cp)
-                total = total + run(empty.to(self.device), timed=False)
-            return total, busy
-        for i, b in enumerate(batches):
-            if i == own_count:
-                busy = marks.mark()
-            if fsdp is not None:  # reduce gradients once, after the last micro-batch
-                fsdp.set_requires_gradient_sync(i == len(batches) - 1)
-            total = total + run(b, ends[i], timed=i < own_count)
-        return total, busy if busy is not None else marks.mark()
+        return run_microbatches(self, batches, group, marks, own, self._lay().tp)
 
     # ---- state for checkpoints -------------------------------------------------------------------
     def part(self, kind: type[P]) -> P | None:
