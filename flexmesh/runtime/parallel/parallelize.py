@@ -44,6 +44,7 @@ from flexmesh.layout.plan import Plan
 from flexmesh.layout.strategy import Recompute
 from flexmesh.runtime.model.moe import MoEFeedForward
 from flexmesh.runtime.model.transformer import Transformer, blocks
+from flexmesh.runtime.parallel.adapters import shard_adapters
 from flexmesh.runtime.parallel.context import ContextGroups
 from flexmesh.runtime.parallel.precision import check_dtype
 from flexmesh.spec.model import ModelSpec
@@ -254,8 +255,6 @@ def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh, root: nn.M
     if context is not None:
         context.apply(model)
     if layout.tp > 1:
-        from flexmesh.runtime.parallel.adapters import shard_adapters
-
         apply_tp(model, mesh["tp"])
         shard_adapters(model, mesh["tp"])  # LoRA adapters, where the model carries some
     if any(recompute_mode(r) is not Recompute.NONE for r in layout.recompute):
