@@ -180,9 +180,9 @@ def cp_model_check(rank: int, world: int, spec: Any, plain: Any = None) -> None:
     import torch.nn.functional as F
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.model.attention import CPContext
     from flexmesh.runtime.model.packing import pack_microbatch, pad_to_multiple, shard_for_cp
     from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.parallel.context import ContextParallelAttention, CPContext, apply_context_parallel
 
     def loss_of(model: Any, batch: Any, count: int) -> Any:
         return F.cross_entropy(model(batch.tokens, batch)[0], batch.labels[0], reduction="sum") / count
@@ -198,7 +198,7 @@ def cp_model_check(rank: int, world: int, spec: Any, plain: Any = None) -> None:
     mine = shard_for_cp(full, rank, world)
     for kind in ("ulysses", "ring"):
         model = build_model(spec, "cpu")
-        model.set_cp(CPContext(kind, dist.group.WORLD, rank, world))
+        apply_context_parallel(model, ContextParallelAttention(CPContext(kind, dist.group.WORLD, rank, world)))
         loss = loss_of(model, mine, full.num_label_tokens)
         loss.backward()
         total = loss.detach().clone()

@@ -326,7 +326,7 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.model.attention import CPContext, attend
+    from flexmesh.runtime.parallel.context import CPContext, context_attend
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -341,7 +341,7 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
         for dtype, autocast in ((torch.bfloat16, True), (torch.float32, False)):
             mine = [x[:, :, sl].to(dtype).requires_grad_() for x in (q, k, v)]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = attend(*mine, cu, cp)
+                out = context_attend(*mine, cu, cp)
             grads.append(torch.autograd.grad(out, mine, dout[:, :, sl].to(dtype)))
             outs.append(out)
         assert outs[0].dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads[0])
