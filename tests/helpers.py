@@ -171,6 +171,39 @@ def flexmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def flexmesh_here(*args: str) -> subprocess.CompletedProcess:
+    """``flexmesh *args`` in this process (flexmesh.cli.main), returned as :func:`flexmesh` returns it,
+    without a child's start-up (a Python with torch: seconds of CPU each). For commands that stop before
+    anything trains or launches (refusals, one-line errors): what the command put in the environment
+    and any process group it started are undone, so the next test starts from the same state. An
+    exception main() lets through is a traceback on stderr and exit 1, as in a child process."""
+    import contextlib
+    import io
+    import traceback
+
+    from flexmesh.cli import main
+
+    saved = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 1
+            except Exception:
+                err.write(traceback.format_exc())
+                code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return subprocess.CompletedProcess(["flexmesh", *args], code, out.getvalue(), err.getvalue())
+
+
 def cp_model_check(rank: int, world: int, spec: Any, plain: Any = None) -> None:
     """Inside a gloo worker: the whole model under Ulysses and under ring context parallelism gives
     the loss and gradients of one process on three packed documents (1e-5). With ``plain`` (a spec

@@ -21,6 +21,7 @@ from helpers import (
     STEPS,
     assert_golden,
     flexmesh,
+    flexmesh_here,
     launch,
     reference_training,
     tiny_spec,
@@ -288,7 +289,9 @@ POLICY_ONLY = ("dispatch on an unpriced cluster",)  # found in the ranks: one pr
 
 
 # A bad plan file fails in the launcher too, before any rank starts; a replica mixing tp degrees is
-# found once the model is known (in the ranks), so it is checked in a single process only.
+# found once the model is known (in the ranks), so it is checked in a single process only. The command
+# runs in the test's process (a child's start-up costs more than the check): a launcher that let the plan
+# through would start ranks whose errors do not reach the captured output, and fail the test.
 @pytest.mark.parametrize(("bad", "nproc"), [(b, n) for b in sorted(BAD_PLANS) for n in (None, "3")
                                             if not ((b == "tp mixed in a replica" or b in POLICY_ONLY) and n)])
 def test_bad_plan_of_replica_groups_is_one_line_error(tmp_path, bad, nproc):
@@ -297,8 +300,8 @@ def test_bad_plan_of_replica_groups_is_one_line_error(tmp_path, bad, nproc):
     policy = ["--policy", change.pop("policy")] if "policy" in change else []
     plan = _cli_plan(tmp_path, **change)
     launch_flags = ["--nproc", nproc] if nproc else []
-    proc = flexmesh("train", *launch_flags, *policy, "--plan", str(plan), "--corpus", str(tmp_path / "corpus"),
-                    "--max-steps", "1", "--out", str(tmp_path / "run"), "--no-progress", timeout=120)
+    proc = flexmesh_here("train", *launch_flags, *policy, "--plan", str(plan), "--corpus", str(tmp_path / "corpus"),
+                         "--max-steps", "1", "--out", str(tmp_path / "run"), "--no-progress")
     err = proc.stderr.strip()
     assert proc.returncode == 2, err[-3000:]
     assert "Traceback" not in err and err.count("error:") == 1, err[-3000:]  # one message (rich may wrap it)

@@ -231,11 +231,11 @@ def test_a_paying_migration_writes_the_plan_and_the_request(tmp_path, monkeypatc
 
 
 def test_migrate_needs_the_launcher(tmp_path):
-    from helpers import flexmesh
+    from helpers import flexmesh_here
 
     cfg, corpus, _ = write_inputs(tmp_path, world=2)
-    done = flexmesh("train", "--plan", str(_plan(tmp_path, cfg)), "--corpus", str(corpus), "--max-steps", "1",
-                    "--out", str(tmp_path / "o"), "--migrate")
+    done = flexmesh_here("train", "--plan", str(_plan(tmp_path, cfg)), "--corpus", str(corpus), "--max-steps", "1",
+                         "--out", str(tmp_path / "o"), "--migrate")
     assert done.returncode != 0 and "--migrate needs --nproc" in done.stderr
 
 
