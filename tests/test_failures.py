@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh, unlocked, write_inputs
+from helpers import flexmesh, flexmesh_here, unlocked, write_inputs
 
 MARK = "FLEXMESH_TEST_RUN"
 
@@ -109,9 +109,10 @@ def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
     run = Run(inputs, out, "--checkpoint-every", "0")
     try:
         run.wait_steps(2)
-        # A second run into the same folder fails, naming the folder and the holder
-        # (no wall-clock bound: on a loaded machine the launcher's start-up alone took 56 s).
-        second = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "3", timeout=180)
+        # A second launcher into the same folder fails before starting a rank (in this process: one that
+        # went on would start ranks, whose output does not reach what is captured), naming the folder and
+        # the holder.
+        second = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "3")
         said = " ".join(second.stderr.split())
         assert second.returncode == 2 and f"{out} is in use by another run (pid {run.proc.pid})" in said, said
         run.proc.send_signal(signal.SIGTERM)  # preemption
@@ -139,8 +140,7 @@ def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
     assert [r["step"] for r in rows] == list(range(1, done + 1))
 
     # Starting over: refused without --overwrite; with it the old run is moved aside, not deleted.
-    refused = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume",
-                       timeout=60)
+    refused = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume")
     said = " ".join(refused.stderr.split())
     assert refused.returncode == 2 and "already holds a run" in said and "--overwrite" in said, said
     fresh = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume",
@@ -167,9 +167,9 @@ def test_ctrl_c_at_random_moments_stops_every_rank_cleanly_and_the_resumed_losse
     # 60 steps: six attempts of at most ~8 steps each (a first step, <= 1 s of 0.2-0.3 s steps, the stop) leave it
     # unfinished when the last signal comes
     total, flags = 60, ["--checkpoint-every", "1", "--straggler-threshold", "0.99"]
-    whole = inputs["tmp"] / "never-stopped"
-    ran = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(whole), "--max-steps", str(total), *flags,
-                   timeout=600)
+    whole = inputs["tmp"] / "never-stopped"  # not checkpointed either: saving must not change what it trains
+    ran = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(whole), "--max-steps", str(total), *flags[2:],
+                   "--checkpoint-every", "0", timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     reference = [json.loads(ln)["loss"] for ln in (whole / "metrics.jsonl").read_text().splitlines()]
     out, rng = inputs["tmp"] / "interrupted", random.Random(0)
