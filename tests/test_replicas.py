@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import flexmesh
+from helpers import flexmesh_here
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +61,17 @@ def test_ranked_search_finds_the_best_mix_of_all(cost):
     assert ranked.step_s == pytest.approx(best.step_s)
 
 
-@pytest.mark.slow
 def test_plan_replicas_cli(tmp_path):
     job = tmp_path / "jobs.toml"
     job.write_text('[[task]]\nname = "chat"\nlengths = "wikipedia"\nrank = 8\nalpha = 16\ntargets = ["q_proj"]\n'
                    'batch = 16\n\n[[task]]\nname = "long"\nlengths = "prolong"\nrank = 8\nalpha = 16\n'
                    'targets = ["q_proj"]\nbatch = 8\n')
-    proc = flexmesh("plan", "--model", "llama2-7b", "--cluster", "4xA100-40GB", "--tasks", str(job), "--replicas",
-                    "--seq-len", "8192", "--json")
+    proc = flexmesh_here("plan", "--model", "llama2-7b", "--cluster", "4xA100-40GB", "--tasks", str(job), "--replicas",
+                         "--seq-len", "8192", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert sum(r["devices"] * r["replicas"] for r in out["mix"]) == 4
     assert max(r["max_tokens"] for r in out["mix"]) >= 8192
     assert out["single"] and out["step_s"] > 0
-    proc = flexmesh("plan", "--model", "llama2-7b", "--cluster", "4xA100-40GB", "--replicas")
+    proc = flexmesh_here("plan", "--model", "llama2-7b", "--cluster", "4xA100-40GB", "--replicas")
     assert proc.returncode != 0 and "give --tasks" in proc.stderr
