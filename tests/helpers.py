@@ -1,9 +1,10 @@
 """What several test files share: the tiny model, its training settings and hand-built steps, the
-torchrun launcher for worker scripts, and the inputs of a `flexmesh train` run.
+launcher of worker scripts (ranks forked from the test process), the inputs of a `flexmesh train` run
+and three ways to run the command: a child process, forked ranks, or this process.
 
 A plain module (no ``test_`` prefix, so pytest collects no tests from it); test files import it as
 ``helpers``: pytest puts this folder on ``sys.path`` (see conftest.py), and a test file run as a
-torchrun worker script has its own folder there.
+worker script has its own folder there.
 """
 
 from __future__ import annotations
@@ -121,24 +122,25 @@ def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED, c
     return out
 
 
-def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240,
-           fresh: bool = False) -> subprocess.CompletedProcess:
-    """Run ``script`` (a test file that is also its worker: ``python script *args``) as ``nproc`` ranks of
-    one torch.distributed world and return what they printed, as torchrun's CompletedProcess would
-    (returncode: the first failing rank's, else 0; stdout and stderr: every rank's, in rank order).
+def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240, fresh: bool = False,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` (a test file that is also its worker: ``python script *args``; or ``-m MODULE``) as
+    ``nproc`` ranks of one torch.distributed world and return what they printed, as torchrun's
+    CompletedProcess would (returncode: the first failing rank's, else 0; stdout and stderr: every
+    rank's, in rank order).
 
     The ranks are forked from this process, where torch and flexmesh are imported already: a rank
     starts in milliseconds, where a fresh one imported torch for seconds (with torchrun's own start,
     most of a short multi-process test's time). Each gets torchrun's variables (RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR and MASTER_PORT at a free port, ...), one intra-op thread, its output in
-    files of its own, runs ``script`` as ``__main__`` and leaves by ``os._exit``. A rank that fails
-    takes the others down, as torchrun does; past ``timeout`` every rank is killed and
-    subprocess.TimeoutExpired raised. ``fresh`` (or a process group or CUDA already started here, which
-    a fork cannot share) runs torchrun instead: for workers that must not inherit this process's state
-    (compiled graphs and the compiler's worker processes)."""
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT at a free port, ...), ``env`` added to this process's
+    variables, one intra-op thread, its output in files of its own, runs ``script`` as ``__main__``
+    and leaves by ``os._exit``. A rank that fails takes the others down, as torchrun does; past
+    ``timeout`` every rank is killed and subprocess.TimeoutExpired raised. ``fresh`` (or a process
+    group or CUDA already started here, which a fork cannot share) runs torchrun instead: for workers
+    that must not inherit this process's state (compiled graphs and the compiler's worker processes)."""
     import torch
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     if fresh or _started_here(torch):
         from flexmesh.runtime.launch import run_torchrun
 
@@ -207,7 +209,8 @@ def _started_here(torch: Any) -> bool:
 
 
 def _rank_main(rank: int, world: int, port: int, script: str, args: list[str], env: dict, logs: Path) -> None:
-    """A forked rank of :func:`launch`: torchrun's variables, output to ``logs``, ``script`` as ``__main__``."""
+    """A forked rank of :func:`launch`: torchrun's variables, output to ``logs``, ``script`` (a file, or
+    ``-m MODULE``) as ``__main__``."""
     import io
     import runpy
     import traceback
@@ -228,8 +231,12 @@ def _rank_main(rank: int, world: int, port: int, script: str, args: list[str], e
         import torch
 
         torch.set_num_threads(1)
-        sys.argv = [script, *args]
-        runpy.run_path(script, run_name="__main__")
+        if script.startswith("-m "):  # python -m MODULE *args
+            sys.argv = [script[3:], *args]
+            runpy.run_module(script[3:], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -283,6 +290,16 @@ def flexmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "flexmesh", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def flexmesh_ranks(nproc: int, *args: str, timeout: float = 240,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The ranks of ``torchrun --nproc-per-node nproc -m flexmesh *args`` forked from this process
+    (:func:`launch`), without the ``--nproc`` launcher or torchrun: for runs a test needs the results of
+    (checkpoints to export, metrics to compare) rather than the launcher's own behaviour, which the tests
+    of `flexmesh train --nproc` check. Rank 0 holds the output folder itself, as under plain torchrun;
+    ``nproc`` 1 is a single-process run; ``env``: variables added to this process's."""
+    return launch(nproc, list(args), script="-m flexmesh", timeout=timeout, env=env)
 
 
 def flexmesh_here(*args: str) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import flexmesh, flexmesh_here, spawn, write_inputs
+from helpers import flexmesh_here, flexmesh_ranks, spawn, write_inputs
 
 from flexmesh.runtime.launch import free_port
 
@@ -66,12 +66,12 @@ def run(tmp_path_factory) -> dict:
     cfg, _, plan = write_inputs(tmp, 1)
     job = write_tasks(tmp)
     out = tmp / "run"
-    proc = flexmesh("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(job), "--max-steps", "3",
-                    "--out", str(out), "--no-progress", "--seq-len", "96", timeout=600)
+    proc = flexmesh_ranks(1, "train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(job), "--max-steps",
+                          "3", "--out", str(out), "--no-progress", "--seq-len", "96", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "latest loss" in " ".join(proc.stdout.split()) and "long" in proc.stdout  # the per-task table
     exported = tmp / "export"
-    proc = flexmesh("export", "--checkpoint", str(out), "--out", str(exported), "--model", str(cfg), timeout=300)
+    proc = flexmesh_here("export", "--checkpoint", str(out), "--out", str(exported), "--model", str(cfg))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"tmp": tmp, "cfg": cfg, "plan": plan, "job": job, "out": out, "export": exported,
             "export_line": proc.stdout}

@@ -71,9 +71,9 @@ def worker(tmp: Path) -> None:
         for corpus in ("stdlib", str(tmp / "tiny")):
             for policy in POLICIES:
                 out = tmp / "runs" / f"{Path(corpus).name}-{policy}"
+                # the session's token cache (conftest.py): the standard library is tokenised once, not per launch
                 args = parser.parse_args(["train", "--plan", str(tmp / "plan.json"), "--corpus", corpus, "--out",
-                                          str(out), "--max-steps", str(STEPS), "--policy", policy, "--no-progress",
-                                          "--cache-dir", str(tmp / "cache")])
+                                          str(out), "--max-steps", str(STEPS), "--policy", policy, "--no-progress"])
                 plan = load_plan(args.plan)
                 spec = parse_model(plan.model)
                 schedule_fn = train._scheduler(args, plan, spec, policy)
