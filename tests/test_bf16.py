@@ -273,17 +273,18 @@ def test_resume_in_another_dtype_is_allowed_and_recorded(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_command_runs_bf16(tmp_path):
-    """`flexmesh train --dtype bf16` end to end on 2 ranks (ZeRO-3 and ZeRO-2 layers): the metrics say
-    bf16, and its first loss is within LOSS_RTOL of, but not equal to, the same run's in fp32."""
-    from helpers import flexmesh, write_inputs
+    """`flexmesh train --dtype bf16` on 2 ranks (ZeRO-3 and ZeRO-2 layers; the ranks forked here, as torchrun
+    starts them): the metrics say bf16, and its first loss is within LOSS_RTOL of, but not equal to, the same
+    run's in fp32."""
+    from helpers import flexmesh_ranks, write_inputs
 
     _, corpus, plan = write_inputs(tmp_path, world=2)
     first = {}
     for dtype in ("fp32", "bf16"):
         out = tmp_path / dtype
-        proc = flexmesh("train", "--nproc", "2", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out),
-                        "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--max-steps", "1",
-                        "--dtype", dtype)
+        proc = flexmesh_ranks(2, "train", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out),
+                              "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--max-steps", "1",
+                              "--dtype", dtype)
         assert proc.returncode == 0, proc.stderr[-4000:]
         row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
         assert row["dtype"] == dtype
