@@ -68,7 +68,7 @@ def main() -> None:
 
     from rich.console import Console
 
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
     from flexmesh.report.stragglers import comparison_summary, run_comparison
 
     console = Console(width=max(Console().width, 140))

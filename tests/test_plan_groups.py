@@ -40,7 +40,7 @@ def test_a_version_3_file_reads_as_groups_and_saves_as_version_4(tmp_path):
     assert json.loads(new.read_text())["version"] == 4
     assert load_plan(new) == p
     # the form version 3 wrote comes back, so checkpoints hashed under it match (runtime.checkpoint.plan_hash)
-    back = legacy_dict(p)
+    back = legacy_dict(p.to_dict(), p.version)
     assert back is not None and back["replicas"][1]["stages"][0] == {"layers": [0, 1], "devices": [2],
                                                                        "recompute": "full"}
     assert Plan.from_dict(back) == p
@@ -94,7 +94,7 @@ def test_bad_version_4_plans_name_the_fault(edit, message):
 def test_versions_1_and_2_read_as_one_group_in_rank_order():
     st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp2z0"),) * 2)
     uniform = Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 1, 512, 4, (st,))
-    v2 = legacy_dict(uniform)
+    v2 = legacy_dict(uniform.to_dict(), uniform.version)
     assert v2 is not None and v2["version"] == 2 and v2["pp"] == 1
     v1 = {k: v for k, v in v2.items() if k != "pipeline_schedule"} | {"version": 1, "schedule": "1f1b"}
     for d in (v2, v1, uniform.to_dict()):
@@ -112,7 +112,7 @@ def test_checkpoints_of_an_old_plan_file_match_it_upgraded(tmp_path):
     st = tuple(StagePlan(i, i + 2, (LayerStrategy.parse("tp2-dp1z3"),) * 2) for i in (0, 2))
     uniform = Plan.uniform("tiny", "4xA100-80GB", 4, 2, "1f1b", 4, 512, 8, st)
     old, new = tmp_path / "old.json", tmp_path / "new.json"
-    old.write_text(json.dumps(legacy_dict(uniform)))
+    old.write_text(json.dumps(legacy_dict(uniform.to_dict(), uniform.version)))
     load_plan(old).save(new)
     assert plan_hash(load_plan(old)) == plan_hash(load_plan(new)) == plan_hash(uniform)
     v3 = tmp_path / "v3.json"

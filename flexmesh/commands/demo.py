@@ -92,7 +92,7 @@ def training_plan_file(out: Path, hardware_profile: Path, nproc: int, max_len: i
     from flexmesh.files import write_atomic
     from flexmesh.profile.format import load_profile
     from flexmesh.profile.use import cluster_from_profile
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
 
     cluster = cluster_from_profile(load_profile(hardware_profile, "hardware"), nproc)
     cluster_file = Path(hardware_profile).resolve().parent / "cluster.json"
@@ -110,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
 
     # Imported here, not at the top: the report draws with matplotlib, slow to import, and every
     # `flexmesh` invocation imports this module to build its parser.
-    from flexmesh.report.demo import TRAIN_MODEL, read_metrics, write_report
+    from flexmesh.report.demo import write_report
     from flexmesh.report.experts import MOE_MODEL, demo_experts
+    from flexmesh.report.runs import TRAIN_MODEL, read_metrics
 
     if args.quick:
         args.nproc, args.steps, args.global_batch, args.seq_len, args.sim_steps = 2, 2, 6, 512, 1
@@ -235,7 +236,7 @@ def gpu_run(out: Path, args: argparse.Namespace, gpu_name: str, console) -> dict
     kernel), priced by the GPU's device preset (A100-80GB's where it has none); its metrics rows."""
     from dataclasses import replace
 
-    from flexmesh.report.demo import read_metrics, training_plan
+    from flexmesh.report.runs import read_metrics, training_plan
     from flexmesh.spec.cluster import preset_of_gpu
 
     preset = preset_of_gpu(gpu_name)

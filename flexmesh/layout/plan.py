@@ -45,6 +45,7 @@ from typing import cast
 from flexmesh.errors import PlanError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import PipelineSchedule, choices
+from flexmesh.layout.legacy import upgrade
 from flexmesh.layout.overlap import RUNTIME, Overlap
 from flexmesh.layout.ranks import parse_rank_runs, rank_runs
 from flexmesh.layout.strategy import LayerStrategy, chunk_anchors
@@ -455,9 +456,7 @@ class Plan:
             raise PlanError(f"plan version {version!r} is not supported (this flexmesh reads versions "
                             f"{', '.join(map(str, READABLE_VERSIONS))})")
         if version != PLAN_VERSION:
-            from flexmesh.layout.legacy import from_legacy
-
-            return from_legacy(d)
+            d = upgrade(d)
         known_keys(d, _PLAN_KEYS, "plan", PlanError)
         required = ("model", "cluster", "world_size", "seq_len", "global_batch", "pipeline_schedule", "groups")
         missing = [k for k in required if k not in d]
@@ -470,7 +469,7 @@ class Plan:
                    groups=groups, unused=tuple(whole(x, "unused rank", PlanError, minimum=0)
                                                for x in sequence(d.get("unused", []), "plan unused", PlanError)),
                    predicted=d.get("predicted", {}), cost_source=d.get("cost_source", "preset"),
-                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts,
+                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts, version=version,
                    model_config=None if d.get("model_config") is None
                    else ModelFile.from_dict(d["model_config"], "plan model_config", PlanError))
 

@@ -119,7 +119,7 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, ma
     from flexmesh.files import make_folder
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
-    from flexmesh.report.demo import read_metrics
+    from flexmesh.report.runs import read_metrics
     from flexmesh.runtime.launch import child_env
 
     out = make_folder(out)

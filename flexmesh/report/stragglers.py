@@ -60,7 +60,7 @@ def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int,
     """Train ``plan`` as ``static`` and as ``adaptive`` (see the module doc) into ``out/<label>``; the
     rows of each run's metrics.jsonl. ``slow``: rank -> emulated speed factor (default {1: 0.5});
     ``extra``: further ``flexmesh train`` flags for both runs (profiles, policy, tokenizer)."""
-    from flexmesh.report.demo import read_metrics
+    from flexmesh.report.runs import read_metrics
     from flexmesh.runtime.launch import child_env
 
     slow = dict(slow or {1: 0.5})
@@ -201,7 +201,7 @@ def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, globa
     ``factor``, static against adaptive (:func:`run_comparison`) with the ``balanced`` policy on
     one-rank groups, priced by the demo's profiles, on ``device`` (``flexmesh train --device``); runs go
     to ``out/runs/static`` and ``out/runs/adaptive``."""
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
 
     out = make_folder(out)
     plan_path = out / "plan-2.json"
