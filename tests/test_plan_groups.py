@@ -25,7 +25,7 @@ def _v3_dict() -> dict:
             "unused": [4]}
 
 
-def test_a_version_3_file_reads_as_groups_and_saves_as_version_4(tmp_path):
+def test_a_version_3_file_reads_as_groups_and_saves_as_version_5(tmp_path):
     old = tmp_path / "v3.json"
     old.write_text(json.dumps(_v3_dict()))
     p = load_plan(old)
@@ -37,7 +37,7 @@ def test_a_version_3_file_reads_as_groups_and_saves_as_version_4(tmp_path):
     assert not p.in_rank_order and "ranks 0-1 b8" in p.layout and "[1,4) 3x tp1-dp1z0" in p.layout
     new = tmp_path / "v4.json"
     p.save(new)
-    assert json.loads(new.read_text())["version"] == 4
+    assert json.loads(new.read_text())["version"] == 5
     assert load_plan(new) == p
     # the form version 3 wrote comes back, so checkpoints hashed under it match (runtime.checkpoint.plan_hash)
     back = legacy_dict(p.to_dict(), p.version)
@@ -105,7 +105,7 @@ def test_versions_1_and_2_read_as_one_group_in_rank_order():
 
 
 def test_checkpoints_of_an_old_plan_file_match_it_upgraded(tmp_path):
-    """A checkpoint hashes the plan's older form: the old file and the same plan saved as version 4 agree."""
+    """A checkpoint hashes the plan's older form: the old file and the same plan saved as version 5 agree."""
     pytest.importorskip("torch")
     from flexmesh.runtime.state.checkpoint import plan_hash
 
@@ -120,6 +120,18 @@ def test_checkpoints_of_an_old_plan_file_match_it_upgraded(tmp_path):
     load_plan(v3).save(new)
     assert plan_hash(load_plan(v3)) == plan_hash(load_plan(new))
     assert plan_hash(load_plan(new)) != plan_hash(uniform)
+    # groups neither version 2 nor 3 describes: hashed in version 4's form (no microbatch_tokens), as before
+    st2 = (StagePlan(0, 4, (LayerStrategy.parse("tp1-dp2z0"),) * 4),)
+    two = Plan("tiny", "4xA100-80GB", 4, 512, 8, "1f1b", (ReplicaGroup(((0, 1),), st2, 2, 4),
+                                                          ReplicaGroup(((2, 3),), st2, 2, 4)))
+    v4 = legacy_dict(two.to_dict(), two.version)
+    assert v4["version"] == 4 and all("microbatch_tokens" not in g for g in v4["groups"])
+    assert {k: v for k, v in two.to_dict().items() if k not in ("version", "groups")} == \
+        {k: v for k, v in v4.items() if k not in ("version", "groups")}
+    old.write_text(json.dumps(v4))
+    load_plan(old).save(new)
+    assert json.loads(new.read_text())["groups"][0]["microbatch_tokens"] == 2 * 512 // 2
+    assert plan_hash(load_plan(old)) == plan_hash(load_plan(new)) == plan_hash(two)
 
 
 def test_replica_groups_of_a_uniform_plan_follow_the_rank_order():

@@ -10,9 +10,11 @@ the plan (:func:`legacy_dict`, which checkpoints hash).
   group per replica: block ``p`` the devices of stage ``p``, every layer ``tp<devices>-dp1z0`` with
   the stage's recomputation, priced with TP communication overlapped (:data:`FASTEST`, what version-3
   plans were priced with).
+- Version 4: today's form without each group's ``microbatch_tokens`` (derived from the group's fields,
+  so read as it is).
 
 :func:`legacy_dict` goes the other way: the dict an older flexmesh wrote for a plan (version 2 for one
-uniform group, version 3 for replicas of one tp group per stage, else the plan's own). Checkpoints hash
+uniform group, version 3 for replicas of one tp group per stage, else version 4). Checkpoints hash
 that form (flexmesh.runtime.state.checkpoint.plan_hash), so a run written before a newer version
 resumes under its old plan file and under the same plan upgraded.
 
@@ -185,7 +187,7 @@ def legacy_dict(d: dict, version: int) -> dict:
     """The dict an older flexmesh wrote for the plan whose dict (:meth:`Plan.to_dict
     <flexmesh.layout.plan.Plan.to_dict>`) is ``d`` and which was read from a file of ``version``:
     version 2 for one group in the rank order (unless read as version 3 and of its form), version 3
-    for replicas of one tp group per stage, else ``d`` itself."""
+    for replicas of one tp group per stage, else version 4 (``d`` without the groups' ``microbatch_tokens``)."""
     if _in_rank_order(d) and not (version == 3 and _v3_replica_form(d)):
         g = d["groups"][0]
         return {
@@ -196,7 +198,8 @@ def legacy_dict(d: dict, version: int) -> dict:
             "predicted": d["predicted"],
         }
     if not _v3_replica_form(d):
-        return d
+        return {**d, "version": 4, "groups": [{k: v for k, v in g.items() if k != "microbatch_tokens"}
+                                              for g in d["groups"]]}
     return {
         "version": 3, "model": d["model"], "cluster": d["cluster"], "world_size": d["world_size"],
         "seq_len": d["seq_len"], "global_batch": d["global_batch"],
