@@ -108,7 +108,7 @@ def _profiled_plan(tmp_path):
                             "memory_bytes": 8 * 2**30}, dtype="fp32", matmul_flops_per_s={"fp32": 4e10},
                     memory_bytes_per_s=8e9, attention={"fp32": {"flops_per_s": 1e10}},
                     collectives=[CollectiveFit("send_recv", 2, "intra", 4e-5, 5e-10)]).save(hw)
-    plan = training_plan_file(tmp_path, hw, nproc=1, max_len=64, global_batch=2)
+    plan = training_plan_file(tmp_path, hw, nproc=1, seq_len=64, global_batch=2)
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (5 + 7 * i)}) + "\n" for i in range(8)))
     return plan, corpus

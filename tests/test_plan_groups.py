@@ -7,11 +7,17 @@ import json
 
 import pytest
 
+from flexmesh.cli import main
+from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
 from flexmesh.layout.legacy import legacy_dict
 from flexmesh.layout.mesh import layout_from_plan, rank_coords, replica_groups
+from flexmesh.layout.overlap import FASTEST
 from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan, load_plan
+from flexmesh.layout.stack import Stack
 from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.spec.cluster import parse_mixed_cluster
+from flexmesh.spec.model import parse_model
 
 
 def _v3_dict() -> dict:
@@ -171,3 +177,84 @@ def test_a_new_global_batch_scales_the_shares():
     q = p.with_global_batch(24)
     assert [g.share for g in q.groups] == [16, 8] and q.global_batch == 24
     assert all(g.share % g.num_microbatches == 0 for g in q.groups)
+
+
+# ---- plan --check: every plan, one group or several, by the same rules and the same stack flags ----------
+def _two_groups(second: list[tuple[int, int, tuple[int, ...]]]) -> Plan:
+    """llama2-7b on 1x4xH100+1x4xA100-40GB: an H100 group of tp 4, and ``second``'s stages (start, end,
+    devices) on the A100s, every layer of tp ``len(devices)`` recomputed in full."""
+    def group(stages, share):
+        return ReplicaGroup(tuple(d for _, _, d in stages),
+                            tuple(StagePlan(a, b, (LayerStrategy.parse(f"tp{len(d)}-dp1z0-ac"),) * (b - a))
+                                  for a, b, d in stages), 4, share)
+    return Plan("llama2-7b", "1x4xH100+1x4xA100-40GB", 8, 2048, 16, "1f1b",
+                (group([(0, 32, (0, 1, 2, 3))], 8), group(second, 8)), overlap=FASTEST)
+
+
+def test_check_prices_a_plan_of_several_groups_with_the_stack_flags(tmp_path, capsys):
+    path = tmp_path / "groups.json"
+    _two_groups([(0, 16, (4, 5)), (16, 32, (6, 7))]).save(path)
+
+    def checked(*flags: str) -> dict:
+        assert main(["plan", "--check", str(path), "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    runtime, unfused, dropout = checked(), checked("--attention", "unfused"), checked("--dropout")
+    assert unfused["step_time_s"] > runtime["step_time_s"]  # separate kernels over the whole s x s scores
+    peak = [r["peak_memory_gib"] for r in runtime["replicas"]]
+    assert all(d > r for d, r in zip((r["peak_memory_gib"] for r in dropout["replicas"]), peak))  # the masks kept
+    # the same job as a plan of one group is priced by: each device group's cost model assembled alike
+    from flexmesh.cost.training.mixed import MixedCosts
+    from flexmesh.cost.training.stack import with_stack
+    from flexmesh.search.check import check_groups
+
+    model, cluster = parse_model("llama2-7b"), parse_mixed_cluster("1x4xH100+1x4xA100-40GB")
+    costs = MixedCosts(model, cluster, groups=[with_stack(CostModel(model, g), Stack(attention="unfused"))
+                                               for g in cluster.groups])
+    assert check_groups(load_plan(path), model, cluster, costs).step_time == unfused["step_time_s"]
+
+
+def test_check_refuses_an_empty_middle_stage_in_a_plan_of_several_groups(tmp_path, capsys):
+    tp1 = ["tp1-dp1z0"] * 2
+    plan = {"version": 5, "model": "tiny", "cluster": "1x4xH100+1x4xA100-40GB", "world_size": 8, "seq_len": 512,
+            "global_batch": 8, "pipeline_schedule": "1f1b", "unused": [7],
+            "groups": [{"ranks": ["0-3"], "share": 4, "num_microbatches": 1,
+                        "stages": [{"layers": [0, 4], "strategies": ["tp1-dp4z0"] * 4}]},
+                       # three pipeline ranks, the middle one holding no layer
+                       {"ranks": ["4", "5", "6"], "share": 4, "num_microbatches": 2,
+                        "stages": [{"layers": [0, 2], "strategies": tp1}, {"layers": [2, 2], "strategies": []},
+                                   {"layers": [2, 4], "strategies": tp1}]}]}
+    path = tmp_path / "groups.json"
+    path.write_text(json.dumps(plan))
+    assert main(["plan", "--check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "replica group 1: stage 1 has no layers" in err and "lower pp" in err
+    # with a layer in it, the same plan is valid
+    plan["groups"][1]["stages"][1:] = [{"layers": [2, 3], "strategies": tp1[:1]},
+                                       {"layers": [3, 4], "strategies": tp1[:1]}]
+    path.write_text(json.dumps(plan))
+    assert main(["plan", "--check", str(path)]) == 0
+    # as a plan of one group is refused (docs/plan-format.md)
+    st = LayerStrategy.parse("tp1-dp1z0")
+    with pytest.raises(PlanError, match="stage 1 has no layers"):
+        Plan.uniform("tiny", "3xA100-80GB", 3, 3, "1f1b", 1, 512, 3,
+                     (StagePlan(0, 2, (st,) * 2), StagePlan(2, 2, ()), StagePlan(2, 4, (st,) * 2)))
+
+
+def test_check_takes_a_group_whose_data_parallel_ranks_span_nodes():
+    """A group of one device type over two nodes (dp across them, each TP group inside one node), as the
+    mixed search's one-group-per-type plans are, is valid; a TP group across nodes is not."""
+    from flexmesh.search.check import check_groups
+
+    model, cluster = parse_model("llama2-7b"), parse_mixed_cluster("1x8xH100+2x8xA100-40GB")
+
+    def group(ranks, strategy):
+        return ReplicaGroup((tuple(ranks),), (StagePlan(0, 32, (LayerStrategy.parse(strategy),) * 32),), 4, 32)
+
+    ok = Plan("llama2-7b", cluster.label, 24, 4096, 64, "1f1b", (group(range(8), "tp1-dp8z1"),
+                                                                  group(range(8, 24), "tp2-dp8z2")))
+    assert check_groups(ok, model, cluster).step_time > 0
+    across = Plan("llama2-7b", cluster.label, 24, 4096, 64, "1f1b",
+                  (group(range(8), "tp1-dp8z1"), group([*range(8, 15), *range(16, 23), 15, 23], "tp2-dp8z2")))
+    with pytest.raises(PlanError, match=r"TP group on devices \[14, 16\] spans nodes \[1, 2\]"):
+        check_groups(across, model, cluster)

@@ -19,13 +19,13 @@ from flexmesh.commands.args import (
     TASKS_HELP,
     add_stack_args,
     chunk_counts,
-    job_tasks,
     new_file,
     nonempty,
     positive_int,
     seq_len,
     sequences,
     stack_of,
+    tasks_of,
     tokens,
 )
 from flexmesh.commands.experts_args import add_expert_args, experts_of
@@ -39,17 +39,20 @@ from flexmesh.commands.plan_lengths import (
     with_expected,
     workload,
 )
+from flexmesh.commands.plan_replicas import replica_command
+from flexmesh.commands.plan_terms import print_against
 from flexmesh.console import plain_console, styled
 from flexmesh.cost import CostModel, Evaluation
-from flexmesh.cost.training.finetune import with_tasks
+from flexmesh.cost.training.experts import ExpertParallel
 from flexmesh.cost.training.mixed import MixedCosts
-from flexmesh.cost.training.stack import with_stack
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.files import check_file_target
+from flexmesh.job import Job, build_job
 from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
 from flexmesh.layout.stack import RUNTIME_STACK
+from flexmesh.profile.use import LOCAL, cost_model_for
 from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
 from flexmesh.search import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.search.baselines import BaselinePlans, mixed_baselines
@@ -59,7 +62,7 @@ from flexmesh.search.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.devices import FLASH2
-from flexmesh.spec.model import parse_model
+from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.spec.model_file import ModelFile
 from flexmesh.units import GIB
 
@@ -133,9 +136,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check a plan file, or build a SearchRequest from the options, search, and print or write the result."""
-    from flexmesh.profile.use import LOCAL, cost_model_for
-
+    """Check a plan file, or search: the flags resolved once into a Job (flexmesh.job), then the search
+    request built from it; print or write the result."""
     if args.check and (args.lengths or args.tokens_per_batch):
         raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
                         "drop them (flexmesh simulate --plan FILE --lengths ... scores a plan on lengths)")
@@ -153,47 +155,51 @@ def run(args: argparse.Namespace) -> int:
     # --check: the plan's own cluster unless --cluster or a hardware profile says otherwise
     own = loaded.cluster if loaded is not None and args.cluster is None and not args.hardware_profile else None
     try:
-        cost = cost_model_for(spec, args.cluster or own, args.hardware_profile, args.model_profile,
+        base = cost_model_for(spec, args.cluster or own, args.hardware_profile, args.model_profile,
                               default_cluster=DEFAULT_CLUSTER)
     except SpecError as e:
         if own is None:
             raise
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
-    tasks = job_tasks(args, spec)
-    # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters (cost.finetune)
-    cost = with_tasks(with_stack(cost, stack_of(args)), tasks)
-    if cost.model.is_moe:  # how the experts run (flexmesh.cost.training.experts)
-        cost = cost.with_experts(experts_of(args, cost.model, cost.cluster.world_size))
+    tasks = tasks_of(args.tasks, spec)
+    experts = _experts(args, base.model, base.cluster.world_size)
+    # the model in the profiles' dtype when profiles are given (base.model)
     if args.replicas:
-        from flexmesh.commands.plan_replicas import replica_command
-
-        return replica_command(args, cost, tasks)
-    model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
+        if tasks is None:
+            raise PlanError("--replicas plans replicas for LoRA tasks: give --tasks FILE")
+        job = build_job(base.model, args.seq_len, args.global_batch or 8 * len(tasks), base=base, tasks=tasks,
+                        experts=experts, stack=stack_of(args))
+        return replica_command(job, args.lengths, args.json)
     out = plain_console()
     if loaded is not None:
-        plan = loaded
-        ev = check_plan(plan, model, cluster, cost)
+        job = build_job(base.model, loaded.seq_len, loaded.global_batch, base=base, tasks=tasks, experts=experts,
+                        stack=stack_of(args), plan=loaded)
+        cost = _cost(job)
+        ev = check_plan(loaded, job.model, cost.cluster, cost)
         if args.out:
-            recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
+            recorded(loaded, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
         if args.json:
-            print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
+            print(json.dumps({"valid": True, "layout": loaded.layout, **ev.to_dict()}, indent=2))
         else:
-            out.print(styled("valid", "green", f": {plan.layout}"))
+            out.print(styled("valid", "green", f": {loaded.layout}"))
             _explain(out, ev, cost)
         return 0
     schedules = tuple(s.strip() for s in args.pipeline_schedules.split(",") if s.strip())
     unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
     if unknown or not schedules:
         raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(PIPELINE_SCHEDULES)}")
-    # --no-recompute: none; else the full space's none / selective / full
+    work = workload(args.seq_len, args.global_batch, args.tokens_per_batch, args.lengths)
+    job = build_job(base.model, work.seq_len, work.global_batch, base=base, tokens_per_batch=work.tokens_per_batch,
+                    tasks=tasks, experts=experts, stack=stack_of(args))
+    cost = _cost(job)
+    # --no-recompute: none; else the full space's none / selective / full; LoRA: adapters train with pp 1
     space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
                         same_mesh=args.same_mesh, overlaps=(RUNTIME,) if args.overlap == "runtime" else None,
-                        virtual_stages=args.virtual_stages,
-                        **({"pp": (1,)} if tasks else {}))
-    work = workload(args)
+                        virtual_stages=args.virtual_stages, pp=(1,) if tasks else FULL_SPACE.pp)
     top = max(args.top, RESCORED) if work.lengths else args.top  # with --lengths: re-scored, then cut to --top
-    request = SearchRequest(model, cluster, args.seq_len, work.global_batch, space, cost, top=top, mode=args.mode)
+    request = SearchRequest(job.model, cost.cluster, job.seq_len, job.global_batch, space, cost, top=top,
+                            mode=args.mode)
     result = _run_search(request, quiet=args.json)
     expected: dict[str, Expected] = {}
     if work.lengths:
@@ -207,20 +213,31 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _table(out, result, expected)
     out.print(work.describe(), highlight=False)
-    if cluster.pace != 1.0:
-        out.print(f"every device priced at speed {cluster.pace:g}: the cluster's devices all run at it (its "
+    if cost.cluster.pace != 1.0:
+        out.print(f"every device priced at speed {cost.cluster.pace:g}: the cluster's devices all run at it (its "
                   "speed_factors), compute stretched, communication not", highlight=False)
     if args.explain:
         _explain(out, best.evaluation, cost)
         if args.against:
-            from flexmesh.commands.plan_terms import print_against
-
             other = load_plan(args.against)
-            check_plan(other, model, cluster, cost)  # same model and cluster, a layout that can run
+            check_plan(other, job.model, cost.cluster, cost)  # same model and cluster, a layout that can run
             print_against(out, cost, best.plan, other)
     if args.out:
         out.print(f"wrote best plan to {args.out}", highlight=False)
     return 0
+
+
+def _experts(args: argparse.Namespace, model: ModelSpec, world: int) -> ExpertParallel | None:
+    """How a mixture of experts runs, by the flags (flexmesh.cost.training.experts); None for a dense model."""
+    if not model.is_moe:
+        return None
+    return experts_of(model, world, args.expert_placement, args.expert_imbalance, args.routing)
+
+
+def _cost(job: Job) -> CostModel:
+    """The job's cost model of one device type (a job of the uniform search or check has one)."""
+    assert job.cost is not None
+    return job.cost
 
 
 def recorded(plan: Plan, model: str | None) -> Plan:
@@ -371,11 +388,15 @@ def _no_profiles(args: argparse.Namespace) -> None:
 
 
 def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
-    """Validate a plan of replica groups against --model and --cluster (default: the cluster it names)."""
+    """Validate a plan of replica groups against --model and --cluster (default: the cluster it names),
+    priced as the flags say (the stack's layers, the tasks' adapters, the experts' placement) as a plan
+    of one group is: the same job, each device group's cost model assembled alike."""
     _no_profiles(args)
     cluster = parse_mixed_cluster(args.cluster if args.cluster is not None else plan.cluster)
     model = plan_model(plan, args.model, args.check, recheck=True)
-    ev = check_groups(plan, model, cluster)
+    job = build_job(model, plan.seq_len, plan.global_batch, cluster=cluster, tasks=tasks_of(args.tasks, model),
+                    experts=_experts(args, model, cluster.world_size), stack=stack_of(args), plan=plan)
+    ev = check_groups(plan, model, cluster, job.costs)
     if args.out:
         recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
     if args.json:
@@ -384,30 +405,41 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     out = plain_console()
     out.print(styled("valid", "green", f": {len(plan.groups)} replica groups on {cluster.label}, predicted step "
                                        f"{ev.step_time:.3f} s, {ev.tokens_per_s:,.0f} tokens/s"))
+    if job.stack != RUNTIME_STACK:
+        out.print(f"layers priced as another stack runs them: {job.stack.label}", highlight=False)
     out.print(replica_table(plan, ev, cluster, "replica groups"))
     out.print(stage_table(plan, ev))
     return 0
 
 
-# Flags of the uniform search that the mixed search has no counterpart for: (flag, attribute, default).
-UNIFORM_ONLY = (("--top", "top", 5), ("--same-mesh", "same_mesh", False),
-                ("--no-recompute", "no_recompute", False), ("--mode", "mode", "auto"),
-                ("--pipeline-schedules", "pipeline_schedules", ",".join(PIPELINE_SCHEDULES)))
+def _uniform_only(args: argparse.Namespace) -> list[str]:
+    """The flags given that steer the search of one device type, which a mixed cluster's search has no
+    counterpart for."""
+    given = {"--top": args.top != 5, "--same-mesh": args.same_mesh, "--no-recompute": args.no_recompute,
+             "--mode": args.mode != "auto",
+             "--pipeline-schedules": args.pipeline_schedules != ",".join(PIPELINE_SCHEDULES)}
+    return [flag for flag, on in given.items() if on]
 
 
 def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     """Search a plan of replica groups on a mixed cluster, rank it beside its baselines (and --against
     a plan file), print (or --json) and --out it; with --lengths, all by their expected steps."""
     _no_profiles(args)
-    given = [flag for flag, attr, default in UNIFORM_ONLY if getattr(args, attr) != default]
+    given = _uniform_only(args)
     if given:
         raise PlanError(f"{given[0]} steers the search of one device type; a mixed cluster's search chooses its "
                         "groups' layouts itself (each type's own group is searched in full): drop it")
+    if args.tasks is not None:
+        raise PlanError("--tasks plans LoRA adapters on one device type; a mixed cluster's search prices training "
+                        "every weight: drop --tasks, or plan the tasks on one device type's cluster")
     model = parse_model(args.model or DEFAULT_MODEL)
-    costs = MixedCosts(model, cluster)
-    work = workload(args, mixed=True)
+    work = workload(args.seq_len, args.global_batch, args.tokens_per_batch, args.lengths, mixed=True)
+    job = build_job(model, work.seq_len, work.global_batch, cluster=cluster,
+                    experts=_experts(args, model, cluster.world_size), stack=stack_of(args))
+    costs = job.costs
+    assert costs is not None
     plans: BaselinePlans = {}
-    result, baselines, baseline_seconds = _search_mixed(model, cluster, args, costs, work.global_batch, plans)
+    result, baselines, baseline_seconds = _search_mixed(job, cluster, costs, args.json, plans)
     plan, ev, e = result.plan, result.evaluation, None
     if work.lengths:
         plan, ev, e = score_mixed(result, model, costs, work)
@@ -424,7 +456,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     if args.out:
         plan.save(args.out)
     if args.json:
-        best = {"layout": plan.layout.split("\n"), "step_time_s": step, "tokens_per_s": tokens_per_s}
+        best: dict = {"layout": plan.layout.split("\n"), "step_time_s": step, "tokens_per_s": tokens_per_s}
         if e is not None:
             best.update(policy=e.policy, fixed_length_step_time_s=ev.step_time,
                         fixed_length_tokens_per_s=ev.tokens_per_s)
@@ -450,13 +482,13 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     return 0
 
 
-def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs: MixedCosts, gb: int,
+def _search_mixed(job: Job, cluster: MixedCluster, costs: MixedCosts, quiet: bool,
                   plans: BaselinePlans) -> tuple[MixedResult, dict, float]:
     """The mixed search's plan, its baselines (each device type's uniform search shared with the plans
     of one group per type; ``plans`` receives theirs) and the seconds the baselines took after the search."""
-    seq = args.seq_len
+    model, seq, gb = job.model, job.seq_len, job.global_batch
     search = MixedSearch(model, cluster, seq, gb, costs)
-    if args.json:
+    if quiet:
         result = search.run()
         t1 = time.perf_counter()
         baselines = mixed_baselines(model, cluster, seq, gb, costs, alone=search.types.planned_alone, plans=plans)

@@ -8,7 +8,6 @@ layout that holds ``--seq-len`` on, with the same dispatch and cost model.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -17,24 +16,25 @@ import numpy as np
 from rich.table import Table
 
 from flexmesh.console import plain_console
-from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
-from flexmesh.spec.tasks import TaskSet
+from flexmesh.job import Job
 
 PLAN_STEPS, SCORED_STEPS = 4, 8
 
 
-def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | None) -> int:
+def replica_command(job: Job, lengths: str | None, as_json: bool) -> int:
+    """The mix of replica layouts for ``job``'s LoRA tasks against every single layout, printed (or JSON)."""
     from flexmesh.data.lengths import load_lengths
     from flexmesh.search.replicas import Pricer, plan_mix, single_layouts, step_time
 
-    if tasks is None:
+    tasks, cost = job.tasks, job.cost
+    if tasks is None or cost is None:
         raise PlanError("--replicas plans replicas for LoRA tasks: give --tasks FILE")
-    world, longest = cost.cluster.world_size, args.seq_len
-    sets = [np.minimum(load_lengths(t.lengths or args.lengths or "wikipedia"), longest) for t in tasks]
-    batches = tasks.batches(args.global_batch or 8 * len(tasks))
+    world, longest = cost.cluster.world_size, job.seq_len
+    sets = [np.minimum(load_lengths(t.lengths or lengths or "wikipedia"), longest) for t in tasks]
+    batches = job.task_batches
     rng = np.random.default_rng(0)
-    steps = [np.concatenate([rng.choice(s, b) for s, b in zip(sets, batches, strict=True)]).astype(int)
+    steps = [[int(x) for x in np.concatenate([rng.choice(s, b) for s, b in zip(sets, batches, strict=True)])]
              for _ in range(PLAN_STEPS + SCORED_STEPS)]
     t0 = time.perf_counter()
     best, _ = plan_mix(cost, world, steps[:PLAN_STEPS])
@@ -46,7 +46,7 @@ def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | 
 
     singles = single_layouts(cost, world, longest, scored, pricer)
     mix_s = mean(best.replicas)
-    if args.json:
+    if as_json:
         print(json.dumps({"mix": [{"layout": t.label, "replicas": n, "devices": t.devices, "max_tokens": t.capacity}
                                   for t, n in best.counts], "step_s": mix_s,
                           "single": [{"layout": t.label, "replicas": world // t.devices, "step_s": s}
