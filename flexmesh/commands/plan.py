@@ -7,7 +7,7 @@ import json
 import time
 from dataclasses import replace
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -52,6 +52,7 @@ from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
 from flexmesh.layout.stack import RUNTIME_STACK
+from flexmesh.profile.timing import ProfiledTiming
 from flexmesh.profile.use import LOCAL, cost_model_for
 from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
 from flexmesh.search import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
@@ -295,8 +296,10 @@ def _table(out: Console, r: SearchResult, expected: dict[str, Expected]) -> None
     """The best plans and the baselines; with --lengths (``expected``) their expected steps first."""
     t = Table(title=f"best plans ({r.mode} search, {r.configurations} configurations, {r.search_seconds:.2f} s)")
     cols = (("expected s", "tokens/s", "s at --seq-len") if expected else ("step s", "tokens/s", "MFU"))
-    for col, just in (("#", "right"), ("layout", "left"), *((c, "right") for c in cols), ("peak GiB per stage", "left"),
-                      ("from", "left")):
+    right: JustifyMethod = "right"
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("#", "right"), ("layout", "left"), *((c, right) for c in cols),
+                                                      ("peak GiB per stage", "left"), ("from", "left"))
+    for col, just in columns:
         t.add_column(col, justify=just, overflow="fold")
     for i, c in enumerate(r.plans, 1):
         ev, e = c.evaluation, expected.get(c.plan.layout)
@@ -320,7 +323,7 @@ def _table(out: Console, r: SearchResult, expected: dict[str, Expected]) -> None
 def framework_terms(cost: CostModel) -> str:
     """What the cost model charges a micro-batch beyond its kernels and collectives, and where it comes from."""
     t = cost.timing
-    if hasattr(t, "fixed_fwd"):  # a model profile's whole-model fit (flexmesh.profile.timing.ProfiledTiming)
+    if isinstance(t, ProfiledTiming):  # a model profile's whole-model fit
         if t.profile.pipeline:
             per_stage = (f"; {t.stage_fixed_s() * 1e3:.2f} ms per pipeline chunk per micro-batch, forward and "
                          "backward, beside its sends (the runtime's schedule over the model cut into more stages)")

@@ -13,6 +13,7 @@ import statistics
 import time
 
 import numpy as np
+from rich.console import JustifyMethod
 from rich.table import Table
 
 from flexmesh.console import plain_console
@@ -55,7 +56,9 @@ def replica_command(job: Job, lengths: str | None, as_json: bool) -> int:
     out = plain_console()
     table = Table(title=f"replicas for {len(tasks)} LoRA tasks on {world} devices (planned in {seconds:.1f} s, "
                         f"scored on {SCORED_STEPS} steps of {sum(batches)} sequences)")
-    for col, just in (("setting", "left"), ("replicas", "left"), ("mean step s", "right"), ("mix saves", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("setting", "left"), ("replicas", "left"),
+                                                      ("mean step s", "right"), ("mix saves", "right"))
+    for col, just in columns:
         table.add_column(col, justify=just, overflow="fold")
     table.add_row("mix", best.label, f"{mix_s:.4g}", "-")
     for s, t in singles[:3]:

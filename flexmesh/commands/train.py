@@ -196,6 +196,8 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
     spec, tasks = job.model, job.tasks
     usable_cache(args.cache_dir)
     first = args.corpus or (tasks.tasks[0].corpus if tasks is not None else None)
+    if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
+        raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
     corpus = stdlib_corpus() if first == "stdlib" else first
     corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
@@ -307,8 +309,8 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     check_runnable(plan, spec)  # reject an unsupported per-layer mix before touching the corpus
     job = train_job(args, plan, spec)
-    plan = job.plan
-    assert plan is not None
+    assert job.plan is not None
+    plan = job.plan  # its groups' shares scaled to the batch the run takes
     # Default policy: the plan's own schedule (fixed packing for one group, the planned shares for several).
     policy = args.policy or ("fixed" if len(plan.groups) == 1 else "shares")
     # Each step schedule's predicted_step_time is the step simulator's, reported beside the measured time.

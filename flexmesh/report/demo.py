@@ -77,7 +77,7 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
     # 2. simulation
     s = sim.setup
     rep.heading("2. Simulated per-step policies")
-    rep.text(f"{s['model']} on {s['cluster']}, context {s['context']}, {s['lengths']} lengths, "
+    rep.text(f"{s['model']} on {s['cluster']}, sequences up to {s['context']} tokens, {s['lengths']} lengths, "
              f"{s['mean_sequences_per_step']:.0f} sequences / {s['mean_tokens_per_step'] / 1e3:.0f}K tokens per step, "
              f"{s['steps']} steps (`flexmesh simulate`).")
     sim_rows = [comparison_row(r)[:-1] for r in sim.runs]  # the simulate command's columns but utilisation
