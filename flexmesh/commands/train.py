@@ -15,15 +15,13 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
-from flexmesh.commands.experts_args import experts_of
 from flexmesh.commands.train_args import add_arguments
+from flexmesh.commands.train_job import scheduler, train_job
 from flexmesh.commands.train_tasks import run_tasks, task_table
-from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
-from flexmesh.job import Job, build_job
+from flexmesh.job import Job
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.launch import (
     RESUME_ENV,
@@ -37,8 +35,6 @@ from flexmesh.runtime.launch import (
 )
 from flexmesh.runtime.state.rundir import HELD_ENV, PEER, hold_run_folder, release_run_folder, restart_count, start_over
 from flexmesh.runtime.train.config import TrainConfig
-from flexmesh.schedule.scheduler import Scheduler
-from flexmesh.spec.model import ModelSpec
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -314,8 +310,8 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     # Default policy: the plan's own schedule (fixed packing for one group, the planned shares for several).
     policy = args.policy or ("fixed" if len(plan.groups) == 1 else "shares")
     # Each step schedule's predicted_step_time is the step simulator's, reported beside the measured time.
-    schedule_fn = _scheduler(job, policy, args.seed, args.cp)
-    fallback_fn = _scheduler(job, args.fallback_policy, args.seed, args.cp) if args.adaptive else schedule_fn
+    schedule_fn = scheduler(job, policy, args.seed, args.cp)
+    fallback_fn = scheduler(job, args.fallback_policy, args.seed, args.cp) if args.adaptive else schedule_fn
     check_world(args.plan, plan)
     if not os.environ.get(SUPERVISED_ENV):  # under flexmesh's launcher it checked, once, for the whole node
         from flexmesh.runtime.parallel.device import check_memory
@@ -352,57 +348,6 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
         return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration)
     finally:
         dist.destroy_process_group()
-
-
-def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
-    """The run the flags describe on ``plan`` and model ``spec``: the sequence cap (--seq-len, else the
-    plan's), the batch (--global-batch, else the plan's; with --tasks every task's batch together, and a
-    plan of several groups its shares scaled to it), the tasks, the experts' placement, the dtype, and the
-    cost model that prices its step schedules (:func:`_pricing`)."""
-    tasks = run_tasks(args.tasks, args.corpus, spec)
-    requested = args.global_batch or plan.global_batch
-    global_batch = sum(tasks.batches(requested)) if tasks is not None else requested
-    if len(plan.groups) > 1:  # the groups' shares must add up to the batch the run takes
-        plan = plan.with_global_batch(global_batch)
-    experts = experts_of(spec, plan.world_size, args.expert_placement, args.expert_imbalance, args.routing,
-                         args.expert_slots) if spec.is_moe else None
-    return build_job(spec, args.seq_len or plan.seq_len, global_batch, base=_pricing(args, plan, spec), tasks=tasks,
-                     experts=experts, dtype=args.dtype, plan=plan)
-
-
-def _pricing(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> CostModel | None:
-    """The cost model the run's step schedules are priced by, in the dtype the run computes in: the
-    machine's saved profiles for a plan made for them, --hardware-profile/--model-profile, else the
-    plan's cluster preset for a plan of one group on one device type; None: each device group's presets
-    (the scheduler's own, flexmesh.schedule.scheduler.plan_costs), or unpriced where they price nothing."""
-    from flexmesh.profile.use import cost_model_from_profiles, local_cost_model
-    from flexmesh.schedule.scheduler import device_types
-
-    spec = replace(spec, dtype=args.dtype)
-    local = local_cost_model(spec, plan.cluster, args.hardware_profile, args.model_profile)
-    if local is not None:  # the plan was made for this machine's saved profiles
-        return local
-    if args.hardware_profile or args.model_profile:
-        cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)
-        return cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
-                                        world=plan.world_size, cluster=cluster)
-    if len(plan.groups) == 1 and device_types(plan) in (None, 1):  # a mixed cluster: priced per device type
-        return CostModel(spec, _plan_cluster(plan, args.plan))
-    return None
-
-
-def _scheduler(job: Job, policy: str, seed: int, cp: int | None) -> Scheduler:
-    """The run's step scheduler for ``policy``, its schedules priced by the step simulator on the job's
-    cost model (``shares`` on a cluster that prices nothing runs unpriced)."""
-    from flexmesh.errors import ScheduleError
-    from flexmesh.sim.predict import simulated_scheduler
-
-    assert job.plan is not None
-    try:
-        return simulated_scheduler(Scheduler(job.plan, replace(job.model, dtype=job.dtype), policy, job.seq_len, seed,
-                                             cp=cp, cost=job.cost))
-    except ScheduleError as e:
-        raise PlanError(f"--policy {policy}: {e}") from None
 
 
 def announce(trainer) -> None:
@@ -491,17 +436,3 @@ def announce_emulation(emulated: dict[int, float]) -> None:
     if emulated and os.environ.get("RANK", "0") == "0":
         print("EMULATION (--slow): " + ", ".join(f"rank {r} computes at {f:g}x" for r, f in emulated.items())
               + "; metrics.jsonl records it as emulated_speed", file=sys.stderr)
-
-
-def _plan_cluster(plan, path: str):
-    """Without a hardware profile the plan's cluster prices the step schedules: it must name a device
-    preset or a cluster file; say what to pass when it does not."""
-    from flexmesh.errors import SpecError
-    from flexmesh.spec.cluster import parse_cluster
-
-    try:
-        return parse_cluster(plan.cluster)
-    except SpecError as e:
-        raise PlanError(f"plan {path} records cluster {plan.cluster!r}, which prices nothing ({e}); pass "
-                        "--hardware-profile FILE (from `flexmesh profile hardware`), or set the plan's cluster to "
-                        "a preset such as 4xA100-80GB or a cluster file") from None
