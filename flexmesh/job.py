@@ -56,6 +56,12 @@ class Job:
         return tasks.batches(self.global_batch) if tasks is not None else (self.global_batch,)
 
 
+def plan_sizes(plan: Plan, seq_len: int | None, global_batch: int | None) -> tuple[int, int]:
+    """The sequence cap and the batch (sequences per step) of a job on ``plan``: those given, else the plan's."""
+    return (plan.seq_len if seq_len is None else seq_len,
+            plan.global_batch if global_batch is None else global_batch)
+
+
 def build_job(model: ModelSpec, seq_len: int, global_batch: int, *, base: CostModel | None = None,
               cluster: MixedCluster | None = None, tokens_per_batch: int | None = None, parts: Parts | None = None,
               dtype: str = "", plan: Plan | None = None) -> Job:

@@ -38,7 +38,7 @@ from flexmesh.commands.args import (
 )
 from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import FlexmeshError, SpecError
-from flexmesh.job import Job, build_job
+from flexmesh.job import Job, build_job, plan_sizes
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
 from flexmesh.profile.use import cost_model_for
@@ -162,8 +162,9 @@ def simulate_job(args: argparse.Namespace, plan: Plan | None) -> Job:
     else:
         model = plan_model(plan, args.model, args.plan)
         cluster = args.cluster if args.cluster is not None or args.hardware_profile else plan.cluster
-        seq_len = args.seq_len or plan.seq_len
-        global_batch = args.global_batch or (DEFAULT_GLOBAL_BATCH if args.tokens_per_batch else plan.global_batch)
+        # a step counted in tokens without --global-batch: the default batch, not the plan's
+        batch = DEFAULT_GLOBAL_BATCH if args.global_batch is None and args.tokens_per_batch else args.global_batch
+        seq_len, global_batch = plan_sizes(plan, args.seq_len, batch)
     if plan is not None and len(plan.groups) > 1:
         if args.hardware_profile or args.model_profile:
             raise FlexmeshError("profiles describe one device type; a plan of several replica groups is priced "

@@ -12,7 +12,7 @@ from flexmesh.commands.train_tasks import run_tasks
 from flexmesh.cost.training.model import CostModel
 from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import PlanError, SpecError
-from flexmesh.job import Job, build_job
+from flexmesh.job import Job, build_job, plan_sizes
 from flexmesh.layout.plan import Plan
 from flexmesh.schedule.scheduler import Scheduler
 from flexmesh.spec.cluster import ClusterSpec, parse_cluster
@@ -25,7 +25,7 @@ def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
     plan of several groups its shares scaled to it), the tasks, the experts' placement, the dtype, and the
     cost model that prices its step schedules (:func:`_pricing`)."""
     tasks = run_tasks(args.tasks, args.corpus, spec)
-    requested = args.global_batch or plan.global_batch
+    seq_len, requested = plan_sizes(plan, args.seq_len, args.global_batch)
     global_batch = sum(tasks.batches(requested)) if tasks is not None else requested
     if len(plan.groups) > 1:  # the groups' shares must add up to the batch the run takes
         plan = plan.with_global_batch(global_batch)
@@ -34,7 +34,7 @@ def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
     if spec.is_moe:
         parts = replace(parts, experts=experts_of(spec, plan.world_size, args.expert_placement,
                                                   args.expert_imbalance, args.routing, args.expert_slots))
-    return build_job(spec, args.seq_len or plan.seq_len, global_batch, base=_pricing(args, plan, spec), parts=parts,
+    return build_job(spec, seq_len, global_batch, base=_pricing(args, plan, spec), parts=parts,
                      dtype=args.dtype, plan=plan)
 
 
