@@ -36,8 +36,10 @@ def check_layout(plan: Plan, model: ModelSpec, cluster: MixedCluster) -> None:
     own rules (checked when it is made: flexmesh.layout.group): it was made for the model, its world and
     layers are the cluster's and the model's, every tensor-parallel group (a run of tp ranks of its stage's
     block: its data ranks may span nodes) on one device type and inside one node, tp divides the heads
-    (and suits the KV heads), Ulysses splits the heads over tp x cp, and dp divides the sequences of a
-    micro-batch. PlanError names the first fault and what to change."""
+    (and suits the KV heads), Ulysses splits the heads over tp x cp, and, in a plan of one group, dp
+    divides the sequences of a micro-batch (the groups of a plan of several take each step's sequences from
+    the dispatch, a micro-batch's tokens over their replicas: flexmesh.search.replicas may give a group
+    micro-batches of fewer sequences than replicas). PlanError names the first fault and what to change."""
     check_model(plan, model)
     if plan.world_size != cluster.world_size:
         raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
@@ -68,7 +70,7 @@ def check_layout(plan: Plan, model: ModelSpec, cluster: MixedCluster) -> None:
                 if s.cp_kind == "ulysses" and model.num_heads % (s.tp * s.cp):
                     raise PlanError(f"{where}: Ulysses needs the {model.num_heads} heads to split over tp x cp = "
                                     f"{s.tp * s.cp}; lower cp or use ring ('r{s.cp}')")
-                if mbs % s.dp:
+                if len(plan.groups) == 1 and mbs % s.dp:
                     raise PlanError(f"{where}: dp {s.dp} does not divide the {mbs} sequences of a micro-batch "
                                     f"(share {g.share} / {g.num_microbatches} micro-batches); change "
                                     "num_microbatches or dp")
