@@ -16,17 +16,18 @@ context ``c = p + o / 2`` while decoding, at ``B`` requests decoding at once:
 
 - **aggregated**: an iteration decodes ``B`` tokens and prefills the ``B p / s`` tokens that keep the batch
   full (Little's law: ``B = rate x s x t``); ``t = T(B decodes over B c keys, prefill chunks)``; the rate is
-  ``B / (s t)``. TPOT is ``t``; TTFT is half an iteration (the one under way when the request arrives) plus
+  ``B / (s t)``. TPOT is ``t``; TTFT is the wait for the iteration under way when the request arrives plus
   the iterations its prompt (the bucket's quantile prompt) needs in the budget the decodes leave; E2E adds
-  ``s`` iterations at the quantile output;
-- **prefill**: ``k`` prompts per iteration (within the batched-token budget), rate ``k / t``, TTFT half an
-  iteration plus one holding the quantile prompt;
+  ``s`` iterations at the quantile output. A request arriving at random during an iteration waits a uniform
+  share of it, so at the attainment quantile ``q`` it waits ``q t``;
+- **prefill**: ``k`` prompts per iteration (within the batched-token budget), rate ``k / t``, TTFT ``q t``
+  plus an iteration holding the quantile prompt;
 - **decode**: ``B`` decodes, ``t = T(B, B c)``, rate ``B / (s t)``, TPOT ``t``.
 
 Each is bounded by the KV cache (``B c`` tokens plus a prompt in flight), ``max_seqs`` and the batched-token
 budget. Every estimate rises with ``B`` (or ``k``) and so does the rate, so the capacity is at the largest
-feasible one (bisection). Queueing beyond half an iteration is not in these estimates: the simulator judges
-the plans (:mod:`flexmesh.serve.plan.search`).
+feasible one (bisection). Queueing beyond the iteration under way is not in these estimates: the simulator
+judges the plans (:mod:`flexmesh.serve.plan.search`).
 
 >>> from flexmesh.serve.metrics import SLO
 >>> from flexmesh.serve.plan.workload import parse_buckets
@@ -38,14 +39,15 @@ the plans (:mod:`flexmesh.serve.plan.search`).
 >>> cap = Pricing((parse_model("llama3.1-8b"),), parse_mixed_cluster("8xH100")).capacity(agg, b.buckets[0],
 ...                                                                                       SLO(ttft_s=1, tpot_s=0.05))
 >>> round(cap.rate, 1), cap.bound, cap.tpot_s <= 0.05
-(15.1, 'tpot', True)
+(13.3, 'tpot', True)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from statistics import NormalDist
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
@@ -120,14 +122,14 @@ class Capacity:
     (``tpot``, ``ttft``, ``e2e``, ``kv``, ``max-seqs``, ``budget``; ``fit`` where nothing is feasible)."""
 
     rate: float
-    batch: int
+    batch: float  # mean requests decoding at once (prefill: prompts arriving per iteration)
     iteration_s: float
     ttft_s: float
     tpot_s: float
     bound: str
 
 
-NONE = Capacity(0.0, 0, 0.0, math.inf, math.inf, "fit")
+NONE = Capacity(0.0, 0.0, 0.0, math.inf, math.inf, "fit")
 
 
 def configurations(models: Sequence[ModelSpec], cluster: MixedCluster, longest: int | Sequence[int],
@@ -169,8 +171,9 @@ def configurations(models: Sequence[ModelSpec], cluster: MixedCluster, longest: 
 class Pricing:
     """Capacities of configurations (their iteration timings built once per model, group, tp and pp)."""
 
-    def __init__(self, models: Sequence[ModelSpec], cluster: MixedCluster, overhead: EngineOverhead | None = None):
-        self.models, self.cluster = tuple(models), cluster
+    def __init__(self, models: Sequence[ModelSpec], cluster: MixedCluster, overhead: EngineOverhead | None = None,
+                 quantile: float = 0.9):
+        self.models, self.cluster, self.quantile = tuple(models), cluster, quantile
         self.overhead = overhead or preset_overhead()
         self._timing: dict[tuple[int, int, int, int], AnalyticIteration] = {}
         self._hw: dict[tuple[int, int], Hardware] = {}
@@ -190,7 +193,7 @@ class Pricing:
         key = (c, b, slo)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = capacity(self.timing(c), c, b, slo)
+            got = self._memo[key] = capacity(self.timing(c), c, b, slo, self.quantile)
         return got
 
     def table(self, configs: Sequence[ReplicaConfig], buckets: Sequence[Bucket], slo: SLO) -> list[list[Capacity]]:
@@ -198,15 +201,15 @@ class Pricing:
         return [[self.capacity(c, b, slo) if b.share > 0 else NONE for b in buckets] for c in configs]
 
 
-def _largest(feasible, hi: int) -> int:
-    """The largest ``n`` in ``1..hi`` with ``feasible(n)`` (which holds up to some point, then not): 0 if none."""
-    if hi < 1 or not feasible(1):
-        return 0
-    lo = 1
+def _largest(feasible: Callable[[float], bool], hi: float, lo: float = 1e-3, rel_tol: float = 0.01) -> float:
+    """The largest ``n`` in ``[lo, hi]`` with ``feasible(n)`` (which holds up to some point, then not), within
+    ``rel_tol`` (bisection in log space); 0 if none."""
+    if hi < lo or not feasible(lo):
+        return 0.0
     if feasible(hi):
         return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    while hi / lo > 1 + rel_tol:
+        mid = math.sqrt(lo * hi)
         if feasible(mid):
             lo = mid
         else:
@@ -235,8 +238,9 @@ def _prompt_s(t: AnalyticIteration, prompt: int, room: int, decodes: int, contex
     return whole + (1 if rest else 0), secs
 
 
-def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO) -> Capacity:
-    """One replica of ``c`` serving bucket ``b`` within ``slo`` (see the module doc), priced by ``t``."""
+def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float = 0.9) -> Capacity:
+    """One replica of ``c`` serving bucket ``b`` within ``slo`` at the attainment ``quantile`` (see the module
+    doc), priced by ``t``."""
     k = c.knobs
     if b.share <= 0 or b.longest > c.kv_tokens:
         return NONE
@@ -247,74 +251,108 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO) -> Cap
     ttft_bound = slo.ttft_s if slo.ttft_s is not None else math.inf
     tpot_bound = slo.tpot_s if slo.tpot_s is not None else math.inf
     e2e_bound = slo.e2e_s if slo.e2e_s is not None else math.inf
-    why: dict[int, str] = {}
+    z = NormalDist().inv_cdf(quantile) if quantile < 1 else 3.0
+
+    def hi(n: float) -> float:
+        """A Poisson count of mean ``n`` at the quantile (its normal approximation)."""
+        return n + z * math.sqrt(n)
+
+    last: dict[str, object] = {}
+
+    def fail(why: str) -> bool:
+        last["why"] = why
+        return False
 
     if c.role == "prefill" or (c.role == "aggregated" and s < 1e-9):
-        per = max(1, budget // max(1, round(p)))
+        # n: prompts arriving per iteration (mean); a prompt longer than the budget takes several iterations
+        # alone, and then n is the prompts arriving while one is computed.
+        alone = p > budget
 
-        def pre(n: int) -> tuple[float, float] | None:
-            if n > seqs or (n - 1) * p + p_hi > kv:
-                why[n] = "max-seqs" if n > seqs else "kv"
-                return None
-            full = t.split_s(0, 0, _prefill_chunks(n * p, p)) if n * p <= budget else \
-                _prompt_s(t, round(p), budget, 0, 0)[1]
-            room = budget - round((n - 1) * p)
-            if room >= p_hi:
-                own = t.split_s(0, 0, _prefill_chunks((n - 1) * p, p) + [(0, p_hi)])
+        def pre(n: float) -> bool:
+            n_hi = hi(n)
+            if n_hi > seqs or (n_hi - 1) * p + p_hi > kv:
+                return fail("max-seqs" if n_hi > seqs else "kv")
+            if alone:
+                if n_hi > 1:
+                    return fail("budget")
+                full = _prompt_s(t, round(p), budget, 0, 0)[1]
+                last["it"], last["rate"] = full, n / full
+                own = _prompt_s(t, p_hi, budget, 0, 0)[1]
+                ttft = quantile * own + own
             else:
-                own = _prompt_s(t, p_hi, max(1, budget), 0, 0)[1]
-            ttft = 0.5 * full + own
+                if n_hi * p > budget and n_hi > 1:
+                    return fail("budget")
+                full = t.split_s(0, 0, _prefill_chunks(max(n, 1.0) * p, p))  # a busy iteration holds one at least
+                last["it"], last["rate"] = full, n / full
+                room = budget - round(max(0.0, n_hi - 1) * p)
+                if room >= p_hi:
+                    own = t.split_s(0, 0, _prefill_chunks(max(0.0, n_hi - 1) * p, p) + [(0, p_hi)])
+                else:
+                    own = _prompt_s(t, p_hi, budget, 0, 0)[1]
+                ttft = quantile * own + own
+            last["ttft"] = ttft
             if ttft > min(ttft_bound, e2e_bound):
-                why[n] = "ttft" if ttft_bound <= e2e_bound else "e2e"
-                return None
-            return full, ttft
+                return fail("ttft" if ttft_bound <= e2e_bound else "e2e")
+            return True
 
-        n = _largest(lambda n: pre(n) is not None, per)
-        if n == 0:
-            return Capacity(0.0, 0, 0.0, math.inf, math.inf, why.get(1, "fit"))
-        full, ttft = pre(n)  # type: ignore[misc]
-        rate = n / full if n * p <= budget else 1.0 / full
-        return Capacity(rate, n, full, ttft, 0.0, why.get(n + 1, "budget"))
+        top = 1.0 if alone else budget / p
+        n = _largest(pre, top)
+        if n <= 0:
+            return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, str(last.get("why", "fit")))
+        pre(n)
+        bound = "budget" if n >= top else str(last.get("why", "budget"))
+        pre(n * 1.02)
+        bound = str(last.get("why", bound))
+        pre(n)
+        return Capacity(float(last["rate"]), n, float(last["it"]), float(last["ttft"]), 0.0, bound)  # type: ignore[arg-type]
 
     if c.role == "decode":
-        def dec(n: int) -> float | None:
-            if n > seqs or n * ctx + p_hi > kv:
-                why[n] = "max-seqs" if n > seqs else "kv"
-                return None
-            it = t.split_s(n, round(n * ctx), [])
-            if it > tpot_bound:
-                why[n] = "tpot"
-                return None
-            return it
+        def dec(n: float) -> bool:
+            n_hi = hi(n)
+            if n_hi > seqs or n_hi * ctx + p_hi > kv:
+                return fail("max-seqs" if n_hi > seqs else "kv")
+            it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), [])
+            last["it"], last["tpot"] = t.split_s(max(1, round(n)), round(n * ctx), []), it_hi
+            if it_hi > tpot_bound:
+                return fail("tpot")
+            return True
 
-        n = _largest(lambda n: dec(n) is not None, seqs)
-        if n == 0:
-            return Capacity(0.0, 0, 0.0, math.inf, math.inf, why.get(1, "fit"))
-        it = dec(n)
-        assert it is not None
-        return Capacity(n / (s * it) if s > 0 else math.inf, n, it, 0.0, it, why.get(n + 1, "max-seqs"))
+        n = _largest(dec, float(seqs))
+        if n <= 0:
+            return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, str(last.get("why", "fit")))
+        dec(n * 1.02)
+        bound = str(last.get("why", "max-seqs"))
+        dec(n)
+        it = float(last["it"])  # type: ignore[arg-type]
+        return Capacity(n / (s * it) if s > 0 else math.inf, n, it, 0.0, float(last["tpot"]), bound)  # type: ignore[arg-type]
 
-    def agg(n: int) -> tuple[float, float] | None:
-        fill = n * p / s  # prefill tokens an iteration computes to keep n decoding
-        if n > seqs or n * ctx + p_hi > kv or n + fill > budget or budget - n < 1:
-            why[n] = "max-seqs" if n > seqs else "kv" if n * ctx + p_hi > kv else "budget"
-            return None
-        it = t.split_s(n, round(n * ctx), _prefill_chunks(fill, p))
-        if it > tpot_bound:
-            why[n] = "tpot"
-            return None
-        steps, own = _prompt_s(t, p_hi, budget - n, n, round(n * ctx))
-        ttft = 0.5 * it + own
+    def agg(n: float) -> bool:
+        n_hi, a = hi(n), n / s  # decoding requests; requests arriving per iteration
+        a_hi = hi(a)
+        if n_hi > seqs or n_hi * ctx + p_hi > kv:
+            return fail("max-seqs" if n_hi > seqs else "kv")
+        room = budget - n_hi - max(0.0, a_hi - 1) * p
+        if room < 1:
+            return fail("budget")
+        it = t.split_s(max(1, round(n)), round(n * ctx), _prefill_chunks(a * p, p))
+        it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(a_hi * p, p))
+        last["it"], last["tpot"] = it, it_hi
+        if it_hi > tpot_bound:
+            return fail("tpot")
+        _, own = _prompt_s(t, p_hi, int(room), max(1, round(n_hi)), round(n_hi * ctx))
+        ttft = quantile * it_hi + own
+        last["ttft"] = ttft
         if ttft > ttft_bound:
-            why[n] = "ttft"
-            return None
-        if ttft + s_hi * it > e2e_bound:
-            why[n] = "e2e"
-            return None
-        return it, ttft
+            return fail("ttft")
+        if ttft + s_hi * it_hi > e2e_bound:
+            return fail("e2e")
+        return True
 
-    n = _largest(lambda n: agg(n) is not None, seqs)
-    if n == 0:
-        return Capacity(0.0, 0, 0.0, math.inf, math.inf, why.get(1, "fit"))
-    it, ttft = agg(n)  # type: ignore[misc]
-    return Capacity(n / (s * it), n, it, ttft, it, why.get(n + 1, "max-seqs"))
+    n = _largest(agg, float(seqs))
+    if n <= 0:
+        return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, str(last.get("why", "fit")))
+    agg(n * 1.02)
+    bound = str(last.get("why", "max-seqs"))
+    agg(n)
+    it = float(last["it"])  # type: ignore[arg-type]
+    return Capacity(n / (s * it), n, it, float(last["ttft"]), float(last["tpot"]), bound)  # type: ignore[arg-type]

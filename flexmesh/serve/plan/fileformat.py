@@ -37,7 +37,7 @@ A small example (docs/serve-plan.md has a larger one):
 >>> example = __doc__.split(".. code-block:: json")[1].split(">>>")[0]
 >>> plan = ServingPlan.from_dict(json.loads(example))
 >>> [g.label for g in plan.groups], plan.devices, round(plan.dollars_per_hour, 2)
-(['1x tp1 on H100-80GB', '2x tp2 on L4'], {'H100-80GB': 1, 'L4': 4}, 10.1)
+(['1x tp1 b8192 on H100-80GB', '2x tp2 b2048 on L4'], {'H100-80GB': 1, 'L4': 4}, 10.1)
 >>> fleet, table = plan.fleet()
 >>> [r.device.name for r in fleet.replicas], table.entry
 (['H100-80GB', 'L4', 'L4'], ((0.2, 0.4, 0.4), (1.0, 0.0, 0.0)))
@@ -106,9 +106,12 @@ class ReplicaGroup:
 
     @property
     def label(self) -> str:
+        """``3x tp1-prefill b2048 on H100-80GB``: replicas, degrees, role, the knob the planner chose (the
+        batched-token budget ``b``, a decode replica's ``max_seqs`` ``s``), device."""
         pp = f"pp{self.pp}" if self.pp > 1 else ""
         role = "" if self.role == "aggregated" else f"-{self.role}"
-        return f"{self.replicas}x tp{self.tp}{pp}{role} on {self.device}"
+        knob = f"s{self.knobs.max_seqs}" if self.role == "decode" else f"b{self.knobs.max_batched_tokens}"
+        return f"{self.replicas}x tp{self.tp}{pp}{role} {knob} on {self.device}"
 
     def to_json(self) -> dict:
         k = self.knobs

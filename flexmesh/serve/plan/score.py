@@ -74,11 +74,13 @@ def attainment_at(plan: ServingPlan, workload_at: Callable[[float], Workload], r
 
 
 def score(plan: ServingPlan, workload_at: Callable[[float], Workload], start_rate: float,
-          overhead: EngineOverhead | None = None, rel_tol: float = REL_TOL) -> Score:
-    """The plan's goodput on ``workload_at`` (bisection from ``start_rate``)."""
+          overhead: EngineOverhead | None = None, rel_tol: float = REL_TOL, router: str = "plan") -> Score:
+    """The plan's goodput on ``workload_at`` (bisection from ``start_rate``); ``router``: the plan's own (by
+    bucket), or another of the simulator's (``round-robin``: its replicas in turn)."""
     t0 = time.perf_counter()
     fleet, table = plan.fleet(overhead)
     usd = plan.dollars_per_hour
     good, points = find_goodput(fleet, plan_workload(plan, workload_at), plan.slo, plan.attainment,
-                                max(start_rate, 1e-3), usd, rel_tol=rel_tol, router="plan", routing=table)
+                                max(start_rate, 1e-3), usd, rel_tol=rel_tol, router=router,
+                                routing=table if router == "plan" else None)
     return Score(good.rate, good.bounded, usd, tuple(points), time.perf_counter() - t0)

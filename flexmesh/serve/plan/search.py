@@ -23,6 +23,7 @@ are the simulator's and grow with the workload's length.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -51,8 +52,11 @@ CALIBRATIONS = 3
 REPAIR_ROUNDS = 4
 REPAIR_TRIES = 3
 PROBE = 1.06
-# The MILP variants whose plans the simulator compares: every role, and aggregated replicas only.
-VARIANTS = {"mixed": ROLES, "aggregated": ("aggregated",)}
+# The MILP variants whose plans the simulator compares: every role, aggregated replicas only, prefill/decode only.
+VARIANTS = {"mixed": ROLES, "aggregated": ("aggregated",), "disaggregated": ("prefill", "decode")}
+# Aggregated and split replicas are calibrated apart when the simulator finds their predictions off by more
+# than this against each other.
+CALIBRATION_SPREAD = 0.03
 
 
 @dataclass(frozen=True)
@@ -122,32 +126,13 @@ class Planner:
         if missing:
             raise PlanError(f"no price for {', '.join(missing)}; give --price DEVICE=USD_PER_GPU_HOUR")
         self.overhead = i.overhead or preset_overhead()
-        self.pricing = Pricing(self.models, self.cluster, self.overhead)
+        self.pricing = Pricing(self.models, self.cluster, self.overhead, i.attainment)
         self.configs = configurations(self.models, self.cluster, i.buckets.longest, knobs=i.knobs)
         if not self.configs:
             raise PlanError(f"no replica of {', '.join(i.models)} fits on {self.cluster.label}; give larger devices")
         buckets = i.buckets.buckets
         self.capacity = np.array([[c.rate for c in row] for row in self.pricing.table(self.configs, buckets, i.slo)])
         self.detail: dict[tuple[int, int], Capacity] = {}
-        # Buckets no configuration of a model that takes new requests serves within the SLO: served without it
-        # (their requests miss it), if the attainment target leaves room for them.
-        self.unmet: list[tuple[int, int]] = []
-        for m in range(len(self.models)):
-            entry = [k for k, c in enumerate(self.configs) if c.model == m and c.role != "decode"]
-            for b, bucket in enumerate(buckets):
-                if bucket.share > 0 and not self.capacity[entry, b].any():
-                    self.unmet.append((m, b))
-        for m in range(len(self.models)):
-            lost = sum(buckets[b].share for mm, b in self.unmet if mm == m)
-            if lost > 1 - i.attainment + 1e-9:
-                raise PlanError(f"no replica of {i.models[m]} meets the SLO ({i.slo}) for {lost:.1%} of the requests "
-                                f"(buckets {', '.join(buckets[b].label for mm, b in self.unmet if mm == m)}), more "
-                                f"than the {1 - i.attainment:.0%} the attainment target allows; relax the SLO or give "
-                                "faster devices")
-        for m, b in self.unmet:
-            for k, cfg in enumerate(self.configs):
-                if cfg.model == m:
-                    self.capacity[k, b] = self.pricing.capacity(cfg, buckets[b], SLO()).rate
         self.price = [i.prices[g.device.name] for g in self.cluster.groups]
         self.demand = np.array([[t * b.share for b in buckets] for t in i.tiers])
         self.dominated = self._dominated()
@@ -207,13 +192,42 @@ class Planner:
             out.append(k)
         return out
 
+    def unmet(self, cols: Sequence[int]) -> list[tuple[int, int]]:
+        """(model, bucket) pairs no configuration of ``cols`` that takes new requests serves within the SLO."""
+        out = []
+        for m in range(len(self.models)):
+            entry = [k for k in cols if self.configs[k].model == m and self.configs[k].role != "decode"]
+            for b in range(len(self.inputs.buckets)):
+                if self.demand[m, b] > 0 and not self.capacity[entry, b].any():
+                    out.append((m, b))
+        return out
+
+    def capacities(self, cols: Sequence[int]) -> np.ndarray:
+        """The capacities of ``cols``; a bucket none of them serves within the SLO is served without it (its
+        requests miss the SLO) when the attainment target leaves room for it, else PlanError."""
+        cap = self.capacity[list(cols)].copy()
+        i, buckets = self.inputs, self.inputs.buckets.buckets
+        unmet = self.unmet(cols)
+        for m in range(len(self.models)):
+            lost = sum(buckets[b].share for mm, b in unmet if mm == m)
+            if lost > 1 - i.attainment + 1e-9:
+                raise PlanError(f"no replica of {i.models[m]} here meets the SLO ({i.slo}) for {lost:.1%} of the "
+                                f"requests (buckets {', '.join(buckets[b].label for mm, b in unmet if mm == m)}), "
+                                f"more than the {1 - i.attainment:.0%} the attainment target allows; relax the SLO "
+                                "or give faster devices")
+        for m, b in unmet:
+            for j, k in enumerate(cols):
+                if self.configs[k].model == m:
+                    cap[j, b] = self.pricing.capacity(self.configs[k], buckets[b], SLO()).rate
+        return cap
+
     def problem(self, cols: Sequence[int], budget: float | None = None, rate: float | None = None,
                 counts: Sequence[int] | None = None, limits: dict | None = None,
                 available: Sequence[int] | None = None) -> Problem:
         cfg = [self.configs[k] for k in cols]
         columns = Columns([c.model for c in cfg], [c.group for c in cfg], [c.devices for c in cfg],
                           [c.role for c in cfg], [c.shape for c in cfg])
-        return Problem(columns, self.capacity[list(cols)], self.demand,
+        return Problem(columns, self.capacities(cols), self.demand,
                        available or [g.world_size for g in self.cluster.groups], self.price, budget, rate,
                        self.kv_bytes, self.links, self.decodes, counts=counts, limits=limits)
 
@@ -249,12 +263,24 @@ class Planner:
                                        tuple(float(x) for x in dec) if c.role == "decode" else ()))
         groups = _normalised(groups, len(self.models), nb)
         devices = {g.device for g in groups}
+        unmet = self.unmet(cols)
+        planner = {"objective": "rate" if i.rate is not None else "goodput", "budget": i.budget,
+                   "target_rate": i.rate}
+        if unmet:
+            planner["served_without_slo"] = [b for _, b in unmet]
         plan = ServingPlan(i.models, i.cluster, i.buckets, i.slo, i.attainment, tuple(groups), routing,
                            {d: i.prices[d] for d in sorted(devices)}, (), i.cascade,
-                           {"rate": round(s.rate, 6), "dollars_per_hour": round(s.cost, 6)}, i.workload,
-                           {"objective": "rate" if i.rate is not None else "goodput", "budget": i.budget,
-                            "target_rate": i.rate})
+                           {"rate": round(s.rate, 6), "dollars_per_hour": round(s.cost, 6)}, i.workload, planner)
         return plan
+
+    def calibrated(self, factors: dict[str, float]) -> Planner:
+        """This planner with each role's capacities scaled by ``factors`` (``aggregated``; ``split`` for prefill
+        and decode): what the simulator found of the plans of each kind against their prediction."""
+        out = copy.copy(self)
+        scale = np.array([factors.get("aggregated" if c.role == "aggregated" else "split", 1.0)
+                          for c in self.configs])
+        out.capacity = self.capacity * scale[:, None]
+        return out
 
     def counts_of(self, plan: ServingPlan) -> dict[int, int]:
         """Configuration index -> replicas, for a plan of this planner's configurations."""
@@ -328,6 +354,8 @@ def candidates(planner: Planner, variants: dict[str, tuple[str, ...]] = VARIANTS
             s = planner.solve(cols, budget=i.budget, rate=rate if rate is not None else i.rate)
         except PlanError:
             continue
+        if s.rate <= 0 or not s.counts.any():
+            continue
         plan = planner.to_plan(cols, s)
         if plan.layout in seen:
             continue
@@ -365,8 +393,9 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
     planner = planner or Planner(inputs)
     cands = candidates(planner)
     plan_s = time.perf_counter() - t0
+    unmet = planner.unmet(planner.columns())
     notes = [f"buckets served without meeting the SLO (no replica can): "
-             f"{', '.join(inputs.buckets.buckets[b].label for _, b in planner.unmet)}"] if planner.unmet else []
+             f"{', '.join(inputs.buckets.buckets[b].label for _, b in unmet)}"] if unmet else []
     if workload_at is None:
         best = max(cands, key=lambda c: (c.solution.rate if c.solution else 0.0, -(c.solution.cost
                                                                                    if c.solution else 0.0)))
@@ -378,6 +407,7 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
         say(f"simulating the {c.name} candidate: {c.plan.layout}")
         start = c.solution.rate if c.solution else target or 1.0
         scored.append(replace(c, score=score(c.plan, workload_at, start, planner.overhead)))
+    scored += _by_role(planner, scored, workload_at, say)
     if target is not None:
         scored += _calibrated(planner, scored, workload_at, say)
     best = scored[0]
@@ -413,6 +443,31 @@ def _latency(s: Score) -> dict:
         return {}
     return {"attainment": round(at.attainment or 0.0, 4), "ttft_p90_s": round(at.ttft["p90"], 6),
             "tpot_p90_s": round(at.tpot["p90"], 6)}
+
+
+def _by_role(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
+             say: Callable[[str], None]) -> list[Candidate]:
+    """The mixed plan again, each role's capacities scaled by what the simulator found of the aggregated-only
+    and the split-only plans against their predictions (when those differ): the MILP weighs the two kinds of
+    replica as the simulator does."""
+    ratios = {}
+    for c in scored:
+        if c.name in ("aggregated", "disaggregated") and c.score is not None and c.solution is not None:
+            pred = c.solution.rate if planner.inputs.rate is None else planner.inputs.rate
+            if pred > 0 and c.score.goodput > 0:
+                ratios["aggregated" if c.name == "aggregated" else "split"] = c.score.goodput / pred
+    if len(ratios) < 2 or abs(ratios["aggregated"] / ratios["split"] - 1) <= CALIBRATION_SPREAD:
+        return []
+    say(f"the simulator served {ratios['aggregated']:.0%} of the aggregated plan's predicted rate and "
+        f"{ratios['split']:.0%} of the split one's; planning again with capacities scaled so")
+    try:
+        again = candidates(planner.calibrated(ratios), {"mixed": ROLES})[0]
+    except PlanError:
+        return []
+    if any(again.plan.layout == c.plan.layout for c in scored):
+        return []
+    s = score(again.plan, workload_at, again.solution.rate if again.solution else 1.0, planner.overhead)
+    return [replace(again, name="mixed, calibrated by role", score=s)]
 
 
 def _calibrated(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
