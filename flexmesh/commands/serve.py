@@ -1,6 +1,7 @@
 """``flexmesh serve``: serving on uneven hardware, one sub-command per module ``flexmesh.commands.serve_<name>``.
 
-Sub-commands: simulate (requests over time on any GPU mix, simulated; docs/cli-serve.md).
+Sub-commands: simulate (requests over time on any GPU mix, simulated), plan (the cheapest deployment that meets an
+SLO on the GPUs one can get; docs/serve-plan.md); docs/cli-serve.md.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import importlib
 from flexmesh.commands.args import DefaultsHelpFormatter
 
 # Sub-commands in the order `flexmesh serve --help` lists them; each module defines add_parser(subparsers).
-SUBCOMMANDS = ("simulate",)
+SUBCOMMANDS = ("simulate", "plan")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``flexmesh serve`` and its sub-commands."""
-    p = sub.add_parser("serve", help="serve requests on uneven hardware: simulate a fleet of replicas",
+    p = sub.add_parser("serve", help="serve requests on uneven hardware: simulate a fleet, plan a deployment",
                        description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
     inner = p.add_subparsers(dest="serve_command", metavar="SUBCOMMAND")
     for name in SUBCOMMANDS:

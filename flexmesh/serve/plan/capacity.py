@@ -16,7 +16,9 @@ context ``c = p + o / 2`` while decoding, at ``B`` requests decoding at once:
 
 - **aggregated**: an iteration decodes ``B`` tokens and prefills the ``B p / s`` tokens that keep the batch
   full (Little's law: ``B = rate x s x t``); ``t = T(B decodes over B c keys, prefill chunks)``; the rate is
-  ``B / (s t)``. TPOT is ``t``; TTFT is the wait for the iteration under way when the request arrives plus
+  ``B / (s t)``. TPOT is an iteration at the quantile batch with the mean prefill (a request's TPOT
+  averages the iterations it decodes in, which smooths the prefill that comes and goes, not the batch, which
+  changes slowly); TTFT is the wait for the iteration under way when the request arrives plus
   the iterations its prompt (the bucket's quantile prompt) needs in the budget the decodes leave; E2E adds
   ``s`` iterations at the quantile output. A request arriving at random during an iteration waits a uniform
   share of it, so at the attainment quantile ``q`` it waits ``q t``;
@@ -24,10 +26,14 @@ context ``c = p + o / 2`` while decoding, at ``B`` requests decoding at once:
   plus an iteration holding the quantile prompt;
 - **decode**: ``B`` decodes, ``t = T(B, B c)``, rate ``B / (s t)``, TPOT ``t``.
 
-Each is bounded by the KV cache (``B c`` tokens plus a prompt in flight), ``max_seqs`` and the batched-token
-budget. Every estimate rises with ``B`` (or ``k``) and so does the rate, so the capacity is at the largest
-feasible one (bisection). Queueing beyond the iteration under way is not in these estimates: the simulator
-judges the plans (:mod:`flexmesh.serve.plan.search`).
+Requests arrive at random, so the batch a replica holds and the prompts an iteration takes vary: at the
+attainment quantile ``q`` a Poisson count of mean ``n`` is ``n + z sqrt(n)`` (its normal approximation, ``z``
+the standard normal quantile), and the KV of that many requests ``n c + z sqrt(n E[c^2])`` (a compound Poisson
+sum over the bucket's contexts). Each is bounded by the KV cache at the quantile batch (plus a prompt in
+flight), ``max_seqs`` and the batched-token budget (on average: a prompt that does not fit waits an
+iteration, which its TTFT counts). Every estimate rises with ``B`` (or ``k``) and so does the rate, so the
+capacity is at the largest feasible one (bisection). Queueing beyond the iteration under way is not in these
+estimates: the simulator judges the plans (:mod:`flexmesh.serve.plan.search`).
 
 >>> from flexmesh.serve.metrics import SLO
 >>> from flexmesh.serve.plan.workload import parse_buckets
@@ -39,7 +45,7 @@ judges the plans (:mod:`flexmesh.serve.plan.search`).
 >>> cap = Pricing((parse_model("llama3.1-8b"),), parse_mixed_cluster("8xH100")).capacity(agg, b.buckets[0],
 ...                                                                                       SLO(ttft_s=1, tpot_s=0.05))
 >>> round(cap.rate, 1), cap.bound, cap.tpot_s <= 0.05
-(13.3, 'tpot', True)
+(14.6, 'tpot', True)
 """
 
 from __future__ import annotations
@@ -246,7 +252,7 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
         return NONE
     p, p_hi = max(1.0, b.prompt_mean), max(1, b.prompt_high)
     s, s_hi = max(0.0, b.output_mean - 1), max(0, b.output_high - 1)
-    ctx = p + b.output_mean / 2
+    ctx, spread = b.context, b.context_spread
     budget, seqs, kv = k.max_batched_tokens, k.max_seqs, c.kv_tokens
     ttft_bound = slo.ttft_s if slo.ttft_s is not None else math.inf
     tpot_bound = slo.tpot_s if slo.tpot_s is not None else math.inf
@@ -256,6 +262,11 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
     def hi(n: float) -> float:
         """A Poisson count of mean ``n`` at the quantile (its normal approximation)."""
         return n + z * math.sqrt(n)
+
+    def kv_hi(n: float) -> float:
+        """The KV tokens of a Poisson number (mean ``n``) of requests of the bucket's contexts at the quantile:
+        a compound Poisson sum's mean ``n c`` and its deviation ``sqrt(n E[c^2])``."""
+        return n * ctx + z * math.sqrt(n) * spread
 
     last: dict[str, object] = {}
 
@@ -309,12 +320,15 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
     if c.role == "decode":
         def dec(n: float) -> bool:
             n_hi = hi(n)
-            if n_hi > seqs or n_hi * ctx + p_hi > kv:
+            if n_hi > seqs or kv_hi(n) + p_hi > kv:
                 return fail("max-seqs" if n_hi > seqs else "kv")
-            it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), [])
-            last["it"], last["tpot"] = t.split_s(max(1, round(n)), round(n * ctx), []), it_hi
-            if it_hi > tpot_bound:
+            it = t.split_s(max(1, round(n)), round(n * ctx), [])
+            tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), [])
+            last["it"], last["tpot"] = it, tpot
+            if tpot > tpot_bound:
                 return fail("tpot")
+            if s_hi * tpot > e2e_bound:  # its decoding alone within the end-to-end bound
+                return fail("e2e")
             return True
 
         n = _largest(dec, float(seqs))
@@ -329,22 +343,29 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
     def agg(n: float) -> bool:
         n_hi, a = hi(n), n / s  # decoding requests; requests arriving per iteration
         a_hi = hi(a)
-        if n_hi > seqs or n_hi * ctx + p_hi > kv:
+        if n_hi > seqs or kv_hi(n) + p_hi > kv:
             return fail("max-seqs" if n_hi > seqs else "kv")
-        room = budget - n_hi - max(0.0, a_hi - 1) * p
-        if room < 1:
+        if n + a * p > budget:  # the prefill that keeps the batch full fits the budget on average
             return fail("budget")
         it = t.split_s(max(1, round(n)), round(n * ctx), _prefill_chunks(a * p, p))
-        it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(a_hi * p, p))
-        last["it"], last["tpot"] = it, it_hi
-        if it_hi > tpot_bound:
+        it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(min(a_hi * p, budget - n_hi), p))
+        tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(a * p, p))
+        last["it"], last["tpot"] = it, tpot
+        if tpot > tpot_bound:
             return fail("tpot")
+        # The prompts that arrived with it take their room first; when they fill the budget it waits an iteration.
+        room = budget - n_hi - max(0.0, a_hi - 1) * p
+        wait = 0.0
+        if room < 1:
+            wait, room = it_hi, budget - n_hi
+        if room < 1:
+            return fail("budget")
         _, own = _prompt_s(t, p_hi, int(room), max(1, round(n_hi)), round(n_hi * ctx))
-        ttft = quantile * it_hi + own
+        ttft = quantile * it_hi + wait + own
         last["ttft"] = ttft
         if ttft > ttft_bound:
             return fail("ttft")
-        if ttft + s_hi * it_hi > e2e_bound:
+        if ttft + s_hi * tpot > e2e_bound:
             return fail("e2e")
         return True
 

@@ -75,7 +75,7 @@ _KEYS = ("version", "kind", "models", "cluster", "links", "slo", "buckets", "gro
          "predicted", "workload", "planner")
 _GROUP_KEYS = ("model", "group", "device", "replicas", "tp", "pp", "role", "engine", "entry", "decode")
 _ENGINE_KEYS = ("max_seqs", "max_batched_tokens", "block_tokens", "memory_fraction", "kv_blocks", "prefix_caching")
-_BUCKET_KEYS = ("share", "prompt_mean", "output_mean", "prompt_high", "output_high", "longest")
+_BUCKET_KEYS = ("share", "prompt_mean", "output_mean", "prompt_high", "output_high", "longest", "context_rms")
 # Shares of a bucket over the groups taking it sum to 1 within this.
 SHARE_TOLERANCE = 1e-6
 
@@ -420,7 +420,8 @@ def _buckets(raw: Any, where: str) -> Buckets:
         vals = [number(b.get(k, 0), f"{w}.{k}", PlanError, strict=False) for k in ("prompt_mean", "output_mean")]
         ints = [whole(b.get(k, 0), f"{w}.{k}", PlanError, minimum=0) for k in ("prompt_high", "output_high",
                                                                                 "longest")]
-        out.append(Bucket(p, o, share, vals[0], vals[1], *ints))
+        rms = number(b.get("context_rms", 0), f"{w}.context_rms", PlanError, strict=False)
+        out.append(Bucket(p, o, share, vals[0], vals[1], *ints, rms))
     try:
         return Buckets(edges["prompt_edges"], edges["output_edges"], tuple(out))
     except FlexmeshError as e:

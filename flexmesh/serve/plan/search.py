@@ -81,6 +81,7 @@ class PlanInputs:
     knobs: dict[int, EngineKnobs] | None = None
     workload: dict = field(default_factory=dict)
     time_limit_s: float = 2.0  # the most seconds a whole MILP may take when the quick one is not near its bound
+    stage_slos: tuple[SLO, ...] | None = None  # per model, the SLO its replicas are priced at (a cascade's stages)
 
     def __post_init__(self) -> None:
         if self.budget is None and self.rate is None:
@@ -112,6 +113,7 @@ class PlanResult:
     simulate_s: float
     configs: int
     notes: tuple[str, ...]
+    planner: Planner | None = None  # calibrated by role where the simulator found that needed
 
 
 class Planner:
@@ -131,7 +133,10 @@ class Planner:
         if not self.configs:
             raise PlanError(f"no replica of {', '.join(i.models)} fits on {self.cluster.label}; give larger devices")
         buckets = i.buckets.buckets
-        self.capacity = np.array([[c.rate for c in row] for row in self.pricing.table(self.configs, buckets, i.slo)])
+        slos = i.stage_slos or (i.slo,) * len(self.models)
+        self.slos = slos
+        self.capacity = np.array([[self.pricing.capacity(c, b, slos[c.model]).rate if b.share > 0 else 0.0
+                                   for b in buckets] for c in self.configs])
         self.detail: dict[tuple[int, int], Capacity] = {}
         self.price = [i.prices[g.device.name] for g in self.cluster.groups]
         self.demand = np.array([[t * b.share for b in buckets] for t in i.tiers])
@@ -284,10 +289,10 @@ class Planner:
 
     def counts_of(self, plan: ServingPlan) -> dict[int, int]:
         """Configuration index -> replicas, for a plan of this planner's configurations."""
-        index = {(c.model, c.group, c.tp, c.pp, c.role): k for k, c in enumerate(self.configs)}
+        index = {c.key: k for k, c in enumerate(self.configs)}
         out: dict[int, int] = {}
         for g in plan.groups:
-            k = index.get((g.model, g.group, g.tp, g.pp, g.role))
+            k = index.get((g.model, g.group, g.tp, g.pp, g.role, g.knobs.max_batched_tokens, g.knobs.max_seqs))
             if k is None:
                 raise PlanError(f"group {g.label} is no configuration of this planner")
             out[k] = out.get(k, 0) + g.replicas
@@ -399,7 +404,8 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
     if workload_at is None:
         best = max(cands, key=lambda c: (c.solution.rate if c.solution else 0.0, -(c.solution.cost
                                                                                    if c.solution else 0.0)))
-        return PlanResult(best.plan, None, tuple(cands), (), plan_s, 0.0, len(planner.configs), tuple(notes))
+        return PlanResult(best.plan, None, tuple(cands), (), plan_s, 0.0, len(planner.configs), tuple(notes),
+                          planner)
     t1 = time.perf_counter()
     target = inputs.rate
     scored = []
@@ -407,7 +413,8 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
         say(f"simulating the {c.name} candidate: {c.plan.layout}")
         start = c.solution.rate if c.solution else target or 1.0
         scored.append(replace(c, score=score(c.plan, workload_at, start, planner.overhead)))
-    scored += _by_role(planner, scored, workload_at, say)
+    by_role, calibrated = _by_role(planner, scored, workload_at, say)
+    scored += by_role
     if target is not None:
         scored += _calibrated(planner, scored, workload_at, say)
     best = scored[0]
@@ -427,14 +434,14 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
     moves: list[str] = []
     if repair > 0:
         say(f"repairing by local moves ({repair} rounds)")
-        best, moves = _repair(planner, best, workload_at, repair, say)
+        best, moves = _repair(calibrated, best, workload_at, repair, say)
     assert best.score is not None
     final = best.plan.with_predicted(goodput=round(best.score.goodput, 6),
                                      goodput_per_dollar=round(best.score.per_dollar, 6),
                                      dollars_per_hour=round(best.score.dollars_per_hour, 6),
                                      **_latency(best.score))
     return PlanResult(final, best.score, tuple(scored), tuple(moves), plan_s, time.perf_counter() - t1,
-                      len(planner.configs), tuple(notes))
+                      len(planner.configs), tuple(notes), calibrated)
 
 
 def _latency(s: Score) -> dict:
@@ -446,10 +453,10 @@ def _latency(s: Score) -> dict:
 
 
 def _by_role(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
-             say: Callable[[str], None]) -> list[Candidate]:
+             say: Callable[[str], None]) -> tuple[list[Candidate], Planner]:
     """The mixed plan again, each role's capacities scaled by what the simulator found of the aggregated-only
     and the split-only plans against their predictions (when those differ): the MILP weighs the two kinds of
-    replica as the simulator does."""
+    replica as the simulator does. The new candidate, and the planner calibrated so."""
     ratios = {}
     for c in scored:
         if c.name in ("aggregated", "disaggregated") and c.score is not None and c.solution is not None:
@@ -457,17 +464,18 @@ def _by_role(planner: Planner, scored: list[Candidate], workload_at: Callable[[f
             if pred > 0 and c.score.goodput > 0:
                 ratios["aggregated" if c.name == "aggregated" else "split"] = c.score.goodput / pred
     if len(ratios) < 2 or abs(ratios["aggregated"] / ratios["split"] - 1) <= CALIBRATION_SPREAD:
-        return []
+        return [], planner
     say(f"the simulator served {ratios['aggregated']:.0%} of the aggregated plan's predicted rate and "
         f"{ratios['split']:.0%} of the split one's; planning again with capacities scaled so")
+    calibrated = planner.calibrated(ratios)
     try:
-        again = candidates(planner.calibrated(ratios), {"mixed": ROLES})[0]
+        again = candidates(calibrated, {"mixed": ROLES})[0]
     except PlanError:
-        return []
+        return [], calibrated
     if any(again.plan.layout == c.plan.layout for c in scored):
-        return []
+        return [], calibrated
     s = score(again.plan, workload_at, again.solution.rate if again.solution else 1.0, planner.overhead)
-    return [replace(again, name="mixed, calibrated by role", score=s)]
+    return [replace(again, name="mixed, calibrated by role", score=s)], calibrated
 
 
 def _calibrated(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
@@ -497,10 +505,12 @@ def _calibrated(planner: Planner, scored: list[Candidate], workload_at: Callable
 
 
 def _neighbours(planner: Planner, counts: dict[int, int]) -> list[tuple[str, dict[int, int]]]:
-    """Plans one move away: a replica's role changed, its tp halved (two replicas) or two merged, a replica
-    moved to another device group, one removed, or (within the budget) one added."""
+    """Plans one move away: a replica's role or engine knobs changed, its tp halved (two replicas) or two
+    merged, a replica moved to another device group, one removed, or (within the budget) one added."""
     configs = planner.configs
-    index = {(c.model, c.group, c.tp, c.pp, c.role): k for k, c in enumerate(configs)}
+    variants: dict[tuple, list[int]] = {}  # (model, group, tp, pp, role) -> its knob variants
+    for k, c in enumerate(configs):
+        variants.setdefault((*c.shape, c.role), []).append(k)
     out: list[tuple[str, dict[int, int]]] = []
 
     def moved(label: str, minus: dict[int, int], plus: dict[int, int]) -> None:
@@ -517,25 +527,35 @@ def _neighbours(planner: Planner, counts: dict[int, int]) -> list[tuple[str, dic
 
     def name(k: int) -> str:
         c = configs[k]
-        return f"{c.label} on {planner.cluster.groups[c.group].device.name}"
+        knob = f"s{c.knobs.max_seqs}" if c.role == "decode" else f"b{c.knobs.max_batched_tokens}"
+        return f"{c.label} {knob} on {planner.cluster.groups[c.group].device.name}"
+
+    def like(k: int, model: int, group: int, tp: int, pp: int, role: str) -> int | None:
+        """The configuration of that shape and role with ``k``'s knobs, else its first knob variant."""
+        ks = variants.get((model, group, tp, pp, role), [])
+        same = [j for j in ks if configs[j].knobs == configs[k].knobs]
+        return (same or ks or [None])[0]
 
     for k, n in sorted(counts.items()):
         c = configs[k]
+        for j in variants[(*c.shape, c.role)]:
+            if j != k:
+                moved(f"{name(k)} -> {name(j)}", {k: 1}, {j: 1})
         for role in ROLES:
-            other = index.get((c.model, c.group, c.tp, c.pp, role))
-            if role != c.role and other is not None:
-                moved(f"{name(k)} -> {role}", {k: 1}, {other: 1})
-        half = index.get((c.model, c.group, c.tp // 2, c.pp, c.role)) if c.tp > 1 else None
+            if role != c.role:
+                for j in variants.get((*c.shape, role), []):
+                    moved(f"{name(k)} -> {name(j)}", {k: 1}, {j: 1})
+        half = like(k, c.model, c.group, c.tp // 2, c.pp, c.role) if c.tp > 1 else None
         if half is not None:
             moved(f"{name(k)} -> 2x {name(half)}", {k: 1}, {half: 2})
-        double = index.get((c.model, c.group, c.tp * 2, c.pp, c.role))
+        double = like(k, c.model, c.group, c.tp * 2, c.pp, c.role)
         if double is not None and n >= 2:
             moved(f"2x {name(k)} -> {name(double)}", {k: 2}, {double: 1})
         for g in range(len(planner.cluster.groups)):
             if g == c.group:
                 continue
             for tp in (c.tp, c.tp * 2, c.tp // 2):
-                there = index.get((c.model, g, tp, 1, c.role))
+                there = like(k, c.model, g, tp, 1, c.role) if tp >= 1 else None
                 if there is not None:
                     moved(f"{name(k)} -> {name(there)}", {k: 1}, {there: 1})
                     break

@@ -53,6 +53,17 @@ class Bucket:
     prompt_high: int  # the prompt length at the attainment quantile: latency is judged there
     output_high: int
     longest: int  # the most tokens (prompt + output) one of its requests holds
+    context_rms: float = 0.0  # root mean square of prompt + output / 2 (a request's mean KV): 0 for its mean
+
+    @property
+    def context(self) -> float:
+        """A request's mean context while it decodes: its prompt and half its output."""
+        return self.prompt_mean + self.output_mean / 2
+
+    @property
+    def context_spread(self) -> float:
+        """The root mean square of the contexts (what a sum of a random number of them varies with)."""
+        return max(self.context_rms, self.context)
 
     @property
     def label(self) -> str:
@@ -99,11 +110,13 @@ def _intervals(edges: tuple[int, ...]) -> list[tuple[int, int | None]]:
     return [(int(bounds[i] or 0), bounds[i + 1]) for i in range(len(edges) + 1)]
 
 
-def _stats(prompts: np.ndarray, outputs: np.ndarray, quantile: float) -> tuple[float, float, int, int, int]:
+def _stats(prompts: np.ndarray, outputs: np.ndarray, quantile: float) -> tuple[float, float, int, int, int, float]:
     if prompts.size == 0:
-        return 0.0, 0.0, 0, 0, 0
+        return 0.0, 0.0, 0, 0, 0, 0.0
+    ctx = prompts + outputs / 2
     return (float(prompts.mean()), float(outputs.mean()), int(np.quantile(prompts, quantile, method="higher")),
-            int(np.quantile(outputs, quantile, method="higher")), int((prompts + outputs).max()))
+            int(np.quantile(outputs, quantile, method="higher")), int((prompts + outputs).max()),
+            float(np.sqrt((ctx ** 2).mean())))
 
 
 def _merged(edges: list[int], counts: list[int], floor: float) -> list[int]:
@@ -197,8 +210,9 @@ def parse_buckets(text: str) -> Buckets:
                 continue
             pm = sum(p * w for p, _, w in items) / share
             om = sum(o * w for _, o, w in items) / share
+            rms = math.sqrt(sum((p + o / 2) ** 2 * w for p, o, w in items) / share)
             out.append(Bucket(pr, orng, share, pm, om, max(p for p, _, _ in items), max(o for _, o, _ in items),
-                              max(p + o for p, o, _ in items)))
+                              max(p + o for p, o, _ in items), rms))
     return Buckets(pe, oe, tuple(out), f"buckets {text}")
 
 
