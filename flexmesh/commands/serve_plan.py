@@ -91,7 +91,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     r.add_argument("--repair", type=int, default=REPAIR_ROUNDS, metavar="N",
                    help="rounds of local moves judged by the simulator (0: none)")
     r.add_argument("--no-simulate", action="store_true", help="the MILP's plan only, not scored by the simulator")
-    r.add_argument("--time-limit", type=positive_float, default=2.0, metavar="S",
+    r.add_argument("--time-limit", type=positive_float, default=0.5, metavar="S",
                    help="seconds a whole MILP may take when the quick one is not near its bound")
     r.add_argument("--baselines", action="store_true", help="also plan and score the baselines")
     o = p.add_argument_group("output")

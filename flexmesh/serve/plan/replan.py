@@ -144,7 +144,9 @@ def transition(old: ServingPlan, new: ServingPlan, kv_tokens: Sequence[float] | 
                 cost[i, j] = weights(j)
         cost[i, n_new + i] = 0.0  # stop it
     for j in range(n_new):
-        cost[n_old + j, j] = weights(j)  # load it on devices no old replica held
+        # load it on devices no old replica held: as many bytes as loading them onto an old replica's devices,
+        # which is preferred (the ties go to reuse: an old replica's devices are already the deployment's)
+        cost[n_old + j, j] = weights(j) * (1 + 1e-9) + 1.0
         cost[n_old + j, n_new:] = 0.0
     rows, cols = linear_sum_assignment(cost)
     moves = []

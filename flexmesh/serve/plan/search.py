@@ -80,7 +80,7 @@ class PlanInputs:
     overhead: EngineOverhead | None = None
     knobs: dict[int, EngineKnobs] | None = None
     workload: dict = field(default_factory=dict)
-    time_limit_s: float = 2.0  # the most seconds a whole MILP may take when the quick one is not near its bound
+    time_limit_s: float = 0.5  # the most seconds a whole MILP may take when the quick one is not near its bound
     stage_slos: tuple[SLO, ...] | None = None  # per model, the SLO its replicas are priced at (a cascade's stages)
 
     def __post_init__(self) -> None:
@@ -395,7 +395,8 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
     and repair the best by ``repair`` rounds of local moves."""
     say = progress or (lambda _: None)
     t0 = time.perf_counter()
-    planner = planner or Planner(inputs)
+    if planner is None or planner.inputs != inputs:
+        planner = Planner(inputs)
     cands = candidates(planner)
     plan_s = time.perf_counter() - t0
     unmet = planner.unmet(planner.columns())
