@@ -91,8 +91,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     r.add_argument("--repair", type=int, default=REPAIR_ROUNDS, metavar="N",
                    help="rounds of local moves judged by the simulator (0: none)")
     r.add_argument("--no-simulate", action="store_true", help="the MILP's plan only, not scored by the simulator")
-    r.add_argument("--time-limit", type=positive_float, default=0.5, metavar="S",
-                   help="seconds a whole MILP may take when the quick one is not near its bound")
     r.add_argument("--baselines", action="store_true", help="also plan and score the baselines")
     o = p.add_argument_group("output")
     o.add_argument("--explain", action="store_true", help="say why: each group's capacity per bucket and its load")
@@ -162,7 +160,9 @@ def resolve(args: argparse.Namespace) -> PlanJob:
             if not sep:
                 raise SpecError(f"--window {args.window!r} is not START:END in seconds (e.g. 0:600)")
             base = window(base, start, end)
+        named = base.name
         base = window(base, first=args.requests)
+        base = replace(base, name=f"{named} (first {len(base):,} requests)")
         if args.fit_context:
             base = scale_to_context(base, min(m.max_position for m in specs))
         if base.rate <= 0:
@@ -182,7 +182,7 @@ def resolve(args: argparse.Namespace) -> PlanJob:
     quality = parse_quality(args.quality) if args.quality else None
     inputs = PlanInputs(models, args.cluster, buckets, slo, prices, args.attainment, args.budget, args.rate,
                         (1.0,) * len(models) if not args.cascade else (1.0, 0.0),
-                        overhead=parse_overhead(args.engine_overhead), workload=record, time_limit_s=args.time_limit)
+                        overhead=parse_overhead(args.engine_overhead), workload=record)
     if args.repair < 0:
         raise SpecError(f"--repair {args.repair} is not a number of rounds >= 0")
     return PlanJob(inputs, None if args.no_simulate else workload, None if args.no_simulate else workload_at,
@@ -380,10 +380,10 @@ def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[B
     if result.score is not None:
         s = result.score
         console.print(f"goodput {s.goodput:.4g} req/s at ${s.dollars_per_hour:,.2f}/h ({s.per_dollar:.4g} req/s per "
-                      f"$/h); planned in {result.plan_s:.2f} s ({result.configs} configurations), scored in "
+                      f"$/h); planned from {result.configs} configurations, {result.plan_s:.2f} s; scored in "
                       f"{result.simulate_s:.1f} s")
     else:
         console.print(f"MILP rate {p.predicted.get('rate', 0):.4g} req/s at ${p.dollars_per_hour:,.2f}/h (not "
-                      f"simulated); planned in {result.plan_s:.2f} s ({result.configs} configurations)")
+                      f"simulated); planned from {result.configs} configurations, {result.plan_s:.2f} s")
     if explain:
         _explain(console, p, result)

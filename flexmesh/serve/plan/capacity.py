@@ -207,7 +207,7 @@ class Pricing:
         return [[self.capacity(c, b, slo) if b.share > 0 else NONE for b in buckets] for c in configs]
 
 
-def _largest(feasible: Callable[[float], bool], hi: float, lo: float = 1e-3, rel_tol: float = 0.01) -> float:
+def _largest(feasible: Callable[[float], bool], hi: float, lo: float = 1e-2, rel_tol: float = 0.02) -> float:
     """The largest ``n`` in ``[lo, hi]`` with ``feasible(n)`` (which holds up to some point, then not), within
     ``rel_tol`` (bisection in log space); 0 if none."""
     if hi < lo or not feasible(lo):
@@ -347,12 +347,12 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
             return fail("max-seqs" if n_hi > seqs else "kv")
         if n + a * p > budget:  # the prefill that keeps the batch full fits the budget on average
             return fail("budget")
-        it = t.split_s(max(1, round(n)), round(n * ctx), _prefill_chunks(a * p, p))
-        it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(min(a_hi * p, budget - n_hi), p))
         tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(a * p, p))
-        last["it"], last["tpot"] = it, tpot
         if tpot > tpot_bound:
             return fail("tpot")
+        it = t.split_s(max(1, round(n)), round(n * ctx), _prefill_chunks(a * p, p))
+        it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(min(a_hi * p, budget - n_hi), p))
+        last["it"], last["tpot"] = it, tpot
         # The prompts that arrived with it take their room first; when they fill the budget it waits an iteration.
         room = budget - n_hi - max(0.0, a_hi - 1) * p
         wait = 0.0

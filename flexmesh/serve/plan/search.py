@@ -80,7 +80,7 @@ class PlanInputs:
     overhead: EngineOverhead | None = None
     knobs: dict[int, EngineKnobs] | None = None
     workload: dict = field(default_factory=dict)
-    time_limit_s: float = 0.5  # the most seconds a whole MILP may take when the quick one is not near its bound
+    time_limit_s: float = 20.0  # the most seconds one MILP may take (a safety net: plans do not depend on it)
     stage_slos: tuple[SLO, ...] | None = None  # per model, the SLO its replicas are priced at (a cascade's stages)
 
     def __post_init__(self) -> None:
