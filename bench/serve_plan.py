@@ -189,8 +189,16 @@ def replan_rows(res) -> list[list[str]]:  # noqa: ANN001
         got = a.goodput / b.goodput if b.goodput > 0 else math.nan
         rows.append([label, before.layout, f"{fast.seconds:.2f} {'PASS' if fast.seconds <= 1.0 else 'FAIL'}",
                      fast.plan.layout, f"{a.goodput:.4g}", f"{b.goodput:.4g}",
-                     f"{got:.0%} {'PASS' if got >= 0.9 else 'FAIL'}", transition(before, fresh).summary()])
+                     f"{got:.0%} {'PASS' if got >= 0.9 else 'FAIL'}",
+                     transition(before, fresh, _kv_held(before, workload_at, res.score.goodput / 2)).summary()])
     return rows
+
+
+def _kv_held(p, workload_at, rate: float) -> list[float]:  # noqa: ANN001
+    """KV tokens each replica of ``p`` holds on average at ``rate`` (a simulation): what moves when it stops."""
+    fleet, table = p.fleet()
+    out = fleet.run(workload_at(rate), router="plan", routing=table)
+    return [sum(x[4] for x in r.samples) / max(len(r.samples), 1) * r.kv_tokens for r in out.replicas]
 
 
 def cascade_rows() -> list[list[str]]:
