@@ -241,9 +241,9 @@ class Fleet:
                             "routing table) or another router")
         route: list[Router[SimulatedReplica] | None] = []
         route_decode: list[Router[SimulatedReplica] | None] = []
-        for t in tiers:
-            entry = [p for r, p in zip(self.replicas, reps) if r.spec.tier == t and p.role != "decode"]
-            decoders = [p for r, p in zip(self.replicas, reps) if r.spec.tier == t and p.role == "decode"]
+        for tier in tiers:
+            entry = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role != "decode"]
+            decoders = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role == "decode"]
             route.append(make_router(router, entry, weights, routing) if entry else None)
             route_decode.append(make_router("least-work" if router == "weights" else router, decoders, table=routing,
                                             decode=True) if decoders else None)
@@ -341,7 +341,7 @@ class Fleet:
                     push(end, _ITERATION_END, rep)
                     break
             else:
-                q = payload  # type: ignore[assignment]
+                q: Req = payload  # type: ignore[assignment]
                 assert q.src is not None and q.decode_replica is not None
                 src, dst = q.src, reps[q.decode_replica]
                 src.release_held(q)

@@ -417,11 +417,11 @@ def _buckets(raw: Any, where: str) -> Buckets:
         b = mapping(item, w, PlanError)
         known_keys(b, _BUCKET_KEYS, w, PlanError)
         share = number(b.get("share"), f"{w}.share", PlanError, strict=False, maximum=1.0)
-        vals = [number(b.get(k, 0), f"{w}.{k}", PlanError, strict=False) for k in ("prompt_mean", "output_mean")]
-        ints = [whole(b.get(k, 0), f"{w}.{k}", PlanError, minimum=0) for k in ("prompt_high", "output_high",
-                                                                                "longest")]
+        means = [number(b.get(k, 0), f"{w}.{k}", PlanError, strict=False) for k in ("prompt_mean", "output_mean")]
+        high, out_high, longest = (whole(b.get(k, 0), f"{w}.{k}", PlanError, minimum=0)
+                                   for k in ("prompt_high", "output_high", "longest"))
         rms = number(b.get("context_rms", 0), f"{w}.context_rms", PlanError, strict=False)
-        out.append(Bucket(p, o, share, vals[0], vals[1], *ints, rms))
+        out.append(Bucket(p, o, share, means[0], means[1], high, out_high, longest, rms))
     try:
         return Buckets(edges["prompt_edges"], edges["output_edges"], tuple(out))
     except FlexmeshError as e:

@@ -200,7 +200,7 @@ def solve(problem: Problem) -> Solution:
     rows = _Rows()
     fixed_rate = p.rate is not None
     rate_var = -1 if fixed_rate else v.add(0.0, math.inf)
-    rate = float(p.rate) if fixed_rate else 0.0
+    rate = float(p.rate) if p.rate is not None else 0.0
 
     allowed = [True] * nc
     if p.limits is not None:

@@ -269,8 +269,8 @@ class Planner:
         groups = _normalised(groups, len(self.models), nb)
         devices = {g.device for g in groups}
         unmet = self.unmet(cols)
-        planner = {"objective": "rate" if i.rate is not None else "goodput", "budget": i.budget,
-                   "target_rate": i.rate}
+        planner: dict[str, object] = {"objective": "rate" if i.rate is not None else "goodput",
+                                      "budget": i.budget, "target_rate": i.rate}
         if unmet:
             planner["served_without_slo"] = [b for _, b in unmet]
         plan = ServingPlan(i.models, i.cluster, i.buckets, i.slo, i.attainment, tuple(groups), routing,
@@ -340,7 +340,8 @@ def _normalised(groups: list[ReplicaGroup], models: int, nb: int) -> list[Replic
                 for j in idx:
                     vals = list(getattr(out[j], key))
                     vals[b] = vals[b] / total
-                    out[j] = replace(out[j], **{key: tuple(vals)})
+                    out[j] = replace(out[j], entry=tuple(vals)) if key == "entry" else \
+                        replace(out[j], decode=tuple(vals))
     return out
 
 
@@ -511,7 +512,7 @@ def _neighbours(planner: Planner, counts: dict[int, int]) -> list[tuple[str, dic
     configs = planner.configs
     variants: dict[tuple, list[int]] = {}  # (model, group, tp, pp, role) -> its knob variants
     for k, c in enumerate(configs):
-        variants.setdefault((*c.shape, c.role), []).append(k)
+        variants.setdefault(c.shape + (c.role,), []).append(k)
     out: list[tuple[str, dict[int, int]]] = []
 
     def moved(label: str, minus: dict[int, int], plus: dict[int, int]) -> None:
@@ -535,16 +536,16 @@ def _neighbours(planner: Planner, counts: dict[int, int]) -> list[tuple[str, dic
         """The configuration of that shape and role with ``k``'s knobs, else its first knob variant."""
         ks = variants.get((model, group, tp, pp, role), [])
         same = [j for j in ks if configs[j].knobs == configs[k].knobs]
-        return (same or ks or [None])[0]
+        return (same or ks)[0] if ks else None
 
     for k, n in sorted(counts.items()):
         c = configs[k]
-        for j in variants[(*c.shape, c.role)]:
+        for j in variants[c.shape + (c.role,)]:
             if j != k:
                 moved(f"{name(k)} -> {name(j)}", {k: 1}, {j: 1})
         for role in ROLES:
             if role != c.role:
-                for j in variants.get((*c.shape, role), []):
+                for j in variants.get(c.shape + (role,), []):
                     moved(f"{name(k)} -> {name(j)}", {k: 1}, {j: 1})
         half = like(k, c.model, c.group, c.tp // 2, c.pp, c.role) if c.tp > 1 else None
         if half is not None:

@@ -174,10 +174,10 @@ def parse_buckets(text: str) -> Buckets:
     between neighbouring lengths at their geometric mean."""
     given: dict[tuple[int, int], float] = {}
     for part in filter(None, (x.strip() for x in text.split(","))):
-        lengths, eq, share = part.partition("=")
+        lengths, eq, share_text = part.partition("=")
         pieces = lengths.split(":")
         try:
-            prompt, output, weight = int(pieces[0]), int(pieces[1]), float(share)
+            prompt, output, weight = int(pieces[0]), int(pieces[1]), float(share_text)
         except (ValueError, IndexError):
             prompt = output = 0
             weight = -1.0
