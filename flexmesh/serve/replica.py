@@ -43,7 +43,7 @@ class Req:
 
     __slots__ = ("r", "tokens", "computed", "outputs", "target", "ids", "shared", "own", "remote", "first_token_s",
                  "replica", "decode_replica", "preemptions", "cached", "j", "c0", "o0", "key", "gen", "src",
-                 "handed_s")
+                 "handed_s", "stage")
 
     def __init__(self, r: Request, target: int, ids: tuple[int, ...]):
         self.r = r
@@ -63,6 +63,7 @@ class Req:
         self.j = self.c0 = self.o0 = self.key = self.gen = 0  # decoding since iteration j with c0 computed, o0 out
         self.src: SimulatedReplica | None = None  # the prefill replica holding its KV until fetched
         self.handed_s = 0.0  # when it was handed to a decode replica
+        self.stage = r.tier  # the model serving it here (a cascade's stage: 0 up to its tier)
 
 
 class SimulatedReplica:
@@ -107,6 +108,14 @@ class SimulatedReplica:
     # ---- what routers read ----------------------------------------------------------------------------
     def outstanding_s(self) -> float:
         return self.pending_prompt * self.s_prefill + self.pending_outputs * self.s_decode
+
+    def request_s(self, prompt_tokens: int, output_tokens: int) -> float:
+        """Seconds a request of these lengths adds to its work, at its prefill and decode rates (its role's part)."""
+        if self.role == "prefill":
+            return prompt_tokens * self.s_prefill
+        if self.role == "decode":
+            return output_tokens * self.s_decode
+        return prompt_tokens * self.s_prefill + output_tokens * self.s_decode
 
     def kv_load(self) -> float:
         return (self.kv.used + self.waiting_prompt / self.bs) / self.kv.total
