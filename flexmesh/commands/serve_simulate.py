@@ -37,6 +37,7 @@ from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
 from flexmesh.report.serving import knee_png, timeline_png
 from flexmesh.serve.deployment import auto_replicas, default_knobs, parse_replicas, place
+from flexmesh.serve.lengths import PREDICTORS, LengthPredictor, make_predictor
 from flexmesh.serve.metrics import SLO, Goodput, Summary, parse_slo, summarize, write_records
 from flexmesh.serve.plan.fileformat import ServingPlan, load_plan
 from flexmesh.serve.plan.score import plan_workload
@@ -112,7 +113,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     r.add_argument("--router", choices=ROUTERS, help="how requests are spread over replicas (default: round-robin; a "
                    "plan's own, by length bucket, with --plan)")
     r.add_argument("--weights", help="the weights router's weights, one per replica taking new requests (2,1,1)")
-    r.add_argument("--queue", choices=tuple(QUEUES), default="fcfs", help="each replica's queue policy")
+    r.add_argument("--queue", choices=QUEUES, default="fcfs", help="each replica's queue policy: first come first "
+                   "served, shortest (predicted) job first, or TIE's expected length + tail")
+    r.add_argument("--predictor", choices=PREDICTORS, default="oracle",
+                   help="output lengths the sjf and tie queues and the long-to-kv router read: the trace's own, the "
+                   "trace's with log-normal noise, or a model on prompt lengths fitted to the rest of the trace")
+    r.add_argument("--predictor-noise", type=positive_float, default=0.5, metavar="SIGMA",
+                   help="the noisy predictor's error (standard deviation of its log-length)")
     s = p.add_argument_group("SLOs, rates, cost")
     s.add_argument("--slo", help="bounds every request should meet: ttft=TIME,tpot=TIME,e2e=TIME (s or ms) "
                    "(default: none, or the plan's)")
@@ -151,6 +158,7 @@ class SimulateJob:
     price_note: str
     overhead: EngineOverhead
     routing: RoutingTable | None = None  # the plan router's table (--plan)
+    predictor: LengthPredictor | None = None  # for length-aware queues and routers
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -273,8 +281,13 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
             "; ".join(f"{d}: ${prices[d].usd_per_hour:.4g}/GPU-h ({prices[d].source})" for d in fleet.gpus))
     rates = _floats(args.rates, "--rates") if args.rates else ()
     fleet.check(workload, routing if router == "plan" else None)
+    predictor = None
+    if args.queue != "fcfs" or router == "long-to-kv":
+        ids = {r.id for r in workload.requests}
+        rest = Workload(tuple(r for r in base.requests if r.id not in ids) or base.requests, base.name)
+        predictor = make_predictor(args.predictor, rest, args.predictor_noise)
     return SimulateJob(model, cluster, fleet, workload, workload_at, rate, rates, slo, target, args.goodput,
-                       router, weights, args.queue, usd, note, overhead, routing)
+                       router, weights, args.queue, usd, note, overhead, routing, predictor)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"simulating {len(job.workload):,} requests x {runs if not job.goodput else f'up to {runs}'} "
                       f"runs; progress below" if console.is_terminal else
                       f"simulating {len(job.workload):,} requests x {'up to ' if job.goodput else ''}{runs} runs")
-    opts = dict(router=job.router, weights=job.weights, queue=job.queue, routing=job.routing)
+    opts = dict(router=job.router, weights=job.weights, queue=job.queue, routing=job.routing, predictor=job.predictor)
     with _progress(console, total >= LONG_RUN_REQUESTS) as tick:
         main = job.fleet.run(job.workload, progress=tick, **opts)  # type: ignore[arg-type]
         points = [RatePoint(job.rate, summarize(main.records, job.slo, job.dollars_per_hour))]

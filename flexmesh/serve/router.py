@@ -11,6 +11,9 @@ handed-off requests over the decode replicas). Deterministic: ties go to the low
   class a weight per replica, as a serving plan routes its buckets): in proportion to the class's weights
   (smooth weighted round robin per class), or, with the table's ``least-work`` policy, to the replica of
   positive weight whose work would finish first (flexmesh.schedule.dispatch, one request at a time).
+- ``long-to-kv``: a request predicted long (its predicted mean output above the ``long_quantile`` of the
+  predictions the router has seen before it) goes where KV is most plentiful (the lowest KV load), the others by
+  least work: a long answer grows its KV for long, and a replica already full of it would preempt.
 
 >>> class R:
 ...     def __init__(self, index, work): self.index, self.work = index, work
@@ -27,6 +30,13 @@ handed-off requests over the decode replicas). Deterministic: ties go to the low
 >>> by = make_router("plan", pool, table=table)
 >>> [by.choose(Request(0, 0.0, p, 10)).index for p in (10, 5000, 10, 10)]
 [0, 2, 1, 0]
+>>> from flexmesh.serve.lengths import Oracle
+>>> class K(R):
+...     def __init__(self, index, work, kv): super().__init__(index, work); self.kv = kv
+...     def kv_load(self): return self.kv
+>>> lk = make_router("long-to-kv", [K(0, 1.0, 0.9), K(1, 2.0, 0.1)], predictor=Oracle())
+>>> [lk.choose(Request(i, 0.0, 10, n)).index for i, n in enumerate([50, 40, 45, 900])]  # 900 is long
+[0, 0, 0, 1]
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import numpy as np
 from flexmesh.data.requests import Request
 from flexmesh.errors import SpecError
 from flexmesh.schedule.dispatch import dispatch
+from flexmesh.serve.lengths import LengthPredictor
 
 
 class Routable(Protocol):
@@ -202,11 +213,40 @@ def _request_s(replica: object, request: Request) -> float:
     return float(price(request.prompt_tokens, request.output_tokens)) if price is not None else 0.0
 
 
-ROUTERS = ("round-robin", "least-work", "least-kv", "weights", "plan")
+class LongToKV(Router[R]):
+    """``long-to-kv``: long requests (by ``predictor``) to the lowest KV load, the others by least work."""
+
+    def __init__(self, pool: Sequence[R], predictor: LengthPredictor, context: int = 2**31 - 1,
+                 long_quantile: float = 0.75):
+        super().__init__(pool)
+        if not 0 < long_quantile < 1:
+            raise SpecError(f"the long-to-kv router's quantile is in (0, 1), got {long_quantile}")
+        self.predictor, self.context, self.q = predictor, context, long_quantile
+        self.seen: list[float] = []  # predicted means so far, sorted
+
+    def is_long(self, request: Request) -> bool:
+        mean = self.predictor.predict(request, max(self.context - request.prompt_tokens, 1)).mean()
+        seen = self.seen
+        long = bool(seen) and mean > seen[min(int(self.q * len(seen)), len(seen) - 1)]
+        bisect.insort(seen, mean)
+        return long
+
+    def choose(self, request: Request | None = None) -> R:
+        if request is not None and self.is_long(request):
+            return min(self.pool, key=lambda r: (r.kv_load(), r.index))
+        return min(self.pool, key=lambda r: (r.outstanding_s(), r.index))
+
+
+ROUTERS = ("round-robin", "least-work", "least-kv", "weights", "plan", "long-to-kv")
 
 
 def make_router(name: str, pool: Sequence[R], weights: Sequence[float] | None = None,
-                table: RoutingTable | None = None, decode: bool = False) -> Router[R]:
+                table: RoutingTable | None = None, decode: bool = False, predictor: LengthPredictor | None = None,
+                context: int = 2**31 - 1) -> Router[R]:
+    if name == "long-to-kv":
+        if predictor is None:
+            raise SpecError("the long-to-kv router reads predicted lengths; give a length predictor (--predictor)")
+        return LongToKV(pool, predictor, context)
     if name == "round-robin":
         return RoundRobin(pool)
     if name == "least-work":

@@ -48,10 +48,12 @@ from flexmesh.cost.inference.timing import IterationTiming, split_s
 from flexmesh.cost.inference.transfer import Path, kv_path
 from flexmesh.data.requests import Request, Workload
 from flexmesh.errors import FlexmeshError, SpecError
+from flexmesh.serve.branches import Score, to_prune
 from flexmesh.serve.deployment import EngineKnobs, PlacedReplica, default_knobs
 from flexmesh.serve.kv import KVBlocks
+from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
-from flexmesh.serve.queues import QUEUES
+from flexmesh.serve.queues import QUEUES, make_queue
 from flexmesh.serve.replica import Req, SimulatedReplica
 from flexmesh.serve.router import Router, RoutingTable, make_router
 from flexmesh.spec.cluster import MixedCluster
@@ -60,6 +62,18 @@ from flexmesh.spec.model import ModelSpec
 # A busy decode batch: the least-work router prices a replica's decode token as one of this many.
 ROUTER_DECODE_BATCH = 32
 _ITERATION_END, _TRANSFER_DONE = 0, 1
+
+
+class _Branches:
+    """A request's branches on their replica: those alive by index, how many finished, their tokens so far."""
+
+    __slots__ = ("r", "rep", "alive", "finished", "tokens", "first")
+
+    def __init__(self, r: Request, rep: SimulatedReplica):
+        self.r, self.rep = r, rep
+        self.alive: dict[int, Req] = {}
+        self.finished = self.tokens = 0
+        self.first = math.inf
 
 
 @dataclass(frozen=True)
@@ -168,9 +182,10 @@ class Fleet:
             if not 0 <= r.tier < tiers:
                 raise FlexmeshError(f"request {r.id} asks for model tier {r.tier}; this fleet serves "
                                     + ("one model (tier 0)" if tiers == 1 else f"tiers 0..{tiers - 1}"))
-            if r.branches != 1:
-                raise FlexmeshError(f"request {r.id} samples {r.branches} branches; test-time scaling (branches > 1) "
-                                    "is not simulated yet")
+            if r.branches != 1 and (self.cascade or any(rep.spec.role != "aggregated" for rep in self.replicas
+                                                         if rep.spec.tier == r.tier)):
+                raise FlexmeshError(f"request {r.id} samples {r.branches} branches; test-time scaling runs on "
+                                    "aggregated replicas outside a cascade (its branches share one replica)")
             k = routing.of(r.prompt_tokens, r.output_tokens) if routing is not None else 0
             for t in self._stages(r.tier):
                 held = longest.get((t, k))
@@ -207,9 +222,14 @@ class Fleet:
 
     def run(self, workload: Workload, router: str = "round-robin", weights: tuple[float, ...] | None = None,
             queue: str = "fcfs", progress: Callable[[int, int], None] | None = None,
-            timeline_points: int = 400, routing: RoutingTable | None = None) -> SimResult:
+            timeline_points: int = 400, routing: RoutingTable | None = None,
+            predictor: LengthPredictor | None = None, score: Score | None = None,
+            prune_below: float = 0.5) -> SimResult:
         """Simulate ``workload`` (requests routed by ``router``, the ``plan`` router by ``routing``; queued by
-        ``queue``); ``progress(done, total)`` is called now and then."""
+        ``queue``, length-aware queues and routers by ``predictor``'s lengths); ``progress(done, total)`` is called
+        now and then. Requests with branches (test-time scaling, :mod:`flexmesh.serve.branches`) finish with
+        their ``needed``-th branch, the others cancelled then; ``score`` prunes branches scored below
+        ``prune_below`` each time one finishes."""
         t0 = time.perf_counter()
         self.check(workload, routing if router == "plan" else None)
         if queue not in QUEUES:
@@ -231,7 +251,8 @@ class Fleet:
             rep = SimulatedReplica(
                 r.index, r.spec.role, price,
                 KVBlocks(cap.blocks, k.block_tokens, prefix_tokens if caching else 0, k.prefix_cache_blocks),
-                k, QUEUES[queue](), price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
+                k, make_queue(queue, predictor, k.max_seqs, self.models[r.spec.tier].max_position),
+                price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
                 price(batch, int(batch * typical), []) / batch, span / max(timeline_points, 1),
                 getattr(t, "decode_run_s", None))
             reps.append(rep)
@@ -244,9 +265,11 @@ class Fleet:
         for tier in tiers:
             entry = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role != "decode"]
             decoders = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role == "decode"]
-            route.append(make_router(router, entry, weights, routing) if entry else None)
+            context = self.models[tier].max_position
+            route.append(make_router(router, entry, weights, routing, predictor=predictor, context=context)
+                         if entry else None)
             route_decode.append(make_router("least-work" if router == "weights" else router, decoders, table=routing,
-                                            decode=True) if decoders else None)
+                                            decode=True, predictor=predictor, context=context) if decoders else None)
         cascade = self.cascade
         caching_ids = [bool(p.prefix_tokens) for p in reps]
 
@@ -267,6 +290,16 @@ class Fleet:
         def enter(r: Request, stage: int, now: float, preemptions: int = 0) -> None:
             """``r`` arrives at ``stage``'s replicas (routed now)."""
             rep = route[stage].choose(r)  # type: ignore[union-attr]  # check() saw every stage's entry pool
+            if r.branches > 1:  # every branch on this replica, each its own state
+                group = _Branches(r, rep)
+                for b, n in enumerate(r.branch_lengths()):
+                    q = Req(r, n, ())
+                    q.uid, q.group, q.branch = -(r.id * 1024 + b) - 1, group, b
+                    group.alive[b] = q
+                    rep.push(q)
+                if not rep.busy:
+                    kick(rep, now)
+                return
             q = Req(r, 1 if rep.role == "prefill" else r.output_tokens, r.prefix_blocks if caching_ids[rep.index]
                     else ())
             q.stage, q.preemptions = stage, preemptions
@@ -277,11 +310,31 @@ class Fleet:
         def finished(q: Req, now: float) -> None:
             assert q.first_token_s is not None
             r = q.r
+            if q.group is not None:
+                branch_done(q, now)
+                return
             if cascade and q.stage < r.tier:  # escalated: the next model of the cascade takes it now
                 enter(r, q.stage + 1, now, q.preemptions)
                 return
             records.append(RequestRecord(r.id, q.replica, r.arrival_s, q.first_token_s, now, r.prompt_tokens,
                                          r.output_tokens, None, q.decode_replica, q.preemptions, q.cached))
+
+        def branch_done(q: Req, now: float) -> None:
+            g: _Branches = q.group  # type: ignore[assignment]
+            del g.alive[q.branch]
+            g.finished += 1
+            g.tokens += q.outputs
+            assert q.first_token_s is not None
+            g.first = min(g.first, q.first_token_s)
+            if g.finished < g.r.needed:
+                for b in to_prune(g.r, sorted(g.alive), g.finished, score, prune_below):
+                    g.tokens += g.rep.cancel(g.alive.pop(b))
+                return
+            for b in sorted(g.alive):
+                g.tokens += g.rep.cancel(g.alive.pop(b))
+            r = g.r
+            records.append(RequestRecord(r.id, q.replica, r.arrival_s, g.first, now, r.prompt_tokens, q.outputs, None,
+                                         None, q.preemptions, q.cached, g.tokens, r.branches))
 
         def handoff(q: Req, now: float) -> None:
             to = route_decode[q.stage]
