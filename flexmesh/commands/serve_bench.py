@@ -145,7 +145,7 @@ def _report(runs, predicted, out: Path | None) -> None:
         p = predicted[i] if predicted else None
         lag = percentiles(rep.send_lag_s)["p99"] if rep.send_lag_s else float("nan")
 
-        def pair(get, digits: int = 0) -> str:
+        def pair(get, digits: int = 0, s=s, p=p) -> str:
             a = f"{get(s) * 1e3:,.{digits}f}" if s is not None else "-"
             return a if p is None else f"{a} / {get(p) * 1e3:,.{digits}f}"
 

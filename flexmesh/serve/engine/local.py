@@ -21,7 +21,6 @@ from flexmesh.errors import ServeError
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.router import RoutingTable
 
-
 CPU_WEIGHTS_GIB = 2.0  # the most weights one CPU engine of a mapped plan may hold (random weights, seconds to build)
 
 
@@ -96,7 +95,7 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
         for r in fleet.replicas:
             devices.append(f"cuda:{free[r.device.name].pop(0)}")
     configs, caps = [], []
-    for r, k, dev in zip(fleet.replicas, fleet.replica_knobs, devices):
+    for k, dev in zip(fleet.replica_knobs, devices):
         configs.append(replace(base, model=model or plan.models[0], device=dev, max_batch_tokens=k.max_batched_tokens,
                                max_requests_per_batch=k.max_seqs, page_size=k.block_tokens,
                                num_blocks=k.kv_blocks or base.num_blocks, block_sharing=k.prefix_caching))

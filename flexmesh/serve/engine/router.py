@@ -63,7 +63,8 @@ from flexmesh.serve.engine.http import MAX_BODY_BYTES, error_body, parse_complet
 from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
 from flexmesh.serve.queues import QueuePolicy, make_queue
-from flexmesh.serve.router import ROUTERS, Router as Policy, RoutingTable, make_router
+from flexmesh.serve.router import ROUTERS, RoutingTable, make_router
+from flexmesh.serve.router import Router as Policy
 
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_INTERVAL_S = 1.0

@@ -6,8 +6,9 @@ endpoint on 127.0.0.1 (aiohttp).
 Routes: ``POST /v1/completions`` (:mod:`flexmesh.serve.engine.http`), ``GET /v1/models``,
 ``GET /health`` (200 while the engine loop runs, with its outstanding requests; 503 once it stopped, or
 while it holds requests and ran no iteration for :data:`STALL_S`: a stuck loop), ``POST /cancel``
-(``{"request_id": ...}``: stop a request; it answers with the tokens it had) and ``GET /iterations?since=K`` (the engine's iterations from the K-th on, at most
-:data:`ITERATIONS_PAGE` per answer). It prints ``flexmesh-serve-ready {"port": N}`` once it listens
+(``{"request_id": ...}``: stop a request; it answers with the tokens it had) and
+``GET /iterations?since=K`` (the engine's iterations from the K-th on, at most :data:`ITERATIONS_PAGE` per
+answer). It prints ``flexmesh-serve-ready {"port": N}`` once it listens
 and stops cleanly on SIGINT or SIGTERM (requests still running are answered with an error).
 
 Bounded: at most ``--max-outstanding`` requests at once (more are answered 503 at once) and none
