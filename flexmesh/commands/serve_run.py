@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flexmesh.commands.args import folder, new_file, nonneg_int, seconds
+from flexmesh.commands.args import folder, new_file, nonneg_float, nonneg_int
 from flexmesh.commands.engine_args import (
     add_engine_args,
     add_fleet_args,
@@ -38,7 +38,7 @@ def add_parser(kinds) -> argparse.ArgumentParser:
     p.add_argument("--events", type=new_file, help="append what happened (engines lost, requests re-sent) to this "
                    "JSONL file")
     p.add_argument("--logs", type=folder, help="folder for the engines' logs (default: a temporary folder)")
-    p.add_argument("--progress-every", type=seconds, default=10.0,
+    p.add_argument("--progress-every", type=nonneg_float, default=10.0,
                    help="seconds between progress lines (0: none)")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -96,10 +96,13 @@ def run(args: argparse.Namespace) -> int:
         if args.progress_every > 0:
             asyncio.ensure_future(progress(url.router, args.progress_every))
 
-    asyncio.run(serve_fleet(cfgs, len(cfgs), args.port, logs, Path(args.requests) if args.requests else None,
-                            route, on_ready=ready, max_outstanding=args.max_outstanding,
-                            request_timeout_s=args.request_timeout,
-                            events=Path(args.events) if args.events else None, on_event=said, **opts))
+    alive = asyncio.run(serve_fleet(cfgs, len(cfgs), args.port, logs,
+                                    Path(args.requests) if args.requests else None, route, on_ready=ready,
+                                    max_outstanding=args.max_outstanding, request_timeout_s=args.request_timeout,
+                                    events=Path(args.events) if args.events else None, on_event=said, **opts))
+    if not alive:
+        print(f"stopped: every engine was lost (their logs: {logs})", file=sys.stderr)
+        return 1
     print("stopped", file=sys.stderr)
     return 0
 

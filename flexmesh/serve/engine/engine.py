@@ -36,6 +36,7 @@ from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.model import build_model
 
 ITERATIONS_KEPT = 100_000  # iterations an engine keeps in memory for /iterations (a bounded ring)
+START_S = 120.0  # the most an engine's loop may take to build its KV cache
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,27 @@ class Engine:
         self.last_iteration_s = time.perf_counter()  # when the loop last finished an iteration (or started)
         self._manager = _manager_class()(self.model, gen, cb)
         self._manager.on_iteration = self._record
-        self._manager.start()
         self._collector = threading.Thread(target=self._collect, name="engine-results", daemon=True)
+        self._manager.start()
         self._collector.start()
+        self._wait_started()
+
+    def _wait_started(self, timeout_s: float = START_S) -> None:
+        """Until the loop has built its batch processor (its KV cache): a loop that failed doing so (a cache that
+        does not fit in memory, say) is one ServeError line here, not an engine that answers nothing."""
+        m = self._manager
+        status = getattr(m, "background_thread_status", None)
+        deadline = time.perf_counter() + timeout_s
+        while getattr(m, "batch_processor", None) is None:
+            error = getattr(status, "fatal_error", None)
+            if error is not None or not m.is_running():
+                why = f"{type(error).__name__}: {error}" if error is not None else "it stopped"
+                self.close()
+                raise ServeError(f"the engine's generation loop failed to start ({why})".replace("\n", " "))
+            if time.perf_counter() > deadline:
+                self.close()
+                raise ServeError(f"the engine's generation loop was not ready within {timeout_s:.0f} s")
+            time.sleep(0.01)
 
     # -- requests ---------------------------------------------------------------------------------
 

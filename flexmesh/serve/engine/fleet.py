@@ -68,7 +68,7 @@ def _last_line(log: Path) -> str:
     except OSError:
         return ""
     errors = [ln for ln in lines if ln.startswith(("error:", "Error", "ServeError")) or "Error:" in ln]
-    return (errors or lines or [""])[-1]
+    return (errors or lines or [""])[-1].removeprefix("error: ")
 
 
 async def start_engines(cfg: EngineConfig | list[EngineConfig], n: int, log_dir: Path,
@@ -143,22 +143,35 @@ async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir:
     as the url's ``router`` attribute; everything stops on leaving it, whatever happened. ``router``: the
     Router's other options (queue, predictor, max_running, ...; each engine's ``max_running`` and ``kv_tokens``
     default to its config's request cap and KV cache)."""
+    cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
+    check_port(port, "the router")  # before minutes of starting engines
+    engines = await start_engines(cfgs, len(cfgs), log_dir)
+    try:
+        router.setdefault("max_running", [c.max_requests_per_batch for c in cfgs])
+        router.setdefault("kv_tokens", [c.kv_tokens for c in cfgs])
+        async with router_on([e.url for e in engines], port, records, events, route=route,
+                             max_outstanding=max_outstanding, request_timeout_s=request_timeout_s,
+                             **router) as url:
+            yield url, engines
+    finally:
+        await stop_engines(engines)
+
+
+@contextlib.asynccontextmanager
+async def router_on(urls: list[str], port: int = 0, records: Path | None = None, events: Path | None = None,
+                    **router):
+    """flexmesh's router over running engines at ``urls``, listening on 127.0.0.1:``port`` for the body of an
+    ``async with``: yields its :class:`RouterUrl`. ``router``: the Router's options."""
     from aiohttp import web
 
     from flexmesh.files import append_file
     from flexmesh.serve.engine.router import Router
 
-    cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
-    check_port(port, "the router")  # before minutes of starting engines
-    engines = await start_engines(cfgs, len(cfgs), log_dir)
     out = append_file(records) if records is not None else None
     ev = append_file(events) if events is not None else None
     runner = None
     try:
-        router.setdefault("max_running", [c.max_requests_per_batch for c in cfgs])
-        router.setdefault("kv_tokens", [c.kv_tokens for c in cfgs])
-        r = Router([e.url for e in engines], route=route, records=out, max_outstanding=max_outstanding,
-                   request_timeout_s=request_timeout_s, events=ev, **router)
+        r = Router(urls, records=out, events=ev, **router)
         runner = web.AppRunner(r.app(), handle_signals=False, access_log=None)
         await runner.setup()
         try:
@@ -166,11 +179,10 @@ async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir:
         except OSError as e:
             raise ServeError(f"the router cannot listen on {HOST}:{port} ({e.strerror or e}); choose another port "
                              "(0 picks a free one)") from None
-        yield RouterUrl(f"http://{HOST}:{runner.addresses[0][1]}", r), engines
+        yield RouterUrl(f"http://{HOST}:{runner.addresses[0][1]}", r)
     finally:
         if runner is not None:
             await runner.cleanup()
-        await stop_engines(engines)
         for f in (out, ev):
             if f is not None:
                 f.close()
@@ -188,21 +200,30 @@ class RouterUrl(str):
 
 
 async def serve_fleet(cfg: EngineConfig | list[EngineConfig], n: int, port: int, log_dir: Path,
-                      records: Path | None, route: str = "round-robin", on_ready=None, **limits) -> None:
-    """Engines + router on ``port`` until SIGINT or SIGTERM (see the module doc). ``on_ready(url, engines)`` is
-    awaited once the router listens."""
+                      records: Path | None, route: str = "round-robin", on_ready=None, **limits) -> bool:
+    """Engines + router on ``port`` until SIGINT or SIGTERM, or until every engine is lost (see the module doc).
+    ``on_ready(url, engines)`` is awaited once the router listens. False when it stopped for want of engines."""
     async with running_fleet(cfg, n, log_dir, records, route, port, **limits) as (url, engines):
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+
+        async def watch() -> None:
+            while any(r.up for r in url.router.replicas):
+                await asyncio.sleep(0.5)
+            stop.set()
+
+        watcher = asyncio.ensure_future(watch())
         try:
             if on_ready is not None:
                 await on_ready(url, engines)
             await stop.wait()
         finally:
+            watcher.cancel()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+        return any(r.up for r in url.router.replicas)
 
 
 async def fetch_iterations(session, engine_url: str, since: int = 0) -> list[dict]:
