@@ -134,14 +134,15 @@ def main() -> int:
     timing = _calibrated(results["fcfs"][4])
     twin = twin_fleet(cfg, ENGINES, timing, args.max_running)
     rows, per_token, predicted = [], {}, {}
-    for name, (rep, recs, _, _, _) in results.items():
+    for name, (rep, _, _, _, _) in results.items():
         if name in ("branches", "failure"):
             continue
         queue, _, pred = name.partition("-")
         s = summarize(rep.records)
         p = summarize(twin.run(load, queue=queue, predictor=predictors.get(pred or "oracle")).records)
         per_token[name], predicted[name] = s.per_token["mean"], p.per_token["mean"]
-        rows.append([name, len(rep.records), len(rep.failed), f"{s.ttft['p50'] * 1e3:,.0f} / {p.ttft['p50'] * 1e3:,.0f}",
+        rows.append([name, len(rep.records), len(rep.failed),
+                     f"{s.ttft['p50'] * 1e3:,.0f} / {p.ttft['p50'] * 1e3:,.0f}",
                      f"{s.e2e['p50']:.2f} / {p.e2e['p50']:.2f}",
                      f"{s.per_token['mean'] * 1e3:,.1f} / {p.per_token['mean'] * 1e3:,.1f}",
                      f"{per_token[name] / per_token.get('fcfs', per_token[name]):.2f} / "
@@ -175,7 +176,8 @@ def main() -> int:
     lines += [f"Test-time scaling: {len(branched)} requests x 8 branches, 2 needed, at 1 req/s: {len(recs)} answered, "
               f"{len(rep.failed)} failed.", "",
               f"- decode tokens: {everything:,} running all eight to the end, {spent:,} measured: {saving:.2f}x fewer "
-              f"(target >= {BRANCH_SAVING:g}x): {'PASS' if saving >= BRANCH_SAVING and len(recs) == len(branched) else 'FAIL'}",
+              f"(target >= {BRANCH_SAVING:g}x): "
+              f"{'PASS' if saving >= BRANCH_SAVING and len(recs) == len(branched) else 'FAIL'}",
               f"- simulated {sim_spent:,}, {b_err:.1%} from measured (bound {BRANCH_BOUND:.0%}): "
               f"{'PASS' if b_err <= BRANCH_BOUND else 'FAIL'}", ""]
 
