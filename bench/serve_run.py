@@ -73,7 +73,7 @@ def main() -> int:
     context = 4096
     trace = scale_to_context(load_trace("azure-conv"), context)
     win = window(trace, 0.0, first=n)
-    fit_on = window(trace, 3600.0, first=2000)  # the prompt model learns from another hour of the trace
+    fit_on = window(trace, 1800.0, first=2000)  # the prompt model learns from a later half hour of the trace
     predictors = {"oracle": Oracle(), "noisy": NoisyOracle(0.5), "prompt": PromptModel.fit(fit_on)}
     load_before = os.getloadavg()
     lines: list[str] = []

@@ -2,8 +2,8 @@
 
 Sub-commands: simulate (requests over time on any GPU mix, simulated), plan (the cheapest deployment that meets an
 SLO on the GPUs one can get; docs/serve-plan.md), run (real engine processes on this machine behind flexmesh's
-router) and bench (a trace window replayed against them at given rates, measured; docs/serving-engines.md);
-docs/cli-serve.md.
+router) and bench (a trace window replayed against them at given rates, measured beside predicted;
+docs/serving-engines.md), export (a plan as vLLM / SGLang launch commands and a router config); docs/cli-serve.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 from flexmesh.commands.args import DefaultsHelpFormatter
 
 # Sub-commands in the order `flexmesh serve --help` lists them; each module defines add_parser(subparsers).
-SUBCOMMANDS = ("simulate", "plan", "run", "bench")
+SUBCOMMANDS = ("simulate", "plan", "run", "bench", "export")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -9,8 +9,9 @@ names them: ``max_seqs`` -> the router's cap on requests sent at once and the en
 The plan names GPUs. Where this machine has them (CUDA devices whose driver names are the plan's device types, as
 many as it needs), each tp-1 replica runs on its own GPU. Where it does not, the plan is refused in one line,
 unless ``map_to_cpu`` asks to run every replica as a CPU engine here (timings then are this machine's, not the
-GPUs': said in the notes). What transformers' engines cannot be is refused in one line too: replicas wider than
-one device (tp or pp above 1), prefill/decode roles (no KV transfer between transformers engines), several models.
+GPUs': said in the notes; a replica wider than one device is then one CPU engine too). What transformers' engines
+cannot be is refused in one line too: replicas wider than one GPU (tp or pp above 1), prefill/decode roles (no KV
+transfer between transformers engines), several models.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
                          "engines serve aggregated only (no KV transfer between them): export it to vLLM (flexmesh "
                          "serve export --engine vllm) or plan it aggregated")
     wide = next((g for g in plan.groups if g.tp * g.pp > 1), None)
-    if wide is not None:
+    if wide is not None and not map_to_cpu:
         raise ServeError(f"the plan's {wide.label} replicas span {wide.tp * wide.pp} devices; a transformers engine "
-                         "here runs on one: export the plan to vLLM (flexmesh serve export) for tp/pp")
+                         "here runs on one: export the plan to vLLM (flexmesh serve export) for tp/pp, or run its "
+                         "layout as CPU engines (--map-to-cpu)")
     fleet, table = plan.fleet()
     need: dict[str, int] = {}
     for r in fleet.replicas:
@@ -80,9 +82,9 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
                              f"per replica here (at most {CPU_WEIGHTS_GIB:g} GiB); give a small --model (e.g. tiny) "
                              "to run the plan's layout with it")
         devices = ["cpu"] * len(fleet.replicas)
-        notes.append(f"the plan's {', '.join(f'{n} {d}' for d, n in sorted(need.items()))} mapped to "
-                     f"{len(fleet.replicas)} CPU engine(s) here (--map-to-cpu): timings are this machine's, not the "
-                     "GPUs'")
+        notes.append(f"the plan's {', '.join(f'{n} {d}' for d, n in sorted(need.items()))} replica(s) mapped to "
+                     f"{len(fleet.replicas)} CPU engine(s) here (--map-to-cpu), one each whatever its tp x pp: "
+                     "timings are this machine's, not the GPUs'")
     else:
         free = {d: [i for i, x in enumerate(have) if x == d] for d in need}
         short = {d: n - len(free[d]) for d, n in need.items() if len(free[d]) < n}
