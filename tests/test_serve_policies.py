@@ -150,6 +150,9 @@ def test_branches_stop_once_enough_finish():
     # others are cancelled with as many tokens.
     assert rec.decode_tokens == 7 + 7 * 13 and rec.output_tokens == 13 and rec.branches == 2 * 4
     assert RequestRecord.from_json(rec.to_json(), "r") == rec
+    # A router's cancellation lands one iteration later: each of the six cancelled branches makes one more token.
+    late = _fleet(seqs=16, engines=1).run(Workload((r,), "one"), cancel_lag=1).records[0]
+    assert late.decode_tokens == rec.decode_tokens + 6 and late.finish_s == rec.finish_s
     # M = N: nothing is saved.
     full = Request(0, 0.0, 16, max(lengths), branches=8, needed=8, branch_tokens=lengths)
     assert _fleet(seqs=16, engines=1).run(Workload((full,), "one")).records[0].decode_tokens == sum(lengths)

@@ -123,7 +123,7 @@ def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
         timing = ProfiledIterationTiming(EngineProfile(model={}, engine={}, fit=fit_iterations(samples)))
     twin = twin_fleet(cfgs, len(cfgs), timing, opts.get("max_running"))
     sim = dict(router=route, queue=opts["queue"], predictor=opts.get("predictor"), weights=opts.get("weights"),
-               routing=opts.get("table"))
+               routing=opts.get("table"), cancel_lag=1)  # the router's cancellations land an iteration later
     return [summarize(twin.run(w, **sim).records) for _, w in loads]
 
 

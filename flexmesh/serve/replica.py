@@ -93,6 +93,7 @@ class SimulatedReplica:
         self.sched: list[tuple[Req, int]] = []
         self.iteration = 0
         self.finishing = False  # inside finish(): the iteration's decode tokens are out
+        self.deferred: list[tuple[Req, Callable[[int], None]]] = []  # cancel_later's
         self.busy = False
         self._seq = 0
         # What the simulator does with a request's outcome: (request, time)
@@ -343,6 +344,10 @@ class SimulatedReplica:
         """The iteration started last ends at ``now``: tokens computed, tokens sampled, requests done."""
         i = self.iteration
         self.finishing = True
+        if self.deferred:  # cancellations asked for during the last outcome land after this iteration's tokens
+            pending, self.deferred = self.deferred, []
+            for q, done in pending:
+                done(q.outputs if q.cancelled else self.cancel(q))
         self.iterations += 1
         self.busy_s += now - self._started
         self.busy = False
@@ -383,6 +388,11 @@ class SimulatedReplica:
                 self._done(q, now)
         self.iteration = i + 1
         self.finishing = False
+
+    def cancel_later(self, q: Req, done: Callable[[int], None]) -> None:
+        """Cancel ``q`` once the next iteration has run (a cancellation that reaches the engine while it runs one
+        more: the router's hop); ``done(tokens it had generated)`` then."""
+        self.deferred.append((q, done))
 
     def cancel(self, q: Req) -> int:
         """Drop ``q`` wherever it is here (queued, in prefill or decoding; a branch no longer wanted): its KV

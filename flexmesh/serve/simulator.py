@@ -67,12 +67,12 @@ _ITERATION_END, _TRANSFER_DONE = 0, 1
 class _Branches:
     """A request's branches on their replica: those alive by index, how many finished, their tokens so far."""
 
-    __slots__ = ("r", "rep", "alive", "finished", "tokens", "first")
+    __slots__ = ("r", "rep", "alive", "finished", "tokens", "first", "waiting")
 
     def __init__(self, r: Request, rep: SimulatedReplica):
         self.r, self.rep = r, rep
         self.alive: dict[int, Req] = {}
-        self.finished = self.tokens = 0
+        self.finished = self.tokens = self.waiting = 0  # waiting: cancellations not landed yet
         self.first = math.inf
 
 
@@ -224,12 +224,13 @@ class Fleet:
             queue: str = "fcfs", progress: Callable[[int, int], None] | None = None,
             timeline_points: int = 400, routing: RoutingTable | None = None,
             predictor: LengthPredictor | None = None, score: Score | None = None,
-            prune_below: float = 0.5) -> SimResult:
+            prune_below: float = 0.5, cancel_lag: int = 0) -> SimResult:
         """Simulate ``workload`` (requests routed by ``router``, the ``plan`` router by ``routing``; queued by
         ``queue``, length-aware queues and routers by ``predictor``'s lengths); ``progress(done, total)`` is called
         now and then. Requests with branches (test-time scaling, :mod:`flexmesh.serve.branches`) finish with
-        their ``needed``-th branch, the others cancelled then; ``score`` prunes branches scored below
-        ``prune_below`` each time one finishes."""
+        their ``needed``-th branch, the others cancelled then (``cancel_lag`` 1: a running branch only after one
+        more iteration, as a cancellation sent by a router reaches its engine); ``score`` prunes branches scored
+        below ``prune_below`` each time one finishes."""
         t0 = time.perf_counter()
         self.check(workload, routing if router == "plan" else None)
         if queue not in QUEUES:
@@ -319,6 +320,20 @@ class Fleet:
             records.append(RequestRecord(r.id, q.replica, r.arrival_s, q.first_token_s, now, r.prompt_tokens,
                                          r.output_tokens, None, q.decode_replica, q.preemptions, q.cached))
 
+        def drop(g: _Branches, q: Req, then: Callable[[], None]) -> None:
+            """Cancel branch ``q`` (after one more iteration where it runs and ``cancel_lag`` says so)."""
+            if cancel_lag and q.uid in g.rep.running:
+                g.waiting += 1
+
+                def done(tokens: int) -> None:
+                    g.tokens += tokens
+                    g.waiting -= 1
+                    if not g.waiting:
+                        then()
+                g.rep.cancel_later(q, done)
+            else:
+                g.tokens += g.rep.cancel(q)
+
         def branch_done(q: Req, now: float) -> None:
             g: _Branches = q.group  # type: ignore[assignment]
             del g.alive[q.branch]
@@ -328,13 +343,17 @@ class Fleet:
             g.first = min(g.first, q.first_token_s)
             if g.finished < g.r.needed:
                 for b in to_prune(g.r, sorted(g.alive), g.finished, score, prune_below):
-                    g.tokens += g.rep.cancel(g.alive.pop(b))
+                    drop(g, g.alive.pop(b), lambda: None)
                 return
-            for b in sorted(g.alive):
-                g.tokens += g.rep.cancel(g.alive.pop(b))
             r = g.r
-            records.append(RequestRecord(r.id, q.replica, r.arrival_s, g.first, now, r.prompt_tokens, q.outputs, None,
-                                         None, q.preemptions, q.cached, g.tokens, r.branches))
+
+            def record() -> None:
+                records.append(RequestRecord(r.id, q.replica, r.arrival_s, g.first, now, r.prompt_tokens, q.outputs,
+                                             None, None, q.preemptions, q.cached, g.tokens, r.branches))
+            for b in sorted(g.alive):
+                drop(g, g.alive.pop(b), record)
+            if not g.waiting:
+                record()
 
         def handoff(q: Req, now: float) -> None:
             to = route_decode[q.stage]
