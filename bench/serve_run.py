@@ -241,24 +241,11 @@ async def _iterations(url: str, since: int) -> list[dict]:
         return await fetch_iterations(s, url, since)
 
 
-class _Scaled:
-    """An iteration timing times a factor."""
-
-    def __init__(self, timing, factor: float):
-        self.timing, self.factor = timing, factor
-
-    def iteration_s(self, batch):
-        return self.factor * self.timing.iteration_s(batch)
-
-
 def _calibrated(its: list[list[dict]]):
-    """The engines' iterations (wall time) fitted, then scaled so the fit's busy time is theirs."""
-    from flexmesh.profile.iteration import EngineProfile, ProfiledIterationTiming, fit_iterations
+    """The engines' iterations of a replay as a timing (flexmesh.profile.iteration.replay_profile)."""
+    from flexmesh.profile.iteration import ProfiledIterationTiming, replay_profile
 
-    samples = [(tuple(tuple(b) for b in it["batch"]), it["end_s"] - it["start_s"]) for per in its for it in per]
-    timing = ProfiledIterationTiming(EngineProfile(model={}, engine={}, fit=fit_iterations(samples)))
-    factor = sum(s for _, s in samples) / sum(timing.iteration_s(list(b)) for b, _ in samples)
-    return _Scaled(timing, factor)
+    return ProfiledIterationTiming(replay_profile(its))
 
 
 def _twin_knee(cfg, timing, win, max_running: int) -> float:

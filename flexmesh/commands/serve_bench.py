@@ -34,7 +34,7 @@ def add_parser(kinds) -> argparse.ArgumentParser:
                    "M (each branch's length drawn from the window's output lengths)")
     p.add_argument("--arrival-seed", type=nonneg_int, default=0, help="seed of Poisson arrivals")
     p.add_argument("--profile", help="this machine's engine profile (flexmesh profile engine --out) pricing the "
-                   "prediction (default: fitted to the engines' own iterations at the first rate)")
+                   "prediction (default: fitted to the engines' own iterations at the first rate, by wall time)")
     p.add_argument("--url", help="a running `flexmesh serve run` (default: start the engines here for the bench)")
     p.add_argument("--out", type=folder, help="folder for requests-<rate>.jsonl, iterations and summary.json")
     p.add_argument("--plan", metavar="PLAN", help="start a serving plan's replicas (as serve run --plan)")
@@ -109,18 +109,17 @@ def bench(args: argparse.Namespace) -> int:
 def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
     """The simulator's summary of each replay (None when no timing is to be had: a --url run without
     --profile)."""
-    from flexmesh.profile.iteration import EngineProfile, ProfiledIterationTiming, fit_iterations, load_engine_profile
+    from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile, replay_profile
     from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.metrics import summarize
 
     if args.profile:
         timing = ProfiledIterationTiming(load_engine_profile(args.profile))
     else:
-        samples = [(tuple(tuple(b) for b in it["batch"]), it["end_s"] - it["start_s"])
-                   for per in (runs[0].iterations if runs else []) for it in per]
-        if len(samples) < 20:
+        its = runs[0].iterations if runs else []
+        if sum(len(per) for per in its) < 20:
             return None
-        timing = ProfiledIterationTiming(EngineProfile(model={}, engine={}, fit=fit_iterations(samples)))
+        timing = ProfiledIterationTiming(replay_profile(its))
     twin = twin_fleet(cfgs, len(cfgs), timing, opts.get("max_running"))
     sim = dict(router=route, queue=opts["queue"], predictor=opts.get("predictor"), weights=opts.get("weights"),
                routing=opts.get("table"), cancel_lag=1)  # the router's cancellations land an iteration later
