@@ -60,15 +60,10 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
         raise ServeError(f"the plan has {' and '.join(r for r in roles if r != 'aggregated')} replicas; transformers "
                          "engines serve aggregated only (no KV transfer between them): export it to vLLM (flexmesh "
                          "serve export --engine vllm) or plan it aggregated")
-    wide = next((g for g in plan.groups if g.tp * g.pp > 1), None)
-    if wide is not None and not map_to_cpu:
-        raise ServeError(f"the plan's {wide.label} replicas span {wide.tp * wide.pp} devices; a transformers engine "
-                         "here runs on one: export the plan to vLLM (flexmesh serve export) for tp/pp, or run its "
-                         "layout as CPU engines (--map-to-cpu)")
     fleet, table = plan.fleet()
     need: dict[str, int] = {}
     for r in fleet.replicas:
-        need[r.device.name] = need.get(r.device.name, 0) + 1
+        need[r.device.name] = need.get(r.device.name, 0) + r.spec.devices
     have = local_gpus() if gpus is None else gpus
     notes: list[str] = []
     devices: list[str] = []
@@ -82,7 +77,7 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
                              f"per replica here (at most {CPU_WEIGHTS_GIB:g} GiB); give a small --model (e.g. tiny) "
                              "to run the plan's layout with it")
         devices = ["cpu"] * len(fleet.replicas)
-        notes.append(f"the plan's {', '.join(f'{n} {d}' for d, n in sorted(need.items()))} replica(s) mapped to "
+        notes.append(f"the plan's {', '.join(f'{n} {d}' for d, n in sorted(need.items()))} mapped to "
                      f"{len(fleet.replicas)} CPU engine(s) here (--map-to-cpu), one each whatever its tp x pp: "
                      "timings are this machine's, not the GPUs'")
     else:
@@ -94,6 +89,11 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
             raise ServeError(f"the plan needs {asked}; this machine has {here}: run it here as CPU engines with "
                              "--map-to-cpu (this machine's timings, not the GPUs'), or export it for the GPUs' "
                              "machines (flexmesh serve export)")
+        wide = next((g for g in plan.groups if g.tp * g.pp > 1), None)
+        if wide is not None:
+            raise ServeError(f"the plan's {wide.label} replicas span {wide.tp * wide.pp} devices; a transformers "
+                             "engine here runs on one: export the plan to vLLM (flexmesh serve export) for tp/pp, or "
+                             "run its layout as CPU engines (--map-to-cpu)")
         for r in fleet.replicas:
             devices.append(f"cuda:{free[r.device.name].pop(0)}")
     configs, caps = [], []
