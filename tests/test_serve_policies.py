@@ -153,6 +153,10 @@ def test_branches_stop_once_enough_finish():
     # A router's cancellation lands one iteration later: each of the six cancelled branches makes one more token.
     late = _fleet(seqs=16, engines=1).run(Workload((r,), "one"), cancel_lag=1).records[0]
     assert late.decode_tokens == rec.decode_tokens + 6 and late.finish_s == rec.finish_s
+    # A branch that finishes with the one completing the request, or in the iteration its cancellation waits for.
+    tie = Request(0, 0.0, 16, 60, branches=4, needed=2, branch_tokens=(10, 20, 20, 21))
+    for lag, spent in ((0, 10 + 20 + 20 + 20), (1, 10 + 20 + 20 + 21)):
+        assert _fleet(seqs=16, engines=1).run(Workload((tie,), "t"), cancel_lag=lag).records[0].decode_tokens == spent
     # M = N: nothing is saved.
     full = Request(0, 0.0, 16, max(lengths), branches=8, needed=8, branch_tokens=lengths)
     assert _fleet(seqs=16, engines=1).run(Workload((full,), "one")).records[0].decode_tokens == sum(lengths)

@@ -336,6 +336,8 @@ class Fleet:
 
         def branch_done(q: Req, now: float) -> None:
             g: _Branches = q.group  # type: ignore[assignment]
+            if q.branch not in g.alive:  # it finished before its cancellation landed, which counts its tokens
+                return
             del g.alive[q.branch]
             g.finished += 1
             g.tokens += q.outputs
