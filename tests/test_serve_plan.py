@@ -231,6 +231,11 @@ def test_fast_replan_moves_no_weights_and_uses_only_what_survives():
         assert sum(g.replicas for g in fast.plan.groups if g.shape == shape) <= n
     assert fast.plan.dollars_per_hour <= p.dollars_per_hour + 1e-9
     assert held_devices(p, lost)[p.groups[0].group] == held_devices(p)[p.groups[0].group] - p.groups[0].devices
+    one = fast_replan(planner, p, {0: 1})  # one replica of the first group lost
+    assert sum(g.replicas for g in one.plan.groups if g.shape == p.groups[0].shape) <= \
+        sum(g.replicas for g in p.groups if g.shape == p.groups[0].shape) - 1
+    with pytest.raises(PlanError, match="lost group 9"):
+        fast_replan(planner, p, {9: 1})
 
 
 def test_transition_matches_old_replicas_to_new_at_least_cost():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -42,16 +42,28 @@ class FastReplan:
     changed: tuple[str, ...]  # what changed: roles, knobs, replicas left idle
 
 
-def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] = (), rate: float | None = None
-                ) -> FastReplan:
-    """``plan`` re-routed after its replica groups ``lost`` (indices into ``plan.groups``) are gone, for
+def _left(plan: ServingPlan, lost: Sequence[int] | Mapping[int, int]) -> list[int]:
+    """Replicas each group of ``plan`` keeps after ``lost``: group indices (all their replicas), or group index ->
+    replicas lost."""
+    gone = dict(lost) if isinstance(lost, Mapping) else {i: plan.groups[i].replicas for i in lost}
+    for i, n in gone.items():
+        if not 0 <= i < len(plan.groups) or n < 0:
+            raise PlanError(f"lost group {i} is not one of the plan's {len(plan.groups)} (0..{len(plan.groups) - 1})")
+    return [max(0, g.replicas - gone.get(i, 0)) for i, g in enumerate(plan.groups)]
+
+
+def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mapping[int, int] = (),
+                rate: float | None = None) -> FastReplan:
+    """``plan`` re-routed after its replica groups ``lost`` (indices into ``plan.groups``, or index -> replicas
+    lost) are gone, for
     ``planner``'s workload (its buckets: the shifted workload's), at ``rate`` when given (the cheapest plan
     serving it with the replicas left) or the most it can serve. Only roles, engine knobs and routing change."""
     t0 = time.perf_counter()
     left: dict[tuple[int, int, int, int], int] = {}
-    for i, g in enumerate(plan.groups):
-        if i not in lost:
-            left[g.shape] = left.get(g.shape, 0) + g.replicas
+    keep = _left(plan, lost)
+    for g, n in zip(plan.groups, keep):
+        if n:
+            left[g.shape] = left.get(g.shape, 0) + n
     if not left:
         raise PlanError("every replica group is lost; nothing is left to re-route (plan again with flexmesh serve "
                         "plan)")
@@ -59,7 +71,7 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] = (), r
     s = planner.solve(cols, rate=rate, limits=left)
     new = planner.to_plan(cols, s, plan.routing)
     seconds = time.perf_counter() - t0
-    before = {(g.shape, g.role, g.knobs): g.replicas for i, g in enumerate(plan.groups) if i not in lost}
+    before = {(g.shape, g.role, g.knobs): n for g, n in zip(plan.groups, keep) if n}
     after = {(g.shape, g.role, g.knobs): g.replicas for g in new.groups}
     changed = []
     for key in sorted(set(before) | set(after), key=str):
@@ -181,10 +193,10 @@ def transition(old: ServingPlan, new: ServingPlan, kv_tokens: Sequence[float] | 
                       max((m.seconds for m in moves), default=0.0), dollars)
 
 
-def held_devices(plan: ServingPlan, lost: Sequence[int] = ()) -> list[int]:
-    """The devices per device group of the cluster that the plan's replica groups hold, but for ``lost``."""
+def held_devices(plan: ServingPlan, lost: Sequence[int] | Mapping[int, int] = ()) -> list[int]:
+    """The devices per device group of the cluster that the plan's replica groups hold, but for ``lost`` (as
+    :func:`fast_replan` takes it)."""
     out = [0] * len(plan.mixed_cluster().groups)
-    for i, g in enumerate(plan.groups):
-        if i not in lost:
-            out[g.group] += g.devices
+    for g, n in zip(plan.groups, _left(plan, lost)):
+        out[g.group] += n * g.tp * g.pp
     return out

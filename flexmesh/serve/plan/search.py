@@ -7,9 +7,11 @@
 2. **The MILP** (:mod:`.milp`) in three variants: every role, aggregated replicas only, prefill/decode
    only. Each answer becomes a plan (:meth:`Planner.to_plan`): groups of replicas, each bucket's shares.
 3. **The simulator** scores the distinct candidates on the workload (:func:`.score.score`, goodput by
-   bisection); the best one is kept: the most goodput within the budget, or the cheapest meeting the rate.
+   bisection), then the MILP is calibrated against it (each device type's own plan simulated: what it serves of
+   its prediction scales that type's capacities; split replicas against aggregated ones likewise) and solved
+   again; the best candidate is kept: the most goodput within the budget, or the cheapest meeting the rate.
    A planner that splits prefill and decode where it loses in the simulator would be wrong: the aggregated
-   candidate is always among those scored. With a target rate, a plan the simulator finds short of it is
+   candidates are always among those scored. With a target rate, a plan the simulator finds short of it is
    planned again at the rate scaled by what it fell short (up to :data:`CALIBRATIONS` times).
 4. **Repair by local moves** (ThunderServe's tabu search, 2502.09334): a replica changes role, splits in
    two of half the tp or two merge, or moves to another device group; the routing of each neighbour is
@@ -54,8 +56,8 @@ REPAIR_TRIES = 3
 PROBE = 1.06
 # The MILP variants whose plans the simulator compares: every role, aggregated replicas only, prefill/decode only.
 VARIANTS = {"mixed": ROLES, "aggregated": ("aggregated",), "disaggregated": ("prefill", "decode")}
-# Aggregated and split replicas are calibrated apart when the simulator finds their predictions off by more
-# than this against each other.
+# Without a device type's own plan to calibrate by, split replicas are calibrated apart from aggregated ones
+# when the simulator finds their predictions off by more than this against each other.
 CALIBRATION_SPREAD = 0.03
 
 
@@ -278,11 +280,12 @@ class Planner:
                            {"rate": round(s.rate, 6), "dollars_per_hour": round(s.cost, 6)}, i.workload, planner)
         return plan
 
-    def calibrated(self, factors: dict[str, float]) -> Planner:
-        """This planner with each role's capacities scaled by ``factors`` (``aggregated``; ``split`` for prefill
-        and decode): what the simulator found of the plans of each kind against their prediction."""
+    def calibrated(self, by_group: dict[int, float], split: float = 1.0, default: float = 1.0) -> Planner:
+        """This planner with each configuration's capacities scaled by what the simulator found of plans against
+        their predictions: ``by_group[g]`` for device group ``g`` (else ``default``), and prefill and decode ones
+        by ``split`` more."""
         out = copy.copy(self)
-        scale = np.array([factors.get("aggregated" if c.role == "aggregated" else "split", 1.0)
+        scale = np.array([by_group.get(c.group, default) * (1.0 if c.role == "aggregated" else split)
                           for c in self.configs])
         out.capacity = self.capacity * scale[:, None]
         return out
@@ -415,10 +418,10 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
         say(f"simulating the {c.name} candidate: {c.plan.layout}")
         start = c.solution.rate if c.solution else target or 1.0
         scored.append(replace(c, score=score(c.plan, workload_at, start, planner.overhead)))
-    by_role, calibrated = _by_role(planner, scored, workload_at, say)
-    scored += by_role
+    more, calibrated = _calibration(planner, scored, workload_at, say)
+    scored += more
     if target is not None:
-        scored += _calibrated(planner, scored, workload_at, say)
+        scored += _calibrated(calibrated, scored, workload_at, say)
     best = scored[0]
     for c in scored[1:]:
         assert c.score is not None
@@ -454,48 +457,84 @@ def _latency(s: Score) -> dict:
             "tpot_p90_s": round(at.tpot["p90"], 6)}
 
 
-def _by_role(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
-             say: Callable[[str], None]) -> tuple[list[Candidate], Planner]:
-    """The mixed plan again, each role's capacities scaled by what the simulator found of the aggregated-only
-    and the split-only plans against their predictions (when those differ): the MILP weighs the two kinds of
-    replica as the simulator does. The new candidate, and the planner calibrated so."""
-    ratios = {}
-    for c in scored:
-        if c.name in ("aggregated", "disaggregated") and c.score is not None and c.solution is not None:
-            pred = c.solution.rate if planner.inputs.rate is None else planner.inputs.rate
-            if pred > 0 and c.score.goodput > 0:
-                ratios["aggregated" if c.name == "aggregated" else "split"] = c.score.goodput / pred
-    if len(ratios) < 2 or abs(ratios["aggregated"] / ratios["split"] - 1) <= CALIBRATION_SPREAD:
-        return [], planner
-    say(f"the simulator served {ratios['aggregated']:.0%} of the aggregated plan's predicted rate and "
-        f"{ratios['split']:.0%} of the split one's; planning again with capacities scaled so")
-    calibrated = planner.calibrated(ratios)
-    try:
-        again = candidates(calibrated, {"mixed": ROLES})[0]
-    except PlanError:
-        return [], calibrated
-    if any(again.plan.layout == c.plan.layout for c in scored):
-        return [], calibrated
-    s = score(again.plan, workload_at, again.solution.rate if again.solution else 1.0, planner.overhead)
-    return [replace(again, name="mixed, calibrated by role", score=s)], calibrated
+def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
+                 say: Callable[[str], None]) -> tuple[list[Candidate], Planner]:
+    """The MILP calibrated against the simulator. Each device type's aggregated plan alone is simulated (itself a
+    candidate): what the simulator serves of its prediction scales that type's capacities; what it serves of the
+    split-only plan's against the aggregated-only one's scales prefill and decode replicas more. The mixed and
+    aggregated MILPs solved again so are candidates too: the MILP then weighs device types and roles as the
+    simulator does. The new candidates, and the planner calibrated so."""
+    target = planner.inputs.rate
+
+    def served(c: Candidate) -> float | None:
+        if c.score is None or c.solution is None or c.score.goodput <= 0:
+            return None
+        pred = target if target is not None else c.solution.rate
+        return c.score.goodput / pred if pred > 0 else None
+
+    out: list[Candidate] = []
+    by_group: dict[int, float] = {}
+    seen = {c.plan.layout for c in scored}
+    for g, group in enumerate(planner.cluster.groups):
+        cols = planner.columns(("aggregated",), groups=[g])
+        if not cols:
+            continue
+        try:
+            s = planner.solve(cols, budget=planner.inputs.budget, rate=target)
+        except PlanError:
+            continue
+        if s.rate <= 0 or not s.counts.any():
+            continue
+        one = Candidate(f"{group.device.name} only", planner.to_plan(cols, s), s)
+        say(f"simulating the {one.name} candidate: {one.plan.layout}")
+        one = replace(one, score=score(one.plan, workload_at, s.rate, planner.overhead))
+        ratio = served(one)
+        if ratio is not None:
+            by_group[g] = ratio
+        if one.plan.layout not in seen:
+            out.append(one)
+            seen.add(one.plan.layout)
+    kinds = {c.name: served(c) for c in scored if c.name in ("aggregated", "disaggregated")}
+    agg, split = kinds.get("aggregated"), kinds.get("disaggregated")
+    rel = split / agg if agg and split else 1.0
+    default = agg if agg else 1.0
+    if not by_group and abs(rel - 1) <= CALIBRATION_SPREAD:
+        return out, planner
+    say("calibrated: the simulator served " + ", ".join(f"{planner.cluster.groups[g].device.name} {r:.0%}"
+                                                        for g, r in by_group.items())
+        + f" of their predictions, split replicas {rel:.0%} of aggregated ones; planning again so")
+    calibrated = planner.calibrated(by_group, rel, default)
+    for name, roles in (("mixed", ROLES), ("aggregated", ("aggregated",))):
+        try:
+            again = candidates(calibrated, {name: roles})[0]
+        except PlanError:
+            continue
+        if again.plan.layout in seen:
+            continue
+        seen.add(again.plan.layout)
+        sc = score(again.plan, workload_at, again.solution.rate if again.solution else 1.0, planner.overhead)
+        out.append(replace(again, name=f"{name}, calibrated", score=sc))
+    return out, calibrated
 
 
 def _calibrated(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
                 say: Callable[[str], None]) -> list[Candidate]:
-    """Candidates planned again at the target rate scaled by what the simulator found short of it."""
+    """The MILP's plans (the calibrated ones where there are, else each variant's) planned again, when the
+    simulator found them short of the target rate, at the rate scaled by what they fell short."""
     target = planner.inputs.rate
     assert target is not None
+    calibrated = [c for c in scored if c.name.endswith(", calibrated")]
     out: list[Candidate] = []
-    for c in scored:
-        assert c.score is not None and c.solution is not None
+    for c in calibrated or [c for c in scored if c.name in VARIANTS]:
+        assert c.score is not None
+        name = c.name.removesuffix(", calibrated")
         ask, got = target, c.score.goodput
-        roles = VARIANTS.get(c.name, ROLES)
         for _ in range(CALIBRATIONS):
             if got >= target or got <= 0:
                 break
             ask *= target / got
             try:
-                again = candidates(planner, {c.name: roles}, rate=ask)[0]
+                again = candidates(planner, {name: VARIANTS[name]}, rate=ask)[0]
             except PlanError:
                 break
             say(f"the {c.name} plan served {got:.3g} req/s of {target:.3g}; planned again for {ask:.3g}")
