@@ -23,9 +23,13 @@ collect_ignore = ["golden/record_losses.py", "golden/make_old_runs.py"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` need a GPU: skipped, with the reason, where torch sees none."""
+    """Files holding slow tests first (pyproject.toml gives each file whole to one of two workers, in
+    this order: the long ones start early and the many short ones fill in at the end); tests marked
+    ``cuda`` need a GPU: skipped, with the reason, where torch sees none."""
     import pytest
 
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each file stays
     if not any(item.get_closest_marker("cuda") for item in items):
         return
     import torch

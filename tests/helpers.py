@@ -1,9 +1,10 @@
 """What several test files share: the tiny model, its training settings and hand-built steps, the
-torchrun launcher for worker scripts, and the inputs of a `flexmesh train` run.
+launcher of worker scripts (ranks forked from the test process), the inputs of a `flexmesh train` run
+and three ways to run the command: a child process, forked ranks, or this process.
 
 A plain module (no ``test_`` prefix, so pytest collects no tests from it); test files import it as
 ``helpers``: pytest puts this folder on ``sys.path`` (see conftest.py), and a test file run as a
-torchrun worker script has its own folder there.
+worker script has its own folder there.
 """
 
 from __future__ import annotations
@@ -121,13 +122,133 @@ def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED, c
     return out
 
 
-def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """torchrun ``script`` (a test file that is also its worker) with ``args``; OMP_NUM_THREADS=1 since
-    the machine's cores are shared."""
-    from flexmesh.runtime.launch import run_torchrun
+def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240, fresh: bool = False,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` (a test file that is also its worker: ``python script *args``; or ``-m MODULE``) as
+    ``nproc`` ranks of one torch.distributed world and return what they printed, as torchrun's
+    CompletedProcess would (returncode: the first failing rank's, else 0; stdout and stderr: every
+    rank's, in rank order).
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return run_torchrun(nproc, [script, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    The ranks are forked from this process, where torch and flexmesh are imported already: a rank
+    starts in milliseconds, where a fresh one imported torch for seconds (with torchrun's own start,
+    most of a short multi-process test's time). Each gets torchrun's variables (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT at a free port, ...), ``env`` added to this process's
+    variables, one intra-op thread, its output in files of its own, runs ``script`` as ``__main__``
+    and leaves by ``os._exit``. A rank that fails takes the others down, as torchrun does; past
+    ``timeout`` every rank is killed and subprocess.TimeoutExpired raised. ``fresh`` (or a process
+    group or CUDA already started here, which a fork cannot share) runs torchrun instead: for workers
+    that must not inherit this process's state (compiled graphs and the compiler's worker processes)."""
+    import torch
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    if fresh or _started_here(torch):
+        from flexmesh.runtime.launch import run_torchrun
+
+        return run_torchrun(nproc, [script, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    import tempfile
+    import time
+
+    # What the workers import, once here rather than in every rank (seconds each).
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+
+    import flexmesh.runtime.train.loop  # noqa: F401
+    import flexmesh.runtime.train.trainer  # noqa: F401
+    from flexmesh.runtime.launch import free_port
+
+    logs = Path(tempfile.mkdtemp(prefix="flexmesh-ranks-"))
+    port = free_port()
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns
+            _rank_main(rank, nproc, port, script, args, env, logs)
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    end, failed, timed_out = time.monotonic() + timeout, 0, False
+    try:
+        while len(codes) < nproc and not failed:
+            for rank, pid in enumerate(pids):
+                done, status = (0, 0) if rank in codes else os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+                    failed = failed or codes[rank]
+            timed_out = len(codes) < nproc and time.monotonic() > end
+            if timed_out:
+                break
+            time.sleep(0.05)
+    finally:
+        for rank, pid in enumerate(pids):  # ranks left after another failed, or after the timeout
+            if rank not in codes:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+                codes[rank] = _exit_code(pid)
+    out, err = ("".join((logs / f"{r}.{kind}").read_text(errors="replace") for r in range(nproc))
+                for kind in ("out", "err"))
+    import shutil
+
+    shutil.rmtree(logs, ignore_errors=True)
+    cmd = ["launch", str(nproc), script, *args]
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+    return subprocess.CompletedProcess(cmd, failed, out, err)
+
+
+def _exit_code(pid: int) -> int:
+    """The exit code of the child ``pid``, waiting for it (its death signal, negated, if killed)."""
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _started_here(torch: Any) -> bool:
+    """Whether this process holds what a forked rank cannot share: a process group or CUDA."""
+    import torch.distributed as dist
+
+    return (dist.is_available() and dist.is_initialized()) or torch.cuda.is_initialized()
+
+
+def _rank_main(rank: int, world: int, port: int, script: str, args: list[str], env: dict, logs: Path) -> None:
+    """A forked rank of :func:`launch`: torchrun's variables, output to ``logs``, ``script`` (a file, or
+    ``-m MODULE``) as ``__main__``."""
+    import io
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        for fd, name in ((1, f"{rank}.out"), (2, f"{rank}.err")):
+            f = os.open(logs / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
+        os.environ.clear()
+        os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                          TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none")
+        import torch
+
+        torch.set_num_threads(1)
+        if script.startswith("-m "):  # python -m MODULE *args
+            sys.argv = [script[3:], *args]
+            runpy.run_module(script[3:], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
 
 
 def load_params(folder: Path) -> dict:
@@ -171,6 +292,49 @@ def flexmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def flexmesh_ranks(nproc: int, *args: str, timeout: float = 240,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The ranks of ``torchrun --nproc-per-node nproc -m flexmesh *args`` forked from this process
+    (:func:`launch`), without the ``--nproc`` launcher or torchrun: for runs a test needs the results of
+    (checkpoints to export, metrics to compare) rather than the launcher's own behaviour, which the tests
+    of `flexmesh train --nproc` check. Rank 0 holds the output folder itself, as under plain torchrun;
+    ``nproc`` 1 is a single-process run; ``env``: variables added to this process's."""
+    return launch(nproc, list(args), script="-m flexmesh", timeout=timeout, env=env)
+
+
+def flexmesh_here(*args: str) -> subprocess.CompletedProcess:
+    """``flexmesh *args`` in this process (flexmesh.cli.main), returned as :func:`flexmesh` returns it,
+    without a child's start-up (a Python with torch: seconds of CPU each). For commands that stop before
+    anything trains or launches (refusals, one-line errors): what the command put in the environment
+    and any process group it started are undone, so the next test starts from the same state. An
+    exception main() lets through is a traceback on stderr and exit 1, as in a child process."""
+    import contextlib
+    import io
+    import traceback
+
+    from flexmesh.cli import main
+
+    saved = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 1
+            except Exception:
+                err.write(traceback.format_exc())
+                code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return subprocess.CompletedProcess(["flexmesh", *args], code, out.getvalue(), err.getvalue())
+
+
 def cp_model_check(rank: int, world: int, spec: Any, plain: Any = None) -> None:
     """Inside a gloo worker: the whole model under Ulysses and under ring context parallelism gives
     the loss and gradients of one process on three packed documents (1e-5). With ``plain`` (a spec
@@ -180,9 +344,9 @@ def cp_model_check(rank: int, world: int, spec: Any, plain: Any = None) -> None:
     import torch.nn.functional as F
 
     from flexmesh.layout.step import Piece
-    from flexmesh.runtime.model.attention import CPContext
     from flexmesh.runtime.model.packing import pack_microbatch, pad_to_multiple, shard_for_cp
     from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.parallel.context import ContextParallelAttention, CPContext, apply_context_parallel
 
     def loss_of(model: Any, batch: Any, count: int) -> Any:
         return F.cross_entropy(model(batch.tokens, batch)[0], batch.labels[0], reduction="sum") / count
@@ -198,7 +362,7 @@ def cp_model_check(rank: int, world: int, spec: Any, plain: Any = None) -> None:
     mine = shard_for_cp(full, rank, world)
     for kind in ("ulysses", "ring"):
         model = build_model(spec, "cpu")
-        model.set_cp(CPContext(kind, dist.group.WORLD, rank, world))
+        apply_context_parallel(model, ContextParallelAttention(CPContext(kind, dist.group.WORLD, rank, world)))
         loss = loss_of(model, mine, full.num_label_tokens)
         loss.backward()
         total = loss.detach().clone()
@@ -258,12 +422,16 @@ def assert_golden(section: str, name: str, losses: list[float], field: str = "lo
 
 
 def spawn(fn: Any, args: tuple, nprocs: int) -> None:
-    """``torch.multiprocessing.spawn`` of ``fn(rank, *args)``, each process leaving by ``os._exit(0)``
+    """``fn(rank, *args)`` in ``nprocs`` processes (torch.multiprocessing), each leaving by ``os._exit(0)``
     once ``fn`` returns: at interpreter exit gloo's threads can abort a process whose run passed
-    ("terminate called without an active exception"), which spawn reports as a failure."""
+    ("terminate called without an active exception"), which would be reported as a failure. The
+    processes are forked (torch is imported here already), spawned where a process group or CUDA was
+    started here (:func:`launch`)."""
+    import torch
     import torch.multiprocessing as mp
 
-    mp.spawn(_exit_after, args=(fn, *args), nprocs=nprocs, join=True)
+    method = "spawn" if _started_here(torch) else "fork"
+    mp.start_processes(_exit_after, args=(fn, *args), nprocs=nprocs, join=True, start_method=method)
 
 
 def _exit_after(rank: int, fn: Any, *args: Any) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from helpers import (
     assert_golden,
-    flexmesh,
+    flexmesh_ranks,
     launch,
     load_params,
     reference_training,
@@ -333,12 +333,13 @@ def test_unaligned_group_is_refused(run):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_command_schedules_in_the_background(tmp_path):
-    """`flexmesh train --policy milp --adaptive`: rows name the policy that ran and the one asked for."""
+    """`flexmesh train --policy milp --adaptive` on 2 ranks (forked here): rows name the policy that ran and
+    the one asked for."""
     _, corpus, plan = write_inputs(tmp_path, world=2)
     out = tmp_path / "run"
-    proc = flexmesh("train", "--nproc", "2", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out),
-                        "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--max-steps", "3",
-                        "--policy", "milp", "--adaptive", "--fallback-policy", "balanced")
+    proc = flexmesh_ranks(2, "train", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out),
+                          "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--max-steps", "3",
+                          "--policy", "milp", "--adaptive", "--fallback-policy", "balanced")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

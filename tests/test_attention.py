@@ -12,7 +12,8 @@ from helpers import cp_model_check, spawn
 
 from flexmesh.errors import PlanError
 from flexmesh.runtime.launch import free_port
-from flexmesh.runtime.model.attention import CPContext, attend, document_causal_mask, document_ids
+from flexmesh.runtime.model.attention import attend, document_causal_mask, document_ids
+from flexmesh.runtime.parallel.context import CPContext, context_attend
 
 torch.set_num_threads(1)
 
@@ -123,7 +124,7 @@ def _worker(rank: int, world: int, port: int) -> None:
                     n = t // cp
                     sl = slice(me * n, (me + 1) * n)
                     local = [x[:, :, sl].clone().requires_grad_() for x in (q, k, v)]
-                    out = attend(*local, cu, CPContext(kind, group, me, cp))
+                    out = context_attend(*local, cu, CPContext(kind, group, me, cp))
                     # through a transpose, as in the model, so the incoming gradient is not contiguous
                     loss = (out.transpose(1, 2) * dout[:, :, sl].transpose(1, 2)).sum()
                     grads = torch.autograd.grad(loss, local)

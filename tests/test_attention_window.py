@@ -16,7 +16,8 @@ from helpers import cp_model_check, spawn
 
 from flexmesh.runtime.launch import free_port
 from flexmesh.runtime.model import attention_kernels as AK
-from flexmesh.runtime.model.attention import CPContext, attend, document_causal_mask, flash_window_size, ring_steps
+from flexmesh.runtime.model.attention import attend, document_causal_mask, flash_window_size
+from flexmesh.runtime.parallel.context import CPContext, context_attend, ring_steps
 
 torch.set_num_threads(1)
 
@@ -259,8 +260,8 @@ def _worker(rank: int, world: int, port: int) -> None:
                     n = t // world
                     sl = slice(rank * n, (rank + 1) * n)
                     local = [x[:, :, sl].clone().requires_grad_() for x in (q, k, v)]
-                    out = attend(*local, torch.tensor(cu_list, dtype=torch.int32),
-                                 CPContext(kind, dist.group.WORLD, rank, world), window)
+                    out = context_attend(*local, torch.tensor(cu_list, dtype=torch.int32),
+                                         CPContext(kind, dist.group.WORLD, rank, world), window)
                     grads = torch.autograd.grad((out.transpose(1, 2) * dout[:, :, sl].transpose(1, 2)).sum(), local)
                     label = f"{kind} cp={world} case={case_no} window={window}"
                     torch.testing.assert_close(out, ref[:, :, sl], rtol=1e-5, atol=1e-5, msg=label)

@@ -273,17 +273,18 @@ def test_resume_in_another_dtype_is_allowed_and_recorded(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_command_runs_bf16(tmp_path):
-    """`flexmesh train --dtype bf16` end to end on 2 ranks (ZeRO-3 and ZeRO-2 layers): the metrics say
-    bf16, and its first loss is within LOSS_RTOL of, but not equal to, the same run's in fp32."""
-    from helpers import flexmesh, write_inputs
+    """`flexmesh train --dtype bf16` on 2 ranks (ZeRO-3 and ZeRO-2 layers; the ranks forked here, as torchrun
+    starts them): the metrics say bf16, and its first loss is within LOSS_RTOL of, but not equal to, the same
+    run's in fp32."""
+    from helpers import flexmesh_ranks, write_inputs
 
     _, corpus, plan = write_inputs(tmp_path, world=2)
     first = {}
     for dtype in ("fp32", "bf16"):
         out = tmp_path / dtype
-        proc = flexmesh("train", "--nproc", "2", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out),
-                        "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--max-steps", "1",
-                        "--dtype", dtype)
+        proc = flexmesh_ranks(2, "train", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out),
+                              "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--max-steps", "1",
+                              "--dtype", dtype)
         assert proc.returncode == 0, proc.stderr[-4000:]
         row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
         assert row["dtype"] == dtype
@@ -326,7 +327,7 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.runtime.model.attention import CPContext, attend
+    from flexmesh.runtime.parallel.context import CPContext, context_attend
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -341,7 +342,7 @@ def _ring_worker(rank: int, world: int, port: int) -> None:
         for dtype, autocast in ((torch.bfloat16, True), (torch.float32, False)):
             mine = [x[:, :, sl].to(dtype).requires_grad_() for x in (q, k, v)]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = attend(*mine, cu, cp)
+                out = context_attend(*mine, cu, cp)
             grads.append(torch.autograd.grad(out, mine, dout[:, :, sl].to(dtype)))
             outs.append(out)
         assert outs[0].dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads[0])

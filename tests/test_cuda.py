@@ -135,7 +135,7 @@ def worker(out: Path, dtype: str) -> None:
 def test_five_steps_on_the_gpu_match_the_cpu_reference(tmp_path, dtype):
     """Steps with a document cut over micro-batches (carried keys and values), a recomputed layer and
     a selectively recomputed one, under the GPU defaults (compiled blocks, chunked loss, fused AdamW)."""
-    proc = launch(1, ["worker", str(tmp_path), dtype], script=__file__, timeout=850)
+    proc = launch(1, ["worker", str(tmp_path), dtype], script=__file__, timeout=850, fresh=True)  # CUDA
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     got = json.loads((tmp_path / f"{dtype}.json").read_text())
     assert got["compiled"] and got["chunked"]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import flexmesh, launch, reference_training, tiny_spec, train_config, write_inputs
+from helpers import flexmesh_ranks, launch, reference_training, tiny_spec, train_config, write_inputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -321,9 +321,9 @@ def test_train_policy_chunked_runs_and_starts_at_the_fixed_policys_loss(tmp_path
     losses = {}
     for policy, steps in (("chunked", 3), ("fixed", 1)):
         out = tmp_path / policy
-        proc = flexmesh("train", "--nproc", "2", "--plan", str(plan_path), "--corpus", str(corpus), "--out", str(out),
-                        "--cache-dir", str(cache), "--no-progress", "--max-steps", str(steps), "--policy", policy,
-                        timeout=400)
+        proc = flexmesh_ranks(2, "train", "--plan", str(plan_path), "--corpus", str(corpus), "--out", str(out),
+                              "--cache-dir", str(cache), "--no-progress", "--max-steps", str(steps), "--policy", policy,
+                              timeout=400)  # the command's ranks, forked here
         assert proc.returncode == 0, proc.stderr[-4000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["policy"] for r in rows] == [policy] * steps

@@ -66,11 +66,11 @@ def test_train_refuses_cuda_on_a_machine_without_gpus_in_one_line(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from helpers import flexmesh, write_inputs
+    from helpers import flexmesh_here, write_inputs
 
     _, corpus, plan = write_inputs(tmp_path, world=2)
-    proc = flexmesh("train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out",
-                    str(tmp_path / "run"), "--nproc", "2", "--device", "cuda", timeout=120)
+    proc = flexmesh_here("train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out",
+                         str(tmp_path / "run"), "--nproc", "2", "--device", "cuda")
     assert proc.returncode == 2, proc.stderr
     assert "no GPU is visible" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh, unlocked, write_inputs
+from helpers import flexmesh_ranks, unlocked, write_inputs
 
 STEPS = 5
 KILL = "FLEXMESH_TESTING_KILL_AFTER_STEP"
@@ -33,9 +33,10 @@ def inputs(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def straight(inputs) -> list[float]:
-    """Per-step losses of an uninterrupted single-node `--nproc 2` run (it also fills the token cache)."""
+    """Per-step losses of an uninterrupted single-node run of 2 ranks (it also fills the token cache), the
+    ranks forked here: the launcher's restarts and nodes are what the tests below run."""
     out = inputs["tmp"] / "straight"
-    done = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), timeout=300)
+    done = flexmesh_ranks(2, *inputs["common"], "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _rows(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

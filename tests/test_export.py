@@ -53,8 +53,8 @@ def _corpus(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """name -> (run folder, plan file) of a two-step `flexmesh train` run per layout."""
-    from helpers import flexmesh
+    """name -> (run folder, plan file) of a two-step `flexmesh train` run per layout (its ranks forked here)."""
+    from helpers import flexmesh_ranks
 
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
@@ -72,10 +72,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
                     stages=tuple(StagePlan(a, b, (st,) * (b - a)) for a, b in layers))
         plan_path = tmp / name / "plan.json"
         plan.save(plan_path)
-        launch = ["--nproc", str(world)] if world > 1 else []
-        r = flexmesh("train", *launch, "--plan", str(plan_path), "--corpus", str(corpus), "--max-steps", "2",
-                     "--out", str(tmp / name / "run"), "--cache-dir", str(tmp / "cache"), "--no-progress",
-                     "--lr", "1e-2")
+        r = flexmesh_ranks(world, "train", "--plan", str(plan_path), "--corpus", str(corpus), "--max-steps", "2",
+                           "--out", str(tmp / name / "run"), "--cache-dir", str(tmp / "cache"), "--no-progress",
+                           "--lr", "1e-2")
         assert r.returncode == 0, r.stderr[-4000:]
         out[name] = (tmp / name / "run", plan_path)
     return out

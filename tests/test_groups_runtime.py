@@ -20,7 +20,8 @@ from helpers import (
     SEED,
     STEPS,
     assert_golden,
-    flexmesh,
+    flexmesh_here,
+    flexmesh_ranks,
     launch,
     reference_training,
     tiny_spec,
@@ -288,7 +289,9 @@ POLICY_ONLY = ("dispatch on an unpriced cluster",)  # found in the ranks: one pr
 
 
 # A bad plan file fails in the launcher too, before any rank starts; a replica mixing tp degrees is
-# found once the model is known (in the ranks), so it is checked in a single process only.
+# found once the model is known (in the ranks), so it is checked in a single process only. The command
+# runs in the test's process (a child's start-up costs more than the check): a launcher that let the plan
+# through would start ranks whose errors do not reach the captured output, and fail the test.
 @pytest.mark.parametrize(("bad", "nproc"), [(b, n) for b in sorted(BAD_PLANS) for n in (None, "3")
                                             if not ((b == "tp mixed in a replica" or b in POLICY_ONLY) and n)])
 def test_bad_plan_of_replica_groups_is_one_line_error(tmp_path, bad, nproc):
@@ -297,8 +300,8 @@ def test_bad_plan_of_replica_groups_is_one_line_error(tmp_path, bad, nproc):
     policy = ["--policy", change.pop("policy")] if "policy" in change else []
     plan = _cli_plan(tmp_path, **change)
     launch_flags = ["--nproc", nproc] if nproc else []
-    proc = flexmesh("train", *launch_flags, *policy, "--plan", str(plan), "--corpus", str(tmp_path / "corpus"),
-                    "--max-steps", "1", "--out", str(tmp_path / "run"), "--no-progress", timeout=120)
+    proc = flexmesh_here("train", *launch_flags, *policy, "--plan", str(plan), "--corpus", str(tmp_path / "corpus"),
+                         "--max-steps", "1", "--out", str(tmp_path / "run"), "--no-progress")
     err = proc.stderr.strip()
     assert proc.returncode == 2, err[-3000:]
     assert "Traceback" not in err and err.count("error:") == 1, err[-3000:]  # one message (rich may wrap it)
@@ -308,15 +311,16 @@ def test_bad_plan_of_replica_groups_is_one_line_error(tmp_path, bad, nproc):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_train_a_plan_of_replica_groups_resumes_exactly(tmp_path):
-    """`flexmesh train --nproc 3` on a plan of replica groups: metrics.jsonl, a checkpoint, and a resume
-    whose third step has the loss of an uninterrupted three-step run (1e-5)."""
+    """`flexmesh train` on 3 ranks (forked here, as torchrun would start them) on a plan of replica groups:
+    metrics.jsonl, a checkpoint, and a resume whose third step has the loss of an uninterrupted three-step
+    run (1e-5)."""
     plan = _cli_plan(tmp_path)
 
     def train(out: str, steps: int) -> list[dict]:
-        proc = flexmesh("train", "--nproc", "3", "--plan", str(plan), "--corpus", str(tmp_path / "corpus"),
-                        "--out", str(tmp_path / out), "--cache-dir", str(tmp_path / "cache"), "--checkpoint-every",
-                        "2", "--no-progress", "--lr", "1e-3", "--max-steps", str(steps),
-                        "--min-lr-ratio", "1", timeout=300)  # a flat LR: the same whatever --max-steps
+        proc = flexmesh_ranks(3, "train", "--plan", str(plan), "--corpus", str(tmp_path / "corpus"),
+                              "--out", str(tmp_path / out), "--cache-dir", str(tmp_path / "cache"),
+                              "--checkpoint-every", "2", "--no-progress", "--lr", "1e-3", "--max-steps", str(steps),
+                              "--min-lr-ratio", "1", timeout=300)  # a flat LR: the same whatever --max-steps
         assert proc.returncode == 0, proc.stderr[-4000:]
         return [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
 
@@ -330,8 +334,8 @@ def test_train_a_plan_of_replica_groups_resumes_exactly(tmp_path):
     for a, b in zip(whole, resumed, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a["step"], a["loss"], b["loss"])
     # the checkpoint holds every weight once, under the model's names: it exports like a uniform run's
-    export = flexmesh("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--plan",
-                      str(plan), timeout=120)
+    export = flexmesh_here("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--plan",
+                           str(plan))
     assert export.returncode == 0, export.stderr[-3000:]
     assert (tmp_path / "hf" / "config.json").is_file() and list((tmp_path / "hf").glob("*.safetensors"))
 
@@ -339,9 +343,9 @@ def test_train_a_plan_of_replica_groups_resumes_exactly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_train_dispatches_each_step_over_replica_groups_and_replans_for_a_straggler(tmp_path):
-    """`flexmesh train --nproc 2 --policy balanced` on two one-device groups, rank 1 emulated at a quarter
-    of its speed: every step is dispatched and priced; the monitor finds the straggler, re-plans, and
-    the steps after it are made for rank 1's measured speed (the dispatch itself is checked against the
+    """`flexmesh train --policy balanced` on 2 ranks (forked here) on two one-device groups, rank 1 emulated
+    at a quarter of its speed: every step is dispatched and priced; the monitor finds the straggler, re-plans,
+    and the steps after it are made for rank 1's measured speed (the dispatch itself is checked against the
     single-process reference by test_plans_of_replica_groups_match_single_process)."""
     cfg, corpus, _ = write_inputs(tmp_path, world=2)
     plan = tmp_path / "groups.json"
@@ -352,9 +356,9 @@ def test_train_dispatches_each_step_over_replica_groups_and_replans_for_a_stragg
                     "stages": [{"layers": [0, 2], "strategies": ["tp1-dp1z0"] * 2}]},
                    {"ranks": ["1"], "share": 4, "num_microbatches": 2,
                     "stages": [{"layers": [0, 2], "strategies": ["tp1-dp1z0"] * 2}]}]}))
-    proc = flexmesh("train", "--nproc", "2", "--plan", str(plan), "--policy", "balanced", "--corpus", str(corpus),
-                    "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--no-progress",
-                    "--emulate-speed", "1=0.25", "--max-steps", "6", timeout=300)
+    proc = flexmesh_ranks(2, "train", "--plan", str(plan), "--policy", "balanced", "--corpus", str(corpus),
+                          "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--no-progress",
+                          "--emulate-speed", "1=0.25", "--max-steps", "6", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]

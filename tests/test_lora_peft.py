@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import flexmesh, spawn, write_inputs
+from helpers import flexmesh_here, flexmesh_ranks, spawn, write_inputs
 
 from flexmesh.runtime.launch import free_port
 
@@ -66,12 +66,12 @@ def run(tmp_path_factory) -> dict:
     cfg, _, plan = write_inputs(tmp, 1)
     job = write_tasks(tmp)
     out = tmp / "run"
-    proc = flexmesh("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(job), "--max-steps", "3",
-                    "--out", str(out), "--no-progress", "--seq-len", "96", timeout=600)
+    proc = flexmesh_ranks(1, "train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(job), "--max-steps",
+                          "3", "--out", str(out), "--no-progress", "--seq-len", "96", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "latest loss" in " ".join(proc.stdout.split()) and "long" in proc.stdout  # the per-task table
     exported = tmp / "export"
-    proc = flexmesh("export", "--checkpoint", str(out), "--out", str(exported), "--model", str(cfg), timeout=300)
+    proc = flexmesh_here("export", "--checkpoint", str(out), "--out", str(exported), "--model", str(cfg))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"tmp": tmp, "cfg": cfg, "plan": plan, "job": job, "out": out, "export": exported,
             "export_line": proc.stdout}
@@ -226,13 +226,12 @@ def test_bad_job_files_say_what_to_change(tmp_path, job, says):
         load_tasks(tmp_path / "jobs.toml")
 
 
-@pytest.mark.slow
 def test_a_rank_the_model_cannot_carry_is_one_line_before_training(tmp_path):
     cfg, corpus, plan = write_inputs(tmp_path, 1)
     (tmp_path / "jobs.toml").write_text('[[task]]\nname = "a"\ncorpus = "corpus"\nrank = 4096\nalpha = 8\n'
                                         'targets = ["k_proj"]\n')
-    proc = flexmesh("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(tmp_path / "jobs.toml"),
-                    "--max-steps", "1", "--out", str(tmp_path / "run"))
+    proc = flexmesh_here("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(tmp_path / "jobs.toml"),
+                         "--max-steps", "1", "--out", str(tmp_path / "run"))
     assert proc.returncode != 0
     assert "rank 4096 is larger than k_proj" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -249,8 +248,8 @@ def test_empty_task_corpus_and_foreign_adapter_are_refused(tmp_path, run):
     (tmp_path / "empty").mkdir()
     (tmp_path / "jobs.toml").write_text('[[task]]\nname = "a"\ncorpus = "empty"\nrank = 4\nalpha = 8\n'
                                         'targets = ["q_proj"]\n')
-    proc = flexmesh("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(tmp_path / "jobs.toml"),
-                    "--max-steps", "1", "--out", str(tmp_path / "run"))
+    proc = flexmesh_here("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(tmp_path / "jobs.toml"),
+                         "--max-steps", "1", "--out", str(tmp_path / "run"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "empty" in proc.stderr, proc.stderr[-2000:]
     # the "short" adapter (rank 4 on q_proj, v_proj of a 2-layer model of hidden 64) on a model of hidden 96
     other = ModelSpec(name="other", num_layers=2, hidden=96, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab=320)

@@ -1,8 +1,8 @@
 """Many LoRA tasks in one run (docs/adapters.md): each adapter after 5 steps equals training it alone on
 its own documents (a plain single-process loop, per-adapter matmuls, no flexmesh trainer), under one
 process, data parallelism, ZeRO-3/FSDP2, tensor parallelism (alone and with FSDP2), context
-parallelism and replica groups of different layouts; and which tasks share a micro-batch changes no
-adapter."""
+parallelism, pipeline stages and replica groups of different layouts (a pipeline beside FSDP2 among
+them); and which tasks share a micro-batch changes no adapter."""
 
 from __future__ import annotations
 
@@ -60,9 +60,15 @@ def step_docs(per_task: list):
 
 
 # ---- the reference: one task alone, plain PyTorch around the model -----------------------------------
-def alone(slot: int) -> dict:
-    """Task ``slot``'s adapters after training it alone: one process, its own documents, one document
-    per forward, per-adapter matmuls, torch's AdamW, LambdaLR and clip_grad_norm_."""
+def alone(slot: int) -> tuple[dict, list[float]]:
+    """Task ``slot`` of :func:`task_set` trained alone on its documents of :func:`task_steps`."""
+    return train_alone(tiny_spec(), task_set().tasks[slot], [per_task[slot] for per_task in task_steps()], config())
+
+
+def train_alone(spec, task, steps: list, cfg) -> tuple[dict, list[float]]:  # noqa: ANN001
+    """``task``'s adapters (keyed by :func:`_key`) and losses after training it alone on ``steps`` (its
+    documents per step, until the first empty one): one process, one document per forward, per-adapter
+    matmuls, torch's AdamW, LambdaLR and clip_grad_norm_ (``cfg``: the run's TrainConfig)."""
     import torch
     import torch.nn.functional as F
 
@@ -73,7 +79,6 @@ def alone(slot: int) -> dict:
     from flexmesh.runtime.train.config import lr_schedule_factor
     from flexmesh.spec.tasks import TaskSet
 
-    task, cfg, spec = task_set().tasks[slot], config(), tiny_spec()
     one = TaskSet((task,))
     model = build_model(spec, device="cpu")
     model.init_weights(cfg.seed)
@@ -83,13 +88,13 @@ def alone(slot: int) -> dict:
         if isinstance(m, Adapters):
             m.loop = True
     params = [p for p in model.parameters() if p.requires_grad]
-    steps = task.steps or cfg.max_steps
-    opt = torch.optim.AdamW(params, lr=task.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    count = task.steps or cfg.max_steps
+    opt = torch.optim.AdamW(params, lr=task.lr if task.lr is not None else cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, steps, cfg.min_lr_ratio) if s < steps else 0.0)
+        opt, lambda s: lr_schedule_factor(s, cfg.warmup_steps, count, cfg.min_lr_ratio) if s < count else 0.0)
     losses = []
-    for per_task in task_steps():
-        docs = per_task[slot]
+    for docs in steps:
         if not docs:
             break
         opt.zero_grad()
@@ -104,8 +109,8 @@ def alone(slot: int) -> dict:
         torch.nn.utils.clip_grad_norm_(params, task.clip if task.clip is not None else cfg.grad_clip)
         opt.step()
         sched.step()
-    params = {_key(n, task.name): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return params, losses
+    trained = {_key(n, task.name): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return trained, losses
 
 
 def _key(name: str, task: str) -> str:
@@ -119,6 +124,12 @@ def _group(ranks: list[str], share: int, m: int, strategy: str) -> dict:
             "stages": [{"layers": [0, 4], "strategies": [strategy] * 4}]}
 
 
+def _pipeline(blocks: list[str], share: int, m: int, strategy: str) -> dict:
+    """A group of one pipeline, a stage of two layers on each of ``blocks``."""
+    return {"ranks": blocks, "share": share, "num_microbatches": m, "virtual_stages": 1,
+            "stages": [{"layers": [a, a + 2], "strategies": [strategy] * 2} for a in (0, 2)]}
+
+
 # name -> (world, groups)
 LAYOUTS = {
     "one": (1, [_group(["0"], 16, 4, "tp1-dp1z0")]),
@@ -128,6 +139,8 @@ LAYOUTS = {
     "tp": (2, [_group(["0-1"], 16, 2, "tp2-dp1z0")]),
     "tp_x_fsdp": (4, [_group(["0-3"], 16, 2, "tp2-dp2z3")]),
     "pair4": (4, [_group(["0-1"], 8, 1, "tp1-dp2z3"), _group(["2-3"], 8, 2, "tp1-u2-dp1z3")]),
+    "pp": (2, [_pipeline(["0", "1"], 16, 4, "tp1-dp1z0")]),
+    "pp_pair4": (4, [_pipeline(["0", "1"], 8, 2, "tp1-dp1z0-ac"), _group(["2-3"], 8, 2, "tp1-dp2z3")]),
 }
 
 
@@ -191,8 +204,10 @@ def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> Non
                         adapters[_key(k, tasks.tasks[int(k.rsplit('.', 1)[1])].name)] = v.detach().cpu().clone()
                     elif k in BASE_KEYS:
                         adapters[f"base:{k}"] = v.detach().cpu().clone()
+            held: list = [None] * world  # pipeline stages hold their own layers' adapters
+            dist.all_gather_object(held, adapters)
             if rank == 0:
-                torch.save(adapters, Path(out) / f"{name}.pt")
+                torch.save({k: v for part in held for k, v in part.items()}, Path(out) / f"{name}.pt")
                 (Path(out) / f"{name}.json").write_text(json.dumps([m.to_dict() for m in metrics]))
             dist.barrier()
     finally:
@@ -259,7 +274,7 @@ def test_one_process_and_swapped_micro_batches(tmp_path, references):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("names", [["dp", "fsdp", "pair", "tp"]])
+@pytest.mark.parametrize("names", [["dp", "fsdp", "pair", "tp", "pp"]])
 def test_two_ranks(tmp_path, references, names):
     _run(tmp_path, 2, names)
     for name in names:
@@ -268,6 +283,105 @@ def test_two_ranks(tmp_path, references, names):
 
 @pytest.mark.slow
 def test_four_ranks(tmp_path, references):
-    _run(tmp_path, 4, ["pair4", "tp_x_fsdp"])
-    for name in ("pair4", "tp_x_fsdp"):
+    _run(tmp_path, 4, ["pair4", "tp_x_fsdp", "pp_pair4"])
+    for name in ("pair4", "tp_x_fsdp", "pp_pair4"):
         _check(tmp_path, name, references)
+
+
+# ---- a LoRA mix through the command line ---------------------------------------------------------------
+MIX_JOB = """
+[[task]]
+name = "wide"
+corpus = "corpus"
+rank = 4
+alpha = 8
+targets = ["q_proj", "v_proj", "gate_proj"]
+batch = 3
+lr = 2e-3
+
+[[task]]
+name = "narrow"
+corpus = "narrow"
+rank = 8
+alpha = 16
+targets = ["o_proj", "down_proj"]
+batch = 1
+clip = 0.01
+"""
+
+
+def _mix_plan(cfg: Path) -> dict:
+    """Two replica groups of one rank each and different layouts: rank 0 one micro-batch, no recomputation;
+    rank 1 two micro-batches, full recomputation of its first layer, selective of its second."""
+    groups = [{"ranks": ["0"], "share": 2, "num_microbatches": 1, "virtual_stages": 1,
+               "stages": [{"layers": [0, 2], "strategies": ["tp1-dp1z0", "tp1-dp1z0"]}]},
+              {"ranks": ["1"], "share": 2, "num_microbatches": 2, "virtual_stages": 1,
+               "stages": [{"layers": [0, 2], "strategies": ["tp1-dp1z0-ac", "tp1-dp1z0-sac"]}]}]
+    return {"version": 4, "model": str(cfg), "cluster": "2xA100-80GB", "world_size": 2, "seq_len": 96,
+            "global_batch": 4, "pipeline_schedule": "1f1b", "groups": groups}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_lora_mix_of_two_layouts_trains_each_adapter_as_alone(tmp_path):
+    """`flexmesh train --tasks --plan P --nproc 2`, P a version-4 plan of two replica groups of different
+    layouts: each adapter ends as training its task alone (on the documents the run's loader dealt it).
+    The groups take 2 documents each, so "wide" (3 a step) trains on both and shares rank 1 with "narrow"."""
+    import torch
+    from helpers import flexmesh, write_inputs
+
+    from flexmesh.data.loader import load_corpus_tokens
+    from flexmesh.data.tasks import TaskLoader
+    from flexmesh.layout.plan import Plan
+    from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.state.checkpoint import manifest_tasks
+    from flexmesh.runtime.state.export import _model_keys, find_checkpoint, read_full_tensors
+    from flexmesh.runtime.train.config import TrainConfig
+    from flexmesh.spec.model import parse_model
+    from flexmesh.spec.tasks import load_tasks
+
+    cfg, _, _ = write_inputs(tmp_path, 2)
+    (tmp_path / "narrow").mkdir()
+    for i in range(6):  # short documents of their own
+        words = ["lazy dog jumps", "quick fox"][i % 2]
+        (tmp_path / "narrow" / f"n{i}.txt").write_text(" ".join(words for _ in range(3 + i)))
+    (tmp_path / "jobs.toml").write_text(MIX_JOB)
+    plan = tmp_path / "mix.json"
+    plan.write_text(json.dumps(_mix_plan(cfg)))
+    assert len({g.stages for g in Plan.load(plan).groups}) == 2  # two layouts
+    out = tmp_path / "run"
+    steps, seed = 3, 0
+    train = TrainConfig(max_steps=steps, lr=1e-3, warmup_steps=1, weight_decay=0.1, grad_clip=1.0, seed=seed)
+    proc = flexmesh("train", "--plan", str(plan), "--model", str(cfg), "--tasks", str(tmp_path / "jobs.toml"),
+                    "--nproc", "2", "--max-steps", str(steps), "--out", str(out), "--no-progress",
+                    "--lr", str(train.lr), "--warmup", str(train.warmup_steps), "--seed", str(seed),
+                    "--weight-decay", str(train.weight_decay), "--grad-clip", str(train.grad_clip), timeout=1100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [all(n > 0 for n in r["task_tokens"]) for r in rows] == [True] * steps
+
+    # the documents the run's loader dealt each task, under the tokenizer the run recorded
+    spec = parse_model(str(cfg))
+    tasks = load_tasks(tmp_path / "jobs.toml")
+    corpora = [load_corpus_tokens(tmp_path / t.corpus, out / "tokenizer")[0] for t in tasks]
+    loader = TaskLoader(tasks.names, corpora, [t.batch for t in tasks], [t.steps or steps for t in tasks], 96,
+                        seed=seed)
+    dealt = [next(loader) for _ in range(steps)]
+    path = find_checkpoint(out)
+    held = manifest_tasks(json.loads((path / "manifest.json").read_text()), path)
+    state = read_full_tensors(path, _model_keys(path))
+    fresh = build_model(spec, device="cpu")
+    fresh.init_weights(seed)
+    for k, v in fresh.state_dict().items():  # the base stays as initialised
+        assert torch.equal(state[k], v), f"base {k} changed"
+    for slot, task in enumerate(tasks):
+        docs = [[d for d, s in zip(step, step.tasks) if s == slot] for step in dealt]
+        want, losses = train_alone(spec, task, docs, train)
+        got = {_key(k, held.tasks[int(k.rsplit(".", 1)[1])].name): v for k, v in state.items() if ".adapters." in k}
+        got = {k: v for k, v in got.items() if k.endswith(f".{task.name}")}
+        assert sorted(got) == sorted(want) and want
+        for k, ref in want.items():
+            diff = float((got[k] - ref).abs().max())
+            assert diff <= 1e-5, f"{k} differs from training {task.name} alone by {diff:.2e}"
+        assert [r["task_loss"][slot] for r in rows[:len(losses)]] == pytest.approx(losses, rel=1e-5)
+    assert any(float(v.abs().max()) > 1e-4 for k, v in state.items() if ".lora_B." in k)  # the adapters moved

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import unlocked, write_inputs
+from helpers import flexmesh_ranks, unlocked, write_inputs
 
 # One step more than the detection needs: on a loaded machine a judged step can miss and the detection
 # slip from step 5 to 6 (seen in a fresh-clone run), which with 6 steps left no step to train on.
@@ -59,6 +59,13 @@ def _train(inputs: dict, out: Path, plan: Path, *extra: str, env: dict | None = 
             str(out), *extra]
     return subprocess.run([sys.executable, "-m", "flexmesh", *args], env=dict(os.environ, OMP_NUM_THREADS="1",
                           **(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def _ranks(inputs: dict, out: Path, plan: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`_train`'s run, its two ranks forked here as torchrun would start them (no launcher)."""
+    return flexmesh_ranks(2, "train", "--plan", str(plan), "--corpus", str(inputs["corpus"]), "--cache-dir",
+                          str(inputs["tmp"] / "cache"), "--no-progress", "--lr", "1e-3", "--max-steps", str(STEPS),
+                          "--out", str(out), env=env, timeout=400)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -155,9 +162,10 @@ def test_the_migrated_run_equals_a_fresh_run_on_the_new_plan_from_its_checkpoint
     shutil.copytree(out / "checkpoints" / name, fresh / "checkpoints" / name)
     (fresh / "checkpoints" / "latest").write_text(name + "\n")
     new_plan = out / event["plan"]
-    refused = _train(inputs, fresh, new_plan)  # an ordinary resume: the checkpoint's plan differs
+    # resumed by hand: the ranks of the command, forked here (the launcher's relaunch is the test above's)
+    refused = _ranks(inputs, fresh, new_plan)  # an ordinary resume: the checkpoint's plan differs
     assert refused.returncode != 0 and "was written under plan" in " ".join(refused.stderr.split())
-    done = _train(inputs, fresh, new_plan, env={"FLEXMESH_RESHARD_FROM": name})
+    done = _ranks(inputs, fresh, new_plan, env={"FLEXMESH_RESHARD_FROM": name})
     assert done.returncode == 0, done.stderr[-3000:]
     again = _rows(fresh)
     assert [r["step"] for r in again] == list(range(step + 1, STEPS + 1))
@@ -231,11 +239,11 @@ def test_a_paying_migration_writes_the_plan_and_the_request(tmp_path, monkeypatc
 
 
 def test_migrate_needs_the_launcher(tmp_path):
-    from helpers import flexmesh
+    from helpers import flexmesh_here
 
     cfg, corpus, _ = write_inputs(tmp_path, world=2)
-    done = flexmesh("train", "--plan", str(_plan(tmp_path, cfg)), "--corpus", str(corpus), "--max-steps", "1",
-                    "--out", str(tmp_path / "o"), "--migrate")
+    done = flexmesh_here("train", "--plan", str(_plan(tmp_path, cfg)), "--corpus", str(corpus), "--max-steps", "1",
+                         "--out", str(tmp_path / "o"), "--migrate")
     assert done.returncode != 0 and "--migrate needs --nproc" in done.stderr
 
 

@@ -12,7 +12,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from flexmesh.errors import SpecError
 from flexmesh.layout.step import Piece
-from flexmesh.runtime.model.attention import CPContext
 from flexmesh.runtime.model.packing import pack_microbatch
 from flexmesh.runtime.model.transformer import Transformer, apply_rope, build_model, rope_cos_sin
 from flexmesh.spec.model import ModelSpec, gpt
@@ -154,15 +153,51 @@ def test_training_step_reduces_loss():
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_set_cp_reaches_every_attention():
+def test_attention_calls_the_local_entry_point_until_context_parallelism_installs_its_own():
+    from flexmesh.runtime.model.attention import attend
+    from flexmesh.runtime.parallel.context import ContextParallelAttention, CPContext, apply_context_parallel
+
     model = build_model(SPEC)
-    ctx = CPContext("ring", None, 0, 2)
-    model.set_cp(ctx)
-    assert all(layer.attention.cp is ctx for layer in model.layers.values())
-    model.set_cp(None)
-    assert all(layer.attention.cp is None for layer in model.layers.values())
+    assert all(layer.attention.core is attend for layer in model.layers.values())
+    model.layers["1"] = checkpoint_wrapper(model.layers["1"])  # installed through activation checkpointing too
+    core = apply_context_parallel(model)
+    assert isinstance(core, ContextParallelAttention) and core.cp is None
+    assert all(layer.attention.core is core for layer in model.layers.values())
+    core.cp = CPContext("ring", None, 0, 2)  # one object: switching its group switches every layer
+    assert all(layer.attention.core.cp is core.cp for layer in model.layers.values())
+
+
+def test_a_context_parallel_slice_builds_the_whole_rows_row():
+    from flexmesh.runtime.model.packing import pad_to_multiple, shard_for_cp
+
+    model = build_model(SPEC, "cpu")
+    whole = pad_to_multiple(pack_microbatch(_docs(), (Piece(0, 0, 9), Piece(2, 0, 25))), 2)
+    half = shard_for_cp(whole, 1, 2)
+    assert (whole.row_tokens, half.row_tokens) == (None, 34)
+    row = model.row(half)
+    assert row.docs.total == 34 and row.cos.shape[1] == 17
+    torch.testing.assert_close(row.cos, model.row(whole).cos[:, 17:])
 
 
 def test_non_llama_shapes_are_rejected_with_what_to_change():
     with pytest.raises(SpecError, match="rmsnorm"):
         Transformer(gpt(2, 64, 4, vocab=256))
+
+
+def test_the_model_wing_imports_no_process_group_code():
+    """Parallelism is applied from outside (flexmesh.runtime.parallel): no module of the model wing imports
+    torch.distributed, except the DTensor types that fill a parameter's shard from its full tensor."""
+    import ast
+    from pathlib import Path
+
+    import flexmesh.runtime.model as wing
+
+    found = {}
+    for path in Path(wing.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                if name.startswith("torch.distributed") and name != "torch.distributed.tensor":
+                    found.setdefault(path.name, []).append(name)
+    assert found == {}

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import flexmesh, randomise_hf, rel_diff
+from helpers import flexmesh_ranks, randomise_hf, rel_diff
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference; pip install -e .[dev]")
 
@@ -53,9 +53,9 @@ def runs(tmp_path_factory) -> dict:
                             global_batch=4, stages=(StagePlan(0, 2, (st, st)),))
         plan.save(tmp / family / "plan.json")
         run = tmp / family / "run"
-        r = flexmesh("train", "--nproc", "2", "--plan", str(tmp / family / "plan.json"), "--weights", str(weights),
-                     "--corpus", str(corpus), "--max-steps", "2", "--out", str(run), "--cache-dir", str(tmp / "cache"),
-                     "--no-progress", "--lr", "1e-2")
+        r = flexmesh_ranks(2, "train", "--plan", str(tmp / family / "plan.json"), "--weights", str(weights),
+                           "--corpus", str(corpus), "--max-steps", "2", "--out", str(run), "--cache-dir",
+                           str(tmp / "cache"), "--no-progress", "--lr", "1e-2")
         assert r.returncode == 0, r.stderr[-4000:]
         out[family] = (run, tmp / family / "plan.json", weights)
     return out

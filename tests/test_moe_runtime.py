@@ -133,6 +133,7 @@ def worker(out: Path, names: list[str]) -> None:
     import torch.distributed as dist
 
     from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.expert_training import ExpertTraining
     from flexmesh.runtime.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -152,7 +153,7 @@ def worker(out: Path, names: list[str]) -> None:
                 trainer = Trainer(plan, moe_spec(), cfg)
                 starve(trainer.inner_models())
                 if placement == "shuffled":
-                    ex = trainer.experts
+                    ex = trainer.part(ExpertTraining)
                     ex.placer = Shuffled(ex.moe_layers, ex.num_experts, ex.ranks)
                 lay = trainer.layout
                 steps = make_steps(lay.data_ranks, lay.cp, steps=LONG if long else STEPS, cut=False)

@@ -126,13 +126,13 @@ def test_hardware_profile_quick_under_torchrun(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_model_profile_under_torchrun_times_real_groups(tmp_path):
+    """The command's two ranks forked here, as torchrun starts them (its --nproc launcher: the test above)."""
+    from helpers import flexmesh_ranks
+
     cfg = small_config(tmp_path)
     out = tmp_path / "model.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run([sys.executable, "-m", "flexmesh", "profile", "model", "--model", str(cfg), "--quick",
-                        "--nproc", "2", "--no-progress", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=220)
+    r = flexmesh_ranks(2, "profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--out", str(out),
+                       timeout=220)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "under real process groups" in r.stdout and "ring" in r.stdout  # the summary shows the layouts
     prof = load_profile(out, "model")

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import flexmesh
+from helpers import flexmesh_here
 
 
 @pytest.fixture(scope="module")
@@ -108,15 +108,14 @@ def test_a_written_mix_holds_the_longest_sequence(cost):
     assert all(GroupMemory(cost, 16384).holds(m.counts) for m in tried) and best.devices == 4
 
 
-@pytest.mark.slow
 def test_plan_replicas_cli(tmp_path):
     job = tmp_path / "jobs.toml"
     job.write_text('[[task]]\nname = "chat"\nlengths = "wikipedia"\nrank = 8\nalpha = 16\ntargets = ["q_proj"]\n'
                    'batch = 16\n\n[[task]]\nname = "long"\nlengths = "prolong"\nrank = 8\nalpha = 16\n'
                    'targets = ["q_proj"]\nbatch = 8\n')
     plan = tmp_path / "plan.json"
-    proc = flexmesh("plan", "--model", "llama2-7b", "--cluster", "4xA100-40GB", "--tasks", str(job), "--replicas",
-                    "--seq-len", "8192", "--json", "--out", str(plan))
+    proc = flexmesh_here("plan", "--model", "llama2-7b", "--cluster", "4xA100-40GB", "--tasks", str(job), "--replicas",
+                         "--seq-len", "8192", "--json", "--out", str(plan))
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert sum(r["devices"] * r["replicas"] for r in out["mix"]) == 4
@@ -124,8 +123,8 @@ def test_plan_replicas_cli(tmp_path):
     assert out["single"] and out["step_s"] > 0
     written = json.loads(plan.read_text())
     assert written == out["plan"] and written["version"] == 4 and len(written["groups"]) == len(out["mix"])
-    assert flexmesh("plan", "--check", str(plan), "--tasks", str(job)).returncode == 0
-    full = flexmesh("plan", "--check", str(plan))  # the same layouts training every weight do not fit
+    assert flexmesh_here("plan", "--check", str(plan), "--tasks", str(job)).returncode == 0
+    full = flexmesh_here("plan", "--check", str(plan))  # the same layouts training every weight do not fit
     assert full.returncode == 2 and "GiB" in full.stderr
-    proc = flexmesh("plan", "--model", "llama2-7b", "--cluster", "4xA100-40GB", "--replicas")
+    proc = flexmesh_here("plan", "--model", "llama2-7b", "--cluster", "4xA100-40GB", "--replicas")
     assert proc.returncode != 0 and "give --tasks" in proc.stderr

@@ -4,7 +4,7 @@ tests/golden/old_runs/ holds runs of `flexmesh train --nproc 2` made by flexmesh
 (tests/golden/make_old_runs.py): a version-2 plan (ZeRO-2 over both ranks) and a version-3 plan (two
 replicas of one rank), each stopped after a checkpoint at step 2, and the losses of 3 steps straight.
 Today's code resumes each from its checkpoint under the same plan file and must train step 3 as the
-straight run did.
+straight run did (the two ranks forked here, as torchrun would start them).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh
+from helpers import flexmesh_ranks
 
 OLD = Path(__file__).with_name("golden") / "old_runs"
 
@@ -32,9 +32,9 @@ def test_an_old_checkpoint_resumes_under_its_old_plan(tmp_path, name):
     here = os.getcwd()
     os.chdir(folder)  # the plan names its model by a path relative to its folder
     try:
-        proc = flexmesh("train", "--nproc", "2", "--plan", "plan.json", "--out", "run", "--corpus", "corpus",
-                        "--cache-dir", "cache", "--max-steps", "3", "--checkpoint-every", "2", "--no-progress",
-                        "--lr", "1e-3", "--min-lr-ratio", "1", timeout=300)
+        proc = flexmesh_ranks(2, "train", "--plan", "plan.json", "--out", "run", "--corpus", "corpus",
+                              "--cache-dir", "cache", "--max-steps", "3", "--checkpoint-every", "2", "--no-progress",
+                              "--lr", "1e-3", "--min-lr-ratio", "1", timeout=300)
     finally:
         os.chdir(here)
     assert proc.returncode == 0, proc.stderr[-4000:]

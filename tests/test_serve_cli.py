@@ -32,7 +32,8 @@ def test_out_writes_the_records_a_summary_and_plots(capsys, tmp_path):
     out = tmp_path / "o"
     assert main(SMALL + ["--rates", "5,20", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "TTFT ms p50/p90/p99" in text and "simulated" in text
+    # the table's header wraps at the width of the terminal it prints to (80 columns in CI)
+    assert "TTFT ms" in text and "p99" in text and "simulated" in text
     records = read_records(out / "requests.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     assert len(records) == summary["workload"]["requests"] and {r.replica for r in records} == {0, 1}

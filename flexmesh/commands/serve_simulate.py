@@ -410,7 +410,7 @@ def _print(console: Console, job: SimulateJob, main: SimResult, points: list[Rat
     cols = ["req/s", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99", "E2E s p50/p99", "out tok/s"]
     cols += ["SLO met"] if job.slo is not None else []
     for c in cols + ["$/M out", "$/M tok"]:
-        t.add_column(c, justify="right")
+        t.add_column(c, justify="right", overflow="fold")  # a narrow terminal folds a cell, never cuts it
     for p in sorted(points, key=lambda x: x.rate):
         s = p.summary
         row = [f"{p.rate:.3g}", " / ".join(_ms(s.ttft[q]) for q in ("p50", "p90", "p99")),

@@ -100,9 +100,7 @@ def _preflight(args: argparse.Namespace) -> None:
     usable_cache(args.cache_dir)
     plan = load_plan(args.plan)
     spec = plan_model(plan, args.model, args.plan)  # a plan (or model) that cannot run fails here, once
-    from flexmesh.runtime.train.task_training import check_task_layout
-
-    check_task_layout(run_tasks(args, spec), plan)  # a bad job file, too
+    run_tasks(args, spec)  # a bad job file, too
     if args.nnodes is None:
         check_memory(predicted_peak(plan), args.device, args.nproc)
 

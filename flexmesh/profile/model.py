@@ -376,8 +376,8 @@ def _mesh(world: World, tp: int, cp: int):
 def _parallel_block(spec: ModelSpec, mesh, kind: str, dtype, device):
     """One runtime layer split as the runtime splits it: TP + SP over ``mesh["tp"]``, context
     parallelism of ``kind`` over ``mesh["cp"]``."""
-    from flexmesh.runtime.model.attention import CPContext
     from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.parallel.context import ContextParallelAttention, CPContext, apply_context_parallel
     from flexmesh.runtime.parallel.parallelize import apply_tp
 
     model = build_model(replace(spec, num_layers=1, tie_embeddings=False), device, dtype)
@@ -386,7 +386,8 @@ def _parallel_block(spec: ModelSpec, mesh, kind: str, dtype, device):
         apply_tp(model, mesh["tp"])
     cp = mesh["cp"]
     if cp.size() > 1:
-        model.set_cp(CPContext(kind=kind, group=cp.get_group(), rank=cp.get_local_rank(), size=cp.size()))
+        apply_context_parallel(model, ContextParallelAttention(
+            CPContext(kind=kind, group=cp.get_group(), rank=cp.get_local_rank(), size=cp.size())))
     return model.layers["0"]
 
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from flexmesh.errors import PlanError
+
 # Query block of the windowed SDPA kernel: a block of b queries reads b + w - 1 keys, so blocks of at
 # least a few hundred keep the number of SDPA calls small while the cost stays O(len * (b + w)).
 WINDOW_BLOCK = 256
@@ -122,6 +124,17 @@ def flash_window_size(window: int | None) -> tuple[int, int]:
     ((-1, -1), (3, 0))
     """
     return (-1, -1) if window is None else (window - 1, 0)
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise unless q is [B, H, T, D] and k, v [B, Hkv, T, D] with H a multiple of Hkv (what every kernel,
+    local or context-parallel, takes)."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"attend expects q [B, H, T, D] and k, v [B, Hkv, T, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise PlanError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads; "
+                        "tensor parallelism must split both head counts by the same degree")
 
 
 # ---- kernels -------------------------------------------------------------------------------------------

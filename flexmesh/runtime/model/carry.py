@@ -24,12 +24,13 @@ the later piece must send gradient back into them. As in TeraPipe and InfiniPipe
 Work: queries ``[a, b)`` over keys ``[0, b)``, causal, are ``b^2 - a^2`` squared tokens
 (flexmesh.cost.training.work.attention_sq charges exactly that).
 
-Context parallelism. Under Ulysses each rank holds all tokens of its heads after the all-to-all,
-so it keeps and reads its heads' prefix. Under ring attention a micro-batch touching a carried
-document all-gathers the row's keys and values over the group instead of passing them round the
-ring (backward: a reduce-scatter of their gradients), so every rank keeps the whole prefix for
-its own queries. Activation checkpointing recomputes a layer in backward: a view remembers the
-prefix it read the first time, so the recomputation reads the same tensors.
+Context parallelism wraps this from outside (flexmesh.runtime.parallel.context): under Ulysses each
+rank holds all tokens of its heads after the all-to-all, so it keeps and reads its heads' prefix
+(:func:`carried_attend` on the heads); under ring attention a micro-batch touching a carried document
+all-gathers the row's keys and values over the group instead of passing them round the ring, and
+every rank keeps the whole prefix for its own queries (:func:`prefix_attention` with the rank's query
+offset). Activation checkpointing recomputes a layer in backward: a view remembers the prefix it read
+the first time, so the recomputation reads the same tensors.
 """
 
 from __future__ import annotations
@@ -37,19 +38,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from flexmesh.errors import PlanError, ScheduleError
+from flexmesh.errors import ScheduleError
 from flexmesh.layout.step import Piece
-from flexmesh.runtime.model.attention import (
-    CPContext,
-    Documents,
-    _check_shapes,
-    _heads_to_seq,
-    _seq_to_heads,
-    as_documents,
-)
-from flexmesh.runtime.model.attention_kernels import suffix_attention
+from flexmesh.runtime.model.attention_kernels import Documents, as_documents, check_shapes, suffix_attention
 
 
 class KVCarry:
@@ -79,7 +71,7 @@ class CarryView:
         self._read: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # detached store: what this micro-batch put, attached, per (seq_id, layer) and per (seq_id, start, layer)
         self._own: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._put: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._put: dict[tuple[int, int, int], _Kept] = {}
 
     def prefix(self, piece: Piece, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values of tokens ``[0, piece.start)`` at ``layer``; the same tensors on every call."""
@@ -155,30 +147,8 @@ class _HandBack(torch.autograd.Function):
 
 
 # ---- attention over a carried prefix -----------------------------------------------------------------
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along the token dim (2) over the context-parallel group; backward: reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, cp: CPContext):  # noqa: ANN001, ANN205
-        ctx.cp = cp
-        b, h, tl, d = x.shape
-        parts = torch.empty((cp.size * b, h, tl, d), dtype=x.dtype, device=x.device)  # ranks stacked on dim 0
-        dist.all_gather_into_tensor(parts, x.contiguous(), group=cp.group)
-        return parts.view(cp.size, b, h, tl, d).permute(1, 2, 0, 3, 4).reshape(b, h, cp.size * tl, d)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        cp: CPContext = ctx.cp
-        b, h, t, d = grad.shape
-        tl = t // cp.size
-        blocks = grad.reshape(b, h, cp.size, tl, d).permute(2, 0, 1, 3, 4).reshape(cp.size * b, h, tl, d)
-        out = torch.empty((b, h, tl, d), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, blocks, group=cp.group)  # every rank's queries read my block: sum
-        return out, None
-
-
-def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, q_off: int,
-                      window: int | None, view: CarryView, layer: int) -> torch.Tensor:
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, q_off: int,
+                     window: int | None, view: CarryView, layer: int) -> torch.Tensor:
     """Queries of row tokens ``[q_off, q_off + Tq)`` over the whole row's ``k``, ``v`` plus carried prefixes.
 
     Segments are processed in row order, so a document's second segment in the same row sees the
@@ -207,21 +177,8 @@ def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: D
 
 
 def carried_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: "torch.Tensor | Documents",
-                   cp: CPContext | None, window: int | None, view: CarryView, layer: int) -> torch.Tensor:
-    """:func:`flexmesh.runtime.model.attention.attend` for a micro-batch holding carried documents (module doc)."""
-    _check_shapes(q, k, v)
-    docs = as_documents(cu_seqlens, q.shape[2] * (cp.size if cp is not None else 1))
-    if cp is None or cp.size == 1:
-        return _prefix_attention(q, k, v, docs, 0, window, view, layer)
-    if cp.kind == "ulysses":
-        h, hkv = q.shape[1], k.shape[1]
-        if h % cp.size:
-            raise PlanError(f"Ulysses context parallelism of degree {cp.size} needs the {h} query heads per "
-                            "tensor-parallel rank to divide evenly; lower cp or tp, or use ring attention")
-        if hkv % cp.size:  # as ulysses_attention: too few key/value heads to split
-            k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
-        out = _prefix_attention(_seq_to_heads(q, cp), _seq_to_heads(k, cp), _seq_to_heads(v, cp), docs, 0,
-                                window, view, layer)
-        return _heads_to_seq(out, cp)
-    return _prefix_attention(q, _GatherSeq.apply(k, cp), _GatherSeq.apply(v, cp), docs, cp.rank * q.shape[2],
-                             window, view, layer)
+                   window: int | None, view: CarryView, layer: int) -> torch.Tensor:
+    """Attention of a micro-batch holding carried documents, over this rank's whole row (module doc):
+    what :func:`flexmesh.runtime.model.attention.attend` runs when given a carry view."""
+    check_shapes(q, k, v)
+    return prefix_attention(q, k, v, as_documents(cu_seqlens, q.shape[2]), 0, window, view, layer)

@@ -23,6 +23,10 @@ task had no tokens) on every rank and data-parallel reductions always pair.
 Where the grouped kernel is not available for the device and dtype (CUDA below sm90 or not bf16),
 each run is its own pair of ``F.linear`` (:func:`segment_matmul`); ``loop=True`` asks for that path
 (the per-adapter loop the kernel benchmark compares against).
+
+Tensor parallelism splits the adapters as their projections from outside
+(flexmesh.runtime.parallel.adapters): it gives each :class:`Adapters` a :class:`AdapterSharding`, whose
+hooks turn inputs and factors into this rank's tensors and sum the rank-r products over the tp ranks.
 """
 
 from __future__ import annotations
@@ -31,12 +35,11 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from flexmesh.runtime.model.grouped import grouped_linear
 from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
@@ -76,16 +79,27 @@ def segment_matmul(x: torch.Tensor, w: torch.Tensor, row: AdapterRow, loop: bool
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")
 
 
+class AdapterSharding(Protocol):
+    """How one projection's adapters run on this rank's shards (flexmesh.runtime.parallel.adapters)."""
+
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection's input as this rank's plain tensor."""
+        ...
+
+    def sum_products(self, h: torch.Tensor) -> torch.Tensor:
+        """The rank-r products ``x A^T`` of this rank's shard, made whole (forward and backward)."""
+        ...
+
+    def local_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The addition [B, T, out] cut to what the projection's output holds on this rank."""
+        ...
+
+
 class Adapters(nn.Module):
     """The LoRA adapters of one projection (``fan_in`` -> ``fan_out``), one per task slot that targets it.
 
-    Under tensor parallelism (:func:`shard_adapters`) a column-parallel projection's B is split by
-    output rows like the projection (its product is this rank's output columns; A is replicated and
-    each rank's gradient of it partial); a row-parallel projection's A is split by input columns like
-    the projection, the rank-r products are all-reduced (backward too: each rank holds the gradient
-    of its own tokens), and the addition is cut to this rank's slice of the sequence, which the
-    projection's sequence-parallel output holds (B is replicated, its gradient partial). Partial
-    gradients are summed over the tp ranks after backward (:func:`tp_sum_replicated`).
+    Under tensor parallelism (flexmesh.runtime.parallel.adapters.shard_adapters) the factors are split
+    like the projection and ``sharding`` runs the rank's part: see that module.
     """
 
     def __init__(self, fan_in: int, fan_out: int, tasks: TaskSet, target: str, device: torch.device | None = None):
@@ -95,8 +109,7 @@ class Adapters(nn.Module):
         self.scaling = {i: tasks.tasks[i].scaling for i in self.slots}
         self.dropout = {i: tasks.tasks[i].dropout for i in self.slots}
         self.loop = False  # the per-run reference path (segment_matmul)
-        self.tp_kind = ""  # "column" or "row" under tensor parallelism (shard_adapters)
-        self.tp_group = None
+        self.sharding: AdapterSharding | None = None  # under tensor parallelism (flexmesh.runtime.parallel.adapters)
         self.lora_A = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(tasks.tasks[i].rank, fan_in, device=device))
                                         for i in self.slots})
         self.lora_B = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(fan_out, tasks.tasks[i].rank, device=device))
@@ -117,10 +130,8 @@ class Adapters(nn.Module):
     def forward(self, x: torch.Tensor, row: AdapterRow) -> torch.Tensor:
         """The adapters' addition to the projection of ``x`` [B, T, in] -> [B, T, out]; outside
         ``torch.compile`` (compiled blocks would recompile for every micro-batch's task runs)."""
-        if isinstance(x, DTensor):  # a column-parallel projection's replicated input: each rank's gradient is a share
-            from torch.distributed.tensor import Partial
-
-            x = x.to_local(grad_placements=[Partial()])
+        if self.sharding is not None:
+            x = self.sharding.local_input(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         a, b = self._stacked(x.dtype)
@@ -131,14 +142,10 @@ class Adapters(nn.Module):
             keep = torch.cat([torch.full((n,), 1.0 - self.dropout.get(s, 0.0)) for s, n in row.runs]).to(x.device)
             x2 = x2 * (torch.bernoulli(keep.expand(shape[-1], -1).t()) / keep[:, None]).to(x.dtype)
         h = segment_matmul(x2, a[pick], row, self.loop)
-        if self.tp_kind == "row":  # partial products over the input shards: summed, forward and backward
-            h = _SumOverRanks.apply(h, self.tp_group)
+        if self.sharding is not None:
+            h = self.sharding.sum_products(h)
         out = segment_matmul(h * scale.to(x.device)[:, None], b[pick], row, self.loop).view(*shape[:-1], -1)
-        if self.tp_kind == "row":  # this rank's slice of the sequence, as the projection's output holds
-            size, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
-            n = shape[1] // size
-            out = out[:, rank * n:(rank + 1) * n]
-        return out
+        return self.sharding.local_output(out) if self.sharding is not None else out
 
 
 def attach_adapters(model: nn.Module, spec: ModelSpec, tasks: TaskSet) -> None:
@@ -146,7 +153,7 @@ def attach_adapters(model: nn.Module, spec: ModelSpec, tasks: TaskSet) -> None:
     layers the adapters of ``tasks`` (on the model's device; zeros until :func:`init_adapters`)."""
     tasks.check(spec)
     model.requires_grad_(False)
-    for layer in model.layers.values():
+    for layer in model.get_submodule("layers").children():
         device = next(layer.parameters()).device
         for target in tasks.targets():
             fan_in, fan_out = projection_shape(spec, target)
@@ -157,59 +164,15 @@ def attach_adapters(model: nn.Module, spec: ModelSpec, tasks: TaskSet) -> None:
             owner.adapters[proj] = Adapters(fan_in, fan_out, tasks, target, device)
 
 
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) forward and backward: the rank-r products of a row-parallel projection's input
-    shards are summed, and so is their gradient, each rank holding that of its own tokens. (Written
-    here: torch.distributed.nn.functional.all_reduce does this but is deprecated, and the functional
-    collectives that replace it have no autograd.)"""
-
-    @staticmethod
-    def forward(ctx, x, group):  # noqa: ANN001, ANN205
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's part of a factor (a tensor-parallel DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _adapter_modules(model: nn.Module) -> list[tuple[str, Adapters]]:
-    """(projection name, its Adapters) of every adapted projection of ``model``."""
-    return [(proj, ad) for layer in model.layers.values() for part in (layer.attention, layer.feed_forward)
-            if part.adapters is not None for proj, ad in part.adapters.items()]
-
-
-def shard_adapters(model: nn.Module, tp_mesh) -> None:  # noqa: ANN001
-    """Split the adapters as their projections are split over ``tp_mesh`` (see :class:`Adapters`):
-    column-parallel B by rows, row-parallel A by columns, as DTensors; before FSDP2 wraps the model."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    for proj, ad in _adapter_modules(model):
-        ad.tp_kind = "column" if proj in COLUMN_PARALLEL else "row"
-        ad.tp_group = tp_mesh.get_group()
-        split, dim = (ad.lora_B, 0) if ad.tp_kind == "column" else (ad.lora_A, 1)
-        for k in list(split.keys()):
-            split[k] = nn.Parameter(distribute_tensor(split[k].data, tp_mesh, [Shard(dim)], src_data_rank=None))
-
-
-def tp_sum_replicated(models: Sequence[nn.Module]) -> None:
-    """Sum, over the tp ranks, the gradients of the adapter factors replicated there (column-parallel A,
-    row-parallel B): each rank's holds only its own share (see :class:`Adapters`)."""
-    for m in models:
-        for _, ad in _adapter_modules(m):
-            if not ad.tp_kind:
-                continue
-            for p in (ad.lora_A if ad.tp_kind == "column" else ad.lora_B).values():
-                if p.grad is not None:
-                    dist.all_reduce(_local(p.grad), group=ad.tp_group)
+def adapter_modules(model: nn.Module) -> list[tuple[str, Adapters]]:
+    """(projection name, its Adapters) of every adapted projection of ``model``, in layer order (each
+    held at ``layers.<N>.<attention|feed_forward>.adapters.<projection>``)."""
+    return [(name.rsplit(".", 1)[1], m) for name, m in model.named_modules() if isinstance(m, Adapters)]
 
 
 def adapter_slot(name: str) -> int:

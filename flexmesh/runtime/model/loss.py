@@ -60,8 +60,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need else None
+        grad_h: torch.Tensor | None = None
+        grad_w: torch.Tensor | None = None
+        if need:
+            grad_h = torch.empty_like(hidden)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for a in range(0, n, chunk):
             h, lab = hidden[a:a + chunk], labels[a:a + chunk]
             logits = (h @ weight.t()).float()
@@ -70,7 +73,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe[:, None])[:, 0]
             total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-            if need:
+            if grad_h is not None and grad_w is not None:  # gradients wanted (need)
                 # d(sum of losses)/d(logits) = softmax - onehot on label tokens, 0 elsewhere (in place)
                 probs = logits.sub_(lse[:, None]).exp_()
                 probs.scatter_add_(1, safe[:, None], -valid[:, None].to(probs.dtype))
@@ -78,7 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = probs.to(hidden.dtype)
                 grad_h[a:a + chunk] = g @ weight.to(hidden.dtype)
                 grad_w.add_(g.t() @ h.to(g.dtype))
-        if need:
+        if grad_h is not None and grad_w is not None:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total
 

@@ -45,8 +45,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from flexmesh.runtime.model.grouped import grouped_linear
+from flexmesh.runtime.model.params import canonical_name
 from flexmesh.spec.model import ModelSpec
 
 
@@ -110,7 +112,7 @@ class Experts(nn.Module):
         """This rank's part of ``gate_up`` and ``down`` as plain tensors (the whole on one rank; a
         DTensor shard's local rows under expert parallelism), gradients flowing back to the parameters."""
         gate_up, down = self.gate_up, self.down
-        if hasattr(gate_up, "to_local"):
+        if isinstance(gate_up, DTensor) and isinstance(down, DTensor):
             return gate_up.to_local(), down.to_local()
         return gate_up, down
 
@@ -145,6 +147,13 @@ class SwiGLU(nn.Module):
 
 class MoEFeedForward(nn.Module):
     """The MoE MLP of one layer (see the module doc)."""
+
+    # buffers (registered in __init__; declared for type checkers, which see Module attributes as Tensor | Module)
+    balance_bias: torch.Tensor
+    load: torch.Tensor
+    aux_weights: torch.Tensor
+    aux_value: torch.Tensor
+    routed_share: torch.Tensor
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -228,9 +237,5 @@ class MoEFeedForward(nn.Module):
 def moe_feed_forwards(model: nn.Module) -> dict[int, MoEFeedForward]:
     """The MoE layers of ``model`` (a Transformer, or a pipeline stage of one) by global layer number,
     activation checkpointing's wrapper looked through."""
-    out = {}
-    for name, block in model.layers.items():
-        ff = getattr(block, "_checkpoint_wrapped_module", block).feed_forward
-        if isinstance(ff, MoEFeedForward):
-            out[int(name)] = ff
-    return out
+    return {int(canonical_name(name).split(".")[1]): m for name, m in model.named_modules()
+            if isinstance(m, MoEFeedForward)}  # named layers.<N>.feed_forward

@@ -65,6 +65,9 @@ class PackedBatch:
     # Tokens from the row's start that belong to documents (the rest is padding, which experts do not
     # route: flexmesh.runtime.model.moe); None: all of them.
     real_tokens: int | None = None
+    # The whole row's tokens when this batch holds one rank's context-parallel slice of it
+    # (:func:`shard_for_cp`); None: the batch is the whole row.
+    row_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +110,8 @@ def piece_label_tokens(doc_length: int, piece: Piece) -> int:
     return piece.length - (1 if piece.end == doc_length else 0)
 
 
-def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece], tasks: Sequence[int] | None = None,
+def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece],
+                    tasks: Sequence[int] | np.ndarray | None = None,
                     task_weights: Sequence[float] | None = None) -> PackedBatch:
     """Lay ``pieces`` of ``docs`` end to end in one row (see the module docstring for an example).
 
@@ -209,7 +213,7 @@ def shard_for_cp(batch: PackedBatch, rank: int, size: int) -> PackedBatch:
     """Rank ``rank``'s contiguous 1/``size`` slice of a micro-batch; ``cu_seqlens`` stays global.
 
     Example: T = 8, size = 2: rank 0 holds tokens [0, 4), rank 1 tokens [4, 8). ``num_label_tokens``
-    counts the slice's own labels, so the shards of a micro-batch sum to the whole.
+    counts the slice's own labels, so the shards of a micro-batch sum to the whole; ``row_tokens`` is T.
     """
     if not 0 <= rank < size:
         raise ScheduleError(f"context-parallel rank {rank} is outside a group of {size}")
@@ -229,7 +233,7 @@ def shard_for_cp(batch: PackedBatch, rank: int, size: int) -> PackedBatch:
     real = None if batch.real_tokens is None else min(n, max(0, batch.real_tokens - sl.start))
     return replace(batch, tokens=batch.tokens[:, sl], labels=labels, positions=batch.positions[:, sl],
                    num_label_tokens=int((labels != IGNORE_INDEX).sum()), task_runs=tuple(runs),
-                   weights=None if batch.weights is None else batch.weights[:, sl], real_tokens=real)
+                   weights=None if batch.weights is None else batch.weights[:, sl], real_tokens=real, row_tokens=t)
 
 
 def rank_microbatches(docs: Sequence[np.ndarray], schedule: StepSchedule, data_rank: int) -> list[PackedBatch]:

@@ -1,6 +1,8 @@
 """A Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-No distributed code lives here (parallelism is applied afterwards by flexmesh.runtime.parallel.parallelize).
+No distributed code lives here: parallelism is applied afterwards, from outside
+(flexmesh.runtime.parallel.parallelize; context parallelism replaces what each layer's attention calls,
+``Attention.core``: flexmesh.runtime.parallel.context).
 Module names follow one fixed layout so tensor parallelism, pipeline splitting, checkpoints and the
 Hugging Face weight mapping can address parts by name::
 
@@ -23,15 +25,14 @@ What every layer of a micro-batch shares is computed once per micro-batch, befor
 into a :class:`Row`: the documents' boundaries (flexmesh.runtime.model.attention_kernels.Documents, on the
 device and on the host, with the attention kernels' per-row structures such as FlexAttention's block
 mask), and RoPE's cos and sin of every token's position (positions restart at every packed document
-and come from the batch). The attention kernel never looks across a document
-(flexmesh.runtime.model.attention); a layer with a sliding window (``spec.window_of(layer)``) passes it to
-the kernel too. A micro-batch holding a piece of a cut document brings a view of the keys and values
-carried between micro-batches (``batch.carry``), which every layer's attention reads and extends
-(flexmesh.runtime.model.carry).
+and come from the batch). Attention never looks across a document (flexmesh.runtime.model.attention); a
+layer with a sliding window (``spec.window_of(layer)``) passes it to the kernel too. A micro-batch
+holding a piece of a cut document brings a view of the keys and values carried between micro-batches
+(``batch.carry``), which every layer's attention reads and extends (flexmesh.runtime.model.carry).
 
 The attention core runs outside ``torch.compile`` (:func:`attention_core`): compiled blocks
 (``--compile``) fuse the norms, RoPE, the SwiGLU and the residual adds around it, while the core's
-kernels, its host-side loops over documents and its context-parallel collectives stay as they are.
+kernels, its host-side loops over documents and any collectives of an installed core stay as they are.
 
 With ``labels`` the model's last stage returns the summed cross-entropy itself, computed chunk by
 chunk from the final hidden states (flexmesh.runtime.model.loss.linear_cross_entropy): the full logits
@@ -43,8 +44,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +52,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from flexmesh.errors import SpecError
-from flexmesh.runtime.model.attention import CPContext, Documents, attend
-from flexmesh.runtime.model.carry import CarryView, carried_attend
+from flexmesh.runtime.model.attention import AttentionCore, Documents, attend
+from flexmesh.runtime.model.carry import CarryView
 from flexmesh.runtime.model.lora import AdapterRow
 from flexmesh.runtime.model.loss import linear_cross_entropy
 from flexmesh.runtime.model.moe import MoEFeedForward
@@ -117,16 +117,15 @@ def attention_core(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch
     """softmax(QK^T)V of layer ``attn`` over the row's documents (q, k, v [B, H, T, D]), outside
     ``torch.compile`` (see the module doc); under selective recomputation it keeps nothing for
     backward and runs again there (its inputs q, k, v are kept)."""
-    core = attend if row.carry is None else partial(carried_attend, view=row.carry, layer=attn.layer)
-    args = (q, k, v, row.docs, attn.cp, attn.window)
+    args = (q, k, v, row.docs, attn.window, row.carry, attn.layer)
     if attn.recompute_core and torch.is_grad_enabled():
         # preserve_rng_state off: attention draws no random numbers (no dropout)
-        return checkpoint(core, *args, use_reentrant=False, preserve_rng_state=False)
-    return core(*args)
+        return checkpoint(attn.core, *args, use_reentrant=False, preserve_rng_state=False)
+    return attn.core(*args)
 
 
 # ---- blocks --------------------------------------------------------------------------------------
-def adapted(owner: nn.Module, name: str, x: torch.Tensor, row: Row | None) -> torch.Tensor:
+def adapted(owner: Attention | FeedForward, name: str, x: torch.Tensor, row: Row | None) -> torch.Tensor:
     """Projection ``name`` of ``owner`` applied to ``x``, plus its LoRA adapters' addition where it has
     some (flexmesh.runtime.model.lora) and the row says which task each token belongs to."""
     y = getattr(owner, name)(x)
@@ -158,7 +157,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(q_width, eps=spec.norm_eps) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(k_width, eps=spec.norm_eps) if spec.qk_norm else None
         self.clip = spec.clip_qkv  # OLMoE's clip_qkv: q, k, v clamped to [-clip, clip] after the norms
-        self.cp: CPContext | None = None
+        # softmax(QK^T)V over the row's documents: the local entry point, unless parallelism installs
+        # another (context parallelism: flexmesh.runtime.parallel.context.apply_context_parallel)
+        self.core: AttentionCore = attend
         # LoRA adapters per projection name (flexmesh.runtime.model.lora.attach_adapters), None without
         self.adapters: nn.ModuleDict | None = None
         # Selective recomputation (flexmesh.runtime.parallel.parallelize.apply_ac): see attention_core.
@@ -229,15 +230,10 @@ class Transformer(nn.Module):
             None if spec.tie_embeddings else nn.Linear(spec.hidden, spec.vocab, bias=False)
         )
 
-    def set_cp(self, cp: CPContext | None) -> None:
-        """Switch every attention layer to context parallelism over ``cp`` (None: off)."""
-        for layer in self.layers.values():
-            layer.attention.cp = cp
-
     def row(self, batch: "PackedBatch") -> Row:
         """The micro-batch's :class:`Row` (every layer of this model chunk reads it)."""
-        cp = next((layer.attention.cp for layer in self.layers.values()), None)
-        total = batch.positions.shape[1] * (cp.size if cp is not None else 1)
+        # a context-parallel slice of a row knows the whole row's length (flexmesh.runtime.model.packing.shard_for_cp)
+        total = getattr(batch, "row_tokens", None) or batch.positions.shape[1]
         row = make_row(self.spec, batch.positions, batch.cu_seqlens, getattr(batch, "bounds", None) or None,
                        total=total, carry=getattr(batch, "carry", None))
         row.real = getattr(batch, "real_tokens", None)
@@ -315,8 +311,15 @@ class Transformer(nn.Module):
         materialised from meta with ``to_empty`` and then loaded from a checkpoint that has no such
         tensors (Hugging Face weights) must not keep what the allocator handed out."""
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_buffers"):
+            if isinstance(module, MoEFeedForward):
                 module.reset_buffers()
+
+
+def blocks(model: Transformer) -> dict[str, TransformerBlock]:
+    """``model``'s decoder blocks by name (``"0"``.. ; a pipeline stage holds its own), activation
+    checkpointing's wrapper looked through: the modules parallelism splits and installs into."""
+    return {name: cast(TransformerBlock, getattr(block, "_checkpoint_wrapped_module", block))
+            for name, block in model.layers.items()}
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta",

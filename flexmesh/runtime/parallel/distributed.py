@@ -109,10 +109,10 @@ def grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | No
 
 
 def replica_grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None, several: bool,
-                      leader: bool, group: dist.ProcessGroup) -> float:
+                      leader: bool, group: dist.ProcessGroup | None) -> float:
     """:func:`grad_norm` of one replica group; with ``several`` replica groups every group holds the
     whole gradient, so group 0's ranks (``leader``) take the norm and every rank gets that one figure
-    (a MAX over ``group``, a host-side group: gloo under NCCL too)."""
+    (a MAX over ``group``, a host-side group: gloo under NCCL too; None: the default group)."""
     if not several:
         return grad_norm(params, pp_group)
     mine = grad_norm(params, pp_group) if leader else 0.0

@@ -1,12 +1,12 @@
 """Apply a Plan's layout to a plain model: TP + sequence parallel, activation checkpointing, FSDP2.
 
-The order is torchtitan's: tensor parallelism first (it turns weights into DTensors on the ``tp``
-axis), then per-layer activation checkpointing (it wraps blocks, after TP so the wrapped block's
-collectives are recomputed too), then ``torch.compile`` of each block (``--compile``), then FSDP2
-per block and finally the root (FSDP must see the finished modules). Context parallelism needs no
-weight surgery: each attention layer is given a :class:`~flexmesh.runtime.model.attention.CPContext`; the
-trainer switches it every step to the group the step's schedule gives the rank, from a pool made
-once (:class:`ContextGroups`).
+The order is torchtitan's: context parallelism first (no weight surgery: every attention layer is
+given the context-parallel attention of its replica group's pool, whose group the trainer switches
+every step to the one the step's schedule gives the rank; flexmesh.runtime.parallel.context), then
+tensor parallelism (it turns weights into DTensors on the ``tp`` axis), then per-layer activation
+checkpointing (it wraps blocks, after TP so the wrapped block's collectives are recomputed too), then
+``torch.compile`` of each block (``--compile``), then FSDP2 per block and finally the root (FSDP must
+see the finished modules).
 
 Each replica group of a plan runs on a device mesh of its own (:func:`build_group_meshes`). Supported
 per-layer mixes inside a group (checked by :func:`flexmesh.layout.mesh.group_layout`):
@@ -38,19 +38,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.mesh import (
-    MESH_AXES,
-    Layout,
-    aligned_blocks,
-    context_kind,
-    global_rank,
-    group_cp_kind,
-    group_layout,
-)
+from flexmesh.errors import PlanError
+from flexmesh.layout.mesh import MESH_AXES, Layout, group_layout
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.strategy import Recompute
 from flexmesh.runtime.model.moe import MoEFeedForward
+from flexmesh.runtime.model.transformer import Transformer, blocks
+from flexmesh.runtime.parallel.adapters import shard_adapters
+from flexmesh.runtime.parallel.context import ContextGroups
 from flexmesh.runtime.parallel.precision import check_dtype
 from flexmesh.spec.model import ModelSpec
 
@@ -96,7 +91,7 @@ def build_group_meshes(plan: Plan, device_type: str = "cpu") -> list[DeviceMesh]
 
 
 # ---- tensor + sequence parallel ------------------------------------------------------------------
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style column/row split of every block, with sequence parallel norms.
 
     Between blocks the residual stream is a plain tensor holding this rank's 1/tp slice of the
@@ -122,7 +117,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if root:
         parallelize_module(model, tp_mesh, root)
-    for block in model.layers.values():
+    for block in blocks(model).values():
         if block.attention.q_norm is not None:
             # Qwen3's per-head q/k norms see this rank's heads only: as replicated DTensors over a
             # head-sharded input (dim 2) their weight gradients are summed over the tp ranks.
@@ -171,7 +166,7 @@ def recompute_mode(value: Recompute | bool) -> Recompute:
     return Recompute(value)
 
 
-def apply_ac(model: nn.Module, recompute: tuple[Recompute | bool, ...]) -> None:
+def apply_ac(model: Transformer, recompute: tuple[Recompute | bool, ...]) -> None:
     """Recompute what the plan says per block (``recompute`` is indexed by global layer number).
 
     ``full``: the whole block is wrapped in activation checkpointing. ``selective``: only the
@@ -186,11 +181,11 @@ def apply_ac(model: nn.Module, recompute: tuple[Recompute | bool, ...]) -> None:
             # preserve_rng_state off: the blocks draw no random numbers (no dropout)
             model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
         elif mode is Recompute.SELECTIVE:
-            model.layers[name].attention.recompute_core = True
+            blocks(model)[name].attention.recompute_core = True
 
 
 # ---- compilation -----------------------------------------------------------------------------------
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: Transformer) -> None:
     """``torch.compile`` each block's forward, in place (torchtitan compiles per block too).
 
     The block's own forward is compiled, not the module call: the FSDP2 and checkpointing wrappers
@@ -201,13 +196,12 @@ def apply_compile(model: nn.Module) -> None:
     Shapes are static on the first micro-batch and dynamic from the first row of another length on
     (one recompilation).
     """
-    for block in model.layers.values():
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        inner.forward = torch.compile(inner.forward)
+    for inner in blocks(model).values():
+        inner.forward = torch.compile(inner.forward)  # type: ignore[method-assign]  # in place, on purpose (doc)
 
 
 # ---- data parallel (FSDP2) -----------------------------------------------------------------------
-def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None,
+def apply_data_parallel(model: Transformer, layout: Layout, dmesh: DeviceMesh, root: nn.Module | None = None,
                         dtype: str = "fp32", ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP2 per block then the root; ZeRO 0 replicates with FSDP2's replicate over the same mesh.
 
@@ -233,31 +227,34 @@ def apply_data_parallel(model: nn.Module, layout: Layout, dmesh: DeviceMesh, roo
                         ignored_params=ignored)
         fully_shard(root if root is not None else model, mesh=dmesh, reshard_after_forward=False, mp_policy=mp,
                     ignored_params=ignored)
+    from torch.distributed.fsdp import FSDPModule
+
     for m in (root if root is not None else model).modules():
-        if hasattr(m, "set_gradient_divide_factor"):
+        if isinstance(m, FSDPModule):  # fully_shard's and replicate's modules alike
             m.set_gradient_divide_factor(1.0)
-        if hasattr(m, "set_force_sum_reduction_for_comms"):
             # plain SUM collectives: gloo has no pre-multiplied sum, and NCCL copies SUM zero-copy
             m.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
-                dtype: str = "fp32", compile: bool = False, experts_group=None) -> nn.Module:  # noqa: ANN001
-    """TP(+SP) -> activation checkpointing -> compile -> expert parallelism -> FSDP2, in place.
+def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh, root: nn.Module | None = None,
+                dtype: str = "fp32", compile: bool = False, experts_group=None,  # noqa: ANN001
+                context: ContextGroups | None = None) -> nn.Module:
+    """CP -> TP(+SP) -> activation checkpointing -> compile -> expert parallelism -> FSDP2, in place.
 
     ``model`` is a :class:`flexmesh.runtime.model.transformer.Transformer` (or a pipeline stage of one) whose
     parameters are materialised, identical on every rank, or on the meta device; ``mesh`` is its
     replica group's (:func:`build_group_meshes`). ``root`` is the module whose forward the training
     loop calls (a wrapper holding ``model``; default ``model``): FSDP's root goes there. ``dtype`` is
     the compute dtype (module doc: Precision); parameters stay fp32 either way. ``compile``:
-    :func:`apply_compile`. Context parallelism is set per step by the trainer (:class:`ContextGroups`).
+    :func:`apply_compile`. ``context``: the replica group's pool of context-parallel groups, whose
+    attention every layer then calls (its group is switched per step by the trainer); None with one data rank.
     ``experts_group``: the process group of this stage's ranks (flexmesh.runtime.parallel.expert_parallel
     .expert_groups), over which a model with experts shards them when the stage has several.
     """
     check_model_fits_layout(model.spec, layout)
+    if context is not None:
+        context.apply(model)
     if layout.tp > 1:
-        from flexmesh.runtime.model.lora import shard_adapters
-
         apply_tp(model, mesh["tp"])
         shard_adapters(model, mesh["tp"])  # LoRA adapters, where the model carries some
     if any(recompute_mode(r) is not Recompute.NONE for r in layout.recompute):
@@ -324,70 +321,3 @@ def activation_dtypes(layout: Layout, dtype: str) -> tuple[torch.dtype, torch.dt
     if uses_fsdp_precision(layout):
         return torch.bfloat16, torch.bfloat16
     return torch.float32, torch.bfloat16
-
-
-# ---- context-parallel groups, chosen per step --------------------------------------------------------
-class ContextGroups:
-    """The pool of context-parallel process groups, one per aligned block of data ranks.
-
-    For each pipeline stage and tp index of one replica group (its ``ranks``, in the rank order of
-    :func:`global_rank`), every :func:`aligned_blocks` run of data ranks gets a process group of the
-    global ranks holding them; all ranks create every group's pool in the same order
-    (``dist.new_group`` is collective), once, when the trainer starts, and keep their own (``pp_index``
-    and ``tp_index`` None: a rank of another group).
-    Each step :meth:`context` returns this rank's :class:`~flexmesh.runtime.model.attention.CPContext` for
-    a schedule group (None for a group of one rank: no context parallelism).
-
-    A group whose size does not divide the query heads per tp rank runs ring attention even when
-    the run's kind (:func:`context_kind`) is Ulysses, which would need that division.
-    """
-
-    def __init__(self, layout: Layout, spec: ModelSpec, ranks: tuple[int, ...], pp_index: int | None,
-                 tp_index: int | None) -> None:
-        import torch.distributed as dist
-
-        self.layout = layout
-        self.kind = context_kind(spec, layout)
-        self.heads = spec.num_heads // layout.tp
-        self._groups: dict[tuple[int, int], object] = {}
-        for p in range(layout.pp):
-            for t in range(layout.tp):
-                for start, size in aligned_blocks(layout.data_ranks):
-                    group = dist.new_group([ranks[global_rank(layout, p, d, t)] for d in range(start, start + size)])
-                    if (p, t) == (pp_index, tp_index):
-                        self._groups[(start, size)] = group
-
-    def check(self, ranks: tuple[int, ...]) -> None:
-        """Raise ScheduleError unless ``ranks`` (data ranks) is an aligned power-of-two run."""
-        size, start = len(ranks), ranks[0] if ranks else 0
-        n = self.layout.data_ranks
-        ok = (size >= 1 and size & (size - 1) == 0 and start % size == 0 and start + size <= n
-              and list(ranks) == list(range(start, start + size)))
-        if not ok:
-            if size < 1 or size & (size - 1):
-                why = f"{size} ranks is not a power of two"
-            elif list(ranks) != list(range(start, start + size)):
-                why = "the ranks are not consecutive"
-            elif start + size > n:
-                why = f"it reaches past the last data rank {n - 1}"
-            else:
-                why = f"a group of {size} must start at a multiple of {size}, not at {start}"
-            raise ScheduleError(
-                f"schedule group of data ranks {list(ranks)} cannot run: {why}. The runtime keeps context-parallel "
-                f"groups for runs of 1, 2, 4, ... consecutive data ranks (of {n}) starting at a multiple of their "
-                "size; place the step's groups with flexmesh.schedule.assemble.aligned_layout")
-
-    def kind_for(self, size: int) -> str:
-        """The attention a group of ``size`` ranks runs: the one rule the scheduler prices with too."""
-        return str(group_cp_kind(self.kind, self.heads, size))
-
-    def context(self, ranks: tuple[int, ...], data_rank: int):
-        """This rank's CPContext in schedule group ``ranks`` (which must hold ``data_rank``); None for one rank."""
-        from flexmesh.runtime.model.attention import CPContext
-
-        self.check(ranks)
-        if len(ranks) == 1:
-            return None
-        start, size = ranks[0], len(ranks)
-        return CPContext(kind=self.kind_for(size), group=self._groups[(start, size)], rank=data_rank - start,
-                         size=size)

@@ -15,6 +15,10 @@ checked after the step.
 Shapes. Pipelining sends fixed-shape buffers, so in pipeline mode every micro-batch of a step is
 padded to the same length (labels -100 on padding); stages and schedules are built per (length,
 count) with their shapes declared (:func:`make_stages`) and cached.
+
+The loss. The schedule's ``target`` is each micro-batch's index, so the last stage's loss function
+reads the micro-batch itself (:class:`MicroBatchLoss`): its labels, and what the run weighs them by
+(LoRA tasks: each token's task weight).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import ReplicaGroup, StagePlan
+from flexmesh.runtime.model.transformer import Transformer
 
 if TYPE_CHECKING:  # only for annotations: pipelining is imported when a pipeline is built
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -45,7 +50,7 @@ class StageModule(nn.Module):
     flexmesh.runtime.parallel.parallelize.autocast_bf16); backward and the loss run outside it.
     """
 
-    def __init__(self, model: nn.Module, compute: Callable[[], AbstractContextManager] = nullcontext):
+    def __init__(self, model: Transformer, compute: Callable[[], AbstractContextManager] = nullcontext):
         super().__init__()
         self.model = model
         self.compute = compute
@@ -69,7 +74,7 @@ class StageModule(nn.Module):
             return self.model(x, batch) if labels is None else self.model(x, batch, labels)
 
 
-def split_stage(model: nn.Module, start: int, end: int, first: bool, last: bool) -> nn.Module:
+def split_stage(model: Transformer, start: int, end: int, first: bool, last: bool) -> Transformer:
     """Keep layers [start, end) of a full model (in place) and the ends this stage owns."""
     for name in list(model.layers.keys()):
         if not start <= int(name) < end:
@@ -193,6 +198,23 @@ def make_stages(modules: list[StageModule], chunk_ids: list[int], num_chunks: in
     return stages
 
 
+class MicroBatchLoss:
+    """A pipeline schedule's ``loss_fn``: ``loss(output, batch)`` of the micro-batch whose index is the target.
+
+    The schedule splits its target into one chunk per micro-batch and calls ``loss_fn(output, chunk)`` on
+    the last stage; with ``torch.arange(m)`` (on the host) as the target, the chunk is the micro-batch's
+    index into :attr:`batches` (the step's micro-batches, set before each step), so nothing reads the
+    device.
+    """
+
+    def __init__(self, loss: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
+        self.loss = loss
+        self.batches: list = []
+
+    def __call__(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.loss(output, self.batches[int(index[0])])
+
+
 PIPELINE_SCHEDULES_KEPT = 8
 
 
@@ -214,22 +236,24 @@ def run_pipeline_step(trainer: Any, batches: list, units: list[list[int]]) -> fl
                              trainer.pp_group, tokens=length, tp=trainer.layout.tp, hidden=trainer.spec.hidden,
                              vocab=trainer.spec.vocab, dtype=hidden, logits_dtype=logits,
                              pipeline_ranks=pipeline_ranks)
-        trainer._schedules[key] = build_pipeline_schedule(stages, trainer.plan.pipeline_schedule, m, trainer.loss_fn,
-                                                       units if sliced else None, pipeline_ranks)
+        trainer._schedules[key] = build_pipeline_schedule(stages, trainer.plan.pipeline_schedule, m,
+                                                          trainer.pipeline_loss, units if sliced else None,
+                                                          pipeline_ranks)
         while len(trainer._schedules) > PIPELINE_SCHEDULES_KEPT:
             trainer._schedules.popitem(last=False)
     trainer._schedules.move_to_end(key)
     sched = trainer._schedules[key]
     for mod in trainer.modules:
         mod.feed(batches)
+    trainer.pipeline_loss.batches = batches
     first = trainer.place.pp == 0
     last = trainer.place.pp == trainer.layout.pp - 1
     tokens = torch.cat([b.tokens for b in batches]) if first else None
-    labels = torch.cat([b.labels for b in batches]) if last else None
+    target = torch.arange(m) if last else None  # each micro-batch's index (MicroBatchLoss)
     losses: list = []
     args = (tokens,) if first else ()
     try:
-        sched.step(*args, target=labels, losses=losses if last else None, return_outputs=False)
+        sched.step(*args, target=target, losses=losses if last else None, return_outputs=False)
     finally:
         trainer.carry.clear()
     for mod in trainer.modules:

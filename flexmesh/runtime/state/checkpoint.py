@@ -97,7 +97,9 @@ def step_dir_name(step: int) -> str:
 
 def _rng_state() -> dict:
     # numpy's key array becomes a tensor: rank files hold only what weights_only=True may read.
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)  # the legacy form: (kind, keys, pos, has_gauss, cached)
+    kind, keys, pos, has_gauss, cached = legacy
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available():
@@ -153,10 +155,7 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
         manifest = {"format": FORMAT, "step": step, "plan_hash": plan_hash(trainer.plan),
                     "plan_layout": trainer.plan.layout, "world_size": dist.get_world_size(), "sha256": sums,
                     "model": trainer.spec.to_dict()}  # what `flexmesh export` rebuilds the model from
-        if trainer.tasks is not None:  # LoRA tasks: what `flexmesh export` writes PEFT adapters from
-            manifest["tasks"] = [t.to_dict() for t in trainer.tasks.tasks]
-        if trainer.experts is not None and trainer.experts.checkpoint_layout is not None:
-            manifest["expert_layout"] = trainer.experts.checkpoint_layout  # the layout export writes back
+        manifest.update(part_entries(trainer))  # e.g. LoRA tasks, the experts' layout in the weights file
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -265,8 +264,10 @@ def _checksums(folder: Path, names: list[str] | None = None) -> dict[str, str]:
     box = [names if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=cpu_group())
     rank, world = dist.get_rank(), dist.get_world_size()
+    every = box[0]
+    assert every is not None  # rank 0's list, broadcast
     mine = {n: _sha256(folder / n) if (folder / n).is_file() else "missing"
-            for i, n in enumerate(box[0]) if i % world == rank}
+            for i, n in enumerate(every) if i % world == rank}
     parts: list = [None] * world
     dist.all_gather_object(parts, mine, group=cpu_group())
     return {k: v for p in parts for k, v in sorted(p.items())}
@@ -318,6 +319,12 @@ def manifest_tasks(manifest: dict, path: Path) -> TaskSet | None:
         raise CheckpointError(f"checkpoint {path}: its manifest's tasks are corrupt ({e})") from None
 
 
+def part_entries(trainer) -> dict:  # noqa: ANN001 - a flexmesh.runtime.train.trainer.Trainer
+    """What the run's parts record in a manifest (flexmesh.runtime.train.parts.TrainingPart.manifest):
+    ``tasks`` for LoRA tasks, ``expert_layout`` for experts loaded from Hugging Face weights."""
+    return {key: value for part in trainer.parts for key, value in part.manifest().items()}
+
+
 def check_tasks(manifest: dict, tasks: TaskSet | None, path: Path) -> None:
     """Refuse to resume adapters of other tasks, ranks or targets (slot by slot) than the job file's."""
     held = manifest_tasks(manifest, path)
@@ -346,7 +353,7 @@ def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
             f"checkpoint {path} was written under plan {manifest.get('plan_layout')!r} (hash {manifest['plan_hash']}) "
             f"but this run uses {trainer.plan.layout!r} (hash {plan_hash(trainer.plan)}); resume with the same plan "
             "file, or start a new output folder")
-    check_tasks(manifest, trainer.tasks.tasks if trainer.tasks is not None else None, path)
+    check_tasks(manifest, manifest_tasks(part_entries(trainer), path), path)
     if manifest.get("world_size") != dist.get_world_size():
         raise CheckpointError(f"checkpoint {path} was written by {manifest.get('world_size')} ranks, this run has "
                               f"{dist.get_world_size()}; launch the same number of ranks")

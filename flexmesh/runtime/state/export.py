@@ -35,6 +35,7 @@ import json
 import re
 import warnings
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -349,7 +350,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
         for n, t in tensors.items():  # experts one key each: copies, as safetensors refuses shared storage
             parts = in_layout(hf_name(n), t.contiguous(), layout, family) if layout else {hf_name(n): t.contiguous()}
             named.update({k: v.clone() if len(parts) > 1 else v for k, v in parts.items()})
-        write_atomic_with(out / file, lambda tmp, named=named: save_file(named, str(tmp), metadata={"format": "pt"}))
+        write_atomic_with(out / file, partial(save_file, named, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(named, file))
         del tensors, named
     total = sum(nbytes.values())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -69,8 +70,7 @@ def write_adapters(out: Path, tasks: TaskSet, tensors: Mapping[str, torch.Tensor
             raise CheckpointError(f"the checkpoint holds no adapter of task {task.name!r}; it is not this run's")
         folder = make_folder(out / "adapters" / task.name)
         (folder / CONFIG).unlink(missing_ok=True)  # until the new adapter is whole, the folder loads nowhere
-        write_atomic_with(folder / WEIGHTS, lambda tmp, named=named: save_file(named, str(tmp),
-                                                                               metadata={"format": "pt"}))
+        write_atomic_with(folder / WEIGHTS, partial(save_file, named, metadata={"format": "pt"}))
         write_atomic(folder / CONFIG, json.dumps(peft_config(task, base), indent=2) + "\n")
         folders.append(folder)
     return folders

@@ -50,7 +50,7 @@ _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 _FFN = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _NORMS = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _QK_NORMS = ("q_norm", "k_norm")
-_MOE = {("router", "weight"): "gate.weight", ("experts", "gate_up"): "experts.gate_up_proj",
+_MOE: dict[tuple[str, ...], str] = {("router", "weight"): "gate.weight", ("experts", "gate_up"): "experts.gate_up_proj",
         ("experts", "down"): "experts.down_proj", ("shared_gate", "weight"): "shared_expert_gate.weight"}
 # Buffers some checkpoints carry that the model recomputes instead of reading.
 _RECOMPUTED = (".rotary_emb.inv_freq",)

@@ -75,6 +75,12 @@ class _Ahead:
     choice: str | None = None  # PRIMARY or FALLBACK once settled
     wait: bool = False  # read while nothing trained: no step to hide behind, so wait for the result
 
+    @property
+    def job(self) -> Future:
+        """The schedule job, which rank 0 starts for every batch it reads."""
+        assert self.future is not None, "only rank 0 schedules, and it schedules every batch it reads"
+        return self.future
+
 
 def _timed(fn: ScheduleFn, lengths: list[int]) -> tuple[StepSchedule, float]:
     t0 = time.perf_counter()
@@ -154,7 +160,7 @@ class AdaptiveSource:
                 entry.choice = PRIMARY
             else:
                 try:
-                    entry.future.exception(timeout=self.deadline_s)
+                    entry.job.exception(timeout=self.deadline_s)
                     entry.choice = PRIMARY
                 except FutureTimeout:
                     entry.choice = FALLBACK
@@ -164,10 +170,10 @@ class AdaptiveSource:
         """Rank 0: the schedule this step runs, with its provenance; errors are passed on."""
         try:
             if self._settle(entry) == PRIMARY:
-                schedule, seconds = entry.future.result()
+                schedule, seconds = entry.job.result()
                 requested = self.policy or schedule.policy
             else:
-                entry.future.cancel()  # only stops it if not started; a running one finishes unused
+                entry.job.cancel()  # only stops it if not started; a running one finishes unused
                 schedule, seconds = _timed(self.fallback_fn, [len(d) for d in entry.docs])
                 requested = self.policy or "unknown"
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
@@ -194,6 +200,7 @@ class AdaptiveSource:
         schedules already computed ahead are dropped and computed again."""
         if self.rank != 0:
             return
+        assert self._pool is not None  # rank 0 schedules in the background
         for fn in (self.schedule_fn, self.fallback_fn):
             if not hasattr(fn, "set_speed"):
                 raise ScheduleError(f"cannot re-plan for new speeds: {fn!r} has no set_speed "

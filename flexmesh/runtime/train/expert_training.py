@@ -1,4 +1,5 @@
-"""A model's experts through a run: each step's placement, load statistics, balancing, routing traces.
+"""A model's experts through a run: each step's placement, load statistics, balancing, routing traces; a
+part the trainer calls (flexmesh.runtime.train.parts).
 
 Before a step the trainer gives every MoE layer the placement its policy chose
 (flexmesh.schedule.expert_placement.Placer) for the ranks of its stage; after the step one
@@ -19,20 +20,30 @@ float summation order), which tests/test_moe_runtime.py checks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from flexmesh.layout.mesh import Place, global_rank, group_layout
 from flexmesh.layout.plan import Plan
+from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.model.moe import MoEFeedForward, moe_feed_forwards
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.runtime.parallel.expert_parallel import ShardedExperts, expert_groups, tp_sum_shared
+from flexmesh.runtime.state.weights import LoadReport
+from flexmesh.runtime.train.config import TrainConfig
+from flexmesh.runtime.train.parts import TrainingPart
 from flexmesh.schedule.expert_placement import Placer, static_placement
 from flexmesh.spec.model import ModelSpec
 
 
-class ExpertTraining:
-    """Made by the Trainer (collectively: it makes the experts' process groups) when the model has experts."""
+class ExpertTraining(TrainingPart):
+    """Made by the Trainer (collectively: it makes the experts' process groups) when the model has experts
+    (:meth:`of`)."""
 
     def __init__(self, plan: Plan, spec: ModelSpec, place: Place | None, policy: str, slots: int | None,
                  balance_rate: float, aux_loss: float = 0.0) -> None:
@@ -56,6 +67,36 @@ class ExpertTraining:
         # which `flexmesh export` writes back; None: trained from scratch (exported fused)
         self.checkpoint_layout: str | None = None
 
+    @classmethod
+    def of(cls, plan: Plan, spec: ModelSpec, place: Place | None, config: TrainConfig) -> ExpertTraining | None:
+        if not spec.is_moe:
+            return None
+        return cls(plan, spec, place, config.expert_placement, config.expert_slots, config.balance_rate,
+                   config.aux_loss)
+
+    # ---- the part's hooks (flexmesh.runtime.train.parts) ----------------------------------------------
+    def parallel_options(self) -> dict[str, Any]:
+        return {"experts_group": self.group}  # the stage's ranks, over which its experts are sharded
+
+    def ready(self, chunk: nn.Module, loaded: LoadReport | None) -> None:
+        if loaded is not None:  # the layout `flexmesh export` writes back
+            self.checkpoint_layout = loaded.expert_layout
+
+    def begin_step(self, docs: Sequence[np.ndarray], schedule: StepSchedule, models: Sequence[nn.Module]) -> None:
+        self.before_step(models, sum(schedule.lengths))
+
+    def after_backward(self, models: Sequence[nn.Module]) -> None:
+        """What tensor parallelism leaves partial: the router's and shared expert's gradients."""
+        tp_sum_shared(models)
+
+    def end_step(self, models: Sequence[nn.Module], owner: bool) -> dict[str, Any]:
+        imbalance, routing, aux = self.after_step(models, self.cpu_group)
+        return {"expert_imbalance": imbalance, "routing": routing, "aux_loss": aux}
+
+    def manifest(self) -> dict[str, Any]:
+        return {"expert_layout": self.checkpoint_layout} if self.checkpoint_layout is not None else {}
+
+    # ---- placements, loads, balancing ---------------------------------------------------------------
     def _holders(self) -> dict[int, list[list[int]]]:
         """Per MoE layer, per replica group: the global ranks computing its experts (its stage's ranks)."""
         out: dict[int, list[list[int]]] = {layer: [] for layer in self.moe_layers}
@@ -68,7 +109,7 @@ class ExpertTraining:
                                            for t in range(lay.tp)])
         return out
 
-    def _all_shares(self, mine: dict[int, torch.Tensor]) -> dict[int, list[float]]:
+    def _all_shares(self, mine: dict[int, torch.Tensor]) -> dict[int, Sequence[float]]:
         """Every MoE layer's checkpointed shares (a rank holds its stage's; one all-reduce gives all),
         {} when the run starts fresh."""
         table = torch.zeros(self.spec.num_layers, self.num_experts, dtype=torch.float64)
@@ -80,11 +121,11 @@ class ExpertTraining:
         return {layer: table[layer].tolist() for layer in self.moe_layers}
 
     @staticmethod
-    def layers(models: list[torch.nn.Module]) -> dict[int, MoEFeedForward]:
+    def layers(models: Sequence[torch.nn.Module]) -> dict[int, MoEFeedForward]:
         """This rank's MoE layers by global layer number."""
         return {layer: ff for m in models for layer, ff in moe_feed_forwards(m).items()}
 
-    def before_step(self, models: list[torch.nn.Module], tokens: int) -> None:
+    def before_step(self, models: Sequence[torch.nn.Module], tokens: int) -> None:
         """Placements of the step's layers, and the load-balancing loss's weights for its ``tokens`` (the
         global batch's routed tokens: every rank the same weights, whatever it holds)."""
         e = self.num_experts
@@ -107,13 +148,8 @@ class ExpertTraining:
                 ff.dispatch.set_placement(placements[layer])
                 ff.dispatch.current, ff.dispatch.slots = self.placer.policy == "current", self.slots
 
-    @staticmethod
-    def after_backward(models: list[torch.nn.Module]) -> None:
-        """What tensor parallelism leaves partial: the router's and shared expert's gradients."""
-        tp_sum_shared(models)
-
-    def after_step(self, models: list[torch.nn.Module],
-                   group: dist.ProcessGroup) -> tuple[float, tuple[dict, ...], float | None]:
+    def after_step(self, models: Sequence[torch.nn.Module],
+                   group: dist.ProcessGroup | None) -> tuple[float, tuple[dict, ...], float | None]:
         """Gather the step's loads (collective over every rank), plan the next placement, move the
         balancing biases; (the worst layer's imbalance, the routing rows, the load-balancing loss or
         None without one)."""
@@ -129,7 +165,7 @@ class ExpertTraining:
             if isinstance(ff.dispatch, ShardedExperts):
                 ff.dispatch.received = None
         dist.all_reduce(table, group=group)
-        loads = {layer: table[layer, :e].tolist() for layer in self.moe_layers}
+        loads: dict[int, Sequence[float]] = {layer: table[layer, :e].tolist() for layer in self.moe_layers}
         aux = None
         if self.aux_loss > 0:  # each rank's part of the loss term, summed (the same on every rank)
             part = torch.tensor([float(sum(ff.aux_value.item() for ff in mine.values()))], dtype=torch.float64)
@@ -143,12 +179,12 @@ class ExpertTraining:
         placements = self.placer.place()
         rows, worst = [], 1.0
         for layer in self.moe_layers:
-            load, per_rank = loads[layer], table[layer, e:].tolist()
+            counts, per_rank = loads[layer], table[layer, e:].tolist()
             imbalance = max((_ratio([per_rank[r] for r in ranks]) for ranks in self.holders[layer]), default=1.0)
             worst = max(worst, imbalance)
             placed = placements[layer] if self.placer.policy != "current" else None  # placed per micro-batch
-            rows.append({"layer": layer, "expert_tokens": load, "rank_tokens": per_rank, "imbalance": imbalance,
-                         "static_imbalance": static_placement(e, self.ranks).imbalance(load),
+            rows.append({"layer": layer, "expert_tokens": counts, "rank_tokens": per_rank, "imbalance": imbalance,
+                         "static_imbalance": static_placement(e, self.ranks).imbalance(counts),
                          "placement": placed.to_dict() if placed is not None else "current"})
         self.placer.observe(loads)
         if self.balance_rate > 0:

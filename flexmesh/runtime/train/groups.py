@@ -8,6 +8,7 @@ import torch
 from flexmesh.errors import PlanError
 from flexmesh.layout.mesh import group_layout, rank_place
 from flexmesh.layout.plan import Plan
+from flexmesh.runtime.model.transformer import Transformer
 from flexmesh.runtime.parallel.parallelize import check_model_fits_layout
 from flexmesh.runtime.parallel.pipeline import check_partition
 from flexmesh.runtime.train.stragglers import parse_emulation
@@ -18,7 +19,7 @@ class Chunks(torch.nn.Module):
     """A rank's model chunks under the whole model's names (``layers.N``, ``tok_embeddings``, ``norm``,
     ``output``): the same modules, registered once more."""
 
-    def __init__(self, chunks: list[torch.nn.Module]) -> None:
+    def __init__(self, chunks: list[Transformer]) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleDict({k: v for c in chunks for k, v in c.layers.items()})
         for end in ("tok_embeddings", "norm", "output"):

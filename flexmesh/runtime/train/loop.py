@@ -162,6 +162,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             every = config.checkpoint_every
             due = (every and m.step % every == 0) or m.step == config.max_steps or stop
             if migrated is not None:
+                assert saved is not None  # the migration point saved the checkpoint it names
                 raise Migrating(m.step, saved, migrated)
             if ckpt_root is not None and due and saved is None:
                 saved = save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
@@ -179,7 +180,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             progress.close()
         if hasattr(source, "close"):  # e.g. AdaptiveSource's background scheduler
             source.close()
-        if held:
+        if held and out is not None:
             release_run_folder(out)
     return history
 
@@ -264,7 +265,7 @@ def _open_run_folder(out: Path, resume: bool, launched: bool) -> tuple[bool, lis
             start_over(out, overwrite=False)
         return held, read_metrics(out / METRICS) if resume else []
     except BaseException:
-        if held:
+        if held and out is not None:
             release_run_folder(out)
         raise
 

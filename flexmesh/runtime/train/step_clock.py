@@ -69,6 +69,6 @@ class Marks:
         return self._event() if self.cuda else time.perf_counter() - self.t0
 
     def seconds(self, mark) -> float:  # noqa: ANN001
-        if not self.cuda:
+        if self.start is None:  # on CPU marks are seconds already
             return float(mark)
         return self.start.elapsed_time(mark) / 1e3

@@ -67,6 +67,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.step import StepSchedule
@@ -105,7 +106,8 @@ class ComputeClock:
         self.reset()
 
     def reset(self) -> None:
-        self._seconds, self._events = 0.0, []
+        self._seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []  # (start, end) CUDA events of the pieces timed on the device
 
     @contextmanager
     def piece(self) -> Iterator[None]:
@@ -248,8 +250,8 @@ def measured_speeds(schedule: StepSchedule, compute_s: Sequence[float], data_of:
     assumed = [float(x) for x in schedule.extra.get("speed") or [1.0] * n]
     nominal = [0.0] * n
     for g in schedule.groups:
-        for d in g.ranks:
-            nominal[d] = g.predicted_time * min(assumed[x] for x in g.ranks)
+        for r in g.ranks:
+            nominal[r] = g.predicted_time * min(assumed[x] for x in g.ranks)
     raw: list[float | None] = []
     for d, t in zip(data_of, compute_s):
         raw.append(nominal[d] / t if d is not None and nominal[d] > 0 and t > 0 else None)
@@ -259,7 +261,8 @@ def measured_speeds(schedule: StepSchedule, compute_s: Sequence[float], data_of:
     per_data: list[float | None] = [None] * n
     for d, x in zip(data_of, per_rank):
         if d is not None and x is not None:
-            per_data[d] = x if per_data[d] is None else min(per_data[d], x)
+            held = per_data[d]
+            per_data[d] = x if held is None else min(held, x)
     return per_rank, assumed, per_data, pace
 
 
@@ -315,12 +318,13 @@ class StragglerMonitor:
         pace = statistics.median(max(x for x in step if x is not None) for step in self.absolute)
         out = []
         for r, a in enumerate(assumed):
-            seen = [step[r] for step in self.absolute if step[r] is not None]
+            seen = [x for x in (step[r] for step in self.absolute) if x is not None]
             out.append(statistics.median(seen) if seen else a * pace)
         return out
 
     def _decide(self, assumed: list[float], proposal: tuple, lengths: list[int]) -> dict:
         """Price the step just trained at the proposed speeds, scheduled both ways; switch when it pays."""
+        assert self.scheduler is not None and self.price is not None  # observe decides only with both
         now = self.price(self.scheduler.with_speed(assumed)(lengths), proposal)
         new = self.price(self.scheduler.with_speed(proposal)(lengths), proposal)
         gain = now / new if new > 0 else 1.0

@@ -15,7 +15,7 @@ of those partial losses: the global mean.
 Data ranks (flexmesh.layout.step): data rank ``dp_index * cp + cp_index``. Each step a schedule
 group of ``g`` consecutive data ranks (an aligned power-of-two run) shards its micro-batches ``g``
 ways, each rank taking a contiguous 1/g slice, over a process group from the pool made at start
-(flexmesh.runtime.parallel.parallelize.ContextGroups); FSDP2 shards weights over all data ranks, so weights
+(flexmesh.runtime.parallel.context.ContextGroups); FSDP2 shards weights over all data ranks, so weights
 never depend on the step's groups.
 
 Precision (``config.dtype``, docs/precision.md): parameters, gradients and AdamW states are fp32
@@ -24,12 +24,10 @@ where FSDP2 wraps the model and under ``torch.autocast`` where it does not
 (flexmesh.runtime.parallel.parallelize.autocast_bf16); gradient reductions and the loss are fp32 (the
 logits are upcast before the cross-entropy).
 
-Micro-batch counts. With pp == 1 and no ZeRO-3 layer, nothing in a micro-batch talks to all data
-ranks once weights are gathered, so each rank runs only its own group's micro-batches with
-gradient sync off and weights kept gathered, then one empty micro-batch (all labels ignored) with
-sync on carries the step's single gradient reduction. ZeRO-3 (weights gathered per micro-batch)
-and pipelines pair collectives per micro-batch, so there every rank runs the step's largest count,
-groups with fewer padded with empty micro-batches.
+Micro-batch counts (flexmesh.runtime.train.accumulate). With pp == 1 and no ZeRO-3 layer each rank
+runs only its own group's micro-batches, then one empty micro-batch carries the step's single
+gradient reduction; ZeRO-3 and pipelines pair collectives per micro-batch, so there every rank runs
+the step's largest count, groups with fewer padded with empty micro-batches.
 
 Replica groups (flexmesh.layout.plan): every group runs the above on a device mesh of its own
 (flexmesh.runtime.parallel.parallelize.build_group_meshes), on its part of the step's schedule (data ranks
@@ -46,6 +44,11 @@ summed loss; under a pipeline the step runs a schedule whose units run forwards 
 backwards in reverse (flexmesh.layout.pipeline_order), built from the units of every group of the
 replica group so that data ranks pair their collectives. Every step's schedule is checked first
 (StepSchedule.check_cuts).
+
+Features are parts (flexmesh.runtime.train.parts), not branches: LoRA tasks
+(flexmesh.runtime.train.task_training: adapters on a frozen base, each task's own loss, optimizer group
+and clipping) and experts (flexmesh.runtime.train.expert_training: placements, balancing, routing
+records) are called through the same hooks when building the model and around each step.
 """
 
 from __future__ import annotations
@@ -56,13 +59,17 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import (
+    Layout,
+    Place,
     data_rank_of_ranks,
     data_rank_offsets,
     group_layout,
@@ -73,10 +80,9 @@ from flexmesh.layout.mesh import (
 )
 from flexmesh.layout.pipeline_order import chain_ends, chain_plan, units_from_ends
 from flexmesh.layout.plan import Plan
-from flexmesh.layout.step import Group, StepSchedule
+from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.runtime.model.carry import KVCarry
-from flexmesh.runtime.model.lora import attach_adapters, tp_sum_replicated
-from flexmesh.runtime.model.loss import GlobalLoss, weighted_cross_entropy
+from flexmesh.runtime.model.loss import GlobalLoss
 from flexmesh.runtime.model.packing import (
     PackedBatch,
     empty_batch,
@@ -85,25 +91,33 @@ from flexmesh.runtime.model.packing import (
     pad_to,
     shard_for_cp,
 )
+from flexmesh.runtime.model.transformer import Transformer, build_model
+from flexmesh.runtime.parallel.context import ContextGroups
 from flexmesh.runtime.parallel.cross_group import CrossGroupGrads
 from flexmesh.runtime.parallel.distributed import clip_grads, compute_device, cpu_group, replica_grad_norm
-from flexmesh.runtime.parallel.parallelize import (
-    ContextGroups,
-    autocast_bf16,
-    build_group_meshes,
-    parallelize,
+from flexmesh.runtime.parallel.parallelize import autocast_bf16, build_group_meshes, parallelize
+from flexmesh.runtime.parallel.pipeline import (
+    MicroBatchLoss,
+    StageModule,
+    chunks_of_rank,
+    run_pipeline_step,
+    split_stage,
 )
-from flexmesh.runtime.parallel.pipeline import StageModule, chunks_of_rank, run_pipeline_step, split_stage
 from flexmesh.runtime.parallel.precision import check_dtype
+from flexmesh.runtime.state.weights import load_hf_safetensors
+from flexmesh.runtime.train.accumulate import run_microbatches
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
 from flexmesh.runtime.train.expert_training import ExpertTraining
 from flexmesh.runtime.train.groups import Chunks, check_emulation, check_runnable
 from flexmesh.runtime.train.memory import SavedActivationMeter
+from flexmesh.runtime.train.parts import TrainingPart, first_answer
 from flexmesh.runtime.train.step_clock import Marks, gathered_step, update
 from flexmesh.runtime.train.stragglers import ComputeClock
-from flexmesh.runtime.train.task_training import TaskTraining, check_task_layout, doc_tasks, task_label_tokens
+from flexmesh.runtime.train.task_training import TaskTraining
 from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.tasks import TaskSet
+
+P = TypeVar("P", bound=TrainingPart)
 
 
 class Trainer:
@@ -137,45 +151,48 @@ class Trainer:
         self.data_offset = data_rank_offsets(plan)[self.place.group] if self.place is not None else 0
         self.data_of = data_rank_of_ranks(plan)
         lay = self.layout
-        # LoRA tasks (flexmesh.runtime.train.task_training): adapters train, the base model is frozen
-        check_task_layout(tasks, plan)
-        self.tasks = TaskTraining(tasks, config) if tasks is not None else None
-        self.task_loss = torch.zeros(len(tasks) if tasks else 0, dtype=torch.float64)
-        # The loss chunk by chunk inside the model's forward (flexmesh.runtime.model.loss): where the last stage
-        # is the whole model and its head is not split over tensor-parallel ranks.
-        self.chunked_loss = (bool(config.chunked_loss) and lay is not None and lay.pp == 1 and lay.tp == 1
-                             and tasks is None)
         # Process groups, made by every rank in one order (new_group is collective over the world):
         # every group's mesh, every group's pool of context-parallel groups, the cross-group reductions.
         meshes = build_group_meshes(plan, self.device.type)
         self.mesh = meshes[self.place.group] if self.place is not None else None
-        self.pp_group = self.mesh["pp"].get_group() if lay is not None and lay.pp > 1 else None
-        self.cp_groups = None
+        pipelined = self.mesh is not None and lay is not None and lay.pp > 1
+        self.pp_group = self.mesh["pp"].get_group() if self.mesh is not None and pipelined else None
+        self.cp_groups: ContextGroups | None = None
         for i, g in enumerate(plan.groups):
             if g.data_ranks > 1:
-                mine = self.place is not None and self.place.group == i
-                pool = ContextGroups(group_layout(g), spec, g.ranks, self.place.pp if mine else None,
-                                     self.place.tp if mine else None)
+                mine = self.place if self.place is not None and self.place.group == i else None
+                pool = ContextGroups(group_layout(g), spec, g.ranks, mine.pp if mine else None,
+                                     mine.tp if mine else None)
                 self.cp_groups = pool if mine else self.cp_groups
         self.cross = CrossGroupGrads(plan) if self.several else None
-        # experts: their process groups, placements and loads (flexmesh.runtime.train.expert_training)
-        self.experts = ExpertTraining(plan, spec, self.place, config.expert_placement, config.expert_slots,
-                                      config.balance_rate, config.aux_loss) if spec.is_moe else None
+        # The run's features as parts (flexmesh.runtime.train.parts): LoRA tasks, whose adapters train on a
+        # frozen base; experts, whose process groups, placements and loads it keeps (collective to make).
+        self.parts: list[TrainingPart] = [part for part in (
+            TaskTraining.of(tasks, spec, config),
+            ExpertTraining.of(plan, spec, self.place, config),
+        ) if part is not None]
+        self.loss_part = next((part for part in self.parts if part.owns_loss), None)
+        # The loss chunk by chunk inside the model's forward (flexmesh.runtime.model.loss): where the last stage
+        # is the whole model, its head is not split over tensor-parallel ranks and no part computes the loss.
+        self.chunked_loss = (bool(config.chunked_loss) and lay is not None and lay.pp == 1 and lay.tp == 1
+                             and self.loss_part is None)
         # Ranks may run different numbers of micro-batches unless something pairs collectives per
         # micro-batch across all data ranks; the scheduler and simulator price the same rule.
         self.uneven = lay is not None and not layout_in_lockstep(spec, lay)
         self._cpu_group = cpu_group()
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
-        self.chunks = chunks_of_rank(self.group, self.place.pp) if self.group is not None else []
+        self.chunks = chunks_of_rank(self.group, self.place.pp) if self.group and self.place else []
         self.modules = self._build(weights)
         # An unused device steps an optimizer over nothing it trains (a placeholder keeps AdamW and the
         # LR scheduler, whose states checkpoints and metrics read, the same objects everywhere).
         self.params = ([p for m in self.modules for p in m.parameters() if p.requires_grad]
                        or [torch.nn.Parameter(torch.zeros(1))])
-        groups = self.tasks.param_groups(self.modules) if self.tasks else [{"params": self.params}]
-        for g in groups:
-            g["params"] = g["params"] or [torch.nn.Parameter(torch.zeros(1))]
+        answer = first_answer(self.parts, "optimizer", self.modules)
+        groups, lr = answer if answer is not None else ([{"params": self.params}], (
+            lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio)))
+        for param_group in groups:
+            param_group["params"] = param_group["params"] or [torch.nn.Parameter(torch.zeros(1))]
         # One fused kernel on a GPU (the multi-tensor foreach path on CPU); neither across the DTensor
         # meshes tensor parallelism mixes, nor where replica groups of other layouts must make
         # bit-identical updates (the single-tensor path on every rank).
@@ -184,10 +201,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay,
                                            foreach=tp1 and not fused and not self.several, fused=fused or None)
-        lr = self.tasks.lr_lambdas() if self.tasks else (
-            lambda s: lr_schedule_factor(s, config.warmup_steps, config.max_steps, config.min_lr_ratio))
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr)
         self.loss_fn = GlobalLoss()
+        # the last pipeline stage's loss of each micro-batch (flexmesh.runtime.parallel.pipeline)
+        self.pipeline_loss = MicroBatchLoss(self.microbatch_loss)
         # pipeline schedules by (micro-batches, shape, units): the latest few (flexmesh.runtime.parallel.pipeline)
         self._schedules: OrderedDict = OrderedDict()
         # keys and values of cut documents, within one chain of micro-batches (detached leaves under a
@@ -202,8 +219,6 @@ class Trainer:
 
     # ---- model -----------------------------------------------------------------------------------
     def _build(self, weights: str | None) -> list[StageModule]:
-        from flexmesh.runtime.model.transformer import build_model
-
         if self.group is None:
             return []
         n = len(self.group.stages)
@@ -215,39 +230,54 @@ class Trainer:
             if not weights:
                 model.init_weights(self.config.seed)
             split_stage(model, stage.start, stage.end, first=k == 0, last=k == n - 1)
-            if self.tasks:
-                attach_adapters(model, self.spec, self.tasks.tasks)
-            root = StageModule(model, compute=partial(autocast_bf16, self.layout, self.config.dtype,
+            for part in self.parts:
+                part.adapt(model)
+            root = StageModule(model, compute=partial(autocast_bf16, self._lay(), self.config.dtype,
                                                       self.device.type))
-            parallelize(model, self.layout, self.mesh, root=root, dtype=self.config.dtype,
-                        compile=bool(self.config.compile), experts_group=self.experts and self.experts.group)
+            options = {key: value for part in self.parts for key, value in part.parallel_options().items()}
+            parallelize(model, self._lay(), self._mesh(), root=root, dtype=self.config.dtype,
+                        compile=bool(self.config.compile), context=self.cp_groups, **options)
+            report = None
             if weights:
-                from flexmesh.runtime.state.weights import load_hf_safetensors
-
                 root.to_empty(device=self.device)
                 model.init_buffers()  # the checkpoint holds weights only; to_empty left the buffers unset
                 report = load_hf_safetensors(model, weights)
-                if self.experts is not None:  # the layout `flexmesh export` writes back
-                    self.experts.checkpoint_layout = report.expert_layout
             else:
                 root.to(self.device)
-            if self.tasks:
-                self.tasks.init(model, self.spec)
+            for part in self.parts:
+                part.ready(model, report)
             modules.append(root)
         return modules
+
+    # ---- where this rank runs ----------------------------------------------------------------------
+    def _place(self) -> Place:
+        """This rank's place in the plan; asked only on a rank the plan uses."""
+        assert self.place is not None, "a device the plan leaves unused has no place"
+        return self.place
+
+    def _lay(self) -> Layout:
+        """This rank's replica group's layout; asked only on a rank the plan uses."""
+        assert self.layout is not None, "a device the plan leaves unused has no layout"
+        return self.layout
+
+    def _mesh(self) -> DeviceMesh:
+        assert self.mesh is not None, "a device the plan leaves unused has no mesh"
+        return self.mesh
 
     # ---- data ------------------------------------------------------------------------------------
     @property
     def data_rank(self) -> int:
         """This rank's data rank inside its replica group (``dp_index * cp + cp_index``)."""
-        return self.place.dp * self.layout.cp + self.place.cp if self.place is not None else 0
+        if self.place is None or self.layout is None:
+            return 0
+        return self.place.dp * self.layout.cp + self.place.cp
 
     def _own(self, schedule: StepSchedule) -> tuple[list[Group], Group]:
         """The schedule groups of this rank's replica group in the group's own data-rank numbering, and
         this rank's among them; every group must be an aligned power-of-two run (ScheduleError)."""
         lo = self.data_offset
         own = [dataclasses.replace(g, ranks=tuple(r - lo for r in g.ranks)) if lo else g
-               for g in schedule_parts(self.plan, schedule)[self.place.group]]
+               for g in schedule_parts(self.plan, schedule)[self._place().group]]
         for g in own:
             if self.cp_groups is not None:
                 self.cp_groups.check(g.ranks)
@@ -257,8 +287,8 @@ class Trainer:
         mine = [g for g in own if self.data_rank in g.ranks]
         if len(mine) != 1:
             raise ScheduleError(f"data rank {self.data_rank + lo} appears in {len(mine)} groups; give each data rank "
-                                f"exactly one of {self.layout.data_ranks} data ranks (dp {self.layout.dp} x cp "
-                                f"{self.layout.cp}) of its replica group")
+                                f"exactly one of {self._lay().data_ranks} data ranks (dp {self._lay().dp} x cp "
+                                f"{self._lay().cp}) of its replica group")
         return own, mine[0]
 
     def local_batches(self, docs: Sequence[np.ndarray], own: list[Group], group: Group) -> list[PackedBatch]:
@@ -267,14 +297,13 @@ class Trainer:
 
         The first ``len(group.microbatches)`` hold data; any after them are empty padding.
         """
-        lay = self.layout
+        lay = self._lay()
         cp = group.cp
         count = len(group.microbatches)
         if not self.uneven:
             count = max(len(g.microbatches) for g in own)
             count = padded_microbatch_count(self.plan.pipeline_schedule, count, lay.pp)
-        slots, weights = self._task_weights
-        packed = [pack_microbatch(docs, mb, slots, weights) for mb in group.microbatches]
+        packed = [self._pack(docs, mb) for mb in group.microbatches]
         quantum = cp * lay.tp  # T must split over the group's ranks, then over tp ranks (sequence parallel)
         if lay.pp > 1:  # pipelining needs one shape for every micro-batch of the step
             longest = max([b.num_tokens for b in packed] + [1])
@@ -285,7 +314,7 @@ class Trainer:
         keep = chain_plan(group)[0]
         out = []
         for i in range(count):
-            b = pad_to(packed[i], lengths[i]) if i < len(packed) else empty_batch(lengths[i], self.tasks is not None)
+            b = pad_to(packed[i], lengths[i]) if i < len(packed) else self.empty_microbatch(lengths[i])
             if i < len(packed) and (keep[i] or any(p.start > 0 for p in b.segments)):
                 b = dataclasses.replace(b, carry=self.carry.view(b.segments, keep[i]))  # a cut document's piece
             if cp > 1:
@@ -293,10 +322,20 @@ class Trainer:
             out.append(b.to(self.device))
         return out
 
+    def _pack(self, docs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> PackedBatch:
+        """One micro-batch's tensors, as a part lays them out or plainly (flexmesh.runtime.model.packing)."""
+        packed = first_answer(self.parts, "pack", docs, pieces)
+        return packed if packed is not None else pack_microbatch(docs, pieces)
+
+    def empty_microbatch(self, length: int) -> PackedBatch:
+        """A micro-batch of ``length`` tokens without labels (padding), as a part lays it out or plainly."""
+        empty = first_answer(self.parts, "empty", length)
+        return empty if empty is not None else empty_batch(length)
+
     def _set_context(self, group: Group) -> None:
-        cp = self.cp_groups.context(group.ranks, self.data_rank) if self.cp_groups is not None else None
-        for m in self.inner_models():
-            m.set_cp(cp)
+        """Attention over this rank's context-parallel group of the step (flexmesh.runtime.parallel.context)."""
+        if self.cp_groups is not None:
+            self.cp_groups.use(group.ranks, self.data_rank)
 
     def _check_cuts(self, schedule: StepSchedule) -> None:
         """Every cut sequence can be carried where it runs (StepSchedule.check_cuts)."""
@@ -320,13 +359,6 @@ class Trainer:
         if self.place is None:
             schedule_parts(self.plan, schedule)  # a device left unused checks the schedule as the others do
         self.loss_fn.normaliser = label_tokens
-        task_tokens: list[int] = []
-        self._task_weights: tuple = (None, None)
-        if self.tasks is not None:
-            slots = doc_tasks(docs, self.tasks.tasks)
-            task_tokens = task_label_tokens(docs, schedule, slots, len(self.tasks.tasks))
-            self._task_weights = (slots, self.tasks.weights(task_tokens))
-            self.task_loss.zero_()
         self.optimizer.zero_grad(set_to_none=True)
         self.clock.reset()
         every = self.config.meter_every or 0
@@ -334,37 +366,33 @@ class Trainer:
         batches: list[PackedBatch] = []
         local_loss: torch.Tensor | float = 0.0
         busy = marks.mark()
-        if self.experts is not None:
-            self.experts.before_step(self.inner_models(), sum(schedule.lengths))
+        meter: SavedActivationMeter | None = None  # on metered steps of a rank that trains
+        for part in self.parts:
+            part.begin_step(docs, schedule, self.inner_models())
         if group is not None:
             batches = self.local_batches(docs, own, group)
             self._set_context(group)
             with SavedActivationMeter() if metered else nullcontext() as meter:
                 local_loss, busy = self._forward_backward(batches, group, marks, own)
-            if self.tasks is not None:  # adapter factors replicated over tp ranks hold partial gradients
-                tp_sum_replicated(self.inner_models())
-            if self.experts is not None:  # so do a MoE layer's router and shared expert
-                self.experts.after_backward(self.inner_models())
+            for part in self.parts:
+                part.after_backward(self.inner_models())
         if self.cross is not None:
             from flexmesh.runtime.model.params import canonical_name
             self.cross.reduce([(canonical_name(n), p) for m in self.inner_models() for n, p in m.named_parameters()
                                if p.requires_grad])
         grad_norm = self._clip()
         lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
-        imbalance, routing, aux = (self.experts.after_step(self.inner_models(), self._cpu_group) if self.experts
-                                   else (None, (), None))
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
-        owner = self.place is not None and self.place.tp == 0 and self.place.pp == self.layout.pp - 1
-        peak = float(meter.peak_bytes) if metered and self.place is not None else (0.0 if metered else -1.0)
+        owner = self.place is not None and self.layout is not None and self.place.tp == 0 and \
+            self.place.pp == self.layout.pp - 1
+        peak = float(meter.peak_bytes) if meter is not None else (0.0 if metered else -1.0)
         table, common = gathered_step([float(local_loss) if owner else 0.0, marks.seconds(busy), peak, elapsed,
                                        self.clock.total()], self._cpu_group, schedule, self.device)
         self.step_index += 1
         timed = any(g.pp == 1 for g in self.plan.groups)  # pipelines are not timed per piece
-        if self.tasks is not None:  # each task's own mean loss: a part on every data rank, counted once
-            self.task_loss *= float(owner)
-            dist.all_reduce(self.task_loss, group=self._cpu_group)
-            common["loss"] = float(self.task_loss.sum()) / max(1, sum(1 for n in task_tokens if n))
+        for part in self.parts:  # the parts' fields (a part owning the loss says what the step's loss is)
+            common.update(part.end_step(self.inner_models(), owner))
         return StepMetrics(
             step=self.step_index, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens,
             padded_tokens=sum(b.num_tokens for b in batches) * (group.cp if group is not None else 1),
@@ -373,19 +401,24 @@ class Trainer:
             microbatch_tokens=self.group.microbatch_tokens(self.plan.seq_len) if self.group is not None else None,
             **common, compute_s=tuple(float(x) for x in table[:, 4]) if timed else (),
             emulated_speed=self.emulated_speed,
-            tasks=self.tasks.tasks.names if self.tasks else (), task_loss=tuple(self.task_loss.tolist()),
-            task_tokens=tuple(task_tokens), expert_imbalance=imbalance, routing=routing, aux_loss=aux,
         )
 
     def _clip(self) -> float:
         """The global gradient norm, every gradient clipped by it (by group 0's with several replica groups)."""
         leader = self.place is not None and self.place.group == 0
-        if self.tasks is not None:
-            norms = self.tasks.clip(self.optimizer.param_groups, leader, self.several, self._cpu_group)
-            return float(sum(n * n for n in norms) ** 0.5)
+        answer = first_answer(self.parts, "clip", self.optimizer.param_groups, self.pp_group, leader, self.several)
+        if answer is not None:
+            return float(answer)
         total = replica_grad_norm(self.params, self.pp_group, self.several, leader, self._cpu_group)
         clip_grads(self.params, self.config.grad_clip, total)
         return total
+
+    def microbatch_loss(self, output: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """A micro-batch's share of the step's loss from the model's ``output`` (the logits): the
+        summed cross-entropy over the step's label tokens, or the loss of the part that owns it."""
+        if self.loss_part is not None:  # e.g. LoRA tasks: each task's own mean
+            return self.loss_part.loss(output, batch)
+        return self.loss_fn(output, batch.labels)
 
     def _predicted_busy(self, schedule: StepSchedule) -> tuple[float, ...]:
         """Per global rank: the predicted time of the group holding its data rank."""
@@ -393,79 +426,25 @@ class Trainer:
         return tuple(0.0 if d is None else float(by_rank.get(d, 0.0)) for d in self.data_of)
 
     def _forward_backward(self, batches: list[PackedBatch], group: Group, marks: Marks,
-                          own: list[Group]) -> tuple[torch.Tensor, object]:
+                          own: list[Group]) -> tuple[torch.Tensor | float, object]:
         """Run the step's micro-batches; returns (this rank's loss, on the device; the mark where its
         own micro-batches were done, read by ``marks.seconds`` after the step).
 
-        The group's ``len(group.microbatches)`` first batches hold data, the rest are padding. On the
-        uneven path one more empty micro-batch of ``cp * tp`` tokens carries the gradient reduction,
-        after the busy time is taken. ``own``: the step's groups of this replica group.
+        The group's ``len(group.microbatches)`` first batches hold data, the rest are padding; under a
+        pipeline its schedule runs them (flexmesh.runtime.parallel.pipeline), else they accumulate
+        (flexmesh.runtime.train.accumulate). ``own``: the step's groups of this replica group.
         """
-        own_count, cp = len(group.microbatches), group.cp
-        if self.layout.pp > 1:
+        if self._lay().pp > 1:
             loss = run_pipeline_step(self, batches, units_from_ends(chain_ends(own, len(batches))))
             return loss, marks.mark()
-        root = self.modules[0]
-        sync = hasattr(root, "set_requires_gradient_sync")  # FSDP2 or replicate over the data ranks
-        # the step's loss summed in float64, as Python floats summed it before it stayed on the device
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        busy = None
-        # A chain of micro-batches linked by a cut document runs all its forwards, then one backward of
-        # their summed loss (flexmesh.runtime.model.carry); ranks in lockstep end chains at the same places.
-        ends = chain_ends([group] if self.uneven else own, len(batches))
-        chain: list[torch.Tensor] = []
-
-        def run(b: PackedBatch, end: bool = True, timed: bool = True) -> torch.Tensor:
-            # Only this rank's own micro-batches are timed (and stretched when emulating a slow rank):
-            # the empty one carrying the gradient reduction is communication, padding ones no work.
-            with self.clock.piece() if timed else nullcontext():
-                if b.weights is not None:  # LoRA tasks: each task's own mean (flexmesh.runtime.train.task_training)
-                    slots = torch.tensor([s for s, n in b.task_runs for _ in range(n)], device=b.weights.device)
-                    loss, per_task = weighted_cross_entropy(root(b.tokens, b), b.labels, b.weights, slots,
-                                                            len(self.task_loss))
-                    self.task_loss += per_task.cpu()
-                elif self.chunked_loss:  # the model's forward ends in the loss (flexmesh.runtime.model.loss)
-                    loss = root(b.tokens, b, labels=b.labels) / self.loss_fn.normaliser
-                else:
-                    loss = self.loss_fn(root(b.tokens, b), b.labels)
-            chain.append(loss)
-            if end:
-                with self.clock.piece() if timed else nullcontext():
-                    sum(chain).backward()
-                chain.clear()
-                self.carry.clear()
-            return loss.detach().double()
-
-        if self.uneven:
-            if sync:
-                # Accumulate gradients locally and keep weights gathered: with FSDP2's default
-                # re-shard after each backward, every micro-batch's forward would gather weights over
-                # all data ranks again, and ranks with different counts would wait on each other
-                # forever (seen on torch 2.13 gloo). The step's one weight gather happens in each
-                # rank's first forward, the one reduction in the empty micro-batch below.
-                root.set_requires_gradient_sync(False)
-                root.set_reshard_after_backward(False)
-            for b, end in zip(batches, ends, strict=True):
-                total = total + run(b, end)
-            busy = marks.mark()
-            if sync:
-                root.set_requires_gradient_sync(True)
-                root.set_reshard_after_backward(True)
-                empty = empty_batch(cp * self.layout.tp, self.tasks is not None)
-                if cp > 1:
-                    empty = shard_for_cp(empty, self.data_rank - group.ranks[0], cp)
-                total = total + run(empty.to(self.device), timed=False)
-            return total, busy
-        for i, b in enumerate(batches):
-            if i == own_count:
-                busy = marks.mark()
-            if sync:  # reduce gradients once, after the last micro-batch
-                root.set_requires_gradient_sync(i == len(batches) - 1)
-            total = total + run(b, ends[i], timed=i < own_count)
-        return total, busy if busy is not None else marks.mark()
+        return run_microbatches(self, batches, group, marks, own, self._lay().tp)
 
     # ---- state for checkpoints -------------------------------------------------------------------
-    def inner_models(self) -> list[torch.nn.Module]:
+    def part(self, kind: type[P]) -> P | None:
+        """The run's part of class ``kind`` (flexmesh.runtime.train.parts), None when the run has none."""
+        return next((part for part in self.parts if isinstance(part, kind)), None)
+
+    def inner_models(self) -> list[Transformer]:
         return [m.model for m in self.modules]
 
     def state_module(self) -> torch.nn.Module:

@@ -43,10 +43,12 @@ class Heartbeat:
             self._thread.start()
 
     def _beat(self) -> None:
+        store = self._store
+        assert store is not None  # the thread runs only where there is a store
         while not self._stop.wait(self.interval_s):
             try:
                 with self._lock:
-                    self._store.add(KEY.format(self.rank), 1)
+                    store.add(KEY.format(self.rank), 1)
             except Exception:  # the store went away: the run is ending anyway
                 return
 
@@ -63,8 +65,10 @@ class Heartbeat:
         return [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
 
     def _counts(self) -> list[int]:
+        store = self._store
+        assert store is not None  # asked only where there is a store
         with self._lock:
-            return [int(self._store.add(KEY.format(r), 0)) for r in range(self.world)]
+            return [int(store.add(KEY.format(r), 0)) for r in range(self.world)]
 
     def close(self) -> None:
         self._stop.set()
