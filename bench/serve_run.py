@@ -1,14 +1,14 @@
 """Real engines behind flexmesh's router, its policies measured beside the simulator: 3 engine processes of the tiny
 model, a window of the Azure 2023 conversation trace (lengths scaled to the model's context) replayed open loop.
 
-1. **Queues** at a rate past the knee (1.5x the requests per second the fleet serves with every engine busy,
-   measured first with 60 requests sent at once, so the machine's load is in it): FCFS, then SJF and TIE with oracle lengths, TIE with the noisy and the
-   prompt-model predictors (the router holds each engine's requests beyond ``max_running`` in the policy's
-   order). Target: TIE (oracle) <= 0.8 x FCFS's mean per-token latency (E2E / output tokens), and the
+1. **Queues** at a rate past the knee (1.5x the requests per second the fleet serves with every engine busy, measured
+   first with 60 requests sent at once, so the machine's load is in it): FCFS, then SJF and TIE with oracle lengths, TIE
+   with the noisy and the prompt-model predictors (the router holds each engine's requests beyond ``max_running`` in the
+   policy's order). Target: TIE (oracle) <= 0.8 x FCFS's mean per-token latency (E2E / output tokens), and the
    simulator's predicted gain (FCFS / TIE) within 25% of the measured one. The simulator is the engines' twin
-   (:mod:`flexmesh.serve.engine.twin`), its iterations priced by a fit to the engines' own iterations of the FCFS
-   replay (their wall times, contention included), scaled so that fit's busy time is theirs: the FCFS run
-   calibrates, TIE and the others are predicted.
+   (:mod:`flexmesh.serve.engine.twin`), its iterations priced by a fit to the engines' own iterations of the FCFS replay
+   (their wall times, contention included), scaled so that fit's busy time is theirs: the FCFS run calibrates, TIE and
+   the others are predicted.
 2. **Test-time scaling**: every request samples N = 8 branches and needs M = 2 (each branch's length drawn from
    the window's output lengths). Targets: >= 2x fewer decode tokens than running all eight to the end, measured
    (the router's records); the simulator within 10% of the measured decode tokens.
