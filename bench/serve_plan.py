@@ -53,10 +53,11 @@ from flexmesh.data.requests import at_rate, load_trace, window
 from flexmesh.serve.metrics import SLO
 from flexmesh.serve.plan.baselines import all_baselines, ratio
 from flexmesh.serve.plan.cascade import plan_cascade
+from flexmesh.serve.plan.planner import PlanInputs, Planner
 from flexmesh.serve.plan.quality import parse_quality
 from flexmesh.serve.plan.replan import fast_replan, held_devices, transition
 from flexmesh.serve.plan.score import score
-from flexmesh.serve.plan.search import PlanInputs, Planner, candidates, plan
+from flexmesh.serve.plan.search import candidates, plan
 from flexmesh.serve.plan.workload import buckets_from_trace
 from flexmesh.spec.prices import gpu_prices
 

@@ -20,9 +20,10 @@ from flexmesh.serve.plan import milp
 from flexmesh.serve.plan.capacity import Pricing, configurations
 from flexmesh.serve.plan.cascade import plan_cascade, single_models, stage_slos
 from flexmesh.serve.plan.fileformat import ServingPlan, load_plan, save_plan
+from flexmesh.serve.plan.planner import PlanInputs, Planner
 from flexmesh.serve.plan.quality import escalate, parse_quality
 from flexmesh.serve.plan.replan import fast_replan, held_devices, transition
-from flexmesh.serve.plan.search import PlanInputs, Planner, candidates
+from flexmesh.serve.plan.search import candidates
 from flexmesh.serve.plan.workload import buckets_from_trace, parse_buckets
 from flexmesh.serve.router import RoutingTable
 from flexmesh.serve.simulator import Fleet

@@ -34,8 +34,9 @@ from flexmesh.serve.plan.baselines import Baseline, all_baselines, ratio
 from flexmesh.serve.plan.capacity import Pricing, ReplicaConfig
 from flexmesh.serve.plan.cascade import plan_cascade, single_models
 from flexmesh.serve.plan.fileformat import ServingPlan, load_plan, save_plan
+from flexmesh.serve.plan.planner import PlanInputs, PlanResult
 from flexmesh.serve.plan.quality import QualityCurve, parse_quality
-from flexmesh.serve.plan.search import REPAIR_ROUNDS, PlanInputs, PlanResult, plan
+from flexmesh.serve.plan.search import REPAIR_ROUNDS, plan
 from flexmesh.serve.plan.workload import bucket_workload, buckets_from_trace, parse_buckets
 from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model

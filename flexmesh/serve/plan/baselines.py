@@ -25,8 +25,9 @@ from dataclasses import dataclass, replace
 from flexmesh.data.requests import Workload
 from flexmesh.errors import FlexmeshError, PlanError
 from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.plan.planner import Candidate, Planner
 from flexmesh.serve.plan.score import Score, score
-from flexmesh.serve.plan.search import Candidate, Planner, _better
+from flexmesh.serve.plan.search import _better
 
 # Pairs of device types (prefill, decode) simulated for the one-type-per-phase baseline: the MILP's best ones.
 PAIRS_SIMULATED = 3

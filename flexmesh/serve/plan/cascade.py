@@ -23,8 +23,9 @@ from flexmesh.data.requests import Workload
 from flexmesh.errors import PlanError
 from flexmesh.serve.metrics import SLO
 from flexmesh.serve.plan.fileformat import CascadeSpec
+from flexmesh.serve.plan.planner import PlanInputs, PlanResult
 from flexmesh.serve.plan.quality import QualityCurve
-from flexmesh.serve.plan.search import PlanInputs, PlanResult, _better, plan
+from flexmesh.serve.plan.search import _better, plan
 
 # Shares of the end-to-end bound given to the first stage (the outer level's second threshold).
 SPLITS = (0.3, 0.5, 0.7)

@@ -29,7 +29,7 @@ from flexmesh.cost.inference.memory import kv_bytes_per_token, weight_bytes_on_d
 from flexmesh.cost.inference.transfer import Span, kv_path
 from flexmesh.errors import PlanError
 from flexmesh.serve.plan.fileformat import ServingPlan
-from flexmesh.serve.plan.search import Planner
+from flexmesh.serve.plan.planner import Planner
 
 # A pairing that cannot be (an old replica's devices are in another device group): a cost no real one reaches.
 _NEVER = 1e30
