@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flexmesh.errors import ServeError
-from flexmesh.serve.engine.router import request_record
+from flexmesh.serve.engine.held import request_record
 from flexmesh.serve.metrics import RequestRecord, write_records
 
 
