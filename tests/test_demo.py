@@ -56,6 +56,12 @@ def test_quick_demo_writes_report(tmp_path: Path):
         routing = (out / "experts" / "runs" / label / "routing.jsonl").read_text().splitlines()
         assert len(routing) == 2 * 4  # 2 steps of 4 MoE layers
         assert f"experts_{label}.png" in report
+    # The serving part: a plan on a mixed GPU catalogue, simulated, its layout run here; its page and plots.
+    assert "## Serving" in report and "[serving](serving/serving.md)" in report
+    page = (out / "serving" / "serving.md").read_text()
+    assert "| measured |" in page and "| predicted |" in page
+    assert (out / "serving" / "measured_vs_predicted.png").stat().st_size > 1000
+    assert (out / "serving" / "requests.jsonl").read_text().count("\n") == 30
 
 
 def test_demo_places_its_steps_one_process_per_gpu(monkeypatch):

@@ -210,3 +210,43 @@ def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path):
             run.kill()
     served = read_records(records)
     assert len(served) == 12  # the router's own records: every request of both replays
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_engine_cancels_a_request_with_the_tokens_it_had():
+    import threading
+    import time
+
+    from flexmesh.serve.engine.engine import Engine
+
+    cfg = EngineConfig(num_blocks=256, page_size=16, max_batch_tokens=64, max_requests_per_batch=8)
+    done, lock = {}, threading.Lock()
+
+    def finished(f):
+        with lock:
+            done[f.request_id] = f
+
+    with Engine(cfg) as engine:
+        engine.submit([1, 2, 3, 4], 3000, finished, request_id="long.0.1")
+        assert [len(f.tokens) for f in engine.run([[5, 6, 7]], [10])] == [10]  # served beside the long one
+        assert engine.cancel("long.0.1") and not engine.cancel("nobody")
+        deadline = time.time() + 120
+        while "long.0.1" not in done and time.time() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(ServeError, match="running already"):
+            engine.submit([1], 2, finished, request_id="again")
+            engine.submit([1], 2, finished, request_id="again")
+    f = done["long.0.1"]
+    assert f.cancelled and 10 <= len(f.tokens) < 3000
+    assert f.tokens == reference(cfg, [[1, 2, 3, 4]], [len(f.tokens)])[0]  # the greedy tokens, cut short
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_an_engine_whose_kv_cache_cannot_be_built_fails_to_start_in_one_line():
+    from flexmesh.serve.engine.engine import Engine
+
+    with pytest.raises(ServeError, match="generation loop failed to start .MemoryError") as e:
+        Engine(EngineConfig(num_blocks=10**11))
+    assert "\n" not in str(e.value)

@@ -1,6 +1,7 @@
 """flexmesh's router over stand-in engines (aiohttp apps in this process; no model): it spreads requests,
-writes one record per request in the shape serve.metrics reads, says which engine is down, and refuses
-what it cannot hold with one line. The engines themselves: tests/test_serve_engine.py."""
+writes one record per request in the shape serve.metrics reads, holds requests in its queue policy's order,
+re-sends what a dead or hung engine held, stops branches once enough have finished, and refuses what it cannot
+hold with one line. The engines themselves: tests/test_serve_engine.py."""
 
 import asyncio
 import json
@@ -11,32 +12,57 @@ import pytest
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.http import parse_completion
 from flexmesh.serve.engine.replay import replay
-from flexmesh.serve.engine.router import Replica, Router, pick
+from flexmesh.serve.engine.router import Router
+from flexmesh.serve.lengths import Oracle
 from flexmesh.serve.metrics import RequestRecord, read_records
 
 aiohttp = pytest.importorskip("aiohttp")  # the serve extra: pip install -e .[serve]
 from aiohttp import web  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
+STATE = web.AppKey("state", dict)
 
 
-def fake_engine(index: int, delay_s: float = 0.0, status: int = 200):
-    """An app answering completions as an engine does: prompt_tokens and max_tokens tokens with times."""
+def fake_engine(index: int, delay_s: float = 0.0, status: int = 200, per_token_s: float = 0.0):
+    """An app answering completions as an engine does: prompt_tokens and max_tokens tokens with times, one every
+    ``per_token_s`` (so a long request takes long); ``POST /cancel`` stops a request, which answers with the
+    tokens it had (finish_reason abort). ``app["state"]["hang"] = True`` makes it stop answering anything."""
     seen = []
+    state = {"hang": False, "cancel": set(), "running": 0, "peak": 0}
+
+    async def hang_if_asked():
+        while state["hang"]:
+            await asyncio.sleep(0.05)
 
     async def completions(request):
+        await hang_if_asked()
         body = await request.json()
         seen.append(body)
-        await asyncio.sleep(delay_s)
-        if status != 200:
-            return web.json_response({"error": {"message": "broken", "type": "engine_error"}}, status=status)
-        now = time.perf_counter()
-        n = body["max_tokens"]
-        return web.json_response({"choices": [{"token_ids": [index] * n}],
-                                  "usage": {"prompt_tokens": len(body["prompt"])},
-                                  "metrics": {"token_s": [now + 0.001 * i for i in range(n)]}})
+        state["running"] += 1
+        state["peak"] = max(state["peak"], state["running"])
+        try:
+            await asyncio.sleep(delay_s)
+            if status != 200:
+                return web.json_response({"error": {"message": "broken", "type": "engine_error"}}, status=status)
+            n, made, start = body["max_tokens"], 0, time.perf_counter()
+            while made < n and body.get("request_id") not in state["cancel"]:
+                await asyncio.sleep(per_token_s)
+                await hang_if_asked()
+                made += 1
+            now = time.perf_counter()
+            return web.json_response({
+                "choices": [{"token_ids": [index] * made, "finish_reason": "length" if made == n else "abort"}],
+                "usage": {"prompt_tokens": len(body["prompt"])},
+                "metrics": {"token_s": [start + (now - start) * (i + 1) / max(made, 1) for i in range(made)]}})
+        finally:
+            state["running"] -= 1
+
+    async def cancel(request):
+        state["cancel"].add((await request.json())["request_id"])
+        return web.json_response({"cancelled": True})
 
     async def health(request):
+        await hang_if_asked()
         return web.json_response({"status": "ok"})
 
     async def models(request):
@@ -44,8 +70,10 @@ def fake_engine(index: int, delay_s: float = 0.0, status: int = 200):
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/cancel", cancel)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app[STATE] = state
     return app, seen
 
 
@@ -57,15 +85,19 @@ async def started(app):
 
 
 def with_router(engines, body, **router_kwargs):
-    """Run ``body(router_url, router)`` against a router over ``engines`` (apps), everything on 127.0.0.1."""
+    """Run ``body(router_url, router)`` against a router over ``engines`` ((app, seen) pairs), everything on
+    127.0.0.1; the engines' runners are ``router.runners`` (to stop one)."""
 
     async def main():
         runners, urls = [], []
-        for app in engines:
+        for app, _ in engines:
             r, u = await started(app)
             runners.append(r)
             urls.append(u)
+        router_kwargs.setdefault("health_interval_s", 0.1)
+        router_kwargs.setdefault("health_timeout_s", 0.5)
         router = Router(urls, **router_kwargs)
+        router.runners = runners
         rr, url = await started(router.app())
         try:
             return await body(url, router)
@@ -82,15 +114,6 @@ async def post(url, body, rid=None):
         return r.status, await r.json(content_type=None)
 
 
-def test_policies_pick_in_turn_and_the_least_loaded():
-    rs = [Replica(i, f"u{i}") for i in range(3)]
-    assert [pick("round-robin", rs, t).index for t in range(5)] == [0, 1, 2, 0, 1]
-    rs[0].outstanding, rs[1].outstanding, rs[2].outstanding = 3, 1, 1
-    assert pick("least-outstanding", rs, 0).index == 1
-    with pytest.raises(ServeError, match="route 'random'"):
-        pick("random", rs, 0)
-
-
 def test_router_spreads_requests_and_writes_records(tmp_path):
     (a, seen_a), (b, seen_b) = fake_engine(0), fake_engine(1)
     path = tmp_path / "requests.jsonl"
@@ -102,7 +125,7 @@ def test_router_spreads_requests_and_writes_records(tmp_path):
                                          for i in range(6)))
         return got
 
-    got = with_router([a, b], body)
+    got = with_router([(a, seen_a), (b, seen_b)], body)
     assert all(status == 200 for status, _ in got)
     assert sorted(b["replica"] for _, b in got) == [0, 0, 0, 1, 1, 1]
     assert len(seen_a) == len(seen_b) == 3
@@ -115,8 +138,8 @@ def test_router_spreads_requests_and_writes_records(tmp_path):
     assert all(len(r.token_s) == 4 and r.first_token_s == r.token_s[0] for r in recs)
 
 
-def test_least_outstanding_avoids_a_slow_engine():
-    (slow, _), (fast, _) = fake_engine(0, delay_s=0.5), fake_engine(1)
+def test_least_work_avoids_a_busy_engine():
+    slow, fast = fake_engine(0, delay_s=0.5), fake_engine(1)
 
     async def body(url, router):
         first = asyncio.ensure_future(post(url, {"prompt": [1], "max_tokens": 1}))
@@ -127,28 +150,109 @@ def test_least_outstanding_avoids_a_slow_engine():
         rest = [await post(url, {"prompt": [1], "max_tokens": 1}) for _ in range(3)]
         return [await first, *rest]
 
-    got = with_router([slow, fast], body, route="least-outstanding")
+    got = with_router([slow, fast], body, route="least-work")
     assert [b["replica"] for _, b in got] == [0, 1, 1, 1]
 
 
-def test_health_names_the_engine_that_is_down_and_errors_are_one_line():
-    (a, _), (broken, _) = fake_engine(0), fake_engine(1, status=500)
+def test_engine_errors_are_passed_on_in_one_line():
+    async def body(url, router):
+        bad = await post(url, {"prompt": [1], "max_tokens": 2})
+        wrong_id = await post(url, {"prompt": [1], "max_tokens": 2}, rid="x")
+        branches_wrong = await post(url, {"prompt": [1], "max_tokens": 2, "n": 2, "needed": 3})
+        return bad, wrong_id, branches_wrong
+
+    bad, wrong_id, branches_wrong = with_router([fake_engine(1, status=500)], body)
+    assert bad[0] == 500 and bad[1]["error"]["message"] == "broken"
+    assert wrong_id[0] == 400 and "\n" not in wrong_id[1]["error"]["message"]
+    assert branches_wrong[0] == 400 and "needed from 1 to n" in branches_wrong[1]["error"]["message"]
+    with pytest.raises(ServeError, match="route 'random'"):
+        Router(["http://127.0.0.1:9"], route="random")
+
+
+def test_a_dead_engine_loses_no_request():
+    engines = [fake_engine(i, per_token_s=0.01) for i in range(3)]
 
     async def body(url, router):
-        router.replicas.append(Replica(2, "http://127.0.0.1:9"))  # nothing listens on the discard port
+        sends = [asyncio.ensure_future(post(url, {"prompt": [1, 2], "max_tokens": 20}, rid=i)) for i in range(12)]
+        for _ in range(200):  # until engine 1 holds requests
+            if router.replicas[1].running:
+                break
+            await asyncio.sleep(0.01)
+        await router.runners[1].cleanup()  # engine 1 dies with requests in flight
+        got = await asyncio.gather(*sends)
         async with aiohttp.ClientSession() as s, s.get(f"{url}/health") as r:
             health = (r.status, await r.json())
-        router._turn = 1
-        bad = await post(url, {"prompt": [1], "max_tokens": 2})  # round robin: engine 1 (broken)
-        gone = await post(url, {"prompt": [1], "max_tokens": 2})  # engine 2: nothing there
-        wrong_id = await post(url, {"prompt": [1], "max_tokens": 2}, rid="x")
-        return health, bad, gone, wrong_id
+        after = await post(url, {"prompt": [1], "max_tokens": 2}, rid=99)
+        return got, health, after, list(router.events)
 
-    health, bad, gone, wrong_id = with_router([a, broken], body)
-    assert health[0] == 503 and health[1]["down"] == [2]
-    assert bad[0] == 500 and bad[1]["error"]["message"] == "broken"
-    assert gone[0] == 502 and "engine 2" in gone[1]["error"]["message"]
-    assert wrong_id[0] == 400 and "\n" not in wrong_id[1]["error"]["message"]
+    got, health, after, events = with_router(engines, body)
+    assert all(status == 200 for status, _ in got)
+    assert all(len(b["choices"][0]["token_ids"]) == 20 for _, b in got)
+    assert health[0] == 503 and health[1]["down"] == [1] and "1" in health[1]["why"]
+    assert after[0] == 200 and after[1]["replica"] != 1
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "engine-lost" and events[0]["engine"] == 1 and "rerouted" in kinds
+    assert all(e["src"] == 1 and e["dst"] != 1 for e in events if e["event"] == "resent")
+    assert sum(e["event"] == "resent" for e in events) == events[0]["sent"] + events[0]["queued"] >= 1
+
+
+def test_a_hung_engine_is_found_by_its_health_check():
+    engines = [fake_engine(i, per_token_s=0.01) for i in range(2)]
+
+    async def body(url, router):
+        engines[0][0][STATE]["hang"] = True  # engine 0 stops answering, its port still open
+        got = await asyncio.gather(*(post(url, {"prompt": [1], "max_tokens": 5}, rid=i) for i in range(4)))
+        engines[0][0][STATE]["hang"] = False
+        return got, list(router.events)
+
+    got, events = with_router(engines, body)
+    assert all(status == 200 and b["replica"] == 1 for status, b in got)
+    lost = next(e for e in events if e["event"] == "engine-lost")
+    assert lost["engine"] == 0 and "health check failed" in lost["why"] and "hung" in lost["why"]
+
+
+def test_the_router_holds_requests_in_the_queue_policy_order():
+    eng = fake_engine(0, per_token_s=0.01)
+
+    async def body(url, router):
+        first = asyncio.ensure_future(post(url, {"prompt": [1], "max_tokens": 10}, rid=0))
+        while not router.replicas[0].running:
+            await asyncio.sleep(0.005)
+        rest = []
+        for i, n in enumerate([40, 5, 20, 2], start=1):  # held while the first runs (one at a time)
+            rest.append(asyncio.ensure_future(post(url, {"prompt": [1], "max_tokens": n}, rid=i)))
+            await asyncio.sleep(0.01)
+        return await asyncio.gather(first, *rest)
+
+    got = with_router([eng], body, queue="sjf", predictor=Oracle(), max_running=1)
+    assert all(s == 200 for s, _ in got) and eng[0][STATE]["peak"] == 1
+    assert [b["max_tokens"] for b in eng[1]] == [10, 2, 5, 20, 40]
+
+
+def test_branches_stop_once_enough_finish(tmp_path):
+    eng = fake_engine(0, per_token_s=0.01)
+    path = tmp_path / "requests.jsonl"
+    lengths = [30, 4, 50, 8, 60, 45]
+
+    async def body(url, router):
+        with open(path, "a") as f:
+            router.records = f
+            got = await post(url, {"prompt": [1, 2], "max_tokens": 60, "n": 6, "needed": 2,
+                                   "branch_tokens": lengths}, rid=5)
+            for _ in range(300):
+                if path.read_text():
+                    break
+                await asyncio.sleep(0.01)
+        return got, router.decode_tokens
+
+    (status, answer), spent = with_router([eng], body)
+    assert status == 200 and sorted(c["index"] for c in answer["choices"]) == [1, 3]
+    assert [len(c["token_ids"]) for c in sorted(answer["choices"], key=lambda c: c["index"])] == [4, 8]
+    rec = read_records(path)[0]
+    assert rec.branches == 6 and rec.output_tokens == 8 and rec.decode_tokens == spent
+    # The four cancelled branches stopped soon after the 8th token, far short of their lengths.
+    assert 4 + 8 + 4 * 8 <= spent < 4 + 8 + 4 * 20 < sum(lengths)
+    assert sorted(b["max_tokens"] for b in eng[1]) == sorted(lengths)
 
 
 def test_router_refuses_past_its_bound():
@@ -157,7 +261,7 @@ def test_router_refuses_past_its_bound():
     async def body(url, router):
         return await asyncio.gather(*(post(url, {"prompt": [1], "max_tokens": 1}) for _ in range(4)))
 
-    got = with_router([slow], body, max_outstanding=2)
+    got = with_router([(slow, None)], body, max_outstanding=2, max_running=1)
     statuses = sorted(s for s, _ in got)
     assert statuses == [200, 200, 503, 503]
     assert "holds 2 requests" in next(b for s, b in got if s == 503)["error"]["message"]
@@ -173,7 +277,7 @@ def test_replay_sends_on_schedule_and_records_from_its_start():
     async def body(url, router):
         return await replay(url, [R(i, 0.1 * i) for i in range(5)], vocab=50)
 
-    rep = with_router([a], body)
+    rep = with_router([(a, seen)], body)
     assert not rep.failed and [r.id for r in rep.records] == list(range(5))
     assert [len(b["prompt"]) for b in sorted(seen, key=lambda b: len(b["prompt"]))] == [5, 6, 7, 8, 9]
     assert all(0 <= b < 50 for body in seen for b in body["prompt"])
@@ -190,8 +294,10 @@ def test_replay_sends_on_schedule_and_records_from_its_start():
     ({"prompt": [1], "max_tokens": 3, "temperature": 0.7}, "greedy"),
     ({"prompt": [1], "max_tokens": 3, "stream": True}, "streaming"),
     ([1, 2], "JSON object"),
+    ({"prompt": [1], "max_tokens": 3, "n": 2, "branch_tokens": [1]}, "one length from 1 to max_tokens"),
+    ({"prompt": [1], "max_tokens": 3, "n": 2, "branch_tokens": [1, 9]}, "one length from 1 to max_tokens"),
 ])
 def test_malformed_completions_are_one_line(body, message):
     with pytest.raises(ServeError, match=message) as e:
-        parse_completion(body, 4096)
+        parse_completion(body, 4096, branches=True)
     assert "\n" not in str(e.value)

@@ -195,11 +195,12 @@ def test_load_slows_tokens_and_the_router_spreads_requests():
 def test_requests_the_fleet_cannot_serve_are_refused_in_one_line():
     fleet = _fleet("1xH100", "tp1")
     for w, what in ((constant_lengths(9000, 10), "context of 8,192"),
-                    (Workload((Request(0, 0.0, 10, 2, tier=1),), "t"), "tier 1"),
-                    (Workload((Request(0, 0.0, 10, 2, branches=2),), "t"), "branches > 1")):
+                    (Workload((Request(0, 0.0, 10, 2, tier=1),), "t"), "tier 1")):
         with pytest.raises(FlexmeshError, match=what) as e:
             fleet.run(w)
         assert "\n" not in str(e.value)
+    with pytest.raises(FlexmeshError, match="test-time scaling runs on aggregated replicas"):
+        _fleet("2xH100", "tp1-prefill,tp1-decode").run(Workload((Request(0, 0.0, 10, 2, branches=2),), "t"))
     with pytest.raises(SpecError, match="need decode replicas"):
         c = parse_mixed_cluster("2xH100")
         place(parse_replicas("2xtp1-prefill", c), c)

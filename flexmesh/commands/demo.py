@@ -218,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(Rule("6/6  report"))
     path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, stragglers=stragglers,
                         devices=devices["text"], gpu=gpu, mixed=(mixed, dispatch), loads=loads, experts=experts)
+    from flexmesh.report.serving_demo import demo_serving
+
+    demo_serving(out, path, console, quick=args.quick)
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
     return 0
 

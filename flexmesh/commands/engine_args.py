@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import argparse
 
-from flexmesh.commands.args import fraction, nonneg_int, positive_int, seconds
+from flexmesh.commands.args import fraction, nonneg_int, positive_float, positive_int, seconds
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.config import SCHEDULERS, EngineConfig
+from flexmesh.serve.lengths import PREDICTORS
+from flexmesh.serve.queues import QUEUES
+from flexmesh.serve.router import ROUTERS
 
 _DEFAULTS = EngineConfig()
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (transformers' continuous batching; every size explicit)")
-    g.add_argument("--model", default=_DEFAULTS.model,
-                   help="preset, gpt:L:H:A or a config.json; random weights seeded by --seed (nothing downloads)")
+    g.add_argument("--model", default=None,
+                   help=f"preset, gpt:L:H:A or a config.json; random weights seeded by --seed (nothing downloads) "
+                   f"(default: {_DEFAULTS.model}, or a plan's model)")
     g.add_argument("--seed", type=nonneg_int, default=_DEFAULTS.seed, help="seed of the model's weights")
     g.add_argument("--page-size", type=positive_int, default=_DEFAULTS.page_size, help="tokens per KV block")
     g.add_argument("--kv-blocks", type=positive_int, default=_DEFAULTS.num_blocks,
@@ -37,8 +41,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from flexmesh.spec.hf import to_hf_config
     from flexmesh.spec.model import parse_model
 
-    to_hf_config(parse_model(args.model))
-    return EngineConfig(model=args.model, seed=args.seed, page_size=args.page_size, num_blocks=args.kv_blocks,
+    model = args.model or _DEFAULTS.model
+    to_hf_config(parse_model(model))
+    return EngineConfig(model=model, seed=args.seed, page_size=args.page_size, num_blocks=args.kv_blocks,
                         max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_batch_requests,
                         scheduler=args.scheduler, safety_margin=args.safety_margin, threads=args.threads)
 
@@ -53,8 +58,51 @@ def need_aiohttp() -> None:
 def add_fleet_args(p: argparse.ArgumentParser, engines_default: int | None) -> None:
     p.add_argument("--engines", type=positive_int, default=engines_default,
                    help="engine processes to start (one model each)")
-    p.add_argument("--route", choices=("round-robin", "least-outstanding"), default="round-robin",
-                   help="how the router picks an engine for each request")
-    p.add_argument("--request-timeout", type=seconds, default=600.0, help="seconds a request may wait; then 504")
-    p.add_argument("--max-outstanding", type=positive_int, default=4096,
+    g = p.add_argument_group("router (the simulator's routers and queue policies)")
+    g.add_argument("--route", choices=ROUTERS, default=None,
+                   help="how the router picks an engine for each request (default: round-robin; a plan's own)")
+    g.add_argument("--weights", help="the weights router's weights, one per engine (2,1,1)")
+    g.add_argument("--queue", choices=QUEUES, default="fcfs",
+                   help="the order each engine's held requests are sent in: fcfs, sjf or tie")
+    g.add_argument("--predictor", choices=PREDICTORS, default="oracle",
+                   help="output lengths sjf, tie and long-to-kv read: oracle (max_tokens, which a replay sets to the "
+                   "trace's length), noisy (the oracle's with log-normal noise) or prompt (a model on the prompt's "
+                   "length fitted to --fit-trace)")
+    g.add_argument("--predictor-noise", type=positive_float, default=0.5, metavar="SIGMA",
+                   help="the noisy predictor's error (standard deviation of its log-length)")
+    g.add_argument("--fit-trace", default="azure-conv", help="the trace the prompt predictor is fitted to (its "
+                   "lengths scaled to the model's context)")
+    g.add_argument("--max-running", type=positive_int,
+                   help="requests sent to an engine at once, the rest held in its queue (default: the engine's "
+                   "--max-batch-requests, or the plan's max_seqs)")
+    g.add_argument("--health-interval", type=seconds, default=1.0, help="seconds between engine health checks")
+    g.add_argument("--health-timeout", type=seconds, default=5.0,
+                   help="seconds an engine has to answer a health check (two misses in a row: lost, its "
+                   "requests re-sent)")
+    g.add_argument("--request-timeout", type=seconds, default=600.0, help="seconds a request may wait; then 504")
+    g.add_argument("--max-outstanding", type=positive_int, default=4096,
                    help="requests the router holds at once; more are answered 503")
+
+
+def router_options(args: argparse.Namespace, model: str, engines: int) -> dict:
+    """The Router's options the fleet flags describe (resolved once, here)."""
+    from flexmesh.data.requests import load_trace, scale_to_context
+    from flexmesh.serve.lengths import make_predictor
+    from flexmesh.spec.model import parse_model
+
+    context = parse_model(model).max_position
+    opts: dict = {"queue": args.queue, "context": context,
+                  "health_interval_s": args.health_interval, "health_timeout_s": args.health_timeout}
+    if args.queue != "fcfs" or args.route == "long-to-kv":
+        fit = scale_to_context(load_trace(args.fit_trace), context) if args.predictor == "prompt" else None
+        opts["predictor"] = make_predictor(args.predictor, fit, args.predictor_noise)
+    if args.weights:
+        try:
+            opts["weights"] = tuple(float(x) for x in args.weights.split(","))
+        except ValueError:
+            raise ServeError(f"--weights {args.weights!r}: give numbers, one per engine (2,1,1)") from None
+    elif args.route == "weights":
+        raise ServeError("--route weights needs --weights, one per engine (e.g. 2,1,1)")
+    if args.max_running:
+        opts["max_running"] = args.max_running
+    return opts

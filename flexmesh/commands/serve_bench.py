@@ -1,5 +1,6 @@
-"""``flexmesh serve bench``: a trace window replayed open loop against real engines at given rates, measured
-TTFT, TPOT and E2E percentiles (docs/serving-engines.md)."""
+"""``flexmesh serve bench``: a trace window replayed open loop against real engines at given rates, measured TTFT,
+TPOT, E2E and per-token latency beside what the simulator predicts for the same requests on this machine's engine
+profile (docs/serving-engines.md)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import tempfile
 from pathlib import Path
 
 from flexmesh.commands.args import folder, nonneg_float, nonneg_int, positive_float, positive_int
-from flexmesh.commands.engine_args import add_engine_args, add_fleet_args, engine_config, need_aiohttp
+from flexmesh.commands.engine_args import add_engine_args, add_fleet_args, need_aiohttp
 from flexmesh.errors import ServeError
 
 
 def add_parser(kinds) -> argparse.ArgumentParser:
-    p = kinds.add_parser("bench", help="replay a trace window against engines at given rates (open loop)",
+    p = kinds.add_parser("bench", help="replay a trace window against engines at given rates (open loop); measured "
+                         "beside predicted",
                          description="Replay a trace window against real engines at each rate, open loop (arrivals "
-                                     "on schedule whatever the answers), and report TTFT, TPOT and E2E percentiles.")
+                                     "on schedule whatever the answers), and report TTFT, TPOT, E2E and per-token "
+                                     "latency measured beside what the simulator predicts for the same requests.")
     p.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a trace file")
     p.add_argument("--rate", required=True, help="requests per second, one or several: 2,4,8")
     p.add_argument("--arrivals", choices=("trace", "poisson"), default="trace",
@@ -27,9 +30,15 @@ def add_parser(kinds) -> argparse.ArgumentParser:
     p.add_argument("--requests", type=positive_int, default=100, help="requests in the window")
     p.add_argument("--context", type=positive_int,
                    help="scale the trace's lengths to fit this many tokens (default: the model's context)")
+    p.add_argument("--branches", metavar="N:M", help="test-time scaling: every request samples N branches and needs "
+                   "M (each branch's length drawn from the window's output lengths)")
     p.add_argument("--arrival-seed", type=nonneg_int, default=0, help="seed of Poisson arrivals")
-    p.add_argument("--url", help="a running `flexmesh serve run` (default: start --engines here for the bench)")
+    p.add_argument("--profile", help="this machine's engine profile (flexmesh profile engine --out) pricing the "
+                   "prediction (default: fitted to the engines' own iterations at the first rate, by wall time)")
+    p.add_argument("--url", help="a running `flexmesh serve run` (default: start the engines here for the bench)")
     p.add_argument("--out", type=folder, help="folder for requests-<rate>.jsonl, iterations and summary.json")
+    p.add_argument("--plan", metavar="PLAN", help="start a serving plan's replicas (as serve run --plan)")
+    p.add_argument("--map-to-cpu", action="store_true", help="as serve run: a plan's GPUs as CPU engines here")
     add_fleet_args(p, engines_default=2)
     add_engine_args(p)
     p.set_defaults(func=bench)
@@ -43,24 +52,40 @@ def _rates(text: str) -> list[float]:
         raise ServeError(f"--rate {text!r}: each rate {e}; e.g. --rate 2,4,8") from None
 
 
+def _branches(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    n, sep, m = text.partition(":")
+    if not (sep and n.isdigit() and m.isdigit() and 1 <= int(m) <= int(n)):
+        raise ServeError(f"--branches {text!r} is not N:M with 1 <= M <= N; e.g. --branches 8:2")
+    return int(n), int(m)
+
+
 def bench(args: argparse.Namespace) -> int:
-    from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window, with_arrivals
+    from flexmesh.commands.serve_run import resolve_fleet
+    from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window, with_arrivals, with_branches
     from flexmesh.serve.engine.replay import model_card, replay_rates
 
     need_aiohttp()
     rates = _rates(args.rate)
-    cfg = engine_config(args)
+    branches = _branches(args.branches)
+    cfgs, route, opts, notes = resolve_fleet(args)
     trace = load_trace(args.trace)
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+    for n in notes:
+        print(n, file=sys.stderr)
+    loads: list = []
 
     async def main():
         async def replays(url: str, engine_urls: list[str]):
             context = args.context or int((await model_card(url))["max_model_len"])
             win = window(scale_to_context(trace, context), args.start, first=args.requests)
-            loads = [(r, at_rate(win, r) if args.arrivals == "trace" else with_arrivals(win, r, seed=args.arrival_seed))
-                     for r in rates]
+            if branches is not None:
+                win = with_branches(win, *branches)
+            loads.extend((r, at_rate(win, r) if args.arrivals == "trace"
+                          else with_arrivals(win, r, seed=args.arrival_seed)) for r in rates)
             print(f"{args.trace}: {len(win)} requests from {args.start:g} s, lengths scaled to {context} tokens; "
                   f"rates {', '.join(f'{r:g}' for r in rates)}/s ({args.arrivals} arrivals)", file=sys.stderr)
             return await replay_rates(url, loads, engine_urls, request_timeout_s=args.request_timeout)
@@ -70,43 +95,74 @@ def bench(args: argparse.Namespace) -> int:
         from flexmesh.serve.engine.fleet import running_fleet
 
         logs = out / "logs" if out is not None else Path(tempfile.mkdtemp(prefix="flexmesh-bench-"))
-        print(f"starting {args.engines} engine(s) of {cfg.model} (logs: {logs}) ...", file=sys.stderr, flush=True)
-        async with running_fleet(cfg, args.engines, logs, route=args.route, max_outstanding=args.max_outstanding,
-                                 request_timeout_s=args.request_timeout) as (url, engines):
+        print(f"starting {len(cfgs)} engine(s) of {cfgs[0].model} (logs: {logs}) ...", file=sys.stderr, flush=True)
+        async with running_fleet(cfgs, len(cfgs), logs, route=route, max_outstanding=args.max_outstanding,
+                                 request_timeout_s=args.request_timeout, **opts) as (url, engines):
             return await replays(url, [e.url for e in engines])
 
     runs = asyncio.run(main())
-    _report(runs, out)
+    predicted = _predict(args, cfgs, route, opts, runs, loads)
+    _report(runs, predicted, out)
     return 0 if all(not r.replay.failed for r in runs) else 1
 
 
-def _report(runs, out: Path | None) -> None:
+def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
+    """The simulator's summary of each replay (None when no timing is to be had: a --url run without
+    --profile)."""
+    from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile, replay_profile
+    from flexmesh.serve.engine.twin import twin_fleet
+    from flexmesh.serve.metrics import summarize
+
+    if args.profile:
+        timing = ProfiledIterationTiming(load_engine_profile(args.profile))
+    else:
+        its = runs[0].iterations if runs else []
+        if sum(len(per) for per in its) < 20:
+            return None
+        timing = ProfiledIterationTiming(replay_profile(its))
+    twin = twin_fleet(cfgs, len(cfgs), timing, opts.get("max_running"))
+    sim = dict(router=route, queue=opts["queue"], predictor=opts.get("predictor"), weights=opts.get("weights"),
+               routing=opts.get("table"), cancel_lag=1)  # the router's cancellations land an iteration later
+    return [summarize(twin.run(w, **sim).records) for _, w in loads]
+
+
+def _report(runs, predicted, out: Path | None) -> None:
     from rich.table import Table
 
     from flexmesh.console import plain_console
     from flexmesh.serve.metrics import percentiles, summarize
 
-    t = Table(title="measured, open loop (ms; TPOT excludes the first token)")
-    for col in ("rate/s", "done", "failed", "TTFT p50", "p90", "TPOT p50", "p90", "E2E p50", "p90", "req/s", "lag p99"):
+    t = Table(title="measured / predicted, open loop (ms; TPOT excludes the first token; per-token = E2E / "
+                    "output tokens)")
+    for col in ("rate/s", "done", "failed", "TTFT p50", "p90", "TPOT p50", "p90", "E2E p50", "per-token mean",
+                "decode tok", "lag p99"):
         t.add_column(col, justify="right")
     summary = []
-    for run in runs:
+    for i, run in enumerate(runs):
         rep = run.replay
         s = summarize(rep.records) if rep.records else None
+        p = predicted[i] if predicted else None
         lag = percentiles(rep.send_lag_s)["p99"] if rep.send_lag_s else float("nan")
-        cells = ["-"] * 7
-        if s is not None:
-            cells = [f"{d[q] * 1e3:,.0f}" if d is not s.tpot else f"{d[q] * 1e3:,.1f}"
-                     for d in (s.ttft, s.tpot, s.e2e) for q in ("p50", "p90")] + [f"{s.requests_per_s:.2f}"]
+
+        def pair(get, digits: int = 0, s=s, p=p) -> str:
+            a = f"{get(s) * 1e3:,.{digits}f}" if s is not None else "-"
+            return a if p is None else f"{a} / {get(p) * 1e3:,.{digits}f}"
+
+        cells = [pair(lambda x: x.ttft["p50"]), pair(lambda x: x.ttft["p90"]), pair(lambda x: x.tpot["p50"], 1),
+                 pair(lambda x: x.tpot["p90"], 1), pair(lambda x: x.e2e["p50"]),
+                 pair(lambda x: x.per_token["mean"], 1),
+                 (f"{s.decode_tokens:,}" if s else "-") + (f" / {p.decode_tokens:,}" if p else "")]
         t.add_row(f"{run.rate:g}", str(len(rep.records)), str(len(rep.failed)), *cells, f"{lag * 1e3:.0f}")
-        summary.append({"rate": run.rate, "summary": s.to_json() if s else None, "failed": rep.failed,
-                        "send_lag_p99_s": lag})
+        summary.append({"rate": run.rate, "summary": s.to_json() if s else None,
+                        "predicted": p.to_json() if p else None, "failed": rep.failed, "send_lag_p99_s": lag})
         if out is not None:
             rep.write(out / f"requests-{run.rate:g}.jsonl")
             if run.iterations:
                 (out / f"iterations-{run.rate:g}.json").write_text(json.dumps(run.iterations))
     con = plain_console()
     con.print(t)
+    if predicted is None:
+        con.print("predicted: none (give --profile FILE from flexmesh profile engine)", highlight=False)
     for run in runs:
         for rid, why in list(run.replay.failed.items())[:3]:
             con.print(f"rate {run.rate:g}: request {rid} failed: {why}", highlight=False)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,9 +36,12 @@ from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
 from flexmesh.report.serving import knee_png, timeline_png
 from flexmesh.serve.deployment import auto_replicas, default_knobs, parse_replicas, place
+from flexmesh.serve.lengths import PREDICTORS, LengthPredictor, make_predictor
 from flexmesh.serve.metrics import SLO, Goodput, Summary, parse_slo, summarize, write_records
+from flexmesh.serve.plan.fileformat import ServingPlan, load_plan
+from flexmesh.serve.plan.score import plan_workload
 from flexmesh.serve.queues import QUEUES
-from flexmesh.serve.router import ROUTERS
+from flexmesh.serve.router import ROUTERS, RoutingTable
 from flexmesh.serve.simulator import Fleet, SimResult
 from flexmesh.serve.study import RatePoint, find_goodput, fleet_price, sweep
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
@@ -67,15 +69,17 @@ ARRIVALS = ("trace", "poisson", "gamma")
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate requests over time on a fleet of replicas",
                        description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default=SERVE_MODEL, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
-    p.add_argument("--cluster", default=DEFAULT_CLUSTER, type=nonempty,
-                   help="NODESxPERNODExDEVICE, groups joined by '+' (1x8xH100+2x8xA100-40GB), or a cluster file")
+    p.add_argument("--model", help=f"model preset, gpt:L:H:A, or a Hugging Face config.json (default: {SERVE_MODEL})")
+    p.add_argument("--cluster", type=nonempty, help="NODESxPERNODExDEVICE, groups joined by '+' "
+                   f"(1x8xH100+2x8xA100-40GB), or a cluster file (default: {DEFAULT_CLUSTER})")
+    p.add_argument("--plan", metavar="PLAN", help="simulate a serving plan file (flexmesh serve plan --out): its "
+                   "models, cluster, replicas, engine knobs and routing; its workload, SLO and rate unless given")
     p.add_argument("--replicas", help="[COUNTx]tpT[ppP][-ROLE][@GROUP],... e.g. 4xtp2 or 2xtp4-prefill@H100,"
                    "4xtp2-decode@A100-40GB (roles aggregated, prefill, decode; default: every group filled with "
                    "aggregated replicas of the smallest tp whose KV cache holds the longest request)")
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake, a CSV/JSONL file "
-                   "(docs/traces.md), or const:PROMPT:OUTPUT (constant lengths, synthetic arrivals)")
+    w.add_argument("--trace", help="azure-conv, azure-code, mooncake, a CSV/JSONL file (docs/traces.md), or "
+                   "const:PROMPT:OUTPUT (constant lengths, synthetic arrivals) (default: azure-conv, or the plan's)")
     w.add_argument("--block-tokens", type=positive_int, default=0, metavar="N",
                    help="tokens per prefix block id of a plain trace with prefix_blocks")
     w.add_argument("--window", metavar="START:END", help="only the requests arriving in [START, END) seconds")
@@ -105,13 +109,21 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     e.add_argument("--engine-overhead", default="vllm", metavar="PRESET|MS[,MS]",
                    help="per-iteration engine overhead: a preset or FIXED_MS[,PER_REQUEST_MS]")
     r = p.add_argument_group("routing")
-    r.add_argument("--router", choices=ROUTERS, default="round-robin", help="how requests are spread over replicas")
+    r.add_argument("--router", choices=ROUTERS, help="how requests are spread over replicas (default: round-robin; a "
+                   "plan's own, by length bucket, with --plan)")
     r.add_argument("--weights", help="the weights router's weights, one per replica taking new requests (2,1,1)")
-    r.add_argument("--queue", choices=tuple(QUEUES), default="fcfs", help="each replica's queue policy")
+    r.add_argument("--queue", choices=QUEUES, default="fcfs", help="each replica's queue policy: first come first "
+                   "served, shortest (predicted) job first, or TIE's expected length + tail")
+    r.add_argument("--predictor", choices=PREDICTORS, default="oracle",
+                   help="output lengths the sjf and tie queues and the long-to-kv router read: the trace's own, the "
+                   "trace's with log-normal noise, or a model on prompt lengths fitted to the rest of the trace")
+    r.add_argument("--predictor-noise", type=positive_float, default=0.5, metavar="SIGMA",
+                   help="the noisy predictor's error (standard deviation of its log-length)")
     s = p.add_argument_group("SLOs, rates, cost")
-    s.add_argument("--slo", help="bounds every request should meet: ttft=TIME,tpot=TIME,e2e=TIME (s or ms)")
-    s.add_argument("--attainment", type=fraction, default=0.9, help="fraction of requests that must meet the SLO "
-                   "(goodput's target)")
+    s.add_argument("--slo", help="bounds every request should meet: ttft=TIME,tpot=TIME,e2e=TIME (s or ms) "
+                   "(default: none, or the plan's)")
+    s.add_argument("--attainment", type=fraction, help="fraction of requests that must meet the SLO (goodput's "
+                   "target; default: 0.9, or the plan's)")
     s.add_argument("--rates", help="also simulate at these rates (req/s, comma-separated): the knee")
     s.add_argument("--goodput", action="store_true", help="find the highest rate meeting --slo at --attainment "
                    "(bisection)")
@@ -144,6 +156,8 @@ class SimulateJob:
     dollars_per_hour: float | None
     price_note: str
     overhead: EngineOverhead
+    routing: RoutingTable | None = None  # the plan router's table (--plan)
+    predictor: LengthPredictor | None = None  # for length-aware queues and routers
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -200,38 +214,79 @@ def _workload(args: argparse.Namespace, model: ModelSpec) -> tuple[Workload, Cal
     return base, (lambda r: synthetic(base, r, args.seed, shape, n)), rate
 
 
+def _from_plan(args: argparse.Namespace) -> ServingPlan:
+    """The plan of --plan, checked; the flags it answers filled in from it where not given."""
+    if args.model or args.cluster or args.replicas:
+        raise SpecError("--plan gives the models, the cluster and the replicas; drop --model, --cluster and --replicas")
+    plan = load_plan(args.plan)
+    plan.check()
+    w = plan.workload
+    if args.trace is None:
+        if "buckets" in w:
+            raise SpecError(f"{args.plan} was planned on length buckets, not a trace; give --trace")
+        args.trace = w.get("trace") or "azure-conv"
+        args.window = args.window or w.get("window")
+        args.requests = args.requests or w.get("requests")
+        args.fit_context = args.fit_context or bool(w.get("fit_context"))
+    if args.rate is None:
+        args.rate = plan.predicted.get("goodput") or plan.predicted.get("rate") or None
+    return plan
+
+
 def resolve(args: argparse.Namespace) -> SimulateJob:
     """The job the flags describe (one-line errors for what cannot be)."""
-    model = parse_model(args.model)
-    cluster = parse_mixed_cluster(args.cluster)
+    plan = _from_plan(args) if args.plan else None
+    args.trace = args.trace or "azure-conv"
+    model = plan.model_specs()[0] if plan is not None else parse_model(args.model or SERVE_MODEL)
+    cluster = plan.mixed_cluster() if plan is not None else parse_mixed_cluster(args.cluster or DEFAULT_CLUSTER)
     base, workload_at, rate = _workload(args, model)
-    workload = workload_at(rate) if (args.rate or args.arrivals not in (None, "trace")) else base
+    if plan is not None:
+        workload_at = plan_workload(plan, workload_at)
+    workload = workload_at(rate) if (args.rate or args.arrivals not in (None, "trace") or plan is not None) else base
     if len(workload) > MAX_REQUESTS:
         raise SpecError(f"{len(workload):,} requests are more than the {MAX_REQUESTS:,} one run simulates; "
                         "give --window or --requests")
-    knobs = {g: default_knobs(c.device, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
-                              block_tokens=args.kv_block_tokens, memory_fraction=args.memory_fraction,
-                              prefix_caching=False if args.no_prefix_cache else None,
-                              prefix_cache_blocks=args.prefix_cache_blocks, kv_blocks=args.kv_blocks)
-             for g, c in enumerate(cluster.groups)}
-    specs = (parse_replicas(args.replicas, cluster) if args.replicas
-             else auto_replicas(model, cluster, knobs, workload.max_total_tokens))
     overhead = parse_overhead(args.engine_overhead) if args.engine_overhead else preset_overhead()
-    fleet = Fleet(model, cluster, place(specs, cluster), knobs, overhead)
-    slo = parse_slo(args.slo) if args.slo else None
+    routing = None
+    if plan is not None:
+        fleet, routing = plan.fleet(overhead)
+    else:
+        knobs = {g: default_knobs(c.device, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
+                                  block_tokens=args.kv_block_tokens, memory_fraction=args.memory_fraction,
+                                  prefix_caching=False if args.no_prefix_cache else None,
+                                  prefix_cache_blocks=args.prefix_cache_blocks, kv_blocks=args.kv_blocks)
+                 for g, c in enumerate(cluster.groups)}
+        specs = (parse_replicas(args.replicas, cluster) if args.replicas
+                 else auto_replicas(model, cluster, knobs, workload.max_total_tokens))
+        fleet = Fleet(model, cluster, place(specs, cluster), knobs, overhead)
+    router = args.router or ("plan" if plan is not None else "round-robin")
+    if router == "plan" and routing is None:
+        raise SpecError("--router plan routes by a serving plan's buckets; give --plan PLAN")
+    slo = parse_slo(args.slo) if args.slo else (plan.slo if plan is not None else None)
+    target = args.attainment if args.attainment is not None else (plan.attainment if plan is not None else 0.9)
     if args.goodput and slo is None:
         raise SpecError("--goodput needs --slo (e.g. --slo ttft=2,tpot=100ms)")
     weights = _floats(args.weights, "--weights") if args.weights else None
-    if args.router == "weights" and weights is None:
+    if router == "weights" and weights is None:
         raise SpecError("--router weights needs --weights, one per replica taking new requests (e.g. 2,1,1)")
-    prices = gpu_prices(args.prices, parse_price_overrides(args.price) if args.price else None)
+    overrides = {**(plan.prices if plan is not None else {}),
+                 **(parse_price_overrides(args.price) if args.price else {})}
+    prices = gpu_prices(args.prices, overrides or None)
+    if plan is not None:  # the plan's own prices say where they came from
+        given = parse_price_overrides(args.price) if args.price else {}
+        prices.update({d: replace(prices[d], source=f"as {args.plan} gives it") for d in plan.prices if d not in given})
     usd, missing = fleet_price(fleet.gpus, prices)
     note = (f"no price for {', '.join(missing)} (give --price DEVICE=USD)" if missing else
             "; ".join(f"{d}: ${prices[d].usd_per_hour:.4g}/GPU-h ({prices[d].source})" for d in fleet.gpus))
     rates = _floats(args.rates, "--rates") if args.rates else ()
-    fleet.check(workload)
-    return SimulateJob(model, cluster, fleet, workload, workload_at, rate, rates, slo, args.attainment, args.goodput,
-                       args.router, weights, args.queue, usd, note, overhead)
+    fleet.check(workload, routing if router == "plan" else None)
+    predictor = None
+    if args.queue != "fcfs" or router == "long-to-kv":
+        ids = {r.id for r in workload.requests}
+        rest = Workload(tuple(r for r in base.requests if r.id not in ids) or base.requests, base.name)
+        predictor = make_predictor(args.predictor, rest, args.predictor_noise)
+    return SimulateJob(model, cluster, fleet, workload, workload_at, rate, rates, slo, target, args.goodput,
+                       router, weights, args.queue, usd, note, overhead, routing, predictor)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,17 +298,18 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"simulating {len(job.workload):,} requests x {runs if not job.goodput else f'up to {runs}'} "
                       f"runs; progress below" if console.is_terminal else
                       f"simulating {len(job.workload):,} requests x {'up to ' if job.goodput else ''}{runs} runs")
+    opts: dict[str, object] = dict(router=job.router, weights=job.weights, queue=job.queue, routing=job.routing,
+                                   predictor=job.predictor)
     with _progress(console, total >= LONG_RUN_REQUESTS) as tick:
-        main = job.fleet.run(job.workload, router=job.router, weights=job.weights, queue=job.queue, progress=tick)
+        main = job.fleet.run(job.workload, progress=tick, **opts)  # type: ignore[arg-type]
         points = [RatePoint(job.rate, summarize(main.records, job.slo, job.dollars_per_hour))]
         points += [pt for pt, _ in sweep(job.fleet, job.workload_at, job.rates, job.slo, job.dollars_per_hour, tick,
-                                         router=job.router, weights=job.weights, queue=job.queue)]
+                                         **opts)]
         good: Goodput | None = None
         if job.goodput:
             assert job.slo is not None
             good, tried = find_goodput(job.fleet, job.workload_at, job.slo, job.target, job.rate,
-                                       job.dollars_per_hour, tick, router=job.router, weights=job.weights,
-                                       queue=job.queue)
+                                       job.dollars_per_hour, tick, **opts)  # type: ignore[arg-type]
             points += tried
     seen: set[float] = set()  # a rate run twice (the goodput search starts at the main rate): its first run
     points = [p for p in points if not (p.rate in seen or seen.add(p.rate))]  # type: ignore[func-returns-value]
@@ -263,10 +319,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        out = plain_console()
-        if not out.is_terminal and "COLUMNS" not in os.environ:  # a file or a pipe: room for the tables' columns
-            out.width = max(out.width, 132)
-        _print(out, job, main, points, good)
+        _print(plain_console(), job, main, points, good)
     return 0
 
 
@@ -305,7 +358,7 @@ def _summary_json(s: Summary) -> dict:
 def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None) -> dict:
     g = good
     return {
-        "model": job.model.name, "cluster": job.cluster.label,
+        "model": job.model.name, "models": [m.name for m in job.fleet.models], "cluster": job.cluster.label,
         "workload": {"name": job.workload.name, "requests": len(job.workload), "rate": job.rate,
                      "source": job.workload.source},
         "engine_overhead": {"fixed_s": job.overhead.fixed_s, "per_request_s": job.overhead.per_request_s,
@@ -339,7 +392,8 @@ def _ms(x: float) -> str:
 
 
 def _print(console: Console, job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None) -> None:
-    console.print(f"{job.model.name} on {job.cluster.label}; {job.workload.name} ({len(job.workload):,} requests); "
+    console.print(f"{', '.join(m.name for m in job.fleet.models)} on {job.cluster.label}; {job.workload.name} "
+                  f"({len(job.workload):,} requests); "
                   f"router {job.router}, queue {job.queue}; engine overhead {job.overhead.fixed_s * 1e3:.3g} ms + "
                   f"{job.overhead.per_request_s * 1e3:.3g} ms per request ({job.overhead.source})")
     t = Table(title="replicas", title_justify="left")

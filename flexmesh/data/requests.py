@@ -60,7 +60,8 @@ SHIPPED = {"azure-conv": "azure2023_conv.csv.gz", "azure-code": "azure2023_code.
 MAX_TRACE_BYTES = 1 << 30
 # The longest prompt or output a trace may give (tokens): the int32 range, as for lengths.
 MAX_TOKENS = 2**31 - 1
-PLAIN_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_blocks", "tier", "branches", "needed")
+PLAIN_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_blocks", "tier", "branches", "needed",
+                "branch_tokens")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class Request:
     tier: int = 0  # which model (cascades / several models)
     branches: int = 1  # N branches sampled (test-time scaling) ...
     needed: int = 1  # ... of which M are needed
+    branch_tokens: tuple[int, ...] = ()  # each branch's output length where they differ (else output_tokens each)
+
+    def branch_lengths(self) -> tuple[int, ...]:
+        """The output length of each of the request's branches."""
+        return self.branch_tokens or (self.output_tokens,) * self.branches
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,7 @@ class Workload:
     @property
     def max_total_tokens(self) -> int:
         """The most tokens one request holds at its end (prompt + output)."""
-        return max((r.prompt_tokens + r.output_tokens for r in self.requests), default=0)
+        return max((r.prompt_tokens + max((r.output_tokens, *r.branch_tokens)) for r in self.requests), default=0)
 
 
 def _ordered(requests: list[Request], name: str, block_tokens: int, source: str) -> Workload:
@@ -280,16 +286,21 @@ def _plain_request(rec: dict, where: str, index: int) -> Request:
         tier=_count(rec.get("tier") or 0, where, "tier", minimum=0),
         branches=_count(rec.get("branches") or 1, where, "branches"),
         needed=_count(rec.get("needed") or 1, where, "needed"),
+        branch_tokens=_ids(rec["branch_tokens"], where, "branch_tokens") if rec.get("branch_tokens") else (),
     )
     if r.needed > r.branches:
         raise DataError(f"{where}: field 'needed' is {r.needed}, more than its {r.branches} branches")
+    if r.branch_tokens and (len(r.branch_tokens) != r.branches or min(r.branch_tokens) < 1):
+        raise DataError(f"{where}: field 'branch_tokens' gives {len(r.branch_tokens)} lengths for {r.branches} "
+                        "branches; give one length >= 1 per branch")
     return r
 
 
 def read_plain(path: str | Path, block_tokens: int = 0, name: str | None = None) -> Workload:
     """A CSV (header row) or JSONL (one object per line) of requests: ``arrival_s, prompt_tokens,
     output_tokens`` and optionally ``id``, ``prefix_blocks`` (ids separated by spaces in a CSV, a list in
-    JSONL; their block size is ``block_tokens``), ``tier``, ``branches``, ``needed``."""
+    JSONL; their block size is ``block_tokens``), ``tier``, ``branches``, ``needed``, ``branch_tokens`` (each
+    branch's output length, as ``prefix_blocks`` is written)."""
     path = Path(path)
     text = _text(path)
     jsonl = path.name.removesuffix(".gz").endswith((".jsonl", ".json"))
@@ -433,8 +444,30 @@ def scale_to_context(workload: Workload, context: int) -> Workload:
     def scaled(r: Request) -> Request:
         p = max(1, int(r.prompt_tokens * f))
         o = max(1, min(int(r.output_tokens * f), context - p))
-        return replace(r, prompt_tokens=p, output_tokens=o)
+        b = tuple(max(1, min(int(x * f), context - p)) for x in r.branch_tokens)
+        return replace(r, prompt_tokens=p, output_tokens=o, branch_tokens=b)
 
     blocks = max(1, round(workload.block_tokens * f)) if workload.block_tokens else 0
     return replace(workload, requests=tuple(scaled(r) for r in workload.requests), block_tokens=blocks,
                    name=f"{workload.name} scaled to {context}")
+
+
+def with_branches(workload: Workload, branches: int, needed: int, seed: int = 0) -> Workload:
+    """Every request sampling ``branches`` answers of which ``needed`` are wanted (test-time scaling), each
+    branch's output length drawn from the workload's own output lengths (a generator seeded by ``seed`` and the
+    request's id: every run draws the same); the request's ``output_tokens`` becomes the longest branch's.
+
+    >>> w = with_branches(window(load_trace("azure-conv"), first=10), branches=8, needed=2)
+    >>> r = w.requests[0]
+    >>> r.branches, r.needed, len(r.branch_tokens), r.output_tokens == max(r.branch_tokens)
+    (8, 2, 8, True)
+    """
+    if not 1 <= needed <= branches:
+        raise DataError(f"test-time scaling needs 1 <= needed <= branches, got {needed} of {branches}")
+    pool = np.array([r.output_tokens for r in workload.requests])
+    out = []
+    for r in workload.requests:
+        rng = np.random.default_rng([seed, r.id])
+        lengths = tuple(int(x) for x in rng.choice(pool, size=branches))
+        out.append(replace(r, output_tokens=max(lengths), branches=branches, needed=needed, branch_tokens=lengths))
+    return replace(workload, requests=tuple(out), name=f"{workload.name} x{branches} need {needed}")

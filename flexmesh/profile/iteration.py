@@ -191,3 +191,28 @@ class ProfiledIterationTiming:
         c0, c_req, c_tok, c_kv, c_batch, c_own = self._c
         per_context = c_kv + c_batch * decodes + c_own  # d(seconds) / d(decode_context) at fixed decodes
         return steps * first + per_context * decodes * (steps * (steps - 1) / 2)
+
+
+def replay_profile(iterations: Sequence[Sequence[dict]]) -> EngineProfile:
+    """A profile of the engines as they served a replay: a fit to their own iterations (``GET /iterations``:
+    ``batch``, ``start_s``, ``end_s``), by wall time, so the waits for a core on a shared machine are in it, then
+    every coefficient scaled by one factor so that the fit's busy time is theirs (the relative-error fit leans
+    low where a few iterations are stretched by such waits).
+
+    >>> its = [[{"batch": [[c, 1]] * b, "start_s": 0.0, "end_s": 2e-3 + 1e-4 * b} for b in range(1, 9)
+    ...         for c in (10, 200)]]
+    >>> t = ProfiledIterationTiming(replay_profile(its))
+    >>> round(t.iteration_s([(10, 1)] * 4) * 1e3, 2)
+    2.4
+    """
+    samples = [(tuple((int(c), int(q)) for c, q in it["batch"]), float(it["end_s"]) - float(it["start_s"]))
+               for per in iterations for it in per if it["batch"]]
+    if len(samples) < len(TERMS):
+        raise ProfileError(f"{len(samples)} engine iterations are too few to fit the {len(TERMS)} terms; replay more "
+                           "requests")
+    fit = fit_iterations(samples)
+    timing = ProfiledIterationTiming(EngineProfile(model={}, engine={}, fit=fit))
+    factor = sum(s for _, s in samples) / max(sum(timing.iteration_s(b) for b, _ in samples), 1e-12)
+    scaled = {t: v * factor for t, v in fit.items()}
+    return EngineProfile(model={}, engine={}, fit=scaled, name="replay",
+                         produced_by={"samples": len(samples), "busy_scale": factor})

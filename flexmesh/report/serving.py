@@ -93,3 +93,40 @@ def timeline_png(replicas: Sequence[ReplicaReport], path: str | Path, title: str
     fig.suptitle((title + more) if title or more else "", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def plan_report_png(entries: Sequence[tuple[str, float, Sequence[tuple[float, Summary]]]], path: str | Path,
+                    target: float | None = None, title: str = "") -> Path:
+    """A serving plan against its baselines: goodput per dollar (bars), then SLO attainment, TTFT p90 and TPOT
+    p90 against the request rate (each plan's simulated runs). ``entries``: (name, goodput per $/h, [(rate,
+    summary), ...]), the plan first."""
+    if not entries:
+        raise FlexmeshError("no plans to compare")
+    colors = [plt.get_cmap("tab10")(i) for i in range(10)]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.0))
+    names = [n for n, _, _ in entries]
+    ax = axes[0]
+    ax.barh(range(len(entries)), [g for _, g, _ in entries], color=[colors[i % 10] for i in range(len(entries))])
+    ax.set_yticks(range(len(entries)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("goodput per $/h (req/s per dollar-hour)")
+    ax.grid(alpha=0.3, axis="x")
+    panels = ((axes[1], "SLO attainment", lambda s: s.attainment), (axes[2], "TTFT p90 (ms)",
+              lambda s: s.ttft["p90"] * 1e3), (axes[3], "TPOT p90 (ms)", lambda s: s.tpot["p90"] * 1e3))
+    for ax, label, value in panels:
+        for i, (name, _, pts) in enumerate(entries):
+            pts = sorted(pts, key=lambda p: p[0])
+            ax.plot([r for r, _ in pts], [value(s) for _, s in pts], marker="o", ms=3, color=colors[i % 10],
+                    label=name, lw=1.2 if i == 0 else 0.8)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if label != "SLO attainment":
+            ax.set_yscale("log")
+        elif target is not None:
+            ax.axhline(target, color="#bab0ac", linestyle="--")
+    axes[1].legend(fontsize=6)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -78,6 +78,7 @@ class ReplicaSpec:
     tp: int = 1
     pp: int = 1
     role: str = "aggregated"
+    tier: int = 0  # the model it serves, of a fleet's models (several models, or a cascade's stages)
 
     @property
     def devices(self) -> int:
@@ -159,11 +160,13 @@ def place(specs: tuple[ReplicaSpec, ...], cluster: MixedCluster) -> tuple[Placed
         nodes = frozenset(cluster.node_of(r) for r in range(start, start + s.devices))
         placed.append(PlacedReplica(i, s, group.device, start, nodes))
         used[g] += s.devices
-    roles = {p.spec.role for p in placed}
-    if ("prefill" in roles) != ("decode" in roles):
-        have, lack = ("prefill", "decode") if "prefill" in roles else ("decode", "prefill")
-        raise SpecError(f"{have} replicas need {lack} replicas to hand requests to or from; add some, or make them "
-                        "aggregated")
+    for tier in sorted({p.spec.tier for p in placed}):
+        roles = {p.spec.role for p in placed if p.spec.tier == tier}
+        if ("prefill" in roles) != ("decode" in roles):
+            have, lack = ("prefill", "decode") if "prefill" in roles else ("decode", "prefill")
+            whose = f" of model {tier}" if tier else ""
+            raise SpecError(f"{have} replicas{whose} need {lack} replicas to hand requests to or from; add some, or "
+                            "make them aggregated")
     return tuple(placed)
 
 

@@ -3,13 +3,17 @@
 One record per request, simulated or measured (one JSON object per line in ``requests.jsonl``):
 ``{"id", "replica", "arrival_s", "first_token_s", "finish_s", "prompt_tokens", "output_tokens"}`` plus
 optional ``"token_s"`` (each output token's time) and the simulator's ``"decode_replica"``,
-``"preemptions"`` and ``"cached_tokens"``.
+``"preemptions"`` and ``"cached_tokens"``; a request that sampled several branches (test-time scaling) has
+``"branches"`` and ``"decode_tokens"`` (tokens generated over all its branches), and its ``output_tokens`` are
+the branch's that completed it.
 
 - TTFT (time to first token) = ``first_token_s - arrival_s``.
 - TPOT (time per output token) = ``(finish_s - first_token_s) / (output_tokens - 1)``: the first token is
   excluded (it is TTFT's), so TPOT is undefined for one-token outputs, and such a request meets any TPOT
   SLO (it has no second token to be late).
 - E2E = ``finish_s - arrival_s``.
+- Per-token latency = ``E2E / output_tokens`` (the normalized latency of Orca, vLLM and TIE: a request's
+  latency spread over what it generated; its mean over requests is what length-aware queues lower).
 - Attainment: the fraction of requests that meet every SLO given (TTFT, TPOT, E2E bounds).
 - Goodput: the highest request rate at which at least a target fraction of requests meet every SLO, over
   the whole fleet, found by bisection on the rate (:func:`goodput`).
@@ -41,7 +45,7 @@ from flexmesh.files import write_atomic
 
 PERCENTILES = (50, 90, 99)
 _RECORD_FIELDS = ("id", "replica", "arrival_s", "first_token_s", "finish_s", "prompt_tokens", "output_tokens")
-_OPTIONAL = ("token_s", "decode_replica", "preemptions", "cached_tokens")
+_OPTIONAL = ("token_s", "decode_replica", "preemptions", "cached_tokens", "decode_tokens", "branches")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class RequestRecord:
     decode_replica: int | None = None  # prefill/decode disaggregation: the replica that decoded it
     preemptions: int = 0  # times its KV was dropped and recomputed
     cached_tokens: int = 0  # prompt tokens found in a prefix cache
+    decode_tokens: int | None = None  # test-time scaling: output tokens generated over all its branches
+    branches: int = 1  # branches sampled (output_tokens is then the length of the branch that completed it)
 
     @property
     def ttft_s(self) -> float:
@@ -75,6 +81,10 @@ class RequestRecord:
     def e2e_s(self) -> float:
         return self.finish_s - self.arrival_s
 
+    @property
+    def per_token_s(self) -> float:
+        return self.e2e_s / max(self.output_tokens, 1)
+
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in _RECORD_FIELDS}
         if self.token_s is not None:
@@ -85,6 +95,10 @@ class RequestRecord:
             d["preemptions"] = self.preemptions
         if self.cached_tokens:
             d["cached_tokens"] = self.cached_tokens
+        if self.decode_tokens is not None:
+            d["decode_tokens"] = self.decode_tokens
+        if self.branches != 1:
+            d["branches"] = self.branches
         return d
 
     @classmethod
@@ -108,7 +122,8 @@ class RequestRecord:
         return cls(int(d["id"]), int(d["replica"]), float(d["arrival_s"]), float(d["first_token_s"]),
                    float(d["finish_s"]), int(d["prompt_tokens"]), int(d["output_tokens"]),
                    tuple(token_s) if token_s is not None else None, d.get("decode_replica"),
-                   int(d.get("preemptions", 0)), int(d.get("cached_tokens", 0)))
+                   int(d.get("preemptions", 0)), int(d.get("cached_tokens", 0)),
+                   None if d.get("decode_tokens") is None else int(d["decode_tokens"]), int(d.get("branches", 1)))
 
 
 def write_records(path: str | Path, records: Iterable[RequestRecord]) -> None:
@@ -217,6 +232,8 @@ class Summary:
     dollars_per_m_output: float | None = None  # $ per million output tokens
     dollars_per_m_tokens: float | None = None  # $ per million tokens, prompt + output
     extra: dict = field(default_factory=dict)
+    per_token: dict = field(default_factory=dict)  # per-token latency (E2E / output tokens): percentiles, mean
+    decode_tokens: int = 0  # output tokens generated, every branch of a test-time-scaling request counted
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -240,6 +257,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
         dollars_per_hour=dollars_per_hour,
         dollars_per_m_output=dollars_per_million(dollars_per_hour, span, out_tokens),
         dollars_per_m_tokens=dollars_per_million(dollars_per_hour, span, all_tokens),
+        per_token=percentiles([r.per_token_s for r in records]),
+        decode_tokens=sum(r.output_tokens if r.decode_tokens is None else r.decode_tokens for r in records),
     )
 
 

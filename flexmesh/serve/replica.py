@@ -43,7 +43,7 @@ class Req:
 
     __slots__ = ("r", "tokens", "computed", "outputs", "target", "ids", "shared", "own", "remote", "first_token_s",
                  "replica", "decode_replica", "preemptions", "cached", "j", "c0", "o0", "key", "gen", "src",
-                 "handed_s")
+                 "handed_s", "stage", "uid", "group", "branch", "cancelled")
 
     def __init__(self, r: Request, target: int, ids: tuple[int, ...]):
         self.r = r
@@ -63,6 +63,11 @@ class Req:
         self.j = self.c0 = self.o0 = self.key = self.gen = 0  # decoding since iteration j with c0 computed, o0 out
         self.src: SimulatedReplica | None = None  # the prefill replica holding its KV until fetched
         self.handed_s = 0.0  # when it was handed to a decode replica
+        self.stage = r.tier  # the model serving it here (a cascade's stage: 0 up to its tier)
+        self.uid = r.id  # its key in the replica's tables (a branch has its own)
+        self.group: object = None  # test-time scaling: the branches of its request (the simulator's)
+        self.branch = 0
+        self.cancelled = False  # dropped: no longer wanted
 
 
 class SimulatedReplica:
@@ -87,6 +92,8 @@ class SimulatedReplica:
         self.ends: list[tuple[int, int, int, Req]] = []  # (finishing iteration, seq, gen, request)
         self.sched: list[tuple[Req, int]] = []
         self.iteration = 0
+        self.finishing = False  # inside finish(): the iteration's decode tokens are out
+        self.deferred: list[tuple[Req, Callable[[int], None]]] = []  # cancel_later's
         self.busy = False
         self._seq = 0
         # What the simulator does with a request's outcome: (request, time)
@@ -108,6 +115,14 @@ class SimulatedReplica:
     def outstanding_s(self) -> float:
         return self.pending_prompt * self.s_prefill + self.pending_outputs * self.s_decode
 
+    def request_s(self, prompt_tokens: int, output_tokens: int) -> float:
+        """Seconds a request of these lengths adds to its work, at its prefill and decode rates (its role's part)."""
+        if self.role == "prefill":
+            return prompt_tokens * self.s_prefill
+        if self.role == "decode":
+            return output_tokens * self.s_decode
+        return prompt_tokens * self.s_prefill + output_tokens * self.s_decode
+
     def kv_load(self) -> float:
         return (self.kv.used + self.waiting_prompt / self.bs) / self.kv.total
 
@@ -121,13 +136,13 @@ class SimulatedReplica:
 
     def kv_arrived(self, q: Req) -> None:
         """``q``'s KV has landed: it decodes from the next iteration (and, if preempted, recomputes here)."""
-        del self.receiving[q.r.id]
+        del self.receiving[q.uid]
         q.remote = False
         self.ready.append(q)
 
     def release_held(self, q: Req) -> None:
         """A decode replica has fetched ``q``'s KV: its blocks are free (its prefix entries stay cached)."""
-        own, shared = self.held.pop(q.r.id)
+        own, shared = self.held.pop(q.uid)
         self.kv.release(own)
         self.kv.unref(q.ids[:shared])
 
@@ -146,7 +161,7 @@ class SimulatedReplica:
         self.dec_ctx += q.computed
         self._seq += 1
         heapq.heappush(self.ends, (j + q.target - q.outputs - 1, self._seq, q.gen, q))
-        self.running[q.r.id] = q
+        self.running[q.uid] = q
 
     def _leave_decoding(self, q: Req, computed: int) -> None:
         """Take ``q`` out of the sums with ``computed`` tokens in its KV; its state made explicit again."""
@@ -161,7 +176,7 @@ class SimulatedReplica:
 
     def _preempt(self, q: Req) -> None:
         """Drop ``q``'s KV (recompute): it goes back to the front of the queue."""
-        rid = q.r.id
+        rid = q.uid
         if rid in self.prefilling:
             del self.prefilling[rid]
         else:
@@ -258,7 +273,7 @@ class SimulatedReplica:
         for q in list(self.prefilling.values()):
             if budget <= 0:
                 break
-            if q.r.id not in self.prefilling:  # preempted by one scheduled before it
+            if q.uid not in self.prefilling:  # preempted by one scheduled before it
                 continue
             n = min(q.tokens - q.computed, budget)
             extra = self._blocks(q, q.computed + n) - q.own
@@ -267,7 +282,7 @@ class SimulatedReplica:
                 self._preempt(victim)
                 if victim is q:
                     break
-            if q.r.id not in self.prefilling:
+            if q.uid not in self.prefilling:
                 continue
             if extra > 0:
                 kv.allocate(extra)
@@ -298,7 +313,7 @@ class SimulatedReplica:
             self.waiting_prompt -= q.tokens
             kv.allocate(blocks)
             q.own = blocks
-            self.receiving[q.r.id] = q
+            self.receiving[q.uid] = q
             self.on_fetch(q, now)
             return True
         hit = 0
@@ -321,13 +336,18 @@ class SimulatedReplica:
         if q.preemptions == 0:
             q.cached = computed
         self.pending_prompt -= computed
-        self.running[q.r.id] = q
-        self.prefilling[q.r.id] = q
+        self.running[q.uid] = q
+        self.prefilling[q.uid] = q
         return True
 
     def finish(self, now: float) -> None:
         """The iteration started last ends at ``now``: tokens computed, tokens sampled, requests done."""
         i = self.iteration
+        self.finishing = True
+        if self.deferred:  # cancellations asked for during the last outcome land after this iteration's tokens
+            pending, self.deferred = self.deferred, []
+            for q, done in pending:
+                done(q.outputs if q.cancelled else self.cancel(q))
         self.iterations += 1
         self.busy_s += now - self._started
         self.busy = False
@@ -339,9 +359,11 @@ class SimulatedReplica:
             if gen != q.gen:  # left the decoding set (preempted) after this entry was made
                 continue
             self._leave_decoding(q, q.c0 + i - q.j + 1)
-            del self.running[q.r.id]
+            del self.running[q.uid]
             self._done(q, now)
         for q, n in self.sched:
+            if q.cancelled:  # a branch dropped earlier in this iteration's outcome
+                continue
             q.computed += n
             self.pending_prompt -= n
             if q.computed < q.tokens:
@@ -358,18 +380,47 @@ class SimulatedReplica:
                     self.kv.insert(q.ids[:whole], q.shared)  # their blocks move from its own to the cache
                     q.shared = whole
                     q.own = self._blocks(q, q.computed)
-            del self.prefilling[q.r.id]
+            del self.prefilling[q.uid]
             if q.outputs < q.target:
                 self._join(q, i + 1)
             else:
-                del self.running[q.r.id]
+                del self.running[q.uid]
                 self._done(q, now)
         self.iteration = i + 1
+        self.finishing = False
+
+    def cancel_later(self, q: Req, done: Callable[[int], None]) -> None:
+        """Cancel ``q`` once the next iteration has run (a cancellation that reaches the engine while it runs one
+        more: the router's hop); ``done(tokens it had generated)`` then."""
+        self.deferred.append((q, done))
+
+    def cancel(self, q: Req) -> int:
+        """Drop ``q`` wherever it is here (queued, in prefill or decoding; a branch no longer wanted): its KV
+        freed, nothing more computed for it. The output tokens it had generated."""
+        q.cancelled = True
+        uid = q.uid
+        if uid not in self.running:
+            if self.waiting.remove(q):
+                self.waiting_prompt -= q.tokens
+                self.pending_prompt -= q.tokens - q.computed
+                self.pending_outputs -= q.target - q.outputs
+            return q.outputs
+        if uid in self.prefilling:
+            del self.prefilling[uid]
+            self.pending_prompt -= q.tokens - q.computed
+        else:  # decoding: its tokens so far, this iteration's included while its outcome is being handed out
+            self._leave_decoding(q, q.c0 + self.iteration - q.j + (1 if self.finishing else 0))
+        del self.running[uid]
+        self.pending_outputs -= q.target - q.outputs
+        self.kv.release(q.own)
+        self.kv.unref(q.ids[:q.shared])
+        q.own = q.shared = 0
+        return q.outputs
 
     def _done(self, q: Req, now: float) -> None:
         """``q`` produced its outputs here: finished, or (a prefill replica's) handed off with its KV held."""
         if self.role == "prefill" and q.outputs < q.r.output_tokens:
-            self.held[q.r.id] = (q.own, q.shared)
+            self.held[q.uid] = (q.own, q.shared)
             self.on_handoff(q, now)
             return
         self.kv.release(q.own)

@@ -7,6 +7,13 @@ handed-off requests over the decode replicas). Deterministic: ties go to the low
 - ``least-kv``: the lowest KV load (blocks in use plus those its queue will need, over its blocks).
 - ``weights``: in proportion to given weights, spread evenly (smooth weighted round robin, as nginx's
   upstream balancing does).
+- ``plan``: by the request's length class (:class:`RoutingTable`: prompt and output length edges, and per
+  class a weight per replica, as a serving plan routes its buckets): in proportion to the class's weights
+  (smooth weighted round robin per class), or, with the table's ``least-work`` policy, to the replica of
+  positive weight whose work would finish first (flexmesh.schedule.dispatch, one request at a time).
+- ``long-to-kv``: a request predicted long (its predicted mean output above the ``long_quantile`` of the
+  predictions the router has seen before it) goes where KV is most plentiful (the lowest KV load), the others by
+  least work: a long answer grows its KV for long, and a replica already full of it would preempt.
 
 >>> class R:
 ...     def __init__(self, index, work): self.index, self.work = index, work
@@ -19,14 +26,32 @@ handed-off requests over the decode replicas). Deterministic: ties go to the low
 1
 >>> w = make_router("weights", pool, weights=(2, 1, 1)); [w.choose().index for _ in range(4)]
 [0, 1, 2, 0]
+>>> table = RoutingTable(prompt_edges=(1000,), entry=((1, 1, 0), (0, 0, 1)))  # short: 0 and 1; long: 2
+>>> by = make_router("plan", pool, table=table)
+>>> [by.choose(Request(0, 0.0, p, 10)).index for p in (10, 5000, 10, 10)]
+[0, 2, 1, 0]
+>>> from flexmesh.serve.lengths import Oracle
+>>> class K(R):
+...     def __init__(self, index, work, kv): super().__init__(index, work); self.kv = kv
+...     def kv_load(self): return self.kv
+>>> lk = make_router("long-to-kv", [K(0, 1.0, 0.9), K(1, 2.0, 0.1)], predictor=Oracle())
+>>> [lk.choose(Request(i, 0.0, 10, n)).index for i, n in enumerate([50, 40, 45, 900])]  # 900 is long
+[0, 0, 0, 1]
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import numpy as np
+
+from flexmesh.data.requests import Request
 from flexmesh.errors import SpecError
+from flexmesh.schedule.dispatch import dispatch
+from flexmesh.serve.lengths import LengthPredictor
 
 
 class Routable(Protocol):
@@ -41,14 +66,14 @@ R = TypeVar("R", bound=Routable)
 
 
 class Router(Generic[R]):
-    """Chooses one replica of its pool for each request."""
+    """Chooses one replica of its pool for each request (``request``: the request, for routers that read it)."""
 
     def __init__(self, pool: Sequence[R]):
         if not pool:
             raise SpecError("a router needs at least one replica to send requests to")
         self.pool = list(pool)
 
-    def choose(self) -> R:
+    def choose(self, request: Request | None = None) -> R:
         raise NotImplementedError
 
 
@@ -57,19 +82,19 @@ class RoundRobin(Router[R]):
         super().__init__(pool)
         self._next = 0
 
-    def choose(self) -> R:
+    def choose(self, request: Request | None = None) -> R:
         r = self.pool[self._next]
         self._next = (self._next + 1) % len(self.pool)
         return r
 
 
 class LeastWork(Router[R]):
-    def choose(self) -> R:
+    def choose(self, request: Request | None = None) -> R:
         return min(self.pool, key=lambda r: (r.outstanding_s(), r.index))
 
 
 class LeastKV(Router[R]):
-    def choose(self) -> R:
+    def choose(self, request: Request | None = None) -> R:
         return min(self.pool, key=lambda r: (r.kv_load(), r.index))
 
 
@@ -82,20 +107,146 @@ class Weighted(Router[R]):
         self.weights = [float(w) for w in weights]
         self._current = [0.0] * len(self.pool)
 
-    def choose(self) -> R:
-        total = 0.0
-        for i, w in enumerate(self.weights):
-            self._current[i] += w
-            total += w
-        best = max(range(len(self.pool)), key=lambda i: (self._current[i], -i))
-        self._current[best] -= total
-        return self.pool[best]
+    def choose(self, request: Request | None = None) -> R:
+        return self.pool[_smooth_step(self._current, self.weights)]
 
 
-ROUTERS = ("round-robin", "least-work", "least-kv", "weights")
+ROUTING_POLICIES = ("weights", "least-work")
 
 
-def make_router(name: str, pool: Sequence[R], weights: Sequence[float] | None = None) -> Router[R]:
+@dataclass(frozen=True)
+class RoutingTable:
+    """Requests routed by length class, as a serving plan routes its buckets.
+
+    A request's class is its prompt's interval among ``prompt_edges`` (ascending; ``k`` edges make ``k + 1``
+    intervals, the last unbounded) crossed with its output's among ``output_edges``: class ``i x (outputs
+    intervals) + j``. ``entry[class]`` holds a weight per replica of the fleet, by replica index (0 where the
+    class is not sent; those of replicas outside a pool are ignored), for new requests; ``decode[class]`` the
+    same for handed-off requests (empty: the decode replicas' pool as ``policy`` chooses, by least work).
+    ``policy``: ``weights`` (in proportion, smooth weighted round robin per class) or ``least-work`` (among
+    the replicas of positive weight, the one whose work would finish first).
+
+    >>> t = RoutingTable(prompt_edges=(512, 4096), output_edges=(100,), entry=((1,),) * 6)
+    >>> t.classes, t.of(100, 50), t.of(100, 500), t.of(5000, 500)
+    (6, 0, 1, 5)
+    """
+
+    prompt_edges: tuple[int, ...] = ()
+    output_edges: tuple[int, ...] = ()
+    entry: tuple[tuple[float, ...], ...] = ()
+    decode: tuple[tuple[float, ...], ...] = ()
+    policy: str = "weights"
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_edges", "output_edges"):
+            edges = getattr(self, name)
+            if any(b <= a for a, b in zip(edges, edges[1:])) or any(e < 1 for e in edges):
+                raise SpecError(f"routing {name.replace('_', ' ')} must rise from >= 1, got {list(edges)}")
+        if self.policy not in ROUTING_POLICIES:
+            raise SpecError(f"routing policy {self.policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
+        for name in ("entry", "decode"):
+            rows = getattr(self, name)
+            if rows and len(rows) != self.classes:
+                raise SpecError(f"routing {name} gives {len(rows)} rows of weights for {self.classes} length classes")
+            if any(w < 0 for row in rows for w in row):
+                raise SpecError(f"routing {name} weights must be >= 0")
+
+    @property
+    def classes(self) -> int:
+        return (len(self.prompt_edges) + 1) * (len(self.output_edges) + 1)
+
+    def of(self, prompt_tokens: int, output_tokens: int) -> int:
+        """The class of a request of these lengths."""
+        i = bisect.bisect_right(self.prompt_edges, prompt_tokens)
+        j = bisect.bisect_right(self.output_edges, output_tokens)
+        return i * (len(self.output_edges) + 1) + j
+
+
+def _smooth_step(current: list[float], weights: Sequence[float]) -> int:
+    """One step of smooth weighted round robin: the index chosen (``current`` updated in place)."""
+    total = 0.0
+    for i, w in enumerate(weights):
+        current[i] += w
+        total += w
+    best = max(range(len(weights)), key=lambda i: (current[i], -i))
+    current[best] -= total
+    return best
+
+
+class ByLength(Router[R]):
+    """The ``plan`` router: by the request's length class (:class:`RoutingTable`), over ``decode`` weights for a
+    pool of decode replicas, else ``entry`` weights; a class with no replica of positive weight in the pool (or
+    a table without rows for it) goes by least work."""
+
+    def __init__(self, pool: Sequence[R], table: RoutingTable, decode: bool = False):
+        super().__init__(pool)
+        self.table = table
+        rows = table.decode if decode else table.entry
+        self.fallback: Router[R] | None = LeastWork(pool) if not rows else None
+        self.members: list[list[int]] = []  # per class: positions in the pool of positive weight
+        self.weights: list[list[float]] = []
+        for row in rows:
+            pos = [i for i, r in enumerate(self.pool) if r.index < len(row) and row[r.index] > 0]
+            self.members.append(pos)
+            self.weights.append([float(row[self.pool[i].index]) for i in pos])
+        self._current = [[0.0] * len(m) for m in self.members]
+
+    def choose(self, request: Request | None = None) -> R:
+        if self.fallback is not None or request is None:
+            return (self.fallback or LeastWork(self.pool)).choose(request)
+        k = self.table.of(request.prompt_tokens, request.output_tokens)
+        pos = self.members[k]
+        if not pos:  # a class the table sends nowhere in this pool (none was expected): by least work
+            return LeastWork(self.pool).choose(request)
+        if len(pos) == 1:
+            return self.pool[pos[0]]
+        if self.table.policy == "weights":
+            return self.pool[pos[_smooth_step(self._current[k], self.weights[k])]]
+        # The seconds this request adds to each one's finish: its work left, and this request's own where the
+        # replica prices it (request_s); the one dispatch places the one item.
+        costs = np.array([[self.pool[i].outstanding_s() + _request_s(self.pool[i], request)] for i in pos])
+        return self.pool[pos[int(dispatch(costs)[0])]]
+
+
+def _request_s(replica: object, request: Request) -> float:
+    price = getattr(replica, "request_s", None)
+    return float(price(request.prompt_tokens, request.output_tokens)) if price is not None else 0.0
+
+
+class LongToKV(Router[R]):
+    """``long-to-kv``: long requests (by ``predictor``) to the lowest KV load, the others by least work."""
+
+    def __init__(self, pool: Sequence[R], predictor: LengthPredictor, context: int = 2**31 - 1,
+                 long_quantile: float = 0.75):
+        super().__init__(pool)
+        if not 0 < long_quantile < 1:
+            raise SpecError(f"the long-to-kv router's quantile is in (0, 1), got {long_quantile}")
+        self.predictor, self.context, self.q = predictor, context, long_quantile
+        self.seen: list[float] = []  # predicted means so far, sorted
+
+    def is_long(self, request: Request) -> bool:
+        mean = self.predictor.predict(request, max(self.context - request.prompt_tokens, 1)).mean()
+        seen = self.seen
+        long = bool(seen) and mean > seen[min(int(self.q * len(seen)), len(seen) - 1)]
+        bisect.insort(seen, mean)
+        return long
+
+    def choose(self, request: Request | None = None) -> R:
+        if request is not None and self.is_long(request):
+            return min(self.pool, key=lambda r: (r.kv_load(), r.index))
+        return min(self.pool, key=lambda r: (r.outstanding_s(), r.index))
+
+
+ROUTERS = ("round-robin", "least-work", "least-kv", "weights", "plan", "long-to-kv")
+
+
+def make_router(name: str, pool: Sequence[R], weights: Sequence[float] | None = None,
+                table: RoutingTable | None = None, decode: bool = False, predictor: LengthPredictor | None = None,
+                context: int = 2**31 - 1) -> Router[R]:
+    if name == "long-to-kv":
+        if predictor is None:
+            raise SpecError("the long-to-kv router reads predicted lengths; give a length predictor (--predictor)")
+        return LongToKV(pool, predictor, context)
     if name == "round-robin":
         return RoundRobin(pool)
     if name == "least-work":
@@ -106,4 +257,8 @@ def make_router(name: str, pool: Sequence[R], weights: Sequence[float] | None = 
         if weights is None:
             raise SpecError("the weights router needs weights, one per replica (--weights 2,1,1)")
         return Weighted(pool, weights)
+    if name == "plan":
+        if table is None:
+            raise SpecError("the plan router needs a routing table (a serving plan's buckets and weights)")
+        return ByLength(pool, table, decode)
     raise SpecError(f"unknown router {name!r}; routers: {', '.join(ROUTERS)}")

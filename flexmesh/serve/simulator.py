@@ -8,6 +8,12 @@ replica frees the request's blocks, the decode replica decodes it). A prefill re
 admits the request when it has room for its KV, fetches it over the link between the two replicas
 (:mod:`flexmesh.cost.inference.transfer`), then decodes.
 
+Several models (``tier``): each replica serves one model of the fleet's (its spec's ``tier``) and a request
+goes to the replicas of its tier. In a **cascade** (``cascade=True``) the models are stages in order: a
+request of tier ``k`` is served by models ``0, 1, ..., k`` one after another (its tier: how far it is
+escalated), each stage starting when the one before has finished (a judge read its answer); its record is
+the last stage's, from its arrival (TTFT and E2E include the stages before).
+
 Ties in time go to arrivals, then to events in the order they were made: the same inputs give the same
 records, bit for bit.
 
@@ -31,7 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from flexmesh.cost.device.hardware import Hardware
@@ -40,20 +46,34 @@ from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity
 from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
 from flexmesh.cost.inference.timing import IterationTiming, split_s
 from flexmesh.cost.inference.transfer import Path, kv_path
-from flexmesh.data.requests import Workload
+from flexmesh.data.requests import Request, Workload
 from flexmesh.errors import FlexmeshError, SpecError
+from flexmesh.serve.branches import Score, to_prune
 from flexmesh.serve.deployment import EngineKnobs, PlacedReplica, default_knobs
 from flexmesh.serve.kv import KVBlocks
+from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
-from flexmesh.serve.queues import QUEUES
+from flexmesh.serve.queues import QUEUES, make_queue
 from flexmesh.serve.replica import Req, SimulatedReplica
-from flexmesh.serve.router import make_router
+from flexmesh.serve.router import Router, RoutingTable, make_router
 from flexmesh.spec.cluster import MixedCluster
 from flexmesh.spec.model import ModelSpec
 
 # A busy decode batch: the least-work router prices a replica's decode token as one of this many.
 ROUTER_DECODE_BATCH = 32
 _ITERATION_END, _TRANSFER_DONE = 0, 1
+
+
+class _Branches:
+    """A request's branches on their replica: those alive by index, how many finished, their tokens so far."""
+
+    __slots__ = ("r", "rep", "alive", "finished", "tokens", "first", "waiting")
+
+    def __init__(self, r: Request, rep: SimulatedReplica):
+        self.r, self.rep = r, rep
+        self.alive: dict[int, Req] = {}
+        self.finished = self.tokens = self.waiting = 0  # waiting: cancellations not landed yet
+        self.first = math.inf
 
 
 @dataclass(frozen=True)
@@ -90,31 +110,49 @@ class Fleet:
     """A deployment built once (each replica's pricing, KV capacity, the KV paths between replicas); :meth:`run`
     simulates a workload on fresh replicas, as often as asked (a rate sweep, a goodput search).
 
-    ``knobs``: engine knobs per device group (default: vLLM's for the device); ``timing``: each replica's
+    ``model``: the model, or the models by tier (several models on one fleet, or a cascade's stages in order:
+    ``cascade``); ``knobs``: engine knobs per device group (default: vLLM's for the device), or
+    ``replica_knobs``, one per replica; ``timing``: each replica's
     :class:`~flexmesh.cost.inference.timing.IterationTiming` (default: :class:`AnalyticIteration` on the
     device layer with ``overhead``)."""
 
-    def __init__(self, model: ModelSpec, cluster: MixedCluster, replicas: tuple[PlacedReplica, ...],
-                 knobs: dict[int, EngineKnobs] | None = None, overhead: EngineOverhead | None = None,
-                 timing: Callable[[PlacedReplica], IterationTiming] | None = None):
-        self.model, self.cluster, self.replicas = model, cluster, replicas
-        self.knobs = {g: (knobs or {}).get(g) or default_knobs(c.device) for g, c in enumerate(cluster.groups)}
-        self.overhead = overhead or preset_overhead()
-        hardware = {g: Hardware(c, model.dtype) for g, c in enumerate(cluster.groups)}
-        built: dict[tuple[int, int, int], IterationTiming] = {}
-        self.timings, self.capacities = [], []
+    def __init__(self, model: ModelSpec | Sequence[ModelSpec], cluster: MixedCluster,
+                 replicas: tuple[PlacedReplica, ...], knobs: dict[int, EngineKnobs] | None = None,
+                 overhead: EngineOverhead | None = None,
+                 timing: Callable[[PlacedReplica], IterationTiming] | None = None,
+                 replica_knobs: Sequence[EngineKnobs] | None = None, cascade: bool = False):
+        self.models: tuple[ModelSpec, ...] = (model,) if isinstance(model, ModelSpec) else tuple(model)
+        if not self.models:
+            raise SpecError("a fleet serves at least one model")
+        self.model, self.cluster, self.replicas, self.cascade = self.models[0], cluster, replicas, cascade
         for r in replicas:
+            if not 0 <= r.spec.tier < len(self.models):
+                raise SpecError(f"replica {r.index} serves model {r.spec.tier}; the fleet has {len(self.models)} "
+                                f"(0..{len(self.models) - 1})")
+        if replica_knobs is not None and len(replica_knobs) != len(replicas):
+            raise SpecError(f"{len(replica_knobs)} engine knobs given for {len(replicas)} replicas; give one each")
+        self.knobs = {g: (knobs or {}).get(g) or default_knobs(c.device) for g, c in enumerate(cluster.groups)}
+        self.replica_knobs = (tuple(replica_knobs) if replica_knobs is not None
+                              else tuple(self.knobs[r.spec.group] for r in replicas))
+        self.overhead = overhead or preset_overhead()
+        hardware: dict[tuple[int, int], Hardware] = {}
+        built: dict[tuple[int, int, int, int], IterationTiming] = {}
+        self.timings, self.capacities = [], []
+        for r, k in zip(replicas, self.replica_knobs):
             s = r.spec
+            m = self.models[s.tier]
             if timing is not None:
                 t = timing(r)
             else:
-                key = (s.group, s.tp, s.pp)
+                key = (s.tier, s.group, s.tp, s.pp)
                 if key not in built:
-                    built[key] = AnalyticIteration(model, hardware[s.group], s.tp, s.pp, self.overhead)
+                    hw = hardware.get((s.tier, s.group))
+                    if hw is None:
+                        hw = hardware[s.tier, s.group] = Hardware(cluster.groups[s.group], m.dtype)
+                    built[key] = AnalyticIteration(m, hw, s.tp, s.pp, self.overhead)
                 t = built[key]
             self.timings.append(t)
-            k = self.knobs[s.group]
-            cap = kv_capacity(model, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs, k.block_tokens,
+            cap = kv_capacity(m, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs, k.block_tokens,
                               k.memory_fraction)
             self.capacities.append(cap if k.kv_blocks is None else replace(cap, blocks_given=k.kv_blocks))
         self._paths: dict[tuple[int, int], Path] = {}
@@ -131,35 +169,70 @@ class Fleet:
             self._paths[src, dst] = kv_path(self.replicas[src].span, self.replicas[dst].span, self.cluster)
         return self._paths[src, dst]
 
-    def check(self, workload: Workload) -> None:
-        """Refuse (one line) a workload this fleet cannot serve as asked."""
-        context = self.model.max_position
+    def _stages(self, tier: int) -> range:
+        """The models a request of ``tier`` visits."""
+        return range(tier + 1) if self.cascade else range(tier, tier + 1)
+
+    def check(self, workload: Workload, routing: RoutingTable | None = None) -> None:
+        """Refuse (one line) a workload this fleet cannot serve as asked (``routing``: the plan router's table,
+        whose classes go only to the replicas it weighs)."""
+        tiers = len(self.models)
+        longest: dict[tuple[int, int], Request] = {}  # (model, length class) -> its longest request
         for r in workload.requests:
-            if r.tier != 0:
-                raise FlexmeshError(f"request {r.id} asks for model tier {r.tier}; this fleet serves one model "
-                                    "(tier 0)")
-            if r.branches != 1:
-                raise FlexmeshError(f"request {r.id} samples {r.branches} branches; test-time scaling (branches > 1) "
-                                    "is not simulated yet")
-        longest = max(workload.requests, key=lambda r: r.prompt_tokens + r.output_tokens)
-        total = longest.prompt_tokens + longest.output_tokens
-        if total > context:
-            raise FlexmeshError(f"request {longest.id} needs {total:,} tokens, more than {self.model.name}'s context "
-                                f"of {context:,}; scale the lengths to the context (--fit-context) or give a model "
-                                "with a longer one")
-        for rep, cap in zip(self.replicas, self.capacities):
-            if cap.tokens < total:
-                raise FlexmeshError(f"replica {rep.index} ({rep.spec.label} on {rep.device.name}) holds "
-                                    f"{cap.tokens:,} KV tokens, fewer than request {longest.id}'s {total:,}; raise its "
-                                    "tp or pp, or scale the lengths (--fit-context)")
+            if not 0 <= r.tier < tiers:
+                raise FlexmeshError(f"request {r.id} asks for model tier {r.tier}; this fleet serves "
+                                    + ("one model (tier 0)" if tiers == 1 else f"tiers 0..{tiers - 1}"))
+            if r.branches != 1 and (self.cascade or any(rep.spec.role != "aggregated" for rep in self.replicas
+                                                         if rep.spec.tier == r.tier)):
+                raise FlexmeshError(f"request {r.id} samples {r.branches} branches; test-time scaling runs on "
+                                    "aggregated replicas outside a cascade (its branches share one replica)")
+            k = routing.of(r.prompt_tokens, r.output_tokens) if routing is not None else 0
+            for t in self._stages(r.tier):
+                held = longest.get((t, k))
+                if held is None or r.prompt_tokens + r.output_tokens > held.prompt_tokens + held.output_tokens:
+                    longest[t, k] = r
+        for (t, k), r in sorted(longest.items()):
+            total = r.prompt_tokens + r.output_tokens
+            m = self.models[t]
+            if total > m.max_position:
+                raise FlexmeshError(f"request {r.id} needs {total:,} tokens, more than {m.name}'s context of "
+                                    f"{m.max_position:,}; scale the lengths to the context (--fit-context) or give a "
+                                    "model with a longer one")
+            serving = [rep for rep in self.replicas if rep.spec.tier == t]
+            if not any(rep.spec.role != "decode" for rep in serving):
+                raise FlexmeshError(f"request {r.id} needs model {t} ({m.name}); no replica of the fleet serves it")
+            for rep, cap in zip(self.replicas, self.capacities):
+                if rep.spec.tier != t or not self._weighs(routing, k, rep):
+                    continue
+                if cap.tokens < total:
+                    raise FlexmeshError(f"replica {rep.index} ({rep.spec.label} on {rep.device.name}) holds "
+                                        f"{cap.tokens:,} KV tokens, fewer than request {r.id}'s {total:,}; raise its "
+                                        "tp or pp, or scale the lengths (--fit-context)")
+
+    @staticmethod
+    def _weighs(routing: RoutingTable | None, k: int, rep: PlacedReplica) -> bool:
+        """Whether ``routing`` may send class ``k`` to ``rep`` (every replica may, without a table)."""
+        if routing is None:
+            return True
+        rows = routing.decode if rep.spec.role == "decode" else routing.entry
+        if not rows:
+            return True
+        row = rows[k]
+        return rep.index < len(row) and row[rep.index] > 0
 
     def run(self, workload: Workload, router: str = "round-robin", weights: tuple[float, ...] | None = None,
             queue: str = "fcfs", progress: Callable[[int, int], None] | None = None,
-            timeline_points: int = 400) -> SimResult:
-        """Simulate ``workload`` (requests routed by ``router``, queued by ``queue``); ``progress(done, total)``
-        is called now and then."""
+            timeline_points: int = 400, routing: RoutingTable | None = None,
+            predictor: LengthPredictor | None = None, score: Score | None = None,
+            prune_below: float = 0.5, cancel_lag: int = 0) -> SimResult:
+        """Simulate ``workload`` (requests routed by ``router``, the ``plan`` router by ``routing``; queued by
+        ``queue``, length-aware queues and routers by ``predictor``'s lengths); ``progress(done, total)`` is called
+        now and then. Requests with branches (test-time scaling, :mod:`flexmesh.serve.branches`) finish with
+        their ``needed``-th branch, the others cancelled then (``cancel_lag`` 1: a running branch only after one
+        more iteration, as a cancellation sent by a router reaches its engine); ``score`` prunes branches scored
+        below ``prune_below`` each time one finishes."""
         t0 = time.perf_counter()
-        self.check(workload)
+        self.check(workload, routing if router == "plan" else None)
         if queue not in QUEUES:
             raise SpecError(f"unknown queue policy {queue!r}; policies: {', '.join(QUEUES)}")
         notes: list[str] = []
@@ -168,8 +241,7 @@ class Fleet:
         typical = (sum(r.prompt_tokens for r in workload.requests) + sum(r.output_tokens for r in workload.requests)
                    / 2) / len(workload)
         reps: list[SimulatedReplica] = []
-        for r, t, cap in zip(self.replicas, self.timings, self.capacities):
-            k = self.knobs[r.spec.group]
+        for r, t, cap, k in zip(self.replicas, self.timings, self.capacities, self.replica_knobs):
             caching = k.prefix_caching and prefix_tokens > 0
             if caching and prefix_tokens % k.block_tokens:
                 notes.append(f"replica {r.index}: prefix blocks of {prefix_tokens} tokens are not whole KV blocks of "
@@ -180,14 +252,26 @@ class Fleet:
             rep = SimulatedReplica(
                 r.index, r.spec.role, price,
                 KVBlocks(cap.blocks, k.block_tokens, prefix_tokens if caching else 0, k.prefix_cache_blocks),
-                k, QUEUES[queue](), price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
+                k, make_queue(queue, predictor, k.max_seqs, self.models[r.spec.tier].max_position),
+                price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
                 price(batch, int(batch * typical), []) / batch, span / max(timeline_points, 1),
                 getattr(t, "decode_run_s", None))
             reps.append(rep)
-        entry = [p for p in reps if p.role in ("aggregated", "prefill")]
-        decoders = [p for p in reps if p.role == "decode"]
-        route = make_router(router, entry, weights)
-        route_decode = make_router("least-work" if router == "weights" else router, decoders) if decoders else None
+        tiers = range(len(self.models))
+        if router == "weights" and len({r.spec.tier for r in self.replicas}) > 1:
+            raise SpecError("the weights router spreads one pool; a fleet of several models needs the plan router (a "
+                            "routing table) or another router")
+        route: list[Router[SimulatedReplica] | None] = []
+        route_decode: list[Router[SimulatedReplica] | None] = []
+        for tier in tiers:
+            entry = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role != "decode"]
+            decoders = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role == "decode"]
+            context = self.models[tier].max_position
+            route.append(make_router(router, entry, weights, routing, predictor=predictor, context=context)
+                         if entry else None)
+            route_decode.append(make_router("least-work" if router == "weights" else router, decoders, table=routing,
+                                            decode=True, predictor=predictor, context=context) if decoders else None)
+        cascade = self.cascade
         caching_ids = [bool(p.prefix_tokens) for p in reps]
 
         events: list[tuple[float, int, int, object]] = []
@@ -204,15 +288,79 @@ class Fleet:
             if end is not None:
                 push(end, _ITERATION_END, rep)
 
+        def enter(r: Request, stage: int, now: float, preemptions: int = 0) -> None:
+            """``r`` arrives at ``stage``'s replicas (routed now)."""
+            rep = route[stage].choose(r)  # type: ignore[union-attr]  # check() saw every stage's entry pool
+            if r.branches > 1:  # every branch on this replica, each its own state
+                group = _Branches(r, rep)
+                for b, n in enumerate(r.branch_lengths()):
+                    q = Req(r, n, ())
+                    q.uid, q.group, q.branch = -(r.id * 1024 + b) - 1, group, b
+                    group.alive[b] = q
+                    rep.push(q)
+                if not rep.busy:
+                    kick(rep, now)
+                return
+            q = Req(r, 1 if rep.role == "prefill" else r.output_tokens, r.prefix_blocks if caching_ids[rep.index]
+                    else ())
+            q.stage, q.preemptions = stage, preemptions
+            rep.push(q)
+            if not rep.busy:
+                kick(rep, now)
+
         def finished(q: Req, now: float) -> None:
             assert q.first_token_s is not None
             r = q.r
+            if q.group is not None:
+                branch_done(q, now)
+                return
+            if cascade and q.stage < r.tier:  # escalated: the next model of the cascade takes it now
+                enter(r, q.stage + 1, now, q.preemptions)
+                return
             records.append(RequestRecord(r.id, q.replica, r.arrival_s, q.first_token_s, now, r.prompt_tokens,
                                          r.output_tokens, None, q.decode_replica, q.preemptions, q.cached))
 
+        def drop(g: _Branches, q: Req, then: Callable[[], None]) -> None:
+            """Cancel branch ``q`` (after one more iteration where it runs and ``cancel_lag`` says so)."""
+            if cancel_lag and q.uid in g.rep.running:
+                g.waiting += 1
+
+                def done(tokens: int) -> None:
+                    g.tokens += tokens
+                    g.waiting -= 1
+                    if not g.waiting:
+                        then()
+                g.rep.cancel_later(q, done)
+            else:
+                g.tokens += g.rep.cancel(q)
+
+        def branch_done(q: Req, now: float) -> None:
+            g: _Branches = q.group  # type: ignore[assignment]
+            if q.branch not in g.alive:  # it finished before its cancellation landed, which counts its tokens
+                return
+            del g.alive[q.branch]
+            g.finished += 1
+            g.tokens += q.outputs
+            assert q.first_token_s is not None
+            g.first = min(g.first, q.first_token_s)
+            if g.finished < g.r.needed:
+                for b in to_prune(g.r, sorted(g.alive), g.finished, score, prune_below):
+                    drop(g, g.alive.pop(b), lambda: None)
+                return
+            r = g.r
+
+            def record() -> None:
+                records.append(RequestRecord(r.id, q.replica, r.arrival_s, g.first, now, r.prompt_tokens, q.outputs,
+                                             None, None, q.preemptions, q.cached, g.tokens, r.branches))
+            for b in sorted(g.alive):
+                drop(g, g.alive.pop(b), record)
+            if not g.waiting:
+                record()
+
         def handoff(q: Req, now: float) -> None:
-            assert route_decode is not None
-            dst = route_decode.choose()
+            to = route_decode[q.stage]
+            assert to is not None
+            dst = to.choose(q.r)
             src = reps[q.replica]
             q.src, q.decode_replica, q.handed_s = src, dst.index, now
             q.remote, q.target = True, q.r.output_tokens
@@ -240,12 +388,7 @@ class Fleet:
             if a < n and (not events or arrivals[a].arrival_s <= events[0][0]):
                 req = arrivals[a]
                 a += 1
-                rep = route.choose()
-                q = Req(req, 1 if rep.role == "prefill" else req.output_tokens,
-                        req.prefix_blocks if caching_ids[rep.index] else ())
-                rep.push(q)
-                if not rep.busy:
-                    kick(rep, req.arrival_s)
+                enter(req, 0 if cascade else req.tier, req.arrival_s)
                 continue
             now, _, kind, payload = heapq.heappop(events)
             if kind == _ITERATION_END:
@@ -253,11 +396,12 @@ class Fleet:
                 rep.finish(now)
                 # An aggregated replica meets the others only at arrivals (routers read its state then): its
                 # iterations that end before the next arrival are run here, without the heap, decode-only runs at
-                # once. A prefill or decode replica hands requests over, so it runs ahead only to the next event
-                # anywhere. The records are those of strict time order.
+                # once. A prefill or decode replica hands requests over (and in a cascade every replica may hand
+                # its finished requests on), so it runs ahead only to the next event anywhere. The records are
+                # those of strict time order.
                 while True:
                     limit = arrivals[a].arrival_s if a < n else math.inf
-                    if events and rep.role != "aggregated":
+                    if events and (cascade or rep.role != "aggregated"):
                         limit = min(limit, events[0][0])
                     now = rep.coast(now, limit)
                     end = rep.start(now)
@@ -271,7 +415,7 @@ class Fleet:
                     push(end, _ITERATION_END, rep)
                     break
             else:
-                q = payload  # type: ignore[assignment]
+                q: Req = payload  # type: ignore[assignment]
                 assert q.src is not None and q.decode_replica is not None
                 src, dst = q.src, reps[q.decode_replica]
                 src.release_held(q)

@@ -50,6 +50,7 @@ class EngineConfig:
     safety_margin: float = 0.15
     block_sharing: bool = False
     threads: int = 1  # torch intra-op threads of the engine process (one core per engine by default)
+    device: str = "cpu"  # where the model runs: cpu, or cuda:K
 
     def __post_init__(self) -> None:
         if self.page_size < 4:
@@ -61,6 +62,8 @@ class EngineConfig:
             raise ServeError(f"engine scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
         if self.dtype not in DTYPES:
             raise ServeError(f"engine dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device != "cpu" and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ServeError(f"engine device {self.device!r} is not cpu or cuda:K")
         if not 0.0 <= self.safety_margin < 1.0:
             raise ServeError(f"engine safety_margin must be in [0, 1), got {self.safety_margin}")
 

@@ -36,6 +36,7 @@ from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.model import build_model
 
 ITERATIONS_KEPT = 100_000  # iterations an engine keeps in memory for /iterations (a bounded ring)
+START_S = 120.0  # the most an engine's loop may take to build its KV cache
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Finished:
     queued_s: float  # when the engine took the request
     started_s: float  # when its first iteration was scheduled
     error: str | None = None
+    cancelled: bool = False  # stopped by :meth:`Engine.cancel`: ``tokens`` are those it had generated
 
 
 def _manager_class():
@@ -76,6 +78,7 @@ def _manager_class():
         """The manager with its iterations recorded (see the module doc)."""
 
         def _generation_loop_body(self, batch_processor, bootstrapping: bool) -> bool:
+            self.processor = batch_processor  # the scheduler's request states, read when cancelling
             before = getattr(self, "current_batch", 0)
             start, cpu = time.perf_counter(), time.thread_time()
             go_on = super()._generation_loop_body(batch_processor, bootstrapping)
@@ -108,6 +111,10 @@ class Engine:
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.model = build_model(cfg)
+        if cfg.device != "cpu":
+            if not torch.cuda.is_available():
+                raise ServeError(f"engine device {cfg.device} asked for, but torch sees no CUDA device here")
+            self.model = self.model.to(cfg.device)
         self.vocab = int(self.model.config.vocab_size)
         self.max_position = int(self.model.config.max_position_embeddings)
         gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=16)
@@ -119,13 +126,33 @@ class Engine:
         self.iterations: collections.deque[Iteration] = collections.deque(maxlen=ITERATIONS_KEPT)
         self._on_iteration = on_iteration
         self._pending: dict[str, tuple[int, float, Callable[[Finished], None]]] = {}
+        self._cancelling: list[tuple[str, object]] = []  # (request id, its scheduler state) until the loop drops it
         self._lock = threading.Lock()
         self._counter = 0
+        self.last_iteration_s = time.perf_counter()  # when the loop last finished an iteration (or started)
         self._manager = _manager_class()(self.model, gen, cb)
         self._manager.on_iteration = self._record
-        self._manager.start()
         self._collector = threading.Thread(target=self._collect, name="engine-results", daemon=True)
+        self._manager.start()
         self._collector.start()
+        self._wait_started()
+
+    def _wait_started(self, timeout_s: float = START_S) -> None:
+        """Until the loop has built its batch processor (its KV cache): a loop that failed doing so (a cache that
+        does not fit in memory, say) is one ServeError line here, not an engine that answers nothing."""
+        m = self._manager
+        status = getattr(m, "background_thread_status", None)
+        deadline = time.perf_counter() + timeout_s
+        while getattr(m, "batch_processor", None) is None:
+            error = getattr(status, "fatal_error", None)
+            if error is not None or not m.is_running():
+                why = f"{type(error).__name__}: {error}" if error is not None else "it stopped"
+                self.close()
+                raise ServeError(f"the engine's generation loop failed to start ({why})".replace("\n", " "))
+            if time.perf_counter() > deadline:
+                self.close()
+                raise ServeError(f"the engine's generation loop was not ready within {timeout_s:.0f} s")
+            time.sleep(0.01)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -146,14 +173,18 @@ class Engine:
             raise ServeError(f"prompt + max_tokens = {total} tokens exceed the engine's KV cache of "
                              f"{self.cfg.kv_tokens} tokens; raise num_blocks")
 
-    def submit(self, prompt: list[int], max_new_tokens: int, on_done: Callable[[Finished], None]) -> str:
-        """Queue a greedy request; ``on_done`` gets its :class:`Finished` (from another thread)."""
+    def submit(self, prompt: list[int], max_new_tokens: int, on_done: Callable[[Finished], None],
+               request_id: str | None = None) -> str:
+        """Queue a greedy request (named ``request_id``, else the engine's own count); ``on_done`` gets its
+        :class:`Finished` (from another thread)."""
         self.check(prompt, max_new_tokens)
         if not self._manager.is_running():
             raise ServeError("the engine has stopped; start it again")
         with self._lock:
-            rid = f"r{self._counter}"
+            rid = request_id if request_id is not None else f"r{self._counter}"
             self._counter += 1
+            if rid in self._pending:
+                raise ServeError(f"request id {rid!r} is running already; name each request once")
             self._pending[rid] = (len(prompt), time.perf_counter(), on_done)
         got = self._manager.add_request(list(prompt), request_id=rid, max_new_tokens=max_new_tokens,
                                         record_timestamps=True, eos_token_id=-1)
@@ -181,6 +212,43 @@ class Engine:
             raise ServeError("the engine stopped before every request finished")
         return [done[i] for i in ids]
 
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request: once the loop has dropped it (at its next iteration), its ``on_done`` gets a
+        :class:`Finished` with ``cancelled`` and the tokens it had generated. False when it is not running here
+        (unknown, or finished meanwhile)."""
+        with self._lock:
+            if request_id not in self._pending:
+                return False
+            processor = getattr(self._manager, "processor", None)
+            scheduler = getattr(processor, "scheduler", None)
+            state = None
+            if scheduler is not None:
+                state = scheduler.active_requests.get(request_id) or scheduler.waiting_requests.get(request_id)
+            self._cancelling.append((request_id, state))
+        self._manager.cancel_request(request_id)
+        return True
+
+    def _settle_cancelled(self) -> None:
+        """Hand out the cancellations the loop has carried out (their request no longer in its scheduler)."""
+        processor = getattr(self._manager, "processor", None)
+        scheduler = getattr(processor, "scheduler", None)
+        with self._lock:
+            if not self._cancelling:
+                return
+            left, done = [], []
+            for rid, state in self._cancelling:
+                live = None if scheduler is None else (scheduler.active_requests.get(rid)
+                                                       or scheduler.waiting_requests.get(rid))
+                (left if live is not None else done).append((rid, live or state))
+            self._cancelling = left
+            entries = [(rid, state, self._pending.pop(rid, None)) for rid, state in done]
+        for rid, state, entry in entries:
+            if entry is None:  # it finished before the cancellation landed
+                continue
+            prompt_tokens, queued, on_done = entry
+            tokens = list(getattr(state, "generated_tokens", []) or [])
+            on_done(Finished(rid, prompt_tokens, tokens, [], queued, -1.0, None, cancelled=True))
+
     @property
     def outstanding(self) -> int:
         """Requests submitted and not yet finished."""
@@ -194,6 +262,7 @@ class Engine:
     # -- background ---------------------------------------------------------------------------------
 
     def _record(self, it: Iteration) -> None:
+        self.last_iteration_s = it.end_s
         self.iterations.append(it)
         if self._on_iteration is not None:
             self._on_iteration(it)
@@ -202,7 +271,8 @@ class Engine:
         """Hand each finished request to its caller (transformers' output queue, read by one thread)."""
         manager = self._manager
         while True:
-            out = manager.get_result(timeout=0.2)
+            self._settle_cancelled()
+            out = manager.get_result(timeout=0.05 if self._cancelling else 0.2)
             if out is None:
                 if not manager.is_running() and manager.output_router.output_queue.empty():
                     self._fail_pending("the engine stopped")

@@ -22,6 +22,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import flexmesh
 from flexmesh.errors import ServeError
@@ -67,18 +68,19 @@ def _last_line(log: Path) -> str:
     except OSError:
         return ""
     errors = [ln for ln in lines if ln.startswith(("error:", "Error", "ServeError")) or "Error:" in ln]
-    return (errors or lines or [""])[-1]
+    return (errors or lines or [""])[-1].removeprefix("error: ")
 
 
-async def start_engines(cfg: EngineConfig, n: int, log_dir: Path,
+async def start_engines(cfg: EngineConfig | list[EngineConfig], n: int, log_dir: Path,
                         start_timeout_s: float = START_TIMEOUT_S) -> list[EngineProcess]:
-    """N engine processes of ``cfg``, each ready (see the module doc)."""
-    if n < 1:
-        raise ServeError(f"engines must be at least 1, got {n}")
+    """N engine processes of ``cfg`` (or one of each config of a list), each ready (see the module doc)."""
+    cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
+    if not cfgs:
+        raise ServeError(f"engines must be at least 1, got {len(cfgs)}")
     log_dir.mkdir(parents=True, exist_ok=True)
     engines: list[EngineProcess] = []
     try:
-        for k in range(n):
+        for k, cfg in enumerate(cfgs):
             log = log_dir / f"engine-{k}.log"
             with open(log, "wb") as err:
                 proc = await asyncio.create_subprocess_exec(
@@ -133,55 +135,95 @@ async def stop_engines(engines: list[EngineProcess], timeout_s: float = STOP_TIM
 
 
 @contextlib.asynccontextmanager
-async def running_fleet(cfg: EngineConfig, n: int, log_dir: Path, records: Path | None = None,
+async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir: Path, records: Path | None = None,
                         route: str = "round-robin", port: int = 0, max_outstanding: int = 4096,
-                        request_timeout_s: float = 600.0):
-    """N engines and the router on 127.0.0.1:``port`` (0: any free port) for the body of an ``async with``:
-    yields ``(router url, engines)``; everything stops on leaving it, whatever happened."""
+                        request_timeout_s: float = 600.0, events: Path | None = None, **router):
+    """N engines (or one per config of a list) and the router on 127.0.0.1:``port`` (0: any free port) for the
+    body of an ``async with``: yields ``(router url, engines)``, the :class:`~flexmesh.serve.engine.router.Router`
+    as the url's ``router`` attribute; everything stops on leaving it, whatever happened. ``router``: the
+    Router's other options (queue, predictor, max_running, ...; each engine's ``max_running`` and ``kv_tokens``
+    default to its config's request cap and KV cache)."""
+    cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
+    check_port(port, "the router")  # before minutes of starting engines
+    engines = await start_engines(cfgs, len(cfgs), log_dir)
+    try:
+        router.setdefault("max_running", [c.max_requests_per_batch for c in cfgs])
+        router.setdefault("kv_tokens", [c.kv_tokens for c in cfgs])
+        async with router_on([e.url for e in engines], port, records, events, route=route,
+                             max_outstanding=max_outstanding, request_timeout_s=request_timeout_s,
+                             **router) as url:
+            yield url, engines
+    finally:
+        await stop_engines(engines)
+
+
+@contextlib.asynccontextmanager
+async def router_on(urls: list[str], port: int = 0, records: Path | None = None, events: Path | None = None,
+                    **router):
+    """flexmesh's router over running engines at ``urls``, listening on 127.0.0.1:``port`` for the body of an
+    ``async with``: yields its :class:`RouterUrl`. ``router``: the Router's options."""
     from aiohttp import web
 
     from flexmesh.files import append_file
     from flexmesh.serve.engine.router import Router
 
-    check_port(port, "the router")  # before minutes of starting engines
-    engines = await start_engines(cfg, n, log_dir)
     out = append_file(records) if records is not None else None
+    ev = append_file(events) if events is not None else None
     runner = None
     try:
-        router = Router([e.url for e in engines], route=route, records=out, max_outstanding=max_outstanding,
-                        request_timeout_s=request_timeout_s)
-        runner = web.AppRunner(router.app(), handle_signals=False, access_log=None)
+        r = Router(urls, records=out, events=ev, **router)
+        runner = web.AppRunner(r.app(), handle_signals=False, access_log=None)
         await runner.setup()
         try:
             await web.TCPSite(runner, HOST, port, reuse_address=True).start()
         except OSError as e:
             raise ServeError(f"the router cannot listen on {HOST}:{port} ({e.strerror or e}); choose another port "
                              "(0 picks a free one)") from None
-        yield f"http://{HOST}:{runner.addresses[0][1]}", engines
+        yield RouterUrl(f"http://{HOST}:{runner.addresses[0][1]}", r)
     finally:
         if runner is not None:
             await runner.cleanup()
-        await stop_engines(engines)
-        if out is not None:
-            out.close()
+        for f in (out, ev):
+            if f is not None:
+                f.close()
 
 
-async def serve_fleet(cfg: EngineConfig, n: int, port: int, log_dir: Path, records: Path | None,
-                      route: str = "round-robin", on_ready=None, **limits) -> None:
-    """Engines + router on ``port`` until SIGINT or SIGTERM (see the module doc). ``on_ready(url, engines)`` is
-    awaited once the router listens."""
+class RouterUrl(str):
+    """The router's URL, with the running router beside it (for its events and state)."""
+
+    router: Any
+
+    def __new__(cls, url: str, router: Any) -> RouterUrl:
+        s = super().__new__(cls, url)
+        s.router = router
+        return s
+
+
+async def serve_fleet(cfg: EngineConfig | list[EngineConfig], n: int, port: int, log_dir: Path,
+                      records: Path | None, route: str = "round-robin", on_ready=None, **limits) -> bool:
+    """Engines + router on ``port`` until SIGINT or SIGTERM, or until every engine is lost (see the module doc).
+    ``on_ready(url, engines)`` is awaited once the router listens. False when it stopped for want of engines."""
     async with running_fleet(cfg, n, log_dir, records, route, port, **limits) as (url, engines):
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+
+        async def watch() -> None:
+            while any(r.up for r in url.router.replicas):
+                await asyncio.sleep(0.5)
+            stop.set()
+
+        watcher = asyncio.ensure_future(watch())
         try:
             if on_ready is not None:
                 await on_ready(url, engines)
             await stop.wait()
         finally:
+            watcher.cancel()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+        return any(r.up for r in url.router.replicas)
 
 
 async def fetch_iterations(session, engine_url: str, since: int = 0) -> list[dict]:

@@ -8,9 +8,16 @@ A completion request (``POST /v1/completions``, OpenAI's legacy completions API 
 ``prompt`` is a list of token ids (the models here have random weights and no tokenizer; a string is
 refused with a line saying so), ``max_tokens`` the tokens to generate: exactly that many come back, as
 no token of a random model means "stop" (vLLM's ``ignore_eos``). Decoding is greedy; a
-``temperature`` other than 0 or ``stream: true`` is refused. The answer is OpenAI's
-``text_completion`` object with the tokens in ``choices[0].token_ids`` (vLLM's field) and the
-request's times in ``metrics`` (perf_counter seconds; see :mod:`flexmesh.serve.engine.engine`).
+``temperature`` other than 0 or ``stream: true`` is refused. ``request_id`` (vLLM's field) names the
+request, so that ``POST /cancel`` can stop it. The answer is OpenAI's ``text_completion`` object with
+the tokens in ``choices[0].token_ids`` (vLLM's field) and the request's times in ``metrics``
+(perf_counter seconds; see :mod:`flexmesh.serve.engine.engine`); a cancelled request answers with the
+tokens it had generated and ``finish_reason: "abort"``.
+
+Test-time scaling (the router only): ``"n": 8`` branches of which ``"needed": 2`` are wanted, each
+``"branch_tokens"`` long (flexmesh's fields: a random model never stops by itself, so each branch's
+length stands for where a sampled answer would have ended); the router sends the branches to one
+engine and stops the rest once ``needed`` have finished.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from flexmesh.errors import FlexmeshError, ServeError
@@ -27,15 +35,33 @@ from flexmesh.errors import FlexmeshError, ServeError
 HOST = "127.0.0.1"  # engines and the router listen on the loopback interface only
 MAX_BODY_BYTES = 8 * 2**20  # the largest request body a server reads
 READY = "flexmesh-serve-ready"  # the first line a started server prints: READY {"port": ...}
+MAX_BRANCHES = 1024  # branches one request may sample
 
 
-def parse_completion(body: Any, max_tokens_cap: int) -> tuple[list[int], int]:
-    """(prompt token ids, max_tokens) of a completion request; ServeError (one line) when malformed.
+@dataclass(frozen=True)
+class Completion:
+    """A parsed completion request: the prompt, the tokens to generate, and for test-time scaling ``n`` branches
+    of which ``needed`` are wanted, each ``branch_tokens`` long where given (see the module doc)."""
+
+    prompt: list[int]
+    max_tokens: int
+    n: int = 1
+    needed: int = 1
+    branch_tokens: tuple[int, ...] = ()
+    request_id: str | None = None
+
+
+def parse_completion(body: Any, max_tokens_cap: int, branches: bool = False) -> Completion:
+    """The completion request ``body``; ServeError (one line) when malformed. ``n`` above 1 (with flexmesh's
+    ``needed`` and ``branch_tokens``) only where ``branches`` (the router's fan-out; an engine serves one).
 
     >>> parse_completion({"prompt": [1, 2, 3], "max_tokens": 4}, 4096)
-    ([1, 2, 3], 4)
-    >>> parse_completion({"prompt": [[5, 6]], "max_tokens": 1, "temperature": 0.0}, 4096)
-    ([5, 6], 1)
+    Completion(prompt=[1, 2, 3], max_tokens=4, n=1, needed=1, branch_tokens=(), request_id=None)
+    >>> parse_completion({"prompt": [[5, 6]], "max_tokens": 1, "temperature": 0.0}, 4096).prompt
+    [5, 6]
+    >>> parse_completion({"prompt": [5], "max_tokens": 9, "n": 3, "needed": 2, "branch_tokens": [4, 9, 2]}, 99,
+    ...                  branches=True).branch_tokens
+    (4, 9, 2)
     >>> parse_completion({"prompt": "hello", "max_tokens": 4}, 4096)
     Traceback (most recent call last):
     ...
@@ -58,9 +84,22 @@ def parse_completion(body: Any, max_tokens_cap: int) -> tuple[list[int], int]:
         raise ServeError(f"only greedy decoding is served: temperature must be 0, got {temperature!r}")
     if body.get("stream"):
         raise ServeError("streaming is not served: send stream false")
-    if body.get("n", 1) != 1:
-        raise ServeError("one completion per request: send n 1")
-    return prompt, max_tokens
+    rid = body.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 200):
+        raise ServeError("request_id must be a non-empty string of at most 200 characters")
+    n, needed = body.get("n", 1), body.get("needed", 1)
+    if n == 1 and needed == 1 and not body.get("branch_tokens"):
+        return Completion(prompt, max_tokens, request_id=rid)
+    if not branches:
+        raise ServeError("one completion per request here: send n 1 (flexmesh's router fans out n branches)")
+    if type(n) is not int or type(needed) is not int or not 1 <= needed <= n <= MAX_BRANCHES:
+        raise ServeError(f"branches: give n from 1 to {MAX_BRANCHES} and needed from 1 to n, got n {n!r}, needed "
+                         f"{needed!r}")
+    lengths = body.get("branch_tokens") or [max_tokens] * n
+    if (not isinstance(lengths, list) or len(lengths) != n
+            or not all(type(x) is int and 1 <= x <= max_tokens for x in lengths)):
+        raise ServeError(f"branch_tokens must list one length from 1 to max_tokens ({max_tokens}) per branch ({n})")
+    return Completion(prompt, max_tokens, n, needed, tuple(lengths), rid)
 
 
 def error_body(message: str, kind: str = "invalid_request_error") -> dict:

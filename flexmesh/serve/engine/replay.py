@@ -23,11 +23,11 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flexmesh.errors import ServeError
-from flexmesh.serve.engine.router import request_record
+from flexmesh.serve.engine.held import request_record
 from flexmesh.serve.metrics import RequestRecord, write_records
 
 
@@ -63,8 +63,7 @@ async def replay(url: str, requests: list[Any], vocab: int, request_timeout_s: f
     if not requests:
         raise ServeError("no request to replay; widen the trace window")
     reqs = sorted(requests, key=lambda r: (r.arrival_s, r.id))
-    bodies = {r.id: json.dumps({"prompt": prompt_ids(r.id, r.prompt_tokens, vocab), "max_tokens": r.output_tokens,
-                                "temperature": 0}) for r in reqs}
+    bodies = {r.id: json.dumps(completion_body(r, vocab)) for r in reqs}
     out = Replay(records=[])
     got: dict[int, RequestRecord] = {}
     done = 0
@@ -88,7 +87,11 @@ async def replay(url: str, requests: list[Any], vocab: int, request_timeout_s: f
                         out.failed[r.id] = f"HTTP {resp.status}: {_message(text)}"
                         return
                 body = json.loads(text)
-                got[r.id] = request_record(r.id, body["replica"], body["metrics"]["arrival_s"], body, origin)
+                rec = request_record(r.id, body["replica"], body["metrics"]["arrival_s"], body, origin)
+                if getattr(r, "branches", 1) > 1:
+                    rec = replace(rec, first_token_s=body["metrics"]["first_token_s"] - origin,
+                                  decode_tokens=body["usage"].get("decode_tokens"), branches=r.branches)
+                got[r.id] = rec
             except (ClientError, asyncio.TimeoutError) as e:
                 out.failed[r.id] = f"{type(e).__name__}: {e}"
             finally:
@@ -109,6 +112,15 @@ async def replay(url: str, requests: list[Any], vocab: int, request_timeout_s: f
             out.failed[r.id] = f"unanswered {drain_timeout_s:g} s after the last arrival"
     out.records = [got[i] for i in sorted(got)]
     return out
+
+
+def completion_body(r: Any, vocab: int) -> dict:
+    """What is sent for request ``r``: its prompt, its output length as ``max_tokens`` and, for test-time scaling,
+    its branches (``n``, ``needed``, ``branch_tokens``)."""
+    body = {"prompt": prompt_ids(r.id, r.prompt_tokens, vocab), "max_tokens": r.output_tokens, "temperature": 0}
+    if getattr(r, "branches", 1) > 1:
+        body.update(n=r.branches, needed=r.needed, branch_tokens=list(r.branch_lengths()))
+    return body
 
 
 def _message(text: str) -> str:

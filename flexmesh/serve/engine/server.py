@@ -4,9 +4,11 @@ endpoint on 127.0.0.1 (aiohttp).
     python -m flexmesh.serve.engine.server --config '{"model": "tiny", "num_blocks": 2048}' --port 0
 
 Routes: ``POST /v1/completions`` (:mod:`flexmesh.serve.engine.http`), ``GET /v1/models``,
-``GET /health`` (200 while the engine loop runs, with its outstanding requests; 503 once it stopped)
-and ``GET /iterations?since=K`` (the engine's iterations from the K-th on, at most
-:data:`ITERATIONS_PAGE` per answer). It prints ``flexmesh-serve-ready {"port": N}`` once it listens
+``GET /health`` (200 while the engine loop runs, with its outstanding requests; 503 once it stopped, or
+while it holds requests and ran no iteration for :data:`STALL_S`: a stuck loop), ``POST /cancel``
+(``{"request_id": ...}``: stop a request; it answers with the tokens it had) and
+``GET /iterations?since=K`` (the engine's iterations from the K-th on, at most :data:`ITERATIONS_PAGE` per
+answer). It prints ``flexmesh-serve-ready {"port": N}`` once it listens
 and stops cleanly on SIGINT or SIGTERM (requests still running are answered with an error).
 
 Bounded: at most ``--max-outstanding`` requests at once (more are answered 503 at once) and none
@@ -32,9 +34,10 @@ from flexmesh.serve.engine.http import (
 )
 
 ITERATIONS_PAGE = 20_000
+STALL_S = 30.0  # an engine holding requests that ran no iteration for this long is unhealthy (a stuck loop)
 
 
-def build_app(engine, max_outstanding: int, request_timeout_s: float):
+def build_app(engine, max_outstanding: int, request_timeout_s: float, stall_s: float = STALL_S):
     """The aiohttp application of one engine."""
     from aiohttp import web
 
@@ -43,7 +46,8 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float):
     async def completions(request: web.Request) -> web.Response:
         try:
             body = await request.json()
-            prompt, max_tokens = parse_completion(body, engine.max_position)
+            c = parse_completion(body, engine.max_position)
+            prompt, max_tokens = c.prompt, c.max_tokens
             engine.check(prompt, max_tokens)
         except ValueError as e:  # not JSON at all (aiohttp raises JSONDecodeError, a ValueError)
             msg = str(e) if isinstance(e, ServeError) else f"the request body is not JSON ({e})"
@@ -58,22 +62,33 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float):
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(f))
 
         try:
-            engine.submit(prompt, max_tokens, finished)
+            engine.submit(prompt, max_tokens, finished, c.request_id)
         except ServeError as e:
             return web.json_response(error_body(str(e), "unavailable"), status=503)
         try:
             f = await asyncio.wait_for(done, request_timeout_s)
         except asyncio.TimeoutError:
             return web.json_response(error_body(f"no answer within {request_timeout_s:g} s", "timeout"), status=504)
-        if f.error is not None:
+        if f.error is not None and not f.cancelled:
             return web.json_response(error_body(f.error, "engine_error"), status=500)
         return web.json_response(completion_body(model_id, f))
 
     async def health(request: web.Request) -> web.Response:
-        ok = engine.running
-        return web.json_response({"status": "ok" if ok else "stopped", "model": model_id,
-                                  "outstanding": engine.outstanding, "config": engine.cfg.to_json()},
-                                 status=200 if ok else 503)
+        # Stalled: requests held, and no iteration for stall_s (the loop thread is stuck while HTTP still answers).
+        quiet = time.perf_counter() - engine.last_iteration_s
+        status = ("stopped" if not engine.running else
+                  "stalled" if engine.outstanding and quiet > stall_s else "ok")
+        return web.json_response({"status": status, "model": model_id, "outstanding": engine.outstanding,
+                                  "since_iteration_s": round(quiet, 3), "config": engine.cfg.to_json()},
+                                 status=200 if status == "ok" else 503)
+
+    async def cancel(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            rid = body["request_id"]
+        except (ValueError, KeyError, TypeError):
+            return web.json_response(error_body('send {"request_id": "..."}'), status=400)
+        return web.json_response({"request_id": rid, "cancelled": engine.cancel(str(rid))})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [model_card(engine)]})
@@ -95,6 +110,7 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float):
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/iterations", iterations)
+    app.router.add_post("/cancel", cancel)
     app.on_cleanup.append(close)
     return app
 
@@ -110,7 +126,7 @@ def completion_body(model_id: str, f) -> dict:
     return {
         "id": f"cmpl-{f.request_id}", "object": "text_completion", "created": int(time.time()), "model": model_id,
         "choices": [{"index": 0, "text": " ".join(map(str, f.tokens)), "token_ids": f.tokens, "logprobs": None,
-                     "finish_reason": "length"}],
+                     "finish_reason": "abort" if getattr(f, "cancelled", False) else "length"}],
         "usage": {"prompt_tokens": f.prompt_tokens, "completion_tokens": len(f.tokens),
                   "total_tokens": f.prompt_tokens + len(f.tokens)},
         "metrics": {"queued_s": f.queued_s, "started_s": f.started_s, "token_s": f.token_s},

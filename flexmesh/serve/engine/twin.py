@@ -34,15 +34,20 @@ _ONE = {"mm_efficiency": 1.0, "attn_efficiency": 1.0, "intra_efficiency": 1.0, "
         "a2a_intra_efficiency": 1.0, "a2a_inter_efficiency": 1.0}
 
 
-def engine_knobs(cfg: EngineConfig) -> EngineKnobs:
-    """The simulator's knobs of an engine (see the module doc)."""
-    return EngineKnobs(max_seqs=cfg.max_requests_per_batch, max_batched_tokens=cfg.max_batch_tokens,
+def engine_knobs(cfg: EngineConfig, max_running: int | None = None) -> EngineKnobs:
+    """The simulator's knobs of an engine (see the module doc); ``max_running``: the router's cap on requests
+    sent to it at once, where it is below the engine's own."""
+    seqs = min(cfg.max_requests_per_batch, max_running or cfg.max_requests_per_batch)
+    return EngineKnobs(max_seqs=seqs, max_batched_tokens=max(cfg.max_batch_tokens, seqs),
                        block_tokens=cfg.page_size, memory_fraction=1.0, prefix_caching=cfg.block_sharing,
                        kv_blocks=cfg.num_blocks)
 
 
-def twin_fleet(cfg: EngineConfig, engines: int, timing: IterationTiming) -> Fleet:
-    """A simulated fleet of ``engines`` aggregated replicas of ``cfg``, priced by ``timing``.
+def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: IterationTiming,
+               max_running: int | list[int] | None = None) -> Fleet:
+    """A simulated fleet of ``engines`` aggregated replicas of ``cfg`` (or one per config of a list), priced by
+    ``timing``, each admitting at most ``max_running`` requests at once (the router's cap; one per engine or one
+    for all).
 
     >>> class Flat:
     ...     def iteration_s(self, batch):
@@ -54,12 +59,16 @@ def twin_fleet(cfg: EngineConfig, engines: int, timing: IterationTiming) -> Flee
     >>> [r.kv_tokens for r in out.replicas], round(out.records[0].first_token_s - out.records[0].arrival_s, 3)
     ([1024, 1024], 0.01)
     """
-    model = parse_model(cfg.model)
-    memory = 2.0 * cfg.num_blocks * cfg.page_size * kv_bytes_per_token(model) / 2**30 + 64.0
+    cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * engines
+    caps = max_running if isinstance(max_running, list) else [max_running] * len(cfgs)
+    engines = len(cfgs)
+    model = parse_model(cfgs[0].model)
+    memory = 2.0 * max(c.num_blocks * c.page_size for c in cfgs) * kv_bytes_per_token(model) / 2**30 + 64.0
     dev = DeviceSpec(name="local-engine", peak_tflops={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, memory_gib=memory,
                      hbm_gbps=1.0, nvlink_gbps=1.0, node_net_gbps=1.0, intra_latency_us=1.0, inter_latency_us=1.0,
                      framework_reserve_gib=0.0, allocator_headroom=0.0, source="placeholder: priced by a profile",
                      **_ONE)
     cluster = MixedCluster((ClusterSpec(nodes=1, devices_per_node=engines, device=dev),))
     replicas = place(tuple(ReplicaSpec(group=0) for _ in range(engines)), cluster)
-    return Fleet(model, cluster, replicas, knobs={0: engine_knobs(cfg)}, timing=lambda r: timing)
+    knobs = tuple(engine_knobs(c, m) for c, m in zip(cfgs, caps))
+    return Fleet(model, cluster, replicas, knobs={0: knobs[0]}, timing=lambda r: timing, replica_knobs=knobs)

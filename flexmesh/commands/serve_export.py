@@ -1,0 +1,69 @@
+"""``flexmesh serve export``: a serving plan as launch commands for vLLM and SGLang and the configuration of
+flexmesh's router in front of them, each command checked by the engine's own argument parser where it is
+importable (docs/cli-serve.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flexmesh.commands.args import folder, nonneg_int
+from flexmesh.serve.queues import QUEUES
+
+
+def add_parser(kinds) -> argparse.ArgumentParser:
+    p = kinds.add_parser("export", help="a serving plan as vLLM / SGLang launch commands and a router config",
+                         description="Write a serving plan as launch commands for vLLM (`vllm serve`) and SGLang "
+                                     "(`sglang.launch_server`), one engine per replica with the plan's tp, pp and "
+                                     "knobs, and the configuration of flexmesh's router in front of them; each "
+                                     "command is checked by the engine's own argument parser where it is "
+                                     "importable, else the output says it was not checked.")
+    p.add_argument("--plan", required=True, metavar="PLAN", help="a serving plan (flexmesh serve plan --out)")
+    p.add_argument("--engine", choices=("vllm", "sglang", "both"), default="both", help="which engines' commands")
+    p.add_argument("--model-path", help="the model's weights as the engines load them (default: the plan's model "
+                   "name)")
+    p.add_argument("--host", default="127.0.0.1", help="the address each engine listens on (0.0.0.0 for a router "
+                   "on another node)")
+    p.add_argument("--base-port", type=nonneg_int, default=8100, help="replica K listens on this + K")
+    p.add_argument("--queue", choices=QUEUES, default="fcfs", help="the router's queue policy in the config")
+    p.add_argument("--vllm-python", help="the Python whose vllm checks the vLLM commands (default: this one)")
+    p.add_argument("--sglang-python", help="the Python whose sglang checks the SGLang commands (default: this one)")
+    p.add_argument("--out", type=folder, help="write launch-vllm.sh, launch-sglang.sh and router.json here")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from flexmesh.files import make_folder, write_atomic
+    from flexmesh.serve.export import check_launches, launch_script, router_config, sglang_launches, vllm_launches
+    from flexmesh.serve.plan.fileformat import load_plan
+
+    plan = load_plan(args.plan)
+    plan.check()
+    model = args.model_path or plan.models[0]
+    engines = ("vllm", "sglang") if args.engine == "both" else (args.engine,)
+    made = {"vllm": vllm_launches, "sglang": sglang_launches}
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        make_folder(out)
+    first = None
+    for engine in engines:
+        launches = made[engine](plan, model, args.base_port, args.host)
+        first = first or launches
+        checked = check_launches(engine, launches, getattr(args, f"{engine}_python"))
+        print(f"{engine}: {len(launches)} engine(s); {checked}", file=sys.stderr)
+        script = launch_script(engine, launches, checked)
+        if out is not None:
+            write_atomic(out / f"launch-{engine}.sh", script)
+        else:
+            print(script)
+    assert first is not None
+    config = json.dumps(router_config(plan, first, args.queue), indent=1) + "\n"
+    if out is not None:
+        write_atomic(out / "router.json", config)
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        print(config)
+    return 0

@@ -1,0 +1,390 @@
+"""``flexmesh serve plan``: the cheapest deployment that meets the SLO on the GPUs one can get.
+
+Prices every replica configuration (device type, tp x pp, role, engine knobs) per length bucket of the
+workload, solves the deployment MILP (replica counts, routing per bucket, prefill-to-decode hand-offs over
+the links, availability, budget), scores the candidates in the simulator, repairs the best by local moves,
+and writes the serving plan; optionally against its baselines (best single GPU type, Mélange-style,
+DistServe-style, one type per phase, round-robin), each scored by the same simulator. ``--check PLAN``
+validates a plan file. See docs/serve-plan.md and docs/cli-serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+from flexmesh.commands.args import DEFAULT_CLUSTER, DefaultsHelpFormatter, folder, fraction, nonempty, positive_float
+from flexmesh.commands.args import positive_int as whole_positive
+from flexmesh.console import plain_console
+from flexmesh.cost.inference.memory import kv_capacity
+from flexmesh.cost.inference.overhead import parse_overhead
+from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window
+from flexmesh.errors import SpecError
+from flexmesh.files import make_folder, write_atomic
+from flexmesh.report.serving import plan_report_png
+from flexmesh.serve.metrics import parse_slo
+from flexmesh.serve.plan.baselines import Baseline, all_baselines, ratio
+from flexmesh.serve.plan.capacity import Pricing, ReplicaConfig
+from flexmesh.serve.plan.cascade import plan_cascade, single_models
+from flexmesh.serve.plan.fileformat import ServingPlan, load_plan, save_plan
+from flexmesh.serve.plan.planner import PlanInputs, PlanResult
+from flexmesh.serve.plan.quality import QualityCurve, parse_quality
+from flexmesh.serve.plan.search import REPAIR_ROUNDS, plan
+from flexmesh.serve.plan.workload import bucket_workload, buckets_from_trace, parse_buckets
+from flexmesh.spec.cluster import parse_mixed_cluster
+from flexmesh.spec.model import parse_model
+from flexmesh.spec.prices import gpu_prices, parse_price_overrides
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.console import Console
+
+SERVE_MODEL = "llama3.1-8b"
+# Requests of the trace the plans are scored on (its first ones, their arrival times scaled to each rate).
+SCORE_REQUESTS = 3000
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="plan the cheapest deployment that meets an SLO on the GPUs one can get",
+                       description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--check", metavar="PLAN", help="validate a serving plan file (one line per error) and exit")
+    p.add_argument("--model", default=SERVE_MODEL, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
+    c = p.add_argument_group("cascade (two models in order; the quality curve is yours)")
+    c.add_argument("--cascade", metavar="M1,M2", help="plan a cascade of these two models instead of --model")
+    c.add_argument("--quality", metavar="F:Q,...", help="the cascade's quality against the escalated fraction, e.g. "
+                   "0:0.66,0.5:0.78,1:0.8")
+    c.add_argument("--quality-target", type=float, metavar="Q", help="the quality the cascade must reach")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER, type=nonempty,
+                   help="the devices one can get: NODESxPERNODExDEVICE groups joined by '+', or a cluster file")
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake, or a CSV/JSONL file")
+    w.add_argument("--buckets", metavar="P:O=SHARE,...", help="length buckets instead of a trace (synthetic Poisson "
+                   "arrivals for the simulator), e.g. 512:128=0.75,4096:256=0.25")
+    w.add_argument("--block-tokens", type=whole_positive, default=None, metavar="N",
+                   help="tokens per prefix block id of a plain trace")
+    w.add_argument("--window", metavar="START:END", help="only the trace's requests arriving in [START, END) s")
+    w.add_argument("--requests", type=whole_positive, default=SCORE_REQUESTS, metavar="N",
+                   help="requests the plans are scored on (the trace's first ones)")
+    w.add_argument("--fit-context", action="store_true", help="scale lengths so the longest fits the context")
+    w.add_argument("--prompt-edges", metavar="T,...", help="bucket edges in prompt tokens (default: powers of two "
+                   "from 256, small buckets merged)")
+    w.add_argument("--output-edges", metavar="T,...", help="also split buckets by output tokens (routes by the "
+                   "trace's output lengths: an oracle)")
+    g = p.add_argument_group("objective (one of)")
+    g.add_argument("--budget", type=positive_float, metavar="USD_PER_HOUR", help="the most goodput within this")
+    g.add_argument("--rate", type=positive_float, metavar="REQ_PER_S", help="the cheapest plan serving this rate")
+    s = p.add_argument_group("SLO, prices, engine")
+    s.add_argument("--slo", default="ttft=2,tpot=100ms", help="bounds each request should meet (ttft, tpot, e2e)")
+    s.add_argument("--attainment", type=fraction, default=0.9, help="fraction of requests meeting the SLO")
+    s.add_argument("--prices", metavar="FILE", help="GPU prices (TOML/JSON, as flexmesh/spec/presets/prices.toml)")
+    s.add_argument("--price", metavar="DEVICE=USD,...", help="GPU prices per GPU-hour, overriding the presets")
+    s.add_argument("--engine-overhead", default="vllm", metavar="PRESET|MS[,MS]",
+                   help="per-iteration engine overhead: a preset or FIXED_MS[,PER_REQUEST_MS]")
+    r = p.add_argument_group("search")
+    r.add_argument("--repair", type=int, default=REPAIR_ROUNDS, metavar="N",
+                   help="rounds of local moves judged by the simulator (0: none)")
+    r.add_argument("--no-simulate", action="store_true", help="the MILP's plan only, not scored by the simulator")
+    r.add_argument("--baselines", action="store_true", help="also plan and score the baselines")
+    o = p.add_argument_group("output")
+    o.add_argument("--explain", action="store_true", help="say why: each group's capacity per bucket and its load")
+    o.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    o.add_argument("--out", type=folder, metavar="DIR", help="write plan.json, report.md and report.png here")
+    p.set_defaults(func=run)
+    return p
+
+
+@dataclass(frozen=True)
+class PlanJob:
+    """The command line resolved."""
+
+    inputs: PlanInputs
+    workload: Workload | None  # what the plans are scored on (None: --no-simulate)
+    workload_at: Callable[[float], Workload] | None
+    quality: QualityCurve | None
+    quality_target: float | None
+    repair: int
+    baselines: bool
+
+
+def _ints(text: str | None, what: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        vals = ()
+    if not vals or any(v < 1 for v in vals) or any(b <= a for a, b in zip(vals, vals[1:])):
+        raise SpecError(f"{what} {text!r} is not a rising list of whole token counts (e.g. 512,2048,8192)")
+    return vals
+
+
+def resolve(args: argparse.Namespace) -> PlanJob:
+    models = tuple(m.strip() for m in args.cascade.split(",")) if args.cascade else (args.model,)
+    if args.cascade and (len(models) != 2 or args.quality is None or args.quality_target is None):
+        raise SpecError("--cascade takes two models (M1,M2) and needs --quality and --quality-target")
+    if not args.cascade and (args.quality or args.quality_target is not None):
+        raise SpecError("--quality and --quality-target describe a cascade; give --cascade M1,M2")
+    specs = [parse_model(m) for m in models]
+    if (args.budget is None) == (args.rate is None):
+        raise SpecError("give one objective: --budget USD_PER_HOUR (the most goodput within it) or --rate REQ_PER_S "
+                        "(the cheapest plan serving it)")
+    slo = parse_slo(args.slo)
+    cluster = parse_mixed_cluster(args.cluster)
+    table = gpu_prices(args.prices, parse_price_overrides(args.price) if args.price else None)
+    missing = sorted({g.device.name for g in cluster.groups} - set(table))
+    if missing:
+        raise SpecError(f"no price for {', '.join(missing)}; give --price DEVICE=USD_PER_GPU_HOUR")
+    prices = {g.device.name: table[g.device.name].usd_per_hour for g in cluster.groups}
+    workload: Workload | None
+    record: dict
+    if args.buckets:
+        buckets = parse_buckets(args.buckets)
+        rate = args.rate or 10.0
+        workload = bucket_workload(buckets, rate, args.requests)
+        record = {"buckets": args.buckets, "requests": args.requests}
+    else:
+        base = load_trace(args.trace, args.block_tokens or 0)
+        if args.window:
+            lo, sep, hi = args.window.partition(":")
+            try:
+                start, end = float(lo or 0), float(hi) if hi else math.inf
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise SpecError(f"--window {args.window!r} is not START:END in seconds (e.g. 0:600)")
+            base = window(base, start, end)
+        named = base.name
+        base = window(base, first=args.requests)
+        base = replace(base, name=f"{named} (first {len(base):,} requests)")
+        if args.fit_context:
+            base = scale_to_context(base, min(m.max_position for m in specs))
+        if base.rate <= 0:
+            raise SpecError(f"the trace {base.name!r} has no arrival rate to scale; give --buckets instead")
+        workload = base
+        buckets = buckets_from_trace(base, _ints(args.prompt_edges, "--prompt-edges"),
+                                     _ints(args.output_edges, "--output-edges") or (), args.attainment)
+        record = {"trace": args.trace, "window": args.window, "requests": len(base),
+                  "fit_context": bool(args.fit_context)}
+    w = workload
+    if args.buckets:
+        def workload_at(r: float) -> Workload:
+            return bucket_workload(buckets, r, args.requests)
+    else:
+        def workload_at(r: float) -> Workload:
+            return at_rate(w, r)
+    quality = parse_quality(args.quality) if args.quality else None
+    inputs = PlanInputs(models, args.cluster, buckets, slo, prices, args.attainment, args.budget, args.rate,
+                        (1.0,) * len(models) if not args.cascade else (1.0, 0.0),
+                        overhead=parse_overhead(args.engine_overhead), workload=record)
+    if args.repair < 0:
+        raise SpecError(f"--repair {args.repair} is not a number of rounds >= 0")
+    return PlanJob(inputs, None if args.no_simulate else workload, None if args.no_simulate else workload_at,
+                   quality, args.quality_target, args.repair, args.baselines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.check:
+        return _check(args)
+    job = resolve(args)
+    err = plain_console(stderr=True)
+    say = (lambda text: err.print(text)) if err.is_terminal else (lambda text: None)
+    cascade = None
+    single: PlanResult | None = None
+    if job.quality is not None:
+        assert job.quality_target is not None
+        cascade = plan_cascade(job.inputs, job.quality, job.quality_target, job.workload_at, repair=job.repair,
+                               progress=say)
+        result = cascade.result
+        alone = single_models(job.quality, job.quality_target, job.inputs.models)
+        if alone:
+            single = plan(replace(job.inputs, models=(alone[-1],), tiers=(1.0,)), job.workload_at, repair=job.repair,
+                          progress=say)
+    else:
+        result = plan(job.inputs, job.workload_at, repair=job.repair, progress=say)
+    baselines: list[Baseline] = []
+    if job.baselines:
+        if job.workload_at is None or result.score is None or result.planner is None:
+            raise SpecError("--baselines are scored by the simulator; drop --no-simulate")
+        if cascade is not None:
+            raise SpecError("--baselines compare single-model plans; a cascade is compared with its best single "
+                            "model already")
+        say("planning and scoring the baselines")
+        baselines = all_baselines(result.planner, result.plan, result.score, job.workload_at)
+    doc = _document(job, result, baselines, cascade, single)
+    if args.out:
+        _write(Path(args.out), job, result, baselines, single, doc)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    out = plain_console()
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out.width = max(out.width, 132)
+    _print(out, job, result, baselines, cascade, single, args.explain)
+    return 0
+
+
+# ---- --check ------------------------------------------------------------------------------------------------
+def _check(args: argparse.Namespace) -> int:
+    plan_ = load_plan(args.check)
+    notes = plan_.check()
+    out = plain_console()
+    out.print(f"{args.check}: a valid serving plan of {', '.join(plan_.models)} on {plan_.cluster}: {plan_.layout} "
+              f"(${plan_.dollars_per_hour:,.2f}/h)")
+    for n in notes:
+        out.print(f"note: {n}")
+    if args.explain:
+        _explain(out, plan_)
+    return 0
+
+
+def _explain(console: Console, p: ServingPlan, planned: PlanResult | None = None) -> None:
+    """Each replica group's capacity per bucket (one replica, at the SLO) and the share of the bucket it takes."""
+    models = p.model_specs()
+    pricing = Pricing(models, p.mixed_cluster(), quantile=p.attainment)
+    t = Table(title="why: each group's capacity per bucket (req/s per replica within the SLO, and what bounds it) "
+                    "and the share of the bucket it takes", title_justify="left")
+    t.add_column("group")
+    for b in p.buckets.buckets:
+        t.add_column(f"{b.label} ({b.share:.0%})", justify="right")
+    cluster = p.mixed_cluster()
+    for g in p.groups:
+        k = g.knobs
+        cap = kv_capacity(models[g.model], cluster.groups[g.group].device, g.tp, g.pp, k.max_batched_tokens,
+                          k.max_seqs, k.block_tokens, k.memory_fraction)
+        cfg = ReplicaConfig(g.model, g.group, g.tp, g.pp, g.role, k, (k.kv_blocks or cap.blocks) * k.block_tokens)
+        shares = g.decode if g.role == "decode" else g.entry
+        cells = []
+        for b, share in zip(p.buckets.buckets, shares):
+            c = pricing.capacity(cfg, b, p.slo)
+            cells.append("-" if b.share <= 0 else f"{c.rate:.3g} {c.bound}, {share:.0%}")
+        t.add_row(g.label if len(models) == 1 else f"{p.models[g.model]}: {g.label}", *cells)
+    console.print(t)
+    if planned is not None:
+        for cand in planned.candidates:
+            if cand.solution is not None and cand.solution.gap is not None:
+                console.print(f"MILP {cand.name}: rate {cand.solution.rate:.4g} req/s, within "
+                              f"{cand.solution.gap:.1%} of its linear relaxation's {cand.solution.bound:.4g}")
+        for m in planned.moves:
+            console.print(f"repair {m}")
+
+
+# ---- output ---------------------------------------------------------------------------------------------------
+def _score_json(s) -> dict | None:  # noqa: ANN001
+    if s is None:
+        return None
+    return {"goodput": s.goodput, "bounded": s.bounded, "dollars_per_hour": s.dollars_per_hour,
+            "goodput_per_dollar": s.per_dollar, "rates": [p.rate for p in s.points]}
+
+
+def _document(job: PlanJob, result: PlanResult, baselines: list[Baseline], cascade, single) -> dict:  # noqa: ANN001
+    d = {"plan": result.plan.to_dict(), "score": _score_json(result.score),
+         "candidates": [{"name": c.name, "layout": c.plan.layout, "milp_rate": c.solution.rate if c.solution else None,
+                         "milp_gap": c.solution.gap if c.solution else None, "score": _score_json(c.score)}
+                        for c in result.candidates],
+         "repair": list(result.moves), "notes": list(result.notes),
+         "timing": {"plan_s": result.plan_s, "simulate_s": result.simulate_s, "configurations": result.configs}}
+    if baselines:
+        d["baselines"] = [{"name": b.name, "layout": b.best.plan.layout if b.best else None,
+                           "score": _score_json(b.best.score) if b.best else None, "why": b.why,
+                           "plan_over_baseline": ratio(result.score, b.best.score) if b.best else None}
+                          for b in baselines]
+    if cascade is not None:
+        d["cascade"] = {"escalated": cascade.escalated, "split": cascade.split,
+                        "single_model": None if single is None else {"model": single.plan.models[0],
+                                                                     "layout": single.plan.layout,
+                                                                     "score": _score_json(single.score)},
+                        "over_single_model": None if single is None else ratio(result.score, single.score)}
+    return d
+
+
+def _write(out: Path, job: PlanJob, result: PlanResult, baselines: list[Baseline], single, doc: dict) -> None:  # noqa: ANN001
+    make_folder(out)
+    save_plan(result.plan, out / "plan.json")
+    write_atomic(out / "report.json", json.dumps(doc, indent=1) + "\n")
+    lines = [f"# Serving plan: {', '.join(result.plan.models)} on {result.plan.cluster}", "",
+             f"{result.plan.layout}", "", "| plan | goodput (req/s) | $/h | goodput per $/h | plan's over it |",
+             "|---|---|---|---|---|"]
+    entries = []
+    rows = [("planner", result.score, result.plan)]
+    rows += [(b.name, b.best.score, b.best.plan) for b in baselines if b.best is not None]
+    if single is not None:
+        rows.append((f"{single.plan.models[0]} alone", single.score, single.plan))
+    for name, s, p in rows:
+        if s is None:
+            continue
+        lines.append(f"| {name}: {p.layout} | {s.goodput:.4g} | {s.dollars_per_hour:.2f} | {s.per_dollar:.4g} | "
+                     f"{ratio(result.score, s):.2f}x |")
+        entries.append((name, s.per_dollar, [(pt.rate, pt.summary) for pt in s.points]))
+    write_atomic(out / "report.md", "\n".join(lines) + "\n")
+    if entries:
+        plan_report_png(entries, out / "report.png", job.inputs.attainment,
+                        f"{', '.join(result.plan.models)} on {result.plan.cluster}; SLO {job.inputs.slo}")
+
+
+def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[Baseline], cascade, single,  # noqa: ANN001
+           explain: bool) -> None:
+    i, p = job.inputs, result.plan
+    objective = f"the most goodput within ${i.budget:,.2f}/h" if i.budget is not None else \
+        f"the cheapest plan serving {i.rate:g} req/s"
+    console.print(f"{', '.join(i.models)} on {p.cluster}; {i.buckets.source} in {len(i.buckets)} buckets; SLO {i.slo} "
+                  f"for {i.attainment:.0%} of requests; {objective}")
+    if cascade is not None:
+        console.print(f"cascade: {cascade.escalated:.1%} of requests escalated (the least reaching quality "
+                      f"{job.quality_target:g}), the first stage given {cascade.split:.0%} of the end-to-end bound")
+    t = Table(title="plan", title_justify="left")
+    for col in ("group", "devices", "$/h", "buckets taken (share of each)"):
+        t.add_column(col, justify="right" if col in ("devices", "$/h") else "left")
+    for g in p.groups:
+        shares = g.decode if g.role == "decode" else g.entry
+        taken = ", ".join(f"{b.label} {s:.0%}" for b, s in zip(p.buckets.buckets, shares) if s > 0.005)
+        name = g.label if len(p.models) == 1 else f"{p.models[g.model]}: {g.label}"
+        t.add_row(name, str(g.devices), f"{g.devices * p.prices.get(g.device, math.nan):,.2f}",
+                  ("decodes " if g.role == "decode" else "") + (taken or "none"))
+    console.print(t)
+    t = Table(title="candidates (MILP rate; simulated goodput)", title_justify="left")
+    for col in ("candidate", "MILP req/s", "goodput req/s", "$/h", "goodput per $/h"):
+        t.add_column(col, justify="left" if col == "candidate" else "right")
+    for c in result.candidates:
+        s = c.score
+        t.add_row(f"{c.name}: {c.plan.layout}", f"{c.solution.rate:.4g}" if c.solution else "-",
+                  f"{s.goodput:.4g}" if s else "-", f"{c.plan.dollars_per_hour:,.2f}",
+                  f"{s.per_dollar:.4g}" if s else "-")
+    console.print(t)
+    if baselines or single is not None:
+        t = Table(title="against the baselines, each scored by the same simulator", title_justify="left")
+        for col in ("baseline", "goodput req/s", "$/h", "goodput per $/h", "plan over it"):
+            t.add_column(col, justify="left" if col == "baseline" else "right")
+        for b in baselines:
+            if b.best is None or b.best.score is None:
+                t.add_row(f"{b.name}: {b.why}", "-", "-", "-", "-")
+                continue
+            s = b.best.score
+            t.add_row(f"{b.name}: {b.best.plan.layout}", f"{s.goodput:.4g}", f"{s.dollars_per_hour:,.2f}",
+                      f"{s.per_dollar:.4g}", f"{ratio(result.score, s):.2f}x")
+        if single is not None and single.score is not None:
+            s = single.score
+            t.add_row(f"{single.plan.models[0]} alone: {single.plan.layout}", f"{s.goodput:.4g}",
+                      f"{s.dollars_per_hour:,.2f}", f"{s.per_dollar:.4g}", f"{ratio(result.score, s):.2f}x")
+        console.print(t)
+    for m in result.moves:
+        console.print(f"repair {m}")
+    for n in result.notes:
+        console.print(f"note: {n}")
+    if result.score is not None:
+        s = result.score
+        console.print(f"goodput {s.goodput:.4g} req/s at ${s.dollars_per_hour:,.2f}/h ({s.per_dollar:.4g} req/s per "
+                      f"$/h); planned from {result.configs} configurations, {result.plan_s:.2f} s; scored in "
+                      f"{result.simulate_s:.1f} s")
+    else:
+        console.print(f"MILP rate {p.predicted.get('rate', 0):.4g} req/s at ${p.dollars_per_hour:,.2f}/h (not "
+                      f"simulated); planned from {result.configs} configurations, {result.plan_s:.2f} s")
+    if explain:
+        _explain(console, p, result)

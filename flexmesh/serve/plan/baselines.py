@@ -1,0 +1,163 @@
+"""The deployments the planner is compared with, each written as a serving plan and scored by the same simulator.
+
+Each baseline is planned by the same MILP restricted to what that approach may do (so each gets the
+configurations, engine knobs and routing its own method would choose: its knobs swept, never set against it)
+and judged by the same simulator on the same workload, its best variant kept:
+
+- **best single GPU type**: aggregated replicas of one device type (every tp and batched-token budget the
+  type allows), the best type;
+- **Mélange-style** (2404.14527): a mix of device types chosen per length bucket, aggregated replicas only;
+- **DistServe-style** (OSDI'24): prefill and decode replicas, each phase its own tp and knobs, on one device
+  type, the best type;
+- **one type per phase** (AIConfigurator's ``--decode_system``): prefill on one device type, decode on
+  another, the best pair (the pairs the MILP ranks highest are simulated);
+- **round-robin**: the planner's own replicas with requests spread in turn, not by bucket.
+
+Within a bucket's shares each plan is routed in proportion and by least work; the better is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from flexmesh.data.requests import Workload
+from flexmesh.errors import FlexmeshError, PlanError
+from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.plan.planner import Candidate, Planner
+from flexmesh.serve.plan.score import Score, score
+from flexmesh.serve.plan.search import _better
+
+# Pairs of device types (prefill, decode) simulated for the one-type-per-phase baseline: the MILP's best ones.
+PAIRS_SIMULATED = 3
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A baseline's best plan and every variant of it the simulator scored (``best`` None: it has no plan
+    here, ``why`` says why)."""
+
+    name: str
+    best: Candidate | None
+    tried: tuple[Candidate, ...]
+    why: str = ""
+
+
+def _solved(planner: Planner, name: str, cols: Sequence[int]) -> Candidate | None:
+    i = planner.inputs
+    if not cols:
+        return None
+    try:
+        s = planner.solve(cols, budget=i.budget, rate=i.rate)
+    except PlanError:
+        return None
+    if s.rate <= 0 or not s.counts.any():
+        return None
+    return Candidate(name, planner.to_plan(cols, s), s)
+
+
+def _routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Planner,
+            target: float | None) -> list[Candidate]:
+    """``c`` scored with each routing policy inside its buckets' shares."""
+    out = []
+    start = c.solution.rate if c.solution is not None else 1.0
+    for policy in ("weights", "least-work"):
+        p = replace(c.plan, routing=policy)
+        s = score(p, workload_at, start, planner.overhead)
+        start = s.goodput or start
+        out.append(Candidate(f"{c.name}, {policy}", p, c.solution, s))
+    return out
+
+
+def _best(name: str, tried: list[Candidate], target: float | None, why: str) -> Baseline:
+    best: Candidate | None = None
+    for c in tried:
+        assert c.score is not None
+        if best is None or _better(c.score, best.score, target):
+            best = c
+    return Baseline(name, best, tuple(tried), "" if best is not None else why)
+
+
+def single_type(planner: Planner, workload_at: Callable[[float], Workload]) -> Baseline:
+    """Aggregated replicas of one device type, the best type."""
+    tried: list[Candidate] = []
+    target = planner.inputs.rate
+    for g, group in enumerate(planner.cluster.groups):
+        c = _solved(planner, f"{group.device.name} only", planner.columns(("aggregated",), groups=[g]))
+        if c is not None:
+            tried += _routed(c, workload_at, planner, target)
+    return _best("best single GPU type", tried, target, "no single device type serves the workload")
+
+
+def melange(planner: Planner, workload_at: Callable[[float], Workload]) -> Baseline:
+    """Device types mixed per bucket, aggregated replicas only."""
+    c = _solved(planner, "type mix per bucket", planner.columns(("aggregated",)))
+    tried = _routed(c, workload_at, planner, planner.inputs.rate) if c is not None else []
+    return _best("Mélange-style", tried, planner.inputs.rate, "no aggregated plan serves the workload")
+
+
+def distserve(planner: Planner, workload_at: Callable[[float], Workload]) -> Baseline:
+    """Prefill and decode replicas on one device type, each phase its own tp and knobs; the best type."""
+    tried: list[Candidate] = []
+    for g, group in enumerate(planner.cluster.groups):
+        c = _solved(planner, f"{group.device.name} prefill + decode", planner.columns(("prefill", "decode"),
+                                                                                       groups=[g]))
+        if c is not None:
+            tried += _routed(c, workload_at, planner, planner.inputs.rate)
+    return _best("DistServe-style", tried, planner.inputs.rate, "no device type serves both phases")
+
+
+def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
+                   simulated: int = PAIRS_SIMULATED) -> Baseline:
+    """Prefill on one device type and decode on another: the pairs the MILP ranks highest, simulated."""
+    solved: list[Candidate] = []
+    groups = planner.cluster.groups
+    for u, gu in enumerate(groups):
+        for v, gv in enumerate(groups):
+            if u == v or gu.device.name == gv.device.name:
+                continue
+            cols = planner.columns(("prefill", "decode"), prefill_groups=[u], decode_groups=[v])
+            c = _solved(planner, f"prefill {gu.device.name}, decode {gv.device.name}", cols)
+            if c is not None and any(g.role == "prefill" for g in c.plan.groups):
+                solved.append(c)
+    target = planner.inputs.rate
+
+    def rank(c: Candidate) -> float:
+        assert c.solution is not None
+        s = c.solution
+        return -s.cost if target is not None else s.rate / max(s.cost, 1e-9)
+
+    solved.sort(key=rank, reverse=True)
+    tried: list[Candidate] = []
+    for c in solved[:simulated]:
+        tried += _routed(c, workload_at, planner, target)
+    return _best("one type per phase", tried, target, "no pair of device types serves the two phases")
+
+
+def round_robin(plan: ServingPlan, workload_at: Callable[[float], Workload], start_rate: float,
+                planner: Planner) -> Baseline:
+    """The plan's own replicas, requests spread in turn over them (decodes too), not by bucket."""
+    try:
+        s = score(plan, workload_at, start_rate, planner.overhead, router="round-robin")
+    except FlexmeshError as e:
+        return Baseline("round-robin routing", None, (), f"cannot route every request in turn: {e}")
+    c = Candidate("planner's replicas, round-robin", plan, None, s)
+    return Baseline("round-robin routing", c, (c,))
+
+
+def all_baselines(planner: Planner, plan: ServingPlan, plan_score: Score,
+                  workload_at: Callable[[float], Workload]) -> list[Baseline]:
+    """Every baseline of the module doc, in its order."""
+    return [single_type(planner, workload_at), melange(planner, workload_at), distserve(planner, workload_at),
+            type_per_phase(planner, workload_at),
+            round_robin(plan, workload_at, plan_score.goodput or 1.0, planner)]
+
+
+def ratio(a: Score | None, b: Score | None) -> float:
+    """Goodput per dollar of ``a`` over ``b`` (inf when ``b`` serves nothing, NaN when either is missing)."""
+    if a is None or b is None:
+        return math.nan
+    if b.per_dollar <= 0:
+        return math.inf if a.per_dollar > 0 else math.nan
+    return a.per_dollar / b.per_dollar

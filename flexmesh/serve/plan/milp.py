@@ -1,0 +1,451 @@
+"""The deployment MILP: how many replicas of each configuration, and which share of each bucket goes where.
+
+The formulation of "Demystifying cost-efficiency in LLM serving over heterogeneous GPUs" (2502.00722: GPU
+mix, deployment configurations and workload assignment under budget and availability) with
+prefill/decode disaggregation bounded by the links between device groups (HexGen-2's pairing), solved by
+HiGHS through :func:`scipy.optimize.milp`. Columns are configurations ``c`` (a model, a device group, its
+devices, a role); rows are buckets ``b``. Variables:
+
+- ``n[c]``: replicas of ``c`` (whole numbers);
+- ``x[c, b]``: requests per second of bucket ``b`` entering at ``c`` (an aggregated or a prefill replica);
+- ``y[c, b]``: requests per second of bucket ``b`` decoded at a decode replica ``c``;
+- ``f[m, b, g, h]``: requests per second of model ``m``'s bucket ``b`` prefilled on group ``g`` and decoded on
+  group ``h`` (their KV moved over the link between them);
+- ``rate``: the request rate served (maximised), or given (the cost is minimised).
+
+Constraints: every bucket's demand ``demand[m, b] x rate`` enters somewhere; a replica is busy at most all the
+time (``sum_b x[c, b] / capacity[c, b] <= n[c]``, the same for decodes); a prefill group's requests of a bucket
+(that decodes at all) flow to decode groups and every decode group decodes what flows in; the KV bytes a
+second over each link between two groups stay within it; devices per group within what is available; the
+price within the budget.
+
+Mélange's bucket ILP (2404.14527) is the special case without prefill/decode: aggregated columns only, a given
+rate, each bucket cut in ``slices`` equal slices each sent whole to one configuration (``slices``), the cost
+minimised.
+
+>>> import numpy as np
+>>> cols = Columns(model=[0, 0], group=[0, 1], devices=[1, 1], role=["aggregated", "aggregated"])
+>>> # Mélange's published example (melange-release, melange/main.py): A10G $1.01/h, A100 $3.67/h, 16 req/s
+>>> tputs = np.array([[5, 1, 10, 5], [20, 2, 50, 20]], dtype=float)  # per bucket, requests/s per GPU
+>>> problem = Problem(cols, tputs, demand=np.array([[0.25, 0.125, 0.375, 0.25]]), available=[10**6, 10**6],
+...                   price=[1.01, 3.67], rate=16.0, slices=1)
+>>> s = solve(problem)
+>>> s.counts.tolist(), round(s.cost, 2)
+([5, 0], 5.05)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from flexmesh.errors import PlanError
+
+# HiGHS's relative MIP gap: a plan within 2% of the best the model allows (the analytic capacities are not
+# that exact; the simulator judges the plans).
+MIP_GAP = 2e-2
+# Seconds HiGHS may take per solve: a safety net (plans are meant not to depend on it).
+TIME_LIMIT_S = 20.0
+# The quick solve runs the whole MILP (beside the one over the relaxation's configurations) up to this many
+# configurations: beyond, HiGHS takes seconds to close the gap the relaxation leaves, for a percent or two.
+WHOLE_MILP_COLUMNS = 24
+# The second solve (the first plan's idle replicas trimmed) keeps this share of the rate found first.
+RATE_KEPT = 1 - 1e-4
+
+
+@dataclass(frozen=True)
+class Columns:
+    """What the MILP needs of each configuration: its model (tier), device group, devices, role, and the shape
+    of its weights (replicas of one shape may change role without moving them: the fast re-plan)."""
+
+    model: Sequence[int]
+    group: Sequence[int]
+    devices: Sequence[int]
+    role: Sequence[str]
+    shape: Sequence[Hashable] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.model)
+        if not (len(self.group) == len(self.devices) == len(self.role) == n) or (self.shape and len(self.shape) != n):
+            raise PlanError("configuration columns of unequal lengths")
+
+    def __len__(self) -> int:
+        return len(self.model)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One MILP: ``capacity[c, b]`` requests/s one replica of ``c`` serves of bucket ``b`` (0: it cannot);
+    ``demand[m, b]`` model ``m``'s bucket ``b`` as a share of the rate; per device group the devices
+    ``available`` and the ``price`` per device-hour; ``kv_bytes[m, b]`` what one request's hand-off moves and
+    ``link_bytes_per_s[g, h]`` the link between groups; ``decodes[m, b]`` whether the bucket decodes at all
+    (more than one output token). ``rate`` given: the cheapest plan serving it; else the highest rate within
+    ``budget``. ``limits``: at most this many replicas of each weights shape (the others: none); ``counts``:
+    exactly these replicas of each configuration (what is left is the routing, a linear program)."""
+
+    columns: Columns
+    capacity: np.ndarray
+    demand: np.ndarray
+    available: Sequence[int]
+    price: Sequence[float]
+    budget: float | None = None
+    rate: float | None = None
+    kv_bytes: np.ndarray | None = None
+    link_bytes_per_s: np.ndarray | None = None
+    decodes: np.ndarray | None = None
+    slices: int | None = None
+    limits: dict[Hashable, int] | None = None
+    counts: Sequence[int] | None = None
+    time_limit_s: float = TIME_LIMIT_S
+    relaxed: bool = False  # the linear relaxation (replica counts fractional): a bound on the best plan
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A solved MILP: ``counts[c]`` replicas; ``entry[c, b]`` and ``decode[c, b]`` requests/s routed; ``flows``
+    ``{(model, bucket, g, h): requests/s}`` handed from prefill group ``g`` to decode group ``h``; the rate and
+    the price ($/h)."""
+
+    rate: float
+    counts: np.ndarray
+    entry: np.ndarray
+    decode: np.ndarray
+    flows: dict[tuple[int, int, int, int], float]
+    cost: float
+    seconds: float
+    notes: tuple[str, ...] = field(default=())
+    bound: float | None = None  # the linear relaxation's rate (or, at a given rate, its cost): no plan does better
+
+    @property
+    def gap(self) -> float | None:
+        """How far from the relaxation's bound (a fraction; 0 is proven best)."""
+        if self.bound is None or self.bound <= 0:
+            return None
+        return abs(self.bound - (self.cost if self.rate_given else self.rate)) / self.bound
+
+    rate_given: bool = False
+
+    def load(self, capacity: np.ndarray) -> np.ndarray:
+        """Per configuration, the share of its replicas' time the routed requests take (<= 1 each)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            busy = np.where(capacity > 0, (self.entry + self.decode) / np.where(capacity > 0, capacity, 1), 0)
+        return np.where(self.counts > 0, busy.sum(axis=1) / np.maximum(self.counts, 1), 0.0)
+
+
+class _Vars:
+    """Variable indices and bounds, built in order."""
+
+    def __init__(self) -> None:
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+        self.integer: list[int] = []
+
+    def add(self, lo: float, hi: float, integer: bool = False) -> int:
+        self.lo.append(lo)
+        self.hi.append(hi)
+        self.integer.append(1 if integer else 0)
+        return len(self.lo) - 1
+
+
+class _Rows:
+    """Sparse constraint rows ``lb <= a x <= ub``."""
+
+    def __init__(self) -> None:
+        self.data: list[float] = []
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+
+    def add(self, terms: dict[int, float], lb: float, ub: float) -> None:
+        r = len(self.lb)
+        for col, coef in terms.items():
+            if coef != 0:
+                self.rows.append(r)
+                self.cols.append(col)
+                self.data.append(coef)
+        self.lb.append(lb)
+        self.ub.append(ub)
+
+    def constraint(self, nvars: int) -> LinearConstraint:
+        a = sp.csr_array((self.data, (self.rows, self.cols)), shape=(len(self.lb), nvars))
+        return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
+
+
+def solve(problem: Problem) -> Solution:
+    """The best plan of ``problem`` (PlanError in one line when none exists)."""
+    t0 = time.perf_counter()
+    p = problem
+    cols = p.columns
+    nc = len(cols)
+    cap = np.asarray(p.capacity, dtype=float)
+    demand = np.atleast_2d(np.asarray(p.demand, dtype=float))
+    nm, nb = demand.shape
+    ng = len(p.available)
+    if cap.shape != (nc, nb):
+        raise PlanError(f"capacity is {cap.shape}, expected {(nc, nb)} (configurations x buckets)")
+    decodes = np.ones((nm, nb), bool) if p.decodes is None else np.asarray(p.decodes, bool)
+    if p.rate is None and p.budget is None and not p.limits and p.counts is None:
+        raise PlanError("give a rate to serve at the least cost, or a budget to serve the most within")
+    if p.slices is not None and (p.rate is None or p.slices < 1):
+        raise PlanError("slices (Mélange's whole slices of a bucket) need a given rate and at least one slice")
+    price = [float(x) for x in p.price]
+    v = _Vars()
+    rows = _Rows()
+    fixed_rate = p.rate is not None
+    rate_var = -1 if fixed_rate else v.add(0.0, math.inf)
+    rate = float(p.rate) if p.rate is not None else 0.0
+
+    allowed = [True] * nc
+    if p.limits is not None:
+        if not cols.shape:
+            raise PlanError("limits by weights shape need the columns' shapes")
+        allowed = [cols.shape[c] in p.limits for c in range(nc)]
+    n_var = []
+    for c in range(nc):
+        g = cols.group[c]
+        most = p.available[g] // cols.devices[c] if allowed[c] else 0
+        if p.limits is not None and allowed[c]:
+            most = min(most, p.limits[cols.shape[c]])
+        least = 0
+        if p.counts is not None:
+            least = most = int(p.counts[c])
+            allowed[c] = most > 0
+        n_var.append(v.add(float(least), float(most), integer=True))
+
+    entry: dict[tuple[int, int], tuple[int, float]] = {}  # (c, b) -> (variable, requests/s per unit)
+    dec: dict[tuple[int, int], int] = {}
+    entry_of: dict[int, list[tuple[int, int, float]]] = {}  # c -> [(b, variable, unit)]
+    entry_in: dict[tuple[int, int], list[tuple[int, int, float]]] = {}  # (m, b) -> [(c, variable, unit)]
+    dec_of: dict[int, list[tuple[int, int]]] = {}
+    dec_in: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for c in range(nc):
+        m, role = cols.model[c], cols.role[c]
+        if not allowed[c]:
+            continue
+        for b in range(nb):
+            if cap[c, b] <= 0 or demand[m, b] <= 0:
+                continue
+            if role == "decode":
+                if decodes[m, b]:
+                    var = dec[c, b] = v.add(0.0, math.inf)
+                    dec_of.setdefault(c, []).append((b, var))
+                    dec_in.setdefault((m, b), []).append((c, var))
+                continue
+            if p.slices is not None:
+                var, unit = v.add(0.0, float(p.slices), integer=True), demand[m, b] * rate / p.slices
+            else:
+                var, unit = v.add(0.0, math.inf), 1.0
+            entry[c, b] = (var, unit)
+            entry_of.setdefault(c, []).append((b, var, unit))
+            entry_in.setdefault((m, b), []).append((c, var, unit))
+
+    prefill_groups: dict[int, list[int]] = {}
+    decode_groups: dict[int, list[int]] = {}
+    for c in range(nc):
+        if not allowed[c]:
+            continue
+        if cols.role[c] == "prefill":
+            prefill_groups.setdefault(cols.model[c], []).append(cols.group[c])
+        elif cols.role[c] == "decode":
+            decode_groups.setdefault(cols.model[c], []).append(cols.group[c])
+    pre_g = {m: sorted(set(gs)) for m, gs in prefill_groups.items()}
+    dec_g = {m: sorted(set(gs)) for m, gs in decode_groups.items()}
+    # Links bind only where a prefill group could send more KV than a link carries: elsewhere each bucket's
+    # prefills and decodes balance as a whole (fewer variables, the same plans).
+    link = None if p.link_bytes_per_s is None else np.asarray(p.link_bytes_per_s, dtype=float) / 1e9
+    kv = None if p.kv_bytes is None else np.asarray(p.kv_bytes, dtype=float) / 1e9
+    paired: set[int] = set()  # models whose hand-offs are flows between groups
+    if link is not None and kv is not None:
+        for m in range(nm):
+            for g in pre_g.get(m, ()):
+                most = sum(cap[c, b] * (p.available[g] // cols.devices[c]) * kv[m, b] for c in range(nc)
+                           if allowed[c] and cols.model[c] == m and cols.role[c] == "prefill" and cols.group[c] == g
+                           for b in range(nb) if decodes[m, b])
+                if any(h != g and most > link[g, h] for h in dec_g.get(m, ())):
+                    paired.add(m)
+    flow: dict[tuple[int, int, int, int], int] = {}
+    for m in sorted(paired):
+        for b in range(nb):
+            if demand[m, b] <= 0 or not decodes[m, b]:
+                continue
+            for g in pre_g.get(m, ()):
+                for h in dec_g.get(m, ()):
+                    flow[m, b, g, h] = v.add(0.0, math.inf)
+
+    # demand: each bucket of each model enters somewhere
+    for m in range(nm):
+        for b in range(nb):
+            if demand[m, b] <= 0:
+                continue
+            terms = {var: unit for _, var, unit in entry_in.get((m, b), ())}
+            if not terms:
+                raise PlanError(f"no configuration serves bucket {b} of model {m} within the SLO; relax the SLO, "
+                                "give faster or larger devices, or drop those requests")
+            if p.slices is not None:
+                rows.add({var: 1.0 for var in terms}, float(p.slices), float(p.slices))
+            elif fixed_rate:
+                rows.add(terms, demand[m, b] * rate, demand[m, b] * rate)
+            else:
+                rows.add({**terms, rate_var: -demand[m, b]}, 0.0, 0.0)
+    # capacity: each configuration's replicas busy at most all the time
+    for c in range(nc):
+        terms = {var: unit / cap[c, b] for b, var, unit in entry_of.get(c, ())}
+        terms.update({var: 1.0 / cap[c, b] for b, var in dec_of.get(c, ())})
+        if terms:
+            rows.add({**terms, n_var[c]: -1.0}, -math.inf, 0.0)
+    # prefill -> decode: what a group prefills of a decoding bucket flows out, what a group decodes flows in
+    for m in range(nm):
+        for b in range(nb):
+            if demand[m, b] <= 0 or not decodes[m, b] or not pre_g.get(m):
+                continue
+            if m not in paired:
+                terms = {var: unit for c, var, unit in entry_in.get((m, b), ()) if cols.role[c] == "prefill"}
+                terms.update({var: -1.0 for _, var in dec_in.get((m, b), ())})
+                rows.add(terms, 0.0, 0.0)
+                continue
+            for g in pre_g.get(m, ()):
+                terms = {var: unit for c, var, unit in entry_in.get((m, b), ())
+                         if cols.role[c] == "prefill" and cols.group[c] == g}
+                terms.update({flow[m, b, g, h]: -1.0 for h in dec_g.get(m, ())})
+                rows.add(terms, 0.0, 0.0)
+            for h in dec_g.get(m, ()):
+                terms = {var: 1.0 for c, var in dec_in.get((m, b), ()) if cols.group[c] == h}
+                terms.update({flow[m, b, g, h]: -1.0 for g in pre_g.get(m, ())})
+                rows.add(terms, 0.0, 0.0)
+    # links: KV bytes a second between two groups (in GB: HiGHS wants coefficients near 1)
+    if flow:
+        assert link is not None and kv is not None
+        over: dict[tuple[int, int], dict[int, float]] = {}
+        for (m, b, g, h), var in flow.items():
+            if g != h and math.isfinite(link[g, h]):
+                over.setdefault((g, h), {})[var] = kv[m, b]
+        for (g, h), terms in sorted(over.items()):
+            rows.add(terms, -math.inf, float(link[g, h]))
+    # devices available per group
+    for g in range(ng):
+        terms = {n_var[c]: float(cols.devices[c]) for c in range(nc) if cols.group[c] == g and allowed[c]}
+        if terms:
+            rows.add(terms, -math.inf, float(p.available[g]))
+    cost_terms = {n_var[c]: price[cols.group[c]] * cols.devices[c] for c in range(nc) if allowed[c]}
+    if p.budget is not None:
+        rows.add(cost_terms, -math.inf, float(p.budget))
+    if p.limits is not None:
+        for shape, most in p.limits.items():
+            rows.add({n_var[c]: 1.0 for c in range(nc) if allowed[c] and cols.shape[c] == shape}, -math.inf,
+                     float(most))
+
+    nvars = len(v.lo)
+    bounds = Bounds(np.array(v.lo), np.array(v.hi))
+    integrality = np.zeros(len(v.integer)) if p.relaxed else np.array(v.integer)
+    constraint = rows.constraint(nvars)
+    options = {"mip_rel_gap": MIP_GAP, "time_limit": p.time_limit_s, "disp": False}
+    cost_vec = np.zeros(nvars)
+    for var, coef in cost_terms.items():
+        cost_vec[var] = coef
+    notes: list[str] = []
+    if fixed_rate:
+        res = milp(cost_vec, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
+        _check(res, "serve the rate within the devices available" + (" and the budget" if p.budget else ""))
+    else:
+        obj = np.zeros(nvars)
+        obj[rate_var] = -1.0
+        res = milp(obj, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
+        _check(res, "serve any rate within the budget and the devices available")
+        best = float(res.x[rate_var])
+        # The cheapest plan at (nearly) that rate among these replicas: the first solve is indifferent to
+        # replicas it leaves idle. Only removing replicas is tried (a small MILP: the counts found are bounds).
+        lo, hi = np.array(v.lo), np.array(v.hi)
+        lo[rate_var] = best * RATE_KEPT
+        for c in range(nc):
+            hi[n_var[c]] = min(hi[n_var[c]], round(res.x[n_var[c]]))
+        again = milp(cost_vec, integrality=integrality, bounds=Bounds(lo, hi), constraints=constraint,
+                     options=options)
+        if again.x is not None and again.status in (0, 1):
+            res = again
+        else:
+            notes.append("trimming idle replicas found nothing; the first plan is kept")
+        rate = float(res.x[rate_var])
+    if res.status == 1:
+        notes.append(f"HiGHS stopped at its time limit ({p.time_limit_s:g} s); the plan is the best it found")
+    x = res.x
+    counts = np.array([x[n_var[c]] if p.relaxed else round(x[n_var[c]]) for c in range(nc)],
+                      dtype=float if p.relaxed else int)
+    ent = np.zeros((nc, nb))
+    for (c, b), (var, unit) in entry.items():
+        ent[c, b] = max(0.0, x[var] * unit)
+    dcd = np.zeros((nc, nb))
+    for (c, b), var in dec.items():
+        dcd[c, b] = max(0.0, x[var])
+    flows = {k: float(x[var]) for k, var in flow.items() if x[var] > 1e-9}
+    cost = float(sum(coef * counts[c] for c, coef in ((c, price[cols.group[c]] * cols.devices[c])
+                                                       for c in range(nc))))
+    return Solution(rate, counts, ent, dcd, flows, cost, time.perf_counter() - t0, tuple(notes))
+
+
+def _subset(p: Problem, keep: list[int]) -> Problem:
+    cols = p.columns
+
+    def pick(seq: Sequence) -> list:
+        return [seq[k] for k in keep]
+
+    sub = Columns(pick(cols.model), pick(cols.group), pick(cols.devices), pick(cols.role),
+                  pick(cols.shape) if cols.shape else ())
+    return replace(p, columns=sub, capacity=np.asarray(p.capacity)[keep],
+                   counts=None if p.counts is None else pick(p.counts))
+
+
+def _widen(p: Problem, keep: list[int], s: Solution) -> Solution:
+    nc, nb = len(p.columns), np.asarray(p.capacity).shape[1]
+    counts, entry, decode = np.zeros(nc, dtype=int), np.zeros((nc, nb)), np.zeros((nc, nb))
+    counts[keep], entry[keep], decode[keep] = s.counts, s.entry, s.decode
+    return replace(s, counts=counts, entry=entry, decode=decode)
+
+
+def solve_fast(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Solution:
+    """:func:`solve` the quick way: the linear relaxation (a bound), then the MILP over the configurations the
+    relaxation uses (small, quick); when that is not within :data:`MIP_GAP` of the bound and the whole MILP is
+    small (at most :data:`WHOLE_MILP_COLUMNS` configurations), or the small one has no plan, the whole MILP
+    (``time_limit_s`` at most), the better answer kept. Its ``bound`` says how near the best it is. The same
+    problem gives the same plan on any machine (no answer depends on a clock unless the safety limit is hit)."""
+    t0 = time.perf_counter()
+    lp = solve(replace(problem, relaxed=True))
+    given = problem.rate is not None
+    bound = lp.cost if given else lp.rate
+    used = [c for c in range(len(problem.columns)) if lp.counts[c] > 1e-9]
+    best: Solution | None = None
+    if used and problem.slices is None:
+        try:
+            best = _widen(problem, used, solve(_subset(problem, used)))
+        except PlanError:
+            best = None
+
+    def value(s: Solution) -> float:
+        return -s.cost if given else s.rate
+
+    short = best is not None and abs(value(best) - (-bound if given else bound)) > MIP_GAP * abs(bound)
+    if best is None or (short and sum(1 for c in lp.counts) <= WHOLE_MILP_COLUMNS):
+        try:
+            full = solve(replace(problem, time_limit_s=time_limit_s))
+            if best is None or value(full) > value(best):
+                best = full
+        except PlanError:
+            if best is None:
+                raise
+    assert best is not None
+    return replace(best, bound=bound, rate_given=given, seconds=time.perf_counter() - t0)
+
+
+def _check(res, what: str) -> None:
+    if res.x is None or res.status not in (0, 1):
+        if res.status == 2:
+            raise PlanError(f"no plan can {what}; give more devices, a larger budget or a lower rate, or relax "
+                            "the SLO")
+        raise PlanError(f"the MILP solver stopped without a plan ({res.message}); give fewer configurations or "
+                        "buckets")

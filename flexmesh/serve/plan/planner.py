@@ -1,0 +1,315 @@
+"""The planner's first two steps for one set of inputs (:mod:`.search` holds the whole search): every
+configuration and its capacity per bucket (:mod:`.capacity`), built once, and the deployment MILP
+(:mod:`.milp`) over subsets of them, each answer written as a serving plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from flexmesh.cost.inference.memory import kv_bytes_per_token
+from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
+from flexmesh.cost.inference.transfer import Span, kv_path
+from flexmesh.errors import PlanError
+from flexmesh.serve.deployment import ROLES, EngineKnobs
+from flexmesh.serve.metrics import SLO
+from flexmesh.serve.plan.capacity import Capacity, Pricing, ReplicaConfig, configurations
+from flexmesh.serve.plan.fileformat import CascadeSpec, ReplicaGroup, ServingPlan
+from flexmesh.serve.plan.milp import Columns, Problem, Solution, solve, solve_fast
+from flexmesh.serve.plan.score import Score
+from flexmesh.serve.plan.workload import Buckets
+from flexmesh.spec.cluster import parse_mixed_cluster
+from flexmesh.spec.model import parse_model
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What to plan for: models (names; a cascade's in order), the cluster of devices one can get, the
+    workload's buckets, the SLO and its attainment target, $ per GPU-hour by device name, and a budget
+    ($/h: the most goodput within it) or a target rate (requests/s: the cheapest plan serving it).
+    ``tiers``: each model's share of the requests (a cascade: 1 and the escalated fraction; several
+    models: their mix)."""
+
+    models: tuple[str, ...]
+    cluster: str
+    buckets: Buckets
+    slo: SLO
+    prices: dict[str, float]
+    attainment: float = 0.9
+    budget: float | None = None
+    rate: float | None = None
+    tiers: tuple[float, ...] = (1.0,)
+    cascade: CascadeSpec | None = None
+    overhead: EngineOverhead | None = None
+    knobs: dict[int, EngineKnobs] | None = None
+    workload: dict = field(default_factory=dict)
+    time_limit_s: float = 20.0  # the most seconds one MILP may take (a safety net: plans do not depend on it)
+    stage_slos: tuple[SLO, ...] | None = None  # per model, the SLO its replicas are priced at (a cascade's stages)
+
+    def __post_init__(self) -> None:
+        if self.budget is None and self.rate is None:
+            raise PlanError("give --budget (the most goodput within it) or --rate (the cheapest plan serving it)")
+        if len(self.tiers) != len(self.models):
+            raise PlanError(f"{len(self.tiers)} request shares for {len(self.models)} models; give one per model")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan the planner considered: where it came from, what the MILP predicted, what the simulator said."""
+
+    name: str
+    plan: ServingPlan
+    solution: Solution | None
+    score: Score | None = None
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The planner's answer: the plan, every candidate scored, the repair's moves, and the time each step took
+    (``plan_s``: configurations, capacities and the MILPs; ``simulate_s``: scoring and repair)."""
+
+    plan: ServingPlan
+    score: Score | None
+    candidates: tuple[Candidate, ...]
+    moves: tuple[str, ...]
+    plan_s: float
+    simulate_s: float
+    configs: int
+    notes: tuple[str, ...]
+    planner: Planner | None = None  # calibrated by role where the simulator found that needed
+
+
+class Planner:
+    """Configurations and their capacities for one set of inputs, built once; MILPs over subsets of them."""
+
+    def __init__(self, inputs: PlanInputs):
+        t0 = time.perf_counter()
+        self.inputs = i = inputs
+        self.models = tuple(parse_model(m) for m in i.models)
+        self.cluster = parse_mixed_cluster(i.cluster)
+        missing = sorted({g.device.name for g in self.cluster.groups} - set(i.prices))
+        if missing:
+            raise PlanError(f"no price for {', '.join(missing)}; give --price DEVICE=USD_PER_GPU_HOUR")
+        self.overhead = i.overhead or preset_overhead()
+        self.pricing = Pricing(self.models, self.cluster, self.overhead, i.attainment)
+        self.configs = configurations(self.models, self.cluster, i.buckets.longest, knobs=i.knobs)
+        if not self.configs:
+            raise PlanError(f"no replica of {', '.join(i.models)} fits on {self.cluster.label}; give larger devices")
+        buckets = i.buckets.buckets
+        slos = i.stage_slos or (i.slo,) * len(self.models)
+        self.slos = slos
+        self.capacity = np.array([[self.pricing.capacity(c, b, slos[c.model]).rate if b.share > 0 else 0.0
+                                   for b in buckets] for c in self.configs])
+        self.detail: dict[tuple[int, int], Capacity] = {}
+        self.price = [i.prices[g.device.name] for g in self.cluster.groups]
+        self.demand = np.array([[t * b.share for b in buckets] for t in i.tiers])
+        self.dominated = self._dominated()
+        self.decodes = np.array([[b.output_mean > 1.0 for b in buckets] for _ in i.tiers])
+        self.kv_bytes = np.array([[b.prompt_mean * kv_bytes_per_token(m) for b in buckets] for m in self.models])
+        ng = len(self.cluster.groups)
+        self.links = np.full((ng, ng), math.inf)
+        for g in range(ng):
+            for h in range(ng):
+                if g != h:
+                    a, b = self.cluster.groups[g], self.cluster.groups[h]
+                    path = kv_path(Span(g, frozenset(range(a.nodes)), a.world_size),
+                                   Span(h, frozenset(range(b.nodes)), b.world_size), self.cluster)
+                    self.links[g, h] = path.bytes_per_s
+        self.setup_s = time.perf_counter() - t0
+
+    def _dominated(self) -> set[int]:
+        """Configurations another one of the same model, group and role makes useless: it has a whole fraction
+        of the devices and, per device, at least the capacity for every bucket (its replicas in the same
+        devices serve at least as much; the MILP need not see the first)."""
+        out: set[int] = set()
+        need = self.demand.sum(axis=0) > 0
+        by: dict[tuple[int, int, str], list[int]] = {}
+        for k, c in enumerate(self.configs):
+            by.setdefault((c.model, c.group, c.role), []).append(k)
+        for ks in by.values():
+            for b in ks:
+                cb = self.configs[b]
+                per_b = self.capacity[b, need] / cb.devices
+                for a in ks:
+                    ca = self.configs[a]
+                    if a == b or a in out or cb.devices % ca.devices or ca.devices > cb.devices:
+                        continue
+                    per_a = self.capacity[a, need] / ca.devices
+                    if (per_a >= per_b).all() and (ca.devices < cb.devices or a < b):
+                        out.add(b)
+                        break
+        return out
+
+    # ---- MILPs ---------------------------------------------------------------------------------------
+    def columns(self, roles: Sequence[str] = ROLES, groups: Sequence[int] | None = None,
+                prefill_groups: Sequence[int] | None = None, decode_groups: Sequence[int] | None = None,
+                keep: Callable[[ReplicaConfig], bool] | None = None, everything: bool = False) -> list[int]:
+        """Indices of the configurations in ``roles`` on ``groups`` (prefill and decode ones on their own groups
+        where given) that ``keep`` keeps, less the dominated ones (unless ``everything``)."""
+        out = []
+        for k, c in enumerate(self.configs):
+            if not everything and k in self.dominated:
+                continue
+            if c.role not in roles:
+                continue
+            allowed = {"prefill": prefill_groups, "decode": decode_groups}.get(c.role) or groups
+            if allowed is not None and c.group not in allowed:
+                continue
+            if keep is not None and not keep(c):
+                continue
+            out.append(k)
+        return out
+
+    def unmet(self, cols: Sequence[int]) -> list[tuple[int, int]]:
+        """(model, bucket) pairs no configuration of ``cols`` that takes new requests serves within the SLO."""
+        out = []
+        for m in range(len(self.models)):
+            entry = [k for k in cols if self.configs[k].model == m and self.configs[k].role != "decode"]
+            for b in range(len(self.inputs.buckets)):
+                if self.demand[m, b] > 0 and not self.capacity[entry, b].any():
+                    out.append((m, b))
+        return out
+
+    def capacities(self, cols: Sequence[int]) -> np.ndarray:
+        """The capacities of ``cols``; a bucket none of them serves within the SLO is served without it (its
+        requests miss the SLO) when the attainment target leaves room for it, else PlanError."""
+        cap = self.capacity[list(cols)].copy()
+        i, buckets = self.inputs, self.inputs.buckets.buckets
+        unmet = self.unmet(cols)
+        for m in range(len(self.models)):
+            lost = sum(buckets[b].share for mm, b in unmet if mm == m)
+            if lost > 1 - i.attainment + 1e-9:
+                raise PlanError(f"no replica of {i.models[m]} here meets the SLO ({i.slo}) for {lost:.1%} of the "
+                                f"requests (buckets {', '.join(buckets[b].label for mm, b in unmet if mm == m)}), "
+                                f"more than the {1 - i.attainment:.0%} the attainment target allows; relax the SLO "
+                                "or give faster devices")
+        for m, b in unmet:
+            for j, k in enumerate(cols):
+                if self.configs[k].model == m:
+                    cap[j, b] = self.pricing.capacity(self.configs[k], buckets[b], SLO()).rate
+        return cap
+
+    def problem(self, cols: Sequence[int], budget: float | None = None, rate: float | None = None,
+                counts: Sequence[int] | None = None, limits: dict | None = None,
+                available: Sequence[int] | None = None) -> Problem:
+        cfg = [self.configs[k] for k in cols]
+        columns = Columns([c.model for c in cfg], [c.group for c in cfg], [c.devices for c in cfg],
+                          [c.role for c in cfg], [c.shape for c in cfg])
+        return Problem(columns, self.capacities(cols), self.demand,
+                       available or [g.world_size for g in self.cluster.groups], self.price, budget, rate,
+                       self.kv_bytes, self.links, self.decodes, counts=counts, limits=limits)
+
+    def solve(self, cols: Sequence[int], budget: float | None = None, rate: float | None = None,
+              counts: Sequence[int] | None = None, limits: dict | None = None,
+              available: Sequence[int] | None = None) -> Solution:
+        problem = self.problem(cols, budget, rate, counts, limits, available)
+        if counts is not None:  # a linear program: nothing to be quick about
+            return solve(problem)
+        return solve_fast(problem, self.inputs.time_limit_s)
+
+    # ---- plans ---------------------------------------------------------------------------------------
+    def to_plan(self, cols: Sequence[int], s: Solution, routing: str = "weights") -> ServingPlan:
+        """The solution as a serving plan: one replica group per configuration used, each bucket's shares."""
+        i = self.inputs
+        nb = len(i.buckets)
+        groups = []
+        decoded = np.zeros((len(self.models), nb))
+        for j, k in enumerate(cols):
+            decoded[self.configs[k].model] += s.decode[j]
+        for j, k in enumerate(cols):
+            n = int(s.counts[j])
+            if n <= 0:
+                continue
+            c = self.configs[k]
+            demand = self.demand[c.model] * s.rate
+            with np.errstate(divide="ignore", invalid="ignore"):
+                entry = np.where(demand > 0, s.entry[j] / np.where(demand > 0, demand, 1), 0.0)
+                dec = np.where(decoded[c.model] > 0, s.decode[j] / np.where(decoded[c.model] > 0,
+                                                                             decoded[c.model], 1), 0.0)
+            groups.append(ReplicaGroup(c.model, c.group, self.cluster.groups[c.group].device.name, n, c.tp, c.pp,
+                                       c.role, c.knobs, tuple(0.0 if c.role == "decode" else float(x) for x in entry),
+                                       tuple(float(x) for x in dec) if c.role == "decode" else ()))
+        groups = _normalised(groups, len(self.models), nb)
+        devices = {g.device for g in groups}
+        unmet = self.unmet(cols)
+        planner: dict[str, object] = {"objective": "rate" if i.rate is not None else "goodput",
+                                      "budget": i.budget, "target_rate": i.rate}
+        if unmet:
+            planner["served_without_slo"] = [b for _, b in unmet]
+        plan = ServingPlan(i.models, i.cluster, i.buckets, i.slo, i.attainment, tuple(groups), routing,
+                           {d: i.prices[d] for d in sorted(devices)}, (), i.cascade,
+                           {"rate": round(s.rate, 6), "dollars_per_hour": round(s.cost, 6)}, i.workload, planner)
+        return plan
+
+    def calibrated(self, by_group: dict[int, float], split: float = 1.0, default: float = 1.0) -> Planner:
+        """This planner with each configuration's capacities scaled by what the simulator found of plans against
+        their predictions: ``by_group[g]`` for device group ``g`` (else ``default``), and prefill and decode ones
+        by ``split`` more."""
+        out = copy.copy(self)
+        scale = np.array([by_group.get(c.group, default) * (1.0 if c.role == "aggregated" else split)
+                          for c in self.configs])
+        out.capacity = self.capacity * scale[:, None]
+        return out
+
+    def counts_of(self, plan: ServingPlan) -> dict[int, int]:
+        """Configuration index -> replicas, for a plan of this planner's configurations."""
+        index = {c.key: k for k, c in enumerate(self.configs)}
+        out: dict[int, int] = {}
+        for g in plan.groups:
+            k = index.get((g.model, g.group, g.tp, g.pp, g.role, g.knobs.max_batched_tokens, g.knobs.max_seqs))
+            if k is None:
+                raise PlanError(f"group {g.label} is no configuration of this planner")
+            out[k] = out.get(k, 0) + g.replicas
+        return out
+
+    def plan_counts(self, counts: dict[int, int], routing: str = "weights") -> tuple[ServingPlan, Solution] | None:
+        """The plan of exactly these replicas, routed at its highest rate (None when they cannot serve every
+        bucket)."""
+        cols = sorted(k for k, n in counts.items() if n > 0)
+        try:
+            s = self.solve(cols, counts=[counts[k] for k in cols])
+        except PlanError:
+            return None
+        return self.to_plan(cols, s, routing), s
+
+    def cost(self, counts: dict[int, int]) -> float:
+        return sum(self.price[self.configs[k].group] * self.configs[k].devices * n for k, n in counts.items())
+
+    def fits(self, counts: dict[int, int]) -> bool:
+        """Whether these replicas fit the devices and the budget, each model's prefill replicas with decode
+        replicas to hand to (and the other way round)."""
+        used = [0] * len(self.cluster.groups)
+        roles: dict[int, set[str]] = {}
+        for k, n in counts.items():
+            used[self.configs[k].group] += self.configs[k].devices * n
+            roles.setdefault(self.configs[k].model, set()).add(self.configs[k].role)
+        if any(("prefill" in r) != ("decode" in r) for r in roles.values()):
+            return False
+        if any(u > g.world_size for u, g in zip(used, self.cluster.groups)):
+            return False
+        b = self.inputs.budget
+        return b is None or self.cost(counts) <= b + 1e-9
+
+
+def _normalised(groups: list[ReplicaGroup], models: int, nb: int) -> list[ReplicaGroup]:
+    """Each bucket's entry (and decode) shares over a model's groups summing to exactly 1."""
+    out = list(groups)
+    for m in range(models):
+        for key in ("entry", "decode"):
+            idx = [j for j, g in enumerate(out) if g.model == m and getattr(g, key)]
+            for b in range(nb):
+                total = sum(getattr(out[j], key)[b] for j in idx)
+                if total <= 0:
+                    continue
+                for j in idx:
+                    vals = list(getattr(out[j], key))
+                    vals[b] = vals[b] / total
+                    out[j] = replace(out[j], entry=tuple(vals)) if key == "entry" else \
+                        replace(out[j], decode=tuple(vals))
+    return out

@@ -1,0 +1,202 @@
+"""Re-planning a running deployment: the fast path that moves no weights, and a full re-plan with its transition.
+
+**Fast path** (ThunderServe's lightweight re-scheduling, 2502.09334; SpotServe's reaction to lost
+instances): when replica groups are lost or the workload shifts (its rate, its buckets), the replicas that are
+left keep their weights (model, device group, tp, pp) and only their roles, engine knobs and the routing
+change: the MILP over the configurations of those weight shapes, at most as many replicas of each shape as
+survive (:func:`fast_replan`). No new device is taken, so the price can only fall.
+
+**Full re-plan**: a fresh plan for the new situation, and what moving to it costs (:func:`transition`): old
+replicas are matched to new ones at least cost (:func:`scipy.optimize.linear_sum_assignment` over the bytes
+each pairing loads: nothing where the weights are the same, the new shard where a replica's devices take other
+weights, every byte for a replica on devices no old one held); an old replica left unmatched stops, and the
+KV of the requests it holds moves to a replica of the new plan. Loading is priced at each device's PCIe
+bandwidth from host memory, KV moves over the link between the two replicas' groups (both as the device
+catalogue gives them), the replicas loading weights in parallel; the dollars are the GPU-hours spent loading.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from flexmesh.cost.inference.memory import kv_bytes_per_token, weight_bytes_on_device
+from flexmesh.cost.inference.transfer import Span, kv_path
+from flexmesh.errors import PlanError
+from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.plan.planner import Planner
+
+# A pairing that cannot be (an old replica's devices are in another device group): a cost no real one reaches.
+_NEVER = 1e30
+
+
+@dataclass(frozen=True)
+class FastReplan:
+    plan: ServingPlan
+    seconds: float  # the planner's time (the MILP over the surviving replicas)
+    changed: tuple[str, ...]  # what changed: roles, knobs, replicas left idle
+
+
+def _left(plan: ServingPlan, lost: Sequence[int] | Mapping[int, int]) -> list[int]:
+    """Replicas each group of ``plan`` keeps after ``lost``: group indices (all their replicas), or group index ->
+    replicas lost."""
+    gone = dict(lost) if isinstance(lost, Mapping) else {i: plan.groups[i].replicas for i in lost}
+    for i, n in gone.items():
+        if not 0 <= i < len(plan.groups) or n < 0:
+            raise PlanError(f"lost group {i} is not one of the plan's {len(plan.groups)} (0..{len(plan.groups) - 1})")
+    return [max(0, g.replicas - gone.get(i, 0)) for i, g in enumerate(plan.groups)]
+
+
+def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mapping[int, int] = (),
+                rate: float | None = None) -> FastReplan:
+    """``plan`` re-routed after its replica groups ``lost`` (indices into ``plan.groups``, or index -> replicas
+    lost) are gone, for
+    ``planner``'s workload (its buckets: the shifted workload's), at ``rate`` when given (the cheapest plan
+    serving it with the replicas left) or the most it can serve. Only roles, engine knobs and routing change."""
+    t0 = time.perf_counter()
+    left: dict[tuple[int, int, int, int], int] = {}
+    keep = _left(plan, lost)
+    for g, n in zip(plan.groups, keep):
+        if n:
+            left[g.shape] = left.get(g.shape, 0) + n
+    if not left:
+        raise PlanError("every replica group is lost; nothing is left to re-route (plan again with flexmesh serve "
+                        "plan)")
+    cols = planner.columns(everything=True, keep=lambda c: c.shape in left)
+    s = planner.solve(cols, rate=rate, limits=left)
+    new = planner.to_plan(cols, s, plan.routing)
+    seconds = time.perf_counter() - t0
+    before = {(g.shape, g.role, g.knobs): n for g, n in zip(plan.groups, keep) if n}
+    after = {(g.shape, g.role, g.knobs): g.replicas for g in new.groups}
+    changed = []
+    for key in sorted(set(before) | set(after), key=str):
+        a, b = before.get(key, 0), after.get(key, 0)
+        if a != b:
+            (model, group, tp, pp), role, knobs = key
+            name = f"tp{tp}{f'pp{pp}' if pp > 1 else ''} {role} b{knobs.max_batched_tokens} s{knobs.max_seqs} on " \
+                   f"{planner.cluster.groups[group].device.name}"
+            changed.append(f"{name}: {a} -> {b}")
+    idle = sum(left.values()) - sum(g.replicas for g in new.groups)
+    if idle:
+        changed.append(f"{idle} surviving replica(s) left idle")
+    return FastReplan(replace(new, workload=plan.workload), seconds, tuple(changed))
+
+
+@dataclass(frozen=True)
+class Move:
+    """One replica of the transition: ``old`` and ``new`` (indices of replicas in the plans' placement order;
+    None: started or stopped), what it loads and moves, and how long that takes."""
+
+    old: int | None
+    new: int | None
+    what: str  # "kept", "re-roled", "reloaded", "started", "stopped"
+    weight_bytes: float
+    kv_bytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Transition:
+    moves: tuple[Move, ...]
+    weight_bytes: float
+    kv_bytes: float
+    seconds: float  # the replicas load in parallel: the longest of them
+    dollars: float  # GPU-hours spent loading, at the plan's prices
+
+    def summary(self) -> str:
+        count = {w: sum(1 for m in self.moves if m.what == w) for w in
+                 ("kept", "re-roled", "reloaded", "started", "stopped")}
+        parts = [f"{n} {w}" for w, n in count.items() if n]
+        return (f"{', '.join(parts)}; {self.weight_bytes / 2**30:,.1f} GiB of weights and {self.kv_bytes / 2**30:,.2f} "
+                f"GiB of KV moved in {self.seconds:.1f} s, ${self.dollars:.2f} of GPU time")
+
+
+def _replicas(plan: ServingPlan) -> list[tuple[int, tuple[int, int, int, int], str, int]]:
+    """(device group, weights shape, role, devices) of each replica, in the plan's placement order."""
+    fleet, _ = plan.fleet()
+    return [(r.spec.group, (r.spec.tier, r.spec.group, r.spec.tp, r.spec.pp), r.spec.role, r.spec.devices)
+            for r in fleet.replicas]
+
+
+def transition(old: ServingPlan, new: ServingPlan, kv_tokens: Sequence[float] | None = None) -> Transition:
+    """What moving from ``old`` to ``new`` loads and moves (see the module doc); ``kv_tokens``: the KV tokens each
+    old replica holds (in its placement order; a simulation's mean occupancy), 0 where not given."""
+    if old.cluster != new.cluster:
+        raise PlanError(f"the plans are on different clusters ({old.cluster} and {new.cluster}); a transition moves "
+                        "replicas within one")
+    cluster = new.mixed_cluster()
+    fleet_old, _ = old.fleet()
+    fleet_new, _ = new.fleet()
+    a, b = _replicas(old), _replicas(new)
+    models_old, models_new = old.model_specs(), new.model_specs()
+    held = list(kv_tokens) if kv_tokens is not None else [0.0] * len(a)
+
+    def weights(k: int) -> float:
+        _, (m, g, tp, pp), _, devices = b[k]
+        return weight_bytes_on_device(models_new[m], tp, pp) * devices
+
+    def load_s(k: int, nbytes: float) -> float:
+        dev = cluster.groups[b[k][0]].device
+        return nbytes / (dev.pcie_gbps * 1e9 * b[k][3]) if nbytes > 0 else 0.0
+
+    # Rows: old replicas, then one "new devices" row per new replica; columns: new replicas, then one "stop"
+    # column per old replica.
+    n_old, n_new = len(a), len(b)
+    cost = np.full((n_old + n_new, n_new + n_old), _NEVER)
+    for i, (g, shape, _, _) in enumerate(a):
+        for j, (h, shape_new, _, _) in enumerate(b):
+            if g == h and models_old[shape[0]].name == models_new[shape_new[0]].name and shape[2:] == shape_new[2:]:
+                cost[i, j] = 0.0
+            elif g == h:
+                cost[i, j] = weights(j)
+        cost[i, n_new + i] = 0.0  # stop it
+    for j in range(n_new):
+        # load it on devices no old replica held: as many bytes as loading them onto an old replica's devices,
+        # which is preferred (the ties go to reuse: an old replica's devices are already the deployment's)
+        cost[n_old + j, j] = weights(j) * (1 + 1e-9) + 1.0
+        cost[n_old + j, n_new:] = 0.0
+    rows, cols = linear_sum_assignment(cost)
+    moves = []
+    kv_total = 0.0
+    for i, j in zip(rows, cols):
+        if i < n_old and j < n_new:
+            same = cost[i, j] == 0.0
+            what = "kept" if same and a[i][2] == b[j][2] else "re-roled" if same else "reloaded"
+            nbytes = 0.0 if same else weights(j)
+            kv = held[i] * kv_bytes_per_token(models_old[a[i][1][0]]) if a[i][2] != b[j][2] else 0.0
+            moves.append(Move(i, j, what, nbytes, kv, load_s(j, nbytes)))
+            kv_total += kv
+        elif i < n_old:
+            kv = held[i] * kv_bytes_per_token(models_old[a[i][1][0]])
+            # its requests' KV moves to the nearest replica of the new plan on the same model
+            dst = min((k for k in range(n_new) if models_new[b[k][1][0]].name == models_old[a[i][1][0]].name),
+                      key=lambda k: (b[k][0] != a[i][0], k), default=None)
+            secs = 0.0
+            if dst is not None and kv > 0:
+                secs = kv_path(fleet_old.replicas[i].span, Span(fleet_new.replicas[dst].span.group,
+                                                                fleet_new.replicas[dst].span.nodes,
+                                                                fleet_new.replicas[dst].span.devices),
+                               cluster).seconds(kv)
+            moves.append(Move(i, None, "stopped", 0.0, kv, secs))
+            kv_total += kv
+        elif j < n_new:
+            moves.append(Move(None, j, "started", weights(j), 0.0, load_s(j, weights(j))))
+    prices = new.prices
+    dollars = sum(m.seconds / 3600 * prices.get(cluster.groups[b[m.new][0]].device.name, math.nan) * b[m.new][3]
+                  for m in moves if m.new is not None and m.seconds > 0)
+    return Transition(tuple(moves), sum(m.weight_bytes for m in moves), kv_total,
+                      max((m.seconds for m in moves), default=0.0), dollars)
+
+
+def held_devices(plan: ServingPlan, lost: Sequence[int] | Mapping[int, int] = ()) -> list[int]:
+    """The devices per device group of the cluster that the plan's replica groups hold, but for ``lost`` (as
+    :func:`fast_replan` takes it)."""
+    out = [0] * len(plan.mixed_cluster().groups)
+    for g, n in zip(plan.groups, _left(plan, lost)):
+        out[g.group] += n * g.tp * g.pp
+    return out

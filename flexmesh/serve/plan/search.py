@@ -1,0 +1,357 @@
+"""The planner: configurations priced per bucket, the MILP's plans, the simulator's judgement, local repairs.
+
+1. **Configurations and capacities** (:mod:`.capacity`): every model on every device group at every tp
+   (pp where a node's tp is reached) in every role, its capacity per bucket at the SLO. A bucket no
+   configuration serves within the SLO is served without it (its requests count as misses), if its share
+   leaves the attainment target reachable.
+2. **The MILP** (:mod:`.milp`) in three variants: every role, aggregated replicas only, prefill/decode
+   only. Each answer becomes a plan (:meth:`.planner.Planner.to_plan`): groups of replicas, each bucket's shares.
+3. **The simulator** scores the distinct candidates on the workload (:func:`.score.score`, goodput by
+   bisection), then the MILP is calibrated against it (each device type's own plan simulated: what it serves of
+   its prediction scales that type's capacities; split replicas against aggregated ones likewise) and solved
+   again; the best candidate is kept: the most goodput within the budget, or the cheapest meeting the rate.
+   A planner that splits prefill and decode where it loses in the simulator would be wrong: the aggregated
+   candidates are always among those scored. With a target rate, a plan the simulator finds short of it is
+   planned again at the rate scaled by what it fell short (up to :data:`CALIBRATIONS` times).
+4. **Repair by local moves** (ThunderServe's tabu search, 2502.09334): a replica changes role, splits in
+   two of half the tp or two merge, or moves to another device group; the routing of each neighbour is
+   the MILP's with its counts fixed (a linear program). The neighbours of the highest predicted rate are
+   simulated at a probe rate just above the best goodput so far; the best one not visited before is taken,
+   and the best plan seen is returned.
+
+The planner's own time (steps 1 and 2) is what ``bench/serve_plan.py`` holds to its targets; steps 3 and 4
+are the simulator's and grow with the workload's length.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from flexmesh.data.requests import Workload
+from flexmesh.errors import PlanError
+from flexmesh.serve.deployment import ROLES
+from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner, PlanResult
+from flexmesh.serve.plan.score import Score, attainment_at, score
+
+# Times a plan short of a target rate is planned again, its rate scaled by what it fell short.
+CALIBRATIONS = 3
+# Repair: rounds of moves, neighbours simulated per round, and the probe above the best goodput.
+REPAIR_ROUNDS = 4
+REPAIR_TRIES = 3
+PROBE = 1.06
+# The MILP variants whose plans the simulator compares: every role, aggregated replicas only, prefill/decode only.
+VARIANTS = {"mixed": ROLES, "aggregated": ("aggregated",), "disaggregated": ("prefill", "decode")}
+# Without a device type's own plan to calibrate by, split replicas are calibrated apart from aggregated ones
+# when the simulator finds their predictions off by more than this against each other.
+CALIBRATION_SPREAD = 0.03
+
+
+# ---- the whole search ----------------------------------------------------------------------------------
+def candidates(planner: Planner, variants: dict[str, tuple[str, ...]] = VARIANTS,
+               rate: float | None = None) -> list[Candidate]:
+    """The MILP's plan for each variant of roles (those that have one), identical layouts once."""
+    i = planner.inputs
+    out: list[Candidate] = []
+    seen = set()
+    for name, roles in variants.items():
+        cols = planner.columns(roles)
+        if not cols:
+            continue
+        try:
+            s = planner.solve(cols, budget=i.budget, rate=rate if rate is not None else i.rate)
+        except PlanError:
+            continue
+        if s.rate <= 0 or not s.counts.any():
+            continue
+        plan = planner.to_plan(cols, s)
+        if plan.layout in seen:
+            continue
+        seen.add(plan.layout)
+        out.append(Candidate(name, plan, s))
+    if not out:
+        raise PlanError("no plan serves the workload within the SLO, the devices and the budget; give more devices "
+                        "or budget, a lower rate, or relax the SLO")
+    return out
+
+
+def _better(a: Score, b: Score | None, target: float | None) -> bool:
+    """Whether score ``a`` beats ``b``: with a target rate, meeting it and then the cheaper; else the more
+    goodput, then the cheaper."""
+    if b is None:
+        return True
+    if target is not None:
+        ma, mb = a.goodput >= target, b.goodput >= target
+        if ma != mb:
+            return ma
+        if ma:
+            return a.dollars_per_hour < b.dollars_per_hour - 1e-9
+        return a.goodput > b.goodput
+    if not math.isclose(a.goodput, b.goodput, rel_tol=1e-9):
+        return a.goodput > b.goodput
+    return a.dollars_per_hour < b.dollars_per_hour - 1e-9
+
+
+def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = None, repair: int = REPAIR_ROUNDS,
+         planner: Planner | None = None, progress: Callable[[str], None] | None = None) -> PlanResult:
+    """Plan for ``inputs``; with ``workload_at`` (the workload at a rate), score the candidates in the simulator
+    and repair the best by ``repair`` rounds of local moves."""
+    say = progress or (lambda _: None)
+    t0 = time.perf_counter()
+    if planner is None or planner.inputs != inputs:
+        planner = Planner(inputs)
+    cands = candidates(planner)
+    plan_s = time.perf_counter() - t0
+    unmet = planner.unmet(planner.columns())
+    notes = [f"buckets served without meeting the SLO (no replica can): "
+             f"{', '.join(inputs.buckets.buckets[b].label for _, b in unmet)}"] if unmet else []
+    if workload_at is None:
+        best = max(cands, key=lambda c: (c.solution.rate if c.solution else 0.0, -(c.solution.cost
+                                                                                   if c.solution else 0.0)))
+        return PlanResult(best.plan, None, tuple(cands), (), plan_s, 0.0, len(planner.configs), tuple(notes),
+                          planner)
+    t1 = time.perf_counter()
+    target = inputs.rate
+    scored = []
+    for c in cands:
+        say(f"simulating the {c.name} candidate: {c.plan.layout}")
+        start = c.solution.rate if c.solution else target or 1.0
+        scored.append(replace(c, score=score(c.plan, workload_at, start, planner.overhead)))
+    more, calibrated = _calibration(planner, scored, workload_at, say)
+    scored += more
+    if target is not None:
+        scored += _calibrated(calibrated, scored, workload_at, say)
+    best = scored[0]
+    for c in scored[1:]:
+        assert c.score is not None
+        if _better(c.score, best.score, target):
+            best = c
+    # The routing inside a bucket's shares: in proportion, or by least work (whichever the simulator prefers).
+    assert best.score is not None
+    other = "least-work" if best.plan.routing == "weights" else "weights"
+    alt = Candidate(f"{best.name}, {other} routing", replace(best.plan, routing=other), best.solution)
+    alt = replace(alt, score=score(alt.plan, workload_at, best.score.goodput or 1.0, planner.overhead))
+    scored.append(alt)
+    assert alt.score is not None
+    if _better(alt.score, best.score, target):
+        best = alt
+    moves: list[str] = []
+    if repair > 0:
+        say(f"repairing by local moves ({repair} rounds)")
+        best, moves = _repair(calibrated, best, workload_at, repair, say)
+    assert best.score is not None
+    final = best.plan.with_predicted(goodput=round(best.score.goodput, 6),
+                                     goodput_per_dollar=round(best.score.per_dollar, 6),
+                                     dollars_per_hour=round(best.score.dollars_per_hour, 6),
+                                     **_latency(best.score))
+    return PlanResult(final, best.score, tuple(scored), tuple(moves), plan_s, time.perf_counter() - t1,
+                      len(planner.configs), tuple(notes), calibrated)
+
+
+def _latency(s: Score) -> dict:
+    at = s.at(s.goodput) if s.goodput > 0 else None
+    if at is None:
+        return {}
+    return {"attainment": round(at.attainment or 0.0, 4), "ttft_p90_s": round(at.ttft["p90"], 6),
+            "tpot_p90_s": round(at.tpot["p90"], 6)}
+
+
+def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
+                 say: Callable[[str], None]) -> tuple[list[Candidate], Planner]:
+    """The MILP calibrated against the simulator. Each device type's aggregated plan alone is simulated (itself a
+    candidate): what the simulator serves of its prediction scales that type's capacities; what it serves of the
+    split-only plan's against the aggregated-only one's scales prefill and decode replicas more. The mixed and
+    aggregated MILPs solved again so are candidates too: the MILP then weighs device types and roles as the
+    simulator does. The new candidates, and the planner calibrated so."""
+    target = planner.inputs.rate
+
+    def served(c: Candidate) -> float | None:
+        if c.score is None or c.solution is None or c.score.goodput <= 0:
+            return None
+        pred = target if target is not None else c.solution.rate
+        return c.score.goodput / pred if pred > 0 else None
+
+    out: list[Candidate] = []
+    by_group: dict[int, float] = {}
+    seen = {c.plan.layout for c in scored}
+    for g, group in enumerate(planner.cluster.groups):
+        cols = planner.columns(("aggregated",), groups=[g])
+        if not cols:
+            continue
+        try:
+            s = planner.solve(cols, budget=planner.inputs.budget, rate=target)
+        except PlanError:
+            continue
+        if s.rate <= 0 or not s.counts.any():
+            continue
+        one = Candidate(f"{group.device.name} only", planner.to_plan(cols, s), s)
+        say(f"simulating the {one.name} candidate: {one.plan.layout}")
+        one = replace(one, score=score(one.plan, workload_at, s.rate, planner.overhead))
+        ratio = served(one)
+        if ratio is not None:
+            by_group[g] = ratio
+        if one.plan.layout not in seen:
+            out.append(one)
+            seen.add(one.plan.layout)
+    kinds = {c.name: served(c) for c in scored if c.name in ("aggregated", "disaggregated")}
+    agg, split = kinds.get("aggregated"), kinds.get("disaggregated")
+    rel = split / agg if agg and split else 1.0
+    default = agg if agg else 1.0
+    if not by_group and abs(rel - 1) <= CALIBRATION_SPREAD:
+        return out, planner
+    say("calibrated: the simulator served " + ", ".join(f"{planner.cluster.groups[g].device.name} {r:.0%}"
+                                                        for g, r in by_group.items())
+        + f" of their predictions, split replicas {rel:.0%} of aggregated ones; planning again so")
+    calibrated = planner.calibrated(by_group, rel, default)
+    for name, roles in (("mixed", ROLES), ("aggregated", ("aggregated",))):
+        try:
+            again = candidates(calibrated, {name: roles})[0]
+        except PlanError:
+            continue
+        if again.plan.layout in seen:
+            continue
+        seen.add(again.plan.layout)
+        sc = score(again.plan, workload_at, again.solution.rate if again.solution else 1.0, planner.overhead)
+        out.append(replace(again, name=f"{name}, calibrated", score=sc))
+    return out, calibrated
+
+
+def _calibrated(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
+                say: Callable[[str], None]) -> list[Candidate]:
+    """The MILP's plans (the calibrated ones where there are, else each variant's) planned again, when the
+    simulator found them short of the target rate, at the rate scaled by what they fell short."""
+    target = planner.inputs.rate
+    assert target is not None
+    calibrated = [c for c in scored if c.name.endswith(", calibrated")]
+    out: list[Candidate] = []
+    for c in calibrated or [c for c in scored if c.name in VARIANTS]:
+        assert c.score is not None
+        name = c.name.removesuffix(", calibrated")
+        ask, got = target, c.score.goodput
+        for _ in range(CALIBRATIONS):
+            if got >= target or got <= 0:
+                break
+            ask *= target / got
+            try:
+                again = candidates(planner, {name: VARIANTS[name]}, rate=ask)[0]
+            except PlanError:
+                break
+            say(f"the {c.name} plan served {got:.3g} req/s of {target:.3g}; planned again for {ask:.3g}")
+            s = score(again.plan, workload_at, target, planner.overhead)
+            again = replace(again, name=f"{c.name}, at {ask:.3g} req/s", score=s)
+            out.append(again)
+            got = s.goodput
+    return out
+
+
+def _neighbours(planner: Planner, counts: dict[int, int]) -> list[tuple[str, dict[int, int]]]:
+    """Plans one move away: a replica's role or engine knobs changed, its tp halved (two replicas) or two
+    merged, a replica moved to another device group, one removed, or (within the budget) one added."""
+    configs = planner.configs
+    variants: dict[tuple, list[int]] = {}  # (model, group, tp, pp, role) -> its knob variants
+    for k, c in enumerate(configs):
+        variants.setdefault(c.shape + (c.role,), []).append(k)
+    out: list[tuple[str, dict[int, int]]] = []
+
+    def moved(label: str, minus: dict[int, int], plus: dict[int, int]) -> None:
+        new = dict(counts)
+        for k, n in minus.items():
+            new[k] = new.get(k, 0) - n
+            if new[k] < 0:
+                return
+        for k, n in plus.items():
+            new[k] = new.get(k, 0) + n
+        new = {k: n for k, n in new.items() if n > 0}
+        if new and planner.fits(new):
+            out.append((label, new))
+
+    def name(k: int) -> str:
+        c = configs[k]
+        knob = f"s{c.knobs.max_seqs}" if c.role == "decode" else f"b{c.knobs.max_batched_tokens}"
+        return f"{c.label} {knob} on {planner.cluster.groups[c.group].device.name}"
+
+    def like(k: int, model: int, group: int, tp: int, pp: int, role: str) -> int | None:
+        """The configuration of that shape and role with ``k``'s knobs, else its first knob variant."""
+        ks = variants.get((model, group, tp, pp, role), [])
+        same = [j for j in ks if configs[j].knobs == configs[k].knobs]
+        return (same or ks)[0] if ks else None
+
+    for k, n in sorted(counts.items()):
+        c = configs[k]
+        for j in variants[c.shape + (c.role,)]:
+            if j != k:
+                moved(f"{name(k)} -> {name(j)}", {k: 1}, {j: 1})
+        for role in ROLES:
+            if role != c.role:
+                for j in variants.get(c.shape + (role,), []):
+                    moved(f"{name(k)} -> {name(j)}", {k: 1}, {j: 1})
+        half = like(k, c.model, c.group, c.tp // 2, c.pp, c.role) if c.tp > 1 else None
+        if half is not None:
+            moved(f"{name(k)} -> 2x {name(half)}", {k: 1}, {half: 2})
+        double = like(k, c.model, c.group, c.tp * 2, c.pp, c.role)
+        if double is not None and n >= 2:
+            moved(f"2x {name(k)} -> {name(double)}", {k: 2}, {double: 1})
+        for g in range(len(planner.cluster.groups)):
+            if g == c.group:
+                continue
+            for tp in (c.tp, c.tp * 2, c.tp // 2):
+                there = like(k, c.model, g, tp, 1, c.role) if tp >= 1 else None
+                if there is not None:
+                    moved(f"{name(k)} -> {name(there)}", {k: 1}, {there: 1})
+                    break
+        moved(f"remove a {name(k)}", {k: 1}, {})
+        moved(f"add a {name(k)}", {}, {k: 1})
+    return out
+
+
+def _repair(planner: Planner, best: Candidate, workload_at: Callable[[float], Workload], rounds: int,
+            say: Callable[[str], None]) -> tuple[Candidate, list[str]]:
+    """Tabu search over local moves, judged by the simulator (see the module doc)."""
+    assert best.score is not None
+    target = planner.inputs.rate
+    routing = best.plan.routing
+    current = planner.counts_of(best.plan)
+    visited = {tuple(sorted(current.items()))}
+    log: list[str] = []
+    for r in range(rounds):
+        assert best.score is not None
+        options = []
+        for label, counts in _neighbours(planner, current):
+            key = tuple(sorted(counts.items()))
+            if key in visited:
+                continue
+            built = planner.plan_counts(counts, routing)
+            if built is None:
+                continue
+            p, s = built
+            if target is not None:
+                if s.rate < target:
+                    continue
+                rank = -planner.cost(counts)  # the cheapest first
+            else:
+                rank = s.rate
+            options.append((rank, label, counts, p, s))
+        if not options:
+            break
+        options.sort(key=lambda o: -o[0])
+        probe = target if target is not None else max(best.score.goodput, 1e-3) * PROBE
+        tried = []
+        for _, label, counts, p, s in options[:REPAIR_TRIES]:
+            visited.add(tuple(sorted(counts.items())))
+            a, _ = attainment_at(p, workload_at, probe, planner.overhead)
+            tried.append((a, -planner.cost(counts), label, counts, p, s))
+        tried.sort(key=lambda t: (t[0], t[1]), reverse=True)
+        a, _, label, counts, p, s = tried[0]
+        current = counts
+        if a >= planner.inputs.attainment:
+            sc = score(p, workload_at, probe, planner.overhead)
+            if _better(sc, best.score, target):
+                best = Candidate(f"{best.name.split(' +')[0]} + repair", p, s, sc)
+                log.append(f"round {r + 1}: {label}: goodput {sc.goodput:.4g} req/s at ${sc.dollars_per_hour:.2f}/h")
+                say(log[-1])
+                continue
+        log.append(f"round {r + 1}: {label}: no better ({a:.1%} of requests met the SLO at {probe:.4g} req/s)")
+        say(log[-1])
+    return best, log
