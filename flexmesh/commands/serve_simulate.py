@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -263,10 +262,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        out = plain_console()
-        if not out.is_terminal and "COLUMNS" not in os.environ:  # a file or a pipe: room for the tables' columns
-            out.width = max(out.width, 132)
-        _print(out, job, main, points, good)
+        _print(plain_console(), job, main, points, good)
     return 0
 
 
