@@ -72,7 +72,7 @@ def main() -> None:
 
     from rich.console import Console
 
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
     from flexmesh.report.stragglers import comparison_summary, run_comparison
 
     console = Console(width=max(Console().width, 140))
@@ -85,7 +85,7 @@ def main() -> None:
         training_plan(NPROC, args.max_len, args.global_batch, MODEL).save(plan_path)
         flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hw), "--model-profile", str(mp)]
         metrics = run_comparison(tmp / "runs", plan_path, steps=args.steps, global_batch=args.global_batch,
-                                 max_len=args.max_len, seed=args.seed, slow={1: args.factor}, extra=flags)
+                                 seq_len=args.max_len, seed=args.seed, slow={1: args.factor}, extra=flags)
         if args.keep:
             from flexmesh.report.stragglers import speed_png
 

@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan and run hybrid-parallel transformer training with uneven sequence lengths and devices.",
     )
     parser.add_argument("--version", action="version", version=f"flexmesh {_version()}")
+    parser.set_defaults(func=None)  # no command given: the help
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -74,7 +75,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
+    if args.func is None:
         parser.print_help()
         return 1
     die_with_launcher()  # a rank of `flexmesh ... --nproc N` does not outlive its launcher

@@ -99,7 +99,7 @@ def compute_predictions() -> dict:
         predicted.pop("search_seconds", None)  # how long the search took is no result of it
         # the plan as version 3 wrote it (replica groups of one pipeline each) where it can, else as now;
         # its predictions aside
-        plan_dict = legacy_dict(result.plan) or result.plan.to_dict()
+        plan_dict = legacy_dict(result.plan.to_dict(), result.plan.version)
         out["mixed_search"][label] = {"plan": _plain(plan_dict | {"predicted": {}}), "predicted": predicted}
     mc = parse_mixed_cluster("2xH100-80GB+2xA100-40GB")
     for name, d in mixed_plan_dicts().items():

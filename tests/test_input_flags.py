@@ -88,7 +88,7 @@ def single_process_env():
 
 
 def test_a_plan_whose_cluster_prices_nothing_says_what_to_pass(capsys, tmp_path, single_process_env):
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
 
     plan = tmp_path / "plan.json"
     training_plan(1, 64, 2).save(plan)  # the cluster label "1xcpu" names no device preset
@@ -108,7 +108,7 @@ def _profiled_plan(tmp_path):
                             "memory_bytes": 8 * 2**30}, dtype="fp32", matmul_flops_per_s={"fp32": 4e10},
                     memory_bytes_per_s=8e9, attention={"fp32": {"flops_per_s": 1e10}},
                     collectives=[CollectiveFit("send_recv", 2, "intra", 4e-5, 5e-10)]).save(hw)
-    plan = training_plan_file(tmp_path, hw, nproc=1, max_len=64, global_batch=2)
+    plan = training_plan_file(tmp_path, hw, nproc=1, seq_len=64, global_batch=2)
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (5 + 7 * i)}) + "\n" for i in range(8)))
     return plan, corpus
@@ -131,7 +131,7 @@ def test_demo_training_plan_trains_without_profiles(tmp_path):
 def test_train_refuses_a_model_other_than_the_plans(capsys, tmp_path, single_process_env):
     from dataclasses import replace
 
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
     from flexmesh.spec import MODEL_PRESETS
     from flexmesh.spec.hf import to_hf_config
 
@@ -201,7 +201,7 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_saved(tmp_path, ca
 @pytest.mark.parametrize("stray", [{"RANK": "0"}, {"RANK": "0", "WORLD_SIZE": "1"},
                                    {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "x"}])
 def test_stray_launch_variables_are_one_line(tmp_path, capsys, monkeypatch, single_process_env, stray):
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
 
     plan = tmp_path / "plan.json"
     training_plan(1, 64, 2).save(plan)

@@ -130,8 +130,6 @@ def _trace(tmp_path, steps: int = 12, experts: int = 8):
 
 
 def test_a_routing_trace_replays_into_the_imbalance(tmp_path):
-    from argparse import Namespace
-
     from flexmesh.commands.experts_args import experts_of
     from flexmesh.schedule.expert_placement import read_trace, trace_imbalance
 
@@ -140,12 +138,11 @@ def test_a_routing_trace_replays_into_the_imbalance(tmp_path):
     static, laer = trace_imbalance(rows, "static", 4), trace_imbalance(rows, "laer", 4)
     assert static > 1.5 and laer < 1.15  # load-following placement evens a load that persists
     spec = replace(MIXTRAL, moe=replace(MIXTRAL.moe, num_experts=8))
-    ex = experts_of(Namespace(routing=str(path), expert_placement="laer", expert_imbalance=None), spec, 8)
+    ex = experts_of(spec, 8, "laer", routing=str(path))
     assert ex.imbalance_at(4) == pytest.approx(laer)
     assert replace(ex, placement="static").imbalance_at(4) == pytest.approx(static)
     with pytest.raises(SpecError, match="routes to \\[8\\] experts but model .* has 16"):
-        experts_of(Namespace(routing=str(path), expert_placement="laer", expert_imbalance=None),
-                   replace(MIXTRAL, moe=MoESpec(16, 2, 14336)), 8)
+        experts_of(replace(MIXTRAL, moe=MoESpec(16, 2, 14336)), 8, "laer", routing=str(path))
     (tmp_path / "bad.jsonl").write_text('{"step": 1, "layer": 0}\n')
     with pytest.raises(PlanError, match="line 1 is not a routing record"):
         read_trace(tmp_path / "bad.jsonl")

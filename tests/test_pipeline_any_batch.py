@@ -56,6 +56,7 @@ def worker(tmp: Path) -> None:
     import torch.distributed as dist
 
     from flexmesh.commands import train
+    from flexmesh.commands.train_job import scheduler, train_job
     from flexmesh.layout.plan import load_plan
     from flexmesh.runtime.parallel.distributed import init_distributed
     from flexmesh.runtime.train.adaptive import AdaptiveSource
@@ -77,10 +78,11 @@ def worker(tmp: Path) -> None:
                                           str(out), "--max-steps", str(STEPS), "--policy", policy, "--no-progress"])
                 plan = load_plan(args.plan)
                 spec = parse_model(plan.model)
-                schedule_fn = train._scheduler(args, plan, spec, policy)
+                job = train_job(args, plan, spec)
+                schedule_fn = scheduler(job, policy, args.seed, args.cp)
                 config = train.train_config(args)
                 trainer = Trainer(plan, spec, config)
-                source = AdaptiveSource(train.document_loader(args, spec, plan), schedule_fn, schedule_fn)
+                source = AdaptiveSource(train.document_loader(args, job), schedule_fn, schedule_fn)
                 history = fit(trainer, source, config)
                 losses[f"{Path(corpus).name}-{policy}"] = {"loss": [m.loss for m in history]}
         if dist.get_rank() == 0:

@@ -116,7 +116,7 @@ def test_built_in_defaults_plan_llama3_8b_on_8_h100(capsys):
 def test_explain_names_the_framework_terms_a_model_profile_measured():
     from helpers import flat_model_profile
 
-    from flexmesh.commands.plan import framework_terms
+    from flexmesh.commands.plan_output import framework_terms
     from flexmesh.cost import CostModel
     from flexmesh.profile import ProfiledTiming
     from flexmesh.spec import MODEL_PRESETS, parse_cluster

@@ -9,7 +9,8 @@ import pytest
 from flexmesh.cli import main
 from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
-from flexmesh.layout.plan import Plan
+from flexmesh.layout.plan import Plan, StagePlan
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.search import SearchRequest, best_plans
 from flexmesh.search.check import check_plan
 from flexmesh.spec import MODEL_PRESETS, parse_cluster
@@ -87,21 +88,46 @@ def test_ulysses_needs_heads_to_split():
         check_plan(Plan.from_dict(d), model, CLUSTER)
 
 
-def test_version_1_files_are_read_and_saved_as_version_4(tmp_path):
+def test_version_1_files_are_read_and_saved_as_version_5(tmp_path):
     """Version 2 renamed "schedule" to "pipeline_schedule", version 4 made the layout a list of replica
-    groups; a version 1 file still loads unchanged."""
+    groups, version 5 shows each group's micro-batch token budget; a version 1 file still loads unchanged."""
     layers = MODEL.num_layers
     old = {"version": 1, "model": MODEL.name, "cluster": CLUSTER.label, "world_size": 8, "pp": 2,
            "schedule": "interleaved", "virtual_stages": 2, "num_microbatches": 4, "seq_len": 1024, "global_batch": 8,
            "stages": [{"layers": [i, i + 1], "strategies": ["tp1-dp4z1"]} for i in range(layers)]}
     plan = Plan.from_dict(old)
-    assert plan.pipeline_schedule == "interleaved" and plan.virtual_stages == 2
+    assert plan.pipeline_schedule == "interleaved" and plan.virtual_stages == 2 and plan.version == 1
     plan.save(tmp_path / "plan.json")
     new = json.loads((tmp_path / "plan.json").read_text())
-    assert new["version"] == 4 and new["pipeline_schedule"] == "interleaved" and "schedule" not in new
+    assert new["version"] == 5 and new["pipeline_schedule"] == "interleaved" and "schedule" not in new
     assert new["groups"][0]["virtual_stages"] == 2 and new["groups"][0]["ranks"] == ["0-3", "4-7"]
+    assert new["groups"][0]["microbatch_tokens"] == 2 * 1024 // 4  # 8 / 4 sequences of 1024 over dp 4
     assert Plan.load(tmp_path / "plan.json") == plan
     with pytest.raises(PlanError, match="pipeline_schedule"):
         Plan.from_dict({k: v for k, v in new.items() if k != "pipeline_schedule"})
-    with pytest.raises(PlanError, match="version 5 is not supported"):
-        Plan.from_dict({**new, "version": 5})
+    with pytest.raises(PlanError, match="version 6 is not supported"):
+        Plan.from_dict({**new, "version": 6})
+
+
+def test_the_file_shows_the_token_budget_and_refuses_one_its_fields_do_not_give(best):
+    """``microbatch_tokens`` is what the runtime packs to: written per group, checked when read, left out
+    by version 4 (read as derived)."""
+    d = best.to_dict()
+    group = d["groups"][0]
+    assert group["microbatch_tokens"] == best.microbatch_tokens == best.group.microbatch_tokens(best.seq_len)
+    v4 = {**d, "version": 4, "groups": [{k: v for k, v in group.items() if k != "microbatch_tokens"}]}
+    assert Plan.from_dict(v4) == best and Plan.from_dict(v4).version == 4
+    bad = {**d, "groups": [{**group, "microbatch_tokens": group["microbatch_tokens"] + 1}]}
+    with pytest.raises(PlanError, match=r"replica group 0: microbatch_tokens \d+ is not the budget its fields give.*"
+                                        "change num_microbatches, or drop microbatch_tokens"):
+        Plan.from_dict(bad)
+    # a hand edit of the micro-batch count without the budget is refused; with the budget dropped it is derived
+    st = StagePlan(0, MODEL.num_layers, (LayerStrategy.parse("tp1-dp2z0"),) * MODEL.num_layers)
+    two = Plan.uniform(MODEL.name, "2xA100-80GB", 2, 1, "1f1b", 2, 1024, 8, (st,)).to_dict()
+    assert two["groups"][0]["microbatch_tokens"] == 8 // 2 * 1024 // 2
+    edited = {**two, "groups": [{**two["groups"][0], "num_microbatches": 4}]}
+    with pytest.raises(PlanError, match="microbatch_tokens 2048 is not the budget its fields give: 2 sequences per "
+                                        "micro-batch .* of 1024 tokens over 2 data ranks, 1024"):
+        Plan.from_dict(edited)
+    edited["groups"][0].pop("microbatch_tokens")
+    assert Plan.from_dict(edited).to_dict()["groups"][0]["microbatch_tokens"] == 1024

@@ -7,11 +7,17 @@ import json
 
 import pytest
 
+from flexmesh.cli import main
+from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
 from flexmesh.layout.legacy import legacy_dict
 from flexmesh.layout.mesh import layout_from_plan, rank_coords, replica_groups
+from flexmesh.layout.overlap import FASTEST
 from flexmesh.layout.plan import Plan, ReplicaGroup, StagePlan, load_plan
+from flexmesh.layout.stack import Stack
 from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.spec.cluster import parse_mixed_cluster
+from flexmesh.spec.model import parse_model
 
 
 def _v3_dict() -> dict:
@@ -25,7 +31,7 @@ def _v3_dict() -> dict:
             "unused": [4]}
 
 
-def test_a_version_3_file_reads_as_groups_and_saves_as_version_4(tmp_path):
+def test_a_version_3_file_reads_as_groups_and_saves_as_version_5(tmp_path):
     old = tmp_path / "v3.json"
     old.write_text(json.dumps(_v3_dict()))
     p = load_plan(old)
@@ -37,10 +43,10 @@ def test_a_version_3_file_reads_as_groups_and_saves_as_version_4(tmp_path):
     assert not p.in_rank_order and "ranks 0-1 b8" in p.layout and "[1,4) 3x tp1-dp1z0" in p.layout
     new = tmp_path / "v4.json"
     p.save(new)
-    assert json.loads(new.read_text())["version"] == 4
+    assert json.loads(new.read_text())["version"] == 5
     assert load_plan(new) == p
     # the form version 3 wrote comes back, so checkpoints hashed under it match (runtime.checkpoint.plan_hash)
-    back = legacy_dict(p)
+    back = legacy_dict(p.to_dict(), p.version)
     assert back is not None and back["replicas"][1]["stages"][0] == {"layers": [0, 1], "devices": [2],
                                                                        "recompute": "full"}
     assert Plan.from_dict(back) == p
@@ -94,7 +100,7 @@ def test_bad_version_4_plans_name_the_fault(edit, message):
 def test_versions_1_and_2_read_as_one_group_in_rank_order():
     st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp2z0"),) * 2)
     uniform = Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 1, 512, 4, (st,))
-    v2 = legacy_dict(uniform)
+    v2 = legacy_dict(uniform.to_dict(), uniform.version)
     assert v2 is not None and v2["version"] == 2 and v2["pp"] == 1
     v1 = {k: v for k, v in v2.items() if k != "pipeline_schedule"} | {"version": 1, "schedule": "1f1b"}
     for d in (v2, v1, uniform.to_dict()):
@@ -105,14 +111,14 @@ def test_versions_1_and_2_read_as_one_group_in_rank_order():
 
 
 def test_checkpoints_of_an_old_plan_file_match_it_upgraded(tmp_path):
-    """A checkpoint hashes the plan's older form: the old file and the same plan saved as version 4 agree."""
+    """A checkpoint hashes the plan's older form: the old file and the same plan saved as version 5 agree."""
     pytest.importorskip("torch")
     from flexmesh.runtime.state.checkpoint import plan_hash
 
     st = tuple(StagePlan(i, i + 2, (LayerStrategy.parse("tp2-dp1z3"),) * 2) for i in (0, 2))
     uniform = Plan.uniform("tiny", "4xA100-80GB", 4, 2, "1f1b", 4, 512, 8, st)
     old, new = tmp_path / "old.json", tmp_path / "new.json"
-    old.write_text(json.dumps(legacy_dict(uniform)))
+    old.write_text(json.dumps(legacy_dict(uniform.to_dict(), uniform.version)))
     load_plan(old).save(new)
     assert plan_hash(load_plan(old)) == plan_hash(load_plan(new)) == plan_hash(uniform)
     v3 = tmp_path / "v3.json"
@@ -120,6 +126,18 @@ def test_checkpoints_of_an_old_plan_file_match_it_upgraded(tmp_path):
     load_plan(v3).save(new)
     assert plan_hash(load_plan(v3)) == plan_hash(load_plan(new))
     assert plan_hash(load_plan(new)) != plan_hash(uniform)
+    # groups neither version 2 nor 3 describes: hashed in version 4's form (no microbatch_tokens), as before
+    st2 = (StagePlan(0, 4, (LayerStrategy.parse("tp1-dp2z0"),) * 4),)
+    two = Plan("tiny", "4xA100-80GB", 4, 512, 8, "1f1b", (ReplicaGroup(((0, 1),), st2, 2, 4),
+                                                          ReplicaGroup(((2, 3),), st2, 2, 4)))
+    v4 = legacy_dict(two.to_dict(), two.version)
+    assert v4["version"] == 4 and all("microbatch_tokens" not in g for g in v4["groups"])
+    assert {k: v for k, v in two.to_dict().items() if k not in ("version", "groups")} == \
+        {k: v for k, v in v4.items() if k not in ("version", "groups")}
+    old.write_text(json.dumps(v4))
+    load_plan(old).save(new)
+    assert json.loads(new.read_text())["groups"][0]["microbatch_tokens"] == 2 * 512 // 2
+    assert plan_hash(load_plan(old)) == plan_hash(load_plan(new)) == plan_hash(two)
 
 
 def test_replica_groups_of_a_uniform_plan_follow_the_rank_order():
@@ -159,3 +177,84 @@ def test_a_new_global_batch_scales_the_shares():
     q = p.with_global_batch(24)
     assert [g.share for g in q.groups] == [16, 8] and q.global_batch == 24
     assert all(g.share % g.num_microbatches == 0 for g in q.groups)
+
+
+# ---- plan --check: every plan, one group or several, by the same rules and the same stack flags ----------
+def _two_groups(second: list[tuple[int, int, tuple[int, ...]]]) -> Plan:
+    """llama2-7b on 1x4xH100+1x4xA100-40GB: an H100 group of tp 4, and ``second``'s stages (start, end,
+    devices) on the A100s, every layer of tp ``len(devices)`` recomputed in full."""
+    def group(stages, share):
+        return ReplicaGroup(tuple(d for _, _, d in stages),
+                            tuple(StagePlan(a, b, (LayerStrategy.parse(f"tp{len(d)}-dp1z0-ac"),) * (b - a))
+                                  for a, b, d in stages), 4, share)
+    return Plan("llama2-7b", "1x4xH100+1x4xA100-40GB", 8, 2048, 16, "1f1b",
+                (group([(0, 32, (0, 1, 2, 3))], 8), group(second, 8)), overlap=FASTEST)
+
+
+def test_check_prices_a_plan_of_several_groups_with_the_stack_flags(tmp_path, capsys):
+    path = tmp_path / "groups.json"
+    _two_groups([(0, 16, (4, 5)), (16, 32, (6, 7))]).save(path)
+
+    def checked(*flags: str) -> dict:
+        assert main(["plan", "--check", str(path), "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    runtime, unfused, dropout = checked(), checked("--attention", "unfused"), checked("--dropout")
+    assert unfused["step_time_s"] > runtime["step_time_s"]  # separate kernels over the whole s x s scores
+    peak = [r["peak_memory_gib"] for r in runtime["replicas"]]
+    assert all(d > r for d, r in zip((r["peak_memory_gib"] for r in dropout["replicas"]), peak))  # the masks kept
+    # the same job as a plan of one group is priced by: each device group's cost model assembled alike
+    from flexmesh.cost.training.mixed import MixedCosts
+    from flexmesh.cost.training.parts import Parts
+    from flexmesh.search.check import check_groups
+
+    model, cluster = parse_model("llama2-7b"), parse_mixed_cluster("1x4xH100+1x4xA100-40GB")
+    unfused_parts = Parts(stack=Stack(attention="unfused"))
+    costs = MixedCosts(model, cluster, groups=[CostModel(model, g, parts=unfused_parts) for g in cluster.groups])
+    assert check_groups(load_plan(path), model, cluster, costs).step_time == unfused["step_time_s"]
+
+
+def test_check_refuses_an_empty_middle_stage_in_a_plan_of_several_groups(tmp_path, capsys):
+    tp1 = ["tp1-dp1z0"] * 2
+    plan = {"version": 5, "model": "tiny", "cluster": "1x4xH100+1x4xA100-40GB", "world_size": 8, "seq_len": 512,
+            "global_batch": 8, "pipeline_schedule": "1f1b", "unused": [7],
+            "groups": [{"ranks": ["0-3"], "share": 4, "num_microbatches": 1,
+                        "stages": [{"layers": [0, 4], "strategies": ["tp1-dp4z0"] * 4}]},
+                       # three pipeline ranks, the middle one holding no layer
+                       {"ranks": ["4", "5", "6"], "share": 4, "num_microbatches": 2,
+                        "stages": [{"layers": [0, 2], "strategies": tp1}, {"layers": [2, 2], "strategies": []},
+                                   {"layers": [2, 4], "strategies": tp1}]}]}
+    path = tmp_path / "groups.json"
+    path.write_text(json.dumps(plan))
+    assert main(["plan", "--check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "replica group 1: stage 1 has no layers" in err and "lower pp" in err
+    # with a layer in it, the same plan is valid
+    plan["groups"][1]["stages"][1:] = [{"layers": [2, 3], "strategies": tp1[:1]},
+                                       {"layers": [3, 4], "strategies": tp1[:1]}]
+    path.write_text(json.dumps(plan))
+    assert main(["plan", "--check", str(path)]) == 0
+    # as a plan of one group is refused (docs/plan-format.md)
+    st = LayerStrategy.parse("tp1-dp1z0")
+    with pytest.raises(PlanError, match="stage 1 has no layers"):
+        Plan.uniform("tiny", "3xA100-80GB", 3, 3, "1f1b", 1, 512, 3,
+                     (StagePlan(0, 2, (st,) * 2), StagePlan(2, 2, ()), StagePlan(2, 4, (st,) * 2)))
+
+
+def test_check_takes_a_group_whose_data_parallel_ranks_span_nodes():
+    """A group of one device type over two nodes (dp across them, each TP group inside one node), as the
+    mixed search's one-group-per-type plans are, is valid; a TP group across nodes is not."""
+    from flexmesh.search.check import check_groups
+
+    model, cluster = parse_model("llama2-7b"), parse_mixed_cluster("1x8xH100+2x8xA100-40GB")
+
+    def group(ranks, strategy):
+        return ReplicaGroup((tuple(ranks),), (StagePlan(0, 32, (LayerStrategy.parse(strategy),) * 32),), 4, 32)
+
+    ok = Plan("llama2-7b", cluster.label, 24, 4096, 64, "1f1b", (group(range(8), "tp1-dp8z1"),
+                                                                  group(range(8, 24), "tp2-dp8z2")))
+    assert check_groups(ok, model, cluster).step_time > 0
+    across = Plan("llama2-7b", cluster.label, 24, 4096, 64, "1f1b",
+                  (group(range(8), "tp1-dp8z1"), group([*range(8, 15), *range(16, 23), 15, 23], "tp2-dp8z2")))
+    with pytest.raises(PlanError, match=r"TP group on devices \[14, 16\] spans nodes \[1, 2\]"):
+        check_groups(across, model, cluster)

@@ -121,8 +121,11 @@ def test_plan_replicas_cli(tmp_path):
     assert sum(r["devices"] * r["replicas"] for r in out["mix"]) == 4
     assert max(r["max_tokens"] for r in out["mix"]) >= 8192
     assert out["single"] and out["step_s"] > 0
+    from flexmesh.layout.plan import PLAN_VERSION
+
     written = json.loads(plan.read_text())
-    assert written == out["plan"] and written["version"] == 4 and len(written["groups"]) == len(out["mix"])
+    assert written == out["plan"] and written["version"] == PLAN_VERSION and len(written["groups"]) == len(out["mix"])
+    assert all(g["microbatch_tokens"] > 0 for g in written["groups"])  # each group's token budget shown
     assert flexmesh_here("plan", "--check", str(plan), "--tasks", str(job)).returncode == 0
     full = flexmesh_here("plan", "--check", str(plan))  # the same layouts training every weight do not fit
     assert full.returncode == 2 and "GiB" in full.stderr

@@ -18,7 +18,10 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from flexmesh.layout.stack import ATTENTION_KERNELS, RUNTIME_STACK, Stack
 from flexmesh.spec.limits import MAX_SEQ_LEN, MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS
+from flexmesh.spec.model import ModelSpec
+from flexmesh.spec.tasks import TaskSet, load_tasks
 
 # What `plan` and `simulate` assume when neither a plan nor the flag says: one meaning in both.
 DEFAULT_MODEL, DEFAULT_CLUSTER, DEFAULT_SEQ_LEN, DEFAULT_GLOBAL_BATCH = "llama3-8b", "8xH100", 8192, 128
@@ -193,13 +196,11 @@ TASKS_HELP = ("LoRA fine-tuning: a job file (TOML) of [[task]] tables, one adapt
               "(docs/adapters.md)")
 
 
-def job_tasks(args, spec):  # noqa: ANN001, ANN201
-    """The LoRA tasks of ``--tasks`` checked against model ``spec``; None without the flag."""
-    if getattr(args, "tasks", None) is None:
+def tasks_of(path: str | None, spec: ModelSpec) -> TaskSet | None:
+    """The LoRA tasks of ``--tasks`` (the job file at ``path``) checked against model ``spec``; None without."""
+    if path is None:
         return None
-    from flexmesh.spec.tasks import load_tasks
-
-    tasks = load_tasks(args.tasks)
+    tasks = load_tasks(path)
     tasks.check(spec)
     return tasks
 
@@ -207,8 +208,6 @@ def job_tasks(args, spec):  # noqa: ANN001, ANN201
 def add_stack_args(p: argparse.ArgumentParser) -> None:
     """``--attention``, ``--no-sequence-parallel``, ``--dropout``: price a stack other than flexmesh's runtime
     (flexmesh.layout.stack)."""
-    from flexmesh.layout.stack import ATTENTION_KERNELS, RUNTIME_STACK
-
     g = p.add_argument_group("another training stack's layers (default: flexmesh's runtime)")
     g.add_argument("--attention", choices=ATTENTION_KERNELS, default=RUNTIME_STACK.attention,
                    help="flash2 (default, flexmesh's runtime): FlashAttention-2; fused: the fastest fused kernel "
@@ -227,11 +226,7 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                         "partitioner): per token it keeps 4h + 2kv + 2ffn, no GEMM input of its own")
 
 
-def stack_of(args):  # noqa: ANN001, ANN201
+def stack_of(args: argparse.Namespace) -> Stack:
     """The :class:`~flexmesh.layout.stack.Stack` of :func:`add_stack_args`' flags."""
-    from flexmesh.layout.stack import RUNTIME_STACK, Stack
-
-    return Stack(attention=getattr(args, "attention", RUNTIME_STACK.attention),
-                 sequence_parallel=getattr(args, "sequence_parallel", True), dropout=getattr(args, "dropout", False),
-                 fused_swiglu=getattr(args, "fused_swiglu", False),
-                 pointwise_recompute=getattr(args, "pointwise_recompute", False))
+    return Stack(attention=args.attention, sequence_parallel=args.sequence_parallel, dropout=args.dropout,
+                 fused_swiglu=args.fused_swiglu, pointwise_recompute=args.pointwise_recompute)

@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -59,6 +60,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+@dataclass(frozen=True)
+class DemoSize:
+    """How much the demo runs: the flags', or with ``--quick`` a shortened run for tests."""
+
+    nproc: int
+    steps: int
+    global_batch: int
+    seq_len: int
+    sim_steps: int
+    seed: int
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> DemoSize:
+        if args.quick:
+            return cls(nproc=2, steps=2, global_batch=6, seq_len=512, sim_steps=1, seed=args.seed)
+        return cls(args.nproc, args.steps, args.global_batch, args.seq_len, args.sim_steps, args.seed)
+
+
 def _flexmesh(argv: list[str], console, what: str, capture: bool = False) -> subprocess.CompletedProcess:
     """Run ``flexmesh *argv`` in a child process (torchrun needs its own); fail with its last output."""
     from flexmesh.runtime.launch import child_env
@@ -79,7 +98,7 @@ def _parse(command: ModuleType, argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def training_plan_file(out: Path, hardware_profile: Path, nproc: int, max_len: int, global_batch: int) -> Path:
+def training_plan_file(out: Path, hardware_profile: Path, nproc: int, seq_len: int, global_batch: int) -> Path:
     """Write the demo's training plan to ``out/plan-train.json`` and return its path.
 
     Its cluster is a cluster file of the profiled device (``out/profiles/cluster.json``, the device
@@ -92,13 +111,13 @@ def training_plan_file(out: Path, hardware_profile: Path, nproc: int, max_len: i
     from flexmesh.files import write_atomic
     from flexmesh.profile.format import load_profile
     from flexmesh.profile.use import cluster_from_profile
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
 
     cluster = cluster_from_profile(load_profile(hardware_profile, "hardware"), nproc)
     cluster_file = Path(hardware_profile).resolve().parent / "cluster.json"
     write_atomic(cluster_file, json.dumps(cluster.to_dict(), indent=2) + "\n")
     plan_path = out / "plan-train.json"
-    replace(training_plan(nproc, max_len, global_batch), cluster=str(cluster_file)).save(plan_path)
+    replace(training_plan(nproc, seq_len, global_batch), cluster=str(cluster_file)).save(plan_path)
     return plan_path
 
 
@@ -110,20 +129,17 @@ def run(args: argparse.Namespace) -> int:
 
     # Imported here, not at the top: the report draws with matplotlib, slow to import, and every
     # `flexmesh` invocation imports this module to build its parser.
-    from flexmesh.report.demo import TRAIN_MODEL, read_metrics, write_report
+    from flexmesh.report.demo import write_report
     from flexmesh.report.experts import MOE_MODEL, demo_experts
+    from flexmesh.report.runs import TRAIN_MODEL, read_metrics
 
-    if args.quick:
-        args.nproc, args.steps, args.global_batch, args.seq_len, args.sim_steps = 2, 2, 6, 512, 1
-    if not 2 <= args.nproc <= 4:
-        raise FlexmeshError(f"--nproc must be 2 to 4 local processes, got {args.nproc}")
-    for name in ("steps", "global_batch", "seq_len", "sim_steps"):
-        if getattr(args, name) < 1:
-            raise FlexmeshError(f"--{name.replace('_', '-')} must be >= 1")
+    size = DemoSize.of(args)
+    if not 2 <= size.nproc <= 4:
+        raise FlexmeshError(f"--nproc must be 2 to 4 local processes, got {size.nproc}")
     console = plain_console()
     out = make_folder(args.out).resolve()
     t_start = time.perf_counter()
-    devices = demo_devices(args.device, args.nproc, console)
+    devices = demo_devices(args.device, size.nproc, console)
 
     # 1. plan
     console.print(Rule("1/6  plan: Llama 3 8B on 8x H100, sequences of 8192, 128 per step"))
@@ -138,32 +154,32 @@ def run(args: argparse.Namespace) -> int:
     console.print(Rule("2/6  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
     sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--seq-len", "131072",
                 "--global-batch", "128" if args.quick else "512", "--lengths", "wikipedia", "--policies", "hdp,milp",
-                "--steps", str(args.sim_steps), "--seed", str(args.seed), "--plots", str(out / "simulated")]
+                "--steps", str(size.sim_steps), "--seed", str(size.seed), "--plots", str(out / "simulated")]
     sim = simulate_command.simulate(_parse(simulate_command, sim_args))
     simulate_command.print_table(sim, plain_console())
 
     # 3. profile
-    console.print(Rule(f"3/6  profile this machine and the {TRAIN_MODEL} model with {args.nproc} processes"))
+    console.print(Rule(f"3/6  profile this machine and the {TRAIN_MODEL} model with {size.nproc} processes"))
     prof = out / "profiles"
     hw, mp = prof / "hardware.json", prof / f"model-{TRAIN_MODEL}.json"
     on = ["--device", devices["multi"]]
     # --no-keep: the demo's quick profiles never replace the machine's own (those `--cluster local` prices by)
-    quick = ["--quick", "--no-keep", "--nproc", str(args.nproc), *on]
+    quick = ["--quick", "--no-keep", "--nproc", str(size.nproc), *on]
     _flexmesh(["profile", "hardware", *quick, "--out", str(hw)], console, "profile hardware")
     _flexmesh(["profile", "model", "--model", TRAIN_MODEL, *quick, "--out", str(mp)], console, "profile model")
 
     # 4. train
-    plan_path = training_plan_file(out, hw, args.nproc, args.seq_len, args.global_batch)
+    plan_path = training_plan_file(out, hw, size.nproc, size.seq_len, size.global_batch)
     runs = {"fixed": ["--policy", "fixed", "--cp", "1"], "adaptive": ["--policy", "milp", "--adaptive",
                                                                       "--fallback-policy", "hdp"]}
     metrics, loads = {}, {}
     for i, (label, policy) in enumerate(runs.items()):
-        console.print(Rule(f"4/6  train {TRAIN_MODEL} on {args.nproc} processes, standard-library sources: "
+        console.print(Rule(f"4/6  train {TRAIN_MODEL} on {size.nproc} processes, standard-library sources: "
                            f"{label} ({i + 1}/{len(runs)})"))
         run_dir = out / "runs" / label
         before = os.getloadavg()[0]
-        _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps),
-                   "--out", str(run_dir), "--nproc", str(args.nproc), "--overwrite", "--seed", str(args.seed),
+        _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(size.steps),
+                   "--out", str(run_dir), "--nproc", str(size.nproc), "--overwrite", "--seed", str(size.seed),
                    "--hardware-profile", str(hw), "--model-profile", str(mp), *on, *policy], console, f"train {label}")
         metrics[label], loads[label] = read_metrics(run_dir / "metrics.jsonl"), before
 
@@ -178,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
                        "simulated"))
     dispatch = simulate_command.simulate(_parse(simulate_command, [
         "simulate", "--plan", str(mixed_path), "--seq-len", "4096", "--lengths", "wikipedia",
-        "--policies", "balanced,hdp", "--steps", str(args.sim_steps), "--seed", str(args.seed)]))
+        "--policies", "balanced,hdp", "--steps", str(size.sim_steps), "--seed", str(size.seed)]))
     dispatch.print(console)
 
     # uneven devices: a rank emulated at half speed, static against re-planned schedules
@@ -186,17 +202,17 @@ def run(args: argparse.Namespace) -> int:
     from flexmesh.report.stragglers import demo_comparison
 
     stragglers = demo_comparison(out / "stragglers", hw, mp, steps=5 if args.quick else 8, global_batch=8,
-                                 max_len=128 if args.quick else 256, seed=args.seed, device=devices["pair"])
+                                 seq_len=128 if args.quick else 256, seed=size.seed, device=devices["pair"])
 
     console.print(Rule(f"5/6  uneven experts: {MOE_MODEL} on 2 processes, static against load-following placement"))
-    experts = demo_experts(out / "experts", hw, steps=2 if args.quick else args.steps, global_batch=8,
-                           max_len=128 if args.quick else 256, seed=args.seed, device=devices["pair"],
+    experts = demo_experts(out / "experts", hw, steps=2 if args.quick else size.steps, global_batch=8,
+                           seq_len=128 if args.quick else 256, seed=size.seed, device=devices["pair"],
                            profile=not args.quick)
 
     gpu = None
     if devices["gpu"]:
-        console.print(Rule(f"5/6  one GPU: {devices['gpu']}, {TRAIN_MODEL} in bf16, {args.steps} steps"))
-        gpu = gpu_run(out, args, devices["gpu"], console)
+        console.print(Rule(f"5/6  one GPU: {devices['gpu']}, {TRAIN_MODEL} in bf16, {size.steps} steps"))
+        gpu = gpu_run(out, size, devices["gpu"], console)
 
     # 5. report
     console.print(Rule("6/6  report"))
@@ -230,20 +246,20 @@ def demo_devices(requested: str, nproc: int, console) -> dict:
     return {"multi": multi, "pair": "cuda" if gpus >= 2 else "cpu", "gpu": gpu_name, "text": text}
 
 
-def gpu_run(out: Path, args: argparse.Namespace, gpu_name: str, console) -> dict:
+def gpu_run(out: Path, size: DemoSize, gpu_name: str, console) -> dict:
     """The demo's model trained by one process on one GPU in bf16 (compiled blocks, the GPU's attention
     kernel), priced by the GPU's device preset (A100-80GB's where it has none); its metrics rows."""
     from dataclasses import replace
 
-    from flexmesh.report.demo import read_metrics, training_plan
+    from flexmesh.report.runs import read_metrics, training_plan
     from flexmesh.spec.cluster import preset_of_gpu
 
     preset = preset_of_gpu(gpu_name)
     plan_path = out / "plan-gpu.json"
-    replace(training_plan(1, args.seq_len, args.global_batch), cluster=f"1x{preset or 'A100-80GB'}",
+    replace(training_plan(1, size.seq_len, size.global_batch), cluster=f"1x{preset or 'A100-80GB'}",
             cost_source="preset").save(plan_path)
     run_dir = out / "runs" / "gpu"
-    _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(args.steps), "--out",
-               str(run_dir), "--overwrite", "--seed", str(args.seed), "--device", "cuda", "--dtype", "bf16",
+    _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(size.steps), "--out",
+               str(run_dir), "--overwrite", "--seed", str(size.seed), "--device", "cuda", "--dtype", "bf16",
                "--policy", "fixed"], console, "train on one GPU")
     return {"name": gpu_name, "preset": preset, "rows": read_metrics(run_dir / "metrics.jsonl")}

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from flexmesh.commands.args import nonneg_float, positive_float, positive_int
+from flexmesh.cost.training.experts import ExpertParallel
 from flexmesh.errors import SpecError
+from flexmesh.schedule.expert_placement import PLACEMENTS, read_trace, trace_imbalance
+from flexmesh.search.space import divisors
+from flexmesh.spec.model import ModelSpec
 
 # Most steps of a routing trace a plan replays per layer (the latest): enough for a stable mean, few
 # enough that a world of thousands of ranks replays in seconds.
@@ -14,9 +19,6 @@ TRACE_STEPS = 32
 def add_expert_args(p: argparse.ArgumentParser, train: bool = False) -> None:
     """The flags of a command that prices a mixture of experts; with ``train``, also how the run places
     and balances them."""
-    from flexmesh.commands.args import nonneg_float, positive_float, positive_int
-    from flexmesh.schedule.expert_placement import PLACEMENTS
-
     g = p.add_argument_group("mixtures of experts (docs/experts.md)")
     g.add_argument("--expert-placement", default="laer", choices=PLACEMENTS,
                    help="which data ranks run which experts: laer follows the last step's load (default), current "
@@ -42,23 +44,21 @@ def add_expert_args(p: argparse.ArgumentParser, train: bool = False) -> None:
                             "mean load (DeepSeek-V3 used 0.001); 0 (default): routing as the model routes")
 
 
-def experts_of(args: argparse.Namespace, model, world: int):  # noqa: ANN001, ANN201 - ModelSpec; ExpertParallel
-    """The :class:`~flexmesh.cost.training.experts.ExpertParallel` the flags describe for ``model`` on a world of
-    ``world`` ranks: with ``--routing``, every placement replayed on the trace's latest
-    :data:`TRACE_STEPS` steps at every data-rank count dividing the world (baselines price theirs)."""
-    from flexmesh.cost.training.experts import ExpertParallel
-    from flexmesh.schedule.expert_placement import PLACEMENTS, read_trace, trace_imbalance
-    from flexmesh.search.space import divisors
-
+def experts_of(model: ModelSpec, world: int, placement: str = "laer", imbalance: float | None = None,
+               routing: str | None = None, slots: int | None = None) -> ExpertParallel:
+    """The :class:`~flexmesh.cost.training.experts.ExpertParallel` that ``--expert-placement``,
+    ``--expert-imbalance``, ``--routing`` and ``--expert-slots`` describe for ``model`` on a world of
+    ``world`` ranks: with a routing trace, every placement replayed on its latest :data:`TRACE_STEPS`
+    steps at every data-rank count dividing the world (baselines price theirs)."""
     measured: tuple[tuple[str, int, float], ...] = ()
-    if getattr(args, "routing", None):
-        rows = read_trace(args.routing)
+    if routing is not None:
+        moe = model.moe
+        rows = read_trace(routing)
         counts = {len(r["expert_tokens"]) for r in rows}
-        if counts != {model.moe.num_experts}:
-            raise SpecError(f"routing trace {args.routing} routes to {sorted(counts)} experts but model "
-                            f"{model.name!r} has {model.moe.num_experts}; give a trace of this model")
+        if moe is None or counts != {moe.num_experts}:
+            raise SpecError(f"routing trace {routing} routes to {sorted(counts)} experts but model "
+                            f"{model.name!r} has {moe.num_experts if moe else 0}; give a trace of this model")
         steps = sorted({int(r.get("step", 0)) for r in rows})[-TRACE_STEPS:]
         rows = [r for r in rows if int(r.get("step", 0)) in steps]
         measured = tuple((p, n, trace_imbalance(rows, p, n)) for p in PLACEMENTS for n in divisors(world) if n > 1)
-    return ExpertParallel(getattr(args, "expert_placement", "laer"), imbalance=getattr(args, "expert_imbalance", None),
-                          slots=getattr(args, "expert_slots", None), measured=measured)
+    return ExpertParallel(placement, imbalance=imbalance, slots=slots, measured=measured)

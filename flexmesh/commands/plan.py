@@ -7,9 +7,7 @@ import json
 import time
 from dataclasses import replace
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from flexmesh.commands.args import (
     DEFAULT_CLUSTER,
@@ -19,13 +17,13 @@ from flexmesh.commands.args import (
     TASKS_HELP,
     add_stack_args,
     chunk_counts,
-    job_tasks,
     new_file,
     nonempty,
     positive_int,
     seq_len,
     sequences,
     stack_of,
+    tasks_of,
     tokens,
 )
 from flexmesh.commands.experts_args import add_expert_args, experts_of
@@ -39,28 +37,32 @@ from flexmesh.commands.plan_lengths import (
     with_expected,
     workload,
 )
+from flexmesh.commands.plan_output import explain, print_table, result_json
+from flexmesh.commands.plan_replicas import replica_command
+from flexmesh.commands.plan_terms import print_against
 from flexmesh.console import plain_console, styled
-from flexmesh.cost import CostModel, Evaluation
+from flexmesh.cost import CostModel
+from flexmesh.cost.training.experts import ExpertParallel
 from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.files import check_file_target
+from flexmesh.job import Job, build_job
 from flexmesh.layout.overlap import RUNTIME
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
 from flexmesh.layout.stack import RUNTIME_STACK
+from flexmesh.profile.use import LOCAL, cost_model_for
 from flexmesh.report.plan_tables import baseline_table, ratios, replica_table, stage_table
-from flexmesh.search import Candidate, SearchRequest, SearchResult, SearchSpace, best_plans
+from flexmesh.search import SearchRequest, SearchResult, SearchSpace, best_plans
 from flexmesh.search.baselines import BaselinePlans, mixed_baselines
 from flexmesh.search.check import check_groups, check_plan
 from flexmesh.search.mixed import MixedResult, MixedSearch
 from flexmesh.search.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
-from flexmesh.spec.devices import FLASH2
-from flexmesh.spec.model import parse_model
+from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.spec.model_file import ModelFile
-from flexmesh.units import GIB
 
 PROGRESS_AFTER_S = 1.0  # show a progress bar only for searches that take longer than this
 
@@ -132,9 +134,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check a plan file, or build a SearchRequest from the options, search, and print or write the result."""
-    from flexmesh.profile.use import LOCAL, cost_model_for
-
+    """Check a plan file, or search: the flags resolved once into a Job (flexmesh.job), then the search
+    request built from it; print or write the result."""
     if args.check and (args.lengths or args.tokens_per_batch):
         raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
                         "drop them (flexmesh simulate --plan FILE --lengths ... scores a plan on lengths)")
@@ -152,47 +153,49 @@ def run(args: argparse.Namespace) -> int:
     # --check: the plan's own cluster unless --cluster or a hardware profile says otherwise
     own = loaded.cluster if loaded is not None and args.cluster is None and not args.hardware_profile else None
     try:
-        cost = cost_model_for(spec, args.cluster or own, args.hardware_profile, args.model_profile,
+        base = cost_model_for(spec, args.cluster or own, args.hardware_profile, args.model_profile,
                               default_cluster=DEFAULT_CLUSTER)
     except SpecError as e:
         if own is None:
             raise
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
-    tasks = job_tasks(args, spec)
-    # another stack's layers (flexmesh.layout.stack); LoRA: a frozen base and the tasks' adapters; how the
-    # experts run (flexmesh.cost.training.parts)
-    experts = experts_of(args, cost.model, cost.cluster.world_size) if cost.model.is_moe else cost.experts
-    cost = cost.replace(parts=Parts(stack=stack_of(args), experts=experts, tasks=tasks))
+    # the model in the profiles' dtype when profiles are given (base.model)
+    parts = _parts(args, base.model, base.cluster.world_size)
+    tasks = parts.tasks
     if args.replicas:
-        from flexmesh.commands.plan_replicas import replica_command
-
-        return replica_command(args, cost, tasks, record=lambda plan: recorded(plan, args.model))
-    model, cluster = cost.model, cost.cluster  # the model in the profiles' dtype when profiles are given
+        if tasks is None:
+            raise PlanError("--replicas plans replicas for LoRA tasks: give --tasks FILE")
+        job = build_job(base.model, args.seq_len, args.global_batch or 8 * len(tasks), base=base, parts=parts)
+        return replica_command(job, args.lengths, args.json, args.out, record=lambda plan: recorded(plan, args.model))
     out = plain_console()
     if loaded is not None:
-        plan = loaded
-        ev = check_plan(plan, model, cluster, cost)
+        job = build_job(base.model, loaded.seq_len, loaded.global_batch, base=base, parts=parts, plan=loaded)
+        cost = _cost(job)
+        ev = check_plan(loaded, job.model, cost.cluster, cost)
         if args.out:
-            recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
+            recorded(loaded, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
         if args.json:
-            print(json.dumps({"valid": True, "layout": plan.layout, **ev.to_dict()}, indent=2))
+            print(json.dumps({"valid": True, "layout": loaded.layout, **ev.to_dict()}, indent=2))
         else:
-            out.print(styled("valid", "green", f": {plan.layout}"))
-            _explain(out, ev, cost)
+            out.print(styled("valid", "green", f": {loaded.layout}"))
+            explain(out, ev, cost)
         return 0
     schedules = tuple(s.strip() for s in args.pipeline_schedules.split(",") if s.strip())
     unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
     if unknown or not schedules:
         raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(PIPELINE_SCHEDULES)}")
-    # --no-recompute: none; else the full space's none / selective / full
+    work = workload(args.seq_len, args.global_batch, args.tokens_per_batch, args.lengths)
+    job = build_job(base.model, work.seq_len, work.global_batch, base=base, tokens_per_batch=work.tokens_per_batch,
+                    parts=parts)
+    cost = _cost(job)
+    # --no-recompute: none; else the full space's none / selective / full; LoRA: adapters train with pp 1
     space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
                         same_mesh=args.same_mesh, overlaps=(RUNTIME,) if args.overlap == "runtime" else None,
-                        virtual_stages=args.virtual_stages,
-                        **({"pp": (1,)} if tasks else {}))
-    work = workload(args)
+                        virtual_stages=args.virtual_stages, pp=(1,) if tasks else FULL_SPACE.pp)
     top = max(args.top, RESCORED) if work.lengths else args.top  # with --lengths: re-scored, then cut to --top
-    request = SearchRequest(model, cluster, args.seq_len, work.global_batch, space, cost, top=top, mode=args.mode)
+    request = SearchRequest(job.model, cost.cluster, job.seq_len, job.global_batch, space, cost, top=top,
+                            mode=args.mode)
     result = _run_search(request, quiet=args.json)
     expected: dict[str, Expected] = {}
     if work.lengths:
@@ -202,24 +205,36 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         plan.save(args.out)
     if args.json:
-        print(json.dumps({**_result_json(result, plan, expected), "workload": work.to_dict()}, indent=2))
+        print(json.dumps({**result_json(result, plan, expected), "workload": work.to_dict()}, indent=2))
         return 0
-    _table(out, result, expected)
+    print_table(out, result, expected)
     out.print(work.describe(), highlight=False)
-    if cluster.pace != 1.0:
-        out.print(f"every device priced at speed {cluster.pace:g}: the cluster's devices all run at it (its "
+    if cost.cluster.pace != 1.0:
+        out.print(f"every device priced at speed {cost.cluster.pace:g}: the cluster's devices all run at it (its "
                   "speed_factors), compute stretched, communication not", highlight=False)
     if args.explain:
-        _explain(out, best.evaluation, cost)
+        explain(out, best.evaluation, cost)
         if args.against:
-            from flexmesh.commands.plan_terms import print_against
-
             other = load_plan(args.against)
-            check_plan(other, model, cluster, cost)  # same model and cluster, a layout that can run
+            check_plan(other, job.model, cost.cluster, cost)  # same model and cluster, a layout that can run
             print_against(out, cost, best.plan, other)
     if args.out:
         out.print(f"wrote best plan to {args.out}", highlight=False)
     return 0
+
+
+def _parts(args: argparse.Namespace, model: ModelSpec, world: int) -> Parts:
+    """The job's parts by the flags (flexmesh.cost.training.parts): another stack's layers, how a mixture of
+    experts runs (the default placement for a dense model), the LoRA tasks' adapters."""
+    experts = (experts_of(model, world, args.expert_placement, args.expert_imbalance, args.routing)
+               if model.is_moe else ExpertParallel())
+    return Parts(stack=stack_of(args), experts=experts, tasks=tasks_of(args.tasks, model))
+
+
+def _cost(job: Job) -> CostModel:
+    """The job's cost model of one device type (a job of the uniform search or check has one)."""
+    assert job.cost is not None
+    return job.cost
 
 
 def recorded(plan: Plan, model: str | None) -> Plan:
@@ -252,116 +267,6 @@ def _run_search(request: SearchRequest, quiet: bool) -> SearchResult:
             state["bar"].stop()
 
 
-def _row(c: Candidate, e: Expected | None = None) -> dict:
-    ev = c.evaluation
-    row = {"layout": c.plan.layout, "origin": c.origin, "step_time_s": ev.step_time, "tokens_per_s": ev.tokens_per_s,
-           "mfu": ev.mfu, "peak_memory_gib": [m["total"] / GIB for m in ev.memory]}
-    if e is not None:  # --lengths: the expected step, the cost model's at --seq-len beside it
-        row.update(step_time_s=e.step_time, tokens_per_s=e.tokens_per_s, policy=e.policy,
-                   fixed_length_step_time_s=ev.step_time, fixed_length_tokens_per_s=ev.tokens_per_s)
-    return row
-
-
-def _result_json(r: SearchResult, plan: Plan, expected: dict[str, Expected]) -> dict:
-    return {
-        "search_seconds": r.search_seconds,
-        "mode": r.mode,
-        "configurations": r.configurations,
-        "best": {**_row(r.best, expected.get(r.best.plan.layout)), "plan": plan.to_dict()},
-        "plans": [_row(c, expected.get(c.plan.layout)) for c in r.plans],
-        "baselines": {k: (_row(v, expected.get(v.plan.layout)) if v else None) for k, v in r.baselines.items()},
-    }
-
-
-def _table(out: Console, r: SearchResult, expected: dict[str, Expected]) -> None:
-    """The best plans and the baselines; with --lengths (``expected``) their expected steps first."""
-    t = Table(title=f"best plans ({r.mode} search, {r.configurations} configurations, {r.search_seconds:.2f} s)")
-    cols = (("expected s", "tokens/s", "s at --seq-len") if expected else ("step s", "tokens/s", "MFU"))
-    for col, just in (("#", "right"), ("layout", "left"), *((c, "right") for c in cols), ("peak GiB per stage", "left"),
-                      ("from", "left")):
-        t.add_column(col, justify=just, overflow="fold")
-    for i, c in enumerate(r.plans, 1):
-        ev, e = c.evaluation, expected.get(c.plan.layout)
-        mem = " ".join(f"{m['total'] / GIB:.1f}" for m in ev.memory)
-        figures = ((f"{e.step_time:.4g}", f"{e.tokens_per_s:,.0f}", f"{ev.step_time:.4g}") if e is not None else
-                   (f"{ev.step_time:.4g}", f"{ev.tokens_per_s:,.0f}", f"{ev.mfu:.1%}"))
-        t.add_row(str(i), c.plan.layout, *figures, mem, c.origin)
-    out.print(t)
-    for name, b in r.baselines.items():
-        e = expected.get(b.plan.layout) if b is not None else None
-        if b is None:
-            out.print(f"baseline {name}: no layout of this family fits", highlight=False)
-        elif e is not None:
-            out.print(f"baseline {name}: expected {e.step_time:.4g} s, {e.tokens_per_s:,.0f} tokens/s "
-                      f"({b.evaluation.step_time:.4g} s at --seq-len)  ({b.plan.layout})", highlight=False)
-        else:
-            out.print(f"baseline {name}: {b.evaluation.step_time:.4g} s, {b.evaluation.tokens_per_s:,.0f} tokens/s, "
-                      f"MFU {b.evaluation.mfu:.1%}  ({b.plan.layout})", highlight=False)
-
-
-def framework_terms(cost: CostModel) -> str:
-    """What the cost model charges a micro-batch beyond its kernels and collectives, and where it comes from."""
-    t = cost.timing
-    if hasattr(t, "fixed_fwd"):  # a model profile's whole-model fit (flexmesh.profile.timing.ProfiledTiming)
-        if t.profile.pipeline:
-            per_stage = (f"; {t.stage_fixed_s() * 1e3:.2f} ms per pipeline chunk per micro-batch, forward and "
-                         "backward, beside its sends (the runtime's schedule over the model cut into more stages)")
-        else:
-            per_stage = ("; no fixed cost per pipeline stage (the profile predates its measurement: re-run "
-                         "`flexmesh profile model`)")
-        return (f"framework: the model profile's whole-model fit, forward {t.k_fwd:.2f}x its layers + "
-                f"{t.fixed_fwd * 1e3:.2f} ms, backward {t.k_bwd:.2f}x + {t.fixed_bwd * 1e3:.2f} ms per micro-batch "
-                f"(the fixed part once per micro-batch, with the head on the last pipeline stage){per_stage}")
-    return ("framework: no fixed cost per micro-batch or pipeline stage beyond each kernel's 3 us launch "
-            "(no source gives one for a preset; `flexmesh profile model` measures this runtime's)")
-
-
-def _explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
-    d, stack = cost.hw.cluster.device, getattr(cost.timing, "stack", None)
-    if cost.hw.source.startswith("preset:"):  # where the device's numbers come from (a profile: measured)
-        out.print(f"device {d.name} ({d.architecture}, {d.intra_link}), {cost.model.dtype} peak "
-                  f"{d.peak_tflops[cost.model.dtype]:g} TFLOP/s; GEMM efficiency {d.mm_efficiency:.3f}, "
-                  f"attention {d.attn_efficiency:.3f}: "
-                  f"{d.efficiency_source}; datasheet: {d.source}", highlight=False)
-        flash2 = FLASH2.get(d.architecture)
-        if stack is not None and stack.attention == "flash2" and flash2 is not None:
-            out.print(f"attention as the runtime runs it, FlashAttention-2 (not the fused kernel above): forward "
-                      f"{flash2['fwd_efficiency']:.3f} of peak + {flash2['fwd_overhead_keys']:.0f} keys per query "
-                      f"tile, backward {flash2['bwd_efficiency']:.3f} + {flash2['bwd_overhead_keys']:.0f}: measured, "
-                      f"{flash2['source']} (flexmesh.cost.device.flash2; --attention fused prices the faster kernel)",
-                      highlight=False)
-        links = (f"measured NCCL times of a {d.comm_table} node by message size (aiconfigurator-core, "
-                 "flexmesh.cost.device.comm_tables)" if d.comm_table else
-                 f"{d.intra_node_gbps(cost.hw.cluster.devices_per_node):g} GB/s x {d.intra_efficiency:g} "
-                 f"+ {d.intra_latency_us:g} us per step (no measured table of this part)")
-        out.print(f"collectives inside a node: {links}; across nodes: {d.node_net_gbps:g} GB/s per node x "
-                  f"{d.inter_efficiency:g} + {d.inter_latency_us:g} us per step; all-to-all at FlexSP's fitted "
-                  f"efficiencies", highlight=False)
-    elif hasattr(cost.hw, "describe"):  # a hardware profile (flexmesh.profile.timing.ProfiledHardware)
-        out.print(cost.hw.describe(), highlight=False)
-    out.print(framework_terms(cost), highlight=False)
-    if stack is not None and stack.label != RUNTIME_STACK.label:
-        out.print(f"layers priced as another stack runs them: {stack.label}", highlight=False)
-    t = Table(title="step time (busiest pipeline rank)")
-    t.add_column("part")
-    t.add_column("seconds", justify="right")
-    t.add_column("share", justify="right")
-    parts = [("compute", ev.compute), ("exposed communication", ev.exposed_comm), ("pipeline bubble", ev.bubble),
-             ("gradient sync + optimizer", ev.grad_sync)]
-    for name, v in parts:
-        t.add_row(name, f"{v:.4f}", f"{v / ev.step_time:.1%}")
-    t.add_row("step", f"{ev.step_time:.4f}", "")
-    out.print(t)
-    m = Table(title=f"memory per pipeline rank, GiB (usable {ev.budget / GIB:.1f})")
-    keys = ["states", "activations", "transient", "logits", "total"]
-    m.add_column("rank", justify="right")
-    for k in keys:
-        m.add_column(k, justify="right")
-    for r, mem in enumerate(ev.memory):
-        m.add_row(str(r), *(f"{mem.get(k, 0.0) / GIB:.2f}" for k in keys))
-    out.print(m)
-
-
 # ---- mixed clusters -----------------------------------------------------------------------------------
 def _no_profiles(args: argparse.Namespace) -> None:
     if args.hardware_profile or args.model_profile:
@@ -370,14 +275,15 @@ def _no_profiles(args: argparse.Namespace) -> None:
 
 
 def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
-    """Validate a plan of replica groups against --model and --cluster (default: the cluster it names)."""
+    """Validate a plan of replica groups against --model and --cluster (default: the cluster it names),
+    priced as the flags say (the stack's layers, the tasks' adapters, the experts' placement) as a plan
+    of one group is: the same job, each device group's cost model assembled alike."""
     _no_profiles(args)
     cluster = parse_mixed_cluster(args.cluster if args.cluster is not None else plan.cluster)
     model = plan_model(plan, args.model, args.check, recheck=True)
-    # the job's parts, as for one group: another stack's layers, experts, LoRA tasks (flexmesh.cost.training.parts)
-    experts = experts_of(args, model, cluster.world_size) if model.is_moe else Parts().experts
-    parts = Parts(stack=stack_of(args), experts=experts, tasks=job_tasks(args, model))
-    ev = check_groups(plan, model, cluster, MixedCosts(model, cluster, parts=parts))
+    job = build_job(model, plan.seq_len, plan.global_batch, cluster=cluster,
+                    parts=_parts(args, model, cluster.world_size), plan=plan)
+    ev = check_groups(plan, model, cluster, job.costs)
     if args.out:
         recorded(plan, args.model).save(args.out)  # in today's version: --check old.json --out new.json upgrades
     if args.json:
@@ -386,30 +292,41 @@ def check_groups_command(args: argparse.Namespace, plan: Plan) -> int:
     out = plain_console()
     out.print(styled("valid", "green", f": {len(plan.groups)} replica groups on {cluster.label}, predicted step "
                                        f"{ev.step_time:.3f} s, {ev.tokens_per_s:,.0f} tokens/s"))
+    if job.parts.stack != RUNTIME_STACK:
+        out.print(f"layers priced as another stack runs them: {job.parts.stack.label}", highlight=False)
     out.print(replica_table(plan, ev, cluster, "replica groups"))
     out.print(stage_table(plan, ev))
     return 0
 
 
-# Flags of the uniform search that the mixed search has no counterpart for: (flag, attribute, default).
-UNIFORM_ONLY = (("--top", "top", 5), ("--same-mesh", "same_mesh", False),
-                ("--no-recompute", "no_recompute", False), ("--mode", "mode", "auto"),
-                ("--pipeline-schedules", "pipeline_schedules", ",".join(PIPELINE_SCHEDULES)))
+def _uniform_only(args: argparse.Namespace) -> list[str]:
+    """The flags given that steer the search of one device type, which a mixed cluster's search has no
+    counterpart for."""
+    given = {"--top": args.top != 5, "--same-mesh": args.same_mesh, "--no-recompute": args.no_recompute,
+             "--mode": args.mode != "auto",
+             "--pipeline-schedules": args.pipeline_schedules != ",".join(PIPELINE_SCHEDULES)}
+    return [flag for flag, on in given.items() if on]
 
 
 def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     """Search a plan of replica groups on a mixed cluster, rank it beside its baselines (and --against
     a plan file), print (or --json) and --out it; with --lengths, all by their expected steps."""
     _no_profiles(args)
-    given = [flag for flag, attr, default in UNIFORM_ONLY if getattr(args, attr) != default]
+    given = _uniform_only(args)
     if given:
         raise PlanError(f"{given[0]} steers the search of one device type; a mixed cluster's search chooses its "
                         "groups' layouts itself (each type's own group is searched in full): drop it")
+    if args.tasks is not None:
+        raise PlanError("--tasks plans LoRA adapters on one device type; a mixed cluster's search prices training "
+                        "every weight: drop --tasks, or plan the tasks on one device type's cluster")
     model = parse_model(args.model or DEFAULT_MODEL)
-    costs = MixedCosts(model, cluster)
-    work = workload(args, mixed=True)
+    work = workload(args.seq_len, args.global_batch, args.tokens_per_batch, args.lengths, mixed=True)
+    job = build_job(model, work.seq_len, work.global_batch, cluster=cluster,
+                    parts=_parts(args, model, cluster.world_size))
+    costs = job.costs
+    assert costs is not None
     plans: BaselinePlans = {}
-    result, baselines, baseline_seconds = _search_mixed(model, cluster, args, costs, work.global_batch, plans)
+    result, baselines, baseline_seconds = _search_mixed(job, cluster, costs, args.json, plans)
     plan, ev, e = result.plan, result.evaluation, None
     if work.lengths:
         plan, ev, e = score_mixed(result, model, costs, work)
@@ -426,7 +343,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     if args.out:
         plan.save(args.out)
     if args.json:
-        best = {"layout": plan.layout.split("\n"), "step_time_s": step, "tokens_per_s": tokens_per_s}
+        best: dict = {"layout": plan.layout.split("\n"), "step_time_s": step, "tokens_per_s": tokens_per_s}
         if e is not None:
             best.update(policy=e.policy, fixed_length_step_time_s=ev.step_time,
                         fixed_length_tokens_per_s=ev.tokens_per_s)
@@ -452,13 +369,13 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     return 0
 
 
-def _search_mixed(model, cluster: MixedCluster, args: argparse.Namespace, costs: MixedCosts, gb: int,
+def _search_mixed(job: Job, cluster: MixedCluster, costs: MixedCosts, quiet: bool,
                   plans: BaselinePlans) -> tuple[MixedResult, dict, float]:
     """The mixed search's plan, its baselines (each device type's uniform search shared with the plans
     of one group per type; ``plans`` receives theirs) and the seconds the baselines took after the search."""
-    seq = args.seq_len
+    model, seq, gb = job.model, job.seq_len, job.global_batch
     search = MixedSearch(model, cluster, seq, gb, costs)
-    if args.json:
+    if quiet:
         result = search.run()
         t1 = time.perf_counter()
         baselines = mixed_baselines(model, cluster, seq, gb, costs, alone=search.types.planned_alone, plans=plans)

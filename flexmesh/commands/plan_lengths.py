@@ -13,7 +13,6 @@ tokens rather than sequences: the batches hold that many tokens, and the search 
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass, field, replace
 
@@ -75,23 +74,23 @@ class Workload:
         return d
 
 
-def workload(args: argparse.Namespace, mixed: bool = False) -> Workload:
-    """The step ``--global-batch`` / ``--tokens-per-batch`` / ``--lengths`` describe (batches drawn);
-    PlanError (DataError for a bad lengths file) with what to change."""
-    seq, tokens = args.seq_len, args.tokens_per_batch
-    if tokens is not None and mixed and args.lengths:
+def workload(seq: int, global_batch: int | None, tokens: int | None, lengths: str | None,
+             mixed: bool = False) -> Workload:
+    """The step ``--seq-len`` (``seq``), ``--global-batch``, ``--tokens-per-batch`` and ``--lengths``
+    describe (batches drawn); PlanError (DataError for a bad lengths file) with what to change."""
+    if tokens is not None and mixed and lengths:
         raise PlanError("--tokens-per-batch with --lengths varies the sequences per step, but a plan of replica "
                         "groups gives each group a fixed share of the sequences; give --global-batch")
     if tokens is None:
-        gb = DEFAULT_GLOBAL_BATCH if args.global_batch is None else args.global_batch
-    elif tokens < seq and not args.lengths:
+        gb = DEFAULT_GLOBAL_BATCH if global_batch is None else global_batch
+    elif tokens < seq and not lengths:
         raise PlanError(f"--tokens-per-batch {tokens} holds no sequence of --seq-len {seq} tokens; give at least "
                         f"{seq} tokens, or a shorter --seq-len")
     else:
         gb = max(1, tokens // seq)  # the tokens as --seq-len sequences: what the micro-batches are sized for
-    work = Workload(seq, gb, tokens, args.lengths)
-    if args.lengths:
-        cfg = SimulationConfig(policies=(), context=seq, lengths=args.lengths, steps=STEPS, seed=SEED,
+    work = Workload(seq, gb, tokens, lengths)
+    if lengths:
+        cfg = SimulationConfig(policies=(), context=seq, lengths=lengths, steps=STEPS, seed=SEED,
                                seqs_per_batch=None if tokens else gb, tokens_per_batch=tokens)
         try:
             work.batches = sample_batches(cfg)

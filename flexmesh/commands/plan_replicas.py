@@ -10,36 +10,39 @@ adapters train on); ``--out`` writes the mix as a plan that ``flexmesh train --t
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
+from rich.console import JustifyMethod
 from rich.table import Table
 
 from flexmesh.console import plain_console
-from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
+from flexmesh.job import Job
 from flexmesh.layout.plan import Plan
-from flexmesh.spec.tasks import TaskSet
 
 PLAN_STEPS, SCORED_STEPS = 4, 8
 
 
-def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | None,
+def replica_command(job: Job, lengths: str | None, as_json: bool, out_path: str | None = None,
                     record: Callable[[Plan], Plan] = lambda plan: plan) -> int:
+    """The mix of replica layouts for ``job``'s LoRA tasks against every single layout, printed (or JSON);
+    the mix as a plan of replica groups (``record`` adds what the plan records of the command line)
+    written to ``out_path`` where one is given."""
     from flexmesh.data.lengths import load_lengths
     from flexmesh.search.replicas import Pricer, mix_plan, plan_mix, replica_types, single_layouts, step_time
 
-    if tasks is None:
+    tasks, cost = job.parts.tasks, job.cost
+    if tasks is None or cost is None:
         raise PlanError("--replicas plans replicas for LoRA tasks: give --tasks FILE")
-    world, longest = cost.cluster.world_size, args.seq_len
-    sets = [np.minimum(load_lengths(t.lengths or args.lengths or "wikipedia"), longest) for t in tasks]
-    batches = tasks.batches(args.global_batch or 8 * len(tasks))
+    world, longest = cost.cluster.world_size, job.seq_len
+    sets = [np.minimum(load_lengths(t.lengths or lengths or "wikipedia"), longest) for t in tasks]
+    batches = job.task_batches
     rng = np.random.default_rng(0)
-    steps = [np.concatenate([rng.choice(s, b) for s, b in zip(sets, batches, strict=True)]).astype(int)
+    steps = [[int(x) for x in np.concatenate([rng.choice(s, b) for s, b in zip(sets, batches, strict=True)])]
              for _ in range(PLAN_STEPS + SCORED_STEPS)]
     t0 = time.perf_counter()
     best, _ = plan_mix(cost, world, steps[:PLAN_STEPS], types=replica_types(cost, world, pp_options=(1,)),
@@ -53,9 +56,9 @@ def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | 
 
     singles = single_layouts(cost, world, longest, scored, pricer)
     mix_s = mean(best.replicas)
-    if args.out:
-        plan.save(args.out)
-    if args.json:
+    if out_path:
+        plan.save(out_path)
+    if as_json:
         print(json.dumps({"mix": [{"layout": t.label, "replicas": n, "devices": t.devices, "max_tokens": t.capacity}
                                   for t, n in best.counts], "step_s": mix_s,
                           "single": [{"layout": t.label, "replicas": world // t.devices, "step_s": s}
@@ -65,7 +68,9 @@ def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | 
     out = plain_console()
     table = Table(title=f"replicas for {len(tasks)} LoRA tasks on {world} devices (planned in {seconds:.1f} s, "
                         f"scored on {SCORED_STEPS} steps of {sum(batches)} sequences)")
-    for col, just in (("setting", "left"), ("replicas", "left"), ("mean step s", "right"), ("mix saves", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("setting", "left"), ("replicas", "left"),
+                                                      ("mean step s", "right"), ("mix saves", "right"))
+    for col, just in columns:
         table.add_column(col, justify=just, overflow="fold")
     table.add_row("mix", best.label, f"{mix_s:.4g}", "-")
     for s, t in singles[:3]:
@@ -74,6 +79,6 @@ def replica_command(args: argparse.Namespace, cost: CostModel, tasks: TaskSet | 
     out.print(f"as replica groups:\n{plan.layout}", highlight=False)
     out.print("each step, the longest sequence first goes to the replica that finishes it earliest; "
               "`flexmesh train --tasks FILE --plan PLAN` runs the plan (docs/adapters.md)", highlight=False)
-    if args.out:
-        out.print(f"wrote the plan to {args.out}", highlight=False)
+    if out_path:
+        out.print(f"wrote the plan to {out_path}", highlight=False)
     return 0

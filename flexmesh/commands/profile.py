@@ -16,6 +16,7 @@ from pathlib import Path
 from flexmesh.commands.args import new_file, positive_int
 from flexmesh.errors import OutputError, ProfileError
 from flexmesh.files import check_file_target, make_folder
+from flexmesh.profile.format import HardwareProfile, ModelProfile
 from flexmesh.runtime.parallel.device import DEVICES
 from flexmesh.units import GIB
 
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from flexmesh.profile.runner import World
 
     world = World(args.device)
+    prof: HardwareProfile | ModelProfile | None
     try:
         if args.profile_kind == "hardware":
             from flexmesh.profile.hardware import profile_hardware

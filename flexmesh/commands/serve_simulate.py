@@ -242,17 +242,17 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"simulating {len(job.workload):,} requests x {runs if not job.goodput else f'up to {runs}'} "
                       f"runs; progress below" if console.is_terminal else
                       f"simulating {len(job.workload):,} requests x {'up to ' if job.goodput else ''}{runs} runs")
-    opts = dict(router=job.router, weights=job.weights, queue=job.queue)
     with _progress(console, total >= LONG_RUN_REQUESTS) as tick:
-        main = job.fleet.run(job.workload, progress=tick, **opts)  # type: ignore[arg-type]
+        main = job.fleet.run(job.workload, router=job.router, weights=job.weights, queue=job.queue, progress=tick)
         points = [RatePoint(job.rate, summarize(main.records, job.slo, job.dollars_per_hour))]
         points += [pt for pt, _ in sweep(job.fleet, job.workload_at, job.rates, job.slo, job.dollars_per_hour, tick,
-                                         **opts)]
+                                         router=job.router, weights=job.weights, queue=job.queue)]
         good: Goodput | None = None
         if job.goodput:
             assert job.slo is not None
             good, tried = find_goodput(job.fleet, job.workload_at, job.slo, job.target, job.rate,
-                                       job.dollars_per_hour, tick, **opts)
+                                       job.dollars_per_hour, tick, router=job.router, weights=job.weights,
+                                       queue=job.queue)
             points += tried
     seen: set[float] = set()  # a rate run twice (the goodput search starts at the main rate): its first run
     points = [p for p in points if not (p.rate in seen or seen.add(p.rate))]  # type: ignore[func-returns-value]

@@ -25,7 +25,6 @@ from flexmesh.commands.args import (
     DefaultsHelpFormatter,
     add_stack_args,
     folder,
-    job_tasks,
     nonempty,
     nonneg_int,
     old_names,
@@ -34,13 +33,18 @@ from flexmesh.commands.args import (
     sequences,
     stack_of,
     steps,
+    tasks_of,
     tokens,
 )
 from flexmesh.cost.training.parts import Parts
 from flexmesh.errors import FlexmeshError, SpecError
-from flexmesh.layout.plan import PIPELINE_SCHEDULES
+from flexmesh.job import Job, build_job, plan_sizes
+from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
+from flexmesh.layout.plan_model import plan_model
+from flexmesh.profile.use import cost_model_for
 from flexmesh.report.tables import print_table as print_fitted
 from flexmesh.schedule.context import ScheduleContext
+from flexmesh.schedule.scheduler import plan_costs
 from flexmesh.sim.simulation import (
     COLUMNS,
     SPEED_COLUMNS,
@@ -54,6 +58,7 @@ from flexmesh.sim.simulation import (
     static_cells,
     summarise,
 )
+from flexmesh.spec.model import parse_model
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -125,77 +130,92 @@ def _slow(text: str, world: int) -> tuple[float, ...]:
     return tuple(f)
 
 
-def _config(args: argparse.Namespace, policies: tuple[str, ...], speed_factors: tuple[float, ...]) -> SimulationConfig:
-    # --global-batch and --tokens-per-batch exclude each other; with neither, the plan's or the default.
-    return SimulationConfig(policies=policies, context=args.seq_len, lengths=args.lengths, steps=args.steps,
-                            seed=args.seed,
-                            seqs_per_batch=args.global_batch or DEFAULT_GLOBAL_BATCH,
-                            tokens_per_batch=args.tokens_per_batch, tp=args.tp, pp=args.pp,
-                            pipeline_schedule=args.pipeline_schedule,
-                            virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
-                            cp_kind=args.cp_kind, speed_factors=speed_factors)
+@dataclass(frozen=True)
+class _Layout:
+    """The layout simulated: ``--plan``'s, else the layout flags'."""
+
+    tp: int
+    pp: int
+    pipeline_schedule: str
+    virtual_stages: int
+    zero: int
+    recompute: bool
+    cp_kind: str
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, plan: Plan | None) -> _Layout:
+        if plan is None:
+            return cls(args.tp, args.pp, args.pipeline_schedule, args.virtual_stages, args.zero, args.recompute,
+                       args.cp_kind)
+        s = plan.layer_strategies()[0]
+        return cls(s.tp, plan.pp, str(plan.pipeline_schedule), plan.virtual_stages, s.zero, bool(s.recompute),
+                   str(s.cp_kind) if s.cp > 1 else "ulysses")
+
+
+def simulate_job(args: argparse.Namespace, plan: Plan | None) -> Job:
+    """The job the flags describe, ``--plan``'s model, cluster, sequence cap and batch where they say
+    nothing (a plan of several groups: its groups' shares scaled to the batch, each device group's cost
+    model assembled as one group's is)."""
+    if plan is None:
+        model, cluster = parse_model(args.model or DEFAULT_MODEL), args.cluster
+        seq_len, global_batch = args.seq_len or DEFAULT_SEQ_LEN, args.global_batch or DEFAULT_GLOBAL_BATCH
+    else:
+        model = plan_model(plan, args.model, args.plan)
+        cluster = args.cluster if args.cluster is not None or args.hardware_profile else plan.cluster
+        # a step counted in tokens without --global-batch: the default batch, not the plan's
+        batch = DEFAULT_GLOBAL_BATCH if args.global_batch is None and args.tokens_per_batch else args.global_batch
+        seq_len, global_batch = plan_sizes(plan, args.seq_len, batch)
+    if plan is not None and len(plan.groups) > 1:
+        if args.hardware_profile or args.model_profile:
+            raise FlexmeshError("profiles describe one device type; a plan of several replica groups is priced "
+                                "from the presets of its cluster: drop --hardware-profile / --model-profile")
+        if args.tokens_per_batch:
+            raise FlexmeshError("--tokens-per-batch does not apply to a plan of replica groups, whose shares count "
+                                "sequences; give --global-batch")
+        plan = plan.with_global_batch(global_batch)
+        mixed = plan_costs(plan, model).cluster  # the plan's cluster, checked against the plan
+        parts = Parts(stack_of(args), tasks=tasks_of(args.tasks, model))  # LoRA adapters, another stack's layers
+        return build_job(model, seq_len, global_batch, cluster=mixed, parts=parts, plan=plan)
+    base = cost_model_for(model, cluster, args.hardware_profile, args.model_profile, default_cluster=DEFAULT_CLUSTER)
+    parts = Parts(stack_of(args), tasks=tasks_of(args.tasks, base.model))
+    return build_job(base.model, seq_len, global_batch, base=base, tokens_per_batch=args.tokens_per_batch,
+                     parts=parts, plan=plan)
+
+
+def _config(args: argparse.Namespace, job: Job, layout: _Layout, policies: tuple[str, ...],
+            speed_factors: tuple[float, ...]) -> SimulationConfig:
+    return SimulationConfig(policies=policies, context=job.seq_len, lengths=args.lengths, steps=args.steps,
+                            seed=args.seed, seqs_per_batch=job.global_batch, tokens_per_batch=job.tokens_per_batch,
+                            tp=layout.tp, pp=layout.pp, pipeline_schedule=layout.pipeline_schedule,
+                            virtual_stages=layout.virtual_stages, zero=layout.zero, recompute=layout.recompute,
+                            cp_kind=layout.cp_kind, speed_factors=speed_factors)
 
 
 def _prepare(args: argparse.Namespace,
              policies: tuple[str, ...]) -> tuple[SimulationConfig, ScheduleContext, np.ndarray]:
     """Check the flags and build the plan they describe (errors in the order a user meets them)."""
-    from flexmesh.profile.use import cost_model_for
-
-    plan = _plan(args)
-    if plan is not None:  # the plan's layout, as the flags would give it
-        s = plan.layer_strategies()[0]
-        args.tp, args.pp, args.pipeline_schedule, args.virtual_stages = s.tp, plan.pp, plan.pipeline_schedule, \
-            plan.virtual_stages
-        args.zero, args.recompute, args.cp_kind = s.zero, bool(s.recompute), str(s.cp_kind) if s.cp > 1 else "ulysses"
-    base = cost_model_for(_model(args, plan), args.cluster, getattr(args, "hardware_profile", None),
-                          getattr(args, "model_profile", None), default_cluster=DEFAULT_CLUSTER)
-    # another stack's layers (flexmesh.layout.stack), LoRA adapters (flexmesh.cost.training.parts)
-    base = base.replace(parts=Parts(stack=stack_of(args), experts=base.experts, tasks=job_tasks(args, base.model)))
-    world = base.cluster.world_size
-    cfg = _config(args, policies, _slow(args.slow, world))
+    plan = load_plan(args.plan) if args.plan else None
+    layout = _Layout.of(args, plan)
+    job = simulate_job(args, plan)
+    assert job.cost is not None
+    world = job.cost.cluster.world_size
+    cfg = _config(args, job, layout, policies, _slow(args.slow, world))
     if plan is not None:
         cfg = replace(cfg, overlap=plan.overlap, chunk_layers=tuple(st.num_layers for st in plan.group.stages))
-    for name in ("tp", "pp", "virtual_stages", "steps", "seq_len"):
-        if getattr(args, name) < 1:
-            raise FlexmeshError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.pp == 1 and (args.virtual_stages != 1 or args.pipeline_schedule == "interleaved"):
+    if layout.pp == 1 and (layout.virtual_stages != 1 or layout.pipeline_schedule == "interleaved"):
         raise FlexmeshError("--virtual-stages and --pipeline-schedule interleaved need --pp > 1")
-    if args.virtual_stages > 1 and args.pipeline_schedule != "interleaved":
+    if layout.virtual_stages > 1 and layout.pipeline_schedule != "interleaved":
         raise FlexmeshError("--virtual-stages > 1 needs --pipeline-schedule interleaved")
-    if world % (args.tp * args.pp):
-        raise FlexmeshError(f"{world} devices are not divisible by tp {args.tp} x pp {args.pp}; change --tp or --pp")
-    return (cfg, *simulation_context(base, cfg))
+    if world % (layout.tp * layout.pp):
+        raise FlexmeshError(f"{world} devices are not divisible by tp {layout.tp} x pp {layout.pp}; change --tp or "
+                            "--pp")
+    return (cfg, *simulation_context(job.cost, cfg))
 
 
 def build_context(args: argparse.Namespace) -> tuple[ScheduleContext, np.ndarray]:
     """The ScheduleContext (and per-lane speeds) of the plan the flags describe."""
     _, ctx, speeds = _prepare(args, ())
     return ctx, speeds
-
-
-def _plan(args: argparse.Namespace):  # noqa: ANN202 - a Plan or None
-    """``--plan``'s plan, its model and cluster the defaults of ``--model`` and ``--cluster``."""
-    from flexmesh.layout.plan import load_plan
-
-    if not getattr(args, "plan", None):
-        args.model = args.model or DEFAULT_MODEL
-        args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
-        return None
-    plan = load_plan(args.plan)
-    args.seq_len = args.seq_len or plan.seq_len
-    if not args.tokens_per_batch:
-        args.global_batch = args.global_batch or plan.global_batch
-    if args.cluster is None and not getattr(args, "hardware_profile", None):
-        args.cluster = plan.cluster
-    return plan
-
-
-def _model(args: argparse.Namespace, plan):  # noqa: ANN202 - a ModelSpec
-    """``--model``, else ``--plan``'s model (its recorded config.json: flexmesh.layout.plan_model)."""
-    from flexmesh.layout.plan_model import plan_model
-    from flexmesh.spec import parse_model
-
-    return parse_model(args.model) if plan is None else plan_model(plan, args.model, args.plan)
 
 
 def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a GroupsSimulation for several groups
@@ -207,11 +227,8 @@ def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a Gro
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if not policies:
         raise FlexmeshError("--policies is empty; give e.g. hdp,milp")
-    if getattr(args, "plan", None):
-        from flexmesh.layout.plan import load_plan
-
-        if len(load_plan(args.plan).groups) > 1:
-            return simulate_groups(args, policies)
+    if args.plan and len(load_plan(args.plan).groups) > 1:
+        return simulate_groups(args, policies)
     cfg, ctx, speeds = _prepare(args, policies)
     batches = sample_batches(cfg)
     total = policy_steps(cfg, ctx)
@@ -222,19 +239,17 @@ def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a Gro
             task = bar.add_task("scheduling and simulating", total=total)
             runs = run_policies(cfg, ctx, speeds, batches, on_step=lambda: bar.advance(task))
     sim = summarise(cfg, ctx, batches, runs, plots_dir=args.plots)
-    if getattr(args, "plan", None):
-        sim.setup["plan_step"] = _plan_step(args, cfg, ctx, speeds, batches)
+    if args.plan:
+        sim.setup["plan_step"] = _plan_step(load_plan(args.plan), cfg, ctx, speeds, batches)
     return sim
 
 
-def _plan_step(args: argparse.Namespace, cfg: SimulationConfig, ctx: ScheduleContext, speeds: np.ndarray,
+def _plan_step(plan: Plan, cfg: SimulationConfig, ctx: ScheduleContext, speeds: np.ndarray,
                batches: list[np.ndarray]) -> dict:
     """The plan's own layout as it trains by default (``fixed`` packing at the plan's context-parallel
     degree, where the baselines sweep every degree), beside the step the plan file predicts."""
-    from flexmesh.layout.plan import load_plan
     from flexmesh.sim.compare import run_policy
 
-    plan = load_plan(args.plan)
     cp = plan.layer_strategies()[0].cp
     own = run_policy("fixed", batches, ctx, options={"cp": cp, "context": cfg.context}, seed=cfg.seed,
                      virtual_stages=cfg.virtual_stages, speed=speeds)
@@ -322,20 +337,12 @@ def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> Grou
     groups' shares scaled to it)."""
     from flexmesh.layout.mesh import rank_place
     from flexmesh.schedule.groups import groups_context
-    from flexmesh.schedule.scheduler import plan_costs
     from flexmesh.sim.groups import compare_groups
 
-    plan = _plan(args)
-    if getattr(args, "hardware_profile", None) or getattr(args, "model_profile", None):
-        raise FlexmeshError("profiles describe one device type; a plan of several replica groups is priced from "
-                            "the presets of its cluster: drop --hardware-profile / --model-profile")
-    if args.tokens_per_batch:
-        raise FlexmeshError("--tokens-per-batch does not apply to a plan of replica groups, whose shares count "
-                            "sequences; give --global-batch")
-    plan = plan.with_global_batch(args.global_batch or plan.global_batch)
-    spec = _model(args, plan)
-    parts = Parts(stack=stack_of(args), tasks=job_tasks(args, spec))  # LoRA adapters (flexmesh.cost.training.parts)
-    gctx = groups_context(plan, spec, plan_costs(plan, spec, parts=parts))
+    job = simulate_job(args, load_plan(args.plan))
+    plan, spec, costs = job.plan, job.model, job.costs
+    assert plan is not None and costs is not None
+    gctx = groups_context(plan, spec, costs)
     slow = _slow(args.slow, plan.world_size)
     if slow:  # in place of the cluster's own speed factors, as for one group
         speed = [1.0] * gctx.num_ranks
@@ -344,11 +351,11 @@ def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> Grou
             if place is not None:
                 speed[place.data_rank] = min(speed[place.data_rank], factor)
         gctx = gctx.with_speed(speed)
-    cfg = replace(_config(args, policies, ()), seqs_per_batch=plan.global_batch)
-    batches = sample_batches(cfg)
+    layout = _Layout(1, 1, "1f1b", 1, 3, True, "ulysses")  # each group's own: the flags' do not apply
+    batches = sample_batches(_config(args, job, layout, policies, ()))
     runs = compare_groups(gctx, batches, policies, seed=args.seed,
                           virtual_stages=[g.virtual_stages for g in plan.groups])
     setup = {"model": spec.name, "cluster": plan.cluster, "plan": plan.layout.split("\n"), "groups": len(plan.groups),
-             "context": args.seq_len, "lengths": args.lengths, "steps": args.steps, "seed": args.seed,
+             "context": job.seq_len, "lengths": args.lengths, "steps": args.steps, "seed": args.seed,
              "global_batch": plan.global_batch, "speed_factors": list(slow)}
     return GroupsSimulation(setup, runs)

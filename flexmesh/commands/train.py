@@ -18,8 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from flexmesh.commands.train_args import add_arguments
+from flexmesh.commands.train_job import scheduler, train_job
 from flexmesh.commands.train_tasks import run_tasks, task_table
 from flexmesh.errors import PlanError
+from flexmesh.job import Job
+from flexmesh.layout.plan import Plan
 from flexmesh.runtime.launch import (
     RESUME_ENV,
     STATUS_ENV,
@@ -31,6 +34,7 @@ from flexmesh.runtime.launch import (
     without_flags,
 )
 from flexmesh.runtime.state.rundir import HELD_ENV, PEER, hold_run_folder, release_run_folder, restart_count, start_over
+from flexmesh.runtime.train.config import TrainConfig
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,16 +64,16 @@ def run(args: argparse.Namespace) -> int:
     if given:
         raise PlanError(f"{given[0]} is a flag of the launcher: add --nproc N (under torchrun, use torchrun's own "
                         "--max-restarts, --nnodes and --rdzv-* flags)")
-    if restart_count() > 0:  # torchrun restarted this group: the same run, so it resumes whatever was asked
-        args.no_resume = args.overwrite = False
+    # torchrun restarted this group: the same run, so it resumes whatever was asked
+    fresh = (args.no_resume or args.overwrite) and restart_count() == 0
     os.environ.update(launch_env())  # a plain single process: a world of one; stray variables: one line
     try:
         # Rank 0 writes the folder; fit takes the lock again (counted). Under a launcher, fit checks
         # that the launcher does hold it (no flag to carry out: the launcher did), else takes it.
-        if os.environ.get("RANK") != "0" or (HELD_ENV in os.environ and not (args.no_resume or args.overwrite)):
-            return _train(args)
-        with _run_folder(args):
-            return _train(args)
+        if os.environ.get("RANK") != "0" or (HELD_ENV in os.environ and not fresh):
+            return _train(args, fresh)
+        with _run_folder(args.out, args.no_resume and fresh, args.overwrite and fresh):
+            return _train(args, fresh)
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over signals (flexmesh.runtime.train.loop.fit)
         if os.environ.get("RANK") == "0":
             from flexmesh.console import plain_console
@@ -100,7 +104,7 @@ def _preflight(args: argparse.Namespace) -> None:
     usable_cache(args.cache_dir)
     plan = load_plan(args.plan)
     spec = plan_model(plan, args.model, args.plan)  # a plan (or model) that cannot run fails here, once
-    run_tasks(args, spec)  # a bad job file, too
+    run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
     if args.nnodes is None:
         check_memory(predicted_peak(plan), args.device, args.nproc)
 
@@ -121,7 +125,7 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
                               RESUME_ENV: shlex.join(["flexmesh", *argv])})
     if rendezvous.node_rank != 0:  # node 0's ranks vouch for the lock (flexmesh.runtime.train.loop.fit)
         return relaunch_flexmesh(args.nproc, argv, env={**env, HELD_ENV: PEER}, rendezvous=rendezvous)
-    with _run_folder(args) as secret:
+    with _run_folder(args.out, args.no_resume, args.overwrite) as secret:
         env[HELD_ENV] = secret  # what the ranks prove the hold is their launcher's with (rundir.launcher_holds)
         code = relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
         while code == 0 and args.migrate:  # the run stopped to move to a new plan (flexmesh.commands.migrate)
@@ -139,21 +143,21 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
 
 
 @contextmanager
-def _run_folder(args: argparse.Namespace) -> Iterator[str]:
+def _run_folder(out: str, no_resume: bool, overwrite: bool) -> Iterator[str]:
     """Hold ``--out`` for the run (yields the hold's secret) and, with ``--no-resume``/``--overwrite``,
     clear it first: refuse, or move the previous run aside and say where."""
-    secret = hold_run_folder(args.out)
+    secret = hold_run_folder(out)
     try:
-        if args.no_resume or args.overwrite:
-            moved = start_over(args.out, overwrite=args.overwrite)
+        if no_resume or overwrite:
+            moved = start_over(out, overwrite=overwrite)
             if moved is not None:
                 from flexmesh.console import plain_console
 
-                plain_console(stderr=True).print(f"moved the previous run in {args.out} to {moved} (--overwrite)",
-                                           highlight=False)
+                plain_console(stderr=True).print(f"moved the previous run in {out} to {moved} (--overwrite)",
+                                                 highlight=False)
         yield secret
     finally:
-        release_run_folder(args.out)
+        release_run_folder(out)
 
 
 def predicted_peak(plan) -> float | None:
@@ -163,19 +167,19 @@ def predicted_peak(plan) -> float | None:
     return max(numbers) if numbers else None
 
 
-def check_world(args: argparse.Namespace, plan) -> None:
-    """Refuse a launch of another size than the plan's, before joining (a wrong launch should not
+def check_world(path: str, plan: Plan) -> None:
+    """Refuse a launch of another size than plan ``path``'s, before joining (a wrong launch should not
     wait for peers)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan.world_size:
-        raise PlanError(f"plan {args.plan} is for {plan.world_size} ranks but {world} were launched; use "
+        raise PlanError(f"plan {path} is for {plan.world_size} ranks but {world} were launched; use "
                         f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
 
 
-def document_loader(args: argparse.Namespace, spec, plan, tasks=None):
-    """The run's seeded loader over ``--corpus`` (with ``tasks``, over every task's corpus, each its own
-    batch per step: flexmesh.data.tasks.TaskLoader) under ``--tokenizer`` (when not given, a BPE trained
-    on ``--corpus``, else on the first task's); rank 0 records the tokenizer in ``--out/tokenizer/``
+def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a DocumentLoader or TaskLoader
+    """The run's seeded loader over ``--corpus`` (with the job's tasks, over every task's corpus, each its
+    own batch per step: flexmesh.data.tasks.TaskLoader) under ``--tokenizer`` (when not given, a BPE
+    trained on ``--corpus``, else on the first task's); rank 0 records the tokenizer in ``--out/tokenizer/``
     for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
     from flexmesh.data.cache import usable_cache
     from flexmesh.data.corpus import stdlib_corpus
@@ -183,8 +187,11 @@ def document_loader(args: argparse.Namespace, spec, plan, tasks=None):
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
     from flexmesh.errors import DataError
 
+    spec, tasks = job.model, job.parts.tasks
     usable_cache(args.cache_dir)
-    first = args.corpus or tasks.tasks[0].corpus
+    first = args.corpus or (tasks.tasks[0].corpus if tasks is not None else None)
+    if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
+        raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
     corpus = stdlib_corpus() if first == "stdlib" else first
     corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
@@ -199,21 +206,20 @@ def document_loader(args: argparse.Namespace, spec, plan, tasks=None):
 
         corpora = [load_corpus_tokens(stdlib_corpus() if t.corpus == "stdlib" else t.corpus, tok,
                                       cache_dir=args.cache_dir)[0] for t in tasks]
-        return TaskLoader(tasks.names, corpora, tasks.batches(args.global_batch or plan.global_batch),
-                          [t.steps or args.max_steps for t in tasks], args.seq_len or plan.seq_len, seed=args.seed)
-    return DocumentLoader(corpus_tokens, global_batch=args.global_batch or plan.global_batch,
-                          max_len=args.seq_len or plan.seq_len, seed=args.seed)
+        return TaskLoader(tasks.names, corpora, job.task_batches, [t.steps or args.max_steps for t in tasks],
+                          job.seq_len, seed=args.seed)
+    return DocumentLoader(corpus_tokens, global_batch=job.global_batch, max_len=job.seq_len, seed=args.seed)
 
 
-def train_config(args: argparse.Namespace, emulate_speed: tuple = ()):
-    """The TrainConfig the flags describe."""
+def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bool | None = None) -> TrainConfig:
+    """The TrainConfig the flags describe (``resume``: unless --no-resume or --overwrite, by default)."""
     from flexmesh.commands.migrate import RESHARD_ENV
-    from flexmesh.runtime.train.config import TrainConfig
 
     return TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
                        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                        seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
-                       resume=not (args.no_resume or args.overwrite), progress=not args.no_progress,
+                       resume=not (args.no_resume or args.overwrite) if resume is None else resume,
+                       progress=not args.no_progress,
                        dtype=args.dtype, emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
                        compile=args.compile, expert_placement=args.expert_placement, expert_slots=args.expert_slots,
                        balance_rate=args.balance_rate, aux_loss=args.aux_loss)
@@ -278,7 +284,8 @@ def resume_command() -> str:
     return command if os.environ.get("WORLD_SIZE", "1") == "1" else f"under torchrun, {command}"
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, fresh: bool) -> int:
+    """One rank's run (``fresh``: it starts over, by --no-resume or --overwrite, and no restart since)."""
     import torch.distributed as dist
 
     from flexmesh.layout.plan import load_plan
@@ -295,17 +302,15 @@ def _train(args: argparse.Namespace) -> int:
     spec = plan_model(plan, args.model, args.plan)  # --model, else the plan's (its recorded config.json)
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     check_runnable(plan, spec)  # reject an unsupported per-layer mix before touching the corpus
-    tasks = run_tasks(args, spec)
-    if tasks is not None:  # the step's documents: every task's batch
-        args.global_batch = sum(tasks.batches(args.global_batch or plan.global_batch))
-    if len(plan.groups) > 1 and args.global_batch:  # the groups' shares must add up to the batch the run takes
-        plan = plan.with_global_batch(args.global_batch)
+    job = train_job(args, plan, spec)
+    assert job.plan is not None
+    plan = job.plan  # its groups' shares scaled to the batch the run takes
     # Default policy: the plan's own schedule (fixed packing for one group, the planned shares for several).
     policy = args.policy or ("fixed" if len(plan.groups) == 1 else "shares")
     # Each step schedule's predicted_step_time is the step simulator's, reported beside the measured time.
-    schedule_fn = _scheduler(args, plan, spec, policy)
-    fallback_fn = _scheduler(args, plan, spec, args.fallback_policy) if args.adaptive else schedule_fn
-    check_world(args, plan)
+    schedule_fn = scheduler(job, policy, args.seed, args.cp)
+    fallback_fn = scheduler(job, args.fallback_policy, args.seed, args.cp) if args.adaptive else schedule_fn
+    check_world(args.plan, plan)
     if not os.environ.get(SUPERVISED_ENV):  # under flexmesh's launcher it checked, once, for the whole node
         from flexmesh.runtime.parallel.device import check_memory
 
@@ -317,76 +322,30 @@ def _train(args: argparse.Namespace) -> int:
         for warning in overlap_warnings(plan):
             print(f"warning: {warning}", file=sys.stderr)
     announce_emulation(emulated)
-    loader = document_loader(args, spec, plan, tasks)
-    config = train_config(args, emulate_speed=tuple(emulated.items()))
+    loader = document_loader(args, job)
+    config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
     init_distributed(timeout_s=args.collective_timeout, device=args.device)
     try:
-        trainer = Trainer(plan, spec, config, weights=args.weights, tasks=tasks)
+        trainer = Trainer(plan, spec, config, weights=args.weights, tasks=job.parts.tasks)
         if dist.get_rank() == 0:
             announce(trainer)
         # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late
         # schedule is replaced by the fallback policy's instead of waited for.
         source = AdaptiveSource(loader, schedule_fn, fallback_fn, deadline_s=0.0 if args.adaptive else None)
         monitor = _straggler_monitor(args, trainer, schedule_fn, source, dist.get_rank() == 0)
-        if os.environ.get(KILL_ENV):
-            source = _KillAfterStep(source, trainer, os.environ[KILL_ENV], dist.get_rank())
+        steps = _KillAfterStep(source, trainer, os.environ[KILL_ENV], dist.get_rank()) if os.environ.get(KILL_ENV) \
+            else source
         migration = None
         if args.migrate and args.out:
             from flexmesh.commands.migrate import MigrationCheck
 
-            planned = plan.with_global_batch(args.global_batch or plan.global_batch)  # the batch it runs
+            planned = plan.with_global_batch(job.global_batch)  # the batch it runs
             migration = MigrationCheck(planned, spec, monitor, args.out, args.max_steps,
                                        emulate_speed=tuple(args.emulate_speed))
         groups = f" over {len(plan.groups)} replica groups" if len(plan.groups) > 1 else ""
-        return fit_and_report(trainer, source, config, args.out, what=groups, monitor=monitor, migration=migration)
+        return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration)
     finally:
         dist.destroy_process_group()
-
-
-def _scheduler(args: argparse.Namespace, plan, spec, policy: str):
-    """The run's step scheduler for ``policy``, its schedules priced by the step simulator: on the
-    plan's cluster in the dtype the run computes in, or on ``--hardware-profile``/``--model-profile``
-    (as profiles do); ``shares`` on a cluster that prices nothing runs unpriced."""
-    from dataclasses import replace
-
-    from flexmesh.errors import ScheduleError
-    from flexmesh.schedule.scheduler import Scheduler, device_types
-    from flexmesh.sim.predict import simulated_scheduler
-
-    spec = replace(spec, dtype=args.dtype)
-    max_len = args.seq_len or plan.seq_len
-    cost = None
-    from flexmesh.profile.use import local_cost_model
-
-    local = local_cost_model(spec, plan.cluster, args.hardware_profile, args.model_profile)
-    if local is not None:  # the plan was made for this machine's saved profiles
-        cost = local
-    elif args.hardware_profile or args.model_profile:
-        from flexmesh.profile.use import cost_model_from_profiles
-
-        cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)
-        cost = cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
-                                        world=plan.world_size, cluster=cluster)
-    elif len(plan.groups) == 1 and device_types(plan) in (None, 1):  # a mixed cluster: priced per device type
-        from flexmesh.cost import CostModel
-
-        cost = CostModel(spec, _plan_cluster(plan, args.plan))
-    from dataclasses import replace
-
-    from flexmesh.commands.args import job_tasks
-    from flexmesh.cost.training.parts import Parts
-
-    parts = Parts(tasks=job_tasks(args, spec))  # LoRA: a frozen base and the tasks' adapters
-    if spec.is_moe:  # schedules priced for the placement the run uses
-        from flexmesh.commands.experts_args import experts_of
-
-        parts = replace(parts, experts=experts_of(args, spec, plan.world_size))
-    cost = cost.replace(parts=parts) if cost is not None else None
-    try:
-        return simulated_scheduler(Scheduler(plan, spec, policy, max_len, args.seed, cp=args.cp, cost=cost,
-                                             parts=parts))
-    except ScheduleError as e:
-        raise PlanError(f"--policy {policy}: {e}") from None
 
 
 def announce(trainer) -> None:
@@ -475,17 +434,3 @@ def announce_emulation(emulated: dict[int, float]) -> None:
     if emulated and os.environ.get("RANK", "0") == "0":
         print("EMULATION (--slow): " + ", ".join(f"rank {r} computes at {f:g}x" for r, f in emulated.items())
               + "; metrics.jsonl records it as emulated_speed", file=sys.stderr)
-
-
-def _plan_cluster(plan, path: str):
-    """Without a hardware profile the plan's cluster prices the step schedules: it must name a device
-    preset or a cluster file; say what to pass when it does not."""
-    from flexmesh.errors import SpecError
-    from flexmesh.spec.cluster import parse_cluster
-
-    try:
-        return parse_cluster(plan.cluster)
-    except SpecError as e:
-        raise PlanError(f"plan {path} records cluster {plan.cluster!r}, which prices nothing ({e}); pass "
-                        "--hardware-profile FILE (from `flexmesh profile hardware`), or set the plan's cluster to "
-                        "a preset such as 4xA100-80GB or a cluster file") from None

@@ -3,23 +3,23 @@
 
 from __future__ import annotations
 
-import argparse
-
+from flexmesh.commands.args import tasks_of
 from flexmesh.errors import PlanError
+from flexmesh.spec.model import ModelSpec
+from flexmesh.spec.tasks import TaskSet
 
 
-def run_tasks(args: argparse.Namespace, spec):
-    """The LoRA tasks of ``--tasks`` (checked against the model), None without."""
-    from flexmesh.commands.args import job_tasks
-
-    tasks = job_tasks(args, spec)
+def run_tasks(path: str | None, corpus: str | None, spec: ModelSpec) -> TaskSet | None:
+    """The LoRA tasks of ``--tasks`` (the job file at ``path``, checked against the model), None without;
+    a run needs ``--corpus`` without tasks, and a corpus in every task with them."""
+    tasks = tasks_of(path, spec)
     if tasks is None:
-        if args.corpus is None:
+        if corpus is None:
             raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
         return None
     for t in tasks:
         if not t.corpus:
-            raise PlanError(f"task {t.name!r} of {args.tasks} has no corpus (its lengths only plan); give it one")
+            raise PlanError(f"task {t.name!r} of {path} has no corpus (its lengths only plan); give it one")
     return tasks
 
 

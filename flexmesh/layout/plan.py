@@ -3,7 +3,10 @@
 A plan is a list of **replica groups**. A group is ``dp`` identical pipelines of ``pp`` stages (each
 stage a block of ranks), with a :class:`~flexmesh.layout.strategy.LayerStrategy` per layer (tensor,
 context and data parallelism, ZeRO, recomputation) and its own micro-batch count, and it takes a
-``share`` of each step's sequences. A uniform cluster is the special case of one group over every
+``share`` of each step's sequences. Each group's micro-batch token budget, ``microbatch_tokens`` (what
+one data rank packs into one micro-batch: what the search priced, the scheduler packs to and the
+runtime runs), follows from its share, micro-batch count and data ranks and ``seq_len``; the file shows
+it and reading checks it. A uniform cluster is the special case of one group over every
 rank; on a mixed cluster groups sit on different device types (or a pipeline's stages do), differ in
 layout, and the step scheduler dispatches each step's sequences over them. Every group holds every
 layer; a layer's gradient is summed over the groups. Ranks no group uses are ``unused``.
@@ -17,9 +20,9 @@ A small example (one group, 4 devices, tp 2 x dp 2):
 
 .. code-block:: json
 
-    {"version": 4, "model": "tiny", "cluster": "4xA100-80GB", "world_size": 4, "seq_len": 2048,
+    {"version": 5, "model": "tiny", "cluster": "4xA100-80GB", "world_size": 4, "seq_len": 2048,
      "global_batch": 8, "pipeline_schedule": "1f1b",
-     "groups": [{"ranks": ["0-3"], "share": 8, "num_microbatches": 2,
+     "groups": [{"ranks": ["0-3"], "share": 8, "num_microbatches": 2, "microbatch_tokens": 4096,
                  "stages": [{"layers": [0, 4], "strategies": ["tp2-dp2z0", "tp2-dp2z0", "tp2-dp2z0-ac",
                                                                "tp2-dp2z0-ac"]}]}],
      "predicted": {}}
@@ -29,10 +32,10 @@ A small example (one group, 4 devices, tp 2 x dp 2):
 >>> p.pp, p.num_microbatches, p.microbatch_tokens, p.layout
 (1, 2, 4096, 'pp1 1f1b m2 | [0,4) 2x tp2-dp2z0 + 2x tp2-dp2z0-ac')
 
-Versions 1 and 2 (one uniform layout) and 3 (replicas of one tp degree per stage) are still read
-(flexmesh.layout.legacy); a plan is written as version 4. A plan made from a config.json records
-that file (``model_config``: its absolute path and sha256; optional, plans of presets have none),
-from which flexmesh.layout.plan_model finds the model again.
+Versions 1 and 2 (one uniform layout), 3 (replicas of one tp degree per stage) and 4 (no
+``microbatch_tokens``) are still read (flexmesh.layout.legacy); a plan is written as version 5. A plan
+made from a config.json records that file (``model_config``: its absolute path and sha256; optional,
+plans of presets have none), from which flexmesh.layout.plan_model finds the model again.
 """
 
 from __future__ import annotations
@@ -45,209 +48,20 @@ from typing import cast
 from flexmesh.errors import PlanError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import PipelineSchedule, choices
+from flexmesh.layout.group import ReplicaGroup, StagePlan
+from flexmesh.layout.legacy import upgrade
 from flexmesh.layout.overlap import RUNTIME, Overlap
-from flexmesh.layout.ranks import parse_rank_runs, rank_runs
-from flexmesh.layout.strategy import LayerStrategy, chunk_anchors
+from flexmesh.layout.ranks import rank_runs
+from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.spec.limits import MAX_DEVICES, MAX_SEQ_LEN, MAX_SEQUENCES, within
 from flexmesh.spec.model_file import ModelFile
 from flexmesh.spec.values import known_keys, mapping, sequence, text, whole
 
-PLAN_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+PLAN_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 PIPELINE_SCHEDULES = choices(PipelineSchedule)
 _PLAN_KEYS = ("version", "model", "model_config", "cluster", "world_size", "seq_len", "global_batch",
               "pipeline_schedule", "cost_source", "overlap", "groups", "unused", "predicted")
-_GROUP_KEYS = ("ranks", "share", "num_microbatches", "virtual_stages", "stages")
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """A pipeline stage (or, with interleaving, one model chunk) holding layers [start, end)."""
-
-    start: int
-    end: int
-    strategies: tuple[LayerStrategy, ...]
-
-    def __post_init__(self) -> None:
-        whole(self.start, "stage start layer", PlanError, minimum=0)
-        whole(self.end, "stage end layer", PlanError, minimum=0)
-        if self.end < self.start:
-            raise PlanError(f"stage layers [{self.start}, {self.end}) are empty or reversed")
-        if len(self.strategies) != self.end - self.start:
-            raise PlanError(
-                f"stage [{self.start}, {self.end}) has {self.end - self.start} layers but "
-                f"{len(self.strategies)} strategies"
-            )
-
-    @property
-    def num_layers(self) -> int:
-        return self.end - self.start
-
-    @property
-    def devices(self) -> int:
-        return self.strategies[0].devices if self.strategies else 0
-
-    @property
-    def compact(self) -> str:
-        """Run-length form, e.g. ``8x tp2-dp4z1 + 2x tp2-dp4z1-ac``."""
-        runs: list[list] = []
-        for s in self.strategies:
-            if runs and runs[-1][1] == s:
-                runs[-1][0] += 1
-            else:
-                runs.append([1, s])
-        return " + ".join(f"{n}x {s}" for n, s in runs)
-
-
-@dataclass(frozen=True)
-class ReplicaGroup:
-    """``dp`` identical pipelines (see the module doc): ``blocks[p]`` the ranks of pipeline rank ``p`` in
-    (dp, cp, tp) order; ``stages`` the ``pp x virtual_stages`` model chunks, chunk ``i`` on pipeline
-    rank ``i % pp`` (Megatron's interleaved order); ``share`` the sequences per step it takes, in
-    ``num_microbatches`` micro-batches."""
-
-    blocks: tuple[tuple[int, ...], ...]
-    stages: tuple[StagePlan, ...]
-    num_microbatches: int
-    share: int
-    virtual_stages: int = 1
-
-    def __post_init__(self) -> None:
-        whole(self.num_microbatches, "group num_microbatches", PlanError, minimum=None)
-        whole(self.share, "group share", PlanError, minimum=None)
-        whole(self.virtual_stages, "group virtual_stages", PlanError, minimum=None)
-        if not self.blocks or any(not b for b in self.blocks):
-            raise PlanError("a replica group needs at least one pipeline stage, each on at least one rank")
-        if self.virtual_stages < 1 or self.num_microbatches < 1:
-            raise PlanError("pp, virtual_stages and num_microbatches must all be >= 1")
-        if len(self.stages) != self.pp * self.virtual_stages:
-            raise PlanError(
-                f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.pp} x {self.virtual_stages}"
-            )
-        if self.share < 1:
-            raise PlanError(f"a replica group's share must be at least one sequence per step, got {self.share}")
-        if self.share % self.num_microbatches:
-            raise PlanError(f"a share of {self.share} sequences per step (the global batch, for one group) is not "
-                            f"divisible into {self.num_microbatches} micro-batches")
-
-    @property
-    def pp(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(r for b in self.blocks for r in b)
-
-    @property
-    def stage_devices(self) -> int:
-        """Ranks per pipeline stage (the first block's; the runtime needs them equal)."""
-        return len(self.blocks[0])
-
-    @property
-    def num_layers(self) -> int:
-        return sum(s.num_layers for s in self.stages)
-
-    @property
-    def microbatch_size(self) -> int:
-        """Sequences per micro-batch across the whole stage (split further over each layer's dp)."""
-        return self.share // self.num_microbatches
-
-    @property
-    def data_ranks(self) -> int:
-        """Ranks of a stage that hold the same weights and share the data: the layers' dp x cp."""
-        if not any(st.strategies for st in self.stages):
-            return 1
-        first = self.anchor(0)
-        return first.dp * first.cp
-
-    def microbatch_tokens(self, seq_len: int) -> int:
-        """Tokens one data rank packs into one micro-batch: :attr:`microbatch_size` sequences of
-        ``seq_len`` tokens split over the group's :attr:`data_ranks`."""
-        return max(1, -(-self.microbatch_size * seq_len // self.data_ranks))
-
-    def stage_of_layer(self, layer: int) -> int:
-        """The index into ``stages`` of the chunk holding ``layer``."""
-        for i, s in enumerate(self.stages):
-            if s.start <= layer < s.end:
-                return i
-        raise PlanError(f"layer {layer} is outside this group's [0, {self.num_layers})")
-
-    def stage_tp(self, index: int) -> int:
-        """The tensor-parallel degree of chunk ``index`` (its first layer's; a chunk of the embedding or
-        the head alone, its pipeline rank's other chunks': :func:`chunk_anchors`)."""
-        return self.anchor(index).tp
-
-    def anchor(self, index: int) -> LayerStrategy:
-        """Chunk ``index``'s first layer's strategy, or for a chunk of no layers its :func:`chunk_anchors`'."""
-        return chunk_anchors([st.strategies for st in self.stages], self.pp)[index]
-
-    def layer_strategies(self) -> list[LayerStrategy]:
-        out: list[LayerStrategy] = []
-        for st in sorted(self.stages, key=lambda s: (s.start, s.end)):
-            out.extend(st.strategies)
-        return out
-
-    def layout(self, pipeline_schedule: PipelineSchedule) -> str:
-        """One line, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
-        sched = str(pipeline_schedule) + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        last = len(self.stages) - 1
-        ends = {0: "embedding", last: "head"}  # a chunk of no layers (chunk_anchors)
-        stages = " | ".join(f"[{s.start},{s.end}) {s.compact or ends.get(i, '')}" for i, s in enumerate(self.stages))
-        return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
-
-    def to_dict(self) -> dict:
-        return {"ranks": [rank_runs(b) for b in self.blocks], "share": self.share,
-                "num_microbatches": self.num_microbatches, "virtual_stages": self.virtual_stages,
-                "stages": [{"layers": [s.start, s.end], "strategies": [str(x) for x in s.strategies]}
-                           for s in self.stages]}
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str) -> "ReplicaGroup":
-        mapping(d, where, PlanError)
-        known_keys(d, _GROUP_KEYS, where, PlanError)
-        missing = [k for k in ("ranks", "share", "stages") if k not in d]
-        if missing:
-            raise PlanError(f"{where} is missing {', '.join(missing)}")
-        blocks = tuple(parse_rank_runs(b, f"{where} ranks[{p}]")
-                       for p, b in enumerate(sequence(d["ranks"], f"{where} ranks", PlanError)))
-        stages = parse_stages(d["stages"], where)
-        try:
-            return cls(blocks, stages, whole(d.get("num_microbatches", 1), f"{where} num_microbatches", PlanError),
-                       whole(d["share"], f"{where} share", PlanError),
-                       whole(d.get("virtual_stages", 1), f"{where} virtual_stages", PlanError))
-        except PlanError as e:
-            raise PlanError(f"{where}: {e}") from None
-
-
-def _runs_of(item: object) -> list:
-    """``"NNx S"`` as NN copies of ``S``; anything else as itself (LayerStrategy.parse judges it)."""
-    if isinstance(item, str) and "x " in item:
-        count, _, strategy = item.partition("x ")
-        if count.strip().isdigit() and int(count) >= 1:
-            return [strategy.strip()] * int(count)
-    return [item]
-
-
-def parse_stages(value: object, where: str) -> tuple[StagePlan, ...]:
-    """``stages`` of a plan file: ``[{"layers": [start, end], "strategies": [...]}, ...]``; a strategy
-    may be written ``"NNx S"`` for NN layers in a row (:attr:`StagePlan.compact`'s form).
-
-    >>> [str(s) for s in parse_stages([{"layers": [0, 3], "strategies": ["2x tp2-dp1z0", "tp2-dp1z0-ac"]}],
-    ...                                "plan")[0].strategies]
-    ['tp2-dp1z0', 'tp2-dp1z0', 'tp2-dp1z0-ac']
-    """
-    stages = []
-    for i, s in enumerate(sequence(value, f"{where} stages", PlanError)):
-        try:
-            start, end = s["layers"]
-            strategies = tuple(LayerStrategy.parse(x) for item in sequence(s["strategies"], "strategies", PlanError)
-                               for x in _runs_of(item))
-        except (KeyError, ValueError, TypeError, AttributeError, PlanError) as e:
-            raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...] "
-                            f"({str(e).strip() or type(e).__name__})") from None
-        stages.append(StagePlan(whole(start, f"stage {i} start layer", PlanError, minimum=0),
-                                whole(end, f"stage {i} end layer", PlanError, minimum=0), strategies))
-    return tuple(stages)
 
 
 @dataclass(frozen=True)
@@ -384,10 +198,7 @@ class Plan:
 
     @property
     def microbatch_tokens(self) -> int:
-        """Tokens one data rank packs into one micro-batch (one group): the plan's micro-batch of
-        :attr:`microbatch_size` sequences of ``seq_len`` tokens, split over the dp x cp data ranks of
-        its layers. The one number the search prices and checks against memory
-        (``CostModel.layer_work``), the scheduler packs to and the runtime runs.
+        """The one group's :meth:`ReplicaGroup.microbatch_tokens` (the module doc's token budget).
 
         >>> from flexmesh.layout.strategy import LayerStrategy
         >>> st = StagePlan(0, 2, (LayerStrategy.parse("tp1-dp4z2"),) * 2)
@@ -442,35 +253,34 @@ class Plan:
             "cluster": self.cluster, "world_size": self.world_size,
             "seq_len": self.seq_len, "global_batch": self.global_batch,
             "pipeline_schedule": str(self.pipeline_schedule), "cost_source": self.cost_source,
-            "overlap": self.overlap.to_dict(), "groups": [g.to_dict() for g in self.groups],
+            "overlap": self.overlap.to_dict(), "groups": [g.to_dict(self.seq_len) for g in self.groups],
             "unused": list(self.unused), "predicted": self.predicted,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        """A plan of any readable version (1-3 through flexmesh.layout.legacy)."""
+        """A plan of any readable version (1-3 through flexmesh.layout.legacy); a group's
+        ``microbatch_tokens``, where given, must be the budget its fields give."""
         mapping(d, "a plan", PlanError)
         version = d.get("version")
         if version not in READABLE_VERSIONS:
             raise PlanError(f"plan version {version!r} is not supported (this flexmesh reads versions "
                             f"{', '.join(map(str, READABLE_VERSIONS))})")
-        if version != PLAN_VERSION:
-            from flexmesh.layout.legacy import from_legacy
-
-            return from_legacy(d)
+        if version < 4:
+            d = upgrade(d)
         known_keys(d, _PLAN_KEYS, "plan", PlanError)
         required = ("model", "cluster", "world_size", "seq_len", "global_batch", "pipeline_schedule", "groups")
         missing = [k for k in required if k not in d]
         if missing:
             raise PlanError(f"plan is missing {', '.join(missing)}")
-        groups = tuple(ReplicaGroup.from_dict(g, f"replica group {i}")
-                       for i, g in enumerate(sequence(d["groups"], "plan groups", PlanError)))
         counts = {k: whole(d[k], f"plan {k}", PlanError) for k in ("world_size", "seq_len", "global_batch")}
+        groups = tuple(ReplicaGroup.from_dict(g, f"replica group {i}", counts["seq_len"])
+                       for i, g in enumerate(sequence(d["groups"], "plan groups", PlanError)))
         return cls(model=d["model"], cluster=d["cluster"], pipeline_schedule=d["pipeline_schedule"],
                    groups=groups, unused=tuple(whole(x, "unused rank", PlanError, minimum=0)
                                                for x in sequence(d.get("unused", []), "plan unused", PlanError)),
                    predicted=d.get("predicted", {}), cost_source=d.get("cost_source", "preset"),
-                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts,
+                   overlap=Overlap.from_dict(d.get("overlap", RUNTIME.to_dict())), **counts, version=version,
                    model_config=None if d.get("model_config") is None
                    else ModelFile.from_dict(d["model_config"], "plan model_config", PlanError))
 

@@ -34,6 +34,7 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 from flexmesh.errors import ProfileError
 from flexmesh.profile.format import produced_by, spec_hash
@@ -43,12 +44,25 @@ from flexmesh.serve.engine.replay import prompt_ids
 
 SCENARIO_TIMEOUT_S = 600.0  # the longest one scenario may take on one engine
 DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
+
+
+class Grid(TypedDict):
+    """The scenarios a sweep runs: prompt lengths alone, decode batches x contexts, mixed batches."""
+
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    prefill: tuple[int, ...]
+    mixed: tuple[int, ...]
+    repeats: int
+    batch_kv: int
+
+
 # A decode scenario's iterations grow as b x (b x c) (transformers' SDPA path: module doc of
 # flexmesh.profile.iteration), so the grid keeps b x c within "batch_kv" tokens: minutes, not an hour.
-FULL = {"batches": (1, 2, 4, 8, 16, 32, 64), "contexts": (16, 128, 512, 1024), "prefill": (8, 32, 64, 128),
-        "mixed": (1, 4, 16), "repeats": 2, "batch_kv": 8192}
-QUICK = {"batches": (1, 4, 16), "contexts": (16, 256), "prefill": (16, 64), "mixed": (4,), "repeats": 2,
-         "batch_kv": 4096}
+FULL: Grid = {"batches": (1, 2, 4, 8, 16, 32, 64), "contexts": (16, 128, 512, 1024), "prefill": (8, 32, 64, 128),
+              "mixed": (1, 4, 16), "repeats": 2, "batch_kv": 8192}
+QUICK: Grid = {"batches": (1, 4, 16), "contexts": (16, 256), "prefill": (16, 64), "mixed": (4,), "repeats": 2,
+               "batch_kv": 4096}
 
 
 def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[str, list[int], list[int]]]:
@@ -121,20 +135,20 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
 
             async def run(url: str, prompts: list[list[int]], outputs: list[int]) -> None:
                 async def one(prompt: list[int], n: int) -> None:
-                    async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n}) as r:
-                        if r.status != 200:
-                            raise ProfileError(f"engine at {url} refused a sweep request: {(await r.text())[:200]}")
+                    async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n}) as resp:
+                        if resp.status != 200:
+                            raise ProfileError(f"engine at {url} refused a sweep request: {(await resp.text())[:200]}")
 
                 await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs)))
 
             warm = [prompt_ids(1, 32, vocab)] * 2
             await asyncio.gather(*(run(e.url, warm, [4, 4]) for e in procs))  # first calls allocate
             total = len(plan) * repeats
-            for r in range(repeats):
+            for rep in range(repeats):
                 for k, (name, lengths, outputs) in enumerate(plan):
                     if progress is not None:
-                        progress(r * len(plan) + k, total, name)
-                    prompts = [prompt_ids(1000 * r + i, n, vocab) for i, n in enumerate(lengths)]
+                        progress(rep * len(plan) + k, total, name)
+                    prompts = [prompt_ids(1000 * rep + i, n, vocab) for i, n in enumerate(lengths)]
                     before = [await iteration_count(session, e.url) for e in procs]
                     await asyncio.gather(*(run(e.url, prompts, outputs) for e in procs))
                     for e, since in zip(procs, before):

@@ -28,6 +28,7 @@ import platform
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, overload
 
 from flexmesh.errors import ProfileError, SpecError
 from flexmesh.files import read_json
@@ -313,8 +314,8 @@ class ModelProfile:
         for part in ("layer", "embedding", "head"):
             _fit_values(getattr(profile, part), f"{name}: {part}")
         for part, keys in (("layers", ("forward", "backward", "backward_recompute")), ("ends", END_KEYS)):
-            for i, e in enumerate(parallel.get(part, ())):
-                _fit_values({k: e[k] for k in keys}, f"{name}: parallel.{part}[{i}]")
+            for i, entry in enumerate(parallel.get(part, ())):
+                _fit_values({k: entry[k] for k in keys}, f"{name}: parallel.{part}[{i}]")
         for key in ("forward", "backward", "forward_fixed_s", "backward_fixed_s"):
             if key in profile.whole_model:
                 number(profile.whole_model[key], f"{name}: whole_model.{key}", ProfileError,
@@ -384,15 +385,16 @@ def _model_values(d: dict, name: str) -> None:
         raise ProfileError(f"{w}the recorded model is malformed ({e}); re-run `flexmesh profile model`") from None
     text(d["dtype"], f"{w}dtype", ProfileError)
     acts = mapping(d["activations"], f"{w}activations", ProfileError)
-    for i, e in enumerate(sequence(acts["layers"], f"{w}activations.layers", ProfileError)):
+    for i, entry in enumerate(sequence(acts["layers"], f"{w}activations.layers", ProfileError)):
         where = f"{w}activations.layers[{i}]"
-        mapping(e, where, ProfileError)
+        mapping(entry, where, ProfileError)
         for k in ("tp", "cp"):
-            whole(e.get(k), f"{where}.{k}", ProfileError)
+            whole(entry.get(k), f"{where}.{k}", ProfileError)
         # true: the whole layer is recomputed; "selective": the attention core only
-        if not (isinstance(e.get("recompute"), bool) or e.get("recompute") == "selective"):
-            raise ProfileError(f"{where}.recompute must be false, true or \"selective\", got {e.get('recompute')!r}")
-        number(e.get("bytes_per_token"), f"{where}.bytes_per_token", ProfileError, strict=False)
+        if not (isinstance(entry.get("recompute"), bool) or entry.get("recompute") == "selective"):
+            raise ProfileError(f"{where}.recompute must be false, true or \"selective\", "
+                               f"got {entry.get('recompute')!r}")
+        number(entry.get("bytes_per_token"), f"{where}.bytes_per_token", ProfileError, strict=False)
     for k in ("attention_mask_bytes_per_sq_row_token", "embedding_bytes_per_token", "head_bytes_per_token"):
         number(acts[k], f"{w}activations.{k}", ProfileError, strict=False)
     states = mapping(d["states"], f"{w}states", ProfileError)
@@ -403,12 +405,12 @@ def _model_values(d: dict, name: str) -> None:
     mapping(d.get("samples", {}), f"{w}samples", ProfileError)
     parallel = mapping(d.get("parallel") or {}, f"{w}parallel", ProfileError)
     for part in ("layers", "ends"):
-        for i, e in enumerate(sequence(parallel.get(part, []), f"{w}parallel.{part}", ProfileError)):
+        for i, entry in enumerate(sequence(parallel.get(part, []), f"{w}parallel.{part}", ProfileError)):
             where = f"{w}parallel.{part}[{i}]"
-            whole(mapping(e, where, ProfileError).get("tp"), f"{where}.tp", ProfileError)
+            whole(mapping(entry, where, ProfileError).get("tp"), f"{where}.tp", ProfileError)
             if part == "layers":
-                whole(e.get("cp"), f"{where}.cp", ProfileError)
-                text(e.get("cp_kind"), f"{where}.cp_kind", ProfileError)
+                whole(entry.get("cp"), f"{where}.cp", ProfileError)
+                text(entry.get("cp_kind"), f"{where}.cp_kind", ProfileError)
 
 
 def _check(d: dict, kind: str, name: str) -> None:
@@ -442,7 +444,15 @@ def _save(profile, path: str | Path) -> None:
     profile.name = path.name
 
 
-def load_profile(path: str | Path, kind: str | None = None) -> HardwareProfile | ModelProfile:
+@overload
+def load_profile(path: str | os.PathLike[str], kind: Literal["hardware"]) -> HardwareProfile: ...
+@overload
+def load_profile(path: str | os.PathLike[str], kind: Literal["model"]) -> ModelProfile: ...
+@overload
+def load_profile(path: str | os.PathLike[str], kind: str | None = None) -> HardwareProfile | ModelProfile: ...
+
+
+def load_profile(path: str | os.PathLike[str], kind: str | None = None) -> HardwareProfile | ModelProfile:
     """Read a profile file; ``kind`` ("hardware" or "model") insists on one kind.
 
     Raises ProfileError for a missing or unreadable file, an unknown version, the wrong kind or
@@ -459,14 +469,24 @@ def load_profile(path: str | Path, kind: str | None = None) -> HardwareProfile |
         if found not in KINDS:
             _check(d, "hardware", path.name)  # reports the version or the kind
         kind = found
-    cls = HardwareProfile if kind == "hardware" else ModelProfile
-    return cls.from_dict(d, name=path.name)
+    if kind == "hardware":
+        return HardwareProfile.from_dict(d, name=path.name)
+    return ModelProfile.from_dict(d, name=path.name)
 
 
-def as_profile(p, kind: str):
+ProfileSource = str | os.PathLike[str] | HardwareProfile | ModelProfile  # a profile, or the path of its file
+
+
+@overload
+def as_profile(p: ProfileSource, kind: Literal["hardware"]) -> HardwareProfile: ...
+@overload
+def as_profile(p: ProfileSource, kind: Literal["model"]) -> ModelProfile: ...
+
+
+def as_profile(p: ProfileSource, kind: str) -> HardwareProfile | ModelProfile:
     """A profile object from a path or a profile (passed through after a kind check)."""
     if isinstance(p, (str, os.PathLike)):
         return load_profile(p, kind)
-    if getattr(p, "kind", None) != kind:
+    if p.kind != kind:
         raise ProfileError(f"expected a {kind} profile, got {type(p).__name__}")
     return p

@@ -101,7 +101,7 @@ def _time_layer(block, row, local_tokens: int, reps: int, spec: ModelSpec, dtype
     time it waits for a slower member's forward (ring attention's ranks do unequal forward work)."""
     x = torch.randn(1, local_tokens, spec.hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    out = {"fwd": [], "bwd": [], "rc": []}
+    out: dict[str, list[float]] = {"fwd": [], "bwd": [], "rc": []}
     for i in range(reps + 1):  # the first run warms up
         for recompute in (False, True):
             t0 = time.perf_counter()
@@ -121,7 +121,8 @@ def _time_layer(block, row, local_tokens: int, reps: int, spec: ModelSpec, dtype
                     out["fwd"].append(t1 - t0)
     x.grad = None
     block.zero_grad(set_to_none=True)
-    return tuple(float(np.median(out[k])) for k in ("fwd", "bwd", "rc"))
+    fwd, bwd, rc = (float(np.median(out[k])) for k in ("fwd", "bwd", "rc"))
+    return fwd, bwd, rc
 
 
 def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_mesh=None) -> dict[str, list[float]]:
@@ -140,7 +141,8 @@ def _time_ends(spec: ModelSpec, tokens: list[int], reps: int, dtype, device, tp_
         apply_tp(model, tp_mesh)
         tp = tp_mesh.size()
     emb, norm, head = model.tok_embeddings, model.norm, model.output
-    out = {k: [] for k in END_KEYS}
+    assert emb is not None and norm is not None and head is not None  # a whole model holds both ends
+    out: dict[str, list[float]] = {k: [] for k in END_KEYS}
     for n in tokens:
         ids = torch.randint(0, spec.vocab, (1, n), device=device)
         if tp_mesh is not None:  # the same ids on every rank of the group, as the runtime feeds them

@@ -241,7 +241,6 @@ class ProfiledHardware(Hardware):
         self.source = f"profile:{profile.name}"
         # measured by the hardware profiler where it ran more than one process; else the preset's rule
         self.overlap = float(profile.overlap["hidden_fraction"]) if profile.overlap else PRESET_OVERLAP
-        self.comm = None
         self._fits = {(c.collective, c.group_size, c.scope): c for c in reversed(profile.collectives)}
         self._curves = {key: measured_curve(f) for key, f in self._fits.items() if len(f.samples) >= 2}
 

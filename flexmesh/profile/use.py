@@ -80,9 +80,9 @@ def cost_model_from_profiles(spec: ModelSpec, hardware=None, model=None, world: 
     """
     hw: HardwareProfile | None = as_profile(hardware, "hardware") if hardware is not None else None
     mp: ModelProfile | None = as_profile(model, "model") if model is not None else None
-    if hw is None and cluster is None:
-        raise ProfileError("give a hardware profile or a cluster to price the model on")
     if cluster is None:
+        if hw is None:
+            raise ProfileError("give a hardware profile or a cluster to price the model on")
         cluster = cluster_from_profile(hw, world)
     # Bytes and throughput in the dtype the profiles measured: the one the runtime trains in.
     dtype = mp.dtype if mp is not None else (hw.dtype if hw is not None else spec.dtype)
@@ -130,8 +130,8 @@ def local_cost_model(spec: ModelSpec, cluster: str, hardware: str | None = None,
         model = next((str(p) for p in saved if p.is_file()), None)
     profiled = cluster_from_profile(hw, int(found.group(1)) if found.group(1) else None)
     # named "local", so a plan records a cluster that `train` prices the same way again
-    cluster = replace(profiled, device=replace(profiled.device, name="local"))
-    return cost_model_from_profiles(spec, hardware=hw, model=model, cluster=cluster)
+    named = replace(profiled, device=replace(profiled.device, name="local"))
+    return cost_model_from_profiles(spec, hardware=hw, model=model, cluster=named)
 
 
 def cost_model_for(spec: ModelSpec, cluster: str | None, hardware: str | None = None, model: str | None = None,
@@ -149,12 +149,14 @@ def cost_model_for(spec: ModelSpec, cluster: str | None, hardware: str | None = 
     if local is not None:
         return local
     hw = as_profile(hardware, "hardware") if hardware else None
-    if cluster is None and hw is None and default_cluster is None:
-        raise SpecError("give --cluster (e.g. 8xH100) or --hardware-profile (a file from `flexmesh profile hardware`)")
+    spec_cluster: ClusterSpec | None = None
     if cluster is not None:  # an empty string is refused by parse_cluster, not taken for "no cluster"
         spec_cluster = parse_cluster(cluster)
-    else:
-        spec_cluster = None if hw is not None else parse_cluster(default_cluster)
-    if hw is None and not model:
+    elif hw is None:
+        if default_cluster is None:
+            raise SpecError("give --cluster (e.g. 8xH100) or --hardware-profile (a file from `flexmesh profile "
+                            "hardware`)")
+        spec_cluster = parse_cluster(default_cluster)
+    if hw is None and not model and spec_cluster is not None:
         return CostModel(spec, spec_cluster)
     return cost_model_from_profiles(spec, hardware=hw, model=model or None, cluster=spec_cluster)

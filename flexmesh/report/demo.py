@@ -1,10 +1,5 @@
-"""What ``flexmesh demo`` trains, and its report: what was planned, simulated and measured, as markdown
-with PNGs.
-
->>> plan = training_plan(nproc=2, max_len=512, global_batch=6)
->>> plan.model, plan.world_size, plan.layout
-('tiny', 2, 'pp1 1f1b m1 | [0,4) 4x tp1-dp2z2')
-"""
+"""``flexmesh demo``'s report: what was planned, simulated and measured, as markdown with PNGs (what it
+trains and the runs' figures: flexmesh.report.runs)."""
 
 from __future__ import annotations
 
@@ -13,67 +8,15 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from flexmesh.layout.enums import PipelineSchedule
-from flexmesh.layout.plan import Plan, StagePlan
-from flexmesh.layout.strategy import LayerStrategy
+from flexmesh.report.experts import add_demo_section
 from flexmesh.report.plots import balance_png, loss_png, predicted_vs_measured_png, timeline_png
-from flexmesh.report.report import Report, median_abs_error
+from flexmesh.report.report import Report
+from flexmesh.report.runs import run_summary, throughput
 from flexmesh.report.stragglers import add_section, has_speed_data, speed_png
 from flexmesh.sim.simulation import Simulation, comparison_row
-from flexmesh.spec.model import parse_model
-
-TRAIN_MODEL = "tiny"  # the model the demo profiles and trains: small enough for a few CPU processes
-
-
-def training_plan(nproc: int, max_len: int, global_batch: int, model: str = TRAIN_MODEL) -> Plan:
-    """The demo's training plan: ``model`` sharded over ``nproc`` local CPU processes (ZeRO-2, no tp,
-    pp or cp), sequences of ``max_len``, ``global_batch`` documents per step; priced by profiles."""
-    spec = parse_model(model)
-    strategy = LayerStrategy.parse(f"tp1-dp{nproc}z2")
-    return Plan.uniform(model=model, cluster=f"{nproc}xcpu", world_size=nproc, pp=1,
-                pipeline_schedule=PipelineSchedule.ONE_F_ONE_B,
-                num_microbatches=1, seq_len=max_len, global_batch=global_batch,
-                stages=(StagePlan(0, spec.num_layers, (strategy,) * spec.num_layers),), cost_source="profile")
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a run's ``metrics.jsonl`` (one JSON object per line; blank lines skipped)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def throughput(rows: list[dict], warmup: int = 1) -> float:
-    """Tokens/s of metrics rows, the first ``warmup`` steps left out when there are more steps."""
-    timed = rows[warmup:] if len(rows) > warmup else rows
-    return sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
-
-
-def run_summary(rows: list[dict], warmup: int = 1) -> dict:
-    """Figures of one measured run from its metrics.jsonl rows (the first ``warmup`` steps left out
-    of throughput, when there are more steps than that).
-
-    >>> rows = [{"step": s, "loss": 5.0, "tokens": 100, "step_time_s": t, "busy_s": [t, t / 2],
-    ...          "predicted_step_time_s": 1.0, "policy": "hdp", "fallback": s == 2}
-    ...         for s, t in ((1, 2.0), (2, 1.0), (3, 1.0))]
-    >>> d = run_summary(rows); d["tokens_per_s"], d["imbalance"], d["fallbacks"], d["predicted_error"]
-    (100.0, 1.3333333333333333, 1, 0.0)
-    """
-    timed = rows[warmup:] if len(rows) > warmup else rows
-    busy = np.array([r["busy_s"] for r in timed], dtype=float)
-    pred = [(r["predicted_step_time_s"], r["step_time_s"]) for r in timed if r.get("predicted_step_time_s")]
-    return {
-        "steps": len(rows),
-        "step_time_s": float(np.mean([r["step_time_s"] for r in timed])),
-        "tokens_per_s": throughput(rows, warmup),
-        "imbalance": float(np.mean(busy.max(axis=1) / np.maximum(busy.mean(axis=1), 1e-12))),
-        "policies": sorted({r.get("policy", "?") for r in rows}),
-        "fallbacks": sum(bool(r.get("fallback")) for r in rows),
-        "predicted_error": median_abs_error([p for p, _ in pred], [m for _, m in pred]) if pred else None,
-        "final_loss": rows[-1]["loss"],
-    }
 
 
 def gain_text(label: str, rows: list[dict], fixed: list[dict], loads: dict[str, float]) -> str:
@@ -134,7 +77,7 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
     # 2. simulation
     s = sim.setup
     rep.heading("2. Simulated per-step policies")
-    rep.text(f"{s['model']} on {s['cluster']}, context {s['context']}, {s['lengths']} lengths, "
+    rep.text(f"{s['model']} on {s['cluster']}, sequences up to {s['context']} tokens, {s['lengths']} lengths, "
              f"{s['mean_sequences_per_step']:.0f} sequences / {s['mean_tokens_per_step'] / 1e3:.0f}K tokens per step, "
              f"{s['steps']} steps (`flexmesh simulate`).")
     sim_rows = [comparison_row(r)[:-1] for r in sim.runs]  # the simulate command's columns but utilisation
@@ -182,8 +125,6 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
     if stragglers:
         add_section(rep, stragglers, figs, heading="A slow device: static against re-planned schedules")
     if experts:
-        from flexmesh.report.experts import add_demo_section
-
         add_demo_section(rep, experts, figs)
     if gpu:
         gpu_section(rep, gpu)

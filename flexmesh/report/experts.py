@@ -103,7 +103,7 @@ def add_section(rep: Report, runs: Mapping[str, Sequence[dict]], figures: Path,
                   f"expert load imbalance, {label}")
 
 
-def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, max_len: int, seed: int = 0,
+def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, seq_len: int, seed: int = 0,
                  device: str = "auto", profile: bool = True,
                  timeout_s: float = 1800) -> dict[str, tuple[list[dict], list[dict]]]:
     """``flexmesh demo``'s experts part: ``tiny-moe`` profiled (``flexmesh profile model --quick`` on 2
@@ -119,14 +119,14 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, ma
     from flexmesh.files import make_folder
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
-    from flexmesh.report.demo import read_metrics
+    from flexmesh.report.runs import read_metrics
     from flexmesh.runtime.launch import child_env
 
     out = make_folder(out)
     plan = out / "plan-moe.json"
     st = LayerStrategy.parse("tp1-dp2z2")
     Plan.uniform(model=MOE_MODEL, cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
-                 virtual_stages=1, num_microbatches=1, seq_len=max_len, global_batch=global_batch,
+                 virtual_stages=1, num_microbatches=1, seq_len=seq_len, global_batch=global_batch,
                  stages=(StagePlan(0, 4, (st,) * 4),)).save(plan)
     model = out / f"model-{MOE_MODEL}.json"
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from flexmesh.cost.training.mixed import GroupsEvaluation, MixedCosts
@@ -42,8 +42,10 @@ def group_compact(g: ReplicaGroup) -> str:
 def replica_table(plan: Plan, ev: GroupsEvaluation, cluster: MixedCluster, title: str) -> Table:
     """One row per replica group: devices, layout, pipeline time, tail and peak memory against the budget."""
     t = Table(title=title)
-    for col, just in (("#", "right"), ("devices", "left"), ("layout", "left"), ("pipeline s", "right"),
-                      ("tail s", "right"), ("peak GiB / usable", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("#", "right"), ("devices", "left"), ("layout", "left"), ("pipeline s", "right"), ("tail s", "right"),
+        ("peak GiB / usable", "right"))
+    for col, just in columns:
         t.add_column(col, justify=just, overflow="fold")
     for i, (g, e) in enumerate(zip(plan.groups, ev.replicas)):
         worst = max(e.stages, key=lambda s: s.memory["total"] / s.budget)
@@ -76,7 +78,9 @@ def stage_table(plan: Plan, ev: GroupsEvaluation) -> Table:
 def baseline_table(tokens_per_s: float, baselines: dict) -> Table:
     """The plan's tokens/s against ``uniform``, ``proportional`` and the sum of the parts."""
     t = Table(title="against the baselines (one cost model prices all)")
-    for col, just in (("", "left"), ("tokens/s", "right"), ("plan is", "right"), ("layout", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("", "left"), ("tokens/s", "right"), ("plan is", "right"),
+                                                      ("layout", "left"))
+    for col, just in columns:
         t.add_column(col, justify=just, overflow="fold")
     t.add_row("the plan", f"{tokens_per_s:,.0f}", "", "")
     labels = {"uniform": "uniform (all as the slowest type)", "proportional": "proportional (batch by peak FLOP/s)",

@@ -54,13 +54,13 @@ def has_speed_data(rows: Sequence[dict]) -> bool:
     return any(r.get("speed") for r in rows)
 
 
-def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int, global_batch: int, max_len: int,
+def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int, global_batch: int, seq_len: int,
                    seed: int = 0, slow: Mapping[int, float] | None = None, extra: Sequence[str] = (),
                    timeout_s: float = 1800) -> dict[str, list[dict]]:
     """Train ``plan`` as ``static`` and as ``adaptive`` (see the module doc) into ``out/<label>``; the
     rows of each run's metrics.jsonl. ``slow``: rank -> emulated speed factor (default {1: 0.5});
     ``extra``: further ``flexmesh train`` flags for both runs (profiles, policy, tokenizer)."""
-    from flexmesh.report.demo import read_metrics
+    from flexmesh.report.runs import read_metrics
     from flexmesh.runtime.launch import child_env
 
     slow = dict(slow or {1: 0.5})
@@ -70,7 +70,7 @@ def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int,
         run_dir = Path(out) / label
         argv = ["train", "--plan", str(plan), "--corpus", corpus, "--max-steps", str(steps), "--out", str(run_dir),
                 "--nproc", "2", "--overwrite", "--no-progress", "--seed", str(seed), "--global-batch",
-                str(global_batch), "--seq-len", str(max_len), "--slow", emulate, *extra, *flags]
+                str(global_batch), "--seq-len", str(seq_len), "--slow", emulate, *extra, *flags]
         proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), capture_output=True,
                               text=True, timeout=timeout_s)
         if proc.returncode != 0:
@@ -195,18 +195,18 @@ def add_section(rep: Report, metrics: Mapping[str, Sequence[dict]], figures: Pat
     rep.image(speed_png(metrics, Path(figures) / "speed.png"), "per-rank speed and throughput per step")
 
 
-def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, global_batch: int, max_len: int,
+def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, global_batch: int, seq_len: int,
                     seed: int = 0, factor: float = 0.5, device: str = "auto") -> dict[str, list[dict]]:
     """``flexmesh demo``'s straggler part: the demo's model on 2 processes, rank 1 emulated at
     ``factor``, static against adaptive (:func:`run_comparison`) with the ``balanced`` policy on
     one-rank groups, priced by the demo's profiles, on ``device`` (``flexmesh train --device``); runs go
     to ``out/runs/static`` and ``out/runs/adaptive``."""
-    from flexmesh.report.demo import training_plan
+    from flexmesh.report.runs import training_plan
 
     out = make_folder(out)
     plan_path = out / "plan-2.json"
-    training_plan(2, max_len, global_batch).save(plan_path)
+    training_plan(2, seq_len, global_batch).save(plan_path)
     flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hardware), "--model-profile", str(model),
              "--device", device]
-    return run_comparison(out / "runs", plan_path, steps=steps, global_batch=global_batch, max_len=max_len,
+    return run_comparison(out / "runs", plan_path, steps=steps, global_batch=global_batch, seq_len=seq_len,
                           seed=seed, slow={1: factor}, extra=flags)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Column, Table
+from rich.text import TextType
 
 
 def print_table(console: Console, table: Table) -> None:
@@ -19,7 +20,9 @@ def print_table(console: Console, table: Table) -> None:
     if _narrowest(console, table) <= console.width or len(table.columns) <= 2:
         console.print(table)
         return
-    key, parts, current = table.columns[0], [], []
+    key = table.columns[0]
+    parts: list[list[Column]] = []
+    current: list[Column] = []
     for column in table.columns[1:]:
         if current and _narrowest(console, _part(table, key, [*current, column], None)) > console.width:
             parts.append(current)
@@ -35,7 +38,7 @@ def _narrowest(console: Console, table: Table) -> int:
     return Measurement.get(console, console.options.update(max_width=1 << 16), table).minimum
 
 
-def _part(table: Table, key: Column, columns: list[Column], title: object) -> Table:
+def _part(table: Table, key: Column, columns: list[Column], title: TextType | None) -> Table:
     """A table of ``key`` and ``columns`` with ``table``'s rows and style."""
     part = Table(title=title, box=table.box, show_lines=table.show_lines, padding=table.padding)
     chosen = [key, *columns]

@@ -1,5 +1,6 @@
 """Validate a (possibly hand-edited) Plan against a model and a cluster, then evaluate it: a layout over
-a uniform cluster (:func:`check_plan`) or replica groups on a mixed one (:func:`check_groups`).
+a uniform cluster (:func:`check_plan`) or replica groups on a mixed one (:func:`check_groups`), both by
+the same rules (:func:`check_layout`) before their pricing.
 
 Every failure raises :class:`PlanError` with a message saying what to change.
 """
@@ -17,43 +18,10 @@ from flexmesh.units import GIB
 
 
 def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostModel | None = None) -> Evaluation:
-    """Raise PlanError on the first problem; return the cost model's evaluation when the plan is valid."""
+    """Raise PlanError on the first problem (:func:`check_layout`, then memory); return the cost model's
+    evaluation when the plan of one group over every rank is valid."""
     cost = cost or CostModel(model, cluster)
-    check_model(plan, model)
-    if plan.world_size != cluster.world_size:
-        raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
-                        f"re-plan for this cluster or pass the cluster the plan was made for")
-    if plan.num_layers != model.num_layers:
-        raise PlanError(f"plan covers {plan.num_layers} layers but {model.name} has {model.num_layers}; "
-                        f"make the stages' layer ranges cover 0..{model.num_layers}")
-    expect = 0
-    for i, st in enumerate(plan.stages):
-        if st.start != expect:
-            raise PlanError(f"stage {i} starts at layer {st.start} but the previous stage ends at {expect}; "
-                            "stages must cover consecutive layers in order")
-        if st.num_layers == 0 and 0 < i < len(plan.stages) - 1:
-            raise PlanError(f"stage {i} has no layers; only the first stage may hold the embedding alone and the "
-                            "last the head alone: give it at least one layer or lower pp")
-        expect = st.end
-    D = plan.stage_devices
-    mbs = plan.microbatch_size
-    for i, st in enumerate(plan.stages):
-        for j, s in enumerate(st.strategies):
-            where = f"stage {i}, layer {st.start + j} ({s})"
-            if s.devices != D:
-                raise PlanError(f"{where} uses tp x cp x dp = {s.devices} devices but each of the {plan.pp} "
-                                f"pipeline stages has {D}; make tp*cp*dp equal {D}")
-            check_tp_heads(model, s.tp, where)
-            if s.tp > cluster.devices_per_node:
-                raise PlanError(f"{where}: tp {s.tp} spans more than one node of {cluster.devices_per_node} "
-                                "devices; keep tp within a node")
-            if s.cp_kind == "ulysses" and model.num_heads % (s.tp * s.cp):
-                raise PlanError(f"{where}: Ulysses needs the {model.num_heads} heads to split over tp x cp = "
-                                f"{s.tp * s.cp}; lower cp or use ring ('r{s.cp}')")
-            if mbs % s.dp:
-                raise PlanError(f"{where}: dp {s.dp} does not divide the {mbs} sequences of a micro-batch "
-                                f"(global batch {plan.global_batch} / {plan.num_microbatches} micro-batches); "
-                                "change num_microbatches or dp")
+    check_layout(plan, model, MixedCluster((cluster,)))
     ev = cost.evaluate(plan)
     for r, mem in enumerate(ev.memory):
         if mem["total"] > ev.budget:
@@ -61,6 +29,51 @@ def check_plan(plan: Plan, model: ModelSpec, cluster: ClusterSpec, cost: CostMod
                             f"{ev.budget / GIB:.1f} GiB usable; raise pp or enable recompute (add '-ac') "
                             "or ZeRO-3 on that stage's layers")
     return ev
+
+
+def check_layout(plan: Plan, model: ModelSpec, cluster: MixedCluster) -> None:
+    """What every plan, of one replica group or several, must meet on ``model`` and ``cluster`` beyond its
+    own rules (checked when it is made: flexmesh.layout.group): it was made for the model, its world and
+    layers are the cluster's and the model's, every tensor-parallel group (a run of tp ranks of its stage's
+    block: its data ranks may span nodes) on one device type and inside one node, tp divides the heads
+    (and suits the KV heads), Ulysses splits the heads over tp x cp, and, in a plan of one group, dp
+    divides the sequences of a micro-batch (the groups of a plan of several take each step's sequences from
+    the dispatch, a micro-batch's tokens over their replicas: flexmesh.search.replicas may give a group
+    micro-batches of fewer sequences than replicas). PlanError names the first fault and what to change."""
+    check_model(plan, model)
+    if plan.world_size != cluster.world_size:
+        raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
+                        "re-plan for this cluster or pass the cluster the plan was made for")
+    if plan.num_layers != model.num_layers:
+        raise PlanError(f"plan covers {plan.num_layers} layers but {model.name} has {model.num_layers}; "
+                        f"make the stages' layer ranges cover 0..{model.num_layers}")
+    for i, g in enumerate(plan.groups):
+        mbs = g.microbatch_size
+        for j, st in enumerate(g.stages):
+            block = g.blocks[j % g.pp]
+            at = f"stage {j}" if len(plan.groups) == 1 else f"replica group {i} stage {j}"
+            for k, s in enumerate(st.strategies):
+                where = f"{at}, layer {st.start + k} ({s})"
+                check_tp_heads(model, s.tp, where)
+                for run in (block[t:t + s.tp] for t in range(0, len(block), s.tp)):  # its TP groups (tp innermost)
+                    types = sorted({cluster.group_of(d) for d in run})
+                    if len(types) > 1:
+                        names = ", ".join(cluster.groups[x].device.name for x in types)
+                        raise PlanError(f"{where}: its TP group on devices {list(run)} mixes device groups {types} "
+                                        f"({names}); a TP group runs on one device type: take its devices from one "
+                                        "group")
+                    nodes = sorted({cluster.node_of(d) for d in run})
+                    if len(nodes) > 1:
+                        per_node = cluster.groups[types[0]].devices_per_node
+                        raise PlanError(f"{where}: its TP group on devices {list(run)} spans nodes {nodes}; keep "
+                                        f"each TP group inside one node ({per_node} devices per node): lower tp")
+                if s.cp_kind == "ulysses" and model.num_heads % (s.tp * s.cp):
+                    raise PlanError(f"{where}: Ulysses needs the {model.num_heads} heads to split over tp x cp = "
+                                    f"{s.tp * s.cp}; lower cp or use ring ('r{s.cp}')")
+                if len(plan.groups) == 1 and mbs % s.dp:
+                    raise PlanError(f"{where}: dp {s.dp} does not divide the {mbs} sequences of a micro-batch "
+                                    f"(share {g.share} / {g.num_microbatches} micro-batches); change "
+                                    "num_microbatches or dp")
 
 
 def check_tp_heads(model: ModelSpec, tp: int, where: str) -> None:
@@ -127,36 +140,11 @@ def overlap_warnings(plan: Plan) -> list[str]:
 
 def check_groups(plan: Plan, model: ModelSpec, cluster: MixedCluster, costs: MixedCosts | None = None
                  ) -> GroupsEvaluation:
-    """Validate a plan of replica groups (what the mixed search and a LoRA mix of replicas write) against
-    ``model`` and a mixed ``cluster`` (each TP group on one device type, inside one node); raise PlanError
-    on the first problem, else return its evaluation (flexmesh.cost.training.mixed). The plan's own
-    invariants (contiguous stages, every rank placed once, shares adding up) are checked when it is read."""
-    check_model(plan, model)
-    if plan.world_size != cluster.world_size:
-        raise PlanError(f"plan is for {plan.world_size} devices but {cluster.label} has {cluster.world_size}; "
-                        "re-plan for this cluster or pass the cluster the plan was made for")
-    if plan.num_layers != model.num_layers:
-        raise PlanError(f"plan covers {plan.num_layers} layers but {model.name} has {model.num_layers}; "
-                        f"make every replica group's stages cover 0..{model.num_layers}")
+    """Validate a plan of replica groups against ``model`` and a mixed ``cluster`` (:func:`check_layout`,
+    the same rules as a plan of one group), then every stage against its own device's memory; raise
+    PlanError on the first problem, else return its evaluation (flexmesh.cost.training.mixed)."""
+    check_layout(plan, model, cluster)
     costs = costs or MixedCosts(model, cluster)
-    for i, g in enumerate(plan.groups):
-        for j, (block, st) in enumerate(zip(g.blocks, g.stages)):
-            tp = g.stage_tp(j)
-            for k in range(0, len(block), tp):  # the block's TP groups: runs of tp ranks (tp innermost)
-                team = block[k:k + tp]
-                where = f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on devices {list(team)})"
-                groups = sorted({costs.group_of[d] for d in team})
-                if len(groups) > 1:
-                    names = ", ".join(cluster.groups[x].device.name for x in groups)
-                    raise PlanError(f"{where} mixes device groups {groups} ({names}); a TP group runs on one device "
-                                    "type: take its devices from one group")
-                nodes = sorted({costs.node_of[d] for d in team})
-                if len(nodes) > 1:
-                    raise PlanError(f"{where} spans nodes {nodes}; a TP group stays inside one node: take devices "
-                                    f"of one node (its group has {cluster.groups[groups[0]].devices_per_node} per "
-                                    "node)")
-            check_tp_heads(model, tp, f"replica group {i} stage {j} (layers [{st.start}, {st.end}) on devices "
-                                      f"{list(block)})")
     ev = evaluate_groups(plan, costs)
     for i, j, s in ev.over_budget():
         g = plan.groups[i]

@@ -21,7 +21,7 @@ from typing import Any
 from flexmesh.errors import SpecError
 from flexmesh.files import read_json
 from flexmesh.spec.hf_moe import MOE_FAMILIES, moe_family, moe_from_hf, moe_to_hf
-from flexmesh.spec.model import ModelSpec, RopeScaling
+from flexmesh.spec.shape import ModelSpec, RopeScaling
 from flexmesh.spec.values import flag, number, whole
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)

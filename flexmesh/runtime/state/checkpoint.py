@@ -79,7 +79,7 @@ def plan_hash(plan: Plan) -> str:
     resumes under its old plan file and under the same plan upgraded."""
     from flexmesh.layout.legacy import legacy_dict
 
-    d = legacy_dict(plan) or plan.to_dict()
+    d = legacy_dict(plan.to_dict(), plan.version)
     for key in ("predicted", "overlap", "model_config"):  # the model is checked apart (plan_model, check_model)
         d.pop(key, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

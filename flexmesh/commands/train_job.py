@@ -1,0 +1,85 @@
+"""``flexmesh train``'s job: its flags and its plan resolved once into a :class:`~flexmesh.job.Job` (the
+sequence cap, the batch, the tasks, the experts' placement, the dtype, and the cost model its step
+schedules are priced by), and the step scheduler of a policy priced by it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from flexmesh.commands.experts_args import experts_of
+from flexmesh.commands.train_tasks import run_tasks
+from flexmesh.cost.training.model import CostModel
+from flexmesh.cost.training.parts import Parts
+from flexmesh.errors import PlanError, SpecError
+from flexmesh.job import Job, build_job, plan_sizes
+from flexmesh.layout.plan import Plan
+from flexmesh.schedule.scheduler import Scheduler
+from flexmesh.spec.cluster import ClusterSpec, parse_cluster
+from flexmesh.spec.model import ModelSpec
+
+
+def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
+    """The run the flags describe on ``plan`` and model ``spec``: the sequence cap (--seq-len, else the
+    plan's), the batch (--global-batch, else the plan's; with --tasks every task's batch together, and a
+    plan of several groups its shares scaled to it), the tasks, the experts' placement, the dtype, and the
+    cost model that prices its step schedules (:func:`_pricing`)."""
+    tasks = run_tasks(args.tasks, args.corpus, spec)
+    seq_len, requested = plan_sizes(plan, args.seq_len, args.global_batch)
+    global_batch = sum(tasks.batches(requested)) if tasks is not None else requested
+    if len(plan.groups) > 1:  # the groups' shares must add up to the batch the run takes
+        plan = plan.with_global_batch(global_batch)
+    # LoRA: a frozen base and the tasks' adapters; a mixture of experts priced for the placement the run uses
+    parts = Parts(tasks=tasks)
+    if spec.is_moe:
+        parts = replace(parts, experts=experts_of(spec, plan.world_size, args.expert_placement,
+                                                  args.expert_imbalance, args.routing, args.expert_slots))
+    return build_job(spec, seq_len, global_batch, base=_pricing(args, plan, spec), parts=parts,
+                     dtype=args.dtype, plan=plan)
+
+
+def _pricing(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> CostModel | None:
+    """The cost model the run's step schedules are priced by, in the dtype the run computes in: the
+    machine's saved profiles for a plan made for them, --hardware-profile/--model-profile, else the
+    plan's cluster preset for a plan of one group on one device type; None: each device group's presets
+    (the scheduler's own, flexmesh.schedule.scheduler.plan_costs), or unpriced where they price nothing."""
+    from flexmesh.profile.use import cost_model_from_profiles, local_cost_model
+    from flexmesh.schedule.scheduler import device_types
+
+    spec = replace(spec, dtype=args.dtype)
+    local = local_cost_model(spec, plan.cluster, args.hardware_profile, args.model_profile)
+    if local is not None:  # the plan was made for this machine's saved profiles
+        return local
+    if args.hardware_profile or args.model_profile:
+        cluster = None if args.hardware_profile else _plan_cluster(plan, args.plan)
+        return cost_model_from_profiles(spec, hardware=args.hardware_profile, model=args.model_profile,
+                                        world=plan.world_size, cluster=cluster)
+    if len(plan.groups) == 1 and device_types(plan) in (None, 1):  # a mixed cluster: priced per device type
+        return CostModel(spec, _plan_cluster(plan, args.plan))
+    return None
+
+
+def scheduler(job: Job, policy: str, seed: int, cp: int | None) -> Scheduler:
+    """The run's step scheduler for ``policy``, its schedules priced by the step simulator on the job's
+    cost model, else each device group's presets with the job's parts (``shares`` on a cluster that prices
+    nothing runs unpriced)."""
+    from flexmesh.errors import ScheduleError
+    from flexmesh.sim.predict import simulated_scheduler
+
+    assert job.plan is not None
+    try:
+        return simulated_scheduler(Scheduler(job.plan, replace(job.model, dtype=job.dtype), policy, job.seq_len, seed,
+                                             cp=cp, cost=job.cost, parts=job.parts))
+    except ScheduleError as e:
+        raise PlanError(f"--policy {policy}: {e}") from None
+
+
+def _plan_cluster(plan: Plan, path: str) -> ClusterSpec:
+    """Without a hardware profile the plan's cluster prices the step schedules: it must name a device
+    preset or a cluster file; say what to pass when it does not."""
+    try:
+        return parse_cluster(plan.cluster)
+    except SpecError as e:
+        raise PlanError(f"plan {path} records cluster {plan.cluster!r}, which prices nothing ({e}); pass "
+                        "--hardware-profile FILE (from `flexmesh profile hardware`), or set the plan's cluster to "
+                        "a preset such as 4xA100-80GB or a cluster file") from None
