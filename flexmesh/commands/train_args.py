@@ -17,6 +17,7 @@ from flexmesh.commands.args import (
     seconds,
     seq_len,
     sequences,
+    tokens,
 )
 from flexmesh.commands.experts_args import add_expert_args
 from flexmesh.runtime.launch import DEFAULT_RUN_ID
@@ -30,7 +31,12 @@ POLICY_NAMES = tuple(str(p) for p in RUNTIME_POLICIES)  # plain strings: argpars
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``flexmesh train``'s flags; ``--seq-len``, ``--global-batch`` and ``--slow`` mean what they mean in
     ``plan`` and ``simulate`` (old spellings: ``--max-len``, ``--emulate-speed``)."""
-    p.add_argument("--plan", required=True, help="plan.json written by `flexmesh plan`")
+    p.add_argument("--plan", help="plan.json written by `flexmesh plan` (default: plan for the devices this run "
+                                  "trains on, written to OUT/plan.json; docs/cli-train.md#without-a-plan)")
+    p.add_argument("--cluster", help="without --plan: plan for this cluster rather than this machine's devices")
+    p.add_argument("--tp", type=positive_int, help="without --plan: the tensor-parallel degree the plan must use")
+    p.add_argument("--pp", type=positive_int, help="without --plan: the pipeline-parallel degree the plan must use")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="without --plan: the ZeRO stage the plan must use")
     p.add_argument("--corpus", help="folder of text files, a .jsonl file with a text field, or 'stdlib' (this "
                                     "Python's standard-library sources); with --tasks each task names its own")
     p.add_argument("--tasks", metavar="FILE",
@@ -52,13 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="never wait for a late schedule: run --fallback-policy's for that step instead")
     p.add_argument("--fallback-policy", default="hdp", choices=POLICY_NAMES,
                    help="policy of a step whose --policy schedule is late, with --adaptive (default: hdp)")
-    p.add_argument("--cp", type=positive_int, help="static context-parallel group size for fixed and balanced "
+    p.add_argument("--cp", type=positive_int, help="static context-parallel group size for fixed and balanced; "
+                                                   "without --plan also the largest cp the plan may use "
                                           "(default: the plan's cp when above 1, else the smallest that fits)")
     p.add_argument("--hardware-profile", metavar="PATH",
                    help="price schedules with this `flexmesh profile hardware` file "
                         "(default: the plan's cluster preset)")
     p.add_argument("--model-profile", metavar="PATH", help="price schedules with this `flexmesh profile model` file")
-    p.add_argument("--global-batch", type=sequences, help="documents per step (default: the plan's global_batch)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--global-batch", type=sequences, help="documents per step (default: the plan's global_batch)")
+    size.add_argument("--tokens-per-step", type=tokens, metavar="TOKENS",
+                      help="a step's batch in tokens, as torchtitan and Megatron-LM count it: whole documents (each "
+                           "up to --seq-len) until that many tokens, so documents per step vary and tokens do not")
     p.add_argument("--seq-len", type=seq_len,
                    help="the longest sequence, in tokens; longer documents are truncated to it (default: the plan's)")
     old_names(p, "--max-len", dest="seq_len", type=seq_len)

@@ -1,0 +1,81 @@
+"""`flexmesh train` without --plan: the run plans for the devices it trains on (a CPU by its saved profile,
+measured once when there is none), within --tp/--pp/--cp/--zero, writes the plan beside the run and resumes on
+it; --tokens-per-step counts a step in tokens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from flexmesh.commands import train as train_command
+from flexmesh.commands.train_plan import check_flags, plan_run
+from flexmesh.errors import PlanError
+from flexmesh.profile.use import local_profile
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train_command.add_parser(parser.add_subparsers())
+    return parser.parse_args(["train", "--max-steps", "1", "--out", "OUT", *argv])
+
+
+@pytest.fixture
+def profiled(tmp_path, monkeypatch):
+    """This machine's saved hardware profile (a synthetic 2-process CPU), in a cache of the test's own."""
+    from test_profile import hardware_profile
+
+    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
+    path = local_profile("hardware")
+    path.parent.mkdir(parents=True)
+    hardware_profile().save(path)
+    return path
+
+
+def test_a_cpu_run_plans_on_the_machines_profile_within_the_flags(profiled):
+    got = plan_run(_args("--model", "tiny", "--nproc", "2", "--device", "cpu"))
+    assert got.plan.cluster == "2xlocal" and got.plan.world_size == 2 and got.plan.model == "tiny"
+    assert str(profiled) in got.how and got.plan.layout in got.how
+    for flags, want in ((("--tp", "2"), lambda s: s.tp == 2), (("--zero", "3"), lambda s: s.zero == 3),
+                        (("--cp", "1", "--zero", "0"), lambda s: s.cp == 1 and s.zero == 0)):
+        plan = plan_run(_args("--model", "tiny", "--nproc", "2", "--device", "cpu", *flags)).plan
+        assert all(want(s) for s in plan.layer_strategies()), (flags, plan.layout)
+
+
+def test_a_preset_cluster_and_a_step_in_tokens(profiled):
+    got = plan_run(_args("--model", "llama3-8b", "--cluster", "8xH100", "--seq-len", "8192", "--tokens-per-step",
+                         "1048576"))
+    assert got.plan.world_size == 8 and got.plan.global_batch == 128  # 2^20 tokens as 8192-token documents
+    assert "1,048,576 tokens per step" in got.how
+    with pytest.raises(PlanError, match="no plan of llama3-70b fits on 1xH100-80GB"):
+        plan_run(_args("--model", "llama3-70b", "--cluster", "1xH100", "--seq-len", "8192"))
+
+
+def test_planning_flags_beside_a_plan_are_one_line():
+    for flag in (("--tp", "2"), ("--pp", "2"), ("--zero", "1"), ("--cluster", "8xH100")):
+        with pytest.raises(PlanError, match=f"{flag[0]} constrains the plan a run makes without --plan"):
+            check_flags(_args("--plan", "p.json", *flag))
+    with pytest.raises(SystemExit):  # argparse: documents or tokens per step, not both
+        _args("--global-batch", "4", "--tokens-per-step", "4096")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_without_a_plan_writes_its_plan_and_resumes_on_it(profiled, tmp_path):
+    from helpers import flexmesh
+
+    out = tmp_path / "run"
+    base = ("train", "--model", "tiny", "--corpus", "stdlib", "--out", str(out), "--no-progress", "--seq-len", "256",
+            "--tokens-per-step", "1024", "--cache-dir", str(tmp_path / "cache"))
+    proc = flexmesh(*base, "--max-steps", "2", "--checkpoint-every", "2", timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "planned for 1 CPU process" in " ".join(proc.stderr.split())
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["cluster"] == "1xlocal" and plan["seq_len"] == 256
+    again = flexmesh(*base, "--max-steps", "3", timeout=500)  # the same command, one step further: a resume
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming on the plan this run chose" in " ".join(again.stderr.split())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(512 < r["tokens"] <= 1024 for r in rows)  # whole documents up to 256 tokens until 1,024
