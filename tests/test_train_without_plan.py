@@ -79,3 +79,39 @@ def test_train_without_a_plan_writes_its_plan_and_resumes_on_it(profiled, tmp_pa
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(512 < r["tokens"] <= 1024 for r in rows)  # whole documents up to 256 tokens until 1,024
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_weights_train_under_the_tokenizer_beside_them(tmp_path):
+    """An export's weights, fine-tuned without --tokenizer: the run encodes with the export's tokenizer (the ids
+    transformers' tokenizer of the export gives), never a BPE trained on the new corpus; weights with no
+    tokenizer beside them are one line."""
+    transformers = pytest.importorskip("transformers")
+    from helpers import flexmesh, write_inputs
+
+    from flexmesh.data.tokenizer import load_tokenizer
+
+    config, corpus, plan = write_inputs(tmp_path, world=1)
+    first = tmp_path / "first"
+    r = flexmesh("train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out", str(first),
+                 "--cache-dir", str(tmp_path / "cache"), "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    export = tmp_path / "export"
+    assert flexmesh("export", "--checkpoint", str(first), "--out", str(export)).returncode == 0
+    other = tmp_path / "other"  # another corpus: a BPE trained on it would differ
+    other.mkdir()
+    for i in range(12):
+        (other / f"d{i}.txt").write_text(f"zebra quokka {i} " * (20 + i))
+    tuned = tmp_path / "tuned"
+    r = flexmesh("train", "--plan", str(plan), "--corpus", str(other), "--weights", str(export),
+                 "--max-steps", "1", "--out", str(tuned), "--cache-dir", str(tmp_path / "cache"), "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "the one beside --weights" in " ".join(r.stderr.split())
+    text = "zebra quokka 7 the quick brown fox"
+    want = transformers.AutoTokenizer.from_pretrained(export)(text)["input_ids"]
+    assert load_tokenizer(tuned / "tokenizer").encode(text, add_special_tokens=False).ids == want
+    (export / "tokenizer.json").unlink()
+    r = flexmesh("train", "--plan", str(plan), "--corpus", str(other), "--weights", str(export),
+                 "--max-steps", "1", "--out", str(tmp_path / "refused"), "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == 2 and "no tokenizer.json beside it" in r.stderr and "Traceback" not in r.stderr

@@ -229,12 +229,15 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
     if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
         raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
     corpus = stdlib_corpus() if first == "stdlib" else first
-    corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
+    tokenizer = args.tokenizer or tokenizer_of_weights(args.weights)
+    corpus_tokens, tok = load_corpus_tokens(corpus, tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
                         "tokenizer with at most that many tokens, or drop --tokenizer to train one")
     if os.environ.get("RANK", "0") == "0":
-        warning = record_tokenizer(args.out, tok, args.tokenizer, spec.max_position)
+        if tokenizer != args.tokenizer:
+            print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
+        warning = record_tokenizer(args.out, tok, tokenizer, spec.max_position)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     if tasks is not None:
@@ -247,6 +250,23 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
     if job.tokens_per_batch is not None:  # --tokens-per-step: documents until that many tokens
         return DocumentLoader(corpus_tokens, max_len=job.seq_len, seed=args.seed, tokens_per_step=job.tokens_per_batch)
     return DocumentLoader(corpus_tokens, global_batch=job.global_batch, max_len=job.seq_len, seed=args.seed)
+
+
+def tokenizer_of_weights(weights: str | None) -> str | None:
+    """The tokenizer.json in the folder of ``--weights`` (a Hugging Face model folder, or a flexmesh export,
+    holds the one its weights were trained with); None without --weights. Weights with no tokenizer beside
+    them are refused in one line: a BPE trained now on the corpus would give every id another meaning than
+    the one the weights learnt."""
+    if not weights:
+        return None
+    folder = Path(weights) if Path(weights).is_dir() else Path(weights).parent
+    found = folder / "tokenizer.json"
+    if not found.is_file():
+        from flexmesh.errors import DataError
+
+        raise DataError(f"--weights {weights} has no tokenizer.json beside it, and a tokenizer trained on the corpus "
+                        "would not match the ids the weights learnt: pass --tokenizer with the weights' own")
+    return str(found)
 
 
 def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bool | None = None) -> TrainConfig:

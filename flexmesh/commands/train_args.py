@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")
     p.add_argument("--model", help="model preset or config.json (default: the plan's model: the config.json it "
                                    "records, else its preset)")
-    p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, "
-                                       "cached (either way recorded in --out/tokenizer/ for `flexmesh export`)")
+    p.add_argument("--tokenizer", help="a tokenizer.json; default: with --weights the tokenizer.json beside them, else "
+                                       "train a byte-level BPE of the model's vocab, cached (either way recorded in "
+                                       "--out/tokenizer/ for `flexmesh export`)")
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
     p.add_argument("--policy", choices=POLICY_NAMES,
