@@ -115,3 +115,16 @@ def test_weights_train_under_the_tokenizer_beside_them(tmp_path):
     r = flexmesh("train", "--plan", str(plan), "--corpus", str(other), "--weights", str(export),
                  "--max-steps", "1", "--out", str(tmp_path / "refused"), "--cache-dir", str(tmp_path / "cache"))
     assert r.returncode == 2 and "no tokenizer.json beside it" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_default_dtype_follows_the_device(monkeypatch):
+    """bf16 where the ranks compute on GPUs (as torchtitan), fp32 on the CPU; --dtype always wins."""
+    from flexmesh.commands.train_args import run_dtype
+    from flexmesh.runtime.parallel import device as D
+
+    for gpus, nproc, want in ((0, 2, "fp32"), (2, 2, "bf16"), (4, None, "bf16")):
+        monkeypatch.setattr(D, "visible_gpus", lambda g=gpus: g)
+        argv = ["--nproc", str(nproc)] if nproc else []
+        assert run_dtype(_args(*argv)) == want, (gpus, nproc)
+        assert run_dtype(_args(*argv, "--dtype", "fp32")) == "fp32"
+        assert run_dtype(_args(*argv, "--device", "cpu")) == "fp32"

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from flexmesh.commands.train_args import add_arguments
+from flexmesh.commands.train_args import add_arguments, run_dtype
 from flexmesh.commands.train_job import scheduler, train_job
 from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned_path
 from flexmesh.commands.train_tasks import run_tasks, task_table
@@ -278,7 +278,7 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bo
                        seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
                        resume=not (args.no_resume or args.overwrite) if resume is None else resume,
                        progress=not args.no_progress,
-                       dtype=args.dtype, emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
+                       dtype=run_dtype(args), emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
                        compile=args.compile, expert_placement=args.expert_placement, expert_slots=args.expert_slots,
                        balance_rate=args.balance_rate, aux_loss=args.aux_loss)
 

@@ -81,9 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=nonneg_float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max gradient norm; 0 disables (default 1.0)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the initial weights and the data order")
-    p.add_argument("--dtype", default="fp32", choices=TRAIN_DTYPES,
+    p.add_argument("--dtype", default=None, choices=TRAIN_DTYPES,
                    help="compute dtype: bf16 computes in bfloat16 with fp32 master weights, optimizer states, "
-                        "gradient reductions and loss (default: fp32; docs/precision.md)")
+                        "gradient reductions and loss (default: bf16 on GPUs, as torchtitan trains, fp32 on the "
+                        "CPU; docs/precision.md)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where each rank computes: auto takes one GPU per process when there are enough, else the "
                         "CPU (default auto; docs/cli-train.md#devices)")
@@ -129,3 +130,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--rdzv-id", metavar="ID",
                    help=f"the run's name at the endpoint, the same on every node (default {DEFAULT_RUN_ID!r} with "
                         "several nodes)")
+
+
+def run_dtype(args: argparse.Namespace) -> str:
+    """The compute dtype of the run: ``--dtype``, else bf16 where this rank computes on a GPU (fp32 master
+    weights and reductions, as torchtitan) and fp32 on the CPU, by the device rule of
+    flexmesh.runtime.parallel.device."""
+    if args.dtype is not None:
+        return args.dtype
+    import os
+
+    from flexmesh.runtime.parallel.device import choose_device, visible_gpus
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc or 1))
+    choice = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), local_world, visible_gpus())
+    return "bf16" if choice.type == "cuda" else "fp32"

@@ -8,6 +8,7 @@ import argparse
 from dataclasses import replace
 
 from flexmesh.commands.experts_args import experts_of
+from flexmesh.commands.train_args import run_dtype
 from flexmesh.commands.train_tasks import run_tasks
 from flexmesh.cost.training.model import CostModel
 from flexmesh.cost.training.parts import Parts
@@ -43,7 +44,7 @@ def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
         parts = replace(parts, experts=experts_of(spec, plan.world_size, args.expert_placement,
                                                   args.expert_imbalance, args.routing, args.expert_slots))
     return build_job(spec, seq_len, global_batch, base=_pricing(args, plan, spec), parts=parts,
-                     dtype=args.dtype, plan=plan, tokens_per_batch=per_step)
+                     dtype=run_dtype(args), plan=plan, tokens_per_batch=per_step)
 
 
 def _pricing(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> CostModel | None:
@@ -54,7 +55,7 @@ def _pricing(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> CostModel
     from flexmesh.profile.use import cost_model_from_profiles, local_cost_model
     from flexmesh.schedule.scheduler import device_types
 
-    spec = replace(spec, dtype=args.dtype)
+    spec = replace(spec, dtype=run_dtype(args))
     local = local_cost_model(spec, plan.cluster, args.hardware_profile, args.model_profile)
     if local is not None:  # the plan was made for this machine's saved profiles
         return local

@@ -53,10 +53,11 @@ def check_flags(args: argparse.Namespace) -> None:
 def plan_run(args: argparse.Namespace) -> Planned:
     """The plan of a run started without ``--plan`` (module doc). PlanError says what to change when no
     layout fits."""
-    from flexmesh.spec.model import parse_model
+    from flexmesh.commands.train_args import run_dtype
+    from flexmesh.spec.model import parse_model, with_dtype
 
     model = args.model or DEFAULT_MODEL
-    spec = parse_model(model)
+    spec = with_dtype(parse_model(model), run_dtype(args))  # priced in the dtype the run computes in
     world = args.nproc or 1
     seq = args.seq_len or DEFAULT_SEQ_LEN
     per_step = getattr(args, "tokens_per_step", None)
