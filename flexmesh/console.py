@@ -15,18 +15,78 @@ renders. Styles are given as :class:`~rich.text.Text` (:func:`styled`), never as
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
+# Outside a terminal (a pipe, a log file, CI) rich would squeeze every table to 80 columns, wrapping cells and
+# cutting headers; a log has no width, so tables there are as wide as they need up to this many columns.
+# COLUMNS, when set, still rules.
+UNBOUNDED_WIDTH = 240
+
 
 def plain_console(stderr: bool = False, **kwargs: Any) -> Console:
     """A rich Console on stdout (stderr with ``stderr``) that prints strings verbatim: no markup, no
-    emoji codes, no highlighting. ``kwargs`` go to Console (``soft_wrap``, ``file``, ...)."""
-    return Console(stderr=stderr, markup=False, emoji=False, highlight=False, **kwargs)
+    emoji codes, no highlighting. ``kwargs`` go to Console (``soft_wrap``, ``file``, ...). Outside a
+    terminal, and without COLUMNS, lines may be :data:`UNBOUNDED_WIDTH` wide."""
+    console = Console(stderr=stderr, markup=False, emoji=False, highlight=False, **kwargs)
+    if "width" not in kwargs and not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = UNBOUNDED_WIDTH
+    return console
 
 
 def styled(head: str, style: str, rest: str = "") -> Text:
     """``head`` in ``style`` followed by ``rest``, both verbatim (``styled("error:", "bold red", " x")``)."""
     return Text.assemble((head, style), rest)
+
+
+# Outside a terminal a rich bar draws nothing until it ends; a log gets one line at most this often instead.
+PLAIN_PROGRESS_EVERY_S = 10.0
+
+
+@contextmanager
+def progress_steps(description: str, total: int, console: Console | None = None,
+                   every_s: float = PLAIN_PROGRESS_EVERY_S) -> Iterator[Callable[..., None]]:
+    """Progress over ``total`` steps on stderr; yields ``advance(label=None)``. On a terminal a transient rich
+    bar; elsewhere a plain line ``description: done/total (label), N s`` at most every ``every_s`` seconds
+    and one when the work ends, so a long step never runs silent in a log.
+
+    >>> import io
+    >>> buf = io.StringIO()
+    >>> with progress_steps("profiling", 2, plain_console(file=buf), every_s=0) as advance:
+    ...     advance("gemm"); advance("attention")
+    >>> [line.split(",")[0] for line in buf.getvalue().splitlines()]
+    ['profiling: 1/2 (gemm)', 'profiling: 2/2 (attention)', 'profiling: done 2/2 in 0 s']
+    """
+    console = console or plain_console(stderr=True)
+    if console.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task(description, total=total)
+
+            def advance_bar(label: str | None = None) -> None:
+                bar.update(task, advance=1, description=f"{description}: {label}" if label else description)
+
+            yield advance_bar
+        return
+    start = last = time.monotonic()
+    done = 0
+
+    def advance_line(label: str | None = None) -> None:
+        nonlocal done, last
+        done += 1
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            console.print(f"{description}: {done}/{total}" + (f" ({label})" if label else "")
+                          + f", {now - start:.0f} s")
+
+    yield advance_line
+    console.print(f"{description}: done {done}/{total} in {time.monotonic() - start:.0f} s")

@@ -203,6 +203,42 @@ def test_resume_replays_the_same_batches() -> None:
     assert got == expected
 
 
+def test_tokens_per_step_fills_each_batch_and_resumes_exactly() -> None:
+    lengths = [int(x) for x in np.random.default_rng(5).integers(2, 60, size=80)]
+    docs = _docs(lengths)
+    budget, cap = 100, 40
+    straight = DocumentLoader(docs, max_len=cap, seed=3, tokens_per_step=budget)
+    batches = [next(straight) for _ in range(30)]  # several epochs
+    for b in batches:  # within the budget, and full: the next document of the order did not fit
+        assert sum(map(len, b)) <= budget and all(len(d) <= cap for d in b)
+    firsts = [int(d[0]) for b in batches[:straight.batches_per_epoch] for d in b]
+    assert len(firsts) == len(set(firsts))  # no document twice in an epoch
+    assert max(map(len, batches)) > min(map(len, batches))  # documents per step vary, tokens do not
+    first = DocumentLoader(docs, max_len=cap, seed=3, tokens_per_step=budget)
+    got = [next(first) for _ in range(13)]
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = DocumentLoader(docs, max_len=cap, seed=3, tokens_per_step=budget)
+    resumed.load_state_dict(state)
+    got += [next(resumed) for _ in range(17)]
+    assert [[d.tolist() for d in b] for b in got] == [[d.tolist() for d in b] for b in batches]
+    assert resumed.step == 30
+    with pytest.raises(DataError, match="global_batch=None but this run has global_batch=4"):
+        DocumentLoader(docs, 4, cap, seed=3).load_state_dict(state)
+    with pytest.raises(DataError, match="one of them"):
+        DocumentLoader(docs, 4, cap, tokens_per_step=budget)
+
+
+def test_a_state_from_before_tokens_per_step_resumes() -> None:
+    docs = _docs(list(range(2, 25)))
+    ld = DocumentLoader(docs, global_batch=3, max_len=10, seed=11)
+    for _ in range(9):
+        next(ld)
+    old = {k: v for k, v in ld.state_dict().items() if k not in ("tokens_per_step", "steps")}
+    again = DocumentLoader(docs, global_batch=3, max_len=10, seed=11)
+    again.load_state_dict(old)
+    assert again.step == 9 and [d.tolist() for d in next(again)] == [d.tolist() for d in next(ld)]
+
+
 def test_resume_refuses_other_settings() -> None:
     docs = _docs([5] * 10)
     state = DocumentLoader(docs, 2, 8, seed=0).state_dict()

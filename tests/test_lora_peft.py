@@ -6,6 +6,7 @@ bad job files and foreign adapters are refused in one line."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +72,12 @@ def run(tmp_path_factory) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "latest loss" in " ".join(proc.stdout.split()) and "long" in proc.stdout  # the per-task table
     exported = tmp / "export"
-    proc = flexmesh_here("export", "--checkpoint", str(out), "--out", str(exported), "--model", str(cfg))
+    here = os.getcwd()
+    os.chdir(tmp)  # --out as a user types it, relative to where they are
+    try:
+        proc = flexmesh_here("export", "--checkpoint", str(out), "--out", "export", "--model", str(cfg))
+    finally:
+        os.chdir(here)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"tmp": tmp, "cfg": cfg, "plan": plan, "job": job, "out": out, "export": exported,
             "export_line": proc.stdout}
@@ -119,6 +125,8 @@ def test_peft_loads_the_export(run, slot, name):
 
     base = transformers.AutoModelForCausalLM.from_pretrained(run["export"], torch_dtype=torch.float32)
     plain = base(torch.arange(5, 45)[None]).logits[0].detach()
+    config = json.loads((run["export"] / "adapters" / name / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(run["export"].resolve())  # absolute, whatever --out said
     model = PeftModel.from_pretrained(base, run["export"] / "adapters" / name).eval()
     tokens = torch.arange(5, 45)
     with torch.no_grad():

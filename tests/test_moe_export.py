@@ -17,6 +17,8 @@ import pytest
 import torch
 from helpers import flexmesh_ranks, randomise_hf, rel_diff
 
+from flexmesh.data.tokenizer import train_bpe
+
 transformers = pytest.importorskip("transformers", reason="transformers is the reference; pip install -e .[dev]")
 
 SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -47,6 +49,8 @@ def runs(tmp_path_factory) -> dict:
         randomise_hf(hf, seed=3)
         weights = tmp / family / "weights"
         hf.save_pretrained(weights)  # transformers 5 writes experts one key each
+        # the weights' own tokenizer beside them, as a Hugging Face folder holds one (train takes it from there)
+        train_bpe(corpus, vocab_size=SHAPE["vocab_size"], cache_dir=tmp / "cache").save(str(weights / "tokenizer.json"))
         st = LayerStrategy.parse("tp1-dp2z2")
         plan = Plan.uniform(model=str(weights / "config.json"), cluster="2xA100-80GB", world_size=2, pp=1,
                             pipeline_schedule="1f1b", virtual_stages=1, num_microbatches=2, seq_len=128,

@@ -96,10 +96,13 @@ def test_hardware_profile_quick_under_torchrun(tmp_path, capsys):
     out = tmp_path / "hw.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    env["FLEXMESH_CACHE"] = str(tmp_path / "cache")
     r = subprocess.run([sys.executable, "-m", "flexmesh", "profile", "hardware", "--quick", "--nproc", "2",
-                        "--no-progress", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=150)
+                        "--no-progress", "--no-keep", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
+    # --no-keep (as the demo profiles): the machine's own profile is left as it was, here none
+    assert "kept as this machine's" not in r.stderr and not (tmp_path / "cache").exists()
     hw = load_profile(out, "hardware")
     assert hw.produced_by["processes"] == 2 and hw.device["devices_per_node"] == 2
     kinds = {(c.collective, c.group_size, c.scope) for c in hw.collectives}

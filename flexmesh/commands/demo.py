@@ -163,10 +163,10 @@ def run(args: argparse.Namespace) -> int:
     prof = out / "profiles"
     hw, mp = prof / "hardware.json", prof / f"model-{TRAIN_MODEL}.json"
     on = ["--device", devices["multi"]]
-    _flexmesh(["profile", "hardware", "--quick", "--nproc", str(size.nproc), "--out", str(hw), *on], console,
-              "profile hardware")
-    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, "--quick", "--nproc", str(size.nproc), "--out", str(mp),
-               *on], console, "profile model")
+    # --no-keep: the demo's quick profiles never replace the machine's own (those `--cluster local` prices by)
+    quick = ["--quick", "--no-keep", "--nproc", str(size.nproc), *on]
+    _flexmesh(["profile", "hardware", *quick, "--out", str(hw)], console, "profile hardware")
+    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, *quick, "--out", str(mp)], console, "profile model")
 
     # 4. train
     plan_path = training_plan_file(out, hw, size.nproc, size.seq_len, size.global_batch)

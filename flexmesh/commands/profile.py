@@ -48,6 +48,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="profile file to write, atomically (default hardware.json / model-<name>.json)")
         sp.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+        sp.add_argument("--no-keep", action="store_true",
+                        help="write --out only: do not keep the profile as this machine's own (the one `--cluster "
+                             "local` prices by, which a profile otherwise replaces)")
         sp.add_argument("--device", default="auto", choices=DEVICES,
                         help="measure the GPUs (one per process) or the CPU; auto: GPUs when there is one per "
                              "process (default auto)")
@@ -57,6 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _forwarded(args: argparse.Namespace, out: str) -> list[str]:
     argv = ["profile", args.profile_kind, "--out", out, "--device", args.device]
+    argv += ["--no-keep"] if args.no_keep else []
     if args.profile_kind == "model":
         argv += ["--model", args.model, "--dtype", args.dtype]
         if args.compile is not None:
@@ -107,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         if prof is not None:
             prof.save(out)
             _summary(prof, out)
-            _save_local(prof, args)
+            if not args.no_keep:
+                _save_local(prof, args)
     finally:
         world.close()
     return 0

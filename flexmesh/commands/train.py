@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from flexmesh.commands.train_args import add_arguments
+from flexmesh.commands.train_args import add_arguments, run_dtype
 from flexmesh.commands.train_job import scheduler, train_job
+from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned_path
 from flexmesh.commands.train_tasks import run_tasks, task_table
 from flexmesh.errors import PlanError
 from flexmesh.job import Job
@@ -50,14 +51,16 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"--collective-timeout must be positive, got {args.collective_timeout}")
     if not 0.0 < args.straggler_threshold < 1.0:
         raise PlanError(f"--straggler-threshold must be in (0, 1), got {args.straggler_threshold}")
+    check_flags(args)
+    planned = _planned(args)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
-        _preflight(args)
+        _preflight(args, planned)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
         # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
         argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
-        return _launch(args, argv, rendezvous)
+        return _launch(args, argv, rendezvous, planned)
     launcher_only = {"--max-restarts": args.max_restarts, "--nnodes": args.nnodes, "--node-rank": args.node_rank,
                      "--rdzv-endpoint": args.rdzv_endpoint, "--rdzv-id": args.rdzv_id}
     given = [flag for flag, value in launcher_only.items() if value is not None]
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("RANK") != "0" or (HELD_ENV in os.environ and not fresh):
             return _train(args, fresh)
         with _run_folder(args.out, args.no_resume and fresh, args.overwrite and fresh):
+            _write_planned(args, planned)
             return _train(args, fresh)
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over signals (flexmesh.runtime.train.loop.fit)
         if os.environ.get("RANK") == "0":
@@ -83,7 +87,36 @@ def run(args: argparse.Namespace) -> int:
         return 0 if os.environ.get(SUPERVISED_ENV) else 130
 
 
-def _preflight(args: argparse.Namespace) -> None:
+def _planned(args: argparse.Namespace) -> Planned | None:
+    """Without --plan: the plan this run makes (flexmesh.commands.train_plan), or the one it made before
+    (``OUT/plan.json``, which a resume trains on again); None with --plan."""
+    if args.plan is not None:
+        return None
+    if "LOCAL_RANK" in os.environ:
+        raise PlanError("train without --plan plans in its own launcher: add --nproc N (rather than torchrun), or "
+                        "write a plan with `flexmesh plan` and pass --plan")
+    again = planned_path(args.out)
+    if again.is_file() and not (args.overwrite or args.no_resume):
+        from flexmesh.layout.plan import load_plan
+
+        return Planned(load_plan(again), f"resuming on the plan this run chose: {again}")
+    return plan_run(args)
+
+
+def _write_planned(args: argparse.Namespace, planned: Planned | None) -> None:
+    """Inside the run folder: the plan a run without --plan chose, written to ``OUT/plan.json`` (unless it is
+    that file already) and said; ``args.plan`` names it from here on."""
+    if planned is None:
+        return
+    path = planned_path(args.out)
+    if not path.is_file() or args.overwrite or args.no_resume:
+        planned.plan.save(path)
+    args.plan = str(path)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{planned.how}; plan: {path}", file=sys.stderr, flush=True)
+
+
+def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None:
     """What the ``--nproc`` launcher refuses, in one line, before torchrun starts anything: flags that
     do not go together, an emulated rank outside the run, more processes than GPUs, an unusable cache
     folder, a plan file that cannot be read or whose predicted memory this node does not have."""
@@ -102,14 +135,14 @@ def _preflight(args: argparse.Namespace) -> None:
         parse_emulation(args.emulate_speed, args.nproc)
     check_launch(args.device, args.nproc)
     usable_cache(args.cache_dir)
-    plan = load_plan(args.plan)
-    spec = plan_model(plan, args.model, args.plan)  # a plan (or model) that cannot run fails here, once
+    plan = load_plan(args.plan) if planned is None else planned.plan
+    spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
     run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
     if args.nnodes is None:
         check_memory(predicted_peak(plan), args.device, args.nproc)
 
 
-def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -> int:
+def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous, planned: Planned | None = None) -> int:
     """Run ``argv`` under torchrun as this node's part of the run.
 
     The launcher of node 0 holds ``--out`` for every rank of every node, across restarts, so a
@@ -126,6 +159,9 @@ def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous) -
     if rendezvous.node_rank != 0:  # node 0's ranks vouch for the lock (flexmesh.runtime.train.loop.fit)
         return relaunch_flexmesh(args.nproc, argv, env={**env, HELD_ENV: PEER}, rendezvous=rendezvous)
     with _run_folder(args.out, args.no_resume, args.overwrite) as secret:
+        if planned is not None:  # the ranks train on the plan written now
+            _write_planned(args, planned)
+            argv = [*argv, "--plan", args.plan]
         env[HELD_ENV] = secret  # what the ranks prove the hold is their launcher's with (rundir.launcher_holds)
         code = relaunch_flexmesh(args.nproc, argv, env=env, rendezvous=rendezvous)
         while code == 0 and args.migrate:  # the run stopped to move to a new plan (flexmesh.commands.migrate)
@@ -193,12 +229,15 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
     if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
         raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
     corpus = stdlib_corpus() if first == "stdlib" else first
-    corpus_tokens, tok = load_corpus_tokens(corpus, args.tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
+    tokenizer = args.tokenizer or tokenizer_of_weights(args.weights)
+    corpus_tokens, tok = load_corpus_tokens(corpus, tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
                         "tokenizer with at most that many tokens, or drop --tokenizer to train one")
     if os.environ.get("RANK", "0") == "0":
-        warning = record_tokenizer(args.out, tok, args.tokenizer, spec.max_position)
+        if tokenizer != args.tokenizer:
+            print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
+        warning = record_tokenizer(args.out, tok, tokenizer, spec.max_position)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     if tasks is not None:
@@ -208,7 +247,26 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
                                       cache_dir=args.cache_dir)[0] for t in tasks]
         return TaskLoader(tasks.names, corpora, job.task_batches, [t.steps or args.max_steps for t in tasks],
                           job.seq_len, seed=args.seed)
+    if job.tokens_per_batch is not None:  # --tokens-per-step: documents until that many tokens
+        return DocumentLoader(corpus_tokens, max_len=job.seq_len, seed=args.seed, tokens_per_step=job.tokens_per_batch)
     return DocumentLoader(corpus_tokens, global_batch=job.global_batch, max_len=job.seq_len, seed=args.seed)
+
+
+def tokenizer_of_weights(weights: str | None) -> str | None:
+    """The tokenizer.json in the folder of ``--weights`` (a Hugging Face model folder, or a flexmesh export,
+    holds the one its weights were trained with); None without --weights. Weights with no tokenizer beside
+    them are refused in one line: a BPE trained now on the corpus would give every id another meaning than
+    the one the weights learnt."""
+    if not weights:
+        return None
+    folder = Path(weights) if Path(weights).is_dir() else Path(weights).parent
+    found = folder / "tokenizer.json"
+    if not found.is_file():
+        from flexmesh.errors import DataError
+
+        raise DataError(f"--weights {weights} has no tokenizer.json beside it, and a tokenizer trained on the corpus "
+                        "would not match the ids the weights learnt: pass --tokenizer with the weights' own")
+    return str(found)
 
 
 def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bool | None = None) -> TrainConfig:
@@ -220,7 +278,7 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bo
                        seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
                        resume=not (args.no_resume or args.overwrite) if resume is None else resume,
                        progress=not args.no_progress,
-                       dtype=args.dtype, emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
+                       dtype=run_dtype(args), emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
                        compile=args.compile, expert_placement=args.expert_placement, expert_slots=args.expert_slots,
                        balance_rate=args.balance_rate, aux_loss=args.aux_loss)
 

@@ -17,6 +17,7 @@ from flexmesh.commands.args import (
     seconds,
     seq_len,
     sequences,
+    tokens,
 )
 from flexmesh.commands.experts_args import add_expert_args
 from flexmesh.runtime.launch import DEFAULT_RUN_ID
@@ -30,7 +31,12 @@ POLICY_NAMES = tuple(str(p) for p in RUNTIME_POLICIES)  # plain strings: argpars
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``flexmesh train``'s flags; ``--seq-len``, ``--global-batch`` and ``--slow`` mean what they mean in
     ``plan`` and ``simulate`` (old spellings: ``--max-len``, ``--emulate-speed``)."""
-    p.add_argument("--plan", required=True, help="plan.json written by `flexmesh plan`")
+    p.add_argument("--plan", help="plan.json written by `flexmesh plan` (default: plan for the devices this run "
+                                  "trains on, written to OUT/plan.json; docs/cli-train.md#without-a-plan)")
+    p.add_argument("--cluster", help="without --plan: plan for this cluster rather than this machine's devices")
+    p.add_argument("--tp", type=positive_int, help="without --plan: the tensor-parallel degree the plan must use")
+    p.add_argument("--pp", type=positive_int, help="without --plan: the pipeline-parallel degree the plan must use")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="without --plan: the ZeRO stage the plan must use")
     p.add_argument("--corpus", help="folder of text files, a .jsonl file with a text field, or 'stdlib' (this "
                                     "Python's standard-library sources); with --tasks each task names its own")
     p.add_argument("--tasks", metavar="FILE",
@@ -41,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")
     p.add_argument("--model", help="model preset or config.json (default: the plan's model: the config.json it "
                                    "records, else its preset)")
-    p.add_argument("--tokenizer", help="a tokenizer.json; default: train a byte-level BPE of the model's vocab, "
-                                       "cached (either way recorded in --out/tokenizer/ for `flexmesh export`)")
+    p.add_argument("--tokenizer", help="a tokenizer.json; default: with --weights the tokenizer.json beside them, else "
+                                       "train a byte-level BPE of the model's vocab, cached (either way recorded in "
+                                       "--out/tokenizer/ for `flexmesh export`)")
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
     p.add_argument("--policy", choices=POLICY_NAMES,
@@ -52,13 +59,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="never wait for a late schedule: run --fallback-policy's for that step instead")
     p.add_argument("--fallback-policy", default="hdp", choices=POLICY_NAMES,
                    help="policy of a step whose --policy schedule is late, with --adaptive (default: hdp)")
-    p.add_argument("--cp", type=positive_int, help="static context-parallel group size for fixed and balanced "
+    p.add_argument("--cp", type=positive_int, help="static context-parallel group size for fixed and balanced; "
+                                                   "without --plan also the largest cp the plan may use "
                                           "(default: the plan's cp when above 1, else the smallest that fits)")
     p.add_argument("--hardware-profile", metavar="PATH",
                    help="price schedules with this `flexmesh profile hardware` file "
                         "(default: the plan's cluster preset)")
     p.add_argument("--model-profile", metavar="PATH", help="price schedules with this `flexmesh profile model` file")
-    p.add_argument("--global-batch", type=sequences, help="documents per step (default: the plan's global_batch)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--global-batch", type=sequences, help="documents per step (default: the plan's global_batch)")
+    size.add_argument("--tokens-per-step", type=tokens, metavar="TOKENS",
+                      help="a step's batch in tokens, as torchtitan and Megatron-LM count it: whole documents (each "
+                           "up to --seq-len) until that many tokens, so documents per step vary and tokens do not")
     p.add_argument("--seq-len", type=seq_len,
                    help="the longest sequence, in tokens; longer documents are truncated to it (default: the plan's)")
     old_names(p, "--max-len", dest="seq_len", type=seq_len)
@@ -69,9 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=nonneg_float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max gradient norm; 0 disables (default 1.0)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the initial weights and the data order")
-    p.add_argument("--dtype", default="fp32", choices=TRAIN_DTYPES,
+    p.add_argument("--dtype", default=None, choices=TRAIN_DTYPES,
                    help="compute dtype: bf16 computes in bfloat16 with fp32 master weights, optimizer states, "
-                        "gradient reductions and loss (default: fp32; docs/precision.md)")
+                        "gradient reductions and loss (default: bf16 on GPUs, as torchtitan trains, fp32 on the "
+                        "CPU; docs/precision.md)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where each rank computes: auto takes one GPU per process when there are enough, else the "
                         "CPU (default auto; docs/cli-train.md#devices)")
@@ -117,3 +130,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--rdzv-id", metavar="ID",
                    help=f"the run's name at the endpoint, the same on every node (default {DEFAULT_RUN_ID!r} with "
                         "several nodes)")
+
+
+def run_dtype(args: argparse.Namespace) -> str:
+    """The compute dtype of the run: ``--dtype``, else bf16 where this rank computes on a GPU (fp32 master
+    weights and reductions, as torchtitan) and fp32 on the CPU, by the device rule of
+    flexmesh.runtime.parallel.device."""
+    if args.dtype is not None:
+        return args.dtype
+    import os
+
+    from flexmesh.runtime.parallel.device import choose_device, visible_gpus
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc or 1))
+    choice = choose_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), local_world, visible_gpus())
+    return "bf16" if choice.type == "cuda" else "fp32"

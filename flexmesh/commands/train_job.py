@@ -8,6 +8,7 @@ import argparse
 from dataclasses import replace
 
 from flexmesh.commands.experts_args import experts_of
+from flexmesh.commands.train_args import run_dtype
 from flexmesh.commands.train_tasks import run_tasks
 from flexmesh.cost.training.model import CostModel
 from flexmesh.cost.training.parts import Parts
@@ -25,7 +26,15 @@ def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
     plan of several groups its shares scaled to it), the tasks, the experts' placement, the dtype, and the
     cost model that prices its step schedules (:func:`_pricing`)."""
     tasks = run_tasks(args.tasks, args.corpus, spec)
+    per_step = getattr(args, "tokens_per_step", None)
+    if per_step is not None and (tasks is not None or len(plan.groups) > 1):
+        raise PlanError("--tokens-per-step varies the documents per step, but "
+                        + ("each LoRA task takes its own batch" if tasks is not None else
+                           "a plan of replica groups gives each group a fixed share of the documents")
+                        + "; give --global-batch")
     seq_len, requested = plan_sizes(plan, args.seq_len, args.global_batch)
+    if per_step is not None:  # priced as the --seq-len documents that many tokens hold
+        requested = max(1, per_step // seq_len)
     global_batch = sum(tasks.batches(requested)) if tasks is not None else requested
     if len(plan.groups) > 1:  # the groups' shares must add up to the batch the run takes
         plan = plan.with_global_batch(global_batch)
@@ -35,7 +44,7 @@ def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
         parts = replace(parts, experts=experts_of(spec, plan.world_size, args.expert_placement,
                                                   args.expert_imbalance, args.routing, args.expert_slots))
     return build_job(spec, seq_len, global_batch, base=_pricing(args, plan, spec), parts=parts,
-                     dtype=args.dtype, plan=plan)
+                     dtype=run_dtype(args), plan=plan, tokens_per_batch=per_step)
 
 
 def _pricing(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> CostModel | None:
@@ -46,7 +55,7 @@ def _pricing(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> CostModel
     from flexmesh.profile.use import cost_model_from_profiles, local_cost_model
     from flexmesh.schedule.scheduler import device_types
 
-    spec = replace(spec, dtype=args.dtype)
+    spec = replace(spec, dtype=run_dtype(args))
     local = local_cost_model(spec, plan.cluster, args.hardware_profile, args.model_profile)
     if local is not None:  # the plan was made for this machine's saved profiles
         return local

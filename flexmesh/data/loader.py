@@ -136,83 +136,136 @@ def stdlib_lengths(vocab_size: int = DEFAULT_STDLIB_VOCAB, cache_dir: str | Path
 
 
 class DocumentLoader:
-    """Endless global batches of ``global_batch`` whole documents, each truncated to ``max_len`` tokens.
+    """Endless global batches of whole documents, each truncated to ``max_len`` tokens: ``global_batch``
+    documents per batch, or, with ``tokens_per_step``, as many documents as fill that many tokens (as
+    torchtitan and Megatron-LM count a batch; the document that would overflow the budget opens the next
+    batch, and a document longer than the budget makes a batch alone).
 
     Documents shorter than ``min_len`` (default 2: one token has no next-token label) are skipped.
-    Epoch ``e`` visits the documents in the order ``default_rng((seed, e)).permutation``; the
-    ``n % global_batch`` documents left at an epoch's end are dropped, so no batch repeats a document.
+    Epoch ``e`` visits the documents in the order ``default_rng((seed, e)).permutation``; the documents
+    left at an epoch's end that fill no whole batch are dropped, so no batch repeats a document.
 
     Example: 10 eligible documents, ``global_batch=4``: each epoch gives 2 batches; batch 3 is the
     first batch of epoch 1, whatever happened before a resume.
+
+    >>> docs = [np.ones(n, dtype=np.int64) for n in (300, 50, 700, 60, 200, 20)]
+    >>> [sum(map(len, b)) for b, _ in zip(DocumentLoader(docs, max_len=512, tokens_per_step=600), range(3))]
+    [592, 310, 300]
     """
 
-    def __init__(self, corpus_tokens: TokenizedCorpus | list[np.ndarray], global_batch: int, max_len: int,
-                 seed: int = 0, min_len: int = 2) -> None:
-        if global_batch < 1:
+    def __init__(self, corpus_tokens: TokenizedCorpus | list[np.ndarray], global_batch: int | None = None,
+                 max_len: int = 0, seed: int = 0, min_len: int = 2, tokens_per_step: int | None = None) -> None:
+        if (global_batch is None) == (tokens_per_step is None):
+            raise DataError("give the batch as documents (global_batch) or as tokens (tokens_per_step), one of them")
+        if global_batch is not None and global_batch < 1:
             raise DataError(f"global_batch must be at least 1 document, got {global_batch}")
+        if tokens_per_step is not None and tokens_per_step < min_len:
+            raise DataError(f"tokens_per_step {tokens_per_step} holds no document of {min_len} tokens; raise it")
         if max_len < min_len:
             raise DataError(
                 f"max_len {max_len} is below the shortest usable document ({min_len} tokens); raise max_len")
         self.docs = corpus_tokens
         self.global_batch = global_batch
+        self.tokens_per_step = tokens_per_step
         self.max_len = max_len
         self.seed = seed
         lengths = (corpus_tokens.lengths if isinstance(corpus_tokens, TokenizedCorpus)
                    else np.array([len(d) for d in corpus_tokens], dtype=np.int64))
         self.eligible = np.flatnonzero(lengths >= min_len)
+        self._lengths = np.minimum(lengths, max_len)
         if len(self.eligible) == 0:
             raise DataError(f"the corpus has no documents of at least {min_len} tokens; add text to the corpus")
-        if len(self.eligible) < global_batch:
+        if global_batch is not None and len(self.eligible) < global_batch:
             raise DataError(
                 f"the corpus has {len(self.eligible)} usable documents, fewer than the global batch of "
                 f"{global_batch}; lower the global batch or add documents"
             )
-        self.batches_per_epoch = len(self.eligible) // global_batch
+        if tokens_per_step is not None and int(self._lengths[self.eligible].sum()) < tokens_per_step:
+            raise DataError(f"the corpus holds {int(self._lengths[self.eligible].sum()):,} tokens of documents up to "
+                            f"{max_len} tokens, fewer than one step of {tokens_per_step:,}; lower --tokens-per-step "
+                            "or add documents")
         self.epoch = 0
         self.batch_in_epoch = 0
+        self.steps = 0  # batches handed out so far (across epochs)
         self._order: np.ndarray | None = None
+        self._bounds: list[int] | None = None
 
     @property
     def step(self) -> int:
         """Batches handed out so far (across epochs)."""
-        return self.epoch * self.batches_per_epoch + self.batch_in_epoch
+        return self.steps
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Whole batches in the current epoch (with ``tokens_per_step`` it depends on the epoch's order)."""
+        return len(self._epoch_bounds()) - 1
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
             self._order = self.eligible[np.random.default_rng((self.seed, self.epoch)).permutation(len(self.eligible))]
         return self._order
 
+    def _epoch_bounds(self) -> list[int]:
+        """Where the current epoch's batches start in its order, and where the last one ends."""
+        if self._bounds is None:
+            order = self._epoch_order()
+            if self.tokens_per_step is None:
+                assert self.global_batch is not None
+                n = len(order) // self.global_batch
+                self._bounds = [i * self.global_batch for i in range(n + 1)]
+            else:
+                bounds, filled = [0], 0
+                for i, length in enumerate(self._lengths[order].tolist()):
+                    if filled and filled + length > self.tokens_per_step:
+                        bounds.append(i)
+                        filled = 0
+                    filled += length
+                if filled >= self.tokens_per_step:  # the epoch's last batch, when its documents fill it
+                    bounds.append(len(order))
+                self._bounds = bounds
+        return self._bounds
+
     def __iter__(self) -> Iterator[list[np.ndarray]]:
         return self
 
     def __next__(self) -> list[np.ndarray]:
+        bounds = self._epoch_bounds()
+        while len(bounds) < 2:  # an epoch whose order fills no whole batch (a few long documents): the next one
+            self.epoch, self.batch_in_epoch, self._order, self._bounds = self.epoch + 1, 0, None, None
+            bounds = self._epoch_bounds()
         order = self._epoch_order()
-        start = self.batch_in_epoch * self.global_batch
-        ids = order[start:start + self.global_batch]
+        ids = order[bounds[self.batch_in_epoch]:bounds[self.batch_in_epoch + 1]]
         batch = [np.asarray(self.docs[int(i)][:self.max_len], dtype=np.int64) for i in ids]
         self.batch_in_epoch += 1
-        if self.batch_in_epoch == self.batches_per_epoch:
-            self.epoch, self.batch_in_epoch, self._order = self.epoch + 1, 0, None
+        self.steps += 1
+        if self.batch_in_epoch == len(bounds) - 1:
+            self.epoch, self.batch_in_epoch, self._order, self._bounds = self.epoch + 1, 0, None, None
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The position (epoch, batch) and the settings a resume must match; JSON-serialisable."""
         return {
-            "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
-            "global_batch": self.global_batch, "max_len": self.max_len, "num_eligible": int(len(self.eligible)),
+            "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "steps": self.steps, "seed": self.seed,
+            "global_batch": self.global_batch, "tokens_per_step": self.tokens_per_step, "max_len": self.max_len,
+            "num_eligible": int(len(self.eligible)),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` left off; refuses a state from a different corpus or settings."""
         mine = self.state_dict()
-        for k in ("seed", "global_batch", "max_len", "num_eligible"):
+        state = {"tokens_per_step": None, **state}  # a run from before batches counted in tokens
+        for k in ("seed", "global_batch", "tokens_per_step", "max_len", "num_eligible"):
             if k not in state:
                 raise DataError(f"loader state lacks {k!r}; the checkpoint is not from this version of flexmesh")
             if state[k] != mine[k]:
                 raise DataError(
                     f"loader state has {k}={state[k]} but this run has {k}={mine[k]}; resume with the same "
-                    "corpus, seed, global batch and max length as the checkpointed run"
+                    "corpus, seed, batch size (documents or tokens per step) and max length as the checkpointed run"
                 )
-        self.epoch, self.batch_in_epoch, self._order = int(state["epoch"]), int(state["batch_in_epoch"]), None
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        self._order = self._bounds = None
         if not 0 <= self.batch_in_epoch < self.batches_per_epoch:
             raise DataError(f"loader state batch {self.batch_in_epoch} is outside an epoch of {self.batches_per_epoch}")
+        # batches before: recorded, or (documents per batch: every epoch alike) counted from the position
+        before = self.epoch * self.batches_per_epoch + self.batch_in_epoch
+        self.steps = int(state["steps"]) if "steps" in state else before

@@ -92,21 +92,13 @@ def median_time(fn: Callable[[], object], reps: int, device: torch.device, warmu
 
 @contextmanager
 def progress(enabled: bool, description: str, total: int):
-    """A rich progress bar on stderr (rank 0 only); yields ``advance(label)``."""
+    """Progress on stderr (rank 0 only), a bar on a terminal and plain lines elsewhere; yields ``advance(label)``."""
     if not enabled:
         yield lambda label=None: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from flexmesh.console import progress_steps
 
-    from flexmesh.console import plain_console
-
-    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=plain_console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-
-        def advance(label: str | None = None) -> None:
-            bar.update(task, advance=1, description=f"{description}: {label}" if label else description)
-
+    with progress_steps(description, total) as advance:
         yield advance
 
 

@@ -8,6 +8,7 @@ flexmesh.cost.device.attention_tables`` redo the tables' medians).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from importlib import resources
 
@@ -213,12 +214,35 @@ _ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H100-SXM": "H100-80GB", "
             "A100-SXM-80GB": "A100-80GB", "H200-141GB": "H200", "V100": "V100-32GB", "RTX-2080-Ti": "RTX-2080Ti"}
 
 
+_BY_LOWER = {k.lower(): k for k in DEVICE_PRESETS} | {a.lower(): k for a, k in _ALIASES.items()}
+
+
 def device(name: str) -> DeviceSpec:
-    key = _ALIASES.get(name, name)
-    for k, v in DEVICE_PRESETS.items():
-        if k.lower() == key.lower():
-            return v
-    raise SpecError(f"unknown device {name!r}; known: {', '.join(list(DEVICE_PRESETS) + list(_ALIASES))}")
+    """The preset ``name`` names, in any case and by its aliases; an unknown name is a one-line SpecError that
+    suggests the nearest names (and ``local`` for this machine's CPUs).
+
+    >>> device("h100").name, device("a100-sxm-40gb").name
+    ('H100-80GB', 'A100-40GB')
+    >>> device("H10")
+    Traceback (most recent call last):
+    ...
+    flexmesh.errors.SpecError: unknown device 'H10' (did you mean H100, A10?); known: ...
+    """
+    key = _BY_LOWER.get(name.lower())
+    if key is not None:
+        return DEVICE_PRESETS[key]
+    if name.lower() in ("cpu", "cpus", "local"):
+        raise SpecError(f"device {name!r}: this machine's CPUs are `--cluster local` (or 2xlocal) of plan, simulate "
+                        "and train, priced by its saved profile (`flexmesh profile hardware`); device presets are "
+                        f"GPUs: {', '.join(DEVICE_PRESETS)}")
+    near = difflib.get_close_matches(name.lower(), list(_BY_LOWER), n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(dict.fromkeys(_display(n) for n in near))}?)" if near else ""
+    raise SpecError(f"unknown device {name!r}{hint}; known: {', '.join(list(DEVICE_PRESETS) + list(_ALIASES))}")
+
+
+def _display(lower: str) -> str:
+    """The spelling a lower-cased preset or alias name is written with."""
+    return next(n for n in list(DEVICE_PRESETS) + list(_ALIASES) if n.lower() == lower)
 
 
 # Driver names (torch.cuda.get_device_name()) to presets: every listed word in the name, first match wins.

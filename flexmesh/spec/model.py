@@ -6,6 +6,7 @@ The shape itself, :class:`ModelSpec` with its parameter and FLOP counts, is flex
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -109,6 +110,9 @@ def config_path(text: str) -> Path | None:
     return p if p.suffix == ".json" else None
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the Hub spells a repository
+
+
 def parse_model(text: str) -> ModelSpec:
     """A preset name, ``gpt:LAYERS:HIDDEN:HEADS[:VOCAB][:untied]``, a config.json path, or a folder holding
     one; any of them may end in ``@bf16``, ``@fp16`` or ``@fp32``, the precision to train in (the
@@ -132,8 +136,16 @@ def parse_model(text: str) -> ModelSpec:
     path = config_path(text)
     if path is not None:
         return from_hf_config(path)
+    by_case = {k.lower(): k for k in MODEL_PRESETS}.get(text.lower())
+    if by_case is not None:
+        return MODEL_PRESETS[by_case]
+    if _HUB_ID.match(text):
+        raise SpecError(f"model {text!r} looks like a Hugging Face Hub id, and flexmesh downloads nothing: download "
+                        f"it (e.g. `hf download {text} config.json`) and give its folder or config.json")
+    near = difflib.get_close_matches(text.lower(), [k.lower() for k in MODEL_PRESETS], n=3, cutoff=0.6)
+    hint = "did you mean " + ", ".join(k for k in MODEL_PRESETS if k.lower() in near) + "? " if near else ""
     raise SpecError(
-        f"unknown model {text!r}; known presets: {', '.join(MODEL_PRESETS)}; "
+        f"unknown model {text!r}; {hint}known presets: {', '.join(MODEL_PRESETS)}; "
         "or give gpt:LAYERS:HIDDEN:HEADS[:VOCAB][:untied], or a path to a Hugging Face config.json, "
         "optionally followed by @bf16, @fp16 or @fp32"
     )

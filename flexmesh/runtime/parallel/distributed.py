@@ -35,6 +35,9 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DeviceCh
     distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     if choice.type == "cuda":
         torch.cuda.set_device(choice.index)
+        # fp32 matmuls on TF32 tensor cores, as torchtitan and Megatron-LM run them (docs/precision.md)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     dist.init_process_group(choice.backend, timeout=timedelta(seconds=timeout_s))
     _DEVICE[:] = [choice]
     return choice

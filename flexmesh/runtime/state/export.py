@@ -366,7 +366,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
         if old.name not in keep:
             old.unlink(missing_ok=True)
     write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
-    folders = write_adapters(out, tasks, read_full_tensors(path, adapters), str(out)) if tasks else []
+    folders = write_adapters(out, tasks, read_full_tensors(path, adapters), str(Path(out).resolve())) if tasks else []
     return ExportReport(adapters=tuple(folders), expert_layout=layout, checkpoint=path, step=int(manifest["step"]),
                         out=out, family=family,
                         dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total,
