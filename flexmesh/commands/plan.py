@@ -98,7 +98,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"{STEPS} steps drawn with seed {SEED}, --seq-len the cap")
     p.add_argument("--out", type=new_file, help="write the best plan as JSON here (atomically)")
     p.add_argument("--top", type=positive_int, default=5, help="plans to list (default 5)")
-    p.add_argument("--explain", action="store_true", help="break the best plan's time and memory into parts")
+    p.add_argument("--pick", type=positive_int, default=1, metavar="N",
+                   help="the N-th plan of the list is the one --out writes and --explain explains (default 1: "
+                        "the best); the list grows to hold it")
+    p.add_argument("--explain", action="store_true",
+                   help="break the best (or --pick) plan's time and memory into parts")
     p.add_argument("--against", metavar="PLAN", help="with --explain: compare the best plan term by term with "
                    "this plan file (for instance a published layout), priced by the same cost model; on a mixed "
                    "cluster: any plan of that cluster, beside the baselines")
@@ -193,20 +197,25 @@ def run(args: argparse.Namespace) -> int:
     space = SearchSpace(pipeline_schedules=schedules, recompute=(False,) if args.no_recompute else FULL_SPACE.recompute,
                         same_mesh=args.same_mesh, overlaps=(RUNTIME,) if args.overlap == "runtime" else None,
                         virtual_stages=args.virtual_stages, pp=(1,) if tasks else FULL_SPACE.pp)
-    top = max(args.top, RESCORED) if work.lengths else args.top  # with --lengths: re-scored, then cut to --top
+    shown = max(args.top, args.pick)
+    top = max(shown, RESCORED) if work.lengths else shown  # with --lengths: re-scored, then cut to what is shown
     request = SearchRequest(job.model, cost.cluster, job.seq_len, job.global_batch, space, cost, top=top,
                             mode=args.mode)
     result = _run_search(request, quiet=args.json)
     expected: dict[str, Expected] = {}
     if work.lengths:
-        result, expected = score_uniform(result, cost, work, args.top)
-    best = result.best
+        result, expected = score_uniform(result, cost, work, shown)
+    if args.pick > len(result.plans):
+        raise PlanError(f"--pick {args.pick}: the search found {len(result.plans)} plans that fit; pick 1 to "
+                        f"{len(result.plans)}")
+    best = result.plans[args.pick - 1]
     plan = recorded(with_expected(best.plan, expected[best.plan.layout], work) if expected else best.plan, args.model)
     if args.out:
         plan.save(args.out)
     if args.json:
-        print(json.dumps({**result_json(result, plan, expected), "workload": work.to_dict()}, indent=2))
+        print(json.dumps({**result_json(result, plan, expected, args.pick), "workload": work.to_dict()}, indent=2))
         return 0
+    out.print(job.model.describe(), highlight=False)
     print_table(out, result, expected)
     out.print(work.describe(), highlight=False)
     if cost.cluster.pace != 1.0:
@@ -219,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
             check_plan(other, job.model, cost.cluster, cost)  # same model and cluster, a layout that can run
             print_against(out, cost, best.plan, other)
     if args.out:
-        out.print(f"wrote best plan to {args.out}", highlight=False)
+        out.print(f"wrote {'the best plan' if args.pick == 1 else f'plan {args.pick} of the list'} to {args.out}",
+                  highlight=False)
     return 0
 
 

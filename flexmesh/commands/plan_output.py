@@ -27,12 +27,17 @@ def _row(c: Candidate, e: Expected | None = None) -> dict:
     return row
 
 
-def result_json(r: SearchResult, plan: Plan, expected: dict[str, Expected]) -> dict:
+def result_json(r: SearchResult, plan: Plan, expected: dict[str, Expected], pick: int = 1) -> dict:
+    """The search as ``plan --json`` prints it; ``plan`` (the ``pick``-th of the list, as written) under
+    ``picked``, and under ``best`` too when it is the best."""
+    chosen = r.plans[pick - 1]
+    best_plan = plan if pick == 1 else r.best.plan
     return {
         "search_seconds": r.search_seconds,
         "mode": r.mode,
         "configurations": r.configurations,
-        "best": {**_row(r.best, expected.get(r.best.plan.layout)), "plan": plan.to_dict()},
+        "best": {**_row(r.best, expected.get(r.best.plan.layout)), "plan": best_plan.to_dict()},
+        "picked": {"rank": pick, **_row(chosen, expected.get(chosen.plan.layout)), "plan": plan.to_dict()},
         "plans": [_row(c, expected.get(c.plan.layout)) for c in r.plans],
         "baselines": {k: (_row(v, expected.get(v.plan.layout)) if v else None) for k, v in r.baselines.items()},
     }

@@ -310,6 +310,18 @@ class ModelSpec:
         per_layer = self.layer_linear_flops_per_token * tokens + self.layer_attn_flops_per_sq_token * sq_tokens
         return 3.0 * (self.num_layers * per_layer + self.head_flops_per_token * tokens)
 
+    def describe(self) -> str:
+        """One line of what was parsed: parameters, layers, width, heads, vocabulary, tied or not, dtype.
+
+        >>> from flexmesh.spec.model import parse_model
+        >>> parse_model("llama3-8b").describe()
+        'llama3-8b: 8.03B parameters, 32 layers, hidden 4096, 32 heads (8 KV), vocab 128,256, untied, bf16'
+        """
+        experts = f", {self.moe.num_experts} experts" if self.moe is not None else ""
+        return (f"{self.name}: {self.total_params / 1e9:.3g}B parameters, {self.num_layers} layers, hidden "
+                f"{self.hidden}, {self.num_heads} heads ({self.num_kv_heads} KV){experts}, vocab {self.vocab:,}, "
+                f"{'tied' if self.tie_embeddings else 'untied'}, {self.dtype}")
+
     def to_dict(self) -> dict:
         d = asdict(self)
         # Left out when unset, so models without a window keep the dicts (and profile hashes) they had.

@@ -1,0 +1,47 @@
+"""`flexmesh plan` echoes the model it parsed, and `--pick N` writes and explains the N-th plan of its list."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.cli import main
+from flexmesh.layout.plan import load_plan
+
+BASE = ["plan", "--model", "llama2-7b", "--cluster", "8xA100-80GB", "--seq-len", "4096", "--global-batch", "64"]
+
+
+def test_pick_writes_the_nth_plan_of_the_list(capsys, tmp_path):
+    assert main(BASE + ["--top", "3", "--json"]) == 0
+    listed = [row["layout"] for row in json.loads(capsys.readouterr().out)["plans"]]
+    assert len(set(listed)) == 3
+    for n in (1, 3):
+        out = tmp_path / f"p{n}.json"
+        assert main(BASE + ["--top", "3", "--pick", str(n), "--out", str(out), "--explain"]) == 0
+        text = capsys.readouterr().out
+        assert load_plan(out).layout == listed[n - 1]
+        assert ("wrote the best plan" if n == 1 else "wrote plan 3 of the list") in " ".join(text.split())
+    assert main(BASE + ["--top", "2", "--pick", "3", "--json"]) == 0  # the list grows to hold the pick
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["plans"]) == 3 and doc["picked"]["rank"] == 3 and doc["picked"]["layout"] == listed[2]
+    assert doc["best"]["layout"] == listed[0]
+
+
+def test_a_pick_past_the_plans_that_fit_is_one_line(capsys):
+    argv = ["plan", "--model", "tiny", "--cluster", "1xH100", "--seq-len", "1024", "--global-batch", "2",
+            "--pick", "5000"]
+    assert main(argv) == 2
+    assert "--pick 5000: the search found" in capsys.readouterr().err
+
+
+def test_plan_echoes_the_model_it_parsed(capsys):
+    assert main(BASE + ["--top", "1"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "llama2-7b: 6.74B parameters, 32 layers, hidden 4096, 32 heads (32 KV), vocab 32,000, untied" in text
+
+
+@pytest.mark.parametrize("name", ["8xh100", "8XH100", "8xH100-sxm"])
+def test_plan_takes_device_names_in_any_case(capsys, name):
+    assert main(["plan", "--model", "tiny", "--cluster", name, "--seq-len", "1024", "--top", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["plan"]["cluster"] == "8xH100-80GB"
