@@ -45,3 +45,14 @@ def test_plan_echoes_the_model_it_parsed(capsys):
 def test_plan_takes_device_names_in_any_case(capsys, name):
     assert main(["plan", "--model", "tiny", "--cluster", name, "--seq-len", "1024", "--top", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["best"]["plan"]["cluster"] == "8xH100-80GB"
+
+
+def test_a_baseline_the_runtime_cannot_run_is_shown_never_ranked(capsys):
+    argv = ["plan", "--model", "mixtral-8x7b", "--cluster", "2x8xH100", "--seq-len", "4096", "--global-batch", "64",
+            "--top", "20"]
+    assert main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["baselines"]["megatron-3d"] is not None  # priced, and shown
+    assert all(row["origin"] != "megatron-3d" for row in doc["plans"])  # never what plan writes or train runs
+    assert main(argv) == 0
+    assert "megatron-3d (whole experts over expert-parallel ranks" in " ".join(capsys.readouterr().out.split())

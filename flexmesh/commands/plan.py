@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**result_json(result, plan, expected, args.pick), "workload": work.to_dict()}, indent=2))
         return 0
     out.print(job.model.describe(), highlight=False)
-    print_table(out, result, expected)
+    print_table(out, result, expected, job.model)
     out.print(work.describe(), highlight=False)
     if cost.cluster.pace != 1.0:
         out.print(f"every device priced at speed {cost.cluster.pace:g}: the cluster's devices all run at it (its "

@@ -12,8 +12,10 @@ from flexmesh.layout.plan import Plan
 from flexmesh.layout.stack import RUNTIME_STACK
 from flexmesh.profile.timing import ProfiledTiming
 from flexmesh.search import Candidate, SearchResult
+from flexmesh.search.uniform_baselines import runtime_runs
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.devices import FLASH2
+from flexmesh.spec.shape import ModelSpec
 from flexmesh.units import GIB
 
 
@@ -43,7 +45,7 @@ def result_json(r: SearchResult, plan: Plan, expected: dict[str, Expected], pick
     }
 
 
-def print_table(out: Console, r: SearchResult, expected: dict[str, Expected]) -> None:
+def print_table(out: Console, r: SearchResult, expected: dict[str, Expected], model: ModelSpec | None = None) -> None:
     """The best plans and the baselines; with --lengths (``expected``) their expected steps first."""
     t = Table(title=f"best plans ({r.mode} search, {r.configurations} configurations, {r.search_seconds:.2f} s)")
     cols = (("expected s", "tokens/s", "s at --seq-len") if expected else ("step s", "tokens/s", "MFU"))
@@ -61,6 +63,8 @@ def print_table(out: Console, r: SearchResult, expected: dict[str, Expected]) ->
     out.print(t)
     for name, b in r.baselines.items():
         e = expected.get(b.plan.layout) if b is not None else None
+        if b is not None and model is not None and not runtime_runs(name, model):
+            name += " (whole experts over expert-parallel ranks, as Megatron-LM runs them; flexmesh's runtime does not)"
         if b is None:
             out.print(f"baseline {name}: no layout of this family fits", highlight=False)
         elif e is not None:

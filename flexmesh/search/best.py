@@ -1,7 +1,9 @@
 """The best plans: the search's candidates ranked beside the uniform baselines, or why nothing fits.
 
 Uniform baselines (flexmesh.search.uniform_baselines) lie inside the search's space; ranking their best plans
-with the searched ones makes the result never worse than them, and ``origin`` says which one won.
+with the searched ones makes the result never worse than them, and ``origin`` says which one won. A baseline
+the runtime does not run as priced (a mixture of experts under Megatron-LM's whole-expert parallelism) is shown
+beside the result, never ranked into it.
 This module sits on top of flexmesh.search.driver and flexmesh.search.uniform_baselines, which do not know each
 other.
 """
@@ -16,6 +18,7 @@ from flexmesh.layout.strategy import Recompute
 from flexmesh.search.driver import Progress, SearchOutcome, search
 from flexmesh.search.space import FULL_SPACE, Candidate, SearchRequest
 from flexmesh.search.uniform_baselines import baselines as uniform_baselines
+from flexmesh.search.uniform_baselines import runtime_runs
 from flexmesh.units import GIB
 
 
@@ -51,8 +54,8 @@ def best_plans(request: SearchRequest, *, with_baselines: bool = True, explain_n
     results = list(outcome.candidates)
     seen = {c.plan.layout for c in results}
     base: dict[str, Candidate | None] = uniform_baselines(request) if with_baselines else {}
-    for name, b in base.items():
-        if b is not None and b.plan.layout not in seen:
+    for name, b in base.items():  # those the runtime runs as priced: what `train` can take
+        if b is not None and b.plan.layout not in seen and runtime_runs(name, request.model):
             results.append(replace(b, origin=name))
             seen.add(b.plan.layout)
     results.sort(key=lambda c: c.evaluation.step_time)

@@ -176,6 +176,13 @@ def zero3_ulysses(model: ModelSpec, cluster: ClusterSpec, seq_len: int, global_b
     return _best(cands)
 
 
+def runtime_runs(name: str, model: ModelSpec) -> bool:
+    """Whether flexmesh's runtime runs baseline ``name``'s plan as it is priced: not Megatron-LM's whole-expert
+    parallelism of a mixture of experts (the runtime shards experts over every data rank: flexmesh.runtime.
+    parallel.expert_parallel), so such a baseline is a comparison only, never a plan the search returns."""
+    return not (model.is_moe and name == "megatron-3d")
+
+
 def baselines(request: SearchRequest) -> dict[str, Candidate | None]:
     """The best plan of each uniform family for the request (None where none of the family fits).
 
