@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import stat
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmesh.errors import OutputError
+from flexmesh.inputs import load_json
 
 _KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
           (stat.S_ISBLK, "a device"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
@@ -144,22 +144,15 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
 
 
 def read_json(path: str | Path, error: type[Exception], *, missing: str, invalid: str = "not valid JSON") -> Any:
-    """The JSON value in ``path``; ``error(missing)`` when there is no such file and ``error("<path>:
-    <invalid> (<reason>)")`` when it is not UTF-8 JSON, so every file format reports both alike.
+    """The JSON value in ``path``, read by the one bounded reader (:func:`flexmesh.inputs.load_json`):
+    ``error(missing)`` when there is no such file and ``error("<path>: <invalid> (<reason>)")`` when it
+    is not UTF-8 JSON, so every file format reports both alike.
 
     >>> import tempfile, pathlib
     >>> bad = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
-    >>> _ = bad.write_bytes(b"\\xff{")
+    >>> _ = bad.write_bytes(b"{")
     >>> read_json(bad, ValueError, missing="no plan")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: .../plan.json: not valid JSON (...)
     """
-    path = Path(path)
-    if not path.is_file():
-        raise error(missing)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError as e:  # nested deeper than Python's parser goes
-        raise error(f"{path}: {invalid} (nested too deeply)") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: {invalid} ({e})") from e
+    return load_json(path, error, missing=missing, invalid=invalid)

@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 from flexmesh.data.tokenizer import END_OF_TEXT, load_tokenizer, tokenizer_hash
 from flexmesh.errors import DataError
 from flexmesh.files import write_atomic
+from flexmesh.inputs import load_json
 
 RUN_TOKENIZER = "tokenizer"  # the folder of a run (flexmesh train --out) that records its tokenizer
 TOKENIZER_JSON = "tokenizer.json"
@@ -63,10 +64,7 @@ def declared_special_tokens(path: str | Path) -> dict[str, str | None]:
         f = folder / name
         if not f.is_file():
             continue
-        try:
-            d = json.loads(f.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{f} is not valid JSON ({e}); fix it or move it away from the tokenizer") from None
+        d = load_json(f, DataError, invalid="not valid JSON ({reason}); fix it or move it away from the tokenizer")
         if isinstance(d, dict):
             return {r: _content(d[f"{r}_token"]) for r in _ROLES if f"{r}_token" in d}
     return {}

@@ -35,7 +35,6 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-import json
 import math
 import re
 import zlib
@@ -49,6 +48,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from flexmesh.errors import DataError
+from flexmesh.inputs import parse_json, read_bytes
 
 # Mooncake's traces hash each prompt in blocks of 512 tokens (kvcache-ai/Mooncake FAST25-release/traces
 # README: "hash_ids ... the block size is 512").
@@ -121,10 +121,8 @@ def _ordered(requests: list[Request], name: str, block_tokens: int, source: str)
 # ---- reading files --------------------------------------------------------------------------------
 def _text(path: Path) -> str:
     """The file's text (gunzipped for ``.gz``), bounded by :data:`MAX_TRACE_BYTES`."""
-    if not path.is_file():
-        raise DataError(f"{path}: no such trace file; give a shipped trace ({', '.join(SHIPPED)}) or the path of a "
-                        "CSV or JSONL file")
-    raw = path.read_bytes()
+    raw = read_bytes(path, DataError, missing=f"{path}: no such trace file; give a shipped trace "
+                     f"({', '.join(SHIPPED)}) or the path of a CSV or JSONL file", limit=MAX_TRACE_BYTES)
     if path.suffix == ".gz":
         try:
             with gzip.GzipFile(fileobj=io.BytesIO(raw)) as unpacked:
@@ -227,10 +225,7 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[int, dict]]:
     for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError) as e:
-            raise DataError(f"{path} row {i}: not a JSON object ({e})") from None
+        record = parse_json(line, DataError, f"{path} row {i}", invalid="not a JSON object")
         if not isinstance(record, dict):
             raise DataError(f"{path} row {i}: a {type(record).__name__}, not a JSON object")
         yield i, record
@@ -326,7 +321,7 @@ def load_trace(name_or_path: str, block_tokens: int = 0) -> Workload:
     if name_or_path in SHIPPED:
         return _shipped(name_or_path)
     path = Path(name_or_path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"unknown trace {name_or_path!r}: give one of {', '.join(SHIPPED)} or the path of a CSV or "
                         "JSONL file")
     base = path.name.removesuffix(".gz")

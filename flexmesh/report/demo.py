@@ -9,7 +9,6 @@ with PNGs.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from flexmesh.errors import FlexmeshError
+from flexmesh.inputs import iter_jsonl, load_json
 from flexmesh.layout.enums import PipelineSchedule
 from flexmesh.layout.plan import Plan, StagePlan
 from flexmesh.layout.strategy import LayerStrategy
@@ -42,7 +43,7 @@ def training_plan(nproc: int, max_len: int, global_batch: int, model: str = TRAI
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a run's ``metrics.jsonl`` (one JSON object per line; blank lines skipped)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [row for _, row in iter_jsonl(path, FlexmeshError, finite=False)]
 
 
 def throughput(rows: list[dict], warmup: int = 1) -> float:
@@ -122,7 +123,7 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
     # 1. plan
     plan_file = out / "plan-llama3-8b.json"
     if plan_file.exists():
-        plan = json.loads(plan_file.read_text())
+        plan = load_json(plan_file, FlexmeshError)
         pred = plan.get("predicted", {})
         rep.heading("1. Plan")
         rep.text(f"Best layout for {plan['model']} on {plan['cluster']} (sequences of {plan['seq_len']}, "

@@ -24,9 +24,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
-
 from flexmesh.errors import SpecError
+from flexmesh.inputs import load_toml
 from flexmesh.spec.model import ModelSpec
 
 # Hugging Face projection name -> (flexmesh module path inside a layer, input features, output features)
@@ -203,14 +202,8 @@ def make_tasks(tasks: list[Task]) -> TaskSet:
 def load_tasks(path: str | Path) -> TaskSet:
     """The tasks of job file ``path`` (see the module doc); corpus and init paths relative to its folder."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"job file {path} does not exist; pass --tasks a TOML file of [[task]] tables") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"job file {path} cannot be read: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"job file {path} is not valid TOML: {e}") from None
+    data = load_toml(path, SpecError, missing=f"job file {path} does not exist; pass --tasks a TOML file of [[task]] "
+                     "tables", invalid="not a valid TOML job file")
     extra = sorted(set(data) - {"task"})
     if extra:
         raise SpecError(f"job file {path}: unknown table or key {extra[0]!r}; list tasks as [[task]] tables")

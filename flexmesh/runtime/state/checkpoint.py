@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from flexmesh.errors import CheckpointError
 from flexmesh.files import make_folder, write_atomic
+from flexmesh.inputs import load_json
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.spec.tasks import Task, TaskSet
@@ -301,10 +302,11 @@ def read_manifest(path: str | Path) -> dict:
     if not f.is_file():
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete (a crash while saving?) or "
                               "not a flexmesh checkpoint; delete it or resume from an earlier one")
+    manifest = load_json(f, CheckpointError, invalid="corrupt ({reason}); delete the checkpoint or resume from an "
+                         "earlier one")
     try:
-        manifest = json.loads(f.read_text())
         int(manifest["step"]), manifest["plan_hash"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{f} is corrupt ({e}); delete the checkpoint or resume from an earlier one") from e
     return manifest
 

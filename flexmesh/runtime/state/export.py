@@ -52,6 +52,7 @@ from flexmesh.data.hf_tokenizer import (
 )
 from flexmesh.errors import CheckpointError, DataError, SpecError
 from flexmesh.files import check_file_target, make_folder, write_atomic, write_atomic_with
+from flexmesh.inputs import load_json
 from flexmesh.layout.plan import load_plan
 from flexmesh.layout.plan_model import plan_model
 from flexmesh.runtime.model.params import canonical_name, is_adapter
@@ -129,10 +130,10 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def _manifest(path: Path) -> dict:
+    manifest = load_json(path / MANIFEST, CheckpointError, invalid="corrupt ({reason}); export an earlier checkpoint")
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
         int(manifest["step"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / MANIFEST} is corrupt ({e}); export an earlier checkpoint") from e
     files = manifest.get("sha256")
     names = sorted(files) if isinstance(files, dict) else []

@@ -25,6 +25,7 @@ from torch import nn
 
 from flexmesh.errors import CheckpointError
 from flexmesh.files import make_folder, write_atomic, write_atomic_with
+from flexmesh.inputs import load_json
 from flexmesh.runtime.model.lora import adapter_slot
 from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
 from flexmesh.runtime.state.weights import hf_name
@@ -85,12 +86,8 @@ def read_adapter(folder: str | Path, task: Task, spec: ModelSpec) -> dict[str, t
 
     folder = Path(folder)
     where = f"task {task.name!r}: PEFT adapter {folder}"
-    try:
-        config = json.loads((folder / CONFIG).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{where} has no {CONFIG}; give a folder PeftModel.save_pretrained wrote") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{where}: {CONFIG} cannot be read ({e})") from None
+    config = load_json(folder / CONFIG, CheckpointError, missing=f"{where} has no {CONFIG}; give a folder "
+                       "PeftModel.save_pretrained wrote", invalid="not a PEFT adapter config")
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         raise CheckpointError(f"{where} is not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     targets = config.get("target_modules")
