@@ -143,10 +143,12 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     write_atomic_with(path, write)
 
 
-def read_json(path: str | Path, error: type[Exception], *, missing: str, invalid: str = "not valid JSON") -> Any:
+def read_json(path: str | Path, error: type[Exception], *, missing: str, invalid: str = "not valid JSON",
+              finite: bool = True) -> Any:
     """The JSON value in ``path``, read by the one bounded reader (:func:`flexmesh.inputs.load_json`):
     ``error(missing)`` when there is no such file and ``error("<path>: <invalid> (<reason>)")`` when it
-    is not UTF-8 JSON, so every file format reports both alike.
+    is not UTF-8 JSON, so every file format reports both alike. ``finite=False`` leaves non-finite
+    numbers to a reader that checks each field it uses.
 
     >>> import tempfile, pathlib
     >>> bad = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
@@ -155,4 +157,4 @@ def read_json(path: str | Path, error: type[Exception], *, missing: str, invalid
     Traceback (most recent call last):
     ValueError: .../plan.json: not valid JSON (...)
     """
-    return load_json(path, error, missing=missing, invalid=invalid)
+    return load_json(path, error, missing=missing, invalid=invalid, finite=finite)

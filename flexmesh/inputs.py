@@ -135,7 +135,7 @@ def check_values(value: Any, error: type[Exception], where: str, *, finite: bool
         if count > max_values:
             raise error(f"{where}: holds more than {max_values} values; give the right file")
         if len(at) > max_depth:
-            raise error(f"{where}: {field_name(at[:max_depth])} nests more than {max_depth} levels deep; "
+            raise error(f"{where}: {field_name(at)} nests more than {max_depth} levels deep; "
                         "give the right file")
         if isinstance(v, dict):
             for k, item in v.items():

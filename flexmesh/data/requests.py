@@ -48,7 +48,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from flexmesh.errors import DataError
-from flexmesh.inputs import parse_json, read_bytes
+from flexmesh.inputs import decode_text, parse_json, read_bytes
 
 # Mooncake's traces hash each prompt in blocks of 512 tokens (kvcache-ai/Mooncake FAST25-release/traces
 # README: "hash_ids ... the block size is 512").
@@ -134,6 +134,8 @@ def _text(path: Path) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        if path.name.removesuffix(".gz").endswith((".jsonl", ".json")):
+            return decode_text(raw)  # each line's reader names the field that holds the bytes
         raise DataError(f"{path}: not a UTF-8 text file (byte {e.start}); give a CSV or JSONL trace") from None
 
 

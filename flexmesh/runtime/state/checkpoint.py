@@ -302,12 +302,12 @@ def read_manifest(path: str | Path) -> dict:
     if not f.is_file():
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete (a crash while saving?) or "
                               "not a flexmesh checkpoint; delete it or resume from an earlier one")
-    manifest = load_json(f, CheckpointError, invalid="corrupt ({reason}); delete the checkpoint or resume from an "
-                         "earlier one")
     try:
+        manifest = load_json(f, CheckpointError)
         int(manifest["step"]), manifest["plan_hash"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{f} is corrupt ({e}); delete the checkpoint or resume from an earlier one") from e
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        why = str(e).removeprefix(f"{f}: ")
+        raise CheckpointError(f"{f} is corrupt ({why}); delete the checkpoint or resume from an earlier one") from None
     return manifest
 
 

@@ -130,11 +130,12 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def _manifest(path: Path) -> dict:
-    manifest = load_json(path / MANIFEST, CheckpointError, invalid="corrupt ({reason}); export an earlier checkpoint")
     try:
+        manifest = load_json(path / MANIFEST, CheckpointError)
         int(manifest["step"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path / MANIFEST} is corrupt ({e}); export an earlier checkpoint") from e
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        why = str(e).removeprefix(f"{path / MANIFEST}: ")
+        raise CheckpointError(f"{path / MANIFEST} is corrupt ({why}); export an earlier checkpoint") from None
     files = manifest.get("sha256")
     names = sorted(files) if isinstance(files, dict) else []
     missing = [n for n in names if (n == ".metadata" or n.endswith(".distcp")) and not (path / n).is_file()]
