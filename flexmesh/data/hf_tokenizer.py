@@ -122,11 +122,12 @@ def read_hf_tokenizer(path: str | Path, max_length: int) -> tuple[Tokenizer, str
     return tok, text, tokenizer_config(tok, declared_special_tokens(f), max_length)
 
 
-def write_hf_tokenizer(folder: str | Path, text: str, config: dict[str, Any]) -> None:
-    """Write ``tokenizer.json`` (``text``) and ``tokenizer_config.json`` into ``folder``, each atomically."""
+def write_hf_tokenizer(folder: str | Path, text: str, config: dict[str, Any], root: str | Path | None = None) -> None:
+    """Write ``tokenizer.json`` (``text``) and ``tokenizer_config.json`` into ``folder``, each atomically
+    (``root``: the folder flexmesh owns that holds ``folder``, every component below it checked)."""
     folder = Path(folder)
-    write_atomic(folder / TOKENIZER_JSON, text)
-    write_atomic(folder / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")
+    write_atomic(folder / TOKENIZER_JSON, text, root)
+    write_atomic(folder / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n", root)
 
 
 def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None, max_length: int) -> str | None:
@@ -150,5 +151,5 @@ def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None,
         warning = (f"{folder} held another tokenizer than this run's, now replaced: checkpoints written before "
                    "this attempt were trained under the other one (resume with the --tokenizer, or corpus and "
                    "vocabulary, the run started with)")
-    write_hf_tokenizer(folder, text, config)
+    write_hf_tokenizer(folder, text, config, root=out)
     return warning

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flexmesh.errors import SpecError
+from flexmesh.files import plain_name
 from flexmesh.inputs import load_toml
 from flexmesh.spec.model import ModelSpec
 
@@ -67,6 +68,8 @@ class Task:
 
     @classmethod
     def from_dict(cls, d: dict) -> Task:
+        # the name becomes a folder (adapters/<name>/): one plain name, whatever file it came from
+        plain_name(d["name"], "task name", SpecError)
         return cls(**{**d, "targets": tuple(d["targets"])})
 
     @property
@@ -138,8 +141,7 @@ def parse_task(table: dict, where: str, base: Path | None = None) -> Task:
         if key not in table:
             raise SpecError(f"{where}: missing {key!r}")
     name = table["name"]
-    if not isinstance(name, str) or not name or any(c in name for c in "/\\\0") or name in (".", ".."):
-        raise SpecError(f"{where}: name must be a non-empty string usable as a folder name, got {name!r}")
+    plain_name(name, f"{where}: name", SpecError)
     where = f"{where} ({name!r})"
     targets = table["targets"]
     if isinstance(targets, str):

@@ -132,7 +132,7 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
 
     def prepare() -> None:
         if rank == 0:
-            make_folder(root)  # a real folder in the run folder, not a symlink to somewhere else
+            make_folder(root, root=root.parent)  # a real folder in the run folder, not a symlink to somewhere else
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from flexmesh.errors import CheckpointError
-from flexmesh.files import make_folder, write_atomic, write_atomic_with
+from flexmesh.files import make_folder, plain_name, write_atomic, write_atomic_with
 from flexmesh.inputs import load_json
 from flexmesh.runtime.model.lora import adapter_slot
 from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
@@ -69,7 +69,7 @@ def write_adapters(out: Path, tasks: TaskSet, tensors: Mapping[str, torch.Tensor
         named = {peft_key(n): t.contiguous() for n, t in tensors.items() if is_adapter(n) and adapter_slot(n) == slot}
         if not named:
             raise CheckpointError(f"the checkpoint holds no adapter of task {task.name!r}; it is not this run's")
-        folder = make_folder(out / "adapters" / task.name)
+        folder = make_folder(out / "adapters" / plain_name(task.name, "task name", CheckpointError), root=out)
         (folder / CONFIG).unlink(missing_ok=True)  # until the new adapter is whole, the folder loads nowhere
         write_atomic_with(folder / WEIGHTS, partial(save_file, named, metadata={"format": "pt"}))
         write_atomic(folder / CONFIG, json.dumps(peft_config(task, base), indent=2) + "\n")

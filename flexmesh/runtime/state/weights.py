@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flexmesh.errors import CheckpointError
+from flexmesh.files import plain_name
 from flexmesh.inputs import load_json
 from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
 
@@ -110,7 +111,8 @@ def _open_weights(path: Path) -> dict[str, Path]:
                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
             raise CheckpointError(f"{path}: 'weight_map' must map each tensor name to a shard file name")
-        files = {str(k): path.parent / f for k, f in weight_map.items()}
+        # shard names come from the file: plain names next to the index, never paths to elsewhere
+        files = {str(k): path.parent / plain_name(f, f"{path}: shard", CheckpointError) for k, f in weight_map.items()}
         for f in set(files.values()):
             if not f.is_file():
                 raise CheckpointError(f"{path} names shard {f.name!r}, which is missing next to it; download it")
