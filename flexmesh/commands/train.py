@@ -191,7 +191,8 @@ def document_loader(args: argparse.Namespace, spec, plan, tasks=None):
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
                         "tokenizer with at most that many tokens, or drop --tokenizer to train one")
     if os.environ.get("RANK", "0") == "0":
-        warning = record_tokenizer(args.out, tok, args.tokenizer, spec.max_position)
+        warning = record_tokenizer(args.out, tok, args.tokenizer, spec.max_position,
+                                   replace=getattr(args, "new_tokenizer", False))
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     if tasks is not None:

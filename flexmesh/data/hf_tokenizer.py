@@ -130,10 +130,13 @@ def write_hf_tokenizer(folder: str | Path, text: str, config: dict[str, Any], ro
     write_atomic(folder / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n", root)
 
 
-def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None, max_length: int) -> str | None:
+def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None, max_length: int,
+                     replace: bool = False) -> str | None:
     """Record in run folder ``out`` (``<out>/tokenizer/``) the tokenizer a run trains with: the file
-    ``source`` (``--tokenizer``) as it is, or ``tok`` (the trained BPE) when None. Returns a warning
-    when the folder held another tokenizer (a resume under a different one), else None."""
+    ``source`` (``--tokenizer``) as it is, or ``tok`` (the trained BPE) when None. When the folder
+    holds another tokenizer (a resume under a different one), a DataError unless ``replace``
+    (``--new-tokenizer``), and nothing is written; with ``replace``, it is replaced and a warning
+    returned. Else None."""
     folder = Path(out) / RUN_TOKENIZER
     if source is not None:
         text = tokenizer_file(source).read_text(encoding="utf-8")
@@ -148,6 +151,10 @@ def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None,
             before = None
         if before == tokenizer_hash(tok):
             return None
+        if not replace:
+            raise DataError(f"{folder} records another tokenizer than this run's, and the run's checkpoints were "
+                            "trained under it; resume with the --tokenizer (or corpus and vocabulary) the run started "
+                            "with, or add --new-tokenizer to go on under this one")
         warning = (f"{folder} held another tokenizer than this run's, now replaced: checkpoints written before "
                    "this attempt were trained under the other one (resume with the --tokenizer, or corpus and "
                    "vocabulary, the run started with)")
