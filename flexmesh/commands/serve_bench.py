@@ -13,6 +13,7 @@ from pathlib import Path
 from flexmesh.commands.args import folder, nonneg_float, nonneg_int, positive_float, positive_int
 from flexmesh.commands.engine_args import add_engine_args, add_fleet_args, engine_config, need_aiohttp
 from flexmesh.errors import ServeError
+from flexmesh.files import make_folder, write_atomic
 
 
 def add_parser(kinds) -> argparse.ArgumentParser:
@@ -53,7 +54,7 @@ def bench(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     out = Path(args.out) if args.out else None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        make_folder(out)
 
     async def main():
         async def replays(url: str, engine_urls: list[str]):
@@ -104,12 +105,12 @@ def _report(runs, out: Path | None) -> None:
         if out is not None:
             rep.write(out / f"requests-{run.rate:g}.jsonl")
             if run.iterations:
-                (out / f"iterations-{run.rate:g}.json").write_text(json.dumps(run.iterations))
+                write_atomic(out / f"iterations-{run.rate:g}.json", json.dumps(run.iterations), root=out)
     con = plain_console()
     con.print(t)
     for run in runs:
         for rid, why in list(run.replay.failed.items())[:3]:
             con.print(f"rate {run.rate:g}: request {rid} failed: {why}", highlight=False)
     if out is not None:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        write_atomic(out / "summary.json", json.dumps(summary, indent=1, default=str) + "\n", root=out)
         con.print(f"wrote {out}", highlight=False)

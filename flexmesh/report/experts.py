@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from flexmesh.errors import FlexmeshError
+from flexmesh.files import write_atomic_with
 from flexmesh.inputs import iter_jsonl
 from flexmesh.report.report import Report
 
@@ -77,8 +78,7 @@ def imbalance_png(rows: Sequence[dict], path: str | Path, title: str = "routed t
     ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomic_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png"))
     plt.close(fig)
     return path
 
