@@ -180,3 +180,38 @@ def test_weights_index_shard_names_stay_next_to_the_index(tmp_path, shard):
     with pytest.raises(CheckpointError, match="not one plain name") as e:
         _open_weights(index)
     assert "\n" not in str(e.value)
+
+
+# ---- a port in use for --rdzv-endpoint -------------------------------------------------------------
+def test_a_rendezvous_port_held_by_another_program_is_one_line():
+    import socket
+    import time
+
+    from flexmesh.errors import PlanError
+    from flexmesh.runtime.launch import check_endpoint
+
+    with socket.socket() as held:  # a program that accepts and never answers
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(PlanError, match=f"port {port} is in use by another program"):
+            check_endpoint(f"127.0.0.1:{port}", timeout_s=1.0)
+        assert time.monotonic() - start < 30
+    check_endpoint(f"127.0.0.1:{port}")  # free again
+    check_endpoint("192.0.2.1:29400")  # not this machine: left to torchrun
+
+
+def test_a_rendezvous_port_where_a_store_serves_passes():
+    import socket
+    from datetime import timedelta
+
+    dist = pytest.importorskip("torch.distributed")
+    from flexmesh.runtime.launch import check_endpoint
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    check_endpoint(f"127.0.0.1:{port}")
+    del store

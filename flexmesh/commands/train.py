@@ -25,6 +25,7 @@ from flexmesh.runtime.launch import (
     STATUS_ENV,
     SUPERVISED_ENV,
     Rendezvous,
+    check_endpoint,
     launch_env,
     parse_rendezvous,
     relaunch_flexmesh,
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
+        check_endpoint(rendezvous.endpoint)
         _preflight(args)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
         # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
