@@ -178,7 +178,7 @@ def parse_json(text: str, error: type[Exception], where: str, *, invalid: str = 
     try:
         value = json.loads(text)
     except RecursionError:  # nested deeper than Python's parser goes
-        raise error(_invalid(where, invalid, f"nested more than {MAX_DEPTH} levels deep")) from None
+        raise error(_invalid(where, invalid, f"nested too deeply, more than {MAX_DEPTH} levels deep")) from None
     except json.JSONDecodeError as e:
         if _has_surrogate(text[max(0, e.pos - 1):e.pos + 1]):
             raise error(f"{where}: line {e.lineno} holds bytes that are not UTF-8; save the file as UTF-8") from None
@@ -200,7 +200,7 @@ def parse_toml(text: str, error: type[Exception], where: str, *, invalid: str = 
     try:
         value = tomllib.loads(text)
     except RecursionError:
-        raise error(_invalid(where, invalid, f"nested more than {MAX_DEPTH} levels deep")) from None
+        raise error(_invalid(where, invalid, f"nested too deeply, more than {MAX_DEPTH} levels deep")) from None
     except tomllib.TOMLDecodeError as e:
         raise error(_invalid(where, invalid, str(e))) from None
     except ValueError as e:  # an integer of more than 4300 digits
