@@ -30,7 +30,7 @@ from pathlib import Path
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/runtime/model", "flexmesh/cost", "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py",
-              "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -54,7 +54,7 @@ from flexmesh.spec.moe import MoESpec
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/cost", "flexmesh/schedule", "flexmesh/layout", "flexmesh/spec", "bench/traces",
-              "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 TRACES = Path(__file__).with_name("traces")
 RANKS = (8, 16, 32, 64)

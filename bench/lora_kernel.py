@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
-DEPENDS_ON = ("flexmesh/runtime/model", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py")
+DEPENDS_ON = ("flexmesh/runtime/model", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
+              "flexmesh/inputs.py")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

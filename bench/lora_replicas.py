@@ -33,7 +33,7 @@ import numpy as np
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/search", "flexmesh/cost", "flexmesh/schedule/dispatch.py", "flexmesh/schedule/packing.py",
               "flexmesh/data", "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py",
-              "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

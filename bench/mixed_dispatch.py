@@ -33,7 +33,8 @@ import numpy as np
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/data", "flexmesh/layout",
-              "flexmesh/spec", "flexmesh/search", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/spec", "flexmesh/search", "flexmesh/errors.py", "flexmesh/files.py",
+              "flexmesh/inputs.py", "flexmesh/units.py")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -29,7 +29,7 @@ from flexmesh.spec.model import parse_model
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/search", "flexmesh/cost", "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py",
-              "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 CASES = [  # (label, model, cluster, seq len, global batch, search-time target s, sum-of-parts target, asserted)
     ("a", "llama2-13b", "1x8xH100+2x8xA100-40GB", 4096, 256, 10.0, 0.9, True),

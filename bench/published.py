@@ -25,6 +25,7 @@ from flexmesh.search import SearchRequest, best_plans
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/search", "flexmesh/cost", "flexmesh/layout", "flexmesh/spec",
               "flexmesh/commands/plan_terms.py", "flexmesh/console.py", "flexmesh/errors.py", "flexmesh/files.py",
+              "flexmesh/inputs.py",
               "flexmesh/units.py")
 
 # The planner may claim at most this much over a tuned published layout without an explanation.

@@ -35,7 +35,8 @@ from flexmesh.runtime.launch import child_env, run_torchrun, single_process_env 
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/runtime", "flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/data",
-              "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
+              "flexmesh/inputs.py", "flexmesh/units.py")
 
 LAYOUTS_W4 = {
     "dp4 (replicated)": dict(strategy="tp1-dp4z0"),

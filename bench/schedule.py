@@ -37,7 +37,7 @@ from flexmesh.spec import parse_cluster, parse_model
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/data", "flexmesh/layout",
-              "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 DATASETS = (("wikipedia", 196608), ("prolong", 131072), ("wlbllm", 131072))
 

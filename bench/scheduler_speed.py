@@ -26,7 +26,7 @@ from flexmesh.spec.model import parse_model
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/schedule", "flexmesh/cost", "flexmesh/data", "flexmesh/layout", "flexmesh/spec",
-              "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 CONTEXT = 192 * 1024
 

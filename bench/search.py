@@ -31,7 +31,7 @@ from flexmesh.spec import parse_cluster, parse_model
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/search", "flexmesh/cost", "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py",
-              "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 CASES = [  # (label, model, cluster, seq len, global batch, target seconds)
     ("a", "llama2-7b", "8xA100-80GB", 2048, 64, 0.5),

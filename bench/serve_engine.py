@@ -39,7 +39,7 @@ LATENCY_BOUND, KNEE_BOUND, ITERATION_BOUND = 0.20, 0.20, 0.10
 KNEE_FACTOR = 4.0
 # The code this bench's figures depend on: a change there makes its record out of date.
 DEPENDS_ON = ("flexmesh/serve", "flexmesh/profile", "flexmesh/cost", "flexmesh/data", "flexmesh/spec",
-              "flexmesh/layout", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py",
+              "flexmesh/layout", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py",
               "flexmesh/console.py", "flexmesh/schedule/dispatch.py")
 RATE_FACTORS = (0.4, 0.7, 1.0, 1.4)  # the measured rates, times the twin's own knee
 

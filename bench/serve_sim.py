@@ -41,7 +41,7 @@ from flexmesh.spec.model import parse_model
 DEPENDS_ON = ("flexmesh/serve", "flexmesh/cost/inference", "flexmesh/cost/device",
               "flexmesh/data/requests.py", "flexmesh/data/prefix_reuse.py", "flexmesh/data/traces",
               "flexmesh/schedule/dispatch.py", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
-              "flexmesh/units.py")
+              "flexmesh/inputs.py", "flexmesh/units.py")
 TARGET_PER_MIN = 100_000
 LRU_BLOCKS = (1_000, 4_000, 16_000, 32_000, 64_000, 128_000)
 

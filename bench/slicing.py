@@ -44,7 +44,7 @@ from flexmesh.spec import parse_cluster, parse_model
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/data", "flexmesh/layout",
-              "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 MODEL, CLUSTER, PP = "qwen2.5-32b", "4x8xA100-80GB", 4
 CASES = (("prolong", 49152), ("wlbllm", 49152), ("prolong", 98304), ("wlbllm", 98304))

@@ -31,7 +31,7 @@ from flexmesh.spec import parse_cluster, parse_model
 
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/data", "flexmesh/layout",
-              "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/units.py")
+              "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
 
 MODEL, CONTEXT, POLICY = "llama2-13b", 4096, "hdp"
 # (GPUs, layout label, straggler_context keywords, lengths, tokens per step, steps).

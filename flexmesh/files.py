@@ -11,6 +11,13 @@ The path a user names may lead through symlinked folders (its parents are the us
 the file or folder flexmesh writes at its end, and everything it writes inside such a folder, is
 checked with ``lstat``: a symlink, device, fifo, socket, or a folder where a file goes (or a file
 where a folder goes) is refused with an OutputError naming it, never replaced or written through.
+A regular file with another hard link is refused too: writing it would change the file it shares.
+Below a folder flexmesh owns (``root``: a run folder, an export), every component is checked the
+same way, so a symlinked ``OUT/tokenizer`` or ``OUT/adapters`` is refused rather than written
+through; and a name that came from a file (a task name, a shard name, a manifest entry) is one plain
+name (:func:`plain_name`), so it never leaves its folder. Files are created with mode 0666 less the
+umask, as any program's, never read through a link planted after the check (``O_NOFOLLOW``) and never
+over a file that appeared meanwhile (``O_EXCL``).
 
 >>> write_atomic("/dev/null", "x")
 Traceback (most recent call last):
@@ -21,15 +28,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from flexmesh.errors import OutputError
+from flexmesh.inputs import load_json
 
 _KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
           (stat.S_ISBLK, "a device"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
@@ -60,18 +67,78 @@ def check_file_target(path: str | Path) -> None:
                           "path") from None
     if not stat.S_ISREG(mode):
         raise OutputError(f"{path} is {_kind(mode)}, not a file flexmesh writes; remove it or choose another path")
+    _check_links(path, os.lstat(path))
 
 
-def make_folder(path: str | Path, create: bool = True) -> Path:
+def _check_links(path: str | Path, st: os.stat_result) -> None:
+    if st.st_nlink > 1:
+        raise OutputError(f"{path} is a hard link shared with another file ({st.st_nlink} names), which writing it "
+                          "would change too; remove it or choose another path")
+
+
+def plain_name(name: object, what: str, error: type[Exception] = OutputError) -> str:
+    """``name`` when it is one plain file name (what a name read from a file must be: a task name, a
+    shard name, a manifest entry); else ``error`` naming ``what``: empty, ``.``/``..``, a path (``/``,
+    ``\\``), a NUL byte, or longer than a file system allows are refused, so the name never leaves
+    the folder it is joined to.
+
+    >>> plain_name("chat", "task name")
+    'chat'
+    >>> plain_name("../../x", "task")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    flexmesh.errors.OutputError: task '../../x' is not one plain name usable as a folder name; ...
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0")
+            or len(name.encode("utf-8", "surrogateescape")) > 255):
+        raise error(f"{what} {name!r} is not one plain name usable as a folder name; choose one without path "
+                    "separators or '..'")
+    return name
+
+
+def below(root: str | Path, path: str | Path) -> Path:
+    """``path`` once every component of it below ``root`` that exists is a real folder (not a symlink,
+    file, device, ...), and ``path`` itself, if there, is no symlink; an OutputError otherwise.
+    ``path`` must lie under ``root`` lexically (no ``..``)."""
+    root, path = Path(root), Path(path)
+    rel = path.relative_to(root)
+    if ".." in rel.parts:
+        raise OutputError(f"{path} leaves {root}; choose a path inside it")
+    at = root
+    for part in rel.parts:
+        at = at / part
+        try:
+            mode = os.lstat(at).st_mode
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(mode) or (at != path and not stat.S_ISDIR(mode)):
+            raise OutputError(f"{at} is {_kind(mode) if not stat.S_ISREG(mode) else 'a file'}, where flexmesh keeps "
+                              f"a folder of {root}; remove it or choose another path")
+    return path
+
+
+def make_folder(path: str | Path, create: bool = True, root: str | Path | None = None) -> Path:
     """Create the folder ``path`` (parents too) unless it is there (or ``create`` is False); an
-    OutputError when ``path`` is a symlink or anything but a folder. Returns ``path``."""
+    OutputError when ``path`` is a symlink or anything but a folder, or (given ``root``, a folder
+    flexmesh owns) when a component between ``root`` and ``path`` is. Returns ``path``."""
     path = Path(path)
+    if root is not None:
+        below(root, path)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         if not create:
             return path
-        path.mkdir(parents=True, exist_ok=True)
+        if root is None:
+            path.mkdir(parents=True, exist_ok=True)
+        else:  # one component at a time, none followed: each is checked by below() or made here
+            at = make_folder(root)
+            for part in path.relative_to(root).parts:
+                at = at / part
+                try:
+                    os.mkdir(at)
+                except FileExistsError:
+                    pass
+            below(root, path)
         mode = os.lstat(path).st_mode
     if stat.S_ISLNK(mode):
         raise OutputError(f"{path} is a symlink; flexmesh writes only into a real folder: give the folder it points "
@@ -95,8 +162,10 @@ def open_file(path: str | Path, flags: int, mode: int = 0o644) -> int:
                               "path") from None
         raise
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
         os.close(fd)
+        if st.st_nlink > 1:
+            _check_links(path, st)
         raise OutputError(f"{path} is {_kind(st.st_mode)}, not a file flexmesh writes; remove it or choose "
                           "another path")
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
@@ -108,16 +177,22 @@ def append_file(path: str | Path):
     return os.fdopen(open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
 
 
-def write_atomic_with(path: str | Path, write: Callable[[Path], None]) -> None:
+def write_atomic_with(path: str | Path, write: Callable[[Path], None], root: str | Path | None = None) -> None:
     """Have ``write`` fill a temporary file next to ``path`` (for writers that want a file name, such
     as safetensors), fsync it and rename it over ``path`` (``os.replace`` is atomic on POSIX and
-    Windows); parent folders are created. The temporary file is removed on any failure. Something at
-    ``path`` that is not a regular file is refused (:func:`check_file_target`), never replaced."""
+    Windows); parent folders are created (given ``root``, the folder flexmesh owns, each checked as
+    :func:`make_folder` does). The temporary file is removed on any failure. Something at ``path``
+    that is not a regular file is refused (:func:`check_file_target`), never replaced. The file gets
+    mode 0666 less the umask (the kernel applies it to ``os.open``'s mode)."""
     path = Path(path)
     check_file_target(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        if root is not None:
+            make_folder(path.parent, root=root)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as e:  # a folder that cannot hold files: say so of the path the user gave
         raise OutputError(f"cannot write {path}: {path.parent} {_why(e)}; choose a writable folder") from None
     os.close(fd)
@@ -133,33 +208,28 @@ def write_atomic_with(path: str | Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
+def write_atomic(path: str | Path, data: str | bytes, root: str | Path | None = None) -> None:
     """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically (:func:`write_atomic_with`)."""
     payload = data.encode() if isinstance(data, str) else data
 
     def write(tmp: Path) -> None:
         tmp.write_bytes(payload)
 
-    write_atomic_with(path, write)
+    write_atomic_with(path, write, root)
 
 
-def read_json(path: str | Path, error: type[Exception], *, missing: str, invalid: str = "not valid JSON") -> Any:
-    """The JSON value in ``path``; ``error(missing)`` when there is no such file and ``error("<path>:
-    <invalid> (<reason>)")`` when it is not UTF-8 JSON, so every file format reports both alike.
+def read_json(path: str | Path, error: type[Exception], *, missing: str, invalid: str = "not valid JSON",
+              finite: bool = True) -> Any:
+    """The JSON value in ``path``, read by the one bounded reader (:func:`flexmesh.inputs.load_json`):
+    ``error(missing)`` when there is no such file and ``error("<path>: <invalid> (<reason>)")`` when it
+    is not UTF-8 JSON, so every file format reports both alike. ``finite=False`` leaves non-finite
+    numbers to a reader that checks each field it uses.
 
     >>> import tempfile, pathlib
     >>> bad = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
-    >>> _ = bad.write_bytes(b"\\xff{")
+    >>> _ = bad.write_bytes(b"{")
     >>> read_json(bad, ValueError, missing="no plan")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: .../plan.json: not valid JSON (...)
     """
-    path = Path(path)
-    if not path.is_file():
-        raise error(missing)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError as e:  # nested deeper than Python's parser goes
-        raise error(f"{path}: {invalid} (nested too deeply)") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: {invalid} ({e})") from e
+    return load_json(path, error, missing=missing, invalid=invalid, finite=finite)

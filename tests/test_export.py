@@ -167,6 +167,18 @@ def test_bf16_export_and_errors(runs, tmp_path):
         export_checkpoint(run, tmp_path / "bf16", spec)
     rep = export_checkpoint(run, tmp_path / "bf16", spec, max_shard_bytes=200_000, overwrite=True)
     assert sorted(p.name for p in (tmp_path / "bf16").glob("*.safetensors")) == list(rep.files)  # old shard gone
+    # --overwrite touches only what an export left: a downloaded model's folder, or a shard changed since, is kept
+    downloaded = tmp_path / "downloaded"
+    shutil.copytree(tmp_path / "bf16", downloaded)
+    (downloaded / ".flexmesh-export.json").unlink()
+    before = {p.name: p.read_bytes() for p in downloaded.iterdir()}
+    with pytest.raises(CheckpointError, match="which no flexmesh export left there"):
+        export_checkpoint(run, downloaded, spec, overwrite=True)
+    assert {p.name: p.read_bytes() for p in downloaded.iterdir()} == before
+    shard = tmp_path / "bf16" / rep.files[0]
+    shard.write_bytes(shard.read_bytes() + b"x")  # replaced by hand since the export
+    with pytest.raises(CheckpointError, match=f"holds {rep.files[0]}, which no flexmesh export"):
+        export_checkpoint(run, tmp_path / "bf16", spec, overwrite=True)
 
     with pytest.raises(CheckpointError, match="does not exist; pass --checkpoint"):
         export_checkpoint(tmp_path / "nowhere", tmp_path / "x", spec)

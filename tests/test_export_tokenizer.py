@@ -148,12 +148,18 @@ def test_a_given_tokenizer_keeps_its_special_tokens_and_encodes_as_training_did(
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
 
 
-def test_a_resume_under_another_tokenizer_warns_and_records_it(tmp_path):
+def test_a_resume_under_another_tokenizer_is_refused_unless_asked(tmp_path):
+    from flexmesh.errors import DataError
+
     first = _own_tokenizer(tmp_path / "a")
     second = _own_tokenizer(tmp_path / "b", vocab=280)
     assert record_tokenizer(tmp_path / "run", first, None, 512) is None
     assert record_tokenizer(tmp_path / "run", first, None, 512) is None  # the same one again: nothing to say
-    warning = record_tokenizer(tmp_path / "run", second, None, 512)
+    recorded = (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes()
+    with pytest.raises(DataError, match="records another tokenizer.*--new-tokenizer"):
+        record_tokenizer(tmp_path / "run", second, None, 512)
+    assert (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes() == recorded  # nothing changed
+    warning = record_tokenizer(tmp_path / "run", second, None, 512, replace=True)
     assert warning is not None and "held another tokenizer" in warning
     from flexmesh.data.tokenizer import load_tokenizer, tokenizer_hash
 

@@ -157,7 +157,7 @@ def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ctrl_c_at_random_moments_stops_every_rank_cleanly_and_the_resumed_losses_are_exact(inputs):
-    """Ctrl-C on the launcher at 6 random moments of a run that checkpoints every step (so some land
+    """Ctrl-C (once SIGHUP) on the launcher at 6 random moments of a run that checkpoints every step (so some land
     during a checkpoint write): each time the ranks stop at the next step boundary and the launcher ends
     with 128 + SIGINT within the minute the test waits (no tighter wall-clock bound: how long the ranks
     take to leave is the machine's load), no process is left behind, at most 3 lines were printed, no
@@ -195,7 +195,8 @@ def _stop_and_resume(inputs: dict, total: int, flags: list[str]) -> None:
             run.wait_steps(len(run.steps()) + 1)  # this attempt's first step is in (resumed or fresh)
             assert len(run.ranks()) == 2
             time.sleep(rng.uniform(0.0, 1.0))  # a step and its checkpoint take about 0.3 s here
-            run.proc.send_signal(signal.SIGINT)
+            # a closed terminal's SIGHUP stops the run as Ctrl-C does
+            run.proc.send_signal(signal.SIGHUP if moment == 3 else signal.SIGINT)
             rows_after_signal = len(run.steps())
             rc = run.wait(timeout=60)  # a launcher still running then fails here
             survivors = run.survivors()  # before the clean-up below kills them

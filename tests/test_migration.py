@@ -278,7 +278,7 @@ def test_a_malformed_migration_request_is_one_line(tmp_path, content):
 
     (tmp_path / "plan.json").write_text("{}")
     (tmp_path / MIGRATION_FILE).write_text(content.replace("PLAN", str(tmp_path / "plan.json")))
-    with pytest.raises(PlanError, match="is not a migration request this run wrote"):
+    with pytest.raises(PlanError, match="not a migration request this run wrote"):
         take_request(tmp_path)
     good = {"plan": str(tmp_path / "plan.json"), "checkpoint": "step_000004"}
     (tmp_path / MIGRATION_FILE).write_text(json.dumps(good))

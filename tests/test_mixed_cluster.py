@@ -112,7 +112,7 @@ def test_bad_plus_strings(text, expect):
     ({"groups": [GOOD_GROUP], "group": 1}, "unknown field(s) group"),
     ({"groups": [GOOD_GROUP, {"nodes": 0, "devices_per_node": 2, "device": "H100"}]}, "group 1: nodes"),
     ({"groups": [GOOD_GROUP, {**GOOD_GROUP, "speed_factors": [1.0]}]}, "group 1: cluster has 2 devices"),
-    ({"groups": [GOOD_GROUP, {**GOOD_GROUP, "speed_factors": [1.0, math.nan]}]}, "speed factor 1"),
+    ({"groups": [GOOD_GROUP, {**GOOD_GROUP, "speed_factors": [1.0, math.nan]}]}, "groups[1].speed_factors[1] is NaN"),
     ({"groups": [GOOD_GROUP, 7]}, "group 1: a cluster file must be a JSON object"),
     ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"0-0": {"gbps": 1, "latency_us": 1}}}, "link 0-0"),
     ({"groups": [GOOD_GROUP, GOOD_GROUP], "links": {"0-5": {"gbps": 1, "latency_us": 1}}}, "link 0-5"),

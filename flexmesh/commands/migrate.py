@@ -39,6 +39,7 @@ from pathlib import Path
 
 from flexmesh.errors import FlexmeshError, PlanError
 from flexmesh.files import write_atomic
+from flexmesh.inputs import load_json
 from flexmesh.layout.mesh import replica_groups
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.shares import split_by_weight
@@ -168,11 +169,9 @@ def take_request(out: str | Path) -> dict | None:
     path = Path(out) / MIGRATION_FILE
     if not path.is_file() or path.is_symlink():  # only the file the run wrote, not one planted as a link
         return None
-    try:
-        request = json.loads(path.read_text())
-        ok = isinstance(request, dict) and all(isinstance(request.get(k), str) for k in ("plan", "checkpoint"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        ok = False
+    request = load_json(path, PlanError, invalid="not a migration request this run wrote ({reason}); delete it and "
+                        "run the same command again to resume")
+    ok = isinstance(request, dict) and all(isinstance(request.get(k), str) for k in ("plan", "checkpoint"))
     step = request["checkpoint"].removeprefix("step_") if ok else ""
     if not ok or not Path(request["plan"]).is_file() or not (step.isdigit() and step.isascii()):
         raise PlanError(f"{path} is not a migration request this run wrote (a JSON object naming an existing plan "

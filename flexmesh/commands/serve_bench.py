@@ -14,6 +14,7 @@ from pathlib import Path
 from flexmesh.commands.args import folder, nonneg_float, nonneg_int, positive_float, positive_int
 from flexmesh.commands.engine_args import add_engine_args, add_fleet_args, need_aiohttp
 from flexmesh.errors import ServeError
+from flexmesh.files import make_folder, write_atomic
 
 
 def add_parser(kinds) -> argparse.ArgumentParser:
@@ -73,7 +74,7 @@ def bench(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     out = Path(args.out) if args.out else None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        make_folder(out)
     for n in notes:
         print(n, file=sys.stderr)
     loads: list = []
@@ -158,7 +159,7 @@ def _report(runs, predicted, out: Path | None) -> None:
         if out is not None:
             rep.write(out / f"requests-{run.rate:g}.jsonl")
             if run.iterations:
-                (out / f"iterations-{run.rate:g}.json").write_text(json.dumps(run.iterations))
+                write_atomic(out / f"iterations-{run.rate:g}.json", json.dumps(run.iterations), root=out)
     con = plain_console()
     con.print(t)
     if predicted is None:
@@ -167,5 +168,5 @@ def _report(runs, predicted, out: Path | None) -> None:
         for rid, why in list(run.replay.failed.items())[:3]:
             con.print(f"rate {run.rate:g}: request {rid} failed: {why}", highlight=False)
     if out is not None:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        write_atomic(out / "summary.json", json.dumps(summary, indent=1, default=str) + "\n", root=out)
         con.print(f"wrote {out}", highlight=False)

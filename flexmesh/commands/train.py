@@ -29,6 +29,7 @@ from flexmesh.runtime.launch import (
     STATUS_ENV,
     SUPERVISED_ENV,
     Rendezvous,
+    check_endpoint,
     launch_env,
     parse_rendezvous,
     relaunch_flexmesh,
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
+        check_endpoint(rendezvous.endpoint)
         _preflight(args, planned)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
         # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
@@ -237,7 +239,8 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
     if os.environ.get("RANK", "0") == "0":
         if tokenizer != args.tokenizer:
             print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
-        warning = record_tokenizer(args.out, tok, tokenizer, spec.max_position)
+        warning = record_tokenizer(args.out, tok, tokenizer, spec.max_position,
+                                   replace=getattr(args, "new_tokenizer", False))
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     if tasks is not None:

@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start over instead of resuming; refused when --out holds a run, unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds a run: move its contents into --out/previous-<time>/")
+    p.add_argument("--new-tokenizer", action="store_true",
+                   help="resume under another tokenizer than the run recorded (refused without it: the "
+                        "checkpoints so far were trained under the recorded one)")
     p.add_argument("--collective-timeout", type=seconds, default=600.0, metavar="SECONDS",
                    help="how long a collective waits for a stopped, hung or dead rank before the run fails "
                         "naming it (default 600)")

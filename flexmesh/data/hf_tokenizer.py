@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 from flexmesh.data.tokenizer import END_OF_TEXT, load_tokenizer, tokenizer_hash
 from flexmesh.errors import DataError
 from flexmesh.files import write_atomic
+from flexmesh.inputs import load_json
 
 RUN_TOKENIZER = "tokenizer"  # the folder of a run (flexmesh train --out) that records its tokenizer
 TOKENIZER_JSON = "tokenizer.json"
@@ -63,10 +64,7 @@ def declared_special_tokens(path: str | Path) -> dict[str, str | None]:
         f = folder / name
         if not f.is_file():
             continue
-        try:
-            d = json.loads(f.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{f} is not valid JSON ({e}); fix it or move it away from the tokenizer") from None
+        d = load_json(f, DataError, invalid="not valid JSON ({reason}); fix it or move it away from the tokenizer")
         if isinstance(d, dict):
             return {r: _content(d[f"{r}_token"]) for r in _ROLES if f"{r}_token" in d}
     return {}
@@ -124,17 +122,21 @@ def read_hf_tokenizer(path: str | Path, max_length: int) -> tuple[Tokenizer, str
     return tok, text, tokenizer_config(tok, declared_special_tokens(f), max_length)
 
 
-def write_hf_tokenizer(folder: str | Path, text: str, config: dict[str, Any]) -> None:
-    """Write ``tokenizer.json`` (``text``) and ``tokenizer_config.json`` into ``folder``, each atomically."""
+def write_hf_tokenizer(folder: str | Path, text: str, config: dict[str, Any], root: str | Path | None = None) -> None:
+    """Write ``tokenizer.json`` (``text``) and ``tokenizer_config.json`` into ``folder``, each atomically
+    (``root``: the folder flexmesh owns that holds ``folder``, every component below it checked)."""
     folder = Path(folder)
-    write_atomic(folder / TOKENIZER_JSON, text)
-    write_atomic(folder / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")
+    write_atomic(folder / TOKENIZER_JSON, text, root)
+    write_atomic(folder / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n", root)
 
 
-def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None, max_length: int) -> str | None:
+def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None, max_length: int,
+                     replace: bool = False) -> str | None:
     """Record in run folder ``out`` (``<out>/tokenizer/``) the tokenizer a run trains with: the file
-    ``source`` (``--tokenizer``) as it is, or ``tok`` (the trained BPE) when None. Returns a warning
-    when the folder held another tokenizer (a resume under a different one), else None."""
+    ``source`` (``--tokenizer``) as it is, or ``tok`` (the trained BPE) when None. When the folder
+    holds another tokenizer (a resume under a different one), a DataError unless ``replace``
+    (``--new-tokenizer``), and nothing is written; with ``replace``, it is replaced and a warning
+    returned. Else None."""
     folder = Path(out) / RUN_TOKENIZER
     if source is not None:
         text = tokenizer_file(source).read_text(encoding="utf-8")
@@ -149,8 +151,12 @@ def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None,
             before = None
         if before == tokenizer_hash(tok):
             return None
+        if not replace:
+            raise DataError(f"{folder} records another tokenizer than this run's, and the run's checkpoints were "
+                            "trained under it; resume with the --tokenizer (or corpus and vocabulary) the run started "
+                            "with, or add --new-tokenizer to go on under this one")
         warning = (f"{folder} held another tokenizer than this run's, now replaced: checkpoints written before "
                    "this attempt were trained under the other one (resume with the --tokenizer, or corpus and "
                    "vocabulary, the run started with)")
-    write_hf_tokenizer(folder, text, config)
+    write_hf_tokenizer(folder, text, config, root=out)
     return warning

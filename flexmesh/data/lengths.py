@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import zlib
 from functools import lru_cache
 from importlib import resources
@@ -33,6 +32,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from flexmesh.errors import DataError, FlexmeshError
+from flexmesh.inputs import parse_json, read_bytes
 
 SHIPPED = {"wikipedia": "wikipedia.txt.gz", "prolong": "dist_prolong.json", "wlbllm": "dist_wlbllm.json"}
 NAMES = (*SHIPPED, "stdlib", "synthetic")
@@ -51,10 +51,7 @@ def _parse(text: str, where: str) -> np.ndarray:
         raise DataError(f"{where}: the file is empty; give one length (a whole number of tokens) per line or a "
                         "JSON list")
     if text.startswith("["):
-        try:
-            values = json.loads(text)
-        except (ValueError, RecursionError) as e:
-            raise DataError(f"{where}: not a valid JSON list of lengths ({e})") from None
+        values = parse_json(text, DataError, where, invalid="not a valid JSON list of lengths")
         if not isinstance(values, list):
             raise DataError(f"{where}: expected a JSON list of lengths")
     else:
@@ -114,15 +111,12 @@ def load_lengths(name_or_path: str) -> np.ndarray:
 
         return np.asarray(stdlib_lengths(), dtype=np.int64)
     path = Path(name_or_path)
-    if not path.is_file():
+    if not path.exists():
         raise FlexmeshError(
             f"unknown lengths {name_or_path!r}: use one of {', '.join(NAMES)} or a path to a .txt (one length per "
             f"line) or .json (list) file"
         )
-    if path.stat().st_size > MAX_FILE_BYTES:
-        raise DataError(f"{path}: {path.stat().st_size:,} bytes, beyond the {MAX_FILE_BYTES:,} a length file may hold; "
-                        "give a sample of its lengths")
-    raw = path.read_bytes()
+    raw = read_bytes(path, DataError, limit=MAX_FILE_BYTES)
     if path.suffix == ".gz":
         try:  # read at most one byte past the bound: a small file may expand to gigabytes
             with gzip.GzipFile(fileobj=io.BytesIO(raw)) as unpacked:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-import json
 import math
 import re
 import zlib
@@ -49,6 +48,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from flexmesh.errors import DataError
+from flexmesh.inputs import decode_text, parse_json, read_bytes
 
 # Mooncake's traces hash each prompt in blocks of 512 tokens (kvcache-ai/Mooncake FAST25-release/traces
 # README: "hash_ids ... the block size is 512").
@@ -127,10 +127,8 @@ def _ordered(requests: list[Request], name: str, block_tokens: int, source: str)
 # ---- reading files --------------------------------------------------------------------------------
 def _text(path: Path) -> str:
     """The file's text (gunzipped for ``.gz``), bounded by :data:`MAX_TRACE_BYTES`."""
-    if not path.is_file():
-        raise DataError(f"{path}: no such trace file; give a shipped trace ({', '.join(SHIPPED)}) or the path of a "
-                        "CSV or JSONL file")
-    raw = path.read_bytes()
+    raw = read_bytes(path, DataError, missing=f"{path}: no such trace file; give a shipped trace "
+                     f"({', '.join(SHIPPED)}) or the path of a CSV or JSONL file", limit=MAX_TRACE_BYTES)
     if path.suffix == ".gz":
         try:
             with gzip.GzipFile(fileobj=io.BytesIO(raw)) as unpacked:
@@ -142,6 +140,8 @@ def _text(path: Path) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        if path.name.removesuffix(".gz").endswith((".jsonl", ".json")):
+            return decode_text(raw)  # each line's reader names the field that holds the bytes
         raise DataError(f"{path}: not a UTF-8 text file (byte {e.start}); give a CSV or JSONL trace") from None
 
 
@@ -233,10 +233,7 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[int, dict]]:
     for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError) as e:
-            raise DataError(f"{path} row {i}: not a JSON object ({e})") from None
+        record = parse_json(line, DataError, f"{path} row {i}", invalid="not a JSON object")
         if not isinstance(record, dict):
             raise DataError(f"{path} row {i}: a {type(record).__name__}, not a JSON object")
         yield i, record
@@ -337,7 +334,7 @@ def load_trace(name_or_path: str, block_tokens: int = 0) -> Workload:
     if name_or_path in SHIPPED:
         return _shipped(name_or_path)
     path = Path(name_or_path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"unknown trace {name_or_path!r}: give one of {', '.join(SHIPPED)} or the path of a CSV or "
                         "JSONL file")
     base = path.name.removesuffix(".gz")

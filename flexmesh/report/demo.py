@@ -4,13 +4,14 @@ trains and the runs' figures: flexmesh.report.runs)."""
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 from pathlib import Path
 
 import numpy as np
 
+from flexmesh.errors import FlexmeshError
+from flexmesh.inputs import load_json
 from flexmesh.report.experts import add_demo_section
 from flexmesh.report.plots import balance_png, loss_png, predicted_vs_measured_png, timeline_png
 from flexmesh.report.report import Report
@@ -65,7 +66,7 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
     # 1. plan
     plan_file = out / "plan-llama3-8b.json"
     if plan_file.exists():
-        plan = json.loads(plan_file.read_text())
+        plan = load_json(plan_file, FlexmeshError)
         pred = plan.get("predicted", {})
         rep.heading("1. Plan")
         rep.text(f"Best layout for {plan['model']} on {plan['cluster']} (sequences of {plan['seq_len']}, "

@@ -9,12 +9,14 @@ consecutive steps: what lets a placement made from the last step's load fit the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from flexmesh.errors import FlexmeshError
+from flexmesh.files import write_atomic_with
+from flexmesh.inputs import iter_jsonl
 from flexmesh.report.report import Report
 
 MOE_MODEL = "tiny-moe"  # the demo's mixture of experts
@@ -76,8 +78,7 @@ def imbalance_png(rows: Sequence[dict], path: str | Path, title: str = "routed t
     ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomic_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png"))
     plt.close(fig)
     return path
 
@@ -115,7 +116,6 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
     import subprocess
     import sys
 
-    from flexmesh.errors import FlexmeshError
     from flexmesh.files import make_folder
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
@@ -149,7 +149,7 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
                   "--nproc", "2", "--overwrite", "--no-progress", "--seed", str(seed), "--expert-placement", label,
                   *priced, "--device", device, *trace],
                  f"{label} run")
-        routing = [json.loads(line) for line in (run / "routing.jsonl").read_text().splitlines() if line.strip()]
+        routing = [row for _, row in iter_jsonl(run / "routing.jsonl", FlexmeshError)]
         runs[label] = (read_metrics(run / "metrics.jsonl"), routing)
     return runs
 

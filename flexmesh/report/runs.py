@@ -8,12 +8,13 @@ their metrics.jsonl rows (:func:`read_metrics`) summed up (:func:`run_summary`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from flexmesh.errors import FlexmeshError
+from flexmesh.inputs import iter_jsonl
 from flexmesh.layout.enums import PipelineSchedule
 from flexmesh.layout.plan import Plan, StagePlan
 from flexmesh.layout.strategy import LayerStrategy
@@ -37,7 +38,7 @@ def training_plan(nproc: int, seq_len: int, global_batch: int, model: str = TRAI
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a run's ``metrics.jsonl`` (one JSON object per line; blank lines skipped)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [row for _, row in iter_jsonl(path, FlexmeshError, finite=False)]
 
 
 def throughput(rows: list[dict], warmup: int = 1) -> float:

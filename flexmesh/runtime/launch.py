@@ -23,6 +23,7 @@ forward) takes its run along: on Linux torchrun and every rank die with their pa
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -204,6 +205,50 @@ def parse_rendezvous(nnodes: str | None = None, node_rank: int | None = None, en
     return Rendezvous(nnodes, node_rank or 0, endpoint, run_id, max_restarts)
 
 
+def check_endpoint(endpoint: str | None, timeout_s: float = 5.0) -> None:
+    """Refuse (PlanError, one line) a ``--rdzv-endpoint`` whose port on this machine is held by a
+    program other than a rendezvous store: torchrun would connect to it as a client and wait for an
+    answer that never comes. A free port, a host that is not this machine (it cannot be probed before
+    its node starts) and a port where another node's torchrun already serves the store all pass."""
+    if endpoint is None:
+        return
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return  # torchrun reports a host it cannot resolve
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+            return  # free here
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # not an address of this machine
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    answered: list[bool] = []
+
+    def connect() -> None:  # a store of this job, hosted by another node's torchrun here, answers at once
+        try:
+            dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+            answered.append(True)
+        except Exception:  # noqa: BLE001 - torch raises RuntimeError, DistNetworkError or TimeoutError here
+            pass
+
+    # In a thread: a program that accepts and never answers blocks the store's handshake past its timeout.
+    probe_thread = threading.Thread(target=connect, daemon=True)
+    probe_thread.start()
+    probe_thread.join(timeout_s)
+    if not answered:
+        raise PlanError(f"--rdzv-endpoint {endpoint}: port {port} is in use by another program on this machine; "
+                        "stop it or choose another port")
+
+
 def torchrun_command(nproc: int, target: Sequence[str], port: int | None = None,
                      rendezvous: Rendezvous | None = None) -> list[str]:
     """The command line that runs ``target`` as ``nproc`` ranks per node under torchrun.
@@ -281,8 +326,9 @@ def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) ->
     carry ``LOCAL_RANK``), which stop at their next step boundary (flexmesh.runtime.train.loop.fit) and
     exit 0, so torchrun neither restarts them nor prints its failure report; this process then
     returns the code rank 0 left in the file named by ``STATUS_ENV`` (a run that ended early:
-    128 + the signal, or a loss that diverged), else 128 + the signal. A second SIGINT kills
-    everything outright; SIGHUP, or a signal before the ranks exist, goes to torchrun. The child
+    128 + the signal, or a loss that diverged), else 128 + the signal. SIGHUP (a closed terminal)
+    is taken as SIGINT. A second SIGINT kills everything outright; a signal before the ranks exist
+    goes to torchrun. The child
     runs in its own process group (a terminal's Ctrl-C reaches only this process, once). On Linux
     this process adopts orphaned descendants (a child subreaper), so ranks that outlive torchrun are
     killed before it returns; and should this process be killed outright, torchrun gets SIGKILL from
@@ -295,9 +341,11 @@ def run_supervised(command: Sequence[str], env: dict[str, str] | None = None) ->
     seen: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal closed: stop as Ctrl-C does, at the next step boundary
+            signum = signal.SIGINT
         again = signum == signal.SIGINT and signal.SIGINT in seen
         seen.append(signum)
-        ranks = [pid for pid in _children(proc.pid) if _is_rank(pid)] if signum != signal.SIGHUP else []
+        ranks = [pid for pid in _children(proc.pid) if _is_rank(pid)]
         for pid in ranks if not again else []:
             try:
                 os.kill(pid, signum)

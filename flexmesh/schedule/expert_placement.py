@@ -38,7 +38,6 @@ load vector; the greedy is a few heap operations (LAER reports 0.5 ms at 64 devi
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from pathlib import Path
 
 from flexmesh.cost.training.experts import default_slots
 from flexmesh.errors import PlanError
+from flexmesh.inputs import iter_jsonl
 
 PLACEMENTS = ("static", "laer", "eplb", "current")
 
@@ -243,17 +243,11 @@ def read_trace(path: str | Path) -> list[dict]:
     """The rows of a routing.jsonl (flexmesh.runtime.train.expert_training); PlanError naming the file and line
     when it is not one."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise PlanError(f"routing trace {str(path)!r} cannot be read ({e.strerror}); give a routing.jsonl that "
-                        "`flexmesh train` wrote") from None
     rows = []
-    for i, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
+    for n, row in iter_jsonl(path, PlanError, missing=f"routing trace {str(path)!r} does not exist; give a "
+                             "routing.jsonl that `flexmesh train` wrote", invalid="not a routing record"):
+        i = n - 1
         try:
-            row = json.loads(line)
             loads = [float(x) for x in row["expert_tokens"]]
             int(row["layer"])
         except (ValueError, KeyError, TypeError) as e:

@@ -42,6 +42,7 @@ import numpy as np
 
 from flexmesh.errors import DataError, FlexmeshError
 from flexmesh.files import write_atomic
+from flexmesh.inputs import iter_jsonl
 
 PERCENTILES = (50, 90, 99)
 _RECORD_FIELDS = ("id", "replica", "arrival_s", "first_token_s", "finish_s", "prompt_tokens", "output_tokens")
@@ -134,15 +135,7 @@ def write_records(path: str | Path, records: Iterable[RequestRecord]) -> None:
 def read_records(path: str | Path) -> list[RequestRecord]:
     """The records of a ``requests.jsonl`` (simulated or measured)."""
     p = Path(path)
-    out = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                d = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{p} row {i}: not JSON ({e})") from None
-            out.append(RequestRecord.from_json(d, f"{p} row {i}"))
-    return out
+    return [RequestRecord.from_json(d, f"{p} row {i}") for i, d in iter_jsonl(p, DataError, invalid="not JSON")]
 
 
 # ---- SLOs and attainment ---------------------------------------------------------------------------

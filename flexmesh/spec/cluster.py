@@ -5,15 +5,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import tomllib
-
 from flexmesh.errors import SpecError
+from flexmesh.inputs import load_config
 
 # The device catalogue lives in flexmesh.spec.devices; its names are importable from here too.
 from flexmesh.spec.devices import (  # noqa: F401
@@ -419,11 +417,7 @@ def parse_cluster(text: str) -> ClusterSpec:
 
 
 def _read_cluster_file(p: Path) -> object:
-    try:
-        content = p.read_text(encoding="utf-8")
-        return tomllib.loads(content) if p.suffix == ".toml" else json.loads(content)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise SpecError(f"{p}: cannot parse cluster file ({e})") from None
+    return load_config(p, SpecError, invalid="cannot parse cluster file")
 
 
 def _one_group(text: str) -> ClusterSpec | None:
@@ -453,7 +447,7 @@ def parse_mixed_cluster(text: str) -> MixedCluster:
     if one is not None:
         return MixedCluster((one,))
     p = Path(text)
-    if p.is_file():
+    if p.exists():
         return _mixed_from_mapping(_read_cluster_file(p), str(p))
     if "+" in text:
         groups = []

@@ -65,7 +65,8 @@ def read_hf_config(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    cfg = read_json(path, SpecError, missing=f"config file {str(path)!r} does not exist")
+    # each number used is checked by the field's own rule (whole, > 0, ...), NaN included
+    cfg = read_json(path, SpecError, missing=f"config file {str(path)!r} does not exist", finite=False)
     if not isinstance(cfg, dict):
         raise SpecError(f"{path}: config.json must hold a JSON object")
     return cfg

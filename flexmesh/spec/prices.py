@@ -13,7 +13,6 @@ overrides (``--price H100=2.49``). Devices are named as the catalogue names them
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import tomllib
 
 from flexmesh.errors import SpecError
+from flexmesh.inputs import load_config
 from flexmesh.spec.devices import device
 from flexmesh.spec.values import number, whole
 
@@ -73,11 +73,7 @@ def gpu_prices(path: str | Path | None = None, overrides: dict[str, float] | Non
     prices = _read(preset, "presets/prices.toml")
     if path is not None:
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-            raw = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
-        except (tomllib.TOMLDecodeError, ValueError) as e:
-            raise SpecError(f"{p}: cannot parse the price file ({e})") from None
+        raw = load_config(p, SpecError, invalid="cannot parse the price file")
         if not isinstance(raw, dict):
             raise SpecError(f"{p}: a price file is a table of devices")
         prices.update(_read(raw, str(p)))

@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
-
 from flexmesh.errors import SpecError
+from flexmesh.files import plain_name
+from flexmesh.inputs import load_toml
 from flexmesh.spec.model import ModelSpec
 
 # Hugging Face projection name -> (flexmesh module path inside a layer, input features, output features)
@@ -68,6 +68,8 @@ class Task:
 
     @classmethod
     def from_dict(cls, d: dict) -> Task:
+        # the name becomes a folder (adapters/<name>/): one plain name, whatever file it came from
+        plain_name(d["name"], "task name", SpecError)
         return cls(**{**d, "targets": tuple(d["targets"])})
 
     @property
@@ -139,8 +141,7 @@ def parse_task(table: dict, where: str, base: Path | None = None) -> Task:
         if key not in table:
             raise SpecError(f"{where}: missing {key!r}")
     name = table["name"]
-    if not isinstance(name, str) or not name or any(c in name for c in "/\\\0") or name in (".", ".."):
-        raise SpecError(f"{where}: name must be a non-empty string usable as a folder name, got {name!r}")
+    plain_name(name, f"{where}: name", SpecError)
     where = f"{where} ({name!r})"
     targets = table["targets"]
     if isinstance(targets, str):
@@ -203,14 +204,8 @@ def make_tasks(tasks: list[Task]) -> TaskSet:
 def load_tasks(path: str | Path) -> TaskSet:
     """The tasks of job file ``path`` (see the module doc); corpus and init paths relative to its folder."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"job file {path} does not exist; pass --tasks a TOML file of [[task]] tables") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"job file {path} cannot be read: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"job file {path} is not valid TOML: {e}") from None
+    data = load_toml(path, SpecError, missing=f"job file {path} does not exist; pass --tasks a TOML file of [[task]] "
+                     "tables", invalid="not a valid TOML job file")
     extra = sorted(set(data) - {"task"})
     if extra:
         raise SpecError(f"job file {path}: unknown table or key {extra[0]!r}; list tasks as [[task]] tables")

@@ -16,13 +16,14 @@ import torch.nn.functional as F
 
 
 def grouped_kernel_ok(x: torch.Tensor, *dims: int) -> bool:
-    """Whether ``torch._grouped_mm`` runs for ``x``'s device and dtype: on CPU (torch >= 2.9); on CUDA
-    for bf16 on sm90 and later, with 16-byte aligned rows (dims multiples of 8), once a small forward and
+    """Whether ``torch._grouped_mm`` runs for ``x``'s device and dtype: on CPU (torch >= 2.9) with
+    16-byte aligned rows (fp32 dims multiples of 4); on CUDA for bf16 on sm90 and later, with 16-byte
+    aligned rows (dims multiples of 8), once a small forward and
     backward of it has run there (:func:`_grouped_probe`: its layout rules differ between releases)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cpu":
-        return True
+    if x.device.type == "cpu":  # 16-byte aligned rows too: "strides should be multiple of 16 bytes" (rank 3 in fp32)
+        return all(d * x.element_size() % 16 == 0 for d in dims)
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0) and all(d % 8 == 0 for d in dims)
             and _grouped_probe(x.device, x.dtype))

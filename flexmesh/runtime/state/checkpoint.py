@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from flexmesh.errors import CheckpointError
 from flexmesh.files import make_folder, write_atomic
+from flexmesh.inputs import load_json, read_bytes
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.spec.tasks import Task, TaskSet
@@ -131,7 +132,7 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
 
     def prepare() -> None:
         if rank == 0:
-            make_folder(root)  # a real folder in the run folder, not a symlink to somewhere else
+            make_folder(root, root=root.parent)  # a real folder in the run folder, not a symlink to somewhere else
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
 
@@ -302,10 +303,11 @@ def read_manifest(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete (a crash while saving?) or "
                               "not a flexmesh checkpoint; delete it or resume from an earlier one")
     try:
-        manifest = json.loads(f.read_text())
+        manifest = load_json(f, CheckpointError)
         int(manifest["step"]), manifest["plan_hash"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{f} is corrupt ({e}); delete the checkpoint or resume from an earlier one") from e
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        why = str(e).removeprefix(f"{f}: ")
+        raise CheckpointError(f"{f} is corrupt ({why}); delete the checkpoint or resume from an earlier one") from None
     return manifest
 
 
@@ -391,32 +393,60 @@ def verify_checkpoint(path: Path, manifest: dict) -> Any:
     return read_metadata(path)
 
 
-# What DCP's .metadata pickle may name (torch 2.x writes these and nothing else): anything else means
-# the file was made to run code when unpickled.
-_METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
-                     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+# What DCP's .metadata pickle may name: exactly the classes torch 2.x writes there (found by listing
+# the GLOBAL opcodes of the .metadata files DCP writes; tests/test_dcp_metadata.py redoes this), each a
+# plain data class whose construction runs no code of the file's choosing, plus torch's dtypes (by
+# name, checked to be a dtype) and its layout lookup. Never a whole module: a module's namespace
+# reaches further (``torch.distributed.checkpoint.filesystem.os.system`` is a dotted name in it).
+_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+})
+
+
+def metadata_global_allowed(module: str, name: str) -> bool:
+    """Whether DCP's ``.metadata`` may name ``module.name``: one of :data:`_METADATA_GLOBALS`, or a
+    torch dtype (``torch.float32``); a dotted name never."""
+    if (module, name) in _METADATA_GLOBALS:
+        return True
+    if module != "torch" or not name.isidentifier():
+        return False
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
 
 
 def read_metadata(path: Path) -> Any:
     """DCP's ``.metadata`` of checkpoint ``path``, unpickled with only the classes DCP writes allowed
-    (torch dtypes, sizes and layouts, DCP's metadata dataclasses); CheckpointError for anything else."""
+    (:func:`metadata_global_allowed`: DCP's metadata dataclasses, torch dtypes, sizes and layouts);
+    CheckpointError for anything else, before any of it is called."""
     import pickle
 
-    import torch
+    class Refused(pickle.UnpicklingError):
+        """A global the allow-list does not hold (a truncated pickle is another UnpicklingError)."""
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
-            allowed = ((module, name) in _METADATA_GLOBALS or module in _METADATA_MODULES
-                       or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-            if not allowed:
-                raise pickle.UnpicklingError(f"{module}.{name}")
+            if not metadata_global_allowed(module, name):
+                raise Refused(f"{module}.{name}")
             return super().find_class(module, name)
 
     try:
-        with open(path / ".metadata", "rb") as f:
-            return Restricted(f).load()
-    except pickle.UnpicklingError as e:
+        # a regular file only, bounded: a fifo planted as .metadata is refused, not waited on
+        raw = read_bytes(path / ".metadata", CheckpointError, limit=1 << 30)
+        return Restricted(io.BytesIO(raw)).load()
+    except CheckpointError:
+        raise
+    except Refused as e:
         raise CheckpointError(f"checkpoint {path}: .metadata names {e}, which a DCP checkpoint never holds (a pickle "
                               "made to run code?); delete the checkpoint, do not load it") from None
     except Exception as e:  # truncated or foreign files raise EOF, OS or attribute errors

@@ -32,6 +32,7 @@ folder with a config.json is a finished export; an interrupted one has none and 
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -52,6 +53,7 @@ from flexmesh.data.hf_tokenizer import (
 )
 from flexmesh.errors import CheckpointError, DataError, SpecError
 from flexmesh.files import check_file_target, make_folder, write_atomic, write_atomic_with
+from flexmesh.inputs import load_json
 from flexmesh.layout.plan import load_plan
 from flexmesh.layout.plan_model import plan_model
 from flexmesh.runtime.model.params import canonical_name, is_adapter
@@ -130,10 +132,11 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def _manifest(path: Path) -> dict:
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = load_json(path / MANIFEST, CheckpointError)
         int(manifest["step"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path / MANIFEST} is corrupt ({e}); export an earlier checkpoint") from e
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        why = str(e).removeprefix(f"{path / MANIFEST}: ")
+        raise CheckpointError(f"{path / MANIFEST} is corrupt ({why}); export an earlier checkpoint") from None
     files = manifest.get("sha256")
     names = sorted(files) if isinstance(files, dict) else []
     missing = [n for n in names if (n == ".metadata" or n.endswith(".distcp")) and not (path / n).is_file()]
@@ -244,6 +247,37 @@ def _plan_shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[l
     return shards
 
 
+# What an export wrote in its folder: {"files": {name: [size, mtime_ns] or null while being written}}.
+# ``--overwrite`` replaces or removes only files listed there as they were left, never a file flexmesh
+# did not write (a downloaded model's weights in the folder named as --out).
+EXPORT_RECORD = ".flexmesh-export.json"
+
+
+def _stamp(p: Path) -> list[int]:
+    st = os.lstat(p)
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _check_ours(out: Path, previous: list[Path]) -> dict[str, list[int] | None]:
+    """The record of the export in ``out`` once every file of ``previous`` is one it wrote, unchanged
+    since; else a CheckpointError naming a file it did not write, and nothing is touched."""
+    record = out / EXPORT_RECORD
+    raw = load_json(record, CheckpointError) if os.path.lexists(record) else {}
+    files = raw.get("files") if isinstance(raw, dict) else None
+    files = files if isinstance(files, dict) else {}
+    foreign = [p.name for p in previous if p.name not in files or files[p.name] not in (None, _stamp(p))]
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise CheckpointError(f"{out} holds {foreign[0]}{more}, which no flexmesh export left there (a downloaded "
+                              "model?); --overwrite replaces only an earlier export's files, so nothing was touched: "
+                              "choose another --out")
+    return files
+
+
+def _record(out: Path, files: dict[str, list[int] | None]) -> None:
+    write_atomic(out / EXPORT_RECORD, json.dumps({"files": dict(sorted(files.items()))}, indent=1) + "\n")
+
+
 def _previous_export(out: Path) -> list[Path]:
     """Files of an earlier export in ``out`` (which a new one replaces or, with other shard names, removes)."""
     if not out.is_dir():
@@ -323,6 +357,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     if previous and not overwrite:
         raise CheckpointError(f"{out} already holds an export ({previous[0].name}); choose another --out or add "
                               "--overwrite")
+    ours = _check_ours(out, previous) if previous else {}
     found = _model_keys(path)
     adapters = {n: found.pop(n) for n in [n for n in found if is_adapter(n)]}
     tasks = manifest_tasks(manifest, path)
@@ -342,6 +377,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     groups = _plan_shards(names, nbytes, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     make_folder(out)
+    # every file this export may write, recorded before it is: an interrupted export is still ours
+    _record(out, {**ours, **dict.fromkeys([*files, INDEX, "config.json", *_ASIDE])})
     (out / "config.json").unlink(missing_ok=True)  # until the new export is whole, the folder loads nowhere
     weight_map: dict[str, str] = {}
     for group, file in zip(groups, files, strict=True):
@@ -366,6 +403,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
         if old.name not in keep:
             old.unlink(missing_ok=True)
     write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
+    _record(out, {p.name: _stamp(p) for p in _previous_export(out)})
     folders = write_adapters(out, tasks, read_full_tensors(path, adapters), str(Path(out).resolve())) if tasks else []
     return ExportReport(adapters=tuple(folders), expert_layout=layout, checkpoint=path, step=int(manifest["step"]),
                         out=out, family=family,

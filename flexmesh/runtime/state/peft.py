@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from flexmesh.errors import CheckpointError
-from flexmesh.files import make_folder, write_atomic, write_atomic_with
+from flexmesh.files import make_folder, plain_name, write_atomic, write_atomic_with
+from flexmesh.inputs import load_json
 from flexmesh.runtime.model.lora import adapter_slot
 from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
 from flexmesh.runtime.state.weights import hf_name
@@ -68,7 +69,7 @@ def write_adapters(out: Path, tasks: TaskSet, tensors: Mapping[str, torch.Tensor
         named = {peft_key(n): t.contiguous() for n, t in tensors.items() if is_adapter(n) and adapter_slot(n) == slot}
         if not named:
             raise CheckpointError(f"the checkpoint holds no adapter of task {task.name!r}; it is not this run's")
-        folder = make_folder(out / "adapters" / task.name)
+        folder = make_folder(out / "adapters" / plain_name(task.name, "task name", CheckpointError), root=out)
         (folder / CONFIG).unlink(missing_ok=True)  # until the new adapter is whole, the folder loads nowhere
         write_atomic_with(folder / WEIGHTS, partial(save_file, named, metadata={"format": "pt"}))
         write_atomic(folder / CONFIG, json.dumps(peft_config(task, base), indent=2) + "\n")
@@ -85,12 +86,8 @@ def read_adapter(folder: str | Path, task: Task, spec: ModelSpec) -> dict[str, t
 
     folder = Path(folder)
     where = f"task {task.name!r}: PEFT adapter {folder}"
-    try:
-        config = json.loads((folder / CONFIG).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{where} has no {CONFIG}; give a folder PeftModel.save_pretrained wrote") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{where}: {CONFIG} cannot be read ({e})") from None
+    config = load_json(folder / CONFIG, CheckpointError, missing=f"{where} has no {CONFIG}; give a folder "
+                       "PeftModel.save_pretrained wrote", invalid="not a PEFT adapter config")
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         raise CheckpointError(f"{where} is not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     targets = config.get("target_modules")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -38,6 +37,7 @@ from pathlib import Path
 from flexmesh.data.hf_tokenizer import RUN_TOKENIZER
 from flexmesh.errors import RunFolderError
 from flexmesh.files import check_file_target, make_folder, open_file
+from flexmesh.inputs import decode_text, parse_json, read_bytes
 from flexmesh.runtime.state.procs import ancestors
 
 LOCK = ".flexmesh.lock"
@@ -215,21 +215,24 @@ def read_metrics(path: str | Path) -> list[tuple[int, str]]:
     with a warning; a bad line elsewhere raises RunFolderError naming it.
     """
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         return []
-    text = path.read_text()
-    lines = text.split("\n")
+    lines = decode_text(read_bytes(path, RunFolderError)).split("\n")
     rows = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
-        try:
-            rows.append((int(json.loads(line)["step"]), line))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        try:  # a NaN loss is recorded as such: the run stopped at that step
+            step = parse_json(line, RunFolderError, "it", finite=False)["step"]
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise TypeError(f"step {step!r} is not a whole number")
+            rows.append((step, line))
+        except (RunFolderError, KeyError, TypeError) as e:
             if i == len(lines) - 1:  # the unterminated last line
                 warnings.warn(f"{path} ends with a partial line ({len(line)} characters, a crash while writing?); "
                               "dropped it", stacklevel=2)
                 continue
-            raise RunFolderError(f"{path} line {i + 1} is not a metrics record ({e}); fix or delete that line, "
+            why = str(e).removeprefix("it: ")
+            raise RunFolderError(f"{path} line {i + 1} is not a metrics record ({why}); fix or delete that line, "
                                  "then resume") from e
     return rows

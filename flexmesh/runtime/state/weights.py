@@ -33,7 +33,6 @@ Both use the half-split RoPE convention, so q/k weights need no permutation.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +43,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flexmesh.errors import CheckpointError
+from flexmesh.files import plain_name
+from flexmesh.inputs import load_json
 from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
@@ -102,14 +103,16 @@ def _open_weights(path: Path) -> dict[str, Path]:
             raise CheckpointError(f"folder {str(path)!r} holds {len(single)} .safetensors files and no index; "
                                   "give the file (or the *.safetensors.index.json) itself")
     if path.name.endswith(".json"):
+        index = load_json(path, CheckpointError, invalid="not a safetensors index")
         try:
-            weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
+            weight_map = index["weight_map"]
+        except (KeyError, TypeError, IndexError) as e:
             raise CheckpointError(f"{path}: not a safetensors index (needs a 'weight_map' object): "
                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
             raise CheckpointError(f"{path}: 'weight_map' must map each tensor name to a shard file name")
-        files = {str(k): path.parent / f for k, f in weight_map.items()}
+        # shard names come from the file: plain names next to the index, never paths to elsewhere
+        files = {str(k): path.parent / plain_name(f, f"{path}: shard", CheckpointError) for k, f in weight_map.items()}
         for f in set(files.values()):
             if not f.is_file():
                 raise CheckpointError(f"{path} names shard {f.name!r}, which is missing next to it; download it")

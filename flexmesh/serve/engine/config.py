@@ -21,6 +21,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from flexmesh.errors import ServeError
+from flexmesh.inputs import parse_json
 
 SCHEDULERS = ("fifo", "prefill_first")  # transformers' continuous-batching schedulers (SCHEDULER_MAPPING)
 DTYPES = ("fp32", "bf16")
@@ -77,10 +78,8 @@ class EngineConfig:
 
     @classmethod
     def from_json(cls, text: str) -> EngineConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ServeError(f"engine config is not valid JSON ({e}); write it as EngineConfig.to_json does") from e
+        data = parse_json(text, ServeError, "engine config", invalid="not valid JSON ({reason}); write it as "
+                          "EngineConfig.to_json does")
         known = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or set(data) - known:
             extra = sorted(set(data) - known) if isinstance(data, dict) else data

@@ -1,0 +1,217 @@
+"""The one way flexmesh writes (flexmesh.files), tested against the classes: a symbolic link at every
+component below a folder flexmesh owns, a hard link at the file, names from every file that carries
+names, and the mode a created file gets."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from flexmesh.errors import CheckpointError, FlexmeshError, OutputError, SpecError
+from flexmesh.files import make_folder, plain_name, write_atomic
+
+PARTS = ("a", "b", "c")  # root/a/b/c/file.json: a link may sit at any of the four
+
+
+def _elsewhere(tmp_path: Path) -> Path:
+    d = tmp_path / "elsewhere"
+    d.mkdir(exist_ok=True)
+    (d / "file.json").write_text("theirs")
+    return d
+
+
+@pytest.mark.parametrize("at", range(len(PARTS) + 1))
+@pytest.mark.parametrize("kind", ["symlink-to-folder", "symlink-to-file", "fifo", "file"])
+def test_a_link_or_special_file_at_any_component_is_refused(tmp_path, at, kind):
+    elsewhere = _elsewhere(tmp_path)
+    parts = [*PARTS, "file.json"]
+    here = tmp_path / "out" / Path(*parts[:at]) if at else tmp_path / "out"
+    here.mkdir(parents=True, exist_ok=True)
+    planted = here / parts[at]
+    if kind == "symlink-to-folder":
+        planted.symlink_to(elsewhere)
+    elif kind == "symlink-to-file":
+        planted.symlink_to(elsewhere / "file.json")
+    elif kind == "fifo":
+        os.mkfifo(planted)
+    elif at == len(PARTS):
+        pytest.skip("a regular file is what is written there")
+    else:
+        planted.write_text("x")
+    before = sorted(p.name for p in elsewhere.iterdir())
+    with pytest.raises(OutputError) as e:
+        write_atomic(tmp_path / "out" / Path(*parts), "{}", root=tmp_path / "out")
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
+    assert (elsewhere / "file.json").read_text() == "theirs"
+    if at < len(PARTS):
+        with pytest.raises(OutputError):
+            make_folder(tmp_path / "out" / Path(*PARTS), root=tmp_path / "out")
+        assert sorted(p.name for p in elsewhere.iterdir()) == before
+
+
+def test_folders_below_the_root_are_made_one_by_one(tmp_path):
+    write_atomic(tmp_path / "out" / "a" / "b" / "f.json", "{}", root=tmp_path / "out")
+    assert (tmp_path / "out" / "a" / "b" / "f.json").read_text() == "{}"
+    with pytest.raises(OutputError, match="leaves"):
+        make_folder(tmp_path / "out" / ".." / "x", root=tmp_path / "out")
+
+
+def test_a_hard_link_is_refused_and_the_shared_file_kept(tmp_path):
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("precious")
+    os.link(theirs, tmp_path / "plan.json")
+    with pytest.raises(OutputError, match="hard link"):
+        write_atomic(tmp_path / "plan.json", "{}")
+    assert theirs.read_text() == "precious"
+
+
+def test_a_hard_linked_lock_is_refused_and_not_truncated(tmp_path):
+    from flexmesh.runtime.state.rundir import LOCK, hold_run_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("precious")
+    os.link(theirs, out / LOCK)
+    with pytest.raises(FlexmeshError, match="hard link"):
+        hold_run_folder(out)
+    assert theirs.read_text() == "precious"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_a_created_file_gets_the_mode_the_umask_allows(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "x.json", "{}")
+        make_folder(tmp_path / "d" / "e", root=tmp_path)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "x.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "d" / "e").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+# ---- names that come from files --------------------------------------------------------------------
+BAD_NAMES = ["../../../x", "/etc/passwd", "a/b", "..", ".", "", "a\\b", "a\0b", "x" * 300]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_plain_name_refuses_every_way_out(name):
+    with pytest.raises(OutputError):
+        plain_name(name, "name")
+
+
+@pytest.mark.parametrize("name", BAD_NAMES[:7])
+def test_a_task_name_from_a_job_file_or_a_manifest_stays_inside(tmp_path, name):
+    from flexmesh.spec.tasks import Task, load_tasks
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "job.toml").write_text(f'[[task]]\nname = {json.dumps(name)}\ncorpus = "docs"\nrank = 8\nalpha = 16\n'
+                                       'targets = ["q_proj"]\n')
+    with pytest.raises(SpecError, match="not one plain name"):
+        load_tasks(tmp_path / "job.toml")
+    with pytest.raises(SpecError, match="not one plain name"):  # a manifest's tasks, as a checkpoint records them
+        Task.from_dict({"name": name, "corpus": "docs", "rank": 8, "alpha": 16, "targets": ["q_proj"]})
+
+
+@pytest.mark.parametrize("name", BAD_NAMES[:7])
+def test_an_export_never_writes_an_adapter_outside_out(tmp_path, name):
+    torch = pytest.importorskip("torch")
+    from flexmesh.runtime.state.peft import write_adapters
+    from flexmesh.spec.tasks import Task, TaskSet
+
+    good = Task.from_dict({"name": "chat", "corpus": "docs", "rank": 8, "alpha": 16, "targets": ["q_proj"]})
+    bad = Task(**{**good.__dict__, "name": name})  # as if the manifest's check were bypassed
+    out = tmp_path / "deep" / "er" / "out"
+    out.mkdir(parents=True)
+    tensors = {"layers.0.attention.adapters.wq.lora_A.0": torch.zeros(8, 4)}
+    with pytest.raises(FlexmeshError):
+        write_adapters(out, TaskSet((bad,)), tensors, "base")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["deep", "deep/er", "deep/er/out"]
+
+
+def test_a_symlinked_adapters_folder_is_not_written_through(tmp_path):
+    torch = pytest.importorskip("torch")
+    from flexmesh.runtime.state.peft import write_adapters
+    from flexmesh.spec.tasks import Task, TaskSet
+
+    out = tmp_path / "out"
+    out.mkdir()
+    elsewhere = _elsewhere(tmp_path)
+    (out / "adapters").symlink_to(elsewhere)
+    task = Task.from_dict({"name": "chat", "corpus": "docs", "rank": 8, "alpha": 16, "targets": ["q_proj"]})
+    with pytest.raises(OutputError, match="adapters is a symlink"):
+        write_adapters(out, TaskSet((task,)), {"layers.0.attention.adapters.wq.lora_A.0": torch.zeros(8, 4)}, "base")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["file.json"]
+
+
+def test_a_symlinked_run_tokenizer_folder_is_not_written_through(tmp_path):
+    pytest.importorskip("tokenizers")
+    from flexmesh.data.hf_tokenizer import RUN_TOKENIZER, record_tokenizer
+    from flexmesh.data.tokenizer import train_bpe
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    tok = train_bpe(tmp_path / "docs", vocab_size=280, cache_dir=tmp_path / "cache")
+    out = tmp_path / "out"
+    out.mkdir()
+    elsewhere = _elsewhere(tmp_path)
+    (out / RUN_TOKENIZER).symlink_to(elsewhere)
+    with pytest.raises(OutputError, match="tokenizer is a symlink"):
+        record_tokenizer(out, tok, None, 64)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["file.json"]
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", ".."])
+def test_weights_index_shard_names_stay_next_to_the_index(tmp_path, shard):
+    pytest.importorskip("torch")
+    from flexmesh.runtime.state.weights import _open_weights
+
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "sub").mkdir()
+    (d / "sub" / "x.safetensors").write_bytes(b"")
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": shard}}))
+    with pytest.raises(CheckpointError, match="not one plain name") as e:
+        _open_weights(index)
+    assert "\n" not in str(e.value)
+
+
+# ---- a port in use for --rdzv-endpoint -------------------------------------------------------------
+def test_a_rendezvous_port_held_by_another_program_is_one_line():
+    import socket
+    import time
+
+    from flexmesh.errors import PlanError
+    from flexmesh.runtime.launch import check_endpoint
+
+    with socket.socket() as held:  # a program that accepts and never answers
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(PlanError, match=f"port {port} is in use by another program"):
+            check_endpoint(f"127.0.0.1:{port}", timeout_s=1.0)
+        assert time.monotonic() - start < 30
+    check_endpoint(f"127.0.0.1:{port}")  # free again
+    check_endpoint("192.0.2.1:29400")  # not this machine: left to torchrun
+
+
+def test_a_rendezvous_port_where_a_store_serves_passes():
+    import socket
+    from datetime import timedelta
+
+    dist = pytest.importorskip("torch.distributed")
+    from flexmesh.runtime.launch import check_endpoint
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    check_endpoint(f"127.0.0.1:{port}")
+    del store
