@@ -221,7 +221,7 @@ def test_user_text_prints_verbatim(tmp_path, capsys, monkeypatch):
     assert main(["plan", "--model", "tiny", "--cluster", "2xA100-80GB", "--seq-len", "512", "--global-batch", "4",
                  "--out", out]) == 0
     said = " ".join(capsys.readouterr().out.split())
-    assert f"wrote best plan to {out}" in said, said
+    assert f"wrote the best plan to {out}" in said, said
     assert (tmp_path / out).is_file()
 
 
