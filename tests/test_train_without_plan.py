@@ -128,3 +128,16 @@ def test_the_default_dtype_follows_the_device(monkeypatch):
         assert run_dtype(_args(*argv)) == want, (gpus, nproc)
         assert run_dtype(_args(*argv, "--dtype", "fp32")) == "fp32"
         assert run_dtype(_args(*argv, "--device", "cpu")) == "fp32"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_cpu_without_a_profile_is_measured_once_and_kept(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    got = plan_run(_args("--model", "tiny", "--device", "cpu"))
+    assert local_profile("hardware").is_file() and got.plan.cluster == "1xlocal"
+    assert not any((tmp_path / "tmp").iterdir())  # the profile's own --out copy is not left behind

@@ -107,14 +107,15 @@ def _cluster(args: argparse.Namespace, world: int) -> tuple[str | None, str]:
 
     cpus = f"{world} CPU process{'es' if world > 1 else ''}"
     if not local_profile("hardware").is_file():
-        _profile_this_machine(args, world)
+        _profile_this_machine(world)
     return f"{world}xlocal", f"{cpus}, priced by this machine's profile ({local_profile('hardware')})"
 
 
-def _profile_this_machine(args: argparse.Namespace, world: int) -> None:
+def _profile_this_machine(world: int) -> None:
     """Save this machine's hardware profile once (``flexmesh profile hardware --quick``, about 10 s), so that
     the search has the CPU's measured speeds to rank layouts by; later runs and ``--cluster local`` reuse it."""
     import subprocess
+    import tempfile
 
     from flexmesh.runtime.launch import child_env
 
@@ -122,16 +123,11 @@ def _profile_this_machine(args: argparse.Namespace, world: int) -> None:
     argv += ["--nproc", str(world)] if world > 1 else []
     print(f"no profile of this machine yet: measuring it once to plan on (flexmesh {' '.join(argv)})",
           file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv, "--out", str(_scratch(args))], env=child_env(),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the profile's --out copy is thrown away: planning reads the one it keeps as this machine's
+    with tempfile.TemporaryDirectory(prefix="flexmesh-profile-") as scratch:
+        proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv, "--out", f"{scratch}/hardware.json"],
+                              env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise PlanError(f"profiling this machine to plan on failed ({tail[0]}); give --plan, or --cluster to plan "
                         "for a preset")
-
-
-def _scratch(args: argparse.Namespace) -> Path:
-    """Where the one-off profile's --out copy goes (the machine's own copy is what planning reads)."""
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix="flexmesh-profile-")) / "hardware.json"
