@@ -101,17 +101,17 @@ def _planned(args: argparse.Namespace) -> Planned | None:
     if again.is_file() and not (args.overwrite or args.no_resume):
         from flexmesh.layout.plan import load_plan
 
-        return Planned(load_plan(again), f"resuming on the plan this run chose: {again}")
+        return Planned(load_plan(again), f"resuming on the plan this run chose: {again}", written=True)
     return plan_run(args)
 
 
 def _write_planned(args: argparse.Namespace, planned: Planned | None) -> None:
-    """Inside the run folder: the plan a run without --plan chose, written to ``OUT/plan.json`` (unless it is
-    that file already) and said; ``args.plan`` names it from here on."""
+    """Inside the run folder: the plan a run without --plan chose, written to ``OUT/plan.json`` (unless it was
+    read from there) and said; ``args.plan`` names it from here on."""
     if planned is None:
         return
     path = planned_path(args.out)
-    if not path.is_file() or args.overwrite or args.no_resume:
+    if not planned.written:
         planned.plan.save(path)
     args.plan = str(path)
     if os.environ.get("RANK", "0") == "0":

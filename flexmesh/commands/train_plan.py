@@ -34,6 +34,7 @@ class Planned:
 
     plan: Plan
     how: str
+    written: bool = False  # read back from OUT/plan.json (a resume): nothing to write
 
 
 def planned_path(out: str) -> Path:
