@@ -176,8 +176,11 @@ def _git(*args: str, cwd: Path) -> str:
 
 def commit(root: Path = RESULTS.parent) -> str:
     """HEAD's short hash, with ``-dirty`` when tracked files differ from it (the records themselves aside:
-    earlier benches of the same run rewrite them)."""
-    sha = _git("rev-parse", "--short", "HEAD", cwd=root) or "unknown"
+    earlier benches of the same run rewrite them). A copy of the tree without its git folder (a device
+    machine's) reads the hash that ``bench/gpu_session.sh`` was handed, written where the tree was clean."""
+    sha = _git("rev-parse", "--short", "HEAD", cwd=root)
+    if not sha:
+        return os.environ.get("FLEXMESH_BENCH_COMMIT", "unknown")
     changed = _git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)bench/RESULTS.md",
                    ":(exclude,top)bench/records", cwd=root)
     return sha + ("-dirty" if changed else "")

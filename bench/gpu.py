@@ -171,22 +171,91 @@ def flexmesh_worker(a: argparse.Namespace) -> dict:
     predicted = {k: [s.predicted_step_time for s in schedules(spec, plan, steps_docs, case.doc_len, c)]
                  for k, c in costs.items()}
     steps = schedules(spec, plan, steps_docs, case.doc_len)
-    config = TrainConfig(max_steps=a.steps, lr=1e-4, dtype="fp32" if a.cpu else "bf16", progress=False,
-                         compile=a.compile)
+    variant = a.mode[1].partition("-")[2] if "-" in a.mode[1] else ""  # flexmesh-eager, flexmesh-liger
+    compile_ = False if variant in ("eager", "liger") else a.compile
+    config = TrainConfig(max_steps=a.steps + (1 if a.trace else 0), lr=1e-4, dtype="fp32" if a.cpu else "bf16",
+                         progress=False, compile=compile_)
     t0 = time.perf_counter()
     trainer = Trainer(plan, spec, config, weights=a.weights)
+    if variant == "liger":
+        apply_liger(trainer.modules)
     setup = time.perf_counter() - t0
     rows = []
     for docs, schedule in zip(steps_docs, steps):
         m = trainer.step(docs, schedule)
         rows.append({"time_s": m.step_time_s, "tokens": m.tokens, "loss": m.loss, "microbatches": m.microbatches})
-    out = {"setup_s": setup, "steps": rows, "kernel": m.attention_kernel, "compiled": bool(trainer.config.compile),
+    kernel = m.attention_kernel + (" + Liger norms/SwiGLU/loss" if variant == "liger" else "")
+    out = {"setup_s": setup, "steps": rows, "kernel": kernel, "compiled": bool(trainer.config.compile),
            "predicted": predicted, "device": torch.cuda.get_device_name() if trainer.device.type == "cuda" else "CPU",
            "peak_gib": m.peak_memory_gib}
+    if a.trace:  # one more step (the first step's documents again) under the profiler
+        out["trace"] = traced_step(lambda: trainer.step(steps_docs[-1], steps[-1]), trainer.device.type)
     import torch.distributed as dist
 
     dist.destroy_process_group()
     return out
+
+
+def apply_liger(modules) -> None:  # noqa: ANN001
+    """Liger-Kernel's Triton kernels in place of the eager model's RMSNorm, SwiGLU and chunked loss (the
+    candidate against compiled blocks, which fuse the same operations through Inductor)."""
+    import torch
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy, liger_rms_norm, liger_swiglu
+
+    import flexmesh.runtime.model.transformer as T
+
+    def norm(self, x):  # noqa: ANN001, ANN202
+        return liger_rms_norm(x, self.weight, self.eps or 1e-6, in_place=False)
+
+    def ffn(self, x, row=None):  # noqa: ANN001, ANN202
+        return self.w2(liger_swiglu(self.w1(x), self.w3(x)))
+
+    def loss(h, weight, labels):  # noqa: ANN001, ANN202
+        bf16 = torch.bfloat16
+        return liger_fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]).to(bf16), weight.to(bf16),
+                                                labels.reshape(-1), reduction="sum", accum_dtype=torch.float32)
+
+    for root in modules:
+        for mod in root.modules():
+            if isinstance(mod, torch.nn.RMSNorm):
+                mod.forward = norm.__get__(mod)
+            elif isinstance(mod, T.FeedForward):
+                mod.forward = ffn.__get__(mod)
+    T.linear_cross_entropy = loss
+
+
+# Kernel names by kind, for the profiler's breakdown of a step (first match wins).
+KINDS = (("attention", r"flash|fmha|attention|attn"), ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|addmm|\bmm\b|matmul"),
+         ("optimizer", r"adam|multi_tensor"), ("loss", r"cross_entropy|log_softmax|nll|logsumexp"),
+         ("fused (Triton)", r"^triton_|_kernel$"), ("copies", r"copy|memcpy|memset|fill|cat|index"))
+
+
+def traced_step(step, device_type: str) -> dict:  # noqa: ANN001
+    """Run ``step()`` under torch.profiler: the device's busy time by kernel kind and the top kernels,
+    against the step's wall time (a device idle for much of it waits on the host)."""
+    import re
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device_type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages()
+              if (e.device_type == torch.autograd.DeviceType.CUDA if cuda else e.key.startswith("aten::"))]
+    own = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6, e.count) for e in events]
+    own = [o for o in own if o[1] > 0]
+    kinds: dict[str, float] = {}
+    for name, t, _ in own:
+        kind = next((k for k, rx in KINDS if re.search(rx, name, re.I)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + t
+    busy = sum(kinds.values())
+    top = sorted(own, key=lambda o: -o[1])[:12]
+    return {"wall_s": wall, "busy_s": busy, "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": n[:120], "s": t, "calls": c} for n, t, c in top]}
 
 
 def transformers_worker(a: argparse.Namespace) -> dict:
@@ -264,6 +333,8 @@ def hf_weights(spec, folder: Path, seed: int = 0) -> Path:
 
 
 def run_worker(system: str, case: Case, a: argparse.Namespace, folder: Path) -> dict:
+    """``system``'s run of ``case`` in a process of its own: its result, or ``{"failed": why}`` ("OOM" where it
+    ran out of memory) so that one system's failure costs its own row only."""
     out = folder / f"{system}-{case.name}.json"
     cmd = [sys.executable, "-m", "bench.gpu", "worker", system, "--case", case.name, "--steps", str(a.steps),
            "--out", str(out), "--hf-folder", str(folder / "hf"), "--weights", str(folder / "hf" / "model.safetensors")]
@@ -272,14 +343,44 @@ def run_worker(system: str, case: Case, a: argparse.Namespace, folder: Path) -> 
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     if a.cpu:
         cmd.append("--cpu")
+    if a.trace and system == "flexmesh":
+        cmd.append("--trace")
     if a.compile is not None:
         cmd.append("--compile" if a.compile else "--no-compile")
     from flexmesh.runtime.launch import child_env
 
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=a.timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"{system} {case.name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(out.read_text())
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"timed out after {a.timeout} s"}
+    if proc.returncode == 0 and out.exists():
+        return json.loads(out.read_text())
+    text = proc.stdout + proc.stderr
+    if "OutOfMemoryError" in text or "out of memory" in text.lower():
+        return {"failed": "OOM"}
+    last = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or [f"exit {proc.returncode}"]
+    (folder / f"{system}-{case.name}.log").write_text(text[-20000:])
+    return {"failed": f"failed: {last[0].strip()[:160]}", "log": text[-4000:]}
+
+
+def importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def systems_of(case: Case, a: argparse.Namespace) -> list[str]:
+    """The systems that run ``case``: transformers and flexmesh; on a GPU also torchtitan where it is installed
+    (the fixed-length cases), and at 2048 flexmesh's eager blocks and Liger-Kernel's, the candidates that
+    compiled blocks are measured against."""
+    if a.systems:
+        return a.systems.split(",")
+    systems = ["transformers", "flexmesh"]
+    if not a.cpu and case.name == "2048":
+        systems += ["flexmesh-eager"] + (["flexmesh-liger"] if importable("liger_kernel") else [])
+    if not case.mixed and importable("torchtitan") and importable("bench.gpu_torchtitan"):
+        systems.append("torchtitan")
+    return systems
 
 
 def summarise(spec, case: Case, result: dict, peak: float | None) -> dict:
@@ -293,7 +394,9 @@ def summarise(spec, case: Case, result: dict, peak: float | None) -> dict:
             "step_s": seconds / len(timed), "loss1": steps[0]["loss"],
             "predicted": {k: float(np.mean(v[WARMUP:] if len(v) > WARMUP else v))
                           for k, v in result["predicted"].items()},
-            "microbatches": float(np.mean([s["microbatches"] for s in timed]))}
+            "microbatches": float(np.mean([s["microbatches"] for s in timed])),
+            "slowest_vs_median": max(s["time_s"] for s in timed) / float(np.median([s["time_s"] for s in timed])),
+            "setup_s": result["setup_s"], "peak_gib": result.get("peak_gib")}
 
 
 def _predicted(summary: dict, kind: str) -> str:
@@ -317,6 +420,10 @@ def main() -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
+    p.add_argument("--systems", default=None, help="comma-separated systems for every case (default: transformers, "
+                   "flexmesh, and on a GPU torchtitan where installed and at 2048 flexmesh-eager, flexmesh-liger)")
+    p.add_argument("--results", metavar="FILE", help="append each run's summary to FILE (JSON lines) as it finishes")
+    p.add_argument("--trace", action="store_true", help="profile one more flexmesh step: device time by kernel kind")
     p.add_argument("--model-config", metavar="DIR", help="write the config.json of the GPU cases' model to DIR and "
                    "exit: `flexmesh profile model --model DIR --dtype bf16` profiles that shape")
     # worker-only
@@ -332,7 +439,11 @@ def main() -> None:
         (Path(a.model_config) / "config.json").write_text(json.dumps(to_hf_config(model_spec(False)), indent=1))
         return
     if a.mode[:1] == ["worker"]:
-        result = (flexmesh_worker if a.mode[1] == "flexmesh" else transformers_worker)(a)
+        if a.mode[1] == "torchtitan":
+            from bench.gpu_torchtitan import torchtitan_worker as worker
+        else:
+            worker = flexmesh_worker if a.mode[1].startswith("flexmesh") else transformers_worker
+        result = worker(a)
         Path(a.out).write_text(json.dumps(result))
         return
     import torch
@@ -354,34 +465,63 @@ def main() -> None:
     peak = peak_flops(a.cluster, "fp32" if cpu else "bf16") if not cpu else None
     console = Console(width=max(200, Console().width))
     rows, record = [], {}
+    results = Path(a.results) if a.results else None
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         hf_weights(spec, folder / "hf")
         for case in cases:
-            for system in ("transformers", "flexmesh"):
+            for system in systems_of(case, a):
                 console.print(f"{case.name}: {system} ...", highlight=False)
                 result = run_worker(system, case, a, folder)
-                for s, docs in zip(result["steps"], make_steps(spec, case, a.steps)):
-                    s["sq_tokens"] = float(sum(float(len(d)) ** 2 for d in docs))
-                record[(case.name, system)] = (result, summarise(spec, case, result, peak))
-    columns = ["case", "system", "attention", "tokens/s", "vs transformers", "TFLOP/s", "MFU", "micro-batches",
-               "step s", "first step s", "predicted (preset)", "predicted (profile)", "loss step 1"]
+                if "failed" in result:
+                    summary = None
+                    console.print(f"{case.name}: {system} {result['failed']}", highlight=False)
+                else:
+                    for s, docs in zip(result["steps"], make_steps(spec, case, a.steps)):
+                        s["sq_tokens"] = float(sum(float(len(d)) ** 2 for d in docs))
+                    summary = summarise(spec, case, result, peak)
+                    console.print(f"{case.name}: {system} {summary['tokens_per_s']:,.0f} tokens/s, first step "
+                                  f"{summary['first_step_s']:.1f} s", highlight=False)
+                record[(case.name, system)] = (result, summary)
+                if results is not None:  # each run as it finishes: a later crash loses nothing before it
+                    with results.open("a") as f:
+                        f.write(json.dumps({"case": case.name, "system": system, "device": device_name,
+                                            "summary": summary, **{k: result[k] for k in ("failed", "trace", "kernel",
+                                                                                         "version", "config")
+                                                                  if k in result}}) + "\n")
+    columns = ["case", "system", "attention", "tokens/s", "vs transformers", "vs torchtitan", "TFLOP/s", "MFU",
+               "micro-batches", "step s", "slowest / median", "first step s", "peak GiB", "predicted (preset)",
+               "predicted (profile)", "loss step 1"]
+
+    def ratio(case: Case, s: dict, other: str) -> str:
+        base = record.get((case.name, other), (None, None))[1]
+        return f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+
     for case in cases:
-        base = record[(case.name, "transformers")][1]["tokens_per_s"]
-        for system in ("transformers", "flexmesh"):
+        for system in systems_of(case, a):
             result, s = record[(case.name, system)]
-            rows.append([case.name, system, result["kernel"] + (", compiled" if result["compiled"] else ""),
-                         f"{s['tokens_per_s']:,.0f}", f"{s['tokens_per_s'] / base:.2f}x", f"{s['tflops']:.1f}",
-                         f"{s['mfu']:.1%}" if s["mfu"] else "-", f"{s['microbatches']:.1f}", f"{s['step_s']:.3f}",
-                         f"{s['first_step_s']:.1f}", _predicted(s, "preset"), _predicted(s, "profile"),
-                         f"{s['loss1']:.5f}"])
+            if s is None:
+                rows.append([case.name, system, result["failed"], *["-"] * (len(columns) - 3)])
+                continue
+            name = result["kernel"] + (", compiled" if result["compiled"] else "")
+            rows.append([case.name, system, name + (f" ({result['version']})" if result.get("version") else ""),
+                         f"{s['tokens_per_s']:,.0f}", ratio(case, s, "transformers"), ratio(case, s, "torchtitan"),
+                         f"{s['tflops']:.1f}", f"{s['mfu']:.1%}" if s["mfu"] else "-", f"{s['microbatches']:.1f}",
+                         f"{s['step_s']:.3f}", f"{s['slowest_vs_median']:.2f}", f"{s['first_step_s']:.1f}",
+                         f"{s['peak_gib']:.1f}" if s["peak_gib"] else "-", _predicted(s, "preset"),
+                         _predicted(s, "profile"), f"{s['loss1']:.5f}"])
     table = Table(title=f"{spec.name} on {device_name}, torch {torch.__version__}")
     for c in columns:
         table.add_column(c)
     for r in rows:
         table.add_row(*r)
     console.print(table)
-    print(json.dumps({f"{k[0]}/{k[1]}": v[1] for k, v in record.items()}))
+    traces = [(k, v[0]["trace"]) for k, v in record.items() if v[0].get("trace")]
+    for (case_name, system), t in traces:
+        kinds = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t["kinds"].items())
+        console.print(f"{case_name} {system}, one step under the profiler: wall {t['wall_s'] * 1e3:.0f} ms, device "
+                      f"busy {t['busy_s'] * 1e3:.0f} ms ({kinds})", highlight=False)
+    print(json.dumps({f"{k[0]}/{k[1]}": v[1] if v[1] else {"failed": v[0]["failed"]} for k, v in record.items()}))
     if not a.no_record:
         from bench._results import markdown_table
         from bench._results import record as write
@@ -393,7 +533,14 @@ def main() -> None:
                 "Reproduce: `python -m bench.gpu " + " ".join(sys.argv[1:]) + "`\n\n")
         ours = [r for r in rows if r[1] == "flexmesh"]
         headline = "flexmesh vs transformers tokens/s: " + ", ".join(f"{r[0]} {r[4]}" for r in ours) + (
-            "; predicted (preset): " + ", ".join(r[10] for r in ours) if any(r[10] != "-" for r in ours) else "")
+            "; vs torchtitan: " + ", ".join(f"{r[0]} {r[5]}" for r in ours if r[5] != "-")
+            if any(r[5] != "-" for r in ours) else "") + (
+            "; predicted (preset): " + ", ".join(r[13] for r in ours) if any(r[13] != "-" for r in ours) else "")
+        if traces:
+            note += "\n\n" + "\n".join(
+                f"- {c} {sy}, one step under the profiler: wall {t['wall_s'] * 1e3:.0f} ms, device busy "
+                f"{t['busy_s'] * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t["kinds"].items())
+                for (c, sy), t in traces) + "\n\n"
         write("gpu-cpu" if cpu else "gpu", note + "\n".join(markdown_table(columns, rows)), script="gpu",
               headline=headline, gpu=not cpu)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -355,6 +356,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     from flexmesh.runtime.train.adaptive import AdaptiveSource
     from flexmesh.runtime.train.groups import check_emulation, check_runnable
     from flexmesh.runtime.train.trainer import Trainer
+    from flexmesh.runtime.train.walltime import WallTime
     from flexmesh.search.check import check_model
 
     plan = load_plan(args.plan)
@@ -383,11 +385,17 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
         for warning in overlap_warnings(plan):
             print(f"warning: {warning}", file=sys.stderr)
     announce_emulation(emulated)
-    loader = document_loader(args, job)
+    wall = WallTime()
+    wall.add("start-up", time.perf_counter() - wall.start)  # the interpreter, imports, the plan and its checks
+    with wall.phase("tokenizer and data"):
+        loader = document_loader(args, job)
     config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
-    init_distributed(timeout_s=args.collective_timeout, device=args.device)
+    with wall.phase("process group"):
+        init_distributed(timeout_s=args.collective_timeout, device=args.device)
+    rank0 = dist.get_rank() == 0
     try:
-        trainer = Trainer(plan, spec, config, weights=args.weights, tasks=job.parts.tasks)
+        with wall.phase("model build"):
+            trainer = Trainer(plan, spec, config, weights=args.weights, tasks=job.parts.tasks)
         if dist.get_rank() == 0:
             announce(trainer)
         # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late
@@ -404,9 +412,13 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
             migration = MigrationCheck(planned, spec, monitor, args.out, args.max_steps,
                                        emulate_speed=tuple(args.emulate_speed))
         groups = f" over {len(plan.groups)} replica groups" if len(plan.groups) > 1 else ""
-        return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration)
+        return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration,
+                              wall=wall)
     finally:
-        dist.destroy_process_group()
+        with wall.phase("teardown"):
+            dist.destroy_process_group()
+        if rank0:  # where the run's time went, the first step's compilation and the checkpoints apart
+            print(wall.line(), file=sys.stderr, flush=True)
 
 
 def announce(trainer) -> None:

@@ -120,8 +120,11 @@ def attention_core(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch
     args = (q, k, v, row.docs, attn.window, row.carry, attn.layer)
     if attn.recompute_core and torch.is_grad_enabled():
         # preserve_rng_state off: attention draws no random numbers (no dropout)
-        return checkpoint(attn.core, *args, use_reentrant=False, preserve_rng_state=False)
-    return attn.core(*args)
+        out = checkpoint(attn.core, *args, use_reentrant=False, preserve_rng_state=False)
+    else:
+        out = attn.core(*args)
+    torch._dynamo.maybe_mark_dynamic(out, 2)  # the compiled rest of the block takes any length (Transformer.forward)
+    return out
 
 
 # ---- blocks --------------------------------------------------------------------------------------
@@ -178,7 +181,7 @@ class Attention(nn.Module):
         cos, sin = row.cos.to(q.dtype), row.sin.to(q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention_core(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), row)
-        return adapted(self, "wo", out.transpose(1, 2).reshape(b, t, -1), row)
+        return adapted(self, "wo", out.transpose(1, 2).flatten(2), row)  # no Python int of the length: any row
 
 
 class FeedForward(nn.Module):
@@ -249,6 +252,11 @@ class Transformer(nn.Module):
         (flexmesh.runtime.model.loss.linear_cross_entropy)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         row = self.row(batch)
+        # Rows differ in length from micro-batch to micro-batch: compiled blocks (--compile) take the
+        # length as a dynamic size from the first row on, so no later row recompiles them (without
+        # this, torch.compile specialises on the first length and recompiles at the second).
+        for t in (h, row.cos, row.sin):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
         for layer in self.layers.values():
             h = layer(h, row)
         if self.norm is None:

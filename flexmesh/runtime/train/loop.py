@@ -8,6 +8,7 @@ import json
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from flexmesh.runtime.state.rundir import (
 )
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig
 from flexmesh.runtime.train.trainer import Trainer
+from flexmesh.runtime.train.walltime import WallTime
 from flexmesh.runtime.train.watchdog import Heartbeat, rank_error
 
 
@@ -76,7 +78,7 @@ class ListSource:
 
 
 def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None,
-        migration: Any = None) -> list[StepMetrics]:
+        migration: Any = None, wall: WallTime | None = None) -> list[StepMetrics]:
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
@@ -99,7 +101,11 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     timed, rank 0 decides (``decide(m, save_s)`` -> an event dict with ``"event": "migrated"`` or
     ``"migration_declined"``), every rank gets the decision, the event joins the step's metrics row,
     and a migration raises :class:`Migrating` (the launcher relaunches on the new plan).
+
+    ``wall`` (flexmesh.runtime.train.walltime.WallTime) gets the first step (where compilation happens),
+    the later steps (their data included) and the checkpoints' times.
     """
+    wall = wall if wall is not None else WallTime()
     out = Path(config.out_dir) if config.out_dir else None
     ckpt_root = out / CHECKPOINTS if out else None
     rank0 = dist.get_rank() == 0
@@ -131,11 +137,13 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
         progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
         late = 0  # consecutive steps that ran the fallback schedule
         while trainer.step_index < config.max_steps:
+            t_step = time.perf_counter()
             try:
                 docs, schedule = next(source)
             except StopIteration:
                 break
             m = trainer.step(docs, schedule)
+            wall.add("steps" if history else "first step", time.perf_counter() - t_step)
             if monitor is not None:
                 m = monitor.observe(m, docs, schedule)
             migrated = saved = None
@@ -165,7 +173,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                 assert saved is not None  # the migration point saved the checkpoint it names
                 raise Migrating(m.step, saved, migrated)
             if ckpt_root is not None and due and saved is None:
-                saved = save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
+                with wall.phase("checkpoints"):
+                    saved = save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
             if stop and trainer.step_index < config.max_steps:  # at the last step the run is done anyway
                 raise Preempted(m.step, saved)
     except RuntimeError as e:  # torch's DistBackendError included
