@@ -113,7 +113,8 @@ def plan_of_one():
 STEPS = 5
 
 
-def worker(out: Path, dtype: str) -> None:
+def worker(out: Path) -> None:
+    """Both precisions in one process: the second reuses the first's start-up and compiler workers."""
     import dataclasses
 
     import torch.distributed as dist
@@ -122,22 +123,30 @@ def worker(out: Path, dtype: str) -> None:
     from flexmesh.runtime.train.trainer import Trainer
 
     init_distributed(timeout_s=300, device="cuda")
-    trainer = Trainer(plan_of_one(), tiny_spec(), replace(train_config(), max_steps=STEPS, dtype=dtype))
-    rows = [dataclasses.asdict(trainer.step(docs, sched)) for docs, sched in make_steps(1, 1, steps=STEPS)]
-    (out / f"{dtype}.json").write_text(json.dumps({"rows": rows, "compiled": trainer.config.compile,
-                                                  "chunked": trainer.chunked_loss}))
+    for dtype in ("bf16", "fp32"):
+        trainer = Trainer(plan_of_one(), tiny_spec(), replace(train_config(), max_steps=STEPS, dtype=dtype))
+        rows = [dataclasses.asdict(trainer.step(docs, sched)) for docs, sched in make_steps(1, 1, steps=STEPS)]
+        (out / f"{dtype}.json").write_text(json.dumps({"rows": rows, "compiled": trainer.config.compile,
+                                                      "chunked": trainer.chunked_loss}))
     dist.barrier()
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-runs")
+    proc = launch(1, ["worker", str(out)], script=__file__, timeout=850, fresh=True)  # CUDA
+    return out, proc
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_five_steps_on_the_gpu_match_the_cpu_reference(tmp_path, dtype):
+def test_five_steps_on_the_gpu_match_the_cpu_reference(gpu_runs, dtype):
     """Steps with a document cut over micro-batches (carried keys and values), a recomputed layer and
     a selectively recomputed one, under the GPU defaults (compiled blocks, chunked loss, fused AdamW)."""
-    proc = launch(1, ["worker", str(tmp_path), dtype], script=__file__, timeout=850, fresh=True)  # CUDA
+    out, proc = gpu_runs
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    got = json.loads((tmp_path / f"{dtype}.json").read_text())
+    got = json.loads((out / f"{dtype}.json").read_text())
     assert got["compiled"] and got["chunked"]
     want, _, _, _ = reference_training(make_steps(1, 1, steps=STEPS), replace(train_config(), max_steps=STEPS))
     tol = 2e-2 if dtype == "bf16" else 1e-4
@@ -150,4 +159,4 @@ def test_five_steps_on_the_gpu_match_the_cpu_reference(tmp_path, dtype):
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    worker(Path(sys.argv[2]), sys.argv[3])
+    worker(Path(sys.argv[2]))
