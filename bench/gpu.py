@@ -371,13 +371,13 @@ def importable(module: str) -> bool:
 
 def systems_of(case: Case, a: argparse.Namespace) -> list[str]:
     """The systems that run ``case``: transformers and flexmesh; on a GPU also torchtitan where it is installed
-    (the fixed-length cases), and at 2048 flexmesh's eager blocks and Liger-Kernel's, the candidates that
+    (the fixed-length cases), and at 2048 flexmesh with Liger-Kernel's eager kernels, the candidate that
     compiled blocks are measured against."""
     if a.systems:
         return a.systems.split(",")
     systems = ["transformers", "flexmesh"]
     if not a.cpu and case.name == "2048":
-        systems += ["flexmesh-eager"] + (["flexmesh-liger"] if importable("liger_kernel") else [])
+        systems += ["flexmesh-liger"] if importable("liger_kernel") else []  # flexmesh-eager: asked by --systems
     if not case.mixed and importable("torchtitan") and importable("bench.gpu_torchtitan"):
         systems.append("torchtitan")
     return systems
