@@ -51,8 +51,7 @@ import numpy as np
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/runtime", "flexmesh/profile", "flexmesh/schedule", "flexmesh/sim", "flexmesh/cost",
               "flexmesh/data", "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
-              "flexmesh/inputs.py",
-              "flexmesh/units.py")
+              "flexmesh/inputs.py", "flexmesh/units.py", "bench/gpu_torchtitan.py")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -464,7 +463,7 @@ def main() -> None:
     cases = [c for c in (CPU_CASES if cpu else GPU_CASES) if a.cases is None or c.name in a.cases.split(",")]
     peak = peak_flops(a.cluster, "fp32" if cpu else "bf16") if not cpu else None
     console = Console(width=max(200, Console().width))
-    rows, record = [], {}
+    record: dict = {}
     results = Path(a.results) if a.results else None
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -489,19 +488,39 @@ def main() -> None:
                                             "summary": summary, **{k: result[k] for k in ("failed", "trace", "kernel",
                                                                                          "version", "config")
                                                                   if k in result}}) + "\n")
-    columns = ["case", "system", "attention", "tokens/s", "vs transformers", "vs torchtitan", "TFLOP/s", "MFU",
-               "micro-batches", "step s", "slowest / median", "first step s", "peak GiB", "predicted (preset)",
-               "predicted (profile)", "loss step 1"]
+            if not a.no_record:  # each case as it finishes: a run stopped part-way keeps the cases before
+                write_record(spec, cases, record, a, device_name)
+    rows = table_rows(cases, record, a)
+    table = Table(title=f"{spec.name} on {device_name}, torch {torch.__version__}")
+    for c in COLUMNS:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    for line in trace_lines(record):
+        console.print(line, highlight=False)
+    print(json.dumps({f"{k[0]}/{k[1]}": v[1] if v[1] else {"failed": v[0]["failed"]} for k, v in record.items()}))
 
+
+COLUMNS = ["case", "system", "attention", "tokens/s", "vs transformers", "vs torchtitan", "TFLOP/s", "MFU",
+           "micro-batches", "step s", "slowest / median", "first step s", "peak GiB", "predicted (preset)",
+           "predicted (profile)", "loss step 1"]
+
+
+def table_rows(cases: list[Case], record: dict, a: argparse.Namespace) -> list[list[str]]:
+    """One row per (case, system) run so far: its figures, or why it has none (OOM, failed)."""
     def ratio(case: Case, s: dict, other: str) -> str:
         base = record.get((case.name, other), (None, None))[1]
         return f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
 
+    rows = []
     for case in cases:
         for system in systems_of(case, a):
+            if (case.name, system) not in record:
+                continue
             result, s = record[(case.name, system)]
             if s is None:
-                rows.append([case.name, system, result["failed"], *["-"] * (len(columns) - 3)])
+                rows.append([case.name, system, result["failed"], *["-"] * (len(COLUMNS) - 3)])
                 continue
             name = result["kernel"] + (", compiled" if result["compiled"] else "")
             rows.append([case.name, system, name + (f" ({result['version']})" if result.get("version") else ""),
@@ -510,39 +529,79 @@ def main() -> None:
                          f"{s['step_s']:.3f}", f"{s['slowest_vs_median']:.2f}", f"{s['first_step_s']:.1f}",
                          f"{s['peak_gib']:.1f}" if s["peak_gib"] else "-", _predicted(s, "preset"),
                          _predicted(s, "profile"), f"{s['loss1']:.5f}"])
-    table = Table(title=f"{spec.name} on {device_name}, torch {torch.__version__}")
-    for c in columns:
-        table.add_column(c)
-    for r in rows:
-        table.add_row(*r)
-    console.print(table)
-    traces = [(k, v[0]["trace"]) for k, v in record.items() if v[0].get("trace")]
-    for (case_name, system), t in traces:
-        kinds = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t["kinds"].items())
-        console.print(f"{case_name} {system}, one step under the profiler: wall {t['wall_s'] * 1e3:.0f} ms, device "
-                      f"busy {t['busy_s'] * 1e3:.0f} ms ({kinds})", highlight=False)
-    print(json.dumps({f"{k[0]}/{k[1]}": v[1] if v[1] else {"failed": v[0]["failed"]} for k, v in record.items()}))
-    if not a.no_record:
-        from bench._results import markdown_table
-        from bench._results import record as write
+    return rows
 
-        note = (f"{spec.name} ({spec.num_layers} layers, hidden {spec.hidden}), {'fp32' if cpu else 'bf16 autocast'}, "
-                f"one process on {device_name}, torch {torch.__version__}; {a.steps} steps per run, throughput over "
-                f"the steps after the first {WARMUP}; predicted from {a.cluster or 'no preset'}"
-                f"{' and profiles' if a.hardware_profile or a.model_profile else ''}.\n"
-                "Reproduce: `python -m bench.gpu " + " ".join(sys.argv[1:]) + "`\n\n")
-        ours = [r for r in rows if r[1] == "flexmesh"]
-        headline = "flexmesh vs transformers tokens/s: " + ", ".join(f"{r[0]} {r[4]}" for r in ours) + (
-            "; vs torchtitan: " + ", ".join(f"{r[0]} {r[5]}" for r in ours if r[5] != "-")
-            if any(r[5] != "-" for r in ours) else "") + (
-            "; predicted (preset): " + ", ".join(r[13] for r in ours) if any(r[13] != "-" for r in ours) else "")
-        if traces:
-            note += "\n\n" + "\n".join(
-                f"- {c} {sy}, one step under the profiler: wall {t['wall_s'] * 1e3:.0f} ms, device busy "
-                f"{t['busy_s'] * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t["kinds"].items())
-                for (c, sy), t in traces) + "\n\n"
-        write("gpu-cpu" if cpu else "gpu", note + "\n".join(markdown_table(columns, rows)), script="gpu",
-              headline=headline, gpu=not cpu)
+
+def trace_lines(record: dict) -> list[str]:
+    """The profiled steps: wall time, the device's busy time and its split by kernel kind."""
+    return [f"{case} {system}, one step under the profiler: wall {t['wall_s'] * 1e3:.0f} ms, device busy "
+            f"{t['busy_s'] * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t["kinds"].items())
+            for (case, system), (result, _) in record.items() if (t := result.get("trace"))]
+
+
+# The GPU targets (MFU at each case, the ratio to torchtitan with both compiled, the preset's prediction,
+# steady steps): ``case: minimum MFU``, the ratio, the prediction's error, the slowest step over the median.
+MFU_TARGETS = {"2048": 0.50, "8192": 0.45}
+TORCHTITAN_RATIO, PREDICTION_ERROR, SLOWEST = 1.1, 0.10, 1.2
+
+
+def target_lines(record: dict) -> list[str]:
+    """Each GPU target as PASS or FAIL, for the flexmesh rows run so far."""
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    lines = []
+    for (case, system), (result, s) in record.items():
+        if system != "flexmesh":
+            continue
+        if s is None:
+            lines.append(f"{case}: flexmesh completes: {verdict(False)} ({result['failed']})")
+            continue
+        lines.append(f"{case}: flexmesh completes: {verdict(True)}")
+        if case in MFU_TARGETS and s["mfu"]:
+            want = MFU_TARGETS[case]
+            lines.append(f"{case}: MFU {s['mfu']:.1%} (>= {want:.0%}): {verdict(s['mfu'] >= want)}")
+        titan = record.get((case, "torchtitan"), (None, None))[1]
+        if titan:
+            r = s["tokens_per_s"] / titan["tokens_per_s"]
+            lines.append(f"{case}: {r:.2f}x torchtitan (>= {TORCHTITAN_RATIO}x): {verdict(r >= TORCHTITAN_RATIO)}")
+        if "preset" in s["predicted"]:
+            e = s["predicted"]["preset"] / s["step_s"] - 1
+            lines.append(f"{case}: predicted step {e:+.1%} (within {PREDICTION_ERROR:.0%}): "
+                         f"{verdict(abs(e) <= PREDICTION_ERROR)}")
+        lines.append(f"{case}: slowest step after the second {s['slowest_vs_median']:.2f}x the median (<= {SLOWEST}x): "
+                     f"{verdict(s['slowest_vs_median'] <= SLOWEST)}")
+    return lines
+
+
+def write_record(spec, cases: list[Case], record: dict, a: argparse.Namespace, device_name: str) -> None:  # noqa: ANN001
+    """The record of the cases run so far (rewritten after each case, so a run stopped part-way keeps them)."""
+    import torch
+
+    from bench._results import markdown_table
+    from bench._results import record as write
+
+    done = [c for c in cases if all((c.name, s) in record for s in systems_of(c, a))]
+    rows = table_rows(done, record, a)
+    missing = [c.name for c in cases if c not in done]
+    note = (f"{spec.name} ({spec.num_layers} layers, hidden {spec.hidden}), {'fp32' if a.cpu else 'bf16 autocast'}, "
+            f"one process on {device_name}, torch {torch.__version__}; {a.steps} steps per run, throughput over "
+            f"the steps after the first {WARMUP}; predicted from {a.cluster or 'no preset'}"
+            f"{' and profiles' if a.hardware_profile or a.model_profile else ''}.\n"
+            + (f"Cases not run (the run stopped before them): {', '.join(missing)}.\n" if missing else "")
+            + "Reproduce: `python -m bench.gpu " + " ".join(sys.argv[1:]) + "`\n\n")
+    ours = [r for r in rows if r[1] == "flexmesh"]
+    headline = "flexmesh vs transformers tokens/s: " + ", ".join(f"{r[0]} {r[4]}" for r in ours) + (
+        "; vs torchtitan: " + ", ".join(f"{r[0]} {r[5]}" for r in ours if r[5] != "-")
+        if any(r[5] != "-" for r in ours) else "") + (
+        "; predicted (preset): " + ", ".join(r[13] for r in ours) if any(r[13] != "-" for r in ours) else "")
+    if not a.cpu:
+        note += "\n".join(f"- {line}" for line in target_lines(record)) + "\n\n"
+    traces = trace_lines({k: v for k, v in record.items() if k[0] in {c.name for c in done}})
+    if traces:
+        note += "\n".join(f"- {line}" for line in traces) + "\n\n"
+    write("gpu-cpu" if a.cpu else "gpu", note + "\n".join(markdown_table(COLUMNS, rows)), script="gpu",
+          headline=headline, gpu=not a.cpu)
 
 
 if __name__ == "__main__":
