@@ -377,7 +377,7 @@ def systems_of(case: Case, a: argparse.Namespace) -> list[str]:
     systems = ["transformers", "flexmesh"]
     if not a.cpu and case.name == "2048":
         systems += ["flexmesh-liger"] if importable("liger_kernel") else []  # flexmesh-eager: asked by --systems
-    if not case.mixed and importable("torchtitan") and importable("bench.gpu_torchtitan"):
+    if not a.cpu and not case.mixed and importable("torchtitan"):
         systems.append("torchtitan")
     return systems
 

@@ -3,6 +3,8 @@ full tensor: what the model, its adapters and the weight files share."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -10,6 +12,13 @@ from flexmesh.errors import CheckpointError
 
 # Wrappers that insert a name component without changing what the parameter is.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+def host_threads(at_most: int = 8) -> int:
+    """Host threads one rank may use for bulk work (drawing initial weights, writing and hashing
+    checkpoints): its share of this node's cores among its local ranks, at most ``at_most``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(at_most, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+
 
 def is_adapter(name: str) -> bool:
     """Whether parameter ``name`` is a LoRA adapter's (flexmesh.runtime.model.lora), not the base model's."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -57,7 +58,7 @@ from flexmesh.runtime.model.carry import CarryView
 from flexmesh.runtime.model.lora import AdapterRow
 from flexmesh.runtime.model.loss import linear_cross_entropy
 from flexmesh.runtime.model.moe import MoEFeedForward
-from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
+from flexmesh.runtime.model.params import canonical_name, copy_full_, host_threads, is_adapter
 from flexmesh.runtime.model.rope import apply_rope, rope_cos_sin
 from flexmesh.spec.model import ModelSpec
 
@@ -299,20 +300,28 @@ class Transformer(nn.Module):
         """
 
         depth_scale = 1.0 / math.sqrt(2.0 * self.spec.num_layers)
-        for wrapped_name, param in self.named_parameters():
-            name = canonical_name(wrapped_name)  # wrappers (checkpointing, compile) must not change the seed
-            if is_adapter(name):  # LoRA adapters draw their own (flexmesh.runtime.model.lora.init_adapters)
-                continue
-            shape = tuple(param.shape)  # the global shape, also for DTensors
+
+        def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if name.endswith("norm.weight"):
-                full = torch.ones(shape)
-            elif name.endswith(".bias"):
-                full = torch.zeros(shape)
-            else:
-                std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight", "experts.down")) else 1.0)
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full = torch.empty(shape).normal_(0.0, std, generator=gen)
-            copy_full_(param, full)
+                return torch.ones(shape)
+            if name.endswith(".bias"):
+                return torch.zeros(shape)
+            std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight", "experts.down")) else 1.0)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+        # wrappers (checkpointing, compile) must not change the seed; LoRA adapters draw their own
+        # (flexmesh.runtime.model.lora.init_adapters); shapes are global, also for DTensors
+        todo = [(canonical_name(n), p) for n, p in self.named_parameters() if not is_adapter(canonical_name(n))]
+        # Each parameter's own generator makes the draws independent: a few threads draw them at once
+        # (a 1.1B model's draws take half a minute on one core), a window at a time so that no more than a
+        # few full tensors are held beside the model; the copies stay in this thread (DTensors).
+        threads = host_threads()
+        with ThreadPoolExecutor(threads) as pool:
+            for i in range(0, len(todo), threads):
+                window = todo[i:i + threads]
+                for (_, param), full in zip(window, pool.map(lambda t: draw(t[0], tuple(t[1].shape)), window)):
+                    copy_full_(param, full)
 
     def init_buffers(self) -> None:
         """Every module's buffers (the experts' routing state) to their values at construction: a model
@@ -337,9 +346,11 @@ def build_model(spec: ModelSpec, device: str | torch.device = "meta",
     On a real device the weights are initialised with ``init_weights(0)``; on meta call
     ``model.to_empty(device=...)`` then ``model.init_weights(seed)`` after sharding.
     """
-    with torch.device(device):
+    with torch.device("meta"):  # no memory and no default initialisation: init_weights sets every value
         model = Transformer(spec)
     model.to(dtype)
     if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.init_buffers()
         model.init_weights(0)
     return model

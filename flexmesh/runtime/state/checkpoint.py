@@ -50,6 +50,7 @@ from flexmesh.errors import CheckpointError
 from flexmesh.files import make_folder, write_atomic
 from flexmesh.inputs import load_json, read_bytes
 from flexmesh.layout.plan import Plan
+from flexmesh.runtime.model.params import host_threads
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.spec.tasks import Task, TaskSet
 
@@ -140,7 +141,7 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
         model_sd, optim_sd = _state_dicts(trainer, saving=True)
         # several files per rank, written by as many threads (a 1.1B model's fp32 weights and AdamW
         # states are 12 GiB: one thread writes them at a fraction of a disk's bandwidth)
-        writer = dcp.FileSystemWriter(str(tmp), thread_count=io_threads())
+        writer = dcp.FileSystemWriter(str(tmp), thread_count=host_threads())
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
         # Serialised in memory, written with a plain write: torch.save to a path turns a full disk
         # into "enforce fail ... unexpected pos", a file write into OSError(ENOSPC).
@@ -253,12 +254,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def io_threads() -> int:
-    """Threads a rank writes and hashes its checkpoint files with: its share of the node's cores, at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-
-
 def _hash_files(folder: Path, names: list[str]) -> dict[str, str]:
     """sha256 of each of ``names`` in ``folder`` ("missing" where it is not a file), several at once
     (hashlib releases the GIL while it hashes)."""
@@ -267,7 +262,7 @@ def _hash_files(folder: Path, names: list[str]) -> dict[str, str]:
     def one(n: str) -> str:
         return _sha256(folder / n) if (folder / n).is_file() else "missing"
 
-    with ThreadPoolExecutor(io_threads()) as pool:
+    with ThreadPoolExecutor(host_threads()) as pool:
         return dict(zip(names, pool.map(one, names)))
 
 

@@ -226,8 +226,10 @@ class Trainer:
         for k, stage in self.chunks:
             # Small models are built whole on CPU with the seeded init (identical on every rank) and
             # then cut and sharded; with a weights file the model stays on meta until loaded.
-            model = build_model(self.spec, device="meta" if weights else "cpu")
+            model = build_model(self.spec)  # on meta: initialised once, below
             if not weights:
+                model.to_empty(device="cpu")
+                model.init_buffers()
                 model.init_weights(self.config.seed)
             split_stage(model, stage.start, stage.end, first=k == 0, last=k == n - 1)
             for part in self.parts:
