@@ -170,7 +170,11 @@ def flexmesh_worker(a: argparse.Namespace) -> dict:
     predicted = {k: [s.predicted_step_time for s in schedules(spec, plan, steps_docs, case.doc_len, c)]
                  for k, c in costs.items()}
     steps = schedules(spec, plan, steps_docs, case.doc_len)
-    variant = a.mode[1].partition("-")[2] if "-" in a.mode[1] else ""  # flexmesh-eager, flexmesh-liger
+    variant = a.mode[1].partition("-")[2] if "-" in a.mode[1] else ""  # flexmesh-eager, -liger, -flex
+    if variant == "flex":  # FlexAttention ahead of the other kernels that serve the case (compiled, document mask)
+        from flexmesh.runtime.model import attention_kernels as AK
+
+        AK.KERNELS = {"flex": AK.KERNELS["flex"], **{k: v for k, v in AK.KERNELS.items() if k != "flex"}}
     compile_ = False if variant in ("eager", "liger") else a.compile
     config = TrainConfig(max_steps=a.steps + (1 if a.trace else 0), lr=1e-4, dtype="fp32" if a.cpu else "bf16",
                          progress=False, compile=compile_)
@@ -369,14 +373,16 @@ def importable(module: str) -> bool:
 
 
 def systems_of(case: Case, a: argparse.Namespace) -> list[str]:
-    """The systems that run ``case``: transformers and flexmesh; on a GPU also torchtitan where it is installed
-    (the fixed-length cases), and at 2048 flexmesh with Liger-Kernel's eager kernels, the candidate that
-    compiled blocks are measured against."""
+    """The systems that run ``case``: transformers and flexmesh; on a GPU, for the fixed-length cases, also
+    flexmesh with FlexAttention ahead of the varlen kernel (the candidate attention) and torchtitan where
+    it is installed. Named by ``--systems`` only: ``flexmesh-eager`` and ``flexmesh-liger`` (Liger-Kernel's
+    norms, SwiGLU and loss on eager blocks: 48,199 tokens/s against compiled blocks' 53,131 at 2048 on an
+    H100 on 2026-11-27, so compiled blocks stay the default)."""
     if a.systems:
         return a.systems.split(",")
     systems = ["transformers", "flexmesh"]
-    if not a.cpu and case.name == "2048":
-        systems += ["flexmesh-liger"] if importable("liger_kernel") else []  # flexmesh-eager: asked by --systems
+    if not a.cpu and not case.mixed:  # flexmesh-eager and flexmesh-liger: when named by --systems
+        systems.append("flexmesh-flex")
     if not a.cpu and not case.mixed and importable("torchtitan"):
         systems.append("torchtitan")
     return systems

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One GPU machine's checks in one go, most important first, each under its own time limit inside the
 # session's (BUDGET seconds, default 570), every result written to OUT as it comes:
-#   1. bench/gpu.py (flexmesh against transformers, torchtitan and Liger-Kernel; a profiled step)
+#   1. bench/gpu.py (flexmesh against transformers and torchtitan, a FlexAttention candidate, a profiled step)
 #   2. `flexmesh train` of TinyLlama-1.1B's shape on the stdlib corpus: where its wall time went, and how
 #      long the process takes to exit after its last line
 #   3. `pytest -m cuda`
 #   4. `flexmesh demo` on this machine
-# Wheels the machine lacks (torchtitan, liger-kernel: docs/benchmarks.md) go in .whl/ and are installed to
+# Wheels the machine lacks (torchtitan and its needs: docs/benchmarks.md) go in .whl/ and are installed to
 # a folder of their own. Run from the repository root: `OUT=/tmp/gpu bash bench/gpu_session.sh`.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
