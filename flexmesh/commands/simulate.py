@@ -45,6 +45,7 @@ from flexmesh.profile.use import cost_model_for
 from flexmesh.report.tables import print_table as print_fitted
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.scheduler import plan_costs
+from flexmesh.sim.compare import recommendation
 from flexmesh.sim.simulation import (
     COLUMNS,
     SPEED_COLUMNS,
@@ -269,6 +270,7 @@ def print_table(sim: Simulation, console: Console) -> None:
         table.add_row(*comparison_row(r), *(static_cells(r) if note else ()))
     print_fitted(console, table)
     console.print(sim.reference(), highlight=False)
+    console.print(recommendation(sim.runs), highlight=False)
     own = sim.setup.get("plan_step")
     if own:
         predicted = own["predicted_step_s"]
@@ -310,7 +312,7 @@ class GroupsSimulation:
     def print(self, console: Console) -> None:
         from rich.table import Table
 
-        from flexmesh.sim.groups import best_baseline
+        from flexmesh.sim.groups import best_baseline, groups_recommendation
 
         s, base = self.setup, best_baseline(self.runs)
         table = Table(title=f"{s['model']} on {s['cluster']}: {s['groups']} replica groups, sequences up to "
@@ -329,6 +331,7 @@ class GroupsSimulation:
                       "planned share in order, shares+P: packed inside each group by P, dispatch+P: each step's "
                       "sequences dispatched over the groups, then packed by P; step/LB: the simulated step over "
                       "the per-step lower bound", highlight=False)
+        console.print(groups_recommendation(self.runs), highlight=False)
 
 
 def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> GroupsSimulation:

@@ -225,6 +225,47 @@ def compare_policies(policies: Sequence[str], batches: Sequence[np.ndarray], ctx
     return [replace(r, speedup=r.tokens_per_s / base.tokens_per_s) for r in runs]
 
 
+def why_faster(fast: PolicyRun, slow: PolicyRun) -> str:
+    """The term that differs most between two runs' steps: imbalance over the data ranks, padding, or
+    idle time (pipeline bubbles and exposed communication, read from the ranks' utilisation)."""
+    terms = {
+        "imbalance": (float(np.mean(slow.imbalance)) / max(float(np.mean(fast.imbalance)), 1e-9),
+                      lambda r: f"slowest data rank {np.mean(r.imbalance):.2f}x the mean"),
+        "padding": ((1 + float(np.mean(slow.padding))) / (1 + float(np.mean(fast.padding))),
+                    lambda r: f"{np.mean(r.padding):.0%} padding"),
+        "idle time": (float(np.mean(fast.utilisation)) / max(float(np.mean(slow.utilisation)), 1e-9),
+                      lambda r: f"ranks busy {np.mean(r.utilisation):.0%} of the step"),
+    }
+    name, (ratio, say) = max(terms.items(), key=lambda kv: kv[1][0])
+    if ratio <= 1.01:  # no one term: the whole step against what no schedule beats
+        return (f"{slow.label}'s step is {slow.mean_ratio_to_lower_bound:.2f}x its lower bound, {fast.label}'s "
+                f"{fast.mean_ratio_to_lower_bound:.2f}x")
+    return f"{name}: {slow.label} {say(slow)}, {fast.label} {say(fast)}"
+
+
+def recommendation(runs: Sequence[PolicyRun], default: str = "fixed", margin: float = 0.02) -> str:
+    """One line: the ``--policy`` to train with, against the runtime's ``default``, and why.
+
+    The fastest run is recommended when it beats the default's by more than ``margin``; otherwise the
+    default, saying how the adaptive policies fared (they can lose: pipeline plans, small batches)."""
+    best = max(runs, key=lambda r: r.tokens_per_s)
+    base = next((r for r in runs if r.policy == default), None)
+    if base is None:
+        return f"recommended: --policy {best.policy} ({best.label}), the fastest here"
+    gain = best.tokens_per_s / base.tokens_per_s
+    if best is not base and gain > 1 + margin:
+        return (f"recommended: --policy {best.policy} ({best.label}), {gain:.2f}x the tokens/s of the default "
+                f"{base.label}; why, {why_faster(best, base)}")
+    adaptive = [r for r in runs if r.kind == "adaptive"]
+    line = f"recommended: the default --policy {default} ({base.label}): no policy here is {margin:.0%} faster"
+    if adaptive:
+        top = max(adaptive, key=lambda r: r.tokens_per_s)
+        ratio = top.tokens_per_s / base.tokens_per_s
+        line += f"; the best adaptive, {top.label}, gives {ratio:.2f}x" + (
+            f" (why, {why_faster(base, top)})" if ratio < 1 else "")
+    return line
+
+
 def best_baseline(runs: Sequence[PolicyRun]) -> PolicyRun:
     """The baseline run with the most tokens/s (the reference of every speedup)."""
     return max((r for r in runs if r.kind == "baseline"), key=lambda r: r.tokens_per_s)

@@ -100,3 +100,22 @@ def compare_groups(gctx: GroupsContext, batches: Sequence[np.ndarray], policies:
 def best_baseline(runs: Sequence[GroupsRun]) -> GroupsRun:
     """The fastest fixed-share schedule: every speedup's reference."""
     return max((r for r in runs if r.kind == "baseline"), key=lambda r: r.tokens_per_s)
+
+
+def groups_recommendation(runs: Sequence[GroupsRun], default: str = "shares", margin: float = 0.02) -> str:
+    """One line: the ``--policy`` to train a plan of several groups with (``dispatch+P`` is ``--policy P``),
+    against the runtime's default fixed shares, and why (each run's step over its lower bound)."""
+    best = max(runs, key=lambda r: r.tokens_per_s)
+    base = next(r for r in runs if r.name == default)
+    gain = best.tokens_per_s / base.tokens_per_s
+
+    def flag(r: GroupsRun) -> str:
+        kind, _, policy = r.name.partition("+")
+        return f"--policy {policy}" if kind == "dispatch" else f"--policy {default}" + (
+            f" (packed by {policy} inside each group, which the runtime does not offer)" if policy else "")
+
+    if best is base or gain <= 1 + margin:
+        return f"recommended: the default {flag(base)}: no schedule here is {margin:.0%} faster"
+    return (f"recommended: {flag(best)} ({best.name}), {gain:.2f}x the tokens/s of the default {default}; why, "
+            f"{default}'s step is {base.ratio_to_bound:.2f}x its lower bound (work uneven over the groups), "
+            f"{best.name}'s {best.ratio_to_bound:.2f}x")
