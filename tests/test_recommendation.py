@@ -36,3 +36,11 @@ def test_a_plan_of_several_groups_is_told_the_dispatch_policy():
     assert "shares's step is 1.90x its lower bound" in line and "1.10x" in line
     assert groups_recommendation([g("shares", 1.0, 1.1), g("dispatch+hdp", 0.99, 1.1)]).startswith(
         "recommended: the default --policy shares")
+
+
+def test_a_policy_whose_scheduler_is_slower_than_the_step_is_not_recommended():
+    slow = run("milp", 0.5)
+    slow = PolicyRun(**{**slow.__dict__, "scheduler_seconds": (0.9, 0.9)})
+    line = recommendation([run("fixed", 1.0, imbalance=1.4), run("hdp", 0.6), slow])
+    assert line.startswith("recommended: --policy hdp (hdp)")
+    assert "milp left out: its scheduler takes longer than the step here" in line

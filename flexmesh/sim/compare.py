@@ -247,15 +247,21 @@ def recommendation(runs: Sequence[PolicyRun], default: str = "fixed", margin: fl
     """One line: the ``--policy`` to train with, against the runtime's ``default``, and why.
 
     The fastest run is recommended when it beats the default's by more than ``margin``; otherwise the
-    default, saying how the adaptive policies fared (they can lose: pipeline plans, small batches)."""
+    default, saying how the adaptive policies fared (they can lose: pipeline plans, small batches). A
+    policy whose scheduler takes longer than the step on this machine is left out: training schedules
+    the next step during the current one, and a late schedule is replaced by the fallback's."""
+    late = [r for r in runs if r.scheduler_ms / 1e3 > r.mean_step_time and r.policy != default]
+    runs = [r for r in runs if r not in late] or list(runs)
     best = max(runs, key=lambda r: r.tokens_per_s)
     base = next((r for r in runs if r.policy == default), None)
     if base is None:
         return f"recommended: --policy {best.policy} ({best.label}), the fastest here"
     gain = best.tokens_per_s / base.tokens_per_s
+    left_out = (f" ({', '.join(r.label for r in late)} left out: its scheduler takes longer than the step here)"
+                if late else "")
     if best is not base and gain > 1 + margin:
         return (f"recommended: --policy {best.policy} ({best.label}), {gain:.2f}x the tokens/s of the default "
-                f"{base.label}; why, {why_faster(best, base)}")
+                f"{base.label}; why, {why_faster(best, base)}{left_out}")
     adaptive = [r for r in runs if r.kind == "adaptive"]
     line = f"recommended: the default --policy {default} ({base.label}): no policy here is {margin:.0%} faster"
     if adaptive:
@@ -263,7 +269,7 @@ def recommendation(runs: Sequence[PolicyRun], default: str = "fixed", margin: fl
         ratio = top.tokens_per_s / base.tokens_per_s
         line += f"; the best adaptive, {top.label}, gives {ratio:.2f}x" + (
             f" (why, {why_faster(base, top)})" if ratio < 1 else "")
-    return line
+    return line + left_out
 
 
 def best_baseline(runs: Sequence[PolicyRun]) -> PolicyRun:
