@@ -33,8 +33,10 @@ flexmesh/spec/presets/prices.toml).
   not a claim: its ends are Meta's model cards (MMLU 5-shot, instruct: 68.4 and 82.0), its shape between
   assumed (a judge escalating the hardest requests first).
 
-Usage: ``OMP_NUM_THREADS=1 python -m bench.serve_plan [--no-record] [--quick]`` (``--quick``: Llama-3-8B on the
-conversation trace only, for a look).
+Usage: ``OMP_NUM_THREADS=1 python -m bench.serve_plan [--no-record] [--quick] [--only SECTION,...]``
+(``--quick``: Llama-3-8B on the conversation trace only, for a look; ``--only``: some of the sections ``plans``,
+``time``, ``replan``, ``cascade``, printed and never recorded: ``--only time`` and ``--only replan`` take minutes,
+the whole run half an hour and more).
 """
 
 from __future__ import annotations
@@ -222,11 +224,57 @@ def cascade_rows() -> list[list[str]]:
              f"{single.score.dollars_per_hour:.2f}", f"{single.score.per_dollar:.4g}", "-"]]
 
 
+SECTIONS = ("plans", "time", "replan", "cascade")
+
+
+def _replan_only() -> list[list[str]]:
+    """The re-plan rows without the plans section: the 8B conversation case planned (and repaired) alone."""
+    inputs, workload_at = _inputs(MODELS["8B"], "8B", "azure-conv")
+    res = plan(inputs, workload_at, repair=REPAIR)
+    assert res.score is not None
+    print(f"8B azure-conv: {res.plan.layout}: {res.score.goodput:.4g} req/s at ${res.score.dollars_per_hour:.2f}/h")
+    return replan_rows(res)
+
+
+def only(sections: list[str]) -> int:
+    """Some sections alone, printed (a partial run is never recorded)."""
+    console = Console(width=200)
+    tables = []
+    for name in sections:
+        if name == "plans":
+            head = ["case", "plan", "prefill/decode", "goodput req/s", "$/h", "goodput per $/h", "over best single "
+                    "type", "over Mélange-style", "over DistServe-style", "over one type per phase",
+                    "over round-robin", "split / aggregated candidates' goodput", "planner s"]
+            tables.append((head, plan_rows([(s, t) for s in MODELS for t in TRACES])[0]))
+        elif name == "time":
+            tables.append((["planner time", "slowest case", "s (fastest of repeats)", "target"], time_rows()))
+        elif name == "replan":
+            tables.append((["re-plan", "plan before", "fast path s", "fast path plan", "fast goodput",
+                            "fresh plan goodput", "fast / fresh", "full re-plan's transition"], _replan_only()))
+        else:
+            tables.append((["cascade", "plan", "goodput req/s", "$/h", "goodput per $/h",
+                            "over the best single model"], cascade_rows()))
+    for head, rows in tables:
+        t = Table(*head)
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", type=lambda v: v.split(","), default=None,
+                    help=f"comma-separated sections to run alone, unrecorded: {', '.join(SECTIONS)}")
     args = ap.parse_args()
+    if args.only is not None:
+        bad = sorted(set(args.only) - set(SECTIONS))
+        if bad:
+            ap.error(f"unknown section {', '.join(bad)}; give some of {', '.join(SECTIONS)}")
+        return only(args.only)
     load = os.getloadavg()[0]
     cases = [("8B", "azure-conv")] if args.quick else [(s, t) for s in MODELS for t in TRACES]
     rows, details, kept = plan_rows(cases)

@@ -53,8 +53,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 from statistics import NormalDist
+from typing import Protocol
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
@@ -74,6 +74,9 @@ PP_DEGREES = (2, 4)
 # Batched-token budgets (vLLM max_num_batched_tokens) tried for aggregated and prefill replicas: vLLM's two
 # defaults (2048, 8192) and half the smaller (shorter iterations for a tight TTFT).
 BATCH_BUDGETS = (1024, 2048, 8192)
+# Token counts whose dense terms an iteration timing prices at once (AnalyticIteration's dense_block): the
+# bisections ask for several hundred counts scattered up to the batched-token budget.
+DENSE_BLOCK = 1024
 # Decode replicas' max_seqs tried: vLLM's two defaults (256 on most devices, 1024 on large ones).
 DECODE_SEQS = (256, 1024)
 
@@ -211,7 +214,8 @@ class Pricing:
             hw = self._hw.get((c.model, c.group))
             if hw is None:
                 hw = self._hw[c.model, c.group] = Hardware(self.cluster.groups[c.group], model.dtype)
-            t = self._timing[c.shape] = AnalyticIteration(model, hw, c.tp, c.pp, self.overhead)
+            t = self._timing[c.shape] = AnalyticIteration(model, hw, c.tp, c.pp, self.overhead,
+                                                          dense_block=DENSE_BLOCK)
         return t
 
     def capacity(self, c: ReplicaConfig, b: Bucket, slo: SLO) -> Capacity:
