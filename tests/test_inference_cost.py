@@ -88,13 +88,14 @@ def test_a_pipeline_runs_its_stages_one_after_another_plus_sends():
 
 @pytest.mark.parametrize("device", ["H100", "A100-40GB", "L40S", "L4"])
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (4, 1), (8, 2), (8, 4)])
-def test_dense_terms_priced_by_blocks_are_the_ones_priced_one_by_one(device, tp, pp):
+def test_count_terms_priced_by_blocks_are_the_ones_priced_one_by_one(device, tp, pp):
     hw = Hardware(parse_cluster(f"4x8x{device}"))
     model = MODEL_PRESETS["llama3-8b"]
-    one, blocks = AnalyticIteration(model, hw, tp, pp), AnalyticIteration(model, hw, tp, pp, dense_block=64)
+    one, blocks = AnalyticIteration(model, hw, tp, pp), AnalyticIteration(model, hw, tp, pp, block=64)
     tokens = [1, 2, 63, 64, 65, 127, 128, 1000, 4097, 8192, 9001]
     assert [blocks.dense_s(t) for t in tokens] == [one.dense_s(t) for t in tokens]
-    assert len(blocks._dense) > len(tokens)  # the blocks around them were priced too
+    assert [blocks.head_s(n) for n in tokens] == [one.head_s(n) for n in tokens]
+    assert len(blocks._dense) > len(tokens) and len(blocks._head) > len(tokens)  # the blocks around them too
     batch = [(900, 1)] * 20 + [(0, 700), (30, 33)]
     assert blocks.iteration_s(batch) == one.iteration_s(batch)
 

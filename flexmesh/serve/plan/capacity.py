@@ -74,9 +74,9 @@ PP_DEGREES = (2, 4)
 # Batched-token budgets (vLLM max_num_batched_tokens) tried for aggregated and prefill replicas: vLLM's two
 # defaults (2048, 8192) and half the smaller (shorter iterations for a tight TTFT).
 BATCH_BUDGETS = (1024, 2048, 8192)
-# Token counts whose dense terms an iteration timing prices at once (AnalyticIteration's dense_block): the
-# bisections ask for several hundred counts scattered up to the batched-token budget.
-DENSE_BLOCK = 1024
+# Token (request) counts whose count-only terms an iteration timing prices at once (AnalyticIteration's block):
+# the bisections ask for several hundred counts scattered up to the batched-token budget.
+COUNT_BLOCK = 1024
 # Decode replicas' max_seqs tried: vLLM's two defaults (256 on most devices, 1024 on large ones).
 DECODE_SEQS = (256, 1024)
 
@@ -215,7 +215,7 @@ class Pricing:
             if hw is None:
                 hw = self._hw[c.model, c.group] = Hardware(self.cluster.groups[c.group], model.dtype)
             t = self._timing[c.shape] = AnalyticIteration(model, hw, c.tp, c.pp, self.overhead,
-                                                          dense_block=DENSE_BLOCK)
+                                                          block=COUNT_BLOCK)
         return t
 
     def capacity(self, c: ReplicaConfig, b: Bucket, slo: SLO) -> Capacity:
