@@ -256,7 +256,8 @@ def test_fast_replan_changes_roles_only_for_more_than_the_milps_tolerance():
         fast = fast_replan(p, agg, {0: 1})
         moved = any(g.role != "aggregated" for g in fast.plan.groups)
         assert moved == (free.rate > kept.rate * (1 + milp.MIP_GAP))
-        assert math.isclose(fast.plan.predicted["rate"], (free if moved else kept).rate, rel_tol=1e-6)
+        got = fast.plan.predicted["rate"]
+        assert math.isclose(got, free.rate, rel_tol=1e-6) if moved else got >= kept.rate * (1 - 1e-6)
         outcomes.append((moved, free.rate > kept.rate * (1 + 1e-6)))
     assert (False, True) in outcomes and (True, True) in outcomes  # a split preferred within the tolerance, and beyond
     split = candidates(planner, {"disaggregated": ("prefill", "decode")})[0].plan

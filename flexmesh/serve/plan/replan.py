@@ -83,10 +83,16 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
         same: Solution | None = planner.solve(same_cols, rate=rate, limits=roles, by_role=True)
     except PlanError:  # the roles left cannot serve it (say, a model's decode replicas are all lost)
         same = None
-    if same is not None and not _better(free, same, rate is not None):
+    used: dict[tuple[tuple[int, int, int, int], str], int] = {}
+    for k, n in zip(cols, free.counts):
+        if n > 0:
+            key = (planner.configs[k].shape, planner.configs[k].role)
+            used[key] = used.get(key, 0) + int(n)
+    # free keeping every replica's role too is just the better of the two; else it must beat the tolerance
+    margin = MIP_GAP if any(n > roles.get(key, 0) for key, n in used.items()) else 0.0
+    s = free
+    if same is not None and not _better(free, same, rate is not None, margin):
         cols, s = same_cols, same
-    else:
-        s = free
     new = planner.to_plan(cols, s, plan.routing)
     seconds = time.perf_counter() - t0
     before = {(g.shape, g.role, g.knobs): n for g, n in zip(plan.groups, keep) if n}
@@ -105,11 +111,11 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     return FastReplan(replace(new, workload=plan.workload), seconds, tuple(changed))
 
 
-def _better(a: Solution, b: Solution, rate_given: bool) -> bool:
-    """Whether ``a`` beats ``b`` by more than the MILP's tolerance: cheaper at a given rate, else more rate."""
+def _better(a: Solution, b: Solution, rate_given: bool, margin: float) -> bool:
+    """Whether ``a`` beats ``b`` by more than ``margin`` (a fraction): cheaper at a given rate, else more rate."""
     if rate_given:
-        return a.cost < b.cost * (1 - MIP_GAP)
-    return a.rate > b.rate * (1 + MIP_GAP)
+        return a.cost < b.cost * (1 - margin)
+    return a.rate > b.rate * (1 + margin)
 
 
 @dataclass(frozen=True)
