@@ -86,10 +86,10 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     used: dict[tuple[tuple[int, int, int, int], str], int] = {}
     for k, n in zip(cols, free.counts):
         if n > 0:
-            key = (planner.configs[k].shape, planner.configs[k].role)
-            used[key] = used.get(key, 0) + int(n)
+            as_role = (planner.configs[k].shape, planner.configs[k].role)
+            used[as_role] = used.get(as_role, 0) + int(n)
     # free keeping every replica's role too is just the better of the two; else it must beat the tolerance
-    margin = MIP_GAP if any(n > roles.get(key, 0) for key, n in used.items()) else 0.0
+    margin = MIP_GAP if any(n > roles.get(r, 0) for r, n in used.items()) else 0.0
     s = free
     if same is not None and not _better(free, same, rate is not None, margin):
         cols, s = same_cols, same
