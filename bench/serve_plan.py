@@ -33,8 +33,10 @@ flexmesh/spec/presets/prices.toml).
   not a claim: its ends are Meta's model cards (MMLU 5-shot, instruct: 68.4 and 82.0), its shape between
   assumed (a judge escalating the hardest requests first).
 
-Usage: ``OMP_NUM_THREADS=1 python -m bench.serve_plan [--no-record] [--quick]`` (``--quick``: Llama-3-8B on the
-conversation trace only, for a look).
+Usage: ``OMP_NUM_THREADS=1 python -m bench.serve_plan [--no-record] [--quick] [--only SECTION,...]``
+(``--quick``: Llama-3-8B on the conversation trace only, for a look; ``--only``: some of the sections ``plans``,
+``time``, ``replan``, ``cascade``, printed and never recorded: ``--only time`` and ``--only replan`` take minutes,
+the whole run half an hour and more).
 """
 
 from __future__ import annotations
@@ -147,25 +149,25 @@ def time_rows() -> list[list[str]]:
     rows = []
     prices = _prices()
     for gpus, (cluster, budget, target) in TIME_CASES.items():
-        worst, where = 0.0, ""
+        worst, where, cpu = 0.0, "", 0.0
         for size, model in MODELS.items():
             for trace in TRACES:
                 base, _ = _workload(trace)
                 ttft, tpot = SLOS[trace, size]
                 inputs = PlanInputs((model,), cluster, buckets_from_trace(base), SLO(ttft, tpot), prices,
                                     budget=budget)
-                best = math.inf
+                best, best_cpu = math.inf, math.inf
                 for _ in range(REPEATS):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     try:
                         candidates(Planner(inputs))
                     except Exception as e:  # noqa: BLE001  (a case no device serves is reported, not fatal)
                         print(f"{gpus} GPUs {size} {trace}: {e}")
-                    best = min(best, time.perf_counter() - t0)
-                print(f"planner time, {gpus} GPUs, {size} {trace}: {best:.2f} s")
+                    best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.process_time() - c0)
+                print(f"planner time, {gpus} GPUs, {size} {trace}: {best:.2f} s ({best_cpu:.2f} s of CPU)")
                 if best > worst:
-                    worst, where = best, f"{size} {trace}"
-        rows.append([f"{gpus} GPUs of 6 types ({cluster})", where, f"{worst:.2f}",
+                    worst, where, cpu = best, f"{size} {trace}", best_cpu
+        rows.append([f"{gpus} GPUs of 6 types ({cluster})", where, f"{worst:.2f}", f"{cpu:.2f}",
                      f"<= {target:g} s {'PASS' if worst <= target else 'FAIL'}"])
     return rows
 
@@ -222,11 +224,57 @@ def cascade_rows() -> list[list[str]]:
              f"{single.score.dollars_per_hour:.2f}", f"{single.score.per_dollar:.4g}", "-"]]
 
 
+SECTIONS = ("plans", "time", "replan", "cascade")
+
+
+def _replan_only() -> list[list[str]]:
+    """The re-plan rows without the plans section: the 8B conversation case planned (and repaired) alone."""
+    inputs, workload_at = _inputs(MODELS["8B"], "8B", "azure-conv")
+    res = plan(inputs, workload_at, repair=REPAIR)
+    assert res.score is not None
+    print(f"8B azure-conv: {res.plan.layout}: {res.score.goodput:.4g} req/s at ${res.score.dollars_per_hour:.2f}/h")
+    return replan_rows(res)
+
+
+def only(sections: list[str]) -> int:
+    """Some sections alone, printed (a partial run is never recorded)."""
+    console = Console(width=200)
+    tables = []
+    for name in sections:
+        if name == "plans":
+            head = ["case", "plan", "prefill/decode", "goodput req/s", "$/h", "goodput per $/h", "over best single "
+                    "type", "over Mélange-style", "over DistServe-style", "over one type per phase",
+                    "over round-robin", "split / aggregated candidates' goodput", "planner s"]
+            tables.append((head, plan_rows([(s, t) for s in MODELS for t in TRACES])[0]))
+        elif name == "time":
+            tables.append((["planner time", "slowest case", "s (fastest of repeats)", "CPU s", "target"], time_rows()))
+        elif name == "replan":
+            tables.append((["re-plan", "plan before", "fast path s", "fast path plan", "fast goodput",
+                            "fresh plan goodput", "fast / fresh", "full re-plan's transition"], _replan_only()))
+        else:
+            tables.append((["cascade", "plan", "goodput req/s", "$/h", "goodput per $/h",
+                            "over the best single model"], cascade_rows()))
+    for head, rows in tables:
+        t = Table(*head)
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", type=lambda v: v.split(","), default=None,
+                    help=f"comma-separated sections to run alone, unrecorded: {', '.join(SECTIONS)}")
     args = ap.parse_args()
+    if args.only is not None:
+        bad = sorted(set(args.only) - set(SECTIONS))
+        if bad:
+            ap.error(f"unknown section {', '.join(bad)}; give some of {', '.join(SECTIONS)}")
+        return only(args.only)
     load = os.getloadavg()[0]
     cases = [("8B", "azure-conv")] if args.quick else [(s, t) for s in MODELS for t in TRACES]
     rows, details, kept = plan_rows(cases)
@@ -242,7 +290,7 @@ def main() -> int:
     splits = f"plans split in {sum(r[2] == 'split' for r in rows)} of {len(rows)} cases " + \
         ("PASS" if kinds == {"split", "aggregated"} else "FAIL")
     trows = time_rows()
-    thead = ["planner time", "slowest case", "s (fastest of repeats)", "target"]
+    thead = ["planner time", "slowest case", "s (fastest of repeats)", "CPU s", "target"]
     rrows = replan_rows(kept[("8B", "azure-conv")])
     rhead = ["re-plan", "plan before", "fast path s", "fast path plan", "fast goodput", "fresh plan goodput",
              "fast / fresh", "full re-plan's transition"]
@@ -265,7 +313,8 @@ def main() -> int:
         md += "\n".join(details) + "\n\n"
         md += "\n".join(markdown_table(thead, trows))
         md += (f"\n\nPlanner time: configurations, capacities and the MILPs (aggregated, split and mixed variants), "
-               f"fastest of {REPEATS}, load average {load:.1f} on {os.cpu_count()} cores while measuring.\n\n")
+               f"fastest of {REPEATS}, load average {load:.1f} on {os.cpu_count()} cores while measuring (beside, the "
+               f"process's CPU seconds: what other work on the machine does not stretch).\n\n")
         md += "\n".join(markdown_table(rhead, rrows)) + "\n\n"
         if crows:
             md += "\n".join(markdown_table(chead, crows))

@@ -86,6 +86,20 @@ def test_a_pipeline_runs_its_stages_one_after_another_plus_sends():
     assert weight_bytes_on_device(LLAMA8, 1, 2) < 0.6 * weight_bytes_on_device(LLAMA8, 1, 1)
 
 
+@pytest.mark.parametrize("device", ["H100", "A100-40GB", "L40S", "L4"])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (4, 1), (8, 2), (8, 4)])
+def test_count_terms_priced_by_blocks_are_the_ones_priced_one_by_one(device, tp, pp):
+    hw = Hardware(parse_cluster(f"4x8x{device}"))
+    model = MODEL_PRESETS["llama3-8b"]
+    one, blocks = AnalyticIteration(model, hw, tp, pp), AnalyticIteration(model, hw, tp, pp, block=64)
+    tokens = [1, 2, 63, 64, 65, 127, 128, 1000, 4097, 8192, 9001]
+    assert [blocks.dense_s(t) for t in tokens] == [one.dense_s(t) for t in tokens]
+    assert [blocks.head_s(n) for n in tokens] == [one.head_s(n) for n in tokens]
+    assert len(blocks._dense) > len(tokens) and len(blocks._head) > len(tokens)  # the blocks around them too
+    batch = [(900, 1)] * 20 + [(0, 700), (30, 33)]
+    assert blocks.iteration_s(batch) == one.iteration_s(batch)
+
+
 def test_kv_bytes_and_capacity():
     assert kv_bytes_per_token(LLAMA8) == 2 * 32 * 8 * 128 * 2
     # tp 16 > 8 KV heads: each device keeps one head, replicated

@@ -239,6 +239,34 @@ def test_fast_replan_moves_no_weights_and_uses_only_what_survives():
         fast_replan(planner, p, {9: 1})
 
 
+def test_fast_replan_changes_roles_only_for_more_than_the_milps_tolerance():
+    """Split replicas made to look better (their capacities scaled up): the roles change only where the MILP
+    finds that more than milp.MIP_GAP better than the replicas left in their roles; and they change whatever the
+    gain where the roles left cannot serve (every decode replica lost)."""
+    planner, _ = _small_plan()
+    agg = candidates(planner, {"aggregated": ("aggregated",)})[0].plan
+    assert {g.role for g in agg.groups} == {"aggregated"}
+    left = {g.shape: g.replicas - (i == 0) for i, g in enumerate(agg.groups) if g.replicas - (i == 0)}
+    outcomes = []
+    for split in (1.0, 1.65, 1.7, 3.0):
+        p = planner.calibrated({}, split)
+        free = p.solve(p.columns(everything=True, keep=lambda c: c.shape in left), limits=left)
+        kept = p.solve(p.columns(("aggregated",), everything=True, keep=lambda c: c.shape in left),
+                       limits={(shape, "aggregated"): n for shape, n in left.items()}, by_role=True)
+        fast = fast_replan(p, agg, {0: 1})
+        moved = any(g.role != "aggregated" for g in fast.plan.groups)
+        assert moved == (free.rate > kept.rate * (1 + milp.MIP_GAP))
+        got = fast.plan.predicted["rate"]
+        assert math.isclose(got, free.rate, rel_tol=1e-6) if moved else got >= kept.rate * (1 - 1e-6)
+        outcomes.append((moved, free.rate > kept.rate * (1 + 1e-6)))
+    assert (False, True) in outcomes and (True, True) in outcomes  # a split preferred within the tolerance, and beyond
+    split = candidates(planner, {"disaggregated": ("prefill", "decode")})[0].plan
+    decodes = [i for i, g in enumerate(split.groups) if g.role == "decode"]
+    after = fast_replan(planner, split, decodes)
+    roles = {g.role for g in after.plan.groups}
+    assert after.plan.predicted["rate"] > 0 and ("prefill" in roles) == ("decode" in roles)
+
+
 def test_transition_matches_old_replicas_to_new_at_least_cost():
     planner, p = _small_plan()
     same = transition(p, p)

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from flexmesh.cost.device.hardware import GroupShape, Hardware, group_shape, pipeline_crossings
 from flexmesh.cost.device.kernels import Kernels
 from flexmesh.cost.device.layer_shapes import linear_shapes, pointwise_elems
@@ -52,10 +54,16 @@ FUSED_RESIDUAL_ELEMS = 4
 
 class AnalyticIteration:
     """:class:`~flexmesh.cost.inference.timing.IterationTiming` of ``model`` on a ``tp x pp`` replica of
-    ``hardware``'s device (its cluster places the replica's ranks: consecutive, tp innermost)."""
+    ``hardware``'s device (its cluster places the replica's ranks: consecutive, tp innermost).
+
+    ``block``: when an iteration of a new token (or request) count is priced, the terms that depend on that
+    count only (:meth:`dense_s`, :meth:`head_s`) are priced for the ``block`` counts around it at once (numpy):
+    for callers that ask for many nearby counts (the deployment planner's bisections); the same seconds as one
+    by one.
+    """
 
     def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, pp: int = 1,
-                 overhead: EngineOverhead | None = None):
+                 overhead: EngineOverhead | None = None, block: int = 0):
         if model.is_moe:
             raise SpecError(f"{model.name} is a mixture of experts; serving is priced for dense models only so far")
         check_tp(model, tp, pp)
@@ -80,6 +88,7 @@ class AnalyticIteration:
         self.send_shapes = [GroupShape(2, 1 if crosses else 2)
                             for crosses in pipeline_crossings(tp * pp, per_node, pp)[:pp - 1]] if pp > 1 else []
         self._dense: dict[int, float] = {}
+        self.block = block
         self._head: dict[int, float] = {}
         # Decode-only iterations cost ``fixed(B) + per_key x keys`` (every term is affine in the KV read):
         # their fixed part by batch, computed once, makes the simulator's commonest call a lookup.
@@ -88,8 +97,21 @@ class AnalyticIteration:
         self._decode_fixed: dict[int, float] = {}
 
     # ---- the terms -------------------------------------------------------------------------------
-    def _collective(self, kind: str, nbytes: float) -> float:
-        return float(self.hw.collective_time(kind, nbytes, self.tp_shape)) if self.tp > 1 else 0.0
+    def _collective(self, kind: str, nbytes):  # noqa: ANN001, ANN202 - a float or a numpy array
+        if self.tp <= 1:
+            return 0.0
+        t = self.hw.collective_time(kind, nbytes, self.tp_shape)
+        return t if isinstance(t, np.ndarray) else float(t)
+
+    def _dense_terms(self, tokens):  # noqa: ANN001, ANN202 - an int or an array of them
+        k = self.kernels
+        layer = sum(k.gemm(tokens, n, red) for n, red in self.shapes)
+        layer += k.memory_bound(tokens * self.pointwise_bytes, LAYER_POINTWISE_KERNELS)
+        layer += 2 * self._collective("all_reduce", tokens * self.hidden_bytes)
+        act = tokens * self.hidden_bytes
+        t = self.layers * layer + k.memory_bound(2 * act) + self._collective("all_reduce", act)
+        sends = [self.hw.collective_time("send_recv", act, s) for s in self.send_shapes]
+        return t + sum(x if isinstance(x, np.ndarray) else float(x) for x in sends)
 
     def dense_s(self, tokens: int) -> float:
         """Everything of an iteration of ``tokens`` new tokens that does not depend on the requests' contexts
@@ -97,25 +119,31 @@ class AnalyticIteration:
         all-reduce, and the sends between stages."""
         t = self._dense.get(tokens)
         if t is None:
-            k = self.kernels
-            layer = sum(k.gemm(tokens, n, red) for n, red in self.shapes)
-            layer += k.memory_bound(tokens * self.pointwise_bytes, LAYER_POINTWISE_KERNELS)
-            layer += 2 * self._collective("all_reduce", tokens * self.hidden_bytes)
-            act = tokens * self.hidden_bytes
-            t = self.layers * layer + k.memory_bound(2 * act) + self._collective("all_reduce", act)
-            t += sum(float(self.hw.collective_time("send_recv", act, s)) for s in self.send_shapes)
-            self._dense[tokens] = t = float(t)
+            if self.block > 1 and tokens > 0:
+                self._by_block(self._dense, self._dense_terms, tokens)
+                return self._dense[tokens]
+            self._dense[tokens] = t = float(self._dense_terms(tokens))
         return t
+
+    def _head_terms(self, requests):  # noqa: ANN001, ANN202 - an int or an array of them
+        m = self.model
+        t = self.kernels.gemm(requests, m.vocab / self.tp, m.hidden)
+        return t + self._collective("all_gather", requests * m.vocab * m.dtype_bytes)
 
     def head_s(self, requests: int) -> float:
         """The LM head over one row per request (its last token), its logits gathered over tp."""
         t = self._head.get(requests)
         if t is None:
-            m = self.model
-            t = self.kernels.gemm(requests, m.vocab / self.tp, m.hidden)
-            t += self._collective("all_gather", requests * m.vocab * m.dtype_bytes)
-            self._head[requests] = t = float(t)
+            if self.block > 1 and requests > 0:
+                self._by_block(self._head, self._head_terms, requests)
+                return self._head[requests]
+            self._head[requests] = t = float(self._head_terms(requests))
         return t
+
+    def _by_block(self, memo: dict[int, float], terms, count: int) -> None:  # noqa: ANN001
+        first = count - count % self.block
+        counts = np.arange(max(first, 1), first + self.block, dtype=np.int64)
+        memo.update(zip(counts.tolist(), terms(counts).tolist()))
 
     def attention_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:
         """Attention of every layer: the decodes' KV reads, each chunk's query-key pairs, the new keys and values
@@ -126,11 +154,16 @@ class AnalyticIteration:
             keys = decode_context + decodes
             t = max(4.0 * self.q_dim * keys / k.attn_flops, keys * self.kv_token_bytes / k.hbm_bytes_per_s)
         new = decodes
-        for ctx, n in chunks:
+        last, term = None, 0.0
+        for chunk in chunks:
+            ctx, n = chunk
             new += n
-            flops = 4.0 * self.q_dim * (n * ctx + n * (n + 1) / 2)
-            t += max(flops / (k.attn_flops * k.attention_efficiency(ctx + n)),
-                     (ctx + n) * self.kv_token_bytes / k.hbm_bytes_per_s)
+            if chunk != last:  # (a batch of equal prompts is priced once)
+                flops = 4.0 * self.q_dim * (n * ctx + n * (n + 1) / 2)
+                term = max(flops / (k.attn_flops * k.attention_efficiency(ctx + n)),
+                           (ctx + n) * self.kv_token_bytes / k.hbm_bytes_per_s)
+                last = chunk
+            t += term
         write = k.memory_bound(2.0 * new * self.kv_token_bytes)
         return self.layers * (t + k.launch_s + write)
 

@@ -54,6 +54,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from statistics import NormalDist
+from typing import Protocol
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
@@ -73,6 +74,9 @@ PP_DEGREES = (2, 4)
 # Batched-token budgets (vLLM max_num_batched_tokens) tried for aggregated and prefill replicas: vLLM's two
 # defaults (2048, 8192) and half the smaller (shorter iterations for a tight TTFT).
 BATCH_BUDGETS = (1024, 2048, 8192)
+# Token (request) counts whose count-only terms an iteration timing prices at once (AnalyticIteration's block):
+# the bisections ask for several hundred counts scattered up to the batched-token budget.
+COUNT_BLOCK = 1024
 # Decode replicas' max_seqs tried: vLLM's two defaults (256 on most devices, 1024 on large ones).
 DECODE_SEQS = (256, 1024)
 
@@ -174,8 +178,25 @@ def configurations(models: Sequence[ModelSpec], cluster: MixedCluster, longest: 
     return out
 
 
+class _Iterations:
+    """An iteration timing whose answers are kept: the bisections of one weights shape's configurations (its
+    roles and knob variants) over the buckets ask for many of the same iterations."""
+
+    def __init__(self, timing: AnalyticIteration):
+        self.timing = timing
+        self._seen: dict[tuple, float] = {}
+
+    def split_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:
+        key = (decodes, decode_context, *chunks)
+        got = self._seen.get(key)
+        if got is None:
+            got = self._seen[key] = self.timing.split_s(decodes, decode_context, chunks)
+        return got
+
+
 class Pricing:
-    """Capacities of configurations (their iteration timings built once per model, group, tp and pp)."""
+    """Capacities of configurations (their iteration timings built once per model, group, tp and pp, and each
+    iteration priced once)."""
 
     def __init__(self, models: Sequence[ModelSpec], cluster: MixedCluster, overhead: EngineOverhead | None = None,
                  quantile: float = 0.9):
@@ -184,6 +205,7 @@ class Pricing:
         self._timing: dict[tuple[int, int, int, int], AnalyticIteration] = {}
         self._hw: dict[tuple[int, int], Hardware] = {}
         self._memo: dict[tuple, Capacity] = {}
+        self._iterations: dict[tuple[int, int, int, int], _Iterations] = {}
 
     def timing(self, c: ReplicaConfig) -> AnalyticIteration:
         t = self._timing.get(c.shape)
@@ -192,14 +214,18 @@ class Pricing:
             hw = self._hw.get((c.model, c.group))
             if hw is None:
                 hw = self._hw[c.model, c.group] = Hardware(self.cluster.groups[c.group], model.dtype)
-            t = self._timing[c.shape] = AnalyticIteration(model, hw, c.tp, c.pp, self.overhead)
+            t = self._timing[c.shape] = AnalyticIteration(model, hw, c.tp, c.pp, self.overhead,
+                                                          block=COUNT_BLOCK)
         return t
 
     def capacity(self, c: ReplicaConfig, b: Bucket, slo: SLO) -> Capacity:
         key = (c, b, slo)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = capacity(self.timing(c), c, b, slo, self.quantile)
+            it = self._iterations.get(c.shape)
+            if it is None:
+                it = self._iterations[c.shape] = _Iterations(self.timing(c))
+            got = self._memo[key] = capacity(it, c, b, slo, self.quantile)
         return got
 
     def table(self, configs: Sequence[ReplicaConfig], buckets: Sequence[Bucket], slo: SLO) -> list[list[Capacity]]:
@@ -230,7 +256,11 @@ def _prefill_chunks(tokens: float, prompt: float) -> list[tuple[int, int]]:
     return [(0, p)] * whole + ([(0, rest)] if rest > 1 else [])
 
 
-def _prompt_s(t: AnalyticIteration, prompt: int, room: int, decodes: int, context: int) -> tuple[int, float]:
+class _SplitTiming(Protocol):
+    def split_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float: ...
+
+
+def _prompt_s(t: _SplitTiming, prompt: int, room: int, decodes: int, context: int) -> tuple[int, float]:
     """Iterations and seconds to compute a ``prompt`` in chunks of at most ``room`` tokens beside ``decodes``
     decoding requests of ``context`` keys in all: its whole chunks each priced at their mean context (every
     term but attention's efficiency is affine in it), then the rest."""
@@ -244,7 +274,7 @@ def _prompt_s(t: AnalyticIteration, prompt: int, room: int, decodes: int, contex
     return whole + (1 if rest else 0), secs
 
 
-def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float = 0.9) -> Capacity:
+def capacity(t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float = 0.9) -> Capacity:
     """One replica of ``c`` serving bucket ``b`` within ``slo`` at the attainment ``quantile`` (see the module
     doc), priced by ``t``."""
     k = c.knobs
@@ -279,22 +309,24 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
         # alone, and then n is the prompts arriving while one is computed.
         alone = p > budget
 
-        def pre(n: float) -> bool:
+        def pre(n: float, record: bool = False) -> bool:
             n_hi = hi(n)
             if n_hi > seqs or (n_hi - 1) * p + p_hi > kv:
                 return fail("max-seqs" if n_hi > seqs else "kv")
             if alone:
                 if n_hi > 1:
                     return fail("budget")
-                full = _prompt_s(t, round(p), budget, 0, 0)[1]
-                last["it"], last["rate"] = full, n / full
+                if record:
+                    full = _prompt_s(t, round(p), budget, 0, 0)[1]
+                    last["it"], last["rate"] = full, n / full
                 own = _prompt_s(t, p_hi, budget, 0, 0)[1]
                 ttft = quantile * own + own
             else:
                 if n_hi * p > budget and n_hi > 1:
                     return fail("budget")
-                full = t.split_s(0, 0, _prefill_chunks(max(n, 1.0) * p, p))  # a busy iteration holds one at least
-                last["it"], last["rate"] = full, n / full
+                if record:  # a busy iteration holds one prompt at least
+                    full = t.split_s(0, 0, _prefill_chunks(max(n, 1.0) * p, p))
+                    last["it"], last["rate"] = full, n / full
                 room = budget - round(max(0.0, n_hi - 1) * p)
                 if room >= p_hi:
                     own = t.split_s(0, 0, _prefill_chunks(max(0.0, n_hi - 1) * p, p) + [(0, p_hi)])
@@ -314,17 +346,17 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
         bound = "budget" if n >= top else str(last.get("why", "budget"))
         pre(n * 1.02)
         bound = str(last.get("why", bound))
-        pre(n)
+        pre(n, record=True)
         return Capacity(float(last["rate"]), n, float(last["it"]), float(last["ttft"]), 0.0, bound)  # type: ignore[arg-type]
 
     if c.role == "decode":
-        def dec(n: float) -> bool:
+        def dec(n: float, record: bool = False) -> bool:
             n_hi = hi(n)
             if n_hi > seqs or kv_hi(n) + p_hi > kv:
                 return fail("max-seqs" if n_hi > seqs else "kv")
-            it = t.split_s(max(1, round(n)), round(n * ctx), [])
             tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), [])
-            last["it"], last["tpot"] = it, tpot
+            if record:
+                last["it"], last["tpot"] = t.split_s(max(1, round(n)), round(n * ctx), []), tpot
             if tpot > tpot_bound:
                 return fail("tpot")
             if s_hi * tpot > e2e_bound:  # its decoding alone within the end-to-end bound
@@ -336,11 +368,11 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
             return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, str(last.get("why", "fit")))
         dec(n * 1.02)
         bound = str(last.get("why", "max-seqs"))
-        dec(n)
+        dec(n, record=True)
         it = float(last["it"])  # type: ignore[arg-type]
         return Capacity(n / (s * it) if s > 0 else math.inf, n, it, 0.0, float(last["tpot"]), bound)  # type: ignore[arg-type]
 
-    def agg(n: float) -> bool:
+    def agg(n: float, record: bool = False) -> bool:
         n_hi, a = hi(n), n / s  # decoding requests; requests arriving per iteration
         a_hi = hi(a)
         if n_hi > seqs or kv_hi(n) + p_hi > kv:
@@ -350,9 +382,9 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
         tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(a * p, p))
         if tpot > tpot_bound:
             return fail("tpot")
-        it = t.split_s(max(1, round(n)), round(n * ctx), _prefill_chunks(a * p, p))
         it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(min(a_hi * p, budget - n_hi), p))
-        last["it"], last["tpot"] = it, tpot
+        if record:
+            last["it"], last["tpot"] = t.split_s(max(1, round(n)), round(n * ctx), _prefill_chunks(a * p, p)), tpot
         # The prompts that arrived with it take their room first; when they fill the budget it waits an iteration.
         room = budget - n_hi - max(0.0, a_hi - 1) * p
         wait = 0.0
@@ -374,6 +406,6 @@ def capacity(t: AnalyticIteration, c: ReplicaConfig, b: Bucket, slo: SLO, quanti
         return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, str(last.get("why", "fit")))
     agg(n * 1.02)
     bound = str(last.get("why", "max-seqs"))
-    agg(n)
+    agg(n, record=True)
     it = float(last["it"])  # type: ignore[arg-type]
     return Capacity(n / (s * it), n, it, float(last["ttft"]), float(last["tpot"]), bound)  # type: ignore[arg-type]

@@ -197,18 +197,20 @@ class Planner:
 
     def problem(self, cols: Sequence[int], budget: float | None = None, rate: float | None = None,
                 counts: Sequence[int] | None = None, limits: dict | None = None,
-                available: Sequence[int] | None = None) -> Problem:
+                available: Sequence[int] | None = None, by_role: bool = False) -> Problem:
+        """The MILP over ``cols``; ``limits``: at most this many replicas of each weights shape (with
+        ``by_role``: of each (weights shape, role))."""
         cfg = [self.configs[k] for k in cols]
         columns = Columns([c.model for c in cfg], [c.group for c in cfg], [c.devices for c in cfg],
-                          [c.role for c in cfg], [c.shape for c in cfg])
+                          [c.role for c in cfg], [(c.shape, c.role) if by_role else c.shape for c in cfg])
         return Problem(columns, self.capacities(cols), self.demand,
                        available or [g.world_size for g in self.cluster.groups], self.price, budget, rate,
                        self.kv_bytes, self.links, self.decodes, counts=counts, limits=limits)
 
     def solve(self, cols: Sequence[int], budget: float | None = None, rate: float | None = None,
               counts: Sequence[int] | None = None, limits: dict | None = None,
-              available: Sequence[int] | None = None) -> Solution:
-        problem = self.problem(cols, budget, rate, counts, limits, available)
+              available: Sequence[int] | None = None, by_role: bool = False) -> Solution:
+        problem = self.problem(cols, budget, rate, counts, limits, available, by_role)
         if counts is not None:  # a linear program: nothing to be quick about
             return solve(problem)
         return solve_fast(problem, self.inputs.time_limit_s)

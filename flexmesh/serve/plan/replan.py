@@ -4,7 +4,12 @@
 instances): when replica groups are lost or the workload shifts (its rate, its buckets), the replicas that are
 left keep their weights (model, device group, tp, pp) and only their roles, engine knobs and the routing
 change: the MILP over the configurations of those weight shapes, at most as many replicas of each shape as
-survive (:func:`fast_replan`). No new device is taken, so the price can only fall.
+survive (:func:`fast_replan`). No new device is taken, so the price can only fall. The MILP is solved twice:
+with every replica in the role it had (knobs and routing free), and with roles free; a plan that changes roles
+is taken only when the MILP finds it better by more than its own tolerance (:data:`~.milp.MIP_GAP`: a
+difference the MILP does not resolve is no reason to move). The fast path has no simulator to judge a role
+change by, while the plan it starts from was the simulator's pick between aggregated and split replicas (a
+split the MILP's capacities prefer by a percent can serve a quarter less in the simulator).
 
 **Full re-plan**: a fresh plan for the new situation, and what moving to it costs (:func:`transition`): old
 replicas are matched to new ones at least cost (:func:`scipy.optimize.linear_sum_assignment` over the bytes
@@ -29,6 +34,7 @@ from flexmesh.cost.inference.memory import kv_bytes_per_token, weight_bytes_on_d
 from flexmesh.cost.inference.transfer import Span, kv_path
 from flexmesh.errors import PlanError
 from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.plan.milp import MIP_GAP, Solution
 from flexmesh.serve.plan.planner import Planner
 
 # A pairing that cannot be (an old replica's devices are in another device group): a cost no real one reaches.
@@ -57,18 +63,36 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     """``plan`` re-routed after its replica groups ``lost`` (indices into ``plan.groups``, or index -> replicas
     lost) are gone, for
     ``planner``'s workload (its buckets: the shifted workload's), at ``rate`` when given (the cheapest plan
-    serving it with the replicas left) or the most it can serve. Only roles, engine knobs and routing change."""
+    serving it with the replicas left) or the most it can serve. Only roles, engine knobs and routing change;
+    roles only where the MILP finds that better beyond its tolerance (see the module doc)."""
     t0 = time.perf_counter()
     left: dict[tuple[int, int, int, int], int] = {}
+    roles: dict[tuple[tuple[int, int, int, int], str], int] = {}
     keep = _left(plan, lost)
     for g, n in zip(plan.groups, keep):
         if n:
             left[g.shape] = left.get(g.shape, 0) + n
+            roles[g.shape, g.role] = roles.get((g.shape, g.role), 0) + n
     if not left:
         raise PlanError("every replica group is lost; nothing is left to re-route (plan again with flexmesh serve "
                         "plan)")
     cols = planner.columns(everything=True, keep=lambda c: c.shape in left)
-    s = planner.solve(cols, rate=rate, limits=left)
+    free = planner.solve(cols, rate=rate, limits=left)
+    same_cols = [k for k in cols if (planner.configs[k].shape, planner.configs[k].role) in roles]
+    try:
+        same: Solution | None = planner.solve(same_cols, rate=rate, limits=roles, by_role=True)
+    except PlanError:  # the roles left cannot serve it (say, a model's decode replicas are all lost)
+        same = None
+    used: dict[tuple[tuple[int, int, int, int], str], int] = {}
+    for k, n in zip(cols, free.counts):
+        if n > 0:
+            as_role = (planner.configs[k].shape, planner.configs[k].role)
+            used[as_role] = used.get(as_role, 0) + int(n)
+    # free keeping every replica's role too is just the better of the two; else it must beat the tolerance
+    margin = MIP_GAP if any(n > roles.get(r, 0) for r, n in used.items()) else 0.0
+    s = free
+    if same is not None and not _better(free, same, rate is not None, margin):
+        cols, s = same_cols, same
     new = planner.to_plan(cols, s, plan.routing)
     seconds = time.perf_counter() - t0
     before = {(g.shape, g.role, g.knobs): n for g, n in zip(plan.groups, keep) if n}
@@ -85,6 +109,13 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     if idle:
         changed.append(f"{idle} surviving replica(s) left idle")
     return FastReplan(replace(new, workload=plan.workload), seconds, tuple(changed))
+
+
+def _better(a: Solution, b: Solution, rate_given: bool, margin: float) -> bool:
+    """Whether ``a`` beats ``b`` by more than ``margin`` (a fraction): cheaper at a given rate, else more rate."""
+    if rate_given:
+        return a.cost < b.cost * (1 - margin)
+    return a.rate > b.rate * (1 + margin)
 
 
 @dataclass(frozen=True)
