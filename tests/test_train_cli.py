@@ -30,6 +30,13 @@ def test_train_with_nproc_writes_metrics_and_resumes(tmp_path):
     assert all(r["loss"] > 0 and r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert (out / "checkpoints" / "step_000002" / "manifest.json").is_file()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    # where the wall time went: the last line on stderr, phases that add up to the total
+    wall = first.stderr.strip().splitlines()[-1]
+    assert wall.startswith("wall time "), first.stderr[-2000:]
+    total, parts = wall.removeprefix("wall time ").split(": ", 1)
+    phases = {p.rsplit(" ", 2)[0]: float(p.rsplit(" ", 2)[1]) for p in parts.split(", ")}
+    assert {"start-up", "model build", "first step", "steps", "checkpoints", "teardown", "other"} <= set(phases)
+    assert abs(sum(phases.values()) - float(total.split()[0])) <= 0.1 * len(phases) and phases["first step"] > 0
 
     second = flexmesh(*common, "--max-steps", "3")
     assert second.returncode == 0, second.stderr[-4000:]

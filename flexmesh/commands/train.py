@@ -324,6 +324,8 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
                 Path(os.environ[STATUS_ENV]).write_text(f"{code}\n")
         dist.barrier()
         return 0 if os.environ.get(SUPERVISED_ENV) else code
+    if fit_kwargs.get("wall") is not None:
+        fit_kwargs["wall"].finished = True  # the wall-time line follows only a run that ran to its end
     if dist.get_rank() == 0 and history:
         last = history[-1]
         plain_console(soft_wrap=True).print(f"step {last.step}: loss {last.loss:.4f}, {last.tokens_per_s:,.0f} tokens/s"
@@ -417,7 +419,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     finally:
         with wall.phase("teardown"):
             dist.destroy_process_group()
-        if rank0:  # where the run's time went, the first step's compilation and the checkpoints apart
+        if rank0 and wall.finished:  # where the run's time went, the first step's compilation and checkpoints apart
             print(wall.line(), file=sys.stderr, flush=True)
 
 

@@ -33,6 +33,7 @@ class WallTime:
     def __init__(self, start: float | None = None) -> None:
         self.start = time.perf_counter() - since_process_start() if start is None else start
         self.phases: dict[str, float] = {}
+        self.finished = False  # set by whoever runs the phases to their end (a stopped run prints no summary)
 
     def add(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
