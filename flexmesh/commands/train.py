@@ -298,6 +298,7 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
     import torch.distributed as dist
 
     from flexmesh.console import plain_console
+    from flexmesh.files import write_atomic
     from flexmesh.runtime.train.loop import Diverged, Interrupted, Migrating, Preempted, fit
 
     try:
@@ -320,7 +321,7 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
             line = e.notice() if isinstance(e, Preempted) else e.notice(resume_command())
             plain_console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
             if os.environ.get(STATUS_ENV):
-                Path(os.environ[STATUS_ENV]).write_text(f"{code}\n")
+                write_atomic(os.environ[STATUS_ENV], f"{code}\n")  # the launcher's own temporary file
         dist.barrier()
         return 0 if os.environ.get(SUPERVISED_ENV) else code
     if dist.get_rank() == 0 and history:

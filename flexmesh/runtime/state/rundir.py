@@ -202,7 +202,7 @@ def start_over(out: str | Path, overwrite: bool) -> Path | None:
     while dest.exists():  # two starts within one second
         n += 1
         dest = out / f"{PREVIOUS}{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-    dest.mkdir()
+    os.mkdir(dest)  # exclusive: never reuses nor follows what is there (out itself was checked above)
     for name in old:
         os.replace(out / name, dest / name)
     return dest
