@@ -23,6 +23,7 @@ from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.runtime.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flexmesh.runtime.state.rundir import (
+    ATTEMPT_RECORDS,
     CHECKPOINTS,
     METRICS,
     ROUTING,
@@ -261,8 +262,8 @@ def _open_run_folder(out: Path, resume: bool, launched: bool) -> tuple[bool, lis
     held = not launched and bool(hold_run_folder(out))
     try:
         check_run_entries(out)  # hold_run_folder checks too, but the launcher's hold was taken a while ago
-        if not resume:
-            start_over(out, overwrite=False)
+        if not resume:  # what the command recorded for this attempt (its tokenizer, its plan) is no earlier run
+            start_over(out, overwrite=False, ours=ATTEMPT_RECORDS)
         return held, read_metrics(out / METRICS) if resume else []
     except BaseException:
         if held and out is not None:
