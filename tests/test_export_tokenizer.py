@@ -123,6 +123,14 @@ def _own_tokenizer(folder: Path, vocab: int = 300):
     return tok
 
 
+def _record(out, tok, source, max_length):
+    """What `flexmesh train` does once a resume's checks pass: write the record; its warning."""
+    write, warning = record_tokenizer(out, tok, source, max_length)
+    if write is not None:
+        write()
+    return warning
+
+
 def test_a_given_tokenizer_keeps_its_special_tokens_and_encodes_as_training_did(run, tmp_path):
     transformers = pytest.importorskip("transformers")
     from flexmesh.runtime.state.export import checkpoint_spec, export_checkpoint
@@ -130,7 +138,7 @@ def test_a_given_tokenizer_keeps_its_special_tokens_and_encodes_as_training_did(
     own = _own_tokenizer(tmp_path / "own")
     assert own.encode(PROMPT).ids[0] == 1  # its post-processor adds <s>; training encodes without it
     # what `flexmesh train --tokenizer own/tokenizer.json` records
-    assert record_tokenizer(tmp_path / "run", own, tmp_path / "own" / "tokenizer.json", 512) is None
+    assert _record(tmp_path / "run", own, tmp_path / "own" / "tokenizer.json", 512) is None
     assert (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes() == \
         (tmp_path / "own" / "tokenizer.json").read_bytes()
     written = json.loads((tmp_path / "run" / RUN_TOKENIZER / "tokenizer_config.json").read_text())
@@ -153,14 +161,16 @@ def test_a_resume_under_another_tokenizer_is_refused_unless_asked(tmp_path):
 
     first = _own_tokenizer(tmp_path / "a")
     second = _own_tokenizer(tmp_path / "b", vocab=280)
-    assert record_tokenizer(tmp_path / "run", first, None, 512) is None
-    assert record_tokenizer(tmp_path / "run", first, None, 512) is None  # the same one again: nothing to say
+    assert _record(tmp_path / "run", first, None, 512) is None
+    assert record_tokenizer(tmp_path / "run", first, None, 512) == (None, None)  # the same one again: nothing to do
     recorded = (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes()
     with pytest.raises(DataError, match="records another tokenizer.*--new-tokenizer"):
         record_tokenizer(tmp_path / "run", second, None, 512)
     assert (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes() == recorded  # nothing changed
-    warning = record_tokenizer(tmp_path / "run", second, None, 512, replace=True)
-    assert warning is not None and "held another tokenizer" in warning
+    write, warning = record_tokenizer(tmp_path / "run", second, None, 512, replace=True)
+    assert (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes() == recorded  # checked, not yet written
+    assert write is not None and warning is not None and "held another tokenizer" in warning
+    write()
     from flexmesh.data.tokenizer import load_tokenizer, tokenizer_hash
 
     assert tokenizer_hash(load_tokenizer(tmp_path / "run" / RUN_TOKENIZER)) == tokenizer_hash(second)

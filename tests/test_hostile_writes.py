@@ -209,8 +209,8 @@ def test_one_process_starts_over_its_own_run_folder(tmp_path):
     again = flexmesh_here(*common, "--overwrite")
     assert again.returncode == 0, again.stderr
     previous = [p for p in out.iterdir() if p.name.startswith("previous-")]
-    assert len(previous) == 1 and sorted(p.name for p in previous[0].iterdir()) == ["checkpoints", "metrics.jsonl",
-                                                                                    "tokenizer"]
+    assert len(previous) == 1 and sorted(p.name for p in previous[0].iterdir()) == ["checkpoints", "corpus.json",
+                                                                                    "metrics.jsonl", "tokenizer"]
     assert (out / "metrics.jsonl").is_file() and (out / "tokenizer").is_dir()
     refused = flexmesh_here(*common, "--no-resume")
     assert refused.returncode == 2 and "already holds a run" in refused.stderr and len(refused.stderr.splitlines()) == 1

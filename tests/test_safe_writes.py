@@ -161,7 +161,7 @@ def test_a_symlinked_run_tokenizer_folder_is_not_written_through(tmp_path):
     elsewhere = _elsewhere(tmp_path)
     (out / RUN_TOKENIZER).symlink_to(elsewhere)
     with pytest.raises(OutputError, match="tokenizer is a symlink"):
-        record_tokenizer(out, tok, None, 64)
+        record_tokenizer(out, tok, None, 64)[0]()
     assert sorted(p.name for p in elsewhere.iterdir()) == ["file.json"]
 
 

@@ -214,15 +214,20 @@ def check_world(path: str, plan: Plan) -> None:
                         f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
 
 
-def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a DocumentLoader or TaskLoader
-    """The run's seeded loader over ``--corpus`` (with the job's tasks, over every task's corpus, each its
-    own batch per step: flexmesh.data.tasks.TaskLoader) under ``--tokenizer`` (when not given, a BPE
-    trained on ``--corpus``, else on the first task's); rank 0 records the tokenizer in ``--out/tokenizer/``
-    for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
+def document_loader(args: argparse.Namespace, job: Job, records: list | None = None):  # noqa: ANN201
+    """The run's seeded loader (a DocumentLoader or TaskLoader) over ``--corpus`` (with the job's tasks,
+    over every task's corpus, each its own batch per step: flexmesh.data.tasks.TaskLoader) under
+    ``--tokenizer`` (when not given, a BPE trained on ``--corpus``, else on the first task's). On rank 0
+    the run's records are checked against ``--out``'s: the tokenizer (``--out/tokenizer/``, for
+    ``flexmesh export``: flexmesh.data.hf_tokenizer) and the corpus (``--out/corpus.json``:
+    flexmesh.data.run_corpus); a resume under another one is refused here, and the writes that record
+    this run's are appended to ``records``, for the training loop to make once the resume's other
+    checks have passed (nothing in ``--out`` changes before)."""
     from flexmesh.data.cache import usable_cache
-    from flexmesh.data.corpus import stdlib_corpus
+    from flexmesh.data.corpus import read_corpus, stdlib_corpus
     from flexmesh.data.hf_tokenizer import record_tokenizer
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
+    from flexmesh.data.run_corpus import record_corpus
     from flexmesh.errors import DataError
 
     spec, tasks = job.model, job.parts.tasks
@@ -230,7 +235,14 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
     first = args.corpus or (tasks.tasks[0].corpus if tasks is not None else None)
     if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
         raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
-    corpus = stdlib_corpus() if first == "stdlib" else first
+    def read(name: str):  # noqa: ANN202 - a Corpus
+        return stdlib_corpus() if name == "stdlib" else read_corpus(name)
+
+    named = [(t.corpus, read(t.corpus)) for t in tasks] if tasks is not None else [(first, read(first))]
+    corpus = named[0][1]
+    recording = os.environ.get("RANK", "0") == "0" and args.out and records is not None
+    if recording:  # the corpus first: another corpus also trains another tokenizer
+        records.append(_saying(*record_corpus(args.out, named, replace=getattr(args, "new_corpus", False))))
     tokenizer = args.tokenizer or tokenizer_of_weights(args.weights)
     corpus_tokens, tok = load_corpus_tokens(corpus, tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
@@ -239,20 +251,29 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
     if os.environ.get("RANK", "0") == "0":
         if tokenizer != args.tokenizer:
             print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
-        warning = record_tokenizer(args.out, tok, tokenizer, spec.max_position,
-                                   replace=getattr(args, "new_tokenizer", False))
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr)
+    if recording:
+        records.append(_saying(*record_tokenizer(args.out, tok, tokenizer, spec.max_position,
+                                                 replace=getattr(args, "new_tokenizer", False))))
     if tasks is not None:
         from flexmesh.data.tasks import TaskLoader
 
-        corpora = [load_corpus_tokens(stdlib_corpus() if t.corpus == "stdlib" else t.corpus, tok,
-                                      cache_dir=args.cache_dir)[0] for t in tasks]
+        corpora = [load_corpus_tokens(c, tok, cache_dir=args.cache_dir)[0] for _, c in named]
         return TaskLoader(tasks.names, corpora, job.task_batches, [t.steps or args.max_steps for t in tasks],
                           job.seq_len, seed=args.seed)
     if job.tokens_per_batch is not None:  # --tokens-per-step: documents until that many tokens
         return DocumentLoader(corpus_tokens, max_len=job.seq_len, seed=args.seed, tokens_per_step=job.tokens_per_batch)
     return DocumentLoader(corpus_tokens, global_batch=job.global_batch, max_len=job.seq_len, seed=args.seed)
+
+
+def _saying(write, warning: str | None):  # noqa: ANN001, ANN202 - callables
+    """``write`` (None: nothing to write), then ``warning`` (if any) on stderr: a record replaced is
+    said once it is."""
+    def run() -> None:
+        if write is not None:
+            write()
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+    return run
 
 
 def tokenizer_of_weights(weights: str | None) -> str | None:
@@ -384,7 +405,8 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
         for warning in overlap_warnings(plan):
             print(f"warning: {warning}", file=sys.stderr)
     announce_emulation(emulated)
-    loader = document_loader(args, job)
+    records: list = []  # the run folder's records: written by fit once every resume check has passed
+    loader = document_loader(args, job, records)
     config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
     init_distributed(timeout_s=args.collective_timeout, device=args.device)
     try:
@@ -405,7 +427,8 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
             migration = MigrationCheck(planned, spec, monitor, args.out, args.max_steps,
                                        emulate_speed=tuple(args.emulate_speed))
         groups = f" over {len(plan.groups)} replica groups" if len(plan.groups) > 1 else ""
-        return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration)
+        return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration,
+                              records=records)
     finally:
         dist.destroy_process_group()
 

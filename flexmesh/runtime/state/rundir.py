@@ -53,7 +53,7 @@ CHECKPOINTS = "checkpoints"
 MIGRATION_FILE = "migration.json"  # the launcher's request to relaunch on a new plan (flexmesh.commands.migrate)
 MIGRATED_PLAN = "plan-migrated-{step:06d}.json"  # a plan a migration moved the run to
 PLAN_FILE = "plan.json"  # the plan a run without --plan chose (flexmesh.commands.train_plan)
-_RUN_FILE = re.compile(r"metrics\.jsonl|routing\.jsonl|migration\.json|plan-migrated-\d{6}\.json|plan\.json")
+_RUN_FILE = re.compile(r"metrics\.jsonl|routing\.jsonl|migration\.json|plan-migrated-\d{6}\.json|plan\.json|corpus\.json")
 # What `flexmesh train` records for the attempt it starts before training begins (the tokenizer, the
 # plan it chose): not a previous run's, once the command has started over (start_over's ``ours``).
 ATTEMPT_RECORDS = (RUN_TOKENIZER, PLAN_FILE)
@@ -158,7 +158,8 @@ def run_contents(out: str | Path) -> list[str]:
 
 def foreign_entries(out: str | Path) -> list[str]:
     """The entries of ``out`` that no flexmesh run writes there: anything but regular files named as
-    :data:`METRICS`, :data:`ROUTING`, :data:`MIGRATION_FILE` or :data:`MIGRATED_PLAN`, real ``checkpoints``
+    :data:`METRICS`, :data:`ROUTING`, :data:`MIGRATION_FILE`, :data:`MIGRATED_PLAN`, :data:`PLAN_FILE` or
+    ``corpus.json`` (flexmesh.data.run_corpus), real ``checkpoints``
     and ``tokenizer`` folders, the lock and ``previous-*`` folders (``.git``, sources, a symlink named
     ``checkpoints``, ...).
 

@@ -77,7 +77,7 @@ class ListSource:
 
 
 def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None,
-        migration: Any = None) -> list[StepMetrics]:
+        migration: Any = None, records: Sequence[Callable[[], None]] = ()) -> list[StepMetrics]:
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
@@ -100,6 +100,11 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     timed, rank 0 decides (``decide(m, save_s)`` -> an event dict with ``"event": "migrated"`` or
     ``"migration_declined"``), every rank gets the decision, the event joins the step's metrics row,
     and a migration raises :class:`Migrating` (the launcher relaunches on the new plan).
+
+    ``records`` (rank 0's; e.g. the run's tokenizer and corpus, flexmesh.commands.train) write what the
+    run folder records of this attempt: they run once every check of a resume has passed (the
+    checkpoint's plan, tasks, ranks and checksums, and its load), before any other file of the
+    folder changes, so a refused resume leaves the folder as it was.
     """
     out = Path(config.out_dir) if config.out_dir else None
     ckpt_root = out / CHECKPOINTS if out else None
@@ -119,6 +124,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                 if rank0:
                     _say(None, f"resuming from {found} (step {trainer.step_index} of {config.max_steps})"
                                f"{', resharded to the new plan' if reshard else ''}")
+        # On every rank (only rank 0 has records): a FlexmeshError of rank 0's reaches them all.
+        _on_rank0(lambda: [write() for write in records], None)
         metrics_file = out / METRICS if out else None
         routing_file = out / ROUTING if out else None
         if rank0 and metrics_file is not None and routing_file is not None:
