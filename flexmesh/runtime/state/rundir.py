@@ -53,7 +53,8 @@ CHECKPOINTS = "checkpoints"
 MIGRATION_FILE = "migration.json"  # the launcher's request to relaunch on a new plan (flexmesh.commands.migrate)
 MIGRATED_PLAN = "plan-migrated-{step:06d}.json"  # a plan a migration moved the run to
 PLAN_FILE = "plan.json"  # the plan a run without --plan chose (flexmesh.commands.train_plan)
-_RUN_FILE = re.compile(r"metrics\.jsonl|routing\.jsonl|migration\.json|plan-migrated-\d{6}\.json|plan\.json|corpus\.json")
+_RUN_FILE = re.compile(r"metrics\.jsonl|routing\.jsonl|migration\.json|plan-migrated-\d{6}\.json|plan\.json"
+                       r"|corpus\.json")
 # What `flexmesh train` records for the attempt it starts before training begins (the tokenizer, the
 # plan it chose): not a previous run's, once the command has started over (start_over's ``ours``).
 ATTEMPT_RECORDS = (RUN_TOKENIZER, PLAN_FILE)
