@@ -141,7 +141,7 @@ def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None
     spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
     run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
     if args.nnodes is None:
-        check_memory(predicted_peak(plan), args.device, args.nproc)
+        check_memory(estimated_peak(train_job(args, plan, spec)), args.device, args.nproc)
 
 
 def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous, planned: Planned | None = None) -> int:
@@ -198,11 +198,42 @@ def _run_folder(out: str, no_resume: bool, overwrite: bool) -> Iterator[str]:
         release_run_folder(out)
 
 
-def predicted_peak(plan) -> float | None:
-    """The largest per-rank peak (GiB) the plan file predicts, None when it records none."""
-    peaks = plan.predicted.get("peak_memory_gib") if isinstance(plan.predicted, dict) else None
-    numbers = [x for x in peaks if isinstance(x, int | float)] if isinstance(peaks, list) else []
-    return max(numbers) if numbers else None
+def estimated_peak(job: Job) -> float | None:
+    """The largest per-rank peak (GiB) the cost model computes for the job's plan on its model, with
+    its parts (adapters, experts) and dtype: what ``flexmesh plan --check`` prints, computed again,
+    never the figure the plan file records (a hand-written or edited plan is priced as any other).
+    Priced on the job's cost model, else on each device group's presets of the plan's cluster; None
+    where nothing prices the plan (a cluster with no presets, not checked).
+
+    >>> from flexmesh.job import build_job
+    >>> from flexmesh.cost import CostModel
+    >>> from flexmesh.layout.plan import Plan, StagePlan
+    >>> from flexmesh.layout.strategy import LayerStrategy
+    >>> from flexmesh.spec.model import parse_model
+    >>> from flexmesh.spec.cluster import parse_cluster
+    >>> spec, s = parse_model("llama2-70b"), LayerStrategy.parse("tp1-dp2z0")
+    >>> plan = Plan.uniform(model="llama2-70b", cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
+    ...                     num_microbatches=1, seq_len=128, global_batch=2, stages=(StagePlan(0, 80, (s,) * 80),),
+    ...                     predicted={"peak_memory_gib": [0.5]})  # a recorded figure far too small
+    >>> job = build_job(spec, 128, 2, base=CostModel(spec, parse_cluster("2xA100-80GB")), plan=plan)
+    >>> estimated_peak(job) > 1000  # weights, gradients and AdamW states of 70 B parameters on each rank
+    True
+    """
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.units import GIB
+
+    plan = job.plan
+    assert plan is not None
+    if job.cost is not None and len(plan.groups) == 1:
+        return max(m["total"] for m in job.cost.evaluate(plan).memory) / GIB
+    from flexmesh.cost.training.mixed import evaluate_groups
+    from flexmesh.schedule.scheduler import plan_costs
+
+    try:
+        costs = job.costs or plan_costs(plan, job.model, job.cost, job.parts)
+        return max(r.peak_memory for r in evaluate_groups(plan, costs).replicas) / GIB
+    except FlexmeshError:  # e.g. a cluster whose devices have no presets
+        return None
 
 
 def check_world(path: str, plan: Plan) -> None:
@@ -397,7 +428,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     if not os.environ.get(SUPERVISED_ENV):  # under flexmesh's launcher it checked, once, for the whole node
         from flexmesh.runtime.parallel.device import check_memory
 
-        check_memory(predicted_peak(plan), args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        check_memory(estimated_peak(job), args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     emulated = check_emulation(plan, args.emulate_speed)
     if os.environ.get("RANK", "0") == "0":
         from flexmesh.search.check import overlap_warnings
