@@ -272,7 +272,7 @@ def document_loader(args: argparse.Namespace, job: Job, records: list | None = N
     named = [(t.corpus, read(t.corpus)) for t in tasks] if tasks is not None else [(first, read(first))]
     corpus = named[0][1]
     recording = os.environ.get("RANK", "0") == "0" and args.out and records is not None
-    if recording:  # the corpus first: another corpus also trains another tokenizer
+    if recording and records is not None:  # the corpus first: another corpus also trains another tokenizer
         records.append(_saying(*record_corpus(args.out, named, replace=getattr(args, "new_corpus", False))))
     tokenizer = args.tokenizer or tokenizer_of_weights(args.weights)
     corpus_tokens, tok = load_corpus_tokens(corpus, tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
@@ -282,7 +282,7 @@ def document_loader(args: argparse.Namespace, job: Job, records: list | None = N
     if os.environ.get("RANK", "0") == "0":
         if tokenizer != args.tokenizer:
             print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
-    if recording:
+    if recording and records is not None:
         records.append(_saying(*record_tokenizer(args.out, tok, tokenizer, spec.max_position,
                                                  replace=getattr(args, "new_tokenizer", False))))
     if tasks is not None:

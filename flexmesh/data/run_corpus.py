@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from flexmesh.data.corpus import Corpus
 from flexmesh.errors import DataError
@@ -43,7 +44,8 @@ def record_corpus(out: str | Path, corpora: Sequence[tuple[str, Corpus]], replac
     (``--new-corpus``). Returns (the write, None when the record is already these corpora; a
     warning to say once written, when it replaces another record)."""
     path = Path(out) / RUN_CORPUS
-    now = [{"name": name, "fingerprint": corpus.fingerprint(), "files": len(corpus.files)} for name, corpus in corpora]
+    now: list[dict[str, Any]] = [{"name": name, "fingerprint": corpus.fingerprint(), "files": len(corpus.files)}
+                                 for name, corpus in corpora]
     warning = None
     if path.is_file() or path.is_symlink():
         before = _recorded(path)
