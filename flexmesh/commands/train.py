@@ -266,14 +266,15 @@ def document_loader(args: argparse.Namespace, job: Job, records: list | None = N
     first = args.corpus or (tasks.tasks[0].corpus if tasks is not None else None)
     if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
         raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
+
     def read(name: str):  # noqa: ANN202 - a Corpus
         return stdlib_corpus() if name == "stdlib" else read_corpus(name)
 
     named = [(t.corpus, read(t.corpus)) for t in tasks] if tasks is not None else [(first, read(first))]
     corpus = named[0][1]
-    recording = os.environ.get("RANK", "0") == "0" and args.out and records is not None
-    if recording and records is not None:  # the corpus first: another corpus also trains another tokenizer
-        records.append(_saying(*record_corpus(args.out, named, replace=getattr(args, "new_corpus", False))))
+    mine = records if os.environ.get("RANK", "0") == "0" and args.out else None  # rank 0 records the run
+    if mine is not None:  # the corpus first: another corpus also trains another tokenizer
+        mine.append(_saying(*record_corpus(args.out, named, replace=getattr(args, "new_corpus", False))))
     tokenizer = args.tokenizer or tokenizer_of_weights(args.weights)
     corpus_tokens, tok = load_corpus_tokens(corpus, tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
@@ -282,8 +283,8 @@ def document_loader(args: argparse.Namespace, job: Job, records: list | None = N
     if os.environ.get("RANK", "0") == "0":
         if tokenizer != args.tokenizer:
             print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
-    if recording and records is not None:
-        records.append(_saying(*record_tokenizer(args.out, tok, tokenizer, spec.max_position,
+    if mine is not None:
+        mine.append(_saying(*record_tokenizer(args.out, tok, tokenizer, spec.max_position,
                                                  replace=getattr(args, "new_tokenizer", False))))
     if tasks is not None:
         from flexmesh.data.tasks import TaskLoader
