@@ -30,6 +30,7 @@ import errno
 import fcntl
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -170,6 +171,41 @@ def open_file(path: str | Path, flags: int, mode: int = 0o644) -> int:
                           "another path")
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
+
+
+def fresh_folder(path: str | Path, root: str | Path) -> Path:
+    """An empty folder at ``path`` (a scratch folder of flexmesh's own, under ``root``): a real folder
+    left there by an earlier attempt is removed first, and the new one is made with ``os.mkdir``,
+    which never follows nor reuses what appeared meanwhile. A symlink or anything else that is not a
+    folder there is refused (OutputError), never removed: flexmesh did not make it."""
+    path = Path(path)
+    below(root, path)  # a symlink at path or a linked component above it is refused here
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if not stat.S_ISDIR(mode):
+            raise OutputError(f"{path} is {_kind(mode) if not stat.S_ISREG(mode) else 'a file'}, where flexmesh keeps "
+                              "a scratch folder; remove it or choose another path")
+        shutil.rmtree(path)  # rmtree never follows a symlink inside the folder: it unlinks it
+    make_folder(path.parent, root=root)
+    try:
+        os.mkdir(path)
+    except FileExistsError:  # made by another program since the check: not ours to use
+        raise OutputError(f"{path} appeared while flexmesh was making it; remove it and try again") from None
+    return path
+
+
+def create_file(path: str | Path, root: str | Path | None = None, *, exclusive: bool = True):
+    """``path`` opened for writing bytes under :func:`open_file`'s rules, each component between
+    ``root`` (a folder flexmesh owns) and ``path`` checked as :func:`below` does. ``exclusive`` (a
+    file in a folder flexmesh just made) refuses a file already there; otherwise a regular file
+    there is truncated (a log rewritten by a later run)."""
+    if root is not None:
+        below(root, path)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    return os.fdopen(open_file(path, flags, 0o666), "wb")
 
 
 def append_file(path: str | Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import time
 
 import pytest
@@ -68,21 +69,47 @@ def test_divisors_of_a_large_prime_take_square_root_time():
     assert divisors(720) == [d for d in range(1, 721) if 720 % d == 0]
 
 
-def test_train_refuses_a_plan_that_needs_more_memory_than_the_machine_has(tmp_path, capsys):
+@pytest.mark.parametrize("world", [1, 2])
+def test_train_refuses_a_plan_that_needs_more_memory_than_the_machine_has(tmp_path, world):
+    """The check prices the plan and model again: a hand-written plan for a 70 B model recording a
+    small peak is refused before anything is allocated, in one process or under the launcher."""
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
+
+    s = LayerStrategy.parse(f"tp1-dp{world}z0")
+    plan = Plan.uniform(model="llama2-70b", cluster=f"{world}xA100-80GB", world_size=world, pp=1,
+                        pipeline_schedule="1f1b", num_microbatches=1, seq_len=128, global_batch=world,
+                        stages=(StagePlan(0, 80, (s,) * 80),), predicted={"peak_memory_gib": [0.5] * world})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    launch = ["--nproc", "2"] if world == 2 else []
+    from helpers import flexmesh_here  # in this process, its environment restored after (a world of one sets it)
+
+    done = flexmesh_here("train", "--plan", str(path), "--corpus", "stdlib", "--max-steps", "1", "--out",
+                         str(tmp_path / "run"), *launch, "--device", "cpu")
+    code, said = done.returncode, " ".join(done.stderr.split())
+    needs = r"the plan needs a peak of \d{4,}\.\d GiB per rank \(the cost model's estimate"
+    assert code == 2 and re.search(needs, said), said
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_memory_check_ignores_a_recorded_peak_the_plan_does_not_need():
+    """A plan file recording an absurd peak for a small model is priced by what it needs."""
+    from flexmesh.commands.train import estimated_peak
+    from flexmesh.cost import CostModel
+    from flexmesh.job import build_job
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+    from flexmesh.spec.cluster import parse_cluster
+    from flexmesh.spec.model import parse_model
 
     s = LayerStrategy.parse("tp1-dp2z0")
     plan = Plan.uniform(model="tiny", cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
                         num_microbatches=1, seq_len=128, global_batch=2, stages=(StagePlan(0, 4, (s,) * 4),),
-                        predicted={"peak_memory_gib": [1e6]})
-    path = tmp_path / "plan.json"
-    plan.save(path)
-    code = main(["train", "--plan", str(path), "--corpus", "stdlib", "--max-steps", "1", "--out", str(tmp_path / "run"),
-                 "--nproc", "2", "--device", "cpu"])
-    said = " ".join(capsys.readouterr().err.split())
-    assert code == 2 and "the plan predicts a peak of 1000000.0 GiB per rank" in said, said
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+                        predicted={"peak_memory_gib": [1e6, 1e6]})
+    spec = parse_model("tiny")
+    job = build_job(spec, 128, 2, base=CostModel(spec, parse_cluster("2xA100-80GB")), plan=plan)
+    assert 0 < estimated_peak(job) < 10
 
 
 def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, capsys):

@@ -88,7 +88,7 @@ def test_a_run_that_recorded_no_tokenizer_exports_with_a_warning(run, tmp_path, 
     assert main(["export", "--checkpoint", str(old), "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "warning: the run of" in captured.err and "records no tokenizer" in captured.err
-    assert "pass --tokenizer" in captured.err and "no tokenizer" in captured.out
+    assert "pass --tokenizer" in captured.err and "no tokenizer" in " ".join(captured.out.split())  # wrapped at 80
     assert not (out / "tokenizer.json").exists() and not (out / "generation_config.json").exists()
     assert "eos_token_id" not in json.loads((out / "config.json").read_text())
 
@@ -123,6 +123,14 @@ def _own_tokenizer(folder: Path, vocab: int = 300):
     return tok
 
 
+def _record(out, tok, source, max_length):
+    """What `flexmesh train` does once a resume's checks pass: write the record; its warning."""
+    write, warning = record_tokenizer(out, tok, source, max_length)
+    if write is not None:
+        write()
+    return warning
+
+
 def test_a_given_tokenizer_keeps_its_special_tokens_and_encodes_as_training_did(run, tmp_path):
     transformers = pytest.importorskip("transformers")
     from flexmesh.runtime.state.export import checkpoint_spec, export_checkpoint
@@ -130,7 +138,7 @@ def test_a_given_tokenizer_keeps_its_special_tokens_and_encodes_as_training_did(
     own = _own_tokenizer(tmp_path / "own")
     assert own.encode(PROMPT).ids[0] == 1  # its post-processor adds <s>; training encodes without it
     # what `flexmesh train --tokenizer own/tokenizer.json` records
-    assert record_tokenizer(tmp_path / "run", own, tmp_path / "own" / "tokenizer.json", 512) is None
+    assert _record(tmp_path / "run", own, tmp_path / "own" / "tokenizer.json", 512) is None
     assert (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes() == \
         (tmp_path / "own" / "tokenizer.json").read_bytes()
     written = json.loads((tmp_path / "run" / RUN_TOKENIZER / "tokenizer_config.json").read_text())
@@ -153,14 +161,16 @@ def test_a_resume_under_another_tokenizer_is_refused_unless_asked(tmp_path):
 
     first = _own_tokenizer(tmp_path / "a")
     second = _own_tokenizer(tmp_path / "b", vocab=280)
-    assert record_tokenizer(tmp_path / "run", first, None, 512) is None
-    assert record_tokenizer(tmp_path / "run", first, None, 512) is None  # the same one again: nothing to say
+    assert _record(tmp_path / "run", first, None, 512) is None
+    assert record_tokenizer(tmp_path / "run", first, None, 512) == (None, None)  # the same one again: nothing to do
     recorded = (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes()
     with pytest.raises(DataError, match="records another tokenizer.*--new-tokenizer"):
         record_tokenizer(tmp_path / "run", second, None, 512)
     assert (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes() == recorded  # nothing changed
-    warning = record_tokenizer(tmp_path / "run", second, None, 512, replace=True)
-    assert warning is not None and "held another tokenizer" in warning
+    write, warning = record_tokenizer(tmp_path / "run", second, None, 512, replace=True)
+    assert (tmp_path / "run" / RUN_TOKENIZER / "tokenizer.json").read_bytes() == recorded  # checked, not yet written
+    assert write is not None and warning is not None and "held another tokenizer" in warning
+    write()
     from flexmesh.data.tokenizer import load_tokenizer, tokenizer_hash
 
     assert tokenizer_hash(load_tokenizer(tmp_path / "run" / RUN_TOKENIZER)) == tokenizer_hash(second)
@@ -178,3 +188,60 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_writing(run, tmp_pa
     assert not (tmp_path / "hf").exists()
     with pytest.raises(DataError, match="does not exist"):
         export_checkpoint(run["run"], tmp_path / "hf", checkpoint_spec(run["run"]), tokenizer=tmp_path / "none.json")
+
+
+def _failing_save(monkeypatch, after: int) -> None:
+    """safetensors' writer as on a disk that fills up after ``after`` shards."""
+    import errno
+
+    import safetensors.torch
+
+    real, calls = safetensors.torch.save_file, []
+
+    def save_file(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > after:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_export_on_a_full_disk_leaves_nothing_half_written(run, tmp_path, capsys, monkeypatch, after):
+    from flexmesh.cli import main
+
+    _failing_save(monkeypatch, after)
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run["run"]), "--out", str(out), "--max-shard-size", "40KB"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "the disk is full" in err and "Traceback" not in err, err
+    assert not out.exists()  # the folder it made, with every shard it wrote, is gone
+
+
+def test_an_overwrite_on_a_full_disk_says_the_earlier_export_is_gone(run, tmp_path, capsys, monkeypatch):
+    from flexmesh.cli import main
+
+    out = tmp_path / "hf"
+    (out / "mine.txt").parent.mkdir()
+    (out / "mine.txt").write_text(VICTIM := "a file of the user's")
+    assert main(["export", "--checkpoint", str(run["run"]), "--out", str(out), "--max-shard-size", "40KB"]) == 0
+    capsys.readouterr()
+    _failing_save(monkeypatch, 1)
+    assert main(["export", "--checkpoint", str(run["run"]), "--out", str(out), "--max-shard-size", "40KB",
+                 "--overwrite"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the disk is full" in err and "earlier export there is gone too" in err
+    left = sorted(p.name for p in out.iterdir())
+    assert left == [".flexmesh-export.json", "mine.txt"] and (out / "mine.txt").read_text() == VICTIM
+
+
+def test_an_out_path_too_long_is_one_line(run, tmp_path, capsys):
+    from flexmesh.cli import main
+
+    for out in (tmp_path / ("x" * 300), tmp_path / "a" / ("x" * 300) / "b"):
+        with pytest.raises(SystemExit) as stop:
+            main(["export", "--checkpoint", str(run["run"]), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "Traceback" not in err
+        assert "a name in it is 300 bytes, longer than the file system allows (255)" in err.splitlines()[-1]

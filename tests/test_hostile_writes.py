@@ -175,10 +175,10 @@ def _run_folder(root: Path, *extra: str) -> Path:
 def test_starting_over_moves_only_a_run_folder(tmp_path):
     from flexmesh.runtime.state.rundir import start_over
 
-    run = _run_folder(tmp_path / "a", "migration.json", "plan-migrated-000004.json")
+    run = _run_folder(tmp_path / "a", "migration.json", "plan-migrated-000004.json", "plan.json")
     moved = start_over(run, overwrite=True)
     assert sorted(p.name for p in moved.iterdir()) == ["checkpoints", "metrics.jsonl", "migration.json",
-                                                       "plan-migrated-000004.json"]
+                                                       "plan-migrated-000004.json", "plan.json"]
     assert sorted(p.name for p in run.iterdir()) == [".flexmesh.lock", moved.name]
 
     project = _run_folder(tmp_path / "b")
@@ -195,6 +195,25 @@ def test_starting_over_moves_only_a_run_folder(tmp_path):
     (linked / "checkpoints").symlink_to(tmp_path / "b")  # a run writes a real folder there, not a link
     with pytest.raises(RunFolderError, match="holds 'checkpoints'"):
         start_over(linked, overwrite=True)
+
+
+def test_one_process_starts_over_its_own_run_folder(tmp_path):
+    """--no-resume into a new folder and --overwrite of a run flexmesh wrote train (the tokenizer the
+    command records for its attempt is no earlier run); --no-resume over a run is still refused."""
+    _, corpus, plan = write_inputs(tmp_path, world=1)
+    out = tmp_path / "run"
+    common = ["train", "--plan", str(plan), "--corpus", str(corpus), "--out", str(out), "--max-steps", "1",
+              "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    first = flexmesh_here(*common, "--no-resume")
+    assert first.returncode == 0, first.stderr
+    again = flexmesh_here(*common, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    previous = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert len(previous) == 1 and sorted(p.name for p in previous[0].iterdir()) == ["checkpoints", "corpus.json",
+                                                                                    "metrics.jsonl", "tokenizer"]
+    assert (out / "metrics.jsonl").is_file() and (out / "tokenizer").is_dir()
+    refused = flexmesh_here(*common, "--no-resume")
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr and len(refused.stderr.splitlines()) == 1
 
 
 def test_overwrite_refuses_a_project_folder_before_starting_anything(tmp_path):

@@ -161,7 +161,7 @@ def test_a_symlinked_run_tokenizer_folder_is_not_written_through(tmp_path):
     elsewhere = _elsewhere(tmp_path)
     (out / RUN_TOKENIZER).symlink_to(elsewhere)
     with pytest.raises(OutputError, match="tokenizer is a symlink"):
-        record_tokenizer(out, tok, None, 64)
+        record_tokenizer(out, tok, None, 64)[0]()
     assert sorted(p.name for p in elsewhere.iterdir()) == ["file.json"]
 
 
@@ -215,3 +215,94 @@ def test_a_rendezvous_port_where_a_store_serves_passes():
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
     check_endpoint(f"127.0.0.1:{port}")
     del store
+
+
+def test_a_scratch_folder_is_made_anew_and_a_planted_link_there_refused(tmp_path):
+    from flexmesh.files import fresh_folder
+
+    root = tmp_path / "run"
+    (root / ".tmp-x").mkdir(parents=True)
+    (root / ".tmp-x" / "left.pt").write_text("an earlier attempt")
+    assert list(fresh_folder(root / ".tmp-x", root).iterdir()) == []
+    elsewhere = _elsewhere(tmp_path)
+    (root / ".tmp-y").symlink_to(elsewhere)
+    with pytest.raises(OutputError, match="symlink"):
+        fresh_folder(root / ".tmp-y", root)
+    assert (elsewhere / "file.json").read_text() == "theirs"
+
+
+@pytest.mark.parametrize("exclusive", [True, False])
+@pytest.mark.parametrize("kind", ["symlink", "hard link"])
+def test_create_file_never_writes_through_a_link(tmp_path, exclusive, kind):
+    from flexmesh.files import create_file
+
+    elsewhere = _elsewhere(tmp_path)
+    (tmp_path / "run").mkdir()
+    at = tmp_path / "run" / "rank_00000.pt"
+    (at.symlink_to if kind == "symlink" else at.hardlink_to)(elsewhere / "file.json")
+    with pytest.raises(OutputError):
+        create_file(at, tmp_path / "run", exclusive=exclusive)
+    assert (elsewhere / "file.json").read_text() == "theirs"
+
+
+def test_dcp_shards_and_metadata_are_never_written_through_a_link(tmp_path):
+    """The checkpoint writer's own files (DCP's shard and metadata) go through flexmesh.files too."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from flexmesh.runtime.state.checkpoint import _guarded_writer
+
+    good = tmp_path / "good"
+    good.mkdir()
+    dcp.save({"w": torch.ones(3)}, storage_writer=_guarded_writer(good))
+    written = sorted(p.name for p in good.iterdir())
+    assert ".metadata" in written and any(n.endswith(".distcp") for n in written)
+    for name in written:
+        folder = tmp_path / f"planted-{name.strip('.')}"
+        folder.mkdir()
+        target = _elsewhere(tmp_path) / "file.json"
+        plant = folder / (f"{name}.tmp" if name == ".metadata" else name)
+        plant.symlink_to(target)
+        with pytest.raises(BaseException, match="not a regular file|symlink"):
+            dcp.save({"w": torch.ones(3)}, storage_writer=_guarded_writer(folder))
+        assert target.read_text() == "theirs"
+
+
+def test_the_token_cache_scratch_folder_is_never_written_through(tmp_path):
+    from flexmesh.data.cache import cache_key
+    from flexmesh.data.corpus import read_corpus
+    from flexmesh.data.loader import tokenize_corpus
+    from flexmesh.data.tokenizer import tokenizer_hash, train_bpe
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("hello world, hello tokens\n" * 20)
+    corpus = read_corpus(tmp_path / "corpus")
+    cache = tmp_path / "cache"
+    tok = train_bpe(corpus, vocab_size=300, cache_dir=cache)
+    key = cache_key(corpus.fingerprint(), tokenizer_hash(tok))
+    (cache / "tokens").mkdir(parents=True, exist_ok=True)
+    elsewhere = _elsewhere(tmp_path)
+    (cache / "tokens" / f"{key}.tmp{os.getpid()}").symlink_to(elsewhere)
+    with pytest.raises(OutputError, match="symlink"):
+        tokenize_corpus(corpus, tok, cache_dir=cache)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["file.json"]
+    (cache / "tokens" / f"{key}.tmp{os.getpid()}").unlink()
+    assert len(tokenize_corpus(corpus, tok, cache_dir=cache).offsets) == 2
+
+
+def test_an_engine_log_is_never_written_through_a_link(tmp_path):
+    import asyncio
+
+    from flexmesh.serve.engine.config import EngineConfig
+    from flexmesh.serve.engine.fleet import start_engines
+
+    elsewhere = _elsewhere(tmp_path)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "engine-0.log").symlink_to(elsewhere / "file.json")
+    with pytest.raises(OutputError):
+        asyncio.run(start_engines(EngineConfig(model="tiny"), 1, logs))
+    assert (elsewhere / "file.json").read_text() == "theirs"
+    (tmp_path / "linked-logs").symlink_to(elsewhere)
+    with pytest.raises(OutputError, match="symlink"):
+        asyncio.run(start_engines(EngineConfig(model="tiny"), 1, tmp_path / "linked-logs"))

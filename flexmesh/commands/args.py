@@ -14,7 +14,9 @@ argparse.ArgumentTypeError: must be a finite number > 0, got 'nan'
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -151,6 +153,21 @@ def folder(text: str) -> str:
     """A folder path to write into: refused when it names an existing file."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must name a folder, got an empty path")
+    # The limits of Linux and macOS file systems (NAME_MAX, PATH_MAX), checked whether or not the
+    # folders on the way exist yet: the kernel reports ENOENT for a missing one before a long name.
+    longest = max(len(part.encode("utf-8", "surrogateescape")) for part in Path(text).parts)
+    why = (f"a name in it is {longest} bytes, longer than the file system allows (255)" if longest > 255 else
+           "it is longer than the file system allows (4095 bytes)" if len(os.fsencode(text)) > 4095 else None)
+    try:
+        os.stat(text)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a loop of links, a file where a folder goes: one line
+        why = why or ("a part of it is a file, not a folder" if e.errno == errno.ENOTDIR else e.strerror or str(e))
+    if why is not None:
+        shown = text if len(text) <= 60 else f"{text[:28]}...{text[-28:]}"
+        raise argparse.ArgumentTypeError(f"{shown!r} ({len(text)} characters) cannot be a folder: {why}; choose "
+                                         "another path")
     if Path(text).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is an existing file, not a folder; give a folder path")
     return text

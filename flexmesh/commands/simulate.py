@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,8 @@ from flexmesh.spec.model import parse_model
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+SHORTER = "fewer --steps or --policies, or a shorter --context, to shorten it"  # said when a simulation is long
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -220,10 +223,9 @@ def build_context(args: argparse.Namespace) -> tuple[ScheduleContext, np.ndarray
 
 
 def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a GroupsSimulation for several groups
-    """Draw the batches, schedule and simulate them under every policy (with a progress bar when long)."""
-    from rich.progress import Progress
-
-    from flexmesh.console import plain_console
+    """Draw the batches, schedule and simulate them under every policy (with progress on stderr, and an
+    estimate when long: flexmesh.console.progress_steps)."""
+    from flexmesh.console import progress_steps
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if not policies:
@@ -233,12 +235,12 @@ def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a Gro
     cfg, ctx, speeds = _prepare(args, policies)
     batches = sample_batches(cfg)
     total = policy_steps(cfg, ctx)
-    if args.json or total < 40:
+    if total < 40:
         runs = run_policies(cfg, ctx, speeds, batches)
-    else:
-        with Progress(console=plain_console(stderr=True), transient=True) as bar:
-            task = bar.add_task("scheduling and simulating", total=total)
-            runs = run_policies(cfg, ctx, speeds, batches, on_step=lambda: bar.advance(task))
+    else:  # on stderr, so --json's stdout stays the JSON alone
+        with progress_steps("scheduling and simulating", total,
+                            hint=SHORTER) as advance:
+            runs = run_policies(cfg, ctx, speeds, batches, on_step=advance)
     sim = summarise(cfg, ctx, batches, runs, plots_dir=args.plots)
     if args.plan:
         sim.setup["plan_step"] = _plan_step(load_plan(args.plan), cfg, ctx, speeds, batches)
@@ -356,8 +358,13 @@ def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> Grou
         gctx = gctx.with_speed(speed)
     layout = _Layout(1, 1, "1f1b", 1, 3, True, "ulysses")  # each group's own: the flags' do not apply
     batches = sample_batches(_config(args, job, layout, policies, ()))
-    runs = compare_groups(gctx, batches, policies, seed=args.seed,
-                          virtual_stages=[g.virtual_stages for g in plan.groups])
+    from flexmesh.console import progress_steps
+
+    total = (1 + 2 * len(policies)) * len(batches)
+    with (progress_steps("scheduling and simulating", total, hint="fewer --steps or --policies to shorten it")
+          if total >= 40 else nullcontext()) as advance:
+        runs = compare_groups(gctx, batches, policies, seed=args.seed,
+                              virtual_stages=[g.virtual_stages for g in plan.groups], on_step=advance)
     setup = {"model": spec.name, "cluster": plan.cluster, "plan": plan.layout.split("\n"), "groups": len(plan.groups),
              "context": job.seq_len, "lengths": args.lengths, "steps": args.steps, "seed": args.seed,
              "global_batch": plan.global_batch, "speed_factors": list(slow)}

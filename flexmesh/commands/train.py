@@ -16,9 +16,9 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from flexmesh.commands.train_args import add_arguments, run_dtype
+from flexmesh.commands.train_data import document_loader
 from flexmesh.commands.train_job import scheduler, train_job
 from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned_path
 from flexmesh.commands.train_tasks import run_tasks, task_table
@@ -142,7 +142,7 @@ def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None
     spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
     run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
     if args.nnodes is None:
-        check_memory(predicted_peak(plan), args.device, args.nproc)
+        check_memory(estimated_peak(train_job(args, plan, spec)), args.device, args.nproc)
 
 
 def _launch(args: argparse.Namespace, argv: list[str], rendezvous: Rendezvous, planned: Planned | None = None) -> int:
@@ -199,11 +199,42 @@ def _run_folder(out: str, no_resume: bool, overwrite: bool) -> Iterator[str]:
         release_run_folder(out)
 
 
-def predicted_peak(plan) -> float | None:
-    """The largest per-rank peak (GiB) the plan file predicts, None when it records none."""
-    peaks = plan.predicted.get("peak_memory_gib") if isinstance(plan.predicted, dict) else None
-    numbers = [x for x in peaks if isinstance(x, int | float)] if isinstance(peaks, list) else []
-    return max(numbers) if numbers else None
+def estimated_peak(job: Job) -> float | None:
+    """The largest per-rank peak (GiB) the cost model computes for the job's plan on its model, with
+    its parts (adapters, experts) and dtype: what ``flexmesh plan --check`` prints, computed again,
+    never the figure the plan file records (a hand-written or edited plan is priced as any other).
+    Priced on the job's cost model, else on each device group's presets of the plan's cluster; None
+    where nothing prices the plan (a cluster with no presets, not checked).
+
+    >>> from flexmesh.job import build_job
+    >>> from flexmesh.cost import CostModel
+    >>> from flexmesh.layout.plan import Plan, StagePlan
+    >>> from flexmesh.layout.strategy import LayerStrategy
+    >>> from flexmesh.spec.model import parse_model
+    >>> from flexmesh.spec.cluster import parse_cluster
+    >>> spec, s = parse_model("llama2-70b"), LayerStrategy.parse("tp1-dp2z0")
+    >>> plan = Plan.uniform(model="llama2-70b", cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
+    ...                     num_microbatches=1, seq_len=128, global_batch=2, stages=(StagePlan(0, 80, (s,) * 80),),
+    ...                     predicted={"peak_memory_gib": [0.5]})  # a recorded figure far too small
+    >>> job = build_job(spec, 128, 2, base=CostModel(spec, parse_cluster("2xA100-80GB")), plan=plan)
+    >>> estimated_peak(job) > 1000  # weights, gradients and AdamW states of 70 B parameters on each rank
+    True
+    """
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.units import GIB
+
+    plan = job.plan
+    assert plan is not None
+    if job.cost is not None and len(plan.groups) == 1:
+        return max(m["total"] for m in job.cost.evaluate(plan).memory) / GIB
+    from flexmesh.cost.training.mixed import evaluate_groups
+    from flexmesh.schedule.scheduler import plan_costs
+
+    try:
+        costs = job.costs or plan_costs(plan, job.model, job.cost, job.parts)
+        return max(r.peak_memory for r in evaluate_groups(plan, costs).replicas) / GIB
+    except FlexmeshError:  # e.g. a cluster whose devices have no presets
+        return None
 
 
 def check_world(path: str, plan: Plan) -> None:
@@ -213,64 +244,6 @@ def check_world(path: str, plan: Plan) -> None:
     if world != plan.world_size:
         raise PlanError(f"plan {path} is for {plan.world_size} ranks but {world} were launched; use "
                         f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
-
-
-def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a DocumentLoader or TaskLoader
-    """The run's seeded loader over ``--corpus`` (with the job's tasks, over every task's corpus, each its
-    own batch per step: flexmesh.data.tasks.TaskLoader) under ``--tokenizer`` (when not given, a BPE
-    trained on ``--corpus``, else on the first task's); rank 0 records the tokenizer in ``--out/tokenizer/``
-    for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
-    from flexmesh.data.cache import usable_cache
-    from flexmesh.data.corpus import stdlib_corpus
-    from flexmesh.data.hf_tokenizer import record_tokenizer
-    from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
-    from flexmesh.errors import DataError
-
-    spec, tasks = job.model, job.parts.tasks
-    usable_cache(args.cache_dir)
-    first = args.corpus or (tasks.tasks[0].corpus if tasks is not None else None)
-    if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
-        raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
-    corpus = stdlib_corpus() if first == "stdlib" else first
-    tokenizer = args.tokenizer or tokenizer_of_weights(args.weights)
-    corpus_tokens, tok = load_corpus_tokens(corpus, tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
-    if tok.get_vocab_size() > spec.vocab:
-        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
-                        "tokenizer with at most that many tokens, or drop --tokenizer to train one")
-    if os.environ.get("RANK", "0") == "0":
-        if tokenizer != args.tokenizer:
-            print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
-        warning = record_tokenizer(args.out, tok, tokenizer, spec.max_position,
-                                   replace=getattr(args, "new_tokenizer", False))
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr)
-    if tasks is not None:
-        from flexmesh.data.tasks import TaskLoader
-
-        corpora = [load_corpus_tokens(stdlib_corpus() if t.corpus == "stdlib" else t.corpus, tok,
-                                      cache_dir=args.cache_dir)[0] for t in tasks]
-        return TaskLoader(tasks.names, corpora, job.task_batches, [t.steps or args.max_steps for t in tasks],
-                          job.seq_len, seed=args.seed)
-    if job.tokens_per_batch is not None:  # --tokens-per-step: documents until that many tokens
-        return DocumentLoader(corpus_tokens, max_len=job.seq_len, seed=args.seed, tokens_per_step=job.tokens_per_batch)
-    return DocumentLoader(corpus_tokens, global_batch=job.global_batch, max_len=job.seq_len, seed=args.seed)
-
-
-def tokenizer_of_weights(weights: str | None) -> str | None:
-    """The tokenizer.json in the folder of ``--weights`` (a Hugging Face model folder, or a flexmesh export,
-    holds the one its weights were trained with); None without --weights. Weights with no tokenizer beside
-    them are refused in one line: a BPE trained now on the corpus would give every id another meaning than
-    the one the weights learnt."""
-    if not weights:
-        return None
-    folder = Path(weights) if Path(weights).is_dir() else Path(weights).parent
-    found = folder / "tokenizer.json"
-    if not found.is_file():
-        from flexmesh.errors import DataError
-
-        raise DataError(f"--weights {weights} has no tokenizer.json beside it, and a tokenizer trained on the corpus "
-                        "would not match the ids the weights learnt: pass --tokenizer with the weights' own")
-    return str(found)
 
 
 def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bool | None = None) -> TrainConfig:
@@ -299,6 +272,7 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
     import torch.distributed as dist
 
     from flexmesh.console import plain_console
+    from flexmesh.files import write_atomic
     from flexmesh.runtime.train.loop import Diverged, Interrupted, Migrating, Preempted, fit
 
     try:
@@ -321,7 +295,7 @@ def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwar
             line = e.notice() if isinstance(e, Preempted) else e.notice(resume_command())
             plain_console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
             if os.environ.get(STATUS_ENV):
-                Path(os.environ[STATUS_ENV]).write_text(f"{code}\n")
+                write_atomic(os.environ[STATUS_ENV], f"{code}\n")  # the launcher's own temporary file
         dist.barrier()
         return 0 if os.environ.get(SUPERVISED_ENV) else code
     if fit_kwargs.get("wall") is not None:
@@ -379,7 +353,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     if not os.environ.get(SUPERVISED_ENV):  # under flexmesh's launcher it checked, once, for the whole node
         from flexmesh.runtime.parallel.device import check_memory
 
-        check_memory(predicted_peak(plan), args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        check_memory(estimated_peak(job), args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     emulated = check_emulation(plan, args.emulate_speed)
     if os.environ.get("RANK", "0") == "0":
         from flexmesh.search.check import overlap_warnings
@@ -389,8 +363,9 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     announce_emulation(emulated)
     wall = WallTime()
     wall.add("start-up", time.perf_counter() - wall.start)  # the interpreter, imports, the plan and its checks
+    records: list = []  # the run folder's records: written by fit once every resume check has passed
     with wall.phase("tokenizer and data"):
-        loader = document_loader(args, job)
+        loader = document_loader(args, job, records)
     config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
     with wall.phase("process group"):
         init_distributed(timeout_s=args.collective_timeout, device=args.device)
@@ -415,7 +390,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
                                        emulate_speed=tuple(args.emulate_speed))
         groups = f" over {len(plan.groups)} replica groups" if len(plan.groups) > 1 else ""
         return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration,
-                              wall=wall)
+                              records=records, wall=wall)
     finally:
         with wall.phase("teardown"):
             dist.destroy_process_group()

@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokenizer", action="store_true",
                    help="resume under another tokenizer than the run recorded (refused without it: the "
                         "checkpoints so far were trained under the recorded one)")
+    p.add_argument("--new-corpus", action="store_true",
+                   help="resume under another corpus than the run recorded in --out/corpus.json (refused "
+                        "without it: the steps so far and the data position were drawn from the recorded one)")
     p.add_argument("--collective-timeout", type=seconds, default=600.0, metavar="SECONDS",
                    help="how long a collective waits for a stopped, hung or dead rank before the run fails "
                         "naming it (default 600)")

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import Plan
+from flexmesh.runtime.state.rundir import PLAN_FILE
 
-PLAN_FILE = "plan.json"  # in --out: the plan a run without --plan chose
 DEFAULT_MODEL = "tiny"
 DEFAULT_SEQ_LEN = 1024
 SEQUENCES_PER_PROCESS = 4  # the default global batch: this many documents per process

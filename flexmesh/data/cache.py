@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from flexmesh.errors import DataError
-from flexmesh.files import make_folder, open_file
+from flexmesh.files import create_file, make_folder, open_file
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -35,9 +35,11 @@ def usable_cache(cache_dir: str | Path | None = None) -> Path:
     (a path through a file or a read-only place, a full disk), naming it and what to pass instead."""
     root = cache_root(cache_dir)
     try:
+        # The cache folder is named by the user (flag, variable or home) and may be a link they chose,
+        # as any named path's parents; what flexmesh writes below it is checked (flexmesh.files).
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".probe-{os.getpid()}"
-        probe.write_bytes(b"")
+        create_file(probe, root, exclusive=False).close()
         probe.unlink()
     except OSError as e:
         raise DataError(f"the cache folder {root} cannot hold files ({e.strerror or e}); pass --cache-dir DIR or "
@@ -54,7 +56,7 @@ def cache_key(*parts: object) -> str:
 def file_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` so concurrent ranks build a cache entry only once. Its folder
     (created if needed) and the lock file itself must be real: never a symlink (flexmesh.files)."""
-    make_folder(path.parent)
+    make_folder(path.parent, root=path.parent.parent)  # e.g. CACHE/tokens: a real folder of the cache
     fd = open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -27,6 +27,7 @@ BPE's one special token; a ``--tokenizer`` with a ``tokenizer_config.json`` or
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,12 +132,14 @@ def write_hf_tokenizer(folder: str | Path, text: str, config: dict[str, Any], ro
 
 
 def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None, max_length: int,
-                     replace: bool = False) -> str | None:
-    """Record in run folder ``out`` (``<out>/tokenizer/``) the tokenizer a run trains with: the file
-    ``source`` (``--tokenizer``) as it is, or ``tok`` (the trained BPE) when None. When the folder
-    holds another tokenizer (a resume under a different one), a DataError unless ``replace``
-    (``--new-tokenizer``), and nothing is written; with ``replace``, it is replaced and a warning
-    returned. Else None."""
+                     replace: bool = False) -> tuple[Callable[[], None] | None, str | None]:
+    """Check now, write later: the record in run folder ``out`` (``<out>/tokenizer/``) of the tokenizer
+    a run trains with, the file ``source`` (``--tokenizer``) as it is, or ``tok`` (the trained BPE)
+    when None. When the folder holds another tokenizer (a resume under a different one), a DataError
+    unless ``replace`` (``--new-tokenizer``). Returns (the write, None when the record is already
+    this tokenizer; a warning to say once it is written, when it replaces another one): the caller
+    writes only after every other check of the resume has passed, so a refused resume leaves the
+    run's record as it was."""
     folder = Path(out) / RUN_TOKENIZER
     if source is not None:
         text = tokenizer_file(source).read_text(encoding="utf-8")
@@ -150,7 +153,7 @@ def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None,
         except DataError:
             before = None
         if before == tokenizer_hash(tok):
-            return None
+            return None, None
         if not replace:
             raise DataError(f"{folder} records another tokenizer than this run's, and the run's checkpoints were "
                             "trained under it; resume with the --tokenizer (or corpus and vocabulary) the run started "
@@ -158,5 +161,4 @@ def record_tokenizer(out: str | Path, tok: Tokenizer, source: str | Path | None,
         warning = (f"{folder} held another tokenizer than this run's, now replaced: checkpoints written before "
                    "this attempt were trained under the other one (resume with the --tokenizer, or corpus and "
                    "vocabulary, the run started with)")
-    write_hf_tokenizer(folder, text, config, root=out)
-    return warning
+    return lambda: write_hf_tokenizer(folder, text, config, root=out), warning

@@ -25,7 +25,7 @@ from flexmesh.data.cache import cache_key, cache_root, file_lock
 from flexmesh.data.corpus import Corpus, read_corpus, stdlib_corpus
 from flexmesh.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
 from flexmesh.errors import DataError
-from flexmesh.files import make_folder
+from flexmesh.files import below, create_file, fresh_folder, make_folder
 
 _ENCODE_CHUNK = 256  # documents per encode call: bounds memory while keeping the library's threads busy
 
@@ -90,11 +90,11 @@ def _encode_to(folder: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
             chunks.append(ids)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum(lengths)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    np.save(tmp / "tokens.npy", np.concatenate(chunks))
-    np.save(tmp / "offsets.npy", offsets)
+    tmp = fresh_folder(folder.with_name(f"{folder.name}.tmp{os.getpid()}"), folder.parent)
+    for name, array in (("tokens.npy", np.concatenate(chunks)), ("offsets.npy", offsets)):
+        with create_file(tmp / name, tmp) as f:  # np.save to a path would follow a link planted there
+            np.save(f, array)
+    below(folder.parent, folder)  # a symlink there is refused, never removed nor replaced
     shutil.rmtree(folder, ignore_errors=True)  # a broken earlier attempt, if any
     os.replace(tmp, folder)  # atomic: readers see the whole store or none
 

@@ -102,5 +102,5 @@ def train_bpe(
         texts = _training_texts(corpus, max_train_bytes)
         tok.train_from_iterator(texts, trainer, length=len(texts))
         # Atomic: a reader never sees a half-written file. pretty=True is what Tokenizer.save writes.
-        write_atomic(path, tok.to_str(pretty=True))
+        write_atomic(path, tok.to_str(pretty=True), root=path.parent.parent)
     return tok

@@ -439,7 +439,8 @@ def _save(profile, path: str | Path) -> None:
     from flexmesh.files import write_atomic
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # write_atomic makes the missing folders: the path is the user's (--out) or the cache's, whose
+    # parents may be links the user chose; the file itself is never written through a link.
     write_atomic(path, json.dumps(profile.to_dict(), indent=1) + "\n")
     profile.name = path.name
 

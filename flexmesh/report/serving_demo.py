@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from flexmesh.errors import FlexmeshError
+from flexmesh.files import append_file, make_folder, write_atomic, write_atomic_with
 
 MODEL, CLUSTER, RATE, SLO = "llama3.1-8b", "1x1xH100+1x4xL4", 15, "ttft=1,tpot=60ms"
 LOCAL_MODEL, LOCAL_CONTEXT = "tiny", 4096
@@ -42,17 +43,17 @@ def demo_serving(out: Path, report: Path, console, quick: bool = False) -> Path:
 
     t0 = time.perf_counter()
     folder = out / "serving"
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder, root=out)
     console.print(Rule(f"serving: plan {MODEL} on {CLUSTER} at {RATE} req/s, simulate it, run its layout here"))
     plan_path = folder / "plan.json"
     _flexmesh(["serve", "plan", "--model", MODEL, "--cluster", CLUSTER, "--trace", "azure-conv", "--requests", "300",
                "--rate", str(RATE), "--slo", SLO, "--no-simulate", "--out", str(folder / "planned")])
-    plan_path.write_text((folder / "planned" / "plan.json").read_text())
+    write_atomic(plan_path, (folder / "planned" / "plan.json").read_text(), root=folder)
     sim = json.loads(_flexmesh(["serve", "simulate", "--plan", str(plan_path), "--window", "0:300", "--json",
                                 "--out", str(folder / "simulated")]))
     measured, predicted, layout = _run_here(plan_path, folder, 30 if quick else 60)
     page = _page(folder, plan_path, sim, measured, predicted, layout, time.perf_counter() - t0)
-    with open(report, "a", encoding="utf-8") as f:
+    with append_file(report) as f:
         f.write(f"\n## Serving\n\n{_summary(measured, predicted, layout)} The page: [serving](serving/{page.name}).\n")
     console.print(f"serving: {page} ({time.perf_counter() - t0:.0f} s)", highlight=False)
     return page
@@ -151,7 +152,7 @@ def _page(folder: Path, plan_path: Path, sim: dict, measured, predicted, layout:
     b.set_title("per request")
     fig.tight_layout()
     png = folder / "measured_vs_predicted.png"
-    fig.savefig(png, dpi=100)
+    write_atomic_with(png, lambda tmp: fig.savefig(tmp, dpi=100, format="png"), root=folder)
     plt.close(fig)
     lines += ["", f"![measured beside predicted]({png.name})", ""]
     timeline = folder / "simulated" / "timeline.png"
@@ -159,5 +160,5 @@ def _page(folder: Path, plan_path: Path, sim: dict, measured, predicted, layout:
         lines += [f"![the plan simulated: each replica's queue, batch and KV]({timeline.relative_to(folder)})", ""]
     lines.append(f"({seconds:.0f} s for this part.)")
     page = folder / "serving.md"
-    page.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_atomic(page, "\n".join(lines) + "\n", root=folder)
     return page

@@ -30,7 +30,7 @@ group's memory holds fails the step (ScheduleError, naming it).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,8 +71,10 @@ class GroupsRun:
 
 
 def compare_groups(gctx: GroupsContext, batches: Sequence[np.ndarray], policies: Sequence[str], *, seed: int = 0,
-                   virtual_stages: Sequence[int] | None = None) -> list[GroupsRun]:
-    """``shares``, then ``shares+P`` and ``dispatch+P`` for every policy ``P`` (module doc), over ``batches``."""
+                   virtual_stages: Sequence[int] | None = None,
+                   on_step: Callable[[], None] | None = None) -> list[GroupsRun]:
+    """``shares``, then ``shares+P`` and ``dispatch+P`` for every policy ``P`` (module doc), over ``batches``
+    (``1 + 2 * len(policies)`` runs of ``len(batches)`` steps; ``on_step`` is called after each)."""
     names = ["shares", *(f"shares+{p}" for p in policies), *(f"dispatch+{p}" for p in policies)]
     phases = [groups_lower_bound(b, gctx) for b in batches]
     tokens = float(sum(int(np.sum(b)) for b in batches))
@@ -93,6 +95,8 @@ def compare_groups(gctx: GroupsContext, batches: Sequence[np.ndarray], policies:
             step, tail = groups_step(gctx, s, virtual_stages=virtual_stages)
             times.append(step)
             bounds.append(phase + tail)
+            if on_step is not None:
+                on_step()
         runs.append(GroupsRun(name, times, bounds, tokens, seconds))
     return runs
 

@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         path = newest_table(systems, s)
         tables[s] = (str(path.relative_to(systems)), curves(path))
     if args.write:
-        RECORDED.write_text(to_toml(tables))
+        from flexmesh.files import write_atomic
+
+        write_atomic(RECORDED, to_toml(tables))
         print(f"wrote {RECORDED}")
     from flexmesh.spec.devices import COMM_TABLES  # what the presets read (after --write: as written)
 

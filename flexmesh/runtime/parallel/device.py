@@ -108,8 +108,9 @@ def device_name(choice: DeviceChoice) -> str:
 
 
 def check_memory(predicted_gib: float | None, requested: str, local_world: int) -> None:
-    """Refuse, before anything is allocated, a plan whose predicted peak per rank (``predicted_gib``, from
-    the plan file; None: a plan without a prediction, not checked) cannot fit this node: on GPUs one
+    """Refuse, before anything is allocated, a plan whose peak per rank (``predicted_gib``, the cost
+    model's estimate for the plan and model, flexmesh.commands.train.estimated_peak; None: a plan
+    nothing prices, not checked) cannot fit this node: on GPUs one
     rank per GPU against the GPU's memory, on the CPU ``local_world`` ranks against the machine's RAM
     (MemTotal, the same figure on every rank, so every rank decides alike)."""
     if not predicted_gib:
@@ -124,7 +125,8 @@ def check_memory(predicted_gib: float | None, requested: str, local_world: int) 
         have = _ram_gib()
         need, where = predicted_gib * local_world, f"{local_world} rank(s) on this machine's {have:.1f} GiB of RAM"
     if have and need > have:
-        raise PlanError(f"the plan predicts a peak of {predicted_gib:.1f} GiB per rank, {need:.1f} GiB here, but "
+        raise PlanError(f"the plan needs a peak of {predicted_gib:.1f} GiB per rank (the cost model's estimate for "
+                        f"this plan and model), {need:.1f} GiB here, but "
                         f"{where}: plan for this machine (flexmesh plan --cluster NxLOCAL, or a smaller --seq-len, "
                         "--global-batch or model)")
 

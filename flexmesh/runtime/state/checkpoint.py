@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from flexmesh.errors import CheckpointError
-from flexmesh.files import make_folder, write_atomic
+from flexmesh.files import create_file, fresh_folder, make_folder, write_atomic
 from flexmesh.inputs import load_json, read_bytes
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.model.params import host_threads
@@ -134,22 +134,20 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
     def prepare() -> None:
         if rank == 0:
             make_folder(root, root=root.parent)  # a real folder in the run folder, not a symlink to somewhere else
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            fresh_folder(tmp, root)
 
     def write_shards() -> None:
         model_sd, optim_sd = _state_dicts(trainer, saving=True)
         # several files per rank, written by as many threads (a 1.1B model's fp32 weights and AdamW
         # states are 12 GiB: one thread writes them at a fraction of a disk's bandwidth)
-        writer = dcp.FileSystemWriter(str(tmp), thread_count=host_threads())
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_guarded_writer(tmp, host_threads()))
         # Serialised in memory, written with a plain write: torch.save to a path turns a full disk
         # into "enforce fail ... unexpected pos", a file write into OSError(ENOSPC).
         # The LR scheduler's state stays under the key "scheduler": checkpoints already on disk use it.
         buf = io.BytesIO()
         torch.save({"rng": _rng_state(), "scheduler": trainer.lr_scheduler.state_dict(), "loader": loader_state,
                     "step_index": trainer.step_index}, buf)
-        with open(tmp / f"rank_{rank:05d}.pt", "wb") as f:
+        with create_file(tmp / f"rank_{rank:05d}.pt", root) as f:
             f.write(buf.getbuffer())
             f.flush()
             os.fsync(f.fileno())
@@ -172,6 +170,34 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
     sums = _checksums(tmp)  # reads only: not one of the parts a full disk can break
     _on_all_ranks(lambda: publish(sums), root, tmp, final)
     return final
+
+
+def _guarded_writer(folder: Path, threads: int = 1):
+    """DCP's file writer for ``folder`` with every file it creates opened by flexmesh.files (no
+    symlink, hard link or special file written through, none reused: ``folder`` was just made
+    empty). DCP takes the file system as its writer's ``fs``; only its writes are replaced here.
+    ``threads``: files per rank, written at once."""
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class GuardedFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path, mode):
+            if "r" in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with create_file(Path(path), folder) as stream:
+                yield stream
+
+        def mkdir(self, path) -> None:
+            make_folder(Path(path), root=folder)
+
+    writer = FileSystemWriter(folder, thread_count=threads)
+    writer.fs = GuardedFileSystem()
+    return writer
 
 
 def _on_all_ranks(part: Callable[[], None], root: Path, tmp: Path, final: Path) -> None:

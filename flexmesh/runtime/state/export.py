@@ -31,6 +31,7 @@ folder with a config.json is a finished export; an interrupted one has none and 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -51,7 +52,7 @@ from flexmesh.data.hf_tokenizer import (
     tokenizer_file,
     write_hf_tokenizer,
 )
-from flexmesh.errors import CheckpointError, DataError, SpecError
+from flexmesh.errors import CheckpointError, DataError, OutputError, SpecError
 from flexmesh.files import check_file_target, make_folder, write_atomic, write_atomic_with
 from flexmesh.inputs import load_json
 from flexmesh.layout.plan import load_plan
@@ -324,6 +325,26 @@ def _tokenizer(path: Path, tokenizer: str | Path | None, spec: ModelSpec) -> _To
     return _Tokenizer(tokenizer_file(tokenizer), text, config, special_token_ids(tok, config))
 
 
+def _remove_partial(out: Path, files: list[str], tasks: Any, made: bool, previous: bool) -> None:
+    """Remove what a failed export wrote in ``out`` (its shards, index, config, tokenizer and adapter
+    folders: names it recorded, so never a file of someone else's), and ``out`` itself when it made it;
+    the record stays while an earlier export's files may remain (a later --overwrite still knows them)."""
+    import shutil
+
+    for name in [*files, INDEX, "config.json", *_ASIDE, *([] if previous else [EXPORT_RECORD])]:
+        if (out / name).is_file() and not (out / name).is_symlink():
+            (out / name).unlink()
+    for task in tasks.names if tasks is not None else ():
+        folder = out / "adapters" / task  # plain names (flexmesh.runtime.state.peft checked them)
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
+    for folder in ([out / "adapters"] if not previous else []) + ([out] if made else []):
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            pass
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, *, dtype: str | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
                       tokenizer: str | Path | None = None, expert_layout: str | None = None) -> ExportReport:
@@ -336,6 +357,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     one the run recorded, and when it recorded none the report warns that the export has no tokenizer.
     ``expert_layout`` (fused, per-expert): how a mixture of experts' experts are written; None: as the
     weights the run started from were (its manifest says), else fused.
+    A failure while writing (a full disk) removes what this export wrote and is one OutputError.
     """
     from safetensors.torch import save_file
 
@@ -376,35 +398,47 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     nbytes = {n: found[n][1].size.numel() * written.itemsize for n in names}
     groups = _plan_shards(names, nbytes, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    made = not out.exists()
     make_folder(out)
-    # every file this export may write, recorded before it is: an interrupted export is still ours
-    _record(out, {**ours, **dict.fromkeys([*files, INDEX, "config.json", *_ASIDE])})
-    (out / "config.json").unlink(missing_ok=True)  # until the new export is whole, the folder loads nowhere
-    weight_map: dict[str, str] = {}
-    for group, file in zip(groups, files, strict=True):
-        tensors = read_full_tensors(path, {n: found[n] for n in group}, written)
-        named = {}
-        for n, t in tensors.items():  # experts one key each: copies, as safetensors refuses shared storage
-            parts = in_layout(hf_name(n), t.contiguous(), layout, family) if layout else {hf_name(n): t.contiguous()}
-            named.update({k: v.clone() if len(parts) > 1 else v for k, v in parts.items()})
-        write_atomic_with(out / file, partial(save_file, named, metadata={"format": "pt"}))
-        weight_map.update(dict.fromkeys(named, file))
-        del tensors, named
-    total = sum(nbytes.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_atomic(out / INDEX, json.dumps(index, indent=2) + "\n")
-    config = to_hf_config(replace(spec, dtype=_NAMES[written]))
-    if isinstance(tok, _Tokenizer):
-        write_hf_tokenizer(out, tok.text, tok.config)
-        write_atomic(out / GENERATION_CONFIG, json.dumps(tok.ids, indent=2) + "\n")
-        config.update(tok.ids)  # else transformers' defaults (Llama: bos 1, eos 2) would stop generation on a byte
-    keep = {*files, INDEX, "config.json", *(_ASIDE if isinstance(tok, _Tokenizer) else ())}
-    for old in previous:  # files of the earlier export; model.safetensors would shadow the index
-        if old.name not in keep:
-            old.unlink(missing_ok=True)
-    write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
-    _record(out, {p.name: _stamp(p) for p in _previous_export(out)})
-    folders = write_adapters(out, tasks, read_full_tensors(path, adapters), str(Path(out).resolve())) if tasks else []
+    try:
+        # every file this export may write, recorded before it is: an interrupted export is still ours
+        _record(out, {**ours, **dict.fromkeys([*files, INDEX, "config.json", *_ASIDE])})
+        (out / "config.json").unlink(missing_ok=True)  # until the new export is whole, the folder loads nowhere
+        weight_map: dict[str, str] = {}
+        for group, file in zip(groups, files, strict=True):
+            tensors = read_full_tensors(path, {n: found[n] for n in group}, written)
+            named = {}
+            for n, t in tensors.items():  # experts one key each: copies, as safetensors refuses shared storage
+                parts = (in_layout(hf_name(n), t.contiguous(), layout, family) if layout
+                         else {hf_name(n): t.contiguous()})
+                named.update({k: v.clone() if len(parts) > 1 else v for k, v in parts.items()})
+            write_atomic_with(out / file, partial(save_file, named, metadata={"format": "pt"}))
+            weight_map.update(dict.fromkeys(named, file))
+            del tensors, named
+        total = sum(nbytes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        write_atomic(out / INDEX, json.dumps(index, indent=2) + "\n")
+        config = to_hf_config(replace(spec, dtype=_NAMES[written]))
+        if isinstance(tok, _Tokenizer):
+            write_hf_tokenizer(out, tok.text, tok.config)
+            write_atomic(out / GENERATION_CONFIG, json.dumps(tok.ids, indent=2) + "\n")
+            config.update(tok.ids)  # else transformers' defaults (Llama: bos 1, eos 2) would stop generation on a byte
+        keep = {*files, INDEX, "config.json", *(_ASIDE if isinstance(tok, _Tokenizer) else ())}
+        for old in previous:  # files of the earlier export; model.safetensors would shadow the index
+            if old.name not in keep:
+                old.unlink(missing_ok=True)
+        write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
+        _record(out, {p.name: _stamp(p) for p in _previous_export(out)})
+        folders = (write_adapters(out, tasks, read_full_tensors(path, adapters), str(Path(out).resolve())) if tasks
+                   else [])
+    except OSError as e:  # a full disk, a quota, a name too long: nothing half-written stays behind
+        _remove_partial(out, files, tasks, made, bool(previous))
+        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+               errno.ENAMETOOLONG: "a name is longer than the file system allows"}.get(e.errno or 0,
+                                                                                       e.strerror or str(e))
+        gone = "; the earlier export there is gone too (--overwrite)" if previous else ""
+        raise OutputError(f"cannot write the export to {out}: {why}; the files this export wrote are removed{gone}: "
+                          "free space there or choose another --out, then export again") from None
     return ExportReport(adapters=tuple(folders), expert_layout=layout, checkpoint=path, step=int(manifest["step"]),
                         out=out, family=family,
                         dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total,

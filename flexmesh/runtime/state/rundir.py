@@ -52,7 +52,12 @@ ROUTING = "routing.jsonl"  # a model with experts: one row per MoE layer and ste
 CHECKPOINTS = "checkpoints"
 MIGRATION_FILE = "migration.json"  # the launcher's request to relaunch on a new plan (flexmesh.commands.migrate)
 MIGRATED_PLAN = "plan-migrated-{step:06d}.json"  # a plan a migration moved the run to
-_RUN_FILE = re.compile(r"metrics\.jsonl|routing\.jsonl|migration\.json|plan-migrated-\d{6}\.json")
+PLAN_FILE = "plan.json"  # the plan a run without --plan chose (flexmesh.commands.train_plan)
+_RUN_FILE = re.compile(r"metrics\.jsonl|routing\.jsonl|migration\.json|plan-migrated-\d{6}\.json|plan\.json"
+                       r"|corpus\.json")
+# What `flexmesh train` records for the attempt it starts before training begins (the tokenizer, the
+# plan it chose): not a previous run's, once the command has started over (start_over's ``ours``).
+ATTEMPT_RECORDS = (RUN_TOKENIZER, PLAN_FILE)
 
 _held: dict[str, list] = {}  # resolved folder -> [fd, holds in this process, secret]
 
@@ -154,7 +159,8 @@ def run_contents(out: str | Path) -> list[str]:
 
 def foreign_entries(out: str | Path) -> list[str]:
     """The entries of ``out`` that no flexmesh run writes there: anything but regular files named as
-    :data:`METRICS`, :data:`ROUTING`, :data:`MIGRATION_FILE` or :data:`MIGRATED_PLAN`, real ``checkpoints``
+    :data:`METRICS`, :data:`ROUTING`, :data:`MIGRATION_FILE`, :data:`MIGRATED_PLAN`, :data:`PLAN_FILE` or
+    ``corpus.json`` (flexmesh.data.run_corpus), real ``checkpoints``
     and ``tokenizer`` folders, the lock and ``previous-*`` folders (``.git``, sources, a symlink named
     ``checkpoints``, ...).
 
@@ -178,13 +184,14 @@ def foreign_entries(out: str | Path) -> list[str]:
     return found
 
 
-def start_over(out: str | Path, overwrite: bool) -> Path | None:
+def start_over(out: str | Path, overwrite: bool, ours: tuple[str, ...] = ()) -> Path | None:
     """Make ``out`` ready for a run that does not resume: refuse when it holds a previous run, or with
     ``overwrite`` move that run into ``out/previous-<time>/`` and return that folder (None: nothing
     to move). A folder holding anything a run does not write (:func:`foreign_entries`) is refused
-    either way, naming what it found. Call it holding the folder's lock."""
+    either way, naming what it found. ``ours``: entries this attempt wrote itself, after its command
+    started over (:data:`ATTEMPT_RECORDS`), which are no previous run. Call it holding the folder's lock."""
     out = Path(out)
-    old = run_contents(out)
+    old = [name for name in run_contents(out) if name not in ours]
     if not old:
         return None
     foreign = foreign_entries(out)
@@ -202,7 +209,7 @@ def start_over(out: str | Path, overwrite: bool) -> Path | None:
     while dest.exists():  # two starts within one second
         n += 1
         dest = out / f"{PREVIOUS}{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-    dest.mkdir()
+    os.mkdir(dest)  # exclusive: never reuses nor follows what is there (out itself was checked above)
     for name in old:
         os.replace(out / name, dest / name)
     return dest

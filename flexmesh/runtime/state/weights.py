@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flexmesh.errors import CheckpointError
-from flexmesh.files import plain_name
+from flexmesh.files import plain_name, write_atomic_with
 from flexmesh.inputs import load_json
 from flexmesh.runtime.model.params import canonical_name, copy_full_, is_adapter
 
@@ -246,4 +246,4 @@ def save_hf_safetensors(model: nn.Module, path: str | Path) -> None:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         tensors[hf_name(name)] = full.detach().to("cpu").contiguous()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        save_file(tensors, str(path))
+        write_atomic_with(Path(path), lambda tmp: save_file(tensors, str(tmp)))

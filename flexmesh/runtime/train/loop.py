@@ -24,6 +24,7 @@ from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.runtime.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flexmesh.runtime.state.rundir import (
+    ATTEMPT_RECORDS,
     CHECKPOINTS,
     METRICS,
     ROUTING,
@@ -78,7 +79,8 @@ class ListSource:
 
 
 def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None,
-        migration: Any = None, wall: WallTime | None = None) -> list[StepMetrics]:
+        migration: Any = None, records: Sequence[Callable[[], None]] = (),
+        wall: WallTime | None = None) -> list[StepMetrics]:
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
@@ -102,6 +104,11 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     ``"migration_declined"``), every rank gets the decision, the event joins the step's metrics row,
     and a migration raises :class:`Migrating` (the launcher relaunches on the new plan).
 
+    ``records`` (rank 0's; e.g. the run's tokenizer and corpus, flexmesh.commands.train) write what the
+    run folder records of this attempt: they run once every check of a resume has passed (the
+    checkpoint's plan, tasks, ranks and checksums, and its load), before any other file of the
+    folder changes, so a refused resume leaves the folder as it was.
+
     ``wall`` (flexmesh.runtime.train.walltime.WallTime) gets the first step (where compilation happens),
     the later steps (their data included) and the checkpoints' times.
     """
@@ -124,6 +131,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                 if rank0:
                     _say(None, f"resuming from {found} (step {trainer.step_index} of {config.max_steps})"
                                f"{', resharded to the new plan' if reshard else ''}")
+        # On every rank (only rank 0 has records): a FlexmeshError of rank 0's reaches them all.
+        _on_rank0(lambda: [write() for write in records], None)
         metrics_file = out / METRICS if out else None
         routing_file = out / ROUTING if out else None
         if rank0 and metrics_file is not None and routing_file is not None:
@@ -270,8 +279,8 @@ def _open_run_folder(out: Path, resume: bool, launched: bool) -> tuple[bool, lis
     held = not launched and bool(hold_run_folder(out))
     try:
         check_run_entries(out)  # hold_run_folder checks too, but the launcher's hold was taken a while ago
-        if not resume:
-            start_over(out, overwrite=False)
+        if not resume:  # what the command recorded for this attempt (its tokenizer, its plan) is no earlier run
+            start_over(out, overwrite=False, ours=ATTEMPT_RECORDS)
         return held, read_metrics(out / METRICS) if resume else []
     except BaseException:
         if held and out is not None:

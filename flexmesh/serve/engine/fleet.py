@@ -26,6 +26,7 @@ from typing import Any
 
 import flexmesh
 from flexmesh.errors import ServeError
+from flexmesh.files import create_file, make_folder
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.http import HOST, READY, check_port
 
@@ -77,12 +78,12 @@ async def start_engines(cfg: EngineConfig | list[EngineConfig], n: int, log_dir:
     cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
     if not cfgs:
         raise ServeError(f"engines must be at least 1, got {len(cfgs)}")
-    log_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(log_dir)
     engines: list[EngineProcess] = []
     try:
         for k, cfg in enumerate(cfgs):
             log = log_dir / f"engine-{k}.log"
-            with open(log, "wb") as err:
+            with create_file(log, log_dir, exclusive=False) as err:  # a later run's log replaces an earlier one
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "flexmesh.serve.engine.server", "--config", cfg.to_json(), "--port", "0",
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,

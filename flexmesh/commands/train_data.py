@@ -1,0 +1,93 @@
+"""The data a ``flexmesh train`` run trains on: its corpus (or its tasks' corpora) under its tokenizer,
+dealt by a seeded loader, and the records of both that its run folder keeps (flexmesh.data.hf_tokenizer,
+flexmesh.data.run_corpus), checked here and written once a resume's every check has passed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from flexmesh.errors import PlanError
+from flexmesh.job import Job
+
+
+def document_loader(args: argparse.Namespace, job: Job, records: list | None = None):  # noqa: ANN201
+    """The run's seeded loader (a DocumentLoader or TaskLoader) over ``--corpus`` (with the job's tasks,
+    over every task's corpus, each its own batch per step: flexmesh.data.tasks.TaskLoader) under
+    ``--tokenizer`` (when not given, a BPE trained on ``--corpus``, else on the first task's). On rank 0
+    the run's records are checked against ``--out``'s: the tokenizer (``--out/tokenizer/``, for
+    ``flexmesh export``: flexmesh.data.hf_tokenizer) and the corpus (``--out/corpus.json``:
+    flexmesh.data.run_corpus); a resume under another one is refused here, and the writes that record
+    this run's are appended to ``records``, for the training loop to make once the resume's other
+    checks have passed (nothing in ``--out`` changes before)."""
+    from flexmesh.data.cache import usable_cache
+    from flexmesh.data.corpus import read_corpus, stdlib_corpus
+    from flexmesh.data.hf_tokenizer import record_tokenizer
+    from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
+    from flexmesh.data.run_corpus import record_corpus
+    from flexmesh.errors import DataError
+
+    spec, tasks = job.model, job.parts.tasks
+    usable_cache(args.cache_dir)
+    first = args.corpus or (tasks.tasks[0].corpus if tasks is not None else None)
+    if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
+        raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
+
+    def read(name: str):  # noqa: ANN202 - a Corpus
+        return stdlib_corpus() if name == "stdlib" else read_corpus(name)
+
+    named = [(t.corpus, read(t.corpus)) for t in tasks] if tasks is not None else [(first, read(first))]
+    corpus = named[0][1]
+    mine = records if os.environ.get("RANK", "0") == "0" and args.out else None  # rank 0 records the run
+    if mine is not None:  # the corpus first: another corpus also trains another tokenizer
+        mine.append(_saying(*record_corpus(args.out, named, replace=getattr(args, "new_corpus", False))))
+    tokenizer = args.tokenizer or tokenizer_of_weights(args.weights)
+    corpus_tokens, tok = load_corpus_tokens(corpus, tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
+    if tok.get_vocab_size() > spec.vocab:
+        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
+                        "tokenizer with at most that many tokens, or drop --tokenizer to train one")
+    if os.environ.get("RANK", "0") == "0":
+        if tokenizer != args.tokenizer:
+            print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
+    if mine is not None:
+        mine.append(_saying(*record_tokenizer(args.out, tok, tokenizer, spec.max_position,
+                                                 replace=getattr(args, "new_tokenizer", False))))
+    if tasks is not None:
+        from flexmesh.data.tasks import TaskLoader
+
+        corpora = [load_corpus_tokens(c, tok, cache_dir=args.cache_dir)[0] for _, c in named]
+        return TaskLoader(tasks.names, corpora, job.task_batches, [t.steps or args.max_steps for t in tasks],
+                          job.seq_len, seed=args.seed)
+    if job.tokens_per_batch is not None:  # --tokens-per-step: documents until that many tokens
+        return DocumentLoader(corpus_tokens, max_len=job.seq_len, seed=args.seed, tokens_per_step=job.tokens_per_batch)
+    return DocumentLoader(corpus_tokens, global_batch=job.global_batch, max_len=job.seq_len, seed=args.seed)
+
+
+def _saying(write, warning: str | None):  # noqa: ANN001, ANN202 - callables
+    """``write`` (None: nothing to write), then ``warning`` (if any) on stderr: a record replaced is
+    said once it is."""
+    def run() -> None:
+        if write is not None:
+            write()
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+    return run
+
+
+def tokenizer_of_weights(weights: str | None) -> str | None:
+    """The tokenizer.json in the folder of ``--weights`` (a Hugging Face model folder, or a flexmesh export,
+    holds the one its weights were trained with); None without --weights. Weights with no tokenizer beside
+    them are refused in one line: a BPE trained now on the corpus would give every id another meaning than
+    the one the weights learnt."""
+    if not weights:
+        return None
+    folder = Path(weights) if Path(weights).is_dir() else Path(weights).parent
+    found = folder / "tokenizer.json"
+    if not found.is_file():
+        from flexmesh.errors import DataError
+
+        raise DataError(f"--weights {weights} has no tokenizer.json beside it, and a tokenizer trained on the corpus "
+                        "would not match the ids the weights learnt: pass --tokenizer with the weights' own")
+    return str(found)

@@ -1,0 +1,80 @@
+"""The record of the corpus a run trains on, in its folder (``<out>/corpus.json``), so a resume
+under another corpus is refused rather than continued on other documents from a loader position
+that was counted in the first one's.
+
+A corpus is known by its content: the fingerprint the token cache keys it by
+(:meth:`flexmesh.data.corpus.Corpus.fingerprint`, a hash of its file names and bytes), so a moved
+or copied corpus is the same one, and one edited in place is not. A run of several tasks records
+each task's corpus, in order.
+
+>>> import tempfile, pathlib
+>>> from flexmesh.data.corpus import read_corpus
+>>> d = pathlib.Path(tempfile.mkdtemp())
+>>> (d / "docs").mkdir(); _ = (d / "docs" / "a.txt").write_text("one")
+>>> write, _ = record_corpus(d / "run", [("docs", read_corpus(d / "docs"))])
+>>> write()
+>>> record_corpus(d / "run", [("docs", read_corpus(d / "docs"))])  # the same corpus: nothing to do
+(None, None)
+>>> _ = (d / "docs" / "a.txt").write_text("two")
+>>> record_corpus(d / "run", [("docs", read_corpus(d / "docs"))])  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+flexmesh.errors.DataError: .../corpus.json records another corpus (docs, ...) than this run's ...
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from flexmesh.data.corpus import Corpus
+from flexmesh.errors import DataError
+from flexmesh.files import write_atomic
+from flexmesh.inputs import load_json
+
+RUN_CORPUS = "corpus.json"  # in a run folder (flexmesh train --out): which corpus its steps were drawn from
+
+
+def record_corpus(out: str | Path, corpora: Sequence[tuple[str, Corpus]], replace: bool = False
+                  ) -> tuple[Callable[[], None] | None, str | None]:
+    """Check now, write later (as :func:`flexmesh.data.hf_tokenizer.record_tokenizer`): the record of
+    ``corpora`` ((name as given, corpus) per task, or the one corpus) in run folder ``out``. When the
+    folder records other corpora (a resume under another one), a DataError unless ``replace``
+    (``--new-corpus``). Returns (the write, None when the record is already these corpora; a
+    warning to say once written, when it replaces another record)."""
+    path = Path(out) / RUN_CORPUS
+    now: list[dict[str, Any]] = [{"name": name, "fingerprint": corpus.fingerprint(), "files": len(corpus.files)}
+                                 for name, corpus in corpora]
+    warning = None
+    if path.is_file() or path.is_symlink():
+        before = _recorded(path)
+        if before == [c["fingerprint"] for c in now]:
+            return None, None
+        if not replace:
+            was = ", ".join(_names(path)) or "unreadable"
+            raise DataError(f"{path} records another corpus ({was}, fingerprint {', '.join(before or ['?'])}) than "
+                            f"this run's ({', '.join(c['name'] for c in now)}, fingerprint "
+                            f"{', '.join(c['fingerprint'] for c in now)}), and the run's checkpoints and data position "
+                            "were made on it; resume with the --corpus the run started with, or add --new-corpus to "
+                            "go on under this one")
+        warning = (f"{path} recorded another corpus than this run's, now replaced: the steps before this attempt "
+                   "were drawn from the other one")
+    text = json.dumps({"format": 1, "corpora": now}, indent=2) + "\n"
+    return lambda: write_atomic(path, text, root=out), warning
+
+
+def _recorded(path: Path) -> list[str] | None:
+    """The fingerprints ``path`` records, None when it is unreadable (a damaged record is another one)."""
+    try:
+        data = load_json(path, DataError, missing=f"{path} is missing")
+        return [str(c["fingerprint"]) for c in data["corpora"]]
+    except (DataError, KeyError, TypeError):
+        return None
+
+
+def _names(path: Path) -> list[str]:
+    try:
+        return [str(c["name"]) for c in load_json(path, DataError, missing="")["corpora"]]
+    except (DataError, KeyError, TypeError):
+        return []
