@@ -211,9 +211,11 @@ def _started_here(torch: Any) -> bool:
 def _rank_main(rank: int, world: int, port: int, script: str, args: list[str], env: dict, logs: Path) -> None:
     """A forked rank of :func:`launch`: torchrun's variables, output to ``logs``, ``script`` (a file, or
     ``-m MODULE``) as ``__main__``."""
+    import importlib
     import io
     import runpy
     import traceback
+    import warnings
 
     code = 1
     try:
@@ -223,6 +225,10 @@ def _rank_main(rank: int, world: int, port: int, script: str, args: list[str], e
             os.close(f)
         sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)
         sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
+        # pytest records this process's warnings (warnings.catch_warnings): the rank prints them on stderr,
+        # as a fresh process would (the warnings module re-read: its own way to show them, the filters
+        # the interpreter started with)
+        importlib.reload(warnings)
         os.environ.clear()
         os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),

@@ -1,9 +1,10 @@
 """Runs that survive: signals on the `flexmesh train --nproc` launcher, preemption, a stopped rank, one
 run per output folder, starting over without losing history, a metrics file cut short.
 
-Every run here is the real command (launcher, torchrun, two ranks of a 2-layer model on CPU); the
-processes of a run carry a marker in their environment, so the tests can find its ranks and check
-that none outlives the launcher.
+Every run a test signals or stops is the real command (launcher, torchrun, two ranks of a 2-layer model
+on CPU); the processes of such a run carry a marker in their environment, so the tests can find its
+ranks and check that none outlives the launcher. Runs only read afterwards (a resume to the end, the
+run never stopped) train in the command's ranks forked here (helpers.flexmesh_ranks).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh, flexmesh_here, unlocked, write_inputs
+from helpers import flexmesh, flexmesh_here, flexmesh_ranks, unlocked, write_inputs
 
 MARK = "FLEXMESH_TEST_RUN"
 
@@ -133,7 +134,8 @@ def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": %d, "loss": 1.2' % (steps[-1] + 1))
     done = steps[-1] + 2
-    resumed = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", str(done), timeout=180)
+    # resumed in the command's ranks forked here (the launcher's resume is the Ctrl-C test's)
+    resumed = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(done), timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "partial line" in " ".join(resumed.stderr.split())
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
@@ -157,39 +159,34 @@ def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ctrl_c_at_random_moments_stops_every_rank_cleanly_and_the_resumed_losses_are_exact(inputs):
-    """Ctrl-C (once SIGHUP) on the launcher at 6 random moments of a run that checkpoints every step (so some land
+    """Ctrl-C (once SIGHUP) on the launcher at 4 random moments of a run that checkpoints every step (so some land
     during a checkpoint write): each time the ranks stop at the next step boundary and the launcher ends
     with 128 + SIGINT within the minute the test waits (no tighter wall-clock bound: how long the ranks
     take to leave is the machine's load), no process is left behind, at most 3 lines were printed, no
     checkpoint was started after the signal and none is left half-written; the losses of the run resumed
-    after each stop are those of a run never stopped."""
+    after each stop are those of a run never stopped (the last stretch and that run train in the command's
+    ranks forked here: every attempt after the first already resumes through the launcher)."""
     # Straggler events would add console lines on a loaded machine; they have their own tests.
-    # 60 steps: six attempts of at most ~8 steps each (a first step, <= 1 s of 0.2-0.3 s steps, the stop) leave it
+    # 40 steps: four attempts of at most ~8 steps each (a first step, <= 1 s of 0.2-0.3 s steps, the stop) leave it
     # unfinished when the last signal comes
-    total, flags = 60, ["--checkpoint-every", "1", "--straggler-threshold", "0.99"]
-    # The run never stopped trains beside the stopped ones (its own folder; not checkpointed either:
-    # saving must not change what it trains).
+    total, flags = 40, ["--checkpoint-every", "1", "--straggler-threshold", "0.99"]
+    _stop_and_resume(inputs, total, flags)
+    # The run never stopped: its own folder, not checkpointed either (saving must not change what it trains).
     whole = inputs["tmp"] / "never-stopped"
-    with open(inputs["tmp"] / "never-stopped.log", "w") as log:
-        ran = subprocess.Popen([sys.executable, "-m", "flexmesh", *inputs["common"], "--nproc", "2", "--out",
-                                str(whole), "--max-steps", str(total), *flags[2:]],
-                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _stop_and_resume(inputs, total, flags)
-        assert ran.wait(timeout=600) == 0, (inputs["tmp"] / "never-stopped.log").read_text()[-3000:]
-    finally:
-        ran.kill()  # its ranks die with it
-        ran.wait()
+    ran = flexmesh_ranks(2, *inputs["common"], "--out", str(whole), "--max-steps", str(total), *flags[2:],
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
     reference = [json.loads(ln)["loss"] for ln in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert len(reference) == total
     out = inputs["tmp"] / "interrupted"
     losses = [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses == reference
 
 
 def _stop_and_resume(inputs: dict, total: int, flags: list[str]) -> None:
-    """The six stops of the Ctrl-C test, then the run resumed to its end."""
+    """The four stops of the Ctrl-C test, then the run resumed to its end."""
     out, rng = inputs["tmp"] / "interrupted", random.Random(0)
-    for moment in range(6):
+    for moment in range(4):
         run = Run(inputs, out, *flags, max_steps=total)
         try:
             run.wait_steps(len(run.steps()) + 1)  # this attempt's first step is in (resumed or fresh)
@@ -216,8 +213,7 @@ def _stop_and_resume(inputs: dict, total: int, flags: list[str]) -> None:
         assert not list((out / "checkpoints").glob(".tmp-*"))  # nor any left half-written
         assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{done[-1]:06d}"
         assert f"resume from {out / 'checkpoints' / f'step_{done[-1]:06d}'}" in said[-1]
-    finished = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", str(total), *flags,
-                        timeout=600)
+    finished = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(total), *flags, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
 
 

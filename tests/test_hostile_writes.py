@@ -3,8 +3,9 @@ user named, never reached through a symlink and never replacing what is not flex
 folder's lock cannot be bypassed by an environment variable nor outlived by orphaned ranks;
 ``--overwrite`` moves only a run folder; user text prints verbatim.
 
-The multi-process tests run the real command (launcher, torchrun, two ranks of a 2-layer model on
-CPU) as tests/test_failures.py does, with its marker to find every process of a run.
+The run the multi-process test kills is the real command (launcher, torchrun, two ranks of a 2-layer
+model on CPU) as in tests/test_failures.py, with its marker to find every process of a run; the runs
+it starts beside and after that one are the command's ranks forked here, or the launcher in this process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh, flexmesh_here, unlocked, write_inputs
+from helpers import flexmesh_here, flexmesh_ranks, unlocked, write_inputs
 
 from flexmesh.cli import main
 from flexmesh.errors import OutputError, RunFolderError
@@ -301,7 +302,6 @@ def inputs(tmp_path_factory) -> dict:
 def test_a_launcher_killed_outright_takes_every_rank_along_and_the_lock_cannot_be_bypassed(inputs):
     from test_failures import Run, _marked
 
-    from flexmesh.runtime.launch import free_port
     from flexmesh.runtime.state.rundir import HELD_ENV
 
     out = inputs["tmp"] / "killed"
@@ -311,16 +311,21 @@ def test_a_launcher_killed_outright_takes_every_rank_along_and_the_lock_cannot_b
         assert len(run.ranks()) == 2
         # While it trains, the variable that tells ranks their launcher holds the folder lets nobody in:
         # neither a launcher nor plain torchrun, whatever it is set to. The launcher takes the lock itself
-        # and never reads the variable: one forged value (what it used to hold). Ranks under plain torchrun
-        # check it: the peer marker, and the digest the lock file shows (the full check against the held
-        # lock; other forged values take that same path, and the test above covers them in process).
-        launcher = [sys.executable, "-m", "flexmesh", *inputs["common"], "--nproc", "2"]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                    str(free_port()), "-m", "flexmesh", *inputs["common"]]
-        for value, launch in ((str(out.resolve()), launcher), ("peer", torchrun), (_digest_in(out), torchrun)):
-            env = dict(os.environ, OMP_NUM_THREADS="1", **{HELD_ENV: value})
-            other = subprocess.run([*launch, "--out", str(out), "--max-steps", "2"], env=env, capture_output=True,
-                                   text=True, timeout=240)
+        # and never reads the variable: one forged value (what it used to hold), the launcher run in this
+        # process (it fails before starting a rank). Ranks under plain torchrun check it: the peer marker,
+        # and the digest the lock file shows (the full check against the held lock; other forged values
+        # take that same path, and the test above covers them in process), in the command's ranks forked
+        # here as torchrun would start them.
+        for value, launcher in ((str(out.resolve()), True), ("peer", False), (_digest_in(out), False)):
+            if launcher:
+                os.environ[HELD_ENV] = value
+                try:
+                    other = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "2")
+                finally:
+                    del os.environ[HELD_ENV]
+            else:
+                other = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", "2", timeout=240,
+                                       env={HELD_ENV: value})
             said = " ".join(other.stderr.split())
             assert other.returncode != 0 and f"{out} is in use by another run (pid {run.proc.pid})" in said, said
         steps_before = len(run.steps())
@@ -335,9 +340,10 @@ def test_a_launcher_killed_outright_takes_every_rank_along_and_the_lock_cannot_b
     assert took < 30
     assert unlocked(out)
     assert steps_before >= 2
-    # The next run into the folder takes it and resumes from the last checkpoint.
+    # The next run into the folder takes it and resumes from the last checkpoint (its ranks forked here:
+    # the lock is the folder's, whichever process of the next run takes it).
     done = run.steps()[-1] + 2 if run.steps() else 3
-    again = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", str(done), timeout=300)
+    again = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(done), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.endswith("}")]
     assert [r["step"] for r in rows] == list(range(1, done + 1))

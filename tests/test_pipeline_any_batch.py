@@ -1,8 +1,13 @@
-"""Pipelined plans train on any data: a pp 4 plan, 20 steps with every policy `flexmesh train` offers, on
-the standard-library corpus and on a corpus of many tiny documents (whole batches that pack into fewer
+"""Pipelined plans train on any data: a pp 4 plan, 5 steps with every policy `flexmesh train` offers, on
+a corpus of long documents, each cut to the sequence cap (batches of as many micro-batches as stages,
+one with ``chunked``), and on a corpus of many tiny documents (whole batches that pack into fewer
 micro-batches than the pipeline has stages). Every policy gives the same losses: the schedules differ,
-the batches and the math do not. (Four stages hold a first, middle and last stage; a pp 2 plan, once run
-beside it, exercised no other path.)
+the batches and the math do not.
+(Four stages hold a first, middle and last stage; a pp 2 plan, once run beside it, exercised no other
+path. Each corpus gives every step of a policy the same micro-batch count, which the test checks: more
+steps, once 20, repeated the same shapes; five carry each step's update into the next losses. The long
+documents were once the standard library's, whose tokeniser alone took half a minute of CPU: every
+batch of it was eight cut documents too.)
 
 Each launch runs the train command's own pieces (its scheduler, loader, config, Trainer, the
 background AdaptiveSource and fit) once per policy in one process group. This file is also the worker.
@@ -22,12 +27,13 @@ from helpers import launch
 from flexmesh.schedule.registry import RUNTIME_POLICIES
 
 POLICIES = tuple(str(p) for p in RUNTIME_POLICIES if p != "shares")  # shares needs several replica groups
-STEPS = 20
+STEPS = 5
 
 
 def _inputs(tmp: Path, pp: int) -> tuple[Path, Path]:
-    """A 4-layer Llama config, a plan of ``pp`` stages (world ``pp``, 4 micro-batches of a batch of 8) and
-    a corpus of 400 documents of 1 to 6 words (a batch of 8 of them fits one 96-token micro-batch)."""
+    """A 4-layer Llama config, a plan of ``pp`` stages (world ``pp``, 4 micro-batches of a batch of 8), a
+    corpus of 40 documents of 150 to 400 words (each longer than the 96-token cap) and one of 400
+    documents of 1 to 6 words (a batch of 8 of them fits one 96-token micro-batch)."""
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
 
@@ -42,13 +48,34 @@ def _inputs(tmp: Path, pp: int) -> tuple[Path, Path]:
     plan = Plan.uniform(model=str(cfg), cluster=f"{pp}xA100-80GB", world_size=pp, pp=pp, pipeline_schedule="1f1b",
                         num_microbatches=4, seq_len=96, global_batch=8, stages=stages)
     plan.save(tmp / "plan.json")
+    rng = random.Random(0)
+    long = tmp / "long"
+    long.mkdir()
+    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxing pipeline "
+             "stage gradient token document schedule").split()
+    for i in range(40):
+        (long / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(150, 400))))
     tiny = tmp / "tiny"
     tiny.mkdir()
-    rng = random.Random(0)
     for i in range(400):
         words = [rng.choice(["a", "bc", "def", "g"]) for _ in range(rng.randint(1, 6))]
         (tiny / f"d{i:03d}.txt").write_text(" ".join(words))
     return tmp / "plan.json", tiny
+
+
+class Counted:
+    """A step scheduler that keeps the micro-batch count of each schedule it makes (rank 0 makes them)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.counts = fn, []
+
+    def __call__(self, lengths):
+        schedule = self.fn(lengths)
+        self.counts.append(max(len(g.microbatches) for g in schedule.groups))
+        return schedule
+
+    def __getattr__(self, name: str):
+        return getattr(self.fn, name)
 
 
 def worker(tmp: Path) -> None:
@@ -70,21 +97,21 @@ def worker(tmp: Path) -> None:
     init_distributed(timeout_s=300)
     losses: dict = {}
     try:
-        for corpus in ("stdlib", str(tmp / "tiny")):
+        for corpus in (str(tmp / "long"), str(tmp / "tiny")):
             for policy in POLICIES:
                 out = tmp / "runs" / f"{Path(corpus).name}-{policy}"
-                # the session's token cache (conftest.py): the standard library is tokenised once, not per launch
                 args = parser.parse_args(["train", "--plan", str(tmp / "plan.json"), "--corpus", corpus, "--out",
                                           str(out), "--max-steps", str(STEPS), "--policy", policy, "--no-progress"])
                 plan = load_plan(args.plan)
                 spec = parse_model(plan.model)
                 job = train_job(args, plan, spec)
-                schedule_fn = scheduler(job, policy, args.seed, args.cp)
+                schedule_fn = Counted(scheduler(job, policy, args.seed, args.cp))
                 config = train.train_config(args)
                 trainer = Trainer(plan, spec, config)
                 source = AdaptiveSource(train.document_loader(args, job), schedule_fn, schedule_fn)
                 history = fit(trainer, source, config)
-                losses[f"{Path(corpus).name}-{policy}"] = {"loss": [m.loss for m in history]}
+                losses[f"{Path(corpus).name}-{policy}"] = {"loss": [m.loss for m in history],
+                                                            "microbatches": schedule_fn.counts}
         if dist.get_rank() == 0:
             (tmp / "losses.json").write_text(json.dumps(losses))
     finally:
@@ -100,11 +127,14 @@ def test_pipelines_train_any_batch_with_every_policy(tmp_path, pp):
     proc = launch(pp, ["worker", str(tmp_path)], script=__file__, timeout=1400)
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     runs = json.loads((tmp_path / "losses.json").read_text())
-    for corpus in ("stdlib", "tiny"):
+    for corpus in ("long", "tiny"):
         reference = runs[f"{corpus}-fixed"]["loss"]
         assert len(reference) == STEPS
         for policy in POLICIES:  # every policy, every step: the same batch, the same loss
             assert runs[f"{corpus}-{policy}"]["loss"] == pytest.approx(reference, rel=1e-4), (corpus, policy)
+    # what the two corpora are for: schedules of as many micro-batches as stages, and of fewer
+    assert set(runs["long-fixed"]["microbatches"]) == {pp}
+    assert all(0 < n < pp for policy in POLICIES for n in runs[f"tiny-{policy}"]["microbatches"])
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
