@@ -250,11 +250,11 @@ def test_dcp_shards_and_metadata_are_never_written_through_a_link(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from flexmesh.runtime.state.checkpoint import _guarded_writer
+    from flexmesh.runtime.state.checkpoint_io import guarded_writer
 
     good = tmp_path / "good"
     good.mkdir()
-    dcp.save({"w": torch.ones(3)}, storage_writer=_guarded_writer(good))
+    dcp.save({"w": torch.ones(3)}, storage_writer=guarded_writer(good))
     written = sorted(p.name for p in good.iterdir())
     assert ".metadata" in written and any(n.endswith(".distcp") for n in written)
     for name in written:
@@ -264,7 +264,7 @@ def test_dcp_shards_and_metadata_are_never_written_through_a_link(tmp_path):
         plant = folder / (f"{name}.tmp" if name == ".metadata" else name)
         plant.symlink_to(target)
         with pytest.raises(BaseException, match="not a regular file|symlink"):
-            dcp.save({"w": torch.ones(3)}, storage_writer=_guarded_writer(folder))
+            dcp.save({"w": torch.ones(3)}, storage_writer=guarded_writer(folder))
         assert target.read_text() == "theirs"
 
 

@@ -52,6 +52,7 @@ from flexmesh.inputs import load_json, read_bytes
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.model.params import host_threads
 from flexmesh.runtime.parallel.distributed import cpu_group
+from flexmesh.runtime.state.checkpoint_io import guarded_writer, hash_files
 from flexmesh.spec.tasks import Task, TaskSet
 
 if TYPE_CHECKING:  # DCP itself is imported when a checkpoint is saved or loaded
@@ -140,7 +141,7 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
         model_sd, optim_sd = _state_dicts(trainer, saving=True)
         # several files per rank, written by as many threads (a 1.1B model's fp32 weights and AdamW
         # states are 12 GiB: one thread writes them at a fraction of a disk's bandwidth)
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_guarded_writer(tmp, host_threads()))
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=guarded_writer(tmp, host_threads()))
         # Serialised in memory, written with a plain write: torch.save to a path turns a full disk
         # into "enforce fail ... unexpected pos", a file write into OSError(ENOSPC).
         # The LR scheduler's state stays under the key "scheduler": checkpoints already on disk use it.
@@ -171,33 +172,6 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
     _on_all_ranks(lambda: publish(sums), root, tmp, final)
     return final
 
-
-def _guarded_writer(folder: Path, threads: int = 1):
-    """DCP's file writer for ``folder`` with every file it creates opened by flexmesh.files (no
-    symlink, hard link or special file written through, none reused: ``folder`` was just made
-    empty). DCP takes the file system as its writer's ``fs``; only its writes are replaced here.
-    ``threads``: files per rank, written at once."""
-    from contextlib import contextmanager
-
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class GuardedFileSystem(FileSystem):
-        @contextmanager
-        def create_stream(self, path, mode):
-            if "r" in mode:
-                with super().create_stream(path, mode) as stream:
-                    yield stream
-                return
-            with create_file(Path(path), folder) as stream:
-                yield stream
-
-        def mkdir(self, path) -> None:
-            make_folder(Path(path), root=folder)
-
-    writer = FileSystemWriter(folder, thread_count=threads)
-    writer.fs = GuardedFileSystem()
-    return writer
 
 
 def _on_all_ranks(part: Callable[[], None], root: Path, tmp: Path, final: Path) -> None:
@@ -272,26 +246,6 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1][:300]}" if lines else type(e).__name__
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _hash_files(folder: Path, names: list[str]) -> dict[str, str]:
-    """sha256 of each of ``names`` in ``folder`` ("missing" where it is not a file), several at once
-    (hashlib releases the GIL while it hashes)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(n: str) -> str:
-        return _sha256(folder / n) if (folder / n).is_file() else "missing"
-
-    with ThreadPoolExecutor(host_threads()) as pool:
-        return dict(zip(names, pool.map(one, names)))
-
-
 def _checksums(folder: Path, names: list[str] | None = None) -> dict[str, str]:
     """sha256 of the files in ``folder`` (default: all but the manifest), each rank hashing a share.
 
@@ -301,7 +255,7 @@ def _checksums(folder: Path, names: list[str] | None = None) -> dict[str, str]:
     if not dist.is_initialized():  # one process (flexmesh export): hash everything here
         names = names if names is not None else sorted(p.name for p in folder.iterdir()
                                                        if p.is_file() and p.name != MANIFEST)
-        return _hash_files(folder, names)
+        return hash_files(folder, names)
     if names is None and dist.get_rank() == 0:
         names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
     box = [names if dist.get_rank() == 0 else None]
@@ -309,7 +263,7 @@ def _checksums(folder: Path, names: list[str] | None = None) -> dict[str, str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     every = box[0]
     assert every is not None  # rank 0's list, broadcast
-    mine = _hash_files(folder, [n for i, n in enumerate(every) if i % world == rank])
+    mine = hash_files(folder, [n for i, n in enumerate(every) if i % world == rank])
     parts: list = [None] * world
     dist.all_gather_object(parts, mine, group=cpu_group())
     return {k: v for p in parts for k, v in sorted(p.items())}
