@@ -19,6 +19,22 @@ def test_table_lists_plans_and_baselines(capsys):
     assert "baseline megatron-3d" in out and "baseline zero3-ulysses" in out
 
 
+def test_a_baseline_without_a_layout_says_why(capsys):
+    """127 sequences on 64 devices: no baseline layout splits them (flexmesh.search.uniform_baselines.Misses)."""
+    args = ["plan", "--model", "tiny", "--cluster", "8x8xA100-80GB", "--seq-len", "256", "--global-batch", "127",
+            "--top", "1"]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "baseline megatron-3d: no layout of this family fits: the batch rules out" in out
+    assert "baseline zero3-ulysses: no layout of this family fits: the batch rules out" in out
+    assert "do not divide its 127 sequences" in out
+    assert main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["baselines"] == {"megatron-3d": None, "zero3-ulysses": None}
+    assert set(d["baselines_missing"]) == {"megatron-3d", "zero3-ulysses"}
+    assert all(why.startswith("the batch rules out") for why in d["baselines_missing"].values())
+
+
 def test_json_has_the_machine_fields(capsys, tmp_path):
     out_file = tmp_path / "plan.json"
     assert main(TINY + ["--json", "--out", str(out_file)]) == 0

@@ -111,6 +111,28 @@ def test_tokens_per_batch_counts_a_step_in_tokens(capsys, tmp_path, lengths_file
     assert "give --global-batch" in _err(capsys)
 
 
+def test_tokens_per_batch_takes_a_count_that_data_parallelism_divides(capsys, tmp_path):
+    """32,512 tokens are 127 sequences of 256: prime, so no data-parallel degree above 1 splits them; the
+    plan takes 128 (within 2%), which splits over all 8 devices, says so, and trains faster. --global-batch
+    keeps its exact count."""
+    base = ["plan", "--model", "tiny", "--cluster", "8xA100-80GB", "--seq-len", "256", "--top", "1"]
+    out = tmp_path / "plan.json"
+    assert main(base + ["--tokens-per-batch", "32512", "--out", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "32,512 tokens per step -> 128 sequences of 256, not 127: 128 splits over up to 8 data-parallel ranks " \
+           "of the 8 devices, 127 over 1" in printed and "--global-batch 127 keeps the exact count" in printed
+    assert load_plan(out).global_batch == 128
+    moved = _run_json(capsys, base + ["--tokens-per-batch", "32512"])
+    assert moved["workload"]["global_batch"] == 128 and moved["workload"]["exact_global_batch"] == 127
+    exact = _run_json(capsys, base + ["--global-batch", "127"])
+    assert exact["workload"]["global_batch"] == 127 and "exact_global_batch" not in exact["workload"]
+    assert moved["best"]["tokens_per_s"] > 1.2 * exact["best"]["tokens_per_s"]
+    # a count that already splits over every device stays as it is, and nothing is said
+    assert main(base + ["--tokens-per-batch", str(120 * 256)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "(120 sequences of 256)" in printed and "->" not in printed
+
+
 def test_a_plan_mixing_meshes_in_one_group_is_left_out_of_the_ranking():
     """The search may price layers of one group on different meshes; the runtime's scheduler cannot take
     them (flexmesh.layout.mesh.group_layout), so --lengths scores the rest instead of failing."""

@@ -16,6 +16,7 @@ from flexmesh.errors import PlanError
 from flexmesh.layout.overlap import Overlap
 from flexmesh.search import SearchRequest, SearchSpace, best_plans, candidate_strategies, megatron_3d, zero3_ulysses
 from flexmesh.search.partition import balance, compositions, count_compositions, even_split
+from flexmesh.search.uniform_baselines import Misses
 from flexmesh.spec import MODEL_PRESETS
 from flexmesh.spec.cluster import ClusterSpec, device, parse_cluster
 from flexmesh.spec.model import ModelSpec
@@ -149,6 +150,32 @@ def test_search_never_worse_than_uniform_baselines():
     for base in (megatron_3d(model, cluster, 2048, 64, cost), zero3_ulysses(model, cluster, 2048, 64, cost)):
         assert base is not None and base.evaluation.fits
         assert r.best.evaluation.step_time <= base.evaluation.step_time * (1 + 1e-12)
+
+
+def test_a_baseline_without_a_layout_says_whether_the_batch_or_memory_rules_its_layouts_out():
+    # 127 sequences on 64 devices: every Megatron layout keeps dp >= 2 (tp <= 8, pp <= 4 layers) and every
+    # ZeRO-3 + Ulysses one dp >= 8 (Ulysses cp <= 8 heads); the search still finds a ring-attention plan
+    tiny = MODEL_PRESETS["tiny"]
+    r = best_plans(SearchRequest(tiny, parse_cluster("8x8xA100-80GB"), 256, 127, top=1))
+    assert r.baselines == {"megatron-3d": None, "zero3-ulysses": None} and r.best.evaluation.fits
+    megatron, ulysses = r.baseline_misses["megatron-3d"], r.baseline_misses["zero3-ulysses"]
+    assert megatron.startswith("the batch rules out") and "degrees 2, 4, 8, 16, 32, 64 do not divide its 127 " \
+        "sequences" in megatron and "memory" not in megatron
+    assert ulysses.startswith("the batch rules out") and "degrees 8, 16, 32, 64 do not" in ulysses
+    assert "other constraints rule out" in ulysses  # Ulysses degrees above the 8 heads
+    # llama2-7b on two 40 GB devices: memory, with the least peak over the device's usable memory
+    model, cluster = MODEL_PRESETS["llama2-7b"], parse_cluster("2xA100-40GB")
+    cost = CostModel(model, cluster)
+    for family in (megatron_3d, zero3_ulysses):
+        misses = Misses()
+        assert family(model, cluster, 4096, 8, cost, misses=misses) is None
+        assert misses.memory > misses.batch and misses.least_peak > misses.budget == cost.memory_budget
+        why = misses.reason(8, "A100-40GB (40 GiB)")
+        assert why.startswith(f"memory rules out {misses.memory} layouts (the least peak "
+                              f"{misses.least_peak / 2**30:.1f} GiB, over the {cost.memory_budget / 2**30:.1f} GiB "
+                              "usable per A100-40GB (40 GiB))")
+    # a family that has a plan carries no reason
+    assert best_plans(SearchRequest(tiny, parse_cluster("8xA100-80GB"), 256, 128, top=1)).baseline_misses == {}
 
 
 def test_fast_mode_is_never_better_than_exact_optimum():

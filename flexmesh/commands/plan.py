@@ -90,8 +90,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     size.add_argument("--global-batch", type=sequences, default=None,
                       help=f"sequences per step (default {DEFAULT_GLOBAL_BATCH})")
     size.add_argument("--tokens-per-batch", type=tokens, default=None,
-                      help="tokens per step instead of sequences (without --lengths: that many --seq-len tokens "
-                           "long sequences, rounded down)")
+                      help="tokens per step instead of sequences: as many --seq-len sequences as they hold, moved "
+                           "by up to 2%% to the count that splits over the most data-parallel ranks (--global-batch "
+                           "keeps an exact count)")
     p.add_argument("--lengths", metavar="NAME_OR_FILE", type=nonempty,
                    help="plan for this length distribution (a shipped name such as wikipedia, or a .txt/.json "
                         "file of lengths, as for simulate): plans ranked by their expected step, simulated on "
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
     if unknown or not schedules:
         raise PlanError(f"unknown schedule(s) {unknown}; choose from {', '.join(PIPELINE_SCHEDULES)}")
-    work = workload(args.seq_len, args.global_batch, args.tokens_per_batch, args.lengths)
+    work = workload(args.seq_len, args.global_batch, args.tokens_per_batch, args.lengths, base.cluster.world_size)
     job = build_job(base.model, work.seq_len, work.global_batch, base=base, tokens_per_batch=work.tokens_per_batch,
                     parts=parts)
     cost = _cost(job)
@@ -218,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     out.print(job.model.describe(), highlight=False)
     print_table(out, result, expected, job.model)
     out.print(work.describe(), highlight=False)
+    if moved := work.factoring():
+        out.print(moved, highlight=False)
     if cost.cluster.pace != 1.0:
         out.print(f"every device priced at speed {cost.cluster.pace:g}: the cluster's devices all run at it (its "
                   "speed_factors), compute stretched, communication not", highlight=False)
@@ -330,7 +333,8 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
         raise PlanError("--tasks plans LoRA adapters on one device type; a mixed cluster's search prices training "
                         "every weight: drop --tasks, or plan the tasks on one device type's cluster")
     model = parse_model(args.model or DEFAULT_MODEL)
-    work = workload(args.seq_len, args.global_batch, args.tokens_per_batch, args.lengths, mixed=True)
+    work = workload(args.seq_len, args.global_batch, args.tokens_per_batch, args.lengths, cluster.world_size,
+                    mixed=True)
     job = build_job(model, work.seq_len, work.global_batch, cluster=cluster,
                     parts=_parts(args, model, cluster.world_size))
     costs = job.costs
@@ -372,6 +376,8 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
                             f"search {result.search_seconds:.2f} s, baselines {baseline_seconds:.2f} s)"))
     out.print(baseline_table(tokens_per_s, baselines))
     out.print(work.describe(), highlight=False)
+    if moved := work.factoring():
+        out.print(moved, highlight=False)
     if args.explain:
         out.print(stage_table(plan, ev))
     if args.out:

@@ -8,11 +8,13 @@ search, and every baseline, are then scored by their expected step on them
 (:func:`flexmesh.sim.expected.expected_step`: the simulator's mean under the plan's default
 per-step policy, on the cluster as given) and ranked by it. ``--tokens-per-batch`` counts a step in
 tokens rather than sequences: the batches hold that many tokens, and the search plans for as many
-``--seq-len`` sequences as hold them.
+``--seq-len`` sequences as hold them, moved by up to 2% to the count that splits over the most
+data-parallel ranks (:func:`flexmesh.search.space.factoring_batch`; ``--global-batch`` stays exact).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +28,7 @@ from flexmesh.layout.plan import Plan
 from flexmesh.search import SearchResult
 from flexmesh.search.baselines import BaselinePlans
 from flexmesh.search.mixed import MixedResult
+from flexmesh.search.space import BATCH_TOLERANCE, factoring_batch
 from flexmesh.sim.expected import Expected, expected_step
 from flexmesh.sim.simulation import SimulationConfig, sample_batches
 from flexmesh.spec.cluster import MixedCluster
@@ -43,6 +46,8 @@ class Workload:
     seq_len: int  # --seq-len: every sequence's length, or with --lengths the cap
     global_batch: int  # sequences per step the search plans for (and the plan file holds)
     tokens_per_batch: int | None = None  # --tokens-per-batch, when given
+    world: int = 1  # devices the step is split over
+    exact_batch: int | None = None  # --tokens-per-batch: the --seq-len sequences it holds, before factoring
     lengths: str | None = None  # --lengths
     batches: list[np.ndarray] = field(default_factory=list)
     seconds: float = 0.0  # spent scoring plans on the batches
@@ -63,9 +68,22 @@ class Workload:
                 f"each plan ranked by its expected step (mean of the steps simulated under its default policy, "
                 f"scored in {self.seconds:.2f} s), the search's figure at {self.seq_len} tokens beside it")
 
+    def factoring(self) -> str | None:
+        """The line ``plan`` prints where ``--tokens-per-batch`` moved the sequence count off the exact one
+        (:func:`~flexmesh.search.space.factoring_batch`), else None."""
+        exact, gb = self.exact_batch, self.global_batch
+        if exact is None or exact == gb:
+            return None
+        return (f"{self.tokens_per_batch:,} tokens per step -> {gb:,} sequences of {self.seq_len:,}, not {exact:,}: "
+                f"{gb:,} splits over up to {math.gcd(gb, self.world):,} data-parallel ranks of the {self.world:,} "
+                f"devices, {exact:,} over {math.gcd(exact, self.world):,} (the most of the counts within "
+                f"{BATCH_TOLERANCE:.0%}; --global-batch {exact} keeps the exact count)")
+
     def to_dict(self) -> dict:
         d: dict = {"seq_len": self.seq_len, "global_batch": self.global_batch,
                    "tokens_per_batch": self.tokens_per_batch, "lengths": self.lengths}
+        if self.exact_batch is not None:
+            d["exact_global_batch"] = self.exact_batch  # tokens / --seq-len, before factoring_batch
         if self.lengths is not None:
             d.update(steps=STEPS, seed=SEED,
                      mean_sequences_per_step=float(np.mean([len(b) for b in self.batches])),
@@ -74,10 +92,12 @@ class Workload:
         return d
 
 
-def workload(seq: int, global_batch: int | None, tokens: int | None, lengths: str | None,
+def workload(seq: int, global_batch: int | None, tokens: int | None, lengths: str | None, world: int,
              mixed: bool = False) -> Workload:
     """The step ``--seq-len`` (``seq``), ``--global-batch``, ``--tokens-per-batch`` and ``--lengths``
-    describe (batches drawn); PlanError (DataError for a bad lengths file) with what to change."""
+    describe on ``world`` devices (batches drawn); PlanError (DataError for a bad lengths file) with what
+    to change. ``--tokens-per-batch`` becomes the count of ``--seq-len`` sequences near it that splits over
+    the most data-parallel ranks (:func:`~flexmesh.search.space.factoring_batch`)."""
     if tokens is not None and mixed and lengths:
         raise PlanError("--tokens-per-batch with --lengths varies the sequences per step, but a plan of replica "
                         "groups gives each group a fixed share of the sequences; give --global-batch")
@@ -86,9 +106,11 @@ def workload(seq: int, global_batch: int | None, tokens: int | None, lengths: st
     elif tokens < seq and not lengths:
         raise PlanError(f"--tokens-per-batch {tokens} holds no sequence of --seq-len {seq} tokens; give at least "
                         f"{seq} tokens, or a shorter --seq-len")
-    else:
-        gb = max(1, tokens // seq)  # the tokens as --seq-len sequences: what the micro-batches are sized for
-    work = Workload(seq, gb, tokens, lengths)
+    exact = None
+    if tokens is not None:
+        exact = max(1, tokens // seq)  # the tokens as --seq-len sequences: what the micro-batches are sized for
+        gb = factoring_batch(exact, world)
+    work = Workload(seq, gb, tokens, lengths=lengths, world=world, exact_batch=exact)
     if lengths:
         cfg = SimulationConfig(policies=(), context=seq, lengths=lengths, steps=STEPS, seed=SEED,
                                seqs_per_batch=None if tokens else gb, tokens_per_batch=tokens)

@@ -42,6 +42,7 @@ def result_json(r: SearchResult, plan: Plan, expected: dict[str, Expected], pick
         "picked": {"rank": pick, **_row(chosen, expected.get(chosen.plan.layout)), "plan": plan.to_dict()},
         "plans": [_row(c, expected.get(c.plan.layout)) for c in r.plans],
         "baselines": {k: (_row(v, expected.get(v.plan.layout)) if v else None) for k, v in r.baselines.items()},
+        "baselines_missing": dict(r.baseline_misses),  # why a baseline that is null has no layout
     }
 
 
@@ -66,7 +67,8 @@ def print_table(out: Console, r: SearchResult, expected: dict[str, Expected], mo
         if b is not None and model is not None and not runtime_runs(name, model):
             name += " (whole experts over expert-parallel ranks, as Megatron-LM runs them; flexmesh's runtime does not)"
         if b is None:
-            out.print(f"baseline {name}: no layout of this family fits", highlight=False)
+            why = r.baseline_misses.get(name)
+            out.print(f"baseline {name}: no layout of this family fits{f': {why}' if why else ''}", highlight=False)
         elif e is not None:
             out.print(f"baseline {name}: expected {e.step_time:.4g} s, {e.tokens_per_s:,.0f} tokens/s "
                       f"({b.evaluation.step_time:.4g} s at --seq-len)  ({b.plan.layout})", highlight=False)

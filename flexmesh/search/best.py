@@ -17,8 +17,8 @@ from flexmesh.errors import PlanError
 from flexmesh.layout.strategy import Recompute
 from flexmesh.search.driver import Progress, SearchOutcome, search
 from flexmesh.search.space import FULL_SPACE, Candidate, SearchRequest
+from flexmesh.search.uniform_baselines import Misses, runtime_runs
 from flexmesh.search.uniform_baselines import baselines as uniform_baselines
-from flexmesh.search.uniform_baselines import runtime_runs
 from flexmesh.units import GIB
 
 
@@ -31,6 +31,8 @@ class SearchResult:
     mode: str  # "exact" or "fast"
     configurations: int  # (pp, schedule, m, mesh, split) combinations examined
     baselines: dict[str, Candidate | None] = field(default_factory=dict)
+    # why each baseline that is None has no layout (flexmesh.search.uniform_baselines.Misses.reason)
+    baseline_misses: dict[str, str] = field(default_factory=dict)
 
     @property
     def best(self) -> Candidate:
@@ -53,7 +55,11 @@ def best_plans(request: SearchRequest, *, with_baselines: bool = True, explain_n
     outcome = searched if searched is not None else search(request, progress)
     results = list(outcome.candidates)
     seen = {c.plan.layout for c in results}
-    base: dict[str, Candidate | None] = uniform_baselines(request) if with_baselines else {}
+    misses: dict[str, Misses] = {}
+    base: dict[str, Candidate | None] = uniform_baselines(request, misses) if with_baselines else {}
+    device = request.cluster.device
+    why = {name: misses[name].reason(request.global_batch, f"{device.name} ({device.memory_gib:g} GiB)")
+           for name, b in base.items() if b is None}
     for name, b in base.items():  # those the runtime runs as priced: what `train` can take
         if b is not None and b.plan.layout not in seen and runtime_runs(name, request.model):
             results.append(replace(b, origin=name))
@@ -64,7 +70,7 @@ def best_plans(request: SearchRequest, *, with_baselines: bool = True, explain_n
             raise PlanError(f"no plan fits on {request.cluster.label} at seq len {request.seq_len}")
         raise PlanError(no_fit_message(request))
     return SearchResult(plans=results[:request.top], search_seconds=time.perf_counter() - t0, mode=outcome.mode,
-                        configurations=outcome.configurations, baselines=base)
+                        configurations=outcome.configurations, baselines=base, baseline_misses=why)
 
 
 def no_fit_message(request: SearchRequest) -> str:
