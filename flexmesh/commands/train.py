@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.straggler_threshold < 1.0:
         raise PlanError(f"--straggler-threshold must be in (0, 1), got {args.straggler_threshold}")
     check_flags(args)
+    if args.tensorboard is not None:
+        from flexmesh.runtime.train.scalars import check_tensorboard
+
+        check_tensorboard()
     planned = _planned(args)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
@@ -141,6 +145,7 @@ def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None
     plan = load_plan(args.plan) if planned is None else planned.plan
     spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
     run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
+    check_evaluation(args, plan, spec)
     if args.nnodes is None:
         check_memory(predicted_peak(plan), args.device, args.nproc)
 
@@ -215,15 +220,14 @@ def check_world(path: str, plan: Plan) -> None:
                         f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
 
 
-def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a DocumentLoader or TaskLoader
-    """The run's seeded loader over ``--corpus`` (with the job's tasks, over every task's corpus, each its
-    own batch per step: flexmesh.data.tasks.TaskLoader) under ``--tokenizer`` (when not given, a BPE
-    trained on ``--corpus``, else on the first task's); rank 0 records the tokenizer in ``--out/tokenizer/``
-    for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
+def corpus_tokens_of(args: argparse.Namespace, job: Job):  # noqa: ANN201 - (TokenizedCorpus, Tokenizer)
+    """``--corpus`` (else the first task's) tokenized under ``--tokenizer`` (when not given, the one beside
+    ``--weights``, else a BPE trained on that corpus), and that tokenizer; rank 0 records the tokenizer in
+    ``--out/tokenizer/`` for ``flexmesh export`` (flexmesh.data.hf_tokenizer)."""
     from flexmesh.data.cache import usable_cache
     from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.hf_tokenizer import record_tokenizer
-    from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
+    from flexmesh.data.loader import load_corpus_tokens
     from flexmesh.errors import DataError
 
     spec, tasks = job.model, job.parts.tasks
@@ -244,6 +248,50 @@ def document_loader(args: argparse.Namespace, job: Job):  # noqa: ANN201 - a Doc
                                    replace=getattr(args, "new_tokenizer", False))
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
+    return corpus_tokens, tok
+
+
+def check_evaluation(args: argparse.Namespace, plan: Plan, spec) -> None:  # noqa: ANN001
+    """Refuse ``--eval-corpus`` where the held-out forwards do not run (flexmesh.runtime.train.trainer.
+    Trainer.held_out_loss): a pipeline, LoRA tasks, experts."""
+    if args.eval_corpus is None:
+        return
+    why = ("--tasks trains adapters, each with its own loss" if args.tasks else
+           "the model has experts" if spec.is_moe else
+           "the plan pipelines (pp above 1)" if any(g.pp > 1 for g in plan.groups) else None)
+    if why is not None:
+        raise PlanError(f"--eval-corpus evaluates plans with pp 1, without --tasks or experts, but {why}; drop "
+                        "--eval-corpus" + (" or use a plan with pp 1" if "pipelines" in why else ""))
+
+
+def held_out(args: argparse.Namespace, job: Job, tok):  # noqa: ANN001, ANN201 - an Evaluation or None
+    """``--eval-corpus``'s first ``--eval-docs`` documents under the run's tokenizer ``tok``, laid out by the
+    ``fixed`` policy, evaluated every ``--eval-every`` steps (flexmesh.runtime.train.evaluate); None without
+    --eval-corpus."""
+    from flexmesh.data.corpus import stdlib_corpus
+    from flexmesh.data.loader import load_corpus_tokens
+    from flexmesh.errors import DataError
+    from flexmesh.runtime.train.evaluate import Evaluation, held_out_documents
+
+    if args.eval_corpus is None:
+        return None
+    corpus = stdlib_corpus() if args.eval_corpus == "stdlib" else args.eval_corpus
+    tokens = load_corpus_tokens(corpus, tok, cache_dir=args.cache_dir)[0]
+    docs = held_out_documents(tokens, args.eval_docs, job.seq_len)
+    if not docs:
+        raise DataError(f"--eval-corpus {args.eval_corpus} has no document of two tokens or more; give another")
+    return Evaluation.of(docs, args.eval_every, scheduler(job, "fixed", args.seed, args.cp))
+
+
+def document_loader(args: argparse.Namespace, job: Job, tokens=None):  # noqa: ANN001, ANN201 - a loader
+    """The run's seeded loader over ``--corpus`` (with the job's tasks, over every task's corpus, each its
+    own batch per step: flexmesh.data.tasks.TaskLoader) under the run's tokenizer (``tokens``:
+    :func:`corpus_tokens_of`' answer, made here when not given)."""
+    from flexmesh.data.corpus import stdlib_corpus
+    from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
+
+    tasks = job.parts.tasks
+    corpus_tokens, tok = tokens if tokens is not None else corpus_tokens_of(args, job)
     if tasks is not None:
         from flexmesh.data.tasks import TaskLoader
 
@@ -284,7 +332,19 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bo
                        progress=not args.no_progress,
                        dtype=run_dtype(args), emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
                        compile=args.compile, expert_placement=args.expert_placement, expert_slots=args.expert_slots,
-                       balance_rate=args.balance_rate, aux_loss=args.aux_loss)
+                       balance_rate=args.balance_rate, aux_loss=args.aux_loss,
+                       tensorboard_dir=tensorboard_dir(args))
+
+
+def tensorboard_dir(args: argparse.Namespace) -> str | None:
+    """Where rank 0 writes TensorBoard scalars: ``--tensorboard DIR``, ``OUT/tensorboard`` for the flag alone,
+    None without it."""
+    flag = getattr(args, "tensorboard", None)
+    if flag is None:
+        return None
+    from flexmesh.runtime.state.rundir import TENSORBOARD
+
+    return flag or os.path.join(args.out, TENSORBOARD)
 
 
 def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:
@@ -365,6 +425,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     spec = plan_model(plan, args.model, args.plan)  # --model, else the plan's (its recorded config.json)
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     check_runnable(plan, spec)  # reject an unsupported per-layer mix before touching the corpus
+    check_evaluation(args, plan, spec)
     job = train_job(args, plan, spec)
     assert job.plan is not None
     plan = job.plan  # its groups' shares scaled to the batch the run takes
@@ -388,7 +449,9 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     wall = WallTime()
     wall.add("start-up", time.perf_counter() - wall.start)  # the interpreter, imports, the plan and its checks
     with wall.phase("tokenizer and data"):
-        loader = document_loader(args, job)
+        tokens = corpus_tokens_of(args, job)
+        loader = document_loader(args, job, tokens)
+        evaluation = held_out(args, job, tokens[1])
     config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
     with wall.phase("process group"):
         init_distributed(timeout_s=args.collective_timeout, device=args.device)
@@ -413,7 +476,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
                                        emulate_speed=tuple(args.emulate_speed))
         groups = f" over {len(plan.groups)} replica groups" if len(plan.groups) > 1 else ""
         return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration,
-                              wall=wall)
+                              wall=wall, evaluation=evaluation)
     finally:
         with wall.phase("teardown"):
             dist.destroy_process_group()
