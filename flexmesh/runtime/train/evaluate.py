@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from flexmesh.data.loader import TokenizedCorpus
 from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.train.config import StepMetrics
 
@@ -28,7 +29,7 @@ class Evaluating(Protocol):
     def held_out_loss(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> float: ...
 
 
-def held_out_documents(corpus: Sequence[np.ndarray], count: int, seq_len: int) -> list[np.ndarray]:
+def held_out_documents(corpus: TokenizedCorpus | Sequence[np.ndarray], count: int, seq_len: int) -> list[np.ndarray]:
     """The first ``count`` documents of ``corpus`` that have a label token, each cut to ``seq_len`` tokens.
 
     >>> docs = [np.arange(5), np.arange(1), np.arange(3), np.arange(9)]
@@ -36,9 +37,10 @@ def held_out_documents(corpus: Sequence[np.ndarray], count: int, seq_len: int) -
     [4, 3]
     """
     out: list[np.ndarray] = []
-    for doc in corpus:
+    for i in range(len(corpus)):
         if len(out) == count:
             break
+        doc = corpus[i]
         if len(doc) >= 2:
             out.append(np.asarray(doc[:seq_len]))
     return out
