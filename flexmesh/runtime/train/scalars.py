@@ -25,14 +25,15 @@ def check_tensorboard() -> None:
 
 
 class Scalars:
-    """One event file in ``folder``; ``resumed_at``: the last step a resumed run kept, so TensorBoard
-    drops the events an earlier attempt wrote after it (SummaryWriter's ``purge_step``)."""
+    """One event file in ``folder``; ``resumed_at``: the step the run starts after (its checkpoint's, 0 from
+    the start), so TensorBoard drops the events an earlier attempt wrote after it (SummaryWriter's
+    ``purge_step``)."""
 
     def __init__(self, folder: str, resumed_at: int = 0) -> None:
         check_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(folder, purge_step=resumed_at + 1 if resumed_at else None)
+        self._writer = SummaryWriter(folder, purge_step=resumed_at + 1)
 
     def add(self, m: StepMetrics) -> None:
         """Step ``m``'s scalars (a value that is not finite is left out: TensorBoard plots it as a gap)."""
