@@ -38,6 +38,7 @@ def worker(out: Path, names: list[str]) -> None:
 
     from flexmesh.runtime.model.transformer import build_model
     from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.train.evaluate import held_out_loss
     from flexmesh.runtime.train.reference import reference_loss
     from flexmesh.runtime.train.trainer import Trainer
 
@@ -55,10 +56,10 @@ def worker(out: Path, names: list[str]) -> None:
             after_ref = reference_loss(model, later_docs, later, backward=False)
             evaluated = Trainer(make_plan(name), tiny_spec(), train_config())
             plain = Trainer(make_plan(name), tiny_spec(), train_config())
-            before = evaluated.held_out_loss(later_docs, later)
+            before = held_out_loss(evaluated, later_docs, later)
             m = evaluated.step(docs, schedule)
-            after = evaluated.held_out_loss(later_docs, later)
-            again = evaluated.held_out_loss(later_docs, later)
+            after = held_out_loss(evaluated, later_docs, later)
+            again = held_out_loss(evaluated, later_docs, later)
             n = plain.step(docs, schedule)
             m2, n2 = evaluated.step(later_docs, later), plain.step(later_docs, later)
             report[name] = dict(before=before, before_ref=before_ref, after=after, after_ref=after_ref, again=again,

@@ -65,7 +65,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import (
@@ -83,7 +82,7 @@ from flexmesh.layout.pipeline_order import chain_ends, chain_plan, units_from_en
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.runtime.model.carry import KVCarry
-from flexmesh.runtime.model.loss import GlobalLoss, summed_cross_entropy
+from flexmesh.runtime.model.loss import GlobalLoss
 from flexmesh.runtime.model.packing import (
     PackedBatch,
     empty_batch,
@@ -407,55 +406,6 @@ class Trainer:
             **common, compute_s=tuple(float(x) for x in table[:, 4]) if timed else (),
             emulated_speed=self.emulated_speed,
         )
-
-    def held_out_loss(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> float:
-        """The mean token cross-entropy of ``docs`` laid out by ``schedule``: the step's forward path without
-        backward or optimizer, in eval mode under ``torch.no_grad``, on every rank of the layout (every rank
-        calls it at the same point, between steps; flexmesh.runtime.train.evaluate). Each data rank sums its
-        label tokens' cross-entropy, the sums are all-reduced and divided by the global label-token count,
-        as the step's loss is. Nothing the next step reads changes: no gradient, optimizer or LR state, no
-        RNG draw, weights sharded again afterwards. Pipelines and parts (tasks, experts) are refused."""
-        if self.parts or any(g.pp > 1 for g in self.plan.groups):
-            raise PlanError("held-out evaluation runs plans with pp 1 and no --tasks or experts; drop --eval-corpus "
-                            "or use such a plan")
-        label_tokens = global_label_tokens(docs, schedule)
-        self._check_cuts(schedule)
-        if label_tokens == 0:
-            raise ScheduleError("the held-out documents have no label tokens; give documents of two tokens or more")
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.place is None:
-            schedule_parts(self.plan, schedule)  # a device left unused checks the schedule as the others do
-        else:
-            own, group = self._own(schedule)
-            # as many forwards on every data rank: each may gather weights over them (FSDP2)
-            batches = self.local_batches(docs, own, group, even=True)
-            self._set_context(group)
-            root, was = self.modules[0], [m.training for m in self.modules]
-            ends = chain_ends(own, len(batches))
-            try:
-                for m in self.modules:
-                    m.eval()
-                with torch.no_grad():
-                    for b, end in zip(batches, ends, strict=True):
-                        if self.chunked_loss:
-                            loss = root(b.tokens, b, labels=b.labels)
-                        else:
-                            loss = summed_cross_entropy(root(b.tokens, b), b.labels)
-                        total = total + loss.double()
-                        if end:
-                            self.carry.clear()
-            finally:
-                self.carry.clear()
-                for m, mode in zip(self.modules, was, strict=True):
-                    m.train(mode)
-                for sub in (s for m in self.modules for s in m.modules()):
-                    if isinstance(sub, FSDPModule):  # as a step leaves them: sharded
-                        sub.reshard()
-        owner = self.place is not None and self.place.tp == 0  # tp ranks hold copies of their data rank's loss
-        box = torch.tensor([float(total) if owner else 0.0], dtype=torch.float64)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(box, group=self._cpu_group)
-        return float(box.item()) / label_tokens
 
     def _clip(self) -> float:
         """The global gradient norm, every gradient clipped by it (by group 0's with several replica groups)."""
