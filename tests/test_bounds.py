@@ -95,7 +95,7 @@ def test_train_refuses_a_plan_that_needs_more_memory_than_the_machine_has(tmp_pa
 
 def test_the_memory_check_ignores_a_recorded_peak_the_plan_does_not_need():
     """A plan file recording an absurd peak for a small model is priced by what it needs."""
-    from flexmesh.commands.train import estimated_peak
+    from flexmesh.commands.train_job import estimated_peak
     from flexmesh.cost import CostModel
     from flexmesh.job import build_job
     from flexmesh.layout.plan import Plan, StagePlan

@@ -18,12 +18,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from flexmesh.commands.train_args import add_arguments, run_dtype
-from flexmesh.commands.train_data import document_loader
-from flexmesh.commands.train_job import scheduler, train_job
+from flexmesh.commands.train_data import check_evaluation, corpus_tokens_of, document_loader, held_out
+from flexmesh.commands.train_job import estimated_peak, scheduler, train_job
 from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned_path
 from flexmesh.commands.train_tasks import run_tasks, task_table
 from flexmesh.errors import PlanError
-from flexmesh.job import Job
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.launch import (
     RESUME_ENV,
@@ -54,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.straggler_threshold < 1.0:
         raise PlanError(f"--straggler-threshold must be in (0, 1), got {args.straggler_threshold}")
     check_flags(args)
+    if args.tensorboard is not None:
+        from flexmesh.runtime.train.scalars import check_tensorboard
+
+        check_tensorboard()
     planned = _planned(args)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
@@ -141,6 +144,7 @@ def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None
     plan = load_plan(args.plan) if planned is None else planned.plan
     spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
     run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
+    check_evaluation(args, plan, spec)
     if args.nnodes is None:
         check_memory(estimated_peak(train_job(args, plan, spec)), args.device, args.nproc)
 
@@ -199,44 +203,6 @@ def _run_folder(out: str, no_resume: bool, overwrite: bool) -> Iterator[str]:
         release_run_folder(out)
 
 
-def estimated_peak(job: Job) -> float | None:
-    """The largest per-rank peak (GiB) the cost model computes for the job's plan on its model, with
-    its parts (adapters, experts) and dtype: what ``flexmesh plan --check`` prints, computed again,
-    never the figure the plan file records (a hand-written or edited plan is priced as any other).
-    Priced on the job's cost model, else on each device group's presets of the plan's cluster; None
-    where nothing prices the plan (a cluster with no presets, not checked).
-
-    >>> from flexmesh.job import build_job
-    >>> from flexmesh.cost import CostModel
-    >>> from flexmesh.layout.plan import Plan, StagePlan
-    >>> from flexmesh.layout.strategy import LayerStrategy
-    >>> from flexmesh.spec.model import parse_model
-    >>> from flexmesh.spec.cluster import parse_cluster
-    >>> spec, s = parse_model("llama2-70b"), LayerStrategy.parse("tp1-dp2z0")
-    >>> plan = Plan.uniform(model="llama2-70b", cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
-    ...                     num_microbatches=1, seq_len=128, global_batch=2, stages=(StagePlan(0, 80, (s,) * 80),),
-    ...                     predicted={"peak_memory_gib": [0.5]})  # a recorded figure far too small
-    >>> job = build_job(spec, 128, 2, base=CostModel(spec, parse_cluster("2xA100-80GB")), plan=plan)
-    >>> estimated_peak(job) > 1000  # weights, gradients and AdamW states of 70 B parameters on each rank
-    True
-    """
-    from flexmesh.errors import FlexmeshError
-    from flexmesh.units import GIB
-
-    plan = job.plan
-    assert plan is not None
-    if job.cost is not None and len(plan.groups) == 1:
-        return max(m["total"] for m in job.cost.evaluate(plan).memory) / GIB
-    from flexmesh.cost.training.mixed import evaluate_groups
-    from flexmesh.schedule.scheduler import plan_costs
-
-    try:
-        costs = job.costs or plan_costs(plan, job.model, job.cost, job.parts)
-        return max(r.peak_memory for r in evaluate_groups(plan, costs).replicas) / GIB
-    except FlexmeshError:  # e.g. a cluster whose devices have no presets
-        return None
-
-
 def check_world(path: str, plan: Plan) -> None:
     """Refuse a launch of another size than plan ``path``'s, before joining (a wrong launch should not
     wait for peers)."""
@@ -257,7 +223,19 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bo
                        progress=not args.no_progress,
                        dtype=run_dtype(args), emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
                        compile=args.compile, expert_placement=args.expert_placement, expert_slots=args.expert_slots,
-                       balance_rate=args.balance_rate, aux_loss=args.aux_loss)
+                       balance_rate=args.balance_rate, aux_loss=args.aux_loss,
+                       tensorboard_dir=tensorboard_dir(args))
+
+
+def tensorboard_dir(args: argparse.Namespace) -> str | None:
+    """Where rank 0 writes TensorBoard scalars: ``--tensorboard DIR``, ``OUT/tensorboard`` for the flag alone,
+    None without it."""
+    flag = getattr(args, "tensorboard", None)
+    if flag is None:
+        return None
+    from flexmesh.runtime.state.rundir import TENSORBOARD
+
+    return flag or os.path.join(args.out, TENSORBOARD)
 
 
 def fit_and_report(trainer, source, config, out: str, what: str = "", **fit_kwargs) -> int:
@@ -341,6 +319,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     spec = plan_model(plan, args.model, args.plan)  # --model, else the plan's (its recorded config.json)
     check_model(plan, spec, by_name=False)  # a plan for another model of as many layers trains nothing right
     check_runnable(plan, spec)  # reject an unsupported per-layer mix before touching the corpus
+    check_evaluation(args, plan, spec)
     job = train_job(args, plan, spec)
     assert job.plan is not None
     plan = job.plan  # its groups' shares scaled to the batch the run takes
@@ -365,7 +344,9 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     wall.add("start-up", time.perf_counter() - wall.start)  # the interpreter, imports, the plan and its checks
     records: list = []  # the run folder's records: written by fit once every resume check has passed
     with wall.phase("tokenizer and data"):
-        loader = document_loader(args, job, records)
+        tokens = corpus_tokens_of(args, job, records)
+        loader = document_loader(args, job, tokens)
+        evaluation = held_out(args, job, tokens[1])
     config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
     with wall.phase("process group"):
         init_distributed(timeout_s=args.collective_timeout, device=args.device)
@@ -390,7 +371,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
                                        emulate_speed=tuple(args.emulate_speed))
         groups = f" over {len(plan.groups)} replica groups" if len(plan.groups) > 1 else ""
         return fit_and_report(trainer, steps, config, args.out, what=groups, monitor=monitor, migration=migration,
-                              records=records, wall=wall)
+                              records=records, wall=wall, evaluation=evaluation)
     finally:
         with wall.phase("teardown"):
             dist.destroy_process_group()

@@ -107,6 +107,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "naming it (default 600)")
     p.add_argument("--cache-dir", help="where tokenizers and token stores are cached")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    v = p.add_argument_group("evaluation and logging (docs/cli-train.md#evaluation-and-logging)")
+    v.add_argument("--eval-corpus", metavar="CORPUS",
+                   help="held-out documents (a folder, a .jsonl file or 'stdlib'), tokenized with the run's tokenizer: "
+                        "their mean loss and perplexity every --eval-every steps and at the last step")
+    v.add_argument("--eval-every", type=positive_int, default=100, metavar="N",
+                   help="steps between held-out evaluations, with --eval-corpus (default 100)")
+    v.add_argument("--eval-docs", type=positive_int, default=64, metavar="K",
+                   help="the held-out set: the first K documents of --eval-corpus, each up to --seq-len (default 64)")
+    v.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
+                   help="write loss, lr, grad_norm, tokens_per_s and eval_loss as TensorBoard scalars to DIR "
+                        "(default OUT/tensorboard); needs `pip install tensorboard`")
     s = p.add_argument_group("stragglers (docs/cli-train.md#stragglers)")
     s.add_argument("--no-replan", action="store_true",
                    help="measure each rank's speed and report stragglers, but keep the schedules as they are")

@@ -92,3 +92,41 @@ def _plan_cluster(plan: Plan, path: str) -> ClusterSpec:
         raise PlanError(f"plan {path} records cluster {plan.cluster!r}, which prices nothing ({e}); pass "
                         "--hardware-profile FILE (from `flexmesh profile hardware`), or set the plan's cluster to "
                         "a preset such as 4xA100-80GB or a cluster file") from None
+
+
+def estimated_peak(job: Job) -> float | None:
+    """The largest per-rank peak (GiB) the cost model computes for the job's plan on its model, with
+    its parts (adapters, experts) and dtype: what ``flexmesh plan --check`` prints, computed again,
+    never the figure the plan file records (a hand-written or edited plan is priced as any other).
+    Priced on the job's cost model, else on each device group's presets of the plan's cluster; None
+    where nothing prices the plan (a cluster with no presets, not checked).
+
+    >>> from flexmesh.job import build_job
+    >>> from flexmesh.cost import CostModel
+    >>> from flexmesh.layout.plan import Plan, StagePlan
+    >>> from flexmesh.layout.strategy import LayerStrategy
+    >>> from flexmesh.spec.model import parse_model
+    >>> from flexmesh.spec.cluster import parse_cluster
+    >>> spec, s = parse_model("llama2-70b"), LayerStrategy.parse("tp1-dp2z0")
+    >>> plan = Plan.uniform(model="llama2-70b", cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
+    ...                     num_microbatches=1, seq_len=128, global_batch=2, stages=(StagePlan(0, 80, (s,) * 80),),
+    ...                     predicted={"peak_memory_gib": [0.5]})  # a recorded figure far too small
+    >>> job = build_job(spec, 128, 2, base=CostModel(spec, parse_cluster("2xA100-80GB")), plan=plan)
+    >>> estimated_peak(job) > 1000  # weights, gradients and AdamW states of 70 B parameters on each rank
+    True
+    """
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.units import GIB
+
+    plan = job.plan
+    assert plan is not None
+    if job.cost is not None and len(plan.groups) == 1:
+        return max(m["total"] for m in job.cost.evaluate(plan).memory) / GIB
+    from flexmesh.cost.training.mixed import evaluate_groups
+    from flexmesh.schedule.scheduler import plan_costs
+
+    try:
+        costs = job.costs or plan_costs(plan, job.model, job.cost, job.parts)
+        return max(r.peak_memory for r in evaluate_groups(plan, costs).replicas) / GIB
+    except FlexmeshError:  # e.g. a cluster whose devices have no presets
+        return None

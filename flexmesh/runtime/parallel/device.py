@@ -109,7 +109,7 @@ def device_name(choice: DeviceChoice) -> str:
 
 def check_memory(predicted_gib: float | None, requested: str, local_world: int) -> None:
     """Refuse, before anything is allocated, a plan whose peak per rank (``predicted_gib``, the cost
-    model's estimate for the plan and model, flexmesh.commands.train.estimated_peak; None: a plan
+    model's estimate for the plan and model, flexmesh.commands.train_job.estimated_peak; None: a plan
     nothing prices, not checked) cannot fit this node: on GPUs one
     rank per GPU against the GPU's memory, on the CPU ``local_world`` ranks against the machine's RAM
     (MemTotal, the same figure on every rank, so every rank decides alike)."""

@@ -50,6 +50,7 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker: 0
 METRICS = "metrics.jsonl"
 ROUTING = "routing.jsonl"  # a model with experts: one row per MoE layer and step (docs/metrics.md)
 CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"  # `train --tensorboard` without a folder: its event files (docs/metrics.md)
 MIGRATION_FILE = "migration.json"  # the launcher's request to relaunch on a new plan (flexmesh.commands.migrate)
 MIGRATED_PLAN = "plan-migrated-{step:06d}.json"  # a plan a migration moved the run to
 PLAN_FILE = "plan.json"  # the plan a run without --plan chose (flexmesh.commands.train_plan)
@@ -160,8 +161,8 @@ def run_contents(out: str | Path) -> list[str]:
 def foreign_entries(out: str | Path) -> list[str]:
     """The entries of ``out`` that no flexmesh run writes there: anything but regular files named as
     :data:`METRICS`, :data:`ROUTING`, :data:`MIGRATION_FILE`, :data:`MIGRATED_PLAN`, :data:`PLAN_FILE` or
-    ``corpus.json`` (flexmesh.data.run_corpus), real ``checkpoints``
-    and ``tokenizer`` folders, the lock and ``previous-*`` folders (``.git``, sources, a symlink named
+    ``corpus.json`` (flexmesh.data.run_corpus), real ``checkpoints``, ``tokenizer`` and ``tensorboard``
+    folders, the lock and ``previous-*`` folders (``.git``, sources, a symlink named
     ``checkpoints``, ...).
 
     >>> import tempfile, pathlib
@@ -177,7 +178,7 @@ def foreign_entries(out: str | Path) -> list[str]:
         mode = p.lstat().st_mode
         if p.name == LOCK and stat.S_ISREG(mode) or p.name.startswith(PREVIOUS) and stat.S_ISDIR(mode):
             continue
-        folder = p.name in (CHECKPOINTS, RUN_TOKENIZER) and stat.S_ISDIR(mode)
+        folder = p.name in (CHECKPOINTS, RUN_TOKENIZER, TENSORBOARD) and stat.S_ISDIR(mode)
         if folder or _RUN_FILE.fullmatch(p.name) and stat.S_ISREG(mode):
             continue
         found.append(p.name)

@@ -47,6 +47,8 @@ class TrainConfig:
     expert_slots: int | None = None
     balance_rate: float = 0.0
     aux_loss: float = 0.0  # the load-balancing loss's coefficient (flexmesh.runtime.model.moe); 0: none
+    # TensorBoard event files of rank 0's scalars (flexmesh.runtime.train.scalars); None: none written
+    tensorboard_dir: str | None = None
 
 
 # Activations are measured on the first step and then every this many steps on a GPU (every step on CPU).
@@ -138,6 +140,10 @@ class StepMetrics:
     expert_imbalance: float | None = None
     routing: tuple[dict, ...] = ()
     aux_loss: float | None = None  # the step's load-balancing loss term (not in ``loss``); None: none
+    # Held-out evaluation after this step (flexmesh.runtime.train.evaluate): the mean token cross-entropy
+    # of the held-out documents and its exponential; None on steps not evaluated
+    eval_loss: float | None = None
+    eval_ppl: float | None = None
 
     def to_dict(self) -> dict:
         """The metrics.jsonl row (routing goes to routing.jsonl)."""

@@ -36,6 +36,7 @@ from flexmesh.runtime.state.rundir import (
     start_over,
 )
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig
+from flexmesh.runtime.train.evaluate import Evaluation
 from flexmesh.runtime.train.trainer import Trainer
 from flexmesh.runtime.train.walltime import WallTime
 from flexmesh.runtime.train.watchdog import Heartbeat, rank_error
@@ -79,8 +80,8 @@ class ListSource:
 
 
 def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None,
-        migration: Any = None, records: Sequence[Callable[[], None]] = (),
-        wall: WallTime | None = None) -> list[StepMetrics]:
+        migration: Any = None, records: Sequence[Callable[[], None]] = (), wall: WallTime | None = None,
+        evaluation: Evaluation | None = None) -> list[StepMetrics]:
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
@@ -110,7 +111,12 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     folder changes, so a refused resume leaves the folder as it was.
 
     ``wall`` (flexmesh.runtime.train.walltime.WallTime) gets the first step (where compilation happens),
-    the later steps (their data included) and the checkpoints' times.
+    the later steps (their data included), the evaluations and the checkpoints' times.
+
+    ``evaluation`` (flexmesh.runtime.train.evaluate.Evaluation): on the steps it names, every rank runs
+    the held-out documents' forwards after the step; the row gets ``eval_loss`` and ``eval_ppl`` and
+    rank 0 says them in one line. With ``config.tensorboard_dir`` rank 0 also writes each row's
+    scalars there (flexmesh.runtime.train.scalars).
     """
     wall = wall if wall is not None else WallTime()
     out = Path(config.out_dir) if config.out_dir else None
@@ -122,6 +128,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     preemption = _Preemption()
     heartbeat = Heartbeat()  # names a rank that stops answering (flexmesh.runtime.train.watchdog)
     progress = None
+    scalars = None
     try:
         if ckpt_root is not None and config.resume:
             found = latest_checkpoint(ckpt_root)
@@ -142,6 +149,10 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             if routing_file.exists():
                 rows = [ln for step, ln in read_metrics(routing_file) if step <= trainer.step_index]
                 write_atomic(routing_file, "".join(ln + "\n" for ln in rows))
+        if rank0 and config.tensorboard_dir:
+            from flexmesh.runtime.train.scalars import Scalars
+
+            scalars = Scalars(config.tensorboard_dir, resumed_at=trainer.step_index)
         history: list[StepMetrics] = []
         progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
         late = 0  # consecutive steps that ran the fallback schedule
@@ -155,6 +166,11 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             wall.add("steps" if history else "first step", time.perf_counter() - t_step)
             if monitor is not None:
                 m = monitor.observe(m, docs, schedule)
+            if evaluation is not None and evaluation.due(m.step, config.max_steps):
+                with wall.phase("evaluation"):
+                    m = evaluation.run(trainer, m)
+                if rank0:
+                    _say(progress, f"step {m.step}: held-out loss {m.eval_loss:.4f}, perplexity {m.eval_ppl:,.2f}")
             migrated = saved = None
             if migration is not None and ckpt_root is not None and migration.due(m):
                 m, saved, migrated = _migration_point(migration, m, ckpt_root, trainer, source)
@@ -165,6 +181,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             if rank0 and routing_file is not None and m.routing:
                 with append_file(routing_file) as f:
                     f.write("".join(json.dumps({"step": m.step, **row}) + "\n" for row in m.routing))
+            if scalars is not None:
+                scalars.add(m)
             if progress is not None:
                 progress.update(m)
             if not math.isfinite(m.loss):  # the same on every rank (the loss is reduced): stop before saving it
@@ -194,6 +212,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     finally:
         heartbeat.close()
         preemption.restore()
+        if scalars is not None:
+            scalars.close()
         if progress is not None:
             progress.close()
         if hasattr(source, "close"):  # e.g. AdaptiveSource's background scheduler

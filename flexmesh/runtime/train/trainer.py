@@ -293,16 +293,18 @@ class Trainer:
                                 f"{self._lay().cp}) of its replica group")
         return own, mine[0]
 
-    def local_batches(self, docs: Sequence[np.ndarray], own: list[Group], group: Group) -> list[PackedBatch]:
+    def local_batches(self, docs: Sequence[np.ndarray], own: list[Group], group: Group,
+                      even: bool = False) -> list[PackedBatch]:
         """This rank's micro-batches for the step (``own``, ``group``: :meth:`_own` of its schedule):
-        packed, padded, cp-sliced; count-equalised unless uneven.
+        packed, padded, cp-sliced; count-equalised unless uneven (``even``: always, as a forward-only
+        pass whose every forward may gather weights needs).
 
         The first ``len(group.microbatches)`` hold data; any after them are empty padding.
         """
         lay = self._lay()
         cp = group.cp
         count = len(group.microbatches)
-        if not self.uneven:
+        if even or not self.uneven:
             count = max(len(g.microbatches) for g in own)
             count = padded_microbatch_count(self.plan.pipeline_schedule, count, lay.pp)
         packed = [self._pack(docs, mb) for mb in group.microbatches]
