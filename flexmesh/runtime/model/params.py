@@ -15,8 +15,11 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_mo
 
 def host_threads(at_most: int = 8) -> int:
     """Host threads one rank may use for bulk work (drawing initial weights, writing and hashing
-    checkpoints): its share of this node's cores among its local ranks, at most ``at_most``."""
+    checkpoints): its share of this node's cores among its local ranks, at most ``at_most``, and no more
+    than ``OMP_NUM_THREADS`` where that is set (a process pinned to one thread stays on one)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    pinned = os.environ.get("OMP_NUM_THREADS", "")
+    at_most = min(at_most, int(pinned)) if pinned.isdigit() and int(pinned) > 0 else at_most
     return max(1, min(at_most, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 
 
