@@ -416,7 +416,9 @@ def _straggler_monitor(args: argparse.Namespace, trainer, schedule_fn, source, r
 def oversubscribed(trainer, say: bool) -> bool:
     """Whether this node runs more CPU ranks than it has cores (then a waiting rank lends its core to a
     busy one, and measured speeds say nothing of stragglers); ``say``: tell the console once."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from flexmesh.runtime.model.params import node_cores
+
+    cores = node_cores()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     over = trainer.device.type == "cpu" and ranks > cores
     if over and say:

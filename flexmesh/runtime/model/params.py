@@ -13,11 +13,16 @@ from flexmesh.errors import CheckpointError
 # Wrappers that insert a name component without changing what the parameter is.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
+def node_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def host_threads(at_most: int = 8) -> int:
     """Host threads one rank may use for bulk work (drawing initial weights, writing and hashing
     checkpoints): its share of this node's cores among its local ranks, at most ``at_most``, and no more
     than ``OMP_NUM_THREADS`` where that is set (a process pinned to one thread stays on one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = node_cores()
     pinned = os.environ.get("OMP_NUM_THREADS", "")
     at_most = min(at_most, int(pinned)) if pinned.isdigit() and int(pinned) > 0 else at_most
     return max(1, min(at_most, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
