@@ -178,13 +178,14 @@ def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240, fr
                 break
             time.sleep(0.05)
     finally:
-        for rank, pid in enumerate(pids):  # ranks left after another failed, or after the timeout
-            if rank not in codes:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-                codes[rank] = _exit_code(pid)
+        left = [(rank, pid) for rank, pid in enumerate(pids) if rank not in codes]
+        _dump_stacks([pid for _, pid in left])  # ranks left after another failed, or after the timeout
+        for rank, pid in left:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+            codes[rank] = _exit_code(pid)
     out, err = ("".join((logs / f"{r}.{kind}").read_text(errors="replace") for r in range(nproc))
                 for kind in ("out", "err"))
     import shutil
@@ -194,6 +195,21 @@ def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240, fr
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
     return subprocess.CompletedProcess(cmd, failed, out, err)
+
+
+def _dump_stacks(pids: list[int]) -> None:
+    """Ask ranks that are still running to print every thread's stack (faulthandler, on SIGUSR1) and
+    give them a moment: a rank that hangs says where, in the output of the test that failed."""
+    import signal
+    import time
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if pids:
+        time.sleep(1.0)
 
 
 def _exit_code(pid: int) -> int:
@@ -234,6 +250,10 @@ def _rank_main(rank: int, world: int, port: int, script: str, args: list[str], e
                           WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
                           TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none")
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs: see _dump_stacks
         import torch
 
         torch.set_num_threads(1)
@@ -441,6 +461,11 @@ def spawn(fn: Any, args: tuple, nprocs: int) -> None:
 
 
 def _exit_after(rank: int, fn: Any, *args: Any) -> None:
+    import faulthandler
+    import signal
+
+    # torch.multiprocessing stops the other processes by SIGTERM when one fails: each prints where it was
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     fn(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()
