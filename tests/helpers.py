@@ -1,5 +1,5 @@
 """What several test files share: the tiny model, its training settings and hand-built steps, the
-launcher of worker scripts (ranks forked from the test process), the inputs of a `flexmesh train` run
+launcher of worker scripts (ranks forked by a fork server), the inputs of a `flexmesh train` run
 and three ways to run the command: a child process, forked ranks, or this process.
 
 A plain module (no ``test_`` prefix, so pytest collects no tests from it); test files import it as
@@ -129,72 +129,75 @@ def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240, fr
     CompletedProcess would (returncode: the first failing rank's, else 0; stdout and stderr: every
     rank's, in rank order).
 
-    The ranks are forked from this process, where torch and flexmesh are imported already: a rank
+    The ranks are forked by :func:`rank_server`, where torch and flexmesh are imported already: a rank
     starts in milliseconds, where a fresh one imported torch for seconds (with torchrun's own start,
     most of a short multi-process test's time). Each gets torchrun's variables (RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR and MASTER_PORT at a free port, ...), ``env`` added to this process's
     variables, one intra-op thread, its output in files of its own, runs ``script`` as ``__main__``
     and leaves by ``os._exit``. A rank that fails takes the others down, as torchrun does; past
-    ``timeout`` every rank is killed and subprocess.TimeoutExpired raised. ``fresh`` (or a process
-    group or CUDA already started here, which a fork cannot share) runs torchrun instead: for workers
-    that must not inherit this process's state (compiled graphs and the compiler's worker processes)."""
-    import torch
-
+    ``timeout`` every rank is killed and subprocess.TimeoutExpired raised. ``fresh`` runs torchrun
+    instead: for workers that compile or use CUDA."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    if fresh or _started_here(torch):
+    if fresh:
         from flexmesh.runtime.launch import run_torchrun
 
         return run_torchrun(nproc, [script, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    import shutil
     import tempfile
     import time
+    from multiprocessing.connection import wait
 
-    # What the workers import, once here rather than in every rank (seconds each).
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.distributed.pipelining  # noqa: F401
-
-    import flexmesh.runtime.train.loop  # noqa: F401
-    import flexmesh.runtime.train.trainer  # noqa: F401
     from flexmesh.runtime.launch import free_port
 
     logs = Path(tempfile.mkdtemp(prefix="flexmesh-ranks-"))
     port = free_port()
-    pids = []
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:  # the rank: never returns
-            _rank_main(rank, nproc, port, script, args, env, logs)
-        pids.append(pid)
-    codes: dict[int, int] = {}
+    procs = [rank_server().Process(target=_rank_main, args=(rank, nproc, port, script, args, env, logs))
+             for rank in range(nproc)]
+    for p in procs:
+        p.start()
     end, failed, timed_out = time.monotonic() + timeout, 0, False
     try:
-        while len(codes) < nproc and not failed:
-            for rank, pid in enumerate(pids):
-                done, status = (0, 0) if rank in codes else os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[rank] = os.waitstatus_to_exitcode(status)
-                    failed = failed or codes[rank]
-            timed_out = len(codes) < nproc and time.monotonic() > end
+        while not failed:
+            running = [p for p in procs if p.exitcode is None]
+            failed = next((p.exitcode for p in procs if p.exitcode), 0)
+            if not running or failed:
+                break
+            timed_out = time.monotonic() > end
             if timed_out:
                 break
-            time.sleep(0.05)
+            wait([p.sentinel for p in running], timeout=0.5)
     finally:
-        left = [(rank, pid) for rank, pid in enumerate(pids) if rank not in codes]
-        _dump_stacks([pid for _, pid in left])  # ranks left after another failed, or after the timeout
-        for rank, pid in left:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-            codes[rank] = _exit_code(pid)
-    out, err = ("".join((logs / f"{r}.{kind}").read_text(errors="replace") for r in range(nproc))
+        left = [p for p in procs if p.exitcode is None]
+        _dump_stacks([p.pid for p in left if p.pid])  # ranks left after another failed, or after the timeout
+        for p in left:
+            p.kill()
+            p.join()
+    out, err = ("".join((logs / f"{r}.{kind}").read_text(errors="replace") for r in range(nproc)
+                        if (logs / f"{r}.{kind}").exists())
                 for kind in ("out", "err"))
-    import shutil
-
     shutil.rmtree(logs, ignore_errors=True)
     cmd = ["launch", str(nproc), script, *args]
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
     return subprocess.CompletedProcess(cmd, failed, out, err)
+
+
+# What the ranks import, once in the fork server rather than in every rank (seconds each).
+_RANK_IMPORTS = ["torch", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining",
+                 "flexmesh.runtime.train.loop", "flexmesh.runtime.train.trainer", "helpers"]
+
+
+def rank_server() -> Any:
+    """multiprocessing's fork-server context that :func:`launch` and :func:`spawn` start ranks from.
+
+    The server is a fresh interpreter that imported torch and the trainer once and never does more: a
+    rank forked from it starts in milliseconds and inherits nothing of this test process (its threads,
+    whatever earlier tests here left behind: a lock held at the moment of a fork hangs the child)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_RANK_IMPORTS)
+    return ctx
 
 
 def _dump_stacks(pids: list[int]) -> None:
@@ -212,48 +215,35 @@ def _dump_stacks(pids: list[int]) -> None:
         time.sleep(1.0)
 
 
-def _exit_code(pid: int) -> int:
-    """The exit code of the child ``pid``, waiting for it (its death signal, negated, if killed)."""
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+def _to_files(logs: Path, rank: int) -> None:
+    """This process's stdout and stderr into ``logs``/RANK.out and .err."""
+    import faulthandler
+    import io
+    import signal
 
-
-def _started_here(torch: Any) -> bool:
-    """Whether this process holds what a forked rank cannot share: a process group or CUDA."""
-    import torch.distributed as dist
-
-    return (dist.is_available() and dist.is_initialized()) or torch.cuda.is_initialized()
+    for fd, name in ((1, f"{rank}.out"), (2, f"{rank}.err")):
+        f = os.open(logs / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs: see _dump_stacks
 
 
 def _rank_main(rank: int, world: int, port: int, script: str, args: list[str], env: dict, logs: Path) -> None:
-    """A forked rank of :func:`launch`: torchrun's variables, output to ``logs``, ``script`` (a file, or
+    """A rank of :func:`launch`: torchrun's variables, output to ``logs``, ``script`` (a file, or
     ``-m MODULE``) as ``__main__``."""
-    import importlib
-    import io
     import runpy
     import traceback
-    import warnings
 
     code = 1
     try:
-        for fd, name in ((1, f"{rank}.out"), (2, f"{rank}.err")):
-            f = os.open(logs / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd)
-            os.close(f)
-        sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)
-        sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
-        # pytest records this process's warnings (warnings.catch_warnings): the rank prints them on stderr,
-        # as a fresh process would (the warnings module re-read: its own way to show them, the filters
-        # the interpreter started with)
-        importlib.reload(warnings)
+        _to_files(logs, rank)
         os.environ.clear()
         os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
                           TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none")
-        import faulthandler
-        import signal
-
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs: see _dump_stacks
         import torch
 
         torch.set_num_threads(1)
@@ -448,29 +438,39 @@ def assert_golden(section: str, name: str, losses: list[float], field: str = "lo
 
 
 def spawn(fn: Any, args: tuple, nprocs: int) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` processes (torch.multiprocessing), each leaving by ``os._exit(0)``
-    once ``fn`` returns: at interpreter exit gloo's threads can abort a process whose run passed
-    ("terminate called without an active exception"), which would be reported as a failure. The
-    processes are forked (torch is imported here already), spawned where a process group or CUDA was
-    started here (:func:`launch`)."""
-    import torch
+    """``fn(rank, *args)`` in ``nprocs`` processes (torch.multiprocessing, forked by :func:`rank_server`),
+    each leaving by ``os._exit(0)`` once ``fn`` returns: at interpreter exit gloo's threads can abort a
+    process whose run passed ("terminate called without an active exception"), which would be reported
+    as a failure. ``fn`` is a module-level function of a test file. What the processes print is printed
+    here afterwards; when one fails, the others print where they were before they are stopped."""
+    import shutil
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    method = "spawn" if _started_here(torch) else "fork"
-    mp.start_processes(_exit_after, args=(fn, *args), nprocs=nprocs, join=True, start_method=method)
+    rank_server()
+    logs = Path(tempfile.mkdtemp(prefix="flexmesh-spawn-"))
+    try:
+        mp.start_processes(_exit_after, args=(logs, fn, *args), nprocs=nprocs, join=True, start_method="forkserver")
+    finally:
+        for r in range(nprocs):
+            for kind, stream in (("out", sys.stdout), ("err", sys.stderr)):
+                if (logs / f"{r}.{kind}").exists():
+                    stream.write((logs / f"{r}.{kind}").read_text(errors="replace"))
+        shutil.rmtree(logs, ignore_errors=True)
 
 
-def _exit_after(rank: int, fn: Any, *args: Any) -> None:
+def _exit_after(rank: int, logs: Path, fn: Any, *args: Any) -> None:
     import faulthandler
     import signal
 
+    _to_files(logs, rank)
     # torch.multiprocessing stops the other processes by SIGTERM when one fails: each prints where it was
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     fn(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
 
 
 def randomise_hf(model: Any, seed: int) -> None:

@@ -333,7 +333,7 @@ def test_unaligned_group_is_refused(run):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_command_schedules_in_the_background(tmp_path):
-    """`flexmesh train --policy milp --adaptive` on 2 ranks (forked here): rows name the policy that ran and
+    """`flexmesh train --policy milp --adaptive` on 2 ranks (from the fork server): rows name the policy that ran and
     the one asked for."""
     _, corpus, plan = write_inputs(tmp_path, world=2)
     out = tmp_path / "run"

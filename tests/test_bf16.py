@@ -273,7 +273,7 @@ def test_resume_in_another_dtype_is_allowed_and_recorded(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_command_runs_bf16(tmp_path):
-    """`flexmesh train --dtype bf16` on 2 ranks (ZeRO-3 and ZeRO-2 layers; the ranks forked here, as torchrun
+    """`flexmesh train --dtype bf16` on 2 ranks (ZeRO-3 and ZeRO-2 layers; the ranks from the fork server, as torchrun
     starts them): the metrics say bf16, and its first loss is within LOSS_RTOL of, but not equal to, the same
     run's in fp32."""
     from helpers import flexmesh_ranks, write_inputs

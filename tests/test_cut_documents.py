@@ -323,7 +323,7 @@ def test_train_policy_chunked_runs_and_starts_at_the_fixed_policys_loss(tmp_path
         out = tmp_path / policy
         proc = flexmesh_ranks(2, "train", "--plan", str(plan_path), "--corpus", str(corpus), "--out", str(out),
                               "--cache-dir", str(cache), "--no-progress", "--max-steps", str(steps), "--policy", policy,
-                              timeout=400)  # the command's ranks, forked here
+                              timeout=400)  # the command's ranks, from the fork server
         assert proc.returncode == 0, proc.stderr[-4000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["policy"] for r in rows] == [policy] * steps

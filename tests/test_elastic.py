@@ -34,7 +34,7 @@ def inputs(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def straight(inputs) -> list[float]:
     """Per-step losses of an uninterrupted single-node run of 2 ranks (it also fills the token cache), the
-    ranks forked here: the launcher's restarts and nodes are what the tests below run."""
+    ranks from the fork server: the launcher's restarts and nodes are what the tests below run."""
     out = inputs["tmp"] / "straight"
     done = flexmesh_ranks(2, *inputs["common"], "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

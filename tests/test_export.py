@@ -53,7 +53,7 @@ def _corpus(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """name -> (run folder, plan file) of a two-step `flexmesh train` run per layout (its ranks forked here)."""
+    """name -> (run folder, plan file) of a two-step `flexmesh train` run per layout (ranks from the fork server)."""
     from helpers import flexmesh_ranks
 
     from flexmesh.layout.plan import Plan, StagePlan

@@ -4,7 +4,7 @@ run per output folder, starting over without losing history, a metrics file cut 
 Every run a test signals or stops is the real command (launcher, torchrun, two ranks of a 2-layer model
 on CPU); the processes of such a run carry a marker in their environment, so the tests can find its
 ranks and check that none outlives the launcher. Runs only read afterwards (a resume to the end, the
-run never stopped) train in the command's ranks forked here (helpers.flexmesh_ranks).
+run never stopped) train in the command's ranks from the fork server (helpers.flexmesh_ranks).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": %d, "loss": 1.2' % (steps[-1] + 1))
     done = steps[-1] + 2
-    # resumed in the command's ranks forked here (the launcher's resume is the Ctrl-C test's)
+    # resumed in the command's ranks from the fork server (the launcher's resume is the Ctrl-C test's)
     resumed = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(done), timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "partial line" in " ".join(resumed.stderr.split())
@@ -165,7 +165,7 @@ def test_ctrl_c_at_random_moments_stops_every_rank_cleanly_and_the_resumed_losse
     take to leave is the machine's load), no process is left behind, at most 3 lines were printed, no
     checkpoint was started after the signal and none is left half-written; the losses of the run resumed
     after each stop are those of a run never stopped (the last stretch and that run train in the command's
-    ranks forked here: every attempt after the first already resumes through the launcher)."""
+    ranks from the fork server: every attempt after the first already resumes through the launcher)."""
     # Straggler events would add console lines on a loaded machine; they have their own tests.
     # 40 steps: four attempts of at most ~8 steps each (a first step, <= 1 s of 0.2-0.3 s steps, the stop) leave it
     # unfinished when the last signal comes

@@ -311,7 +311,7 @@ def test_bad_plan_of_replica_groups_is_one_line_error(tmp_path, bad, nproc):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_train_a_plan_of_replica_groups_resumes_exactly(tmp_path):
-    """`flexmesh train` on 3 ranks (forked here, as torchrun would start them) on a plan of replica groups:
+    """`flexmesh train` on 3 ranks (from the fork server, as torchrun would start them) on a plan of replica groups:
     metrics.jsonl, a checkpoint, and a resume whose third step has the loss of an uninterrupted three-step
     run (1e-5)."""
     plan = _cli_plan(tmp_path)
@@ -343,7 +343,7 @@ def test_train_a_plan_of_replica_groups_resumes_exactly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_train_dispatches_each_step_over_replica_groups_and_replans_for_a_straggler(tmp_path):
-    """`flexmesh train --policy balanced` on 2 ranks (forked here) on two one-device groups, rank 1 emulated
+    """`flexmesh train --policy balanced` on 2 ranks (from the fork server) on two one-device groups, rank 1 emulated
     at a quarter of its speed: every step is dispatched and priced; the monitor finds the straggler, re-plans,
     and the steps after it are made for rank 1's measured speed (the dispatch itself is checked against the
     single-process reference by test_plans_of_replica_groups_match_single_process)."""

@@ -5,7 +5,7 @@ folder's lock cannot be bypassed by an environment variable nor outlived by orph
 
 The run the multi-process test kills is the real command (launcher, torchrun, two ranks of a 2-layer
 model on CPU) as in tests/test_failures.py, with its marker to find every process of a run; the runs
-it starts beside and after that one are the command's ranks forked here, or the launcher in this process.
+it starts beside and after that one are the command's ranks from the fork server, or the launcher in this process.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ def test_a_launcher_killed_outright_takes_every_rank_along_and_the_lock_cannot_b
     assert took < 30
     assert unlocked(out)
     assert steps_before >= 2
-    # The next run into the folder takes it and resumes from the last checkpoint (its ranks forked here:
+    # The next run into the folder takes it and resumes from the last checkpoint (its ranks from the fork server:
     # the lock is the folder's, whichever process of the next run takes it).
     done = run.steps()[-1] + 2 if run.steps() else 3
     again = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(done), timeout=300)

@@ -62,7 +62,7 @@ def _train(inputs: dict, out: Path, plan: Path, *extra: str, env: dict | None = 
 
 
 def _ranks(inputs: dict, out: Path, plan: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """:func:`_train`'s run, its two ranks forked here as torchrun would start them (no launcher)."""
+    """:func:`_train`'s run, its two ranks from the fork server as torchrun would start them (no launcher)."""
     return flexmesh_ranks(2, "train", "--plan", str(plan), "--corpus", str(inputs["corpus"]), "--cache-dir",
                           str(inputs["tmp"] / "cache"), "--no-progress", "--lr", "1e-3", "--max-steps", str(STEPS),
                           "--out", str(out), env=env, timeout=400)
@@ -166,7 +166,7 @@ def test_the_migrated_run_equals_a_fresh_run_on_the_new_plan_from_its_checkpoint
     shutil.copytree(out / "checkpoints" / name, fresh / "checkpoints" / name)
     (fresh / "checkpoints" / "latest").write_text(name + "\n")
     new_plan = out / event["plan"]
-    # resumed by hand: the ranks of the command, forked here (the launcher's relaunch is the test above's)
+    # resumed by hand: the ranks of the command, from the fork server (the launcher's relaunch is the test above's)
     refused = _ranks(inputs, fresh, new_plan)  # an ordinary resume: the checkpoint's plan differs
     assert refused.returncode != 0 and "was written under plan" in " ".join(refused.stderr.split())
     done = _ranks(inputs, fresh, new_plan, env={"FLEXMESH_RESHARD_FROM": name})

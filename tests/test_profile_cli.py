@@ -130,7 +130,7 @@ def test_hardware_profile_quick_under_torchrun(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_model_profile_under_torchrun_times_real_groups(tmp_path):
-    """The command's two ranks forked here, as torchrun starts them (its --nproc launcher: the test above)."""
+    """The command's two ranks from the fork server, as torchrun starts them (its --nproc launcher: the test above)."""
     from helpers import flexmesh_ranks
 
     cfg = small_config(tmp_path)

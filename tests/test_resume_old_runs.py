@@ -4,7 +4,7 @@ tests/golden/old_runs/ holds runs of `flexmesh train --nproc 2` made by flexmesh
 (tests/golden/make_old_runs.py): a version-2 plan (ZeRO-2 over both ranks) and a version-3 plan (two
 replicas of one rank), each stopped after a checkpoint at step 2, and the losses of 3 steps straight.
 Today's code resumes each from its checkpoint under the same plan file and must train step 3 as the
-straight run did (the two ranks forked here, as torchrun would start them).
+straight run did (the two ranks from the fork server, as torchrun would start them).
 """
 
 from __future__ import annotations
