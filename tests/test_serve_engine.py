@@ -250,3 +250,51 @@ def test_an_engine_whose_kv_cache_cannot_be_built_fails_to_start_in_one_line():
     with pytest.raises(ServeError, match="generation loop failed to start .MemoryError") as e:
         Engine(EngineConfig(num_blocks=10**11))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_engine_killed_mid_replay_loses_no_request(tmp_path):
+    """One of two engine processes SIGKILLed while it runs requests and the router holds more for it: every request
+    is answered, with the tokens one engine alone gives (greedy), the requests it held re-sent to the other."""
+    pytest.importorskip("aiohttp")
+    import aiohttp
+
+    from flexmesh.serve.engine.fleet import running_fleet
+
+    lengths = [(20 + 7 * i, 40) for i in range(8)]
+    prompts = [prompt_ids(i, n, 4096) for i, (n, _) in enumerate(lengths)]
+    outputs = [o for _, o in lengths]
+
+    async def main():
+        async with running_fleet(CFG, 2, tmp_path / "logs", records=tmp_path / "requests.jsonl", max_running=2,
+                                 health_interval_s=0.5, health_timeout_s=10.0) as (url, engines):
+            router = url.router
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=200)) as s:
+                async def one(i):
+                    async with s.post(f"{url}/v1/completions", headers={"X-Request-Id": str(i)},
+                                      json={"prompt": prompts[i], "max_tokens": outputs[i], "temperature": 0}) as r:
+                        assert r.status == 200, await r.text()
+                        return await r.json()
+
+                sends = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+                while not (router.replicas[1].running and len(router.replicas[1].queue)):
+                    await asyncio.sleep(0.005)
+                engines[1].proc.send_signal(signal.SIGKILL)  # running 2, holding 2 more for it
+                killed = router.clock()
+                answers = await asyncio.gather(*sends)
+                async with s.get(f"{url}/health") as r:
+                    health = (r.status, await r.json())
+            return answers, health, list(router.events), killed
+
+    answers, (status, health), events, killed = asyncio.run(main())
+    assert [a["choices"][0]["token_ids"] for a in answers] == reference(CFG, prompts, outputs)
+    assert status == 503 and health["down"] == [1] and health["failed"] == 0
+    lost = next(e for e in events if e["event"] == "engine-lost")
+    assert lost["engine"] == 1 and lost["sent"] == 2 and lost["queued"] == 2 and lost["t"] >= killed
+    assert any(e["event"] == "rerouted" and e["engines"] == [0] for e in events)
+    resent = {e["id"] for e in events if e["event"] == "resent"}
+    recovered = {e["id"]: e for e in events if e["event"] == "recovered"}
+    assert len(resent) == 4 and set(recovered) == resent
+    assert all(answers[i]["replica"] == 0 for i in resent)
+    assert all(killed <= e["accepted_s"] <= e["t"] and e["engine"] == 0 for e in recovered.values())

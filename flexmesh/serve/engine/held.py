@@ -29,6 +29,7 @@ class Held:
     engine_rid: str = ""
     task: asyncio.Task | None = None
     cancelled: bool = False
+    resent: bool = False  # moved off an engine that was lost
 
 
 @dataclass(eq=False)

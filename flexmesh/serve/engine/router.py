@@ -27,7 +27,10 @@ declares lost (no answer within ``health_timeout_s`` ``health_failures`` times i
 which the engine's own ``/health`` reports) is re-sent to another engine, first in its queue; the lost engine's
 queued requests move too, and the routing policy is rebuilt over the engines left (a plan's table keeps its
 weights over those, a bucket left with none goes by least work). Nothing is lost while one engine is up. Every
-such step is an event (``GET /events``, ``on_event``).
+such step is an event (``GET /events``, ``on_event``): ``engine-lost`` (which, why, how many it was running and
+held queued), ``rerouted`` (the engines left, the routing rebuilt over them), ``resent`` per request moved, and
+``recovered`` once a re-sent request is answered, with ``accepted_s``: when the live engine took it (the engine's
+own time, on the router's clock), so a failure's recovery time is the last ``accepted_s`` less the kill's time.
 
 **Test-time scaling** (:mod:`flexmesh.serve.branches`): a request with ``n`` branches sends them all to one engine
 (``max_tokens`` each its ``branch_tokens``); once ``needed`` have finished, the others are cancelled
@@ -280,6 +283,10 @@ class Router:
             return
         answer = json.loads(text)
         answer["replica"] = rep.index
+        if h.resent:  # a re-sent request answered: when the live engine took it (its own clock, perf_counter)
+            accepted = answer.get("metrics", {}).get("queued_s")
+            self.event("recovered", id=h.r.id, branch=h.branch, engine=rep.index, attempt=h.attempts,
+                       accepted_s=None if accepted is None else round(accepted - self.origin_s, 6))
         if h.group is not None:
             self._branch_answered(h, answer)
             return
@@ -410,6 +417,7 @@ class Router:
             return
         if g is not None:
             g.replica = dst
+        h.resent = True
         self.event("resent", id=h.r.id, branch=h.branch, src=rep.index, dst=dst.index, attempt=h.attempts + 1)
         self._admit(dst, h, front=True)
 
