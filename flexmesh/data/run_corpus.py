@@ -56,8 +56,8 @@ def record_corpus(out: str | Path, corpora: Sequence[tuple[str, Corpus]], replac
         if same and eot == end_of_text:
             return None, None
         if same and not replace:
-            raise DataError(f"{path} records documents {_fed(eot)} but this run feeds them {_fed(end_of_text)}, and the "
-                            "run's checkpoints and data position were made on the recorded tokens; resume "
+            raise DataError(f"{path} records documents {_fed(eot)} but this run feeds them {_fed(end_of_text)}, and "
+                            "the run's checkpoints and data position were made on the recorded tokens; resume "
                             f"{_as_before(eot)}, or add --new-corpus to go on with this run's")
         if not replace:
             was = ", ".join(_names(path)) or "unreadable"
