@@ -206,8 +206,11 @@ def test_no_fit_names_the_smallest_change():
 def test_world_size_that_cannot_factor_is_reported():
     # 3 devices, 2 layers: pp 1 leaves dp 3 (tp must divide the 8 heads), which splits no batch of 8
     two = replace(MODEL_PRESETS["tiny"], num_layers=2)
-    with pytest.raises(PlanError, match="cannot be factored"):
+    with pytest.raises(PlanError, match="global batch 8 divides over no data-parallel degree that 3 devices leave.*"
+                                         "try --global-batch 9$"):
         best_plans(SearchRequest(two, parse_cluster("3xA100-80GB"), 1024, 8))
+    with pytest.raises(PlanError, match="3 devices leave no layout for tiny whatever the batch"):  # tp 2: 3 % 2
+        best_plans(SearchRequest(two, parse_cluster("3xA100-80GB"), 1024, 8, SearchSpace(tp=(2,))))
     # with 4 layers, 3 pipeline stages of one device each do
     r = best_plans(SearchRequest(MODEL_PRESETS["tiny"], parse_cluster("3xA100-80GB"), 1024, 8))
     assert r.best.plan.pp == 3 and r.best.evaluation.fits
