@@ -144,13 +144,53 @@ def test_load_corpus_tokens_trains_or_loads(small, tmp_path) -> None:
 
 
 def test_stdlib_lengths_wiring(small, monkeypatch) -> None:
-    """stdlib_lengths on a stand-in stdlib: one length per document, equal to its token count."""
+    """stdlib_lengths on a stand-in stdlib: one length per document, its token count and the end-of-text
+    token training puts after it."""
     corpus, _, cache = small
     monkeypatch.setattr(loadermod, "stdlib_corpus", lambda: corpus)
     lengths = stdlib_lengths(vocab_size=384, cache_dir=cache)
     tok = train_bpe(corpus, vocab_size=384, cache_dir=cache)
     assert lengths.dtype == np.int64
-    assert lengths.tolist() == [len(tok.encode(t, add_special_tokens=False).ids) for t in corpus.texts()]
+    assert lengths.tolist() == [len(tok.encode(t, add_special_tokens=False).ids) + 1 for t in corpus.texts()]
+
+
+def test_every_document_ends_with_the_tokenizers_end_of_text(small, tmp_path) -> None:
+    """As torchtitan and Megatron-LM feed documents: each one's ids, then the eos. The flexmesh BPE's is
+    <|endoftext|>; a tokenizer file's is the eos its tokenizer_config.json declares; without one, none."""
+    corpus, tok, cache = small
+    eos = tok.token_to_id("<|endoftext|>")
+    store, _ = load_corpus_tokens(corpus.root, vocab_size=384, cache_dir=cache)
+    texts = corpus.texts()
+    assert store.end_of_text == eos and len(store) == len(texts)
+    for i, text in enumerate(texts):
+        assert store[i].tolist() == [*tok.encode(text, add_special_tokens=False).ids, eos]
+    bare = tokenize_corpus(corpus, tok, cache_dir=cache)  # no end-of-text: documents as they are
+    assert bare.end_of_text is None and np.array_equal(bare.lengths + 1, store.lengths)
+    assert load_corpus_tokens(corpus.root, vocab_size=384, cache_dir=cache, end_of_text=False)[0].end_of_text is None
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "Ġ("}))  # a declared eos wins
+    declared, _ = load_corpus_tokens(corpus.root, tokenizer=folder, cache_dir=cache)
+    assert declared.end_of_text == tok.token_to_id("Ġ(") != eos
+    assert [int(declared[i][-1]) for i in range(len(declared))] == [declared.end_of_text] * len(declared)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))  # declared as none
+    assert load_corpus_tokens(corpus.root, tokenizer=folder, cache_dir=cache)[0].end_of_text is None
+
+
+def test_a_store_cached_without_end_of_text_is_not_read_as_one_with_it(small, tmp_path, monkeypatch) -> None:
+    """The cache key names the end-of-text id: a store made before (or without) it is never reused silently."""
+    corpus, tok, _ = small
+    bare = tokenize_corpus(corpus, tok, cache_dir=tmp_path)
+    encoded = []
+    real = loadermod._encode_to
+    monkeypatch.setattr(loadermod, "_encode_to", lambda *a: (encoded.append(a[-1]), real(*a)))
+    with_eos = tokenize_corpus(corpus, tok, cache_dir=tmp_path, end_of_text=0)
+    assert encoded == [0] and len(with_eos.tokens) == len(bare.tokens) + len(bare)
+    assert len(list((tmp_path / "tokens").glob("*/offsets.npy"))) == 2
+    with pytest.raises(DataError, match="end-of-text id 384 is outside the tokenizer's 384 tokens"):
+        tokenize_corpus(corpus, tok, cache_dir=tmp_path, end_of_text=384)
 
 
 # --- loader -------------------------------------------------------------------------------------

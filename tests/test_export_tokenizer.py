@@ -60,9 +60,10 @@ def test_export_loads_in_transformers_encodes_as_training_did_and_generates(run,
     ids = tok(TEXT)["input_ids"]
     assert ids == bpe.encode(TEXT, add_special_tokens=False).ids  # the ids training fed the model
     assert tok.decode(ids) == TEXT
-    # documents are delimited by the packed batch, never by a token: no BOS; <|endoftext|> ends and pads
+    # no BOS; <|endoftext|> ends every document training fed (as the run records) and pads
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == (None, "<|endoftext|>", "<|endoftext|>")
     eos = bpe.token_to_id("<|endoftext|>")
+    assert json.loads((run["run"] / "corpus.json").read_text())["end_of_text"] == eos
     config = json.loads((out / "config.json").read_text())
     generation = json.loads((out / "generation_config.json").read_text())
     for d in (config, generation):  # not transformers' Llama defaults (bos 1, eos 2: byte tokens here)

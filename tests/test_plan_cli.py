@@ -106,19 +106,39 @@ def test_config_json_missing_a_field(capsys, tmp_path):
     assert "num_hidden_layers" in capsys.readouterr().err
 
 
-def test_world_size_that_cannot_factor(capsys):
-    # 2 layers on 3 devices: no 3-stage pipeline, and dp 3 (tp must divide the 8 heads) splits no batch of 8
+def test_a_batch_no_layout_divides_names_the_nearest_that_does(capsys):
+    """2 layers on 3 devices: no 3-stage pipeline, tp must divide the 8 heads, so dp is 3, which splits no batch
+    of 8: the batch binds (memory is no question for this model), and 9 is the nearest count that splits."""
     assert main(["plan", "--model", "gpt:2:256:8", "--cluster", "3xA100-80GB", "--seq-len", "128",
                  "--global-batch", "8"]) == 2
-    assert "cannot be factored" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("error: global batch 8 divides over no data-parallel degree that 3 devices leave")
+    assert err.endswith("try --global-batch 9") and "memory" not in err
+    assert main(["plan", "--model", "gpt:2:256:8", "--cluster", "3xA100-80GB", "--seq-len", "128",
+                 "--global-batch", "9", "--top", "1"]) == 0  # what the error says fits
 
 
 def test_no_plan_fits_says_what_would(capsys):
     args = ["plan", "--model", "llama2-7b", "--cluster", "8xA100-40GB", "--seq-len", "65536", "--global-batch", "8",
             "--no-recompute"]
     assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "no plan" in err and "recomputation" in err
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("error: no plan of llama2-7b fits on 8xA100-40GB at seq len 65536, global batch 8: memory "
+                          "rules out")
+    assert "smallest change that fits: enable recomputation" in err
+
+
+def test_where_memory_binds_the_error_leads_with_it(capsys):
+    """A 70B model on two 40 GB devices: every layout is over memory, the batch rules none out; no batch is
+    suggested and the least peak is named against the usable memory."""
+    assert main(["plan", "--model", "llama2-70b", "--cluster", "2xA100-40GB", "--seq-len", "4096",
+                 "--global-batch", "8"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("error: no plan of llama2-70b fits on 2xA100-40GB at seq len 4096, global batch 8: memory "
+                          "rules out")
+    assert "GiB usable per A100-40GB (40 GiB)" in err and "the batch" not in err and "--global-batch" not in err
+    assert "use a larger device or a smaller model" in err
 
 
 def test_built_in_defaults_plan_llama3_8b_on_8_h100(capsys):

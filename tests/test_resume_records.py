@@ -42,6 +42,32 @@ def test_the_corpus_is_recorded_by_its_content(first_run):
     record = json.loads((first_run / "run" / "corpus.json").read_text())
     assert [c["name"] for c in record["corpora"]] == [str(first_run / "corpus")]
     assert record["corpora"][0]["files"] == 24 and len(record["corpora"][0]["fingerprint"]) == 16
+    tokenizer = json.loads((first_run / "run" / "tokenizer" / "tokenizer.json").read_text())
+    eos = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<|endoftext|>")
+    assert record["end_of_text"] == eos  # each document was fed with the BPE's end-of-text after it
+
+
+def test_a_run_from_before_end_of_text_resumes_as_it_was_fed(first_run, tmp_path):
+    """A run recorded before documents ended with end-of-text: resuming with it is refused in one line naming
+    --no-end-of-text (which resumes as the run was fed) and --new-corpus (which goes on with it)."""
+    run, corpus, plan = _copy(first_run, tmp_path)
+    record = json.loads((run / "corpus.json").read_text())
+    del record["end_of_text"]
+    (run / "corpus.json").write_text(json.dumps(record))
+    before = _snapshot(run)
+    done = flexmesh_here(*_args(first_run, plan, corpus, run, steps=2))
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "records documents without an end-of-text token but this run feeds them each followed by" in said
+    assert "resume with --no-end-of-text" in said and "--new-corpus" in said
+    assert _snapshot(run) == before
+    done = flexmesh_here(*_args(first_run, plan, corpus, run, steps=2), "--no-end-of-text")
+    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr
+    assert "end_of_text" not in json.loads((run / "corpus.json").read_text())  # the record holds as it was
+    done = flexmesh_here(*_args(first_run, plan, corpus, run, steps=3), "--new-corpus")
+    assert done.returncode == 0, done.stderr
+    assert "recorded documents without an end-of-text token, now each followed by" in " ".join(done.stderr.split())
+    assert json.loads((run / "corpus.json").read_text())["end_of_text"] is not None
 
 
 def test_a_resume_under_another_corpus_is_refused_and_changes_nothing(first_run, tmp_path):

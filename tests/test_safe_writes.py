@@ -279,7 +279,7 @@ def test_the_token_cache_scratch_folder_is_never_written_through(tmp_path):
     corpus = read_corpus(tmp_path / "corpus")
     cache = tmp_path / "cache"
     tok = train_bpe(corpus, vocab_size=300, cache_dir=cache)
-    key = cache_key(corpus.fingerprint(), tokenizer_hash(tok))
+    key = cache_key(corpus.fingerprint(), tokenizer_hash(tok), "end-of-text None")  # the store without one
     (cache / "tokens").mkdir(parents=True, exist_ok=True)
     elsewhere = _elsewhere(tmp_path)
     (cache / "tokens" / f"{key}.tmp{os.getpid()}").symlink_to(elsewhere)

@@ -206,8 +206,11 @@ def test_no_fit_names_the_smallest_change():
 def test_world_size_that_cannot_factor_is_reported():
     # 3 devices, 2 layers: pp 1 leaves dp 3 (tp must divide the 8 heads), which splits no batch of 8
     two = replace(MODEL_PRESETS["tiny"], num_layers=2)
-    with pytest.raises(PlanError, match="cannot be factored"):
+    with pytest.raises(PlanError, match="global batch 8 divides over no data-parallel degree that 3 devices leave.*"
+                                         "try --global-batch 9$"):
         best_plans(SearchRequest(two, parse_cluster("3xA100-80GB"), 1024, 8))
+    with pytest.raises(PlanError, match="3 devices leave no layout for tiny whatever the batch"):  # tp 2: 3 % 2
+        best_plans(SearchRequest(two, parse_cluster("3xA100-80GB"), 1024, 8, SearchSpace(tp=(2,))))
     # with 4 layers, 3 pipeline stages of one device each do
     r = best_plans(SearchRequest(MODEL_PRESETS["tiny"], parse_cluster("3xA100-80GB"), 1024, 8))
     assert r.best.plan.pp == 3 and r.best.evaluation.fits
@@ -249,3 +252,23 @@ def test_pipeline_times_matches_pipeline_time():
     for sched, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
         batch = pipeline_times(sched, t, 8, v)
         assert batch == pytest.approx([pipeline_time(sched, row, 8, v) for row in t], rel=1e-12)
+
+
+def test_no_fit_message_leads_with_the_batch_where_a_nearer_batch_fits():
+    """Where the batch ruled layouts out and the nearest count a ruled-out degree divides fits, the error names
+    that count first (flexmesh.search.best.no_fit_message); where memory binds, memory leads."""
+    from flexmesh.search.best import no_fit_message
+    from flexmesh.units import GIB
+
+    tiny, cluster = MODEL_PRESETS["tiny"], parse_cluster("8xA100-80GB")
+    request = SearchRequest(tiny, cluster, 512, 7, SearchSpace(tp=(1,), pp=(1,), max_cp=1), top=1)
+    said = no_fit_message(request, Misses(batch=6, dp={8}, memory=1, least_peak=90 * GIB, budget=79 * GIB))
+    assert said.startswith("no plan of tiny fits on 8xA100-80GB at seq len 512: the batch rules out 6 layouts "
+                           "(data-parallel degree 8 does not divide its 7 sequences); memory rules out 1 layout")
+    assert "; try --global-batch 8 (best plan then: pp1 1f1b" in said
+    big = SearchRequest(MODEL_PRESETS["llama2-70b"], parse_cluster("2xA100-40GB"), 4096, 3, top=1)
+    said = no_fit_message(big, Misses(batch=9, dp={2}, memory=4, least_peak=500 * GIB, budget=39 * GIB))
+    assert said.startswith("no plan of llama2-70b fits on 2xA100-40GB at seq len 4096, global batch 3: memory rules "
+                           "out 4 layouts (the least peak 500.0 GiB, over the 39.0 GiB usable per A100-40GB (40 GiB)); "
+                           "the batch rules out 9 layouts")
+    assert "--global-batch" not in said and said.endswith("use a larger device or a smaller model")

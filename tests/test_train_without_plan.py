@@ -52,6 +52,19 @@ def test_a_preset_cluster_and_a_step_in_tokens(profiled):
         plan_run(_args("--model", "llama3-70b", "--cluster", "1xH100", "--seq-len", "8192"))
 
 
+def test_a_batch_the_constrained_layouts_cannot_split_names_the_nearest(profiled):
+    """--tp 1 --pp 1 --cp 1 on 8 devices leaves dp 8, which splits no 1,953 documents: the error is the batch's
+    (the model fits many times over), with the nearest count that splits, not memory."""
+    flags = ("--model", "tiny", "--cluster", "8xA100-80GB", "--nproc", "8", "--tp", "1", "--pp", "1", "--cp", "1",
+             "--seq-len", "512")
+    with pytest.raises(PlanError) as refused:
+        plan_run(_args(*flags, "--global-batch", "1953"))
+    said = str(refused.value)
+    assert said.startswith("global batch 1953 divides over no data-parallel degree that 8 devices leave for tiny")
+    assert said.endswith("try --global-batch 1952") and "memory" not in said and "GiB" not in said
+    assert plan_run(_args(*flags, "--global-batch", "1952")).plan.global_batch == 1952
+
+
 def test_planning_flags_beside_a_plan_are_one_line():
     for flag in (("--tp", "2"), ("--pp", "2"), ("--zero", "1"), ("--cluster", "8xH100")):
         with pytest.raises(PlanError, match=f"{flag[0]} constrains the plan a run makes without --plan"):

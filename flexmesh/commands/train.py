@@ -346,7 +346,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     with wall.phase("tokenizer and data"):
         tokens = corpus_tokens_of(args, job, records)
         loader = document_loader(args, job, tokens)
-        evaluation = held_out(args, job, tokens[1])
+        evaluation = held_out(args, job, tokens[1], tokens[0].end_of_text)
     config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
     with wall.phase("process group"):
         init_distributed(timeout_s=args.collective_timeout, device=args.device)

@@ -18,7 +18,10 @@ from flexmesh.layout.plan import Plan
 
 def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = None):  # noqa: ANN201
     """``--corpus`` (else the first task's) tokenized under ``--tokenizer`` (when not given, the one beside
-    ``--weights``, else a BPE trained on that corpus), and that tokenizer: (TokenizedCorpus, Tokenizer).
+    ``--weights``, else a BPE trained on that corpus), each document followed by that tokenizer's end-of-text
+    token unless ``--no-end-of-text`` (flexmesh.data.hf_tokenizer.end_of_text_id: the eos an export names; a
+    tokenizer without one is said once, and its documents go without), and that tokenizer:
+    (TokenizedCorpus, Tokenizer).
 
     On rank 0 the run's records are checked against ``--out``'s: the tokenizer (``--out/tokenizer/``, for
     ``flexmesh export``: flexmesh.data.hf_tokenizer) and the corpus (``--out/corpus.json``:
@@ -27,9 +30,10 @@ def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = 
     have passed (nothing in ``--out`` changes before)."""
     from flexmesh.data.cache import usable_cache
     from flexmesh.data.corpus import read_corpus, stdlib_corpus
-    from flexmesh.data.hf_tokenizer import record_tokenizer
-    from flexmesh.data.loader import load_corpus_tokens
+    from flexmesh.data.hf_tokenizer import end_of_text_id, record_tokenizer
+    from flexmesh.data.loader import tokenize_corpus
     from flexmesh.data.run_corpus import record_corpus
+    from flexmesh.data.tokenizer import load_tokenizer, train_bpe
     from flexmesh.errors import DataError
 
     spec, tasks = job.model, job.parts.tasks
@@ -42,20 +46,27 @@ def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = 
 
     named = [(t.corpus, read(t.corpus)) for t in tasks] if tasks is not None else [(first, read(first))]
     corpus = named[0][1]
-    mine = records if os.environ.get("RANK", "0") == "0" and args.out else None  # rank 0 records the run
-    if mine is not None:  # the corpus first: another corpus also trains another tokenizer
-        mine.append(_saying(*record_corpus(args.out, named, replace=getattr(args, "new_corpus", False))))
+    rank0 = os.environ.get("RANK", "0") == "0"
+    mine = records if rank0 and args.out else None  # rank 0 records the run
     tokenizer = args.tokenizer or tokenizer_of_weights(args.weights)
-    corpus_tokens, tok = load_corpus_tokens(corpus, tokenizer, vocab_size=spec.vocab, cache_dir=args.cache_dir)
+    tok = load_tokenizer(tokenizer) if tokenizer else train_bpe(corpus, vocab_size=spec.vocab, cache_dir=args.cache_dir)
     if tok.get_vocab_size() > spec.vocab:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
                         "tokenizer with at most that many tokens, or drop --tokenizer to train one")
-    if os.environ.get("RANK", "0") == "0" and tokenizer != args.tokenizer:
+    wanted = getattr(args, "end_of_text", True)
+    eot = end_of_text_id(tok, tokenizer) if wanted else None
+    if rank0 and tokenizer != args.tokenizer:
         print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)
-    if mine is not None:
+    if rank0 and wanted and eot is None:
+        print(f"warning: tokenizer {tokenizer} names no end-of-text token (no eos_token in a tokenizer_config.json "
+              "beside it, no <|endoftext|>): documents are fed without one, so the model will not learn where a text "
+              "ends; add a tokenizer_config.json naming its eos_token, or pass --no-end-of-text", file=sys.stderr)
+    if mine is not None:  # the corpus first: another corpus also trains another tokenizer
+        mine.append(_saying(*record_corpus(args.out, named, replace=getattr(args, "new_corpus", False),
+                                           end_of_text=eot)))
         mine.append(_saying(*record_tokenizer(args.out, tok, tokenizer, spec.max_position,
                                                  replace=getattr(args, "new_tokenizer", False))))
-    return corpus_tokens, tok
+    return tokenize_corpus(corpus, tok, cache_dir=args.cache_dir, end_of_text=eot), tok
 
 
 def _saying(write, warning: str | None):  # noqa: ANN001, ANN202 - callables
@@ -82,19 +93,19 @@ def check_evaluation(args: argparse.Namespace, plan: Plan, spec) -> None:  # noq
                         "--eval-corpus" + (" or use a plan with pp 1" if "pipelines" in why else ""))
 
 
-def held_out(args: argparse.Namespace, job: Job, tok):  # noqa: ANN001, ANN201 - an Evaluation or None
-    """``--eval-corpus``'s first ``--eval-docs`` documents under the run's tokenizer ``tok``, laid out by the
-    ``fixed`` policy, evaluated every ``--eval-every`` steps (flexmesh.runtime.train.evaluate); None without
-    --eval-corpus."""
-    from flexmesh.data.corpus import stdlib_corpus
-    from flexmesh.data.loader import load_corpus_tokens
+def held_out(args: argparse.Namespace, job: Job, tok, end_of_text: int | None = None):  # noqa: ANN001, ANN201
+    """``--eval-corpus``'s first ``--eval-docs`` documents under the run's tokenizer ``tok``, each followed by
+    ``end_of_text`` as the training documents are, laid out by the ``fixed`` policy, evaluated every
+    ``--eval-every`` steps (flexmesh.runtime.train.evaluate): an Evaluation; None without --eval-corpus."""
+    from flexmesh.data.corpus import read_corpus, stdlib_corpus
+    from flexmesh.data.loader import tokenize_corpus
     from flexmesh.errors import DataError
     from flexmesh.runtime.train.evaluate import Evaluation, held_out_documents
 
     if args.eval_corpus is None:
         return None
-    corpus = stdlib_corpus() if args.eval_corpus == "stdlib" else args.eval_corpus
-    tokens = load_corpus_tokens(corpus, tok, cache_dir=args.cache_dir)[0]
+    corpus = stdlib_corpus() if args.eval_corpus == "stdlib" else read_corpus(args.eval_corpus)
+    tokens = tokenize_corpus(corpus, tok, cache_dir=args.cache_dir, end_of_text=end_of_text)
     docs = held_out_documents(tokens, args.eval_docs, job.seq_len)
     if not docs:
         raise DataError(f"--eval-corpus {args.eval_corpus} has no document of two tokens or more; give another")
@@ -106,16 +117,16 @@ def document_loader(args: argparse.Namespace, job: Job, tokens=None,  # noqa: AN
     """The run's seeded loader over ``--corpus`` (with the job's tasks, over every task's corpus, each its
     own batch per step: flexmesh.data.tasks.TaskLoader) under the run's tokenizer (``tokens``:
     :func:`corpus_tokens_of`' answer, made here with ``records`` when not given)."""
-    from flexmesh.data.corpus import stdlib_corpus
-    from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
+    from flexmesh.data.corpus import read_corpus, stdlib_corpus
+    from flexmesh.data.loader import DocumentLoader, tokenize_corpus
 
     tasks = job.parts.tasks
     corpus_tokens, tok = tokens if tokens is not None else corpus_tokens_of(args, job, records)
     if tasks is not None:
         from flexmesh.data.tasks import TaskLoader
 
-        corpora = [load_corpus_tokens(stdlib_corpus() if t.corpus == "stdlib" else t.corpus, tok,
-                                      cache_dir=args.cache_dir)[0] for t in tasks]
+        corpora = [tokenize_corpus(stdlib_corpus() if t.corpus == "stdlib" else read_corpus(t.corpus), tok,
+                                   cache_dir=args.cache_dir, end_of_text=corpus_tokens.end_of_text) for t in tasks]
         return TaskLoader(tasks.names, corpora, job.task_batches, [t.steps or args.max_steps for t in tasks],
                           job.seq_len, seed=args.seed)
     if job.tokens_per_batch is not None:  # --tokens-per-step: documents until that many tokens

@@ -4,15 +4,17 @@
 the ``--tokenizer`` file byte for byte, or the byte-level BPE it trained; ``flexmesh export`` writes
 the same two files beside the model, so ``transformers.AutoTokenizer.from_pretrained`` loads it.
 
-Special tokens follow what training fed the model (flexmesh.data.loader encodes every document with
-``add_special_tokens=False``; documents are delimited by the packed batch's boundaries, never by a
-token): the exported tokenizer adds no token when encoding, so ``tokenizer(text)`` gives the ids
-training saw. The flexmesh BPE has no post-processor and is written byte for byte; a ``--tokenizer``
-whose post-processor adds tokens (a Llama's BOS) is exported without that template
-(:func:`without_added_tokens`; transformers 5 ignores ``add_bos_token`` when a tokenizer.json is
-there). ``eos_token`` (where generation stops) and ``pad_token`` are ``<|endoftext|>``, the flexmesh
-BPE's one special token; a ``--tokenizer`` with a ``tokenizer_config.json`` or
-``special_tokens_map.json`` beside it keeps the bos/eos/pad/unk tokens those name.
+Special tokens follow what training fed the model: flexmesh.data.loader encodes every document with
+``add_special_tokens=False`` and puts the eos token after it (:func:`end_of_text_id`, as torchtitan and
+Megatron-LM feed documents; ``flexmesh train --no-end-of-text`` leaves it out), so the model learns to
+end a text with the token generation stops on. The exported tokenizer adds no token when encoding, so
+``tokenizer(text)`` gives the ids training saw before that eos. The flexmesh BPE has no post-processor
+and is written byte for byte; a ``--tokenizer`` whose post-processor adds tokens (a Llama's BOS) is
+exported without that template (:func:`without_added_tokens`; transformers 5 ignores
+``add_bos_token`` when a tokenizer.json is there). ``eos_token`` (where generation stops) and
+``pad_token`` are ``<|endoftext|>``, the flexmesh BPE's one special token; a ``--tokenizer`` with a
+``tokenizer_config.json`` or ``special_tokens_map.json`` beside it keeps the bos/eos/pad/unk tokens
+those name (its eos is then the token after each document).
 
 >>> from tokenizers import Tokenizer, models
 >>> tok = Tokenizer(models.BPE())
@@ -22,6 +24,8 @@ BPE's one special token; a ``--tokenizer`` with a ``tokenizer_config.json`` or
 ('<|endoftext|>', '<|endoftext|>', None)
 >>> special_token_ids(tok, cfg)
 {'bos_token_id': None, 'eos_token_id': 0, 'pad_token_id': 0}
+>>> end_of_text_id(tok)
+0
 """
 
 from __future__ import annotations
@@ -91,6 +95,15 @@ def special_token_ids(tok: Tokenizer, config: dict[str, Any]) -> dict[str, int |
     config.json and generation_config.json (null where the tokenizer has no such token)."""
     return {f"{r}_token_id": None if config.get(f"{r}_token") is None else tok.token_to_id(config[f"{r}_token"])
             for r in ("bos", "eos", "pad")}
+
+
+def end_of_text_id(tok: Tokenizer, source: str | Path | None = None) -> int | None:
+    """The id training puts after each document of ``tok`` (``source``: the tokenizer file it was read from,
+    None for the flexmesh BPE): the eos token of its :func:`tokenizer_config` (the one a
+    ``tokenizer_config.json`` beside ``source`` declares, else ``<|endoftext|>``), so the ``eos_token_id``
+    an export writes is the token the model learnt to end a document with. None when it has none."""
+    eos = tokenizer_config(tok, declared_special_tokens(source) if source is not None else {}, 0)["eos_token"]
+    return None if eos is None else tok.token_to_id(eos)
 
 
 def without_added_tokens(text: str) -> str:

@@ -1,8 +1,10 @@
 """Tokenised document store and the loader that deals global batches of whole documents.
 
 The store keeps a corpus's token ids as two ``.npy`` files (one flat array, one array of document
-offsets) under ``<cache>/tokens/<key>/`` where the key hashes the corpus fingerprint and the
-tokenizer, so tokenisation runs once per (corpus, tokenizer) and later runs memory-map the result.
+offsets) under ``<cache>/tokens/<key>/`` where the key hashes the corpus fingerprint, the tokenizer
+and the end-of-text id put after each document (as torchtitan and Megatron-LM feed documents: each
+one's ids, then the tokenizer's eos, so a model learns where a text ends), so tokenisation runs once
+per (corpus, tokenizer, end of text) and later runs memory-map the result.
 :func:`stdlib_lengths` reads the standard library's token lengths out of such a store.
 
 The loader walks a seeded permutation of the documents per epoch and cuts it into global batches;
@@ -23,6 +25,7 @@ from tokenizers import Tokenizer
 
 from flexmesh.data.cache import cache_key, cache_root, file_lock
 from flexmesh.data.corpus import Corpus, read_corpus, stdlib_corpus
+from flexmesh.data.hf_tokenizer import end_of_text_id
 from flexmesh.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
 from flexmesh.errors import DataError
 from flexmesh.files import below, create_file, fresh_folder, make_folder
@@ -36,6 +39,7 @@ class TokenizedCorpus:
 
     tokens: np.ndarray  # int32 [total tokens], usually a read-only memory map
     offsets: np.ndarray  # int64 [num documents + 1]
+    end_of_text: int | None = None  # the id that ends every document (its last token); None: none does
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -57,14 +61,20 @@ class TokenizedCorpus:
         return cls(tokens=flat, offsets=offsets)
 
 
-def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | Path | None = None) -> TokenizedCorpus:
-    """Token ids of every document of ``corpus``, from the cache or encoded now and cached."""
-    key = cache_key(corpus.fingerprint(), tokenizer_hash(tokenizer))
+def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | Path | None = None,
+                    end_of_text: int | None = None) -> TokenizedCorpus:
+    """Token ids of every document of ``corpus``, each followed by ``end_of_text`` (an id of ``tokenizer``;
+    None: nothing), from the cache or encoded now and cached. The cache key names ``end_of_text``, so a
+    store made without it (or before flexmesh put one) is never read as one with it."""
+    if end_of_text is not None and not 0 <= end_of_text < tokenizer.get_vocab_size():
+        raise DataError(f"end-of-text id {end_of_text} is outside the tokenizer's {tokenizer.get_vocab_size()} "
+                        "tokens; give an id of this tokenizer")
+    key = cache_key(corpus.fingerprint(), tokenizer_hash(tokenizer), f"end-of-text {end_of_text}")
     folder = cache_root(cache_dir) / "tokens" / key
     with file_lock(folder.with_suffix(".lock")):
         make_folder(folder, create=False)  # replaced when broken: a real folder, never a symlink
         if not (folder / "offsets.npy").is_file():
-            _encode_to(folder, corpus, tokenizer)
+            _encode_to(folder, corpus, tokenizer, end_of_text)
     try:
         offsets = np.load(folder / "offsets.npy")
         tokens = np.load(folder / "tokens.npy", mmap_mode="r")
@@ -76,16 +86,16 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | Path 
     if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= tokenizer.get_vocab_size()):
         raise DataError(f"token cache {folder} holds ids outside the tokenizer's {tokenizer.get_vocab_size()} "
                         "tokens: it is damaged; delete that folder to re-tokenise")
-    return TokenizedCorpus(tokens=tokens, offsets=offsets)
+    return TokenizedCorpus(tokens=tokens, offsets=offsets, end_of_text=end_of_text)
 
 
-def _encode_to(folder: Path, corpus: Corpus, tokenizer: Tokenizer) -> None:
+def _encode_to(folder: Path, corpus: Corpus, tokenizer: Tokenizer, end_of_text: int | None) -> None:
     texts = corpus.texts()  # raises DataError for a corpus with no documents
     lengths, chunks = [], []
     for i in range(0, len(texts), _ENCODE_CHUNK):
         # encode_batch_fast skips character offsets, which this store never uses.
         for enc in tokenizer.encode_batch_fast(texts[i:i + _ENCODE_CHUNK], add_special_tokens=False):
-            ids = np.asarray(enc.ids, dtype=np.int32)
+            ids = np.asarray(enc.ids if end_of_text is None else [*enc.ids, end_of_text], dtype=np.int32)
             lengths.append(len(ids))
             chunks.append(ids)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -104,8 +114,12 @@ def load_corpus_tokens(
     tokenizer: str | Path | Tokenizer | None = None,
     vocab_size: int = 8192,
     cache_dir: str | Path | None = None,
+    end_of_text: bool = True,
 ) -> tuple[TokenizedCorpus, Tokenizer]:
-    """Corpus path in, tokenised store out: loads ``tokenizer`` or trains a BPE of ``vocab_size``.
+    """Corpus path in, tokenised store out: loads ``tokenizer`` or trains a BPE of ``vocab_size``; with
+    ``end_of_text`` each document is followed by the tokenizer's eos (flexmesh.data.hf_tokenizer.
+    end_of_text_id: the BPE's ``<|endoftext|>``, or the eos a ``tokenizer_config.json`` beside the file
+    declares; none when it has none: the store's ``end_of_text`` says which).
 
     Safe to call from every rank at once: file locks make one rank build each cache entry while
     the others wait and then read it.
@@ -118,21 +132,25 @@ def load_corpus_tokens(
         tok = tokenizer
     else:
         tok = load_tokenizer(tokenizer)
-    return tokenize_corpus(corpus, tok, cache_dir=cache_dir), tok
+    source = tokenizer if isinstance(tokenizer, str | Path) else None
+    eot = end_of_text_id(tok, source) if end_of_text else None
+    return tokenize_corpus(corpus, tok, cache_dir=cache_dir, end_of_text=eot), tok
 
 
 DEFAULT_STDLIB_VOCAB = 8192
 
 
 def stdlib_lengths(vocab_size: int = DEFAULT_STDLIB_VOCAB, cache_dir: str | Path | None = None) -> np.ndarray:
-    """Token lengths of the standard library's ``.py`` files under the project's BPE, cached on disk.
+    """Token lengths of the standard library's ``.py`` files under the project's BPE, cached on disk: each
+    file's tokens and the ``<|endoftext|>`` after it, as ``flexmesh train --corpus stdlib`` feeds them (the
+    same store).
 
     The first call trains the BPE and tokenises the corpus (:func:`stdlib_corpus`, :func:`train_bpe`);
     later calls read the cache. Returns an int64 array with one length per non-empty file, in path order.
     """
     corpus = stdlib_corpus()
     tok = train_bpe(corpus, vocab_size=vocab_size, cache_dir=cache_dir)
-    return tokenize_corpus(corpus, tok, cache_dir=cache_dir).lengths.astype(np.int64)
+    return tokenize_corpus(corpus, tok, cache_dir=cache_dir, end_of_text=end_of_text_id(tok)).lengths.astype(np.int64)
 
 
 class DocumentLoader:

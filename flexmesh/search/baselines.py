@@ -91,8 +91,8 @@ def uniform_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int, glob
             return None
     else:
         try:
-            best = best_plans(SearchRequest(model, uc, seq_len, global_batch, top=1)).best
-        except PlanError:
+            best = best_plans(SearchRequest(model, uc, seq_len, global_batch, top=1), explain_no_fit=False).best
+        except PlanError:  # no row: why is not asked (explaining searches again)
             return None
     if plans is not None:
         plans["uniform"] = [(best.plan, MixedCluster((uc,)))]
@@ -105,7 +105,7 @@ def proportional_plan(model: ModelSpec, cluster: MixedCluster, seq_len: int, glo
     uc = uniform_cluster(cluster, model.dtype)
     try:
         best = best_plans(SearchRequest(model, uc, seq_len, global_batch, REPLICA_SPACE, top=1),
-                          with_baselines=False).best
+                          with_baselines=False, explain_no_fit=False).best
         uniform = replica_groups(best.plan)
     except PlanError:
         return None
@@ -147,7 +147,8 @@ def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_b
             best = alone(kind)
         else:
             try:
-                best = best_plans(SearchRequest(model, group, seq_len, global_batch, top=1)).best
+                best = best_plans(SearchRequest(model, group, seq_len, global_batch, top=1),
+                                  explain_no_fit=False).best
             except PlanError:
                 best = None
         if best is None:

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field, replace
 from flexmesh.errors import PlanError
 from flexmesh.layout.strategy import Recompute
 from flexmesh.search.driver import Progress, SearchOutcome, search
-from flexmesh.search.space import FULL_SPACE, Candidate, SearchRequest
+from flexmesh.search.space import FULL_SPACE, Candidate, SearchRequest, batches_near
 from flexmesh.search.uniform_baselines import Misses, runtime_runs
 from flexmesh.search.uniform_baselines import baselines as uniform_baselines
-from flexmesh.units import GIB
 
 
 @dataclass
@@ -68,18 +67,47 @@ def best_plans(request: SearchRequest, *, with_baselines: bool = True, explain_n
     if not results:
         if not explain_no_fit:
             raise PlanError(f"no plan fits on {request.cluster.label} at seq len {request.seq_len}")
-        raise PlanError(no_fit_message(request))
+        if not with_baselines:  # the families' grids count why layouts are left out
+            uniform_baselines(request, misses)
+        every = Misses()
+        for m in misses.values():
+            every.add(m)
+        raise PlanError(no_fit_message(request, every))
     return SearchResult(plans=results[:request.top], search_seconds=time.perf_counter() - t0, mode=outcome.mode,
                         configurations=outcome.configurations, baselines=base, baseline_misses=why)
 
 
-def no_fit_message(request: SearchRequest) -> str:
-    """Why nothing fits, and the smallest of the usual relaxations that makes a plan fit."""
+def no_fit_message(request: SearchRequest, misses: Misses | None = None) -> str:
+    """Why nothing fits, in one line that leads with what binds, and the smallest change that makes a plan fit.
+
+    ``misses``: why the uniform families' layouts were left out (flexmesh.search.uniform_baselines), counted
+    again when not given. Where the batch ruled layouts out (a data-parallel degree that does not divide
+    it), the counts nearest it that those degrees divide are tried first: a batch of 1,953 sequences on
+    128 x 8 devices divides over no power-of-two degree, and 1,952 is the change to make, not more memory.
+    Else memory leads (the least peak against the usable bytes) and the usual relaxations are tried:
+    recomputation if it was off, one mesh per layer if ``--same-mesh``, twice the devices, half the
+    sequence length.
+    """
     model, cluster, seq_len, space = request.model, request.cluster, request.seq_len, request.space
-    head = (f"no plan of {model.name} fits on {cluster.label} ({request.cost_model().memory_budget / GIB:.1f} GiB "
-            f"usable per device) at seq len {seq_len}, global batch {request.global_batch}")
+    if misses is None:
+        misses = Misses()
+        for m in _family_misses(request).values():
+            misses.add(m)
+    batch = request.global_batch
+    device = f"{cluster.device.name} ({cluster.device.memory_gib:g} GiB)"
     # Each retry is a quick fast-mode search for one plan, priced by the preset cost model.
     retry = replace(request, cost=None, top=1, mode="fast")
+    if misses.batch:
+        for nearer in batches_near(batch, misses.dp):
+            try:
+                r = best_plans(replace(retry, global_batch=nearer), with_baselines=False, explain_no_fit=False)
+            except PlanError:
+                continue
+            return (f"no plan of {model.name} fits on {cluster.label} at seq len {seq_len}: "
+                    f"{misses.reason(batch, device, first='batch')}; try --global-batch {nearer} "
+                    f"(best plan then: {r.best.plan.layout})")
+    head = (f"no plan of {model.name} fits on {cluster.label} at seq len {seq_len}, global batch {batch}: "
+            f"{misses.reason(batch, device, first='memory')}")
     tries: list[tuple[str, SearchRequest]] = []
     if Recompute.FULL not in space.recompute_modes:
         tries.append(("enable recomputation (drop --no-recompute)",
@@ -99,3 +127,9 @@ def no_fit_message(request: SearchRequest) -> str:
         return f"{head}; smallest change that fits: {what} (best plan then: {r.best.plan.layout})"
     return (f"{head}; even with twice the devices or half the sequence length nothing fits: use a larger device or "
             "a smaller model")
+
+
+def _family_misses(request: SearchRequest) -> dict[str, Misses]:
+    misses: dict[str, Misses] = {}
+    uniform_baselines(request.resolved(), misses)
+    return misses

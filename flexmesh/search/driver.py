@@ -44,6 +44,7 @@ from flexmesh.search.space import (
     Chunk,
     Mesh,
     SearchRequest,
+    batches_near,
     candidate_strategies,
     evaluate_chunks,
     mesh_of,
@@ -233,13 +234,30 @@ def _configurations(request: SearchRequest) -> list[Configuration]:
             f"no pipeline/micro-batch layout for world size {world} with {model.num_layers} layers and global "
             f"batch {gb}: pipeline stages must be whole nodes of {cluster.devices_per_node} or divide one; "
             "change the device count or the pipeline degrees allowed")
-    if not any(candidate_strategies(model, cluster, world // pp, request.space, gb // m) for pp, _, _, m in configs):
+    if not _factored(request, gb, configs):
+        degrees = sorted({s.dp for pp in {c[0] for c in configs}
+                          for s in candidate_strategies(model, cluster, world // pp, request.space)})
+        if not degrees:  # no strategy at any batch: the degrees asked for, not the batch
+            raise PlanError(f"{world} devices leave no layout for {model.name} whatever the batch: tp must divide the "
+                            f"node size and the {model.num_heads} heads, cp be a power of two; change the device "
+                            "count or the degrees the plan must use")
+        nearest = next((b for b in batches_near(gb, set(degrees), tries=8) if _factored(request, b)), None)
         raise PlanError(
-            f"world size {world} cannot be factored into pp x tp x cp x dp for {model.name} ({model.num_heads} "
-            f"heads) with global batch {gb}: dp must divide the sequences of a micro-batch, tp the node size "
-            f"and the heads, and cp is a power of two; use a global batch with more factors in common with "
-            f"{world}")
+            f"global batch {gb} divides over no data-parallel degree that {world} devices leave for {model.name} "
+            f"(degree{'s' * (len(degrees) > 1)} {', '.join(map(str, degrees))}, beside tp dividing the node size and "
+            f"the {model.num_heads} heads, cp a power of two), so no layout takes it; "
+            + (f"try --global-batch {nearest}" if nearest is not None else
+               f"use a global batch with more factors in common with {world}"))
     return configs
+
+
+def _factored(request: SearchRequest, batch: int, configs: list[Configuration] | None = None) -> bool:
+    """Whether some outer configuration of ``request`` at ``batch`` sequences has a strategy that divides its
+    micro-batch (``configs``: the configurations at that batch, when made already)."""
+    model, cluster, world = request.model, request.cluster, request.world_size
+    if configs is None:
+        configs = list(outer_configurations(model, world, batch, request.space, cluster.devices_per_node))
+    return any(candidate_strategies(model, cluster, world // pp, request.space, batch // m) for pp, _, _, m in configs)
 
 
 def overlap_choices(strategies: Sequence[LayerStrategy], m: int) -> list[Overlap]:

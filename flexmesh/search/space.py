@@ -172,6 +172,19 @@ def factoring_batch(sequences: int, world: int, tolerance: float = BATCH_TOLERAN
     return min(near, key=lambda n: (-math.gcd(n, world), abs(n - sequences), n))
 
 
+def batches_near(batch: int, degrees: set[int], tries: int = 4) -> list[int]:
+    """The ``tries`` sequence counts nearest ``batch`` that one of ``degrees`` divides, the nearest (then the
+    smaller) first.
+
+    >>> batches_near(1953, {2, 4, 8, 16})
+    [1952, 1954, 1956, 1960]
+    >>> batches_near(3, {8})
+    [8]
+    """
+    near = {b for d in degrees for b in (batch // d * d, -(-batch // d) * d) if b > 0 and b != batch}
+    return sorted(near, key=lambda b: (abs(b - batch), b))[:tries]
+
+
 def divisors(n: int) -> list[int]:
     """Every divisor of ``n``, ascending.
 

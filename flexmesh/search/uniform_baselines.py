@@ -72,18 +72,28 @@ class Misses:
             self.memory += 1
             self.least_peak, self.budget = min(self.least_peak, ev.peak_memory), ev.budget
 
-    def reason(self, global_batch: int, device: str) -> str:
-        """Why nothing fits, the most common reason first; ``device`` names the device, e.g. "H100 (80 GiB)"."""
+    def add(self, other: Misses) -> None:
+        """Count ``other``'s misses too (the families of a search together)."""
+        self.batch, self.other, self.memory = self.batch + other.batch, self.other + other.other, \
+            self.memory + other.memory
+        self.dp |= other.dp
+        if other.least_peak < self.least_peak:
+            self.least_peak, self.budget = other.least_peak, other.budget
+
+    def reason(self, global_batch: int, device: str, first: str | None = None) -> str:
+        """Why nothing fits, the most common reason first (``first``: "batch", "memory" or "other" before
+        the rest, where it ruled any out); ``device`` names the device, e.g. "H100 (80 GiB)"."""
         degrees = ", ".join(map(str, sorted(self.dp)))
         one = len(self.dp) == 1
-        parts = [(self.batch, f"the batch rules out {_layouts(self.batch)} (data-parallel degree{'s' * (not one)} "
-                              f"{degrees} {'does' if one else 'do'} not divide its {global_batch} sequences)"),
-                 (self.memory, f"memory rules out {_layouts(self.memory)} (the least peak "
-                               f"{self.least_peak / GIB:.1f} GiB, over the {self.budget / GIB:.1f} GiB usable per "
-                               f"{device})"),
-                 (self.other, f"other constraints rule out {_layouts(self.other)} (tp or Ulysses degrees the heads "
-                              "do not divide, or degrees the search space leaves out)")]
-        said = [text for n, text in sorted(parts, key=lambda p: -p[0]) if n]
+        parts = [(self.batch, "batch", f"the batch rules out {_layouts(self.batch)} (data-parallel "
+                                       f"degree{'s' * (not one)} {degrees} {'does' if one else 'do'} not divide its "
+                                       f"{global_batch} sequences)"),
+                 (self.memory, "memory", f"memory rules out {_layouts(self.memory)} (the least peak "
+                                         f"{self.least_peak / GIB:.1f} GiB, over the {self.budget / GIB:.1f} GiB "
+                                         f"usable per {device})"),
+                 (self.other, "other", f"other constraints rule out {_layouts(self.other)} (tp or Ulysses degrees "
+                                       "the heads do not divide, or degrees the search space leaves out)")]
+        said = [text for n, _, text in sorted(parts, key=lambda p: (p[1] != first, -p[0])) if n]
         return "; ".join(said) if said else "the cluster leaves it no layout"
 
 
