@@ -48,21 +48,23 @@ def test_the_corpus_is_recorded_by_its_content(first_run):
 
 
 def test_a_run_from_before_end_of_text_resumes_as_it_was_fed(first_run, tmp_path):
-    """A run recorded before documents ended with end-of-text: resuming with it is refused in one line naming
-    --no-end-of-text (which resumes as the run was fed) and --new-corpus (which goes on with it)."""
+    """A run recorded before documents ended with end-of-text resumes as it was fed, said in one line; asking
+    for end-of-text on it is refused in one line naming --no-end-of-text and --new-corpus (which goes on with it)."""
     run, corpus, plan = _copy(first_run, tmp_path)
     record = json.loads((run / "corpus.json").read_text())
     del record["end_of_text"]
     (run / "corpus.json").write_text(json.dumps(record))
     before = _snapshot(run)
-    done = flexmesh_here(*_args(first_run, plan, corpus, run, steps=2))
+    done = flexmesh_here(*_args(first_run, plan, corpus, run, steps=2), "--end-of-text")
     said = " ".join(done.stderr.split())
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "records documents without an end-of-text token but this run feeds them each followed by" in said
     assert "resume with --no-end-of-text" in said and "--new-corpus" in said
     assert _snapshot(run) == before
-    done = flexmesh_here(*_args(first_run, plan, corpus, run, steps=2), "--no-end-of-text")
-    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr
+    done = flexmesh_here(*_args(first_run, plan, corpus, run, steps=2))
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 0 and "resuming from" in said, done.stderr
+    assert f"documents without an end-of-text token, as the run in {run} was fed" in said
     assert "end_of_text" not in json.loads((run / "corpus.json").read_text())  # the record holds as it was
     done = flexmesh_here(*_args(first_run, plan, corpus, run, steps=3), "--new-corpus")
     assert done.returncode == 0, done.stderr

@@ -102,10 +102,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-corpus", action="store_true",
                    help="resume under another corpus than the run recorded in --out/corpus.json (refused "
                         "without it: the steps so far and the data position were drawn from the recorded one)")
-    p.add_argument("--end-of-text", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--end-of-text", action=argparse.BooleanOptionalAction, default=None,
                    help="put the tokenizer's end-of-text token (its eos, the one an export names) after each "
                         "document, as torchtitan and Megatron-LM do, so the model learns where a text ends and "
-                        "generation stops (default on; recorded in --out/corpus.json)")
+                        "generation stops (default on, and on a resume as --out/corpus.json records the run was "
+                        "fed)")
     p.add_argument("--collective-timeout", type=seconds, default=600.0, metavar="SECONDS",
                    help="how long a collective waits for a stopped, hung or dead rank before the run fails "
                         "naming it (default 600)")

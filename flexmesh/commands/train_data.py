@@ -32,7 +32,8 @@ def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = 
     from flexmesh.data.corpus import read_corpus, stdlib_corpus
     from flexmesh.data.hf_tokenizer import end_of_text_id, record_tokenizer
     from flexmesh.data.loader import tokenize_corpus
-    from flexmesh.data.run_corpus import record_corpus
+    from flexmesh.data.run_corpus import record_corpus, recorded_end_of_text
+    from flexmesh.runtime.state.rundir import CHECKPOINTS
     from flexmesh.data.tokenizer import load_tokenizer, train_bpe
     from flexmesh.errors import DataError
 
@@ -53,7 +54,16 @@ def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = 
     if tok.get_vocab_size() > spec.vocab:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but model {spec.name!r} only {spec.vocab}; use a "
                         "tokenizer with at most that many tokens, or drop --tokenizer to train one")
-    wanted = getattr(args, "end_of_text", True)
+    wanted = getattr(args, "end_of_text", None)
+    if wanted is None:  # not given: as the run in --out was fed (a resume), else with one
+        recorded = None if getattr(args, "new_corpus", False) or not args.out else recorded_end_of_text(args.out)
+        if recorded is None and args.out and not getattr(args, "new_corpus", False) \
+                and any((Path(args.out) / CHECKPOINTS).glob("step_*")):
+            recorded = False  # checkpoints of a run from before the corpus was recorded: fed without one
+        wanted = recorded is not False
+        if not wanted and rank0:
+            print(f"documents without an end-of-text token, as the run in {args.out} was fed (--end-of-text "
+                  "--new-corpus to go on with one)", file=sys.stderr)
     eot = end_of_text_id(tok, tokenizer) if wanted else None
     if rank0 and tokenizer != args.tokenizer:
         print(f"tokenizer: {tokenizer}, the one beside --weights (--tokenizer to use another)", file=sys.stderr)

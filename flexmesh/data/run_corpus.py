@@ -74,6 +74,16 @@ def record_corpus(out: str | Path, corpora: Sequence[tuple[str, Corpus]], replac
     return lambda: write_atomic(path, text, root=out), warning
 
 
+def recorded_end_of_text(out: str | Path) -> bool | None:
+    """Whether run folder ``out``'s corpus record says its documents were fed with an end-of-text token
+    after each (False for a record from before flexmesh put one); None without a readable record."""
+    path = Path(out) / RUN_CORPUS
+    if not path.is_file():
+        return None
+    before, eot = _recorded(path)
+    return None if before is None else eot is not None
+
+
 def _fed(end_of_text: int | None) -> str:
     return "without an end-of-text token" if end_of_text is None else f"each followed by end-of-text id {end_of_text}"
 
