@@ -33,9 +33,9 @@ def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = 
     from flexmesh.data.hf_tokenizer import end_of_text_id, record_tokenizer
     from flexmesh.data.loader import tokenize_corpus
     from flexmesh.data.run_corpus import record_corpus, recorded_end_of_text
-    from flexmesh.runtime.state.rundir import CHECKPOINTS
     from flexmesh.data.tokenizer import load_tokenizer, train_bpe
     from flexmesh.errors import DataError
+    from flexmesh.runtime.state.rundir import CHECKPOINTS
 
     spec, tasks = job.model, job.parts.tasks
     usable_cache(args.cache_dir)
