@@ -15,6 +15,7 @@ from flexmesh.commands.args import (
     DEFAULT_MODEL,
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
+    add_slow_arg,
     add_stack_args,
     chunk_counts,
     new_file,
@@ -60,7 +61,7 @@ from flexmesh.search.check import check_groups, check_plan
 from flexmesh.search.mixed import MixedResult, MixedSearch
 from flexmesh.search.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.sim.expected import Expected
-from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
+from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster, slow_devices, speeds_of
 from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.spec.model_file import ModelFile
 
@@ -130,6 +131,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--replicas", action="store_true",
                    help="with --tasks: a mix of replica layouts and per-step dispatch for the tasks' lengths "
                         "(each task's `lengths`, else --lengths), against every single layout")
+    add_slow_arg(p)
     add_stack_args(p)
     add_expert_args(p)
     p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
@@ -149,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_plan(args.check) if args.check else None
     if loaded is not None and not loaded.in_rank_order:
         return check_groups_command(args, loaded)
+    slowed = _slowed(args) if args.slow else None
+    if slowed is not None and not slowed.uniform:  # devices of different speeds: planned as a mixed cluster
+        return run_mixed(args, slowed)
     if loaded is None and args.cluster is not None and not LOCAL.fullmatch(args.cluster.strip()):
         mixed = parse_mixed_cluster(args.cluster)
         if not mixed.uniform:  # several device groups, or devices of different speeds
@@ -165,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
+    if slowed is not None:  # every device at one speed: the uniform search, each device at it (its pace)
+        base = CostModel(spec, slowed.groups[0])
     # the model in the profiles' dtype when profiles are given (base.model)
     parts = _parts(args, base.model, base.cluster.world_size)
     tasks = parts.tasks
@@ -234,6 +241,19 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"wrote {'the best plan' if args.pick == 1 else f'plan {args.pick} of the list'} to {args.out}",
                   highlight=False)
     return 0
+
+
+def _slowed(args: argparse.Namespace) -> MixedCluster:
+    """``--cluster`` (default the default cluster) with ``--slow``'s devices at their speeds, in place of the
+    cluster's own speed factors (as simulate and train take them: flexmesh.spec.cluster.slow_devices)."""
+    if args.check or args.replicas:
+        raise PlanError("--slow plans a new layout for slow devices; --check and --replicas do not search one: drop "
+                        "--slow (flexmesh simulate --plan FILE --slow ... prices a written plan with slow devices)")
+    if args.hardware_profile or args.model_profile or (args.cluster and LOCAL.fullmatch(args.cluster.strip())):
+        raise PlanError("--slow prices devices of different speeds from the cluster's device presets, as for a mixed "
+                        "cluster; drop --hardware-profile / --model-profile, or give a preset cluster (e.g. 8xH100)")
+    cluster = parse_mixed_cluster(args.cluster or DEFAULT_CLUSTER)
+    return cluster.with_speeds(speeds_of(slow_devices(args.slow, cluster.world_size), cluster.world_size))
 
 
 def _parts(args: argparse.Namespace, model: ModelSpec, world: int) -> Parts:

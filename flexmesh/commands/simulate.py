@@ -24,6 +24,7 @@ from flexmesh.commands.args import (
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
     DefaultsHelpFormatter,
+    add_slow_arg,
     add_stack_args,
     folder,
     nonempty,
@@ -38,7 +39,7 @@ from flexmesh.commands.args import (
     tokens,
 )
 from flexmesh.cost.training.parts import Parts
-from flexmesh.errors import FlexmeshError, SpecError
+from flexmesh.errors import FlexmeshError
 from flexmesh.job import Job, build_job, plan_sizes
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
@@ -60,6 +61,7 @@ from flexmesh.sim.simulation import (
     static_cells,
     summarise,
 )
+from flexmesh.spec.cluster import slow_devices, speeds_of
 from flexmesh.spec.model import parse_model
 
 if TYPE_CHECKING:
@@ -106,10 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                    help="full activation recomputation")
     p.add_argument("--cp-kind", default="ulysses", choices=("ulysses", "ring"), help="context-parallel kind")
-    p.add_argument("--slow", dest="slow", default="", metavar="RANK=FACTOR,...",
-                   help="speed factors of individual devices, e.g. 3=0.5 (device 3 at half speed); the table "
-                        "then adds each policy's tokens/s with schedules made for nominal speed (static)")
-    old_names(p, "--speed", dest="slow")
+    add_slow_arg(p, "slow", "--speed")  # the table then adds tokens/s with schedules made for nominal speed
     p.add_argument("--json", action="store_true", help="print plain JSON instead of a table")
     p.add_argument("--plots", metavar="DIR", default=None, type=folder,
                    help="write a Gantt and a load PNG per policy here")
@@ -118,20 +117,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _slow(text: str, world: int) -> tuple[float, ...]:
-    if not text:
-        return ()
-    f = [1.0] * world
-    for item in text.split(","):
-        try:
-            rank, factor = item.split("=")
-            r, x = int(rank), float(factor)
-        except ValueError:
-            raise SpecError(f"--slow: cannot read {item!r}; write RANK=FACTOR, e.g. 3=0.5") from None
-        if not 0 <= r < world or not 0 < x < float("inf"):
-            raise SpecError(f"--slow {item!r}: rank must be in 0..{world - 1} and the factor > 0")
-        f[r] = x
-    return tuple(f)
+def _slow(pairs: list[tuple[int, float]], world: int) -> tuple[float, ...]:
+    """``--slow`` as one speed factor per device (() for none), checked as plan and train check it."""
+    return speeds_of(slow_devices(pairs, world), world)
 
 
 @dataclass(frozen=True)
