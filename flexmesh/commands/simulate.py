@@ -260,7 +260,7 @@ def print_table(sim: Simulation, console: Console) -> None:
         table.add_row(*comparison_row(r), *(static_cells(r) if note else ()))
     print_fitted(console, table)
     console.print(sim.reference(), highlight=False)
-    console.print(recommendation(sim.runs), highlight=False)
+    console.print(recommendation(sim.runs).line, highlight=False)
     own = sim.setup.get("plan_step")
     if own:
         predicted = own["predicted_step_s"]
@@ -297,7 +297,10 @@ class GroupsSimulation:
     runs: list
 
     def to_dict(self) -> dict:
-        return {"setup": self.setup, "schedules": [r.to_dict() for r in self.runs]}
+        from flexmesh.sim.groups import groups_recommendation
+
+        return {"setup": self.setup, "schedules": [r.to_dict() for r in self.runs],
+                "recommendation": groups_recommendation(self.runs).to_dict()}
 
     def print(self, console: Console) -> None:
         from rich.table import Table
@@ -321,29 +324,21 @@ class GroupsSimulation:
                       "planned share in order, shares+P: packed inside each group by P, dispatch+P: each step's "
                       "sequences dispatched over the groups, then packed by P; step/LB: the simulated step over "
                       "the per-step lower bound", highlight=False)
-        console.print(groups_recommendation(self.runs), highlight=False)
+        console.print(groups_recommendation(self.runs).line, highlight=False)
 
 
 def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> GroupsSimulation:
     """The groups of ``--plan`` on its cluster's presets, ``--slow`` devices at their speeds (each data
     rank at its slowest device), on ``--global-batch`` sequences per step (the plan's by default; its
     groups' shares scaled to it)."""
-    from flexmesh.layout.mesh import rank_place
     from flexmesh.schedule.groups import groups_context
-    from flexmesh.sim.groups import compare_groups
+    from flexmesh.sim.groups import compare_groups, device_speeds
 
     job = simulate_job(args, load_plan(args.plan))
     plan, spec, costs = job.plan, job.model, job.costs
     assert plan is not None and costs is not None
-    gctx = groups_context(plan, spec, costs)
     slow = _slow(args.slow, plan.world_size)
-    if slow:  # in place of the cluster's own speed factors, as for one group
-        speed = [1.0] * gctx.num_ranks
-        for rank, factor in enumerate(slow):
-            place = rank_place(plan, rank)
-            if place is not None:
-                speed[place.data_rank] = min(speed[place.data_rank], factor)
-        gctx = gctx.with_speed(speed)
+    gctx = device_speeds(groups_context(plan, spec, costs), plan, slow)  # in place of the cluster's own speeds
     layout = _Layout(1, 1, "1f1b", 1, 3, True, "ulysses")  # each group's own: the flags' do not apply
     batches = sample_batches(_config(args, job, layout, policies, ()))
     from flexmesh.console import progress_steps
