@@ -27,6 +27,8 @@ from flexmesh.spec.tasks import TaskSet, load_tasks
 
 # What `plan` and `simulate` assume when neither a plan nor the flag says: one meaning in both.
 DEFAULT_MODEL, DEFAULT_CLUSTER, DEFAULT_SEQ_LEN, DEFAULT_GLOBAL_BATCH = "llama3-8b", "8xH100", 8192, 128
+# simulate's --lengths and --policies; plan's policy recommendation draws its batches from these lengths too
+DEFAULT_LENGTHS, DEFAULT_POLICIES = "wikipedia", "hdp"
 
 
 def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:

@@ -7,12 +7,14 @@ import json
 import time
 from dataclasses import replace
 
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flexmesh.commands.args import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
+    DEFAULT_POLICIES,
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
     add_slow_arg,
@@ -32,6 +34,8 @@ from flexmesh.commands.plan_lengths import (
     RESCORED,
     SEED,
     STEPS,
+    Workload,
+    recommendation_batches,
     score_baselines,
     score_mixed,
     score_uniform,
@@ -46,7 +50,7 @@ from flexmesh.cost import CostModel
 from flexmesh.cost.training.experts import ExpertParallel
 from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.cost.training.parts import Parts
-from flexmesh.errors import PlanError, SpecError
+from flexmesh.errors import FlexmeshError, PlanError, SpecError
 from flexmesh.files import check_file_target
 from flexmesh.job import Job, build_job
 from flexmesh.layout.overlap import RUNTIME
@@ -60,6 +64,7 @@ from flexmesh.search.baselines import BaselinePlans, mixed_baselines
 from flexmesh.search.check import check_groups, check_plan
 from flexmesh.search.mixed import MixedResult, MixedSearch
 from flexmesh.search.space import FULL_SPACE, SEARCH_MODES
+from flexmesh.sim.compare import Recommendation
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster, slow_devices, speeds_of
 from flexmesh.spec.model import ModelSpec, parse_model
@@ -220,8 +225,10 @@ def run(args: argparse.Namespace) -> int:
     plan = recorded(with_expected(best.plan, expected[best.plan.layout], work) if expected else best.plan, args.model)
     if args.out:
         plan.save(args.out)
+    found = _recommended(plan, job, work)
     if args.json:
-        print(json.dumps({**result_json(result, plan, expected, args.pick), "workload": work.to_dict()}, indent=2))
+        print(json.dumps({**result_json(result, plan, expected, args.pick), "workload": work.to_dict(),
+                          "recommendation": _recommended_json(found)}, indent=2))
         return 0
     out.print(job.model.describe(), highlight=False)
     print_table(out, result, expected, job.model)
@@ -231,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if cost.cluster.pace != 1.0:
         out.print(f"every device priced at speed {cost.cluster.pace:g}: the cluster's devices all run at it (its "
                   "speed_factors), compute stretched, communication not", highlight=False)
+    _print_recommended(out, found)
     if args.explain:
         explain(out, best.evaluation, cost)
         if args.against:
@@ -254,6 +262,32 @@ def _slowed(args: argparse.Namespace) -> MixedCluster:
                         "cluster; drop --hardware-profile / --model-profile, or give a preset cluster (e.g. 8xH100)")
     cluster = parse_mixed_cluster(args.cluster or DEFAULT_CLUSTER)
     return cluster.with_speeds(speeds_of(slow_devices(args.slow, cluster.world_size), cluster.world_size))
+
+
+def _recommended(plan: Plan, job: Job, work: Workload) -> tuple[Recommendation, str] | None:
+    """The policy ``simulate --plan`` recommends for the plan written, and the sentence of what it was
+    computed on (flexmesh.commands.simulate.plan_recommendation on :func:`recommendation_batches`); None
+    where the plan's layout cannot schedule those batches."""
+    from flexmesh.commands.simulate import plan_recommendation
+    from flexmesh.sim.groups import RECOMMENDED_AMONG
+
+    batches, lengths = recommendation_batches(work)
+    try:
+        rec = plan_recommendation(plan, replace(job, plan=plan), batches, SEED)
+    except FlexmeshError:
+        return None
+    policies = ",".join(RECOMMENDED_AMONG) if len(plan.groups) > 1 else DEFAULT_POLICIES
+    return rec, (f"on {len(batches)} steps of {lengths} lengths up to {work.seq_len} tokens: flexmesh simulate --plan "
+                 f"FILE --lengths {lengths} --steps {len(batches)} --policies {policies} shows the table")
+
+
+def _print_recommended(out: Console, found: tuple[Recommendation, str] | None) -> None:
+    if found is not None:
+        out.print(f"{found[0].line} ({found[1]})", highlight=False)
+
+
+def _recommended_json(found: tuple[Recommendation, str] | None) -> dict | None:
+    return None if found is None else {**found[0].to_dict(), "computed_on": found[1]}
 
 
 def _parts(args: argparse.Namespace, model: ModelSpec, world: int) -> Parts:
@@ -376,6 +410,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     plan = recorded(plan, args.model)
     if args.out:
         plan.save(args.out)
+    found = _recommended(plan, job, work)
     if args.json:
         best: dict = {"layout": plan.layout.split("\n"), "step_time_s": step, "tokens_per_s": tokens_per_s}
         if e is not None:
@@ -384,7 +419,8 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
         print(json.dumps({"search_seconds": result.search_seconds, "baselines_seconds": baseline_seconds,
                           "configurations": result.configurations, "workload": work.to_dict(),
                           "best": {**best, "plan": plan.to_dict()},
-                          "baselines": baselines, "ratios": ratios(tokens_per_s, baselines)}, indent=2))
+                          "baselines": baselines, "ratios": ratios(tokens_per_s, baselines),
+                          "recommendation": _recommended_json(found)}, indent=2))
         return 0
     out = plain_console()
     slow = sum(1 for r in range(cluster.world_size) if cluster.speed(r) != 1.0)
@@ -398,6 +434,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     out.print(work.describe(), highlight=False)
     if moved := work.factoring():
         out.print(moved, highlight=False)
+    _print_recommended(out, found)
     if args.explain:
         out.print(stage_table(plan, ev))
     if args.out:

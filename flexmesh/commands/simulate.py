@@ -20,7 +20,9 @@ import numpy as np
 from flexmesh.commands.args import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
+    DEFAULT_LENGTHS,
     DEFAULT_MODEL,
+    DEFAULT_POLICIES,
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
     DefaultsHelpFormatter,
@@ -47,7 +49,7 @@ from flexmesh.profile.use import cost_model_for
 from flexmesh.report.tables import print_table as print_fitted
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.scheduler import plan_costs
-from flexmesh.sim.compare import recommendation
+from flexmesh.sim.compare import Recommendation, recommendation
 from flexmesh.sim.simulation import (
     COLUMNS,
     SPEED_COLUMNS,
@@ -86,14 +88,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=seq_len, help="the longest sequence, in tokens; longer ones are truncated "
                                                        f"to it (default: the plan's, else {DEFAULT_SEQ_LEN})")
     old_names(p, "--context", dest="seq_len", type=seq_len)
-    p.add_argument("--lengths", default="wikipedia", help="shipped distribution name or a .txt/.json file")
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="shipped distribution name or a .txt/.json file")
     p.add_argument("--tasks", metavar="FILE", help=TASKS_HELP)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--global-batch", type=sequences, default=None,
                       help=f"sequences per step (default: the plan's, else {DEFAULT_GLOBAL_BATCH})")
     size.add_argument("--tokens-per-batch", type=tokens, default=None,
                       help="tokens per step instead of sequences")
-    p.add_argument("--policies", default="hdp",
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated scheduling policies, run besides the baselines (fixed, padded, balanced, "
                         "wlb), which always run")
     p.add_argument("--steps", type=steps, default=20, help="global batches to draw and simulate")
@@ -135,8 +137,9 @@ class _Layout:
     cp_kind: str
 
     @classmethod
-    def of(cls, args: argparse.Namespace, plan: Plan | None) -> _Layout:
+    def of(cls, args: argparse.Namespace | None, plan: Plan | None) -> _Layout:
         if plan is None:
+            assert args is not None
             return cls(args.tp, args.pp, args.pipeline_schedule, args.virtual_stages, args.zero, args.recompute,
                        args.cp_kind)
         s = plan.layer_strategies()[0]
@@ -183,6 +186,34 @@ def _config(args: argparse.Namespace, job: Job, layout: _Layout, policies: tuple
                             cp_kind=layout.cp_kind, speed_factors=speed_factors)
 
 
+def _with_plan(cfg: SimulationConfig, plan: Plan) -> SimulationConfig:
+    """``cfg`` with what a plan of one group fixes beyond its layout: its overlap and layers per chunk."""
+    return replace(cfg, overlap=plan.overlap, chunk_layers=tuple(st.num_layers for st in plan.group.stages))
+
+
+def plan_recommendation(plan: Plan, job: Job, batches: list[np.ndarray], seed: int = 0) -> Recommendation:
+    """What ``simulate --plan`` recommends for ``plan`` on ``batches`` (``job``: its model, sequence cap and
+    cost model; for several groups the groups' costs): one group, its default ``--policies`` against the
+    baselines; several, train's choices (flexmesh.sim.groups.RECOMMENDED_AMONG), as train chooses among them.
+    ``plan`` prints it for the plan it writes."""
+    from flexmesh.schedule.groups import groups_context
+    from flexmesh.sim.groups import recommend_dispatch
+
+    if len(plan.groups) > 1:
+        assert job.costs is not None
+        gctx = groups_context(plan, job.model, job.costs)
+        return recommend_dispatch(gctx, batches, seed=seed, virtual_stages=[g.virtual_stages for g in plan.groups])
+    assert job.cost is not None
+    layout = _Layout.of(None, plan)
+    cfg = _with_plan(SimulationConfig(
+        policies=tuple(DEFAULT_POLICIES.split(",")), context=job.seq_len, steps=len(batches), seed=seed,
+        seqs_per_batch=job.global_batch, tp=layout.tp, pp=layout.pp, pipeline_schedule=layout.pipeline_schedule,
+        virtual_stages=layout.virtual_stages, zero=layout.zero, recompute=layout.recompute, cp_kind=layout.cp_kind),
+        plan)
+    ctx, speeds = simulation_context(job.cost, cfg)
+    return recommendation(run_policies(cfg, ctx, speeds, batches))
+
+
 def _prepare(args: argparse.Namespace,
              policies: tuple[str, ...]) -> tuple[SimulationConfig, ScheduleContext, np.ndarray]:
     """Check the flags and build the plan they describe (errors in the order a user meets them)."""
@@ -193,7 +224,7 @@ def _prepare(args: argparse.Namespace,
     world = job.cost.cluster.world_size
     cfg = _config(args, job, layout, policies, _slow(args.slow, world))
     if plan is not None:
-        cfg = replace(cfg, overlap=plan.overlap, chunk_layers=tuple(st.num_layers for st in plan.group.stages))
+        cfg = _with_plan(cfg, plan)
     if layout.pp == 1 and (layout.virtual_stages != 1 or layout.pipeline_schedule == "interleaved"):
         raise FlexmeshError("--virtual-stages and --pipeline-schedule interleaved need --pp > 1")
     if layout.virtual_stages > 1 and layout.pipeline_schedule != "interleaved":

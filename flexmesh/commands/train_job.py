@@ -86,10 +86,7 @@ def scheduler(job: Job, policy: str, seed: int, cp: int | None) -> Scheduler:
         raise PlanError(f"--policy {policy}: {e}") from None
 
 
-# What train chooses among on a plan of several replica groups: the runtime's length-aware policies whose
-# schedulers take milliseconds a step (milp's solver may take longer than a step, which --adaptive covers)
-RECOMMENDED_AMONG = ("balanced", "hdp")
-RECOMMEND_STEPS = 8  # the run's first batches the simulator compares them on
+RECOMMEND_STEPS = 8  # the run's first batches the simulator compares the policies on
 
 
 def default_policy(job: Job, batches: Sequence[np.ndarray], speeds: Sequence[float] = (),
@@ -98,13 +95,13 @@ def default_policy(job: Job, batches: Sequence[np.ndarray], speeds: Sequence[flo
 
     One replica group: ``fixed``, the plan's own schedule. Several: the policy the simulator recommends
     for this plan on ``batches`` (the lengths of the run's first steps), computed as ``simulate --plan``
-    computes it (flexmesh.sim.groups: ``shares`` against ``dispatch+P`` for each of
-    :data:`RECOMMENDED_AMONG`, priced as the run's schedules are), ``speeds`` one factor per device
+    computes it (flexmesh.sim.groups.recommend_dispatch: ``shares`` against ``dispatch+P`` for each of
+    its ``RECOMMENDED_AMONG``, priced as the run's schedules are), ``speeds`` one factor per device
     (``--slow``'s emulation); ``shares``, the planned shares, where it cannot be computed, saying why."""
     from flexmesh.errors import FlexmeshError
     from flexmesh.schedule.groups import groups_context
     from flexmesh.schedule.scheduler import plan_costs
-    from flexmesh.sim.groups import compare_groups, device_speeds, groups_recommendation
+    from flexmesh.sim.groups import device_speeds, recommend_dispatch
 
     plan = job.plan
     assert plan is not None
@@ -115,9 +112,7 @@ def default_policy(job: Job, batches: Sequence[np.ndarray], speeds: Sequence[flo
         if not batches:
             raise PlanError("the run has no batch to compare them on")
         gctx = device_speeds(groups_context(plan, spec, plan_costs(plan, spec, job.cost, job.parts)), plan, speeds)
-        runs = compare_groups(gctx, batches, RECOMMENDED_AMONG, seed=seed,
-                              virtual_stages=[g.virtual_stages for g in plan.groups])
-        rec = groups_recommendation(runs)
+        rec = recommend_dispatch(gctx, batches, seed=seed, virtual_stages=[g.virtual_stages for g in plan.groups])
     except FlexmeshError as e:
         return "shares", (f"policy shares (each replica group its planned share): the simulator's recommendation "
                           f"cannot be computed here ({e}); --policy chooses another")

@@ -104,6 +104,20 @@ def compare_groups(gctx: GroupsContext, batches: Sequence[np.ndarray], policies:
     return runs
 
 
+# What a plan of several groups is recommended among, and train chooses among without --policy: the
+# runtime's length-aware policies whose schedulers take milliseconds a step (milp's solver may take longer
+# than a step, which train's --adaptive covers)
+RECOMMENDED_AMONG = ("balanced", "hdp")
+
+
+def recommend_dispatch(gctx: GroupsContext, batches: Sequence[np.ndarray], *, seed: int = 0,
+                       virtual_stages: Sequence[int] | None = None) -> Recommendation:
+    """The recommendation for a plan of several groups on ``batches``: ``shares`` against ``dispatch+P`` for
+    each of :data:`RECOMMENDED_AMONG` (:func:`compare_groups`, :func:`groups_recommendation`)."""
+    return groups_recommendation(compare_groups(gctx, batches, RECOMMENDED_AMONG, seed=seed,
+                                                virtual_stages=virtual_stages))
+
+
 def best_baseline(runs: Sequence[GroupsRun]) -> GroupsRun:
     """The fastest fixed-share schedule: every speedup's reference."""
     return max((r for r in runs if r.kind == "baseline"), key=lambda r: r.tokens_per_s)
