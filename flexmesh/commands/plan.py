@@ -151,12 +151,12 @@ def run(args: argparse.Namespace) -> int:
     if args.check and (args.lengths or args.tokens_per_batch):
         raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
                         "drop them (flexmesh simulate --plan FILE --lengths ... scores a plan on lengths)")
+    slowed = _slowed(args) if args.slow else None
     if args.out:
         check_file_target(args.out)  # a device, fifo or symlink there: refused before searching
     loaded = load_plan(args.check) if args.check else None
     if loaded is not None and not loaded.in_rank_order:
         return check_groups_command(args, loaded)
-    slowed = _slowed(args) if args.slow else None
     if slowed is not None and not slowed.uniform:  # devices of different speeds: planned as a mixed cluster
         return run_mixed(args, slowed)
     if loaded is None and args.cluster is not None and not LOCAL.fullmatch(args.cluster.strip()):
@@ -283,7 +283,7 @@ def _recommended(plan: Plan, job: Job, work: Workload) -> tuple[Recommendation, 
 
 def _print_recommended(out: Console, found: tuple[Recommendation, str] | None) -> None:
     if found is not None:
-        out.print(f"{found[0].line} ({found[1]})", highlight=False)
+        out.print(f"{found[0].line} ({found[1]})", highlight=False, soft_wrap=True)  # one line, however wide
 
 
 def _recommended_json(found: tuple[Recommendation, str] | None) -> dict | None:
