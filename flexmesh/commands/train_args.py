@@ -53,8 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
     p.add_argument("--policy", choices=POLICY_NAMES,
-                   help="per-step scheduling policy (default: fixed for a plan of one replica group, shares -- "
-                        "each group its planned share -- for several)")
+                   help="per-step scheduling policy (default: fixed for a plan of one replica group; for several, "
+                        "the one the simulator recommends on the run's first batches, else shares -- each group its "
+                        "planned share; the run says which and why)")
     p.add_argument("--adaptive", action="store_true",
                    help="never wait for a late schedule: run --fallback-policy's for that step instead")
     p.add_argument("--fallback-policy", default="hdp", choices=POLICY_NAMES,
