@@ -41,7 +41,8 @@ def test_a_plan_of_several_groups_is_told_the_dispatch_policy():
     assert line.startswith("recommended: --policy balanced (dispatch+balanced), 2.00x the tokens/s of --policy shares")
     assert "shares's step is 1.90x its lower bound" in line and "1.10x" in line
     kept = groups_recommendation([g("shares", 1.0, 1.1), g("dispatch+hdp", 0.99, 1.1)])
-    assert kept.policy == "shares" and kept.line.startswith("recommended: --policy shares: no schedule here is 2% faster")
+    assert kept.policy == "shares"
+    assert kept.line.startswith("recommended: --policy shares: no schedule here is 2% faster")
 
 
 def test_a_policy_whose_scheduler_is_slower_than_the_step_is_not_recommended():
