@@ -1,6 +1,6 @@
 """``train``'s policy without ``--policy``: ``fixed`` on a plan of one replica group (unchanged), and on a plan of
 several the dispatch policy the simulator recommends on the run's first batches (flexmesh.commands.train_job.
-default_policy), the planned shares where that cannot be computed; an explicit ``--policy`` wins."""
+choose_policy), the planned shares where that cannot be computed; an explicit ``--policy`` wins."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers import flexmesh_ranks, tiny_spec, write_inputs
 from test_groups_runtime import plan_dict
 
 from flexmesh.commands.simulate import plan_recommendation
-from flexmesh.commands.train_job import default_policy
+from flexmesh.commands.train_job import choose_policy
 from flexmesh.job import build_job
 from flexmesh.layout.plan import Plan
 from flexmesh.sim.groups import RECOMMENDED_AMONG
@@ -33,7 +33,7 @@ def _batches(gb: int, steps: int = 6) -> list[np.ndarray]:
 def test_a_mixed_plan_takes_the_dispatch_policy_the_simulator_recommends():
     job = _job("shares+balanced")  # a one-rank group and a two-stage group on H100 + 2 A100s
     batches = _batches(job.global_batch)
-    policy, line = default_policy(job, batches)
+    policy, line = choose_policy(job, batches)
     # what `plan` prints for this plan on these batches, by simulate's code
     cluster = parse_mixed_cluster(job.plan.cluster)
     rec = plan_recommendation(job.plan, build_job(job.model, 64, job.global_batch, cluster=cluster, plan=job.plan),
@@ -47,8 +47,8 @@ def test_a_mixed_plan_takes_the_dispatch_policy_the_simulator_recommends():
 def test_a_slow_device_weighs_in_the_choice():
     job = _job("shares+balanced")
     batches = _batches(job.global_batch)
-    _, nominal = default_policy(job, batches)
-    _, slowed = default_policy(job, batches, speeds=(0.25, 1.0, 1.0))  # the one-rank group at a quarter speed
+    _, nominal = choose_policy(job, batches)
+    _, slowed = choose_policy(job, batches, speeds=(0.25, 1.0, 1.0))  # the one-rank group at a quarter speed
     assert nominal != slowed  # the simulated steps, and so the gain over the shares, move with the speeds
 
 
@@ -56,9 +56,9 @@ def test_one_group_keeps_fixed_and_an_unpriced_cluster_keeps_shares_saying_why()
     from test_goldens import uniform_plans
 
     plan = uniform_plans()["dp4-z0"]
-    assert default_policy(build_job(tiny_spec(), 256, 8, plan=plan), _batches(8)) == ("fixed", None)
+    assert choose_policy(build_job(tiny_spec(), 256, 8, plan=plan), _batches(8)) == ("fixed", None)
     job = _job("shares")  # cluster "cpu": no presets price the dispatch
-    policy, line = default_policy(job, _batches(job.global_batch))
+    policy, line = choose_policy(job, _batches(job.global_batch))
     assert policy == "shares"
     assert line.startswith("policy shares (each replica group its planned share): the simulator's recommendation "
                            "cannot be computed here (the plan's cluster 'cpu' prices nothing")

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 from flexmesh.commands.train_args import add_arguments, run_dtype
 from flexmesh.commands.train_data import check_evaluation, corpus_tokens_of, document_loader, first_lengths, held_out
-from flexmesh.commands.train_job import RECOMMEND_STEPS, default_policy, estimated_peak, scheduler, train_job
+from flexmesh.commands.train_job import RECOMMEND_STEPS, choose_policy, estimated_peak, scheduler, train_job
 from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned_path
 from flexmesh.commands.train_tasks import run_tasks, task_table
 from flexmesh.errors import PlanError
@@ -348,7 +348,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
         loader = document_loader(args, job, tokens)
         evaluation = held_out(args, job, tokens[1])
     if schedule_fn is None:  # the default: the plan's own schedule, or for several groups the simulator's choice
-        policy, why = default_policy(job, first_lengths(args, job, tokens, RECOMMEND_STEPS),
+        policy, why = choose_policy(job, first_lengths(args, job, tokens, RECOMMEND_STEPS),
                                      speeds_of(emulated, plan.world_size), args.seed)
         if why is not None and os.environ.get("RANK", "0") == "0":
             print(why, file=sys.stderr, flush=True)

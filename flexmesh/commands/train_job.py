@@ -89,7 +89,7 @@ def scheduler(job: Job, policy: str, seed: int, cp: int | None) -> Scheduler:
 RECOMMEND_STEPS = 8  # the run's first batches the simulator compares the policies on
 
 
-def default_policy(job: Job, batches: Sequence[np.ndarray], speeds: Sequence[float] = (),
+def choose_policy(job: Job, batches: Sequence[np.ndarray], speeds: Sequence[float] = (),
                    seed: int = 0) -> tuple[str, str | None]:
     """The policy a run takes without ``--policy``, and one line saying which and why (None: nothing to say).
 
