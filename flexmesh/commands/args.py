@@ -149,7 +149,7 @@ SLOW_HELP = ("devices slower than the rest: RANK=FACTOR runs device (rank) RANK 
 
 def add_slow_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, dest: str = "slow", *old: str) -> None:
     """``--slow RANK=FACTOR,...`` (:func:`rank_factors`, a list of pairs in ``dest``; ``old``: former
-    spellings kept working). Checked against the run's devices by flexmesh.spec.cluster.slow_devices.
+    spellings kept working). Checked against the run's devices by flexmesh.spec.speeds.slow_devices.
 
     >>> p = argparse.ArgumentParser()
     >>> add_slow_arg(p)

@@ -66,9 +66,10 @@ from flexmesh.search.mixed import MixedResult, MixedSearch
 from flexmesh.search.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.sim.compare import Recommendation
 from flexmesh.sim.expected import Expected
-from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster, slow_devices, speeds_of
+from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.spec.model_file import ModelFile
+from flexmesh.spec.speeds import slow_devices, speeds_of
 
 PROGRESS_AFTER_S = 1.0  # show a progress bar only for searches that take longer than this
 
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _slowed(args: argparse.Namespace) -> MixedCluster:
     """``--cluster`` (default the default cluster) with ``--slow``'s devices at their speeds, in place of the
-    cluster's own speed factors (as simulate and train take them: flexmesh.spec.cluster.slow_devices)."""
+    cluster's own speed factors (as simulate and train take them: flexmesh.spec.speeds.slow_devices)."""
     if args.check or args.replicas:
         raise PlanError("--slow plans a new layout for slow devices; --check and --replicas do not search one: drop "
                         "--slow (flexmesh simulate --plan FILE --slow ... prices a written plan with slow devices)")

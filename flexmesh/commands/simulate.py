@@ -63,8 +63,8 @@ from flexmesh.sim.simulation import (
     static_cells,
     summarise,
 )
-from flexmesh.spec.cluster import slow_devices, speeds_of
 from flexmesh.spec.model import parse_model
+from flexmesh.spec.speeds import slow_devices, speeds_of
 
 if TYPE_CHECKING:
     from rich.console import Console

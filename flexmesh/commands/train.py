@@ -37,7 +37,7 @@ from flexmesh.runtime.launch import (
 )
 from flexmesh.runtime.state.rundir import HELD_ENV, PEER, hold_run_folder, release_run_folder, restart_count, start_over
 from flexmesh.runtime.train.config import TrainConfig
-from flexmesh.spec.cluster import speeds_of
+from flexmesh.spec.speeds import speeds_of
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

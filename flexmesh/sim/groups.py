@@ -152,7 +152,7 @@ def groups_recommendation(runs: Sequence[GroupsRun], against: str = "shares", ma
 
 
 def device_speeds(gctx: GroupsContext, plan: Plan, factors: Sequence[float]) -> GroupsContext:
-    """``gctx`` with one speed factor per device of ``plan`` (``--slow``'s, flexmesh.spec.cluster.speeds_of) in
+    """``gctx`` with one speed factor per device of ``plan`` (``--slow``'s, flexmesh.spec.speeds.speeds_of) in
     place of the cluster's own: each data rank at its slowest device's; ``gctx`` itself for none."""
     if not factors:
         return gctx

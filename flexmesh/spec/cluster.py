@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -257,35 +256,6 @@ class MixedCluster:
     def to_dict(self) -> dict:
         return {"groups": [g.to_dict() for g in self.groups],
                 "links": {f"{a}-{b}": {"gbps": link.gbps, "latency_us": link.latency_us} for a, b, link in self.links}}
-
-
-def slow_devices(pairs: Iterable[tuple[int, float]], world: int) -> dict[int, float]:
-    """``--slow`` pairs (``RANK=FACTOR``, flexmesh.commands.args.rank_factors) as {device: factor} for a
-    run of ``world`` devices: one meaning in ``plan``, ``simulate`` and ``train``. A device outside the
-    run, a device named twice or a factor outside (0, 1] is a one-line SpecError.
-
-    >>> slow_devices([(3, 0.5)], 4), speeds_of(slow_devices([(3, 0.5)], 4), 4)
-    ({3: 0.5}, (1.0, 1.0, 1.0, 0.5))
-    >>> slow_devices([(4, 0.5)], 4)
-    Traceback (most recent call last):
-    flexmesh.errors.SpecError: --slow names rank 4, but there are ranks 0 to 3 (one per device); name one of them
-    """
-    out: dict[int, float] = {}
-    for rank, factor in pairs:
-        if not 0 <= rank < world:
-            raise SpecError(f"--slow names rank {rank}, but there are ranks 0 to {world - 1} (one per device); name "
-                            "one of them")
-        if rank in out:
-            raise SpecError(f"--slow names rank {rank} twice; give each rank one factor")
-        if not 0.0 < factor <= 1.0:
-            raise SpecError(f"--slow factor of rank {rank} must be in (0, 1], got {factor}")
-        out[rank] = factor
-    return out
-
-
-def speeds_of(slow: dict[int, float], world: int) -> tuple[float, ...]:
-    """One speed factor per device: ``slow``'s where it names the device, else 1.0 (nominal); () for none."""
-    return tuple(slow.get(r, 1.0) for r in range(world)) if slow else ()
 
 
 _CLUSTER_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9\-]+)$", re.IGNORECASE)

@@ -71,7 +71,7 @@ from typing import Any
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.step import StepSchedule
-from flexmesh.spec.cluster import slow_devices
+from flexmesh.spec.speeds import slow_devices
 
 
 def stretch(seconds: float, factor: float) -> float:
@@ -137,7 +137,7 @@ class ComputeClock:
 
 def parse_emulation(pairs: Sequence[tuple[int, float]], world: int) -> dict[int, float]:
     """``--slow`` pairs as {rank: factor}, checked as ``plan`` and ``simulate`` check them
-    (flexmesh.spec.cluster.slow_devices: a rank outside the run or named twice is a SpecError)."""
+    (flexmesh.spec.speeds.slow_devices: a rank outside the run or named twice is a SpecError)."""
     return slow_devices(pairs, world)
 
 
