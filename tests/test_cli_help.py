@@ -38,7 +38,7 @@ def test_the_shared_concepts_have_one_flag_and_old_spellings_are_hidden_aliases(
     cmds = _commands()
     for name in ("plan", "simulate", "train", "demo"):
         assert "--seq-len" in _flags(cmds[name]), name
-    for name in ("simulate", "train"):
+    for name in ("plan", "simulate", "train"):
         assert "--slow" in _flags(cmds[name]), name
     hidden = {"simulate": ("--context", "--speed"), "train": ("--max-len", "--emulate-speed"), "demo": ("--max-len",)}
     for name, olds in hidden.items():
@@ -51,7 +51,7 @@ def test_the_shared_concepts_have_one_flag_and_old_spellings_are_hidden_aliases(
                                                                                 "--emulate-speed", "1=0.5"])
     assert (new.seq_len, new.emulate_speed) == (old.seq_len, old.emulate_speed) == (64, [(1, 0.5)])
     assert parse(["simulate", "--context", "512"]).seq_len == parse(["simulate", "--seq-len", "512"]).seq_len == 512
-    assert parse(["simulate", "--speed", "3=0.5"]).slow == parse(["simulate", "--slow", "3=0.5"]).slow == "3=0.5"
+    assert parse(["simulate", "--speed", "3=0.5"]).slow == parse(["simulate", "--slow", "3=0.5"]).slow == [(3, 0.5)]
 
 
 def test_simulate_and_plan_share_their_defaults(capsys):

@@ -31,6 +31,14 @@ def test_json_output_has_every_baseline_and_speedups_are_over_the_best(capsys, t
         assert r["ratio_to_lower_bound"] >= 1.0 - 1e-9
         assert r["speedup_vs_best_baseline"] == pytest.approx(r["tokens_per_s"] / best["tokens_per_s"])
     assert out["setup"]["data_ranks"] == 16
+    rec = out["recommendation"]  # the line the table ends with, as an object (docs/simulate-output.md)
+    fastest = max((r for r in runs.values() if r["label"] not in rec["left_out"]), key=lambda r: r["tokens_per_s"])
+    assert rec["against"] == "fixed" and rec["line"].startswith("recommended: ")
+    if rec["policy"] != "fixed":
+        assert rec["schedule"] == fastest["label"] and rec["policy"] == fastest["policy"]
+        assert rec["speedup"] == pytest.approx(fastest["tokens_per_s"] / runs["fixed"]["tokens_per_s"])
+    else:
+        assert rec["speedup"] == 1.0 and fastest["tokens_per_s"] <= 1.02 * runs["fixed"]["tokens_per_s"]
     for files in out["plots"].values():
         for f in files:
             assert open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -77,7 +85,7 @@ def test_slow_device_lowers_throughput(capsys):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--tp", "3"], "divisible"),
-    (["--slow", "99=0.5"], "rank must be"),
+    (["--slow", "99=0.5"], "--slow names rank 99, but there are ranks 0 to"),
     (["--lengths", "no-such-dist"], "unknown lengths"),
     (["--policies", "nope"], "unknown scheduling policy"),
     (["--virtual-stages", "2"], "--pp > 1"),

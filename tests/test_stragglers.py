@@ -361,14 +361,14 @@ def test_emulate_speed_flag_rejects_bad_values(value, capsys):
 
 def test_emulate_speed_flag_repeats_and_checks_ranks():
     from flexmesh.commands import train
-    from flexmesh.errors import PlanError
+    from flexmesh.errors import PlanError, SpecError
     from flexmesh.runtime.train.stragglers import parse_emulation
 
     args = _train_parser().parse_args([*BASE, "--emulate-speed", "1=0.5,0=1", "--emulate-speed", "3=0.25"])
     assert args.emulate_speed == [(1, 0.5), (0, 1.0), (3, 0.25)]
-    with pytest.raises(PlanError, match="rank 3, but the run has ranks 0 to 1"):
+    with pytest.raises(SpecError, match="rank 3, but there are ranks 0 to 1"):
         train.run(_train_parser().parse_args([*BASE, "--nproc", "2", "--emulate-speed", "3=0.5"]))
-    with pytest.raises(PlanError, match="twice"):
+    with pytest.raises(SpecError, match="twice"):
         parse_emulation([(1, 0.5), (1, 0.25)], 2)
     with pytest.raises(PlanError, match="straggler-threshold"):
         train.run(_train_parser().parse_args([*BASE, "--straggler-threshold", "1.5"]))

@@ -27,6 +27,8 @@ from flexmesh.spec.tasks import TaskSet, load_tasks
 
 # What `plan` and `simulate` assume when neither a plan nor the flag says: one meaning in both.
 DEFAULT_MODEL, DEFAULT_CLUSTER, DEFAULT_SEQ_LEN, DEFAULT_GLOBAL_BATCH = "llama3-8b", "8xH100", 8192, 128
+# simulate's --lengths and --policies; plan's policy recommendation draws its batches from these lengths too
+DEFAULT_LENGTHS, DEFAULT_POLICIES = "wikipedia", "hdp"
 
 
 def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -138,6 +140,26 @@ def rank_factors(text: str) -> list[tuple[int, float]]:
 
 
 rank_factors.__name__ = "RANK=FACTOR list"
+
+# One flag and one text for slow devices in plan, simulate and train (docs/cli.md#slow-devices)
+SLOW_HELP = ("devices slower than the rest: RANK=FACTOR runs device (rank) RANK at FACTOR of its speed, FACTOR in "
+             "(0, 1] (3=0.5: device 3 at half speed); repeatable or comma-separated. plan and simulate price it "
+             "(compute stretched, communication not); train EMULATES it, for testing on one machine")
+
+
+def add_slow_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, dest: str = "slow", *old: str) -> None:
+    """``--slow RANK=FACTOR,...`` (:func:`rank_factors`, a list of pairs in ``dest``; ``old``: former
+    spellings kept working). Checked against the run's devices by flexmesh.spec.speeds.slow_devices.
+
+    >>> p = argparse.ArgumentParser()
+    >>> add_slow_arg(p)
+    >>> p.parse_args(["--slow", "1=0.5,3=0.25", "--slow", "2=1"]).slow, p.parse_args([]).slow
+    ([(1, 0.5), (3, 0.25), (2, 1.0)], [])
+    """
+    p.add_argument("--slow", dest=dest, type=rank_factors, action="extend", default=[], metavar="RANK=FACTOR,...",
+                   help=SLOW_HELP)
+    if old:
+        old_names(p, *old, dest=dest, type=rank_factors, action="extend")
 
 
 def new_file(text: str) -> str:

@@ -7,14 +7,17 @@ import json
 import time
 from dataclasses import replace
 
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flexmesh.commands.args import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MODEL,
+    DEFAULT_POLICIES,
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
+    add_slow_arg,
     add_stack_args,
     chunk_counts,
     new_file,
@@ -31,6 +34,8 @@ from flexmesh.commands.plan_lengths import (
     RESCORED,
     SEED,
     STEPS,
+    Workload,
+    recommendation_batches,
     score_baselines,
     score_mixed,
     score_uniform,
@@ -45,7 +50,7 @@ from flexmesh.cost import CostModel
 from flexmesh.cost.training.experts import ExpertParallel
 from flexmesh.cost.training.mixed import MixedCosts
 from flexmesh.cost.training.parts import Parts
-from flexmesh.errors import PlanError, SpecError
+from flexmesh.errors import FlexmeshError, PlanError, SpecError
 from flexmesh.files import check_file_target
 from flexmesh.job import Job, build_job
 from flexmesh.layout.overlap import RUNTIME
@@ -59,10 +64,12 @@ from flexmesh.search.baselines import BaselinePlans, mixed_baselines
 from flexmesh.search.check import check_groups, check_plan
 from flexmesh.search.mixed import MixedResult, MixedSearch
 from flexmesh.search.space import FULL_SPACE, SEARCH_MODES
+from flexmesh.sim.compare import Recommendation
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.spec.model_file import ModelFile
+from flexmesh.spec.speeds import slow_devices, speeds_of
 
 PROGRESS_AFTER_S = 1.0  # show a progress bar only for searches that take longer than this
 
@@ -130,6 +137,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--replicas", action="store_true",
                    help="with --tasks: a mix of replica layouts and per-step dispatch for the tasks' lengths "
                         "(each task's `lengths`, else --lengths), against every single layout")
+    add_slow_arg(p)
     add_stack_args(p)
     add_expert_args(p)
     p.add_argument("--mode", choices=SEARCH_MODES, default="auto",
@@ -144,11 +152,14 @@ def run(args: argparse.Namespace) -> int:
     if args.check and (args.lengths or args.tokens_per_batch):
         raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
                         "drop them (flexmesh simulate --plan FILE --lengths ... scores a plan on lengths)")
+    slowed = _slowed(args) if args.slow else None
     if args.out:
         check_file_target(args.out)  # a device, fifo or symlink there: refused before searching
     loaded = load_plan(args.check) if args.check else None
     if loaded is not None and not loaded.in_rank_order:
         return check_groups_command(args, loaded)
+    if slowed is not None and not slowed.uniform:  # devices of different speeds: planned as a mixed cluster
+        return run_mixed(args, slowed)
     if loaded is None and args.cluster is not None and not LOCAL.fullmatch(args.cluster.strip()):
         mixed = parse_mixed_cluster(args.cluster)
         if not mixed.uniform:  # several device groups, or devices of different speeds
@@ -165,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise SpecError(f"plan {args.check} records cluster {own!r}, which prices nothing here ({e}); pass "
                         "--cluster") from None
+    if slowed is not None:  # every device at one speed: the uniform search, each device at it (its pace)
+        base = CostModel(spec, slowed.groups[0])
     # the model in the profiles' dtype when profiles are given (base.model)
     parts = _parts(args, base.model, base.cluster.world_size)
     tasks = parts.tasks
@@ -213,8 +226,10 @@ def run(args: argparse.Namespace) -> int:
     plan = recorded(with_expected(best.plan, expected[best.plan.layout], work) if expected else best.plan, args.model)
     if args.out:
         plan.save(args.out)
+    found = _recommended(plan, job, work)
     if args.json:
-        print(json.dumps({**result_json(result, plan, expected, args.pick), "workload": work.to_dict()}, indent=2))
+        print(json.dumps({**result_json(result, plan, expected, args.pick), "workload": work.to_dict(),
+                          "recommendation": _recommended_json(found)}, indent=2))
         return 0
     out.print(job.model.describe(), highlight=False)
     print_table(out, result, expected, job.model)
@@ -224,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if cost.cluster.pace != 1.0:
         out.print(f"every device priced at speed {cost.cluster.pace:g}: the cluster's devices all run at it (its "
                   "speed_factors), compute stretched, communication not", highlight=False)
+    _print_recommended(out, found)
     if args.explain:
         explain(out, best.evaluation, cost)
         if args.against:
@@ -234,6 +250,45 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"wrote {'the best plan' if args.pick == 1 else f'plan {args.pick} of the list'} to {args.out}",
                   highlight=False)
     return 0
+
+
+def _slowed(args: argparse.Namespace) -> MixedCluster:
+    """``--cluster`` (default the default cluster) with ``--slow``'s devices at their speeds, in place of the
+    cluster's own speed factors (as simulate and train take them: flexmesh.spec.speeds.slow_devices)."""
+    if args.check or args.replicas:
+        raise PlanError("--slow plans a new layout for slow devices; --check and --replicas do not search one: drop "
+                        "--slow (flexmesh simulate --plan FILE --slow ... prices a written plan with slow devices)")
+    if args.hardware_profile or args.model_profile or (args.cluster and LOCAL.fullmatch(args.cluster.strip())):
+        raise PlanError("--slow prices devices of different speeds from the cluster's device presets, as for a mixed "
+                        "cluster; drop --hardware-profile / --model-profile, or give a preset cluster (e.g. 8xH100)")
+    cluster = parse_mixed_cluster(args.cluster or DEFAULT_CLUSTER)
+    return cluster.with_speeds(speeds_of(slow_devices(args.slow, cluster.world_size), cluster.world_size))
+
+
+def _recommended(plan: Plan, job: Job, work: Workload) -> tuple[Recommendation, str] | None:
+    """The policy ``simulate --plan`` recommends for the plan written, and the sentence of what it was
+    computed on (flexmesh.commands.simulate.plan_recommendation on :func:`recommendation_batches`); None
+    where the plan's layout cannot schedule those batches."""
+    from flexmesh.commands.simulate import plan_recommendation
+    from flexmesh.sim.groups import RECOMMENDED_AMONG
+
+    batches, lengths = recommendation_batches(work)
+    try:
+        rec = plan_recommendation(plan, replace(job, plan=plan), batches, SEED)
+    except FlexmeshError:
+        return None
+    policies = ",".join(RECOMMENDED_AMONG) if len(plan.groups) > 1 else DEFAULT_POLICIES
+    return rec, (f"on {len(batches)} steps of {lengths} lengths up to {work.seq_len} tokens: flexmesh simulate --plan "
+                 f"FILE --lengths {lengths} --steps {len(batches)} --policies {policies} shows the table")
+
+
+def _print_recommended(out: Console, found: tuple[Recommendation, str] | None) -> None:
+    if found is not None:
+        out.print(f"{found[0].line} ({found[1]})", highlight=False, soft_wrap=True)  # one line, however wide
+
+
+def _recommended_json(found: tuple[Recommendation, str] | None) -> dict | None:
+    return None if found is None else {**found[0].to_dict(), "computed_on": found[1]}
 
 
 def _parts(args: argparse.Namespace, model: ModelSpec, world: int) -> Parts:
@@ -356,6 +411,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     plan = recorded(plan, args.model)
     if args.out:
         plan.save(args.out)
+    found = _recommended(plan, job, work)
     if args.json:
         best: dict = {"layout": plan.layout.split("\n"), "step_time_s": step, "tokens_per_s": tokens_per_s}
         if e is not None:
@@ -364,7 +420,8 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
         print(json.dumps({"search_seconds": result.search_seconds, "baselines_seconds": baseline_seconds,
                           "configurations": result.configurations, "workload": work.to_dict(),
                           "best": {**best, "plan": plan.to_dict()},
-                          "baselines": baselines, "ratios": ratios(tokens_per_s, baselines)}, indent=2))
+                          "baselines": baselines, "ratios": ratios(tokens_per_s, baselines),
+                          "recommendation": _recommended_json(found)}, indent=2))
         return 0
     out = plain_console()
     slow = sum(1 for r in range(cluster.world_size) if cluster.speed(r) != 1.0)
@@ -378,6 +435,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     out.print(work.describe(), highlight=False)
     if moved := work.factoring():
         out.print(moved, highlight=False)
+    _print_recommended(out, found)
     if args.explain:
         out.print(stage_table(plan, ev))
     if args.out:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from flexmesh.commands.args import DEFAULT_GLOBAL_BATCH
+from flexmesh.commands.args import DEFAULT_GLOBAL_BATCH, DEFAULT_LENGTHS
 from flexmesh.cost import CostModel
 from flexmesh.cost.training.mixed import GroupsEvaluation, MixedCosts
 from flexmesh.errors import FlexmeshError, PlanError, ScheduleError
@@ -119,6 +119,17 @@ def workload(seq: int, global_batch: int | None, tokens: int | None, lengths: st
         except FlexmeshError as e:  # an unknown name, or a file's name and what is wrong in it
             raise type(e)(f"--lengths: {e}") from None
     return work
+
+
+def recommendation_batches(work: Workload) -> tuple[list[np.ndarray], str]:
+    """The batches ``plan`` recommends a policy on, and the lengths they come from: ``--lengths``' draws, else
+    :data:`STEPS` drawn with seed :data:`SEED` from simulate's default lengths (its ``--steps 4`` draws the same)."""
+    if work.lengths:
+        return work.batches, work.lengths
+    cfg = SimulationConfig(policies=(), context=work.seq_len, lengths=DEFAULT_LENGTHS, steps=STEPS, seed=SEED,
+                           seqs_per_batch=None if work.tokens_per_batch else work.global_batch,
+                           tokens_per_batch=work.tokens_per_batch)
+    return sample_batches(cfg), DEFAULT_LENGTHS
 
 
 def score_plan(plan: Plan, model: ModelSpec, costs: MixedCosts, work: Workload) -> Expected | None:

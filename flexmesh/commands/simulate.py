@@ -20,10 +20,13 @@ import numpy as np
 from flexmesh.commands.args import (
     DEFAULT_CLUSTER,
     DEFAULT_GLOBAL_BATCH,
+    DEFAULT_LENGTHS,
     DEFAULT_MODEL,
+    DEFAULT_POLICIES,
     DEFAULT_SEQ_LEN,
     TASKS_HELP,
     DefaultsHelpFormatter,
+    add_slow_arg,
     add_stack_args,
     folder,
     nonempty,
@@ -38,7 +41,7 @@ from flexmesh.commands.args import (
     tokens,
 )
 from flexmesh.cost.training.parts import Parts
-from flexmesh.errors import FlexmeshError, SpecError
+from flexmesh.errors import FlexmeshError
 from flexmesh.job import Job, build_job, plan_sizes
 from flexmesh.layout.plan import PIPELINE_SCHEDULES, Plan, load_plan
 from flexmesh.layout.plan_model import plan_model
@@ -46,7 +49,7 @@ from flexmesh.profile.use import cost_model_for
 from flexmesh.report.tables import print_table as print_fitted
 from flexmesh.schedule.context import ScheduleContext
 from flexmesh.schedule.scheduler import plan_costs
-from flexmesh.sim.compare import recommendation
+from flexmesh.sim.compare import Recommendation, recommendation
 from flexmesh.sim.simulation import (
     COLUMNS,
     SPEED_COLUMNS,
@@ -61,6 +64,7 @@ from flexmesh.sim.simulation import (
     summarise,
 )
 from flexmesh.spec.model import parse_model
+from flexmesh.spec.speeds import slow_devices, speeds_of
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -84,14 +88,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=seq_len, help="the longest sequence, in tokens; longer ones are truncated "
                                                        f"to it (default: the plan's, else {DEFAULT_SEQ_LEN})")
     old_names(p, "--context", dest="seq_len", type=seq_len)
-    p.add_argument("--lengths", default="wikipedia", help="shipped distribution name or a .txt/.json file")
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="shipped distribution name or a .txt/.json file")
     p.add_argument("--tasks", metavar="FILE", help=TASKS_HELP)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--global-batch", type=sequences, default=None,
                       help=f"sequences per step (default: the plan's, else {DEFAULT_GLOBAL_BATCH})")
     size.add_argument("--tokens-per-batch", type=tokens, default=None,
                       help="tokens per step instead of sequences")
-    p.add_argument("--policies", default="hdp",
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated scheduling policies, run besides the baselines (fixed, padded, balanced, "
                         "wlb), which always run")
     p.add_argument("--steps", type=steps, default=20, help="global batches to draw and simulate")
@@ -106,10 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                    help="full activation recomputation")
     p.add_argument("--cp-kind", default="ulysses", choices=("ulysses", "ring"), help="context-parallel kind")
-    p.add_argument("--slow", dest="slow", default="", metavar="RANK=FACTOR,...",
-                   help="speed factors of individual devices, e.g. 3=0.5 (device 3 at half speed); the table "
-                        "then adds each policy's tokens/s with schedules made for nominal speed (static)")
-    old_names(p, "--speed", dest="slow")
+    add_slow_arg(p, "slow", "--speed")  # the table then adds tokens/s with schedules made for nominal speed
     p.add_argument("--json", action="store_true", help="print plain JSON instead of a table")
     p.add_argument("--plots", metavar="DIR", default=None, type=folder,
                    help="write a Gantt and a load PNG per policy here")
@@ -118,20 +119,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _slow(text: str, world: int) -> tuple[float, ...]:
-    if not text:
-        return ()
-    f = [1.0] * world
-    for item in text.split(","):
-        try:
-            rank, factor = item.split("=")
-            r, x = int(rank), float(factor)
-        except ValueError:
-            raise SpecError(f"--slow: cannot read {item!r}; write RANK=FACTOR, e.g. 3=0.5") from None
-        if not 0 <= r < world or not 0 < x < float("inf"):
-            raise SpecError(f"--slow {item!r}: rank must be in 0..{world - 1} and the factor > 0")
-        f[r] = x
-    return tuple(f)
+def _slow(pairs: list[tuple[int, float]], world: int) -> tuple[float, ...]:
+    """``--slow`` as one speed factor per device (() for none), checked as plan and train check it."""
+    return speeds_of(slow_devices(pairs, world), world)
 
 
 @dataclass(frozen=True)
@@ -147,8 +137,9 @@ class _Layout:
     cp_kind: str
 
     @classmethod
-    def of(cls, args: argparse.Namespace, plan: Plan | None) -> _Layout:
+    def of(cls, args: argparse.Namespace | None, plan: Plan | None) -> _Layout:
         if plan is None:
+            assert args is not None
             return cls(args.tp, args.pp, args.pipeline_schedule, args.virtual_stages, args.zero, args.recompute,
                        args.cp_kind)
         s = plan.layer_strategies()[0]
@@ -195,6 +186,34 @@ def _config(args: argparse.Namespace, job: Job, layout: _Layout, policies: tuple
                             cp_kind=layout.cp_kind, speed_factors=speed_factors)
 
 
+def _with_plan(cfg: SimulationConfig, plan: Plan) -> SimulationConfig:
+    """``cfg`` with what a plan of one group fixes beyond its layout: its overlap and layers per chunk."""
+    return replace(cfg, overlap=plan.overlap, chunk_layers=tuple(st.num_layers for st in plan.group.stages))
+
+
+def plan_recommendation(plan: Plan, job: Job, batches: list[np.ndarray], seed: int = 0) -> Recommendation:
+    """What ``simulate --plan`` recommends for ``plan`` on ``batches`` (``job``: its model, sequence cap and
+    cost model; for several groups the groups' costs): one group, its default ``--policies`` against the
+    baselines; several, train's choices (flexmesh.sim.groups.RECOMMENDED_AMONG), as train chooses among them.
+    ``plan`` prints it for the plan it writes."""
+    from flexmesh.schedule.groups import groups_context
+    from flexmesh.sim.groups import recommend_dispatch
+
+    if len(plan.groups) > 1:
+        assert job.costs is not None
+        gctx = groups_context(plan, job.model, job.costs)
+        return recommend_dispatch(gctx, batches, seed=seed, virtual_stages=[g.virtual_stages for g in plan.groups])
+    assert job.cost is not None
+    layout = _Layout.of(None, plan)
+    cfg = _with_plan(SimulationConfig(
+        policies=tuple(DEFAULT_POLICIES.split(",")), context=job.seq_len, steps=len(batches), seed=seed,
+        seqs_per_batch=job.global_batch, tp=layout.tp, pp=layout.pp, pipeline_schedule=layout.pipeline_schedule,
+        virtual_stages=layout.virtual_stages, zero=layout.zero, recompute=layout.recompute, cp_kind=layout.cp_kind),
+        plan)
+    ctx, speeds = simulation_context(job.cost, cfg)
+    return recommendation(run_policies(cfg, ctx, speeds, batches))
+
+
 def _prepare(args: argparse.Namespace,
              policies: tuple[str, ...]) -> tuple[SimulationConfig, ScheduleContext, np.ndarray]:
     """Check the flags and build the plan they describe (errors in the order a user meets them)."""
@@ -205,7 +224,7 @@ def _prepare(args: argparse.Namespace,
     world = job.cost.cluster.world_size
     cfg = _config(args, job, layout, policies, _slow(args.slow, world))
     if plan is not None:
-        cfg = replace(cfg, overlap=plan.overlap, chunk_layers=tuple(st.num_layers for st in plan.group.stages))
+        cfg = _with_plan(cfg, plan)
     if layout.pp == 1 and (layout.virtual_stages != 1 or layout.pipeline_schedule == "interleaved"):
         raise FlexmeshError("--virtual-stages and --pipeline-schedule interleaved need --pp > 1")
     if layout.virtual_stages > 1 and layout.pipeline_schedule != "interleaved":
@@ -272,7 +291,7 @@ def print_table(sim: Simulation, console: Console) -> None:
         table.add_row(*comparison_row(r), *(static_cells(r) if note else ()))
     print_fitted(console, table)
     console.print(sim.reference(), highlight=False)
-    console.print(recommendation(sim.runs), highlight=False)
+    console.print(recommendation(sim.runs).line, highlight=False)
     own = sim.setup.get("plan_step")
     if own:
         predicted = own["predicted_step_s"]
@@ -309,7 +328,10 @@ class GroupsSimulation:
     runs: list
 
     def to_dict(self) -> dict:
-        return {"setup": self.setup, "schedules": [r.to_dict() for r in self.runs]}
+        from flexmesh.sim.groups import groups_recommendation
+
+        return {"setup": self.setup, "schedules": [r.to_dict() for r in self.runs],
+                "recommendation": groups_recommendation(self.runs).to_dict()}
 
     def print(self, console: Console) -> None:
         from rich.table import Table
@@ -333,29 +355,21 @@ class GroupsSimulation:
                       "planned share in order, shares+P: packed inside each group by P, dispatch+P: each step's "
                       "sequences dispatched over the groups, then packed by P; step/LB: the simulated step over "
                       "the per-step lower bound", highlight=False)
-        console.print(groups_recommendation(self.runs), highlight=False)
+        console.print(groups_recommendation(self.runs).line, highlight=False)
 
 
 def simulate_groups(args: argparse.Namespace, policies: tuple[str, ...]) -> GroupsSimulation:
     """The groups of ``--plan`` on its cluster's presets, ``--slow`` devices at their speeds (each data
     rank at its slowest device), on ``--global-batch`` sequences per step (the plan's by default; its
     groups' shares scaled to it)."""
-    from flexmesh.layout.mesh import rank_place
     from flexmesh.schedule.groups import groups_context
-    from flexmesh.sim.groups import compare_groups
+    from flexmesh.sim.groups import compare_groups, device_speeds
 
     job = simulate_job(args, load_plan(args.plan))
     plan, spec, costs = job.plan, job.model, job.costs
     assert plan is not None and costs is not None
-    gctx = groups_context(plan, spec, costs)
     slow = _slow(args.slow, plan.world_size)
-    if slow:  # in place of the cluster's own speed factors, as for one group
-        speed = [1.0] * gctx.num_ranks
-        for rank, factor in enumerate(slow):
-            place = rank_place(plan, rank)
-            if place is not None:
-                speed[place.data_rank] = min(speed[place.data_rank], factor)
-        gctx = gctx.with_speed(speed)
+    gctx = device_speeds(groups_context(plan, spec, costs), plan, slow)  # in place of the cluster's own speeds
     layout = _Layout(1, 1, "1f1b", 1, 3, True, "ulysses")  # each group's own: the flags' do not apply
     batches = sample_batches(_config(args, job, layout, policies, ()))
     from flexmesh.console import progress_steps

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from flexmesh.commands.train_args import add_arguments, run_dtype
-from flexmesh.commands.train_data import check_evaluation, corpus_tokens_of, document_loader, held_out
-from flexmesh.commands.train_job import estimated_peak, scheduler, train_job
+from flexmesh.commands.train_data import check_evaluation, corpus_tokens_of, document_loader, first_lengths, held_out
+from flexmesh.commands.train_job import RECOMMEND_STEPS, choose_policy, estimated_peak, scheduler, train_job
 from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned_path
 from flexmesh.commands.train_tasks import run_tasks, task_table
 from flexmesh.errors import PlanError
@@ -37,6 +37,7 @@ from flexmesh.runtime.launch import (
 )
 from flexmesh.runtime.state.rundir import HELD_ENV, PEER, hold_run_folder, release_run_folder, restart_count, start_over
 from flexmesh.runtime.train.config import TrainConfig
+from flexmesh.spec.speeds import speeds_of
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -323,11 +324,10 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     job = train_job(args, plan, spec)
     assert job.plan is not None
     plan = job.plan  # its groups' shares scaled to the batch the run takes
-    # Default policy: the plan's own schedule (fixed packing for one group, the planned shares for several).
-    policy = args.policy or ("fixed" if len(plan.groups) == 1 else "shares")
     # Each step schedule's predicted_step_time is the step simulator's, reported beside the measured time.
-    schedule_fn = scheduler(job, policy, args.seed, args.cp)
-    fallback_fn = scheduler(job, args.fallback_policy, args.seed, args.cp) if args.adaptive else schedule_fn
+    # Without --policy, a plan of several groups takes the simulator's choice on the run's first batches (below).
+    schedule_fn = scheduler(job, args.policy, args.seed, args.cp) if args.policy else None
+    fallback_fn = scheduler(job, args.fallback_policy, args.seed, args.cp) if args.adaptive else None
     check_world(args.plan, plan)
     if not os.environ.get(SUPERVISED_ENV):  # under flexmesh's launcher it checked, once, for the whole node
         from flexmesh.runtime.parallel.device import check_memory
@@ -347,6 +347,13 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
         tokens = corpus_tokens_of(args, job, records)
         loader = document_loader(args, job, tokens)
         evaluation = held_out(args, job, tokens[1], tokens[0].end_of_text)
+    if schedule_fn is None:  # the default: the plan's own schedule, or for several groups the simulator's choice
+        policy, why = choose_policy(job, first_lengths(args, job, tokens, RECOMMEND_STEPS),
+                                     speeds_of(emulated, plan.world_size), args.seed)
+        if why is not None and os.environ.get("RANK", "0") == "0":
+            print(why, file=sys.stderr, flush=True)
+        schedule_fn = scheduler(job, policy, args.seed, args.cp)
+    fallback_fn = fallback_fn or schedule_fn
     config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
     with wall.phase("process group"):
         init_distributed(timeout_s=args.collective_timeout, device=args.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from flexmesh.commands.args import (
+    add_slow_arg,
     folder,
     fraction,
     learning_rate,
@@ -13,7 +14,6 @@ from flexmesh.commands.args import (
     old_names,
     positive_float,
     positive_int,
-    rank_factors,
     seconds,
     seq_len,
     sequences,
@@ -53,8 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", help="Hugging Face safetensors file or *.safetensors.index.json to start from")
     p.add_argument("--nproc", type=positive_int, help="launch torchrun with this many processes on this node")
     p.add_argument("--policy", choices=POLICY_NAMES,
-                   help="per-step scheduling policy (default: fixed for a plan of one replica group, shares -- "
-                        "each group its planned share -- for several)")
+                   help="per-step scheduling policy (default: fixed for a plan of one replica group; for several, "
+                        "the one the simulator recommends on the run's first batches, else shares -- each group its "
+                        "planned share; the run says which and why)")
     p.add_argument("--adaptive", action="store_true",
                    help="never wait for a late schedule: run --fallback-policy's for that step instead")
     p.add_argument("--fallback-policy", default="hdp", choices=POLICY_NAMES,
@@ -134,12 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--migrate", action="store_true",
                    help="after a sustained slowdown, move to a new layout when the planner predicts it pays for "
                         "its migration (checkpoint, relaunch, DCP reshard); needs --nproc on one node")
-    s.add_argument("--slow", dest="emulate_speed", type=rank_factors, action="extend", default=[],
-                   metavar="RANK=FACTOR,...",
-                   help="rank RANK runs at FACTOR of its speed, as in `simulate --slow`; here EMULATED, for testing "
-                        "on one machine: its compute is stretched to 1/FACTOR of its time, FACTOR in (0, 1]; "
-                        "repeatable or comma-separated")
-    old_names(s, "--emulate-speed", dest="emulate_speed", type=rank_factors, action="extend")
+    add_slow_arg(s, "emulate_speed", "--emulate-speed")
     add_expert_args(p, train=True)
     e = p.add_argument_group("restarts and several nodes (with --nproc; docs/failures.md)")
     e.add_argument("--max-restarts", type=int, metavar="K",

@@ -144,6 +144,18 @@ def document_loader(args: argparse.Namespace, job: Job, tokens=None,  # noqa: AN
     return DocumentLoader(corpus_tokens, global_batch=job.global_batch, max_len=job.seq_len, seed=args.seed)
 
 
+def first_lengths(args: argparse.Namespace, job: Job, tokens, steps: int) -> list:  # noqa: ANN001
+    """The document lengths of the run's first ``steps`` batches, one array per step, drawn from a loader of
+    their own as the run's loader draws them (same corpus, seed and batch; past ``--max-steps`` too, so that a
+    resume under another ``--max-steps`` sees the same batches)."""
+    import itertools
+
+    import numpy as np
+
+    return [np.array([len(d) for d in getattr(batch, "docs", batch)], dtype=np.int64)
+            for batch in itertools.islice(document_loader(args, job, tokens), steps)]
+
+
 def tokenizer_of_weights(weights: str | None) -> str | None:
     """The tokenizer.json in the folder of ``--weights`` (a Hugging Face model folder, or a flexmesh export,
     holds the one its weights were trained with); None without --weights. Weights with no tokenizer beside

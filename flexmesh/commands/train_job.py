@@ -5,7 +5,10 @@ schedules are priced by), and the step scheduler of a policy priced by it."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import replace
+
+import numpy as np
 
 from flexmesh.commands.experts_args import experts_of
 from flexmesh.commands.train_args import run_dtype
@@ -81,6 +84,45 @@ def scheduler(job: Job, policy: str, seed: int, cp: int | None) -> Scheduler:
                                              cp=cp, cost=job.cost, parts=job.parts))
     except ScheduleError as e:
         raise PlanError(f"--policy {policy}: {e}") from None
+
+
+RECOMMEND_STEPS = 8  # the run's first batches the simulator compares the policies on
+
+
+def choose_policy(job: Job, batches: Sequence[np.ndarray], speeds: Sequence[float] = (),
+                   seed: int = 0) -> tuple[str, str | None]:
+    """The policy a run takes without ``--policy``, and one line saying which and why (None: nothing to say).
+
+    One replica group: ``fixed``, the plan's own schedule. Several: the policy the simulator recommends
+    for this plan on ``batches`` (the lengths of the run's first steps), computed as ``simulate --plan``
+    computes it (flexmesh.sim.groups.recommend_dispatch: ``shares`` against ``dispatch+P`` for each of
+    its ``RECOMMENDED_AMONG``, priced as the run's schedules are), ``speeds`` one factor per device
+    (``--slow``'s emulation); ``shares``, the planned shares, where it cannot be computed, saying why."""
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.schedule.groups import groups_context
+    from flexmesh.schedule.scheduler import plan_costs
+    from flexmesh.sim.groups import device_speeds, recommend_dispatch
+
+    plan = job.plan
+    assert plan is not None
+    if len(plan.groups) == 1:
+        return "fixed", None
+    spec = replace(job.model, dtype=job.dtype)
+    try:
+        if not batches:
+            raise PlanError("the run has no batch to compare them on")
+        gctx = device_speeds(groups_context(plan, spec, plan_costs(plan, spec, job.cost, job.parts)), plan, speeds)
+        rec = recommend_dispatch(gctx, batches, seed=seed, virtual_stages=[g.virtual_stages for g in plan.groups])
+    except FlexmeshError as e:
+        return "shares", (f"policy shares (each replica group its planned share): the simulator's recommendation "
+                          f"cannot be computed here ({e}); --policy chooses another")
+    where = f"on this run's first {len(batches)} batch{'es' * (len(batches) != 1)}"
+    if rec.policy == rec.against:
+        return rec.policy, f"policy {rec.policy} (each replica group its planned share), as the simulator " \
+                           f"recommends {where}: {rec.why}; --policy chooses another"
+    return rec.policy, (f"policy {rec.policy} ({rec.schedule}), as the simulator recommends {where}: "
+                        f"{rec.speedup:.2f}x the tokens/s of --policy {rec.against}; why, {rec.why}; --policy "
+                        "chooses another")
 
 
 def _plan_cluster(plan: Plan, path: str) -> ClusterSpec:

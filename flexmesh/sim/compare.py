@@ -243,8 +243,27 @@ def why_faster(fast: PolicyRun, slow: PolicyRun) -> str:
     return f"{name}: {slow.label} {say(slow)}, {fast.label} {say(fast)}"
 
 
-def recommendation(runs: Sequence[PolicyRun], default: str = "fixed", margin: float = 0.02) -> str:
-    """One line: the ``--policy`` to train with, against the runtime's ``default``, and why.
+@dataclass(frozen=True)
+class Recommendation:
+    """The ``--policy`` to train with, against the runtime's default, and why: the line ``simulate`` and
+    ``plan`` print and the ``recommendation`` object of their ``--json`` (docs/simulate-output.md)."""
+
+    policy: str  # the value of train's --policy
+    schedule: str  # the simulated run it stands for ("hdp", "fixed (cp=8)", "dispatch+hdp")
+    against: str  # the policy compared with: train's default for one replica group (fixed), shares for several
+    speedup: float | None  # the recommended run's tokens/s over that policy's; None where it did not run
+    why: str  # the term that makes the difference, or why the default is kept
+    line: str  # the one line printed
+    left_out: tuple[str, ...] = ()  # runs not considered: their scheduler takes longer than the step
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "schedule": self.schedule, "against": self.against, "speedup": self.speedup,
+                "why": self.why, "left_out": list(self.left_out),
+                "line": self.line}
+
+
+def recommendation(runs: Sequence[PolicyRun], default: str = "fixed", margin: float = 0.02) -> Recommendation:
+    """The ``--policy`` to train with, against the runtime's ``default``, and why.
 
     The fastest run is recommended when it beats the default's by more than ``margin``; otherwise the
     default, saying how the adaptive policies fared (they can lose: pipeline plans, small batches). A
@@ -254,22 +273,26 @@ def recommendation(runs: Sequence[PolicyRun], default: str = "fixed", margin: fl
     runs = [r for r in runs if r not in late] or list(runs)
     best = max(runs, key=lambda r: r.tokens_per_s)
     base = next((r for r in runs if r.policy == default), None)
+    left = tuple(r.label for r in late)
     if base is None:
-        return f"recommended: --policy {best.policy} ({best.label}), the fastest here"
+        return Recommendation(best.policy, best.label, default, None, "the fastest here",
+                              f"recommended: --policy {best.policy} ({best.label}), the fastest here", left)
     gain = best.tokens_per_s / base.tokens_per_s
-    left_out = (f" ({', '.join(r.label for r in late)} left out: its scheduler takes longer than the step here)"
-                if late else "")
+    left_out = (f" ({', '.join(left)} left out: its scheduler takes longer than the step here)" if late else "")
     if best is not base and gain > 1 + margin:
-        return (f"recommended: --policy {best.policy} ({best.label}), {gain:.2f}x the tokens/s of the default "
-                f"{base.label}; why, {why_faster(best, base)}{left_out}")
+        why = why_faster(best, base)
+        return Recommendation(best.policy, best.label, default, gain, why,
+                              f"recommended: --policy {best.policy} ({best.label}), {gain:.2f}x the tokens/s of the "
+                              f"default {base.label}; why, {why}{left_out}", left)
     adaptive = [r for r in runs if r.kind == "adaptive"]
-    line = f"recommended: the default --policy {default} ({base.label}): no policy here is {margin:.0%} faster"
+    why = f"no policy here is {margin:.0%} faster"
     if adaptive:
         top = max(adaptive, key=lambda r: r.tokens_per_s)
         ratio = top.tokens_per_s / base.tokens_per_s
-        line += f"; the best adaptive, {top.label}, gives {ratio:.2f}x" + (
+        why += f"; the best adaptive, {top.label}, gives {ratio:.2f}x" + (
             f" (why, {why_faster(base, top)})" if ratio < 1 else "")
-    return line + left_out
+    return Recommendation(default, base.label, default, 1.0, why,
+                          f"recommended: the default --policy {default} ({base.label}): {why}{left_out}", left)
 
 
 def best_baseline(runs: Sequence[PolicyRun]) -> PolicyRun:

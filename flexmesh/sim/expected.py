@@ -1,8 +1,9 @@
 """A plan's expected step on a length distribution: the step simulator's mean over sampled steps.
 
-``flexmesh plan --lengths`` ranks plans by it. Each step is scheduled as ``flexmesh train --plan``
-schedules it by default (:func:`default_policy`: ``fixed`` packing for a plan of one replica group,
-the planned ``shares`` for several) by the project's
+``flexmesh plan --lengths`` ranks plans by it. Each step is scheduled by the plan's own schedule
+(:func:`default_policy`: ``fixed`` packing for a plan of one replica group, what ``flexmesh train --plan``
+runs by default; the planned ``shares`` for several, which train runs where no dispatch policy is
+recommended, so a plan of several groups is ranked by what it guarantees) by the project's
 :class:`~flexmesh.schedule.scheduler.Scheduler`, and played out by the step simulator as the
 runtime predicts each step (:func:`flexmesh.sim.predict.simulated_scheduler`), on the cluster
 ``costs`` prices, speed factors included (each data rank at its slowest device's speed). For a plan
@@ -61,7 +62,9 @@ class Expected:
 
 
 def default_policy(plan: Plan) -> Policy:
-    """What ``flexmesh train`` runs a plan with by default: ``fixed`` for one group, ``shares`` for several."""
+    """A plan's own schedule: ``fixed`` for one group (train's default), the planned ``shares`` for several
+    (train's default is the dispatch the simulator recommends, flexmesh.commands.train_job.choose_policy,
+    these shares where none is faster)."""
     return Policy.FIXED if len(plan.groups) == 1 else Policy.SHARES
 
 

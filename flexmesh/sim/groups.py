@@ -35,8 +35,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexmesh.layout.mesh import rank_place
+from flexmesh.layout.plan import Plan
 from flexmesh.schedule.groups import GroupsContext, dispatched_schedule, groups_lower_bound, packed_shares_schedule
 from flexmesh.schedule.groups import shares_schedule as fixed_shares
+from flexmesh.sim.compare import Recommendation
 from flexmesh.sim.predict import groups_step
 
 
@@ -101,25 +104,61 @@ def compare_groups(gctx: GroupsContext, batches: Sequence[np.ndarray], policies:
     return runs
 
 
+# What a plan of several groups is recommended among, and train chooses among without --policy: the
+# runtime's length-aware policies whose schedulers take milliseconds a step (milp's solver may take longer
+# than a step, which train's --adaptive covers)
+RECOMMENDED_AMONG = ("balanced", "hdp")
+
+
+def recommend_dispatch(gctx: GroupsContext, batches: Sequence[np.ndarray], *, seed: int = 0,
+                       virtual_stages: Sequence[int] | None = None) -> Recommendation:
+    """The recommendation for a plan of several groups on ``batches``: ``shares`` against ``dispatch+P`` for
+    each of :data:`RECOMMENDED_AMONG` (:func:`compare_groups`, :func:`groups_recommendation`)."""
+    return groups_recommendation(compare_groups(gctx, batches, RECOMMENDED_AMONG, seed=seed,
+                                                virtual_stages=virtual_stages))
+
+
 def best_baseline(runs: Sequence[GroupsRun]) -> GroupsRun:
     """The fastest fixed-share schedule: every speedup's reference."""
     return max((r for r in runs if r.kind == "baseline"), key=lambda r: r.tokens_per_s)
 
 
-def groups_recommendation(runs: Sequence[GroupsRun], default: str = "shares", margin: float = 0.02) -> str:
-    """One line: the ``--policy`` to train a plan of several groups with (``dispatch+P`` is ``--policy P``),
-    against the runtime's default fixed shares, and why (each run's step over its lower bound)."""
+def groups_recommendation(runs: Sequence[GroupsRun], against: str = "shares", margin: float = 0.02) -> Recommendation:
+    """The ``--policy`` to train a plan of several groups with (``dispatch+P`` is ``--policy P``), against
+    the planned shares (``shares``), and why (each run's step over its lower bound): what ``train`` runs
+    on such a plan without ``--policy`` (flexmesh.commands.train_job.default_policy)."""
     best = max(runs, key=lambda r: r.tokens_per_s)
-    base = next(r for r in runs if r.name == default)
+    base = next(r for r in runs if r.name == against)
     gain = best.tokens_per_s / base.tokens_per_s
 
+    def policy(r: GroupsRun) -> str:
+        kind, _, inner = r.name.partition("+")
+        return inner if kind == "dispatch" else against
+
     def flag(r: GroupsRun) -> str:
-        kind, _, policy = r.name.partition("+")
-        return f"--policy {policy}" if kind == "dispatch" else f"--policy {default}" + (
-            f" (packed by {policy} inside each group, which the runtime does not offer)" if policy else "")
+        kind, _, inner = r.name.partition("+")
+        return f"--policy {policy(r)}" + (
+            f" (packed by {inner} inside each group, which the runtime does not offer)" if kind != "dispatch" and inner
+            else "")
 
     if best is base or gain <= 1 + margin:
-        return f"recommended: the default {flag(base)}: no schedule here is {margin:.0%} faster"
-    return (f"recommended: {flag(best)} ({best.name}), {gain:.2f}x the tokens/s of the default {default}; why, "
-            f"{default}'s step is {base.ratio_to_bound:.2f}x its lower bound (work uneven over the groups), "
-            f"{best.name}'s {best.ratio_to_bound:.2f}x")
+        why = f"no schedule here is {margin:.0%} faster than the planned shares"
+        return Recommendation(against, base.name, against, 1.0, why, f"recommended: {flag(base)}: {why}")
+    why = (f"{against}'s step is {base.ratio_to_bound:.2f}x its lower bound (work uneven over the groups), "
+           f"{best.name}'s {best.ratio_to_bound:.2f}x")
+    return Recommendation(policy(best), best.name, against, gain, why,
+                          f"recommended: {flag(best)} ({best.name}), {gain:.2f}x the tokens/s of --policy {against} "
+                          f"(the planned shares); why, {why}")
+
+
+def device_speeds(gctx: GroupsContext, plan: Plan, factors: Sequence[float]) -> GroupsContext:
+    """``gctx`` with one speed factor per device of ``plan`` (``--slow``'s, flexmesh.spec.speeds.speeds_of) in
+    place of the cluster's own: each data rank at its slowest device's; ``gctx`` itself for none."""
+    if not factors:
+        return gctx
+    speed = [1.0] * gctx.num_ranks
+    for rank, factor in enumerate(factors):
+        place = rank_place(plan, rank)
+        if place is not None:
+            speed[place.data_rank] = min(speed[place.data_rank], factor)
+    return gctx.with_speed(speed)

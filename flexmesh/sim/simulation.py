@@ -26,7 +26,15 @@ from flexmesh.data.lengths import BatchSampler, load_lengths
 from flexmesh.layout.overlap import NO_OVERLAP, Overlap
 from flexmesh.layout.strategy import LayerStrategy
 from flexmesh.schedule.context import ScheduleContext
-from flexmesh.sim.compare import BASELINES, PolicyRun, best_baseline, compare_policies, run_policy, runs_needed
+from flexmesh.sim.compare import (
+    BASELINES,
+    PolicyRun,
+    best_baseline,
+    compare_policies,
+    recommendation,
+    run_policy,
+    runs_needed,
+)
 from flexmesh.sim.predict import simulated_price
 from flexmesh.sim.timeline import lane_speeds
 
@@ -136,7 +144,8 @@ class Simulation:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of ``flexmesh simulate --json``."""
-        return {"setup": self.setup, "policies": [r.to_dict() for r in self.runs], "plots": self.plots}
+        return {"setup": self.setup, "policies": [r.to_dict() for r in self.runs], "plots": self.plots,
+                "recommendation": recommendation(self.runs).to_dict()}
 
     def reference(self) -> str:
         """One line naming the best baseline (every speedup's reference) and its own ratio to the lower bound."""

@@ -240,6 +240,19 @@ class MixedCluster:
         """One group whose devices all run at one speed: today's uniform planner answers it."""
         return len(self.groups) == 1 and len(set(self.groups[0].speed_factors)) <= 1
 
+    def with_speeds(self, factors: tuple[float, ...]) -> MixedCluster:
+        """The cluster with one speed factor per device (global ranks), in place of its groups' own.
+
+        >>> c = parse_mixed_cluster("2xH100+2xA100-40GB").with_speeds((1.0, 1.0, 0.5, 1.0))
+        >>> c.speed(2), c.groups[0].speed_factors, c.uniform
+        (0.5, (1.0, 1.0), False)
+        """
+        if len(factors) != self.world_size:
+            raise SpecError(f"{len(factors)} speed factors given for the {self.world_size} devices of {self.label}")
+        groups = tuple(replace(g, speed_factors=tuple(factors[r] for r in self.ranks(i)))
+                       for i, g in enumerate(self.groups))
+        return replace(self, groups=groups)
+
     def to_dict(self) -> dict:
         return {"groups": [g.to_dict() for g in self.groups],
                 "links": {f"{a}-{b}": {"gbps": link.gbps, "latency_us": link.latency_us} for a, b, link in self.links}}

@@ -71,6 +71,7 @@ from typing import Any
 
 from flexmesh.errors import PlanError
 from flexmesh.layout.step import StepSchedule
+from flexmesh.spec.speeds import slow_devices
 
 
 def stretch(seconds: float, factor: float) -> float:
@@ -135,17 +136,9 @@ class ComputeClock:
 
 
 def parse_emulation(pairs: Sequence[tuple[int, float]], world: int) -> dict[int, float]:
-    """``--slow`` pairs as {rank: factor}; PlanError for a rank outside the run or named twice."""
-    out: dict[int, float] = {}
-    for rank, factor in pairs:
-        if not 0 <= rank < world:
-            raise PlanError(f"--slow names rank {rank}, but the run has ranks 0 to {world - 1}")
-        if rank in out:
-            raise PlanError(f"--slow names rank {rank} twice")
-        if not 0.0 < factor <= 1.0:
-            raise PlanError(f"--slow factor of rank {rank} must be in (0, 1], got {factor}")
-        out[rank] = factor
-    return out
+    """``--slow`` pairs as {rank: factor}, checked as ``plan`` and ``simulate`` check them
+    (flexmesh.spec.speeds.slow_devices: a rank outside the run or named twice is a SpecError)."""
+    return slow_devices(pairs, world)
 
 
 @dataclass(frozen=True)

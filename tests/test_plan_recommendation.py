@@ -1,0 +1,45 @@
+"""`flexmesh plan` ends with the policy recommendation `simulate --plan` prints for the plan it writes, and
+gives it as the `recommendation` object of `--json` (docs/cli.md, docs/simulate-output.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.cli import main
+
+CASES = {
+    # one device type: simulate's default --policies against the baselines (steps of seconds, so no policy's
+    # scheduler is slower than the step, which would leave it out on a loaded machine)
+    "uniform": (["--model", "llama2-7b", "--cluster", "8xA100-80GB", "--seq-len", "4096", "--global-batch", "32"],
+                []),
+    # a mixed cluster: the planned shares against each step dispatched by the policies train chooses among
+    "groups": (["--model", "tiny", "--cluster", "1xH100+2xA100-40GB", "--seq-len", "2048", "--global-batch", "16"],
+               ["--policies", "balanced,hdp"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_recommends_what_simulate_recommends_for_the_written_plan(capsys, tmp_path, case):
+    flags, policies = CASES[case]
+    out_file = tmp_path / "plan.json"
+    assert main(["plan", *flags, "--json", "--out", str(out_file)]) == 0
+    planned = json.loads(capsys.readouterr().out)["recommendation"]
+    assert main(["simulate", "--plan", str(out_file), "--steps", "4", "--seed", "0", *policies, "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)["recommendation"]
+    computed_on = planned.pop("computed_on")
+    assert planned == simulated
+    assert computed_on.startswith("on 4 steps of wikipedia lengths up to ") and "--steps 4" in computed_on
+    assert main(["plan", *flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("recommended: ")] == [f"{planned['line']} ({computed_on})"]
+
+
+def test_plan_recommends_on_the_lengths_it_planned_for(capsys):
+    flags = ["plan", "--model", "llama2-7b", "--cluster", "8xA100-80GB", "--seq-len", "4096", "--global-batch", "32",
+             "--lengths", "prolong", "--json"]
+    assert main(flags) == 0
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert rec["computed_on"].startswith("on 4 steps of prolong lengths up to 4096 tokens")
+    assert rec["against"] == "fixed" and rec["line"].startswith("recommended: ")
