@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from flexmesh.commands.train_job import scheduler
 from flexmesh.errors import PlanError
@@ -16,9 +17,20 @@ from flexmesh.job import Job
 from flexmesh.layout.plan import Plan
 
 
-def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = None):  # noqa: ANN201
+class RunTokens(NamedTuple):
+    """:func:`corpus_tokens_of`' answer: the corpus's tokens, the run's tokenizer, and each task's resolved
+    corpus (name as given, Corpus; the one corpus without tasks), whose fingerprints are read once."""
+
+    tokens: Any  # a TokenizedCorpus
+    tokenizer: Any  # a tokenizers.Tokenizer
+    corpora: list
+
+
+def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = None) -> RunTokens:
     """``--corpus`` (else the first task's) tokenized under ``--tokenizer`` (when not given, the one beside
-    ``--weights``, else a BPE trained on that corpus), and that tokenizer: (TokenizedCorpus, Tokenizer).
+    ``--weights``, else a BPE trained on that corpus), that tokenizer, and the corpora resolved (RunTokens).
+    Each corpus is resolved once, so its fingerprint (which reads every byte) is read once per start:
+    the tokenizer's cache key, the token cache's and the corpus record share it.
 
     On rank 0 the run's records are checked against ``--out``'s: the tokenizer (``--out/tokenizer/``, for
     ``flexmesh export``: flexmesh.data.hf_tokenizer) and the corpus (``--out/corpus.json``:
@@ -55,7 +67,7 @@ def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = 
     if mine is not None:
         mine.append(_saying(*record_tokenizer(args.out, tok, tokenizer, spec.max_position,
                                                  replace=getattr(args, "new_tokenizer", False))))
-    return corpus_tokens, tok
+    return RunTokens(corpus_tokens, tok, named)
 
 
 def _saying(write, warning: str | None):  # noqa: ANN001, ANN202 - callables
@@ -101,21 +113,20 @@ def held_out(args: argparse.Namespace, job: Job, tok):  # noqa: ANN001, ANN201 -
     return Evaluation.of(docs, args.eval_every, scheduler(job, "fixed", args.seed, args.cp))
 
 
-def document_loader(args: argparse.Namespace, job: Job, tokens=None,  # noqa: ANN001, ANN201 - a loader
+def document_loader(args: argparse.Namespace, job: Job, tokens: RunTokens | None = None,  # noqa: ANN201
                     records: list | None = None):
     """The run's seeded loader over ``--corpus`` (with the job's tasks, over every task's corpus, each its
     own batch per step: flexmesh.data.tasks.TaskLoader) under the run's tokenizer (``tokens``:
     :func:`corpus_tokens_of`' answer, made here with ``records`` when not given)."""
-    from flexmesh.data.corpus import stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, load_corpus_tokens
 
     tasks = job.parts.tasks
-    corpus_tokens, tok = tokens if tokens is not None else corpus_tokens_of(args, job, records)
+    corpus_tokens, tok, named = tokens if tokens is not None else corpus_tokens_of(args, job, records)
     if tasks is not None:
         from flexmesh.data.tasks import TaskLoader
 
-        corpora = [load_corpus_tokens(stdlib_corpus() if t.corpus == "stdlib" else t.corpus, tok,
-                                      cache_dir=args.cache_dir)[0] for t in tasks]
+        # the corpora corpus_tokens_of resolved (one per task, in order): their fingerprints are read already
+        corpora = [load_corpus_tokens(corpus, tok, cache_dir=args.cache_dir)[0] for _, corpus in named]
         return TaskLoader(tasks.names, corpora, job.task_batches, [t.steps or args.max_steps for t in tasks],
                           job.seq_len, seed=args.seed)
     if job.tokens_per_batch is not None:  # --tokens-per-step: documents until that many tokens
