@@ -263,7 +263,8 @@ def _wait_for(endpoint: str, address: Any, family: int, wait_s: float) -> None:
             host, _, port = endpoint.rpartition(":")
             raise PlanError(f"--rdzv-endpoint {endpoint} did not answer within {wait_s:g} s ({reason}): check that "
                             f"node 0's launcher runs with this --rdzv-endpoint, that {host} is its address as this "
-                            f"node reaches it and that port {port} is open between the nodes (--rdzv-wait waits longer)")
+                            f"node reaches it and that port {port} is open between the nodes "
+                            "(--rdzv-wait waits longer)")
         if not said:
             print(f"waiting up to {wait_s:g} s for the rendezvous at {endpoint} (node 0's launcher serves it): "
                   f"{reason}", file=sys.stderr, flush=True)
