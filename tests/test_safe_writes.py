@@ -188,7 +188,7 @@ def test_a_rendezvous_port_held_by_another_program_is_one_line():
     import time
 
     from flexmesh.errors import PlanError
-    from flexmesh.runtime.launch import check_endpoint
+    from flexmesh.runtime.endpoint import check_endpoint
 
     with socket.socket() as held:  # a program that accepts and never answers
         held.bind(("127.0.0.1", 0))
@@ -205,7 +205,7 @@ def test_a_rendezvous_on_another_host_that_never_answers_is_one_line_after_a_bou
     import time
 
     from flexmesh.errors import PlanError
-    from flexmesh.runtime.launch import check_endpoint
+    from flexmesh.runtime.endpoint import check_endpoint
 
     start = time.monotonic()
     with pytest.raises(PlanError, match=r"192\.0\.2\.1:29400 did not answer within 1 s") as e:
@@ -223,7 +223,7 @@ def test_a_rendezvous_host_that_starts_late_is_waited_for(capsys):
     import threading
     import time
 
-    from flexmesh.runtime.launch import _wait_for
+    from flexmesh.runtime.endpoint import _wait_for
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -266,7 +266,7 @@ def test_a_rendezvous_port_where_a_store_serves_passes():
     from datetime import timedelta
 
     dist = pytest.importorskip("torch.distributed")
-    from flexmesh.runtime.launch import check_endpoint
+    from flexmesh.runtime.endpoint import check_endpoint
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,13 +24,12 @@ from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned
 from flexmesh.commands.train_tasks import run_tasks, task_table
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import Plan
+from flexmesh.runtime.endpoint import RDZV_WAIT_S, check_endpoint
 from flexmesh.runtime.launch import (
-    RDZV_WAIT_S,
     RESUME_ENV,
     STATUS_ENV,
     SUPERVISED_ENV,
     Rendezvous,
-    check_endpoint,
     launch_env,
     parse_rendezvous,
     relaunch_flexmesh,

@@ -20,7 +20,8 @@ from flexmesh.commands.args import (
     tokens,
 )
 from flexmesh.commands.experts_args import add_expert_args
-from flexmesh.runtime.launch import DEFAULT_RUN_ID, RDZV_WAIT_S
+from flexmesh.runtime.endpoint import RDZV_WAIT_S
+from flexmesh.runtime.launch import DEFAULT_RUN_ID
 from flexmesh.runtime.parallel.device import DEVICES
 from flexmesh.runtime.parallel.precision import TRAIN_DTYPES
 from flexmesh.schedule.registry import RUNTIME_POLICIES
