@@ -74,3 +74,23 @@ def test_train_refuses_cuda_on_a_machine_without_gpus_in_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "no GPU is visible" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_cpu_build_of_torch_counts_no_gpu_without_importing_torch():
+    """A launcher (`train --nproc`, `profile --nproc`) asks how many GPUs there are before torchrun starts
+    anything: under a CPU build of torch the answer is 0 without importing torch; under any other build,
+    or once torch is imported, torch's own count."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from flexmesh.runtime.parallel.device import visible_gpus, _cpu_build; "
+             "n = visible_gpus(); print(n, 'torch' in sys.modules, _cpu_build())")
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    count, imported, cpu_build = got.stdout.split()
+    import torch
+
+    assert int(count) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert cpu_build == str(torch.__version__.endswith("+cpu"))
+    assert imported == str(cpu_build != "True")  # imported only where the build may have CUDA
+    # torch already imported (tests, ranks): its count, whatever the build says
+    assert D.visible_gpus() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)

@@ -46,20 +46,21 @@ def corpus(tmp_path) -> Path:
 def _records(tmp: Path, *argv: str):
     """corpus_tokens_of's answer, with its records written as the training loop writes them."""
     records: list = []
-    tokens, tok = corpus_tokens_of(_args(tmp, *argv), _job(), records)
+    run = corpus_tokens_of(_args(tmp, *argv), _job(), records)
     for write in records:
         write()
-    return tokens, tok
+    return run
 
 
 def test_each_document_of_a_run_ends_with_the_bpes_end_of_text(tmp_path, corpus, capsys):
-    tokens, tok = _records(tmp_path)
+    run = _records(tmp_path)
+    tokens, tok = run.tokens, run.tokenizer
     eos = tok.token_to_id("<|endoftext|>")
     assert tokens.end_of_text == eos and len(tokens) == 6
     texts = sorted(corpus.iterdir())
     for i, f in enumerate(texts):  # each document's ids, then the eos: the boundary the model learns to stop at
         assert tokens[i].tolist() == [*tok.encode(f.read_text(), add_special_tokens=False).ids, eos]
-    batch = next(document_loader(_args(tmp_path), _job(), (tokens, tok)))
+    batch = next(document_loader(_args(tmp_path), _job(), run))
     assert [int(d[-1]) for d in batch] == [eos] * 4
     record = json.loads((tmp_path / "run" / RUN_CORPUS).read_text())
     assert record["end_of_text"] == eos
@@ -69,7 +70,7 @@ def test_each_document_of_a_run_ends_with_the_bpes_end_of_text(tmp_path, corpus,
 
 
 def test_no_end_of_text_feeds_documents_as_they_are(tmp_path, corpus):
-    tokens, tok = _records(tmp_path, "--no-end-of-text")
+    tokens, tok, _ = _records(tmp_path, "--no-end-of-text")
     assert tokens.end_of_text is None
     first = sorted(corpus.iterdir())[0].read_text()
     assert tokens[0].tolist() == tok.encode(first, add_special_tokens=False).ids
@@ -97,7 +98,7 @@ def _weights_folder(tmp: Path, declared: dict | None) -> Path:
 
 def test_the_weights_tokenizer_ends_documents_with_its_declared_eos(tmp_path, corpus, capsys):
     weights = _weights_folder(tmp_path, {"bos_token": "<s>", "eos_token": {"content": "</s>"}})
-    tokens, tok = _records(tmp_path, "--weights", str(weights))
+    tokens, tok, _ = _records(tmp_path, "--weights", str(weights))
     eos = tok.token_to_id("</s>")
     assert tokens.end_of_text == eos and all(int(tokens[i][-1]) == eos for i in range(len(tokens)))
     config = tokenizer_config(tok, {"eos": "</s>"}, 512)
@@ -107,10 +108,10 @@ def test_the_weights_tokenizer_ends_documents_with_its_declared_eos(tmp_path, co
 
 def test_a_tokenizer_without_an_eos_is_said_once_and_feeds_none(tmp_path, corpus, capsys):
     weights = _weights_folder(tmp_path, None)  # no tokenizer_config.json, no <|endoftext|>
-    tokens, tok = _records(tmp_path, "--weights", str(weights))
+    tokens, tok, _ = _records(tmp_path, "--weights", str(weights))
     assert tokens.end_of_text is None
     assert tokens[0].tolist() == tok.encode(sorted(corpus.iterdir())[0].read_text(), add_special_tokens=False).ids
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning")]
     assert len(err) == 1 and "names no end-of-text token" in err[0] and "--no-end-of-text" in err[0]
-    _, _ = corpus_tokens_of(_args(tmp_path, "--weights", str(weights), "--no-end-of-text"), _job(), [])
+    corpus_tokens_of(_args(tmp_path, "--weights", str(weights), "--no-end-of-text"), _job(), [])
     assert "warning" not in capsys.readouterr().err  # asked for none: nothing to say

@@ -1,5 +1,6 @@
 """``flexmesh profile``: --quick writes valid profiles (one process, and a torchrun world of 2)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -82,6 +83,28 @@ def test_model_profile_quick_single_process(tmp_path, capsys, monkeypatch):
     assert "whole model" in printed
     layer = cost.layer(LayerStrategy(), Work(2048.0, 2048.0**2))
     assert layer.fwd == pytest.approx(whole["forward"] * float(t_long))
+
+
+@pytest.mark.timeout(180)
+def test_one_launch_profiles_the_hardware_then_the_model(tmp_path, monkeypatch):
+    """--hardware-out: both profiles from the same processes (the demo's one launch), as each alone writes them."""
+    from flexmesh.commands import profile as profile_command
+
+    cfg = small_config(tmp_path)
+    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
+    out, hw_out = tmp_path / "model.json", tmp_path / "hw.json"
+    assert main(["profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--no-keep", "--out", str(out),
+                 "--hardware-out", str(hw_out)]) == 0
+    hw, prof = load_profile(hw_out, "hardware"), load_profile(out, "model")
+    assert hw.matmul_flops_per_s["fp32"] > 1e8 and hw.produced_by["processes"] == 1
+    prof.check_model(from_hf_config(cfg))
+    assert not (tmp_path / "cache").exists()  # --no-keep holds for both
+    # under --nproc, the ranks are given the file at its full path (they may start elsewhere)
+    args = argparse.Namespace(profile_kind="model", device="auto", no_keep=True, model=str(cfg), dtype="fp32",
+                              compile=None, quick=True, no_progress=True, hardware_out="hw.json")
+    monkeypatch.chdir(tmp_path)
+    forwarded = profile_command._forwarded(args, str(out))
+    assert forwarded[forwarded.index("--hardware-out") + 1] == str(tmp_path / "hw.json")
 
 
 def test_profile_error_is_a_clear_cli_message(tmp_path, capsys):

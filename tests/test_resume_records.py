@@ -113,3 +113,22 @@ def test_a_resume_refused_later_leaves_every_record_as_it_was(first_run, tmp_pat
                          "--new-tokenizer")
     assert done.returncode == 2 and "was written under plan" in done.stderr, done.stderr
     assert _snapshot(run) == before
+
+
+def test_a_training_start_reads_the_corpus_once(first_run, tmp_path, monkeypatch):
+    """The tokenizer's cache key, the token cache's and the corpus record share one fingerprint: a fresh
+    start (a new tokenizer trained, its tokens cached) and a resume each read the corpus's bytes once."""
+    from flexmesh.data import corpus as corpus_module
+
+    reads: list[Path] = []
+    real = corpus_module.content_fingerprint
+    monkeypatch.setattr(corpus_module, "content_fingerprint", lambda c: reads.append(c.root) or real(c))
+    run, corpus, plan = _copy(first_run, tmp_path)
+    fresh = flexmesh_here(*_args(tmp_path, plan, corpus, tmp_path / "fresh", steps=1))  # a cache of its own
+    assert fresh.returncode == 0, fresh.stderr
+    assert reads == [corpus]
+    assert (tmp_path / "cache" / "tokenizers").is_dir() and (tmp_path / "fresh" / "corpus.json").is_file()
+    reads.clear()
+    resumed = flexmesh_here(*_args(first_run, plan, corpus, run, steps=2))
+    assert resumed.returncode == 0 and "resuming from" in resumed.stderr, resumed.stderr
+    assert reads == [corpus]

@@ -188,7 +188,7 @@ def test_a_rendezvous_port_held_by_another_program_is_one_line():
     import time
 
     from flexmesh.errors import PlanError
-    from flexmesh.runtime.launch import check_endpoint
+    from flexmesh.runtime.endpoint import check_endpoint
 
     with socket.socket() as held:  # a program that accepts and never answers
         held.bind(("127.0.0.1", 0))
@@ -199,7 +199,66 @@ def test_a_rendezvous_port_held_by_another_program_is_one_line():
             check_endpoint(f"127.0.0.1:{port}", timeout_s=1.0)
         assert time.monotonic() - start < 30
     check_endpoint(f"127.0.0.1:{port}")  # free again
-    check_endpoint("192.0.2.1:29400")  # not this machine: left to torchrun
+
+
+def test_a_rendezvous_on_another_host_that_never_answers_is_one_line_after_a_bounded_wait(capsys):
+    import time
+
+    from flexmesh.errors import PlanError
+    from flexmesh.runtime.endpoint import check_endpoint
+
+    start = time.monotonic()
+    with pytest.raises(PlanError, match=r"192\.0\.2\.1:29400 did not answer within 1 s") as e:
+        check_endpoint("192.0.2.1:29400", wait_s=1.0)  # TEST-NET-1 (RFC 5737): never routed
+    assert time.monotonic() - start < 15
+    said = str(e.value)
+    assert "\n" not in said and "node 0's launcher" in said and "port 29400 is open" in said
+    assert "waiting up to 1 s for the rendezvous at 192.0.2.1:29400" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="does not resolve"):
+        check_endpoint("no-such-host.invalid:29400", wait_s=1.0)  # RFC 6761: never resolves
+
+
+def test_a_rendezvous_host_that_starts_late_is_waited_for(capsys):
+    import socket
+    import threading
+    import time
+
+    from flexmesh.runtime.endpoint import _wait_for
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    late = socket.socket()
+    late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def serve() -> None:  # node 0's launcher, up half a second after this one
+        time.sleep(0.5)
+        late.bind(("127.0.0.1", port))
+        late.listen()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        _wait_for(f"127.0.0.1:{port}", ("127.0.0.1", port), socket.AF_INET, 20.0)
+    finally:
+        late.close()
+    assert f"waiting up to 20 s for the rendezvous at 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_train_on_a_node_whose_rendezvous_host_never_answers_stops_in_one_line(tmp_path):
+    import time
+
+    from helpers import flexmesh_here, write_inputs
+
+    _, corpus, plan = write_inputs(tmp_path, world=2)
+    start = time.monotonic()
+    done = flexmesh_here("train", "--plan", str(plan), "--corpus", str(corpus), "--out", str(tmp_path / "run"),
+                         "--max-steps", "1", "--nproc", "1", "--nnodes", "2", "--node-rank", "1",
+                         "--rdzv-endpoint", "192.0.2.1:29400", "--rdzv-wait", "1")
+    assert time.monotonic() - start < 30
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and done.stderr.strip().splitlines()[-1] == errors[0], done.stderr
+    assert "did not answer within 1 s" in errors[0] and "--rdzv-wait" in errors[0]
+    assert not (tmp_path / "run").exists()  # nothing launched, nothing written
 
 
 def test_a_rendezvous_port_where_a_store_serves_passes():
@@ -207,7 +266,7 @@ def test_a_rendezvous_port_where_a_store_serves_passes():
     from datetime import timedelta
 
     dist = pytest.importorskip("torch.distributed")
-    from flexmesh.runtime.launch import check_endpoint
+    from flexmesh.runtime.endpoint import check_endpoint
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,8 @@ With no arguments, on this machine (see docs/cli-demo.md):
 1. plan Llama 3 8B on one node of 8 H100s (sequences of 8192, 128 per step) and show the best layouts;
 2. simulate the baselines and the ``hdp`` and ``milp`` policies on Llama 2 7B over 8x8 A100-40GB
    with batches drawn from the shipped Wikipedia lengths, and show the comparison;
-3. profile this machine and the small model the demo trains (``flexmesh profile ... --quick``);
+3. profile this machine and the small model the demo trains, in one launch (``flexmesh profile model --quick
+   --hardware-out``);
 4. train that model on ``--nproc`` local processes on the Python standard library's sources, first
    with the ``fixed`` policy, then with adaptive per-step schedules (``milp``, falling back to
    ``hdp`` when late) on the same batches, showing progress;
@@ -165,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
     on = ["--device", devices["multi"]]
     # --no-keep: the demo's quick profiles never replace the machine's own (those `--cluster local` prices by)
     quick = ["--quick", "--no-keep", "--nproc", str(size.nproc), *on]
-    _flexmesh(["profile", "hardware", *quick, "--out", str(hw)], console, "profile hardware")
-    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, *quick, "--out", str(mp)], console, "profile model")
+    # one launch for both: the hardware, then the model, in the same processes
+    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, *quick, "--out", str(mp), "--hardware-out", str(hw)],
+              console, "profile")
 
     # 4. train
     plan_path = training_plan_file(out, hw, size.nproc, size.seq_len, size.global_batch)

@@ -38,6 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="dtype to measure in (default fp32, the dtype the runtime trains in)")
     mdl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="time compiled blocks, as `flexmesh train --compile` runs them (default: on GPUs)")
+    mdl.add_argument("--hardware-out", type=new_file, metavar="FILE",
+                     help="profile the hardware first, in the same processes (one launch for both), and write that "
+                          "profile to FILE")
     mdl.set_defaults(func=run, profile_kind="model")
     from flexmesh.commands.profile_engine import add_engine_parser
 
@@ -54,6 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         sp.add_argument("--device", default="auto", choices=DEVICES,
                         help="measure the GPUs (one per process) or the CPU; auto: GPUs when there is one per "
                              "process (default auto)")
+    hw.set_defaults(hardware_out=None)
     p.set_defaults(func=lambda a: (p.print_help(), 1)[1])
     return p
 
@@ -63,6 +67,8 @@ def _forwarded(args: argparse.Namespace, out: str) -> list[str]:
     argv += ["--no-keep"] if args.no_keep else []
     if args.profile_kind == "model":
         argv += ["--model", args.model, "--dtype", args.dtype]
+        if args.hardware_out:
+            argv += ["--hardware-out", str(Path(args.hardware_out).resolve())]
         if args.compile is not None:
             argv.append("--compile" if args.compile else "--no-compile")
     if args.quick:
@@ -84,7 +90,9 @@ def _out_path(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     out = _out_path(args)
-    check_file_target(out)  # a device, fifo or symlink there: refused now, not after minutes of profiling
+    for target in (out, args.hardware_out):
+        if target:
+            check_file_target(target)  # a device, fifo or symlink there: refused now, not after minutes of profiling
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise ProfileError(f"--nproc must be at least 1, got {args.nproc}")
@@ -98,34 +106,41 @@ def run(args: argparse.Namespace) -> int:
     world = World(args.device)
     prof: HardwareProfile | ModelProfile | None
     try:
-        if args.profile_kind == "hardware":
+        if args.profile_kind == "hardware" or args.hardware_out:
             from flexmesh.profile.hardware import profile_hardware
 
             prof = profile_hardware(quick=args.quick, show_progress=not args.no_progress, world=world)
-        else:
+            _written(prof, args.hardware_out or out, args, "hardware")
+        if args.profile_kind == "model":
             from flexmesh.profile.model import profile_model
             from flexmesh.spec.model import parse_model
 
             prof = profile_model(parse_model(args.model), quick=args.quick, dtype=args.dtype,
                                  show_progress=not args.no_progress, world=world, compile=args.compile)
-        if prof is not None:
-            prof.save(out)
-            _summary(prof, out)
-            if not args.no_keep:
-                _save_local(prof, args)
+            _written(prof, out, args, "model")
     finally:
         world.close()
     return 0
 
 
-def _save_local(prof, args: argparse.Namespace) -> None:
+def _written(prof: HardwareProfile | ModelProfile | None, out: str, args: argparse.Namespace, kind: str) -> None:
+    """Rank 0's profile (None elsewhere) written to ``out``, summarised, and kept as this machine's own."""
+    if prof is None:
+        return
+    prof.save(out)
+    _summary(prof, out)
+    if not args.no_keep:
+        _save_local(prof, args, kind)
+
+
+def _save_local(prof, args: argparse.Namespace, kind: str) -> None:
     """Keep a copy as this machine's own profile, which ``--cluster local`` / ``NxLOCAL`` prices by
     (flexmesh.profile.use.local_cost_model); a later profile of the same kind replaces it."""
     from flexmesh.profile.use import local_profile
     from flexmesh.spec.model import parse_model
 
-    spec = parse_model(args.model) if args.profile_kind == "model" else None
-    path = local_profile(args.profile_kind, spec, prof.dtype)
+    spec = parse_model(args.model) if kind == "model" else None
+    path = local_profile(kind, spec, prof.dtype)
     try:
         make_folder(path.parent)
         prof.save(path)
@@ -134,7 +149,7 @@ def _save_local(prof, args: argparse.Namespace) -> None:
         print(f"not kept as this machine's profile ({path}: {why}); --cluster local will not find it",
               file=sys.stderr)
         return
-    print(f"kept as this machine's {args.profile_kind} profile ({path}): plan, simulate and train price "
+    print(f"kept as this machine's {kind} profile ({path}): plan, simulate and train price "
           "`--cluster local` or `NxLOCAL` by it", file=sys.stderr)
 
 

@@ -28,7 +28,6 @@ from flexmesh.cost.inference.overhead import parse_overhead
 from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window
 from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
-from flexmesh.report.serving import plan_report_png
 from flexmesh.serve.metrics import parse_slo
 from flexmesh.serve.plan.baselines import Baseline, all_baselines, ratio
 from flexmesh.serve.plan.capacity import Pricing, ReplicaConfig
@@ -325,6 +324,8 @@ def _write(out: Path, job: PlanJob, result: PlanResult, baselines: list[Baseline
         entries.append((name, s.per_dollar, [(pt.rate, pt.summary) for pt in s.points]))
     write_atomic(out / "report.md", "\n".join(lines) + "\n")
     if entries:
+        from flexmesh.report.serving import plan_report_png  # matplotlib: imported where it plots
+
         plan_report_png(entries, out / "report.png", job.inputs.attainment,
                         f"{', '.join(result.plan.models)} on {result.plan.cluster}; SLO {job.inputs.slo}")
 

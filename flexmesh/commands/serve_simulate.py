@@ -34,7 +34,6 @@ from flexmesh.data.requests import Workload, at_rate, constant_lengths, load_tra
 from flexmesh.data.requests import with_arrivals as synthetic
 from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
-from flexmesh.report.serving import knee_png, timeline_png
 from flexmesh.serve.deployment import auto_replicas, default_knobs, parse_replicas, place
 from flexmesh.serve.lengths import PREDICTORS, LengthPredictor, make_predictor
 from flexmesh.serve.metrics import SLO, Goodput, Summary, parse_slo, summarize, write_records
@@ -377,6 +376,8 @@ def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: 
 
 def _write(out: Path, job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None,
            doc: dict) -> None:
+    from flexmesh.report.serving import knee_png, timeline_png  # matplotlib: imported where it plots
+
     make_folder(out)
     write_records(out / "requests.jsonl", main.records)
     write_atomic(out / "summary.json", json.dumps(doc, indent=1) + "\n")

@@ -24,12 +24,12 @@ from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned
 from flexmesh.commands.train_tasks import run_tasks, task_table
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import Plan
+from flexmesh.runtime.endpoint import RDZV_WAIT_S, check_endpoint
 from flexmesh.runtime.launch import (
     RESUME_ENV,
     STATUS_ENV,
     SUPERVISED_ENV,
     Rendezvous,
-    check_endpoint,
     launch_env,
     parse_rendezvous,
     relaunch_flexmesh,
@@ -62,14 +62,14 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
-        check_endpoint(rendezvous.endpoint)
+        check_endpoint(rendezvous.endpoint, wait_s=args.rdzv_wait or RDZV_WAIT_S)
         _preflight(args, planned)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
         # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
         argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
         return _launch(args, argv, rendezvous, planned)
     launcher_only = {"--max-restarts": args.max_restarts, "--nnodes": args.nnodes, "--node-rank": args.node_rank,
-                     "--rdzv-endpoint": args.rdzv_endpoint, "--rdzv-id": args.rdzv_id}
+                     "--rdzv-endpoint": args.rdzv_endpoint, "--rdzv-id": args.rdzv_id, "--rdzv-wait": args.rdzv_wait}
     given = [flag for flag, value in launcher_only.items() if value is not None]
     if given:
         raise PlanError(f"{given[0]} is a flag of the launcher: add --nproc N (under torchrun, use torchrun's own "

@@ -20,6 +20,7 @@ from flexmesh.commands.args import (
     tokens,
 )
 from flexmesh.commands.experts_args import add_expert_args
+from flexmesh.runtime.endpoint import RDZV_WAIT_S
 from flexmesh.runtime.launch import DEFAULT_RUN_ID
 from flexmesh.runtime.parallel.device import DEVICES
 from flexmesh.runtime.parallel.precision import TRAIN_DTYPES
@@ -145,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--node-rank", type=int, metavar="R", help="this launcher's node: 0 holds --out, 1.. the others")
     e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the launchers meet (c10d), the same on "
                                                                  "every node")
+    e.add_argument("--rdzv-wait", type=seconds, metavar="SECONDS",
+                   help="on a node whose --rdzv-endpoint is another host's: how long to wait for it to answer before "
+                        f"saying what to check (default {RDZV_WAIT_S:g})")
     e.add_argument("--rdzv-id", metavar="ID",
                    help=f"the run's name at the endpoint, the same on every node (default {DEFAULT_RUN_ID!r} with "
                         "several nodes)")

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from flexmesh.commands.train_job import scheduler
 from flexmesh.errors import PlanError
@@ -16,12 +17,22 @@ from flexmesh.job import Job
 from flexmesh.layout.plan import Plan
 
 
-def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = None):  # noqa: ANN201
+class RunTokens(NamedTuple):
+    """:func:`corpus_tokens_of`' answer: the corpus's tokens, the run's tokenizer, and each task's resolved
+    corpus (name as given, Corpus; the one corpus without tasks), whose fingerprints are read once."""
+
+    tokens: Any  # a TokenizedCorpus
+    tokenizer: Any  # a tokenizers.Tokenizer
+    corpora: list
+
+
+def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = None) -> RunTokens:
     """``--corpus`` (else the first task's) tokenized under ``--tokenizer`` (when not given, the one beside
     ``--weights``, else a BPE trained on that corpus), each document followed by that tokenizer's end-of-text
     token unless ``--no-end-of-text`` (flexmesh.data.hf_tokenizer.end_of_text_id: the eos an export names; a
-    tokenizer without one is said once, and its documents go without), and that tokenizer:
-    (TokenizedCorpus, Tokenizer).
+    tokenizer without one is said once, and its documents go without), that tokenizer, and the corpora
+    resolved (RunTokens). Each corpus is resolved once, so its fingerprint (which reads every byte) is read
+    once per start: the tokenizer's cache key, the token cache's and the corpus record share it.
 
     On rank 0 the run's records are checked against ``--out``'s: the tokenizer (``--out/tokenizer/``, for
     ``flexmesh export``: flexmesh.data.hf_tokenizer) and the corpus (``--out/corpus.json``:
@@ -76,7 +87,7 @@ def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = 
                                            end_of_text=eot)))
         mine.append(_saying(*record_tokenizer(args.out, tok, tokenizer, spec.max_position,
                                                  replace=getattr(args, "new_tokenizer", False))))
-    return tokenize_corpus(corpus, tok, cache_dir=args.cache_dir, end_of_text=eot), tok
+    return RunTokens(tokenize_corpus(corpus, tok, cache_dir=args.cache_dir, end_of_text=eot), tok, named)
 
 
 def _saying(write, warning: str | None):  # noqa: ANN001, ANN202 - callables
@@ -122,21 +133,21 @@ def held_out(args: argparse.Namespace, job: Job, tok, end_of_text: int | None = 
     return Evaluation.of(docs, args.eval_every, scheduler(job, "fixed", args.seed, args.cp))
 
 
-def document_loader(args: argparse.Namespace, job: Job, tokens=None,  # noqa: ANN001, ANN201 - a loader
+def document_loader(args: argparse.Namespace, job: Job, tokens: RunTokens | None = None,  # noqa: ANN201
                     records: list | None = None):
     """The run's seeded loader over ``--corpus`` (with the job's tasks, over every task's corpus, each its
     own batch per step: flexmesh.data.tasks.TaskLoader) under the run's tokenizer (``tokens``:
     :func:`corpus_tokens_of`' answer, made here with ``records`` when not given)."""
-    from flexmesh.data.corpus import read_corpus, stdlib_corpus
     from flexmesh.data.loader import DocumentLoader, tokenize_corpus
 
     tasks = job.parts.tasks
-    corpus_tokens, tok = tokens if tokens is not None else corpus_tokens_of(args, job, records)
+    corpus_tokens, tok, named = tokens if tokens is not None else corpus_tokens_of(args, job, records)
     if tasks is not None:
         from flexmesh.data.tasks import TaskLoader
 
-        corpora = [tokenize_corpus(stdlib_corpus() if t.corpus == "stdlib" else read_corpus(t.corpus), tok,
-                                   cache_dir=args.cache_dir, end_of_text=corpus_tokens.end_of_text) for t in tasks]
+        # the corpora corpus_tokens_of resolved (one per task, in order): their fingerprints are read already
+        corpora = [tokenize_corpus(corpus, tok, cache_dir=args.cache_dir, end_of_text=corpus_tokens.end_of_text)
+                   for _, corpus in named]
         return TaskLoader(tasks.names, corpora, job.task_batches, [t.steps or args.max_steps for t in tasks],
                           job.seq_len, seed=args.seed)
     if job.tokens_per_batch is not None:  # --tokens-per-step: documents until that many tokens

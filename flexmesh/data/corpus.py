@@ -14,6 +14,7 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from flexmesh.errors import DataError
@@ -40,17 +41,17 @@ class Corpus:
         """Hash of the file names and contents: a cache keyed by it never serves stale tokens, even
         after an edit in place that keeps a file's size and modification time.
 
-        It reads every byte once (SHA-256 at several hundred MB/s: a fraction of a second for the
-        standard library's sources), still far cheaper than tokenising.
+        It reads every byte (SHA-256 at several hundred MB/s: a fraction of a second for the
+        standard library's sources, still far cheaper than tokenising), once per Corpus: the
+        tokenizer's cache key, the token cache's and the run's corpus record all ask the one object a
+        run resolved, so a training start reads the corpus once. A corpus edited since is another
+        Corpus (:func:`read_corpus` again).
         """
-        h = hashlib.sha256(f"{self.kind}:{self.text_field}".encode())
-        for f in self.files:
-            name = f.relative_to(self.root) if self.kind == "dir" else f.name
-            h.update(f"\0{name}\0".encode())
-            with f.open("rb") as fh:
-                while chunk := fh.read(1 << 20):
-                    h.update(chunk)
-        return h.hexdigest()[:16]
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:  # cached_property writes the instance's __dict__, which a frozen dataclass allows
+        return content_fingerprint(self)
 
     def documents(self) -> Iterator[str]:
         """Yield the non-empty documents in a fixed order."""
@@ -69,6 +70,18 @@ class Corpus:
         if not docs:
             raise DataError(f"corpus {self.root} has no documents: every file is empty; point --corpus at text data")
         return docs
+
+
+def content_fingerprint(corpus: Corpus) -> str:
+    """The hash :meth:`Corpus.fingerprint` keeps: ``corpus``'s file names and every byte, read now."""
+    h = hashlib.sha256(f"{corpus.kind}:{corpus.text_field}".encode())
+    for f in corpus.files:
+        name = f.relative_to(corpus.root) if corpus.kind == "dir" else f.name
+        h.update(f"\0{name}\0".encode())
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:

@@ -23,7 +23,6 @@ forward) takes its run along: on Linux torchrun and every rank die with their pa
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import signal
@@ -205,50 +204,6 @@ def parse_rendezvous(nnodes: str | None = None, node_rank: int | None = None, en
     return Rendezvous(nnodes, node_rank or 0, endpoint, run_id, max_restarts)
 
 
-def check_endpoint(endpoint: str | None, timeout_s: float = 5.0) -> None:
-    """Refuse (PlanError, one line) a ``--rdzv-endpoint`` whose port on this machine is held by a
-    program other than a rendezvous store: torchrun would connect to it as a client and wait for an
-    answer that never comes. A free port, a host that is not this machine (it cannot be probed before
-    its node starts) and a port where another node's torchrun already serves the store all pass."""
-    if endpoint is None:
-        return
-    host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        return  # torchrun reports a host it cannot resolve
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-            return  # free here
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                return  # not an address of this machine
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    answered: list[bool] = []
-
-    def connect() -> None:  # a store of this job, hosted by another node's torchrun here, answers at once
-        try:
-            dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-            answered.append(True)
-        except Exception:  # noqa: BLE001 - torch raises RuntimeError, DistNetworkError or TimeoutError here
-            pass
-
-    # In a thread: a program that accepts and never answers blocks the store's handshake past its timeout.
-    probe_thread = threading.Thread(target=connect, daemon=True)
-    probe_thread.start()
-    probe_thread.join(timeout_s)
-    if not answered:
-        raise PlanError(f"--rdzv-endpoint {endpoint}: port {port} is in use by another program on this machine; "
-                        "stop it or choose another port")
-
-
 def torchrun_command(nproc: int, target: Sequence[str], port: int | None = None,
                      rendezvous: Rendezvous | None = None) -> list[str]:
     """The command line that runs ``target`` as ``nproc`` ranks per node under torchrun.
@@ -276,7 +231,7 @@ def run_torchrun(nproc: int, target: Sequence[str], env: dict[str, str] | None =
     return subprocess.run(torchrun_command(nproc, target), env=env, **run_kwargs)
 
 
-LAUNCHER_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
+LAUNCHER_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-wait", "--max-restarts")
 
 
 def without_flags(argv: Sequence[str], valued: Sequence[str] = ("--nproc",), switches: Sequence[str] = ()) -> list[str]:

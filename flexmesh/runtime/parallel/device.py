@@ -28,6 +28,7 @@ or --device cpu to run all 4 on the CPU
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,10 +78,26 @@ def choose_device(requested: str, local_rank: int, local_world: int, visible_gpu
 
 
 def visible_gpus() -> int:
-    """GPUs this process may use (torch's count, which honours CUDA_VISIBLE_DEVICES); 0 without CUDA."""
+    """GPUs this process may use (torch's count, which honours CUDA_VISIBLE_DEVICES); 0 without CUDA.
+
+    A CPU build of torch (its version ends in ``+cpu``, as ``setup.sh`` installs) has none: said without
+    importing torch where this process has not yet, since a launcher that only builds torchrun's command
+    line would otherwise import it (seconds of CPU) for that one answer."""
+    if "torch" not in sys.modules and _cpu_build():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cpu_build() -> bool:
+    """Whether the installed torch is a CPU build, read from its package version (no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch").endswith("+cpu")
+    except PackageNotFoundError:
+        return False
 
 
 def rank_device(requested: str = "auto") -> DeviceChoice:
