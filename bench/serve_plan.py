@@ -49,6 +49,7 @@ import argparse
 import math
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from rich.console import Console
@@ -269,6 +270,25 @@ def only(sections: list[str]) -> int:
     return 0
 
 
+def _case(case: tuple[str, str]) -> tuple[list[str], list[str], object]:
+    rows, details, kept = plan_rows([case])
+    return rows[0], details, kept[case]
+
+
+def _side_by_side(cases: list[tuple[str, str]], cascade: bool) -> tuple[list, list, list, list]:
+    """The plans of every case, the re-plans (once the 8B conversation plan is there) and the cascade, each in a
+    process of its own, as many at once as the machine has cores (each is one thread): their rows in order."""
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        cascade_job = pool.submit(cascade_rows) if cascade else None
+        jobs = {c: pool.submit(_case, c) for c in cases}
+        done = {c: jobs[c].result() for c in cases[:1]}  # the 8B conversation case: the re-plans start from it
+        replans = pool.submit(replan_rows, done[cases[0]][2])
+        done.update({c: jobs[c].result() for c in cases[1:]})
+        rows = [done[c][0] for c in cases]
+        details = [line for c in cases for line in done[c][1]]
+        return rows, details, replans.result(), cascade_job.result() if cascade_job else []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-record", action="store_true")
@@ -281,9 +301,10 @@ def main() -> int:
         if bad:
             ap.error(f"unknown section {', '.join(bad)}; give some of {', '.join(SECTIONS)}")
         return only(args.only)
-    load = os.getloadavg()[0]
+    load, began = os.getloadavg()[0], time.perf_counter()
     cases = [("8B", "azure-conv")] if args.quick else [(s, t) for s in MODELS for t in TRACES]
-    rows, details, kept = plan_rows(cases)
+    trows = time_rows()  # alone, before the other sections start
+    rows, details, rrows, crows = _side_by_side(cases, cascade=not args.quick)
     head = ["case", "plan", "prefill/decode", "goodput req/s", "$/h", "goodput per $/h", "over best single type",
             "over Mélange-style", "over DistServe-style", "over one type per phase", "over round-robin",
             "split / aggregated candidates' goodput", "planner s"]
@@ -295,12 +316,9 @@ def main() -> int:
     kinds = {r[2] for r in rows}
     splits = f"plans split in {sum(r[2] == 'split' for r in rows)} of {len(rows)} cases " + \
         ("PASS" if kinds == {"split", "aggregated"} else "FAIL")
-    trows = time_rows()
     thead = ["planner time", "slowest case", "s (fastest of repeats)", "CPU s", "target"]
-    rrows = replan_rows(kept[("8B", "azure-conv")])
     rhead = ["re-plan", "plan before", "fast path CPU s", "fast path plan", "fast goodput", "fresh plan goodput",
              "fast / fresh", "full re-plan's transition"]
-    crows = [] if args.quick else cascade_rows()
     chead = ["cascade", "plan", "goodput req/s", "$/h", "goodput per $/h", "over the best single model"]
     for h, rs in ((thead, trows), (rhead, rrows), (chead, crows)):
         tt = Table(*h)
@@ -322,6 +340,10 @@ def main() -> int:
                f"fastest of {REPEATS}, load average {load:.1f} on {os.cpu_count()} cores when the run began; the "
                f"target held to the process's CPU seconds (one thread: its time on a core of its own), the wall time "
                f"beside them.\n\n")
+        md += (f"The whole run: {(time.perf_counter() - began) / 60:.1f} min on {os.cpu_count()} cores, load average "
+               f"{load:.1f} when it began and {os.getloadavg()[0]:.1f} at its end (other work on the machine "
+               f"included); the planner time alone, then the cases, the re-plans and the cascade side by side, one "
+               f"process per core.\n\n")
         md += (f"Re-planning: the fast path's CPU seconds (wall time in brackets) include the simulator's judgement "
                f"of its candidates on the first {replan.JUDGE_REQUESTS} requests; which candidate it took is in "
                f"brackets after its plan.\n\n")
