@@ -12,17 +12,18 @@ import numpy as np
 import pytest
 
 from flexmesh.cli import main
-from flexmesh.data.requests import Request, Workload, constant_lengths, with_arrivals
+from flexmesh.data.requests import Request, Workload, at_rate, constant_lengths, window, with_arrivals
 from flexmesh.errors import FlexmeshError, PlanError, SpecError
 from flexmesh.serve.deployment import ReplicaSpec, default_knobs, place
 from flexmesh.serve.metrics import SLO
-from flexmesh.serve.plan import milp
+from flexmesh.serve.plan import milp, replan
 from flexmesh.serve.plan.capacity import Pricing, configurations
 from flexmesh.serve.plan.cascade import plan_cascade, single_models, stage_slos
 from flexmesh.serve.plan.fileformat import ServingPlan, load_plan, save_plan
 from flexmesh.serve.plan.planner import PlanInputs, Planner
 from flexmesh.serve.plan.quality import escalate, parse_quality
 from flexmesh.serve.plan.replan import fast_replan, held_devices, transition
+from flexmesh.serve.plan.score import attainment_at
 from flexmesh.serve.plan.search import candidates
 from flexmesh.serve.plan.workload import buckets_from_trace, parse_buckets
 from flexmesh.serve.router import RoutingTable
@@ -122,6 +123,27 @@ def test_milp_routes_every_bucket_and_balances_prefill_and_decode():
     roles = np.array(p.columns.role)
     assert np.allclose(s.entry[roles == "prefill"].sum(axis=0), s.decode[roles == "decode"].sum(axis=0))
     assert (s.load(p.capacity) <= 1 + 1e-6).all()
+
+
+def test_milp_partial_buckets_let_a_share_of_the_rate_miss_the_slo():
+    """One configuration serves bucket 1 (5% of the requests) within the SLO only slowly (0.1 req/s; 2 req/s with
+    no latency bound): every bucket in full, it holds the rate down; with misses of its share it enters missing the
+    SLO and the rate rises as the capacities say; with half its share, half of it does; never more than allowed."""
+    cols = milp.Columns(model=[0], group=[0], devices=[1], role=["aggregated"])
+    demand = np.array([[0.95, 0.05]])
+    unbounded = np.array([[20.0, 2.0]])
+    base = milp.Problem(cols, np.array([[10.0, 0.1]]), demand, available=[4], price=[1.0], budget=4.0)
+    full = milp.solve(base)
+    assert full.missed is None and math.isclose(full.rate, 4 / (0.95 / 10 + 0.05 / 0.1), rel_tol=1e-3)
+    for misses, busy in ((0.05, 0.95 / 10 + 0.05 / 2), (0.025, 0.95 / 10 + 0.025 / 0.1 + 0.025 / 2)):
+        for solver in (milp.solve, milp.solve_fast):
+            s = solver(replace(base, misses=misses, capacity_any=unbounded))
+            assert math.isclose(s.rate, 4 / busy, rel_tol=1e-3)  # (the MILP keeps 1 - 1e-4 of the best rate)
+            assert s.missed is not None and s.missed.sum() <= misses * s.rate * (1 + 1e-6)
+            assert math.isclose(s.missed[0, 1], misses * s.rate, rel_tol=1e-6)  # the slow bucket's, not the other
+            assert np.allclose(s.entry.sum(axis=0), s.rate * demand[0])  # missed or not, all of it enters
+    with pytest.raises(PlanError, match="capacity without the SLO"):
+        milp.solve(replace(base, misses=0.05))
 
 
 def test_planner_is_within_two_percent_of_exhaustive_enumeration():
@@ -239,10 +261,11 @@ def test_fast_replan_moves_no_weights_and_uses_only_what_survives():
         fast_replan(planner, p, {9: 1})
 
 
-def test_fast_replan_changes_roles_only_for_more_than_the_milps_tolerance():
-    """Split replicas made to look better (their capacities scaled up): the roles change only where the MILP
-    finds that more than milp.MIP_GAP better than the replicas left in their roles; and they change whatever the
-    gain where the roles left cannot serve (every decode replica lost)."""
+def test_fast_replan_changes_roles_only_for_more_than_the_milps_tolerance(monkeypatch):
+    """Split replicas made to look better (their capacities scaled up): without the simulator (and every bucket in
+    full) the roles change only where the MILP finds that more than milp.MIP_GAP better than the replicas left in
+    their roles; and they change whatever the gain where the roles left cannot serve (every decode replica lost)."""
+    monkeypatch.setattr(replan, "PARTIAL_MISSES", 0.0)
     planner, _ = _small_plan()
     agg = candidates(planner, {"aggregated": ("aggregated",)})[0].plan
     assert {g.role for g in agg.groups} == {"aggregated"}
@@ -265,6 +288,38 @@ def test_fast_replan_changes_roles_only_for_more_than_the_milps_tolerance():
     after = fast_replan(planner, split, decodes)
     roles = {g.role for g in after.plan.groups}
     assert after.plan.predicted["rate"] > 0 and ("prefill" in roles) == ("decode" in roles)
+
+
+def test_fast_replan_takes_partial_buckets_where_the_survivors_serve_one_only_slowly(monkeypatch):
+    """The H100s (long prompts' replicas) lost: the L4s left serve long prompts within the SLO only slowly, so every
+    bucket in full holds the rate down to them; partial buckets (at most PARTIAL_MISSES of the attainment slack
+    missing the SLO) serve more by more than the MILP's tolerance, and the fast path takes them by the MILP's rule.
+    Judged by the simulator, the candidate taken meets the attainment target at a rate of its ladder."""
+    buckets = parse_buckets("300:100=0.94,4000:100=0.06")
+    inputs = PlanInputs(("llama3.1-8b",), "2xH100+8xL4", buckets, SLO(ttft_s=0.8, tpot_s=0.1), PRICES, budget=30.0)
+    planner = Planner(inputs)
+    before = candidates(planner, {"aggregated": ("aggregated",)})[0].plan
+    long_on = [i for i, g in enumerate(before.groups) if g.device == "H100-80GB"]
+    assert long_on and len(long_on) < len(before.groups), before.layout
+    fast = fast_replan(planner, before, long_on)
+    assert "partial" in fast.candidate, (before.layout, fast.candidate)
+    assert fast_replan(planner, before, long_on).plan == fast.plan  # nothing depends on a clock
+    with monkeypatch.context() as m:
+        m.setattr(replan, "PARTIAL_MISSES", 0.0)
+        whole = fast_replan(planner, before, long_on)
+    assert "partial" not in whole.candidate
+    assert fast.plan.predicted["rate"] > whole.plan.predicted["rate"] * (1 + milp.MIP_GAP)
+    base = with_arrivals(Workload(tuple(Request(i, 0.0, 4000 if i % 16 == 0 else 300, 100) for i in range(48)),
+                                  "mixed"), 1.0, n=400)
+
+    def workload_at(rate: float) -> Workload:
+        return at_rate(base, rate)
+
+    judged = fast_replan(planner, before, long_on, workload_at=workload_at, judge_requests=300)
+    assert judged.plan.dollars_per_hour <= before.dollars_per_hour + 1e-9
+    short = lambda r: window(workload_at(r), first=300)  # noqa: E731
+    rate = judged.plan.predicted["rate"]
+    assert any(attainment_at(judged.plan, short, rate * f)[0] >= inputs.attainment for f in replan.LADDER)
 
 
 def test_transition_matches_old_replicas_to_new_at_least_cost():

@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError("--baselines compare single-model plans; a cascade is compared with its best single "
                             "model already")
         say("planning and scoring the baselines")
-        baselines = all_baselines(result.planner, result.plan, result.score, job.workload_at)
+        baselines = all_baselines(result.planner, result.plan, result.score, job.workload_at, result.candidates)
     doc = _document(job, result, baselines, cascade, single)
     if args.out:
         _write(Path(args.out), job, result, baselines, single, doc)

@@ -57,7 +57,7 @@ def sweep(fleet: Fleet, workload_at: Callable[[float], Workload], rates: Sequenc
 
 def find_goodput(fleet: Fleet, workload_at: Callable[[float], Workload], slo: SLO, target: float, start_rate: float,
                  dollars_per_hour: float | None = None, progress: Callable[[int, int], None] | None = None,
-                 rel_tol: float = 0.02, **run: object) -> tuple[Goodput, list[RatePoint]]:
+                 rel_tol: float = 0.02, step: float = 2.0, **run: object) -> tuple[Goodput, list[RatePoint]]:
     """The highest rate at which at least ``target`` of the requests meet ``slo`` (:func:`~flexmesh.serve.metrics.
     goodput`'s bisection from ``start_rate``), and the summary of every rate it tried."""
     points: list[RatePoint] = []
@@ -67,4 +67,4 @@ def find_goodput(fleet: Fleet, workload_at: Callable[[float], Workload], slo: SL
         points.append(RatePoint(rate, summarize(result.records, slo, dollars_per_hour)))
         return attainment(result.records, slo)
 
-    return goodput(at, target, start_rate, rel_tol=rel_tol), points
+    return goodput(at, target, start_rate, rel_tol=rel_tol, step=step), points

@@ -13,7 +13,10 @@ and judged by the same simulator on the same workload, its best variant kept:
   another, the best pair (the pairs the MILP ranks highest are simulated);
 - **round-robin**: the planner's own replicas with requests spread in turn, not by bucket.
 
-Within a bucket's shares each plan is routed in proportion and by least work; the better is kept.
+Within a bucket's shares each plan is routed in proportion and by least work; the better is kept. A plan the
+planner has already simulated (the same replica groups, shares and routing: its single-type and aggregated-only
+candidates are often a baseline's own plan) keeps the score it got rather than being simulated again
+(``known`` in :func:`all_baselines`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from flexmesh.serve.plan.fileformat import ServingPlan
 from flexmesh.serve.plan.planner import Candidate, Planner
 from flexmesh.serve.plan.score import Score, score
 from flexmesh.serve.plan.search import _better
+
+# Scores already simulated, by plan: its replica groups (shares included) and routing.
+Known = dict[tuple, Score]
 
 # Pairs of device types (prefill, decode) simulated for the one-type-per-phase baseline: the MILP's best ones.
 PAIRS_SIMULATED = 3
@@ -57,14 +63,27 @@ def _solved(planner: Planner, name: str, cols: Sequence[int]) -> Candidate | Non
     return Candidate(name, planner.to_plan(cols, s), s)
 
 
+def _key(plan: ServingPlan) -> tuple:
+    return plan.groups, plan.routing
+
+
+def known_scores(candidates: Sequence[Candidate]) -> Known:
+    """The scores of the candidates the simulator has judged, by plan."""
+    return {_key(c.plan): c.score for c in candidates if c.score is not None and c.plan.cascade is None}
+
+
 def _routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Planner,
-            target: float | None) -> list[Candidate]:
-    """``c`` scored with each routing policy inside its buckets' shares."""
+            target: float | None, known: Known | None = None) -> list[Candidate]:
+    """``c`` scored with each routing policy inside its buckets' shares (a plan in ``known`` keeps its score;
+    each new score is added to it)."""
     out = []
     start = c.solution.rate if c.solution is not None else 1.0
+    memo: Known = {} if known is None else known
     for policy in ("weights", "least-work"):
         p = replace(c.plan, routing=policy)
-        s = score(p, workload_at, start, planner.overhead)
+        s = memo.get(_key(p))
+        if s is None:
+            s = memo[_key(p)] = score(p, workload_at, start, planner.overhead)
         start = s.goodput or start
         out.append(Candidate(f"{c.name}, {policy}", p, c.solution, s))
     return out
@@ -79,37 +98,37 @@ def _best(name: str, tried: list[Candidate], target: float | None, why: str) -> 
     return Baseline(name, best, tuple(tried), "" if best is not None else why)
 
 
-def single_type(planner: Planner, workload_at: Callable[[float], Workload]) -> Baseline:
+def single_type(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Aggregated replicas of one device type, the best type."""
     tried: list[Candidate] = []
     target = planner.inputs.rate
     for g, group in enumerate(planner.cluster.groups):
         c = _solved(planner, f"{group.device.name} only", planner.columns(("aggregated",), groups=[g]))
         if c is not None:
-            tried += _routed(c, workload_at, planner, target)
+            tried += _routed(c, workload_at, planner, target, known)
     return _best("best single GPU type", tried, target, "no single device type serves the workload")
 
 
-def melange(planner: Planner, workload_at: Callable[[float], Workload]) -> Baseline:
+def melange(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Device types mixed per bucket, aggregated replicas only."""
     c = _solved(planner, "type mix per bucket", planner.columns(("aggregated",)))
-    tried = _routed(c, workload_at, planner, planner.inputs.rate) if c is not None else []
+    tried = _routed(c, workload_at, planner, planner.inputs.rate, known) if c is not None else []
     return _best("Mélange-style", tried, planner.inputs.rate, "no aggregated plan serves the workload")
 
 
-def distserve(planner: Planner, workload_at: Callable[[float], Workload]) -> Baseline:
+def distserve(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Prefill and decode replicas on one device type, each phase its own tp and knobs; the best type."""
     tried: list[Candidate] = []
     for g, group in enumerate(planner.cluster.groups):
         c = _solved(planner, f"{group.device.name} prefill + decode", planner.columns(("prefill", "decode"),
                                                                                        groups=[g]))
         if c is not None:
-            tried += _routed(c, workload_at, planner, planner.inputs.rate)
+            tried += _routed(c, workload_at, planner, planner.inputs.rate, known)
     return _best("DistServe-style", tried, planner.inputs.rate, "no device type serves both phases")
 
 
 def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
-                   simulated: int = PAIRS_SIMULATED) -> Baseline:
+                   simulated: int = PAIRS_SIMULATED, known: Known | None = None) -> Baseline:
     """Prefill on one device type and decode on another: the pairs the MILP ranks highest, simulated."""
     solved: list[Candidate] = []
     groups = planner.cluster.groups
@@ -131,7 +150,7 @@ def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
     solved.sort(key=rank, reverse=True)
     tried: list[Candidate] = []
     for c in solved[:simulated]:
-        tried += _routed(c, workload_at, planner, target)
+        tried += _routed(c, workload_at, planner, target, known)
     return _best("one type per phase", tried, target, "no pair of device types serves the two phases")
 
 
@@ -147,10 +166,12 @@ def round_robin(plan: ServingPlan, workload_at: Callable[[float], Workload], sta
 
 
 def all_baselines(planner: Planner, plan: ServingPlan, plan_score: Score,
-                  workload_at: Callable[[float], Workload]) -> list[Baseline]:
-    """Every baseline of the module doc, in its order."""
-    return [single_type(planner, workload_at), melange(planner, workload_at), distserve(planner, workload_at),
-            type_per_phase(planner, workload_at),
+                  workload_at: Callable[[float], Workload], known: Sequence[Candidate] = ()) -> list[Baseline]:
+    """Every baseline of the module doc, in its order; ``known``: candidates the simulator has scored on the same
+    workload (the planner's), whose scores a baseline of the same plan reuses."""
+    memo = known_scores(known)
+    return [single_type(planner, workload_at, memo), melange(planner, workload_at, memo),
+            distserve(planner, workload_at, memo), type_per_phase(planner, workload_at, known=memo),
             round_robin(plan, workload_at, plan_score.goodput or 1.0, planner)]
 
 

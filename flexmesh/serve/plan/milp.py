@@ -19,6 +19,11 @@ time (``sum_b x[c, b] / capacity[c, b] <= n[c]``, the same for decodes); a prefi
 second over each link between two groups stay within it; devices per group within what is available; the
 price within the budget.
 
+Partial buckets (``misses``, the fast re-plan's): up to that share of the rate may enter where it misses the
+SLO (variables ``w[c, b]``, priced at ``capacity_any[c, b]``, each replica's rate with no latency bound: the
+requests still take its time), so that surviving replicas that serve a bucket within the SLO only slowly, or not
+at all, need not hold the whole rate down to it; without ``misses`` every request enters within the SLO.
+
 Mélange's bucket ILP (2404.14527) is the special case without prefill/decode: aggregated columns only, a given
 rate, each bucket cut in ``slices`` equal slices each sent whole to one configuration (``slices``), the cost
 minimised.
@@ -104,6 +109,8 @@ class Problem:
     counts: Sequence[int] | None = None
     time_limit_s: float = TIME_LIMIT_S
     relaxed: bool = False  # the linear relaxation (replica counts fractional): a bound on the best plan
+    misses: float = 0.0  # the share of the rate that may enter missing the SLO (partial buckets)
+    capacity_any: np.ndarray | None = None  # [c, b] requests/s one replica serves with no latency bound
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,7 @@ class Solution:
     seconds: float
     notes: tuple[str, ...] = field(default=())
     bound: float | None = None  # the linear relaxation's rate (or, at a given rate, its cost): no plan does better
+    missed: np.ndarray | None = None  # [c, b] of ``entry``: requests/s entering that miss the SLO (partial buckets)
 
     @property
     def gap(self) -> float | None:
@@ -246,6 +254,24 @@ def solve(problem: Problem) -> Solution:
             entry_of.setdefault(c, []).append((b, var, unit))
             entry_in.setdefault((m, b), []).append((c, var, unit))
 
+    miss: dict[tuple[int, int], int] = {}  # (c, b) -> variable: requests/s entering that miss the SLO
+    miss_of: dict[int, list[tuple[int, int, float]]] = {}  # c -> [(b, variable, capacity without the SLO)]
+    if p.misses > 0:
+        if p.capacity_any is None or p.slices is not None:
+            raise PlanError("partial buckets (misses) need each configuration's capacity without the SLO, and no "
+                            "slices")
+        any_cap = np.asarray(p.capacity_any, dtype=float)
+        for c in range(nc):
+            if not allowed[c] or cols.role[c] == "decode":
+                continue
+            for b in range(nb):
+                if any_cap[c, b] > 0 and demand[cols.model[c], b] > 0:
+                    miss[c, b] = v.add(0.0, math.inf)
+                    miss_of.setdefault(c, []).append((b, miss[c, b], float(any_cap[c, b])))
+    miss_in: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for (c, b), var in miss.items():
+        miss_in.setdefault((cols.model[c], b), []).append((c, var))
+
     prefill_groups: dict[int, list[int]] = {}
     decode_groups: dict[int, list[int]] = {}
     for c in range(nc):
@@ -285,6 +311,7 @@ def solve(problem: Problem) -> Solution:
             if demand[m, b] <= 0:
                 continue
             terms = {var: unit for _, var, unit in entry_in.get((m, b), ())}
+            terms.update({var: 1.0 for _, var in miss_in.get((m, b), ())})
             if not terms:
                 raise PlanError(f"no configuration serves bucket {b} of model {m} within the SLO; relax the SLO, "
                                 "give faster or larger devices, or drop those requests")
@@ -298,6 +325,7 @@ def solve(problem: Problem) -> Solution:
     for c in range(nc):
         terms = {var: unit / cap[c, b] for b, var, unit in entry_of.get(c, ())}
         terms.update({var: 1.0 / cap[c, b] for b, var in dec_of.get(c, ())})
+        terms.update({var: 1.0 / most for _, var, most in miss_of.get(c, ())})
         if terms:
             rows.add({**terms, n_var[c]: -1.0}, -math.inf, 0.0)
     # prefill -> decode: what a group prefills of a decoding bucket flows out, what a group decodes flows in
@@ -307,12 +335,15 @@ def solve(problem: Problem) -> Solution:
                 continue
             if m not in paired:
                 terms = {var: unit for c, var, unit in entry_in.get((m, b), ()) if cols.role[c] == "prefill"}
+                terms.update({var: 1.0 for c, var in miss_in.get((m, b), ()) if cols.role[c] == "prefill"})
                 terms.update({var: -1.0 for _, var in dec_in.get((m, b), ())})
                 rows.add(terms, 0.0, 0.0)
                 continue
             for g in pre_g.get(m, ()):
                 terms = {var: unit for c, var, unit in entry_in.get((m, b), ())
                          if cols.role[c] == "prefill" and cols.group[c] == g}
+                terms.update({var: 1.0 for c, var in miss_in.get((m, b), ())
+                              if cols.role[c] == "prefill" and cols.group[c] == g})
                 terms.update({flow[m, b, g, h]: -1.0 for h in dec_g.get(m, ())})
                 rows.add(terms, 0.0, 0.0)
             for h in dec_g.get(m, ()):
@@ -328,6 +359,12 @@ def solve(problem: Problem) -> Solution:
                 over.setdefault((g, h), {})[var] = kv[m, b]
         for (g, h), terms in sorted(over.items()):
             rows.add(terms, -math.inf, float(link[g, h]))
+    # partial buckets: what enters missing the SLO within its share of the rate
+    if miss:
+        if fixed_rate:
+            rows.add({var: 1.0 for var in miss.values()}, -math.inf, p.misses * rate)
+        else:
+            rows.add({**{var: 1.0 for var in miss.values()}, rate_var: -p.misses}, -math.inf, 0.0)
     # devices available per group
     for g in range(ng):
         terms = {n_var[c]: float(cols.devices[c]) for c in range(nc) if cols.group[c] == g and allowed[c]}
@@ -380,13 +417,18 @@ def solve(problem: Problem) -> Solution:
     ent = np.zeros((nc, nb))
     for (c, b), (var, unit) in entry.items():
         ent[c, b] = max(0.0, x[var] * unit)
+    missed = np.zeros((nc, nb))
+    for (c, b), var in miss.items():
+        missed[c, b] = max(0.0, x[var])
+    ent += missed
     dcd = np.zeros((nc, nb))
     for (c, b), var in dec.items():
         dcd[c, b] = max(0.0, x[var])
     flows = {k: float(x[var]) for k, var in flow.items() if x[var] > 1e-9}
     cost = float(sum(coef * counts[c] for c, coef in ((c, price[cols.group[c]] * cols.devices[c])
                                                        for c in range(nc))))
-    return Solution(rate, counts, ent, dcd, flows, cost, time.perf_counter() - t0, tuple(notes))
+    return Solution(rate, counts, ent, dcd, flows, cost, time.perf_counter() - t0, tuple(notes),
+                    missed=missed if miss else None)
 
 
 def _subset(p: Problem, keep: list[int]) -> Problem:
@@ -398,14 +440,19 @@ def _subset(p: Problem, keep: list[int]) -> Problem:
     sub = Columns(pick(cols.model), pick(cols.group), pick(cols.devices), pick(cols.role),
                   pick(cols.shape) if cols.shape else ())
     return replace(p, columns=sub, capacity=np.asarray(p.capacity)[keep],
-                   counts=None if p.counts is None else pick(p.counts))
+                   counts=None if p.counts is None else pick(p.counts),
+                   capacity_any=None if p.capacity_any is None else np.asarray(p.capacity_any)[keep])
 
 
 def _widen(p: Problem, keep: list[int], s: Solution) -> Solution:
     nc, nb = len(p.columns), np.asarray(p.capacity).shape[1]
     counts, entry, decode = np.zeros(nc, dtype=int), np.zeros((nc, nb)), np.zeros((nc, nb))
     counts[keep], entry[keep], decode[keep] = s.counts, s.entry, s.decode
-    return replace(s, counts=counts, entry=entry, decode=decode)
+    missed = None
+    if s.missed is not None:
+        missed = np.zeros((nc, nb))
+        missed[keep] = s.missed
+    return replace(s, counts=counts, entry=entry, decode=decode, missed=missed)
 
 
 def solve_fast(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Solution:

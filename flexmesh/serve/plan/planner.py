@@ -107,8 +107,10 @@ class Planner:
         self.capacity = np.array([[self.pricing.capacity(c, b, slos[c.model]).rate if b.share > 0 else 0.0
                                    for b in buckets] for c in self.configs])
         self.detail: dict[tuple[int, int], Capacity] = {}
+        self._unbounded: dict[int, np.ndarray] = {}  # configuration -> its capacity per bucket with no SLO
         self.price = [i.prices[g.device.name] for g in self.cluster.groups]
         self.demand = np.array([[t * b.share for b in buckets] for t in i.tiers])
+        self.scale = np.ones(len(self.configs))  # the calibration of each configuration's capacities
         self.dominated = self._dominated()
         self.decodes = np.array([[b.output_mean > 1.0 for b in buckets] for _ in i.tiers])
         self.kv_bytes = np.array([[b.prompt_mean * kv_bytes_per_token(m) for b in buckets] for m in self.models])
@@ -195,22 +197,40 @@ class Planner:
                     cap[j, b] = self.pricing.capacity(self.configs[k], buckets[b], SLO()).rate
         return cap
 
+    def unbounded(self, cols: Sequence[int]) -> np.ndarray:
+        """The capacities of ``cols`` per bucket with no latency bound (what a replica serves of requests that
+        miss the SLO anyway), priced once per configuration and kept."""
+        buckets = self.inputs.buckets.buckets
+        for k in cols:
+            if k not in self._unbounded:
+                self._unbounded[k] = np.array([self.pricing.capacity(self.configs[k], b, SLO()).rate
+                                               if b.share > 0 else 0.0 for b in buckets])
+        return np.array([self._unbounded[k] for k in cols]).reshape(len(cols), len(buckets))
+
     def problem(self, cols: Sequence[int], budget: float | None = None, rate: float | None = None,
                 counts: Sequence[int] | None = None, limits: dict | None = None,
-                available: Sequence[int] | None = None, by_role: bool = False) -> Problem:
+                available: Sequence[int] | None = None, by_role: bool = False, misses: float = 0.0) -> Problem:
         """The MILP over ``cols``; ``limits``: at most this many replicas of each weights shape (with
-        ``by_role``: of each (weights shape, role))."""
+        ``by_role``: of each (weights shape, role)); ``misses``: the share of the rate that may enter missing the
+        SLO (partial buckets, :class:`~.milp.Problem`), the capacities then as priced (a bucket no column serves
+        within the SLO enters only as such a miss)."""
         cfg = [self.configs[k] for k in cols]
         columns = Columns([c.model for c in cfg], [c.group for c in cfg], [c.devices for c in cfg],
                           [c.role for c in cfg], [(c.shape, c.role) if by_role else c.shape for c in cfg])
-        return Problem(columns, self.capacities(cols), self.demand,
+        partial = misses > 0
+        return Problem(columns, self.capacity[list(cols)] if partial else self.capacities(cols), self.demand,
                        available or [g.world_size for g in self.cluster.groups], self.price, budget, rate,
-                       self.kv_bytes, self.links, self.decodes, counts=counts, limits=limits)
+                       self.kv_bytes, self.links, self.decodes, counts=counts, limits=limits, misses=misses,
+                       capacity_any=self.unbounded(cols) * self._scale(cols) if partial else None)
+
+    def _scale(self, cols: Sequence[int]) -> np.ndarray:
+        """Per column, this planner's calibration of its capacities (1 where none)."""
+        return np.array([self.scale[k] for k in cols])[:, None] if len(cols) else np.ones((0, 1))
 
     def solve(self, cols: Sequence[int], budget: float | None = None, rate: float | None = None,
               counts: Sequence[int] | None = None, limits: dict | None = None,
-              available: Sequence[int] | None = None, by_role: bool = False) -> Solution:
-        problem = self.problem(cols, budget, rate, counts, limits, available, by_role)
+              available: Sequence[int] | None = None, by_role: bool = False, misses: float = 0.0) -> Solution:
+        problem = self.problem(cols, budget, rate, counts, limits, available, by_role, misses)
         if counts is not None:  # a linear program: nothing to be quick about
             return solve(problem)
         return solve_fast(problem, self.inputs.time_limit_s)
@@ -257,6 +277,7 @@ class Planner:
         scale = np.array([by_group.get(c.group, default) * (1.0 if c.role == "aggregated" else split)
                           for c in self.configs])
         out.capacity = self.capacity * scale[:, None]
+        out.scale = self.scale * scale
         return out
 
     def counts_of(self, plan: ServingPlan) -> dict[int, int]:

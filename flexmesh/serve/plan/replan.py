@@ -4,12 +4,17 @@
 instances): when replica groups are lost or the workload shifts (its rate, its buckets), the replicas that are
 left keep their weights (model, device group, tp, pp) and only their roles, engine knobs and the routing
 change: the MILP over the configurations of those weight shapes, at most as many replicas of each shape as
-survive (:func:`fast_replan`). No new device is taken, so the price can only fall. The MILP is solved twice:
-with every replica in the role it had (knobs and routing free), and with roles free; a plan that changes roles
-is taken only when the MILP finds it better by more than its own tolerance (:data:`~.milp.MIP_GAP`: a
-difference the MILP does not resolve is no reason to move). The fast path has no simulator to judge a role
-change by, while the plan it starts from was the simulator's pick between aggregated and split replicas (a
-split the MILP's capacities prefer by a percent can serve a quarter less in the simulator).
+survive (:func:`fast_replan`). No new device is taken, so the price can only fall. The MILP is solved four ways:
+with every replica in the role it had (knobs and routing free) and with roles free, each with every bucket
+served in full and with **partial buckets** (up to :data:`PARTIAL_MISSES` of the attainment target's slack may
+enter missing the SLO, priced at the replicas' capacity without it: survivors that serve a bucket within the
+SLO only slowly, or not at all, then need not hold the whole rate down to it). Given the workload, the
+simulator judges them on its first :data:`JUDGE_REQUESTS` requests: the highest MILP rate first, each candidate
+simulated at its rate and down :data:`LADDER` until it meets the target, the highest rate met taken. Without
+it, the MILP's rule: a role change or partial buckets only when the MILP finds them better by more than its
+own tolerance (:data:`~.milp.MIP_GAP`: the plan it starts from was the simulator's pick between aggregated and
+split replicas, and a split the MILP's capacities prefer by a percent can serve a quarter less in the
+simulator).
 
 **Full re-plan**: a fresh plan for the new situation, and what moving to it costs (:func:`transition`): old
 replicas are matched to new ones at least cost (:func:`scipy.optimize.linear_sum_assignment` over the bytes
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -32,11 +37,21 @@ from scipy.optimize import linear_sum_assignment
 
 from flexmesh.cost.inference.memory import kv_bytes_per_token, weight_bytes_on_device
 from flexmesh.cost.inference.transfer import Span, kv_path
+from flexmesh.data.requests import Workload, window
 from flexmesh.errors import PlanError
 from flexmesh.serve.plan.fileformat import ServingPlan
 from flexmesh.serve.plan.milp import MIP_GAP, Solution
 from flexmesh.serve.plan.planner import Planner
+from flexmesh.serve.plan.score import attainment_at
 
+# The partial-bucket MILP lets this share of the attainment target's slack (1 - attainment) enter missing the SLO;
+# the rest is left to the requests priced within it (their capacities are at the attainment quantile).
+PARTIAL_MISSES = 0.5
+# Requests (the workload's first) on which the simulator judges the fast path's candidates: a few seconds of
+# traffic, simulated once per candidate.
+JUDGE_REQUESTS = 500
+# The rates the simulator tries a candidate at, as shares of its MILP rate, until one meets the target.
+LADDER = (1.0, 0.85)
 # A pairing that cannot be (an old replica's devices are in another device group): a cost no real one reaches.
 _NEVER = 1e30
 
@@ -44,8 +59,10 @@ _NEVER = 1e30
 @dataclass(frozen=True)
 class FastReplan:
     plan: ServingPlan
-    seconds: float  # the planner's time (the MILP over the surviving replicas)
+    seconds: float  # the planner's time (the MILPs over the surviving replicas, the simulator's judgement)
     changed: tuple[str, ...]  # what changed: roles, knobs, replicas left idle
+    candidate: str = ""  # which of the MILP's candidates was taken (roles kept or free, partial buckets or not)
+    cpu_s: float = 0.0  # the process's CPU seconds in that time (what other work on the machine does not stretch)
 
 
 def _left(plan: ServingPlan, lost: Sequence[int] | Mapping[int, int]) -> list[int]:
@@ -59,13 +76,15 @@ def _left(plan: ServingPlan, lost: Sequence[int] | Mapping[int, int]) -> list[in
 
 
 def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mapping[int, int] = (),
-                rate: float | None = None) -> FastReplan:
+                rate: float | None = None, workload_at: Callable[[float], Workload] | None = None,
+                judge_requests: int = JUDGE_REQUESTS) -> FastReplan:
     """``plan`` re-routed after its replica groups ``lost`` (indices into ``plan.groups``, or index -> replicas
-    lost) are gone, for
-    ``planner``'s workload (its buckets: the shifted workload's), at ``rate`` when given (the cheapest plan
-    serving it with the replicas left) or the most it can serve. Only roles, engine knobs and routing change;
-    roles only where the MILP finds that better beyond its tolerance (see the module doc)."""
-    t0 = time.perf_counter()
+    lost) are gone, for ``planner``'s workload (its buckets: the shifted workload's), at ``rate`` when given (the
+    cheapest plan serving it with the replicas left) or the most it can serve. Only roles, engine knobs and
+    routing change. The MILP's candidates (roles kept or free, every bucket in full or partial buckets) are
+    judged by the simulator on the first ``judge_requests`` requests of ``workload_at`` where it is given, else
+    by the MILP with its tolerance (see the module doc)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     left: dict[tuple[int, int, int, int], int] = {}
     roles: dict[tuple[tuple[int, int, int, int], str], int] = {}
     keep = _left(plan, lost)
@@ -76,25 +95,32 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     if not left:
         raise PlanError("every replica group is lost; nothing is left to re-route (plan again with flexmesh serve "
                         "plan)")
-    cols = planner.columns(everything=True, keep=lambda c: c.shape in left)
-    free = planner.solve(cols, rate=rate, limits=left)
-    same_cols = [k for k in cols if (planner.configs[k].shape, planner.configs[k].role) in roles]
-    try:
-        same: Solution | None = planner.solve(same_cols, rate=rate, limits=roles, by_role=True)
-    except PlanError:  # the roles left cannot serve it (say, a model's decode replicas are all lost)
-        same = None
-    used: dict[tuple[tuple[int, int, int, int], str], int] = {}
-    for k, n in zip(cols, free.counts):
-        if n > 0:
-            as_role = (planner.configs[k].shape, planner.configs[k].role)
-            used[as_role] = used.get(as_role, 0) + int(n)
-    # free keeping every replica's role too is just the better of the two; else it must beat the tolerance
-    margin = MIP_GAP if any(n > roles.get(r, 0) for r, n in used.items()) else 0.0
-    s = free
-    if same is not None and not _better(free, same, rate is not None, margin):
-        cols, s = same_cols, same
+    every = planner.columns(everything=True, keep=lambda c: c.shape in left)
+    same_cols = [k for k in every if (planner.configs[k].shape, planner.configs[k].role) in roles]
+    given = rate is not None
+    # (name, columns, solution, whether it changes roles), in the order the MILP's rule prefers them on a tie
+    found: list[tuple[str, list[int], Solution, bool]] = []
+    failed: PlanError | None = None
+    for misses in sorted({0.0, PARTIAL_MISSES * (1 - planner.inputs.attainment)}):
+        for name, cols, by_role, limits in (("roles kept", same_cols, True, roles), ("roles free", every, False, left)):
+            try:
+                sol = planner.solve(cols, rate=rate, limits=limits, by_role=by_role, misses=misses)
+            except PlanError as e:  # the roles left cannot serve it (say, a model's decode replicas are all lost)
+                failed = failed or e
+                continue
+            if sol.rate <= 0 or not sol.counts.any():
+                continue
+            moved = any(n > roles.get(r, 0) for r, n in _used(planner, cols, sol).items())
+            found.append((f"{name}{', partial buckets' if misses else ''}", cols, sol, moved))
+    if not found:
+        raise failed or PlanError("the replicas left serve no rate; plan again with flexmesh serve plan")
+    if workload_at is None:
+        pick = _by_milp(found, given)
+    else:
+        pick = _by_simulator(planner, plan, found, workload_at, rate, judge_requests)
+    chosen, cols, s, _ = found[pick]
     new = planner.to_plan(cols, s, plan.routing)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     before = {(g.shape, g.role, g.knobs): n for g, n in zip(plan.groups, keep) if n}
     after = {(g.shape, g.role, g.knobs): g.replicas for g in new.groups}
     changed = []
@@ -108,7 +134,63 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     idle = sum(left.values()) - sum(g.replicas for g in new.groups)
     if idle:
         changed.append(f"{idle} surviving replica(s) left idle")
-    return FastReplan(replace(new, workload=plan.workload), seconds, tuple(changed))
+    return FastReplan(replace(new, workload=plan.workload), seconds, tuple(changed), chosen, cpu)
+
+
+def _used(planner: Planner, cols: Sequence[int], sol: Solution) -> dict[tuple[tuple[int, int, int, int], str], int]:
+    """Replicas a solution uses of each (weights shape, role)."""
+    used: dict[tuple[tuple[int, int, int, int], str], int] = {}
+    for k, n in zip(cols, sol.counts):
+        if n > 0:
+            key = (planner.configs[k].shape, planner.configs[k].role)
+            used[key] = used.get(key, 0) + int(n)
+    return used
+
+
+def _by_milp(found: Sequence[tuple[str, list[int], Solution, bool]], given: bool) -> int:
+    """The candidate the MILP's rule keeps: the first (roles kept, every bucket in full), replaced by a later one
+    only where that is better beyond MIP_GAP (or, keeping every role, better at all)."""
+    pick = 0
+    for j in range(1, len(found)):
+        margin = MIP_GAP if found[j][3] or "partial" in found[j][0] else 0.0
+        if _better(found[j][2], found[pick][2], given, margin):
+            pick = j
+    return pick
+
+
+def _by_simulator(planner: Planner, plan: ServingPlan, found: Sequence[tuple[str, list[int], Solution, bool]],
+                  workload_at: Callable[[float], Workload], rate: float | None, first: int) -> int:
+    """The candidate the simulator finds best on the first ``first`` requests. At a given ``rate``: the cheapest
+    meeting the attainment target there, else the highest attainment. Else each candidate, the highest MILP rate
+    first, is simulated at its rate and down :data:`LADDER` until it meets the target; the highest rate met wins,
+    and a candidate whose MILP rate is not above it is not simulated (the MILP's rule where none meets it)."""
+    target = planner.inputs.attainment
+
+    def short(r: float) -> Workload:
+        return window(workload_at(r), first=first)
+
+    plans = [planner.to_plan(cols, sol, plan.routing) for _, cols, sol, _ in found]
+    if rate is not None:
+        marks = [attainment_at(p, short, rate, planner.overhead)[0] for p in plans]
+        meeting = [j for j, a in enumerate(marks) if a >= target]
+        if meeting:
+            return min(meeting, key=lambda j: (found[j][2].cost, j))
+        return max(range(len(found)), key=lambda j: (marks[j], -j))
+    best, met = None, 0.0
+    seen = set()
+    for j in sorted(range(len(found)), key=lambda j: (-found[j][2].rate, j)):
+        key = (plans[j].groups, plans[j].routing)
+        if found[j][2].rate <= met or key in seen:
+            continue
+        seen.add(key)
+        for share in LADDER:
+            r = found[j][2].rate * share
+            if r <= met:
+                break
+            if attainment_at(plans[j], short, r, planner.overhead)[0] >= target:
+                best, met = j, r
+                break
+    return best if best is not None else _by_milp(found, False)
 
 
 def _better(a: Solution, b: Solution, rate_given: bool, margin: float) -> bool:

@@ -32,6 +32,9 @@ from flexmesh.serve.study import RatePoint, find_goodput
 
 # Goodput's bisection stops when its bracket is within this (the study's default, 2%).
 REL_TOL = 0.02
+# Its first bracketing step from the start rate (a prediction, usually within a quarter of the answer): fewer
+# simulations than doubling, and the step grows where the start is far off.
+STEP = 1.25
 
 
 @dataclass(frozen=True)
