@@ -346,10 +346,11 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     with wall.phase("tokenizer and data"):
         tokens = corpus_tokens_of(args, job, records)
         loader = document_loader(args, job, tokens)
-        evaluation = held_out(args, job, tokens[1], tokens[0].end_of_text)
+        evaluation = held_out(args, job, tokens.tokenizer, tokens.tokens.end_of_text)
     if schedule_fn is None:  # the default: the plan's own schedule, or for several groups the simulator's choice
-        policy, why = choose_policy(job, first_lengths(args, job, tokens, RECOMMEND_STEPS),
-                                     speeds_of(emulated, plan.world_size), args.seed)
+        # the first batches' lengths are drawn only where the simulator compares policies on them
+        batches = first_lengths(args, job, tokens, RECOMMEND_STEPS) if len(plan.groups) > 1 else []
+        policy, why = choose_policy(job, batches, speeds_of(emulated, plan.world_size), args.seed)
         if why is not None and os.environ.get("RANK", "0") == "0":
             print(why, file=sys.stderr, flush=True)
         schedule_fn = scheduler(job, policy, args.seed, args.cp)
