@@ -43,7 +43,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -51,73 +51,25 @@ import numpy as np
 # The code these figures depend on (`python -m bench.status` diffs it against each record's commit).
 DEPENDS_ON = ("flexmesh/runtime", "flexmesh/profile", "flexmesh/schedule", "flexmesh/sim", "flexmesh/cost",
               "flexmesh/data", "flexmesh/layout", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
-              "flexmesh/inputs.py", "flexmesh/units.py", "bench/gpu_torchtitan.py")
+              "flexmesh/inputs.py", "flexmesh/units.py", "bench/gpu_torchtitan.py", "bench/gpu_case.py")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_case import (  # noqa: E402
+    CPU_CASES,
+    GPU_CASES,
+    Case,
+    case_of,
+    device_of,
+    make_plan,
+    make_steps,
+    model_spec,
+    schedules,
+    sync,
+)
+
 WARMUP = 2  # steps left out of throughput: the first compiles, the second meets a new row length
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    doc_len: int  # fixed document length, or the cap of the shipped lengths (mix)
-    docs_per_step: int
-    microbatch_tokens: int
-    mixed: bool = False
-
-
-GPU_CASES = (Case("2048", 2048, 16, 8192), Case("8192", 8192, 4, 8192), Case("mix", 8192, 40, 8192, mixed=True))
-CPU_CASES = (Case("256", 256, 8, 1024), Case("1024", 1024, 2, 1024), Case("mix", 1024, 8, 1024, mixed=True))
-
-
-def model_spec(cpu: bool):
-    from flexmesh.spec.model import MODEL_PRESETS
-
-    if cpu:
-        return replace(MODEL_PRESETS["tiny"], dtype="fp32")
-    return replace(MODEL_PRESETS["tinyllama-1.1b"], max_position=8192, dtype="bf16")
-
-
-def make_plan(spec, case: Case, cluster: str):
-    """One rank, no parallelism; ``seq_len`` the case's documents, micro-batches of the case's tokens."""
-    from flexmesh.layout.plan import Plan, StagePlan
-    from flexmesh.layout.strategy import LayerStrategy
-
-    s = LayerStrategy.parse("tp1-dp1z0")
-    m = case.docs_per_step * case.doc_len // case.microbatch_tokens
-    return Plan.uniform(model=spec.name, cluster=cluster, world_size=1, pp=1, pipeline_schedule="1f1b",
-                        num_microbatches=m,
-                        seq_len=case.doc_len, global_batch=case.docs_per_step,
-                        stages=(StagePlan(0, spec.num_layers, (s,) * spec.num_layers),))
-
-
-def make_steps(spec, case: Case, steps: int, seed: int = 0) -> list[list[np.ndarray]]:
-    """The documents of every step: random token ids, of the case's lengths."""
-    from flexmesh.data.lengths import load_lengths
-
-    rng = np.random.default_rng(seed)
-    if case.mixed:
-        pool = load_lengths("wikipedia")
-        lengths = np.minimum(rng.choice(pool[pool >= 2], size=(steps, case.docs_per_step)), case.doc_len)
-    else:
-        lengths = np.full((steps, case.docs_per_step), case.doc_len)
-    return [[rng.integers(1, spec.vocab, size=int(n)) for n in row] for row in lengths]
-
-
-def schedules(spec, plan, steps_docs, max_len: int, cost=None):
-    """The ``fixed`` policy's step schedules (packing under the plan's budget), with the simulator's
-    predicted step time when ``cost`` is given."""
-    from flexmesh.schedule.scheduler import Scheduler
-
-    if cost is None:
-        fn = Scheduler(plan, spec, "fixed", max_len)
-    else:
-        from flexmesh.sim.predict import simulated_scheduler
-
-        fn = simulated_scheduler(Scheduler(plan, spec, "fixed", max_len, cost=cost))
-    return [fn([len(d) for d in docs]) for docs in steps_docs]
 
 
 def peak_flops(cluster: str | None, dtype: str) -> float | None:
@@ -129,19 +81,6 @@ def peak_flops(cluster: str | None, dtype: str) -> float | None:
 
 
 # ---- workers (one process per system and case) ----------------------------------------------------------
-def _device(cpu: bool):
-    import torch
-
-    return torch.device("cpu" if cpu or not torch.cuda.is_available() else "cuda")
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def flexmesh_worker(a: argparse.Namespace) -> dict:
     import time
 
@@ -152,7 +91,7 @@ def flexmesh_worker(a: argparse.Namespace) -> dict:
     from flexmesh.runtime.train.config import TrainConfig
     from flexmesh.runtime.train.trainer import Trainer
 
-    spec, case = model_spec(a.cpu), _case(a)
+    spec, case = model_spec(a.cpu), case_of(a)
     os.environ.update(single_process_env())
     init_distributed(timeout_s=600, device="cpu" if a.cpu else "auto")
     plan = make_plan(spec, case, a.cluster or "1xA100-80GB")
@@ -269,8 +208,8 @@ def transformers_worker(a: argparse.Namespace) -> dict:
 
     from flexmesh.runtime.model.packing import IGNORE_INDEX
 
-    spec, case = model_spec(a.cpu), _case(a)
-    device = _device(a.cpu)
+    spec, case = model_spec(a.cpu), case_of(a)
+    device = device_of(a.cpu)
     plan = make_plan(spec, case, "1xA100-80GB")
     steps_docs = make_steps(spec, case, a.steps)
     steps = schedules(spec, plan, steps_docs, case.doc_len)
@@ -284,7 +223,7 @@ def transformers_worker(a: argparse.Namespace) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not a.cpu)
     rows = []
     for docs, schedule in zip(steps_docs, steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         label_tokens = sum(len(docs[p.seq_id]) - 1 for g in schedule.groups for mb in g.microbatches for p in mb)
         total = torch.zeros((), device=device)
@@ -309,16 +248,12 @@ def transformers_worker(a: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_value = float(total)
-        _sync(device)
+        sync(device)
         rows.append({"time_s": time.perf_counter() - t0, "tokens": sum(len(d) for d in docs), "loss": loss_value,
                      "microbatches": len(schedule.groups[0].microbatches)})
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return {"setup_s": setup, "steps": rows, "kernel": "sdpa (padded rows)", "compiled": False, "predicted": {},
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU", "peak_gib": peak}
-
-
-def _case(a: argparse.Namespace) -> Case:
-    return next(c for c in (CPU_CASES if a.cpu else GPU_CASES) if c.name == a.case)
 
 
 # ---- the parent: weights, workers, table ------------------------------------------------------------------

@@ -58,7 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import _case, _device, _sync, make_plan, make_steps, model_spec, schedules  # noqa: E402
+from bench.gpu_case import case_of, device_of, make_plan, make_steps, model_spec, schedules, sync  # noqa: E402
 
 
 def torch_shims() -> list[str]:
@@ -176,7 +176,7 @@ def train(model, loss_fn, opt, steps_docs, steps, width: int, device) -> list[di
     for docs, schedule in zip(steps_docs, steps):
         mbs = schedule.groups[0].microbatches
         batches = [pack_row(docs, mb, width) for mb in mbs]
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         label_tokens = sum(int((labels != -100).sum()) for _, labels, _ in batches)
         global_valid = torch.tensor(label_tokens, device=device)
@@ -194,7 +194,7 @@ def train(model, loss_fn, opt, steps_docs, steps, width: int, device) -> list[di
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_value = float(total)
-        _sync(device)
+        sync(device)
         rows.append({"time_s": time.perf_counter() - t0, "tokens": sum(len(d) for d in docs), "loss": loss_value,
                      "microbatches": len(mbs)})
     return rows
@@ -211,8 +211,8 @@ def torchtitan_worker(a: argparse.Namespace) -> dict:
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    spec, case = model_spec(a.cpu), _case(a)
-    device = _device(a.cpu)
+    spec, case = model_spec(a.cpu), case_of(a)
+    device = device_of(a.cpu)
     compile_ = (device.type == "cuda") if a.compile is None else bool(a.compile)
     plan = make_plan(spec, case, "1xA100-80GB")
     steps_docs = make_steps(spec, case, a.steps)
