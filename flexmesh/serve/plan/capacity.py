@@ -77,6 +77,8 @@ BATCH_BUDGETS = (1024, 2048, 8192)
 # Token (request) counts whose count-only terms an iteration timing prices at once (AnalyticIteration's block):
 # the bisections ask for several hundred counts scattered up to the batched-token budget.
 COUNT_BLOCK = 1024
+# The relative tolerance of a capacity (the bisection's): two estimates nearer than this are not told apart.
+CAPACITY_TOL = 0.02
 # Decode replicas' max_seqs tried: vLLM's two defaults (256 on most devices, 1024 on large ones).
 DECODE_SEQS = (256, 1024)
 
@@ -233,7 +235,7 @@ class Pricing:
         return [[self.capacity(c, b, slo) if b.share > 0 else NONE for b in buckets] for c in configs]
 
 
-def _largest(feasible: Callable[[float], bool], hi: float, lo: float = 1e-2, rel_tol: float = 0.02) -> float:
+def _largest(feasible: Callable[[float], bool], hi: float, lo: float = 1e-2, rel_tol: float = CAPACITY_TOL) -> float:
     """The largest ``n`` in ``[lo, hi]`` with ``feasible(n)`` (which holds up to some point, then not), within
     ``rel_tol`` (bisection in log space); 0 if none."""
     if hi < lo or not feasible(lo):

@@ -19,7 +19,7 @@ from flexmesh.cost.inference.transfer import Span, kv_path
 from flexmesh.errors import PlanError
 from flexmesh.serve.deployment import ROLES, EngineKnobs
 from flexmesh.serve.metrics import SLO
-from flexmesh.serve.plan.capacity import Capacity, Pricing, ReplicaConfig, configurations
+from flexmesh.serve.plan.capacity import CAPACITY_TOL, Capacity, Pricing, ReplicaConfig, configurations
 from flexmesh.serve.plan.fileformat import CascadeSpec, ReplicaGroup, ServingPlan
 from flexmesh.serve.plan.milp import Columns, Problem, Solution, solve, solve_fast
 from flexmesh.serve.plan.score import Score
@@ -128,7 +128,11 @@ class Planner:
     def _dominated(self) -> set[int]:
         """Configurations another one of the same model, group and role makes useless: it has a whole fraction
         of the devices and, per device, at least the capacity for every bucket (its replicas in the same
-        devices serve at least as much; the MILP need not see the first)."""
+        devices serve at least as much; the MILP need not see the first). Decode replicas of one shape that
+        differ only in ``max_seqs`` are compared within the capacities' own tolerance
+        (:data:`~.capacity.CAPACITY_TOL`): where the estimates do not tell them apart, the larger ``max_seqs``
+        is kept (the room above the quantile batch that a burst of hand-offs fills, which the estimates do not
+        see), not whichever the bisection happened to put a percent ahead."""
         out: set[int] = set()
         need = self.demand.sum(axis=0) > 0
         by: dict[tuple[int, int, str], list[int]] = {}
@@ -143,6 +147,11 @@ class Planner:
                     if a == b or a in out or cb.devices % ca.devices or ca.devices > cb.devices:
                         continue
                     per_a = self.capacity[a, need] / ca.devices
+                    if ca.role == "decode" and ca.shape == cb.shape and ca.knobs.max_seqs != cb.knobs.max_seqs:
+                        if ca.knobs.max_seqs > cb.knobs.max_seqs and (per_a >= per_b * (1 - CAPACITY_TOL)).all():
+                            out.add(b)
+                            break
+                        continue
                     if (per_a >= per_b).all() and (ca.devices < cb.devices or a < b):
                         out.add(b)
                         break

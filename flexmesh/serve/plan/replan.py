@@ -9,8 +9,9 @@ with every replica in the role it had (knobs and routing free) and with roles fr
 served in full and with **partial buckets** (up to :data:`PARTIAL_MISSES` of the attainment target's slack may
 enter missing the SLO, priced at the replicas' capacity without it: survivors that serve a bucket within the
 SLO only slowly, or not at all, then need not hold the whole rate down to it). Given the workload, the
-simulator judges them on its first :data:`JUDGE_REQUESTS` requests: the highest MILP rate first, each candidate
-simulated at its rate and down :data:`LADDER` until it meets the target, the highest rate met taken. Without
+simulator judges them on its first :data:`JUDGE_REQUESTS` requests, each with both routing policies inside its
+buckets' shares (the plan's own first): the highest MILP rate first, each candidate simulated at its rate and
+down :data:`LADDER` until it meets the target, the highest rate met taken. Without
 it, the MILP's rule: a role change or partial buckets only when the MILP finds them better by more than its
 own tolerance (:data:`~.milp.MIP_GAP`: the plan it starts from was the simulator's pick between aggregated and
 split replicas, and a split the MILP's capacities prefer by a percent can serve a quarter less in the
@@ -43,6 +44,7 @@ from flexmesh.serve.plan.fileformat import ServingPlan
 from flexmesh.serve.plan.milp import MIP_GAP, Solution
 from flexmesh.serve.plan.planner import Planner
 from flexmesh.serve.plan.score import attainment_at
+from flexmesh.serve.router import ROUTING_POLICIES
 
 # The partial-bucket MILP lets this share of the attainment target's slack (1 - attainment) enter missing the SLO;
 # the rest is left to the requests priced within it (their capacities are at the attainment quantile).
@@ -114,12 +116,15 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
             found.append((f"{name}{', partial buckets' if misses else ''}", cols, sol, moved))
     if not found:
         raise failed or PlanError("the replicas left serve no rate; plan again with flexmesh serve plan")
+    routing = plan.routing
     if workload_at is None:
         pick = _by_milp(found, given)
     else:
-        pick = _by_simulator(planner, plan, found, workload_at, rate, judge_requests)
+        pick, routing = _by_simulator(planner, plan, found, workload_at, rate, judge_requests)
     chosen, cols, s, _ = found[pick]
-    new = planner.to_plan(cols, s, plan.routing)
+    new = planner.to_plan(cols, s, routing)
+    if routing != plan.routing:
+        chosen += f", {routing} routing"
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     before = {(g.shape, g.role, g.knobs): n for g, n in zip(plan.groups, keep) if n}
     after = {(g.shape, g.role, g.knobs): g.replicas for g in new.groups}
@@ -159,38 +164,42 @@ def _by_milp(found: Sequence[tuple[str, list[int], Solution, bool]], given: bool
 
 
 def _by_simulator(planner: Planner, plan: ServingPlan, found: Sequence[tuple[str, list[int], Solution, bool]],
-                  workload_at: Callable[[float], Workload], rate: float | None, first: int) -> int:
-    """The candidate the simulator finds best on the first ``first`` requests. At a given ``rate``: the cheapest
-    meeting the attainment target there, else the highest attainment. Else each candidate, the highest MILP rate
-    first, is simulated at its rate and down :data:`LADDER` until it meets the target; the highest rate met wins,
-    and a candidate whose MILP rate is not above it is not simulated (the MILP's rule where none meets it)."""
+                  workload_at: Callable[[float], Workload], rate: float | None, first: int) -> tuple[int, str]:
+    """The candidate, and the routing policy inside its buckets' shares, that the simulator finds best on the first
+    ``first`` requests (each candidate with the plan's own policy first, then the other: the routing is what
+    the fast path may change). At a given ``rate``: the cheapest meeting the attainment target there, else the
+    highest attainment. Else each candidate, the highest MILP rate first, is simulated at its rate and down
+    :data:`LADDER` until it meets the target; the highest rate met wins, and a candidate whose MILP rate is not
+    above it is not simulated (the MILP's rule, with the plan's policy, where none meets it)."""
     target = planner.inputs.attainment
 
     def short(r: float) -> Workload:
         return window(workload_at(r), first=first)
 
-    plans = [planner.to_plan(cols, sol, plan.routing) for _, cols, sol, _ in found]
+    policies = [plan.routing] + [p for p in ROUTING_POLICIES if p != plan.routing]
+    tries = [(j, policy) for j in range(len(found)) for policy in policies]
+    plans = {(j, policy): planner.to_plan(found[j][1], found[j][2], policy) for j, policy in tries}
     if rate is not None:
-        marks = [attainment_at(p, short, rate, planner.overhead)[0] for p in plans]
-        meeting = [j for j, a in enumerate(marks) if a >= target]
+        marks = {t: attainment_at(plans[t], short, rate, planner.overhead)[0] for t in tries}
+        meeting = [t for t in tries if marks[t] >= target]
         if meeting:
-            return min(meeting, key=lambda j: (found[j][2].cost, j))
-        return max(range(len(found)), key=lambda j: (marks[j], -j))
+            return min(meeting, key=lambda t: (found[t[0]][2].cost, tries.index(t)))
+        return max(tries, key=lambda t: (marks[t], -tries.index(t)))
     best, met = None, 0.0
     seen = set()
-    for j in sorted(range(len(found)), key=lambda j: (-found[j][2].rate, j)):
-        key = (plans[j].groups, plans[j].routing)
-        if found[j][2].rate <= met or key in seen:
+    for t in sorted(tries, key=lambda t: (-found[t[0]][2].rate, tries.index(t))):
+        key = (plans[t].groups, plans[t].routing)
+        if found[t[0]][2].rate <= met or key in seen:
             continue
         seen.add(key)
         for share in LADDER:
-            r = found[j][2].rate * share
+            r = found[t[0]][2].rate * share
             if r <= met:
                 break
-            if attainment_at(plans[j], short, r, planner.overhead)[0] >= target:
-                best, met = j, r
+            if attainment_at(plans[t], short, r, planner.overhead)[0] >= target:
+                best, met = t, r
                 break
-    return best if best is not None else _by_milp(found, False)
+    return best if best is not None else (_by_milp(found, False), plan.routing)
 
 
 def _better(a: Solution, b: Solution, rate_given: bool, margin: float) -> bool:

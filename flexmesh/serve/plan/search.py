@@ -35,6 +35,7 @@ from flexmesh.errors import PlanError
 from flexmesh.serve.deployment import ROLES
 from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner, PlanResult
 from flexmesh.serve.plan.score import Score, attainment_at, score
+from flexmesh.serve.router import ROUTING_POLICIES
 
 # Times a plan short of a target rate is planned again, its rate scaled by what it fell short.
 CALIBRATIONS = 3
@@ -114,11 +115,10 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
                           planner)
     t1 = time.perf_counter()
     target = inputs.rate
-    scored = []
+    scored: list[Candidate] = []
     for c in cands:
         say(f"simulating the {c.name} candidate: {c.plan.layout}")
-        start = c.solution.rate if c.solution else target or 1.0
-        scored.append(replace(c, score=score(c.plan, workload_at, start, planner.overhead)))
+        scored += routed(c, workload_at, planner, target)
     more, calibrated = _calibration(planner, scored, workload_at, say)
     scored += more
     if target is not None:
@@ -128,15 +128,6 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
         assert c.score is not None
         if _better(c.score, best.score, target):
             best = c
-    # The routing inside a bucket's shares: in proportion, or by least work (whichever the simulator prefers).
-    assert best.score is not None
-    other = "least-work" if best.plan.routing == "weights" else "weights"
-    alt = Candidate(f"{best.name}, {other} routing", replace(best.plan, routing=other), best.solution)
-    alt = replace(alt, score=score(alt.plan, workload_at, best.score.goodput or 1.0, planner.overhead))
-    scored.append(alt)
-    assert alt.score is not None
-    if _better(alt.score, best.score, target):
-        best = alt
     moves: list[str] = []
     if repair > 0:
         say(f"repairing by local moves ({repair} rounds)")
@@ -148,6 +139,29 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
                                      **_latency(best.score))
     return PlanResult(final, best.score, tuple(scored), tuple(moves), plan_s, time.perf_counter() - t1,
                       len(planner.configs), tuple(notes), calibrated)
+
+
+def routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Planner,
+           target: float | None, known: dict[tuple, Score] | None = None) -> list[Candidate]:
+    """``c`` scored with each routing policy inside its buckets' shares (in proportion, or by least work): the
+    better first, under ``c``'s name, the other named for its policy. The routing is part of the plan: a split
+    plan whose MILP shares are off (its prefill replicas' speeds against each other, its decode replicas') serves
+    a third more when each request goes to the replica whose work would finish first, and an aggregated one can
+    serve less so, so neither policy is taken on trust for any candidate. ``known``: scores already simulated, by
+    (replica groups, routing), reused (and added to)."""
+    out = []
+    start = c.solution.rate if c.solution is not None else target or 1.0
+    memo: dict[tuple, Score] = {} if known is None else known
+    for policy in ROUTING_POLICIES:
+        p = replace(c.plan, routing=policy)
+        s = memo.get((p.groups, policy))
+        if s is None:
+            s = memo[p.groups, policy] = score(p, workload_at, start, planner.overhead)
+        start = s.goodput or start
+        out.append(Candidate(c.name, p, c.solution, s))
+    if _better(out[1].score, out[0].score, target):  # type: ignore[arg-type]
+        out.reverse()
+    return [out[0], replace(out[1], name=f"{c.name}, {out[1].plan.routing} routing")]
 
 
 def _latency(s: Score) -> dict:
@@ -176,6 +190,7 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
     out: list[Candidate] = []
     by_group: dict[int, float] = {}
     seen = {c.plan.layout for c in scored}
+    known = {(c.plan.groups, c.plan.routing): c.score for c in scored if c.score is not None}
     for g, group in enumerate(planner.cluster.groups):
         cols = planner.columns(("aggregated",), groups=[g])
         if not cols:
@@ -188,12 +203,12 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
             continue
         one = Candidate(f"{group.device.name} only", planner.to_plan(cols, s), s)
         say(f"simulating the {one.name} candidate: {one.plan.layout}")
-        one = replace(one, score=score(one.plan, workload_at, s.rate, planner.overhead))
-        ratio = served(one)
+        both = routed(one, workload_at, planner, target, known)
+        ratio = served(both[0])
         if ratio is not None:
             by_group[g] = ratio
         if one.plan.layout not in seen:
-            out.append(one)
+            out += both
             seen.add(one.plan.layout)
     kinds = {c.name: served(c) for c in scored if c.name in ("aggregated", "disaggregated")}
     agg, split = kinds.get("aggregated"), kinds.get("disaggregated")
@@ -205,7 +220,7 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
                                                         for g, r in by_group.items())
         + f" of their predictions, split replicas {rel:.0%} of aggregated ones; planning again so")
     calibrated = planner.calibrated(by_group, rel, default)
-    for name, roles in (("mixed", ROLES), ("aggregated", ("aggregated",))):
+    for name, roles in VARIANTS.items():
         try:
             again = candidates(calibrated, {name: roles})[0]
         except PlanError:
@@ -213,8 +228,7 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
         if again.plan.layout in seen:
             continue
         seen.add(again.plan.layout)
-        sc = score(again.plan, workload_at, again.solution.rate if again.solution else 1.0, planner.overhead)
-        out.append(replace(again, name=f"{name}, calibrated", score=sc))
+        out += routed(replace(again, name=f"{name}, calibrated"), workload_at, planner, target, known)
     return out, calibrated
 
 

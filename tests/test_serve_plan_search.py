@@ -1,0 +1,84 @@
+"""The planner's search around the MILP: which knob variants it shows the MILP, how the simulator scores its
+candidates (every routing policy), and the MILP solver kept quiet."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from flexmesh.data.requests import at_rate, load_trace, window
+from flexmesh.serve.metrics import SLO
+from flexmesh.serve.plan import milp
+from flexmesh.serve.plan.capacity import CAPACITY_TOL
+from flexmesh.serve.plan.planner import PlanInputs, Planner
+from flexmesh.serve.plan.search import _better, plan
+from flexmesh.serve.plan.workload import buckets_from_trace, parse_buckets
+from flexmesh.serve.router import ROUTING_POLICIES
+from flexmesh.spec.prices import gpu_prices
+
+PRICES = {k: v.usd_per_hour for k, v in gpu_prices().items()}
+
+
+def test_decode_variants_the_capacities_cannot_tell_apart_keep_the_larger_max_seqs():
+    """Decode replicas of one shape differing in max_seqs: where their capacities are within CAPACITY_TOL of each
+    other the smaller max_seqs is dominated and the larger shown to the MILP; where the larger serves clearly
+    less, both are kept."""
+    buckets = parse_buckets("300:150=0.6,3000:200=0.4")
+    planner = Planner(PlanInputs(("llama3.1-8b",), "2xH100+4xL4", buckets, SLO(ttft_s=1.0, tpot_s=0.1), PRICES,
+                                 budget=20.0))
+    by_shape: dict[tuple, list[int]] = {}
+    for k, c in enumerate(planner.configs):
+        if c.role == "decode":
+            by_shape.setdefault(c.shape, []).append(k)
+    close = kept = 0
+    for ks in by_shape.values():
+        ks = sorted(ks, key=lambda k: planner.configs[k].knobs.max_seqs)
+        for small, large in zip(ks, ks[1:]):
+            cs, cl = planner.capacity[small], planner.capacity[large]
+            if (cl >= cs * (1 - CAPACITY_TOL)).all():
+                assert small in planner.dominated, (planner.configs[small], cs, cl)
+                if (cl < cs).any():  # the smaller a hair ahead somewhere: no longer kept for that
+                    close += 1
+                    assert large not in planner.dominated, (planner.configs[large], cs, cl)
+            else:
+                kept += 1
+                assert small not in planner.dominated, (planner.configs[small], cs, cl)
+    assert close > 0 and kept > 0
+
+
+def test_every_candidate_is_scored_with_both_routing_policies_and_the_best_is_taken():
+    base = window(load_trace("azure-conv"), first=300)
+    buckets = buckets_from_trace(base)
+    inputs = PlanInputs(("llama3.1-8b",), "2xH100+4xL4", buckets, SLO(ttft_s=0.5, tpot_s=0.1), PRICES, budget=20.0)
+    res = plan(inputs, lambda r: at_rate(base, r), repair=0)
+    by_plan: dict[tuple, set[str]] = {}
+    for c in res.candidates:
+        assert c.score is not None
+        by_plan.setdefault(c.plan.groups, set()).add(c.plan.routing)
+        if c.name.endswith(" routing"):  # the worse of the two policies, named for its policy
+            twin = next(d for d in res.candidates if d.plan.groups == c.plan.groups and d is not c)
+            assert twin.score is not None and not _better(c.score, twin.score, None)
+    assert all(policies == set(ROUTING_POLICIES) for policies in by_plan.values())
+    assert res.score is not None
+    assert not any(_better(c.score, res.score, None) for c in res.candidates if c.score is not None)
+
+
+def test_the_milp_solver_prints_nothing(monkeypatch, capfd):
+    """HiGHS prints some debug lines from C, past SciPy's disp option: whatever the solver writes to the process's
+    standard output while it runs goes nowhere, and what the process prints before and after is kept."""
+    real = milp.milp
+
+    def chatty(*args, **kwargs):
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(milp, "milp", chatty)
+    cols = milp.Columns(model=[0, 0], group=[0, 1], devices=[1, 1], role=["aggregated"] * 2)
+    problem = milp.Problem(cols, np.array([[5.0, 1.0], [20.0, 2.0]]), demand=np.array([[0.5, 0.5]]),
+                           available=[10, 10], price=[1.01, 3.67], rate=4.0)
+    print("before")
+    s = milp.solve(problem)
+    print("after")
+    assert s.counts.sum() > 0
+    assert capfd.readouterr().out == "before\nafter\n"
