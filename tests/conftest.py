@@ -29,8 +29,8 @@ collect_ignore = ["golden/record_losses.py", "golden/make_old_runs.py"]
 # A file long as a whole is started early, so that it does not run alone at the end while the other
 # worker has nothing left; the rest follows in the order below.
 LONGEST_FILES = ["test_demo.py", "test_failures.py", "test_adaptive_runtime.py", "test_vllm_export.py",
-                 "test_bench_gpu.py", "test_profile_cli.py", "test_tools.py"]
-LONGEST_QUICK_FILES = ["test_tools.py"]
+                 "test_bench_gpu.py", "test_profile_cli.py", "test_search.py", "test_docs_examples.py", "test_tools.py"]
+LONGEST_QUICK_FILES = ["test_search.py", "test_docs_examples.py", "test_tools.py"]
 
 
 def _file_order(items) -> dict:
