@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # One intra-op thread per process: multi-process tests put up to four ranks on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -22,14 +24,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 collect_ignore = ["golden/record_losses.py", "golden/make_old_runs.py"]
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files holding slow tests first (pyproject.toml gives each file whole to one of two workers, in
-    this order: the long ones start early and the many short ones fill in at the end); tests marked
-    ``cuda`` need a GPU: skipped, with the reason, where torch sees none."""
-    import pytest
+# The files that take longest on the CI machine (2 cores, no GPU), longest first: whole suite, then
+# what is left of each under `-m "not slow"` (a file whose every test is slow is not collected there).
+# A file long as a whole is started early, so that it does not run alone at the end while the other
+# worker has nothing left; the rest follows in the order below.
+LONGEST_FILES = ["test_demo.py", "test_failures.py", "test_adaptive_runtime.py", "test_vllm_export.py",
+                 "test_bench_gpu.py", "test_profile_cli.py", "test_search.py", "test_docs_examples.py", "test_tools.py"]
+LONGEST_QUICK_FILES = ["test_search.py", "test_docs_examples.py", "test_tools.py"]
 
+
+def _file_order(items) -> dict:
+    """File -> its place: the listed longest files in their order, then the other files holding slow
+    tests, then the rest (collection order within each)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each file stays
+    longest = LONGEST_FILES if slow_files else LONGEST_QUICK_FILES
+    rank = {name: i for i, name in enumerate(longest)}
+    return {item.path: (rank.get(item.path.name, len(rank)), item.path not in slow_files) for item in items}
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` deselected what it leaves out
+def pytest_collection_modifyitems(config, items):
+    """Files in the order of :func:`_file_order` (pyproject.toml gives each file whole to one of two
+    workers, in this order: the long ones start early and the many short ones fill in at the end);
+    tests marked ``cuda`` need a GPU: skipped, with the reason, where torch sees none."""
+    order = _file_order(items)
+    items.sort(key=lambda item: order[item.path])  # stable: the order within each file stays
     if not any(item.get_closest_marker("cuda") for item in items):
         return
     import torch

@@ -11,11 +11,13 @@ Run it in every process of a torchrun world (``flexmesh profile hardware --nproc
 - matmul throughput: square matmuls, fp32 (and bf16 on a GPU), the best size's FLOP/s.
 - memory bandwidth: a large tensor copy (read + write bytes over time); the optimizer is bound by it.
 - overlap: an all-gather over all ranks (``overlap_bytes``, about one layer's weights) alone, a
-  loop of matmuls about twice as long alone, then both at once (the all-gather asynchronous, as
-  FSDP prefetches and DDP buckets run). ``hidden_fraction = (t_compute + t_collective - t_both) /
-  min(t_compute, t_collective)``, clipped to [0, 1]: the share of overlapped communication really
-  saved (1 on GPUs whose copy engines run beside the SMs; little on CPU, where gloo's threads take
-  the cores the compute needs). The cost model charges ``comm - hidden_fraction * min(comm, compute)``.
+  loop of matmuls about twice as long alone, and both at once (the all-gather asynchronous, as
+  FSDP prefetches and DDP buckets run), the three in turn in each round of repeats (a machine
+  under load slows all three alike), each the median of its rounds.
+  ``hidden_fraction = (t_compute + t_collective - t_both) / min(t_compute, t_collective)``, clipped
+  to [0, 1]: the share of overlapped communication really saved (1 on GPUs whose copy engines run
+  beside the SMs; little on CPU, where gloo's threads take the cores the compute needs). The cost
+  model charges ``comm - hidden_fraction * min(comm, compute)``.
 - attention: :func:`flexmesh.runtime.model.attention_kernels.local_attention` (the kernel the runtime's
   rule picks for the device and dtype, named in the profile) over one document of T tokens; fit
   ``t = alpha + c * T^2``; throughput = the cost model's causal attention FLOPs per squared token
@@ -26,13 +28,15 @@ Run it in every process of a torchrun world (``flexmesh profile hardware --nproc
 from __future__ import annotations
 
 import math
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
 from flexmesh.profile.fit import fit_alpha_beta, fit_linear
 from flexmesh.profile.format import CollectiveFit, HardwareProfile, produced_by
-from flexmesh.profile.runner import World, device_memory_bytes, median_time, progress
+from flexmesh.profile.runner import World, device_memory_bytes, median_time, progress, synchronize
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 ATTN_HEADS, ATTN_HEAD_DIM = 8, 64
@@ -160,10 +164,22 @@ def _measure_overlap(world: World, cfg: dict) -> dict:
         compute()
         work.wait()
 
-    world.barrier()
-    t_compute = world.medians([median_time(compute, reps, dev)])[0]
-    world.barrier()
-    t_both = world.medians([median_time(both, reps, dev)])[0]
+    # The three measured in turn, ``reps`` rounds of collective, compute, both: a machine whose speed
+    # drifts (other processes on its cores) moves the three alike, where three separate series of
+    # repeats, seconds apart, could see different speeds and put ``both`` under ``compute``.
+    comm_s: list[float] = []
+    compute_s: list[float] = []
+    both_s: list[float] = []
+    both()  # warm-up of the asynchronous path
+    for _ in range(reps):
+        for fn, times in ((lambda: _all_gather(out, inp), comm_s), (compute, compute_s), (both, both_s)):
+            world.barrier()
+            synchronize(dev)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(dev)
+            times.append(time.perf_counter() - t0)
+    t_comm, t_compute, t_both = world.medians([statistics.median(t) for t in (comm_s, compute_s, both_s)])
     hidden = (t_compute + t_comm - t_both) / min(t_compute, t_comm)
     return {"hidden_fraction": min(1.0, max(0.0, hidden)), "collective": "all_gather",
             "message_bytes": n * 4, "collective_s": t_comm, "compute_s": t_compute, "both_s": t_both}
