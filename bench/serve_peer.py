@@ -9,21 +9,25 @@ profiles its GitHub repository keeps under ``data/profiling/`` lack the attentio
 ``compute/<gpu>/<model>/attention.csv`` there is 2.5 to 17 MB, every version of it, beyond what can be brought
 onto this machine), without which its predictor cannot be fitted.
 
-The shared configuration, the one a measurement exists for here: the tiny Llama-family model on one local
-engine process (transformers' continuous batching, fp32 on a CPU core: flexmesh's ``EngineConfig``, a token
-budget of 256 per iteration with chunked prefill, 256 requests at most, 2048 KV blocks of 16 tokens), a window
-of the Azure 2023 conversation trace (lengths scaled to 2048 tokens, the trace's arrivals scaled to each rate)
-at three rates around the knee, replayed open loop. Both simulators are priced by the same measurement of the
-engine, ``flexmesh profile engine`` (its samples: batches and their median seconds): flexmesh's twin by its
-own fit of them; simdistserve by its own cost form (prefill ``a + b * tokens + c * sum(chunk^2)``, decode
-``a + b * context tokens + c * batch``, in ms) fitted to the same samples the way DistServe fits its profiles
-(least squares on relative error: ``evaluation/1-fit-time-usage``), its vLLM worker set to the engine's
-budget (chunked prefill on, 256 tokens per iteration, 256 decodes at most) and its Ray RPC delay off (a
-constant of DistServe's GPU deployment, which the engine's measured iterations already hold). What the
-comparison shows: which scheduling model and iteration cost form, fed the same measurements, lands nearer
-the engine's latencies. What it cannot show: either simulator's pricing of a GPU (Vidur's and DistServe's
-profiles are of A100s and H100s this machine does not have; issue 54's published-run items hold flexmesh's
-GPU pricing against published measurements instead).
+The shared configuration, the one a measurement exists for here (``bench.serve_engine``'s): the tiny
+Llama-family model on 2 local engine processes behind flexmesh's router (transformers' continuous batching, fp32
+on CPU cores: flexmesh's ``EngineConfig``, a token budget of 256 per iteration with chunked prefill, 256
+requests at most, 2048 KV blocks of 16 tokens), 120 requests of the Azure 2023 conversation trace (lengths
+scaled to 2048 tokens, the trace's arrivals scaled to each rate) at rates around the knee, replayed open loop.
+``--against-record`` takes the measurement from bench/RESULTS.md's ``serve_engine`` record (its window,
+engines and rates, measured on a quiet machine) instead of replaying now, for when other work shares the
+machine: its wall-clock latencies then hold the waits for a core, which neither simulator models. Both
+simulators are priced by the same measurement of the engine, ``flexmesh profile engine`` (batches and the
+median CPU seconds the engines' threads spent on them): flexmesh's twin by its own fit of them; simdistserve by
+its own cost form (prefill ``a + b * tokens + c * sum(chunk^2)``, decode ``a + b * context tokens + c *
+batch``, in ms) fitted to the same samples the way DistServe fits its profiles (least squares on relative
+error: ``evaluation/1-fit-time-usage``), its vLLM workers set to the engine's budget (chunked prefill on, 256
+tokens per iteration, 256 decodes at most), its own least-loaded dispatch across the engines, and its Ray RPC
+delay off (a constant of DistServe's GPU deployment, which the engine's measured iterations already hold; the 1
+ms its prefill iterations carry for pipelining stays, as shipped). What the comparison shows: which scheduling
+model and iteration cost form, fed the same measurements, lands nearer the engines' latencies. What it cannot
+show: either simulator's pricing of a GPU (Vidur's and DistServe's profiles are of A100s and H100s this machine
+does not have; issue 54's published-run items hold flexmesh's GPU pricing against published measurements).
 
 Beside it, with no measurement: OPT-13B on one A100-80GB (simdistserve's shipped vLLM profile, which
 DistServe fitted to vLLM on that GPU; flexmesh's analytic pricing of the catalogue's A100-80GB), the same
@@ -42,6 +46,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -130,12 +135,13 @@ def nearer(measured: float, a: float, b: float) -> str:
     return "tie" if abs(ea - eb) <= 0.01 else ("flexmesh" if ea < eb else "simdistserve")
 
 
-def side_by_side(rate: float, m, f, d) -> tuple[list[list[str]], list[tuple[str, float, float]]]:
-    """Table rows of one rate (measured / flexmesh / simdistserve, ms) and each cell's (nearer, errors)."""
+def side_by_side(rate: float, m: dict, f, d) -> tuple[list[list[str]], list[tuple[str, float, float]]]:
+    """Table rows of one rate (measured / flexmesh / simdistserve, ms) and each cell's (nearer, errors); ``m``:
+    the measured percentiles by metric (``{"ttft": {"p50": s, "p90": s}, ...}``; a metric left out has no row)."""
     rows, verdicts = [], []
     for key, label in METRICS:
-        for q in ("p50", "p90"):
-            mv, fv, dv = (getattr(s, key)[q] for s in (m, f, d))
+        for q in ("p50", "p90") if key in m else ():
+            mv, fv, dv = m[key][q], getattr(f, key)[q], getattr(d, key)[q]
             who = nearer(mv, fv, dv)
             verdicts.append((who, abs(fv / mv - 1), abs(dv / mv - 1)))
             rows.append([f"{rate:g}", f"{label} {q}", f"{mv * 1e3:,.1f}", f"{fv * 1e3:,.1f} ({fv / mv - 1:+.0%})",
@@ -143,25 +149,60 @@ def side_by_side(rate: float, m, f, d) -> tuple[list[list[str]], list[tuple[str,
     return rows, verdicts
 
 
-def knee(rates: list[float], p90_ttft: list[float]) -> float | None:
-    """The rate at which p90 TTFT reaches KNEE_FACTOR x its value at the lowest rate (linear between rates run).
+_ROW = re.compile(r"^\| ([0-9.]+) \| (\d+) \|" + r" ([0-9,.]+) / [^|]*\|" * 4)
+_LOAD = re.compile(r"Load average \(1 min\) ([0-9.]+) before, ([0-9.]+) after")
+_WINDOW = re.compile(r"(\d+) requests of the Azure 2023 conversation trace scaled to (\d+) tokens")
 
-    >>> knee([1, 2, 3], [0.1, 0.2, 0.7])
-    2.4
+
+def recorded_measurement(text: str) -> dict:
+    """The measured side of bench/RESULTS.md's ``serve_engine`` record: its commit, load, window and, per rate,
+    the p50 and p90 TTFT and TPOT it measured (seconds).
+
+    >>> body = ("2 engine processes behind the router, 120 requests of the Azure 2023 conversation trace scaled "
+    ...         "to 2048 tokens. Load average (1 min) 0.1 before, 1.6 after\n"
+    ...         "| 8.67 | 120 | 29.2 / 17.6 (-40%) | 87.8 / 49.1 (-44%) | 9.0 / 7.8 (-13%) | 19.4 / 12.5 (-36%) |")
+    >>> got = recorded_measurement("<!-- bench:serve_engine -->\n## serve_engine (`bench/serve_engine.py`)\n\n"
+    ...     "- commit: b52cb53\n- date: 2026-11-27\n- machine: x\n- versions: y\n- headline: z\n- targets: 1 of 3 met"
+    ...     "\n\n" + body + "\n<!-- /bench:serve_engine -->")
+    >>> got["commit"], got["load"], got["requests"], got["engines"], got["rates"][8.67]["tpot"]["p90"]
+    ('b52cb53', (0.1, 1.6), 120, 2, 0.0194)
     """
-    limit = KNEE_FACTOR * p90_ttft[0]
-    for (r0, t0), (r1, t1) in zip(zip(rates, p90_ttft), zip(rates[1:], p90_ttft[1:])):
-        if t1 >= limit:
-            return r0 + (r1 - r0) * (limit - t0) / (t1 - t0)
-    return None
+    from bench._results import parse_sections
+
+    sec = next((s for s in parse_sections(text) if s.name == "serve_engine"), None)
+    if sec is None:
+        raise SystemExit("bench/RESULTS.md holds no serve_engine record: run `python -m bench.serve_engine` first")
+    rates = {}
+    for line in sec.body.splitlines():
+        row = _ROW.match(line)
+        if row:
+            v = [float(x.replace(",", "")) / 1e3 for x in row.groups()[2:]]
+            rates[float(row.group(1))] = {"ttft": {"p50": v[0], "p90": v[1]}, "tpot": {"p50": v[2], "p90": v[3]}}
+    load, win = _LOAD.search(sec.body), _WINDOW.search(sec.body)
+    engines = re.search(r"(\d+) engine processes", sec.body)
+    if not rates or not load or not win or not engines:
+        raise SystemExit("bench/RESULTS.md's serve_engine record is not in the form this bench reads; re-run it")
+    return {"commit": sec.commit, "date": sec.date, "load": (float(load.group(1)), float(load.group(2))),
+            "requests": int(win.group(1)), "context": int(win.group(2)), "engines": int(engines.group(1)),
+            "rates": rates}
 
 
-def a100_rows(win, paths, rates: list[float]) -> list[list[str]]:
-    """OPT-13B on one A100-80GB at ``rates``: flexmesh's analytic pricing and simdistserve's shipped vLLM fit."""
+def knee_rates(p90_ttft_at) -> list[float]:
+    """RATE_FACTORS times the knee of ``p90_ttft_at(rate)``, found by a coarse sweep."""
+    grid = [0.25 * 1.25 ** k for k in range(40)]
+    base = p90_ttft_at(grid[0])
+    found = next((r for r in grid if p90_ttft_at(r) >= KNEE_FACTOR * base), grid[-1])
+    return [round(f * found, 2) for f in RATE_FACTORS]
+
+
+def a100_rows(win, paths) -> tuple[list[float], list[list[str]]]:
+    """OPT-13B on one A100-80GB around flexmesh's knee: flexmesh's analytic pricing and simdistserve's shipped
+    vLLM fit (the rates, the table's rows)."""
     from flexmesh.data.requests import at_rate
     from flexmesh.serve.metrics import summarize
 
     fleet = a100_fleet()
+    rates = knee_rates(lambda r: summarize(fleet.run(at_rate(win, r)).records).ttft["p90"])
     rows = []
     for rate in rates:
         w = at_rate(win, rate)
@@ -170,9 +211,9 @@ def a100_rows(win, paths, rates: list[float]) -> list[list[str]]:
                                            "decode_max_tokens": 256, "chunked_prefill": True, "profile": None,
                                            "ray_overhead": True}, paths))
         for key, label in METRICS:
-            rows.append([f"{rate:g}", label, *(f"{getattr(s, key)[q] * 1e3:,.1f}" for s in (f, d) for q in ("p50", "p90")),
-                         f"{getattr(f, key)['p50'] / getattr(d, key)['p50']:.2f}x"])
-    return rows
+            cells = [f"{getattr(s, key)[q] * 1e3:,.1f}" for s in (f, d) for q in ("p50", "p90")]
+            rows.append([f"{rate:g}", label, *cells, f"{getattr(f, key)['p50'] / getattr(d, key)['p50']:.2f}x"])
+    return rates, rows
 
 
 def a100_fleet():
@@ -192,15 +233,19 @@ def a100_fleet():
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=80, help="requests in the trace window")
+    ap.add_argument("--requests", type=int, default=120, help="requests in the trace window")
     ap.add_argument("--context", type=int, default=2048, help="tokens the trace's lengths are scaled to fit")
+    ap.add_argument("--engines", type=int, default=2, help="engine processes behind the router")
     ap.add_argument("--rates", help="requests per second (default: around flexmesh's twin's knee)")
+    ap.add_argument("--against-record", action="store_true",
+                    help="hold the simulators against the measurement bench/RESULTS.md's serve_engine record holds "
+                    "(its window, engines and rates) instead of replaying now: for a machine other work shares")
     ap.add_argument("--profile", help="an engine profile of this machine (default: measure one now)")
-    ap.add_argument("--out", help="folder for the engine profile, the measured requests and the engine's logs")
+    ap.add_argument("--out", help="folder for the engine profile, the measured requests and the engines' logs")
     ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
     args = ap.parse_args()
 
-    from bench._results import markdown_table, record
+    from bench._results import RESULTS, markdown_table, record
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
     from flexmesh.profile.engine import profile_engine
     from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile
@@ -216,6 +261,9 @@ def main() -> int:
                          "FLEXMESH_SIMDISTSERVE_PYTHON to a python with simpy and pandas")
     src, _ = paths
     commit = (src / "COMMIT").read_text().strip()[:7] if (src / "COMMIT").is_file() else "unknown commit"
+    rec = recorded_measurement(RESULTS.read_text()) if args.against_record else None
+    n, context, engines = (rec["requests"], rec["context"], rec["engines"]) if rec else \
+        (args.requests, args.context, args.engines)
     cfg = EngineConfig(model="tiny", num_blocks=2048, page_size=16, max_batch_tokens=256, max_requests_per_batch=256)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-serve-peer-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -223,69 +271,76 @@ def main() -> int:
     if args.profile:
         prof = load_engine_profile(args.profile)
     else:
-        prof = profile_engine(cfg, quick=True, engines=1, log_dir=out / "profile-logs")
+        prof = profile_engine(cfg, quick=True, engines=engines, log_dir=out / "profile-logs")
         prof.save(out / "engine-tiny.json")
     timing = ProfiledIterationTiming(prof)
     peer_profile = distserve_profile(prof.samples)
-    peer_spec = {"instances": 1, "tp": 1, "prefill_max_tokens": cfg.max_batch_tokens,
+    peer_spec = {"instances": engines, "tp": 1, "prefill_max_tokens": cfg.max_batch_tokens,
                  "decode_max_tokens": cfg.max_requests_per_batch, "chunked_prefill": True, "profile": peer_profile,
                  "ray_overhead": False}
-    win = window(scale_to_context(load_trace("azure-conv"), args.context), 0.0, first=args.requests)
-    twin = twin_fleet(cfg, 1, timing)
+    win = window(scale_to_context(load_trace("azure-conv"), context), 0.0, first=n)
+    twin = twin_fleet(cfg, engines, timing)
 
     def flexmesh_at(rate: float):
         return summarize(twin.run(at_rate(win, rate)).records)
 
-    if args.rates:
-        rates = [float(r) for r in args.rates.split(",")]
-    else:  # the twin's knee, by a coarse sweep, places the measured rates around it
-        grid = [0.25 * 1.25 ** k for k in range(30)]
-        base = flexmesh_at(grid[0]).ttft["p90"]
-        sim_knee = next((r for r in grid if flexmesh_at(r).ttft["p90"] >= KNEE_FACTOR * base), grid[-1])
-        rates = [round(f * sim_knee, 2) for f in RATE_FACTORS]
-    print(f"window: {len(win)} requests of azure-conv scaled to {args.context} tokens; rates {rates}", flush=True)
+    if rec:
+        rates = sorted(rec["rates"])
+        measured = rec["rates"]
+        source = (f"the measurement bench/RESULTS.md's `serve_engine` record holds (commit {rec['commit']}, "
+                  f"{rec['date']}, load average {rec['load'][0]:g} before and {rec['load'][1]:g} after: TTFT and TPOT; "
+                  f"it recorded no E2E), not replayed now")
+    else:
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else \
+            knee_rates(lambda r: flexmesh_at(r).ttft["p90"])
+        print(f"window: {len(win)} requests of azure-conv scaled to {context} tokens; rates {rates}", flush=True)
 
-    async def measure():
-        async with running_fleet(cfg, 1, out / "logs") as (url, engines):
-            return await replay_rates(url, [(r, at_rate(win, r)) for r in rates], [e.url for e in engines])
+        async def measure():
+            async with running_fleet(cfg, engines, out / "logs") as (url, procs):
+                return await replay_rates(url, [(r, at_rate(win, r)) for r in rates], [e.url for e in procs])
 
-    runs = asyncio.run(measure())
+        measured = {}
+        for run in asyncio.run(measure()):
+            run.replay.write(out / f"requests-{run.rate:g}.jsonl")
+            m = summarize(run.replay.records)
+            measured[run.rate] = {key: getattr(m, key) for key, _ in METRICS}
+        source = "replayed now (open loop)"
     load_after = os.getloadavg()
     rows, verdicts = [], []
-    for run in runs:
-        run.replay.write(out / f"requests-{run.rate:g}.jsonl")
-        m = summarize(run.replay.records)
-        d = summarize(run_simdistserve(at_rate(win, run.rate), peer_spec, paths))
-        r, v = side_by_side(run.rate, m, flexmesh_at(run.rate), d)
+    for rate in rates:
+        d = summarize(run_simdistserve(at_rate(win, rate), peer_spec, paths))
+        r, v = side_by_side(rate, measured[rate], flexmesh_at(rate), d)
         rows += r
         verdicts += v
     wins = {w: sum(1 for who, *_ in verdicts if who == w) for w in ("flexmesh", "simdistserve", "tie")}
     med_f = float(np.median([e for _, e, _ in verdicts]))
     med_d = float(np.median([e for *_, e in verdicts]))
     overall = "flexmesh" if med_f < med_d else "simdistserve"
-    a100 = a100_rows(win, paths, [2.0, 4.0, 6.0])
+    a100_rates, a100 = a100_rows(win, paths)
 
     pre = peer_profile["prefill"]
     md = [f"Peer: DistServe's simulator, simdistserve ({commit}, vLLM mode). Vidur 0.0.26 cannot run here: it "
           "downloads its profiles from Hugging Face when it starts, and its repository's `data/profiling/` lacks "
           "the attention tables it fits (every one 2.5-17 MB, beyond what reaches this machine).", "",
-          f"Shared configuration: tiny model, one engine process (`{cfg.to_json()}`), {len(win)} requests of the "
-          f"Azure 2023 conversation trace scaled to {args.context} tokens, the trace's arrivals scaled to each rate "
-          f"(rates around flexmesh's twin's knee). Both simulators priced by the same engine profile "
-          f"({len(prof.samples)} batches): flexmesh by its fit (in-sample median error {prof.error['median']:.1%}), "
-          f"simdistserve by its own form fitted to the same samples as DistServe fits its profiles (prefill "
-          f"a={pre[0]:.2f} ms, b={pre[1]:.4f} ms/token, c={pre[2]:.2e} ms/token^2), chunked prefill to the "
-          f"engine's 256-token budget, Ray delay off. Load average (1 min) {load_before[0]:.1f} before, "
-          f"{load_after[0]:.1f} after, on {os.cpu_count()} cores: every measured timing carries that noise.", "",
+          f"Shared configuration: the tiny model on {engines} engine process{'es' if engines > 1 else ''} behind "
+          f"the router (`{cfg.to_json()}`), {len(win)} requests of the Azure 2023 conversation trace scaled to "
+          f"{context} tokens, the trace's arrivals scaled to each rate. Measured: {source}. Both simulators priced "
+          f"by one engine profile measured now ({len(prof.samples)} batches, CPU time of the engines' threads): "
+          f"flexmesh by its fit (in-sample median error {prof.error['median']:.1%}), simdistserve by its own form "
+          f"fitted to the same samples as DistServe fits its profiles (prefill a={pre[0]:.2f} ms, "
+          f"b={pre[1]:.4f} ms/token, c={pre[2]:.2e} ms/token^2), its vLLM workers chunking prefill to the engine's "
+          f"256-token budget, its least-loaded dispatch across the engines, Ray delay off. Load average (1 min) "
+          f"{load_before[0]:.1f} before, {load_after[0]:.1f} after this run, on {os.cpu_count()} cores.", "",
           *markdown_table(["rate/s", "metric (ms)", "measured", "flexmesh", "simdistserve", "nearer"], rows), "",
           f"- nearer the measurement: flexmesh in {wins['flexmesh']} of {len(verdicts)} cells, simdistserve in "
           f"{wins['simdistserve']}, {wins['tie']} within 1% of each other; median |error| flexmesh {med_f:.0%}, "
           f"simdistserve {med_d:.0%}: {overall} nearer overall (no bound is set: issue 54 asks which is nearer)",
-          "- TPOT is flexmesh's (first token excluded: (finish - first token) / (tokens - 1)) for all three "
-          "columns, computed from each simulator's first-token and finish times; simdistserve's own TPOT divides "
-          "by all tokens.", "",
-          "No measurement: OPT-13B (fp16) on one A100-80GB, TP1, the same window at its full lengths' scaling, "
-          "vLLM-like (2048 tokens per iteration, chunked prefill, 256 requests). simdistserve uses its shipped vLLM "
+          "- TPOT is flexmesh's (first token excluded: (finish - first token) / (tokens - 1)) in every column, "
+          "computed from each simulator's first-token and finish times; simdistserve's own TPOT divides by all "
+          "tokens.", "",
+          f"No measurement: OPT-13B (fp16) on one A100-80GB, TP1, the same window (OPT-13B's context is 2048 "
+          f"too) at {', '.join(f'{r:g}' for r in a100_rates)} requests/s (around flexmesh's knee), vLLM-like "
+          "(2048 tokens per iteration, chunked prefill, 256 requests). simdistserve uses its shipped vLLM "
           "profile (DistServe's fit to vLLM on that GPU, Ray delay on as shipped); flexmesh prices the catalogue's "
           "A100-80GB analytically. Neither is checked here: this shows only how far apart they lie.", "",
           *markdown_table(["rate/s", "metric (ms)", "flexmesh p50", "flexmesh p90", "simdistserve p50",
