@@ -155,7 +155,7 @@ _WINDOW = re.compile(r"(\d+) requests of the Azure 2023 conversation trace scale
 
 
 def recorded_measurement(text: str) -> dict:
-    """The measured side of bench/RESULTS.md's ``serve_engine`` record: its commit, load, window and, per rate,
+    r"""The measured side of bench/RESULTS.md's ``serve_engine`` record: its commit, load, window and, per rate,
     the p50 and p90 TTFT and TPOT it measured (seconds).
 
     >>> body = ("2 engine processes behind the router, 120 requests of the Azure 2023 conversation trace scaled "
@@ -164,7 +164,7 @@ def recorded_measurement(text: str) -> dict:
     >>> got = recorded_measurement("<!-- bench:serve_engine -->\n## serve_engine (`bench/serve_engine.py`)\n\n"
     ...     "- commit: b52cb53\n- date: 2026-11-27\n- machine: x\n- versions: y\n- headline: z\n- targets: 1 of 3 met"
     ...     "\n\n" + body + "\n<!-- /bench:serve_engine -->")
-    >>> got["commit"], got["load"], got["requests"], got["engines"], got["rates"][8.67]["tpot"]["p90"]
+    >>> got["commit"], got["load"], got["requests"], got["engines"], round(got["rates"][8.67]["tpot"]["p90"], 6)
     ('b52cb53', (0.1, 1.6), 120, 2, 0.0194)
     """
     from bench._results import parse_sections
@@ -273,6 +273,7 @@ def main() -> int:
     else:
         prof = profile_engine(cfg, quick=True, engines=engines, log_dir=out / "profile-logs")
         prof.save(out / "engine-tiny.json")
+    prof_when = f"measured {prof.produced_by.get('date', 'earlier')}, given" if args.profile else "measured in this run"
     timing = ProfiledIterationTiming(prof)
     peer_profile = distserve_profile(prof.samples)
     peer_spec = {"instances": engines, "tp": 1, "prefill_max_tokens": cfg.max_batch_tokens,
@@ -325,7 +326,8 @@ def main() -> int:
           f"Shared configuration: the tiny model on {engines} engine process{'es' if engines > 1 else ''} behind "
           f"the router (`{cfg.to_json()}`), {len(win)} requests of the Azure 2023 conversation trace scaled to "
           f"{context} tokens, the trace's arrivals scaled to each rate. Measured: {source}. Both simulators priced "
-          f"by one engine profile measured now ({len(prof.samples)} batches, CPU time of the engines' threads): "
+          f"by one engine profile ({prof_when}; {len(prof.samples)} batches, CPU time of the engines' threads, "
+          f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration): "
           f"flexmesh by its fit (in-sample median error {prof.error['median']:.1%}), simdistserve by its own form "
           f"fitted to the same samples as DistServe fits its profiles (prefill a={pre[0]:.2f} ms, "
           f"b={pre[1]:.4f} ms/token, c={pre[2]:.2e} ms/token^2), its vLLM workers chunking prefill to the engine's "
