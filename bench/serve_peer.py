@@ -6,8 +6,8 @@ The peer is DistServe's simulator, simdistserve (OSDI'24; Apache-2.0, github.com
 choice and cannot run here: 0.0.26 downloads its compute and network profiles from Hugging Face datasets when
 it starts (``snapshot_download`` in its ``SklearnExecutionTimePredictor``), nothing downloads here, and the
 profiles its GitHub repository keeps under ``data/profiling/`` lack the attention tables (every
-``compute/<gpu>/<model>/attention.csv`` there is 2.5 to 17 MB, every version of it, beyond what can be brought
-onto this machine), without which its predictor cannot be fitted.
+``compute/<gpu>/<model>/attention.csv`` there, in every version, is over 4 MiB, beyond what can be brought onto
+this machine: Llama-3-8B's on A100 is 9.2 MB), without which its predictor cannot be fitted.
 
 The shared configuration, the one a measurement exists for here (``bench.serve_engine``'s): the tiny
 Llama-family model on 2 local engine processes behind flexmesh's router (transformers' continuous batching, fp32
@@ -322,7 +322,7 @@ def main() -> int:
     pre = peer_profile["prefill"]
     md = [f"Peer: DistServe's simulator, simdistserve ({commit}, vLLM mode). Vidur 0.0.26 cannot run here: it "
           "downloads its profiles from Hugging Face when it starts, and its repository's `data/profiling/` lacks "
-          "the attention tables it fits (every one 2.5-17 MB, beyond what reaches this machine).", "",
+          "the attention tables it fits (each over 4 MiB, beyond what reaches this machine).", "",
           f"Shared configuration: the tiny model on {engines} engine process{'es' if engines > 1 else ''} behind "
           f"the router (`{cfg.to_json()}`), {len(win)} requests of the Azure 2023 conversation trace scaled to "
           f"{context} tokens, the trace's arrivals scaled to each rate. Measured: {source}. Both simulators priced "
