@@ -8,6 +8,7 @@ at ``$FLEXMESH_SIMDISTSERVE`` and a python with simpy and pandas at ``$FLEXMESH_
 
     python -m venv /work/venvs/simdistserve/venv && /work/venvs/simdistserve/venv/bin/pip install simpy pandas
     git clone https://github.com/LLMServe/DistServe /work/venvs/simdistserve/src
+    git -C /work/venvs/simdistserve/src rev-parse HEAD > /work/venvs/simdistserve/src/COMMIT   # named in the record
 
 Without them those tests are skipped.
 """
