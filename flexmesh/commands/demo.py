@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("demo", help="plan, simulate, profile, train adaptively and write a report",
                               description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     p.add_argument("--out", default="flexmesh-demo", type=folder, help="output folder (default flexmesh-demo)")
-    p.add_argument("--nproc", type=positive_int, default=4, help="local training processes, 2 to 4 (default 4)")
+    p.add_argument("--nproc", type=positive_int, default=None,
+                   help="local training processes, 2 to 4 (default: one per CPU core, 2 to 4)")
     p.add_argument("--steps", type=steps, default=8, help="training steps per policy (default 8)")
     p.add_argument("--global-batch", type=sequences, default=16, help="documents per training step (default 16)")
     p.add_argument("--seq-len", type=seq_len, default=2048,
@@ -76,7 +77,19 @@ class DemoSize:
     def of(cls, args: argparse.Namespace) -> DemoSize:
         if args.quick:
             return cls(nproc=2, steps=2, global_batch=6, seq_len=512, sim_steps=1, seed=args.seed)
-        return cls(args.nproc, args.steps, args.global_batch, args.seq_len, args.sim_steps, args.seed)
+        nproc = args.nproc if args.nproc is not None else default_nproc()
+        return cls(nproc, args.steps, args.global_batch, args.seq_len, args.sim_steps, args.seed)
+
+
+def default_nproc(cores: int | None = None) -> int:
+    """The demo's processes when ``--nproc`` is not given: one per CPU core (``os.cpu_count()``), 2 to 4.
+    More processes than cores time the OS scheduler, not the layout (so stragglers go unjudged), and
+    every extra process re-runs the profile's sweeps and imports torch.
+
+    >>> default_nproc(2), default_nproc(1), default_nproc(16)
+    (2, 2, 4)
+    """
+    return min(4, max(2, cores if cores is not None else os.cpu_count() or 2))
 
 
 def _flexmesh(argv: list[str], console, what: str, capture: bool = False) -> subprocess.CompletedProcess:

@@ -196,14 +196,17 @@ WHOLE_LAYERS = 4
 
 def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype, device, world: World, reduce,
                  tp: int = 1, cp: int = 1, cp_rank: int = 0, between=None, advance=None) -> tuple[dict, list]:
-    """Time ``block`` over ``rows`` (one untimed warm-up row first), combine each timing over the
+    """Time ``block`` over ``rows`` (the shortest once first, untimed: the first calls' one-off costs, such
+    as a group's first collective; each row's own first run is untimed too), combine each timing over the
     processes with ``reduce`` (``world.medians`` or ``world.maxes``) and fit each pass.
 
     With ``tp`` / ``cp`` this process holds its cp slice (``cp_rank``) of each row's positions and
     its 1/tp slice of the hidden states. Returns ({pass: LayerFit}, sample rows).
     """
     times = []
-    for i, lengths in enumerate([rows[-1], *rows]):
+    # The warm-up row is the shortest: a long one (the ring kernel's longest rows are the slowest of the
+    # whole profile) warms up nothing a short one does not, since every row also runs once untimed.
+    for i, lengths in enumerate([min(rows, key=sum), *rows]):
         n = sum(lengths) // cp
         world.barrier()
         times.append(_time_layer(block, packed_row(spec, lengths, device, cp, cp_rank), n // tp,
