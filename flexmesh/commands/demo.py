@@ -46,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", default="flexmesh-demo", type=folder, help="output folder (default flexmesh-demo)")
     p.add_argument("--nproc", type=positive_int, default=None,
                    help="local training processes, 2 to 4 (default: one per CPU core, 2 to 4)")
-    p.add_argument("--steps", type=steps, default=8, help="training steps per policy (default 8)")
+    p.add_argument("--steps", type=steps, default=6,
+                   help="training steps per policy (default 6: the first, which pays one-off costs, and 5 compared)")
     p.add_argument("--global-batch", type=sequences, default=16, help="documents per training step (default 16)")
     p.add_argument("--seq-len", type=seq_len, default=2048,
                    help="the longest sequence, in tokens; longer documents are truncated to it (default 2048)")
