@@ -197,8 +197,8 @@ WHOLE_LAYERS = 4
 def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype, device, world: World, reduce,
                  tp: int = 1, cp: int = 1, cp_rank: int = 0, between=None, advance=None,
                  per_document: bool = True) -> tuple[dict, list]:
-    """Time ``block`` over ``rows`` (the shortest once first, untimed: the first calls' one-off costs, such
-    as a group's first collective; each row's own first run is untimed too), combine each timing over the
+    """Time ``block`` over ``rows`` (the shortest once first, untimed, for the first calls' one-off costs: a
+    long row warms up nothing more, and each row's own first run is untimed too), combine each timing over the
     processes with ``reduce`` (``world.medians`` or ``world.maxes``) and fit each pass.
 
     With ``tp`` / ``cp`` this process holds its cp slice (``cp_rank``) of each row's positions and
@@ -206,8 +206,6 @@ def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype
     (:func:`~flexmesh.profile.fit.fit_layer_time`). Returns ({pass: LayerFit}, sample rows).
     """
     times = []
-    # The warm-up row is the shortest: a long one (the ring kernel's longest rows are the slowest of the
-    # whole profile) warms up nothing a short one does not, since every row also runs once untimed.
     for i, lengths in enumerate([min(rows, key=sum), *rows]):
         n = sum(lengths) // cp
         world.barrier()
@@ -411,9 +409,8 @@ def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, a
         mesh = _mesh(world, tp, cp)
         block = _compiled(_parallel_block(spec, mesh, kind, dtype, device), compile)
         rows = [r for r in cfg["rows"] if sum(r) % (tp * cp) == 0]
-        # The ring kernel computes dense blocks of the whole row whatever its documents (a row of many short
-        # ones took as long as one document of its length), so its fit has no per-document term and rows of
-        # one document each suffice: half the rows of the sweep's slowest layout.
+        # Ring attention computes dense blocks of the whole row whatever its documents: no per-document term
+        # to fit, so rows of one document suffice (half the rows of the sweep's slowest layout)
         ring = kind == "ring"
         if ring:
             rows = [r for r in rows if len(r) == 1]
@@ -459,8 +456,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
 
     ``compile``: time the layers and the whole model with compiled blocks, as the runtime runs them
     (default: on a GPU, as ``flexmesh train``'s default); saved activations are metered eagerly.
-    ``max_group``: the largest tp x cp timed under real process groups (default the sweep's
-    ``max_degree``; 1: none, the ``parallel`` section without layers)."""
+    ``max_group``: the largest tp x cp timed under real process groups (default the sweep's; 1: none)."""
     from flexmesh.runtime.model.transformer import check_supported
 
     check_supported(spec)
