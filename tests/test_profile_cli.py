@@ -101,10 +101,14 @@ def test_one_launch_profiles_the_hardware_then_the_model(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()  # --no-keep holds for both
     # under --nproc, the ranks are given the file at its full path (they may start elsewhere)
     args = argparse.Namespace(profile_kind="model", device="auto", no_keep=True, model=str(cfg), dtype="fp32",
-                              compile=None, quick=True, no_progress=True, hardware_out="hw.json")
+                              compile=None, quick=True, no_progress=True, hardware_out="hw.json", max_group=None)
     monkeypatch.chdir(tmp_path)
     forwarded = profile_command._forwarded(args, str(out))
     assert forwarded[forwarded.index("--hardware-out") + 1] == str(tmp_path / "hw.json")
+    assert "--max-group" not in forwarded  # the sweep's own cap unless one is given
+    args.max_group = 1
+    forwarded = profile_command._forwarded(args, str(out))
+    assert forwarded[forwarded.index("--max-group") + 1] == "1"
 
 
 def test_profile_error_is_a_clear_cli_message(tmp_path, capsys):

@@ -38,6 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="dtype to measure in (default fp32, the dtype the runtime trains in)")
     mdl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="time compiled blocks, as `flexmesh train --compile` runs them (default: on GPUs)")
+    mdl.add_argument("--max-group", type=positive_int, metavar="N",
+                     help="with --nproc, time a layer under real process groups of tp x cp up to N processes "
+                          "(default 8, 2 with --quick; 1: none, for plans without tp or cp)")
     mdl.add_argument("--hardware-out", type=new_file, metavar="FILE",
                      help="profile the hardware first, in the same processes (one launch for both), and write that "
                           "profile to FILE")
@@ -71,6 +74,8 @@ def _forwarded(args: argparse.Namespace, out: str) -> list[str]:
             argv += ["--hardware-out", str(Path(args.hardware_out).resolve())]
         if args.compile is not None:
             argv.append("--compile" if args.compile else "--no-compile")
+        if args.max_group is not None:
+            argv += ["--max-group", str(args.max_group)]
     if args.quick:
         argv.append("--quick")
     if args.no_progress:
@@ -116,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
             from flexmesh.spec.model import parse_model
 
             prof = profile_model(parse_model(args.model), quick=args.quick, dtype=args.dtype,
-                                 show_progress=not args.no_progress, world=world, compile=args.compile)
+                                 show_progress=not args.no_progress, world=world, compile=args.compile,
+                                 max_group=args.max_group)
             _written(prof, out, args, "model")
     finally:
         world.close()

@@ -123,8 +123,11 @@ class LayerFit:
                    float(d.get("c3_s_per_sq_row_token", 0.0)))
 
 
-def fit_layer_time(tokens, sq_tokens, seconds) -> LayerFit:
+def fit_layer_time(tokens, sq_tokens, seconds, per_document: bool = True) -> LayerFit:
     """Fit :class:`LayerFit` to per-row samples (``tokens`` = row length, ``sq_tokens`` = sum of len^2).
+
+    ``per_document`` off: no per-document term (``c2 = 0``), for a kernel that computes the whole row
+    whatever its documents (the ring kernel's dense blocks); its samples need not vary the documents.
 
     >>> import numpy as np
     >>> t = np.array([256, 512, 1024, 1024, 2048, 2048, 512])
@@ -132,8 +135,15 @@ def fit_layer_time(tokens, sq_tokens, seconds) -> LayerFit:
     >>> f = fit_layer_time(t, sq, 1e-4 + 2e-6 * t + 3e-9 * sq + 1e-9 * t * t)
     >>> [round(x, 12) for x in (f.c0_s, f.c1_s_per_token, f.c2_s_per_sq_token, f.c3_s_per_sq_row_token)]
     [0.0001, 2e-06, 3e-09, 1e-09]
+    >>> one = np.array([256, 512, 1024, 2048])  # one document per row: sum of len^2 = tokens^2
+    >>> f = fit_layer_time(one, one ** 2, 1e-4 + 2e-6 * one + 4e-9 * one * one, per_document=False)
+    >>> [round(x, 12) for x in (f.c0_s, f.c1_s_per_token, f.c2_s_per_sq_token, f.c3_s_per_sq_row_token)]
+    [0.0001, 2e-06, 0.0, 4e-09]
     """
     t = np.asarray(tokens, dtype=float)
     sq = np.asarray(sq_tokens, dtype=float)
+    if not per_document:
+        c0, c1, c3 = least_squares(np.stack([np.ones_like(t), t, t * t], axis=1), seconds)
+        return LayerFit(float(c0), float(c1), 0.0, float(c3))
     c = least_squares(np.stack([np.ones_like(t), t, sq, t * t], axis=1), seconds)
     return LayerFit(*(float(x) for x in c))

@@ -195,15 +195,18 @@ WHOLE_LAYERS = 4
 
 
 def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype, device, world: World, reduce,
-                 tp: int = 1, cp: int = 1, cp_rank: int = 0, between=None, advance=None) -> tuple[dict, list]:
-    """Time ``block`` over ``rows`` (one untimed warm-up row first), combine each timing over the
+                 tp: int = 1, cp: int = 1, cp_rank: int = 0, between=None, advance=None,
+                 per_document: bool = True) -> tuple[dict, list]:
+    """Time ``block`` over ``rows`` (the shortest once first, untimed, for the first calls' one-off costs: a
+    long row warms up nothing more, and each row's own first run is untimed too), combine each timing over the
     processes with ``reduce`` (``world.medians`` or ``world.maxes``) and fit each pass.
 
     With ``tp`` / ``cp`` this process holds its cp slice (``cp_rank``) of each row's positions and
-    its 1/tp slice of the hidden states. Returns ({pass: LayerFit}, sample rows).
+    its 1/tp slice of the hidden states. ``per_document`` off: fitted without a per-document term
+    (:func:`~flexmesh.profile.fit.fit_layer_time`). Returns ({pass: LayerFit}, sample rows).
     """
     times = []
-    for i, lengths in enumerate([rows[-1], *rows]):
+    for i, lengths in enumerate([min(rows, key=sum), *rows]):
         n = sum(lengths) // cp
         world.barrier()
         times.append(_time_layer(block, packed_row(spec, lengths, device, cp, cp_rank), n // tp,
@@ -216,7 +219,7 @@ def _layer_sweep(block, rows: list[list[int]], cfg: dict, spec: ModelSpec, dtype
     # The timed block is layer 0 (_block): its window decides the squared tokens it did, and the fit's
     # cost per squared token then prices every layer's windowed statistic (CostModel.attention_sq).
     sq = [float(sum(attention_sq(0, x, (spec.window_of(0),)) for x in r)) for r in rows]
-    fits = {name: fit_layer_time(tokens, sq, [t[i] for t in times]) for i, name in enumerate(PASSES)}
+    fits = {name: fit_layer_time(tokens, sq, [t[i] for t in times], per_document) for i, name in enumerate(PASSES)}
     samples = [{"lengths": r, **{f"{name}_s": t[i] for i, name in enumerate(PASSES)}} for r, t in zip(rows, times)]
     return fits, samples
 
@@ -406,8 +409,14 @@ def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, a
         mesh = _mesh(world, tp, cp)
         block = _compiled(_parallel_block(spec, mesh, kind, dtype, device), compile)
         rows = [r for r in cfg["rows"] if sum(r) % (tp * cp) == 0]
+        # Ring attention computes dense blocks of the whole row whatever its documents: no per-document term
+        # to fit, so rows of one document suffice (half the rows of the sweep's slowest layout)
+        ring = kind == "ring"
+        if ring:
+            rows = [r for r in rows if len(r) == 1]
         fits, samples = _layer_sweep(block, rows, cfg, spec, dtype, device, world, world.maxes, tp=tp, cp=cp,
-                                     cp_rank=mesh["cp"].get_local_rank(), between=world.barrier)
+                                     cp_rank=mesh["cp"].get_local_rank(), between=world.barrier,
+                                     per_document=not ring)
         layers.append({"tp": tp, "cp": cp, "cp_kind": kind, **fits, "samples": samples})
         advance(f"layer tp{tp} {kind} cp{cp}")
         if cp == 1:  # the embedding and the head split over tp only
@@ -441,11 +450,13 @@ def _compiled(block, compile: bool):
 
 
 def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", show_progress: bool = True,
-                  world: World | None = None, compile: bool | None = None) -> ModelProfile | None:
+                  world: World | None = None, compile: bool | None = None,
+                  max_group: int | None = None) -> ModelProfile | None:
     """Measure ``spec`` with the runtime's modules; every process calls it, rank 0 gets the profile.
 
     ``compile``: time the layers and the whole model with compiled blocks, as the runtime runs them
-    (default: on a GPU, as ``flexmesh train``'s default); saved activations are metered eagerly."""
+    (default: on a GPU, as ``flexmesh train``'s default); saved activations are metered eagerly.
+    ``max_group``: the largest tp x cp timed under real process groups (default the sweep's; 1: none)."""
     from flexmesh.runtime.model.transformer import check_supported
 
     check_supported(spec)
@@ -456,8 +467,8 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     compile = device.type == "cuda" if compile is None else compile
     cfg = sweep(quick, device.type == "cuda")
     torch.manual_seed(0)
-    n_deg = len(degrees(spec, cfg["max_degree"]))
-    n_par = len(parallel_layouts(spec, world.size, cfg["max_degree"]))
+    n_deg = len(degrees(spec, cfg["max_degree"]))  # saved activations: per (tp, cp) degree, in one process
+    n_par = len(parallel_layouts(spec, world.size, max_group or cfg["max_degree"]))
     with progress(show_progress and world.is_main, f"profiling {spec.name}",
                   len(cfg["rows"]) + 4 + n_deg + n_par) as advance:
         layer, layer_rows = _layer_sweep(_compiled(rank_block(spec, dt, device), compile), cfg["rows"], cfg, spec, dt,
@@ -473,7 +484,8 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
         advance("optimizer")
         activations = measure_activations(spec, cfg, dt, device, advance)
-        parallel = _measure_parallel(spec, cfg, world, dt, device, advance, compile) if world.size > 1 else {}
+        parallel = _measure_parallel(spec, {**cfg, "max_degree": max_group or cfg["max_degree"]}, world, dt, device,
+                                     advance, compile) if world.size > 1 else {}
     if not world.is_main:
         return None
     samples = {"layer_rows": layer_rows, "end_tokens": cfg["end_tokens"], **{f"{k}_s": v for k, v in ends.items()}}

@@ -60,7 +60,8 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
     rep.text(f"{datetime.datetime.now().isoformat(timespec='seconds')} on {platform.node()} "
-             f"({platform.machine()}, {platform.processor() or 'cpu'}); {elapsed_s:.0f} s in all."
+             f"({platform.machine()}, {platform.processor() or 'cpu'}); {elapsed_s:.0f} s up to this report "
+             "(the serving part runs after it and gives its own time)."
              + (f" Devices: {devices}." if devices else ""))
 
     # 1. plan
