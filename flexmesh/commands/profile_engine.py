@@ -13,9 +13,10 @@ from flexmesh.commands.engine_args import add_engine_args, engine_config
 def add_engine_parser(kinds) -> argparse.ArgumentParser:
     p = kinds.add_parser("engine", help="a serving engine's iteration times (prefill chunks, decode batches, overhead)",
                          description="Start local engines (transformers' continuous batching, as `flexmesh serve run` "
-                                     "starts them), run prefill chunks, decode and mixed batches on them, serve synthetic "
-                                     "requests through the router, time every iteration and fit them, and time a "
-                                     "request's way from the router into an engine's batch; the simulator prices this machine by the profile.")
+                                     "starts them), run prefill chunks, decode and mixed batches on them, serve "
+                                     "synthetic requests through the router, time every iteration and fit them, and "
+                                     "time a request's way from the router into an engine's batch; the simulator "
+                                     "prices this machine by the profile.")
     p.add_argument("--quick", action="store_true", help="a small sweep (about half a minute)")
     p.add_argument("--out", type=new_file, help="profile file to write, atomically (default engine-<model>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress line")

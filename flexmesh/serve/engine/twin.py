@@ -15,9 +15,8 @@ only when the KV cache is nearly full.
 A request's way from the router into its engine's batch (the router's HTTP hop, the engine's parsing and checks,
 its queue hand-off, the loop waking: a millisecond or two, measured by the engine profile as ``admission_s``) is
 a delay on every arrival (:class:`TwinFleet`): the request joins its engine's queue that long after the router
-received it, so one arriving in the last moments of an iteration waits for the next, as on the engines; its
-record keeps the router's arrival, from which TTFT counts. The router reads the replicas' state at the delayed
-arrival (the same choice for round robin).
+received it; its record keeps the router's arrival, from which TTFT counts. The router reads the replicas'
+state at the delayed arrival (the same choice for round robin).
 
 The engines run on this machine's cores, which the catalogue does not describe: the fleet's device is a
 placeholder named ``local-engine`` whose numbers nothing reads (the timing prices every iteration, the
@@ -31,9 +30,10 @@ from dataclasses import replace
 
 from flexmesh.cost.inference.memory import kv_bytes_per_token
 from flexmesh.cost.inference.timing import IterationTiming
+from flexmesh.data.requests import Workload
+from flexmesh.errors import SpecError
 from flexmesh.serve.deployment import EngineKnobs, ReplicaSpec, place
 from flexmesh.serve.engine.config import EngineConfig
-from flexmesh.data.requests import Workload
 from flexmesh.serve.simulator import Fleet, SimResult
 from flexmesh.spec.cluster import ClusterSpec, MixedCluster
 from flexmesh.spec.devices import DeviceSpec
@@ -84,8 +84,9 @@ def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: Ite
     >>> out = fleet.run(with_arrivals(constant_lengths(32, 5), rate=2.0, n=10))
     >>> [r.kv_tokens for r in out.replicas], round(out.records[0].first_token_s - out.records[0].arrival_s, 3)
     ([1024, 1024], 0.01)
-    >>> late = twin_fleet(cfg, 2, Flat(), admission_s=0.002).run(with_arrivals(constant_lengths(32, 5), rate=2.0, n=10))
-    >>> round(late.records[0].first_token_s - late.records[0].arrival_s, 3), late.records[3].arrival_s == out.records[3].arrival_s
+    >>> late = twin_fleet(cfg, 2, Flat(), admission_s=0.002)
+    >>> rec = late.run(with_arrivals(constant_lengths(32, 5), rate=2.0, n=10)).records
+    >>> round(rec[0].first_token_s - rec[0].arrival_s, 3), rec[3].arrival_s == out.records[3].arrival_s
     (0.012, True)
     """
     cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * engines
@@ -100,6 +101,9 @@ def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: Ite
     cluster = MixedCluster((ClusterSpec(nodes=1, devices_per_node=engines, device=dev),))
     replicas = place(tuple(ReplicaSpec(group=0) for _ in range(engines)), cluster)
     knobs = tuple(engine_knobs(c, m) for c, m in zip(cfgs, caps))
+    delay = float(getattr(timing, "admission_s", 0.0) if admission_s is None else admission_s)
+    if not 0.0 <= delay < 60.0:
+        raise SpecError(f"admission_s is the seconds from the router into an engine's batch, 0 to 60; got {delay}")
     fleet = TwinFleet(model, cluster, replicas, knobs={0: knobs[0]}, timing=lambda r: timing, replica_knobs=knobs)
-    fleet.admission_s = float(getattr(timing, "admission_s", 0.0) if admission_s is None else admission_s)
+    fleet.admission_s = delay
     return fleet
