@@ -19,8 +19,9 @@ engine's per-iteration overhead is in every sample. Scenarios, each run twice:
   Poisson arrivals at a few loads, placed by the sweep's own fit so far). The scenarios above time each batch
   alone; while serving, an engine's iterations run beside its HTTP thread taking requests in and answering
   finished ones, beside the router and the client, and its batches are those serving makes (contexts
-  of every length, one new prompt beside a few decodes). Served on a quiet machine, the same batches cost
-  a fifth more CPU time than in the scenarios, which the simulator would leave out without these samples.
+  of every length, one new prompt beside a few decodes). On a quiet 2-core machine, iterations served so
+  took a fifth more CPU time than a fit of the scenarios alone prices them at (most in batches of three
+  requests or more and in a new prompt's first chunk), which the simulator would leave out without them.
 
 Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
 keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from.
