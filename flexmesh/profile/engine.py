@@ -16,7 +16,8 @@ engine's per-iteration overhead is in every sample. Scenarios, each run twice:
 - mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left;
 - serving: the engines behind flexmesh's router, as ``flexmesh serve run`` serves, sent synthetic requests
   in open loop (:data:`SERVING`: prompt and output lengths drawn log-uniformly over the sweep's ranges,
-  Poisson arrivals at a few loads, placed by the sweep's own fit so far). The scenarios above time each batch
+  Poisson arrivals at a few loads, placed by the sweep's own fit so far and the share of a core the engines
+  had in it, so that a busy machine is not sent more than its engines serve). The scenarios above time each batch
   alone; while serving, an engine's iterations run beside its HTTP thread taking requests in and answering
   finished ones, beside the router and the client, and its batches are those serving makes (contexts
   of every length, one new prompt beside a few decodes). On a quiet 2-core machine, iterations served so
@@ -215,9 +216,10 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
                     before = [await iteration_count(session, e.url) for e in procs]
                     await asyncio.gather(*(run(e.url, prompts, outputs) for e in procs))
                     await collect(before)
+            share = cpu / wall if wall > 0 else 1.0  # of a core, so far: the loads are of what the engines get
             served, admission = await _serve(cfg, quick, procs, session, vocab, max_position, timed, collect,
                                              lambda k, what: progress and progress(len(plan) * repeats + k, total,
-                                                                                   what))
+                                                                                   what), min(share, 1.0))
             if progress is not None:
                 progress(total, total, "fit")
     finally:
@@ -226,10 +228,10 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
 
 
 async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max_position: int,
-                 timed: dict[tuple, list[float]], collect, progress) -> tuple[list[dict], list[float]]:
-    """The serving phase and the admissions (module doc), through flexmesh's router over the engines ``procs``:
-    the serving phase's samples go into ``timed`` (by ``collect``); returns each load's rate and the admissions'
-    seconds."""
+                 timed: dict[tuple, list[float]], collect, progress, share: float) -> tuple[list[dict], list[float]]:
+    """The serving phase and the admissions (module doc), through flexmesh's router over the engines ``procs``,
+    which had ``share`` of a core each in the sweep (the loads are of that): the serving phase's samples go into
+    ``timed`` (by ``collect``); returns each load's rate and the admissions' seconds."""
     from flexmesh.data.requests import Request, Workload, with_arrivals
     from flexmesh.profile.iteration import ProfiledIterationTiming
     from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, router_on
@@ -249,7 +251,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
     async with router_on(urls, max_running=[cfg.max_requests_per_batch] * len(urls),
                          kv_tokens=[cfg.kv_tokens] * len(urls)) as url:
         for k, load in enumerate(SERVING[quick]["loads"]):
-            rate = load * len(urls) / alone
+            rate = load * len(urls) * share / alone
             progress(k, f"serving at load {load:g}")
             before = [await iteration_count(session, u) for u in urls]
             out = await replay(url, list(with_arrivals(base, rate, seed=k).requests), vocab,
