@@ -141,12 +141,16 @@ def main() -> int:
                                 for (batch, _), c in zip(its, cpus) if c > 0)
 
     fit = prof.error
+    served = ", ".join(f"{s['rate']:g}" for s in prof.produced_by.get("sweep", {}).get("serving") or []) or "no rate"
     md = [f"Tiny model (`{cfg.to_json()}`), 2 engine processes behind the router, {len(win)} requests of the "
           f"Azure 2023 conversation trace scaled to {args.context} tokens, arrivals the trace's scaled to each rate. "
           f"Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} "
           "cores: other work shares the machine and every timing carries its noise.", "",
-          f"Engine profile: {len(prof.samples)} distinct batches, overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per "
-          f"iteration; in-sample error of the fit: median {fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
+          f"Engine profile: {len(prof.samples)} distinct batches (the sweep's scenarios and serving behind the router "
+          f"at {served}/s), "
+          f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, admission (router -> the engine's batch, "
+          f"added to every simulated arrival) {prof.admission_s * 1e3:.2f} ms; in-sample error of the fit: median "
+          f"{fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
           *markdown_table(["rate/s", "done", "TTFT p50 ms (measured / simulated)", "TTFT p90", "TPOT p50", "TPOT p90"],
                           rows), "",
           f"- latency: worst |simulated / measured - 1| = {worst:.0%} (bound {LATENCY_BOUND:.0%}): "

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from flexmesh.cost.inference.timing import SplitTiming, split_s
 from flexmesh.errors import ProfileError
-from flexmesh.profile.engine import scenarios
+from flexmesh.profile.engine import SERVING, scenarios, serving_lengths
 from flexmesh.profile.iteration import (
     TERMS,
     EngineProfile,
@@ -64,13 +64,20 @@ def test_a_run_of_decodes_costs_its_iterations_one_by_one(decodes, context, step
 
 
 def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
-    prof = EngineProfile({"name": "tiny"}, {"model": "tiny"}, TRUE, samples=[([(0, 8)], 1e-3)], name="p")
+    prof = EngineProfile({"name": "tiny"}, {"model": "tiny"}, TRUE, samples=[([(0, 8)], 1e-3)], name="p",
+                         admission_s=0.0016)
     path = tmp_path / "engine.json"
     prof.save(path)
     back = load_engine_profile(path)
     assert back.fit == TRUE and back.samples == [([(0, 8)], 1e-3)] and back.name == "engine.json"
+    assert back.admission_s == 0.0016 and ProfiledIterationTiming(back).admission_s == 0.0016
+    older = {k: v for k, v in prof.to_dict().items() if k != "admission_s"}  # written before it was measured
+    path.write_text(json.dumps(older))
+    assert load_engine_profile(path).admission_s == 0.0
     bad = tmp_path / "bad.json"
     for d, match in (({**prof.to_dict(), "kind": "model"}, "not an engine profile"),
+                     ({**prof.to_dict(), "admission_s": -1e-3}, "admission_s"),
+                     ({**prof.to_dict(), "admission_s": "2 ms"}, "admission_s"),
                      ({**prof.to_dict(), "version": 9}, "version 9"),
                      ({**prof.to_dict(), "fit": {**TRUE, "c0_s": -1}}, "non-negative"),
                      ({**prof.to_dict(), "samples": [{"batch": 3}]}, "malformed samples")):
@@ -94,6 +101,18 @@ def test_sweep_stays_inside_the_engine():
             assert outputs[0] > -(-sum(prompts) // cfg.max_batch_tokens), name
 
 
+@pytest.mark.parametrize("quick", [True, False])
+def test_serving_requests_stay_inside_the_engine_and_repeat(quick):
+    cfg = EngineConfig(num_blocks=256, page_size=16, max_batch_tokens=64, max_requests_per_batch=16)
+    lengths = serving_lengths(cfg, quick, max_position=1024)
+    assert len(lengths) == SERVING[quick]["requests"] and lengths == serving_lengths(cfg, quick, 1024)
+    assert all(p + o <= cfg.kv_tokens // 4 and p >= 8 and o >= 1 for p, o in lengths)
+    assert len({p for p, _ in lengths}) > len(lengths) // 2  # spread, not one length
+    assert max(p for p, _ in lengths) > cfg.max_batch_tokens  # some prompts take several chunks
+    short = serving_lengths(cfg, quick, max_position=100)  # a model of few positions bounds them
+    assert all(p + o <= 100 for p, o in short)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_path, capsys, monkeypatch):
@@ -111,6 +130,12 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     assert prof.engine["num_blocks"] == 512 and prof.model["name"] == "tiny"
     assert prof.produced_by["sweep"]["quick"] and len(prof.samples) >= 20
     assert prof.produced_by["processes"] == 2  # two engines swept side by side (the default, as serve run's)
+    served = prof.produced_by["sweep"]["serving"]
+    assert [s["load"] for s in served] == list(SERVING[True]["loads"]) and all(s["rate"] > 0 for s in served)
+    assert served[0]["requests"] == SERVING[True]["requests"]
+    # the router's hop into an engine's batch: timed on idle engines, more than nothing and less than a second
+    assert prof.produced_by["sweep"]["admissions"] >= 2 and 0 < prof.admission_s < 1.0
+    assert "admission" in printed
     kinds = {("decode" if all(q == 1 for _, q in b) else "prefill" if len(b) == 1 else "mixed")
              for b, _ in prof.samples}
     assert kinds == {"decode", "prefill", "mixed"}

@@ -13,8 +13,10 @@ from flexmesh.commands.engine_args import add_engine_args, engine_config
 def add_engine_parser(kinds) -> argparse.ArgumentParser:
     p = kinds.add_parser("engine", help="a serving engine's iteration times (prefill chunks, decode batches, overhead)",
                          description="Start local engines (transformers' continuous batching, as `flexmesh serve run` "
-                                     "starts them), run prefill chunks, decode and mixed batches on them, time every "
-                                     "iteration and fit them; the simulator prices this machine by the profile.")
+                                     "starts them), run prefill chunks, decode and mixed batches on them, serve "
+                                     "synthetic requests through the router, time every iteration and fit them, and "
+                                     "time a request's way from the router into an engine's batch; the simulator "
+                                     "prices this machine by the profile.")
     p.add_argument("--quick", action="store_true", help="a small sweep (about half a minute)")
     p.add_argument("--out", type=new_file, help="profile file to write, atomically (default engine-<model>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
@@ -71,6 +73,13 @@ def _summary(prof, out: str) -> None:
         con.print(f"each engine had {share:.0%} of a core while it iterated (its CPU time over the iterations' "
                   "wall time; other work on the machine lowers it; the samples are CPU time, which it does not "
                   "slow)", highlight=False)
+    served = prof.produced_by["sweep"].get("serving") or []
+    if served:
+        con.print("served behind the router at " + ", ".join(f"{s['rate']:g}/s (load {s['load']:g})" for s in served)
+                  + "; their iterations are samples too", highlight=False)
+    con.print(f"admission (the router receiving a request -> the engine's first iteration holding it): "
+              f"{prof.admission_s * 1e3:.2f} ms, median of {prof.produced_by['sweep'].get('admissions', 0)}",
+              highlight=False)
     e = prof.error
     con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 {e['p90']:.1%}, "
               f"max {e['max']:.1%}", highlight=False)

@@ -13,10 +13,23 @@ engine's per-iteration overhead is in every sample. Scenarios, each run twice:
   and ``c`` over a grid of contexts (``b * c`` at most 8192 tokens, and what the KV cache holds), with
   outputs long enough that all ``b`` decode together at the end; their prefill iterations (several
   prompts in one budget, then decodes beside the last prompts' chunks) are samples too;
-- mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left.
+- mixed batches: ``b`` short requests decoding while a long prompt is prefilled in the budget left;
+- serving: the engines behind flexmesh's router, as ``flexmesh serve run`` serves, sent synthetic requests
+  in open loop (:data:`SERVING`: prompt and output lengths drawn log-uniformly over the sweep's ranges,
+  Poisson arrivals at a few loads, placed by the sweep's own fit so far and the share of a core the engines
+  had in it, so that a busy machine is not sent more than its engines serve). The scenarios above time each batch
+  alone; while serving, an engine's iterations run beside its HTTP thread taking requests in and answering
+  finished ones, beside the router and the client, and its batches are those serving makes (contexts
+  of every length, one new prompt beside a few decodes). On a quiet 2-core machine, iterations served so
+  took a fifth more CPU time than a fit of the scenarios alone prices them at (most in batches of three
+  requests or more and in a new prompt's first chunk), which the simulator would leave out without them.
 
 Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
-keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. The
+keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from.
+
+Admission (the profile's ``admission_s``): single requests sent one at a time through the router to idle
+engines, each timed from the router receiving it to the start of the engine's iteration that holds it (the
+router's HTTP hop, the engine's parsing and checks, its queue hand-off, the loop waking); the median. The
 seconds are the CPU time of the engine's thread over the iteration (``time.thread_time``), not its wall
 time: on a machine other work shares, an iteration's wall time also holds the time the engine waited for a
 core, which depends on that work, not on the engine; the CPU time keeps what the engine did, stalls on
@@ -44,6 +57,7 @@ from flexmesh.serve.engine.replay import prompt_ids
 
 SCENARIO_TIMEOUT_S = 600.0  # the longest one scenario may take on one engine
 DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
+ADMISSIONS = 6  # single requests per engine timed from the router into the engine's batch
 
 
 class Grid(TypedDict):
@@ -63,6 +77,19 @@ FULL: Grid = {"batches": (1, 2, 4, 8, 16, 32, 64), "contexts": (16, 128, 512, 10
               "mixed": (1, 4, 16), "repeats": 2, "batch_kv": 8192}
 QUICK: Grid = {"batches": (1, 4, 16), "contexts": (16, 256), "prefill": (16, 64), "mixed": (4,), "repeats": 2,
                "batch_kv": 4096}
+
+
+class Serving(TypedDict):
+    """The serving phase: requests per load, the loads (arrival rate x a request's seconds alone, per engine:
+    above 1 the queues grow), and the longest output drawn (tokens)."""
+
+    requests: int
+    loads: tuple[float, ...]
+    max_output: int
+
+
+SERVING: dict[bool, Serving] = {False: {"requests": 60, "loads": (0.4, 0.8, 1.2), "max_output": 128},
+                                True: {"requests": 24, "loads": (0.8,), "max_output": 64}}
 
 
 def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[str, list[int], list[int]]]:
@@ -96,6 +123,27 @@ def scenarios(cfg: EngineConfig, quick: bool, max_position: int) -> list[tuple[s
     return out
 
 
+def serving_lengths(cfg: EngineConfig, quick: bool, max_position: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt, output) tokens of the serving phase's requests: log-uniform, prompts from 8 tokens to four token
+    budgets and outputs from 1 to ``max_output``, each request within the model's positions and a quarter of the
+    KV cache.
+
+    >>> lengths = serving_lengths(EngineConfig(num_blocks=256, max_batch_tokens=64), True, 4096)
+    >>> len(lengths), all(8 <= p <= 256 and 1 <= o <= 64 for p, o in lengths)
+    (24, True)
+    """
+    import numpy as np
+
+    plan = SERVING[quick]
+    fit = min(max_position, cfg.kv_tokens // 4)
+    top_p = max(8, min(4 * cfg.max_batch_tokens, fit - 1))
+    top_o = max(1, min(plan["max_output"], fit - top_p))
+    rng = np.random.default_rng(seed)
+    prompts = np.exp(rng.uniform(np.log(8), np.log(top_p + 1), plan["requests"])).astype(int).clip(1, top_p)
+    outputs = np.exp(rng.uniform(0.0, np.log(top_o + 1), plan["requests"])).astype(int).clip(1, top_o)
+    return [(int(p), int(o)) for p, o in zip(prompts, outputs)]
+
+
 def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
                    progress: Callable[[int, int, str], None] | None = None,
                    log_dir: Path | None = None) -> EngineProfile:
@@ -104,20 +152,27 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
 
     spec = engine_spec(cfg)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="flexmesh-profile-engine-"))
-    timed, plan, share = asyncio.run(_sweep(cfg, quick, engines, logs, progress))
-    samples = [(list(batch), statistics.median(secs)) for batch, secs in sorted(timed.items())]
+    timed, plan, share, served, admission = asyncio.run(_sweep(cfg, quick, engines, logs, progress))
+    samples = _medians(timed)
     fit = fit_iterations(samples)
     spec_dict = spec.to_dict()
     prof = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit=fit,
-                         samples=samples, produced_by=produced_by(engines, device_type="cpu"))
+                         samples=samples, produced_by=produced_by(engines, device_type="cpu"),
+                         admission_s=statistics.median(admission))
     prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
-                                 "iterations": sum(len(v) for v in timed.values()), "cpu_share": share}
+                                 "iterations": sum(len(v) for v in timed.values()), "cpu_share": share,
+                                 "serving": served, "admissions": len(admission)}
     return prof
 
 
+def _medians(timed: dict[tuple, list[float]]) -> list[tuple[list, float]]:
+    return [(list(batch), statistics.median(secs)) for batch, secs in sorted(timed.items())]
+
+
 async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progress):
-    """Every scenario ``repeats`` times on every engine at once: the CPU seconds of each batch they ran, the
-    scenarios, and the share of a core the engines had while iterating (CPU time over wall time)."""
+    """Every scenario ``repeats`` times on every engine at once, then the serving phase and the admissions: the
+    CPU seconds of each batch they ran, the scenarios, the share of a core the engines had while iterating (CPU
+    time over wall time), the serving phase's loads and rates, and the admissions' seconds."""
     from aiohttp import ClientSession, ClientTimeout
 
     from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, start_engines, stop_engines
@@ -141,9 +196,18 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
 
                 await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs)))
 
+            async def collect(before: list[int]) -> None:
+                nonlocal wall, cpu
+                for e, since in zip(procs, before):
+                    for it in await fetch_iterations(session, e.url, since):
+                        timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
+                        wall += it["end_s"] - it["start_s"]
+                        cpu += it["cpu_s"]
+
             warm = [prompt_ids(1, 32, vocab)] * 2
             await asyncio.gather(*(run(e.url, warm, [4, 4]) for e in procs))  # first calls allocate
-            total = len(plan) * repeats
+            loads = SERVING[quick]["loads"]
+            total = len(plan) * repeats + len(loads) + 1
             for rep in range(repeats):
                 for k, (name, lengths, outputs) in enumerate(plan):
                     if progress is not None:
@@ -151,16 +215,68 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
                     prompts = [prompt_ids(1000 * rep + i, n, vocab) for i, n in enumerate(lengths)]
                     before = [await iteration_count(session, e.url) for e in procs]
                     await asyncio.gather(*(run(e.url, prompts, outputs) for e in procs))
-                    for e, since in zip(procs, before):
-                        for it in await fetch_iterations(session, e.url, since):
-                            timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
-                            wall += it["end_s"] - it["start_s"]
-                            cpu += it["cpu_s"]
+                    await collect(before)
+            share = cpu / wall if wall > 0 else 1.0  # of a core, so far: the loads are of what the engines get
+            served, admission = await _serve(cfg, quick, procs, session, vocab, max_position, timed, collect,
+                                             lambda k, what: progress and progress(len(plan) * repeats + k, total,
+                                                                                   what), min(share, 1.0))
             if progress is not None:
                 progress(total, total, "fit")
     finally:
         await stop_engines(procs)
-    return dict(timed), [s[0] for s in plan], cpu / wall if wall > 0 else 1.0
+    return dict(timed), [s[0] for s in plan], cpu / wall if wall > 0 else 1.0, served, admission
+
+
+async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max_position: int,
+                 timed: dict[tuple, list[float]], collect, progress, share: float) -> tuple[list[dict], list[float]]:
+    """The serving phase and the admissions (module doc), through flexmesh's router over the engines ``procs``,
+    which had ``share`` of a core each in the sweep (the loads are of that): the serving phase's samples go into
+    ``timed`` (by ``collect``); returns each load's rate and the admissions' seconds."""
+    from flexmesh.data.requests import Request, Workload, with_arrivals
+    from flexmesh.profile.iteration import ProfiledIterationTiming
+    from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, router_on
+    from flexmesh.serve.engine.replay import replay
+
+    # a request's seconds alone by the sweep's fit: the rates that load each engine as asked
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, fit_iterations(_medians(timed))))
+    lengths = serving_lengths(cfg, quick, max_position)
+    budget = cfg.max_batch_tokens
+    alone = statistics.mean(
+        sum(timing.iteration_s([(c, min(budget, p - c))]) for c in range(0, p, budget))
+        + timing.decode_run_s(1, p, o - 1) for p, o in lengths)
+    base = Workload(tuple(Request(i, 0.0, p, o) for i, (p, o) in enumerate(lengths)), "profile-serving", 0,
+                    "log-uniform lengths (flexmesh.profile.engine.serving_lengths)")
+    served: list[dict] = []
+    urls = [e.url for e in procs]
+    async with router_on(urls, max_running=[cfg.max_requests_per_batch] * len(urls),
+                         kv_tokens=[cfg.kv_tokens] * len(urls)) as url:
+        for k, load in enumerate(SERVING[quick]["loads"]):
+            rate = load * len(urls) * share / alone
+            progress(k, f"serving at load {load:g}")
+            before = [await iteration_count(session, u) for u in urls]
+            out = await replay(url, list(with_arrivals(base, rate, seed=k).requests), vocab,
+                               request_timeout_s=SCENARIO_TIMEOUT_S, drain_timeout_s=SCENARIO_TIMEOUT_S)
+            if out.failed:
+                raise ProfileError(f"{len(out.failed)} serving requests failed, e.g. {next(iter(out.failed.values()))}")
+            await collect(before)
+            served.append({"load": load, "rate": round(rate, 3), "requests": len(out.records)})
+        progress(len(SERVING[quick]["loads"]), "admissions")
+        admission: list[float] = []
+        prompt = prompt_ids(7, 16, vocab)
+        for i in range(ADMISSIONS * len(urls)):
+            before = [await iteration_count(session, u) for u in urls]
+            async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                                    headers={"X-Request-Id": str(i)}) as resp:
+                body = await resp.json()
+                if resp.status != 200:
+                    raise ProfileError(f"the router refused an admission request: {str(body)[:200]}")
+            k = int(body["replica"])
+            its = await fetch_iterations(session, urls[k], before[k])
+            if its:  # the engine was idle: its first iteration since holds the request
+                admission.append(max(its[0]["start_s"] - body["metrics"]["arrival_s"], 0.0))
+    if not admission:
+        raise ProfileError("no admission was timed: the engines logged no iteration for a request")
+    return served, admission
 
 
 def _engine_dict(cfg: EngineConfig) -> dict:

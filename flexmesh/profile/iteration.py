@@ -23,6 +23,11 @@ keeps whichever the measurements show.
 
 :class:`ProfiledIterationTiming` is the ``IterationTiming`` of flexmesh.cost.inference from this fit.
 
+Beside the fit, a profile holds ``admission_s``: what a request spends between flexmesh's router receiving it and
+the engine's first iteration that holds it (the router's HTTP hop, the engine's parsing and checks, its queue
+hand-off, the loop waking), measured on idle engines (:mod:`flexmesh.profile.engine`). The twin
+(:mod:`flexmesh.serve.engine.twin`) delays every arrival by it; 0 in a profile written before it was measured.
+
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
 ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(batch)))
@@ -96,6 +101,7 @@ class EngineProfile:
     samples: list = field(default_factory=list)
     produced_by: dict = field(default_factory=dict)
     name: str = ""
+    admission_s: float = 0.0  # router receipt -> the engine's first iteration holding the request (module doc)
 
     kind = KIND
 
@@ -106,7 +112,7 @@ class EngineProfile:
 
     def to_dict(self) -> dict:
         return {"version": VERSION, "kind": KIND, "produced_by": self.produced_by, "model": self.model,
-                "engine": self.engine, "fit": self.fit, "error": self.error,
+                "engine": self.engine, "fit": self.fit, "error": self.error, "admission_s": self.admission_s,
                 "samples": [{"batch": [list(x) for x in b], "seconds": s} for b, s in self.samples]}
 
     def save(self, path: str | Path) -> None:
@@ -125,13 +131,16 @@ class EngineProfile:
         fit = d.get("fit")
         if not isinstance(fit, dict) or any(not isinstance(fit.get(t), (int, float)) or fit[t] < 0 for t in TERMS):
             raise ProfileError(f"{where}: fit must hold {', '.join(TERMS)} as non-negative numbers")
+        admission = d.get("admission_s", 0.0)
+        if isinstance(admission, bool) or not isinstance(admission, (int, float)) or not 0 <= admission < 60:
+            raise ProfileError(f"{where}: admission_s must be a number of seconds from 0 to 60, got {admission!r}")
         try:
             samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"{where}: malformed samples ({e}); each is {{batch: [[cached, new], ...], "
                                "seconds}}") from None
         return cls(model=d.get("model", {}), engine=d.get("engine", {}), fit={t: float(fit[t]) for t in TERMS},
-                   samples=samples, produced_by=d.get("produced_by", {}), name=name)
+                   samples=samples, produced_by=d.get("produced_by", {}), name=name, admission_s=float(admission))
 
 
 def load_engine_profile(path: str | Path) -> EngineProfile:
@@ -155,6 +164,11 @@ class ProfiledIterationTiming:
     def overhead_s(self) -> float:
         """The per-iteration engine overhead (``c0``)."""
         return self._c[0]
+
+    @property
+    def admission_s(self) -> float:
+        """A request's way from the router into the engine's batch (the profile's ``admission_s``: module doc)."""
+        return self.profile.admission_s
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:

@@ -10,8 +10,13 @@ budget does) and prefix caching (``block_sharing``). transformers' FIFO schedule
 vLLM-style one agree on the order (decoding requests, then prompts part way through prefill, then
 waiting requests, chunked to the budget). What the simulator does not model: transformers' safety margin
 (no new prefill beyond the first while fewer than ``safety_margin`` of the blocks are free), which binds
-only when the KV cache is nearly full, and the router's HTTP hop, a millisecond or two before a request
-reaches its engine.
+only when the KV cache is nearly full.
+
+A request's way from the router into its engine's batch (the router's HTTP hop, the engine's parsing and checks,
+its queue hand-off, the loop waking: a millisecond or two, measured by the engine profile as ``admission_s``) is
+a delay on every arrival (:class:`TwinFleet`): the request joins its engine's queue that long after the router
+received it; its record keeps the router's arrival, from which TTFT counts. The router reads the replicas'
+state at the delayed arrival (the same choice for round robin).
 
 The engines run on this machine's cores, which the catalogue does not describe: the fleet's device is a
 placeholder named ``local-engine`` whose numbers nothing reads (the timing prices every iteration, the
@@ -21,11 +26,15 @@ them).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from flexmesh.cost.inference.memory import kv_bytes_per_token
 from flexmesh.cost.inference.timing import IterationTiming
+from flexmesh.data.requests import Workload
+from flexmesh.errors import SpecError
 from flexmesh.serve.deployment import EngineKnobs, ReplicaSpec, place
 from flexmesh.serve.engine.config import EngineConfig
-from flexmesh.serve.simulator import Fleet
+from flexmesh.serve.simulator import Fleet, SimResult
 from flexmesh.spec.cluster import ClusterSpec, MixedCluster
 from flexmesh.spec.devices import DeviceSpec
 from flexmesh.spec.model import parse_model
@@ -43,11 +52,28 @@ def engine_knobs(cfg: EngineConfig, max_running: int | None = None) -> EngineKno
                        kv_blocks=cfg.num_blocks)
 
 
+class TwinFleet(Fleet):
+    """The request simulator's fleet with every request reaching its engine ``admission_s`` after its arrival at the
+    router (see the module doc); records keep the router's arrival."""
+
+    admission_s: float = 0.0
+
+    def run(self, workload: Workload, *args, **kwargs) -> SimResult:
+        if self.admission_s <= 0:
+            return super().run(workload, *args, **kwargs)
+        late = replace(workload, requests=tuple(replace(r, arrival_s=r.arrival_s + self.admission_s)
+                                                for r in workload.requests))
+        out = super().run(late, *args, **kwargs)
+        return replace(out, records=tuple(replace(rec, arrival_s=rec.arrival_s - self.admission_s)
+                                          for rec in out.records))
+
+
 def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: IterationTiming,
-               max_running: int | list[int] | None = None) -> Fleet:
+               max_running: int | list[int] | None = None, admission_s: float | None = None) -> TwinFleet:
     """A simulated fleet of ``engines`` aggregated replicas of ``cfg`` (or one per config of a list), priced by
     ``timing``, each admitting at most ``max_running`` requests at once (the router's cap; one per engine or one
-    for all).
+    for all), every request reaching its engine ``admission_s`` after the router received it (default: the
+    timing's own ``admission_s``, an engine profile's, else 0).
 
     >>> class Flat:
     ...     def iteration_s(self, batch):
@@ -58,6 +84,10 @@ def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: Ite
     >>> out = fleet.run(with_arrivals(constant_lengths(32, 5), rate=2.0, n=10))
     >>> [r.kv_tokens for r in out.replicas], round(out.records[0].first_token_s - out.records[0].arrival_s, 3)
     ([1024, 1024], 0.01)
+    >>> late = twin_fleet(cfg, 2, Flat(), admission_s=0.002)
+    >>> rec = late.run(with_arrivals(constant_lengths(32, 5), rate=2.0, n=10)).records
+    >>> round(rec[0].first_token_s - rec[0].arrival_s, 3), rec[3].arrival_s == out.records[3].arrival_s
+    (0.012, True)
     """
     cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * engines
     caps = max_running if isinstance(max_running, list) else [max_running] * len(cfgs)
@@ -71,4 +101,9 @@ def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: Ite
     cluster = MixedCluster((ClusterSpec(nodes=1, devices_per_node=engines, device=dev),))
     replicas = place(tuple(ReplicaSpec(group=0) for _ in range(engines)), cluster)
     knobs = tuple(engine_knobs(c, m) for c, m in zip(cfgs, caps))
-    return Fleet(model, cluster, replicas, knobs={0: knobs[0]}, timing=lambda r: timing, replica_knobs=knobs)
+    delay = float(getattr(timing, "admission_s", 0.0) if admission_s is None else admission_s)
+    if not 0.0 <= delay < 60.0:
+        raise SpecError(f"admission_s is the seconds from the router into an engine's batch, 0 to 60; got {delay}")
+    fleet = TwinFleet(model, cluster, replicas, knobs={0: knobs[0]}, timing=lambda r: timing, replica_knobs=knobs)
+    fleet.admission_s = delay
+    return fleet

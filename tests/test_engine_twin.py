@@ -1,0 +1,50 @@
+"""The engines' twin: each request reaches its engine the profiled admission delay after the router received it,
+its record keeping the router's arrival."""
+
+import pytest
+
+from flexmesh.data.requests import Request, Workload, constant_lengths, with_arrivals
+from flexmesh.errors import SpecError
+from flexmesh.profile.iteration import TERMS, EngineProfile, ProfiledIterationTiming
+from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.engine.twin import twin_fleet
+
+CFG = EngineConfig(num_blocks=256, page_size=16, max_batch_tokens=64, max_requests_per_batch=8)
+
+
+class Flat:
+    """Every iteration 10 ms."""
+
+    def iteration_s(self, batch):
+        return 0.01
+
+
+def test_admission_delays_every_arrival_and_keeps_the_routers_arrival():
+    work = with_arrivals(constant_lengths(32, 6), rate=3.0, n=12)
+    plain = twin_fleet(CFG, 2, Flat()).run(work).records
+    late = twin_fleet(CFG, 2, Flat(), admission_s=0.003).run(work).records
+    assert [r.arrival_s for r in late] == [r.arrival_s for r in plain] == [r.arrival_s for r in work.requests]
+    for a, b in zip(plain, late):
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.003)  # idle engines: the delay, no more
+        assert b.tpot_s == pytest.approx(a.tpot_s)
+
+
+def test_on_a_busy_engine_the_delay_moves_every_iteration_alike():
+    # one engine: r0 decodes in 10 ms iterations; r1 reaches the router at 9 ms and joins the one after
+    work = Workload((Request(0, 0.0, 16, 8), Request(1, 0.009, 16, 2)), "two")
+    for d in (0.0, 0.0005, 0.002):
+        r0, r1 = twin_fleet(CFG, 1, Flat(), admission_s=d).run(work).records
+        assert (r0.first_token_s, r0.finish_s) == pytest.approx((0.01 + d, 0.08 + d))
+        assert (r1.arrival_s, r1.first_token_s, r1.finish_s) == pytest.approx((0.009, 0.02 + d, 0.03 + d))
+
+
+def test_the_twin_takes_the_profiles_admission_and_refuses_a_negative_one():
+    fit = dict(zip(TERMS, (1e-3, 0.0, 0.0, 0.0, 0.0, 0.0)))
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, fit, admission_s=0.0015))
+    assert timing.admission_s == 0.0015
+    assert twin_fleet(CFG, 2, timing).admission_s == 0.0015
+    assert twin_fleet(CFG, 2, timing, admission_s=0.0).admission_s == 0.0  # given: it wins
+    assert twin_fleet(CFG, 2, Flat()).admission_s == 0.0  # a timing without one: none
+    with pytest.raises(SpecError, match="admission_s") as e:
+        twin_fleet(CFG, 2, Flat(), admission_s=-0.001)
+    assert "\n" not in str(e.value)
