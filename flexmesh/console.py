@@ -15,7 +15,9 @@ renders. Styles are given as :class:`~rich.text.Text` (:func:`styled`), never as
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -121,3 +123,37 @@ def progress_steps(description: str, total: int, console: Console | None = None,
 
     yield advance_line
     console.print(f"{description}: done {done}/{total} in {time.monotonic() - start:.0f} s")
+
+
+@contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """The process's standard output (file descriptor 1) sent to the null device meanwhile, C libraries' prints
+    included (HiGHS's MIP solver prints ``HighsMipSolverData::transformNewIntegerFeasibleSolution ...`` lines
+    that SciPy's ``disp: False`` does not reach)."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no standard output to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        _flush_c_stdout()  # what the C side buffered goes where it was meant to: nowhere
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _flush_c_stdout() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to ask (not a POSIX process)
+        pass
+
+
+def quietly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under :func:`quiet_stdout` (e.g. SciPy's HiGHS ``milp``)."""
+    with quiet_stdout():
+        return fn(*args, **kwargs)

@@ -41,20 +41,16 @@ minimised.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
-import os
-import sys
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from flexmesh.console import quietly
 from flexmesh.errors import PlanError
 
 # HiGHS's relative MIP gap: a plan within 2% of the best the model allows (the analytic capacities are not
@@ -189,39 +185,6 @@ class _Rows:
     def constraint(self, nvars: int) -> LinearConstraint:
         a = sp.csr_array((self.data, (self.rows, self.cols)), shape=(len(self.lb), nvars))
         return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The process's standard output (file descriptor 1) sent to the null device meanwhile: HiGHS's MIP solver
-    prints some debug lines from C (``HighsMipSolverData::transformNewIntegerFeasibleSolution ...``) that SciPy's
-    ``disp: False`` does not reach."""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no standard output to silence
-        yield
-        return
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 1)
-        yield
-    finally:
-        _flush_c_stdout()  # what the C side buffered goes where it was meant to: nowhere
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _flush_c_stdout() -> None:
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):  # no C library to ask (not a POSIX process)
-        pass
-
-
-def _milp(*args: Any, **kwargs: Any) -> Any:
-    with _quiet():
-        return milp(*args, **kwargs)
 
 
 def solve(problem: Problem) -> Solution:
@@ -426,12 +389,12 @@ def solve(problem: Problem) -> Solution:
         cost_vec[var] = coef
     notes: list[str] = []
     if fixed_rate:
-        res = _milp(cost_vec, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
+        res = quietly(milp, cost_vec, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
         _check(res, "serve the rate within the devices available" + (" and the budget" if p.budget else ""))
     else:
         obj = np.zeros(nvars)
         obj[rate_var] = -1.0
-        res = _milp(obj, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
+        res = quietly(milp, obj, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
         _check(res, "serve any rate within the budget and the devices available")
         best = float(res.x[rate_var])
         # The cheapest plan at (nearly) that rate among these replicas: the first solve is indifferent to
@@ -440,7 +403,7 @@ def solve(problem: Problem) -> Solution:
         lo[rate_var] = best * RATE_KEPT
         for c in range(nc):
             hi[n_var[c]] = min(hi[n_var[c]], round(res.x[n_var[c]]))
-        again = _milp(cost_vec, integrality=integrality, bounds=Bounds(lo, hi), constraints=constraint,
+        again = quietly(milp, cost_vec, integrality=integrality, bounds=Bounds(lo, hi), constraints=constraint,
                      options=options)
         if again.x is not None and again.status in (0, 1):
             res = again
