@@ -73,7 +73,7 @@ from flexmesh.spec.prices import gpu_prices
 # The code these figures depend on: a change there makes the record out of date.
 DEPENDS_ON = ("flexmesh/serve", "flexmesh/cost/inference", "flexmesh/cost/device", "flexmesh/data/requests.py",
               "flexmesh/data/traces", "flexmesh/schedule/dispatch.py", "flexmesh/spec", "flexmesh/errors.py",
-              "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py")
+              "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py", "flexmesh/console.py")
 REQUESTS = 2000
 REPAIR = 1
 MODELS = {"8B": "llama3.1-8b", "70B": "llama3.1-70b"}
