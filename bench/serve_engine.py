@@ -57,6 +57,22 @@ def knee(rates: list[float], p90_ttft: list[float]) -> float | None:
     return None
 
 
+def engine_and_profile(profile: str | None, out: Path, *, quick: bool, engines: int):  # noqa: ANN201
+    """The engine configuration both serving-engine benches replay (the tiny model, 2048 KV blocks of 16 tokens, a
+    256-token budget) and this machine's profile of it: read from ``profile``, or measured now over ``engines``
+    engine processes and kept in ``out``."""
+    from flexmesh.profile.engine import profile_engine
+    from flexmesh.profile.iteration import load_engine_profile
+    from flexmesh.serve.engine.config import EngineConfig
+
+    cfg = EngineConfig(model="tiny", num_blocks=2048, page_size=16, max_batch_tokens=256, max_requests_per_batch=256)
+    if profile:
+        return cfg, load_engine_profile(profile)
+    prof = profile_engine(cfg, quick=quick, engines=engines, log_dir=out / "profile-logs")
+    prof.save(out / "engine-tiny.json")
+    return cfg, prof
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=120, help="requests in the trace window")
@@ -70,23 +86,16 @@ def main() -> int:
 
     from bench._results import markdown_table, record
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
-    from flexmesh.profile.engine import profile_engine
-    from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile
-    from flexmesh.serve.engine.config import EngineConfig
+    from flexmesh.profile.iteration import ProfiledIterationTiming
     from flexmesh.serve.engine.fleet import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.metrics import summarize
 
-    cfg = EngineConfig(model="tiny", num_blocks=2048, page_size=16, max_batch_tokens=256, max_requests_per_batch=256)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-serve-engine-"))
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    if args.profile:
-        prof = load_engine_profile(args.profile)
-    else:
-        prof = profile_engine(cfg, quick=args.quick, engines=2, log_dir=out / "profile-logs")
-        prof.save(out / "engine-tiny.json")
+    cfg, prof = engine_and_profile(args.profile, out, quick=args.quick, engines=2)
     timing = ProfiledIterationTiming(prof)
     n = 60 if args.quick and args.requests == 120 else args.requests
     win = window(scale_to_context(load_trace("azure-conv"), args.context), 0.0, first=n)

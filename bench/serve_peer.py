@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 # The code this bench's figures depend on: a change there makes its record out of date.
 DEPENDS_ON = ("flexmesh/serve", "flexmesh/profile", "flexmesh/cost", "flexmesh/data", "flexmesh/spec",
               "flexmesh/layout", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py",
-              "flexmesh/console.py", "flexmesh/schedule/dispatch.py", "bench/_simdistserve.py")
+              "flexmesh/console.py", "flexmesh/schedule/dispatch.py", "bench/_simdistserve.py", "bench/serve_engine.py")
 RATE_FACTORS = (0.5, 1.0, 1.5)  # the measured rates, times flexmesh's twin's knee
 KNEE_FACTOR = 4.0  # the knee: p90 TTFT at this many times its value at a low rate (as bench.serve_engine)
 DRIVER = Path(__file__).with_name("_simdistserve.py")
@@ -246,10 +246,9 @@ def main() -> int:
     args = ap.parse_args()
 
     from bench._results import RESULTS, markdown_table, record
+    from bench.serve_engine import engine_and_profile
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
-    from flexmesh.profile.engine import profile_engine
-    from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile
-    from flexmesh.serve.engine.config import EngineConfig
+    from flexmesh.profile.iteration import ProfiledIterationTiming
     from flexmesh.serve.engine.fleet import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
@@ -264,15 +263,10 @@ def main() -> int:
     rec = recorded_measurement(RESULTS.read_text()) if args.against_record else None
     n, context, engines = (rec["requests"], rec["context"], rec["engines"]) if rec else \
         (args.requests, args.context, args.engines)
-    cfg = EngineConfig(model="tiny", num_blocks=2048, page_size=16, max_batch_tokens=256, max_requests_per_batch=256)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-serve-peer-"))
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    if args.profile:
-        prof = load_engine_profile(args.profile)
-    else:
-        prof = profile_engine(cfg, quick=True, engines=engines, log_dir=out / "profile-logs")
-        prof.save(out / "engine-tiny.json")
+    cfg, prof = engine_and_profile(args.profile, out, quick=True, engines=engines)
     prof_when = f"measured {prof.produced_by.get('date', 'earlier')}, given" if args.profile else "measured in this run"
     timing = ProfiledIterationTiming(prof)
     peer_profile = distserve_profile(prof.samples)
