@@ -6,7 +6,10 @@ the same replay.
 Steps: ``flexmesh profile engine`` (in this process; or ``--profile FILE``), the twin fleet
 (:mod:`flexmesh.serve.engine.twin`) finds its own knee to place the rates (``--rates`` overrides), the
 engines replay the window at each rate (:mod:`flexmesh.serve.engine.replay`, records written to ``--out``),
-the twin simulates the same requests at the same arrivals. Checked (issue 54's bounds):
+then at up to :data:`MORE_RATES` higher rates, each :data:`RATE_STEP` times the last, until the measured
+p90 TTFT crosses the knee (:func:`next_rate`), so that the measured knee is a rate whenever the engines reach
+it within them; every request waits at most :data:`WAIT_S` and every replay drains within it. The twin
+simulates the same requests at the same arrivals. Checked (issue 54's bounds):
 
 - p50 and p90 TTFT and TPOT at every rate within 20% of measured;
 - the knee's rate within 20%: the rate at which p90 TTFT reaches :data:`KNEE_FACTOR` times its value at the
@@ -42,6 +45,8 @@ DEPENDS_ON = ("flexmesh/serve", "flexmesh/profile", "flexmesh/cost", "flexmesh/d
               "flexmesh/layout", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py",
               "flexmesh/console.py", "flexmesh/schedule/dispatch.py")
 RATE_FACTORS = (0.4, 0.7, 1.0, 1.4)  # the measured rates, times the twin's own knee
+MORE_RATES, RATE_STEP = 3, 1.4  # at most this many rates past the last, each this factor above it (next_rate)
+WAIT_S = 120.0  # the longest a replayed request waits for its answer, and a replay drains after its last arrival
 
 
 def knee(rates: list[float], p90_ttft: list[float]) -> float | None:
@@ -55,6 +60,21 @@ def knee(rates: list[float], p90_ttft: list[float]) -> float | None:
         if t1 >= limit:
             return r0 + (r1 - r0) * (limit - t0) / (t1 - t0)
     return None
+
+
+def next_rate(rates: list[float], p90_ttft: list[float], given: int) -> float | None:
+    """The next rate to measure after ``rates`` (ascending, their measured p90 TTFT beside them, the first
+    ``given`` of them the planned ones): :data:`RATE_STEP` times the last while the knee is not crossed, at most
+    :data:`MORE_RATES` past the planned rates; None once the knee is crossed or the extra rates are spent.
+
+    >>> next_rate([10, 20], [0.1, 0.2], 2), next_rate([10, 20], [0.1, 0.5], 2)
+    (28.0, None)
+    >>> next_rate([10, 20, 28, 39.2, 54.88], [0.1, 0.2, 0.2, 0.3, 0.3], 2) is None  # three past the planned two
+    True
+    """
+    if knee(rates, p90_ttft) is not None or len(rates) - given >= MORE_RATES:
+        return None
+    return round(rates[-1] * RATE_STEP, 2)
 
 
 def engine_and_profile(profile: str | None, out: Path, *, quick: bool, engines: int):  # noqa: ANN201
@@ -115,9 +135,16 @@ def main() -> int:
 
     async def measure():
         async with running_fleet(cfg, 2, out / "logs") as (url, engines):
-            return await replay_rates(url, [(r, at_rate(win, r)) for r in rates], [e.url for e in engines])
+            urls, limits = [e.url for e in engines], {"request_timeout_s": WAIT_S, "drain_timeout_s": WAIT_S}
+            runs = await replay_rates(url, [(r, at_rate(win, r)) for r in rates], urls, **limits)
+            while all(r.replay.records for r in runs) and (more := next_rate(
+                    [r.rate for r in runs], [summarize(r.replay.records).ttft["p90"] for r in runs], len(rates))):
+                print(f"the measured knee is past {runs[-1].rate:g}/s: measuring {more:g}/s", flush=True)
+                runs += await replay_rates(url, [(more, at_rate(win, more))], urls, **limits)
+            return runs
 
     runs = asyncio.run(measure())
+    rates = [run.rate for run in runs]
     load_after = os.getloadavg()
     rows, worst, meas_p90, sim_p90 = [], 0.0, [], []
     for run in runs:

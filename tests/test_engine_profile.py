@@ -3,6 +3,7 @@ files in one line; ``flexmesh profile engine --quick`` measures a real engine an
 timing prices the batches it measured."""
 
 import json
+import statistics
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,7 @@ from flexmesh.profile.iteration import (
     fit_iterations,
     iteration_features,
     load_engine_profile,
+    read_iteration_samples,
 )
 from flexmesh.serve.engine.config import EngineConfig
 
@@ -120,10 +122,10 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     pytest.importorskip("aiohttp")
     from flexmesh.cli import main
 
-    out = tmp_path / "engine.json"
+    out, raw = tmp_path / "engine.json", tmp_path / "samples.jsonl"
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["profile", "engine", "--quick", "--no-progress", "--kv-blocks", "512", "--max-batch-tokens", "128",
-                 "--out", str(out)]) == 0
+                 "--out", str(out), "--samples", str(raw)]) == 0
     printed = capsys.readouterr().out
     assert "per-iteration overhead" in printed and "in-sample error" in printed
     prof = load_engine_profile(out)
@@ -143,6 +145,13 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     assert timing.overhead_s > 0
     # the fit follows what it was fitted to (loose: the machine is shared; the bench reports the real error)
     assert prof.error["median"] < 0.5
+    # every iteration as measured: both phases, both engines, and the medians the profile holds are theirs
+    its = read_iteration_samples(raw)
+    assert len(its) == prof.produced_by["sweep"]["iterations"]
+    assert {s.phase for s in its} == {"sweep", "serving"} and {s.engine for s in its} == {0, 1}
+    assert all(s.wall_s > 0 and s.cpu_s > 0 for s in its)
+    first = prof.samples[0]
+    assert first[1] == statistics.median(s.cpu_s for s in its if sorted(s.batch) == sorted(first[0]))
     big = max(prof.samples, key=lambda s: s[1])
     small = min(prof.samples, key=lambda s: s[1])
     assert timing.iteration_s(big[0]) > timing.iteration_s(small[0])

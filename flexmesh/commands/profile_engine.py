@@ -19,6 +19,9 @@ def add_engine_parser(kinds) -> argparse.ArgumentParser:
                                      "prices this machine by the profile.")
     p.add_argument("--quick", action="store_true", help="a small sweep (about half a minute)")
     p.add_argument("--out", type=new_file, help="profile file to write, atomically (default engine-<model>.json)")
+    p.add_argument("--samples", type=new_file, help="also write every iteration measured, one JSON object a line "
+                                                    "(batch, wall and CPU seconds, engine, sweep scenario or serving "
+                                                    "load), to compare forms of the fit offline")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     p.add_argument("--engines", type=positive_int, default=2,
                    help="engine processes swept at once: as many as will serve side by side, so that their "
@@ -37,12 +40,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     out = args.out or f"engine-{cfg.model.replace('/', '_')}.json"
     check_file_target(out)
+    if args.samples:
+        check_file_target(args.samples)
 
     def progress(done: int, total: int, what: str) -> None:
         if not args.no_progress:
             print(f"\r[{done}/{total}] {what:<24}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    prof = profile_engine(cfg, quick=args.quick, engines=args.engines, progress=progress)
+    prof = profile_engine(cfg, quick=args.quick, engines=args.engines, progress=progress, samples_out=args.samples)
     prof.save(out)
     _summary(prof, out)
     return 0

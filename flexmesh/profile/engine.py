@@ -25,7 +25,10 @@ engine's per-iteration overhead is in every sample. Scenarios, each run twice:
   requests or more and in a new prompt's first chunk), which the simulator would leave out without them.
 
 Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
-keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from.
+keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. With
+``samples_out`` every iteration is also kept as it was measured, one JSON object a line (its batch, wall and CPU
+seconds, the engine, and the phase: ``sweep`` with its scenario, or ``serving`` with its load), so that forms of
+the fit can be compared offline (:func:`flexmesh.profile.iteration.read_iteration_samples`).
 
 Admission (the profile's ``admission_s``): single requests sent one at a time through the router to idle
 engines, each timed from the router receiving it to the start of the engine's iteration that holds it (the
@@ -42,6 +45,7 @@ faster than one of two.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import tempfile
 from collections import defaultdict
@@ -50,6 +54,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from flexmesh.errors import ProfileError
+from flexmesh.files import write_atomic
 from flexmesh.profile.format import produced_by, spec_hash
 from flexmesh.profile.iteration import EngineProfile, fit_iterations
 from flexmesh.serve.engine.config import EngineConfig
@@ -146,13 +151,17 @@ def serving_lengths(cfg: EngineConfig, quick: bool, max_position: int, seed: int
 
 def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
                    progress: Callable[[int, int, str], None] | None = None,
-                   log_dir: Path | None = None) -> EngineProfile:
-    """Run the sweep on ``engines`` engine processes of ``cfg`` at once and fit it (see the module doc)."""
+                   log_dir: Path | None = None, samples_out: Path | None = None) -> EngineProfile:
+    """Run the sweep on ``engines`` engine processes of ``cfg`` at once and fit it (see the module doc); every
+    iteration measured written to ``samples_out`` (JSON lines) when given."""
     from flexmesh.serve.engine.model import engine_spec
 
     spec = engine_spec(cfg)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="flexmesh-profile-engine-"))
-    timed, plan, share, served, admission = asyncio.run(_sweep(cfg, quick, engines, logs, progress))
+    raw: list[dict] = []
+    timed, plan, share, served, admission = asyncio.run(_sweep(cfg, quick, engines, logs, progress, raw))
+    if samples_out is not None:
+        write_atomic(samples_out, "".join(json.dumps(r) + "\n" for r in raw))
     samples = _medians(timed)
     fit = fit_iterations(samples)
     spec_dict = spec.to_dict()
@@ -169,10 +178,11 @@ def _medians(timed: dict[tuple, list[float]]) -> list[tuple[list, float]]:
     return [(list(batch), statistics.median(secs)) for batch, secs in sorted(timed.items())]
 
 
-async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progress):
+async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progress, raw: list[dict]):
     """Every scenario ``repeats`` times on every engine at once, then the serving phase and the admissions: the
     CPU seconds of each batch they ran, the scenarios, the share of a core the engines had while iterating (CPU
-    time over wall time), the serving phase's loads and rates, and the admissions' seconds."""
+    time over wall time), the serving phase's loads and rates, and the admissions' seconds; every iteration as
+    measured appended to ``raw`` (module doc)."""
     from aiohttp import ClientSession, ClientTimeout
 
     from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, start_engines, stop_engines
@@ -196,10 +206,12 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
 
                 await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outputs)))
 
-            async def collect(before: list[int]) -> None:
+            async def collect(before: list[int], phase: dict) -> None:
                 nonlocal wall, cpu
-                for e, since in zip(procs, before):
+                for k, (e, since) in enumerate(zip(procs, before)):
                     for it in await fetch_iterations(session, e.url, since):
+                        raw.append({**phase, "engine": k, "batch": it["batch"], "wall_s": it["end_s"] - it["start_s"],
+                                    "cpu_s": it["cpu_s"]})
                         timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
                         wall += it["end_s"] - it["start_s"]
                         cpu += it["cpu_s"]
@@ -215,7 +227,7 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
                     prompts = [prompt_ids(1000 * rep + i, n, vocab) for i, n in enumerate(lengths)]
                     before = [await iteration_count(session, e.url) for e in procs]
                     await asyncio.gather(*(run(e.url, prompts, outputs) for e in procs))
-                    await collect(before)
+                    await collect(before, {"phase": "sweep", "scenario": name})
             share = cpu / wall if wall > 0 else 1.0  # of a core, so far: the loads are of what the engines get
             served, admission = await _serve(cfg, quick, procs, session, vocab, max_position, timed, collect,
                                              lambda k, what: progress and progress(len(plan) * repeats + k, total,
@@ -231,7 +243,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
                  timed: dict[tuple, list[float]], collect, progress, share: float) -> tuple[list[dict], list[float]]:
     """The serving phase and the admissions (module doc), through flexmesh's router over the engines ``procs``,
     which had ``share`` of a core each in the sweep (the loads are of that): the serving phase's samples go into
-    ``timed`` (by ``collect``); returns each load's rate and the admissions' seconds."""
+    ``timed`` (by ``collect(before, phase)``); returns each load's rate and the admissions' seconds."""
     from flexmesh.data.requests import Request, Workload, with_arrivals
     from flexmesh.profile.iteration import ProfiledIterationTiming
     from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, router_on
@@ -258,7 +270,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
                                request_timeout_s=SCENARIO_TIMEOUT_S, drain_timeout_s=SCENARIO_TIMEOUT_S)
             if out.failed:
                 raise ProfileError(f"{len(out.failed)} serving requests failed, e.g. {next(iter(out.failed.values()))}")
-            await collect(before)
+            await collect(before, {"phase": "serving", "load": load})
             served.append({"load": load, "rate": round(rate, 3), "requests": len(out.records)})
         progress(len(SERVING[quick]["loads"]), "admissions")
         admission: list[float] = []
@@ -280,6 +292,4 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
 
 
 def _engine_dict(cfg: EngineConfig) -> dict:
-    import json
-
     return json.loads(cfg.to_json())

@@ -207,6 +207,51 @@ class ProfiledIterationTiming:
         return steps * first + per_context * decodes * (steps * (steps - 1) / 2)
 
 
+@dataclass(frozen=True)
+class IterationSample:
+    """One iteration as ``flexmesh profile engine --samples`` wrote it: its batch, wall and CPU seconds, the engine
+    that ran it, and its phase (``sweep`` with the scenario, ``serving`` with the load)."""
+
+    batch: tuple[tuple[int, int], ...]
+    wall_s: float
+    cpu_s: float
+    engine: int
+    phase: str
+    scenario: str = ""
+    load: float = 0.0
+
+
+def read_iteration_samples(path: str | Path) -> list[IterationSample]:
+    """The iterations of a ``--samples`` file (JSON lines); ProfileError (one line) when missing or malformed.
+
+    >>> import tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "samples.jsonl")
+    >>> _ = open(f, "w").write('{"phase": "sweep", "scenario": "prefill 8", "engine": 0, "batch": [[0, 8]], '
+    ...                        '"wall_s": 0.011, "cpu_s": 0.01}\\n')
+    >>> read_iteration_samples(f)[0].batch, read_iteration_samples(f)[0].cpu_s
+    (((0, 8),), 0.01)
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ProfileError(f"iteration samples {str(path)!r} do not exist; write them with "
+                           f"`flexmesh profile engine --samples {path}`") from None
+    out = []
+    for k, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            out.append(IterationSample(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]),
+                                       float(d["cpu_s"]), int(d["engine"]), str(d["phase"]),
+                                       str(d.get("scenario", "")), float(d.get("load", 0.0))))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"{path.name} line {k} is not an iteration sample ({e}); each line is {{batch: "
+                               "[[cached, new], ...], wall_s, cpu_s, engine, phase}}") from None
+    return out
+
+
 def replay_profile(iterations: Sequence[Sequence[dict]]) -> EngineProfile:
     """A profile of the engines as they served a replay: a fit to their own iterations (``GET /iterations``:
     ``batch``, ``start_s``, ``end_s``), by wall time, so the waits for a core on a shared machine are in it, then
