@@ -106,7 +106,7 @@ def main() -> int:
 
     from bench._results import markdown_table, record
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
-    from flexmesh.profile.iteration import ProfiledIterationTiming
+    from flexmesh.profile.iteration import ProfiledIterationTiming, price_runs
     from flexmesh.serve.engine.fleet import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
@@ -167,14 +167,16 @@ def main() -> int:
     k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
     its = [(it["batch"], it["end_s"] - it["start_s"]) for run in runs for per in run.iterations for it in per]
     cpu = sum(it["cpu_s"] for run in runs for per in run.iterations for it in per)
-    rel = [timing.iteration_s([tuple(b) for b in batch]) / secs - 1 for batch, secs in its]
+    # each iteration as the twin prices it (the first after the engine idled at 1 + after_idle times its batch's)
+    priced = price_runs([[it for it in per if it["batch"]] for run in runs for per in run.iterations], timing)
+    its = [x for x in its if x[0]]
+    rel = [p / secs - 1 for p, (_, secs) in zip(priced, its)]
     it_err = statistics.median(abs(r) for r in rel)
     busy_meas = sum(s for _, s in its)
-    busy_pred = sum(timing.iteration_s([tuple(b) for b in batch]) for batch, _ in its)
+    busy_pred = sum(priced)
     decode = [abs(r) for r, (batch, _) in zip(rel, its) if all(q == 1 for _, q in batch)]
-    cpus = [it["cpu_s"] for run in runs for per in run.iterations for it in per]
-    rel_cpu = statistics.median(abs(timing.iteration_s([tuple(b) for b in batch]) / c - 1)
-                                for (batch, _), c in zip(its, cpus) if c > 0)
+    cpus = [it["cpu_s"] for run in runs for per in run.iterations for it in per if it["batch"]]
+    rel_cpu = statistics.median(abs(p / c - 1) for p, c in zip(priced, cpus) if c > 0)
 
     fit = prof.error
     served = ", ".join(f"{s['rate']:g}" for s in prof.produced_by.get("sweep", {}).get("serving") or []) or "no rate"
@@ -184,7 +186,8 @@ def main() -> int:
           "cores: other work shares the machine and every timing carries its noise.", "",
           f"Engine profile: {len(prof.samples)} distinct batches (the sweep's scenarios and serving behind the router "
           f"at {served}/s), "
-          f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, admission (router -> the engine's batch, "
+          f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, the first iteration after idling "
+          f"{prof.after_idle:+.0%}, admission (router -> the engine's batch, "
           f"added to every simulated arrival) {prof.admission_s * 1e3:.2f} ms; in-sample error of the fit: median "
           f"{fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
           *markdown_table(["rate/s", "done", "TTFT p50 ms (measured / simulated)", "TTFT p90", "TPOT p50", "TPOT p90"],

@@ -13,9 +13,11 @@ from flexmesh.cost.inference.timing import SplitTiming, split_s
 from flexmesh.errors import ProfileError
 from flexmesh.profile.engine import SERVING, scenarios, serving_lengths
 from flexmesh.profile.iteration import (
+    IDLE_GAP_S,
     TERMS,
     EngineProfile,
     ProfiledIterationTiming,
+    after_idle_from,
     fit_iterations,
     iteration_features,
     load_engine_profile,
@@ -67,19 +69,22 @@ def test_a_run_of_decodes_costs_its_iterations_one_by_one(decodes, context, step
 
 def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
     prof = EngineProfile({"name": "tiny"}, {"model": "tiny"}, TRUE, samples=[([(0, 8)], 1e-3)], name="p",
-                         admission_s=0.0016)
+                         admission_s=0.0016, after_idle=0.2)
     path = tmp_path / "engine.json"
     prof.save(path)
     back = load_engine_profile(path)
     assert back.fit == TRUE and back.samples == [([(0, 8)], 1e-3)] and back.name == "engine.json"
     assert back.admission_s == 0.0016 and ProfiledIterationTiming(back).admission_s == 0.0016
-    older = {k: v for k, v in prof.to_dict().items() if k != "admission_s"}  # written before it was measured
+    assert back.after_idle == 0.2 and ProfiledIterationTiming(back).after_idle == 0.2
+    older = {k: v for k, v in prof.to_dict().items() if k not in ("admission_s", "after_idle")}  # before measured
     path.write_text(json.dumps(older))
-    assert load_engine_profile(path).admission_s == 0.0
+    assert load_engine_profile(path).admission_s == 0.0 and load_engine_profile(path).after_idle == 0.0
     bad = tmp_path / "bad.json"
     for d, match in (({**prof.to_dict(), "kind": "model"}, "not an engine profile"),
                      ({**prof.to_dict(), "admission_s": -1e-3}, "admission_s"),
                      ({**prof.to_dict(), "admission_s": "2 ms"}, "admission_s"),
+                     ({**prof.to_dict(), "after_idle": -0.1}, "after_idle"),
+                     ({**prof.to_dict(), "after_idle": True}, "after_idle"),
                      ({**prof.to_dict(), "version": 9}, "version 9"),
                      ({**prof.to_dict(), "fit": {**TRUE, "c0_s": -1}}, "non-negative"),
                      ({**prof.to_dict(), "samples": [{"batch": 3}]}, "malformed samples")):
@@ -89,6 +94,31 @@ def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(ProfileError, match="flexmesh profile engine"):
         load_engine_profile(tmp_path / "none.json")
+
+
+def test_after_idle_is_what_the_first_iterations_after_a_gap_cost_beyond_the_rest():
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, TRUE))
+
+    def run(t0, batches, cold):
+        """Back-to-back iterations from t0, the first ``cold`` times its price, the rest at their price x 0.9 (a fit
+        that is 10% high everywhere: the ratio of medians cancels it)."""
+        out, t = [], t0
+        for k, b in enumerate(batches):
+            s = timing.iteration_s(b) * (cold if k == 0 else 0.9) * 0.9 ** (k == 0)
+            out.append({"batch": [list(x) for x in b], "start_s": t, "end_s": t + s, "cpu_s": s})
+            t += s
+        return out
+
+    batches = [[(0, 64)], [(64, 1)], [(65, 1)], [(66, 1), (0, 30)], [(67, 1), (30, 1)]]
+    engine = [it for k in range(6) for it in run(1.0 * k, batches, 1.3)]  # idle 1 s between runs
+    assert after_idle_from([engine], timing) == pytest.approx(0.3)
+    assert after_idle_from([engine, run(0.0, batches, 1.5)], timing) == pytest.approx(0.3)  # medians over engines
+    assert after_idle_from([run(0.0, batches, 0.8)], timing) == 0.0  # no slower after idling: nothing
+    assert after_idle_from([[]], timing) == 0.0
+    # a gap shorter than IDLE_GAP_S is not idling: these runs follow one another at once, all "rest"
+    tight = run(0.0, batches, 1.3)
+    joined = tight + run(tight[-1]["end_s"] + IDLE_GAP_S / 2, batches, 1.3)
+    assert after_idle_from([joined], timing) == pytest.approx(0.3)  # only the very first counts as after idle
 
 
 def test_sweep_stays_inside_the_engine():

@@ -38,6 +38,28 @@ def test_on_a_busy_engine_the_delay_moves_every_iteration_alike():
         assert (r1.arrival_s, r1.first_token_s, r1.finish_s) == pytest.approx((0.009, 0.02 + d, 0.03 + d))
 
 
+class ColdFlat(Flat):
+    """10 ms, and 15 ms for the first iteration after 2 ms or more idle (an engine profile's ``after_idle``)."""
+
+    after_idle, idle_gap_s = 0.5, 0.002
+
+
+def test_the_first_iteration_after_idling_costs_after_idle_more_and_the_ones_that_follow_do_not():
+    # one engine: r0 alone from idle; r1 joins while r0 decodes (no idle between); r2 after both finished
+    work = Workload((Request(0, 0.0, 16, 4), Request(1, 0.012, 16, 2), Request(2, 0.5, 16, 3)), "three")
+    plain = twin_fleet(CFG, 1, Flat()).run(work).records
+    cold = twin_fleet(CFG, 1, ColdFlat()).run(work).records
+    r0, r1, r2 = cold
+    assert (r0.first_token_s, r0.finish_s) == pytest.approx((0.015, 0.045))  # 15 ms, then three of 10 ms
+    assert (r1.first_token_s, r1.finish_s) == pytest.approx((0.025, 0.035))  # joined a running engine: 10 ms each
+    assert (r2.first_token_s, r2.finish_s) == pytest.approx((0.515, 0.535))  # idle again since 45 ms
+    assert [p.first_token_s + 0.005 for p in plain[::2]] == pytest.approx([r0.first_token_s, r2.first_token_s])
+    # a gap shorter than idle_gap_s is back to back: 1 ms after r0 ends, r3 starts at the plain price
+    short = Workload((Request(0, 0.0, 16, 1), Request(3, 0.0160, 16, 1)), "short")
+    a, b = twin_fleet(CFG, 1, ColdFlat()).run(short).records
+    assert a.first_token_s == pytest.approx(0.015) and b.first_token_s - b.arrival_s == pytest.approx(0.01)
+
+
 def test_the_twin_takes_the_profiles_admission_and_refuses_a_negative_one():
     fit = dict(zip(TERMS, (1e-3, 0.0, 0.0, 0.0, 0.0, 0.0)))
     timing = ProfiledIterationTiming(EngineProfile({}, {}, fit, admission_s=0.0015))

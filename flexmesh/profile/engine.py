@@ -27,8 +27,12 @@ engine's per-iteration overhead is in every sample. Scenarios, each run twice:
 Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
 keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. With
 ``samples_out`` every iteration is also kept as it was measured, one JSON object a line (its batch, wall and CPU
-seconds, the engine, and the phase: ``sweep`` with its scenario, or ``serving`` with its load), so that forms of
-the fit can be compared offline (:func:`flexmesh.profile.iteration.read_iteration_samples`).
+seconds, its start and end, the engine, and the phase: ``sweep`` with its scenario, or ``serving`` with its load),
+so that forms of the fit can be compared offline (:func:`flexmesh.profile.iteration.read_iteration_samples`).
+
+The first iteration after an engine idled costs more than the fit prices (its caches went cold): the profile's
+``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from every iteration in the order each
+engine ran them.
 
 Admission (the profile's ``admission_s``): single requests sent one at a time through the router to idle
 engines, each timed from the router receiving it to the start of the engine's iteration that holds it (the
@@ -56,7 +60,7 @@ from typing import TypedDict
 from flexmesh.errors import ProfileError
 from flexmesh.files import write_atomic
 from flexmesh.profile.format import produced_by, spec_hash
-from flexmesh.profile.iteration import EngineProfile, fit_iterations
+from flexmesh.profile.iteration import EngineProfile, ProfiledIterationTiming, after_idle_from, fit_iterations
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.replay import prompt_ids
 
@@ -168,6 +172,8 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
     prof = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit=fit,
                          samples=samples, produced_by=produced_by(engines, device_type="cpu"),
                          admission_s=statistics.median(admission))
+    prof.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in range(engines)],
+                                      ProfiledIterationTiming(prof))
     prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
                                  "iterations": sum(len(v) for v in timed.values()), "cpu_share": share,
                                  "serving": served, "admissions": len(admission)}
@@ -211,7 +217,7 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
                 for k, (e, since) in enumerate(zip(procs, before)):
                     for it in await fetch_iterations(session, e.url, since):
                         raw.append({**phase, "engine": k, "batch": it["batch"], "wall_s": it["end_s"] - it["start_s"],
-                                    "cpu_s": it["cpu_s"]})
+                                    "cpu_s": it["cpu_s"], "start_s": it["start_s"], "end_s": it["end_s"]})
                         timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
                         wall += it["end_s"] - it["start_s"]
                         cpu += it["cpu_s"]
@@ -245,7 +251,6 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
     which had ``share`` of a core each in the sweep (the loads are of that): the serving phase's samples go into
     ``timed`` (by ``collect(before, phase)``); returns each load's rate and the admissions' seconds."""
     from flexmesh.data.requests import Request, Workload, with_arrivals
-    from flexmesh.profile.iteration import ProfiledIterationTiming
     from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, router_on
     from flexmesh.serve.engine.replay import replay
 

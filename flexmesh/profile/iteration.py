@@ -28,6 +28,16 @@ the engine's first iteration that holds it (the router's HTTP hop, the engine's 
 hand-off, the loop waking), measured on idle engines (:mod:`flexmesh.profile.engine`). The twin
 (:mod:`flexmesh.serve.engine.twin`) delays every arrival by it; 0 in a profile written before it was measured.
 
+And ``after_idle``: what the first iteration after the engine's loop idled costs beyond the fit, as a fraction
+of the fit's price. An engine whose queue is empty sleeps; the iteration that wakes it runs on caches other
+work has since used, and takes more CPU time for the same batch (on this 2-core machine about a fifth more for
+the first, a few percent for the next few). :func:`after_idle_from` measures it from the sweep's and the
+serving phase's iterations in the order each engine ran them: the median of measured / fit over the
+iterations that started at least :data:`IDLE_GAP_S` after the engine's previous one ended, over that median
+for the iterations that followed another at once, minus 1 (a ratio of medians, so the fit's own bias cancels).
+The request simulator prices every iteration that starts a replica's busy period so (the replica's
+``after_idle`` and ``idle_gap_s``: :mod:`flexmesh.serve.replica`); 0 in a profile written before it was measured.
+
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
 ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(batch)))
@@ -44,18 +54,22 @@ hand-off, the loop waking), measured on idle engines (:mod:`flexmesh.profile.eng
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from flexmesh.cost.inference.timing import IterationTiming
 from flexmesh.errors import ProfileError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.profile.fit import least_squares
 
 VERSION = 1
 KIND = "engine"
+IDLE_GAP_S = 0.002  # an engine's loop that ran on at once starts its next iteration within 0.1 ms; after a gap
+# this long it had slept on its empty queue (after_idle_from)
 TERMS = ("c0_s", "per_request_s", "per_token_s", "per_kv_token_s", "per_batch_token_x_kv_token_s",
          "per_request_token_x_kv_token_s")
 
@@ -102,6 +116,7 @@ class EngineProfile:
     produced_by: dict = field(default_factory=dict)
     name: str = ""
     admission_s: float = 0.0  # router receipt -> the engine's first iteration holding the request (module doc)
+    after_idle: float = 0.0  # the first iteration after the engine idled costs 1 + this times the fit (module doc)
 
     kind = KIND
 
@@ -113,6 +128,7 @@ class EngineProfile:
     def to_dict(self) -> dict:
         return {"version": VERSION, "kind": KIND, "produced_by": self.produced_by, "model": self.model,
                 "engine": self.engine, "fit": self.fit, "error": self.error, "admission_s": self.admission_s,
+                "after_idle": self.after_idle,
                 "samples": [{"batch": [list(x) for x in b], "seconds": s} for b, s in self.samples]}
 
     def save(self, path: str | Path) -> None:
@@ -134,13 +150,18 @@ class EngineProfile:
         admission = d.get("admission_s", 0.0)
         if isinstance(admission, bool) or not isinstance(admission, (int, float)) or not 0 <= admission < 60:
             raise ProfileError(f"{where}: admission_s must be a number of seconds from 0 to 60, got {admission!r}")
+        after_idle = d.get("after_idle", 0.0)
+        if isinstance(after_idle, bool) or not isinstance(after_idle, (int, float)) or not 0 <= after_idle <= 10:
+            raise ProfileError(f"{where}: after_idle must be a fraction from 0 to 10 (the first iteration after idling "
+                               f"over the fit, minus 1), got {after_idle!r}")
         try:
             samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"{where}: malformed samples ({e}); each is {{batch: [[cached, new], ...], "
                                "seconds}}") from None
         return cls(model=d.get("model", {}), engine=d.get("engine", {}), fit={t: float(fit[t]) for t in TERMS},
-                   samples=samples, produced_by=d.get("produced_by", {}), name=name, admission_s=float(admission))
+                   samples=samples, produced_by=d.get("produced_by", {}), name=name, admission_s=float(admission),
+                   after_idle=float(after_idle))
 
 
 def load_engine_profile(path: str | Path) -> EngineProfile:
@@ -169,6 +190,13 @@ class ProfiledIterationTiming:
     def admission_s(self) -> float:
         """A request's way from the router into the engine's batch (the profile's ``admission_s``: module doc)."""
         return self.profile.admission_s
+
+    @property
+    def after_idle(self) -> float:
+        """What the first iteration after idling costs beyond :meth:`iteration_s`, as a fraction (module doc)."""
+        return self.profile.after_idle
+
+    idle_gap_s = IDLE_GAP_S  # the idle gap after which an iteration is a first one (module doc)
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
@@ -210,7 +238,7 @@ class ProfiledIterationTiming:
 @dataclass(frozen=True)
 class IterationSample:
     """One iteration as ``flexmesh profile engine --samples`` wrote it: its batch, wall and CPU seconds, the engine
-    that ran it, and its phase (``sweep`` with the scenario, ``serving`` with the load)."""
+    that ran it, its phase (``sweep`` with the scenario, ``serving`` with the load) and when it started."""
 
     batch: tuple[tuple[int, int], ...]
     wall_s: float
@@ -219,6 +247,7 @@ class IterationSample:
     phase: str
     scenario: str = ""
     load: float = 0.0
+    start_s: float = 0.0  # perf_counter seconds (one clock for every engine on the machine)
 
 
 def read_iteration_samples(path: str | Path) -> list[IterationSample]:
@@ -245,11 +274,59 @@ def read_iteration_samples(path: str | Path) -> list[IterationSample]:
             d = json.loads(line)
             out.append(IterationSample(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]),
                                        float(d["cpu_s"]), int(d["engine"]), str(d["phase"]),
-                                       str(d.get("scenario", "")), float(d.get("load", 0.0))))
+                                       str(d.get("scenario", "")), float(d.get("load", 0.0)),
+                                       float(d.get("start_s", 0.0))))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"{path.name} line {k} is not an iteration sample ({e}); each line is {{batch: "
                                "[[cached, new], ...], wall_s, cpu_s, engine, phase}}") from None
     return out
+
+
+def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) -> list[float]:
+    """Seconds ``timing`` prices each engine's iterations at (``batch``, ``start_s``, ``end_s``, in the order it ran
+    them; the lists one after another), each first one after idling :data:`IDLE_GAP_S` or more at ``1 + after_idle``
+    times its batch's price, as the request simulator prices it.
+
+    >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-2, 0, 0, 0, 0, 0))), after_idle=0.5))
+    >>> its = [{"batch": [[0, 8]], "start_s": s, "end_s": s + 0.01} for s in (0.0, 0.01, 0.5)]
+    >>> [round(x * 1e3, 1) for x in price_runs([its], t)]
+    [15.0, 10.0, 15.0]
+    """
+    out = []
+    for its in runs:
+        ended = -math.inf
+        for it in its:
+            price = timing.iteration_s([tuple(b) for b in it["batch"]])
+            out.append(price * (1.0 + timing.after_idle) if it["start_s"] - ended >= IDLE_GAP_S else price)
+            ended = it["end_s"]
+    return out
+
+
+def after_idle_from(runs: Sequence[Sequence[dict]], timing: IterationTiming) -> float:
+    """The profile's ``after_idle`` (module doc) from each engine's iterations in the order it ran them (``batch``,
+    ``start_s``, ``end_s``, ``cpu_s``), priced by ``timing``; 0 when either kind of iteration is missing or the
+    first ones are no slower.
+
+    >>> class Flat:
+    ...     def iteration_s(self, batch):
+    ...         return 0.01
+    >>> def it(start, cpu):
+    ...     return {"batch": [[0, 8]], "start_s": start, "end_s": start + cpu, "cpu_s": cpu}
+    >>> run = [it(0.0, 0.013), it(0.013, 0.010), it(0.023, 0.011), it(0.5, 0.012), it(0.512, 0.010)]
+    >>> round(after_idle_from([run], Flat()), 3)  # medians 12.5 ms after idling, 10 ms at once
+    0.25
+    """
+    first, rest = [], []
+    for its in runs:
+        ended = -math.inf
+        for it in its:
+            if it["batch"] and it["cpu_s"] > 0:
+                ratio = it["cpu_s"] / timing.iteration_s([tuple(b) for b in it["batch"]])
+                (first if it["start_s"] - ended >= IDLE_GAP_S else rest).append(ratio)
+            ended = it["end_s"]
+    if not first or not rest:
+        return 0.0
+    return max(0.0, float(np.median(first) / np.median(rest)) - 1.0)
 
 
 def replay_profile(iterations: Sequence[Sequence[dict]]) -> EngineProfile:

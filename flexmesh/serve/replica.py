@@ -13,7 +13,9 @@ some of its uncomputed tokens, and a request whose tokens are all computed sampl
 3. waiting requests are admitted in queue order while the budget, ``max_seqs`` and the KV cache allow
    (a prefix-cache hit skips the whole cached blocks of its prompt, the last token always computed).
 
-The batch is priced by the replica's :class:`~flexmesh.cost.inference.timing.IterationTiming` as a whole.
+The batch is priced by the replica's :class:`~flexmesh.cost.inference.timing.IterationTiming` as a whole; an
+iteration that starts after the replica idled at least ``idle_gap_s`` costs ``1 + after_idle`` times that, where
+the timing says so (an engine profile's ``after_idle``: a real engine's loop that slept resumes on cold caches).
 Decoding requests are kept summed (their count, their contexts' sum, their next KV block boundaries by
 iteration modulo the block size, their finishing iterations in a heap), so an iteration costs the
 simulator constant time in them: what makes a million requests a minute possible on one core.
@@ -75,9 +77,11 @@ class SimulatedReplica:
 
     def __init__(self, index: int, role: str, price: Price, kv: KVBlocks, knobs: EngineKnobs, queue: QueuePolicy,
                  prefill_s_per_token: float, decode_s_per_token: float, sample_every_s: float = float("inf"),
-                 run_price: RunPrice | None = None):
+                 run_price: RunPrice | None = None, after_idle: float = 0.0, idle_gap_s: float = 0.0):
         self.index, self.role, self.price, self.kv = index, role, price, kv
         self.run_price = run_price  # decode-only iterations in a row, where the timing prices them at once
+        self.after_idle, self.idle_gap_s = after_idle, idle_gap_s  # the first iteration after idling (module doc)
+        self._ended = -math.inf  # when the last iteration ended
         self.bs = kv.block_tokens
         self.prefix_tokens = kv.prefix_tokens
         self.max_tokens, self.max_seqs = knobs.max_batched_tokens, knobs.max_seqs
@@ -221,7 +225,10 @@ class SimulatedReplica:
         self.busy = True
         self._started = now
         self.tokens += tokens
-        return now + self.price(self.dec_n, self.dec_ctx, chunks)
+        took = self.price(self.dec_n, self.dec_ctx, chunks)
+        if self.after_idle and now - self._ended >= self.idle_gap_s:
+            took *= 1.0 + self.after_idle
+        return now + took
 
     def coast(self, now: float, limit: float) -> float:
         """Run, at once, the decode-only iterations that end before ``limit`` (the next event elsewhere) and
@@ -265,6 +272,7 @@ class SimulatedReplica:
         self.iterations += k
         self.tokens += b * k
         self.busy_s += took
+        self._ended = now + took
         return now + took
 
     def _fill(self, budget: int, chunks: list[tuple[int, int]], now: float) -> int:
@@ -351,6 +359,7 @@ class SimulatedReplica:
         self.iterations += 1
         self.busy_s += now - self._started
         self.busy = False
+        self._ended = now
         self.dec_ctx += self.dec_n
         self.pending_outputs -= self.dec_n
         ends = self.ends
