@@ -85,6 +85,8 @@ def _summary(prof, out: str) -> None:
     con.print(f"admission (the router receiving a request -> the engine's first iteration holding it): "
               f"{prof.admission_s * 1e3:.2f} ms, median of {prof.produced_by['sweep'].get('admissions', 0)}",
               highlight=False)
+    con.print(f"the first iteration after an engine idled: {prof.after_idle:+.0%} over the fit (cold caches; the "
+              "simulator prices it so)", highlight=False)
     e = prof.error
     con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 {e['p90']:.1%}, "
               f"max {e['max']:.1%}", highlight=False)

@@ -18,6 +18,10 @@ a delay on every arrival (:class:`TwinFleet`): the request joins its engine's qu
 received it; its record keeps the router's arrival, from which TTFT counts. The router reads the replicas'
 state at the delayed arrival (the same choice for round robin).
 
+An engine whose queue ran empty sleeps, and the iteration that wakes it costs more than its batch's price (its
+caches went cold): the timing's ``after_idle`` (an engine profile's), which the simulator's replicas apply to every
+iteration that starts their busy period.
+
 The engines run on this machine's cores, which the catalogue does not describe: the fleet's device is a
 placeholder named ``local-engine`` whose numbers nothing reads (the timing prices every iteration, the
 KV blocks are given, as vLLM's ``num_gpu_blocks_override``, and aggregated replicas move no KV between
