@@ -168,6 +168,9 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     # the router's hop into an engine's batch: timed on idle engines, more than nothing and less than a second
     assert prof.produced_by["sweep"]["admissions"] >= 2 and 0 < prof.admission_s < 1.0
     assert "admission" in printed and "after an engine idled" in printed and prof.after_idle >= 0
+    held = prof.produced_by["sweep"]["held_out"]  # the form fitted on one phase, priced against the other
+    assert set(held) == {"sweep->serving", "serving->sweep"} and all(h["busy"] > 0 for h in held.values())
+    assert "held out (sweep fit, priced against the serving iterations)" in printed
     kinds = {("decode" if all(q == 1 for _, q in b) else "prefill" if len(b) == 1 else "mixed")
              for b, _ in prof.samples}
     assert kinds == {"decode", "prefill", "mixed"}

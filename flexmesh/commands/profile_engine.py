@@ -90,4 +90,7 @@ def _summary(prof, out: str) -> None:
     e = prof.error
     con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 {e['p90']:.1%}, "
               f"max {e['max']:.1%}", highlight=False)
+    for way, h in (prof.produced_by["sweep"].get("held_out") or {}).items():
+        con.print(f"held out ({way.replace('->', ' fit, priced against the ')} iterations): median {h['median']:.1%}, "
+                  f"p90 {h['p90']:.1%}, CPU seconds {h['busy']:.2f}x measured", highlight=False)
     con.print(f"wrote {out}", highlight=False)

@@ -25,7 +25,9 @@ engine's per-iteration overhead is in every sample. Scenarios, each run twice:
   requests or more and in a new prompt's first chunk), which the simulator would leave out without them.
 
 Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
-keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. With
+keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. How well
+the form carries between the two phases is kept beside it (``produced_by.sweep.held_out``:
+:func:`flexmesh.profile.iteration.held_out_errors`, fitted on one phase, priced against the other). With
 ``samples_out`` every iteration is also kept as it was measured, one JSON object a line (its batch, wall and CPU
 seconds, its start and end, the engine, and the phase: ``sweep`` with its scenario, or ``serving`` with its load),
 so that forms of the fit can be compared offline (:func:`flexmesh.profile.iteration.read_iteration_samples`).
@@ -60,7 +62,14 @@ from typing import TypedDict
 from flexmesh.errors import ProfileError
 from flexmesh.files import write_atomic
 from flexmesh.profile.format import produced_by, spec_hash
-from flexmesh.profile.iteration import EngineProfile, ProfiledIterationTiming, after_idle_from, fit_iterations
+from flexmesh.profile.iteration import (
+    EngineProfile,
+    IterationSample,
+    ProfiledIterationTiming,
+    after_idle_from,
+    fit_iterations,
+    held_out_errors,
+)
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.replay import prompt_ids
 
@@ -174,9 +183,11 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
                          admission_s=statistics.median(admission))
     prof.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in range(engines)],
                                       ProfiledIterationTiming(prof))
+    held_out = held_out_errors([IterationSample(tuple((int(c), int(q)) for c, q in r["batch"]), r["wall_s"], r["cpu_s"],
+                                                r["engine"], r["phase"]) for r in raw])
     prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
                                  "iterations": sum(len(v) for v in timed.values()), "cpu_share": share,
-                                 "serving": served, "admissions": len(admission)}
+                                 "serving": served, "admissions": len(admission), "held_out": held_out}
     return prof
 
 

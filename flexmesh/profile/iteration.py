@@ -250,6 +250,42 @@ class IterationSample:
     start_s: float = 0.0  # perf_counter seconds (one clock for every engine on the machine)
 
 
+def held_out_errors(samples: Sequence[IterationSample]) -> dict[str, dict[str, float]]:
+    """How well the form carries from one phase of a profile to the other: fitted (as :func:`fit_iterations`, to
+    the medians of identical batches) on the sweep's iterations and priced against every serving iteration's CPU
+    time, and the reverse; per direction the median and p90 of |predicted / measured - 1| and the predicted over
+    the measured CPU seconds in all (``busy``). A direction with too few batches to fit is left out.
+
+    >>> c = (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)  # while serving, every batch costs a tenth more
+    >>> def cpu(batch, k):
+    ...     return k * sum(x * f for x, f in zip(c, iteration_features(batch)))
+    >>> batches = ([((0, t),) for t in (16, 64, 256)] + [((n, 1),) * b for b in (1, 8, 32) for n in (64, 512)]
+    ...            + [((0, 200), (300, 1)), ((256, 256),) * 2, ((256, 128),)])
+    >>> e = held_out_errors([IterationSample(b, 1.0, cpu(b, 1.0), 0, "sweep") for b in batches]
+    ...                     + [IterationSample(b, 1.0, cpu(b, 1.1), 0, "serving", load=0.4) for b in batches])
+    >>> {k: round(v["median"], 3) for k, v in e.items()}, round(e["sweep->serving"]["busy"], 3)
+    ({'sweep->serving': 0.091, 'serving->sweep': 0.1}, 0.909)
+    """
+    by: dict[str, list[IterationSample]] = {"sweep": [], "serving": []}
+    for s in samples:
+        by.setdefault(s.phase, []).append(s)
+    out = {}
+    for src, dst in (("sweep", "serving"), ("serving", "sweep")):
+        groups: dict[tuple, list[float]] = {}
+        for s in by[src]:
+            groups.setdefault(tuple(sorted(s.batch)), []).append(s.cpu_s)
+        if len(groups) < len(TERMS) or not by[dst]:
+            continue
+        timing = ProfiledIterationTiming(EngineProfile({}, {}, fit_iterations(
+            [(list(b), float(np.median(v))) for b, v in groups.items()])))
+        pred = np.array([timing.iteration_s(s.batch) for s in by[dst]])
+        cpu = np.array([s.cpu_s for s in by[dst]])
+        rel = np.abs(pred / np.maximum(cpu, 1e-12) - 1)
+        out[f"{src}->{dst}"] = {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)),
+                                "busy": float(pred.sum() / max(cpu.sum(), 1e-12))}
+    return out
+
+
 def read_iteration_samples(path: str | Path) -> list[IterationSample]:
     """The iterations of a ``--samples`` file (JSON lines); ProfileError (one line) when missing or malformed.
 
