@@ -352,7 +352,8 @@ def after_idle_from(runs: Sequence[Sequence[dict]], timing: IterationTiming) -> 
     >>> round(after_idle_from([run], Flat()), 3)  # medians 12.5 ms after idling, 10 ms at once
     0.25
     """
-    first, rest = [], []
+    first: list[float] = []
+    rest: list[float] = []
     for its in runs:
         ended = -math.inf
         for it in its:
