@@ -15,8 +15,10 @@ simulates the same requests at the same arrivals. Checked (issue 54's bounds):
 - the knee's rate within 20%: the rate at which p90 TTFT reaches :data:`KNEE_FACTOR` times its value at the
   lowest rate, read off each curve by linear interpolation between the rates run;
 - per-iteration times within 10%: every iteration the engines ran during the replays (their own log,
-  ``GET /iterations``) priced by the profile, median |predicted / measured - 1| against its wall time (and,
-  beside it, against the CPU time the engine's thread had, which the profile is made of).
+  ``GET /iterations``) priced by the profile as the twin prices it (the first after an engine idled at
+  ``1 + after_idle`` times its batch: :func:`flexmesh.profile.iteration.price_runs`), median
+  |predicted / measured - 1| against its wall time (and, beside it, against the CPU time the engine's thread
+  had, which the profile is made of).
 
 Timings on a shared machine are noisy: the load average (``uptime``) before and after is recorded beside
 the numbers.
