@@ -13,7 +13,9 @@ flexmesh/spec/presets/prices.toml).
   planner and every baseline plan the most goodput per $/h within the budget (``PlanInputs.per_dollar``: of the
   plans each scores, all near the budget, the one whose goodput costs least; whole replicas leave some plans a few
   dollars unspent, and the most goodput alone would prefer filling them with slower devices); goodput per dollar
-  is compared, and the planner's plan is never below a baseline of its own search space (:data:`OWN_SPACE`). The
+  is compared, and the planner's plan is never below a baseline of its own search space (:data:`OWN_SPACE`). Where
+  the plan is one device type, whether a mix should win there is tried (:func:`mixes_rejected`: the calibrated
+  capacities per $/h of each type per bucket, and the best mixes the MILP rejects, simulated). The
   planner's plan over the best single device type (target >= 1.25x),
   Mélange-style and one-type-per-phase plans (>= 1.1x each), DistServe-style and round-robin (reported). Each
   baseline is planned by the same MILP restricted to its method (its own knobs swept: tp, batched-token
@@ -56,20 +58,23 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from bench._results import REPEATS, markdown_table, record
 from flexmesh.data.requests import at_rate, load_trace, window
+from flexmesh.errors import PlanError
 from flexmesh.serve.metrics import SLO
 from flexmesh.serve.plan import replan
-from flexmesh.serve.plan.baselines import all_baselines, ratio
+from flexmesh.serve.plan.baselines import all_baselines, known_scores, ratio
 from flexmesh.serve.plan.cascade import plan_cascade
-from flexmesh.serve.plan.planner import PlanInputs, Planner
+from flexmesh.serve.plan.milp import solve_fast
+from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner
 from flexmesh.serve.plan.quality import parse_quality
 from flexmesh.serve.plan.replan import fast_replan, held_devices, transition
 from flexmesh.serve.plan.score import REL_TOL, score
-from flexmesh.serve.plan.search import candidates, plan
+from flexmesh.serve.plan.search import candidates, plan, routed
 from flexmesh.serve.plan.workload import buckets_from_trace
 from flexmesh.serve.router import ROUTING_POLICIES
 from flexmesh.spec.prices import gpu_prices
@@ -80,6 +85,8 @@ DEPENDS_ON = ("flexmesh/serve", "flexmesh/cost/inference", "flexmesh/cost/device
               "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py", "flexmesh/console.py")
 REQUESTS = 2000
 REPAIR = 1
+# Mixes the MILP rejects simulated where the plan is one device type (mixes_rejected).
+MIXES_SIMULATED = 3
 MODELS = {"8B": "llama3.1-8b", "70B": "llama3.1-70b"}
 TRACES = ("azure-conv", "azure-code", "mooncake")
 # Devices one can get and the budget, per model size: of each type at least what the budget buys (nodes of 8).
@@ -172,7 +179,70 @@ def plan_rows(cases: list[tuple[str, str]]) -> tuple[list[list[str]], list[str],
         kept[(size, trace)] = res
         for m in res.moves:
             details.append(f"- {label}, repair {m}")
+        details += mixes_rejected(res, workload_at, label, known_scores(res.candidates))
     return rows, details, kept
+
+
+def _cheapest(planner, g: int):  # noqa: ANN001, ANN202
+    """Per bucket, the most requests/s per $/h an aggregated replica of device group ``g`` serves (the planner's
+    calibrated capacities)."""
+    out = np.zeros(len(planner.inputs.buckets))
+    for k in planner.columns(("aggregated",), groups=[g]):
+        out = np.maximum(out, planner.capacity[k] / (planner.configs[k].devices * planner.price[g]))
+    return out
+
+
+def mixes_rejected(res, workload_at, label: str, known) -> list[str]:  # noqa: ANN001
+    """Where the plan is one device type, whether a mix should win there (Mélange's argument: small requests on
+    cheap devices, large ones on big devices). Per bucket, the calibrated capacities per $/h of each type; then the
+    best mixes the MILP rejects, simulated: the MILP over the plan's type and one other, the other made to take the
+    shortest or the longest bucket (the plan's type given no capacity there), the :data:`MIXES_SIMULATED` of the
+    highest MILP rate. A mix the simulator finds better per $/h would mean the MILP's capacities are wrong."""
+    planner = res.planner
+    types = {g.group for g in res.plan.groups}
+    if len(types) != 1 or any(g.role != "aggregated" for g in res.plan.groups):
+        return []
+    (main,) = types
+    names = [g.device.name for g in planner.cluster.groups]
+    mine = _cheapest(planner, main)
+    wins = {names[g]: [b.label for b, x, y in zip(planner.inputs.buckets.buckets, _cheapest(planner, g), mine)
+                       if x > y * (1 + 1e-9)] for g in range(len(names)) if g != main}
+    lines = [f"- {label}: one device type ({names[main]}); per the calibrated capacities it serves "
+             + ("every bucket for fewer $/h than any other type" if not any(wins.values()) else
+                "every bucket for the fewest $/h except where another type is cheaper: "
+                + "; ".join(f"{t} {', '.join(b)}" for t, b in wins.items() if b))]
+    tried = []
+    nb = len(planner.inputs.buckets)
+    for g in range(len(names)):
+        if g == main:
+            continue
+        cols = planner.columns(("aggregated",), groups=[main, g])
+        problem = planner.problem(cols, budget=planner.inputs.budget)
+        for where, sl in (("shortest", slice(0, 1)), ("longest", slice(nb - 1, nb))):
+            cap = problem.capacity.copy()
+            cap[[j for j, k in enumerate(cols) if planner.configs[k].group == main], sl] = 0.0
+            try:
+                s = solve_fast(replace(problem, capacity=cap))
+            except PlanError:
+                continue
+            if s.rate > 0:
+                tried.append((s.rate, f"{names[g]} taking the {where} bucket", planner.to_plan(cols, s), s))
+    tried.sort(key=lambda t: -t[0])
+    beats = 0
+    for rate, why, p, s in tried[:MIXES_SIMULATED]:
+        c = routed(Candidate(why, p, s), workload_at, planner, None, known)[0]  # its better routing
+        r = ratio(res.score, c.score)
+        beats += r < 1
+        lines.append(f"- {label}, a mix the MILP rejects ({why}): {p.layout}: MILP {rate:.4g} req/s, simulated "
+                     f"{c.score.goodput:.4g} req/s at ${c.score.dollars_per_hour:.2f}/h ({c.score.per_dollar:.4g} per "
+                     f"$/h; the plan {r:.2f}x)")
+    if tried:
+        lines.append(f"- {label}: " + ("a mix the MILP rejects beats the plan in the simulator: the MILP's capacities "
+                                       "are wrong here" if beats else
+                                       f"none of the {min(len(tried), MIXES_SIMULATED)} best mixes the MILP rejects beats "
+                                       "the one type in the simulator: a mix does not win here, and the plan, the best "
+                                       "single type's own, cannot be 1.25x it"))
+    return lines
 
 
 def time_rows() -> list[list[str]]:
