@@ -237,11 +237,12 @@ def mixes_rejected(res, workload_at, label: str, known) -> list[str]:  # noqa: A
                      f"{c.score.goodput:.4g} req/s at ${c.score.dollars_per_hour:.2f}/h ({c.score.per_dollar:.4g} per "
                      f"$/h; the plan {r:.2f}x)")
     if tried:
+        n = min(len(tried), MIXES_SIMULATED)
         lines.append(f"- {label}: " + ("a mix the MILP rejects beats the plan in the simulator: the MILP's capacities "
                                        "are wrong here" if beats else
-                                       f"none of the {min(len(tried), MIXES_SIMULATED)} best mixes the MILP rejects beats "
-                                       "the one type in the simulator: a mix does not win here, and the plan, the best "
-                                       "single type's own, cannot be 1.25x it"))
+                                       f"none of the {n} best mixes the MILP rejects beats the one type in the "
+                                       "simulator: a mix does not win here, and the plan, the best single type's own, "
+                                       "cannot be 1.25x it"))
     return lines
 
 
