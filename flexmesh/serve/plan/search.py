@@ -124,9 +124,14 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
     unmet = planner.unmet(planner.columns())
     notes = [f"buckets served without meeting the SLO (no replica can): "
              f"{', '.join(inputs.buckets.buckets[b].label for _, b in unmet)}"] if unmet else []
-    if workload_at is None:
-        best = max(cands, key=lambda c: (c.solution.rate if c.solution else 0.0, -(c.solution.cost
-                                                                                   if c.solution else 0.0)))
+    if workload_at is None:  # the MILP's prediction: the most goodput (per $/h), then the cheapest
+        per_dollar = inputs.per_dollar and inputs.rate is None
+
+        def predicted(c: Candidate) -> tuple[float, float]:
+            rate, cost = (c.solution.rate, c.solution.cost) if c.solution else (0.0, 0.0)
+            return (rate / cost if per_dollar and cost > 0 else rate), -cost
+
+        best = max(cands, key=predicted)
         return PlanResult(best.plan, None, tuple(cands), (), plan_s, 0.0, len(planner.configs), tuple(notes),
                           planner)
     t1 = time.perf_counter()
