@@ -12,7 +12,7 @@
    again, each device type's own plan too; the best candidate is kept: the most goodput within the budget (with
    ``PlanInputs.per_dollar``, the most goodput per $/h within it), or the cheapest meeting the rate. Every plan a
    best-single-type or Mélange-style baseline takes (a device type's own MILP plan, the aggregated MILP's, before
-   and after calibration) is among the candidates, so the plan kept is never below them.
+   and after calibration) is among the candidates, so the plan kept is never below them by its objective.
    A planner that splits prefill and decode where it loses in the simulator would be wrong: the aggregated
    candidates are always among those scored. With a target rate, a plan the simulator finds short of it is
    planned again at the rate scaled by what it fell short (up to :data:`CALIBRATIONS` times).
