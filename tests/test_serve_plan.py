@@ -419,3 +419,6 @@ def test_serve_plan_without_the_simulator_and_its_one_line_errors(capsys):
                            (["--prompt-edges", "900,300"], "rising")):
         assert main(PLAN + flags + ["--no-simulate"]) == 2
         assert message in capsys.readouterr().err
+    no_budget = [x for x in PLAN if x not in ("--budget", "20")]
+    assert main(no_budget + ["--rate", "5", "--per-dollar", "--no-simulate"]) == 2
+    assert "--per-dollar weighs goodput against a --budget" in capsys.readouterr().err

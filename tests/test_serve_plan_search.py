@@ -4,6 +4,7 @@ candidates (every routing policy), and the MILP solver kept quiet."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 
@@ -11,8 +12,10 @@ from flexmesh.data.requests import at_rate, load_trace, window
 from flexmesh.serve.metrics import SLO
 from flexmesh.serve.plan import milp
 from flexmesh.serve.plan.capacity import CAPACITY_TOL
-from flexmesh.serve.plan.planner import PlanInputs, Planner
-from flexmesh.serve.plan.search import _better, plan
+from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner
+from flexmesh.serve.plan.score import Score
+from flexmesh.serve.plan.search import _better, best_of, plan
 from flexmesh.serve.plan.workload import buckets_from_trace, parse_buckets
 from flexmesh.serve.router import ROUTING_POLICIES
 from flexmesh.spec.prices import gpu_prices
@@ -62,6 +65,46 @@ def test_every_candidate_is_scored_with_both_routing_policies_and_the_best_is_ta
     assert all(policies == set(ROUTING_POLICIES) for policies in by_plan.values())
     assert res.score is not None
     assert not any(_better(c.score, res.score, None) for c in res.candidates if c.score is not None)
+
+
+def _scored(name: str, goodput: float, usd: float) -> Candidate:
+    return Candidate(name, ServingPlan.__new__(ServingPlan), None, Score(goodput, True, usd, (), 0.0))
+
+
+def test_a_budget_per_dollar_keeps_the_candidate_whose_goodput_costs_least():
+    """With a budget, whole replicas leave some plans dollars unspent: a device type's own plan (10.61 req/s at
+    $55.04/h) beside a mix that fills the budget with slower devices (11.06 at $59.02; the 8B Mooncake case). The
+    most goodput takes the mix; per $/h the single type, and never a plan below another candidate per $/h."""
+    one, mix = _scored("H100 only", 10.61, 55.04), _scored("mix", 11.06, 59.02)
+    assert best_of([mix, one], None) is mix
+    assert best_of([mix, one], None, per_dollar=True) is one
+    assert best_of([one, mix], None, per_dollar=True) is one
+    # equal goodput per $/h: the more goodput
+    double = _scored("twice", 2 * 10.61, 2 * 55.04)
+    assert best_of([one, double], None, per_dollar=True) is double
+    # a target rate ignores per_dollar: meeting it, then the cheapest
+    assert best_of([mix, one], 10.0, per_dollar=True) is one and best_of([mix, one], 11.0, per_dollar=True) is mix
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        pool = [_scored(str(k), float(g), float(u)) for k, (g, u) in enumerate(rng.uniform(1, 10, (6, 2)))]
+        best = best_of(pool, None, per_dollar=True)
+        assert all(best.score.per_dollar >= c.score.per_dollar for c in pool)
+        assert not any(_better(c.score, best.score, None, True) for c in pool)
+
+
+def test_without_the_simulator_per_dollar_keeps_the_milps_cheapest_goodput():
+    """The MILP's candidates alone (no simulator): the most predicted goodput, or per $/h the candidate whose
+    predicted goodput costs least (8B on Mooncake's first 2000 requests, $60/h on six device types: the mixed plan
+    predicts the most, the aggregated one the most per $/h)."""
+    base = window(load_trace("mooncake"), first=2000)
+    inputs = PlanInputs(("llama3.1-8b",), "2x8xH100+3x8xA100-80GB+3x8xA100-40GB+4x8xL40S+8x8xA10G+10x8xL4",
+                        buckets_from_trace(base), SLO(ttft_s=15.0, tpot_s=0.15), PRICES, budget=60.0)
+    res = plan(inputs)
+    rate = {c.plan.layout: c.solution.rate for c in res.candidates}
+    per = {c.plan.layout: c.solution.rate / c.solution.cost for c in res.candidates}
+    assert res.plan.layout == max(rate, key=rate.get) != max(per, key=per.get)
+    cheap = plan(replace(inputs, per_dollar=True), planner=res.planner)
+    assert cheap.plan.layout == max(per, key=per.get)
 
 
 def test_the_milp_solver_prints_nothing(monkeypatch, capfd):

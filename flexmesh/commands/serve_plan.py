@@ -80,6 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g = p.add_argument_group("objective (one of)")
     g.add_argument("--budget", type=positive_float, metavar="USD_PER_HOUR", help="the most goodput within this")
     g.add_argument("--rate", type=positive_float, metavar="REQ_PER_S", help="the cheapest plan serving this rate")
+    g.add_argument("--per-dollar", action="store_true", help="with --budget: the most goodput per $/h within it "
+                   "(whole replicas leave some plans a few dollars unspent) rather than the most goodput")
     s = p.add_argument_group("SLO, prices, engine")
     s.add_argument("--slo", default="ttft=2,tpot=100ms", help="bounds each request should meet (ttft, tpot, e2e)")
     s.add_argument("--attainment", type=fraction, default=0.9, help="fraction of requests meeting the SLO")
@@ -135,6 +137,9 @@ def resolve(args: argparse.Namespace) -> PlanJob:
     if (args.budget is None) == (args.rate is None):
         raise SpecError("give one objective: --budget USD_PER_HOUR (the most goodput within it) or --rate REQ_PER_S "
                         "(the cheapest plan serving it)")
+    if args.per_dollar and args.budget is None:
+        raise SpecError("--per-dollar weighs goodput against a --budget; with --rate the cheapest plan is asked for "
+                        "already: drop --per-dollar or give --budget")
     slo = parse_slo(args.slo)
     cluster = parse_mixed_cluster(args.cluster)
     table = gpu_prices(args.prices, parse_price_overrides(args.price) if args.price else None)
@@ -182,7 +187,8 @@ def resolve(args: argparse.Namespace) -> PlanJob:
     quality = parse_quality(args.quality) if args.quality else None
     inputs = PlanInputs(models, args.cluster, buckets, slo, prices, args.attainment, args.budget, args.rate,
                         (1.0,) * len(models) if not args.cascade else (1.0, 0.0),
-                        overhead=parse_overhead(args.engine_overhead), workload=record)
+                        overhead=parse_overhead(args.engine_overhead), workload=record,
+                        per_dollar=args.per_dollar)
     if args.repair < 0:
         raise SpecError(f"--repair {args.repair} is not a number of rounds >= 0")
     return PlanJob(inputs, None if args.no_simulate else workload, None if args.no_simulate else workload_at,
@@ -333,7 +339,8 @@ def _write(out: Path, job: PlanJob, result: PlanResult, baselines: list[Baseline
 def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[Baseline], cascade, single,  # noqa: ANN001
            explain: bool) -> None:
     i, p = job.inputs, result.plan
-    objective = f"the most goodput within ${i.budget:,.2f}/h" if i.budget is not None else \
+    objective = f"the most goodput{' per $/h' if i.per_dollar else ''} within ${i.budget:,.2f}/h" \
+        if i.budget is not None else \
         f"the cheapest plan serving {i.rate:g} req/s"
     console.print(f"{', '.join(i.models)} on {p.cluster}; {i.buckets.source} in {len(i.buckets)} buckets; SLO {i.slo} "
                   f"for {i.attainment:.0%} of requests; {objective}")

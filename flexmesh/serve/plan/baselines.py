@@ -89,11 +89,13 @@ def _routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Pla
     return out
 
 
-def _best(name: str, tried: list[Candidate], target: float | None, why: str) -> Baseline:
+def _best(name: str, tried: list[Candidate], planner: Planner, why: str) -> Baseline:
+    """The best variant by the planner's own objective (:func:`~.search._better`)."""
+    target, per_dollar = planner.inputs.rate, planner.inputs.per_dollar
     best: Candidate | None = None
     for c in tried:
         assert c.score is not None
-        if best is None or _better(c.score, best.score, target):
+        if best is None or _better(c.score, best.score, target, per_dollar):
             best = c
     return Baseline(name, best, tuple(tried), "" if best is not None else why)
 
@@ -106,14 +108,14 @@ def single_type(planner: Planner, workload_at: Callable[[float], Workload], know
         c = _solved(planner, f"{group.device.name} only", planner.columns(("aggregated",), groups=[g]))
         if c is not None:
             tried += _routed(c, workload_at, planner, target, known)
-    return _best("best single GPU type", tried, target, "no single device type serves the workload")
+    return _best("best single GPU type", tried, planner, "no single device type serves the workload")
 
 
 def melange(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Device types mixed per bucket, aggregated replicas only."""
     c = _solved(planner, "type mix per bucket", planner.columns(("aggregated",)))
     tried = _routed(c, workload_at, planner, planner.inputs.rate, known) if c is not None else []
-    return _best("Mélange-style", tried, planner.inputs.rate, "no aggregated plan serves the workload")
+    return _best("Mélange-style", tried, planner, "no aggregated plan serves the workload")
 
 
 def distserve(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
@@ -124,7 +126,7 @@ def distserve(planner: Planner, workload_at: Callable[[float], Workload], known:
                                                                                        groups=[g]))
         if c is not None:
             tried += _routed(c, workload_at, planner, planner.inputs.rate, known)
-    return _best("DistServe-style", tried, planner.inputs.rate, "no device type serves both phases")
+    return _best("DistServe-style", tried, planner, "no device type serves both phases")
 
 
 def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
@@ -151,7 +153,7 @@ def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
     tried: list[Candidate] = []
     for c in solved[:simulated]:
         tried += _routed(c, workload_at, planner, target, known)
-    return _best("one type per phase", tried, target, "no pair of device types serves the two phases")
+    return _best("one type per phase", tried, planner, "no pair of device types serves the two phases")
 
 
 def round_robin(plan: ServingPlan, workload_at: Callable[[float], Workload], start_rate: float,

@@ -75,7 +75,7 @@ def plan_cascade(inputs: PlanInputs, quality: QualityCurve, target: float,
             say(f"  no plan: {err}")
             continue
         tried.append((split, res))
-        if best is None or _cascade_better(res, best[1], inputs.rate):
+        if best is None or _cascade_better(res, best[1], inputs.rate, inputs.per_dollar):
             best = (split, res)
     if best is None:
         raise PlanError("no split of the end-to-end bound gives the cascade a plan; relax the SLO or give more "
@@ -83,9 +83,9 @@ def plan_cascade(inputs: PlanInputs, quality: QualityCurve, target: float,
     return CascadeResult(best[1], e, best[0], tuple(tried))
 
 
-def _cascade_better(a: PlanResult, b: PlanResult, target: float | None) -> bool:
+def _cascade_better(a: PlanResult, b: PlanResult, target: float | None, per_dollar: bool = False) -> bool:
     if a.score is not None and b.score is not None:
-        return _better(a.score, b.score, target)
+        return _better(a.score, b.score, target, per_dollar)
     pa, pb = a.plan.predicted.get("rate", 0.0), b.plan.predicted.get("rate", 0.0)
     return pa > pb
 

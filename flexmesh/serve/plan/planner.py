@@ -32,7 +32,9 @@ from flexmesh.spec.model import parse_model
 class PlanInputs:
     """What to plan for: models (names; a cascade's in order), the cluster of devices one can get, the
     workload's buckets, the SLO and its attainment target, $ per GPU-hour by device name, and a budget
-    ($/h: the most goodput within it) or a target rate (requests/s: the cheapest plan serving it).
+    ($/h: the most goodput within it) or a target rate (requests/s: the cheapest plan serving it); with a budget,
+    ``per_dollar`` asks for the most goodput per $/h within it instead (of the plans the simulator scores, each
+    near the budget, the one whose goodput costs least: whole replicas leave some plans a few dollars unspent).
     ``tiers``: each model's share of the requests (a cascade: 1 and the escalated fraction; several
     models: their mix)."""
 
@@ -51,6 +53,7 @@ class PlanInputs:
     workload: dict = field(default_factory=dict)
     time_limit_s: float = 20.0  # the most seconds one MILP may take (a safety net: plans do not depend on it)
     stage_slos: tuple[SLO, ...] | None = None  # per model, the SLO its replicas are priced at (a cascade's stages)
+    per_dollar: bool = False  # with a budget: the most goodput per $/h within it, not the most goodput
 
     def __post_init__(self) -> None:
         if self.budget is None and self.rate is None:

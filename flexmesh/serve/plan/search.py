@@ -9,14 +9,18 @@
 3. **The simulator** scores the distinct candidates on the workload (:func:`.score.score`, goodput by
    bisection), then the MILP is calibrated against it (each device type's own plan simulated: what it serves of
    its prediction scales that type's capacities; split replicas against aggregated ones likewise) and solved
-   again; the best candidate is kept: the most goodput within the budget, or the cheapest meeting the rate.
+   again, each device type's own plan too; the best candidate is kept: the most goodput within the budget (with
+   ``PlanInputs.per_dollar``, the most goodput per $/h within it), or the cheapest meeting the rate. Every plan a
+   best-single-type or Mélange-style baseline takes (a device type's own MILP plan, the aggregated MILP's, before
+   and after calibration) is among the candidates, so the plan kept is never below them by its objective.
    A planner that splits prefill and decode where it loses in the simulator would be wrong: the aggregated
    candidates are always among those scored. With a target rate, a plan the simulator finds short of it is
    planned again at the rate scaled by what it fell short (up to :data:`CALIBRATIONS` times).
 4. **Repair by local moves** (ThunderServe's tabu search, 2502.09334): a replica changes role, splits in
    two of half the tp or two merge, or moves to another device group; the routing of each neighbour is
    the MILP's with its counts fixed (a linear program). The neighbours of the highest predicted rate are
-   simulated at a probe rate just above the best goodput so far; the best one not visited before is taken,
+   simulated at a probe rate just above the best goodput so far (per $/h: above the best goodput per $/h at the
+   neighbour's price); the best one not visited before is taken,
    and the best plan seen is returned.
 
 The planner's own time (steps 1 and 2) is what ``bench/serve_plan.py`` holds to its targets; steps 3 and 4
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from flexmesh.data.requests import Workload
@@ -78,9 +82,9 @@ def candidates(planner: Planner, variants: dict[str, tuple[str, ...]] = VARIANTS
     return out
 
 
-def _better(a: Score, b: Score | None, target: float | None) -> bool:
+def _better(a: Score, b: Score | None, target: float | None, per_dollar: bool = False) -> bool:
     """Whether score ``a`` beats ``b``: with a target rate, meeting it and then the cheaper; else the more
-    goodput, then the cheaper."""
+    goodput, then the cheaper (``per_dollar``: the more goodput per $/h, then the more goodput)."""
     if b is None:
         return True
     if target is not None:
@@ -90,9 +94,21 @@ def _better(a: Score, b: Score | None, target: float | None) -> bool:
         if ma:
             return a.dollars_per_hour < b.dollars_per_hour - 1e-9
         return a.goodput > b.goodput
+    if per_dollar and not math.isclose(a.per_dollar, b.per_dollar, rel_tol=1e-9):
+        return a.per_dollar > b.per_dollar
     if not math.isclose(a.goodput, b.goodput, rel_tol=1e-9):
         return a.goodput > b.goodput
     return a.dollars_per_hour < b.dollars_per_hour - 1e-9
+
+
+def best_of(scored: Sequence[Candidate], target: float | None, per_dollar: bool = False) -> Candidate:
+    """The best of the scored candidates (:func:`_better`; the first of equals)."""
+    best = scored[0]
+    for c in scored[1:]:
+        assert c.score is not None
+        if _better(c.score, best.score, target, per_dollar):
+            best = c
+    return best
 
 
 def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = None, repair: int = REPAIR_ROUNDS,
@@ -108,9 +124,14 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
     unmet = planner.unmet(planner.columns())
     notes = [f"buckets served without meeting the SLO (no replica can): "
              f"{', '.join(inputs.buckets.buckets[b].label for _, b in unmet)}"] if unmet else []
-    if workload_at is None:
-        best = max(cands, key=lambda c: (c.solution.rate if c.solution else 0.0, -(c.solution.cost
-                                                                                   if c.solution else 0.0)))
+    if workload_at is None:  # the MILP's prediction: the most goodput (per $/h), then the cheapest
+        per_dollar = inputs.per_dollar and inputs.rate is None
+
+        def predicted(c: Candidate) -> tuple[float, float]:
+            rate, cost = (c.solution.rate, c.solution.cost) if c.solution else (0.0, 0.0)
+            return (rate / cost if per_dollar and cost > 0 else rate), -cost
+
+        best = max(cands, key=predicted)
         return PlanResult(best.plan, None, tuple(cands), (), plan_s, 0.0, len(planner.configs), tuple(notes),
                           planner)
     t1 = time.perf_counter()
@@ -123,11 +144,7 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
     scored += more
     if target is not None:
         scored += _calibrated(calibrated, scored, workload_at, say)
-    best = scored[0]
-    for c in scored[1:]:
-        assert c.score is not None
-        if _better(c.score, best.score, target):
-            best = c
+    best = best_of(scored, target, inputs.per_dollar)
     moves: list[str] = []
     if repair > 0:
         say(f"repairing by local moves ({repair} rounds)")
@@ -191,17 +208,10 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
     by_group: dict[int, float] = {}
     seen = {c.plan.layout for c in scored}
     known = {(c.plan.groups, c.plan.routing): c.score for c in scored if c.score is not None}
-    for g, group in enumerate(planner.cluster.groups):
-        cols = planner.columns(("aggregated",), groups=[g])
-        if not cols:
+    for g in range(len(planner.cluster.groups)):
+        one = own_plan(planner, g)
+        if one is None:
             continue
-        try:
-            s = planner.solve(cols, budget=planner.inputs.budget, rate=target)
-        except PlanError:
-            continue
-        if s.rate <= 0 or not s.counts.any():
-            continue
-        one = Candidate(f"{group.device.name} only", planner.to_plan(cols, s), s)
         say(f"simulating the {one.name} candidate: {one.plan.layout}")
         both = routed(one, workload_at, planner, target, known)
         ratio = served(both[0])
@@ -229,7 +239,27 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
             continue
         seen.add(again.plan.layout)
         out += routed(replace(again, name=f"{name}, calibrated"), workload_at, planner, target, known)
+    # Each device type's own plan again: the calibrated MILP's (a best-single-type baseline's) is one the planner
+    # could have produced, so it is scored too (nearly always the same plan as before: no simulation then).
+    for g in range(len(planner.cluster.groups)):
+        one = own_plan(calibrated, g)
+        if one is not None and (one.plan.groups, ROUTING_POLICIES[0]) not in known:  # not scored yet
+            out += routed(replace(one, name=f"calibrated {one.name}"), workload_at, planner, target, known)
     return out, calibrated
+
+
+def own_plan(planner: Planner, g: int) -> Candidate | None:
+    """Device group ``g``'s aggregated replicas alone, as the MILP plans them (None where they serve nothing)."""
+    cols = planner.columns(("aggregated",), groups=[g])
+    if not cols:
+        return None
+    try:
+        s = planner.solve(cols, budget=planner.inputs.budget, rate=planner.inputs.rate)
+    except PlanError:
+        return None
+    if s.rate <= 0 or not s.counts.any():
+        return None
+    return Candidate(f"{planner.cluster.groups[g].device.name} only", planner.to_plan(cols, s), s)
 
 
 def _calibrated(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
@@ -324,7 +354,7 @@ def _repair(planner: Planner, best: Candidate, workload_at: Callable[[float], Wo
             say: Callable[[str], None]) -> tuple[Candidate, list[str]]:
     """Tabu search over local moves, judged by the simulator (see the module doc)."""
     assert best.score is not None
-    target = planner.inputs.rate
+    target, per_dollar = planner.inputs.rate, planner.inputs.per_dollar and planner.inputs.rate is None
     routing = best.plan.routing
     current = planner.counts_of(best.plan)
     visited = {tuple(sorted(current.items()))}
@@ -344,24 +374,26 @@ def _repair(planner: Planner, best: Candidate, workload_at: Callable[[float], Wo
                 if s.rate < target:
                     continue
                 rank = -planner.cost(counts)  # the cheapest first
-            else:
-                rank = s.rate
+            else:  # the most goodput (per $/h) first
+                rank = s.rate / planner.cost(counts) if per_dollar else s.rate
             options.append((rank, label, counts, p, s))
         if not options:
             break
         options.sort(key=lambda o: -o[0])
-        probe = target if target is not None else max(best.score.goodput, 1e-3) * PROBE
         tried = []
         for _, label, counts, p, s in options[:REPAIR_TRIES]:
             visited.add(tuple(sorted(counts.items())))
+            # the rate a neighbour must serve to beat the best: its goodput, or its goodput per $/h at its price
+            probe = target if target is not None else PROBE * max(
+                best.score.per_dollar * planner.cost(counts) if per_dollar else best.score.goodput, 1e-3)
             a, _ = attainment_at(p, workload_at, probe, planner.overhead)
-            tried.append((a, -planner.cost(counts), label, counts, p, s))
+            tried.append((a, -planner.cost(counts), label, counts, p, s, probe))
         tried.sort(key=lambda t: (t[0], t[1]), reverse=True)
-        a, _, label, counts, p, s = tried[0]
+        a, _, label, counts, p, s, probe = tried[0]
         current = counts
         if a >= planner.inputs.attainment:
             sc = score(p, workload_at, probe, planner.overhead)
-            if _better(sc, best.score, target):
+            if _better(sc, best.score, target, per_dollar):
                 best = Candidate(f"{best.name.split(' +')[0]} + repair", p, s, sc)
                 log.append(f"round {r + 1}: {label}: goodput {sc.goodput:.4g} req/s at ${sc.dollars_per_hour:.2f}/h")
                 say(log[-1])
