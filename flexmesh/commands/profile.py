@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mdl = kinds.add_parser("model", help="per-layer time fits, activation bytes per tp/cp degree, states",
                            description="Time the runtime's layers over packed rows, measure saved activations per "
                                        "tp/cp degree and recomputation, and write a model profile.")
-    mdl.add_argument("--model", default="tiny", help="preset, gpt:L:H:A or a config.json (default tiny)")
+    mdl.add_argument("--model", help="preset, gpt:L:H:A or a config.json (default: --for-plan's model, else tiny)")
     mdl.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                      help="dtype to measure in (default fp32, the dtype the runtime trains in)")
     mdl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -41,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mdl.add_argument("--max-group", type=positive_int, metavar="N",
                      help="with --nproc, time a layer under real process groups of tp x cp up to N processes "
                           "(default 8, 2 with --quick; 1: none, for plans without tp or cp)")
+    mdl.add_argument("--for-plan", metavar="PLAN",
+                     help="measure only what PLAN prices: saved activations and process groups of its (tp, cp) "
+                          "degrees (and tp = cp = 1), the pipeline stages only when it has pp > 1")
     mdl.add_argument("--hardware-out", type=new_file, metavar="FILE",
                      help="profile the hardware first, in the same processes (one launch for both), and write that "
                           "profile to FILE")
@@ -69,7 +72,9 @@ def _forwarded(args: argparse.Namespace, out: str) -> list[str]:
     argv = ["profile", args.profile_kind, "--out", out, "--device", args.device]
     argv += ["--no-keep"] if args.no_keep else []
     if args.profile_kind == "model":
-        argv += ["--model", args.model, "--dtype", args.dtype]
+        argv += ["--model", _model(args), "--dtype", args.dtype]
+        if args.for_plan:
+            argv += ["--for-plan", str(Path(args.for_plan).resolve())]
         if args.hardware_out:
             argv += ["--hardware-out", str(Path(args.hardware_out).resolve())]
         if args.compile is not None:
@@ -90,11 +95,52 @@ def _out_path(args: argparse.Namespace) -> str:
         return "hardware.json"
     from flexmesh.spec.model import parse_model
 
-    return f"model-{parse_model(args.model).name.replace('/', '_')}.json"
+    return f"model-{parse_model(_model(args)).name.replace('/', '_')}.json"
+
+
+def _model(args: argparse.Namespace) -> str:
+    """``--model``, else ``--for-plan``'s model, else ``tiny``."""
+    if args.model:
+        return args.model
+    return _plan(args).model if args.for_plan else "tiny"
+
+
+def _plan(args: argparse.Namespace):
+    from flexmesh.layout.plan import Plan
+
+    return Plan.load(args.for_plan)
+
+
+def plan_parts(plan) -> tuple[set[tuple[int, int]], bool]:
+    """What a model profile needs to price ``plan``: its layers' (tp, cp) degrees with tp = cp = 1
+    (what unmeasured degrees scale from), and whether any replica group is a pipeline.
+
+    >>> from flexmesh.layout.plan import Plan, StagePlan
+    >>> from flexmesh.layout.strategy import LayerStrategy
+    >>> st = LayerStrategy.parse("tp2-dp2z1")
+    >>> plan_parts(Plan.uniform("tiny", "4xA100-80GB", 4, 1, "1f1b", 1, 2048, 8, (StagePlan(0, 4, (st,) * 4),)))
+    ({(1, 1), (2, 1)}, False)
+    """
+    degrees = {(1, 1)} | {(s.tp, s.cp) for g in plan.groups for s in g.layer_strategies()}
+    return degrees, any(g.pp > 1 for g in plan.groups)
+
+
+def _plan_parts(args: argparse.Namespace) -> tuple[set[tuple[int, int]] | None, bool]:
+    """``--for-plan``'s :func:`plan_parts` (None, True without it); refused when it is another model's plan."""
+    if args.profile_kind != "model" or not args.for_plan:
+        return None, True
+    from flexmesh.spec.model import parse_model
+
+    plan = _plan(args)
+    if parse_model(plan.model).name != parse_model(_model(args)).name:
+        raise ProfileError(f"--for-plan {args.for_plan} is a plan of {plan.model!r}, not {args.model!r}; "
+                           f"drop --model or pass --model {plan.model}")
+    return plan_parts(plan)
 
 
 def run(args: argparse.Namespace) -> int:
     out = _out_path(args)
+    only, pipeline = _plan_parts(args)  # a plan of another model: one line, before anything starts
     for target in (out, args.hardware_out):
         if target:
             check_file_target(target)  # a device, fifo or symlink there: refused now, not after minutes of profiling
@@ -120,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
             from flexmesh.profile.model import profile_model
             from flexmesh.spec.model import parse_model
 
-            prof = profile_model(parse_model(args.model), quick=args.quick, dtype=args.dtype,
+            prof = profile_model(parse_model(_model(args)), quick=args.quick, dtype=args.dtype,
                                  show_progress=not args.no_progress, world=world, compile=args.compile,
-                                 max_group=args.max_group)
+                                 max_group=args.max_group, degrees_only=only, pipeline=pipeline)
             _written(prof, out, args, "model")
     finally:
         world.close()
@@ -145,7 +191,7 @@ def _save_local(prof, args: argparse.Namespace, kind: str) -> None:
     from flexmesh.profile.use import local_profile
     from flexmesh.spec.model import parse_model
 
-    spec = parse_model(args.model) if kind == "model" else None
+    spec = parse_model(_model(args)) if kind == "model" else None
     path = local_profile(kind, spec, prof.dtype)
     try:
         make_folder(path.parent)
