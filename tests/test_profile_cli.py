@@ -113,11 +113,12 @@ def test_one_launch_profiles_the_hardware_then_the_model(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_a_profile_for_a_plan_measures_what_that_plan_prices(tmp_path, capsys):
+def test_a_profile_for_a_plan_measures_what_that_plan_prices(tmp_path, capsys, monkeypatch):
     """--for-plan of a tp1 cp1 plan without pp: activations at tp = cp = 1 only, no pipeline stages, the
-    model the plan's; another model's plan refused in one line before anything runs."""
+    model the plan's, not kept as the machine's own; another model's plan refused in one line before anything runs."""
     from flexmesh.layout.plan import Plan, StagePlan
 
+    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
     cfg = small_config(tmp_path)
     st = LayerStrategy.parse("tp1-dp2z2")
     plan = tmp_path / "plan.json"
@@ -125,8 +126,8 @@ def test_a_profile_for_a_plan_measures_what_that_plan_prices(tmp_path, capsys):
                  virtual_stages=1, num_microbatches=1, seq_len=512, global_batch=4,
                  stages=(StagePlan(0, 2, (st,) * 2),)).save(plan)
     out = tmp_path / "model.json"
-    assert main(["profile", "model", "--for-plan", str(plan), "--quick", "--no-progress", "--no-keep",
-                 "--out", str(out)]) == 0
+    assert main(["profile", "model", "--for-plan", str(plan), "--quick", "--no-progress", "--out", str(out)]) == 0
+    assert not (tmp_path / "cache").exists()  # a profile of one plan's parts is not the machine's own
     prof = load_profile(out, "model")
     prof.check_model(from_hf_config(cfg))  # the plan's model, --model not given
     assert {(e["tp"], e["cp"]) for e in prof.activations["layers"]} == {(1, 1)}

@@ -43,7 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           "(default 8, 2 with --quick; 1: none, for plans without tp or cp)")
     mdl.add_argument("--for-plan", metavar="PLAN",
                      help="measure only what PLAN prices: saved activations and process groups of its (tp, cp) "
-                          "degrees (and tp = cp = 1), the pipeline stages only when it has pp > 1")
+                          "degrees (and tp = cp = 1), the pipeline stages only when it has pp > 1; not kept as this "
+                          "machine's own (it prices that plan, not others)")
     mdl.add_argument("--hardware-out", type=new_file, metavar="FILE",
                      help="profile the hardware first, in the same processes (one launch for both), and write that "
                           "profile to FILE")
@@ -176,12 +177,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _written(prof: HardwareProfile | ModelProfile | None, out: str, args: argparse.Namespace, kind: str) -> None:
-    """Rank 0's profile (None elsewhere) written to ``out``, summarised, and kept as this machine's own."""
+    """Rank 0's profile (None elsewhere) written to ``out``, summarised, and kept as this machine's own
+    (not with ``--no-keep``, nor a model profile of one plan's parts, ``--for-plan``)."""
     if prof is None:
         return
     prof.save(out)
     _summary(prof, out)
-    if not args.no_keep:
+    if not args.no_keep and not (kind == "model" and getattr(args, "for_plan", None)):
         _save_local(prof, args, kind)
 
 
