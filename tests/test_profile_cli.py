@@ -114,8 +114,9 @@ def test_one_launch_profiles_the_hardware_then_the_model(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_a_profile_for_a_plan_measures_what_that_plan_prices(tmp_path, capsys, monkeypatch):
-    """--for-plan of a tp1 cp1 plan without pp: activations at tp = cp = 1 only, no pipeline stages, the
-    model the plan's, not kept as the machine's own; another model's plan refused in one line before anything runs."""
+    """--for-plan of a tp1 cp1 plan without pp, groups capped at 1 (a run at --cp 1): activations at
+    tp = cp = 1 only, no pipeline stages, the model the plan's, not kept as the machine's own; another
+    model's plan refused in one line before anything runs."""
     from flexmesh.layout.plan import Plan, StagePlan
 
     monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
@@ -126,7 +127,8 @@ def test_a_profile_for_a_plan_measures_what_that_plan_prices(tmp_path, capsys, m
                  virtual_stages=1, num_microbatches=1, seq_len=512, global_batch=4,
                  stages=(StagePlan(0, 2, (st,) * 2),)).save(plan)
     out = tmp_path / "model.json"
-    assert main(["profile", "model", "--for-plan", str(plan), "--quick", "--no-progress", "--out", str(out)]) == 0
+    assert main(["profile", "model", "--for-plan", str(plan), "--max-group", "1", "--quick", "--no-progress",
+                 "--out", str(out)]) == 0
     assert not (tmp_path / "cache").exists()  # a profile of one plan's parts is not the machine's own
     prof = load_profile(out, "model")
     prof.check_model(from_hf_config(cfg))  # the plan's model, --model not given

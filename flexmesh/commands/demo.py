@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     # `flexmesh` invocation imports this module to build its parser.
     from flexmesh.report.demo import write_report
     from flexmesh.report.experts import MOE_MODEL, demo_experts
-    from flexmesh.report.runs import TRAIN_MODEL, read_metrics
+    from flexmesh.report.runs import TRAIN_MODEL, read_metrics, training_plan
 
     size = DemoSize.of(args)
     if not 2 <= size.nproc <= 4:
@@ -176,8 +176,11 @@ def run(args: argparse.Namespace) -> int:
     on = ["--device", devices["multi"]]
     # --no-keep: the demo's quick profiles never replace the machine's own (those `--cluster local` prices by)
     quick = ["--quick", "--no-keep", "--nproc", str(size.nproc), *on]
-    # one launch for both: the hardware, then the model, in the same processes
-    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, *quick, "--out", str(mp), "--hardware-out", str(hw)],
+    # one launch for both: the hardware, then the model, in the same processes; the model measured for the
+    # training plan (its per-step Ulysses groups; no tp, ring or pipeline, which no run of the demo prices)
+    plan_path = out / "plan-train.json"
+    training_plan(size.nproc, size.seq_len, size.global_batch).save(plan_path)
+    _flexmesh(["profile", "model", "--for-plan", str(plan_path), *quick, "--out", str(mp), "--hardware-out", str(hw)],
               console, "profile")
 
     # 4. train

@@ -112,36 +112,62 @@ def _plan(args: argparse.Namespace):
     return Plan.load(args.for_plan)
 
 
-def plan_parts(plan) -> tuple[set[tuple[int, int]], bool]:
-    """What a model profile needs to price ``plan``: its layers' (tp, cp) degrees with tp = cp = 1
-    (what unmeasured degrees scale from), and whether any replica group is a pipeline.
+Degrees = set[tuple[int, int]]  # (tp, cp)
+Groups = set[tuple[int, str, int]]  # (tp, cp kind, cp)
+
+
+def plan_parts(plan, spec, max_group: int | None = None) -> tuple[Degrees, Groups, bool]:
+    """What a model profile of ``spec`` needs to price ``plan``: the (tp, cp) degrees of saved
+    activations, the (tp, cp kind, cp) layouts to time under real process groups, and whether any
+    replica group is a pipeline. Degrees: tp = cp = 1 (what unmeasured ones scale from), the plan's
+    layers', and those of the context-parallel groups per-step policies form of a replica group's data
+    ranks (cp up to its data ranks, or ``max_group`` processes; of the kind
+    flexmesh.layout.mesh.context_kind gives, as the runtime forms them).
 
     >>> from flexmesh.layout.plan import Plan, StagePlan
     >>> from flexmesh.layout.strategy import LayerStrategy
-    >>> st = LayerStrategy.parse("tp2-dp2z1")
-    >>> plan_parts(Plan.uniform("tiny", "4xA100-80GB", 4, 1, "1f1b", 1, 2048, 8, (StagePlan(0, 4, (st,) * 4),)))
-    ({(1, 1), (2, 1)}, False)
+    >>> from flexmesh.spec.model import parse_model
+    >>> st = (LayerStrategy.parse("tp1-dp2z2"),) * 4
+    >>> plan = Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 1, 2048, 8, (StagePlan(0, 4, st),))
+    >>> plan_parts(plan, parse_model("tiny"))
+    ({(1, 1), (1, 2)}, {(1, 'ulysses', 2)}, False)
+    >>> plan_parts(plan, parse_model("tiny"), max_group=1)
+    ({(1, 1)}, set(), False)
     """
-    degrees = {(1, 1)} | {(s.tp, s.cp) for g in plan.groups for s in g.layer_strategies()}
-    return degrees, any(g.pp > 1 for g in plan.groups)
+    from flexmesh.layout.mesh import context_kind, group_layout
+
+    degrees: Degrees = {(1, 1)}
+    groups: Groups = set()
+    for g in plan.groups:
+        layout = group_layout(g)
+        strategies = g.layer_strategies()
+        layers = {(s.tp, str(s.cp_kind), s.cp) for s in strategies}
+        tp, kind, cp = strategies[0].tp, str(context_kind(spec, layout)), 2
+        while cp <= layout.data_ranks and tp * cp <= (max_group or tp * cp):
+            layers.add((tp, kind, cp))
+            cp *= 2
+        degrees |= {(t, c) for t, _, c in layers}
+        groups |= {(t, k, c) for t, k, c in layers if t * c > 1 and t * c <= (max_group or t * c)}
+    return degrees, groups, any(g.pp > 1 for g in plan.groups)
 
 
-def _plan_parts(args: argparse.Namespace) -> tuple[set[tuple[int, int]] | None, bool]:
-    """``--for-plan``'s :func:`plan_parts` (None, True without it); refused when it is another model's plan."""
+def _plan_parts(args: argparse.Namespace) -> tuple[Degrees | None, Groups | None, bool]:
+    """``--for-plan``'s :func:`plan_parts` (None, None, True without it); refused when it is another model's plan."""
     if args.profile_kind != "model" or not args.for_plan:
-        return None, True
+        return None, None, True
     from flexmesh.spec.model import parse_model
 
     plan = _plan(args)
-    if parse_model(plan.model).name != parse_model(_model(args)).name:
+    spec = parse_model(_model(args))
+    if parse_model(plan.model).name != spec.name:
         raise ProfileError(f"--for-plan {args.for_plan} is a plan of {plan.model!r}, not {args.model!r}; "
                            f"drop --model or pass --model {plan.model}")
-    return plan_parts(plan)
+    return plan_parts(plan, spec, args.max_group)
 
 
 def run(args: argparse.Namespace) -> int:
     out = _out_path(args)
-    only, pipeline = _plan_parts(args)  # a plan of another model: one line, before anything starts
+    only, groups, pipeline = _plan_parts(args)  # a plan of another model: one line, before anything starts
     for target in (out, args.hardware_out):
         if target:
             check_file_target(target)  # a device, fifo or symlink there: refused now, not after minutes of profiling
@@ -169,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
 
             prof = profile_model(parse_model(_model(args)), quick=args.quick, dtype=args.dtype,
                                  show_progress=not args.no_progress, world=world, compile=args.compile,
-                                 max_group=args.max_group, degrees_only=only, pipeline=pipeline)
+                                 max_group=args.max_group, degrees_only=only, groups_only=groups,
+                                 pipeline=pipeline)
             _written(prof, out, args, "model")
     finally:
         world.close()

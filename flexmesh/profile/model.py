@@ -358,20 +358,20 @@ def _measure_stages(spec: ModelSpec, cfg: dict, dtype, device, world: World) -> 
 
 
 def parallel_layouts(spec: ModelSpec, world_size: int, max_degree: int,
-                     only: Collection[tuple[int, int]] | None = None) -> list[tuple[int, str, int]]:
+                     only: Collection[tuple[int, str, int]] | None = None) -> list[tuple[int, str, int]]:
     """(tp, cp kind, cp) of one layer to time under real process groups: every tp x cp > 1 of
-    :func:`degrees` (those in ``only`` when given) that divides the world; Ulysses only where the heads
-    per tp rank split cp ways."""
+    :func:`degrees` that divides the world; Ulysses only where the heads per tp rank split cp ways;
+    those in ``only`` when given."""
     out = []
     for tp, cp in degrees(spec, min(max_degree, world_size)):
-        if tp * cp == 1 or world_size % (tp * cp) or (only is not None and (tp, cp) not in only):
+        if tp * cp == 1 or world_size % (tp * cp):
             continue
         if cp == 1:
             out.append((tp, "none", 1))
             continue
         out.extend((tp, kind, cp) for kind in ("ulysses", "ring")
                    if kind == "ring" or (spec.num_heads // tp) % cp == 0)
-    return out
+    return [layout for layout in out if only is None or layout in only]
 
 
 def _mesh(world: World, tp: int, cp: int):
@@ -408,7 +408,7 @@ def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, a
     tokens on the group, with the group's communication inside them.
     """
     layers, ends = [], []
-    for tp, kind, cp in parallel_layouts(spec, world.size, cfg["max_degree"], cfg.get("degrees")):
+    for tp, kind, cp in parallel_layouts(spec, world.size, cfg["max_degree"], cfg.get("groups")):
         mesh = _mesh(world, tp, cp)
         block = _compiled(_parallel_block(spec, mesh, kind, dtype, device), compile)
         rows = [r for r in cfg["rows"] if sum(r) % (tp * cp) == 0]
@@ -455,14 +455,16 @@ def _compiled(block, compile: bool):
 def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", show_progress: bool = True,
                   world: World | None = None, compile: bool | None = None,
                   max_group: int | None = None, degrees_only: Collection[tuple[int, int]] | None = None,
+                  groups_only: Collection[tuple[int, str, int]] | None = None,
                   pipeline: bool = True) -> ModelProfile | None:
     """Measure ``spec`` with the runtime's modules; every process calls it, rank 0 gets the profile.
 
     ``compile``: time the layers and the whole model with compiled blocks, as the runtime runs them
     (default: on a GPU, as ``flexmesh train``'s default); saved activations are metered eagerly.
     ``max_group``: the largest tp x cp timed under real process groups (default the sweep's; 1: none).
-    ``degrees_only``: measure saved activations and real process groups of these (tp, cp) only (and of
-    tp = cp = 1); ``pipeline`` off: no pipeline stages (:func:`_measure_stages`; a plan without pp prices none).
+    ``degrees_only``: measure saved activations of these (tp, cp) only (and of tp = cp = 1);
+    ``groups_only``: time these (tp, cp kind, cp) under real process groups only; ``pipeline`` off: no
+    pipeline stages (:func:`_measure_stages`; a plan without pp prices none).
     """
     from flexmesh.runtime.model.transformer import check_supported
 
@@ -477,7 +479,9 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         cfg["degrees"] = [d for d in degrees(spec, cfg["max_degree"]) if d == (1, 1) or d in degrees_only]
     torch.manual_seed(0)
     n_deg = len(cfg.get("degrees") or degrees(spec, cfg["max_degree"]))  # saved activations, in one process
-    n_par = len(parallel_layouts(spec, world.size, max_group or cfg["max_degree"], cfg.get("degrees")))
+    if groups_only is not None:
+        cfg["groups"] = set(groups_only)
+    n_par = len(parallel_layouts(spec, world.size, max_group or cfg["max_degree"], cfg.get("groups")))
     with progress(show_progress and world.is_main, f"profiling {spec.name}",
                   len(cfg["rows"]) + 3 + pipeline + n_deg + n_par) as advance:
         layer, layer_rows = _layer_sweep(_compiled(rank_block(spec, dt, device), compile), cfg["rows"], cfg, spec, dt,
