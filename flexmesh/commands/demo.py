@@ -6,13 +6,14 @@ With no arguments, on this machine (see docs/cli-demo.md):
 2. simulate the baselines and the ``hdp`` and ``milp`` policies on Llama 2 7B over 8x8 A100-40GB
    with batches drawn from the shipped Wikipedia lengths, and show the comparison;
 3. profile this machine and the small model the demo trains, in one launch (``flexmesh profile model --quick
-   --hardware-out``);
+   --hardware-out``), the model for the training plan of step 4 (``--for-plan``);
 4. train that model on ``--nproc`` local processes on the Python standard library's sources, first
    with the ``fixed`` policy, then with adaptive per-step schedules (``milp``, falling back to
    ``hdp`` when late) on the same batches, showing progress;
 5. uneven devices: plan Llama 2 13B on a mixed cluster (one H100 node, two A100-40GB nodes)
-   against its baselines, simulate that plan's fixed shares against each step's documents
-   dispatched over its replica groups (``flexmesh simulate --plan``), then train twice on 2 processes
+   against its baselines (searched in a child process during steps 1 and 2), simulate that plan's
+   fixed shares against each step's documents dispatched over its replica groups (``flexmesh simulate
+   --plan``), then train twice on 2 processes
    with rank 1 emulated at half speed, static against re-planned per-step schedules; uneven experts:
    a mixture of experts on 2 processes, its experts over both ranks, static against load-following
    placement;

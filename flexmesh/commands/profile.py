@@ -42,9 +42,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="with --nproc, time a layer under real process groups of tp x cp up to N processes "
                           "(default 8, 2 with --quick; 1: none, for plans without tp or cp)")
     mdl.add_argument("--for-plan", metavar="PLAN",
-                     help="measure only what PLAN prices: saved activations and process groups of its (tp, cp) "
-                          "degrees (and tp = cp = 1), the pipeline stages only when it has pp > 1 (not the cp groups "
-                          "of per-step policies); not kept as this machine's own")
+                     help="measure only what PLAN prices: saved activations and process groups of its layers' "
+                          "(tp, cp), of tp = cp = 1 and of the cp groups per-step policies form of its data ranks "
+                          "(up to --max-group), the pipeline stages only when it has pp > 1; not kept as this "
+                          "machine's own")
     mdl.add_argument("--hardware-out", type=new_file, metavar="FILE",
                      help="profile the hardware first, in the same processes (one launch for both), and write that "
                           "profile to FILE")
