@@ -61,7 +61,7 @@ from flexmesh.errors import ProfileError
 from flexmesh.profile.activations import measure_activations
 from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, fit_whole
 from flexmesh.profile.format import END_KEYS, ModelProfile, produced_by
-from flexmesh.profile.modules import degrees, packed_row, rank_block
+from flexmesh.profile.modules import degrees, packed_row, parallel_layouts, rank_block
 from flexmesh.profile.runner import World, median_time, progress, synchronize
 from flexmesh.runtime.model.loss import summed_cross_entropy
 from flexmesh.spec.model import ModelSpec
@@ -355,23 +355,6 @@ def _measure_stages(spec: ModelSpec, cfg: dict, dtype, device, world: World) -> 
             dist.destroy_process_group()
     _, fixed = fit_linear([c * m for c in counts], times)
     return {"stages": counts, "microbatches": m, "tokens": n, "step_s": times, "stage_fixed_s": fixed}
-
-
-def parallel_layouts(spec: ModelSpec, world_size: int, max_degree: int,
-                     only: Collection[tuple[int, str, int]] | None = None) -> list[tuple[int, str, int]]:
-    """(tp, cp kind, cp) of one layer to time under real process groups: every tp x cp > 1 of
-    :func:`degrees` that divides the world; Ulysses only where the heads per tp rank split cp ways;
-    those in ``only`` when given."""
-    out = []
-    for tp, cp in degrees(spec, min(max_degree, world_size)):
-        if tp * cp == 1 or world_size % (tp * cp):
-            continue
-        if cp == 1:
-            out.append((tp, "none", 1))
-            continue
-        out.extend((tp, kind, cp) for kind in ("ulysses", "ring")
-                   if kind == "ring" or (spec.num_heads // tp) % cp == 0)
-    return [layout for layout in out if only is None or layout in only]
 
 
 def _mesh(world: World, tp: int, cp: int):
