@@ -101,7 +101,8 @@ def test_one_launch_profiles_the_hardware_then_the_model(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()  # --no-keep holds for both
     # under --nproc, the ranks are given the file at its full path (they may start elsewhere)
     args = argparse.Namespace(profile_kind="model", device="auto", no_keep=True, model=str(cfg), dtype="fp32",
-                              compile=None, quick=True, no_progress=True, hardware_out="hw.json", max_group=None)
+                              compile=None, quick=True, no_progress=True, hardware_out="hw.json", max_group=None,
+                              for_plan=None)
     monkeypatch.chdir(tmp_path)
     forwarded = profile_command._forwarded(args, str(out))
     assert forwarded[forwarded.index("--hardware-out") + 1] == str(tmp_path / "hw.json")
@@ -109,6 +110,36 @@ def test_one_launch_profiles_the_hardware_then_the_model(tmp_path, monkeypatch):
     args.max_group = 1
     forwarded = profile_command._forwarded(args, str(out))
     assert forwarded[forwarded.index("--max-group") + 1] == "1"
+
+
+@pytest.mark.timeout(120)
+def test_a_profile_for_a_plan_measures_what_that_plan_prices(tmp_path, capsys, monkeypatch):
+    """--for-plan of a tp1 cp1 plan without pp, groups capped at 1 (a run at --cp 1): activations at
+    tp = cp = 1 only, no pipeline stages, the model the plan's, not kept as the machine's own; another
+    model's plan refused in one line before anything runs."""
+    from flexmesh.layout.plan import Plan, StagePlan
+
+    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
+    cfg = small_config(tmp_path)
+    st = LayerStrategy.parse("tp1-dp2z2")
+    plan = tmp_path / "plan.json"
+    Plan.uniform(model=str(cfg), cluster="2xA100-80GB", world_size=2, pp=1, pipeline_schedule="1f1b",
+                 virtual_stages=1, num_microbatches=1, seq_len=512, global_batch=4,
+                 stages=(StagePlan(0, 2, (st,) * 2),)).save(plan)
+    out = tmp_path / "model.json"
+    assert main(["profile", "model", "--for-plan", str(plan), "--max-group", "1", "--quick", "--no-progress",
+                 "--out", str(out)]) == 0
+    assert not (tmp_path / "cache").exists()  # a profile of one plan's parts is not the machine's own
+    prof = load_profile(out, "model")
+    prof.check_model(from_hf_config(cfg))  # the plan's model, --model not given
+    assert {(e["tp"], e["cp"]) for e in prof.activations["layers"]} == {(1, 1)}
+    assert {e["recompute"] for e in prof.activations["layers"]} == {False, True, "selective"}
+    assert prof.pipeline == {} and prof.whole_model["layers"] == 2
+    assert "pipeline stages" not in capsys.readouterr().out
+    assert main(["profile", "model", "--model", "tiny", "--for-plan", str(plan), "--quick", "--no-keep",
+                 "--out", str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--for-plan" in err and "not 'tiny'" in err and not (tmp_path / "other.json").exists()
 
 
 def test_profile_error_is_a_clear_cli_message(tmp_path, capsys):

@@ -6,13 +6,14 @@ With no arguments, on this machine (see docs/cli-demo.md):
 2. simulate the baselines and the ``hdp`` and ``milp`` policies on Llama 2 7B over 8x8 A100-40GB
    with batches drawn from the shipped Wikipedia lengths, and show the comparison;
 3. profile this machine and the small model the demo trains, in one launch (``flexmesh profile model --quick
-   --hardware-out``);
+   --hardware-out``), the model for the training plan of step 4 (``--for-plan``);
 4. train that model on ``--nproc`` local processes on the Python standard library's sources, first
    with the ``fixed`` policy, then with adaptive per-step schedules (``milp``, falling back to
    ``hdp`` when late) on the same batches, showing progress;
 5. uneven devices: plan Llama 2 13B on a mixed cluster (one H100 node, two A100-40GB nodes)
-   against its baselines, simulate that plan's fixed shares against each step's documents
-   dispatched over its replica groups (``flexmesh simulate --plan``), then train twice on 2 processes
+   against its baselines (searched in a child process during steps 1 and 2), simulate that plan's
+   fixed shares against each step's documents dispatched over its replica groups (``flexmesh simulate
+   --plan``), then train twice on 2 processes
    with rank 1 emulated at half speed, static against re-planned per-step schedules; uneven experts:
    a mixture of experts on 2 processes, its experts over both ranks, static against load-following
    placement;
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     # `flexmesh` invocation imports this module to build its parser.
     from flexmesh.report.demo import write_report
     from flexmesh.report.experts import MOE_MODEL, demo_experts
-    from flexmesh.report.runs import TRAIN_MODEL, read_metrics
+    from flexmesh.report.runs import TRAIN_MODEL, read_metrics, training_plan
 
     size = DemoSize.of(args)
     if not 2 <= size.nproc <= 4:
@@ -156,22 +157,18 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     devices = demo_devices(args.device, size.nproc, console)
 
-    # 1. plan
-    console.print(Rule("1/6  plan: Llama 3 8B on 8x H100, sequences of 8192, 128 per step"))
-    try:
-        failed = plan_command.run(_parse(plan_command, ["plan", "--out", str(out / "plan-llama3-8b.json")])) != 0
-    except FlexmeshError as e:
-        raise FlexmeshError(f"demo step 'plan' failed: {e}") from None
-    if failed:
-        raise FlexmeshError("demo step 'plan' failed")
+    # Step 5's mixed-cluster plan is a search on one core that measures nothing: it runs in a child process
+    # while steps 1 and 2 run here (the machine has at least two cores), and is joined before the profile,
+    # which must have the machine to itself.
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
 
-    # 2. simulate
-    console.print(Rule("2/6  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
-    sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--seq-len", "131072",
-                "--global-batch", "128" if args.quick else "512", "--lengths", "wikipedia", "--policies", "hdp,milp",
-                "--steps", str(size.sim_steps), "--seed", str(size.seed), "--plots", str(out / "simulated")]
-    sim = simulate_command.simulate(_parse(simulate_command, sim_args))
-    simulate_command.print_table(sim, plain_console())
+    from flexmesh.report.plan_tables import demo_mixed_search
+
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        searching = pool.submit(demo_mixed_search)
+        sim = _plan_and_simulate(args, size, out, console)
+        mixed_found = searching.result()
 
     # 3. profile
     console.print(Rule(f"3/6  profile this machine and the {TRAIN_MODEL} model with {size.nproc} processes"))
@@ -180,8 +177,11 @@ def run(args: argparse.Namespace) -> int:
     on = ["--device", devices["multi"]]
     # --no-keep: the demo's quick profiles never replace the machine's own (those `--cluster local` prices by)
     quick = ["--quick", "--no-keep", "--nproc", str(size.nproc), *on]
-    # one launch for both: the hardware, then the model, in the same processes
-    _flexmesh(["profile", "model", "--model", TRAIN_MODEL, *quick, "--out", str(mp), "--hardware-out", str(hw)],
+    # one launch for both: the hardware, then the model, in the same processes; the model measured for the
+    # training plan (its per-step Ulysses groups; no tp, ring or pipeline, which no run of the demo prices)
+    plan_path = out / "plan-train.json"
+    training_plan(size.nproc, size.seq_len, size.global_batch).save(plan_path)
+    _flexmesh(["profile", "model", "--for-plan", str(plan_path), *quick, "--out", str(mp), "--hardware-out", str(hw)],
               console, "profile")
 
     # 4. train
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(Rule("5/6  mixed cluster: plan Llama 2 13B on 1x8xH100+2x8xA100-40GB against its baselines"))
     from flexmesh.report.plan_tables import demo_mixed_plan
 
-    mixed = demo_mixed_plan(console)
+    mixed = demo_mixed_plan(console, mixed_found)
     mixed_path = out / "plan-mixed.json"
     mixed["plan"].save(mixed_path)
     console.print(Rule("5/6  mixed cluster: each step's Wikipedia documents dispatched over its replica groups, "
@@ -242,6 +242,31 @@ def run(args: argparse.Namespace) -> int:
     demo_serving(out, path, console, quick=args.quick)
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
     return 0
+
+
+def _plan_and_simulate(args: argparse.Namespace, size: DemoSize, out: Path, console):
+    """Steps 1 and 2 of the module doc; the simulation's comparison."""
+    from rich.rule import Rule
+
+    from flexmesh.console import plain_console
+
+    # 1. plan
+    console.print(Rule("1/6  plan: Llama 3 8B on 8x H100, sequences of 8192, 128 per step"))
+    try:
+        failed = plan_command.run(_parse(plan_command, ["plan", "--out", str(out / "plan-llama3-8b.json")])) != 0
+    except FlexmeshError as e:
+        raise FlexmeshError(f"demo step 'plan' failed: {e}") from None
+    if failed:
+        raise FlexmeshError("demo step 'plan' failed")
+
+    # 2. simulate
+    console.print(Rule("2/6  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
+    sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--seq-len", "131072",
+                "--global-batch", "128" if args.quick else "512", "--lengths", "wikipedia", "--policies", "hdp,milp",
+                "--steps", str(size.sim_steps), "--seed", str(size.seed), "--plots", str(out / "simulated")]
+    sim = simulate_command.simulate(_parse(simulate_command, sim_args))
+    simulate_command.print_table(sim, plain_console())
+    return sim
 
 
 def demo_devices(requested: str, nproc: int, console) -> dict:

@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mdl = kinds.add_parser("model", help="per-layer time fits, activation bytes per tp/cp degree, states",
                            description="Time the runtime's layers over packed rows, measure saved activations per "
                                        "tp/cp degree and recomputation, and write a model profile.")
-    mdl.add_argument("--model", default="tiny", help="preset, gpt:L:H:A or a config.json (default tiny)")
+    mdl.add_argument("--model", help="preset, gpt:L:H:A or a config.json (default: --for-plan's model, else tiny)")
     mdl.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                      help="dtype to measure in (default fp32, the dtype the runtime trains in)")
     mdl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -41,6 +41,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mdl.add_argument("--max-group", type=positive_int, metavar="N",
                      help="with --nproc, time a layer under real process groups of tp x cp up to N processes "
                           "(default 8, 2 with --quick; 1: none, for plans without tp or cp)")
+    mdl.add_argument("--for-plan", metavar="PLAN",
+                     help="measure only what PLAN prices: saved activations and process groups of its layers' "
+                          "(tp, cp), of tp = cp = 1 and of the cp groups per-step policies form of its data ranks "
+                          "(up to --max-group), the pipeline stages only when it has pp > 1; not kept as this "
+                          "machine's own")
     mdl.add_argument("--hardware-out", type=new_file, metavar="FILE",
                      help="profile the hardware first, in the same processes (one launch for both), and write that "
                           "profile to FILE")
@@ -69,7 +74,9 @@ def _forwarded(args: argparse.Namespace, out: str) -> list[str]:
     argv = ["profile", args.profile_kind, "--out", out, "--device", args.device]
     argv += ["--no-keep"] if args.no_keep else []
     if args.profile_kind == "model":
-        argv += ["--model", args.model, "--dtype", args.dtype]
+        argv += ["--model", _model(args), "--dtype", args.dtype]
+        if args.for_plan:
+            argv += ["--for-plan", str(Path(args.for_plan).resolve())]
         if args.hardware_out:
             argv += ["--hardware-out", str(Path(args.hardware_out).resolve())]
         if args.compile is not None:
@@ -90,11 +97,78 @@ def _out_path(args: argparse.Namespace) -> str:
         return "hardware.json"
     from flexmesh.spec.model import parse_model
 
-    return f"model-{parse_model(args.model).name.replace('/', '_')}.json"
+    return f"model-{parse_model(_model(args)).name.replace('/', '_')}.json"
+
+
+def _model(args: argparse.Namespace) -> str:
+    """``--model``, else ``--for-plan``'s model, else ``tiny``."""
+    if args.model:
+        return args.model
+    return _plan(args).model if args.for_plan else "tiny"
+
+
+def _plan(args: argparse.Namespace):
+    from flexmesh.layout.plan import Plan
+
+    return Plan.load(args.for_plan)
+
+
+Degrees = set[tuple[int, int]]  # (tp, cp)
+Groups = set[tuple[int, str, int]]  # (tp, cp kind, cp)
+
+
+def plan_parts(plan, spec, max_group: int | None = None) -> tuple[Degrees, Groups, bool]:
+    """What a model profile of ``spec`` needs to price ``plan``: the (tp, cp) degrees of saved
+    activations, the (tp, cp kind, cp) layouts to time under real process groups, and whether any
+    replica group is a pipeline. Degrees: tp = cp = 1 (what unmeasured ones scale from), the plan's
+    layers', and those of the context-parallel groups per-step policies form of a replica group's data
+    ranks (cp up to its data ranks, or ``max_group`` processes; of the kind
+    flexmesh.layout.mesh.context_kind gives, as the runtime forms them).
+
+    >>> from flexmesh.layout.plan import Plan, StagePlan
+    >>> from flexmesh.layout.strategy import LayerStrategy
+    >>> from flexmesh.spec.model import parse_model
+    >>> st = (LayerStrategy.parse("tp1-dp2z2"),) * 4
+    >>> plan = Plan.uniform("tiny", "2xA100-80GB", 2, 1, "1f1b", 1, 2048, 8, (StagePlan(0, 4, st),))
+    >>> plan_parts(plan, parse_model("tiny"))
+    ({(1, 1), (1, 2)}, {(1, 'ulysses', 2)}, False)
+    >>> plan_parts(plan, parse_model("tiny"), max_group=1)
+    ({(1, 1)}, set(), False)
+    """
+    from flexmesh.layout.mesh import context_kind, group_layout
+
+    degrees: Degrees = {(1, 1)}
+    groups: Groups = set()
+    for g in plan.groups:
+        layout = group_layout(g)
+        strategies = g.layer_strategies()
+        layers = {(s.tp, str(s.cp_kind), s.cp) for s in strategies}
+        tp, kind, cp = strategies[0].tp, str(context_kind(spec, layout)), 2
+        while cp <= layout.data_ranks and tp * cp <= (max_group or tp * cp):
+            layers.add((tp, kind, cp))
+            cp *= 2
+        degrees |= {(t, c) for t, _, c in layers}
+        groups |= {(t, k, c) for t, k, c in layers if t * c > 1 and t * c <= (max_group or t * c)}
+    return degrees, groups, any(g.pp > 1 for g in plan.groups)
+
+
+def _plan_parts(args: argparse.Namespace) -> tuple[Degrees | None, Groups | None, bool]:
+    """``--for-plan``'s :func:`plan_parts` (None, None, True without it); refused when it is another model's plan."""
+    if args.profile_kind != "model" or not args.for_plan:
+        return None, None, True
+    from flexmesh.spec.model import parse_model
+
+    plan = _plan(args)
+    spec = parse_model(_model(args))
+    if parse_model(plan.model).name != spec.name:
+        raise ProfileError(f"--for-plan {args.for_plan} is a plan of {plan.model!r}, not {args.model!r}; "
+                           f"drop --model or pass --model {plan.model}")
+    return plan_parts(plan, spec, args.max_group)
 
 
 def run(args: argparse.Namespace) -> int:
     out = _out_path(args)
+    only, groups, pipeline = _plan_parts(args)  # a plan of another model: one line, before anything starts
     for target in (out, args.hardware_out):
         if target:
             check_file_target(target)  # a device, fifo or symlink there: refused now, not after minutes of profiling
@@ -120,9 +194,10 @@ def run(args: argparse.Namespace) -> int:
             from flexmesh.profile.model import profile_model
             from flexmesh.spec.model import parse_model
 
-            prof = profile_model(parse_model(args.model), quick=args.quick, dtype=args.dtype,
+            prof = profile_model(parse_model(_model(args)), quick=args.quick, dtype=args.dtype,
                                  show_progress=not args.no_progress, world=world, compile=args.compile,
-                                 max_group=args.max_group)
+                                 max_group=args.max_group, degrees_only=only, groups_only=groups,
+                                 pipeline=pipeline)
             _written(prof, out, args, "model")
     finally:
         world.close()
@@ -130,12 +205,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _written(prof: HardwareProfile | ModelProfile | None, out: str, args: argparse.Namespace, kind: str) -> None:
-    """Rank 0's profile (None elsewhere) written to ``out``, summarised, and kept as this machine's own."""
+    """Rank 0's profile (None elsewhere) written to ``out``, summarised, and kept as this machine's own
+    (not with ``--no-keep``, nor a model profile of one plan's parts, ``--for-plan``)."""
     if prof is None:
         return
     prof.save(out)
     _summary(prof, out)
-    if not args.no_keep:
+    if not args.no_keep and not (kind == "model" and getattr(args, "for_plan", None)):
         _save_local(prof, args, kind)
 
 
@@ -145,7 +221,7 @@ def _save_local(prof, args: argparse.Namespace, kind: str) -> None:
     from flexmesh.profile.use import local_profile
     from flexmesh.spec.model import parse_model
 
-    spec = parse_model(args.model) if kind == "model" else None
+    spec = parse_model(_model(args)) if kind == "model" else None
     path = local_profile(kind, spec, prof.dtype)
     try:
         make_folder(path.parent)

@@ -52,7 +52,7 @@ def measure_activations(spec: ModelSpec, cfg: dict, dtype, device, advance) -> d
     tokens = cfg["act_tokens"]
     layers = []
     mask = 0.0
-    for tp, cp in degrees(spec, cfg["max_degree"]):
+    for tp, cp in cfg.get("degrees") or degrees(spec, cfg["max_degree"]):  # profile_model's degrees_only
         usable = [t for t in tokens if t % (tp * cp) == 0]
         for recompute in (False, True, "selective"):
             saved = [_saved_bytes(spec, tp, cp, recompute, t, dtype, device) for t in usable]

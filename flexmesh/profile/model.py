@@ -48,6 +48,7 @@ Under torchrun all processes run the sweep at the same time; rank 0 writes the m
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -60,7 +61,7 @@ from flexmesh.errors import ProfileError
 from flexmesh.profile.activations import measure_activations
 from flexmesh.profile.fit import LayerFit, fit_layer_time, fit_linear, fit_whole
 from flexmesh.profile.format import END_KEYS, ModelProfile, produced_by
-from flexmesh.profile.modules import degrees, packed_row, rank_block
+from flexmesh.profile.modules import degrees, packed_row, parallel_layouts, rank_block
 from flexmesh.profile.runner import World, median_time, progress, synchronize
 from flexmesh.runtime.model.loss import summed_cross_entropy
 from flexmesh.spec.model import ModelSpec
@@ -356,21 +357,6 @@ def _measure_stages(spec: ModelSpec, cfg: dict, dtype, device, world: World) -> 
     return {"stages": counts, "microbatches": m, "tokens": n, "step_s": times, "stage_fixed_s": fixed}
 
 
-def parallel_layouts(spec: ModelSpec, world_size: int, max_degree: int) -> list[tuple[int, str, int]]:
-    """(tp, cp kind, cp) of one layer to time under real process groups: every tp x cp > 1 of
-    :func:`degrees` that divides the world; Ulysses only where the heads per tp rank split cp ways."""
-    out = []
-    for tp, cp in degrees(spec, min(max_degree, world_size)):
-        if tp * cp == 1 or world_size % (tp * cp):
-            continue
-        if cp == 1:
-            out.append((tp, "none", 1))
-            continue
-        out.extend((tp, kind, cp) for kind in ("ulysses", "ring")
-                   if kind == "ring" or (spec.num_heads // tp) % cp == 0)
-    return out
-
-
 def _mesh(world: World, tp: int, cp: int):
     """All ranks in groups of tp x cp (tp innermost, as the runtime's mesh); every group runs at once."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -405,7 +391,7 @@ def _measure_parallel(spec: ModelSpec, cfg: dict, world: World, dtype, device, a
     tokens on the group, with the group's communication inside them.
     """
     layers, ends = [], []
-    for tp, kind, cp in parallel_layouts(spec, world.size, cfg["max_degree"]):
+    for tp, kind, cp in parallel_layouts(spec, world.size, cfg["max_degree"], cfg.get("groups")):
         mesh = _mesh(world, tp, cp)
         block = _compiled(_parallel_block(spec, mesh, kind, dtype, device), compile)
         rows = [r for r in cfg["rows"] if sum(r) % (tp * cp) == 0]
@@ -451,12 +437,18 @@ def _compiled(block, compile: bool):
 
 def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", show_progress: bool = True,
                   world: World | None = None, compile: bool | None = None,
-                  max_group: int | None = None) -> ModelProfile | None:
+                  max_group: int | None = None, degrees_only: Collection[tuple[int, int]] | None = None,
+                  groups_only: Collection[tuple[int, str, int]] | None = None,
+                  pipeline: bool = True) -> ModelProfile | None:
     """Measure ``spec`` with the runtime's modules; every process calls it, rank 0 gets the profile.
 
     ``compile``: time the layers and the whole model with compiled blocks, as the runtime runs them
     (default: on a GPU, as ``flexmesh train``'s default); saved activations are metered eagerly.
-    ``max_group``: the largest tp x cp timed under real process groups (default the sweep's; 1: none)."""
+    ``max_group``: the largest tp x cp timed under real process groups (default the sweep's; 1: none).
+    ``degrees_only``: measure saved activations of these (tp, cp) only (and of tp = cp = 1);
+    ``groups_only``: time these (tp, cp kind, cp) under real process groups only; ``pipeline`` off: no
+    pipeline stages (:func:`_measure_stages`; a plan without pp prices none).
+    """
     from flexmesh.runtime.model.transformer import check_supported
 
     check_supported(spec)
@@ -466,11 +458,15 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
     device, dt = world.device, DTYPES[dtype]
     compile = device.type == "cuda" if compile is None else compile
     cfg = sweep(quick, device.type == "cuda")
+    if degrees_only is not None:
+        cfg["degrees"] = [d for d in degrees(spec, cfg["max_degree"]) if d == (1, 1) or d in degrees_only]
     torch.manual_seed(0)
-    n_deg = len(degrees(spec, cfg["max_degree"]))  # saved activations: per (tp, cp) degree, in one process
-    n_par = len(parallel_layouts(spec, world.size, max_group or cfg["max_degree"]))
+    n_deg = len(cfg.get("degrees") or degrees(spec, cfg["max_degree"]))  # saved activations, in one process
+    if groups_only is not None:
+        cfg["groups"] = set(groups_only)
+    n_par = len(parallel_layouts(spec, world.size, max_group or cfg["max_degree"], cfg.get("groups")))
     with progress(show_progress and world.is_main, f"profiling {spec.name}",
-                  len(cfg["rows"]) + 4 + n_deg + n_par) as advance:
+                  len(cfg["rows"]) + 3 + pipeline + n_deg + n_par) as advance:
         layer, layer_rows = _layer_sweep(_compiled(rank_block(spec, dt, device), compile), cfg["rows"], cfg, spec, dt,
                                          device, world, world.medians, advance=advance)
         world.barrier()
@@ -478,8 +474,9 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
         advance("embedding and head")
         whole = _measure_whole(spec, cfg, layer, end_fits, dt, device, world, compile)
         advance(f"whole model ({whole['layers']} layers)")
-        pipeline = _measure_stages(spec, cfg, dt, device, world)
-        advance(f"pipeline stages ({', '.join(map(str, pipeline['stages']))})")
+        stages = _measure_stages(spec, cfg, dt, device, world) if pipeline else {}
+        if stages:
+            advance(f"pipeline stages ({', '.join(map(str, stages['stages']))})")
         states = _states(spec, cfg["reps"], dt, device)
         states["optimizer_step_s_per_param"] = world.medians([states["optimizer_step_s_per_param"]])[0]
         advance("optimizer")
@@ -494,7 +491,7 @@ def profile_model(spec: ModelSpec, quick: bool = False, dtype: str = "fp32", sho
                                    "backward": end_fits["embedding_backward"]},
                         head={"forward": end_fits["head_forward"], "backward": end_fits["head_backward"]},
                         activations=activations, states=states, parallel=parallel, whole_model=whole,
-                        pipeline=pipeline,
+                        pipeline=stages,
                         produced_by=produced_by(processes=world.size, device_count=world.size,
                                                 device_type=world.device.type),
                         samples=samples, name=f"model-{spec.name}")

@@ -3,6 +3,7 @@ the degrees to measure (flexmesh.profile.model and flexmesh.profile.activations)
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 import numpy as np
@@ -48,3 +49,20 @@ def degrees(spec: ModelSpec, max_degree: int) -> list[tuple[int, int]]:
                 cp *= 2
         tp *= 2
     return out
+
+
+def parallel_layouts(spec: ModelSpec, world_size: int, max_degree: int,
+                     only: Collection[tuple[int, str, int]] | None = None) -> list[tuple[int, str, int]]:
+    """(tp, cp kind, cp) of one layer to time under real process groups: every tp x cp > 1 of
+    :func:`degrees` that divides the world; Ulysses only where the heads per tp rank split cp ways;
+    those in ``only`` when given."""
+    out = []
+    for tp, cp in degrees(spec, min(max_degree, world_size)):
+        if tp * cp == 1 or world_size % (tp * cp):
+            continue
+        if cp == 1:
+            out.append((tp, "none", 1))
+            continue
+        out.extend((tp, kind, cp) for kind in ("ulysses", "ring")
+                   if kind == "ring" or (spec.num_heads // tp) % cp == 0)
+    return [layout for layout in out if only is None or layout in only]

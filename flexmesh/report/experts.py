@@ -107,8 +107,9 @@ def add_section(rep: Report, runs: Mapping[str, Sequence[dict]], figures: Path,
 def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, seq_len: int, seed: int = 0,
                  device: str = "auto", profile: bool = True,
                  timeout_s: float = 1800) -> dict[str, tuple[list[dict], list[dict]]]:
-    """``flexmesh demo``'s experts part: ``tiny-moe`` profiled (``flexmesh profile model --quick --max-group 1``
-    on 2 processes; not with ``profile`` off, the demo's ``--quick``), then trained on 2 processes with its
+    """``flexmesh demo``'s experts part: ``tiny-moe`` profiled for its plan (``flexmesh profile model --quick
+    --for-plan --max-group 1``: no process groups, no pipeline stages, activations at tp = cp = 1) on 2
+    processes; not with ``profile`` off, the demo's ``--quick``), then trained on 2 processes with its
     experts over both data ranks, placed statically, then following the load (``laer``) on the same
     batches; both priced by the demo's hardware profile and that model profile, the second with the
     imbalance replayed from the first's routing trace. Returns label -> (metrics.jsonl rows,
@@ -138,8 +139,9 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
                                 f"{(proc.stdout + proc.stderr)[-3000:]}")
 
     if profile:
-        # --max-group 1: the plan has no tp or cp, so no layout timed under real process groups would price it
-        flexmesh(["profile", "model", "--model", MOE_MODEL, "--quick", "--nproc", "2", "--max-group", "1",
+        # --for-plan, --max-group 1: the plan has no tp, cp or pp and its runs form no cp groups (--cp 1), so
+        # no layout under real process groups, no pipeline stages and no activations of a split layer price it
+        flexmesh(["profile", "model", "--for-plan", str(plan), "--max-group", "1", "--quick", "--nproc", "2",
                   "--out", str(model), "--device", device], "model profile")
     priced = ["--hardware-profile", str(hardware), *(["--model-profile", str(model)] if profile else [])]
     runs: dict[str, tuple[list[dict], list[dict]]] = {}
@@ -148,6 +150,7 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
         trace = ["--routing", str(out / "runs" / "static" / "routing.jsonl")] if label != "static" else []
         flexmesh(["train", "--plan", str(plan), "--corpus", "stdlib", "--max-steps", str(steps), "--out", str(run),
                   "--nproc", "2", "--overwrite", "--no-progress", "--seed", str(seed), "--expert-placement", label,
+                  "--cp", "1",
                   *priced, "--device", device, *trace],
                  f"{label} run")
         routing = [row for _, row in iter_jsonl(run / "routing.jsonl", FlexmeshError)]

@@ -111,10 +111,16 @@ def plan_with_baselines(model: str, cluster: str, seq_len: int, global_batch: in
     return result, mixed_baselines(spec, mixed, seq_len, global_batch, costs)
 
 
-def demo_mixed_plan(console: Console) -> dict:
-    """Plan Llama 2 13B on one node of 8 H100 and two of 8 A100-40GB, print it beside its baselines,
-    and return the figures (tokens/s, ratios, search seconds)."""
-    result, baselines = plan_with_baselines(DEMO_MODEL, DEMO_CLUSTER, DEMO_SEQ_LEN, DEMO_BATCH)
+def demo_mixed_search() -> tuple[MixedResult, dict]:
+    """The demo's mixed-cluster plan and its baselines (:func:`plan_with_baselines`), unprinted."""
+    return plan_with_baselines(DEMO_MODEL, DEMO_CLUSTER, DEMO_SEQ_LEN, DEMO_BATCH)
+
+
+def demo_mixed_plan(console: Console, found: tuple[MixedResult, dict] | None = None) -> dict:
+    """Plan Llama 2 13B on one node of 8 H100 and two of 8 A100-40GB (or take ``found``, what
+    :func:`demo_mixed_search` returned), print it beside its baselines, and return the figures
+    (tokens/s, ratios, search seconds)."""
+    result, baselines = found or demo_mixed_search()
     mixed = parse_mixed_cluster(DEMO_CLUSTER)
     ev = result.evaluation
     console.print(replica_table(result.plan, ev, mixed,
