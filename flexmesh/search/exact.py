@@ -30,20 +30,34 @@ def _vec(c: LayerCost, flight: float, extra_mem: float = 0.0) -> np.ndarray:
     return np.array([c.time, c.states + flight * c.act + extra_mem, c.transient, c.grad_sync, c.optim, -c.bwd])
 
 
-def pareto(vecs: np.ndarray) -> np.ndarray:
-    """Indices of the points no other point weakly dominates (duplicates keep one).
+def pareto(vecs: np.ndarray, block: int = 64) -> np.ndarray:
+    """Indices of the points no other point weakly dominates (duplicates keep one), in lexicographic order.
 
     >>> pareto(np.array([[1.0, 2.0], [2.0, 1.0], [2.0, 2.0], [1.0, 2.0]])).tolist()
     [0, 1]
+
+    Lexicographic order puts every point that weakly dominates another before it (of equal points, the
+    first index first), so a point stays when no earlier point dominates it (dominance being transitive:
+    when no earlier point that stayed does). The points are compared ``block`` at a time with numpy,
+    against the ones kept before the block and with each other inside it, rather than one at a time.
     """
     order = np.lexsort(vecs.T[::-1])
-    kept: list[int] = []
-    for i in order:
-        # Lexicographic order puts every dominating point before the points it dominates.
-        if kept and np.all(vecs[kept] <= vecs[i], axis=1).any():
-            continue
-        kept.append(int(i))
-    return np.asarray(kept, dtype=int)
+    ranked = vecs[order]
+    keep = np.zeros(len(order), dtype=bool)
+    kept = ranked[:0]
+    for lo in range(0, len(ranked), block):
+        part = ranked[lo:lo + block]
+        # [i, j]: point j of the block comes before point i and dominates it
+        within = np.tri(len(part), k=-1, dtype=bool)
+        # [i, j]: kept point j dominates point i
+        by_kept = np.ones((len(part), len(kept)), dtype=bool)
+        for d in range(ranked.shape[1]):
+            within &= part[None, :, d] <= part[:, None, d]
+            by_kept &= kept[None, :, d] <= part[:, None, d]
+        dominated = within.any(axis=1) | by_kept.any(axis=1)
+        keep[lo:lo + block] = ~dominated
+        kept = np.concatenate([kept, part[~dominated]])
+    return order[keep]
 
 
 class ExactChunks:
