@@ -52,6 +52,8 @@ PARTIAL_MISSES = 0.5
 # Requests (the workload's first) on which the simulator judges the fast path's candidates: a few seconds of
 # traffic, simulated once per candidate.
 JUDGE_REQUESTS = 1000
+# The most simulations the judgement runs (a candidate with one routing policy at one rate: ~0.1 s of CPU each).
+JUDGE_SIMULATIONS = 3
 # The rates the simulator tries a candidate at, as shares of its MILP rate, until one meets the target.
 LADDER = (1.0, 0.85)
 # A pairing that cannot be (an old replica's devices are in another device group): a cost no real one reaches.
@@ -256,24 +258,30 @@ def _by_simulator(planner: Planner, plan: ServingPlan, found: Sequence[tuple[str
             if key not in seen:
                 seen.add(key)
                 tries.append(((j, policy), p))
+    marks: dict[tuple[int, str], float] = {}  # the attainment of each candidate simulated (at its last rate)
+
+    def nearest() -> tuple[int, str]:  # none met the target: the one nearest it (the first on a tie)
+        return max(marks, key=lambda t: marks[t])
+
     if rate is not None:  # the cheapest first: the first meeting the target is the answer
-        marks = {}
-        for t, p in tries:
+        for t, p in tries[:JUDGE_SIMULATIONS]:
             marks[t] = attainment_at(p, short, rate, planner.overhead)[0]
             if marks[t] >= target:
                 return t
-        return max(marks, key=lambda t: marks[t])
+        return nearest()
     # Each rung of the ladder over every candidate before the next rung: a candidate that meets the target at its
     # own rate spares the lower rungs of those above it that would not reach that rate.
-    best, met = None, 0.0
+    best, met, runs = None, 0.0, 0
     for share in LADDER:
         for t, p in tries:
             r = found[t[0]][2].rate * share
-            if r <= met:
+            if r <= met or runs >= JUDGE_SIMULATIONS:
                 break
-            if attainment_at(p, short, r, planner.overhead)[0] >= target:
+            marks[t] = attainment_at(p, short, r, planner.overhead)[0]
+            runs += 1
+            if marks[t] >= target:
                 best, met = t, r
-    return best if best is not None else (_by_milp(found, False), plan.routing)
+    return best if best is not None else nearest()
 
 
 def _better(a: Solution, b: Solution, rate_given: bool, margin: float) -> bool:
