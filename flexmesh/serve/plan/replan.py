@@ -8,14 +8,25 @@ survive (:func:`fast_replan`). No new device is taken, so the price can only fal
 with every replica in the role it had (knobs and routing free) and with roles free, each with every bucket
 served in full and with **partial buckets** (up to :data:`PARTIAL_MISSES` of the attainment target's slack may
 enter missing the SLO, priced at the replicas' capacity without it: survivors that serve a bucket within the
-SLO only slowly, or not at all, then need not hold the whole rate down to it). Given the workload, the
-simulator judges them on its first :data:`JUDGE_REQUESTS` requests, each with both routing policies inside its
-buckets' shares (the plan's own first): the highest MILP rate first, each candidate simulated at its rate and
-down :data:`LADDER` until it meets the target, the highest rate met taken. Without
-it, the MILP's rule: a role change or partial buckets only when the MILP finds them better by more than its
-own tolerance (:data:`~.milp.MIP_GAP`: the plan it starts from was the simulator's pick between aggregated and
-split replicas, and a split the MILP's capacities prefer by a percent can serve a quarter less in the
-simulator).
+SLO only slowly, or not at all, then need not hold the whole rate down to it). Given the workload, two more
+(roles kept and free) with a **conceded bucket**: the bucket the SLO binds most on the survivors, of those whose
+share fits within the attainment slack, enters wholly missing the SLO on replicas that take nothing else (of
+each shape and role, the configuration of the largest batched-token budget), every other bucket in full on the
+others. Where the big replicas that served long prompts are lost, the tp1 replicas left serve the longest
+prompts within the TTFT bound in the MILP's capacities but miss most of them in the simulator; a candidate that
+keeps serving them in full or in part holds the short requests' replicas to them, or mixes their long prefills
+into the short requests' batches (``bench/serve_plan.py``'s 8B conversation plan, its tp2 or its tp4 replica
+lost: 70-75% of a fresh plan's goodput on the devices left, 100-103% with the long bucket conceded).
+
+The simulator judges the candidates on the workload's first :data:`JUDGE_REQUESTS` requests (fewer end before
+a replica near saturation has built its queue, and every candidate looks alike), each with both routing
+policies inside its buckets' shares (the plan's own first), the same replicas routed alike once: the highest
+MILP rate first, each simulated at its rate, then those above the best met at the lower rungs of
+:data:`LADDER`, the highest rate met taken; at most :data:`JUDGE_SIMULATIONS` simulations (the fast path stays
+within a second), and where none meets the target, the candidate nearest it. Without the workload, the MILP's
+rule: a role change or partial buckets only when the MILP finds them better by more than its own tolerance
+(:data:`~.milp.MIP_GAP`: the plan it starts from was the simulator's pick between aggregated and split replicas,
+and a split the MILP's capacities prefer by a percent can serve a quarter less in the simulator).
 
 **Full re-plan**: a fresh plan for the new situation, and what moving to it costs (:func:`transition`): old
 replicas are matched to new ones at least cost (:func:`scipy.optimize.linear_sum_assignment` over the bytes
@@ -85,9 +96,9 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     """``plan`` re-routed after its replica groups ``lost`` (indices into ``plan.groups``, or index -> replicas
     lost) are gone, for ``planner``'s workload (its buckets: the shifted workload's), at ``rate`` when given (the
     cheapest plan serving it with the replicas left) or the most it can serve. Only roles, engine knobs and
-    routing change. The MILP's candidates (roles kept or free, every bucket in full or partial buckets) are
-    judged by the simulator on the first ``judge_requests`` requests of ``workload_at`` where it is given, else
-    by the MILP with its tolerance (see the module doc)."""
+    routing change. The MILP's candidates (roles kept or free, every bucket in full or partial buckets, and with
+    ``workload_at`` a bucket conceded) are judged by the simulator on the first ``judge_requests`` requests of
+    ``workload_at`` where it is given, else by the MILP with its tolerance (see the module doc)."""
     t0, c0 = time.perf_counter(), time.process_time()
     left: dict[tuple[int, int, int, int], int] = {}
     roles: dict[tuple[tuple[int, int, int, int], str], int] = {}
@@ -231,10 +242,10 @@ def _by_simulator(planner: Planner, plan: ServingPlan, found: Sequence[tuple[str
                   workload_at: Callable[[float], Workload], rate: float | None, first: int) -> tuple[int, str]:
     """The candidate, and the routing policy inside its buckets' shares, that the simulator finds best on the first
     ``first`` requests (each candidate with the plan's own policy first, then the other: the routing is what
-    the fast path may change). At a given ``rate``: the cheapest meeting the attainment target there, else the
-    highest attainment. Else each candidate, the highest MILP rate first, is simulated at its rate and down
-    :data:`LADDER` until it meets the target; the highest rate met wins, and a candidate whose MILP rate is not
-    above it is not simulated (the MILP's rule, with the plan's policy, where none meets it)."""
+    the fast path may change), in at most :data:`JUDGE_SIMULATIONS` simulations. At a given ``rate``: the
+    cheapest meeting the attainment target there. Else each candidate, the highest MILP rate first, is simulated
+    at its rate, then those above the highest rate met so far at the lower rungs of :data:`LADDER`; the highest
+    rate met wins. Where none meets the target, the one nearest it."""
     target = planner.inputs.attainment
 
     windows: dict[float, Workload] = {}
