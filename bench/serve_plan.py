@@ -34,10 +34,10 @@ flexmesh/spec/presets/prices.toml).
   core of its own); the wall time beside them is what a shared machine's load stretched.
 - **Re-planning** (Llama-3-8B, conversation trace): each replica group of the plan lost in turn; and the rate
   doubled for the MILP's cheapest plan of half its goodput: the fast path (roles, knobs and routing of the
-  replicas left, partial buckets, judged by the simulator on the trace's first requests; no weights move) in
-  <= 1 s of CPU, its simulated goodput >= 90% of a fresh plan's on the same devices (a full re-plan may change
-  every replica's type and tp there); the full re-plan's transition (what it loads and moves, in seconds and
-  dollars).
+  replicas left, partial buckets or a bucket conceded, judged by the simulator on the trace's first requests; no
+  weights move) in <= 1 s of CPU, its simulated goodput >= 90% of a fresh plan's on the same devices (a full
+  re-plan may change every replica's type and tp there); the full re-plan's transition (what it loads and moves,
+  in seconds and dollars).
 - **Cascade** (Llama-3-8B then Llama-3-70B, conversation trace, end-to-end SLO): at the quality target, >= 1.5x
   the goodput per dollar of the best single model reaching it alone. The quality curve is a stated input,
   not a claim: its ends are Meta's model cards (MMLU 5-shot, instruct: 68.4 and 82.0), its shape between

@@ -8,14 +8,25 @@ survive (:func:`fast_replan`). No new device is taken, so the price can only fal
 with every replica in the role it had (knobs and routing free) and with roles free, each with every bucket
 served in full and with **partial buckets** (up to :data:`PARTIAL_MISSES` of the attainment target's slack may
 enter missing the SLO, priced at the replicas' capacity without it: survivors that serve a bucket within the
-SLO only slowly, or not at all, then need not hold the whole rate down to it). Given the workload, the
-simulator judges them on its first :data:`JUDGE_REQUESTS` requests, each with both routing policies inside its
-buckets' shares (the plan's own first): the highest MILP rate first, each candidate simulated at its rate and
-down :data:`LADDER` until it meets the target, the highest rate met taken. Without
-it, the MILP's rule: a role change or partial buckets only when the MILP finds them better by more than its
-own tolerance (:data:`~.milp.MIP_GAP`: the plan it starts from was the simulator's pick between aggregated and
-split replicas, and a split the MILP's capacities prefer by a percent can serve a quarter less in the
-simulator).
+SLO only slowly, or not at all, then need not hold the whole rate down to it). Given the workload, two more
+(roles kept and free) with a **conceded bucket**: the bucket the SLO binds most on the survivors, of those whose
+share fits within the attainment slack, enters wholly missing the SLO on replicas that take nothing else (of
+each shape and role, the configuration of the largest batched-token budget), every other bucket in full on the
+others. Where the big replicas that served long prompts are lost, the tp1 replicas left serve the longest
+prompts within the TTFT bound in the MILP's capacities but miss most of them in the simulator; a candidate that
+keeps serving them in full or in part holds the short requests' replicas to them, or mixes their long prefills
+into the short requests' batches (``bench/serve_plan.py``'s 8B conversation plan, its tp2 or its tp4 replica
+lost: 70-75% of a fresh plan's goodput on the devices left, 100-103% with the long bucket conceded).
+
+The simulator judges the candidates on the workload's first :data:`JUDGE_REQUESTS` requests (fewer end before
+a replica near saturation has built its queue, and every candidate looks alike), each with both routing
+policies inside its buckets' shares (the plan's own first), the same replicas routed alike once: the highest
+MILP rate first, each simulated at its rate, then those above the best met at the lower rungs of
+:data:`LADDER`, the highest rate met taken; at most :data:`JUDGE_SIMULATIONS` simulations (the fast path stays
+within a second), and where none meets the target, the candidate nearest it. Without the workload, the MILP's
+rule: a role change or partial buckets only when the MILP finds them better by more than its own tolerance
+(:data:`~.milp.MIP_GAP`: the plan it starts from was the simulator's pick between aggregated and split replicas,
+and a split the MILP's capacities prefer by a percent can serve a quarter less in the simulator).
 
 **Full re-plan**: a fresh plan for the new situation, and what moving to it costs (:func:`transition`): old
 replicas are matched to new ones at least cost (:func:`scipy.optimize.linear_sum_assignment` over the bytes
@@ -41,7 +52,7 @@ from flexmesh.cost.inference.transfer import Span, kv_path
 from flexmesh.data.requests import Workload, window
 from flexmesh.errors import PlanError
 from flexmesh.serve.plan.fileformat import ServingPlan
-from flexmesh.serve.plan.milp import MIP_GAP, Solution
+from flexmesh.serve.plan.milp import MIP_GAP, Solution, solve_fast
 from flexmesh.serve.plan.planner import Planner
 from flexmesh.serve.plan.score import attainment_at
 from flexmesh.serve.router import ROUTING_POLICIES
@@ -51,7 +62,9 @@ from flexmesh.serve.router import ROUTING_POLICIES
 PARTIAL_MISSES = 0.5
 # Requests (the workload's first) on which the simulator judges the fast path's candidates: a few seconds of
 # traffic, simulated once per candidate.
-JUDGE_REQUESTS = 500
+JUDGE_REQUESTS = 1000
+# The most simulations the judgement runs (a candidate with one routing policy at one rate: ~0.1 s of CPU each).
+JUDGE_SIMULATIONS = 3
 # The rates the simulator tries a candidate at, as shares of its MILP rate, until one meets the target.
 LADDER = (1.0, 0.85)
 # A pairing that cannot be (an old replica's devices are in another device group): a cost no real one reaches.
@@ -83,9 +96,9 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     """``plan`` re-routed after its replica groups ``lost`` (indices into ``plan.groups``, or index -> replicas
     lost) are gone, for ``planner``'s workload (its buckets: the shifted workload's), at ``rate`` when given (the
     cheapest plan serving it with the replicas left) or the most it can serve. Only roles, engine knobs and
-    routing change. The MILP's candidates (roles kept or free, every bucket in full or partial buckets) are
-    judged by the simulator on the first ``judge_requests`` requests of ``workload_at`` where it is given, else
-    by the MILP with its tolerance (see the module doc)."""
+    routing change. The MILP's candidates (roles kept or free, every bucket in full or partial buckets, and with
+    ``workload_at`` a bucket conceded) are judged by the simulator on the first ``judge_requests`` requests of
+    ``workload_at`` where it is given, else by the MILP with its tolerance (see the module doc)."""
     t0, c0 = time.perf_counter(), time.process_time()
     left: dict[tuple[int, int, int, int], int] = {}
     roles: dict[tuple[tuple[int, int, int, int], str], int] = {}
@@ -116,6 +129,9 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
             found.append((f"{name}{', partial buckets' if misses else ''}", cols, sol, moved))
     if not found:
         raise failed or PlanError("the replicas left serve no rate; plan again with flexmesh serve plan")
+    if workload_at is not None:  # a conceded bucket is a guess only the simulator can confirm
+        found += _concessions(planner, rate, (("roles kept", same_cols, True, roles), ("roles free", every, False,
+                                                                                       left)), roles)
     routing = plan.routing
     if workload_at is None:
         pick = _by_milp(found, given)
@@ -142,6 +158,65 @@ def fast_replan(planner: Planner, plan: ServingPlan, lost: Sequence[int] | Mappi
     return FastReplan(replace(new, workload=plan.workload), seconds, tuple(changed), chosen, cpu)
 
 
+def _conceded_bucket(planner: Planner, cols: Sequence[int]) -> int | None:
+    """The bucket to concede over the configurations ``cols``: of those whose share fits within the attainment
+    target's slack (every model's), the one the SLO binds most on them (the least of its capacity without a
+    latency bound that the best of them keeps within the SLO; the longer bucket on a tie). None: none fits."""
+    slack = (1 - planner.inputs.attainment) * planner.demand.sum()
+    share = planner.demand.sum(axis=0)
+    within, unbounded = planner.capacity[list(cols)], planner.unbounded(cols)
+    best: tuple[float, int] | None = None
+    for b in range(len(planner.inputs.buckets)):
+        top = unbounded[:, b].max(initial=0.0)
+        if not 0 < share[b] < slack or top <= 0:
+            continue
+        key = (within[:, b].max(initial=0.0) / top, -b)
+        if best is None or key < best:
+            best = key
+    return None if best is None else -best[1]
+
+
+def _concessions(planner: Planner, rate: float | None, variants: Sequence[tuple[str, list[int], bool, dict]],
+                 roles: dict) -> list[tuple[str, list[int], Solution, bool]]:
+    """The fast path's candidates with one bucket conceded (:func:`_conceded_bucket`): every one of its requests
+    enters missing the SLO (its share of the attainment slack spent on it), at the capacity without a latency
+    bound, on replicas that serve nothing else: of each weights shape and role, the configuration of the largest
+    batched-token budget takes that bucket alone, the others every other bucket in full. Where the survivors
+    serve a long bucket within the SLO in the MILP's capacities but miss it in the simulator (a long prompt's
+    prefill near the TTFT bound on the replicas left), holding the rest of the fleet to it, or mixing its long
+    prefills into the short requests' batches, costs a third of the goodput; served apart, it is missed at the
+    least cost."""
+    out: list[tuple[str, list[int], Solution, bool]] = []
+    for name, cols, by_role, limits in variants:
+        b = _conceded_bucket(planner, cols)
+        if b is None:
+            continue
+        cfg = [planner.configs[k] for k in cols]
+        top: dict[tuple, int] = {}
+        for c in cfg:
+            if c.role != "decode":
+                top[c.shape, c.role] = max(top.get((c.shape, c.role), 0), c.knobs.max_batched_tokens)
+        entry = np.array([c.role != "decode" for c in cfg], dtype=bool)
+        apart = np.array([c.role != "decode" and c.knobs.max_batched_tokens == top[c.shape, c.role] for c in cfg],
+                         dtype=bool)
+        problem = planner.problem(cols, rate=rate, limits=limits, by_role=by_role,
+                                  misses=float(planner.demand[:, b].sum() / planner.demand.sum()))
+        within = np.array(problem.capacity, dtype=float)
+        within[entry, b] = 0.0  # no request of the bucket enters within the SLO ...
+        within[apart, :] = 0.0  # ... and the replicas taking it take nothing else
+        missed = np.zeros_like(within)
+        missed[apart, b] = np.asarray(problem.capacity_any, dtype=float)[apart, b]
+        try:
+            sol = solve_fast(replace(problem, capacity=within, capacity_any=missed), planner.inputs.time_limit_s)
+        except PlanError:
+            continue
+        if sol.rate <= 0 or not sol.counts.any():
+            continue
+        moved = any(n > roles.get(r, 0) for r, n in _used(planner, cols, sol).items())
+        out.append((f"{name}, bucket {planner.inputs.buckets.buckets[b].label} conceded", cols, sol, moved))
+    return out
+
+
 def _used(planner: Planner, cols: Sequence[int], sol: Solution) -> dict[tuple[tuple[int, int, int, int], str], int]:
     """Replicas a solution uses of each (weights shape, role)."""
     used: dict[tuple[tuple[int, int, int, int], str], int] = {}
@@ -157,7 +232,7 @@ def _by_milp(found: Sequence[tuple[str, list[int], Solution, bool]], given: bool
     only where that is better beyond MIP_GAP (or, keeping every role, better at all)."""
     pick = 0
     for j in range(1, len(found)):
-        margin = MIP_GAP if found[j][3] or "partial" in found[j][0] else 0.0
+        margin = MIP_GAP if found[j][3] or "partial" in found[j][0] or "conceded" in found[j][0] else 0.0
         if _better(found[j][2], found[pick][2], given, margin):
             pick = j
     return pick
@@ -167,39 +242,57 @@ def _by_simulator(planner: Planner, plan: ServingPlan, found: Sequence[tuple[str
                   workload_at: Callable[[float], Workload], rate: float | None, first: int) -> tuple[int, str]:
     """The candidate, and the routing policy inside its buckets' shares, that the simulator finds best on the first
     ``first`` requests (each candidate with the plan's own policy first, then the other: the routing is what
-    the fast path may change). At a given ``rate``: the cheapest meeting the attainment target there, else the
-    highest attainment. Else each candidate, the highest MILP rate first, is simulated at its rate and down
-    :data:`LADDER` until it meets the target; the highest rate met wins, and a candidate whose MILP rate is not
-    above it is not simulated (the MILP's rule, with the plan's policy, where none meets it)."""
+    the fast path may change), in at most :data:`JUDGE_SIMULATIONS` simulations. At a given ``rate``: the
+    cheapest meeting the attainment target there. Else each candidate, the highest MILP rate first, is simulated
+    at its rate, then those above the highest rate met so far at the lower rungs of :data:`LADDER`; the highest
+    rate met wins. Where none meets the target, the one nearest it."""
     target = planner.inputs.attainment
 
-    def short(r: float) -> Workload:
-        return window(workload_at(r), first=first)
+    windows: dict[float, Workload] = {}
+
+    def short(r: float) -> Workload:  # each rate's requests made once for every candidate simulated there
+        if r not in windows:
+            windows[r] = window(workload_at(r), first=first)
+        return windows[r]
 
     policies = [plan.routing] + [p for p in ROUTING_POLICIES if p != plan.routing]
-    tries = [(j, policy) for j in range(len(found)) for policy in policies]
-    plans = {(j, policy): planner.to_plan(found[j][1], found[j][2], policy) for j, policy in tries}
-    if rate is not None:
-        marks = {t: attainment_at(plans[t], short, rate, planner.overhead)[0] for t in tries}
-        meeting = [t for t in tries if marks[t] >= target]
-        if meeting:
-            return min(meeting, key=lambda t: (found[t[0]][2].cost, tries.index(t)))
-        return max(tries, key=lambda t: (marks[t], -tries.index(t)))
-    best, met = None, 0.0
+    tries: list[tuple[tuple[int, str], ServingPlan]] = []
     seen = set()
-    for t in sorted(tries, key=lambda t: (-found[t[0]][2].rate, tries.index(t))):
-        key = (plans[t].groups, plans[t].routing)
-        if found[t[0]][2].rate <= met or key in seen:
-            continue
-        seen.add(key)
-        for share in LADDER:
+    # The same replicas the MILP routed alike (every bucket in full or partial buckets, roles kept or free: shares
+    # a few percent apart) are simulated once, at the highest of their rates (at a given rate: the cheapest); a
+    # conceded bucket's routing is another.
+    order = sorted(range(len(found)), key=lambda j: found[j][2].cost if rate is not None else -found[j][2].rate)
+    for j in order:
+        for policy in policies:
+            p = planner.to_plan(found[j][1], found[j][2], policy)
+            key = (p.layout, policy, "conceded" in found[j][0])
+            if key not in seen:
+                seen.add(key)
+                tries.append(((j, policy), p))
+    marks: dict[tuple[int, str], float] = {}  # the attainment of each candidate simulated (at its last rate)
+
+    def nearest() -> tuple[int, str]:  # none met the target: the one nearest it (the first on a tie)
+        return max(marks, key=lambda t: marks[t])
+
+    if rate is not None:  # the cheapest first: the first meeting the target is the answer
+        for t, p in tries[:JUDGE_SIMULATIONS]:
+            marks[t] = attainment_at(p, short, rate, planner.overhead)[0]
+            if marks[t] >= target:
+                return t
+        return nearest()
+    # Each rung of the ladder over every candidate before the next rung: a candidate that meets the target at its
+    # own rate spares the lower rungs of those above it that would not reach that rate.
+    best, met, runs = None, 0.0, 0
+    for share in LADDER:
+        for t, p in tries:
             r = found[t[0]][2].rate * share
-            if r <= met:
+            if r <= met or runs >= JUDGE_SIMULATIONS:
                 break
-            if attainment_at(plans[t], short, r, planner.overhead)[0] >= target:
+            marks[t] = attainment_at(p, short, r, planner.overhead)[0]
+            runs += 1
+            if marks[t] >= target:
                 best, met = t, r
-                break
-    return best if best is not None else (_by_milp(found, False), plan.routing)
+    return best if best is not None else nearest()
 
 
 def _better(a: Solution, b: Solution, rate_given: bool, margin: float) -> bool:
