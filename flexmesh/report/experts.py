@@ -9,7 +9,7 @@ consecutive steps: what lets a placement made from the last step's load fit the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -106,21 +106,22 @@ def add_section(rep: Report, runs: Mapping[str, Sequence[dict]], figures: Path,
 
 def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, seq_len: int, seed: int = 0,
                  device: str = "auto", profile: bool = True,
-                 timeout_s: float = 1800) -> dict[str, tuple[list[dict], list[dict]]]:
+                 timeout_s: float = 1800, say: Callable[[str], None] | None = None
+                 ) -> dict[str, tuple[list[dict], list[dict]]]:
     """``flexmesh demo``'s experts part: ``tiny-moe`` profiled for its plan (``flexmesh profile model --quick
     --for-plan --max-group 1``: no process groups, no pipeline stages, activations at tp = cp = 1) on 2
     processes; not with ``profile`` off, the demo's ``--quick``), then trained on 2 processes with its
     experts over both data ranks, placed statically, then following the load (``laer``) on the same
     batches; both priced by the demo's hardware profile and that model profile, the second with the
     imbalance replayed from the first's routing trace. Returns label -> (metrics.jsonl rows,
-    routing.jsonl rows)."""
+    routing.jsonl rows); ``say``: told a line as each part ends."""
     import subprocess
     import sys
 
     from flexmesh.files import make_folder
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
-    from flexmesh.report.runs import read_metrics
+    from flexmesh.report.runs import read_metrics, run_line
     from flexmesh.runtime.launch import child_env
 
     out = make_folder(out)
@@ -143,6 +144,8 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
         # no layout under real process groups, no pipeline stages and no activations of a split layer price it
         flexmesh(["profile", "model", "--for-plan", str(plan), "--max-group", "1", "--quick", "--nproc", "2",
                   "--out", str(model), "--device", device], "model profile")
+        if say:
+            say(f"profiled {MOE_MODEL} for its plan: {model}")
     priced = ["--hardware-profile", str(hardware), *(["--model-profile", str(model)] if profile else [])]
     runs: dict[str, tuple[list[dict], list[dict]]] = {}
     for label in ("static", "laer"):
@@ -155,6 +158,8 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
                  f"{label} run")
         routing = [row for _, row in iter_jsonl(run / "routing.jsonl", FlexmeshError)]
         runs[label] = (read_metrics(run / "metrics.jsonl"), routing)
+        if say:
+            say(run_line(label, runs[label][0]))
     return runs
 
 

@@ -47,6 +47,16 @@ def throughput(rows: list[dict], warmup: int = 1) -> float:
     return sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
 
 
+def run_line(label: str, rows: list[dict], warmup: int = 1) -> str:
+    """One line on a finished run from its metrics.jsonl rows (throughput as :func:`throughput` counts it).
+
+    >>> run_line("static", [{"tokens": 100, "step_time_s": t} for t in (2.0, 1.0, 0.25)])
+    'static: 3 steps, 160 tokens/s over steps 2-3'
+    """
+    first = warmup + 1 if len(rows) > warmup else 1
+    return f"{label}: {len(rows)} steps, {throughput(rows, warmup):,.0f} tokens/s over steps {first}-{len(rows)}"
+
+
 def run_summary(rows: list[dict], warmup: int = 1) -> dict:
     """Figures of one measured run from its metrics.jsonl rows (the first ``warmup`` steps left out
     of throughput, when there are more steps than that).

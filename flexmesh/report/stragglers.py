@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -56,11 +56,12 @@ def has_speed_data(rows: Sequence[dict]) -> bool:
 
 def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int, global_batch: int, seq_len: int,
                    seed: int = 0, slow: Mapping[int, float] | None = None, extra: Sequence[str] = (),
-                   timeout_s: float = 1800) -> dict[str, list[dict]]:
+                   timeout_s: float = 1800, say: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
     """Train ``plan`` as ``static`` and as ``adaptive`` (see the module doc) into ``out/<label>``; the
     rows of each run's metrics.jsonl. ``slow``: rank -> emulated speed factor (default {1: 0.5});
-    ``extra``: further ``flexmesh train`` flags for both runs (profiles, policy, tokenizer)."""
-    from flexmesh.report.runs import read_metrics
+    ``extra``: further ``flexmesh train`` flags for both runs (profiles, policy, tokenizer); ``say``: told a
+    line as each run ends (:func:`~flexmesh.report.runs.run_line`)."""
+    from flexmesh.report.runs import read_metrics, run_line
     from flexmesh.runtime.launch import child_env
 
     slow = dict(slow or {1: 0.5})
@@ -77,6 +78,8 @@ def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int,
             raise FlexmeshError(f"the {label} run failed (exit {proc.returncode}): flexmesh {' '.join(argv)}\n"
                                 f"{(proc.stdout + proc.stderr)[-3000:]}")
         metrics[label] = read_metrics(run_dir / "metrics.jsonl")
+        if say:
+            say(run_line(label, metrics[label]))
     got = {k: [r["tokens"] for r in v] for k, v in metrics.items()}
     if got["static"] != got["adaptive"]:
         raise FlexmeshError(f"the two runs trained different batches (tokens per step {got})")
@@ -196,11 +199,12 @@ def add_section(rep: Report, metrics: Mapping[str, Sequence[dict]], figures: Pat
 
 
 def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, global_batch: int, seq_len: int,
-                    seed: int = 0, factor: float = 0.5, device: str = "auto") -> dict[str, list[dict]]:
+                    seed: int = 0, factor: float = 0.5, device: str = "auto",
+                    say: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
     """``flexmesh demo``'s straggler part: the demo's model on 2 processes, rank 1 emulated at
     ``factor``, static against adaptive (:func:`run_comparison`) with the ``balanced`` policy on
     one-rank groups, priced by the demo's profiles, on ``device`` (``flexmesh train --device``); runs go
-    to ``out/runs/static`` and ``out/runs/adaptive``."""
+    to ``out/runs/static`` and ``out/runs/adaptive``; ``say`` as :func:`run_comparison`'s."""
     from flexmesh.report.runs import training_plan
 
     out = make_folder(out)
@@ -209,4 +213,4 @@ def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, globa
     flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hardware), "--model-profile", str(model),
              "--device", device]
     return run_comparison(out / "runs", plan_path, steps=steps, global_batch=global_batch, seq_len=seq_len,
-                          seed=seed, slow={1: factor}, extra=flags)
+                          seed=seed, slow={1: factor}, extra=flags, say=say)
