@@ -183,8 +183,7 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
                          admission_s=statistics.median(admission))
     prof.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in range(engines)],
                                       ProfiledIterationTiming(prof))
-    held_out = held_out_errors([IterationSample(tuple((int(c), int(q)) for c, q in r["batch"]), r["wall_s"], r["cpu_s"],
-                                                r["engine"], r["phase"]) for r in raw])
+    held_out = held_out_errors([IterationSample.from_dict(r) for r in raw])
     prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
                                  "iterations": sum(len(v) for v in timed.values()), "cpu_share": share,
                                  "serving": served, "admissions": len(admission), "held_out": held_out}

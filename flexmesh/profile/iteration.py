@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,6 +249,13 @@ class IterationSample:
     load: float = 0.0
     start_s: float = 0.0  # perf_counter seconds (one clock for every engine on the machine)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> IterationSample:
+        """A sample from one ``--samples`` line's fields (KeyError, TypeError or ValueError when malformed)."""
+        return cls(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]), float(d["cpu_s"]),
+                   int(d["engine"]), str(d["phase"]), str(d.get("scenario", "")), float(d.get("load", 0.0)),
+                   float(d.get("start_s", 0.0)))
+
 
 def held_out_errors(samples: Sequence[IterationSample]) -> dict[str, dict[str, float]]:
     """How well the form carries from one phase of a profile to the other: fitted (as :func:`fit_iterations`, to
@@ -307,11 +314,7 @@ def read_iteration_samples(path: str | Path) -> list[IterationSample]:
         if not line.strip():
             continue
         try:
-            d = json.loads(line)
-            out.append(IterationSample(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]),
-                                       float(d["cpu_s"]), int(d["engine"]), str(d["phase"]),
-                                       str(d.get("scenario", "")), float(d.get("load", 0.0)),
-                                       float(d.get("start_s", 0.0))))
+            out.append(IterationSample.from_dict(json.loads(line)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"{path.name} line {k} is not an iteration sample ({e}); each line is {{batch: "
                                "[[cached, new], ...], wall_s, cpu_s, engine, phase}}") from None
@@ -329,13 +332,20 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
     [15.0, 10.0, 15.0]
     """
     out = []
+    for it, after_idle in _after_idle_flags(runs):
+        price = timing.iteration_s([tuple(b) for b in it["batch"]])
+        out.append(price * (1.0 + timing.after_idle) if after_idle else price)
+    return out
+
+
+def _after_idle_flags(runs: Sequence[Sequence[dict]]) -> Iterator[tuple[dict, bool]]:
+    """Each engine's iterations (``start_s``, ``end_s``; the lists one after another) with whether it started at
+    least :data:`IDLE_GAP_S` after the one before it on that engine ended (the first of a run always does)."""
     for its in runs:
         ended = -math.inf
         for it in its:
-            price = timing.iteration_s([tuple(b) for b in it["batch"]])
-            out.append(price * (1.0 + timing.after_idle) if it["start_s"] - ended >= IDLE_GAP_S else price)
+            yield it, it["start_s"] - ended >= IDLE_GAP_S
             ended = it["end_s"]
-    return out
 
 
 def after_idle_from(runs: Sequence[Sequence[dict]], timing: IterationTiming) -> float:
@@ -354,13 +364,10 @@ def after_idle_from(runs: Sequence[Sequence[dict]], timing: IterationTiming) -> 
     """
     first: list[float] = []
     rest: list[float] = []
-    for its in runs:
-        ended = -math.inf
-        for it in its:
-            if it["batch"] and it["cpu_s"] > 0:
-                ratio = it["cpu_s"] / timing.iteration_s([tuple(b) for b in it["batch"]])
-                (first if it["start_s"] - ended >= IDLE_GAP_S else rest).append(ratio)
-            ended = it["end_s"]
+    for it, after_idle in _after_idle_flags(runs):
+        if it["batch"] and it["cpu_s"] > 0:
+            ratio = it["cpu_s"] / timing.iteration_s([tuple(b) for b in it["batch"]])
+            (first if after_idle else rest).append(ratio)
     if not first or not rest:
         return 0.0
     return max(0.0, float(np.median(first) / np.median(rest)) - 1.0)
