@@ -138,8 +138,11 @@ def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240, fr
     ``timeout`` every rank is killed and subprocess.TimeoutExpired raised. ``fresh`` runs torchrun
     instead: for workers that compile or use CUDA."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    if fresh:
+    if fresh:  # a fresh interpreter imports this checkout's flexmesh, installed or not (as on a GPU machine)
         from flexmesh.runtime.launch import run_torchrun
+
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
 
         return run_torchrun(nproc, [script, *args], env=env, capture_output=True, text=True, timeout=timeout)
     import shutil

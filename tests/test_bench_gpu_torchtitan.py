@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchtitan.models.llama3")
+# the package only: its models import names a torch older than theirs lacks until the worker binds them
+# (bench.gpu_torchtitan.torch_shims), as on the GPU machine's torch 2.11
+pytest.importorskip("torchtitan")
 
 ROOT = Path(__file__).resolve().parent.parent
 
