@@ -308,16 +308,16 @@ def importable(module: str) -> bool:
 
 
 def systems_of(case: Case, a: argparse.Namespace) -> list[str]:
-    """The systems that run ``case``: transformers and flexmesh; on a GPU, for the fixed-length cases, also
-    flexmesh with FlexAttention ahead of the varlen kernel (the candidate attention) and torchtitan where
-    it is installed. Named by ``--systems`` only: ``flexmesh-eager`` and ``flexmesh-liger`` (Liger-Kernel's
-    norms, SwiGLU and loss on eager blocks: 48,199 tokens/s against compiled blocks' 53,131 at 2048 on an
-    H100 on 2026-11-27, so compiled blocks stay the default)."""
+    """The systems that run ``case``: transformers and flexmesh, and on a GPU torchtitan where it is installed
+    (for the fixed-length cases). Named by ``--systems`` only, each a measured choice that lost:
+    ``flexmesh-eager`` and ``flexmesh-liger`` (Liger-Kernel's norms, SwiGLU and loss on eager blocks: 48,199
+    tokens/s against compiled blocks' 53,131 at 2048 on an H100 on 2026-11-27) and ``flexmesh-flex``
+    (FlexAttention ahead of the varlen kernel: 60,425 against 59,908 at 2048 and 42,228 against 43,036 at
+    8192 on an H200 at f10e0c6, with a first step of 49 s against 15 s), so compiled blocks over the varlen
+    kernel stay the default."""
     if a.systems:
         return a.systems.split(",")
     systems = ["transformers", "flexmesh"]
-    if not a.cpu and not case.mixed:  # flexmesh-eager and flexmesh-liger: when named by --systems
-        systems.append("flexmesh-flex")
     if not a.cpu and not case.mixed and importable("torchtitan"):
         systems.append("torchtitan")
     return systems
