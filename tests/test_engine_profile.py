@@ -21,7 +21,9 @@ from flexmesh.profile.iteration import (
     fit_iterations,
     iteration_features,
     load_engine_profile,
+    price_runs,
     read_iteration_samples,
+    request_costs_from,
 )
 from flexmesh.serve.engine.config import EngineConfig
 
@@ -69,22 +71,27 @@ def test_a_run_of_decodes_costs_its_iterations_one_by_one(decodes, context, step
 
 def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
     prof = EngineProfile({"name": "tiny"}, {"model": "tiny"}, TRUE, samples=[([(0, 8)], 1e-3)], name="p",
-                         admission_s=0.0016, after_idle=0.2)
+                         admission_s=0.0016, after_idle=0.2, intake_s=0.0015, answer_s=0.0005)
     path = tmp_path / "engine.json"
     prof.save(path)
     back = load_engine_profile(path)
     assert back.fit == TRUE and back.samples == [([(0, 8)], 1e-3)] and back.name == "engine.json"
     assert back.admission_s == 0.0016 and ProfiledIterationTiming(back).admission_s == 0.0016
     assert back.after_idle == 0.2 and ProfiledIterationTiming(back).after_idle == 0.2
-    older = {k: v for k, v in prof.to_dict().items() if k not in ("admission_s", "after_idle")}  # before measured
+    assert (ProfiledIterationTiming(back).intake_s, ProfiledIterationTiming(back).answer_s) == (0.0015, 0.0005)
+    older = {k: v for k, v in prof.to_dict().items()
+             if k not in ("admission_s", "after_idle", "intake_s", "answer_s")}  # before measured
     path.write_text(json.dumps(older))
-    assert load_engine_profile(path).admission_s == 0.0 and load_engine_profile(path).after_idle == 0.0
+    old = load_engine_profile(path)
+    assert (old.admission_s, old.after_idle, old.intake_s, old.answer_s) == (0.0, 0.0, 0.0, 0.0)
     bad = tmp_path / "bad.json"
     for d, match in (({**prof.to_dict(), "kind": "model"}, "not an engine profile"),
                      ({**prof.to_dict(), "admission_s": -1e-3}, "admission_s"),
                      ({**prof.to_dict(), "admission_s": "2 ms"}, "admission_s"),
                      ({**prof.to_dict(), "after_idle": -0.1}, "after_idle"),
                      ({**prof.to_dict(), "after_idle": True}, "after_idle"),
+                     ({**prof.to_dict(), "intake_s": -1e-3}, "intake_s"),
+                     ({**prof.to_dict(), "answer_s": "1 ms"}, "answer_s"),
                      ({**prof.to_dict(), "version": 9}, "version 9"),
                      ({**prof.to_dict(), "fit": {**TRUE, "c0_s": -1}}, "non-negative"),
                      ({**prof.to_dict(), "samples": [{"batch": 3}]}, "malformed samples")):
@@ -119,6 +126,34 @@ def test_after_idle_is_what_the_first_iterations_after_a_gap_cost_beyond_the_res
     tight = run(0.0, batches, 1.3)
     joined = tight + run(tight[-1]["end_s"] + IDLE_GAP_S / 2, batches, 1.3)
     assert after_idle_from([joined], timing) == pytest.approx(0.3)  # only the very first counts as after idle
+
+
+def test_request_costs_are_the_wall_time_beyond_cpu_of_iterations_that_took_in_or_answered_one():
+    def its(n, cpu, extra, taken=0, answered=0, stall=0.0):
+        """n iterations of ``cpu`` CPU seconds, each ``extra`` more wall time, every fifth stalled ``stall`` more."""
+        return [{"batch": [[64, 1]], "start_s": 0.0, "end_s": cpu + extra + (stall if k % 5 == 0 else 0.0),
+                 "cpu_s": cpu, "taken": taken, "answered": answered} for k in range(n)]
+
+    quiet = its(60, 4e-3, 0.0) + its(30, 5e-3, 1.5e-3, taken=1) + its(30, 3e-3, 0.5e-3, answered=1)
+    assert request_costs_from(quiet) == pytest.approx((1.5e-3, 0.5e-3))
+    # other work waits every iteration alike: the iterations that did neither carry it too, and it cancels
+    busy = [{**it, "end_s": it["end_s"] + 0.4e-3} for it in quiet]
+    assert request_costs_from(busy) == pytest.approx((1.5e-3, 0.5e-3))
+    # a rare stall of another process (beyond the slowest twentieth) is left out; two at once are not measured
+    stalled = its(60, 4e-3, 0.0) + its(40, 5e-3, 1.5e-3, taken=1)
+    stalled[-1]["end_s"] += 0.05
+    assert request_costs_from(stalled + its(20, 4e-3, 9e-3, taken=2))[0] == pytest.approx(1.5e-3)
+    # too few iterations of a kind, or engines that count nothing (an older log): 0
+    assert request_costs_from(its(60, 4e-3, 0.0) + its(5, 4e-3, 1e-3, taken=1)) == (0.0, 0.0)
+    assert request_costs_from([{k: v for k, v in it.items() if k not in ("taken", "answered")}
+                               for it in quiet]) == (0.0, 0.0)
+    assert request_costs_from(its(60, 4e-3, 0.0) + its(30, 4e-3, -1e-4, taken=1)) == (0.0, 0.0)  # never below 0
+    # the iterations' price carries them, per request counted
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, TRUE, intake_s=1.5e-3, answer_s=0.5e-3))
+    run = [{"batch": [[64, 1]], "start_s": 0.01 * k, "end_s": 0.01 * k + 0.005, "taken": k, "answered": 1}
+           for k in range(3)]
+    assert price_runs([run], timing) == pytest.approx([timing.iteration_s([(64, 1)]) + 1.5e-3 * k + 0.5e-3
+                                                        for k in range(3)])
 
 
 def test_sweep_stays_inside_the_engine():

@@ -34,7 +34,9 @@ so that forms of the fit can be compared offline (:func:`flexmesh.profile.iterat
 
 The first iteration after an engine idled costs more than the fit prices (its caches went cold): the profile's
 ``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from every iteration in the order each
-engine ran them.
+engine ran them. A busy engine's iteration during which it takes a request in or answers one takes more wall
+time than its thread's CPU time (its HTTP thread holds the interpreter meanwhile): the profile's ``intake_s`` and
+``answer_s`` (:func:`flexmesh.profile.iteration.request_costs_from`), from every iteration's own counts.
 
 Admission (the profile's ``admission_s``): single requests sent one at a time through the router to idle
 engines, each timed from the router receiving it to the start of the engine's iteration that holds it (the
@@ -69,6 +71,7 @@ from flexmesh.profile.iteration import (
     after_idle_from,
     fit_iterations,
     held_out_errors,
+    request_costs_from,
 )
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.replay import prompt_ids
@@ -183,6 +186,7 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
                          admission_s=statistics.median(admission))
     prof.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in range(engines)],
                                       ProfiledIterationTiming(prof))
+    prof.intake_s, prof.answer_s = request_costs_from(raw)
     held_out = held_out_errors([IterationSample.from_dict(r) for r in raw])
     prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
                                  "iterations": sum(len(v) for v in timed.values()), "cpu_share": share,
@@ -227,7 +231,8 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
                 for k, (e, since) in enumerate(zip(procs, before)):
                     for it in await fetch_iterations(session, e.url, since):
                         raw.append({**phase, "engine": k, "batch": it["batch"], "wall_s": it["end_s"] - it["start_s"],
-                                    "cpu_s": it["cpu_s"], "start_s": it["start_s"], "end_s": it["end_s"]})
+                                    "cpu_s": it["cpu_s"], "start_s": it["start_s"], "end_s": it["end_s"],
+                                    "taken": it.get("taken", 0), "answered": it.get("answered", 0)})
                         timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
                         wall += it["end_s"] - it["start_s"]
                         cpu += it["cpu_s"]

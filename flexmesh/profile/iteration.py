@@ -38,6 +38,18 @@ for the iterations that followed another at once, minus 1 (a ratio of medians, s
 The request simulator prices every iteration that starts a replica's busy period so (the replica's
 ``after_idle`` and ``idle_gap_s``: :mod:`flexmesh.serve.replica`); 0 in a profile written before it was measured.
 
+And ``intake_s`` and ``answer_s``: what a request costs a busy engine outside its loop's thread. The engine's HTTP
+thread parses, checks and submits each request it takes in, and answers each finished one, beside the loop, holding
+the interpreter meanwhile; an iteration during which it does so takes that much more wall time than its thread's
+CPU time (the fit's seconds). :func:`request_costs_from` measures both from the iterations' own counts (an engine
+logs the requests it took in and answered while each iteration ran): the mean of wall - CPU seconds over the
+iterations that took in exactly one request and answered none, less that mean over the iterations that did
+neither (what other work on the machine adds to every iteration), and likewise for one answer; each mean leaves
+out its group's slowest twentieth (another process's stall, not the engine's). On this 2-core machine about 1.5
+ms a request taken in and 0.5 ms one answered. The request simulator charges each to the iteration its replica
+starts next (:mod:`flexmesh.serve.replica`); a request that reaches an idle engine costs its ``admission_s``
+instead. 0 in a profile written before they were measured.
+
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
 ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(batch)))
@@ -68,6 +80,8 @@ from flexmesh.profile.fit import least_squares
 
 VERSION = 1
 KIND = "engine"
+REQUEST_GROUP = 20  # iterations that took in (or answered) one request before their cost is measured
+REQUEST_TRIM = 0.05  # the slowest share of each group left out of its mean (request_costs_from)
 IDLE_GAP_S = 0.002  # an engine's loop that ran on at once starts its next iteration within 0.1 ms; after a gap
 # this long it had slept on its empty queue (after_idle_from)
 TERMS = ("c0_s", "per_request_s", "per_token_s", "per_kv_token_s", "per_batch_token_x_kv_token_s",
@@ -117,6 +131,8 @@ class EngineProfile:
     name: str = ""
     admission_s: float = 0.0  # router receipt -> the engine's first iteration holding the request (module doc)
     after_idle: float = 0.0  # the first iteration after the engine idled costs 1 + this times the fit (module doc)
+    intake_s: float = 0.0  # a busy engine's wall seconds per request it takes in, beyond its loop's (module doc)
+    answer_s: float = 0.0  # the same per request it answers
 
     kind = KIND
 
@@ -128,7 +144,7 @@ class EngineProfile:
     def to_dict(self) -> dict:
         return {"version": VERSION, "kind": KIND, "produced_by": self.produced_by, "model": self.model,
                 "engine": self.engine, "fit": self.fit, "error": self.error, "admission_s": self.admission_s,
-                "after_idle": self.after_idle,
+                "after_idle": self.after_idle, "intake_s": self.intake_s, "answer_s": self.answer_s,
                 "samples": [{"batch": [list(x) for x in b], "seconds": s} for b, s in self.samples]}
 
     def save(self, path: str | Path) -> None:
@@ -154,6 +170,11 @@ class EngineProfile:
         if isinstance(after_idle, bool) or not isinstance(after_idle, (int, float)) or not 0 <= after_idle <= 10:
             raise ProfileError(f"{where}: after_idle must be a fraction from 0 to 10 (the first iteration after idling "
                                f"over the fit, minus 1), got {after_idle!r}")
+        costs = {key: d.get(key, 0.0) for key in ("intake_s", "answer_s")}
+        for key, v in costs.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ProfileError(f"{where}: {key} must be a number of seconds from 0 to 1 (what a request costs a "
+                                   f"busy engine beside its loop), got {v!r}")
         try:
             samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
         except (KeyError, TypeError, ValueError) as e:
@@ -161,7 +182,7 @@ class EngineProfile:
                                "seconds}}") from None
         return cls(model=d.get("model", {}), engine=d.get("engine", {}), fit={t: float(fit[t]) for t in TERMS},
                    samples=samples, produced_by=d.get("produced_by", {}), name=name, admission_s=float(admission),
-                   after_idle=float(after_idle))
+                   after_idle=float(after_idle), **{k: float(v) for k, v in costs.items()})
 
 
 def load_engine_profile(path: str | Path) -> EngineProfile:
@@ -197,6 +218,16 @@ class ProfiledIterationTiming:
         return self.profile.after_idle
 
     idle_gap_s = IDLE_GAP_S  # the idle gap after which an iteration is a first one (module doc)
+
+    @property
+    def intake_s(self) -> float:
+        """A busy engine's seconds per request it takes in, beyond the fit's (module doc)."""
+        return self.profile.intake_s
+
+    @property
+    def answer_s(self) -> float:
+        """A busy engine's seconds per request it answers, beyond the fit's (module doc)."""
+        return self.profile.answer_s
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
@@ -248,13 +279,15 @@ class IterationSample:
     scenario: str = ""
     load: float = 0.0
     start_s: float = 0.0  # perf_counter seconds (one clock for every engine on the machine)
+    taken: int = 0  # requests the engine took in while it ran (module doc)
+    answered: int = 0  # requests it answered while it ran
 
     @classmethod
     def from_dict(cls, d: dict) -> IterationSample:
         """A sample from one ``--samples`` line's fields (KeyError, TypeError or ValueError when malformed)."""
         return cls(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]), float(d["cpu_s"]),
                    int(d["engine"]), str(d["phase"]), str(d.get("scenario", "")), float(d.get("load", 0.0)),
-                   float(d.get("start_s", 0.0)))
+                   float(d.get("start_s", 0.0)), int(d.get("taken", 0)), int(d.get("answered", 0)))
 
 
 def held_out_errors(samples: Sequence[IterationSample]) -> dict[str, dict[str, float]]:
@@ -324,18 +357,54 @@ def read_iteration_samples(path: str | Path) -> list[IterationSample]:
 def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) -> list[float]:
     """Seconds ``timing`` prices each engine's iterations at (``batch``, ``start_s``, ``end_s``, in the order it ran
     them; the lists one after another), each first one after idling :data:`IDLE_GAP_S` or more at ``1 + after_idle``
-    times its batch's price, as the request simulator prices it.
+    times its batch's price, as the request simulator prices it, and each with ``intake_s`` per request it took in
+    and ``answer_s`` per request it answered (its ``taken`` and ``answered``, where the engine counted them).
 
-    >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-2, 0, 0, 0, 0, 0))), after_idle=0.5))
+    >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-2, 0, 0, 0, 0, 0))), after_idle=0.5,
+    ...                                           intake_s=2e-3))
     >>> its = [{"batch": [[0, 8]], "start_s": s, "end_s": s + 0.01} for s in (0.0, 0.01, 0.5)]
+    >>> its[1]["taken"] = 1
     >>> [round(x * 1e3, 1) for x in price_runs([its], t)]
-    [15.0, 10.0, 15.0]
+    [15.0, 12.0, 15.0]
     """
     out = []
+    intake, answer = getattr(timing, "intake_s", 0.0), getattr(timing, "answer_s", 0.0)
     for it, after_idle in _after_idle_flags(runs):
         price = timing.iteration_s([tuple(b) for b in it["batch"]])
-        out.append(price * (1.0 + timing.after_idle) if after_idle else price)
+        price = price * (1.0 + timing.after_idle) if after_idle else price
+        out.append(price + intake * it.get("taken", 0) + answer * it.get("answered", 0))
     return out
+
+
+def request_costs_from(iterations: Sequence[dict]) -> tuple[float, float]:
+    """The profile's ``intake_s`` and ``answer_s`` (module doc) from iterations as an engine logged them (``start_s``,
+    ``end_s``, ``cpu_s``, ``taken``, ``answered``); 0 for a cost whose group has fewer than :data:`REQUEST_GROUP`
+    iterations.
+
+    >>> def it(wall_ms, taken=0, answered=0):
+    ...     return {"start_s": 0.0, "end_s": wall_ms / 1e3, "cpu_s": 0.004, "taken": taken, "answered": answered}
+    >>> its = ([it(4.1) for _ in range(40)] + [it(5.6, taken=1) for _ in range(30)]
+    ...        + [it(4.6, answered=1) for _ in range(30)] + [it(60.0, taken=1)])  # one stalled by other work
+    >>> [round(x * 1e3, 3) for x in request_costs_from(its)]
+    [1.5, 0.5]
+    """
+    groups: dict[tuple[int, int], list[float]] = {}
+    for it in iterations:
+        key = (int(it.get("taken", 0)), int(it.get("answered", 0)))
+        if key in ((0, 0), (1, 0), (0, 1)):
+            groups.setdefault(key, []).append(float(it["end_s"]) - float(it["start_s"]) - float(it["cpu_s"]))
+
+    def trimmed_mean(key: tuple[int, int]) -> float | None:
+        values = sorted(groups.get(key, []))
+        if len(values) < REQUEST_GROUP:
+            return None
+        return float(np.mean(values[:max(1, math.ceil(len(values) * (1.0 - REQUEST_TRIM)))]))
+
+    base = trimmed_mean((0, 0))
+    if base is None:
+        return 0.0, 0.0
+    costs = [trimmed_mean(key) for key in ((1, 0), (0, 1))]
+    return tuple(0.0 if c is None else max(0.0, c - base) for c in costs)  # type: ignore[return-value]
 
 
 def _after_idle_flags(runs: Sequence[Sequence[dict]]) -> Iterator[tuple[dict, bool]]:
