@@ -218,6 +218,10 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     assert len(its) == prof.produced_by["sweep"]["iterations"]
     assert {s.phase for s in its} == {"sweep", "serving"} and {s.engine for s in its} == {0, 1}
     assert all(s.wall_s > 0 and s.cpu_s > 0 for s in its)
+    # serving behind the router: the engines took requests in and answered them while they iterated, and the
+    # profile prices what that costs them (0 where too few iterations did it alone)
+    assert sum(s.taken for s in its if s.phase == "serving") > 0 and sum(s.answered for s in its) > 0
+    assert 0 <= prof.intake_s < 0.05 and 0 <= prof.answer_s < 0.05 and "per request taken in" in printed
     first = prof.samples[0]
     assert first[1] == statistics.median(s.cpu_s for s in its if sorted(s.batch) == sorted(first[0]))
     big = max(prof.samples, key=lambda s: s[1])
