@@ -36,7 +36,8 @@ The first iteration after an engine idled costs more than the fit prices (its ca
 ``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from every iteration in the order each
 engine ran them. A busy engine's iteration during which it takes a request in or answers one takes more wall
 time than its thread's CPU time (its HTTP thread holds the interpreter meanwhile): the profile's ``intake_s`` and
-``answer_s`` (:func:`flexmesh.profile.iteration.request_costs_from`), from every iteration's own counts.
+``answer_s`` (:func:`flexmesh.profile.iteration.request_costs_from`), from every iteration's own counts and the CPU
+time the engine's other threads had over it.
 
 Admission (the profile's ``admission_s``): single requests sent one at a time through the router to idle
 engines, each timed from the router receiving it to the start of the engine's iteration that holds it (the
@@ -232,7 +233,8 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
                     for it in await fetch_iterations(session, e.url, since):
                         raw.append({**phase, "engine": k, "batch": it["batch"], "wall_s": it["end_s"] - it["start_s"],
                                     "cpu_s": it["cpu_s"], "start_s": it["start_s"], "end_s": it["end_s"],
-                                    "taken": it.get("taken", 0), "answered": it.get("answered", 0)})
+                                    "taken": it.get("taken", 0), "answered": it.get("answered", 0),
+                                    "others_cpu_s": it.get("others_cpu_s", 0.0)})
                         timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
                         wall += it["end_s"] - it["start_s"]
                         cpu += it["cpu_s"]

@@ -40,15 +40,15 @@ The request simulator prices every iteration that starts a replica's busy period
 
 And ``intake_s`` and ``answer_s``: what a request costs a busy engine outside its loop's thread. The engine's HTTP
 thread parses, checks and submits each request it takes in, and answers each finished one, beside the loop, holding
-the interpreter meanwhile; an iteration during which it does so takes that much more wall time than its thread's
-CPU time (the fit's seconds). :func:`request_costs_from` measures both from the iterations' own counts (an engine
-logs the requests it took in and answered while each iteration ran): the mean of wall - CPU seconds over the
-iterations that took in exactly one request and answered none, less that mean over the iterations that did
-neither (what other work on the machine adds to every iteration), and likewise for one answer; each mean leaves
-out its group's slowest twentieth (another process's stall, not the engine's). On this 2-core machine about 1.5
-ms a request taken in and 0.5 ms one answered. The request simulator charges each to the iteration its replica
-starts next (:mod:`flexmesh.serve.replica`); a request that reaches an idle engine costs its ``admission_s``
-instead. 0 in a profile written before they were measured.
+the interpreter meanwhile (pure Python: the loop's thread waits for it, and on a machine whose cores the engines
+fill it has no core of its own either), so an iteration during which it does so ends that much later than the
+loop's own CPU time (the fit's seconds) says. An engine logs, per iteration, the requests it took in and answered
+while it ran and the CPU time its other threads had meanwhile; :func:`request_costs_from` fits that CPU time,
+least squares over every iteration, as a constant (what those threads do besides: health checks) plus
+``intake_s`` per request taken in and ``answer_s`` per request answered. CPU time, like the fit's samples: other
+work on the machine does not stretch it. On this 2-core machine about 1 ms and 0.5 ms. The request simulator
+charges each to the iteration its replica starts next (:mod:`flexmesh.serve.replica`); a request that reaches an
+idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
 
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
@@ -80,8 +80,7 @@ from flexmesh.profile.fit import least_squares
 
 VERSION = 1
 KIND = "engine"
-REQUEST_GROUP = 20  # iterations that took in (or answered) one request before their cost is measured
-REQUEST_TRIM = 0.05  # the slowest share of each group left out of its mean (request_costs_from)
+REQUEST_GROUP = 20  # iterations that took in (or answered) requests before what one costs is measured
 IDLE_GAP_S = 0.002  # an engine's loop that ran on at once starts its next iteration within 0.1 ms; after a gap
 # this long it had slept on its empty queue (after_idle_from)
 TERMS = ("c0_s", "per_request_s", "per_token_s", "per_kv_token_s", "per_batch_token_x_kv_token_s",
@@ -281,13 +280,15 @@ class IterationSample:
     start_s: float = 0.0  # perf_counter seconds (one clock for every engine on the machine)
     taken: int = 0  # requests the engine took in while it ran (module doc)
     answered: int = 0  # requests it answered while it ran
+    others_cpu_s: float = 0.0  # CPU time of the engine's other threads while it ran
 
     @classmethod
     def from_dict(cls, d: dict) -> IterationSample:
         """A sample from one ``--samples`` line's fields (KeyError, TypeError or ValueError when malformed)."""
         return cls(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]), float(d["cpu_s"]),
                    int(d["engine"]), str(d["phase"]), str(d.get("scenario", "")), float(d.get("load", 0.0)),
-                   float(d.get("start_s", 0.0)), int(d.get("taken", 0)), int(d.get("answered", 0)))
+                   float(d.get("start_s", 0.0)), int(d.get("taken", 0)), int(d.get("answered", 0)),
+                   float(d.get("others_cpu_s", 0.0)))
 
 
 def held_out_errors(samples: Sequence[IterationSample]) -> dict[str, dict[str, float]]:
@@ -377,34 +378,28 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
 
 
 def request_costs_from(iterations: Sequence[dict]) -> tuple[float, float]:
-    """The profile's ``intake_s`` and ``answer_s`` (module doc) from iterations as an engine logged them (``start_s``,
-    ``end_s``, ``cpu_s``, ``taken``, ``answered``); 0 for a cost whose group has fewer than :data:`REQUEST_GROUP`
-    iterations.
+    """The profile's ``intake_s`` and ``answer_s`` (module doc) from iterations as an engine logged them (``taken``,
+    ``answered``, ``others_cpu_s``): the non-negative least-squares fit ``others_cpu_s = c + intake_s * taken +
+    answer_s * answered``; a cost is 0 where fewer than :data:`REQUEST_GROUP` iterations counted its kind (an older
+    engine's log counts none).
 
-    >>> def it(wall_ms, taken=0, answered=0):
-    ...     return {"start_s": 0.0, "end_s": wall_ms / 1e3, "cpu_s": 0.004, "taken": taken, "answered": answered}
-    >>> its = ([it(4.1) for _ in range(40)] + [it(5.6, taken=1) for _ in range(30)]
-    ...        + [it(4.6, answered=1) for _ in range(30)] + [it(60.0, taken=1)])  # one stalled by other work
+    >>> def it(taken, answered, background=2e-5):
+    ...     return {"taken": taken, "answered": answered, "others_cpu_s": background + 1e-3 * taken + 5e-4 * answered}
+    >>> its = [it(0, 0)] * 200 + [it(1, 0)] * 30 + [it(0, 1)] * 30 + [it(2, 1)] * 5
     >>> [round(x * 1e3, 3) for x in request_costs_from(its)]
-    [1.5, 0.5]
+    [1.0, 0.5]
     """
-    groups: dict[tuple[int, int], list[float]] = {}
-    for it in iterations:
-        key = (int(it.get("taken", 0)), int(it.get("answered", 0)))
-        if key in ((0, 0), (1, 0), (0, 1)):
-            groups.setdefault(key, []).append(float(it["end_s"]) - float(it["start_s"]) - float(it["cpu_s"]))
-
-    def trimmed_mean(key: tuple[int, int]) -> float | None:
-        values = sorted(groups.get(key, []))
-        if len(values) < REQUEST_GROUP:
-            return None
-        return float(np.mean(values[:max(1, math.ceil(len(values) * (1.0 - REQUEST_TRIM)))]))
-
-    base = trimmed_mean((0, 0))
-    if base is None:
+    rows = [(int(it.get("taken", 0)), int(it.get("answered", 0)), float(it["others_cpu_s"]))
+            for it in iterations if "others_cpu_s" in it]
+    kinds = [k for k in (0, 1) if sum(1 for r in rows if r[k] > 0) >= REQUEST_GROUP]
+    if not kinds:
         return 0.0, 0.0
-    costs = [trimmed_mean(key) for key in ((1, 0), (0, 1))]
-    return tuple(0.0 if c is None else max(0.0, c - base) for c in costs)  # type: ignore[return-value]
+    features = np.array([[1.0] + [float(r[k]) for k in kinds] for r in rows])
+    c = least_squares(features, np.array([r[2] for r in rows]), relative=False, robust=False)
+    costs = [0.0, 0.0]
+    for k, v in zip(kinds, c[1:]):
+        costs[k] = float(v)
+    return costs[0], costs[1]
 
 
 def _after_idle_flags(runs: Sequence[Sequence[dict]]) -> Iterator[tuple[dict, bool]]:

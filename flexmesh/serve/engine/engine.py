@@ -15,10 +15,10 @@ tests/test_serve_engine.py): the time from scheduling to the tokens handed out, 
 :class:`flexmesh.cost.inference` prices -- and the CPU time the loop's thread had meanwhile (less than the
 duration when other processes held the cores: how contended a measurement was). The idle wait of an empty
 loop is not an iteration. Each iteration also counts the requests the engine took in (:meth:`Engine.submit`)
-and answered (handed a finished request to its caller) while it ran: the engine's HTTP thread parses,
-checks and submits the one and answers the other beside the loop, holding the interpreter while the loop's
-thread waits for it, so such an iteration takes more wall time than its thread's CPU time
-(:func:`flexmesh.profile.iteration.request_costs_from` measures how much).
+and answered (handed a finished request to its caller) while it ran, and the CPU time the engine's other threads
+had meanwhile: its HTTP thread parses, checks and submits the one and answers the other beside the loop, holding
+the interpreter while the loop's thread waits for it (:func:`flexmesh.profile.iteration.request_costs_from`
+prices a request of each kind from these).
 
 Clocks: every time here is ``time.perf_counter()``, which on Linux reads CLOCK_MONOTONIC, one clock
 for every process on the machine; the router and the replay client compare times across processes
@@ -53,6 +53,7 @@ class Iteration:
     cpu_s: float = 0.0  # CPU time of the engine's thread meanwhile: below duration_s when it waited for a core
     taken: int = 0  # requests the engine took in meanwhile (module doc)
     answered: int = 0  # requests it handed out finished meanwhile
+    others_cpu_s: float = 0.0  # CPU time of the engine's other threads meanwhile (its HTTP thread's, mostly)
 
     @property
     def duration_s(self) -> float:
@@ -60,7 +61,7 @@ class Iteration:
 
     def to_dict(self) -> dict:
         return {"start_s": self.start_s, "end_s": self.end_s, "batch": [list(b) for b in self.batch],
-                "cpu_s": self.cpu_s, "taken": self.taken, "answered": self.answered}
+                "cpu_s": self.cpu_s, "taken": self.taken, "answered": self.answered, "others_cpu_s": self.others_cpu_s}
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,15 @@ def _manager_class():
             # counted from where the last pass of the loop left off: what came between two iterations is the next
             # one's, what came while the loop idled is no iteration's
             taken, answered = getattr(self, "seen", None) or self.counts()
-            start, cpu = time.perf_counter(), time.thread_time()
+            start, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
             go_on = super()._generation_loop_body(batch_processor, bootstrapping)
-            end, cpu = time.perf_counter(), time.thread_time() - cpu
+            end, cpu, process = time.perf_counter(), time.thread_time() - cpu, time.process_time() - process
             self.seen = now_taken, now_answered = self.counts()
             if self.current_batch != before:
                 batch = tuple((f.state.position_offset - f.query_length, f.query_length)
                               for f in batch_processor.inputs_and_outputs.requests_in_batch)
-                self.on_iteration(Iteration(start, end, batch, cpu, now_taken - taken, now_answered - answered))
+                self.on_iteration(Iteration(start, end, batch, cpu, now_taken - taken, now_answered - answered,
+                                            max(process - cpu, 0.0)))
             return go_on
 
         def on_iteration(self, it: Iteration) -> None:  # replaced per engine
