@@ -88,6 +88,7 @@ def test_iterations_count_the_requests_taken_in_and_answered_while_they_ran():
     answered = next(k for k, it in enumerate(its) if it.answered)
     assert took >= 2 and took < answered < len(its) - 1
     assert its[took].to_dict()["taken"] == 1 and its[answered].to_dict()["answered"] == 1
+    assert all(it.others_cpu_s >= 0 for it in its) and "others_cpu_s" in its[0].to_dict()
 
 
 def test_engine_refuses_what_it_cannot_run():
