@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from flexmesh.cost.inference.timing import SplitTiming, split_s
 from flexmesh.errors import ProfileError
-from flexmesh.profile.engine import SERVING, scenarios, serving_lengths
+from flexmesh.profile.engine import SERVING, idle_admissions, scenarios, serving_lengths
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
     TERMS,
@@ -150,6 +150,24 @@ def test_request_costs_are_what_the_engines_other_threads_spend_per_request_take
            for k in range(3)]
     assert price_runs([run], timing) == pytest.approx([timing.iteration_s([(64, 1)]) + 1.5e-3 * k + 0.5e-3
                                                         for k in range(3)])
+
+
+def test_admissions_are_timed_for_the_serving_requests_that_found_their_engine_idle():
+    from flexmesh.serve.metrics import RequestRecord
+
+    def rec(rid, replica, arrival, prompt):
+        return RequestRecord(rid, replica, arrival, arrival + 0.02, arrival + 0.05, prompt, 4)
+
+    origin = 100.0
+    engine0 = [{"start_s": 100.0011, "end_s": 100.01, "batch": [[0, 256]]},  # r0: 300 tokens, a 256 chunk first
+               {"start_s": 100.01, "end_s": 100.02, "batch": [[256, 44]]},
+               {"start_s": 100.02 + IDLE_GAP_S / 2, "end_s": 100.03, "batch": [[0, 9]]},  # r1: not idle (short gap)
+               {"start_s": 100.5014, "end_s": 100.51, "batch": [[0, 12]]}]  # r3: 1.4 ms after it arrived
+    engine1 = [{"start_s": 100.2009, "end_s": 100.21, "batch": [[0, 20]]}]  # r2 asked for 30: not its chunk
+    records = [rec(0, 0, 0.0, 300), rec(1, 0, 0.0195, 9), rec(2, 1, 0.2, 30), rec(3, 0, 0.5, 12),
+               rec(4, 1, 0.9, 5)]  # r4: no iteration after it
+    waits = idle_admissions(records, origin, [engine0, engine1], 256)
+    assert waits == pytest.approx([0.0011, 0.0014])
 
 
 def test_sweep_stays_inside_the_engine():
