@@ -46,9 +46,9 @@ loop's own CPU time (the fit's seconds) says. An engine logs, per iteration, the
 while it ran and the CPU time its other threads had meanwhile; :func:`request_costs_from` fits that CPU time,
 least squares over every iteration, as a constant (what those threads do besides: health checks) plus
 ``intake_s`` per request taken in and ``answer_s`` per request answered. CPU time, like the fit's samples: other
-work on the machine does not stretch it. On this 2-core machine about 1 ms and 0.5 ms. The request simulator
-charges each to the iteration its replica starts next (:mod:`flexmesh.serve.replica`); a request that reaches an
-idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
+work on the machine does not stretch it. On this 2-core machine about 1.1 ms a request, both together. The request
+simulator charges each to the iteration its replica starts next (:mod:`flexmesh.serve.replica`); a request that
+reaches an idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
 
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
