@@ -20,6 +20,12 @@ simulates the same requests at the same arrivals. Checked (issue 54's bounds):
   |predicted / measured - 1| against its wall time (and, beside it, against the CPU time the engine's thread
   had, which the profile is made of).
 
+Repeats: the engines on this 2-core virtual machine run the same batch at two speeds about 1.5x apart, each
+holding for seconds (docs/serving-engines.md), so one replay of a rate measures whichever speed it met. Each
+rate is replayed :data:`REPEATS` times (``--repeats``), in passes over every rate (a slow spell falls on
+different rates in different passes); every figure is the median over the passes, and its spread (max - min
+over the median; each pass's own error beside the median's) is recorded with it.
+
 Timings on a shared machine are noisy: the load average (``uptime``) before and after is recorded beside
 the numbers.
 
@@ -49,6 +55,7 @@ DEPENDS_ON = ("flexmesh/serve", "flexmesh/profile", "flexmesh/cost", "flexmesh/d
 RATE_FACTORS = (0.4, 0.7, 1.0, 1.4)  # the measured rates, times the twin's own knee
 MORE_RATES, RATE_STEP = 3, 1.4  # at most this many rates past the last, each this factor above it (next_rate)
 WAIT_S = 120.0  # the longest a replayed request waits for its answer, and a replay drains after its last arrival
+REPEATS = 3  # passes over every rate (module doc)
 
 
 def knee(rates: list[float], p90_ttft: list[float]) -> float | None:
@@ -79,6 +86,16 @@ def next_rate(rates: list[float], p90_ttft: list[float], given: int) -> float | 
     return round(rates[-1] * RATE_STEP, 2)
 
 
+def median_spread(values: list[float]) -> tuple[float, float]:
+    """The median of ``values`` (one per pass) and their spread: (max - min) / median.
+
+    >>> median_spread([10.0, 12.0, 11.0])
+    (11.0, 0.18181818181818182)
+    """
+    mid = statistics.median(values)
+    return mid, (max(values) - min(values)) / mid if mid else 0.0
+
+
 def engine_and_profile(profile: str | None, out: Path, *, quick: bool, engines: int):  # noqa: ANN201
     """The engine configuration both serving-engine benches replay (the tiny model, 2048 KV blocks of 16 tokens, a
     256-token budget) and this machine's profile of it: read from ``profile``, or measured now over ``engines``
@@ -100,11 +117,15 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=120, help="requests in the trace window")
     ap.add_argument("--context", type=int, default=2048, help="tokens the trace's lengths are scaled to fit")
     ap.add_argument("--rates", help="requests per second (default: around the twin's knee)")
+    ap.add_argument("--repeats", type=int, help=f"passes over every rate (default {REPEATS}; 1 with --quick)")
     ap.add_argument("--profile", help="an engine profile of this machine (default: measure one now)")
-    ap.add_argument("--quick", action="store_true", help="a quick profile sweep and a 60-request window")
-    ap.add_argument("--out", help="folder for the engine profile, requests-<rate>.jsonl and the engines' logs")
+    ap.add_argument("--quick", action="store_true", help="a quick profile sweep, a 60-request window, one pass")
+    ap.add_argument("--out", help="folder for the engine profile, requests-<rate>-<pass>.jsonl and the engines' logs")
     ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
     args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else REPEATS)
+    if repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {repeats}")
 
     from bench._results import markdown_table, record
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
@@ -133,75 +154,108 @@ def main() -> int:
         base = simulated(grid[0]).ttft["p90"]
         sim_knee = next((r for r in grid if simulated(r).ttft["p90"] >= KNEE_FACTOR * base), grid[-1])
         rates = [round(f * sim_knee, 2) for f in RATE_FACTORS]
-    print(f"window: {len(win)} requests of azure-conv scaled to {args.context} tokens; rates {rates}", flush=True)
+    print(f"window: {len(win)} requests of azure-conv scaled to {args.context} tokens; rates {rates}, {repeats} "
+          "passes", flush=True)
 
     async def measure():
         async with running_fleet(cfg, 2, out / "logs") as (url, engines):
             urls, limits = [e.url for e in engines], {"request_timeout_s": WAIT_S, "drain_timeout_s": WAIT_S}
-            runs = await replay_rates(url, [(r, at_rate(win, r)) for r in rates], urls, **limits)
-            while all(r.replay.records for r in runs) and (more := next_rate(
-                    [r.rate for r in runs], [summarize(r.replay.records).ttft["p90"] for r in runs], len(rates))):
-                print(f"the measured knee is past {runs[-1].rate:g}/s: measuring {more:g}/s", flush=True)
-                runs += await replay_rates(url, [(more, at_rate(win, more))], urls, **limits)
-            return runs
+            first = await replay_rates(url, [(r, at_rate(win, r)) for r in rates], urls, **limits)
+            while all(r.replay.records for r in first) and (more := next_rate(
+                    [r.rate for r in first], [summarize(r.replay.records).ttft["p90"] for r in first], len(rates))):
+                print(f"the measured knee is past {first[-1].rate:g}/s: measuring {more:g}/s", flush=True)
+                first += await replay_rates(url, [(more, at_rate(win, more))], urls, **limits)
+            passes = [first]
+            for k in range(1, repeats):
+                print(f"pass {k + 1} of {repeats}", flush=True)
+                passes.append(await replay_rates(url, [(r.rate, at_rate(win, r.rate)) for r in first], urls, **limits))
+            return passes
 
-    runs = asyncio.run(measure())
-    rates = [run.rate for run in runs]
+    passes = asyncio.run(measure())
+    rates = [run.rate for run in passes[0]]
     load_after = os.getloadavg()
-    rows, worst, meas_p90, sim_p90 = [], 0.0, [], []
-    for run in runs:
-        run.replay.write(out / f"requests-{run.rate:g}.jsonl")
-        (out / f"iterations-{run.rate:g}.json").write_text(json.dumps(run.iterations))
-        if run.replay.failed:
-            print(f"rate {run.rate:g}: {len(run.replay.failed)} requests failed, e.g. "
-                  f"{next(iter(run.replay.failed.values()))}")
-        m, s = summarize(run.replay.records), simulated(run.rate)
-        meas_p90.append(m.ttft["p90"])
+    for k, runs in enumerate(passes):
+        for run in runs:
+            run.replay.write(out / f"requests-{run.rate:g}-{k + 1}.jsonl")
+            (out / f"iterations-{run.rate:g}-{k + 1}.json").write_text(json.dumps(run.iterations))
+            if run.replay.failed:
+                print(f"rate {run.rate:g}, pass {k + 1}: {len(run.replay.failed)} requests failed, e.g. "
+                      f"{next(iter(run.replay.failed.values()))}")
+    cells_of = [(metric, q) for metric in ("ttft", "tpot") for q in ("p50", "p90")]
+    # per pass and rate: the measured summary (a pass whose replay answered nothing has none)
+    measured = [[summarize(run.replay.records) if run.replay.records else None for run in runs] for runs in passes]
+    sims = [simulated(rate) for rate in rates]
+    rows, worst, meas_p90, sim_p90, spreads = [], 0.0, [], [], []
+    pass_worst = [0.0] * len(passes)
+    for i, rate in enumerate(rates):
+        got = [m[i] for m in measured if m[i] is not None]
+        s = sims[i]
+        cells, spread_cells = [], []
+        for metric, q in cells_of:
+            b = getattr(s, metric)[q]
+            a, spread = median_spread([getattr(m, metric)[q] for m in got])
+            worst = max(worst, abs(b / a - 1))
+            spreads.append(spread)
+            cells.append(f"{a * 1e3:,.1f} / {b * 1e3:,.1f} ({b / a - 1:+.0%})")
+            spread_cells.append(f"{spread:.0%}")
+            for k, m in enumerate(measured):
+                if m[i] is not None:
+                    pass_worst[k] = max(pass_worst[k], abs(b / getattr(m[i], metric)[q] - 1))
+        meas_p90.append(statistics.median(m.ttft["p90"] for m in got))
         sim_p90.append(s.ttft["p90"])
-        cells = []
-        for metric in ("ttft", "tpot"):
-            for q in ("p50", "p90"):
-                a, b = getattr(m, metric)[q], getattr(s, metric)[q]
-                worst = max(worst, abs(b / a - 1))
-                cells.append(f"{a * 1e3:,.1f} / {b * 1e3:,.1f} ({b / a - 1:+.0%})")
-        rows.append([f"{run.rate:g}", len(run.replay.records), *cells])
+        rows.append([f"{rate:g}", min(len(run.replay.records) for run in (p[i] for p in passes)), *cells,
+                     ", ".join(spread_cells)])
     k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
     k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
-    its = [(it["batch"], it["end_s"] - it["start_s"]) for run in runs for per in run.iterations for it in per]
-    cpu = sum(it["cpu_s"] for run in runs for per in run.iterations for it in per)
-    # each iteration as the twin prices it (the first after the engine idled at 1 + after_idle times its batch's)
-    priced = price_runs([[it for it in per if it["batch"]] for run in runs for per in run.iterations], timing)
-    its = [x for x in its if x[0]]
-    rel = [p / secs - 1 for p, (_, secs) in zip(priced, its)]
+    pass_knees = [knee(rates, [m[i].ttft["p90"] if m[i] else float("inf") for i in range(len(rates))])
+                  for m in measured]
+
+    def iteration_error(runs) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Each iteration the engines ran in ``runs``: as priced by the profile (the first after the engine idled at
+        1 + after_idle times its batch's, as the twin prices it), its wall and CPU seconds, and whether it decoded
+        only (1.0) or not (0.0)."""
+        per = [[it for it in e if it["batch"]] for run in runs for e in run.iterations]
+        priced = price_runs(per, timing)
+        flat = [it for e in per for it in e]
+        return (priced, [it["end_s"] - it["start_s"] for it in flat], [it["cpu_s"] for it in flat],
+                [float(all(q == 1 for _, q in it["batch"])) for it in flat])
+
+    priced, walls, cpus, decode_only = (sum(x, []) for x in zip(*(iteration_error(runs) for runs in passes)))
+    rel = [p / w - 1 for p, w in zip(priced, walls)]
     it_err = statistics.median(abs(r) for r in rel)
-    busy_meas = sum(s for _, s in its)
-    busy_pred = sum(priced)
-    decode = [abs(r) for r, (batch, _) in zip(rel, its) if all(q == 1 for _, q in batch)]
-    cpus = [it["cpu_s"] for run in runs for per in run.iterations for it in per if it["batch"]]
+    pass_it = [statistics.median(abs(p / w - 1) for p, w in zip(*iteration_error(runs)[:2])) for runs in passes]
+    decode = [abs(r) for r, d in zip(rel, decode_only) if d]
     rel_cpu = statistics.median(abs(p / c - 1) for p, c in zip(priced, cpus) if c > 0)
+    busy_meas, busy_pred, cpu = sum(walls), sum(priced), sum(cpus)
+
+    def each(values, fmt: str = "{:.0%}") -> str:
+        return ", ".join("-" if v is None else fmt.format(v) for v in values)
 
     fit = prof.error
     served = ", ".join(f"{s['rate']:g}" for s in prof.produced_by.get("sweep", {}).get("serving") or []) or "no rate"
     md = [f"Tiny model (`{cfg.to_json()}`), 2 engine processes behind the router, {len(win)} requests of the "
-          f"Azure 2023 conversation trace scaled to {args.context} tokens, arrivals the trace's scaled to each rate. "
-          f"Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} "
-          "cores: other work shares the machine and every timing carries its noise.", "",
+          f"Azure 2023 conversation trace scaled to {args.context} tokens, arrivals the trace's scaled to each rate, "
+          f"{len(passes)} passes over the rates (every measured figure the median over the passes; spread: max - min "
+          f"over the median). Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
+          f"{os.cpu_count()} cores: other work shares the machine and every timing carries its noise.", "",
           f"Engine profile: {len(prof.samples)} distinct batches (the sweep's scenarios and serving behind the router "
           f"at {served}/s), "
           f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, the first iteration after idling "
           f"{prof.after_idle:+.0%}, admission (router -> the engine's batch, "
           f"added to every simulated arrival) {prof.admission_s * 1e3:.2f} ms; in-sample error of the fit: median "
           f"{fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
-          *markdown_table(["rate/s", "done", "TTFT p50 ms (measured / simulated)", "TTFT p90", "TPOT p50", "TPOT p90"],
-                          rows), "",
+          *markdown_table(["rate/s", "done", "TTFT p50 ms (measured / simulated)", "TTFT p90", "TPOT p50", "TPOT p90",
+                           "spread of the four"], rows), "",
           f"- latency: worst |simulated / measured - 1| = {worst:.0%} (bound {LATENCY_BOUND:.0%}): "
-          f"{'PASS' if worst <= LATENCY_BOUND else 'FAIL'}",
+          f"{'PASS' if worst <= LATENCY_BOUND else 'FAIL'}; each pass alone {each(pass_worst)}; spread of the "
+          f"measured cells median {statistics.median(spreads):.0%}, max {max(spreads):.0%}",
           f"- knee (p90 TTFT at {KNEE_FACTOR:g}x its lowest-rate value): measured "
           f"{k_meas if k_meas is None else round(k_meas, 2)}/s, simulated {k_sim if k_sim is None else round(k_sim, 2)}"
-          f"/s, error {k_err:.0%} (bound {KNEE_BOUND:.0%}): {'PASS' if k_err <= KNEE_BOUND else 'FAIL'}",
-          f"- iterations: {len(its)} engine iterations priced by the profile, median |predicted / measured - 1| = "
+          f"/s, error {k_err:.0%} (bound {KNEE_BOUND:.0%}): {'PASS' if k_err <= KNEE_BOUND else 'FAIL'}; each pass's "
+          f"measured knee {each(pass_knees, '{:.2f}/s')}",
+          f"- iterations: {len(walls)} engine iterations priced by the profile, median |predicted / measured - 1| = "
           f"{it_err:.1%} (decode-only {statistics.median(decode) if decode else float('nan'):.1%}; against their CPU "
-          f"time {rel_cpu:.1%}), busy time "
+          f"time {rel_cpu:.1%}; each pass {each(pass_it, '{:.1%}')}), busy time "
           f"{busy_pred:.1f} s predicted / {busy_meas:.1f} s measured (bound {ITERATION_BOUND:.0%}): "
           f"{'PASS' if it_err <= ITERATION_BOUND else 'FAIL'}",
           f"- share of a core each engine had while iterating (CPU over wall time): "
@@ -211,7 +265,8 @@ def main() -> int:
     print("\n".join(md))
     if not args.no_record:
         record("serve_engine", "\n".join(md), headline=f"simulated vs measured: latency worst {worst:.0%}, knee "
-               f"{k_err:.0%}, iterations median {it_err:.1%} (bounds 20%, 20%, 10%); load {load_before[0]:.1f}")
+               f"{k_err:.0%}, iterations median {it_err:.1%} (bounds 20%, 20%, 10%; median of {len(passes)} passes); "
+               f"load {load_before[0]:.1f}")
     return 0
 
 

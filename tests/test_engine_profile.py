@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from flexmesh.cost.inference.timing import SplitTiming, split_s
 from flexmesh.errors import ProfileError
-from flexmesh.profile.engine import SERVING, scenarios, serving_lengths
+from flexmesh.profile.engine import SERVING, idle_admissions, scenarios, serving_lengths
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
     TERMS,
@@ -21,7 +21,9 @@ from flexmesh.profile.iteration import (
     fit_iterations,
     iteration_features,
     load_engine_profile,
+    price_runs,
     read_iteration_samples,
+    request_costs_from,
 )
 from flexmesh.serve.engine.config import EngineConfig
 
@@ -69,22 +71,27 @@ def test_a_run_of_decodes_costs_its_iterations_one_by_one(decodes, context, step
 
 def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
     prof = EngineProfile({"name": "tiny"}, {"model": "tiny"}, TRUE, samples=[([(0, 8)], 1e-3)], name="p",
-                         admission_s=0.0016, after_idle=0.2)
+                         admission_s=0.0016, after_idle=0.2, intake_s=0.0015, answer_s=0.0005)
     path = tmp_path / "engine.json"
     prof.save(path)
     back = load_engine_profile(path)
     assert back.fit == TRUE and back.samples == [([(0, 8)], 1e-3)] and back.name == "engine.json"
     assert back.admission_s == 0.0016 and ProfiledIterationTiming(back).admission_s == 0.0016
     assert back.after_idle == 0.2 and ProfiledIterationTiming(back).after_idle == 0.2
-    older = {k: v for k, v in prof.to_dict().items() if k not in ("admission_s", "after_idle")}  # before measured
+    assert (ProfiledIterationTiming(back).intake_s, ProfiledIterationTiming(back).answer_s) == (0.0015, 0.0005)
+    older = {k: v for k, v in prof.to_dict().items()
+             if k not in ("admission_s", "after_idle", "intake_s", "answer_s")}  # before measured
     path.write_text(json.dumps(older))
-    assert load_engine_profile(path).admission_s == 0.0 and load_engine_profile(path).after_idle == 0.0
+    old = load_engine_profile(path)
+    assert (old.admission_s, old.after_idle, old.intake_s, old.answer_s) == (0.0, 0.0, 0.0, 0.0)
     bad = tmp_path / "bad.json"
     for d, match in (({**prof.to_dict(), "kind": "model"}, "not an engine profile"),
                      ({**prof.to_dict(), "admission_s": -1e-3}, "admission_s"),
                      ({**prof.to_dict(), "admission_s": "2 ms"}, "admission_s"),
                      ({**prof.to_dict(), "after_idle": -0.1}, "after_idle"),
                      ({**prof.to_dict(), "after_idle": True}, "after_idle"),
+                     ({**prof.to_dict(), "intake_s": -1e-3}, "intake_s"),
+                     ({**prof.to_dict(), "answer_s": "1 ms"}, "answer_s"),
                      ({**prof.to_dict(), "version": 9}, "version 9"),
                      ({**prof.to_dict(), "fit": {**TRUE, "c0_s": -1}}, "non-negative"),
                      ({**prof.to_dict(), "samples": [{"batch": 3}]}, "malformed samples")):
@@ -119,6 +126,48 @@ def test_after_idle_is_what_the_first_iterations_after_a_gap_cost_beyond_the_res
     tight = run(0.0, batches, 1.3)
     joined = tight + run(tight[-1]["end_s"] + IDLE_GAP_S / 2, batches, 1.3)
     assert after_idle_from([joined], timing) == pytest.approx(0.3)  # only the very first counts as after idle
+
+
+def test_request_costs_are_what_the_engines_other_threads_spend_per_request_taken_in_and_answered():
+    def its(n, taken, answered, background=3e-5, jitter=0.0):
+        """n iterations whose other threads had the background, 1.2 ms per request taken in, 0.4 ms per answer."""
+        return [{"batch": [[64, 1]], "taken": taken, "answered": answered,
+                 "others_cpu_s": background + 1.2e-3 * taken + 4e-4 * answered + jitter * (-1) ** k}
+                for k in range(n)]
+
+    mixed = its(200, 0, 0) + its(30, 1, 0) + its(30, 0, 1) + its(10, 2, 1) + its(6, 5, 0)
+    assert request_costs_from(mixed) == pytest.approx((1.2e-3, 4e-4))
+    assert request_costs_from([{**it, "others_cpu_s": it["others_cpu_s"] + 1e-3 * (k % 2 - 0.5)}
+                               for k, it in enumerate(mixed)]) == pytest.approx((1.2e-3, 4e-4), rel=0.1)  # noisy
+    # too few iterations of a kind: that cost is 0; engines that count nothing (an older log): both 0
+    assert request_costs_from(its(200, 0, 0) + its(30, 1, 0) + its(5, 0, 1)) == pytest.approx((1.2e-3, 0.0), abs=2e-5)
+    assert request_costs_from([{k: v for k, v in it.items() if k != "others_cpu_s"} for it in mixed]) == (0.0, 0.0)
+    cheaper = its(200, 0, 0, background=2e-3) + its(30, 1, 0)  # taking one in "saves" 0.8 ms: never below 0
+    assert request_costs_from(cheaper) == (0.0, 0.0)
+    # the iterations' price carries them, per request counted
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, TRUE, intake_s=1.5e-3, answer_s=0.5e-3))
+    run = [{"batch": [[64, 1]], "start_s": 0.01 * k, "end_s": 0.01 * k + 0.005, "taken": k, "answered": 1}
+           for k in range(3)]
+    assert price_runs([run], timing) == pytest.approx([timing.iteration_s([(64, 1)]) + 1.5e-3 * k + 0.5e-3
+                                                        for k in range(3)])
+
+
+def test_admissions_are_timed_for_the_serving_requests_that_found_their_engine_idle():
+    from flexmesh.serve.metrics import RequestRecord
+
+    def rec(rid, replica, arrival, prompt):
+        return RequestRecord(rid, replica, arrival, arrival + 0.02, arrival + 0.05, prompt, 4)
+
+    origin = 100.0
+    engine0 = [{"start_s": 100.0011, "end_s": 100.01, "batch": [[0, 256]]},  # r0: 300 tokens, a 256 chunk first
+               {"start_s": 100.01, "end_s": 100.02, "batch": [[256, 44]]},
+               {"start_s": 100.02 + IDLE_GAP_S / 2, "end_s": 100.03, "batch": [[0, 9]]},  # r1: not idle (short gap)
+               {"start_s": 100.5014, "end_s": 100.51, "batch": [[0, 12]]}]  # r3: 1.4 ms after it arrived
+    engine1 = [{"start_s": 100.2009, "end_s": 100.21, "batch": [[0, 20]]}]  # r2 asked for 30: not its chunk
+    records = [rec(0, 0, 0.0, 300), rec(1, 0, 0.0195, 9), rec(2, 1, 0.2, 30), rec(3, 0, 0.5, 12),
+               rec(4, 1, 0.9, 5)]  # r4: no iteration after it
+    waits = idle_admissions(records, origin, [engine0, engine1], 256)
+    assert waits == pytest.approx([0.0011, 0.0014])
 
 
 def test_sweep_stays_inside_the_engine():
@@ -183,6 +232,10 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     assert len(its) == prof.produced_by["sweep"]["iterations"]
     assert {s.phase for s in its} == {"sweep", "serving"} and {s.engine for s in its} == {0, 1}
     assert all(s.wall_s > 0 and s.cpu_s > 0 for s in its)
+    # serving behind the router: the engines took requests in and answered them while they iterated, and the
+    # profile prices what that costs them (0 where too few iterations did it alone)
+    assert sum(s.taken for s in its if s.phase == "serving") > 0 and sum(s.answered for s in its) > 0
+    assert 0 <= prof.intake_s < 0.05 and 0 <= prof.answer_s < 0.05 and "per request taken in" in printed
     first = prof.samples[0]
     assert first[1] == statistics.median(s.cpu_s for s in its if sorted(s.batch) == sorted(first[0]))
     big = max(prof.samples, key=lambda s: s[1])

@@ -70,3 +70,30 @@ def test_the_twin_takes_the_profiles_admission_and_refuses_a_negative_one():
     with pytest.raises(SpecError, match="admission_s") as e:
         twin_fleet(CFG, 2, Flat(), admission_s=-0.001)
     assert "\n" not in str(e.value)
+
+
+class Chatty(Flat):
+    """10 ms, and a busy engine's HTTP thread: 2 ms per request taken in, 1 ms per request answered."""
+
+    intake_s, answer_s = 0.002, 0.001
+
+
+def test_requests_reaching_or_leaving_a_busy_engine_lengthen_its_next_iteration_and_lapse_when_it_idles():
+    # one engine: r0 from idle (no intake); r1 reaches it busy at 12 ms, its 2 ms on the iteration from 20 ms that
+    # prefills it; r1 answered at 32 ms, its 1 ms on r0's last decode; r0's answer lapses as the engine idles
+    work = Workload((Request(0, 0.0, 16, 4), Request(1, 0.012, 16, 1), Request(2, 0.5, 16, 2)), "three")
+    r0, r1, r2 = twin_fleet(CFG, 1, Chatty()).run(work).records
+    assert (r0.first_token_s, r0.finish_s) == pytest.approx((0.010, 0.043))
+    assert (r1.first_token_s, r1.finish_s) == pytest.approx((0.032, 0.032))
+    assert (r2.first_token_s, r2.finish_s) == pytest.approx((0.51, 0.52))
+    plain = twin_fleet(CFG, 1, Flat()).run(work).records
+    assert [(r.first_token_s, r.finish_s) for r in plain] == pytest.approx([(0.01, 0.04), (0.03, 0.03), (0.51, 0.52)])
+
+
+def test_the_twin_takes_the_profiles_request_costs():
+    fit = dict(zip(TERMS, (1e-2, 0.0, 0.0, 0.0, 0.0, 0.0)))
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, fit, intake_s=0.002, answer_s=0.001))
+    work = Workload((Request(0, 0.0, 16, 4), Request(1, 0.012, 16, 1)), "two")
+    got = twin_fleet(CFG, 1, timing).run(work).records
+    want = twin_fleet(CFG, 1, Chatty()).run(work).records
+    assert [(r.first_token_s, r.finish_s) for r in got] == pytest.approx([(r.first_token_s, r.finish_s) for r in want])

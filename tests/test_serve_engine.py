@@ -66,6 +66,31 @@ def test_engine_tokens_equal_generate_and_iterations_add_up():
     assert chunks and all(c < 140 for c, _ in chunks)
 
 
+@pytest.mark.timeout(300)
+def test_iterations_count_the_requests_taken_in_and_answered_while_they_ran():
+    import threading
+
+    from flexmesh.serve.engine.engine import Engine
+
+    done = threading.Event()
+    with Engine(CFG) as engine:
+        # a long request runs alone, then a short one is taken in while it decodes, and answered before it ends
+        engine.submit(prompt_ids(0, 8, 4096), 120, lambda f: done.set())
+        while len(engine.iterations) < 3:
+            threading.Event().wait(0.001)
+        short = threading.Event()
+        engine.submit(prompt_ids(1, 8, 4096), 2, lambda f: short.set())
+        assert short.wait(60) and done.wait(120)
+        its = list(engine.iterations)
+    assert sum(it.taken for it in its) == 1  # the short one: the long one reached an idle loop
+    assert sum(it.answered for it in its) == 1  # the short one: nothing iterated after the long one's answer
+    took = next(k for k, it in enumerate(its) if it.taken)
+    answered = next(k for k, it in enumerate(its) if it.answered)
+    assert took >= 2 and took < answered < len(its) - 1
+    assert its[took].to_dict()["taken"] == 1 and its[answered].to_dict()["answered"] == 1
+    assert all(it.others_cpu_s >= 0 for it in its) and "others_cpu_s" in its[0].to_dict()
+
+
 def test_engine_refuses_what_it_cannot_run():
     from flexmesh.serve.engine.engine import Engine
 

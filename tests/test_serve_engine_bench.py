@@ -1,10 +1,11 @@
-"""bench/serve_engine.py: the measured knee, and the rates measured past the planned ones until it is crossed."""
+"""bench/serve_engine.py: the measured knee, the rates measured past the planned ones until it is crossed, and a
+figure over the passes."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.serve_engine import MORE_RATES, RATE_STEP, knee, next_rate
+from bench.serve_engine import MORE_RATES, RATE_STEP, knee, median_spread, next_rate
 
 
 def test_knee_is_read_between_the_rates_that_cross_it():
@@ -34,3 +35,10 @@ def test_rates_grow_until_the_measured_knee_is_crossed_and_no_further(knee_at):
 
 def test_a_knee_crossed_by_the_planned_rates_adds_none():
     assert next_rate([4.0, 7.0, 10.0, 14.0], [0.05, 0.06, 0.3, 0.9], 4) is None
+
+
+def test_a_figure_over_passes_is_their_median_and_its_spread_their_range_over_it():
+    # one pass met the machine's slow speed: the median keeps the two that agree, the spread says how far it was
+    assert median_spread([0.020, 0.031, 0.021]) == pytest.approx((0.021, 0.011 / 0.021))
+    assert median_spread([0.05]) == (0.05, 0.0)
+    assert median_spread([0.0, 0.0]) == (0.0, 0.0)

@@ -87,6 +87,9 @@ def _summary(prof, out: str) -> None:
               highlight=False)
     con.print(f"the first iteration after an engine idled: {prof.after_idle:+.0%} over the fit (cold caches; the "
               "simulator prices it so)", highlight=False)
+    con.print(f"a busy engine's HTTP thread beside its loop: {prof.intake_s * 1e3:.2f} ms per request taken in, "
+              f"{prof.answer_s * 1e3:.2f} ms per request answered (the loop waits; the simulator charges each to the "
+              "next iteration)", highlight=False)
     e = prof.error
     con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 {e['p90']:.1%}, "
               f"max {e['max']:.1%}", highlight=False)

@@ -34,11 +34,16 @@ so that forms of the fit can be compared offline (:func:`flexmesh.profile.iterat
 
 The first iteration after an engine idled costs more than the fit prices (its caches went cold): the profile's
 ``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from every iteration in the order each
-engine ran them.
+engine ran them. A busy engine's iteration during which it takes a request in or answers one takes more wall
+time than its thread's CPU time (its HTTP thread holds the interpreter meanwhile): the profile's ``intake_s`` and
+``answer_s`` (:func:`flexmesh.profile.iteration.request_costs_from`), from every iteration's own counts and the CPU
+time the engine's other threads had over it.
 
-Admission (the profile's ``admission_s``): single requests sent one at a time through the router to idle
-engines, each timed from the router receiving it to the start of the engine's iteration that holds it (the
-router's HTTP hop, the engine's parsing and checks, its queue hand-off, the loop waking); the median. The
+Admission (the profile's ``admission_s``): a request that reaches an idle engine, timed from the router receiving
+it to the start of the engine's iteration that holds it (the router's HTTP hop, the engine's parsing and checks,
+its queue hand-off, the loop waking): single requests sent one at a time through the router to idle engines,
+and every serving-phase request that found its engine idle (:func:`idle_admissions`: there the router and the
+client share the machine with the other engine at work, which makes the hop longer); the median of both. The
 seconds are the CPU time of the engine's thread over the iteration (``time.thread_time``), not its wall
 time: on a machine other work shares, an iteration's wall time also holds the time the engine waited for a
 core, which depends on that work, not on the engine; the CPU time keeps what the engine did, stalls on
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import tempfile
 from collections import defaultdict
@@ -63,12 +69,14 @@ from flexmesh.errors import ProfileError
 from flexmesh.files import write_atomic
 from flexmesh.profile.format import produced_by, spec_hash
 from flexmesh.profile.iteration import (
+    IDLE_GAP_S,
     EngineProfile,
     IterationSample,
     ProfiledIterationTiming,
     after_idle_from,
     fit_iterations,
     held_out_errors,
+    request_costs_from,
 )
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.replay import prompt_ids
@@ -183,6 +191,7 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
                          admission_s=statistics.median(admission))
     prof.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in range(engines)],
                                       ProfiledIterationTiming(prof))
+    prof.intake_s, prof.answer_s = request_costs_from(raw)
     held_out = held_out_errors([IterationSample.from_dict(r) for r in raw])
     prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
                                  "iterations": sum(len(v) for v in timed.values()), "cpu_share": share,
@@ -227,7 +236,9 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
                 for k, (e, since) in enumerate(zip(procs, before)):
                     for it in await fetch_iterations(session, e.url, since):
                         raw.append({**phase, "engine": k, "batch": it["batch"], "wall_s": it["end_s"] - it["start_s"],
-                                    "cpu_s": it["cpu_s"], "start_s": it["start_s"], "end_s": it["end_s"]})
+                                    "cpu_s": it["cpu_s"], "start_s": it["start_s"], "end_s": it["end_s"],
+                                    "taken": it.get("taken", 0), "answered": it.get("answered", 0),
+                                    "others_cpu_s": it.get("others_cpu_s", 0.0)})
                         timed[tuple(sorted(tuple(b) for b in it["batch"]))].append(it["cpu_s"])
                         wall += it["end_s"] - it["start_s"]
                         cpu += it["cpu_s"]
@@ -247,7 +258,7 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
             share = cpu / wall if wall > 0 else 1.0  # of a core, so far: the loads are of what the engines get
             served, admission = await _serve(cfg, quick, procs, session, vocab, max_position, timed, collect,
                                              lambda k, what: progress and progress(len(plan) * repeats + k, total,
-                                                                                   what), min(share, 1.0))
+                                                                                   what), min(share, 1.0), raw)
             if progress is not None:
                 progress(total, total, "fit")
     finally:
@@ -256,10 +267,12 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
 
 
 async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max_position: int,
-                 timed: dict[tuple, list[float]], collect, progress, share: float) -> tuple[list[dict], list[float]]:
+                 timed: dict[tuple, list[float]], collect, progress, share: float,
+                 raw: list[dict]) -> tuple[list[dict], list[float]]:
     """The serving phase and the admissions (module doc), through flexmesh's router over the engines ``procs``,
     which had ``share`` of a core each in the sweep (the loads are of that): the serving phase's samples go into
-    ``timed`` (by ``collect(before, phase)``); returns each load's rate and the admissions' seconds."""
+    ``timed`` and ``raw`` (by ``collect(before, phase)``); returns each load's rate and the admissions' seconds
+    (the single requests' and the serving requests' that found their engine idle)."""
     from flexmesh.data.requests import Request, Workload, with_arrivals
     from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, router_on
     from flexmesh.serve.engine.replay import replay
@@ -274,6 +287,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
     base = Workload(tuple(Request(i, 0.0, p, o) for i, (p, o) in enumerate(lengths)), "profile-serving", 0,
                     "log-uniform lengths (flexmesh.profile.engine.serving_lengths)")
     served: list[dict] = []
+    waits: list[float] = []  # serving requests that reached an idle engine: router -> its iteration (idle_admissions)
     urls = [e.url for e in procs]
     async with router_on(urls, max_running=[cfg.max_requests_per_batch] * len(urls),
                          kv_tokens=[cfg.kv_tokens] * len(urls)) as url:
@@ -287,6 +301,9 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
                 raise ProfileError(f"{len(out.failed)} serving requests failed, e.g. {next(iter(out.failed.values()))}")
             await collect(before, {"phase": "serving", "load": load})
             served.append({"load": load, "rate": round(rate, 3), "requests": len(out.records)})
+            logged = [[it for it in raw if it["phase"] == "serving" and it["load"] == load and it["engine"] == e]
+                      for e in range(len(urls))]
+            waits += idle_admissions(out.records, out.origin_s, logged, budget)
         progress(len(SERVING[quick]["loads"]), "admissions")
         admission: list[float] = []
         prompt = prompt_ids(7, 16, vocab)
@@ -303,7 +320,39 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
                 admission.append(max(its[0]["start_s"] - body["metrics"]["arrival_s"], 0.0))
     if not admission:
         raise ProfileError("no admission was timed: the engines logged no iteration for a request")
-    return served, admission
+    return served, admission + waits
+
+
+def idle_admissions(records, origin_s: float, iterations: list[list[dict]], budget: int) -> list[float]:
+    """Seconds from the router receiving each request (``records``: ``replica``, ``arrival_s`` from ``origin_s``,
+    ``prompt_tokens``) that reached an idle engine to the start of the iteration holding it, from each engine's
+    iterations in the order it ran them (``start_s``, ``end_s``, ``batch``): the first iteration that starts after
+    the arrival, if the engine's previous one had ended before the arrival, :data:`IDLE_GAP_S` or more before it
+    started (the loop slept), and it computes the request's first chunk (``(0, min(prompt, budget))``).
+
+    >>> its = [[{"start_s": 10.0012, "end_s": 10.011, "batch": [[0, 40]]},
+    ...         {"start_s": 10.011, "end_s": 10.02, "batch": [[40, 1], [0, 8]]}]]
+    >>> class Rec:
+    ...     def __init__(self, arrival_s, prompt_tokens):
+    ...         self.replica, self.arrival_s, self.prompt_tokens = 0, arrival_s, prompt_tokens
+    >>> [round(s * 1e3, 2) for s in idle_admissions([Rec(0.0, 40), Rec(0.0105, 8)], 10.0, its, 256)]  # 2nd: busy
+    [1.2]
+    """
+    import bisect
+
+    out = []
+    starts = [[it["start_s"] for it in per] for per in iterations]
+    for rec in records:
+        per = iterations[rec.replica]
+        arrival = origin_s + rec.arrival_s
+        j = bisect.bisect_left(starts[rec.replica], arrival)
+        if j >= len(per):
+            continue
+        it, before = per[j], per[j - 1]["end_s"] if j else -math.inf
+        if (before <= arrival and it["start_s"] - before >= IDLE_GAP_S
+                and [0, min(rec.prompt_tokens, budget)] in [list(b) for b in it["batch"]]):
+            out.append(it["start_s"] - arrival)
+    return out
 
 
 def _engine_dict(cfg: EngineConfig) -> dict:

@@ -38,6 +38,18 @@ for the iterations that followed another at once, minus 1 (a ratio of medians, s
 The request simulator prices every iteration that starts a replica's busy period so (the replica's
 ``after_idle`` and ``idle_gap_s``: :mod:`flexmesh.serve.replica`); 0 in a profile written before it was measured.
 
+And ``intake_s`` and ``answer_s``: what a request costs a busy engine outside its loop's thread. The engine's HTTP
+thread parses, checks and submits each request it takes in, and answers each finished one, beside the loop, holding
+the interpreter meanwhile (pure Python: the loop's thread waits for it, and on a machine whose cores the engines
+fill it has no core of its own either), so an iteration during which it does so ends that much later than the
+loop's own CPU time (the fit's seconds) says. An engine logs, per iteration, the requests it took in and answered
+while it ran and the CPU time its other threads had meanwhile; :func:`request_costs_from` fits that CPU time,
+least squares over every iteration, as a constant (what those threads do besides: health checks) plus
+``intake_s`` per request taken in and ``answer_s`` per request answered. CPU time, like the fit's samples: other
+work on the machine does not stretch it. On this 2-core machine about 1.1 ms a request, both together. The request
+simulator charges each to the iteration its replica starts next (:mod:`flexmesh.serve.replica`); a request that
+reaches an idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
+
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
 ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(batch)))
@@ -68,6 +80,7 @@ from flexmesh.profile.fit import least_squares
 
 VERSION = 1
 KIND = "engine"
+REQUEST_GROUP = 20  # iterations that took in (or answered) requests before what one costs is measured
 IDLE_GAP_S = 0.002  # an engine's loop that ran on at once starts its next iteration within 0.1 ms; after a gap
 # this long it had slept on its empty queue (after_idle_from)
 TERMS = ("c0_s", "per_request_s", "per_token_s", "per_kv_token_s", "per_batch_token_x_kv_token_s",
@@ -117,6 +130,8 @@ class EngineProfile:
     name: str = ""
     admission_s: float = 0.0  # router receipt -> the engine's first iteration holding the request (module doc)
     after_idle: float = 0.0  # the first iteration after the engine idled costs 1 + this times the fit (module doc)
+    intake_s: float = 0.0  # a busy engine's wall seconds per request it takes in, beyond its loop's (module doc)
+    answer_s: float = 0.0  # the same per request it answers
 
     kind = KIND
 
@@ -128,7 +143,7 @@ class EngineProfile:
     def to_dict(self) -> dict:
         return {"version": VERSION, "kind": KIND, "produced_by": self.produced_by, "model": self.model,
                 "engine": self.engine, "fit": self.fit, "error": self.error, "admission_s": self.admission_s,
-                "after_idle": self.after_idle,
+                "after_idle": self.after_idle, "intake_s": self.intake_s, "answer_s": self.answer_s,
                 "samples": [{"batch": [list(x) for x in b], "seconds": s} for b, s in self.samples]}
 
     def save(self, path: str | Path) -> None:
@@ -154,6 +169,11 @@ class EngineProfile:
         if isinstance(after_idle, bool) or not isinstance(after_idle, (int, float)) or not 0 <= after_idle <= 10:
             raise ProfileError(f"{where}: after_idle must be a fraction from 0 to 10 (the first iteration after idling "
                                f"over the fit, minus 1), got {after_idle!r}")
+        costs = {key: d.get(key, 0.0) for key in ("intake_s", "answer_s")}
+        for key, v in costs.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ProfileError(f"{where}: {key} must be a number of seconds from 0 to 1 (what a request costs a "
+                                   f"busy engine beside its loop), got {v!r}")
         try:
             samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
         except (KeyError, TypeError, ValueError) as e:
@@ -161,7 +181,7 @@ class EngineProfile:
                                "seconds}}") from None
         return cls(model=d.get("model", {}), engine=d.get("engine", {}), fit={t: float(fit[t]) for t in TERMS},
                    samples=samples, produced_by=d.get("produced_by", {}), name=name, admission_s=float(admission),
-                   after_idle=float(after_idle))
+                   after_idle=float(after_idle), **{k: float(v) for k, v in costs.items()})
 
 
 def load_engine_profile(path: str | Path) -> EngineProfile:
@@ -197,6 +217,16 @@ class ProfiledIterationTiming:
         return self.profile.after_idle
 
     idle_gap_s = IDLE_GAP_S  # the idle gap after which an iteration is a first one (module doc)
+
+    @property
+    def intake_s(self) -> float:
+        """A busy engine's seconds per request it takes in, beyond the fit's (module doc)."""
+        return self.profile.intake_s
+
+    @property
+    def answer_s(self) -> float:
+        """A busy engine's seconds per request it answers, beyond the fit's (module doc)."""
+        return self.profile.answer_s
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
@@ -248,13 +278,17 @@ class IterationSample:
     scenario: str = ""
     load: float = 0.0
     start_s: float = 0.0  # perf_counter seconds (one clock for every engine on the machine)
+    taken: int = 0  # requests the engine took in while it ran (module doc)
+    answered: int = 0  # requests it answered while it ran
+    others_cpu_s: float = 0.0  # CPU time of the engine's other threads while it ran
 
     @classmethod
     def from_dict(cls, d: dict) -> IterationSample:
         """A sample from one ``--samples`` line's fields (KeyError, TypeError or ValueError when malformed)."""
         return cls(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]), float(d["cpu_s"]),
                    int(d["engine"]), str(d["phase"]), str(d.get("scenario", "")), float(d.get("load", 0.0)),
-                   float(d.get("start_s", 0.0)))
+                   float(d.get("start_s", 0.0)), int(d.get("taken", 0)), int(d.get("answered", 0)),
+                   float(d.get("others_cpu_s", 0.0)))
 
 
 def held_out_errors(samples: Sequence[IterationSample]) -> dict[str, dict[str, float]]:
@@ -324,18 +358,48 @@ def read_iteration_samples(path: str | Path) -> list[IterationSample]:
 def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) -> list[float]:
     """Seconds ``timing`` prices each engine's iterations at (``batch``, ``start_s``, ``end_s``, in the order it ran
     them; the lists one after another), each first one after idling :data:`IDLE_GAP_S` or more at ``1 + after_idle``
-    times its batch's price, as the request simulator prices it.
+    times its batch's price, as the request simulator prices it, and each with ``intake_s`` per request it took in
+    and ``answer_s`` per request it answered (its ``taken`` and ``answered``, where the engine counted them).
 
-    >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-2, 0, 0, 0, 0, 0))), after_idle=0.5))
+    >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-2, 0, 0, 0, 0, 0))), after_idle=0.5,
+    ...                                           intake_s=2e-3))
     >>> its = [{"batch": [[0, 8]], "start_s": s, "end_s": s + 0.01} for s in (0.0, 0.01, 0.5)]
+    >>> its[1]["taken"] = 1
     >>> [round(x * 1e3, 1) for x in price_runs([its], t)]
-    [15.0, 10.0, 15.0]
+    [15.0, 12.0, 15.0]
     """
     out = []
+    intake, answer = getattr(timing, "intake_s", 0.0), getattr(timing, "answer_s", 0.0)
     for it, after_idle in _after_idle_flags(runs):
         price = timing.iteration_s([tuple(b) for b in it["batch"]])
-        out.append(price * (1.0 + timing.after_idle) if after_idle else price)
+        price = price * (1.0 + timing.after_idle) if after_idle else price
+        out.append(price + intake * it.get("taken", 0) + answer * it.get("answered", 0))
     return out
+
+
+def request_costs_from(iterations: Sequence[dict]) -> tuple[float, float]:
+    """The profile's ``intake_s`` and ``answer_s`` (module doc) from iterations as an engine logged them (``taken``,
+    ``answered``, ``others_cpu_s``): the non-negative least-squares fit ``others_cpu_s = c + intake_s * taken +
+    answer_s * answered``; a cost is 0 where fewer than :data:`REQUEST_GROUP` iterations counted its kind (an older
+    engine's log counts none).
+
+    >>> def it(taken, answered, background=2e-5):
+    ...     return {"taken": taken, "answered": answered, "others_cpu_s": background + 1e-3 * taken + 5e-4 * answered}
+    >>> its = [it(0, 0)] * 200 + [it(1, 0)] * 30 + [it(0, 1)] * 30 + [it(2, 1)] * 5
+    >>> [round(x * 1e3, 3) for x in request_costs_from(its)]
+    [1.0, 0.5]
+    """
+    rows = [(int(it.get("taken", 0)), int(it.get("answered", 0)), float(it["others_cpu_s"]))
+            for it in iterations if "others_cpu_s" in it]
+    kinds = [k for k in (0, 1) if sum(1 for r in rows if r[k] > 0) >= REQUEST_GROUP]
+    if not kinds:
+        return 0.0, 0.0
+    features = np.array([[1.0] + [float(r[k]) for k in kinds] for r in rows])
+    c = least_squares(features, np.array([r[2] for r in rows]), relative=False, robust=False)
+    costs = [0.0, 0.0]
+    for k, v in zip(kinds, c[1:]):
+        costs[k] = float(v)
+    return costs[0], costs[1]
 
 
 def _after_idle_flags(runs: Sequence[Sequence[dict]]) -> Iterator[tuple[dict, bool]]:

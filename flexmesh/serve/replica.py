@@ -16,6 +16,10 @@ some of its uncomputed tokens, and a request whose tokens are all computed sampl
 The batch is priced by the replica's :class:`~flexmesh.cost.inference.timing.IterationTiming` as a whole; an
 iteration that starts after the replica idled at least ``idle_gap_s`` costs ``1 + after_idle`` times that, where
 the timing says so (an engine profile's ``after_idle``: a real engine's loop that slept resumes on cold caches).
+Where the timing names them (an engine profile's ``intake_s`` and ``answer_s``: a real engine's HTTP thread takes
+requests in and answers them beside its loop, which waits for it), every request that reaches a busy replica and
+every request it finishes adds that many seconds to the next iteration it starts; once the replica idles, what
+was left to charge lapses (the work was done while it idled).
 Decoding requests are kept summed (their count, their contexts' sum, their next KV block boundaries by
 iteration modulo the block size, their finishing iterations in a heap), so an iteration costs the
 simulator constant time in them: what makes a million requests a minute possible on one core.
@@ -77,11 +81,14 @@ class SimulatedReplica:
 
     def __init__(self, index: int, role: str, price: Price, kv: KVBlocks, knobs: EngineKnobs, queue: QueuePolicy,
                  prefill_s_per_token: float, decode_s_per_token: float, sample_every_s: float = float("inf"),
-                 run_price: RunPrice | None = None, after_idle: float = 0.0, idle_gap_s: float = 0.0):
+                 run_price: RunPrice | None = None, after_idle: float = 0.0, idle_gap_s: float = 0.0,
+                 intake_s: float = 0.0, answer_s: float = 0.0):
         self.index, self.role, self.price, self.kv = index, role, price, kv
         self.run_price = run_price  # decode-only iterations in a row, where the timing prices them at once
         self.after_idle, self.idle_gap_s = after_idle, idle_gap_s  # the first iteration after idling (module doc)
         self._ended = -math.inf  # when the last iteration ended
+        self.intake_s, self.answer_s = intake_s, answer_s  # per request taken in / finished while busy (module doc)
+        self.owed = 0.0  # of those, seconds the next iteration carries
         self.bs = kv.block_tokens
         self.prefix_tokens = kv.prefix_tokens
         self.max_tokens, self.max_seqs = knobs.max_batched_tokens, knobs.max_seqs
@@ -133,6 +140,8 @@ class SimulatedReplica:
     # ---- requests in ----------------------------------------------------------------------------------
     def push(self, q: Req) -> None:
         """A new request (or, for a decode replica, a handed-off one) joins the queue."""
+        if self.busy and self.intake_s:
+            self.owed += self.intake_s
         self.waiting.push(q)
         self.waiting_prompt += q.tokens
         self.pending_prompt += q.tokens - q.computed
@@ -221,6 +230,7 @@ class SimulatedReplica:
             self._sample(now, tokens)
         if tokens == 0:
             self.busy = False
+            self.owed = 0.0
             return None
         self.busy = True
         self._started = now
@@ -228,6 +238,9 @@ class SimulatedReplica:
         took = self.price(self.dec_n, self.dec_ctx, chunks)
         if self.after_idle and now - self._ended >= self.idle_gap_s:
             took *= 1.0 + self.after_idle
+        if self.owed:
+            took += self.owed
+            self.owed = 0.0
         return now + took
 
     def coast(self, now: float, limit: float) -> float:
@@ -235,7 +248,7 @@ class SimulatedReplica:
         finish no request: nothing else can happen meanwhile, so only their sums change. The time they end
         (``now`` when there are none). Needs a timing that prices runs of them (``run_price``)."""
         if (self.run_price is None or not self.dec_n or self.prefilling or self.ready or self.receiving
-                or len(self.waiting)):
+                or len(self.waiting) or self.owed):
             return now
         ends = self.ends
         while ends and ends[0][2] != ends[0][3].gen:
@@ -434,6 +447,8 @@ class SimulatedReplica:
             return
         self.kv.release(q.own)
         self.kv.unref(q.ids[:q.shared])
+        if self.answer_s:
+            self.owed += self.answer_s
         self.on_finish(q, now)
 
     def _sample(self, now: float, tokens: int) -> None:

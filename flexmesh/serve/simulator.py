@@ -255,7 +255,8 @@ class Fleet:
                 k, make_queue(queue, predictor, k.max_seqs, self.models[r.spec.tier].max_position),
                 price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
                 price(batch, int(batch * typical), []) / batch, span / max(timeline_points, 1),
-                getattr(t, "decode_run_s", None), getattr(t, "after_idle", 0.0), getattr(t, "idle_gap_s", 0.0))
+                getattr(t, "decode_run_s", None), getattr(t, "after_idle", 0.0), getattr(t, "idle_gap_s", 0.0),
+                getattr(t, "intake_s", 0.0), getattr(t, "answer_s", 0.0))
             reps.append(rep)
         tiers = range(len(self.models))
         if router == "weights" and len({r.spec.tier for r in self.replicas}) > 1:

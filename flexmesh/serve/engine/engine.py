@@ -14,7 +14,11 @@ tests/test_serve_engine.py): the time from scheduling to the tokens handed out, 
 ``(tokens already in the KV cache, tokens computed now)`` per request -- the batch that
 :class:`flexmesh.cost.inference` prices -- and the CPU time the loop's thread had meanwhile (less than the
 duration when other processes held the cores: how contended a measurement was). The idle wait of an empty
-loop is not an iteration.
+loop is not an iteration. Each iteration also counts the requests the engine took in (:meth:`Engine.submit`)
+and answered (handed a finished request to its caller) while it ran, and the CPU time the engine's other threads
+had meanwhile: its HTTP thread parses, checks and submits the one and answers the other beside the loop, holding
+the interpreter while the loop's thread waits for it (:func:`flexmesh.profile.iteration.request_costs_from`
+prices a request of each kind from these).
 
 Clocks: every time here is ``time.perf_counter()``, which on Linux reads CLOCK_MONOTONIC, one clock
 for every process on the machine; the router and the replay client compare times across processes
@@ -47,6 +51,9 @@ class Iteration:
     end_s: float
     batch: tuple[tuple[int, int], ...]  # (tokens in the KV cache before, tokens computed now) per request
     cpu_s: float = 0.0  # CPU time of the engine's thread meanwhile: below duration_s when it waited for a core
+    taken: int = 0  # requests the engine took in meanwhile (module doc)
+    answered: int = 0  # requests it handed out finished meanwhile
+    others_cpu_s: float = 0.0  # CPU time of the engine's other threads meanwhile (its HTTP thread's, mostly)
 
     @property
     def duration_s(self) -> float:
@@ -54,7 +61,7 @@ class Iteration:
 
     def to_dict(self) -> dict:
         return {"start_s": self.start_s, "end_s": self.end_s, "batch": [list(b) for b in self.batch],
-                "cpu_s": self.cpu_s}
+                "cpu_s": self.cpu_s, "taken": self.taken, "answered": self.answered, "others_cpu_s": self.others_cpu_s}
 
 
 @dataclass(frozen=True)
@@ -80,17 +87,25 @@ def _manager_class():
         def _generation_loop_body(self, batch_processor, bootstrapping: bool) -> bool:
             self.processor = batch_processor  # the scheduler's request states, read when cancelling
             before = getattr(self, "current_batch", 0)
-            start, cpu = time.perf_counter(), time.thread_time()
+            # counted from where the last pass of the loop left off: what came between two iterations is the next
+            # one's, what came while the loop idled is no iteration's
+            taken, answered = getattr(self, "seen", None) or self.counts()
+            start, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
             go_on = super()._generation_loop_body(batch_processor, bootstrapping)
+            end, cpu, process = time.perf_counter(), time.thread_time() - cpu, time.process_time() - process
+            self.seen = now_taken, now_answered = self.counts()
             if self.current_batch != before:
-                end, cpu = time.perf_counter(), time.thread_time() - cpu
                 batch = tuple((f.state.position_offset - f.query_length, f.query_length)
                               for f in batch_processor.inputs_and_outputs.requests_in_batch)
-                self.on_iteration(Iteration(start, end, batch, cpu))
+                self.on_iteration(Iteration(start, end, batch, cpu, now_taken - taken, now_answered - answered,
+                                            max(process - cpu, 0.0)))
             return go_on
 
         def on_iteration(self, it: Iteration) -> None:  # replaced per engine
             pass
+
+        def counts(self) -> tuple[int, int]:  # replaced per engine: requests taken in and answered so far
+            return 0, 0
 
     return _TimedManager
 
@@ -129,9 +144,11 @@ class Engine:
         self._cancelling: list[tuple[str, object]] = []  # (request id, its scheduler state) until the loop drops it
         self._lock = threading.Lock()
         self._counter = 0
+        self._taken = self._answered = 0  # requests taken in and answered so far (each iteration counts its own)
         self.last_iteration_s = time.perf_counter()  # when the loop last finished an iteration (or started)
         self._manager = _manager_class()(self.model, gen, cb)
         self._manager.on_iteration = self._record
+        self._manager.counts = lambda: (self._taken, self._answered)
         self._collector = threading.Thread(target=self._collect, name="engine-results", daemon=True)
         self._manager.start()
         self._collector.start()
@@ -186,11 +203,13 @@ class Engine:
             if rid in self._pending:
                 raise ServeError(f"request id {rid!r} is running already; name each request once")
             self._pending[rid] = (len(prompt), time.perf_counter(), on_done)
+            self._taken += 1  # before the loop can wake for it (then an idle loop's pass holds it, no iteration)
         got = self._manager.add_request(list(prompt), request_id=rid, max_new_tokens=max_new_tokens,
                                         record_timestamps=True, eos_token_id=-1)
         if got is None:
             with self._lock:
                 self._pending.pop(rid, None)
+                self._taken -= 1
             raise ServeError("the engine is stopping and takes no new request")
         return rid
 
@@ -287,6 +306,8 @@ class Engine:
             prompt_tokens, queued, on_done = entry
             on_done(Finished(out.request_id, prompt_tokens, list(out.generated_tokens), list(out.timestamps or []),
                              queued, float(out.lifespan[0]), out.error))
+            with self._lock:
+                self._answered += 1
 
     def _fail_pending(self, why: str) -> None:
         with self._lock:

@@ -39,6 +39,7 @@ class Replay:
     failed: dict[int, str] = field(default_factory=dict)  # request id -> why
     send_lag_s: list[float] = field(default_factory=list)  # actual send time - scheduled, per request
     wall_s: float = 0.0  # first send to last answer
+    origin_s: float = 0.0  # the perf_counter time the records' times count from
 
     def write(self, path) -> None:
         """``requests.jsonl``: one record per line, by id (written atomically)."""
@@ -70,7 +71,7 @@ async def replay(url: str, requests: list[Any], vocab: int, request_timeout_s: f
 
     async with ClientSession(timeout=ClientTimeout(total=request_timeout_s),
                              connector=TCPConnector(limit=0)) as session:
-        origin = time.perf_counter()
+        origin = out.origin_s = time.perf_counter()
 
         async def one(r) -> None:
             nonlocal done
