@@ -24,7 +24,6 @@ import argparse
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,17 +37,44 @@ TIMES = [re.compile(r"(configurations,\s+)\d+(\.\d+)?\s+s"), re.compile(r"(searc
 
 
 def run(command: str) -> str:
-    """What ``command`` (``flexmesh ...``) prints on stdout and stderr, as the block shows it."""
+    """What ``command`` (``flexmesh ...``) prints on stdout and stderr, as the block shows it.
+
+    Run by flexmesh's own entry point (flexmesh.cli.main) in this process, as ``python -m flexmesh`` in a
+    child would run it (a terminal of COLUMNS columns, the repository as the working folder), without a
+    Python and its imports started for every example; the environment and folder are put back after."""
+    import contextlib
+    import io
+    import traceback
+
+    if str(DOCS.parent) not in sys.path:  # this repository's flexmesh, as `python -m flexmesh` run here finds it
+        sys.path.insert(0, str(DOCS.parent))
+    from flexmesh.cli import main
+
     argv = shlex.split(command)
-    env = dict(os.environ, COLUMNS=str(COLUMNS), OMP_NUM_THREADS="1", TERM="dumb")
+    env = dict(COLUMNS=str(COLUMNS), OMP_NUM_THREADS="1", TERM="dumb")
     while "=" in argv[0]:  # leading VAR=value words, as a shell reads them (COLUMNS=200 flexmesh ...)
         name, _, value = argv.pop(0).partition("=")
         env[name] = value
-    done = subprocess.run([sys.executable, "-m", "flexmesh", *argv[1:]], env=env, capture_output=True, text=True,
-                          cwd=DOCS.parent)
-    if done.returncode != 0:
-        raise SystemExit(f"{command} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    lines = [ln.rstrip() for ln in (done.stdout + done.stderr).splitlines()]
+    saved, here = dict(os.environ), os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.update(env)
+        os.chdir(DOCS.parent)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv[1:])
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 1
+            except Exception:  # a traceback, as a child process would print it
+                err.write(traceback.format_exc())
+                code = 1
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)
+    if code != 0:
+        raise SystemExit(f"{command} failed (exit {code}):\n{err.getvalue()[-2000:]}")
+    lines = [ln.rstrip() for ln in (out.getvalue() + err.getvalue()).splitlines()]
     return f"$ {command}\n" + "\n".join(lines).strip("\n") + "\n"
 
 

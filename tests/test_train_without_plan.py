@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -13,6 +14,11 @@ from flexmesh.commands import train as train_command
 from flexmesh.commands.train_plan import check_flags, plan_run
 from flexmesh.errors import PlanError
 from flexmesh.profile.use import local_profile
+
+# The test session's cache (tests/conftest.py), read before a test points FLEXMESH_CACHE at a folder of its
+# own: runs that tokenize the standard library keep their tokenizer and token store there, where the other
+# tests' runs of the same corpus and vocabulary find them, instead of training and tokenizing again.
+SESSION_CACHE = os.environ.get("FLEXMESH_CACHE")
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -80,7 +86,7 @@ def test_train_without_a_plan_writes_its_plan_and_resumes_on_it(profiled, tmp_pa
 
     out = tmp_path / "run"
     base = ("train", "--model", "tiny", "--corpus", "stdlib", "--out", str(out), "--no-progress", "--seq-len", "256",
-            "--tokens-per-step", "1024", "--cache-dir", str(tmp_path / "cache"))
+            "--tokens-per-step", "1024", "--cache-dir", SESSION_CACHE or str(tmp_path / "cache"))
     proc = flexmesh(*base, "--max-steps", "2", "--checkpoint-every", "2", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "planned for 1 CPU process" in " ".join(proc.stderr.split())

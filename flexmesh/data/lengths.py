@@ -55,6 +55,12 @@ def _parse(text: str, where: str) -> np.ndarray:
         if not isinstance(values, list):
             raise DataError(f"{where}: expected a JSON list of lengths")
     else:
+        try:  # every word a whole number: read at once (a million lengths in a fraction of a second)
+            ints = list(map(int, text.split()))
+        except ValueError:  # else word by word below, to name the line of the first that is not
+            pass
+        else:
+            return _checked(ints, where)
         values = []
         for lineno, line in enumerate(text.splitlines(), start=1):
             for word in line.split():
@@ -69,6 +75,11 @@ def _parse(text: str, where: str) -> np.ndarray:
         what = "a fraction" if isinstance(bad, float) else ("null" if bad is None else type(bad).__name__)
         raise DataError(f"{where}: length {i} is {bad!r} ({what}), not a whole number of tokens; lengths are token "
                         "counts (rounding them is left to you)")
+    return _checked(values, where)
+
+
+def _checked(values: list[int], where: str) -> np.ndarray:
+    """``values`` (whole numbers) as lengths, refused where empty, below 1 token or above :data:`MAX_LENGTH`."""
     if not values:
         raise DataError(f"{where}: expected a non-empty list of lengths")
     low, high = min(values), max(values)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -43,12 +44,18 @@ def rank_order(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> list[Pa
     >>> [("B" if p.backward else "F") + str(p.mb) for p in rank_order("1f1b", 4, 1, 4)]
     ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
     """
+    return list(_rank_order(schedule, pp, rank, m, v))
+
+
+@lru_cache(maxsize=4096)
+def _rank_order(schedule: str, pp: int, rank: int, m: int, v: int) -> tuple[Pass, ...]:
+    """:func:`rank_order`, kept: the simulator asks for the same few orders at every step it prices."""
     if schedule not in PIPELINE_SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)}")
     if schedule != "interleaved" and v != 1:
         raise PlanError(f"{v} model chunks per rank need the 'interleaved' schedule")
     if schedule == "gpipe":
-        return [Pass(False, 0, j) for j in range(m)] + [Pass(True, 0, j) for j in range(m)]
+        return tuple([Pass(False, 0, j) for j in range(m)] + [Pass(True, 0, j) for j in range(m)])
     if schedule == "1f1b":
         fwd = [Pass(False, 0, j) for j in range(m)]
         bwd = [Pass(True, 0, j) for j in range(m)]
@@ -59,7 +66,7 @@ def rank_order(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> list[Pa
     order = fwd[:warmup]
     for k in range(len(fwd) - warmup):  # steady state: one forward, then one backward
         order += [fwd[warmup + k], bwd[k]]
-    return order + bwd[len(fwd) - warmup:]
+    return tuple(order + bwd[len(fwd) - warmup:])
 
 
 def _interleaved_sequences(pp: int, m: int, v: int) -> tuple[list[Pass], list[Pass]]:
@@ -87,7 +94,8 @@ class PipelineRun:
     def finish(self) -> np.ndarray:
         """When each pipeline rank ends its last pass."""
         pp = len(self.orders)
-        return np.array([max(self.end[int(p.backward), p.chunk * pp + r, p.mb] for p in self.orders[r])
+        ends = self.end.tolist()  # single entries: lists read faster than the array
+        return np.array([max(ends[int(p.backward)][p.chunk * pp + r][p.mb] for p in self.orders[r])
                          for r in range(pp)])
 
 
@@ -110,44 +118,64 @@ def run_pipeline(schedule: str, fwd: np.ndarray, bwd: np.ndarray, v: int = 1,
     n_vs, m = fwd.shape
     pp = n_vs // v
     dur = np.stack([fwd, bwd])
-    start = np.full_like(dur, np.nan)
-    end = np.full_like(dur, np.nan)
     later = {a: b for u in units or () for a, b in zip(u, u[1:])}
     if later:
         assert units is not None
         sliced = pipeline_order(units, n_vs, pp, duration=lambda a: float(dur[int(a.kind == "B"), a.stage, a.mb]))
         orders = tuple(tuple(Pass(a.kind == "B", a.stage // pp, a.mb) for a in acts) for acts in sliced)
     else:
-        orders = tuple(tuple(rank_order(schedule, pp, r, m, v)) for r in range(pp))
+        orders = tuple(_rank_order(schedule, pp, r, m, v) for r in range(pp))
+    # The walk reads and writes single entries: Python lists of floats (NaN: not yet run) rather than
+    # numpy arrays, whose per-element access costs several times more; the same float64 sums and maxima.
+    # Each pass is looked up once: where it writes (its pass, virtual stage and micro-batch) and the
+    # entry it waits for (None: the first forward, ready at 0), plus a cut document's next slice.
+    nan = float("nan")
+    durs = dur.tolist()
+    starts = [[[nan] * m for _ in range(n_vs)] for _ in range(2)]
+    ends = [[[nan] * m for _ in range(n_vs)] for _ in range(2)]
+    fwd_end, bwd_end = ends
+    steps = []
+    for r, order in enumerate(orders):
+        row = []
+        for p in order:
+            vs = p.chunk * pp + r
+            if not p.backward:
+                needs = None if vs == 0 else fwd_end[vs - 1]
+            else:
+                needs = fwd_end[vs] if vs == n_vs - 1 else bwd_end[vs + 1]
+            nxt = later.get(p.mb) if p.backward else None
+            b = int(p.backward)
+            row.append((needs, p.mb, nxt, bwd_end[vs], starts[b][vs], ends[b][vs], durs[b][vs][p.mb]))
+        steps.append(row)
     pos = [0] * pp
     free = [0.0] * pp
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(pp):
-            order = orders[r]
-            while pos[r] < len(order):
-                p = order[pos[r]]
-                vs = p.chunk * pp + r
-                if not p.backward:
-                    ready = 0.0 if vs == 0 else end[0, vs - 1, p.mb]
-                else:
-                    ready = end[0, vs, p.mb] if vs == n_vs - 1 else end[1, vs + 1, p.mb]
-                    if p.mb in later:  # the next slice's backward hands this one its keys' gradient
-                        ready = np.fmax(ready, end[1, vs, later[p.mb]]) if not np.isnan(end[1, vs, later[p.mb]]) \
-                            else np.nan
-                if np.isnan(ready):
+            row, k, t = steps[r], pos[r], free[r]
+            while k < len(row):
+                needs, mb, nxt, own_bwd, start_at, end_at, d = row[k]
+                ready = 0.0 if needs is None else needs[mb]
+                if nxt is not None:  # the next slice's backward hands this one its keys' gradient
+                    after = own_bwd[nxt]
+                    # as np.fmax: NaN while the next slice's has not run, else the larger of the two that ran
+                    ready = nan if after != after else (after if ready != ready else max(ready, after))
+                if ready != ready:  # NaN: its input is not ready yet
                     break
-                b = int(p.backward)
-                s = max(free[r], ready)
-                start[b, vs, p.mb] = s
-                end[b, vs, p.mb] = free[r] = s + dur[b, vs, p.mb]
-                pos[r] += 1
-                remaining -= 1
+                s = max(t, ready)
+                start_at[mb] = s
+                end_at[mb] = t = s + d
+                k += 1
+            if k > pos[r]:
+                remaining -= k - pos[r]
+                pos[r], free[r] = k, t
                 progressed = True
         if not progressed:
             raise PlanError(
                 f"the {schedule} schedule deadlocks with {m} micro-batches on {pp} stages x {v} chunks; "
                 f"use a number of micro-batches that is a multiple of pp, or the 1f1b schedule"
             )
+    start = np.array(starts, dtype=float).reshape(dur.shape)
+    end = np.array(ends, dtype=float).reshape(dur.shape)
     return PipelineRun(start=start, end=end, orders=orders)
