@@ -8,7 +8,7 @@ from itertools import combinations, pairwise, product
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from flexmesh.cost import CostModel, pipeline_time, pipeline_times
@@ -109,6 +109,9 @@ def test_exact_search_equals_brute_force_five_layers_with_binding_memory():
     assert tight.step_time > free.step_time  # memory really binds
 
 
+# The same six drawn examples every run: the brute force costs 0.05-20 s an example, so a fresh draw made
+# this test take 5-215 s between runs; this seed's six take about 5 s (seeds 2 and 4: 34 s and 29 s).
+@seed(1)
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     layers=st.integers(2, 3),
