@@ -220,10 +220,11 @@ def main() -> int:
         return (priced, [it["end_s"] - it["start_s"] for it in flat], [it["cpu_s"] for it in flat],
                 [float(all(q == 1 for _, q in it["batch"])) for it in flat])
 
-    priced, walls, cpus, decode_only = (sum(x, []) for x in zip(*(iteration_error(runs) for runs in passes)))
+    per_pass = [iteration_error(runs) for runs in passes]
+    priced, walls, cpus, decode_only = (sum(x, []) for x in zip(*per_pass))
     rel = [p / w - 1 for p, w in zip(priced, walls)]
     it_err = statistics.median(abs(r) for r in rel)
-    pass_it = [statistics.median(abs(p / w - 1) for p, w in zip(*iteration_error(runs)[:2])) for runs in passes]
+    pass_it = [statistics.median(abs(p / w - 1) for p, w in zip(pp, ww)) for pp, ww, _, _ in per_pass]
     decode = [abs(r) for r, d in zip(rel, decode_only) if d]
     rel_cpu = statistics.median(abs(p / c - 1) for p, c in zip(priced, cpus) if c > 0)
     busy_meas, busy_pred, cpu = sum(walls), sum(priced), sum(cpus)

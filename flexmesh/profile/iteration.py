@@ -369,11 +369,10 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
     [15.0, 12.0, 15.0]
     """
     out = []
-    intake, answer = getattr(timing, "intake_s", 0.0), getattr(timing, "answer_s", 0.0)
     for it, after_idle in _after_idle_flags(runs):
         price = timing.iteration_s([tuple(b) for b in it["batch"]])
         price = price * (1.0 + timing.after_idle) if after_idle else price
-        out.append(price + intake * it.get("taken", 0) + answer * it.get("answered", 0))
+        out.append(price + timing.intake_s * it.get("taken", 0) + timing.answer_s * it.get("answered", 0))
     return out
 
 
