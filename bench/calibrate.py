@@ -11,7 +11,7 @@
    plan for ``--steps`` steps on global
    batches of equal-length documents (the shape the plan was evaluated for) and measures the median
    step time after one warm-up step and the peak bytes autograd saved for backward on any rank
-   (``flexmesh.runtime.train.memory.SavedActivationMeter``, reported by the trainer).
+   (``flexmesh.runtime.observe.memory.SavedActivationMeter``, reported by the trainer).
 3. Prints predicted against measured and the median absolute errors (targets: <= 15% step time,
    <= 10% activation memory); records the table in the "calibrate" section of bench/RESULTS.md.
 

@@ -93,8 +93,8 @@ def test_selective_checkpoints_the_attention_core_only():
 
     from flexmesh.layout.strategy import Recompute
     from flexmesh.runtime.model.transformer import build_model
+    from flexmesh.runtime.observe.memory import SavedActivationMeter
     from flexmesh.runtime.parallel.parallelize import apply_ac
-    from flexmesh.runtime.train.memory import SavedActivationMeter
 
     spec = tiny_spec()
     tokens = torch.randint(0, spec.vocab, (1, 96), generator=torch.Generator().manual_seed(0))

@@ -307,11 +307,11 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
 
     from flexmesh.layout.plan import load_plan
     from flexmesh.layout.plan_model import plan_model
+    from flexmesh.runtime.observe.walltime import WallTime
     from flexmesh.runtime.parallel.distributed import init_distributed
     from flexmesh.runtime.train.adaptive import AdaptiveSource
     from flexmesh.runtime.train.groups import check_emulation, check_runnable
     from flexmesh.runtime.train.trainer import Trainer
-    from flexmesh.runtime.train.walltime import WallTime
     from flexmesh.search.check import check_model
 
     plan = load_plan(args.plan)

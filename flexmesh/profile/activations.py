@@ -1,7 +1,7 @@
 """Saved-activation bytes of the runtime's layers and ends, measured per (tp, cp) degree and recomputation.
 
 Part of ``flexmesh profile model`` (flexmesh.profile.model's module doc describes the method): each
-saved tensor is counted by :class:`~flexmesh.runtime.train.memory.SavedActivationMeter`, shards are measured
+saved tensor is counted by :class:`~flexmesh.runtime.observe.memory.SavedActivationMeter`, shards are measured
 in one process by building one rank's shapes, and bytes are fitted as ``a + b * tokens + m * (tokens /
 cp)^2`` over rows of three lengths.
 """
@@ -21,7 +21,7 @@ from flexmesh.spec.model import ModelSpec
 def _saved_bytes(spec: ModelSpec, tp: int, cp: int, recompute: bool | str, tokens: int, dtype, device) -> int:
     """Bytes one rank's layer saves for backward for a row of ``tokens`` (see the module doc);
     ``recompute`` False, True (the whole layer) or "selective" (the attention core)."""
-    from flexmesh.runtime.train.memory import SavedActivationMeter
+    from flexmesh.runtime.observe.memory import SavedActivationMeter
 
     block = rank_block(spec, dtype, device, tp)
     block.attention.recompute_core = recompute == "selective"
@@ -94,7 +94,7 @@ def _carried_extra(spec: ModelSpec, prefix: int, tokens: int, dtype, device) -> 
     from flexmesh.layout.step import Piece
     from flexmesh.runtime.model.carry import KVCarry
     from flexmesh.runtime.model.transformer import make_row
-    from flexmesh.runtime.train.memory import SavedActivationMeter
+    from flexmesh.runtime.observe.memory import SavedActivationMeter
 
     block = rank_block(spec, dtype, device, 1)
     store = KVCarry(detached=True)
@@ -120,7 +120,7 @@ def _carried_extra(spec: ModelSpec, prefix: int, tokens: int, dtype, device) -> 
 
 def _end_activation_bytes(spec: ModelSpec, tokens: int, dtype, device) -> dict:
     """Bytes the embedding, and the final norm + head + loss, save for backward for ``tokens`` tokens."""
-    from flexmesh.runtime.train.memory import SavedActivationMeter
+    from flexmesh.runtime.observe.memory import SavedActivationMeter
 
     with torch.device(device):
         emb = torch.nn.Embedding(spec.vocab, spec.hidden).to(dtype)

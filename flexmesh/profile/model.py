@@ -11,7 +11,7 @@ dtype it trains in (fp32), one packed row (micro-batch) at a time:
   whole-row attention;
 - embedding and head (final norm + LM head + summed cross-entropy): forward and backward, linear in
   tokens;
-- saved-activation bytes per token of one layer (:class:`~flexmesh.runtime.train.memory.SavedActivationMeter`;
+- saved-activation bytes per token of one layer (:class:`~flexmesh.runtime.observe.memory.SavedActivationMeter`;
   measured by flexmesh.profile.activations),
   with and without recomputation, for each (tp, cp) degree. Shards are measured in one process by
   building the block with one rank's shapes -- heads / tp, kv heads / tp, ffn / tp -- on tokens / cp,

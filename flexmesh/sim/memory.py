@@ -9,7 +9,7 @@ continues a cut document, what the carry keeps (``carried_bytes``: the prefix's 
 and whatever the kernel saves for queries over the longer key range); the first stage adds the
 embedding's bytes, the last the head's. The peak per stage is the largest sum over the sets of
 micro-batches in flight together (flexmesh.schedule.recompute.in_flight_sets), what
-:class:`flexmesh.runtime.train.memory.SavedActivationMeter` measures as ``activation_peak_bytes``.
+:class:`flexmesh.runtime.observe.memory.SavedActivationMeter` measures as ``activation_peak_bytes``.
 """
 
 from __future__ import annotations

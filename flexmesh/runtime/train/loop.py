@@ -21,6 +21,8 @@ import torch.distributed as dist
 from flexmesh.errors import FlexmeshError
 from flexmesh.files import append_file, write_atomic
 from flexmesh.layout.step import StepSchedule
+from flexmesh.runtime.observe.walltime import WallTime
+from flexmesh.runtime.observe.watchdog import Heartbeat, rank_error
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.runtime.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flexmesh.runtime.state.rundir import (
@@ -38,8 +40,6 @@ from flexmesh.runtime.state.rundir import (
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig
 from flexmesh.runtime.train.evaluate import Evaluation
 from flexmesh.runtime.train.trainer import Trainer
-from flexmesh.runtime.train.walltime import WallTime
-from flexmesh.runtime.train.watchdog import Heartbeat, rank_error
 
 
 class StepSource(Protocol):
@@ -110,7 +110,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     checkpoint's plan, tasks, ranks and checksums, and its load), before any other file of the
     folder changes, so a refused resume leaves the folder as it was.
 
-    ``wall`` (flexmesh.runtime.train.walltime.WallTime) gets the first step (where compilation happens),
+    ``wall`` (flexmesh.runtime.observe.walltime.WallTime) gets the first step (where compilation happens),
     the later steps (their data included), the evaluations and the checkpoints' times.
 
     ``evaluation`` (flexmesh.runtime.train.evaluate.Evaluation): on the steps it names, every rank runs
@@ -126,7 +126,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     held, old_rows = _on_rank0(lambda: _open_run_folder(out, config.resume, launched), (False, [])) if out else (
         False, [])
     preemption = _Preemption()
-    heartbeat = Heartbeat()  # names a rank that stops answering (flexmesh.runtime.train.watchdog)
+    heartbeat = Heartbeat()  # names a rank that stops answering (flexmesh.runtime.observe.watchdog)
     progress = None
     scalars = None
     try:

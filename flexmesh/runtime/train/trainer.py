@@ -92,6 +92,7 @@ from flexmesh.runtime.model.packing import (
     shard_for_cp,
 )
 from flexmesh.runtime.model.transformer import Transformer, build_model
+from flexmesh.runtime.observe.memory import SavedActivationMeter
 from flexmesh.runtime.parallel.context import ContextGroups
 from flexmesh.runtime.parallel.cross_group import CrossGroupGrads
 from flexmesh.runtime.parallel.distributed import clip_grads, compute_device, cpu_group, replica_grad_norm
@@ -109,7 +110,6 @@ from flexmesh.runtime.train.accumulate import run_microbatches
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
 from flexmesh.runtime.train.expert_training import ExpertTraining
 from flexmesh.runtime.train.groups import Chunks, check_emulation, check_runnable
-from flexmesh.runtime.train.memory import SavedActivationMeter
 from flexmesh.runtime.train.parts import TrainingPart, first_answer
 from flexmesh.runtime.train.step_clock import Marks, gathered_step, update
 from flexmesh.runtime.train.stragglers import ComputeClock
