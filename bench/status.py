@@ -12,8 +12,10 @@ counted without being named::
 
     DEPENDS_ON = ("flexmesh/search", "flexmesh/cost", "flexmesh/layout", "flexmesh/spec")
 
-"Code since" is ``git diff --name-only COMMIT HEAD -- <own file> <declared paths>``: "unchanged" means the
-record's figures came from the code HEAD holds (the machine aside); "changed" means re-run it to know.
+"Code since" is ``git diff --name-only COMMIT HEAD -- <own file> <declared paths>``, less the Python files whose
+change is to comments and docstrings only (their syntax trees, docstrings dropped, are equal at both commits;
+a rename or a deleted file always counts): "unchanged" means the record's figures came from the code HEAD holds
+(the machine aside); "changed" means re-run it to know.
 """
 
 from __future__ import annotations
@@ -79,9 +81,36 @@ def code_since(section: Section, root: Path = ROOT) -> Status:
     diff = _git(root, "diff", "--name-only", sha, "HEAD", "--", module.relative_to(root).as_posix(), *paths)
     if diff.returncode != 0:
         return Status(section, f"git diff failed: {diff.stderr.strip()}")
-    changed = tuple(diff.stdout.split())
+    changed = tuple(p for p in diff.stdout.split() if not _text_only(root, sha, p))
     return Status(section, f"changed ({len(changed)} file{'s' * (len(changed) != 1)})" if changed else "unchanged",
                   changed)
+
+
+def _code_tree(source: str) -> str | None:
+    """A module's syntax tree without its docstrings (comments are not in it), or None where it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _text_only(root: Path, sha: str, path: str) -> bool:
+    """Whether ``path`` changed between ``sha`` and HEAD in its comments and docstrings only (a Python file at
+    both commits whose code trees are equal)."""
+    if not path.endswith(".py"):
+        return False
+    old, new = (_git(root, "show", f"{rev}:{path}") for rev in (sha, "HEAD"))
+    if old.returncode or new.returncode:  # added, deleted or renamed
+        return False
+    tree = _code_tree(old.stdout)
+    return tree is not None and tree == _code_tree(new.stdout)
 
 
 def statuses(root: Path = ROOT) -> list[Status]:

@@ -131,6 +131,15 @@ def test_status_flips_to_changed_when_a_declared_file_changes(tmp_path):
     _commit_all(repo, "a back")
     assert status.code_since(section, repo).code == "unchanged"
 
+    (repo / "pkg" / "a.py").write_text('"""What A is."""\n\n# one\nA = 1  # the first\n')  # words only
+    _commit_all(repo, "a words")
+    assert status.code_since(section, repo).code == "unchanged"
+    (repo / "pkg" / "a.py").write_text('"""What A is."""\n\nA = "1"\n')  # a string that is code, not a docstring
+    _commit_all(repo, "a string")
+    assert status.code_since(section, repo).changed == ("pkg/a.py",)
+    (repo / "pkg" / "a.py").write_text("A = 1\n")
+    _commit_all(repo, "a back again")
+
     (repo / "bench" / "foo.py").write_text('DEPENDS_ON = ("pkg/a.py",)\nX = 1\n')  # the bench's own file counts
     _commit_all(repo, "bench")
     assert status.code_since(section, repo).changed == ("bench/foo.py",)
