@@ -110,14 +110,15 @@ def bench_config():  # noqa: ANN201
 def engine_and_profile(profile: str | None, out: Path, *, quick: bool, engines: int):  # noqa: ANN201
     """The engine configuration both serving-engine benches replay (the tiny model, 2048 KV blocks of 16 tokens, a
     256-token budget) and this machine's profile of it: read from ``profile``, or measured now over ``engines``
-    engine processes and kept in ``out``."""
+    engine processes and kept in ``out`` (with every iteration it measured: ``samples.jsonl``)."""
     from flexmesh.profile.engine import profile_engine
     from flexmesh.profile.iteration import load_engine_profile
 
     cfg = bench_config()
     if profile:
         return cfg, load_engine_profile(profile)
-    prof = profile_engine(cfg, quick=quick, engines=engines, log_dir=out / "profile-logs")
+    prof = profile_engine(cfg, quick=quick, engines=engines, log_dir=out / "profile-logs",
+                          samples_out=out / "samples.jsonl")
     prof.save(out / "engine-tiny.json")
     return cfg, prof
 
@@ -335,6 +336,8 @@ def main() -> int:
     ap.add_argument("--out", help="folder for the engine profile, requests-<rate>-<pass>.jsonl and the engines' logs")
     ap.add_argument("--reprice", metavar="DIR", help="run no engine: price the replays a run kept in its --out "
                                                      "folder DIR again (with its profile, or --profile) and print")
+    ap.add_argument("--refit", action="store_true", help="with --reprice: the profile's constants measured again "
+                                                           "from the folder's samples.jsonl by this code")
     ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else REPEATS)
@@ -358,6 +361,13 @@ def main() -> int:
         folder = Path(args.reprice)
         passes = load_saved(folder)
         prof = load_engine_profile(args.profile or folder / "engine-tiny.json")
+        if args.refit:
+            from flexmesh.profile.engine import refit
+
+            if not (folder / "samples.jsonl").exists():
+                raise SystemExit(f"{folder} holds no samples.jsonl (a run before the bench kept them): drop --refit")
+            prof = refit(prof, [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()
+                                if line.strip()])
         n = args.requests if "--requests" in sys.argv else 1 + max(
             (r.id for runs in passes for run in runs for r in run.records), default=args.requests - 1)
         win, simulated = twin_of(bench_config(), prof, n)
