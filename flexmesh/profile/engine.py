@@ -33,11 +33,14 @@ seconds, its start and end, the engine, and the phase: ``sweep`` with its scenar
 so that forms of the fit can be compared offline (:func:`flexmesh.profile.iteration.read_iteration_samples`).
 
 The first iteration after an engine idled costs more than the fit prices (its caches went cold): the profile's
-``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from every iteration in the order each
+``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from the iterations in the order each
 engine ran them. A busy engine's iteration during which it takes a request in or answers one takes more wall
 time than its thread's CPU time (its HTTP thread holds the interpreter meanwhile): the profile's ``intake_s`` and
-``answer_s`` (:func:`flexmesh.profile.iteration.request_costs_from`), from every iteration's own counts and the CPU
-time the engine's other threads had over it.
+``answer_s`` (:func:`flexmesh.profile.iteration.request_costs_from`), from each iteration's own counts and the CPU
+time the engine's other threads had over it. Both are measured from the serving phase's iterations where it holds
+enough of them (requests arrive one at a time there, as served; a sweep's scenario sends a burst at once).
+:func:`refit` derives everything the iterations give (the samples and fit, these, the held-out errors) from
+``samples_out``'s lines, so a profile's constants can be redone by later code.
 
 Admission (the profile's ``admission_s``): a request that reaches an idle engine, timed from the router receiving
 it to the start of the engine's iteration that holds it (the router's HTTP hop, the engine's parsing and checks,
