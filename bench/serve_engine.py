@@ -26,10 +26,21 @@ rate is replayed :data:`REPEATS` times (``--repeats``), in passes over every rat
 different rates in different passes); every figure is the median over the passes, and its spread (max - min
 over the median; each pass's own error beside the median's) is recorded with it.
 
+What the machine allows the iterations (recorded beside their figure, :func:`iteration_figures`): each
+iteration's local speed, the median measured / priced of the :data:`NEIGHBOURS` iterations either side of it on
+its engine, spans the machine's speeds; priced at its local speed an iteration's error is what the profile's
+form leaves, and the best single factor on every price, chosen after the fact, what any profile of one speed
+could reach. On this machine the first is 4-5% and the second 17-21% in every run kept so far: the 10% bound
+holds only where the engines keep one speed through the replays.
+
 Timings on a shared machine are noisy: the load average (``uptime``) before and after is recorded beside
-the numbers.
+the numbers. ``--out`` keeps everything the figures come from (the profile and every iteration its sweep measured,
+``samples.jsonl``; each replay's requests and iterations), and ``--reprice DIR`` computes them again from such a
+folder without an engine (the twin simulated again, the iterations priced again, by this code; with ``--refit``
+the profile's constants measured again from its samples first).
 
     OMP_NUM_THREADS=1 python -m bench.serve_engine            # records "serve_engine" in bench/RESULTS.md
+    python -m bench.serve_engine --reprice /tmp/bench-serve-engine-XXXX [--refit]   # prints only
 """
 
 from __future__ import annotations
