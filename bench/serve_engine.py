@@ -26,10 +26,21 @@ rate is replayed :data:`REPEATS` times (``--repeats``), in passes over every rat
 different rates in different passes); every figure is the median over the passes, and its spread (max - min
 over the median; each pass's own error beside the median's) is recorded with it.
 
+What the machine allows the iterations (recorded beside their figure, :func:`iteration_figures`): each
+iteration's local speed, the median measured / priced of the :data:`NEIGHBOURS` iterations either side of it on
+its engine, spans the machine's speeds; priced at its local speed an iteration's error is what the profile's
+form leaves, and the best single factor on every price, chosen after the fact, what any profile of one speed
+could reach. On this machine the first is 4-5% and the second 17-21% in every run kept so far: the 10% bound
+holds only where the engines keep one speed through the replays.
+
 Timings on a shared machine are noisy: the load average (``uptime``) before and after is recorded beside
-the numbers.
+the numbers. ``--out`` keeps everything the figures come from (the profile and every iteration its sweep measured,
+``samples.jsonl``; each replay's requests and iterations), and ``--reprice DIR`` computes them again from such a
+folder without an engine (the twin simulated again, the iterations priced again, by this code; with ``--refit``
+the profile's constants measured again from its samples first).
 
     OMP_NUM_THREADS=1 python -m bench.serve_engine            # records "serve_engine" in bench/RESULTS.md
+    python -m bench.serve_engine --reprice /tmp/bench-serve-engine-XXXX [--refit]   # prints only
 """
 
 from __future__ import annotations
@@ -38,9 +49,11 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +69,7 @@ RATE_FACTORS = (0.4, 0.7, 1.0, 1.4)  # the measured rates, times the twin's own 
 MORE_RATES, RATE_STEP = 3, 1.4  # at most this many rates past the last, each this factor above it (next_rate)
 WAIT_S = 120.0  # the longest a replayed request waits for its answer, and a replay drains after its last arrival
 REPEATS = 3  # passes over every rate (module doc)
+NEIGHBOURS = 5  # iterations either side on an engine whose median measured / priced is its local speed (module doc)
 
 
 def knee(rates: list[float], p90_ttft: list[float]) -> float | None:
@@ -96,20 +110,229 @@ def median_spread(values: list[float]) -> tuple[float, float]:
     return mid, (max(values) - min(values)) / mid if mid else 0.0
 
 
+def bench_config():  # noqa: ANN201
+    """The engine both serving-engine benches replay: the tiny model, 2048 KV blocks of 16 tokens, a 256-token
+    budget."""
+    from flexmesh.serve.engine.config import EngineConfig
+
+    return EngineConfig(model="tiny", num_blocks=2048, page_size=16, max_batch_tokens=256, max_requests_per_batch=256)
+
+
 def engine_and_profile(profile: str | None, out: Path, *, quick: bool, engines: int):  # noqa: ANN201
     """The engine configuration both serving-engine benches replay (the tiny model, 2048 KV blocks of 16 tokens, a
     256-token budget) and this machine's profile of it: read from ``profile``, or measured now over ``engines``
-    engine processes and kept in ``out``."""
+    engine processes and kept in ``out`` (with every iteration it measured: ``samples.jsonl``)."""
     from flexmesh.profile.engine import profile_engine
     from flexmesh.profile.iteration import load_engine_profile
-    from flexmesh.serve.engine.config import EngineConfig
 
-    cfg = EngineConfig(model="tiny", num_blocks=2048, page_size=16, max_batch_tokens=256, max_requests_per_batch=256)
+    cfg = bench_config()
     if profile:
         return cfg, load_engine_profile(profile)
-    prof = profile_engine(cfg, quick=quick, engines=engines, log_dir=out / "profile-logs")
+    prof = profile_engine(cfg, quick=quick, engines=engines, log_dir=out / "profile-logs",
+                          samples_out=out / "samples.jsonl")
     prof.save(out / "engine-tiny.json")
     return cfg, prof
+
+
+@dataclass
+class RateRun:
+    """One replay of one rate as this bench keeps it: the requests answered and every engine's iterations (each
+    engine's list in the order it ran them: ``batch``, ``start_s``, ``end_s``, ``cpu_s``, ...)."""
+
+    rate: float
+    records: list
+    iterations: list[list[dict]]
+
+
+def save(out: Path, passes: list[list[RateRun]]) -> None:
+    """``requests-<rate>-<pass>.jsonl`` and ``iterations-<rate>-<pass>.json`` of every replay, in ``out``."""
+    from flexmesh.serve.metrics import write_records
+
+    for k, runs in enumerate(passes):
+        for run in runs:
+            write_records(out / f"requests-{run.rate:g}-{k + 1}.jsonl", run.records)
+            (out / f"iterations-{run.rate:g}-{k + 1}.json").write_text(json.dumps(run.iterations))
+
+
+_SAVED = re.compile(r"iterations-(\d+(?:\.\d+)?)(?:-(\d+))?\.json$")
+
+
+def load_saved(folder: Path) -> list[list[RateRun]]:
+    """The replays a run of this bench kept in ``folder`` (:func:`save`; a folder of one pass written before the
+    passes were numbered reads as pass 1), per pass, each pass's rates ascending; SystemExit when it holds none.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> save(d, [[RateRun(2.5, [], [[{"batch": [[0, 8]]}], []])]] * 2)
+    >>> [[(r.rate, len(r.iterations)) for r in runs] for runs in load_saved(d)]
+    [[(2.5, 2)], [(2.5, 2)]]
+    """
+    from flexmesh.serve.metrics import read_records
+
+    found: dict[int, list[RateRun]] = {}
+    for path in sorted(folder.glob("iterations-*.json")):
+        m = _SAVED.match(path.name)
+        if not m:
+            continue
+        rate, k = float(m.group(1)), int(m.group(2) or 1)
+        name = f"requests-{m.group(1)}" + (f"-{m.group(2)}" if m.group(2) else "") + ".jsonl"
+        records = read_records(folder / name) if (folder / name).exists() else []
+        found.setdefault(k, []).append(RateRun(rate, records, json.loads(path.read_text())))
+    if not found:
+        raise SystemExit(f"{folder} holds no iterations-<rate>-<pass>.json; give the --out folder of a run of this "
+                         "bench")
+    return [sorted(found[k], key=lambda r: r.rate) for k in sorted(found)]
+
+
+def local_speed(ratios: list[float], around: int = NEIGHBOURS) -> list[float]:
+    """Each iteration's local speed on its engine: the median measured / priced of the ``around`` iterations before
+    and after it (itself left out), from one engine's ratios in the order it ran them.
+
+    >>> [round(x, 2) for x in local_speed([1.0, 1.0, 1.0, 2.0, 1.5, 1.5, 1.5], around=2)]
+    [1.0, 1.0, 1.25, 1.25, 1.5, 1.5, 1.5]
+    """
+    out = []
+    for i in range(len(ratios)):
+        near = ratios[max(0, i - around):i] + ratios[i + 1:i + 1 + around]
+        out.append(statistics.median(near) if near else 1.0)
+    return out
+
+
+def best_scale(priced: list[float], measured: list[float]) -> tuple[float, float]:
+    """The one factor on every price that, chosen after the fact, gives the least median |predicted / measured - 1|
+    (searched in 0.5% steps from 0.5 to 2), and that median.
+
+    >>> scale, left = best_scale([1.0, 1.0, 1.0], [1.2, 1.2, 0.6])  # two of three 1.2x slower than priced
+    >>> round(scale, 2), left < 0.005
+    (1.2, True)
+    """
+    ratio = [p / m for p, m in zip(priced, measured)]
+    return min(((round(s, 3), statistics.median(abs(s * r - 1) for r in ratio)) for s in
+                (0.5 * 1.005 ** k for k in range(278))), key=lambda x: (x[1], x[0]))
+
+
+def iteration_figures(passes: list[list[RateRun]], timing) -> dict:  # noqa: ANN001
+    """Every iteration the engines ran in ``passes``, priced by ``timing`` (an engine profile's, as the twin prices
+    it: :func:`flexmesh.profile.iteration.price_runs`) against its wall time: the median |predicted / measured -
+    1| over all (``median``), the decode-only ones (``decode``), each pass (``per_pass``), against the CPU time the
+    engine's thread had (``cpu``); the busy seconds predicted and measured and the CPU seconds; and what the machine
+    allows (module doc): the spread of the local speed (``speed_p10``, ``speed_p90``), the median with each
+    iteration's local speed known (``known_speed``), and the best single factor in hindsight (``best_scale``,
+    ``best_scale_median``).
+    """
+    from flexmesh.profile.iteration import price_runs
+
+    priced, walls, cpus, decode, per_pass, speeds = [], [], [], [], [], []
+    for runs in passes:
+        rel = []
+        for run in runs:
+            per = [[it for it in e if it["batch"]] for e in run.iterations]
+            got = price_runs(per, timing)
+            j = 0
+            for its in per:
+                p = got[j:j + len(its)]
+                j += len(its)
+                w = [it["end_s"] - it["start_s"] for it in its]
+                speeds += local_speed([m / x for m, x in zip(w, p)])
+                priced += p
+                walls += w
+                cpus += [it.get("cpu_s", 0.0) for it in its]
+                decode += [all(q == 1 for _, q in it["batch"]) for it in its]
+                rel += [abs(x / m - 1) for x, m in zip(p, w)]
+        per_pass.append(statistics.median(rel) if rel else float("nan"))
+    if not priced:
+        raise SystemExit("the engines logged no iteration in these replays")
+    rel = [abs(p / w - 1) for p, w in zip(priced, walls)]
+    dec = [r for r, d in zip(rel, decode) if d]
+    scale, scale_median = best_scale(priced, walls)
+    q = statistics.quantiles(speeds, n=10)
+    return {"iterations": len(priced), "median": statistics.median(rel),
+            "decode": statistics.median(dec) if dec else float("nan"), "per_pass": per_pass,
+            "cpu": statistics.median(abs(p / c - 1) for p, c in zip(priced, cpus) if c > 0),
+            "busy_predicted": sum(priced), "busy_measured": sum(walls), "cpu_s": sum(cpus),
+            "speed_p10": q[0], "speed_p90": q[-1],
+            "known_speed": statistics.median(abs(p * s / w - 1) for p, s, w in zip(priced, speeds, walls)),
+            "best_scale": scale, "best_scale_median": scale_median}
+
+
+def report(cfg, prof, win, context: int, passes: list[list[RateRun]], simulated, head: str):  # noqa: ANN001, ANN201
+    """The bench's body (markdown lines) and headline from the replays ``passes`` (rates alike in every pass) and
+    ``simulated(rate)``, the twin's summary at a rate; ``head`` says where the measurement came from."""
+    from bench._results import markdown_table
+    from flexmesh.profile.iteration import ProfiledIterationTiming
+    from flexmesh.serve.metrics import summarize
+
+    rates = [run.rate for run in passes[0]]
+    cells_of = [(metric, q) for metric in ("ttft", "tpot") for q in ("p50", "p90")]
+    # per pass and rate: the measured summary (a pass whose replay answered nothing has none)
+    measured = [[summarize(run.records) if run.records else None for run in runs] for runs in passes]
+    sims = [simulated(rate) for rate in rates]
+    rows, worst, meas_p90, sim_p90, spreads = [], 0.0, [], [], []
+    pass_worst = [0.0] * len(passes)
+    for i, rate in enumerate(rates):
+        got = [m[i] for m in measured if m[i] is not None]
+        s = sims[i]
+        cells, spread_cells = [], []
+        for metric, q in cells_of:
+            b = getattr(s, metric)[q]
+            a, spread = median_spread([getattr(m, metric)[q] for m in got])
+            worst = max(worst, abs(b / a - 1))
+            spreads.append(spread)
+            cells.append(f"{a * 1e3:,.1f} / {b * 1e3:,.1f} ({b / a - 1:+.0%})")
+            spread_cells.append(f"{spread:.0%}")
+            for k, m in enumerate(measured):
+                if m[i] is not None:
+                    pass_worst[k] = max(pass_worst[k], abs(b / getattr(m[i], metric)[q] - 1))
+        meas_p90.append(statistics.median(m.ttft["p90"] for m in got))
+        sim_p90.append(s.ttft["p90"])
+        rows.append([f"{rate:g}", min(len(run.records) for run in (p[i] for p in passes)), *cells,
+                     ", ".join(spread_cells)])
+    k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
+    k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
+    pass_knees = [knee(rates, [m[i].ttft["p90"] if m[i] else float("inf") for i in range(len(rates))])
+                  for m in measured]
+    it = iteration_figures(passes, ProfiledIterationTiming(prof))
+    it_err, busy_meas = it["median"], it["busy_measured"]
+
+    def each(values, fmt: str = "{:.0%}") -> str:
+        return ", ".join("-" if v is None else fmt.format(v) for v in values)
+
+    fit = prof.error
+    served = ", ".join(f"{s['rate']:g}" for s in prof.produced_by.get("sweep", {}).get("serving") or []) or "no rate"
+    md = [f"Tiny model (`{cfg.to_json()}`), 2 engine processes behind the router, {len(win)} requests of the "
+          f"Azure 2023 conversation trace scaled to {context} tokens, arrivals the trace's scaled to each rate, "
+          f"{len(passes)} passes over the rates (every measured figure the median over the passes; spread: max - min "
+          f"over the median). {head}", "",
+          f"Engine profile: {len(prof.samples)} distinct batches (the sweep's scenarios and serving behind the router "
+          f"at {served}/s), "
+          f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, the first iteration after idling "
+          f"{prof.after_idle:+.0%}, admission (router -> the engine's batch, "
+          f"added to every simulated arrival) {prof.admission_s * 1e3:.2f} ms; in-sample error of the fit: median "
+          f"{fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
+          *markdown_table(["rate/s", "done", "TTFT p50 ms (measured / simulated)", "TTFT p90", "TPOT p50", "TPOT p90",
+                           "spread of the four"], rows), "",
+          f"- latency: worst |simulated / measured - 1| = {worst:.0%} (bound {LATENCY_BOUND:.0%}): "
+          f"{'PASS' if worst <= LATENCY_BOUND else 'FAIL'}; each pass alone {each(pass_worst)}; spread of the "
+          f"measured cells median {statistics.median(spreads):.0%}, max {max(spreads):.0%}",
+          f"- knee (p90 TTFT at {KNEE_FACTOR:g}x its lowest-rate value): measured "
+          f"{k_meas if k_meas is None else round(k_meas, 2)}/s, simulated {k_sim if k_sim is None else round(k_sim, 2)}"
+          f"/s, error {k_err:.0%} (bound {KNEE_BOUND:.0%}): {'PASS' if k_err <= KNEE_BOUND else 'FAIL'}; each pass's "
+          f"measured knee {each(pass_knees, '{:.2f}/s')}",
+          f"- iterations: {it['iterations']} engine iterations priced by the profile, median |predicted / measured - 1|"
+          f" = {it_err:.1%} (decode-only {it['decode']:.1%}; against their CPU time {it['cpu']:.1%}; each pass "
+          f"{each(it['per_pass'], '{:.1%}')}), busy time {it['busy_predicted']:.1f} s predicted / {busy_meas:.1f} s "
+          f"measured (bound {ITERATION_BOUND:.0%}): {'PASS' if it_err <= ITERATION_BOUND else 'FAIL'}",
+          f"- what the machine allows the iterations: measured over priced, the median of the {NEIGHBOURS} iterations "
+          f"either side on the same engine (its local speed) spans {it['speed_p10']:.2f}-{it['speed_p90']:.2f}x "
+          f"(p10-p90); priced at its local speed an iteration is off by a median {it['known_speed']:.1%}, while one "
+          f"factor on every price chosen after the fact ({it['best_scale']:.3f}) leaves {it['best_scale_median']:.1%}",
+          f"- share of a core each engine had while iterating (CPU over wall time): "
+          f"{prof.produced_by.get('sweep', {}).get('cpu_share', float('nan')):.0%} during the profile, "
+          f"{it['cpu_s'] / busy_meas if busy_meas else float('nan'):.0%} during the replays (unequal shares: other "
+          "work moved the timings between the two)"]
+    headline = (f"simulated vs measured: latency worst {worst:.0%}, knee {k_err:.0%}, iterations median {it_err:.1%} "
+                f"(bounds 20%, 20%, 10%; median of {len(passes)} passes)")
+    return md, headline
 
 
 def main() -> int:
@@ -118,34 +341,58 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=2048, help="tokens the trace's lengths are scaled to fit")
     ap.add_argument("--rates", help="requests per second (default: around the twin's knee)")
     ap.add_argument("--repeats", type=int, help=f"passes over every rate (default {REPEATS}; 1 with --quick)")
-    ap.add_argument("--profile", help="an engine profile of this machine (default: measure one now)")
+    ap.add_argument("--profile", help="an engine profile of this machine (default: measure one now; with --reprice, "
+                                      "the folder's engine-tiny.json)")
     ap.add_argument("--quick", action="store_true", help="a quick profile sweep, a 60-request window, one pass")
     ap.add_argument("--out", help="folder for the engine profile, requests-<rate>-<pass>.jsonl and the engines' logs")
+    ap.add_argument("--reprice", metavar="DIR", help="run no engine: price the replays a run kept in its --out "
+                                                     "folder DIR again (with its profile, or --profile) and print")
+    ap.add_argument("--refit", action="store_true", help="with --reprice: the profile's constants measured again "
+                                                           "from the folder's samples.jsonl by this code")
     ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else REPEATS)
     if repeats < 1:
         ap.error(f"--repeats must be at least 1, got {repeats}")
 
-    from bench._results import markdown_table, record
+    from bench._results import record
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
-    from flexmesh.profile.iteration import ProfiledIterationTiming, price_runs
+    from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile
     from flexmesh.serve.engine.fleet import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.metrics import summarize
 
+    def twin_of(cfg, prof, n: int):  # noqa: ANN001, ANN202
+        win = window(scale_to_context(load_trace("azure-conv"), args.context), 0.0, first=n)
+        twin = twin_fleet(cfg, 2, ProfiledIterationTiming(prof))
+        return win, lambda rate: summarize(twin.run(at_rate(win, rate)).records)
+
+    if args.reprice:
+        folder = Path(args.reprice)
+        passes = load_saved(folder)
+        prof = load_engine_profile(args.profile or folder / "engine-tiny.json")
+        if args.refit:
+            from flexmesh.profile.engine import refit
+
+            if not (folder / "samples.jsonl").exists():
+                raise SystemExit(f"{folder} holds no samples.jsonl (a run before the bench kept them): drop --refit")
+            prof = refit(prof, [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()
+                                if line.strip()])
+        n = args.requests if "--requests" in sys.argv else 1 + max(
+            (r.id for runs in passes for run in runs for r in run.records), default=args.requests - 1)
+        win, simulated = twin_of(bench_config(), prof, n)
+        md, _ = report(bench_config(), prof, win, args.context, passes, simulated,
+                       f"Re-priced offline from {folder} (profile {prof.name}).")
+        print("\n".join(md))
+        return 0
+
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-serve-engine-"))
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     cfg, prof = engine_and_profile(args.profile, out, quick=args.quick, engines=2)
-    timing = ProfiledIterationTiming(prof)
     n = 60 if args.quick and args.requests == 120 else args.requests
-    win = window(scale_to_context(load_trace("azure-conv"), args.context), 0.0, first=n)
-    twin = twin_fleet(cfg, 2, timing)
-
-    def simulated(rate: float):
-        return summarize(twin.run(at_rate(win, rate)).records)
+    win, simulated = twin_of(cfg, prof, n)
 
     if args.rates:
         rates = [float(r) for r in args.rates.split(",")]
@@ -171,103 +418,21 @@ def main() -> int:
                 passes.append(await replay_rates(url, [(r.rate, at_rate(win, r.rate)) for r in first], urls, **limits))
             return passes
 
-    passes = asyncio.run(measure())
-    rates = [run.rate for run in passes[0]]
+    replays = asyncio.run(measure())
     load_after = os.getloadavg()
-    for k, runs in enumerate(passes):
+    for k, runs in enumerate(replays):
         for run in runs:
-            run.replay.write(out / f"requests-{run.rate:g}-{k + 1}.jsonl")
-            (out / f"iterations-{run.rate:g}-{k + 1}.json").write_text(json.dumps(run.iterations))
             if run.replay.failed:
                 print(f"rate {run.rate:g}, pass {k + 1}: {len(run.replay.failed)} requests failed, e.g. "
                       f"{next(iter(run.replay.failed.values()))}")
-    cells_of = [(metric, q) for metric in ("ttft", "tpot") for q in ("p50", "p90")]
-    # per pass and rate: the measured summary (a pass whose replay answered nothing has none)
-    measured = [[summarize(run.replay.records) if run.replay.records else None for run in runs] for runs in passes]
-    sims = [simulated(rate) for rate in rates]
-    rows, worst, meas_p90, sim_p90, spreads = [], 0.0, [], [], []
-    pass_worst = [0.0] * len(passes)
-    for i, rate in enumerate(rates):
-        got = [m[i] for m in measured if m[i] is not None]
-        s = sims[i]
-        cells, spread_cells = [], []
-        for metric, q in cells_of:
-            b = getattr(s, metric)[q]
-            a, spread = median_spread([getattr(m, metric)[q] for m in got])
-            worst = max(worst, abs(b / a - 1))
-            spreads.append(spread)
-            cells.append(f"{a * 1e3:,.1f} / {b * 1e3:,.1f} ({b / a - 1:+.0%})")
-            spread_cells.append(f"{spread:.0%}")
-            for k, m in enumerate(measured):
-                if m[i] is not None:
-                    pass_worst[k] = max(pass_worst[k], abs(b / getattr(m[i], metric)[q] - 1))
-        meas_p90.append(statistics.median(m.ttft["p90"] for m in got))
-        sim_p90.append(s.ttft["p90"])
-        rows.append([f"{rate:g}", min(len(run.replay.records) for run in (p[i] for p in passes)), *cells,
-                     ", ".join(spread_cells)])
-    k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
-    k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
-    pass_knees = [knee(rates, [m[i].ttft["p90"] if m[i] else float("inf") for i in range(len(rates))])
-                  for m in measured]
-
-    def iteration_error(runs) -> tuple[list[float], list[float], list[float], list[float]]:
-        """Each iteration the engines ran in ``runs``: as priced by the profile (the first after the engine idled at
-        1 + after_idle times its batch's, as the twin prices it), its wall and CPU seconds, and whether it decoded
-        only (1.0) or not (0.0)."""
-        per = [[it for it in e if it["batch"]] for run in runs for e in run.iterations]
-        priced = price_runs(per, timing)
-        flat = [it for e in per for it in e]
-        return (priced, [it["end_s"] - it["start_s"] for it in flat], [it["cpu_s"] for it in flat],
-                [float(all(q == 1 for _, q in it["batch"])) for it in flat])
-
-    per_pass = [iteration_error(runs) for runs in passes]
-    priced, walls, cpus, decode_only = (sum(x, []) for x in zip(*per_pass))
-    rel = [p / w - 1 for p, w in zip(priced, walls)]
-    it_err = statistics.median(abs(r) for r in rel)
-    pass_it = [statistics.median(abs(p / w - 1) for p, w in zip(pp, ww)) for pp, ww, _, _ in per_pass]
-    decode = [abs(r) for r, d in zip(rel, decode_only) if d]
-    rel_cpu = statistics.median(abs(p / c - 1) for p, c in zip(priced, cpus) if c > 0)
-    busy_meas, busy_pred, cpu = sum(walls), sum(priced), sum(cpus)
-
-    def each(values, fmt: str = "{:.0%}") -> str:
-        return ", ".join("-" if v is None else fmt.format(v) for v in values)
-
-    fit = prof.error
-    served = ", ".join(f"{s['rate']:g}" for s in prof.produced_by.get("sweep", {}).get("serving") or []) or "no rate"
-    md = [f"Tiny model (`{cfg.to_json()}`), 2 engine processes behind the router, {len(win)} requests of the "
-          f"Azure 2023 conversation trace scaled to {args.context} tokens, arrivals the trace's scaled to each rate, "
-          f"{len(passes)} passes over the rates (every measured figure the median over the passes; spread: max - min "
-          f"over the median). Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
-          f"{os.cpu_count()} cores: other work shares the machine and every timing carries its noise.", "",
-          f"Engine profile: {len(prof.samples)} distinct batches (the sweep's scenarios and serving behind the router "
-          f"at {served}/s), "
-          f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, the first iteration after idling "
-          f"{prof.after_idle:+.0%}, admission (router -> the engine's batch, "
-          f"added to every simulated arrival) {prof.admission_s * 1e3:.2f} ms; in-sample error of the fit: median "
-          f"{fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
-          *markdown_table(["rate/s", "done", "TTFT p50 ms (measured / simulated)", "TTFT p90", "TPOT p50", "TPOT p90",
-                           "spread of the four"], rows), "",
-          f"- latency: worst |simulated / measured - 1| = {worst:.0%} (bound {LATENCY_BOUND:.0%}): "
-          f"{'PASS' if worst <= LATENCY_BOUND else 'FAIL'}; each pass alone {each(pass_worst)}; spread of the "
-          f"measured cells median {statistics.median(spreads):.0%}, max {max(spreads):.0%}",
-          f"- knee (p90 TTFT at {KNEE_FACTOR:g}x its lowest-rate value): measured "
-          f"{k_meas if k_meas is None else round(k_meas, 2)}/s, simulated {k_sim if k_sim is None else round(k_sim, 2)}"
-          f"/s, error {k_err:.0%} (bound {KNEE_BOUND:.0%}): {'PASS' if k_err <= KNEE_BOUND else 'FAIL'}; each pass's "
-          f"measured knee {each(pass_knees, '{:.2f}/s')}",
-          f"- iterations: {len(walls)} engine iterations priced by the profile, median |predicted / measured - 1| = "
-          f"{it_err:.1%} (decode-only {statistics.median(decode) if decode else float('nan'):.1%}; against their CPU "
-          f"time {rel_cpu:.1%}; each pass {each(pass_it, '{:.1%}')}), busy time "
-          f"{busy_pred:.1f} s predicted / {busy_meas:.1f} s measured (bound {ITERATION_BOUND:.0%}): "
-          f"{'PASS' if it_err <= ITERATION_BOUND else 'FAIL'}",
-          f"- share of a core each engine had while iterating (CPU over wall time): "
-          f"{prof.produced_by.get('sweep', {}).get('cpu_share', float('nan')):.0%} during the profile, "
-          f"{cpu / busy_meas if busy_meas else float('nan'):.0%} during the replays (unequal shares: other work "
-          "moved the timings between the two)"]
+    passes = [[RateRun(run.rate, run.replay.records, run.iterations) for run in runs] for runs in replays]
+    save(out, passes)
+    md, headline = report(cfg, prof, win, args.context, passes, simulated,
+                          f"Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
+                          f"{os.cpu_count()} cores: other work shares the machine and every timing carries its noise.")
     print("\n".join(md))
     if not args.no_record:
-        record("serve_engine", "\n".join(md), headline=f"simulated vs measured: latency worst {worst:.0%}, knee "
-               f"{k_err:.0%}, iterations median {it_err:.1%} (bounds 20%, 20%, 10%; median of {len(passes)} passes); "
-               f"load {load_before[0]:.1f}")
+        record("serve_engine", "\n".join(md), headline=f"{headline}; load {load_before[0]:.1f}")
     return 0
 
 

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from flexmesh.cost.inference.timing import SplitTiming, split_s
 from flexmesh.errors import ProfileError
-from flexmesh.profile.engine import SERVING, idle_admissions, scenarios, serving_lengths
+from flexmesh.profile.engine import SERVING, idle_admissions, refit, scenarios, serving_lengths
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
+    REQUEST_GROUP,
     TERMS,
     EngineProfile,
     ProfiledIterationTiming,
@@ -150,6 +151,71 @@ def test_request_costs_are_what_the_engines_other_threads_spend_per_request_take
            for k in range(3)]
     assert price_runs([run], timing) == pytest.approx([timing.iteration_s([(64, 1)]) + 1.5e-3 * k + 0.5e-3
                                                         for k in range(3)])
+
+
+def _served(its, phase):
+    return [{**it, "phase": phase} for it in its]
+
+
+def test_request_costs_come_from_the_serving_phase_where_requests_arrive_one_at_a_time():
+    def its(n, taken, answered, each_in=1.2e-3, each_out=4e-4):
+        return [{"batch": [[64, 1]], "taken": taken, "answered": answered,
+                 "others_cpu_s": 3e-5 + each_in * taken + each_out * answered} for _ in range(n)]
+
+    serving = _served(its(200, 0, 0) + its(30, 1, 0) + its(30, 0, 1) + its(5, 1, 1), "serving")
+    # a sweep's bursts: tens of requests taken in (and answered) by one iteration, at a fifth of the cost each
+    bursts = _served(its(100, 0, 0) + its(25, 40, 0, each_in=2.4e-4) + its(25, 0, 16, each_out=8e-5), "sweep")
+    assert request_costs_from(serving + bursts) == pytest.approx((1.2e-3, 4e-4))
+    both = request_costs_from([{k: v for k, v in it.items() if k != "phase"} for it in serving + bursts])
+    assert both[0] < 0.5e-3 and both[1] < 0.2e-3  # fitted together, the bursts pull both costs down
+    # a serving phase that counted too few answers: the sweep's are used for both rather than none
+    thin = _served(its(200, 0, 0) + its(30, 1, 0) + its(REQUEST_GROUP - 1, 0, 1), "serving")
+    assert request_costs_from(thin + bursts)[1] > 0
+    assert request_costs_from(thin)[1] == 0.0
+
+
+def test_after_idle_comes_from_the_serving_phase_where_it_woke_often_enough():
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, TRUE))
+
+    def run(t0, batches, cold, phase):
+        out, t = [], t0
+        for k, b in enumerate(batches):
+            s = timing.iteration_s(b) * (cold if k == 0 else 1.0)
+            out.append({"batch": [list(x) for x in b], "start_s": t, "end_s": t + s, "cpu_s": s, "phase": phase})
+            t += s
+        return out
+
+    decodes = [[(64, 1)], [(65, 1)], [(66, 1)]]
+    sweep = [it for k in range(30) for it in run(1.0 * k, [[(0, 200)] * 4] + decodes, 0.9, "sweep")]
+    serving = [it for k in range(REQUEST_GROUP) for it in run(100.0 + k, [[(0, 50)]] + decodes, 1.2, "serving")]
+    assert after_idle_from([sweep + serving], timing) == pytest.approx(0.2)
+    # fewer serving wake-ups than REQUEST_GROUP: every iteration counts, the sweep's too
+    few = serving[:4 * (REQUEST_GROUP - 1)]
+    assert after_idle_from([sweep + few], timing) < 0.2
+
+
+def test_refit_measures_a_profiles_constants_again_from_its_samples():
+    def line(k, batch, cpu, phase="serving", **more):
+        return {"engine": k % 2, "phase": phase, "batch": [list(b) for b in batch], "start_s": 0.02 * k,
+                "end_s": 0.02 * k + cpu * 1.25, "wall_s": cpu * 1.25, "cpu_s": cpu, "taken": 0, "answered": 0,
+                "others_cpu_s": 1e-5, **more}
+
+    batches = ([[(0, t)] for t in (16, 64, 256)] + [[(c, 1)] * b for b in (1, 8, 32) for c in (64, 512)]
+               + [[(0, 200), (300, 1)], [(256, 256)] * 2, [(256, 128)]])
+    raw = [line(k, b, seconds(b), "sweep") for k, b in enumerate(batches * 3)]
+    raw += [line(100 + k, [(64, 1)], seconds([(64, 1)]), taken=k % 2, others_cpu_s=1e-5 + 7e-4 * (k % 2))
+            for k in range(2 * REQUEST_GROUP)]
+    old = EngineProfile({"name": "tiny"}, {"num_blocks": 64}, dict(TRUE), admission_s=1.5e-3, intake_s=0.2e-3,
+                        produced_by={"processes": 2, "sweep": {"scenarios": ["prefill 16"], "cpu_share": 0.5}})
+    new = refit(old, raw)
+    assert [t for t in TERMS if new.fit[t] != pytest.approx(TRUE[t], rel=1e-3, abs=1e-12)] == []
+    assert len(new.samples) == len(batches) and new.intake_s == pytest.approx(7e-4)
+    assert (new.model, new.engine, new.admission_s) == (old.model, old.engine, old.admission_s)  # not in the samples
+    sweep = new.produced_by["sweep"]
+    assert sweep["scenarios"] == ["prefill 16"] and sweep["iterations"] == len(raw)
+    # the serving phase ran one batch, too few to fit: only the sweep's fit is held against the other phase
+    assert sweep["cpu_share"] == pytest.approx(0.8) and set(sweep["held_out"]) == {"sweep->serving"}
+    assert old.produced_by["sweep"]["cpu_share"] == 0.5  # the profile refitted is left as it was
 
 
 def test_admissions_are_timed_for_the_serving_requests_that_found_their_engine_idle():

@@ -1,5 +1,6 @@
-"""bench/serve_engine.py: the measured knee, the rates measured past the planned ones until it is crossed, and a
-figure over the passes."""
+"""bench/serve_engine.py: the measured knee, the rates measured past the planned ones until it is crossed, a
+figure over the passes, the iteration figures and what the machine allows them, and the figures re-priced from a
+run's folder."""
 
 from __future__ import annotations
 
@@ -42,3 +43,74 @@ def test_a_figure_over_passes_is_their_median_and_its_spread_their_range_over_it
     assert median_spread([0.020, 0.031, 0.021]) == pytest.approx((0.021, 0.011 / 0.021))
     assert median_spread([0.05]) == (0.05, 0.0)
     assert median_spread([0.0, 0.0]) == (0.0, 0.0)
+
+
+def _engine(speeds, price=0.005):
+    """One engine's back-to-back decode iterations, each ``price`` seconds by the timing below times its speed."""
+    out, t = [], 0.0
+    for s in speeds:
+        out.append({"batch": [[64, 1]], "start_s": t, "end_s": t + price * s, "cpu_s": price * s})
+        t += price * s
+    return out
+
+
+class _Flat:
+    """A timing that prices every batch at 5 ms, nothing after idling, no request costs."""
+
+    after_idle = intake_s = answer_s = 0.0
+
+    def iteration_s(self, batch):
+        return 0.005
+
+
+def test_iteration_figures_tell_a_machine_of_two_speeds_from_a_wrong_price():
+    from bench.serve_engine import RateRun, iteration_figures
+
+    # spells of 40 iterations at 0.75x and 1.25x the price: every iteration a fifth or a third off, none off its spell
+    spells = [0.75] * 40 + [1.25] * 40
+    rotated = spells[40:] + spells * 2 + spells[:40]
+    two = iteration_figures([[RateRun(1.0, [], [_engine(spells * 3), _engine(rotated)])]], _Flat())
+    assert two["median"] == pytest.approx((0.2 + 1 / 3) / 2) and two["known_speed"] < 0.01
+    assert two["speed_p10"] == pytest.approx(0.75) and two["speed_p90"] == pytest.approx(1.25)
+    assert two["best_scale_median"] > 0.19  # as many iterations in each spell: no one factor brings it near 0
+    # one speed, 1.2x the price: one factor after the fact would do, and the local speed knows it too
+    slow = iteration_figures([[RateRun(1.0, [], [_engine([1.2] * 200)])], [RateRun(1.0, [], [_engine([1.2] * 50)])]],
+                             _Flat())
+    assert slow["median"] == pytest.approx(1 - 1 / 1.2)
+    assert slow["best_scale"] == pytest.approx(1.2, rel=0.005) and slow["best_scale_median"] < 0.005
+    assert slow["per_pass"] == pytest.approx([1 - 1 / 1.2] * 2) and slow["busy_measured"] == pytest.approx(1.5)
+    assert slow["known_speed"] < 1e-9 and slow["decode"] == slow["median"]
+
+
+def test_a_runs_kept_replays_read_back_by_pass_and_rate(tmp_path):
+    from bench.serve_engine import RateRun, load_saved, save
+    from flexmesh.serve.metrics import RequestRecord
+
+    rec = RequestRecord(3, 1, arrival_s=0.5, first_token_s=0.6, finish_s=0.9, prompt_tokens=40, output_tokens=4)
+    save(tmp_path, [[RateRun(12.5, [rec], [_engine([1.0] * 3), []]), RateRun(3.0, [], [[], []])]] * 2)
+    (tmp_path / "iterations-7.json").write_text("[[], []]")  # an older run's single pass, unnumbered
+    passes = load_saved(tmp_path)
+    assert [[r.rate for r in runs] for runs in passes] == [[3.0, 7.0, 12.5], [3.0, 12.5]]
+    assert passes[1][1].records == [rec] and passes[1][1].iterations[0][2]["end_s"] == pytest.approx(0.015)
+    with pytest.raises(SystemExit, match="no iterations"):
+        load_saved(tmp_path / "none")
+
+
+def test_reprice_prints_the_three_figures_from_a_folder_without_an_engine(tmp_path, monkeypatch, capsys):
+    from bench.serve_engine import RateRun, main, save
+    from flexmesh.profile.iteration import TERMS, EngineProfile
+    from flexmesh.serve.metrics import RequestRecord
+
+    EngineProfile({}, {}, dict(zip(TERMS, (5e-3, 0, 0, 0, 0, 0))), samples=[([(64, 1)], 5e-3)] * 6).save(
+        tmp_path / "engine-tiny.json")
+    recs = [RequestRecord(i, i % 2, arrival_s=0.1 * i, first_token_s=0.1 * i + 0.02, finish_s=0.1 * i + 0.2,
+                          prompt_tokens=64, output_tokens=5) for i in range(10)]
+    save(tmp_path, [[RateRun(rate, recs, [_engine([1.1] * 30), _engine([0.9] * 30)]) for rate in (2.0, 5.0)]])
+    monkeypatch.setattr("sys.argv", ["serve_engine", "--reprice", str(tmp_path), "--requests", "10"])
+    assert main() == 0
+    out = capsys.readouterr().out
+    assert f"Re-priced offline from {tmp_path}" in out and "| 2 | 10 |" in out and "| 5 | 10 |" in out
+    assert "120 engine iterations priced by the profile" in out and "busy time 0.6 s predicted / 0.6 s" in out
+    monkeypatch.setattr("sys.argv", ["serve_engine", "--reprice", str(tmp_path), "--refit"])
+    with pytest.raises(SystemExit, match="no samples.jsonl"):
+        main()

@@ -33,11 +33,14 @@ seconds, its start and end, the engine, and the phase: ``sweep`` with its scenar
 so that forms of the fit can be compared offline (:func:`flexmesh.profile.iteration.read_iteration_samples`).
 
 The first iteration after an engine idled costs more than the fit prices (its caches went cold): the profile's
-``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from every iteration in the order each
+``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from the iterations in the order each
 engine ran them. A busy engine's iteration during which it takes a request in or answers one takes more wall
 time than its thread's CPU time (its HTTP thread holds the interpreter meanwhile): the profile's ``intake_s`` and
-``answer_s`` (:func:`flexmesh.profile.iteration.request_costs_from`), from every iteration's own counts and the CPU
-time the engine's other threads had over it.
+``answer_s`` (:func:`flexmesh.profile.iteration.request_costs_from`), from each iteration's own counts and the CPU
+time the engine's other threads had over it. Both are measured from the serving phase's iterations where it holds
+enough of them (requests arrive one at a time there, as served; a sweep's scenario sends a burst at once).
+:func:`refit` derives everything the iterations give (the samples and fit, these, the held-out errors) from
+``samples_out``'s lines, so a profile's constants can be redone by later code.
 
 Admission (the profile's ``admission_s``): a request that reaches an idle engine, timed from the router receiving
 it to the start of the engine's iteration that holds it (the router's HTTP hop, the engine's parsing and checks,
@@ -61,7 +64,7 @@ import math
 import statistics
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypedDict
 
@@ -180,23 +183,48 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
     spec = engine_spec(cfg)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="flexmesh-profile-engine-"))
     raw: list[dict] = []
-    timed, plan, share, served, admission = asyncio.run(_sweep(cfg, quick, engines, logs, progress, raw))
+    _, plan, _, served, admission = asyncio.run(_sweep(cfg, quick, engines, logs, progress, raw))
     if samples_out is not None:
         write_atomic(samples_out, "".join(json.dumps(r) + "\n" for r in raw))
-    samples = _medians(timed)
-    fit = fit_iterations(samples)
     spec_dict = spec.to_dict()
-    prof = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit=fit,
-                         samples=samples, produced_by=produced_by(engines, device_type="cpu"),
+    base = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit={},
+                         produced_by=produced_by(engines, device_type="cpu"),
                          admission_s=statistics.median(admission))
-    prof.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in range(engines)],
-                                      ProfiledIterationTiming(prof))
-    prof.intake_s, prof.answer_s = request_costs_from(raw)
-    held_out = held_out_errors([IterationSample.from_dict(r) for r in raw])
-    prof.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
-                                 "iterations": sum(len(v) for v in timed.values()), "cpu_share": share,
-                                 "serving": served, "admissions": len(admission), "held_out": held_out}
-    return prof
+    base.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
+                                 "serving": served, "admissions": len(admission)}
+    return refit(base, raw)
+
+
+def refit(prof: EngineProfile, raw: Sequence[dict]) -> EngineProfile:
+    """``prof`` with everything an engine's iterations give measured again from ``raw`` (every iteration of a sweep,
+    as ``--samples`` writes them: module doc) by this code: the samples (identical batches' median CPU seconds) and
+    their fit, ``after_idle``, ``intake_s`` and ``answer_s``, and under ``produced_by.sweep`` the iterations, the
+    share of a core the engines had (CPU over wall time) and the held-out errors; the rest (the model, the engine,
+    ``admission_s``, the scenarios and serving rates) kept. A profile's constants can so be redone from its samples
+    when the code that derives them changes.
+
+    >>> its = [{"phase": "sweep", "engine": 0, "batch": [[c, 1]] * b, "start_s": 0.1 * k, "end_s": 0.1 * k + 0.004,
+    ...         "wall_s": 0.004, "cpu_s": 1e-3 + 1e-4 * b + 1e-7 * b * b * c}
+    ...        for k, (b, c) in enumerate((b, c) for b in (1, 2, 4, 8) for c in (16, 64, 256))]
+    >>> p = refit(EngineProfile({}, {"max_batch_tokens": 256}, {}, produced_by={"sweep": {}}), its)
+    >>> len(p.samples), round(p.fit["c0_s"] * 1e3, 2), round(p.produced_by["sweep"]["cpu_share"], 3)
+    (12, 1.0, 0.403)
+    """
+    timed: dict[tuple, list[float]] = defaultdict(list)
+    for r in raw:
+        timed[tuple(sorted(tuple(b) for b in r["batch"]))].append(r["cpu_s"])
+    samples = _medians(timed)
+    engines = sorted({r["engine"] for r in raw})
+    out = EngineProfile(model=prof.model, engine=prof.engine, fit=fit_iterations(samples), samples=samples,
+                        produced_by={**prof.produced_by, "sweep": dict(prof.produced_by.get("sweep", {}))},
+                        name=prof.name, admission_s=prof.admission_s)
+    out.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in engines],
+                                     ProfiledIterationTiming(out))
+    out.intake_s, out.answer_s = request_costs_from(raw)
+    wall = sum(r["end_s"] - r["start_s"] for r in raw)
+    out.produced_by["sweep"].update(iterations=len(raw), cpu_share=sum(r["cpu_s"] for r in raw) / wall if wall > 0
+                                    else 1.0, held_out=held_out_errors([IterationSample.from_dict(r) for r in raw]))
+    return out
 
 
 def _medians(timed: dict[tuple, list[float]]) -> list[tuple[list, float]]:

@@ -31,10 +31,11 @@ hand-off, the loop waking), measured on idle engines (:mod:`flexmesh.profile.eng
 And ``after_idle``: what the first iteration after the engine's loop idled costs beyond the fit, as a fraction
 of the fit's price. An engine whose queue is empty sleeps; the iteration that wakes it runs on caches other
 work has since used, and takes more CPU time for the same batch (on this 2-core machine about a fifth more for
-the first, a few percent for the next few). :func:`after_idle_from` measures it from the sweep's and the
-serving phase's iterations in the order each engine ran them: the median of measured / fit over the
-iterations that started at least :data:`IDLE_GAP_S` after the engine's previous one ended, over that median
-for the iterations that followed another at once, minus 1 (a ratio of medians, so the fit's own bias cancels).
+the first, a few percent for the next few). :func:`after_idle_from` measures it from the iterations in the order
+each engine ran them (the serving phase's alone where it has enough: there an engine wakes for one request, as
+it does when it serves): the median of measured / fit over the iterations that started at least
+:data:`IDLE_GAP_S` after the engine's previous one ended, over that median for the iterations that followed
+another at once, minus 1 (a ratio of medians, so the fit's own bias cancels where both hold alike batches).
 The request simulator prices every iteration that starts a replica's busy period so (the replica's
 ``after_idle`` and ``idle_gap_s``: :mod:`flexmesh.serve.replica`); 0 in a profile written before it was measured.
 
@@ -44,9 +45,10 @@ the interpreter meanwhile (pure Python: the loop's thread waits for it, and on a
 fill it has no core of its own either), so an iteration during which it does so ends that much later than the
 loop's own CPU time (the fit's seconds) says. An engine logs, per iteration, the requests it took in and answered
 while it ran and the CPU time its other threads had meanwhile; :func:`request_costs_from` fits that CPU time,
-least squares over every iteration, as a constant (what those threads do besides: health checks) plus
+least squares over the serving phase's iterations (requests one at a time through the router, as served; a
+sweep's bursts cost less a request), as a constant (what those threads do besides: health checks) plus
 ``intake_s`` per request taken in and ``answer_s`` per request answered. CPU time, like the fit's samples: other
-work on the machine does not stretch it. On this 2-core machine about 1.1 ms a request, both together. The request
+work on the machine does not stretch it. On this 2-core machine about 0.6-0.7 ms each. The request
 simulator charges each to the iteration its replica starts next (:mod:`flexmesh.serve.replica`); a request that
 reaches an idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
 
@@ -80,7 +82,8 @@ from flexmesh.profile.fit import least_squares
 
 VERSION = 1
 KIND = "engine"
-REQUEST_GROUP = 20  # iterations that took in (or answered) requests before what one costs is measured
+REQUEST_GROUP = 20  # iterations that took in (or answered) requests before what one costs is measured, and
+# serving iterations after idling before the serving phase alone measures after_idle
 IDLE_GAP_S = 0.002  # an engine's loop that ran on at once starts its next iteration within 0.1 ms; after a gap
 # this long it had slept on its empty queue (after_idle_from)
 TERMS = ("c0_s", "per_request_s", "per_token_s", "per_kv_token_s", "per_batch_token_x_kv_token_s",
@@ -378,19 +381,32 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
 
 def request_costs_from(iterations: Sequence[dict]) -> tuple[float, float]:
     """The profile's ``intake_s`` and ``answer_s`` (module doc) from iterations as an engine logged them (``taken``,
-    ``answered``, ``others_cpu_s``): the non-negative least-squares fit ``others_cpu_s = c + intake_s * taken +
-    answer_s * answered``; a cost is 0 where fewer than :data:`REQUEST_GROUP` iterations counted its kind (an older
-    engine's log counts none).
+    ``answered``, ``others_cpu_s``; ``phase`` as a profile's samples name it): the non-negative least-squares fit
+    ``others_cpu_s = c + intake_s * taken + answer_s * answered``; a cost is 0 where fewer than
+    :data:`REQUEST_GROUP` iterations counted its kind (an older engine's log counts none).
 
-    >>> def it(taken, answered, background=2e-5):
-    ...     return {"taken": taken, "answered": answered, "others_cpu_s": background + 1e-3 * taken + 5e-4 * answered}
+    Fitted on the serving phase's iterations alone where they count as many kinds of request cost as all do: there
+    requests reach an engine one at a time through the router, as they reach a replica that serves. A sweep's
+    scenario sends all its requests at once; the engine's HTTP thread takes a burst in for less a request (one
+    wake-up, one pass of its event loop for many), and one iteration that took in a batch's tens of requests would
+    outweigh the serving phase's ones and twos in the fit (on this 2-core machine the sweep alone gives about
+    0.2 ms a request, the serving phase 0.6-0.7 ms, as the engines' own replays behind the router do).
+
+    >>> def it(taken, answered, background=2e-5, phase="serving"):
+    ...     return {"taken": taken, "answered": answered, "phase": phase,
+    ...             "others_cpu_s": background + 1e-3 * taken + 5e-4 * answered}
     >>> its = [it(0, 0)] * 200 + [it(1, 0)] * 30 + [it(0, 1)] * 30 + [it(2, 1)] * 5
     >>> [round(x * 1e3, 3) for x in request_costs_from(its)]
     [1.0, 0.5]
+    >>> burst = {"taken": 40, "answered": 0, "phase": "sweep", "others_cpu_s": 40 * 2e-4}  # 0.2 ms each
+    >>> [round(x * 1e3, 3) for x in request_costs_from(its + [burst] * 20)]  # the serving phase's costs
+    [1.0, 0.5]
     """
-    rows = [(int(it.get("taken", 0)), int(it.get("answered", 0)), float(it["others_cpu_s"]))
-            for it in iterations if "others_cpu_s" in it]
-    kinds = [k for k in (0, 1) if sum(1 for r in rows if r[k] > 0) >= REQUEST_GROUP]
+    rows = _request_rows([it for it in iterations if it.get("phase") == "serving"])
+    every = _request_rows(iterations)
+    if len(_kinds(rows)) < len(_kinds(every)):
+        rows = every
+    kinds = _kinds(rows)
     if not kinds:
         return 0.0, 0.0
     features = np.array([[1.0] + [float(r[k]) for k in kinds] for r in rows])
@@ -399,6 +415,17 @@ def request_costs_from(iterations: Sequence[dict]) -> tuple[float, float]:
     for k, v in zip(kinds, c[1:]):
         costs[k] = float(v)
     return costs[0], costs[1]
+
+
+def _request_rows(iterations: Sequence[dict]) -> list[tuple[int, int, float]]:
+    """(taken, answered, others_cpu_s) of the iterations that logged their other threads' CPU time."""
+    return [(int(it.get("taken", 0)), int(it.get("answered", 0)), float(it["others_cpu_s"]))
+            for it in iterations if "others_cpu_s" in it]
+
+
+def _kinds(rows: Sequence[tuple[int, int, float]]) -> list[int]:
+    """The request costs (0: taken in, 1: answered) that at least :data:`REQUEST_GROUP` of ``rows`` counted."""
+    return [k for k in (0, 1) if sum(1 for r in rows if r[k] > 0) >= REQUEST_GROUP]
 
 
 def _after_idle_flags(runs: Sequence[Sequence[dict]]) -> Iterator[tuple[dict, bool]]:
@@ -413,8 +440,14 @@ def _after_idle_flags(runs: Sequence[Sequence[dict]]) -> Iterator[tuple[dict, bo
 
 def after_idle_from(runs: Sequence[Sequence[dict]], timing: IterationTiming) -> float:
     """The profile's ``after_idle`` (module doc) from each engine's iterations in the order it ran them (``batch``,
-    ``start_s``, ``end_s``, ``cpu_s``), priced by ``timing``; 0 when either kind of iteration is missing or the
-    first ones are no slower.
+    ``start_s``, ``end_s``, ``cpu_s``; ``phase`` as a profile's samples name it), priced by ``timing``; 0 when either
+    kind of iteration is missing or the first ones are no slower.
+
+    From the serving phase's iterations alone where at least :data:`REQUEST_GROUP` of them came first after idling:
+    there an engine wakes for a request that reached it alone, as a replica that serves does. A sweep's scenario
+    wakes every engine at once with all its requests, its first iteration a batch of prompts whose fit leans
+    otherwise than the decodes after it (on this 2-core machine a profile's sweep and serving iterations together
+    gave 0 where replays behind the router show 0.14-0.16, and the serving phase alone 0.11 under load).
 
     >>> class Flat:
     ...     def iteration_s(self, batch):
@@ -425,12 +458,16 @@ def after_idle_from(runs: Sequence[Sequence[dict]], timing: IterationTiming) -> 
     >>> round(after_idle_from([run], Flat()), 3)  # medians 12.5 ms after idling, 10 ms at once
     0.25
     """
-    first: list[float] = []
-    rest: list[float] = []
+    seen: list[tuple[bool, bool, float]] = []  # (after idle, served, measured / priced)
     for it, after_idle in _after_idle_flags(runs):
         if it["batch"] and it["cpu_s"] > 0:
             ratio = it["cpu_s"] / timing.iteration_s([tuple(b) for b in it["batch"]])
-            (first if after_idle else rest).append(ratio)
+            seen.append((after_idle, it.get("phase") == "serving", ratio))
+    served = [x for x in seen if x[1]]
+    if sum(1 for x in served if x[0]) >= REQUEST_GROUP and any(not x[0] for x in served):
+        seen = served
+    first = [r for f, _, r in seen if f]
+    rest = [r for f, _, r in seen if not f]
     if not first or not rest:
         return 0.0
     return max(0.0, float(np.median(first) / np.median(rest)) - 1.0)
