@@ -24,6 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 collect_ignore = ["golden/record_losses.py", "golden/make_old_runs.py"]
 
 
+@pytest.fixture
+def no_recommendation(monkeypatch):
+    """`flexmesh plan` (in this process) without its policy recommendation: the simulated steps behind its
+    "recommended:" line, most of a plan's time on small models and much of it on big ones. For tests that
+    check the plans and baselines, not that line: tests/test_plan_recommendation.py checks what it says and
+    tests/test_docs_examples.py the line of each documented command."""
+    from flexmesh.commands import plan as plan_command
+
+    monkeypatch.setattr(plan_command, "_recommended", lambda plan, job, work: None)
+
+
 # The files that take longest on the CI machine (2 cores, no GPU), longest first: whole suite, then
 # what is left of each under `-m "not slow"` (a file whose every test is slow is not collected there).
 # A file long as a whole is started early, so that it does not run alone at the end while the other

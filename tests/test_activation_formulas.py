@@ -19,6 +19,9 @@ from flexmesh.layout.strategy import Recompute
 from flexmesh.profile.timing import ProfiledTiming
 from flexmesh.spec import MODEL_PRESETS, parse_cluster, parse_model
 
+# The plans these tests check, not the policy `plan` recommends for them (its simulated steps: tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_recommendation")
+
 MEGATRON = Stack(attention="unfused", sequence_parallel=False, dropout=True)
 GPT_22B = "gpt:48:6144:64"  # Korthikanti et al.'s 22B model (Table 3)
 

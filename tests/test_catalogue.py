@@ -26,6 +26,9 @@ from flexmesh.spec.cluster import (
 )
 from flexmesh.spec.devices import COMM_TABLES
 
+# The plans these tests check, not the policy `plan` recommends for them (its simulated steps: tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_recommendation")
+
 ISSUE_DEVICES = ("V100-16GB", "V100-32GB", "T4", "A10", "A10G", "L4", "L40S", "A30", "RTX-2080Ti", "TITAN-RTX",
                  "RTX-3090", "RTX-4090", "A100-PCIe-40GB", "A100-PCIe-80GB", "A100-40GB", "A100-80GB", "H100-PCIe",
                  "H100-80GB", "H200", "B200", "GH200")

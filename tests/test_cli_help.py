@@ -73,7 +73,7 @@ def test_version(capsys):
     assert done.value.code == 0 and capsys.readouterr().out.startswith("flexmesh ")
 
 
-def test_plan_for_the_runtime_prices_only_the_overlap_it_runs(tmp_path, capsys):
+def test_plan_for_the_runtime_prices_only_the_overlap_it_runs(tmp_path, capsys, no_recommendation):
     import json
 
     from flexmesh.layout.overlap import RUNTIME

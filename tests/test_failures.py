@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh, flexmesh_here, flexmesh_ranks, unlocked, write_inputs
+from helpers import flexmesh_here, flexmesh_ranks, unlocked, write_inputs
 
 MARK = "FLEXMESH_TEST_RUN"
 
@@ -145,8 +145,10 @@ def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
     refused = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume")
     said = " ".join(refused.stderr.split())
     assert refused.returncode == 2 and "already holds a run" in said and "--overwrite" in said, said
-    fresh = flexmesh(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume",
-                     "--overwrite", timeout=180)
+    # the command's ranks from the fork server: rank 0 moves the old run aside (the launcher's own --overwrite:
+    # tests/test_elastic.py's restarted run)
+    fresh = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", "1", "--no-resume", "--overwrite",
+                           timeout=180)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     (previous,) = out.glob("previous-*")
     assert f"to{previous}" in "".join(fresh.stderr.split())  # rich folds a path longer than the line

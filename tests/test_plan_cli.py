@@ -9,6 +9,9 @@ import pytest
 from flexmesh.cli import main
 from flexmesh.layout.plan import Plan
 
+# The plans these tests check, not the policy `plan` recommends for them (its simulated steps: tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_recommendation")
+
 TINY = ["plan", "--model", "tiny", "--cluster", "8xA100-80GB", "--seq-len", "2048", "--global-batch", "16"]
 
 

@@ -39,7 +39,8 @@ def _simulate(capsys, plan, lengths, gb: int) -> dict:
     return _run_json(capsys, args)
 
 
-def test_the_reported_step_is_the_simulated_mean_that_simulate_plan_reproduces(capsys, tmp_path, lengths_file):
+def test_the_reported_step_is_the_simulated_mean_that_simulate_plan_reproduces(capsys, tmp_path, lengths_file,
+                                                                             no_recommendation):
     out = tmp_path / "plan.json"
     d = _run_json(capsys, ["plan", "--model", "llama2-7b", "--cluster", "8xA100-80GB", "--seq-len", "2048",
                            "--global-batch", "64", "--lengths", str(lengths_file), "--out", str(out)])
@@ -59,7 +60,7 @@ def test_the_reported_step_is_the_simulated_mean_that_simulate_plan_reproduces(c
     assert fixed["mean_step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-9)
 
 
-def test_a_mixed_cluster_plan_is_the_shares_row_of_simulate_plan(capsys, tmp_path, lengths_file):
+def test_a_mixed_cluster_plan_is_the_shares_row_of_simulate_plan(capsys, tmp_path, lengths_file, no_recommendation):
     out = tmp_path / "mixed.json"
     d = _run_json(capsys, ["plan", "--model", "llama2-7b", "--cluster", "1x4xH100+1x4xA100-40GB", "--seq-len",
                            "2048", "--global-batch", "32", "--lengths", str(lengths_file), "--out", str(out)])
@@ -89,7 +90,7 @@ def test_a_bad_lengths_file_is_refused_with_what_is_wrong(capsys, tmp_path):
     assert "--check validates a plan file as it is" in _err(capsys)
 
 
-def test_tokens_per_batch_counts_a_step_in_tokens(capsys, tmp_path, lengths_file):
+def test_tokens_per_batch_counts_a_step_in_tokens(capsys, tmp_path, lengths_file, no_recommendation):
     base = ["plan", "--model", "tiny", "--cluster", "8xA100-80GB", "--seq-len", "2048", "--top", "1"]
     # without --lengths: as many --seq-len sequences as the tokens hold, said under the table
     out = tmp_path / "plan.json"
@@ -111,7 +112,7 @@ def test_tokens_per_batch_counts_a_step_in_tokens(capsys, tmp_path, lengths_file
     assert "give --global-batch" in _err(capsys)
 
 
-def test_tokens_per_batch_takes_a_count_that_data_parallelism_divides(capsys, tmp_path):
+def test_tokens_per_batch_takes_a_count_that_data_parallelism_divides(capsys, tmp_path, no_recommendation):
     """32,512 tokens are 127 sequences of 256: prime, so no data-parallel degree above 1 splits them; the
     plan takes 128 (within 2%), which splits over all 8 devices, says so, and trains faster. --global-batch
     keeps its exact count."""

@@ -12,6 +12,9 @@ from flexmesh.cli import main
 from flexmesh.search import SearchRequest, best_plans
 from flexmesh.spec import parse_cluster, parse_model
 
+# The plans these tests check, not the policy `plan` recommends for them (its simulated steps: tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_recommendation")
+
 ARGS = ["plan", "--model", "llama2-7b", "--seq-len", "2048", "--global-batch", "16", "--json"]
 
 

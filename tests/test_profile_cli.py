@@ -2,9 +2,6 @@
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -152,13 +149,13 @@ def test_profile_error_is_a_clear_cli_message(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_hardware_profile_quick_under_torchrun(tmp_path, capsys):
+    """The command's two ranks from the fork server, as torchrun starts them (its --nproc launcher: the demo's
+    one launch, tests/test_demo.py)."""
+    from helpers import flexmesh_ranks
+
     out = tmp_path / "hw.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["FLEXMESH_CACHE"] = str(tmp_path / "cache")
-    r = subprocess.run([sys.executable, "-m", "flexmesh", "profile", "hardware", "--quick", "--nproc", "2",
-                        "--no-progress", "--no-keep", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=150)
+    r = flexmesh_ranks(2, "profile", "hardware", "--quick", "--no-progress", "--no-keep", "--out", str(out),
+                       timeout=150, env={"FLEXMESH_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr[-3000:]
     # --no-keep (as the demo profiles): the machine's own profile is left as it was, here none
     assert "kept as this machine's" not in r.stderr and not (tmp_path / "cache").exists()

@@ -86,12 +86,9 @@ def test_plan_finds_a_layout_for_24_gpus_and_a_batch_of_256(capsys):
     check_plan(plan, MODEL_PRESETS["llama2-7b"], parse_cluster("3x8xA100-80GB"))
 
 
-def test_plan_finds_bloom_on_384_gpus(capsys, monkeypatch):
+def test_plan_finds_bloom_on_384_gpus(capsys, no_recommendation):
     # The search and its baselines only: the policy this plan is recommended is what the same command in
     # docs/cli-plan.md prints (tests/test_docs_examples.py), and its simulated steps are most of the command's time.
-    from flexmesh.commands import plan as plan_command
-
-    monkeypatch.setattr(plan_command, "_recommended", lambda plan, job, work: None)
     d = plan_json(capsys, BLOOM_CLI, "48x8xA100-80GB", 2048, 2048)
     plan = Plan.from_dict(d["best"]["plan"])
     assert plan.world_size == 384 and d["best"]["mfu"] > 0.3
@@ -102,7 +99,7 @@ def test_plan_finds_bloom_on_384_gpus(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_plan_finds_mt_nlg_on_2240_gpus(capsys):
+def test_plan_finds_mt_nlg_on_2240_gpus(capsys, no_recommendation):  # the search only, as above
     d = plan_json(capsys, MTNLG_CLI, "280x8xA100-80GB", 2048, 1920)
     plan = Plan.from_dict(d["best"]["plan"])
     assert plan.world_size == 2240 and d["best"]["mfu"] > 0.3

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from helpers import flexmesh, write_inputs
+from helpers import flexmesh, flexmesh_ranks, write_inputs
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "label_tokens", "padded_tokens", "microbatches",
           "step_time_s", "tokens_per_s", "peak_memory_gib"}
@@ -38,7 +38,9 @@ def test_train_with_nproc_writes_metrics_and_resumes(tmp_path):
     assert {"start-up", "model build", "first step", "steps", "checkpoints", "teardown", "other"} <= set(phases)
     assert abs(sum(phases.values()) - float(total.split()[0])) <= 0.1 * len(phases) and phases["first step"] > 0
 
-    second = flexmesh(*common, "--max-steps", "3")
+    # the resume in the command's ranks from the fork server, as torchrun starts them (resumes through the
+    # launcher: every attempt after the first of tests/test_failures.py's Ctrl-C test)
+    second = flexmesh_ranks(2, *common[:1], *common[3:], "--max-steps", "3")  # common less its --nproc 2
     assert second.returncode == 0, second.stderr[-4000:]
     rows2 = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows2] == [1, 2, 3]  # resumed at 3, earlier lines kept once

@@ -107,14 +107,15 @@ def test_weights_train_under_the_tokenizer_beside_them(tmp_path):
     transformers' tokenizer of the export gives), never a BPE trained on the new corpus; weights with no
     tokenizer beside them are one line."""
     transformers = pytest.importorskip("transformers")
-    from helpers import flexmesh, write_inputs
+    from helpers import flexmesh, flexmesh_here, flexmesh_ranks, write_inputs
 
     from flexmesh.data.tokenizer import load_tokenizer
 
     config, corpus, plan = write_inputs(tmp_path, world=1)
     first = tmp_path / "first"
-    r = flexmesh("train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out", str(first),
-                 "--cache-dir", str(tmp_path / "cache"), "--no-progress")
+    # the trainings in one process each from the fork server (torch imported once), the refusal in this one
+    r = flexmesh_ranks(1, "train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out",
+                       str(first), "--cache-dir", str(tmp_path / "cache"), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     export = tmp_path / "export"
     assert flexmesh("export", "--checkpoint", str(first), "--out", str(export)).returncode == 0
@@ -123,16 +124,16 @@ def test_weights_train_under_the_tokenizer_beside_them(tmp_path):
     for i in range(12):
         (other / f"d{i}.txt").write_text(f"zebra quokka {i} " * (20 + i))
     tuned = tmp_path / "tuned"
-    r = flexmesh("train", "--plan", str(plan), "--corpus", str(other), "--weights", str(export),
-                 "--max-steps", "1", "--out", str(tuned), "--cache-dir", str(tmp_path / "cache"), "--no-progress")
+    r = flexmesh_ranks(1, "train", "--plan", str(plan), "--corpus", str(other), "--weights", str(export),
+                       "--max-steps", "1", "--out", str(tuned), "--cache-dir", str(tmp_path / "cache"), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "the one beside --weights" in " ".join(r.stderr.split())
     text = "zebra quokka 7 the quick brown fox"
     want = transformers.AutoTokenizer.from_pretrained(export)(text)["input_ids"]
     assert load_tokenizer(tuned / "tokenizer").encode(text, add_special_tokens=False).ids == want
     (export / "tokenizer.json").unlink()
-    r = flexmesh("train", "--plan", str(plan), "--corpus", str(other), "--weights", str(export),
-                 "--max-steps", "1", "--out", str(tmp_path / "refused"), "--cache-dir", str(tmp_path / "cache"))
+    r = flexmesh_here("train", "--plan", str(plan), "--corpus", str(other), "--weights", str(export),
+                      "--max-steps", "1", "--out", str(tmp_path / "refused"), "--cache-dir", str(tmp_path / "cache"))
     assert r.returncode == 2 and "no tokenizer.json beside it" in r.stderr and "Traceback" not in r.stderr
 
 
