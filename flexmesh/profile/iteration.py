@@ -52,6 +52,16 @@ work on the machine does not stretch it. On this 2-core machine about 0.6-0.7 ms
 simulator charges each to the iteration its replica starts next (:mod:`flexmesh.serve.replica`); a request that
 reaches an idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
 
+And the host: the engines share the machine's cores (``host_cores``: those the profiling process may run on) with
+the process of flexmesh's router and the client that sends the requests (one Python process), whose CPU time nothing
+above holds. :mod:`flexmesh.profile.engine` measures that process's CPU time over each serving load's replay and over
+the single requests of the admissions (its background, health checks, taken out), and
+:func:`host_costs_from` splits it into ``host_request_s`` per request routed and ``host_token_s`` per output token
+answered (on this 2-core machine about 2.2 ms a request and 0.01 ms a token). While as many engines iterate as there
+are cores, that CPU comes out of theirs: the request simulator charges it to the replica the request is on
+(:mod:`flexmesh.serve.replica`: :class:`~flexmesh.serve.replica.SharedHost`). A GPU engine's iterations do not run
+on the host's cores: only an engine profile names them. 0 in a profile written before they were measured.
+
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
 ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(batch)))
@@ -67,6 +77,7 @@ reaches an idle engine costs its ``admission_s`` instead. 0 in a profile written
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -135,6 +146,9 @@ class EngineProfile:
     after_idle: float = 0.0  # the first iteration after the engine idled costs 1 + this times the fit (module doc)
     intake_s: float = 0.0  # a busy engine's wall seconds per request it takes in, beyond its loop's (module doc)
     answer_s: float = 0.0  # the same per request it answers
+    host_cores: int = 0  # CPU cores of the machine the engines share with the router's process (module doc)
+    host_request_s: float = 0.0  # CPU seconds of the router's (and client's) process per request routed
+    host_token_s: float = 0.0  # the same per output token answered
 
     kind = KIND
 
@@ -147,6 +161,8 @@ class EngineProfile:
         return {"version": VERSION, "kind": KIND, "produced_by": self.produced_by, "model": self.model,
                 "engine": self.engine, "fit": self.fit, "error": self.error, "admission_s": self.admission_s,
                 "after_idle": self.after_idle, "intake_s": self.intake_s, "answer_s": self.answer_s,
+                "host_cores": self.host_cores, "host_request_s": self.host_request_s,
+                "host_token_s": self.host_token_s,
                 "samples": [{"batch": [list(x) for x in b], "seconds": s} for b, s in self.samples]}
 
     def save(self, path: str | Path) -> None:
@@ -177,6 +193,15 @@ class EngineProfile:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ProfileError(f"{where}: {key} must be a number of seconds from 0 to 1 (what a request costs a "
                                    f"busy engine beside its loop), got {v!r}")
+        cores = d.get("host_cores", 0)
+        if isinstance(cores, bool) or not isinstance(cores, int) or not 0 <= cores <= 4096:
+            raise ProfileError(f"{where}: host_cores must be the machine's CPU cores, a whole number from 0 to 4096, "
+                               f"got {cores!r}")
+        host = {key: d.get(key, 0.0) for key in ("host_request_s", "host_token_s")}
+        for key, v in host.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ProfileError(f"{where}: {key} must be a number of seconds from 0 to 1 (the router's process's "
+                                   f"CPU time per request or token), got {v!r}")
         try:
             samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
         except (KeyError, TypeError, ValueError) as e:
@@ -184,7 +209,8 @@ class EngineProfile:
                                "seconds}}") from None
         return cls(model=d.get("model", {}), engine=d.get("engine", {}), fit={t: float(fit[t]) for t in TERMS},
                    samples=samples, produced_by=d.get("produced_by", {}), name=name, admission_s=float(admission),
-                   after_idle=float(after_idle), **{k: float(v) for k, v in costs.items()})
+                   after_idle=float(after_idle), **{k: float(v) for k, v in costs.items()}, host_cores=cores,
+                   **{k: float(v) for k, v in host.items()})
 
 
 def load_engine_profile(path: str | Path) -> EngineProfile:
@@ -230,6 +256,21 @@ class ProfiledIterationTiming:
     def answer_s(self) -> float:
         """A busy engine's seconds per request it answers, beyond the fit's (module doc)."""
         return self.profile.answer_s
+
+    @property
+    def host_cores(self) -> int:
+        """The CPU cores the engines share with the router's process (module doc; 0: not measured)."""
+        return self.profile.host_cores
+
+    @property
+    def host_request_s(self) -> float:
+        """The router's process's CPU seconds per request routed (module doc)."""
+        return self.profile.host_request_s
+
+    @property
+    def host_token_s(self) -> float:
+        """The router's process's CPU seconds per output token answered (module doc)."""
+        return self.profile.host_token_s
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
@@ -362,7 +403,10 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
     """Seconds ``timing`` prices each engine's iterations at (``batch``, ``start_s``, ``end_s``, in the order it ran
     them; the lists one after another), each first one after idling :data:`IDLE_GAP_S` or more at ``1 + after_idle``
     times its batch's price, as the request simulator prices it, and each with ``intake_s`` per request it took in
-    and ``answer_s`` per request it answered (its ``taken`` and ``answered``, where the engine counted them).
+    and ``answer_s`` per request it answered (its ``taken`` and ``answered``, where the engine counted them), and
+    ``host_request_s`` per request it took in where as many engines as the host has cores were iterating as it
+    started (the router's process then takes a core from them: module doc; the token cost is left out, the log
+    counting no answer's tokens).
 
     >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-2, 0, 0, 0, 0, 0))), after_idle=0.5,
     ...                                           intake_s=2e-3))
@@ -371,11 +415,38 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
     >>> [round(x * 1e3, 1) for x in price_runs([its], t)]
     [15.0, 12.0, 15.0]
     """
+    cores, per_request = getattr(timing, "host_cores", 0), getattr(timing, "host_request_s", 0.0)
+    saturated = _saturated(runs, cores) if cores and per_request else None
     out = []
-    for it, after_idle in _after_idle_flags(runs):
+    for k, (it, after_idle) in enumerate(_after_idle_flags(runs)):
         price = timing.iteration_s([tuple(b) for b in it["batch"]])
         price = price * (1.0 + timing.after_idle) if after_idle else price
-        out.append(price + timing.intake_s * it.get("taken", 0) + timing.answer_s * it.get("answered", 0))
+        price += timing.intake_s * it.get("taken", 0) + timing.answer_s * it.get("answered", 0)
+        if saturated is not None and saturated[k]:
+            price += per_request * it.get("taken", 0)
+        out.append(price)
+    return out
+
+
+def _saturated(runs: Sequence[Sequence[dict]], cores: int) -> list[bool]:
+    """Per iteration (the lists one after another), whether at least ``cores`` engines (itself among them) were
+    iterating when it started: the host's cores all taken (module doc).
+
+    >>> a = [{"start_s": 0.0, "end_s": 1.0}, {"start_s": 2.0, "end_s": 3.0}]
+    >>> _saturated([a, [{"start_s": 0.5, "end_s": 1.5}]], 2)
+    [False, False, True]
+    """
+    spans = [sorted((it["start_s"], it["end_s"]) for it in its) for its in runs]
+    starts = [[a for a, _ in s] for s in spans]
+    out = []
+    for e, its in enumerate(runs):
+        for it in its:
+            t = it["start_s"]
+            busy = 1
+            for f, (s, st) in enumerate(zip(spans, starts)):
+                j = bisect.bisect_right(st, t) - 1
+                busy += f != e and j >= 0 and s[j][1] > t
+            out.append(busy >= cores)
     return out
 
 
@@ -415,6 +486,30 @@ def request_costs_from(iterations: Sequence[dict]) -> tuple[float, float]:
     for k, v in zip(kinds, c[1:]):
         costs[k] = float(v)
     return costs[0], costs[1]
+
+
+def host_costs_from(rows: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
+    """The profile's ``host_request_s`` and ``host_token_s`` (module doc) from ``(requests, output tokens, CPU
+    seconds)`` of the router's process over each of several replays (its background, health checks, taken out): the
+    non-negative least-squares fit of each replay's seconds per request to ``host_request_s + host_token_s *
+    tokens per request``. Replays of one-token requests beside ones of longer outputs tell the two apart; where
+    every replay has the same tokens per request the token cost is 0 and the request's cost holds them all.
+
+    >>> rows = [(1, 1, 2.01e-3)] * 6 + [(60, 1000, 60 * 2e-3 + 1000 * 1e-5), (24, 300, 24 * 2e-3 + 300 * 1e-5)]
+    >>> [round(x * 1e3, 4) for x in host_costs_from(rows)]
+    [2.0, 0.01]
+    >>> [round(x * 1e3, 4) for x in host_costs_from([(10, 50, 0.03)])]  # one kind of replay: per request only
+    [3.0, 0.0]
+    """
+    rows = [r for r in rows if r[0] > 0]
+    if not rows:
+        return 0.0, 0.0
+    per = np.array([r[1] / r[0] for r in rows])
+    y = np.array([max(r[2], 0.0) / r[0] for r in rows])
+    if np.ptp(per) <= 0:
+        return float(np.mean(y)), 0.0
+    c = least_squares(np.column_stack([np.ones_like(per), per]), y, relative=False, robust=False)
+    return float(c[0]), float(c[1])
 
 
 def _request_rows(iterations: Sequence[dict]) -> list[tuple[int, int, float]]:
