@@ -91,6 +91,7 @@ SCENARIO_TIMEOUT_S = 600.0  # the longest one scenario may take on one engine
 DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
 ADMISSIONS = 6  # single requests per engine timed from the router into the engine's batch
 HOST_IDLE_S = 1.0  # the router idles this long before the serving phase: its background CPU per second
+HOST_SHORT, HOST_SHORT_GAP_S = 8, 0.05  # short requests per engine (8-token prompt, 1 output) replayed this far apart
 
 
 def host_cores() -> int:
@@ -321,8 +322,8 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
     which had ``share`` of a core each in the sweep (the loads are of that): the serving phase's samples go into
     ``timed`` and ``raw`` (by ``collect(before, phase)``); returns each load's rate, the admissions' seconds
     (the single requests' and the serving requests' that found their engine idle) and the CPU time of this process
-    (the router and the client) per replay: ``(requests, output tokens, seconds)``, each load's and the single
-    requests' together, its background taken out."""
+    (the router and the client) per replay: ``(requests, prompt and output tokens, seconds)``, each load's and a
+    replay of short requests', its background taken out."""
     from flexmesh.data.requests import Request, Workload, with_arrivals
     from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, router_on
     from flexmesh.serve.engine.replay import replay
@@ -355,7 +356,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
             cpu = time.process_time() - cpu0 - background * (time.perf_counter() - wall0)
             if out.failed:
                 raise ProfileError(f"{len(out.failed)} serving requests failed, e.g. {next(iter(out.failed.values()))}")
-            host.append((len(out.records), sum(r.output_tokens for r in out.records), cpu))
+            host.append((len(out.records), sum(r.prompt_tokens + r.output_tokens for r in out.records), cpu))
             await collect(before, {"phase": "serving", "load": load})
             served.append({"load": load, "rate": round(rate, 3), "requests": len(out.records),
                            "host_cpu_s": round(cpu, 6)})
@@ -365,21 +366,24 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
         progress(len(SERVING[quick]["loads"]), "admissions")
         admission: list[float] = []
         prompt = prompt_ids(7, 16, vocab)
-        single = 0.0  # the router's process's CPU seconds over the single requests (one token each)
+        # short requests replayed as the serving loads were (the same client): the router's process's cost of a
+        # request apart from its tokens
+        short = [Request(i, HOST_SHORT_GAP_S * i, 8, 1) for i in range(HOST_SHORT * len(urls))]
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        out = await replay(url, short, vocab, request_timeout_s=SCENARIO_TIMEOUT_S, drain_timeout_s=SCENARIO_TIMEOUT_S)
+        host.append((len(out.records), sum(r.prompt_tokens + r.output_tokens for r in out.records),
+                     time.process_time() - cpu0 - background * (time.perf_counter() - wall0)))
         for i in range(ADMISSIONS * len(urls)):
             before = [await iteration_count(session, u) for u in urls]
-            cpu0, wall0 = time.process_time(), time.perf_counter()
             async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1},
                                     headers={"X-Request-Id": str(i)}) as resp:
                 body = await resp.json()
                 if resp.status != 200:
                     raise ProfileError(f"the router refused an admission request: {str(body)[:200]}")
-            single += time.process_time() - cpu0 - background * (time.perf_counter() - wall0)
             k = int(body["replica"])
             its = await fetch_iterations(session, urls[k], before[k])
             if its:  # the engine was idle: its first iteration since holds the request
                 admission.append(max(its[0]["start_s"] - body["metrics"]["arrival_s"], 0.0))
-        host.append((ADMISSIONS * len(urls), ADMISSIONS * len(urls), single))
     if not admission:
         raise ProfileError("no admission was timed: the engines logged no iteration for a request")
     return served, admission + waits, host

@@ -148,7 +148,7 @@ class EngineProfile:
     answer_s: float = 0.0  # the same per request it answers
     host_cores: int = 0  # CPU cores of the machine the engines share with the router's process (module doc)
     host_request_s: float = 0.0  # CPU seconds of the router's (and client's) process per request routed
-    host_token_s: float = 0.0  # the same per output token answered
+    host_token_s: float = 0.0  # the same per token carried (a prompt's sent, an answer's outputs)
 
     kind = KIND
 
@@ -269,7 +269,7 @@ class ProfiledIterationTiming:
 
     @property
     def host_token_s(self) -> float:
-        """The router's process's CPU seconds per output token answered (module doc)."""
+        """The router's process's CPU seconds per token carried: a prompt's sent, an answer's outputs (module doc)."""
         return self.profile.host_token_s
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
@@ -405,8 +405,8 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
     times its batch's price, as the request simulator prices it, and each with ``intake_s`` per request it took in
     and ``answer_s`` per request it answered (its ``taken`` and ``answered``, where the engine counted them), and
     ``host_request_s`` per request it took in where as many engines as the host has cores were iterating as it
-    started (the router's process then takes a core from them: module doc; the token cost is left out, the log
-    counting no answer's tokens).
+    started (the router's process then takes a core from them: module doc; its token cost is left out, the log
+    counting no request's tokens).
 
     >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-2, 0, 0, 0, 0, 0))), after_idle=0.5,
     ...                                           intake_s=2e-3))
@@ -489,11 +489,12 @@ def request_costs_from(iterations: Sequence[dict]) -> tuple[float, float]:
 
 
 def host_costs_from(rows: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
-    """The profile's ``host_request_s`` and ``host_token_s`` (module doc) from ``(requests, output tokens, CPU
-    seconds)`` of the router's process over each of several replays (its background, health checks, taken out): the
-    non-negative least-squares fit of each replay's seconds per request to ``host_request_s + host_token_s *
-    tokens per request``. Replays of one-token requests beside ones of longer outputs tell the two apart; where
-    every replay has the same tokens per request the token cost is 0 and the request's cost holds them all.
+    """The profile's ``host_request_s`` and ``host_token_s`` (module doc) from ``(requests, tokens, CPU seconds)`` of
+    the router's process over each of several replays (tokens: the prompts sent and the outputs answered; its
+    background, health checks, taken out): the non-negative least-squares fit of each replay's seconds per request
+    to ``host_request_s + host_token_s * tokens per request``. A replay of short requests beside ones of longer
+    requests tells the two apart; where every replay has the same tokens per request the token cost is 0 and the
+    request's cost holds them all.
 
     >>> rows = [(1, 1, 2.01e-3)] * 6 + [(60, 1000, 60 * 2e-3 + 1000 * 1e-5), (24, 300, 24 * 2e-3 + 300 * 1e-5)]
     >>> [round(x * 1e3, 4) for x in host_costs_from(rows)]

@@ -22,8 +22,9 @@ every request it finishes adds that many seconds to the next iteration it starts
 was left to charge lapses (the work was done while it idled).
 Replicas whose engines share a machine's CPU cores with the router's and the client's process (a local fleet of CPU
 engines: :class:`SharedHost`, the timing's ``host_cores``, ``host_request_s`` and ``host_token_s``, an engine
-profile's) pay for that process's CPU where it takes a core from them: a request's ``host_request_s`` when it
-reaches its replica and ``host_token_s`` per output token when it is answered are added to that replica's next
+profile's) pay for that process's CPU where it takes a core from them: a request's ``host_request_s`` and
+``host_token_s`` per prompt token when it reaches its replica, ``host_token_s`` per output token when it is
+answered, are added to that replica's next
 iteration whenever as many of the host's replicas are busy as it has cores (else a free core runs the process).
 The displaced time is charged whole to the replica whose request caused it; the engines share it alike on
 average. A GPU engine's iterations run on its GPU, not on the host's cores: its timing names no host.
@@ -178,7 +179,7 @@ class SimulatedReplica:
         if self.busy and self.intake_s:
             self.owed += self.intake_s
         if self.host is not None and self.host.saturated(now, self if self.busy else None):
-            self.owed += self.host_request_s
+            self.owed += self.host_request_s + self.host_token_s * q.r.prompt_tokens
         self.waiting.push(q)
         self.waiting_prompt += q.tokens
         self.pending_prompt += q.tokens - q.computed
