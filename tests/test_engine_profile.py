@@ -339,6 +339,9 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     # profile prices what that costs them (0 where too few iterations did it alone)
     assert sum(s.taken for s in its if s.phase == "serving") > 0 and sum(s.answered for s in its) > 0
     assert 0 <= prof.intake_s < 0.05 and 0 <= prof.answer_s < 0.05 and "per request taken in" in printed
+    # the router's and the client's process: measured, a few ms a request at most, on this process's cores
+    assert prof.host_cores >= 1 and 0 < prof.host_request_s + 100 * prof.host_token_s < 0.05
+    assert "per token carried" in printed
     first = prof.samples[0]
     assert first[1] == statistics.median(s.cpu_s for s in its if sorted(s.batch) == sorted(first[0]))
     big = max(prof.samples, key=lambda s: s[1])
