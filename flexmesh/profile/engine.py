@@ -340,7 +340,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
     served: list[dict] = []
     waits: list[float] = []  # serving requests that reached an idle engine: router -> its iteration (idle_admissions)
     urls = [e.url for e in procs]
-    host: list[tuple[int, int, float]] = []  # the router's process: (requests, output tokens, CPU seconds) per replay
+    host: list[tuple[int, int, float]] = []  # the router's process: (requests, tokens carried, CPU seconds) per replay
     async with router_on(urls, max_running=[cfg.max_requests_per_batch] * len(urls),
                          kv_tokens=[cfg.kv_tokens] * len(urls)) as url:
         cpu0, wall0 = time.process_time(), time.perf_counter()

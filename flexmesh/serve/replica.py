@@ -23,9 +23,9 @@ was left to charge lapses (the work was done while it idled).
 Replicas whose engines share a machine's CPU cores with the router's and the client's process (a local fleet of CPU
 engines: :class:`SharedHost`, the timing's ``host_cores``, ``host_request_s`` and ``host_token_s``, an engine
 profile's) pay for that process's CPU where it takes a core from them: a request's ``host_request_s`` and
-``host_token_s`` per prompt token when it reaches its replica, ``host_token_s`` per output token when it is
-answered, are added to that replica's next
-iteration whenever as many of the host's replicas are busy as it has cores (else a free core runs the process).
+``host_token_s`` per prompt token when it reaches its replica, and ``host_token_s`` per output token when it is
+answered, are added to that replica's next iteration whenever as many of the host's replicas are busy as it has
+cores (else a free core runs the process).
 The displaced time is charged whole to the replica whose request caused it; the engines share it alike on
 average. A GPU engine's iterations run on its GPU, not on the host's cores: its timing names no host.
 Decoding requests are kept summed (their count, their contexts' sum, their next KV block boundaries by
