@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from flexmesh.cost.inference.timing import SplitTiming, split_s
 from flexmesh.errors import ProfileError
 from flexmesh.profile.engine import SERVING, idle_admissions, refit, scenarios, serving_lengths
+from flexmesh.profile.host import host_costs_from
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
     REQUEST_GROUP,
@@ -20,13 +21,12 @@ from flexmesh.profile.iteration import (
     ProfiledIterationTiming,
     after_idle_from,
     fit_iterations,
-    host_costs_from,
     iteration_features,
     load_engine_profile,
     price_runs,
-    read_iteration_samples,
     request_costs_from,
 )
+from flexmesh.profile.samples import read_iteration_samples
 from flexmesh.serve.engine.config import EngineConfig
 
 TRUE = dict(zip(TERMS, (2e-3, 5e-5, 3e-5, 4e-8, 2e-10, 1e-8)))

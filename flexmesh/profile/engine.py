@@ -27,10 +27,10 @@ engine's per-iteration overhead is in every sample. Scenarios, each run twice:
 Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
 keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. How well
 the form carries between the two phases is kept beside it (``produced_by.sweep.held_out``:
-:func:`flexmesh.profile.iteration.held_out_errors`, fitted on one phase, priced against the other). With
+:func:`flexmesh.profile.samples.held_out_errors`, fitted on one phase, priced against the other). With
 ``samples_out`` every iteration is also kept as it was measured, one JSON object a line (its batch, wall and CPU
 seconds, its start and end, the engine, and the phase: ``sweep`` with its scenario, or ``serving`` with its load),
-so that forms of the fit can be compared offline (:func:`flexmesh.profile.iteration.read_iteration_samples`).
+so that forms of the fit can be compared offline (:func:`flexmesh.profile.samples.read_iteration_samples`).
 
 The first iteration after an engine idled costs more than the fit prices (its caches went cold): the profile's
 ``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from the iterations in the order each
@@ -61,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import statistics
 import tempfile
 import time
@@ -73,17 +72,16 @@ from typing import TypedDict
 from flexmesh.errors import ProfileError
 from flexmesh.files import write_atomic
 from flexmesh.profile.format import produced_by, spec_hash
+from flexmesh.profile.host import host_cores, host_costs_from
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
     EngineProfile,
-    IterationSample,
     ProfiledIterationTiming,
     after_idle_from,
     fit_iterations,
-    held_out_errors,
-    host_costs_from,
     request_costs_from,
 )
+from flexmesh.profile.samples import IterationSample, held_out_errors
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.replay import prompt_ids
 
@@ -92,19 +90,6 @@ DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once eve
 ADMISSIONS = 6  # single requests per engine timed from the router into the engine's batch
 HOST_IDLE_S = 1.0  # the router idles this long before the serving phase: its background CPU per second
 HOST_SHORT, HOST_SHORT_GAP_S = 8, 0.05  # short requests per engine (8-token prompt, 1 output) replayed this far apart
-
-
-def host_cores() -> int:
-    """The CPU cores this process may run on (the engines, the router and the client share them): its affinity
-    where the platform says, else the machine's count.
-
-    >>> host_cores() >= 1
-    True
-    """
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
 
 
 class Grid(TypedDict):

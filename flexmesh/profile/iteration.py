@@ -52,15 +52,9 @@ work on the machine does not stretch it. On this 2-core machine about 0.6-0.7 ms
 simulator charges each to the iteration its replica starts next (:mod:`flexmesh.serve.replica`); a request that
 reaches an idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
 
-And the host: the engines share the machine's cores (``host_cores``: those the profiling process may run on) with
-the process of flexmesh's router and the client that sends the requests (one Python process), whose CPU time nothing
-above holds. :mod:`flexmesh.profile.engine` measures that process's CPU time over each serving load's replay and over
-the single requests of the admissions (its background, health checks, taken out), and
-:func:`host_costs_from` splits it into ``host_request_s`` per request routed and ``host_token_s`` per output token
-answered (on this 2-core machine about 2.2 ms a request and 0.01 ms a token). While as many engines iterate as there
-are cores, that CPU comes out of theirs: the request simulator charges it to the replica the request is on
-(:mod:`flexmesh.serve.replica`: :class:`~flexmesh.serve.replica.SharedHost`). A GPU engine's iterations do not run
-on the host's cores: only an engine profile names them. 0 in a profile written before they were measured.
+And the host's cores, which the engines share with the router's and the client's process: ``host_cores``,
+``host_request_s`` and ``host_token_s`` (:mod:`flexmesh.profile.host`). 0 in a profile written before they were
+measured.
 
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
@@ -77,7 +71,6 @@ on the host's cores: only an engine profile names them. 0 in a profile written b
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -90,6 +83,7 @@ from flexmesh.cost.inference.timing import IterationTiming
 from flexmesh.errors import ProfileError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.profile.fit import least_squares
+from flexmesh.profile.host import saturated_starts
 
 VERSION = 1
 KIND = "engine"
@@ -229,6 +223,9 @@ class ProfiledIterationTiming:
         self.profile = profile
         self._c = tuple(profile.fit[t] for t in TERMS)
         self.source = f"profile:{profile.name or 'engine'}"
+        # the host's cores and the router's process's CPU on them (flexmesh.profile.host)
+        self.host_cores, self.host_request_s, self.host_token_s = (profile.host_cores, profile.host_request_s,
+                                                                   profile.host_token_s)
 
     @property
     def overhead_s(self) -> float:
@@ -256,21 +253,6 @@ class ProfiledIterationTiming:
     def answer_s(self) -> float:
         """A busy engine's seconds per request it answers, beyond the fit's (module doc)."""
         return self.profile.answer_s
-
-    @property
-    def host_cores(self) -> int:
-        """The CPU cores the engines share with the router's process (module doc; 0: not measured)."""
-        return self.profile.host_cores
-
-    @property
-    def host_request_s(self) -> float:
-        """The router's process's CPU seconds per request routed (module doc)."""
-        return self.profile.host_request_s
-
-    @property
-    def host_token_s(self) -> float:
-        """The router's process's CPU seconds per token carried: a prompt's sent, an answer's outputs (module doc)."""
-        return self.profile.host_token_s
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
@@ -309,96 +291,6 @@ class ProfiledIterationTiming:
         return steps * first + per_context * decodes * (steps * (steps - 1) / 2)
 
 
-@dataclass(frozen=True)
-class IterationSample:
-    """One iteration as ``flexmesh profile engine --samples`` wrote it: its batch, wall and CPU seconds, the engine
-    that ran it, its phase (``sweep`` with the scenario, ``serving`` with the load) and when it started."""
-
-    batch: tuple[tuple[int, int], ...]
-    wall_s: float
-    cpu_s: float
-    engine: int
-    phase: str
-    scenario: str = ""
-    load: float = 0.0
-    start_s: float = 0.0  # perf_counter seconds (one clock for every engine on the machine)
-    taken: int = 0  # requests the engine took in while it ran (module doc)
-    answered: int = 0  # requests it answered while it ran
-    others_cpu_s: float = 0.0  # CPU time of the engine's other threads while it ran
-
-    @classmethod
-    def from_dict(cls, d: dict) -> IterationSample:
-        """A sample from one ``--samples`` line's fields (KeyError, TypeError or ValueError when malformed)."""
-        return cls(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]), float(d["cpu_s"]),
-                   int(d["engine"]), str(d["phase"]), str(d.get("scenario", "")), float(d.get("load", 0.0)),
-                   float(d.get("start_s", 0.0)), int(d.get("taken", 0)), int(d.get("answered", 0)),
-                   float(d.get("others_cpu_s", 0.0)))
-
-
-def held_out_errors(samples: Sequence[IterationSample]) -> dict[str, dict[str, float]]:
-    """How well the form carries from one phase of a profile to the other: fitted (as :func:`fit_iterations`, to
-    the medians of identical batches) on the sweep's iterations and priced against every serving iteration's CPU
-    time, and the reverse; per direction the median and p90 of |predicted / measured - 1| and the predicted over
-    the measured CPU seconds in all (``busy``). A direction with too few batches to fit is left out.
-
-    >>> c = (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)  # while serving, every batch costs a tenth more
-    >>> def cpu(batch, k):
-    ...     return k * sum(x * f for x, f in zip(c, iteration_features(batch)))
-    >>> batches = ([((0, t),) for t in (16, 64, 256)] + [((n, 1),) * b for b in (1, 8, 32) for n in (64, 512)]
-    ...            + [((0, 200), (300, 1)), ((256, 256),) * 2, ((256, 128),)])
-    >>> e = held_out_errors([IterationSample(b, 1.0, cpu(b, 1.0), 0, "sweep") for b in batches]
-    ...                     + [IterationSample(b, 1.0, cpu(b, 1.1), 0, "serving", load=0.4) for b in batches])
-    >>> {k: round(v["median"], 3) for k, v in e.items()}, round(e["sweep->serving"]["busy"], 3)
-    ({'sweep->serving': 0.091, 'serving->sweep': 0.1}, 0.909)
-    """
-    by: dict[str, list[IterationSample]] = {"sweep": [], "serving": []}
-    for s in samples:
-        by.setdefault(s.phase, []).append(s)
-    out = {}
-    for src, dst in (("sweep", "serving"), ("serving", "sweep")):
-        groups: dict[tuple, list[float]] = {}
-        for s in by[src]:
-            groups.setdefault(tuple(sorted(s.batch)), []).append(s.cpu_s)
-        if len(groups) < len(TERMS) or not by[dst]:
-            continue
-        timing = ProfiledIterationTiming(EngineProfile({}, {}, fit_iterations(
-            [(list(b), float(np.median(v))) for b, v in groups.items()])))
-        pred = np.array([timing.iteration_s(s.batch) for s in by[dst]])
-        cpu = np.array([s.cpu_s for s in by[dst]])
-        rel = np.abs(pred / np.maximum(cpu, 1e-12) - 1)
-        out[f"{src}->{dst}"] = {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)),
-                                "busy": float(pred.sum() / max(cpu.sum(), 1e-12))}
-    return out
-
-
-def read_iteration_samples(path: str | Path) -> list[IterationSample]:
-    """The iterations of a ``--samples`` file (JSON lines); ProfileError (one line) when missing or malformed.
-
-    >>> import tempfile, os
-    >>> f = os.path.join(tempfile.mkdtemp(), "samples.jsonl")
-    >>> _ = open(f, "w").write('{"phase": "sweep", "scenario": "prefill 8", "engine": 0, "batch": [[0, 8]], '
-    ...                        '"wall_s": 0.011, "cpu_s": 0.01}\\n')
-    >>> read_iteration_samples(f)[0].batch, read_iteration_samples(f)[0].cpu_s
-    (((0, 8),), 0.01)
-    """
-    path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise ProfileError(f"iteration samples {str(path)!r} do not exist; write them with "
-                           f"`flexmesh profile engine --samples {path}`") from None
-    out = []
-    for k, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(IterationSample.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ProfileError(f"{path.name} line {k} is not an iteration sample ({e}); each line is {{batch: "
-                               "[[cached, new], ...], wall_s, cpu_s, engine, phase}}") from None
-    return out
-
-
 def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) -> list[float]:
     """Seconds ``timing`` prices each engine's iterations at (``batch``, ``start_s``, ``end_s``, in the order it ran
     them; the lists one after another), each first one after idling :data:`IDLE_GAP_S` or more at ``1 + after_idle``
@@ -416,7 +308,7 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
     [15.0, 12.0, 15.0]
     """
     cores, per_request = getattr(timing, "host_cores", 0), getattr(timing, "host_request_s", 0.0)
-    saturated = _saturated(runs, cores) if cores and per_request else None
+    saturated = saturated_starts(runs, cores) if cores and per_request else None
     out = []
     for k, (it, after_idle) in enumerate(_after_idle_flags(runs)):
         price = timing.iteration_s([tuple(b) for b in it["batch"]])
@@ -425,28 +317,6 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
         if saturated is not None and saturated[k]:
             price += per_request * it.get("taken", 0)
         out.append(price)
-    return out
-
-
-def _saturated(runs: Sequence[Sequence[dict]], cores: int) -> list[bool]:
-    """Per iteration (the lists one after another), whether at least ``cores`` engines (itself among them) were
-    iterating when it started: the host's cores all taken (module doc).
-
-    >>> a = [{"start_s": 0.0, "end_s": 1.0}, {"start_s": 2.0, "end_s": 3.0}]
-    >>> _saturated([a, [{"start_s": 0.5, "end_s": 1.5}]], 2)
-    [False, False, True]
-    """
-    spans = [sorted((it["start_s"], it["end_s"]) for it in its) for its in runs]
-    starts = [[a for a, _ in s] for s in spans]
-    out = []
-    for e, its in enumerate(runs):
-        for it in its:
-            t = it["start_s"]
-            busy = 1
-            for f, (s, st) in enumerate(zip(spans, starts)):
-                j = bisect.bisect_right(st, t) - 1
-                busy += f != e and j >= 0 and s[j][1] > t
-            out.append(busy >= cores)
     return out
 
 
@@ -486,31 +356,6 @@ def request_costs_from(iterations: Sequence[dict]) -> tuple[float, float]:
     for k, v in zip(kinds, c[1:]):
         costs[k] = float(v)
     return costs[0], costs[1]
-
-
-def host_costs_from(rows: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
-    """The profile's ``host_request_s`` and ``host_token_s`` (module doc) from ``(requests, tokens, CPU seconds)`` of
-    the router's process over each of several replays (tokens: the prompts sent and the outputs answered; its
-    background, health checks, taken out): the non-negative least-squares fit of each replay's seconds per request
-    to ``host_request_s + host_token_s * tokens per request``. A replay of short requests beside ones of longer
-    requests tells the two apart; where every replay has the same tokens per request the token cost is 0 and the
-    request's cost holds them all.
-
-    >>> rows = [(1, 1, 2.01e-3)] * 6 + [(60, 1000, 60 * 2e-3 + 1000 * 1e-5), (24, 300, 24 * 2e-3 + 300 * 1e-5)]
-    >>> [round(x * 1e3, 4) for x in host_costs_from(rows)]
-    [2.0, 0.01]
-    >>> [round(x * 1e3, 4) for x in host_costs_from([(10, 50, 0.03)])]  # one kind of replay: per request only
-    [3.0, 0.0]
-    """
-    rows = [r for r in rows if r[0] > 0]
-    if not rows:
-        return 0.0, 0.0
-    per = np.array([r[1] / r[0] for r in rows])
-    y = np.array([max(r[2], 0.0) / r[0] for r in rows])
-    if np.ptp(per) <= 0:
-        return float(np.mean(y)), 0.0
-    c = least_squares(np.column_stack([np.ones_like(per), per]), y, relative=False, robust=False)
-    return float(c[0]), float(c[1])
 
 
 def _request_rows(iterations: Sequence[dict]) -> list[tuple[int, int, float]]:
