@@ -307,7 +307,10 @@ def report(cfg, prof, win, context: int, passes: list[list[RateRun]], simulated,
           f"at {served}/s), "
           f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, the first iteration after idling "
           f"{prof.after_idle:+.0%}, admission (router -> the engine's batch, "
-          f"added to every simulated arrival) {prof.admission_s * 1e3:.2f} ms; in-sample error of the fit: median "
+          f"added to every simulated arrival) {prof.admission_s * 1e3:.2f} ms, the router's and the client's process "
+          f"{prof.host_request_s * 1e3:.2f} ms CPU a request and {prof.host_token_s * 1e6:.1f} us a token carried on "
+          f"{prof.host_cores} cores (charged to the engines while they fill every core); in-sample error of the fit: "
+          f"median "
           f"{fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
           *markdown_table(["rate/s", "done", "TTFT p50 ms (measured / simulated)", "TTFT p90", "TPOT p50", "TPOT p90",
                            "spread of the four"], rows), "",

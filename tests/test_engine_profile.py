@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from flexmesh.cost.inference.timing import SplitTiming, split_s
 from flexmesh.errors import ProfileError
 from flexmesh.profile.engine import SERVING, idle_admissions, refit, scenarios, serving_lengths
+from flexmesh.profile.host import host_costs_from
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
     REQUEST_GROUP,
@@ -23,9 +24,9 @@ from flexmesh.profile.iteration import (
     iteration_features,
     load_engine_profile,
     price_runs,
-    read_iteration_samples,
     request_costs_from,
 )
+from flexmesh.profile.samples import read_iteration_samples
 from flexmesh.serve.engine.config import EngineConfig
 
 TRUE = dict(zip(TERMS, (2e-3, 5e-5, 3e-5, 4e-8, 2e-10, 1e-8)))
@@ -72,7 +73,8 @@ def test_a_run_of_decodes_costs_its_iterations_one_by_one(decodes, context, step
 
 def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
     prof = EngineProfile({"name": "tiny"}, {"model": "tiny"}, TRUE, samples=[([(0, 8)], 1e-3)], name="p",
-                         admission_s=0.0016, after_idle=0.2, intake_s=0.0015, answer_s=0.0005)
+                         admission_s=0.0016, after_idle=0.2, intake_s=0.0015, answer_s=0.0005, host_cores=2,
+                         host_request_s=0.0022, host_token_s=1e-5)
     path = tmp_path / "engine.json"
     prof.save(path)
     back = load_engine_profile(path)
@@ -80,11 +82,15 @@ def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
     assert back.admission_s == 0.0016 and ProfiledIterationTiming(back).admission_s == 0.0016
     assert back.after_idle == 0.2 and ProfiledIterationTiming(back).after_idle == 0.2
     assert (ProfiledIterationTiming(back).intake_s, ProfiledIterationTiming(back).answer_s) == (0.0015, 0.0005)
+    t = ProfiledIterationTiming(back)
+    assert (t.host_cores, t.host_request_s, t.host_token_s) == (2, 0.0022, 1e-5)
     older = {k: v for k, v in prof.to_dict().items()
-             if k not in ("admission_s", "after_idle", "intake_s", "answer_s")}  # before measured
+             if k not in ("admission_s", "after_idle", "intake_s", "answer_s", "host_cores", "host_request_s",
+                          "host_token_s")}  # before measured
     path.write_text(json.dumps(older))
     old = load_engine_profile(path)
     assert (old.admission_s, old.after_idle, old.intake_s, old.answer_s) == (0.0, 0.0, 0.0, 0.0)
+    assert (old.host_cores, old.host_request_s, old.host_token_s) == (0, 0.0, 0.0)
     bad = tmp_path / "bad.json"
     for d, match in (({**prof.to_dict(), "kind": "model"}, "not an engine profile"),
                      ({**prof.to_dict(), "admission_s": -1e-3}, "admission_s"),
@@ -93,6 +99,11 @@ def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
                      ({**prof.to_dict(), "after_idle": True}, "after_idle"),
                      ({**prof.to_dict(), "intake_s": -1e-3}, "intake_s"),
                      ({**prof.to_dict(), "answer_s": "1 ms"}, "answer_s"),
+                     ({**prof.to_dict(), "host_cores": 2.5}, "host_cores"),
+                     ({**prof.to_dict(), "host_cores": True}, "host_cores"),
+                     ({**prof.to_dict(), "host_cores": -1}, "host_cores"),
+                     ({**prof.to_dict(), "host_request_s": -1e-3}, "host_request_s"),
+                     ({**prof.to_dict(), "host_token_s": "0.01 ms"}, "host_token_s"),
                      ({**prof.to_dict(), "version": 9}, "version 9"),
                      ({**prof.to_dict(), "fit": {**TRUE, "c0_s": -1}}, "non-negative"),
                      ({**prof.to_dict(), "samples": [{"batch": 3}]}, "malformed samples")):
@@ -151,6 +162,32 @@ def test_request_costs_are_what_the_engines_other_threads_spend_per_request_take
            for k in range(3)]
     assert price_runs([run], timing) == pytest.approx([timing.iteration_s([(64, 1)]) + 1.5e-3 * k + 0.5e-3
                                                         for k in range(3)])
+
+
+def test_host_costs_split_the_router_process_cpu_into_a_request_and_its_tokens():
+    def replay(n, tokens, request_s=2.2e-3, token_s=1e-5):
+        return (n, tokens, n * request_s + tokens * token_s)
+
+    # single one-token requests beside serving replays of longer outputs tell the two apart
+    assert host_costs_from([replay(12, 12), replay(60, 1000), replay(60, 1100)]) == pytest.approx((2.2e-3, 1e-5))
+    # every replay with one output length per request: the request's cost holds its tokens' too
+    assert host_costs_from([replay(20, 100), replay(40, 200)]) == pytest.approx((2.25e-3, 0.0))
+    # a replay that answered nothing says nothing; none at all: no cost; never below 0
+    assert host_costs_from([(0, 0, 0.1), replay(10, 10)]) == pytest.approx((2.21e-3, 0.0))
+    assert host_costs_from([]) == (0.0, 0.0)
+    assert min(host_costs_from([(10, 10, 0.03), (10, 500, 0.02)])) >= 0.0
+
+
+def test_price_runs_charges_the_router_process_only_where_the_engines_filled_the_hosts_cores():
+    timing = ProfiledIterationTiming(EngineProfile({}, {}, TRUE, host_cores=2, host_request_s=2e-3))
+    alone = ProfiledIterationTiming(EngineProfile({}, {}, TRUE))
+    a = [{"batch": [[64, 1]], "start_s": 0.0, "end_s": 0.01, "taken": 1},
+         {"batch": [[64, 1]], "start_s": 0.01, "end_s": 0.02, "taken": 2}]
+    b = [{"batch": [[64, 1]], "start_s": 0.005, "end_s": 0.03, "taken": 1}]  # engine 1 iterates from 5 ms
+    base = price_runs([a, b], alone)
+    # a's second iteration and b's start while the other engine iterates: 2 ms per request taken in
+    assert price_runs([a, b], timing) == pytest.approx([base[0], base[1] + 4e-3, base[2] + 2e-3])
+    assert price_runs([a], timing) == pytest.approx(price_runs([a], alone))  # one engine: a core to spare
 
 
 def _served(its, phase):
@@ -302,6 +339,9 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     # profile prices what that costs them (0 where too few iterations did it alone)
     assert sum(s.taken for s in its if s.phase == "serving") > 0 and sum(s.answered for s in its) > 0
     assert 0 <= prof.intake_s < 0.05 and 0 <= prof.answer_s < 0.05 and "per request taken in" in printed
+    # the router's and the client's process: measured, a few ms a request at most, on this process's cores
+    assert prof.host_cores >= 1 and 0 < prof.host_request_s + 100 * prof.host_token_s < 0.05
+    assert "per token carried" in printed
     first = prof.samples[0]
     assert first[1] == statistics.median(s.cpu_s for s in its if sorted(s.batch) == sorted(first[0]))
     big = max(prof.samples, key=lambda s: s[1])

@@ -27,10 +27,10 @@ engine's per-iteration overhead is in every sample. Scenarios, each run twice:
 Every iteration is a sample ``(batch, seconds)``; identical batches (over repeats, scenarios and engines)
 keep their median, which the fit (:func:`flexmesh.profile.iteration.fit_iterations`) is made from. How well
 the form carries between the two phases is kept beside it (``produced_by.sweep.held_out``:
-:func:`flexmesh.profile.iteration.held_out_errors`, fitted on one phase, priced against the other). With
+:func:`flexmesh.profile.samples.held_out_errors`, fitted on one phase, priced against the other). With
 ``samples_out`` every iteration is also kept as it was measured, one JSON object a line (its batch, wall and CPU
 seconds, its start and end, the engine, and the phase: ``sweep`` with its scenario, or ``serving`` with its load),
-so that forms of the fit can be compared offline (:func:`flexmesh.profile.iteration.read_iteration_samples`).
+so that forms of the fit can be compared offline (:func:`flexmesh.profile.samples.read_iteration_samples`).
 
 The first iteration after an engine idled costs more than the fit prices (its caches went cold): the profile's
 ``after_idle`` (:func:`flexmesh.profile.iteration.after_idle_from`), from the iterations in the order each
@@ -63,6 +63,7 @@ import json
 import math
 import statistics
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -71,22 +72,24 @@ from typing import TypedDict
 from flexmesh.errors import ProfileError
 from flexmesh.files import write_atomic
 from flexmesh.profile.format import produced_by, spec_hash
+from flexmesh.profile.host import host_cores, host_costs_from
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
     EngineProfile,
-    IterationSample,
     ProfiledIterationTiming,
     after_idle_from,
     fit_iterations,
-    held_out_errors,
     request_costs_from,
 )
+from flexmesh.profile.samples import IterationSample, held_out_errors
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.replay import prompt_ids
 
 SCENARIO_TIMEOUT_S = 600.0  # the longest one scenario may take on one engine
 DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
 ADMISSIONS = 6  # single requests per engine timed from the router into the engine's batch
+HOST_IDLE_S = 1.0  # the router idles this long before the serving phase: its background CPU per second
+HOST_SHORT, HOST_SHORT_GAP_S = 8, 0.05  # short requests per engine (8-token prompt, 1 output) replayed this far apart
 
 
 class Grid(TypedDict):
@@ -183,15 +186,17 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
     spec = engine_spec(cfg)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="flexmesh-profile-engine-"))
     raw: list[dict] = []
-    _, plan, _, served, admission = asyncio.run(_sweep(cfg, quick, engines, logs, progress, raw))
+    _, plan, _, served, admission, host = asyncio.run(_sweep(cfg, quick, engines, logs, progress, raw))
     if samples_out is not None:
         write_atomic(samples_out, "".join(json.dumps(r) + "\n" for r in raw))
     spec_dict = spec.to_dict()
     base = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit={},
                          produced_by=produced_by(engines, device_type="cpu"),
-                         admission_s=statistics.median(admission))
+                         admission_s=statistics.median(admission), host_cores=host_cores())
+    base.host_request_s, base.host_token_s = host_costs_from(host)
     base.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
-                                 "serving": served, "admissions": len(admission)}
+                                 "serving": served, "admissions": len(admission),
+                                 "host": [{"requests": n, "tokens": t, "cpu_s": round(c, 6)} for n, t, c in host]}
     return refit(base, raw)
 
 
@@ -217,7 +222,8 @@ def refit(prof: EngineProfile, raw: Sequence[dict]) -> EngineProfile:
     engines = sorted({r["engine"] for r in raw})
     out = EngineProfile(model=prof.model, engine=prof.engine, fit=fit_iterations(samples), samples=samples,
                         produced_by={**prof.produced_by, "sweep": dict(prof.produced_by.get("sweep", {}))},
-                        name=prof.name, admission_s=prof.admission_s)
+                        name=prof.name, admission_s=prof.admission_s, host_cores=prof.host_cores,
+                        host_request_s=prof.host_request_s, host_token_s=prof.host_token_s)
     out.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in engines],
                                      ProfiledIterationTiming(out))
     out.intake_s, out.answer_s = request_costs_from(raw)
@@ -284,23 +290,25 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
                     await asyncio.gather(*(run(e.url, prompts, outputs) for e in procs))
                     await collect(before, {"phase": "sweep", "scenario": name})
             share = cpu / wall if wall > 0 else 1.0  # of a core, so far: the loads are of what the engines get
-            served, admission = await _serve(cfg, quick, procs, session, vocab, max_position, timed, collect,
+            served, admission, host = await _serve(cfg, quick, procs, session, vocab, max_position, timed, collect,
                                              lambda k, what: progress and progress(len(plan) * repeats + k, total,
                                                                                    what), min(share, 1.0), raw)
             if progress is not None:
                 progress(total, total, "fit")
     finally:
         await stop_engines(procs)
-    return dict(timed), [s[0] for s in plan], cpu / wall if wall > 0 else 1.0, served, admission
+    return dict(timed), [s[0] for s in plan], cpu / wall if wall > 0 else 1.0, served, admission, host
 
 
 async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max_position: int,
                  timed: dict[tuple, list[float]], collect, progress, share: float,
-                 raw: list[dict]) -> tuple[list[dict], list[float]]:
+                 raw: list[dict]) -> tuple[list[dict], list[float], list[tuple[int, int, float]]]:
     """The serving phase and the admissions (module doc), through flexmesh's router over the engines ``procs``,
     which had ``share`` of a core each in the sweep (the loads are of that): the serving phase's samples go into
-    ``timed`` and ``raw`` (by ``collect(before, phase)``); returns each load's rate and the admissions' seconds
-    (the single requests' and the serving requests' that found their engine idle)."""
+    ``timed`` and ``raw`` (by ``collect(before, phase)``); returns each load's rate, the admissions' seconds
+    (the single requests' and the serving requests' that found their engine idle) and the CPU time of this process
+    (the router and the client) per replay: ``(requests, prompt and output tokens, seconds)``, each load's and a
+    replay of short requests', its background taken out."""
     from flexmesh.data.requests import Request, Workload, with_arrivals
     from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, router_on
     from flexmesh.serve.engine.replay import replay
@@ -317,24 +325,39 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
     served: list[dict] = []
     waits: list[float] = []  # serving requests that reached an idle engine: router -> its iteration (idle_admissions)
     urls = [e.url for e in procs]
+    host: list[tuple[int, int, float]] = []  # the router's process: (requests, tokens carried, CPU seconds) per replay
     async with router_on(urls, max_running=[cfg.max_requests_per_batch] * len(urls),
                          kv_tokens=[cfg.kv_tokens] * len(urls)) as url:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        await asyncio.sleep(HOST_IDLE_S)  # the router's background (health checks), taken out of what follows
+        background = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         for k, load in enumerate(SERVING[quick]["loads"]):
             rate = load * len(urls) * share / alone
             progress(k, f"serving at load {load:g}")
             before = [await iteration_count(session, u) for u in urls]
+            cpu0, wall0 = time.process_time(), time.perf_counter()
             out = await replay(url, list(with_arrivals(base, rate, seed=k).requests), vocab,
                                request_timeout_s=SCENARIO_TIMEOUT_S, drain_timeout_s=SCENARIO_TIMEOUT_S)
+            cpu = time.process_time() - cpu0 - background * (time.perf_counter() - wall0)
             if out.failed:
                 raise ProfileError(f"{len(out.failed)} serving requests failed, e.g. {next(iter(out.failed.values()))}")
+            host.append((len(out.records), sum(r.prompt_tokens + r.output_tokens for r in out.records), cpu))
             await collect(before, {"phase": "serving", "load": load})
-            served.append({"load": load, "rate": round(rate, 3), "requests": len(out.records)})
+            served.append({"load": load, "rate": round(rate, 3), "requests": len(out.records),
+                           "host_cpu_s": round(cpu, 6)})
             logged = [[it for it in raw if it["phase"] == "serving" and it["load"] == load and it["engine"] == e]
                       for e in range(len(urls))]
             waits += idle_admissions(out.records, out.origin_s, logged, budget)
         progress(len(SERVING[quick]["loads"]), "admissions")
         admission: list[float] = []
         prompt = prompt_ids(7, 16, vocab)
+        # short requests replayed as the serving loads were (the same client): the router's process's cost of a
+        # request apart from its tokens
+        short = [Request(i, HOST_SHORT_GAP_S * i, 8, 1) for i in range(HOST_SHORT * len(urls))]
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        out = await replay(url, short, vocab, request_timeout_s=SCENARIO_TIMEOUT_S, drain_timeout_s=SCENARIO_TIMEOUT_S)
+        host.append((len(out.records), sum(r.prompt_tokens + r.output_tokens for r in out.records),
+                     time.process_time() - cpu0 - background * (time.perf_counter() - wall0)))
         for i in range(ADMISSIONS * len(urls)):
             before = [await iteration_count(session, u) for u in urls]
             async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1},
@@ -348,7 +371,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
                 admission.append(max(its[0]["start_s"] - body["metrics"]["arrival_s"], 0.0))
     if not admission:
         raise ProfileError("no admission was timed: the engines logged no iteration for a request")
-    return served, admission + waits
+    return served, admission + waits, host
 
 
 def idle_admissions(records, origin_s: float, iterations: list[list[dict]], budget: int) -> list[float]:

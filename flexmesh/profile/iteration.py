@@ -52,6 +52,10 @@ work on the machine does not stretch it. On this 2-core machine about 0.6-0.7 ms
 simulator charges each to the iteration its replica starts next (:mod:`flexmesh.serve.replica`); a request that
 reaches an idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
 
+And the host's cores, which the engines share with the router's and the client's process: ``host_cores``,
+``host_request_s`` and ``host_token_s`` (:mod:`flexmesh.profile.host`). 0 in a profile written before they were
+measured.
+
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
 ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(batch)))
@@ -79,6 +83,7 @@ from flexmesh.cost.inference.timing import IterationTiming
 from flexmesh.errors import ProfileError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.profile.fit import least_squares
+from flexmesh.profile.host import saturated_starts
 
 VERSION = 1
 KIND = "engine"
@@ -135,6 +140,9 @@ class EngineProfile:
     after_idle: float = 0.0  # the first iteration after the engine idled costs 1 + this times the fit (module doc)
     intake_s: float = 0.0  # a busy engine's wall seconds per request it takes in, beyond its loop's (module doc)
     answer_s: float = 0.0  # the same per request it answers
+    host_cores: int = 0  # CPU cores of the machine the engines share with the router's process (module doc)
+    host_request_s: float = 0.0  # CPU seconds of the router's (and client's) process per request routed
+    host_token_s: float = 0.0  # the same per token carried (a prompt's sent, an answer's outputs)
 
     kind = KIND
 
@@ -147,6 +155,8 @@ class EngineProfile:
         return {"version": VERSION, "kind": KIND, "produced_by": self.produced_by, "model": self.model,
                 "engine": self.engine, "fit": self.fit, "error": self.error, "admission_s": self.admission_s,
                 "after_idle": self.after_idle, "intake_s": self.intake_s, "answer_s": self.answer_s,
+                "host_cores": self.host_cores, "host_request_s": self.host_request_s,
+                "host_token_s": self.host_token_s,
                 "samples": [{"batch": [list(x) for x in b], "seconds": s} for b, s in self.samples]}
 
     def save(self, path: str | Path) -> None:
@@ -177,6 +187,15 @@ class EngineProfile:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ProfileError(f"{where}: {key} must be a number of seconds from 0 to 1 (what a request costs a "
                                    f"busy engine beside its loop), got {v!r}")
+        cores = d.get("host_cores", 0)
+        if isinstance(cores, bool) or not isinstance(cores, int) or not 0 <= cores <= 4096:
+            raise ProfileError(f"{where}: host_cores must be the machine's CPU cores, a whole number from 0 to 4096, "
+                               f"got {cores!r}")
+        host = {key: d.get(key, 0.0) for key in ("host_request_s", "host_token_s")}
+        for key, v in host.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ProfileError(f"{where}: {key} must be a number of seconds from 0 to 1 (the router's process's "
+                                   f"CPU time per request or token), got {v!r}")
         try:
             samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
         except (KeyError, TypeError, ValueError) as e:
@@ -184,7 +203,8 @@ class EngineProfile:
                                "seconds}}") from None
         return cls(model=d.get("model", {}), engine=d.get("engine", {}), fit={t: float(fit[t]) for t in TERMS},
                    samples=samples, produced_by=d.get("produced_by", {}), name=name, admission_s=float(admission),
-                   after_idle=float(after_idle), **{k: float(v) for k, v in costs.items()})
+                   after_idle=float(after_idle), **{k: float(v) for k, v in costs.items()}, host_cores=cores,
+                   **{k: float(v) for k, v in host.items()})
 
 
 def load_engine_profile(path: str | Path) -> EngineProfile:
@@ -203,6 +223,9 @@ class ProfiledIterationTiming:
         self.profile = profile
         self._c = tuple(profile.fit[t] for t in TERMS)
         self.source = f"profile:{profile.name or 'engine'}"
+        # the host's cores and the router's process's CPU on them (flexmesh.profile.host)
+        self.host_cores, self.host_request_s, self.host_token_s = (profile.host_cores, profile.host_request_s,
+                                                                   profile.host_token_s)
 
     @property
     def overhead_s(self) -> float:
@@ -268,101 +291,14 @@ class ProfiledIterationTiming:
         return steps * first + per_context * decodes * (steps * (steps - 1) / 2)
 
 
-@dataclass(frozen=True)
-class IterationSample:
-    """One iteration as ``flexmesh profile engine --samples`` wrote it: its batch, wall and CPU seconds, the engine
-    that ran it, its phase (``sweep`` with the scenario, ``serving`` with the load) and when it started."""
-
-    batch: tuple[tuple[int, int], ...]
-    wall_s: float
-    cpu_s: float
-    engine: int
-    phase: str
-    scenario: str = ""
-    load: float = 0.0
-    start_s: float = 0.0  # perf_counter seconds (one clock for every engine on the machine)
-    taken: int = 0  # requests the engine took in while it ran (module doc)
-    answered: int = 0  # requests it answered while it ran
-    others_cpu_s: float = 0.0  # CPU time of the engine's other threads while it ran
-
-    @classmethod
-    def from_dict(cls, d: dict) -> IterationSample:
-        """A sample from one ``--samples`` line's fields (KeyError, TypeError or ValueError when malformed)."""
-        return cls(tuple((int(c), int(q)) for c, q in d["batch"]), float(d["wall_s"]), float(d["cpu_s"]),
-                   int(d["engine"]), str(d["phase"]), str(d.get("scenario", "")), float(d.get("load", 0.0)),
-                   float(d.get("start_s", 0.0)), int(d.get("taken", 0)), int(d.get("answered", 0)),
-                   float(d.get("others_cpu_s", 0.0)))
-
-
-def held_out_errors(samples: Sequence[IterationSample]) -> dict[str, dict[str, float]]:
-    """How well the form carries from one phase of a profile to the other: fitted (as :func:`fit_iterations`, to
-    the medians of identical batches) on the sweep's iterations and priced against every serving iteration's CPU
-    time, and the reverse; per direction the median and p90 of |predicted / measured - 1| and the predicted over
-    the measured CPU seconds in all (``busy``). A direction with too few batches to fit is left out.
-
-    >>> c = (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)  # while serving, every batch costs a tenth more
-    >>> def cpu(batch, k):
-    ...     return k * sum(x * f for x, f in zip(c, iteration_features(batch)))
-    >>> batches = ([((0, t),) for t in (16, 64, 256)] + [((n, 1),) * b for b in (1, 8, 32) for n in (64, 512)]
-    ...            + [((0, 200), (300, 1)), ((256, 256),) * 2, ((256, 128),)])
-    >>> e = held_out_errors([IterationSample(b, 1.0, cpu(b, 1.0), 0, "sweep") for b in batches]
-    ...                     + [IterationSample(b, 1.0, cpu(b, 1.1), 0, "serving", load=0.4) for b in batches])
-    >>> {k: round(v["median"], 3) for k, v in e.items()}, round(e["sweep->serving"]["busy"], 3)
-    ({'sweep->serving': 0.091, 'serving->sweep': 0.1}, 0.909)
-    """
-    by: dict[str, list[IterationSample]] = {"sweep": [], "serving": []}
-    for s in samples:
-        by.setdefault(s.phase, []).append(s)
-    out = {}
-    for src, dst in (("sweep", "serving"), ("serving", "sweep")):
-        groups: dict[tuple, list[float]] = {}
-        for s in by[src]:
-            groups.setdefault(tuple(sorted(s.batch)), []).append(s.cpu_s)
-        if len(groups) < len(TERMS) or not by[dst]:
-            continue
-        timing = ProfiledIterationTiming(EngineProfile({}, {}, fit_iterations(
-            [(list(b), float(np.median(v))) for b, v in groups.items()])))
-        pred = np.array([timing.iteration_s(s.batch) for s in by[dst]])
-        cpu = np.array([s.cpu_s for s in by[dst]])
-        rel = np.abs(pred / np.maximum(cpu, 1e-12) - 1)
-        out[f"{src}->{dst}"] = {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)),
-                                "busy": float(pred.sum() / max(cpu.sum(), 1e-12))}
-    return out
-
-
-def read_iteration_samples(path: str | Path) -> list[IterationSample]:
-    """The iterations of a ``--samples`` file (JSON lines); ProfileError (one line) when missing or malformed.
-
-    >>> import tempfile, os
-    >>> f = os.path.join(tempfile.mkdtemp(), "samples.jsonl")
-    >>> _ = open(f, "w").write('{"phase": "sweep", "scenario": "prefill 8", "engine": 0, "batch": [[0, 8]], '
-    ...                        '"wall_s": 0.011, "cpu_s": 0.01}\\n')
-    >>> read_iteration_samples(f)[0].batch, read_iteration_samples(f)[0].cpu_s
-    (((0, 8),), 0.01)
-    """
-    path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise ProfileError(f"iteration samples {str(path)!r} do not exist; write them with "
-                           f"`flexmesh profile engine --samples {path}`") from None
-    out = []
-    for k, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(IterationSample.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ProfileError(f"{path.name} line {k} is not an iteration sample ({e}); each line is {{batch: "
-                               "[[cached, new], ...], wall_s, cpu_s, engine, phase}}") from None
-    return out
-
-
 def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) -> list[float]:
     """Seconds ``timing`` prices each engine's iterations at (``batch``, ``start_s``, ``end_s``, in the order it ran
     them; the lists one after another), each first one after idling :data:`IDLE_GAP_S` or more at ``1 + after_idle``
     times its batch's price, as the request simulator prices it, and each with ``intake_s`` per request it took in
-    and ``answer_s`` per request it answered (its ``taken`` and ``answered``, where the engine counted them).
+    and ``answer_s`` per request it answered (its ``taken`` and ``answered``, where the engine counted them), and
+    ``host_request_s`` per request it took in where as many engines as the host has cores were iterating as it
+    started (the router's process then takes a core from them: module doc; its token cost is left out, the log
+    counting no request's tokens).
 
     >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-2, 0, 0, 0, 0, 0))), after_idle=0.5,
     ...                                           intake_s=2e-3))
@@ -371,11 +307,16 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
     >>> [round(x * 1e3, 1) for x in price_runs([its], t)]
     [15.0, 12.0, 15.0]
     """
+    cores, per_request = getattr(timing, "host_cores", 0), getattr(timing, "host_request_s", 0.0)
+    saturated = saturated_starts(runs, cores) if cores and per_request else None
     out = []
-    for it, after_idle in _after_idle_flags(runs):
+    for k, (it, after_idle) in enumerate(_after_idle_flags(runs)):
         price = timing.iteration_s([tuple(b) for b in it["batch"]])
         price = price * (1.0 + timing.after_idle) if after_idle else price
-        out.append(price + timing.intake_s * it.get("taken", 0) + timing.answer_s * it.get("answered", 0))
+        price += timing.intake_s * it.get("taken", 0) + timing.answer_s * it.get("answered", 0)
+        if saturated is not None and saturated[k]:
+            price += per_request * it.get("taken", 0)
+        out.append(price)
     return out
 
 

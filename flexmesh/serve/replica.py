@@ -20,6 +20,14 @@ Where the timing names them (an engine profile's ``intake_s`` and ``answer_s``: 
 requests in and answers them beside its loop, which waits for it), every request that reaches a busy replica and
 every request it finishes adds that many seconds to the next iteration it starts; once the replica idles, what
 was left to charge lapses (the work was done while it idled).
+Replicas whose engines share a machine's CPU cores with the router's and the client's process (a local fleet of CPU
+engines: :class:`SharedHost`, the timing's ``host_cores``, ``host_request_s`` and ``host_token_s``, an engine
+profile's) pay for that process's CPU where it takes a core from them: a request's ``host_request_s`` and
+``host_token_s`` per prompt token when it reaches its replica, and ``host_token_s`` per output token when it is
+answered, are added to that replica's next iteration whenever as many of the host's replicas are busy as it has
+cores (else a free core runs the process).
+The displaced time is charged whole to the replica whose request caused it; the engines share it alike on
+average. A GPU engine's iterations run on its GPU, not on the host's cores: its timing names no host.
 Decoding requests are kept summed (their count, their contexts' sum, their next KV block boundaries by
 iteration modulo the block size, their finishing iterations in a heap), so an iteration costs the
 simulator constant time in them: what makes a million requests a minute possible on one core.
@@ -76,19 +84,47 @@ class Req:
         self.cancelled = False  # dropped: no longer wanted
 
 
+class SharedHost:
+    """The CPU cores a fleet's local engines share with the router's and the client's process (module doc): the
+    replicas on it, and whether it is saturated at a time (as many of them busy as it has cores).
+
+    >>> class Rep:
+    ...     def __init__(self, busy, ended):
+    ...         self.busy, self._ended = busy, ended
+    >>> host = SharedHost(2)
+    >>> host.replicas = [Rep(True, 0.0), Rep(False, 1.5)]  # the second idles from 1.5 s on
+    >>> host.saturated(1.0), host.saturated(2.0), host.saturated(2.0, also=host.replicas[1])
+    (True, False, True)
+    """
+
+    def __init__(self, cores: int):
+        self.cores = cores
+        self.replicas: list = []
+
+    def saturated(self, now: float, also: object = None) -> bool:
+        """Whether as many replicas as cores are busy at ``now`` (``also`` counted busy: the one asking, at work).
+        A replica that ran ahead of ``now`` and idles since counts busy until its last iteration ended."""
+        busy = sum(1 for r in self.replicas if r is also or r.busy or r._ended > now)
+        return busy >= self.cores
+
+
 class SimulatedReplica:
     """A replica's scheduler and KV cache; the simulator calls :meth:`start` and :meth:`finish` per iteration."""
 
     def __init__(self, index: int, role: str, price: Price, kv: KVBlocks, knobs: EngineKnobs, queue: QueuePolicy,
                  prefill_s_per_token: float, decode_s_per_token: float, sample_every_s: float = float("inf"),
                  run_price: RunPrice | None = None, after_idle: float = 0.0, idle_gap_s: float = 0.0,
-                 intake_s: float = 0.0, answer_s: float = 0.0):
+                 intake_s: float = 0.0, answer_s: float = 0.0, host: SharedHost | None = None,
+                 host_request_s: float = 0.0, host_token_s: float = 0.0):
         self.index, self.role, self.price, self.kv = index, role, price, kv
         self.run_price = run_price  # decode-only iterations in a row, where the timing prices them at once
         self.after_idle, self.idle_gap_s = after_idle, idle_gap_s  # the first iteration after idling (module doc)
         self._ended = -math.inf  # when the last iteration ended
         self.intake_s, self.answer_s = intake_s, answer_s  # per request taken in / finished while busy (module doc)
         self.owed = 0.0  # of those, seconds the next iteration carries
+        self.host, self.host_request_s, self.host_token_s = host, host_request_s, host_token_s  # (module doc)
+        if host is not None:
+            host.replicas.append(self)
         self.bs = kv.block_tokens
         self.prefix_tokens = kv.prefix_tokens
         self.max_tokens, self.max_seqs = knobs.max_batched_tokens, knobs.max_seqs
@@ -138,10 +174,12 @@ class SimulatedReplica:
         return (self.kv.used + self.waiting_prompt / self.bs) / self.kv.total
 
     # ---- requests in ----------------------------------------------------------------------------------
-    def push(self, q: Req) -> None:
-        """A new request (or, for a decode replica, a handed-off one) joins the queue."""
+    def push(self, q: Req, now: float = 0.0) -> None:
+        """A new request (or, for a decode replica, a handed-off one) joins the queue at ``now``."""
         if self.busy and self.intake_s:
             self.owed += self.intake_s
+        if self.host is not None and self.host.saturated(now, self if self.busy else None):
+            self.owed += self.host_request_s + self.host_token_s * q.r.prompt_tokens
         self.waiting.push(q)
         self.waiting_prompt += q.tokens
         self.pending_prompt += q.tokens - q.computed
@@ -449,6 +487,8 @@ class SimulatedReplica:
         self.kv.unref(q.ids[:q.shared])
         if self.answer_s:
             self.owed += self.answer_s
+        if self.host is not None and self.host.saturated(now, self):
+            self.owed += self.host_token_s * q.outputs
         self.on_finish(q, now)
 
     def _sample(self, now: float, tokens: int) -> None:

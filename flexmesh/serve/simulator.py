@@ -54,7 +54,7 @@ from flexmesh.serve.kv import KVBlocks
 from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
 from flexmesh.serve.queues import QUEUES, make_queue
-from flexmesh.serve.replica import Req, SimulatedReplica
+from flexmesh.serve.replica import Req, SharedHost, SimulatedReplica
 from flexmesh.serve.router import Router, RoutingTable, make_router
 from flexmesh.spec.cluster import MixedCluster
 from flexmesh.spec.model import ModelSpec
@@ -241,6 +241,9 @@ class Fleet:
         typical = (sum(r.prompt_tokens for r in workload.requests) + sum(r.output_tokens for r in workload.requests)
                    / 2) / len(workload)
         reps: list[SimulatedReplica] = []
+        # local engines whose timing names the host's cores share them with the router's process (one host)
+        cores = max((int(getattr(t, "host_cores", 0) or 0) for t in self.timings), default=0)
+        host = SharedHost(cores) if cores > 0 else None
         for r, t, cap, k in zip(self.replicas, self.timings, self.capacities, self.replica_knobs):
             caching = k.prefix_caching and prefix_tokens > 0
             if caching and prefix_tokens % k.block_tokens:
@@ -256,7 +259,9 @@ class Fleet:
                 price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
                 price(batch, int(batch * typical), []) / batch, span / max(timeline_points, 1),
                 getattr(t, "decode_run_s", None), getattr(t, "after_idle", 0.0), getattr(t, "idle_gap_s", 0.0),
-                getattr(t, "intake_s", 0.0), getattr(t, "answer_s", 0.0))
+                getattr(t, "intake_s", 0.0), getattr(t, "answer_s", 0.0),
+                host if getattr(t, "host_cores", 0) else None, getattr(t, "host_request_s", 0.0),
+                getattr(t, "host_token_s", 0.0))
             reps.append(rep)
         tiers = range(len(self.models))
         if router == "weights" and len({r.spec.tier for r in self.replicas}) > 1:
@@ -298,14 +303,14 @@ class Fleet:
                     q = Req(r, n, ())
                     q.uid, q.group, q.branch = -(r.id * 1024 + b) - 1, group, b
                     group.alive[b] = q
-                    rep.push(q)
+                    rep.push(q, now)
                 if not rep.busy:
                     kick(rep, now)
                 return
             q = Req(r, 1 if rep.role == "prefill" else r.output_tokens, r.prefix_blocks if caching_ids[rep.index]
                     else ())
             q.stage, q.preemptions = stage, preemptions
-            rep.push(q)
+            rep.push(q, now)
             if not rep.busy:
                 kick(rep, now)
 
@@ -368,7 +373,7 @@ class Fleet:
             q.computed, q.tokens = q.r.prompt_tokens, q.r.prompt_tokens + 1
             q.shared = q.own = 0
             q.ids = q.r.prefix_blocks if caching_ids[dst.index] else ()
-            dst.push(q)
+            dst.push(q, now)
             if not dst.busy:
                 kick(dst, now)
 

@@ -22,7 +22,10 @@ An engine whose queue ran empty sleeps, and the iteration that wakes it costs mo
 caches went cold): the timing's ``after_idle`` (an engine profile's), which the simulator's replicas apply to every
 iteration that starts their busy period. A busy engine's HTTP thread takes requests in and answers them beside its
 loop, which waits for it: the timing's ``intake_s`` and ``answer_s`` (an engine profile's), which the replicas
-charge per request reaching and leaving them while busy to their next iteration.
+charge per request reaching and leaving them while busy to their next iteration. The router and the client share
+the engines' cores: the timing's ``host_cores``, ``host_request_s`` and ``host_token_s`` (an engine profile's), which
+the replicas charge to their next iteration while the engines fill every core
+(:class:`flexmesh.serve.replica.SharedHost`).
 
 The engines run on this machine's cores, which the catalogue does not describe: the fleet's device is a
 placeholder named ``local-engine`` whose numbers nothing reads (the timing prices every iteration, the
