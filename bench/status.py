@@ -81,7 +81,9 @@ def code_since(section: Section, root: Path = ROOT) -> Status:
     diff = _git(root, "diff", "--name-only", sha, "HEAD", "--", module.relative_to(root).as_posix(), *paths)
     if diff.returncode != 0:
         return Status(section, f"git diff failed: {diff.stderr.strip()}")
-    changed = tuple(p for p in diff.stdout.split() if not _text_only(root, sha, p))
+    listed = tuple(diff.stdout.split())
+    words_only = _text_only(root, sha, listed)
+    changed = tuple(p for p in listed if p not in words_only)
     return Status(section, f"changed ({len(changed)} file{'s' * (len(changed) != 1)})" if changed else "unchanged",
                   changed)
 
@@ -101,16 +103,37 @@ def _code_tree(source: str) -> str | None:
     return ast.dump(tree)
 
 
-def _text_only(root: Path, sha: str, path: str) -> bool:
-    """Whether ``path`` changed between ``sha`` and HEAD in its comments and docstrings only (a Python file at
-    both commits whose code trees are equal)."""
-    if not path.endswith(".py"):
-        return False
-    old, new = (_git(root, "show", f"{rev}:{path}") for rev in (sha, "HEAD"))
-    if old.returncode or new.returncode:  # added, deleted or renamed
-        return False
-    tree = _code_tree(old.stdout)
-    return tree is not None and tree == _code_tree(new.stdout)
+_TREES: dict[str, str | None] = {}  # blob id -> its code tree (_code_tree)
+
+
+def _text_only(root: Path, sha: str, paths: tuple[str, ...]) -> set[str]:
+    """Those of ``paths`` that changed between ``sha`` and HEAD in their comments and docstrings only: Python files
+    at both commits whose code trees are equal (both versions read by one ``git cat-file --batch``)."""
+    py = [p for p in paths if p.endswith(".py")]
+    if not py:
+        return set()
+    asked = "".join(f"{rev}:{p}\n" for p in py for rev in (sha, "HEAD"))
+    out = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input=asked.encode(), capture_output=True).stdout
+    blobs: list[str | None] = []  # each blob's code tree, parsed once per blob (_TREES) over every section
+    at = 0
+    for _ in range(2 * len(py)):  # "<oid> blob <size>\n<content>\n", or "<name> missing\n"
+        end = out.index(b"\n", at)
+        head = out[at:end].split()
+        if len(head) == 3 and head[1] == b"blob":
+            size, oid = int(head[2]), head[0].decode()
+            if oid not in _TREES:
+                _TREES[oid] = _code_tree(out[end + 1:end + 1 + size].decode("utf-8", "replace"))
+            blobs.append(_TREES[oid])
+            at = end + 2 + size
+        else:  # added, deleted or renamed: it counts
+            blobs.append(None)
+            at = end + 1
+    same = set()
+    for i, p in enumerate(py):
+        old, new = blobs[2 * i], blobs[2 * i + 1]
+        if old is not None and old == new:
+            same.add(p)
+    return same
 
 
 def statuses(root: Path = ROOT) -> list[Status]:
