@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +320,30 @@ def flexmesh_ranks(nproc: int, *args: str, timeout: float = 240,
     of `flexmesh train --nproc` check. Rank 0 holds the output folder itself, as under plain torchrun;
     ``nproc`` 1 is a single-process run; ``env``: variables added to this process's."""
     return launch(nproc, list(args), script="-m flexmesh", timeout=timeout, env=env)
+
+
+def run_flexmesh_here(argv: Sequence[str], what: str, *, capture: bool = True,
+                      timeout: float | None = None) -> subprocess.CompletedProcess:
+    """What :func:`flexmesh.runtime.launch.run_flexmesh` does, without a child's start-up: ``--nproc N``
+    as N ranks forked by the fork server (:func:`flexmesh_ranks`), any other command in this process
+    (:func:`flexmesh_here`). Put in its place (monkeypatch) by tests of commands that run flexmesh in
+    children, the demo's, to check what those children make; the launchers have tests of their own."""
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.runtime.launch import without_flags
+
+    argv = list(argv)
+    nproc = next((int(v) for k, v in zip(argv, argv[1:]) if k == "--nproc"), None)
+    if nproc is None:
+        proc = flexmesh_here(*argv)
+    else:
+        proc = flexmesh_ranks(nproc, *without_flags(argv), timeout=timeout or 600)
+    if not capture:
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+    if proc.returncode != 0:
+        raise FlexmeshError(f"{what} failed (exit {proc.returncode}): flexmesh {' '.join(argv)}\n"
+                            f"{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc
 
 
 def flexmesh_here(*args: str) -> subprocess.CompletedProcess:

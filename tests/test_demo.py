@@ -1,24 +1,24 @@
-"""`flexmesh demo --quick`: the README's main job, shortened, end to end in a child process."""
+"""`flexmesh demo --quick`: the README's main job, shortened, end to end."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from flexmesh.runtime.launch import child_env
+from helpers import flexmesh_here, run_flexmesh_here
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # about 90 s on a quiet 2-core machine; well above it for a loaded one
-def test_quick_demo_writes_report(tmp_path: Path):
+def test_quick_demo_writes_report(tmp_path: Path, monkeypatch):
+    # The demo in this process, its children's runs as ranks forked from the fork server (the launchers'
+    # start-up, seconds a run, is what other tests check: test_train_cli, test_failures, test_profile_cli).
+    from flexmesh.runtime import launch
+
+    monkeypatch.setattr(launch, "run_flexmesh", run_flexmesh_here)
     out = tmp_path / "demo"
-    env = child_env()
-    proc = subprocess.run([sys.executable, "-m", "flexmesh", "demo", "--quick", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=850)
+    proc = flexmesh_here("demo", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (out / "report.md").read_text()
     for heading in ("## 1. Plan", "## 2. Simulated per-step policies", "## 3. Measured training"):
@@ -102,3 +102,14 @@ def test_report_names_the_gpu_of_the_one_gpu_run(tmp_path: Path):
     text = rep.write().read_text()
     assert "## One GPU: NVIDIA H100 80GB HBM3" in text and "`varlen`" in text and "H100-80GB device preset" in text
     assert "200,000" in text  # tokens/s after the compiling first step: 20000 tokens / 0.1 s
+
+
+def test_a_failed_part_names_itself_and_ends_with_the_childs_words():
+    """The demo's parts run in children (flexmesh.runtime.launch.run_flexmesh, which the demo test above
+    replaces): one that fails is a FlexmeshError saying which part, the command and what the child said."""
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.runtime.launch import run_flexmesh
+
+    with pytest.raises(FlexmeshError, match=r"(?s)demo step 'plan' failed \(exit 2\): flexmesh plan --model nope\n"
+                                            r".*unknown model 'nope'"):
+        run_flexmesh(["plan", "--model", "nope"], "demo step 'plan'")

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,17 +92,11 @@ def default_nproc(cores: int | None = None) -> int:
     return min(4, max(2, cores if cores is not None else os.cpu_count() or 2))
 
 
-def _flexmesh(argv: list[str], console, what: str, capture: bool = False) -> subprocess.CompletedProcess:
-    """Run ``flexmesh *argv`` in a child process (torchrun needs its own); fail with its last output."""
-    from flexmesh.runtime.launch import child_env
+def _flexmesh(argv: list[str], what: str) -> None:
+    """``flexmesh *argv`` in a child process (torchrun needs its own), printing as it goes."""
+    from flexmesh.runtime.launch import run_flexmesh
 
-    cmd = [sys.executable, "-m", "flexmesh", *argv]
-    proc = subprocess.run(cmd, env=child_env(), text=True, capture_output=capture,
-                          stdout=None if capture else sys.stdout, stderr=None if capture else sys.stderr)
-    if proc.returncode != 0:
-        tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:] if capture else ""
-        raise FlexmeshError(f"demo step '{what}' failed (exit {proc.returncode}): {' '.join(argv)}\n{tail}")
-    return proc
+    run_flexmesh(argv, f"demo step '{what}'", capture=False)
 
 
 def _parse(command: ModuleType, argv: list[str]) -> argparse.Namespace:
@@ -182,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     plan_path = out / "plan-train.json"
     training_plan(size.nproc, size.seq_len, size.global_batch).save(plan_path)
     _flexmesh(["profile", "model", "--for-plan", str(plan_path), *quick, "--out", str(mp), "--hardware-out", str(hw)],
-              console, "profile")
+              "profile")
 
     # 4. train
     plan_path = training_plan_file(out, hw, size.nproc, size.seq_len, size.global_batch)
@@ -196,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         before = os.getloadavg()[0]
         _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(size.steps),
                    "--out", str(run_dir), "--nproc", str(size.nproc), "--overwrite", "--seed", str(size.seed),
-                   "--hardware-profile", str(hw), "--model-profile", str(mp), *on, *policy], console, f"train {label}")
+                   "--hardware-profile", str(hw), "--model-profile", str(mp), *on, *policy], f"train {label}")
         metrics[label], loads[label] = read_metrics(run_dir / "metrics.jsonl"), before
 
     # uneven devices: a mixed-cluster plan against its baselines
@@ -312,5 +304,5 @@ def gpu_run(out: Path, size: DemoSize, gpu_name: str, console) -> dict:
     run_dir = out / "runs" / "gpu"
     _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(size.steps), "--out",
                str(run_dir), "--overwrite", "--seed", str(size.seed), "--device", "cuda", "--dtype", "bf16",
-               "--policy", "fixed"], console, "train on one GPU")
+               "--policy", "fixed"], "train on one GPU")
     return {"name": gpu_name, "preset": preset, "rows": read_metrics(run_dir / "metrics.jsonl")}

@@ -115,14 +115,11 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
     batches; both priced by the demo's hardware profile and that model profile, the second with the
     imbalance replayed from the first's routing trace. Returns label -> (metrics.jsonl rows,
     routing.jsonl rows); ``say``: told a line as each part ends."""
-    import subprocess
-    import sys
-
     from flexmesh.files import make_folder
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
     from flexmesh.report.runs import read_metrics, run_line
-    from flexmesh.runtime.launch import child_env
+    from flexmesh.runtime.launch import run_flexmesh
 
     out = make_folder(out)
     plan = out / "plan-moe.json"
@@ -133,11 +130,7 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
     model = out / f"model-{MOE_MODEL}.json"
 
     def flexmesh(argv: list[str], what: str) -> None:
-        proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), capture_output=True,
-                              text=True, timeout=timeout_s)
-        if proc.returncode != 0:
-            raise FlexmeshError(f"the experts' {what} failed (exit {proc.returncode}): flexmesh {' '.join(argv)}\n"
-                                f"{(proc.stdout + proc.stderr)[-3000:]}")
+        run_flexmesh(argv, f"the experts' {what}", timeout=timeout_s)
 
     if profile:
         # --for-plan, --max-group 1: the plan has no tp, cp or pp and its runs form no cp groups (--cp 1), so

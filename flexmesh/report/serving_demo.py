@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from flexmesh.errors import FlexmeshError
 from flexmesh.files import append_file, make_folder, write_atomic, write_atomic_with
 
 MODEL, CLUSTER, RATE, SLO = "llama3.1-8b", "1x1xH100+1x4xL4", 15, "ttft=1,tpot=60ms"
@@ -30,11 +27,9 @@ LOCAL_MODEL, LOCAL_CONTEXT = "tiny", 4096
 
 
 def _flexmesh(argv: list[str]) -> str:
-    r = subprocess.run([sys.executable, "-m", "flexmesh", *argv], capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise FlexmeshError(f"demo step 'flexmesh {argv[0]} {argv[1]}' failed: {last}")
-    return r.stdout
+    from flexmesh.runtime.launch import run_flexmesh
+
+    return run_flexmesh(argv, f"demo step 'flexmesh {argv[0]} {argv[1]}'", timeout=600).stdout
 
 
 def demo_serving(out: Path, report: Path, console, quick: bool = False) -> Path:

@@ -27,8 +27,6 @@ puts all of it in a report. Used by ``flexmesh demo`` and bench/stragglers_measu
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -62,7 +60,7 @@ def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int,
     ``extra``: further ``flexmesh train`` flags for both runs (profiles, policy, tokenizer); ``say``: told a
     line as each run ends (:func:`~flexmesh.report.runs.run_line`)."""
     from flexmesh.report.runs import read_metrics, run_line
-    from flexmesh.runtime.launch import child_env
+    from flexmesh.runtime.launch import run_flexmesh
 
     slow = dict(slow or {1: 0.5})
     emulate = ",".join(f"{r}={f:g}" for r, f in slow.items())
@@ -72,11 +70,7 @@ def run_comparison(out: Path, plan: Path, *, corpus: str = "stdlib", steps: int,
         argv = ["train", "--plan", str(plan), "--corpus", corpus, "--max-steps", str(steps), "--out", str(run_dir),
                 "--nproc", "2", "--overwrite", "--no-progress", "--seed", str(seed), "--global-batch",
                 str(global_batch), "--seq-len", str(seq_len), "--slow", emulate, *extra, *flags]
-        proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), capture_output=True,
-                              text=True, timeout=timeout_s)
-        if proc.returncode != 0:
-            raise FlexmeshError(f"the {label} run failed (exit {proc.returncode}): flexmesh {' '.join(argv)}\n"
-                                f"{(proc.stdout + proc.stderr)[-3000:]}")
+        run_flexmesh(argv, f"the {label} run", timeout=timeout_s)
         metrics[label] = read_metrics(run_dir / "metrics.jsonl")
         if say:
             say(run_line(label, metrics[label]))

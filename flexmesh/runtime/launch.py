@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flexmesh.errors import PlanError
+from flexmesh.errors import FlexmeshError, PlanError
 from flexmesh.runtime.state.procs import parent_of
 from flexmesh.runtime.state.rundir import HELD_ENV
 
@@ -65,6 +65,21 @@ def child_env() -> dict[str, str]:
            if k not in (*LAUNCH_VARIABLES, SUPERVISED_ENV, RESUME_ENV, STATUS_ENV, HELD_ENV)}
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def run_flexmesh(argv: Sequence[str], what: str, *, capture: bool = True,
+                 timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``flexmesh *argv`` in a child process with :func:`child_env` (a command that launches ranks needs a
+    process of its own): how the demo runs its parts. ``capture``: its output kept and returned, else
+    printed here as it comes. A FlexmeshError says ``what`` failed, with the exit code, the command and
+    the end of what it printed."""
+    proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), text=True,
+                          capture_output=capture, timeout=timeout)
+    if proc.returncode != 0:
+        tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:]
+        raise FlexmeshError(f"{what} failed (exit {proc.returncode}): flexmesh {' '.join(argv)}"
+                            + (f"\n{tail}" if tail else ""))
+    return proc
 
 
 def single_process_env(port: int | None = None) -> dict[str, str]:
