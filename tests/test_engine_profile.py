@@ -306,12 +306,12 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
 
     out, raw = tmp_path / "engine.json", tmp_path / "samples.jsonl"
     monkeypatch.setenv("COLUMNS", "200")
-    assert main(["profile", "engine", "--quick", "--no-progress", "--kv-blocks", "512", "--max-batch-tokens", "128",
+    assert main(["profile", "engine", "--quick", "--no-progress", "--kv-blocks", "256", "--max-batch-tokens", "64",
                  "--out", str(out), "--samples", str(raw)]) == 0
     printed = capsys.readouterr().out
     assert "per-iteration overhead" in printed and "in-sample error" in printed
     prof = load_engine_profile(out)
-    assert prof.engine["num_blocks"] == 512 and prof.model["name"] == "tiny"
+    assert prof.engine["num_blocks"] == 256 and prof.model["name"] == "tiny"
     assert prof.produced_by["sweep"]["quick"] and len(prof.samples) >= 20
     assert prof.produced_by["processes"] == 2  # two engines swept side by side (the default, as serve run's)
     served = prof.produced_by["sweep"]["serving"]

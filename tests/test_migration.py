@@ -1,13 +1,15 @@
 """Migration to a new layout (`flexmesh train --migrate`, flexmesh.commands.migrate).
 
-Every run is the real command (launcher, torchrun, 2 ranks, gloo, CPU, a 2-layer model) on a
-replicated ZeRO-2 plan, with rank 1 emulated at 0.1 speed and the per-step re-balancing off
-(``--no-replan``), so the straggler is detected and only a new layout can help. The migration's
-cost is set by the testing knob (FLEXMESH_TESTING_MIGRATION_COST_S): 0 makes any predicted gain
-pay, 1e9 none, so the decision does not hang on this machine's timings.
+Every run is the real command (2 ranks, gloo, CPU, a 2-layer model; the migrating one under its
+launcher and torchrun, the others' ranks from the fork server) on a replicated ZeRO-2 plan, with
+rank 1 emulated at 0.1 speed and the per-step re-balancing off (``--no-replan``), so the straggler
+is detected and only a new layout can help. The migration's cost is set by the testing knob
+(FLEXMESH_TESTING_MIGRATION_COST_S): 0 makes any predicted gain pay, 1e9 none, so the decision
+does not hang on this machine's timings.
 
-- ``declined``: the migration does not pay; the run trains on without a restart on its plan. It is
-  also the uninterrupted run on the old plan.
+- ``declined``: the migration does not pay; the run trains on without a restart on its plan (no
+  request for the launcher, which this test's process stands in for). It is also the uninterrupted
+  run on the old plan.
 - ``migrated``: the run checkpoints, the launcher relaunches it on the planner's plan of replica groups and it
   resumes from that checkpoint resharded by DCP; every step is logged once and every loss equals the
   declined run's (1e-5): the weights moved across layouts intact.
@@ -61,11 +63,11 @@ def _train(inputs: dict, out: Path, plan: Path, *extra: str, env: dict | None = 
                           **(env or {})), capture_output=True, text=True, timeout=timeout)
 
 
-def _ranks(inputs: dict, out: Path, plan: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def _ranks(inputs: dict, out: Path, plan: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """:func:`_train`'s run, its two ranks from the fork server as torchrun would start them (no launcher)."""
     return flexmesh_ranks(2, "train", "--plan", str(plan), "--corpus", str(inputs["corpus"]), "--cache-dir",
                           str(inputs["tmp"] / "cache"), "--no-progress", "--lr", "1e-3", "--max-steps", str(STEPS),
-                          "--out", str(out), env=env, timeout=400)
+                          "--out", str(out), *extra, env=env, timeout=400)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -101,8 +103,18 @@ STRAGGLING = ("--emulate-speed", "1=0.1", "--no-replan", "--migrate", "--straggl
 
 @pytest.fixture(scope="module")
 def declined(inputs) -> list[dict]:
+    """The run that declines: its two ranks from the fork server, this process holding ``--out`` for them as
+    the ``--nproc`` launcher does (what --migrate needs); the launcher itself runs in ``migrated``, whose
+    relaunch is what it adds. A declined migration writes no request (the test checks), so a launcher
+    would have had nothing to relaunch."""
+    from flexmesh.runtime.state.rundir import HELD_ENV, hold_run_folder, release_run_folder
+
     out = inputs["tmp"] / "declined"
-    done = _train(inputs, out, inputs["plan"], *STRAGGLING, env={COST: "1e9"})
+    secret = hold_run_folder(out)
+    try:
+        done = _ranks(inputs, out, inputs["plan"], *STRAGGLING, env={COST: "1e9", HELD_ENV: secret})
+    finally:
+        release_run_folder(out)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "migrating" not in done.stderr  # no relaunch
     said = " ".join(done.stderr.split())  # the console names each event, one line each

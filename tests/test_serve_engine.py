@@ -198,8 +198,8 @@ def test_an_engine_that_fails_to_start_is_one_line(tmp_path):
     from flexmesh.serve.engine.fleet import start_engines
 
     bad = EngineConfig(model=str(tmp_path / "missing" / "config.json"))
-    with pytest.raises(ServeError) as e:
-        asyncio.run(start_engines(bad, 2, tmp_path / "logs", start_timeout_s=150))
+    with pytest.raises(ServeError) as e:  # one engine: the line is the failing engine's, however many start
+        asyncio.run(start_engines(bad, 1, tmp_path / "logs", start_timeout_s=150))
     msg = str(e.value)
     assert "\n" not in msg and "failed to start" in msg and "missing" in msg, msg
 
