@@ -1,7 +1,7 @@
 """bf16 training (``TrainConfig.dtype="bf16"``, ``flexmesh train --dtype bf16``) against the fp32
 single-process reference, at bf16's tolerance (derived in docs/precision.md):
 
-- every step's loss within ``LOSS_RTOL`` (2%) relative of the fp32 reference's;
+- every step's loss within ``LOSS_RTOL`` (2%) relative of the fp32 reference's (``LAYOUT_STEPS`` steps);
 - the first step's gradients (after clipping, as the optimizer sees them): cosine similarity above
   ``GRAD_COS`` (0.99) and relative error norm ``|g - g_ref| / |g_ref|`` below ``GRAD_REL`` (5%) for
   every parameter, and the reported gradient norm within ``GRAD_REL`` of the reference's.
@@ -14,13 +14,14 @@ file is also the worker (``python tests/test_bf16.py worker OUT NAME...``).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import STEPS, launch, make_steps, spawn, train_config
+from helpers import STEPS, launch, make_steps, reference_training, spawn, train_config
 
 # bf16 keeps 8 significant bits (7 stored + the implicit one): one rounding is off by at most 2**-8
 # (0.4%) relative. Sums over the tiny model's 64-128 wide products and 4 layers average such
@@ -32,6 +33,10 @@ GRAD_REL = 0.05
 # fp32 layouts match the reference's gradients to about 1e-6 relative (test_runtime_parallel.py); bf16
 # ones differ by 0.8% to 1.2% in their worst parameter, so a worst error under 0.1% means fp32 ran.
 BF16_SEEN = 1e-3
+# Steps each layout trains in bf16 (of the fp32 schedule of STEPS steps, as the reference): the first
+# step's gradients and loss, then a loss after the fp32 update cast back to bf16. A third step ran that
+# same path again; tests/test_runtime_parallel.py trains every layout its STEPS steps in fp32.
+LAYOUT_STEPS = 2
 
 
 def bf16_layouts(world: int) -> list[str]:
@@ -60,11 +65,12 @@ def bf16_config():
     return replace(train_config(), dtype="bf16")
 
 
-def steps_for(lay) -> list:
-    """The steps layout ``lay`` trains on: test_runtime_parallel's (a cut document unless pipelined)."""
+def steps_for(lay, steps: int = STEPS) -> list:
+    """The first ``steps`` steps layout ``lay`` trains on in test_runtime_parallel (a cut document unless
+    pipelined)."""
     from flexmesh.layout.step import carries_pieces
 
-    return make_steps(lay.data_ranks, lay.cp, cut=carries_pieces())
+    return make_steps(lay.data_ranks, lay.cp, steps=steps, cut=carries_pieces())
 
 
 def window_of(name: str) -> bool:
@@ -76,7 +82,7 @@ def window_of(name: str) -> bool:
 
 # ---- worker ---------------------------------------------------------------------------------------
 def worker(out: Path, names: list[str]) -> None:
-    """Run each layout in bf16 for STEPS steps; save the first step's full gradients per pipeline stage
+    """Run each layout in bf16 for LAYOUT_STEPS steps; save the first step's full gradients per pipeline stage
     and write losses, gradient norms and the dtypes seen."""
     import torch
     import torch.distributed as dist
@@ -98,7 +104,7 @@ def worker(out: Path, names: list[str]) -> None:
                         mod.register_forward_hook(lambda _m, _i, o, seen=computed: seen.add(str(o.dtype)))
             lay = trainer.layout
             metrics, grads = [], {}
-            for i, (docs, sched) in enumerate(steps_for(lay)):
+            for i, (docs, sched) in enumerate(steps_for(lay, LAYOUT_STEPS)):
                 metrics.append(trainer.step(docs, sched))
                 if i == 0:  # gradients stay in place until the next step zeroes them
                     for m in trainer.inner_models():
@@ -160,20 +166,15 @@ def spec_of(name: str):
 
 
 # ---- reference ------------------------------------------------------------------------------------
-def first_step_reference(steps: list, window: bool) -> tuple[float, dict]:
-    """fp32, one process: the first step's gradient norm before clipping and its clipped gradients."""
-    import torch
+@functools.cache  # a function of the batch layout alone: computed once for the layouts that share it
+def fp32_reference(data_ranks: int, cp: int, cut: bool, window: bool) -> tuple[list[float], float, dict]:
+    """fp32, one process, on the first LAYOUT_STEPS steps of ``make_steps(data_ranks, cp, cut=cut)``: every
+    step's loss, the first step's gradient norm before clipping and its clipped gradients."""
     from test_runtime_parallel import spec_for
 
-    from flexmesh.runtime.model.transformer import build_model
-    from flexmesh.runtime.train.reference import reference_loss
-
-    cfg = train_config()
-    model = build_model(spec_for(window), device="cpu")
-    model.init_weights(cfg.seed)
-    reference_loss(model, *steps[0])
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-    return norm, {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    steps = make_steps(data_ranks, cp, steps=LAYOUT_STEPS, cut=cut)
+    losses, norms, grads, _ = reference_training(steps, spec=spec_for(window))
+    return losses, norms[0], grads
 
 
 def compare_grads(got: dict, want: dict) -> dict[str, tuple[float, float]]:
@@ -191,18 +192,15 @@ def compare_grads(got: dict, want: dict) -> dict[str, tuple[float, float]]:
 
 def check_layout(name: str, result: dict, folder: Path) -> list[str]:
     """Everything layout ``name`` got wrong against the fp32 reference (empty: it passes)."""
-    from test_runtime_parallel import reference
-
     from flexmesh.layout.mesh import layout_from_plan
+    from flexmesh.layout.step import carries_pieces
 
     lay = layout_from_plan(make_plan(name))
-    steps = steps_for(lay)
-    ref_losses, _ = reference(steps, window_of(name))
-    ref_norm, ref_grads = first_step_reference(steps, window_of(name))
+    ref_losses, ref_norm, ref_grads = fp32_reference(lay.data_ranks, lay.cp, carries_pieces(), window_of(name))
     bad = []
     losses = result["losses"]
-    if len(losses) != STEPS:
-        bad.append(f"{len(losses)} steps ran, not {STEPS}")
+    if len(losses) != LAYOUT_STEPS:
+        bad.append(f"{len(losses)} steps ran, not {LAYOUT_STEPS}")
     for step, (got, want) in enumerate(zip(losses, ref_losses)):
         if abs(got - want) > LOSS_RTOL * abs(want):
             bad.append(f"step {step + 1}: loss {got:.5f} vs fp32 {want:.5f}")

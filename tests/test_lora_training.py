@@ -1,4 +1,4 @@
-"""Many LoRA tasks in one run (docs/adapters.md): each adapter after 5 steps equals training it alone on
+"""Many LoRA tasks in one run (docs/adapters.md): each adapter after 4 steps equals training it alone on
 its own documents (a plain single-process loop, per-adapter matmuls, no flexmesh trainer), under one
 process, data parallelism, ZeRO-3/FSDP2, tensor parallelism (alone and with FSDP2), context
 parallelism, pipeline stages and replica groups of different layouts (a pipeline beside FSDP2 among
@@ -15,7 +15,7 @@ from helpers import SEED, spawn, tiny_spec
 
 from flexmesh.runtime.launch import free_port
 
-STEPS = 5
+STEPS = 4  # task 5 trains 3 of them, and is seen to stop at the fourth (a fifth stopped it again)
 RANKS = (4, 8, 16)
 TARGET_SETS = (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                ("o_proj", "down_proj"), ("gate_proj", "up_proj"))
@@ -253,14 +253,14 @@ def _check(tmp_path: Path, name: str, refs: tuple[dict, list]) -> None:
         diff = float((got[k] - ref).abs().max())
         assert diff <= atol, f"{name}: {k} differs by {diff:.2e} (> {atol:g})"
     metrics = json.loads((tmp_path / f"{name}.json").read_text())
-    assert [m["task_tokens"][5] > 0 for m in metrics] == [True, True, True, False, False]  # task 5 stops after 3
+    assert [m["task_tokens"][5] > 0 for m in metrics] == [True, True, True, False]  # task 5 stops after 3
     assert all(len(m["task_loss"]) == 8 and m["tasks"][0] == "task0" for m in metrics)
     for slot, want in enumerate(losses):  # each task's reported loss is its own mean, counted once
         assert [m["task_loss"][slot] for m in metrics[:len(want)]] == pytest.approx(want, rel=1e-5)
 
 
 def test_adapters_move(references):
-    """The reference itself: after 5 steps every B has left its zero start."""
+    """The reference itself: after STEPS steps every B has left its zero start."""
 
     b = [v for k, v in references[0].items() if ".lora_B." in k]
     assert b and all(float(v.abs().max()) > 1e-4 for v in b)

@@ -8,9 +8,9 @@ MoE layer recomputed: its exchanges run again inside backward), sharded by FSDP2
 under a pipeline, with tensor parallelism (experts over the tp ranks' sequence slices, with and
 without FSDP2) and with Ulysses and ring context parallelism. Each must give the single-process
 reference's losses, first-step gradients (within 1e-5 of the largest) and parameters, and count
-every routed pair once; and 8 steps whose placement changes every step (experts moved, replicated,
-some ranks given fewer), and 8 whose experts are placed in every layer of every micro-batch from its
-own routing (``current``), must equal 8 steps of static placement within 1e-6.
+every routed pair once; and 4 steps whose placement changes every step (experts moved, replicated,
+some ranks given fewer), and 4 whose experts are placed in every layer of every micro-batch from its
+own routing (``current``), must equal 4 steps of static placement within 1e-6.
 
 This file is also the worker (``python tests/test_moe_runtime.py worker OUT LAYOUT...``).
 """
@@ -39,9 +39,10 @@ LAYOUTS: dict[str, dict] = {
 }
 STEPS = 3
 # Steps of the placement comparison: one whole period of the changing placement (Shuffled: the two
-# replicated experts step % 8 and (3 step + 1) % 8 each go round all 8 experts, the round robin's start
-# round the 2 or 4 ranks): every expert is replicated in some step (checked); 20 repeated the same moves.
-LONG = 8
+# replicated experts step % 4 and 4 + (step + 1) % 4 go round the two halves of the 8 experts, the round
+# robin's start round the 2 or 4 ranks): every expert is replicated in some step (checked); 8 and, before
+# them, 20 steps repeated the same moves.
+LONG = 4
 UNUSED = 7  # the expert no token reaches
 AUX = 0.05  # the load-balancing loss's coefficient in the runs that train with one
 
@@ -92,8 +93,9 @@ class Shuffled:
         hosts: list[set[int]] = [set() for _ in range(self.ranks)]
         for i in range(self.e):
             hosts[(i + self.step) % self.ranks].add(i)
-        if self.ranks > 1:  # a replica of two experts on the next rank
-            for i in (self.step % self.e, (3 * self.step + 1) % self.e):
+        if self.ranks > 1:  # a replica of two experts, one of each half, on the rank after its owner's
+            half = self.e // 2
+            for i in (self.step % half, half + (self.step + 1) % half):
                 owner = next(r for r in range(self.ranks) if i in hosts[r])
                 hosts[(owner + 1) % self.ranks].add(i)
         p = ExpertPlacement(self.e, tuple(tuple(sorted(h)) for h in hosts))
