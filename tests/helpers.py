@@ -188,7 +188,8 @@ def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240, fr
 
 # What the ranks import, once in the fork server rather than in every rank (seconds each).
 _RANK_IMPORTS = ["torch", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining",
-                 "flexmesh.runtime.train.loop", "flexmesh.runtime.train.trainer", "helpers"]
+                 "flexmesh.runtime.train.loop", "flexmesh.runtime.train.trainer", "flexmesh.cli",
+                 "flexmesh.commands.train", "flexmesh.profile.runner", "helpers"]
 
 
 def rank_server() -> Any:
