@@ -58,7 +58,7 @@ class Run:
         while len(self.steps()) < n:
             assert self.proc.poll() is None, f"run ended early (rc {self.proc.returncode}):\n{self.text()[-3000:]}"
             assert time.monotonic() < end, f"no {n} steps in {timeout} s:\n{self.text()[-3000:]}"
-            time.sleep(0.2)
+            time.sleep(0.05)  # a step can take 0.1 s: a late look lets the run go on further than the test meant
 
     def ranks(self) -> dict[int, int]:
         """rank -> pid of this run's live worker processes."""
@@ -104,75 +104,25 @@ def _marked(mark: str) -> dict[int, dict[str, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_sigterm_checkpoints_then_resume_and_start_over_keep_history(inputs):
-    out = inputs["tmp"] / "preempted"
-    run = Run(inputs, out, "--checkpoint-every", "0")
-    try:
-        run.wait_steps(2)
-        # A second launcher into the same folder fails before starting a rank (in this process: one that
-        # went on would start ranks, whose output does not reach what is captured), naming the folder and
-        # the holder.
-        second = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "3")
-        said = " ".join(second.stderr.split())
-        assert second.returncode == 2 and f"{out} is in use by another run (pid {run.proc.pid})" in said, said
-        run.proc.send_signal(signal.SIGTERM)  # preemption
-        rc = run.wait()
-        survivors = run.survivors()  # before the clean-up below kills them
-    finally:
-        run.kill()
-    assert rc != 0
-    assert survivors == []
-    assert unlocked(out)
-    assert "stopped by SIGTERM after step" in run.text()
-    steps = run.steps()
-    assert steps == list(range(1, len(steps) + 1))
-    latest = (out / "checkpoints" / "latest").read_text().strip()
-    assert latest == f"step_{steps[-1]:06d}"  # written at the end of the step that was running
-
-    # A crash while appending leaves a partial line: resume drops it with a warning.
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": %d, "loss": 1.2' % (steps[-1] + 1))
-    done = steps[-1] + 2
-    # resumed in the command's ranks from the fork server (the launcher's resume is the Ctrl-C test's)
-    resumed = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(done), timeout=180)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "partial line" in " ".join(resumed.stderr.split())
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, done + 1))
-
-    # Starting over: refused without --overwrite; with it the old run is moved aside, not deleted.
-    refused = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume")
-    said = " ".join(refused.stderr.split())
-    assert refused.returncode == 2 and "already holds a run" in said and "--overwrite" in said, said
-    # the command's ranks from the fork server: rank 0 moves the old run aside (the launcher's own --overwrite:
-    # tests/test_elastic.py's restarted run)
-    fresh = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", "1", "--no-resume", "--overwrite",
-                           timeout=180)
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
-    (previous,) = out.glob("previous-*")
-    assert f"to{previous}" in "".join(fresh.stderr.split())  # rich folds a path longer than the line
-    assert len((previous / "metrics.jsonl").read_text().splitlines()) == done
-    assert (previous / "checkpoints" / f"step_{done:06d}").is_dir()
-    assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_ctrl_c_at_random_moments_stops_every_rank_cleanly_and_the_resumed_losses_are_exact(inputs):
-    """Ctrl-C (once SIGHUP) on the launcher at 4 random moments of a run that checkpoints every step (so some land
-    during a checkpoint write): each time the ranks stop at the next step boundary and the launcher ends
-    with 128 + SIGINT within the minute the test waits (no tighter wall-clock bound: how long the ranks
-    take to leave is the machine's load), no process is left behind, at most 3 lines were printed, no
-    checkpoint was started after the signal and none is left half-written; the losses of the run resumed
-    after each stop are those of a run never stopped (the last stretch and that run train in the command's
-    ranks from the fork server: every attempt after the first already resumes through the launcher)."""
+def test_ctrl_c_and_sigterm_at_random_moments_stop_every_rank_cleanly_and_the_resumed_losses_are_exact(inputs):
+    """One run stopped four times on its launcher: Ctrl-C at 3 random moments (once SIGHUP) of a run that
+    checkpoints every step (so some land during a checkpoint write), and SIGTERM (preemption) once. After
+    Ctrl-C the ranks stop at the next step boundary and the launcher ends with 128 + SIGINT within the
+    minute the test waits (no tighter wall-clock bound: how long the ranks take to leave is the machine's
+    load), at most 3 lines were printed, no checkpoint was started after the signal and none is left
+    half-written; after SIGTERM the step that was running is checkpointed although none is due; each time
+    no process is left behind and the folder is free. The run resumed after each stop (through the
+    launcher: every attempt after the first) then to its end, past a metrics line a crash cut short, has
+    the losses of a run never stopped (the last stretch and that run train in the command's ranks from
+    the fork server). Starting over moves the whole run aside. (A second launcher into a folder a run
+    holds: the stopped-rank test below.)"""
     # Straggler events would add console lines on a loaded machine; they have their own tests.
     # 40 steps: four attempts of at most ~8 steps each (a first step, <= 1 s of 0.2-0.3 s steps, the stop) leave it
     # unfinished when the last signal comes
     total, flags = 40, ["--checkpoint-every", "1", "--straggler-threshold", "0.99"]
-    _stop_and_resume(inputs, total, flags)
+    out = inputs["tmp"] / "interrupted"
+    _stop_and_resume(inputs, out, total, flags)
     # The run never stopped: its own folder, not checkpointed either (saving must not change what it trains).
     whole = inputs["tmp"] / "never-stopped"
     ran = flexmesh_ranks(2, *inputs["common"], "--out", str(whole), "--max-steps", str(total), *flags[2:],
@@ -180,22 +130,24 @@ def test_ctrl_c_at_random_moments_stops_every_rank_cleanly_and_the_resumed_losse
     assert ran.returncode == 0, ran.stderr[-3000:]
     reference = [json.loads(ln)["loss"] for ln in (whole / "metrics.jsonl").read_text().splitlines()]
     assert len(reference) == total
-    out = inputs["tmp"] / "interrupted"
     losses = [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses == reference
+    _start_over(inputs, out, total)
 
 
-def _stop_and_resume(inputs: dict, total: int, flags: list[str]) -> None:
-    """The four stops of the Ctrl-C test, then the run resumed to its end."""
-    out, rng = inputs["tmp"] / "interrupted", random.Random(0)
-    for moment in range(4):
+def _stop_and_resume(inputs: dict, out: Path, total: int, flags: list[str]) -> None:
+    """The four stops of the test above, then the run resumed to its end."""
+    rng = random.Random(0)
+    for moment, sig in enumerate((signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
+        if sig == signal.SIGTERM:
+            _preempt(inputs, out, total, flags)
+            continue
         run = Run(inputs, out, *flags, max_steps=total)
         try:
             run.wait_steps(len(run.steps()) + 1)  # this attempt's first step is in (resumed or fresh)
             assert len(run.ranks()) == 2
             time.sleep(rng.uniform(0.0, 1.0))  # a step and its checkpoint take about 0.3 s here
-            # a closed terminal's SIGHUP stops the run as Ctrl-C does
-            run.proc.send_signal(signal.SIGHUP if moment == 3 else signal.SIGINT)
+            run.proc.send_signal(sig)  # a closed terminal's SIGHUP stops the run as Ctrl-C does
             rows_after_signal = len(run.steps())
             rc = run.wait(timeout=60)  # a launcher still running then fails here
             survivors = run.survivors()  # before the clean-up below kills them
@@ -215,17 +167,74 @@ def _stop_and_resume(inputs: dict, total: int, flags: list[str]) -> None:
         assert not list((out / "checkpoints").glob(".tmp-*"))  # nor any left half-written
         assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{done[-1]:06d}"
         assert f"resume from {out / 'checkpoints' / f'step_{done[-1]:06d}'}" in said[-1]
+    # A crash while appending leaves a partial line: resume drops it with a warning.
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": %d, "loss": 1.2' % (steps[-1] + 1))
     finished = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(total), *flags, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "partial line" in " ".join(finished.stderr.split())
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, total + 1))
+
+
+def _preempt(inputs: dict, out: Path, total: int, flags: list[str]) -> None:
+    """SIGTERM on the launcher of the run resumed in ``out``, not checkpointing on its own (--checkpoint-every 0):
+    the step that was running is checkpointed, every rank stops, the folder is free."""
+    before = (out / "checkpoints" / "latest").read_text().strip()
+    run = Run(inputs, out, "--checkpoint-every", "0", *flags[2:], max_steps=total)
+    try:
+        run.wait_steps(len(run.steps()) + 1)
+        run.proc.send_signal(signal.SIGTERM)  # preemption
+        rc = run.wait()
+        survivors = run.survivors()  # before the clean-up below kills them
+    finally:
+        run.kill()
+    assert rc != 0
+    assert survivors == []
+    assert unlocked(out)
+    assert "stopped by SIGTERM after step" in run.text()
+    steps = run.steps()
+    assert steps == list(range(1, len(steps) + 1))
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{steps[-1]:06d}" and latest > before  # written at the end of the step that was running
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def _start_over(inputs: dict, out: Path, total: int) -> None:
+    """Starting over the finished run in ``out``: refused without --overwrite; with it the old run is moved
+    aside, not deleted."""
+    refused = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "1", "--no-resume")
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == 2 and "already holds a run" in said and "--overwrite" in said, said
+    # the command's ranks from the fork server: rank 0 moves the old run aside (the launcher's own --overwrite:
+    # tests/test_elastic.py's restarted run)
+    fresh = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", "1", "--no-resume", "--overwrite",
+                           timeout=180)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    (previous,) = out.glob("previous-*")
+    assert f"to{previous}" in "".join(fresh.stderr.split())  # rich folds a path longer than the line
+    assert len((previous / "metrics.jsonl").read_text().splitlines()) == total
+    assert (previous / "checkpoints" / f"step_{total:06d}").is_dir()
+    assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_stopped_rank_is_named_within_the_collective_timeout(inputs):
+    """A rank that stops answering is named within --collective-timeout; once it is killed the run (without
+    --max-restarts: no restart) ends, leaving no process, the folder free, the steps it logged and its last
+    checkpoint."""
     out = inputs["tmp"] / "stopped"
-    run = Run(inputs, out, "--collective-timeout", "4")
+    run = Run(inputs, out, "--collective-timeout", "4", "--checkpoint-every", "2")
     try:
-        run.wait_steps(2)
+        run.wait_steps(3)  # step 2's checkpoint is written before step 3 starts
+        # A second launcher into the same folder fails before starting a rank (in this process: one that went on
+        # would start ranks, whose output does not reach what is captured), naming the folder and the holder.
+        second = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "3")
+        said = " ".join(second.stderr.split())
+        assert second.returncode == 2 and f"{out} is in use by another run (pid {run.proc.pid})" in said, said
         ranks = run.ranks()
         os.kill(ranks[1], signal.SIGSTOP)
         t0 = time.monotonic()
@@ -243,6 +252,11 @@ def test_a_stopped_rank_is_named_within_the_collective_timeout(inputs):
     assert rc != 0
     assert survivors == []
     assert unlocked(out)
+    steps = run.steps()
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{steps[-1] // 2 * 2:06d}" or latest == f"step_{steps[-1] // 2 * 2 - 2:06d}", (latest, steps)
+    assert (out / "checkpoints" / latest / "manifest.json").is_file()
 
 
 def test_the_run_folder_lock_names_its_holder(tmp_path):

@@ -81,23 +81,37 @@ def test_planning_flags_beside_a_plan_are_one_line():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_train_without_a_plan_writes_its_plan_and_resumes_on_it(profiled, tmp_path):
-    from helpers import flexmesh
-
+def test_train_without_a_plan_writes_its_plan_and_resumes_on_it(profiled, tmp_path, capsys):
     out = tmp_path / "run"
-    base = ("train", "--model", "tiny", "--corpus", "stdlib", "--out", str(out), "--no-progress", "--seq-len", "256",
-            "--tokens-per-step", "1024", "--cache-dir", SESSION_CACHE or str(tmp_path / "cache"))
-    proc = flexmesh(*base, "--max-steps", "2", "--checkpoint-every", "2", timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "planned for 1 CPU process" in " ".join(proc.stderr.split())
+    base = ["train", "--model", "tiny", "--corpus", "stdlib", "--out", str(out), "--no-progress", "--seq-len", "256",
+            "--tokens-per-step", "1024", "--cache-dir", SESSION_CACHE or str(tmp_path / "cache")]
+    _train_alone(*base, "--max-steps", "2", "--checkpoint-every", "2")
+    assert "planned for 1 CPU process" in " ".join(capsys.readouterr().err.split())
     plan = json.loads((out / "plan.json").read_text())
     assert plan["cluster"] == "1xlocal" and plan["seq_len"] == 256
-    again = flexmesh(*base, "--max-steps", "3", timeout=500)  # the same command, one step further: a resume
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming on the plan this run chose" in " ".join(again.stderr.split())
+    _train_alone(*base, "--max-steps", "3")  # the same command, one step further: a resume
+    assert "resuming on the plan this run chose" in " ".join(capsys.readouterr().err.split())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(512 < r["tokens"] <= 1024 for r in rows)  # whole documents up to 256 tokens until 1,024
+
+
+def _train_alone(*argv: str) -> None:
+    """`flexmesh *argv` succeeds in a plain process, no launcher's variables (a run without --plan plans in its own
+    launcher), forked from the fork server (torch imported once) with this process's environment; what it printed
+    is printed here."""
+    from helpers import spawn
+
+    spawn(_main, (list(argv), dict(os.environ)), 1)
+
+
+def _main(rank: int, argv: list[str], env: dict[str, str]) -> None:
+    from flexmesh.cli import main
+
+    os.environ.clear()
+    os.environ.update(env)
+    code = main(argv)
+    assert code == 0, f"flexmesh {' '.join(argv)}: exit {code}"
 
 
 @pytest.mark.slow
@@ -107,18 +121,20 @@ def test_weights_train_under_the_tokenizer_beside_them(tmp_path):
     transformers' tokenizer of the export gives), never a BPE trained on the new corpus; weights with no
     tokenizer beside them are one line."""
     transformers = pytest.importorskip("transformers")
-    from helpers import flexmesh, flexmesh_here, flexmesh_ranks, write_inputs
+    from helpers import flexmesh_here, flexmesh_ranks, write_inputs
 
     from flexmesh.data.tokenizer import load_tokenizer
 
     config, corpus, plan = write_inputs(tmp_path, world=1)
     first = tmp_path / "first"
-    # the trainings in one process each from the fork server (torch imported once), the refusal in this one
+    # the trainings in one process each from the fork server (torch imported once), the export (nothing trains or
+    # launches) and the refusal in this one
     r = flexmesh_ranks(1, "train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out",
                        str(first), "--cache-dir", str(tmp_path / "cache"), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     export = tmp_path / "export"
-    assert flexmesh("export", "--checkpoint", str(first), "--out", str(export)).returncode == 0
+    exported = flexmesh_here("export", "--checkpoint", str(first), "--out", str(export))
+    assert exported.returncode == 0, exported.stderr[-3000:]
     other = tmp_path / "other"  # another corpus: a BPE trained on it would differ
     other.mkdir()
     for i in range(12):
