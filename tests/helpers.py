@@ -329,8 +329,7 @@ def run_flexmesh_here(argv: Sequence[str], what: str, *, capture: bool = True,
     as N ranks forked by the fork server (:func:`flexmesh_ranks`), any other command in this process
     (:func:`flexmesh_here`). Put in its place (monkeypatch) by tests of commands that run flexmesh in
     children, the demo's, to check what those children make; the launchers have tests of their own."""
-    from flexmesh.errors import FlexmeshError
-    from flexmesh.runtime.launch import without_flags
+    from flexmesh.runtime.launch import check_flexmesh, without_flags
 
     argv = list(argv)
     nproc = next((int(v) for k, v in zip(argv, argv[1:]) if k == "--nproc"), None)
@@ -341,10 +340,7 @@ def run_flexmesh_here(argv: Sequence[str], what: str, *, capture: bool = True,
     if not capture:
         sys.stdout.write(proc.stdout)
         sys.stderr.write(proc.stderr)
-    if proc.returncode != 0:
-        raise FlexmeshError(f"{what} failed (exit {proc.returncode}): flexmesh {' '.join(argv)}\n"
-                            f"{(proc.stdout + proc.stderr)[-3000:]}")
-    return proc
+    return check_flexmesh(proc, argv, what)
 
 
 def flexmesh_here(*args: str) -> subprocess.CompletedProcess:

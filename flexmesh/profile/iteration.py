@@ -175,27 +175,22 @@ class EngineProfile:
         fit = d.get("fit")
         if not isinstance(fit, dict) or any(not isinstance(fit.get(t), (int, float)) or fit[t] < 0 for t in TERMS):
             raise ProfileError(f"{where}: fit must hold {', '.join(TERMS)} as non-negative numbers")
-        admission = d.get("admission_s", 0.0)
-        if isinstance(admission, bool) or not isinstance(admission, (int, float)) or not 0 <= admission < 60:
-            raise ProfileError(f"{where}: admission_s must be a number of seconds from 0 to 60, got {admission!r}")
-        after_idle = d.get("after_idle", 0.0)
-        if isinstance(after_idle, bool) or not isinstance(after_idle, (int, float)) or not 0 <= after_idle <= 10:
-            raise ProfileError(f"{where}: after_idle must be a fraction from 0 to 10 (the first iteration after idling "
-                               f"over the fit, minus 1), got {after_idle!r}")
-        costs = {key: d.get(key, 0.0) for key in ("intake_s", "answer_s")}
-        for key, v in costs.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-                raise ProfileError(f"{where}: {key} must be a number of seconds from 0 to 1 (what a request costs a "
-                                   f"busy engine beside its loop), got {v!r}")
-        cores = d.get("host_cores", 0)
-        if isinstance(cores, bool) or not isinstance(cores, int) or not 0 <= cores <= 4096:
-            raise ProfileError(f"{where}: host_cores must be the machine's CPU cores, a whole number from 0 to 4096, "
-                               f"got {cores!r}")
-        host = {key: d.get(key, 0.0) for key in ("host_request_s", "host_token_s")}
-        for key, v in host.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-                raise ProfileError(f"{where}: {key} must be a number of seconds from 0 to 1 (the router's process's "
-                                   f"CPU time per request or token), got {v!r}")
+        def bounded(key: str, top: float, what: str, closed: bool = False, whole: bool = False) -> float:
+            v = d.get(key, 0)
+            kinds = int if whole else (int, float)
+            if isinstance(v, bool) or not isinstance(v, kinds) or not (0 <= v <= top if closed else 0 <= v < top):
+                raise ProfileError(f"{where}: {key} must be {what}, got {v!r}")
+            return v
+
+        admission = bounded("admission_s", 60, "a number of seconds from 0 to 60")
+        after_idle = bounded("after_idle", 10, "a fraction from 0 to 10 (the first iteration after idling over the "
+                             "fit, minus 1)", closed=True)
+        costs = {key: bounded(key, 1, "a number of seconds from 0 to 1 (what a request costs a busy engine beside "
+                              "its loop)") for key in ("intake_s", "answer_s")}
+        cores = bounded("host_cores", 4096, "the machine's CPU cores, a whole number from 0 to 4096", closed=True,
+                        whole=True)
+        host = {key: bounded(key, 1, "a number of seconds from 0 to 1 (the router's process's CPU time per request "
+                             "or token)") for key in ("host_request_s", "host_token_s")}
         try:
             samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
         except (KeyError, TypeError, ValueError) as e:
@@ -203,7 +198,7 @@ class EngineProfile:
                                "seconds}}") from None
         return cls(model=d.get("model", {}), engine=d.get("engine", {}), fit={t: float(fit[t]) for t in TERMS},
                    samples=samples, produced_by=d.get("produced_by", {}), name=name, admission_s=float(admission),
-                   after_idle=float(after_idle), **{k: float(v) for k, v in costs.items()}, host_cores=cores,
+                   after_idle=float(after_idle), **{k: float(v) for k, v in costs.items()}, host_cores=int(cores),
                    **{k: float(v) for k, v in host.items()})
 
 

@@ -75,6 +75,12 @@ def run_flexmesh(argv: Sequence[str], what: str, *, capture: bool = True,
     the end of what it printed."""
     proc = subprocess.run([sys.executable, "-m", "flexmesh", *argv], env=child_env(), text=True,
                           capture_output=capture, timeout=timeout)
+    return check_flexmesh(proc, argv, what)
+
+
+def check_flexmesh(proc: subprocess.CompletedProcess, argv: Sequence[str], what: str) -> subprocess.CompletedProcess:
+    """``proc``, a finished ``flexmesh *argv``; FlexmeshError naming ``what``, the exit code, the command
+    and the end of what it printed when it failed."""
     if proc.returncode != 0:
         tail = ((proc.stdout or "") + (proc.stderr or ""))[-3000:]
         raise FlexmeshError(f"{what} failed (exit {proc.returncode}): flexmesh {' '.join(argv)}"
