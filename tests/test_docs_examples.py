@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # every documented command, about 40 s: the full suite runs it, the quick pass does not
 @pytest.mark.timeout(600)
 def test_docs_examples_match_the_commands():
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "examples.py"), "--check", "--quick"],

@@ -35,6 +35,7 @@ def test_ruff():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
+@pytest.mark.slow  # a whole-tree check of about 50 s in a fresh clone: the full suite runs it, the quick pass does not
 def test_mypy():
     out = _run([sys.executable, "-m", "mypy", "--cache-dir", str(ROOT / ".mypy_cache")])
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
