@@ -174,14 +174,13 @@ class Kernels:
         if not self.roofline:
             return compute
         if self.gemm_measured is not None:
-            return self._gemm_measured(compute, m, n, k)
+            return self._gemm_measured(self.gemm_measured, compute, m, n, k)
         memory = (m * k + k * n + m * n) * self.dtype_bytes / self.hbm_bytes_per_s
         if isinstance(compute, np.ndarray):  # an empty dimension (no tokens) runs nothing
             return (np.maximum(compute, memory) + self.launch_s) * ((m > 0) & (n > 0) & (k > 0))
         return max(compute, memory) + self.launch_s if m > 0 and n > 0 and k > 0 else 0.0
 
-    def _gemm_measured(self, compute, m, n, k):  # noqa: ANN001, ANN202
-        g = self.gemm_measured
+    def _gemm_measured(self, g: MeasuredGemm, compute, m, n, k):  # noqa: ANN001, ANN202
         memory = (m * k + k * n + m * n) * self.dtype_bytes / g.hbm_bytes_per_s
         t = g.fixed_s + (compute ** g.power + memory ** g.power) ** (1.0 / g.power) + g.per_k_s * k
         if isinstance(t, np.ndarray):
