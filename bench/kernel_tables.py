@@ -32,8 +32,8 @@ from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.devices import ATTENTION_KERNELS, DEVICE_PRESETS, GEMM_KERNELS, GEMM_TABLES, DeviceSpec
 
 # The code this bench's figures depend on: a change there makes its record out of date.
-DEPENDS_ON = ("flexmesh/cost/device", "flexmesh/spec/devices.py", "flexmesh/spec/presets/devices.toml",
-              "flexmesh/spec/cluster.py")
+DEPENDS_ON = ("flexmesh/cost/device", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
+              "flexmesh/inputs.py", "flexmesh/units.py")
 GEMM_BOUND, ATTENTION_BOUND = 0.10, 0.12
 
 
