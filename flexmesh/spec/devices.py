@@ -58,7 +58,7 @@ class DeviceSpec:
     comm_table: str = ""
     # The device layer's kernels as the measured tables time them (devices.toml [gemm_kernels] and
     # [attention_kernels] of the system ``kernel_table`` names): a single GEMM's and a single fused attention's
-    # fraction of peak. None: no kernel fit (a device table of a cluster file): the kernels are the fits above.
+    # fraction of peak. None: no kernel fit (a cluster file's device table without a base): the fits above.
     kernel_table: str = ""
     kernel_mm_efficiency: float | None = None
     kernel_attn_efficiency: float | None = None

@@ -233,7 +233,7 @@ class Kernels:
     def attention(self, flops, block, calls: float = 1.0, backward: bool = False):  # noqa: ANN001, ANN201
         """Seconds of ``calls`` flash-attention kernels doing ``flops`` over blocks of ``block`` keys
         (``backward``: at the backward's own rate where it has one; with measured calls, each call's fixed and
-        per-key costs in place of the launch)."""
+        per-key costs in place of the launch, and a backward at the forward's rate: the tables time forwards)."""
         if self.attn_measured is not None and self.roofline:
             a = self.attn_measured
             t = flops / (self.attn_flops * self.attention_efficiency(block))
