@@ -56,6 +56,12 @@ class DeviceSpec:
     # The measured NCCL table (presets/collectives.toml) that prices ring collectives inside a node; ""
     # for none (then nvlink_gbps x intra_efficiency and intra_latency_us do).
     comm_table: str = ""
+    # The device layer's kernels as the measured tables time them (devices.toml [gemm_kernels] and
+    # [attention_kernels] of the system ``kernel_table`` names): a single GEMM's and a single fused attention's
+    # fraction of peak. None: no kernel fit (a cluster file's device table without a base): the fits above.
+    kernel_table: str = ""
+    kernel_mm_efficiency: float | None = None
+    kernel_attn_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -75,6 +81,9 @@ class DeviceSpec:
         # Attention's achieved fraction of the matmul peak; a profiled device may run attention faster
         # than its measured matmuls, so only positive and finite.
         number(self.attn_efficiency, f"{where}: attn_efficiency", SpecError)
+        for f in ("kernel_mm_efficiency", "kernel_attn_efficiency"):
+            if getattr(self, f) is not None:
+                number(getattr(self, f), f"{where}: {f}", SpecError, maximum=1.0)
         number(self.allocator_headroom, f"{where}: allocator_headroom", SpecError, strict=False, maximum=0.99)
         if self.sms is not None:
             whole(self.sms, f"{where}: sms", SpecError)
@@ -88,6 +97,19 @@ class DeviceSpec:
         if self.nvlink_domain > 0 and self.pcie_gbps <= 0:
             raise SpecError(f"{where}: nvlink_domain {self.nvlink_domain} needs pcie_gbps, the bandwidth of "
                             "collectives over more GPUs of a node than NVLink joins")
+
+    @property
+    def framework_mm(self) -> float:
+        """What a training step's GEMMs reach of the kernel rate, ``mm_efficiency / kernel_mm_efficiency``: the
+        end-to-end fit's launch gaps, stream waits and non-GEMM work, a term above the device layer (1 without a
+        kernel fit)."""
+        return self.mm_efficiency / self.kernel_mm_efficiency if self.kernel_mm_efficiency else 1.0
+
+    @property
+    def framework_attn(self) -> float:
+        """What a training step's attention reaches of the kernel rate, ``attn_efficiency /
+        kernel_attn_efficiency`` (the fit also prices the backward, which the tables do not time)."""
+        return self.attn_efficiency / self.kernel_attn_efficiency if self.kernel_attn_efficiency else 1.0
 
     def __hash__(self) -> int:  # dict field: hash by name and memory, enough to key caches
         return hash((self.name, self.memory_gib, self.mm_efficiency))
@@ -125,6 +147,7 @@ class KernelTable:
     tflops: float
     peak_tflops: float
     architecture: str
+    hbm_gbps: float = 0.0  # the measured part's datasheet memory bandwidth
 
     @property
     def efficiency(self) -> float:
@@ -165,6 +188,10 @@ COMM_TABLES = _load_comm_tables()
 _CATALOGUE = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/devices.toml").read_text())
 GEMM_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CATALOGUE["gemm_tables"].items()}
 ATTENTION_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CATALOGUE["attention_tables"].items()}
+# The device layer's kernel constants per measured system, fitted to its tables (flexmesh.cost.device.gemm_tables
+# and attention_tables, --fit): efficiency is a fraction of the measured part's peak
+GEMM_KERNELS: dict[str, dict[str, float]] = _CATALOGUE.get("gemm_kernels", {})
+ATTENTION_KERNELS: dict[str, dict[str, float]] = _CATALOGUE.get("attention_kernels", {})
 # FlashAttention-2's measured throughput and fit per architecture where it is not the fused kernel the
 # tables measured (devices.toml [flash_attention_2]; flexmesh.cost.device.flash2)
 FLASH2: dict[str, dict] = _CATALOGUE["flash_attention_2"]
@@ -173,12 +200,12 @@ FLASH2: dict[str, dict] = _CATALOGUE["flash_attention_2"]
 ATTENTION_FIT_FAMILY = "A100"
 _DATASHEET = ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps", "intra_latency_us", "inter_latency_us",
               "architecture", "sms", "intra_link", "nvlink_domain", "pcie_gbps", "source")
-_OPTIONAL = ("comm_table",)
+_OPTIONAL = ("comm_table", "kernel_table")
 
 
 def _load_presets() -> dict[str, DeviceSpec]:
     raw = {k: v for k, v in _CATALOGUE.items() if k not in ("efficiency", "memory", "gemm_tables", "attention_tables",
-                                                         "flash_attention_2")}
+                                                         "flash_attention_2", "gemm_kernels", "attention_kernels")}
     eff, mem = _CATALOGUE["efficiency"], _CATALOGUE["memory"]
     attn_fit = eff[ATTENTION_FIT_FAMILY]
     out = {}
@@ -197,6 +224,10 @@ def _load_presets() -> dict[str, DeviceSpec]:
             fit += (f"; attention: {ATTENTION_FIT_FAMILY} fit x measured attention of {table} / "
                     f"{attn_fit['kernel_table']} (flexmesh.cost.device.attention_tables)")
         e["efficiency_source"] = fit
+        if table in GEMM_KERNELS:
+            e["kernel_mm_efficiency"] = GEMM_KERNELS[table]["efficiency"]
+        if table in ATTENTION_KERNELS:
+            e["kernel_attn_efficiency"] = ATTENTION_KERNELS[table]["efficiency"]
         out[name] = DeviceSpec(
             name=name,
             peak_tflops={k.removeprefix("peak_tflops_"): v for k, v in d.items() if k.startswith("peak_tflops_")},

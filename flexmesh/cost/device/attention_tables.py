@@ -19,9 +19,17 @@ scaled by its table's fraction of peak over the A100 table's (:func:`flexmesh.sp
 The tables time the forward pass only; the scaling assumes a part's backward keeps the ratio its
 forward has to A100's.
 
+The device layer's own attention (``Hardware.device_kernels``) takes the measured form of
+:class:`flexmesh.cost.device.kernels.MeasuredAttention` with the tile form of
+:meth:`flexmesh.cost.device.kernels.Kernels.attention_efficiency`: four constants per system (the rate as a
+fraction of peak, the per-query-tile overhead in keys, a fixed cost and a per-key cost per call), fitted
+(:func:`fit_attention`) to the even rows, sorted by shape, of every sequence length the kept rows hold (from
+1 token up), the odd ones held out (``bench/kernel_tables.py``). ``devices.toml`` records them under
+``[attention_kernels]``.
+
 Run ``python -m flexmesh.cost.device.attention_tables`` (optionally ``--systems DIR``) to print the medians
-beside the recorded ones; it exits 1 when they differ by more than 0.5%. Nothing at plan or run time
-reads the tables.
+beside the recorded ones, ``--fit`` the fitted constants; it exits 1 when they differ by more than 0.5% (1%
+for the constants). Nothing at plan or run time reads the tables.
 """
 
 from __future__ import annotations
@@ -31,8 +39,17 @@ from pathlib import Path
 
 import numpy as np
 
-from flexmesh.cost.device.gemm_tables import FRAMEWORK, TableMedian, redo, version_key
-from flexmesh.spec.devices import ATTENTION_TABLES
+from flexmesh.cost.device.gemm_tables import (
+    FRAMEWORK,
+    Fit,
+    TableMedian,
+    fitted_half,
+    least_log_error,
+    redo,
+    version_key,
+)
+from flexmesh.cost.device.kernels import Kernels, MeasuredAttention
+from flexmesh.spec.devices import ATTENTION_KERNELS, ATTENTION_TABLES, KernelTable
 
 MIN_TOKENS = 4096  # long blocks: the tile and per-query costs are a few percent there (flexmesh.cost.device.kernels)
 HEAD_DIM = 128
@@ -48,8 +65,9 @@ def newest_table(systems: Path, system: str) -> Path:
     return found[-1]
 
 
-def causal_tflops(path: Path) -> tuple[str, dict[Shape, float]]:
-    """The prefill kernel of a table and its achieved TFLOP/s per shape, over the rows kept (module doc)."""
+def causal_seconds(path: Path, min_tokens: int = MIN_TOKENS) -> tuple[str, dict[Shape, float]]:
+    """The prefill kernel of a table and its measured seconds per shape, over the rows kept (module doc) of at
+    least ``min_tokens`` tokens."""
     import pyarrow.parquet as pq  # the optional `tables` extra
 
     t = pq.read_table(path).to_pydict()
@@ -58,15 +76,60 @@ def causal_tflops(path: Path) -> tuple[str, dict[Shape, float]]:
     for i, ms in enumerate(t["latency"]):
         kernel, s = t["kernel_source"][i], int(t["isl"][i])
         if ("decode" in kernel or t["kv_cache_dtype"][i] != "bfloat16" or t["attn_dtype"][i] != "bfloat16"
-                or t["head_dim"][i] != HEAD_DIM or window[i] or s < MIN_TOKENS or ms <= 0):
+                or t["head_dim"][i] != HEAD_DIM or window[i] or s < min_tokens or ms <= 0):
             continue
         b, h = int(t["batch_size"][i]), int(t["num_heads"][i])
-        out.setdefault(kernel, {})[(b, s, h, int(t["num_key_value_heads"][i]))] = \
-            2.0 * b * s * s * h * HEAD_DIM / (ms * 1e-3) / 1e12
+        out.setdefault(kernel, {})[(b, s, h, int(t["num_key_value_heads"][i]))] = ms * 1e-3
     if len(out) != 1:
         raise ValueError(f"{path}: expected one bf16 prefill kernel with head dim {HEAD_DIM}, found "
                          f"{', '.join(sorted(out)) or 'none'}")
     return next(iter(out.items()))
+
+
+def causal_flops(b, s, h):  # noqa: ANN001, ANN201 - numbers or numpy arrays
+    """FLOPs of a causal pass of ``b`` sequences of ``s`` tokens and ``h`` heads (half of ``4 s^2 h d``)."""
+    return 2.0 * b * s * s * h * HEAD_DIM
+
+
+def causal_tflops(path: Path) -> tuple[str, dict[Shape, float]]:
+    """The prefill kernel of a table and its achieved TFLOP/s per shape, over the rows kept (module doc)."""
+    kernel, rows = causal_seconds(path)
+    return kernel, {shape: causal_flops(shape[0], shape[1], shape[2]) / t / 1e12 for shape, t in rows.items()}
+
+
+def attention_rows(path: Path) -> tuple[str, np.ndarray]:
+    """The prefill kernel and every kept row of any length as ``(batch, tokens, heads, KV heads, seconds)``,
+    sorted by shape (the order :func:`flexmesh.cost.device.gemm_tables.fitted_half` splits)."""
+    kernel, rows = causal_seconds(path, min_tokens=1)
+    return kernel, np.array([(*shape, t) for shape, t in sorted(rows.items())], dtype=float).reshape(-1, 5)
+
+
+ATTENTION_START = (0.5, 128.0, 3.0, 1.0)  # efficiency, overhead keys, fixed us, ns per key
+ATTENTION_FIELDS = ("efficiency", "overhead_keys", "fixed_us", "per_key_ns")
+
+
+def attention_kernels(values: dict[str, float], peak_tflops: float) -> Kernels:
+    """The device layer's attention model with fitted ``values`` on a part of that peak (``sms`` only marks
+    the tiles as modelled; attention's form does not use the count)."""
+    return Kernels(mm_flops=1.0, attn_flops=values["efficiency"] * peak_tflops * 1e12, hbm_bytes_per_s=1.0, sms=1,
+                   attn_overhead=values["overhead_keys"], attn_measured=MeasuredAttention(
+                       fixed_s=values["fixed_us"] * 1e-6, per_key_s=values["per_key_ns"] * 1e-9))
+
+
+def fit_attention(systems: Path, system: str, table: KernelTable) -> Fit:
+    """The measured attention form's constants for ``system``, fitted to the even rows of its table (module doc)."""
+    path = newest_table(systems, system)
+    kernel, rows = attention_rows(path)
+    b, s, h, _, t = rows.T
+    fit = fitted_half(len(t))
+    flops = causal_flops(b, s, h)
+
+    def loss(v: dict[str, float]) -> float:
+        pred = attention_kernels(v, table.peak_tflops).attention(flops[fit], s[fit])
+        return float(np.mean(np.abs(np.log(np.maximum(pred, 1e-12) / t[fit]))))
+
+    return Fit(system, f"{path.relative_to(systems).parent} {kernel}", int(fit.sum()), int((~fit).sum()),
+               least_log_error(loss, ATTENTION_FIELDS, ATTENTION_START))
 
 
 def medians(systems: Path, names: list[str]) -> list[TableMedian]:
@@ -82,7 +145,8 @@ def medians(systems: Path, names: list[str]) -> list[TableMedian]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return redo("python -m flexmesh.cost.device.attention_tables", __doc__ or "", argv, medians, ATTENTION_TABLES)
+    return redo("python -m flexmesh.cost.device.attention_tables", __doc__ or "", argv, medians, ATTENTION_TABLES,
+                fit_attention, ATTENTION_KERNELS)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,22 @@ over them. ``flexmesh/spec/presets/devices.toml`` records those medians under ``
 device's ``mm_efficiency`` is its family's fit scaled by its table's fraction of peak over the fitted
 part's (:func:`flexmesh.spec.cluster.catalogue_efficiency`).
 
+The device layer's own GEMMs (``Hardware.device_kernels``: each kernel as the tables time it, no training
+step's framework terms) take the measured form of :class:`flexmesh.cost.device.kernels.MeasuredGemm`, its
+five constants fitted per system (:func:`fit_gemm`) to every bf16 row of the table: the rows sorted by
+``(m, n, k)``, the even ones fitted (least mean absolute log error, Nelder-Mead from one fixed start), the odd
+ones held out to score it (``bench/kernel_tables.py``). ``devices.toml`` records them under ``[gemm_kernels]``.
+
 Run ``python -m flexmesh.cost.device.gemm_tables`` (optionally ``--systems DIR``, the package's ``systems``
-folder) to print the medians beside the recorded ones; it exits 1 when they differ by more than 0.5%.
-Nothing at plan or run time reads the tables.
+folder) to print the medians beside the recorded ones, ``--fit`` the fitted constants beside theirs; it exits 1
+when they differ by more than 0.5% (1% for a fit's constants). Nothing at plan or run time reads the tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flexmesh.spec.devices import GEMM_TABLES, KernelTable
+from flexmesh.cost.device.kernels import Kernels, MeasuredGemm
+from flexmesh.spec.devices import GEMM_KERNELS, GEMM_TABLES, KernelTable
 
 FRAMEWORK = "vllm"
 MIN_DIM = 4096  # the GEMMs of a training step's layers: thousands of tokens by thousands of features
@@ -82,18 +90,101 @@ def medians(systems: Path, names: list[str]) -> list[TableMedian]:
                         float(np.median([rows[s][shape] for shape in common]))) for s in names]
 
 
+GEMM_START = (0.8, 2.5, 0.85, 3.0, 0.3)  # efficiency, fixed us, HBM fraction, power, ns per K element
+GEMM_FIELDS = ("efficiency", "fixed_us", "hbm_fraction", "power", "per_k_ns")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Constants fitted to one system's table and the rows they were fitted to and scored on."""
+
+    system: str
+    table: str
+    fitted_rows: int
+    held_rows: int
+    values: dict[str, float]
+
+
+def gemm_rows(path: Path) -> np.ndarray:
+    """Every bf16 row of a GEMM table as ``(m, n, k, seconds)``, sorted by shape (the order :func:`fitted_half`
+    splits)."""
+    import pyarrow.parquet as pq  # the optional `tables` extra
+
+    d = pq.read_table(path, columns=["gemm_dtype", "m", "n", "k", "latency"]).to_pydict()
+    rows = sorted({(int(m), int(n), int(k)): ms * 1e-3 for dt, m, n, k, ms in
+                   zip(d["gemm_dtype"], d["m"], d["n"], d["k"], d["latency"]) if dt == "bfloat16" and ms > 0}.items())
+    return np.array([(*shape, s) for shape, s in rows], dtype=float).reshape(-1, 4)
+
+
+def fitted_half(rows: int) -> np.ndarray:
+    """Which rows of a shape-sorted table the constants are fitted to: the even ones (the odd are held out)."""
+    return np.arange(rows) % 2 == 0
+
+
+def gemm_kernels(values: dict[str, float], peak_tflops: float, hbm_gbps: float) -> Kernels:
+    """The device layer's GEMM model with fitted ``values`` on a part of that peak and bandwidth."""
+    return Kernels(mm_flops=values["efficiency"] * peak_tflops * 1e12, attn_flops=1.0, hbm_bytes_per_s=hbm_gbps * 1e9,
+                   sms=None, gemm_measured=MeasuredGemm(
+                       fixed_s=values["fixed_us"] * 1e-6, hbm_bytes_per_s=values["hbm_fraction"] * hbm_gbps * 1e9,
+                       power=values["power"], per_k_s=values["per_k_ns"] * 1e-9))
+
+
+def least_log_error(loss: Callable[[dict[str, float]], float], fields: tuple[str, ...],
+                    start: tuple[float, ...]) -> dict[str, float]:
+    """The constants that minimise ``loss`` (Nelder-Mead from ``start``: deterministic), rounded to 4 figures."""
+    from scipy.optimize import minimize
+
+    r = minimize(lambda x: loss(dict(zip(fields, x))), np.asarray(start), method="Nelder-Mead",
+                 options={"maxiter": 4000, "xatol": 1e-5, "fatol": 1e-7})
+    return {f: float(f"{v:.4g}") for f, v in zip(fields, r.x)}
+
+
+def fit_gemm(systems: Path, system: str, table: KernelTable) -> Fit:
+    """The measured GEMM form's constants for ``system``, fitted to the even rows of its table (module doc)."""
+    path = newest_table(systems, system)
+    m, n, k, t = gemm_rows(path).T
+    fit = fitted_half(len(t))
+
+    def loss(v: dict[str, float]) -> float:
+        pred = gemm_kernels(v, table.peak_tflops, table.hbm_gbps).gemm(m[fit], n[fit], k[fit])
+        return float(np.mean(np.abs(np.log(np.maximum(pred, 1e-12) / t[fit]))))
+
+    return Fit(system, str(path.relative_to(systems)), int(fit.sum()), int((~fit).sum()),
+               least_log_error(loss, GEMM_FIELDS, GEMM_START))
+
+
+def redo_fits(systems: Path, fit: Callable[[Path, str, KernelTable], Fit], tables: dict[str, KernelTable],
+              recorded: dict[str, dict[str, float]]) -> int:
+    """Print each system's fitted constants beside the recorded ones; 1 when one differs by more than 1%."""
+    worst = 0.0
+    for system in sorted(tables):
+        f = fit(systems, system, tables[system])
+        rec = recorded.get(system, {})
+        worst = max([worst] + [abs(v / rec[name] - 1.0) if name in rec else math.inf for name, v in f.values.items()])
+        print(f"[{system}]  # {f.table}: fitted to {f.fitted_rows} rows, {f.held_rows} held out")
+        print("\n".join(f"{name} = {v:.4g}" + (f"  # recorded {rec[name]:.4g}" if name in rec else "")
+                        for name, v in f.values.items()))
+    print(f"largest difference from the recorded constants: {worst:.2%}")
+    return 0 if worst <= 0.01 else 1
+
+
 def redo(prog: str, doc: str, argv: list[str] | None,
-         measure: Callable[[Path, list[str]], list[TableMedian]], recorded: dict[str, KernelTable]) -> int:
+         measure: Callable[[Path, list[str]], list[TableMedian]], recorded: dict[str, KernelTable],
+         fit: Callable[[Path, str, KernelTable], Fit] | None = None,
+         fitted: dict[str, dict[str, float]] | None = None) -> int:
     """The command line of a table module: ``measure`` the installed (or ``--systems``) tables, print
     each system's median beside ``recorded``; exit 1 when one differs by more than 0.5%, 2 without the
     tables."""
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     p.add_argument("--systems", type=Path, help="aiconfigurator-core's systems folder (default: the installed one)")
+    p.add_argument("--fit", action="store_true", help="redo the device layer's fitted constants instead of the medians")
     args = p.parse_args(argv)
     systems = args.systems or systems_dir()
     if systems is None:
         print("aiconfigurator-core is not installed: pip install 'flexmesh[tables]' (or pass --systems DIR)")
         return 2
+    if args.fit and fit is not None and fitted is not None:
+        return redo_fits(systems, fit, recorded, fitted)
     worst = 0.0
     print(f"{'system':<12} {'table':<62} {'shapes':>6} {'TFLOP/s':>8} {'recorded':>8} {'of peak':>7}")
     for t in measure(systems, sorted(recorded)):
@@ -106,7 +197,8 @@ def redo(prog: str, doc: str, argv: list[str] | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    return redo("python -m flexmesh.cost.device.gemm_tables", __doc__ or "", argv, medians, GEMM_TABLES)
+    return redo("python -m flexmesh.cost.device.gemm_tables", __doc__ or "", argv, medians, GEMM_TABLES, fit_gemm,
+                GEMM_KERNELS)
 
 
 if __name__ == "__main__":

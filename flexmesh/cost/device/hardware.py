@@ -32,9 +32,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from flexmesh.cost.device.kernels import HBM_EFFICIENCY, Kernels
+from flexmesh.cost.device.kernels import HBM_EFFICIENCY, Kernels, MeasuredAttention, MeasuredGemm
 from flexmesh.spec.cluster import ClusterSpec
-from flexmesh.spec.devices import COMM_TABLES
+from flexmesh.spec.devices import ATTENTION_KERNELS, COMM_TABLES, GEMM_KERNELS, DeviceSpec
 from flexmesh.spec.model import DTYPE_BYTES
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -205,11 +205,14 @@ class Hardware:
         self.matmul_flops = self.peak_flops * d.mm_efficiency
         self.attn_flops = self.peak_flops * d.attn_efficiency
         self.hbm_bytes_per_s = d.hbm_gbps * 1e9
-        # Kernel times by shape (flexmesh.cost.device.kernels): GEMM tiles over the datasheet SM count,
+        # A training step's kernel times by shape (flexmesh.cost.device.kernels): GEMM tiles over the datasheet SM
+        # count at the end-to-end fits' rates, i.e. the device's kernel rates times the framework terms
+        # (DeviceSpec.framework_mm and framework_attn: what a training step's GEMMs and attention reach of them),
         # memory-bound operators at the achievable fraction of the datasheet HBM bandwidth.
         self.kernels = Kernels(mm_flops=self.matmul_flops, attn_flops=self.attn_flops,
                                hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=d.sms,
                                dtype_bytes=DTYPE_BYTES.get(dtype, 2))
+        self.device_kernels = device_kernels(self.kernels, d, self.peak_flops)
         self.memory_bytes = d.usable_memory_bytes
         self.source = f"preset:{d.name}"
         self.overlap = PRESET_OVERLAP
@@ -291,6 +294,28 @@ class Hardware:
         if isinstance(nbytes, np.ndarray):
             return np.maximum(t_intra, t_inter) + lat
         return max(t_intra, t_inter) + lat
+
+
+def device_kernels(kernels: Kernels, d: DeviceSpec, peak_flops: float) -> Kernels:
+    """The device layer's kernels: ``kernels`` (a training step's) at the part's kernel rates in the measured
+    tables' forms (devices.toml [gemm_kernels] and [attention_kernels] of its ``kernel_table``): each kernel as
+    it measures, no framework term. A part without a kernel fit keeps ``kernels``.
+
+    >>> from flexmesh.spec import parse_cluster
+    >>> hw = Hardware(parse_cluster("1x8xH100"))
+    >>> step, dev = hw.kernels.gemm(8192, 8192, 8192), hw.device_kernels.gemm(8192, 8192, 8192)
+    >>> round(step / dev, 2), round(hw.cluster.device.framework_mm, 3)  # large GEMMs: about 1 / the framework term
+    (1.38, 0.744)
+    """
+    g, a = GEMM_KERNELS.get(d.kernel_table), ATTENTION_KERNELS.get(d.kernel_table)
+    if g is None or a is None or d.kernel_mm_efficiency is None or d.kernel_attn_efficiency is None:
+        return kernels
+    gemm = MeasuredGemm(fixed_s=g["fixed_us"] * 1e-6, power=g["power"], per_k_s=g["per_k_ns"] * 1e-9,
+                        hbm_bytes_per_s=g["hbm_fraction"] * d.hbm_gbps * 1e9)
+    return replace(kernels, mm_flops=peak_flops * d.kernel_mm_efficiency,
+                   attn_flops=peak_flops * d.kernel_attn_efficiency, attn_overhead=a["overhead_keys"],
+                   gemm_measured=gemm,
+                   attn_measured=MeasuredAttention(fixed_s=a["fixed_us"] * 1e-6, per_key_s=a["per_key_ns"] * 1e-9))
 
 
 _TABLES: dict[str, CommTable] = {}

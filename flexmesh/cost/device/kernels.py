@@ -21,6 +21,19 @@ has the table of terms):
   tile pays a fixed cost of ``ATTN_QUERY_OVERHEAD`` keys (loading Q, rescaling and writing O).
 - Every kernel: :data:`LAUNCH_S` of fixed cost.
 
+Those are the shapes a training step's pricing uses, at the end-to-end fits' rates. The device layer's own
+kernels, priced as aiconfigurator-core's measured tables time them (``Hardware.device_kernels``), take the
+forms those tables support over every shape they hold (:class:`MeasuredGemm`, :class:`MeasuredAttention`;
+``python -m flexmesh.cost.device.gemm_tables --fit`` and ``attention_tables --fit`` redo their constants):
+
+- GEMM: ``fixed + (compute^p + memory^p)^(1/p) + per_k x K``: the tensor-core work at the kernel rate and
+  the three matrices' bytes at the GEMMs' achieved bandwidth, joined by a soft maximum (small and skinny
+  GEMMs pay for both), plus one kernel's fixed cost and a K-loop term (a GEMM of few output tiles
+  walks its reduction on few SMs). No tiles or waves: the kernels a library picks per shape (tile sizes,
+  split-K) smooth them out, and the tables price 128 x 128 tiles 2 to 6 times too slow below 128 rows.
+- Attention over ``L`` keys a call: the FLOPs at the kernel rate with the tile form above, plus per call a
+  fixed cost and a per-key term.
+
 >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100, launch_s=0.0)
 >>> big, small = k.gemm_efficiency(8192, 8192, 8192), k.gemm_efficiency(64, 8192, 8192)
 >>> round(float(big), 3), round(float(small), 3)  # 4096 tiles in 41 waves | 64 tiles, half-used, on 100 SMs
@@ -51,6 +64,31 @@ ATTN_QUERY_OVERHEAD = float(ATTN_TILE)
 
 
 @dataclass(frozen=True)
+class MeasuredGemm:
+    """A GEMM's time as the measured tables have it, beyond its rate (``Kernels.mm_flops``): see the module doc.
+
+    >>> g = MeasuredGemm(fixed_s=2e-6, hbm_bytes_per_s=1e12, power=2.0, per_k_s=0.0)
+    >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=None, gemm_measured=g)
+    >>> round(float(k.gemm(4096, 4096, 4096)) * 1e6, 1), round(float(k.gemm(1, 4096, 4096)) * 1e6, 1)
+    (1380.1, 35.6)
+    """
+
+    fixed_s: float
+    hbm_bytes_per_s: float  # what the GEMMs' memory-bound shapes reach
+    power: float  # of the soft maximum of compute and memory time
+    per_k_s: float  # seconds per element of the reduction dimension
+
+
+@dataclass(frozen=True)
+class MeasuredAttention:
+    """A fused attention call's costs as the measured tables have them, beyond its rate: a fixed cost and a
+    per-key term per call (see the module doc)."""
+
+    fixed_s: float
+    per_key_s: float
+
+
+@dataclass(frozen=True)
 class Kernels:
     """Kernel-time model of one device (times in seconds; shapes may be numpy arrays).
 
@@ -75,6 +113,10 @@ class Kernels:
     attn_bwd_overhead: float | None = None
     # True (the envelope): attention keeps its per-query-tile cost with keys not rounded up to tiles
     attn_untiled: bool = False
+    # The measured tables' forms (the device layer's kernels, not a training step's): GEMMs without tiles
+    # or waves, attention calls with their measured fixed and per-key costs; None: the forms above
+    gemm_measured: MeasuredGemm | None = None
+    attn_measured: MeasuredAttention | None = None
 
     def envelope(self) -> "Kernels":
         """The same device with every kernel at its best rate: no tiles, waves, launches or roofline.
@@ -115,8 +157,9 @@ class Kernels:
 
     # ---- GEMMs ---------------------------------------------------------------------------------
     def gemm_compute(self, m, n, k):  # noqa: ANN001, ANN201 - floats or numpy arrays
-        """Seconds of the tensor-core work of ``(m, n, k)``: whole waves of whole tiles."""
-        if self.sms is None:
+        """Seconds of the tensor-core work of ``(m, n, k)``: whole waves of whole tiles (the FLOPs at the rate
+        alone without SMs or in the measured form)."""
+        if self.sms is None or self.gemm_measured is not None:
             return 2.0 * m * n * k / self.mm_flops
         if isinstance(m, np.ndarray) or isinstance(n, np.ndarray):
             waves = np.ceil(np.ceil(m / TILE) * np.ceil(n / TILE) / self.sms)
@@ -130,10 +173,19 @@ class Kernels:
         compute = self.gemm_compute(m, n, k)
         if not self.roofline:
             return compute
+        if self.gemm_measured is not None:
+            return self._gemm_measured(self.gemm_measured, compute, m, n, k)
         memory = (m * k + k * n + m * n) * self.dtype_bytes / self.hbm_bytes_per_s
         if isinstance(compute, np.ndarray):  # an empty dimension (no tokens) runs nothing
             return (np.maximum(compute, memory) + self.launch_s) * ((m > 0) & (n > 0) & (k > 0))
         return max(compute, memory) + self.launch_s if m > 0 and n > 0 and k > 0 else 0.0
+
+    def _gemm_measured(self, g: MeasuredGemm, compute, m, n, k):  # noqa: ANN001, ANN202
+        memory = (m * k + k * n + m * n) * self.dtype_bytes / g.hbm_bytes_per_s
+        t = g.fixed_s + (compute ** g.power + memory ** g.power) ** (1.0 / g.power) + g.per_k_s * k
+        if isinstance(t, np.ndarray):
+            return t * ((m > 0) & (n > 0) & (k > 0))
+        return float(t) if m > 0 and n > 0 and k > 0 else 0.0
 
     def gemm_efficiency(self, m, n, k):  # noqa: ANN001, ANN201
         """Achieved fraction of ``mm_flops`` (what :meth:`gemm` implies, launch included)."""
@@ -180,7 +232,12 @@ class Kernels:
 
     def attention(self, flops, block, calls: float = 1.0, backward: bool = False):  # noqa: ANN001, ANN201
         """Seconds of ``calls`` flash-attention kernels doing ``flops`` over blocks of ``block`` keys
-        (``backward``: at the backward's own rate where it has one)."""
+        (``backward``: at the backward's own rate where it has one; with measured calls, each call's fixed and
+        per-key costs in place of the launch, and a backward at the forward's rate: the tables time forwards)."""
+        if self.attn_measured is not None and self.roofline:
+            a = self.attn_measured
+            t = flops / (self.attn_flops * self.attention_efficiency(block))
+            return t + calls * (a.fixed_s + a.per_key_s * block) * (flops > 0)
         if backward and self.attn_bwd_flops is not None:
             t = flops / (self.attn_bwd_flops * self.attention_efficiency(block, self.attn_bwd_overhead))
         else:

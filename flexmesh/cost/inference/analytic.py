@@ -3,8 +3,10 @@
 One iteration of a ``tp x pp`` replica runs every layer once over the batch's new tokens ``T`` (the decodes'
 one token each plus every prefill chunk's tokens), as vLLM's model runner does (one batch in flight: the
 stages of a pipeline run one after another, so pipelining here buys memory, not speed). Per layer, on each
-of the ``tp`` devices (kernel times from :class:`flexmesh.cost.device.kernels.Kernels`: the catalogue's
-GEMM and attention efficiencies, measured on vLLM's kernels, with tiles, waves and the roofline):
+of the ``tp`` devices (kernel times from :class:`flexmesh.cost.device.kernels.Kernels`: ``Hardware.kernels``, the
+catalogue's GEMM and attention efficiencies with tiles, waves and the roofline; those are the training fits'
+rates, framework terms included: the device layer's kernel-true ones, ``Hardware.device_kernels``, would price
+these iterations 2-37% faster and are not used here yet, the serving planner's scenarios being sized to these):
 
 - the four matmuls at ``T`` rows (:func:`flexmesh.cost.device.layer_shapes.linear_shapes`): at a small batch
   each is bound by reading its weights, so the weights are read once per iteration whatever the batch;

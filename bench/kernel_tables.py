@@ -1,0 +1,139 @@
+"""The device layer against aiconfigurator-core's measured kernel tables, on the rows no constant was fitted to.
+
+For each system with a vLLM GEMM and attention table whose part is in the catalogue (the part of that
+system's datasheet peak and bandwidth), the bf16 GEMM rows and the causal-attention rows
+(``flexmesh.cost.device.attention_tables``: bf16, head dim 128, no window, the prefill kernel, every length)
+are sorted by shape; the constants of ``devices.toml`` ``[gemm_kernels]`` and ``[attention_kernels]`` were
+fitted to the even rows (``python -m flexmesh.cost.device.gemm_tables --fit``, ``attention_tables --fit``), and
+the odd rows score them here: the median of ``|predicted / measured - 1|``.
+
+- after: ``Hardware.device_kernels``, the device layer's kernels (the measured forms at the kernel rates);
+- before: ``Hardware.kernels``, what the device layer priced single kernels with until now, and what a
+  training step still uses: the tile and wave model at the end-to-end fits' rates (the framework terms in).
+
+Targets: median error <= 10% for GEMMs and <= 12% for attention on every GPU type. A second table lists each
+part's kernel efficiencies, its training fits and the framework terms between them.
+
+Usage: ``python -m bench.kernel_tables [--no-record]`` (needs ``pip install flexmesh[tables]``; without it the
+bench says so in one line and exits 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from bench._results import markdown_table, record
+from flexmesh.cost.device import attention_tables, gemm_tables
+from flexmesh.cost.device.hardware import Hardware
+from flexmesh.spec.cluster import ClusterSpec
+from flexmesh.spec.devices import ATTENTION_KERNELS, DEVICE_PRESETS, GEMM_KERNELS, GEMM_TABLES, DeviceSpec
+
+# The code this bench's figures depend on: a change there makes its record out of date.
+DEPENDS_ON = ("flexmesh/cost/device", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
+              "flexmesh/inputs.py", "flexmesh/units.py")
+GEMM_BOUND, ATTENTION_BOUND = 0.10, 0.12
+
+
+def measured_part(system: str) -> DeviceSpec | None:
+    """The catalogue part a system's tables measured: its kernel table, peak and memory bandwidth."""
+    t = GEMM_TABLES.get(system)
+    for d in DEVICE_PRESETS.values():
+        if t is not None and d.kernel_table == system and d.peak_tflops.get("bf16") == t.peak_tflops \
+                and d.hbm_gbps == t.hbm_gbps:
+            return d
+    return None
+
+
+def median_error(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.median(np.abs(predicted / measured - 1.0)))
+
+
+def score(system: str, part: DeviceSpec, systems) -> dict:  # noqa: ANN001 - a Path
+    hw = Hardware(ClusterSpec(1, 1, part))
+    m, n, k, t = gemm_tables.gemm_rows(gemm_tables.newest_table(systems, system)).T
+    held = ~gemm_tables.fitted_half(len(t))
+    big = held & (np.minimum(np.minimum(m, n), k) >= gemm_tables.MIN_DIM)  # a training step's GEMMs
+    kernel, rows = attention_tables.attention_rows(attention_tables.newest_table(systems, system))
+    b, s, h, _, ta = rows.T
+    held_a = ~gemm_tables.fitted_half(len(ta))
+    flops = attention_tables.causal_flops(b, s, h)
+    return {
+        "gemm_rows": (int((~held).sum()), int(held.sum())),
+        "gemm_before": median_error(hw.kernels.gemm(m[held], n[held], k[held]), t[held]),
+        "gemm_after": median_error(hw.device_kernels.gemm(m[held], n[held], k[held]), t[held]),
+        "big_rows": int(big.sum()),
+        "big_before": median_error(hw.kernels.gemm(m[big], n[big], k[big]), t[big]),
+        "big_after": median_error(hw.device_kernels.gemm(m[big], n[big], k[big]), t[big]),
+        "attn_kernel": kernel,
+        "attn_rows": (int((~held_a).sum()), int(held_a.sum())),
+        "attn_before": median_error(hw.kernels.attention(flops[held_a], s[held_a]), ta[held_a]),
+        "attn_after": median_error(hw.device_kernels.attention(flops[held_a], s[held_a]), ta[held_a]),
+    }
+
+
+def verdict(error: float, bound: float) -> str:
+    return f"{error:.1%} {'PASS' if error <= bound else 'FAIL'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
+    args = ap.parse_args(argv)
+    systems = gemm_tables.systems_dir()
+    if systems is None:
+        print("bench.kernel_tables: skipped, aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
+        return 0
+    measured = sorted(p.name for p in (systems / "data").iterdir()
+                      if list((p / "gemm" / gemm_tables.FRAMEWORK).glob("*/gemm_perf.parquet")))
+    scored, unmapped = [], []
+    for system in measured:
+        part = measured_part(system)
+        if part is None or system not in GEMM_KERNELS or system not in ATTENTION_KERNELS:
+            unmapped.append(system)
+            continue
+        scored.append((system, part, score(system, part, systems)))
+        print(system, scored[-1][2], flush=True)
+    rows = [[system, part.name,
+             f"{r['gemm_rows'][0]} / {r['gemm_rows'][1]}", f"{r['gemm_before']:.1%}",
+             verdict(r["gemm_after"], GEMM_BOUND),
+             f"{r['big_rows']}: {r['big_before']:.1%} -> {r['big_after']:.1%}",
+             f"{r['attn_rows'][0]} / {r['attn_rows'][1]}", f"{r['attn_before']:.1%}",
+             verdict(r["attn_after"], ATTENTION_BOUND)] for system, part, r in scored]
+    md = ["Median |predicted / measured - 1| on the held-out rows (the odd rows of each table sorted by shape; the "
+          "constants were fitted to the even ones). GEMMs: every bf16 row of the vLLM table; attention: causal, "
+          "bf16, head dim 128, no window, the prefill kernel (FlashAttention-2 on A100, FlashAttention-3 on "
+          "Hopper, TensorRT-LLM's through FlashInfer on B200, FlashAttention-2 on L40S), every length. Before: the "
+          "tile and wave model at the end-to-end fits' rates (`Hardware.kernels`, what a training step uses); "
+          f"after: the device layer's kernels (`Hardware.device_kernels`). Targets: GEMMs <= {GEMM_BOUND:.0%}, "
+          f"attention <= {ATTENTION_BOUND:.0%}.", "",
+          *markdown_table(["system", "part", "GEMM rows fitted / held out", "GEMM before", "GEMM after",
+                           f"held-out GEMMs with M, N, K >= {gemm_tables.MIN_DIM}: before -> after",
+                           "attention rows fitted / held out", "attention before", "attention after"], rows), ""]
+    terms = [[part.name, f"{part.kernel_mm_efficiency:.3f}", f"{part.mm_efficiency:.3f}", f"{part.framework_mm:.3f}",
+              f"{part.kernel_attn_efficiency:.3f}", f"{part.attn_efficiency:.3f}", f"{part.framework_attn:.3f}"]
+             for _, part, _ in scored]
+    md += ["Kernel efficiencies (fraction of peak, fitted to the tables), the training fits (flexmesh.cost.training."
+           "calibrate, transferred through the tables' medians) and the framework terms, training / kernel: what a "
+           "training step's GEMMs and attention reach of the kernel rate (the attention fit also prices the "
+           "backward, which the tables do not time).", "",
+           *markdown_table(["part", "kernel GEMM", "training GEMM", "framework GEMM", "kernel attention",
+                            "training attention", "framework attention"], terms)]
+    if unmapped:
+        md += ["", f"Systems with vLLM tables and no catalogue part (not scored): {', '.join(unmapped)}."]
+    print("\n".join(md))
+    worst_g = max(scored, key=lambda x: x[2]["gemm_after"])
+    worst_a = max(scored, key=lambda x: x[2]["attn_after"])
+    headline = (f"held-out median error, worst GPU: GEMM {worst_g[2]['gemm_after']:.1%} ({worst_g[0]}; before "
+                f"{max(r['gemm_before'] for _, _, r in scored):.1%}), attention {worst_a[2]['attn_after']:.1%} "
+                f"({worst_a[0]}; before {max(r['attn_before'] for _, _, r in scored):.1%})")
+    print(headline)
+    if not args.no_record:
+        record("kernel_tables", "\n".join(md), headline=headline)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

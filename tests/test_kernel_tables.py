@@ -1,0 +1,149 @@
+"""The device layer's kernel-true rates (``Hardware.device_kernels``) beside a training step's (``Hardware.kernels``):
+the fitted constants of devices.toml, the framework terms between the two, and the fits that redo them."""
+
+import numpy as np
+import pytest
+
+from flexmesh.cost.device.hardware import Hardware
+from flexmesh.cost.device.kernels import Kernels, MeasuredGemm
+from flexmesh.spec.cluster import ClusterSpec, parse_cluster
+from flexmesh.spec.devices import (
+    ATTENTION_KERNELS,
+    ATTENTION_TABLES,
+    DEVICE_PRESETS,
+    GEMM_KERNELS,
+    GEMM_TABLES,
+    DeviceSpec,
+)
+
+FITTED = ("A100-80GB", "H100-80GB")  # the parts the end-to-end fits were made on
+
+
+def hardware(name: str) -> Hardware:
+    return Hardware(ClusterSpec(1, 8, DEVICE_PRESETS[name]))
+
+
+def test_every_measured_system_has_kernel_constants_and_every_part_reads_its_tables():
+    assert set(GEMM_KERNELS) == set(GEMM_TABLES) == set(ATTENTION_KERNELS) == set(ATTENTION_TABLES)
+    for d in DEVICE_PRESETS.values():
+        assert d.kernel_mm_efficiency == GEMM_KERNELS[d.kernel_table]["efficiency"]
+        assert d.kernel_attn_efficiency == ATTENTION_KERNELS[d.kernel_table]["efficiency"]
+        dev = Hardware(ClusterSpec(1, 1, d), d.peak_tflops and next(iter(d.peak_tflops))).device_kernels
+        assert dev.gemm_measured is not None and dev.attn_measured is not None
+        assert dev.gemm_measured.fixed_s == GEMM_KERNELS[d.kernel_table]["fixed_us"] * 1e-6
+        assert dev.attn_overhead == ATTENTION_KERNELS[d.kernel_table]["overhead_keys"]
+
+
+@pytest.mark.parametrize("name", list(DEVICE_PRESETS))
+def test_a_training_step_prices_at_the_fits_and_the_framework_terms_are_what_lies_between(name):
+    d = DEVICE_PRESETS[name]
+    dtype = "bf16" if "bf16" in d.peak_tflops else "fp16"
+    hw = Hardware(ClusterSpec(1, 8, d), dtype)
+    peak = d.peak_flops(dtype)
+    # a training step's kernels: the end-to-end fits as they were, bit for bit
+    assert hw.kernels.mm_flops == peak * d.mm_efficiency and hw.kernels.attn_flops == peak * d.attn_efficiency
+    assert hw.kernels.gemm_measured is None and hw.kernels.attn_measured is None
+    # the device layer's: the kernel rates; the framework terms take them to the fits
+    assert hw.device_kernels.mm_flops == peak * d.kernel_mm_efficiency
+    assert hw.device_kernels.mm_flops * d.framework_mm == pytest.approx(hw.kernels.mm_flops, rel=1e-12)
+    assert hw.device_kernels.attn_flops * d.framework_attn == pytest.approx(hw.kernels.attn_flops, rel=1e-12)
+    # both price memory-bound kernels alike (the copies, norms and optimizer steps)
+    assert hw.device_kernels.memory_bound(1e9) == hw.kernels.memory_bound(1e9) == hw.copy_time(1e9)
+
+
+@pytest.mark.parametrize("name", FITTED)
+def test_the_kernels_run_faster_than_a_training_step_reaches_where_the_fit_absorbed_its_overheads(name):
+    d, hw = DEVICE_PRESETS[name], hardware(name)
+    assert 0.5 < d.framework_mm < 1.0 and 0.5 < d.framework_attn < 1.0
+    for m, n, k in ((8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)):
+        assert hw.device_kernels.gemm(m, n, k) < hw.kernels.gemm(m, n, k)
+    flops = 2.0 * 8192**2 * 32 * 128
+    assert hw.device_kernels.attention(flops, 8192.0) < hw.kernels.attention(flops, 8192.0)
+    # H100's fit absorbs more than A100's: the end-to-end refit went to 0.610 where its kernels reach 0.82
+    assert DEVICE_PRESETS["H100-80GB"].framework_mm < DEVICE_PRESETS["A100-80GB"].framework_mm
+
+
+def test_a_device_without_a_kernel_fit_has_no_framework_term():
+    base = DEVICE_PRESETS["A100-80GB"]
+    fields = {f: getattr(base, f) for f in ("name", "peak_tflops", "memory_gib", "hbm_gbps", "nvlink_gbps",
+                                            "node_net_gbps", "intra_latency_us", "inter_latency_us", "mm_efficiency",
+                                            "attn_efficiency", "intra_efficiency", "inter_efficiency",
+                                            "a2a_intra_efficiency", "a2a_inter_efficiency", "framework_reserve_gib",
+                                            "allocator_headroom", "sms")}
+    own = DeviceSpec(**fields)
+    hw = Hardware(ClusterSpec(1, 8, own))
+    assert own.framework_mm == own.framework_attn == 1.0
+    assert hw.device_kernels is hw.kernels
+
+
+def test_the_measured_gemm_form_pays_compute_and_memory_softly_and_its_envelope_stays_below():
+    g = MeasuredGemm(fixed_s=2e-6, hbm_bytes_per_s=2e12, power=2.4, per_k_s=0.25e-9)
+    k = Kernels(mm_flops=800e12, attn_flops=500e12, hbm_bytes_per_s=3e12, sms=132, gemm_measured=g)
+    m = np.array([1, 64, 1024, 8192, 0])
+    n, kk = np.full(5, 4096), np.full(5, 4096)
+    t = k.gemm(m, n, kk)
+    compute = 2.0 * m * n * kk / 800e12
+    memory = (m * kk + kk * n + m * n) * 2 / 2e12
+    hard = np.maximum(compute, memory) + 2e-6 + 0.25e-9 * kk
+    assert (t[:4] >= hard[:4]).all() and (t[:4] <= hard[:4] + np.minimum(compute, memory)[:4]).all()
+    assert t[4] == 0.0 and k.gemm(0, 4096, 4096) == 0.0  # no tokens, no kernel
+    assert float(k.gemm(64, 4096, 4096)) == pytest.approx(float(t[1]))  # scalars as arrays
+    # no tile or wave steps: one more row never costs a whole wave
+    assert k.gemm(129, 4096, 4096) / k.gemm(128, 4096, 4096) < 1.01
+    e = k.envelope()
+    assert (e.gemm(m, n, kk) <= t).all() and float(e.gemm(64, 8, 8) * 2) == pytest.approx(float(e.gemm(128, 8, 8)))
+
+
+def test_measured_attention_calls_pay_their_fixed_and_per_key_costs():
+    hw = hardware("H100-80GB")
+    dev, a = hw.device_kernels, ATTENTION_KERNELS["h100_sxm"]
+    flops = 2.0 * 4096**2 * 32 * 128
+    one, two = dev.attention(flops, 4096.0, calls=1), dev.attention(flops, 4096.0, calls=2)
+    assert two - one == pytest.approx((a["fixed_us"] * 1e-6 + a["per_key_ns"] * 1e-9 * 4096), rel=1e-9)
+    assert dev.attention(0.0, 4096.0) == 0.0
+    # the envelope keeps attention linear in FLOPs over the block: no calls' costs
+    assert dev.envelope().attention(flops, 4096.0, calls=7) < one
+
+
+def test_training_prices_the_same_through_the_cost_model():
+    from flexmesh.cost import CostModel
+    from flexmesh.spec import parse_model
+
+    cm = CostModel(parse_model("llama2-7b"), parse_cluster("8xH100"))
+    assert cm.timing.kernels.mm_flops == cm.hw.kernels.mm_flops == cm.hw.peak_flops * 0.610
+
+
+def test_a_fit_recovers_the_constants_a_synthetic_table_was_made_with(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from flexmesh.cost.device.gemm_tables import fit_gemm, gemm_kernels
+    from flexmesh.spec.devices import KernelTable
+
+    truth = {"efficiency": 0.8, "fixed_us": 3.0, "hbm_fraction": 0.85, "power": 2.5, "per_k_ns": 0.2}
+    table = KernelTable(tflops=700.0, peak_tflops=1000.0, architecture="hopper", hbm_gbps=3000.0)
+    dims = [1, 16, 128, 512, 1024, 4096, 8192]
+    m, n, k = (np.array(x, dtype=float) for x in zip(*[(a, b, c) for a in dims for b in dims[2:] for c in dims[2:]]))
+    ms = gemm_kernels(truth, 1000.0, 3000.0).gemm(m, n, k) * 1e3
+    folder = tmp_path / "data" / "x" / "gemm" / "vllm" / "0.1.0"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.table({"gemm_dtype": ["bfloat16"] * len(m), "m": m.astype(int), "n": n.astype(int),
+                             "k": k.astype(int), "latency": ms}), folder / "gemm_perf.parquet")
+    got = fit_gemm(tmp_path, "x", table)
+    assert got.fitted_rows + got.held_rows == len(m) and got.fitted_rows == (len(m) + 1) // 2
+    for name, v in truth.items():
+        assert got.values[name] == pytest.approx(v, rel=0.05), name
+
+
+def test_recorded_kernel_constants_match_the_installed_tables():
+    """One system's fits redone (A100's, the smallest tables; ``--fit`` redoes every system's)."""
+    pytest.importorskip("pyarrow")
+    from flexmesh.cost.device import attention_tables, gemm_tables
+
+    systems = gemm_tables.systems_dir()
+    if systems is None:
+        pytest.skip("aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
+    for fit, tables, recorded in ((gemm_tables.fit_gemm, GEMM_TABLES, GEMM_KERNELS),
+                                  (attention_tables.fit_attention, ATTENTION_TABLES, ATTENTION_KERNELS)):
+        got = fit(systems, "a100_sxm", tables["a100_sxm"])
+        assert got.values == pytest.approx(recorded["a100_sxm"], rel=0.01)
