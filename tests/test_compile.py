@@ -1,10 +1,11 @@
 """The GPU's speed options, checked on CPU: compiled blocks, the chunked loss and metering on chosen steps.
 
 - ``torch.compile`` of each block (flexmesh.runtime.parallel.parallelize.apply_compile) gives the eager
-  model's loss and gradients, with one compiled code for every layer (the attention core stays out);
+  model's loss and gradients, with one compiled code for every layer and every row length (the
+  attention core stays out), however the layer is recomputed;
 - the trainer with compiled blocks, the chunked loss and activations metered every other step, on
   one and on two ranks (ZeRO-3, FSDP2), reproduces the single-process reference with a document cut
-  over micro-batches, and meters exactly the steps it says.
+  over micro-batches, and meters exactly the steps it says, with one compiled code per rank.
 """
 
 from __future__ import annotations
@@ -35,17 +36,22 @@ def test_compiled_blocks_match_the_eager_model_with_one_compilation_for_all_laye
     counters.clear()
     spec = tiny_spec()
     eager, compiled = build_model(spec, "cpu"), build_model(spec, "cpu")
-    apply_ac(compiled, (False, True, False, False))  # a checkpointed block is compiled inside its wrapper
+    # a checkpointed block is compiled inside its wrapper, a selectively recomputed one as a plain one
+    apply_ac(compiled, (False, True, False, "selective"))
     apply_compile(compiled)
     rng = np.random.default_rng(0)
     graphs = []
-    for _ in range(3):  # three row lengths
-        docs = [rng.integers(0, spec.vocab, size=n) for n in rng.integers(5, 60, size=4)]
-        _same_loss_and_grads(eager, compiled, pack_microbatch(docs, [Piece(i, 0, len(d)) for i, d in enumerate(docs)]))
+    for sizes in (rng.integers(5, 60, size=4), rng.integers(5, 60, size=4), [1], rng.integers(5, 60, size=4)):
+        docs = [rng.integers(0, spec.vocab, size=n) for n in sizes]  # three row lengths and a one-token row
+        b = pack_microbatch(docs, [Piece(i, 0, len(d)) for i, d in enumerate(docs)])
+        if b.num_tokens == 1:  # a label for the one token (a document's last token has none)
+            b = replace(b, labels=torch.tensor([[7]]))
+        _same_loss_and_grads(eager, compiled, b)
         graphs.append(counters["stats"]["unique_graphs"])
-    # the blocks' own graphs (before and after the attention core, forward and backward), compiled once
-    # for any row length (no recompile at the second length) and not once per layer (4 layers: 4x as many)
-    assert 0 < graphs[0] <= 4 and graphs == [graphs[0]] * 3, (graphs, dict(counters["stats"]))
+    # the blocks' own graphs (around the attention core: before it and after it, in the block and in its
+    # attention), compiled once for any row length (no recompile at the second length, nor for the
+    # one-token row, which runs eagerly) and not once per layer (4 layers: 4x as many) or per recompute
+    assert 0 < graphs[0] <= 4 and graphs == [graphs[0]] * 4, (graphs, dict(counters["stats"]))
     # names as the eager model's (checkpoints do not depend on compilation); only the AC wrapper shows
     assert [canonical_name(n) for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
 
@@ -96,6 +102,7 @@ def worker(out: Path) -> None:
     import dataclasses
 
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     from flexmesh.runtime.parallel.distributed import init_distributed
     from flexmesh.runtime.train.trainer import Trainer
@@ -106,8 +113,10 @@ def worker(out: Path) -> None:
     cfg = replace(train_config(), compile=True, chunked_loss=True, meter_every=2)
     trainer = Trainer(plan_for(world), tiny_spec(), cfg)
     rows = [dataclasses.asdict(trainer.step(docs, sched)) for docs, sched in make_steps(world, 1, steps=STEPS)]
+    graphs: list = [None] * world
+    dist.all_gather_object(graphs, counters["stats"]["unique_graphs"])
     if dist.get_rank() == 0:
-        (out / "result.json").write_text(json.dumps({"rows": rows, "chunked": trainer.chunked_loss}))
+        (out / "result.json").write_text(json.dumps({"rows": rows, "chunked": trainer.chunked_loss, "graphs": graphs}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -124,6 +133,10 @@ def test_trainer_with_the_gpu_defaults_matches_the_reference(tmp_path, world):
     for step, (row, w) in enumerate(zip(got["rows"], want, strict=True)):
         assert abs(row["loss"] - w) <= 1e-5 * w, f"step {step + 1}: {row['loss']} vs reference {w}"
         assert row["attention_kernel"] == "sdpa" and row["microbatch_tokens"] == plan_for(world).microbatch_tokens
+    # one compiled code for every block on each rank: plain, checkpointed and selectively recomputed
+    # layers (under FSDP2 with two ranks: blocks of two classes), rows of every length, the one-token
+    # empty micro-batches included (as in the single-process test above)
+    assert all(0 < g <= 4 for g in got["graphs"]), got["graphs"]
     metered = [bool(r["activation_peak_bytes"]) for r in got["rows"]]
     assert metered == [True, False, True]  # the first step, then every other (meter_every=2)
     assert all(len(r["activation_peak_bytes"]) == world for r in got["rows"] if r["activation_peak_bytes"])

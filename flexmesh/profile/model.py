@@ -431,7 +431,9 @@ def _states(spec: ModelSpec, reps: int, dtype, device) -> dict:
 def _compiled(block, compile: bool):
     """``block`` with its forward compiled as the runtime compiles it (``flexmesh train --compile``), or as is."""
     if compile:
-        block.forward = torch.compile(block.forward)
+        from flexmesh.runtime.parallel.parallelize import compile_block
+
+        compile_block(block)
     return block
 
 

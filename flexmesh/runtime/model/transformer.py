@@ -124,6 +124,11 @@ def attention_core(attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch
         out = checkpoint(attn.core, *args, use_reentrant=False, preserve_rng_state=False)
     else:
         out = attn.core(*args)
+    # One layout whatever the kernel returned (the compiled rest of the block would be specialised on
+    # each): [B, T, H, D] dense in memory, which the caller's transpose and flatten read without a copy
+    b, h, t, d = out.shape
+    if out.stride() != (t * h * d, d, h * d, 1):
+        out = out.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
     torch._dynamo.maybe_mark_dynamic(out, 2)  # the compiled rest of the block takes any length (Transformer.forward)
     return out
 
@@ -212,12 +217,21 @@ class TransformerBlock(nn.Module):
         self.feed_forward: nn.Module = MoEFeedForward(spec) if spec.is_moe_layer(layer) else FeedForward(spec)
 
     def forward(self, x: torch.Tensor, row: Row) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), row)
-        if isinstance(self.feed_forward, MoEFeedForward):
-            return h + self.feed_forward(self.ffn_norm(h), row.real)
-        if self.feed_forward.adapters is None:  # one input, as tensor parallelism's input layouts say
-            return h + self.feed_forward(self.ffn_norm(h))
-        return h + self.feed_forward(self.ffn_norm(h), row)
+        return block_forward(self.attention_norm, self.attention, self.ffn_norm, self.feed_forward, x, row)
+
+
+def block_forward(attention_norm: nn.Module, attention: nn.Module, ffn_norm: nn.Module, feed_forward: nn.Module,
+                  x: torch.Tensor, row: Row) -> torch.Tensor:
+    """A block's computation from its four parts. A function of the parts rather than a method of the
+    block: compiled (flexmesh.runtime.parallel.parallelize.apply_compile), one code serves every block,
+    whatever class a wrapper gave the block itself (FSDP2 swaps the class of each module it shards,
+    activation checkpointing leaves the wrapped block's), where a compiled method is specialised on it."""
+    h = x + attention(attention_norm(x), row)
+    if isinstance(feed_forward, MoEFeedForward):
+        return h + feed_forward(ffn_norm(h), row.real)
+    if feed_forward.adapters is None:  # one input, as tensor parallelism's input layouts say
+        return h + feed_forward(ffn_norm(h))
+    return h + feed_forward(ffn_norm(h), row)
 
 
 class Transformer(nn.Module):

@@ -32,7 +32,9 @@ one process, tp only, pipeline only) the trainer runs forward under ``torch.auto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -43,7 +45,7 @@ from flexmesh.layout.mesh import MESH_AXES, Layout, group_layout
 from flexmesh.layout.plan import Plan
 from flexmesh.layout.strategy import Recompute
 from flexmesh.runtime.model.moe import MoEFeedForward
-from flexmesh.runtime.model.transformer import Transformer, blocks
+from flexmesh.runtime.model.transformer import Row, Transformer, TransformerBlock, block_forward, blocks
 from flexmesh.runtime.parallel.adapters import shard_adapters
 from flexmesh.runtime.parallel.context import ContextGroups
 from flexmesh.runtime.parallel.precision import check_dtype
@@ -186,18 +188,45 @@ def apply_ac(model: Transformer, recompute: tuple[Recompute | bool, ...]) -> Non
 
 # ---- compilation -----------------------------------------------------------------------------------
 def apply_compile(model: Transformer) -> None:
-    """``torch.compile`` each block's forward, in place (torchtitan compiles per block too).
-
-    The block's own forward is compiled, not the module call: the FSDP2 and checkpointing wrappers
-    around it keep running eagerly, parameter names do not change (checkpoints of compiled and eager
-    runs are the same), and the attention core stays out of the graphs
-    (flexmesh.runtime.model.transformer.attention_core). Every block shares one compiled code: each layer's
-    differences (its index, window, context-parallel group) are read inside the attention core only.
-    Shapes are static on the first micro-batch and dynamic from the first row of another length on
-    (one recompilation).
-    """
+    """``torch.compile`` each block's forward, in place (torchtitan compiles per block too): :func:`compile_block`."""
     for inner in blocks(model).values():
-        inner.forward = torch.compile(inner.forward)  # type: ignore[method-assign]  # in place, on purpose (doc)
+        compile_block(inner)
+
+
+def compile_block(block: TransformerBlock) -> TransformerBlock:
+    """``block`` with its forward compiled, in place; returns ``block``.
+
+    What is compiled is the block's computation from its parts
+    (flexmesh.runtime.model.transformer.block_forward), not the module call: the FSDP2 and checkpointing
+    wrappers around it keep running eagerly, parameter names do not change (checkpoints of compiled
+    and eager runs are the same), and the attention core stays out of the graphs
+    (flexmesh.runtime.model.transformer.attention_core). Every block shares one compiled code, whatever
+    wraps it (full, selective or no recomputation, FSDP2 or none): each layer's differences (its index,
+    window, context-parallel group, recomputation of the core) are read inside the attention core only.
+    The row length is a dynamic size from the first micro-batch on, so no later length recompiles; a
+    row of one token (an empty micro-batch, or a one-token slice of one under sequence or context
+    parallelism) runs eagerly, where the compiler would specialise a code on the length 1.
+    """
+    block.forward = partial(_compiled_block_forward, block)  # type: ignore[method-assign]  # in place (doc)
+    return block
+
+
+@cache
+def _compiled_body() -> Callable[..., torch.Tensor]:
+    return torch.compile(block_forward)  # made on first use: torch.compile imports the compiler (seconds)
+
+
+def _compiled_block_forward(block: TransformerBlock, x: torch.Tensor, row: Row) -> torch.Tensor:
+    parts = (block.attention_norm, block.attention, block.ffn_norm, block.feed_forward)
+    if x.shape[1] < 2:
+        return block_forward(*parts, x, row)
+    # FSDP2's pre-forward hook hands the block a view of its input, a new tensor object that does not
+    # carry the model's mark (flexmesh.runtime.model.transformer.Transformer.forward), and activation
+    # checkpointing's recomputation hands it a tensor that is no view: the compiler guards on both,
+    # so the block always gets a view, marked dynamic
+    x = x.view_as(x)
+    torch._dynamo.maybe_mark_dynamic(x, 1)
+    return _compiled_body()(*parts, x, row)
 
 
 # ---- data parallel (FSDP2) -----------------------------------------------------------------------
