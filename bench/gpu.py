@@ -69,7 +69,7 @@ from bench.gpu_case import (  # noqa: E402
     sync,
 )
 
-WARMUP = 2  # steps left out of throughput: the first compiles, the second meets a new row length
+WARMUP = 2  # steps left out of throughput for every system compared: the first compiles, both warm the allocator
 
 
 def peak_flops(cluster: str | None, dtype: str) -> float | None:
