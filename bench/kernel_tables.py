@@ -3,15 +3,19 @@
 For each system with a vLLM GEMM and attention table whose part is in the catalogue (the part of that
 system's datasheet peak and bandwidth), the bf16 GEMM rows and the causal-attention rows
 (``flexmesh.cost.device.attention_tables``: bf16, head dim 128, no window, the prefill kernel, every length)
-are sorted by shape; the constants of ``devices.toml`` ``[gemm_kernels]`` and ``[attention_kernels]`` were
-fitted to the even rows (``python -m flexmesh.cost.device.gemm_tables --fit``, ``attention_tables --fit``), and
-the odd rows score them here: the median of ``|predicted / measured - 1|``.
+and the decode-attention rows (``flexmesh.cost.device.decode_tables``: bf16 KV, head dim 128, no window, the
+decode kernel) are sorted by shape; the constants of ``devices.toml`` ``[gemm_kernels]``, ``[attention_kernels]``
+and ``[decode_kernels]`` were fitted to the even rows (``python -m flexmesh.cost.device.gemm_tables --fit``,
+``attention_tables --fit``, ``decode_tables --fit``), and the odd rows score them here: the median of
+``|predicted / measured - 1|``.
 
 - after: ``Hardware.device_kernels``, the device layer's kernels (the measured forms at the kernel rates);
 - before: ``Hardware.kernels``, what the device layer priced single kernels with until now, and what a
   training step still uses: the tile and wave model at the end-to-end fits' rates (the framework terms in).
 
-Targets: median error <= 10% for GEMMs and <= 12% for attention on every GPU type. A second table lists each
+Decode attention's before is the KV bytes at the achievable HBM rate and a launch a call, what the serving
+iteration priced it with until now. Targets: median error <= 10% for GEMMs and <= 12% for attention, prefill
+and decode, on every GPU type. A second table lists each
 part's kernel efficiencies, its training fits and the framework terms between them.
 
 Usage: ``python -m bench.kernel_tables [--no-record]`` (needs ``pip install flexmesh[tables]``; without it the
@@ -26,10 +30,17 @@ import sys
 import numpy as np
 
 from bench._results import markdown_table, record
-from flexmesh.cost.device import attention_tables, gemm_tables
+from flexmesh.cost.device import attention_tables, decode_tables, gemm_tables
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.spec.cluster import ClusterSpec
-from flexmesh.spec.devices import ATTENTION_KERNELS, DEVICE_PRESETS, GEMM_KERNELS, GEMM_TABLES, DeviceSpec
+from flexmesh.spec.devices import (
+    ATTENTION_KERNELS,
+    DECODE_KERNELS,
+    DEVICE_PRESETS,
+    GEMM_KERNELS,
+    GEMM_TABLES,
+    DeviceSpec,
+)
 
 # The code this bench's figures depend on: a change there makes its record out of date.
 DEPENDS_ON = ("flexmesh/cost/device", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
@@ -60,6 +71,10 @@ def score(system: str, part: DeviceSpec, systems) -> dict:  # noqa: ANN001 - a P
     b, s, h, _, ta = rows.T
     held_a = ~gemm_tables.fitted_half(len(ta))
     flops = attention_tables.causal_flops(b, s, h)
+    dkernel, drows = decode_tables.decode_rows(decode_tables.newest_table(systems, system))
+    db, keys, _, kv, td = drows.T
+    held_d = ~gemm_tables.fitted_half(len(td))
+    nbytes, pairs = decode_tables.kv_bytes(db, keys, kv)[held_d], (db * kv)[held_d]
     return {
         "gemm_rows": (int((~held).sum()), int(held.sum())),
         "gemm_before": median_error(hw.kernels.gemm(m[held], n[held], k[held]), t[held]),
@@ -71,6 +86,10 @@ def score(system: str, part: DeviceSpec, systems) -> dict:  # noqa: ANN001 - a P
         "attn_rows": (int((~held_a).sum()), int(held_a.sum())),
         "attn_before": median_error(hw.kernels.attention(flops[held_a], s[held_a]), ta[held_a]),
         "attn_after": median_error(hw.device_kernels.attention(flops[held_a], s[held_a]), ta[held_a]),
+        "decode_kernel": dkernel,
+        "decode_rows": (int((~held_d).sum()), int(held_d.sum())),
+        "decode_before": median_error(hw.kernels.decode_attention(nbytes, pairs), td[held_d]),
+        "decode_after": median_error(hw.device_kernels.decode_attention(nbytes, pairs), td[held_d]),
     }
 
 
@@ -91,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     scored, unmapped = [], []
     for system in measured:
         part = measured_part(system)
-        if part is None or system not in GEMM_KERNELS or system not in ATTENTION_KERNELS:
+        if part is None or any(system not in k for k in (GEMM_KERNELS, ATTENTION_KERNELS, DECODE_KERNELS)):
             unmapped.append(system)
             continue
         scored.append((system, part, score(system, part, systems)))
@@ -101,17 +120,22 @@ def main(argv: list[str] | None = None) -> int:
              verdict(r["gemm_after"], GEMM_BOUND),
              f"{r['big_rows']}: {r['big_before']:.1%} -> {r['big_after']:.1%}",
              f"{r['attn_rows'][0]} / {r['attn_rows'][1]}", f"{r['attn_before']:.1%}",
-             verdict(r["attn_after"], ATTENTION_BOUND)] for system, part, r in scored]
+             verdict(r["attn_after"], ATTENTION_BOUND),
+             f"{r['decode_rows'][0]} / {r['decode_rows'][1]}", f"{r['decode_before']:.1%}",
+             verdict(r["decode_after"], ATTENTION_BOUND)] for system, part, r in scored]
     md = ["Median |predicted / measured - 1| on the held-out rows (the odd rows of each table sorted by shape; the "
           "constants were fitted to the even ones). GEMMs: every bf16 row of the vLLM table; attention: causal, "
           "bf16, head dim 128, no window, the prefill kernel (FlashAttention-2 on A100, FlashAttention-3 on "
-          "Hopper, TensorRT-LLM's through FlashInfer on B200, FlashAttention-2 on L40S), every length. Before: the "
-          "tile and wave model at the end-to-end fits' rates (`Hardware.kernels`, what a training step uses); "
+          "Hopper, TensorRT-LLM's through FlashInfer on B200, FlashAttention-2 on L40S), every length; decode "
+          "attention: bf16 KV, head dim 128, no window, the decode kernel, every batch and context. Before: the "
+          "tile and wave model at the end-to-end fits' rates (`Hardware.kernels`, what a training step uses; "
+          "decode: the KV bytes at the achievable HBM rate); "
           f"after: the device layer's kernels (`Hardware.device_kernels`). Targets: GEMMs <= {GEMM_BOUND:.0%}, "
-          f"attention <= {ATTENTION_BOUND:.0%}.", "",
+          f"attention (prefill and decode) <= {ATTENTION_BOUND:.0%}.", "",
           *markdown_table(["system", "part", "GEMM rows fitted / held out", "GEMM before", "GEMM after",
                            f"held-out GEMMs with M, N, K >= {gemm_tables.MIN_DIM}: before -> after",
-                           "attention rows fitted / held out", "attention before", "attention after"], rows), ""]
+                           "attention rows fitted / held out", "attention before", "attention after",
+                           "decode rows fitted / held out", "decode before", "decode after"], rows), ""]
     terms = [[part.name, f"{part.kernel_mm_efficiency:.3f}", f"{part.mm_efficiency:.3f}", f"{part.framework_mm:.3f}",
               f"{part.kernel_attn_efficiency:.3f}", f"{part.attn_efficiency:.3f}", f"{part.framework_attn:.3f}"]
              for _, part, _ in scored]
@@ -126,9 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(md))
     worst_g = max(scored, key=lambda x: x[2]["gemm_after"])
     worst_a = max(scored, key=lambda x: x[2]["attn_after"])
+    worst_d = max(scored, key=lambda x: x[2]["decode_after"])
     headline = (f"held-out median error, worst GPU: GEMM {worst_g[2]['gemm_after']:.1%} ({worst_g[0]}; before "
                 f"{max(r['gemm_before'] for _, _, r in scored):.1%}), attention {worst_a[2]['attn_after']:.1%} "
-                f"({worst_a[0]}; before {max(r['attn_before'] for _, _, r in scored):.1%})")
+                f"({worst_a[0]}; before {max(r['attn_before'] for _, _, r in scored):.1%}), decode attention "
+                f"{worst_d[2]['decode_after']:.1%} ({worst_d[0]}; before "
+                f"{max(r['decode_before'] for _, _, r in scored):.1%})")
     print(headline)
     if not args.no_record:
         record("kernel_tables", "\n".join(md), headline=headline)

@@ -10,6 +10,7 @@ from flexmesh.spec.cluster import ClusterSpec, parse_cluster
 from flexmesh.spec.devices import (
     ATTENTION_KERNELS,
     ATTENTION_TABLES,
+    DECODE_KERNELS,
     DEVICE_PRESETS,
     GEMM_KERNELS,
     GEMM_TABLES,
@@ -24,7 +25,8 @@ def hardware(name: str) -> Hardware:
 
 
 def test_every_measured_system_has_kernel_constants_and_every_part_reads_its_tables():
-    assert set(GEMM_KERNELS) == set(GEMM_TABLES) == set(ATTENTION_KERNELS) == set(ATTENTION_TABLES)
+    assert set(GEMM_KERNELS) == set(GEMM_TABLES) == set(ATTENTION_KERNELS) == set(ATTENTION_TABLES) \
+        == set(DECODE_KERNELS)
     for d in DEVICE_PRESETS.values():
         assert d.kernel_mm_efficiency == GEMM_KERNELS[d.kernel_table]["efficiency"]
         assert d.kernel_attn_efficiency == ATTENTION_KERNELS[d.kernel_table]["efficiency"]
@@ -32,6 +34,9 @@ def test_every_measured_system_has_kernel_constants_and_every_part_reads_its_tab
         assert dev.gemm_measured is not None and dev.attn_measured is not None
         assert dev.gemm_measured.fixed_s == GEMM_KERNELS[d.kernel_table]["fixed_us"] * 1e-6
         assert dev.attn_overhead == ATTENTION_KERNELS[d.kernel_table]["overhead_keys"]
+        dec = DECODE_KERNELS[d.kernel_table]
+        assert dev.decode_measured is not None and dev.decode_measured.hbm_bytes_per_s == pytest.approx(
+            dec["hbm_fraction"] * d.hbm_gbps * 1e9, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", list(DEVICE_PRESETS))
@@ -105,6 +110,18 @@ def test_measured_attention_calls_pay_their_fixed_and_per_key_costs():
     assert dev.envelope().attention(flops, 4096.0, calls=7) < one
 
 
+def test_decode_attention_is_memory_bound_with_a_fixed_cost_a_call_and_a_cost_a_sequence_head():
+    hw = hardware("H100-80GB")
+    dev, d = hw.device_kernels, DECODE_KERNELS["h100_sxm"]
+    one, two = dev.decode_attention(1e9, 256), dev.decode_attention(2e9, 256)
+    assert two - one == pytest.approx(1e9 / (d["hbm_fraction"] * 3350e9), rel=1e-9)  # bytes at the fitted rate
+    assert dev.decode_attention(1e9, 512) - one == pytest.approx(256 * d["per_pair_ns"] * 1e-9, rel=1e-9)
+    assert dev.decode_attention(1e9, 256, calls=2) - one == pytest.approx(d["fixed_us"] * 1e-6, rel=1e-9)
+    assert dev.decode_attention(0.0, 0) == 0.0
+    # a device without a fit reads the bytes at its HBM rate, a launch a call
+    assert hw.kernels.decode_attention(1e9, 256) == pytest.approx(1e9 / hw.kernels.hbm_bytes_per_s + 3e-6)
+
+
 def test_training_prices_the_same_through_the_cost_model():
     from flexmesh.cost import CostModel
     from flexmesh.spec import parse_model
@@ -138,12 +155,13 @@ def test_a_fit_recovers_the_constants_a_synthetic_table_was_made_with(tmp_path):
 def test_recorded_kernel_constants_match_the_installed_tables():
     """One system's fits redone (A100's, the smallest tables; ``--fit`` redoes every system's)."""
     pytest.importorskip("pyarrow")
-    from flexmesh.cost.device import attention_tables, gemm_tables
+    from flexmesh.cost.device import attention_tables, decode_tables, gemm_tables
 
     systems = gemm_tables.systems_dir()
     if systems is None:
         pytest.skip("aiconfigurator-core is not installed (pip install 'flexmesh[tables]')")
     for fit, tables, recorded in ((gemm_tables.fit_gemm, GEMM_TABLES, GEMM_KERNELS),
-                                  (attention_tables.fit_attention, ATTENTION_TABLES, ATTENTION_KERNELS)):
+                                  (attention_tables.fit_attention, ATTENTION_TABLES, ATTENTION_KERNELS),
+                                  (decode_tables.fit_decode, GEMM_TABLES, DECODE_KERNELS)):
         got = fit(systems, "a100_sxm", tables["a100_sxm"])
         assert got.values == pytest.approx(recorded["a100_sxm"], rel=0.01)

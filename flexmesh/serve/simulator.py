@@ -24,7 +24,7 @@ records, bit for bit.
 >>> from flexmesh.spec.cluster import parse_mixed_cluster
 >>> c = parse_mixed_cluster("2xH100")
 >>> fleet = Fleet(parse_model("llama3-8b"), c, place(parse_replicas("2xtp1", c), c))
->>> out = fleet.run(with_arrivals(constant_lengths(1000, 100), rate=4.0, n=200))
+>>> out = fleet.run(with_arrivals(constant_lengths(2000, 100), rate=12.0, n=200))
 >>> len(out.records), sorted({r.replica for r in out.records})
 (200, [0, 1])
 >>> s = summarize(out.records)

@@ -192,6 +192,8 @@ ATTENTION_TABLES: dict[str, KernelTable] = {k: KernelTable(**v) for k, v in _CAT
 # and attention_tables, --fit): efficiency is a fraction of the measured part's peak
 GEMM_KERNELS: dict[str, dict[str, float]] = _CATALOGUE.get("gemm_kernels", {})
 ATTENTION_KERNELS: dict[str, dict[str, float]] = _CATALOGUE.get("attention_kernels", {})
+# and decode attention's (flexmesh.cost.device.decode_tables --fit): hbm_fraction of the measured part's bandwidth
+DECODE_KERNELS: dict[str, dict[str, float]] = _CATALOGUE.get("decode_kernels", {})
 # FlashAttention-2's measured throughput and fit per architecture where it is not the fused kernel the
 # tables measured (devices.toml [flash_attention_2]; flexmesh.cost.device.flash2)
 FLASH2: dict[str, dict] = _CATALOGUE["flash_attention_2"]
@@ -205,7 +207,8 @@ _OPTIONAL = ("comm_table", "kernel_table")
 
 def _load_presets() -> dict[str, DeviceSpec]:
     raw = {k: v for k, v in _CATALOGUE.items() if k not in ("efficiency", "memory", "gemm_tables", "attention_tables",
-                                                         "flash_attention_2", "gemm_kernels", "attention_kernels")}
+                                                         "flash_attention_2", "gemm_kernels", "attention_kernels",
+                                                         "decode_kernels")}
     eff, mem = _CATALOGUE["efficiency"], _CATALOGUE["memory"]
     attn_fit = eff[ATTENTION_FIT_FAMILY]
     out = {}

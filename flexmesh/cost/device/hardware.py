@@ -32,9 +32,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from flexmesh.cost.device.kernels import HBM_EFFICIENCY, Kernels, MeasuredAttention, MeasuredGemm
+from flexmesh.cost.device.kernels import HBM_EFFICIENCY, Kernels, MeasuredAttention, MeasuredDecode, MeasuredGemm
 from flexmesh.spec.cluster import ClusterSpec
-from flexmesh.spec.devices import ATTENTION_KERNELS, COMM_TABLES, GEMM_KERNELS, DeviceSpec
+from flexmesh.spec.devices import ATTENTION_KERNELS, COMM_TABLES, DECODE_KERNELS, GEMM_KERNELS, DeviceSpec
 from flexmesh.spec.model import DTYPE_BYTES
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -298,8 +298,8 @@ class Hardware:
 
 def device_kernels(kernels: Kernels, d: DeviceSpec, peak_flops: float) -> Kernels:
     """The device layer's kernels: ``kernels`` (a training step's) at the part's kernel rates in the measured
-    tables' forms (devices.toml [gemm_kernels] and [attention_kernels] of its ``kernel_table``): each kernel as
-    it measures, no framework term. A part without a kernel fit keeps ``kernels``.
+    tables' forms (devices.toml [gemm_kernels], [attention_kernels] and [decode_kernels] of its ``kernel_table``):
+    each kernel as it measures, no framework term. A part without a kernel fit keeps ``kernels``.
 
     >>> from flexmesh.spec import parse_cluster
     >>> hw = Hardware(parse_cluster("1x8xH100"))
@@ -310,11 +310,15 @@ def device_kernels(kernels: Kernels, d: DeviceSpec, peak_flops: float) -> Kernel
     g, a = GEMM_KERNELS.get(d.kernel_table), ATTENTION_KERNELS.get(d.kernel_table)
     if g is None or a is None or d.kernel_mm_efficiency is None or d.kernel_attn_efficiency is None:
         return kernels
+    dec = DECODE_KERNELS.get(d.kernel_table)
+    decode = None if dec is None else MeasuredDecode(
+        fixed_s=dec["fixed_us"] * 1e-6, hbm_bytes_per_s=dec["hbm_fraction"] * d.hbm_gbps * 1e9,
+        per_pair_s=dec["per_pair_ns"] * 1e-9)
     gemm = MeasuredGemm(fixed_s=g["fixed_us"] * 1e-6, power=g["power"], per_k_s=g["per_k_ns"] * 1e-9,
                         hbm_bytes_per_s=g["hbm_fraction"] * d.hbm_gbps * 1e9)
     return replace(kernels, mm_flops=peak_flops * d.kernel_mm_efficiency,
                    attn_flops=peak_flops * d.kernel_attn_efficiency, attn_overhead=a["overhead_keys"],
-                   gemm_measured=gemm,
+                   gemm_measured=gemm, decode_measured=decode,
                    attn_measured=MeasuredAttention(fixed_s=a["fixed_us"] * 1e-6, per_key_s=a["per_key_ns"] * 1e-9))
 
 

@@ -33,6 +33,10 @@ forms those tables support over every shape they hold (:class:`MeasuredGemm`, :c
   split-K) smooth them out, and the tables price 128 x 128 tiles 2 to 6 times too slow below 128 rows.
 - Attention over ``L`` keys a call: the FLOPs at the kernel rate with the tile form above, plus per call a
   fixed cost and a per-key term.
+- Decode attention (one query per sequence against its cached keys and values, :class:`MeasuredDecode`):
+  memory-bound, the KV bytes read at a fitted fraction of the HBM bandwidth, plus per call a fixed cost and
+  a cost per (sequence, KV head) pair (each is a unit of work the kernel schedules: its query heads loaded,
+  its partial results combined). ``python -m flexmesh.cost.device.decode_tables --fit`` redoes its constants.
 
 >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100, launch_s=0.0)
 >>> big, small = k.gemm_efficiency(8192, 8192, 8192), k.gemm_efficiency(64, 8192, 8192)
@@ -89,6 +93,22 @@ class MeasuredAttention:
 
 
 @dataclass(frozen=True)
+class MeasuredDecode:
+    """A decode-attention call as the measured tables time it: ``fixed_s + per_pair_s x (sequences x KV heads)
+    + KV bytes / hbm_bytes_per_s`` (see the module doc).
+
+    >>> d = MeasuredDecode(fixed_s=10e-6, hbm_bytes_per_s=3e12, per_pair_s=25e-9)
+    >>> k = Kernels(mm_flops=1.0, attn_flops=1.0, hbm_bytes_per_s=1.0, sms=None, decode_measured=d)
+    >>> round(float(k.decode_attention(3e9, 64 * 8)) * 1e6, 1)  # 64 sequences, 8 KV heads, 3 GB of KV
+    1022.8
+    """
+
+    fixed_s: float
+    hbm_bytes_per_s: float  # what decode attention's KV reads reach
+    per_pair_s: float  # seconds per (sequence, KV head) pair of a call
+
+
+@dataclass(frozen=True)
 class Kernels:
     """Kernel-time model of one device (times in seconds; shapes may be numpy arrays).
 
@@ -117,6 +137,7 @@ class Kernels:
     # or waves, attention calls with their measured fixed and per-key costs; None: the forms above
     gemm_measured: MeasuredGemm | None = None
     attn_measured: MeasuredAttention | None = None
+    decode_measured: MeasuredDecode | None = None
 
     def envelope(self) -> "Kernels":
         """The same device with every kernel at its best rate: no tiles, waves, launches or roofline.
@@ -243,3 +264,13 @@ class Kernels:
         else:
             t = flops / (self.attn_flops * self.attention_efficiency(block))
         return t + calls * self.launch_s * (flops > 0)
+
+    # ---- decode attention ----------------------------------------------------------------------
+    def decode_attention(self, kv_bytes, pairs, calls: float = 1.0):  # noqa: ANN001, ANN201
+        """Seconds of ``calls`` decode-attention kernels reading ``kv_bytes`` of cached keys and values in all
+        for ``pairs`` (sequence, KV head) pairs: memory-bound (the measured form where the device has one; else
+        the bytes at the HBM rate and a launch a call)."""
+        d = self.decode_measured
+        if d is None:
+            return kv_bytes / self.hbm_bytes_per_s + calls * self.launch_s * (kv_bytes > 0)
+        return (kv_bytes / d.hbm_bytes_per_s + pairs * d.per_pair_s + calls * d.fixed_s) * (kv_bytes > 0)

@@ -2,36 +2,39 @@
 
 One iteration of a ``tp x pp`` replica runs every layer once over the batch's new tokens ``T`` (the decodes'
 one token each plus every prefill chunk's tokens), as vLLM's model runner does (one batch in flight: the
-stages of a pipeline run one after another, so pipelining here buys memory, not speed). Per layer, on each
-of the ``tp`` devices (kernel times from :class:`flexmesh.cost.device.kernels.Kernels`: ``Hardware.kernels``, the
-catalogue's GEMM and attention efficiencies with tiles, waves and the roofline; those are the training fits'
-rates, framework terms included: the device layer's kernel-true ones, ``Hardware.device_kernels``, would price
-these iterations 2-37% faster and are not used here yet, the serving planner's scenarios being sized to these):
+stages of a pipeline run one after another, so pipelining here buys memory, not speed). Kernel times are the
+device layer's kernel-true ones (``Hardware.device_kernels``, :class:`flexmesh.cost.device.kernels.Kernels` in
+the measured tables' forms: aiconfigurator-core's vLLM tables, no training step's framework terms); a
+hardware without them (a profiled machine) keeps its one measured rate per kernel kind. Per layer, on each of
+the ``tp`` devices:
 
 - the four matmuls at ``T`` rows (:func:`flexmesh.cost.device.layer_shapes.linear_shapes`): at a small batch
   each is bound by reading its weights, so the weights are read once per iteration whatever the batch;
 - the pointwise operators: two norms fused with the residual add (vLLM's ``fused_add_rms_norm`` reads and
   writes the residual too) on every tp device, rotary and the activation split by tp;
-- attention: each request's new tokens against its context. The decodes, one query each, read their whole
-  KV (memory-bound: priced at the larger of their FLOPs at the attention rate and their KV bytes at the HBM
-  rate); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2`` query-key pairs at the attention rate for
-  blocks of ``c + n`` keys, or reads its KV if that is slower; one kernel for the batch, plus writing the new
-  tokens' keys and values into the cache;
+- attention, one kernel for the batch: the decodes, one query each, read their whole KV, memory-bound
+  (:meth:`~flexmesh.cost.device.kernels.Kernels.decode_attention`: the KV bytes at the decode kernel's
+  achieved bandwidth and a cost per (request, KV head)); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2``
+  query-key pairs at the attention rate for blocks of ``c + n`` keys plus the per-key cost of a call, or reads
+  its KV if that is slower; plus writing the new tokens' keys and values into the cache. The call's fixed
+  cost (see :data:`DECODE_GRAPHED`): a decode-only iteration pays one kernel's launch cost, an iteration with
+  a prefill chunk the prefill kernel's measured fixed cost;
 - two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs).
 
 Then the final norm, the LM head over one row per request (vLLM computes logits at each request's last
 token only), gathered over tp; ``pp - 1`` sends of ``T x hidden`` between stages; the vocabulary-parallel
 embedding's all-reduce; and the engine overhead per iteration (:mod:`flexmesh.cost.inference.overhead`:
-a profile's, never zero). Dense models only (a mixture of experts is refused in one line).
+a profile's, never zero; the framework term of serving). Dense models only (a mixture of experts is refused
+in one line).
 
 >>> from flexmesh.cost.device.hardware import Hardware
 >>> from flexmesh.spec import MODEL_PRESETS, parse_cluster
 >>> it = AnalyticIteration(MODEL_PRESETS["llama3-8b"], Hardware(parse_cluster("8xH100")))
 >>> one, two = it.iteration_s([(1000, 1)]), it.iteration_s([(1000, 1), (1000, 1)])
 >>> round(one * 1e3, 2), round(two / one, 3)  # a decode step reads the weights; a second request adds little
-(10.32, 1.014)
+(7.44, 1.02)
 >>> round(it.iteration_s([(0, 4096)]) / it.iteration_s([(0, 2048)]), 2)  # a prefill scales with its tokens
-2.01
+1.99
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ from flexmesh.spec.model import ModelSpec
 LAYER_POINTWISE_KERNELS = 4
 # The residual's elements a fused add + norm moves besides the norm's own (read and write h, twice a layer).
 FUSED_RESIDUAL_ELEMS = 4
+# Whether a decode-only iteration's attention call pays the measured tables' fixed cost a call. The tables time
+# one eager call of vLLM's attention backend: its floor (9-18 us for decode, 8-13 us for prefill, against
+# 2-4 us for a GEMM timed the same way) is mostly the backend's host-side work per call (metadata, launches).
+# vLLM V1 runs decode-only batches as full CUDA graphs, which replay the kernels without that host work, and the
+# engine's own host time is the per-iteration overhead term: so a decode-only iteration's attention pays one
+# kernel's launch cost (Kernels.launch_s, the GPU-side fixed cost of a kernel) in place of the tables' fixed
+# cost. An iteration with a prefill chunk runs piecewise graphs, attention left out of them and run eagerly: it
+# pays the prefill call's measured fixed cost as the tables have it.
+DECODE_GRAPHED = True
 
 
 class AnalyticIteration:
@@ -74,16 +86,19 @@ class AnalyticIteration:
                             f"{hardware.cluster.world_size}")
         self.model, self.hw, self.tp, self.pp = model, hardware, tp, pp
         self.overhead = overhead or preset_overhead()
-        self.kernels: Kernels = getattr(hardware, "kernels", None) or Kernels(
-            mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops, hbm_bytes_per_s=hardware.hbm_bytes_per_s,
-            sms=None, attn_overhead=0.0, launch_s=0.0, dtype_bytes=model.dtype_bytes)
+        # the device layer's kernels; a hardware without them (profiled) keeps its measured rates
+        self.kernels: Kernels = getattr(hardware, "device_kernels", None) or getattr(hardware, "kernels", None) \
+            or Kernels(mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops,
+                       hbm_bytes_per_s=hardware.hbm_bytes_per_s, sms=None, attn_overhead=0.0, launch_s=0.0,
+                       dtype_bytes=model.dtype_bytes)
         b, h = model.dtype_bytes, model.hidden
         self.layers = model.num_layers
         self.shapes = linear_shapes(model, tp)
         p = pointwise_elems(model)
         self.pointwise_bytes = (p.norms + FUSED_RESIDUAL_ELEMS * h + (p.rotary + p.activation) / tp) * b
         self.q_dim = model.q_dim / tp  # per device
-        self.kv_token_bytes = 2 * kv_heads_per_device(model, tp) * model.head_dim * b  # one layer, one token
+        self.kv_heads = kv_heads_per_device(model, tp)
+        self.kv_token_bytes = 2 * self.kv_heads * model.head_dim * b  # one layer, one token
         self.hidden_bytes = h * b
         self.tp_shape = group_shape(tp, 1, hardware.cluster)
         per_node = hardware.cluster.devices_per_node
@@ -95,7 +110,8 @@ class AnalyticIteration:
         # Decode-only iterations cost ``fixed(B) + per_key x keys`` (every term is affine in the KV read):
         # their fixed part by batch, computed once, makes the simulator's commonest call a lookup.
         k = self.kernels
-        self.per_key_s = self.layers * max(4.0 * self.q_dim / k.attn_flops, self.kv_token_bytes / k.hbm_bytes_per_s)
+        self.decode_bytes_per_s = k.decode_measured.hbm_bytes_per_s if k.decode_measured else k.hbm_bytes_per_s
+        self.per_key_s = self.layers * self.kv_token_bytes / self.decode_bytes_per_s
         self._decode_fixed: dict[int, float] = {}
 
     # ---- the terms -------------------------------------------------------------------------------
@@ -152,9 +168,10 @@ class AnalyticIteration:
         written to the cache, one kernel each per layer."""
         k = self.kernels
         t = 0.0
-        if decodes:
-            keys = decode_context + decodes
-            t = max(4.0 * self.q_dim * keys / k.attn_flops, keys * self.kv_token_bytes / k.hbm_bytes_per_s)
+        if decodes:  # memory-bound: the KV bytes and the (request, KV head) pairs; the call's fixed cost below
+            t = k.decode_attention((decode_context + decodes) * self.kv_token_bytes, decodes * self.kv_heads,
+                                   calls=0.0)
+        a = k.attn_measured
         new = decodes
         last, term = None, 0.0
         for chunk in chunks:
@@ -162,12 +179,19 @@ class AnalyticIteration:
             new += n
             if chunk != last:  # (a batch of equal prompts is priced once)
                 flops = 4.0 * self.q_dim * (n * ctx + n * (n + 1) / 2)
-                term = max(flops / (k.attn_flops * k.attention_efficiency(ctx + n)),
-                           (ctx + n) * self.kv_token_bytes / k.hbm_bytes_per_s)
+                term = max(flops / (k.attn_flops * k.attention_efficiency(ctx + n))
+                           + (a.per_key_s * (ctx + n) if a else 0.0),
+                           (ctx + n) * self.kv_token_bytes / self.decode_bytes_per_s)
                 last = chunk
             t += term
+        if chunks and a is not None:
+            fixed = a.fixed_s  # eager, as the tables time it (DECODE_GRAPHED)
+        elif decodes and not chunks and not DECODE_GRAPHED and k.decode_measured is not None:
+            fixed = k.decode_measured.fixed_s
+        else:
+            fixed = k.launch_s
         write = k.memory_bound(2.0 * new * self.kv_token_bytes)
-        return self.layers * (t + k.launch_s + write)
+        return self.layers * (t + fixed + write)
 
     def terms(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> dict[str, float]:
         """The iteration's seconds by term (what :meth:`split_s` sums)."""
