@@ -14,7 +14,8 @@ the ``tp`` devices:
   writes the residual too) on every tp device, rotary and the activation split by tp;
 - attention, one kernel for the batch: the decodes, one query each, read their whole KV, memory-bound
   (:meth:`~flexmesh.cost.device.kernels.Kernels.decode_attention`: the KV bytes at the decode kernel's
-  achieved bandwidth and a cost per (request, KV head)); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2``
+  achieved bandwidth and a cost per (request, KV head); on a profiled machine the larger of their FLOPs at the
+  attention rate and their bytes at the HBM rate); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2``
   query-key pairs at the attention rate for blocks of ``c + n`` keys plus the per-key cost of a call, or reads
   its KV if that is slower; plus writing the new tokens' keys and values into the cache. The call's fixed
   cost (see :data:`DECODE_GRAPHED`): a decode-only iteration pays one kernel's launch cost, an iteration with
@@ -112,6 +113,8 @@ class AnalyticIteration:
         k = self.kernels
         self.decode_bytes_per_s = k.decode_measured.hbm_bytes_per_s if k.decode_measured else k.hbm_bytes_per_s
         self.per_key_s = self.layers * self.kv_token_bytes / self.decode_bytes_per_s
+        if k.decode_measured is None:  # one measured rate per kind: the larger of the FLOPs' and the bytes' time
+            self.per_key_s = self.layers * max(4.0 * self.q_dim / k.attn_flops, self.kv_token_bytes / k.hbm_bytes_per_s)
         self._decode_fixed: dict[int, float] = {}
 
     # ---- the terms -------------------------------------------------------------------------------
@@ -169,8 +172,10 @@ class AnalyticIteration:
         k = self.kernels
         t = 0.0
         if decodes:  # memory-bound: the KV bytes and the (request, KV head) pairs; the call's fixed cost below
-            t = k.decode_attention((decode_context + decodes) * self.kv_token_bytes, decodes * self.kv_heads,
-                                   calls=0.0)
+            keys = decode_context + decodes
+            t = k.decode_attention(keys * self.kv_token_bytes, decodes * self.kv_heads, calls=0.0)
+            if k.decode_measured is None:
+                t = max(4.0 * self.q_dim * keys / k.attn_flops, t)
         a = k.attn_measured
         new = decodes
         last, term = None, 0.0
