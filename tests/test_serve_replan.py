@@ -39,7 +39,7 @@ def a100s():
 def test_fast_replan_concedes_the_long_bucket_the_survivors_miss_and_keeps_90pc_of_a_fresh_plan(a100s):
     """The tp4 replica (most of the long prompts') lost: the tp1 and tp2 replicas left serve the longest prompts
     within the TTFT bound in the MILP's capacities but miss most of them in the simulator, and the candidates that
-    serve that bucket in full or in part hold the short requests' replicas to it (56% of a fresh plan's goodput).
+    serve that bucket in full or in part hold the short requests' replicas to it (about half a fresh plan's goodput).
     Conceded on replicas that take nothing else, the rest of the fleet meets the SLO: >= 90% of the goodput of a
     fresh plan on the devices left (which may move weights: tp1 replicas merged into a tp4)."""
     planner, before, workload_at = a100s

@@ -16,7 +16,8 @@ others. Where the big replicas that served long prompts are lost, the tp1 replic
 prompts within the TTFT bound in the MILP's capacities but miss most of them in the simulator; a candidate that
 keeps serving them in full or in part holds the short requests' replicas to them, or mixes their long prefills
 into the short requests' batches (``bench/serve_plan.py``'s 8B conversation plan, its tp2 or its tp4 replica
-lost: 70-75% of a fresh plan's goodput on the devices left, 100-103% with the long bucket conceded).
+lost, records both: a fresh plan's goodput on the devices left against the candidates with and without the
+long bucket conceded).
 
 The simulator judges the candidates on the workload's first :data:`JUDGE_REQUESTS` requests (fewer end before
 a replica near saturation has built its queue, and every candidate looks alike), each with both routing
