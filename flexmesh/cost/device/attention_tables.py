@@ -45,8 +45,8 @@ from flexmesh.cost.device.gemm_tables import (
     TableMedian,
     fitted_half,
     least_log_error,
+    newest,
     redo,
-    version_key,
 )
 from flexmesh.cost.device.kernels import Kernels, MeasuredAttention
 from flexmesh.spec.devices import ATTENTION_KERNELS, ATTENTION_TABLES, KernelTable
@@ -58,11 +58,7 @@ Shape = tuple[int, int, int, int]  # batch, tokens, heads, KV heads
 
 
 def newest_table(systems: Path, system: str) -> Path:
-    found = sorted((systems / "data" / system / "attention" / FRAMEWORK).glob("*/context_attention_perf.parquet"),
-                   key=version_key)
-    if not found:
-        raise FileNotFoundError(f"no {FRAMEWORK} attention table for {system} under {systems}")
-    return found[-1]
+    return newest(systems, system, "attention", "context_attention_perf.parquet", f"{FRAMEWORK} attention")
 
 
 def causal_seconds(path: Path, min_tokens: int = MIN_TOKENS) -> tuple[str, dict[Shape, float]]:

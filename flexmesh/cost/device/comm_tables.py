@@ -20,13 +20,12 @@ plan or run time reads the parquet tables.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from flexmesh.cost.device.gemm_tables import systems_dir, version_key
+from flexmesh.cost.device.gemm_tables import newest, table_command
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # Systems with NVSwitch nodes like the presets that name them. Not taken: l40s (an 8-GPU all-reduce at
@@ -39,10 +38,7 @@ Curves = dict[str, dict[int, tuple[list[int], list[float]]]]  # op -> GPUs -> (b
 
 
 def newest_table(systems: Path, system: str) -> Path:
-    found = sorted((systems / "data" / system / "comm" / "nccl").glob("*/nccl_perf.parquet"), key=version_key)
-    if not found:
-        raise FileNotFoundError(f"no NCCL table for {system} under {systems}")
-    return found[-1]
+    return newest(systems, system, "comm", "nccl_perf.parquet", "NCCL", framework="nccl")
 
 
 def curves(path: Path) -> Curves:
@@ -80,19 +76,15 @@ def to_toml(tables: dict[str, tuple[str, Curves]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flexmesh.cost.device.comm_tables", description=__doc__.split("\n")[0])
-    p.add_argument("--systems", type=Path, help="aiconfigurator-core's systems folder (default: the installed one)")
-    p.add_argument("--write", action="store_true", help=f"rewrite {RECORDED.name} from the tables")
-    args = p.parse_args(argv)
-    systems = args.systems or systems_dir()
+    systems, write = table_command("python -m flexmesh.cost.device.comm_tables", __doc__ or "", argv, "write",
+                                   f"rewrite {RECORDED.name} from the tables")
     if systems is None:
-        print("aiconfigurator-core is not installed: pip install 'flexmesh[tables]' (or pass --systems DIR)")
         return 2
     tables = {}
     for s in SYSTEMS:
         path = newest_table(systems, s)
         tables[s] = (str(path.relative_to(systems)), curves(path))
-    if args.write:
+    if write:
         from flexmesh.files import write_atomic
 
         write_atomic(RECORDED, to_toml(tables))

@@ -19,7 +19,6 @@ reads the tables.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -30,9 +29,9 @@ from flexmesh.cost.device.gemm_tables import (
     Fit,
     fitted_half,
     least_log_error,
+    newest,
     redo_fits,
-    systems_dir,
-    version_key,
+    table_command,
 )
 from flexmesh.cost.device.kernels import Kernels, MeasuredDecode
 from flexmesh.spec.devices import DECODE_KERNELS, GEMM_TABLES, KernelTable
@@ -45,11 +44,7 @@ DECODE_FIELDS = ("fixed_us", "hbm_fraction", "per_pair_ns")
 
 
 def newest_table(systems: Path, system: str) -> Path:
-    found = sorted((systems / "data" / system / "attention" / FRAMEWORK).glob("*/generation_attention_perf.parquet"),
-                   key=version_key)
-    if not found:
-        raise FileNotFoundError(f"no {FRAMEWORK} decode attention table for {system} under {systems}")
-    return found[-1]
+    return newest(systems, system, "attention", "generation_attention_perf.parquet", f"{FRAMEWORK} decode attention")
 
 
 def decode_rows(path: Path) -> tuple[str, np.ndarray]:
@@ -104,14 +99,9 @@ def fit_decode(systems: Path, system: str, table: KernelTable) -> Fit:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flexmesh.cost.device.decode_tables",
-                                description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--systems", type=Path, help="aiconfigurator-core's systems folder (default: the installed one)")
-    p.add_argument("--fit", action="store_true", help="redo the fitted constants (the only thing this command does)")
-    args = p.parse_args(argv)
-    systems = args.systems or systems_dir()
+    systems, _ = table_command("python -m flexmesh.cost.device.decode_tables", __doc__ or "", argv, "fit",
+                               "redo the fitted constants (the only thing this command does)")
     if systems is None:
-        print("aiconfigurator-core is not installed: pip install 'flexmesh[tables]' (or pass --systems DIR)")
         return 2
     return redo_fits(systems, fit_decode, {s: GEMM_TABLES[s] for s in DECODE_KERNELS or GEMM_TABLES}, DECODE_KERNELS)
 

@@ -60,11 +60,29 @@ def version_key(path: Path) -> tuple:
     return tuple(int(p) if p.isdigit() else -1 for p in path.parent.name.replace("rc", ".").split("."))
 
 
-def newest_table(systems: Path, system: str) -> Path:
-    found = sorted((systems / "data" / system / "gemm" / FRAMEWORK).glob("*/gemm_perf.parquet"), key=version_key)
+def newest(systems: Path, system: str, op: str, file: str, what: str, framework: str = FRAMEWORK) -> Path:
+    """The newest version's ``file`` of ``system``'s ``op`` tables measured under ``framework``."""
+    found = sorted((systems / "data" / system / op / framework).glob(f"*/{file}"), key=version_key)
     if not found:
-        raise FileNotFoundError(f"no {FRAMEWORK} GEMM table for {system} under {systems}")
+        raise FileNotFoundError(f"no {what} table for {system} under {systems}")
     return found[-1]
+
+
+def newest_table(systems: Path, system: str) -> Path:
+    return newest(systems, system, "gemm", "gemm_perf.parquet", f"{FRAMEWORK} GEMM")
+
+
+def table_command(prog: str, doc: str, argv: list[str] | None, flag: str, flag_help: str) -> tuple[Path | None, bool]:
+    """The command line every table module shares: ``--systems DIR`` and one action ``--flag``; the systems
+    folder (None, said in one line, without aiconfigurator-core) and whether the flag was given."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    p.add_argument("--systems", type=Path, help="aiconfigurator-core's systems folder (default: the installed one)")
+    p.add_argument(f"--{flag}", action="store_true", help=flag_help)
+    args = p.parse_args(argv)
+    systems = args.systems or systems_dir()
+    if systems is None:
+        print("aiconfigurator-core is not installed: pip install 'flexmesh[tables]' (or pass --systems DIR)")
+    return systems, bool(getattr(args, flag))
 
 
 def _bf16_rows(path: Path) -> dict[tuple[int, int, int], float]:
@@ -175,15 +193,11 @@ def redo(prog: str, doc: str, argv: list[str] | None,
     """The command line of a table module: ``measure`` the installed (or ``--systems``) tables, print
     each system's median beside ``recorded``; exit 1 when one differs by more than 0.5%, 2 without the
     tables."""
-    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
-    p.add_argument("--systems", type=Path, help="aiconfigurator-core's systems folder (default: the installed one)")
-    p.add_argument("--fit", action="store_true", help="redo the device layer's fitted constants instead of the medians")
-    args = p.parse_args(argv)
-    systems = args.systems or systems_dir()
+    systems, refit = table_command(prog, doc, argv, "fit",
+                                   "redo the device layer's fitted constants instead of the medians")
     if systems is None:
-        print("aiconfigurator-core is not installed: pip install 'flexmesh[tables]' (or pass --systems DIR)")
         return 2
-    if args.fit and fit is not None and fitted is not None:
+    if refit and fit is not None and fitted is not None:
         return redo_fits(systems, fit, recorded, fitted)
     worst = 0.0
     print(f"{'system':<12} {'table':<62} {'shapes':>6} {'TFLOP/s':>8} {'recorded':>8} {'of peak':>7}")
