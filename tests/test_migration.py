@@ -89,11 +89,11 @@ def inputs(tmp_path_factory) -> dict:
     return {"tmp": tmp, "corpus": corpus, "plan": _plan(tmp, cfg)}
 
 
-# Three judged steps to a detection: on these tiny steps a rank's measured speed swings by about 30%
-# around its emulated speed (the cost model's work for a few short documents is that rough), so with
-# two a later pair of steps could report a `speed_changed` and ask again; with three, the one
-# detection (step 5: warm-up, then steps 2, 4, 5 judged; step 3 gives rank 1 no work; 6 if one misses)
-# is the only one: no three more steps are judged before step 7 ends the run. Rank 1 at 0.1: a judged
+# Three judged steps to a detection (step 4: warm-up, then steps 2, 3, 4 judged; 5 if one misses). On
+# these tiny steps a rank's measured speed swings by 30% and more around its emulated speed (the cost
+# model's work for a few short documents is that rough; under load more), so the three steps after a
+# detection may report a `speed_changed` and ask again: the declined run checks that every request is
+# declined, the first at the detection. Rank 1 at 0.1: a judged
 # step misses when its measured speed is above 0.75 of rank 0's, and a step computes in some 20-50 ms
 # here, so on a loaded machine rank 0 descheduled for a few time slices once looked as slow as a rank
 # at 0.25 (measured 0.16 to 0.40 on one run; 0.10 to 0.12 at 0.1): at 0.1 a miss needs rank 0's compute
@@ -136,10 +136,12 @@ def migrated(inputs) -> tuple[Path, list[dict]]:
 @pytest.mark.timeout(600)
 def test_a_migration_that_does_not_pay_is_declined_and_the_run_trains_on(inputs, declined):
     assert [r["step"] for r in declined] == list(range(1, STEPS + 1))
-    (step, event), = _events(declined, "migration_declined")  # detected once, declined once
+    asked = _events(declined, "migration_declined")  # at the detection; a later speed change may ask again
+    step, event = asked[0]
     assert _events(declined, "straggler_detected")[0][0] == step
-    assert event["reason"] == "too few remaining steps" and event["remaining_steps"] == STEPS - step > 0
-    assert event["predicted_gain"] > 1.0 and event["cost_s"]["total"] == 1e9
+    assert event["remaining_steps"] == STEPS - step > 0
+    for _, e in asked:  # every request declined, none migrated
+        assert e["reason"] == "too few remaining steps" and e["predicted_gain"] > 1.0 and e["cost_s"]["total"] == 1e9
     assert {r["policy"] for r in declined} == {"fixed"}  # the same plan throughout
     out = inputs["tmp"] / "declined"
     assert not (out / "migration.json").exists() and not list(out.glob("plan-migrated-*"))
