@@ -274,14 +274,16 @@ def time_rows() -> list[list[str]]:
 
 
 def replan_rows(res) -> list[list[str]]:  # noqa: ANN001
-    """The 8B conversation plan with each of its replica groups lost in turn; the cheapest plan for half its
-    goodput when the rate doubles. The fast path against a fresh plan on the same devices."""
+    """The 8B conversation plan with one replica of each of its replica groups lost in turn (a group of one replica
+    lost whole); the cheapest plan for half its goodput when the rate doubles. The fast path against a fresh plan
+    on the same devices."""
     inputs, workload_at = _inputs(MODELS["8B"], "8B", "azure-conv")
     planner = res.planner
     prices = _prices()
     half = plan(replace(inputs, budget=None, rate=res.score.goodput / 2), None, planner=planner)
-    cases = [(f"lost {g.label}", res.plan, [i]) for i, g in enumerate(res.plan.groups)]
-    cases.append((f"rate doubled from {res.score.goodput / 2:.4g} req/s", half.plan, []))
+    cases = [(f"lost one of {g.label}" if g.replicas > 1 else f"lost {g.label}", res.plan, {i: 1})
+             for i, g in enumerate(res.plan.groups)]
+    cases.append((f"rate doubled from {res.score.goodput / 2:.4g} req/s", half.plan, {}))
     rows = []
     held_kv: dict[str, list[float]] = {}
     for label, before, lost in cases:
