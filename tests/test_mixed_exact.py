@@ -5,11 +5,13 @@ networks (where ranking by the pipelines alone picks plans the gradient all-redu
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import pytest
 
 from flexmesh.cost.training.mixed import evaluate_groups
 from flexmesh.search.mixed import MixedSearch
+from flexmesh.search.mixed_partition import ReplicaClass, split_batch
 from flexmesh.spec import parse_model
 from flexmesh.spec.cluster import parse_mixed_cluster
 
@@ -41,12 +43,37 @@ latency_us = 50.0
 """
 
 
+def priced(search: MixedSearch, config, split) -> tuple | None:  # noqa: ANN001
+    """:meth:`MixedSearch.estimate` without its lower bounds: (slowest pipeline s, replicas, their
+    partitions, micro-batches each) of every configuration that fits, by ``split`` (split_batch)."""
+    replicas, parts = [], []
+    for shape, n, offsets in search.blocks(config):
+        block = search.block_partitions(shape, n, offsets, config.tps, config.mu)
+        if block is None:
+            return None
+        replicas += search.block_replicas(shape, n, offsets, config.tps)
+        parts += block
+    classes: dict[tuple, list[int]] = {}
+    for i, p in enumerate(parts):
+        classes.setdefault(p.times, []).append(i)
+    res = split(tuple(ReplicaClass(len(v), sum(k) - max(k), max(k)) for k, v in classes.items()),
+                search.global_batch // config.mu)
+    if res is None:
+        return None
+    micro = [0] * len(replicas)
+    for members, counts in zip(classes.values(), res[1]):
+        for i, m in zip(members, counts):
+            micro[i] = m
+    return res[0], replicas, parts, micro
+
+
 def exhaustive(search: MixedSearch) -> tuple[float, float]:
     """(best full step over every configuration and the per-type plans, full step of the configuration
     whose pipelines alone look fastest)."""
+    split = cache(split_batch)  # half the configurations split the same replica classes
     best, by_pipeline = math.inf, (math.inf, math.inf)
     for config in search.configurations():
-        est = search.estimate(config, math.inf)
+        est = priced(search, config, split)
         if est is None:
             continue
         ev = evaluate_groups(search.build(config, *est[1:]), search.costs)
