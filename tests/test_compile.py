@@ -125,7 +125,7 @@ def worker(out: Path) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [1, 2])
 def test_trainer_with_the_gpu_defaults_matches_the_reference(tmp_path, world):
-    proc = launch(world, ["worker", str(tmp_path)], script=__file__, timeout=850, fresh=True)  # compiles
+    proc = launch(world, ["worker", str(tmp_path)], script=__file__, timeout=850)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["chunked"]
