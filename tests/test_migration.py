@@ -1,7 +1,7 @@
 """Migration to a new layout (`flexmesh train --migrate`, flexmesh.commands.migrate).
 
 Every run is the real command (2 ranks, gloo, CPU, a 2-layer model; the migrating one under its
-launcher and torchrun, the others' ranks from the fork server) on a replicated ZeRO-2 plan, with
+launcher, run in this process; every run's ranks from the fork server) on a replicated ZeRO-2 plan, with
 rank 1 emulated at 0.1 speed and the per-step re-balancing off (``--no-replan``), so the straggler
 is detected and only a new layout can help. The migration's cost is set by the testing knob
 (FLEXMESH_TESTING_MIGRATION_COST_S): 0 makes any predicted gain pay, 1e9 none, so the decision
@@ -25,14 +25,13 @@ test asserts a wall-clock figure.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import flexmesh_ranks, unlocked, write_inputs
+from helpers import flexmesh_here, flexmesh_ranks, unlocked, write_inputs
 
 # One step more than the detection needs: on a loaded machine a judged step can miss and the detection
 # slip from step 5 to 6 (seen in a fresh-clone run), which with 6 steps left no step to train on.
@@ -54,13 +53,37 @@ def _plan(tmp: Path, cfg: Path) -> Path:
     return path
 
 
-def _train(inputs: dict, out: Path, plan: Path, *extra: str, env: dict | None = None,
-           timeout: float = 400) -> subprocess.CompletedProcess:
+def _train(inputs: dict, out: Path, plan: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`flexmesh train --nproc 2` with its launcher in this process (flexmesh.commands.train._launch: the
+    hold of ``--out``, the relaunch on a migration request) and each launch's ranks from the fork server
+    (:func:`_forked_ranks` for torchrun, whose own start, signals and restarts test_elastic.py and
+    test_failures.py check); ``env`` added to the environment for the run."""
+    import flexmesh.commands.train as train
+
     args = ["train", "--nproc", "2", "--plan", str(plan), "--corpus", str(inputs["corpus"]), "--cache-dir",
             str(inputs["tmp"] / "cache"), "--no-progress", "--lr", "1e-3", "--max-steps", str(STEPS), "--out",
             str(out), *extra]
-    return subprocess.run([sys.executable, "-m", "flexmesh", *args], env=dict(os.environ, OMP_NUM_THREADS="1",
-                          **(env or {})), capture_output=True, text=True, timeout=timeout)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "relaunch_flexmesh", _forked_ranks)
+        mp.setattr(sys, "argv", ["flexmesh", *args])  # the command line the launcher relaunches
+        for k, v in {"OMP_NUM_THREADS": "1", **(env or {})}.items():
+            mp.setenv(k, v)
+        return flexmesh_here(*args)
+
+
+def _forked_ranks(nproc: int, argv: list[str], env: dict | None = None, rendezvous: object = None) -> int:
+    """flexmesh.runtime.launch.relaunch_flexmesh's ranks (``flexmesh *argv`` less the launcher's flags, in
+    ``env``) forked from the fork server; their output goes to this process's, their exit code back."""
+    import os
+
+    from flexmesh.runtime.launch import LAUNCHER_FLAGS, without_flags
+
+    added = {k: v for k, v in (env or {}).items()
+             if os.environ.get(k) != v and k not in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}  # launch sets those
+    done = flexmesh_ranks(nproc, *without_flags(argv, LAUNCHER_FLAGS), env=added, timeout=400)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
+    return done.returncode
 
 
 def _ranks(inputs: dict, out: Path, plan: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
