@@ -4,7 +4,6 @@ systems train the same documents from the same weights, so their first losses ag
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_gpu_bench_cpu_mode_runs_both_systems_on_the_same_batches():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def test_gpu_bench_cpu_mode_runs_both_systems_on_the_same_batches(monkeypatch, capsys):
+    # The bench's main in this process and each worker (`python -m bench.gpu worker ...`, run by
+    # bench.gpu.run_worker) as a process forked by the fork server, where torch is imported already: the
+    # same commands, files and results, without an interpreter importing torch for the bench and each worker.
+    from helpers import launch
+
+    import bench.gpu as G
+
+    real_run = subprocess.run
+
+    def run(cmd, *args, **kw):
+        if list(cmd[1:4]) == ["-m", "bench.gpu", "worker"]:
+            env = {k: v for k, v in (kw.get("env") or {}).items() if k not in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
+            return launch(1, list(cmd[3:]), script="-m bench.gpu", timeout=kw.get("timeout") or 850, env=env)
+        return real_run(cmd, *args, **kw)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.chdir(ROOT)
     # one step: what is checked is the first step's loss, packing and the figures of a timed step
     # (bench.gpu.summarise times every step where there are no more than its warm-up steps)
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--cpu", "--no-record", "--steps", "1",
-                           "--cases", "256,mix", "--cluster", "1xA100-80GB"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=850)
+    monkeypatch.setattr(sys, "argv", ["bench.gpu", "--cpu", "--no-record", "--steps", "1", "--cases", "256,mix",
+                                      "--cluster", "1xA100-80GB"])
+    G.main()
+    out, err = capsys.readouterr()
+    proc = subprocess.CompletedProcess(sys.argv, 0, out, err)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result) == {"256/transformers", "256/flexmesh", "mix/transformers", "mix/flexmesh"}

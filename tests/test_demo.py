@@ -48,7 +48,7 @@ def test_quick_demo_writes_report(tmp_path: Path, monkeypatch):
         if label == "static":  # --no-replan: the schedules never change
             assert all(r["assumed_speed"] == [1.0, 1.0] for r in rows)
     # The two parts that run their trainings silently say a line as each run ends.
-    for line in ("static: 5 steps,", "adaptive: 5 steps,", "static: 2 steps,", "laer: 2 steps,"):
+    for line in ("static: 4 steps,", "adaptive: 4 steps,", "static: 2 steps,", "laer: 2 steps,"):
         assert line in proc.stdout, line
     # The experts part: the same losses whatever the placement, a routing trace each, the experts page.
     assert "## A mixture of experts: static against load-following placement" in report

@@ -11,9 +11,9 @@ With no arguments, on this machine (see docs/cli-demo.md):
    with the ``fixed`` policy, then with adaptive per-step schedules (``milp``, falling back to
    ``hdp`` when late) on the same batches, showing progress;
 5. uneven devices: plan Llama 2 13B on a mixed cluster (one H100 node, two A100-40GB nodes)
-   against its baselines (searched in a child process during steps 1 and 2), simulate that plan's
-   fixed shares against each step's documents dispatched over its replica groups (``flexmesh simulate
-   --plan``), then train twice on 2 processes
+   against its baselines (searched in a child process during steps 1 and 2; after them with
+   ``--quick``), simulate that plan's fixed shares against each step's documents dispatched over its
+   replica groups (``flexmesh simulate --plan``), then train twice on 2 processes
    with rank 1 emulated at half speed, static against re-planned per-step schedules; uneven experts:
    a mixture of experts on 2 processes, its experts over both ranks, static against load-following
    placement;
@@ -157,10 +157,14 @@ def run(args: argparse.Namespace) -> int:
 
     from flexmesh.report.plan_tables import demo_mixed_search
 
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        searching = pool.submit(demo_mixed_search)
+    if args.quick:  # the same work in this process: a child's start-up costs CPU time that a short run notices
         sim = _plan_and_simulate(args, size, out, console)
-        mixed_found = searching.result()
+        mixed_found = demo_mixed_search()
+    else:
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            searching = pool.submit(demo_mixed_search)
+            sim = _plan_and_simulate(args, size, out, console)
+            mixed_found = searching.result()
 
     # 3. profile
     console.print(Rule(f"3/6  profile this machine and the {TRAIN_MODEL} model with {size.nproc} processes"))
@@ -169,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     on = ["--device", devices["multi"]]
     # --no-keep: the demo's quick profiles never replace the machine's own (those `--cluster local` prices by)
     quick = ["--quick", "--no-keep", "--nproc", str(size.nproc), *on]
+    if args.quick:  # no layer timed under real process groups: the per-step Ulysses groups priced from the fits
+        quick += ["--max-group", "1"]
     # one launch for both: the hardware, then the model, in the same processes; the model measured for the
     # training plan (its per-step Ulysses groups; no tp, ring or pipeline, which no run of the demo prices)
     plan_path = out / "plan-train.json"
@@ -213,9 +219,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(line, highlight=False)
 
     # 6 steps each, whatever --steps: the slowdown is re-planned once sustained (after step 3 on a 2-core
-    # machine), which leaves three steps on the new schedules; the experts' table leaves out step 1 (its
-    # one-off costs) and averages the five after it.
-    stragglers = demo_comparison(out / "stragglers", hw, mp, steps=5 if args.quick else 6, global_batch=8,
+    # machine), which leaves three steps on the new schedules (one with --quick); the experts' table leaves
+    # out step 1 (its one-off costs) and averages the five after it.
+    stragglers = demo_comparison(out / "stragglers", hw, mp, steps=4 if args.quick else 6, global_batch=8,
                                  seq_len=128 if args.quick else 256, seed=size.seed, device=devices["pair"],
                                  say=say)
 
@@ -259,10 +265,27 @@ def _plan_and_simulate(args: argparse.Namespace, size: DemoSize, out: Path, cons
     console.print(Rule("2/6  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
     sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--seq-len", "131072",
                 "--global-batch", "128" if args.quick else "512", "--lengths", "wikipedia", "--policies", "hdp,milp",
-                "--steps", str(size.sim_steps), "--seed", str(size.seed), "--plots", str(out / "simulated")]
-    sim = simulate_command.simulate(_parse(simulate_command, sim_args))
+                "--steps", str(size.sim_steps), "--seed", str(size.seed)]
+    if args.quick:  # the pictures the report shows only (flexmesh.report.demo: the first policy's and the best's)
+        sim = simulate_command.simulate(_parse(simulate_command, sim_args))
+        _report_plots(sim, make_folder(out / "simulated"))
+    else:
+        sim = simulate_command.simulate(_parse(simulate_command, [*sim_args, "--plots", str(out / "simulated")]))
     simulate_command.print_table(sim, plain_console())
     return sim
+
+
+def _report_plots(sim, folder: Path) -> None:
+    """The Gantt and load PNGs of the first step of the runs the report shows (the first and the fastest), as
+    ``flexmesh simulate --plots`` draws them for every run, into ``sim.plots``."""
+    from flexmesh.sim.plots import gantt_png, load_png
+
+    best = max(sim.runs, key=lambda r: r.tokens_per_s)
+    for r in [sim.runs[0]] + ([best] if best is not sim.runs[0] else []):
+        if r.first_timeline is not None:
+            title = f"{r.label}, step 0"
+            sim.plots[r.label] = [str(gantt_png(r.first_timeline, folder / f"{r.policy}_gantt.png", title)),
+                                  str(load_png(r.first_timeline, folder / f"{r.policy}_load.png", title))]
 
 
 def demo_devices(requested: str, nproc: int, console) -> dict:
