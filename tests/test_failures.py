@@ -106,8 +106,9 @@ def _marked(mark: str) -> dict[int, dict[str, str]]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ctrl_c_and_sigterm_at_random_moments_stop_every_rank_cleanly_and_the_resumed_losses_are_exact(inputs):
-    """One run stopped four times on its launcher: Ctrl-C at 3 random moments (once SIGHUP) of a run that
-    checkpoints every step (so some land during a checkpoint write), and SIGTERM (preemption) once. After
+    """One run stopped four times on its launcher: Ctrl-C at 2 random moments (once SIGHUP) of a run that
+    checkpoints every step (so some land during a checkpoint write), SIGTERM (preemption) once, and a rank
+    that stops answering once (:func:`_stop_a_rank`). After
     Ctrl-C the ranks stop at the next step boundary and the launcher ends with 128 + SIGINT within the
     minute the test waits (no tighter wall-clock bound: how long the ranks take to leave is the machine's
     load), at most 3 lines were printed, no checkpoint was started after the signal and none is left
@@ -115,12 +116,11 @@ def test_ctrl_c_and_sigterm_at_random_moments_stop_every_rank_cleanly_and_the_re
     no process is left behind and the folder is free. The run resumed after each stop (through the
     launcher: every attempt after the first) then to its end, past a metrics line a crash cut short, has
     the losses of a run never stopped (the last stretch and that run train in the command's ranks from
-    the fork server). Starting over moves the whole run aside. (A second launcher into a folder a run
-    holds: the stopped-rank test below.)"""
+    the fork server). Starting over moves the whole run aside."""
     # Straggler events would add console lines on a loaded machine; they have their own tests.
-    # 40 steps: four attempts of at most ~8 steps each (a first step, <= 1 s of 0.2-0.3 s steps, the stop) leave it
-    # unfinished when the last signal comes
-    total, flags = 40, ["--checkpoint-every", "1", "--straggler-threshold", "0.99"]
+    # 32 steps: two Ctrl-C attempts of at most ~8 steps each (a first step, <= 1 s of 0.2-0.3 s steps, the stop),
+    # a preempted one and a stopped rank's of a few steps each leave it unfinished when the last stop comes
+    total, flags = 32, ["--checkpoint-every", "1", "--straggler-threshold", "0.99"]
     out = inputs["tmp"] / "interrupted"
     _stop_and_resume(inputs, out, total, flags)
     # The run never stopped: its own folder, not checkpointed either (saving must not change what it trains).
@@ -136,11 +136,15 @@ def test_ctrl_c_and_sigterm_at_random_moments_stop_every_rank_cleanly_and_the_re
 
 
 def _stop_and_resume(inputs: dict, out: Path, total: int, flags: list[str]) -> None:
-    """The four stops of the test above, then the run resumed to its end."""
+    """The four stops of the test above, then the run resumed to its end. SIGHUP takes Ctrl-C's path: the
+    SIGINT and the SIGHUP are the two random moments of a Ctrl-C."""
     rng = random.Random(0)
-    for moment, sig in enumerate((signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
+    for moment, sig in enumerate((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGSTOP)):
         if sig == signal.SIGTERM:
             _preempt(inputs, out, total, flags)
+            continue
+        if sig == signal.SIGSTOP:
+            _stop_a_rank(inputs, out, total, flags)
             continue
         run = Run(inputs, out, *flags, max_steps=total)
         try:
@@ -220,24 +224,28 @@ def _start_over(inputs: dict, out: Path, total: int) -> None:
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_stopped_rank_is_named_within_the_collective_timeout(inputs):
-    """A rank that stops answering is named within --collective-timeout; once it is killed the run (without
-    --max-restarts: no restart) ends, leaving no process, the folder free, the steps it logged and its last
-    checkpoint."""
-    out = inputs["tmp"] / "stopped"
-    run = Run(inputs, out, "--collective-timeout", "4", "--checkpoint-every", "2")
+def _stop_a_rank(inputs: dict, out: Path, total: int, flags: list[str]) -> None:
+    """A rank of the run resumed in ``out`` (checkpointing every 2 steps) that stops answering is named within
+    --collective-timeout; once it is killed the run (without --max-restarts: no restart) ends, leaving no
+    process, the folder free, the steps it logged and its last checkpoint. While the run holds the folder, a
+    second launcher into it fails before starting a rank, naming the folder and the holder."""
+    # imported before the run: the second launcher below then starts at once
+    import torch.distributed  # noqa: F401
+
+    import flexmesh.cli  # noqa: F401
+
+    run = Run(inputs, out, "--collective-timeout", "4", "--checkpoint-every", "2", *flags[2:], max_steps=total)
     try:
-        run.wait_steps(3)  # step 2's checkpoint is written before step 3 starts
+        before = len(run.steps())
+        run.wait_steps(before + 3)  # one of this attempt's first two steps is even: its checkpoint is written
+        ranks = run.ranks()
+        os.kill(ranks[1], signal.SIGSTOP)  # no step ends from here on, so the run cannot reach its last one
+        t0 = time.monotonic()
         # A second launcher into the same folder fails before starting a rank (in this process: one that went on
         # would start ranks, whose output does not reach what is captured), naming the folder and the holder.
-        second = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", "3")
+        second = flexmesh_here(*inputs["common"], "--nproc", "2", "--out", str(out), "--max-steps", str(total))
         said = " ".join(second.stderr.split())
         assert second.returncode == 2 and f"{out} is in use by another run (pid {run.proc.pid})" in said, said
-        ranks = run.ranks()
-        os.kill(ranks[1], signal.SIGSTOP)
-        t0 = time.monotonic()
         while "rank 1 stopped answering" not in run.text():
             assert time.monotonic() - t0 < 40, run.text()[-3000:]
             time.sleep(0.2)
@@ -253,7 +261,7 @@ def test_a_stopped_rank_is_named_within_the_collective_timeout(inputs):
     assert survivors == []
     assert unlocked(out)
     steps = run.steps()
-    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= before + 3
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{steps[-1] // 2 * 2:06d}" or latest == f"step_{steps[-1] // 2 * 2 - 2:06d}", (latest, steps)
     assert (out / "checkpoints" / latest / "manifest.json").is_file()
