@@ -137,7 +137,8 @@ def launch(nproc: int, args: list[str], *, script: str, timeout: float = 240, fr
     variables, one intra-op thread, its output in files of its own, runs ``script`` as ``__main__``
     and leaves by ``os._exit``. A rank that fails takes the others down, as torchrun does; past
     ``timeout`` every rank is killed and subprocess.TimeoutExpired raised. ``fresh`` runs torchrun
-    instead: for workers that compile or use CUDA."""
+    instead: for workers that use CUDA, as torchrun runs them on a GPU machine (torch.compile runs in a
+    forked rank: tests/test_compile.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     if fresh:  # a fresh interpreter imports this checkout's flexmesh, installed or not (as on a GPU machine)
         from flexmesh.runtime.launch import run_torchrun
