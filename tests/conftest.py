@@ -41,7 +41,7 @@ def no_recommendation(monkeypatch):
 # worker has nothing left; the rest follows in the order below.
 LONGEST_FILES = ["test_demo.py", "test_failures.py", "test_adaptive_runtime.py", "test_vllm_export.py",
                  "test_bench_gpu.py", "test_profile_cli.py", "test_search.py", "test_docs_examples.py", "test_tools.py"]
-LONGEST_QUICK_FILES = ["test_search.py", "test_docs_examples.py", "test_tools.py"]
+LONGEST_QUICK_FILES = ["test_cut_documents.py", "test_mixed_plan.py", "test_simulate_cli.py"]
 
 
 def _file_order(items) -> dict:

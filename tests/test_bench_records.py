@@ -199,6 +199,7 @@ def test_writer_doctests():  # bench/ lies outside pytest's doctest paths
     assert result.failed == 0 and result.attempted >= 4
 
 
+@pytest.mark.slow
 def test_status_command_prints_a_row_per_section():
     out = subprocess.run([sys.executable, "-m", "bench.status"], cwd=ROOT, capture_output=True, text=True, check=True)
     names = [s.name for s in parse_sections((BENCH / "RESULTS.md").read_text())]

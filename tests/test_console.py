@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.table import Table
 
 from flexmesh.console import UNBOUNDED_WIDTH, plain_console
@@ -70,6 +71,7 @@ def test_long_work_says_its_estimate_once_and_short_work_does_not(monkeypatch):
     assert not [ln for ln in _run(monkeypatch, step_s=0.001, total=3000) if "about" in ln]  # 6 s in all
 
 
+@pytest.mark.slow
 def test_simulate_reports_progress_on_stderr_and_keeps_stdout_json(capsys):
     import json
 

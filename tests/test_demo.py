@@ -104,6 +104,7 @@ def test_report_names_the_gpu_of_the_one_gpu_run(tmp_path: Path):
     assert "200,000" in text  # tokens/s after the compiling first step: 20000 tokens / 0.1 s
 
 
+@pytest.mark.slow
 def test_a_failed_part_names_itself_and_ends_with_the_childs_words():
     """The demo's parts run in children (flexmesh.runtime.launch.run_flexmesh, which the demo test above
     replaces): one that fails is a FlexmeshError saying which part, the command and what the child said."""

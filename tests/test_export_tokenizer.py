@@ -45,6 +45,7 @@ def _flexmesh_bpe(run: dict[str, Path]):
     return train_bpe(run["corpus"], vocab_size=320, cache_dir=run["cache"])
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_encodes_as_training_did_and_generates(run, tmp_path):
     transformers = pytest.importorskip("transformers")
     from flexmesh.cli import main

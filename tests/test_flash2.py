@@ -90,6 +90,7 @@ def test_gpu_profile_rows_are_long_enough_to_time_the_gpu():
         assert sum(sum(r) <= cfg["whole_max_tokens"] for r in cfg["rows"]) >= 3
 
 
+@pytest.mark.slow
 def test_attention_bench_runs_on_cpu():
     out = subprocess.run([sys.executable, "-m", "bench.attention_kernel", "--cpu", "--no-record", "--repeat", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,

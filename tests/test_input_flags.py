@@ -114,6 +114,7 @@ def _profiled_plan(tmp_path):
     return plan, corpus
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_training_plan_trains_without_profiles(tmp_path):
     from helpers import flexmesh

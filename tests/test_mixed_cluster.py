@@ -254,6 +254,7 @@ def test_a_replica_group_on_one_island_is_priced_on_its_own_network(tmp_path):
     assert step(range(4, 12)) > 1.5 * step(range(0, 8))  # its data-parallel sync crosses the slow pair
 
 
+@pytest.mark.slow
 def test_the_uniform_baseline_pays_the_slow_link_its_pipeline_crosses(tmp_path):
     """Two groups of the same GPUs joined by 10 Gb/s: the one-layout baseline's pipeline sends between
     the groups go over that link, as the mixed search prices its own pipelines, so the baseline does not

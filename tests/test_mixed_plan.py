@@ -200,6 +200,7 @@ def test_target_llama2_13b_on_h100_plus_a100():
 
 
 # ---- the command ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_plan_command_json_has_baselines_and_check_reads_the_plan(capsys, tmp_path, no_recommendation):
     out = tmp_path / "mixed.json"
     args = ["plan", "--model", "llama2-7b", "--cluster", "1x4xH100+1x4xA100-40GB", "--seq-len", "2048",

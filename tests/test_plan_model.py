@@ -52,6 +52,7 @@ def no_torchrun(monkeypatch):
         monkeypatch.delenv(k)
 
 
+@pytest.mark.slow
 def test_a_plan_made_from_a_config_runs_from_another_folder_without_model(tmp_path, monkeypatch, capsys):
     from helpers import write_inputs
 

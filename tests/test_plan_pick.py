@@ -21,6 +21,7 @@ def recommendation_off(monkeypatch):
     return lambda: monkeypatch.setattr(plan_command, "_recommended", lambda plan, job, work: None)
 
 
+@pytest.mark.slow
 def test_pick_writes_the_nth_plan_of_the_list(capsys, tmp_path, recommendation_off):
     assert main(BASE + ["--top", "3", "--json"]) == 0
     listed = [row["layout"] for row in json.loads(capsys.readouterr().out)["plans"]]
@@ -57,6 +58,7 @@ def test_plan_takes_device_names_in_any_case(capsys, name, no_recommendation):
     assert json.loads(capsys.readouterr().out)["best"]["plan"]["cluster"] == "8xH100-80GB"
 
 
+@pytest.mark.slow
 def test_a_baseline_the_runtime_cannot_run_is_shown_never_ranked(capsys, recommendation_off):
     argv = ["plan", "--model", "mixtral-8x7b", "--cluster", "2x8xH100", "--seq-len", "4096", "--global-batch", "64",
             "--top", "20"]

@@ -20,6 +20,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_plan_recommends_what_simulate_recommends_for_the_written_plan(capsys, tmp_path, case):
     flags, policies = CASES[case]

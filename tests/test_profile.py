@@ -409,6 +409,7 @@ def test_pipeline_stage_fixed_seconds_are_paid_per_chunk_per_micro_batch(tmp_pat
         load_profile(tmp_path / "bad.json")
 
 
+@pytest.mark.slow
 def test_measured_stage_cost_follows_the_framework_work_per_stage(monkeypatch):
     """A delay in each stage's forward shows up in the fitted cost per chunk, and nowhere else.
 

@@ -27,6 +27,7 @@ def small_config(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_model_profile_quick_single_process(tmp_path, capsys, monkeypatch):
     cfg = small_config(tmp_path)
@@ -82,6 +83,7 @@ def test_model_profile_quick_single_process(tmp_path, capsys, monkeypatch):
     assert layer.fwd == pytest.approx(whole["forward"] * float(t_long))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_one_launch_profiles_the_hardware_then_the_model(tmp_path, monkeypatch):
     """--hardware-out: both profiles from the same processes (the demo's one launch), as each alone writes them."""

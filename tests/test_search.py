@@ -94,6 +94,7 @@ def assert_matches_brute_force(model, cluster, seq_len, global_batch, space):
     assert all(c.evaluation.fits for c in r.plans)
 
 
+@pytest.mark.slow
 def test_exact_search_equals_brute_force_five_layers_with_binding_memory():
     # Five layers: the optimum under binding memory recomputes some of them, not all, and two stages split
     # them unevenly; each layer more multiplies the brute force by the strategies (6 here: 30 s at six layers).

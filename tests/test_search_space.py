@@ -77,6 +77,7 @@ def test_published_layouts_are_expressible_and_priced(model, cluster, gb, tp, pp
     assert sorted({s.num_layers for s in plan.stages}) == ([5, 6] if pp == 12 else [3])
 
 
+@pytest.mark.slow
 def test_plan_finds_a_layout_for_24_gpus_and_a_batch_of_256(capsys):
     d = plan_json(capsys, "llama2-7b", "3x8xA100-80GB", 4096, 256)
     plan = Plan.from_dict(d["best"]["plan"])
@@ -86,6 +87,7 @@ def test_plan_finds_a_layout_for_24_gpus_and_a_batch_of_256(capsys):
     check_plan(plan, MODEL_PRESETS["llama2-7b"], parse_cluster("3x8xA100-80GB"))
 
 
+@pytest.mark.slow
 def test_plan_finds_bloom_on_384_gpus(capsys, no_recommendation):
     # The search and its baselines only: the policy this plan is recommended is what the same command in
     # docs/cli-plan.md prints (tests/test_docs_examples.py), and its simulated steps are most of the command's time.

@@ -394,6 +394,7 @@ PLAN = ["serve", "plan", "--cluster", "2xH100+4xL4", "--trace", "azure-conv", "-
         "ttft=1,tpot=100ms", "--budget", "20"]
 
 
+@pytest.mark.slow
 def test_serve_plan_writes_a_plan_that_checks_and_simulates(tmp_path, capsys):
     out = tmp_path / "p"
     assert main(PLAN + ["--repair", "0", "--out", str(out), "--explain"]) == 0

@@ -7,6 +7,7 @@ import os
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from flexmesh.data.requests import at_rate, load_trace, window
 from flexmesh.serve.metrics import SLO
@@ -50,6 +51,7 @@ def test_decode_variants_the_capacities_cannot_tell_apart_keep_the_larger_max_se
     assert close > 0 and kept > 0
 
 
+@pytest.mark.slow
 def test_every_candidate_is_scored_with_both_routing_policies_and_the_best_is_taken():
     base = window(load_trace("azure-conv"), first=300)
     buckets = buckets_from_trace(base)

@@ -36,6 +36,7 @@ def a100s():
     return planner, built[0], lambda r: at_rate(base, r)
 
 
+@pytest.mark.slow
 def test_fast_replan_concedes_the_long_bucket_the_survivors_miss_and_keeps_90pc_of_a_fresh_plan(a100s):
     """The tp4 replica (most of the long prompts') lost: the tp1 and tp2 replicas left serve the longest prompts
     within the TTFT bound in the MILP's capacities but miss most of them in the simulator, and the candidates that

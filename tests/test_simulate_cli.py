@@ -12,6 +12,7 @@ BASE = ["simulate", "--model", "llama2-7b", "--cluster", "2x8xA100-80GB", "--con
         "--global-batch", "48", "--steps", "2", "--seed", "1"]
 
 
+@pytest.mark.slow
 def test_json_output_has_every_baseline_and_speedups_are_over_the_best(capsys, tmp_path):
     assert main(BASE + ["--policies", "fixed,hdp", "--json", "--plots", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
