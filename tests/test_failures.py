@@ -300,3 +300,37 @@ def test_metrics_with_a_partial_last_line_are_trimmed_but_bad_lines_elsewhere_fa
     f.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
     with pytest.raises(RunFolderError, match="line 2"):
         read_metrics(f)
+
+
+def _start_up_worker(rank: int, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from flexmesh.runtime.parallel.distributed import bound_collectives, init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    if rank == 1:
+        time.sleep(3)  # still importing: longer than the collective timeout
+    init_distributed(timeout_s=1, device="cpu", start_up_s=60)
+    group = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1), group=group)  # start-up: nobody timed out
+    bound_collectives()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(4)  # stopped after start-up: the others give up after the collective timeout
+        return
+    for g in (group, None):  # a group made at start-up and the world's
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            dist.all_reduce(torch.ones(1), group=g)
+        assert time.monotonic() - start < 3, "the start-up bound outlived bound_collectives()"
+
+
+def test_start_up_waits_for_slow_ranks_then_the_collective_timeout_holds():
+    """A rank joining later than --collective-timeout is not taken for stopped; once the groups are made,
+    a silent rank fails the others after the collective timeout, in every group made before."""
+    from helpers import spawn
+
+    from flexmesh.runtime.launch import free_port
+
+    spawn(_start_up_worker, (free_port(),), 2)

@@ -308,7 +308,7 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     from flexmesh.layout.plan import load_plan
     from flexmesh.layout.plan_model import plan_model
     from flexmesh.runtime.observe.walltime import WallTime
-    from flexmesh.runtime.parallel.distributed import init_distributed
+    from flexmesh.runtime.parallel.distributed import START_UP_TIMEOUT_S, bound_collectives, init_distributed
     from flexmesh.runtime.train.adaptive import AdaptiveSource
     from flexmesh.runtime.train.groups import check_emulation, check_runnable
     from flexmesh.runtime.train.trainer import Trainer
@@ -357,11 +357,12 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     fallback_fn = fallback_fn or schedule_fn
     config = train_config(args, emulate_speed=tuple(emulated.items()), resume=not fresh)
     with wall.phase("process group"):
-        init_distributed(timeout_s=args.collective_timeout, device=args.device)
+        init_distributed(timeout_s=args.collective_timeout, device=args.device, start_up_s=START_UP_TIMEOUT_S)
     rank0 = dist.get_rank() == 0
     try:
         with wall.phase("model build"):
             trainer = Trainer(plan, spec, config, weights=args.weights, tasks=job.parts.tasks)
+        bound_collectives()  # every group is made: the collective timeout from here on
         if dist.get_rank() == 0:
             announce(trainer)
         # Rank 0 schedules step k+1 while step k trains and broadcasts it; with --adaptive a late

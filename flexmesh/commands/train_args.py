@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fed)")
     p.add_argument("--collective-timeout", type=seconds, default=600.0, metavar="SECONDS",
                    help="how long a collective waits for a stopped, hung or dead rank before the run fails "
-                        "naming it (default 600)")
+                        "naming it (default 600; start-up, joining and building the model, waits at least 300)")
     p.add_argument("--cache-dir", help="where tokenizers and token stores are cached")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     v = p.add_argument_group("evaluation and logging (docs/cli-train.md#evaluation-and-logging)")

@@ -10,13 +10,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from flexmesh.runtime.parallel.device import DeviceChoice, rank_device
 
 _DEVICE: list[DeviceChoice] = []  # this process's device, chosen once when it joins
+# Joining and building the model: ranks may still be importing torch or reading weights on a loaded machine.
+START_UP_TIMEOUT_S = 300.0
+_COLLECTIVE_TIMEOUT_S: list[float] = [600.0]  # init_distributed's timeout_s, applied by bound_collectives
 
 
-def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DeviceChoice:
+def init_distributed(timeout_s: float = 600.0, device: str = "auto", start_up_s: float | None = None) -> DeviceChoice:
     """Join the process group torchrun describes on this rank's device (``--device``, chosen by
     :func:`flexmesh.runtime.parallel.device.choose_device`: NCCL on a GPU of its own, gloo on the CPU) and
     return that device; no-op (the device chosen then) when joined.
@@ -24,23 +28,41 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DeviceCh
     ``timeout_s`` bounds every collective: a peer that died makes the others fail after it instead
     of hanging forever. It is also made the default of the groups made later (device meshes,
     context-parallel groups, the gloo group), which would otherwise wait torch's 30 minutes.
+
+    ``start_up_s`` (when longer than ``timeout_s``) bounds joining and the groups made until
+    :func:`bound_collectives` instead: ranks still importing torch on a loaded machine must not count as
+    stopped under a collective timeout of a few seconds.
     """
     if dist.is_initialized():
         return compute_device_choice()
-    from torch.distributed import distributed_c10d
-
     choice = rank_device(device)
-    # new_group() without a timeout reads these module defaults (torch 2.13: _get_default_timeout).
-    distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
-    distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+    _COLLECTIVE_TIMEOUT_S[:] = [timeout_s]
+    start_up = timedelta(seconds=max(timeout_s, start_up_s or 0.0))
+    _default_timeout(start_up)
     if choice.type == "cuda":
         torch.cuda.set_device(choice.index)
         # fp32 matmuls on TF32 tensor cores, as torchtitan and Megatron-LM run them (docs/precision.md)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    dist.init_process_group(choice.backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(choice.backend, timeout=start_up)
     _DEVICE[:] = [choice]
     return choice
+
+
+def bound_collectives() -> None:
+    """From here on every collective, of the groups made so far and of those made later, waits at most
+    the collective timeout given to :func:`init_distributed` (its start-up bound ends)."""
+    timeout = timedelta(seconds=_COLLECTIVE_TIMEOUT_S[0])
+    for group in list(distributed_c10d._world.pg_map):  # the groups this rank is in, the world's included
+        distributed_c10d._set_pg_timeout(timeout, group)
+    _default_timeout(timeout)
+
+
+def _default_timeout(timeout: timedelta) -> None:
+    """The timeout of groups made from here on: new_group() without one reads these module defaults
+    (torch 2.13: _get_default_timeout)."""
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def compute_device_choice() -> DeviceChoice:
