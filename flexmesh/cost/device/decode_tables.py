@@ -6,9 +6,10 @@ generation_attention_perf.parquet``: batch, ``isl`` (1) and ``step`` (the tokens
 heads, head dim, KV dtype, window, kernel, latency in ms): one query per sequence against ``isl + step``
 cached keys and values. For each system this module takes one framework's newest table (vLLM's, as
 :mod:`flexmesh.cost.device.gemm_tables`), keeps the rows a dense model's decode looks like — bf16 keys and
-values, head dim 128, no sliding window — and fits the three constants of
+values, head dim 128, no sliding window — and fits the six constants of
 :class:`flexmesh.cost.device.kernels.MeasuredDecode` (a fixed cost a call, a cost per (sequence, KV head)
-pair, and the fraction of the part's datasheet HBM bandwidth the KV reads reach) to the even rows, sorted by
+pair, the fraction of the part's datasheet HBM bandwidth the KV reads reach, and the cache's three: the KV it
+holds, its speedup and steepness, :func:`flexmesh.cost.device.kernels.cached_memory`) to the even rows, sorted by
 shape; the odd ones are held out (``bench/kernel_tables.py``). ``devices.toml`` records them under
 ``[decode_kernels]``.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from flexmesh.cost.device.gemm_tables import (
+    CACHE_FIELDS,
     FRAMEWORK,
     Fit,
     fitted_half,
@@ -39,8 +41,9 @@ from flexmesh.spec.devices import DECODE_KERNELS, GEMM_TABLES, KernelTable
 HEAD_DIM = 128
 KV_DTYPE_BYTES = 2  # bf16
 
-DECODE_START = (12.0, 0.9, 25.0)  # fixed us, HBM fraction, ns per (sequence, KV head) pair
-DECODE_FIELDS = ("fixed_us", "hbm_fraction", "per_pair_ns")
+# fixed us, HBM fraction, ns per (sequence, KV head) pair, cached MB, cache speedup, cache steepness
+DECODE_START = (12.0, 0.9, 25.0, 32.0, 2.0, 4.0)
+DECODE_FIELDS = ("fixed_us", "hbm_fraction", "per_pair_ns", *CACHE_FIELDS)
 
 
 def newest_table(systems: Path, system: str) -> Path:
@@ -78,7 +81,10 @@ def decode_kernels(values: dict[str, float], hbm_gbps: float) -> Kernels:
     return Kernels(mm_flops=1.0, attn_flops=1.0, hbm_bytes_per_s=hbm_gbps * 1e9, sms=None,
                    decode_measured=MeasuredDecode(fixed_s=values["fixed_us"] * 1e-6,
                                                   hbm_bytes_per_s=values["hbm_fraction"] * hbm_gbps * 1e9,
-                                                  per_pair_s=values["per_pair_ns"] * 1e-9))
+                                                  per_pair_s=values["per_pair_ns"] * 1e-9,
+                                                  cache_bytes=values["cache_mb"] * 1e6,
+                                                  cache_speedup=values["cache_speedup"],
+                                                  cache_steepness=values["cache_steepness"]))
 
 
 def fit_decode(systems: Path, system: str, table: KernelTable) -> Fit:

@@ -12,7 +12,8 @@ part's (:func:`flexmesh.spec.cluster.catalogue_efficiency`).
 
 The device layer's own GEMMs (``Hardware.device_kernels``: each kernel as the tables time it, no training
 step's framework terms) take the measured form of :class:`flexmesh.cost.device.kernels.MeasuredGemm`, its
-five constants fitted per system (:func:`fit_gemm`) to every bf16 row of the table: the rows sorted by
+eight constants (five of the GEMM and three of the cache) fitted per system (:func:`fit_gemm`) to every bf16
+row of the table: the rows sorted by
 ``(m, n, k)``, the even ones fitted (least mean absolute log error, Nelder-Mead from one fixed start), the odd
 ones held out to score it (``bench/kernel_tables.py``). ``devices.toml`` records them under ``[gemm_kernels]``.
 
@@ -108,8 +109,11 @@ def medians(systems: Path, names: list[str]) -> list[TableMedian]:
                         float(np.median([rows[s][shape] for shape in common]))) for s in names]
 
 
-GEMM_START = (0.8, 2.5, 0.85, 3.0, 0.3)  # efficiency, fixed us, HBM fraction, power, ns per K element
-GEMM_FIELDS = ("efficiency", "fixed_us", "hbm_fraction", "power", "per_k_ns")
+# efficiency, fixed us, HBM fraction, power, ns per K element, cached MB, cache speedup, cache steepness
+GEMM_START = (0.8, 2.5, 0.85, 3.0, 0.3, 32.0, 2.0, 4.0)
+GEMM_FIELDS = ("efficiency", "fixed_us", "hbm_fraction", "power", "per_k_ns", "cache_mb", "cache_speedup",
+               "cache_steepness")
+CACHE_FIELDS = ("cache_mb", "cache_speedup", "cache_steepness")
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,8 @@ def gemm_kernels(values: dict[str, float], peak_tflops: float, hbm_gbps: float) 
     return Kernels(mm_flops=values["efficiency"] * peak_tflops * 1e12, attn_flops=1.0, hbm_bytes_per_s=hbm_gbps * 1e9,
                    sms=None, gemm_measured=MeasuredGemm(
                        fixed_s=values["fixed_us"] * 1e-6, hbm_bytes_per_s=values["hbm_fraction"] * hbm_gbps * 1e9,
-                       power=values["power"], per_k_s=values["per_k_ns"] * 1e-9))
+                       power=values["power"], per_k_s=values["per_k_ns"] * 1e-9, cache_bytes=values["cache_mb"] * 1e6,
+                       cache_speedup=values["cache_speedup"], cache_steepness=values["cache_steepness"]))
 
 
 def least_log_error(loss: Callable[[dict[str, float]], float], fields: tuple[str, ...],

@@ -34,7 +34,14 @@ import numpy as np
 
 from flexmesh.cost.device.kernels import HBM_EFFICIENCY, Kernels, MeasuredAttention, MeasuredDecode, MeasuredGemm
 from flexmesh.spec.cluster import ClusterSpec
-from flexmesh.spec.devices import ATTENTION_KERNELS, COMM_TABLES, DECODE_KERNELS, GEMM_KERNELS, DeviceSpec
+from flexmesh.spec.devices import (
+    ATTENTION_KERNELS,
+    COMM_TABLES,
+    DECODE_KERNELS,
+    GEMM_KERNELS,
+    GEMM_TABLES,
+    DeviceSpec,
+)
 from flexmesh.spec.model import DTYPE_BYTES
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -310,16 +317,29 @@ def device_kernels(kernels: Kernels, d: DeviceSpec, peak_flops: float) -> Kernel
     g, a = GEMM_KERNELS.get(d.kernel_table), ATTENTION_KERNELS.get(d.kernel_table)
     if g is None or a is None or d.kernel_mm_efficiency is None or d.kernel_attn_efficiency is None:
         return kernels
+    # The cache term is the measured part's own L2 (its size and speed beside that part's DRAM): a part that takes
+    # another's table (its peak or bandwidth not the table's) keeps none.
+    t = GEMM_TABLES.get(d.kernel_table)
+    own = t is not None and d.peak_tflops.get("bf16") == t.peak_tflops and d.hbm_gbps == t.hbm_gbps
     dec = DECODE_KERNELS.get(d.kernel_table)
     decode = None if dec is None else MeasuredDecode(
         fixed_s=dec["fixed_us"] * 1e-6, hbm_bytes_per_s=dec["hbm_fraction"] * d.hbm_gbps * 1e9,
-        per_pair_s=dec["per_pair_ns"] * 1e-9)
+        per_pair_s=dec["per_pair_ns"] * 1e-9, **_cache(dec, own))
     gemm = MeasuredGemm(fixed_s=g["fixed_us"] * 1e-6, power=g["power"], per_k_s=g["per_k_ns"] * 1e-9,
-                        hbm_bytes_per_s=g["hbm_fraction"] * d.hbm_gbps * 1e9)
+                        hbm_bytes_per_s=g["hbm_fraction"] * d.hbm_gbps * 1e9, **_cache(g, own))
     return replace(kernels, mm_flops=peak_flops * d.kernel_mm_efficiency,
                    attn_flops=peak_flops * d.kernel_attn_efficiency, attn_overhead=a["overhead_keys"],
                    gemm_measured=gemm, decode_measured=decode,
                    attn_measured=MeasuredAttention(fixed_s=a["fixed_us"] * 1e-6, per_key_s=a["per_key_ns"] * 1e-9))
+
+
+def _cache(fit: dict[str, float], own: bool) -> dict[str, float]:
+    """A kernel fit's cache constants (``flexmesh.cost.device.kernels.cached_memory``) on its own part; none on
+    another."""
+    if not own:
+        return {}
+    return {"cache_bytes": fit["cache_mb"] * 1e6, "cache_speedup": fit["cache_speedup"],
+            "cache_steepness": fit["cache_steepness"]}
 
 
 _TABLES: dict[str, CommTable] = {}

@@ -31,10 +31,22 @@ forms those tables support over every shape they hold (:class:`MeasuredGemm`, :c
   GEMMs pay for both), plus one kernel's fixed cost and a K-loop term (a GEMM of few output tiles
   walks its reduction on few SMs). No tiles or waves: the kernels a library picks per shape (tile sizes,
   split-K) smooth them out, and the tables price 128 x 128 tiles 2 to 6 times too slow below 128 rows.
+- The cache (GEMM memory and decode KV reads, :func:`cached_memory`): the tables time a kernel called again and
+  again on the same buffers, so a working set that fits the GPU's last-level (L2) cache is read from it, not
+  from DRAM. A fraction ``h = 1 / (1 + (bytes / cache)^steepness)`` of the bytes moves ``cache_speedup`` times
+  faster than DRAM: all of a small working set, none of one far past the cache (a cache that a working set
+  overflows thrashes). ``cache``, ``cache_speedup`` and ``steepness`` are fitted per table with
+  the other constants; ``cache_speedup`` <= 1 is no cache term, and a part priced from another part's
+  table has none (``Hardware.device_kernels``: the cache is the measured part's own). It matters where DRAM
+  is slow beside the cache:
+  the L40S (GDDR6 at 864 GB/s, 96 MB of L2) reads GEMM working sets of 4 to 16 MB at 1.1 TB/s and decode
+  KV of 32 to 96 MB at 1.1-1.7 TB/s (medians), above its DRAM's datasheet rate, and 0.6-0.7 TB/s past
+  16 MB and 134 MB.
 - Attention over ``L`` keys a call: the FLOPs at the kernel rate with the tile form above, plus per call a
   fixed cost and a per-key term.
 - Decode attention (one query per sequence against its cached keys and values, :class:`MeasuredDecode`):
-  memory-bound, the KV bytes read at a fitted fraction of the HBM bandwidth, plus per call a fixed cost and
+  memory-bound, the KV bytes read at a fitted fraction of the HBM bandwidth (and the cache term above), plus
+  per call a fixed cost and
   a cost per (sequence, KV head) pair (each is a unit of work the kernel schedules: its query heads loaded,
   its partial results combined). ``python -m flexmesh.cost.device.decode_tables --fit`` redoes its constants.
 
@@ -67,6 +79,23 @@ HBM_EFFICIENCY = 0.9
 ATTN_QUERY_OVERHEAD = float(ATTN_TILE)
 
 
+def cached_memory(nbytes, bytes_per_s: float, cache_bytes: float, speedup: float, steepness: float):  # noqa: ANN001, ANN201
+    """Seconds to move ``nbytes`` of a working set read again and again: the fraction ``1 / (1 + (nbytes /
+    cache_bytes)^steepness)`` of it from the cache at ``speedup x bytes_per_s``, the rest at ``bytes_per_s`` (the
+    module doc). A cache is never slower than DRAM and its cached fraction falls at least as fast as ``cache_bytes
+    / nbytes``: ``speedup`` and ``steepness`` below 1 count as 1 (``cache_bytes`` <= 0 or ``speedup`` <= 1: all at
+    ``bytes_per_s``, no cache term).
+
+    >>> small, large = cached_memory(1e6, 1e12, 32e6, 2.0, 4.0), cached_memory(1e9, 1e12, 32e6, 2.0, 4.0)
+    >>> round(float(small) * 1e6, 3), round(float(large) * 1e3, 3)  # us within the cache, ms far past it
+    (0.5, 1.0)
+    """
+    if cache_bytes <= 0.0 or speedup <= 1.0:
+        return nbytes / bytes_per_s
+    hit = 1.0 / (1.0 + (np.maximum(nbytes, 0.0) / cache_bytes) ** max(steepness, 1.0))
+    return nbytes * (1.0 - hit * (1.0 - 1.0 / speedup)) / bytes_per_s
+
+
 @dataclass(frozen=True)
 class MeasuredGemm:
     """A GEMM's time as the measured tables have it, beyond its rate (``Kernels.mm_flops``): see the module doc.
@@ -81,6 +110,9 @@ class MeasuredGemm:
     hbm_bytes_per_s: float  # what the GEMMs' memory-bound shapes reach
     power: float  # of the soft maximum of compute and memory time
     per_k_s: float  # seconds per element of the reduction dimension
+    cache_bytes: float = 0.0  # the working set the cache holds (module doc); 0: no cache term
+    cache_speedup: float = 1.0  # the cache's bandwidth over hbm_bytes_per_s
+    cache_steepness: float = 1.0  # how fast the cached fraction falls past cache_bytes
 
 
 @dataclass(frozen=True)
@@ -95,7 +127,7 @@ class MeasuredAttention:
 @dataclass(frozen=True)
 class MeasuredDecode:
     """A decode-attention call as the measured tables time it: ``fixed_s + per_pair_s x (sequences x KV heads)
-    + KV bytes / hbm_bytes_per_s`` (see the module doc).
+    + KV bytes / hbm_bytes_per_s`` (the cached fraction of the KV faster: see the module doc).
 
     >>> d = MeasuredDecode(fixed_s=10e-6, hbm_bytes_per_s=3e12, per_pair_s=25e-9)
     >>> k = Kernels(mm_flops=1.0, attn_flops=1.0, hbm_bytes_per_s=1.0, sms=None, decode_measured=d)
@@ -106,6 +138,9 @@ class MeasuredDecode:
     fixed_s: float
     hbm_bytes_per_s: float  # what decode attention's KV reads reach
     per_pair_s: float  # seconds per (sequence, KV head) pair of a call
+    cache_bytes: float = 0.0  # the KV the cache holds (module doc); 0: no cache term
+    cache_speedup: float = 1.0  # the cache's bandwidth over hbm_bytes_per_s
+    cache_steepness: float = 1.0  # how fast the cached fraction falls past cache_bytes
 
 
 @dataclass(frozen=True)
@@ -202,7 +237,8 @@ class Kernels:
         return max(compute, memory) + self.launch_s if m > 0 and n > 0 and k > 0 else 0.0
 
     def _gemm_measured(self, g: MeasuredGemm, compute, m, n, k):  # noqa: ANN001, ANN202
-        memory = (m * k + k * n + m * n) * self.dtype_bytes / g.hbm_bytes_per_s
+        memory = cached_memory((m * k + k * n + m * n) * self.dtype_bytes, g.hbm_bytes_per_s, g.cache_bytes,
+                               g.cache_speedup, g.cache_steepness)
         t = g.fixed_s + (compute ** g.power + memory ** g.power) ** (1.0 / g.power) + g.per_k_s * k
         if isinstance(t, np.ndarray):
             return t * ((m > 0) & (n > 0) & (k > 0))
@@ -273,4 +309,5 @@ class Kernels:
         d = self.decode_measured
         if d is None:
             return kv_bytes / self.hbm_bytes_per_s + calls * self.launch_s * (kv_bytes > 0)
-        return (kv_bytes / d.hbm_bytes_per_s + pairs * d.per_pair_s + calls * d.fixed_s) * (kv_bytes > 0)
+        kv = cached_memory(kv_bytes, d.hbm_bytes_per_s, d.cache_bytes, d.cache_speedup, d.cache_steepness)
+        return (kv + pairs * d.per_pair_s + calls * d.fixed_s) * (kv_bytes > 0)
