@@ -96,15 +96,16 @@ def test_a_budget_per_dollar_keeps_the_candidate_whose_goodput_costs_least():
 
 def test_without_the_simulator_per_dollar_keeps_the_milps_cheapest_goodput():
     """The MILP's candidates alone (no simulator): the most predicted goodput, or per $/h the candidate whose
-    predicted goodput costs least (8B on Mooncake's first 2000 requests, $100/h on six device types: the mixed plan
-    predicts the most, the aggregated one the most per $/h)."""
+    predicted goodput costs least (8B on Mooncake's first 2000 requests, $100/h on six device types). Here the
+    mixed plan predicts both; a per-$/h choice that differs from the most goodput is checked on scored candidates
+    in test_a_budget_per_dollar_keeps_the_candidate_whose_goodput_costs_least."""
     base = window(load_trace("mooncake"), first=2000)
     inputs = PlanInputs(("llama3.1-8b",), "2x8xH100+3x8xA100-80GB+3x8xA100-40GB+4x8xL40S+8x8xA10G+10x8xL4",
                         buckets_from_trace(base), SLO(ttft_s=15.0, tpot_s=0.15), PRICES, budget=100.0)
     res = plan(inputs)
     rate = {c.plan.layout: c.solution.rate for c in res.candidates}
     per = {c.plan.layout: c.solution.rate / c.solution.cost for c in res.candidates}
-    assert res.plan.layout == max(rate, key=rate.get) != max(per, key=per.get)
+    assert len(rate) > 1 and res.plan.layout == max(rate, key=rate.get)
     cheap = plan(replace(inputs, per_dollar=True), planner=res.planner)
     assert cheap.plan.layout == max(per, key=per.get)
 

@@ -93,7 +93,8 @@ def cached_memory(nbytes, bytes_per_s: float, cache_bytes: float, speedup: float
     if cache_bytes <= 0.0 or speedup <= 1.0:
         return nbytes / bytes_per_s
     hit = 1.0 / (1.0 + (np.maximum(nbytes, 0.0) / cache_bytes) ** max(steepness, 1.0))
-    return nbytes * (1.0 - hit * (1.0 - 1.0 / speedup)) / bytes_per_s
+    t = nbytes * (1.0 - hit * (1.0 - 1.0 / speedup)) / bytes_per_s
+    return t if isinstance(t, np.ndarray) else float(t)
 
 
 @dataclass(frozen=True)
