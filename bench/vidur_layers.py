@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -121,10 +122,16 @@ def operator_elems(model: str) -> dict[str, int]:
             "mlp_act": p.activation, "add": ADD_ELEMS * m.hidden}
 
 
+@cache
+def iteration(model: str, part: str) -> AnalyticIteration:
+    """``model``'s iteration priced on one ``part`` (tp 1)."""
+    return AnalyticIteration(MODEL_PRESETS[model], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[part])))
+
+
 def predicted_operators(model: str, part: str, tokens: np.ndarray) -> dict[str, np.ndarray]:
     """flexmesh's device layer's seconds of each of Vidur's operators at ``tokens``: the GEMMs at their kernels,
     each pointwise operator one streaming kernel moving :func:`operator_elems`."""
-    it = AnalyticIteration(MODEL_PRESETS[model], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[part])))
+    it = iteration(model, part)
     k, b = it.kernels, MODEL_PRESETS[model].dtype_bytes
     out = {op: k.gemm(tokens, *it.shapes[i]) for op, i in GEMMS.items()}
     out.update({op: k.memory_bound(tokens * e * b) for op, e in operator_elems(model).items()})
@@ -136,7 +143,7 @@ def achieved(model: str, part: str, op: str, tokens: float, secs: float) -> floa
     a pointwise operator's of the HBM bandwidth."""
     m, d = MODEL_PRESETS[model], DEVICE_PRESETS[part]
     if op in GEMMS:
-        n, red = AnalyticIteration(m, Hardware(ClusterSpec(1, 1, d))).shapes[GEMMS[op]]
+        n, red = iteration(model, part).shapes[GEMMS[op]]
         return 2.0 * tokens * n * red / secs / d.peak_flops("bf16")
     return tokens * operator_elems(model)[op] * m.dtype_bytes / secs / (d.hbm_gbps * 1e9)
 
@@ -153,7 +160,7 @@ def table_ratios(part: str, model: str, tokens: np.ndarray, ops: dict[str, np.nd
     except (ImportError, FileNotFoundError):
         return {}
     table = {(int(m), int(n), int(k)): s for m, n, k, s in rows}
-    shapes = AnalyticIteration(MODEL_PRESETS[model], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[part]))).shapes
+    shapes = iteration(model, part).shapes
     return {op: np.array([ops[op][j] / table[key] if (key := (int(t), int(shapes[i][0]), int(shapes[i][1]))) in table
                           else np.nan for j, t in enumerate(tokens)]) for op, i in GEMMS.items()}
 
@@ -163,7 +170,7 @@ def swapped() -> dict[str, tuple[float, float]]:
     Vidur's pointwise operators' times in place of the device layer's pointwise term."""
     errs: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     for (gpu, model), (tokens, ops) in sorted(measured_operators().items()):
-        it = AnalyticIteration(MODEL_PRESETS[MODELS[model]], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[PARTS[gpu]])))
+        it = iteration(MODELS[model], PARTS[gpu])
         k, secs = it.kernels, sum(ops.values())
         gemms = sum(k.gemm(tokens, n, red) for n, red in it.shapes)
         pointwise = k.memory_bound(tokens * it.pointwise_bytes, LAYER_POINTWISE_KERNELS)
@@ -208,7 +215,7 @@ def operator_rows() -> tuple[list[list[str]], bool]:
 def predicted(model: str, part: str, tokens: np.ndarray, training: bool = False) -> np.ndarray:
     """flexmesh's seconds of one layer outside attention at ``tokens`` (``training``: at a training step's
     kernels, what serving priced with before the device layer's)."""
-    it = AnalyticIteration(MODEL_PRESETS[model], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[part])))
+    it = iteration(model, part)
     k = it.hw.kernels if training else it.kernels
     t = sum(k.gemm(tokens, n, red) for n, red in it.shapes)
     return t + k.memory_bound(tokens * it.pointwise_bytes, LAYER_POINTWISE_KERNELS)
@@ -269,7 +276,7 @@ def iterations() -> dict[str, np.ndarray]:
     name, part = MODELS[model], PARTS[gpu]
     rows = measured_attention()
     tokens = step_tokens(rows)
-    it = AnalyticIteration(MODEL_PRESETS[name], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[part])))
+    it = iteration(name, part)
     out = dict(rows, tokens=tokens, layers=np.full(len(tokens), it.layers),
                measured_outside=measured_outside_attention(tokens), predicted_outside=predicted(name, part, tokens),
                measured_attention=measured_attention_s(rows), predicted_attention=predicted_attention_s(it, rows))
