@@ -30,12 +30,9 @@ LAYOUTS: dict[str, dict] = {
     "ep2_fsdp": dict(world=2, strategies=["tp1-dp2z2"] * 4, placements=True),
     "ep4_zero3": dict(world=4, strategies=["tp1-dp4z3"] * 4, placements=True),
     "ep2_pp2": dict(world=4, pp=2, layers=[[0, 2], [2, 4]], strategies=["tp1-dp2z2"] * 4),
-    # tensor parallelism: each tp rank routes its slice of the sequence, experts over dp x tp ranks; on
-    # documents of one length (make_steps' even: a few micro-batch shapes, each a DTensor sharding
-    # propagation) where the other layouts here, and tests/test_runtime_parallel.py's tp layouts, take
-    # uneven ones
-    "tp2": dict(world=2, strategies=["tp2-dp1z0"] * 4, even=True),
-    "tp2_dp2": dict(world=4, strategies=["tp2-dp2z2"] * 4, even=True),
+    # tensor parallelism: each tp rank routes its slice of the sequence, experts over dp x tp ranks
+    "tp2": dict(world=2, strategies=["tp2-dp1z0"] * 4),
+    "tp2_dp2": dict(world=4, strategies=["tp2-dp2z2"] * 4),
     # context parallelism: each rank routes its slice of the documents
     "ulysses": dict(world=2, strategies=["tp1-u2-dp1z3"] * 4),
     "ring_dp2": dict(world=4, strategies=["tp1-r2-dp2z2"] * 4),
@@ -168,8 +165,7 @@ def worker(out: Path, names: list[str]) -> None:
                     ex = trainer.part(ExpertTraining)
                     ex.placer = Shuffled(ex.moe_layers, ex.num_experts, ex.ranks)
                 lay = trainer.layout
-                steps = make_steps(lay.data_ranks, lay.cp, steps=LONG if long else STEPS, cut=False,
-                                   even=LAYOUTS[name].get("even", False))
+                steps = make_steps(lay.data_ranks, lay.cp, steps=LONG if long else STEPS, cut=False)
                 losses, rows = [], []
                 for i, (docs, sched) in enumerate(steps):
                     m = trainer.step(docs, sched)
@@ -226,8 +222,8 @@ def resume_worker(out: Path) -> None:
 
 
 # ---- tests ----------------------------------------------------------------------------------------
-@functools.cache  # a function of the data ranks and documents alone: computed once for the layouts that share them
-def reference(data_ranks: int, even: bool = False) -> tuple[list[float], dict, dict]:
+@functools.cache  # a function of the data ranks alone: computed once for the layouts that share them
+def reference(data_ranks: int) -> tuple[list[float], dict, dict]:
     """Single-process losses, first-step (clipped) gradients and final weights, expert UNUSED starved."""
     import torch
 
@@ -243,7 +239,7 @@ def reference(data_ranks: int, even: bool = False) -> tuple[list[float], dict, d
     model_module.build_model = starved  # reference_training builds its model through this module
     try:
         torch.manual_seed(0)
-        losses, _, grads, params = reference_training(make_steps(data_ranks, 1, steps=STEPS, cut=False, even=even),
+        losses, _, grads, params = reference_training(make_steps(data_ranks, 1, steps=STEPS, cut=False),
                                                       spec=moe_spec())
     finally:
         model_module.build_model = built
@@ -251,7 +247,7 @@ def reference(data_ranks: int, even: bool = False) -> tuple[list[float], dict, d
 
 
 @functools.cache
-def aux_reference(data_ranks: int, even: bool = False) -> tuple[list[float], dict]:
+def aux_reference(data_ranks: int) -> tuple[list[float], dict]:
     """Single-process AdamW steps with the load-balancing loss written out as its formula: alpha E
     sum_i f_i P_i per MoE layer, f_i the previous step's share of routed pairs (even on the first),
     P_i the step's mean router probability; the CE losses and the final weights."""
@@ -279,7 +275,7 @@ def aux_reference(data_ranks: int, even: bool = False) -> tuple[list[float], dic
     e = moe_spec().moe.num_experts
     frac = {k: torch.full((e,), 1.0 / e) for k in ffs}
     losses = []
-    for docs, schedule in make_steps(data_ranks, 1, steps=STEPS, cut=False, even=even):
+    for docs, schedule in make_steps(data_ranks, 1, steps=STEPS, cut=False):
         opt.zero_grad()
         n = global_label_tokens(docs, schedule)
         tokens = sum(len(d) for d in docs)
@@ -331,8 +327,7 @@ def test_experts_over_data_ranks_match_one_process(tmp_path, world):
     for name in names:
         result = json.loads((tmp_path / name / "result.json").read_text())
         data_ranks = int(LAYOUTS[name]["strategies"][0].split("-dp")[1].split("z")[0])
-        even = LAYOUTS[name].get("even", False)
-        ref_losses, ref_grads, ref_params = reference(data_ranks, even)
+        ref_losses, ref_grads, ref_params = reference(data_ranks)
         laer = result["laer"]
         for step, (got, want) in enumerate(zip(laer["losses"], ref_losses, strict=True)):
             assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs {want}"
@@ -351,11 +346,11 @@ def test_experts_over_data_ranks_match_one_process(tmp_path, world):
         assert all(r["expert_tokens"][UNUSED] == 0 for r in laer["routing"])
         # every real token routed to its top 2 once (a recomputed layer counts nothing twice, padding
         # nothing), and every routed pair computed by exactly one rank
-        tokens = sum(len(d) for d in make_steps(data_ranks, 1, steps=STEPS, cut=False, even=even)[-1][0])
+        tokens = sum(len(d) for d in make_steps(data_ranks, 1, steps=STEPS, cut=False)[-1][0])
         for r in laer["routing"]:
             assert sum(r["expert_tokens"]) == 2 * tokens == sum(r["rank_tokens"]), (name, r["layer"])
         # the load-balancing loss: its formula's single-process run, whatever the layout
-        aux_losses, aux_params = aux_reference(data_ranks, even)
+        aux_losses, aux_params = aux_reference(data_ranks)
         for step, (got, want) in enumerate(zip(result["aux"]["losses"], aux_losses, strict=True)):
             assert abs(got - want) <= 1e-5 * abs(want), f"{name} aux step {step}: loss {got} vs {want}"
         got = load(tmp_path / name / "aux", "params")
