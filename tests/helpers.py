@@ -89,19 +89,28 @@ def reference_training(steps: list, cfg: Any = None, spec: Any = None) -> tuple[
     return losses, norms, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED, cut: bool = True) -> list:
+EVEN = 16  # the length of every document but the cut one in make_steps(even=True)
+
+
+def make_steps(data_ranks: int, cp: int, steps: int = STEPS, seed: int = SEED, cut: bool = True,
+               even: bool = False) -> list:
     """Documents and hand-built StepSchedules: one group per dp replica, cp data ranks each.
 
     Groups get different numbers of micro-batches (exercising the empty padding micro-batches), and
     with ``cut`` one document is cut in two pieces that land in different micro-batches (else it
-    stays whole where its first piece would be).
+    stays whole where its first piece would be). The documents are 3 to 39 tokens long, or with
+    ``even`` all ``EVEN`` but the 50-token one: the micro-batches then take a few lengths rather than
+    one each, for layouts whose every new micro-batch shape costs (tensor parallelism's DTensors
+    propagate the sharding of each shape once) where uneven lengths of the same layout are checked
+    elsewhere.
     """
     from flexmesh.layout.step import Group, Piece, StepSchedule
 
     rng = np.random.default_rng(seed)
     out = []
     for s in range(steps):
-        docs = [rng.integers(1, 256, size=int(n)) for n in rng.integers(3, 40, size=7)]
+        lengths = rng.integers(3, 40, size=7)
+        docs = [rng.integers(1, 256, size=EVEN if even else int(n)) for n in lengths]
         docs.append(rng.integers(1, 256, size=50))  # the document cut across micro-batches
         n_groups = data_ranks // cp
         per_group: list[list[list[Piece]]] = [[] for _ in range(n_groups)]

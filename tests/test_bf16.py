@@ -65,12 +65,21 @@ def bf16_config():
     return replace(train_config(), dtype="bf16")
 
 
-def steps_for(lay, steps: int = STEPS) -> list:
+def steps_for(lay, steps: int = STEPS, even: bool = False) -> list:
     """The first ``steps`` steps layout ``lay`` trains on in test_runtime_parallel (a cut document unless
-    pipelined)."""
+    pipelined; ``even``: make_steps' documents of one length)."""
     from flexmesh.layout.step import carries_pieces
 
-    return make_steps(lay.data_ranks, lay.cp, steps=steps, cut=carries_pieces())
+    return make_steps(lay.data_ranks, lay.cp, steps=steps, cut=carries_pieces(), even=even)
+
+
+def even_of(name: str) -> bool:
+    """Whether layout ``name`` trains on documents of one length: the tensor-parallel ones (a few
+    micro-batch shapes, each a DTensor sharding propagation); tests/test_runtime_parallel.py trains
+    them on uneven lengths in fp32, the other layouts here in bf16."""
+    from test_runtime_parallel import LAYOUTS
+
+    return any(s.startswith("tp2") for s in LAYOUTS.get(name, {}).get("strategies", ()))
 
 
 def window_of(name: str) -> bool:
@@ -104,7 +113,7 @@ def worker(out: Path, names: list[str]) -> None:
                         mod.register_forward_hook(lambda _m, _i, o, seen=computed: seen.add(str(o.dtype)))
             lay = trainer.layout
             metrics, grads = [], {}
-            for i, (docs, sched) in enumerate(steps_for(lay, LAYOUT_STEPS)):
+            for i, (docs, sched) in enumerate(steps_for(lay, LAYOUT_STEPS, even_of(name))):
                 metrics.append(trainer.step(docs, sched))
                 if i == 0:  # gradients stay in place until the next step zeroes them
                     for m in trainer.inner_models():
@@ -167,12 +176,13 @@ def spec_of(name: str):
 
 # ---- reference ------------------------------------------------------------------------------------
 @functools.cache  # a function of the batch layout alone: computed once for the layouts that share it
-def fp32_reference(data_ranks: int, cp: int, cut: bool, window: bool) -> tuple[list[float], float, dict]:
+def fp32_reference(data_ranks: int, cp: int, cut: bool, window: bool,
+                   even: bool = False) -> tuple[list[float], float, dict]:
     """fp32, one process, on the first LAYOUT_STEPS steps of ``make_steps(data_ranks, cp, cut=cut)``: every
     step's loss, the first step's gradient norm before clipping and its clipped gradients."""
     from test_runtime_parallel import spec_for
 
-    steps = make_steps(data_ranks, cp, steps=LAYOUT_STEPS, cut=cut)
+    steps = make_steps(data_ranks, cp, steps=LAYOUT_STEPS, cut=cut, even=even)
     losses, norms, grads, _ = reference_training(steps, spec=spec_for(window))
     return losses, norms[0], grads
 
@@ -196,7 +206,8 @@ def check_layout(name: str, result: dict, folder: Path) -> list[str]:
     from flexmesh.layout.step import carries_pieces
 
     lay = layout_from_plan(make_plan(name))
-    ref_losses, ref_norm, ref_grads = fp32_reference(lay.data_ranks, lay.cp, carries_pieces(), window_of(name))
+    ref_losses, ref_norm, ref_grads = fp32_reference(lay.data_ranks, lay.cp, carries_pieces(), window_of(name),
+                                                     even_of(name))
     bad = []
     losses = result["losses"]
     if len(losses) != LAYOUT_STEPS:

@@ -136,7 +136,7 @@ def worker(out: Path, names: list[str]) -> None:
             plan = make_plan(name)
             trainer = Trainer(plan, layout_spec(name), train_config())
             lay = trainer.layout
-            steps = make_steps(lay.data_ranks, lay.cp, cut=carries_pieces())
+            steps = make_steps(lay.data_ranks, lay.cp, cut=carries_pieces(), even=LAYOUTS[name].get("even", False))
             losses = [trainer.step(docs, sched).loss for docs, sched in steps]
             params = {}
             for m in trainer.inner_models():
@@ -164,13 +164,14 @@ def worker(out: Path, names: list[str]) -> None:
 # ---- tests ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference_runs() -> dict:
-    """Reference losses and parameters per distinct (data ranks, cp) batch layout and window."""
+    """Reference losses and parameters per distinct (data ranks, cp) batch layout, window and documents
+    (make_steps' even: a layout's "even" key, set by files that reuse these checks)."""
     cache: dict = {}
 
-    def get(data_ranks: int, cp: int, window: bool = False):
-        key = (data_ranks, cp, window)
+    def get(data_ranks: int, cp: int, window: bool = False, even: bool = False):
+        key = (data_ranks, cp, window, even)
         if key not in cache:
-            cache[key] = reference(make_steps(data_ranks, cp), window)
+            cache[key] = reference(make_steps(data_ranks, cp, even=even), window)
         return cache[key]
 
     return get
@@ -180,15 +181,15 @@ def _check(name: str, result: dict, folder: Path, reference_runs) -> None:
     from flexmesh.layout.mesh import layout_from_plan
 
     lay = layout_from_plan(make_plan(name))
-    window = LAYOUTS[name].get("window", False)
-    ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp, window)
+    window, even = LAYOUTS[name].get("window", False), LAYOUTS[name].get("even", False)
+    ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp, window, even)
     losses = result["losses"]
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs reference {want}"
     if name in golden_losses()["runtime_parallel"]:  # every layout of this file (test_goldens_cover_the_matrix)
         assert_golden("runtime_parallel", name, losses)
-    want = first_loss(weights_model(window), *make_steps(lay.data_ranks, lay.cp, steps=1)[0])
+    want = first_loss(weights_model(window), *make_steps(lay.data_ranks, lay.cp, steps=1, even=even)[0])
     assert abs(result["weights_loss"] - want) <= 1e-5 * want, f"{name}: loaded weights give {result['weights_loss']}"
     params = load_params(folder)
     assert set(params) == set(ref_params), f"{name}: parameter names differ: {set(params) ^ set(ref_params)}"
