@@ -27,14 +27,31 @@ def small_config(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_model_profile_quick_single_process(tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def one_launch(tmp_path_factory):
+    """One process's `profile model --quick --hardware-out` of the small model (the demo's one launch): the
+    hardware profile, then the model's, from the same process, its printed summary; FLEXMESH_CACHE a fresh
+    folder (--no-keep leaves it uncreated)."""
+    import contextlib
+    import io
+
+    tmp_path = tmp_path_factory.mktemp("one-launch")
     cfg = small_config(tmp_path)
-    out = tmp_path / "model.json"
-    monkeypatch.setenv("COLUMNS", "200")  # the summary table on one line per row
-    assert main(["profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    out, hw_out, printed = tmp_path / "model.json", tmp_path / "hw.json", io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
+        mp.setenv("COLUMNS", "200")  # the summary table on one line per row
+        code = main(["profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--no-keep", "--out",
+                     str(out), "--hardware-out", str(hw_out)])
+    return {"code": code, "tmp": tmp_path, "cfg": cfg, "out": out, "hw_out": hw_out, "printed": printed.getvalue()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_model_profile_quick_single_process(one_launch):
+    """The model profile of one process (written in the same launch as the hardware's: the test below)."""
+    cfg, out, printed = one_launch["cfg"], one_launch["out"], one_launch["printed"]
+    assert one_launch["code"] == 0, printed[-3000:]
     prof = load_profile(out, "model")
     spec = from_hf_config(cfg)
     prof.check_model(spec)
@@ -85,19 +102,24 @@ def test_model_profile_quick_single_process(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_one_launch_profiles_the_hardware_then_the_model(tmp_path, monkeypatch):
-    """--hardware-out: both profiles from the same processes (the demo's one launch), as each alone writes them."""
+def test_one_launch_profiles_the_hardware_then_the_model(one_launch, monkeypatch):
+    """--hardware-out: both profiles from the same processes (the demo's one launch), as each alone writes them
+    (the model's checked by the test above)."""
     from flexmesh.commands import profile as profile_command
 
-    cfg = small_config(tmp_path)
-    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
-    out, hw_out = tmp_path / "model.json", tmp_path / "hw.json"
-    assert main(["profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--no-keep", "--out", str(out),
-                 "--hardware-out", str(hw_out)]) == 0
+    tmp_path, cfg, out, hw_out = one_launch["tmp"], one_launch["cfg"], one_launch["out"], one_launch["hw_out"]
+    assert one_launch["code"] == 0, one_launch["printed"][-3000:]
     hw, prof = load_profile(hw_out, "hardware"), load_profile(out, "model")
     assert hw.matmul_flops_per_s["fp32"] > 1e8 and hw.produced_by["processes"] == 1
     prof.check_model(from_hf_config(cfg))
     assert not (tmp_path / "cache").exists()  # --no-keep holds for both
+    # `profile hardware` alone writes the profile --hardware-out wrote (measured again: the same parts)
+    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path / "cache"))
+    alone = tmp_path / "hw-alone.json"
+    assert main(["profile", "hardware", "--quick", "--no-progress", "--no-keep", "--out", str(alone)]) == 0
+    hw_alone = load_profile(alone, "hardware")
+    assert hw_alone.produced_by["processes"] == 1 and set(hw_alone.matmul_flops_per_s) == set(hw.matmul_flops_per_s)
+    assert set(hw_alone.to_dict()) == set(hw.to_dict()) and not (tmp_path / "cache").exists()
     # under --nproc, the ranks are given the file at its full path (they may start elsewhere)
     args = argparse.Namespace(profile_kind="model", device="auto", no_keep=True, model=str(cfg), dtype="fp32",
                               compile=None, quick=True, no_progress=True, hardware_out="hw.json", max_group=None,
@@ -148,19 +170,31 @@ def test_profile_error_is_a_clear_cli_message(tmp_path, capsys):
     assert "version 7 is not supported" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_hardware_profile_quick_under_torchrun(tmp_path, capsys):
-    """The command's two ranks from the fork server, as torchrun starts them (its --nproc launcher: the demo's
-    one launch, tests/test_demo.py)."""
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two ranks from the fork server, as torchrun starts them (its --nproc launcher: the demo's one launch,
+    tests/test_demo.py), of `profile model --quick --hardware-out`: the hardware profile, then the small
+    model's under real process groups, from the same processes."""
     from helpers import flexmesh_ranks
 
-    out = tmp_path / "hw.json"
-    r = flexmesh_ranks(2, "profile", "hardware", "--quick", "--no-progress", "--no-keep", "--out", str(out),
-                       timeout=150, env={"FLEXMESH_CACHE": str(tmp_path / "cache")})
+    tmp_path = tmp_path_factory.mktemp("two-ranks")
+    cfg = small_config(tmp_path)
+    out, hw = tmp_path / "model.json", tmp_path / "hw.json"
+    r = flexmesh_ranks(2, "profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--no-keep", "--out",
+                       str(out), "--hardware-out", str(hw), timeout=300,
+                       env={"FLEXMESH_CACHE": str(tmp_path / "cache")})
+    return {"run": r, "tmp": tmp_path, "cfg": cfg, "out": out, "hw": hw}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_hardware_profile_quick_under_torchrun(two_ranks, tmp_path, capsys):
+    """The hardware profile of two ranks (`profile hardware` alone, in one process:
+    test_one_launch_profiles_the_hardware_then_the_model)."""
+    r, out = two_ranks["run"], two_ranks["hw"]
     assert r.returncode == 0, r.stderr[-3000:]
     # --no-keep (as the demo profiles): the machine's own profile is left as it was, here none
-    assert "kept as this machine's" not in r.stderr and not (tmp_path / "cache").exists()
+    assert "kept as this machine's" not in r.stderr and not (two_ranks["tmp"] / "cache").exists()
     hw = load_profile(out, "hardware")
     assert hw.produced_by["processes"] == 2 and hw.device["devices_per_node"] == 2
     kinds = {(c.collective, c.group_size, c.scope) for c in hw.collectives}
@@ -185,15 +219,10 @@ def test_hardware_profile_quick_under_torchrun(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_model_profile_under_torchrun_times_real_groups(tmp_path):
-    """The command's two ranks from the fork server, as torchrun starts them (its --nproc launcher: the test above)."""
-    from helpers import flexmesh_ranks
-
-    cfg = small_config(tmp_path)
-    out = tmp_path / "model.json"
-    r = flexmesh_ranks(2, "profile", "model", "--model", str(cfg), "--quick", "--no-progress", "--out", str(out),
-                       timeout=220)
+@pytest.mark.timeout(330)
+def test_model_profile_under_torchrun_times_real_groups(two_ranks):
+    """The model profile of two ranks, after the hardware's in the same processes (the fixture's launch)."""
+    r, cfg, out = two_ranks["run"], two_ranks["cfg"], two_ranks["out"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "under real process groups" in r.stdout and "ring" in r.stdout  # the summary shows the layouts
     prof = load_profile(out, "model")

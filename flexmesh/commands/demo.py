@@ -53,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     old_names(p, "--max-len", dest="seq_len", type=seq_len)
     p.add_argument("--sim-steps", type=steps, default=3, help="simulated steps per policy (default 3)")
     p.add_argument("--quick", action="store_true",
-                   help="a shortened run for tests: 2 processes, 2 steps, small batches and a small simulation")
+                   help="a shortened run for tests: 2 processes, 2 steps, small batches, a small corpus and simulation")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the data, the weights and the simulation")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto: the multi-process steps on GPUs when there is one per process, else on the CPU, and "
@@ -79,6 +79,15 @@ class DemoSize:
             return cls(nproc=2, steps=2, global_batch=6, seq_len=512, sim_steps=1, seed=args.seed)
         nproc = args.nproc if args.nproc is not None else default_nproc()
         return cls(nproc, args.steps, args.global_batch, args.seq_len, args.sim_steps, args.seed)
+
+
+def quick_corpus() -> str:
+    """The corpus of ``--quick``'s trainings: one package of the standard library (``email``, about 30 files),
+    whose tokenizer trains and whose tokens encode in a second, where the whole library's take half a minute
+    (once per cache: flexmesh.data.loader)."""
+    from flexmesh.data.corpus import stdlib_corpus_dir
+
+    return str(stdlib_corpus_dir() / "email")
 
 
 def default_nproc(cores: int | None = None) -> int:
@@ -142,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     from flexmesh.report.runs import TRAIN_MODEL, read_metrics, training_plan
 
     size = DemoSize.of(args)
+    corpus = quick_corpus() if args.quick else "stdlib"
     if not 2 <= size.nproc <= 4:
         raise FlexmeshError(f"--nproc must be 2 to 4 local processes, got {size.nproc}")
     console = plain_console()
@@ -192,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                            f"{label} ({i + 1}/{len(runs)})"))
         run_dir = out / "runs" / label
         before = os.getloadavg()[0]
-        _flexmesh(["train", "--plan", str(plan_path), "--corpus", "stdlib", "--max-steps", str(size.steps),
+        _flexmesh(["train", "--plan", str(plan_path), "--corpus", corpus, "--max-steps", str(size.steps),
                    "--out", str(run_dir), "--nproc", str(size.nproc), "--overwrite", "--seed", str(size.seed),
                    "--hardware-profile", str(hw), "--model-profile", str(mp), *on, *policy], f"train {label}")
         metrics[label], loads[label] = read_metrics(run_dir / "metrics.jsonl"), before
@@ -223,12 +233,12 @@ def run(args: argparse.Namespace) -> int:
     # out step 1 (its one-off costs) and averages the five after it.
     stragglers = demo_comparison(out / "stragglers", hw, mp, steps=4 if args.quick else 6, global_batch=8,
                                  seq_len=128 if args.quick else 256, seed=size.seed, device=devices["pair"],
-                                 say=say)
+                                 corpus=corpus, say=say)
 
     console.print(Rule(f"5/6  uneven experts: {MOE_MODEL} on 2 processes, static against load-following placement"))
     experts = demo_experts(out / "experts", hw, steps=2 if args.quick else 6, global_batch=8,
                            seq_len=128 if args.quick else 256, seed=size.seed, device=devices["pair"],
-                           profile=not args.quick, say=say)
+                           profile=not args.quick, corpus=corpus, say=say)
 
     gpu = None
     if devices["gpu"]:
@@ -264,7 +274,9 @@ def _plan_and_simulate(args: argparse.Namespace, size: DemoSize, out: Path, cons
     # 2. simulate
     console.print(Rule("2/6  simulate: per-step policies, Llama 2 7B on 8x8 A100-40GB, Wikipedia lengths"))
     sim_args = ["simulate", "--model", "llama2-7b", "--cluster", "8x8xA100-40GB", "--seq-len", "131072",
-                "--global-batch", "128" if args.quick else "512", "--lengths", "wikipedia", "--policies", "hdp,milp",
+                "--global-batch", "128" if args.quick else "512", "--lengths", "wikipedia",
+                # --quick: the adaptive hdp against the baselines; milp's solve is most of the simulation's time
+                "--policies", "hdp" if args.quick else "hdp,milp",
                 "--steps", str(size.sim_steps), "--seed", str(size.seed)]
     if args.quick:  # the pictures the report shows only (flexmesh.report.demo: the first policy's and the best's)
         sim = simulate_command.simulate(_parse(simulate_command, sim_args))

@@ -105,7 +105,7 @@ def add_section(rep: Report, runs: Mapping[str, Sequence[dict]], figures: Path,
 
 
 def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, seq_len: int, seed: int = 0,
-                 device: str = "auto", profile: bool = True,
+                 device: str = "auto", profile: bool = True, corpus: str = "stdlib",
                  timeout_s: float = 1800, say: Callable[[str], None] | None = None
                  ) -> dict[str, tuple[list[dict], list[dict]]]:
     """``flexmesh demo``'s experts part: ``tiny-moe`` profiled for its plan (``flexmesh profile model --quick
@@ -114,7 +114,8 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
     experts over both data ranks, placed statically, then following the load (``laer``) on the same
     batches; both priced by the demo's hardware profile and that model profile, the second with the
     imbalance replayed from the first's routing trace. Returns label -> (metrics.jsonl rows,
-    routing.jsonl rows); ``say``: told a line as each part ends."""
+    routing.jsonl rows); ``corpus``: the trainings' (``flexmesh train --corpus``); ``say``: told a line as each
+    part ends."""
     from flexmesh.files import make_folder
     from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.strategy import LayerStrategy
@@ -144,7 +145,7 @@ def demo_experts(out: Path, hardware: Path, *, steps: int, global_batch: int, se
     for label in ("static", "laer"):
         run = out / "runs" / label
         trace = ["--routing", str(out / "runs" / "static" / "routing.jsonl")] if label != "static" else []
-        flexmesh(["train", "--plan", str(plan), "--corpus", "stdlib", "--max-steps", str(steps), "--out", str(run),
+        flexmesh(["train", "--plan", str(plan), "--corpus", corpus, "--max-steps", str(steps), "--out", str(run),
                   "--nproc", "2", "--overwrite", "--no-progress", "--seed", str(seed), "--expert-placement", label,
                   "--cp", "1",
                   *priced, "--device", device, *trace],

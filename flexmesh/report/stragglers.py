@@ -193,11 +193,11 @@ def add_section(rep: Report, metrics: Mapping[str, Sequence[dict]], figures: Pat
 
 
 def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, global_batch: int, seq_len: int,
-                    seed: int = 0, factor: float = 0.5, device: str = "auto",
+                    seed: int = 0, factor: float = 0.5, device: str = "auto", corpus: str = "stdlib",
                     say: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
     """``flexmesh demo``'s straggler part: the demo's model on 2 processes, rank 1 emulated at
     ``factor``, static against adaptive (:func:`run_comparison`) with the ``balanced`` policy on
-    one-rank groups, priced by the demo's profiles, on ``device`` (``flexmesh train --device``); runs go
+    one-rank groups, priced by the demo's profiles, on ``device`` (``flexmesh train --device``) and ``corpus``; runs go
     to ``out/runs/static`` and ``out/runs/adaptive``; ``say`` as :func:`run_comparison`'s."""
     from flexmesh.report.runs import training_plan
 
@@ -206,5 +206,5 @@ def demo_comparison(out: Path, hardware: Path, model: Path, *, steps: int, globa
     training_plan(2, seq_len, global_batch).save(plan_path)
     flags = ["--policy", "balanced", "--cp", "1", "--hardware-profile", str(hardware), "--model-profile", str(model),
              "--device", device]
-    return run_comparison(out / "runs", plan_path, steps=steps, global_batch=global_batch, seq_len=seq_len,
-                          seed=seed, slow={1: factor}, extra=flags, say=say)
+    return run_comparison(out / "runs", plan_path, corpus=corpus, steps=steps, global_batch=global_batch,
+                          seq_len=seq_len, seed=seed, slow={1: factor}, extra=flags, say=say)
