@@ -174,18 +174,31 @@ def test_engine_process_stops_on_sigint(tmp_path):
             proc.kill()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_port_in_use_is_one_line(tmp_path):
+def test_a_port_in_use_is_one_line(tmp_path, monkeypatch):
+    """`flexmesh serve run` and an engine process refuse a port in use before they start anything (engines, the
+    model): both run in this process, as their command lines run them."""
     pytest.importorskip("aiohttp")
+    import contextlib
+    import io
+
+    from helpers import flexmesh_here
+
+    from flexmesh.serve.engine import server
+
+    def engine_server(*argv: str) -> subprocess.CompletedProcess:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = server.main(list(argv))
+        return subprocess.CompletedProcess(argv, code, "", err.getvalue())
+
+    monkeypatch.chdir(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        for cmd in (["-m", "flexmesh", "serve", "run", "--port", str(port), "--engines", "1"],
-                    ["-m", "flexmesh.serve.engine.server", "--port", str(port)]):
-            r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=_env(), timeout=100,
-                               cwd=tmp_path)
+        for r in (flexmesh_here("serve", "run", "--port", str(port), "--engines", "1"),
+                  engine_server("--port", str(port))):
             assert r.returncode == 2, r.stderr
             lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
             assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "choose another port" in lines[0], lines
@@ -206,8 +219,10 @@ def test_an_engine_that_fails_to_start_is_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path):
+def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path, monkeypatch):
     pytest.importorskip("aiohttp")
+    from helpers import flexmesh_here
+
     from flexmesh.serve.metrics import read_records
 
     records = tmp_path / "served.jsonl"
@@ -218,9 +233,10 @@ def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path):
         line = run.stdout.readline()
         assert line.startswith("serving tiny on http://127.0.0.1:"), line + run.stderr.read()
         url = line.split()[3].removesuffix("/v1/completions")
-        bench = subprocess.run([sys.executable, "-m", "flexmesh", "serve", "bench", "--url", url, "--rate", "4,8",
-                                "--requests", "6", "--context", "256", "--out", str(tmp_path / "bench")],
-                               capture_output=True, text=True, env={**_env(), "COLUMNS": "200"}, timeout=300)
+        # the client in this process: it starts nothing, it sends requests to the fleet `serve run` started
+        monkeypatch.setenv("COLUMNS", "200")
+        bench = flexmesh_here("serve", "bench", "--url", url, "--rate", "4,8", "--requests", "6", "--context", "256",
+                              "--out", str(tmp_path / "bench"))
         assert bench.returncode == 0, bench.stdout + bench.stderr
         assert "TTFT p50" in bench.stdout and "wrote" in bench.stdout
         for rate in ("4", "8"):
