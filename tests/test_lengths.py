@@ -74,8 +74,17 @@ def test_batch_sampler_rejects_ambiguous_sizes():
         BatchSampler([1, 2], seed=0, seqs_per_batch=2, tokens_per_batch=5)
 
 
-@pytest.mark.slow
-def test_stdlib_lengths_when_the_corpus_module_exists():
-    pytest.importorskip("flexmesh.data.loader")
+def test_stdlib_lengths_when_the_corpus_module_exists(tmp_path, monkeypatch):
+    """"stdlib" is the standard library's lengths under the project's BPE (flexmesh.data.loader.stdlib_lengths),
+    here on one of its packages standing in for the whole (a BPE trained on all of it: 25 s). The whole
+    library as the corpus: tests/test_corpus.py::test_stdlib_corpus_is_this_pythons_library (its files) and
+    tests/test_train_without_plan.py (a run trained on it)."""
+    loader = pytest.importorskip("flexmesh.data.loader")
+    from flexmesh.data.corpus import read_corpus, stdlib_corpus_dir
+
+    corpus = read_corpus(stdlib_corpus_dir() / "json", extensions=(".py",))
+    monkeypatch.setattr(loader, "stdlib_corpus", lambda: corpus)
+    monkeypatch.setenv("FLEXMESH_CACHE", str(tmp_path))
     a = load_lengths("stdlib")
-    assert a.size > 100 and a.min() >= 1
+    assert a.dtype == np.int64 and a.size == len(corpus.files) > 1 and a.min() >= 1
+    assert np.array_equal(a, loader.stdlib_lengths())  # the default vocabulary and cache: read back, not retrained

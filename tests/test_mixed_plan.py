@@ -144,9 +144,17 @@ def test_over_budget_names_the_stage_and_device():
 
 
 # ---- the planner ----------------------------------------------------------------------------------
-def test_the_plan_fits_every_device_and_splits_the_batch():
+@pytest.fixture(scope="module")
+def searched_7b():
+    """llama2-7b on MIXED at 2,048 tokens and a batch of 32: the search (plan_mixed's: MixedSearch.run) and
+    its result, run once for the tests that read them."""
+    search = MixedSearch(parse_model("llama2-7b"), MIXED, 2048, 32)
+    return search, search.run()
+
+
+def test_the_plan_fits_every_device_and_splits_the_batch(searched_7b):
     model = parse_model("llama2-7b")
-    r = plan_mixed(model, MIXED, 2048, 32)
+    r = searched_7b[1]
     ev = evaluate_groups(r.plan, MixedCosts(model, MIXED))
     assert ev.fits and ev.step_time == pytest.approx(r.evaluation.step_time)
     assert sum(g.share for g in r.plan.groups) == 32
@@ -223,17 +231,15 @@ def test_plan_command_json_has_baselines_and_check_reads_the_plan(capsys, tmp_pa
     assert "search" in text and "baselines" in text and " s)" in text  # the title: search x s, baselines y s
 
 
-def test_sum_of_parts_reuses_the_searches_of_the_plans_of_one_group_per_type(monkeypatch):
+def test_sum_of_parts_reuses_the_searches_of_the_plans_of_one_group_per_type(monkeypatch, searched_7b):
     """Each device type's uniform search runs once: the plans of one group per type and the
     sum_of_parts baseline share it, and the baseline is what planning each type alone gives."""
     import flexmesh.search.mixed_types as mixed_types
     from flexmesh.search.baselines import sum_of_parts
-    from flexmesh.search.mixed import MixedSearch
 
     model = parse_model("llama2-7b")
     alone = sum_of_parts(model, MIXED, 2048, 32)
-    search = MixedSearch(model, MIXED, 2048, 32)
-    search.run()
+    search = searched_7b[0]  # run
     searches = []
     real = mixed_types.search
     monkeypatch.setattr(mixed_types, "search", lambda request: searches.append(request) or real(request))
@@ -243,7 +249,7 @@ def test_sum_of_parts_reuses_the_searches_of_the_plans_of_one_group_per_type(mon
     assert len(searches) < len(MIXED.groups)
 
 
-def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero():
+def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero(searched_7b):
     """The search tries pipelines whose stages lie on three device types, and plans of one group per
     type planned by the uniform search (data parallel, ZeRO inside): on a cluster of three single-device
     types whose every pair is too small for the model, only the three-type pipeline holds it."""
@@ -258,9 +264,8 @@ def test_pipelines_span_three_device_types_and_groups_of_one_type_use_zero():
     result = plan_mixed(model, cluster, 512, 8)
     (group,) = result.plan.groups
     assert {MixedCosts(model, cluster).group_of[r] for r in group.ranks} == {0, 1, 2} and result.evaluation.fits
-    # on two nodes of each of two types, a group per type with ZeRO over its data ranks
-    two_types = parse_mixed_cluster("2x8xH100+2x8xA100-40GB")
-    per_type = MixedSearch(parse_model("llama2-7b"), two_types, 4096, 256).types.plans()
+    # on a node of each of two types (MIXED), a group per type with ZeRO over its data ranks
+    per_type = searched_7b[0].types.plans()
     layouts = [group_layout(g) for p in per_type for g in p.groups]
     assert per_type and any(lay.data_ranks > 1 and lay.sharded for lay in layouts)
 

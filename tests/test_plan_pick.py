@@ -21,8 +21,29 @@ def recommendation_off(monkeypatch):
     return lambda: monkeypatch.setattr(plan_command, "_recommended", lambda plan, job, work: None)
 
 
+@pytest.fixture
+def search_once(monkeypatch):
+    """plan's search (flexmesh.search.best_plans: deterministic, its result never changed after) run once per
+    request within a test: the test's later commands, which differ in what they do with the list (pick,
+    write, show), reuse the list the first one searched."""
+    from dataclasses import replace
+
+    from flexmesh.commands import plan as plan_command
+
+    found: dict = {}
+    real = plan_command.best_plans
+
+    def best_plans(request, **kw):
+        key = replace(request, cost=None)  # a fresh cost model per command, built from the same job
+        if key not in found:
+            found[key] = real(request, **kw)
+        return found[key]
+
+    monkeypatch.setattr(plan_command, "best_plans", best_plans)
+
+
 @pytest.mark.slow
-def test_pick_writes_the_nth_plan_of_the_list(capsys, tmp_path, recommendation_off):
+def test_pick_writes_the_nth_plan_of_the_list(capsys, tmp_path, recommendation_off, search_once):
     assert main(BASE + ["--top", "3", "--json"]) == 0
     listed = [row["layout"] for row in json.loads(capsys.readouterr().out)["plans"]]
     recommendation_off()
@@ -59,7 +80,7 @@ def test_plan_takes_device_names_in_any_case(capsys, name, no_recommendation):
 
 
 @pytest.mark.slow
-def test_a_baseline_the_runtime_cannot_run_is_shown_never_ranked(capsys, recommendation_off):
+def test_a_baseline_the_runtime_cannot_run_is_shown_never_ranked(capsys, recommendation_off, search_once):
     argv = ["plan", "--model", "mixtral-8x7b", "--cluster", "2x8xH100", "--seq-len", "4096", "--global-batch", "64",
             "--top", "20"]
     assert main(argv + ["--json"]) == 0

@@ -107,8 +107,13 @@ def _env():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_fleet_tokens_equal_generate_through_the_router(tmp_path):
+@pytest.mark.timeout(600)
+def test_fleet_tokens_equal_generate_through_the_router_and_an_engine_killed_loses_no_request(tmp_path):
+    """Two engine processes behind the router (one fleet for both parts: an engine process's start is most of
+    their time). First four requests: the tokens one engine alone gives (greedy), spread round robin, recorded.
+    Then one engine SIGKILLed while it runs requests and the router holds more for it: every request is
+    answered, with those tokens, the requests it held re-sent to the other. Leaving, the survivor stops
+    cleanly on SIGTERM."""
     pytest.importorskip("aiohttp")
     import aiohttp
 
@@ -118,34 +123,63 @@ def test_fleet_tokens_equal_generate_through_the_router(tmp_path):
     prompts = [prompt_ids(i, n, 4096) for i, (n, _) in enumerate(LENGTHS)]
     outputs = [o for _, o in LENGTHS]
     records = tmp_path / "requests.jsonl"
+    KILL = 10  # the second part's request ids: KILL + i
+    lengths = [(20 + 7 * i, 40) for i in range(8)]
+    kill_prompts = [prompt_ids(i, n, 4096) for i, (n, _) in enumerate(lengths)]
+    kill_outputs = [o for _, o in lengths]
 
     async def main():
-        async with running_fleet(CFG, 2, tmp_path / "logs", records=records) as (url, engines):
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-                async def one(i):
-                    async with s.post(f"{url}/v1/completions", headers={"X-Request-Id": str(i)},
-                                      json={"prompt": prompts[i], "max_tokens": outputs[i], "temperature": 0}) as r:
+        async with running_fleet(CFG, 2, tmp_path / "logs", records=records, max_running=2,
+                                 health_interval_s=0.5, health_timeout_s=10.0) as (url, engines):
+            router = url.router
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=200)) as s:
+                async def one(rid, prompt, n):
+                    async with s.post(f"{url}/v1/completions", headers={"X-Request-Id": str(rid)},
+                                      json={"prompt": prompt, "max_tokens": n, "temperature": 0}) as r:
                         assert r.status == 200, await r.text()
                         return await r.json()
 
-                answers = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+                answers = await asyncio.gather(*(one(i, prompts[i], outputs[i]) for i in range(len(prompts))))
                 async with s.get(f"{url}/health") as r:
                     health = await r.json()
                 its = [await fetch_iterations(s, e.url) for e in engines]
-            pids = [e.proc.pid for e in engines]
-        return answers, health, its, pids, engines
 
-    answers, health, its, pids, engines = asyncio.run(main())
+                sends = [asyncio.ensure_future(one(KILL + i, kill_prompts[i], kill_outputs[i]))
+                         for i in range(len(kill_prompts))]
+                while not (router.replicas[1].running and len(router.replicas[1].queue)):
+                    await asyncio.sleep(0.005)
+                engines[1].proc.send_signal(signal.SIGKILL)  # running 2, holding 2 more for it
+                killed = router.clock()
+                kill_answers = await asyncio.gather(*sends)
+                async with s.get(f"{url}/health") as r:
+                    kill_health = (r.status, await r.json())
+            pids = [e.proc.pid for e in engines]
+        return answers, health, its, pids, engines, kill_answers, kill_health, list(router.events), killed
+
+    answers, health, its, pids, engines, kill_answers, (status, kill_health), events, killed = asyncio.run(main())
+    # the four requests through the router
     assert [a["choices"][0]["token_ids"] for a in answers] == reference(CFG, prompts, outputs)
     assert health["sent"] == [2, 2] and health["down"] == []  # round robin spread them
     assert sorted(a["replica"] for a in answers) == [0, 0, 1, 1]
     assert all(a["usage"]["completion_tokens"] == n for a, n in zip(answers, outputs))
-    recs = {r.id: r for r in read_records(records)}
+    recs = {r.id: r for r in read_records(records) if r.id < KILL}
     assert sorted(recs) == [0, 1, 2, 3]
     assert all(recs[i].output_tokens == outputs[i] and recs[i].prompt_tokens == len(prompts[i])
                and 0 <= recs[i].arrival_s <= recs[i].first_token_s <= recs[i].finish_s for i in recs)
     assert all(its[e] and all(len(it["batch"]) >= 1 for it in its[e]) for e in (0, 1))
-    assert all(e.proc.returncode == 0 for e in engines)  # SIGTERM: a clean exit
+    # the engine killed mid-replay
+    assert [a["choices"][0]["token_ids"] for a in kill_answers] == reference(CFG, kill_prompts, kill_outputs)
+    assert status == 503 and kill_health["down"] == [1] and kill_health["failed"] == 0
+    lost = next(e for e in events if e["event"] == "engine-lost")
+    assert lost["engine"] == 1 and lost["sent"] == 2 and lost["queued"] == 2 and lost["t"] >= killed
+    assert any(e["event"] == "rerouted" and e["engines"] == [0] for e in events)
+    resent = {e["id"] for e in events if e["event"] == "resent"}
+    recovered = {e["id"]: e for e in events if e["event"] == "recovered"}
+    assert len(resent) == 4 and set(recovered) == resent and all(i >= KILL for i in resent)
+    assert all(kill_answers[i - KILL]["replica"] == 0 for i in resent)
+    assert all(killed <= e["accepted_s"] <= e["t"] and e["engine"] == 0 for e in recovered.values())
+    # leaving: the survivor stops on SIGTERM with a clean exit, and no engine process is left
+    assert engines[0].proc.returncode == 0 and engines[1].proc.returncode == -signal.SIGKILL
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -155,7 +189,7 @@ def test_fleet_tokens_equal_generate_through_the_router(tmp_path):
 @pytest.mark.timeout(200)
 def test_engine_process_stops_on_sigint(tmp_path):
     """Ctrl-C on an engine started alone: a clean exit. (SIGTERM, how a fleet stops its engines: the fleet
-    test above, each engine's exit code 0.)"""
+    test above, the surviving engine's exit code 0; Ctrl-C on a fleet: the serve run test below.)"""
     import urllib.request
 
     proc = subprocess.Popen([sys.executable, "-m", "flexmesh.serve.engine.server", "--config", CFG.to_json(),
@@ -174,18 +208,31 @@ def test_engine_process_stops_on_sigint(tmp_path):
             proc.kill()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_port_in_use_is_one_line(tmp_path):
+def test_a_port_in_use_is_one_line(tmp_path, monkeypatch):
+    """`flexmesh serve run` and an engine process refuse a port in use before they start anything (engines, the
+    model): both run in this process, as their command lines run them."""
     pytest.importorskip("aiohttp")
+    import contextlib
+    import io
+
+    from helpers import flexmesh_here
+
+    from flexmesh.serve.engine import server
+
+    def engine_server(*argv: str) -> subprocess.CompletedProcess:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = server.main(list(argv))
+        return subprocess.CompletedProcess(argv, code, "", err.getvalue())
+
+    monkeypatch.chdir(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        for cmd in (["-m", "flexmesh", "serve", "run", "--port", str(port), "--engines", "1"],
-                    ["-m", "flexmesh.serve.engine.server", "--port", str(port)]):
-            r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=_env(), timeout=100,
-                               cwd=tmp_path)
+        for r in (flexmesh_here("serve", "run", "--port", str(port), "--engines", "1"),
+                  engine_server("--port", str(port))):
             assert r.returncode == 2, r.stderr
             lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
             assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "choose another port" in lines[0], lines
@@ -206,8 +253,10 @@ def test_an_engine_that_fails_to_start_is_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path):
+def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path, monkeypatch):
     pytest.importorskip("aiohttp")
+    from helpers import flexmesh_here
+
     from flexmesh.serve.metrics import read_records
 
     records = tmp_path / "served.jsonl"
@@ -218,9 +267,10 @@ def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path):
         line = run.stdout.readline()
         assert line.startswith("serving tiny on http://127.0.0.1:"), line + run.stderr.read()
         url = line.split()[3].removesuffix("/v1/completions")
-        bench = subprocess.run([sys.executable, "-m", "flexmesh", "serve", "bench", "--url", url, "--rate", "4,8",
-                                "--requests", "6", "--context", "256", "--out", str(tmp_path / "bench")],
-                               capture_output=True, text=True, env={**_env(), "COLUMNS": "200"}, timeout=300)
+        # the client in this process: it starts nothing, it sends requests to the fleet `serve run` started
+        monkeypatch.setenv("COLUMNS", "200")
+        bench = flexmesh_here("serve", "bench", "--url", url, "--rate", "4,8", "--requests", "6", "--context", "256",
+                              "--out", str(tmp_path / "bench"))
         assert bench.returncode == 0, bench.stdout + bench.stderr
         assert "TTFT p50" in bench.stdout and "wrote" in bench.stdout
         for rate in ("4", "8"):
@@ -276,51 +326,3 @@ def test_an_engine_whose_kv_cache_cannot_be_built_fails_to_start_in_one_line():
     with pytest.raises(ServeError, match="generation loop failed to start .MemoryError") as e:
         Engine(EngineConfig(num_blocks=10**11))
     assert "\n" not in str(e.value)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_an_engine_killed_mid_replay_loses_no_request(tmp_path):
-    """One of two engine processes SIGKILLed while it runs requests and the router holds more for it: every request
-    is answered, with the tokens one engine alone gives (greedy), the requests it held re-sent to the other."""
-    pytest.importorskip("aiohttp")
-    import aiohttp
-
-    from flexmesh.serve.engine.fleet import running_fleet
-
-    lengths = [(20 + 7 * i, 40) for i in range(8)]
-    prompts = [prompt_ids(i, n, 4096) for i, (n, _) in enumerate(lengths)]
-    outputs = [o for _, o in lengths]
-
-    async def main():
-        async with running_fleet(CFG, 2, tmp_path / "logs", records=tmp_path / "requests.jsonl", max_running=2,
-                                 health_interval_s=0.5, health_timeout_s=10.0) as (url, engines):
-            router = url.router
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=200)) as s:
-                async def one(i):
-                    async with s.post(f"{url}/v1/completions", headers={"X-Request-Id": str(i)},
-                                      json={"prompt": prompts[i], "max_tokens": outputs[i], "temperature": 0}) as r:
-                        assert r.status == 200, await r.text()
-                        return await r.json()
-
-                sends = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
-                while not (router.replicas[1].running and len(router.replicas[1].queue)):
-                    await asyncio.sleep(0.005)
-                engines[1].proc.send_signal(signal.SIGKILL)  # running 2, holding 2 more for it
-                killed = router.clock()
-                answers = await asyncio.gather(*sends)
-                async with s.get(f"{url}/health") as r:
-                    health = (r.status, await r.json())
-            return answers, health, list(router.events), killed
-
-    answers, (status, health), events, killed = asyncio.run(main())
-    assert [a["choices"][0]["token_ids"] for a in answers] == reference(CFG, prompts, outputs)
-    assert status == 503 and health["down"] == [1] and health["failed"] == 0
-    lost = next(e for e in events if e["event"] == "engine-lost")
-    assert lost["engine"] == 1 and lost["sent"] == 2 and lost["queued"] == 2 and lost["t"] >= killed
-    assert any(e["event"] == "rerouted" and e["engines"] == [0] for e in events)
-    resent = {e["id"] for e in events if e["event"] == "resent"}
-    recovered = {e["id"]: e for e in events if e["event"] == "recovered"}
-    assert len(resent) == 4 and set(recovered) == resent
-    assert all(answers[i]["replica"] == 0 for i in resent)
-    assert all(killed <= e["accepted_s"] <= e["t"] and e["engine"] == 0 for e in recovered.values())

@@ -45,22 +45,36 @@ def test_json_output_has_every_baseline_and_speedups_are_over_the_best(capsys, t
             assert open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("policy", ["fixed", "padded", "balanced", "wlb"])
-def test_each_baseline_keeps_its_fastest_degree(capsys, policy):
-    assert main(BASE + ["--policies", "hdp", "--json"]) == 0
-    best = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["policies"]}[policy]
-    # Re-run each degree through the library and check none beats the kept one.
+@pytest.fixture(scope="module")
+def hdp_runs():
+    """The runs of ``BASE --policies hdp --json`` by policy, and the command's context, speeds and batches
+    rebuilt through the library: the same for each baseline (the command is seeded), so made once."""
     import argparse
+    import contextlib
+    import io
     import itertools
 
     from flexmesh.commands.simulate import add_parser, build_context
     from flexmesh.data.lengths import BatchSampler, load_lengths
-    from flexmesh.sim.compare import baseline_options, run_policy
 
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(BASE + ["--policies", "hdp", "--json"]) == 0
+    runs = {r["policy"]: r for r in json.loads(out.getvalue())["policies"]}
     p = argparse.ArgumentParser()
     args = add_parser(p.add_subparsers()).parse_args(BASE[1:])
     ctx, speeds = build_context(args)
     batches = list(itertools.islice(BatchSampler(load_lengths("wikipedia"), 1, seqs_per_batch=48, max_len=32768), 2))
+    return runs, ctx, speeds, batches
+
+
+@pytest.mark.parametrize("policy", ["fixed", "padded", "balanced", "wlb"])
+def test_each_baseline_keeps_its_fastest_degree(hdp_runs, policy):
+    runs, ctx, speeds, batches = hdp_runs
+    best = runs[policy]
+    # Re-run each degree through the library and check none beats the kept one.
+    from flexmesh.sim.compare import baseline_options, run_policy
+
     longest = max(int(b.max()) for b in batches)
     slot = {"slot_tokens": 32768} if policy == "padded" else {}
     times = [run_policy(policy, batches, ctx, seed=1, options=o, speed=speeds, **slot).mean_step_time
