@@ -308,7 +308,10 @@ def test_a_launcher_killed_outright_takes_every_rank_along_and_the_lock_cannot_b
     run = Run(inputs, out, "--checkpoint-every", "1")
     try:
         run.wait_steps(2)
-        assert len(run.ranks()) == 2
+        ranks = run.ranks()
+        assert len(ranks) == 2
+        for pid in ranks.values():  # paused while the checks below run: training on adds nothing to them
+            os.kill(pid, signal.SIGSTOP)
         # While it trains, the variable that tells ranks their launcher holds the folder lets nobody in:
         # neither a launcher nor plain torchrun, whatever it is set to. The launcher takes the lock itself
         # and never reads the variable: one forged value (what it used to hold), the launcher run in this
@@ -329,6 +332,8 @@ def test_a_launcher_killed_outright_takes_every_rank_along_and_the_lock_cannot_b
             said = " ".join(other.stderr.split())
             assert other.returncode != 0 and f"{out} is in use by another run (pid {run.proc.pid})" in said, said
         steps_before = len(run.steps())
+        for pid in ranks.values():  # training again when the launcher goes
+            os.kill(pid, signal.SIGCONT)
         run.proc.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         while _marked(run.mark) and time.monotonic() - t0 < 30:
