@@ -23,6 +23,8 @@ import pytest
 from helpers import flexmesh_here, flexmesh_ranks, unlocked, write_inputs
 
 MARK = "FLEXMESH_TEST_RUN"
+# Straggler events would add console lines on a loaded machine; they have their own tests.
+QUIET = ["--straggler-threshold", "0.99"]
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +120,14 @@ def test_ctrl_c_and_sigterm_at_random_moments_stop_every_rank_cleanly_and_the_re
     launcher: every attempt after the first) then to its end, past a metrics line a crash cut short, has
     the losses of a run never stopped (the last stretch and that run train in the command's ranks from
     the fork server). Starting over moves the whole run aside."""
-    # Straggler events would add console lines on a loaded machine; they have their own tests.
     # 24 steps: a Ctrl-C attempt of at most ~8 steps (a first step, <= 1 s of 0.2-0.3 s steps, the stop),
     # a preempted one and a stopped rank's of a few steps each leave it unfinished when the last stop comes
-    total, flags = 24, ["--checkpoint-every", "1", "--straggler-threshold", "0.99"]
+    total, flags = 24, ["--checkpoint-every", "1", *QUIET]
     out = inputs["tmp"] / "interrupted"
     _stop_and_resume(inputs, out, total, flags)
     # The run never stopped: its own folder, not checkpointed either (saving must not change what it trains).
     whole = inputs["tmp"] / "never-stopped"
-    ran = flexmesh_ranks(2, *inputs["common"], "--out", str(whole), "--max-steps", str(total), *flags[2:],
+    ran = flexmesh_ranks(2, *inputs["common"], "--out", str(whole), "--max-steps", str(total), *QUIET,
                          timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     reference = [json.loads(ln)["loss"] for ln in (whole / "metrics.jsonl").read_text().splitlines()]
@@ -164,10 +165,10 @@ def _stop_and_resume(inputs: dict, out: Path, total: int, flags: list[str]) -> N
     rng = random.Random(0)
     for moment, sig in enumerate((signal.SIGSTOP, signal.SIGINT, signal.SIGTERM)):
         if sig == signal.SIGTERM:
-            _preempt(inputs, out, total, flags)
+            _preempt(inputs, out, total)
             continue
         if sig == signal.SIGSTOP:
-            _stop_a_rank(inputs, out, total, flags)
+            _stop_a_rank(inputs, out, total)
             continue
         run = Run(inputs, out, *flags, max_steps=total)
         try:
@@ -198,7 +199,7 @@ def _stop_and_resume(inputs: dict, out: Path, total: int, flags: list[str]) -> N
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": %d, "loss": 1.2' % (steps[-1] + 1))
-    finished = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(total), *flags[2:],
+    finished = flexmesh_ranks(2, *inputs["common"], "--out", str(out), "--max-steps", str(total), *QUIET,
                               timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "partial line" in " ".join(finished.stderr.split())
@@ -206,11 +207,11 @@ def _stop_and_resume(inputs: dict, out: Path, total: int, flags: list[str]) -> N
     assert [r["step"] for r in rows] == list(range(1, total + 1))
 
 
-def _preempt(inputs: dict, out: Path, total: int, flags: list[str]) -> None:
+def _preempt(inputs: dict, out: Path, total: int) -> None:
     """SIGTERM on the launcher of the run resumed in ``out``, not checkpointing on its own (--checkpoint-every 0):
     the step that was running is checkpointed, every rank stops, the folder is free."""
     before = (out / "checkpoints" / "latest").read_text().strip()
-    run = Run(inputs, out, "--checkpoint-every", "0", *flags[2:], max_steps=total)
+    run = Run(inputs, out, "--checkpoint-every", "0", *QUIET, max_steps=total)
     try:
         run.wait_steps(len(run.steps()) + 1)
         run.proc.send_signal(signal.SIGTERM)  # preemption
@@ -248,7 +249,7 @@ def _start_over(inputs: dict, out: Path, total: int) -> None:
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]
 
 
-def _stop_a_rank(inputs: dict, out: Path, total: int, flags: list[str]) -> None:
+def _stop_a_rank(inputs: dict, out: Path, total: int) -> None:
     """A rank of the run in ``out`` (checkpointing every 2 steps) that stops answering is named within
     --collective-timeout; once it is killed the run (without --max-restarts: no restart) ends, leaving no
     process, the folder free, the steps it logged and its last checkpoint. While the run holds the folder, a
@@ -258,7 +259,7 @@ def _stop_a_rank(inputs: dict, out: Path, total: int, flags: list[str]) -> None:
 
     import flexmesh.cli  # noqa: F401
 
-    run = Run(inputs, out, "--collective-timeout", "4", "--checkpoint-every", "2", *flags[2:], max_steps=total)
+    run = Run(inputs, out, "--collective-timeout", "4", "--checkpoint-every", "2", *QUIET, max_steps=total)
     try:
         before = len(run.steps())
         run.wait_steps(before + 3)  # one of this attempt's first two steps is even: its checkpoint is written
