@@ -38,7 +38,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
-from scipy.optimize import minimize_scalar
 
 from flexmesh.cost.device.kernels import Kernels
 from flexmesh.errors import SpecError
@@ -81,6 +80,8 @@ class EngineRates:
 def fit_rate(price: Callable[[float], np.ndarray], measured, bounds: tuple[float, float] = BOUNDS) -> float:  # noqa: ANN001
     """The factor ``f`` minimising ``sum(log(price(f) / measured)^2)`` over the rows ``price`` prices (the rows
     the fit sees, and no others), within ``bounds``."""
+    from scipy.optimize import minimize_scalar  # only fits need it, not pricing (every `flexmesh` process imports this)
+
     y = np.asarray(measured, dtype=float)
     if y.size == 0 or np.any(~(y > 0)):
         raise ValueError("a rate is fitted to one or more measured times, each > 0")
