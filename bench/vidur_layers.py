@@ -299,7 +299,7 @@ def iterations(rates: EngineRates | None = None) -> dict[str, np.ndarray]:
     rows = measured_attention()
     tokens = step_tokens(rows)
     it = iteration(name, part) if rates is None else \
-        AnalyticIteration(MODEL_PRESETS[name], iteration(name, part).hw, rates=rates)
+        AnalyticIteration(MODEL_PRESETS[name], rates.on(iteration(name, part).hw))
     out = dict(rows, tokens=tokens, layers=np.full(len(tokens), it.layers),
                measured_outside=measured_outside_attention(tokens),
                predicted_outside=predicted(name, part, tokens, rates=rates),
@@ -413,7 +413,7 @@ def fit_attention_rates(mask: np.ndarray, layer: EngineRates) -> EngineRates:
         seen = {c: v[sel] for c, v in rows.items()}
 
         def price(r: EngineRates) -> np.ndarray:
-            return predicted_attention_s(AnalyticIteration(MODEL_PRESETS[name], hw, rates=r), seen)
+            return predicted_attention_s(AnalyticIteration(MODEL_PRESETS[name], r.on(hw)), seen)
         return price, measured_s[sel]
     return fit_engine_rates({"prefill_attention": term(rows["is_prefill"]),
                              "decode_attention": term(~rows["is_prefill"])},

@@ -25,7 +25,7 @@ def _hw() -> Hardware:
 def _terms(rates: EngineRates) -> dict[str, np.ndarray]:
     """Each term's rows priced at ``rates``: a layer's GEMMs and streaming kernels at ``TOKENS``, decode-only and
     prefill-only attention."""
-    it = AnalyticIteration(MODEL, _hw(), rates=rates)
+    it = AnalyticIteration(MODEL, rates.on(_hw()))
     k = it.kernels
     return {"gemm": np.concatenate([k.gemm(TOKENS, n, red) for n, red in it.shapes]),
             "pointwise": k.memory_bound(TOKENS * it.pointwise_bytes, 4),
@@ -35,7 +35,7 @@ def _terms(rates: EngineRates) -> dict[str, np.ndarray]:
 
 def test_no_rates_and_unit_rates_price_as_the_device_layer():
     hw = _hw()
-    plain, unit = AnalyticIteration(MODEL, hw), AnalyticIteration(MODEL, hw, rates=EngineRates())
+    plain, unit = AnalyticIteration(MODEL, hw), AnalyticIteration(MODEL, EngineRates().on(hw))
     assert unit.kernels is plain.kernels is hw.device_kernels
     batch = [(1000, 1)] * 8 + [(0, 512)]
     assert unit.iteration_s(batch) == plain.iteration_s(batch)

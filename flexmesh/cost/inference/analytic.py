@@ -25,9 +25,9 @@ the ``tp`` devices:
 Then the final norm, the LM head over one row per request (vLLM computes logits at each request's last
 token only), gathered over tp; ``pp - 1`` sends of ``T x hidden`` between stages; the vocabulary-parallel
 embedding's all-reduce; and the engine overhead per iteration (:mod:`flexmesh.cost.inference.overhead`:
-a profile's, never zero; the framework term of serving). Optionally, an engine's own kernels' rates on the device
-layer's (:mod:`flexmesh.cost.inference.engine_rates`: the framework term of an engine whose kernels are not the
-ones the tables timed; none by default). Dense models only (a mixture of experts is refused in one line).
+a profile's, never zero; the framework term of serving). An engine whose kernels are not the ones the tables
+timed is priced on ``EngineRates.on(hardware)`` (:mod:`flexmesh.cost.inference.engine_rates`: its own kernels'
+rates on the device layer's). Dense models only (a mixture of experts is refused in one line).
 
 >>> from flexmesh.cost.device.hardware import Hardware
 >>> from flexmesh.spec import MODEL_PRESETS, parse_cluster
@@ -48,7 +48,6 @@ import numpy as np
 from flexmesh.cost.device.hardware import GroupShape, Hardware, group_shape, pipeline_crossings
 from flexmesh.cost.device.kernels import Kernels
 from flexmesh.cost.device.layer_shapes import linear_shapes, pointwise_elems
-from flexmesh.cost.inference.engine_rates import EngineRates
 from flexmesh.cost.inference.memory import check_tp, kv_heads_per_device
 from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
 from flexmesh.errors import SpecError
@@ -73,9 +72,6 @@ class AnalyticIteration:
     """:class:`~flexmesh.cost.inference.timing.IterationTiming` of ``model`` on a ``tp x pp`` replica of
     ``hardware``'s device (its cluster places the replica's ranks: consecutive, tp innermost).
 
-    ``rates``: an engine's own kernels' rates on the device layer's (:mod:`flexmesh.cost.inference.engine_rates`,
-    a framework term above the device layer); none: the device layer's kernels as they are.
-
     ``block``: when an iteration of a new token (or request) count is priced, the terms that depend on that
     count only (:meth:`dense_s`, :meth:`head_s`) are priced for the ``block`` counts around it at once (numpy):
     for callers that ask for many nearby counts (the deployment planner's bisections); the same seconds as one
@@ -83,7 +79,7 @@ class AnalyticIteration:
     """
 
     def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, pp: int = 1,
-                 overhead: EngineOverhead | None = None, block: int = 0, rates: EngineRates | None = None):
+                 overhead: EngineOverhead | None = None, block: int = 0):
         if model.is_moe:
             raise SpecError(f"{model.name} is a mixture of experts; serving is priced for dense models only so far")
         check_tp(model, tp, pp)
@@ -97,10 +93,6 @@ class AnalyticIteration:
             or Kernels(mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops,
                        hbm_bytes_per_s=hardware.hbm_bytes_per_s, sms=None, attn_overhead=0.0, launch_s=0.0,
                        dtype_bytes=model.dtype_bytes)
-        # an engine's own kernels' rates on those (none: the device layer's kernels as they are)
-        self.rates = rates
-        if rates is not None:
-            self.kernels = rates.kernels(self.kernels)
         b, h = model.dtype_bytes, model.hidden
         self.layers = model.num_layers
         self.shapes = linear_shapes(model, tp)

@@ -15,9 +15,10 @@ else: every fixed cost a call (launch, the tables' per-call and per-key costs) s
   device layer without a measured decode kernel reads it at the streaming rate, which ``pointwise`` scales).
 
 :meth:`EngineRates.kernels` applies them to a device layer's :class:`~flexmesh.cost.device.kernels.Kernels`;
-``AnalyticIteration(..., rates=...)`` prices an iteration with them (none: the device layer's own prices, the
-same floats). :func:`fit_rate` redoes one term from an engine's measurements: the factor whose prices minimise
-the squared log error against the measured seconds (as the training fits do,
+:meth:`EngineRates.on` gives a hardware whose device layer runs at them, so that whatever prices from a hardware
+(``AnalyticIteration``, the serving simulator and planner) prices the engine with nothing else to pass (unit
+rates: the hardware itself, the same floats). :func:`fit_rate` redoes one term from an engine's measurements: the
+factor whose prices minimise the squared log error against the measured seconds (as the training fits do,
 ``flexmesh.cost.training.calibrate.fit_runs``); :func:`fit_engine_rates` fits each term named on its own rows.
 ``bench/vidur_layers.py`` fits them to Vidur's published sarathi-serve profiles and scores them on rows the fit
 did not see.
@@ -34,6 +35,7 @@ did not see.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -65,6 +67,18 @@ class EngineRates:
     def factors(self) -> dict[str, float]:
         """The four factors by name."""
         return {name: float(getattr(self, name)) for name in TERMS}
+
+    def on(self, hardware):  # noqa: ANN001, ANN201 - a Hardware, or a profiled hardware with kernels of its own
+        """``hardware`` as this engine's kernels run on it: a copy whose device layer (``device_kernels``, or the
+        ``kernels`` of a profiled hardware without one) is at these rates; unit rates: ``hardware`` itself."""
+        if all(v == 1.0 for v in self.factors().values()):
+            return hardware
+        out = copy.copy(hardware)
+        if getattr(hardware, "device_kernels", None) is not None:
+            out.device_kernels = self.kernels(hardware.device_kernels)
+        else:
+            out.kernels = self.kernels(hardware.kernels)
+        return out
 
     def kernels(self, k: Kernels) -> Kernels:
         """``k`` (a device layer's kernels) at this engine's rates."""
@@ -99,8 +113,11 @@ def fit_engine_rates(rows: Mapping[str, tuple[Callable[[EngineRates], np.ndarray
     unknown = set(rows) - set(TERMS)
     if unknown:
         raise ValueError(f"unknown engine rate(s) {', '.join(sorted(unknown))}; known: {', '.join(TERMS)}")
-    base = base or EngineRates()
-    fitted = {name: fit_rate(lambda f, p=price, n=name: p(replace(base, **{n: f})), measured)
-              for name, (price, measured) in rows.items()}
-    return replace(base, **fitted, source=source)
+    start = base or EngineRates()
+
+    def at(name: str, price: Callable[[EngineRates], np.ndarray]) -> Callable[[float], np.ndarray]:
+        return lambda f: price(replace(start, **{name: f}))  # type: ignore[arg-type]  # name is one of TERMS
+
+    fitted = {name: fit_rate(at(name, price), measured) for name, (price, measured) in rows.items()}
+    return replace(start, source=source, **fitted)
 
