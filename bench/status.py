@@ -14,8 +14,11 @@ counted without being named::
 
 "Code since" is ``git diff --name-only COMMIT HEAD -- <own file> <declared paths>``, less the Python files whose
 change is to comments and docstrings only (their syntax trees, docstrings dropped, are equal at both commits;
-a rename or a deleted file always counts): "unchanged" means the record's figures came from the code HEAD holds
-(the machine aside); "changed" means re-run it to know.
+a rename or a deleted file always counts), and less the modules of ``flexmesh/`` that no process of the bench can
+import at HEAD (:func:`reachable`: a module added for another bench, or changed where only other benches reach
+it). That is sound: a module the bench's processes imported at COMMIT through modules that did not change is
+imported through them still, and the first changed module on such a path is reachable and counts. "unchanged"
+means the record's figures came from the code HEAD holds (the machine aside); "changed" means re-run it to know.
 """
 
 from __future__ import annotations
@@ -83,9 +86,112 @@ def code_since(section: Section, root: Path = ROOT) -> Status:
         return Status(section, f"git diff failed: {diff.stderr.strip()}")
     listed = tuple(diff.stdout.split())
     words_only = _text_only(root, sha, listed)
-    changed = tuple(p for p in listed if p not in words_only)
+    reach = reachable(root, module.relative_to(root).as_posix())
+    unreached = set() if reach is None else {p for p in listed if p.startswith(f"{PACKAGE}/") and p.endswith(".py")
+                                             and (root / p).exists() and p not in reach}
+    changed = tuple(p for p in listed if p not in words_only and p not in unreached)
     return Status(section, f"changed ({len(changed)} file{'s' * (len(changed) != 1)})" if changed else "unchanged",
                   changed)
+
+
+PACKAGE = "flexmesh"
+
+
+def _module_files(root: Path) -> dict[str, str]:
+    """Every module of the package and of bench/ at ``root``: dotted name -> file path from the root."""
+    out = {}
+    for top in (PACKAGE, "bench"):
+        for f in sorted((root / top).rglob("*.py")):
+            rel = f.relative_to(root).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(parts)] = f.relative_to(root).as_posix()
+    return out
+
+
+def _imports(tree: ast.AST, name: str, is_package: bool) -> tuple[set[str], set[str] | None, bool]:
+    """What a module's source imports: the dotted names (``from a import b``: ``a`` and ``a.b``), the prefixes of
+    ``importlib.import_module(f"prefix.{...}")`` calls (None when one's name has no constant prefix), and whether
+    it starts a Python process (``sys.executable``)."""
+    names: set[str] = set()
+    prefixes: set[str] | None = set()
+    launches = False
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            base = ".".join(here[:len(here) - n.level + 1] + ([n.module] if n.module else [])) if n.level else n.module
+            if base:
+                names |= {base, *(f"{base}.{a.name}" for a in n.names)}
+        elif isinstance(n, ast.Attribute) and n.attr == "executable" and isinstance(n.value, ast.Name) \
+                and n.value.id == "sys":
+            launches = True
+        elif isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) == "import_module":
+            arg = n.args[0] if n.args else None
+            head = arg.values[0] if isinstance(arg, ast.JoinedStr) and arg.values else arg
+            if prefixes is not None and isinstance(head, ast.Constant) and isinstance(head.value, str) and head.value:
+                prefixes.add(head.value)
+            else:
+                prefixes = None
+    return names, prefixes, launches
+
+
+# (file, its mtime and size) -> _imports and whether it has a __main__ guard
+_READ: dict[tuple[Path, int, int], tuple[set[str], set[str] | None, bool, bool] | None] = {}
+
+
+def _read(path: Path, name: str) -> tuple[set[str], set[str] | None, bool, bool] | None:
+    """:func:`_imports` of one file and whether it has a ``__main__`` guard, read once per file over every section
+    (None: it does not parse)."""
+    st = path.stat()
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key not in _READ:
+        try:
+            text = path.read_text()
+            _READ[key] = (*_imports(ast.parse(text), name, path.name == "__init__.py"),
+                          '__name__ == "__main__"' in text)
+        except (SyntaxError, UnicodeDecodeError):
+            _READ[key] = None
+    return _READ[key]
+
+
+def reachable(root: Path, bench: str) -> set[str] | None:
+    """The files of ``flexmesh/`` and ``bench/`` that the processes of the bench in file ``bench`` can import at
+    ``root``'s checkout: its imports and theirs (read from the sources: every import statement, function-local and
+    type-checking ones included, and each module's parent packages); where one of them starts a Python
+    (``sys.executable``), also everything a ``python -m`` of the package can start from (its ``__main__`` and every
+    module with a ``__main__`` guard); ``importlib.import_module`` with a constant prefix reaches every module under
+    it. None (nothing can be left out) where a module imports by a name without a constant prefix or does not
+    parse."""
+    files = _module_files(root)
+    start = {f: m for m, f in files.items()}.get(bench)
+    if start is None:
+        return None
+    seen: set[str] = set()
+    todo = [start]
+    launched = False
+    while todo:
+        mod = todo.pop()
+        if mod in seen or mod not in files:
+            continue
+        seen.add(mod)
+        parts = mod.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        read = _read(root / files[mod], mod)
+        if read is None:
+            return None
+        names, prefixes, launches, _ = read
+        if prefixes is None:
+            return None
+        todo += [m for m in names if m in files]
+        todo += [m for m in files if any(m.startswith(p) for p in prefixes)]
+        if launches and not launched:
+            launched = True
+            for m, f in files.items():
+                entry = _read(root / f, m)
+                if m.startswith(PACKAGE) and (f.endswith("/__main__.py") or (entry is not None and entry[3])):
+                    todo.append(m)
+    return {files[m] for m in seen}
 
 
 def _code_tree(source: str) -> str | None:

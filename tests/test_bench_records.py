@@ -145,6 +145,50 @@ def test_status_flips_to_changed_when_a_declared_file_changes(tmp_path):
     assert status.code_since(section, repo).changed == ("bench/foo.py",)
 
 
+def test_status_leaves_out_package_modules_no_process_of_the_bench_can_import(tmp_path):
+    repo = tmp_path
+    _git(repo, "init", "-q")
+    files = {
+        "bench/foo.py": 'DEPENDS_ON = ("flexmesh",)\nfrom flexmesh.a import A\n',
+        "flexmesh/__init__.py": "",
+        "flexmesh/a.py": "from flexmesh import b\nA = 1\n",
+        "flexmesh/b.py": "def f():\n    from flexmesh.c import C  # function-local: reachable\n",
+        "flexmesh/c.py": "C = 1\n",
+        "flexmesh/other.py": "O = 1\n",  # no process of foo imports it
+        "flexmesh/__main__.py": "import importlib\nimportlib.import_module(f'flexmesh.commands.{1}')\n",
+        "flexmesh/commands/__init__.py": "",
+        "flexmesh/commands/run.py": "R = 1\n",
+    }
+    for rel, text in files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    sha = _commit_all(repo, "first")
+    section = Section("foo", "foo", sha, "2026-11-28", "x86_64", "python 3", "1.0x", "none stated", "| a |")
+
+    def changed(path: str, text: str) -> tuple[str, ...]:
+        (repo / path).write_text(text)
+        _commit_all(repo, path)
+        return status.code_since(section, repo).changed
+
+    assert changed("flexmesh/other.py", "O = 2\n") == ()  # unreached: left out
+    assert changed("flexmesh/commands/run.py", "R = 2\n") == ()  # foo starts no Python
+    assert changed("flexmesh/c.py", "C = 2\n") == ("flexmesh/c.py",)  # through b's function-local import
+    # foo now starts `python -m flexmesh`: its __main__ and all it imports by constant prefix count
+    assert changed("bench/foo.py", files["bench/foo.py"] + "import sys\nCMD = [sys.executable, '-m', 'flexmesh']\n") \
+        == ("bench/foo.py", "flexmesh/c.py", "flexmesh/commands/run.py")
+    # a module imported by a computed name: nothing can be left out
+    assert "flexmesh/other.py" in changed("flexmesh/c.py", "import importlib\nimportlib.import_module(NAME)\n")
+    # a module that stops importing another: the importer counts, so the record is still changed
+    (repo / "flexmesh/c.py").write_text("C = 2\n")
+    _commit_all(repo, "c back")
+    sha2 = _git(repo, "rev-parse", "--short", "HEAD")
+    section2 = Section("foo", "foo", sha2, "2026-11-28", "x86_64", "python 3", "1.0x", "none stated", "| a |")
+    (repo / "flexmesh/b.py").write_text("B = 1\n")
+    (repo / "flexmesh/c.py").write_text("C = 3\n")
+    _commit_all(repo, "b drops c")
+    assert status.code_since(section2, repo).changed == ("flexmesh/b.py",)
+
+
 def test_status_says_when_it_cannot_tell(tmp_path):
     repo = tmp_path
     _git(repo, "init", "-q")
