@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,7 +51,7 @@ def no_torchrun(monkeypatch):
 
 @pytest.mark.slow
 def test_a_plan_made_from_a_config_runs_from_another_folder_without_model(tmp_path, monkeypatch, capsys):
-    from helpers import write_inputs
+    from helpers import flexmesh_ranks, write_inputs
 
     _, corpus, _ = write_inputs(tmp_path, world=1)
     config = _config(tmp_path / "a")
@@ -72,10 +69,10 @@ def test_a_plan_made_from_a_config_runs_from_another_folder_without_model(tmp_pa
     assert main(["simulate", "--plan", "../plan.json", "--context", "128", "--global-batch", "4", "--steps", "2",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["setup"]["model"] == "a"
-    r = subprocess.run([sys.executable, "-m", "flexmesh", "train", "--plan", "../plan.json", "--corpus", str(corpus),
-                        "--max-steps", "1", "--out", "run", "--cache-dir", str(tmp_path / "cache"), "--no-progress"],
-                       cwd=tmp_path / "elsewhere", env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                       text=True, timeout=240)
+    # one rank forked from the fork server, in this folder as the test stands in it (a child's start-up
+    # imports torch: seconds of CPU)
+    r = flexmesh_ranks(1, "train", "--plan", "../plan.json", "--corpus", str(corpus), "--max-steps", "1", "--out",
+                       "run", "--cache-dir", str(tmp_path / "cache"), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     manifest = json.loads((tmp_path / "elsewhere" / "run" / "checkpoints" / "step_000001" / "manifest.json")
                           .read_text())

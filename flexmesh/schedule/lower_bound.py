@@ -183,16 +183,16 @@ def _with_speeds(lens: np.ndarray, need: np.ndarray, ctx: ScheduleContext) -> fl
     weights = [levels ** alpha for alpha in ALPHAS]
     if c_all + k_all > 0:
         weights.append(1.0 / (c_all / levels + k_all * np.minimum(1.0, 1.0 / levels)))
+    # Per weighting and speed level, what does not depend on the sizes allowed (the bisection asks spread about
+    # forty times): mu * f(s) = per_c * c + per_k * k, as (weightings x levels x 1 x 1) arrays; and per weighting
+    # the weighted rank count.
+    per_c = np.array([mu / levels for mu in weights])[:, :, None, None]
+    per_k = np.array([mu * np.minimum(1.0, 1.0 / levels) for mu in weights])[:, :, None, None]
+    ranks = np.array([(mu * counts).sum() for mu in weights])
 
     def spread(allowed: np.ndarray) -> float:
         c, k = np.where(allowed, comp, np.inf), np.where(allowed, comm, np.inf)
-        best = 0.0
-        for mu in weights:
-            per_c, per_k = mu / levels, mu * np.minimum(1.0, 1.0 / levels)  # mu * f(s) = per_c * c + per_k * k
-            w = np.full(lens.size, np.inf)
-            for pc, pk in zip(per_c, per_k, strict=True):
-                w = np.minimum(w, (pc * c + pk * k).min(axis=0))
-            best = max(best, float(w.sum() / (mu * counts).sum()))
-        return best
+        w = (per_c * c + per_k * k).min(axis=(1, 2))  # per weighting, each sequence's cheapest level and size
+        return max(0.0, *(w.sum(axis=1) / ranks).tolist())
 
     return _tightest(alone, spread)
