@@ -4,8 +4,10 @@
   model's loss and gradients, with one compiled code for every layer and every row length (the
   attention core stays out), however the layer is recomputed;
 - the trainer with compiled blocks, the chunked loss and activations metered every other step, on
-  one and on two ranks (ZeRO-3, FSDP2), reproduces the single-process reference with a document cut
-  over micro-batches, and meters exactly the steps it says, with one compiled code per rank.
+  two ranks (ZeRO-3, FSDP2), reproduces the single-process reference with a document cut over
+  micro-batches, and meters exactly the steps it says, with one compiled code per rank. (Blocks
+  compiled without FSDP, checkpointed or not: the first test; the same trainer on one rank ran the
+  same steps through the same code, less FSDP's wrapping.)
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def worker(out: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])
 def test_trainer_with_the_gpu_defaults_matches_the_reference(tmp_path, world):
     proc = launch(world, ["worker", str(tmp_path)], script=__file__, timeout=850)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

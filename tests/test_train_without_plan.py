@@ -15,10 +15,10 @@ from flexmesh.commands.train_plan import check_flags, plan_run
 from flexmesh.errors import PlanError
 from flexmesh.profile.use import local_profile
 
-# The test session's cache (tests/conftest.py), read before a test points FLEXMESH_CACHE at a folder of its
-# own: runs that tokenize the standard library keep their tokenizer and token store there, where the other
-# tests' runs of the same corpus and vocabulary find them, instead of training and tokenizing again.
-SESSION_CACHE = os.environ.get("FLEXMESH_CACHE")
+# The package that stands in for the standard library as `--corpus stdlib` in a run here: the name resolves as
+# ever (flexmesh.data.corpus.stdlib_corpus, its files: tests/test_corpus.py), on some thirty real files whose
+# BPE and tokens take a second, where the whole library's take tens of CPU-seconds.
+STDLIB_STAND_IN = "email"
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -84,7 +84,7 @@ def test_planning_flags_beside_a_plan_are_one_line():
 def test_train_without_a_plan_writes_its_plan_and_resumes_on_it(profiled, tmp_path, capsys):
     out = tmp_path / "run"
     base = ["train", "--model", "tiny", "--corpus", "stdlib", "--out", str(out), "--no-progress", "--seq-len", "256",
-            "--tokens-per-step", "1024", "--cache-dir", SESSION_CACHE or str(tmp_path / "cache")]
+            "--tokens-per-step", "1024", "--cache-dir", str(tmp_path / "cache")]
     _train_alone(*base, "--max-steps", "2", "--checkpoint-every", "2")
     assert "planned for 1 CPU process" in " ".join(capsys.readouterr().err.split())
     plan = json.loads((out / "plan.json").read_text())
@@ -98,8 +98,8 @@ def test_train_without_a_plan_writes_its_plan_and_resumes_on_it(profiled, tmp_pa
 
 def _train_alone(*argv: str) -> None:
     """`flexmesh *argv` succeeds in a plain process, no launcher's variables (a run without --plan plans in its own
-    launcher), forked from the fork server (torch imported once) with this process's environment; what it printed
-    is printed here."""
+    launcher), forked from the fork server (torch imported once) with this process's environment, `--corpus
+    stdlib` the standard library's STDLIB_STAND_IN package; what it printed is printed here."""
     from helpers import spawn
 
     spawn(_main, (list(argv), dict(os.environ)), 1)
@@ -107,9 +107,12 @@ def _train_alone(*argv: str) -> None:
 
 def _main(rank: int, argv: list[str], env: dict[str, str]) -> None:
     from flexmesh.cli import main
+    from flexmesh.data import corpus
 
     os.environ.clear()
     os.environ.update(env)
+    stand_in = corpus.read_corpus(corpus.stdlib_corpus_dir() / STDLIB_STAND_IN, extensions=(".py",))
+    corpus.stdlib_corpus = lambda: stand_in  # this forked process's own module
     code = main(argv)
     assert code == 0, f"flexmesh {' '.join(argv)}: exit {code}"
 
