@@ -5,7 +5,8 @@ scheduled by every policy ``flexmesh train`` offers (RUNTIME_POLICIES) over a me
 documents need context-parallel groups of 2 or 4 ranks, and run under
 
 - plain sharded data parallelism (ZeRO-2): ranks run different numbers of micro-batches;
-- ZeRO-3 on some layers: every rank runs the step's largest count, padded with empty ones;
+- ZeRO-3 on some layers: every rank runs the step's largest count, padded with empty ones (the
+  schedules of fixed, hdp and chunked: Z3_POLICIES);
 - a plan with Ulysses cp 2 and replicated weights (ZeRO 0), fed schedules with groups of 1, 2 and 4.
 
 Each must match a plain single-process loop over the same micro-batches (loss and gradient norm
@@ -43,6 +44,11 @@ from flexmesh.units import GIB
 WORLD = 4
 # what `flexmesh train --policy` offers a plan of one replica group (shares needs several)
 POLICIES = tuple(str(p) for p in RUNTIME_POLICIES if p != "shares")
+# The policies whose schedules also run under ZeRO-3: fixed's (groups of 2 and 4 ranks, unequal
+# micro-batch counts: the padding), hdp's (groups of 1 and 2 ranks beside each other) and chunked's (cut
+# documents, many micro-batches). balanced's and wlb's are fixed's kind of schedule, milp's hdp's (the
+# same group sizes and counts, other documents in them); each runs under ZeRO-2 against its golden.
+Z3_POLICIES = ("fixed", "hdp", "chunked")
 LAYOUTS = {
     "z2": ["tp1-dp4z2", "tp1-dp4z2-ac", "tp1-dp4z2", "tp1-dp4z2"],
     "z3": ["tp1-dp4z3", "tp1-dp4z3-ac", "tp1-dp4z2", "tp1-dp4z3"],
@@ -110,7 +116,8 @@ def cases() -> dict:
         fn = schedule_fn(policy)
         steps = [(docs, fn([len(d) for d in docs])) for docs in batches]
         out[f"z2-{policy}"] = ("z2", steps)
-        out[f"z3-{policy}"] = ("z3", steps)
+        if policy in Z3_POLICIES:
+            out[f"z3-{policy}"] = ("z3", steps)
         if policy == "hdp":
             out["u2-hdp"] = ("u2", steps)
     return out
@@ -289,7 +296,7 @@ def test_schedules_mix_group_sizes_and_microbatch_counts():
 
 @pytest.mark.slow
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("case", [f"{lay}-{p}" for lay in ("z2", "z3") for p in POLICIES] + ["u2-hdp"])
+@pytest.mark.parametrize("case", [f"z2-{p}" for p in POLICIES] + [f"z3-{p}" for p in Z3_POLICIES] + ["u2-hdp"])
 def test_every_policy_matches_single_process(run, case):
     tmp, all_cases, report = run
     layout, steps = all_cases[case]
@@ -323,7 +330,7 @@ def test_late_schedule_falls_back_and_training_stays_exact(run):
 def test_metrics_rows_carry_per_rank_measurements(run):
     tmp, _, report = run
     rows = [json.loads(ln) for ln in (tmp / "adaptive" / "metrics.jsonl").read_text().splitlines()]
-    rows += report["z2-hdp"] + report["z3-milp"]
+    rows += report["z2-milp"] + report["z3-hdp"]
     for r in rows:
         for key in ("busy_s", "predicted_busy_s", "activation_peak_bytes"):
             assert len(r[key]) == WORLD, key

@@ -8,9 +8,9 @@ MoE layer recomputed: its exchanges run again inside backward), sharded by FSDP2
 under a pipeline, with tensor parallelism (experts over the tp ranks' sequence slices, with and
 without FSDP2) and with Ulysses and ring context parallelism. Each must give the single-process
 reference's losses, first-step gradients (within 1e-5 of the largest) and parameters, and count
-every routed pair once; and 4 steps whose placement changes every step (experts moved, replicated,
-some ranks given fewer), and 4 whose experts are placed in every layer of every micro-batch from its
-own routing (``current``), must equal 4 steps of static placement within 1e-6.
+every routed pair once; and 2 steps whose placement changes every step (experts moved, replicated,
+some ranks given fewer), and 2 whose experts are placed in every layer of every micro-batch from its
+own routing (``current``), must equal 2 steps of static placement within 1e-6.
 
 This file is also the worker (``python tests/test_moe_runtime.py worker OUT LAYOUT...``).
 """
@@ -41,11 +41,11 @@ LAYOUTS: dict[str, dict] = {
 # placement and the balancing loss's shares of a previous step) and has the other micro-batch count of
 # make_steps (1 + s % 2 in the first group); a third repeated the first's.
 STEPS = 2
-# Steps of the placement comparison: one whole period of the changing placement (Shuffled: the two
-# replicated experts step % 4 and 4 + (step + 1) % 4 go round the two halves of the 8 experts, the round
-# robin's start round the 2 or 4 ranks): every expert is replicated in some step (checked); 8 and, before
-# them, 20 steps repeated the same moves.
-LONG = 4
+# Steps of the placement comparison: one whole period of the changing placement (Shuffled: the replicated
+# experts, half of them, alternate between two sets; the round robin's start moves a rank each step): every
+# expert is replicated in some step (checked). 4 steps, a period of Shuffled replicating two experts a step,
+# and before them 8 and 20, repeated the same kinds of moves.
+LONG = 2
 UNUSED = 7  # the expert no token reaches
 AUX = 0.05  # the load-balancing loss's coefficient in the runs that train with one
 
@@ -96,11 +96,12 @@ class Shuffled:
         hosts: list[set[int]] = [set() for _ in range(self.ranks)]
         for i in range(self.e):
             hosts[(i + self.step) % self.ranks].add(i)
-        if self.ranks > 1:  # a replica of two experts, one of each half, on the rank after its owner's
-            half = self.e // 2
-            for i in (self.step % half, half + (self.step + 1) % half):
-                owner = next(r for r in range(self.ranks) if i in hosts[r])
-                hosts[(owner + 1) % self.ranks].add(i)
+        if self.ranks > 1:  # a replica of half the experts (pairs 0-1, 4-5 or 2-3, 6-7: owners on different
+            # ranks), each on the rank after its owner's; the two sets alternate
+            for i in range(self.e):
+                if (i // 2) % 2 == self.step % 2:
+                    owner = next(r for r in range(self.ranks) if i in hosts[r])
+                    hosts[(owner + 1) % self.ranks].add(i)
         p = ExpertPlacement(self.e, tuple(tuple(sorted(h)) for h in hosts))
         return {layer: p for layer in self.layers}
 

@@ -10,7 +10,10 @@ documents were once the standard library's, whose tokeniser alone took half a mi
 batch of it was eight cut documents too.)
 
 Each launch runs the train command's own pieces (its scheduler, loader, config, Trainer, the
-background AdaptiveSource and fit) once per policy in one process group. This file is also the worker.
+background AdaptiveSource and fit) in one process group, once per distinct run: every policy schedules
+each corpus's five batches here, and a policy whose schedules are another's (the same documents in the
+same groups and micro-batches: on these corpora most policies make fixed's) gets that run's losses, as
+the ranks would step through it alike. This file is also the worker.
 """
 
 from __future__ import annotations
@@ -65,21 +68,49 @@ def _inputs(tmp: Path, pp: int) -> tuple[Path, Path]:
 
 
 class Counted:
-    """A step scheduler that keeps the micro-batch count of each schedule it makes (rank 0 makes them)."""
+    """A step scheduler that keeps each schedule it makes and its micro-batch count (rank 0 makes them)."""
 
     def __init__(self, fn) -> None:
-        self.fn, self.counts = fn, []
+        self.fn, self.counts, self.made = fn, [], []
 
     def __call__(self, lengths):
         schedule = self.fn(lengths)
         self.counts.append(max(len(g.microbatches) for g in schedule.groups))
+        self.made.append(schedule)
         return schedule
 
     def __getattr__(self, name: str):
         return getattr(self.fn, name)
 
 
-def worker(tmp: Path) -> None:
+def _train_args(tmp: Path, corpus: str, policy: str) -> list[str]:
+    return ["train", "--plan", str(tmp / "plan.json"), "--corpus", str(tmp / corpus), "--out",
+            str(tmp / "runs" / f"{corpus}-{policy}"), "--max-steps", str(STEPS), "--policy", policy, "--no-progress"]
+
+
+def schedules(tmp: Path, corpus: str, policy: str) -> list:
+    """The ``STEPS`` schedules ``policy`` makes of ``corpus``'s batches, as the train command makes them:
+    per step the documents' lengths and the groups (what the ranks run)."""
+    from flexmesh.commands import train
+    from flexmesh.commands.train_job import scheduler, train_job
+    from flexmesh.layout.plan import load_plan
+    from flexmesh.spec.model import parse_model
+
+    parser = argparse.ArgumentParser()
+    train.add_parser(parser.add_subparsers())
+    args = parser.parse_args(_train_args(tmp, corpus, policy))
+    plan = load_plan(args.plan)
+    job = train_job(args, plan, parse_model(plan.model))
+    fn = scheduler(job, policy, args.seed, args.cp)
+    loader = train.document_loader(args, job)
+    out = []
+    for _ in range(STEPS):
+        lengths = [len(d) for d in next(loader)]
+        out.append((tuple(lengths), fn(lengths).groups))
+    return out
+
+
+def worker(tmp: Path, runs: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -98,23 +129,21 @@ def worker(tmp: Path) -> None:
     init_distributed(timeout_s=300)
     losses: dict = {}
     try:
-        for corpus in (str(tmp / "long"), str(tmp / "tiny")):
-            for policy in POLICIES:
-                out = tmp / "runs" / f"{Path(corpus).name}-{policy}"
-                args = parser.parse_args(["train", "--plan", str(tmp / "plan.json"), "--corpus", corpus, "--out",
-                                          str(out), "--max-steps", str(STEPS), "--policy", policy, "--no-progress"])
-                plan = load_plan(args.plan)
-                spec = parse_model(plan.model)
-                job = train_job(args, plan, spec)
-                schedule_fn = Counted(scheduler(job, policy, args.seed, args.cp))
-                # without a run folder: the losses are what is compared, and the final checkpoint of each of
-                # the 12 runs was a tenth of this file's CPU (pipeline checkpoints: tests/test_resume_layouts.py)
-                config = replace(train.train_config(args), out_dir=None)
-                trainer = Trainer(plan, spec, config)
-                source = AdaptiveSource(train.document_loader(args, job), schedule_fn, schedule_fn)
-                history = fit(trainer, source, config)
-                losses[f"{Path(corpus).name}-{policy}"] = {"loss": [m.loss for m in history],
-                                                            "microbatches": schedule_fn.counts}
+        for run in runs:
+            corpus, policy = run.split("-")
+            args = parser.parse_args(_train_args(tmp, corpus, policy))
+            plan = load_plan(args.plan)
+            spec = parse_model(plan.model)
+            job = train_job(args, plan, spec)
+            schedule_fn = Counted(scheduler(job, policy, args.seed, args.cp))
+            # without a run folder: the losses are what is compared, and the final checkpoint of each run
+            # was a tenth of this file's CPU (pipeline checkpoints: tests/test_resume_layouts.py)
+            config = replace(train.train_config(args), out_dir=None)
+            trainer = Trainer(plan, spec, config)
+            source = AdaptiveSource(train.document_loader(args, job), schedule_fn, schedule_fn)
+            history = fit(trainer, source, config)
+            losses[run] = {"loss": [m.loss for m in history], "microbatches": schedule_fn.counts,
+                           "groups": [repr(s.groups) for s in schedule_fn.made[:STEPS]]}
         if dist.get_rank() == 0:
             (tmp / "losses.json").write_text(json.dumps(losses))
     finally:
@@ -127,18 +156,28 @@ def worker(tmp: Path) -> None:
 @pytest.mark.parametrize("pp", [4])
 def test_pipelines_train_any_batch_with_every_policy(tmp_path, pp):
     _inputs(tmp_path, pp)
-    proc = launch(pp, ["worker", str(tmp_path)], script=__file__, timeout=1400)
+    made = {f"{corpus}-{policy}": schedules(tmp_path, corpus, policy) for corpus in ("long", "tiny")
+            for policy in POLICIES}
+    first: dict = {}
+    ran_as = {name: first.setdefault(tuple(steps), name) for name, steps in made.items()}
+    assert ran_as["long-chunked"] == "long-chunked"  # one run whose schedules differ from fixed's
+    distinct = sorted(set(ran_as.values()))
+    proc = launch(pp, ["worker", str(tmp_path), *distinct], script=__file__, timeout=1400)
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     runs = json.loads((tmp_path / "losses.json").read_text())
+    for name in distinct:  # the ranks' schedulers made the schedules these runs stand for
+        assert runs[name]["groups"] == [repr(groups) for _, groups in made[name]], name
+    counts = {name: [max(len(g.microbatches) for g in groups) for _, groups in steps] for name, steps in made.items()}
     for corpus in ("long", "tiny"):
-        reference = runs[f"{corpus}-fixed"]["loss"]
+        reference = runs[ran_as[f"{corpus}-fixed"]]["loss"]
         assert len(reference) == STEPS
         for policy in POLICIES:  # every policy, every step: the same batch, the same loss
-            assert runs[f"{corpus}-{policy}"]["loss"] == pytest.approx(reference, rel=1e-4), (corpus, policy)
+            run = runs[ran_as[f"{corpus}-{policy}"]]
+            assert run["loss"] == pytest.approx(reference, rel=1e-4), (corpus, policy)
     # what the two corpora are for: schedules of as many micro-batches as stages, and of fewer
-    assert set(runs["long-fixed"]["microbatches"]) == {pp}
-    assert all(0 < n < pp for policy in POLICIES for n in runs[f"tiny-{policy}"]["microbatches"])
+    assert set(counts["long-fixed"]) == {pp} == set(runs["long-fixed"]["microbatches"])
+    assert all(0 < n < pp for policy in POLICIES for n in counts[f"tiny-{policy}"])
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
-    worker(Path(sys.argv[2]))
+    worker(Path(sys.argv[2]), sys.argv[3:])

@@ -52,6 +52,8 @@ LAYOUTS: dict[str, dict] = {
                       strategies=["tp1-dp1z0"] * 4),
 }
 WINDOW, WINDOW_LAYERS = 9, (True, False, True, True)
+# Keys files that reuse these checks may give a layout: "steps" (default STEPS: this file's layouts have
+# golden losses of STEPS steps) and "weights" (default True: the layout also loads the Hugging Face weights).
 
 
 def spec_for(window: bool):
@@ -119,7 +121,8 @@ def run_layouts(tmp: Path, world: int, names: list[str]) -> dict:
 
 # ---- worker ---------------------------------------------------------------------------------------
 def worker(out: Path, names: list[str]) -> None:
-    """Run each named layout for STEPS steps; write losses and the full parameters (per pp stage)."""
+    """Run each named layout for its steps (STEPS unless it says); write losses and the full parameters
+    (per pp stage)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -136,7 +139,9 @@ def worker(out: Path, names: list[str]) -> None:
             plan = make_plan(name)
             trainer = Trainer(plan, layout_spec(name), train_config())
             lay = trainer.layout
-            steps = make_steps(lay.data_ranks, lay.cp, cut=carries_pieces(), even=LAYOUTS[name].get("even", False))
+            cfg = LAYOUTS[name]
+            steps = make_steps(lay.data_ranks, lay.cp, steps=cfg.get("steps", STEPS), cut=carries_pieces(),
+                               even=cfg.get("even", False))
             losses = [trainer.step(docs, sched).loss for docs, sched in steps]
             params = {}
             for m in trainer.inner_models():
@@ -144,8 +149,10 @@ def worker(out: Path, names: list[str]) -> None:
                 params.update({canonical_name(k): v.detach().cpu().clone() for k, v in sd.items()})
             # Hugging Face weights (written by the test from a model seeded differently) load into
             # this layout: the first step's loss is the one that model gives on the same batch.
-            loaded = Trainer(plan, layout_spec(name), train_config(), weights=str(out / "weights.safetensors"))
-            weights_loss = loaded.step(*steps[0]).loss
+            weights_loss = None
+            if cfg.get("weights", True):
+                loaded = Trainer(plan, layout_spec(name), train_config(), weights=str(out / "weights.safetensors"))
+                weights_loss = loaded.step(*steps[0]).loss
             c = trainer.place
             folder = out / name
             if c.dp == 0 and c.cp == 0 and c.tp == 0:
@@ -165,13 +172,13 @@ def worker(out: Path, names: list[str]) -> None:
 @pytest.fixture(scope="module")
 def reference_runs() -> dict:
     """Reference losses and parameters per distinct (data ranks, cp) batch layout, window and documents
-    (make_steps' even: a layout's "even" key, set by files that reuse these checks)."""
+    (make_steps' even: a layout's "even" key, set by files that reuse these checks) and number of steps."""
     cache: dict = {}
 
-    def get(data_ranks: int, cp: int, window: bool = False, even: bool = False):
-        key = (data_ranks, cp, window, even)
+    def get(data_ranks: int, cp: int, window: bool = False, even: bool = False, steps: int = STEPS):
+        key = (data_ranks, cp, window, even, steps)
         if key not in cache:
-            cache[key] = reference(make_steps(data_ranks, cp, even=even), window)
+            cache[key] = reference(make_steps(data_ranks, cp, steps=steps, even=even), window)
         return cache[key]
 
     return get
@@ -181,16 +188,19 @@ def _check(name: str, result: dict, folder: Path, reference_runs) -> None:
     from flexmesh.layout.mesh import layout_from_plan
 
     lay = layout_from_plan(make_plan(name))
-    window, even = LAYOUTS[name].get("window", False), LAYOUTS[name].get("even", False)
-    ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp, window, even)
+    cfg = LAYOUTS[name]
+    window, even, steps = cfg.get("window", False), cfg.get("even", False), cfg.get("steps", STEPS)
+    ref_losses, ref_params = reference_runs(lay.data_ranks, lay.cp, window, even, steps)
     losses = result["losses"]
-    assert len(losses) == STEPS
+    assert len(losses) == steps
     for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: loss {got} vs reference {want}"
     if name in golden_losses()["runtime_parallel"]:  # every layout of this file (test_goldens_cover_the_matrix)
         assert_golden("runtime_parallel", name, losses)
-    want = first_loss(weights_model(window), *make_steps(lay.data_ranks, lay.cp, steps=1, even=even)[0])
-    assert abs(result["weights_loss"] - want) <= 1e-5 * want, f"{name}: loaded weights give {result['weights_loss']}"
+    if cfg.get("weights", True):
+        want = first_loss(weights_model(window), *make_steps(lay.data_ranks, lay.cp, steps=1, even=even)[0])
+        got = result["weights_loss"]
+        assert abs(got - want) <= 1e-5 * want, f"{name}: loaded weights give {got}"
     params = load_params(folder)
     assert set(params) == set(ref_params), f"{name}: parameter names differ: {set(params) ^ set(ref_params)}"
     for k, want in ref_params.items():

@@ -2,8 +2,12 @@
 head alone run, and give the single-process losses and parameters (1e-5), as every layout of
 tests/test_runtime_parallel.py does.
 
-This file reuses that file's reference, worker and checks with layouts of its own; it is also the
-worker (``python tests/test_runtime_recompute.py worker``).
+This file reuses that file's reference, worker and checks with layouts of its own, over 2 steps (the
+first's loss, the second's after an update, the weights after it: these layouts have no golden losses of
+3 steps); it is also the worker (``python tests/test_runtime_recompute.py worker``). The layouts with
+selective recomputation do not load the Hugging Face weights: selective marks the attention core and
+wraps nothing, so their weights load as those of tests/test_runtime_parallel.py's layouts on the same
+meshes (tp_sp, ring, ulysses and zero2, pp_1f1b) do, checked there.
 """
 
 from __future__ import annotations
@@ -24,18 +28,19 @@ LAYOUTS: dict[str, dict] = {
     # documents of one length (make_steps' even: a few micro-batch shapes, each a DTensor sharding
     # propagation), as tests/test_runtime_parallel.py's tp layouts take uneven ones
     "selective_tp": dict(world=2, strategies=["tp2-dp1z0-sac", "tp2-dp1z0", "tp2-dp1z0-sac", "tp2-dp1z0-ac"],
-                         even=True),
+                         even=True, steps=2, weights=False),
     # with context parallelism the core holds its collectives, which run again in backward
-    "selective_ring": dict(world=2, strategies=["tp1-r2-dp1z3-sac"] * 4),
-    "selective_ulysses": dict(world=2, strategies=["tp1-u2-dp1z2-sac"] * 4),
-    "selective_pp": dict(world=2, pp=2, schedule="1f1b", layers=[[0, 2], [2, 4]], strategies=["tp1-dp1z0-sac"] * 4),
+    "selective_ring": dict(world=2, strategies=["tp1-r2-dp1z3-sac"] * 4, steps=2, weights=False),
+    "selective_ulysses": dict(world=2, strategies=["tp1-u2-dp1z2-sac"] * 4, steps=2, weights=False),
+    "selective_pp": dict(world=2, pp=2, schedule="1f1b", layers=[[0, 2], [2, 4]], strategies=["tp1-dp1z0-sac"] * 4,
+                         steps=2, weights=False),
     # Llama 3's pipeline (2407.21783, section 3.3.2): the first chunk holds only the embedding, the last
     # only the norm, output projection and loss
     "end_chunks": dict(world=2, pp=2, schedule="interleaved", v=2, layers=[[0, 0], [0, 2], [2, 4], [4, 4]],
-                       strategies=["tp1-dp1z0"] * 4),
+                       strategies=["tp1-dp1z0"] * 4, steps=2),
     # three chunks per pipeline rank: rank 0 runs layers 0, 2, 4 and rank 1 layers 1, 3, 5
     "interleaved_v3": dict(world=2, pp=2, schedule="interleaved", v=3, window=SIX,
-                           layers=[[i, i + 1] for i in range(6)], strategies=["tp1-dp1z0"] * 6),
+                           layers=[[i, i + 1] for i in range(6)], strategies=["tp1-dp1z0"] * 6, steps=2),
 }
 _spec_for = trp.spec_for
 

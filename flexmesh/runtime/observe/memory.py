@@ -76,8 +76,9 @@ class SavedActivationMeter:
         self.peak_bytes = self.live_bytes
 
     def _pack(self, t: torch.Tensor) -> _Saved:
-        local = _local(t)
-        if _is_weight(t) or _is_weight(local) or local.device.type == "meta":
+        # a plain tensor (most of what autograd saves) is its own local tensor: no wrapper to look through
+        local = t if type(t) is torch.Tensor else _local(t)
+        if _is_weight(t) or (local is not t and _is_weight(local)) or local.device.type == "meta":
             return _Saved(t, self, None)
         storage = local.untyped_storage()
         key = (local.device, storage.data_ptr())

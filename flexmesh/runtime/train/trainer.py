@@ -54,6 +54,7 @@ records) are called through the same hooks when building the model and around ea
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -118,6 +119,12 @@ from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.tasks import TaskSet
 
 P = TypeVar("P", bound=TrainingPart)
+
+# Under tensor parallelism a micro-batch's row is rounded up to a multiple of this many tokens (with the
+# tp and cp degrees): DTensor propagates the sharding of every operator once per new shape (tens of ms of
+# CPU each, forward and backward), and packed documents give nearly every micro-batch a length of its
+# own. The padding is a document of its own that no real token attends to, and carries no labels.
+TP_ROW_TOKENS = 64
 
 
 class Trainer:
@@ -309,12 +316,13 @@ class Trainer:
             count = padded_microbatch_count(self.plan.pipeline_schedule, count, lay.pp)
         packed = [self._pack(docs, mb) for mb in group.microbatches]
         quantum = cp * lay.tp  # T must split over the group's ranks, then over tp ranks (sequence parallel)
+        row = math.lcm(quantum, TP_ROW_TOKENS) if lay.tp > 1 else quantum  # lengths that repeat (TP_ROW_TOKENS)
         if lay.pp > 1:  # pipelining needs one shape for every micro-batch of the step
             longest = max([b.num_tokens for b in packed] + [1])
             count = max(count, lay.pp)  # a pipeline schedule runs at least one micro-batch per stage
-            lengths = [-(-longest // quantum) * quantum] * count
+            lengths = [-(-longest // row) * row] * count
         else:
-            lengths = [-(-b.num_tokens // quantum) * quantum for b in packed] + [quantum] * (count - len(packed))
+            lengths = [-(-b.num_tokens // row) * row for b in packed] + [quantum] * (count - len(packed))
         keep = chain_plan(group)[0]
         out = []
         for i in range(count):
