@@ -140,9 +140,15 @@ def operator_elems(model: str) -> dict[str, int]:
 
 
 @cache
-def iteration(model: str, part: str) -> AnalyticIteration:
-    """``model``'s iteration priced on one ``part`` (tp 1)."""
+def _device_layer(model: str, part: str) -> AnalyticIteration:
     return AnalyticIteration(MODEL_PRESETS[model], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[part])))
+
+
+def iteration(model: str, part: str, rates: EngineRates | None = None) -> AnalyticIteration:
+    """``model``'s iteration priced on one ``part`` (tp 1): at the device layer's kernels, or at an engine's
+    ``rates`` on them (``EngineRates.on``)."""
+    it = _device_layer(model, part)
+    return it if rates is None else AnalyticIteration(MODEL_PRESETS[model], rates.on(it.hw))
 
 
 def predicted_operators(model: str, part: str, tokens: np.ndarray,
@@ -150,8 +156,8 @@ def predicted_operators(model: str, part: str, tokens: np.ndarray,
     """flexmesh's device layer's seconds of each of Vidur's operators at ``tokens``: the GEMMs at their kernels,
     each pointwise operator one streaming kernel moving :func:`operator_elems` (``rates``: at an engine's rates
     on those kernels)."""
-    it = iteration(model, part)
-    k, b = it.kernels if rates is None else rates.kernels(it.kernels), MODEL_PRESETS[model].dtype_bytes
+    it = iteration(model, part, rates)
+    k, b = it.kernels, MODEL_PRESETS[model].dtype_bytes
     out = {op: k.gemm(tokens, *it.shapes[i]) for op, i in GEMMS.items()}
     out.update({op: k.memory_bound(tokens * e * b) for op, e in operator_elems(model).items()})
     return out
@@ -236,8 +242,8 @@ def predicted(model: str, part: str, tokens: np.ndarray, training: bool = False,
     """flexmesh's seconds of one layer outside attention at ``tokens`` (``training``: at a training step's
     kernels, what serving priced with before the device layer's; ``rates``: at an engine's rates on the device
     layer's kernels)."""
-    it = iteration(model, part)
-    k = it.hw.kernels if training else it.kernels if rates is None else rates.kernels(it.kernels)
+    it = iteration(model, part, rates)
+    k = it.hw.kernels if training else it.kernels
     t = sum(k.gemm(tokens, n, red) for n, red in it.shapes)
     return t + k.memory_bound(tokens * it.pointwise_bytes, LAYER_POINTWISE_KERNELS)
 
@@ -298,8 +304,7 @@ def iterations(rates: EngineRates | None = None) -> dict[str, np.ndarray]:
     name, part = MODELS[model], PARTS[gpu]
     rows = measured_attention()
     tokens = step_tokens(rows)
-    it = iteration(name, part) if rates is None else \
-        AnalyticIteration(MODEL_PRESETS[name], rates.on(iteration(name, part).hw))
+    it = iteration(name, part, rates)
     out = dict(rows, tokens=tokens, layers=np.full(len(tokens), it.layers),
                measured_outside=measured_outside_attention(tokens),
                predicted_outside=predicted(name, part, tokens, rates=rates),
@@ -406,14 +411,14 @@ def fit_attention_rates(mask: np.ndarray, layer: EngineRates) -> EngineRates:
     gpu, model = ITERATION
     name, part = MODELS[model], PARTS[gpu]
     rows = measured_attention()
-    measured_s, hw = measured_attention_s(rows), iteration(name, part).hw
+    measured_s = measured_attention_s(rows)
 
     def term(kind: np.ndarray) -> tuple[object, np.ndarray]:
         sel = mask & kind
         seen = {c: v[sel] for c, v in rows.items()}
 
         def price(r: EngineRates) -> np.ndarray:
-            return predicted_attention_s(AnalyticIteration(MODEL_PRESETS[name], r.on(hw)), seen)
+            return predicted_attention_s(iteration(name, part, r), seen)
         return price, measured_s[sel]
     return fit_engine_rates({"prefill_attention": term(rows["is_prefill"]),
                              "decode_attention": term(~rows["is_prefill"])},

@@ -68,10 +68,15 @@ class EngineRates:
         """The four factors by name."""
         return {name: float(getattr(self, name)) for name in TERMS}
 
+    @property
+    def unit(self) -> bool:
+        """Every factor 1: the device layer's kernels as they are."""
+        return all(v == 1.0 for v in self.factors().values())
+
     def on(self, hardware):  # noqa: ANN001, ANN201 - a Hardware, or a profiled hardware with kernels of its own
         """``hardware`` as this engine's kernels run on it: a copy whose device layer (``device_kernels``, or the
         ``kernels`` of a profiled hardware without one) is at these rates; unit rates: ``hardware`` itself."""
-        if all(v == 1.0 for v in self.factors().values()):
+        if self.unit:
             return hardware
         out = copy.copy(hardware)
         if getattr(hardware, "device_kernels", None) is not None:
@@ -82,7 +87,7 @@ class EngineRates:
 
     def kernels(self, k: Kernels) -> Kernels:
         """``k`` (a device layer's kernels) at this engine's rates."""
-        if all(v == 1.0 for v in self.factors().values()):
+        if self.unit:
             return k
         d = k.decode_measured
         return replace(k, mm_flops=k.mm_flops * self.gemm, hbm_bytes_per_s=k.hbm_bytes_per_s * self.pointwise,
