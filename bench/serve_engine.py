@@ -30,8 +30,10 @@ What the machine allows the iterations (recorded beside their figure, :func:`ite
 iteration's local speed, the median measured / priced of the :data:`NEIGHBOURS` iterations either side of it on
 its engine, spans the machine's speeds; priced at its local speed an iteration's error is what the profile's
 form leaves, and the best single factor on every price, chosen after the fact, what any profile of one speed
-could reach. On this machine the first is 4-5% and the second 17-21% in every run kept so far: the 10% bound
-holds only where the engines keep one speed through the replays.
+could reach. And how far the machine repeats one iteration at all (:func:`repeatability`): the same batch run again
+in the profile's sweep, against its own median. On this machine, in the three runs kept at the latest code, the
+first is 6-7%, the second 14-16% and the third 6-11% (p90 21-31%): the 10% bound holds only where the engines
+keep one speed through the replays and repeat a batch more closely than they do here.
 
 Timings on a shared machine are noisy: the load average (``uptime``) before and after is recorded beside
 the numbers. ``--out`` keeps everything the figures come from (the profile and every iteration its sweep measured,
@@ -184,6 +186,13 @@ def load_saved(folder: Path) -> list[list[RateRun]]:
     return [sorted(found[k], key=lambda r: r.rate) for k in sorted(found)]
 
 
+def read_samples(folder: Path) -> list[dict]:
+    """Every iteration the profile's sweep measured, as kept in ``folder``'s ``samples.jsonl`` (none when the profile
+    was given, not measured)."""
+    path = folder / "samples.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def local_speed(ratios: list[float], around: int = NEIGHBOURS) -> list[float]:
     """Each iteration's local speed on its engine: the median measured / priced of the ``around`` iterations before
     and after it (itself left out), from one engine's ratios in the order it ran them.
@@ -209,6 +218,25 @@ def best_scale(priced: list[float], measured: list[float]) -> tuple[float, float
     ratio = [p / m for p, m in zip(priced, measured)]
     return min(((round(s, 3), statistics.median(abs(s * r - 1) for r in ratio)) for s in
                 (0.5 * 1.005 ** k for k in range(278))), key=lambda x: (x[1], x[0]))
+
+
+def repeatability(raw: list[dict], least: int = 3) -> tuple[int, float, float] | None:
+    """How far this machine repeats one iteration: over the batches the profile's sweep ran at least ``least``
+    times (``raw``: its ``samples.jsonl``), each run's CPU time against that batch's median, |t / median - 1|;
+    (runs, median, p90), or None when no batch repeated. A price that knew every batch's median exactly would be
+    off by this much on single iterations.
+
+    >>> repeatability([{"phase": "sweep", "batch": [[0, 8]], "cpu_s": t} for t in (1.0, 1.1, 0.8, 1.0)])
+    (4, 0.05, 0.17)
+    """
+    runs: dict[tuple, list[float]] = {}
+    for r in raw:
+        if r.get("phase") == "sweep":
+            runs.setdefault(tuple(sorted(tuple(b) for b in r["batch"])), []).append(r["cpu_s"])
+    dev = [abs(t / statistics.median(ts) - 1) for ts in runs.values() if len(ts) >= least for t in ts]
+    if not dev:
+        return None
+    return len(dev), round(statistics.median(dev), 6), round(statistics.quantiles(dev, n=10, method="inclusive")[-1], 6)
 
 
 def iteration_figures(passes: list[list[RateRun]], timing) -> dict:  # noqa: ANN001
@@ -255,9 +283,11 @@ def iteration_figures(passes: list[list[RateRun]], timing) -> dict:  # noqa: ANN
             "best_scale": scale, "best_scale_median": scale_median}
 
 
-def report(cfg, prof, win, context: int, passes: list[list[RateRun]], simulated, head: str):  # noqa: ANN001, ANN201
+def report(cfg, prof, win, context: int, passes: list[list[RateRun]], simulated, head: str,  # noqa: ANN001, ANN201
+           raw: list[dict] | None = None):
     """The bench's body (markdown lines) and headline from the replays ``passes`` (rates alike in every pass) and
-    ``simulated(rate)``, the twin's summary at a rate; ``head`` says where the measurement came from."""
+    ``simulated(rate)``, the twin's summary at a rate; ``head`` says where the measurement came from; ``raw``: the
+    profile's every iteration (``samples.jsonl``), for how far the machine repeats one (:func:`repeatability`)."""
     from bench._results import markdown_table
     from flexmesh.profile.iteration import ProfiledIterationTiming
     from flexmesh.serve.metrics import summarize
@@ -292,6 +322,7 @@ def report(cfg, prof, win, context: int, passes: list[list[RateRun]], simulated,
     pass_knees = [knee(rates, [m[i].ttft["p90"] if m[i] else float("inf") for i in range(len(rates))])
                   for m in measured]
     it = iteration_figures(passes, ProfiledIterationTiming(prof))
+    rep = repeatability(raw) if raw else None
     it_err, busy_meas = it["median"], it["busy_measured"]
 
     def each(values, fmt: str = "{:.0%}") -> str:
@@ -329,6 +360,11 @@ def report(cfg, prof, win, context: int, passes: list[list[RateRun]], simulated,
           f"either side on the same engine (its local speed) spans {it['speed_p10']:.2f}-{it['speed_p90']:.2f}x "
           f"(p10-p90); priced at its local speed an iteration is off by a median {it['known_speed']:.1%}, while one "
           f"factor on every price chosen after the fact ({it['best_scale']:.3f}) leaves {it['best_scale_median']:.1%}",
+          *([] if rep is None else [
+              f"- how far this machine repeats one iteration: the same batch run again in the profile's sweep "
+              f"({rep[0]} runs of batches run at least 3 times) takes a median {rep[1]:.1%} (p90 {rep[2]:.1%}) more or "
+              "less CPU time than its own median: a price that knew each batch's median exactly would be that far off "
+              "single iterations"]),
           f"- share of a core each engine had while iterating (CPU over wall time): "
           f"{prof.produced_by.get('sweep', {}).get('cpu_share', float('nan')):.0%} during the profile, "
           f"{it['cpu_s'] / busy_meas if busy_meas else float('nan'):.0%} during the replays (unequal shares: other "
@@ -380,13 +416,12 @@ def main() -> int:
 
             if not (folder / "samples.jsonl").exists():
                 raise SystemExit(f"{folder} holds no samples.jsonl (a run before the bench kept them): drop --refit")
-            prof = refit(prof, [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()
-                                if line.strip()])
+            prof = refit(prof, read_samples(folder))
         n = args.requests if "--requests" in sys.argv else 1 + max(
             (r.id for runs in passes for run in runs for r in run.records), default=args.requests - 1)
         win, simulated = twin_of(bench_config(), prof, n)
         md, _ = report(bench_config(), prof, win, args.context, passes, simulated,
-                       f"Re-priced offline from {folder} (profile {prof.name}).")
+                       f"Re-priced offline from {folder} (profile {prof.name}).", read_samples(folder))
         print("\n".join(md))
         return 0
 
@@ -432,7 +467,8 @@ def main() -> int:
     save(out, passes)
     md, headline = report(cfg, prof, win, args.context, passes, simulated,
                           f"Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
-                          f"{os.cpu_count()} cores: other work shares the machine and every timing carries its noise.")
+                          f"{os.cpu_count()} cores: other work shares the machine and every timing carries its noise.",
+                          [] if args.profile else read_samples(out))
     print("\n".join(md))
     if not args.no_record:
         record("serve_engine", "\n".join(md), headline=f"{headline}; load {load_before[0]:.1f}")
