@@ -55,7 +55,10 @@ def test_prefill_scales_with_its_tokens(cluster):
     it = _it(cluster=cluster)
     t = {n: it.iteration_s([(0, n)]) for n in (1024, 2048, 4096, 8192)}
     for n in (1024, 2048, 4096):
-        assert 1.8 < t[2 * n] / t[n] < 2.3, (n, t)
+        # but where the A100's 1024-row GEMMs run 1.2 waves of 128 x 256 tiles on its 108 SMs, the second mostly
+        # idle: its measured table times 1024 x 4096 x 4096 at 204 us and 2048 rows at 305 us (the wave term)
+        low = 1.7 if (cluster, n) == ("8xA100-80GB", 1024) else 1.8
+        assert low < t[2 * n] / t[n] < 2.3, (n, t)
     # a chunk against a long prefix costs more than the same chunk alone (attention over the context)
     assert it.iteration_s([(30_000, 2048)]) > it.iteration_s([(0, 2048)])
 

@@ -99,6 +99,44 @@ def test_the_measured_gemm_form_pays_compute_and_memory_softly_and_its_envelope_
     assert (e.gemm(m, n, kk) <= t).all() and float(e.gemm(64, 8, 8) * 2) == pytest.approx(float(e.gemm(128, 8, 8)))
 
 
+def test_from_one_wave_up_the_measured_form_pays_its_share_of_the_last_waves_idle_sms():
+    from flexmesh.cost.device.kernels import WAVE_TILE
+
+    def gemm(tail, sms=132):  # compute-bound: no memory, fixed or K-loop cost
+        g = MeasuredGemm(fixed_s=0.0, hbm_bytes_per_s=1e30, power=2.0, per_k_s=0.0, wave_tail=tail)
+        return Kernels(mm_flops=800e12, attn_flops=1.0, hbm_bytes_per_s=1e30, sms=sms, gemm_measured=g).gemm
+
+    m, n, k = 18 * WAVE_TILE[0], 11 * WAVE_TILE[1], 8192  # 198 tiles on 132 SMs: 1.5 waves, the last half idle
+    plain = 2.0 * m * n * k / 800e12
+    assert gemm(0.0)(m, n, k) == pytest.approx(plain, rel=1e-9)
+    assert gemm(1.0)(m, n, k) == pytest.approx(plain * 2.0 / 1.5, rel=1e-9)  # whole waves
+    assert gemm(0.4)(m, n, k) == pytest.approx(plain * (1.0 + 0.4 * 0.5 / 1.5), rel=1e-9)
+    assert float(gemm(0.4)(np.array([m]), np.array([n]), np.array([k]))[0]) == pytest.approx(gemm(0.4)(m, n, k))
+    # below one wave the libraries fill the SMs (split-K, smaller tiles): no term; nor whole waves, nor without SMs
+    assert gemm(1.0)(WAVE_TILE[0], WAVE_TILE[1], k) == gemm(0.0)(WAVE_TILE[0], WAVE_TILE[1], k)
+    assert gemm(1.0)(12 * WAVE_TILE[0], 11 * WAVE_TILE[1], k) == pytest.approx(gemm(0.0)(12 * 128, 11 * 256, k))
+    assert gemm(1.0, sms=None)(m, n, k) == gemm(0.0)(m, n, k)
+    assert gemm(-3.0)(m, n, k) == gemm(0.0)(m, n, k) and gemm(5.0)(m, n, k) == gemm(1.0)(m, n, k)  # clipped to 0-1
+
+
+def test_the_cache_holds_the_tables_six_weights_and_their_one_input():
+    from flexmesh.cost.device.kernels import TABLE_WEIGHTS
+
+    def gemv(weights):  # memory-bound; a 96 MB cache four times as fast as DRAM
+        g = MeasuredGemm(fixed_s=0.0, hbm_bytes_per_s=1e12, power=2.0, per_k_s=0.0, cache_bytes=96e6,
+                         cache_speedup=4.0, cache_steepness=12.0, weights=weights)
+        return Kernels(mm_flops=1e18, attn_flops=1.0, hbm_bytes_per_s=1e12, sms=None, gemm_measured=g).gemm
+
+    n = k = 4096  # a 32 MB weight: the cache holds it alone, not six of it
+    assert gemv(1)(1, n, k) < 0.3 * gemv(TABLE_WEIGHTS)(1, n, k)
+    assert gemv(TABLE_WEIGHTS)(1, n, k) == pytest.approx((k + n * k + n) * 2 / 1e12, rel=0.05)
+    m, n = 4096, 32  # a 32 MB input beside a tiny weight: cached, however many weights
+    assert gemv(TABLE_WEIGHTS)(m, n, k) == pytest.approx(gemv(1)(m, n, k), rel=0.01)
+    assert gemv(TABLE_WEIGHTS)(m, n, k) < 0.3 * (m * k + k * n + m * n) * 2 / 1e12
+    dev = hardware("L40S").device_kernels.gemm_measured
+    assert dev is not None and dev.weights == TABLE_WEIGHTS and dev.wave_tail == GEMM_KERNELS["l40s"]["wave_tail"]
+
+
 def test_measured_attention_calls_pay_their_fixed_and_per_key_costs():
     hw = hardware("H100-80GB")
     dev, a = hw.device_kernels, ATTENTION_KERNELS["h100_sxm"]
@@ -166,11 +204,12 @@ def test_a_fit_recovers_the_constants_a_synthetic_table_was_made_with(tmp_path):
     from flexmesh.spec.devices import KernelTable
 
     truth = {"efficiency": 0.8, "fixed_us": 3.0, "hbm_fraction": 0.85, "power": 2.5, "per_k_ns": 0.2,
-             "cache_mb": 32.0, "cache_speedup": 2.0, "cache_steepness": 4.0}
-    table = KernelTable(tflops=700.0, peak_tflops=1000.0, architecture="hopper", hbm_gbps=3000.0)
-    dims = [1, 16, 128, 256, 512, 1024, 2048, 4096, 8192]  # working sets on both sides of the cache's 32 MB
+             "cache_mb": 32.0, "cache_speedup": 2.0, "cache_steepness": 4.0, "wave_tail": 0.5}
+    table = KernelTable(tflops=700.0, peak_tflops=1000.0, architecture="hopper", hbm_gbps=3000.0, sms=132)
+    # working sets on both sides of the cache's 32 MB; not all powers of two, so the last wave's idle share varies
+    dims = [1, 16, 128, 256, 768, 1536, 3072, 5120, 8192]
     m, n, k = (np.array(x, dtype=float) for x in zip(*[(a, b, c) for a in dims for b in dims[2:] for c in dims[2:]]))
-    ms = gemm_kernels(truth, 1000.0, 3000.0).gemm(m, n, k) * 1e3
+    ms = gemm_kernels(truth, 1000.0, 3000.0, 132).gemm(m, n, k) * 1e3
     folder = tmp_path / "data" / "x" / "gemm" / "vllm" / "0.1.0"
     folder.mkdir(parents=True)
     pq.write_table(pa.table({"gemm_dtype": ["bfloat16"] * len(m), "m": m.astype(int), "n": n.astype(int),

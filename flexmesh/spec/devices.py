@@ -148,6 +148,7 @@ class KernelTable:
     peak_tflops: float
     architecture: str
     hbm_gbps: float = 0.0  # the measured part's datasheet memory bandwidth
+    sms: int | None = None  # the measured part's SM count (GEMM tables: the measured form's waves)
 
     @property
     def efficiency(self) -> float:

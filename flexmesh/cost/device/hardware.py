@@ -32,7 +32,14 @@ from functools import lru_cache
 
 import numpy as np
 
-from flexmesh.cost.device.kernels import HBM_EFFICIENCY, Kernels, MeasuredAttention, MeasuredDecode, MeasuredGemm
+from flexmesh.cost.device.kernels import (
+    HBM_EFFICIENCY,
+    TABLE_WEIGHTS,
+    Kernels,
+    MeasuredAttention,
+    MeasuredDecode,
+    MeasuredGemm,
+)
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.devices import (
     ATTENTION_KERNELS,
@@ -326,7 +333,8 @@ def device_kernels(kernels: Kernels, d: DeviceSpec, peak_flops: float) -> Kernel
         fixed_s=dec["fixed_us"] * 1e-6, hbm_bytes_per_s=dec["hbm_fraction"] * d.hbm_gbps * 1e9,
         per_pair_s=dec["per_pair_ns"] * 1e-9, **_cache(dec, own))
     gemm = MeasuredGemm(fixed_s=g["fixed_us"] * 1e-6, power=g["power"], per_k_s=g["per_k_ns"] * 1e-9,
-                        hbm_bytes_per_s=g["hbm_fraction"] * d.hbm_gbps * 1e9, **_cache(g, own))
+                        hbm_bytes_per_s=g["hbm_fraction"] * d.hbm_gbps * 1e9, weights=TABLE_WEIGHTS,
+                        wave_tail=g["wave_tail"], **_cache(g, own))
     return replace(kernels, mm_flops=peak_flops * d.kernel_mm_efficiency,
                    attn_flops=peak_flops * d.kernel_attn_efficiency, attn_overhead=a["overhead_keys"],
                    gemm_measured=gemm, decode_measured=decode,

@@ -29,19 +29,26 @@ forms those tables support over every shape they hold (:class:`MeasuredGemm`, :c
 - GEMM: ``fixed + (compute^p + memory^p)^(1/p) + per_k x K``: the tensor-core work at the kernel rate and
   the three matrices' bytes at the GEMMs' achieved bandwidth, joined by a soft maximum (small and skinny
   GEMMs pay for both), plus one kernel's fixed cost and a K-loop term (a GEMM of few output tiles
-  walks its reduction on few SMs). No tiles or waves: the kernels a library picks per shape (tile sizes,
-  split-K) smooth them out, and the tables price 128 x 128 tiles 2 to 6 times too slow below 128 rows.
+  walks its reduction on few SMs). No tiles below one wave: there the kernels a library picks per shape (tile
+  sizes, split-K) fill the SMs, and the tables price 128 x 128 tiles 2 to 6 times too slow below 128 rows.
+  From one wave of :data:`WAVE_TILE` tiles (128 x 256) on the part's SMs up, the last wave's idle SMs cost a
+  fitted share ``wave_tail`` of their time: ``compute x (1 + wave_tail x (ceil(w) - w) / w)``, ``w`` the
+  waves (NVIDIA's "Matrix Multiplication Background" guide, Deep Learning Performance documentation). The
+  fits keep it on the A100 (0.72) and the L40S (0.27), whose kernels run whole waves of large tiles, and
+  find none or next to none on Hopper and Blackwell (B200 0.005).
 - The cache (GEMM memory and decode KV reads, :func:`cached_memory`): the tables time a kernel called again and
   again on the same buffers, so a working set that fits the GPU's last-level (L2) cache is read from it, not
-  from DRAM. A fraction ``h = 1 / (1 + (bytes / cache)^steepness)`` of the bytes moves ``cache_speedup`` times
-  faster than DRAM: all of a small working set, none of one far past the cache (a cache that a working set
-  overflows thrashes). ``cache``, ``cache_speedup`` and ``steepness`` are fitted per table with
-  the other constants; ``cache_speedup`` <= 1 is no cache term, and a part priced from another part's
-  table has none (``Hardware.device_kernels``: the cache is the measured part's own). It matters where DRAM
-  is slow beside the cache:
-  the L40S (GDDR6 at 864 GB/s, 96 MB of L2) reads GEMM working sets of 4 to 16 MB at 1.1 TB/s and decode
-  KV of 32 to 96 MB at 1.1-1.7 TB/s (medians), above its DRAM's datasheet rate, and 0.6-0.7 TB/s past
-  16 MB and 134 MB.
+  from DRAM. A fraction ``h = 1 / (1 + (working set / cache)^steepness)`` of the bytes moves ``cache_speedup``
+  times faster than DRAM: all of a small working set, none of one far past the cache (a cache that a working
+  set overflows thrashes). A GEMM's working set is what the timed calls keep reading: the input, the
+  :data:`TABLE_WEIGHTS` (six) weights the tables cycle through and the output, ``MK + 6 KN + MN`` elements
+  (its bytes moved a call stay ``MK + KN + MN``). ``cache``, ``cache_speedup`` and ``steepness`` are fitted
+  per table with the other constants; ``cache_speedup`` <= 1 is no cache term, and a part priced from another
+  part's table has none (``Hardware.device_kernels``: the cache is the measured part's own). It matters where
+  DRAM is slow beside the cache: the L40S (GDDR6 at 864 GB/s, 96 MB of L2; the GEMM fit's cache is 99 MB)
+  reads GEMMs' working sets within it at 1.0-2.2 TB/s (its GEMVs, M <= 8, weights of 4 to 16 MB at a median
+  1.0-1.3 TB/s; M = 8192, N = 32, inputs of 8 to 100 MB at 1.5-2.2 TB/s) and decode KV of 32 to 96 MB at
+  1.1-1.7 TB/s (medians), above its DRAM's datasheet rate, and 0.6-0.7 TB/s past them.
 - Attention over ``L`` keys a call: the FLOPs at the kernel rate with the tile form above, plus per call a
   fixed cost and a per-key term.
 - Decode attention (one query per sequence against its cached keys and values, :class:`MeasuredDecode`):
@@ -77,22 +84,35 @@ HBM_EFFICIENCY = 0.9
 # Per query tile, flash attention loads Q and writes O and its softmax statistics: the bytes of one
 # more K/V tile iteration (FlashAttention-2's algorithm 1, 2307.08691), so one tile of keys' worth.
 ATTN_QUERY_OVERHEAD = float(ATTN_TILE)
+# The measured form's wave term (:class:`MeasuredGemm`) counts output tiles of 128 rows (tokens) x 256 columns
+# (output features): cuBLAS' large-GEMM tile on SM80 and SM89; the tables' fitted rows take it over 128 x 128
+# and 256 x 128 on the A100 and the L40S (the parts whose fits keep a wave term).
+WAVE_TILE = (128, 256)
+# The measured GEMM tables time six layers' weights against one input (aiconfigurator-core's vLLM collector,
+# collector/vllm/collect_gemm.py: six RowParallelLinear layers a timed call, its latency / 6), so what the cache
+# must hold across the repeated calls is the input, six weights and the output.
+TABLE_WEIGHTS = 6
 
 
-def cached_memory(nbytes, bytes_per_s: float, cache_bytes: float, speedup: float, steepness: float):  # noqa: ANN001, ANN201
-    """Seconds to move ``nbytes`` of a working set read again and again: the fraction ``1 / (1 + (nbytes /
+def cached_memory(nbytes, bytes_per_s: float, cache_bytes: float, speedup: float, steepness: float,  # noqa: ANN001, ANN201
+                  working_set=None):  # noqa: ANN001
+    """Seconds to move ``nbytes`` of a working set read again and again: the fraction ``1 / (1 + (working_set /
     cache_bytes)^steepness)`` of it from the cache at ``speedup x bytes_per_s``, the rest at ``bytes_per_s`` (the
-    module doc). A cache is never slower than DRAM and its cached fraction falls at least as fast as ``cache_bytes
-    / nbytes``: ``speedup`` and ``steepness`` below 1 count as 1 (``cache_bytes`` <= 0 or ``speedup`` <= 1: all at
-    ``bytes_per_s``, no cache term).
+    module doc; ``working_set``, what the cache must hold across the repeated calls, defaults to ``nbytes``). A
+    cache is never slower than DRAM and its cached fraction falls at least as fast as ``cache_bytes /
+    working_set``: ``speedup`` and ``steepness`` below 1 count as 1 (``cache_bytes`` <= 0 or ``speedup`` <= 1: all
+    at ``bytes_per_s``, no cache term).
 
     >>> small, large = cached_memory(1e6, 1e12, 32e6, 2.0, 4.0), cached_memory(1e9, 1e12, 32e6, 2.0, 4.0)
     >>> round(float(small) * 1e6, 3), round(float(large) * 1e3, 3)  # us within the cache, ms far past it
     (0.5, 1.0)
+    >>> round(float(cached_memory(1e6, 1e12, 32e6, 2.0, 4.0, working_set=1e9)) * 1e6, 3)  # others' bytes evict it
+    1.0
     """
     if cache_bytes <= 0.0 or speedup <= 1.0:
         return nbytes / bytes_per_s
-    hit = 1.0 / (1.0 + (np.maximum(nbytes, 0.0) / cache_bytes) ** max(steepness, 1.0))
+    held = nbytes if working_set is None else working_set
+    hit = 1.0 / (1.0 + (np.maximum(held, 0.0) / cache_bytes) ** max(steepness, 1.0))
     t = nbytes * (1.0 - hit * (1.0 - 1.0 / speedup)) / bytes_per_s
     return t if isinstance(t, np.ndarray) else float(t)
 
@@ -114,6 +134,10 @@ class MeasuredGemm:
     cache_bytes: float = 0.0  # the working set the cache holds (module doc); 0: no cache term
     cache_speedup: float = 1.0  # the cache's bandwidth over hbm_bytes_per_s
     cache_steepness: float = 1.0  # how fast the cached fraction falls past cache_bytes
+    weights: int = 1  # distinct weights the repeated calls cycle through against one input (TABLE_WEIGHTS)
+    # the share of a partial last wave's idle SMs a GEMM of at least one wave of WAVE_TILE tiles pays for
+    # (``Kernels.sms``; module doc): 0 none (below 0 counts as 0), 1 whole waves (above 1 counts as 1)
+    wave_tail: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -238,8 +262,19 @@ class Kernels:
         return max(compute, memory) + self.launch_s if m > 0 and n > 0 and k > 0 else 0.0
 
     def _gemm_measured(self, g: MeasuredGemm, compute, m, n, k):  # noqa: ANN001, ANN202
+        tail = min(max(g.wave_tail, 0.0), 1.0)
+        if tail > 0.0 and self.sms is not None:
+            if isinstance(m, np.ndarray) or isinstance(n, np.ndarray):
+                waves = np.ceil(m / WAVE_TILE[0]) * np.ceil(n / WAVE_TILE[1]) / self.sms
+                idle = np.where(waves >= 1.0, np.ceil(waves) - waves, 0.0)
+                compute = compute * (1.0 + tail * idle / np.maximum(waves, 1.0))
+            else:
+                waves = math.ceil(m / WAVE_TILE[0]) * math.ceil(n / WAVE_TILE[1]) / self.sms
+                if waves >= 1.0:
+                    compute = compute * (1.0 + tail * (math.ceil(waves) - waves) / waves)
         memory = cached_memory((m * k + k * n + m * n) * self.dtype_bytes, g.hbm_bytes_per_s, g.cache_bytes,
-                               g.cache_speedup, g.cache_steepness)
+                               g.cache_speedup, g.cache_steepness,
+                               working_set=(m * k + g.weights * k * n + m * n) * self.dtype_bytes)
         t = g.fixed_s + (compute ** g.power + memory ** g.power) ** (1.0 / g.power) + g.per_k_s * k
         if isinstance(t, np.ndarray):
             return t * ((m > 0) & (n > 0) & (k > 0))
