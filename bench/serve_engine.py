@@ -411,17 +411,18 @@ def main() -> int:
         folder = Path(args.reprice)
         passes = load_saved(folder)
         prof = load_engine_profile(args.profile or folder / "engine-tiny.json")
+        raw = read_samples(folder)
         if args.refit:
             from flexmesh.profile.engine import refit
 
-            if not (folder / "samples.jsonl").exists():
+            if not raw:
                 raise SystemExit(f"{folder} holds no samples.jsonl (a run before the bench kept them): drop --refit")
-            prof = refit(prof, read_samples(folder))
+            prof = refit(prof, raw)
         n = args.requests if "--requests" in sys.argv else 1 + max(
             (r.id for runs in passes for run in runs for r in run.records), default=args.requests - 1)
         win, simulated = twin_of(bench_config(), prof, n)
         md, _ = report(bench_config(), prof, win, args.context, passes, simulated,
-                       f"Re-priced offline from {folder} (profile {prof.name}).", read_samples(folder))
+                       f"Re-priced offline from {folder} (profile {prof.name}).", raw)
         print("\n".join(md))
         return 0
 
