@@ -275,7 +275,10 @@ class Kernels:
         memory = cached_memory((m * k + k * n + m * n) * self.dtype_bytes, g.hbm_bytes_per_s, g.cache_bytes,
                                g.cache_speedup, g.cache_steepness,
                                working_set=(m * k + g.weights * k * n + m * n) * self.dtype_bytes)
-        t = g.fixed_s + (compute ** g.power + memory ** g.power) ** (1.0 / g.power) + g.per_k_s * k
+        # np.power for scalars too: Python's ``**`` calls libm's pow, numpy's loop over arrays an AVX-512 pow where
+        # the CPU has one, and the two differ in the last bit; one ufunc prices one GEMM the same alone or in an array
+        t = g.fixed_s + np.power(np.power(compute, g.power) + np.power(memory, g.power), 1.0 / g.power) \
+            + g.per_k_s * k
         if isinstance(t, np.ndarray):
             return t * ((m > 0) & (n > 0) & (k > 0))
         return float(t) if m > 0 and n > 0 and k > 0 else 0.0
