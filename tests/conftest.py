@@ -19,6 +19,18 @@ if "FLEXMESH_CACHE" not in os.environ:
 
 # Test files import what they share from tests/helpers.py as `helpers`, whatever pytest's import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+pytest.register_assert_rewrite("helpers")  # its assertions explained and checked as the test files' are
+
+# No exact comparison of computed floats without a reason (tests/exactness.py): the hooks, and the array
+# equality functions wrapped.
+from exactness import (  # noqa: E402, F401
+    install_equality_checks,
+    pytest_assertion_pass,
+    pytest_assertrepr_compare,
+    pytest_runtest_call,
+)
+
+install_equality_checks()
 
 # Scripts that run on the commit before the plan types merged (their docstrings say how), not here.
 collect_ignore = ["golden/record_losses.py", "golden/make_old_runs.py"]

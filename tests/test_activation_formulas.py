@@ -57,6 +57,7 @@ def test_without_sequence_parallelism_norms_run_on_every_tp_rank():
     base = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"))
     no_sp = priced_as(base, Stack(sequence_parallel=False))
     assert no_sp.layer(S(tp=4, dp=2), w).fwd > base.layer(S(tp=4, dp=2), w).fwd
+    # exact: without tp the same terms, priced by the same code
     assert no_sp.layer(S(dp=8), w).fwd == base.layer(S(dp=8), w).fwd  # no tp: nothing to replicate
 
 
@@ -79,6 +80,7 @@ def test_the_command_line_prices_another_stack(tmp_path, capsys):
     ours = json.loads(capsys.readouterr().out)
     assert ours["valid"] and max(ours["peak_memory_gib"]) < 79.2
     assert main(check + ["--fused-swiglu"]) == 0  # GeLU layers: the flag changes nothing
+    # exact: the same plan priced by the same code
     assert json.loads(capsys.readouterr().out)["peak_memory_gib"] == ours["peak_memory_gib"]
     assert main(check + ["--attention", "unfused", "--no-sequence-parallel", "--dropout"]) == 2
     assert "GiB on stage 0 but the device has" in capsys.readouterr().err
@@ -133,12 +135,13 @@ def test_recomputing_the_pointwise_operators_keeps_the_gemm_outputs_alone():
         (2 * h + (2 * m.q_dim + 2 * kv + 2 * ffn) / 4) * b)
     w = Work(4096, 4096.0**2)
     base, redo = llama.layer(S(tp=2, dp=4), w), lean.layer(S(tp=2, dp=4), w)
-    assert redo.fwd == base.fwd
+    assert redo.fwd == base.fwd  # exact: the same GEMM terms, priced by the same code
     moved = 4096 / 2 * (4 * h + 2 * (m.q_dim + kv) + 3 * ffn) * b  # 2 norms, rotary on q and k, SwiGLU
     k = lean.timing.kernels  # four more streaming kernels, each with its launch
     assert redo.bwd - base.bwd == pytest.approx(moved / k.hbm_bytes_per_s + 4 * k.launch_s)
     # fully recomputed layers keep their input alone whatever the stack, and recompute nothing more
     full = S(tp=2, dp=4, recompute=True)
+    # exact: a layer computed in full prices the same either way
     assert lean.layer(full, w).bwd == llama.layer(full, w).bwd
     assert lean.activation_bytes_per_token(full, layers=1) == llama.activation_bytes_per_token(full, layers=1)
     assert Stack(pointwise_recompute=True).label == "fused attention, sequence parallel, pointwise ops recomputed"

@@ -41,6 +41,7 @@ def test_the_runtimes_stack_prices_them_so():
     assert RUNTIME_STACK.attention == "flash2"
     cm = CostModel(parse_model("llama2-7b"), parse_cluster("8xH100"))
     fitted = flash2_kernels(cm.hw.kernels, cm.cluster.device.architecture, cm.hw.peak_flops)
+    # exact: the same function of the same constants
     assert cm.timing.kernels.attention(1e12, 4096.0) == fitted.attention(1e12, 4096.0) != cm.hw.kernels.attention(
         1e12, 4096.0)  # Hopper: FlashAttention-2's own fit, not the fastest fused kernel
     assert {k.cost for k in KERNELS.values()} == {f"{flash2_kernels.__module__}.{flash2_kernels.__name__}"}

@@ -310,6 +310,7 @@ def test_measured_parts_take_ring_collectives_inside_a_node_from_their_nccl_tabl
     two_nodes = h100.collective_time("all_gather", 2.0**30, GroupShape(16, 8))
     assert two_nodes > h100.collective_time("all_gather", 2.0**30, GroupShape(8, 8))
     untabled = Hardware(ClusterSpec(1, 8, replace(device("H100-80GB"), comm_table="")))
+    # exact: no table for all-to-all: the same formula both ways
     assert h100.collective_time("all_to_all", 2.0**26, GroupShape(8, 8)) == \
         untabled.collective_time("all_to_all", 2.0**26, GroupShape(8, 8))
     assert h100.collective_time("all_gather", 2.0**26, GroupShape(8, 8)) != \

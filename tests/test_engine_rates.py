@@ -38,14 +38,14 @@ def test_no_rates_and_unit_rates_price_as_the_device_layer():
     plain, unit = AnalyticIteration(MODEL, hw), AnalyticIteration(MODEL, EngineRates().on(hw))
     assert unit.kernels is plain.kernels is hw.device_kernels
     batch = [(1000, 1)] * 8 + [(0, 512)]
-    assert unit.iteration_s(batch) == plain.iteration_s(batch)
+    assert unit.iteration_s(batch) == plain.iteration_s(batch)  # exact: the same kernels object prices both
 
 
 def test_each_rate_scales_its_own_kernels_and_leaves_the_fixed_costs():
     hw = _hw()
     k, slow = hw.device_kernels, TRUE.kernels(hw.device_kernels)
     assert slow.mm_flops == k.mm_flops * TRUE.gemm and slow.attn_flops == k.attn_flops * TRUE.prefill_attention
-    assert slow.hbm_bytes_per_s == k.hbm_bytes_per_s * TRUE.pointwise
+    assert slow.hbm_bytes_per_s == k.hbm_bytes_per_s * TRUE.pointwise  # exact: the same product
     assert slow.decode_measured.hbm_bytes_per_s == k.decode_measured.hbm_bytes_per_s * TRUE.decode_attention
     assert slow.gemm_measured == k.gemm_measured and slow.attn_measured == k.attn_measured  # fixed costs, GEMM bytes
     assert slow.launch_s == k.launch_s and slow.decode_measured.fixed_s == k.decode_measured.fixed_s

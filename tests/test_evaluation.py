@@ -87,8 +87,9 @@ def test_held_out_loss_is_the_single_process_forward_and_changes_no_step(tmp_pat
         r = report[name]
         assert r["before"] == pytest.approx(r["before_ref"], rel=1e-6), name
         assert r["after"] == pytest.approx(r["after_ref"], rel=1e-6), name
+        # exact: the same weights' forward, run again
         assert r["after"] != r["before"] and r["again"] == r["after"], name  # the weights of the step, each time
-        assert r["losses"] == r["plain"] and r["norms"] == r["plain_norms"], name  # bit for bit
+        assert r["losses"] == r["plain"] and r["norms"] == r["plain_norms"], name  # exact: the same steps
 
 
 def _rows(out: Path) -> list[dict]:
@@ -114,8 +115,8 @@ def test_a_run_with_evaluation_trains_the_same_and_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
     want, got = _rows(plain), _rows(evaluated)
-    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit for bit
-    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # exact: the same steps, evaluation aside
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]  # exact: the same steps, evaluation aside
     assert [r["step"] for r in got if r["eval_loss"] is not None] == [2, 3, 4, 5]
     assert all(r["eval_loss"] is None and r["eval_ppl"] is None for r in want)
     for r in got:

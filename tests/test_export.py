@@ -137,7 +137,7 @@ def test_export_loads_in_transformers_with_the_same_logits(runs, name, tmp_path)
     ref_model = build_model(spec, device="cpu")
     ref_model.load_state_dict(_reference_state(tmp_path), strict=True)
     for (n, p), (_, q) in zip(model.state_dict().items(), ref_model.state_dict().items(), strict=True):
-        assert torch.equal(p, q), n
+        assert torch.equal(p, q), n  # exact: the weights written and read back
 
 
 def _reference_state(tmp: Path) -> dict:

@@ -213,6 +213,7 @@ def _check(name: str, folder: Path) -> None:
             saved = torch.load(folder / f"r{i}_s{k}.pt")
             seen |= set(saved["params"])
             for key, p in saved["params"].items():
+                # exact: every replica applies the same all-reduced update to the same weights
                 assert torch.equal(first.setdefault(key, p), p), f"{name}: replica {i} drifted from replica 0 at {key}"
             for key, g in saved["grads"].items():
                 want = ref_grads[key]
@@ -336,6 +337,7 @@ def test_train_a_plan_of_replica_groups_resumes_exactly(tmp_path):
     assert all(r["loss"] > 0 and r["tokens"] > 0 and r["tokens_per_s"] > 0 and len(r["busy_s"]) == 3 for r in first)
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "manifest.json").is_file()
     resumed = train("run", 3)
+    # exact: the first run's rows, kept in the file
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[:2] == first
     whole = train("whole", 3)
     for a, b in zip(whole, resumed, strict=True):

@@ -96,10 +96,13 @@ def test_count_terms_priced_by_blocks_are_the_ones_priced_one_by_one(device, tp,
     model = MODEL_PRESETS["llama3-8b"]
     one, blocks = AnalyticIteration(model, hw, tp, pp), AnalyticIteration(model, hw, tp, pp, block=64)
     tokens = [1, 2, 63, 64, 65, 127, 128, 1000, 4097, 8192, 9001]
+    # exact: the same numpy ufuncs element by element on arrays and scalars
     assert [blocks.dense_s(t) for t in tokens] == [one.dense_s(t) for t in tokens]
+    # exact: the same numpy ufuncs element by element on arrays and scalars
     assert [blocks.head_s(n) for n in tokens] == [one.head_s(n) for n in tokens]
     assert len(blocks._dense) > len(tokens) and len(blocks._head) > len(tokens)  # the blocks around them too
     batch = [(900, 1)] * 20 + [(0, 700), (30, 33)]
+    # exact: the same terms, by blocks or one by one (the ufuncs above)
     assert blocks.iteration_s(batch) == one.iteration_s(batch)
 
 
@@ -155,7 +158,7 @@ def test_a_timing_that_prices_only_whole_batches_is_asked_with_the_decodes_spell
     got = split_s(Linear(), 3, 301, [(0, 50)])
     assert got == pytest.approx(Linear().iteration_s([(101, 1), (100, 1), (100, 1), (0, 50)]))
     it = _it()
-    assert split_s(it, 3, 300, []) == it.split_s(3, 300, [])
+    assert split_s(it, 3, 300, []) == it.split_s(3, 300, [])  # exact: split_s calls the timing's own split_s
 
 
 def test_the_shared_layer_shapes_are_the_training_models():

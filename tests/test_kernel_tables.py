@@ -32,7 +32,7 @@ def test_every_measured_system_has_kernel_constants_and_every_part_reads_its_tab
         assert d.kernel_attn_efficiency == ATTENTION_KERNELS[d.kernel_table]["efficiency"]
         dev = Hardware(ClusterSpec(1, 1, d), d.peak_tflops and next(iter(d.peak_tflops))).device_kernels
         assert dev.gemm_measured is not None and dev.attn_measured is not None
-        assert dev.gemm_measured.fixed_s == GEMM_KERNELS[d.kernel_table]["fixed_us"] * 1e-6
+        assert dev.gemm_measured.fixed_s == GEMM_KERNELS[d.kernel_table]["fixed_us"] * 1e-6  # exact: the same product
         assert dev.attn_overhead == ATTENTION_KERNELS[d.kernel_table]["overhead_keys"]
         dec = DECODE_KERNELS[d.kernel_table]
         assert dev.decode_measured is not None and dev.decode_measured.hbm_bytes_per_s == pytest.approx(
@@ -46,6 +46,7 @@ def test_a_training_step_prices_at_the_fits_and_the_framework_terms_are_what_lie
     hw = Hardware(ClusterSpec(1, 8, d), dtype)
     peak = d.peak_flops(dtype)
     # a training step's kernels: the end-to-end fits as they were, bit for bit
+    # exact: the same products
     assert hw.kernels.mm_flops == peak * d.mm_efficiency and hw.kernels.attn_flops == peak * d.attn_efficiency
     assert hw.kernels.gemm_measured is None and hw.kernels.attn_measured is None
     # the device layer's: the kernel rates; the framework terms take them to the fits
@@ -53,6 +54,7 @@ def test_a_training_step_prices_at_the_fits_and_the_framework_terms_are_what_lie
     assert hw.device_kernels.mm_flops * d.framework_mm == pytest.approx(hw.kernels.mm_flops, rel=1e-12)
     assert hw.device_kernels.attn_flops * d.framework_attn == pytest.approx(hw.kernels.attn_flops, rel=1e-12)
     # both price memory-bound kernels alike (the copies, norms and optimizer steps)
+    # exact: the same streaming-kernel formula
     assert hw.device_kernels.memory_bound(1e9) == hw.kernels.memory_bound(1e9) == hw.copy_time(1e9)
 
 
@@ -170,6 +172,7 @@ def test_a_working_set_the_cache_holds_is_read_at_the_cache_rate_and_one_far_pas
     for cache, speedup in ((0.0, 2.0), (-5e6, 2.0), (32e6, 1.0), (32e6, 0.9)):
         assert cached_memory(1e6, 1e12, cache, speedup, 4.0) == 1e6 / 1e12
     # a steepness below 1 counts as 1: the cached fraction falls at least as fast as cache / bytes
+    # exact: a steepness below 1 is 1: the same operations
     assert cached_memory(1e9, 1e12, 32e6, 2.0, 0.2) == cached_memory(1e9, 1e12, 32e6, 2.0, 1.0)
 
 

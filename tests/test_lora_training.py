@@ -244,6 +244,7 @@ def _check(tmp_path: Path, name: str, refs: tuple[dict, list]) -> None:
     fresh = build_model(tiny_spec(), device="cpu")
     fresh.init_weights(SEED)
     for k in BASE_KEYS:  # the base stays as initialised (no weight decay, no update)
+        # exact: the base is never updated
         assert torch.equal(got.pop(f"base:{k}"), fresh.state_dict()[k]), f"{name}: base {k} changed"
     assert sorted(got) == sorted(references)
     # Tensor parallelism sums each projection's products over head shards in another order; AdamW's
@@ -374,7 +375,7 @@ def test_a_lora_mix_of_two_layouts_trains_each_adapter_as_alone(tmp_path):
     fresh = build_model(spec, device="cpu")
     fresh.init_weights(seed)
     for k, v in fresh.state_dict().items():  # the base stays as initialised
-        assert torch.equal(state[k], v), f"base {k} changed"
+        assert torch.equal(state[k], v), f"base {k} changed"  # exact: the base is never updated
     for slot, task in enumerate(tasks):
         docs = [[d for d, s in zip(step, step.tasks) if s == slot] for step in dealt]
         want, losses = train_alone(spec, task, docs, train)
@@ -410,4 +411,5 @@ def test_lora_at_any_rank_runs_and_matches_the_per_run_path(ranks, dtype):
     row = AdapterRow.of([(i % len(ranks), n) for i, n in enumerate((3, 4))], x.device)
     grouped = ad(x, row)
     ad.loop = True
-    assert torch.equal(grouped, ad(x, row)) or torch.allclose(grouped.float(), ad(x, row).float(), atol=1e-2)
+    # grouped GEMMs and the loop may sum in other orders: within bf16's resolution
+    assert torch.allclose(grouped.float(), ad(x, row).float(), atol=1e-2)

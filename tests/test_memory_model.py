@@ -43,7 +43,7 @@ def test_budget_is_capacity_less_context_over_fragmentation():
     frag = replace(d, allocator_headroom=0.08, framework_reserve_gib=1.5)
     assert frag.usable_memory_bytes == pytest.approx((d.memory_gib - 1.5) / 1.08 * GIB)
     cm = CostModel(MODEL, parse_cluster("8xH100"))
-    assert cm.memory_budget == d.usable_memory_bytes
+    assert cm.memory_budget == d.usable_memory_bytes  # exact: the cost model reads the device's budget
 
 
 def test_fragmentation_fit_recovers_a_known_fraction():

@@ -244,7 +244,7 @@ def test_sum_of_parts_reuses_the_searches_of_the_plans_of_one_group_per_type(mon
     real = mixed_types.search
     monkeypatch.setattr(mixed_types, "search", lambda request: searches.append(request) or real(request))
     shared = sum_of_parts(model, MIXED, 2048, 32, alone=search.types.planned_alone)
-    assert shared == alone
+    assert shared == alone  # exact: the same searches, shared or run again
     assert all(r.cluster != MIXED.groups[0] for r in searches)  # the first type's search is always shared
     assert len(searches) < len(MIXED.groups)
 

@@ -41,7 +41,7 @@ def test_meta_then_init_matches_cpu_build_and_seed_matters():
     meta.to_empty(device="cpu")
     meta.init_weights(0)
     for (n, a), (_, b) in zip(cpu.named_parameters(), meta.named_parameters()):
-        assert torch.equal(a, b), n
+        assert torch.equal(a, b), n  # exact: every parameter seeded by its name: the same operations
     meta.init_weights(1)
     assert not torch.equal(cpu.layers["0"].attention.wq.weight, meta.layers["0"].attention.wq.weight)
     # norms start at one, so the model starts as a near-identity residual stack
@@ -56,8 +56,10 @@ def test_init_is_independent_of_pipeline_split_and_wrappers():
     stage.layers["2"] = checkpoint_wrapper(stage.layers["2"])
     stage.to_empty(device="cpu")
     stage.init_weights(0)
+    # exact: every parameter seeded by its name: the same operations
     assert torch.equal(stage.layers["2"]._checkpoint_wrapped_module.feed_forward.w1.weight,
                        full.layers["2"].feed_forward.w1.weight)
+    # exact: every parameter seeded by its name: the same operations
     assert torch.equal(stage.output.weight, full.output.weight)
 
 

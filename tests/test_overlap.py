@@ -51,7 +51,7 @@ def test_tp_overlap_hides_tp_collectives_under_the_gemms_only_where_tp_communica
     on, off = Overlap(tp_comm=True), NO_OVERLAP
     a, b = cm.layer(S(tp=4, dp=4), WORK, on), cm.layer(S(tp=4, dp=4), WORK, off)
     assert a.comm_fwd < b.comm_fwd and a.comm_bwd < b.comm_bwd
-    assert (a.fwd, a.bwd) == (b.fwd, b.bwd)
+    assert (a.fwd, a.bwd) == (b.fwd, b.bwd)  # exact: overlap moves the collectives only: the same compute terms
     # exposed is what does not fit under the GEMMs, with Galvatron's slowdown: at least (1 - overlap) of it
     assert a.comm_fwd >= (1 - cm.hw.overlap) * b.comm_fwd - 1e-12
     assert a.transient > b.transient  # userbuffers
@@ -76,11 +76,13 @@ def test_grad_reduce_last_reduces_once_with_unsharded_gradients():
     grads = MODEL.layer_params * cm.grad_bytes
     assert once.states - every.states == pytest.approx(grads * (1 - 1 / 16))
     # ZeRO-0/1 reduce once either way
+    # exact: one reduction either way: the same terms
     assert cm.layer(S(dp=16, zero=1), WORK, Overlap(grad_reduce="last")) == cm.layer(S(dp=16, zero=1), WORK)
     # with one micro-batch, its backward is the last: the two are one thing
     chunks = [[s] * MODEL.num_layers]
     a = cm.evaluate_stages(chunks, 1, "1f1b", 1, 1, 16, 4096, Overlap(grad_reduce="last"))
     b = cm.evaluate_stages(chunks, 1, "1f1b", 1, 1, 16, 4096, Overlap(grad_reduce="bucketed"))
+    # exact: one reduction either way: the same terms
     assert (a.step_time, a.peak_memory) == (b.step_time, b.peak_memory)
     c = cm.evaluate_stages(chunks, 1, "1f1b", 8, 1, 16, 4096, Overlap(grad_reduce="last"))
     d = cm.evaluate_stages(chunks, 1, "1f1b", 8, 1, 16, 4096, Overlap(grad_reduce="bucketed"))

@@ -27,8 +27,8 @@ def test_round_trip_keeps_layout_and_prediction(best, tmp_path):
     f = tmp_path / "sub" / "plan.json"
     best.save(f)
     back = Plan.load(f)
-    assert back == best and back.layout == best.layout
-    assert back.predicted["step_time_s"] == best.predicted["step_time_s"]
+    assert back == best and back.layout == best.layout  # exact: JSON keeps every float
+    assert back.predicted["step_time_s"] == best.predicted["step_time_s"]  # exact: JSON keeps every float
     assert back.cost_source.startswith("preset:")
     assert not [p for p in f.parent.iterdir() if p.name.startswith(".")]  # no temporary file left behind
     ev = check_plan(back, MODEL, CLUSTER)
@@ -116,7 +116,7 @@ def test_the_file_shows_the_token_budget_and_refuses_one_its_fields_do_not_give(
     group = d["groups"][0]
     assert group["microbatch_tokens"] == best.microbatch_tokens == best.group.microbatch_tokens(best.seq_len)
     v4 = {**d, "version": 4, "groups": [{k: v for k, v in group.items() if k != "microbatch_tokens"}]}
-    assert Plan.from_dict(v4) == best and Plan.from_dict(v4).version == 4
+    assert Plan.from_dict(v4) == best and Plan.from_dict(v4).version == 4  # exact: JSON keeps every float
     bad = {**d, "groups": [{**group, "microbatch_tokens": group["microbatch_tokens"] + 1}]}
     with pytest.raises(PlanError, match=r"replica group 0: microbatch_tokens \d+ is not the budget its fields give.*"
                                         "change num_microbatches, or drop microbatch_tokens"):

@@ -211,6 +211,7 @@ def test_check_prices_a_plan_of_several_groups_with_the_stack_flags(tmp_path, ca
     model, cluster = parse_model("llama2-7b"), parse_mixed_cluster("1x4xH100+1x4xA100-40GB")
     unfused_parts = Parts(stack=Stack(attention="unfused"))
     costs = MixedCosts(model, cluster, groups=[CostModel(model, g, parts=unfused_parts) for g in cluster.groups])
+    # exact: the same plan priced by the same code
     assert check_groups(load_plan(path), model, cluster, costs).step_time == unfused["step_time_s"]
 
 

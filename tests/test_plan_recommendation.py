@@ -30,7 +30,7 @@ def test_plan_recommends_what_simulate_recommends_for_the_written_plan(capsys, t
     assert main(["simulate", "--plan", str(out_file), "--steps", "4", "--seed", "0", *policies, "--json"]) == 0
     simulated = json.loads(capsys.readouterr().out)["recommendation"]
     computed_on = planned.pop("computed_on")
-    assert planned == simulated
+    assert planned == simulated  # exact: the same simulation of the same plan and batches
     assert computed_on.startswith("on 4 steps of wikipedia lengths up to ") and "--steps 4" in computed_on
     assert main(["plan", *flags]) == 0
     lines = capsys.readouterr().out.splitlines()

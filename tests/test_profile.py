@@ -442,6 +442,7 @@ def test_without_profiles_nothing_changes():
     a, b = CostModel(TINY, cluster), CostModel(TINY, cluster, hardware=None, timing=None)
     s = LayerStrategy(tp=2, zero=3, recompute=True)
     w = Work(tokens=4096.0, sq_tokens=4096.0**2)
+    # exact: no profile: the same presets price both
     assert a.layer(s, w) == b.layer(s, w) and a.source == "preset:A100-80GB"
 
 

@@ -82,6 +82,7 @@ def test_a_mix_is_a_plan_of_replica_groups(cost):
     steps = [np.minimum(s, seq) for s in _steps(3, 2)]
     plan = mix_plan(mix, cost, steps, seq, 24)
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    # exact: JSON keeps every float
     assert again == plan and again.global_batch == sum(g.share for g in again.groups) == 24
     strategies = [g.layer_strategies()[0] for g in again.groups]
     assert [(s.tp, s.cp, s.dp, s.zero) for s in strategies] == [(1, 2, 1, 0), (1, 1, 2, 0)]  # largest replicas first
@@ -124,6 +125,7 @@ def test_plan_replicas_cli(tmp_path):
     from flexmesh.layout.plan import PLAN_VERSION
 
     written = json.loads(plan.read_text())
+    # exact: JSON keeps every float
     assert written == out["plan"] and written["version"] == PLAN_VERSION and len(written["groups"]) == len(out["mix"])
     assert all(g["microbatch_tokens"] > 0 for g in written["groups"])  # each group's token budget shown
     assert flexmesh_here("plan", "--check", str(plan), "--tasks", str(job)).returncode == 0

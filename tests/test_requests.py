@@ -128,7 +128,7 @@ def test_synthetic_arrivals_rate_scaling_windows_and_context():
     assert bursty.std() / bursty.mean() == pytest.approx(2, rel=0.02)  # cv = 1 / sqrt(shape)
     base = load_trace("azure-code")
     s1, s2 = with_arrivals(base, 3.0, seed=5, n=1000), with_arrivals(base, 3.0, seed=5, n=1000)
-    assert s1 == s2 and [r.id for r in s1.requests] == list(range(1000))
+    assert s1 == s2 and [r.id for r in s1.requests] == list(range(1000))  # exact: the same seed draws the same arrivals
     assert [r.prompt_tokens for r in s1.requests] == [r.prompt_tokens for r in base.requests[:1000]]
     fast = at_rate(base, 2 * base.rate)
     assert fast.rate == pytest.approx(2 * base.rate)

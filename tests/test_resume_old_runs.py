@@ -41,6 +41,7 @@ def test_an_old_checkpoint_resumes_under_its_old_plan(tmp_path, name):
     rows = [json.loads(x) for x in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     straight = [json.loads(x) for x in (folder / "straight.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # steps 1-2 from the old run, 3 resumed
+    # exact: the old run's rows, kept in the file
     assert rows[:2] == [json.loads(x) for x in (OLD / name / "run" / "metrics.jsonl").read_text().splitlines()]
     assert abs(rows[2]["loss"] - straight[2]["loss"]) <= 1e-6 * straight[2]["loss"], (rows[2]["loss"], straight[2])
     assert rows[2]["tokens"] == straight[2]["tokens"]  # the same documents

@@ -176,6 +176,7 @@ def test_a_baseline_without_a_layout_says_whether_the_batch_or_memory_rules_its_
     for family in (megatron_3d, zero3_ulysses):
         misses = Misses()
         assert family(model, cluster, 4096, 8, cost, misses=misses) is None
+        # exact: the budget is the cost model's
         assert misses.memory > misses.batch and misses.least_peak > misses.budget == cost.memory_budget
         why = misses.reason(8, "A100-40GB (40 GiB)")
         assert why.startswith(f"memory rules out {misses.memory} layouts (the least peak "

@@ -34,6 +34,7 @@ def test_bounded_search_returns_what_pricing_every_configuration_returns(case, m
     monkeypatch.setattr(search_module, "BOUNDED", False)
     everything = search(_request(*case))
     assert bounded.candidates, "nothing fits: the case tests nothing"
+    # exact: the bound skips configurations, pricing the rest the same way
     assert [(c.plan.layout, c.evaluation.step_time) for c in bounded.candidates] == \
         [(c.plan.layout, c.evaluation.step_time) for c in everything.candidates]
     assert bounded.configurations < everything.configurations  # the bound skipped some
@@ -68,6 +69,7 @@ def test_searches_sharing_a_cost_model_return_what_fresh_ones_return():
         again = search(SearchRequest(model, cluster, 8192, gb, space, cost=shared, top=2))
         fresh = search(SearchRequest(model, cluster, 8192, gb, space, cost=CostModel(model, cluster), top=2))
         assert fresh.candidates
+        # exact: a shared cost model prices as a fresh one, the same operations
         assert [(c.plan.layout, c.evaluation.step_time) for c in again.candidates] == \
             [(c.plan.layout, c.evaluation.step_time) for c in fresh.candidates]
     assert len(search_module._shared(shared)) > len(search_module._shared(CostModel(model, cluster)))

@@ -222,4 +222,5 @@ def test_the_megatron_baselines_floor_never_passes_a_layouts_price(monkeypatch):
     monkeypatch.setattr(uniform_baselines, "_floor", lambda *a: float("-inf"))  # price every layout
     every = megatron_3d(model, c, 4096, 256, CostModel(model, c))
     assert pruned is not None and every is not None and pruned.plan.layout == every.plan.layout
+    # exact: the floor skips layouts, pricing the rest the same way
     assert pruned.evaluation.step_time == every.evaluation.step_time

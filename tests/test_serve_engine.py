@@ -40,7 +40,7 @@ def test_weights_are_seeded_per_name():
 
     a, b, c = build_model(CFG), build_model(CFG), build_model(EngineConfig(model="tiny", seed=1))
     for (name, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
-        assert torch.equal(p, q), name
+        assert torch.equal(p, q), name  # exact: weights seeded by name: the same operations
         if p.ndim >= 2:
             assert not torch.equal(p, r), name
 

@@ -303,6 +303,7 @@ def test_fast_replan_takes_partial_buckets_where_the_survivors_serve_one_only_sl
     assert long_on and len(long_on) < len(before.groups), before.layout
     fast = fast_replan(planner, before, long_on)
     assert "partial" in fast.candidate, (before.layout, fast.candidate)
+    # exact: the same planner on the same inputs
     assert fast_replan(planner, before, long_on).plan == fast.plan  # nothing depends on a clock
     with monkeypatch.context() as m:
         m.setattr(replan, "PARTIAL_MISSES", 0.0)

@@ -47,6 +47,7 @@ def test_predictors():
     r = Request(7, 0.0, 100, 250)
     assert Oracle().predict(r, 4096).mean() == pytest.approx(250)
     a, b = NoisyOracle(0.5).predict(r, 4096), NoisyOracle(0.5).predict(r, 4096)
+    # exact: seeded by the request: the same draw
     assert a == b and a.sigma == 0.5 and a.mu != math.log(250)  # seeded by the id: every process draws the same
     assert NoisyOracle(0.5).predict(Request(8, 0.0, 100, 250), 4096).mu != a.mu
     reqs = [Request(i, 0.0, p, max(1, int(3 * p ** 0.5))) for i, p in enumerate(range(20, 2000, 7))]
@@ -149,9 +150,10 @@ def test_branches_stop_once_enough_finish():
     # All eight start in one iteration and decode in step: the 2nd shortest (13) completes the request, the
     # others are cancelled with as many tokens.
     assert rec.decode_tokens == 7 + 7 * 13 and rec.output_tokens == 13 and rec.branches == 2 * 4
-    assert RequestRecord.from_json(rec.to_json(), "r") == rec
+    assert RequestRecord.from_json(rec.to_json(), "r") == rec  # exact: JSON keeps every float
     # A router's cancellation lands one iteration later: each of the six cancelled branches makes one more token.
     late = _fleet(seqs=16, engines=1).run(Workload((r,), "one"), cancel_lag=1).records[0]
+    # exact: the cancelled branches' last tokens leave the finish alone: the same events
     assert late.decode_tokens == rec.decode_tokens + 6 and late.finish_s == rec.finish_s
     # A branch that finishes with the one completing the request, or in the iteration its cancellation waits for.
     tie = Request(0, 0.0, 16, 60, branches=4, needed=2, branch_tokens=(10, 20, 20, 21))

@@ -114,6 +114,7 @@ def test_aggregated_replicas_finish_every_request_once_within_kv_and_conserve_to
         return
     out = _run(fleet, w, router=router)
     _conserved(out, w)
+    # exact: the same inputs, the same events in the same order
     assert _run(fleet, w, router=router).records == out.records  # the same inputs, the same records
 
 
@@ -143,7 +144,7 @@ def test_same_inputs_give_the_same_records_and_coasting_changes_nothing_but_roun
     reps = place(parse_replicas("4xtp1", c), c)
     fleet = Fleet(MODEL, c, reps)
     a, b = fleet.run(w), fleet.run(w)
-    assert a.records == b.records
+    assert a.records == b.records  # exact: the same inputs, the same events in the same order
 
     class Stepwise:  # the same prices, without the closed form for decode-only runs
         def __init__(self, rep):

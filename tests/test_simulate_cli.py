@@ -23,6 +23,7 @@ def test_json_output_has_every_baseline_and_speedups_are_over_the_best(capsys, t
         assert runs[name]["label"] == f"{name} (cp={runs[name]['options']['cp']})"
     best = max((r for r in runs.values() if r["kind"] == "baseline"), key=lambda r: r["tokens_per_s"])
     assert best["speedup_vs_best_baseline"] == 1.0
+    # exact: the best baseline's own figures, copied
     assert out["setup"]["best_baseline"] == {"label": best["label"], "tokens_per_s": best["tokens_per_s"],
                                              "ratio_to_lower_bound": best["ratio_to_lower_bound"]}
     assert runs["fixed"]["tokens_per_s"] >= runs["padded"]["tokens_per_s"]  # packing beats padding

@@ -37,6 +37,7 @@ def test_the_operators_are_priced_at_the_device_layers_kernels():
     assert set(ops) == set(vl.OPERATORS)
     it = AnalyticIteration(MODEL_PRESETS["llama2-7b"], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS["A100-80GB"])))
     for op, i in vl.GEMMS.items():  # the layer's GEMMs, at the device layer's kernels
+        # exact: the bench calls the same function on the same tokens
         assert np.array_equal(ops[op], it.kernels.gemm(tokens, *it.shapes[i]))
     for op, elems in vl.operator_elems("llama2-7b").items():  # one streaming kernel each, its fixed cost included
         assert np.allclose(ops[op], tokens * elems * 2 / it.kernels.hbm_bytes_per_s + it.kernels.launch_s)
@@ -167,6 +168,7 @@ def test_held_out_groups_leave_out_the_scored_model_or_gpu():
     fits = vl.layer_fits()
     assert set(fits) == {"in sample", "leave one model out", "leave one GPU out"}
     for key in keys:
+        # exact: the same fit of the same rows
         assert fits["leave one model out"][key] == vl.fit_layer_rates(vl.held_out_groups(key, "model"))
         assert fits["leave one GPU out"][key] == vl.fit_layer_rates(vl.held_out_groups(key, "gpu"))
 
@@ -180,7 +182,7 @@ def test_rows_held_out_never_enter_the_layer_fit(monkeypatch, fresh_fits):
     corrupt = {**real, key: (tokens, {op: 10.0 * v for op, v in ops.items()})}  # the held-out rows, 10x
     monkeypatch.setattr(vl, "measured_operators", lambda: corrupt)
     vl.fit_layer_rates.cache_clear()
-    assert vl.fit_layer_rates(groups) == before
+    assert vl.fit_layer_rates(groups) == before  # exact: the same fit of the same rows
     assert vl.fit_layer_rates(tuple(sorted(corrupt))) != before  # where they are fitted, they move the fit
 
 
@@ -201,7 +203,7 @@ def test_attention_rows_held_out_never_enter_the_attention_fit(monkeypatch, fres
     assert (before.gemm, before.pointwise) == (0.9, 0.6)
     corrupt = {c: (np.where(seen, v, 3.0 * v) if c in vl.ATTENTION_OPERATORS else v) for c, v in rows.items()}
     monkeypatch.setattr(vl, "measured_attention", lambda: corrupt)
-    assert vl.fit_attention_rates(seen, layer) == before
+    assert vl.fit_attention_rates(seen, layer) == before  # exact: the same fit of the same rows
     assert vl.fit_attention_rates(np.ones_like(seen), layer) != before
 
 
@@ -215,7 +217,7 @@ def test_held_out_iterations_are_priced_by_fits_that_did_not_see_them():
         folds, rates = fits[f"held out, {split}"]
         assert np.array_equal(folds, vl.attention_folds(rows, by)) and len(rates) == vl.FOLDS
         for f, r in enumerate(rates):  # fold f is priced by rates fitted to the other fold alone
-            assert r == vl.fit_attention_rates(folds != f, layer)
+            assert r == vl.fit_attention_rates(folds != f, layer)  # exact: the same fit of the same rows
     rows, fit_rows, medians = vl.iteration_rate_rows()
     assert [row[0] for row in rows] == ["prefill", "decode"]
     assert set(medians) == {f"held out, {split}" for split in vl.SPLITS}

@@ -43,7 +43,9 @@ def test_attention_sq_vectorised_splits_over_pieces_and_averages_layers():
 def test_no_window_is_bit_identical_to_squared_lengths():
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 200_000, size=500).astype(float)
+    # exact: the same numpy expression on the same array
     assert Work.from_lengths(lens).sq_tokens == float((lens * lens).sum())
+    # exact: the same numpy expression on the same array
     assert Work.from_lengths(lens, (None, None)).sq_tokens == float((lens * lens).sum())
     assert Work.uniform(2.5, 4096).sq_tokens == 2.5 * float(4096) ** 2
     assert attention_sq(3.0, 17.0) == 17.0 ** 2 - 3.0 ** 2
@@ -79,6 +81,7 @@ def test_scheduler_context_prices_windowed_sequences():
     ctx = ScheduleContext(CostModel(spec, cluster), S(), num_ranks=8)
     wctx = ScheduleContext(CostModel(replace(spec, sliding_window=1024), cluster), S(), num_ranks=8)
     t_short = ctx.seq_time(1, [512.0, 1024.0])
+    # exact: a window longer than the sequences: the same operations
     assert np.array_equal(wctx.seq_time(1, [512.0, 1024.0]), t_short)
     assert wctx.seq_time(1, [16384.0])[0] < ctx.seq_time(1, [16384.0])[0]
 
