@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import subprocess
 import sys
@@ -578,3 +579,28 @@ def transformers_diffs(model: Any, hf: Any, docs: list) -> dict[str, float]:
         key = hf_name(name)
         diffs[f"grad {key}"] = rel_diff(p.grad, hf_params[key].grad)
     return diffs
+
+
+# Relative tolerance of a golden's float: a sum of up to thousands of terms, reordered by another host's SIMD path,
+# moves by at most its terms' count x 2^-53 relative (4,096 terms: 4.5e-13).
+REL = 1e-12
+# Absolute tolerance beside it: a difference of two near-equal values (a solver's relative gap) keeps their absolute
+# error (a few 2^-53), not a relative one of its own.
+ABS = 1e-14
+
+
+def assert_matches(got, want, where: str) -> None:
+    """``got`` is ``want``: the same structure, keys, integers, names and flags, floats within :data:`REL` (or
+    :data:`ABS`)."""
+    if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        assert math.isclose(got, want, rel_tol=REL, abs_tol=ABS), f"{where}: {got!r}, recorded {want!r}"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
+        for key in want:
+            assert_matches(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {len(got)} entries, recorded {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_matches(g, w, f"{where}[{i}]")
+    else:
+        assert type(got) is type(want) and got == want, f"{where}: {got!r}, recorded {want!r}"

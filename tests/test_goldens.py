@@ -5,7 +5,7 @@ mixed-device plans. Recorded before the change that gives both kinds one plan ty
 code, not numbers.
 
 What they promise on every machine: every decision (layouts, plans, each schedule's pieces, groups and
-micro-batches, integers and names) exactly; every float (seconds, bytes, rates) within :data:`REL` of the
+micro-batches, integers and names) exactly; every float (seconds, bytes, rates) within :data:`helpers.REL` of the
 recorded one. The floats are sums and products of numpy arrays too, whose order of work follows the host's SIMD
 path (another machine's last bit is not this one's); the decisions are compared bit for bit, so a float that
 moved enough to change one shows there. The schedules are kept as a digest of their decisions and the floats
@@ -24,11 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_matches
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-# Relative tolerance of a recorded float: a sum of up to thousands of terms, reordered by another host's SIMD
-# path, moves by at most its terms' count x 2^-53 relative (4,096 terms: 4.5e-13).
-REL = 1e-12
 
 # ---- (a) predictions --------------------------------------------------------------------------------------
 SEARCH_CASES = [  # bench/search.py's cases: (label, model, cluster, seq len, global batch)
@@ -237,22 +235,6 @@ def compute_simulate() -> dict:
 
 
 COMPUTE = {"predictions": compute_predictions, "schedules": compute_schedules, "simulate": compute_simulate}
-
-
-def assert_matches(got, want, where: str) -> None:
-    """``got`` is ``want``: the same structure, keys, integers, names and flags, floats within :data:`REL`."""
-    if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
-        assert got == pytest.approx(want, rel=REL), f"{where}: {got!r}, recorded {want!r}"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(got) == sorted(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
-        for key in want:
-            assert_matches(got[key], want[key], f"{where}/{key}")
-    elif isinstance(want, list):
-        assert isinstance(got, list) and len(got) == len(want), f"{where}: {len(got)} entries, recorded {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_matches(g, w, f"{where}[{i}]")
-    else:
-        assert type(got) is type(want) and got == want, f"{where}: {got!r}, recorded {want!r}"
 
 
 def test_matching_is_exact_for_decisions_and_close_for_floats():

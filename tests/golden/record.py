@@ -15,6 +15,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import test_goldens  # noqa: E402  (tests/ on the path, as pytest puts it)
+import test_serve_goldens  # noqa: E402
+
+COMPUTE = {**test_goldens.COMPUTE, "serving": test_serve_goldens.compute_serving}
 
 
 def main(names: list[str]) -> None:
@@ -22,8 +25,8 @@ def main(names: list[str]) -> None:
                             cwd=HERE).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True, cwd=HERE).stdout.strip()
-    for name in names or list(test_goldens.COMPUTE):
-        values = test_goldens.COMPUTE[name]()
+    for name in names or list(COMPUTE):
+        values = COMPUTE[name]()
         doc = {"commit": commit + ("-dirty" if dirty else ""), "values": values}
         (HERE / f"{name}.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         print(f"wrote {name}.json", flush=True)
