@@ -218,7 +218,8 @@ def a100_rows(win, paths) -> tuple[list[float], list[list[str]]]:
 
 def a100_fleet():
     """One aggregated replica of OPT-13B (fp16) on the catalogue's A100-80GB, vLLM's knobs as in the row above."""
-    from flexmesh.serve.deployment import EngineKnobs, ReplicaSpec, place
+    from flexmesh.serve.layout.knobs import EngineKnobs
+    from flexmesh.serve.layout.replicas import ReplicaSpec, place
     from flexmesh.serve.simulator import Fleet
     from flexmesh.spec.cluster import ClusterSpec, MixedCluster
     from flexmesh.spec.devices import device

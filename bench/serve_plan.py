@@ -65,24 +65,26 @@ from rich.table import Table
 from bench._results import REPEATS, markdown_table, record
 from flexmesh.data.requests import at_rate, load_trace, window
 from flexmesh.errors import PlanError
-from flexmesh.serve.metrics import SLO
+from flexmesh.serve.layout.quality import parse_quality
+from flexmesh.serve.layout.routing import RoutingPolicy
+from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.plan import replan
 from flexmesh.serve.plan.baselines import all_baselines, known_scores, ratio
 from flexmesh.serve.plan.cascade import plan_cascade
 from flexmesh.serve.plan.milp import solve_fast
 from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner
-from flexmesh.serve.plan.quality import parse_quality
 from flexmesh.serve.plan.replan import fast_replan, held_devices, transition
 from flexmesh.serve.plan.score import REL_TOL, score
 from flexmesh.serve.plan.search import candidates, plan, routed
 from flexmesh.serve.plan.workload import buckets_from_trace
-from flexmesh.serve.router import ROUTING_POLICIES
+from flexmesh.serve.simulator import Fleet
 from flexmesh.spec.prices import gpu_prices
 
 # The code these figures depend on: a change there makes the record out of date.
-DEPENDS_ON = ("flexmesh/serve", "flexmesh/cost/inference", "flexmesh/cost/device", "flexmesh/data/requests.py",
-              "flexmesh/data/traces", "flexmesh/schedule/dispatch.py", "flexmesh/spec", "flexmesh/errors.py",
-              "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py", "flexmesh/console.py")
+DEPENDS_ON = ("flexmesh/serve", "flexmesh/layout/enums.py", "flexmesh/cost/inference", "flexmesh/cost/device",
+              "flexmesh/data/requests.py", "flexmesh/data/traces", "flexmesh/schedule/dispatch.py", "flexmesh/spec",
+              "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py", "flexmesh/units.py",
+              "flexmesh/console.py")
 REQUESTS = 2000
 REPAIR = 1
 # Mixes the MILP rejects simulated where the plan is one device type (mixes_rejected).
@@ -294,7 +296,7 @@ def replan_rows(res) -> list[list[str]]:  # noqa: ANN001
         fresh = planner.to_plan(cols, planner.solve(cols, budget=cost + 1e-6, available=held))
         a = score(fast.plan, workload_at, fast.plan.predicted.get("rate") or 1.0)
         b = max((score(replace(fresh, routing=policy), workload_at, fresh.predicted.get("rate") or 1.0)
-                 for policy in ROUTING_POLICIES), key=lambda x: x.goodput)  # the fresh plan's better routing
+                 for policy in RoutingPolicy), key=lambda x: x.goodput)  # the fresh plan's better routing
         got = a.goodput / b.goodput if b.goodput > 0 else math.nan
         print(f"re-plan, {label}: fast path {a.goodput:.4g} req/s ({fast.candidate}), fresh plan {b.goodput:.4g}")
         rows.append([label, before.layout, f"{fast.cpu_s:.2f} {'PASS' if fast.cpu_s <= 1.0 else 'FAIL'} "
@@ -307,7 +309,7 @@ def replan_rows(res) -> list[list[str]]:  # noqa: ANN001
 
 def _kv_held(p, workload_at, rate: float) -> list[float]:  # noqa: ANN001
     """KV tokens each replica of ``p`` holds on average at ``rate`` (a simulation): what moves when it stops."""
-    fleet, table = p.fleet()
+    fleet, table = Fleet.from_plan(p)
     out = fleet.run(workload_at(rate), router="plan", routing=table)
     return [sum(x[4] for x in r.samples) / max(len(r.samples), 1) * r.kv_tokens for r in out.replicas]
 

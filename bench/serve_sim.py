@@ -31,14 +31,14 @@ from bench._results import fastest, markdown_table, record
 from flexmesh.cost.inference.memory import kv_bytes_per_token
 from flexmesh.data.prefix_reuse import block_reuse, lru_hit_rates
 from flexmesh.data.requests import load_trace, with_arrivals
-from flexmesh.serve.deployment import parse_replicas, place
+from flexmesh.serve.layout.replicas import parse_replicas, place
 from flexmesh.serve.metrics import summarize
 from flexmesh.serve.simulator import Fleet
 from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 
 # The code this bench's figures depend on: a change there makes its record out of date.
-DEPENDS_ON = ("flexmesh/serve", "flexmesh/cost/inference", "flexmesh/cost/device",
+DEPENDS_ON = ("flexmesh/serve", "flexmesh/layout/enums.py", "flexmesh/cost/inference", "flexmesh/cost/device",
               "flexmesh/data/requests.py", "flexmesh/data/prefix_reuse.py", "flexmesh/data/traces",
               "flexmesh/schedule/dispatch.py", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
               "flexmesh/inputs.py", "flexmesh/units.py")

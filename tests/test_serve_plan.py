@@ -14,19 +14,21 @@ import pytest
 from flexmesh.cli import main
 from flexmesh.data.requests import Request, Workload, at_rate, constant_lengths, window, with_arrivals
 from flexmesh.errors import FlexmeshError, PlanError, SpecError
-from flexmesh.serve.deployment import ReplicaSpec, default_knobs, place
-from flexmesh.serve.metrics import SLO
+from flexmesh.serve.layout.knobs import default_knobs
+from flexmesh.serve.layout.plan import ServingPlan, load_plan, save_plan
+from flexmesh.serve.layout.quality import escalate, parse_quality
+from flexmesh.serve.layout.replicas import ReplicaSpec, place
+from flexmesh.serve.layout.routing import RoutingTable
+from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.plan import milp, replan
 from flexmesh.serve.plan.capacity import Pricing, configurations
 from flexmesh.serve.plan.cascade import plan_cascade, single_models, stage_slos
-from flexmesh.serve.plan.fileformat import ServingPlan, load_plan, save_plan
+from flexmesh.serve.plan.check import check_plan
 from flexmesh.serve.plan.planner import PlanInputs, Planner
-from flexmesh.serve.plan.quality import escalate, parse_quality
 from flexmesh.serve.plan.replan import fast_replan, held_devices, transition
 from flexmesh.serve.plan.score import attainment_at
 from flexmesh.serve.plan.search import candidates
 from flexmesh.serve.plan.workload import buckets_from_trace, parse_buckets
-from flexmesh.serve.router import RoutingTable
 from flexmesh.serve.simulator import Fleet
 from flexmesh.spec import parse_model
 from flexmesh.spec.cluster import parse_mixed_cluster
@@ -212,8 +214,8 @@ def test_plan_file_round_trips_and_its_fleet_is_what_it_says(tmp_path):
     save_plan(p, tmp_path / "plan.json")
     again = load_plan(tmp_path / "plan.json")
     assert again.to_dict() == p.to_dict() and again.layout == p.layout
-    assert again.check() == [] or all("routed no requests" in n for n in again.check())
-    fleet, table = again.fleet()
+    assert check_plan(again) == [] or all("routed no requests" in n for n in check_plan(again))
+    fleet, table = Fleet.from_plan(again)
     assert sum(r.spec.devices for r in fleet.replicas) == sum(g.devices for g in p.groups)
     for b in range(len(p.buckets)):  # each bucket's shares, spread over the replicas, sum to 1
         assert math.isclose(sum(table.entry[b]), 1.0, rel_tol=1e-6)

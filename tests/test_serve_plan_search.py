@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from flexmesh.data.requests import at_rate, load_trace, window
-from flexmesh.serve.metrics import SLO
+from flexmesh.serve.layout.plan import ServingPlan
+from flexmesh.serve.layout.routing import RoutingPolicy
+from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.plan import milp
 from flexmesh.serve.plan.capacity import CAPACITY_TOL
-from flexmesh.serve.plan.fileformat import ServingPlan
 from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner
 from flexmesh.serve.plan.score import Score
 from flexmesh.serve.plan.search import _better, best_of, plan
 from flexmesh.serve.plan.workload import buckets_from_trace, parse_buckets
-from flexmesh.serve.router import ROUTING_POLICIES
 from flexmesh.spec.prices import gpu_prices
 
 PRICES = {k: v.usd_per_hour for k, v in gpu_prices().items()}
@@ -64,7 +64,7 @@ def test_every_candidate_is_scored_with_both_routing_policies_and_the_best_is_ta
         if c.name.endswith(" routing"):  # the worse of the two policies, named for its policy
             twin = next(d for d in res.candidates if d.plan.groups == c.plan.groups and d is not c)
             assert twin.score is not None and not _better(c.score, twin.score, None)
-    assert all(policies == set(ROUTING_POLICIES) for policies in by_plan.values())
+    assert all(policies == set(RoutingPolicy) for policies in by_plan.values())
     assert res.score is not None
     assert not any(_better(c.score, res.score, None) for c in res.candidates if c.score is not None)
 

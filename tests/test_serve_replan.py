@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 
 from flexmesh.data.requests import at_rate, load_trace, window
-from flexmesh.serve.metrics import SLO
+from flexmesh.serve.layout.routing import RoutingPolicy
+from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.plan import replan
 from flexmesh.serve.plan.planner import PlanInputs, Planner
 from flexmesh.serve.plan.replan import fast_replan, held_devices
 from flexmesh.serve.plan.score import score
 from flexmesh.serve.plan.workload import buckets_from_trace
-from flexmesh.serve.router import ROUTING_POLICIES
 from flexmesh.spec.prices import gpu_prices
 
 PRICES = {k: v.usd_per_hour for k, v in gpu_prices().items()}
@@ -58,7 +58,7 @@ def test_fast_replan_concedes_the_long_bucket_the_survivors_miss_and_keeps_90pc_
     cols = planner.columns()
     fresh = planner.to_plan(cols, planner.solve(cols, budget=budget + 1e-6, available=held))
     best = max(score(replace(fresh, routing=p), workload_at, fresh.predicted["rate"], planner.overhead).goodput
-               for p in ROUTING_POLICIES)
+               for p in RoutingPolicy)
     assert got >= 0.9 * best, (fast.plan.layout, got, fresh.layout, best)
 
 

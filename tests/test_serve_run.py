@@ -20,7 +20,7 @@ from flexmesh.serve.export import (
     sglang_launches,
     vllm_launches,
 )
-from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.layout.plan import ServingPlan
 
 
 def _plan(**change) -> ServingPlan:

@@ -15,8 +15,9 @@ from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
 from flexmesh.data.requests import Request, Workload, constant_lengths, load_trace, window, with_arrivals
 from flexmesh.errors import FlexmeshError, SpecError
-from flexmesh.serve.deployment import default_knobs, parse_replicas, place
 from flexmesh.serve.kv import KVBlocks
+from flexmesh.serve.layout.knobs import default_knobs
+from flexmesh.serve.layout.replicas import parse_replicas, place
 from flexmesh.serve.metrics import summarize
 from flexmesh.serve.simulator import Fleet
 from flexmesh.spec import parse_model

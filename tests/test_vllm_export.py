@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from flexmesh.serve.export import check_launches, vllm_launches
-from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.layout.plan import ServingPlan
 
 VLLM_PYTHON = os.environ.get("FLEXMESH_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
 

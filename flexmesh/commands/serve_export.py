@@ -38,10 +38,11 @@ def add_parser(kinds) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from flexmesh.files import make_folder, write_atomic
     from flexmesh.serve.export import check_launches, launch_script, router_config, sglang_launches, vllm_launches
-    from flexmesh.serve.plan.fileformat import load_plan
+    from flexmesh.serve.layout.plan import load_plan
+    from flexmesh.serve.plan.check import check_plan
 
     plan = load_plan(args.plan)
-    plan.check()
+    check_plan(plan)
     model = args.model_path or plan.models[0]
     engines = ("vllm", "sglang") if args.engine == "both" else (args.engine,)
     made = {"vllm": vllm_launches, "sglang": sglang_launches}

@@ -28,13 +28,15 @@ from flexmesh.cost.inference.overhead import parse_overhead
 from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window
 from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
-from flexmesh.serve.metrics import parse_slo
+from flexmesh.serve.layout.plan import ServingPlan, load_plan, save_plan
+from flexmesh.serve.layout.quality import QualityCurve, parse_quality
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.slo import parse_slo
 from flexmesh.serve.plan.baselines import Baseline, all_baselines, ratio
 from flexmesh.serve.plan.capacity import Pricing, ReplicaConfig
 from flexmesh.serve.plan.cascade import plan_cascade, single_models
-from flexmesh.serve.plan.fileformat import ServingPlan, load_plan, save_plan
+from flexmesh.serve.plan.check import check_plan
 from flexmesh.serve.plan.planner import PlanInputs, PlanResult
-from flexmesh.serve.plan.quality import QualityCurve, parse_quality
 from flexmesh.serve.plan.search import REPAIR_ROUNDS, plan
 from flexmesh.serve.plan.workload import bucket_workload, buckets_from_trace, parse_buckets
 from flexmesh.spec.cluster import parse_mixed_cluster
@@ -239,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
 # ---- --check ------------------------------------------------------------------------------------------------
 def _check(args: argparse.Namespace) -> int:
     plan_ = load_plan(args.check)
-    notes = plan_.check()
+    notes = check_plan(plan_)
     out = plain_console()
     out.print(f"{args.check}: a valid serving plan of {', '.join(plan_.models)} on {plan_.cluster}: {plan_.layout} "
               f"(${plan_.dollars_per_hour:,.2f}/h)")
@@ -265,7 +267,7 @@ def _explain(console: Console, p: ServingPlan, planned: PlanResult | None = None
         cap = kv_capacity(models[g.model], cluster.groups[g.group].device, g.tp, g.pp, k.max_batched_tokens,
                           k.max_seqs, k.block_tokens, k.memory_fraction)
         cfg = ReplicaConfig(g.model, g.group, g.tp, g.pp, g.role, k, (k.kv_blocks or cap.blocks) * k.block_tokens)
-        shares = g.decode if g.role == "decode" else g.entry
+        shares = g.decode if g.role == Role.DECODE else g.entry
         cells = []
         for b, share in zip(p.buckets.buckets, shares):
             c = pricing.capacity(cfg, b, p.slo)
@@ -351,11 +353,11 @@ def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[B
     for col in ("group", "devices", "$/h", "buckets taken (share of each)"):
         t.add_column(col, justify="right" if col in ("devices", "$/h") else "left")
     for g in p.groups:
-        shares = g.decode if g.role == "decode" else g.entry
+        shares = g.decode if g.role == Role.DECODE else g.entry
         taken = ", ".join(f"{b.label} {s:.0%}" for b, s in zip(p.buckets.buckets, shares) if s > 0.005)
         name = g.label if len(p.models) == 1 else f"{p.models[g.model]}: {g.label}"
         t.add_row(name, str(g.devices), f"{g.devices * p.prices.get(g.device, math.nan):,.2f}",
-                  ("decodes " if g.role == "decode" else "") + (taken or "none"))
+                  ("decodes " if g.role == Role.DECODE else "") + (taken or "none"))
     console.print(t)
     t = Table(title="candidates (MILP rate; simulated goodput)", title_justify="left")
     for col in ("candidate", "MILP req/s", "goodput req/s", "$/h", "goodput per $/h"):

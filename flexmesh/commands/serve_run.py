@@ -48,7 +48,8 @@ def add_parser(kinds) -> argparse.ArgumentParser:
 def resolve_fleet(args: argparse.Namespace):
     """(engine configs, router options, what to say first) of the flags: N engines of one config, or a plan's."""
     from flexmesh.serve.engine.local import plan_engines
-    from flexmesh.serve.plan.fileformat import load_plan
+    from flexmesh.serve.layout.plan import load_plan
+    from flexmesh.serve.plan.check import check_plan
 
     base = engine_config(args)
     if not args.plan:
@@ -59,7 +60,7 @@ def resolve_fleet(args: argparse.Namespace):
         opts.setdefault("max_running", [c.max_requests_per_batch for c in cfgs])
         return cfgs, args.route or "round-robin", opts, []
     plan = load_plan(args.plan)
-    plan.check()
+    check_plan(plan)
     local = plan_engines(plan, base, args.model, args.map_to_cpu)
     cfgs = list(local.configs)
     opts = router_options(args, cfgs[0].model, len(cfgs))

@@ -34,13 +34,17 @@ from flexmesh.data.requests import Workload, at_rate, constant_lengths, load_tra
 from flexmesh.data.requests import with_arrivals as synthetic
 from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
-from flexmesh.serve.deployment import auto_replicas, default_knobs, parse_replicas, place
+from flexmesh.serve.layout.knobs import default_knobs
+from flexmesh.serve.layout.plan import ServingPlan, load_plan
+from flexmesh.serve.layout.replicas import auto_replicas, parse_replicas, place
+from flexmesh.serve.layout.routing import RoutingTable
+from flexmesh.serve.layout.slo import SLO, parse_slo
 from flexmesh.serve.lengths import PREDICTORS, LengthPredictor, make_predictor
-from flexmesh.serve.metrics import SLO, Goodput, Summary, parse_slo, summarize, write_records
-from flexmesh.serve.plan.fileformat import ServingPlan, load_plan
+from flexmesh.serve.metrics import Goodput, Summary, summarize, write_records
+from flexmesh.serve.plan.check import check_plan
 from flexmesh.serve.plan.score import plan_workload
 from flexmesh.serve.queues import QUEUES
-from flexmesh.serve.router import ROUTERS, RoutingTable
+from flexmesh.serve.router import ROUTERS
 from flexmesh.serve.simulator import Fleet, SimResult
 from flexmesh.serve.study import RatePoint, find_goodput, fleet_price, sweep
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
@@ -218,7 +222,7 @@ def _from_plan(args: argparse.Namespace) -> ServingPlan:
     if args.model or args.cluster or args.replicas:
         raise SpecError("--plan gives the models, the cluster and the replicas; drop --model, --cluster and --replicas")
     plan = load_plan(args.plan)
-    plan.check()
+    check_plan(plan)
     w = plan.workload
     if args.trace is None:
         if "buckets" in w:
@@ -248,7 +252,7 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
     overhead = parse_overhead(args.engine_overhead) if args.engine_overhead else preset_overhead()
     routing = None
     if plan is not None:
-        fleet, routing = plan.fleet(overhead)
+        fleet, routing = Fleet.from_plan(plan, overhead)
     else:
         knobs = {g: default_knobs(c.device, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
                                   block_tokens=args.kv_block_tokens, memory_fraction=args.memory_fraction,

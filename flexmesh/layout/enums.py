@@ -14,7 +14,10 @@ from __future__ import annotations
 from enum import Enum
 
 
-class _StrEnum(str, Enum):
+class StrEnum(str, Enum):
+    """A string enum: each member is its string, prints and formats as it (Python 3.11's ``enum.StrEnum``, on 3.10
+    too)."""
+
     def __str__(self) -> str:
         return str(self.value)
 
@@ -22,7 +25,7 @@ class _StrEnum(str, Enum):
         return format(str(self.value), spec)
 
 
-class PipelineSchedule(_StrEnum):
+class PipelineSchedule(StrEnum):
     """How micro-batches flow through pipeline stages (``Plan.pipeline_schedule``)."""
 
     ONE_F_ONE_B = "1f1b"
@@ -30,7 +33,7 @@ class PipelineSchedule(_StrEnum):
     INTERLEAVED = "interleaved"
 
 
-class CPKind(_StrEnum):
+class CPKind(StrEnum):
     """Context parallelism: none, Ulysses (all-to-all over heads) or ring (K/V passed around)."""
 
     NONE = "none"
@@ -38,7 +41,7 @@ class CPKind(_StrEnum):
     RING = "ring"
 
 
-class Policy(_StrEnum):
+class Policy(StrEnum):
     """Per-step scheduling policies (flexmesh.schedule.registry builds a step schedule with one)."""
 
     FIXED = "fixed"
@@ -58,7 +61,7 @@ class Policy(_StrEnum):
         return self in (Policy.FIXED, Policy.PADDED, Policy.BALANCED, Policy.WLB)
 
 
-class MeshAxis(_StrEnum):
+class MeshAxis(StrEnum):
     """Device mesh axes, outermost first (see flexmesh.layout.mesh.rank_coords)."""
 
     PP = "pp"
@@ -67,6 +70,6 @@ class MeshAxis(_StrEnum):
     TP = "tp"
 
 
-def choices(enum: type[_StrEnum]) -> tuple[str, ...]:
+def choices(enum: type[StrEnum]) -> tuple[str, ...]:
     """The enum's values as plain strings, in definition order (for argparse ``choices``)."""
     return tuple(m.value for m in enum)

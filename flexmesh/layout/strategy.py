@@ -33,10 +33,10 @@ from functools import lru_cache
 from typing import cast
 
 from flexmesh.errors import PlanError
-from flexmesh.layout.enums import CPKind, _StrEnum, choices
+from flexmesh.layout.enums import CPKind, StrEnum, choices
 
 
-class Recompute(_StrEnum):
+class Recompute(StrEnum):
     """What a layer recomputes in backward instead of keeping for it.
 
     Truthy only for ``full``: code written when recomputation was a bool (``if s.recompute``) keeps

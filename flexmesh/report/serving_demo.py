@@ -63,7 +63,7 @@ def _run_here(plan_path: Path, folder: Path, requests: int):
     from flexmesh.serve.engine.local import plan_engines
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
-    from flexmesh.serve.plan.fileformat import load_plan
+    from flexmesh.serve.layout.plan import load_plan
 
     plan = load_plan(plan_path)
     base = EngineConfig(model=LOCAL_MODEL, num_blocks=1024)

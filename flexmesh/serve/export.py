@@ -2,7 +2,7 @@
 router in front of them (``flexmesh serve export``). Torch-free: it writes commands, and checks them with the
 engines' own argument parsers in a separate process where those are importable.
 
-Each replica of the plan (in :meth:`~flexmesh.serve.plan.fileformat.ServingPlan.fleet`'s placement order) is one
+Each replica of the plan (in :meth:`~flexmesh.serve.layout.plan.ServingPlan.placement`'s order) is one
 engine process on its node, its GPUs named by ``CUDA_VISIBLE_DEVICES`` (the node-local indices of the devices it
 was placed on), listening on ``base_port + replica``. The plan's knobs, by the engines' names:
 
@@ -25,7 +25,7 @@ The router's configuration (``router.json``) lists the engines (URL, role, ``max
 and the queue policy; :func:`router_options` turns it back into :class:`flexmesh.serve.engine.router.Router`'s
 arguments.
 
->>> from flexmesh.serve.plan.fileformat import ServingPlan
+>>> from flexmesh.serve.layout.plan import ServingPlan
 >>> import json
 >>> plan = ServingPlan.from_dict(json.loads(EXAMPLE_PLAN))
 >>> [" ".join(x.argv[:4]) for x in vllm_launches(plan, "/models/llama")]
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexmesh.errors import SpecError
+from flexmesh.serve.layout.roles import Role
 
 ENGINES = ("vllm", "sglang")
 BASE_PORT = 8100
@@ -82,10 +83,10 @@ class Launch:
 
 
 def _placed(plan):
-    fleet, table = plan.fleet()
-    cluster = fleet.cluster
+    placed = plan.placement()
+    cluster = placed.cluster
     out = []
-    for r, k in zip(fleet.replicas, fleet.replica_knobs):
+    for r, k in zip(placed.replicas, placed.knobs):
         ranks = range(r.first_rank, r.first_rank + r.spec.devices)
         nodes = sorted({cluster.node_of(x) for x in ranks})
         per_node = cluster.groups[r.spec.group].devices_per_node
@@ -93,7 +94,7 @@ def _placed(plan):
         note = "" if len(nodes) == 1 else (f"spans nodes {nodes}: start it as a multi-node engine (vLLM: Ray; "
                                             "SGLang: --nnodes/--node-rank)")
         out.append((r, k, nodes[0], local, note))
-    return out, table
+    return out
 
 
 def vllm_launches(plan, model_path: str, base_port: int = BASE_PORT, host: str = "127.0.0.1") -> list[Launch]:
@@ -101,7 +102,7 @@ def vllm_launches(plan, model_path: str, base_port: int = BASE_PORT, host: str =
     if len(plan.models) > 1:
         raise SpecError("the plan serves several models; export one model's plan at a time")
     out = []
-    for r, k, node, local, note in _placed(plan)[0]:
+    for r, k, node, local, note in _placed(plan):
         port = base_port + r.index
         argv = ["vllm", "serve", model_path, "--tensor-parallel-size", str(r.spec.tp),
                 "--pipeline-parallel-size", str(r.spec.pp), "--max-num-seqs", str(k.max_seqs),
@@ -111,7 +112,7 @@ def vllm_launches(plan, model_path: str, base_port: int = BASE_PORT, host: str =
                 "--host", host, "--port", str(port)]
         if k.kv_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(k.kv_blocks)]
-        if r.spec.role != "aggregated":
+        if r.spec.role != Role.AGGREGATED:
             argv += ["--kv-transfer-config", json.dumps(VLLM_KV_TRANSFER, separators=(",", ":"))]
         out.append(Launch(r.index, node, r.device.name, r.spec.role, port, tuple(argv),
                           {"CUDA_VISIBLE_DEVICES": ",".join(map(str, local))}, k.max_seqs, note))
@@ -123,7 +124,7 @@ def sglang_launches(plan, model_path: str, base_port: int = BASE_PORT, host: str
     if len(plan.models) > 1:
         raise SpecError("the plan serves several models; export one model's plan at a time")
     out = []
-    for r, k, node, local, note in _placed(plan)[0]:
+    for r, k, node, local, note in _placed(plan):
         port = base_port + r.index
         argv = ["python", "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(r.spec.tp),
                 "--pp-size", str(r.spec.pp), "--max-running-requests", str(k.max_seqs), "--chunked-prefill-size",
@@ -133,7 +134,7 @@ def sglang_launches(plan, model_path: str, base_port: int = BASE_PORT, host: str
             argv += ["--max-total-tokens", str(k.kv_blocks * k.block_tokens)]
         if not k.prefix_caching:
             argv.append("--disable-radix-cache")
-        if r.spec.role != "aggregated":
+        if r.spec.role != Role.AGGREGATED:
             argv += ["--disaggregation-mode", r.spec.role, "--disaggregation-transfer-backend", "nixl"]
         out.append(Launch(r.index, node, r.device.name, r.spec.role, port, tuple(argv),
                           {"CUDA_VISIBLE_DEVICES": ",".join(map(str, local))}, k.max_seqs, note))
@@ -142,7 +143,7 @@ def sglang_launches(plan, model_path: str, base_port: int = BASE_PORT, host: str
 
 def router_config(plan, launches: list[Launch], queue: str = "fcfs") -> dict:
     """flexmesh's router in front of ``launches`` (see the module doc)."""
-    _, table = plan.fleet()
+    table = plan.placement().table
     return {"kind": "flexmesh router", "version": 1, "model": plan.models[0],
             "engines": [{"url": f"http://HOST-OF-NODE-{x.node}:{x.port}", "replica": x.replica, "node": x.node,
                          "device": x.device, "role": x.role, "max_running": x.max_running} for x in launches],
@@ -155,13 +156,13 @@ def router_config(plan, launches: list[Launch], queue: str = "fcfs") -> dict:
 def router_options(config: dict) -> dict[str, Any]:
     """The Router arguments of a router configuration (:func:`router_config`).
 
-    >>> from flexmesh.serve.plan.fileformat import ServingPlan
+    >>> from flexmesh.serve.layout.plan import ServingPlan
     >>> plan = ServingPlan.from_dict(json.loads(EXAMPLE_PLAN))
     >>> opts = router_options(router_config(plan, vllm_launches(plan, "m")))
     >>> opts["route"], opts["max_running"], opts["table"].entry
     ('plan', [256, 64], ((0.8, 0.2),))
     """
-    from flexmesh.serve.router import RoutingTable
+    from flexmesh.serve.layout.routing import RoutingTable
 
     t = config["table"]
     table = RoutingTable(tuple(t["prompt_edges"]), tuple(t["output_edges"]), tuple(map(tuple, t["entry"])),

@@ -25,6 +25,7 @@ Percentiles are numpy's linear interpolation between order statistics.
 >>> r = RequestRecord(0, 0, arrival_s=1.0, first_token_s=1.2, finish_s=2.2, prompt_tokens=100, output_tokens=11)
 >>> round(r.ttft_s, 3), round(r.tpot_s, 3), round(r.e2e_s, 3)
 (0.2, 0.1, 1.2)
+>>> from flexmesh.serve.layout.slo import parse_slo
 >>> meets(r, SLO(ttft_s=0.25, tpot_s=0.05)), meets(r, parse_slo("ttft=250ms,tpot=0.11"))
 (False, True)
 """
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ import numpy as np
 from flexmesh.errors import DataError, FlexmeshError
 from flexmesh.files import write_atomic
 from flexmesh.inputs import iter_jsonl
+from flexmesh.serve.layout.slo import SLO
 
 PERCENTILES = (50, 90, 99)
 _RECORD_FIELDS = ("id", "replica", "arrival_s", "first_token_s", "finish_s", "prompt_tokens", "output_tokens")
@@ -139,47 +140,6 @@ def read_records(path: str | Path) -> list[RequestRecord]:
 
 
 # ---- SLOs and attainment ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SLO:
-    """Upper bounds (seconds) a request must meet; None: no bound on that metric."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    e2e_s: float | None = None
-
-    def __str__(self) -> str:
-        parts = [f"{k.removesuffix('_s')} <= {v * 1e3:g} ms" for k, v in asdict(self).items() if v is not None]
-        return ", ".join(parts) or "none"
-
-
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*(ms|s)?\s*$")
-
-
-def parse_slo(text: str) -> SLO:
-    """``ttft=0.5,tpot=50ms,e2e=20s``: bounds in seconds, or with ``ms`` / ``s``.
-
-    >>> parse_slo("ttft=0.5, tpot=50ms")
-    SLO(ttft_s=0.5, tpot_s=0.05, e2e_s=None)
-    """
-    bounds: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, eq, value = part.partition("=")
-        key = key.strip().lower()
-        m = _DURATION.match(value)
-        if not eq or key not in ("ttft", "tpot", "e2e") or m is None:
-            raise FlexmeshError(f"SLO {part!r} is not METRIC=TIME; write e.g. ttft=0.5,tpot=50ms (metrics ttft, tpot, "
-                                "e2e; times in s or ms)")
-        seconds = float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
-        if not seconds > 0:
-            raise FlexmeshError(f"SLO {part!r}: a bound must be above 0")
-        if key in bounds:
-            raise FlexmeshError(f"SLO names {key} twice")
-        bounds[f"{key}_s"] = seconds
-    if not bounds:
-        raise FlexmeshError(f"SLO {text!r} names no bound; write e.g. ttft=0.5,tpot=50ms")
-    return SLO(**bounds)
-
-
 def meets(record: RequestRecord, slo: SLO) -> bool:
     """Whether ``record`` meets every bound of ``slo`` (a one-token output meets any TPOT bound)."""
     if slo.ttft_s is not None and record.ttft_s > slo.ttft_s:

@@ -44,8 +44,9 @@ import math
 from collections.abc import Callable, Sequence
 
 from flexmesh.data.requests import Request
-from flexmesh.serve.deployment import EngineKnobs
 from flexmesh.serve.kv import KVBlocks
+from flexmesh.serve.layout.knobs import EngineKnobs
+from flexmesh.serve.layout.roles import Role
 from flexmesh.serve.queues import QueuePolicy
 
 Price = Callable[[int, int, Sequence[tuple[int, int]]], float]
@@ -164,9 +165,9 @@ class SimulatedReplica:
 
     def request_s(self, prompt_tokens: int, output_tokens: int) -> float:
         """Seconds a request of these lengths adds to its work, at its prefill and decode rates (its role's part)."""
-        if self.role == "prefill":
+        if self.role == Role.PREFILL:
             return prompt_tokens * self.s_prefill
-        if self.role == "decode":
+        if self.role == Role.DECODE:
             return output_tokens * self.s_decode
         return prompt_tokens * self.s_prefill + output_tokens * self.s_decode
 
@@ -479,7 +480,7 @@ class SimulatedReplica:
 
     def _done(self, q: Req, now: float) -> None:
         """``q`` produced its outputs here: finished, or (a prefill replica's) handed off with its KV held."""
-        if self.role == "prefill" and q.outputs < q.r.output_tokens:
+        if self.role == Role.PREFILL and q.outputs < q.r.output_tokens:
             self.held[q.uid] = (q.own, q.shared)
             self.on_handoff(q, now)
             return

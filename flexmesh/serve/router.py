@@ -7,10 +7,11 @@ handed-off requests over the decode replicas). Deterministic: ties go to the low
 - ``least-kv``: the lowest KV load (blocks in use plus those its queue will need, over its blocks).
 - ``weights``: in proportion to given weights, spread evenly (smooth weighted round robin, as nginx's
   upstream balancing does).
-- ``plan``: by the request's length class (:class:`RoutingTable`: prompt and output length edges, and per
-  class a weight per replica, as a serving plan routes its buckets): in proportion to the class's weights
-  (smooth weighted round robin per class), or, with the table's ``least-work`` policy, to the replica of
-  positive weight whose work would finish first (flexmesh.schedule.dispatch, one request at a time).
+- ``plan``: by the request's length class (:class:`~flexmesh.serve.layout.routing.RoutingTable`: prompt and
+  output length edges, and per class a weight per replica, as a serving plan routes its buckets): in proportion
+  to the class's weights (smooth weighted round robin per class), or, with the table's ``least-work`` policy, to
+  the replica of positive weight whose work would finish first (flexmesh.schedule.dispatch, one request at a
+  time).
 - ``long-to-kv``: a request predicted long (its predicted mean output above the ``long_quantile`` of the
   predictions the router has seen before it) goes where KV is most plentiful (the lowest KV load), the others by
   least work: a long answer grows its KV for long, and a replica already full of it would preempt.
@@ -26,6 +27,7 @@ handed-off requests over the decode replicas). Deterministic: ties go to the low
 1
 >>> w = make_router("weights", pool, weights=(2, 1, 1)); [w.choose().index for _ in range(4)]
 [0, 1, 2, 0]
+>>> from flexmesh.serve.layout.routing import RoutingTable
 >>> table = RoutingTable(prompt_edges=(1000,), entry=((1, 1, 0), (0, 0, 1)))  # short: 0 and 1; long: 2
 >>> by = make_router("plan", pool, table=table)
 >>> [by.choose(Request(0, 0.0, p, 10)).index for p in (10, 5000, 10, 10)]
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
@@ -51,6 +52,7 @@ import numpy as np
 from flexmesh.data.requests import Request
 from flexmesh.errors import SpecError
 from flexmesh.schedule.dispatch import dispatch
+from flexmesh.serve.layout.routing import RoutingPolicy, RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
 
 
@@ -111,57 +113,6 @@ class Weighted(Router[R]):
         return self.pool[_smooth_step(self._current, self.weights)]
 
 
-ROUTING_POLICIES = ("weights", "least-work")
-
-
-@dataclass(frozen=True)
-class RoutingTable:
-    """Requests routed by length class, as a serving plan routes its buckets.
-
-    A request's class is its prompt's interval among ``prompt_edges`` (ascending; ``k`` edges make ``k + 1``
-    intervals, the last unbounded) crossed with its output's among ``output_edges``: class ``i x (outputs
-    intervals) + j``. ``entry[class]`` holds a weight per replica of the fleet, by replica index (0 where the
-    class is not sent; those of replicas outside a pool are ignored), for new requests; ``decode[class]`` the
-    same for handed-off requests (empty: the decode replicas' pool as ``policy`` chooses, by least work).
-    ``policy``: ``weights`` (in proportion, smooth weighted round robin per class) or ``least-work`` (among
-    the replicas of positive weight, the one whose work would finish first).
-
-    >>> t = RoutingTable(prompt_edges=(512, 4096), output_edges=(100,), entry=((1,),) * 6)
-    >>> t.classes, t.of(100, 50), t.of(100, 500), t.of(5000, 500)
-    (6, 0, 1, 5)
-    """
-
-    prompt_edges: tuple[int, ...] = ()
-    output_edges: tuple[int, ...] = ()
-    entry: tuple[tuple[float, ...], ...] = ()
-    decode: tuple[tuple[float, ...], ...] = ()
-    policy: str = "weights"
-
-    def __post_init__(self) -> None:
-        for name in ("prompt_edges", "output_edges"):
-            edges = getattr(self, name)
-            if any(b <= a for a, b in zip(edges, edges[1:])) or any(e < 1 for e in edges):
-                raise SpecError(f"routing {name.replace('_', ' ')} must rise from >= 1, got {list(edges)}")
-        if self.policy not in ROUTING_POLICIES:
-            raise SpecError(f"routing policy {self.policy!r} is not one of {', '.join(ROUTING_POLICIES)}")
-        for name in ("entry", "decode"):
-            rows = getattr(self, name)
-            if rows and len(rows) != self.classes:
-                raise SpecError(f"routing {name} gives {len(rows)} rows of weights for {self.classes} length classes")
-            if any(w < 0 for row in rows for w in row):
-                raise SpecError(f"routing {name} weights must be >= 0")
-
-    @property
-    def classes(self) -> int:
-        return (len(self.prompt_edges) + 1) * (len(self.output_edges) + 1)
-
-    def of(self, prompt_tokens: int, output_tokens: int) -> int:
-        """The class of a request of these lengths."""
-        i = bisect.bisect_right(self.prompt_edges, prompt_tokens)
-        j = bisect.bisect_right(self.output_edges, output_tokens)
-        return i * (len(self.output_edges) + 1) + j
-
-
 def _smooth_step(current: list[float], weights: Sequence[float]) -> int:
     """One step of smooth weighted round robin: the index chosen (``current`` updated in place)."""
     total = 0.0
@@ -200,7 +151,7 @@ class ByLength(Router[R]):
             return LeastWork(self.pool).choose(request)
         if len(pos) == 1:
             return self.pool[pos[0]]
-        if self.table.policy == "weights":
+        if self.table.policy is RoutingPolicy.WEIGHTS:
             return self.pool[pos[_smooth_step(self._current[k], self.weights[k])]]
         # The seconds this request adds to each one's finish: its work left, and this request's own where the
         # replica prices it (request_s); the one dispatch places the one item.

@@ -18,7 +18,7 @@ Ties in time go to arrivals, then to events in the order they were made: the sam
 records, bit for bit.
 
 >>> from flexmesh.data.requests import constant_lengths, with_arrivals
->>> from flexmesh.serve.deployment import parse_replicas, place
+>>> from flexmesh.serve.layout.replicas import parse_replicas, place
 >>> from flexmesh.serve.metrics import summarize
 >>> from flexmesh.spec import parse_model
 >>> from flexmesh.spec.cluster import parse_mixed_cluster
@@ -49,13 +49,17 @@ from flexmesh.cost.inference.transfer import Path, kv_path
 from flexmesh.data.requests import Request, Workload
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.serve.branches import Score, to_prune
-from flexmesh.serve.deployment import EngineKnobs, PlacedReplica, default_knobs
 from flexmesh.serve.kv import KVBlocks
+from flexmesh.serve.layout.knobs import EngineKnobs, default_knobs
+from flexmesh.serve.layout.plan import ServingPlan
+from flexmesh.serve.layout.replicas import PlacedReplica
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.routing import RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
 from flexmesh.serve.queues import QUEUES, make_queue
 from flexmesh.serve.replica import Req, SharedHost, SimulatedReplica
-from flexmesh.serve.router import Router, RoutingTable, make_router
+from flexmesh.serve.router import Router, make_router
 from flexmesh.spec.cluster import MixedCluster
 from flexmesh.spec.model import ModelSpec
 
@@ -157,6 +161,15 @@ class Fleet:
             self.capacities.append(cap if k.kv_blocks is None else replace(cap, blocks_given=k.kv_blocks))
         self._paths: dict[tuple[int, int], Path] = {}
 
+    @classmethod
+    def from_plan(cls, plan: ServingPlan, overhead: EngineOverhead | None = None) -> tuple[Fleet, RoutingTable]:
+        """The fleet of a serving plan (its replicas placed on its cluster, each with its group's knobs) and its
+        routing table over them."""
+        placed = plan.placement()
+        fleet = cls(plan.model_specs(), placed.cluster, placed.replicas, overhead=overhead, replica_knobs=placed.knobs,
+                    cascade=plan.cascade is not None)
+        return fleet, placed.table
+
     @property
     def gpus(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -182,7 +195,7 @@ class Fleet:
             if not 0 <= r.tier < tiers:
                 raise FlexmeshError(f"request {r.id} asks for model tier {r.tier}; this fleet serves "
                                     + ("one model (tier 0)" if tiers == 1 else f"tiers 0..{tiers - 1}"))
-            if r.branches != 1 and (self.cascade or any(rep.spec.role != "aggregated" for rep in self.replicas
+            if r.branches != 1 and (self.cascade or any(rep.spec.role != Role.AGGREGATED for rep in self.replicas
                                                          if rep.spec.tier == r.tier)):
                 raise FlexmeshError(f"request {r.id} samples {r.branches} branches; test-time scaling runs on "
                                     "aggregated replicas outside a cascade (its branches share one replica)")
@@ -199,26 +212,16 @@ class Fleet:
                                     f"{m.max_position:,}; scale the lengths to the context (--fit-context) or give a "
                                     "model with a longer one")
             serving = [rep for rep in self.replicas if rep.spec.tier == t]
-            if not any(rep.spec.role != "decode" for rep in serving):
+            if not any(rep.spec.role != Role.DECODE for rep in serving):
                 raise FlexmeshError(f"request {r.id} needs model {t} ({m.name}); no replica of the fleet serves it")
             for rep, cap in zip(self.replicas, self.capacities):
-                if rep.spec.tier != t or not self._weighs(routing, k, rep):
+                decode = rep.spec.role == Role.DECODE
+                if rep.spec.tier != t or (routing is not None and not routing.weighs(k, rep.index, decode)):
                     continue
                 if cap.tokens < total:
                     raise FlexmeshError(f"replica {rep.index} ({rep.spec.label} on {rep.device.name}) holds "
                                         f"{cap.tokens:,} KV tokens, fewer than request {r.id}'s {total:,}; raise its "
                                         "tp or pp, or scale the lengths (--fit-context)")
-
-    @staticmethod
-    def _weighs(routing: RoutingTable | None, k: int, rep: PlacedReplica) -> bool:
-        """Whether ``routing`` may send class ``k`` to ``rep`` (every replica may, without a table)."""
-        if routing is None:
-            return True
-        rows = routing.decode if rep.spec.role == "decode" else routing.entry
-        if not rows:
-            return True
-        row = rows[k]
-        return rep.index < len(row) and row[rep.index] > 0
 
     def run(self, workload: Workload, router: str = "round-robin", weights: tuple[float, ...] | None = None,
             queue: str = "fcfs", progress: Callable[[int, int], None] | None = None,
@@ -270,8 +273,8 @@ class Fleet:
         route: list[Router[SimulatedReplica] | None] = []
         route_decode: list[Router[SimulatedReplica] | None] = []
         for tier in tiers:
-            entry = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role != "decode"]
-            decoders = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role == "decode"]
+            entry = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role != Role.DECODE]
+            decoders = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role == Role.DECODE]
             context = self.models[tier].max_position
             route.append(make_router(router, entry, weights, routing, predictor=predictor, context=context)
                          if entry else None)
@@ -307,7 +310,7 @@ class Fleet:
                 if not rep.busy:
                     kick(rep, now)
                 return
-            q = Req(r, 1 if rep.role == "prefill" else r.output_tokens, r.prefix_blocks if caching_ids[rep.index]
+            q = Req(r, 1 if rep.role == Role.PREFILL else r.output_tokens, r.prefix_blocks if caching_ids[rep.index]
                     else ())
             q.stage, q.preemptions = stage, preemptions
             rep.push(q, now)
@@ -407,7 +410,7 @@ class Fleet:
                 # those of strict time order.
                 while True:
                     limit = arrivals[a].arrival_s if a < n else math.inf
-                    if events and (cascade or rep.role != "aggregated"):
+                    if events and (cascade or rep.role != Role.AGGREGATED):
                         limit = min(limit, events[0][0])
                     now = rep.coast(now, limit)
                     end = rep.start(now)

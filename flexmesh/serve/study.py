@@ -4,8 +4,8 @@ A workload at a rate is what a caller makes of a base workload (a trace's arriva
 arrivals drawn at the rate): :func:`sweep` and :func:`find_goodput` take that as a function of the rate.
 
 >>> from flexmesh.data.requests import constant_lengths, with_arrivals
->>> from flexmesh.serve.deployment import parse_replicas, place
->>> from flexmesh.serve.metrics import SLO
+>>> from flexmesh.serve.layout.replicas import parse_replicas, place
+>>> from flexmesh.serve.layout.slo import SLO
 >>> from flexmesh.serve.simulator import Fleet
 >>> from flexmesh.spec import parse_model
 >>> from flexmesh.spec.cluster import parse_mixed_cluster
@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flexmesh.data.requests import Workload
-from flexmesh.serve.metrics import SLO, Goodput, Summary, attainment, goodput, summarize
+from flexmesh.serve.layout.slo import SLO
+from flexmesh.serve.metrics import Goodput, Summary, attainment, goodput, summarize
 from flexmesh.serve.simulator import Fleet, SimResult
 from flexmesh.spec.prices import GpuPrice
 

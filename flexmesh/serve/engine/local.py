@@ -1,6 +1,6 @@
 """A serving plan's replicas as engine processes on this machine (``flexmesh serve run --plan``).
 
-Each replica of the plan (in the order :meth:`~flexmesh.serve.plan.fileformat.ServingPlan.fleet` places them, the
+Each replica of the plan (in the order :meth:`~flexmesh.serve.layout.plan.ServingPlan.placement` places them, the
 order its routing table weighs them in) becomes one engine process with the replica's knobs, as transformers
 names them: ``max_seqs`` -> the router's cap on requests sent at once and the engine's ``max_requests_per_batch``,
 ``max_batched_tokens`` -> ``max_batch_tokens``, ``block_tokens`` -> ``page_size``, ``kv_blocks`` -> ``num_blocks``
@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.config import EngineConfig
-from flexmesh.serve.router import RoutingTable
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.routing import RoutingPolicy, RoutingTable
 
 CPU_WEIGHTS_GIB = 2.0  # the most weights one CPU engine of a mapped plan may hold (random weights, seconds to build)
 
@@ -30,7 +31,7 @@ class LocalFleet:
     configs: tuple[EngineConfig, ...]  # one per engine, in the plan's placement order
     max_running: tuple[int, ...]
     table: RoutingTable
-    routing: str  # the plan's routing policy inside a bucket
+    routing: RoutingPolicy  # the plan's routing policy inside a bucket
     notes: tuple[str, ...]
 
 
@@ -56,13 +57,13 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
         raise ServeError(f"the plan serves {len(plan.models)} models; serve run starts engines of one model: run each "
                          "model's plan on its own, or export it (flexmesh serve export)")
     roles = sorted({g.role for g in plan.groups})
-    if roles != ["aggregated"]:
-        raise ServeError(f"the plan has {' and '.join(r for r in roles if r != 'aggregated')} replicas; transformers "
-                         "engines serve aggregated only (no KV transfer between them): export it to vLLM (flexmesh "
-                         "serve export --engine vllm) or plan it aggregated")
-    fleet, table = plan.fleet()
+    if roles != [Role.AGGREGATED]:
+        others = " and ".join(r for r in roles if r is not Role.AGGREGATED)
+        raise ServeError(f"the plan has {others} replicas; transformers engines serve aggregated only (no KV transfer "
+                         "between them): export it to vLLM (flexmesh serve export --engine vllm) or plan it aggregated")
+    placed = plan.placement()
     need: dict[str, int] = {}
-    for r in fleet.replicas:
+    for r in placed.replicas:
         need[r.device.name] = need.get(r.device.name, 0) + r.spec.devices
     have = local_gpus() if gpus is None else gpus
     notes: list[str] = []
@@ -76,9 +77,9 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
             raise ServeError(f"{model or plan.models[0]} holds {gib:.1f} GiB of weights, too many for a CPU engine "
                              f"per replica here (at most {CPU_WEIGHTS_GIB:g} GiB); give a small --model (e.g. tiny) "
                              "to run the plan's layout with it")
-        devices = ["cpu"] * len(fleet.replicas)
+        devices = ["cpu"] * len(placed.replicas)
         notes.append(f"the plan's {', '.join(f'{n} {d}' for d, n in sorted(need.items()))} mapped to "
-                     f"{len(fleet.replicas)} CPU engine(s) here (--map-to-cpu), one each whatever its tp x pp: "
+                     f"{len(placed.replicas)} CPU engine(s) here (--map-to-cpu), one each whatever its tp x pp: "
                      "timings are this machine's, not the GPUs'")
     else:
         free = {d: [i for i, x in enumerate(have) if x == d] for d in need}
@@ -94,14 +95,14 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
             raise ServeError(f"the plan's {wide.label} replicas span {wide.tp * wide.pp} devices; a transformers "
                              "engine here runs on one: export the plan to vLLM (flexmesh serve export) for tp/pp, or "
                              "run its layout as CPU engines (--map-to-cpu)")
-        for r in fleet.replicas:
+        for r in placed.replicas:
             devices.append(f"cuda:{free[r.device.name].pop(0)}")
     configs, caps = [], []
-    for k, dev in zip(fleet.replica_knobs, devices):
+    for k, dev in zip(placed.knobs, devices):
         configs.append(replace(base, model=model or plan.models[0], device=dev, max_batch_tokens=k.max_batched_tokens,
                                max_requests_per_batch=k.max_seqs, page_size=k.block_tokens,
                                num_blocks=k.kv_blocks or base.num_blocks, block_sharing=k.prefix_caching))
         caps.append(k.max_seqs)
     if model and model != plan.models[0]:
         notes.append(f"model {model} in place of the plan's {plan.models[0]}")
-    return LocalFleet(tuple(configs), tuple(caps), table, plan.routing, tuple(notes))
+    return LocalFleet(tuple(configs), tuple(caps), placed.table, plan.routing, tuple(notes))

@@ -63,10 +63,11 @@ from flexmesh.errors import FlexmeshError, ServeError
 from flexmesh.serve.branches import Score, to_prune
 from flexmesh.serve.engine.held import Group, Held, Replica, request_record
 from flexmesh.serve.engine.http import MAX_BODY_BYTES, error_body, parse_completion
+from flexmesh.serve.layout.routing import RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
 from flexmesh.serve.queues import make_queue
-from flexmesh.serve.router import ROUTERS, RoutingTable, make_router
+from flexmesh.serve.router import ROUTERS, make_router
 from flexmesh.serve.router import Router as Policy
 
 HEALTH_TIMEOUT_S = 5.0

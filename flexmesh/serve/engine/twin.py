@@ -41,8 +41,9 @@ from flexmesh.cost.inference.memory import kv_bytes_per_token
 from flexmesh.cost.inference.timing import IterationTiming
 from flexmesh.data.requests import Workload
 from flexmesh.errors import SpecError
-from flexmesh.serve.deployment import EngineKnobs, ReplicaSpec, place
 from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.layout.knobs import EngineKnobs
+from flexmesh.serve.layout.replicas import ReplicaSpec, place
 from flexmesh.serve.simulator import Fleet, SimResult
 from flexmesh.spec.cluster import ClusterSpec, MixedCluster
 from flexmesh.spec.devices import DeviceSpec

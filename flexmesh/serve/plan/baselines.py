@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 
 from flexmesh.data.requests import Workload
 from flexmesh.errors import FlexmeshError, PlanError
-from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.layout.plan import ServingPlan
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.routing import RoutingPolicy
 from flexmesh.serve.plan.planner import Candidate, Planner
 from flexmesh.serve.plan.score import Score, score
 from flexmesh.serve.plan.search import _better
@@ -79,7 +81,7 @@ def _routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Pla
     out = []
     start = c.solution.rate if c.solution is not None else 1.0
     memo: Known = {} if known is None else known
-    for policy in ("weights", "least-work"):
+    for policy in RoutingPolicy:
         p = replace(c.plan, routing=policy)
         s = memo.get(_key(p))
         if s is None:
@@ -105,7 +107,7 @@ def single_type(planner: Planner, workload_at: Callable[[float], Workload], know
     tried: list[Candidate] = []
     target = planner.inputs.rate
     for g, group in enumerate(planner.cluster.groups):
-        c = _solved(planner, f"{group.device.name} only", planner.columns(("aggregated",), groups=[g]))
+        c = _solved(planner, f"{group.device.name} only", planner.columns((Role.AGGREGATED,), groups=[g]))
         if c is not None:
             tried += _routed(c, workload_at, planner, target, known)
     return _best("best single GPU type", tried, planner, "no single device type serves the workload")
@@ -113,7 +115,7 @@ def single_type(planner: Planner, workload_at: Callable[[float], Workload], know
 
 def melange(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Device types mixed per bucket, aggregated replicas only."""
-    c = _solved(planner, "type mix per bucket", planner.columns(("aggregated",)))
+    c = _solved(planner, "type mix per bucket", planner.columns((Role.AGGREGATED,)))
     tried = _routed(c, workload_at, planner, planner.inputs.rate, known) if c is not None else []
     return _best("Mélange-style", tried, planner, "no aggregated plan serves the workload")
 
@@ -122,7 +124,7 @@ def distserve(planner: Planner, workload_at: Callable[[float], Workload], known:
     """Prefill and decode replicas on one device type, each phase its own tp and knobs; the best type."""
     tried: list[Candidate] = []
     for g, group in enumerate(planner.cluster.groups):
-        c = _solved(planner, f"{group.device.name} prefill + decode", planner.columns(("prefill", "decode"),
+        c = _solved(planner, f"{group.device.name} prefill + decode", planner.columns((Role.PREFILL, Role.DECODE),
                                                                                        groups=[g]))
         if c is not None:
             tried += _routed(c, workload_at, planner, planner.inputs.rate, known)
@@ -138,9 +140,9 @@ def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
         for v, gv in enumerate(groups):
             if u == v or gu.device.name == gv.device.name:
                 continue
-            cols = planner.columns(("prefill", "decode"), prefill_groups=[u], decode_groups=[v])
+            cols = planner.columns((Role.PREFILL, Role.DECODE), prefill_groups=[u], decode_groups=[v])
             c = _solved(planner, f"prefill {gu.device.name}, decode {gv.device.name}", cols)
-            if c is not None and any(g.role == "prefill" for g in c.plan.groups):
+            if c is not None and any(g.role == Role.PREFILL for g in c.plan.groups):
                 solved.append(c)
     target = planner.inputs.rate
 

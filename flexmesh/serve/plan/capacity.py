@@ -35,13 +35,13 @@ iteration, which its TTFT counts). Every estimate rises with ``B`` (or ``k``) an
 capacity is at the largest feasible one (bisection). Queueing beyond the iteration under way is not in these
 estimates: the simulator judges the plans (:mod:`flexmesh.serve.plan.search`).
 
->>> from flexmesh.serve.metrics import SLO
+>>> from flexmesh.serve.layout.slo import SLO
 >>> from flexmesh.serve.plan.workload import parse_buckets
 >>> from flexmesh.spec import parse_model
 >>> from flexmesh.spec.cluster import parse_mixed_cluster
 >>> b = parse_buckets("1000:200=1")
 >>> cfgs = configurations((parse_model("llama3.1-8b"),), parse_mixed_cluster("8xH100"), b.longest)
->>> agg = next(c for c in cfgs if c.tp == 1 and c.role == "aggregated")
+>>> agg = next(c for c in cfgs if c.tp == 1 and c.role == Role.AGGREGATED)
 >>> cap = Pricing((parse_model("llama3.1-8b"),), parse_mixed_cluster("8xH100")).capacity(agg, b.buckets[0],
 ...                                                                                       SLO(ttft_s=1, tpot_s=0.05))
 >>> round(cap.rate, 1), cap.bound, cap.tpot_s <= 0.05
@@ -61,9 +61,10 @@ from flexmesh.cost.inference.analytic import AnalyticIteration
 from flexmesh.cost.inference.memory import check_tp, kv_capacity
 from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
 from flexmesh.errors import FlexmeshError
-from flexmesh.serve.deployment import ROLES, EngineKnobs, default_knobs
-from flexmesh.serve.metrics import SLO
-from flexmesh.serve.plan.workload import Bucket
+from flexmesh.serve.layout.buckets import Bucket
+from flexmesh.serve.layout.knobs import EngineKnobs, default_knobs
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.slo import SLO
 from flexmesh.spec.cluster import MixedCluster
 from flexmesh.spec.model import ModelSpec
 
@@ -92,9 +93,12 @@ class ReplicaConfig:
     group: int
     tp: int
     pp: int
-    role: str
+    role: Role
     knobs: EngineKnobs
     kv_tokens: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # a role's name given is the role
 
     @property
     def devices(self) -> int:
@@ -106,20 +110,20 @@ class ReplicaConfig:
         return (self.model, self.group, self.tp, self.pp)
 
     @property
-    def key(self) -> tuple[int, int, int, int, str, int, int]:
+    def key(self) -> tuple[int, int, int, int, Role, int, int]:
         """What tells configurations apart: shape, role, batched-token budget, max_seqs."""
         return (*self.shape, self.role, self.knobs.max_batched_tokens, self.knobs.max_seqs)
 
     @property
     def label(self) -> str:
         pp = f"pp{self.pp}" if self.pp > 1 else ""
-        role = "" if self.role == "aggregated" else f"-{self.role}"
+        role = "" if self.role == Role.AGGREGATED else f"-{self.role}"
         return f"tp{self.tp}{pp}{role}"
 
 
 def knob_variants(role: str, base: EngineKnobs) -> list[EngineKnobs]:
     """The engine knobs tried for a role (see the module doc), from the device's defaults ``base``."""
-    if role == "decode":
+    if role == Role.DECODE:
         return [replace(base, max_seqs=n, max_batched_tokens=max(base.max_batched_tokens, n))
                 for n in sorted({*DECODE_SEQS, base.max_seqs})]
     return [replace(base, max_batched_tokens=b, max_seqs=min(base.max_seqs, b))
@@ -145,7 +149,7 @@ NONE = Capacity(0.0, 0.0, 0.0, math.inf, math.inf, "fit")
 
 
 def configurations(models: Sequence[ModelSpec], cluster: MixedCluster, longest: int | Sequence[int],
-                   roles: Sequence[str] = ROLES, knobs: dict[int, EngineKnobs] | None = None,
+                   roles: Sequence[Role] = tuple(Role), knobs: dict[int, EngineKnobs] | None = None,
                    groups: Sequence[int] | None = None) -> list[ReplicaConfig]:
     """Every configuration of ``models`` on the cluster's device ``groups`` (default all) in ``roles`` whose KV
     cache holds at least a block, with the knob variants of its role (:func:`knob_variants`; ``knobs`` given for
@@ -306,7 +310,7 @@ def capacity(t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: f
         last["why"] = why
         return False
 
-    if c.role == "prefill" or (c.role == "aggregated" and s < 1e-9):
+    if c.role == Role.PREFILL or (c.role == Role.AGGREGATED and s < 1e-9):
         # n: prompts arriving per iteration (mean); a prompt longer than the budget takes several iterations
         # alone, and then n is the prompts arriving while one is computed.
         alone = p > budget
@@ -351,7 +355,7 @@ def capacity(t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: f
         pre(n, record=True)
         return Capacity(float(last["rate"]), n, float(last["it"]), float(last["ttft"]), 0.0, bound)  # type: ignore[arg-type]
 
-    if c.role == "decode":
+    if c.role == Role.DECODE:
         def dec(n: float, record: bool = False) -> bool:
             n_hi = hi(n)
             if n_hi > seqs or kv_hi(n) + p_hi > kv:

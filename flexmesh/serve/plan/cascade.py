@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 
 from flexmesh.data.requests import Workload
 from flexmesh.errors import PlanError
-from flexmesh.serve.metrics import SLO
-from flexmesh.serve.plan.fileformat import CascadeSpec
+from flexmesh.serve.layout.plan import CascadeSpec
+from flexmesh.serve.layout.quality import QualityCurve
+from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.plan.planner import PlanInputs, PlanResult
-from flexmesh.serve.plan.quality import QualityCurve
 from flexmesh.serve.plan.search import _better, plan
 
 # Shares of the end-to-end bound given to the first stage (the outer level's second threshold).

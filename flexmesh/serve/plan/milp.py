@@ -52,6 +52,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from flexmesh.console import quietly
 from flexmesh.errors import PlanError
+from flexmesh.serve.layout.roles import Role
 
 # HiGHS's relative MIP gap: a plan within 2% of the best the model allows (the analytic capacities are not
 # that exact; the simulator judges the plans).
@@ -241,7 +242,7 @@ def solve(problem: Problem) -> Solution:
         for b in range(nb):
             if cap[c, b] <= 0 or demand[m, b] <= 0:
                 continue
-            if role == "decode":
+            if role == Role.DECODE:
                 if decodes[m, b]:
                     var = dec[c, b] = v.add(0.0, math.inf)
                     dec_of.setdefault(c, []).append((b, var))
@@ -263,7 +264,7 @@ def solve(problem: Problem) -> Solution:
                             "slices")
         any_cap = np.asarray(p.capacity_any, dtype=float)
         for c in range(nc):
-            if not allowed[c] or cols.role[c] == "decode":
+            if not allowed[c] or cols.role[c] == Role.DECODE:
                 continue
             for b in range(nb):
                 if any_cap[c, b] > 0 and demand[cols.model[c], b] > 0:
@@ -278,9 +279,9 @@ def solve(problem: Problem) -> Solution:
     for c in range(nc):
         if not allowed[c]:
             continue
-        if cols.role[c] == "prefill":
+        if cols.role[c] == Role.PREFILL:
             prefill_groups.setdefault(cols.model[c], []).append(cols.group[c])
-        elif cols.role[c] == "decode":
+        elif cols.role[c] == Role.DECODE:
             decode_groups.setdefault(cols.model[c], []).append(cols.group[c])
     pre_g = {m: sorted(set(gs)) for m, gs in prefill_groups.items()}
     dec_g = {m: sorted(set(gs)) for m, gs in decode_groups.items()}
@@ -293,7 +294,7 @@ def solve(problem: Problem) -> Solution:
         for m in range(nm):
             for g in pre_g.get(m, ()):
                 most = sum(cap[c, b] * (p.available[g] // cols.devices[c]) * kv[m, b] for c in range(nc)
-                           if allowed[c] and cols.model[c] == m and cols.role[c] == "prefill" and cols.group[c] == g
+                           if allowed[c] and cols.model[c] == m and cols.role[c] == Role.PREFILL and cols.group[c] == g
                            for b in range(nb) if decodes[m, b])
                 if any(h != g and most > link[g, h] for h in dec_g.get(m, ())):
                     paired.add(m)
@@ -335,16 +336,16 @@ def solve(problem: Problem) -> Solution:
             if demand[m, b] <= 0 or not decodes[m, b] or not pre_g.get(m):
                 continue
             if m not in paired:
-                terms = {var: unit for c, var, unit in entry_in.get((m, b), ()) if cols.role[c] == "prefill"}
-                terms.update({var: 1.0 for c, var in miss_in.get((m, b), ()) if cols.role[c] == "prefill"})
+                terms = {var: unit for c, var, unit in entry_in.get((m, b), ()) if cols.role[c] == Role.PREFILL}
+                terms.update({var: 1.0 for c, var in miss_in.get((m, b), ()) if cols.role[c] == Role.PREFILL})
                 terms.update({var: -1.0 for _, var in dec_in.get((m, b), ())})
                 rows.add(terms, 0.0, 0.0)
                 continue
             for g in pre_g.get(m, ()):
                 terms = {var: unit for c, var, unit in entry_in.get((m, b), ())
-                         if cols.role[c] == "prefill" and cols.group[c] == g}
+                         if cols.role[c] == Role.PREFILL and cols.group[c] == g}
                 terms.update({var: 1.0 for c, var in miss_in.get((m, b), ())
-                              if cols.role[c] == "prefill" and cols.group[c] == g})
+                              if cols.role[c] == Role.PREFILL and cols.group[c] == g})
                 terms.update({flow[m, b, g, h]: -1.0 for h in dec_g.get(m, ())})
                 rows.add(terms, 0.0, 0.0)
             for h in dec_g.get(m, ()):

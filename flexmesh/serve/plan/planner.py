@@ -17,13 +17,15 @@ from flexmesh.cost.inference.memory import kv_bytes_per_token
 from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
 from flexmesh.cost.inference.transfer import Span, kv_path
 from flexmesh.errors import PlanError
-from flexmesh.serve.deployment import ROLES, EngineKnobs
-from flexmesh.serve.metrics import SLO
+from flexmesh.serve.layout.buckets import RequestBuckets
+from flexmesh.serve.layout.knobs import EngineKnobs
+from flexmesh.serve.layout.plan import CascadeSpec, ServingGroup, ServingPlan
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.routing import RoutingPolicy
+from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.plan.capacity import CAPACITY_TOL, Capacity, Pricing, ReplicaConfig, configurations
-from flexmesh.serve.plan.fileformat import CascadeSpec, ReplicaGroup, ServingPlan
 from flexmesh.serve.plan.milp import Columns, Problem, Solution, solve, solve_fast
 from flexmesh.serve.plan.score import Score
-from flexmesh.serve.plan.workload import Buckets
 from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model
 
@@ -40,7 +42,7 @@ class PlanInputs:
 
     models: tuple[str, ...]
     cluster: str
-    buckets: Buckets
+    buckets: RequestBuckets
     slo: SLO
     prices: dict[str, float]
     attainment: float = 0.9
@@ -150,7 +152,7 @@ class Planner:
                     if a == b or a in out or cb.devices % ca.devices or ca.devices > cb.devices:
                         continue
                     per_a = self.capacity[a, need] / ca.devices
-                    if ca.role == "decode" and ca.shape == cb.shape and ca.knobs.max_seqs != cb.knobs.max_seqs:
+                    if ca.role == Role.DECODE and ca.shape == cb.shape and ca.knobs.max_seqs != cb.knobs.max_seqs:
                         if ca.knobs.max_seqs > cb.knobs.max_seqs and (per_a >= per_b * (1 - CAPACITY_TOL)).all():
                             out.add(b)
                             break
@@ -161,7 +163,7 @@ class Planner:
         return out
 
     # ---- MILPs ---------------------------------------------------------------------------------------
-    def columns(self, roles: Sequence[str] = ROLES, groups: Sequence[int] | None = None,
+    def columns(self, roles: Sequence[Role] = tuple(Role), groups: Sequence[int] | None = None,
                 prefill_groups: Sequence[int] | None = None, decode_groups: Sequence[int] | None = None,
                 keep: Callable[[ReplicaConfig], bool] | None = None, everything: bool = False) -> list[int]:
         """Indices of the configurations in ``roles`` on ``groups`` (prefill and decode ones on their own groups
@@ -172,7 +174,7 @@ class Planner:
                 continue
             if c.role not in roles:
                 continue
-            allowed = {"prefill": prefill_groups, "decode": decode_groups}.get(c.role) or groups
+            allowed = {Role.PREFILL: prefill_groups, Role.DECODE: decode_groups}.get(c.role) or groups
             if allowed is not None and c.group not in allowed:
                 continue
             if keep is not None and not keep(c):
@@ -184,7 +186,7 @@ class Planner:
         """(model, bucket) pairs no configuration of ``cols`` that takes new requests serves within the SLO."""
         out = []
         for m in range(len(self.models)):
-            entry = [k for k in cols if self.configs[k].model == m and self.configs[k].role != "decode"]
+            entry = [k for k in cols if self.configs[k].model == m and self.configs[k].role != Role.DECODE]
             for b in range(len(self.inputs.buckets)):
                 if self.demand[m, b] > 0 and not self.capacity[entry, b].any():
                     out.append((m, b))
@@ -248,7 +250,7 @@ class Planner:
         return solve_fast(problem, self.inputs.time_limit_s)
 
     # ---- plans ---------------------------------------------------------------------------------------
-    def to_plan(self, cols: Sequence[int], s: Solution, routing: str = "weights") -> ServingPlan:
+    def to_plan(self, cols: Sequence[int], s: Solution, routing: RoutingPolicy = RoutingPolicy.WEIGHTS) -> ServingPlan:
         """The solution as a serving plan: one replica group per configuration used, each bucket's shares."""
         i = self.inputs
         nb = len(i.buckets)
@@ -266,9 +268,10 @@ class Planner:
                 entry = np.where(demand > 0, s.entry[j] / np.where(demand > 0, demand, 1), 0.0)
                 dec = np.where(decoded[c.model] > 0, s.decode[j] / np.where(decoded[c.model] > 0,
                                                                              decoded[c.model], 1), 0.0)
-            groups.append(ReplicaGroup(c.model, c.group, self.cluster.groups[c.group].device.name, n, c.tp, c.pp,
-                                       c.role, c.knobs, tuple(0.0 if c.role == "decode" else float(x) for x in entry),
-                                       tuple(float(x) for x in dec) if c.role == "decode" else ()))
+            decodes = c.role == Role.DECODE
+            groups.append(ServingGroup(c.model, c.group, self.cluster.groups[c.group].device.name, n, c.tp, c.pp,
+                                       c.role, c.knobs, tuple(0.0 if decodes else float(x) for x in entry),
+                                       tuple(float(x) for x in dec) if decodes else ()))
         groups = _normalised(groups, len(self.models), nb)
         devices = {g.device for g in groups}
         unmet = self.unmet(cols)
@@ -286,7 +289,7 @@ class Planner:
         their predictions: ``by_group[g]`` for device group ``g`` (else ``default``), and prefill and decode ones
         by ``split`` more."""
         out = copy.copy(self)
-        scale = np.array([by_group.get(c.group, default) * (1.0 if c.role == "aggregated" else split)
+        scale = np.array([by_group.get(c.group, default) * (1.0 if c.role == Role.AGGREGATED else split)
                           for c in self.configs])
         out.capacity = self.capacity * scale[:, None]
         out.scale = self.scale * scale
@@ -303,7 +306,8 @@ class Planner:
             out[k] = out.get(k, 0) + g.replicas
         return out
 
-    def plan_counts(self, counts: dict[int, int], routing: str = "weights") -> tuple[ServingPlan, Solution] | None:
+    def plan_counts(self, counts: dict[int, int], routing: RoutingPolicy = RoutingPolicy.WEIGHTS
+                    ) -> tuple[ServingPlan, Solution] | None:
         """The plan of exactly these replicas, routed at its highest rate (None when they cannot serve every
         bucket)."""
         cols = sorted(k for k, n in counts.items() if n > 0)
@@ -324,7 +328,7 @@ class Planner:
         for k, n in counts.items():
             used[self.configs[k].group] += self.configs[k].devices * n
             roles.setdefault(self.configs[k].model, set()).add(self.configs[k].role)
-        if any(("prefill" in r) != ("decode" in r) for r in roles.values()):
+        if any((Role.PREFILL in r) != (Role.DECODE in r) for r in roles.values()):
             return False
         if any(u > g.world_size for u, g in zip(used, self.cluster.groups)):
             return False
@@ -332,7 +336,7 @@ class Planner:
         return b is None or self.cost(counts) <= b + 1e-9
 
 
-def _normalised(groups: list[ReplicaGroup], models: int, nb: int) -> list[ReplicaGroup]:
+def _normalised(groups: list[ServingGroup], models: int, nb: int) -> list[ServingGroup]:
     """Each bucket's entry (and decode) shares over a model's groups summing to exactly 1."""
     out = list(groups)
     for m in range(models):

@@ -52,11 +52,12 @@ from flexmesh.cost.inference.memory import kv_bytes_per_token, weight_bytes_on_d
 from flexmesh.cost.inference.transfer import Span, kv_path
 from flexmesh.data.requests import Workload, window
 from flexmesh.errors import PlanError
-from flexmesh.serve.plan.fileformat import ServingPlan
+from flexmesh.serve.layout.plan import ServingPlan
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.routing import RoutingPolicy
 from flexmesh.serve.plan.milp import MIP_GAP, Solution, solve_fast
 from flexmesh.serve.plan.planner import Planner
 from flexmesh.serve.plan.score import attainment_at
-from flexmesh.serve.router import ROUTING_POLICIES
 
 # The partial-bucket MILP lets this share of the attainment target's slack (1 - attainment) enter missing the SLO;
 # the rest is left to the requests priced within it (their capacities are at the attainment quantile).
@@ -195,10 +196,10 @@ def _concessions(planner: Planner, rate: float | None, variants: Sequence[tuple[
         cfg = [planner.configs[k] for k in cols]
         top: dict[tuple, int] = {}
         for c in cfg:
-            if c.role != "decode":
+            if c.role != Role.DECODE:
                 top[c.shape, c.role] = max(top.get((c.shape, c.role), 0), c.knobs.max_batched_tokens)
-        entry = np.array([c.role != "decode" for c in cfg], dtype=bool)
-        apart = np.array([c.role != "decode" and c.knobs.max_batched_tokens == top[c.shape, c.role] for c in cfg],
+        entry = np.array([c.role != Role.DECODE for c in cfg], dtype=bool)
+        apart = np.array([c.role != Role.DECODE and c.knobs.max_batched_tokens == top[c.shape, c.role] for c in cfg],
                          dtype=bool)
         problem = planner.problem(cols, rate=rate, limits=limits, by_role=by_role,
                                   misses=float(planner.demand[:, b].sum() / planner.demand.sum()))
@@ -240,7 +241,8 @@ def _by_milp(found: Sequence[tuple[str, list[int], Solution, bool]], given: bool
 
 
 def _by_simulator(planner: Planner, plan: ServingPlan, found: Sequence[tuple[str, list[int], Solution, bool]],
-                  workload_at: Callable[[float], Workload], rate: float | None, first: int) -> tuple[int, str]:
+                  workload_at: Callable[[float], Workload], rate: float | None,
+                  first: int) -> tuple[int, RoutingPolicy]:
     """The candidate, and the routing policy inside its buckets' shares, that the simulator finds best on the first
     ``first`` requests (each candidate with the plan's own policy first, then the other: the routing is what
     the fast path may change), in at most :data:`JUDGE_SIMULATIONS` simulations. At a given ``rate``: the
@@ -256,8 +258,8 @@ def _by_simulator(planner: Planner, plan: ServingPlan, found: Sequence[tuple[str
             windows[r] = window(workload_at(r), first=first)
         return windows[r]
 
-    policies = [plan.routing] + [p for p in ROUTING_POLICIES if p != plan.routing]
-    tries: list[tuple[tuple[int, str], ServingPlan]] = []
+    policies = [plan.routing] + [p for p in RoutingPolicy if p != plan.routing]
+    tries: list[tuple[tuple[int, RoutingPolicy], ServingPlan]] = []
     seen = set()
     # The same replicas the MILP routed alike (every bucket in full or partial buckets, roles kept or free: shares
     # a few percent apart) are simulated once, at the highest of their rates (at a given rate: the cheapest); a
@@ -270,9 +272,9 @@ def _by_simulator(planner: Planner, plan: ServingPlan, found: Sequence[tuple[str
             if key not in seen:
                 seen.add(key)
                 tries.append(((j, policy), p))
-    marks: dict[tuple[int, str], float] = {}  # the attainment of each candidate simulated (at its last rate)
+    marks: dict[tuple[int, RoutingPolicy], float] = {}  # the attainment of each candidate simulated (at its last rate)
 
-    def nearest() -> tuple[int, str]:  # none met the target: the one nearest it (the first on a tie)
+    def nearest() -> tuple[int, RoutingPolicy]:  # none met the target: the one nearest it (the first on a tie)
         return max(marks, key=lambda t: marks[t])
 
     if rate is not None:  # the cheapest first: the first meeting the target is the answer
@@ -334,9 +336,8 @@ class Transition:
 
 def _replicas(plan: ServingPlan) -> list[tuple[int, tuple[int, int, int, int], str, int]]:
     """(device group, weights shape, role, devices) of each replica, in the plan's placement order."""
-    fleet, _ = plan.fleet()
     return [(r.spec.group, (r.spec.tier, r.spec.group, r.spec.tp, r.spec.pp), r.spec.role, r.spec.devices)
-            for r in fleet.replicas]
+            for r in plan.placement().replicas]
 
 
 def transition(old: ServingPlan, new: ServingPlan, kv_tokens: Sequence[float] | None = None) -> Transition:
@@ -346,8 +347,7 @@ def transition(old: ServingPlan, new: ServingPlan, kv_tokens: Sequence[float] | 
         raise PlanError(f"the plans are on different clusters ({old.cluster} and {new.cluster}); a transition moves "
                         "replicas within one")
     cluster = new.mixed_cluster()
-    fleet_old, _ = old.fleet()
-    fleet_new, _ = new.fleet()
+    placed_old, placed_new = old.placement().replicas, new.placement().replicas
     a, b = _replicas(old), _replicas(new)
     models_old, models_new = old.model_specs(), new.model_specs()
     held = list(kv_tokens) if kv_tokens is not None else [0.0] * len(a)
@@ -394,9 +394,8 @@ def transition(old: ServingPlan, new: ServingPlan, kv_tokens: Sequence[float] | 
                       key=lambda k: (b[k][0] != a[i][0], k), default=None)
             secs = 0.0
             if dst is not None and kv > 0:
-                secs = kv_path(fleet_old.replicas[i].span, Span(fleet_new.replicas[dst].span.group,
-                                                                fleet_new.replicas[dst].span.nodes,
-                                                                fleet_new.replicas[dst].span.devices),
+                secs = kv_path(placed_old[i].span, Span(placed_new[dst].span.group, placed_new[dst].span.nodes,
+                                                        placed_new[dst].span.devices),
                                cluster).seconds(kv)
             moves.append(Move(i, None, "stopped", 0.0, kv, secs))
             kv_total += kv

@@ -7,9 +7,8 @@ escalated at the plan's fraction. Goodput is the study's bisection (:func:`flexm
 
 >>> import json
 >>> from flexmesh.data.requests import load_trace, window, at_rate
->>> from flexmesh.serve.plan import fileformat
->>> plan = fileformat.ServingPlan.from_dict(json.loads(
-...     fileformat.__doc__.split(".. code-block:: json")[1].split(">>>")[0]))
+>>> from flexmesh.serve.layout import plan as layout
+>>> plan = layout.ServingPlan.from_dict(json.loads(layout.__doc__.split(".. code-block:: json")[1].split(">>>")[0]))
 >>> base = window(load_trace("azure-conv"), first=600)
 >>> s = score(plan, lambda r: at_rate(base, r), start_rate=8.0)
 >>> s.goodput > 0, s.bounded, round(s.dollars_per_hour, 2)
@@ -25,9 +24,10 @@ from dataclasses import dataclass
 
 from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.data.requests import Workload
+from flexmesh.serve.layout.plan import ServingPlan
+from flexmesh.serve.layout.quality import escalate
 from flexmesh.serve.metrics import Summary, attainment, summarize
-from flexmesh.serve.plan.fileformat import ServingPlan
-from flexmesh.serve.plan.quality import escalate
+from flexmesh.serve.simulator import Fleet
 from flexmesh.serve.study import RatePoint, find_goodput
 
 # Goodput's bisection stops when its bracket is within this (the study's default, 2%).
@@ -71,7 +71,7 @@ def plan_workload(plan: ServingPlan, workload_at: Callable[[float], Workload]) -
 def attainment_at(plan: ServingPlan, workload_at: Callable[[float], Workload], rate: float,
                   overhead: EngineOverhead | None = None) -> tuple[float, Summary]:
     """The fraction of requests meeting the plan's SLO at ``rate``, and the run's summary."""
-    fleet, table = plan.fleet(overhead)
+    fleet, table = Fleet.from_plan(plan, overhead)
     result = fleet.run(plan_workload(plan, workload_at)(rate), router="plan", routing=table)
     return attainment(result.records, plan.slo), summarize(result.records, plan.slo, plan.dollars_per_hour)
 
@@ -81,7 +81,7 @@ def score(plan: ServingPlan, workload_at: Callable[[float], Workload], start_rat
     """The plan's goodput on ``workload_at`` (bisection from ``start_rate``); ``router``: the plan's own (by
     bucket), or another of the simulator's (``round-robin``: its replicas in turn)."""
     t0 = time.perf_counter()
-    fleet, table = plan.fleet(overhead)
+    fleet, table = Fleet.from_plan(plan, overhead)
     usd = plan.dollars_per_hour
     good, points = find_goodput(fleet, plan_workload(plan, workload_at), plan.slo, plan.attainment,
                                 max(start_rate, 1e-3), usd, rel_tol=rel_tol, router=router,

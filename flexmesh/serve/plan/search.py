@@ -36,10 +36,10 @@ from dataclasses import replace
 
 from flexmesh.data.requests import Workload
 from flexmesh.errors import PlanError
-from flexmesh.serve.deployment import ROLES
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.routing import RoutingPolicy
 from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner, PlanResult
 from flexmesh.serve.plan.score import Score, attainment_at, score
-from flexmesh.serve.router import ROUTING_POLICIES
 
 # Times a plan short of a target rate is planned again, its rate scaled by what it fell short.
 CALIBRATIONS = 3
@@ -48,14 +48,14 @@ REPAIR_ROUNDS = 4
 REPAIR_TRIES = 3
 PROBE = 1.06
 # The MILP variants whose plans the simulator compares: every role, aggregated replicas only, prefill/decode only.
-VARIANTS = {"mixed": ROLES, "aggregated": ("aggregated",), "disaggregated": ("prefill", "decode")}
+VARIANTS = {"mixed": tuple(Role), "aggregated": (Role.AGGREGATED,), "disaggregated": (Role.PREFILL, Role.DECODE)}
 # Without a device type's own plan to calibrate by, split replicas are calibrated apart from aggregated ones
 # when the simulator finds their predictions off by more than this against each other.
 CALIBRATION_SPREAD = 0.03
 
 
 # ---- the whole search ----------------------------------------------------------------------------------
-def candidates(planner: Planner, variants: dict[str, tuple[str, ...]] = VARIANTS,
+def candidates(planner: Planner, variants: dict[str, tuple[Role, ...]] = VARIANTS,
                rate: float | None = None) -> list[Candidate]:
     """The MILP's plan for each variant of roles (those that have one), identical layouts once."""
     i = planner.inputs
@@ -169,7 +169,7 @@ def routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Plan
     out = []
     start = c.solution.rate if c.solution is not None else target or 1.0
     memo: dict[tuple, Score] = {} if known is None else known
-    for policy in ROUTING_POLICIES:
+    for policy in RoutingPolicy:
         p = replace(c.plan, routing=policy)
         s = memo.get((p.groups, policy))
         if s is None:
@@ -243,14 +243,14 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
     # could have produced, so it is scored too (nearly always the same plan as before: no simulation then).
     for g in range(len(planner.cluster.groups)):
         one = own_plan(calibrated, g)
-        if one is not None and (one.plan.groups, ROUTING_POLICIES[0]) not in known:  # not scored yet
+        if one is not None and (one.plan.groups, RoutingPolicy.WEIGHTS) not in known:  # not scored yet
             out += routed(replace(one, name=f"calibrated {one.name}"), workload_at, planner, target, known)
     return out, calibrated
 
 
 def own_plan(planner: Planner, g: int) -> Candidate | None:
     """Device group ``g``'s aggregated replicas alone, as the MILP plans them (None where they serve nothing)."""
-    cols = planner.columns(("aggregated",), groups=[g])
+    cols = planner.columns((Role.AGGREGATED,), groups=[g])
     if not cols:
         return None
     try:
@@ -313,7 +313,7 @@ def _neighbours(planner: Planner, counts: dict[int, int]) -> list[tuple[str, dic
 
     def name(k: int) -> str:
         c = configs[k]
-        knob = f"s{c.knobs.max_seqs}" if c.role == "decode" else f"b{c.knobs.max_batched_tokens}"
+        knob = f"s{c.knobs.max_seqs}" if c.role == Role.DECODE else f"b{c.knobs.max_batched_tokens}"
         return f"{c.label} {knob} on {planner.cluster.groups[c.group].device.name}"
 
     def like(k: int, model: int, group: int, tp: int, pp: int, role: str) -> int | None:
@@ -327,7 +327,7 @@ def _neighbours(planner: Planner, counts: dict[int, int]) -> list[tuple[str, dic
         for j in variants[c.shape + (c.role,)]:
             if j != k:
                 moved(f"{name(k)} -> {name(j)}", {k: 1}, {j: 1})
-        for role in ROLES:
+        for role in Role:
             if role != c.role:
                 for j in variants.get(c.shape + (role,), []):
                     moved(f"{name(k)} -> {name(j)}", {k: 1}, {j: 1})

@@ -1,11 +1,10 @@
-"""A workload as the planner sees it: length buckets, each with its share of the requests and its lengths.
+"""A workload's length buckets (:class:`~flexmesh.serve.layout.buckets.RequestBuckets`), made from a trace or by
+hand, and a workload drawn from them.
 
-A bucket is an interval of prompt lengths crossed with an interval of output lengths (Mélange's request-size
-buckets). The planner prices every replica configuration per bucket, routes each bucket's share of the rate,
-and a plan's router sends a request by its bucket (:class:`~flexmesh.serve.router.RoutingTable`: the same
-edges, the same class numbering). Buckets split by prompt length only by default: a router knows a prompt's
-length when the request arrives, not its output's (splitting outputs too, ``output_edges``, routes by the
-trace's output lengths, an oracle).
+The planner prices every replica configuration per bucket, routes each bucket's share of the rate, and a plan's
+router sends a request by its bucket (the same :class:`~flexmesh.serve.layout.classes.LengthClasses`). Buckets
+split by prompt length only by default: a router knows a prompt's length when the request arrives, not its
+output's (splitting outputs too, ``output_edges``, routes by the trace's output lengths, an oracle).
 
 From a trace (:func:`buckets_from_trace`): prompt edges at powers of two from 256 tokens, a bucket holding
 less than ``min_share`` of the requests merged into its smaller neighbour; each bucket keeps its mean prompt
@@ -26,88 +25,19 @@ latency is judged at) and its longest request (what a replica's KV cache must ho
 
 from __future__ import annotations
 
-import bisect
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from flexmesh.data.requests import Request, Workload, with_arrivals
 from flexmesh.errors import SpecError
+from flexmesh.serve.layout.buckets import Bucket, RequestBuckets
+from flexmesh.serve.layout.classes import LengthClasses
 
 # Prompt edges of a trace's buckets: powers of two from 256 tokens (Mélange buckets request sizes on a log scale).
 FIRST_EDGE = 256
 # A bucket with fewer of the requests than this is merged into its neighbour (a class too small to plan for).
 MIN_SHARE = 0.02
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Requests of prompt lengths in ``prompt`` and outputs in ``output`` (``[lo, hi)``; hi None: unbounded)."""
-
-    prompt: tuple[int, int | None]
-    output: tuple[int, int | None]
-    share: float  # of the workload's requests
-    prompt_mean: float
-    output_mean: float
-    prompt_high: int  # the prompt length at the attainment quantile: latency is judged there
-    output_high: int
-    longest: int  # the most tokens (prompt + output) one of its requests holds
-    context_rms: float = 0.0  # root mean square of prompt + output / 2 (a request's mean KV): 0 for its mean
-
-    @property
-    def context(self) -> float:
-        """A request's mean context while it decodes: its prompt and half its output."""
-        return self.prompt_mean + self.output_mean / 2
-
-    @property
-    def context_spread(self) -> float:
-        """The root mean square of the contexts (what a sum of a random number of them varies with)."""
-        return max(self.context_rms, self.context)
-
-    @property
-    def label(self) -> str:
-        def span(lo: int, hi: int | None) -> str:
-            return f"{lo}+" if hi is None else f"{lo}-{hi}"
-        out = "" if self.output == (0, None) else f" x {span(*self.output)} out"
-        return f"{span(*self.prompt)}{out}"
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """The buckets of a workload: prompt edges x output edges (as :class:`~flexmesh.serve.router.RoutingTable`
-    numbers its classes: ``prompt interval x (output intervals) + output interval``), one bucket per class."""
-
-    prompt_edges: tuple[int, ...]
-    output_edges: tuple[int, ...]
-    buckets: tuple[Bucket, ...]
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if len(self.buckets) != (len(self.prompt_edges) + 1) * (len(self.output_edges) + 1):
-            raise SpecError(f"{len(self.buckets)} buckets for {len(self.prompt_edges)} prompt edges and "
-                            f"{len(self.output_edges)} output edges; give one per class")
-        total = sum(b.share for b in self.buckets)
-        if not math.isclose(total, 1.0, rel_tol=1e-6):
-            raise SpecError(f"bucket shares sum to {total:g}; they are fractions of the requests and sum to 1")
-
-    def __len__(self) -> int:
-        return len(self.buckets)
-
-    def of(self, prompt_tokens: int, output_tokens: int) -> int:
-        """The bucket of a request of these lengths."""
-        i = bisect.bisect_right(self.prompt_edges, prompt_tokens)
-        j = bisect.bisect_right(self.output_edges, output_tokens)
-        return i * (len(self.output_edges) + 1) + j
-
-    @property
-    def longest(self) -> int:
-        return max(b.longest for b in self.buckets if b.share > 0)
-
-
-def _intervals(edges: tuple[int, ...]) -> list[tuple[int, int | None]]:
-    bounds: list[int | None] = [0, *edges, None]
-    return [(int(bounds[i] or 0), bounds[i + 1]) for i in range(len(edges) + 1)]
 
 
 def _stats(prompts: np.ndarray, outputs: np.ndarray, quantile: float) -> tuple[float, float, int, int, int, float]:
@@ -141,7 +71,7 @@ def _merged(edges: list[int], counts: list[int], floor: float) -> list[int]:
 
 def buckets_from_trace(workload: Workload, prompt_edges: tuple[int, ...] | None = None,
                        output_edges: tuple[int, ...] = (), quantile: float = 0.9,
-                       min_share: float = MIN_SHARE) -> Buckets:
+                       min_share: float = MIN_SHARE) -> RequestBuckets:
     """The workload's requests in buckets (default prompt edges: powers of two from :data:`FIRST_EDGE`, small
     buckets merged; ``quantile``: where each bucket's latency is judged, the SLO's attainment target)."""
     if not 0 < quantile <= 1:
@@ -156,20 +86,18 @@ def buckets_from_trace(workload: Workload, prompt_edges: tuple[int, ...] | None 
         while auto[-1] * 2 <= p.max():
             auto.append(auto[-1] * 2)
         auto = [e for e in auto if e <= p.max()]
-        counts = np.bincount(np.searchsorted(auto, p, side="right"), minlength=len(auto) + 1).tolist()
+        counts = np.bincount(LengthClasses(tuple(auto)).of_each(p, o), minlength=len(auto) + 1).tolist()
         prompt_edges = tuple(_merged(auto, counts, min_share))
-    pi = np.searchsorted(prompt_edges, p, side="right")
-    oi = np.searchsorted(output_edges, o, side="right")
-    cls = pi * (len(output_edges) + 1) + oi
+    classes = LengthClasses(tuple(prompt_edges), tuple(output_edges))
+    cls = classes.of_each(p, o)
     out = []
-    for i, pr in enumerate(_intervals(prompt_edges)):
-        for j, orng in enumerate(_intervals(output_edges)):
-            mask = cls == i * (len(output_edges) + 1) + j
-            out.append(Bucket(pr, orng, float(mask.mean()), *_stats(p[mask], o[mask], quantile)))
-    return Buckets(tuple(prompt_edges), tuple(output_edges), tuple(out), workload.name)
+    for k, (pr, orng) in enumerate(classes.intervals()):
+        mask = cls == k
+        out.append(Bucket(pr, orng, float(mask.mean()), *_stats(p[mask], o[mask], quantile)))
+    return RequestBuckets(tuple(prompt_edges), tuple(output_edges), tuple(out), workload.name)
 
 
-def parse_buckets(text: str) -> Buckets:
+def parse_buckets(text: str) -> RequestBuckets:
     """Buckets of one length each from ``PROMPT:OUTPUT=SHARE,...`` (shares normalised to sum to 1); edges
     between neighbouring lengths at their geometric mean."""
     given: dict[tuple[int, int], float] = {}
@@ -195,28 +123,25 @@ def parse_buckets(text: str) -> Buckets:
     prompts = sorted({p for p, _ in given})
     outputs = sorted({o for _, o in given}) if len({o for _, o in given}) > 1 and len(prompts) < len(given) else []
     pe, oe = edges(prompts), edges(outputs)
-    cells: list[list[tuple[int, int, float]]] = [[] for _ in range((len(pe) + 1) * (len(oe) + 1))]
+    classes = LengthClasses(pe, oe)
+    cells: list[list[tuple[int, int, float]]] = [[] for _ in range(classes.classes)]
     for (p, o), w in given.items():
-        cells[bisect.bisect_right(pe, p) * (len(oe) + 1) + bisect.bisect_right(oe, o)].append((p, o, w / total))
+        cells[classes.of(p, o)].append((p, o, w / total))
     out = []
-    k = 0
-    for pr in _intervals(pe):
-        for orng in _intervals(oe):
-            items = cells[k]
-            k += 1
-            share = sum(w for _, _, w in items)
-            if share == 0:
-                out.append(Bucket(pr, orng, 0.0, 0.0, 0.0, 0, 0, 0))
-                continue
-            pm = sum(p * w for p, _, w in items) / share
-            om = sum(o * w for _, o, w in items) / share
-            rms = math.sqrt(sum((p + o / 2) ** 2 * w for p, o, w in items) / share)
-            out.append(Bucket(pr, orng, share, pm, om, max(p for p, _, _ in items), max(o for _, o, _ in items),
-                              max(p + o for p, o, _ in items), rms))
-    return Buckets(pe, oe, tuple(out), f"buckets {text}")
+    for items, (pr, orng) in zip(cells, classes.intervals()):
+        share = sum(w for _, _, w in items)
+        if share == 0:
+            out.append(Bucket(pr, orng, 0.0, 0.0, 0.0, 0, 0, 0))
+            continue
+        pm = sum(p * w for p, _, w in items) / share
+        om = sum(o * w for _, o, w in items) / share
+        rms = math.sqrt(sum((p + o / 2) ** 2 * w for p, o, w in items) / share)
+        out.append(Bucket(pr, orng, share, pm, om, max(p for p, _, _ in items), max(o for _, o, _ in items),
+                          max(p + o for p, o, _ in items), rms))
+    return RequestBuckets(pe, oe, tuple(out), f"buckets {text}")
 
 
-def bucket_workload(buckets: Buckets, rate: float, n: int, seed: int = 0) -> Workload:
+def bucket_workload(buckets: RequestBuckets, rate: float, n: int, seed: int = 0) -> Workload:
     """``n`` requests at ``rate`` (Poisson) whose lengths follow the buckets: each bucket's share of them at its
     mean prompt and output, in a seeded random order."""
     if n < 1:

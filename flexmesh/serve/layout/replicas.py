@@ -1,4 +1,4 @@
-"""A deployment: replicas on a cluster, each with its devices, tp x pp, role and engine knobs.
+"""Replicas on a cluster, each with its devices, tp x pp and role.
 
 Replicas are written ``[COUNTx]tpT[ppP][-ROLE][@GROUP]``, comma-separated: ``4xtp2`` is four aggregated
 replicas of 2 devices each, ``2xtp4-prefill@H100,4xtp2-decode@A100-40GB`` splits prefill and decode over two
@@ -7,69 +7,28 @@ group of the cluster by index or device name (default: the first group with devi
 devices are handed out in order, a replica's ``tp x pp`` devices consecutive (tp innermost, as the rank
 order lays them), so a replica spans nodes only when it is wider than a node.
 
-Engine knobs default to vLLM's online-serving defaults for the device (``EngineArgs.get_batch_defaults``:
-8192 batched tokens and 1024 sequences on GPUs of 70 GiB or more other than A100, else 2048 and 256; blocks
-of 16 tokens; memory fraction 0.9; prefix caching on, as in vLLM's V1 engine).
-
 >>> from flexmesh.spec.cluster import parse_mixed_cluster
 >>> c = parse_mixed_cluster("1x8xH100+2x8xA100-40GB")
 >>> reps = place(parse_replicas("2xtp4-prefill@H100,4xtp4-decode@1", c), c)
 >>> [(r.index, r.spec.label, r.device.name, r.first_rank, sorted(r.nodes)) for r in reps[1:3]]
 [(1, 'tp4-prefill', 'H100-80GB', 4, [0]), (2, 'tp4-decode', 'A100-40GB', 8, [1])]
->>> h100, a100 = default_knobs(c.groups[0].device), default_knobs(c.groups[1].device)
->>> (h100.max_batched_tokens, h100.max_seqs), (a100.max_batched_tokens, a100.max_seqs), h100.block_tokens
-((8192, 1024), (2048, 256), 16)
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any
 
-from flexmesh.cost.inference.memory import VLLM_BLOCK_TOKENS, VLLM_MEMORY_FRACTION, check_tp, kv_capacity
+from flexmesh.cost.inference.memory import check_tp, kv_capacity
 from flexmesh.cost.inference.transfer import Span
 from flexmesh.errors import FlexmeshError, SpecError
+from flexmesh.serve.layout.knobs import EngineKnobs
+from flexmesh.serve.layout.roles import Role
 from flexmesh.spec.cluster import MixedCluster
 from flexmesh.spec.devices import DeviceSpec, device
 from flexmesh.spec.model import ModelSpec
 
-ROLES = ("aggregated", "prefill", "decode")
-_ROLE_WORDS = {"agg": "aggregated", "aggregated": "aggregated", "prefill": "prefill", "decode": "decode"}
 _ENTRY = re.compile(r"^(?:(\d+)x)?tp(\d+)(?:pp(\d+))?(?:-([a-z]+))?(?:@(.+))?$")
-
-
-@dataclass(frozen=True)
-class EngineKnobs:
-    """What an engine is started with (vLLM's names: max_num_seqs, max_num_batched_tokens, block_size,
-    gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override)."""
-
-    max_seqs: int
-    max_batched_tokens: int
-    block_tokens: int = VLLM_BLOCK_TOKENS
-    memory_fraction: float = VLLM_MEMORY_FRACTION
-    prefix_caching: bool = True
-    prefix_cache_blocks: int | None = None  # idle cached blocks kept at most (None: as KV memory allows)
-    kv_blocks: int | None = None  # KV blocks as given, not sized from memory (vLLM's num_gpu_blocks_override)
-
-    def __post_init__(self) -> None:
-        for name in ("max_seqs", "max_batched_tokens", "block_tokens"):
-            if getattr(self, name) < 1:
-                raise SpecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.max_batched_tokens < self.max_seqs:  # vLLM's SchedulerConfig refuses it too
-            raise SpecError(f"max-batched-tokens ({self.max_batched_tokens}) must be at least max-seqs "
-                            f"({self.max_seqs}): every running request computes a token each iteration")
-        if self.kv_blocks is not None and self.kv_blocks < 1:
-            raise SpecError(f"kv-blocks must be >= 1, got {self.kv_blocks}")
-        if not 0 < self.memory_fraction <= 1:
-            raise SpecError(f"memory-fraction is in (0, 1], got {self.memory_fraction}")
-
-
-def default_knobs(dev: DeviceSpec, **given: Any) -> EngineKnobs:
-    """vLLM's online-serving defaults for ``dev``, replaced by the ``given`` knobs that are not None."""
-    big = dev.memory_gib >= 70 and not dev.name.startswith("A100")
-    knobs = EngineKnobs(max_seqs=1024 if big else 256, max_batched_tokens=8192 if big else 2048)
-    return replace(knobs, **{k: v for k, v in given.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -77,8 +36,11 @@ class ReplicaSpec:
     group: int  # the cluster's device group
     tp: int = 1
     pp: int = 1
-    role: str = "aggregated"
+    role: Role = Role.AGGREGATED
     tier: int = 0  # the model it serves, of a fleet's models (several models, or a cascade's stages)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # a role's name given is the role
 
     @property
     def devices(self) -> int:
@@ -87,7 +49,7 @@ class ReplicaSpec:
     @property
     def label(self) -> str:
         pp = f"pp{self.pp}" if self.pp > 1 else ""
-        role = "" if self.role == "aggregated" else f"-{self.role}"
+        role = "" if self.role is Role.AGGREGATED else f"-{self.role}"
         return f"tp{self.tp}{pp}{role}"
 
 
@@ -127,14 +89,16 @@ def parse_replicas(text: str, cluster: MixedCluster) -> tuple[ReplicaSpec, ...]:
         if m is None:
             raise SpecError(f"replicas {entry!r} is not [COUNTx]tpT[ppP][-ROLE][@GROUP]; e.g. 4xtp2, "
                             "2xtp4-prefill@H100, tp8pp2-decode@1")
-        count, tp, pp, role, group = m.groups()
-        if role is not None and role not in _ROLE_WORDS:
-            raise SpecError(f"replicas {entry!r}: role {role!r} is not one of {', '.join(ROLES)}")
+        count, tp, pp, word, group = m.groups()
+        try:
+            role = Role.parse(word or "agg")
+        except SpecError as e:
+            raise SpecError(f"replicas {entry!r}: {e}") from None
         n = int(count) if count else 1
         if n < 1 or int(tp) < 1 or int(pp or 1) < 1:
             raise SpecError(f"replicas {entry!r}: counts and degrees are >= 1")
         g = _group(group, cluster, entry) if group else -1
-        out += [ReplicaSpec(g, int(tp), int(pp or 1), _ROLE_WORDS[role or "agg"])] * n
+        out += [ReplicaSpec(g, int(tp), int(pp or 1), role)] * n
     if not out:
         raise SpecError("no replicas given; write e.g. 4xtp2 or 2xtp4-prefill,2xtp4-decode")
     return tuple(out)
@@ -162,8 +126,8 @@ def place(specs: tuple[ReplicaSpec, ...], cluster: MixedCluster) -> tuple[Placed
         used[g] += s.devices
     for tier in sorted({p.spec.tier for p in placed}):
         roles = {p.spec.role for p in placed if p.spec.tier == tier}
-        if ("prefill" in roles) != ("decode" in roles):
-            have, lack = ("prefill", "decode") if "prefill" in roles else ("decode", "prefill")
+        if (Role.PREFILL in roles) != (Role.DECODE in roles):
+            have, lack = (Role.PREFILL, Role.DECODE) if Role.PREFILL in roles else (Role.DECODE, Role.PREFILL)
             whose = f" of model {tier}" if tier else ""
             raise SpecError(f"{have} replicas{whose} need {lack} replicas to hand requests to or from; add some, or "
                             "make them aggregated")

@@ -6,7 +6,7 @@ groups**: ``replicas`` identical replicas of a model (by index into ``models``; 
 on a device group of ``cluster`` (``device`` names its type), each ``tp x pp`` devices in a ``role``
 (aggregated, prefill, decode) with its engine knobs (vLLM's names: ``max_seqs``, ``max_batched_tokens``,
 ``block_tokens``, ``memory_fraction``, ``kv_blocks``, ``prefix_caching``). Requests are routed by their
-length bucket (``buckets``: prompt edges x output edges, as :class:`flexmesh.serve.router.RoutingTable`
+length bucket (``buckets``: prompt edges x output edges, as :class:`~flexmesh.serve.layout.classes.LengthClasses`
 numbers them): a group's ``entry`` gives, per bucket, the share of that bucket's new requests of its model
 the group takes (spread evenly over its replicas); a decode group's ``decode`` the share of the bucket's
 hand-offs it decodes. ``routing`` says how a replica is picked inside a bucket's shares (``weights``: in
@@ -15,7 +15,8 @@ proportion; ``least-work``: the replica of positive share whose work would finis
 ``slo`` (bounds in seconds and the attainment target), ``prices`` ($ per GPU-hour used), ``predicted`` (the
 planner's figures: the MILP's rate, the simulated goodput, $/h), ``workload`` (the trace it was planned on)
 and ``cascade`` (the quality curve, its target and the escalated fraction) record the rest. ``serve plan
---check`` validates a file (each error one line); ``serve simulate --plan`` simulates it.
+--check`` validates a file (each error one line, :func:`flexmesh.serve.plan.check.check_plan` against its models and
+cluster); ``serve simulate --plan`` simulates it (:meth:`flexmesh.serve.simulator.Fleet.from_plan`).
 
 A small example (docs/serve-plan.md has a larger one):
 
@@ -38,8 +39,8 @@ A small example (docs/serve-plan.md has a larger one):
 >>> plan = ServingPlan.from_dict(json.loads(example))
 >>> [g.label for g in plan.groups], plan.devices, round(plan.dollars_per_hour, 2)
 (['1x tp1 b8192 on H100-80GB', '2x tp2 b2048 on L4'], {'H100-80GB': 1, 'L4': 4}, 10.1)
->>> fleet, table = plan.fleet()
->>> [r.device.name for r in fleet.replicas], table.entry
+>>> placed = plan.placement()
+>>> [r.device.name for r in placed.replicas], placed.table.entry
 (['H100-80GB', 'L4', 'L4'], ((0.2, 0.4, 0.4), (1.0, 0.0, 0.0)))
 >>> ServingPlan.from_dict({**json.loads(example), "routing": "fastest"})
 Traceback (most recent call last):
@@ -50,21 +51,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from flexmesh.cost.inference.memory import VLLM_BLOCK_TOKENS, VLLM_MEMORY_FRACTION, check_tp, kv_capacity
-from flexmesh.cost.inference.overhead import EngineOverhead
+from flexmesh.cost.inference.memory import VLLM_BLOCK_TOKENS, VLLM_MEMORY_FRACTION
 from flexmesh.errors import FlexmeshError, PlanError
 from flexmesh.files import read_json, write_atomic
-from flexmesh.serve.deployment import ROLES, EngineKnobs, ReplicaSpec, place
-from flexmesh.serve.metrics import SLO
-from flexmesh.serve.plan.quality import QualityCurve
-from flexmesh.serve.plan.workload import Bucket, Buckets, _intervals
-from flexmesh.serve.router import ROUTING_POLICIES, RoutingTable
-from flexmesh.serve.simulator import Fleet
+from flexmesh.layout.enums import choices
+from flexmesh.serve.layout.buckets import Bucket, RequestBuckets
+from flexmesh.serve.layout.classes import LengthClasses
+from flexmesh.serve.layout.knobs import EngineKnobs
+from flexmesh.serve.layout.quality import QualityCurve
+from flexmesh.serve.layout.replicas import PlacedReplica, ReplicaSpec, place
+from flexmesh.serve.layout.roles import Role
+from flexmesh.serve.layout.routing import RoutingPolicy, RoutingTable
+from flexmesh.serve.layout.slo import SLO
 from flexmesh.spec.cluster import Link, MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.spec.values import flag, known_keys, mapping, number, sequence, text, whole
@@ -81,7 +83,7 @@ SHARE_TOLERANCE = 1e-6
 
 
 @dataclass(frozen=True)
-class ReplicaGroup:
+class ServingGroup:
     """``replicas`` identical replicas: a model on a device group at ``tp x pp`` in a role, with engine knobs, and
     per bucket the share of its model's requests the group takes (``entry``; ``decode`` for decode groups)."""
 
@@ -91,10 +93,13 @@ class ReplicaGroup:
     replicas: int
     tp: int
     pp: int
-    role: str
+    role: Role
     knobs: EngineKnobs
     entry: tuple[float, ...]
     decode: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # a role's name given is the role
 
     @property
     def devices(self) -> int:
@@ -109,8 +114,8 @@ class ReplicaGroup:
         """``3x tp1-prefill b2048 on H100-80GB``: replicas, degrees, role, the knob the planner chose (the
         batched-token budget ``b``, a decode replica's ``max_seqs`` ``s``), device."""
         pp = f"pp{self.pp}" if self.pp > 1 else ""
-        role = "" if self.role == "aggregated" else f"-{self.role}"
-        knob = f"s{self.knobs.max_seqs}" if self.role == "decode" else f"b{self.knobs.max_batched_tokens}"
+        role = "" if self.role is Role.AGGREGATED else f"-{self.role}"
+        knob = f"s{self.knobs.max_seqs}" if self.role is Role.DECODE else f"b{self.knobs.max_batched_tokens}"
         return f"{self.replicas}x tp{self.tp}{pp}{role} {knob} on {self.device}"
 
     def to_json(self) -> dict:
@@ -142,14 +147,24 @@ class CascadeSpec:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """A serving plan's replicas on its cluster: each placed, its engine knobs, the routing table over them."""
+
+    cluster: MixedCluster
+    replicas: tuple[PlacedReplica, ...]
+    knobs: tuple[EngineKnobs, ...]
+    table: RoutingTable
+
+
+@dataclass(frozen=True)
 class ServingPlan:
     models: tuple[str, ...]
     cluster: str
-    buckets: Buckets
+    buckets: RequestBuckets
     slo: SLO
     attainment: float
-    groups: tuple[ReplicaGroup, ...]
-    routing: str = "weights"
+    groups: tuple[ServingGroup, ...]
+    routing: RoutingPolicy = RoutingPolicy.WEIGHTS
     prices: dict[str, float] = field(default_factory=dict)
     links: tuple[tuple[int, int, float, float], ...] = ()  # (group, group, GB/s, latency us) as the file gave them
     cascade: CascadeSpec | None = None
@@ -187,10 +202,10 @@ class ServingPlan:
     def with_predicted(self, **values: Any) -> ServingPlan:
         return replace(self, predicted={**self.predicted, **values})
 
-    # ---- the simulator's view --------------------------------------------------------------------------
-    def fleet(self, overhead: EngineOverhead | None = None) -> tuple[Fleet, RoutingTable]:
+    # ---- its replicas ---------------------------------------------------------------------------------
+    def placement(self) -> Placement:
         """The plan's replicas placed on its cluster (each device group's widest replicas first, so a replica
-        never straddles a node) and its routing table over them."""
+        never straddles a node), each one's knobs, and its routing table over them."""
         cluster = self.mixed_cluster()
         order = sorted(range(len(self.groups)), key=lambda i: (self.groups[i].group, -self.groups[i].tp
                                                                * self.groups[i].pp, i))
@@ -216,9 +231,7 @@ class ServingPlan:
         any_decode = any(g.decode for g in self.groups)
         table = RoutingTable(self.buckets.prompt_edges, self.buckets.output_edges, tuple(map(tuple, entry)),
                              tuple(map(tuple, decode)) if any_decode else (), self.routing)
-        fleet = Fleet(self.model_specs(), cluster, placed, overhead=overhead, replica_knobs=tuple(knobs),
-                      cascade=self.cascade is not None)
-        return fleet, table
+        return Placement(cluster, placed, tuple(knobs), table)
 
     # ---- JSON ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -279,8 +292,9 @@ class ServingPlan:
         buckets = _buckets(d.get("buckets"), f"{where}: buckets")
         nb = len(buckets)
         routing = d.get("routing", "weights")
-        if routing not in ROUTING_POLICIES:
-            raise PlanError(f"{where}: routing {routing!r} is not one of {', '.join(ROUTING_POLICIES)}")
+        if routing not in choices(RoutingPolicy):
+            raise PlanError(f"{where}: routing {routing!r} is not one of {', '.join(choices(RoutingPolicy))}")
+        routing = RoutingPolicy(routing)
         groups = tuple(_group(g, f"{where}: groups[{i}]", nb, len(models))
                        for i, g in enumerate(sequence(d.get("groups"), f"{where}: groups", PlanError)))
         if not groups:
@@ -318,84 +332,24 @@ class ServingPlan:
                     raise PlanError(f"{where}: model {m} ({self.models[m]}) has no replica group; give it one")
                 continue
             roles = {g.role for g in mine}
-            if ("prefill" in roles) != ("decode" in roles):
+            if (Role.PREFILL in roles) != (Role.DECODE in roles):
                 raise PlanError(f"{where}: model {m}'s {'prefill' if 'prefill' in roles else 'decode'} groups need "
                                 f"{'decode' if 'prefill' in roles else 'prefill'} groups to hand requests to")
             for b, bucket in enumerate(self.buckets.buckets):
                 if bucket.share <= 0:
                     continue
-                total = sum(g.entry[b] for g in mine if g.role != "decode")
+                total = sum(g.entry[b] for g in mine if g.role.takes_new)
                 if abs(total - 1) > SHARE_TOLERANCE:
                     raise PlanError(f"{where}: bucket {b} ({bucket.label}) of model {m}: the groups' entry shares sum "
                                     f"to {total:.6g}, not 1; give each bucket's shares over its groups summing to 1")
-                if "decode" in roles:
-                    dec = sum(g.decode[b] for g in mine if g.role == "decode")
-                    if abs(dec - 1) > SHARE_TOLERANCE and any(g.entry[b] > 0 for g in mine if g.role == "prefill"):
+                if Role.DECODE in roles:
+                    dec = sum(g.decode[b] for g in mine if g.role is Role.DECODE)
+                    if abs(dec - 1) > SHARE_TOLERANCE and any(g.entry[b] > 0 for g in mine if g.role is Role.PREFILL):
                         raise PlanError(f"{where}: bucket {b} ({bucket.label}) of model {m}: the decode groups' "
                                         f"shares sum to {dec:.6g}, not 1")
 
-    def check(self) -> list[str]:
-        """Check the plan against its models and cluster (PlanError in one line): devices, degrees, memory, the
-        longest request each group is routed; the notes worth saying (a group routed nothing)."""
-        models = _models(self.models)
-        try:
-            cluster = self.mixed_cluster()
-        except FlexmeshError as e:
-            raise PlanError(f"plan: cluster {self.cluster!r}: {e}") from None
-        used = [0] * len(cluster.groups)
-        notes = []
-        for i, g in enumerate(self.groups):
-            where = f"plan: groups[{i}] ({g.label})"
-            if g.group >= len(cluster.groups):
-                raise PlanError(f"{where}: device group {g.group} is not one of the cluster's {len(cluster.groups)} "
-                                f"({cluster.label})")
-            dev = cluster.groups[g.group].device
-            if dev.name != g.device:
-                raise PlanError(f"{where}: device group {g.group} of {cluster.label} holds {dev.name}, not "
-                                f"{g.device}")
-            m = models[g.model]
-            try:
-                check_tp(m, g.tp, g.pp)
-                cap = kv_capacity(m, dev, g.tp, g.pp, g.knobs.max_batched_tokens, g.knobs.max_seqs,
-                                  g.knobs.block_tokens, g.knobs.memory_fraction)
-            except FlexmeshError as e:
-                raise PlanError(f"{where}: {e}") from None
-            node = cluster.groups[g.group].devices_per_node
-            if g.tp > node:
-                raise PlanError(f"{where}: tp {g.tp} is wider than a node of {node} devices; lower tp (raise pp)")
-            used[g.group] += g.devices
-            tokens = (g.knobs.kv_blocks or cap.blocks) * g.knobs.block_tokens
-            shares = g.decode if g.role == "decode" else g.entry
-            routed = [b for b, s in enumerate(shares) if s > 0 and self.buckets.buckets[b].share > 0]
-            for b in routed:
-                longest = self.buckets.buckets[b].longest
-                if longest > tokens:
-                    raise PlanError(f"{where}: its KV cache holds {tokens:,} tokens, fewer than bucket {b}'s longest "
-                                    f"request ({longest:,}); route that bucket elsewhere or raise tp")
-            if not routed:
-                notes.append(f"group {i} ({g.label}) is routed no requests")
-        for gi, n in enumerate(used):
-            have = cluster.groups[gi].world_size
-            if n > have:
-                raise PlanError(f"plan: the groups on device group {gi} use {n} {cluster.groups[gi].device.name} "
-                                f"devices; it has {have}")
-        missing = sorted(d for d in self.devices if d not in self.prices)
-        if missing:
-            notes.append(f"no price for {', '.join(missing)}")
-        return notes
 
-
-def _models(names: Sequence[str]) -> tuple[ModelSpec, ...]:
-    out = []
-    for i, n in enumerate(names):
-        try:
-            out.append(parse_model(n))
-        except FlexmeshError as e:
-            raise PlanError(f"plan: models[{i}]: {e}") from None
-    return tuple(out)
-
-
-def _buckets(raw: Any, where: str) -> Buckets:
+def _buckets(raw: Any, where: str) -> RequestBuckets:
     d = mapping(raw, where, PlanError)
     known_keys(d, ("prompt_edges", "output_edges", "buckets"), where, PlanError)
     edges = {}
@@ -410,7 +364,7 @@ def _buckets(raw: Any, where: str) -> Buckets:
     if len(items) != want:
         raise PlanError(f"{where}: {len(items)} buckets for {len(edges['prompt_edges'])} prompt edges and "
                         f"{len(edges['output_edges'])} output edges; give {want}, one per class")
-    spans = [(p, o) for p in _intervals(edges["prompt_edges"]) for o in _intervals(edges["output_edges"])]
+    spans = LengthClasses(edges["prompt_edges"], edges["output_edges"]).intervals()
     out = []
     for i, (item, (p, o)) in enumerate(zip(items, spans)):
         w = f"{where}.buckets[{i}]"
@@ -423,32 +377,33 @@ def _buckets(raw: Any, where: str) -> Buckets:
         rms = number(b.get("context_rms", 0), f"{w}.context_rms", PlanError, strict=False)
         out.append(Bucket(p, o, share, means[0], means[1], high, out_high, longest, rms))
     try:
-        return Buckets(edges["prompt_edges"], edges["output_edges"], tuple(out))
+        return RequestBuckets(edges["prompt_edges"], edges["output_edges"], tuple(out))
     except FlexmeshError as e:
         raise PlanError(f"{where}: {e}") from None
 
 
-def _group(raw: Any, where: str, nb: int, nm: int) -> ReplicaGroup:
+def _group(raw: Any, where: str, nb: int, nm: int) -> ServingGroup:
     g = mapping(raw, where, PlanError)
     known_keys(g, _GROUP_KEYS, where, PlanError)
     model = whole(g.get("model", 0), f"{where}.model", PlanError, minimum=0)
     if model >= nm:
         raise PlanError(f"{where}.model is {model}; the plan's models are 0..{nm - 1}")
-    role = g.get("role", "aggregated")
-    if role not in ROLES:
-        raise PlanError(f"{where}.role {role!r} is not one of {', '.join(ROLES)}")
-    e = mapping(g.get("engine", {}), f"{where}.engine", PlanError)
-    known_keys(e, _ENGINE_KEYS, f"{where}.engine", PlanError)
+    try:
+        role = Role.parse(text(g.get("role", "aggregated"), f"{where}.role", PlanError))
+    except FlexmeshError as e:
+        raise PlanError(f"{where}.{e}") from None
+    eng = mapping(g.get("engine", {}), f"{where}.engine", PlanError)
+    known_keys(eng, _ENGINE_KEYS, f"{where}.engine", PlanError)
     try:
         knobs = EngineKnobs(
-            whole(e.get("max_seqs"), f"{where}.engine.max_seqs", PlanError),
-            whole(e.get("max_batched_tokens"), f"{where}.engine.max_batched_tokens", PlanError),
-            whole(e.get("block_tokens", VLLM_BLOCK_TOKENS), f"{where}.engine.block_tokens", PlanError),
-            number(e.get("memory_fraction", VLLM_MEMORY_FRACTION), f"{where}.engine.memory_fraction", PlanError,
+            whole(eng.get("max_seqs"), f"{where}.engine.max_seqs", PlanError),
+            whole(eng.get("max_batched_tokens"), f"{where}.engine.max_batched_tokens", PlanError),
+            whole(eng.get("block_tokens", VLLM_BLOCK_TOKENS), f"{where}.engine.block_tokens", PlanError),
+            number(eng.get("memory_fraction", VLLM_MEMORY_FRACTION), f"{where}.engine.memory_fraction", PlanError,
                    maximum=1.0),
-            flag(e.get("prefix_caching", True), f"{where}.engine.prefix_caching", PlanError),
-            None, None if e.get("kv_blocks") is None else whole(e["kv_blocks"], f"{where}.engine.kv_blocks",
-                                                                 PlanError))
+            flag(eng.get("prefix_caching", True), f"{where}.engine.prefix_caching", PlanError),
+            None, None if eng.get("kv_blocks") is None else whole(eng["kv_blocks"], f"{where}.engine.kv_blocks",
+                                                                   PlanError))
     except FlexmeshError as err:
         raise PlanError(f"{where}.engine: {err}") from None
 
@@ -462,7 +417,7 @@ def _group(raw: Any, where: str, nb: int, nm: int) -> ReplicaGroup:
         return vals
 
     entry, decode = shares("entry"), shares("decode")
-    if role == "decode":
+    if role is Role.DECODE:
         if not decode:
             raise PlanError(f"{where}: a decode group gives decode shares (per bucket, of the hand-offs it decodes)")
         entry = entry or (0.0,) * nb
@@ -473,7 +428,7 @@ def _group(raw: Any, where: str, nb: int, nm: int) -> ReplicaGroup:
             raise PlanError(f"{where}: give entry shares (per bucket, of the new requests it takes)")
         if decode:
             raise PlanError(f"{where}: only decode groups give decode shares")
-    return ReplicaGroup(model, whole(g.get("group", 0), f"{where}.group", PlanError, minimum=0),
+    return ServingGroup(model, whole(g.get("group", 0), f"{where}.group", PlanError, minimum=0),
                         text(g.get("device"), f"{where}.device", PlanError),
                         whole(g.get("replicas", 1), f"{where}.replicas", PlanError),
                         whole(g.get("tp", 1), f"{where}.tp", PlanError),
