@@ -530,7 +530,7 @@ def write_record(spec, cases: list[Case], record: dict, a: argparse.Namespace, d
             f"the steps after the first {WARMUP}; predicted from {a.cluster or 'no preset'}"
             f"{' and profiles' if a.hardware_profile or a.model_profile else ''}.\n"
             + (f"Cases not run (the run stopped before them): {', '.join(missing)}.\n" if missing else "")
-            + "Reproduce: `python -m bench.gpu " + " ".join(sys.argv[1:]) + "`\n\n")
+            + "Reproduce: `python -m bench.gpu " + " ".join(_portable(sys.argv[1:])) + "`\n\n")
     ours = [r for r in rows if r[1] == "flexmesh"]
     headline = "flexmesh vs transformers tokens/s: " + ", ".join(f"{r[0]} {r[4]}" for r in ours) + (
         "; vs torchtitan: " + ", ".join(f"{r[0]} {r[5]}" for r in ours if r[5] != "-")
@@ -545,5 +545,15 @@ def write_record(spec, cases: list[Case], record: dict, a: argparse.Namespace, d
           headline=headline, gpu=not a.cpu)
 
 
+def _portable(argv: list[str]) -> list[str]:
+    """``argv`` as a record shows it: an absolute path (this machine's) by its file name under OUT.
+
+    >>> _portable(["--steps", "7", "--results", "/root/out/bench.jsonl"])
+    ['--steps', '7', '--results', 'OUT/bench.jsonl']
+    """
+    return [f"OUT/{Path(a).name}" if a.startswith("/") else a for a in argv]
+
+
 if __name__ == "__main__":
     main()
+

@@ -397,7 +397,7 @@ def main() -> int:
     from bench._results import record
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
     from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile
-    from flexmesh.serve.engine.fleet import running_fleet
+    from flexmesh.serve.engine.processes import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.metrics import summarize

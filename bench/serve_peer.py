@@ -36,8 +36,8 @@ window at three rates, to show how far the two simulators' GPU pricing lies apar
     OMP_NUM_THREADS=1 python -m bench.serve_peer            # records "serve_peer" in bench/RESULTS.md
 
 simdistserve runs in its own environment, found at ``FLEXMESH_SIMDISTSERVE`` (a DistServe checkout, default
-/work/venvs/simdistserve/src) with ``FLEXMESH_SIMDISTSERVE_PYTHON`` (a python with simpy and pandas, default
-/work/venvs/simdistserve/venv/bin/python); the bench stops with a one-line message without it.
+``.venvs/simdistserve/src`` in the repository) with ``FLEXMESH_SIMDISTSERVE_PYTHON`` (a python with simpy and
+pandas, default ``.venvs/simdistserve/venv/bin/python``); the bench stops with a one-line message without it.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ DECODE_THRESHOLD = 95  # DistServe's split between small- and large-batch decode
 
 def simdistserve_paths() -> tuple[Path, Path] | None:
     """(DistServe checkout, its python) where both exist, else None."""
-    src = Path(os.environ.get("FLEXMESH_SIMDISTSERVE", "/work/venvs/simdistserve/src"))
-    py = Path(os.environ.get("FLEXMESH_SIMDISTSERVE_PYTHON", "/work/venvs/simdistserve/venv/bin/python"))
+    home = Path(__file__).resolve().parent.parent / ".venvs" / "simdistserve"
+    src = Path(os.environ.get("FLEXMESH_SIMDISTSERVE", home / "src"))
+    py = Path(os.environ.get("FLEXMESH_SIMDISTSERVE_PYTHON", home / "venv" / "bin" / "python"))
     return (src, py) if (src / "simdistserve" / "base" / "worker.py").is_file() and py.is_file() else None
 
 
@@ -250,7 +251,7 @@ def main() -> int:
     from bench.serve_engine import engine_and_profile
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
     from flexmesh.profile.iteration import ProfiledIterationTiming
-    from flexmesh.serve.engine.fleet import running_fleet
+    from flexmesh.serve.engine.processes import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.metrics import summarize

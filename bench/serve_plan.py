@@ -72,7 +72,7 @@ from flexmesh.serve.plan import replan
 from flexmesh.serve.plan.baselines import all_baselines, known_scores, ratio
 from flexmesh.serve.plan.cascade import plan_cascade
 from flexmesh.serve.plan.milp import solve_fast
-from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner
+from flexmesh.serve.plan.planner import PlanCandidate, PlanInputs, Planner
 from flexmesh.serve.plan.replan import fast_replan, held_devices, transition
 from flexmesh.serve.plan.score import REL_TOL, score
 from flexmesh.serve.plan.search import candidates, plan, routed
@@ -232,7 +232,7 @@ def mixes_rejected(res, workload_at, label: str, known) -> list[str]:  # noqa: A
     tried.sort(key=lambda t: -t[0])
     beats = 0
     for rate, why, p, s in tried[:MIXES_SIMULATED]:
-        c = routed(Candidate(why, p, s), workload_at, planner, None, known)[0]  # its better routing
+        c = routed(PlanCandidate(why, p, s), workload_at, planner, None, known)[0]  # its better routing
         r = ratio(res.score, c.score)
         beats += r < 1
         lines.append(f"- {label}, a mix the MILP rejects ({why}): {p.layout}: MILP {rate:.4g} req/s, simulated "

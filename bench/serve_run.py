@@ -69,7 +69,7 @@ def main() -> int:
     from bench._results import markdown_table, record
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window, with_branches
     from flexmesh.serve.engine.config import EngineConfig
-    from flexmesh.serve.engine.fleet import router_on, start_engines, stop_engines
+    from flexmesh.serve.engine.processes import router_on, start_engines, stop_engines
     from flexmesh.serve.engine.replay import replay
     from flexmesh.serve.lengths import NoisyOracle, Oracle, PromptModel
     from flexmesh.serve.metrics import percentiles, read_records, summarize
@@ -255,14 +255,17 @@ def main() -> int:
     checks = _bad_input(out)
     good_all = all(c[1] for c in checks)
     lines += ["Bad input (each: exit 2, one line, seconds taken):", "",
-              *markdown_table(["input", "one line", "s", "the line"], [[w, "yes" if good else "NO", f"{s:.1f}",
-                                                                      line[:110]] for w, good, s, line in checks]), "",
+              # the run's folder is this machine's: named OUT in the record
+              *markdown_table(["input", "one line", "s", "the line"],
+                              [[w, "yes" if good else "NO", f"{s:.1f}", line.replace(str(out), "OUT")[:110]]
+                               for w, good, s, line in checks]), "",
               f"- every bad input one line, nothing hanging: {'PASS' if good_all else 'FAIL'}"]
     load_after = os.getloadavg()
     lines.append(f"\nLoad average (1 min) at the end: {load_after[0]:.1f}; the bench took "
-                 f"{(time.perf_counter() - t_start) / 60:.1f} min. Records and events: `{out}`.")
+                 f"{(time.perf_counter() - t_start) / 60:.1f} min.")
     text = "\n".join(lines)
     print(text)
+    print(f"records and events: {out}")
     (out / "summary.md").write_text(text + "\n")
     if not args.no_record:
         record("serve_run", text, headline=f"TIE/FCFS per-token {ratio:.2f} over {repeats} windows (sim gain "
@@ -278,7 +281,7 @@ def _ms(p: dict) -> dict:
 async def _count(url: str) -> int:
     from aiohttp import ClientSession
 
-    from flexmesh.serve.engine.fleet import iteration_count
+    from flexmesh.serve.engine.processes import iteration_count
 
     async with ClientSession() as s:
         return await iteration_count(s, url)
@@ -287,7 +290,7 @@ async def _count(url: str) -> int:
 async def _iterations(url: str, since: int) -> list[dict]:
     from aiohttp import ClientSession
 
-    from flexmesh.serve.engine.fleet import fetch_iterations
+    from flexmesh.serve.engine.processes import fetch_iterations
 
     async with ClientSession() as s:
         return await fetch_iterations(s, url, since)

@@ -249,3 +249,16 @@ def test_status_command_prints_a_row_per_section():
     names = [s.name for s in parse_sections((BENCH / "RESULTS.md").read_text())]
     rows = [line.split(" | ")[0].removeprefix("| ") for line in out.stdout.splitlines()[2:]]
     assert rows == names
+
+
+def test_the_readme_timing_line_is_the_scripts_between_its_markers(tmp_path):
+    from bench import readme_timing
+
+    assert readme_timing.BEGIN in readme_timing.README.read_text()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{readme_timing.BEGIN}\nold line\n{readme_timing.END}\n\nmore\n")
+    readme_timing.write("new line", readme)
+    assert readme.read_text() == f"# x\n\n{readme_timing.BEGIN}\nnew line\n{readme_timing.END}\n\nmore\n"
+    readme.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="has no <!-- timing -->"):
+        readme_timing.write("new line", readme)

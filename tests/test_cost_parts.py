@@ -10,7 +10,7 @@ import pytest
 
 from flexmesh.cost import CostModel, Work
 from flexmesh.cost.device.kernels import Kernels
-from flexmesh.cost.training.adapters import Adapters
+from flexmesh.cost.training.adapters import AdapterCosts
 from flexmesh.cost.training.experts import ExpertParallel
 from flexmesh.cost.training.parts import Parts
 from flexmesh.cost.training.weights import FullTraining
@@ -35,10 +35,10 @@ def test_parts_are_held_together():
     spec = MODEL_PRESETS["tiny-moe"]
     experts = ExpertParallel("static", ep=2)
     cm = CostModel(spec, parse_cluster("8xA100-80GB"), parts=Parts(experts=experts, tasks=TASKS))
-    assert isinstance(cm.trained, Adapters) and cm.experts == experts
+    assert isinstance(cm.trained, AdapterCosts) and cm.experts == experts
     assert cm.layer_pricing.experts is not None and cm.layer_pricing.experts.parallel == experts
     moved = cm.replace(parts=replace(cm.parts, experts=ExpertParallel("laer")))
-    assert isinstance(moved.trained, Adapters) and moved.experts.placement == "laer"
+    assert isinstance(moved.trained, AdapterCosts) and moved.experts.placement == "laer"
     full = cm.replace(parts=replace(cm.parts, tasks=None))
     assert isinstance(full.trained, FullTraining)
     s, w = LayerStrategy(dp=8, zero=1), Work(4096.0, 4096.0**2)
@@ -48,7 +48,7 @@ def test_parts_are_held_together():
 def test_a_lower_bound_kernel_model_is_a_variant_too():
     cm = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"), parts=Parts(tasks=TASKS))
     env = cm.replace(kernels=Kernels.envelope)
-    assert isinstance(env.trained, Adapters) and env.hw is not cm.hw
+    assert isinstance(env.trained, AdapterCosts) and env.hw is not cm.hw
     s = LayerStrategy(dp=8)
     assert env.microbatch_time(s, 4096.0, 4096.0**2) <= cm.microbatch_time(s, 4096.0, 4096.0**2)
 

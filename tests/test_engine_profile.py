@@ -79,9 +79,10 @@ def test_profile_round_trips_and_refuses_malformed_files(tmp_path):
     prof.save(path)
     back = load_engine_profile(path)
     assert back.fit == TRUE and back.samples == [([(0, 8)], 1e-3)] and back.name == "engine.json"
-    assert back.admission_s == 0.0016 and ProfiledIterationTiming(back).admission_s == 0.0016
-    assert back.after_idle == 0.2 and ProfiledIterationTiming(back).after_idle == 0.2
-    assert (ProfiledIterationTiming(back).intake_s, ProfiledIterationTiming(back).answer_s) == (0.0015, 0.0005)
+    loop = ProfiledIterationTiming(back).loop
+    assert back.admission_s == 0.0016 and loop.admission_s == 0.0016
+    assert back.after_idle == 0.2 and loop.after_idle == 0.2
+    assert (loop.intake_s, loop.answer_s) == (0.0015, 0.0005)
     t = ProfiledIterationTiming(back)
     assert (t.host_cores, t.host_request_s, t.host_token_s) == (2, 0.0022, 1e-5)
     older = {k: v for k, v in prof.to_dict().items()

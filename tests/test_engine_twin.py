@@ -3,6 +3,7 @@ its record keeping the router's arrival."""
 
 import pytest
 
+from flexmesh.cost.inference.timing import EngineLoop
 from flexmesh.data.requests import Request, Workload, constant_lengths, with_arrivals
 from flexmesh.errors import SpecError
 from flexmesh.profile.iteration import TERMS, EngineProfile, ProfiledIterationTiming
@@ -47,7 +48,7 @@ def test_on_a_busy_engine_the_delay_moves_every_iteration_alike():
 class ColdFlat(Flat):
     """10 ms, and 15 ms for the first iteration after 2 ms or more idle (an engine profile's ``after_idle``)."""
 
-    after_idle, idle_gap_s = 0.5, 0.002
+    loop = EngineLoop(after_idle=0.5, idle_gap_s=0.002)
 
 
 def test_the_first_iteration_after_idling_costs_after_idle_more_and_the_ones_that_follow_do_not():
@@ -69,7 +70,7 @@ def test_the_first_iteration_after_idling_costs_after_idle_more_and_the_ones_tha
 def test_the_twin_takes_the_profiles_admission_and_refuses_a_negative_one():
     fit = dict(zip(TERMS, (1e-3, 0.0, 0.0, 0.0, 0.0, 0.0)))
     timing = ProfiledIterationTiming(EngineProfile({}, {}, fit, admission_s=0.0015))
-    assert timing.admission_s == 0.0015
+    assert timing.loop.admission_s == 0.0015
     assert twin_fleet(CFG, 2, timing).admission_s == 0.0015
     assert twin_fleet(CFG, 2, timing, admission_s=0.0).admission_s == 0.0  # given: it wins
     assert twin_fleet(CFG, 2, Flat()).admission_s == 0.0  # a timing without one: none
@@ -81,7 +82,7 @@ def test_the_twin_takes_the_profiles_admission_and_refuses_a_negative_one():
 class Chatty(Flat):
     """10 ms, and a busy engine's HTTP thread: 2 ms per request taken in, 1 ms per request answered."""
 
-    intake_s, answer_s = 0.002, 0.001
+    loop = EngineLoop(intake_s=0.002, answer_s=0.001)
 
 
 def test_requests_reaching_or_leaving_a_busy_engine_lengthen_its_next_iteration_and_lapse_when_it_idles():

@@ -137,7 +137,7 @@ def test_tokens_per_batch_takes_a_count_that_data_parallelism_divides(capsys, tm
 def test_a_plan_mixing_meshes_in_one_group_is_left_out_of_the_ranking():
     """The search may price layers of one group on different meshes; the runtime's scheduler cannot take
     them (flexmesh.layout.mesh.group_layout), so --lengths scores the rest instead of failing."""
-    from flexmesh.commands.plan_lengths import Workload, score_plan
+    from flexmesh.commands.plan_lengths import PlanWorkload, score_plan
     from flexmesh.cost import CostModel
     from flexmesh.cost.training.mixed import MixedCosts
     from flexmesh.layout import LayerStrategy
@@ -148,7 +148,7 @@ def test_a_plan_mixing_meshes_in_one_group_is_left_out_of_the_ranking():
     model, cluster = parse_model("tiny"), parse_cluster("4xA100-80GB")
     cost = CostModel(model, cluster)
     costs = MixedCosts(model, MixedCluster((cluster,)), groups=[cost])
-    work = Workload(512, 8, lengths="lengths.txt", batches=[np.full(8, 300)])
+    work = PlanWorkload(512, 8, lengths="lengths.txt", batches=[np.full(8, 300)])
 
     def plan(*strategies: str) -> Plan:
         st = StagePlan(0, 4, tuple(LayerStrategy.parse(s) for s in strategies))

@@ -353,7 +353,7 @@ def test_an_engine_log_is_never_written_through_a_link(tmp_path):
     import asyncio
 
     from flexmesh.serve.engine.config import EngineConfig
-    from flexmesh.serve.engine.fleet import start_engines
+    from flexmesh.serve.engine.processes import start_engines
 
     elsewhere = _elsewhere(tmp_path)
     logs = tmp_path / "logs"

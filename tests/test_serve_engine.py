@@ -117,7 +117,7 @@ def test_fleet_tokens_equal_generate_through_the_router_and_an_engine_killed_los
     pytest.importorskip("aiohttp")
     import aiohttp
 
-    from flexmesh.serve.engine.fleet import fetch_iterations, running_fleet
+    from flexmesh.serve.engine.processes import fetch_iterations, running_fleet
     from flexmesh.serve.metrics import read_records
 
     prompts = [prompt_ids(i, n, 4096) for i, (n, _) in enumerate(LENGTHS)]
@@ -242,7 +242,7 @@ def test_a_port_in_use_is_one_line(tmp_path, monkeypatch):
 @pytest.mark.timeout(200)
 def test_an_engine_that_fails_to_start_is_one_line(tmp_path):
     pytest.importorskip("aiohttp")
-    from flexmesh.serve.engine.fleet import start_engines
+    from flexmesh.serve.engine.processes import start_engines
 
     bad = EngineConfig(model=str(tmp_path / "missing" / "config.json"))
     with pytest.raises(ServeError) as e:  # one engine: the line is the failing engine's, however many start

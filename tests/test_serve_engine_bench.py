@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.serve_engine import MORE_RATES, RATE_STEP, knee, median_spread, next_rate
+from flexmesh.cost.inference.timing import EngineLoop
 
 
 def test_knee_is_read_between_the_rates_that_cross_it():
@@ -55,9 +56,10 @@ def _engine(speeds, price=0.005):
 
 
 class _Flat:
-    """A timing that prices every batch at 5 ms, nothing after idling, no request costs."""
+    """A timing that prices every batch at 5 ms, nothing after idling, no request or host costs."""
 
-    after_idle = intake_s = answer_s = 0.0
+    loop = EngineLoop()
+    host_cores, host_request_s = 0, 0.0
 
     def iteration_s(self, batch):
         return 0.005

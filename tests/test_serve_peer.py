@@ -4,11 +4,11 @@ requests.
 
 simdistserve runs from its own environment: a DistServe checkout (github.com/LLMServe/DistServe, Apache-2.0)
 at ``$FLEXMESH_SIMDISTSERVE`` and a python with simpy and pandas at ``$FLEXMESH_SIMDISTSERVE_PYTHON``
-(defaults under /work/venvs/simdistserve/)::
+(defaults under .venvs/simdistserve/)::
 
-    python -m venv /work/venvs/simdistserve/venv && /work/venvs/simdistserve/venv/bin/pip install simpy pandas
-    git clone https://github.com/LLMServe/DistServe /work/venvs/simdistserve/src
-    git -C /work/venvs/simdistserve/src rev-parse HEAD > /work/venvs/simdistserve/src/COMMIT   # named in the record
+    python -m venv .venvs/simdistserve/venv && .venvs/simdistserve/venv/bin/pip install simpy pandas
+    git clone https://github.com/LLMServe/DistServe .venvs/simdistserve/src
+    git -C .venvs/simdistserve/src rev-parse HEAD > .venvs/simdistserve/src/COMMIT   # named in the record
 
 Without them those tests are skipped.
 """

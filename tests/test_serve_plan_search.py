@@ -15,7 +15,7 @@ from flexmesh.serve.layout.routing import RoutingPolicy
 from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.plan import milp
 from flexmesh.serve.plan.capacity import CAPACITY_TOL
-from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner
+from flexmesh.serve.plan.planner import PlanCandidate, PlanInputs, Planner
 from flexmesh.serve.plan.score import Score
 from flexmesh.serve.plan.search import _better, best_of, plan
 from flexmesh.serve.plan.workload import buckets_from_trace, parse_buckets
@@ -69,8 +69,8 @@ def test_every_candidate_is_scored_with_both_routing_policies_and_the_best_is_ta
     assert not any(_better(c.score, res.score, None) for c in res.candidates if c.score is not None)
 
 
-def _scored(name: str, goodput: float, usd: float) -> Candidate:
-    return Candidate(name, ServingPlan.__new__(ServingPlan), None, Score(goodput, True, usd, (), 0.0))
+def _scored(name: str, goodput: float, usd: float) -> PlanCandidate:
+    return PlanCandidate(name, ServingPlan.__new__(ServingPlan), None, Score(goodput, True, usd, (), 0.0))
 
 
 def test_a_budget_per_dollar_keeps_the_candidate_whose_goodput_costs_least():

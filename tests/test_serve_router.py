@@ -12,7 +12,7 @@ import pytest
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.http import parse_completion
 from flexmesh.serve.engine.replay import replay
-from flexmesh.serve.engine.router import Router
+from flexmesh.serve.engine.router import RouterService
 from flexmesh.serve.lengths import Oracle
 from flexmesh.serve.metrics import RequestRecord, read_records
 
@@ -99,7 +99,7 @@ def with_router(engines, body, **router_kwargs):
             urls.append(u)
         router_kwargs.setdefault("health_interval_s", 0.1)
         router_kwargs.setdefault("health_timeout_s", 0.5)
-        router = Router(urls, **router_kwargs)
+        router = RouterService(urls, **router_kwargs)
         router.runners = runners
         rr, url = await started(router.app())
         try:
@@ -173,7 +173,7 @@ def test_engine_errors_are_passed_on_in_one_line():
     assert wrong_id[0] == 400 and "\n" not in wrong_id[1]["error"]["message"]
     assert branches_wrong[0] == 400 and "needed from 1 to n" in branches_wrong[1]["error"]["message"]
     with pytest.raises(ServeError, match="route 'random'"):
-        Router(["http://127.0.0.1:9"], route="random")
+        RouterService(["http://127.0.0.1:9"], route="random")
 
 
 def test_a_dead_engine_loses_no_request():

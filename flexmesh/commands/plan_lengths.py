@@ -40,7 +40,7 @@ RESCORED = 8  # plans of the search re-scored on the batches (beside every basel
 
 
 @dataclass
-class Workload:
+class PlanWorkload:
     """One step's size and, with ``--lengths``, the batches drawn from the distribution."""
 
     seq_len: int  # --seq-len: every sequence's length, or with --lengths the cap
@@ -93,7 +93,7 @@ class Workload:
 
 
 def workload(seq: int, global_batch: int | None, tokens: int | None, lengths: str | None, world: int,
-             mixed: bool = False) -> Workload:
+             mixed: bool = False) -> PlanWorkload:
     """The step ``--seq-len`` (``seq``), ``--global-batch``, ``--tokens-per-batch`` and ``--lengths``
     describe on ``world`` devices (batches drawn); PlanError (DataError for a bad lengths file) with what
     to change. ``--tokens-per-batch`` becomes the count of ``--seq-len`` sequences near it that splits over
@@ -110,7 +110,7 @@ def workload(seq: int, global_batch: int | None, tokens: int | None, lengths: st
     if tokens is not None:
         exact = max(1, tokens // seq)  # the tokens as --seq-len sequences: what the micro-batches are sized for
         gb = factoring_batch(exact, world)
-    work = Workload(seq, gb, tokens, lengths=lengths, world=world, exact_batch=exact)
+    work = PlanWorkload(seq, gb, tokens, lengths=lengths, world=world, exact_batch=exact)
     if lengths:
         cfg = SimulationConfig(policies=(), context=seq, lengths=lengths, steps=STEPS, seed=SEED,
                                seqs_per_batch=None if tokens else gb, tokens_per_batch=tokens)
@@ -121,7 +121,7 @@ def workload(seq: int, global_batch: int | None, tokens: int | None, lengths: st
     return work
 
 
-def recommendation_batches(work: Workload) -> tuple[list[np.ndarray], str]:
+def recommendation_batches(work: PlanWorkload) -> tuple[list[np.ndarray], str]:
     """The batches ``plan`` recommends a policy on, and the lengths they come from: ``--lengths``' draws, else
     :data:`STEPS` drawn with seed :data:`SEED` from simulate's default lengths (its ``--steps 4`` draws the same)."""
     if work.lengths:
@@ -132,7 +132,7 @@ def recommendation_batches(work: Workload) -> tuple[list[np.ndarray], str]:
     return sample_batches(cfg), DEFAULT_LENGTHS
 
 
-def score_plan(plan: Plan, model: ModelSpec, costs: MixedCosts, work: Workload) -> Expected | None:
+def score_plan(plan: Plan, model: ModelSpec, costs: MixedCosts, work: PlanWorkload) -> Expected | None:
     """``plan``'s expected step on the batches, None where its default policy cannot schedule them or the
     runtime's scheduler cannot take its layout (layers of one group on different meshes: the search may
     price such a mix, flexmesh.layout.mesh.group_layout refuses to run it)."""
@@ -148,12 +148,12 @@ def expected_dict(e: Expected) -> dict:
             "step_times_s": list(e.step_times)}
 
 
-def with_expected(plan: Plan, e: Expected, work: Workload) -> Plan:
+def with_expected(plan: Plan, e: Expected, work: PlanWorkload) -> Plan:
     """``plan`` with its expected step recorded under ``predicted.lengths`` (beside the cost model's)."""
     return replace(plan, predicted={**plan.predicted, "lengths": {**work.to_dict(), **expected_dict(e)}})
 
 
-def score_uniform(result: SearchResult, cost: CostModel, work: Workload, top: int
+def score_uniform(result: SearchResult, cost: CostModel, work: PlanWorkload, top: int
                   ) -> tuple[SearchResult, dict[str, Expected]]:
     """The search's best :data:`RESCORED` plans ranked by their expected step (``top`` kept), and the
     expected step of each of them and of every baseline, by layout."""
@@ -174,7 +174,7 @@ def score_uniform(result: SearchResult, cost: CostModel, work: Workload, top: in
     return replace(result, plans=ranked[:top]), expected
 
 
-def score_mixed(result: MixedResult, model: ModelSpec, costs: MixedCosts, work: Workload
+def score_mixed(result: MixedResult, model: ModelSpec, costs: MixedCosts, work: PlanWorkload
                 ) -> tuple[Plan, GroupsEvaluation, Expected]:
     """The mixed search's best :data:`RESCORED` plans' fastest by expected step, with its figures."""
     t0 = time.perf_counter()
@@ -192,7 +192,7 @@ def score_mixed(result: MixedResult, model: ModelSpec, costs: MixedCosts, work: 
 
 
 def score_baselines(baselines: dict, plans: BaselinePlans, model: ModelSpec, costs: MixedCosts,
-                    work: Workload) -> None:
+                    work: PlanWorkload) -> None:
     """Each mixed-cluster baseline's figures (in place) as expected on the batches: its plan(s) scored
     as the plan is (``sum_of_parts``: each part's, throughputs added); the cost model's figures at the
     cap stay beside them as ``fixed_length_*``."""

@@ -93,7 +93,7 @@ def bench(args: argparse.Namespace) -> int:
 
         if args.url:
             return await replays(args.url.rstrip("/"), [])
-        from flexmesh.serve.engine.fleet import running_fleet
+        from flexmesh.serve.engine.processes import running_fleet
 
         logs = out / "logs" if out is not None else Path(tempfile.mkdtemp(prefix="flexmesh-bench-"))
         print(f"starting {len(cfgs)} engine(s) of {cfgs[0].model} (logs: {logs}) ...", file=sys.stderr, flush=True)

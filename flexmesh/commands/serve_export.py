@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from flexmesh.commands.args import folder, nonneg_int
+from flexmesh.serve.engines import exported
 from flexmesh.serve.queues import QUEUES
 
 
@@ -21,7 +22,9 @@ def add_parser(kinds) -> argparse.ArgumentParser:
                                      "command is checked by the engine's own argument parser where it is "
                                      "importable, else the output says it was not checked.")
     p.add_argument("--plan", required=True, metavar="PLAN", help="a serving plan (flexmesh serve plan --out)")
-    p.add_argument("--engine", choices=("vllm", "sglang", "both"), default="both", help="which engines' commands")
+    names = [e.name for e in exported()]
+    p.add_argument("--engine", choices=(*names, "both"), default="both",
+                   help=f"which engine's commands ({', '.join(names)}; both: each of them)")
     p.add_argument("--model-path", help="the model's weights as the engines load them (default: the plan's model "
                    "name)")
     p.add_argument("--host", default="127.0.0.1", help="the address each engine listens on (0.0.0.0 for a router "
@@ -37,25 +40,24 @@ def add_parser(kinds) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from flexmesh.files import make_folder, write_atomic
-    from flexmesh.serve.export import check_launches, launch_script, router_config, sglang_launches, vllm_launches
+    from flexmesh.serve.export import check_launches, launch_script, launches, router_config
     from flexmesh.serve.layout.plan import load_plan
     from flexmesh.serve.plan.check import check_plan
 
     plan = load_plan(args.plan)
     check_plan(plan)
     model = args.model_path or plan.models[0]
-    engines = ("vllm", "sglang") if args.engine == "both" else (args.engine,)
-    made = {"vllm": vllm_launches, "sglang": sglang_launches}
+    engines = [e.name for e in exported()] if args.engine == "both" else [args.engine]
     out = Path(args.out) if args.out else None
     if out is not None:
         make_folder(out)
     first = None
     for engine in engines:
-        launches = made[engine](plan, model, args.base_port, args.host)
-        first = first or launches
-        checked = check_launches(engine, launches, getattr(args, f"{engine}_python"))
-        print(f"{engine}: {len(launches)} engine(s); {checked}", file=sys.stderr)
-        script = launch_script(engine, launches, checked)
+        commands = launches(engine, plan, model, args.base_port, args.host)
+        first = first or commands
+        checked = check_launches(engine, commands, getattr(args, f"{engine}_python", None))
+        print(f"{engine}: {len(commands)} engine(s); {checked}", file=sys.stderr)
+        script = launch_script(engine, commands, checked)
         if out is not None:
             write_atomic(out / f"launch-{engine}.sh", script)
         else:

@@ -74,8 +74,8 @@ def resolve_fleet(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from flexmesh.serve.engine.fleet import serve_fleet
     from flexmesh.serve.engine.http import check_port
+    from flexmesh.serve.engine.processes import serve_fleet
 
     need_aiohttp()
     cfgs, route, opts, notes = resolve_fleet(args)

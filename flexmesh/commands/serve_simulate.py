@@ -45,7 +45,7 @@ from flexmesh.serve.plan.check import check_plan
 from flexmesh.serve.plan.score import plan_workload
 from flexmesh.serve.queues import QUEUES
 from flexmesh.serve.router import ROUTERS
-from flexmesh.serve.simulator import Fleet, SimResult
+from flexmesh.serve.simulator import Fleet, RunOptions, SimResult
 from flexmesh.serve.study import RatePoint, find_goodput, fleet_price, sweep
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import ModelSpec, parse_model
@@ -301,21 +301,23 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"simulating {len(job.workload):,} requests x {runs if not job.goodput else f'up to {runs}'} "
                       f"runs; progress below" if console.is_terminal else
                       f"simulating {len(job.workload):,} requests x {'up to ' if job.goodput else ''}{runs} runs")
-    opts: dict[str, object] = dict(router=job.router, weights=job.weights, queue=job.queue, routing=job.routing,
-                                   predictor=job.predictor)
+    opts = RunOptions(router=job.router, weights=job.weights, queue=job.queue, routing=job.routing,
+                      predictor=job.predictor)
     with _progress(console, total >= LONG_RUN_REQUESTS) as tick:
-        main = job.fleet.run(job.workload, progress=tick, **opts)  # type: ignore[arg-type]
+        main = job.fleet.run(job.workload, opts, tick)
         points = [RatePoint(job.rate, summarize(main.records, job.slo, job.dollars_per_hour))]
         points += [pt for pt, _ in sweep(job.fleet, job.workload_at, job.rates, job.slo, job.dollars_per_hour, tick,
-                                         **opts)]
+                                         opts)]
         good: Goodput | None = None
         if job.goodput:
             assert job.slo is not None
             good, tried = find_goodput(job.fleet, job.workload_at, job.slo, job.target, job.rate,
-                                       job.dollars_per_hour, tick, **opts)  # type: ignore[arg-type]
+                                       job.dollars_per_hour, tick, options=opts)
             points += tried
-    seen: set[float] = set()  # a rate run twice (the goodput search starts at the main rate): its first run
-    points = [p for p in points if not (p.rate in seen or seen.add(p.rate))]  # type: ignore[func-returns-value]
+    first: dict[float, RatePoint] = {}  # a rate run twice (the goodput search starts at the main rate): its first run
+    for p in points:
+        first.setdefault(p.rate, p)
+    points = list(first.values())
     doc = _document(job, main, points, good)
     if args.out:
         _write(Path(args.out), job, main, points, good, doc)

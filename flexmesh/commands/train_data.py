@@ -117,11 +117,11 @@ def check_evaluation(args: argparse.Namespace, plan: Plan, spec) -> None:  # noq
 def held_out(args: argparse.Namespace, job: Job, tok, end_of_text: int | None = None):  # noqa: ANN001, ANN201
     """``--eval-corpus``'s first ``--eval-docs`` documents under the run's tokenizer ``tok``, each followed by
     ``end_of_text`` as the training documents are, laid out by the ``fixed`` policy, evaluated every
-    ``--eval-every`` steps (flexmesh.runtime.train.evaluate): an Evaluation; None without --eval-corpus."""
+    ``--eval-every`` steps (flexmesh.runtime.train.evaluate): a HeldOutEval; None without --eval-corpus."""
     from flexmesh.data.corpus import read_corpus, stdlib_corpus
     from flexmesh.data.loader import tokenize_corpus
     from flexmesh.errors import DataError
-    from flexmesh.runtime.train.evaluate import Evaluation, held_out_documents
+    from flexmesh.runtime.train.evaluate import HeldOutEval, held_out_documents
 
     if args.eval_corpus is None:
         return None
@@ -130,7 +130,7 @@ def held_out(args: argparse.Namespace, job: Job, tok, end_of_text: int | None = 
     docs = held_out_documents(tokens, args.eval_docs, job.seq_len)
     if not docs:
         raise DataError(f"--eval-corpus {args.eval_corpus} has no document of two tokens or more; give another")
-    return Evaluation.of(docs, args.eval_every, scheduler(job, "fixed", args.seed, args.cp))
+    return HeldOutEval.of(docs, args.eval_every, scheduler(job, "fixed", args.seed, args.cp))
 
 
 def document_loader(args: argparse.Namespace, job: Job, tokens: RunTokens | None = None,  # noqa: ANN201

@@ -1,6 +1,6 @@
 """``flexmesh profile engine``: measure a local engine's iterations into an engine profile.
 
-The engines are the processes ``flexmesh serve run`` starts (:mod:`flexmesh.serve.engine.fleet`, the same
+The engines are the processes ``flexmesh serve run`` starts (:mod:`flexmesh.serve.engine.processes`, the same
 :class:`~flexmesh.serve.engine.config.EngineConfig`), ``engines`` of them side by side, each sent every
 scenario at once over its own HTTP endpoint (no router): so each is measured as it serves, with its HTTP
 thread and its neighbours on the machine's cores and memory. Every time comes from an engine's own
@@ -244,7 +244,7 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
     measured appended to ``raw`` (module doc)."""
     from aiohttp import ClientSession, ClientTimeout
 
-    from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, start_engines, stop_engines
+    from flexmesh.serve.engine.processes import fetch_iterations, iteration_count, start_engines, stop_engines
 
     repeats = (QUICK if quick else FULL)["repeats"]
     timed: dict[tuple, list[float]] = defaultdict(list)
@@ -310,7 +310,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
     (the router and the client) per replay: ``(requests, prompt and output tokens, seconds)``, each load's and a
     replay of short requests', its background taken out."""
     from flexmesh.data.requests import Request, Workload, with_arrivals
-    from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count, router_on
+    from flexmesh.serve.engine.processes import fetch_iterations, iteration_count, router_on
     from flexmesh.serve.engine.replay import replay
 
     # a request's seconds alone by the sweep's fit: the rates that load each engine as asked

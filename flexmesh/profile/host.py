@@ -9,7 +9,7 @@ its background (health checks, timed while idle) taken out, and :func:`host_cost
 ``host_request_s`` per request and ``host_token_s`` per token carried (the prompt sent, the outputs answered; on this
 2-core machine about 2 ms a request and 6 us a token). While as many engines iterate as the host has cores, that CPU
 comes out of theirs: the request simulator charges it to the replica the request is on
-(:class:`flexmesh.serve.replica.SharedHost`). A GPU engine's iterations do not run on the host's cores: only an
+(:class:`flexmesh.serve.engine.twin.SharedHost`). A GPU engine's iterations do not run on the host's cores: only an
 engine profile's timing names them. 0 in a profile written before they were measured.
 
 :func:`saturated_starts` tells which logged iterations started with every core taken (the iteration figure of

@@ -79,7 +79,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flexmesh.cost.inference.timing import IterationTiming
+from flexmesh.cost.inference.timing import EngineLoop, IterationTiming
 from flexmesh.errors import ProfileError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.profile.fit import least_squares
@@ -228,26 +228,12 @@ class ProfiledIterationTiming:
         return self._c[0]
 
     @property
-    def admission_s(self) -> float:
-        """A request's way from the router into the engine's batch (the profile's ``admission_s``: module doc)."""
-        return self.profile.admission_s
-
-    @property
-    def after_idle(self) -> float:
-        """What the first iteration after idling costs beyond :meth:`iteration_s`, as a fraction (module doc)."""
-        return self.profile.after_idle
-
-    idle_gap_s = IDLE_GAP_S  # the idle gap after which an iteration is a first one (module doc)
-
-    @property
-    def intake_s(self) -> float:
-        """A busy engine's seconds per request it takes in, beyond the fit's (module doc)."""
-        return self.profile.intake_s
-
-    @property
-    def answer_s(self) -> float:
-        """A busy engine's seconds per request it answers, beyond the fit's (module doc)."""
-        return self.profile.answer_s
+    def loop(self) -> EngineLoop:
+        """What the engine's loop costs beyond the fit (the profile's ``after_idle``, ``intake_s``, ``answer_s`` and
+        ``admission_s``, after an idle gap of :data:`IDLE_GAP_S`: module doc)."""
+        p = self.profile
+        return EngineLoop(after_idle=p.after_idle, idle_gap_s=IDLE_GAP_S, intake_s=p.intake_s, answer_s=p.answer_s,
+                          admission_s=p.admission_s)
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         if not batch:
@@ -302,13 +288,14 @@ def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) 
     >>> [round(x * 1e3, 1) for x in price_runs([its], t)]
     [15.0, 12.0, 15.0]
     """
-    cores, per_request = getattr(timing, "host_cores", 0), getattr(timing, "host_request_s", 0.0)
+    cores, per_request = timing.host_cores, timing.host_request_s
     saturated = saturated_starts(runs, cores) if cores and per_request else None
+    loop = timing.loop
     out = []
     for k, (it, after_idle) in enumerate(_after_idle_flags(runs)):
         price = timing.iteration_s([tuple(b) for b in it["batch"]])
-        price = price * (1.0 + timing.after_idle) if after_idle else price
-        price += timing.intake_s * it.get("taken", 0) + timing.answer_s * it.get("answered", 0)
+        price = price * (1.0 + loop.after_idle) if after_idle else price
+        price += loop.intake_s * it.get("taken", 0) + loop.answer_s * it.get("answered", 0)
         if saturated is not None and saturated[k]:
             price += per_request * it.get("taken", 0)
         out.append(price)

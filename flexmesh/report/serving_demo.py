@@ -59,8 +59,8 @@ def _run_here(plan_path: Path, folder: Path, requests: int):
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
     from flexmesh.profile.iteration import ProfiledIterationTiming, replay_profile
     from flexmesh.serve.engine.config import EngineConfig
-    from flexmesh.serve.engine.fleet import running_fleet
     from flexmesh.serve.engine.local import plan_engines
+    from flexmesh.serve.engine.processes import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.layout.plan import load_plan

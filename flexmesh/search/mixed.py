@@ -74,7 +74,7 @@ Shape = tuple[tuple[int, int], ...]  # (group, tp) per stage, first stage first
 
 
 @dataclass(frozen=True)
-class Slot:
+class TPSlot:
     """One TP group: ``tp`` consecutive devices of one node of one group."""
 
     group: int
@@ -136,25 +136,25 @@ class MixedSearch:
         self.mus = [m for m in MICROBATCH_SIZES if global_batch % m == 0]
         self._lines = lru_cache(maxsize=None)(self._line)
         self._parts: dict[tuple, Partition | None] = {}
-        self._slots: dict[tuple[int, int], list[Slot]] = {}
+        self._slots: dict[tuple[int, int], list[TPSlot]] = {}
         self._p2ps: dict[tuple, float] = {}
         self._blocks: dict[tuple, list[Partition] | None] = {}
         # the plans of one replica group per device type (flexmesh.search.mixed_types), and its searches
         self.types = TypePlans(model, cluster, seq_len, global_batch, self.costs)
 
     # ---- building blocks -----------------------------------------------------------------------
-    def slots(self, group: int, tp: int) -> list[Slot]:
+    def slots(self, group: int, tp: int) -> list[TPSlot]:
         """The group's TP groups of degree ``tp``, in device order."""
         if (group, tp) not in self._slots:
             g, start = self.cluster.groups[group], self.cluster.group_start(group)
             out = []
             for q in range(g.world_size // tp):
                 devs = tuple(range(start + q * tp, start + (q + 1) * tp))
-                out.append(Slot(group, tp, devs, self.costs.speed(devs), self.costs.node_of[devs[0]]))
+                out.append(TPSlot(group, tp, devs, self.costs.speed(devs), self.costs.node_of[devs[0]]))
             self._slots[(group, tp)] = out
         return self._slots[(group, tp)]
 
-    def _p2p(self, a: Slot, b: Slot, mu: int) -> float:
+    def _p2p(self, a: TPSlot, b: TPSlot, mu: int) -> float:
         # What the price depends on: the groups, whether one node holds both, the TP degrees.
         key = (a.group, b.group, a.node == b.node, a.tp, b.tp, mu)
         if key not in self._p2ps:
@@ -178,7 +178,7 @@ class MixedSearch:
             gamma.append(ends.states + ends.act * flight + layer.transient + logits)
         return StageLine(MODES, tuple(tau), tuple(e), tuple(beta), tuple(gamma), cost.memory_budget)
 
-    def lines(self, slots: Sequence[Slot], mu: int) -> list[StageLine]:
+    def lines(self, slots: Sequence[TPSlot], mu: int) -> list[StageLine]:
         pp = len(slots)
         out = []
         for j, s in enumerate(slots):
@@ -188,7 +188,7 @@ class MixedSearch:
                                    mu, round(p2p, 12)))
         return out
 
-    def partition(self, slots: Sequence[Slot], mu: int) -> Partition | None:
+    def partition(self, slots: Sequence[TPSlot], mu: int) -> Partition | None:
         lines = self.lines(slots, mu)
         key = (tuple(lines), mu)
         if key not in self._parts:
@@ -211,7 +211,7 @@ class MixedSearch:
             out += sorted(scored, reverse=True)[:TOP_SHAPES]
         return sorted(out, reverse=True)
 
-    def _rate(self, slots: Sequence[Slot]) -> float:
+    def _rate(self, slots: Sequence[TPSlot]) -> float:
         """Optimistic tokens/s of one replica on these slots: the best micro-batch size at its slowest stage."""
         best = 0.0
         for mu in self.mus:
@@ -292,7 +292,8 @@ class MixedSearch:
                 taken[g] += n
         return out
 
-    def block_replicas(self, shape: Shape, n: int, offsets: tuple[int, ...], tps: tuple[int, ...]) -> list[list[Slot]]:
+    def block_replicas(self, shape: Shape, n: int, offsets: tuple[int, ...],
+                       tps: tuple[int, ...]) -> list[list[TPSlot]]:
         """Each replica's slots: the ``j``-th stage on group g of replica ``i`` on the block's TP group
         ``j * n + i`` of g (the replicas' stage ``j`` on consecutive TP groups)."""
         seen: dict[int, int] = {}
@@ -319,12 +320,12 @@ class MixedSearch:
         return self._blocks[key]
 
     # ---- the lower level ----------------------------------------------------------------------------
-    def estimate(self, config: Config, best: float) -> tuple[float, list[list[Slot]], list[Partition],
+    def estimate(self, config: Config, best: float) -> tuple[float, list[list[TPSlot]], list[Partition],
                                                              list[int]] | None:
         """(slowest pipeline s, replicas, their partitions, micro-batches each), or None when nothing
         fits or a lower bound of the full step, the relaxed batch split plus :meth:`sync_bound`, cannot
         beat ``best`` seconds (the best full step so far)."""
-        replicas: list[list[Slot]] = []
+        replicas: list[list[TPSlot]] = []
         parts: list[Partition] = []
         for shape, n, offsets in self.blocks(config):
             block = self.block_partitions(shape, n, offsets, config.tps, config.mu)
@@ -352,7 +353,7 @@ class MixedSearch:
                 micro[i] = m
         return t, replicas, parts, micro
 
-    def groups(self, config: Config, replicas: list[list[Slot]], parts: list[Partition],
+    def groups(self, config: Config, replicas: list[list[TPSlot]], parts: list[Partition],
                micro: list[int]) -> list[ReplicaGroup]:
         """One replica group per pipeline, with ``micro`` micro-batches each."""
         groups = []
@@ -364,7 +365,7 @@ class MixedSearch:
             groups.append(ReplicaGroup(tuple(s.devices for s in slots), tuple(stages), m, config.mu * m))
         return groups
 
-    def build(self, config: Config, replicas: list[list[Slot]], parts: list[Partition], micro: list[int],
+    def build(self, config: Config, replicas: list[list[TPSlot]], parts: list[Partition], micro: list[int],
               predicted: dict | None = None) -> Plan:
         """The plan: one replica group per pipeline, block ``j`` the TP group of its stage ``j``."""
         groups = self.groups(config, replicas, parts, micro)

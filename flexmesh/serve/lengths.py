@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
@@ -164,17 +164,23 @@ class PromptModel:
         return OutputLength(mu, self.sigma, cap)
 
 
-PREDICTORS = ("oracle", "noisy", "prompt")
+def _prompt_model(fit_on: Workload | None, noise: float, seed: int) -> LengthPredictor:
+    if fit_on is None:
+        raise SpecError("the prompt predictor is fitted to a trace; give the requests to fit it on")
+    return PromptModel.fit(fit_on)
+
+
+# The length predictors, each made from the requests to fit on (the prompt model's), a noise and a seed.
+PREDICTORS: dict[str, Callable[[Workload | None, float, int], LengthPredictor]] = {
+    "oracle": lambda fit_on, noise, seed: Oracle(),
+    "noisy": lambda fit_on, noise, seed: NoisyOracle(noise, seed),
+    "prompt": _prompt_model,
+}
 
 
 def make_predictor(name: str, fit_on: Workload | None = None, noise: float = 0.5, seed: int = 0) -> LengthPredictor:
     """The predictor ``name`` (``prompt`` is fitted to ``fit_on``)."""
-    if name == "oracle":
-        return Oracle()
-    if name == "noisy":
-        return NoisyOracle(noise, seed)
-    if name == "prompt":
-        if fit_on is None:
-            raise SpecError("the prompt predictor is fitted to a trace; give the requests to fit it on")
-        return PromptModel.fit(fit_on)
-    raise SpecError(f"unknown length predictor {name!r}; predictors: {', '.join(PREDICTORS)}")
+    make = PREDICTORS.get(name)
+    if make is None:
+        raise SpecError(f"unknown length predictor {name!r}; predictors: {', '.join(PREDICTORS)}")
+    return make(fit_on, noise, seed)

@@ -173,7 +173,25 @@ def tie_score(length: OutputLength, waiting: int, max_seqs: int) -> float:
     return length.mean() + tie_beta(waiting, max_seqs) * length.cvar(ALPHA)
 
 
-QUEUES = ("fcfs", "sjf", "tie")
+def _sjf(length: Callable[[Any], OutputLength], max_seqs: int, aging: bool) -> Callable[[Any, int], float]:
+    def key(item: Any, waiting: int) -> float:
+        score = length(item).mean()
+        return aged(score, item.r.arrival_s) if aging else score
+    return key
+
+
+def _tie(length: Callable[[Any], OutputLength], max_seqs: int, aging: bool) -> Callable[[Any, int], float]:
+    def key(item: Any, waiting: int) -> float:
+        score = tie_score(length(item), waiting, max_seqs)
+        return aged(score, item.r.arrival_s) if aging else score
+    return key
+
+
+# The queue policies: FCFS, and the length-aware ones by the key that ranks a request (its predicted length, the
+# queue's length, the engine's max_seqs, aging).
+RANKED: dict[str, Callable[[Callable[[Any], OutputLength], int, bool], Callable[[Any, int], float]]] = {
+    "sjf": _sjf, "tie": _tie}
+QUEUES = ("fcfs", *RANKED)
 
 
 def make_queue(name: str, predictor: LengthPredictor | None = None, max_seqs: int = 256,
@@ -182,7 +200,8 @@ def make_queue(name: str, predictor: LengthPredictor | None = None, max_seqs: in
     ``context`` less its prompt (the most a request can generate), ``tie`` with the engine's ``max_seqs``."""
     if name == "fcfs":
         return FCFS()
-    if name not in QUEUES:
+    ranked = RANKED.get(name)
+    if ranked is None:
         raise SpecError(f"unknown queue policy {name!r}; policies: {', '.join(QUEUES)}")
     if predictor is None:
         raise SpecError(f"the {name} queue ranks requests by a predicted output length; give a length predictor "
@@ -193,12 +212,4 @@ def make_queue(name: str, predictor: LengthPredictor | None = None, max_seqs: in
         r = item.r
         return p.predict(r, max(context - r.prompt_tokens, 1))
 
-    if name == "sjf":
-        def key(item: Any, waiting: int) -> float:
-            score = length(item).mean()
-            return aged(score, item.r.arrival_s) if aging else score
-    else:
-        def key(item: Any, waiting: int) -> float:
-            score = tie_score(length(item), waiting, max_seqs)
-            return aged(score, item.r.arrival_s) if aging else score
-    return Scored(key)
+    return Scored(ranked(length, max_seqs, aging))

@@ -8,26 +8,20 @@ some of its uncomputed tokens, and a request whose tokens are all computed sampl
 1. the running requests that decode (one token each) get the KV blocks they need; where the cache has no
    room, the most recently admitted running request is preempted (its KV dropped, to be recomputed; it
    resumes first);
-2. the running requests still in prefill get chunks of the batched-token budget, in admission order (one
-   that finds no room preempts the most recently admitted request in prefill, possibly itself);
-3. waiting requests are admitted in queue order while the budget, ``max_seqs`` and the KV cache allow
-   (a prefix-cache hit skips the whole cached blocks of its prompt, the last token always computed).
+2. the replica's scheduler (:mod:`flexmesh.serve.schedulers`: vLLM's the first) hands out the batched-token
+   budget left: chunks for the requests in prefill, admissions from the queue. The replica does what it asks
+   (:meth:`SimulatedReplica.grow`, :meth:`~SimulatedReplica.admit`, :meth:`~SimulatedReplica.take`): KV blocks
+   allocated, preempting where the cache has no room; a prefix-cache hit skips the whole cached blocks of a
+   prompt (the last token always computed).
 
-The batch is priced by the replica's :class:`~flexmesh.cost.inference.timing.IterationTiming` as a whole; an
-iteration that starts after the replica idled at least ``idle_gap_s`` costs ``1 + after_idle`` times that, where
-the timing says so (an engine profile's ``after_idle``: a real engine's loop that slept resumes on cold caches).
-Where the timing names them (an engine profile's ``intake_s`` and ``answer_s``: a real engine's HTTP thread takes
-requests in and answers them beside its loop, which waits for it), every request that reaches a busy replica and
-every request it finishes adds that many seconds to the next iteration it starts; once the replica idles, what
-was left to charge lapses (the work was done while it idled).
-Replicas whose engines share a machine's CPU cores with the router's and the client's process (a local fleet of CPU
-engines: :class:`SharedHost`, the timing's ``host_cores``, ``host_request_s`` and ``host_token_s``, an engine
-profile's) pay for that process's CPU where it takes a core from them: a request's ``host_request_s`` and
-``host_token_s`` per prompt token when it reaches its replica, and ``host_token_s`` per output token when it is
-answered, are added to that replica's next iteration whenever as many of the host's replicas are busy as it has
-cores (else a free core runs the process).
-The displaced time is charged whole to the replica whose request caused it; the engines share it alike on
-average. A GPU engine's iterations run on its GPU, not on the host's cores: its timing names no host.
+The batch is priced by the replica's declared timing (:class:`ReplicaTiming`: its iteration price, decode-only
+runs at once where the price offers them, its engine's loop costs) as a whole; an iteration that starts after the
+replica idled at least ``idle_gap_s`` costs ``1 + after_idle`` times that (an engine profile's: a real engine's
+loop that slept resumes on cold caches). Every request that reaches a busy replica and every request it finishes
+adds the loop's ``intake_s`` and ``answer_s`` to the next iteration it starts (a real engine's HTTP thread takes
+requests in and answers them beside its loop, which waits for it); once the replica idles, what was left to charge
+lapses (the work was done while it idled). Work outside the engine that takes its CPU (:class:`Charges`: a local
+fleet's router sharing the host's cores, :mod:`flexmesh.serve.engine.twin`) is charged the same way.
 Decoding requests are kept summed (their count, their contexts' sum, their next KV block boundaries by
 iteration modulo the block size, their finishing iterations in a heap), so an iteration costs the
 simulator constant time in them: what makes a million requests a minute possible on one core.
@@ -42,7 +36,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
+from flexmesh.cost.inference.timing import EngineLoop
 from flexmesh.data.requests import Request
 from flexmesh.serve.kv import KVBlocks
 from flexmesh.serve.layout.knobs import EngineKnobs
@@ -51,6 +48,35 @@ from flexmesh.serve.queues import QueuePolicy
 
 Price = Callable[[int, int, Sequence[tuple[int, int]]], float]
 RunPrice = Callable[[int, int, int], float]
+
+
+@dataclass(frozen=True)
+class ReplicaTiming:
+    """What a replica's iterations cost: ``price(decodes, decode_context, chunks)`` of one iteration
+    (:func:`flexmesh.cost.inference.timing.split_s`'s form), ``run_price(decodes, decode_context, steps)`` of that
+    many decode-only iterations in a row where the timing prices them at once (None: one by one), and its engine's
+    loop costs (none for a price of GPU kernels)."""
+
+    price: Price
+    run_price: RunPrice | None = None
+    loop: EngineLoop = field(default_factory=EngineLoop)
+
+
+class Charges(Protocol):
+    """Seconds of work outside a replica's engine that its next iteration pays, when ``q`` reaches it and when
+    ``q`` is answered (a local fleet's router taking the host's cores: flexmesh.serve.engine.twin)."""
+
+    def arrival_s(self, rep: SimulatedReplica, q: Req, now: float) -> float: ...
+
+    def answer_s(self, rep: SimulatedReplica, q: Req, now: float) -> float: ...
+
+
+class ReplicaScheduler(Protocol):
+    """What a replica runs each iteration beside its decodes (flexmesh.serve.schedulers): hands out ``budget``
+    tokens (chunks appended to ``chunks``, through the replica's :meth:`~SimulatedReplica.grow`,
+    :meth:`~SimulatedReplica.admit` and :meth:`~SimulatedReplica.take`) and returns what is left."""
+
+    def fill(self, rep: SimulatedReplica, budget: int, chunks: list[tuple[int, int]], now: float) -> int: ...
 
 
 class Req:
@@ -85,47 +111,20 @@ class Req:
         self.cancelled = False  # dropped: no longer wanted
 
 
-class SharedHost:
-    """The CPU cores a fleet's local engines share with the router's and the client's process (module doc): the
-    replicas on it, and whether it is saturated at a time (as many of them busy as it has cores).
-
-    >>> class Rep:
-    ...     def __init__(self, busy, ended):
-    ...         self.busy, self._ended = busy, ended
-    >>> host = SharedHost(2)
-    >>> host.replicas = [Rep(True, 0.0), Rep(False, 1.5)]  # the second idles from 1.5 s on
-    >>> host.saturated(1.0), host.saturated(2.0), host.saturated(2.0, also=host.replicas[1])
-    (True, False, True)
-    """
-
-    def __init__(self, cores: int):
-        self.cores = cores
-        self.replicas: list = []
-
-    def saturated(self, now: float, also: object = None) -> bool:
-        """Whether as many replicas as cores are busy at ``now`` (``also`` counted busy: the one asking, at work).
-        A replica that ran ahead of ``now`` and idles since counts busy until its last iteration ended."""
-        busy = sum(1 for r in self.replicas if r is also or r.busy or r._ended > now)
-        return busy >= self.cores
-
-
 class SimulatedReplica:
     """A replica's scheduler and KV cache; the simulator calls :meth:`start` and :meth:`finish` per iteration."""
 
-    def __init__(self, index: int, role: str, price: Price, kv: KVBlocks, knobs: EngineKnobs, queue: QueuePolicy,
-                 prefill_s_per_token: float, decode_s_per_token: float, sample_every_s: float = float("inf"),
-                 run_price: RunPrice | None = None, after_idle: float = 0.0, idle_gap_s: float = 0.0,
-                 intake_s: float = 0.0, answer_s: float = 0.0, host: SharedHost | None = None,
-                 host_request_s: float = 0.0, host_token_s: float = 0.0):
-        self.index, self.role, self.price, self.kv = index, role, price, kv
-        self.run_price = run_price  # decode-only iterations in a row, where the timing prices them at once
-        self.after_idle, self.idle_gap_s = after_idle, idle_gap_s  # the first iteration after idling (module doc)
+    def __init__(self, index: int, role: Role, timing: ReplicaTiming, kv: KVBlocks, knobs: EngineKnobs,
+                 queue: QueuePolicy, scheduler: ReplicaScheduler, rates: tuple[float, float],
+                 sample_every_s: float = float("inf"), charges: Charges | None = None):
+        self.index, self.role, self.price, self.kv = index, role, timing.price, kv
+        self.run_price = timing.run_price  # decode-only iterations in a row, where the timing prices them at once
+        loop = timing.loop
+        self.after_idle, self.idle_gap_s = loop.after_idle, loop.idle_gap_s  # the first iteration after idling
+        self.intake_s, self.answer_s = loop.intake_s, loop.answer_s  # per request taken in / finished while busy
+        self.scheduler, self.charges = scheduler, charges
         self._ended = -math.inf  # when the last iteration ended
-        self.intake_s, self.answer_s = intake_s, answer_s  # per request taken in / finished while busy (module doc)
-        self.owed = 0.0  # of those, seconds the next iteration carries
-        self.host, self.host_request_s, self.host_token_s = host, host_request_s, host_token_s  # (module doc)
-        if host is not None:
-            host.replicas.append(self)
+        self.owed = 0.0  # seconds the next iteration carries (module doc)
         self.bs = kv.block_tokens
         self.prefix_tokens = kv.prefix_tokens
         self.max_tokens, self.max_seqs = knobs.max_batched_tokens, knobs.max_seqs
@@ -150,7 +149,7 @@ class SimulatedReplica:
         self.on_fetch: Callable[[Req, float], None] = lambda q, t: None
         # For routers: tokens still to prefill and to decode, each at this replica's rate
         self.pending_prompt = self.pending_outputs = self.waiting_prompt = 0
-        self.s_prefill, self.s_decode = prefill_s_per_token, decode_s_per_token
+        self.s_prefill, self.s_decode = rates  # seconds per prompt token, per decode token
         # Statistics and the timeline: (time, waiting, running, batch tokens, KV used fraction)
         self.iterations = self.preemptions = self.tokens = 0
         self.busy_s = 0.0
@@ -160,6 +159,11 @@ class SimulatedReplica:
         self._next_sample = 0.0
 
     # ---- what routers read ----------------------------------------------------------------------------
+    @property
+    def ended(self) -> float:
+        """When its last iteration ended (-inf before the first)."""
+        return self._ended
+
     def outstanding_s(self) -> float:
         return self.pending_prompt * self.s_prefill + self.pending_outputs * self.s_decode
 
@@ -179,8 +183,8 @@ class SimulatedReplica:
         """A new request (or, for a decode replica, a handed-off one) joins the queue at ``now``."""
         if self.busy and self.intake_s:
             self.owed += self.intake_s
-        if self.host is not None and self.host.saturated(now, self if self.busy else None):
-            self.owed += self.host_request_s + self.host_token_s * q.r.prompt_tokens
+        if self.charges is not None:
+            self.owed += self.charges.arrival_s(self, q, now)
         self.waiting.push(q)
         self.waiting_prompt += q.tokens
         self.pending_prompt += q.tokens - q.computed
@@ -199,7 +203,7 @@ class SimulatedReplica:
         self.kv.unref(q.ids[:shared])
 
     # ---- one iteration --------------------------------------------------------------------------------
-    def _blocks(self, q: Req, computed: int) -> int:
+    def blocks_for(self, q: Req, computed: int) -> int:
         """Own blocks ``q`` needs to hold ``computed`` tokens (its prefix entries hold the shared ones)."""
         return -(-(computed - q.shared * self.prefix_tokens) // self.bs)
 
@@ -224,9 +228,9 @@ class SimulatedReplica:
         q.outputs = q.o0 + computed - q.c0
         q.computed = computed
         q.tokens = computed + 1
-        q.own = self._blocks(q, computed)
+        q.own = self.blocks_for(q, computed)
 
-    def _preempt(self, q: Req) -> None:
+    def preempt(self, q: Req) -> None:
         """Drop ``q``'s KV (recompute): it goes back to the front of the queue."""
         rid = q.uid
         if rid in self.prefilling:
@@ -256,7 +260,7 @@ class SimulatedReplica:
         if need:
             kv = self.kv
             while need and not kv.can_allocate(need):
-                self._preempt(next(reversed(self.running.values())))
+                self.preempt(next(reversed(self.running.values())))
                 need = self.bucket[i % bs]
             if need:
                 kv.allocate(need)
@@ -264,7 +268,7 @@ class SimulatedReplica:
         chunks: list[tuple[int, int]] = []
         tokens = self.dec_n
         if self.prefilling or len(self.waiting):
-            tokens = self.max_tokens - self._fill(self.max_tokens - self.dec_n, chunks, now)
+            tokens = self.max_tokens - self.scheduler.fill(self, self.max_tokens - self.dec_n, chunks, now)
         if now >= self._next_sample or (tokens == 0 and self.samples and self.samples[-1][3] != 0):
             self._sample(now, tokens)
         if tokens == 0:
@@ -327,41 +331,35 @@ class SimulatedReplica:
         self._ended = now + took
         return now + took
 
-    def _fill(self, budget: int, chunks: list[tuple[int, int]], now: float) -> int:
-        """Steps 2 and 3: chunks for the requests in prefill, then admissions; the budget left."""
-        kv, sched = self.kv, self.sched
-        for q in list(self.prefilling.values()):
-            if budget <= 0:
-                break
-            if q.uid not in self.prefilling:  # preempted by one scheduled before it
-                continue
-            n = min(q.tokens - q.computed, budget)
-            extra = self._blocks(q, q.computed + n) - q.own
-            while extra > 0 and not kv.can_allocate(extra):
-                victim = next(reversed(self.prefilling.values()))
-                self._preempt(victim)
-                if victim is q:
-                    break
-            if q.uid not in self.prefilling:
-                continue
-            if extra > 0:
-                kv.allocate(extra)
-                q.own += extra
-            chunks.append((q.computed, n))
-            sched.append((q, n))
-            budget -= n
-        while budget > 0 and len(self.running) + len(self.receiving) < self.max_seqs:
-            head = self.waiting.peek()
-            if head is None or not self._admit(head, budget, now):
-                break
-            if not head.remote:
-                n = min(head.tokens - head.computed, budget)
-                chunks.append((head.computed, n))
-                sched.append((head, n))
-                budget -= n
-        return budget
+    # ---- what a scheduler asks (flexmesh.serve.schedulers) -------------------------------------------------
+    def has_seat(self) -> bool:
+        """Whether another request may run (``max_seqs``, handed-off ones receiving their KV included)."""
+        return len(self.running) + len(self.receiving) < self.max_seqs
 
-    def _admit(self, q: Req, budget: int, now: float) -> bool:
+    def grow(self, q: Req, n: int) -> bool:
+        """KV blocks for ``n`` more tokens of ``q``, in prefill; where the cache has no room, the most recently
+        admitted request in prefill is preempted, until there is room or ``q`` itself was (False: it no longer
+        runs)."""
+        kv = self.kv
+        extra = self.blocks_for(q, q.computed + n) - q.own
+        while extra > 0 and not kv.can_allocate(extra):
+            victim = next(reversed(self.prefilling.values()))
+            self.preempt(victim)
+            if victim is q:
+                break
+        if q.uid not in self.prefilling:
+            return False
+        if extra > 0:
+            kv.allocate(extra)
+            q.own += extra
+        return True
+
+    def take(self, q: Req, n: int, chunks: list[tuple[int, int]]) -> None:
+        """``q`` computes ``n`` tokens this iteration (its blocks held)."""
+        chunks.append((q.computed, n))
+        self.sched.append((q, n))
+
+    def admit(self, q: Req, budget: int, now: float) -> bool:
         """Admit the queue's head if the KV cache has room for what it computes now (False: it waits)."""
         kv = self.kv
         if q.remote:  # a handed-off request: room for the KV it will receive
@@ -440,7 +438,7 @@ class SimulatedReplica:
                 if whole > q.shared:
                     self.kv.insert(q.ids[:whole], q.shared)  # their blocks move from its own to the cache
                     q.shared = whole
-                    q.own = self._blocks(q, q.computed)
+                    q.own = self.blocks_for(q, q.computed)
             del self.prefilling[q.uid]
             if q.outputs < q.target:
                 self._join(q, i + 1)
@@ -488,8 +486,8 @@ class SimulatedReplica:
         self.kv.unref(q.ids[:q.shared])
         if self.answer_s:
             self.owed += self.answer_s
-        if self.host is not None and self.host.saturated(now, self):
-            self.owed += self.host_token_s * q.outputs
+        if self.charges is not None:
+            self.owed += self.charges.answer_s(self, q, now)
         self.on_finish(q, now)
 
     def _sample(self, now: float, tokens: int) -> None:

@@ -44,8 +44,9 @@ handed-off requests over the decode replicas). Deterministic: ties go to the low
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -188,28 +189,51 @@ class LongToKV(Router[R]):
         return min(self.pool, key=lambda r: (r.outstanding_s(), r.index))
 
 
-ROUTERS = ("round-robin", "least-work", "least-kv", "weights", "plan", "long-to-kv")
+@dataclass(frozen=True)
+class RouterArgs:
+    """What a router may read beside its pool: the weights router's ``weights``, the plan router's ``table`` (over
+    its ``decode`` rows for a pool of decode replicas), the length predictor and the model's context."""
+
+    weights: Sequence[float] | None = None
+    table: RoutingTable | None = None
+    decode: bool = False
+    predictor: LengthPredictor | None = None
+    context: int = 2**31 - 1
+
+
+def _weighted(pool: Sequence[R], a: RouterArgs) -> Router[R]:
+    if a.weights is None:
+        raise SpecError("the weights router needs weights, one per replica (--weights 2,1,1)")
+    return Weighted(pool, a.weights)
+
+
+def _by_length(pool: Sequence[R], a: RouterArgs) -> Router[R]:
+    if a.table is None:
+        raise SpecError("the plan router needs a routing table (a serving plan's buckets and weights)")
+    return ByLength(pool, a.table, a.decode)
+
+
+def _long_to_kv(pool: Sequence[R], a: RouterArgs) -> Router[R]:
+    if a.predictor is None:
+        raise SpecError("the long-to-kv router reads predicted lengths; give a length predictor (--predictor)")
+    return LongToKV(pool, a.predictor, a.context)
+
+
+# The routers (module doc), each made from its pool and what it may read.
+ROUTERS: dict[str, Callable[[Sequence[Any], RouterArgs], Router[Any]]] = {
+    "round-robin": lambda pool, a: RoundRobin(pool),
+    "least-work": lambda pool, a: LeastWork(pool),
+    "least-kv": lambda pool, a: LeastKV(pool),
+    "weights": _weighted,
+    "plan": _by_length,
+    "long-to-kv": _long_to_kv,
+}
 
 
 def make_router(name: str, pool: Sequence[R], weights: Sequence[float] | None = None,
                 table: RoutingTable | None = None, decode: bool = False, predictor: LengthPredictor | None = None,
                 context: int = 2**31 - 1) -> Router[R]:
-    if name == "long-to-kv":
-        if predictor is None:
-            raise SpecError("the long-to-kv router reads predicted lengths; give a length predictor (--predictor)")
-        return LongToKV(pool, predictor, context)
-    if name == "round-robin":
-        return RoundRobin(pool)
-    if name == "least-work":
-        return LeastWork(pool)
-    if name == "least-kv":
-        return LeastKV(pool)
-    if name == "weights":
-        if weights is None:
-            raise SpecError("the weights router needs weights, one per replica (--weights 2,1,1)")
-        return Weighted(pool, weights)
-    if name == "plan":
-        if table is None:
-            raise SpecError("the plan router needs a routing table (a serving plan's buckets and weights)")
-        return ByLength(pool, table, decode)
-    raise SpecError(f"unknown router {name!r}; routers: {', '.join(ROUTERS)}")
+    make = ROUTERS.get(name)
+    if make is None:
+        raise SpecError(f"unknown router {name!r}; routers: {', '.join(ROUTERS)}")
+    return make(pool, RouterArgs(weights, table, decode, predictor, context))

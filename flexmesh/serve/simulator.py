@@ -14,8 +14,12 @@ request of tier ``k`` is served by models ``0, 1, ..., k`` one after another (it
 escalated), each stage starting when the one before has finished (a judge read its answer); its record is
 the last stage's, from its arrival (TTFT and E2E include the stages before).
 
+One :class:`FleetRun` a run: the replicas' state, the routers and a heap of events, each handled by one
+method (``on_iteration_end``, ``on_transfer_done``; arrivals come in order from the workload, ``on_arrival``).
 Ties in time go to arrivals, then to events in the order they were made: the same inputs give the same
-records, bit for bit.
+records, bit for bit. What a replica admits each iteration is its engine's scheduler's
+(:mod:`flexmesh.serve.schedulers`, the ``engine``'s); its iterations are priced by a declared
+:class:`~flexmesh.serve.replica.ReplicaTiming` built once from each replica's ``IterationTiming``.
 
 >>> from flexmesh.data.requests import constant_lengths, with_arrivals
 >>> from flexmesh.serve.layout.replicas import parse_replicas, place
@@ -39,16 +43,25 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
 from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity
 from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
-from flexmesh.cost.inference.timing import IterationTiming, split_s
+from flexmesh.cost.inference.timing import (
+    EngineLoop,
+    IterationTiming,
+    LoopTiming,
+    RunTiming,
+    SplitTiming,
+    split_s,
+)
 from flexmesh.cost.inference.transfer import Path, kv_path
 from flexmesh.data.requests import Request, Workload
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.serve.branches import Score, to_prune
+from flexmesh.serve.engines import engine as engine_of
 from flexmesh.serve.kv import KVBlocks
 from flexmesh.serve.layout.knobs import EngineKnobs, default_knobs
 from flexmesh.serve.layout.plan import ServingPlan
@@ -58,26 +71,46 @@ from flexmesh.serve.layout.routing import RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
 from flexmesh.serve.queues import QUEUES, make_queue
-from flexmesh.serve.replica import Req, SharedHost, SimulatedReplica
+from flexmesh.serve.replica import Charges, ReplicaTiming, Req, SimulatedReplica
 from flexmesh.serve.router import Router, make_router
+from flexmesh.serve.schedulers import scheduler as make_scheduler
 from flexmesh.spec.cluster import MixedCluster
 from flexmesh.spec.model import ModelSpec
 
 # A busy decode batch: the least-work router prices a replica's decode token as one of this many.
 ROUTER_DECODE_BATCH = 32
-_ITERATION_END, _TRANSFER_DONE = 0, 1
 
 
-class _Branches:
-    """A request's branches on their replica: those alive by index, how many finished, their tokens so far."""
+def replica_timing(timing: IterationTiming) -> ReplicaTiming:
+    """What the simulator's replicas price iterations by, from what ``timing`` declares: its own split form or its
+    iteration price with the decodes spelled out, decode-only runs at once where it prices them, its engine's
+    loop costs where it names them."""
+    price = timing.split_s if isinstance(timing, SplitTiming) else (
+        lambda d, c, ch: split_s(timing, d, c, ch))
+    run = timing.decode_run_s if isinstance(timing, RunTiming) else None
+    loop = timing.loop if isinstance(timing, LoopTiming) else EngineLoop()
+    return ReplicaTiming(price, run, loop)
 
-    __slots__ = ("r", "rep", "alive", "finished", "tokens", "first", "waiting")
 
-    def __init__(self, r: Request, rep: SimulatedReplica):
-        self.r, self.rep = r, rep
-        self.alive: dict[int, Req] = {}
-        self.finished = self.tokens = self.waiting = 0  # waiting: cancellations not landed yet
-        self.first = math.inf
+@dataclass(frozen=True)
+class RunOptions:
+    """How :meth:`Fleet.run` serves a workload: ``router`` over the replicas that take new requests (``weights``
+    for the weights router, ``routing`` the plan router's table), ``queue`` each replica's queue policy
+    (length-aware queues and routers by ``predictor``'s lengths); requests with branches (test-time scaling,
+    :mod:`flexmesh.serve.branches`) finish with their ``needed``-th branch, the others cancelled then
+    (``cancel_lag`` 1: a running branch only after one more iteration, as a cancellation sent by a router reaches
+    its engine); ``score`` prunes branches scored below ``prune_below`` each time one finishes;
+    ``timeline_points`` samples of each replica's state over the run."""
+
+    router: str = "round-robin"
+    weights: tuple[float, ...] | None = None
+    queue: str = "fcfs"
+    routing: RoutingTable | None = None
+    predictor: LengthPredictor | None = None
+    score: Score | None = None
+    prune_below: float = 0.5
+    cancel_lag: int = 0
+    timeline_points: int = 400
 
 
 @dataclass(frozen=True)
@@ -118,13 +151,17 @@ class Fleet:
     ``cascade``); ``knobs``: engine knobs per device group (default: vLLM's for the device), or
     ``replica_knobs``, one per replica; ``timing``: each replica's
     :class:`~flexmesh.cost.inference.timing.IterationTiming` (default: :class:`AnalyticIteration` on the
-    device layer with ``overhead``)."""
+    device layer with ``overhead``); ``engine``: what the replicas run (:mod:`flexmesh.serve.engines`: its scheduler);
+    ``charges``: work outside the engines that their iterations pay (made for each run's replicas: a local fleet's
+    host, :mod:`flexmesh.serve.engine.twin`); ``admission_s``: every request reaches its replica that long after it
+    reached the router (the hop; its record keeps the router's arrival)."""
 
     def __init__(self, model: ModelSpec | Sequence[ModelSpec], cluster: MixedCluster,
                  replicas: tuple[PlacedReplica, ...], knobs: dict[int, EngineKnobs] | None = None,
                  overhead: EngineOverhead | None = None,
                  timing: Callable[[PlacedReplica], IterationTiming] | None = None,
-                 replica_knobs: Sequence[EngineKnobs] | None = None, cascade: bool = False):
+                 replica_knobs: Sequence[EngineKnobs] | None = None, cascade: bool = False, engine: str = "vllm",
+                 charges: Callable[[Sequence[SimulatedReplica]], Charges] | None = None, admission_s: float = 0.0):
         self.models: tuple[ModelSpec, ...] = (model,) if isinstance(model, ModelSpec) else tuple(model)
         if not self.models:
             raise SpecError("a fleet serves at least one model")
@@ -135,13 +172,17 @@ class Fleet:
                                 f"(0..{len(self.models) - 1})")
         if replica_knobs is not None and len(replica_knobs) != len(replicas):
             raise SpecError(f"{len(replica_knobs)} engine knobs given for {len(replicas)} replicas; give one each")
+        self.engine = engine_of(engine)
+        make_scheduler(self.engine.scheduler)  # one not registered refused here, not at the first run
+        self.charges, self.admission_s = charges, admission_s
         self.knobs = {g: (knobs or {}).get(g) or default_knobs(c.device) for g, c in enumerate(cluster.groups)}
         self.replica_knobs = (tuple(replica_knobs) if replica_knobs is not None
                               else tuple(self.knobs[r.spec.group] for r in replicas))
         self.overhead = overhead or preset_overhead()
         hardware: dict[tuple[int, int], Hardware] = {}
         built: dict[tuple[int, int, int, int], IterationTiming] = {}
-        self.timings, self.capacities = [], []
+        self.timings: list[ReplicaTiming] = []
+        self.capacities = []
         for r, k in zip(replicas, self.replica_knobs):
             s = r.spec
             m = self.models[s.tier]
@@ -155,7 +196,7 @@ class Fleet:
                         hw = hardware[s.tier, s.group] = Hardware(cluster.groups[s.group], m.dtype)
                     built[key] = AnalyticIteration(m, hw, s.tp, s.pp, self.overhead)
                 t = built[key]
-            self.timings.append(t)
+            self.timings.append(replica_timing(t))
             cap = kv_capacity(m, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs, k.block_tokens,
                               k.memory_fraction)
             self.capacities.append(cap if k.kv_blocks is None else replace(cap, blocks_given=k.kv_blocks))
@@ -223,217 +264,267 @@ class Fleet:
                                         f"{cap.tokens:,} KV tokens, fewer than request {r.id}'s {total:,}; raise its "
                                         "tp or pp, or scale the lengths (--fit-context)")
 
-    def run(self, workload: Workload, router: str = "round-robin", weights: tuple[float, ...] | None = None,
-            queue: str = "fcfs", progress: Callable[[int, int], None] | None = None,
-            timeline_points: int = 400, routing: RoutingTable | None = None,
-            predictor: LengthPredictor | None = None, score: Score | None = None,
-            prune_below: float = 0.5, cancel_lag: int = 0) -> SimResult:
-        """Simulate ``workload`` (requests routed by ``router``, the ``plan`` router by ``routing``; queued by
-        ``queue``, length-aware queues and routers by ``predictor``'s lengths); ``progress(done, total)`` is called
-        now and then. Requests with branches (test-time scaling, :mod:`flexmesh.serve.branches`) finish with
-        their ``needed``-th branch, the others cancelled then (``cancel_lag`` 1: a running branch only after one
-        more iteration, as a cancellation sent by a router reaches its engine); ``score`` prunes branches scored
-        below ``prune_below`` each time one finishes."""
+    def run(self, workload: Workload, options: RunOptions | None = None,
+            progress: Callable[[int, int], None] | None = None, **given: Any) -> SimResult:
+        """Simulate ``workload`` as ``options`` (or the :class:`RunOptions` fields ``given``) say; ``progress(done,
+        total)`` is called now and then."""
+        opts = replace(options or RunOptions(), **given)
         t0 = time.perf_counter()
-        self.check(workload, routing if router == "plan" else None)
-        if queue not in QUEUES:
-            raise SpecError(f"unknown queue policy {queue!r}; policies: {', '.join(QUEUES)}")
-        notes: list[str] = []
+        self.check(workload, opts.routing if opts.router == "plan" else None)
+        delay = self.admission_s
+        if delay > 0:  # each request reaches its replica late; its record keeps the router's arrival
+            workload = replace(workload, requests=tuple(replace(r, arrival_s=r.arrival_s + delay)
+                                                        for r in workload.requests))
+        out = FleetRun(self, workload, opts, progress).run()
+        if delay > 0:
+            out = replace(out, records=tuple(replace(rec, arrival_s=rec.arrival_s - delay) for rec in out.records))
+        return replace(out, wall_s=time.perf_counter() - t0)
+
+
+class _Branches:
+    """A request's branches on their replica: those alive by index, how many finished, their tokens so far."""
+
+    __slots__ = ("r", "rep", "alive", "finished", "tokens", "first", "waiting")
+
+    def __init__(self, r: Request, rep: SimulatedReplica):
+        self.r, self.rep = r, rep
+        self.alive: dict[int, Req] = {}
+        self.finished = self.tokens = self.waiting = 0  # waiting: cancellations not landed yet
+        self.first = math.inf
+
+
+class FleetRun:
+    """One run of a fleet over a workload: fresh replicas, their routers, and the events (module doc)."""
+
+    def __init__(self, fleet: Fleet, workload: Workload, opts: RunOptions,
+                 progress: Callable[[int, int], None] | None):
+        if opts.queue not in QUEUES:
+            raise SpecError(f"unknown queue policy {opts.queue!r}; policies: {', '.join(QUEUES)}")
+        self.fleet, self.opts, self.progress = fleet, opts, progress
+        self.arrivals = workload.requests
+        self.notes: list[str] = []
+        self.records: list[RequestRecord] = []
+        self.events: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
+        self.seq = self.count = 0
+        self.next_arrival = math.inf
+        self.reps = self._replicas(workload)
+        self.caching = [bool(p.prefix_tokens) for p in self.reps]
+        if fleet.charges is not None:
+            charges = fleet.charges(self.reps)
+            for rep in self.reps:
+                rep.charges = charges
+        for rep in self.reps:
+            rep.on_finish, rep.on_handoff, rep.on_fetch = self.on_finish, self.on_handoff, self.on_fetch
+        self.route, self.route_decode = self._routers()
+
+    def _replicas(self, workload: Workload) -> list[SimulatedReplica]:
+        fleet, opts = self.fleet, self.opts
         prefix_tokens = workload.block_tokens
         span = max(workload.duration_s, 1e-3)
         typical = (sum(r.prompt_tokens for r in workload.requests) + sum(r.output_tokens for r in workload.requests)
                    / 2) / len(workload)
-        reps: list[SimulatedReplica] = []
-        # local engines whose timing names the host's cores share them with the router's process (one host)
-        cores = max((int(getattr(t, "host_cores", 0) or 0) for t in self.timings), default=0)
-        host = SharedHost(cores) if cores > 0 else None
-        for r, t, cap, k in zip(self.replicas, self.timings, self.capacities, self.replica_knobs):
+        reps = []
+        for r, t, cap, k in zip(fleet.replicas, fleet.timings, fleet.capacities, fleet.replica_knobs):
             caching = k.prefix_caching and prefix_tokens > 0
             if caching and prefix_tokens % k.block_tokens:
-                notes.append(f"replica {r.index}: prefix blocks of {prefix_tokens} tokens are not whole KV blocks of "
-                             f"{k.block_tokens}; prefix caching off")
+                self.notes.append(f"replica {r.index}: prefix blocks of {prefix_tokens} tokens are not whole KV blocks "
+                                  f"of {k.block_tokens}; prefix caching off")
                 caching = False
-            price = getattr(t, "split_s", None) or (lambda d, c, ch, t=t: split_s(t, d, c, ch))
             batch = min(k.max_seqs, ROUTER_DECODE_BATCH)
-            rep = SimulatedReplica(
-                r.index, r.spec.role, price,
-                KVBlocks(cap.blocks, k.block_tokens, prefix_tokens if caching else 0, k.prefix_cache_blocks),
-                k, make_queue(queue, predictor, k.max_seqs, self.models[r.spec.tier].max_position),
-                price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
-                price(batch, int(batch * typical), []) / batch, span / max(timeline_points, 1),
-                getattr(t, "decode_run_s", None), getattr(t, "after_idle", 0.0), getattr(t, "idle_gap_s", 0.0),
-                getattr(t, "intake_s", 0.0), getattr(t, "answer_s", 0.0),
-                host if getattr(t, "host_cores", 0) else None, getattr(t, "host_request_s", 0.0),
-                getattr(t, "host_token_s", 0.0))
-            reps.append(rep)
-        tiers = range(len(self.models))
-        if router == "weights" and len({r.spec.tier for r in self.replicas}) > 1:
+            rates = (t.price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
+                     t.price(batch, int(batch * typical), []) / batch)
+            queue = make_queue(opts.queue, opts.predictor, k.max_seqs, fleet.models[r.spec.tier].max_position)
+            kv = KVBlocks(cap.blocks, k.block_tokens, prefix_tokens if caching else 0, k.prefix_cache_blocks)
+            scheduler = make_scheduler(fleet.engine.scheduler)
+            reps.append(SimulatedReplica(r.index, r.spec.role, t, kv, k, queue, scheduler, rates,
+                                         span / max(opts.timeline_points, 1)))
+        return reps
+
+    def _routers(self) -> tuple[list[Router[SimulatedReplica] | None], list[Router[SimulatedReplica] | None]]:
+        """Per model: the router over its replicas that take new requests, and the one over its decode replicas."""
+        fleet, opts = self.fleet, self.opts
+        if opts.router == "weights" and len({r.spec.tier for r in fleet.replicas}) > 1:
             raise SpecError("the weights router spreads one pool; a fleet of several models needs the plan router (a "
                             "routing table) or another router")
         route: list[Router[SimulatedReplica] | None] = []
         route_decode: list[Router[SimulatedReplica] | None] = []
-        for tier in tiers:
-            entry = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role != Role.DECODE]
-            decoders = [p for r, p in zip(self.replicas, reps) if r.spec.tier == tier and p.role == Role.DECODE]
-            context = self.models[tier].max_position
-            route.append(make_router(router, entry, weights, routing, predictor=predictor, context=context)
-                         if entry else None)
-            route_decode.append(make_router("least-work" if router == "weights" else router, decoders, table=routing,
-                                            decode=True, predictor=predictor, context=context) if decoders else None)
-        cascade = self.cascade
-        caching_ids = [bool(p.prefix_tokens) for p in reps]
+        for tier, model in enumerate(fleet.models):
+            mine = [(r, p) for r, p in zip(fleet.replicas, self.reps) if r.spec.tier == tier]
+            entry = [p for _, p in mine if p.role != Role.DECODE]
+            decoders = [p for _, p in mine if p.role == Role.DECODE]
+            context = model.max_position
+            route.append(make_router(opts.router, entry, opts.weights, opts.routing, predictor=opts.predictor,
+                                     context=context) if entry else None)
+            route_decode.append(make_router("least-work" if opts.router == "weights" else opts.router, decoders,
+                                            table=opts.routing, decode=True, predictor=opts.predictor,
+                                            context=context) if decoders else None)
+        return route, route_decode
 
-        events: list[tuple[float, int, int, object]] = []
-        seq = 0
-        records: list[RequestRecord] = []
+    # ---- the loop --------------------------------------------------------------------------------------
+    def push(self, t: float, handle: Callable[[Any, float], None], payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, handle, payload))
 
-        def push(t: float, kind: int, payload: object) -> None:
-            nonlocal seq
-            seq += 1
-            heapq.heappush(events, (t, seq, kind, payload))
-
-        def kick(rep: SimulatedReplica, now: float) -> None:
-            end = rep.start(now)
-            if end is not None:
-                push(end, _ITERATION_END, rep)
-
-        def enter(r: Request, stage: int, now: float, preemptions: int = 0) -> None:
-            """``r`` arrives at ``stage``'s replicas (routed now)."""
-            rep = route[stage].choose(r)  # type: ignore[union-attr]  # check() saw every stage's entry pool
-            if r.branches > 1:  # every branch on this replica, each its own state
-                group = _Branches(r, rep)
-                for b, n in enumerate(r.branch_lengths()):
-                    q = Req(r, n, ())
-                    q.uid, q.group, q.branch = -(r.id * 1024 + b) - 1, group, b
-                    group.alive[b] = q
-                    rep.push(q, now)
-                if not rep.busy:
-                    kick(rep, now)
-                return
-            q = Req(r, 1 if rep.role == Role.PREFILL else r.output_tokens, r.prefix_blocks if caching_ids[rep.index]
-                    else ())
-            q.stage, q.preemptions = stage, preemptions
-            rep.push(q, now)
-            if not rep.busy:
-                kick(rep, now)
-
-        def finished(q: Req, now: float) -> None:
-            assert q.first_token_s is not None
-            r = q.r
-            if q.group is not None:
-                branch_done(q, now)
-                return
-            if cascade and q.stage < r.tier:  # escalated: the next model of the cascade takes it now
-                enter(r, q.stage + 1, now, q.preemptions)
-                return
-            records.append(RequestRecord(r.id, q.replica, r.arrival_s, q.first_token_s, now, r.prompt_tokens,
-                                         r.output_tokens, None, q.decode_replica, q.preemptions, q.cached))
-
-        def drop(g: _Branches, q: Req, then: Callable[[], None]) -> None:
-            """Cancel branch ``q`` (after one more iteration where it runs and ``cancel_lag`` says so)."""
-            if cancel_lag and q.uid in g.rep.running:
-                g.waiting += 1
-
-                def done(tokens: int) -> None:
-                    g.tokens += tokens
-                    g.waiting -= 1
-                    if not g.waiting:
-                        then()
-                g.rep.cancel_later(q, done)
-            else:
-                g.tokens += g.rep.cancel(q)
-
-        def branch_done(q: Req, now: float) -> None:
-            g: _Branches = q.group  # type: ignore[assignment]
-            if q.branch not in g.alive:  # it finished before its cancellation landed, which counts its tokens
-                return
-            del g.alive[q.branch]
-            g.finished += 1
-            g.tokens += q.outputs
-            assert q.first_token_s is not None
-            g.first = min(g.first, q.first_token_s)
-            if g.finished < g.r.needed:
-                for b in to_prune(g.r, sorted(g.alive), g.finished, score, prune_below):
-                    drop(g, g.alive.pop(b), lambda: None)
-                return
-            r = g.r
-
-            def record() -> None:
-                records.append(RequestRecord(r.id, q.replica, r.arrival_s, g.first, now, r.prompt_tokens, q.outputs,
-                                             None, None, q.preemptions, q.cached, g.tokens, r.branches))
-            for b in sorted(g.alive):
-                drop(g, g.alive.pop(b), record)
-            if not g.waiting:
-                record()
-
-        def handoff(q: Req, now: float) -> None:
-            to = route_decode[q.stage]
-            assert to is not None
-            dst = to.choose(q.r)
-            src = reps[q.replica]
-            q.src, q.decode_replica, q.handed_s = src, dst.index, now
-            q.remote, q.target = True, q.r.output_tokens
-            q.computed, q.tokens = q.r.prompt_tokens, q.r.prompt_tokens + 1
-            q.shared = q.own = 0
-            q.ids = q.r.prefix_blocks if caching_ids[dst.index] else ()
-            dst.push(q, now)
-            if not dst.busy:
-                kick(dst, now)
-
-        def fetch(q: Req, now: float) -> None:
-            assert q.src is not None and q.decode_replica is not None
-            nbytes = q.r.prompt_tokens * kv_bytes_per_token(self.model)
-            push(now + self.path(q.src.index, q.decode_replica).seconds(nbytes), _TRANSFER_DONE, q)
-
-        for rep in reps:
-            rep.on_finish, rep.on_handoff, rep.on_fetch = finished, handoff, fetch
-
-        arrivals = workload.requests
-        n, a, count = len(arrivals), 0, 0
+    def run(self) -> SimResult:
+        arrivals, events = self.arrivals, self.events
+        n, a = len(arrivals), 0
         while a < n or events:
-            count += 1
-            if progress is not None and count % 4096 == 0:
-                progress(len(records), n)
+            self.count += 1
+            if self.progress is not None and self.count % 4096 == 0:
+                self.progress(len(self.records), n)
             if a < n and (not events or arrivals[a].arrival_s <= events[0][0]):
-                req = arrivals[a]
+                self.on_arrival(arrivals[a], arrivals[a].arrival_s)
                 a += 1
-                enter(req, 0 if cascade else req.tier, req.arrival_s)
                 continue
-            now, _, kind, payload = heapq.heappop(events)
-            if kind == _ITERATION_END:
-                rep = payload  # type: ignore[assignment]
-                rep.finish(now)
-                # An aggregated replica meets the others only at arrivals (routers read its state then): its
-                # iterations that end before the next arrival are run here, without the heap, decode-only runs at
-                # once. A prefill or decode replica hands requests over (and in a cascade every replica may hand
-                # its finished requests on), so it runs ahead only to the next event anywhere. The records are
-                # those of strict time order.
-                while True:
-                    limit = arrivals[a].arrival_s if a < n else math.inf
-                    if events and (cascade or rep.role != Role.AGGREGATED):
-                        limit = min(limit, events[0][0])
-                    now = rep.coast(now, limit)
-                    end = rep.start(now)
-                    if end is None:
-                        break
-                    if end < limit:
-                        count += 1
-                        rep.finish(end)
-                        now = end
-                        continue
-                    push(end, _ITERATION_END, rep)
-                    break
-            else:
-                q: Req = payload  # type: ignore[assignment]
-                assert q.src is not None and q.decode_replica is not None
-                src, dst = q.src, reps[q.decode_replica]
-                src.release_held(q)
-                dst.kv_arrived(q)
-                for rep in (src, dst):
-                    if not rep.busy:
-                        kick(rep, now)
-        if progress is not None:
-            progress(len(records), n)
+            now, _, handle, payload = heapq.heappop(events)
+            self.next_arrival = arrivals[a].arrival_s if a < n else math.inf  # what a replica may run ahead to
+            handle(payload, now)
+        if self.progress is not None:
+            self.progress(len(self.records), n)
+        return self._result()
+
+    # ---- the events -------------------------------------------------------------------------------------
+    def on_arrival(self, r: Request, now: float) -> None:
+        """A request reaches the router: the first model it visits takes it."""
+        self.enter(r, 0 if self.fleet.cascade else r.tier, now)
+
+    def on_iteration_end(self, rep: SimulatedReplica, now: float) -> None:
+        """``rep``'s iteration ends: its tokens land, and it starts the next one at once.
+
+        An aggregated replica meets the others only at arrivals (routers read its state then): its iterations
+        that end before the next arrival are run here, without the heap, decode-only runs at once. A prefill or
+        decode replica hands requests over (and in a cascade every replica may hand its finished requests on), so
+        it runs ahead only to the next event anywhere. The records are those of strict time order."""
+        rep.finish(now)
+        alone = not self.fleet.cascade and rep.role == Role.AGGREGATED
+        while True:
+            limit = self.next_arrival
+            if self.events and not alone:
+                limit = min(limit, self.events[0][0])
+            now = rep.coast(now, limit)
+            end = rep.start(now)
+            if end is None:
+                return
+            if end < limit:
+                self.count += 1
+                rep.finish(end)
+                now = end
+                continue
+            self.push(end, self.on_iteration_end, rep)
+            return
+
+    def on_transfer_done(self, q: Req, now: float) -> None:
+        """``q``'s KV has reached its decode replica: the prefill replica frees it, the decode replica decodes it."""
+        assert q.src is not None and q.decode_replica is not None
+        src, dst = q.src, self.reps[q.decode_replica]
+        src.release_held(q)
+        dst.kv_arrived(q)
+        for rep in (src, dst):
+            if not rep.busy:
+                self.kick(rep, now)
+
+    # ---- what the replicas report --------------------------------------------------------------------------
+    def on_finish(self, q: Req, now: float) -> None:
+        assert q.first_token_s is not None
+        r = q.r
+        if q.group is not None:
+            self.branch_done(q, now)
+            return
+        if self.fleet.cascade and q.stage < r.tier:  # escalated: the next model of the cascade takes it now
+            self.enter(r, q.stage + 1, now, q.preemptions)
+            return
+        self.records.append(RequestRecord(r.id, q.replica, r.arrival_s, q.first_token_s, now, r.prompt_tokens,
+                                          r.output_tokens, None, q.decode_replica, q.preemptions, q.cached))
+
+    def on_handoff(self, q: Req, now: float) -> None:
+        """A prefill replica has ``q``'s first token: a decode replica of its model takes it."""
+        to = self.route_decode[q.stage]
+        assert to is not None
+        dst = to.choose(q.r)
+        src = self.reps[q.replica]
+        q.src, q.decode_replica, q.handed_s = src, dst.index, now
+        q.remote, q.target = True, q.r.output_tokens
+        q.computed, q.tokens = q.r.prompt_tokens, q.r.prompt_tokens + 1
+        q.shared = q.own = 0
+        q.ids = q.r.prefix_blocks if self.caching[dst.index] else ()
+        dst.push(q, now)
+        if not dst.busy:
+            self.kick(dst, now)
+
+    def on_fetch(self, q: Req, now: float) -> None:
+        """A decode replica admitted ``q``: its KV crosses the link between the two replicas."""
+        assert q.src is not None and q.decode_replica is not None
+        nbytes = q.r.prompt_tokens * kv_bytes_per_token(self.fleet.model)
+        self.push(now + self.fleet.path(q.src.index, q.decode_replica).seconds(nbytes), self.on_transfer_done, q)
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+    def kick(self, rep: SimulatedReplica, now: float) -> None:
+        end = rep.start(now)
+        if end is not None:
+            self.push(end, self.on_iteration_end, rep)
+
+    def enter(self, r: Request, stage: int, now: float, preemptions: int = 0) -> None:
+        """``r`` arrives at ``stage``'s replicas (routed now)."""
+        route = self.route[stage]
+        assert route is not None, "Fleet.check saw every stage's entry pool"
+        rep = route.choose(r)
+        if r.branches > 1:  # every branch on this replica, each its own state
+            group = _Branches(r, rep)
+            for b, n in enumerate(r.branch_lengths()):
+                q = Req(r, n, ())
+                q.uid, q.group, q.branch = -(r.id * 1024 + b) - 1, group, b
+                group.alive[b] = q
+                rep.push(q, now)
+            if not rep.busy:
+                self.kick(rep, now)
+            return
+        q = Req(r, 1 if rep.role == Role.PREFILL else r.output_tokens,
+                r.prefix_blocks if self.caching[rep.index] else ())
+        q.stage, q.preemptions = stage, preemptions
+        rep.push(q, now)
+        if not rep.busy:
+            self.kick(rep, now)
+
+    def drop(self, g: _Branches, q: Req, then: Callable[[], None]) -> None:
+        """Cancel branch ``q`` (after one more iteration where it runs and ``cancel_lag`` says so)."""
+        if self.opts.cancel_lag and q.uid in g.rep.running:
+            g.waiting += 1
+
+            def done(tokens: int) -> None:
+                g.tokens += tokens
+                g.waiting -= 1
+                if not g.waiting:
+                    then()
+            g.rep.cancel_later(q, done)
+        else:
+            g.tokens += g.rep.cancel(q)
+
+    def branch_done(self, q: Req, now: float) -> None:
+        g = q.group
+        assert isinstance(g, _Branches)
+        if q.branch not in g.alive:  # it finished before its cancellation landed, which counts its tokens
+            return
+        del g.alive[q.branch]
+        g.finished += 1
+        g.tokens += q.outputs
+        assert q.first_token_s is not None
+        g.first = min(g.first, q.first_token_s)
+        if g.finished < g.r.needed:
+            for b in to_prune(g.r, sorted(g.alive), g.finished, self.opts.score, self.opts.prune_below):
+                self.drop(g, g.alive.pop(b), lambda: None)
+            return
+        r = g.r
+
+        def record() -> None:
+            self.records.append(RequestRecord(r.id, q.replica, r.arrival_s, g.first, now, r.prompt_tokens, q.outputs,
+                                              None, None, q.preemptions, q.cached, g.tokens, r.branches))
+        for b in sorted(g.alive):
+            self.drop(g, g.alive.pop(b), record)
+        if not g.waiting:
+            record()
+
+    def _result(self) -> SimResult:
+        fleet, records, n = self.fleet, self.records, len(self.arrivals)
         if len(records) != n:  # every replica idle with requests left: none could ever be admitted
             raise FlexmeshError(f"{n - len(records)} requests were never served (no replica could admit them); "
                                 "this is a simulator bug: report it with the command line")
@@ -444,6 +535,5 @@ class Fleet:
             ReplicaReport(r.index, r.spec.label, r.device.name, r.spec.group, r.spec.role, cap.blocks, cap.tokens,
                           cap.explain(), p.iterations, p.tokens, p.busy_s / max(end - start, 1e-12), p.preemptions,
                           p.kv.hits / p.kv.lookups if p.kv.lookups else None, tuple(p.samples))
-            for r, cap, p in zip(self.replicas, self.capacities, reps))
-        return SimResult(tuple(records), reports, self.gpus, count, time.perf_counter() - t0, tuple(notes))
-
+            for r, cap, p in zip(fleet.replicas, fleet.capacities, self.reps))
+        return SimResult(tuple(records), reports, fleet.gpus, self.count, 0.0, tuple(self.notes))

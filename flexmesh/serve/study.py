@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from flexmesh.data.requests import Workload
 from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.metrics import Goodput, Summary, attainment, goodput, summarize
-from flexmesh.serve.simulator import Fleet, SimResult
+from flexmesh.serve.simulator import Fleet, RunOptions, SimResult
 from flexmesh.spec.prices import GpuPrice
 
 
@@ -47,24 +47,25 @@ def fleet_price(gpus: dict[str, int], prices: dict[str, GpuPrice]) -> tuple[floa
 
 def sweep(fleet: Fleet, workload_at: Callable[[float], Workload], rates: Sequence[float], slo: SLO | None,
           dollars_per_hour: float | None = None, progress: Callable[[int, int], None] | None = None,
-          **run: object) -> list[tuple[RatePoint, SimResult]]:
-    """The fleet at each rate: its summary and its run (``run``: :meth:`Fleet.run`'s options)."""
+          options: RunOptions | None = None) -> list[tuple[RatePoint, SimResult]]:
+    """The fleet at each rate: its summary and its run (as ``options`` say)."""
     out = []
     for rate in rates:
-        result = fleet.run(workload_at(rate), progress=progress, **run)  # type: ignore[arg-type]
+        result = fleet.run(workload_at(rate), options, progress)
         out.append((RatePoint(rate, summarize(result.records, slo, dollars_per_hour)), result))
     return out
 
 
 def find_goodput(fleet: Fleet, workload_at: Callable[[float], Workload], slo: SLO, target: float, start_rate: float,
                  dollars_per_hour: float | None = None, progress: Callable[[int, int], None] | None = None,
-                 rel_tol: float = 0.02, step: float = 2.0, **run: object) -> tuple[Goodput, list[RatePoint]]:
+                 rel_tol: float = 0.02, step: float = 2.0,
+                 options: RunOptions | None = None) -> tuple[Goodput, list[RatePoint]]:
     """The highest rate at which at least ``target`` of the requests meet ``slo`` (:func:`~flexmesh.serve.metrics.
     goodput`'s bisection from ``start_rate``), and the summary of every rate it tried."""
     points: list[RatePoint] = []
 
     def at(rate: float) -> float:
-        result = fleet.run(workload_at(rate), progress=progress, **run)  # type: ignore[arg-type]
+        result = fleet.run(workload_at(rate), options, progress)
         points.append(RatePoint(rate, summarize(result.records, slo, dollars_per_hour)))
         return attainment(result.records, slo)
 

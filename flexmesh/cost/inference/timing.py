@@ -12,7 +12,9 @@ implementation may answer in constant time; :func:`split_s` falls back on ``iter
 not, giving every decode the mean context (exact for any timing linear in the decodes' contexts, as reading
 their KV is). A timing may also offer ``decode_run_s(decodes, decode_context, steps)``, the seconds of that
 many decode-only iterations in a row (each adding ``decodes`` to the context), which the simulator then uses
-to run such stretches at once (``AnalyticIteration`` has it in closed form).
+to run such stretches at once (``AnalyticIteration`` has it in closed form): :class:`RunTiming`. A timing of a
+real engine measured (an engine profile) may also name what the engine's loop costs beyond its batches'
+prices: :class:`LoopTiming` (a GPU engine's price has none).
 
 >>> class PerToken:
 ...     def iteration_s(self, batch):
@@ -24,6 +26,7 @@ to run such stretches at once (``AnalyticIteration`` has it in closed form).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 
@@ -40,6 +43,36 @@ class SplitTiming(Protocol):
     over ``decode_context`` KV tokens in all, beside ``chunks`` that compute more than one."""
 
     def split_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float: ...
+
+
+@runtime_checkable
+class RunTiming(Protocol):
+    """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``decodes`` to it)."""
+
+    def decode_run_s(self, decodes: int, decode_context: int, steps: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class EngineLoop:
+    """What a real engine's loop costs beyond the price of its batches, as an engine profile measures it
+    (flexmesh.profile.iteration): the first iteration after the loop idled ``idle_gap_s`` or more costs ``1 +
+    after_idle`` times its price (cold caches); a busy engine's HTTP thread takes ``intake_s`` per request it takes
+    in and ``answer_s`` per request it answers from the loop, which waits for it; a request reaches the engine's
+    batch ``admission_s`` after the router received it (the hop, the parsing, the queue hand-off)."""
+
+    after_idle: float = 0.0
+    idle_gap_s: float = 0.0
+    intake_s: float = 0.0
+    answer_s: float = 0.0
+    admission_s: float = 0.0
+
+
+@runtime_checkable
+class LoopTiming(Protocol):
+    """A timing that names its engine's loop costs."""
+
+    @property
+    def loop(self) -> EngineLoop: ...
 
 
 def split_s(timing: IterationTiming, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:

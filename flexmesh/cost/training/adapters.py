@@ -26,7 +26,7 @@ nothing else:
 >>> tasks = TaskSet((Task(name="chat", rank=8, alpha=16, targets=("q_proj", "v_proj")),))
 >>> lora = CostModel(parse_model("llama2-7b"), parse_cluster("8xA100-80GB"), parts=Parts(tasks=tasks))
 >>> type(lora.trained).__name__, lora.trained.adapter_params  # r (in + out) for q and v: 8 x 2 x 8192
-('Adapters', 131072.0)
+('AdapterCosts', 131072.0)
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def adapter_params_per_layer(model: ModelSpec, tasks: TaskSet) -> float:
     return total
 
 
-class Adapters:
+class AdapterCosts:
     """A frozen base training ``tasks``' LoRA adapters (see the module doc); ``analytic``: the analytic
     timing of the same device, whose kernels price the adapters' GEMMs and the weight gradients left out."""
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from flexmesh.cost.device.hardware import GroupShape, Hardware, pipeline_crossings
 from flexmesh.cost.device.kernels import Kernels
-from flexmesh.cost.training.adapters import Adapters
+from flexmesh.cost.training.adapters import AdapterCosts
 from flexmesh.cost.training.analytic import AnalyticTiming
 from flexmesh.cost.training.evaluation import Evaluation
 from flexmesh.cost.training.expert_layers import ExpertLayers
@@ -99,7 +99,7 @@ class CostModel:
             trained = FullTraining(self.hw, cluster, state_bytes, optimizer)
         else:
             analytic = self.timing if isinstance(self.timing, AnalyticTiming) else AnalyticTiming(model, self.hw)
-            trained = Adapters(model, self.hw, cluster, state_bytes, optimizer, parts.tasks, analytic)
+            trained = AdapterCosts(model, self.hw, cluster, state_bytes, optimizer, parts.tasks, analytic)
         experts = ExpertLayers(model, cluster, self.hw, self.timing, parts.experts) if model.is_moe else None
         self.layer_pricing = LayerPricing(model, cluster, self.hw, self.timing, trained, experts)
 
@@ -164,7 +164,7 @@ class CostModel:
 
     @property
     def trained(self) -> Trained:
-        """What the step trains (:class:`FullTraining`, or :class:`Adapters` for LoRA tasks)."""
+        """What the step trains (:class:`FullTraining`, or :class:`AdapterCosts` for LoRA tasks)."""
         return self.layer_pricing.trained
 
     # ---- one layer (flexmesh.cost.training.layer) ------------------------------------------------------

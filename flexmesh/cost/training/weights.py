@@ -1,7 +1,7 @@
 """What a step trains: the states a device keeps for its weights and the collectives that keep their
 gradients in sync, as a part of the cost model (:class:`Trained`).
 
-:class:`FullTraining` trains every weight (the default); :class:`~flexmesh.cost.training.adapters.Adapters`
+:class:`FullTraining` trains every weight (the default); :class:`~flexmesh.cost.training.adapters.AdapterCosts`
 trains LoRA adapters on a frozen base. Sources of the full-training terms:
 
 - ZeRO (1910.02054): ZeRO-1 shards the optimizer states over the data ranks, ZeRO-2 also the

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -200,7 +201,7 @@ def load_hf_safetensors(model: nn.Module, path: str | Path) -> LoadReport:
     params = dict(model.named_parameters())
     checked: set[Path] = set()
     with ExitStack() as stack:
-        opened: dict[Path, object] = {}
+        opened: dict[Path, Any] = {}  # safetensors' safe_open handles (untyped)
 
         def read(key: str):  # one tensor of the file, its shard checked before the first read from it
             file = files[key]
@@ -210,7 +211,7 @@ def load_hf_safetensors(model: nn.Module, path: str | Path) -> LoadReport:
                     checked.add(file)
                 opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
             try:
-                return opened[file].get_tensor(key)  # type: ignore[attr-defined]
+                return opened[file].get_tensor(key)
             except Exception as e:  # safetensors' own error types for a header naming bytes not there
                 raise CheckpointError(f"{file}: tensor {key} cannot be read ({e}); the file is corrupt or "
                                       "truncated: download it again") from None

@@ -113,7 +113,7 @@ def perplexity(loss: float) -> float:
 
 
 @dataclass(frozen=True)
-class Evaluation:
+class HeldOutEval:
     """The run's held-out documents, their layout, and how often they are evaluated."""
 
     docs: tuple[np.ndarray, ...]
@@ -122,14 +122,14 @@ class Evaluation:
 
     @classmethod
     def of(cls, docs: Sequence[np.ndarray], every: int,
-           schedule_fn: Callable[[list[int]], StepSchedule]) -> Evaluation:
+           schedule_fn: Callable[[list[int]], StepSchedule]) -> HeldOutEval:
         """``docs`` laid out by ``schedule_fn`` (lengths in, a StepSchedule out: the run's ``fixed`` scheduler)."""
         return cls(tuple(docs), schedule_fn([len(d) for d in docs]), every)
 
     def due(self, step: int, max_steps: int) -> bool:
         """Whether step ``step`` (1-based) is evaluated.
 
-        >>> e = Evaluation((), StepSchedule(lengths=(), groups=(), policy="fixed"), every=4)
+        >>> e = HeldOutEval((), StepSchedule(lengths=(), groups=(), policy="fixed"), every=4)
         >>> [s for s in range(1, 11) if e.due(s, 10)]
         [4, 8, 10]
         """

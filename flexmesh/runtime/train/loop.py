@@ -38,7 +38,7 @@ from flexmesh.runtime.state.rundir import (
     start_over,
 )
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig
-from flexmesh.runtime.train.evaluate import Evaluation
+from flexmesh.runtime.train.evaluate import HeldOutEval
 from flexmesh.runtime.train.trainer import Trainer
 
 
@@ -81,7 +81,7 @@ class ListSource:
 
 def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None,
         migration: Any = None, records: Sequence[Callable[[], None]] = (), wall: WallTime | None = None,
-        evaluation: Evaluation | None = None) -> list[StepMetrics]:
+        evaluation: HeldOutEval | None = None) -> list[StepMetrics]:
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
@@ -113,7 +113,7 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     ``wall`` (flexmesh.runtime.observe.walltime.WallTime) gets the first step (where compilation happens),
     the later steps (their data included), the evaluations and the checkpoints' times.
 
-    ``evaluation`` (flexmesh.runtime.train.evaluate.Evaluation): on the steps it names, every rank runs
+    ``evaluation`` (flexmesh.runtime.train.evaluate.HeldOutEval): on the steps it names, every rank runs
     the held-out documents' forwards after the step; the row gets ``eval_loss`` and ``eval_ppl`` and
     rank 0 says them in one line. With ``config.tensorboard_dir`` rank 0 also writes each row's
     scalars there (flexmesh.runtime.train.scalars).

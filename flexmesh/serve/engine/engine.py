@@ -254,7 +254,8 @@ class Engine:
         with self._lock:
             if not self._cancelling:
                 return
-            left, done = [], []
+            left: list[tuple[str, object]] = []
+            done: list[tuple[str, object]] = []
             for rid, state in self._cancelling:
                 live = None if scheduler is None else (scheduler.active_requests.get(rid)
                                                        or scheduler.waiting_requests.get(rid))

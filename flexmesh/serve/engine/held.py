@@ -22,7 +22,7 @@ class Held:
     tokens: int  # the output tokens it asks for (its branch's)
     predicted: float  # its predicted output tokens (routers' estimate of its work and KV)
     branch: int = 0
-    group: Group | None = None
+    group: BranchGroup | None = None
     future: asyncio.Future | None = None  # (status, answer) for the client (one-branch requests)
     replica: Replica | None = None
     attempts: int = 0
@@ -33,7 +33,7 @@ class Held:
 
 
 @dataclass(eq=False)
-class Group:
+class BranchGroup:
     """A test-time-scaling request's branches."""
 
     r: Request

@@ -108,7 +108,7 @@ def error_body(message: str, kind: str = "invalid_request_error") -> dict:
 
 
 def announce_ready(port: int, **extra: Any) -> None:
-    """Print the line a parent process waits for (flexmesh.serve.engine.fleet)."""
+    """Print the line a parent process waits for (flexmesh.serve.engine.processes)."""
     print(READY, json.dumps({"port": port, **extra}), flush=True)
 
 

@@ -27,7 +27,7 @@ CPU_WEIGHTS_GIB = 2.0  # the most weights one CPU engine of a mapped plan may ho
 
 
 @dataclass(frozen=True)
-class LocalFleet:
+class LocalEngines:
     configs: tuple[EngineConfig, ...]  # one per engine, in the plan's placement order
     max_running: tuple[int, ...]
     table: RoutingTable
@@ -50,7 +50,7 @@ def local_gpus() -> list[str]:
 
 
 def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu: bool = False,
-                 gpus: list[str] | None = None) -> LocalFleet:
+                 gpus: list[str] | None = None) -> LocalEngines:
     """The engines that run ``plan`` here (see the module doc); ``base`` gives what the plan does not (the
     engine's KV blocks where the plan sizes them from GPU memory, threads, seed); ``model`` replaces the plan's."""
     if len(plan.models) > 1:
@@ -105,4 +105,4 @@ def plan_engines(plan, base: EngineConfig, model: str | None = None, map_to_cpu:
         caps.append(k.max_seqs)
     if model and model != plan.models[0]:
         notes.append(f"model {model} in place of the plan's {plan.models[0]}")
-    return LocalFleet(tuple(configs), tuple(caps), placed.table, plan.routing, tuple(notes))
+    return LocalEngines(tuple(configs), tuple(caps), placed.table, plan.routing, tuple(notes))

@@ -23,6 +23,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -158,13 +159,13 @@ async def model_card(url: str) -> dict:
     return card
 
 
-async def replay_rates(url: str, workloads: list[tuple[float, Any]], engine_urls: list[str] = (),
+async def replay_rates(url: str, workloads: list[tuple[float, Any]], engine_urls: Sequence[str] = (),
                        progress=None, **limits) -> list[RateRun]:
     """Replay each ``(rate, workload)`` in turn against the router at ``url``; the iterations of the engines at
     ``engine_urls`` (when the caller started them) are collected for each replay."""
     from aiohttp import ClientSession, ClientTimeout
 
-    from flexmesh.serve.engine.fleet import fetch_iterations, iteration_count
+    from flexmesh.serve.engine.processes import fetch_iterations, iteration_count
 
     vocab = int((await model_card(url))["vocab_size"])
     runs = []

@@ -56,12 +56,13 @@ import itertools
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from flexmesh.data.requests import Request
 from flexmesh.errors import FlexmeshError, ServeError
 from flexmesh.serve.branches import Score, to_prune
-from flexmesh.serve.engine.held import Group, Held, Replica, request_record
+from flexmesh.serve.engine.held import BranchGroup, Held, Replica, request_record
 from flexmesh.serve.engine.http import MAX_BODY_BYTES, error_body, parse_completion
 from flexmesh.serve.layout.routing import RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
@@ -70,13 +71,16 @@ from flexmesh.serve.queues import make_queue
 from flexmesh.serve.router import ROUTERS, make_router
 from flexmesh.serve.router import Router as Policy
 
+if TYPE_CHECKING:
+    from aiohttp import ClientSession
+
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_INTERVAL_S = 1.0
 HEALTH_FAILURES = 2  # health checks in a row without an answer before an engine counts as lost
 ROUTES = ROUTERS
 
 
-class Router:
+class RouterService:
     """The router's state: engines, policies, the open records and events files (see the module doc).
 
     ``queue`` and ``predictor``: each engine's queue policy and the lengths it (and ``long-to-kv``) reads;
@@ -103,8 +107,8 @@ class Router:
         try:
             self.replicas = [Replica(i, u, make_queue(queue, predictor, running[i], context), running[i], kv[i],
                                      *prices) for i, u in enumerate(urls)]
-            self._args = dict(weights=weights, table=table, predictor=predictor, context=context)
-            self.policy: Policy[Replica] = make_router(route, self.replicas, **self._args)  # type: ignore[arg-type]
+            self._policy = partial(make_router, weights=weights, table=table, predictor=predictor, context=context)
+            self.policy: Policy[Replica] = self._policy(route, self.replicas)
         except FlexmeshError as e:
             raise ServeError(str(e)) from None
         self.route, self.predictor, self.context = route, predictor, context
@@ -119,7 +123,7 @@ class Router:
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.health_failures = health_failures
         self._ids = itertools.count()
-        self.session = None
+        self.session: ClientSession | None = None  # while the app runs
         self.answered = self.failed = self.decode_tokens = 0
 
     @property
@@ -137,6 +141,13 @@ class Router:
             self.events_file.flush()
         if self.on_event is not None:
             self.on_event(e)
+
+    @property
+    def client(self) -> ClientSession:
+        """The client session to the engines (the app's, while it runs)."""
+        if self.session is None:
+            raise ServeError("the router's app is not running: its client session starts with it (RouterService.app())")
+        return self.session
 
     def app(self):
         """The aiohttp application (its client session and the health watch start on startup, stop on cleanup)."""
@@ -204,7 +215,7 @@ class Router:
             h = Held(r, fwd, c.max_tokens, predicted, future=future)
             self._admit(rep, h)
         else:
-            g = Group(r, future, replica=rep)
+            g = BranchGroup(r, future, replica=rep)
             for b, n in enumerate(r.branch_lengths()):
                 h = Held(r, fwd, n, min(predicted, n), branch=b, group=g)
                 g.alive[b] = h
@@ -256,7 +267,7 @@ class Router:
 
         body = {**h.body, "max_tokens": h.tokens, "request_id": h.engine_rid}
         try:
-            async with self.session.post(f"{rep.url}/v1/completions", json=body) as resp:
+            async with self.client.post(f"{rep.url}/v1/completions", json=body) as resp:
                 status, text = resp.status, await resp.text()
         except asyncio.CancelledError:  # its engine was declared lost: the request was re-sent already
             raise
@@ -334,7 +345,7 @@ class Router:
         self._stop_branches(g)
         asyncio.ensure_future(self._finish_group(g, answer))
 
-    async def _finish_group(self, g: Group, last: dict) -> None:
+    async def _finish_group(self, g: BranchGroup, last: dict) -> None:
         """The request is done (its ``needed``-th branch answered ``last``): once the cancelled branches have
         answered with their tokens, its record and its answer, with every branch's tokens counted."""
         waits = [h.task for h in g.alive.values() if h.task is not None]
@@ -352,7 +363,7 @@ class Router:
         if not g.future.done():
             g.future.set_result((200, {**last, "choices": choices, "usage": usage, "metrics": metrics}))
 
-    def _stop_branches(self, g: Group) -> None:
+    def _stop_branches(self, g: BranchGroup) -> None:
         for h in list(g.alive.values()):
             self._drop(h)
 
@@ -374,7 +385,7 @@ class Router:
         from aiohttp import ClientError
 
         try:
-            async with self.session.post(f"{rep.url}/cancel", json={"request_id": h.engine_rid}) as r:
+            async with self.client.post(f"{rep.url}/cancel", json={"request_id": h.engine_rid}) as r:
                 await r.read()
         except (ClientError, asyncio.TimeoutError):
             pass  # the engine is gone: its health watch re-routes or fails what it held
@@ -394,8 +405,7 @@ class Router:
         self.event("engine-lost", engine=rep.index, why=why, sent=len(held), queued=len(queued))
         live = [r for r in self.replicas if r.up]
         if live:
-            self.policy = make_router(self.route if self.route != "weights" else "least-work", live,
-                                      **self._args)  # type: ignore[arg-type]
+            self.policy = self._policy(self.route if self.route != "weights" else "least-work", live)
             self.event("rerouted", engines=[r.index for r in live], route=self.policy.__class__.__name__)
         current = asyncio.current_task()
         for h in held:
@@ -442,7 +452,7 @@ class Router:
         from aiohttp import ClientConnectorError, ClientError, ClientTimeout
 
         try:
-            async with self.session.get(f"{replica.url}/health",
+            async with self.client.get(f"{replica.url}/health",
                                         timeout=ClientTimeout(total=self.health_timeout_s)) as r:
                 if r.status == 200:
                     return True, "", False
@@ -468,7 +478,7 @@ class Router:
 
         rep = next((r for r in self.replicas if r.up), self.replicas[0])
         try:
-            async with self.session.get(f"{rep.url}/v1/models") as r:
+            async with self.client.get(f"{rep.url}/v1/models") as r:
                 return web.Response(text=await r.text(), status=r.status, content_type="application/json")
         except (ClientError, asyncio.TimeoutError) as e:
             return web.json_response(error_body(f"engine {rep.index} at {rep.url} did not answer ({e})",

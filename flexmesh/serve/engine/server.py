@@ -58,8 +58,12 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float, stall_s: f
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
+        def settle(f) -> None:
+            if not done.done():
+                done.set_result(f)
+
         def finished(f) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(f))
+            loop.call_soon_threadsafe(settle, f)
 
         try:
             engine.submit(prompt, max_tokens, finished, c.request_id)

@@ -147,7 +147,7 @@ class CascadeSpec:
 
 
 @dataclass(frozen=True)
-class Placement:
+class PlanPlacement:
     """A serving plan's replicas on its cluster: each placed, its engine knobs, the routing table over them."""
 
     cluster: MixedCluster
@@ -203,7 +203,7 @@ class ServingPlan:
         return replace(self, predicted={**self.predicted, **values})
 
     # ---- its replicas ---------------------------------------------------------------------------------
-    def placement(self) -> Placement:
+    def placement(self) -> PlanPlacement:
         """The plan's replicas placed on its cluster (each device group's widest replicas first, so a replica
         never straddles a node), each one's knobs, and its routing table over them."""
         cluster = self.mixed_cluster()
@@ -231,7 +231,7 @@ class ServingPlan:
         any_decode = any(g.decode for g in self.groups)
         table = RoutingTable(self.buckets.prompt_edges, self.buckets.output_edges, tuple(map(tuple, entry)),
                              tuple(map(tuple, decode)) if any_decode else (), self.routing)
-        return Placement(cluster, placed, tuple(knobs), table)
+        return PlanPlacement(cluster, placed, tuple(knobs), table)
 
     # ---- JSON ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

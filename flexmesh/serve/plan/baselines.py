@@ -30,7 +30,7 @@ from flexmesh.errors import FlexmeshError, PlanError
 from flexmesh.serve.layout.plan import ServingPlan
 from flexmesh.serve.layout.roles import Role
 from flexmesh.serve.layout.routing import RoutingPolicy
-from flexmesh.serve.plan.planner import Candidate, Planner
+from flexmesh.serve.plan.planner import PlanCandidate, Planner
 from flexmesh.serve.plan.score import Score, score
 from flexmesh.serve.plan.search import _better
 
@@ -47,12 +47,12 @@ class Baseline:
     here, ``why`` says why)."""
 
     name: str
-    best: Candidate | None
-    tried: tuple[Candidate, ...]
+    best: PlanCandidate | None
+    tried: tuple[PlanCandidate, ...]
     why: str = ""
 
 
-def _solved(planner: Planner, name: str, cols: Sequence[int]) -> Candidate | None:
+def _solved(planner: Planner, name: str, cols: Sequence[int]) -> PlanCandidate | None:
     i = planner.inputs
     if not cols:
         return None
@@ -62,20 +62,20 @@ def _solved(planner: Planner, name: str, cols: Sequence[int]) -> Candidate | Non
         return None
     if s.rate <= 0 or not s.counts.any():
         return None
-    return Candidate(name, planner.to_plan(cols, s), s)
+    return PlanCandidate(name, planner.to_plan(cols, s), s)
 
 
 def _key(plan: ServingPlan) -> tuple:
     return plan.groups, plan.routing
 
 
-def known_scores(candidates: Sequence[Candidate]) -> Known:
+def known_scores(candidates: Sequence[PlanCandidate]) -> Known:
     """The scores of the candidates the simulator has judged, by plan."""
     return {_key(c.plan): c.score for c in candidates if c.score is not None and c.plan.cascade is None}
 
 
-def _routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Planner,
-            target: float | None, known: Known | None = None) -> list[Candidate]:
+def _routed(c: PlanCandidate, workload_at: Callable[[float], Workload], planner: Planner,
+            target: float | None, known: Known | None = None) -> list[PlanCandidate]:
     """``c`` scored with each routing policy inside its buckets' shares (a plan in ``known`` keeps its score;
     each new score is added to it)."""
     out = []
@@ -87,14 +87,14 @@ def _routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Pla
         if s is None:
             s = memo[_key(p)] = score(p, workload_at, start, planner.overhead)
         start = s.goodput or start
-        out.append(Candidate(f"{c.name}, {policy}", p, c.solution, s))
+        out.append(PlanCandidate(f"{c.name}, {policy}", p, c.solution, s))
     return out
 
 
-def _best(name: str, tried: list[Candidate], planner: Planner, why: str) -> Baseline:
+def _best(name: str, tried: list[PlanCandidate], planner: Planner, why: str) -> Baseline:
     """The best variant by the planner's own objective (:func:`~.search._better`)."""
     target, per_dollar = planner.inputs.rate, planner.inputs.per_dollar
-    best: Candidate | None = None
+    best: PlanCandidate | None = None
     for c in tried:
         assert c.score is not None
         if best is None or _better(c.score, best.score, target, per_dollar):
@@ -104,7 +104,7 @@ def _best(name: str, tried: list[Candidate], planner: Planner, why: str) -> Base
 
 def single_type(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Aggregated replicas of one device type, the best type."""
-    tried: list[Candidate] = []
+    tried: list[PlanCandidate] = []
     target = planner.inputs.rate
     for g, group in enumerate(planner.cluster.groups):
         c = _solved(planner, f"{group.device.name} only", planner.columns((Role.AGGREGATED,), groups=[g]))
@@ -122,7 +122,7 @@ def melange(planner: Planner, workload_at: Callable[[float], Workload], known: K
 
 def distserve(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Prefill and decode replicas on one device type, each phase its own tp and knobs; the best type."""
-    tried: list[Candidate] = []
+    tried: list[PlanCandidate] = []
     for g, group in enumerate(planner.cluster.groups):
         c = _solved(planner, f"{group.device.name} prefill + decode", planner.columns((Role.PREFILL, Role.DECODE),
                                                                                        groups=[g]))
@@ -134,7 +134,7 @@ def distserve(planner: Planner, workload_at: Callable[[float], Workload], known:
 def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
                    simulated: int = PAIRS_SIMULATED, known: Known | None = None) -> Baseline:
     """Prefill on one device type and decode on another: the pairs the MILP ranks highest, simulated."""
-    solved: list[Candidate] = []
+    solved: list[PlanCandidate] = []
     groups = planner.cluster.groups
     for u, gu in enumerate(groups):
         for v, gv in enumerate(groups):
@@ -146,13 +146,13 @@ def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
                 solved.append(c)
     target = planner.inputs.rate
 
-    def rank(c: Candidate) -> float:
+    def rank(c: PlanCandidate) -> float:
         assert c.solution is not None
         s = c.solution
         return -s.cost if target is not None else s.rate / max(s.cost, 1e-9)
 
     solved.sort(key=rank, reverse=True)
-    tried: list[Candidate] = []
+    tried: list[PlanCandidate] = []
     for c in solved[:simulated]:
         tried += _routed(c, workload_at, planner, target, known)
     return _best("one type per phase", tried, planner, "no pair of device types serves the two phases")
@@ -165,12 +165,12 @@ def round_robin(plan: ServingPlan, workload_at: Callable[[float], Workload], sta
         s = score(plan, workload_at, start_rate, planner.overhead, router="round-robin")
     except FlexmeshError as e:
         return Baseline("round-robin routing", None, (), f"cannot route every request in turn: {e}")
-    c = Candidate("planner's replicas, round-robin", plan, None, s)
+    c = PlanCandidate("planner's replicas, round-robin", plan, None, s)
     return Baseline("round-robin routing", c, (c,))
 
 
 def all_baselines(planner: Planner, plan: ServingPlan, plan_score: Score,
-                  workload_at: Callable[[float], Workload], known: Sequence[Candidate] = ()) -> list[Baseline]:
+                  workload_at: Callable[[float], Workload], known: Sequence[PlanCandidate] = ()) -> list[Baseline]:
     """Every baseline of the module doc, in its order; ``known``: candidates the simulator has scored on the same
     workload (the planner's), whose scores a baseline of the same plan reuses."""
     memo = known_scores(known)

@@ -283,135 +283,157 @@ def _prompt_s(t: _SplitTiming, prompt: int, room: int, decodes: int, context: in
 def capacity(t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float = 0.9) -> Capacity:
     """One replica of ``c`` serving bucket ``b`` within ``slo`` at the attainment ``quantile`` (see the module
     doc), priced by ``t``."""
-    k = c.knobs
     if b.share <= 0 or b.longest > c.kv_tokens:
         return NONE
-    p, p_hi = max(1.0, b.prompt_mean), max(1, b.prompt_high)
-    s, s_hi = max(0.0, b.output_mean - 1), max(0, b.output_high - 1)
-    ctx, spread = b.context, b.context_spread
-    budget, seqs, kv = k.max_batched_tokens, k.max_seqs, c.kv_tokens
-    ttft_bound = slo.ttft_s if slo.ttft_s is not None else math.inf
-    tpot_bound = slo.tpot_s if slo.tpot_s is not None else math.inf
-    e2e_bound = slo.e2e_s if slo.e2e_s is not None else math.inf
-    z = NormalDist().inv_cdf(quantile) if quantile < 1 else 3.0
+    judge = _Judge(t, c, b, slo, quantile)
+    if c.role == Role.PREFILL or (c.role == Role.AGGREGATED and judge.s < 1e-9):
+        return judge.prefill_capacity()
+    if c.role == Role.DECODE:
+        return judge.decode_capacity()
+    return judge.aggregated_capacity()
 
-    def hi(n: float) -> float:
+
+class _Judge:
+    """Whether one replica of a configuration serves ``n`` of a bucket's requests (in prefill, decoding or both, by
+    its role) within the SLO at the quantile, and what bound binds first (module doc); the figures of the last
+    ``record``ed rate kept (its iteration, rate, TTFT, TPOT)."""
+
+    def __init__(self, t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float):
+        k = c.knobs
+        self.t = t
+        self.p, self.p_hi = max(1.0, b.prompt_mean), max(1, b.prompt_high)
+        self.s, self.s_hi = max(0.0, b.output_mean - 1), max(0, b.output_high - 1)
+        self.ctx, self.spread = b.context, b.context_spread
+        self.budget, self.seqs, self.kv = k.max_batched_tokens, k.max_seqs, c.kv_tokens
+        self.ttft_bound = slo.ttft_s if slo.ttft_s is not None else math.inf
+        self.tpot_bound = slo.tpot_s if slo.tpot_s is not None else math.inf
+        self.e2e_bound = slo.e2e_s if slo.e2e_s is not None else math.inf
+        self.quantile = quantile
+        self.z = NormalDist().inv_cdf(quantile) if quantile < 1 else 3.0
+        self.why: str | None = None  # the bound the last failing check met
+        self.it = self.rate = self.ttft = self.tpot = 0.0  # the recorded figures
+
+    def hi(self, n: float) -> float:
         """A Poisson count of mean ``n`` at the quantile (its normal approximation)."""
-        return n + z * math.sqrt(n)
+        return n + self.z * math.sqrt(n)
 
-    def kv_hi(n: float) -> float:
-        """The KV tokens of a Poisson number (mean ``n``) of requests of the bucket's contexts at the quantile:
-        a compound Poisson sum's mean ``n c`` and its deviation ``sqrt(n E[c^2])``."""
-        return n * ctx + z * math.sqrt(n) * spread
+    def kv_hi(self, n: float) -> float:
+        """The KV tokens of a Poisson number (mean ``n``) of requests of the bucket's contexts at the quantile: a
+        compound Poisson sum's mean ``n c`` and its deviation ``sqrt(n E[c^2])``."""
+        return n * self.ctx + self.z * math.sqrt(n) * self.spread
 
-    last: dict[str, object] = {}
-
-    def fail(why: str) -> bool:
-        last["why"] = why
+    def fail(self, why: str) -> bool:
+        self.why = why
         return False
 
-    if c.role == Role.PREFILL or (c.role == Role.AGGREGATED and s < 1e-9):
-        # n: prompts arriving per iteration (mean); a prompt longer than the budget takes several iterations
-        # alone, and then n is the prompts arriving while one is computed.
-        alone = p > budget
+    def none(self) -> Capacity:
+        return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, self.why or "fit")
 
-        def pre(n: float, record: bool = False) -> bool:
-            n_hi = hi(n)
-            if n_hi > seqs or (n_hi - 1) * p + p_hi > kv:
-                return fail("max-seqs" if n_hi > seqs else "kv")
-            if alone:
-                if n_hi > 1:
-                    return fail("budget")
-                if record:
-                    full = _prompt_s(t, round(p), budget, 0, 0)[1]
-                    last["it"], last["rate"] = full, n / full
-                own = _prompt_s(t, p_hi, budget, 0, 0)[1]
-                ttft = quantile * own + own
-            else:
-                if n_hi * p > budget and n_hi > 1:
-                    return fail("budget")
-                if record:  # a busy iteration holds one prompt at least
-                    full = t.split_s(0, 0, _prefill_chunks(max(n, 1.0) * p, p))
-                    last["it"], last["rate"] = full, n / full
-                room = budget - round(max(0.0, n_hi - 1) * p)
-                if room >= p_hi:
-                    own = t.split_s(0, 0, _prefill_chunks(max(0.0, n_hi - 1) * p, p) + [(0, p_hi)])
-                else:
-                    own = _prompt_s(t, p_hi, budget, 0, 0)[1]
-                ttft = quantile * own + own
-            last["ttft"] = ttft
-            if ttft > min(ttft_bound, e2e_bound):
-                return fail("ttft" if ttft_bound <= e2e_bound else "e2e")
-            return True
-
-        top = 1.0 if alone else budget / p
-        n = _largest(pre, top)
-        if n <= 0:
-            return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, str(last.get("why", "fit")))
-        pre(n)
-        bound = "budget" if n >= top else str(last.get("why", "budget"))
-        pre(n * 1.02)
-        bound = str(last.get("why", bound))
-        pre(n, record=True)
-        return Capacity(float(last["rate"]), n, float(last["it"]), float(last["ttft"]), 0.0, bound)  # type: ignore[arg-type]
-
-    if c.role == Role.DECODE:
-        def dec(n: float, record: bool = False) -> bool:
-            n_hi = hi(n)
-            if n_hi > seqs or kv_hi(n) + p_hi > kv:
-                return fail("max-seqs" if n_hi > seqs else "kv")
-            tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), [])
+    # ---- prefill: n prompts arriving per iteration (mean); a prompt longer than the budget takes several
+    # iterations alone, and then n is the prompts arriving while one is computed ----
+    def prefill(self, n: float, record: bool = False) -> bool:
+        t, p, p_hi, budget, q = self.t, self.p, self.p_hi, self.budget, self.quantile
+        n_hi = self.hi(n)
+        if n_hi > self.seqs or (n_hi - 1) * p + p_hi > self.kv:
+            return self.fail("max-seqs" if n_hi > self.seqs else "kv")
+        if p > budget:
+            if n_hi > 1:
+                return self.fail("budget")
             if record:
-                last["it"], last["tpot"] = t.split_s(max(1, round(n)), round(n * ctx), []), tpot
-            if tpot > tpot_bound:
-                return fail("tpot")
-            if s_hi * tpot > e2e_bound:  # its decoding alone within the end-to-end bound
-                return fail("e2e")
-            return True
+                full = _prompt_s(t, round(p), budget, 0, 0)[1]
+                self.it, self.rate = full, n / full
+            own = _prompt_s(t, p_hi, budget, 0, 0)[1]
+            ttft = q * own + own
+        else:
+            if n_hi * p > budget and n_hi > 1:
+                return self.fail("budget")
+            if record:  # a busy iteration holds one prompt at least
+                full = t.split_s(0, 0, _prefill_chunks(max(n, 1.0) * p, p))
+                self.it, self.rate = full, n / full
+            room = budget - round(max(0.0, n_hi - 1) * p)
+            if room >= p_hi:
+                own = t.split_s(0, 0, _prefill_chunks(max(0.0, n_hi - 1) * p, p) + [(0, p_hi)])
+            else:
+                own = _prompt_s(t, p_hi, budget, 0, 0)[1]
+            ttft = q * own + own
+        self.ttft = ttft
+        if ttft > min(self.ttft_bound, self.e2e_bound):
+            return self.fail("ttft" if self.ttft_bound <= self.e2e_bound else "e2e")
+        return True
 
-        n = _largest(dec, float(seqs))
+    def prefill_capacity(self) -> Capacity:
+        top = 1.0 if self.p > self.budget else self.budget / self.p
+        n = _largest(self.prefill, top)
         if n <= 0:
-            return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, str(last.get("why", "fit")))
-        dec(n * 1.02)
-        bound = str(last.get("why", "max-seqs"))
-        dec(n, record=True)
-        it = float(last["it"])  # type: ignore[arg-type]
-        return Capacity(n / (s * it) if s > 0 else math.inf, n, it, 0.0, float(last["tpot"]), bound)  # type: ignore[arg-type]
+            return self.none()
+        self.prefill(n)
+        bound = "budget" if n >= top else (self.why or "budget")
+        self.prefill(n * 1.02)
+        bound = self.why or bound
+        self.prefill(n, record=True)
+        return Capacity(self.rate, n, self.it, self.ttft, 0.0, bound)
 
-    def agg(n: float, record: bool = False) -> bool:
-        n_hi, a = hi(n), n / s  # decoding requests; requests arriving per iteration
-        a_hi = hi(a)
-        if n_hi > seqs or kv_hi(n) + p_hi > kv:
-            return fail("max-seqs" if n_hi > seqs else "kv")
+    # ---- decode: n requests decoding ----
+    def decode(self, n: float, record: bool = False) -> bool:
+        t, ctx = self.t, self.ctx
+        n_hi = self.hi(n)
+        if n_hi > self.seqs or self.kv_hi(n) + self.p_hi > self.kv:
+            return self.fail("max-seqs" if n_hi > self.seqs else "kv")
+        tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), [])
+        if record:
+            self.it, self.tpot = t.split_s(max(1, round(n)), round(n * ctx), []), tpot
+        if tpot > self.tpot_bound:
+            return self.fail("tpot")
+        if self.s_hi * tpot > self.e2e_bound:  # its decoding alone within the end-to-end bound
+            return self.fail("e2e")
+        return True
+
+    def decode_capacity(self) -> Capacity:
+        n = _largest(self.decode, float(self.seqs))
+        if n <= 0:
+            return self.none()
+        self.decode(n * 1.02)
+        bound = self.why or "max-seqs"
+        self.decode(n, record=True)
+        s, it = self.s, self.it
+        return Capacity(n / (s * it) if s > 0 else math.inf, n, it, 0.0, self.tpot, bound)
+
+    # ---- aggregated: n requests decoding, and the prompts arriving meanwhile ----
+    def aggregated(self, n: float, record: bool = False) -> bool:
+        t, p, ctx, budget = self.t, self.p, self.ctx, self.budget
+        n_hi, a = self.hi(n), n / self.s  # decoding requests; requests arriving per iteration
+        a_hi = self.hi(a)
+        if n_hi > self.seqs or self.kv_hi(n) + self.p_hi > self.kv:
+            return self.fail("max-seqs" if n_hi > self.seqs else "kv")
         if n + a * p > budget:  # the prefill that keeps the batch full fits the budget on average
-            return fail("budget")
+            return self.fail("budget")
         tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(a * p, p))
-        if tpot > tpot_bound:
-            return fail("tpot")
+        if tpot > self.tpot_bound:
+            return self.fail("tpot")
         it_hi = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), _prefill_chunks(min(a_hi * p, budget - n_hi), p))
         if record:
-            last["it"], last["tpot"] = t.split_s(max(1, round(n)), round(n * ctx), _prefill_chunks(a * p, p)), tpot
+            self.it, self.tpot = t.split_s(max(1, round(n)), round(n * ctx), _prefill_chunks(a * p, p)), tpot
         # The prompts that arrived with it take their room first; when they fill the budget it waits an iteration.
         room = budget - n_hi - max(0.0, a_hi - 1) * p
         wait = 0.0
         if room < 1:
             wait, room = it_hi, budget - n_hi
         if room < 1:
-            return fail("budget")
-        _, own = _prompt_s(t, p_hi, int(room), max(1, round(n_hi)), round(n_hi * ctx))
-        ttft = quantile * it_hi + wait + own
-        last["ttft"] = ttft
-        if ttft > ttft_bound:
-            return fail("ttft")
-        if ttft + s_hi * tpot > e2e_bound:
-            return fail("e2e")
+            return self.fail("budget")
+        _, own = _prompt_s(t, self.p_hi, int(room), max(1, round(n_hi)), round(n_hi * ctx))
+        ttft = self.quantile * it_hi + wait + own
+        self.ttft = ttft
+        if ttft > self.ttft_bound:
+            return self.fail("ttft")
+        if ttft + self.s_hi * tpot > self.e2e_bound:
+            return self.fail("e2e")
         return True
 
-    n = _largest(agg, float(seqs))
-    if n <= 0:
-        return Capacity(0.0, 0.0, 0.0, math.inf, math.inf, str(last.get("why", "fit")))
-    agg(n * 1.02)
-    bound = str(last.get("why", "max-seqs"))
-    agg(n, record=True)
-    it = float(last["it"])  # type: ignore[arg-type]
-    return Capacity(n / (s * it), n, it, float(last["ttft"]), float(last["tpot"]), bound)  # type: ignore[arg-type]
+    def aggregated_capacity(self) -> Capacity:
+        n = _largest(self.aggregated, float(self.seqs))
+        if n <= 0:
+            return self.none()
+        self.aggregated(n * 1.02)
+        bound = self.why or "max-seqs"
+        self.aggregated(n, record=True)
+        return Capacity(n / (self.s * self.it), n, self.it, self.ttft, self.tpot, bound)

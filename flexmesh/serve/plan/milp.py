@@ -191,246 +191,312 @@ class _Rows:
 def solve(problem: Problem) -> Solution:
     """The best plan of ``problem`` (PlanError in one line when none exists)."""
     t0 = time.perf_counter()
-    p = problem
-    cols = p.columns
-    nc = len(cols)
-    cap = np.asarray(p.capacity, dtype=float)
-    demand = np.atleast_2d(np.asarray(p.demand, dtype=float))
-    nm, nb = demand.shape
-    ng = len(p.available)
-    if cap.shape != (nc, nb):
-        raise PlanError(f"capacity is {cap.shape}, expected {(nc, nb)} (configurations x buckets)")
-    decodes = np.ones((nm, nb), bool) if p.decodes is None else np.asarray(p.decodes, bool)
-    if p.rate is None and p.budget is None and not p.limits and p.counts is None:
-        raise PlanError("give a rate to serve at the least cost, or a budget to serve the most within")
-    if p.slices is not None and (p.rate is None or p.slices < 1):
-        raise PlanError("slices (Mélange's whole slices of a bucket) need a given rate and at least one slice")
-    price = [float(x) for x in p.price]
-    v = _Vars()
-    rows = _Rows()
-    fixed_rate = p.rate is not None
-    rate_var = -1 if fixed_rate else v.add(0.0, math.inf)
-    rate = float(p.rate) if p.rate is not None else 0.0
+    f = _Formulation(problem)
+    f.demand_rows()
+    f.capacity_rows()
+    f.handoff_rows()
+    f.link_rows()
+    f.partial_rows()
+    f.device_rows()
+    f.budget_rows()
+    return f.solve(t0)
 
-    allowed = [True] * nc
-    if p.limits is not None:
-        if not cols.shape:
-            raise PlanError("limits by weights shape need the columns' shapes")
-        allowed = [cols.shape[c] in p.limits for c in range(nc)]
-    n_var = []
-    for c in range(nc):
-        g = cols.group[c]
-        most = p.available[g] // cols.devices[c] if allowed[c] else 0
-        if p.limits is not None and allowed[c]:
-            most = min(most, p.limits[cols.shape[c]])
-        least = 0
-        if p.counts is not None:
-            least = most = int(p.counts[c])
-            allowed[c] = most > 0
-        n_var.append(v.add(float(least), float(most), integer=True))
 
-    entry: dict[tuple[int, int], tuple[int, float]] = {}  # (c, b) -> (variable, requests/s per unit)
-    dec: dict[tuple[int, int], int] = {}
-    entry_of: dict[int, list[tuple[int, int, float]]] = {}  # c -> [(b, variable, unit)]
-    entry_in: dict[tuple[int, int], list[tuple[int, int, float]]] = {}  # (m, b) -> [(c, variable, unit)]
-    dec_of: dict[int, list[tuple[int, int]]] = {}
-    dec_in: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for c in range(nc):
-        m, role = cols.model[c], cols.role[c]
-        if not allowed[c]:
-            continue
-        for b in range(nb):
-            if cap[c, b] <= 0 or demand[m, b] <= 0:
-                continue
-            if role == Role.DECODE:
-                if decodes[m, b]:
-                    var = dec[c, b] = v.add(0.0, math.inf)
-                    dec_of.setdefault(c, []).append((b, var))
-                    dec_in.setdefault((m, b), []).append((c, var))
-                continue
-            if p.slices is not None:
-                var, unit = v.add(0.0, float(p.slices), integer=True), demand[m, b] * rate / p.slices
-            else:
-                var, unit = v.add(0.0, math.inf), 1.0
-            entry[c, b] = (var, unit)
-            entry_of.setdefault(c, []).append((b, var, unit))
-            entry_in.setdefault((m, b), []).append((c, var, unit))
+class _Formulation:
+    """The MILP of one problem (the module doc): its variables made in order (the rate, replica counts, routes,
+    partial routes, prefill-to-decode flows), then its rows family by family, then HiGHS."""
 
-    miss: dict[tuple[int, int], int] = {}  # (c, b) -> variable: requests/s entering that miss the SLO
-    miss_of: dict[int, list[tuple[int, int, float]]] = {}  # c -> [(b, variable, capacity without the SLO)]
-    if p.misses > 0:
-        if p.capacity_any is None or p.slices is not None:
-            raise PlanError("partial buckets (misses) need each configuration's capacity without the SLO, and no "
-                            "slices")
-        any_cap = np.asarray(p.capacity_any, dtype=float)
+    def __init__(self, problem: Problem):
+        p = self.p = problem
+        cols = self.cols = p.columns
+        nc = self.nc = len(cols)
+        self.cap = np.asarray(p.capacity, dtype=float)
+        self.demand = np.atleast_2d(np.asarray(p.demand, dtype=float))
+        self.nm, self.nb = self.demand.shape
+        if self.cap.shape != (nc, self.nb):
+            raise PlanError(f"capacity is {self.cap.shape}, expected {(nc, self.nb)} (configurations x buckets)")
+        self.decodes = np.ones((self.nm, self.nb), bool) if p.decodes is None else np.asarray(p.decodes, bool)
+        if p.rate is None and p.budget is None and not p.limits and p.counts is None:
+            raise PlanError("give a rate to serve at the least cost, or a budget to serve the most within")
+        if p.slices is not None and (p.rate is None or p.slices < 1):
+            raise PlanError("slices (Mélange's whole slices of a bucket) need a given rate and at least one slice")
+        self.price = [float(x) for x in p.price]
+        self.v, self.rows = _Vars(), _Rows()
+        self.fixed_rate = p.rate is not None
+        self.rate_var = -1 if self.fixed_rate else self.v.add(0.0, math.inf)
+        self.rate = float(p.rate) if p.rate is not None else 0.0
+        self.notes: list[str] = []
+        self._replicas()
+        self._routes()
+        self._misses()
+        self._flows()
+
+    # ---- variables -----------------------------------------------------------------------------------
+    def _replicas(self) -> None:
+        """``n[c]``: replicas of each configuration, within what its group has (and ``limits``, ``counts``)."""
+        p, cols, nc = self.p, self.cols, self.nc
+        self.allowed = [True] * nc
+        if p.limits is not None:
+            if not cols.shape:
+                raise PlanError("limits by weights shape need the columns' shapes")
+            self.allowed = [cols.shape[c] in p.limits for c in range(nc)]
+        self.n_var = []
         for c in range(nc):
-            if not allowed[c] or cols.role[c] == Role.DECODE:
-                continue
-            for b in range(nb):
-                if any_cap[c, b] > 0 and demand[cols.model[c], b] > 0:
-                    miss[c, b] = v.add(0.0, math.inf)
-                    miss_of.setdefault(c, []).append((b, miss[c, b], float(any_cap[c, b])))
-    miss_in: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for (c, b), var in miss.items():
-        miss_in.setdefault((cols.model[c], b), []).append((c, var))
+            most = p.available[cols.group[c]] // cols.devices[c] if self.allowed[c] else 0
+            if p.limits is not None and self.allowed[c]:
+                most = min(most, p.limits[cols.shape[c]])
+            least = 0
+            if p.counts is not None:
+                least = most = int(p.counts[c])
+                self.allowed[c] = most > 0
+            self.n_var.append(self.v.add(float(least), float(most), integer=True))
 
-    prefill_groups: dict[int, list[int]] = {}
-    decode_groups: dict[int, list[int]] = {}
-    for c in range(nc):
-        if not allowed[c]:
-            continue
-        if cols.role[c] == Role.PREFILL:
-            prefill_groups.setdefault(cols.model[c], []).append(cols.group[c])
-        elif cols.role[c] == Role.DECODE:
-            decode_groups.setdefault(cols.model[c], []).append(cols.group[c])
-    pre_g = {m: sorted(set(gs)) for m, gs in prefill_groups.items()}
-    dec_g = {m: sorted(set(gs)) for m, gs in decode_groups.items()}
-    # Links bind only where a prefill group could send more KV than a link carries: elsewhere each bucket's
-    # prefills and decodes balance as a whole (fewer variables, the same plans).
-    link = None if p.link_bytes_per_s is None else np.asarray(p.link_bytes_per_s, dtype=float) / 1e9
-    kv = None if p.kv_bytes is None else np.asarray(p.kv_bytes, dtype=float) / 1e9
-    paired: set[int] = set()  # models whose hand-offs are flows between groups
-    if link is not None and kv is not None:
-        for m in range(nm):
-            for g in pre_g.get(m, ()):
-                most = sum(cap[c, b] * (p.available[g] // cols.devices[c]) * kv[m, b] for c in range(nc)
-                           if allowed[c] and cols.model[c] == m and cols.role[c] == Role.PREFILL and cols.group[c] == g
-                           for b in range(nb) if decodes[m, b])
-                if any(h != g and most > link[g, h] for h in dec_g.get(m, ())):
-                    paired.add(m)
-    flow: dict[tuple[int, int, int, int], int] = {}
-    for m in sorted(paired):
-        for b in range(nb):
-            if demand[m, b] <= 0 or not decodes[m, b]:
+    def _routes(self) -> None:
+        """``x[c, b]`` entering at an aggregated or prefill configuration (whole slices with ``slices``), ``y[c, b]``
+        decoded at a decode one."""
+        p, cols, v = self.p, self.cols, self.v
+        self.entry: dict[tuple[int, int], tuple[int, float]] = {}  # (c, b) -> (variable, requests/s per unit)
+        self.dec: dict[tuple[int, int], int] = {}
+        self.entry_of: dict[int, list[tuple[int, int, float]]] = {}  # c -> [(b, variable, unit)]
+        self.entry_in: dict[tuple[int, int], list[tuple[int, int, float]]] = {}  # (m, b) -> [(c, variable, unit)]
+        self.dec_of: dict[int, list[tuple[int, int]]] = {}
+        self.dec_in: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for c in range(self.nc):
+            m, role = cols.model[c], cols.role[c]
+            if not self.allowed[c]:
                 continue
-            for g in pre_g.get(m, ()):
-                for h in dec_g.get(m, ()):
-                    flow[m, b, g, h] = v.add(0.0, math.inf)
+            for b in range(self.nb):
+                if self.cap[c, b] <= 0 or self.demand[m, b] <= 0:
+                    continue
+                if role == Role.DECODE:
+                    if self.decodes[m, b]:
+                        var = self.dec[c, b] = v.add(0.0, math.inf)
+                        self.dec_of.setdefault(c, []).append((b, var))
+                        self.dec_in.setdefault((m, b), []).append((c, var))
+                    continue
+                if p.slices is not None:
+                    var, unit = v.add(0.0, float(p.slices), integer=True), self.demand[m, b] * self.rate / p.slices
+                else:
+                    var, unit = v.add(0.0, math.inf), 1.0
+                self.entry[c, b] = (var, unit)
+                self.entry_of.setdefault(c, []).append((b, var, unit))
+                self.entry_in.setdefault((m, b), []).append((c, var, unit))
 
-    # demand: each bucket of each model enters somewhere
-    for m in range(nm):
-        for b in range(nb):
-            if demand[m, b] <= 0:
+    def _misses(self) -> None:
+        """``w[c, b]``: requests/s entering that miss the SLO (partial buckets), priced with no latency bound."""
+        p, cols = self.p, self.cols
+        self.miss: dict[tuple[int, int], int] = {}
+        self.miss_of: dict[int, list[tuple[int, int, float]]] = {}  # c -> [(b, variable, capacity without SLO)]
+        if p.misses > 0:
+            if p.capacity_any is None or p.slices is not None:
+                raise PlanError("partial buckets (misses) need each configuration's capacity without the SLO, and "
+                                "no slices")
+            any_cap = np.asarray(p.capacity_any, dtype=float)
+            for c in range(self.nc):
+                if not self.allowed[c] or cols.role[c] == Role.DECODE:
+                    continue
+                for b in range(self.nb):
+                    if any_cap[c, b] > 0 and self.demand[cols.model[c], b] > 0:
+                        self.miss[c, b] = self.v.add(0.0, math.inf)
+                        self.miss_of.setdefault(c, []).append((b, self.miss[c, b], float(any_cap[c, b])))
+        self.miss_in: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for (c, b), var in self.miss.items():
+            self.miss_in.setdefault((cols.model[c], b), []).append((c, var))
+
+    def _flows(self) -> None:
+        """``f[m, b, g, h]``: hand-offs from prefill group ``g`` to decode group ``h``, for the models whose
+        prefill groups could send more KV than a link carries (elsewhere each bucket's prefills and decodes
+        balance as a whole: fewer variables, the same plans)."""
+        p, cols, cap, nc = self.p, self.cols, self.cap, self.nc
+        prefill_groups: dict[int, list[int]] = {}
+        decode_groups: dict[int, list[int]] = {}
+        for c in range(nc):
+            if not self.allowed[c]:
                 continue
-            terms = {var: unit for _, var, unit in entry_in.get((m, b), ())}
-            terms.update({var: 1.0 for _, var in miss_in.get((m, b), ())})
-            if not terms:
-                raise PlanError(f"no configuration serves bucket {b} of model {m} within the SLO; relax the SLO, "
-                                "give faster or larger devices, or drop those requests")
-            if p.slices is not None:
-                rows.add({var: 1.0 for var in terms}, float(p.slices), float(p.slices))
-            elif fixed_rate:
-                rows.add(terms, demand[m, b] * rate, demand[m, b] * rate)
-            else:
-                rows.add({**terms, rate_var: -demand[m, b]}, 0.0, 0.0)
-    # capacity: each configuration's replicas busy at most all the time
-    for c in range(nc):
-        terms = {var: unit / cap[c, b] for b, var, unit in entry_of.get(c, ())}
-        terms.update({var: 1.0 / cap[c, b] for b, var in dec_of.get(c, ())})
-        terms.update({var: 1.0 / most for _, var, most in miss_of.get(c, ())})
-        if terms:
-            rows.add({**terms, n_var[c]: -1.0}, -math.inf, 0.0)
-    # prefill -> decode: what a group prefills of a decoding bucket flows out, what a group decodes flows in
-    for m in range(nm):
-        for b in range(nb):
-            if demand[m, b] <= 0 or not decodes[m, b] or not pre_g.get(m):
-                continue
-            if m not in paired:
-                terms = {var: unit for c, var, unit in entry_in.get((m, b), ()) if cols.role[c] == Role.PREFILL}
-                terms.update({var: 1.0 for c, var in miss_in.get((m, b), ()) if cols.role[c] == Role.PREFILL})
-                terms.update({var: -1.0 for _, var in dec_in.get((m, b), ())})
-                rows.add(terms, 0.0, 0.0)
-                continue
-            for g in pre_g.get(m, ()):
-                terms = {var: unit for c, var, unit in entry_in.get((m, b), ())
-                         if cols.role[c] == Role.PREFILL and cols.group[c] == g}
-                terms.update({var: 1.0 for c, var in miss_in.get((m, b), ())
-                              if cols.role[c] == Role.PREFILL and cols.group[c] == g})
-                terms.update({flow[m, b, g, h]: -1.0 for h in dec_g.get(m, ())})
-                rows.add(terms, 0.0, 0.0)
-            for h in dec_g.get(m, ()):
-                terms = {var: 1.0 for c, var in dec_in.get((m, b), ()) if cols.group[c] == h}
-                terms.update({flow[m, b, g, h]: -1.0 for g in pre_g.get(m, ())})
-                rows.add(terms, 0.0, 0.0)
-    # links: KV bytes a second between two groups (in GB: HiGHS wants coefficients near 1)
-    if flow:
-        assert link is not None and kv is not None
+            if cols.role[c] == Role.PREFILL:
+                prefill_groups.setdefault(cols.model[c], []).append(cols.group[c])
+            elif cols.role[c] == Role.DECODE:
+                decode_groups.setdefault(cols.model[c], []).append(cols.group[c])
+        self.pre_g = {m: sorted(set(gs)) for m, gs in prefill_groups.items()}
+        self.dec_g = {m: sorted(set(gs)) for m, gs in decode_groups.items()}
+        self.link = None if p.link_bytes_per_s is None else np.asarray(p.link_bytes_per_s, dtype=float) / 1e9
+        self.kv = None if p.kv_bytes is None else np.asarray(p.kv_bytes, dtype=float) / 1e9
+        self.paired: set[int] = set()
+        if self.link is not None and self.kv is not None:
+            for m in range(self.nm):
+                for g in self.pre_g.get(m, ()):
+                    most = sum(cap[c, b] * (p.available[g] // cols.devices[c]) * self.kv[m, b] for c in range(nc)
+                               if self.allowed[c] and cols.model[c] == m and cols.role[c] == Role.PREFILL
+                               and cols.group[c] == g for b in range(self.nb) if self.decodes[m, b])
+                    if any(h != g and most > self.link[g, h] for h in self.dec_g.get(m, ())):
+                        self.paired.add(m)
+        self.flow: dict[tuple[int, int, int, int], int] = {}
+        for m in sorted(self.paired):
+            for b in range(self.nb):
+                if self.demand[m, b] <= 0 or not self.decodes[m, b]:
+                    continue
+                for g in self.pre_g.get(m, ()):
+                    for h in self.dec_g.get(m, ()):
+                        self.flow[m, b, g, h] = self.v.add(0.0, math.inf)
+
+    # ---- rows ------------------------------------------------------------------------------------------
+    def demand_rows(self) -> None:
+        """Each bucket of each model enters somewhere."""
+        p, rows = self.p, self.rows
+        for m in range(self.nm):
+            for b in range(self.nb):
+                if self.demand[m, b] <= 0:
+                    continue
+                terms = {var: unit for _, var, unit in self.entry_in.get((m, b), ())}
+                terms.update({var: 1.0 for _, var in self.miss_in.get((m, b), ())})
+                if not terms:
+                    raise PlanError(f"no configuration serves bucket {b} of model {m} within the SLO; relax the SLO, "
+                                    "give faster or larger devices, or drop those requests")
+                if p.slices is not None:
+                    rows.add({var: 1.0 for var in terms}, float(p.slices), float(p.slices))
+                elif self.fixed_rate:
+                    rows.add(terms, self.demand[m, b] * self.rate, self.demand[m, b] * self.rate)
+                else:
+                    rows.add({**terms, self.rate_var: -self.demand[m, b]}, 0.0, 0.0)
+
+    def capacity_rows(self) -> None:
+        """Each configuration's replicas busy at most all the time."""
+        cap = self.cap
+        for c in range(self.nc):
+            terms = {var: unit / cap[c, b] for b, var, unit in self.entry_of.get(c, ())}
+            terms.update({var: 1.0 / cap[c, b] for b, var in self.dec_of.get(c, ())})
+            terms.update({var: 1.0 / most for _, var, most in self.miss_of.get(c, ())})
+            if terms:
+                self.rows.add({**terms, self.n_var[c]: -1.0}, -math.inf, 0.0)
+
+    def handoff_rows(self) -> None:
+        """Prefill -> decode: what a group prefills of a decoding bucket flows out, what a group decodes flows in."""
+        cols, rows = self.cols, self.rows
+        for m in range(self.nm):
+            for b in range(self.nb):
+                if self.demand[m, b] <= 0 or not self.decodes[m, b] or not self.pre_g.get(m):
+                    continue
+                entry_in, miss_in, dec_in = (self.entry_in.get((m, b), ()), self.miss_in.get((m, b), ()),
+                                             self.dec_in.get((m, b), ()))
+                if m not in self.paired:
+                    terms = {var: unit for c, var, unit in entry_in if cols.role[c] == Role.PREFILL}
+                    terms.update({var: 1.0 for c, var in miss_in if cols.role[c] == Role.PREFILL})
+                    terms.update({var: -1.0 for _, var in dec_in})
+                    rows.add(terms, 0.0, 0.0)
+                    continue
+                for g in self.pre_g.get(m, ()):
+                    terms = {var: unit for c, var, unit in entry_in
+                             if cols.role[c] == Role.PREFILL and cols.group[c] == g}
+                    terms.update({var: 1.0 for c, var in miss_in
+                                  if cols.role[c] == Role.PREFILL and cols.group[c] == g})
+                    terms.update({self.flow[m, b, g, h]: -1.0 for h in self.dec_g.get(m, ())})
+                    rows.add(terms, 0.0, 0.0)
+                for h in self.dec_g.get(m, ()):
+                    terms = {var: 1.0 for c, var in dec_in if cols.group[c] == h}
+                    terms.update({self.flow[m, b, g, h]: -1.0 for g in self.pre_g.get(m, ())})
+                    rows.add(terms, 0.0, 0.0)
+
+    def link_rows(self) -> None:
+        """KV bytes a second between two groups (in GB: HiGHS wants coefficients near 1)."""
+        if not self.flow:
+            return
+        assert self.link is not None and self.kv is not None
         over: dict[tuple[int, int], dict[int, float]] = {}
-        for (m, b, g, h), var in flow.items():
-            if g != h and math.isfinite(link[g, h]):
-                over.setdefault((g, h), {})[var] = kv[m, b]
+        for (m, b, g, h), var in self.flow.items():
+            if g != h and math.isfinite(self.link[g, h]):
+                over.setdefault((g, h), {})[var] = self.kv[m, b]
         for (g, h), terms in sorted(over.items()):
-            rows.add(terms, -math.inf, float(link[g, h]))
-    # partial buckets: what enters missing the SLO within its share of the rate
-    if miss:
-        if fixed_rate:
-            rows.add({var: 1.0 for var in miss.values()}, -math.inf, p.misses * rate)
-        else:
-            rows.add({**{var: 1.0 for var in miss.values()}, rate_var: -p.misses}, -math.inf, 0.0)
-    # devices available per group
-    for g in range(ng):
-        terms = {n_var[c]: float(cols.devices[c]) for c in range(nc) if cols.group[c] == g and allowed[c]}
-        if terms:
-            rows.add(terms, -math.inf, float(p.available[g]))
-    cost_terms = {n_var[c]: price[cols.group[c]] * cols.devices[c] for c in range(nc) if allowed[c]}
-    if p.budget is not None:
-        rows.add(cost_terms, -math.inf, float(p.budget))
-    if p.limits is not None:
-        for shape, most in p.limits.items():
-            rows.add({n_var[c]: 1.0 for c in range(nc) if allowed[c] and cols.shape[c] == shape}, -math.inf,
-                     float(most))
+            self.rows.add(terms, -math.inf, float(self.link[g, h]))
 
-    nvars = len(v.lo)
-    bounds = Bounds(np.array(v.lo), np.array(v.hi))
-    integrality = np.zeros(len(v.integer)) if p.relaxed else np.array(v.integer)
-    constraint = rows.constraint(nvars)
-    options = {"mip_rel_gap": MIP_GAP, "time_limit": p.time_limit_s, "disp": False}
-    cost_vec = np.zeros(nvars)
-    for var, coef in cost_terms.items():
-        cost_vec[var] = coef
-    notes: list[str] = []
-    if fixed_rate:
-        res = quietly(milp, cost_vec, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
-        _check(res, "serve the rate within the devices available" + (" and the budget" if p.budget else ""))
-    else:
-        obj = np.zeros(nvars)
-        obj[rate_var] = -1.0
-        res = quietly(milp, obj, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
-        _check(res, "serve any rate within the budget and the devices available")
-        best = float(res.x[rate_var])
-        # The cheapest plan at (nearly) that rate among these replicas: the first solve is indifferent to
-        # replicas it leaves idle. Only removing replicas is tried (a small MILP: the counts found are bounds).
-        lo, hi = np.array(v.lo), np.array(v.hi)
-        lo[rate_var] = best * RATE_KEPT
-        for c in range(nc):
-            hi[n_var[c]] = min(hi[n_var[c]], round(res.x[n_var[c]]))
-        again = quietly(milp, cost_vec, integrality=integrality, bounds=Bounds(lo, hi), constraints=constraint,
-                     options=options)
-        if again.x is not None and again.status in (0, 1):
-            res = again
+    def partial_rows(self) -> None:
+        """What enters missing the SLO within its share of the rate (partial buckets)."""
+        if not self.miss:
+            return
+        misses = {var: 1.0 for var in self.miss.values()}
+        if self.fixed_rate:
+            self.rows.add(misses, -math.inf, self.p.misses * self.rate)
         else:
-            notes.append("trimming idle replicas found nothing; the first plan is kept")
-        rate = float(res.x[rate_var])
-    if res.status == 1:
-        notes.append(f"HiGHS stopped at its time limit ({p.time_limit_s:g} s); the plan is the best it found")
-    x = res.x
-    counts = np.array([x[n_var[c]] if p.relaxed else round(x[n_var[c]]) for c in range(nc)],
-                      dtype=float if p.relaxed else int)
-    ent = np.zeros((nc, nb))
-    for (c, b), (var, unit) in entry.items():
-        ent[c, b] = max(0.0, x[var] * unit)
-    missed = np.zeros((nc, nb))
-    for (c, b), var in miss.items():
-        missed[c, b] = max(0.0, x[var])
-    ent += missed
-    dcd = np.zeros((nc, nb))
-    for (c, b), var in dec.items():
-        dcd[c, b] = max(0.0, x[var])
-    flows = {k: float(x[var]) for k, var in flow.items() if x[var] > 1e-9}
-    cost = float(sum(coef * counts[c] for c, coef in ((c, price[cols.group[c]] * cols.devices[c])
-                                                       for c in range(nc))))
-    return Solution(rate, counts, ent, dcd, flows, cost, time.perf_counter() - t0, tuple(notes),
-                    missed=missed if miss else None)
+            self.rows.add({**misses, self.rate_var: -self.p.misses}, -math.inf, 0.0)
+
+    def device_rows(self) -> None:
+        """Devices available per group."""
+        cols = self.cols
+        for g in range(len(self.p.available)):
+            terms = {self.n_var[c]: float(cols.devices[c]) for c in range(self.nc) if cols.group[c] == g
+                     and self.allowed[c]}
+            if terms:
+                self.rows.add(terms, -math.inf, float(self.p.available[g]))
+
+    def budget_rows(self) -> None:
+        """The price within the budget; at most ``limits`` replicas of each weights shape."""
+        p, cols = self.p, self.cols
+        self.cost_terms = {self.n_var[c]: self.price[cols.group[c]] * cols.devices[c] for c in range(self.nc)
+                           if self.allowed[c]}
+        if p.budget is not None:
+            self.rows.add(self.cost_terms, -math.inf, float(p.budget))
+        if p.limits is not None:
+            for shape, most in p.limits.items():
+                self.rows.add({self.n_var[c]: 1.0 for c in range(self.nc) if self.allowed[c]
+                               and cols.shape[c] == shape}, -math.inf, float(most))
+
+    # ---- HiGHS -----------------------------------------------------------------------------------------
+    def solve(self, t0: float) -> Solution:
+        p, v = self.p, self.v
+        nvars = len(v.lo)
+        bounds = Bounds(np.array(v.lo), np.array(v.hi))
+        integrality = np.zeros(len(v.integer)) if p.relaxed else np.array(v.integer)
+        constraint = self.rows.constraint(nvars)
+        options = {"mip_rel_gap": MIP_GAP, "time_limit": p.time_limit_s, "disp": False}
+        cost_vec = np.zeros(nvars)
+        for var, coef in self.cost_terms.items():
+            cost_vec[var] = coef
+        rate = self.rate
+        if self.fixed_rate:
+            res = quietly(milp, cost_vec, integrality=integrality, bounds=bounds, constraints=constraint,
+                          options=options)
+            _check(res, "serve the rate within the devices available" + (" and the budget" if p.budget else ""))
+        else:
+            obj = np.zeros(nvars)
+            obj[self.rate_var] = -1.0
+            res = quietly(milp, obj, integrality=integrality, bounds=bounds, constraints=constraint, options=options)
+            _check(res, "serve any rate within the budget and the devices available")
+            best = float(res.x[self.rate_var])
+            # The cheapest plan at (nearly) that rate among these replicas: the first solve is indifferent to
+            # replicas it leaves idle. Only removing replicas is tried (a small MILP: the counts found are bounds).
+            lo, hi = np.array(v.lo), np.array(v.hi)
+            lo[self.rate_var] = best * RATE_KEPT
+            for c in range(self.nc):
+                hi[self.n_var[c]] = min(hi[self.n_var[c]], round(res.x[self.n_var[c]]))
+            again = quietly(milp, cost_vec, integrality=integrality, bounds=Bounds(lo, hi), constraints=constraint,
+                            options=options)
+            if again.x is not None and again.status in (0, 1):
+                res = again
+            else:
+                self.notes.append("trimming idle replicas found nothing; the first plan is kept")
+            rate = float(res.x[self.rate_var])
+        if res.status == 1:
+            self.notes.append(f"HiGHS stopped at its time limit ({p.time_limit_s:g} s); the plan is the best it found")
+        return self._solution(res.x, rate, t0)
+
+    def _solution(self, x: np.ndarray, rate: float, t0: float) -> Solution:
+        cols, nc, nb = self.cols, self.nc, self.nb
+        counts = np.array([x[self.n_var[c]] if self.p.relaxed else round(x[self.n_var[c]]) for c in range(nc)],
+                          dtype=float if self.p.relaxed else int)
+        ent = np.zeros((nc, nb))
+        for (c, b), (var, unit) in self.entry.items():
+            ent[c, b] = max(0.0, x[var] * unit)
+        missed = np.zeros((nc, nb))
+        for (c, b), var in self.miss.items():
+            missed[c, b] = max(0.0, x[var])
+        ent += missed
+        dcd = np.zeros((nc, nb))
+        for (c, b), var in self.dec.items():
+            dcd[c, b] = max(0.0, x[var])
+        flows = {k: float(x[var]) for k, var in self.flow.items() if x[var] > 1e-9}
+        cost = float(sum(coef * counts[c] for c, coef in ((c, self.price[cols.group[c]] * cols.devices[c])
+                                                           for c in range(nc))))
+        return Solution(rate, counts, ent, dcd, flows, cost, time.perf_counter() - t0, tuple(self.notes),
+                        missed=missed if self.miss else None)
 
 
 def _subset(p: Problem, keep: list[int]) -> Problem:

@@ -65,7 +65,7 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
-class Candidate:
+class PlanCandidate:
     """A plan the planner considered: where it came from, what the MILP predicted, what the simulator said."""
 
     name: str
@@ -81,7 +81,7 @@ class PlanResult:
 
     plan: ServingPlan
     score: Score | None
-    candidates: tuple[Candidate, ...]
+    candidates: tuple[PlanCandidate, ...]
     moves: tuple[str, ...]
     plan_s: float
     simulate_s: float

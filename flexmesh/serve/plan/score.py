@@ -27,7 +27,7 @@ from flexmesh.data.requests import Workload
 from flexmesh.serve.layout.plan import ServingPlan
 from flexmesh.serve.layout.quality import escalate
 from flexmesh.serve.metrics import Summary, attainment, summarize
-from flexmesh.serve.simulator import Fleet
+from flexmesh.serve.simulator import Fleet, RunOptions
 from flexmesh.serve.study import RatePoint, find_goodput
 
 # Goodput's bisection stops when its bracket is within this (the study's default, 2%).
@@ -84,6 +84,6 @@ def score(plan: ServingPlan, workload_at: Callable[[float], Workload], start_rat
     fleet, table = Fleet.from_plan(plan, overhead)
     usd = plan.dollars_per_hour
     good, points = find_goodput(fleet, plan_workload(plan, workload_at), plan.slo, plan.attainment,
-                                max(start_rate, 1e-3), usd, rel_tol=rel_tol, router=router,
-                                routing=table if router == "plan" else None)
+                                max(start_rate, 1e-3), usd, rel_tol=rel_tol,
+                                options=RunOptions(router=router, routing=table if router == "plan" else None))
     return Score(good.rate, good.bounded, usd, tuple(points), time.perf_counter() - t0)

@@ -38,7 +38,7 @@ from flexmesh.data.requests import Workload
 from flexmesh.errors import PlanError
 from flexmesh.serve.layout.roles import Role
 from flexmesh.serve.layout.routing import RoutingPolicy
-from flexmesh.serve.plan.planner import Candidate, PlanInputs, Planner, PlanResult
+from flexmesh.serve.plan.planner import PlanCandidate, PlanInputs, Planner, PlanResult
 from flexmesh.serve.plan.score import Score, attainment_at, score
 
 # Times a plan short of a target rate is planned again, its rate scaled by what it fell short.
@@ -56,10 +56,10 @@ CALIBRATION_SPREAD = 0.03
 
 # ---- the whole search ----------------------------------------------------------------------------------
 def candidates(planner: Planner, variants: dict[str, tuple[Role, ...]] = VARIANTS,
-               rate: float | None = None) -> list[Candidate]:
+               rate: float | None = None) -> list[PlanCandidate]:
     """The MILP's plan for each variant of roles (those that have one), identical layouts once."""
     i = planner.inputs
-    out: list[Candidate] = []
+    out: list[PlanCandidate] = []
     seen = set()
     for name, roles in variants.items():
         cols = planner.columns(roles)
@@ -75,7 +75,7 @@ def candidates(planner: Planner, variants: dict[str, tuple[Role, ...]] = VARIANT
         if plan.layout in seen:
             continue
         seen.add(plan.layout)
-        out.append(Candidate(name, plan, s))
+        out.append(PlanCandidate(name, plan, s))
     if not out:
         raise PlanError("no plan serves the workload within the SLO, the devices and the budget; give more devices "
                         "or budget, a lower rate, or relax the SLO")
@@ -101,7 +101,7 @@ def _better(a: Score, b: Score | None, target: float | None, per_dollar: bool = 
     return a.dollars_per_hour < b.dollars_per_hour - 1e-9
 
 
-def best_of(scored: Sequence[Candidate], target: float | None, per_dollar: bool = False) -> Candidate:
+def best_of(scored: Sequence[PlanCandidate], target: float | None, per_dollar: bool = False) -> PlanCandidate:
     """The best of the scored candidates (:func:`_better`; the first of equals)."""
     best = scored[0]
     for c in scored[1:]:
@@ -127,7 +127,7 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
     if workload_at is None:  # the MILP's prediction: the most goodput (per $/h), then the cheapest
         per_dollar = inputs.per_dollar and inputs.rate is None
 
-        def predicted(c: Candidate) -> tuple[float, float]:
+        def predicted(c: PlanCandidate) -> tuple[float, float]:
             rate, cost = (c.solution.rate, c.solution.cost) if c.solution else (0.0, 0.0)
             return (rate / cost if per_dollar and cost > 0 else rate), -cost
 
@@ -136,7 +136,7 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
                           planner)
     t1 = time.perf_counter()
     target = inputs.rate
-    scored: list[Candidate] = []
+    scored: list[PlanCandidate] = []
     for c in cands:
         say(f"simulating the {c.name} candidate: {c.plan.layout}")
         scored += routed(c, workload_at, planner, target)
@@ -158,8 +158,8 @@ def plan(inputs: PlanInputs, workload_at: Callable[[float], Workload] | None = N
                       len(planner.configs), tuple(notes), calibrated)
 
 
-def routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Planner,
-           target: float | None, known: dict[tuple, Score] | None = None) -> list[Candidate]:
+def routed(c: PlanCandidate, workload_at: Callable[[float], Workload], planner: Planner,
+           target: float | None, known: dict[tuple, Score] | None = None) -> list[PlanCandidate]:
     """``c`` scored with each routing policy inside its buckets' shares (in proportion, or by least work): the
     better first, under ``c``'s name, the other named for its policy. The routing is part of the plan: a split
     plan whose MILP shares are off (its prefill replicas' speeds against each other, its decode replicas') serves
@@ -167,6 +167,7 @@ def routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Plan
     serve less so, so neither policy is taken on trust for any candidate. ``known``: scores already simulated, by
     (replica groups, routing), reused (and added to)."""
     out = []
+    scores = []
     start = c.solution.rate if c.solution is not None else target or 1.0
     memo: dict[tuple, Score] = {} if known is None else known
     for policy in RoutingPolicy:
@@ -175,8 +176,9 @@ def routed(c: Candidate, workload_at: Callable[[float], Workload], planner: Plan
         if s is None:
             s = memo[p.groups, policy] = score(p, workload_at, start, planner.overhead)
         start = s.goodput or start
-        out.append(Candidate(c.name, p, c.solution, s))
-    if _better(out[1].score, out[0].score, target):  # type: ignore[arg-type]
+        scores.append(s)
+        out.append(PlanCandidate(c.name, p, c.solution, s))
+    if _better(scores[1], scores[0], target):
         out.reverse()
     return [out[0], replace(out[1], name=f"{c.name}, {out[1].plan.routing} routing")]
 
@@ -189,8 +191,8 @@ def _latency(s: Score) -> dict:
             "tpot_p90_s": round(at.tpot["p90"], 6)}
 
 
-def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
-                 say: Callable[[str], None]) -> tuple[list[Candidate], Planner]:
+def _calibration(planner: Planner, scored: list[PlanCandidate], workload_at: Callable[[float], Workload],
+                 say: Callable[[str], None]) -> tuple[list[PlanCandidate], Planner]:
     """The MILP calibrated against the simulator. Each device type's aggregated plan alone is simulated (itself a
     candidate): what the simulator serves of its prediction scales that type's capacities; what it serves of the
     split-only plan's against the aggregated-only one's scales prefill and decode replicas more. The mixed and
@@ -198,13 +200,13 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
     simulator does. The new candidates, and the planner calibrated so."""
     target = planner.inputs.rate
 
-    def served(c: Candidate) -> float | None:
+    def served(c: PlanCandidate) -> float | None:
         if c.score is None or c.solution is None or c.score.goodput <= 0:
             return None
         pred = target if target is not None else c.solution.rate
         return c.score.goodput / pred if pred > 0 else None
 
-    out: list[Candidate] = []
+    out: list[PlanCandidate] = []
     by_group: dict[int, float] = {}
     seen = {c.plan.layout for c in scored}
     known = {(c.plan.groups, c.plan.routing): c.score for c in scored if c.score is not None}
@@ -248,7 +250,7 @@ def _calibration(planner: Planner, scored: list[Candidate], workload_at: Callabl
     return out, calibrated
 
 
-def own_plan(planner: Planner, g: int) -> Candidate | None:
+def own_plan(planner: Planner, g: int) -> PlanCandidate | None:
     """Device group ``g``'s aggregated replicas alone, as the MILP plans them (None where they serve nothing)."""
     cols = planner.columns((Role.AGGREGATED,), groups=[g])
     if not cols:
@@ -259,17 +261,17 @@ def own_plan(planner: Planner, g: int) -> Candidate | None:
         return None
     if s.rate <= 0 or not s.counts.any():
         return None
-    return Candidate(f"{planner.cluster.groups[g].device.name} only", planner.to_plan(cols, s), s)
+    return PlanCandidate(f"{planner.cluster.groups[g].device.name} only", planner.to_plan(cols, s), s)
 
 
-def _calibrated(planner: Planner, scored: list[Candidate], workload_at: Callable[[float], Workload],
-                say: Callable[[str], None]) -> list[Candidate]:
+def _calibrated(planner: Planner, scored: list[PlanCandidate], workload_at: Callable[[float], Workload],
+                say: Callable[[str], None]) -> list[PlanCandidate]:
     """The MILP's plans (the calibrated ones where there are, else each variant's) planned again, when the
     simulator found them short of the target rate, at the rate scaled by what they fell short."""
     target = planner.inputs.rate
     assert target is not None
     calibrated = [c for c in scored if c.name.endswith(", calibrated")]
-    out: list[Candidate] = []
+    out: list[PlanCandidate] = []
     for c in calibrated or [c for c in scored if c.name in VARIANTS]:
         assert c.score is not None
         name = c.name.removesuffix(", calibrated")
@@ -350,8 +352,8 @@ def _neighbours(planner: Planner, counts: dict[int, int]) -> list[tuple[str, dic
     return out
 
 
-def _repair(planner: Planner, best: Candidate, workload_at: Callable[[float], Workload], rounds: int,
-            say: Callable[[str], None]) -> tuple[Candidate, list[str]]:
+def _repair(planner: Planner, best: PlanCandidate, workload_at: Callable[[float], Workload], rounds: int,
+            say: Callable[[str], None]) -> tuple[PlanCandidate, list[str]]:
     """Tabu search over local moves, judged by the simulator (see the module doc)."""
     assert best.score is not None
     target, per_dollar = planner.inputs.rate, planner.inputs.per_dollar and planner.inputs.rate is None
@@ -394,7 +396,7 @@ def _repair(planner: Planner, best: Candidate, workload_at: Callable[[float], Wo
         if a >= planner.inputs.attainment:
             sc = score(p, workload_at, probe, planner.overhead)
             if _better(sc, best.score, target, per_dollar):
-                best = Candidate(f"{best.name.split(' +')[0]} + repair", p, s, sc)
+                best = PlanCandidate(f"{best.name.split(' +')[0]} + repair", p, s, sc)
                 log.append(f"round {r + 1}: {label}: goodput {sc.goodput:.4g} req/s at ${sc.dollars_per_hour:.2f}/h")
                 say(log[-1])
                 continue

@@ -140,10 +140,10 @@ async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir:
                         route: str = "round-robin", port: int = 0, max_outstanding: int = 4096,
                         request_timeout_s: float = 600.0, events: Path | None = None, **router):
     """N engines (or one per config of a list) and the router on 127.0.0.1:``port`` (0: any free port) for the
-    body of an ``async with``: yields ``(router url, engines)``, the :class:`~flexmesh.serve.engine.router.Router`
-    as the url's ``router`` attribute; everything stops on leaving it, whatever happened. ``router``: the
-    Router's other options (queue, predictor, max_running, ...; each engine's ``max_running`` and ``kv_tokens``
-    default to its config's request cap and KV cache)."""
+    body of an ``async with``: yields ``(router url, engines)``, the
+    :class:`~flexmesh.serve.engine.router.RouterService` as the url's ``router`` attribute; everything stops on
+    leaving it, whatever happened. ``router``: the RouterService's other options (queue, predictor, max_running,
+    ...; each engine's ``max_running`` and ``kv_tokens`` default to its config's request cap and KV cache)."""
     cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
     check_port(port, "the router")  # before minutes of starting engines
     engines = await start_engines(cfgs, len(cfgs), log_dir)
@@ -162,17 +162,17 @@ async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir:
 async def router_on(urls: list[str], port: int = 0, records: Path | None = None, events: Path | None = None,
                     **router):
     """flexmesh's router over running engines at ``urls``, listening on 127.0.0.1:``port`` for the body of an
-    ``async with``: yields its :class:`RouterUrl`. ``router``: the Router's options."""
+    ``async with``: yields its :class:`RouterUrl`. ``router``: the RouterService's options."""
     from aiohttp import web
 
     from flexmesh.files import append_file
-    from flexmesh.serve.engine.router import Router
+    from flexmesh.serve.engine.router import RouterService
 
     out = append_file(records) if records is not None else None
     ev = append_file(events) if events is not None else None
     runner = None
     try:
-        r = Router(urls, records=out, events=ev, **router)
+        r = RouterService(urls, records=out, events=ev, **router)
         runner = web.AppRunner(r.app(), handle_signals=False, access_log=None)
         await runner.setup()
         try:
