@@ -32,7 +32,8 @@ EXAMPLES = {
     "profile": ("flexmesh profile hardware --nproc 2 --out hardware.json",
                 "flexmesh profile model --model tiny --quick --out model-tiny.json",
                 "flexmesh profile engine --model tiny --quick --out engine-tiny.json"),
-    "serve": ("flexmesh serve simulate --model llama3.1-8b --cluster 8xH100 --trace azure-conv --slo ttft=2,tpot=100ms",
+    "serve": ("flexmesh serve simulate --model llama3.1-8b --cluster 8xH100 --trace azure-conv "
+              "--slo ttft=2s,tpot=100ms",
               "flexmesh serve simulate --cluster 1x8xH100+2x8xA100-40GB --replicas 2xtp4-prefill@H100,4xtp4-decode@1 "
               "--rates 10,20,40 --out serve-out",
               "flexmesh serve run --model tiny --engines 2 --port 8000",

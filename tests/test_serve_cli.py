@@ -14,7 +14,7 @@ SMALL = ["serve", "simulate", "--model", "llama3-8b", "--cluster", "2xH100", "--
 
 
 def test_json_has_the_fleet_the_runs_and_the_cost(capsys):
-    assert main(SMALL + ["--slo", "ttft=2,tpot=100ms", "--rates", "10", "--json"]) == 0
+    assert main(SMALL + ["--slo", "ttft=2s,tpot=100ms", "--rates", "10", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["model"] == "llama3-8b" and doc["cluster"] == "2xH100-80GB"
     assert [r["replica"] for r in doc["replicas"]] == ["tp1", "tp1"] and doc["gpus"] == {"H100-80GB": 2}
@@ -43,7 +43,7 @@ def test_out_writes_the_records_a_summary_and_plots(capsys, tmp_path):
 
 def test_goodput_and_disaggregation(capsys):
     argv = ["serve", "simulate", "--cluster", "1x2xH100+1x2xA100-40GB", "--replicas", "tp1-prefill@0,2xtp1-decode@1",
-            "--trace", "const:1000:50", "--requests", "200", "--rate", "2", "--slo", "ttft=1,tpot=50ms",
+            "--trace", "const:1000:50", "--requests", "200", "--rate", "2", "--slo", "ttft=1s,tpot=50ms",
             "--goodput", "--json"]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -57,7 +57,9 @@ def test_goodput_and_disaggregation(capsys):
     (["--cluster", "2xH1000"], "unknown device 'H1000'"),
     (["--cluster", "banana"], "unknown cluster 'banana'"),
     (["--slo", "ttft=fast"], "SLO 'ttft=fast' is not METRIC=TIME"),
-    (["--slo", "latency=2"], "is not METRIC=TIME"),
+    (["--slo", "latency=2s"], "is not METRIC=TIME"),
+    (["--slo", "ttft=2,tpot=100ms"], "SLO 'ttft=2' gives no unit: write ttft=2ms or ttft=2s"),
+    (["--slo", "tpot=100"], "vLLM's --goodput reads a bare number as milliseconds"),
     (["--goodput"], "--goodput needs --slo"),
     (["--replicas", "4xtp1"], "no group of 2xH100-80GB has that many left"),
     (["--replicas", "tp1-prefil"], "role 'prefil' is not one of aggregated, prefill, decode"),
@@ -77,6 +79,14 @@ def test_bad_input_is_one_line_and_exit_2(capsys, extra, says):
     assert main(SMALL + extra) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_a_bound_no_engine_is_near_is_questioned(capsys):
+    assert main(SMALL + ["--slo", "ttft=2s,tpot=100s", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "note: tpot 100 s: a token every 100 s is not a serving target; did you mean tpot=100ms?" in err
+    assert main(SMALL + ["--slo", "ttft=2s,tpot=100ms", "--json"]) == 0
+    assert "did you mean" not in capsys.readouterr().err
 
 
 def test_a_bad_trace_file_names_its_row_and_field(capsys, tmp_path):

@@ -24,11 +24,11 @@ from helpers import assert_matches
 GOLDEN = Path(__file__).resolve().parent / "golden" / "serving.json"
 
 SIMULATE = {  # docs/cli-serve.md's examples and the policies beside them
-    "aggregated": ["--cluster", "2xH100", "--window", "0:300", "--slo", "ttft=2,tpot=100ms"],
-    "rates-goodput": ["--cluster", "2xH100", "--window", "0:300", "--slo", "ttft=1,tpot=50ms", "--rates", "10,20,40",
+    "aggregated": ["--cluster", "2xH100", "--window", "0:300", "--slo", "ttft=2s,tpot=100ms"],
+    "rates-goodput": ["--cluster", "2xH100", "--window", "0:300", "--slo", "ttft=1s,tpot=50ms", "--rates", "10,20,40",
                       "--goodput"],
     "disaggregated": ["--cluster", "1x8xH100+2x8xA100-40GB", "--replicas", "2xtp4-prefill@H100,4xtp4-decode@1",
-                      "--trace", "const:2000:200", "--rate", "20", "--requests", "2000", "--slo", "ttft=1,tpot=50ms"],
+                      "--trace", "const:2000:200", "--rate", "20", "--requests", "2000", "--slo", "ttft=1s,tpot=50ms"],
     "mooncake-least-kv": ["--cluster", "8xH100", "--replicas", "4xtp2", "--trace", "mooncake", "--window", "0:600",
                           "--router", "least-kv"],
     "tie-long-to-kv": ["--cluster", "4xH100", "--replicas", "4xtp1", "--trace", "azure-code", "--window", "0:120",
@@ -37,7 +37,7 @@ SIMULATE = {  # docs/cli-serve.md's examples and the policies beside them
                      "300", "--queue", "sjf", "--predictor", "oracle", "--router", "least-work"],
 }
 PLAN = {
-    "mixed": ["--cluster", "2xH100+4xL4", "--requests", "300", "--slo", "ttft=1,tpot=100ms", "--budget", "20"],
+    "mixed": ["--cluster", "2xH100+4xL4", "--requests", "300", "--slo", "ttft=1s,tpot=100ms", "--budget", "20"],
 }
 # A cascade's plan (as `serve plan --cascade llama3.1-8b,llama3.1-70b` wrote one), simulated on a trace's window:
 # planning a cascade on a few hundred requests finds no rate it fails at, and picks among near-equal moves.

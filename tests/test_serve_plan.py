@@ -394,7 +394,7 @@ def test_cascade_plans_the_least_escalation_reaching_the_quality():
 
 # ---- the command ------------------------------------------------------------------------------------------------
 PLAN = ["serve", "plan", "--cluster", "2xH100+4xL4", "--trace", "azure-conv", "--requests", "400", "--slo",
-        "ttft=1,tpot=100ms", "--budget", "20"]
+        "ttft=1s,tpot=100ms", "--budget", "20"]
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ from flexmesh.files import make_folder, write_atomic
 from flexmesh.serve.layout.plan import ServingPlan, load_plan, save_plan
 from flexmesh.serve.layout.quality import QualityCurve, parse_quality
 from flexmesh.serve.layout.roles import Role
-from flexmesh.serve.layout.slo import parse_slo
+from flexmesh.serve.layout.slo import doubts, parse_slo
 from flexmesh.serve.plan.baselines import Baseline, all_baselines, ratio
 from flexmesh.serve.plan.capacity import Pricing, ReplicaConfig
 from flexmesh.serve.plan.cascade import plan_cascade, single_models
@@ -85,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--per-dollar", action="store_true", help="with --budget: the most goodput per $/h within it "
                    "(whole replicas leave some plans a few dollars unspent) rather than the most goodput")
     s = p.add_argument_group("SLO, prices, engine")
-    s.add_argument("--slo", default="ttft=2,tpot=100ms", help="bounds each request should meet (ttft, tpot, e2e)")
+    s.add_argument("--slo", default="ttft=2s,tpot=100ms", help="bounds each request should meet (ttft, tpot, e2e)")
     s.add_argument("--attainment", type=fraction, default=0.9, help="fraction of requests meeting the SLO")
     s.add_argument("--prices", metavar="FILE", help="GPU prices (TOML/JSON, as flexmesh/spec/presets/prices.toml)")
     s.add_argument("--price", metavar="DEVICE=USD,...", help="GPU prices per GPU-hour, overriding the presets")
@@ -143,6 +144,8 @@ def resolve(args: argparse.Namespace) -> PlanJob:
         raise SpecError("--per-dollar weighs goodput against a --budget; with --rate the cheapest plan is asked for "
                         "already: drop --per-dollar or give --budget")
     slo = parse_slo(args.slo)
+    for doubt in doubts(slo):
+        print(f"note: {doubt}", file=sys.stderr)
     cluster = parse_mixed_cluster(args.cluster)
     table = gpu_prices(args.prices, parse_price_overrides(args.price) if args.price else None)
     missing = sorted({g.device.name for g in cluster.groups} - set(table))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +39,7 @@ from flexmesh.serve.layout.knobs import default_knobs
 from flexmesh.serve.layout.plan import ServingPlan, load_plan
 from flexmesh.serve.layout.replicas import auto_replicas, parse_replicas, place
 from flexmesh.serve.layout.routing import RoutingTable
-from flexmesh.serve.layout.slo import SLO, parse_slo
+from flexmesh.serve.layout.slo import SLO, doubts, parse_slo
 from flexmesh.serve.lengths import PREDICTORS, LengthPredictor, make_predictor
 from flexmesh.serve.metrics import Goodput, Summary, summarize, write_records
 from flexmesh.serve.plan.check import check_plan
@@ -266,9 +267,11 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
     if router == "plan" and routing is None:
         raise SpecError("--router plan routes by a serving plan's buckets; give --plan PLAN")
     slo = parse_slo(args.slo) if args.slo else (plan.slo if plan is not None else None)
+    for doubt in doubts(slo) if slo is not None else ():
+        print(f"note: {doubt}", file=sys.stderr)
     target = args.attainment if args.attainment is not None else (plan.attainment if plan is not None else 0.9)
     if args.goodput and slo is None:
-        raise SpecError("--goodput needs --slo (e.g. --slo ttft=2,tpot=100ms)")
+        raise SpecError("--goodput needs --slo (e.g. --slo ttft=2s,tpot=100ms)")
     weights = _floats(args.weights, "--weights") if args.weights else None
     if router == "weights" and weights is None:
         raise SpecError("--router weights needs --weights, one per replica taking new requests (e.g. 2,1,1)")

@@ -22,7 +22,7 @@ import numpy as np
 
 from flexmesh.files import append_file, make_folder, write_atomic, write_atomic_with
 
-MODEL, CLUSTER, RATE, SLO = "llama3.1-8b", "1x1xH100+1x4xL4", 15, "ttft=1,tpot=60ms"
+MODEL, CLUSTER, RATE, SLO = "llama3.1-8b", "1x1xH100+1x4xL4", 15, "ttft=1s,tpot=60ms"
 LOCAL_MODEL, LOCAL_CONTEXT = "tiny", 4096
 
 

@@ -26,7 +26,7 @@ Percentiles are numpy's linear interpolation between order statistics.
 >>> round(r.ttft_s, 3), round(r.tpot_s, 3), round(r.e2e_s, 3)
 (0.2, 0.1, 1.2)
 >>> from flexmesh.serve.layout.slo import parse_slo
->>> meets(r, SLO(ttft_s=0.25, tpot_s=0.05)), meets(r, parse_slo("ttft=250ms,tpot=0.11"))
+>>> meets(r, SLO(ttft_s=0.25, tpot_s=0.05)), meets(r, parse_slo("ttft=250ms,tpot=0.11s"))
 (False, True)
 """
 
