@@ -219,7 +219,17 @@ def write_atomic_with(path: str | Path, write: Callable[[Path], None], root: str
     Windows); parent folders are created (given ``root``, the folder flexmesh owns, each checked as
     :func:`make_folder` does). The temporary file is removed on any failure. Something at ``path``
     that is not a regular file is refused (:func:`check_file_target`), never replaced. The file gets
-    mode 0666 less the umask (the kernel applies it to ``os.open``'s mode)."""
+    mode 0666 less the umask (the kernel applies it to ``os.open``'s mode), even where ``write`` made it anew
+    with a mode of its own (safetensors writes 0600).
+
+    >>> import tempfile, pathlib, stat
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "w.bin"
+    >>> def private(tmp):
+    ...     tmp.unlink(); tmp.touch(mode=0o600); tmp.write_bytes(b"x")
+    >>> old = os.umask(0o022); write_atomic_with(p, private); _ = os.umask(old)
+    >>> oct(stat.S_IMODE(p.stat().st_mode))
+    '0o644'
+    """
     path = Path(path)
     check_file_target(path)
     try:
@@ -231,9 +241,16 @@ def write_atomic_with(path: str | Path, write: Callable[[Path], None], root: str
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as e:  # a folder that cannot hold files: say so of the path the user gave
         raise OutputError(f"cannot write {path}: {path.parent} {_why(e)}; choose a writable folder") from None
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0666 less the umask
     os.close(fd)
     try:
         write(Path(tmp))
+        if stat.S_IMODE(os.lstat(tmp).st_mode) != mode:  # a writer that made the file anew, with its own mode
+            again = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fchmod(again, mode)
+            finally:
+                os.close(again)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         check_file_target(path)  # again: the write may have taken long
