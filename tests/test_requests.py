@@ -83,9 +83,11 @@ def _write(tmp_path, name, text):
      "missing"),
     ("m.jsonl", '{"timestamp": -1, "input_length": 6, "output_length": 1, "hash_ids": []}\n',
      "m.jsonl row 1: field 'timestamp'"),
-    ("m.jsonl", "[1, 2]\n", "m.jsonl row 1: a list, not a JSON object"),
+    ("m.jsonl", "5\n", "m.jsonl row 1: a number, not a JSON object"),
+    ("s.json", "[1, 2]\n", "s.json conversation 0: holds no 'conversations' list"),
+    ("s.json", '[{"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]}]',
+     "s.json conversation 0: a turn is an object with its text in 'value'"),
     ("p.csv", "arrival_s,prompt_tokens,output_tokens\n0.5,10,2.5\n", "p.csv row 2: field 'output_tokens'"),
-    ("p.csv", "arrival_s,prompt_tokens,output_tokens,color\n0.5,10,2,red\n", "p.csv row 2: unknown field 'color'"),
     ("p.csv", "arrival_s,prompt_tokens,output_tokens\n0.5,10\n", "p.csv row 2: has 2 fields"),
     ("p.jsonl", '{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 2, "id": 4}\n'
      '{"arrival_s": 1, "prompt_tokens": 10, "output_tokens": 2, "id": 4}\n', "p.jsonl row 2: field 'id' 4 is given "
@@ -102,6 +104,30 @@ def test_bad_traces_are_refused_in_one_line_naming_file_row_and_field(tmp_path, 
         load_trace(str(p))
     message = str(e.value)
     assert where in message and "\n" not in message
+
+
+def test_columns_beside_a_request_are_left_out_and_named(tmp_path):
+    p = _write(tmp_path, "p.csv", "arrival_s,prompt_tokens,output_tokens,ttft_ms,e2e_ms\n0.5,10,2,3.1,9\n1,4,4,2,7\n")
+    w = load_trace(str(p))
+    assert [(r.prompt_tokens, r.output_tokens) for r in w.requests] == [(10, 2), (4, 4)]
+    assert w.notes == ("p.csv: columns left out: ttft_ms, e2e_ms (a request has id, arrival_s, prompt_tokens, "
+                       "output_tokens, prefix_blocks, tier, branches, needed, branch_tokens)",)
+    assert load_trace(str(_write(tmp_path, "q.csv", "arrival_s,prompt_tokens,output_tokens\n0,1,1\n"))).notes == ()
+
+
+def test_sharegpt_is_sampled_as_vllms_benchmark_samples_it(tmp_path):
+    def conv(*turns: str) -> dict:
+        return {"id": "x", "conversations": [{"from": f, "value": v} for f, v in zip(("human", "gpt") * 4, turns)]}
+
+    convs = [conv("a" * 400, "b" * 800),  # 100 and 200 tokens: kept
+             conv("a" * 400),  # one turn: left out
+             conv("a" * 400, "b" * 8),  # a 2-token answer: left out
+             conv("a" * 4400, "b" * 40),  # a 1,100-token prompt: left out
+             conv("a" * 4000, "b" * 4400),  # 1,000 + 1,100 tokens: left out
+             conv("a" * 16, "b" * 16, "c" * 4000)]  # the third turn is no part of it: kept, 4 and 4
+    w = load_trace(str(_write(tmp_path, "sg.json", json.dumps(convs))))
+    assert [(r.prompt_tokens, r.output_tokens, r.arrival_s) for r in w.requests] == [(100, 200, 0.0), (4, 4, 0.0)]
+    assert not w.timed and "2 of 6 conversations kept" in w.notes[0] and "no arrival times" in w.notes[0]
 
 
 def test_readers_of_each_format(tmp_path):

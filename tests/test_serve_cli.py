@@ -95,3 +95,18 @@ def test_a_bad_trace_file_names_its_row_and_field(capsys, tmp_path):
     assert main(["serve", "simulate", "--cluster", "1xH100", "--trace", str(p)]) == 2
     err = capsys.readouterr().err.strip()
     assert "mine.csv row 3: field 'prompt_tokens' is 'ten'" in err and len(err.splitlines()) == 1
+
+
+def test_a_sharegpt_file_is_simulated_at_the_rate_given(capsys, tmp_path):
+    convs = [{"conversations": [{"from": "human", "value": "q" * (40 + 8 * i)}, {"from": "gpt", "value": "a" * 200}]}
+             for i in range(30)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    assert main(["serve", "simulate", "--cluster", "1xH100", "--trace", str(path), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "need a rate: give --rate REQ_PER_S (the trace 'sharegpt.json' has no arrival times)" in err
+    assert main(["serve", "simulate", "--cluster", "1xH100", "--trace", str(path), "--rate", "4", "--json"]) == 0
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert doc["runs"][0]["requests"] == 30 and doc["runs"][0]["rate"] == pytest.approx(4, rel=0.6)
+    assert "note: sharegpt.json: ShareGPT conversations have no arrival times" in out.err

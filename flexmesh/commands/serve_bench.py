@@ -72,11 +72,14 @@ def bench(args: argparse.Namespace) -> int:
     branches = _branches(args.branches)
     cfgs, route, opts, notes = resolve_fleet(args)
     trace = load_trace(args.trace)
+    arrivals = args.arrivals if trace.timed else "poisson"  # a trace without arrival times: drawn at each rate
     out = Path(args.out) if args.out else None
     if out is not None:
         make_folder(out)
     for n in notes:
         print(n, file=sys.stderr)
+    for note in trace.notes:
+        print(f"note: {note}", file=sys.stderr)
     loads: list = []
 
     async def main():
@@ -85,10 +88,10 @@ def bench(args: argparse.Namespace) -> int:
             win = window(scale_to_context(trace, context), args.start, first=args.requests)
             if branches is not None:
                 win = with_branches(win, *branches)
-            loads.extend((r, at_rate(win, r) if args.arrivals == "trace"
+            loads.extend((r, at_rate(win, r) if arrivals == "trace"
                           else with_arrivals(win, r, seed=args.arrival_seed)) for r in rates)
             print(f"{args.trace}: {len(win)} requests from {args.start:g} s, lengths scaled to {context} tokens; "
-                  f"rates {', '.join(f'{r:g}' for r in rates)}/s ({args.arrivals} arrivals)", file=sys.stderr)
+                  f"rates {', '.join(f'{r:g}' for r in rates)}/s ({arrivals} arrivals)", file=sys.stderr)
             return await replay_rates(url, loads, engine_urls, request_timeout_s=args.request_timeout)
 
         if args.url:

@@ -26,7 +26,7 @@ from flexmesh.commands.args import positive_int as whole_positive
 from flexmesh.console import plain_console
 from flexmesh.cost.inference.memory import kv_capacity
 from flexmesh.cost.inference.overhead import parse_overhead
-from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window
+from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window, with_arrivals
 from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
 from flexmesh.serve.layout.plan import ServingPlan, load_plan, save_plan
@@ -175,7 +175,9 @@ def resolve(args: argparse.Namespace) -> PlanJob:
         base = replace(base, name=f"{named} (first {len(base):,} requests)")
         if args.fit_context:
             base = scale_to_context(base, min(m.max_position for m in specs))
-        if base.rate <= 0:
+        for note in base.notes:
+            print(f"note: {note}", file=sys.stderr)
+        if base.timed and base.rate <= 0:
             raise SpecError(f"the trace {base.name!r} has no arrival rate to scale; give --buckets instead")
         workload = base
         buckets = buckets_from_trace(base, _ints(args.prompt_edges, "--prompt-edges"),
@@ -186,6 +188,9 @@ def resolve(args: argparse.Namespace) -> PlanJob:
     if args.buckets:
         def workload_at(r: float) -> Workload:
             return bucket_workload(buckets, r, args.requests)
+    elif w is not None and not w.timed:  # a trace without arrival times: Poisson arrivals at each rate
+        def workload_at(r: float) -> Workload:
+            return with_arrivals(w, r)
     else:
         def workload_at(r: float) -> Workload:
             return at_rate(w, r)

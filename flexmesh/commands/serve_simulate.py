@@ -185,6 +185,8 @@ def _workload(args: argparse.Namespace, model: ModelSpec) -> tuple[Workload, Cal
         base = constant_lengths(int(parts[1]), int(parts[2]))
     else:
         base = load_trace(args.trace, args.block_tokens)
+        for note in base.notes:
+            print(f"note: {note}", file=sys.stderr)
     if args.window:
         start, sep, end = args.window.partition(":")
         try:
@@ -196,11 +198,12 @@ def _workload(args: argparse.Namespace, model: ModelSpec) -> tuple[Workload, Cal
         base = window(base, lo, hi)
     if args.fit_context:
         base = scale_to_context(base, model.max_position)
-    arrivals = args.arrivals or ("poisson" if const else "trace")
+    untimed = const or not base.timed
+    arrivals = args.arrivals or ("poisson" if untimed else "trace")
     if arrivals == "trace":
-        if const:
-            raise SpecError("constant lengths have no arrival times of their own; give --arrivals poisson or gamma "
-                            "and --rate")
+        if untimed:
+            what = "constant lengths have" if const else f"the trace {base.name!r} has"
+            raise SpecError(f"{what} no arrival times of their own; give --arrivals poisson or gamma and --rate")
         if args.requests:
             base = window(base, first=args.requests)
         rate = args.rate or base.rate
@@ -213,7 +216,8 @@ def _workload(args: argparse.Namespace, model: ModelSpec) -> tuple[Workload, Cal
         raise SpecError(f"--requests {n:,} is more than the {MAX_REQUESTS:,} one run simulates")
     rate = args.rate or base.rate
     if not rate > 0:
-        raise SpecError("synthetic arrivals need a rate: give --rate REQ_PER_S")
+        raise SpecError("synthetic arrivals need a rate: give --rate REQ_PER_S" + (
+            "" if const or base.timed else f" (the trace {base.name!r} has no arrival times)"))
     shape = 1.0 if arrivals == "poisson" else args.burstiness
     return base, (lambda r: synthetic(base, r, args.seed, shape, n)), rate
 

@@ -11,7 +11,10 @@ Readers (each refuses bad input with one line naming the file, the row and the f
 - Mooncake traces (JSONL: ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``, one id per
   512-token block): :func:`read_mooncake_jsonl`;
 - a plain CSV or JSONL of one's own (``arrival_s, prompt_tokens, output_tokens`` and optionally ``id``,
-  ``prefix_blocks``, ``tier``, ``branches``, ``needed``): :func:`read_plain`;
+  ``prefix_blocks``, ``tier``, ``branches``, ``needed``; other columns, such as latencies measured beside them,
+  are left out and named in the workload's notes): :func:`read_plain`;
+- ShareGPT conversations (what vLLM's serving benchmark samples first): lengths, no arrival times:
+  :func:`read_sharegpt`;
 - the shipped traces by name (``azure-conv``, ``azure-code``, ``mooncake``; files and licences under
   ``flexmesh/data/traces/``, see its README) and any of the above by path: :func:`load_trace`.
 
@@ -62,6 +65,12 @@ MAX_TRACE_BYTES = 1 << 30
 MAX_TOKENS = 2**31 - 1
 PLAIN_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_blocks", "tier", "branches", "needed",
                 "branch_tokens")
+# ShareGPT as vLLM's serving benchmark samples it (vllm benchmarks/benchmark_dataset.py, ShareGPTDataset and
+# is_valid_sequence): a conversation's first turn the prompt, its second the output; a turn under 4 tokens, a prompt
+# over 1,024 or a total over 2,048 left out. Its tokens counted at 4 characters a token (OpenAI's rule of thumb for
+# English text; nothing downloads the model's tokenizer).
+SHAREGPT_MIN_TOKENS, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,8 @@ class Workload:
     name: str
     block_tokens: int = 0
     source: str = ""  # the file or generator it came from
+    timed: bool = True  # False: the file gave no arrival times (every request at 0): draw them at a rate
+    notes: tuple[str, ...] = ()  # what its reader left out or assumed, to be said where it is used
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -117,11 +128,12 @@ class Workload:
         return max((r.prompt_tokens + max((r.output_tokens, *r.branch_tokens)) for r in self.requests), default=0)
 
 
-def _ordered(requests: list[Request], name: str, block_tokens: int, source: str) -> Workload:
+def _ordered(requests: list[Request], name: str, block_tokens: int, source: str, timed: bool = True,
+             notes: tuple[str, ...] = ()) -> Workload:
     if not requests:
         raise DataError(f"{source}: holds no requests; a trace needs at least one row")
     requests.sort(key=lambda r: (r.arrival_s, r.id))
-    return Workload(tuple(requests), name, block_tokens, source)
+    return Workload(tuple(requests), name, block_tokens, source, timed, notes)
 
 
 # ---- reading files --------------------------------------------------------------------------------
@@ -235,7 +247,9 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[int, dict]]:
             continue
         record = parse_json(line, DataError, f"{path} row {i}", invalid="not a JSON object")
         if not isinstance(record, dict):
-            raise DataError(f"{path} row {i}: a {type(record).__name__}, not a JSON object")
+            kind = {"list": "a list", "str": "a string", "NoneType": "null", "bool": "a boolean"}.get(
+                type(record).__name__, "a number")
+            raise DataError(f"{path} row {i}: {kind}, not a JSON object")
         yield i, record
 
 
@@ -271,9 +285,6 @@ def read_mooncake_jsonl(path: str | Path, name: str | None = None) -> Workload:
 
 
 def _plain_request(rec: dict, where: str, index: int) -> Request:
-    unknown = [k for k in rec if k not in PLAIN_FIELDS]
-    if unknown:
-        raise DataError(f"{where}: unknown field {unknown[0]!r}; a request has {', '.join(PLAIN_FIELDS)}")
     r = Request(
         id=_count(rec["id"], where, "id", minimum=0) if rec.get("id") not in (None, "") else index,
         arrival_s=_seconds(_field(rec, "arrival_s", where), where, "arrival_s"),
@@ -304,8 +315,10 @@ def read_plain(path: str | Path, block_tokens: int = 0, name: str | None = None)
     records = _json_lines(path, text) if jsonl else _csv_rows(path, text)[1]
     requests: list[Request] = []
     seen: set[int] = set()
+    other: dict[str, None] = {}  # the fields no request has, in the order met
     for i, rec in records:
         where = f"{path} row {i}"
+        other.update((k, None) for k in rec if k not in PLAIN_FIELDS)
         r = _plain_request(rec, where, len(requests))
         if r.id in seen:
             raise DataError(f"{where}: field 'id' {r.id} is given twice; ids name one request each")
@@ -314,8 +327,51 @@ def read_plain(path: str | Path, block_tokens: int = 0, name: str | None = None)
     if any(r.prefix_blocks for r in requests) and block_tokens < 1:
         raise DataError(f"{path}: requests carry prefix_blocks but no block size is given; state how many tokens "
                         "one block id covers (--block-tokens)")
+    notes = (f"{path.name}: columns left out: {', '.join(map(str, other))} (a request has "
+             f"{', '.join(PLAIN_FIELDS)})",) if other else ()
     return _ordered(requests, name or path.name, block_tokens if any(r.prefix_blocks for r in requests) else 0,
-                    str(path))
+                    str(path), notes=notes)
+
+
+def _turn_text(turn: Any, where: str) -> str:
+    if isinstance(turn, dict):
+        turn = turn.get("value", turn.get("content"))
+    if not isinstance(turn, str):
+        raise DataError(f"{where}: a turn is an object with its text in 'value' (ShareGPT) or 'content'")
+    return turn
+
+
+def read_sharegpt(path: str | Path, name: str | None = None) -> Workload:
+    """ShareGPT conversations (a JSON list of objects with ``conversations``, each turn ``{"from", "value"}``),
+    sampled as vLLM's serving benchmark samples them (:data:`SHAREGPT_MIN_TOKENS` and the limits beside it):
+    the first turn the prompt, the second the output, their tokens counted at :data:`CHARS_PER_TOKEN`
+    characters a token. No arrival times: every request at 0 (``timed`` False; give them arrivals at a rate)."""
+    path = Path(path)
+    data = parse_json(_text(path), DataError, str(path))
+    if not isinstance(data, list):
+        raise DataError(f"{path}: a ShareGPT file is a JSON list of conversations, got a {type(data).__name__}")
+    requests: list[Request] = []
+    left_out = 0
+    for i, conv in enumerate(data):
+        where = f"{path} conversation {i}"
+        turns = conv.get("conversations", conv.get("messages")) if isinstance(conv, dict) else None
+        if not isinstance(turns, list):
+            raise DataError(f"{where}: holds no 'conversations' list; a ShareGPT file lists conversations, each "
+                            "its turns")
+        if len(turns) < 2:
+            left_out += 1
+            continue
+        prompt, output = (max(1, math.ceil(len(_turn_text(t, where)) / CHARS_PER_TOKEN)) for t in turns[:2])
+        if (min(prompt, output) < SHAREGPT_MIN_TOKENS or prompt > SHAREGPT_MAX_PROMPT
+                or prompt + output > SHAREGPT_MAX_TOTAL):
+            left_out += 1
+            continue
+        requests.append(Request(len(requests), 0.0, prompt, output))
+    notes = (f"{path.name}: ShareGPT conversations have no arrival times: they are drawn at the rate given; "
+             f"{len(requests):,} of {len(data):,} conversations kept as vLLM's benchmark keeps them (a first and "
+             f"second turn of {SHAREGPT_MIN_TOKENS}+ tokens, a prompt of at most {SHAREGPT_MAX_PROMPT:,} and a total "
+             f"of at most {SHAREGPT_MAX_TOTAL:,}; {CHARS_PER_TOKEN} characters a token)",)
+    return _ordered(requests, name or path.name, 0, str(path), timed=False, notes=notes)
 
 
 @lru_cache(maxsize=None)
@@ -329,8 +385,9 @@ def _shipped(name: str) -> Workload:
 
 def load_trace(name_or_path: str, block_tokens: int = 0) -> Workload:
     """A shipped trace by name (``azure-conv``, ``azure-code``, ``mooncake``) or a file by path: a CSV whose
-    header starts with ``TIMESTAMP`` is Azure's, a JSONL whose first record has ``hash_ids`` Mooncake's, any
-    other CSV or JSONL the plain form (``block_tokens``: the plain form's prefix block size)."""
+    header starts with ``TIMESTAMP`` is Azure's, a JSON file holding one list ShareGPT's, a JSONL whose first
+    record has ``hash_ids`` Mooncake's, any other CSV or JSONL the plain form (``block_tokens``: the plain form's
+    prefix block size)."""
     if name_or_path in SHIPPED:
         return _shipped(name_or_path)
     path = Path(name_or_path)
@@ -339,6 +396,8 @@ def load_trace(name_or_path: str, block_tokens: int = 0) -> Workload:
                         "JSONL file")
     base = path.name.removesuffix(".gz")
     if base.endswith((".jsonl", ".json")):
+        if _text(path).lstrip().startswith("["):  # one JSON list: ShareGPT's conversations
+            return read_sharegpt(path)
         first = next(_json_lines(path, _text(path)), (0, {}))[1]
         return read_mooncake_jsonl(path) if "hash_ids" in first else read_plain(path, block_tokens)
     if not base.endswith(".csv"):
