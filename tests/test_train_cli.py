@@ -81,3 +81,22 @@ def test_corpus_without_documents_is_rejected(tmp_path, capsys):
         os.environ.update(saved)
     assert rc == 2
     assert "no documents" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--corpus", "missing"], "corpus path missing does not exist"),
+    ([], "give --corpus"),
+    (["--corpus", "stdlib", "--tokenizer", "no-tokenizer.json"], "--tokenizer no-tokenizer.json: no such file"),
+    (["--corpus", "stdlib", "--weights", "no-model.safetensors"], "--weights no-model.safetensors: no such file"),
+])
+def test_the_launcher_refuses_missing_inputs_before_planning_or_starting_a_rank(tmp_path, capsys, monkeypatch,
+                                                                                 flags, says):
+    from flexmesh.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["train", "--nproc", "2", "--model", "tiny", "--max-steps", "1", "--out", "run", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()  # no plan written, no folder made

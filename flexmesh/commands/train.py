@@ -18,7 +18,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from flexmesh.commands.train_args import add_arguments, run_dtype
-from flexmesh.commands.train_data import check_evaluation, corpus_tokens_of, document_loader, first_lengths, held_out
+from flexmesh.commands.train_data import (
+    check_evaluation,
+    check_inputs,
+    corpus_tokens_of,
+    document_loader,
+    first_lengths,
+    held_out,
+)
 from flexmesh.commands.train_job import RECOMMEND_STEPS, choose_policy, estimated_peak, scheduler, train_job
 from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned_path
 from flexmesh.commands.train_tasks import run_tasks, task_table
@@ -58,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         from flexmesh.runtime.train.scalars import check_tensorboard
 
         check_tensorboard()
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        check_inputs(args)  # before planning or starting a rank: a missing corpus is one line, nothing written
     planned = _planned(args)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,

@@ -26,6 +26,22 @@ class RunTokens(NamedTuple):
     corpora: list
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """The files the ranks would read, found or refused in one line by the launcher before it plans or starts any
+    rank: ``--corpus`` (a folder with documents or a .jsonl file; not read yet), ``--tokenizer`` and ``--weights``.
+    The job file of ``--tasks`` and ``--eval-corpus`` are checked with the plan (``_preflight``)."""
+    from flexmesh.data.corpus import read_corpus
+    from flexmesh.errors import DataError
+
+    if not args.corpus and not args.tasks:
+        raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
+    if args.corpus and args.corpus != "stdlib":
+        read_corpus(args.corpus)
+    for flag, path in (("--tokenizer", args.tokenizer), ("--weights", args.weights)):
+        if path and not Path(path).expanduser().exists():
+            raise DataError(f"{flag} {path}: no such file or folder; give the path of a local one")
+
+
 def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = None) -> RunTokens:
     """``--corpus`` (else the first task's) tokenized under ``--tokenizer`` (when not given, the one beside
     ``--weights``, else a BPE trained on that corpus), each document followed by that tokenizer's end-of-text
