@@ -426,3 +426,47 @@ def test_serve_plan_without_the_simulator_and_its_one_line_errors(capsys):
     no_budget = [x for x in PLAN if x not in ("--budget", "20")]
     assert main(no_budget + ["--rate", "5", "--per-dollar", "--no-simulate"]) == 2
     assert "--per-dollar weighs goodput against a --budget" in capsys.readouterr().err
+
+
+def _plan_cli(capsys, *flags: str) -> tuple[int, str, str]:
+    from flexmesh.cli import main
+
+    rc = main(["serve", "plan", "--requests", "300", *flags])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+
+
+def test_serve_plan_explains_its_names_and_its_mix_and_folds_routing_twins(capsys, wide):
+    rc, out, _ = _plan_cli(capsys, "--cluster", "2xH100+4xL4", "--slo", "ttft=1s,tpot=100ms", "--budget", "20",
+                           "--no-simulate")
+    assert rc == 0
+    assert out.count("(bN: N batched tokens an iteration, vLLM's --max-num-batched-tokens; sN:") == 1
+    why = [line for line in out.splitlines() if line.startswith("why this mix: ")]
+    assert why and all(" per req/s there" in w or "miss the SLO" in w for w in why)
+    assert {w.split(" takes ")[0].removeprefix("why this mix: ") for w in why} <= {"H100-80GB", "L4"}
+    rows = [line for line in out.splitlines() if line.startswith("│ ") and " on " in line and ":" in line]
+    layouts = [r.split("│")[1].split(":", 1)[1].split("(")[0].strip() for r in rows if "req/s" not in r]
+    assert len(layouts) == len(set(layouts))  # one row a layout, the other routing beside it
+
+
+def test_serve_plan_compares_by_its_objective_and_says_when_it_equals_a_baseline(capsys, wide):
+    rc, out, _ = _plan_cli(capsys, "--cluster", "2xH100", "--slo", "ttft=1s,tpot=100ms", "--budget", "20",
+                           "--baselines", "--repair", "0")
+    assert rc == 0 and "plan's goodput over its" in out
+    assert "the plan equals the best single GPU type baseline" in out  # one type: the planner's plan is it
+    assert "the plan equals the round-robin routing baseline" not in out  # the same replicas, other routing
+    rc, out, _ = _plan_cli(capsys, "--cluster", "2xH100", "--slo", "ttft=1s,tpot=100ms", "--rate", "20",
+                           "--baselines", "--repair", "0")
+    assert rc == 0 and "its $/h over the plan's" in out
+
+
+@pytest.mark.parametrize("slo,says", [("ttft=20ms,tpot=100ms", "the TTFT bound binds"),
+                                      ("ttft=2s,tpot=2ms", "the TPOT bound binds")])
+def test_an_slo_no_replica_meets_names_the_bound(capsys, wide, slo, says):
+    rc, _, err = _plan_cli(capsys, "--cluster", "2xH100+4xL4", "--slo", slo, "--budget", "20", "--no-simulate")
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err

@@ -11,10 +11,12 @@ validates a plan file. See docs/serve-plan.md and docs/cli-serve.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +40,9 @@ from flexmesh.serve.plan.capacity import Pricing, ReplicaConfig
 from flexmesh.serve.plan.cascade import plan_cascade, single_models
 from flexmesh.serve.plan.check import check_plan
 from flexmesh.serve.plan.planner import PlanInputs, PlanResult
+from flexmesh.serve.plan.score import Score
 from flexmesh.serve.plan.search import REPAIR_ROUNDS, plan
+from flexmesh.serve.plan.why import why_mix
 from flexmesh.serve.plan.workload import bucket_workload, buckets_from_trace, parse_buckets
 from flexmesh.spec.cluster import parse_mixed_cluster
 from flexmesh.spec.model import parse_model
@@ -210,7 +214,14 @@ def run(args: argparse.Namespace) -> int:
         return _check(args)
     job = resolve(args)
     err = plain_console(stderr=True)
-    say = (lambda text: err.print(text)) if err.is_terminal else (lambda text: None)
+    # progress in a terminal: one status line, replaced as the work goes on and gone at the end (what it said
+    # of the repair is in the output once)
+    with err.status("planning", spinner="line") if err.is_terminal else contextlib.nullcontext() as status:
+        say = status.update if status is not None else (lambda text: None)
+        return _planned(args, job, say)
+
+
+def _planned(args: argparse.Namespace, job: PlanJob, say: Callable[[str], None]) -> int:
     cascade = None
     single: PlanResult | None = None
     if job.quality is not None:
@@ -232,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError("--baselines compare single-model plans; a cascade is compared with its best single "
                             "model already")
         say("planning and scoring the baselines")
-        baselines = all_baselines(result.planner, result.plan, result.score, job.workload_at, result.candidates)
+        baselines = all_baselines(result.planner, result.plan, result.score, job.workload_at, result.candidates,
+                                  progress=say)
     doc = _document(job, result, baselines, cascade, single)
     if args.out:
         _write(Path(args.out), job, result, baselines, single, doc)
@@ -309,7 +321,11 @@ def _document(job: PlanJob, result: PlanResult, baselines: list[Baseline], casca
     if baselines:
         d["baselines"] = [{"name": b.name, "layout": b.best.plan.layout if b.best else None,
                            "score": _score_json(b.best.score) if b.best else None, "why": b.why,
-                           "plan_over_baseline": ratio(result.score, b.best.score) if b.best else None}
+                           "plan_over_baseline": ratio(result.score, b.best.score) if b.best else None,
+                           "goodput_over_baseline": (result.score.goodput / b.best.score.goodput
+                                                     if b.best and b.best.score and result.score
+                                                     and b.best.score.goodput > 0 else None),
+                           "equals_plan": bool(b.best and b.router == "plan" and _same(b.best.plan, result.plan))}
                           for b in baselines]
     if cascade is not None:
         d["cascade"] = {"escalated": cascade.escalated, "split": cascade.split,
@@ -325,7 +341,8 @@ def _write(out: Path, job: PlanJob, result: PlanResult, baselines: list[Baseline
     save_plan(result.plan, out / "plan.json")
     write_atomic(out / "report.json", json.dumps(doc, indent=1) + "\n")
     lines = [f"# Serving plan: {', '.join(result.plan.models)} on {result.plan.cluster}", "",
-             f"{result.plan.layout}", "", "| plan | goodput (req/s) | $/h | goodput per $/h | plan's over it |",
+             f"{result.plan.layout}", "", "| plan | goodput (req/s) | $/h | goodput per $/h | plan's goodput per $/h "
+             "over it |",
              "|---|---|---|---|---|"]
     entries = []
     rows = [("planner", result.score, result.plan)]
@@ -344,6 +361,71 @@ def _write(out: Path, job: PlanJob, result: PlanResult, baselines: list[Baseline
 
         plan_report_png(entries, out / "report.png", job.inputs.attainment,
                         f"{', '.join(result.plan.models)} on {result.plan.cluster}; SLO {job.inputs.slo}")
+
+
+# The knob a plan's replica names show (ServingGroup.label), said once under the plan.
+LEGEND = ("(bN: N batched tokens an iteration, vLLM's --max-num-batched-tokens; sN: N sequences a decode replica runs, "
+          "--max-num-seqs)")
+
+
+def _print_candidates(console: Console, result: PlanResult) -> None:
+    """The candidates, one row per layout: the routing policy that served it better, the other's goodput beside."""
+    t = Table(title="candidates (MILP rate; simulated goodput, by the better routing inside a bucket)",
+              title_justify="left")
+    for col in ("candidate", "MILP req/s", "goodput req/s", "other routing", "$/h", "goodput per $/h"):
+        t.add_column(col, justify="left" if col == "candidate" else "right")
+    rows: dict[tuple[str, str], list] = {}  # (name without its routing, layout) -> candidates, in order
+    for c in result.candidates:
+        name = c.name.split(", ")[0] if c.name.endswith(" routing") else c.name
+        rows.setdefault((name, c.plan.layout), []).append(c)
+    for (name, layout), twins in rows.items():
+        c, rest = twins[0], twins[1:]  # the planner lists the better routing first
+        s = c.score
+        other = rest[0].score if rest and rest[0].score is not None else None
+        t.add_row(f"{name}: {layout}" + (f" ({c.plan.routing} routing)" if rest else ""),
+                  f"{c.solution.rate:.4g}" if c.solution else "-", f"{s.goodput:.4g}" if s else "-",
+                  f"{other.goodput:.4g}" if other is not None else "-", f"{c.plan.dollars_per_hour:,.2f}",
+                  f"{s.per_dollar:.4g}" if s else "-")
+    console.print(t)
+
+
+def _objective_ratio(job: PlanJob) -> tuple[str, Callable[[Score, Score], float]]:
+    """The column that compares the plan with a baseline by what the plan was asked for, and how."""
+    i = job.inputs
+    if i.rate is not None:
+        return "its $/h over the plan's", lambda plan, it: it.dollars_per_hour / plan.dollars_per_hour
+    if i.per_dollar:
+        return "plan's goodput per $/h over its", ratio
+    return "plan's goodput over its", lambda plan, it: plan.goodput / it.goodput if it.goodput > 0 else math.inf
+
+
+def _same(a: ServingPlan, b: ServingPlan) -> bool:
+    """Whether two plans are one deployment: the same groups routed the same way."""
+    return a.groups == b.groups and a.routing == b.routing
+
+
+def _print_baselines(console: Console, job: PlanJob, result: PlanResult, baselines: list[Baseline],
+                     single) -> None:  # noqa: ANN001
+    name, by = _objective_ratio(job)
+    t = Table(title="against the baselines, each scored by the same simulator", title_justify="left")
+    for col in ("baseline", "goodput req/s", "$/h", "goodput per $/h", name):
+        t.add_column(col, justify="left" if col == "baseline" else "right")
+    same = []
+    rows = [(b.name, b.best, b.why, b.router) for b in baselines]
+    if single is not None:
+        rows.append((f"{single.plan.models[0]} alone", single, "", "plan"))
+    for label, best, why, router in rows:
+        if best is None or best.score is None or result.score is None:
+            t.add_row(f"{label}: {why}", "-", "-", "-", "-")
+            continue
+        s = best.score
+        if router == "plan" and _same(best.plan, result.plan):
+            same.append(label)
+        t.add_row(f"{label}: {best.plan.layout}", f"{s.goodput:.4g}", f"{s.dollars_per_hour:,.2f}",
+                  f"{s.per_dollar:.4g}", f"{by(result.score, s):.2f}x")
+    console.print(t)
+    for label in same:
+        console.print(f"the plan equals the {label} baseline")
 
 
 def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[Baseline], cascade, single,  # noqa: ANN001
@@ -367,31 +449,13 @@ def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[B
         t.add_row(name, str(g.devices), f"{g.devices * p.prices.get(g.device, math.nan):,.2f}",
                   ("decodes " if g.role == Role.DECODE else "") + (taken or "none"))
     console.print(t)
-    t = Table(title="candidates (MILP rate; simulated goodput)", title_justify="left")
-    for col in ("candidate", "MILP req/s", "goodput req/s", "$/h", "goodput per $/h"):
-        t.add_column(col, justify="left" if col == "candidate" else "right")
-    for c in result.candidates:
-        s = c.score
-        t.add_row(f"{c.name}: {c.plan.layout}", f"{c.solution.rate:.4g}" if c.solution else "-",
-                  f"{s.goodput:.4g}" if s else "-", f"{c.plan.dollars_per_hour:,.2f}",
-                  f"{s.per_dollar:.4g}" if s else "-")
-    console.print(t)
+    console.print(LEGEND)
+    if result.planner is not None and len(p.models) == 1:
+        for line in why_mix(result.planner, p):
+            console.print(f"why this mix: {line}")
+    _print_candidates(console, result)
     if baselines or single is not None:
-        t = Table(title="against the baselines, each scored by the same simulator", title_justify="left")
-        for col in ("baseline", "goodput req/s", "$/h", "goodput per $/h", "plan over it"):
-            t.add_column(col, justify="left" if col == "baseline" else "right")
-        for b in baselines:
-            if b.best is None or b.best.score is None:
-                t.add_row(f"{b.name}: {b.why}", "-", "-", "-", "-")
-                continue
-            s = b.best.score
-            t.add_row(f"{b.name}: {b.best.plan.layout}", f"{s.goodput:.4g}", f"{s.dollars_per_hour:,.2f}",
-                      f"{s.per_dollar:.4g}", f"{ratio(result.score, s):.2f}x")
-        if single is not None and single.score is not None:
-            s = single.score
-            t.add_row(f"{single.plan.models[0]} alone: {single.plan.layout}", f"{s.goodput:.4g}",
-                      f"{s.dollars_per_hour:,.2f}", f"{s.per_dollar:.4g}", f"{ratio(result.score, s):.2f}x")
-        console.print(t)
+        _print_baselines(console, job, result, baselines, single)
     for m in result.moves:
         console.print(f"repair {m}")
     for n in result.notes:

@@ -50,6 +50,7 @@ class Baseline:
     best: PlanCandidate | None
     tried: tuple[PlanCandidate, ...]
     why: str = ""
+    router: str = "plan"  # how its plan's requests are routed (round-robin: the plan's replicas, routed in turn)
 
 
 def _solved(planner: Planner, name: str, cols: Sequence[int]) -> PlanCandidate | None:
@@ -164,19 +165,29 @@ def round_robin(plan: ServingPlan, workload_at: Callable[[float], Workload], sta
     try:
         s = score(plan, workload_at, start_rate, planner.overhead, router="round-robin")
     except FlexmeshError as e:
-        return Baseline("round-robin routing", None, (), f"cannot route every request in turn: {e}")
+        return Baseline("round-robin routing", None, (), f"cannot route every request in turn: {e}", "round-robin")
     c = PlanCandidate("planner's replicas, round-robin", plan, None, s)
-    return Baseline("round-robin routing", c, (c,))
+    return Baseline("round-robin routing", c, (c,), router="round-robin")
 
 
 def all_baselines(planner: Planner, plan: ServingPlan, plan_score: Score,
-                  workload_at: Callable[[float], Workload], known: Sequence[PlanCandidate] = ()) -> list[Baseline]:
+                  workload_at: Callable[[float], Workload], known: Sequence[PlanCandidate] = (),
+                  progress: Callable[[str], None] | None = None) -> list[Baseline]:
     """Every baseline of the module doc, in its order; ``known``: candidates the simulator has scored on the same
-    workload (the planner's), whose scores a baseline of the same plan reuses."""
+    workload (the planner's), whose scores a baseline of the same plan reuses; ``progress(what)`` as each starts."""
     memo = known_scores(known)
-    return [single_type(planner, workload_at, memo), melange(planner, workload_at, memo),
-            distserve(planner, workload_at, memo), type_per_phase(planner, workload_at, known=memo),
-            round_robin(plan, workload_at, plan_score.goodput or 1.0, planner)]
+    say = progress or (lambda _: None)
+    steps: list[tuple[str, Callable[[], Baseline]]] = [
+        ("the best single GPU type", lambda: single_type(planner, workload_at, memo)),
+        ("Mélange-style", lambda: melange(planner, workload_at, memo)),
+        ("DistServe-style", lambda: distserve(planner, workload_at, memo)),
+        ("one type per phase", lambda: type_per_phase(planner, workload_at, known=memo)),
+        ("round-robin routing", lambda: round_robin(plan, workload_at, plan_score.goodput or 1.0, planner))]
+    out = []
+    for k, (what, make) in enumerate(steps):
+        say(f"scoring the baselines: {what} ({k + 1} of {len(steps)})")
+        out.append(make())
+    return out
 
 
 def ratio(a: Score | None, b: Score | None) -> float:

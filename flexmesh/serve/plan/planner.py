@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -88,6 +89,20 @@ class PlanResult:
     configs: int
     notes: tuple[str, ...]
     planner: Planner | None = None  # calibrated by role where the simulator found that needed
+
+
+# What a bound that binds even at the lowest rate means, and what to change (:meth:`Planner.binding`).
+BINDING = {
+    "ttft": "the TTFT bound binds: no replica here computes these prompts that fast, even alone; raise ttft or give "
+            "faster devices (or a higher tp)",
+    "tpot": "the TPOT bound binds: no replica here decodes a token that fast, even alone; raise tpot or give faster "
+            "devices (or a higher tp)",
+    "e2e": "the E2E bound binds: no replica here answers these requests that fast, even alone; raise e2e",
+    "kv": "KV memory binds: no replica here holds these requests' KV; give devices with more memory or a higher tp",
+    "max-seqs": "max_seqs binds: raise the engines' max_seqs",
+    "budget": "the batched-token budget binds: raise max_batched_tokens",
+    "fit": "no replica here holds these requests at all; give devices with more memory or a higher tp",
+}
 
 
 class Planner:
@@ -203,13 +218,22 @@ class Planner:
             if lost > 1 - i.attainment + 1e-9:
                 raise PlanError(f"no replica of {i.models[m]} here meets the SLO ({i.slo}) for {lost:.1%} of the "
                                 f"requests (buckets {', '.join(buckets[b].label for mm, b in unmet if mm == m)}), "
-                                f"more than the {1 - i.attainment:.0%} the attainment target allows; relax the SLO "
-                                "or give faster devices")
+                                f"more than the {1 - i.attainment:.0%} the attainment target allows: "
+                                f"{self.binding(cols, m, [b for mm, b in unmet if mm == m])}")
         for m, b in unmet:
             for j, k in enumerate(cols):
                 if self.configs[k].model == m:
                     cap[j, b] = self.pricing.capacity(self.configs[k], buckets[b], SLO()).rate
         return cap
+
+    def binding(self, cols: Sequence[int], m: int, unmet: Sequence[int]) -> str:
+        """What stops every configuration of ``cols`` taking model ``m``'s new requests of the ``unmet`` buckets
+        within the SLO, even alone: the bound most of them meet first, and what to change."""
+        buckets = self.inputs.buckets.buckets
+        hit = Counter(self.pricing.capacity(self.configs[k], buckets[b], self.slos[m]).bound for k in cols
+                      for b in unmet if self.configs[k].model == m and self.configs[k].role != Role.DECODE)
+        bound = hit.most_common(1)[0][0] if hit else "fit"
+        return BINDING.get(bound, f"{bound} binds first; relax the SLO or give faster devices")
 
     def unbounded(self, cols: Sequence[int]) -> np.ndarray:
         """The capacities of ``cols`` per bucket with no latency bound (what a replica serves of requests that

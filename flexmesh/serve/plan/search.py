@@ -61,13 +61,15 @@ def candidates(planner: Planner, variants: dict[str, tuple[Role, ...]] = VARIANT
     i = planner.inputs
     out: list[PlanCandidate] = []
     seen = set()
+    why: list[str] = []  # each variant's reason for having no plan, the first (every role) the most telling
     for name, roles in variants.items():
         cols = planner.columns(roles)
         if not cols:
             continue
         try:
             s = planner.solve(cols, budget=i.budget, rate=rate if rate is not None else i.rate)
-        except PlanError:
+        except PlanError as e:
+            why.append(str(e))
             continue
         if s.rate <= 0 or not s.counts.any():
             continue
@@ -77,8 +79,8 @@ def candidates(planner: Planner, variants: dict[str, tuple[Role, ...]] = VARIANT
         seen.add(plan.layout)
         out.append(PlanCandidate(name, plan, s))
     if not out:
-        raise PlanError("no plan serves the workload within the SLO, the devices and the budget; give more devices "
-                        "or budget, a lower rate, or relax the SLO")
+        raise PlanError(why[0] if why else "no plan serves the workload within the SLO, the devices and the budget; "
+                        "give more devices or budget, a lower rate, or relax the SLO")
     return out
 
 
