@@ -89,7 +89,7 @@ def test_corpus_without_documents_is_rejected(tmp_path, capsys):
     (["--corpus", "stdlib", "--tokenizer", "no-tokenizer.json"], "--tokenizer no-tokenizer.json: no such file"),
     (["--corpus", "stdlib", "--weights", "no-model.safetensors"], "--weights no-model.safetensors: no such file"),
 ])
-def test_the_launcher_refuses_missing_inputs_before_planning_or_starting_a_rank(tmp_path, capsys, monkeypatch,
+def test_the_launcher_refuses_missing_inputs_before_starting_a_rank(tmp_path, capsys, monkeypatch,
                                                                                  flags, says):
     from flexmesh.cli import main
 

@@ -66,17 +66,18 @@ def run(args: argparse.Namespace) -> int:
 
         check_tensorboard()
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        check_inputs(args)  # before planning or starting a rank: a missing corpus is one line, nothing written
-    planned = _planned(args)
-    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         rendezvous = parse_rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                                       args.max_restarts or 0)
         check_endpoint(rendezvous.endpoint, wait_s=args.rdzv_wait or RDZV_WAIT_S)
+        _launch_flags(args)
+        check_inputs(args)  # the files the ranks read, before planning (which may profile this machine first)
+        planned = _planned(args)
         _preflight(args, planned)
         # Re-run this very command line under torchrun; sys.argv starts with "train" under the
         # `flexmesh` entry point, otherwise (another launcher) the command name is put back.
         argv = sys.argv[1:] if sys.argv[1:2] == ["train"] else ["train", *sys.argv[1:]]
         return _launch(args, argv, rendezvous, planned)
+    planned = _planned(args)
     launcher_only = {"--max-restarts": args.max_restarts, "--nnodes": args.nnodes, "--node-rank": args.node_rank,
                      "--rdzv-endpoint": args.rdzv_endpoint, "--rdzv-id": args.rdzv_id, "--rdzv-wait": args.rdzv_wait}
     given = [flag for flag, value in launcher_only.items() if value is not None]
@@ -132,14 +133,11 @@ def _write_planned(args: argparse.Namespace, planned: Planned | None) -> None:
         print(f"{planned.how}; plan: {path}", file=sys.stderr, flush=True)
 
 
-def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None:
-    """What the ``--nproc`` launcher refuses, in one line, before torchrun starts anything: flags that
-    do not go together, an emulated rank outside the run, more processes than GPUs, an unusable cache
-    folder, a plan file that cannot be read or whose predicted memory this node does not have."""
+def _launch_flags(args: argparse.Namespace) -> None:
+    """What the ``--nproc`` launcher refuses of its flags alone, in one line, before anything else: flags that
+    do not go together, an emulated rank outside the run, more processes than GPUs, an unusable cache folder."""
     from flexmesh.data.cache import usable_cache
-    from flexmesh.layout.plan import load_plan
-    from flexmesh.layout.plan_model import plan_model
-    from flexmesh.runtime.parallel.device import check_launch, check_memory
+    from flexmesh.runtime.parallel.device import check_launch
     from flexmesh.runtime.train.stragglers import parse_emulation
 
     if args.nproc < 1:
@@ -151,6 +149,16 @@ def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None
         parse_emulation(args.emulate_speed, args.nproc)
     check_launch(args.device, args.nproc)
     usable_cache(args.cache_dir)
+
+
+def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None:
+    """What the ``--nproc`` launcher refuses of the plan, in one line, before torchrun starts anything: a plan
+    file that cannot be read or run, a job file or held-out corpus that cannot, predicted memory this node does
+    not have (nothing is written before: the ranks write the plan)."""
+    from flexmesh.layout.plan import load_plan
+    from flexmesh.layout.plan_model import plan_model
+    from flexmesh.runtime.parallel.device import check_memory
+
     plan = load_plan(args.plan) if planned is None else planned.plan
     spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
     run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
