@@ -44,7 +44,7 @@ def no_recommendation(monkeypatch):
     tests/test_docs_examples.py the line of each documented command."""
     from flexmesh.commands import plan as plan_command
 
-    monkeypatch.setattr(plan_command, "_recommended", lambda plan, job, work: None)
+    monkeypatch.setattr(plan_command, "_recommended", lambda plan, job, work, asked: plan_command.Recommended(None, ""))
 
 
 # The files that take longest on the CI machine (2 cores, no GPU), longest first: whole suite, then

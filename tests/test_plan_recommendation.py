@@ -44,3 +44,26 @@ def test_plan_recommends_on_the_lengths_it_planned_for(capsys):
     rec = json.loads(capsys.readouterr().out)["recommendation"]
     assert rec["computed_on"].startswith("on 4 steps of prolong lengths up to 4096 tokens")
     assert rec["against"] == "fixed" and rec["line"].startswith("recommended: ")
+
+
+def test_plan_recommends_unasked_only_on_steps_of_few_sequences(capsys, monkeypatch):
+    """A step of more sequences than plan.RECOMMEND_SEQUENCES is not simulated unless --recommend asks; the
+    line says so and how to ask; --no-recommend leaves out even a small step's; the last line times the
+    phases."""
+    from flexmesh.commands import plan as plan_command
+
+    monkeypatch.setattr(plan_command, "RECOMMEND_SEQUENCES", 16)  # the tiny model's 32 sequences a step are many
+    flags = ["plan", "--model", "tiny", "--cluster", "2xA100-80GB", "--seq-len", "1024", "--global-batch", "32"]
+    assert main(flags) == 0
+    lines = capsys.readouterr().out.splitlines()
+    skipped = [ln for ln in lines if ln.startswith("policy not recommended")]
+    assert len(skipped) == 1 and "--recommend computes it" in skipped[0] and "sequences" in skipped[0]
+    assert not any(ln.startswith("recommended: ") for ln in lines)
+    assert lines[-1].startswith("took ") and "search " in lines[-1] and "recommendation" not in lines[-1]
+    assert main([*flags, "--recommend"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(ln.startswith("recommended: ") for ln in lines) == 1 and "recommendation " in lines[-1]
+    monkeypatch.setattr(plan_command, "RECOMMEND_SEQUENCES", 512)
+    assert main([*flags, "--no-recommend", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommendation"] is None and out["recommendation_seconds"] == 0.0

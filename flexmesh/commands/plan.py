@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -42,6 +42,10 @@ from flexmesh.commands.plan_lengths import (
     with_expected,
     workload,
 )
+
+# The most sequences a step may hold for ``plan`` to recommend a step policy unasked: the policies simulated on
+# STEPS steps of up to 512 sequences take 1-5 s on a 2-core machine; 1,920 sequences on 1,024 devices, 40 s.
+RECOMMEND_SEQUENCES = 512
 from flexmesh.commands.plan_output import explain, print_table, result_json
 from flexmesh.commands.plan_replicas import replica_command
 from flexmesh.commands.plan_terms import print_against
@@ -115,6 +119,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "this plan file (for instance a published layout), priced by the same cost model; on a mixed "
                    "cluster: any plan of that cluster, beside the baselines")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (no table, no progress)")
+    p.add_argument("--recommend", action=argparse.BooleanOptionalAction, default=None,
+                   help="simulate the step policies on the written plan and recommend one (default: when a step "
+                        f"holds at most {RECOMMEND_SEQUENCES} sequences, where it takes seconds; larger steps make "
+                        "it a minute's simulation, and the output says how to ask for it)")
     p.add_argument("--check", metavar="PLAN",
                    help="validate this plan file (any version) against --model and --cluster (a plan of several "
                         "replica groups: default cluster the one it names); with --out, write it in this version")
@@ -149,6 +157,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Check a plan file, or search: the flags resolved once into a Job (flexmesh.job), then the search
     request built from it; print or write the result."""
+    args.started = time.perf_counter()
     if args.check and (args.lengths or args.tokens_per_batch):
         raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
                         "drop them (flexmesh simulate --plan FILE --lengths ... scores a plan on lengths)")
@@ -226,10 +235,10 @@ def run(args: argparse.Namespace) -> int:
     plan = recorded(with_expected(best.plan, expected[best.plan.layout], work) if expected else best.plan, args.model)
     if args.out:
         plan.save(args.out)
-    found = _recommended(plan, job, work)
+    found = _recommended(plan, job, work, args.recommend)
     if args.json:
         print(json.dumps({**result_json(result, plan, expected, args.pick), "workload": work.to_dict(),
-                          "recommendation": _recommended_json(found)}, indent=2))
+                          "recommendation": _recommended_json(found), "recommendation_seconds": found.seconds}, indent=2))
         return 0
     out.print(job.model.describe(), highlight=False)
     print_table(out, result, expected, job.model)
@@ -249,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out.print(f"wrote {'the best plan' if args.pick == 1 else f'plan {args.pick} of the list'} to {args.out}",
                   highlight=False)
+    _print_phases(out, args.started, search=result.search_seconds, recommendation=found.seconds)
     return 0
 
 
@@ -265,30 +275,61 @@ def _slowed(args: argparse.Namespace) -> MixedCluster:
     return cluster.with_speeds(speeds_of(slow_devices(args.slow, cluster.world_size), cluster.world_size))
 
 
-def _recommended(plan: Plan, job: Job, work: PlanWorkload) -> tuple[Recommendation, str] | None:
-    """The policy ``simulate --plan`` recommends for the plan written, and the sentence of what it was
-    computed on (flexmesh.commands.simulate.plan_recommendation on :func:`recommendation_batches`); None
-    where the plan's layout cannot schedule those batches."""
+@dataclass(frozen=True)
+class Recommended:
+    """The step policy recommended for the plan written (None: not computed, or the layout cannot schedule
+    the batches), what it was computed on or why not, and the seconds it took."""
+
+    recommendation: Recommendation | None
+    sentence: str
+    seconds: float = 0.0
+
+
+def _recommended(plan: Plan, job: Job, work: PlanWorkload, asked: bool | None) -> Recommended:
+    """The policy ``simulate --plan`` recommends for the plan written (flexmesh.commands.simulate.
+    plan_recommendation on :func:`recommendation_batches`): computed when ``asked`` (``--recommend``), or
+    by default when a step holds at most :data:`RECOMMEND_SEQUENCES` sequences."""
     from flexmesh.commands.simulate import plan_recommendation
     from flexmesh.sim.groups import RECOMMENDED_AMONG
 
+    t0 = time.perf_counter()
     batches, lengths = recommendation_batches(work)
+    policies = ",".join(RECOMMENDED_AMONG) if len(plan.groups) > 1 else DEFAULT_POLICIES
+    table = (f"flexmesh simulate --plan FILE --lengths {lengths} --steps {len(batches)} --policies {policies} shows "
+             "the table")
+    most = max(len(b) for b in batches)
+    if asked is False or (asked is None and most > RECOMMEND_SEQUENCES):
+        why = "--no-recommend" if asked is False else (
+            f"steps of up to {most:,} sequences make it a long simulation; --recommend computes it here")
+        return Recommended(None, f"policy not recommended ({why}); {table}")
     try:
         rec = plan_recommendation(plan, replace(job, plan=plan), batches, SEED)
     except FlexmeshError:
+        return Recommended(None, "", time.perf_counter() - t0)
+    return Recommended(rec, f"on {len(batches)} steps of {lengths} lengths up to {work.seq_len} tokens: {table}",
+                       time.perf_counter() - t0)
+
+
+def _print_recommended(out: Console, found: Recommended) -> None:
+    if found.recommendation is not None:
+        out.print(f"{found.recommendation.line} ({found.sentence})", highlight=False, soft_wrap=True)
+    elif found.sentence:
+        out.print(found.sentence, highlight=False, soft_wrap=True)  # one line, however wide
+
+
+def _recommended_json(found: Recommended) -> dict | None:
+    if found.recommendation is None:
         return None
-    policies = ",".join(RECOMMENDED_AMONG) if len(plan.groups) > 1 else DEFAULT_POLICIES
-    return rec, (f"on {len(batches)} steps of {lengths} lengths up to {work.seq_len} tokens: flexmesh simulate --plan "
-                 f"FILE --lengths {lengths} --steps {len(batches)} --policies {policies} shows the table")
+    return {**found.recommendation.to_dict(), "computed_on": found.sentence}
 
 
-def _print_recommended(out: Console, found: tuple[Recommendation, str] | None) -> None:
-    if found is not None:
-        out.print(f"{found[0].line} ({found[1]})", highlight=False, soft_wrap=True)  # one line, however wide
-
-
-def _recommended_json(found: tuple[Recommendation, str] | None) -> dict | None:
-    return None if found is None else {**found[0].to_dict(), "computed_on": found[1]}
+def _print_phases(out: Console, started: float, **phases: float) -> None:
+    """One line of where the command's time went: each phase, and the rest (model, cost model, lengths,
+    baselines' pricing, output)."""
+    total = time.perf_counter() - started
+    parts = [f"{name} {s:.2f} s" for name, s in phases.items() if s > 0]
+    rest = total - sum(phases.values())
+    out.print(f"took {total:.2f} s: {', '.join(parts + [f'the rest {rest:.2f} s'])}", highlight=False)
 
 
 def _parts(args: argparse.Namespace, model: ModelSpec, world: int) -> Parts:
@@ -411,7 +452,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
     plan = recorded(plan, args.model)
     if args.out:
         plan.save(args.out)
-    found = _recommended(plan, job, work)
+    found = _recommended(plan, job, work, args.recommend)
     if args.json:
         best: dict = {"layout": plan.layout.split("\n"), "step_time_s": step, "tokens_per_s": tokens_per_s}
         if e is not None:
@@ -421,7 +462,7 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
                           "configurations": result.configurations, "workload": work.to_dict(),
                           "best": {**best, "plan": plan.to_dict()},
                           "baselines": baselines, "ratios": ratios(tokens_per_s, baselines),
-                          "recommendation": _recommended_json(found)}, indent=2))
+                          "recommendation": _recommended_json(found), "recommendation_seconds": found.seconds}, indent=2))
         return 0
     out = plain_console()
     slow = sum(1 for r in range(cluster.world_size) if cluster.speed(r) != 1.0)
@@ -440,6 +481,8 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
         out.print(stage_table(plan, ev))
     if args.out:
         out.print(f"wrote the plan to {args.out}", highlight=False)
+    _print_phases(out, args.started, search=result.search_seconds, baselines=baseline_seconds,
+                  recommendation=found.seconds)
     return 0
 
 

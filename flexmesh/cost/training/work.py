@@ -45,9 +45,9 @@ def attention_sq(start, end, windows: Sequence[int | None] = NO_WINDOW):  # noqa
     >>> attention_sq(0, 10, (4, None))  # half the layers slide
     79.0
     """
-    counts = Counter(windows)
-    if set(counts) == {None}:
+    if all(w is None for w in windows):  # the common case, asked millions of times: no Counter built
         return end * end - start * start
+    counts = Counter(windows)
     parts = []
     for w, n in counts.items():
         if w is None:
