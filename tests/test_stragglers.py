@@ -137,9 +137,10 @@ def test_slow_rank_is_detected_and_gets_less_work(runs):
     assert all(len(r["compute_s"]) == WORLD and min(r["compute_s"]) > 0 for r in rows)
     detected = [r["step"] for r in rows if any(e["event"] == "straggler_detected" and 1 in e["ranks"]
                                                for e in r["events"])]
-    # within the warm-up and K judged steps, one step of slack: a machine busy with other work can
-    # blur one step's measured speeds (the rule itself is tested exactly in one process below)
-    assert detected and detected[0] <= WARMUP + K + 1, f"rank 1 flagged after steps {detected}"
+    # within the warm-up and K judged steps (3 at least: the machine's noise is measured first), one step
+    # of slack: a machine busy with other work can blur one step's measured speeds (the rule itself is
+    # tested exactly in one process below)
+    assert detected and detected[0] <= WARMUP + max(K, 3) + 1, f"rank 1 flagged after steps {detected}"
     step = detected[0]
     replans = [e for e in rows[step - 1]["events"] if e["event"] == "replanned"]
     assert replans and replans[0]["ranks"] == [1] and replans[0]["predicted_gain"] > 1.0
@@ -198,7 +199,7 @@ def test_detector_corrects_a_speed_that_is_still_slow():
     from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
 
     d = SpeedDetector(2, StragglerConfig(steps=2, warmup=0))
-    d.update([1.0, 0.3], [1.0, 1.0])
+    assert d.update([1.0, 0.3], [1.0, 1.0]) == d.update([1.0, 0.3], [1.0, 1.0]) == ([], None)  # noise unmeasured
     assert [e["event"] for e in d.update([1.0, 0.3], [1.0, 1.0])[0]] == ["straggler_detected"]
     d.update([1.0, 0.5], [1.0, 0.3])
     events, proposal = d.update([1.0, 0.5], [1.0, 0.3])
@@ -211,7 +212,7 @@ def test_detector_reports_a_straggler_once_when_the_schedules_stay():
 
     d = SpeedDetector(2, StragglerConfig(steps=2, warmup=0))
     events = [d.update([1.0, 0.5], [1.0, 1.0])[0] for _ in range(8)]
-    assert [[e["event"] for e in ev] for ev in events] == [[], ["straggler_detected"]] + [[]] * 6
+    assert [[e["event"] for e in ev] for ev in events] == [[], [], ["straggler_detected"]] + [[]] * 5
     d.update([1.0, 1.0], [1.0, 1.0])
     assert [e["event"] for e in d.update([1.0, 0.95], [1.0, 1.0])[0]] == ["straggler_recovered"]
 
@@ -389,6 +390,10 @@ def test_the_console_names_each_event_and_the_start_and_end_of_fallbacks():
                                      "predicted_gain": 1.4321}))
     assert event_lines(m, 0) == ["step 5: rank(s) 1 slower than scheduled (measured speeds [1.0, 0.5])",
                                  "step 5: schedules re-planned for speeds [1.0, 0.5], predicted 1.43x"]
+    noise = StepMetrics(**base, policy="fixed", events=({"event": "speed_noise", "ranks": [0, 1],
+                                                          "speeds": [0.6, 1.0], "band": 0.42},))
+    assert event_lines(noise, 0) == ["step 5: rank(s) 0, 1 off their scheduled speed (measured [0.6, 1.0]) within "
+                                     "this machine's step-to-step noise (+-42%): load, not judged slow"]
     late = StepMetrics(**base, policy="hdp", requested_policy="milp", fallback=True)
     assert event_lines(late, 0) == ["step 5: the milp schedule was late; ran the hdp fallback (--adaptive; it says "
                                     "so again when schedules are on time)"]
@@ -396,3 +401,52 @@ def test_the_console_names_each_event_and_the_start_and_end_of_fallbacks():
     on_time = StepMetrics(**base, policy="milp", requested_policy="milp")
     assert event_lines(on_time, 3) == ["step 5: milp schedules on time again after 3 fallback step(s)"]
     assert event_lines(on_time, 0) == []
+
+
+def _noisy_run(rng, steps: int, slow: float | None = None) -> list[list[float]]:
+    """Measured speeds of 2 ranks on a shared machine: each step another process takes one rank's core
+    for part of the step (its speed falls by 0-60%), the other is then the fastest; ``slow``: rank 1 is
+    also a device at that speed throughout."""
+    out = []
+    for _ in range(steps):
+        raw = [1.0, slow or 1.0]
+        hit = rng.integers(0, 3)  # 2: nobody hit this step
+        if hit < 2:
+            raw[hit] *= 1.0 - rng.uniform(0.0, 0.6)
+        top = max(raw)
+        out.append([x / top for x in raw])
+    return out
+
+
+def _detections(rng, slow: float | None, runs: int = 200) -> tuple[int, int]:
+    """(runs reporting a straggler, runs saying speed_noise) of ``runs`` noisy runs of 12 steps."""
+    from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
+
+    found = said = 0
+    for _ in range(runs):
+        d = SpeedDetector(2, StragglerConfig())
+        kinds = [e["event"] for m in _noisy_run(rng, 12, slow) for e in d.update(m, [1.0, 1.0])[0]]
+        found += "straggler_detected" in kinds
+        said += "speed_noise" in kinds
+        assert kinds.count("speed_noise") <= 1  # said once a run
+    return found, said
+
+
+def test_load_noise_is_rarely_judged_slow_and_a_slow_device_still_is():
+    """Runs of 12 steps whose ranks' speeds jump by up to 60%, as a shared CPU's do: a straggler is
+    reported in few of them (a rank hit three steps in a row is slow for those steps; the detector that
+    judged two steps against the threshold alone reported one in 107 of these 200), and speed_noise says why
+    in many; the same noise over a device at 0.4x: found in nearly every run. A quiet run's slow rank is
+    found once the noise is measured (the third judged step)."""
+    import numpy as np
+
+    from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
+
+    rng = np.random.default_rng(0)
+    found, said = _detections(rng, None)
+    assert found <= 12 and said >= 50, (found, said)
+    found, _ = _detections(rng, 0.4)
+    assert found >= 190, found
+    d = SpeedDetector(2, StragglerConfig(warmup=0))
+    seen = [d.update([1.0, 0.5 + 0.01 * i], [1.0, 1.0])[0] for i in range(3)]
+    assert [[e["event"] for e in ev] for ev in seen] == [[], [], ["straggler_detected"]]

@@ -44,7 +44,8 @@ from flexmesh.sim.plots import save_figure  # noqa: E402
 RUNS = {"static": ["--no-replan"], "adaptive": []}
 EVENT_STYLE = {"straggler_detected": ("#e15759", "detected"), "replanned": ("#2b7bba", "re-planned"),
                "speed_changed": ("#f28e2b", "speed changed"),
-               "straggler_recovered": ("#59a14f", "recovered"), "replan_declined": ("#bab0ac", "declined")}
+               "straggler_recovered": ("#59a14f", "recovered"), "replan_declined": ("#bab0ac", "declined"),
+               "speed_noise": ("#bab0ac", "load noise, not judged")}
 
 
 def has_speed_data(rows: Sequence[dict]) -> bool:

@@ -20,11 +20,21 @@ the warm-up), a prediction made before the step it predicts. Schedules and re-pl
 speeds only: a pace that moves every rank alike changes no rank's share.
 
 Detect (:class:`SpeedDetector`). A data rank deviates when its measured speed differs from the speed
-its schedule assumed by more than ``threshold`` (relative); a deviation is sustained after ``steps``
-consecutive deviating steps in the same direction: slower (``straggler_detected``), faster again
-and back within the threshold of the fastest (``straggler_recovered``), or any other sustained change
-of a rank's speed (``speed_changed``: slower still, or faster but still slow). The first ``warmup``
-steps are not judged (the first step pays one-off costs: allocations, FSDP2's lazy initialisation).
+its schedule assumed by more than ``threshold`` (relative). Whether a deviation is sustained depends on
+the machine's noise: the mean change of a rank's speed from one step to the next, over every rank's
+latest :data:`NOISE_STEPS` steps (measured once each rank has changed twice: nothing is judged before).
+On a quiet machine (that noise times :data:`NOISE_BAND` within the threshold) a deviation is sustained
+after ``steps`` consecutive deviating steps in the same direction. On a shared one, other processes
+take a rank's core for a step and give it back the next, so speeds jump by tens of percent both ways:
+there a rank is judged on the mean of its speeds over the steps since it was last judged (at least
+``2 x steps`` of them, at most :data:`NOISE_STEPS`), off by more than the threshold and :data:`SURE`
+standard errors, which load spread over the ranks leaves near the assumed speed and a slow device does
+not; a rank off for ``steps`` steps in a row whose mean is not is
+load, and ``speed_noise`` says so once per run with the noise band. A sustained change is slower
+(``straggler_detected``), faster again and back within the threshold of the fastest
+(``straggler_recovered``), or any other change of a rank's speed (``speed_changed``: slower still, or
+faster but still slow). The first ``warmup`` steps are not judged (the first step pays one-off costs:
+allocations, FSDP2's lazy initialisation).
 
 Re-plan (:class:`StragglerMonitor`, rank 0, where the schedules are made). The proposal: each
 sustained rank at the median of its last ``steps`` measured speeds, the others as assumed, scaled
@@ -51,11 +61,11 @@ rank stretches each of its forward and backward computations to 1/FACTOR of thei
 ``emulated_speed``.
 
 >>> d = SpeedDetector(num_ranks=2, config=StragglerConfig(steps=2, warmup=0))
->>> d.update([1.0, 0.5], [1.0, 1.0])
-([], None)
+>>> d.update([1.0, 0.5], [1.0, 1.0]), d.update([1.0, 0.51], [1.0, 1.0])  # the noise not yet measured
+(([], None), ([], None))
 >>> events, proposal = d.update([1.0, 0.52], [1.0, 1.0])
 >>> [e["event"] for e in events], proposal
-(['straggler_detected'], (1.0, 0.51))
+(['straggler_detected'], (1.0, 0.515))
 """
 
 from __future__ import annotations
@@ -171,6 +181,20 @@ class StragglerConfig:
             raise PlanError("straggler steps must be >= 1, warmup and min_gain >= 0")
 
 
+# The machine's noise: the mean |change| of a rank's speed from one step to the next over every rank's
+# latest NOISE_STEPS steps (a mean, not a median: relative speeds hold the fastest rank at exactly 1, so
+# on two ranks half the changes are zero however noisy the machine; long enough that one real change of
+# speed weighs 1 / (2 NOISE_STEPS) of it, short enough to follow the machine's load). NOISE_BAND times it
+# is the noise band: for speeds scattered normally with deviation sd, the mean |change| is 1.13 sd, so the
+# band is about 3.4 sd, what one step of noise rarely crosses. A band within the threshold is a quiet
+# machine.
+NOISE_STEPS = 8
+NOISE_BAND = 3.0
+# On a noisy machine a rank's mean speed must be off by the threshold and by SURE standard errors of that
+# mean (one-sided, about 2.5% of means of pure noise cross it).
+SURE = 2.0
+
+
 class SpeedDetector:
     """Sustained speed changes of data ranks against the speeds their schedules assumed.
 
@@ -189,6 +213,27 @@ class SpeedDetector:
         self.flagged: set[int] = set()  # ranks reported slow and not yet reported recovered
         self.baseline: list[float] | None = None  # speeds judged against
         self._assumed: list[float] | None = None  # the schedules' speeds at the last step
+        self.recent: list[deque] = [deque(maxlen=NOISE_STEPS) for _ in range(num_ranks)]  # since last judged
+        self.changes: deque[float] = deque(maxlen=NOISE_STEPS * num_ranks)  # |speed change| step to step
+        self._last: list[float | None] = [None] * num_ranks
+        self.noise_said = False
+
+    def noise(self) -> float | None:
+        """The machine's step-to-step noise of a rank's relative speed; None until every rank (on
+        average) has changed speed twice."""
+        return statistics.fmean(self.changes) if len(self.changes) >= 2 * self.num_ranks else None
+
+    def _on_average(self, r: int) -> int:
+        """1 (slower) or -1 (faster) where the mean of rank ``r``'s speeds since it was last judged is off
+        its baseline by more than the threshold and :data:`SURE` standard errors, over at least
+        ``2 x steps`` steps; else 0."""
+        assert self.baseline is not None
+        seen = [m / self.baseline[r] for m in self.recent[r]]
+        if len(seen) < 2 * self.config.steps:
+            return 0
+        q, tol = statistics.fmean(seen), self.config.threshold
+        margin = SURE * statistics.stdev(seen) / math.sqrt(len(seen))  # the mean's own scatter, SURE times
+        return 1 if q + margin < 1.0 - tol else (-1 if q - margin > 1.0 + tol else 0)
 
     def update(self, measured: Sequence[float | None], assumed: Sequence[float]) -> tuple[list[dict], tuple | None]:
         """One step's measured and assumed speeds per data rank -> (events, proposed speeds or None)."""
@@ -198,20 +243,36 @@ class SpeedDetector:
         tol, k = self.config.threshold, self.config.steps
         if self.baseline is None or list(assumed) != self._assumed:
             self.baseline = [float(a) for a in assumed]
+            for window in self.recent:
+                window.clear()
         self._assumed = list(assumed)
         for r, (m, a) in enumerate(zip(measured, self.baseline, strict=True)):
             if m is None or not math.isfinite(m):
                 continue  # no work this step: no evidence either way
             self.history[r].append(m)
+            self.recent[r].append(m)
+            if self._last[r] is not None:
+                self.changes.append(abs(m - self._last[r]))
+            self._last[r] = m
             q = m / a
             direction = 1 if q < 1.0 - tol else (-1 if q > 1.0 + tol else 0)
             same = direction != 0 and (self.streak[r] > 0) == (direction > 0)
             self.streak[r] = self.streak[r] + direction if same else direction
-        sustained = [r for r in range(self.num_ranks) if abs(self.streak[r]) >= k]
+        noise = self.noise()
+        if noise is None:
+            return [], None  # the machine's noise not yet measured: nothing judged
+        streaks = {r: 1 if self.streak[r] > 0 else -1 for r in range(self.num_ranks) if abs(self.streak[r]) >= k}
+        if NOISE_BAND * noise <= tol:  # a quiet machine: steps in a row decide, at one speed (within half the threshold)
+            way = {r: d for r, d in streaks.items()
+                   if max(self.history[r]) - min(self.history[r]) <= tol / 2 * self.baseline[r]}
+        else:  # a noisy one: the mean since last judged decides, and a streak that is only noise is said once
+            way = {r: d for r in range(self.num_ranks) if (d := self._on_average(r))}
+        noise_events = self._noise_said(sorted(set(streaks) - set(way)), measured, NOISE_BAND * noise)
+        sustained = sorted(way)
         if not sustained:
-            return [], None
-        slow = [r for r in sustained if self.streak[r] > 0]
-        fast = [r for r in sustained if self.streak[r] < 0]
+            return noise_events, None
+        slow = [r for r in sustained if way[r] > 0]
+        fast = [r for r in sustained if way[r] < 0]
         proposal = list(self.baseline)
         for r in sustained:
             proposal[r] = statistics.median(self.history[r])
@@ -227,7 +288,18 @@ class SpeedDetector:
         events = [{"event": kind, "ranks": ranks, "speeds": shown} for kind, ranks in kinds.items() if ranks]
         self.flagged = (self.flagged | set(slow)) - set(recovered)
         self.baseline, self.streak = list(proposal_t), [0] * self.num_ranks
-        return events, proposal_t
+        for window in self.recent:
+            window.clear()
+        return noise_events + events, proposal_t
+
+    def _noise_said(self, ranks: list[int], measured: Sequence[float | None], band: float) -> list[dict]:
+        """``speed_noise``, once per run: ``ranks`` were off by more than the threshold for ``steps`` steps
+        in a row on a noisy machine, their means not."""
+        if not ranks or self.noise_said:
+            return []
+        self.noise_said = True
+        shown = [None if m is None or not math.isfinite(m) else round(m, 3) for m in measured]
+        return [{"event": "speed_noise", "ranks": ranks, "speeds": shown, "band": round(band, 3)}]
 
 
 def measured_speeds(schedule: StepSchedule, compute_s: Sequence[float], data_of: Sequence[int | None]
