@@ -18,7 +18,8 @@ def recommendation_off(monkeypatch):
     the calls after a test's first, which runs it; tests/test_plan_recommendation.py checks what it says."""
     from flexmesh.commands import plan as plan_command
 
-    return lambda: monkeypatch.setattr(plan_command, "_recommended", lambda plan, job, work, asked: plan_command.Recommended(None, ""))
+    return lambda: monkeypatch.setattr(plan_command, "_recommended",
+                                       lambda plan, job, work, asked: plan_command.Recommended(None, ""))
 
 
 @pytest.fixture

@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     # training plan (its per-step Ulysses groups; no tp, ring or pipeline, which no run of the demo prices)
     plan_path = out / "plan-train.json"
     training_plan(size.nproc, size.seq_len, size.global_batch).save(plan_path)
+    profile_load = os.getloadavg()[0]
     _flexmesh(["profile", "model", "--for-plan", str(plan_path), *quick, "--out", str(mp), "--hardware-out", str(hw)],
               "profile")
 
@@ -248,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     # 5. report
     console.print(Rule("6/6  report"))
     path = write_report(out, sim, metrics, plan_path, time.perf_counter() - t_start, stragglers=stragglers,
-                        devices=devices["text"], gpu=gpu, mixed=(mixed, dispatch), loads=loads, experts=experts)
+                        devices=devices["text"], gpu=gpu, mixed=(mixed, dispatch), loads=loads, experts=experts,
+                        profile_load=profile_load)
     from flexmesh.report.serving_demo import demo_serving
 
     demo_serving(out, path, console, quick=args.quick)

@@ -42,10 +42,6 @@ from flexmesh.commands.plan_lengths import (
     with_expected,
     workload,
 )
-
-# The most sequences a step may hold for ``plan`` to recommend a step policy unasked: the policies simulated on
-# STEPS steps of up to 512 sequences take 1-5 s on a 2-core machine; 1,920 sequences on 1,024 devices, 40 s.
-RECOMMEND_SEQUENCES = 512
 from flexmesh.commands.plan_output import explain, print_table, result_json
 from flexmesh.commands.plan_replicas import replica_command
 from flexmesh.commands.plan_terms import print_against
@@ -74,6 +70,10 @@ from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
 from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.spec.model_file import ModelFile
 from flexmesh.spec.speeds import slow_devices, speeds_of
+
+# The most sequences a step may hold for ``plan`` to recommend a step policy unasked: the policies simulated on
+# STEPS steps of up to 512 sequences take 1-5 s on a 2-core machine; 1,920 sequences on 1,024 devices, 40 s.
+RECOMMEND_SEQUENCES = 512
 
 PROGRESS_AFTER_S = 1.0  # show a progress bar only for searches that take longer than this
 
@@ -238,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     found = _recommended(plan, job, work, args.recommend)
     if args.json:
         print(json.dumps({**result_json(result, plan, expected, args.pick), "workload": work.to_dict(),
-                          "recommendation": _recommended_json(found), "recommendation_seconds": found.seconds}, indent=2))
+                          "recommendation": _recommended_json(found),
+                          "recommendation_seconds": found.seconds}, indent=2))
         return 0
     out.print(job.model.describe(), highlight=False)
     print_table(out, result, expected, job.model)
@@ -462,7 +463,8 @@ def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:
                           "configurations": result.configurations, "workload": work.to_dict(),
                           "best": {**best, "plan": plan.to_dict()},
                           "baselines": baselines, "ratios": ratios(tokens_per_s, baselines),
-                          "recommendation": _recommended_json(found), "recommendation_seconds": found.seconds}, indent=2))
+                          "recommendation": _recommended_json(found),
+                          "recommendation_seconds": found.seconds}, indent=2))
         return 0
     out = plain_console()
     slow = sum(1 for r in range(cluster.world_size) if cluster.speed(r) != 1.0)

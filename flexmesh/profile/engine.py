@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -187,6 +188,8 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
     logs = log_dir or Path(tempfile.mkdtemp(prefix="flexmesh-profile-engine-"))
     raw: list[dict] = []
     _, plan, _, served, admission, host = asyncio.run(_sweep(cfg, quick, engines, logs, progress, raw))
+    if log_dir is None:  # the engines' logs are kept where a failure names them; a sweep that ran leaves none
+        shutil.rmtree(logs, ignore_errors=True)
     if samples_out is not None:
         write_atomic(samples_out, "".join(json.dumps(r) + "\n" for r in raw))
     spec_dict = spec.to_dict()

@@ -14,7 +14,7 @@ from flexmesh.errors import FlexmeshError
 from flexmesh.inputs import load_json
 from flexmesh.report.experts import add_demo_section
 from flexmesh.report.plots import balance_png, loss_png, predicted_vs_measured_png, timeline_png
-from flexmesh.report.report import Report
+from flexmesh.report.report import Report, median_abs_error
 from flexmesh.report.runs import run_summary, throughput
 from flexmesh.report.stragglers import add_section, has_speed_data, speed_png
 from flexmesh.sim.simulation import Simulation, comparison_row
@@ -46,16 +46,58 @@ def gain_text(label: str, rows: list[dict], fixed: list[dict], loads: dict[str, 
     return text + "."
 
 
+# A median step-time error above this is explained in the report (what the profile and the run met).
+EXPLAIN_ERROR = 0.25
+
+
+def prediction_text(label: str, rows: list[dict], error: float | None, run_load: float | None,
+                    profile_load: float | None) -> str | None:
+    """Why ``label``'s step times are off their prediction by ``error`` (median), when that is more than
+    :data:`EXPLAIN_ERROR`: the pace its fastest rank ran at against the profile (the machine's speed, the
+    same on every rank), the simulator's error at that pace (what is left for the schedules and the
+    cost model), and the load as the profile was taken and as the run started. None within the bound.
+
+    >>> rows = [{"step": s, "step_time_s": 2.0, "pace": 0.6, "paced_step_time_s": 1.9} for s in range(1, 5)]
+    >>> prediction_text("fixed", rows, 0.4, 3.5, 1.2)[:72]
+    'fixed: the step times predicted from the profile are off by 40% (median)'
+    >>> prediction_text("fixed", rows, 0.1, 3.5, 1.2) is None
+    True
+    """
+    if error is None or error <= EXPLAIN_ERROR:
+        return None
+    text = f"{label}: the step times predicted from the profile are off by {error:.0%} (median)."
+    paces = [r["pace"] for r in rows[1:] if r.get("pace")]
+    if paces:
+        pace = float(np.median(paces))
+        text += (f" Its fastest rank ran at {pace:.2f}x the speed the profile measured (`pace`, median over the steps "
+                 f"after the first): every rank's compute is off by about {1 / pace - 1:+.0%} from that alone, "
+                 "the machine's speed, not the schedules.")
+    paced = [(r["paced_step_time_s"], r["step_time_s"]) for r in rows if r.get("paced_step_time_s")]
+    if paced:
+        left = median_abs_error([p for p, _ in paced], [m for _, m in paced])
+        text += (f" At the speeds measured on the steps before each one, the simulator's step is off by {left:.0%} "
+                 "(`paced_step_time_s`): the part the cost model and the schedules answer for.")
+    if run_load is not None and profile_load is not None:
+        cores = os.cpu_count() or 1
+        shared = max(run_load, profile_load) > cores
+        text += (f" The 1-minute load average was {profile_load:.1f} as the profile was taken and {run_load:.1f} as "
+                 f"the run started, on {cores} cores" + (": above the core count other work shared the cores, so "
+                 "the profile, the run or both met a slower machine than the other did." if shared else "."))
+    return text
+
+
 def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], plan_path: Path,
                  elapsed_s: float, stragglers: dict[str, list[dict]] | None = None, devices: str = "",
                  gpu: dict | None = None, mixed: tuple | None = None,
-                 loads: dict[str, float] | None = None, experts: dict | None = None) -> Path:
+                 loads: dict[str, float] | None = None, experts: dict | None = None,
+                 profile_load: float | None = None) -> Path:
     """``sim``: the simulated comparison; ``metrics``: run label -> metrics.jsonl rows; ``stragglers``:
     the static and adaptive runs with a slow rank (flexmesh.report.stragglers.demo_comparison);
     ``devices``: where the parts ran; ``gpu``: the one-GPU run ({"name", "preset", "rows"}), if any;
     ``mixed``: the mixed-cluster plan's figures (flexmesh.report.plan_tables.demo_mixed_plan) and its
     simulated dispatch (flexmesh.commands.simulate.GroupsSimulation); ``loads``: run label -> the 1-minute
-    load average as it started; ``experts``: the mixture-of-experts runs (flexmesh.report.experts.demo_experts)."""
+    load average as it started; ``experts``: the mixture-of-experts runs (flexmesh.report.experts.demo_experts);
+    ``profile_load``: the 1-minute load average as the profile was taken."""
     out = Path(out)
     figs = out / "figures"
     rep = Report("flexmesh demo", out)
@@ -101,6 +143,9 @@ def write_report(out: Path, sim: Simulation, metrics: dict[str, list[dict]], pla
                       "-" if d["predicted_error"] is None else f"{d['predicted_error']:.1%}", f"{d['final_loss']:.4f}"])
     rep.table(["run", "policies used", "steps", "mean step (s)", "tokens/s", "imbalance (busy max/mean)",
                "late schedules (fallback)", "median step-time error", "final loss"], table)
+    for label, d in summaries.items():
+        if why := prediction_text(label, metrics[label], d["predicted_error"], (loads or {}).get(label), profile_load):
+            rep.text(why)
     labels = list(metrics)
     if "fixed" in summaries and len(summaries) > 1:
         other = [x for x in labels if x != "fixed"][0]

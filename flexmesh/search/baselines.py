@@ -132,9 +132,20 @@ def proportional_baseline(model: ModelSpec, cluster: MixedCluster, seq_len: int,
     shares = "/".join(str(g.share) for g in plan.groups)
     first = plan.groups[0]
     stages = " | ".join(f"[{s.start},{s.end}) tp{first.stage_tp(i)}" for i, s in enumerate(first.stages))
-    row = _row(f"{len(plan.groups)} replicas of {stages}, batches {shares}",
+    mixes = [_devices(cluster, g.ranks) for g in plan.groups]
+    held = f"each {mixes[0]}" if len(set(mixes)) == 1 else ", ".join(mixes)  # equal batches: equal devices, said
+    row = _row(f"{len(plan.groups)} replicas of {stages}, batches {shares} ({held})",
                ev.step_time, ev.tokens_per_s, fits=ev.fits)
     return row if ev.fits else {**row, "note": "does not fit in memory on some device"}
+
+
+def _devices(cluster: MixedCluster, ranks) -> str:  # noqa: ANN001 - a replica's ranks
+    """A replica's devices by type, as a cluster is written: ``4xH100-80GB+8xA100-40GB``."""
+    count: dict[str, int] = {}
+    for r in ranks:
+        name = cluster.device_of(r).name
+        count[name] = count.get(name, 0) + 1
+    return "+".join(f"{n}x{name}" for name, n in count.items())
 
 
 def sum_of_parts(model: ModelSpec, cluster: MixedCluster, seq_len: int, global_batch: int,

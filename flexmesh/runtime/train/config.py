@@ -134,6 +134,7 @@ class StepMetrics:
     tasks: tuple[str, ...] = ()
     task_loss: tuple[float, ...] = ()
     task_tokens: tuple[int, ...] = ()
+    task_lr: tuple[float, ...] = ()  # the learning rate each task's adapters stepped with (``lr``: the first's)
     # Mixtures of experts: the most loaded data rank over the mean, worst MoE layer (None: no experts),
     # and per MoE layer the step's routing, written to routing.jsonl rather than metrics.jsonl
     # (flexmesh.runtime.train.expert_training.ExpertTraining.after_step)

@@ -423,6 +423,26 @@ def _say(progress: _Progress | None, line: str) -> None:
     plain_console(stderr=True, soft_wrap=True).print(line, highlight=False, markup=False)
 
 
+def progress_text(m: StepMetrics) -> str:
+    """The live line's figures after step ``m``: loss, throughput, step time, the learning rate (each
+    LoRA task's where they differ), the experts' balance (a mixture of experts) and the policy.
+
+    >>> from flexmesh.runtime.train.config import StepMetrics
+    >>> m = StepMetrics(step=3, loss=2.5, grad_norm=1.0, lr=1e-4, tokens=100, label_tokens=90, padded_tokens=100,
+    ...                 microbatches=1, step_time_s=0.5, tokens_per_s=200.0, peak_memory_gib=None, policy="fixed",
+    ...                 tasks=("chat", "code"), task_lr=(1e-4, 3e-4), expert_imbalance=1.25)
+    >>> progress_text(m)
+    'loss 2.5000  200 tok/s  500 ms/step  lr chat 1.00e-04 code 3.00e-04  experts max/mean 1.25  fixed'
+    """
+    if m.task_lr and len(set(m.task_lr)) > 1:
+        lr = "lr " + " ".join(f"{name} {x:.2e}" for name, x in zip(m.tasks, m.task_lr, strict=False))
+    else:
+        lr = f"lr {m.lr:.2e}"
+    experts = f"  experts max/mean {m.expert_imbalance:.2f}" if m.expert_imbalance is not None else ""
+    return (f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s * 1e3:.0f} ms/step  {lr}{experts}  "
+            f"{m.policy}{' (fallback)' if m.fallback else ''}")
+
+
 class _Progress:
     """A live one-line progress bar with loss, tokens/s and step time (rich)."""
 
@@ -438,9 +458,7 @@ class _Progress:
         self._bar.start()
 
     def update(self, m: StepMetrics) -> None:
-        self._bar.update(self._task, completed=m.step, description=(
-            f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s * 1e3:.0f} ms/step  lr {m.lr:.2e}  "
-            f"{m.policy}{' (fallback)' if m.fallback else ''}"))
+        self._bar.update(self._task, completed=m.step, description=progress_text(m))
 
     def say(self, line: str) -> None:
         self._bar.console.print(line, highlight=False, markup=False, soft_wrap=True)

@@ -15,10 +15,11 @@ from flexmesh.runtime.model.attention_kernels import USED as ATTENTION_KERNELS_U
 from flexmesh.runtime.parallel.distributed import peak_memory_gib
 
 
-def update(optimizer: torch.optim.Optimizer, lr_scheduler, device: torch.device, t0: float) -> tuple[float, float]:
+def update(optimizer: torch.optim.Optimizer, lr_scheduler, device: torch.device,
+           t0: float) -> tuple[list[float], float]:
     """The step's optimizer and learning-rate scheduler steps, once the gradients are final: (the
-    learning rate the step used, seconds since ``t0`` once the device has finished)."""
-    lr = optimizer.param_groups[0]["lr"]
+    learning rate each parameter group used, seconds since ``t0`` once the device has finished)."""
+    lr = [float(g["lr"]) for g in optimizer.param_groups]
     optimizer.step()
     lr_scheduler.step()
     if device.type == "cuda":

@@ -262,7 +262,7 @@ class SpeedDetector:
         if noise is None:
             return [], None  # the machine's noise not yet measured: nothing judged
         streaks = {r: 1 if self.streak[r] > 0 else -1 for r in range(self.num_ranks) if abs(self.streak[r]) >= k}
-        if NOISE_BAND * noise <= tol:  # a quiet machine: steps in a row decide, at one speed (within half the threshold)
+        if NOISE_BAND * noise <= tol:  # a quiet machine: steps in a row decide, at one speed (within tol / 2)
             way = {r: d for r, d in streaks.items()
                    if max(self.history[r]) - min(self.history[r]) <= tol / 2 * self.baseline[r]}
         else:  # a noisy one: the mean since last judged decides, and a streak that is only noise is said once

@@ -393,7 +393,7 @@ class Trainer:
             self.cross.reduce([(canonical_name(n), p) for m in self.inner_models() for n, p in m.named_parameters()
                                if p.requires_grad])
         grad_norm = self._clip()
-        lr, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
+        lrs, elapsed = update(self.optimizer, self.lr_scheduler, self.device, t0)
         # Each data rank's loss is a partial sum of the global mean; count each once (tp ranks and
         # earlier pipeline stages hold copies or nothing). One gather carries it with the timings.
         owner = self.place is not None and self.layout is not None and self.place.tp == 0 and \
@@ -406,7 +406,8 @@ class Trainer:
         for part in self.parts:  # the parts' fields (a part owning the loss says what the step's loss is)
             common.update(part.end_step(self.inner_models(), owner))
         return StepMetrics(
-            step=self.step_index, grad_norm=grad_norm, lr=lr, label_tokens=label_tokens,
+            step=self.step_index, grad_norm=grad_norm, lr=lrs[0], label_tokens=label_tokens,
+            task_lr=tuple(lrs) if common.get("tasks") else (),  # LoRA: one parameter group per task slot
             padded_tokens=sum(b.num_tokens for b in batches) * (group.cp if group is not None else 1),
             microbatches=len(batches), cut_documents=len(schedule.cut_sequences()),
             predicted_busy_s=self._predicted_busy(schedule), dtype=self.config.dtype,
