@@ -255,6 +255,9 @@ def _check(tmp_path: Path, name: str, refs: tuple[dict, list]) -> None:
         assert diff <= atol, f"{name}: {k} differs by {diff:.2e} (> {atol:g})"
     metrics = json.loads((tmp_path / f"{name}.json").read_text())
     assert [m["task_tokens"][5] > 0 for m in metrics] == [True, False]  # task 5 stops after 1
+    # each task's adapters step with their own schedule's rate: task 5's is 0 once its one step is done
+    assert all(len(m["task_lr"]) == 8 and m["task_lr"][0] == m["lr"] > 0 for m in metrics)  # exact: the same float
+    assert metrics[0]["task_lr"][5] > 0 and metrics[1]["task_lr"][5] == 0.0
     assert all(len(m["task_loss"]) == 8 and m["tasks"][0] == "task0" for m in metrics)
     for slot, want in enumerate(losses):  # each task's reported loss is its own mean, counted once
         assert [m["task_loss"][slot] for m in metrics[:len(want)]] == pytest.approx(want, rel=1e-5)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,7 +256,39 @@ def run(args: argparse.Namespace) -> int:
 
     demo_serving(out, path, console, quick=args.quick)
     console.print(f"report: {path}  ({time.perf_counter() - t_start:.0f} s in all)", highlight=False)
+    console.print(disk_note(out), highlight=False)
     return 0
+
+
+def disk_note(out: Path) -> str:
+    """What the demo leaves on disk: the folder's size and the share of it in its runs' checkpoints
+    (``step_NNNNNN`` folders, flexmesh.runtime.state.checkpoint), which no part of the report reads.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> (d / "runs" / "fixed" / "step_000005").mkdir(parents=True)
+    >>> _ = (d / "runs" / "fixed" / "step_000005" / "model.safetensors").write_bytes(bytes(3 << 20))
+    >>> _ = (d / "report.md").write_bytes(bytes(1 << 20))
+    >>> print(disk_note(d)[:60])
+    the demo left 4 MB here, 3 MB of it its runs' checkpoints (1
+    >>> import shutil; shutil.rmtree(d)
+    """
+    total = ckpt = 0
+    folders = 0
+    for path in out.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            size = path.stat().st_size
+            total += size
+            if any(re.fullmatch(r"step_\d{6}", part) for part in path.relative_to(out).parts):
+                ckpt += size
+        elif path.is_dir() and re.fullmatch(r"step_\d{6}", path.name):
+            folders += 1
+    mb = lambda n: f"{n / 2**20:,.0f} MB"  # noqa: E731
+    if not ckpt:
+        return f"the demo left {mb(total)} here"
+    return (f"the demo left {mb(total)} here, {mb(ckpt)} of it its runs' checkpoints ({folders} step_* folders, "
+            f"which the report does not read): `find {out} -name 'step_*' -type d -prune -exec rm -r {{}} +` frees "
+            "them")
 
 
 def _plan_and_simulate(args: argparse.Namespace, size: DemoSize, out: Path, console):
