@@ -251,9 +251,9 @@ class SpeedDetector:
                 continue  # no work this step: no evidence either way
             self.history[r].append(m)
             self.recent[r].append(m)
-            if self._last[r] is not None:
-                self.changes.append(abs(m - self._last[r]))
-            self._last[r] = m
+            last, self._last[r] = self._last[r], m
+            if last is not None:
+                self.changes.append(abs(m - last))
             q = m / a
             direction = 1 if q < 1.0 - tol else (-1 if q > 1.0 + tol else 0)
             same = direction != 0 and (self.streak[r] > 0) == (direction > 0)
