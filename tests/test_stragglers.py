@@ -391,9 +391,11 @@ def test_the_console_names_each_event_and_the_start_and_end_of_fallbacks():
     assert event_lines(m, 0) == ["step 5: rank(s) 1 slower than scheduled (measured speeds [1.0, 0.5])",
                                  "step 5: schedules re-planned for speeds [1.0, 0.5], predicted 1.43x"]
     noise = StepMetrics(**base, policy="fixed", events=({"event": "speed_noise", "ranks": [0, 1],
-                                                          "speeds": [0.6, 1.0], "band": 0.42},))
-    assert event_lines(noise, 0) == ["step 5: rank(s) 0, 1 off their scheduled speed (measured [0.6, 1.0]) within "
-                                     "this machine's step-to-step noise (+-42%): load, not judged slow"]
+                                                          "speeds": [0.6, 1.0], "band": 0.42, "load": 3.9,
+                                                          "cores": 2},))
+    assert event_lines(noise, 0) == ["step 5: rank(s) 0, 1 off their scheduled speed (measured [0.6, 1.0]) by no "
+                                     "more than this machine's noise (step to step +-42%, load 3.9 on 2 cores): not "
+                                     "judged slow"]
     late = StepMetrics(**base, policy="hdp", requested_policy="milp", fallback=True)
     assert event_lines(late, 0) == ["step 5: the milp schedule was late; ran the hdp fallback (--adaptive; it says "
                                     "so again when schedules are on time)"]
@@ -450,3 +452,24 @@ def test_load_noise_is_rarely_judged_slow_and_a_slow_device_still_is():
     d = SpeedDetector(2, StragglerConfig(warmup=0))
     seen = [d.update([1.0, 0.5 + 0.01 * i], [1.0, 1.0])[0] for i in range(3)]
     assert [[e["event"] for e in ev] for ev in seen] == [[], [], ["straggler_detected"]]
+
+
+def test_a_contended_node_judges_by_the_mean():
+    """A node loaded past its cores (load >= cores + 1) judges even a steady machine by the mean: two calm
+    steps then two at 0.7 (what another process sharing a rank's core for two steps gives) is said to be
+    noise there and a straggler on a quiet node; a device at 0.5 is found on both, later on the loaded one."""
+    import os
+
+    from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
+
+    cores = os.cpu_count() or 1
+    steps = [[1.0, 0.97], [1.0, 0.98], [1.0, 0.72], [1.0, 0.70]]
+    for load, want in ((None, "straggler_detected"), (cores + 1.5, "speed_noise")):
+        d = SpeedDetector(2, StragglerConfig(warmup=0))
+        kinds = [e["event"] for m in steps for e in d.update(m, [1.0, 1.0], load)[0]]
+        assert kinds == [want], (load, kinds)
+    for load, at in ((None, 3), (cores + 1.5, 4)):
+        d = SpeedDetector(2, StragglerConfig(warmup=0))
+        found = [k for k, m in enumerate([[1.0, 0.5]] * 6, 1)
+                 if any(e["event"] == "straggler_detected" for e in d.update(m, [1.0, 1.0], load)[0])]
+        assert found[:1] == [at], (load, found)

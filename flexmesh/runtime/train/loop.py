@@ -398,8 +398,9 @@ def event_lines(m: StepMetrics, late_before: int) -> list[str]:
             "straggler_detected": f"rank(s) {ranks} slower than scheduled (measured speeds {e.get('speeds')})",
             "straggler_recovered": f"rank(s) {ranks} back to speed",
             "speed_changed": f"rank(s) {ranks} changed speed (measured {e.get('speeds')})",
-            "speed_noise": f"rank(s) {ranks} off their scheduled speed (measured {e.get('speeds')}) within this "
-                           f"machine's step-to-step noise (+-{100 * e.get('band', 0):.0f}%): load, not judged slow",
+            "speed_noise": f"rank(s) {ranks} off their scheduled speed (measured {e.get('speeds')}) by no more "
+                           f"than this machine's noise (step to step +-{100 * e.get('band', 0):.0f}%, load "
+                           f"{e.get('load')} on {e.get('cores')} cores): not judged slow",
             "replanned": f"schedules re-planned for speeds {e.get('speeds')}, {gain}",
             "replan_declined": f"schedules kept ({gain}, below the threshold)",
             "migrated": f"migrating to {e.get('plan')} ({gain})",

@@ -24,8 +24,10 @@ its schedule assumed by more than ``threshold`` (relative). Whether a deviation 
 the machine's noise: the mean change of a rank's speed from one step to the next, over every rank's
 latest :data:`NOISE_STEPS` steps (measured once each rank has changed twice: nothing is judged before).
 On a quiet machine (that noise times :data:`NOISE_BAND` within the threshold) a deviation is sustained
-after ``steps`` consecutive deviating steps in the same direction. On a shared one, other processes
-take a rank's core for a step and give it back the next, so speeds jump by tens of percent both ways:
+after ``steps`` consecutive deviating steps in the same direction. On a shared one (that band wider
+than the threshold, or the node's 1-minute load average at least its cores plus one: more runnable
+processes than cores, :func:`contended`), other processes take a rank's core for a step or a few and
+give it back, so speeds jump by tens of percent both ways:
 there a rank is judged on the mean of its speeds over the steps since it was last judged (at least
 ``2 x steps`` of them, at most :data:`NOISE_STEPS`), off by more than the threshold and :data:`SURE`
 standard errors, which load spread over the ranks leaves near the assumed speed and a slow device does
@@ -71,6 +73,7 @@ rank stretches each of its forward and backward computations to 1/FACTOR of thei
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -195,6 +198,18 @@ NOISE_BAND = 3.0
 SURE = 2.0
 
 
+def contended(load: float | None, cores: int | None = None) -> bool:
+    """Whether a node whose 1-minute load average is ``load`` runs more processes than it has cores
+    (``os.cpu_count()``) by one at least: other work then takes the ranks' cores by turns. The ranks
+    count in the load, one per core at most when the run is not oversubscribed, so a quiet node reads
+    about its ranks' number and stays below cores + 1.
+
+    >>> contended(2.3, 2), contended(3.4, 2), contended(None, 2)
+    (False, True, False)
+    """
+    return load is not None and load >= (cores or os.cpu_count() or 1) + 1
+
+
 class SpeedDetector:
     """Sustained speed changes of data ranks against the speeds their schedules assumed.
 
@@ -235,8 +250,10 @@ class SpeedDetector:
         margin = SURE * statistics.stdev(seen) / math.sqrt(len(seen))  # the mean's own scatter, SURE times
         return 1 if q + margin < 1.0 - tol else (-1 if q - margin > 1.0 + tol else 0)
 
-    def update(self, measured: Sequence[float | None], assumed: Sequence[float]) -> tuple[list[dict], tuple | None]:
-        """One step's measured and assumed speeds per data rank -> (events, proposed speeds or None)."""
+    def update(self, measured: Sequence[float | None], assumed: Sequence[float],
+               load: float | None = None) -> tuple[list[dict], tuple | None]:
+        """One step's measured and assumed speeds per data rank -> (events, proposed speeds or None);
+        ``load``: the node's 1-minute load average, when read (:func:`contended` judges it)."""
         self.seen += 1
         if self.seen <= self.config.warmup:
             return [], None
@@ -262,12 +279,12 @@ class SpeedDetector:
         if noise is None:
             return [], None  # the machine's noise not yet measured: nothing judged
         streaks = {r: 1 if self.streak[r] > 0 else -1 for r in range(self.num_ranks) if abs(self.streak[r]) >= k}
-        if NOISE_BAND * noise <= tol:  # a quiet machine: steps in a row decide, at one speed (within tol / 2)
+        if NOISE_BAND * noise <= tol and not contended(load):  # quiet: steps in a row at one speed (within tol / 2)
             way = {r: d for r, d in streaks.items()
                    if max(self.history[r]) - min(self.history[r]) <= tol / 2 * self.baseline[r]}
         else:  # a noisy one: the mean since last judged decides, and a streak that is only noise is said once
             way = {r: d for r in range(self.num_ranks) if (d := self._on_average(r))}
-        noise_events = self._noise_said(sorted(set(streaks) - set(way)), measured, NOISE_BAND * noise)
+        noise_events = self._noise_said(sorted(set(streaks) - set(way)), measured, NOISE_BAND * noise, load)
         sustained = sorted(way)
         if not sustained:
             return noise_events, None
@@ -292,14 +309,16 @@ class SpeedDetector:
             window.clear()
         return noise_events + events, proposal_t
 
-    def _noise_said(self, ranks: list[int], measured: Sequence[float | None], band: float) -> list[dict]:
+    def _noise_said(self, ranks: list[int], measured: Sequence[float | None], band: float,
+                    load: float | None) -> list[dict]:
         """``speed_noise``, once per run: ``ranks`` were off by more than the threshold for ``steps`` steps
         in a row on a noisy machine, their means not."""
         if not ranks or self.noise_said:
             return []
         self.noise_said = True
         shown = [None if m is None or not math.isfinite(m) else round(m, 3) for m in measured]
-        return [{"event": "speed_noise", "ranks": ranks, "speeds": shown, "band": round(band, 3)}]
+        return [{"event": "speed_noise", "ranks": ranks, "speeds": shown, "band": round(band, 3),
+                 "load": None if load is None else round(load, 2), "cores": os.cpu_count()}]
 
 
 def measured_speeds(schedule: StepSchedule, compute_s: Sequence[float], data_of: Sequence[int | None]
@@ -350,8 +369,9 @@ class StragglerMonitor:
     """
 
     def __init__(self, data_of: Sequence[int | None], config: StragglerConfig, *, scheduler=None,
-                 price: Price | None = None, apply: Callable[[Sequence[float]], None] | None = None) -> None:
-        self.data_of, self.config = tuple(data_of), config
+                 price: Price | None = None, apply: Callable[[Sequence[float]], None] | None = None,
+                 load: Callable[[], float | None] = lambda: os.getloadavg()[0]) -> None:
+        self.data_of, self.config, self.load = tuple(data_of), config, load
         self.scheduler, self.price, self.apply = scheduler, price, apply
         self.detector = SpeedDetector(1 + max((d for d in self.data_of if d is not None), default=-1), config)
         # Per judged step: each data rank's speed against the cost model (None: no work that step).
@@ -365,7 +385,7 @@ class StragglerMonitor:
         # The simulator's step time for this schedule at the speeds measured on the steps before this
         # one (never this step's own): a prediction made before the step.
         paced = self.price(schedule, self._believed(assumed)) if self.absolute and self.price is not None else None
-        events, proposal = self.detector.update(per_data, assumed)
+        events, proposal = self.detector.update(per_data, assumed, self.load())
         if not self.config.judge:
             events, proposal = [], None
         if pace is not None and self.detector.seen > self.config.warmup:
