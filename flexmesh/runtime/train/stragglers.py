@@ -284,7 +284,9 @@ class SpeedDetector:
                    if max(self.history[r]) - min(self.history[r]) <= tol / 2 * self.baseline[r]}
         else:  # a noisy one: the mean since last judged decides, and a streak that is only noise is said once
             way = {r: d for r in range(self.num_ranks) if (d := self._on_average(r))}
-        noise_events = self._noise_said(sorted(set(streaks) - set(way)), measured, NOISE_BAND * noise, load)
+        # noise only where the mean had its steps to judge and did not find the rank off
+        judged = [r for r in streaks if r not in way and len(self.recent[r]) >= 2 * k]
+        noise_events = self._noise_said(judged, measured, NOISE_BAND * noise, load)
         sustained = sorted(way)
         if not sustained:
             return noise_events, None
