@@ -24,19 +24,18 @@ its schedule assumed by more than ``threshold`` (relative). Whether a deviation 
 the machine's noise: the mean change of a rank's speed from one step to the next, over every rank's
 latest :data:`NOISE_STEPS` steps (measured once each rank has changed twice: nothing is judged before).
 On a quiet machine (that noise times :data:`NOISE_BAND` within the threshold) a deviation is sustained
-after ``steps`` consecutive deviating steps in the same direction. On a shared one (that band wider
-than the threshold, or the node's 1-minute load average at least its cores plus one: more runnable
-processes than cores, :func:`contended`), other processes take a rank's core for a step or a few and
-give it back, so speeds jump by tens of percent both ways:
-there a rank is judged on the mean of its speeds over the steps since it was last judged (at least
-``2 x steps`` of them, at most :data:`NOISE_STEPS`), off by more than the threshold and :data:`SURE`
-standard errors, which load spread over the ranks leaves near the assumed speed and a slow device does
-not; a rank off for ``steps`` steps in a row whose mean is not is
-load, and ``speed_noise`` says so once per run with the noise band. A sustained change is slower
-(``straggler_detected``), faster again and back within the threshold of the fastest
-(``straggler_recovered``), or any other change of a rank's speed (``speed_changed``: slower still, or
-faster but still slow). The first ``warmup`` steps are not judged (the first step pays one-off costs:
-allocations, FSDP2's lazy initialisation).
+after ``steps`` consecutive deviating steps in the same direction at one speed (within half the
+threshold). On a shared one (that band wider than the threshold, or the node's 1-minute load average
+at least its cores plus one, :func:`contended`) other processes take a rank's core for a step or a
+few and give it back, so speeds jump by tens of percent both ways; there a rank is judged on the mean
+of its speeds since it was last judged (at least ``2 x steps`` of them, at most :data:`NOISE_STEPS`),
+off by more than the threshold and :data:`SURE` standard errors, which load spread over the ranks
+leaves near the assumed speed and a slow device does not. A rank off for ``steps`` steps in a row
+whose mean, judged, is not off is load: ``speed_noise`` says so once per run, with the noise band and
+the load. A sustained change is slower (``straggler_detected``), faster again and back within the
+threshold of the fastest (``straggler_recovered``), or any other change of a rank's speed
+(``speed_changed``: slower still, or faster but still slow). The first ``warmup`` steps are not judged
+(the first step pays one-off costs: allocations, FSDP2's lazy initialisation).
 
 Re-plan (:class:`StragglerMonitor`, rank 0, where the schedules are made). The proposal: each
 sustained rank at the median of its last ``steps`` measured speeds, the others as assumed, scaled
