@@ -474,3 +474,6 @@ def test_a_contended_node_judges_by_the_mean():
         found = [k for k, ev in enumerate(kinds, 1) if "straggler_detected" in ev]
         assert found[:1] == [at], (load, found)
         assert not any("speed_noise" in ev for ev in kinds)  # too few steps for the mean is not noise
+    d = SpeedDetector(2, StragglerConfig(steps=3, warmup=1))  # a longer streak asks the mean one step more, not 2x
+    kinds = [[e["event"] for e in d.update([1.0, 0.1], [1.0, 1.0], cores + 1.5)[0]] for _ in range(7)]
+    assert [k for k, ev in enumerate(kinds, 1) if "straggler_detected" in ev][:1] == [5]

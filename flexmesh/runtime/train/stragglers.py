@@ -28,7 +28,8 @@ after ``steps`` consecutive deviating steps in the same direction at one speed (
 threshold). On a shared one (that band wider than the threshold, or the node's 1-minute load average
 at least its cores plus one, :func:`contended`) other processes take a rank's core for a step or a
 few and give it back, so speeds jump by tens of percent both ways; there a rank is judged on the mean
-of its speeds since it was last judged (at least ``2 x steps`` of them, at most :data:`NOISE_STEPS`),
+of its speeds since it was last judged (at least :data:`MEAN_STEPS` and ``steps + 1`` of them, at most
+:data:`NOISE_STEPS`),
 off by more than the threshold and :data:`SURE` standard errors, which load spread over the ranks
 leaves near the assumed speed and a slow device does not. A rank off for ``steps`` steps in a row
 whose mean, judged, is not off is load: ``speed_noise`` says so once per run, with the noise band and
@@ -195,6 +196,8 @@ NOISE_BAND = 3.0
 # On a noisy machine a rank's mean speed must be off by the threshold and by SURE standard errors of that
 # mean (one-sided, about 2.5% of means of pure noise cross it).
 SURE = 2.0
+# The fewest steps a mean is judged over there (a standard error of 3 steps' speeds is itself noise).
+MEAN_STEPS = 4
 
 
 def contended(load: float | None, cores: int | None = None) -> bool:
@@ -232,6 +235,12 @@ class SpeedDetector:
         self._last: list[float | None] = [None] * num_ranks
         self.noise_said = False
 
+    @property
+    def mean_steps(self) -> int:
+        """The fewest steps whose mean speed a noisy machine judges: :data:`MEAN_STEPS`, and one more than
+        a streak's ``steps``."""
+        return max(MEAN_STEPS, self.config.steps + 1)
+
     def noise(self) -> float | None:
         """The machine's step-to-step noise of a rank's relative speed; None until every rank (on
         average) has changed speed twice."""
@@ -240,10 +249,10 @@ class SpeedDetector:
     def _on_average(self, r: int) -> int:
         """1 (slower) or -1 (faster) where the mean of rank ``r``'s speeds since it was last judged is off
         its baseline by more than the threshold and :data:`SURE` standard errors, over at least
-        ``2 x steps`` steps; else 0."""
+        :attr:`mean_steps` steps; else 0."""
         assert self.baseline is not None
         seen = [m / self.baseline[r] for m in self.recent[r]]
-        if len(seen) < 2 * self.config.steps:
+        if len(seen) < self.mean_steps:
             return 0
         q, tol = statistics.fmean(seen), self.config.threshold
         margin = SURE * statistics.stdev(seen) / math.sqrt(len(seen))  # the mean's own scatter, SURE times
@@ -284,7 +293,7 @@ class SpeedDetector:
         else:  # a noisy one: the mean since last judged decides, and a streak that is only noise is said once
             way = {r: d for r in range(self.num_ranks) if (d := self._on_average(r))}
         # noise only where the mean had its steps to judge and did not find the rank off
-        judged = [r for r in streaks if r not in way and len(self.recent[r]) >= 2 * k]
+        judged = [r for r in streaks if r not in way and len(self.recent[r]) >= self.mean_steps]
         noise_events = self._noise_said(judged, measured, NOISE_BAND * noise, load)
         sustained = sorted(way)
         if not sustained:
