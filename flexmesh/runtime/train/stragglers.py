@@ -31,7 +31,8 @@ few and give it back, so speeds jump by tens of percent both ways; there a rank 
 of its speeds since it was last judged (at least :data:`MEAN_STEPS` and ``steps + 1`` of them, at most
 :data:`NOISE_STEPS`),
 off by more than the threshold and :data:`SURE` standard errors, which load spread over the ranks
-leaves near the assumed speed and a slow device does not. A rank off for ``steps`` steps in a row
+leaves near the assumed speed and a slow device does not; a streak of ``steps`` steps at one speed off
+by more than twice the threshold is sustained there too. A rank off for ``steps`` steps in a row
 whose mean, judged, is not off is load: ``speed_noise`` says so once per run, with the noise band and
 the load. A sustained change is slower (``straggler_detected``), faster again and back within the
 threshold of the fastest (``straggler_recovered``), or any other change of a rank's speed
@@ -290,8 +291,12 @@ class SpeedDetector:
         if NOISE_BAND * noise <= tol and not contended(load):  # quiet: steps in a row at one speed (within tol / 2)
             way = {r: d for r, d in streaks.items()
                    if max(self.history[r]) - min(self.history[r]) <= tol / 2 * self.baseline[r]}
-        else:  # a noisy one: the mean since last judged decides, and a streak that is only noise is said once
+        else:  # a noisy one: the mean since last judged decides, or a streak far past any noise (twice the
+            # threshold, at one speed: a device at a quarter of its speed is not kept waiting for the mean)
             way = {r: d for r in range(self.num_ranks) if (d := self._on_average(r))}
+            way.update({r: d for r, d in streaks.items() if r not in way and all(
+                abs(m / self.baseline[r] - 1.0) > 2 * tol for m in self.history[r])
+                and max(self.history[r]) - min(self.history[r]) <= tol / 2 * self.baseline[r]})
         # noise only where the mean had its steps to judge and did not find the rank off
         judged = [r for r in streaks if r not in way and len(self.recent[r]) >= self.mean_steps]
         noise_events = self._noise_said(judged, measured, NOISE_BAND * noise, load)
