@@ -11,6 +11,7 @@ from flexmesh.data.requests import constant_lengths, with_arrivals
 from flexmesh.serve import engines, schedulers
 from flexmesh.serve.engines import EngineKind
 from flexmesh.serve.export import EXAMPLE_PLAN, launches
+from flexmesh.serve.layout.engine import EngineSpec
 from flexmesh.serve.layout.knobs import EngineKnobs
 from flexmesh.serve.layout.plan import ServingPlan
 from flexmesh.serve.layout.replicas import parse_replicas, place
@@ -51,12 +52,15 @@ def toy():
         return made[-1]
 
     schedulers.SCHEDULERS["whole-prompts"] = make
-    engines.register(EngineKind("toy", "Toy", scheduler="whole-prompts", argv=toy_argv))
+    engines.register(EngineKind("toy", "Toy", argv=toy_argv))
     yield made
     del schedulers.SCHEDULERS["whole-prompts"], engines.ENGINES["toy"]
 
 
-def _fleet(engine: str) -> Fleet:
+TOY = EngineSpec(name="toy", title="Toy", kind="toy", scheduler="whole-prompts")
+
+
+def _fleet(engine: str | EngineSpec) -> Fleet:
     c = parse_mixed_cluster("1xH100")
     knobs = {0: EngineKnobs(max_seqs=64, max_batched_tokens=2048)}
     return Fleet(parse_model("llama3-8b"), c, place(parse_replicas("tp1", c), c), knobs, engine=engine)
@@ -64,7 +68,7 @@ def _fleet(engine: str) -> Fleet:
 
 def test_a_scheduler_registered_alone_decides_what_the_replicas_admit(toy):
     work = with_arrivals(constant_lengths(1500, 20), rate=40.0, n=60)
-    whole = _fleet("toy").run(work)
+    whole = _fleet(TOY).run(work)
     chunked = _fleet("vllm").run(work)
     assert len(whole.records) == len(chunked.records) == 60
     taken = [t for s in toy for t in s.taken]
@@ -88,13 +92,16 @@ def test_an_engine_registered_alone_is_exported_and_simulated(toy, tmp_path):
     script = (tmp_path / "out" / "launch-toy.sh").read_text()
     assert script.count("toyserve /models/m") == 0 and script.count("toyserve llama3.1-8b") == 2
     assert "not checked (no argument parser of Toy is known)" in script
-    assert _fleet("toy").engine.scheduler == "whole-prompts"
+    assert _fleet(TOY).engine.scheduler_name == "whole-prompts"
 
 
 def test_unknown_engines_and_schedulers_are_one_line():
     from flexmesh.errors import SpecError
 
-    with pytest.raises(SpecError, match="unknown engine 'nope'; engines: vllm, sglang, transformers"):
+    with pytest.raises(SpecError, match="unknown engine 'nope': give a preset \\(vllm, vllm-v0, sglang, trtllm, "
+                       "transformers\\) or a .toml/.json description"):
         _fleet("nope")
+    with pytest.raises(SpecError, match="unknown replica scheduler 'nope'"):
+        _fleet(EngineSpec(name="x", title="X", kind="vllm", scheduler="nope"))
     with pytest.raises(SpecError, match="does not export transformers' continuous batching"):
         launches("transformers", ServingPlan.from_dict(json.loads(EXAMPLE_PLAN)), "/m")

@@ -26,11 +26,14 @@ from rich.table import Table
 from flexmesh.commands.args import DEFAULT_CLUSTER, DefaultsHelpFormatter, folder, fraction, nonempty, positive_float
 from flexmesh.commands.args import positive_int as whole_positive
 from flexmesh.console import plain_console
+from flexmesh.cost.device.hardware import unmeasured_notes
 from flexmesh.cost.inference.memory import kv_capacity
 from flexmesh.cost.inference.overhead import parse_overhead
 from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window, with_arrivals
 from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
+from flexmesh.serve.layout.engine import engine_spec
+from flexmesh.serve.layout.engine import presets as engine_presets
 from flexmesh.serve.layout.plan import ServingPlan, load_plan, save_plan
 from flexmesh.serve.layout.quality import QualityCurve, parse_quality
 from flexmesh.serve.layout.roles import Role
@@ -94,8 +97,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s.add_argument("--attainment", type=fraction, default=0.9, help="fraction of requests meeting the SLO")
     s.add_argument("--prices", metavar="FILE", help="GPU prices (TOML/JSON, as flexmesh/spec/presets/prices.toml)")
     s.add_argument("--price", metavar="DEVICE=USD,...", help="GPU prices per GPU-hour, overriding the presets")
-    s.add_argument("--engine-overhead", default="vllm", metavar="PRESET|MS[,MS]",
-                   help="per-iteration engine overhead: a preset or FIXED_MS[,PER_REQUEST_MS]")
+    s.add_argument("--engine", metavar="NAME|FILE", help="the engine the replicas run: a preset (" +
+                   ", ".join(engine_presets()) + ") or a .toml/.json description (docs/engines.md) (default: vllm)")
+    s.add_argument("--engine-overhead", metavar="PRESET|MS[,MS]", help="per-iteration engine overhead in place of the "
+                   "engine's: a preset or FIXED_MS[,PER_REQUEST_MS]")
     r = p.add_argument_group("search")
     r.add_argument("--repair", type=int, default=REPAIR_ROUNDS, metavar="N",
                    help="rounds of local moves judged by the simulator (0: none)")
@@ -201,8 +206,8 @@ def resolve(args: argparse.Namespace) -> PlanJob:
     quality = parse_quality(args.quality) if args.quality else None
     inputs = PlanInputs(models, args.cluster, buckets, slo, prices, args.attainment, args.budget, args.rate,
                         (1.0,) * len(models) if not args.cascade else (1.0, 0.0),
-                        overhead=parse_overhead(args.engine_overhead), workload=record,
-                        per_dollar=args.per_dollar)
+                        overhead=parse_overhead(args.engine_overhead) if args.engine_overhead else None,
+                        workload=record, per_dollar=args.per_dollar, engine=engine_spec(args.engine))
     if args.repair < 0:
         raise SpecError(f"--repair {args.repair} is not a number of rounds >= 0")
     return PlanJob(inputs, None if args.no_simulate else workload, None if args.no_simulate else workload_at,
@@ -275,7 +280,7 @@ def _check(args: argparse.Namespace) -> int:
 def _explain(console: Console, p: ServingPlan, planned: PlanResult | None = None) -> None:
     """Each replica group's capacity per bucket (one replica, at the SLO) and the share of the bucket it takes."""
     models = p.model_specs()
-    pricing = Pricing(models, p.mixed_cluster(), quantile=p.attainment)
+    pricing = Pricing(models, p.mixed_cluster(), quantile=p.attainment, engine=p.engine)
     t = Table(title="why: each group's capacity per bucket (req/s per replica within the SLO, and what bounds it) "
                     "and the share of the bucket it takes", title_justify="left")
     t.add_column("group")
@@ -436,6 +441,9 @@ def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[B
         f"the cheapest plan serving {i.rate:g} req/s"
     console.print(f"{', '.join(i.models)} on {p.cluster}; {i.buckets.source} in {len(i.buckets)} buckets; SLO {i.slo} "
                   f"for {i.attainment:.0%} of requests; {objective}")
+    console.print(f"engine {p.engine.label()}")
+    for note in unmeasured_notes(g.device for g in p.mixed_cluster().groups):
+        console.print(f"note: {note}")
     if cascade is not None:
         console.print(f"cascade: {cascade.escalated:.1%} of requests escalated (the least reaching quality "
                       f"{job.quality_target:g}), the first stage given {cascade.split:.0%} of the end-to-end bound")

@@ -30,12 +30,14 @@ from flexmesh.commands.args import (
     positive_int,
 )
 from flexmesh.console import plain_console
-from flexmesh.cost.inference.overhead import EngineOverhead, parse_overhead, preset_overhead
+from flexmesh.cost.device.hardware import unmeasured_notes
+from flexmesh.cost.inference.overhead import EngineOverhead, parse_overhead
 from flexmesh.data.requests import Workload, at_rate, constant_lengths, load_trace, scale_to_context, window
 from flexmesh.data.requests import with_arrivals as synthetic
 from flexmesh.errors import SpecError
 from flexmesh.files import make_folder, write_atomic
-from flexmesh.serve.layout.knobs import default_knobs
+from flexmesh.serve.layout.engine import engine_spec
+from flexmesh.serve.layout.engine import presets as engine_presets
 from flexmesh.serve.layout.plan import ServingPlan, load_plan
 from flexmesh.serve.layout.replicas import auto_replicas, parse_replicas, place
 from flexmesh.serve.layout.routing import RoutingTable
@@ -98,7 +100,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w.add_argument("--seed", type=nonneg_int, default=0, help="seed of synthetic arrivals")
     w.add_argument("--fit-context", action="store_true",
                    help="scale every request's lengths by one factor so the longest fits the model's context")
-    e = p.add_argument_group("engine (default: vLLM's for each device)")
+    e = p.add_argument_group("engine (default: current vLLM's, its knobs for each device)")
+    e.add_argument("--engine", metavar="NAME|FILE", help="the engine the replicas run: a preset (" +
+                   ", ".join(engine_presets()) + ") or a .toml/.json description (docs/engines.md) "
+                   "(default: vllm, or the plan's)")
     e.add_argument("--max-seqs", type=positive_int, help="requests in a batch at most (vLLM max_num_seqs)")
     e.add_argument("--max-batched-tokens", type=positive_int,
                    help="tokens an iteration computes at most (vLLM max_num_batched_tokens)")
@@ -110,8 +115,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching")
     e.add_argument("--prefix-cache-blocks", type=nonneg_int, metavar="N",
                    help="idle cached KV blocks kept at most (default: as KV memory allows)")
-    e.add_argument("--engine-overhead", default="vllm", metavar="PRESET|MS[,MS]",
-                   help="per-iteration engine overhead: a preset or FIXED_MS[,PER_REQUEST_MS]")
+    e.add_argument("--engine-overhead", metavar="PRESET|MS[,MS]", help="per-iteration engine overhead in place of "
+                   "the engine's: a preset or FIXED_MS[,PER_REQUEST_MS]")
     r = p.add_argument_group("routing")
     r.add_argument("--router", choices=ROUTERS, help="how requests are spread over replicas (default: round-robin; a "
                    "plan's own, by length bucket, with --plan)")
@@ -254,19 +259,23 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
     if len(workload) > MAX_REQUESTS:
         raise SpecError(f"{len(workload):,} requests are more than the {MAX_REQUESTS:,} one run simulates; "
                         "give --window or --requests")
-    overhead = parse_overhead(args.engine_overhead) if args.engine_overhead else preset_overhead()
+    overhead = parse_overhead(args.engine_overhead) if args.engine_overhead else None
     routing = None
     if plan is not None:
+        if args.engine:
+            plan = replace(plan, engine=engine_spec(args.engine))
         fleet, routing = Fleet.from_plan(plan, overhead)
     else:
-        knobs = {g: default_knobs(c.device, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
-                                  block_tokens=args.kv_block_tokens, memory_fraction=args.memory_fraction,
-                                  prefix_caching=False if args.no_prefix_cache else None,
-                                  prefix_cache_blocks=args.prefix_cache_blocks, kv_blocks=args.kv_blocks)
+        engine = engine_spec(args.engine)
+        knobs = {g: engine.knobs(c.device, model.max_position, max_seqs=args.max_seqs,
+                                 max_batched_tokens=args.max_batched_tokens, block_tokens=args.kv_block_tokens,
+                                 memory_fraction=args.memory_fraction,
+                                 prefix_caching=False if args.no_prefix_cache else None,
+                                 prefix_cache_blocks=args.prefix_cache_blocks, kv_blocks=args.kv_blocks)
                  for g, c in enumerate(cluster.groups)}
         specs = (parse_replicas(args.replicas, cluster) if args.replicas
                  else auto_replicas(model, cluster, knobs, workload.max_total_tokens))
-        fleet = Fleet(model, cluster, place(specs, cluster), knobs, overhead)
+        fleet = Fleet(model, cluster, place(specs, cluster), knobs, overhead, engine=engine)
     router = args.router or ("plan" if plan is not None else "round-robin")
     if router == "plan" and routing is None:
         raise SpecError("--router plan routes by a serving plan's buckets; give --plan PLAN")
@@ -296,7 +305,7 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
         rest = Workload(tuple(r for r in base.requests if r.id not in ids) or base.requests, base.name)
         predictor = make_predictor(args.predictor, rest, args.predictor_noise)
     return SimulateJob(model, cluster, fleet, workload, workload_at, rate, rates, slo, target, args.goodput,
-                       router, weights, args.queue, usd, note, overhead, routing, predictor)
+                       router, weights, args.queue, usd, note, fleet.engine.overhead, routing, predictor)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -373,8 +382,10 @@ def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: 
         "model": job.model.name, "models": [m.name for m in job.fleet.models], "cluster": job.cluster.label,
         "workload": {"name": job.workload.name, "requests": len(job.workload), "rate": job.rate,
                      "source": job.workload.source},
+        "engine": job.fleet.engine.to_dict(),
         "engine_overhead": {"fixed_s": job.overhead.fixed_s, "per_request_s": job.overhead.per_request_s,
                             "source": job.overhead.source},
+        "unmeasured": unmeasured_notes(g.device for g in job.cluster.groups),
         "replicas": [{"index": r.index, "replica": r.label, "device": r.device, "group": r.group, "role": r.role,
                       "kv_blocks": r.kv_blocks, "kv_tokens": r.kv_tokens, "kv_capacity": r.kv_explain,
                       "iterations": r.iterations, "busy_fraction": r.busy_fraction, "preemptions": r.preemptions,
@@ -408,8 +419,11 @@ def _ms(x: float) -> str:
 def _print(console: Console, job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None) -> None:
     console.print(f"{', '.join(m.name for m in job.fleet.models)} on {job.cluster.label}; {job.workload.name} "
                   f"({len(job.workload):,} requests); "
-                  f"router {job.router}, queue {job.queue}; engine overhead {job.overhead.fixed_s * 1e3:.3g} ms + "
+                  f"router {job.router}, queue {job.queue}")
+    console.print(f"engine {job.fleet.engine.label()}; overhead {job.overhead.fixed_s * 1e3:.3g} ms + "
                   f"{job.overhead.per_request_s * 1e3:.3g} ms per request ({job.overhead.source})")
+    for note in unmeasured_notes(g.device for g in job.cluster.groups):
+        console.print(f"note: {note}")
     t = Table(title="replicas", title_justify="left")
     for c in ("#", "replica", "device", "KV tokens", "busy", "iterations", "preempted", "prefix hit"):
         t.add_column(c, justify="left" if c in ("replica", "device") else "right")

@@ -2,13 +2,16 @@
 an engine's replicas), by ``serve export`` (how a replica of a plan is launched on it, and whose argument parser
 checks the command) and by ``serve run`` (whether flexmesh starts it on this machine).
 
-- ``vllm``: ``vllm serve``; the simulator's default (vLLM V1's scheduler: :mod:`flexmesh.serve.schedulers`).
-- ``sglang``: ``python -m sglang.launch_server``; simulated with vLLM's scheduler (SGLang's own is not yet one).
+- ``vllm``: ``vllm serve``;
+- ``sglang``: ``python -m sglang.launch_server``;
+- ``trtllm``: TensorRT-LLM, simulated (the ``trtllm`` engine description) but not exported;
 - ``transformers``: transformers' continuous batching, the engine ``serve run`` starts here
-  (:mod:`flexmesh.serve.engine`), FIFO with chunked prefill as vLLM's; not exported.
+  (:mod:`flexmesh.serve.engine`); not exported.
 
-Another engine is one :class:`EngineKind` given to :func:`register` (with a scheduler of its own registered in
-:mod:`flexmesh.serve.schedulers`).
+What a replica does is its plan's engine description (:mod:`flexmesh.serve.layout.engine`: the scheduler, CUDA
+graphs, overlap): ``flags`` turns it into the launch command's flags where they differ from the engine's defaults
+(the table below). Another engine is one :class:`EngineKind` given to :func:`register` (and, if it schedules
+otherwise, a scheduler of its own registered in :mod:`flexmesh.serve.schedulers` that its description names).
 
 The plan's knobs, by the engines' names:
 
@@ -24,10 +27,14 @@ kv_blocks                  --num-gpu-blocks-override           --max-total-token
 prefix_caching off         --no-enable-prefix-caching          --disable-radix-cache
 role prefill / decode      --kv-transfer-config (NIXL,         --disaggregation-mode prefill / decode
                            kv_role kv_both)                    (--disaggregation-transfer-backend nixl)
+no chunked prefill          --no-enable-chunked-prefill         --chunked-prefill-size -1
+prompts mixed with decodes  (V1: always)                       --enable-mixed-chunk
+no CUDA graphs             --enforce-eager                     --disable-cuda-graph
+CPU work overlapped        --async-scheduling                  (SGLang: default; off: --disable-overlap-schedule)
 =========================  ==================================  =========================================
 
 >>> sorted(ENGINES), [e.name for e in exported()]
-(['sglang', 'transformers', 'vllm'], ['vllm', 'sglang'])
+(['sglang', 'transformers', 'trtllm', 'vllm'], ['vllm', 'sglang'])
 >>> from flexmesh.serve.layout.knobs import EngineKnobs
 >>> " ".join(engine("vllm").argv(EngineKnobs(64, 1024), 1, 1, Role.AGGREGATED, "/m", "127.0.0.1", 8100)[:6])
 'vllm serve /m --tensor-parallel-size 1 --pipeline-parallel-size'
@@ -40,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flexmesh.errors import SpecError
+from flexmesh.serve.layout.engine import EngineSpec
 from flexmesh.serve.layout.knobs import EngineKnobs
 from flexmesh.serve.layout.roles import Role
 
@@ -65,10 +73,10 @@ class ParserCheck:
 class EngineKind:
     name: str
     title: str  # as people write it
-    scheduler: str = "vllm"  # the simulator's replica scheduler for it (flexmesh.serve.schedulers)
     argv: Argv | None = None  # how a replica is launched on it (None: serve export does not write it)
     check: ParserCheck | None = None
     runs_here: bool = False  # serve run starts it on this machine
+    flags: Callable[[EngineSpec], list[str]] | None = None  # what its launch adds for a description
 
 
 ENGINES: dict[str, EngineKind] = {}
@@ -118,13 +126,34 @@ def _sglang(k: EngineKnobs, tp: int, pp: int, role: Role, model: str, host: str,
     return argv
 
 
-register(EngineKind("vllm", "vLLM", argv=_vllm, check=ParserCheck(
+def _vllm_flags(e: EngineSpec) -> list[str]:
+    out = [] if e.chunked_prefill else ["--no-enable-chunked-prefill"]
+    if not e.cuda_graphs:
+        out.append("--enforce-eager")
+    if e.cpu_overlap:
+        out.append("--async-scheduling")
+    return out
+
+
+def _sglang_flags(e: EngineSpec) -> list[str]:
+    out = [] if e.chunked_prefill else ["--chunked-prefill-size", "-1"]
+    if not e.prefill_first:
+        out.append("--enable-mixed-chunk")
+    if not e.cuda_graphs:
+        out.append("--disable-cuda-graph")
+    if not e.cpu_overlap:
+        out.append("--disable-overlap-schedule")
+    return out
+
+
+register(EngineKind("vllm", "vLLM", flags=_vllm_flags, argv=_vllm, check=ParserCheck(
     "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
     "parser = make_arg_parser(FlexibleArgumentParser())\n"
     "import vllm\nversion = vllm.__version__\n", 2, model_flag="--model")))  # argv after 'vllm serve'
-register(EngineKind("sglang", "SGLang", argv=_sglang, check=ParserCheck(
+register(EngineKind("sglang", "SGLang", flags=_sglang_flags, argv=_sglang, check=ParserCheck(
     "from sglang.srt.server_args import ServerArgs\nimport argparse\n"
     "parser = argparse.ArgumentParser()\nServerArgs.add_cli_args(parser)\n"
     "import sglang\nversion = sglang.__version__\n", 3)))  # argv after 'python -m sglang.launch_server'
+register(EngineKind("trtllm", "TensorRT-LLM"))
 register(EngineKind("transformers", "transformers' continuous batching", runs_here=True))

@@ -91,6 +91,8 @@ def launches(name: str, plan, model_path: str, base_port: int = BASE_PORT, host:
     for r, k, node, local, note in _placed(plan):
         port = base_port + r.index
         argv = e.argv(k, r.spec.tp, r.spec.pp, r.spec.role, model_path, host, port)
+        if e.flags is not None:  # what the plan's engine description does that the engine's defaults do not
+            argv += e.flags(plan.engine)
         out.append(Launch(r.index, node, r.device.name, r.spec.role, port, tuple(argv),
                           {"CUDA_VISIBLE_DEVICES": ",".join(map(str, local))}, k.max_seqs, note))
     return out

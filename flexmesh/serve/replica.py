@@ -123,6 +123,9 @@ class SimulatedReplica:
         self.after_idle, self.idle_gap_s = loop.after_idle, loop.idle_gap_s  # the first iteration after idling
         self.intake_s, self.answer_s = loop.intake_s, loop.answer_s  # per request taken in / finished while busy
         self.scheduler, self.charges = scheduler, charges
+        # prompts in iterations of their own, the decodes paused (``paused``: the iteration running now is one)
+        self.prefill_first = bool(getattr(scheduler, "prefill_first", False))
+        self.paused = False
         self._ended = -math.inf  # when the last iteration ended
         self.owed = 0.0  # seconds the next iteration carries (module doc)
         self.bs = kv.block_tokens
@@ -255,20 +258,29 @@ class SimulatedReplica:
             for q in self.ready:
                 self._join(q, i)
             self.ready.clear()
-        # 1. the decoding requests' new blocks
-        need = self.bucket[i % bs]
-        if need:
-            kv = self.kv
-            while need and not kv.can_allocate(need):
-                self.preempt(next(reversed(self.running.values())))
-                need = self.bucket[i % bs]
-            if need:
-                kv.allocate(need)
         self.sched.clear()
         chunks: list[tuple[int, int]] = []
-        tokens = self.dec_n
-        if self.prefilling or len(self.waiting):
-            tokens = self.max_tokens - self.scheduler.fill(self, self.max_tokens - self.dec_n, chunks, now)
+        self.paused = False
+        if self.prefill_first and (self.prefilling or len(self.waiting)):  # prompts alone, if any can run
+            left = self.scheduler.fill(self, self.max_tokens, chunks, now)
+            self.paused = bool(self.sched)
+        if self.paused:
+            tokens = self.max_tokens - left
+            decodes = context = 0
+        else:
+            # 1. the decoding requests' new blocks
+            need = self.bucket[i % bs]
+            if need:
+                kv = self.kv
+                while need and not kv.can_allocate(need):
+                    self.preempt(next(reversed(self.running.values())))
+                    need = self.bucket[i % bs]
+                if need:
+                    kv.allocate(need)
+            tokens = self.dec_n
+            if not self.prefill_first and (self.prefilling or len(self.waiting)):
+                tokens = self.max_tokens - self.scheduler.fill(self, self.max_tokens - self.dec_n, chunks, now)
+            decodes, context = self.dec_n, self.dec_ctx
         if now >= self._next_sample or (tokens == 0 and self.samples and self.samples[-1][3] != 0):
             self._sample(now, tokens)
         if tokens == 0:
@@ -278,7 +290,7 @@ class SimulatedReplica:
         self.busy = True
         self._started = now
         self.tokens += tokens
-        took = self.price(self.dec_n, self.dec_ctx, chunks)
+        took = self.price(decodes, context, chunks)
         if self.after_idle and now - self._ended >= self.idle_gap_s:
             took *= 1.0 + self.after_idle
         if self.owed:
@@ -410,10 +422,12 @@ class SimulatedReplica:
         self.busy_s += now - self._started
         self.busy = False
         self._ended = now
-        self.dec_ctx += self.dec_n
-        self.pending_outputs -= self.dec_n
+        paused = self.paused
+        if not paused:
+            self.dec_ctx += self.dec_n
+            self.pending_outputs -= self.dec_n
         ends = self.ends
-        while ends and ends[0][0] <= i:
+        while not paused and ends and ends[0][0] <= i:
             _, _, gen, q = heapq.heappop(ends)
             if gen != q.gen:  # left the decoding set (preempted) after this entry was made
                 continue
@@ -441,12 +455,12 @@ class SimulatedReplica:
                     q.own = self.blocks_for(q, q.computed)
             del self.prefilling[q.uid]
             if q.outputs < q.target:
-                self._join(q, i + 1)
+                self._join(q, i if paused else i + 1)  # a paused iteration does not move the decodes' count
             else:
                 del self.running[q.uid]
                 self._done(q, now)
-        self.iteration = i + 1
-        self.finishing = False
+        self.iteration = i if paused else i + 1
+        self.paused = self.finishing = False
 
     def cancel_later(self, q: Req, done: Callable[[int], None]) -> None:
         """Cancel ``q`` once the next iteration has run (a cancellation that reaches the engine while it runs one
@@ -468,7 +482,7 @@ class SimulatedReplica:
             del self.prefilling[uid]
             self.pending_prompt -= q.tokens - q.computed
         else:  # decoding: its tokens so far, this iteration's included while its outcome is being handed out
-            self._leave_decoding(q, q.c0 + self.iteration - q.j + (1 if self.finishing else 0))
+            self._leave_decoding(q, q.c0 + self.iteration - q.j + (1 if self.finishing and not self.paused else 0))
         del self.running[uid]
         self.pending_outputs -= q.target - q.outputs
         self.kv.release(q.own)

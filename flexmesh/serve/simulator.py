@@ -46,9 +46,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from flexmesh.cost.device.hardware import Hardware
-from flexmesh.cost.inference.analytic import AnalyticIteration
 from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity
-from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
+from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.cost.inference.timing import (
     EngineLoop,
     IterationTiming,
@@ -61,9 +60,9 @@ from flexmesh.cost.inference.transfer import Path, kv_path
 from flexmesh.data.requests import Request, Workload
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.serve.branches import Score, to_prune
-from flexmesh.serve.engines import engine as engine_of
 from flexmesh.serve.kv import KVBlocks
-from flexmesh.serve.layout.knobs import EngineKnobs, default_knobs
+from flexmesh.serve.layout.engine import EngineSpec, engine_spec
+from flexmesh.serve.layout.knobs import EngineKnobs
 from flexmesh.serve.layout.plan import ServingPlan
 from flexmesh.serve.layout.replicas import PlacedReplica
 from flexmesh.serve.layout.roles import Role
@@ -150,8 +149,10 @@ class Fleet:
     ``model``: the model, or the models by tier (several models on one fleet, or a cascade's stages in order:
     ``cascade``); ``knobs``: engine knobs per device group (default: vLLM's for the device), or
     ``replica_knobs``, one per replica; ``timing``: each replica's
-    :class:`~flexmesh.cost.inference.timing.IterationTiming` (default: :class:`AnalyticIteration` on the
-    device layer with ``overhead``); ``engine``: what the replicas run (:mod:`flexmesh.serve.engines`: its scheduler);
+    :class:`~flexmesh.cost.inference.timing.IterationTiming` (default: the engine's
+    :class:`~flexmesh.cost.inference.analytic.AnalyticIteration` on the device layer); ``engine``: what the replicas
+    run (:class:`~flexmesh.serve.layout.engine.EngineSpec` or a preset's name; default current vLLM: its scheduler,
+    default knobs and prices); ``overhead``: its per-iteration CPU cost in place of the engine's;
     ``charges``: work outside the engines that their iterations pay (made for each run's replicas: a local fleet's
     host, :mod:`flexmesh.serve.engine.twin`); ``admission_s``: every request reaches its replica that long after it
     reached the router (the hop; its record keeps the router's arrival)."""
@@ -160,7 +161,8 @@ class Fleet:
                  replicas: tuple[PlacedReplica, ...], knobs: dict[int, EngineKnobs] | None = None,
                  overhead: EngineOverhead | None = None,
                  timing: Callable[[PlacedReplica], IterationTiming] | None = None,
-                 replica_knobs: Sequence[EngineKnobs] | None = None, cascade: bool = False, engine: str = "vllm",
+                 replica_knobs: Sequence[EngineKnobs] | None = None, cascade: bool = False,
+                 engine: str | EngineSpec | None = None,
                  charges: Callable[[Sequence[SimulatedReplica]], Charges] | None = None, admission_s: float = 0.0):
         self.models: tuple[ModelSpec, ...] = (model,) if isinstance(model, ModelSpec) else tuple(model)
         if not self.models:
@@ -172,13 +174,17 @@ class Fleet:
                                 f"(0..{len(self.models) - 1})")
         if replica_knobs is not None and len(replica_knobs) != len(replicas):
             raise SpecError(f"{len(replica_knobs)} engine knobs given for {len(replicas)} replicas; give one each")
-        self.engine = engine_of(engine)
-        make_scheduler(self.engine.scheduler)  # one not registered refused here, not at the first run
+        self.engine = engine_spec(engine)
+        if overhead is not None:  # given apart from the engine (--engine-overhead, a profile's)
+            self.engine = replace(self.engine, overhead=overhead)
+        make_scheduler(self.engine.scheduler_name)  # one not registered refused here, not at the first run
         self.charges, self.admission_s = charges, admission_s
-        self.knobs = {g: (knobs or {}).get(g) or default_knobs(c.device) for g, c in enumerate(cluster.groups)}
+        context = min(m.max_position for m in self.models)
+        self.knobs = {g: (knobs or {}).get(g) or self.engine.knobs(c.device, context)
+                      for g, c in enumerate(cluster.groups)}
         self.replica_knobs = (tuple(replica_knobs) if replica_knobs is not None
                               else tuple(self.knobs[r.spec.group] for r in replicas))
-        self.overhead = overhead or preset_overhead()
+        self.overhead = self.engine.overhead
         hardware: dict[tuple[int, int], Hardware] = {}
         built: dict[tuple[int, int, int, int], IterationTiming] = {}
         self.timings: list[ReplicaTiming] = []
@@ -194,7 +200,7 @@ class Fleet:
                     hw = hardware.get((s.tier, s.group))
                     if hw is None:
                         hw = hardware[s.tier, s.group] = Hardware(cluster.groups[s.group], m.dtype)
-                    built[key] = AnalyticIteration(m, hw, s.tp, s.pp, self.overhead)
+                    built[key] = self.engine.iteration(m, hw, s.tp, s.pp)
                 t = built[key]
             self.timings.append(replica_timing(t))
             cap = kv_capacity(m, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs, k.block_tokens,
@@ -208,7 +214,7 @@ class Fleet:
         routing table over them."""
         placed = plan.placement()
         fleet = cls(plan.model_specs(), placed.cluster, placed.replicas, overhead=overhead, replica_knobs=placed.knobs,
-                    cascade=plan.cascade is not None)
+                    cascade=plan.cascade is not None, engine=plan.engine)
         return fleet, placed.table
 
     @property
@@ -335,7 +341,7 @@ class FleetRun:
                      t.price(batch, int(batch * typical), []) / batch)
             queue = make_queue(opts.queue, opts.predictor, k.max_seqs, fleet.models[r.spec.tier].max_position)
             kv = KVBlocks(cap.blocks, k.block_tokens, prefix_tokens if caching else 0, k.prefix_cache_blocks)
-            scheduler = make_scheduler(fleet.engine.scheduler)
+            scheduler = make_scheduler(fleet.engine.scheduler_name)
             reps.append(SimulatedReplica(r.index, r.spec.role, t, kv, k, queue, scheduler, rates,
                                          span / max(opts.timeline_points, 1)))
         return reps

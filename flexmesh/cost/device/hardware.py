@@ -341,6 +341,31 @@ def device_kernels(kernels: Kernels, d: DeviceSpec, peak_flops: float) -> Kernel
                    attn_measured=MeasuredAttention(fixed_s=a["fixed_us"] * 1e-6, per_key_s=a["per_key_ns"] * 1e-9))
 
 
+def unmeasured(d: DeviceSpec) -> str | None:
+    """Why ``d``'s kernels are priced from another part's measurements (its ``kernel_table`` timed another part,
+    or none), or None where its own tables price them."""
+    t = GEMM_TABLES.get(d.kernel_table)
+    if t is None or GEMM_KERNELS.get(d.kernel_table) is None:
+        return f"{d.name}: no measured kernel table; its kernels are priced from fitted efficiencies of its datasheet"
+    if d.peak_tflops.get("bf16") == t.peak_tflops and d.hbm_gbps == t.hbm_gbps:
+        return None
+    if getattr(d, "architecture", t.architecture) != t.architecture:
+        return (f"{d.name}: no {d.architecture} kernel tables; priced from {d.kernel_table}'s ({t.architecture}) "
+                "scaled to its datasheet, another architecture's kernels: its prices are the least certain")
+    return (f"{d.name}: no kernel tables of its own; priced from {d.kernel_table}'s ({t.architecture}, the same "
+            "architecture) scaled to its datasheet")
+
+
+def unmeasured_notes(devices) -> list[str]:  # noqa: ANN001 - DeviceSpecs
+    """:func:`unmeasured`'s line for each distinct part of ``devices`` priced from another's measurements."""
+    out: list[str] = []
+    for d in devices:
+        note = unmeasured(d)
+        if note is not None and note not in out:
+            out.append(note)
+    return out
+
+
 def _cache(fit: dict[str, float], own: bool) -> dict[str, float]:
     """A kernel fit's cache constants (``flexmesh.cost.device.kernels.cached_memory``) on its own part; none on
     another."""

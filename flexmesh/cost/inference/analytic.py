@@ -18,14 +18,17 @@ the ``tp`` devices:
   attention rate and their bytes at the HBM rate); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2``
   query-key pairs at the attention rate for blocks of ``c + n`` keys plus the per-key cost of a call, or reads
   its KV if that is slower; plus writing the new tokens' keys and values into the cache. The call's fixed
-  cost (see :data:`DECODE_GRAPHED`): a decode-only iteration pays one kernel's launch cost, an iteration with
-  a prefill chunk the prefill kernel's measured fixed cost;
+  cost (see :data:`DECODE_GRAPHED`): a decode-only iteration of an engine that replays CUDA graphs (``graphs``)
+  pays one kernel's launch cost, one that runs eagerly and an iteration with a prefill chunk the kernel's
+  measured fixed cost;
 - two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs).
 
 Then the final norm, the LM head over one row per request (vLLM computes logits at each request's last
 token only), gathered over tp; ``pp - 1`` sends of ``T x hidden`` between stages; the vocabulary-parallel
 embedding's all-reduce; and the engine overhead per iteration (:mod:`flexmesh.cost.inference.overhead`:
-a profile's, never zero; the framework term of serving). An engine whose kernels are not the ones the tables
+a profile's, never zero; the framework term of serving; ``multi_gpu_s`` more on a replica of more than one GPU),
+added to the GPU's time, or, for an engine that overlaps its CPU work with the GPU (``overlap``), the larger of
+the two. An engine whose kernels are not the ones the tables
 timed is priced on ``EngineRates.on(hardware)`` (:mod:`flexmesh.cost.inference.engine_rates`: its own kernels'
 rates on the device layer's). Dense models only (a mixture of experts is refused in one line).
 
@@ -41,6 +44,7 @@ rates on the device layer's). Dense models only (a mixture of experts is refused
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -64,7 +68,8 @@ FUSED_RESIDUAL_ELEMS = 4
 # engine's own host time is the per-iteration overhead term: so a decode-only iteration's attention pays one
 # kernel's launch cost (Kernels.launch_s, the GPU-side fixed cost of a kernel) in place of the tables' fixed
 # cost. An iteration with a prefill chunk runs piecewise graphs, attention left out of them and run eagerly: it
-# pays the prefill call's measured fixed cost as the tables have it.
+# pays the prefill call's measured fixed cost as the tables have it. An engine without CUDA graphs (``graphs``
+# False: vLLM's --enforce-eager, transformers) pays the tables' fixed cost on decode-only iterations too.
 DECODE_GRAPHED = True
 
 
@@ -79,7 +84,8 @@ class AnalyticIteration:
     """
 
     def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, pp: int = 1,
-                 overhead: EngineOverhead | None = None, block: int = 0):
+                 overhead: EngineOverhead | None = None, block: int = 0, graphs: bool = DECODE_GRAPHED,
+                 overlap: bool = False):
         if model.is_moe:
             raise SpecError(f"{model.name} is a mixture of experts; serving is priced for dense models only so far")
         check_tp(model, tp, pp)
@@ -88,6 +94,7 @@ class AnalyticIteration:
                             f"{hardware.cluster.world_size}")
         self.model, self.hw, self.tp, self.pp = model, hardware, tp, pp
         self.overhead = overhead or preset_overhead()
+        self.graphs, self.overlap = graphs, overlap
         # the device layer's kernels; a hardware without them (profiled) keeps its measured rates
         self.kernels: Kernels = getattr(hardware, "device_kernels", None) or getattr(hardware, "kernels", None) \
             or Kernels(mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops,
@@ -192,19 +199,24 @@ class AnalyticIteration:
             t += term
         if chunks and a is not None:
             fixed = a.fixed_s  # eager, as the tables time it (DECODE_GRAPHED)
-        elif decodes and not chunks and not DECODE_GRAPHED and k.decode_measured is not None:
+        elif decodes and not chunks and not self.graphs and k.decode_measured is not None:
             fixed = k.decode_measured.fixed_s
         else:
             fixed = k.launch_s
         write = k.memory_bound(2.0 * new * self.kv_token_bytes)
         return self.layers * (t + fixed + write)
 
+    def cpu_s(self, requests: int) -> float:
+        """The engine's own seconds in an iteration of ``requests`` requests (its overhead on this replica)."""
+        return self.overhead.seconds(requests, self.tp * self.pp)
+
     def terms(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> dict[str, float]:
-        """The iteration's seconds by term (what :meth:`split_s` sums)."""
+        """The iteration's seconds by term (what :meth:`split_s` sums, or, with ``overlap``, adds the larger of
+        the overhead and the rest)."""
         tokens = decodes + sum(n for _, n in chunks)
         requests = decodes + len(chunks)
         return {"dense": self.dense_s(tokens), "attention": self.attention_s(decodes, decode_context, chunks),
-                "head": self.head_s(requests), "overhead": self.overhead.seconds(requests)}
+                "head": self.head_s(requests), "overhead": self.cpu_s(requests)}
 
     # ---- the interface ---------------------------------------------------------------------------
     def split_s(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> float:
@@ -216,20 +228,30 @@ class AnalyticIteration:
             fixed = self._decode_fixed.get(decodes)
             if fixed is None:
                 fixed = (self.dense_s(decodes) + self.attention_s(decodes, 0, ()) - self.per_key_s * decodes
-                         + self.head_s(decodes) + self.overhead.seconds(decodes))
+                         + self.head_s(decodes) + (0.0 if self.overlap else self.cpu_s(decodes)))
                 self._decode_fixed[decodes] = fixed
-            return fixed + self.per_key_s * (decode_context + decodes)
+            gpu = fixed + self.per_key_s * (decode_context + decodes)
+            return max(gpu, self.cpu_s(decodes)) if self.overlap else gpu
         tokens, requests = decodes, decodes + len(chunks)
         for _, n in chunks:
             tokens += n
-        return (self.dense_s(tokens) + self.attention_s(decodes, decode_context, chunks) + self.head_s(requests)
-                + self.overhead.seconds(requests))
+        gpu = self.dense_s(tokens) + self.attention_s(decodes, decode_context, chunks) + self.head_s(requests)
+        return max(gpu, self.cpu_s(requests)) if self.overlap else gpu + self.cpu_s(requests)
 
     def decode_run_s(self, decodes: int, decode_context: int, steps: int) -> float:
         """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``decodes``
-        tokens to it): the sum in closed form, every term being affine in the context."""
-        first = self.split_s(decodes, decode_context, ())
-        return steps * first + self.per_key_s * decodes * (steps * (steps - 1) / 2)
+        tokens to it): the sum in closed form, every term being affine in the context (with ``overlap``, the
+        iterations whose GPU time is below the engine's own cost that cost, the rest their GPU time)."""
+        slope = self.per_key_s * decodes
+        if not self.overlap:
+            first = self.split_s(decodes, decode_context, ())
+            return steps * first + slope * (steps * (steps - 1) / 2)
+        self.split_s(decodes, decode_context, ())  # its GPU's fixed part, kept
+        first = self._decode_fixed[decodes] + self.per_key_s * (decode_context + decodes)
+        cpu = self.cpu_s(decodes)
+        below = min(steps, max(0, math.ceil((cpu - first) / slope))) if slope > 0 else (steps if first < cpu else 0)
+        rest = steps - below  # iterations below..steps-1 at their GPU time
+        return below * cpu + rest * first + slope * ((steps * (steps - 1) - below * (below - 1)) / 2)
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds of one iteration over ``batch``: ``(context, new tokens)`` per request."""

@@ -13,7 +13,7 @@ samples and their source); an engine profile of one's own, or ``--engine-overhea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 
@@ -25,18 +25,21 @@ from flexmesh.errors import SpecError
 
 @dataclass(frozen=True)
 class EngineOverhead:
-    """Seconds an iteration spends outside the forward pass: ``fixed_s + per_request_s x requests``."""
+    """Seconds an iteration spends outside the forward pass: ``fixed_s + per_request_s x requests``, and
+    ``multi_gpu_s`` more on a replica of more than one GPU (the RPC a multi-process engine adds)."""
 
     fixed_s: float
     per_request_s: float
     source: str
+    multi_gpu_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.fixed_s >= 0 and self.per_request_s >= 0):
-            raise SpecError(f"an engine overhead is >= 0 s, got {self.fixed_s} s + {self.per_request_s} s per request")
+        if not (self.fixed_s >= 0 and self.per_request_s >= 0 and self.multi_gpu_s >= 0):
+            raise SpecError(f"an engine overhead is >= 0 s, got {self.fixed_s} s + {self.per_request_s} s per request"
+                            f" + {self.multi_gpu_s} s on more than one GPU")
 
-    def seconds(self, requests: int) -> float:
-        return self.fixed_s + self.per_request_s * requests
+    def seconds(self, requests: int, devices: int = 1) -> float:
+        return self.fixed_s + self.per_request_s * requests + (self.multi_gpu_s if devices > 1 else 0.0)
 
 
 def fit_overhead(requests: list[int], ms: list[float]) -> tuple[float, float]:
@@ -61,6 +64,11 @@ def preset_overhead(name: str = "vllm") -> EngineOverhead:
     if name not in _presets():
         raise SpecError(f"unknown engine overhead {name!r}; presets: {', '.join(_presets())}")
     return _presets()[name]
+
+
+def preset_name(o: EngineOverhead) -> str | None:
+    """The preset ``o`` is (its per-iteration terms), or None."""
+    return next((name for name, p in _presets().items() if replace(p, multi_gpu_s=o.multi_gpu_s) == o), None)
 
 
 def parse_overhead(text: str) -> EngineOverhead:

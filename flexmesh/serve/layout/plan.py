@@ -56,11 +56,12 @@ from pathlib import Path
 from typing import Any
 
 from flexmesh.cost.inference.memory import VLLM_BLOCK_TOKENS, VLLM_MEMORY_FRACTION
-from flexmesh.errors import FlexmeshError, PlanError
+from flexmesh.errors import FlexmeshError, PlanError, SpecError
 from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import choices
 from flexmesh.serve.layout.buckets import Bucket, RequestBuckets
 from flexmesh.serve.layout.classes import LengthClasses
+from flexmesh.serve.layout.engine import EngineSpec, engine_spec
 from flexmesh.serve.layout.knobs import EngineKnobs
 from flexmesh.serve.layout.quality import QualityCurve
 from flexmesh.serve.layout.replicas import PlacedReplica, ReplicaSpec, place
@@ -74,7 +75,7 @@ from flexmesh.spec.values import flag, known_keys, mapping, number, sequence, te
 SERVING_PLAN_VERSION = 1
 KIND = "flexmesh serving plan"
 _KEYS = ("version", "kind", "models", "cluster", "links", "slo", "buckets", "groups", "routing", "cascade", "prices",
-         "predicted", "workload", "planner")
+         "predicted", "workload", "planner", "engine")
 _GROUP_KEYS = ("model", "group", "device", "replicas", "tp", "pp", "role", "engine", "entry", "decode")
 _ENGINE_KEYS = ("max_seqs", "max_batched_tokens", "block_tokens", "memory_fraction", "kv_blocks", "prefix_caching")
 _BUCKET_KEYS = ("share", "prompt_mean", "output_mean", "prompt_high", "output_high", "longest", "context_rms")
@@ -171,6 +172,7 @@ class ServingPlan:
     predicted: dict = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
     planner: dict = field(default_factory=dict)
+    engine: EngineSpec = field(default_factory=engine_spec)  # what its replicas run (default: current vLLM)
 
     # ---- what it is -----------------------------------------------------------------------------------
     def model_specs(self) -> tuple[ModelSpec, ...]:
@@ -244,7 +246,7 @@ class ServingPlan:
                         "buckets": [{k: (round(getattr(x, k), 9) if k == "share" else
                                          round(getattr(x, k), 3) if isinstance(getattr(x, k), float) else
                                          getattr(x, k)) for k in _BUCKET_KEYS} for x in b.buckets]},
-            "groups": [g.to_json() for g in self.groups], "routing": self.routing,
+            "engine": self.engine.to_dict(), "groups": [g.to_json() for g in self.groups], "routing": self.routing,
             "prices": dict(self.prices), "predicted": self.predicted,
         }
         if self.links:
@@ -316,10 +318,14 @@ class ServingPlan:
                                          maximum=1.0))
             if len(models) != 2:
                 raise PlanError(f"{where}: a cascade has two models in order, got {len(models)}")
+        try:
+            engine = EngineSpec.from_dict(d["engine"], f"{where}: engine") if "engine" in d else engine_spec()
+        except SpecError as err:
+            raise PlanError(str(err)) from None
         plan = cls(models, cluster, buckets, SLO(**bounds), attainment, groups, routing, prices, tuple(links), cascade,
                    mapping(d.get("predicted", {}), f"{where}: predicted", PlanError),
                    mapping(d.get("workload", {}), f"{where}: workload", PlanError),
-                   mapping(d.get("planner", {}), f"{where}: planner", PlanError))
+                   mapping(d.get("planner", {}), f"{where}: planner", PlanError), engine)
         plan._check_routing(where)
         return plan
 

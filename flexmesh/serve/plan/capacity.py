@@ -59,10 +59,11 @@ from typing import Protocol
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
 from flexmesh.cost.inference.memory import check_tp, kv_capacity
-from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
+from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.errors import FlexmeshError
 from flexmesh.serve.layout.buckets import Bucket
-from flexmesh.serve.layout.knobs import EngineKnobs, default_knobs
+from flexmesh.serve.layout.engine import EngineSpec, engine_spec
+from flexmesh.serve.layout.knobs import EngineKnobs
 from flexmesh.serve.layout.roles import Role
 from flexmesh.serve.layout.slo import SLO
 from flexmesh.spec.cluster import MixedCluster
@@ -150,17 +151,18 @@ NONE = Capacity(0.0, 0.0, 0.0, math.inf, math.inf, "fit")
 
 def configurations(models: Sequence[ModelSpec], cluster: MixedCluster, longest: int | Sequence[int],
                    roles: Sequence[Role] = tuple(Role), knobs: dict[int, EngineKnobs] | None = None,
-                   groups: Sequence[int] | None = None) -> list[ReplicaConfig]:
+                   groups: Sequence[int] | None = None, engine: EngineSpec | None = None) -> list[ReplicaConfig]:
     """Every configuration of ``models`` on the cluster's device ``groups`` (default all) in ``roles`` whose KV
-    cache holds at least a block, with the knob variants of its role (:func:`knob_variants`; ``knobs`` given for
-    a group: those only). ``longest`` is for reporting: a configuration holding fewer tokens is kept, its
-    capacity for longer buckets 0."""
+    cache holds at least a block, with the knob variants of its role (:func:`knob_variants` of the ``engine``'s
+    default knobs, current vLLM's by default; ``knobs`` given for a group: those only). ``longest`` is for
+    reporting: a configuration holding fewer tokens is kept, its capacity for longer buckets 0."""
     out = []
+    engine = engine_spec(engine)
     for m, model in enumerate(models):
         for g, group in enumerate(cluster.groups):
             if groups is not None and g not in groups:
                 continue
-            k = (knobs or {}).get(g) or default_knobs(group.device)
+            k = (knobs or {}).get(g) or engine.knobs(group.device, model.max_position)
             node = min(group.devices_per_node, group.world_size)
             for tp in TP_DEGREES:
                 if tp > node:
@@ -205,9 +207,12 @@ class Pricing:
     iteration priced once)."""
 
     def __init__(self, models: Sequence[ModelSpec], cluster: MixedCluster, overhead: EngineOverhead | None = None,
-                 quantile: float = 0.9):
+                 quantile: float = 0.9, engine: EngineSpec | str | None = None):
         self.models, self.cluster, self.quantile = tuple(models), cluster, quantile
-        self.overhead = overhead or preset_overhead()
+        self.engine = engine_spec(engine)  # what the replicas run (its prices); ``overhead`` in place of its own
+        if overhead is not None:
+            self.engine = replace(self.engine, overhead=overhead)
+        self.overhead = self.engine.overhead
         self._timing: dict[tuple[int, int, int, int], AnalyticIteration] = {}
         self._hw: dict[tuple[int, int], Hardware] = {}
         self._memo: dict[tuple, Capacity] = {}
@@ -220,8 +225,7 @@ class Pricing:
             hw = self._hw.get((c.model, c.group))
             if hw is None:
                 hw = self._hw[c.model, c.group] = Hardware(self.cluster.groups[c.group], model.dtype)
-            t = self._timing[c.shape] = AnalyticIteration(model, hw, c.tp, c.pp, self.overhead,
-                                                          block=COUNT_BLOCK)
+            t = self._timing[c.shape] = self.engine.iteration(model, hw, c.tp, c.pp, block=COUNT_BLOCK)
         return t
 
     def capacity(self, c: ReplicaConfig, b: Bucket, slo: SLO) -> Capacity:

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from flexmesh.cost.inference.memory import kv_bytes_per_token
-from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
+from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.cost.inference.transfer import Span, kv_path
 from flexmesh.errors import PlanError
 from flexmesh.serve.layout.buckets import RequestBuckets
+from flexmesh.serve.layout.engine import EngineSpec
 from flexmesh.serve.layout.knobs import EngineKnobs
 from flexmesh.serve.layout.plan import CascadeSpec, ServingGroup, ServingPlan
 from flexmesh.serve.layout.roles import Role
@@ -51,8 +52,9 @@ class PlanInputs:
     rate: float | None = None
     tiers: tuple[float, ...] = (1.0,)
     cascade: CascadeSpec | None = None
-    overhead: EngineOverhead | None = None
+    overhead: EngineOverhead | None = None  # in place of the engine's own
     knobs: dict[int, EngineKnobs] | None = None
+    engine: EngineSpec | None = None  # what the replicas run (default: current vLLM)
     workload: dict = field(default_factory=dict)
     time_limit_s: float = 20.0  # the most seconds one MILP may take (a safety net: plans do not depend on it)
     stage_slos: tuple[SLO, ...] | None = None  # per model, the SLO its replicas are priced at (a cascade's stages)
@@ -116,9 +118,9 @@ class Planner:
         missing = sorted({g.device.name for g in self.cluster.groups} - set(i.prices))
         if missing:
             raise PlanError(f"no price for {', '.join(missing)}; give --price DEVICE=USD_PER_GPU_HOUR")
-        self.overhead = i.overhead or preset_overhead()
-        self.pricing = Pricing(self.models, self.cluster, self.overhead, i.attainment)
-        self.configs = configurations(self.models, self.cluster, i.buckets.longest, knobs=i.knobs)
+        self.pricing = Pricing(self.models, self.cluster, i.overhead, i.attainment, i.engine)
+        self.engine, self.overhead = self.pricing.engine, self.pricing.overhead
+        self.configs = configurations(self.models, self.cluster, i.buckets.longest, knobs=i.knobs, engine=self.engine)
         if not self.configs:
             raise PlanError(f"no replica of {', '.join(i.models)} fits on {self.cluster.label}; give larger devices")
         buckets = i.buckets.buckets
@@ -305,7 +307,8 @@ class Planner:
             planner["served_without_slo"] = [b for _, b in unmet]
         plan = ServingPlan(i.models, i.cluster, i.buckets, i.slo, i.attainment, tuple(groups), routing,
                            {d: i.prices[d] for d in sorted(devices)}, (), i.cascade,
-                           {"rate": round(s.rate, 6), "dollars_per_hour": round(s.cost, 6)}, i.workload, planner)
+                           {"rate": round(s.rate, 6), "dollars_per_hour": round(s.cost, 6)}, i.workload, planner,
+                           self.engine)
         return plan
 
     def calibrated(self, by_group: dict[int, float], split: float = 1.0, default: float = 1.0) -> Planner:
