@@ -97,6 +97,14 @@ CLUSTERS = {"8B": ("2x8xH100+3x8xA100-80GB+3x8xA100-40GB+4x8xL40S+8x8xA10G+10x8x
 # DistServe's SLOs (see the module doc): (TTFT s, TPOT s) by trace and model size.
 SLOS = {("azure-conv", "8B"): (0.25, 0.1), ("azure-code", "8B"): (0.25, 0.1), ("mooncake", "8B"): (15.0, 0.15),
         ("azure-conv", "70B"): (0.4, 0.1), ("azure-code", "70B"): (0.4, 0.1), ("mooncake", "70B"): (15.0, 0.15)}
+# Two cases where the seeds say mixing pays (Llama-3-8B, conversation trace, its SLO): availability-limited, no more
+# than two of the best type however many the budget buys (ThunderServe's clouds), planned for the most goodput within
+# the budget, goodput compared (a plan's goodput per $/h does not see what it could not buy); and a fleet of cheap
+# older GPUs beside a few fast ones for the short requests (Mélange's), goodput per $/h compared. Variant ->
+# (cluster, budget, per_dollar)
+VARIANTS = {"H100 scarce": ("2xH100+3x8xA100-80GB+3x8xA100-40GB+4x8xL40S+8x8xA10G+10x8xL4", 60.0, False),
+            "cheap older GPUs": ("1x8xH100+1x8xA100-80GB+8x8xT4", 60.0, True)}
+VARIANT_CASES = [("8B", "azure-conv", v) for v in VARIANTS]
 TIME_CASES = {32: ("8xH100+4xA100-80GB+4xA100-40GB+8xL40S+4xA10G+4xL4", 60.0, 1.0),
               512: ("11x8xH100+11x8xA100-80GB+11x8xA100-40GB+11x8xL40S+10x8xA10G+10x8xL4", 1000.0, 10.0)}
 TARGETS = {"best single GPU type": 1.25, "Mélange-style": 1.1, "one type per phase": 1.1}
@@ -119,29 +127,31 @@ def _workload(trace: str):  # noqa: ANN202
     return base, (lambda r: at_rate(base, r))
 
 
-def _inputs(model: str, size: str, trace: str) -> tuple[PlanInputs, object]:
+def _inputs(model: str, size: str, trace: str, variant: str = "") -> tuple[PlanInputs, object]:
     base, workload_at = _workload(trace)
-    cluster, budget = CLUSTERS[size]
+    cluster, budget, per_dollar = VARIANTS[variant] if variant else (*CLUSTERS[size], True)
     ttft, tpot = SLOS[trace, size]
     return PlanInputs((model,), cluster, buckets_from_trace(base), SLO(ttft, tpot), _prices(), budget=budget,
-                      workload={"trace": trace, "requests": len(base)}), workload_at
+                      workload={"trace": trace, "requests": len(base)}, per_dollar=per_dollar), workload_at
 
 
 def _split(p) -> str:  # noqa: ANN001
     return "split" if any(g.role != "aggregated" for g in p.groups) else "aggregated"
 
 
-def plan_rows(cases: list[tuple[str, str]]) -> tuple[list[list[str]], list[str], dict]:
+def plan_rows(cases: list[tuple[str, ...]]) -> tuple[list[list[str]], list[str], dict]:
     """One row per case; the details (each baseline's plan, the repair); the planner's results by case, and
     under ``"written"`` [baselines of the planner's own search space, those its plan is not below per $/h]."""
     rows, details = [], []
     kept: dict = {}
     written = kept["written"] = [0, 0]
-    for size, trace in cases:
+    for case in cases:
+        size, trace, variant = (*case, "")[:3]
         model = MODELS[size]
-        inputs, workload_at = _inputs(model, size, trace)
-        inputs = replace(inputs, per_dollar=True)  # what the table compares, for the planner and the baselines
-        label = f"{size} {trace}"
+        # per $/h (or, availability-limited, goodput within the budget): what the table compares, for the planner and
+        # the baselines alike
+        inputs, workload_at = _inputs(model, size, trace, variant)
+        label = f"{size} {trace}" + (f", {variant}" if variant else "")
         print(f"{label}: planning")
         res = plan(inputs, workload_at, repair=REPAIR)
         assert res.score is not None and res.planner is not None
@@ -158,10 +168,12 @@ def plan_rows(cases: list[tuple[str, str]]) -> tuple[list[list[str]], list[str],
             if b.best is not None and b.best.score is not None:
                 written[0] += 1
                 tol = REL_TOL if name in OWN_SPACE[2:] else 0.0  # not among its candidates: the bisection's error
-                below = res.score.per_dollar < b.best.score.per_dollar * (1 - tol) * (1 - 1e-9)
+                of = (lambda x: x.per_dollar) if inputs.per_dollar else (lambda x: x.goodput)  # what is compared
+                below = of(res.score) < of(b.best.score) * (1 - tol) * (1 - 1e-9)
                 written[1] += not below
                 if below:
-                    details.append(f"- {label}: the plan is below the {name} baseline per $/h")
+                    details.append(f"- {label}: the plan is below the {name} baseline "
+                                   + ("per $/h" if inputs.per_dollar else "in goodput"))
         cells = [label, f"{res.plan.layout}", _split(res.plan), f"{res.score.goodput:.4g}",
                  f"{res.score.dollars_per_hour:.2f}", f"{res.score.per_dollar:.4g}"]
         for name in ("best single GPU type", "Mélange-style", "DistServe-style", "one type per phase",
@@ -170,7 +182,7 @@ def plan_rows(cases: list[tuple[str, str]]) -> tuple[list[list[str]], list[str],
             if b.best is None or b.best.score is None:
                 cells.append(f"- ({b.why})")
                 continue
-            r = ratio(res.score, b.best.score)
+            r = ratio(res.score, b.best.score) if inputs.per_dollar else res.score.goodput / b.best.score.goodput
             verdict = (" PASS" if r >= TARGETS[name] else " FAIL") if name in TARGETS else ""
             cells.append(f"{r:.2f}x{verdict}")
             details.append(f"- {label}, {name}: {b.best.plan.layout}: {b.best.score.goodput:.4g} req/s at "
@@ -178,7 +190,7 @@ def plan_rows(cases: list[tuple[str, str]]) -> tuple[list[list[str]], list[str],
         cells.append(f"{split_c.goodput:.4g} / {agg_c.goodput:.4g}" if split_c and agg_c else "-")
         cells.append(f"{res.plan_s:.2f}")
         rows.append(cells)
-        kept[(size, trace)] = res
+        kept[case] = res
         for m in res.moves:
             details.append(f"- {label}, repair {m}")
         details += mixes_rejected(res, workload_at, label, known_scores(res.candidates))
@@ -372,12 +384,12 @@ def only(sections: list[str], cases: list[tuple[str, str]] | None = None) -> int
     return 0
 
 
-def _case(case: tuple[str, str]) -> tuple[list[str], list[str], object, list[int]]:
+def _case(case: tuple[str, ...]) -> tuple[list[str], list[str], object, list[int]]:
     rows, details, kept = plan_rows([case])
     return rows[0], details, kept[case], kept["written"]
 
 
-def _side_by_side(cases: list[tuple[str, str]], cascade: bool) -> tuple[list, list, list, list]:
+def _side_by_side(cases: list[tuple[str, ...]], cascade: bool) -> tuple[list, list, list, list]:
     """The plans of every case, the re-plans (once the 8B conversation plan is there) and the cascade, each in a
     process of its own, as many at once as the machine has cores (each is one thread): their rows in order."""
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -412,7 +424,7 @@ def main() -> int:
             ap.error(f"unknown section {', '.join(bad)}; give some of {', '.join(SECTIONS)}")
         return only(args.only, args.case)
     load, began = os.getloadavg()[0], time.perf_counter()
-    cases = [("8B", "azure-conv")] if args.quick else [(s, t) for s in MODELS for t in TRACES]
+    cases = [("8B", "azure-conv")] if args.quick else [(s, t) for s in MODELS for t in TRACES] + VARIANT_CASES
     trows = time_rows()  # alone, before the other sections start
     rows, details, rrows, crows, written = _side_by_side(cases, cascade=not args.quick)
     head = ["case", "plan", "prefill/decode", "goodput req/s", "$/h", "goodput per $/h", "over best single type",
@@ -448,7 +460,10 @@ def main() -> int:
                f"of the planner's plan over each baseline's; every plan scored by the one simulator on the first "
                f"{REQUESTS} requests of the trace at each rate (90% of requests within the SLO), the planner's "
                f"repaired by {REPAIR} rounds of local moves. Budgets and devices: 8B {CLUSTERS['8B'][0]} at "
-               f"${CLUSTERS['8B'][1]:g}/h, 70B {CLUSTERS['70B'][0]} at ${CLUSTERS['70B'][1]:g}/h. {splits}; {own}. "
+               f"${CLUSTERS['8B'][1]:g}/h, 70B {CLUSTERS['70B'][0]} at ${CLUSTERS['70B'][1]:g}/h. Where mixing "
+               f"should pay: " + "; ".join(f"{v}: {c} at ${b:g}/h" + ("" if pd else ", the most goodput within the "
+                                                                      "budget, goodput compared (not per $/h)")
+                                          for v, (c, b, pd) in VARIANTS.items()) + f". {splits}; {own}. "
                f"Every candidate is scored with both routing policies inside its buckets' shares (in proportion, "
                f"by least work); the split / aggregated column gives the best candidate of each kind.\n\n")
         md += "\n".join(details) + "\n\n"

@@ -21,6 +21,7 @@ from typing import Any
 from flexmesh.errors import SpecError
 from flexmesh.files import read_json
 from flexmesh.spec.hf_moe import MOE_FAMILIES, moe_family, moe_from_hf, moe_to_hf
+from flexmesh.spec.hf_priced import PRICED_FAMILIES, priced_from_hf_dict
 from flexmesh.spec.shape import ModelSpec, RopeScaling
 from flexmesh.spec.values import flag, number, whole
 
@@ -84,8 +85,11 @@ def from_hf_config(path: str | Path) -> ModelSpec:
 def spec_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config.json") -> ModelSpec:
     """The ModelSpec of a parsed config (``where`` names it in error messages)."""
     family = cfg.get("model_type")
+    if family in PRICED_FAMILIES:  # shapes only, to price serving (flexmesh.spec.hf_priced)
+        return priced_from_hf_dict(cfg, name, where)
     if family not in FAMILIES:
-        raise SpecError(f"{where}: model_type {family!r} is not supported; supported families: {', '.join(FAMILIES)}")
+        raise SpecError(f"{where}: model_type {family!r} is not supported; supported families: {', '.join(FAMILIES)}"
+                        f" (and, priced for serving only, {', '.join(PRICED_FAMILIES)})")
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise SpecError(f"{where}: config.json is missing {', '.join(missing)} (needed for a {family} model)")

@@ -112,6 +112,8 @@ class ModelSpec:
     qk_norm_scope: str = "head"
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]
     moe: MoESpec | None = None  # mixture-of-experts layers (flexmesh.spec.moe); None: dense
+    # A family read for its shapes only (flexmesh.spec.hf_priced: OPT, GPT-NeoX, Falcon, Gemma): priced, never built
+    priced_only: str = ""
 
     def __post_init__(self) -> None:
         text(self.name, "model name", SpecError)
@@ -331,7 +333,7 @@ class ModelSpec:
         if d.get("window_layers") is not None:
             d["window_layers"] = list(d["window_layers"])
         # Same for the fields of Hugging Face exactness and experts: absent when off.
-        for key in ("rope_scaling", "attention_out_bias", "mlp_bias", "qk_norm", "clip_qkv", "moe"):
+        for key in ("rope_scaling", "attention_out_bias", "mlp_bias", "qk_norm", "clip_qkv", "moe", "priced_only"):
             if not d[key]:
                 del d[key]
         if d["qk_norm_scope"] == "head":

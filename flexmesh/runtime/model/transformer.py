@@ -360,6 +360,9 @@ def build_model(spec: ModelSpec, device: str | torch.device = "meta",
     On a real device the weights are initialised with ``init_weights(0)``; on meta call
     ``model.to_empty(device=...)`` then ``model.init_weights(seed)`` after sharding.
     """
+    if spec.priced_only:
+        raise SpecError(f"model {spec.name!r} is a {spec.priced_only} config, read for its shapes to price serving; "
+                        "flexmesh's runtime builds the llama, mistral and qwen families (docs/specs.md)")
     with torch.device("meta"):  # no memory and no default initialisation: init_weights sets every value
         model = Transformer(spec)
     model.to(dtype)

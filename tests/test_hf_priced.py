@@ -1,0 +1,79 @@
+"""Families engines serve and flexmesh's runtime does not build (OPT, GPT-NeoX, Falcon, Gemma): read from their
+config.json for their shapes, priced by serving, refused by the runtime in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmesh.errors import SpecError
+from flexmesh.spec import parse_model
+
+# The published configs' shape fields (Hugging Face: facebook/opt-13b, EleutherAI/pythia-12b, tiiuae/falcon-7b,
+# tiiuae/falcon-40b, google/gemma-7b) and their models' published parameter counts
+CONFIGS = {
+    "opt-13b": ({"model_type": "opt", "num_hidden_layers": 40, "hidden_size": 5120, "num_attention_heads": 40,
+                 "ffn_dim": 20480, "vocab_size": 50272, "max_position_embeddings": 2048, "torch_dtype": "float16",
+                 "word_embed_proj_dim": 5120}, 12.85e9),
+    "pythia-12b": ({"model_type": "gpt_neox", "num_hidden_layers": 36, "hidden_size": 5120, "num_attention_heads": 40,
+                    "intermediate_size": 20480, "vocab_size": 50688, "max_position_embeddings": 2048,
+                    "rotary_pct": 0.25, "tie_word_embeddings": False}, 11.85e9),
+    "falcon-7b": ({"model_type": "falcon", "num_hidden_layers": 32, "hidden_size": 4544, "num_attention_heads": 71,
+                   "vocab_size": 65024, "multi_query": True, "parallel_attn": True, "bias": False}, 6.92e9),
+    "falcon-40b": ({"model_type": "falcon", "num_hidden_layers": 60, "hidden_size": 8192, "num_attention_heads": 128,
+                    "num_kv_heads": 8, "new_decoder_architecture": True, "vocab_size": 65024, "bias": False},
+                   41.8e9),
+    "gemma-7b": ({"model_type": "gemma", "num_hidden_layers": 28, "hidden_size": 3072, "num_attention_heads": 16,
+                  "num_key_value_heads": 16, "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000,
+                  "max_position_embeddings": 8192}, 8.54e9),
+}
+
+
+def _write(tmp_path, name: str, cfg: dict) -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_family_reads_to_its_published_size(tmp_path, name):
+    cfg, params = CONFIGS[name]
+    spec = parse_model(_write(tmp_path, name, cfg))
+    assert spec.priced_only == cfg["model_type"] and spec.name == name
+    assert spec.total_params == pytest.approx(params, rel=0.02)
+
+
+def test_shapes_that_matter_to_serving_are_read(tmp_path):
+    falcon7 = parse_model(_write(tmp_path, "f7", CONFIGS["falcon-7b"][0]))
+    falcon40 = parse_model(_write(tmp_path, "f40", CONFIGS["falcon-40b"][0]))
+    gemma = parse_model(_write(tmp_path, "g", CONFIGS["gemma-7b"][0]))
+    opt = parse_model(_write(tmp_path, "o", CONFIGS["opt-13b"][0]))
+    assert (falcon7.num_kv_heads, falcon40.num_kv_heads, gemma.head_dim, gemma.num_kv_heads) == (1, 8, 256, 16)
+    assert (opt.max_position, opt.dtype, opt.activation, gemma.activation) == (2048, "fp16", "gelu", "swiglu")
+
+
+def test_what_changes_the_shapes_and_is_not_read_is_refused(tmp_path):
+    opt350 = {**CONFIGS["opt-13b"][0], "word_embed_proj_dim": 512}
+    with pytest.raises(SpecError, match="word_embed_proj_dim"):
+        parse_model(_write(tmp_path, "opt350", opt350))
+    with pytest.raises(SpecError, match="ALiBi"):
+        parse_model(_write(tmp_path, "alibi", {**CONFIGS["falcon-7b"][0], "alibi": True}))
+    with pytest.raises(SpecError, match="missing num_hidden_layers"):
+        parse_model(_write(tmp_path, "short", {"model_type": "opt", "hidden_size": 64}))
+    with pytest.raises(SpecError, match="priced for serving only, opt, gpt_neox, falcon, gemma"):
+        parse_model(_write(tmp_path, "bloom", {"model_type": "bloom"}))
+
+
+def test_the_runtime_refuses_to_build_one_and_serving_prices_it(tmp_path, capsys):
+    from flexmesh.cli import main
+    from flexmesh.runtime.model.transformer import build_model
+
+    folder = _write(tmp_path, "opt-13b", CONFIGS["opt-13b"][0])
+    with pytest.raises(SpecError, match="opt config, read for its shapes to price serving"):
+        build_model(parse_model(folder))
+    rc = main(["serve", "simulate", "--model", folder, "--cluster", "2xA100-80GB", "--trace", "const:500:50",
+               "--requests", "20", "--rate", "2", "--engine", "vllm-v0", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["model"] == "opt-13b" and doc["runs"][0]["requests"] == 20
