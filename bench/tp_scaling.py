@@ -38,7 +38,8 @@ from flexmesh.spec import MODEL_PRESETS
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.devices import DEVICE_PRESETS
 
-DEPENDS_ON = ("flexmesh/cost", "flexmesh/spec", "bench/data/vidur_mlp_tp.csv", "bench/data/vidur_allreduce.csv")
+DEPENDS_ON = ("flexmesh/cost", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py",
+              "flexmesh/units.py", "bench/data/vidur_mlp_tp.csv", "bench/data/vidur_allreduce.csv")
 DATA = Path(__file__).parent / "data"
 BOUND = 0.15
 PARTS = {"a100": "A100-80GB", "h100": "H100-80GB"}  # Vidur's DGX A100 80GB and DGX H100
