@@ -308,3 +308,57 @@ def test_malformed_completions_are_one_line(body, message):
     with pytest.raises(ServeError, match=message) as e:
         parse_completion(body, 4096, branches=True)
     assert "\n" not in str(e.value)
+
+
+def test_two_requests_with_one_client_id_are_both_answered_and_recorded(tmp_path):
+    eng = fake_engine(0, per_token_s=0.01)
+    records = tmp_path / "records.jsonl"
+
+    async def body(url, router):
+        return await asyncio.gather(post(url, {"prompt": [1, 2], "max_tokens": 5}, rid=7),
+                                    post(url, {"prompt": [3], "max_tokens": 3}, rid=7))
+
+    with records.open("a") as f:
+        (s1, a1), (s2, a2) = with_router([eng], body, records=f, request_timeout_s=10)
+    assert (s1, s2) == (200, 200)
+    assert (len(a1["choices"][0]["token_ids"]), len(a2["choices"][0]["token_ids"])) == (5, 3)
+    assert sorted(r.id for r in read_records(records)) == [7, 7]  # the client's id kept in each record
+    assert len({b["request_id"] for b in eng[1]}) == 2  # the engine saw two ids
+
+
+@pytest.mark.parametrize("what, send, says", [
+    ("a 300-digit id", {"rid": "9" * 300}, "1 to 18 digits"),
+    ("a negative id", {"rid": "-3"}, "1 to 18 digits"),
+    ("deep nesting", {"raw": "[" * 100_000 + "]" * 100_000}, "not JSON"),
+    ("a prompt past the context", {"body": {"prompt": [1] * 64, "max_tokens": 1}}, "no room in the model's context"),
+])
+def test_malformed_requests_are_a_400_in_one_line(what, send, says):
+    async def body(url, router):
+        headers = {"X-Request-Id": send["rid"]} if "rid" in send else {}
+        data = send.get("raw") or json.dumps(send.get("body", {"prompt": [1], "max_tokens": 1}))
+        async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/completions", data=data,
+                                                        headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+    status, answer = with_router([fake_engine(0)], body, context=64)
+    assert status == 400 and says in answer["error"]["message"], (what, answer)
+    assert "\n" not in answer["error"]["message"]
+
+
+def test_a_records_file_that_fails_loses_no_answer_and_says_so(tmp_path):
+    class Failing:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    async def body(url, router):
+        first = await post(url, {"prompt": [1], "max_tokens": 2})
+        second = await post(url, {"prompt": [1], "max_tokens": 2})
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/health") as r:
+            return first, second, await r.json()
+
+    (s1, _), (s2, _), health = with_router([fake_engine(0)], body, records=Failing())
+    assert (s1, s2) == (200, 200)
+    assert health["records"].startswith("lost: OSError") and "No space left" in health["records"]

@@ -83,6 +83,10 @@ def _placed(plan):
 def launches(name: str, plan, model_path: str, base_port: int = BASE_PORT, host: str = "127.0.0.1") -> list[Launch]:
     """Engine ``name``'s launch command for each replica of ``plan`` (see the module doc)."""
     e = engine(name)
+    for what, value in (("model path", model_path), ("host", host)):  # each one quoted word of a one-line command
+        if not value or not value.isprintable():
+            raise SpecError(f"the {what} {value!r} is empty or holds a line break or another control character; give "
+                            "one without")
     if e.argv is None:
         raise SpecError(f"flexmesh does not export {e.title} launch commands; engines it exports: vllm, sglang")
     if len(plan.models) > 1:
@@ -160,12 +164,18 @@ def check_launches(name: str, commands: list[Launch], python: str | None = None,
     return f"checked by {e.title} {got['version']}'s argument parser ({len(argvs)} command(s))"
 
 
+def _comment(text: str) -> str:
+    """``text`` as one comment line: a line break or other control character in it is written escaped, so that
+    nothing it carries becomes a line of the script."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def launch_script(name: str, commands: list[Launch], checked: str) -> str:
     lines = ["#!/bin/sh", f"# {name} engines of a flexmesh serving plan, one per replica; on each node run its lines",
-             f"# ({checked})"]
+             _comment(f"# ({checked})")]
     for x in commands:
-        lines.append(f"# replica {x.replica}: {x.role} on {x.device}, node {x.node}" + (f"; {x.note}" if x.note
-                                                                                       else ""))
+        lines.append(_comment(f"# replica {x.replica}: {x.role} on {x.device}, node {x.node}"
+                              + (f"; {x.note}" if x.note else "")))
         lines.append(x.line + " &")
     lines.append("wait")
     return "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ flexmesh.cost.device.attention_tables`` redo the tables' medians).
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from importlib import resources
 
@@ -16,11 +17,21 @@ import tomllib
 
 from flexmesh.errors import SpecError
 from flexmesh.spec.values import number, whole
-from flexmesh.spec.values import text as nonempty_text
 from flexmesh.units import GIB
 
 # What joins the GPUs of a node (presets/devices.toml explains each).
 INTRA_LINKS = ("nvswitch", "nvlink-bridge", "nvlink-mesh", "pcie")
+# What a device name may hold: it is written into launch scripts, file names and command lines (a defined set, so
+# that nothing it carries is read as a command or a path anywhere it lands)
+DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def device_name(name: object, where: str = "device name", error: type[Exception] = SpecError) -> str:
+    """``name`` if it is a device name (:data:`DEVICE_NAME`), else one line saying what one may hold."""
+    if not isinstance(name, str) or not DEVICE_NAME.fullmatch(name):
+        raise error(f"{where} {name!r} is not a device name: letters, digits, '.', '_' and '-', at most 64, starting "
+                    "with a letter or digit")
+    return name
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,7 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
-        nonempty_text(self.name, "device name", SpecError)
+        device_name(self.name)
         if not isinstance(self.peak_tflops, dict) or not self.peak_tflops:
             raise SpecError(f"{where}: peak_tflops must be a table of dtype = TFLOP/s, e.g. {{bf16 = 312.0}}")
         for dtype, v in self.peak_tflops.items():

@@ -30,6 +30,7 @@ class Held:
     task: asyncio.Task | None = None
     cancelled: bool = False
     resent: bool = False  # moved off an engine that was lost
+    serial: int = 0  # the router's key of its request (unique, whatever id the client sent)
 
 
 @dataclass(eq=False)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import time
 from collections.abc import Callable
 from functools import partial
@@ -64,6 +65,9 @@ from flexmesh.errors import FlexmeshError, ServeError
 from flexmesh.serve.branches import Score, to_prune
 from flexmesh.serve.engine.held import BranchGroup, Held, Replica, request_record
 from flexmesh.serve.engine.http import MAX_BODY_BYTES, error_body, parse_completion
+
+# A client's X-Request-Id: a whole number of at most 18 digits (its record's id)
+REQUEST_ID = re.compile(r"[0-9]{1,18}")
 from flexmesh.serve.layout.routing import RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
@@ -122,7 +126,9 @@ class RouterService:
         self.score, self.prune_below = score, prune_below
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.health_failures = health_failures
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # ids of requests sent without X-Request-Id
+        self._serials = itertools.count()
+        self.records_error = ""  # why the records file was dropped
         self.session: ClientSession | None = None  # while the app runs
         self.answered = self.failed = self.decode_tokens = 0
 
@@ -188,16 +194,19 @@ class RouterService:
 
         arrival = time.perf_counter()
         header = request.headers.get("X-Request-Id")
-        try:
-            rid = int(header) if header is not None else next(self._ids)
-        except ValueError:
-            return web.json_response(error_body(f"X-Request-Id must be an integer, got {header!r}"), status=400)
+        if header is not None and not REQUEST_ID.fullmatch(header):
+            return web.json_response(error_body(f"X-Request-Id must be a whole number of 1 to 18 digits, got "
+                                                f"{header[:40]!r}"), status=400)
+        rid = int(header) if header is not None else next(self._ids)  # the client's: its record keeps it
         try:
             body = json.loads(await request.read())
             c = parse_completion(body, self.context if self.context < 2**31 - 1 else 1 << 30, branches=True)
-        except (ValueError, ServeError) as e:  # not JSON at all, or not a completion
-            msg = str(e) if isinstance(e, ServeError) else f"the request body is not JSON ({e})"
+        except (ValueError, ServeError, RecursionError) as e:  # not JSON, nested past the parser, not a completion
+            msg = str(e) if isinstance(e, ServeError) else f"the request body is not JSON ({type(e).__name__})"
             return web.json_response(error_body(msg), status=400)
+        if len(c.prompt) >= self.context:
+            return web.json_response(error_body(f"the prompt of {len(c.prompt):,} tokens leaves no room in the "
+                                                f"model's context of {self.context:,}"), status=400)
         if self.outstanding + c.n > self.max_outstanding:
             return web.json_response(error_body(f"the router holds {self.max_outstanding} requests already; "
                                                 "retry later", "overloaded"), status=503)
@@ -211,13 +220,14 @@ class RouterService:
             return web.json_response(error_body("every engine is down; restart the fleet", "unavailable"),
                                      status=503)
         predicted = self._predicted(r)
+        serial = next(self._serials)  # the router's own key: two requests with one client id never meet
         if c.n == 1:
-            h = Held(r, fwd, c.max_tokens, predicted, future=future)
+            h = Held(r, fwd, c.max_tokens, predicted, future=future, serial=serial)
             self._admit(rep, h)
         else:
             g = BranchGroup(r, future, replica=rep)
             for b, n in enumerate(r.branch_lengths()):
-                h = Held(r, fwd, n, min(predicted, n), branch=b, group=g)
+                h = Held(r, fwd, n, min(predicted, n), branch=b, group=g, serial=serial)
                 g.alive[b] = h
                 self._admit(rep, h, pump=False)
             self._pump(rep)
@@ -256,7 +266,7 @@ class RouterService:
         while rep.up and len(rep.running) < rep.max_running and len(rep.queue):
             h = rep.queue.pop()
             h.attempts += 1
-            h.engine_rid = f"{h.r.id}.{h.branch}.{h.attempts}"
+            h.engine_rid = f"{h.serial}.{h.branch}.{h.attempts}"
             rep.running[h.engine_rid] = h
             rep.sent += 1
             h.task = asyncio.ensure_future(self._forward(rep, h))
@@ -315,9 +325,16 @@ class RouterService:
             target.set_result((status, answer))
 
     def _write(self, record: RequestRecord) -> None:
-        if self.records is not None:
+        """The record of an answered request, appended to the records file; a file that fails is reported once
+        (an event, ``/health``'s ``records``) and dropped: the answers go on."""
+        if self.records is None:
+            return
+        try:
             self.records.write(json.dumps(record.to_json()) + "\n")
             self.records.flush()
+        except (OSError, ValueError) as e:  # full disk, a closed file, ...
+            self.records, self.records_error = None, f"{type(e).__name__}: {e}".replace("\n", " ")
+            self.event("records-lost", why=self.records_error)
 
     def _give_up(self, future: asyncio.Future) -> None:
         """A request past its timeout: drop what of it is still held."""
@@ -496,6 +513,8 @@ class RouterService:
                 "outstanding": [len(r.running) for r in self.replicas],
                 "queued": [len(r.queue) for r in self.replicas], "sent": [r.sent for r in self.replicas],
                 "answered": self.answered, "failed": self.failed}
+        if self.records_error:  # answers go on; what was asked to be kept is not
+            body["records"] = f"lost: {self.records_error}"
         return web.json_response(body, status=200 if not down else 503)
 
     async def _events(self, request):

@@ -49,8 +49,8 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float, stall_s: f
             c = parse_completion(body, engine.max_position)
             prompt, max_tokens = c.prompt, c.max_tokens
             engine.check(prompt, max_tokens)
-        except ValueError as e:  # not JSON at all (aiohttp raises JSONDecodeError, a ValueError)
-            msg = str(e) if isinstance(e, ServeError) else f"the request body is not JSON ({e})"
+        except (ValueError, RecursionError) as e:  # not JSON (JSONDecodeError is a ValueError), or nested past it
+            msg = str(e) if isinstance(e, ServeError) else f"the request body is not JSON ({type(e).__name__})"
             return web.json_response(error_body(msg), status=400)
         if engine.outstanding >= max_outstanding:
             return web.json_response(error_body(f"the engine holds {max_outstanding} requests already; retry later",
@@ -90,7 +90,7 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float, stall_s: f
         try:
             body = await request.json()
             rid = body["request_id"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return web.json_response(error_body('send {"request_id": "..."}'), status=400)
         return web.json_response({"request_id": rid, "cancelled": engine.cancel(str(rid))})
 

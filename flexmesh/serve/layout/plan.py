@@ -69,6 +69,7 @@ from flexmesh.serve.layout.roles import Role
 from flexmesh.serve.layout.routing import RoutingPolicy, RoutingTable
 from flexmesh.serve.layout.slo import SLO
 from flexmesh.spec.cluster import Link, MixedCluster, parse_mixed_cluster
+from flexmesh.spec.devices import device_name
 from flexmesh.spec.model import ModelSpec, parse_model
 from flexmesh.spec.values import flag, known_keys, mapping, number, sequence, text, whole
 
@@ -435,7 +436,7 @@ def _group(raw: Any, where: str, nb: int, nm: int) -> ServingGroup:
         if decode:
             raise PlanError(f"{where}: only decode groups give decode shares")
     return ServingGroup(model, whole(g.get("group", 0), f"{where}.group", PlanError, minimum=0),
-                        text(g.get("device"), f"{where}.device", PlanError),
+                        device_name(g.get("device"), f"{where}.device", PlanError),
                         whole(g.get("replicas", 1), f"{where}.replicas", PlanError),
                         whole(g.get("tp", 1), f"{where}.tp", PlanError),
                         whole(g.get("pp", 1), f"{where}.pp", PlanError), role, knobs, entry, decode)
