@@ -221,7 +221,7 @@ def test_export_on_a_full_disk_leaves_nothing_half_written(run, tmp_path, capsys
     assert not out.exists()  # the folder it made, with every shard it wrote, is gone
 
 
-def test_an_overwrite_on_a_full_disk_says_the_earlier_export_is_gone(run, tmp_path, capsys, monkeypatch):
+def test_an_overwrite_on_a_full_disk_keeps_the_earlier_export_as_it_was(run, tmp_path, capsys, monkeypatch):
     from flexmesh.cli import main
 
     out = tmp_path / "hf"
@@ -229,13 +229,32 @@ def test_an_overwrite_on_a_full_disk_says_the_earlier_export_is_gone(run, tmp_pa
     (out / "mine.txt").write_text(VICTIM := "a file of the user's")
     assert main(["export", "--checkpoint", str(run["run"]), "--out", str(out), "--max-shard-size", "40KB"]) == 0
     capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "config.json" in before and sum(n.endswith(".safetensors") for n in before) > 1
     _failing_save(monkeypatch, 1)
     assert main(["export", "--checkpoint", str(run["run"]), "--out", str(out), "--max-shard-size", "40KB",
-                 "--overwrite"]) == 2
+                 "--overwrite", "--dtype", "bf16"]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "the disk is full" in err and "earlier export there is gone too" in err
-    left = sorted(p.name for p in out.iterdir())
-    assert left == [".flexmesh-export.json", "mine.txt"] and (out / "mine.txt").read_text() == VICTIM
+    assert "the disk is full" in err and "the earlier export there is kept as it was" in err
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert after == before and (out / "mine.txt").read_text() == VICTIM  # nothing of the new one, nothing lost
+
+
+def test_a_safetensors_error_while_writing_is_one_line_and_leaves_nothing(run, tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from flexmesh.cli import main
+
+    def save_file(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 5, kind: Other, message: \"I/O error\" })")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run["run"]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "cannot write the export" in err and "I/O error" in err
+    assert not out.exists()  # it made the folder, so it removed it
 
 
 def test_an_out_path_too_long_is_one_line(run, tmp_path, capsys):

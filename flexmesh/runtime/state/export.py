@@ -25,8 +25,10 @@ A mixture of experts is written with its experts in the layout of the weights th
 or the one asked for. The routing biases of aux-loss-free balancing pick experts in training only and
 have no Hugging Face name: they are left out.
 
-Each file is written to a temporary name, fsynced and renamed, and ``config.json`` comes last: a
-folder with a config.json is a finished export; an interrupted one has none and loads nowhere.
+Each file is written whole into a staging folder (:data:`STAGING`, inside ``out``) and, once every one is, moved
+into place, the earlier export's other files removed and ``config.json`` written last: a failure while writing (a
+full disk) leaves an earlier export as it was; a folder with a config.json is a finished export; one interrupted
+while its files are moved in has none and loads nowhere.
 """
 
 from __future__ import annotations
@@ -252,6 +254,8 @@ def _plan_shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[l
 # ``--overwrite`` replaces or removes only files listed there as they were left, never a file flexmesh
 # did not write (a downloaded model's weights in the folder named as --out).
 EXPORT_RECORD = ".flexmesh-export.json"
+# Where an export writes its files whole before they replace an earlier export's (removed once they have)
+STAGING = ".flexmesh-export-staging"
 
 
 def _stamp(p: Path) -> list[int]:
@@ -325,6 +329,15 @@ def _tokenizer(path: Path, tokenizer: str | Path | None, spec: ModelSpec) -> _To
     return _Tokenizer(tokenizer_file(tokenizer), text, config, special_token_ids(tok, config))
 
 
+def _clear_staging(staging: Path) -> None:
+    """Remove an export's staging folder (:data:`STAGING`: its own name, holding only what it wrote there); a
+    link or a file of that name is left alone (make_folder then refuses it)."""
+    import shutil
+
+    if staging.is_dir() and not staging.is_symlink():
+        shutil.rmtree(staging)
+
+
 def _remove_partial(out: Path, files: list[str], tasks: Any, made: bool, previous: bool) -> None:
     """Remove what a failed export wrote in ``out`` (its shards, index, config, tokenizer and adapter
     folders: names it recorded, so never a file of someone else's), and ``out`` itself when it made it;
@@ -359,6 +372,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     weights the run started from were (its manifest says), else fused.
     A failure while writing (a full disk) removes what this export wrote and is one OutputError.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if dtype is not None and dtype not in DTYPES:
@@ -400,10 +414,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     made = not out.exists()
     make_folder(out)
+    staging = out / STAGING
+    swapping = False
     try:
-        # every file this export may write, recorded before it is: an interrupted export is still ours
-        _record(out, {**ours, **dict.fromkeys([*files, INDEX, "config.json", *_ASIDE])})
-        (out / "config.json").unlink(missing_ok=True)  # until the new export is whole, the folder loads nowhere
+        _clear_staging(staging)  # an interrupted export's
+        make_folder(staging)
+        # Written whole into the staging folder first: until every file is, the earlier export stays as it was.
         weight_map: dict[str, str] = {}
         for group, file in zip(groups, files, strict=True):
             tensors = read_full_tensors(path, {n: found[n] for n in group}, written)
@@ -412,32 +428,44 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
                 parts = (in_layout(hf_name(n), t.contiguous(), layout, family) if layout
                          else {hf_name(n): t.contiguous()})
                 named.update({k: v.clone() if len(parts) > 1 else v for k, v in parts.items()})
-            write_atomic_with(out / file, partial(save_file, named, metadata={"format": "pt"}))
+            write_atomic_with(staging / file, partial(save_file, named, metadata={"format": "pt"}))
             weight_map.update(dict.fromkeys(named, file))
             del tensors, named
         total = sum(nbytes.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        write_atomic(out / INDEX, json.dumps(index, indent=2) + "\n")
+        write_atomic(staging / INDEX, json.dumps(index, indent=2) + "\n")
         config = to_hf_config(replace(spec, dtype=_NAMES[written]))
         if isinstance(tok, _Tokenizer):
-            write_hf_tokenizer(out, tok.text, tok.config)
-            write_atomic(out / GENERATION_CONFIG, json.dumps(tok.ids, indent=2) + "\n")
+            write_hf_tokenizer(staging, tok.text, tok.config)
+            write_atomic(staging / GENERATION_CONFIG, json.dumps(tok.ids, indent=2) + "\n")
             config.update(tok.ids)  # else transformers' defaults (Llama: bos 1, eos 2) would stop generation on a byte
+        # The swap: every file it may write recorded before it is there (an interrupted swap is still ours); the
+        # folder loads nowhere until config.json, written last, names the new export.
+        _record(out, {**ours, **dict.fromkeys([*files, INDEX, "config.json", *_ASIDE])})
+        swapping = True
+        (out / "config.json").unlink(missing_ok=True)
         keep = {*files, INDEX, "config.json", *(_ASIDE if isinstance(tok, _Tokenizer) else ())}
+        for name in sorted(keep - {"config.json"}):
+            os.replace(staging / name, out / name)
         for old in previous:  # files of the earlier export; model.safetensors would shadow the index
             if old.name not in keep:
                 old.unlink(missing_ok=True)
         write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
+        staging.rmdir()
         _record(out, {p.name: _stamp(p) for p in _previous_export(out)})
         folders = (write_adapters(out, tasks, read_full_tensors(path, adapters), str(Path(out).resolve())) if tasks
                    else [])
-    except OSError as e:  # a full disk, a quota, a name too long: nothing half-written stays behind
-        _remove_partial(out, files, tasks, made, bool(previous))
+    except (OSError, SafetensorError) as e:  # a full disk, a quota, a name too long: nothing half-written stays
+        _clear_staging(staging)
+        if swapping or not previous:
+            _remove_partial(out, files, tasks, made, bool(previous))
+        code = e.errno if isinstance(e, OSError) else None
         why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
-               errno.ENAMETOOLONG: "a name is longer than the file system allows"}.get(e.errno or 0,
-                                                                                       e.strerror or str(e))
-        gone = "; the earlier export there is gone too (--overwrite)" if previous else ""
-        raise OutputError(f"cannot write the export to {out}: {why}; the files this export wrote are removed{gone}: "
+               errno.ENAMETOOLONG: "a name is longer than the file system allows"}.get(
+            code or 0, (e.strerror if isinstance(e, OSError) else None) or str(e).replace("\n", " "))
+        kept = "" if not previous else ("; the earlier export there is kept as it was" if not swapping else
+                                        "; the earlier export there is gone too (it failed while replacing it)")
+        raise OutputError(f"cannot write the export to {out}: {why}; the files this export wrote are removed{kept}: "
                           "free space there or choose another --out, then export again") from None
     return ExportReport(adapters=tuple(folders), expert_layout=layout, checkpoint=path, step=int(manifest["step"]),
                         out=out, family=family,
