@@ -117,6 +117,16 @@ def worker(out: Path, names: list[str]) -> None:
             report["after_full"] = {"latest": (root / "latest").read_text().strip(),
                                     "left": sorted(p.name for p in root.iterdir())}
             expect_error("previous_loads", lambda: load_checkpoint(latest_checkpoint(root), trainer))
+            # A folder of someone else's where the next checkpoint goes: refused, kept as it was.
+            foreign = root / "step_000008"
+            if rank == 0:
+                foreign.mkdir()
+                (foreign / "notes.txt").write_text("mine")
+            dist.barrier()
+            expect_error("in_the_way", lambda: save_checkpoint(root, 8, trainer, {"position": 8}))
+            dist.barrier()
+            report["foreign"] = {"kept": sorted(p.name for p in foreign.iterdir()),
+                                 "latest": (root / "latest").read_text().strip()}
         (out / f"report_{rank}.json").write_text(json.dumps(report))
     finally:
         dist.barrier()
@@ -206,6 +216,13 @@ def test_full_disk_while_saving_says_so_and_keeps_the_previous_checkpoint(world2
         assert world2[rank]["previous_loads"] is None
     assert world2[0]["after_full"]["latest"] == "step_000006"
     assert not any(n.startswith(".tmp-") or n == "step_000007" for n in world2[0]["after_full"]["left"])
+
+
+def test_a_folder_not_ours_where_the_next_checkpoint_goes_is_refused_and_kept(world2):
+    for r in (0, 1):
+        assert "is in the way and is not a checkpoint flexmesh wrote" in world2[r]["in_the_way"]
+        assert "\n" not in world2[r]["in_the_way"]
+    assert world2[0]["foreign"] == {"kept": ["notes.txt"], "latest": "step_000006"}
 
 
 def test_latest_may_only_name_a_step_folder_of_this_run(tmp_path):

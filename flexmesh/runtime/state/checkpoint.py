@@ -135,6 +135,9 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
     def prepare() -> None:
         if rank == 0:
             make_folder(root, root=root.parent)  # a real folder in the run folder, not a symlink to somewhere else
+            if os.path.lexists(final) and not _written_here(final):  # replaced in publish: only one of ours is
+                raise CheckpointError(f"{final} is in the way and is not a checkpoint flexmesh wrote (no manifest of "
+                                      "its own); nothing was deleted: move it out of the checkpoints folder")
             fresh_folder(tmp, root)
 
     def write_shards() -> None:
@@ -172,6 +175,19 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
     _on_all_ranks(lambda: publish(sums), root, tmp, final)
     return final
 
+
+
+def _written_here(folder: Path) -> bool:
+    """Whether ``folder`` is a checkpoint flexmesh wrote: a real folder holding a manifest of this format (the
+    one a save may replace: a resumed run saving a step again)."""
+    m = folder / MANIFEST
+    if folder.is_symlink() or not folder.is_dir() or m.is_symlink() or not m.is_file():
+        return False
+    try:
+        d = load_json(m, CheckpointError)
+    except CheckpointError:
+        return False
+    return isinstance(d, dict) and d.get("format") == FORMAT
 
 
 def _on_all_ranks(part: Callable[[], None], root: Path, tmp: Path, final: Path) -> None:
