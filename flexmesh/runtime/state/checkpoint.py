@@ -52,7 +52,7 @@ from flexmesh.inputs import load_json, read_bytes
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.model.params import host_threads
 from flexmesh.runtime.parallel.distributed import cpu_group
-from flexmesh.runtime.state.checkpoint_io import guarded_writer, hash_files
+from flexmesh.runtime.state.checkpoint_io import bytes_loading_planner, guarded_reader, guarded_writer, hash_files
 from flexmesh.spec.tasks import Task, TaskSet
 
 if TYPE_CHECKING:  # DCP itself is imported when a checkpoint is saved or loaded
@@ -373,12 +373,14 @@ def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if not rank_file.is_file():
         raise CheckpointError(f"checkpoint {path} lacks {rank_file.name}; it is incomplete: resume from an earlier one")
-    verify_checkpoint(path, manifest)
+    metadata = verify_checkpoint(path, manifest)
     model_sd, optim_sd = _state_dicts(trainer, saving=False)
     state = {"model": model_sd, "optim": optim_sd}
     error: BaseException | None = None
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        # the metadata as read through the allow-list, storage files checked, bytes read weights-only
+        dcp.load(state, storage_reader=guarded_reader(path, metadata, CheckpointError),
+                 planner=bytes_loading_planner())
         extra = torch.load(rank_file, weights_only=True)  # tensors, lists and numbers only: no code runs
     # DCP gathers every rank's read errors into a CheckpointException (a BaseException) on all ranks;
     # a rank file only one rank reads is agreed on, or the others would train on and then hang.

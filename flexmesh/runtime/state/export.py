@@ -66,8 +66,10 @@ from flexmesh.runtime.state.checkpoint import (
     latest_checkpoint,
     manifest_tasks,
     plan_hash,
+    read_metadata,
     verify_checkpoint,
 )
+from flexmesh.runtime.state.checkpoint_io import bytes_loading_planner, guarded_reader
 from flexmesh.runtime.state.expert_weights import FUSED, LAYOUTS, in_layout
 from flexmesh.runtime.state.peft import write_adapters
 from flexmesh.runtime.state.weights import hf_name
@@ -214,15 +216,20 @@ def _check_against(spec: ModelSpec, found: dict[str, tuple[str, Any]], path: Pat
 
 def read_full_tensors(path: str | Path, keys: dict[str, tuple[str, Any]],
                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Full (unsharded) tensors of checkpoint ``path``: ``{name: (DCP key, metadata)}`` -> ``{name: tensor}``."""
+    """Full (unsharded) tensors of checkpoint ``path``: ``{name: (DCP key, metadata)}`` -> ``{name: tensor}``
+    (its metadata read through the allow-list, once per call; DCP never unpickles it)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
+    path = Path(path)
     state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in keys.values()}
     try:
+        metadata = read_metadata(path)
         with warnings.catch_warnings():  # "no process group: loading locally" is what is meant here
             warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+            dcp.load(state, storage_reader=guarded_reader(path, metadata, CheckpointError),
+                     planner=bytes_loading_planner(), no_dist=True)
+    except CheckpointError:
+        raise
     except BaseException as e:  # DCP wraps read errors in CheckpointException, a BaseException
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise

@@ -65,15 +65,15 @@ from flexmesh.errors import FlexmeshError, ServeError
 from flexmesh.serve.branches import Score, to_prune
 from flexmesh.serve.engine.held import BranchGroup, Held, Replica, request_record
 from flexmesh.serve.engine.http import MAX_BODY_BYTES, error_body, parse_completion
-
-# A client's X-Request-Id: a whole number of at most 18 digits (its record's id)
-REQUEST_ID = re.compile(r"[0-9]{1,18}")
 from flexmesh.serve.layout.routing import RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
 from flexmesh.serve.queues import make_queue
 from flexmesh.serve.router import ROUTERS, make_router
 from flexmesh.serve.router import Router as Policy
+
+# A client's X-Request-Id: a whole number of at most 18 digits (its record's id)
+REQUEST_ID = re.compile(r"[0-9]{1,18}")
 
 if TYPE_CHECKING:
     from aiohttp import ClientSession
