@@ -77,7 +77,7 @@ def content_fingerprint(corpus: Corpus) -> str:
     h = hashlib.sha256(f"{corpus.kind}:{corpus.text_field}".encode())
     for f in corpus.files:
         name = f.relative_to(corpus.root) if corpus.kind == "dir" else f.name
-        h.update(f"\0{name}\0".encode())
+        h.update(b"\0" + os.fsencode(name) + b"\0")  # the name's bytes: a name that is not UTF-8 hashes too
         with f.open("rb") as fh:
             while chunk := fh.read(1 << 20):
                 h.update(chunk)
