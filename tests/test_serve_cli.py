@@ -110,3 +110,20 @@ def test_a_sharegpt_file_is_simulated_at_the_rate_given(capsys, tmp_path):
     doc = json.loads(out.out)
     assert doc["runs"][0]["requests"] == 30 and doc["runs"][0]["rate"] == pytest.approx(4, rel=0.6)
     assert "note: sharegpt.json: ShareGPT conversations have no arrival times" in out.err
+
+
+def test_a_long_simulation_says_how_it_goes_whatever_its_size(monkeypatch, capsys):
+    """Not its request count but its time decides: a run is never silent longer than PROGRESS_EVERY_S (here 0,
+    so every report of the simulator's prints a line, with what is left)."""
+    import flexmesh.commands.serve_simulate as serve_simulate
+    import flexmesh.serve.simulator as simulator
+    from flexmesh.cli import main
+
+    monkeypatch.setattr(serve_simulate, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(simulator, "PROGRESS_S", 0.0)
+    assert main(["serve", "simulate", "--trace", "const:300:20", "--requests", "40", "--rate", "5",
+                 "--max-batched-tokens", "16", "--max-seqs", "2", "--json"]) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("simulating: ")]
+    assert len(lines) > 3 and all("of 40 requests of this run done" in x for x in lines)
+    assert any("s left in it" in x for x in lines)

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,6 +68,8 @@ MAX_REQUESTS = 10_000_000
 # Runs of more requests than this in all are announced, with a progress bar on a terminal (about a minute of work
 # on a busy core: bench/RESULTS.md serve_sim).
 LONG_RUN_REQUESTS = 100_000
+# A run's progress: a bar on a terminal once it has run this long, a line this often elsewhere
+BAR_AFTER_S, PROGRESS_EVERY_S = 2.0, 10.0
 # The most runs a goodput search makes: its start, up to 12 doublings or halvings, then about 6 bisections to 2%.
 GOODPUT_RUNS = 19
 ARRIVALS = ("trace", "poisson", "gamma")
@@ -345,30 +348,45 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _progress:
-    """A rich progress bar over simulated requests (on a terminal, for long runs); a no-op otherwise."""
+    """Progress over simulated requests, for any run that takes long: on a terminal a bar once it has run
+    :data:`BAR_AFTER_S` (every long run, a big workload's from the start); elsewhere a line every
+    :data:`PROGRESS_EVERY_S`, so no run is silent longer than that (a budget of a few tokens makes a small
+    workload long)."""
 
     def __init__(self, console: Console, show: bool):
-        self.show = show and console.is_terminal
-        self.console = console
+        self.console, self.terminal, self.eager = console, console.is_terminal, show
+        self.bar = None
+        self.started = self.said = self.run_started = time.monotonic()
+        self.done = 0
 
-    def __enter__(self) -> Callable[[int, int], None] | None:
-        if not self.show:
-            return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-        self.bar = Progress("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            console=self.console, transient=True)
-        self.bar.__enter__()
-        self.task = self.bar.add_task("requests", total=None)
-        self.done_before = 0
-
+    def __enter__(self) -> Callable[[int, int], None]:
         def tick(done: int, total: int) -> None:
-            self.bar.update(self.task, completed=done, total=total)
+            now = time.monotonic()
+            if self.terminal:
+                if self.bar is None and (self.eager or now - self.started >= BAR_AFTER_S):
+                    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+                    self.bar = Progress("{task.description}", BarColumn(), MofNCompleteColumn(),
+                                        TimeRemainingColumn(), console=self.console, transient=True)
+                    self.bar.__enter__()
+                    self.task = self.bar.add_task("requests", total=None)
+                if self.bar is not None:
+                    self.bar.update(self.task, completed=done, total=total)
+            else:
+                if done < self.done:  # the next run (a rate sweep, the goodput search) began
+                    self.run_started = now
+                self.done = done
+                if now - self.said >= PROGRESS_EVERY_S:
+                    self.said = now
+                    took = now - self.run_started
+                    left = f", about {took * (total - done) / done:.0f} s left in it" if 0 < done < total else ""
+                    self.console.print(f"simulating: {done:,} of {total:,} requests of this run done{left}; "
+                                       f"{now - self.started:.0f} s so far", highlight=False)
 
         return tick
 
     def __exit__(self, *exc: object) -> None:
-        if self.show:
+        if self.bar is not None:
             self.bar.__exit__(None, None, None)
 
 

@@ -142,6 +142,10 @@ class SimResult:
     notes: tuple[str, ...]  # what the simulation did not do as asked, and why
 
 
+# How often a run's progress callback hears from it, in seconds of wall time
+PROGRESS_S = 0.5
+
+
 class Fleet:
     """A deployment built once (each replica's pricing, KV capacity, the KV paths between replicas); :meth:`run`
     simulates a workload on fresh replicas, as often as asked (a rate sweep, a goodput search).
@@ -374,9 +378,12 @@ class FleetRun:
     def run(self) -> SimResult:
         arrivals, events = self.arrivals, self.events
         n, a = len(arrivals), 0
+        ticked = time.monotonic()
         while a < n or events:
             self.count += 1
-            if self.progress is not None and self.count % 4096 == 0:
+            # progress about every PROGRESS_S of wall time (an event may be one iteration or thousands at once)
+            if self.progress is not None and time.monotonic() - ticked >= PROGRESS_S:
+                ticked = time.monotonic()
                 self.progress(len(self.records), n)
             if a < n and (not events or arrivals[a].arrival_s <= events[0][0]):
                 self.on_arrival(arrivals[a], arrivals[a].arrival_s)
