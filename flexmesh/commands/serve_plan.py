@@ -470,9 +470,12 @@ def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[B
         console.print(f"note: {n}")
     if result.score is not None:
         s = result.score
-        console.print(f"goodput {s.goodput:.4g} req/s at ${s.dollars_per_hour:,.2f}/h ({s.per_dollar:.4g} req/s per "
-                      f"$/h); planned from {result.configs} configurations, {result.plan_s:.2f} s; scored in "
-                      f"{result.simulate_s:.1f} s")
+        console.print(f"goodput {'at least ' if not s.bounded else ''}{s.goodput:.4g} req/s at "
+                      f"${s.dollars_per_hour:,.2f}/h ({s.per_dollar:.4g} req/s per $/h); planned from {result.configs} "
+                      f"configurations, {result.plan_s:.2f} s; scored in {result.simulate_s:.1f} s")
+        if not s.bounded:
+            console.print("note: every rate tried met the SLO: the workload is served within it even arriving all "
+                          "at once, so its goodput is not found; give more requests (--requests) to find the knee")
     else:
         console.print(f"MILP rate {p.predicted.get('rate', 0):.4g} req/s at ${p.dollars_per_hour:,.2f}/h (not "
                       f"simulated); planned from {result.configs} configurations, {result.plan_s:.2f} s")

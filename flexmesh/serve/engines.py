@@ -77,6 +77,7 @@ class EngineKind:
     check: ParserCheck | None = None
     runs_here: bool = False  # serve run starts it on this machine
     flags: Callable[[EngineSpec], list[str]] | None = None  # what its launch adds for a description
+    half: tuple[str, ...] = ()  # its flags serving bf16 weights as fp16 (a part without bf16: Volta, Turing)
 
 
 ENGINES: dict[str, EngineKind] = {}
@@ -146,12 +147,12 @@ def _sglang_flags(e: EngineSpec) -> list[str]:
     return out
 
 
-register(EngineKind("vllm", "vLLM", flags=_vllm_flags, argv=_vllm, check=ParserCheck(
+register(EngineKind("vllm", "vLLM", flags=_vllm_flags, half=("--dtype", "half"), argv=_vllm, check=ParserCheck(
     "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
     "parser = make_arg_parser(FlexibleArgumentParser())\n"
     "import vllm\nversion = vllm.__version__\n", 2, model_flag="--model")))  # argv after 'vllm serve'
-register(EngineKind("sglang", "SGLang", flags=_sglang_flags, argv=_sglang, check=ParserCheck(
+register(EngineKind("sglang", "SGLang", flags=_sglang_flags, half=("--dtype", "half"), argv=_sglang, check=ParserCheck(
     "from sglang.srt.server_args import ServerArgs\nimport argparse\n"
     "parser = argparse.ArgumentParser()\nServerArgs.add_cli_args(parser)\n"
     "import sglang\nversion = sglang.__version__\n", 3)))  # argv after 'python -m sglang.launch_server'

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexmesh.errors import SpecError
+from flexmesh.cost.inference.memory import served_dtype
 from flexmesh.serve.engines import engine
 
 BASE_PORT = 8100
@@ -92,11 +93,15 @@ def launches(name: str, plan, model_path: str, base_port: int = BASE_PORT, host:
     if len(plan.models) > 1:
         raise SpecError("the plan serves several models; export one model's plan at a time")
     out = []
+    specs = plan.model_specs()
     for r, k, node, local, note in _placed(plan):
         port = base_port + r.index
         argv = e.argv(k, r.spec.tp, r.spec.pp, r.spec.role, model_path, host, port)
         if e.flags is not None:  # what the plan's engine description does that the engine's defaults do not
             argv += e.flags(plan.engine)
+        dtype = specs[r.spec.tier].dtype
+        if served_dtype(dtype, r.device) != dtype:
+            argv += list(e.half)
         out.append(Launch(r.index, node, r.device.name, r.spec.role, port, tuple(argv),
                           {"CUDA_VISIBLE_DEVICES": ",".join(map(str, local))}, k.max_seqs, note))
     return out

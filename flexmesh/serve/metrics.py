@@ -239,12 +239,15 @@ class Goodput:
 
 
 def goodput(attainment_at: Callable[[float], float], target: float, start_rate: float, rel_tol: float = 0.02,
-            max_steps: int = 12, step: float = 2.0) -> Goodput:
+            max_steps: int = 12, step: float = 2.0, saturated: Callable[[float], bool] | None = None) -> Goodput:
     """Bisection on the request rate for the highest one whose attainment (``attainment_at(rate)``, which is
     assumed not to rise with the rate) is at least ``target``: from ``start_rate`` multiply (or divide) by
     ``step`` until the target is bracketed, at most ``max_steps`` times (a step under 2 squared after each try, up
     to 2: a ``step`` nearer 1 takes fewer runs from a start already near the answer, a prediction's, and still
     reaches a far one), then halve the bracket in log-rate until its ends are within ``rel_tol`` of each other.
+    ``saturated(rate)``, asked of a rate that met the target: whether a higher rate could change nothing (a finite
+    workload that arrived whole before its first answer); the search stops there, unbounded, rather than multiply
+    a rate that means nothing further.
 
     >>> g = goodput(lambda r: 1.0 if r <= 7.3 else 0.5, target=0.9, start_rate=1.0)
     >>> 7.3 / 1.02 <= g.rate <= 7.3, g.bounded, len(g.points)
@@ -252,6 +255,9 @@ def goodput(attainment_at: Callable[[float], float], target: float, start_rate: 
     >>> near = goodput(lambda r: 1.0 if r <= 7.3 else 0.5, target=0.9, start_rate=6.5, step=1.25)
     >>> 7.3 / 1.02 <= near.rate <= 7.3, len(near.points)
     (True, 6)
+    >>> whole = goodput(lambda r: 1.0, target=0.9, start_rate=1.0, saturated=lambda r: r >= 8)  # a finite workload
+    >>> whole.rate, whole.bounded, len(whole.points)
+    (8.0, False, 4)
     """
     if not 0 < target <= 1:
         raise FlexmeshError(f"the attainment target is a fraction in (0, 1], got {target}")
@@ -271,6 +277,8 @@ def goodput(attainment_at: Callable[[float], float], target: float, start_rate: 
         lo = start_rate
         f = step
         for _ in range(max_steps):
+            if saturated is not None and saturated(lo):
+                break
             if not ok(lo * f):
                 hi = lo * f
                 break

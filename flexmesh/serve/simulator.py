@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from flexmesh.cost.device.hardware import Hardware
-from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity
+from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity, served_dtype
 from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.cost.inference.timing import (
     EngineLoop,
@@ -203,7 +203,8 @@ class Fleet:
                 if key not in built:
                     hw = hardware.get((s.tier, s.group))
                     if hw is None:
-                        hw = hardware[s.tier, s.group] = Hardware(cluster.groups[s.group], m.dtype)
+                        g = cluster.groups[s.group]
+                        hw = hardware[s.tier, s.group] = Hardware(g, served_dtype(m.dtype, g.device))
                     built[key] = self.engine.iteration(m, hw, s.tp, s.pp)
                 t = built[key]
             self.timings.append(replica_timing(t))

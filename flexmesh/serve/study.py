@@ -63,10 +63,14 @@ def find_goodput(fleet: Fleet, workload_at: Callable[[float], Workload], slo: SL
     """The highest rate at which at least ``target`` of the requests meet ``slo`` (:func:`~flexmesh.serve.metrics.
     goodput`'s bisection from ``start_rate``), and the summary of every rate it tried."""
     points: list[RatePoint] = []
+    whole: set[float] = set()  # rates whose workload arrived whole before its first answer
 
     def at(rate: float) -> float:
         result = fleet.run(workload_at(rate), options, progress)
         points.append(RatePoint(rate, summarize(result.records, slo, dollars_per_hour)))
+        answered = [r.first_token_s for r in result.records if r.first_token_s is not None]
+        if answered and max(r.arrival_s for r in result.records) <= min(answered):
+            whole.add(rate)
         return attainment(result.records, slo)
 
-    return goodput(at, target, start_rate, rel_tol=rel_tol, step=step), points
+    return goodput(at, target, start_rate, rel_tol=rel_tol, step=step, saturated=lambda r: r in whole), points

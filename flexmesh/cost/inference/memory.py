@@ -146,3 +146,13 @@ def kv_capacity(model: ModelSpec, device: DeviceSpec, tp: int, pp: int, max_batc
         raise SpecError(f"{model.name} at tp {tp} pp {pp} leaves no room for a KV cache on a {device.name}: "
                         f"{c.explain()}; raise tp or pp, or lower --max-batched-tokens or --max-seqs")
     return c
+
+
+def served_dtype(dtype: str, device) -> str:  # noqa: ANN001 - a DeviceSpec
+    """The dtype an engine serves ``dtype`` weights in on ``device``: bf16 as fp16 on a part without bf16 Tensor
+    Cores (Volta, Turing: vLLM refuses bf16 there and asks for ``--dtype half``, which ``serve export`` then
+    writes); else as given. The same bytes per value, so KV and weights size alike."""
+    if dtype == "bf16" and "bf16" not in device.peak_tflops and "fp16" in device.peak_tflops:
+        return "fp16"
+    return dtype
+

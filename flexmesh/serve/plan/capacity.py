@@ -58,7 +58,7 @@ from typing import Protocol
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
-from flexmesh.cost.inference.memory import check_tp, kv_capacity
+from flexmesh.cost.inference.memory import check_tp, kv_capacity, served_dtype
 from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.errors import FlexmeshError
 from flexmesh.serve.layout.buckets import Bucket
@@ -224,7 +224,8 @@ class Pricing:
             model = self.models[c.model]
             hw = self._hw.get((c.model, c.group))
             if hw is None:
-                hw = self._hw[c.model, c.group] = Hardware(self.cluster.groups[c.group], model.dtype)
+                g = self.cluster.groups[c.group]
+                hw = self._hw[c.model, c.group] = Hardware(g, served_dtype(model.dtype, g.device))
             t = self._timing[c.shape] = self.engine.iteration(model, hw, c.tp, c.pp, block=COUNT_BLOCK)
         return t
 
