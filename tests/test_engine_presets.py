@@ -201,3 +201,16 @@ def test_serve_simulate_and_plan_name_the_engine_and_unmeasured_parts(capsys):
                "--no-simulate", "--engine", "vllm-v0"])
     out = capsys.readouterr().out
     assert rc == 0 and "engine vllm-v0 (vLLM V0" in out and "note: L4: no kernel tables of its own" in out
+
+
+def test_a_part_without_bf16_serves_in_fp16_and_its_launch_says_so():
+    d = json.loads(EXAMPLE_PLAN.replace('"2xH100+1xL4"', '"2xH100+2xT4"').replace('"device": "L4", "replicas": 1, '
+                                                                                  '"tp": 1', '"device": "T4", '
+                                                                                  '"replicas": 1, "tp": 2'))
+    plan = ServingPlan.from_dict(d)
+    fleet, _ = Fleet.from_plan(plan)  # priced: a bf16 model on T4 (no bf16 Tensor Cores) raised before
+    out = fleet.run(with_arrivals(constant_lengths(300, 20), rate=2.0, n=10))
+    assert len(out.records) == 10
+    for engine in ("vllm", "sglang"):
+        argv = {c.device: c.argv for c in launches(engine, plan, "/m")}
+        assert argv["T4"][-2:] == ("--dtype", "half") and "--dtype" not in argv["H100-80GB"]
