@@ -175,6 +175,10 @@ def parse_json(text: str, error: type[Exception], where: str, *, invalid: str = 
                finite: bool = True) -> Any:
     """The JSON value of ``text`` (from ``where``, a file or a file's line), bounded and checked as
     :func:`check_values` says; ``error("<where>: <invalid> (<reason>)")`` when it is not JSON."""
+    # Values bounded before they are built: each value after a container's first follows a comma, so commas and
+    # openings bound the count from above (commas inside strings only make it stricter), counted at C speed.
+    if len(text) > MAX_VALUES and text.count(",") + text.count("[") + text.count("{") > MAX_VALUES:
+        raise error(_invalid(where, invalid, f"more than {MAX_VALUES:,} values"))
     try:
         value = json.loads(text)
     except RecursionError:  # nested deeper than Python's parser goes

@@ -61,6 +61,10 @@ SHIPPED = {"azure-conv": "azure2023_conv.csv.gz", "azure-code": "azure2023_code.
            "mooncake": "mooncake_conversation.jsonl.gz"}
 # The most bytes a trace file may expand to: 1 GiB is tens of millions of requests.
 MAX_TRACE_BYTES = 1 << 30
+# The most rows one trace may hold: the most requests one simulation runs (serve simulate's MAX_REQUESTS); each
+# row becomes a request object of a few hundred bytes, so a 4 MB gzip of 179 M short rows is refused before it
+# fills memory
+MAX_TRACE_ROWS = 10_000_000
 # The longest prompt or output a trace may give (tokens): the int32 range, as for lengths.
 MAX_TOKENS = 2**31 - 1
 PLAIN_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_blocks", "tier", "branches", "needed",
@@ -149,6 +153,10 @@ def _text(path: Path) -> str:
             raise DataError(f"{path}: not a readable gzip file ({e}); re-compress it or give the plain file") from None
     if len(raw) > MAX_TRACE_BYTES:
         raise DataError(f"{path}: more than {MAX_TRACE_BYTES:,} bytes; give a window of the trace")
+    rows = raw.count(b"\n")  # counted before a row is parsed: each costs a request object in memory
+    if rows > MAX_TRACE_ROWS:
+        raise DataError(f"{path}: {rows:,} lines, more than the {MAX_TRACE_ROWS:,} requests flexmesh reads from one "
+                        "trace; cut a window of it into a file of its own")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
