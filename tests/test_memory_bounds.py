@@ -38,3 +38,19 @@ def test_a_trace_of_too_many_rows_is_refused_before_reading_them(tmp_path, monke
         requests.load_trace(str(p))
     monkeypatch.setattr(requests, "MAX_TRACE_ROWS", 1000)
     assert len(requests.load_trace(str(p))) == 500
+
+
+def test_a_corpus_document_past_the_bound_is_one_line(tmp_path, monkeypatch):
+    import flexmesh.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "MAX_DOCUMENT_BYTES", 1000)
+    (tmp_path / "small.txt").write_text("x" * 500)
+    (tmp_path / "big.txt").write_text("y" * 5000)
+    with pytest.raises(DataError, match="big.txt is 0 MiB, more than the 0 MiB flexmesh reads as one document"):
+        corpus.read_corpus(str(tmp_path)).texts()
+    jl = tmp_path / "c.jsonl"
+    jl.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"text": "b" * 5000}) + "\n")
+    with pytest.raises(DataError, match="line 2 is longer than"):
+        corpus.read_corpus(str(jl)).texts()
+    (tmp_path / "big.txt").unlink()
+    assert corpus.read_corpus(str(tmp_path)).texts() == ["x" * 500]

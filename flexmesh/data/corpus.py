@@ -20,6 +20,9 @@ from pathlib import Path
 from flexmesh.errors import DataError
 
 DEFAULT_EXTENSIONS: tuple[str, ...] = (".txt", ".md", ".py", ".rst")
+# The most bytes one document (a file of a folder corpus, a line of a .jsonl one) may hold: it is read and
+# tokenized whole, so a 3 GB file would be held in memory several times over
+MAX_DOCUMENT_BYTES = 256 * 2**20
 # Third-party packages installed inside the standard library folder differ from machine to machine;
 # leaving them out keeps the stdlib corpus the same wherever one Python version runs.
 _STDLIB_EXCLUDE = ("site-packages", "dist-packages", "__pycache__")
@@ -59,8 +62,18 @@ class Corpus:
             yield from _jsonl_documents(self.files[0], self.text_field)
             return
         for f in self.files:
+            size = f.stat().st_size
+            if size > MAX_DOCUMENT_BYTES:  # read whole as one document: bounded before it is read
+                raise DataError(f"corpus file {f} is {size / 2**20:,.0f} MiB, more than the "
+                                f"{MAX_DOCUMENT_BYTES // 2**20} MiB flexmesh reads as one document; split it into "
+                                "files of one document each, or give a .jsonl with one document per line")
             # Some source trees hold files in legacy encodings; replacing the odd byte keeps them usable.
-            text = f.read_text(encoding="utf-8", errors="replace")
+            with f.open("rb") as fh:
+                raw = fh.read(MAX_DOCUMENT_BYTES + 1)  # a file that grew meanwhile: no more than the bound
+            if len(raw) > MAX_DOCUMENT_BYTES:
+                raise DataError(f"corpus file {f} grew past {MAX_DOCUMENT_BYTES // 2**20} MiB while it was read; "
+                                "read a corpus that is not being written")
+            text = raw.decode("utf-8", errors="replace")
             if text.strip():
                 yield text
 
@@ -86,7 +99,10 @@ def content_fingerprint(corpus: Corpus) -> str:
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
     with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+        for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_DOCUMENT_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_DOCUMENT_BYTES:  # one line, read in bounded pieces
+                raise DataError(f"{path} line {lineno} is longer than the {MAX_DOCUMENT_BYTES // 2**20} MiB flexmesh "
+                                "reads as one document; split that document")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
