@@ -127,3 +127,13 @@ def test_a_long_simulation_says_how_it_goes_whatever_its_size(monkeypatch, capsy
     lines = [x for x in err.splitlines() if x.startswith("simulating: ")]
     assert len(lines) > 3 and all("of 40 requests of this run done" in x for x in lines)
     assert any("s left in it" in x for x in lines)
+
+
+def test_a_replay_that_would_take_days_is_refused_before_an_engine_starts(capsys):
+    pytest.importorskip("aiohttp")
+    from flexmesh.cli import main
+
+    assert main(["serve", "bench", "--rate", "4,1e-6", "--requests", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "at 1e-06 req/s the window's 20 requests arrive over" in err and "raise --rate" in err
+    assert "starting" not in err  # nothing was started

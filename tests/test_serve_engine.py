@@ -273,6 +273,7 @@ def test_serve_run_then_bench_against_it_then_ctrl_c(tmp_path, monkeypatch):
                               "--out", str(tmp_path / "bench"))
         assert bench.returncode == 0, bench.stdout + bench.stderr
         assert "TTFT p50" in bench.stdout and "wrote" in bench.stdout
+        assert "replaying: 6 of 6 requests answered or failed" in bench.stderr  # each replay says how it went
         for rate in ("4", "8"):
             recs = read_records(tmp_path / "bench" / f"requests-{rate}.jsonl")
             assert len(recs) == 6 and all(r.prompt_tokens + r.output_tokens <= 256 for r in recs)

@@ -9,6 +9,7 @@ import asyncio
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from flexmesh.commands.args import folder, nonneg_float, nonneg_int, positive_float, positive_int
@@ -46,6 +47,11 @@ def add_parser(kinds) -> argparse.ArgumentParser:
     return p
 
 
+# The longest one replay may take (its last arrival), and how often a replay says how it goes
+MAX_REPLAY_S = 3600.0
+PROGRESS_EVERY_S = 10.0
+
+
 def _rates(text: str) -> list[float]:
     try:
         return [positive_float(x) for x in text.split(",")]
@@ -80,7 +86,23 @@ def bench(args: argparse.Namespace) -> int:
         print(n, file=sys.stderr)
     for note in trace.notes:
         print(f"note: {note}", file=sys.stderr)
+    # Refused before any engine starts: a replay that would take longer than MAX_REPLAY_S (a rate of 1e-6)
+    first = window(trace, args.start, first=args.requests)
+    for r in rates:
+        span = (at_rate(first, r) if arrivals == "trace" else with_arrivals(first, r, seed=args.arrival_seed)
+                ).requests[-1].arrival_s
+        if span > MAX_REPLAY_S:
+            raise ServeError(f"at {r:g} req/s the window's {len(first)} requests arrive over {span / 3600:,.1f} h, "
+                             f"more than the {MAX_REPLAY_S / 3600:g} h one replay may take; raise --rate or give "
+                             "fewer --requests")
     loads: list = []
+    told = {"at": time.monotonic()}
+
+    def progress(done: int, total: int) -> None:  # never silent longer than PROGRESS_EVERY_S
+        now = time.monotonic()
+        if now - told["at"] >= PROGRESS_EVERY_S or done == total:
+            told["at"] = now
+            print(f"replaying: {done:,} of {total:,} requests answered or failed", file=sys.stderr, flush=True)
 
     async def main():
         async def replays(url: str, engine_urls: list[str]):
@@ -92,7 +114,8 @@ def bench(args: argparse.Namespace) -> int:
                           else with_arrivals(win, r, seed=args.arrival_seed)) for r in rates)
             print(f"{args.trace}: {len(win)} requests from {args.start:g} s, lengths scaled to {context} tokens; "
                   f"rates {', '.join(f'{r:g}' for r in rates)}/s ({arrivals} arrivals)", file=sys.stderr)
-            return await replay_rates(url, loads, engine_urls, request_timeout_s=args.request_timeout)
+            return await replay_rates(url, loads, engine_urls, progress=progress,
+                                      request_timeout_s=args.request_timeout)
 
         if args.url:
             return await replays(args.url.rstrip("/"), [])
