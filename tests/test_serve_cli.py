@@ -137,3 +137,12 @@ def test_a_replay_that_would_take_days_is_refused_before_an_engine_starts(capsys
     err = capsys.readouterr().err
     assert "at 1e-06 req/s the window's 20 requests arrive over" in err and "raise --rate" in err
     assert "starting" not in err  # nothing was started
+
+
+def test_a_fleet_too_large_to_simulate_is_one_line(capsys):
+    from flexmesh.cli import main
+    from flexmesh.serve.simulator import MAX_REPLICAS
+
+    assert main(["serve", "simulate", "--cluster", f"{MAX_REPLICAS // 8 + 1}x8xH100", "--requests", "10"]) == 2
+    err = capsys.readouterr().err
+    assert f"more than the {MAX_REPLICAS:,} one simulation holds" in err and len(err.strip().splitlines()) == 1

@@ -144,6 +144,8 @@ class SimResult:
 
 # How often a run's progress callback hears from it, in seconds of wall time
 PROGRESS_S = 0.5
+# The most replicas one simulated fleet holds (16,384 took 15 s to build on a core, 80,000 100 s)
+MAX_REPLICAS = 8_192
 
 
 class Fleet:
@@ -168,6 +170,10 @@ class Fleet:
                  replica_knobs: Sequence[EngineKnobs] | None = None, cascade: bool = False,
                  engine: str | EngineSpec | None = None,
                  charges: Callable[[Sequence[SimulatedReplica]], Charges] | None = None, admission_s: float = 0.0):
+        if len(replicas) > MAX_REPLICAS:
+            raise SpecError(f"a fleet of {len(replicas):,} replicas is more than the {MAX_REPLICAS:,} one simulation "
+                            "holds (building it alone takes minutes); simulate a part of it: replicas of a group "
+                            "are alike, so its goodput scales with their count")
         self.models: tuple[ModelSpec, ...] = (model,) if isinstance(model, ModelSpec) else tuple(model)
         if not self.models:
             raise SpecError("a fleet serves at least one model")
