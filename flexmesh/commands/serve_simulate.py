@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -355,7 +355,7 @@ class _progress:
 
     def __init__(self, console: Console, show: bool):
         self.console, self.terminal, self.eager = console, console.is_terminal, show
-        self.bar = None
+        self.bar: Any = None  # a rich Progress, once shown
         self.started = self.said = self.run_started = time.monotonic()
         self.done = 0
 

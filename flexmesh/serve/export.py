@@ -30,8 +30,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexmesh.errors import SpecError
 from flexmesh.cost.inference.memory import served_dtype
+from flexmesh.errors import SpecError
 from flexmesh.serve.engines import engine
 
 BASE_PORT = 8100

@@ -28,10 +28,12 @@ on it.
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,6 +78,36 @@ class Finished:
     started_s: float  # when its first iteration was scheduled
     error: str | None = None
     cancelled: bool = False  # stopped by :meth:`Engine.cancel`: ``tokens`` are those it had generated
+
+
+def batching_config(cfg: EngineConfig, fields: Iterable[str]) -> dict[str, Any]:
+    """transformers' ``ContinuousBatchingConfig`` arguments for ``cfg``, by the fields the installed release's
+    class has (``fields``): the page size is ``page_size`` from 5.2x, ``block_size`` before; releases without
+    ``auto_switch_to_flash`` never switch attention, which is what is asked of the others. A field still missing is
+    one ServeError naming the release.
+
+    >>> old = ["block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type",
+    ...        "safety_margin", "allow_block_sharing", "use_cuda_graph", "use_async_batching", "seed"]
+    >>> kw = batching_config(EngineConfig(page_size=32), old)  # 5.17's fields
+    >>> kw["block_size"], "page_size" in kw, "auto_switch_to_flash" in kw
+    (32, False, False)
+    """
+    fields = set(fields)
+    kw: dict[str, Any] = {
+        "page_size" if "page_size" in fields else "block_size": cfg.page_size, "num_blocks": cfg.num_blocks,
+        "max_batch_tokens": cfg.max_batch_tokens, "max_requests_per_batch": cfg.max_requests_per_batch,
+        "scheduler_type": cfg.scheduler, "safety_margin": cfg.safety_margin, "allow_block_sharing": cfg.block_sharing,
+        "use_cuda_graph": False, "use_async_batching": False, "seed": cfg.seed}
+    if "auto_switch_to_flash" in fields:
+        kw["auto_switch_to_flash"] = False
+    missing = sorted(set(kw) - fields)
+    if missing:
+        import transformers
+
+        raise ServeError(f"transformers {transformers.__version__}'s continuous batching has no "
+                         f"{', '.join(missing)}; install a transformers 5 release this flexmesh was tested with "
+                         "(5.17 or 5.24)")
+    return kw
 
 
 def _manager_class():
@@ -133,11 +165,7 @@ class Engine:
         self.vocab = int(self.model.config.vocab_size)
         self.max_position = int(self.model.config.max_position_embeddings)
         gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=16)
-        cb = ContinuousBatchingConfig(
-            page_size=cfg.page_size, num_blocks=cfg.num_blocks, max_batch_tokens=cfg.max_batch_tokens,
-            max_requests_per_batch=cfg.max_requests_per_batch, scheduler_type=cfg.scheduler,
-            safety_margin=cfg.safety_margin, allow_block_sharing=cfg.block_sharing, auto_switch_to_flash=False,
-            use_cuda_graph=False, use_async_batching=False, seed=cfg.seed)
+        cb = ContinuousBatchingConfig(**batching_config(cfg, inspect.signature(ContinuousBatchingConfig).parameters))
         self.iterations: collections.deque[Iteration] = collections.deque(maxlen=ITERATIONS_KEPT)
         self._on_iteration = on_iteration
         self._pending: dict[str, tuple[int, float, Callable[[Finished], None]]] = {}
