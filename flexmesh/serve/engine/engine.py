@@ -82,7 +82,7 @@ class Finished:
 
 def batching_config(cfg: EngineConfig, fields: Iterable[str]) -> dict[str, Any]:
     """transformers' ``ContinuousBatchingConfig`` arguments for ``cfg``, by the fields the installed release's
-    class has (``fields``): the page size is ``page_size`` from 5.2x, ``block_size`` before; releases without
+    class has (``fields``): the page size is ``page_size`` in 5.24, ``block_size`` in 5.17; releases without
     ``auto_switch_to_flash`` never switch attention, which is what is asked of the others. A field still missing is
     one ServeError naming the release.
 
