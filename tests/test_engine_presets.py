@@ -214,3 +214,19 @@ def test_a_part_without_bf16_serves_in_fp16_and_its_launch_says_so():
     for engine in ("vllm", "sglang"):
         argv = {c.device: c.argv for c in launches(engine, plan, "/m")}
         assert argv["T4"][-2:] == ("--dtype", "half") and "--dtype" not in argv["H100-80GB"]
+
+
+def test_the_older_vllms_kernel_rates_are_the_fit_to_vidurs_profiles():
+    """vllm-v0's rates are what bench/vidur_layers fits to Vidur's published sarathi-serve profiles, redone here."""
+    import numpy as np
+
+    from bench import vidur_layers as v
+
+    layer = v.fit_layer_rates(tuple(sorted(v.measured_operators())))
+    fitted = v.fit_attention_rates(np.ones(len(v.measured_attention()["is_prefill"]), bool), layer).factors()
+    preset = engine_spec("vllm-v0").rates.factors()
+    assert preset == pytest.approx(fitted, abs=5e-4)
+    # and they price it: the older engine's prefill is slower than the device layer's kernels
+    hw = Hardware(parse_cluster("1xA100-80GB"))
+    assert engine_spec("vllm-v0").iteration(MODEL, hw).split_s(0, 0, [(0, 2000)]) > \
+        engine_spec("vllm").iteration(MODEL, hw).split_s(0, 0, [(0, 2000)]) * 1.1

@@ -133,7 +133,7 @@ class EngineSpec:
                                            "source": o.source},
             "multi_gpu_ms": self.multi_gpu_ms}
         if not self.rates.unit:
-            out["rates"] = self.rates.factors()
+            out["rates"] = {**self.rates.factors(), "source": self.rates.source}
         if self.sources:
             out["sources"] = dict(self.sources)
         return out
@@ -167,10 +167,11 @@ class EngineSpec:
             kw["multi_gpu_ms"] = _milliseconds(d["multi_gpu_ms"], f"{where}.multi_gpu_ms")
         if "rates" in d:
             rates = d["rates"]
-            if not isinstance(rates, dict) or set(rates) - set(TERMS):
-                raise SpecError(f"{where}.rates is a table of {', '.join(TERMS)}, got {rates!r}")
+            if not isinstance(rates, dict) or set(rates) - {*TERMS, "source"}:
+                raise SpecError(f"{where}.rates is a table of {', '.join(TERMS)} (and their source), got {rates!r}")
             try:
-                kw["rates"] = EngineRates(**{k: float(v) for k, v in rates.items()}, source=f"{where}.rates")
+                kw["rates"] = EngineRates(**{k: float(v) for k, v in rates.items() if k != "source"},
+                                          source=str(rates.get("source", f"{where}.rates")))
             except (TypeError, ValueError, SpecError) as err:
                 raise SpecError(f"{where}.rates: {err}") from None
         if "sources" in d:
