@@ -336,6 +336,34 @@ def _tokenizer(path: Path, tokenizer: str | Path | None, spec: ModelSpec) -> _To
     return _Tokenizer(tokenizer_file(tokenizer), text, config, special_token_ids(tok, config))
 
 
+def _why(e: Exception) -> str:
+    """What a failed write met, in words: a full disk, a quota, a name too long, or the error's own line."""
+    code = e.errno if isinstance(e, OSError) else None
+    return {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+            errno.ENAMETOOLONG: "a name is longer than the file system allows"}.get(
+        code or 0, (e.strerror if isinstance(e, OSError) else None) or str(e).replace("\n", " "))
+
+
+def _write_shards(folder: Path, path: Path, found: dict[str, tuple[str, Any]], groups: list[list[str]],
+                  files: list[str], dtype: torch.dtype, layout: str | None, family: str, total: int) -> None:
+    """Checkpoint ``path``'s tensors as safetensors shards (``groups[i]`` into ``files[i]``) and their index, in
+    ``folder``: each file written whole (:func:`write_atomic_with`)."""
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    for group, file in zip(groups, files, strict=True):
+        tensors = read_full_tensors(path, {n: found[n] for n in group}, dtype)
+        named = {}
+        for n, t in tensors.items():  # experts one key each: copies, as safetensors refuses shared storage
+            parts = in_layout(hf_name(n), t.contiguous(), layout, family) if layout else {hf_name(n): t.contiguous()}
+            named.update({k: v.clone() if len(parts) > 1 else v for k, v in parts.items()})
+        write_atomic_with(folder / file, partial(save_file, named, metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(named, file))
+        del tensors, named
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_atomic(folder / INDEX, json.dumps(index, indent=2) + "\n")
+
+
 def _clear_staging(staging: Path) -> None:
     """Remove an export's staging folder (:data:`STAGING`: its own name, holding only what it wrote there); a
     link or a file of that name is left alone (make_folder then refuses it)."""
@@ -380,7 +408,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     A failure while writing (a full disk) removes what this export wrote and is one OutputError.
     """
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
     if dtype is not None and dtype not in DTYPES:
         raise SpecError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
@@ -427,20 +454,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
         _clear_staging(staging)  # an interrupted export's
         make_folder(staging)
         # Written whole into the staging folder first: until every file is, the earlier export stays as it was.
-        weight_map: dict[str, str] = {}
-        for group, file in zip(groups, files, strict=True):
-            tensors = read_full_tensors(path, {n: found[n] for n in group}, written)
-            named = {}
-            for n, t in tensors.items():  # experts one key each: copies, as safetensors refuses shared storage
-                parts = (in_layout(hf_name(n), t.contiguous(), layout, family) if layout
-                         else {hf_name(n): t.contiguous()})
-                named.update({k: v.clone() if len(parts) > 1 else v for k, v in parts.items()})
-            write_atomic_with(staging / file, partial(save_file, named, metadata={"format": "pt"}))
-            weight_map.update(dict.fromkeys(named, file))
-            del tensors, named
+        _write_shards(staging, path, {n: found[n] for group in groups for n in group}, groups, files, written,
+                      layout, family, sum(nbytes.values()))
         total = sum(nbytes.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        write_atomic(staging / INDEX, json.dumps(index, indent=2) + "\n")
         config = to_hf_config(replace(spec, dtype=_NAMES[written]))
         if isinstance(tok, _Tokenizer):
             write_hf_tokenizer(staging, tok.text, tok.config)
@@ -466,14 +482,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
         _clear_staging(staging)
         if swapping or not previous:
             _remove_partial(out, files, tasks, made, bool(previous))
-        code = e.errno if isinstance(e, OSError) else None
-        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
-               errno.ENAMETOOLONG: "a name is longer than the file system allows"}.get(
-            code or 0, (e.strerror if isinstance(e, OSError) else None) or str(e).replace("\n", " "))
         kept = "" if not previous else ("; the earlier export there is kept as it was" if not swapping else
                                         "; the earlier export there is gone too (it failed while replacing it)")
-        raise OutputError(f"cannot write the export to {out}: {why}; the files this export wrote are removed{kept}: "
-                          "free space there or choose another --out, then export again") from None
+        raise OutputError(f"cannot write the export to {out}: {_why(e)}; the files this export wrote are removed"
+                          f"{kept}: free space there or choose another --out, then export again") from None
     return ExportReport(adapters=tuple(folders), expert_layout=layout, checkpoint=path, step=int(manifest["step"]),
                         out=out, family=family,
                         dtype=_NAMES[written], files=tuple(files), tensors=len(names), total_bytes=total,
