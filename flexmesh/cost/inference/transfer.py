@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flexmesh.cost.device.hardware import GroupShape, Hardware
+from flexmesh.cost.inference.memory import served_dtype
 from flexmesh.spec.cluster import MixedCluster
 
 
@@ -55,7 +56,8 @@ def kv_path(src: Span, dst: Span, cluster: MixedCluster) -> Path:
     """The path KV takes from replica ``src`` to replica ``dst``."""
     streams = min(src.devices, dst.devices)
     if src.group == dst.group:
-        hw = Hardware(cluster.groups[src.group])
+        group = cluster.groups[src.group]
+        hw = Hardware(group, served_dtype("bf16", group.device))  # its links alone are read: any dtype it runs
         same_node = len(src.nodes) == 1 and src.nodes == dst.nodes
         shape = GroupShape(2, 2 if same_node else 1)
         # Seconds of one stream's send is affine in its bytes: its latency, then its bandwidth.
