@@ -48,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="local training processes, 2 to 4 (default: one per CPU core, 2 to 4)")
     p.add_argument("--steps", type=steps, default=5,
                    help="training steps per policy (default 5: the first, which pays one-off costs, and 4 compared)")
-    p.add_argument("--global-batch", type=sequences, default=16, help="documents per training step (default 16)")
+    p.add_argument("--global-batch", type=sequences, default=12, help="documents per training step (default 12)")
     p.add_argument("--seq-len", type=seq_len, default=2048,
                    help="the longest sequence, in tokens; longer documents are truncated to it (default 2048)")
     old_names(p, "--max-len", dest="seq_len", type=seq_len)
