@@ -46,8 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", default="flexmesh-demo", type=folder, help="output folder (default flexmesh-demo)")
     p.add_argument("--nproc", type=positive_int, default=None,
                    help="local training processes, 2 to 4 (default: one per CPU core, 2 to 4)")
-    p.add_argument("--steps", type=steps, default=5,
-                   help="training steps per policy (default 5: the first, which pays one-off costs, and 4 compared)")
+    p.add_argument("--steps", type=steps, default=4,
+                   help="training steps per policy (default 4: the first, which pays one-off costs, and 3 compared)")
     p.add_argument("--global-batch", type=sequences, default=12, help="documents per training step (default 12)")
     p.add_argument("--seq-len", type=seq_len, default=2048,
                    help="the longest sequence, in tokens; longer documents are truncated to it (default 2048)")
@@ -232,13 +232,13 @@ def run(args: argparse.Namespace) -> int:
 
     # 6 steps each, whatever --steps: the slowdown is re-planned once sustained (after step 3 on a 2-core
     # machine), which leaves three steps on the new schedules (one with --quick); the experts' table leaves
-    # out step 1 (its one-off costs) and averages the five after it.
+    # out step 1 (its one-off costs) and averages the four after it.
     stragglers = demo_comparison(out / "stragglers", hw, mp, steps=4 if args.quick else 6, global_batch=8,
                                  seq_len=128 if args.quick else 256, seed=size.seed, device=devices["pair"],
                                  corpus=corpus, say=say)
 
     console.print(Rule(f"5/6  uneven experts: {MOE_MODEL} on 2 processes, static against load-following placement"))
-    experts = demo_experts(out / "experts", hw, steps=2 if args.quick else 6, global_batch=8,
+    experts = demo_experts(out / "experts", hw, steps=2 if args.quick else 5, global_batch=8,
                            seq_len=128 if args.quick else 256, seed=size.seed, device=devices["pair"],
                            profile=not args.quick, corpus=corpus, say=say)
 
