@@ -90,10 +90,11 @@ class Batching:
                 break
             n = head.tokens - head.computed if head.remote else self.portion(head.tokens - head.computed, budget,
                                                                                not chunks)
-            if n == 0 or not rep.admit(head, max(n, budget) if not self.chunked else budget, now):
+            room = max(n, budget)  # the budget, or a whole prompt longer than it that runs alone
+            if n == 0 or not rep.admit(head, room, now):
                 break
             if not head.remote:  # a handed-off request computes nothing here until its KV lands
-                n = self.portion(head.tokens - head.computed, max(n, budget), not chunks)  # after prefix hits
+                n = self.portion(head.tokens - head.computed, room, not chunks)  # after prefix hits
                 rep.take(head, n, chunks)
                 budget -= n
         return budget
