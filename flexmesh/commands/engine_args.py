@@ -18,10 +18,17 @@ _DEFAULTS = EngineConfig()
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (transformers' continuous batching; every size explicit)")
+    g = p.add_argument_group("engine (transformers' continuous batching, vLLM or SGLang; every size explicit)")
     here = [e.name for e in ENGINES.values() if e.runs_here]
-    g.add_argument("--engine", choices=here, default=here[0],
-                   help="the engine started on this machine (a plan for vLLM or SGLang: flexmesh serve export)")
+    g.add_argument("--engine", choices=here, default="transformers",
+                   help="the engine started on this machine: flexmesh's own (transformers), or vLLM / SGLang from "
+                   "their own Python with the commands serve export writes")
+    g.add_argument("--engine-python", metavar="PATH", help="the Python with vllm or sglang installed (default: "
+                   "$FLEXMESH_VLLM_PYTHON / $FLEXMESH_SGLANG_PYTHON, .venvs/ENGINE/bin/python, or this one)")
+    g.add_argument("--model-path", metavar="DIR", help="vLLM / SGLang: a Hugging Face model folder (default: the "
+                   "--model's seeded random weights, written to a temporary folder; prompts are then token ids)")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
+                   help="vLLM / SGLang: one more word of each engine's command (repeat: --engine-arg=--enforce-eager)")
     g.add_argument("--model", default=None,
                    help=f"preset, gpt:L:H:A or a config.json; random weights seeded by --seed (nothing downloads) "
                    f"(default: {_DEFAULTS.model}, or a plan's model)")
@@ -62,6 +69,8 @@ def need_aiohttp() -> None:
 def add_fleet_args(p: argparse.ArgumentParser, engines_default: int | None) -> None:
     p.add_argument("--engines", type=positive_int, default=engines_default,
                    help="engine processes to start (one model each)")
+    p.add_argument("--backend", metavar="URL,...", help="front engines already running at these URLs instead of "
+                   "starting any (vLLM / SGLang servers with --engine vllm|sglang; flexmesh's own otherwise)")
     g = p.add_argument_group("router (the simulator's routers and queue policies)")
     g.add_argument("--route", choices=ROUTERS, default=None,
                    help="how the router picks an engine for each request (default: round-robin; a plan's own)")

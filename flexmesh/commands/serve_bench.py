@@ -69,7 +69,7 @@ def _branches(text: str | None) -> tuple[int, int] | None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from flexmesh.commands.serve_run import resolve_fleet
+    from flexmesh.commands.serve_run import fleet_model, resolve_fleet
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window, with_arrivals, with_branches
     from flexmesh.serve.engine.replay import model_card, replay_rates
 
@@ -122,10 +122,12 @@ def bench(args: argparse.Namespace) -> int:
         from flexmesh.serve.engine.processes import running_fleet
 
         logs = out / "logs" if out is not None else Path(tempfile.mkdtemp(prefix="flexmesh-bench-"))
-        print(f"starting {len(cfgs)} engine(s) of {cfgs[0].model} (logs: {logs}) ...", file=sys.stderr, flush=True)
+        print(f"starting {len(cfgs)} engine(s) of {fleet_model(cfgs, opts, args)} (logs: {logs}) ..."
+              if not args.backend else f"fronting {len(cfgs)} engine(s) at {', '.join(cfgs)}", file=sys.stderr,
+              flush=True)
         async with running_fleet(cfgs, len(cfgs), logs, route=route, max_outstanding=args.max_outstanding,
                                  request_timeout_s=args.request_timeout, **opts) as (url, engines):
-            return await replays(url, [e.url for e in engines])
+            return await replays(url, [e.url for e in engines if not e.external])  # vLLM keeps no iteration log
 
     runs = asyncio.run(main())
     predicted = _predict(args, cfgs, route, opts, runs, loads)
@@ -138,8 +140,11 @@ def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
     --profile)."""
     from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile, replay_profile
     from flexmesh.serve.engine.twin import twin_fleet
+    from flexmesh.serve.engine.config import EngineConfig
     from flexmesh.serve.metrics import summarize
 
+    if not all(isinstance(c, EngineConfig) for c in cfgs):  # the twin is of flexmesh's own engines
+        return None
     if args.profile:
         timing = ProfiledIterationTiming(load_engine_profile(args.profile))
     else:

@@ -52,6 +52,10 @@ def resolve_fleet(args: argparse.Namespace):
     from flexmesh.serve.plan.check import check_plan
 
     base = engine_config(args)
+    if args.backend:
+        return _backends(args, base)
+    if args.engine != "transformers":
+        return _external(args, base)
     if not args.plan:
         if args.map_to_cpu:
             raise ServeError("--map-to-cpu maps a plan's GPUs to CPU engines; give --plan PLAN")
@@ -73,6 +77,74 @@ def resolve_fleet(args: argparse.Namespace):
     return cfgs, route, opts, list(local.notes)
 
 
+def _model_folder(args, base, kv_tokens: int | None):
+    """(the model folder a vLLM / SGLang engine loads, its extra flags, its card) (flexmesh.serve.engine.external):
+    a flexmesh model's context is cut to the KV cache given, which vLLM refuses to be shorter."""
+    from flexmesh.serve.engine.external import model_card, model_flags, write_model
+
+    if args.model_path:
+        folder = Path(args.model_path).resolve()
+        return folder, [], model_card(folder)
+    folder = write_model(base.model, base.seed, base.dtype, Path(tempfile.mkdtemp(prefix="flexmesh-model-")))
+    card = model_card(folder)
+    card["max_model_len"] = min(card["max_model_len"], kv_tokens or card["max_model_len"])
+    return folder, model_flags(base.dtype, card["max_model_len"], tokenizer=False), card
+
+
+def _external(args, base):
+    """vLLM or SGLang engines started here: a plan's replicas, or N of the flags' knobs, by the export's commands."""
+    from flexmesh.serve.engine.external import engine_python, externals, free_ports
+    from flexmesh.serve.engines import engine
+    from flexmesh.serve.export import Launch, launches
+    from flexmesh.serve.layout.knobs import EngineKnobs
+    from flexmesh.serve.layout.plan import load_plan
+    from flexmesh.serve.layout.roles import Role
+
+    python = engine_python(args.engine, args.engine_python)
+    # vLLM keeps one of the KV blocks it is given aside (its null block) and refuses a context longer than the rest
+    folder, flags, card = _model_folder(args, base, None if args.plan else (base.num_blocks - 1) * base.page_size)
+    env = {"OMP_NUM_THREADS": str(base.threads)}
+    route, opts = args.route or "round-robin", router_options(args, base.model, args.engines)
+    if args.plan:
+        plan = load_plan(args.plan)
+        runs = launches(args.engine, plan, str(folder), host="127.0.0.1")
+        if args.route is None:
+            route, opts["table"] = "plan", plan.placement().table
+        kv = [1 << 30] * len(runs)  # sized by each engine from its memory: unknown here, so not weighed
+    else:
+        knobs = EngineKnobs(base.max_requests_per_batch, base.max_batch_tokens, base.page_size,
+                            prefix_caching=base.block_sharing, kv_blocks=base.num_blocks)
+        argv = engine(args.engine).argv(knobs, 1, 1, Role.AGGREGATED, str(folder), "127.0.0.1", 0)
+        runs = [Launch(k, 0, "cpu", "aggregated", 0, tuple(argv), {}, knobs.max_seqs) for k in range(args.engines)]
+        kv = [base.kv_tokens] * len(runs)
+    cfgs = externals(args.engine, runs, python, free_ports(len(runs)), flags + list(args.engine_arg), env, kv)
+    opts.update(context=card["max_model_len"], model=str(folder), card=card)
+    opts.setdefault("max_running", [c.max_running for c in cfgs])
+    return cfgs, route, opts, [f"{args.engine} engines from {python}, model {folder}"]
+
+
+def _backends(args, base):
+    """Engines already running at --backend's URLs: flexmesh's own (--engine transformers) or OpenAI-compatible."""
+    urls = [u.strip().rstrip("/") for u in args.backend.split(",") if u.strip()]
+    bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+    if not urls or bad:
+        raise ServeError(f"--backend {args.backend!r}: give engine URLs, comma-separated "
+                         "(http://127.0.0.1:8100,http://127.0.0.1:8101)")
+    if args.plan:
+        raise ServeError("--backend fronts engines already running; a plan's replicas are started with --plan alone "
+                         "(or export them: flexmesh serve export)")
+    opts = router_options(args, base.model, len(urls))
+    if args.engine != "transformers":
+        opts["protocol"] = "openai"
+        if args.model_path:
+            from flexmesh.serve.engine.external import model_card
+
+            folder = Path(args.model_path).resolve()
+            card = model_card(folder)
+            opts.update(context=card["max_model_len"], model=str(folder), card=card)
+    return urls, args.route or "round-robin", opts, []
+
+
 def run(args: argparse.Namespace) -> int:
     from flexmesh.serve.engine.http import check_port
     from flexmesh.serve.engine.processes import serve_fleet
@@ -83,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="flexmesh-serve-"))
     for n in notes:
         print(n, file=sys.stderr)
-    print(f"starting {len(cfgs)} engine(s) of {cfgs[0].model} (logs: {logs}) ...", file=sys.stderr, flush=True)
+    name = fleet_model(cfgs, opts, args)
+    print(f"starting {len(cfgs)} engine(s) of {name} (logs: {logs}) ..." if not args.backend else
+          f"fronting {len(cfgs)} engine(s) at {', '.join(cfgs)}", file=sys.stderr, flush=True)
 
     def said(e: dict) -> None:
         what = {k: v for k, v in e.items() if k not in ("t", "event")}
@@ -91,8 +165,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     async def ready(url, engines) -> None:
-        ports = ", ".join(str(e.port) for e in engines)
-        print(f"serving {cfgs[0].model} on {url}/v1/completions ({len(engines)} engines on ports {ports}; route "
+        ports = ", ".join(str(e.port) for e in engines) or "given"
+        print(f"serving {name} on {url}/v1/completions ({len(cfgs)} engines on ports {ports}; route "
               f"{route}, queue {opts['queue']}); health: {url}/health; Ctrl-C stops", flush=True)
         if args.progress_every > 0:
             asyncio.ensure_future(progress(url.router, args.progress_every))
@@ -106,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("stopped", file=sys.stderr)
     return 0
+
+
+def fleet_model(cfgs, opts: dict, args) -> str:
+    """What the fleet serves, as said to the user."""
+    return getattr(cfgs[0], "model", None) or opts.get("model") or args.model or "the engines' model"
 
 
 async def progress(router, every_s: float) -> None:

@@ -5,8 +5,11 @@ checks the command) and by ``serve run`` (whether flexmesh starts it on this mac
 - ``vllm``: ``vllm serve``;
 - ``sglang``: ``python -m sglang.launch_server``;
 - ``trtllm``: TensorRT-LLM, simulated (the ``trtllm`` engine description) but not exported;
-- ``transformers``: transformers' continuous batching, the engine ``serve run`` starts here
-  (:mod:`flexmesh.serve.engine`); not exported.
+- ``transformers``: transformers' continuous batching, flexmesh's own engine (:mod:`flexmesh.serve.engine`); not
+  exported.
+
+``serve run`` starts ``transformers``, ``vllm`` and ``sglang`` engines here (the latter two from their own Python,
+through ``module``: :mod:`flexmesh.serve.engine.external`).
 
 What a replica does is its plan's engine description (:mod:`flexmesh.serve.layout.engine`: the scheduler, CUDA
 graphs, overlap): ``flags`` turns it into the launch command's flags where they differ from the engine's defaults
@@ -76,6 +79,7 @@ class EngineKind:
     argv: Argv | None = None  # how a replica is launched on it (None: serve export does not write it)
     check: ParserCheck | None = None
     runs_here: bool = False  # serve run starts it on this machine
+    module: str | None = None  # the Python module behind its command (serve run starts it from the engine's Python)
     flags: Callable[[EngineSpec], list[str]] | None = None  # what its launch adds for a description
     half: tuple[str, ...] = ()  # its flags serving bf16 weights as fp16 (a part without bf16: Volta, Turing)
 
@@ -147,12 +151,14 @@ def _sglang_flags(e: EngineSpec) -> list[str]:
     return out
 
 
-register(EngineKind("vllm", "vLLM", flags=_vllm_flags, half=("--dtype", "half"), argv=_vllm, check=ParserCheck(
+register(EngineKind("vllm", "vLLM", flags=_vllm_flags, half=("--dtype", "half"), argv=_vllm, runs_here=True,
+                    module="vllm.entrypoints.openai.api_server", check=ParserCheck(
     "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
     "parser = make_arg_parser(FlexibleArgumentParser())\n"
     "import vllm\nversion = vllm.__version__\n", 2, model_flag="--model")))  # argv after 'vllm serve'
-register(EngineKind("sglang", "SGLang", flags=_sglang_flags, half=("--dtype", "half"), argv=_sglang, check=ParserCheck(
+register(EngineKind("sglang", "SGLang", flags=_sglang_flags, half=("--dtype", "half"), argv=_sglang, runs_here=True,
+                    module="sglang.launch_server", check=ParserCheck(
     "from sglang.srt.server_args import ServerArgs\nimport argparse\n"
     "parser = argparse.ArgumentParser()\nServerArgs.add_cli_args(parser)\n"
     "import sglang\nversion = sglang.__version__\n", 3)))  # argv after 'python -m sglang.launch_server'

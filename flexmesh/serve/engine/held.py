@@ -28,6 +28,7 @@ class Held:
     attempts: int = 0
     engine_rid: str = ""
     task: asyncio.Task | None = None
+    stream: object | None = None  # the open response of a streamed request (closing it stops it on the engine)
     cancelled: bool = False
     resent: bool = False  # moved off an engine that was lost
     serial: int = 0  # the router's key of its request (unique, whatever id the client sent)
@@ -50,8 +51,10 @@ class Replica:
     """An engine as the router sees it (the routers' ``Routable``): what it holds, queued and sent."""
 
     def __init__(self, index: int, url: str, queue: QueuePolicy | None = None, max_running: int = 1 << 30,
-                 kv_tokens: int = 1 << 30, s_prefill: float = 1.0, s_decode: float = 1.0):
+                 kv_tokens: int = 1 << 30, s_prefill: float = 1.0, s_decode: float = 1.0,
+                 protocol: str = "flexmesh"):
         self.index, self.url = index, url.rstrip("/")
+        self.protocol = protocol  # flexmesh's engine, or an OpenAI-compatible one (flexmesh.serve.engine.openai)
         self.queue: QueuePolicy = queue if queue is not None else make_queue("fcfs")
         self.max_running, self.kv_tokens = max_running, kv_tokens
         self.s_prefill, self.s_decode = s_prefill, s_decode

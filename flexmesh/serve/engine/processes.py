@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import flexmesh
 from flexmesh.errors import ServeError
 from flexmesh.files import create_file, make_folder
 from flexmesh.serve.engine.config import EngineConfig
+from flexmesh.serve.engine.external import ExternalEngine
 from flexmesh.serve.engine.http import HOST, READY, check_port
 
 START_TIMEOUT_S = 180.0  # building a model and its KV cache, under load
@@ -41,6 +43,7 @@ class EngineProcess:
     proc: asyncio.subprocess.Process
     log: Path
     port: int = 0
+    external: bool = False  # a production engine (vLLM, SGLang) in its own process group
 
     @property
     def url(self) -> str:
@@ -63,18 +66,25 @@ def _child_env(cfg: EngineConfig) -> dict:
     return env
 
 
-def _last_line(log: Path) -> str:
+def _last_line(log: Path, first: bool = False) -> str:
+    """The line of an engine's log that says why it stopped: its last error line, or (``first``: a production
+    engine, whose wrappers re-raise what its workers said) the first exception line of its own."""
     try:
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
+    if first:
+        raised = [ln for ln in lines if re.match(r"[A-Za-z_.]*(Error|Exception): ", ln)]
+        if raised:
+            return raised[0][:400]
     errors = [ln for ln in lines if ln.startswith(("error:", "Error", "ServeError")) or "Error:" in ln]
     return (errors or lines or [""])[-1].removeprefix("error: ")
 
 
-async def start_engines(cfg: EngineConfig | list[EngineConfig], n: int, log_dir: Path,
+async def start_engines(cfg: EngineConfig | list[EngineConfig | ExternalEngine], n: int, log_dir: Path,
                         start_timeout_s: float = START_TIMEOUT_S) -> list[EngineProcess]:
-    """N engine processes of ``cfg`` (or one of each config of a list), each ready (see the module doc)."""
+    """N engine processes of ``cfg`` (or one of each config of a list: flexmesh's engine, or a production engine's
+    :class:`~flexmesh.serve.engine.external.ExternalEngine`), each ready (see the module doc)."""
     cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
     if not cfgs:
         raise ServeError(f"engines must be at least 1, got {len(cfgs)}")
@@ -84,12 +94,18 @@ async def start_engines(cfg: EngineConfig | list[EngineConfig], n: int, log_dir:
         for k, cfg in enumerate(cfgs):
             log = log_dir / f"engine-{k}.log"
             with create_file(log, log_dir, exclusive=False) as err:  # a later run's log replaces an earlier one
+                if isinstance(cfg, ExternalEngine):  # its own session: its workers stop with it (stop_engines)
+                    proc = await asyncio.create_subprocess_exec(
+                        *cfg.argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=asyncio.subprocess.STDOUT,
+                        env={**os.environ, **cfg.env}, preexec_fn=_die_with_parent, start_new_session=True)
+                    engines.append(EngineProcess(k, proc, log, cfg.port, external=True))
+                    continue
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "flexmesh.serve.engine.server", "--config", cfg.to_json(), "--port", "0",
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
                     env=_child_env(cfg), preexec_fn=_die_with_parent)
             engines.append(EngineProcess(k, proc, log))
-        await asyncio.gather(*(_wait_ready(e, start_timeout_s) for e in engines))
+        await asyncio.gather(*((_wait_healthy if e.external else _wait_ready)(e, start_timeout_s) for e in engines))
     except BaseException:
         await stop_engines(engines)
         raise
@@ -117,39 +133,80 @@ async def _wait_ready(e: EngineProcess, timeout_s: float) -> None:
                          "the machine may be overloaded") from None
 
 
+async def _wait_healthy(e: EngineProcess, timeout_s: float) -> None:
+    """A production engine is ready once its ``/health`` answers 200 (it prints no ready line of flexmesh's)."""
+    from aiohttp import ClientError, ClientSession, ClientTimeout
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with ClientSession(timeout=ClientTimeout(total=5)) as s:
+        while True:
+            if e.proc.returncode is not None:
+                why = _last_line(e.log, first=True) or f"exit code {e.proc.returncode}"
+                raise ServeError(f"engine {e.index} failed to start: {why} (log: {e.log})")
+            try:
+                async with s.get(f"{e.url}/health") as r:
+                    if r.status == 200:
+                        return
+            except (ClientError, asyncio.TimeoutError):
+                pass
+            if loop.time() > deadline:
+                raise ServeError(f"engine {e.index} was not healthy within {timeout_s:.0f} s (log: {e.log}); "
+                                 "the machine may be overloaded")
+            await asyncio.sleep(0.5)
+
+
+def signal_engine(e: EngineProcess, sig: int) -> None:
+    """``sig`` to an engine: to its whole process group where it has its own (a production engine's workers)."""
+    try:
+        if e.external:
+            os.killpg(e.proc.pid, sig)
+        else:
+            e.proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 async def stop_engines(engines: list[EngineProcess], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM every engine, wait up to ``timeout_s`` for all, SIGKILL what is left."""
+    """SIGTERM every engine, wait up to ``timeout_s`` for all, SIGKILL what is left (a production engine's whole
+    process group, its workers with it)."""
     live = [e for e in engines if e.proc.returncode is None]
     for e in live:
-        try:
-            e.proc.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    if not live:
-        return
-    _, pending = await asyncio.wait([asyncio.ensure_future(e.proc.wait()) for e in live], timeout=timeout_s)
-    for e in live:
-        if e.proc.returncode is None:
-            e.proc.kill()
-    if pending:
-        await asyncio.wait(pending, timeout=timeout_s)
+        signal_engine(e, signal.SIGTERM)
+    if live:
+        _, pending = await asyncio.wait([asyncio.ensure_future(e.proc.wait()) for e in live], timeout=timeout_s)
+        for e in live:
+            if e.proc.returncode is None:
+                signal_engine(e, signal.SIGKILL)
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+    for e in engines:  # a production engine's workers may outlive its server process
+        if e.external:
+            signal_engine(e, signal.SIGKILL)
 
 
 @contextlib.asynccontextmanager
 async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir: Path, records: Path | None = None,
                         route: str = "round-robin", port: int = 0, max_outstanding: int = 4096,
                         request_timeout_s: float = 600.0, events: Path | None = None, **router):
-    """N engines (or one per config of a list) and the router on 127.0.0.1:``port`` (0: any free port) for the
+    """N engines (or one per config of a list; a list of URLs: engines already running) and the router on 127.0.0.1:``port`` (0: any free port) for the
     body of an ``async with``: yields ``(router url, engines)``, the
     :class:`~flexmesh.serve.engine.router.RouterService` as the url's ``router`` attribute; everything stops on
     leaving it, whatever happened. ``router``: the RouterService's other options (queue, predictor, max_running,
     ...; each engine's ``max_running`` and ``kv_tokens`` default to its config's request cap and KV cache)."""
     cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
     check_port(port, "the router")  # before minutes of starting engines
+    if cfgs and all(isinstance(c, str) for c in cfgs):  # URLs of engines already running: none to start
+        async with router_on(cfgs, port, records, events, route=route, max_outstanding=max_outstanding,
+                             request_timeout_s=request_timeout_s, **router) as url:
+            yield url, []
+        return
     engines = await start_engines(cfgs, len(cfgs), log_dir)
     try:
-        router.setdefault("max_running", [c.max_requests_per_batch for c in cfgs])
+        router.setdefault("max_running", [c.max_running if isinstance(c, ExternalEngine) else
+                                          c.max_requests_per_batch for c in cfgs])
         router.setdefault("kv_tokens", [c.kv_tokens for c in cfgs])
+        router.setdefault("protocol", ["openai" if isinstance(c, ExternalEngine) else "flexmesh" for c in cfgs])
         async with router_on([e.url for e in engines], port, records, events, route=route,
                              max_outstanding=max_outstanding, request_timeout_s=request_timeout_s,
                              **router) as url:

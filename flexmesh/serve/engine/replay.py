@@ -119,7 +119,9 @@ async def replay(url: str, requests: list[Any], vocab: int, request_timeout_s: f
 def completion_body(r: Any, vocab: int) -> dict:
     """What is sent for request ``r``: its prompt, its output length as ``max_tokens`` and, for test-time scaling,
     its branches (``n``, ``needed``, ``branch_tokens``)."""
-    body = {"prompt": prompt_ids(r.id, r.prompt_tokens, vocab), "max_tokens": r.output_tokens, "temperature": 0}
+    # ignore_eos (vLLM's and SGLang's field; flexmesh's engine never stops early): exactly the trace's output length
+    body = {"prompt": prompt_ids(r.id, r.prompt_tokens, vocab), "max_tokens": r.output_tokens, "temperature": 0,
+            "ignore_eos": True}
     if getattr(r, "branches", 1) > 1:
         body.update(n=r.branches, needed=r.needed, branch_tokens=list(r.branch_lengths()))
     return body

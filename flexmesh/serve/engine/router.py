@@ -3,7 +3,8 @@ completion to an engine, holds it in that engine's queue until the engine has ro
 hang, fans test-time-scaling requests out into branches, and writes one record per request to ``requests.jsonl``.
 
 Routes: ``POST /v1/completions`` (:mod:`flexmesh.serve.engine.http`; the answer gains ``replica``),
-``GET /v1/models``, ``GET /health`` (200 while every engine is up, else 503 naming those that are ``down``, with
+``GET /v1/models`` (the first live engine's, with what the router was told of the model where the engine says
+nothing: a vocabulary size), ``GET /health`` (200 while every engine is up, else 503 naming those that are ``down``, with
 what each holds) and ``GET /events`` (what happened: engines lost, requests re-sent).
 
 **Routing** is the simulator's (:mod:`flexmesh.serve.router`, the same classes): ``round-robin``, ``least-work``,
@@ -65,6 +66,7 @@ from flexmesh.errors import FlexmeshError, ServeError
 from flexmesh.serve.branches import Score, to_prune
 from flexmesh.serve.engine.held import BranchGroup, Held, Replica, request_record
 from flexmesh.serve.engine.http import MAX_BODY_BYTES, error_body, parse_completion
+from flexmesh.serve.engine.openai import PROTOCOLS, Streamed, stream_body
 from flexmesh.serve.layout.routing import RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
 from flexmesh.serve.metrics import RequestRecord
@@ -100,7 +102,8 @@ class RouterService:
                  weights: tuple[float, ...] | None = None, score: Score | None = None, prune_below: float = 0.5,
                  health_interval_s: float = HEALTH_INTERVAL_S, health_timeout_s: float = HEALTH_TIMEOUT_S,
                  health_failures: int = HEALTH_FAILURES, events=None,
-                 on_event: Callable[[dict], None] | None = None) -> None:
+                 on_event: Callable[[dict], None] | None = None, protocol: str | list[str] = "flexmesh",
+                 model: str | None = None, card: dict | None = None) -> None:
         if not urls:
             raise ServeError("the router needs at least one engine")
         if route not in ROUTES:
@@ -108,14 +111,20 @@ class RouterService:
         n = len(urls)
         running = max_running if isinstance(max_running, list) else [max_running] * n
         kv = kv_tokens if isinstance(kv_tokens, list) else [kv_tokens] * n
+        protocols = protocol if isinstance(protocol, list) else [protocol] * n
+        bad = sorted(set(protocols) - set(PROTOCOLS))
+        if bad:
+            raise ServeError(f"engine protocol {bad[0]!r} is not one of {', '.join(PROTOCOLS)}")
         try:
             self.replicas = [Replica(i, u, make_queue(queue, predictor, running[i], context), running[i], kv[i],
-                                     *prices) for i, u in enumerate(urls)]
+                                     *prices, protocol=protocols[i]) for i, u in enumerate(urls)]
             self._policy = partial(make_router, weights=weights, table=table, predictor=predictor, context=context)
             self.policy: Policy[Replica] = self._policy(route, self.replicas)
         except FlexmeshError as e:
             raise ServeError(str(e)) from None
         self.route, self.predictor, self.context = route, predictor, context
+        self.model = model  # the served model's name, sent to OpenAI-compatible engines where the client gave none
+        self.card = card or {}  # what /v1/models adds to an engine's card where it says nothing (vocab_size)
         self.records = records  # a text file open for appending, or None
         self.events_file = events
         self.on_event = on_event
@@ -275,10 +284,8 @@ class RouterService:
     async def _forward(self, rep: Replica, h: Held) -> None:
         from aiohttp import ClientConnectionError, ClientError
 
-        body = {**h.body, "max_tokens": h.tokens, "request_id": h.engine_rid}
         try:
-            async with self.client.post(f"{rep.url}/v1/completions", json=body) as resp:
-                status, text = resp.status, await resp.text()
+            status, text = await (self._streamed(rep, h) if rep.protocol == "openai" else self._posted(rep, h))
         except asyncio.CancelledError:  # its engine was declared lost: the request was re-sent already
             raise
         except (ClientConnectionError, asyncio.TimeoutError) as e:
@@ -298,12 +305,12 @@ class RouterService:
         self._pump(rep)
         if status != 200:
             try:
-                answer = json.loads(text)
+                answer = text if isinstance(text, dict) else json.loads(text)
             except ValueError:
                 answer = error_body(text.strip()[:200] or f"HTTP {status}", "engine_error")
             self._fail(h, status, answer)
             return
-        answer = json.loads(text)
+        answer = json.loads(text) if isinstance(text, str) else text
         answer["replica"] = rep.index
         if h.resent:  # a re-sent request answered: when the live engine took it (its own clock, perf_counter)
             accepted = answer.get("metrics", {}).get("queued_s")
@@ -316,6 +323,39 @@ class RouterService:
         self._write(request_record(h.r.id, rep.index, h.r.arrival_s + self.origin_s, answer, self.origin_s))
         if h.future is not None and not h.future.done():
             h.future.set_result((200, answer))
+
+    async def _posted(self, rep: Replica, h: Held) -> tuple[int, str]:
+        """flexmesh's engine: one request, one answer with its tokens' times."""
+        body = {**h.body, "max_tokens": h.tokens, "request_id": h.engine_rid}
+        async with self.client.post(f"{rep.url}/v1/completions", json=body) as resp:
+            return resp.status, await resp.text()
+
+    async def _streamed(self, rep: Replica, h: Held) -> tuple[int, str | dict]:
+        """An OpenAI-compatible engine: the request streamed, each token timed as it arrives, stopped by closing
+        the stream (:mod:`flexmesh.serve.engine.openai`)."""
+        from aiohttp import ClientConnectionError, ClientPayloadError, ServerDisconnectedError
+
+        got = Streamed(time.perf_counter())
+        async with self.client.post(f"{rep.url}/v1/completions",
+                                    json=stream_body(h.body, h.tokens, self.model)) as resp:
+            if resp.status != 200:
+                return resp.status, await resp.text()
+            h.stream = resp
+            try:
+                async for line in resp.content:
+                    got.add(line)
+                    if h.cancelled:
+                        break
+            except (ClientConnectionError, ClientPayloadError) as e:
+                if not h.cancelled:  # the engine went away mid-answer: as lost as one that refuses connections
+                    raise ServerDisconnectedError(f"its stream broke ({type(e).__name__})") from None
+            except ValueError as e:  # a chunk that is not what was asked for
+                return 502, error_body(f"engine {rep.index} at {rep.url}: {e}", "engine_error")
+            finally:
+                h.stream = None
+        if not got.done and not h.cancelled:
+            raise ServerDisconnectedError("its stream ended before [DONE]")
+        return 200, got.answer(str(h.body.get("model", self.model)), h.r.prompt_tokens, h.cancelled)
 
     def _fail(self, h: Held, status: int, answer: dict) -> None:
         target = h.group.future if h.group is not None else h.future
@@ -401,6 +441,10 @@ class RouterService:
     async def _cancel(self, rep: Replica, h: Held) -> None:
         from aiohttp import ClientError
 
+        if rep.protocol == "openai":  # closing the stream aborts it on the engine; its reader answers what came
+            if h.stream is not None:
+                h.stream.close()
+            return
         try:
             async with self.client.post(f"{rep.url}/cancel", json={"request_id": h.engine_rid}) as r:
                 await r.read()
@@ -496,7 +540,14 @@ class RouterService:
         rep = next((r for r in self.replicas if r.up), self.replicas[0])
         try:
             async with self.client.get(f"{rep.url}/v1/models") as r:
-                return web.Response(text=await r.text(), status=r.status, content_type="application/json")
+                text, status = await r.text(), r.status
+            if status == 200 and self.card:
+                body = json.loads(text)
+                for m in body.get("data") or []:
+                    for k, v in self.card.items():
+                        m.setdefault(k, v)
+                return web.json_response(body)
+            return web.Response(text=text, status=status, content_type="application/json")
         except (ClientError, asyncio.TimeoutError) as e:
             return web.json_response(error_body(f"engine {rep.index} at {rep.url} did not answer ({e})",
                                                 "unavailable"), status=502)

