@@ -139,8 +139,8 @@ def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
     """The simulator's summary of each replay (None when no timing is to be had: a --url run without
     --profile)."""
     from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile, replay_profile
-    from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.engine.config import EngineConfig
+    from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.metrics import summarize
 
     if not all(isinstance(c, EngineConfig) for c in cfgs):  # the twin is of flexmesh's own engines

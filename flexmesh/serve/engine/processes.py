@@ -189,8 +189,8 @@ async def stop_engines(engines: list[EngineProcess], timeout_s: float = STOP_TIM
 async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir: Path, records: Path | None = None,
                         route: str = "round-robin", port: int = 0, max_outstanding: int = 4096,
                         request_timeout_s: float = 600.0, events: Path | None = None, **router):
-    """N engines (or one per config of a list; a list of URLs: engines already running) and the router on 127.0.0.1:``port`` (0: any free port) for the
-    body of an ``async with``: yields ``(router url, engines)``, the
+    """N engines (or one per config of a list; a list of URLs: engines already running) and the router on
+    127.0.0.1:``port`` (0: any free port) for the body of an ``async with``: yields ``(router url, engines)``, the
     :class:`~flexmesh.serve.engine.router.RouterService` as the url's ``router`` attribute; everything stops on
     leaving it, whatever happened. ``router``: the RouterService's other options (queue, predictor, max_running,
     ...; each engine's ``max_running`` and ``kv_tokens`` default to its config's request cap and KV cache)."""

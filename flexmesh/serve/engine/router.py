@@ -3,9 +3,12 @@ completion to an engine, holds it in that engine's queue until the engine has ro
 hang, fans test-time-scaling requests out into branches, and writes one record per request to ``requests.jsonl``.
 
 Routes: ``POST /v1/completions`` (:mod:`flexmesh.serve.engine.http`; the answer gains ``replica``),
-``GET /v1/models`` (the first live engine's, with what the router was told of the model where the engine says
-nothing: a vocabulary size), ``GET /health`` (200 while every engine is up, else 503 naming those that are ``down``, with
-what each holds) and ``GET /events`` (what happened: engines lost, requests re-sent).
+``GET /v1/models`` (the first live engine's, with what the router was told of the model where the engine
+says nothing: a vocabulary size), ``GET /health`` (200 while every engine is up, else 503 naming those that are
+``down``, with what each holds) and ``GET /events`` (what happened: engines lost, requests re-sent).
+
+**Engines** speak flexmesh's protocol (its own engine: each token's time in the answer, ``POST /cancel``) or
+OpenAI's streamed completions (vLLM, SGLang: :mod:`flexmesh.serve.engine.openai`), one ``protocol`` per engine.
 
 **Routing** is the simulator's (:mod:`flexmesh.serve.router`, the same classes): ``round-robin``, ``least-work``,
 ``least-kv``, ``weights``, ``plan`` (a serving plan's routing table by length bucket) and ``long-to-kv``. Each
