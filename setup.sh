@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 start=$SECONDS
-step() { echo "setup [$1/2, $((SECONDS - start)) s] $2"; }
+step() { echo "setup [$1/3, $((SECONDS - start)) s] $2"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
   step 1 "installing torch 2.13.0 (the CPU build; a few hundred MB)"
   "$PY" -m pip install --quiet torch==2.13.0
@@ -14,4 +14,9 @@ else
 fi
 step 2 "installing flexmesh and its test tools (pip install -e .[dev])"
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+# The oldest transformers the serve extra admits, beside the installed one, for the engine's test on both ends of
+# the range (tests/test_serve_engine_versions.py); the rest of its dependencies are the installed ones.
+step 3 "installing transformers 5.17.0 into .venvs/transformers-5.17 (the engine's oldest admitted release)"
+"$PY" -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target .venvs/transformers-5.17 \
+  transformers==5.17.0
 echo "setup done in $((SECONDS - start)) s: try 'flexmesh --help', 'flexmesh demo' or 'python3 -m pytest -q'"

@@ -71,6 +71,8 @@ def add_fleet_args(p: argparse.ArgumentParser, engines_default: int | None) -> N
                    help="engine processes to start (one model each)")
     p.add_argument("--backend", metavar="URL,...", help="front engines already running at these URLs instead of "
                    "starting any (vLLM / SGLang servers with --engine vllm|sglang; flexmesh's own otherwise)")
+    p.add_argument("--router-config", metavar="FILE", help="front the engines a router.json lists, with its routing "
+                   "(flexmesh serve export --out DIR writes one; engines on other hosts)")
     g = p.add_argument_group("router (the simulator's routers and queue policies)")
     g.add_argument("--route", choices=ROUTERS, default=None,
                    help="how the router picks an engine for each request (default: round-robin; a plan's own)")

@@ -47,10 +47,32 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_progress:
             print(f"\r[{done}/{total}] {what:<24}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    prof = profile_engine(cfg, quick=args.quick, engines=args.engines, progress=progress, samples_out=args.samples)
+    if args.engine != "transformers":  # a production engine: measured through its streamed tokens
+        prof = _profile_external(args, cfg, progress)
+    else:
+        prof = profile_engine(cfg, quick=args.quick, engines=args.engines, progress=progress,
+                              samples_out=args.samples)
     prof.save(out)
     _summary(prof, out)
     return 0
+
+
+def _profile_external(args, cfg, progress):
+    import asyncio
+    import tempfile
+    from pathlib import Path
+
+    from flexmesh.commands.serve_run import external_engines
+    from flexmesh.errors import ServeError
+    from flexmesh.profile.streamed import profile_external
+
+    if args.samples:
+        raise ServeError(f"--samples writes flexmesh's engine's iterations; {args.engine} logs none (its profile "
+                         "holds the median of each batch measured)")
+    cfgs, card, folder, note = external_engines(args, cfg)
+    logs = Path(tempfile.mkdtemp(prefix="flexmesh-profile-"))
+    print(f"{note}; logs {logs}", file=sys.stderr, flush=True)
+    return asyncio.run(profile_external(cfgs, card, str(folder), cfg, args.quick, logs, progress))
 
 
 def _summary(prof, out: str) -> None:
@@ -82,6 +104,16 @@ def _summary(prof, out: str) -> None:
     if served:
         con.print("served behind the router at " + ", ".join(f"{s['rate']:g}/s (load {s['load']:g})" for s in served)
                   + "; their iterations are samples too", highlight=False)
+    if prof.produced_by.get("measured") == "streamed tokens":  # a production engine (flexmesh.profile.streamed)
+        con.print(f"admission (a request sent -> its first token, less its prefill iteration): "
+                  f"{prof.admission_s * 1e3:.2f} ms, fitted to {prof.produced_by['sweep']['first_tokens']} lone "
+                  "prompts; measured through streamed tokens: the first iteration after idling and the host's shared "
+                  "cores are inside the samples, not terms of their own", highlight=False)
+        e = prof.error
+        con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 "
+                  f"{e['p90']:.1%}, max {e['max']:.1%}", highlight=False)
+        con.print(f"wrote {out}", highlight=False)
+        return
     con.print(f"admission (the router receiving a request -> the engine's first iteration holding it): "
               f"{prof.admission_s * 1e3:.2f} ms, median of {prof.produced_by['sweep'].get('admissions', 0)}",
               highlight=False)

@@ -122,9 +122,9 @@ def bench(args: argparse.Namespace) -> int:
         from flexmesh.serve.engine.processes import running_fleet
 
         logs = out / "logs" if out is not None else Path(tempfile.mkdtemp(prefix="flexmesh-bench-"))
-        print(f"starting {len(cfgs)} engine(s) of {fleet_model(cfgs, opts, args)} (logs: {logs}) ..."
-              if not args.backend else f"fronting {len(cfgs)} engine(s) at {', '.join(cfgs)}", file=sys.stderr,
-              flush=True)
+        print(f"fronting {len(cfgs)} engine(s) at {', '.join(cfgs)}" if isinstance(cfgs[0], str) else
+              f"starting {len(cfgs)} engine(s) of {fleet_model(cfgs, opts, args)} (logs: {logs}) ...",
+              file=sys.stderr, flush=True)
         async with running_fleet(cfgs, len(cfgs), logs, route=route, max_outstanding=args.max_outstanding,
                                  request_timeout_s=args.request_timeout, **opts) as (url, engines):
             return await replays(url, [e.url for e in engines if not e.external])  # vLLM keeps no iteration log
@@ -143,8 +143,12 @@ def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
     from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.metrics import summarize
 
-    if not all(isinstance(c, EngineConfig) for c in cfgs):  # the twin is of flexmesh's own engines
-        return None
+    kind = "transformers"
+    if not all(isinstance(c, EngineConfig) for c in cfgs):  # vLLM / SGLang: the knobs they were started with
+        configs = [getattr(c, "config", None) for c in cfgs]
+        if not args.profile or not all(isinstance(c, EngineConfig) for c in configs):
+            return None  # they log no iterations to fit, and a plan's replicas are sized by their engine
+        cfgs, kind = configs, cfgs[0].kind
     if args.profile:
         timing = ProfiledIterationTiming(load_engine_profile(args.profile))
     else:
@@ -152,7 +156,7 @@ def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
         if sum(len(per) for per in its) < 20:
             return None
         timing = ProfiledIterationTiming(replay_profile(its))
-    twin = twin_fleet(cfgs, len(cfgs), timing, opts.get("max_running"))
+    twin = twin_fleet(cfgs, len(cfgs), timing, opts.get("max_running"), engine=kind)
     sim = dict(router=route, queue=opts["queue"], predictor=opts.get("predictor"), weights=opts.get("weights"),
                routing=opts.get("table"), cancel_lag=1)  # the router's cancellations land an iteration later
     return [summarize(twin.run(w, **sim).records) for _, w in loads]
@@ -194,7 +198,8 @@ def _report(runs, predicted, out: Path | None) -> None:
     con = plain_console()
     con.print(t)
     if predicted is None:
-        con.print("predicted: none (give --profile FILE from flexmesh profile engine)", highlight=False)
+        con.print("predicted: none (give --profile FILE from flexmesh profile engine, of the same engine and knobs)",
+                  highlight=False)
     for run in runs:
         for rid, why in list(run.replay.failed.items())[:3]:
             con.print(f"rate {run.rate:g}: request {rid} failed: {why}", highlight=False)

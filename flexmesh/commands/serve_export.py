@@ -33,7 +33,16 @@ def add_parser(kinds) -> argparse.ArgumentParser:
     p.add_argument("--queue", choices=QUEUES, default="fcfs", help="the router's queue policy in the config")
     p.add_argument("--vllm-python", help="the Python whose vllm checks the vLLM commands (default: this one)")
     p.add_argument("--sglang-python", help="the Python whose sglang checks the SGLang commands (default: this one)")
-    p.add_argument("--out", type=folder, help="write launch-vllm.sh, launch-sglang.sh and router.json here")
+    p.add_argument("--out", type=folder, help="write launch-vllm.sh, launch-sglang.sh and router.json here (with "
+                   "--target kubernetes: kubernetes-vllm.yaml, kubernetes-sglang.yaml)")
+    p.add_argument("--target", choices=("scripts", "kubernetes"), default="scripts",
+                   help="scripts: one shell line per engine on its node, and router.json; kubernetes: a StatefulSet "
+                   "per replica group, the router as a Deployment and Service (checked offline against Kubernetes' "
+                   "schemas where kubernetes-validate is installed)")
+    p.add_argument("--image", help="kubernetes: the engine's container image (default: vllm/vllm-openai:latest, "
+                   "lmsysorg/sglang:latest)")
+    p.add_argument("--router-image", default="flexmesh:latest",
+                   help="kubernetes: an image with flexmesh[serve] installed, running the router")
     p.set_defaults(func=run)
     return p
 
@@ -51,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         make_folder(out)
+    if args.target == "kubernetes":
+        return _kubernetes(args, plan, model, engines, out)
     first = None
     for engine in engines:
         commands = launches(engine, plan, model, args.base_port, args.host)
@@ -70,3 +81,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(config)
     return 0
+
+
+def _kubernetes(args, plan, model: str, engines: list[str], out) -> int:
+    from flexmesh.files import write_atomic
+    from flexmesh.serve.kubernetes import check_manifests, manifests, to_yaml
+
+    refused = False
+    for engine in engines:
+        docs = manifests(plan, engine, model, args.image, args.router_image, args.queue)
+        checked = check_manifests(docs)
+        refused = refused or checked.startswith("REFUSED")
+        print(f"{engine}: {sum(d['kind'] == 'StatefulSet' for d in docs)} replica group(s), the router; {checked}",
+              file=sys.stderr)
+        text = to_yaml(docs, f"{engine} engines of a flexmesh serving plan and flexmesh's router in front of them\n"
+                             f"({checked})\nkubectl label node NODE flexmesh.io/device=DEVICE for each node's GPUs, "
+                             "then kubectl apply -f this file")
+        if out is not None:
+            write_atomic(out / f"kubernetes-{engine}.yaml", text)
+        else:
+            print(text)
+    if out is not None:
+        print(f"wrote {out}", file=sys.stderr)
+    return 1 if refused else 0

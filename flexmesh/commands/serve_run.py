@@ -33,7 +33,9 @@ def add_parser(kinds) -> argparse.ArgumentParser:
                    help="run a plan made for GPUs this machine lacks as CPU engines here (timings are then this "
                    "machine's, not the GPUs')")
     add_fleet_args(p, engines_default=2)
-    p.add_argument("--port", type=nonneg_int, default=8000, help="the router's port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--port", type=nonneg_int, default=8000, help="the router's port (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="the address the router listens on (0.0.0.0 in a container "
+                   "others reach it in; the loopback by default)")
     p.add_argument("--requests", type=new_file, help="append one record per answered request to this JSONL file")
     p.add_argument("--events", type=new_file, help="append what happened (engines lost, requests re-sent) to this "
                    "JSONL file")
@@ -52,6 +54,8 @@ def resolve_fleet(args: argparse.Namespace):
     from flexmesh.serve.plan.check import check_plan
 
     base = engine_config(args)
+    if getattr(args, "router_config", None):
+        return _router_config(args)
     if args.backend:
         return _backends(args, base)
     if args.engine != "transformers":
@@ -91,25 +95,20 @@ def _model_folder(args, base, kv_tokens: int | None):
     return folder, model_flags(base.dtype, card["max_model_len"], tokenizer=False), card
 
 
-def _external(args, base):
-    """vLLM or SGLang engines started here: a plan's replicas, or N of the flags' knobs, by the export's commands."""
+def external_engines(args, base, plan=None):
+    """(the vLLM or SGLang engines to start here: a plan's replicas, or --engines of the flags' knobs, by the
+    export's commands; the model's card; the model folder; what to say first)."""
     from flexmesh.serve.engine.external import engine_python, externals, free_ports
     from flexmesh.serve.engines import engine
     from flexmesh.serve.export import Launch, launches
     from flexmesh.serve.layout.knobs import EngineKnobs
-    from flexmesh.serve.layout.plan import load_plan
     from flexmesh.serve.layout.roles import Role
 
     python = engine_python(args.engine, args.engine_python)
     # vLLM keeps one of the KV blocks it is given aside (its null block) and refuses a context longer than the rest
-    folder, flags, card = _model_folder(args, base, None if args.plan else (base.num_blocks - 1) * base.page_size)
-    env = {"OMP_NUM_THREADS": str(base.threads)}
-    route, opts = args.route or "round-robin", router_options(args, base.model, args.engines)
-    if args.plan:
-        plan = load_plan(args.plan)
+    folder, flags, card = _model_folder(args, base, None if plan else (base.num_blocks - 1) * base.page_size)
+    if plan is not None:
         runs = launches(args.engine, plan, str(folder), host="127.0.0.1")
-        if args.route is None:
-            route, opts["table"] = "plan", plan.placement().table
         kv = [1 << 30] * len(runs)  # sized by each engine from its memory: unknown here, so not weighed
     else:
         knobs = EngineKnobs(base.max_requests_per_batch, base.max_batch_tokens, base.page_size,
@@ -117,10 +116,46 @@ def _external(args, base):
         argv = engine(args.engine).argv(knobs, 1, 1, Role.AGGREGATED, str(folder), "127.0.0.1", 0)
         runs = [Launch(k, 0, "cpu", "aggregated", 0, tuple(argv), {}, knobs.max_seqs) for k in range(args.engines)]
         kv = [base.kv_tokens] * len(runs)
-    cfgs = externals(args.engine, runs, python, free_ports(len(runs)), flags + list(args.engine_arg), env, kv)
+    cfgs = externals(args.engine, runs, python, free_ports(len(runs)), flags + list(args.engine_arg),
+                     {"OMP_NUM_THREADS": str(base.threads)}, kv, None if plan else base)
+    return cfgs, card, folder, f"{args.engine} engines from {python}, model {folder}"
+
+
+def _external(args, base):
+    """vLLM or SGLang engines started here behind the router (:func:`external_engines`)."""
+    from flexmesh.serve.layout.plan import load_plan
+
+    plan = load_plan(args.plan) if args.plan else None
+    cfgs, card, folder, note = external_engines(args, base, plan)
+    route, opts = args.route or "round-robin", router_options(args, base.model, len(cfgs))
+    if plan is not None and args.route is None:
+        route, opts["table"] = "plan", plan.placement().table
     opts.update(context=card["max_model_len"], model=str(folder), card=card)
     opts.setdefault("max_running", [c.max_running for c in cfgs])
-    return cfgs, route, opts, [f"{args.engine} engines from {python}, model {folder}"]
+    return cfgs, route, opts, [note]
+
+
+def _router_config(args):
+    """The engines and routing a router.json lists (``serve export``'s: vLLM / SGLang engines on other hosts)."""
+    from flexmesh.files import read_json
+    from flexmesh.serve.export import router_options as config_options
+
+    if args.backend or args.plan:
+        raise ServeError("--router-config lists the engines and the routing; give it without --backend or --plan")
+    config = read_json(args.router_config, ServeError, invalid="not a router configuration (JSON)",
+                       missing=f"router configuration {args.router_config!r} does not exist; write one with "
+                               "`flexmesh serve export --out DIR`")
+    try:
+        opts = config_options(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ServeError(f"{args.router_config}: not a router configuration of serve export ({type(e).__name__}: "
+                         f"{e})") from None
+    urls, route = opts.pop("urls"), opts.pop("route")
+    if args.queue != "fcfs":  # the flag over the file's
+        opts["queue"] = args.queue
+    opts.update(protocol=config.get("protocol", "openai"), health_interval_s=args.health_interval,
+                health_timeout_s=args.health_timeout)
+    return urls, args.route or route, opts, [f"fronting the {len(urls)} engine(s) of {args.router_config}"]
 
 
 def _backends(args, base):
@@ -156,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
     for n in notes:
         print(n, file=sys.stderr)
     name = fleet_model(cfgs, opts, args)
-    print(f"starting {len(cfgs)} engine(s) of {name} (logs: {logs}) ..." if not args.backend else
-          f"fronting {len(cfgs)} engine(s) at {', '.join(cfgs)}", file=sys.stderr, flush=True)
+    print(f"fronting {len(cfgs)} engine(s) at {', '.join(cfgs)}" if isinstance(cfgs[0], str) else
+          f"starting {len(cfgs)} engine(s) of {name} (logs: {logs}) ...", file=sys.stderr, flush=True)
 
     def said(e: dict) -> None:
         what = {k: v for k, v in e.items() if k not in ("t", "event")}
@@ -174,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     alive = asyncio.run(serve_fleet(cfgs, len(cfgs), args.port, logs,
                                     Path(args.requests) if args.requests else None, route, on_ready=ready,
                                     max_outstanding=args.max_outstanding, request_timeout_s=args.request_timeout,
-                                    events=Path(args.events) if args.events else None, on_event=said, **opts))
+                                    events=Path(args.events) if args.events else None, on_event=said,
+                                    host=args.host, **opts))
     if not alive:
         print(f"stopped: every engine was lost (their logs: {logs})", file=sys.stderr)
         return 1

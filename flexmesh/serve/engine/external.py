@@ -37,6 +37,7 @@ class ExternalEngine:
     port: int
     max_running: int
     kv_tokens: int
+    config: object = None  # the EngineConfig of its knobs where it was started from flags (the twin simulates it)
 
 
 def engine_python(kind: str, given: str | None = None) -> str:
@@ -97,15 +98,32 @@ def model_flags(dtype: str, context: int, tokenizer: bool) -> list[str]:
 
 
 def externals(kind: str, launches, python: str, ports: list[int], extra: list[str], env: dict[str, str],
-              kv_tokens: list[int]) -> list[ExternalEngine]:
-    """Each launch of the export started from ``python`` on its port here, with ``extra`` flags and ``env``."""
+              kv_tokens: list[int], config=None) -> list[ExternalEngine]:
+    """Each launch of the export started from ``python`` on its port here, with ``extra`` flags and ``env``
+    (``config``: the EngineConfig their knobs came from, if any)."""
     out = []
-    for x, port, kv in zip(launches, ports, kv_tokens):
+    for k, (x, port, kv) in enumerate(zip(launches, ports, kv_tokens)):
         argv = started_argv(kind, x.argv, python)
         argv[argv.index("--port") + 1] = str(port)
         argv[argv.index("--host") + 1] = "127.0.0.1"
-        out.append(ExternalEngine(kind, tuple(argv + extra), {**x.env, **env}, port, x.max_running, kv))
+        own = {**x.env, **env}
+        if kind == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            own["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores(k, int(env.get("OMP_NUM_THREADS", "1")))
+        out.append(ExternalEngine(kind, tuple(argv + extra), own, port, x.max_running, kv, config))
     return out
+
+
+def cpu_cores(k: int, threads: int, cores: list[int] | None = None) -> str:
+    """The cores engine ``k`` of a CPU build of vLLM binds its threads to, as its ``VLLM_CPU_OMP_THREADS_BIND``
+    says them: each engine its own ``threads`` cores, round the machine's. vLLM's own default ("auto") binds every
+    engine of a machine to the same first cores, so that two engines side by side take turns on one core (seen here:
+    first tokens of 0.5-1 s beside 25-50 ms). A GPU build reads no such variable.
+
+    >>> cpu_cores(0, 1, [0, 1]), cpu_cores(1, 1, [0, 1]), cpu_cores(2, 1, [0, 1]), cpu_cores(1, 2, [0, 1, 2, 3])
+    ('0', '1', '0', '2,3')
+    """
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    return ",".join(str(cores[(k * threads + i) % len(cores)]) for i in range(threads))
 
 
 def model_card(folder: Path) -> dict:

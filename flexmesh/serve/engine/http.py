@@ -36,6 +36,10 @@ HOST = "127.0.0.1"  # engines and the router listen on the loopback interface on
 MAX_BODY_BYTES = 8 * 2**20  # the largest request body a server reads
 READY = "flexmesh-serve-ready"  # the first line a started server prints: READY {"port": ...}
 MAX_BRANCHES = 1024  # branches one request may sample
+# Seconds a client keeps an idle connection to an engine: below the 5 s after which uvicorn (vLLM's and SGLang's
+# server; vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE) closes one, so that no request is sent on a connection the server is
+# closing (aiohttp keeps them 15 s; the request then fails with "Server disconnected", seen here under load)
+KEEPALIVE_S = 2.0
 
 
 @dataclass(frozen=True)

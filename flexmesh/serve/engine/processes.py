@@ -33,6 +33,7 @@ from flexmesh.serve.engine.external import ExternalEngine
 from flexmesh.serve.engine.http import HOST, READY, check_port
 
 START_TIMEOUT_S = 180.0  # building a model and its KV cache, under load
+EXTERNAL_START_TIMEOUT_S = 900.0  # a production engine compiles its model as it starts: minutes on a loaded CPU
 STOP_TIMEOUT_S = 15.0
 _PR_SET_PDEATHSIG = 1
 
@@ -105,7 +106,8 @@ async def start_engines(cfg: EngineConfig | list[EngineConfig | ExternalEngine],
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
                     env=_child_env(cfg), preexec_fn=_die_with_parent)
             engines.append(EngineProcess(k, proc, log))
-        await asyncio.gather(*((_wait_healthy if e.external else _wait_ready)(e, start_timeout_s) for e in engines))
+        await asyncio.gather(*(_wait_healthy(e, max(start_timeout_s, EXTERNAL_START_TIMEOUT_S)) if e.external
+                               else _wait_ready(e, start_timeout_s) for e in engines))
     except BaseException:
         await stop_engines(engines)
         raise
@@ -134,7 +136,8 @@ async def _wait_ready(e: EngineProcess, timeout_s: float) -> None:
 
 
 async def _wait_healthy(e: EngineProcess, timeout_s: float) -> None:
-    """A production engine is ready once its ``/health`` answers 200 (it prints no ready line of flexmesh's)."""
+    """A production engine is ready once its ``/health`` answers 200 (it prints no ready line of flexmesh's) and it
+    has answered one warm-up completion."""
     from aiohttp import ClientError, ClientSession, ClientTimeout
 
     loop = asyncio.get_running_loop()
@@ -146,10 +149,21 @@ async def _wait_healthy(e: EngineProcess, timeout_s: float) -> None:
                 raise ServeError(f"engine {e.index} failed to start: {why} (log: {e.log})")
             try:
                 async with s.get(f"{e.url}/health") as r:
-                    if r.status == 200:
-                        return
+                    healthy = r.status == 200
             except (ClientError, asyncio.TimeoutError):
-                pass
+                healthy = False
+            if healthy:  # one warm-up answer: a CPU build traces its model at its first request (seconds)
+                body = {"prompt": list(range(1, 17)), "max_tokens": 2, "temperature": 0}
+                try:
+                    async with s.post(f"{e.url}/v1/completions", json=body,
+                                      timeout=ClientTimeout(total=max(deadline - loop.time(), 5))) as r:
+                        status, text = r.status, await r.text()
+                except (ClientError, asyncio.TimeoutError) as failed:
+                    status, text = 0, f"{type(failed).__name__}: {failed}"
+                if status != 200:
+                    raise ServeError(f"engine {e.index} did not answer a warm-up completion ({status or 'no answer'}: "
+                                     f"{text[:200]}) (log: {e.log})")
+                return
             if loop.time() > deadline:
                 raise ServeError(f"engine {e.index} was not healthy within {timeout_s:.0f} s (log: {e.log}); "
                                  "the machine may be overloaded")
@@ -217,9 +231,10 @@ async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir:
 
 @contextlib.asynccontextmanager
 async def router_on(urls: list[str], port: int = 0, records: Path | None = None, events: Path | None = None,
-                    **router):
+                    host: str = HOST, **router):
     """flexmesh's router over running engines at ``urls``, listening on 127.0.0.1:``port`` for the body of an
-    ``async with``: yields its :class:`RouterUrl`. ``router``: the RouterService's options."""
+    ``async with``: yields its :class:`RouterUrl`. ``host``: the address it listens on (0.0.0.0: every interface, as
+    a container must; the loopback by default). ``router``: the RouterService's options."""
     from aiohttp import web
 
     from flexmesh.files import append_file
@@ -233,11 +248,12 @@ async def router_on(urls: list[str], port: int = 0, records: Path | None = None,
         runner = web.AppRunner(r.app(), handle_signals=False, access_log=None)
         await runner.setup()
         try:
-            await web.TCPSite(runner, HOST, port, reuse_address=True).start()
+            await web.TCPSite(runner, host, port, reuse_address=True).start()
         except OSError as e:
-            raise ServeError(f"the router cannot listen on {HOST}:{port} ({e.strerror or e}); choose another port "
+            raise ServeError(f"the router cannot listen on {host}:{port} ({e.strerror or e}); choose another port "
                              "(0 picks a free one)") from None
-        yield RouterUrl(f"http://{HOST}:{runner.addresses[0][1]}", r)
+        where = HOST if host in ("0.0.0.0", "::", "") else host  # reached from here through the loopback
+        yield RouterUrl(f"http://{where}:{runner.addresses[0][1]}", r)
     finally:
         if runner is not None:
             await runner.cleanup()

@@ -29,6 +29,7 @@ from typing import Any
 
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.held import request_record
+from flexmesh.serve.engine.http import KEEPALIVE_S
 from flexmesh.serve.metrics import RequestRecord, write_records
 
 
@@ -71,7 +72,7 @@ async def replay(url: str, requests: list[Any], vocab: int, request_timeout_s: f
     done = 0
 
     async with ClientSession(timeout=ClientTimeout(total=request_timeout_s),
-                             connector=TCPConnector(limit=0)) as session:
+                             connector=TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)) as session:
         origin = out.origin_s = time.perf_counter()
 
         async def one(r) -> None:

@@ -68,7 +68,7 @@ from flexmesh.data.requests import Request
 from flexmesh.errors import FlexmeshError, ServeError
 from flexmesh.serve.branches import Score, to_prune
 from flexmesh.serve.engine.held import BranchGroup, Held, Replica, request_record
-from flexmesh.serve.engine.http import MAX_BODY_BYTES, error_body, parse_completion
+from flexmesh.serve.engine.http import KEEPALIVE_S, MAX_BODY_BYTES, error_body, parse_completion
 from flexmesh.serve.engine.openai import PROTOCOLS, Streamed, stream_body
 from flexmesh.serve.layout.routing import RoutingTable
 from flexmesh.serve.lengths import LengthPredictor
@@ -177,7 +177,7 @@ class RouterService:
             # No total timeout on a forward: a request may wait long in an overloaded engine; an engine that
             # hangs is found by its health checks, and each client request has its own timeout.
             self.session = ClientSession(timeout=ClientTimeout(total=None, sock_connect=self.health_timeout_s),
-                                         connector=TCPConnector(limit=0))
+                                         connector=TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
             if self.health_interval_s > 0:
                 watch.append(asyncio.ensure_future(self._watch()))
 

@@ -105,11 +105,13 @@ class SharedHost:
 
 
 def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: IterationTiming,
-               max_running: int | list[int] | None = None, admission_s: float | None = None) -> Fleet:
+               max_running: int | list[int] | None = None, admission_s: float | None = None,
+               engine: str = "transformers") -> Fleet:
     """A simulated fleet of ``engines`` aggregated replicas of ``cfg`` (or one per config of a list), priced by
     ``timing``, each admitting at most ``max_running`` requests at once (the router's cap; one per engine or one
     for all), every request reaching its engine ``admission_s`` after the router received it (default: the
-    timing's loop's ``admission_s``, an engine profile's, else 0).
+    timing's loop's ``admission_s``, an engine profile's, else 0), each scheduling as ``engine``'s description says
+    (flexmesh's own engine, or vLLM / SGLang started with the same knobs: flexmesh.serve.engine.external).
 
     >>> class Flat:
     ...     def iteration_s(self, batch):
@@ -146,4 +148,4 @@ def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: Ite
     charges = (None if host is None else
                lambda reps: SharedHost(host.host_cores, host.host_request_s, host.host_token_s, reps))
     return Fleet(model, cluster, replicas, knobs={0: knobs[0]}, timing=lambda r: timing, replica_knobs=knobs,
-                 engine="transformers", charges=charges, admission_s=delay)
+                 engine=engine, charges=charges, admission_s=delay)

