@@ -101,11 +101,12 @@ def main() -> int:
         async with running_fleet(cfgs, len(cfgs), out / "logs", route="round-robin", request_timeout_s=WAIT_S,
                                  **opts) as (url, engines):
             print("profiling through streamed tokens ...", flush=True)
-            its, firsts = await sweep([e.url for e in engines], str(folder), card["vocab_size"], base.max_batch_tokens,
-                                      base.max_requests_per_batch, card["max_model_len"], args.quick)
+            its, firsts, host = await sweep([e.url for e in engines], str(folder), card["vocab_size"],
+                                            base.max_batch_tokens, base.max_requests_per_batch, card["max_model_len"],
+                                            args.quick, pids=[e.proc.pid for e in engines])
             spec = parse_model(base.model).to_dict()
-            prof = streamed_profile(its, firsts, {"kind": "vllm", **base.__dict__}, spec, len(cfgs))
-            prof.save(out / "engine-vllm-tiny.json")
+            prof = streamed_profile(its, firsts, {"kind": "vllm", **base.__dict__}, spec, len(cfgs), host)
+            prof.save(out / "engine-vllm.json")
             twin = twin_fleet(base, len(cfgs), ProfiledIterationTiming(prof), opts["max_running"], engine="vllm")
 
             def simulated(rate: float):
@@ -170,8 +171,10 @@ def main() -> int:
           f"Profile through streamed tokens ({prof.produced_by['sweep']['iterations']} iteration gaps and "
           f"{prof.produced_by['sweep']['first_tokens']} first tokens of lone prompts and decode batches; no replay): "
           f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, per new token "
-          f"{prof.fit['per_token_s'] * 1e6:.1f} us, admission {prof.admission_s * 1e3:.1f} ms; in-sample error of "
-          f"the fit median {fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
+          f"{prof.fit['per_token_s'] * 1e6:.1f} us, admission {prof.admission_s * 1e3:.1f} ms; the API servers' and "
+          f"the client's CPU {prof.host_request_s * 1e3:.2f} ms a request and {prof.host_token_s * 1e6:.1f} us a token "
+          f"carried on {prof.host_cores} cores; in-sample error of the fit median {fit['median']:.1%}, p90 "
+          f"{fit['p90']:.1%}.", "",
           *markdown_table(["rate/s", "done", "failed", "TTFT p50 ms (measured / twin)", "TPOT p50", "TTFT p90",
                            "TPOT p90"], rows), "",
           f"- p50 TTFT and TPOT: worst |twin / measured - 1| = {worst:.0%} (bound {LATENCY_BOUND:.0%}): "

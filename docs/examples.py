@@ -30,7 +30,8 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent
 COLUMNS = 120
 MARK = re.compile(r"<!-- example(\(slow\))?: (.+?) -->\n```\n(.*?)```\n<!-- /example -->", re.S)
-# Wall-clock figures: a search's seconds, plan's phases, a table's scheduler-milliseconds column, the serving simulator's speed.
+# Wall-clock figures: a search's seconds, plan's phases, a table's scheduler-milliseconds column, the serving
+# simulator's speed.
 TIMES = [re.compile(r"(configurations,\s+)\d+(\.\d+)?\s+s"), re.compile(r"(search\s+)\d+(\.\d+)?\s+s"),
          re.compile(r"(baselines\s+)\d+(\.\d+)?\s+s"), re.compile(r"(scored\s+in\s+)\d+(\.\d+)?\s+s"),
          re.compile(r"(requests\s+in\s+)\d+(\.\d+)?\s+s\s+\([\d,]+\s+requests\s+a\s+minute\)"),

@@ -5,9 +5,11 @@ its stream breaks, and fills the model card from what it was told. vLLM itself: 
 
 import asyncio
 import json
+import statistics
 
 import pytest
 
+from flexmesh.profile.iteration import TERMS, iteration_features
 from flexmesh.serve.engine.openai import Streamed, stream_body
 from tests.test_serve_router import post, with_router
 
@@ -141,3 +143,31 @@ def test_an_unknown_engine_protocol_is_one_line():
 
     with pytest.raises(ServeError, match="protocol 'grpc' is not one of flexmesh, openai"):
         RouterService(["http://127.0.0.1:1"], protocol="grpc")
+
+
+def test_a_streamed_sweep_fits_what_the_engine_spends_per_iteration():
+    """flexmesh.profile.streamed on a stand-in whose every token takes 20 ms whatever the batch: the fit puts it in
+    the per-iteration terms, the fit prices what was measured, and the request's way in comes out small."""
+    from flexmesh.profile.streamed import OUTPUT_TOKENS, REPEATS, fit_streamed, scenarios, sweep
+    from tests.test_serve_router import started
+
+    app, _ = streaming_engine(per_token_s=0.02)
+
+    async def main():
+        runner, url = await started(app)
+        try:
+            return await sweep([url], "m", 50, budget=256, max_seqs=4, context=2048, quick=True)
+        finally:
+            await runner.cleanup()
+
+    its, firsts, host = asyncio.run(main())
+    assert len(firsts) == 8 and all(b == ((0, p),) for (b, _), p in zip(firsts, [16, 64, 128, 256] * 2))
+    assert {len(b) for b, _ in its} == {1, 2, 4}  # lone decodes and batches of 2 and 4
+    fit, admission, samples = fit_streamed(its, firsts)
+    priced = [sum(fit[t] * f for t, f in zip(TERMS, iteration_features(b))) for b, _ in samples]
+    assert statistics.median(abs(p / s - 1) for p, (_, s) in zip(priced, samples)) < 0.25
+    # a sleep is never shorter than asked (a loaded machine makes it longer: no upper bound is asserted)
+    assert fit["c0_s"] + fit["per_request_s"] >= 0.018 and 0 <= admission < 0.1
+    # one host row a scenario: its requests and the tokens they carried
+    assert len(host) == len(scenarios(256, 4, 2048, quick=True)) * REPEATS
+    assert host[0][:2] == (1, 16 + OUTPUT_TOKENS) and all(r > 0 and t > 0 for r, t, _ in host)

@@ -84,3 +84,26 @@ def test_router_in_front_of_two_vllm_engines_loses_nothing(queue, tmp_path, monk
     assert answers == alone  # the engine's greedy tokens, whichever engine answered
     kinds = [e["event"] for e in events]
     assert "engine-lost" in kinds and next(e for e in events if e["event"] == "engine-lost")["engine"] == 1
+
+
+@pytest.mark.timeout(1500)
+def test_vllm_profiled_through_its_stream_then_replayed_beside_its_twin(tmp_path, monkeypatch, capsys):
+    import json
+
+    from flexmesh.cli import main
+    from flexmesh.profile.iteration import load_engine_profile
+
+    for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1", "OMP_NUM_THREADS": "1",
+                 "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}.items():
+        monkeypatch.setenv(k, v)
+    knobs = ["--engine", "vllm", "--engine-python", VLLM_PYTHON, "--engines", "2", "--model", "tiny",
+             "--max-batch-requests", "8", "--max-batch-tokens", "256", "--page-size", "32", "--kv-blocks", "64"]
+    assert main(["profile", "engine", *knobs, "--quick", "--no-progress", "--out", str(tmp_path / "p.json")]) == 0
+    prof = load_engine_profile(tmp_path / "p.json")
+    assert prof.engine["kind"] == "vllm" and prof.produced_by["measured"] == "streamed tokens"
+    assert prof.fit["c0_s"] > 0 and 0 < prof.admission_s < 1 and prof.error["median"] < 0.25
+    assert main(["serve", "bench", *knobs, "--rate", "4", "--requests", "16", "--profile", str(tmp_path / "p.json"),
+                 "--out", str(tmp_path / "bench")]) == 0
+    (summary,) = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    assert summary["failed"] == {} and summary["summary"]["requests"] == 16
+    assert summary["predicted"]["requests"] == 16  # the twin replayed the same requests

@@ -17,18 +17,26 @@ once (their contention is in the profile, as in :mod:`flexmesh.profile.engine`):
 Each distinct batch's samples give their median, and one non-negative least-squares fit (relative error,
 :func:`flexmesh.profile.fit.least_squares`) takes the six terms and, on the first-token samples only, a seventh
 column: ``admission_s``. Tokens that arrive in one chunk share its time (an engine that falls behind sends several
-at once); their gaps are zero and the medians ride over them. What this cannot see, and the profile leaves at 0:
-the first iteration after idling, and the host's cores shared with the router (both inside the samples' times).
+at once); their gaps are zero and the medians ride over them.
+
+The engines' iterations share the host's cores with their API servers (which stream every token), flexmesh's router
+and the client: the sweep measures the CPU time of the API server processes and its own over each scenario, their
+idle background taken out, and :func:`flexmesh.profile.host.host_costs_from` splits it into ``host_request_s`` and
+``host_token_s`` on ``host_cores`` (the twin charges them to the engines while they fill every core, as for
+flexmesh's own engine). What this cannot see, and the profile leaves at 0: the first iteration after idling (inside
+the samples' times).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +46,7 @@ from flexmesh.profile.iteration import TERMS, EngineProfile, iteration_features
 
 OUTPUT_TOKENS = 12  # tokens each sweep request generates: enough gaps to take a median of
 REPEATS = 2
+IDLE_S = 1.0  # seconds the sweep first waits, measuring what the processes spend idle
 
 
 def scenarios(budget: int, max_seqs: int, context: int, quick: bool) -> list[tuple[str, int, int]]:
@@ -95,9 +104,26 @@ def samples_of(kind: str, prompt: int, runs: Sequence) -> tuple[list[tuple[tuple
     return its, []
 
 
+def cpu_s(pids: Sequence[int] = ()) -> float:
+    """CPU seconds this process and the processes ``pids`` have had (Linux's ``/proc/PID/stat``; a process gone, or
+    a platform without it, counts 0)."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 async def sweep(urls: Sequence[str], model: str | None, vocab: int, budget: int, max_seqs: int, context: int,
-                quick: bool, progress: Callable[[int, int, str], None] | None = None):
-    """Every engine at ``urls`` runs the sweep at once: (iteration samples, first-token samples), raw."""
+                quick: bool, progress: Callable[[int, int, str], None] | None = None, pids: Sequence[int] = ()):
+    """Every engine at ``urls`` runs the sweep at once: (iteration samples, first-token samples, host rows), raw.
+    A host row is a scenario's ``(requests, tokens carried, CPU seconds)`` of this process and the processes
+    ``pids`` (the engines' API servers: what shares the cores with their iterations), their idle background taken
+    out (:func:`flexmesh.profile.host.host_costs_from` reads them)."""
     from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
     from flexmesh.serve.engine.http import KEEPALIVE_S
@@ -106,6 +132,10 @@ async def sweep(urls: Sequence[str], model: str | None, vocab: int, budget: int,
     rng = random.Random(0)
     its: list = []
     firsts: list = []
+    host: list[tuple[int, int, float]] = []
+    cpu0, wall0 = cpu_s(pids), time.perf_counter()
+    await asyncio.sleep(IDLE_S)  # what the processes spend idle (health checks, stats loggers)
+    background = (cpu_s(pids) - cpu0) / (time.perf_counter() - wall0)
     async with ClientSession(timeout=ClientTimeout(total=600),
                              connector=TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)) as s:
         for i, (kind, n, prompt) in enumerate(plan):
@@ -118,14 +148,17 @@ async def sweep(urls: Sequence[str], model: str | None, vocab: int, budget: int,
                           for _ in range(n)]
                 return await asyncio.gather(*(_stream(s, url, b) for b in bodies))
 
+            cpu0, wall0 = cpu_s(pids), time.perf_counter()
             for runs in await asyncio.gather(*(one(u) for u in urls)):
                 a, b = samples_of(kind, prompt, runs)
                 its += a
                 firsts += b
+            spent = cpu_s(pids) - cpu0 - background * (time.perf_counter() - wall0)
+            host.append((n * len(urls), n * len(urls) * (prompt + OUTPUT_TOKENS), spent))
             await asyncio.sleep(0.05)  # the engines idle between scenarios, as a lone request finds them
         if progress is not None:
             progress(len(plan), len(plan), "fitted")
-    return its, firsts
+    return its, firsts, host
 
 
 def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tuple, float]]):
@@ -155,14 +188,19 @@ def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tupl
     return fit, float(c[-1]), samples
 
 
-def streamed_profile(its, firsts, engine: dict, model: dict, engines: int) -> EngineProfile:
-    """The engine profile of a sweep (see the module doc)."""
+def streamed_profile(its, firsts, engine: dict, model: dict, engines: int,
+                     host: Sequence[tuple[int, int, float]] = ()) -> EngineProfile:
+    """The engine profile of a sweep (see the module doc; ``host``: its host rows)."""
+    from flexmesh.profile.host import host_cores, host_costs_from
+
     fit, admission, samples = fit_streamed(its, firsts)
+    request_s, token_s = host_costs_from(host)
     return EngineProfile(model=model, engine=engine, fit=fit, samples=samples, admission_s=admission,
+                         host_cores=host_cores() if host else 0, host_request_s=request_s, host_token_s=token_s,
                          produced_by={"command": "flexmesh profile engine", "measured": "streamed tokens",
                                       "processes": engines,
                                       "sweep": {"iterations": len(its), "first_tokens": len(firsts),
-                                                "admissions": len(firsts)}})
+                                                "admissions": len(firsts), "host_rows": len(host)}})
 
 
 async def profile_external(cfgs, card: dict, model: str, base, quick: bool, log_dir,
@@ -177,13 +215,14 @@ async def profile_external(cfgs, card: dict, model: str, base, quick: bool, log_
 
     engines = await start_engines(cfgs, len(cfgs), log_dir)
     try:
-        its, firsts = await sweep([e.url for e in engines], model, card["vocab_size"], base.max_batch_tokens,
-                                  base.max_requests_per_batch, card["max_model_len"], quick, progress)
+        its, firsts, host = await sweep([e.url for e in engines], model, card["vocab_size"], base.max_batch_tokens,
+                                        base.max_requests_per_batch, card["max_model_len"], quick, progress,
+                                        pids=[e.proc.pid for e in engines])
     finally:
         await stop_engines(engines)
     spec = parse_model(base.model).to_dict()
     prof = streamed_profile(its, firsts, {**json.loads(base.to_json()), "kind": cfgs[0].kind},
-                            {**spec, "hash": spec_hash(spec)}, len(cfgs))
+                            {**spec, "hash": spec_hash(spec)}, len(cfgs), host)
     prof.produced_by = {**produced_by(len(cfgs), device_type="cpu"), "measured": "streamed tokens",
                         "sweep": {**prof.produced_by["sweep"], "quick": quick}}
     return prof
