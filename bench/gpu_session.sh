@@ -6,6 +6,7 @@
 #      long the process takes to exit after its last line
 #   3. `pytest -m cuda`
 #   4. `flexmesh demo` on this machine
+#   5. `flexmesh serve bench --plan` on this GPU beside `serve simulate`'s price of the same plan
 # Wheels the machine lacks (torchtitan and its needs: docs/benchmarks.md) go in .whl/ and are installed to
 # a folder of their own. Run from the repository root: `OUT=/tmp/gpu bash bench/gpu_session.sh`.
 set -u
@@ -64,3 +65,25 @@ log "cuda tests exit $?"
 log "4. flexmesh demo"
 timeout "$(limit ${T_DEMO:-480})" python3 -m flexmesh demo --out /tmp/fm-demo > "$OUT/demo.txt" 2>&1
 log "demo exit $?"
+
+log "5. serve bench --plan on this GPU (flexmesh's engine), beside serve simulate's price of the same plan"
+# SERVE_MODEL: the plan's model (tinyllama-1.1b on the GPU); MAP_TO_CPU=1 runs the same steps on a machine without
+# one (the CPU check of this script: GPU=H100-80GB SERVE_MODEL=tiny MAP_TO_CPU=1 bash bench/gpu_session.sh)
+GPU=${GPU:-$(python3 -c "from flexmesh.serve.engine.local import local_gpus; g = local_gpus(); print(g[0] if g else '')")}
+if [ -n "$GPU" ]; then
+  SERVE="$OUT/serve"; mkdir -p "$SERVE"
+  timeout "$(limit ${T_SERVE:-240})" bash -c "
+    python3 -m flexmesh serve plan --model ${SERVE_MODEL:-tinyllama-1.1b} --cluster 1x$GPU --rate 8 --fit-context \
+      --out $SERVE/plan > $SERVE/plan.txt 2>&1 || exit 1
+    python3 -m flexmesh serve bench --plan $SERVE/plan/plan.json ${MAP_TO_CPU:+--map-to-cpu} \
+      --rate ${SERVE_RATES:-4,16} --requests ${SERVE_REQUESTS:-100} --out $SERVE/bench > $SERVE/bench.txt 2>&1
+    for e in transformers vllm; do
+      for r in \$(echo ${SERVE_RATES:-4,16} | tr , ' '); do
+        python3 -m flexmesh serve simulate --plan $SERVE/plan/plan.json --engine \$e --rate \$r --fit-context \
+          --requests ${SERVE_REQUESTS:-100} > $SERVE/price-\$e-\$r.txt 2>&1
+      done
+    done"
+  log "serve exit $?"
+else
+  log "serve: no CUDA device"
+fi

