@@ -15,8 +15,8 @@ fi
 step 2 "installing flexmesh and its test tools (pip install -e .[dev])"
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 # The oldest transformers the serve extra admits, beside the installed one, for the engine's test on both ends of
-# the range (tests/test_serve_engine_versions.py); the rest of its dependencies are the installed ones.
+# the range (tests/test_serve_engine_versions.py), with the dependencies it pins (huggingface-hub 1.x; ~270 MB).
 step 3 "installing transformers 5.17.0 into .venvs/transformers-5.17 (the engine's oldest admitted release)"
-"$PY" -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target .venvs/transformers-5.17 \
+"$PY" -m pip install --quiet --disable-pip-version-check --upgrade --target .venvs/transformers-5.17 \
   transformers==5.17.0
 echo "setup done in $((SECONDS - start)) s: try 'flexmesh --help', 'flexmesh demo' or 'python3 -m pytest -q'"

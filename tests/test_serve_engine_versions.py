@@ -1,9 +1,9 @@
 """flexmesh's engine on both ends of the transformers range the project admits (``transformers>=5.17`` in the serve
 extra): the installed release (the newest pip finds) in this process, and 5.17.0, the oldest, which ``setup.sh``
-puts beside it in ``.venvs/transformers-5.17`` (``pip install --no-deps --target``), in a process of its own. On
-each, the engine is built from the continuous-batching config as that release names its fields
-(flexmesh.serve.engine.engine.batching_config), every field it sets is taken as given, and it decodes the tokens
-transformers' own ``generate`` gives. A release whose config differs from what the engine was written for fails
+puts beside it in ``.venvs/transformers-5.17`` (``pip install --target``, with the dependencies it pins), in a
+process of its own. On each, the engine is built from the continuous-batching config as that release names its
+fields (flexmesh.serve.engine.engine.batching_config), every field it sets is taken as given, and it decodes the
+tokens transformers' own ``generate`` gives. A release whose config differs from what the engine was written for fails
 here: a field missing or renamed, a value not taken, its scheduler's loop hook gone."""
 
 import inspect
