@@ -36,8 +36,10 @@ from bench.serve_engine import KNEE_FACTOR, RATE_FACTORS, WAIT_S, knee, median_s
 LATENCY_BOUND, KNEE_BOUND = 0.20, 0.15
 REPEATS = 2
 DEPENDS_ON = ("flexmesh/serve", "flexmesh/profile", "flexmesh/cost", "flexmesh/data", "flexmesh/spec",
-              "flexmesh/commands/serve_run.py", "flexmesh/commands/engine_args.py", "flexmesh/errors.py",
-              "flexmesh/files.py")
+              "flexmesh/commands/__init__.py", "flexmesh/commands/args.py", "flexmesh/commands/serve_run.py",
+              "flexmesh/commands/engine_args.py", "flexmesh/layout/enums.py", "flexmesh/layout/stack.py",
+              "flexmesh/schedule/dispatch.py", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py",
+              "flexmesh/units.py", "bench/serve_engine.py")  # its knee, rates and waits
 # The model: a Llama of 8 layers of 512 (24M parameters, random weights), large enough that the engines' iterations,
 # not the HTTP around them, take this machine's time (a 256-token prefill about 150 ms, a decode step about 13 ms on
 # one core; the tiny preset's take 30 and 10 ms, within the API servers' own costs)
@@ -68,7 +70,7 @@ def main() -> int:
     os.environ.update({k: v for k, v in ENV.items() if k not in os.environ})
 
     from bench._results import markdown_table, record
-    from flexmesh.cli import build_parser
+    from flexmesh.commands import serve_run
     from flexmesh.commands.engine_args import engine_config, router_options
     from flexmesh.commands.serve_run import external_engines
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
@@ -86,8 +88,10 @@ def main() -> int:
     (out / "model").mkdir(exist_ok=True)
     (out / "model" / "config.json").write_text(json.dumps(MODEL, indent=1))
     flags = [*FLAGS, "--engines", str(args.engines)]
-    fl = build_parser().parse_args(["serve", "run", *flags, "--model", str(out / "model" / "config.json"),
-                                    "--engine-python", args.engine_python])
+    parser = argparse.ArgumentParser(prog="flexmesh serve")  # serve run's flags, as `flexmesh serve run` reads them
+    serve_run.add_parser(parser.add_subparsers())
+    fl = parser.parse_args(["run", *flags, "--model", str(out / "model" / "config.json"),
+                            "--engine-python", args.engine_python])
     base = engine_config(fl)
     cfgs, card, folder, note = external_engines(fl, base)
     opts = router_options(fl, base.model, len(cfgs))
