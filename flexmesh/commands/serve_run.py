@@ -113,7 +113,10 @@ def external_engines(args, base, plan=None):
     else:
         knobs = EngineKnobs(base.max_requests_per_batch, base.max_batch_tokens, base.page_size,
                             prefix_caching=base.block_sharing, kv_blocks=base.num_blocks)
-        argv = engine(args.engine).argv(knobs, 1, 1, Role.AGGREGATED, str(folder), "127.0.0.1", 0)
+        launch = engine(args.engine).argv
+        if launch is None:
+            raise ServeError(f"flexmesh has no launch command for {args.engine}; engines it starts: vllm, sglang")
+        argv = launch(knobs, 1, 1, Role.AGGREGATED, str(folder), "127.0.0.1", 0)
         runs = [Launch(k, 0, "cpu", "aggregated", 0, tuple(argv), {}, knobs.max_seqs) for k in range(args.engines)]
         kv = [base.kv_tokens] * len(runs)
     cfgs = externals(args.engine, runs, python, free_ports(len(runs)), flags + list(args.engine_arg),

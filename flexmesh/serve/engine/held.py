@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from flexmesh.data.requests import Request
 from flexmesh.serve.metrics import RequestRecord
@@ -28,7 +29,7 @@ class Held:
     attempts: int = 0
     engine_rid: str = ""
     task: asyncio.Task | None = None
-    stream: object | None = None  # the open response of a streamed request (closing it stops it on the engine)
+    stream: Any = None  # the open response of a streamed request (closing it stops it on the engine)
     cancelled: bool = False
     resent: bool = False  # moved off an engine that was lost
     serial: int = 0  # the router's key of its request (unique, whatever id the client sent)

@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,29 +83,29 @@ def _last_line(log: Path, first: bool = False) -> str:
     return (errors or lines or [""])[-1].removeprefix("error: ")
 
 
-async def start_engines(cfg: EngineConfig | list[EngineConfig | ExternalEngine], n: int, log_dir: Path,
+async def start_engines(cfg: EngineConfig | Sequence[EngineConfig | ExternalEngine], n: int, log_dir: Path,
                         start_timeout_s: float = START_TIMEOUT_S) -> list[EngineProcess]:
     """N engine processes of ``cfg`` (or one of each config of a list: flexmesh's engine, or a production engine's
     :class:`~flexmesh.serve.engine.external.ExternalEngine`), each ready (see the module doc)."""
-    cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
+    cfgs: list[EngineConfig | ExternalEngine] = [cfg] * n if isinstance(cfg, EngineConfig) else list(cfg)
     if not cfgs:
         raise ServeError(f"engines must be at least 1, got {len(cfgs)}")
     make_folder(log_dir)
     engines: list[EngineProcess] = []
     try:
-        for k, cfg in enumerate(cfgs):
+        for k, c in enumerate(cfgs):
             log = log_dir / f"engine-{k}.log"
             with create_file(log, log_dir, exclusive=False) as err:  # a later run's log replaces an earlier one
-                if isinstance(cfg, ExternalEngine):  # its own session: its workers stop with it (stop_engines)
+                if isinstance(c, ExternalEngine):  # its own session: its workers stop with it (stop_engines)
                     proc = await asyncio.create_subprocess_exec(
-                        *cfg.argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=asyncio.subprocess.STDOUT,
-                        env={**os.environ, **cfg.env}, preexec_fn=_die_with_parent, start_new_session=True)
-                    engines.append(EngineProcess(k, proc, log, cfg.port, external=True))
+                        *c.argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=asyncio.subprocess.STDOUT,
+                        env={**os.environ, **c.env}, preexec_fn=_die_with_parent, start_new_session=True)
+                    engines.append(EngineProcess(k, proc, log, c.port, external=True))
                     continue
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "flexmesh.serve.engine.server", "--config", cfg.to_json(), "--port", "0",
+                    sys.executable, "-m", "flexmesh.serve.engine.server", "--config", c.to_json(), "--port", "0",
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
-                    env=_child_env(cfg), preexec_fn=_die_with_parent)
+                    env=_child_env(c), preexec_fn=_die_with_parent)
             engines.append(EngineProcess(k, proc, log))
         await asyncio.gather(*(_wait_healthy(e, max(start_timeout_s, EXTERNAL_START_TIMEOUT_S)) if e.external
                                else _wait_ready(e, start_timeout_s) for e in engines))
@@ -200,7 +201,8 @@ async def stop_engines(engines: list[EngineProcess], timeout_s: float = STOP_TIM
 
 
 @contextlib.asynccontextmanager
-async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir: Path, records: Path | None = None,
+async def running_fleet(cfg: EngineConfig | Sequence[EngineConfig | ExternalEngine | str], n: int, log_dir: Path,
+                        records: Path | None = None,
                         route: str = "round-robin", port: int = 0, max_outstanding: int = 4096,
                         request_timeout_s: float = 600.0, events: Path | None = None, **router):
     """N engines (or one per config of a list; a list of URLs: engines already running) and the router on
@@ -208,13 +210,17 @@ async def running_fleet(cfg: EngineConfig | list[EngineConfig], n: int, log_dir:
     :class:`~flexmesh.serve.engine.router.RouterService` as the url's ``router`` attribute; everything stops on
     leaving it, whatever happened. ``router``: the RouterService's other options (queue, predictor, max_running,
     ...; each engine's ``max_running`` and ``kv_tokens`` default to its config's request cap and KV cache)."""
-    cfgs = list(cfg) if isinstance(cfg, list) else [cfg] * n
+    items = [cfg] * n if isinstance(cfg, EngineConfig) else list(cfg)
     check_port(port, "the router")  # before minutes of starting engines
-    if cfgs and all(isinstance(c, str) for c in cfgs):  # URLs of engines already running: none to start
-        async with router_on(cfgs, port, records, events, route=route, max_outstanding=max_outstanding,
+    urls = [c for c in items if isinstance(c, str)]
+    if urls and len(urls) == len(items):  # URLs of engines already running: none to start
+        async with router_on(urls, port, records, events, route=route, max_outstanding=max_outstanding,
                              request_timeout_s=request_timeout_s, **router) as url:
             yield url, []
         return
+    cfgs = [c for c in items if not isinstance(c, str)]
+    if len(cfgs) != len(items):
+        raise ServeError("give engines to start or URLs of running ones, not both")
     engines = await start_engines(cfgs, len(cfgs), log_dir)
     try:
         router.setdefault("max_running", [c.max_running if isinstance(c, ExternalEngine) else

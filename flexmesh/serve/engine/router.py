@@ -307,10 +307,13 @@ class RouterService:
         rep.release(h)
         self._pump(rep)
         if status != 200:
-            try:
-                answer = text if isinstance(text, dict) else json.loads(text)
-            except ValueError:
-                answer = error_body(text.strip()[:200] or f"HTTP {status}", "engine_error")
+            if isinstance(text, dict):
+                answer = text
+            else:
+                try:
+                    answer = json.loads(text)
+                except ValueError:
+                    answer = error_body(text.strip()[:200] or f"HTTP {status}", "engine_error")
             self._fail(h, status, answer)
             return
         answer = json.loads(text) if isinstance(text, str) else text
