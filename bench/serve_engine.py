@@ -102,6 +102,16 @@ def next_rate(rates: list[float], p90_ttft: list[float], given: int) -> float | 
     return round(rates[-1] * RATE_STEP, 2)
 
 
+def twin_rates(simulated) -> list[float]:  # noqa: ANN001
+    """The rates to measure: :data:`RATE_FACTORS` times the twin's own knee, found by a coarse sweep of
+    ``simulated(rate)`` (the twin's summary at a rate) for the rate at which its p90 TTFT reaches :data:`KNEE_FACTOR`
+    times its value at the lowest rate."""
+    grid = [0.25 * 1.25 ** k for k in range(30)]
+    base = simulated(grid[0]).ttft["p90"]
+    sim_knee = next((r for r in grid if simulated(r).ttft["p90"] >= KNEE_FACTOR * base), grid[-1])
+    return [round(f * sim_knee, 2) for f in RATE_FACTORS]
+
+
 def median_spread(values: list[float]) -> tuple[float, float]:
     """The median of ``values`` (one per pass) and their spread: (max - min) / median.
 
@@ -433,13 +443,7 @@ def main() -> int:
     n = 60 if args.quick and args.requests == 120 else args.requests
     win, simulated = twin_of(cfg, prof, n)
 
-    if args.rates:
-        rates = [float(r) for r in args.rates.split(",")]
-    else:  # the twin's knee, by a coarse sweep, places the measured rates around it
-        grid = [0.25 * 1.25 ** k for k in range(30)]
-        base = simulated(grid[0]).ttft["p90"]
-        sim_knee = next((r for r in grid if simulated(r).ttft["p90"] >= KNEE_FACTOR * base), grid[-1])
-        rates = [round(f * sim_knee, 2) for f in RATE_FACTORS]
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else twin_rates(simulated)
     print(f"window: {len(win)} requests of azure-conv scaled to {args.context} tokens; rates {rates}, {repeats} "
           "passes", flush=True)
 

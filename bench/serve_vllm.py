@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve_engine import KNEE_FACTOR, RATE_FACTORS, WAIT_S, knee, median_spread, next_rate  # noqa: E402
+from bench.serve_engine import KNEE_FACTOR, WAIT_S, knee, median_spread, next_rate, twin_rates  # noqa: E402
 
 LATENCY_BOUND, KNEE_BOUND = 0.20, 0.15
 REPEATS = 2
@@ -119,13 +119,7 @@ def main() -> int:
             def simulated(rate: float):
                 return summarize(twin.run(at_rate(win, rate)).records)
 
-            if args.rates:
-                rates = [float(r) for r in args.rates.split(",")]
-            else:  # the twin's knee, by a coarse sweep, places the measured rates around it
-                grid = [0.25 * 1.25 ** k for k in range(30)]
-                lowest = simulated(grid[0]).ttft["p90"]
-                sim_knee = next((r for r in grid if simulated(r).ttft["p90"] >= KNEE_FACTOR * lowest), grid[-1])
-                rates = [round(f * sim_knee, 2) for f in RATE_FACTORS]
+            rates = [float(r) for r in args.rates.split(",")] if args.rates else twin_rates(simulated)
             print(f"window: {len(win)} requests scaled to {context} tokens; rates {rates}, {repeats} "
                   "passes", flush=True)
             limits = {"request_timeout_s": WAIT_S, "drain_timeout_s": WAIT_S}
