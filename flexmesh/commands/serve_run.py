@@ -172,7 +172,7 @@ def _backends(args, base):
         raise ServeError("--backend fronts engines already running; a plan's replicas are started with --plan alone "
                          "(or export them: flexmesh serve export)")
     opts = router_options(args, base.model, len(urls))
-    if args.engine != "transformers":
+    if args.engine != "transformers":  # what the router tells of the model where the engines' card does not
         opts["protocol"] = "openai"
         if args.model_path:
             from flexmesh.serve.engine.external import model_card
@@ -180,6 +180,10 @@ def _backends(args, base):
             folder = Path(args.model_path).resolve()
             card = model_card(folder)
             opts.update(context=card["max_model_len"], model=str(folder), card=card)
+        elif args.model:
+            from flexmesh.spec.model import parse_model
+
+            opts["card"] = {"vocab_size": parse_model(args.model).vocab}
     return urls, args.route or "round-robin", opts, []
 
 
