@@ -148,7 +148,7 @@ def test_an_unknown_engine_protocol_is_one_line():
 def test_a_streamed_sweep_fits_what_the_engine_spends_per_iteration():
     """flexmesh.profile.streamed on a stand-in whose every token takes 20 ms whatever the batch: the fit puts it in
     the per-iteration terms, the fit prices what was measured, and the request's way in comes out small."""
-    from flexmesh.profile.streamed import OUTPUT_TOKENS, REPEATS, fit_streamed, scenarios, sweep
+    from flexmesh.profile.streamed import OUTPUT_TOKENS, REPEATS, chunks, fit_streamed, scenarios, sweep
     from tests.test_serve_router import started
 
     app, _ = streaming_engine(per_token_s=0.02)
@@ -161,8 +161,12 @@ def test_a_streamed_sweep_fits_what_the_engine_spends_per_iteration():
             await runner.cleanup()
 
     its, firsts, host = asyncio.run(main())
-    assert len(firsts) == 8 and all(b == ((0, p),) for (b, _), p in zip(firsts, [16, 64, 128, 256] * 2))
-    assert {len(b) for b, _ in its} == {1, 2, 4}  # lone decodes and batches of 2 and 4
+    # lone prompts, the one past the budget in chunks of it
+    assert [b for b, _ in firsts] == [chunks(p, 256) for p in [16, 64, 128, 256, 1024] * REPEATS]
+    assert len(firsts[4][0]) == 4 and firsts[4][0][-1] == ((768, 256),)
+    sizes = {len(b) for b, _ in its}  # lone decodes and batches of 2 and 4, then 2 joined by a prompt
+    assert {1, 2, 4} <= sizes <= {1, 2, 3, 4}
+    assert all(b[-1] == (0, 128) and all(q == 1 for _, q in b[:-1]) for b, _ in its if len(b) == 3)
     fit, admission, samples = fit_streamed(its, firsts)
     priced = [sum(fit[t] * f for t, f in zip(TERMS, iteration_features(b))) for b, _ in samples]
     assert statistics.median(abs(p / s - 1) for p, (_, s) in zip(priced, samples)) < 0.25

@@ -6,18 +6,25 @@ An engine streams each token as the iteration that made it ends, so the time bet
 one iteration, and a batch whose requests all decode together is known exactly. The sweep runs on every engine at
 once (their contention is in the profile, as in :mod:`flexmesh.profile.engine`):
 
-- **lone prompts**: one request of ``p`` prompt tokens on an idle engine, ``p`` up to the token budget (one
-  prefill iteration). Its first token came after the request's way in (the client's HTTP hop, the engine's
-  parsing and queue hand-off: ``admission_s``) and one iteration of batch ``[(0, p)]``; each next token ``k``
-  after one iteration of ``[(p + k - 1, 1)]``.
+- **lone prompts**: one request of ``p`` prompt tokens on an idle engine. Its first token came after the request's
+  way in (the client's HTTP hop, the engine's parsing and queue hand-off: ``admission_s``) and the iterations of
+  its prefill: ``[(0, p)]`` where ``p`` fits the token budget ``B``, else chunks of ``B`` (``[(0, B)]``,
+  ``[(B, B)]``, ... and the rest: vLLM's and SGLang's chunked prefill), so chunks deep in a long prompt, whose
+  attention reads everything before them, are measured and not extrapolated. Each next token ``k`` came after one
+  iteration of ``[(p + k - 1, 1)]``.
 - **decode batches**: ``b`` requests of ``c`` prompt tokens sent at once. Once every one of them has its first
   token, each iteration computes one token of each: the gap between tokens ``k - 1`` and ``k`` (the median over
   the ``b`` requests) is one iteration of ``[(c + k - 1, 1)] * b``.
+- **mixed**: ``b`` requests of :data:`MIXED_CONTEXT` prompt tokens decoding when a prompt of ``p <= B - b`` tokens
+  arrives. The engine schedules the decodes first and the whole prompt beside them, so the decodes' token that
+  comes with the prompt's first token ends one iteration of ``[(c_i, 1)] * b + [(0, p)]``: what a decode pays
+  for sharing its iteration with a prefill, which is where a serving tail is made.
 
-Each distinct batch's samples give their median, and one non-negative least-squares fit (relative error,
+Each distinct sample's times give their median, and one non-negative least-squares fit (relative error,
 :func:`flexmesh.profile.fit.least_squares`) takes the six terms and, on the first-token samples only, a seventh
-column: ``admission_s``. Tokens that arrive in one chunk share its time (an engine that falls behind sends several
-at once); their gaps are zero and the medians ride over them.
+column: ``admission_s``. A first-token sample is a sequence of iterations (a chunked prefill's), priced as the sum
+of theirs: every term is linear. Tokens that arrive in one chunk share its time (an engine that falls behind sends
+several at once); their gaps are zero and the medians ride over them.
 
 The engines' iterations share the host's cores with their API servers (which stream every token), flexmesh's router
 and the client: the sweep measures the CPU time of the API server processes and its own over each scenario, their
@@ -45,31 +52,52 @@ from flexmesh.profile.fit import least_squares
 from flexmesh.profile.iteration import TERMS, EngineProfile, iteration_features
 
 OUTPUT_TOKENS = 12  # tokens each sweep request generates: enough gaps to take a median of
-REPEATS = 2
+REPEATS = 3  # each sample's median over them: one slow first meeting of a batch shape does not move it
 IDLE_S = 1.0  # seconds the sweep first waits, measuring what the processes spend idle
+MIXED_CONTEXT = 32  # prompt tokens of the requests decoding when a mixed scenario's prompt arrives
+
+
+def chunks(prompt: int, budget: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The prefill iterations of a lone prompt under a token budget (chunked prefill: whole chunks of ``budget``,
+    then the rest), each a batch of one ``(context, new tokens)``.
+
+    >>> chunks(100, 256), chunks(600, 256)
+    ((((0, 100),),), (((0, 256),), ((256, 256),), ((512, 88),)))
+    """
+    return tuple((((c, min(budget, prompt - c)),) for c in range(0, prompt, budget)))
 
 
 def scenarios(budget: int, max_seqs: int, context: int, quick: bool) -> list[tuple[str, int, int]]:
-    """The sweep: ``(kind, requests at once, prompt tokens)``, lone prompts then decode batches, within the
-    engine's token budget, request cap and context.
+    """The sweep: ``(kind, requests at once, prompt tokens)``: lone prompts (past the token budget: chunked, up to
+    the context), decode batches, then decodes joined by a prompt (``mixed``: ``requests`` decoding, one prompt of
+    ``prompt tokens``), within the engine's token budget, request cap and context.
 
-    >>> scenarios(256, 4, 2016, quick=True)[:3], len(scenarios(256, 4, 2016, quick=True))
-    ([('lone', 1, 16), ('lone', 1, 64), ('lone', 1, 128)], 10)
+    >>> plan = scenarios(256, 4, 2016, quick=True)
+    >>> [s for s in plan if s[0] == "lone"], len(plan)
+    ([('lone', 1, 16), ('lone', 1, 64), ('lone', 1, 128), ('lone', 1, 256), ('lone', 1, 1024)], 12)
+    >>> [s for s in plan if s[0] == "mixed"]  # 4 decoding and one more would pass the cap of 4
+    [('mixed', 2, 128)]
     """
     room = context - OUTPUT_TOKENS - 1
     prompts = [p for p in ((16, 64, 128, 256) if quick else (8, 16, 32, 64, 96, 128, 192, 256, 384, 512))
                if p <= min(budget, room)]
+    long = sorted({min(room, k * budget) for k in ((4,) if quick else (2, 4, 8))} - {0}) if room > budget else []
     sizes = sorted({b for b in ((1, 2, 4, 8) if quick else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)) if b <= max_seqs}
                    | {max_seqs})
     contexts = [c for c in ((32, 512) if quick else (32, 256, 1024)) if c <= room] or [min(32, room)]
-    return ([("lone", 1, p) for p in prompts]
-            + [("batch", b, c) for b in sizes for c in contexts if b * c <= 64 * budget])
+    joined = [b for b in ((2, 4) if quick else (1, 2, 4, 8)) if b < max_seqs and MIXED_CONTEXT + OUTPUT_TOKENS <= room]
+    mixed = [("mixed", b, p) for b in joined
+             for p in sorted({min(room, budget - b, x) for x in ((budget // 2,) if quick else (budget // 4, budget))})
+             if p > 0]
+    return ([("lone", 1, p) for p in prompts + long]
+            + [("batch", b, c) for b in sizes for c in contexts if b * c <= 64 * budget] + mixed)
 
 
-async def _stream(session, url: str, body: dict):
+async def _stream(session, url: str, body: dict, got=None):  # noqa: ANN001 - a Streamed to fill, or None
     from flexmesh.serve.engine.openai import Streamed, stream_body
 
-    got = Streamed(time.perf_counter())
+    got = Streamed(time.perf_counter()) if got is None else got
+    got.sent_s = time.perf_counter()
     async with session.post(f"{url}/v1/completions", json=stream_body(body, body["max_tokens"], None)) as r:
         if r.status != 200:
             raise ProfileError(f"the engine at {url} refused a sweep request (HTTP {r.status}): "
@@ -82,20 +110,37 @@ async def _stream(session, url: str, body: dict):
     return got
 
 
-def samples_of(kind: str, prompt: int, runs: Sequence) -> tuple[list[tuple[tuple, float]], list[tuple[tuple, float]]]:
-    """(iteration samples, first-token samples) of one scenario's streamed requests (see the module doc).
+def samples_of(kind: str, prompt: int, runs: Sequence,
+               budget: int) -> tuple[list[tuple[tuple, float]], list[tuple[tuple, float]]]:
+    """(iteration samples ``(batch, seconds)``, first-token samples ``(iterations, seconds)``) of one scenario's
+    streamed requests (see the module doc); ``budget``: the engine's token budget.
 
     >>> from types import SimpleNamespace as S
     >>> lone = S(sent_s=0.0, token_s=[0.5, 0.75, 1.0])
-    >>> samples_of("lone", 8, [lone])
-    ([(((8, 1),), 0.25), (((9, 1),), 0.25)], [(((0, 8),), 0.5)])
+    >>> samples_of("lone", 8, [lone], 256)
+    ([(((8, 1),), 0.25), (((9, 1),), 0.25)], [((((0, 8),),), 0.5)])
+    >>> decoding = [S(sent_s=0.0, token_s=[0.125, 0.25, 0.375, 0.5, 0.625]) for _ in range(2)]
+    >>> samples_of("mixed", 64, [*decoding, S(sent_s=0.3, token_s=[0.5, 0.625])], 256)
+    ([(((34, 1), (34, 1), (0, 64)), 0.125)], [])
     """
     its: list[tuple[tuple, float]] = []
     if kind == "lone":
         (r,) = runs
-        first = [(((0, prompt),), r.token_s[0] - r.sent_s)]
+        first = [(chunks(prompt, budget), r.token_s[0] - r.sent_s)]
         its = [(((prompt + k - 1, 1),), r.token_s[k] - r.token_s[k - 1]) for k in range(1, len(r.token_s))]
         return its, first
+    if kind == "mixed":  # the decodes' token that came with the prompt's first ended their shared iteration
+        *decoding, joined = runs
+        t1 = joined.token_s[0]
+        batch, gaps = [], []
+        for r in decoding:
+            k = min(range(1, len(r.token_s)), key=lambda j: abs(r.token_s[j] - t1))
+            gap = r.token_s[k] - r.token_s[k - 1]
+            if gap <= 0 or abs(r.token_s[k] - t1) > max(2e-3, 0.25 * gap):
+                return [], []  # the decodes had ended, or came in another chunk: no iteration to read
+            batch.append((MIXED_CONTEXT + k - 1, 1))
+            gaps.append(gap)
+        return [((*sorted(batch), (0, prompt)), statistics.median(gaps))], []
     started = max(r.token_s[0] for r in runs)
     for k in range(1, min(len(r.token_s) for r in runs)):
         if min(r.token_s[k - 1] for r in runs) >= started:  # every request decoding: one token each per iteration
@@ -142,23 +187,44 @@ async def sweep(urls: Sequence[str], model: str | None, vocab: int, budget: int,
             if progress is not None:
                 progress(i, len(plan), f"{kind} {n}x{prompt}")
 
+            def body(tokens: int) -> dict:
+                return {"prompt": [rng.randrange(vocab) for _ in range(tokens)], "max_tokens": OUTPUT_TOKENS,
+                        "temperature": 0, "ignore_eos": True, **({"model": model} if model else {})}
+
             async def one(url: str):
-                bodies = [{"prompt": [rng.randrange(vocab) for _ in range(prompt)], "max_tokens": OUTPUT_TOKENS,
-                           "temperature": 0, "ignore_eos": True, **({"model": model} if model else {})}
-                          for _ in range(n)]
-                return await asyncio.gather(*(_stream(s, url, b) for b in bodies))
+                if kind != "mixed":
+                    return await asyncio.gather(*(_stream(s, url, body(prompt)) for _ in range(n)))
+                return await _mixed(s, url, [body(MIXED_CONTEXT) for _ in range(n)], body(prompt))
 
             cpu0, wall0 = cpu_s(pids), time.perf_counter()
             for runs in await asyncio.gather(*(one(u) for u in urls)):
-                a, b = samples_of(kind, prompt, runs)
+                a, b = samples_of(kind, prompt, runs, budget)
                 its += a
                 firsts += b
             spent = cpu_s(pids) - cpu0 - background * (time.perf_counter() - wall0)
-            host.append((n * len(urls), n * len(urls) * (prompt + OUTPUT_TOKENS), spent))
+            carried = (n * (MIXED_CONTEXT + OUTPUT_TOKENS) + prompt + OUTPUT_TOKENS if kind == "mixed"
+                       else n * (prompt + OUTPUT_TOKENS))
+            host.append(((n + (kind == "mixed")) * len(urls), carried * len(urls), spent))
             await asyncio.sleep(0.05)  # the engines idle between scenarios, as a lone request finds them
         if progress is not None:
             progress(len(plan), len(plan), "fitted")
     return its, firsts, host
+
+
+async def _mixed(session, url: str, decoding: Sequence[dict], joined: dict) -> list:  # noqa: ANN001
+    """The streams of a mixed scenario: ``decoding`` sent at once, ``joined`` once each of them has two tokens (all
+    decoding), the joined one last."""
+    from flexmesh.serve.engine.openai import Streamed
+
+    gots = [Streamed(time.perf_counter()) for _ in decoding]
+    tasks = [asyncio.ensure_future(_stream(session, url, b, g)) for b, g in zip(decoding, gots)]
+    while min(len(g.token_s) for g in gots) < 2 and not any(t.done() for t in tasks):
+        await asyncio.sleep(1e-3)
+    try:
+        last = await _stream(session, url, joined)
+    finally:
+        runs = await asyncio.gather(*tasks)
+    return [*runs, last]
 
 
 def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tuple, float]]):
@@ -168,7 +234,7 @@ def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tupl
     >>> def s(b):
     ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(b)))
     >>> its = [(((c, 1),) * b, s(((c, 1),) * b)) for b in (1, 2, 4, 8) for c in (40, 500)]
-    >>> firsts = [(((0, p),), s(((0, p),)) + 0.004) for p in (16, 64, 128, 256)]
+    >>> firsts = [(chunks(p, 256), sum(s(b) for b in chunks(p, 256)) + 0.004) for p in (16, 64, 128, 256, 1000)]
     >>> fit, admission, _ = fit_streamed(its, firsts)
     >>> round(admission * 1e3, 2), round(fit["per_token_s"] / true["per_token_s"], 2)
     (4.0, 1.0)
@@ -181,7 +247,8 @@ def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tupl
     rows = [(first, b, statistics.median(v)) for (first, b), v in grouped.items() if statistics.median(v) > 0]
     if len(rows) < len(TERMS) + 1 or not any(first for first, _, _ in rows):
         raise ProfileError(f"{len(rows)} distinct batches cannot fit {len(TERMS) + 1} terms; run the full sweep")
-    a = np.array([(*iteration_features(b), 1.0 if first else 0.0) for first, b, _ in rows])
+    a = np.array([(*(np.sum([iteration_features(i) for i in b], axis=0) if first else iteration_features(b)),
+                   1.0 if first else 0.0) for first, b, _ in rows])
     c = least_squares(a, np.array([sec for _, _, sec in rows]))
     fit = {t: float(v) for t, v in zip(TERMS, c)}
     samples = [(list(b), sec) for first, b, sec in rows if not first]
