@@ -76,6 +76,7 @@ def main() -> int:
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
     from flexmesh.profile.iteration import ProfiledIterationTiming
     from flexmesh.profile.streamed import streamed_profile, sweep
+    from flexmesh.serve.engine.external import fronting
     from flexmesh.serve.engine.processes import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
@@ -95,8 +96,7 @@ def main() -> int:
     base = engine_config(fl)
     cfgs, card, folder, note = external_engines(fl, base)
     opts = router_options(fl, base.model, len(cfgs))
-    opts.update(context=card["max_model_len"], model=str(folder), card=card,
-                max_running=[c.max_running for c in cfgs])
+    opts.update(fronting(card, folder), max_running=[c.max_running for c in cfgs])
     n = 60 if args.quick and args.requests == 120 else args.requests
     repeats = 1 if args.quick else args.repeats
     context = min(args.context, card["max_model_len"])

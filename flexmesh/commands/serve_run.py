@@ -126,6 +126,7 @@ def external_engines(args, base, plan=None):
 
 def _external(args, base):
     """vLLM or SGLang engines started here behind the router (:func:`external_engines`)."""
+    from flexmesh.serve.engine.external import fronting
     from flexmesh.serve.layout.plan import load_plan
 
     plan = load_plan(args.plan) if args.plan else None
@@ -133,7 +134,7 @@ def _external(args, base):
     route, opts = args.route or "round-robin", router_options(args, base.model, len(cfgs))
     if plan is not None and args.route is None:
         route, opts["table"] = "plan", plan.placement().table
-    opts.update(context=card["max_model_len"], model=str(folder), card=card)
+    opts.update(fronting(card, folder))
     opts.setdefault("max_running", [c.max_running for c in cfgs])
     return cfgs, route, opts, [note]
 
@@ -175,11 +176,10 @@ def _backends(args, base):
     if args.engine != "transformers":  # what the router tells of the model where the engines' card does not
         opts["protocol"] = "openai"
         if args.model_path:
-            from flexmesh.serve.engine.external import model_card
+            from flexmesh.serve.engine.external import fronting, model_card
 
             folder = Path(args.model_path).resolve()
-            card = model_card(folder)
-            opts.update(context=card["max_model_len"], model=str(folder), card=card)
+            opts.update(fronting(model_card(folder), folder))
         elif args.model:
             from flexmesh.spec.model import parse_model
 

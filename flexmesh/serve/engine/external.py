@@ -136,6 +136,12 @@ def model_card(folder: Path) -> dict:
             "max_model_len": int(cfg.get("max_position_embeddings", cfg.get("n_positions", 0)))}
 
 
+def fronting(card: dict, folder: Path) -> dict:
+    """The router's options for engines serving the model in ``folder`` (its ``card``): the context a replay's
+    requests must fit, the model name the engines answer to, and the card's fields for ``/v1/models``."""
+    return {"context": card["max_model_len"], "model": str(folder), "card": card}
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` ports free on 127.0.0.1 now (held together while chosen, so that they differ)."""
     import socket
