@@ -93,6 +93,7 @@ def test_iterations_count_the_requests_taken_in_and_answered_while_they_ran():
 
 def test_engine_refuses_what_it_cannot_run():
     from flexmesh.serve.engine.engine import Engine
+    from flexmesh.serve.engine.server import model_card
 
     with Engine(EngineConfig(model="tiny", num_blocks=128, page_size=16)) as engine:
         for prompt, n, match in (([], 3, "prompt is empty"), ([1, 4096], 3, "not a token id"),
@@ -100,6 +101,11 @@ def test_engine_refuses_what_it_cannot_run():
                                  ([1] * 2000, 100, "KV cache of 2048 tokens")):
             with pytest.raises(ServeError, match=match):
                 engine.check(prompt, n)
+        # what it runs with for speed, as transformers decided it, on its card: on a CPU no graphs, and why
+        card = model_card(engine)
+        assert card["speed"]["cuda_graphs"] == {"prefill": False, "decode": False}
+        assert card["speed"]["attention"] == engine.model.config._attn_implementation
+        assert card["speed"]["note"].startswith("cpu: no CUDA graphs or flash attention on a CPU")
 
 
 def _env():

@@ -4,9 +4,13 @@ its iterations.
 transformers' ``ContinuousBatchingManager`` (the loop behind ``generate_batch``) runs a background
 thread that, every iteration, schedules a batch (decoding requests and prefill chunks under one token
 budget), runs the model once and appends one token to every request that finished its prompt. This
-module sizes it explicitly (:class:`~flexmesh.serve.engine.config.EngineConfig`), keeps attention as
-the model has it (``auto_switch_to_flash=False``: SDPA on a CPU), asks for greedy decoding and
-per-token timestamps, and records every iteration's batch and duration.
+module sizes it explicitly (:class:`~flexmesh.serve.engine.config.EngineConfig`), asks for greedy decoding and
+per-token timestamps, and records every iteration's batch and duration. On a CPU it keeps attention as the model
+has it (SDPA) and no graphs; on a GPU it takes what transformers offers for speed there: flash attention where a
+flash kernel is installed (``auto_switch_to_flash``; transformers 5.17 always switches) and CUDA graphs where
+transformers' own rule turns them on (``use_cuda_graph=None``: graphs for the paths whose attention needs no mask).
+What it got, and why not where it could not, is :attr:`Engine.speed` (on ``/v1/models`` and in the engine's log).
+Batches stay synchronous (``use_async_batching=False``): an iteration is timed from its scheduling to its tokens.
 
 Iterations: transformers offers no per-iteration callback, so :class:`_TimedManager` wraps the
 manager's loop body (``_generation_loop_body``, checked against transformers 5.24 by
@@ -89,17 +93,21 @@ def batching_config(cfg: EngineConfig, fields: Iterable[str]) -> dict[str, Any]:
     >>> old = ["block_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type",
     ...        "safety_margin", "allow_block_sharing", "use_cuda_graph", "use_async_batching", "seed"]
     >>> kw = batching_config(EngineConfig(page_size=32), old)  # 5.17's fields
-    >>> kw["block_size"], "page_size" in kw, "auto_switch_to_flash" in kw
-    (32, False, False)
+    >>> kw["block_size"], "page_size" in kw, "auto_switch_to_flash" in kw, kw["use_cuda_graph"]
+    (32, False, False, False)
+    >>> gpu = batching_config(EngineConfig(device="cuda:0"), [*old, "auto_switch_to_flash"])  # transformers decides
+    >>> gpu["use_cuda_graph"], gpu["auto_switch_to_flash"], gpu["use_async_batching"]
+    (None, True, False)
     """
     fields = set(fields)
+    gpu = cfg.device != "cpu"
     kw: dict[str, Any] = {
         "page_size" if "page_size" in fields else "block_size": cfg.page_size, "num_blocks": cfg.num_blocks,
         "max_batch_tokens": cfg.max_batch_tokens, "max_requests_per_batch": cfg.max_requests_per_batch,
         "scheduler_type": cfg.scheduler, "safety_margin": cfg.safety_margin, "allow_block_sharing": cfg.block_sharing,
-        "use_cuda_graph": False, "use_async_batching": False, "seed": cfg.seed}
+        "use_cuda_graph": None if gpu else False, "use_async_batching": False, "seed": cfg.seed}
     if "auto_switch_to_flash" in fields:
-        kw["auto_switch_to_flash"] = False
+        kw["auto_switch_to_flash"] = gpu
     missing = sorted(set(kw) - fields)
     if missing:
         import transformers
@@ -108,6 +116,35 @@ def batching_config(cfg: EngineConfig, fields: Iterable[str]) -> dict[str, Any]:
                          f"{', '.join(missing)}; install a transformers 5 release this flexmesh was tested with "
                          "(5.17 or 5.24)")
     return kw
+
+
+def speed(device: str, graphs: tuple[bool, bool], attention: str, flash_installed: bool) -> dict:
+    """What an engine on ``device`` runs with for speed, and why not where it could not: ``graphs`` are CUDA graphs
+    for (prefill, decode) batches as transformers decided them, ``attention`` the implementation the model ended on.
+
+    >>> speed("cuda:0", (False, True), "paged|sdpa", False)["note"]
+    'cuda:0: CUDA graphs for decode batches; attention paged|sdpa (no flash kernel installed: flash-attn)'
+    >>> speed("cpu", (False, False), "paged|sdpa", False)["note"]
+    'cpu: no CUDA graphs or flash attention on a CPU; attention paged|sdpa'
+    """
+    paths = [name for name, on in zip(("prefill", "decode"), graphs) if on]
+    if device == "cpu":
+        note = f"cpu: no CUDA graphs or flash attention on a CPU; attention {attention}"
+    else:
+        flash = "flash" in attention
+        why = "" if flash else (" (no flash kernel installed: flash-attn)" if not flash_installed
+                                else " (transformers kept it)")
+        got = (f"CUDA graphs for {' and '.join(paths)} batches" if paths
+               else "no CUDA graphs (transformers' rule: its attention needs a mask)")
+        note = f"{device}: {got}; attention {attention}{why}"
+    return {"cuda_graphs": {"prefill": graphs[0], "decode": graphs[1]}, "attention": attention, "note": note}
+
+
+def _flash_installed() -> bool:
+    from transformers.utils import import_utils
+
+    return any(getattr(import_utils, f, lambda **_: False)() for f in ("is_flash_attn_2_available",
+                                                                        "is_flash_attn_3_available"))
 
 
 def _manager_class():
@@ -181,6 +218,8 @@ class Engine:
         self._manager.start()
         self._collector.start()
         self._wait_started()
+        graphs = getattr(self._manager.continuous_batching_config, "cuda_graph_booleans", (False, False))
+        self.speed = speed(cfg.device, tuple(graphs), str(self.model.config._attn_implementation), _flash_installed())
 
     def _wait_started(self, timeout_s: float = START_S) -> None:
         """Until the loop has built its batch processor (its KV cache): a loop that failed doing so (a cache that

@@ -120,9 +120,10 @@ def build_app(engine, max_outstanding: int, request_timeout_s: float, stall_s: f
 
 
 def model_card(engine) -> dict:
-    """OpenAI's model object, with vLLM's ``max_model_len`` and the vocabulary a client draws token ids from."""
+    """OpenAI's model object, with vLLM's ``max_model_len``, the vocabulary a client draws token ids from, and what
+    the engine runs with for speed (:func:`flexmesh.serve.engine.engine.speed`)."""
     return {"id": engine.cfg.model, "object": "model", "owned_by": "flexmesh", "max_model_len": engine.max_position,
-            "vocab_size": engine.vocab}
+            "vocab_size": engine.vocab, "speed": engine.speed}
 
 
 def completion_body(model_id: str, f) -> dict:
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         check_port(args.port, "the engine")  # before seconds of building the model
         loop = asyncio.get_running_loop()
         engine = await loop.run_in_executor(None, Engine, cfg)  # builds the model: seconds
+        print(f"engine speed: {engine.speed['note']}", file=sys.stderr, flush=True)
         try:
             app = build_app(engine, args.max_outstanding, args.request_timeout)
         except BaseException:
