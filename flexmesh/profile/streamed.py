@@ -55,6 +55,15 @@ OUTPUT_TOKENS = 12  # tokens each sweep request generates: enough gaps to take a
 REPEATS = 3  # each sample's median over them: one slow first meeting of a batch shape does not move it
 IDLE_S = 1.0  # seconds the sweep first waits, measuring what the processes spend idle
 MIXED_CONTEXT = 32  # prompt tokens of the requests decoding when a mixed scenario's prompt arrives
+# A gap between two tokens below this fraction of the request's median gap is no iteration: an engine (or its API
+# server) that fell behind sent the two together, microseconds apart, in separate chunks. Left in, one such sample
+# of 20 us drives a relative-error fit to zero everywhere.
+DELIVERY_FLOOR = 0.25
+
+
+def _typical_gap(r) -> float:  # noqa: ANN001 - a Streamed
+    gaps = [b - a for a, b in zip(r.token_s, r.token_s[1:]) if b > a]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def chunks(prompt: int, budget: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -122,12 +131,17 @@ def samples_of(kind: str, prompt: int, runs: Sequence,
     >>> decoding = [S(sent_s=0.0, token_s=[0.125, 0.25, 0.375, 0.5, 0.625]) for _ in range(2)]
     >>> samples_of("mixed", 64, [*decoding, S(sent_s=0.3, token_s=[0.5, 0.625])], 256)
     ([(((34, 1), (34, 1), (0, 64)), 0.125)], [])
+    >>> its, _ = samples_of("lone", 8, [S(sent_s=0.0, token_s=[0.5, 0.75, 1.0, 1.00002, 1.25])], 256)
+    >>> [(b, round(g, 3)) for b, g in its]  # the two tokens sent together are no iteration
+    [(((8, 1),), 0.25), (((9, 1),), 0.25), (((11, 1),), 0.25)]
     """
     its: list[tuple[tuple, float]] = []
     if kind == "lone":
         (r,) = runs
         first = [(chunks(prompt, budget), r.token_s[0] - r.sent_s)]
-        its = [(((prompt + k - 1, 1),), r.token_s[k] - r.token_s[k - 1]) for k in range(1, len(r.token_s))]
+        floor = DELIVERY_FLOOR * _typical_gap(r)
+        its = [(((prompt + k - 1, 1),), r.token_s[k] - r.token_s[k - 1]) for k in range(1, len(r.token_s))
+               if r.token_s[k] - r.token_s[k - 1] > floor]
         return its, first
     if kind == "mixed":  # the decodes' token that came with the prompt's first ended their shared iteration
         *decoding, joined = runs
@@ -136,16 +150,18 @@ def samples_of(kind: str, prompt: int, runs: Sequence,
         for r in decoding:
             k = min(range(1, len(r.token_s)), key=lambda j: abs(r.token_s[j] - t1))
             gap = r.token_s[k] - r.token_s[k - 1]
-            if gap <= 0 or abs(r.token_s[k] - t1) > max(2e-3, 0.25 * gap):
+            if gap <= DELIVERY_FLOOR * _typical_gap(r) or abs(r.token_s[k] - t1) > max(2e-3, 0.25 * gap):
                 return [], []  # the decodes had ended, or came in another chunk: no iteration to read
             batch.append((MIXED_CONTEXT + k - 1, 1))
             gaps.append(gap)
         return [((*sorted(batch), (0, prompt)), statistics.median(gaps))], []
     started = max(r.token_s[0] for r in runs)
+    floor = DELIVERY_FLOOR * statistics.median(_typical_gap(r) for r in runs)
     for k in range(1, min(len(r.token_s) for r in runs)):
         if min(r.token_s[k - 1] for r in runs) >= started:  # every request decoding: one token each per iteration
             gap = statistics.median(r.token_s[k] - r.token_s[k - 1] for r in runs)
-            its.append((((prompt + k - 1, 1),) * len(runs), gap))
+            if gap > floor:
+                its.append((((prompt + k - 1, 1),) * len(runs), gap))
     return its, []
 
 
