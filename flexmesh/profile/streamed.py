@@ -55,15 +55,16 @@ OUTPUT_TOKENS = 12  # tokens each sweep request generates: enough gaps to take a
 REPEATS = 3  # each sample's median over them: one slow first meeting of a batch shape does not move it
 IDLE_S = 1.0  # seconds the sweep first waits, measuring what the processes spend idle
 MIXED_CONTEXT = 32  # prompt tokens of the requests decoding when a mixed scenario's prompt arrives
-# A gap between two tokens below this fraction of the request's median gap is no iteration: an engine (or its API
-# server) that fell behind sent the two together, microseconds apart, in separate chunks. Left in, one such sample
-# of 20 us drives a relative-error fit to zero everywhere.
+# A gap between two tokens below this fraction of the request's mean gap is no iteration: an engine (or its API
+# server) that fell behind sent the two together, microseconds apart, in separate chunks (the mean, not the median:
+# a request whose tokens mostly came in bursts has a median gap of microseconds). Left in, one such sample of 20 us
+# drives a relative-error fit to zero everywhere; the fit also drops any iteration sample below this fraction of the
+# sweep's median one.
 DELIVERY_FLOOR = 0.25
 
 
 def _typical_gap(r) -> float:  # noqa: ANN001 - a Streamed
-    gaps = [b - a for a, b in zip(r.token_s, r.token_s[1:]) if b > a]
-    return statistics.median(gaps) if gaps else 0.0
+    return (r.token_s[-1] - r.token_s[0]) / (len(r.token_s) - 1) if len(r.token_s) > 1 else 0.0
 
 
 def chunks(prompt: int, budget: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -251,6 +252,7 @@ def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tupl
     ...     return sum(true[t] * f for t, f in zip(TERMS, iteration_features(b)))
     >>> its = [(((c, 1),) * b, s(((c, 1),) * b)) for b in (1, 2, 4, 8) for c in (40, 500)]
     >>> firsts = [(chunks(p, 256), sum(s(b) for b in chunks(p, 256)) + 0.004) for p in (16, 64, 128, 256, 1000)]
+    >>> its.append((((40, 1),) * 3, 2e-5))  # two tokens sent together, 20 us apart: no iteration, dropped
     >>> fit, admission, _ = fit_streamed(its, firsts)
     >>> round(admission * 1e3, 2), round(fit["per_token_s"] / true["per_token_s"], 2)
     (4.0, 1.0)
@@ -260,7 +262,9 @@ def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tupl
         grouped[(False, b)].append(sec)
     for b, sec in firsts:
         grouped[(True, b)].append(sec)
-    rows = [(first, b, statistics.median(v)) for (first, b), v in grouped.items() if statistics.median(v) > 0]
+    rows = [(first, b, statistics.median(v)) for (first, b), v in grouped.items()]
+    its_floor = DELIVERY_FLOOR * statistics.median([sec for first, _, sec in rows if not first] or [0.0])
+    rows = [(first, b, sec) for first, b, sec in rows if sec > (0.0 if first else its_floor)]
     if len(rows) < len(TERMS) + 1 or not any(first for first, _, _ in rows):
         raise ProfileError(f"{len(rows)} distinct batches cannot fit {len(TERMS) + 1} terms; run the full sweep")
     a = np.array([(*(np.sum([iteration_features(i) for i in b], axis=0) if first else iteration_features(b)),
