@@ -276,7 +276,7 @@ def test_explain_says_where_the_devices_numbers_come_from(capsys):
     assert main(["plan", "--model", "tiny", "--cluster", "8xL40S", "--seq-len", "1024", "--global-batch", "16",
                  "--top", "1", "--explain", "--attention", "unfused"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "device L40S (ada, pcie), bf16 peak 362.05 TFLOP/s; GEMM efficiency 0.501, attention 0.443" in out
+    assert "device L40S (ada, pcie), bf16 peak 362.05 TFLOP/s; GEMM efficiency 0.549, attention 0.443" in out
     assert "measured GEMMs of l40s / a100_sxm" in out and "NVIDIA L40S datasheet" in out
     assert "measured attention of l40s / a100_sxm" in out
     assert "layers priced as another stack runs them: unfused attention" in out

@@ -22,7 +22,7 @@ DEV = replace(DEVICE_PRESETS["A100-80GB"], name="round", peak_tflops=dict.fromke
               mm_efficiency=0.5, attn_efficiency=0.25, nvlink_gbps=100.0, node_net_gbps=80.0, intra_efficiency=1.0,
               inter_efficiency=1.0, a2a_intra_efficiency=1.0, a2a_inter_efficiency=1.0, intra_latency_us=0.0,
               inter_latency_us=0.0, memory_gib=80.0, framework_reserve_gib=0.0, allocator_headroom=0.0,
-              hbm_gbps=1000.0, sms=None, comm_table="")
+              hbm_gbps=1000.0, sms=None, comm_table="", kernel_table="")
 MODEL = ModelSpec(name="m", num_layers=4, hidden=1024, num_heads=8, num_kv_heads=8, ffn_hidden=4096, vocab=1000)
 
 
@@ -265,8 +265,13 @@ def h100_kernels():
 
 
 def test_gemm_efficiency_rises_with_size_and_stays_below_the_fitted_peak():
-    k = h100_kernels()
-    assert k.sms == 132 and k.mm_flops < DEVICE_PRESETS["H100-80GB"].peak_flops("bf16")
+    k = h100_kernels()  # the measured form (the device layer's) at the training rate
+    assert k.gemm_measured is not None and k.mm_flops < DEVICE_PRESETS["H100-80GB"].peak_flops("bf16")
+    effs = [float(k.gemm_efficiency(m, 4096, 4096)) for m in (16, 128, 1024, 8192, 65536)]
+    assert effs == sorted(effs) and effs[0] < 0.1 and effs[-1] <= 1.0 and effs[-1] > 0.9
+    # the tile model of a device without measured kernels (a device table of a cluster file)
+    k = Hardware(ClusterSpec(1, 8, replace(DEVICE_PRESETS["H100-80GB"], kernel_table=""))).kernels
+    assert k.sms == 132 and k.gemm_measured is None
     effs = [float(k.gemm_efficiency(m, 4096, 4096)) for m in (128, 1024, 8192, 65536)]
     assert effs == sorted(effs) and effs[0] < 0.3 and effs[-1] <= 1.0 and effs[-1] > 0.95
     # wave quantization: one tile more than there are SMs takes a second wave, at half the efficiency
@@ -306,17 +311,19 @@ def test_ring_attention_pays_the_last_ranks_blocks_and_merges():
 
 
 def test_small_models_lose_more_to_non_gemm_work_on_h100_than_on_a100():
-    """Memory-bound operators and small GEMMs weigh more where the peak is high against HBM (attention
+    """Memory-bound operators weigh more where the peak is high against HBM, and in small models (attention
     left out: its rate is another constant, attn_efficiency, not the GEMMs' nor HBM's)."""
-    def gemm_share(model, device):
-        cm = CostModel(MODEL_PRESETS[model], parse_cluster(f"8x{device}"))
-        t = cm.timing
-        s = S()
-        ideal = MODEL_PRESETS[model].layer_linear_flops_per_token * 8192 * 3 / cm.hw.matmul_flops
-        lt = t.layer_times(s, 8192.0, 0.0)
-        return ideal / float(lt.fwd + lt.bwd)
-    assert gemm_share("llama3-8b", "H100") < gemm_share("llama3-8b", "A100-80GB")
-    assert gemm_share("llama3-8b", "H100") < gemm_share("llama3-70b", "H100")
+    from flexmesh.cost.device.layer_shapes import linear_shapes
+
+    def non_gemm_share(model, device):
+        spec = MODEL_PRESETS[model]
+        cm = CostModel(spec, parse_cluster(f"8x{device}"))
+        k, tokens = cm.timing.kernels, 8192.0
+        gemms = sum(sum(k.linear(tokens, n, kk)) for n, kk in linear_shapes(spec, 1))
+        lt = cm.timing.layer_times(S(), tokens, 0.0)
+        return 1.0 - float(gemms) / float(lt.fwd + lt.bwd)
+    assert non_gemm_share("llama3-8b", "H100") > non_gemm_share("llama3-8b", "A100-80GB") > 0.0
+    assert non_gemm_share("llama3-8b", "H100") > non_gemm_share("llama3-70b", "H100")
 
 
 def test_llama3_70b_at_8k_on_h100_plans_no_context_parallelism():

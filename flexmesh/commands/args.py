@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from flexmesh.layout.stack import ATTENTION_KERNELS, RUNTIME_STACK, Stack
+from flexmesh.layout.stack import ATTENTION_KERNELS, FRAMEWORKS, RUNTIME_STACK, Stack
 from flexmesh.spec.limits import MAX_SEQ_LEN, MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS
 from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.tasks import TaskSet, load_tasks
@@ -263,9 +263,14 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-pointwise", dest="pointwise_recompute", action="store_true",
                    help="the stack recomputes norms, rotary and the MLP activation in backward (torch.compile's "
                         "partitioner): per token it keeps 4h + 2kv + 2ffn, no GEMM input of its own")
+    g.add_argument("--framework", choices=sorted(FRAMEWORKS), default=RUNTIME_STACK.framework.name,
+                   help="the stack's time above the kernels: flexmesh (default) and megatron price the same; "
+                        "llm-foundry: Composer and PyTorch FSDP, eager, its GEMM share and eager cross entropy "
+                        "(docs/cost-model.md)")
 
 
 def stack_of(args: argparse.Namespace) -> Stack:
     """The :class:`~flexmesh.layout.stack.Stack` of :func:`add_stack_args`' flags."""
     return Stack(attention=args.attention, sequence_parallel=args.sequence_parallel, dropout=args.dropout,
-                 fused_swiglu=args.fused_swiglu, pointwise_recompute=args.pointwise_recompute)
+                 fused_swiglu=args.fused_swiglu, pointwise_recompute=args.pointwise_recompute,
+                 framework=FRAMEWORKS[args.framework])

@@ -119,10 +119,6 @@ class MigrationCheck:
             cost = float(forced)
         try:
             new, now, then = self._plan(speeds, scheduled)
-            if self.emulate_speed:  # the relaunch keeps emulating the slow rank: the new plan must allow it
-                from flexmesh.runtime.train.groups import check_emulation
-
-                check_emulation(new, self.emulate_speed)
         except FlexmeshError as e:  # nothing fits, a cluster that prices nothing, a layout without replica groups
             return {"event": "migration_declined", **event, "reason": str(e)}
         gain = 1.0 - then / now if now > 0 else 0.0
@@ -158,10 +154,27 @@ class MigrationCheck:
                                                 for g, b in zip(current.groups, shares)))
         now = evaluate_groups(current, costs).step_time
         result = plan_mixed(self.spec, cluster, self.plan.seq_len, self.plan.global_batch, costs)
+        plan, ev = result.plan, result.evaluation
+        if self.emulate_speed:  # the relaunch keeps emulating the slow rank: the fastest plan that allows it
+            plan, ev = _first_emulable(result.candidates, self.emulate_speed)
         # The plan names the run's model as the run does (a preset or a config file's path, or the
         # config.json it records).
-        return (replace(result.plan, model=self.plan.model, model_config=self.plan.model_config), now,
-                result.evaluation.step_time)
+        return replace(plan, model=self.plan.model, model_config=self.plan.model_config), now, ev.step_time
+
+
+def _first_emulable(candidates, emulate_speed):  # noqa: ANN001, ANN202 - (Plan, evaluation) pairs
+    """The fastest of ``candidates`` whose ranks the relaunch can emulate (PlanError naming why none)."""
+    from flexmesh.runtime.train.groups import check_emulation
+
+    refusal = None
+    for plan, ev in candidates:
+        try:
+            check_emulation(plan, emulate_speed)
+        except FlexmeshError as e:
+            refusal = refusal or e
+            continue
+        return plan, ev
+    raise refusal or PlanError("no plan of the search runs the emulated ranks")
 
 
 def take_request(out: str | Path) -> dict | None:

@@ -269,11 +269,13 @@ def simulate(args: argparse.Namespace):  # noqa: ANN201 - a Simulation, or a Gro
 def _plan_step(plan: Plan, cfg: SimulationConfig, ctx: ScheduleContext, speeds: np.ndarray,
                batches: list[np.ndarray]) -> dict:
     """The plan's own layout as it trains by default (``fixed`` packing at the plan's context-parallel
-    degree, where the baselines sweep every degree), beside the step the plan file predicts."""
+    degree, where the baselines sweep every degree, into micro-batches of the plan's token budget, as the
+    runtime's scheduler packs them), beside the step the plan file predicts."""
     from flexmesh.sim.compare import run_policy
 
     cp = plan.layer_strategies()[0].cp
-    own = run_policy("fixed", batches, ctx, options={"cp": cp, "context": cfg.context}, seed=cfg.seed,
+    context = max(cfg.context, plan.microbatch_tokens * cp)
+    own = run_policy("fixed", batches, ctx, options={"cp": cp, "context": context}, seed=cfg.seed,
                      virtual_stages=cfg.virtual_stages, speed=speeds)
     return {"cp": cp, "simulated_step_s": own.mean_step_time,
             "predicted_step_s": plan.predicted.get("step_time_s") if plan.predicted else None}

@@ -30,6 +30,47 @@ ATTENTION_KERNELS = ("fused", "flash2", "unfused")
 
 
 @dataclass(frozen=True)
+class Framework:
+    """What a training stack spends above the device layer's kernels, where stacks differ: named per stack,
+    each term with its source (docs/cost-model.md, "The device layer's kernels and the framework terms above it").
+
+    ``gemm_share``: the share of the family's training GEMM rate (``DeviceSpec.mm_efficiency``, fitted on
+    Megatron-class stacks) the stack's GEMMs reach in a step, fitted on the stack's published runs
+    (``python -m flexmesh.cost.training.calibrate``); ``cross_entropy_bytes``: bytes the softmax and cross entropy move
+    per logit, forward and backward together, counted from the kernels the stack runs.
+    """
+
+    name: str
+    gemm_share: float = 1.0
+    cross_entropy_bytes: float = 6.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gemm_share <= 1.5:
+            raise ValueError(f"gemm_share must be in (0, 1.5], got {self.gemm_share}")
+        if self.cross_entropy_bytes < 0:
+            raise ValueError(f"cross_entropy_bytes must be >= 0, got {self.cross_entropy_bytes}")
+
+
+# Megatron-LM's vocab-parallel cross entropy: read the bf16 logit, write the fp32 softmax (forward); read the
+# softmax, write the bf16 gradient (backward). Megatron-LM, Transformer Engine and Llama 3's stack; the family fits
+# (Megatron-LM 2104.04473 on A100, Llama 3 2407.21783 on H100) were made on such stacks, so their share is 1.
+MEGATRON = Framework("megatron", source="the family fits' own stacks (flexmesh.cost.training.calibrate)")
+# flexmesh's runtime: chunked linear cross entropy (flexmesh.runtime.model.loss), priced as Megatron-LM's; its H200
+# steps were predicted within 3% at the H100 family's fit (bench/gpu.py).
+FLEXMESH = Framework("flexmesh", source="bench/gpu.py on an H200 at the H100 family's fit")
+# PyTorch's F.cross_entropy on bf16 logits under autocast (eager, as llm-foundry's MPT runs it): the fp32 upcast
+# (read 2, write 4), log_softmax (read 4, write 4); backward the nll gradient (write 4), log_softmax's backward (read
+# 4 + 4, write 4) and the downcast (read 4, write 2): 36 bytes per logit.
+EAGER_CROSS_ENTROPY_BYTES = 36.0
+# llm-foundry's MPT on Composer and PyTorch FSDP (FULL_SHARD, eager): its GEMM share fitted on llm-foundry's
+# published throughputs at 2048 tokens on A100 and H100 against the family fits (calibrate.fit_share).
+LLM_FOUNDRY = Framework("llm-foundry", gemm_share=0.888, cross_entropy_bytes=EAGER_CROSS_ENTROPY_BYTES,
+                        source="mosaicml/llm-foundry scripts/train/benchmarking/README.md, bf16 tables at 2048 tokens")
+FRAMEWORKS = {f.name: f for f in (FLEXMESH, MEGATRON, LLM_FOUNDRY)}
+
+
+@dataclass(frozen=True)
 class Stack:
     attention: str = "fused"  # one of ATTENTION_KERNELS
     sequence_parallel: bool = True  # with tp > 1: norms, dropouts and residuals split over the tp ranks
@@ -42,6 +83,7 @@ class Stack:
     # MoE activations, "moe_act"): per token the layer input and the mid-layer residual (the norms' inputs),
     # q, k, v, the attention output, and the MLP's up outputs (2 x ffn for SwiGLU), no GEMM input of its own
     pointwise_recompute: bool = False
+    framework: Framework = FLEXMESH  # the time above the kernels (Framework)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -58,6 +100,7 @@ class Stack:
                  else "no sequence parallelism"]
         parts += (["dropout"] if self.dropout else []) + (["fused SwiGLU"] if self.fused_swiglu else [])
         parts += ["pointwise ops recomputed"] if self.pointwise_recompute else []
+        parts += [f"{self.framework.name} framework"] if self.framework.name not in ("megatron", "flexmesh") else []
         return ", ".join(parts)
 
 

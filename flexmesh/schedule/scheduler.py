@@ -103,7 +103,7 @@ class Scheduler:
     >>> plan = Plan.uniform("llama2-7b", "8xA100-80GB", 8, 1, "1f1b", 1, 4096, 8, (st,))
     >>> fn = Scheduler(plan, spec, "hdp", 16384)
     >>> [g.cp for g in fn([12000] + [400] * 6 + [2000] * 8).groups]  # 12000 tokens need 2+ ranks
-    [4, 1, 1, 1, 1]
+    [8]
     """
 
     def __init__(self, plan: Plan, spec: ModelSpec, policy: Policy | str, max_len: int, seed: int = 0, *,

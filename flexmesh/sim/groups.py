@@ -22,7 +22,7 @@ group's memory holds fails the step (ScheduleError, naming it).
 >>> from flexmesh.schedule.testing import tiny_context
 >>> two, one = tiny_context(num_ranks=2, model="tiny"), tiny_context(num_ranks=1, model="tiny")
 >>> g = GroupsContext((two, one), (4, 2), (2, 2))
->>> runs = compare_groups(g.with_speed((1.0, 1.0, 0.5)), [np.array([900, 50, 60, 3000, 40, 30])], ("balanced",))
+>>> runs = compare_groups(g.with_speed((1.0, 1.0, 0.5)), [np.array([9000, 500, 600, 3000, 400, 300])], ("balanced",))
 >>> [r.name for r in runs], runs[-1].tokens_per_s > runs[0].tokens_per_s
 (['shares', 'shares+balanced', 'dispatch+balanced'], True)
 """

@@ -62,8 +62,10 @@ def flash2_kernels(kernels: Kernels, architecture: str, peak_flops: float) -> Ke
     entry = FLASH2.get(architecture)
     if entry is None or kernels.sms is None:  # a measured machine's attention is already its own kernel's
         return kernels
+    # Its own measured form in place of the tables' (which time FlashAttention-3's calls, not this kernel's).
     return replace(kernels, attn_flops=entry["fwd_efficiency"] * peak_flops, attn_overhead=entry["fwd_overhead_keys"],
-                   attn_bwd_flops=entry["bwd_efficiency"] * peak_flops, attn_bwd_overhead=entry["bwd_overhead_keys"])
+                   attn_bwd_flops=entry["bwd_efficiency"] * peak_flops, attn_bwd_overhead=entry["bwd_overhead_keys"],
+                   attn_measured=None)
 
 
 def main() -> int:

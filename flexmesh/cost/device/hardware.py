@@ -219,14 +219,18 @@ class Hardware:
         self.matmul_flops = self.peak_flops * d.mm_efficiency
         self.attn_flops = self.peak_flops * d.attn_efficiency
         self.hbm_bytes_per_s = d.hbm_gbps * 1e9
-        # A training step's kernel times by shape (flexmesh.cost.device.kernels): GEMM tiles over the datasheet SM
-        # count at the end-to-end fits' rates, i.e. the device's kernel rates times the framework terms
-        # (DeviceSpec.framework_mm and framework_attn: what a training step's GEMMs and attention reach of them),
-        # memory-bound operators at the achievable fraction of the datasheet HBM bandwidth.
-        self.kernels = Kernels(mm_flops=self.matmul_flops, attn_flops=self.attn_flops,
-                               hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=d.sms,
-                               dtype_bytes=DTYPE_BYTES.get(dtype, 2))
-        self.device_kernels = device_kernels(self.kernels, d, self.peak_flops)
+        # The device layer's kernels (flexmesh.cost.device.kernels): each kernel as the part's measured tables time it
+        # (DeviceSpec.kernel_mm_efficiency and kernel_attn_efficiency, the tables' forms), memory-bound operators at
+        # the achievable fraction of the datasheet HBM bandwidth; serving prices its kernels with them. A part
+        # without tables has the tile and wave model at the end-to-end fits' rates.
+        tiles = Kernels(mm_flops=self.matmul_flops, attn_flops=self.attn_flops,
+                        hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=d.sms,
+                        dtype_bytes=DTYPE_BYTES.get(dtype, 2))
+        self.device_kernels = device_kernels(tiles, d, self.peak_flops)
+        # A training step's kernels: the same kernels and forms, at the share of their rates a training step's
+        # GEMMs and attention reach (the framework terms above the device layer: DeviceSpec.framework_mm and
+        # framework_attn, so the rates are peak x mm_efficiency and peak x attn_efficiency).
+        self.kernels = replace(self.device_kernels, mm_flops=self.matmul_flops, attn_flops=self.attn_flops)
         self.memory_bytes = d.usable_memory_bytes
         self.source = f"preset:{d.name}"
         self.overlap = PRESET_OVERLAP
@@ -311,15 +315,16 @@ class Hardware:
 
 
 def device_kernels(kernels: Kernels, d: DeviceSpec, peak_flops: float) -> Kernels:
-    """The device layer's kernels: ``kernels`` (a training step's) at the part's kernel rates in the measured
+    """The device layer's kernels: ``kernels`` (the tile model) at the part's kernel rates in the measured
     tables' forms (devices.toml [gemm_kernels], [attention_kernels] and [decode_kernels] of its ``kernel_table``):
-    each kernel as it measures, no framework term. A part without a kernel fit keeps ``kernels``.
+    each kernel as it measures, no framework term. A part without a kernel fit keeps ``kernels``. A training step
+    prices the same forms at the framework's share of these rates (``Hardware.kernels``).
 
     >>> from flexmesh.spec import parse_cluster
     >>> hw = Hardware(parse_cluster("1x8xH100"))
     >>> step, dev = hw.kernels.gemm(8192, 8192, 8192), hw.device_kernels.gemm(8192, 8192, 8192)
-    >>> round(step / dev, 2), round(hw.cluster.device.framework_mm, 3)  # large GEMMs: about 1 / the framework term
-    (1.38, 0.744)
+    >>> round(step / dev, 2), round(1 / hw.cluster.device.framework_mm, 2)  # large GEMMs: 1 / the framework term
+    (1.31, 1.31)
     """
     g, a = GEMM_KERNELS.get(d.kernel_table), ATTENTION_KERNELS.get(d.kernel_table)
     if g is None or a is None or d.kernel_mm_efficiency is None or d.kernel_attn_efficiency is None:

@@ -66,7 +66,7 @@ forms those tables support over every shape they hold (:class:`MeasuredGemm`, :c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -168,6 +168,10 @@ class MeasuredDecode:
     cache_steepness: float = 1.0  # how fast the cached fraction falls past cache_bytes
 
 
+# Scalar GEMM prices a Kernels keeps (Kernels._gemms): the search's shapes many times over.
+GEMM_CACHE_SHAPES = 1 << 16
+
+
 @dataclass(frozen=True)
 class Kernels:
     """Kernel-time model of one device (times in seconds; shapes may be numpy arrays).
@@ -198,6 +202,9 @@ class Kernels:
     gemm_measured: MeasuredGemm | None = None
     attn_measured: MeasuredAttention | None = None
     decode_measured: MeasuredDecode | None = None
+    # Scalar GEMMs of the measured form already priced, by shape (the search prices the same shapes again and
+    # again; three numpy powers a call are its cost): not a field of the model, a fresh one on every copy.
+    _gemms: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def envelope(self) -> "Kernels":
         """The same device with every kernel at its best rate: no tiles, waves, launches or roofline.
@@ -255,7 +262,15 @@ class Kernels:
         if not self.roofline:
             return compute
         if self.gemm_measured is not None:
-            return self._gemm_measured(self.gemm_measured, compute, m, n, k)
+            if isinstance(compute, np.ndarray):
+                return self._gemm_measured(self.gemm_measured, compute, m, n, k)
+            key = (m, n, k)
+            t = self._gemms.get(key)
+            if t is None:
+                if len(self._gemms) >= GEMM_CACHE_SHAPES:  # a long simulation's every token count: start afresh
+                    self._gemms.clear()
+                t = self._gemms[key] = self._gemm_measured(self.gemm_measured, compute, m, n, k)
+            return t
         memory = (m * k + k * n + m * n) * self.dtype_bytes / self.hbm_bytes_per_s
         if isinstance(compute, np.ndarray):  # an empty dimension (no tokens) runs nothing
             return (np.maximum(compute, memory) + self.launch_s) * ((m > 0) & (n > 0) & (k > 0))
@@ -326,19 +341,22 @@ class Kernels:
             rate = max(rate, tiled / (tiled + overhead))
         return rate
 
-    def attention(self, flops, block, calls: float = 1.0, backward: bool = False):  # noqa: ANN001, ANN201
+    def attention(self, flops, block, calls: float = 1.0, backward: bool = False,  # noqa: ANN001, ANN201
+                  fixed: bool = True):
         """Seconds of ``calls`` flash-attention kernels doing ``flops`` over blocks of ``block`` keys
         (``backward``: at the backward's own rate where it has one; with measured calls, each call's fixed and
-        per-key costs in place of the launch, and a backward at the forward's rate: the tables time forwards)."""
+        per-key costs in place of the launch, and a backward at the forward's rate: the tables time forwards).
+        ``fixed`` False: without the calls' fixed costs (or launches), which a caller batching several blocks into
+        one kernel (an engine's varlen call per layer) charges once itself."""
         if self.attn_measured is not None and self.roofline:
             a = self.attn_measured
             t = flops / (self.attn_flops * self.attention_efficiency(block))
-            return t + calls * (a.fixed_s + a.per_key_s * block) * (flops > 0)
+            return t + calls * ((a.fixed_s if fixed else 0.0) + a.per_key_s * block) * (flops > 0)
         if backward and self.attn_bwd_flops is not None:
             t = flops / (self.attn_bwd_flops * self.attention_efficiency(block, self.attn_bwd_overhead))
         else:
             t = flops / (self.attn_flops * self.attention_efficiency(block))
-        return t + calls * self.launch_s * (flops > 0)
+        return t + calls * self.launch_s * (flops > 0) if fixed else t
 
     # ---- decode attention ----------------------------------------------------------------------
     def decode_attention(self, kv_bytes, pairs, calls: float = 1.0):  # noqa: ANN001, ANN201

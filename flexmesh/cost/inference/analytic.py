@@ -192,8 +192,7 @@ class AnalyticIteration:
             new += n
             if chunk != last:  # (a batch of equal prompts is priced once)
                 flops = 4.0 * self.q_dim * (n * ctx + n * (n + 1) / 2)
-                term = max(flops / (k.attn_flops * k.attention_efficiency(ctx + n))
-                           + (a.per_key_s * (ctx + n) if a else 0.0),
+                term = max(k.attention(flops, ctx + n, fixed=False),  # one varlen call's fixed cost: below
                            (ctx + n) * self.kv_token_bytes / self.decode_bytes_per_s)
                 last = chunk
             t += term

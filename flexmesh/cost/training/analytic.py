@@ -94,9 +94,6 @@ POINTWISE_KERNELS = 4
 # dk, dv in fp32 (read + write: 8 bytes per element), as the runtime's ring does.
 RING_MERGE_FWD_BYTES = 12
 RING_MERGE_BWD_BYTES = 8
-# Softmax + cross entropy per logit: read the bf16 logit, write the fp32 softmax (forward); read the
-# softmax, write the bf16 gradient (backward): Megatron's vocab-parallel cross entropy.
-CE_BYTES_PER_LOGIT = 6
 
 
 def memory_bytes_per_token(model: ModelSpec, experts: ExpertParallel | None = None) -> float:
@@ -170,6 +167,8 @@ class AnalyticTiming:
         device = getattr(getattr(hardware, "cluster", None), "device", None)
         if stack.attention == "flash2" and device is not None and self.dtype in ("bf16", "fp16"):
             self.kernels = flash2_kernels(self.kernels, device.architecture, hardware.peak_flops)
+        if stack.framework.gemm_share != 1.0:  # the stack's share of the family's GEMM rate (Framework)
+            self.kernels = replace(self.kernels, mm_flops=hardware.matmul_flops * stack.framework.gemm_share)
         self.mem_bytes = memory_bytes_per_token(model, self.experts)
         # What recomputing the pointwise operators moves again per token (the dense MLPs' activation alone:
         # experts keep what they keep)
@@ -294,7 +293,7 @@ class AnalyticTiming:
         rows = tokens / s.cp
         f, b = k.linear(rows, m.vocab / s.tp, m.hidden)
         norm = tokens / (s.tp * s.cp) * 4 * m.hidden * m.dtype_bytes
-        ce = rows * m.vocab / s.tp * CE_BYTES_PER_LOGIT
+        ce = rows * m.vocab / s.tp * self.stack.framework.cross_entropy_bytes
         return f + k.memory_bound(norm + ce, 2), b + k.memory_bound(2 * norm + ce, 2)
 
     def activation_bytes_per_token(self, s: LayerStrategy, recompute: bool) -> float:
