@@ -9,9 +9,11 @@ and ``[decode_kernels]`` were fitted to the even rows (``python -m flexmesh.cost
 ``attention_tables --fit``, ``decode_tables --fit``), and the odd rows score them here: the median of
 ``|predicted / measured - 1|``.
 
-- after: ``Hardware.device_kernels``, the device layer's kernels (the measured forms at the kernel rates);
-- before: ``Hardware.kernels``, what the device layer priced single kernels with until now, and what a
-  training step still uses: the tile and wave model at the end-to-end fits' rates (the framework terms in).
+- after: ``Hardware.device_kernels``, the device layer's kernels (the measured forms at the kernel rates), which
+  serving prices with and a training step prices with at its training rates (``Hardware.kernels``: the same forms,
+  the framework term between the rates);
+- before: the tile and wave model at the end-to-end fits' rates, what both halves priced single kernels with
+  before the device layer (the framework terms in).
 
 Decode attention's before is the KV bytes at the achievable HBM rate and a launch a call, what the serving
 iteration priced it with until now. Targets: median error <= 10% for GEMMs and <= 12% for attention, prefill
@@ -31,7 +33,8 @@ import numpy as np
 
 from bench._results import markdown_table, record
 from flexmesh.cost.device import attention_tables, decode_tables, gemm_tables
-from flexmesh.cost.device.hardware import Hardware
+from flexmesh.cost.device.hardware import HBM_EFFICIENCY, Hardware
+from flexmesh.cost.device.kernels import Kernels
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.devices import (
     ATTENTION_KERNELS,
@@ -62,8 +65,15 @@ def median_error(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(np.median(np.abs(predicted / measured - 1.0)))
 
 
+def tile_kernels(hw: Hardware) -> Kernels:
+    """The tile and wave model at the training rates (before the device layer)."""
+    return Kernels(mm_flops=hw.matmul_flops, attn_flops=hw.attn_flops, hbm_bytes_per_s=hw.hbm_bytes_per_s *
+                   HBM_EFFICIENCY, sms=hw.cluster.device.sms)
+
+
 def score(system: str, part: DeviceSpec, systems) -> dict:  # noqa: ANN001 - a Path
     hw = Hardware(ClusterSpec(1, 1, part))
+    before = tile_kernels(hw)
     m, n, k, t = gemm_tables.gemm_rows(gemm_tables.newest_table(systems, system)).T
     held = ~gemm_tables.fitted_half(len(t))
     big = held & (np.minimum(np.minimum(m, n), k) >= gemm_tables.MIN_DIM)  # a training step's GEMMs
@@ -77,18 +87,18 @@ def score(system: str, part: DeviceSpec, systems) -> dict:  # noqa: ANN001 - a P
     nbytes, pairs = decode_tables.kv_bytes(db, keys, kv)[held_d], (db * kv)[held_d]
     return {
         "gemm_rows": (int((~held).sum()), int(held.sum())),
-        "gemm_before": median_error(hw.kernels.gemm(m[held], n[held], k[held]), t[held]),
+        "gemm_before": median_error(before.gemm(m[held], n[held], k[held]), t[held]),
         "gemm_after": median_error(hw.device_kernels.gemm(m[held], n[held], k[held]), t[held]),
         "big_rows": int(big.sum()),
-        "big_before": median_error(hw.kernels.gemm(m[big], n[big], k[big]), t[big]),
+        "big_before": median_error(before.gemm(m[big], n[big], k[big]), t[big]),
         "big_after": median_error(hw.device_kernels.gemm(m[big], n[big], k[big]), t[big]),
         "attn_kernel": kernel,
         "attn_rows": (int((~held_a).sum()), int(held_a.sum())),
-        "attn_before": median_error(hw.kernels.attention(flops[held_a], s[held_a]), ta[held_a]),
+        "attn_before": median_error(before.attention(flops[held_a], s[held_a]), ta[held_a]),
         "attn_after": median_error(hw.device_kernels.attention(flops[held_a], s[held_a]), ta[held_a]),
         "decode_kernel": dkernel,
         "decode_rows": (int((~held_d).sum()), int(held_d.sum())),
-        "decode_before": median_error(hw.kernels.decode_attention(nbytes, pairs), td[held_d]),
+        "decode_before": median_error(before.decode_attention(nbytes, pairs), td[held_d]),
         "decode_after": median_error(hw.device_kernels.decode_attention(nbytes, pairs), td[held_d]),
     }
 
