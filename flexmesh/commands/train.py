@@ -400,6 +400,8 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
                               records=records, wall=wall, evaluation=evaluation)
     finally:
         with wall.phase("teardown"):
+            if sys.exc_info()[0] is None:  # every rank done: leave together (a rank that failed is not waited for)
+                dist.barrier()
             dist.destroy_process_group()
         if rank0 and wall.finished:  # where the run's time went, the first step's compilation and checkpoints apart
             print(wall.line(), file=sys.stderr, flush=True)

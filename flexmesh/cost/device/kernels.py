@@ -351,7 +351,10 @@ class Kernels:
         if self.attn_measured is not None and self.roofline:
             a = self.attn_measured
             t = flops / (self.attn_flops * self.attention_efficiency(block))
-            return t + calls * ((a.fixed_s if fixed else 0.0) + a.per_key_s * block) * (flops > 0)
+            # the floor (attn_best_below) leaves out the per-key cost: it is charged by the mean block, which a
+            # shorter document packed beside a long one lowers (see floor)
+            per_key = 0.0 if self.attn_best_below else a.per_key_s
+            return t + calls * ((a.fixed_s if fixed else 0.0) + per_key * block) * (flops > 0)
         if backward and self.attn_bwd_flops is not None:
             t = flops / (self.attn_bwd_flops * self.attention_efficiency(block, self.attn_bwd_overhead))
         else:
