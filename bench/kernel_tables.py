@@ -33,8 +33,7 @@ import numpy as np
 
 from bench._results import markdown_table, record
 from flexmesh.cost.device import attention_tables, decode_tables, gemm_tables
-from flexmesh.cost.device.hardware import HBM_EFFICIENCY, Hardware
-from flexmesh.cost.device.kernels import Kernels
+from flexmesh.cost.device.hardware import Hardware
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.devices import (
     ATTENTION_KERNELS,
@@ -65,15 +64,9 @@ def median_error(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(np.median(np.abs(predicted / measured - 1.0)))
 
 
-def tile_kernels(hw: Hardware) -> Kernels:
-    """The tile and wave model at the training rates (before the device layer)."""
-    return Kernels(mm_flops=hw.matmul_flops, attn_flops=hw.attn_flops, hbm_bytes_per_s=hw.hbm_bytes_per_s *
-                   HBM_EFFICIENCY, sms=hw.cluster.device.sms)
-
-
 def score(system: str, part: DeviceSpec, systems) -> dict:  # noqa: ANN001 - a Path
     hw = Hardware(ClusterSpec(1, 1, part))
-    before = tile_kernels(hw)
+    before = hw.tile_kernels()
     m, n, k, t = gemm_tables.gemm_rows(gemm_tables.newest_table(systems, system)).T
     held = ~gemm_tables.fitted_half(len(t))
     big = held & (np.minimum(np.minimum(m, n), k) >= gemm_tables.MIN_DIM)  # a training step's GEMMs

@@ -223,10 +223,7 @@ class Hardware:
         # (DeviceSpec.kernel_mm_efficiency and kernel_attn_efficiency, the tables' forms), memory-bound operators at
         # the achievable fraction of the datasheet HBM bandwidth; serving prices its kernels with them. A part
         # without tables has the tile and wave model at the end-to-end fits' rates.
-        tiles = Kernels(mm_flops=self.matmul_flops, attn_flops=self.attn_flops,
-                        hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=d.sms,
-                        dtype_bytes=DTYPE_BYTES.get(dtype, 2))
-        self.device_kernels = device_kernels(tiles, d, self.peak_flops)
+        self.device_kernels = device_kernels(self.tile_kernels(), d, self.peak_flops)
         # A training step's kernels: the same kernels and forms, at the share of their rates a training step's
         # GEMMs and attention reach (the framework terms above the device layer: DeviceSpec.framework_mm and
         # framework_attn, so the rates are peak x mm_efficiency and peak x attn_efficiency).
@@ -247,6 +244,14 @@ class Hardware:
             pcie_gbps=d.pcie_gbps,
             table=_comm_table(d.comm_table),
         )
+
+    def tile_kernels(self) -> Kernels:
+        """The tile and wave model at the end-to-end fits' rates: GEMM tiles over the datasheet SM count, memory-bound
+        operators at the achievable fraction of the datasheet HBM bandwidth (what a part without measured kernel
+        tables prices with, and what every part priced with before the device layer)."""
+        return Kernels(mm_flops=self.matmul_flops, attn_flops=self.attn_flops,
+                       hbm_bytes_per_s=self.hbm_bytes_per_s * HBM_EFFICIENCY, sms=self.cluster.device.sms,
+                       dtype_bytes=DTYPE_BYTES.get(self.dtype, 2))
 
     def copy_time(self, nbytes: float) -> float:
         """Seconds of one streaming copy kernel moving ``nbytes`` (read and write) on one device."""

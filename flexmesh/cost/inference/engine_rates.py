@@ -19,7 +19,7 @@ else: every fixed cost a call (launch, the tables' per-call and per-key costs) s
 (``AnalyticIteration``, the serving simulator and planner) prices the engine with nothing else to pass (unit
 rates: the hardware itself, the same floats). :func:`fit_rate` redoes one term from an engine's measurements: the
 factor whose prices minimise the squared log error against the measured seconds (as the training fits do,
-``flexmesh.cost.training.calibrate.fit_runs``); :func:`fit_engine_rates` fits each term named on its own rows.
+``flexmesh.cost.training.calibrate.fit_constants``); :func:`fit_engine_rates` fits each term named on its own rows.
 ``bench/vidur_layers.py`` fits them to Vidur's published sarathi-serve profiles and scores them on rows the fit
 did not see.
 

@@ -257,7 +257,6 @@ _FAMILY_TABLE = {"A100": "a100_sxm", "H100": "h100_sxm"}
 
 # The constants fitted on the published runs, with their bounds: each family's mm_efficiency (on its
 # Megatron-class rows) and each other framework's gemm_share (on its rows, at the family fits).
-FITTED = {"A100": ("mm_efficiency",), "H100": ("mm_efficiency",)}
 BOUNDS = {"mm_efficiency": (0.3, 0.98), "gemm_share": (0.5, 1.2)}
 FAMILIES = ("A100", "H100")
 
@@ -277,13 +276,6 @@ def _fit_one(runs: Sequence[PublishedRun], name: str, params: Callable[[Publishe
     res = minimize_scalar(lambda x: sum(r.log_error(params(r, x)) ** 2 for r in runs), bounds=(lo, hi),
                           method="bounded", options={"xatol": 1e-5})
     return float(res.x)
-
-
-def fit_runs(runs: Sequence[PublishedRun], names: Sequence[str]) -> dict[str, float]:
-    """Least squares on log(predicted / published) step time over ``runs``, in the one constant of
-    ``names`` (the others keep their preset values)."""
-    (name,) = names
-    return {name: _fit_one(runs, name, lambda r, x: {name: x})}
 
 
 def _reference(run: PublishedRun) -> bool:
@@ -333,7 +325,7 @@ def run_params(run: PublishedRun, constants: dict[str, float]) -> dict[str, floa
 
 
 def fit_efficiencies(family: str) -> dict[str, float]:
-    """The fitted constants of ``family`` (:data:`FITTED`) on its Megatron-class fitting rows."""
+    """The fitted ``mm_efficiency`` of ``family`` on its Megatron-class fitting rows."""
     return {"mm_efficiency": fit_constants(PUBLISHED_RUNS)[family]}
 
 
@@ -469,10 +461,11 @@ def main() -> None:
         fits.add_column(c)
     intra, inter = fit_a2a_efficiency()
     a100, h100 = DEVICE_PRESETS["A100-80GB"], DEVICE_PRESETS["H100-80GB"]
-    fa, fh = fit_efficiencies("A100"), fit_efficiencies("H100")
-    fits.add_row("A100 mm_efficiency", f"{fa['mm_efficiency']:.3f}", f"{a100.mm_efficiency:.3f}", _MEGATRON)
-    fits.add_row("H100 mm_efficiency", f"{fh['mm_efficiency']:.3f}", f"{h100.mm_efficiency:.3f}", _LLAMA3)
-    fits.add_row("llm-foundry gemm_share", f"{fit_share():.3f}", f"{LLM_FOUNDRY.gemm_share:.3f}", _LLM_FOUNDRY)
+    fit = fit_constants(PUBLISHED_RUNS)
+    fits.add_row("A100 mm_efficiency", f"{fit['A100']:.3f}", f"{a100.mm_efficiency:.3f}", _MEGATRON)
+    fits.add_row("H100 mm_efficiency", f"{fit['H100']:.3f}", f"{h100.mm_efficiency:.3f}", _LLAMA3)
+    fits.add_row("llm-foundry gemm_share", f"{fit[LLM_FOUNDRY.name]:.3f}", f"{LLM_FOUNDRY.gemm_share:.3f}",
+                 _LLM_FOUNDRY)
     fits.add_row("attn_efficiency", f"{fit_attn_efficiency():.3f}", f"{a100.attn_efficiency:.3f}", "FlexSP 7B profile")
     fits.add_row("a2a_intra_efficiency", f"{intra:.3f}", f"{a100.a2a_intra_efficiency:.3f}", "FlexSP all-to-all")
     fits.add_row("a2a_inter_efficiency", f"{inter:.3f}", f"{a100.a2a_inter_efficiency:.3f}", "FlexSP all-to-all")
