@@ -8,6 +8,7 @@ import json
 import pytest
 
 from flexmesh.cli import main
+from flexmesh.cost.training.mixed import MixedCosts, evaluate_groups
 from flexmesh.cost.training.model import CostModel
 from flexmesh.errors import PlanError
 from flexmesh.layout.legacy import legacy_dict
@@ -215,7 +216,12 @@ def test_check_prices_a_plan_of_several_groups_with_the_stack_flags(tmp_path, ca
     assert check_groups(load_plan(path), model, cluster, costs).step_time == unfused["step_time_s"]
 
 
-def test_check_refuses_an_empty_middle_stage_in_a_plan_of_several_groups(tmp_path, capsys):
+def test_a_middle_stage_of_no_layers_is_priced_as_a_relay_and_the_runtime_refuses_it(tmp_path):
+    """AMP's published plans (2210.07297) hold a pipeline rank of no transformer layer between two others: plan
+    --check prices it (its sends, no compute); the runtime, which trains no such rank, says so before it starts."""
+    from flexmesh.report.plan_tables import group_compact
+    from flexmesh.runtime.train.groups import check_runnable
+
     tp1 = ["tp1-dp1z0"] * 2
     plan = {"version": 5, "model": "tiny", "cluster": "1x4xH100+1x4xA100-40GB", "world_size": 8, "seq_len": 512,
             "global_batch": 8, "pipeline_schedule": "1f1b", "unused": [7],
@@ -227,19 +233,27 @@ def test_check_refuses_an_empty_middle_stage_in_a_plan_of_several_groups(tmp_pat
                                    {"layers": [2, 4], "strategies": tp1}]}]}
     path = tmp_path / "groups.json"
     path.write_text(json.dumps(plan))
-    assert main(["plan", "--check", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert "replica group 1: stage 1 has no layers" in err and "lower pp" in err
-    # with a layer in it, the same plan is valid
+    assert main(["plan", "--check", str(path)]) == 0
+    assert group_compact(load_plan(path).groups[1]) == "b4 m2 | [0,2) tp1 | [2,2) relay | [2,4) tp1"
+    model, cluster = parse_model("tiny"), parse_mixed_cluster(plan["cluster"])
+    ev = evaluate_groups(load_plan(path), MixedCosts(model, cluster))
+    first, relay, last = ev.replicas[1].stages
+    assert 0 < relay.time < min(first.time, last.time)  # its sends alone
+    assert relay.memory["states"] == 0 and relay.memory["activations"] == 0
+    with pytest.raises(PlanError, match="chunk 1 holds no layers between two others"):
+        check_runnable(load_plan(path), model)
+    # with a layer in it, the runtime takes the plan
     plan["groups"][1]["stages"][1:] = [{"layers": [2, 3], "strategies": tp1[:1]},
                                        {"layers": [3, 4], "strategies": tp1[:1]}]
     path.write_text(json.dumps(plan))
-    assert main(["plan", "--check", str(path)]) == 0
-    # as a plan of one group is refused (docs/plan-format.md)
+    check_runnable(load_plan(path), model)
+    # a plan of one group the same
     st = LayerStrategy.parse("tp1-dp1z0")
-    with pytest.raises(PlanError, match="stage 1 has no layers"):
-        Plan.uniform("tiny", "3xA100-80GB", 3, 3, "1f1b", 1, 512, 3,
-                     (StagePlan(0, 2, (st,) * 2), StagePlan(2, 2, ()), StagePlan(2, 4, (st,) * 2)))
+    one = Plan.uniform("tiny", "3xA100-80GB", 3, 3, "1f1b", 1, 512, 3,
+                       (StagePlan(0, 2, (st,) * 2), StagePlan(2, 2, ()), StagePlan(2, 4, (st,) * 2)))
+    assert "[2,2) relay" in one.layout
+    with pytest.raises(PlanError, match="chunk 1 holds no layers"):
+        check_runnable(one, model)
 
 
 def test_check_takes_a_group_whose_data_parallel_ranks_span_nodes():

@@ -158,9 +158,11 @@ def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None
     from flexmesh.layout.plan import load_plan
     from flexmesh.layout.plan_model import plan_model
     from flexmesh.runtime.parallel.device import check_memory
+    from flexmesh.runtime.train.groups import check_runnable
 
     plan = load_plan(args.plan) if planned is None else planned.plan
     spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
+    check_runnable(plan, spec)
     run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
     check_evaluation(args, plan, spec)
     if args.nnodes is None:

@@ -95,16 +95,14 @@ class ReplicaGroup:
         self._check_stages()
 
     def _check_stages(self) -> None:
-        """The chunks cover layers 0..L in order, none empty but the first and the last, and every layer
-        of chunk ``i`` runs on the block of pipeline rank ``i % pp``."""
-        expect, last = 0, len(self.stages) - 1
+        """The chunks cover layers 0..L in order and every layer of chunk ``i`` runs on the block of pipeline rank
+        ``i % pp``. A chunk may hold no layers: at the ends the embedding or the head alone (Llama 3's pipeline), in
+        between a rank that passes activations on (AMP's published plans, 2210.07297, hold one)."""
+        expect = 0
         for i, st in enumerate(self.stages):
             if st.start != expect:
                 raise PlanError(f"stage {i} starts at layer {st.start} but the previous stage ends at {expect}; "
                                 "stages must cover consecutive layers in order")
-            if st.num_layers == 0 and 0 < i < last:
-                raise PlanError(f"stage {i} has no layers; only the first stage may hold the embedding alone and the "
-                                "last the head alone: give it at least one layer or lower pp")
             expect = st.end
             ranks = len(self.blocks[i % self.pp])
             for j, s in enumerate(st.strategies):
@@ -173,8 +171,9 @@ class ReplicaGroup:
         """One line, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
         sched = str(pipeline_schedule) + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         last = len(self.stages) - 1
-        ends = {0: "embedding", last: "head"}  # a chunk of no layers (chunk_anchors)
-        stages = " | ".join(f"[{s.start},{s.end}) {s.compact or ends.get(i, '')}" for i, s in enumerate(self.stages))
+        ends = {0: "embedding", last: "head"}  # a chunk of no layers (chunk_anchors); in between: "relay"
+        stages = " | ".join(f"[{s.start},{s.end}) {s.compact or ends.get(i, 'relay')}"
+                            for i, s in enumerate(self.stages))
         return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
 
     def to_dict(self, seq_len: int) -> dict:

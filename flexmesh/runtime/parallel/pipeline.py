@@ -99,9 +99,15 @@ def chunks_of_rank(group: ReplicaGroup, pp_rank: int) -> list[tuple[int, StagePl
 
 
 def check_partition(group: ReplicaGroup, num_layers: int) -> None:
-    """A group's stages, in layer order, must tile [0, num_layers) without gaps or overlaps."""
+    """A group's stages, in layer order, must tile [0, num_layers) without gaps or overlaps, and only the first and
+    the last may hold no layers (a pipeline rank that only passes activations on is priced, not run)."""
     pos = 0
-    for st in sorted(group.stages, key=lambda s: (s.start, s.end)):
+    ordered = sorted(group.stages, key=lambda s: (s.start, s.end))
+    for i, st in enumerate(ordered):
+        if st.num_layers == 0 and 0 < i < len(ordered) - 1:
+            raise PlanError(f"pipeline chunk {i} holds no layers between two others: flexmesh prices such a plan "
+                            "(plan --check, simulate) but its runtime trains only chunks with layers, or the "
+                            "embedding or head alone at the ends; move a layer into it or lower pp")
         if st.start != pos:
             raise PlanError(f"stage [{st.start}, {st.end}) should start at layer {pos}; stages must tile the layers")
         pos = st.end
