@@ -265,7 +265,8 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                         "partitioner): per token it keeps 4h + 2kv + 2ffn, no GEMM input of its own")
     g.add_argument("--framework", choices=sorted(FRAMEWORKS), default=RUNTIME_STACK.framework.name,
                    help="the stack's time above the kernels: flexmesh (default) and megatron price the same; "
-                        "llm-foundry: Composer and PyTorch FSDP, eager, its GEMM share and eager cross entropy "
+                        "llm-foundry: Composer and PyTorch FSDP, eager, its GEMM share and eager cross entropy; "
+                        "deepspeed-pipe: DeepSpeed's pipeline engine, gradients all-reduced after the backward "
                         "(docs/cost-model.md)")
 
 

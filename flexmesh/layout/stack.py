@@ -44,6 +44,9 @@ class Framework:
     gemm_share: float = 1.0
     cross_entropy_bytes: float = 6.0
     source: str = ""
+    # Whether the once-per-step gradient all-reduce runs under the last backward, bucket by bucket (PyTorch DDP,
+    # FSDP, Megatron-Core's overlap_grad_reduce), or after it (DeepSpeed's pipeline engine, Megatron-LM v1's DDP)
+    grad_sync_overlapped: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gemm_share <= 1.5:
@@ -67,7 +70,12 @@ EAGER_CROSS_ENTROPY_BYTES = 36.0
 # published throughputs at 2048 tokens on A100 and H100 against the family fits (calibrate.fit_share).
 LLM_FOUNDRY = Framework("llm-foundry", gemm_share=0.888, cross_entropy_bytes=EAGER_CROSS_ENTROPY_BYTES,
                         source="mosaicml/llm-foundry scripts/train/benchmarking/README.md, bf16 tables at 2048 tokens")
-FRAMEWORKS = {f.name: f for f in (FLEXMESH, MEGATRON, LLM_FOUNDRY)}
+# DeepSpeed's pipeline engine (PipelineModule, as Megatron-DeepSpeed and AMP's and Sailor's runs train): its
+# TrainSchedule all-reduces the gradients after the last micro-batch's backward (deepspeed/runtime/pipe/schedule.py,
+# ReduceGrads), not under it; its kernels are the layers' own (Megatron-LM's), priced at the family rate.
+DEEPSPEED_PIPE = Framework("deepspeed-pipe", grad_sync_overlapped=False,
+                           source="deepspeed/runtime/pipe/schedule.py: TrainSchedule, ReduceGrads after the backward")
+FRAMEWORKS = {f.name: f for f in (FLEXMESH, MEGATRON, LLM_FOUNDRY, DEEPSPEED_PIPE)}
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,7 @@ class ProfiledHardware(Hardware):
         self.profile = profile
         self.matmul_flops = profile.matmul(dtype)
         self.peak_flops = self.matmul_flops  # measured, so MFU is against what this machine reaches
+        self.clock = 1.0  # measured rates: the clock the machine sustains is in them
         self.attn_flops = profile.attention_flops(dtype)
         self.hbm_bytes_per_s = float(profile.memory_bytes_per_s)
         self.memory_bytes = profile.memory_per_device(cluster.devices_per_node)

@@ -264,7 +264,8 @@ _CLUSTER_KEYS = ("nodes", "devices_per_node", "device", "speed_factors", "nic_gb
 _DEVICE_KEYS = ("base", *DeviceSpec.__dataclass_fields__)
 # Fields of a node's links: a device table that changes one prices collectives from them, not from its
 # base's measured table.
-_INTRA_FIELDS = {"nvlink_gbps", "intra_efficiency", "intra_latency_us", "intra_link", "nvlink_domain", "pcie_gbps"}
+_INTRA_FIELDS = {"nvlink_gbps", "intra_efficiency", "intra_latency_us", "intra_link", "nvlink_domain", "pcie_gbps",
+                 "pcie_efficiency"}
 
 
 def _lowered(group: ClusterSpec, gbps: float, latency_us: float = 0.0) -> ClusterSpec:
@@ -427,6 +428,11 @@ def parse_cluster(text: str) -> ClusterSpec:
     if len(mixed.groups) != 1:
         raise SpecError(f"cluster {mixed.label!r} has {len(mixed.groups)} device groups; {_MIXED_WHERE}")
     return mixed.groups[0]
+
+
+def mixed_cluster_from_mapping(d: object, where: str) -> MixedCluster:
+    """A mixed cluster from a cluster file's contents as a mapping (``where`` names it in errors)."""
+    return _mixed_from_mapping(d, where)
 
 
 def _read_cluster_file(p: Path) -> object:

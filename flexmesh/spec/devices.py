@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
 import tomllib
@@ -62,6 +62,8 @@ class DeviceSpec:
     intra_link: str = "nvswitch"
     nvlink_domain: int = 0  # GPUs of a node NVLink joins; 0: all of them
     pcie_gbps: float = 0.0  # per GPU per direction, for collectives beyond the NVLink domain
+    # Achieved fraction of pcie_gbps by NCCL collectives over PCIe (beyond the NVLink domain); 0: intra_efficiency
+    pcie_efficiency: float = 0.0
     source: str = ""  # the datasheet the numbers come from
     efficiency_source: str = ""  # where mm_efficiency and attn_efficiency come from
     # The measured NCCL table (presets/collectives.toml) that prices ring collectives inside a node; ""
@@ -73,6 +75,11 @@ class DeviceSpec:
     kernel_table: str = ""
     kernel_mm_efficiency: float | None = None
     kernel_attn_efficiency: float | None = None
+    # TFLOP/s per dtype of a large GEMM (4096^3) measured under sustained load on a part whose power cap holds its
+    # clock below the boost clock the datasheet peak assumes (the T4 at 70 W); the device layer's matmul and attention
+    # rates are scaled down to it (flexmesh.cost.device.hardware.Hardware.power_cap). Empty: the peak holds.
+    sustained_tflops: dict = field(default_factory=dict, compare=False)
+    sustained_source: str = ""
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -100,6 +107,7 @@ class DeviceSpec:
             whole(self.sms, f"{where}: sms", SpecError)
         whole(self.nvlink_domain, f"{where}: nvlink_domain", SpecError, minimum=0)
         number(self.pcie_gbps, f"{where}: pcie_gbps", SpecError, strict=False)
+        number(self.pcie_efficiency, f"{where}: pcie_efficiency", SpecError, strict=False, maximum=1.0)
         if self.intra_link not in INTRA_LINKS:
             raise SpecError(f"{where}: intra_link must be one of {', '.join(INTRA_LINKS)}, got {self.intra_link!r}")
         if self.comm_table and self.comm_table not in COMM_TABLES:
@@ -214,7 +222,7 @@ FLASH2: dict[str, dict] = _CATALOGUE["flash_attention_2"]
 ATTENTION_FIT_FAMILY = "A100"
 _DATASHEET = ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps", "intra_latency_us", "inter_latency_us",
               "architecture", "sms", "intra_link", "nvlink_domain", "pcie_gbps", "source")
-_OPTIONAL = ("comm_table", "kernel_table")
+_OPTIONAL = ("comm_table", "kernel_table", "pcie_efficiency")
 
 
 def _load_presets() -> dict[str, DeviceSpec]:
@@ -246,6 +254,9 @@ def _load_presets() -> dict[str, DeviceSpec]:
         out[name] = DeviceSpec(
             name=name,
             peak_tflops={k.removeprefix("peak_tflops_"): v for k, v in d.items() if k.startswith("peak_tflops_")},
+            sustained_tflops={k.removeprefix("sustained_tflops_"): v for k, v in d.items()
+                              if k.startswith("sustained_tflops_")},
+            sustained_source=d.get("sustained_source", ""),
             framework_reserve_gib=mem["framework_reserve_gib"],
             allocator_headroom=mem["allocator_headroom"],
             **{k: d[k] for k in _DATASHEET},

@@ -199,12 +199,14 @@ class CollectiveParams:
     nvlink_domain: int = 0  # GPUs of a node NVLink joins (0: all); groups with more of a node use PCIe
     pcie_gbps: float = 0.0  # per GPU per direction
     table: CommTable | None = None  # measured ring collectives inside a node, where the part has them
+    pcie_eff: float = 0.0  # achieved fraction of pcie_gbps by collectives over PCIe; 0: ring_intra_eff's
 
     def intra_bytes_per_s(self, per_node: int) -> float:
         """Bandwidth of a group with ``per_node`` members on each node: NVLink within the NVLink domain
-        (groups lie on consecutive GPUs, tp innermost), PCIe beyond it."""
+        (groups lie on consecutive GPUs, tp innermost), PCIe beyond it, at the share of it collectives over
+        PCIe reach (``pcie_eff``) where that differs from NVLink's (the efficiencies apply to this bandwidth)."""
         if self.nvlink_domain and per_node > self.nvlink_domain:
-            return self.pcie_gbps * 1e9
+            return self.pcie_gbps * 1e9 * (self.pcie_eff / self.ring_intra_eff if self.pcie_eff else 1.0)
         return self.intra_gbps * 1e9
 
 
@@ -224,6 +226,16 @@ class Hardware:
         # the achievable fraction of the datasheet HBM bandwidth; serving prices its kernels with them. A part
         # without tables has the tile and wave model at the end-to-end fits' rates.
         self.device_kernels = device_kernels(self.tile_kernels(), d, self.peak_flops)
+        # The share of the datasheet clock a power-capped part sustains (1 for the others): its Tensor Core rates at
+        # that clock (the memory terms do not scale, so a few rounds bring the GEMM to the measured rate).
+        self.clock, cap = 1.0, self.power_cap()
+        for _ in range(4):
+            if cap >= 1.0 - 1e-3:
+                break
+            self.clock *= cap
+            self.matmul_flops, self.attn_flops = self.matmul_flops * cap, self.attn_flops * cap
+            self.device_kernels = device_kernels(self.tile_kernels(), d, self.peak_flops * self.clock)
+            cap = self.power_cap()
         # A training step's kernels: the same kernels and forms, at the share of their rates a training step's
         # GEMMs and attention reach (the framework terms above the device layer: DeviceSpec.framework_mm and
         # framework_attn, so the rates are peak x mm_efficiency and peak x attn_efficiency).
@@ -243,7 +255,26 @@ class Hardware:
             nvlink_domain=d.nvlink_domain,
             pcie_gbps=d.pcie_gbps,
             table=_comm_table(d.comm_table),
+            pcie_eff=d.pcie_efficiency,
         )
+
+    def power_cap(self) -> float:
+        """What the device layer's rates still need scaling by for a power-capped part: its measured large-GEMM
+        throughput (``DeviceSpec.sustained_tflops``) over the device layer's price of that GEMM; 1 where none is
+        measured or the price is already below it.
+
+        >>> from flexmesh.spec import parse_cluster
+        >>> hw = Hardware(parse_cluster("4xT4"), dtype="fp16")
+        >>> round(2 * 4096 ** 3 / hw.device_kernels.gemm(4096, 4096, 4096) / 1e12, 1)  # the forum's 24, not 56
+        24.0
+        >>> Hardware(parse_cluster("4xA100")).power_cap()
+        1.0
+        """
+        sustained = self.cluster.device.sustained_tflops.get(self.dtype)
+        if sustained is None:
+            return 1.0
+        rate = 2 * 4096 ** 3 / float(self.device_kernels.gemm(4096, 4096, 4096))
+        return min(1.0, sustained * 1e12 / rate)
 
     def tile_kernels(self) -> Kernels:
         """The tile and wave model at the end-to-end fits' rates: GEMM tiles over the datasheet SM count, memory-bound

@@ -359,7 +359,8 @@ class CostModel:
 
         Layer by layer the gradients become ready during the last micro-batch's backward, so the sync
         hides under it except for the first layer's share, as far as the hardware overlaps
-        communication with compute (:meth:`Hardware.exposed`). The same rule serves the plan
+        communication with compute (:meth:`Hardware.exposed`); a stack that reduces after the backward
+        (``Framework.grad_sync_overlapped`` False) leaves all of it exposed. The same rule serves the plan
         evaluation, the search and the step simulator.
 
         >>> from flexmesh.spec import parse_cluster, parse_model
@@ -369,6 +370,8 @@ class CostModel:
         >>> round(float(cm.exposed_sync(1.0, 0.4, layers=4)), 3)  # 0.3 s hidden, 0.7 s exposed
         0.739
         """
+        if not self.parts.stack.framework.grad_sync_overlapped:
+            return sync
         window = last_backward * (1 - 1 / np.maximum(layers, 1))
         return self.hw.exposed(sync, window)
 
