@@ -108,6 +108,10 @@ class DeviceSpec:
         whole(self.nvlink_domain, f"{where}: nvlink_domain", SpecError, minimum=0)
         number(self.pcie_gbps, f"{where}: pcie_gbps", SpecError, strict=False)
         number(self.pcie_efficiency, f"{where}: pcie_efficiency", SpecError, strict=False, maximum=1.0)
+        if not isinstance(self.sustained_tflops, dict):
+            raise SpecError(f"{where}: sustained_tflops must be a table of dtype = TFLOP/s, e.g. {{fp16 = 24.0}}")
+        for dtype, v in self.sustained_tflops.items():
+            number(v, f"{where}: sustained_tflops.{dtype}", SpecError)
         if self.intra_link not in INTRA_LINKS:
             raise SpecError(f"{where}: intra_link must be one of {', '.join(INTRA_LINKS)}, got {self.intra_link!r}")
         if self.comm_table and self.comm_table not in COMM_TABLES:
