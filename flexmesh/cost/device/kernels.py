@@ -227,13 +227,15 @@ class Kernels:
         return replace(self, sms=None, launch_s=0.0, roofline=False, attn_untiled=self.sms is not None)
 
     def floor(self) -> "Kernels":
-        """The same device with attention blocks at the best efficiency of any block up to their length.
+        """The same device with attention blocks at the best efficiency of any block up to their length, and
+        measured GEMMs without their last wave's idle share.
 
         Attention is priced over blocks of the micro-batch's mean length (:meth:`attention_efficiency`),
         whose keys are rounded up to whole tiles. A short document packed beside a long one lowers the
         mean: past a tile boundary, that can drop a partly filled tile and price the pair below the long
-        document alone. A bound on "a micro-batch never takes less than its longest member" uses this
-        model, whose efficiency never rises as the mean falls (:func:`flexmesh.schedule.lower_bound`).
+        document alone. So can a measured GEMM's wave term (``MeasuredGemm.wave_tail``): a few more tokens
+        fill the last wave's idle SMs. A bound on "a micro-batch never takes less than its longest member"
+        uses this model, whose prices never fall as tokens are added (:func:`flexmesh.schedule.lower_bound`).
 
         >>> k = Kernels(mm_flops=100e12, attn_flops=50e12, hbm_bytes_per_s=1e12, sms=100)
         >>> bool(k.attention_efficiency(257.0) < k.attention_efficiency(256.0))
@@ -241,7 +243,8 @@ class Kernels:
         >>> float(k.floor().attention_efficiency(257.0)) == float(k.attention_efficiency(256.0))
         True
         """
-        return replace(self, attn_best_below=True)
+        gemm = None if self.gemm_measured is None else replace(self.gemm_measured, wave_tail=0.0)
+        return replace(self, attn_best_below=True, gemm_measured=gemm)
 
     # ---- GEMMs ---------------------------------------------------------------------------------
     def gemm_compute(self, m, n, k):  # noqa: ANN001, ANN201 - floats or numpy arrays
