@@ -167,12 +167,15 @@ class ReplicaGroup:
             out.extend(st.strategies)
         return out
 
+    def relay(self, index: int) -> bool:
+        """Whether chunk ``index`` holds no layers between two others: its rank only passes activations on."""
+        return not self.stages[index].strategies and 0 < index < len(self.stages) - 1
+
     def layout(self, pipeline_schedule: PipelineSchedule) -> str:
         """One line, e.g. ``pp2 1f1b m8 | [0,16) 16x tp4-dp1z1 | ...``."""
         sched = str(pipeline_schedule) + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        last = len(self.stages) - 1
-        ends = {0: "embedding", last: "head"}  # a chunk of no layers (chunk_anchors); in between: "relay"
-        stages = " | ".join(f"[{s.start},{s.end}) {s.compact or ends.get(i, 'relay')}"
+        ends = {0: "embedding", len(self.stages) - 1: "head"}  # a chunk of no layers (chunk_anchors)
+        stages = " | ".join(f"[{s.start},{s.end}) {'relay' if self.relay(i) else s.compact or ends[i]}"
                             for i, s in enumerate(self.stages))
         return f"pp{self.pp} {sched} m{self.num_microbatches} | {stages}"
 

@@ -35,9 +35,8 @@ def group_compact(g: ReplicaGroup) -> str:
     """A group of one pipeline in a line, e.g. ``b96 m12 | [0,20) tp4 | [20,40) tp4-ac``; a middle chunk of no
     layers ``[20,20) relay``."""
     suffix = {"none": "", "selective": "-sac", "full": "-ac"}
-    last = len(g.stages) - 1
-    stages = " | ".join(f"[{s.start},{s.end}) tp{g.stage_tp(i)}{suffix[str(g.anchor(i).recompute)]}"
-                        if s.strategies or i in (0, last) else f"[{s.start},{s.end}) relay"
+    stages = " | ".join(f"[{s.start},{s.end}) relay" if g.relay(i)
+                        else f"[{s.start},{s.end}) tp{g.stage_tp(i)}{suffix[str(g.anchor(i).recompute)]}"
                         for i, s in enumerate(g.stages))
     return f"b{g.share} m{g.num_microbatches} | {stages}"
 

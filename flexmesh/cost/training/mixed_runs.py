@@ -149,6 +149,11 @@ _AMP_NODE_GPUS = 4
 _AMP_MIXED_ORDER = ("V100-16GB",) * 12 + ("T4",) * 4  # ranks in the hostfile's order: the V100 nodes first
 
 
+def _deepspeed_rank(stage: int, replica: int, dp: int, tp: int) -> int:
+    """DeepSpeed's rank order (pipeline outermost, tp innermost): the first rank of ``replica`` of ``stage``."""
+    return stage * dp * tp + replica * tp
+
+
 def _amp_stages(partition: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """Transformer layers [start, end) per stage of a partition over DeepSpeed's layer specs."""
     def layer(spec: int) -> int:
@@ -159,8 +164,7 @@ def _amp_stages(partition: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 def _amp(rows: list, order: tuple[str, ...], homogeneous: bool) -> list[MixedRun]:
     out = []
     for name, pp, dp, tp, mbs, partition, seconds in rows:
-        # DeepSpeed's rank = stage x (dp x tp) + replica x tp + tp rank: replica d of stage p starts at that rank
-        devices = tuple(tuple(order[p * dp * tp + d * tp] for d in range(dp)) for p in range(pp))
+        devices = tuple(tuple(order[_deepspeed_rank(p, d, dp, tp)] for d in range(dp)) for p in range(pp))
         out.append(MixedRun("AMP", name, GPT2_MEDIUM, 1024, 32, mbs, tp, _amp_stages(partition), devices, "amp",
                             seconds, homogeneous))
     return out
@@ -207,12 +211,10 @@ def relay_runs() -> tuple[MixedRun, ...]:
 def run_cluster(run: MixedRun) -> tuple[MixedCluster, list[list[list[int]]]]:
     """The run's cluster (one device group per type, nodes in first-use order, one node per stage replica for
     Sailor, AMP's four-GPU nodes) and each (stage, replica)'s ranks on it."""
-    types = list(dict.fromkeys(t for stage in run.devices for t in stage))
     if run.cluster == "amp":
-        # DeepSpeed's rank order: rank = stage x (dp x tp) + replica x tp + tp rank, four ranks per node; consecutive
-        # nodes of one type form a device group
-        ranks = [[list(range(p * run.dp * run.tp + d * run.tp, p * run.dp * run.tp + (d + 1) * run.tp))
-                  for d in range(run.dp)] for p in range(run.pp)]
+        # DeepSpeed's rank order, four ranks per node; consecutive nodes of one type form a device group
+        ranks = [[[_deepspeed_rank(p, d, run.dp, run.tp) + k for k in range(run.tp)] for d in range(run.dp)]
+                 for p in range(run.pp)]
         order = [run.devices[p][d] for p in range(run.pp) for d in range(run.dp) for _ in range(run.tp)]
         nodes = [order[i] for i in range(0, len(order), _AMP_NODE_GPUS)]
         groups: list[dict] = []
@@ -225,6 +227,7 @@ def run_cluster(run: MixedRun) -> tuple[MixedCluster, list[list[list[int]]]]:
         links = {"gbps": min(_AMP_NODES[k] for k in nodes), "latency_us": 20.0} if len(groups) > 1 else {}
         return mixed_cluster_from_mapping({"groups": groups, "links": links}, f"AMP {run.name}"), ranks
     # Sailor: every (stage, replica) is a node of tp devices; number the nodes type by type
+    types = list(dict.fromkeys(t for stage in run.devices for t in stage))
     count = {t: sum(stage.count(t) for stage in run.devices) for t in types}
     first = {t: sum(count[u] for u in types[:i]) for i, t in enumerate(types)}
     used = dict.fromkeys(types, 0)

@@ -101,13 +101,13 @@ def chunks_of_rank(group: ReplicaGroup, pp_rank: int) -> list[tuple[int, StagePl
 def check_partition(group: ReplicaGroup, num_layers: int) -> None:
     """A group's stages, in layer order, must tile [0, num_layers) without gaps or overlaps, and only the first and
     the last may hold no layers (a pipeline rank that only passes activations on is priced, not run)."""
+    relays = [i for i in range(len(group.stages)) if group.relay(i)]
+    if relays:
+        raise PlanError(f"pipeline chunk {relays[0]} holds no layers between two others: flexmesh prices such a plan "
+                        "(plan --check, simulate) but its runtime trains only chunks with layers, or the "
+                        "embedding or head alone at the ends; move a layer into it or lower pp")
     pos = 0
-    ordered = sorted(group.stages, key=lambda s: (s.start, s.end))
-    for i, st in enumerate(ordered):
-        if st.num_layers == 0 and 0 < i < len(ordered) - 1:
-            raise PlanError(f"pipeline chunk {i} holds no layers between two others: flexmesh prices such a plan "
-                            "(plan --check, simulate) but its runtime trains only chunks with layers, or the "
-                            "embedding or head alone at the ends; move a layer into it or lower pp")
+    for st in sorted(group.stages, key=lambda s: (s.start, s.end)):
         if st.start != pos:
             raise PlanError(f"stage [{st.start}, {st.end}) should start at layer {pos}; stages must tile the layers")
         pos = st.end
