@@ -25,12 +25,14 @@ pytest.register_assert_rewrite("helpers")  # its assertions explained and checke
 # equality functions wrapped.
 from exactness import (  # noqa: E402, F401
     install_equality_checks,
+    install_quick_passing_explanations,
     pytest_assertion_pass,
     pytest_assertrepr_compare,
     pytest_runtest_call,
 )
 
 install_equality_checks()
+install_quick_passing_explanations()
 
 # Scripts that run on the commit before the plan types merged (their docstrings say how), not here.
 collect_ignore = ["golden/record_losses.py", "golden/make_old_runs.py"]

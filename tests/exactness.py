@@ -144,7 +144,51 @@ def pytest_assertion_pass(item, lineno, orig, expl):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     _seen.clear()  # what a failing assertion left (its test failed anyway)
+    _passing[0] = False
     yield
+
+
+# With the pass hook on, pytest builds a passing assertion's whole explanation (a repr of every operand, the
+# diff of every comparison by every pytest_assertrepr_compare hook) only to hand it to pytest_assertion_pass,
+# which reads none of it: that was a fifth of the suite's time and thirty times a hypothesis test's. While a
+# passing assertion's explanation is built (pytest asks _check_if_assertion_pass_impl first, and
+# _call_assertion_pass last, on that branch only), operands are not repr'd and only this file's comparison check
+# runs; a failing assertion's message is pytest's own. No pytest option does this; it leans on three helpers of
+# pytest's rewriter, and where a release renames them it is simply not installed (the check runs as before).
+_passing = [False]
+
+
+def install_quick_passing_explanations() -> None:
+    from _pytest.assertion import rewrite
+
+    names = ("_check_if_assertion_pass_impl", "_saferepr", "_call_reprcompare", "_call_assertion_pass")
+    if not all(callable(getattr(rewrite, n, None)) for n in names) or hasattr(rewrite._saferepr, "__wrapped__"):
+        return
+    has_hook, saferepr, reprcompare, call_pass = (getattr(rewrite, n) for n in names)
+
+    def check_pass() -> bool:
+        _passing[0] = has_hook()
+        return _passing[0]
+
+    @functools.wraps(saferepr)
+    def quick_repr(obj):
+        return "" if _passing[0] else saferepr(obj)
+
+    def quick_reprcompare(ops, results, expls, each_obj):
+        if not _passing[0]:
+            return reprcompare(ops, results, expls, each_obj)
+        i = len(ops) - 1  # every comparison of a passing chain held: pytest explains its last
+        pytest_assertrepr_compare(None, ops[i], each_obj[i], each_obj[i + 1])
+        return expls[i]
+
+    def quick_call_pass(lineno, orig, expl):
+        _passing[0] = False
+        call_pass(lineno, orig, expl)
+
+    rewrite._check_if_assertion_pass_impl = check_pass
+    rewrite._saferepr = quick_repr
+    rewrite._call_reprcompare = quick_reprcompare
+    rewrite._call_assertion_pass = quick_call_pass
 
 
 # ---- equality functions --------------------------------------------------------------------------------

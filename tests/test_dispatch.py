@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from flexmesh.errors import ScheduleError
 from flexmesh.schedule.dispatch import dispatch, members
@@ -17,10 +18,9 @@ from flexmesh.schedule.dispatch import dispatch, members
 def problems(draw):
     k = draw(st.integers(1, 5))
     n = draw(st.integers(0, 30))
-    costs = np.array(draw(st.lists(st.lists(st.floats(0.01, 10.0), min_size=n, max_size=n), min_size=k,
-                                   max_size=k)), dtype=float).reshape(k, n)
-    sizes = np.array(draw(st.lists(st.integers(1, 100), min_size=n, max_size=n)), dtype=int)
-    caps = np.array(draw(st.lists(st.integers(1, 100), min_size=k, max_size=k)), dtype=int)
+    costs = draw(hnp.arrays(float, (k, n), elements=st.floats(0.01, 10.0)))
+    sizes = draw(hnp.arrays(int, n, elements=st.integers(1, 100)))
+    caps = draw(hnp.arrays(int, k, elements=st.integers(1, 100)))
     caps[draw(st.integers(0, k - 1))] = 100  # some group holds every item
     return costs, sizes, caps
 

@@ -45,6 +45,11 @@ def test_fine():
     assert third(1.0) == pytest.approx(1 / 3, rel=1e-12)
     assert [0.5, 1.25, 2.5e-05] == [1 / 2, 5 / 4, 0.000025]  # round values
     assert third(1.0) != 0.25 and [1, 2] == [1, 2]
+    assert 0 < third(3.0) == 1.0 <= 1.0  # a chain whose every comparison holds
+
+
+def test_plain_failure():
+    assert [1, 2, 3] == [1, 2, 4]
 '''
 
 
@@ -53,8 +58,9 @@ def outcome(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("exactness")
     (folder / "exactness.py").write_text((HERE / "exactness.py").read_text())
     (folder / "conftest.py").write_text(
-        "from exactness import install_equality_checks, pytest_assertion_pass, pytest_assertrepr_compare, "
-        "pytest_runtest_call  # noqa: F401\ninstall_equality_checks()\n")
+        "from exactness import install_equality_checks, install_quick_passing_explanations, pytest_assertion_pass, "
+        "pytest_assertrepr_compare, pytest_runtest_call  # noqa: F401\n"
+        "install_equality_checks()\ninstall_quick_passing_explanations()\n")
     (folder / "test_cases.py").write_text(CASES)
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-rA", "-q",
                           "-o", "enable_assertion_pass_hook=true", "-o", "addopts=", "test_cases.py"],
@@ -77,3 +83,9 @@ def test_an_unmarked_exact_comparison_of_computed_floats_fails(outcome, name):
 @pytest.mark.parametrize("name", ["test_marked", "test_fine"])
 def test_marked_lines_tolerances_and_round_values_pass(outcome, name):
     assert outcome[name] == "PASSED", outcome["stdout"][-3000:]
+
+
+def test_a_failing_assertion_keeps_pytests_own_message(outcome):
+    """Passing assertions skip building their explanation; a failing one still shows pytest's diff."""
+    assert outcome["test_plain_failure"] == "FAILED"
+    assert "At index 2 diff: 3 != 4" in outcome["stdout"]
