@@ -26,6 +26,7 @@ from flexmesh.commands.train_data import (
     first_lengths,
     held_out,
 )
+from flexmesh.commands.train_domains import check_domains
 from flexmesh.commands.train_job import RECOMMEND_STEPS, choose_policy, estimated_peak, scheduler, train_job
 from flexmesh.commands.train_plan import Planned, check_flags, plan_run, planned_path
 from flexmesh.commands.train_tasks import run_tasks, task_table
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.straggler_threshold < 1.0:
         raise PlanError(f"--straggler-threshold must be in (0, 1), got {args.straggler_threshold}")
     check_flags(args)
+    check_domains(args)
     if args.tensorboard is not None:
         from flexmesh.runtime.train.scalars import check_tensorboard
 
@@ -163,7 +165,7 @@ def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None
     plan = load_plan(args.plan) if planned is None else planned.plan
     spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
     check_runnable(plan, spec)
-    run_tasks(args.tasks, args.corpus, spec)  # a bad job file, too
+    run_tasks(args.tasks, args.corpus or args.domains, spec)  # a bad job file, too
     check_evaluation(args, plan, spec)
     if args.nnodes is None:
         check_memory(estimated_peak(train_job(args, plan, spec)), args.device, args.nproc)
@@ -380,7 +382,8 @@ def _train(args: argparse.Namespace, fresh: bool) -> int:
     rank0 = dist.get_rank() == 0
     try:
         with wall.phase("model build"):
-            trainer = Trainer(plan, spec, config, weights=args.weights, tasks=job.parts.tasks)
+            trainer = Trainer(plan, spec, config, weights=args.weights, tasks=job.parts.tasks,
+                              mixture=getattr(loader, "mixture", None))
         bound_collectives()  # every group is made: the collective timeout from here on
         if dist.get_rank() == 0:
             announce(trainer)

@@ -20,6 +20,7 @@ from flexmesh.commands.args import (
     tokens,
 )
 from flexmesh.commands.experts_args import add_expert_args
+from flexmesh.data.mixture import MIXTURES
 from flexmesh.runtime.endpoint import RDZV_WAIT_S
 from flexmesh.runtime.launch import DEFAULT_RUN_ID
 from flexmesh.runtime.parallel.device import DEVICES
@@ -43,6 +44,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", metavar="FILE",
                    help="LoRA fine-tuning: a job file (TOML) of [[task]] tables, one adapter each, trained together "
                         "on the frozen base model (docs/adapters.md)")
+    p.add_argument("--domains", metavar="PATH",
+                   help="a corpus of named domains drawn per step by --mixture: a manifest .json (each domain's name, "
+                        "corpus, optional weight and held-out eval corpus) or a folder of one sub-folder per domain "
+                        "(docs/mixtures.md)")
+    p.add_argument("--mixture", choices=MIXTURES, default="static",
+                   help="with --domains, how the domain weights move: static (the manifest's weights, else each "
+                        "domain's share of the tokens), doremi (excess loss over --mixture-reference's), odm (a bandit "
+                        "rewarded by each domain's loss); default static")
+    p.add_argument("--mixture-reference", metavar="RUN",
+                   help="with --mixture doremi: the folder of a --mixture static run of the same --domains, whose "
+                        "per-domain losses are the reference")
     p.add_argument("--max-steps", type=positive_int, required=True,
                    help="optimizer steps to run (in total, across resumes)")
     p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")

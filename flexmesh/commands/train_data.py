@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from flexmesh.commands.train_domains import domain_evals, mixture_loader
 from flexmesh.commands.train_job import scheduler
 from flexmesh.errors import PlanError
 from flexmesh.job import Job
@@ -33,8 +34,9 @@ def check_inputs(args: argparse.Namespace) -> None:
     from flexmesh.data.corpus import read_corpus
     from flexmesh.errors import DataError
 
-    if not args.corpus and not args.tasks:
-        raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
+    if not args.corpus and not args.tasks and not getattr(args, "domains", None):
+        raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), --domains PATH, or "
+                        "--tasks FILE")
     if args.corpus and args.corpus != "stdlib":
         read_corpus(args.corpus)
     for flag, path in (("--tokenizer", args.tokenizer), ("--weights", args.weights)):
@@ -66,13 +68,19 @@ def corpus_tokens_of(args: argparse.Namespace, job: Job, records: list | None = 
 
     spec, tasks = job.model, job.parts.tasks
     usable_cache(args.cache_dir)
-    first = args.corpus or (tasks.tasks[0].corpus if tasks is not None else None)
+    first = args.corpus or getattr(args, "domains", None) or (tasks.tasks[0].corpus if tasks is not None else None)
     if not first:  # run_tasks refused it already: a corpus, or tasks that each name one
         raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
     def read(name: str):  # noqa: ANN202 - a Corpus
         return stdlib_corpus() if name == "stdlib" else read_corpus(name)
 
-    named = [(t.corpus, read(t.corpus)) for t in tasks] if tasks is not None else [(first, read(first))]
+    domains = getattr(args, "domains", None)
+    if domains:
+        from flexmesh.data.mixture import read_domains
+
+        named = [(d.name, read(d.corpus)) for d in read_domains(domains)]
+    else:
+        named = [(t.corpus, read(t.corpus)) for t in tasks] if tasks is not None else [(first, read(first))]
     corpus = named[0][1]
     rank0 = os.environ.get("RANK", "0") == "0"
     mine = records if rank0 and args.out else None  # rank 0 records the run
@@ -120,14 +128,24 @@ def _saying(write, warning: str | None):  # noqa: ANN001, ANN202 - callables
 def check_evaluation(args: argparse.Namespace, plan: Plan, spec) -> None:  # noqa: ANN001
     """Refuse ``--eval-corpus`` where the held-out forwards do not run (flexmesh.runtime.train.evaluate.
     held_out_loss): a pipeline, LoRA tasks, experts."""
-    if args.eval_corpus is None:
+    if args.eval_corpus is None and not domain_evaluation(args):
         return
     why = ("--tasks trains adapters, each with its own loss" if args.tasks else
            "the model has experts" if spec.is_moe else
            "the plan pipelines (pp above 1)" if any(g.pp > 1 for g in plan.groups) else None)
     if why is not None:
-        raise PlanError(f"--eval-corpus evaluates plans with pp 1, without --tasks or experts, but {why}; drop "
-                        "--eval-corpus" + (" or use a plan with pp 1" if "pipelines" in why else ""))
+        flag = "--eval-corpus" if args.eval_corpus is not None else "the domains' eval corpora"
+        raise PlanError(f"{flag} evaluates plans with pp 1, without --tasks or experts, but {why}; drop "
+                        f"{flag}" + (" or use a plan with pp 1" if "pipelines" in why else ""))
+
+
+def domain_evaluation(args: argparse.Namespace) -> bool:
+    """Whether the ``--domains`` manifest names held-out sets (then evaluated per domain)."""
+    if not getattr(args, "domains", None):
+        return False
+    from flexmesh.data.mixture import read_domains
+
+    return any(d.eval for d in read_domains(args.domains))
 
 
 def held_out(args: argparse.Namespace, job: Job, tok, end_of_text: int | None = None):  # noqa: ANN001, ANN201
@@ -139,6 +157,8 @@ def held_out(args: argparse.Namespace, job: Job, tok, end_of_text: int | None = 
     from flexmesh.errors import DataError
     from flexmesh.runtime.train.evaluate import HeldOutEval, held_out_documents
 
+    if domain_evaluation(args):
+        return domain_evals(args, job, tok, end_of_text, scheduler(job, "fixed", args.seed, args.cp))
     if args.eval_corpus is None:
         return None
     corpus = stdlib_corpus() if args.eval_corpus == "stdlib" else read_corpus(args.eval_corpus)
@@ -158,6 +178,10 @@ def document_loader(args: argparse.Namespace, job: Job, tokens: RunTokens | None
 
     tasks = job.parts.tasks
     corpus_tokens, tok, named = tokens if tokens is not None else corpus_tokens_of(args, job, records)
+    if getattr(args, "domains", None):
+        return mixture_loader(args, job, [tokenize_corpus(corpus, tok, cache_dir=args.cache_dir,
+                                                          end_of_text=corpus_tokens.end_of_text)
+                                          for _, corpus in named])
     if tasks is not None:
         from flexmesh.data.tasks import TaskLoader
 

@@ -28,7 +28,7 @@ def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
     plan's), the batch (--global-batch, else the plan's; with --tasks every task's batch together, and a
     plan of several groups its shares scaled to it), the tasks, the experts' placement, the dtype, and the
     cost model that prices its step schedules (:func:`_pricing`)."""
-    tasks = run_tasks(args.tasks, args.corpus, spec)
+    tasks = run_tasks(args.tasks, args.corpus or getattr(args, "domains", None), spec)
     per_step = getattr(args, "tokens_per_step", None)
     if per_step is not None and (tasks is not None or len(plan.groups) > 1):
         raise PlanError("--tokens-per-step varies the documents per step, but "

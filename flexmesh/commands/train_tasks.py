@@ -15,7 +15,8 @@ def run_tasks(path: str | None, corpus: str | None, spec: ModelSpec) -> TaskSet 
     tasks = tasks_of(path, spec)
     if tasks is None:
         if corpus is None:
-            raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), or --tasks FILE")
+            raise PlanError("give --corpus (a folder of documents, a .jsonl file or 'stdlib'), --domains PATH, or "
+                            "--tasks FILE")
         return None
     for t in tasks:
         if not t.corpus:

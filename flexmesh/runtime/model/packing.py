@@ -68,6 +68,7 @@ class PackedBatch:
     # The whole row's tokens when this batch holds one rank's context-parallel slice of it
     # (:func:`shard_for_cp`); None: the batch is the whole row.
     row_tokens: int | None = None
+    row_start: int = 0  # where this batch's tokens start in the whole row (a context-parallel slice's offset)
 
     @property
     def num_tokens(self) -> int:
@@ -233,7 +234,8 @@ def shard_for_cp(batch: PackedBatch, rank: int, size: int) -> PackedBatch:
     real = None if batch.real_tokens is None else min(n, max(0, batch.real_tokens - sl.start))
     return replace(batch, tokens=batch.tokens[:, sl], labels=labels, positions=batch.positions[:, sl],
                    num_label_tokens=int((labels != IGNORE_INDEX).sum()), task_runs=tuple(runs),
-                   weights=None if batch.weights is None else batch.weights[:, sl], real_tokens=real, row_tokens=t)
+                   weights=None if batch.weights is None else batch.weights[:, sl], real_tokens=real, row_tokens=t,
+                   row_start=sl.start)
 
 
 def rank_microbatches(docs: Sequence[np.ndarray], schedule: StepSchedule, data_rank: int) -> list[PackedBatch]:

@@ -150,7 +150,7 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
         # The LR scheduler's state stays under the key "scheduler": checkpoints already on disk use it.
         buf = io.BytesIO()
         torch.save({"rng": _rng_state(), "scheduler": trainer.lr_scheduler.state_dict(), "loader": loader_state,
-                    "step_index": trainer.step_index}, buf)
+                    "step_index": trainer.step_index, "parts": [part.state() for part in trainer.parts]}, buf)
         with create_file(tmp / f"rank_{rank:05d}.pt", root) as f:
             f.write(buf.getbuffer())
             f.flush()
@@ -394,6 +394,13 @@ def load_checkpoint(path: str | Path, trainer, reshard: bool = False) -> dict:
     trainer.load_checkpoint_state(state["model"], state["optim"], _state_options())
     trainer.lr_scheduler.load_state_dict(extra["scheduler"])  # the LR scheduler (key kept from older files)
     trainer.step_index = int(extra["step_index"])
+    states = extra.get("parts") or [{}] * len(trainer.parts)
+    if len(states) != len(trainer.parts):
+        raise CheckpointError(f"checkpoint {path} was made by a run of other features (tasks, experts, domains) than "
+                              "this one; resume with the flags the run started with")
+    for part, state in zip(trainer.parts, states, strict=True):
+        if state:  # a part that carries nothing, or a checkpoint from before parts carried state, has none
+            part.load_state(state)
     _set_rng_state(extra["rng"])
     return extra["loader"]
 

@@ -135,6 +135,12 @@ class StepMetrics:
     task_loss: tuple[float, ...] = ()
     task_tokens: tuple[int, ...] = ()
     task_lr: tuple[float, ...] = ()  # the learning rate each task's adapters stepped with (``lr``: the first's)
+    # Data mixtures (docs/mixtures.md), by domain slot: names, each domain's mean training loss over its label
+    # tokens of the step (None: none drawn), its label tokens, and the weights the next batches draw from
+    domains: tuple[str, ...] = ()
+    domain_loss: tuple[float | None, ...] = ()
+    domain_tokens: tuple[int, ...] = ()
+    domain_weight: tuple[float, ...] = ()
     # Mixtures of experts: the most loaded data rank over the mean, worst MoE layer (None: no experts),
     # and per MoE layer the step's routing, written to routing.jsonl rather than metrics.jsonl
     # (flexmesh.runtime.train.expert_training.ExpertTraining.after_step)
@@ -145,6 +151,7 @@ class StepMetrics:
     # of the held-out documents and its exponential; None on steps not evaluated
     eval_loss: float | None = None
     eval_ppl: float | None = None
+    eval_domain_loss: tuple[float, ...] = ()  # with domains' held-out sets: each one's (eval_loss: their mean)
 
     def to_dict(self) -> dict:
         """The metrics.jsonl row (routing goes to routing.jsonl)."""

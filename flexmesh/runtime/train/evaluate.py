@@ -40,7 +40,7 @@ def held_out_loss(trainer: Trainer, docs: Sequence[np.ndarray], schedule: StepSc
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    if trainer.parts or any(g.pp > 1 for g in trainer.plan.groups):
+    if any(not part.plain_model for part in trainer.parts) or any(g.pp > 1 for g in trainer.plan.groups):
         raise PlanError("held-out evaluation runs plans with pp 1 and no --tasks or experts; drop --eval-corpus "
                         "or use such a plan")
     label_tokens = global_label_tokens(docs, schedule)
@@ -139,3 +139,26 @@ class HeldOutEval:
         """Step ``m``'s metrics with the held-out loss and perplexity of the trainer's current weights."""
         loss = held_out_loss(trainer, self.docs, self.schedule)
         return replace(m, eval_loss=loss, eval_ppl=perplexity(loss))
+
+
+@dataclass(frozen=True)
+class DomainEvals:
+    """Held-out sets of several domains (``flexmesh train --domains`` whose manifest names each one's
+    ``eval``), evaluated on the same steps: the row gets each domain's mean token cross-entropy
+    (``eval_domain_loss``), their unweighted mean as ``eval_loss`` (every domain counts alike, whatever
+    its size, as DoReMi and DataFlex report) and its exponential as ``eval_ppl``."""
+
+    names: tuple[str, ...]
+    sets: tuple[HeldOutEval, ...]
+
+    @property
+    def every(self) -> int:
+        return self.sets[0].every
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return self.sets[0].due(step, max_steps)
+
+    def run(self, trainer: Trainer, m: StepMetrics) -> StepMetrics:
+        losses = tuple(held_out_loss(trainer, e.docs, e.schedule) for e in self.sets)
+        mean = sum(losses) / len(losses)
+        return replace(m, eval_loss=mean, eval_ppl=perplexity(mean), eval_domain_loss=losses)

@@ -38,7 +38,7 @@ from flexmesh.runtime.state.rundir import (
     start_over,
 )
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig
-from flexmesh.runtime.train.evaluate import HeldOutEval
+from flexmesh.runtime.train.evaluate import DomainEvals, HeldOutEval
 from flexmesh.runtime.train.trainer import Trainer
 
 
@@ -81,7 +81,7 @@ class ListSource:
 
 def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any = None,
         migration: Any = None, records: Sequence[Callable[[], None]] = (), wall: WallTime | None = None,
-        evaluation: HeldOutEval | None = None) -> list[StepMetrics]:
+        evaluation: HeldOutEval | DomainEvals | None = None) -> list[StepMetrics]:
     """Run steps until ``config.max_steps``: resume, log metrics.jsonl, show progress, checkpoint.
 
     Rank 0 appends one JSON object per step to ``<out_dir>/metrics.jsonl`` (fields in
@@ -170,7 +170,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                 with wall.phase("evaluation"):
                     m = evaluation.run(trainer, m)
                 if rank0:
-                    _say(progress, f"step {m.step}: held-out loss {m.eval_loss:.4f}, perplexity {m.eval_ppl:,.2f}")
+                    per = "".join(f", {name} {x:.4f}" for name, x in zip(m.domains, m.eval_domain_loss, strict=False))
+                    _say(progress, f"step {m.step}: held-out loss {m.eval_loss:.4f}{per}, perplexity {m.eval_ppl:,.2f}")
             migrated = saved = None
             if migration is not None and ckpt_root is not None and migration.due(m):
                 m, saved, migrated = _migration_point(migration, m, ckpt_root, trainer, source)

@@ -11,11 +11,13 @@ job needs (none for plain pre-training) and the Trainer calls, part by part in t
                 optimizer(modules)          AdamW's parameter groups and their LR factors   [answers]
     each step   begin_step(docs, schedule, models)      before any micro-batch
                 pack(docs, pieces) / empty(length)      one micro-batch's tensors        [answers]
+                observe(output, batch)      a micro-batch's logits, read by the parts that reads_logits
                 loss(output, batch)         a micro-batch's loss, by the part that owns_loss
                 after_backward(models)      gradients the part's layers leave partial on this rank
                 clip(param_groups, pp_group, leader, several)   the norm and clipping [answers]
                 end_step(models, owner)     its fields of the step's StepMetrics (collective)
     checkpoints manifest()                  what the checkpoint's manifest records of the part
+                state() / load_state(state) what the part carries from step to step (rank files)
 
 A hook marked [answers] returns None to leave the trainer's own way; the first part that answers
 decides. Every other hook does nothing by default. Hooks that run collectives (``begin_step``,
@@ -40,6 +42,8 @@ class TrainingPart:
     """The hooks of a feature (module doc); a subclass overrides the ones it needs."""
 
     owns_loss = False  # whether :meth:`loss` computes every micro-batch's loss (the chunked loss is then off)
+    reads_logits = False  # whether :meth:`observe` reads every micro-batch's logits (the chunked loss is then off)
+    plain_model = False  # whether the model and its loss stay the plain model's (held-out evaluation then runs)
 
     # ---- building ----------------------------------------------------------------------------------
     def adapt(self, chunk: nn.Module) -> None:
@@ -68,6 +72,9 @@ class TrainingPart:
         """A micro-batch of ``length`` tokens without labels, or None for packing's empty_batch."""
         return None
 
+    def observe(self, output: torch.Tensor, batch: PackedBatch) -> None:
+        """Read a micro-batch's logits ``output`` without changing the loss (a part that ``reads_logits``)."""
+
     def loss(self, output: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """A micro-batch's loss from the model's ``output`` (called on the part that ``owns_loss``)."""
         raise NotImplementedError
@@ -91,6 +98,13 @@ class TrainingPart:
     def manifest(self) -> dict[str, Any]:
         """Entries of a checkpoint's manifest (what `flexmesh export` and a resume read back)."""
         return {}
+
+    def state(self) -> dict[str, Any]:
+        """What the part carries from step to step, saved in each rank's file of a checkpoint (plain values)."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` from a checkpoint."""
 
 
 def first_answer(parts: Sequence[TrainingPart], hook: str, *args: Any) -> Any:

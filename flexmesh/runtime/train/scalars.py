@@ -1,5 +1,6 @@
 """TensorBoard scalars of a run (``flexmesh train --tensorboard``): rank 0 writes each step's ``loss``,
-``lr``, ``grad_norm``, ``tokens_per_s`` and, on evaluated steps, ``eval_loss`` and ``eval_ppl``, under
+``lr``, ``grad_norm``, ``tokens_per_s``, on evaluated steps ``eval_loss`` and ``eval_ppl``, and with
+``--domains`` each domain's ``domain_loss/<name>``, ``domain_weight/<name>`` and ``eval_domain_loss/<name>``, under
 the names metrics.jsonl gives them, through torch's own ``torch.utils.tensorboard.SummaryWriter``
 (the ``tensorboard`` package, an optional dependency: ``pip install tensorboard``).
 """
@@ -15,6 +16,7 @@ from flexmesh.runtime.train.config import StepMetrics
 # The metrics.jsonl fields written as scalars, every step; the evaluated ones only where present.
 STEP_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s")
 EVAL_SCALARS = ("eval_loss", "eval_ppl")
+DOMAIN_SCALARS = ("domain_loss", "domain_weight", "eval_domain_loss")  # per domain, with --domains
 
 
 def check_tensorboard() -> None:
@@ -38,10 +40,12 @@ class Scalars:
     def add(self, m: StepMetrics) -> None:
         """Step ``m``'s scalars (a value that is not finite is left out: TensorBoard plots it as a gap)."""
         names = STEP_SCALARS + tuple(n for n in EVAL_SCALARS if getattr(m, n) is not None)
-        for name in names:
-            value = float(getattr(m, name))
-            if math.isfinite(value):
-                self._writer.add_scalar(name, value, global_step=m.step)
+        values = [(name, getattr(m, name)) for name in names]
+        for field in DOMAIN_SCALARS:  # with --domains: one scalar per domain, "domain_loss/<name>"
+            values += [(f"{field}/{d}", x) for d, x in zip(m.domains, getattr(m, field), strict=False)]
+        for name, value in values:
+            if value is not None and math.isfinite(float(value)):
+                self._writer.add_scalar(name, float(value), global_step=m.step)
 
     def close(self) -> None:
         self._writer.close()

@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -41,8 +41,9 @@ from flexmesh.spec.model import ModelSpec
 from flexmesh.spec.tasks import TaskSet
 
 
-def doc_tasks(docs: Sequence[np.ndarray], tasks: TaskSet) -> np.ndarray:
-    """The task slot of every document of a step (``docs.tasks``, set by the task loader)."""
+def doc_tasks(docs: Sequence[np.ndarray], tasks: Sized) -> np.ndarray:
+    """The task slot of every document of a step (``docs.tasks``, set by the task loader; a data mixture's
+    loader sets each document's domain there: ``tasks`` is then the domains' names)."""
     slots = getattr(docs, "tasks", None)
     if slots is None or len(slots) != len(docs):
         raise ScheduleError("a run with LoRA tasks needs every document's task: feed steps from the task loader "

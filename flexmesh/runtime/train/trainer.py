@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from flexmesh.data.mixture import Mixture
 from flexmesh.errors import PlanError, ScheduleError
 from flexmesh.layout.mesh import (
     Layout,
@@ -111,6 +112,7 @@ from flexmesh.runtime.train.accumulate import run_microbatches
 from flexmesh.runtime.train.config import StepMetrics, TrainConfig, for_device, lr_schedule_factor
 from flexmesh.runtime.train.expert_training import ExpertTraining
 from flexmesh.runtime.train.groups import Chunks, check_emulation, check_runnable
+from flexmesh.runtime.train.mixture_training import MixtureTraining
 from flexmesh.runtime.train.parts import TrainingPart, first_answer
 from flexmesh.runtime.train.step_clock import Marks, gathered_step, update
 from flexmesh.runtime.train.stragglers import ComputeClock
@@ -136,7 +138,7 @@ class Trainer:
     """
 
     def __init__(self, plan: Plan, spec: ModelSpec, config: TrainConfig, weights: str | None = None,
-                 tasks: TaskSet | None = None):
+                 tasks: TaskSet | None = None, mixture: Mixture | None = None):
         if not dist.is_initialized():
             raise PlanError("the trainer needs a process group: launch with torchrun (or `flexmesh train --nproc N`)")
         world = dist.get_world_size()
@@ -177,12 +179,14 @@ class Trainer:
         self.parts: list[TrainingPart] = [part for part in (
             TaskTraining.of(tasks, spec, config),
             ExpertTraining.of(plan, spec, self.place, config),
+            MixtureTraining(mixture) if mixture is not None else None,
         ) if part is not None]
         self.loss_part = next((part for part in self.parts if part.owns_loss), None)
+        self.readers = [part for part in self.parts if part.reads_logits]  # e.g. a data mixture's domain losses
         # The loss chunk by chunk inside the model's forward (flexmesh.runtime.model.loss): where the last stage
         # is the whole model, its head is not split over tensor-parallel ranks and no part computes the loss.
         self.chunked_loss = (bool(config.chunked_loss) and lay is not None and lay.pp == 1 and lay.tp == 1
-                             and self.loss_part is None)
+                             and self.loss_part is None and not self.readers)
         # Ranks may run different numbers of micro-batches unless something pairs collectives per
         # micro-batch across all data ranks; the scheduler and simulator price the same rule.
         self.uneven = lay is not None and not layout_in_lockstep(spec, lay)
@@ -429,6 +433,8 @@ class Trainer:
     def microbatch_loss(self, output: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """A micro-batch's share of the step's loss from the model's ``output`` (the logits): the
         summed cross-entropy over the step's label tokens, or the loss of the part that owns it."""
+        for part in self.readers:
+            part.observe(output, batch)
         if self.loss_part is not None:  # e.g. LoRA tasks: each task's own mean
             return self.loss_part.loss(output, batch)
         return self.loss_fn(output, batch.labels)
