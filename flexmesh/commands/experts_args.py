@@ -16,6 +16,25 @@ from flexmesh.spec.model import ModelSpec
 TRACE_STEPS = 32
 
 
+DEFAULT_LSH = "16x1"  # 32 buckets per (rank, expert): about a fifth of a 4k-token micro-batch's pairs (docs)
+
+
+def lsh_setting(text: str) -> tuple[int, int]:
+    """``DIM`` or ``DIMxHASHES`` (whole numbers >= 1) as (dim, hashes).
+
+    >>> lsh_setting("16x1"), lsh_setting("8")
+    ((16, 1), (8, 1))
+    """
+    dim, _, hashes = text.lower().partition("x")
+    try:
+        out = (int(dim), int(hashes or 1))
+    except ValueError:
+        out = (0, 0)
+    if min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give DIM or DIMxHASHES, whole numbers >= 1 (e.g. {DEFAULT_LSH})")
+    return out
+
+
 def add_expert_args(p: argparse.ArgumentParser, train: bool = False) -> None:
     """The flags of a command that prices a mixture of experts; with ``train``, also how the run places
     and balances them."""
@@ -31,6 +50,11 @@ def add_expert_args(p: argparse.ArgumentParser, train: bool = False) -> None:
     g.add_argument("--routing", metavar="FILE",
                    help="a routing.jsonl of an earlier run (`flexmesh train` writes one): the placement replayed on "
                         "its loads gives the imbalance priced at every data-rank count")
+    g.add_argument("--expert-lsh", nargs="?", const=DEFAULT_LSH, type=lsh_setting, metavar="DIMxHASHES",
+                   help="compress the experts' token all-to-all (LSH-MoE): the tokens bound for one expert on one "
+                        "rank clustered by cross-polytope hashing of DIM rotated dimensions, HASHES times "
+                        "((2 DIM)^HASHES buckets), only centroids sent, each token corrected by its residual; "
+                        f"default {DEFAULT_LSH} when given without a value (docs/experts.md#compressed-all-to-all)")
     if train:
         g.add_argument("--expert-slots", type=positive_int, metavar="N",
                        help="experts one data rank may run per layer (default: its static share plus one, for a "
@@ -45,7 +69,8 @@ def add_expert_args(p: argparse.ArgumentParser, train: bool = False) -> None:
 
 
 def experts_of(model: ModelSpec, world: int, placement: str = "laer", imbalance: float | None = None,
-               routing: str | None = None, slots: int | None = None) -> ExpertParallel:
+               routing: str | None = None, slots: int | None = None,
+               lsh: tuple[int, int] | None = None) -> ExpertParallel:
     """The :class:`~flexmesh.cost.training.experts.ExpertParallel` that ``--expert-placement``,
     ``--expert-imbalance``, ``--routing`` and ``--expert-slots`` describe for ``model`` on a world of
     ``world`` ranks: with a routing trace, every placement replayed on its latest :data:`TRACE_STEPS`
@@ -61,4 +86,11 @@ def experts_of(model: ModelSpec, world: int, placement: str = "laer", imbalance:
         steps = sorted({int(r.get("step", 0)) for r in rows})[-TRACE_STEPS:]
         rows = [r for r in rows if int(r.get("step", 0)) in steps]
         measured = tuple((p, n, trace_imbalance(rows, p, n)) for p in PLACEMENTS for n in divisors(world) if n > 1)
-    return ExpertParallel(placement, imbalance=imbalance, slots=slots, measured=measured)
+    return ExpertParallel(placement, imbalance=imbalance, slots=slots, measured=measured, lsh=lsh)
+
+
+def check_lsh(args: argparse.Namespace, model: ModelSpec) -> None:
+    """Refuse ``--expert-lsh`` in one line for a model without experts."""
+    if getattr(args, "expert_lsh", None) is not None and not model.is_moe:
+        raise SpecError(f"--expert-lsh compresses the experts' all-to-all, and model {model.name!r} has no experts; "
+                        "drop --expert-lsh")

@@ -29,7 +29,7 @@ from flexmesh.commands.args import (
     tasks_of,
     tokens,
 )
-from flexmesh.commands.experts_args import add_expert_args, experts_of
+from flexmesh.commands.experts_args import add_expert_args, check_lsh, experts_of
 from flexmesh.commands.plan_lengths import (
     RESCORED,
     SEED,
@@ -336,8 +336,9 @@ def _print_phases(out: Console, started: float, **phases: float) -> None:
 def _parts(args: argparse.Namespace, model: ModelSpec, world: int) -> Parts:
     """The job's parts by the flags (flexmesh.cost.training.parts): another stack's layers, how a mixture of
     experts runs (the default placement for a dense model), the LoRA tasks' adapters."""
-    experts = (experts_of(model, world, args.expert_placement, args.expert_imbalance, args.routing)
-               if model.is_moe else ExpertParallel())
+    check_lsh(args, model)
+    experts = (experts_of(model, world, args.expert_placement, args.expert_imbalance, args.routing,
+                          lsh=args.expert_lsh) if model.is_moe else ExpertParallel())
     return Parts(stack=stack_of(args), experts=experts, tasks=tasks_of(args.tasks, model))
 
 

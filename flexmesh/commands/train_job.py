@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from flexmesh.commands.experts_args import experts_of
+from flexmesh.commands.experts_args import check_lsh, experts_of
 from flexmesh.commands.train_args import run_dtype
 from flexmesh.commands.train_tasks import run_tasks
 from flexmesh.cost.training.model import CostModel
@@ -43,9 +43,11 @@ def train_job(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Job:
         plan = plan.with_global_batch(global_batch)
     # LoRA: a frozen base and the tasks' adapters; a mixture of experts priced for the placement the run uses
     parts = Parts(tasks=tasks)
+    check_lsh(args, spec)
     if spec.is_moe:
         parts = replace(parts, experts=experts_of(spec, plan.world_size, args.expert_placement,
-                                                  args.expert_imbalance, args.routing, args.expert_slots))
+                                                  args.expert_imbalance, args.routing, args.expert_slots,
+                                                  args.expert_lsh))
     return build_job(spec, seq_len, global_batch, base=_pricing(args, plan, spec), parts=parts,
                      dtype=run_dtype(args), plan=plan, tokens_per_batch=per_step)
 

@@ -83,6 +83,11 @@ class ExpertParallel:
     # Tokens go to a replica in their own node where every node has one (LAER-MoE's routing); False:
     # to every replica alike, as flexmesh's runtime routes them
     node_local: bool = False
+    # The token all-to-all compressed by cross-polytope LSH (LSH-MoE; flexmesh.runtime.parallel.lsh): (dim, hashes);
+    # None: the tokens themselves. ``compression``: rows sent per routed pair, measured (a run's
+    # ``expert_a2a_ratio``); None: :meth:`a2a_ratio`'s estimate
+    lsh: tuple[int, int] | None = None
+    compression: float | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in IMBALANCE:
@@ -112,6 +117,26 @@ class ExpertParallel:
         if self.imbalance is not None:
             return self.imbalance
         return {(p, n): x for p, n, x in self.measured}.get((self.placement, ranks), IMBALANCE[self.placement])
+
+    def a2a_ratio(self, pairs_per_expert):  # noqa: ANN001, ANN201 - a float or an array
+        """Rows one token all-to-all carries per routed pair: 1 uncompressed; with ``lsh``, the measured
+        ``compression`` if given, else the clusters ``n`` pairs bound for one expert fill among ``B = (2 dim)
+        ** hashes`` buckets when they fall in them uniformly, ``B (1 - (1 - 1/B) ** n) / n`` (balls into bins:
+        tokens that resemble each other share buckets more, so this is the least compression to expect).
+
+        >>> e = ExpertParallel(lsh=(16, 1))
+        >>> round(float(e.a2a_ratio(128.0)), 3), ExpertParallel().a2a_ratio(128.0), round(float(e.a2a_ratio(1.0)), 9)
+        (0.246, 1.0, 1.0)
+        """
+        if self.lsh is None:
+            return 1.0
+        if self.compression is not None:
+            return self.compression
+        dim, hashes = self.lsh
+        b = float((2 * dim) ** hashes)
+        n = np.maximum(np.asarray(pairs_per_expert, dtype=float), 1.0)
+        ratio = b * -np.expm1(n * np.log1p(-1.0 / b)) / n if b > 1 else 1.0 / n
+        return float(ratio) if np.ndim(ratio) == 0 else ratio
 
     def experts_per_rank(self, num_experts: int, data_ranks: int) -> int:
         """Experts one rank computes per layer: all on one rank; FSEP's slots (:func:`default_slots`
@@ -159,6 +184,8 @@ def expert_gemm_times(kernels, model: ModelSpec, tokens, experts: ExpertParallel
     h, f = model.hidden, moe.expert_ffn
     c = experts.experts_per_rank(moe.num_experts, data_ranks)
     rows = tokens * moe.top_k * experts.imbalance_at(data_ranks) / c
+    if data_ranks > 1:  # with LSH the experts run the centroids that crossed, not every pair
+        rows = rows * experts.a2a_ratio(tokens * moe.top_k / moe.num_experts)
     fwd = bwd = 0.0
     for n, red, count, m, routed in ((moe.num_experts, h, 1, tokens, False), (2 * f, h, c, rows, True),
                                      (h, f, c, rows, True), (2 * moe.shared_ffn, h, 1, tokens, False),
@@ -168,6 +195,9 @@ def expert_gemm_times(kernels, model: ModelSpec, tokens, experts: ExpertParallel
             continue
         a, b = kernels.linear(m, n, red)
         fwd, bwd = fwd + count * a, bwd + count * b
+    if experts.lsh is not None and data_ranks > 1 and not routed_only:  # the hash: each pair rotated, no gradient
+        dim, hashes = experts.lsh
+        fwd = fwd + kernels.linear(tokens * moe.top_k, hashes * dim, h)[0]
     return fwd, bwd
 
 
@@ -178,6 +208,8 @@ def moe_memory_bytes(model: ModelSpec, experts: ExpertParallel) -> float:
     pairs = moe.top_k * experts.expected_imbalance
     b = model.dtype_bytes
     per_pair = (2 * 2 * model.hidden + 3 * moe.expert_ffn + 2 * model.hidden) * b
+    if experts.lsh is not None:  # centroids summed (read H per pair) and each pair's residual added back (3H)
+        per_pair += 4 * model.hidden * b
     shared = 3 * moe.shared_ffn * b
     return pairs * per_pair + shared + 2 * 4 * moe.num_experts
 
@@ -236,6 +268,7 @@ def moe_communication(collective_time, cluster, model: ModelSpec, experts: Exper
     frac, b = moe_fraction(model), model.dtype_bytes
     shape = group_shape(experts.exchange_ranks(data_ranks, moe.num_experts, cluster.devices_per_node), 1, cluster)
     pairs = dev_tokens * moe.top_k * experts.imbalance_at(data_ranks)
+    pairs = pairs * experts.a2a_ratio(dev_tokens * moe.top_k / moe.num_experts)  # LSH: centroids cross instead
     tokens = frac * 2 * collective_time("all_to_all", pairs * model.hidden * b, shape)
     gathered = gathered_expert_bytes(model, experts, data_ranks)
     weights = collective_time("all_to_all", gathered, group_shape(data_ranks, 1, cluster)) if gathered else 0.0

@@ -17,6 +17,11 @@ forward:
 3. each rank runs its experts over the tokens it received as one grouped matmul, and a last
    all-to-all sends the results back, where the routing weights scale them and they are summed.
 
+With ``lsh`` (``train --expert-lsh``; flexmesh.runtime.parallel.lsh) the tokens bound for one expert on one rank
+are clustered by cross-polytope hashing and only their centroids cross both token all-to-alls (LSH-MoE): every token
+then takes its centroid's output plus its own residual. That changes what is computed (an approximation the paper
+trains with); without it nothing here does.
+
 All three are ``all_to_all_single_autograd`` (torch.distributed._functional_collectives): backward
 runs the same exchanges reversed, so each expert's gradient arrives summed over every rank that ran
 it, in the shard that owns its rows; the weights need no other reduction (FSDP2 ignores them). A
@@ -39,6 +44,7 @@ from flexmesh.errors import PlanError
 from flexmesh.layout.mesh import global_rank, group_layout
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.model.moe import Experts, compute_dtype, expert_mlp, moe_feed_forwards, recomputing
+from flexmesh.runtime.parallel.lsh import CrossPolytope
 from flexmesh.schedule.expert_placement import ExpertPlacement, balanced_placement, static_placement
 
 
@@ -93,6 +99,10 @@ class ShardedExperts:
         self.group, self.rank, self.size = group, rank, size
         self.num_experts = num_experts
         self.received: torch.Tensor | None = None
+        # rows this rank sent to the experts and the routed pairs they stand for (fewer rows than pairs with
+        # ``lsh``), since the trainer last cleared it (on the device)
+        self.sent: torch.Tensor | None = None
+        self.lsh: CrossPolytope | None = None  # the all-to-all's compression (LSH-MoE), None: the tokens themselves
         # Placed in the layer from each micro-batch's own routing (placement "current"), with this many
         # slots per rank (None: flexmesh.cost.training.experts.default_slots); else the step's placement as set.
         self.current = False
@@ -164,14 +174,21 @@ class ShardedExperts:
         share = (nth * nrep[expert]) // counts[expert].clamp(min=1)
         dest = reps[expert, (share + self.rank) % nrep[expert]]
         key = dest * slots + slot_of[dest, expert]
-        order = by_expert[torch.argsort(key, stable=True)]
-        send_counts = torch.bincount(key, minlength=self.size * slots)
+        by_key = torch.argsort(key, stable=True)
+        order = by_expert[by_key]
+        rows = x.to(dtype)[order // k]
+        if self.lsh is not None:  # each (rank, slot)'s rows clustered: their centroids cross instead
+            group = key[by_key]
+            payload, members = self.lsh.compress(rows, group)
+            send_counts = self.lsh.clusters_per_group(group, members, self.size * slots)
+        else:
+            payload, send_counts = rows, torch.bincount(key, minlength=self.size * slots)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         sent = send_counts.view(self.size, slots).sum(1).tolist()
         recv = recv_counts.view(self.size, slots)
         got = recv.sum(1).tolist()
-        xs = self._a2a(x.to(dtype)[order // k], got, sent)
+        xs = self._a2a(payload, got, sent)
         # group the received rows by slot (they arrive by source, then slot)
         slot_ids = torch.repeat_interleave(torch.arange(slots, device=device).repeat(self.size), recv.reshape(-1))
         by_slot = torch.argsort(slot_ids, stable=True)
@@ -180,10 +197,14 @@ class ShardedExperts:
         back = torch.empty_like(by_slot)
         back[by_slot] = torch.arange(by_slot.numel(), device=device)
         y = self._a2a(ys[back], sent, got)
+        if self.lsh is not None:
+            y = self.lsh.decompress(y, rows, payload, members)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         if not recomputing():
             received = recv.sum().reshape(1)
             self.received = received if self.received is None else self.received + received
+            sent_rows = torch.stack([send_counts.sum(), send_counts.new_tensor(rows.shape[0])])
+            self.sent = sent_rows if self.sent is None else self.sent + sent_rows
         return x.new_zeros(n, x.shape[-1], dtype=y.dtype).index_add(0, order // k, y)
 
 

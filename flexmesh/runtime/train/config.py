@@ -47,6 +47,8 @@ class TrainConfig:
     expert_slots: int | None = None
     balance_rate: float = 0.0
     aux_loss: float = 0.0  # the load-balancing loss's coefficient (flexmesh.runtime.model.moe); 0: none
+    # The token all-to-all compressed by cross-polytope LSH (dim, hashes) (flexmesh.runtime.parallel.lsh); None: not
+    expert_lsh: tuple[int, int] | None = None
     # TensorBoard event files of rank 0's scalars (flexmesh.runtime.train.scalars); None: none written
     tensorboard_dir: str | None = None
 
@@ -147,6 +149,9 @@ class StepMetrics:
     expert_imbalance: float | None = None
     routing: tuple[dict, ...] = ()
     aux_loss: float | None = None  # the step's load-balancing loss term (not in ``loss``); None: none
+    # rows the step's expert all-to-alls carried over the routed pairs (1.0 uncompressed; below with --expert-lsh);
+    # None: no experts sharded over ranks
+    expert_a2a_ratio: float | None = None
     # Held-out evaluation after this step (flexmesh.runtime.train.evaluate): the mean token cross-entropy
     # of the held-out documents and its exponential; None on steps not evaluated
     eval_loss: float | None = None

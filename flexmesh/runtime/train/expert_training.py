@@ -34,11 +34,14 @@ from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.model.moe import MoEFeedForward, moe_feed_forwards
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.runtime.parallel.expert_parallel import ShardedExperts, expert_groups, tp_sum_shared
+from flexmesh.runtime.parallel.lsh import CrossPolytope
 from flexmesh.runtime.state.weights import LoadReport
 from flexmesh.runtime.train.config import TrainConfig
 from flexmesh.runtime.train.parts import TrainingPart
 from flexmesh.schedule.expert_placement import Placer, static_placement
 from flexmesh.spec.model import ModelSpec
+
+LSH_SEED = 1_000_003  # layer i's hash rotations are drawn from this plus i (the same on every rank and run)
 
 
 class ExpertTraining(TrainingPart):
@@ -46,7 +49,7 @@ class ExpertTraining(TrainingPart):
     (:meth:`of`)."""
 
     def __init__(self, plan: Plan, spec: ModelSpec, place: Place | None, policy: str, slots: int | None,
-                 balance_rate: float, aux_loss: float = 0.0) -> None:
+                 balance_rate: float, aux_loss: float = 0.0, lsh: tuple[int, int] | None = None) -> None:
         assert spec.moe is not None
         self.spec, self.plan = spec, plan
         self.num_experts = spec.moe.num_experts
@@ -61,6 +64,7 @@ class ExpertTraining(TrainingPart):
         self.slots = slots
         self.balance_rate = balance_rate
         self.aux_loss = aux_loss
+        self.lsh = lsh  # (dim, hashes) of the all-to-all's cross-polytope hashing (LSH-MoE); None: uncompressed
         self._started = False  # whether a step ran (else the placer starts from the checkpoint's shares)
         self.holders = self._holders()
         # the experts' layout in the Hugging Face weights the run started from (flexmesh.runtime.state.expert_weights),
@@ -72,7 +76,7 @@ class ExpertTraining(TrainingPart):
         if not spec.is_moe:
             return None
         return cls(plan, spec, place, config.expert_placement, config.expert_slots, config.balance_rate,
-                   config.aux_loss)
+                   config.aux_loss, config.expert_lsh)
 
     # ---- the part's hooks (flexmesh.runtime.train.parts) ----------------------------------------------
     def parallel_options(self) -> dict[str, Any]:
@@ -91,7 +95,19 @@ class ExpertTraining(TrainingPart):
 
     def end_step(self, models: Sequence[nn.Module], owner: bool) -> dict[str, Any]:
         imbalance, routing, aux = self.after_step(models, self.cpu_group)
-        return {"expert_imbalance": imbalance, "routing": routing, "aux_loss": aux}
+        return {"expert_imbalance": imbalance, "routing": routing, "aux_loss": aux,
+                "expert_a2a_ratio": self.a2a_ratio(models)}
+
+    def a2a_ratio(self, models: Sequence[nn.Module]) -> float | None:
+        """Rows the step's token all-to-alls carried over the routed pairs they stand for, every rank and
+        MoE layer together (collective); None where no experts are sharded over ranks."""
+        sent = torch.zeros(2, dtype=torch.float64)
+        for ff in self.layers(models).values():
+            if isinstance(ff.dispatch, ShardedExperts) and ff.dispatch.sent is not None:
+                sent += ff.dispatch.sent.detach().cpu().double()
+                ff.dispatch.sent = None
+        dist.all_reduce(sent, group=self.cpu_group)
+        return float(sent[0] / sent[1]) if sent[1] > 0 else None
 
     def manifest(self) -> dict[str, Any]:
         return {"expert_layout": self.checkpoint_layout} if self.checkpoint_layout is not None else {}
@@ -147,6 +163,8 @@ class ExpertTraining(TrainingPart):
             if isinstance(ff.dispatch, ShardedExperts):
                 ff.dispatch.set_placement(placements[layer])
                 ff.dispatch.current, ff.dispatch.slots = self.placer.policy == "current", self.slots
+                if self.lsh is not None and ff.dispatch.lsh is None:  # one fixed hash per layer, every rank alike
+                    ff.dispatch.lsh = CrossPolytope(self.spec.hidden, *self.lsh, seed=LSH_SEED + layer)
 
     def after_step(self, models: Sequence[torch.nn.Module],
                    group: dist.ProcessGroup | None) -> tuple[float, tuple[dict, ...], float | None]:
