@@ -27,7 +27,8 @@ def check_domains(args: argparse.Namespace) -> None:
         raise PlanError("--domains is the run's corpus: drop --corpus and --tasks, or drop --domains")
     if getattr(args, "tokens_per_step", None):
         raise PlanError("--domains draws documents per step (--global-batch); drop --tokens-per-step")
-    for d in read_domains(args.domains):
+    domains = read_domains(args.domains)
+    for d in domains:
         for path in (d.corpus, d.eval):
             if path is not None and path != "stdlib":
                 read_corpus(path)
@@ -36,7 +37,7 @@ def check_domains(args: argparse.Namespace) -> None:
                         "same --domains (DoReMi's reference losses)")
     if args.mixture != "doremi" and args.mixture_reference:
         raise PlanError("--mixture-reference is DoReMi's reference run; drop it or use --mixture doremi")
-    evals = [d.eval is not None for d in read_domains(args.domains)]
+    evals = [d.eval is not None for d in domains]
     if any(evals) and not all(evals):
         raise DataError(f"{args.domains}: give every domain an eval corpus, or none (--eval-corpus then evaluates "
                         "one held-out set)")

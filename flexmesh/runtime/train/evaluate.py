@@ -151,10 +151,6 @@ class DomainEvals:
     names: tuple[str, ...]
     sets: tuple[HeldOutEval, ...]
 
-    @property
-    def every(self) -> int:
-        return self.sets[0].every
-
     def due(self, step: int, max_steps: int) -> bool:
         return self.sets[0].due(step, max_steps)
 
