@@ -32,9 +32,8 @@ import numpy as np
 
 from bench._results import markdown_table, record
 
-DEPENDS_ON = ("flexmesh/runtime/parallel/lsh.py", "flexmesh/runtime/parallel/expert_parallel.py",
-              "flexmesh/runtime/train/expert_training.py", "flexmesh/cost/training/experts.py",
-              "flexmesh/cost/training/model.py", "flexmesh/cost/device")
+DEPENDS_ON = ("flexmesh/runtime", "flexmesh/cost", "flexmesh/layout", "flexmesh/spec", "flexmesh/data",
+              "flexmesh/commands", "flexmesh/units.py", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py")
 SETTINGS = {"uncompressed": None, "paper: 6 hashes x 1 dim": "1x6", "default: 1 hash x 16 dims": "16x1"}
 BYTES_TARGET, LOSS_TARGET = 0.30, 0.01
 # (name, layers, hidden, two-matrix ffn, experts, vocab, cluster, sequences per GPU, published speedup,

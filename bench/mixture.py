@@ -36,8 +36,9 @@ import numpy as np
 
 from bench._results import markdown_table, record
 
-DEPENDS_ON = ("flexmesh/data", "flexmesh/runtime/train", "flexmesh/runtime/model", "flexmesh/commands/train.py",
-              "flexmesh/commands/train_data.py", "flexmesh/commands/train_domains.py")
+DEPENDS_ON = ("flexmesh/data", "flexmesh/runtime", "flexmesh/commands", "flexmesh/layout", "flexmesh/spec",
+              "flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/errors.py", "flexmesh/files.py",
+              "flexmesh/inputs.py", "flexmesh/units.py")
 ROOT = Path(__file__).resolve().parent.parent
 MIXTURES = ("static", "doremi", "odm")
 SEEDS = (0, 1, 2)
