@@ -36,17 +36,11 @@ class CrossPolytope:
         self.rotations = torch.randn(hashes, hidden, dim, generator=g)  # Gaussian: a random rotation's direction
         self.dim, self.hashes = dim, hashes
         self.buckets = (2 * dim) ** hashes
-        self._on: dict[torch.device, torch.Tensor] = {}  # the rotations copied to each device once
-
-    def _rotations(self, device: torch.device) -> torch.Tensor:
-        if device not in self._on:
-            self._on[device] = self.rotations.to(device)
-        return self._on[device]
 
     def bucket(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's bucket (int64 [n])."""
         with torch.no_grad():
-            r = torch.einsum("nh,jhd->jnd", x.float(), self._rotations(x.device))
+            r = torch.einsum("nh,jhd->jnd", x.float(), self.rotations.to(x.device))
             code = torch.cat([r, -r], dim=-1).argmax(dim=-1)  # [hashes, n] in [0, 2 dim)
             base = (2 * self.dim) ** torch.arange(self.hashes, device=x.device)
             return (code * base[:, None]).sum(0)
