@@ -64,6 +64,7 @@ class ExpertTraining(TrainingPart):
         self.slots = slots
         self.balance_rate = balance_rate
         self.aux_loss = aux_loss
+        self.a2a_ratio: float | None = None  # the last step's (after_step)
         self.lsh = lsh  # (dim, hashes) of the all-to-all's cross-polytope hashing (LSH-MoE); None: uncompressed
         self._started = False  # whether a step ran (else the placer starts from the checkpoint's shares)
         self.holders = self._holders()
@@ -96,18 +97,7 @@ class ExpertTraining(TrainingPart):
     def end_step(self, models: Sequence[nn.Module], owner: bool) -> dict[str, Any]:
         imbalance, routing, aux = self.after_step(models, self.cpu_group)
         return {"expert_imbalance": imbalance, "routing": routing, "aux_loss": aux,
-                "expert_a2a_ratio": self.a2a_ratio(models)}
-
-    def a2a_ratio(self, models: Sequence[nn.Module]) -> float | None:
-        """Rows the step's token all-to-alls carried over the routed pairs they stand for, every rank and
-        MoE layer together (collective); None where no experts are sharded over ranks."""
-        sent = torch.zeros(2, dtype=torch.float64)
-        for ff in self.layers(models).values():
-            if isinstance(ff.dispatch, ShardedExperts) and ff.dispatch.sent is not None:
-                sent += ff.dispatch.sent.detach().cpu().double()
-                ff.dispatch.sent = None
-        dist.all_reduce(sent, group=self.cpu_group)
-        return float(sent[0] / sent[1]) if sent[1] > 0 else None
+                "expert_a2a_ratio": self.a2a_ratio}
 
     def manifest(self) -> dict[str, Any]:
         return {"expert_layout": self.checkpoint_layout} if self.checkpoint_layout is not None else {}
@@ -172,18 +162,27 @@ class ExpertTraining(TrainingPart):
         balancing biases; (the worst layer's imbalance, the routing rows, the load-balancing loss or
         None without one)."""
         e, world, me = self.num_experts, dist.get_world_size(), dist.get_rank()
-        table = torch.zeros(self.spec.num_layers, e + world, dtype=torch.int64)
+        # per layer: routed pairs per expert, pairs each rank computed, and the token all-to-all's rows sent and
+        # the routed pairs they stand for (a2a_ratio)
+        table = torch.zeros(self.spec.num_layers, e + world + 2, dtype=torch.int64)
         mine = self.layers(models)
         for layer, ff in mine.items():
             load = ff.load.detach().cpu()
             table[layer, :e] = load
             got = ff.dispatch.received if isinstance(ff.dispatch, ShardedExperts) else None
             table[layer, e + me] = int(got.sum()) if got is not None else int(load.sum())
+            if isinstance(ff.dispatch, ShardedExperts) and ff.dispatch.sent is not None:
+                table[layer, e + world:] = ff.dispatch.sent.detach().cpu()
+                ff.dispatch.sent = None
             ff.load.zero_()
             if isinstance(ff.dispatch, ShardedExperts):
                 ff.dispatch.received = None
         dist.all_reduce(table, group=group)
         loads: dict[int, Sequence[float]] = {layer: table[layer, :e].tolist() for layer in self.moe_layers}
+        rows_sent, pairs = table[:, e + world:].sum(0).tolist()
+        # rows the step's token all-to-alls carried over the routed pairs they stand for, every rank and MoE layer
+        # together; None where no experts are sharded over ranks
+        self.a2a_ratio = rows_sent / pairs if pairs > 0 else None
         aux = None
         if self.aux_loss > 0:  # each rank's part of the loss term, summed (the same on every rank)
             part = torch.tensor([float(sum(ff.aux_value.item() for ff in mine.values()))], dtype=torch.float64)
@@ -197,7 +196,7 @@ class ExpertTraining(TrainingPart):
         placements = self.placer.place()
         rows, worst = [], 1.0
         for layer in self.moe_layers:
-            counts, per_rank = loads[layer], table[layer, e:].tolist()
+            counts, per_rank = loads[layer], table[layer, e:e + world].tolist()
             imbalance = max((_ratio([per_rank[r] for r in ranks]) for ranks in self.holders[layer]), default=1.0)
             worst = max(worst, imbalance)
             placed = placements[layer] if self.placer.policy != "current" else None  # placed per micro-batch
