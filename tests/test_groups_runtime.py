@@ -370,9 +370,9 @@ def test_train_dispatches_each_step_over_replica_groups_and_replans_for_a_stragg
                           "--emulate-speed", "1=0.25", "--max-steps", "12", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # detection takes a few steps of evidence (step 4 or 5 on a quiet machine, later under load), and under load the
-    # first proposal may measure rank 1 at half speed where the step's documents give a re-plan nothing to gain
-    # (declined, rightly); it is then judged again against that speed and re-planned: 12 steps leave room for both
+    # detection takes a few steps of evidence (step 4 or 5 on a quiet machine, later under load), and the step's
+    # documents may give a re-plan nothing to gain (declined, rightly); the proposal is then priced again on the
+    # following steps' documents and applied where it pays: 12 steps leave room for both
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(r["policy"] == "balanced" and r["predicted_step_time_s"] > 0 and r["loss"] > 0 for r in rows)
     events = [(r["step"], e) for r in rows for e in r["events"]]

@@ -279,6 +279,54 @@ def test_paced_prediction_uses_only_earlier_steps():
     assert rows[3].paced_step_time_s == pytest.approx(2.0 / 0.26)
 
 
+def test_a_declined_replan_is_priced_again_on_later_steps_documents():
+    """A proposal declined on one step's documents is priced on each of the next steps' (while the schedules'
+    speeds stay), applied on the first where it pays, and dropped after RETRY_STEPS declines; retries that
+    decline log nothing."""
+    from flexmesh.layout.mesh import data_rank_of_ranks
+    from flexmesh.layout.step import Group, Piece, StepSchedule
+    from flexmesh.runtime.train.config import StepMetrics
+    from flexmesh.runtime.train.stragglers import RETRY_STEPS, StragglerConfig, StragglerMonitor
+
+    class Scheduler:  # a schedule for given speeds stamps them and the batch's lengths
+        def with_speed(self, speeds):
+            return lambda lengths: (tuple(speeds), tuple(lengths))
+
+    def price(made, speeds):  # re-scheduling pays only for batches whose first document is long
+        if isinstance(made, StepSchedule):
+            return 1.0  # the paced prediction of the step that ran
+        scheduled_for, lengths = made
+        return 1.0 if tuple(scheduled_for) == tuple(speeds) or lengths[0] < 50 else 2.0
+
+    def run(first_lengths):
+        applied: list = []
+        monitor = StragglerMonitor(data_rank_of_ranks(make_plan()), StragglerConfig(steps=2, warmup=0),
+                                   scheduler=Scheduler(), price=price, apply=applied.append)
+        sched = StepSchedule(lengths=(10, 10), policy="test", extra={"speed": [1.0, 1.0]}, groups=(
+            Group((0,), ((Piece(0, 0, 10),),), predicted_time=1.0),
+            Group((1,), ((Piece(1, 0, 10),),), predicted_time=1.0)))
+        events = []
+        for lengths in first_lengths:
+            m = StepMetrics(step=len(events) + 1, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=20, label_tokens=20,
+                            padded_tokens=20, microbatches=1, step_time_s=1.0, tokens_per_s=20.0,
+                            peak_memory_gib=None, compute_s=(1.0, 2.0))  # rank 1 at half speed throughout
+            events.append([e["event"] for e in monitor.observe(m, [[1] * n for n in lengths], sched).events])
+            if applied:
+                break
+        return events, applied
+
+    short, long = (10, 10), (60, 10)
+    # detected on step 3 on a short batch: declined; the two short batches after it retry silently,
+    # the long one re-plans
+    events, applied = run([short] * 5 + [long])
+    assert events == [[], [], ["straggler_detected", "replan_declined"], [], [], ["replanned"]]
+    assert applied == [(1.0, 0.5)]
+    # a long batch past the retries finds the proposal dropped
+    events, applied = run([short] * (3 + RETRY_STEPS) + [long] * 3)
+    assert events[2] == ["straggler_detected", "replan_declined"] and all(e == [] for e in events[3:])
+    assert applied == []
+
+
 def test_detector_ignores_noise_and_one_off_steps():
     from flexmesh.runtime.train.stragglers import SpeedDetector, StragglerConfig
 

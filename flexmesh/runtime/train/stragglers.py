@@ -44,7 +44,11 @@ sustained rank at the median of its last ``steps`` measured speeds, the others a
 so that the fastest is 1. Honest rule: the simulator prices the step just trained twice at the
 proposed (believed real) speeds, once as scheduled for the current speeds and once as scheduled for
 the proposed ones; the schedules change only when the second is faster by at least ``min_gain``
-(``replanned``, with the predicted gain), else nothing changes (``replan_declined``). A change goes
+(``replanned``, with the predicted gain), else nothing changes (``replan_declined``). One step's
+documents can leave a re-plan nothing to gain (a long document the old schedule already gave the
+fast rank) where the next steps' would: a declined proposal is priced again on each of the next
+:data:`RETRY_STEPS` steps' documents (unless the speeds change meanwhile) and applied on the first
+where it pays (``replanned``); those retries log nothing while they decline. A change goes
 to the scheduler's ``ScheduleContext.speed`` (placers, lower bound and simulator all weigh ranks
 by it) and the schedules already computed ahead are recomputed, so the very next step runs on it,
 with no restart. Events are attached to the metrics row of the step they were decided after.
@@ -372,6 +376,11 @@ PACE_STEPS = 5
 
 Price = Callable[[StepSchedule, Sequence[float]], float]  # schedule, speeds -> predicted step time (s)
 
+# Steps on whose documents a declined proposal is priced again: a re-plan's gain depends on the batch
+# (which documents the old schedule happened to place well), so one batch's verdict is not the speeds'.
+# As many as the noise window's steps; two scheduler calls per step on rank 0 while it lasts.
+RETRY_STEPS = NOISE_STEPS
+
 
 class StragglerMonitor:
     """The training loop's per-step hook (``fit(..., monitor=...)``): speeds into the metrics, events,
@@ -391,6 +400,8 @@ class StragglerMonitor:
         self.detector = SpeedDetector(1 + max((d for d in self.data_of if d is not None), default=-1), config)
         # Per judged step: each data rank's speed against the cost model (None: no work that step).
         self.absolute: deque[list[float | None]] = deque(maxlen=PACE_STEPS)
+        # A declined proposal, the schedules' speeds it was declined against, and the retries left.
+        self.pending: tuple[tuple, list[float], int] | None = None
 
     def observe(self, m, docs: Sequence, schedule: StepSchedule):
         """Step metrics ``m`` with speeds, pace, the paced prediction and the events decided after this step."""
@@ -405,8 +416,14 @@ class StragglerMonitor:
             events, proposal = [], None
         if pace is not None and self.detector.seen > self.config.warmup:
             self.absolute.append([None if x is None else x * pace for x in per_data])
-        if proposal is not None and self.config.replan and self.scheduler is not None and self.price is not None:
-            events.append(self._decide(assumed, proposal, [len(d) for d in docs]))
+        if self.config.replan and self.scheduler is not None and self.price is not None:
+            lengths = [len(d) for d in docs]
+            if proposal is not None:
+                decided = self._decide(assumed, proposal, lengths)
+                events.append(decided)
+                self.pending = (proposal, assumed, RETRY_STEPS) if decided["event"] == "replan_declined" else None
+            elif self.pending is not None:
+                events.extend(self._retry(assumed, lengths))
         return replace(m, speed=tuple(None if x is None else round(x, 4) for x in per_rank),
                        assumed_speed=tuple(1.0 if d is None else assumed[d] for d in self.data_of),
                        pace=None if pace is None else round(pace, 4),
@@ -421,6 +438,21 @@ class StragglerMonitor:
             seen = [x for x in (step[r] for step in self.absolute) if x is not None]
             out.append(statistics.median(seen) if seen else a * pace)
         return out
+
+    def _retry(self, assumed: list[float], lengths: list[int]) -> list[dict]:
+        """The pending declined proposal priced on this step's documents: ``[replanned]`` where it pays now,
+        else nothing (dropped once its retries are spent, or when the schedules' speeds changed)."""
+        assert self.pending is not None
+        proposal, declined_at, left = self.pending
+        if assumed != declined_at or left <= 0:
+            self.pending = None
+            return []
+        decided = self._decide(assumed, proposal, lengths)
+        if decided["event"] == "replanned":
+            self.pending = None
+            return [decided]
+        self.pending = (proposal, declined_at, left - 1)
+        return []
 
     def _decide(self, assumed: list[float], proposal: tuple, lengths: list[int]) -> dict:
         """Price the step just trained at the proposed speeds, scheduled both ways; switch when it pays."""
