@@ -246,6 +246,7 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bo
                        dtype=run_dtype(args), emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),
                        compile=args.compile, expert_placement=args.expert_placement, expert_slots=args.expert_slots,
                        balance_rate=args.balance_rate, aux_loss=args.aux_loss, expert_lsh=args.expert_lsh,
+                       reweight=args.reweight, reweight_delta=args.reweight_delta,
                        tensorboard_dir=tensorboard_dir(args))
 
 

@@ -21,6 +21,7 @@ from flexmesh.commands.args import (
 )
 from flexmesh.commands.experts_args import add_expert_args
 from flexmesh.data.mixture import MIXTURES
+from flexmesh.data.reweighting import STRATEGIES as REWEIGHT_STRATEGIES
 from flexmesh.runtime.endpoint import RDZV_WAIT_S
 from flexmesh.runtime.launch import DEFAULT_RUN_ID
 from flexmesh.runtime.parallel.device import DEVICES
@@ -55,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixture-reference", metavar="RUN",
                    help="with --mixture doremi: the folder of a --mixture static run of the same --domains, whose "
                         "per-domain losses are the reference")
+    p.add_argument("--reweight", choices=REWEIGHT_STRATEGIES,
+                   help="weigh each step's documents by their loss (Sow et al., ICLR 2025), scored by a forward "
+                        "before the step: linupper (easy documents count less), quadratic (the middle more), "
+                        "extremes (both ends more); default off (docs/mixtures.md)")
+    p.add_argument("--reweight-delta", type=float, default=1.0, metavar="DELTA",
+                   help="with --reweight: the losses are mapped onto [-DELTA, DELTA] before the softmax; larger "
+                        "spreads the weights (linupper: up to e^DELTA); default 1")
     p.add_argument("--max-steps", type=positive_int, required=True,
                    help="optimizer steps to run (in total, across resumes)")
     p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")

@@ -126,16 +126,21 @@ def _saying(write, warning: str | None):  # noqa: ANN001, ANN202 - callables
 
 
 def check_evaluation(args: argparse.Namespace, plan: Plan, spec) -> None:  # noqa: ANN001
-    """Refuse ``--eval-corpus`` where the held-out forwards do not run (flexmesh.runtime.train.evaluate.
-    held_out_loss): a pipeline, LoRA tasks, experts."""
-    if args.eval_corpus is None and not domain_evaluation(args):
+    """Refuse ``--eval-corpus`` (or the domains' eval corpora) and ``--reweight`` where their forwards outside
+    the step do not run (flexmesh.runtime.train.trainer.Trainer.forward_only): a pipeline, LoRA tasks,
+    experts."""
+    flags = [flag for flag, on in (("--eval-corpus", args.eval_corpus is not None),
+                                   ("the domains' eval corpora", args.eval_corpus is None and domain_evaluation(args)),
+                                   ("--reweight", getattr(args, "reweight", None) is not None)) if on]
+    if not flags:
         return
     why = ("--tasks trains adapters, each with its own loss" if args.tasks else
            "the model has experts" if spec.is_moe else
            "the plan pipelines (pp above 1)" if any(g.pp > 1 for g in plan.groups) else None)
     if why is not None:
-        flag = "--eval-corpus" if args.eval_corpus is not None else "the domains' eval corpora"
-        raise PlanError(f"{flag} evaluates plans with pp 1, without --tasks or experts, but {why}; drop "
+        flag = flags[0]
+        does = "weighs documents by a forward of" if flag == "--reweight" else "evaluates"
+        raise PlanError(f"{flag} {does} plans with pp 1, without --tasks or experts, but {why}; drop "
                         f"{flag}" + (" or use a plan with pp 1" if "pipelines" in why else ""))
 
 

@@ -14,10 +14,15 @@ from flexmesh.job import Job
 def check_domains(args: argparse.Namespace) -> None:
     """Refuse in one line, before anything starts, what ``--domains`` cannot run: a bad manifest or corpus,
     another source of documents beside it, batches counted in tokens, a doremi mixture without its
-    reference, ``--mixture`` without domains."""
+    reference, ``--mixture`` without domains; and ``--reweight-delta`` out of range or without ``--reweight``
+    (what a plan refuses of ``--reweight``: flexmesh.commands.train_data.check_evaluation)."""
     from flexmesh.data.corpus import read_corpus
     from flexmesh.data.mixture import read_domains
 
+    if getattr(args, "reweight", None) is None and args.reweight_delta != 1.0:
+        raise PlanError("--reweight-delta sets --reweight's spread; give --reweight STRATEGY or drop it")
+    if not args.reweight_delta > 0:
+        raise PlanError(f"--reweight-delta must be above 0, got {args.reweight_delta}")
     if not args.domains:
         if args.mixture != "static" or args.mixture_reference:
             raise PlanError("--mixture and --mixture-reference draw over the domains of --domains; give --domains "

@@ -163,6 +163,22 @@ def pack_microbatch(docs: Sequence[np.ndarray], pieces: Sequence[Piece],
     )
 
 
+def token_docs(batch: PackedBatch) -> np.ndarray:
+    """The document (``seq_id``) of each of ``batch``'s tokens, -1 on padding; a context-parallel slice's
+    tokens by its place in the row (``row_start``).
+
+    >>> token_docs(pad_to(pack_microbatch([np.arange(3), np.arange(4)], [Piece(1, 0, 4), Piece(0, 1, 3)]), 8)).tolist()
+    [1, 1, 1, 1, 0, 0, -1, -1]
+    """
+    bounds = batch.bounds or tuple(int(x) for x in batch.cu_seqlens.tolist())
+    lo, out = batch.row_start, np.full(batch.num_tokens, -1, dtype=np.int64)
+    for i, piece in enumerate(batch.segments):
+        a, b = max(bounds[i] - lo, 0), min(bounds[i + 1] - lo, batch.num_tokens)
+        if b > a:
+            out[a:b] = piece.seq_id
+    return out
+
+
 def global_label_tokens(docs: Sequence[np.ndarray], schedule: StepSchedule) -> int:
     """The step's loss normaliser: label tokens over all groups and micro-batches.
 

@@ -49,6 +49,9 @@ class TrainConfig:
     aux_loss: float = 0.0  # the load-balancing loss's coefficient (flexmesh.runtime.model.moe); 0: none
     # The token all-to-all compressed by cross-polytope LSH (dim, hashes) (flexmesh.runtime.parallel.lsh); None: not
     expert_lsh: tuple[int, int] | None = None
+    # Loss-based sample reweighting (flexmesh.data.reweighting): the strategy (None: off) and its delta
+    reweight: str | None = None
+    reweight_delta: float = 1.0
     # TensorBoard event files of rank 0's scalars (flexmesh.runtime.train.scalars); None: none written
     tensorboard_dir: str | None = None
 
@@ -143,6 +146,8 @@ class StepMetrics:
     domain_loss: tuple[float | None, ...] = ()
     domain_tokens: tuple[int, ...] = ()
     domain_weight: tuple[float, ...] = ()
+    # --reweight (flexmesh.data.reweighting): the step's smallest and largest token weight (() without it)
+    doc_weight: tuple[float, ...] = ()
     # Mixtures of experts: the most loaded data rank over the mean, worst MoE layer (None: no experts),
     # and per MoE layer the step's routing, written to routing.jsonl rather than metrics.jsonl
     # (flexmesh.runtime.train.expert_training.ExpertTraining.after_step)

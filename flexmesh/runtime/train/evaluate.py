@@ -19,8 +19,6 @@ import numpy as np
 
 from flexmesh.data.loader import TokenizedCorpus
 from flexmesh.errors import PlanError, ScheduleError
-from flexmesh.layout.mesh import schedule_parts
-from flexmesh.layout.pipeline_order import chain_ends
 from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.model.loss import summed_cross_entropy
 from flexmesh.runtime.model.packing import global_label_tokens
@@ -38,44 +36,24 @@ def held_out_loss(trainer: Trainer, docs: Sequence[np.ndarray], schedule: StepSc
     experts) are refused."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
 
     if any(not part.plain_model for part in trainer.parts) or any(g.pp > 1 for g in trainer.plan.groups):
         raise PlanError("held-out evaluation runs plans with pp 1 and no --tasks or experts; drop --eval-corpus "
                         "or use such a plan")
     label_tokens = global_label_tokens(docs, schedule)
-    trainer._check_cuts(schedule)
     if label_tokens == 0:
         raise ScheduleError("the held-out documents have no label tokens; give documents of two tokens or more")
     total = torch.zeros((), dtype=torch.float64, device=trainer.device)
-    if trainer.place is None:
-        schedule_parts(trainer.plan, schedule)  # a device left unused checks the schedule as the others do
-    else:
-        own, group = trainer._own(schedule)
-        # as many forwards on every data rank: each may gather weights over them (FSDP2)
-        batches = trainer.local_batches(docs, own, group, even=True)
-        trainer._set_context(group)
-        root, was = trainer.modules[0], [m.training for m in trainer.modules]
-        ends = chain_ends(own, len(batches))
-        try:
-            for m in trainer.modules:
-                m.eval()
-            with torch.no_grad():
-                for b, end in zip(batches, ends, strict=True):
-                    if trainer.chunked_loss:  # the model's forward ends in the summed loss
-                        loss = root(b.tokens, b, labels=b.labels)
-                    else:
-                        loss = summed_cross_entropy(root(b.tokens, b), b.labels)
-                    total = total + loss.double()
-                    if end:  # a chain of micro-batches linked by a cut document ends here
-                        trainer.carry.clear()
-        finally:
-            trainer.carry.clear()
-            for m, mode in zip(trainer.modules, was, strict=True):
-                m.train(mode)
-            for sub in (s for m in trainer.modules for s in m.modules()):
-                if isinstance(sub, FSDPModule):  # as a step leaves them: sharded
-                    sub.reshard()
+
+    def each(model, b) -> None:  # noqa: ANN001
+        nonlocal total
+        if trainer.chunked_loss:  # the model's forward ends in the summed loss
+            loss = model(b.tokens, b, labels=b.labels)
+        else:
+            loss = summed_cross_entropy(model(b.tokens, b), b.labels)
+        total = total + loss.double()
+
+    trainer.forward_only(docs, schedule, each)
     owner = trainer.place is not None and trainer.place.tp == 0  # tp ranks hold copies of their data rank's loss
     box = torch.tensor([float(total) if owner else 0.0], dtype=torch.float64)
     if dist.get_world_size() > 1:

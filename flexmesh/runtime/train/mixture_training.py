@@ -22,7 +22,7 @@ from torch import nn
 
 from flexmesh.data.mixture import Mixture
 from flexmesh.layout.step import StepSchedule
-from flexmesh.runtime.model.packing import IGNORE_INDEX, PackedBatch
+from flexmesh.runtime.model.packing import IGNORE_INDEX, PackedBatch, token_docs
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.runtime.train.parts import TrainingPart
 from flexmesh.runtime.train.task_training import doc_tasks, task_label_tokens
@@ -52,13 +52,8 @@ class MixtureTraining(TrainingPart):
         wait for the device: the sums stay there until the step ends)."""
         assert self._slots is not None
         k = len(self.mixture.names)
-        bounds = batch.bounds or tuple(int(x) for x in batch.cu_seqlens.tolist())
-        lo = batch.row_start  # where this rank's tokens start in the row (a context-parallel slice)
-        domain = np.full(batch.num_tokens, k, dtype=np.int64)  # k: padding, left out
-        for i, piece in enumerate(batch.segments):
-            a, b = max(bounds[i] - lo, 0), min(bounds[i + 1] - lo, batch.num_tokens)
-            if b > a:
-                domain[a:b] = self._slots[piece.seq_id]
+        doc = token_docs(batch)
+        domain = np.where(doc >= 0, self._slots[np.maximum(doc, 0)], k)  # k: padding, left out
         with torch.no_grad():
             ce = F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), batch.labels.reshape(-1),
                                  ignore_index=IGNORE_INDEX, reduction="none").double()

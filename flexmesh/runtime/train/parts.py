@@ -9,7 +9,9 @@ job needs (none for plain pre-training) and the Trainer calls, part by part in t
                 parallel_options()          what parallelize needs from the part (keyword arguments)
                 ready(chunk, loaded)        the chunk holds its weights (``loaded``: the weights file's report)
                 optimizer(modules)          AdamW's parameter groups and their LR factors   [answers]
-    each step   begin_step(docs, schedule, models)      before any micro-batch
+    each step   score(docs, schedule, losses)           each document's mean loss from a forward without
+                                            gradient before the step, to the parts that scores_docs
+                begin_step(docs, schedule, models)      before any micro-batch
                 pack(docs, pieces) / empty(length)      one micro-batch's tensors        [answers]
                 observe(output, batch)      a micro-batch's logits, read by the parts that reads_logits
                 loss(output, batch)         a micro-batch's loss, by the part that owns_loss
@@ -44,6 +46,7 @@ class TrainingPart:
     owns_loss = False  # whether :meth:`loss` computes every micro-batch's loss (the chunked loss is then off)
     reads_logits = False  # whether :meth:`observe` reads every micro-batch's logits (the chunked loss is then off)
     plain_model = False  # whether the model and its loss stay the plain model's (held-out evaluation then runs)
+    scores_docs = False  # whether :meth:`score` needs the step's documents' losses before it (a forward more)
 
     # ---- building ----------------------------------------------------------------------------------
     def adapt(self, chunk: nn.Module) -> None:
@@ -61,6 +64,11 @@ class TrainingPart:
         return None
 
     # ---- each step ---------------------------------------------------------------------------------
+    def score(self, docs: Sequence[np.ndarray], schedule: StepSchedule, losses: np.ndarray) -> None:
+        """Each of the step's documents' mean token loss under the current weights (every rank, the same
+        values; NaN where a document has no label token), before :meth:`begin_step` (a part that
+        ``scores_docs``)."""
+
     def begin_step(self, docs: Sequence[np.ndarray], schedule: StepSchedule, models: Sequence[nn.Module]) -> None:
         """Before the step's first micro-batch (every rank; ``models``: this rank's chunks, maybe none)."""
 

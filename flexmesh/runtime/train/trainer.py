@@ -57,7 +57,7 @@ import dataclasses
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from functools import partial
 from typing import TypeVar
@@ -65,6 +65,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from flexmesh.data.mixture import Mixture
@@ -86,12 +87,15 @@ from flexmesh.layout.step import Group, Piece, StepSchedule
 from flexmesh.runtime.model.carry import KVCarry
 from flexmesh.runtime.model.loss import GlobalLoss
 from flexmesh.runtime.model.packing import (
+    IGNORE_INDEX,
     PackedBatch,
     empty_batch,
     global_label_tokens,
     pack_microbatch,
     pad_to,
+    piece_label_tokens,
     shard_for_cp,
+    token_docs,
 )
 from flexmesh.runtime.model.transformer import Transformer, build_model
 from flexmesh.runtime.observe.memory import SavedActivationMeter
@@ -114,6 +118,7 @@ from flexmesh.runtime.train.expert_training import ExpertTraining
 from flexmesh.runtime.train.groups import Chunks, check_emulation, check_runnable
 from flexmesh.runtime.train.mixture_training import MixtureTraining
 from flexmesh.runtime.train.parts import TrainingPart, first_answer
+from flexmesh.runtime.train.reweight_training import SampleReweighting
 from flexmesh.runtime.train.step_clock import Marks, gathered_step, update
 from flexmesh.runtime.train.stragglers import ComputeClock
 from flexmesh.runtime.train.task_training import TaskTraining
@@ -180,6 +185,7 @@ class Trainer:
             TaskTraining.of(tasks, spec, config),
             ExpertTraining.of(plan, spec, self.place, config),
             MixtureTraining(mixture) if mixture is not None else None,
+            SampleReweighting(config.reweight, config.reweight_delta) if config.reweight else None,
         ) if part is not None]
         self.loss_part = next((part for part in self.parts if part.owns_loss), None)
         self.readers = [part for part in self.parts if part.reads_logits]  # e.g. a data mixture's domain losses
@@ -358,6 +364,72 @@ class Trainer:
         schedule.check_cuts(dynamic_rope=self.spec.rope_scaling is not None
                             and self.spec.rope_scaling.rope_type == "dynamic")
 
+    # ---- forwards without a step ------------------------------------------------------------------
+    def forward_only(self, docs: Sequence[np.ndarray], schedule: StepSchedule,
+                     each: Callable[[torch.nn.Module, PackedBatch], None]) -> None:
+        """Run the forwards of ``docs`` laid out by ``schedule``: the step's path (its micro-batches, context
+        groups and parallel model) without backward or optimizer, in eval mode under ``torch.no_grad``,
+        ``each(model, batch)`` calling the model on each of this rank's micro-batches. Every rank calls it at
+        the same point (collectives). Nothing the next step reads changes: no gradient, optimizer or LR
+        state, no RNG draw, weights sharded again afterwards. Plans with pp 1 only (PlanError)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(g.pp > 1 for g in self.plan.groups):
+            raise PlanError("a forward outside the step runs plans with pp 1; use such a plan")
+        self._check_cuts(schedule)
+        if self.place is None:
+            schedule_parts(self.plan, schedule)  # a device left unused checks the schedule as the others do
+            return
+        own, group = self._own(schedule)
+        # as many forwards on every data rank: each may gather weights over them (FSDP2)
+        batches = self.local_batches(docs, own, group, even=True)
+        self._set_context(group)
+        root, was = self.modules[0], [m.training for m in self.modules]
+        ends = chain_ends(own, len(batches))
+        try:
+            for m in self.modules:
+                m.eval()
+            with torch.no_grad():
+                for b, end in zip(batches, ends, strict=True):
+                    each(root, b)
+                    if end:  # a chain of micro-batches linked by a cut document ends here
+                        self.carry.clear()
+        finally:
+            self.carry.clear()
+            for m, mode in zip(self.modules, was, strict=True):
+                m.train(mode)
+            for sub in (s for m in self.modules for s in m.modules()):
+                if isinstance(sub, FSDPModule):  # as a step leaves them: sharded
+                    sub.reshard()
+
+    def doc_losses(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> np.ndarray:
+        """Each document's mean token cross-entropy under the current weights (:meth:`forward_only` of the
+        step's own layout, its pieces' sums added over micro-batches and data ranks; NaN for a document
+        with no label token in the schedule). The same on every rank."""
+        sums = torch.zeros(len(docs), dtype=torch.float64)
+        owner = self.place is not None and self.place.tp == 0  # tp ranks hold copies of their data rank's
+
+        def each(model: torch.nn.Module, b: PackedBatch) -> None:
+            logits = model(b.tokens, b)
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.labels.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+            doc = torch.from_numpy(token_docs(b))
+            real = doc >= 0
+            sums.index_add_(0, doc[real], ce.double().cpu()[real])
+
+        self.forward_only(docs, schedule, each)
+        if not owner:
+            sums.zero_()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sums, group=self._cpu_group)
+        tokens = np.zeros(len(docs))
+        for g in schedule.groups:
+            for mb in g.microbatches:
+                for p in mb:
+                    tokens[p.seq_id] += piece_label_tokens(len(docs[p.seq_id]), p)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(tokens > 0, sums.numpy() / tokens, np.nan)
+
     # ---- one step --------------------------------------------------------------------------------
     def step(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> StepMetrics:
         """Run one step's schedule. Nothing in it waits for the device before the optimizer's step
@@ -383,6 +455,11 @@ class Trainer:
         local_loss: torch.Tensor | float = 0.0
         busy = marks.mark()
         meter: SavedActivationMeter | None = None  # on metered steps of a rank that trains
+        scorers = [part for part in self.parts if part.scores_docs]
+        if scorers:  # e.g. loss-based reweighting: each document's loss before the step
+            losses = self.doc_losses(docs, schedule)
+            for part in scorers:
+                part.score(docs, schedule, losses)
         for part in self.parts:
             part.begin_step(docs, schedule, self.inner_models())
         if group is not None:
