@@ -10,7 +10,10 @@ domain's held-out set every ``--eval-every`` steps:
 
 - ``static``: the proportional mixture (each domain's share of the tokens), the run a user gets without a mixture;
 - ``doremi``: DoReMi's excess-loss weights, the static run of the same seed as its reference;
-- ``odm``: ODM's bandit.
+- ``odm``: ODM's bandit;
+- ``reweight``: the proportional mixture with each step's documents weighed by their loss (``--reweight linupper``,
+  Sow et al.'s choice for pre-training); it runs a forward more per step, so each run's training time per token
+  over ``static``'s is given beside it (measured two runs at a time).
 
 A mixture changes how many tokens a step holds (its documents' lengths differ per domain), so runs are compared at
 equal tokens: each run's mean per-domain held-out loss (every domain counts alike, as DataFlex and DoReMi report),
@@ -40,7 +43,9 @@ DEPENDS_ON = ("flexmesh/data", "flexmesh/runtime", "flexmesh/commands", "flexmes
               "flexmesh/schedule", "flexmesh/sim", "flexmesh/cost", "flexmesh/errors.py", "flexmesh/files.py",
               "flexmesh/inputs.py", "flexmesh/units.py")
 ROOT = Path(__file__).resolve().parent.parent
-MIXTURES = ("static", "doremi", "odm")
+MIXTURES = ("static", "doremi", "odm", "reweight")
+FLAGS = {"static": ["--mixture", "static"], "doremi": ["--mixture", "doremi"], "odm": ["--mixture", "odm"],
+         "reweight": ["--mixture", "static", "--reweight", "linupper"]}
 SEEDS = (0, 1, 2)
 HELD_OUT_EVERY, HELD_OUT_MAX = 10, 32
 
@@ -92,7 +97,7 @@ def _train(folder: Path, mixture: str, seed: int, steps: int, every: int) -> Pat
     extra = ["--mixture-reference", str(folder / f"static-{seed}")] if mixture == "doremi" else []
     cmd = [sys.executable, "-m", "flexmesh", "train", "--plan", str(folder / "plan.json"), "--model",
            str(folder / "config.json"), "--tokenizer", str(folder / "tokenizer.json"), "--domains",
-           str(folder / "domains.json"), "--mixture", mixture, *extra, "--max-steps", str(steps), "--seed", str(seed),
+           str(folder / "domains.json"), *FLAGS[mixture], *extra, "--max-steps", str(steps), "--seed", str(seed),
            "--eval-every", str(every), "--eval-docs", "32", "--out", str(out), "--no-progress", "--cache-dir",
            str(folder / "cache"), "--lr", "2e-3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -127,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             for s in SEEDS:
                 runs["static", s] = static[s].result()
             doremi = {s: pool.submit(_train, folder, "doremi", s, args.steps, args.eval_every) for s in SEEDS}
+            weighed = {s: pool.submit(_train, folder, "reweight", s, args.steps, args.eval_every) for s in SEEDS}
             for s in SEEDS:
                 runs["odm", s], runs["doremi", s] = odm[s].result(), doremi[s].result()
+                runs["reweight", s] = weighed[s].result()
         curves = {k: _curve(v) for k, v in runs.items()}
     names = curves["static", 0][2][0]["domains"]
     at = {s: min(curves[m, s][0][-1] for m in MIXTURES) for s in SEEDS}  # equal tokens, per seed
@@ -137,22 +144,32 @@ def main(argv: list[str] | None = None) -> int:
     for m in MIXTURES:
         finals = np.array([curves[m, s][2][-1]["eval_domain_loss"] for s in SEEDS])
         per_domain[m] = finals.mean(axis=0)
+    def per_token(rows: list[dict]) -> float:  # training seconds per token, the first step (one-off costs) left out
+        return sum(r["step_time_s"] for r in rows[1:]) / sum(r["tokens"] for r in rows[1:])
+
+    step_s = {m: np.mean([per_token(curves[m, s][2]) for s in SEEDS]) for m in MIXTURES}
     table = []
     for m in MIXTURES:
         gaps = np.array([loss[m, s] - loss["static", s] for s in SEEDS])
         weights = np.mean([curves[m, s][2][-1]["domain_weight"] for s in SEEDS], axis=0)
         table.append([m, f"{np.mean([loss[m, s] for s in SEEDS]):.4f}",
                       "-" if m == "static" else f"{gaps.mean():+.4f} ± {gaps.std(ddof=1):.4f}",
-                      " / ".join(f"{x:.3f}" for x in per_domain[m]), " / ".join(f"{w:.2f}" for w in weights)])
+                      " / ".join(f"{x:.3f}" for x in per_domain[m]), " / ".join(f"{w:.2f}" for w in weights),
+                      f"{step_s[m] / step_s['static']:.2f}"])
     best = min(("doremi", "odm"), key=lambda m: np.mean([loss[m, s] - loss["static", s] for s in SEEDS]))
     gap = np.mean([loss[best, s] - loss["static", s] for s in SEEDS])
     lines = [f"Domains ({' / '.join(names)}): {', '.join(f'{n} {counts[n]} files' for n in names)}; {args.steps} steps "
              f"of 16 documents, held-out every {args.eval_every}; compared at {np.mean(list(at.values())):,.0f} tokens "
              "(mean over seeds). Single process per run, two runs at a time on two cores, OMP_NUM_THREADS=1.", ""]
     lines += markdown_table(["mixture", "mean per-domain held-out loss", "gap to static (mean ± sd, 3 seeds)",
-                             "final held-out loss per domain", "final weights"], table)
-    lines += ["", f"Target (#81): DoReMi or ODM below the proportional mixture at equal tokens: {best} "
-                  f"{gap:+.4f} {'PASS' if gap < 0 else 'FAIL'}"]
+                             "final held-out loss per domain", "final weights", "time per token / static"], table)
+    rw = np.array([loss["reweight", s] - loss["static", s] for s in SEEDS])
+    lines += ["", "Time per token: each run's step time over its tokens (the first step left out), mean over seeds, "
+                  "over static's.", "",
+              f"Target (#81): DoReMi or ODM below the proportional mixture at equal tokens: {best} "
+              f"{gap:+.4f} {'PASS' if gap < 0 else 'FAIL'}",
+              f"Reweighting (linupper) against the proportional mixture at equal tokens: {rw.mean():+.4f} ± "
+              f"{rw.std(ddof=1):.4f} (no target)"]
     body = "\n".join(lines)
     print(body)
     if not args.no_record:
