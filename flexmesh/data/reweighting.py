@@ -33,6 +33,12 @@ from flexmesh.errors import PlanError
 STRATEGIES = ("linupper", "quadratic", "extremes")
 
 
+def check_strategy(strategy: str) -> None:
+    """A PlanError naming the strategies, for one that is not."""
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown reweighting strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+
+
 def strategy_scores(losses: np.ndarray, strategy: str, delta: float) -> np.ndarray:
     """Each sample's score before the softmax: ``losses`` mapped linearly onto [-delta, delta] (min to
     max; all 0 when they are equal), then the strategy (module doc).
@@ -42,8 +48,7 @@ def strategy_scores(losses: np.ndarray, strategy: str, delta: float) -> np.ndarr
     >>> strategy_scores(np.array([1.0, 2.0, 3.0]), "quadratic", 2.0).tolist()
     [0.0, 1.0, 0.0]
     """
-    if strategy not in STRATEGIES:
-        raise PlanError(f"unknown reweighting strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    check_strategy(strategy)
     lo, hi = float(losses.min()), float(losses.max())
     x = (2.0 * delta * (losses - lo) / (hi - lo) - delta) if hi > lo else np.zeros_like(losses)
     if strategy == "linupper":

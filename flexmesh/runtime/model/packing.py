@@ -179,6 +179,16 @@ def token_docs(batch: PackedBatch) -> np.ndarray:
     return out
 
 
+def doc_label_tokens(docs: Sequence[np.ndarray], schedule: StepSchedule) -> np.ndarray:
+    """Each document's label tokens in the step (0 for one the schedule defers), its pieces added."""
+    out = np.zeros(len(docs), dtype=np.int64)
+    for g in schedule.groups:
+        for mb in g.microbatches:
+            for p in mb:
+                out[p.seq_id] += piece_label_tokens(len(_check_piece(docs, p)), p)
+    return out
+
+
 def global_label_tokens(docs: Sequence[np.ndarray], schedule: StepSchedule) -> int:
     """The step's loss normaliser: label tokens over all groups and micro-batches.
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flexmesh.data.reweighting import STRATEGIES, doc_weights
+from flexmesh.data.reweighting import check_strategy, doc_weights
 from flexmesh.errors import PlanError
 from flexmesh.layout.step import Piece, StepSchedule
-from flexmesh.runtime.model.packing import IGNORE_INDEX, PackedBatch, pack_microbatch, piece_label_tokens
+from flexmesh.runtime.model.packing import IGNORE_INDEX, PackedBatch, doc_label_tokens, pack_microbatch
 from flexmesh.runtime.parallel.distributed import cpu_group
 from flexmesh.runtime.train.parts import TrainingPart
 
@@ -32,8 +32,7 @@ class SampleReweighting(TrainingPart):
     scores_docs = True
 
     def __init__(self, strategy: str, delta: float = 1.0) -> None:
-        if strategy not in STRATEGIES:
-            raise PlanError(f"unknown reweighting strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+        check_strategy(strategy)
         if not delta > 0:
             raise PlanError(f"--reweight-delta must be above 0, got {delta}")
         self.strategy, self.delta = strategy, delta
@@ -43,11 +42,7 @@ class SampleReweighting(TrainingPart):
 
     def score(self, docs: Sequence[np.ndarray], schedule: StepSchedule, losses: np.ndarray) -> None:
         """The step's documents' mean losses before it (the same on every rank) -> this step's weights."""
-        tokens = np.zeros(len(docs), dtype=np.int64)
-        for g in schedule.groups:
-            for mb in g.microbatches:
-                for p in mb:
-                    tokens[p.seq_id] += piece_label_tokens(len(docs[p.seq_id]), p)
+        tokens = doc_label_tokens(docs, schedule)
         self._weights = doc_weights(np.nan_to_num(losses), tokens, self.strategy, self.delta)
         self._normaliser, self._plain = int(tokens.sum()), None
 

@@ -30,7 +30,7 @@ from flexmesh.errors import ScheduleError
 from flexmesh.layout.step import Piece, StepSchedule
 from flexmesh.runtime.model.lora import adapter_parameters, attach_adapters, init_adapters
 from flexmesh.runtime.model.loss import weighted_cross_entropy
-from flexmesh.runtime.model.packing import PackedBatch, empty_batch, pack_microbatch, piece_label_tokens
+from flexmesh.runtime.model.packing import PackedBatch, doc_label_tokens, empty_batch, pack_microbatch
 from flexmesh.runtime.parallel.adapters import tp_sum_replicated
 from flexmesh.runtime.parallel.distributed import clip_grads, cpu_group, grad_norm
 from flexmesh.runtime.state.peft import load_adapter_inits
@@ -56,12 +56,7 @@ def doc_tasks(docs: Sequence[np.ndarray], tasks: Sized) -> np.ndarray:
 
 def task_label_tokens(docs: Sequence[np.ndarray], schedule: StepSchedule, slots: np.ndarray, n: int) -> list[int]:
     """Label tokens of each task slot over the step's whole schedule (every group's micro-batches)."""
-    out = [0] * n
-    for g in schedule.groups:
-        for mb in g.microbatches:
-            for p in mb:
-                out[int(slots[p.seq_id])] += piece_label_tokens(len(docs[p.seq_id]), p)
-    return out
+    return np.bincount(slots, weights=doc_label_tokens(docs, schedule), minlength=n).astype(np.int64).tolist()
 
 
 class TaskTraining(TrainingPart):

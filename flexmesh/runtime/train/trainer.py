@@ -89,11 +89,11 @@ from flexmesh.runtime.model.loss import GlobalLoss
 from flexmesh.runtime.model.packing import (
     IGNORE_INDEX,
     PackedBatch,
+    doc_label_tokens,
     empty_batch,
     global_label_tokens,
     pack_microbatch,
     pad_to,
-    piece_label_tokens,
     shard_for_cp,
     token_docs,
 )
@@ -422,11 +422,7 @@ class Trainer:
             sums.zero_()
         if dist.get_world_size() > 1:
             dist.all_reduce(sums, group=self._cpu_group)
-        tokens = np.zeros(len(docs))
-        for g in schedule.groups:
-            for mb in g.microbatches:
-                for p in mb:
-                    tokens[p.seq_id] += piece_label_tokens(len(docs[p.seq_id]), p)
+        tokens = doc_label_tokens(docs, schedule)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(tokens > 0, sums.numpy() / tokens, np.nan)
 
