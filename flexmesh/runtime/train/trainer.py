@@ -406,25 +406,23 @@ class Trainer:
         """Each document's mean token cross-entropy under the current weights (:meth:`forward_only` of the
         step's own layout, its pieces' sums added over micro-batches and data ranks; NaN for a document
         with no label token in the schedule). The same on every rank."""
-        sums = torch.zeros(len(docs), dtype=torch.float64)
+        sums = torch.zeros(len(docs) + 1, dtype=torch.float64, device=self.device)  # the last: padding
         owner = self.place is not None and self.place.tp == 0  # tp ranks hold copies of their data rank's
 
-        def each(model: torch.nn.Module, b: PackedBatch) -> None:
+        def each(model: torch.nn.Module, b: PackedBatch) -> None:  # on the device: no wait per micro-batch
             logits = model(b.tokens, b)
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.labels.reshape(-1),
                                  ignore_index=IGNORE_INDEX, reduction="none")
-            doc = torch.from_numpy(token_docs(b))
-            real = doc >= 0
-            sums.index_add_(0, doc[real], ce.double().cpu()[real])
+            doc = np.where((d := token_docs(b)) >= 0, d, len(docs))
+            sums.index_add_(0, torch.from_numpy(doc).to(sums.device), ce.double())
 
         self.forward_only(docs, schedule, each)
-        if not owner:
-            sums.zero_()
+        box = sums[:-1].cpu() * float(owner)
         if dist.get_world_size() > 1:
-            dist.all_reduce(sums, group=self._cpu_group)
+            dist.all_reduce(box, group=self._cpu_group)
         tokens = doc_label_tokens(docs, schedule)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(tokens > 0, sums.numpy() / tokens, np.nan)
+            return np.where(tokens > 0, box.numpy() / tokens, np.nan)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self, docs: Sequence[np.ndarray], schedule: StepSchedule) -> StepMetrics:
