@@ -71,7 +71,7 @@ def _reference(steps: list, strategy: str) -> list[dict]:
         ids = sorted({p.seq_id for g in schedule.groups for mb in g.microbatches for p in mb})
         batches = {i: pack_microbatch(docs, [Piece(i, 0, len(docs[i]))]) for i in ids}
 
-        def ce(i: int) -> torch.Tensor:
+        def ce(i: int, batches: dict = batches) -> torch.Tensor:
             b = batches[i]
             logits = model(b.tokens, b)
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.labels.reshape(-1),
@@ -157,13 +157,17 @@ def test_train_reweight_logs_the_weights_and_refuses_what_it_cannot_run(tmp_path
     base = ["train", "--plan", str(plan), "--model", str(cfg), "--corpus", str(corpus), "--no-progress",
             "--cache-dir", str(tmp_path / "cache")]
     run = flexmesh_ranks(1, *base, "--max-steps", "3", "--out", str(tmp_path / "run"), "--reweight", "linupper",
-                         "--reweight-delta", "2")
+                         "--reweight-delta", "2", "--tensorboard")
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         low, high = r["doc_weight"]
         assert 0 < low < 1 < high <= low * math.exp(2.0) * (1 + 1e-4) and r["loss"] > 0  # linupper: e^delta at most
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
+    assert [e.value for e in events.Scalars("doc_weight/max")] == pytest.approx([r["doc_weight"][1] for r in rows])
     cases = [(["--reweight-delta", "2"], "give --reweight"),
              (["--reweight", "linupper", "--reweight-delta", "0"], "above 0"),
              (["--reweight", "median"], "invalid choice")]

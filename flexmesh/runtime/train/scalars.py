@@ -1,8 +1,9 @@
 """TensorBoard scalars of a run (``flexmesh train --tensorboard``): rank 0 writes each step's ``loss``,
-``lr``, ``grad_norm``, ``tokens_per_s``, on evaluated steps ``eval_loss`` and ``eval_ppl``, and with
-``--domains`` each domain's ``domain_loss/<name>``, ``domain_weight/<name>`` and ``eval_domain_loss/<name>``, under
-the names metrics.jsonl gives them, through torch's own ``torch.utils.tensorboard.SummaryWriter``
-(the ``tensorboard`` package, an optional dependency: ``pip install tensorboard``).
+``lr``, ``grad_norm``, ``tokens_per_s``, on evaluated steps ``eval_loss`` and ``eval_ppl``, with
+``--domains`` each domain's ``domain_loss/<name>``, ``domain_weight/<name>`` and ``eval_domain_loss/<name>``, and
+with ``--reweight`` the step's ``doc_weight/min`` and ``doc_weight/max``, under the names metrics.jsonl gives
+them, through torch's own ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package, an optional
+dependency: ``pip install tensorboard``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Scalars:
         values = [(name, getattr(m, name)) for name in names]
         for field in DOMAIN_SCALARS:  # with --domains: one scalar per domain, "domain_loss/<name>"
             values += [(f"{field}/{d}", x) for d, x in zip(m.domains, getattr(m, field), strict=False)]
+        values += [(f"doc_weight/{end}", x) for end, x in zip(("min", "max"), m.doc_weight, strict=False)]
         for name, value in values:
             if value is not None and math.isfinite(float(value)):
                 self._writer.add_scalar(name, float(value), global_step=m.step)
