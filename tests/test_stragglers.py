@@ -301,7 +301,8 @@ def test_a_declined_replan_is_priced_again_on_later_steps_documents():
     def run(first_lengths):
         applied: list = []
         monitor = StragglerMonitor(data_rank_of_ranks(make_plan()), StragglerConfig(steps=2, warmup=0),
-                                   scheduler=Scheduler(), price=price, apply=applied.append)
+                                   scheduler=Scheduler(), price=price, apply=applied.append,
+                                   load=lambda: None)  # judged as on a quiet node, whatever this one's load
         sched = StepSchedule(lengths=(10, 10), policy="test", extra={"speed": [1.0, 1.0]}, groups=(
             Group((0,), ((Piece(0, 0, 10),),), predicted_time=1.0),
             Group((1,), ((Piece(1, 0, 10),),), predicted_time=1.0)))
