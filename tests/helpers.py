@@ -293,6 +293,16 @@ def load_params(folder: Path) -> dict:
     return params
 
 
+def zero2_plan(world: int) -> Any:
+    """The tiny model's 4 layers data-parallel over ``world`` ranks with ZeRO-2, pp 1, 256-token sequences."""
+    from flexmesh.layout.plan import Plan, StagePlan
+    from flexmesh.layout.strategy import LayerStrategy
+
+    st = StagePlan(0, 4, tuple(LayerStrategy.parse(f"tp1-dp{world}z2") for _ in range(4)))
+    return Plan.uniform(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
+                        num_microbatches=1, seq_len=256, global_batch=8, stages=(st,))
+
+
 def write_inputs(tmp: Path, world: int) -> tuple[Path, Path, Path]:
     """A 2-layer Hugging Face config, a folder of 24 small documents and a plan for ``world`` ranks."""
     from flexmesh.layout.plan import Plan, StagePlan

@@ -16,7 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import flexmesh_here, flexmesh_ranks, launch, make_steps, tiny_spec, train_config, write_inputs
+from helpers import (
+    flexmesh_here,
+    flexmesh_ranks,
+    launch,
+    make_steps,
+    tiny_spec,
+    train_config,
+    write_inputs,
+    zero2_plan,
+)
 
 from flexmesh.data.mixture import Mixture, MixtureLoader, initial_weights, read_domains, reference_losses
 from flexmesh.errors import DataError
@@ -113,9 +122,7 @@ def worker(out: Path, kind: str) -> None:
     import torch.distributed as dist
 
     from flexmesh.data.tasks import TaskDocuments
-    from flexmesh.layout.plan import Plan, StagePlan
     from flexmesh.layout.step import Piece
-    from flexmesh.layout.strategy import LayerStrategy
     from flexmesh.runtime.model.loss import summed_cross_entropy
     from flexmesh.runtime.model.packing import pack_microbatch
     from flexmesh.runtime.model.transformer import build_model
@@ -126,9 +133,7 @@ def worker(out: Path, kind: str) -> None:
     init_distributed(timeout_s=60)
     world = dist.get_world_size()
     try:
-        st = StagePlan(0, 4, tuple(LayerStrategy.parse(f"tp1-dp{world}z2") for _ in range(4)))
-        plan = Plan.uniform(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
-                            num_microbatches=1, seq_len=256, global_batch=8, stages=(st,))
+        plan = zero2_plan(world)
         steps = [(TaskDocuments(docs, [i % 3 for i in range(len(docs))]), s) for docs, s in make_steps(world, 1, 3)]
         model = build_model(tiny_spec(), device="cpu")
         model.init_weights(train_config().seed)

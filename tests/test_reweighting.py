@@ -17,7 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import flexmesh_here, flexmesh_ranks, launch, make_steps, tiny_spec, train_config, write_inputs
+from helpers import (
+    flexmesh_here,
+    flexmesh_ranks,
+    launch,
+    make_steps,
+    tiny_spec,
+    train_config,
+    write_inputs,
+    zero2_plan,
+)
 
 from flexmesh.data.reweighting import doc_weights, strategy_scores
 from flexmesh.errors import PlanError
@@ -107,8 +116,6 @@ def worker(out: Path, strategy: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from flexmesh.layout.plan import Plan, StagePlan
-    from flexmesh.layout.strategy import LayerStrategy
     from flexmesh.runtime.parallel.distributed import init_distributed
     from flexmesh.runtime.train.trainer import Trainer
 
@@ -116,9 +123,7 @@ def worker(out: Path, strategy: str) -> None:
     init_distributed(timeout_s=60)
     world = dist.get_world_size()
     try:
-        st = StagePlan(0, 4, tuple(LayerStrategy.parse(f"tp1-dp{world}z2") for _ in range(4)))
-        plan = Plan.uniform(model="test-tiny", cluster="cpu", world_size=world, pp=1, pipeline_schedule="1f1b",
-                            num_microbatches=1, seq_len=256, global_batch=8, stages=(st,))
+        plan = zero2_plan(world)
         steps = make_steps(world, 1, 3)
         weighted = Trainer(plan, tiny_spec(), dataclasses.replace(train_config(), reweight=strategy))
         plain = Trainer(plan, tiny_spec(), train_config())
