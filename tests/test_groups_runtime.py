@@ -367,13 +367,15 @@ def test_train_dispatches_each_step_over_replica_groups_and_replans_for_a_stragg
                     "stages": [{"layers": [0, 2], "strategies": ["tp1-dp1z0"] * 2}]}]}))
     proc = flexmesh_ranks(2, "train", "--plan", str(plan), "--policy", "balanced", "--corpus", str(corpus),
                           "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--no-progress",
-                          "--emulate-speed", "1=0.25", "--max-steps", "12", timeout=300)
+                          "--emulate-speed", "1=0.25", "--max-steps", "20", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # detection takes a few steps of evidence (step 4 or 5 on a quiet machine, later under load), and the step's
     # documents may give a re-plan nothing to gain (declined, rightly); the proposal is then priced again on the
-    # following steps' documents and applied where it pays: 12 steps leave room for both
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    # following steps' documents and applied where it pays; under load detection comes as late as step 7 and the first
+    # proposal can be declined on every batch of its retries (a fresh clone's suite did so at 12 steps): 20 steps leave
+    # room for a second proposal after them
+    assert [r["step"] for r in rows] == list(range(1, 21))
     assert all(r["policy"] == "balanced" and r["predicted_step_time_s"] > 0 and r["loss"] > 0 for r in rows)
     events = [(r["step"], e) for r in rows for e in r["events"]]
     detected = [step for step, e in events if e["event"] == "straggler_detected" and e["ranks"] == [1]]
