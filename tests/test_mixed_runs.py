@@ -102,3 +102,29 @@ def test_deepspeeds_pipeline_engine_leaves_the_gradient_all_reduce_exposed():
     assert FRAMEWORKS["deepspeed-pipe"] is DEEPSPEED_PIPE and MEGATRON_V1.framework is DEEPSPEED_PIPE
     assert float(overlapped.exposed_sync(1.0, 4.0, layers=4)) == pytest.approx(0.13)  # hidden under the backward
     assert float(after.exposed_sync(1.0, 4.0, layers=4)) == 1.0
+
+
+def test_fp32_gradient_reduction_moves_four_bytes_a_parameter_where_gradients_are_kept_in_two():
+    from dataclasses import replace
+
+    from flexmesh.cost.training.mixed_runs import RUN_STACKS
+    from flexmesh.cost.training.model import CostModel
+    from flexmesh.cost.training.work import Work
+    from flexmesh.layout.strategy import LayerStrategy
+    from flexmesh.spec import parse_model
+    from flexmesh.spec.model import with_dtype
+
+    cluster, s, work = parse_cluster("2x8xA100-80GB"), LayerStrategy(dp=16), Work.uniform(1, 2048)
+    wide = replace(MEGATRON_V1, fp32_grad_reduce=True)
+    assert "fp32 gradient reduction" in wide.label and "gradient" not in MEGATRON_V1.label
+    for dtype, factor in (("fp16", 2.0), ("bf16", 1.0)):  # bf16 runs keep fp32 gradients already
+        model = with_dtype(parse_model("llama2-7b"), dtype)
+        plain, fp32 = (CostModel(model, cluster, parts=Parts(stack=st)).layer(s, work) for st in (MEGATRON_V1, wide))
+        assert fp32.grad_sync / plain.grad_sync == pytest.approx(factor, rel=0.05)  # a 400 MB all-reduce: bandwidth
+        assert fp32.states == plain.states  # the gradients are kept as before
+    # AMP's runs reduce so (its DeepSpeed config), Sailor's fp32 runs need not; a run without data parallelism
+    # reduces nothing across replicas and is priced the same
+    assert RUN_STACKS["AMP"].fp32_grad_reduce and not RUN_STACKS["Sailor"].fp32_grad_reduce
+    amp = {r.name: r for r in published_runs() if r.system == "AMP"}
+    assert replay(amp["H1"]) > replay(amp["H1"], MEGATRON_V1)
+    assert amp["A12"].dp == 1 and replay(amp["A12"]) == pytest.approx(replay(amp["A12"], MEGATRON_V1), rel=1e-9)

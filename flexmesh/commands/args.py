@@ -263,6 +263,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-pointwise", dest="pointwise_recompute", action="store_true",
                    help="the stack recomputes norms, rotary and the MLP activation in backward (torch.compile's "
                         "partitioner): per token it keeps 4h + 2kv + 2ffn, no GEMM input of its own")
+    g.add_argument("--fp32-grad-reduce", action="store_true",
+                   help="the stack reduces fp16 gradients over the data-parallel ranks in fp32 (DeepSpeed's "
+                        "fp32_allreduce, Megatron-LM's --accumulate-allreduce-grads-in-fp32): 4 bytes a parameter")
     g.add_argument("--framework", choices=sorted(FRAMEWORKS), default=RUNTIME_STACK.framework.name,
                    help="the stack's time above the kernels: flexmesh (default) and megatron price the same; "
                         "llm-foundry: Composer and PyTorch FSDP, eager, its GEMM share and eager cross entropy; "
@@ -274,4 +277,4 @@ def stack_of(args: argparse.Namespace) -> Stack:
     """The :class:`~flexmesh.layout.stack.Stack` of :func:`add_stack_args`' flags."""
     return Stack(attention=args.attention, sequence_parallel=args.sequence_parallel, dropout=args.dropout,
                  fused_swiglu=args.fused_swiglu, pointwise_recompute=args.pointwise_recompute,
-                 framework=FRAMEWORKS[args.framework])
+                 fp32_grad_reduce=args.fp32_grad_reduce, framework=FRAMEWORKS[args.framework])

@@ -92,6 +92,10 @@ class Stack:
     # q, k, v, the attention output, and the MLP's up outputs (2 x ffn for SwiGLU), no GEMM input of its own
     pointwise_recompute: bool = False
     framework: Framework = FLEXMESH  # the time above the kernels (Framework)
+    # Gradients reduced over the data-parallel ranks in fp32 whatever dtype they are kept in: 4 bytes a parameter
+    # in the all-reduce (reduce-scatter) and its buffer. DeepSpeed's "fp32_allreduce", Megatron-LM's
+    # --accumulate-allreduce-grads-in-fp32 on fp16 runs (bf16 runs keep fp32 gradients anyway: STATE_BYTES).
+    fp32_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -108,6 +112,7 @@ class Stack:
                  else "no sequence parallelism"]
         parts += (["dropout"] if self.dropout else []) + (["fused SwiGLU"] if self.fused_swiglu else [])
         parts += ["pointwise ops recomputed"] if self.pointwise_recompute else []
+        parts += ["fp32 gradient reduction"] if self.fp32_grad_reduce else []
         parts += [f"{self.framework.name} framework"] if self.framework.name not in ("megatron", "flexmesh") else []
         return ", ".join(parts)
 

@@ -215,7 +215,7 @@ def _freed(ctx: StageContext, s: LayerStrategy, other: Overlap) -> float:
     """Transient bytes a layer under ``s`` needs less under ``other`` than under ``ctx.overlap``
     (communication buffers: TP userbuffers, a prefetched ZeRO-3 layer, per-micro-batch reduce-scatter
     buffers); the rest of its memory is alike."""
-    m, tokens, own, g = ctx.cost.model, ctx.work(s).tokens, ctx.overlap, ctx.cost.grad_bytes
+    m, tokens, own, g = ctx.cost.model, ctx.work(s).tokens, ctx.overlap, ctx.cost.reduce_bytes
     return max(0.0, tp_buffer_bytes(m, s, tokens, own) - tp_buffer_bytes(m, s, tokens, other)
                + sharded_dp_buffer_bytes(m, s, own, g) - sharded_dp_buffer_bytes(m, s, other, g))
 

@@ -59,9 +59,11 @@ class AdapterCosts:
     timing of the same device, whose kernels price the adapters' GEMMs and the weight gradients left out."""
 
     def __init__(self, model: ModelSpec, hw: Hardware, cluster: ClusterSpec, state_bytes: tuple[float, float, float],
-                 optimizer_s_per_param: float, tasks: TaskSet, analytic: AnalyticTiming):
+                 optimizer_s_per_param: float, tasks: TaskSet, analytic: AnalyticTiming,
+                 reduce_bytes: float | None = None):
         self.model, self.hw, self.cluster = model, hw, cluster
         self.weight_bytes, self.grad_bytes, self.optim_bytes = state_bytes
+        self.reduce_bytes = self.grad_bytes if reduce_bytes is None else reduce_bytes
         self.optimizer_s_per_param = optimizer_s_per_param
         self.tasks = tasks
         self.adapter_params = adapter_params_per_layer(model, tasks)
@@ -85,7 +87,7 @@ class AdapterCosts:
             return 0.0, 0.0, 0.0, optim
         shape = group_shape(d, s.tp, self.cluster)
         ct = self.hw.collective_time
-        sync = float(ct("all_reduce", trainable * self.grad_bytes, shape)) if trainable else 0.0
+        sync = float(ct("all_reduce", trainable * self.reduce_bytes, shape)) if trainable else 0.0
         if s.zero < 3:
             return 0.0, 0.0, sync, optim
         ag = ct("all_gather", params / s.tp * self.weight_bytes, shape)

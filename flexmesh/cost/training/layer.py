@@ -52,7 +52,7 @@ class LayerPricing:
         self.experts = experts
         self.windows = model.attention_windows if model.sliding_window is not None else NO_WINDOW  # NO_WINDOW: s^2
         self.state_bytes = timing.state_bytes_per_param()
-        self.grad_bytes = self.state_bytes[1]
+        self.reduce_bytes = trained.reduce_bytes  # the reduction's bytes and buffers
         self._layer = lru_cache(maxsize=None)(self._layer_uncached)
         self._ends = lru_cache(maxsize=None)(self._ends_uncached)
         self._phases = lru_cache(maxsize=None)(self.phases)
@@ -139,10 +139,10 @@ class LayerPricing:
         # keeps the layer input and holds the full set again while the layer is recomputed.
         act = timing.activation_bytes(s, work.tokens, True) if s.recompute else act_full
         transient = layer_transient_bytes(m, s, work.tokens, overlap, act_full if s.recompute else 0.0,
-                                          self.grad_bytes)
+                                          self.reduce_bytes)
         states = self.trained.states(params, s, overlap)
         if self.experts is not None:  # experts sharded over the stage's ranks, their gathered copies kept for backward
-            estates, esync, eopt, gathered = self.experts.layer_terms(s, self.state_bytes, self.grad_bytes,
+            estates, esync, eopt, gathered = self.experts.layer_terms(s, self.state_bytes, self.reduce_bytes,
                                                                       timing.optimizer_s_per_param())
             states += estates
             sync, optim = sync + esync, optim + eopt

@@ -289,22 +289,22 @@ def gradient_sync(costs: MixedCosts, groups: Sequence[ReplicaGroup]) -> list[lis
         if pipelines:
             stages = [(groups[i].blocks[j], groups[i].stage_tp(j)) for i, j in holders]
             cost, shape = costs.network(ranks[0] for ranks, _ in stages)
-            nbytes = params / min(tp for _, tp in stages) * cost.grad_bytes
+            nbytes = params / min(tp for _, tp in stages) * cost.reduce_bytes
             return float(cost.hw.collective_time("all_reduce", nbytes, shape))
         blocks = [groups[i].blocks[j % groups[i].pp] for i, j in holders]
         lays = [layouts[i] for i, _ in holders]
         cost, shape = costs.network(b[0] for b in blocks)
         if len({len(b) for b in blocks}) == 1 and len({(x.tp, x.data_ranks, x.replicated) for x in lays}) == 1:
             shard = lays[0].tp * (1 if lays[0].replicated else lays[0].data_ranks)
-            return float(cost.hw.collective_time("all_reduce", params / shard * cost.grad_bytes, shape))
+            return float(cost.hw.collective_time("all_reduce", params / shard * cost.reduce_bytes, shape))
         gather = 0.0
         for block, lay in zip(blocks, lays):
             if lay.data_ranks > 1:
                 inner, inner_shape = costs.network(block[::lay.tp])
                 gather = max(gather, float(inner.hw.collective_time(
-                    "all_gather", params / lay.tp * inner.grad_bytes, inner_shape)))
+                    "all_gather", params / lay.tp * inner.reduce_bytes, inner_shape)))
         every, every_shape = costs.network(d for b in blocks for d in b)
-        return gather + float(every.hw.collective_time("all_reduce", params * every.grad_bytes, every_shape))
+        return gather + float(every.hw.collective_time("all_reduce", params * every.reduce_bytes, every_shape))
 
     # Layers with the same holders form one segment (the stage boundaries of every group cut them).
     cuts = sorted({0, groups[0].num_layers} | {s.end for g in groups for s in g.stages})

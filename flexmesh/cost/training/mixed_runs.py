@@ -28,7 +28,7 @@ data-parallel replica, each a pipeline over its stages' devices, the gradient al
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from flexmesh.cost.training.mixed import MixedCosts, evaluate_groups
@@ -44,6 +44,10 @@ from flexmesh.spec.model import ModelSpec, gpt, with_dtype
 # How both stacks ran a layer: Megatron-LM v1's unfused softmax attention, tensor parallelism without sequence
 # parallelism, dropout, under DeepSpeed's pipeline engine (flexmesh.layout.stack).
 MEGATRON_V1 = Stack(attention="unfused", sequence_parallel=False, dropout=True, framework=DEEPSPEED_PIPE)
+# Each system's run settings on it: AMP's DeepSpeed config all-reduces its fp16 gradients in fp32
+# (DeepSpeedExamples/Megatron-LM-v1.1.5-3D_parallelism/examples/ds_config.json at 49afb8b: "fp32_allreduce": true);
+# Sailor trains in fp32, its gradients 4 bytes anyway.
+RUN_STACKS = {"AMP": replace(MEGATRON_V1, fp32_grad_reduce=True), "Sailor": MEGATRON_V1}
 
 
 @dataclass(frozen=True)
@@ -262,8 +266,9 @@ def _costs(model: ModelSpec, cluster: MixedCluster, stack: Stack) -> MixedCosts:
     return MixedCosts(model, cluster, parts=Parts(stack=stack))
 
 
-def replay(run: MixedRun, stack: Stack = MEGATRON_V1) -> float:
-    """The predicted seconds per iteration of ``run`` with its layers run as ``stack`` runs them."""
+def replay(run: MixedRun, stack: Stack | None = None) -> float:
+    """The predicted seconds per iteration of ``run`` with its layers run as ``stack`` runs them (default: as its
+    system ran them, :data:`RUN_STACKS`)."""
     plan, cluster = run_plan(run)
-    return evaluate_groups(plan, _costs(run.model, cluster, stack)).step_time
+    return evaluate_groups(plan, _costs(run.model, cluster, stack or RUN_STACKS[run.system])).step_time
 

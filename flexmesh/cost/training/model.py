@@ -51,6 +51,7 @@ from flexmesh.layout.stack import RUNTIME_STACK
 from flexmesh.layout.strategy import LayerStrategy, chunk_anchors
 from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.model import ModelSpec
+from flexmesh.spec.shape import DTYPE_BYTES
 from flexmesh.units import GIB
 
 
@@ -93,13 +94,16 @@ class CostModel:
                             f"not {parts.stack.label}: drop --model-profile to price that stack")
         state_bytes = self.timing.state_bytes_per_param()
         self.weight_bytes, self.grad_bytes, self.optim_bytes = state_bytes
+        # what a gradient element moves in the data-parallel reduction (and its buffer holds)
+        self.reduce_bytes = DTYPE_BYTES["fp32"] if parts.stack.fp32_grad_reduce else self.grad_bytes
         optimizer = self.timing.optimizer_s_per_param()
         trained: Trained
         if parts.tasks is None:
-            trained = FullTraining(self.hw, cluster, state_bytes, optimizer)
+            trained = FullTraining(self.hw, cluster, state_bytes, optimizer, self.reduce_bytes)
         else:
             analytic = self.timing if isinstance(self.timing, AnalyticTiming) else AnalyticTiming(model, self.hw)
-            trained = AdapterCosts(model, self.hw, cluster, state_bytes, optimizer, parts.tasks, analytic)
+            trained = AdapterCosts(model, self.hw, cluster, state_bytes, optimizer, parts.tasks, analytic,
+                                   self.reduce_bytes)
         experts = ExpertLayers(model, cluster, self.hw, self.timing, parts.experts) if model.is_moe else None
         self.layer_pricing = LayerPricing(model, cluster, self.hw, self.timing, trained, experts)
 

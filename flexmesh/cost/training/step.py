@@ -59,8 +59,8 @@ def max_tokens(pricing: LayerPricing, s: LayerStrategy, layers: int, embed: bool
     if head:
         per_token += pricing.timing.logit_bytes(s, 1.0)
     # Transient buffers: a constant part and a part linear in the micro-batch's tokens.
-    transient = layer_transient_bytes(pricing.model, s, 0.0, overlap, 0.0, pricing.grad_bytes)
-    per_token += layer_transient_bytes(pricing.model, s, 1.0, overlap, 0.0, pricing.grad_bytes) - transient
+    transient = layer_transient_bytes(pricing.model, s, 0.0, overlap, 0.0, pricing.reduce_bytes)
+    per_token += layer_transient_bytes(pricing.model, s, 1.0, overlap, 0.0, pricing.reduce_bytes) - transient
     free = budget - states - transient
     return max(0, int(free / per_token))
 
@@ -89,7 +89,7 @@ def step_grad_sync(pricing: LayerPricing, s: LayerStrategy, data_ranks: int, lay
         sync += n * (zf + zb + once)
         optim += n * opt
     if pricing.experts is not None:
-        esync, eopt = pricing.experts.step_sync(data_ranks * s.tp, pricing.grad_bytes,
+        esync, eopt = pricing.experts.step_sync(data_ranks * s.tp, pricing.reduce_bytes,
                                                 pricing.timing.optimizer_s_per_param())
         sync, optim = sync + layers * esync, optim + layers * eopt
     return sync, optim

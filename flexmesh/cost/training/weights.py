@@ -44,6 +44,8 @@ GradComm = tuple[float, float, float, float]
 class Trained(Protocol):
     """What a step trains, asked by the layer's pricing (:mod:`flexmesh.cost.training.layer`)."""
 
+    reduce_bytes: float  # bytes a gradient element moves in the data-parallel reduction
+
     def states(self, params: float, s: LayerStrategy, overlap: Overlap = NO_OVERLAP) -> float:
         """Bytes of weights, gradients and optimizer states for ``params`` parameters on one device."""
         ...
@@ -69,10 +71,11 @@ class FullTraining:
     """Every weight trains: states and gradient sync under DP and ZeRO (see the module doc)."""
 
     def __init__(self, hw: Hardware, cluster: ClusterSpec, state_bytes: tuple[float, float, float],
-                 optimizer_s_per_param: float):
+                 optimizer_s_per_param: float, reduce_bytes: float | None = None):
         self.hw = hw
         self.cluster = cluster
         self.weight_bytes, self.grad_bytes, self.optim_bytes = state_bytes
+        self.reduce_bytes = self.grad_bytes if reduce_bytes is None else reduce_bytes
         self.optimizer_s_per_param = optimizer_s_per_param
         self._collectives = lru_cache(maxsize=None)(self._collectives_uncached)
 
@@ -131,7 +134,7 @@ class FullTraining:
         ``params`` over ``tp`` x ``d`` ranks, unsharded or ZeRO-2/3; no micro-batch enters them."""
         shape = group_shape(d, tp, self.cluster)
         ct = self.hw.collective_time
-        grads, weights = params / tp * self.grad_bytes, params / tp * self.weight_bytes
+        grads, weights = params / tp * self.reduce_bytes, params / tp * self.weight_bytes
         if not sharded:
             return float(ct("all_reduce", grads, shape)), 0.0, 0.0, 0.0, 0.0
         return (0.0, float(ct("reduce_scatter", grads, shape)), float(ct("all_gather", weights, shape)),
