@@ -78,9 +78,22 @@ def worker(out: Path, names: list[str]) -> None:
         except FlexmeshError as e:
             report[key] = f"{type(e).__name__}: {e}"
 
+    import flexmesh.runtime.train.loop as loop
+
+    in_background: list[int] = []  # the steps the loop checkpointed in a thread
+    start = loop.start_checkpoint
+
+    def spy(root, step, trainer, loader_state, background=None):
+        in_background.extend([step] if background is not None else [])
+        return start(root, step, trainer, loader_state, background)
+
+    loop.start_checkpoint = spy
     try:
         for name in names:
-            base = dataclasses.replace(train_config(), max_steps=6, warmup_steps=2, checkpoint_every=3)
+            in_background.clear()
+            # pp_1f1b checkpoints as it trains; the others write step 3's in the background (--async-checkpoint)
+            base = dataclasses.replace(train_config(), max_steps=6, warmup_steps=2, checkpoint_every=3,
+                                       async_checkpoint=name != "pp_1f1b")
             plan = make_plan(name)
             straight = out / name / "straight"
             trainer = Trainer(plan, tiny_spec(), base)
@@ -90,8 +103,10 @@ def worker(out: Path, names: list[str]) -> None:
             resumed = out / name / "resumed"
             cfg = dataclasses.replace(base, out_dir=str(resumed))
             fit(Trainer(plan, tiny_spec(), cfg), ListSource(steps[:3]), cfg)  # "crashes" after 3
+            after_three = (resumed / "checkpoints" / "latest").read_text().strip()
             fit(Trainer(plan, tiny_spec(), cfg), ListSource(steps), cfg)
-            report[name] = {"straight": losses(straight), "resumed": losses(resumed)}
+            report[name] = {"straight": losses(straight), "resumed": losses(resumed), "after_three": after_three,
+                            "in_background": sorted(set(in_background))}
         if dist.get_world_size() == 2:
             _damage(out / "pp_1f1b" / "resumed", report, expect_error)
             # A disk that fills up on rank 1 only, in the middle of DCP's shard writes.
@@ -127,6 +142,28 @@ def worker(out: Path, names: list[str]) -> None:
             dist.barrier()
             report["foreign"] = {"kept": sorted(p.name for p in foreign.iterdir()),
                                  "latest": (root / "latest").read_text().strip()}
+            # Written in the background: published by finish; a disk that fills up on rank 1 in the thread is
+            # every rank's CheckpointError at finish, the previous checkpoint kept.
+            from flexmesh.runtime.state.checkpoint import start_checkpoint
+
+            group = dist.new_group(backend="gloo")
+            pending = start_checkpoint(root, 9, trainer, {"position": 9}, background=group)
+            report["async_step"] = pending.step
+            pending.finish()
+            report["async_latest"] = (root / "latest").read_text().strip()
+            sums = json.loads((root / "step_000009" / "manifest.json").read_text())["sha256"]  # hashed as written
+            report["async_hashed_all"] = sorted(sums) == sorted(
+                p.name for p in (root / "step_000009").iterdir() if p.name != "manifest.json") and len(sums) > 3
+            expect_error("async_loads", lambda: load_checkpoint(latest_checkpoint(root), trainer))
+            dcp_fs._write_item = full_disk
+            try:
+                pending = start_checkpoint(root, 10, trainer, {"position": 10}, background=group)
+                expect_error("async_disk_full", pending.finish)
+            finally:
+                dcp_fs._write_item = original
+            dist.barrier()
+            report["after_async_full"] = {"latest": (root / "latest").read_text().strip(),
+                                          "left": sorted(p.name for p in root.iterdir())}
         (out / f"report_{rank}.json").write_text(json.dumps(report))
     finally:
         dist.barrier()
@@ -184,7 +221,8 @@ def _run(tmp: Path, world: int, names: list[str]) -> dict:
 @pytest.mark.parametrize("name", ["pp_1f1b", "pp_interleaved"])
 def test_pipeline_resume_gives_the_same_losses(world2, name):
     got = world2[0][name]
-    assert len(got["straight"]) == 6
+    assert len(got["straight"]) == 6 and got["after_three"] == "step_000003"
+    assert got["in_background"] == ([] if name == "pp_1f1b" else [3])  # --async-checkpoint: step 3's in a thread
     assert got["resumed"] == got["straight"]  # exact: same ops, same order, restored state
 
 
@@ -192,7 +230,7 @@ def test_pipeline_resume_gives_the_same_losses(world2, name):
 @pytest.mark.timeout(300)
 def test_pipeline_x_data_parallel_resume_gives_the_same_losses(tmp_path):
     got = _run(tmp_path, 4, ["pp_x_dp"])[0]["pp_x_dp"]
-    assert len(got["straight"]) == 6
+    assert len(got["straight"]) == 6 and got["after_three"] == "step_000003" and got["in_background"] == [3]
     assert got["resumed"] == got["straight"]  # exact: the same operations in the same order from the restored state
 
 
@@ -216,6 +254,20 @@ def test_full_disk_while_saving_says_so_and_keeps_the_previous_checkpoint(world2
         assert world2[rank]["previous_loads"] is None
     assert world2[0]["after_full"]["latest"] == "step_000006"
     assert not any(n.startswith(".tmp-") or n == "step_000007" for n in world2[0]["after_full"]["left"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_written_in_the_background_is_published_by_finish_and_a_full_disk_there_keeps_the_last(world2):
+    assert world2[0]["async_step"] == 9 and world2[0]["async_latest"] == "step_000009"
+    assert world2[0]["async_hashed_all"]  # every file in the manifest, each checked again by the load below
+    for rank in (0, 1):
+        assert world2[rank]["async_loads"] is None
+        msg = world2[rank]["async_disk_full"]  # raised by finish, on both ranks
+        assert msg.startswith("CheckpointError") and "disk full" in msg and "rank 1" in msg, msg
+        assert "step_000009 is intact" in msg
+    assert world2[0]["after_async_full"]["latest"] == "step_000009"
+    assert not any(n.startswith(".tmp-") or n == "step_000010" for n in world2[0]["after_async_full"]["left"])
 
 
 def test_a_folder_not_ours_where_the_next_checkpoint_goes_is_refused_and_kept(world2):

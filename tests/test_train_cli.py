@@ -40,12 +40,16 @@ def test_train_with_nproc_writes_metrics_and_resumes(tmp_path):
 
     # the resume in the command's ranks from the fork server, as torchrun starts them (resumes through the
     # launcher: every attempt after the first of tests/test_failures.py's Ctrl-C test)
-    second = flexmesh_ranks(2, *common[:1], *common[3:], "--max-steps", "3")  # common less its --nproc 2
+    # common less its --nproc 2; step 4's checkpoint written in the background, the last one (5) before the end
+    second = flexmesh_ranks(2, *common[:1], *common[3:], "--max-steps", "5", "--async-checkpoint")
     assert second.returncode == 0, second.stderr[-4000:]
     rows2 = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows2] == [1, 2, 3]  # resumed at 3, earlier lines kept once
+    assert [r["step"] for r in rows2] == [1, 2, 3, 4, 5]  # resumed at 3, earlier lines kept once
     assert rows2[:2] == rows[:2]  # exact: the first run's rows, kept in the file
-    assert (out / "checkpoints" / "step_000003" / "manifest.json").is_file()
+    for step in (4, 5):
+        assert json.loads((out / "checkpoints" / f"step_{step:06d}" / "manifest.json").read_text())["step"] == step
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000005"
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_plan_for_other_world_size_is_rejected(tmp_path, capsys):

@@ -240,7 +240,8 @@ def train_config(args: argparse.Namespace, emulate_speed: tuple = (), resume: bo
 
     return TrainConfig(max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup,
                        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                       seed=args.seed, checkpoint_every=args.checkpoint_every, out_dir=args.out,
+                       seed=args.seed, checkpoint_every=args.checkpoint_every, async_checkpoint=args.async_checkpoint,
+                       out_dir=args.out,
                        resume=not (args.no_resume or args.overwrite) if resume is None else resume,
                        progress=not args.no_progress,
                        dtype=run_dtype(args), emulate_speed=emulate_speed, reshard_from=os.environ.get(RESHARD_ENV),

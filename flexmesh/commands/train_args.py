@@ -114,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer block (default: on for GPUs, off on CPU)")
     p.add_argument("--checkpoint-every", type=nonneg_int, default=0,
                    help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write the --checkpoint-every checkpoints in the background while training goes on "
+                        "(DCP's async_save: the state is copied to host memory first); the last one is written "
+                        "before the run ends")
     p.add_argument("--no-resume", action="store_true",
                    help="start over instead of resuming; refused when --out holds a run, unless --overwrite")
     p.add_argument("--overwrite", action="store_true",

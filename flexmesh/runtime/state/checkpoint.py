@@ -39,6 +39,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,18 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
     A failure on any rank (CheckpointError on every rank; "disk full" for ENOSPC) leaves the
     previous checkpoint and ``latest`` untouched.
     """
+    return start_checkpoint(root, step, trainer, loader_state).finish()
+
+
+def start_checkpoint(root: str | Path, step: int, trainer, loader_state: dict,
+                     background: dist.ProcessGroup | None = None) -> PendingCheckpoint:
+    """Begin checkpoint ``step`` of ``trainer``; all ranks call it, and later :meth:`PendingCheckpoint.finish`.
+
+    The step's state (the rank files, the manifest's entries) is taken now. With ``background`` (a gloo group of
+    every rank, used by nothing else) DCP's shards are copied to host memory now and written by a thread (DCP's
+    ``async_save``, its collectives on that group) while training goes on; without it they are written before this
+    returns. Either way the checkpoint is published (checksums, manifest, rename, ``latest``) by ``finish``.
+    """
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
@@ -140,11 +153,10 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
                                       "its own); nothing was deleted: move it out of the checkpoints folder")
             fresh_folder(tmp, root)
 
+    writing: list = []
+
     def write_shards() -> None:
         model_sd, optim_sd = _state_dicts(trainer, saving=True)
-        # several files per rank, written by as many threads (a 1.1B model's fp32 weights and AdamW
-        # states are 12 GiB: one thread writes them at a fraction of a disk's bandwidth)
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=guarded_writer(tmp, host_threads()))
         # Serialised in memory, written with a plain write: torch.save to a path turns a full disk
         # into "enforce fail ... unexpected pos", a file write into OSError(ENOSPC).
         # The LR scheduler's state stays under the key "scheduler": checkpoints already on disk use it.
@@ -155,26 +167,79 @@ def save_checkpoint(root: str | Path, step: int, trainer, loader_state: dict) ->
             f.write(buf.getbuffer())
             f.flush()
             os.fsync(f.fileno())
-
-    def publish(sums: dict[str, str]) -> None:
-        if rank != 0:
+        # several files per rank, written by as many threads (a 1.1B model's fp32 weights and AdamW
+        # states are 12 GiB: one thread writes them at a fraction of a disk's bandwidth)
+        writer = guarded_writer(tmp, host_threads())
+        if background is None:
+            dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
             return
-        manifest = {"format": FORMAT, "step": step, "plan_hash": plan_hash(trainer.plan),
-                    "plan_layout": trainer.plan.layout, "world_size": dist.get_world_size(), "sha256": sums,
-                    "model": trainer.spec.to_dict()}  # what `flexmesh export` rebuilds the model from
-        manifest.update(part_entries(trainer))  # e.g. LoRA tasks, the experts' layout in the weights file
-        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_atomic(root / "latest", final.name + "\n")
+        # staged (copied) before it returns: the next optimizer step cannot change what is written
+        shards = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
+                                process_group=background)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="flexmesh-checkpoint")
+        writing.append(pool.submit(_hash_own_files, shards, tmp, rank))  # hashed off the step's path too
+        pool.shutdown(wait=False)
 
+    manifest = {"format": FORMAT, "step": step, "plan_hash": plan_hash(trainer.plan),
+                "plan_layout": trainer.plan.layout, "world_size": dist.get_world_size(), "sha256": {},
+                "model": trainer.spec.to_dict()}  # what `flexmesh export` rebuilds the model from
+    manifest.update(part_entries(trainer))  # e.g. LoRA tasks, the experts' layout in the weights file
     _on_all_ranks(prepare, root, tmp, final)
     _on_all_ranks(write_shards, root, tmp, final)
-    sums = _checksums(tmp)  # reads only: not one of the parts a full disk can break
-    _on_all_ranks(lambda: publish(sums), root, tmp, final)
-    return final
+    return PendingCheckpoint(root, tmp, final, manifest, writing[0] if writing else None)
 
+
+def _hash_own_files(shards: Any, tmp: Path, rank: int) -> dict[str, str]:
+    """Once DCP's write ``shards`` (a future) is done on every rank: sha256 of the files this rank wrote (its
+    rank file, DCP's ``__<rank>_*`` shards, rank 0 DCP's ``.metadata``)."""
+    shards.result()
+    names = [f"rank_{rank:05d}.pt"] + sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_")
+                                             or (rank == 0 and p.name == ".metadata"))
+    return hash_files(tmp, names)
+
+
+class PendingCheckpoint:
+    """A checkpoint begun by :func:`start_checkpoint`, not yet published. ``future``: with a background write,
+    the sha256 of this rank's files once every rank's are written."""
+
+    def __init__(self, root: Path, tmp: Path, final: Path, manifest: dict, future: Any = None):
+        self.root, self.tmp, self.final, self.manifest, self.future = root, tmp, final, manifest, future
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def done(self) -> bool:
+        """Whether every rank's shards are written (or failed): one small all-reduce, on every rank."""
+        mine = torch.tensor([1 if self.future is None or self.future.done() else 0], dtype=torch.int32)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=cpu_group())
+        return bool(mine.item())
+
+    def finish(self) -> Path:
+        """Wait for the shards, then publish: checksums, the manifest, the rename and ``latest``; all ranks call
+        it. A failure on any rank is every rank's CheckpointError, the previous checkpoint kept."""
+        mine: dict[str, str] = {}
+        if self.future is not None:
+            future = self.future
+
+            def written() -> None:
+                mine.update(future.result())  # DCP's CheckpointException of any rank's failed write, or the hashes
+
+            _on_all_ranks(written, self.root, self.tmp, self.final)
+        # reads only: not one of the parts a full disk can break; what the ranks hashed as they wrote is not read again
+        sums = _checksums(self.tmp, hashed=mine if self.future is not None else None)
+        _on_all_ranks(lambda: self._publish(sums), self.root, self.tmp, self.final)
+        return self.final
+
+    def _publish(self, sums: dict[str, str]) -> None:
+        if dist.get_rank() != 0:
+            return
+        write_atomic(self.tmp / MANIFEST, json.dumps({**self.manifest, "sha256": sums}, indent=2) + "\n")
+        if self.final.exists():
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
+        write_atomic(self.root / "latest", self.final.name + "\n")
 
 
 def _written_here(folder: Path) -> bool:
@@ -262,12 +327,22 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1][:300]}" if lines else type(e).__name__
 
 
-def _checksums(folder: Path, names: list[str] | None = None) -> dict[str, str]:
+def _checksums(folder: Path, names: list[str] | None = None, hashed: dict[str, str] | None = None) -> dict[str, str]:
     """sha256 of the files in ``folder`` (default: all but the manifest), each rank hashing a share.
 
     Rank 0 lists the folder and broadcasts the names, so every rank agrees on the shares; all ranks
-    call it and get the whole table.
+    call it and get the whole table. ``hashed``: this rank's files it hashed already (a background write's);
+    the ranks' tables are gathered and only files none of them hashed are read.
     """
+    if hashed is not None and dist.is_initialized():
+        tables: list = [None] * dist.get_world_size()
+        dist.all_gather_object(tables, hashed, group=cpu_group())
+        known = {k: v for t in tables for k, v in t.items()}
+        box = [sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in known)
+               if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=cpu_group())
+        rest = _checksums(folder, box[0]) if box[0] else {}
+        return dict(sorted({**known, **rest}.items()))
     if not dist.is_initialized():  # one process (flexmesh export): hash everything here
         names = names if names is not None else sorted(p.name for p in folder.iterdir()
                                                        if p.is_file() and p.name != MANIFEST)

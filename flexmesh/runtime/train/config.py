@@ -22,6 +22,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     seed: int = 0
     checkpoint_every: int = 0  # steps; 0: only at the end when out_dir is set
+    # the checkpoint_every ones written by a thread while later steps train; the last one is written before fit returns
+    async_checkpoint: bool = False
     out_dir: str | None = None  # metrics.jsonl and checkpoints/ go here
     resume: bool = True  # continue from out_dir/checkpoints when one exists
     progress: bool = True  # live progress line on rank 0

@@ -24,7 +24,13 @@ from flexmesh.layout.step import StepSchedule
 from flexmesh.runtime.observe.walltime import WallTime
 from flexmesh.runtime.observe.watchdog import Heartbeat, rank_error
 from flexmesh.runtime.parallel.distributed import cpu_group
-from flexmesh.runtime.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flexmesh.runtime.state.checkpoint import (
+    PendingCheckpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    start_checkpoint,
+)
 from flexmesh.runtime.state.rundir import (
     ATTEMPT_RECORDS,
     CHECKPOINTS,
@@ -88,7 +94,10 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
     docs/metrics.md), and for a model with experts one per MoE layer and step to ``routing.jsonl``;
     on resume, lines of steps after the checkpoint are dropped first so neither file ever holds a
     step twice. Checkpoints go to ``<out_dir>/checkpoints`` every
-    ``checkpoint_every`` steps and at the end.
+    ``checkpoint_every`` steps and at the end. With ``async_checkpoint`` the every-N ones are written by a thread
+    (:func:`~flexmesh.runtime.state.checkpoint.start_checkpoint`) and published at the first step boundary where
+    every rank's shards are written; one is in flight at a time, and any other checkpoint, a signal, a diverged
+    loss or the run's end waits for it first.
 
     Rank 0 holds the folder's lock for the run (flexmesh.runtime.state.rundir); with ``resume`` off, a
     folder holding an earlier run is refused (RunFolderError on every rank). SIGTERM (preemption)
@@ -156,6 +165,8 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
         history: list[StepMetrics] = []
         progress = _Progress(config.max_steps, trainer.step_index) if rank0 and config.progress else None
         late = 0  # consecutive steps that ran the fallback schedule
+        background = dist.new_group(backend="gloo") if config.async_checkpoint and ckpt_root is not None else None
+        pending: PendingCheckpoint | None = None  # an asynchronous checkpoint being written
         while trainer.step_index < config.max_steps:
             t_step = time.perf_counter()
             try:
@@ -173,7 +184,11 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                     per = "".join(f", {name} {x:.4f}" for name, x in zip(m.domains, m.eval_domain_loss, strict=False))
                     _say(progress, f"step {m.step}: held-out loss {m.eval_loss:.4f}{per}, perplexity {m.eval_ppl:,.2f}")
             migrated = saved = None
+            if pending is not None and pending.done():
+                with wall.phase("checkpoints"):
+                    pending = _published(pending)
             if migration is not None and ckpt_root is not None and migration.due(m):
+                pending = _published(pending)
                 m, saved, migrated = _migration_point(migration, m, ckpt_root, trainer, source)
             history.append(m)
             if rank0 and metrics_file is not None:
@@ -187,13 +202,15 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
             if progress is not None:
                 progress.update(m)
             if not math.isfinite(m.loss):  # the same on every rank (the loss is reduced): stop before saving it
+                pending = _published(pending)
                 raise Diverged(m.step, m.loss, latest_checkpoint(ckpt_root) if ckpt_root is not None else None)
             if rank0:
                 for line in event_lines(m, late):
                     _say(progress, line)
                 late = late + 1 if m.fallback else 0
             stop = preemption.agreed()
-            if stop == signal.SIGINT:  # no checkpoint is started after Ctrl-C
+            if stop == signal.SIGINT:  # no checkpoint is started after Ctrl-C (one in flight is finished)
+                pending = _published(pending)
                 raise Interrupted(m.step, latest_checkpoint(ckpt_root) if ckpt_root is not None else None)
             every = config.checkpoint_every
             due = (every and m.step % every == 0) or m.step == config.max_steps or stop
@@ -202,9 +219,15 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
                 raise Migrating(m.step, saved, migrated)
             if ckpt_root is not None and due and saved is None:
                 with wall.phase("checkpoints"):
-                    saved = save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
+                    pending = _published(pending)
+                    if background is not None and not stop and m.step < config.max_steps:
+                        pending = start_checkpoint(ckpt_root, m.step, trainer, source.state_dict(), background)
+                    else:
+                        saved = save_checkpoint(ckpt_root, m.step, trainer, source.state_dict())
             if stop and trainer.step_index < config.max_steps:  # at the last step the run is done anyway
                 raise Preempted(m.step, saved)
+        with wall.phase("checkpoints"):
+            pending = _published(pending)  # the source ran out after a step that began one
     except RuntimeError as e:  # torch's DistBackendError included
         named = rank_error(e, heartbeat)
         if named is not None:
@@ -222,6 +245,13 @@ def fit(trainer: Trainer, source: StepSource, config: TrainConfig, monitor: Any 
         if held and out is not None:
             release_run_folder(out)
     return history
+
+
+def _published(pending: PendingCheckpoint | None) -> PendingCheckpoint | None:
+    """Wait for ``pending`` (on every rank) and publish it; what is in flight then: nothing."""
+    if pending is not None:
+        pending.finish()
+    return None
 
 
 def _migration_point(migration: Any, m: StepMetrics, ckpt_root: Path, trainer: Trainer, source: StepSource
