@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-record", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = ap.parse_args(argv)
     runs = {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="flexmesh-ckpt-") as tmp:
         folder = Path(tmp)
         (folder / "config.json").write_text(json.dumps(CONFIG))
@@ -80,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     total = {n: r["phases"]["first step"] + r["phases"]["steps"] + r["phases"]["checkpoints"] for n, r in runs.items()}
     saved = 1 - total["--async-checkpoint"] / total["in the step's path"]
     lines = [f"One process (OMP_NUM_THREADS=1) on a {os.cpu_count()}-core machine, {args.steps} steps, a checkpoint "
-             f"every {EVERY} (1.1 GB each; the last written before the run ends in both runs):", ""]
+             f"every {EVERY} (1.1 GB each; the last written before the run ends in both runs). Load average (1 min) "
+             f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after.", ""]
     lines += markdown_table(["checkpoints written", "steps s", "checkpoints s", "steps + checkpoints s",
-                             "median step s beside a write", "median step s otherwise", "last loss"], table)
-    lines += ["", f"Steps and checkpoints together: {saved:+.1%} less time with --async-checkpoint. The model and "
+                             "median step s after a checkpoint's step", "median step s, the others", "last loss"],
+                            table)
+    lines += ["", f"Steps and checkpoints together: {saved:.1%} less time with --async-checkpoint. The model and "
                   f"optimizer shards of every checkpoint: {'byte for byte the same' if same else 'DIFFERENT'} in both "
                   f"runs (sha256) {'PASS' if same else 'FAIL'}."]
     body = "\n".join(lines)
