@@ -195,12 +195,7 @@ def global_label_tokens(docs: Sequence[np.ndarray], schedule: StepSchedule) -> i
     Counts each context-parallel group once (its ranks share the micro-batches). Equals
     ``sum(len(d) - 1)`` over the scheduled (not deferred) documents when the schedule is valid.
     """
-    total = 0
-    for g in schedule.groups:
-        for mb in g.microbatches:
-            for p in mb:
-                total += piece_label_tokens(len(_check_piece(docs, p)), p)
-    return total
+    return int(doc_label_tokens(docs, schedule).sum())
 
 
 def pad_to(batch: PackedBatch, length: int) -> PackedBatch:
