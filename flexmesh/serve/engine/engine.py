@@ -124,6 +124,9 @@ def speed(device: str, graphs: tuple[bool, bool], attention: str, flash_installe
 
     >>> speed("cuda:0", (False, True), "paged|sdpa", False)["note"]
     'cuda:0: CUDA graphs for decode batches; attention paged|sdpa (no flash kernel installed: flash-attn)'
+    >>> speed("cuda:1", (False, False), "paged|sdpa", True)["note"].split("; ")
+    ['cuda:1: no CUDA graphs (transformers captured none: its rule for this attention, or no graph backend)', \
+'attention paged|sdpa (transformers kept it)']
     >>> speed("cpu", (False, False), "paged|sdpa", False)["note"]
     'cpu: no CUDA graphs or flash attention on a CPU; attention paged|sdpa'
     """
@@ -135,7 +138,7 @@ def speed(device: str, graphs: tuple[bool, bool], attention: str, flash_installe
         why = "" if flash else (" (no flash kernel installed: flash-attn)" if not flash_installed
                                 else " (transformers kept it)")
         got = (f"CUDA graphs for {' and '.join(paths)} batches" if paths
-               else "no CUDA graphs (transformers' rule: its attention needs a mask)")
+               else "no CUDA graphs (transformers captured none: its rule for this attention, or no graph backend)")
         note = f"{device}: {got}; attention {attention}{why}"
     return {"cuda_graphs": {"prefill": graphs[0], "decode": graphs[1]}, "attention": attention, "note": note}
 
