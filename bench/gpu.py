@@ -67,6 +67,7 @@ from bench.gpu_case import (  # noqa: E402
     model_spec,
     schedules,
     sync,
+    traced_step,
 )
 
 WARMUP = 2  # steps left out of throughput for every system compared: the first compiles, both warm the allocator
@@ -166,40 +167,6 @@ def apply_liger(modules) -> None:  # noqa: ANN001
     T.linear_cross_entropy = loss
 
 
-# Kernel names by kind, for the profiler's breakdown of a step (first match wins).
-KINDS = (("attention", r"flash|fmha|attention|attn"), ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|addmm|\bmm\b|matmul"),
-         ("optimizer", r"adam|multi_tensor"), ("loss", r"cross_entropy|log_softmax|nll|logsumexp"),
-         ("fused (Triton)", r"^triton_|_kernel$"), ("copies", r"copy|memcpy|memset|fill|cat|index"))
-
-
-def traced_step(step, device_type: str) -> dict:  # noqa: ANN001
-    """Run ``step()`` under torch.profiler: the device's busy time by kernel kind and the top kernels,
-    against the step's wall time (a device idle for much of it waits on the host)."""
-    import re
-    import time
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device_type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-        t0 = time.perf_counter()
-        step()
-        wall = time.perf_counter() - t0
-    events = [e for e in prof.key_averages()
-              if (e.device_type == torch.autograd.DeviceType.CUDA if cuda else e.key.startswith("aten::"))]
-    own = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6, e.count) for e in events]
-    own = [o for o in own if o[1] > 0]
-    kinds: dict[str, float] = {}
-    for name, t, _ in own:
-        kind = next((k for k, rx in KINDS if re.search(rx, name, re.I)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + t
-    busy = sum(kinds.values())
-    top = sorted(own, key=lambda o: -o[1])[:12]
-    return {"wall_s": wall, "busy_s": busy, "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": [{"name": n[:120], "s": t, "calls": c} for n, t, c in top]}
-
-
 def transformers_worker(a: argparse.Namespace) -> dict:
     import time
 
@@ -281,7 +248,7 @@ def run_worker(system: str, case: Case, a: argparse.Namespace, folder: Path) -> 
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     if a.cpu:
         cmd.append("--cpu")
-    if a.trace and system == "flexmesh":
+    if a.trace and system in ("flexmesh", "torchtitan"):
         cmd.append("--trace")
     if a.compile is not None:
         cmd.append("--compile" if a.compile else "--no-compile")
@@ -361,9 +328,10 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     p.add_argument("--systems", default=None, help="comma-separated systems for every case (default: transformers, "
-                   "flexmesh, and on a GPU torchtitan where installed and at 2048 flexmesh-eager, flexmesh-liger)")
+                   "flexmesh, and on a GPU torchtitan where installed; named only: flexmesh-eager, -liger, -flex)")
     p.add_argument("--results", metavar="FILE", help="append each run's summary to FILE (JSON lines) as it finishes")
-    p.add_argument("--trace", action="store_true", help="profile one more flexmesh step: device time by kernel kind")
+    p.add_argument("--trace", action="store_true",
+                   help="profile one more step of flexmesh and torchtitan: device time by kernel kind")
     p.add_argument("--model-config", metavar="DIR", help="write the config.json of the GPU cases' model to DIR and "
                    "exit: `flexmesh profile model --model DIR --dtype bf16` profiles that shape")
     # worker-only

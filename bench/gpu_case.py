@@ -86,3 +86,37 @@ def sync(device) -> None:
 
 def case_of(a: argparse.Namespace) -> Case:
     return next(c for c in (CPU_CASES if a.cpu else GPU_CASES) if c.name == a.case)
+
+
+# Kernel names by kind, for the profiler's breakdown of a step (first match wins).
+KINDS = (("attention", r"flash|fmha|attention|attn"), ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|addmm|\bmm\b|matmul"),
+         ("optimizer", r"adam|multi_tensor"), ("loss", r"cross_entropy|log_softmax|nll|logsumexp"),
+         ("fused (Triton)", r"^triton_|_kernel$"), ("copies", r"copy|memcpy|memset|fill|cat|index"))
+
+
+def traced_step(step, device_type: str) -> dict:  # noqa: ANN001
+    """Run ``step()`` under torch.profiler: the device's busy time by kernel kind and the top kernels,
+    against the step's wall time (a device idle for much of it waits on the host)."""
+    import re
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device_type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages()
+              if (e.device_type == torch.autograd.DeviceType.CUDA if cuda else e.key.startswith("aten::"))]
+    own = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6, e.count) for e in events]
+    own = [o for o in own if o[1] > 0]
+    kinds: dict[str, float] = {}
+    for name, t, _ in own:
+        kind = next((k for k, rx in KINDS if re.search(rx, name, re.I)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + t
+    busy = sum(kinds.values())
+    top = sorted(own, key=lambda o: -o[1])[:12]
+    return {"wall_s": wall, "busy_s": busy, "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": n[:120], "s": t, "calls": c} for n, t, c in top]}

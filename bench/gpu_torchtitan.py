@@ -58,7 +58,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_case import case_of, device_of, make_plan, make_steps, model_spec, schedules, sync  # noqa: E402
+from bench.gpu_case import (  # noqa: E402
+    case_of,
+    device_of,
+    make_plan,
+    make_steps,
+    model_spec,
+    schedules,
+    sync,
+    traced_step,
+)
 
 
 def torch_shims() -> list[str]:
@@ -235,6 +244,9 @@ def torchtitan_worker(a: argparse.Namespace) -> dict:
     setup = time.perf_counter() - t0
     with dense_flex_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
         rows = train(model, loss_fn, opt, steps_docs, steps, width, device)
+        # one more step (the last step's documents again) under the profiler, as bench.gpu --trace does flexmesh's
+        trace = traced_step(lambda: train(model, loss_fn, opt, steps_docs[-1:], steps[-1:], width, device),
+                            device.type) if getattr(a, "trace", False) else None
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     precision = "bf16 autocast over fp32 weights" if device.type == "cuda" else "fp32"
     config = (f"Llama3Model {spec.num_layers}x{spec.hidden} ({spec.num_heads}q/{spec.num_kv_heads}kv, ffn "
@@ -246,7 +258,8 @@ def torchtitan_worker(a: argparse.Namespace) -> dict:
     return {"setup_s": setup, "steps": rows, "kernel": kernel, "compiled": compile_,
             "predicted": {}, "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
             "peak_gib": peak, "version": importlib.metadata.version("torchtitan"), "config": config,
-            "init": "torchtitan init_weights (differs from the shared safetensors)", "torch_shims": shims}
+            "init": "torchtitan init_weights (differs from the shared safetensors)", "torch_shims": shims,
+            **({"trace": trace} if trace else {})}
 
 
 def main() -> None:

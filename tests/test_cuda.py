@@ -13,7 +13,9 @@ outputs and gradients.
 - cut documents: the trainer on one GPU, a document cut over micro-batches (its keys and values
   carried), against the single-process CPU reference with whole documents;
 - training: 5 steps of the trainer on one GPU in fp32 and in bf16 (compiled blocks, chunked loss,
-  fused AdamW: the GPU defaults) against the CPU reference's losses.
+  fused AdamW: the GPU defaults) against the CPU reference's losses;
+- checkpoints: one written in the background (``--async-checkpoint``) while the next step runs holds the
+  shards of one written before that step.
 """
 
 from __future__ import annotations
@@ -128,8 +130,29 @@ def worker(out: Path) -> None:
         rows = [dataclasses.asdict(trainer.step(docs, sched)) for docs, sched in make_steps(1, 1, steps=STEPS)]
         (out / f"{dtype}.json").write_text(json.dumps({"rows": rows, "compiled": trainer.config.compile,
                                                       "chunked": trainer.chunked_loss}))
+    async_checkpoint(trainer, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def async_checkpoint(trainer, out: Path) -> None:  # noqa: ANN001 - a Trainer on the GPU
+    """--async-checkpoint's write on the GPU: the state written by a thread while the next step changes the
+    weights on the device, against the same state written before it, shard files by sha256."""
+    import torch.distributed as dist
+
+    from flexmesh.runtime.state.checkpoint import read_manifest, save_checkpoint, start_checkpoint
+
+    docs, sched = make_steps(1, 1, steps=1)[0]
+    synced = save_checkpoint(out / "sync", STEPS, trainer, {"position": STEPS})
+    pending = start_checkpoint(out / "async", STEPS, trainer, {"position": STEPS},
+                               background=dist.new_group(backend="gloo"))
+    trainer.step(docs, sched)  # the weights move while the shards may still be written
+    written = pending.finish()
+
+    def shards(folder: Path) -> dict:  # DCP's shard files, by the sha256 the manifest holds
+        return {k: v for k, v in read_manifest(folder)["sha256"].items() if k.startswith("__")}
+
+    (out / "async.json").write_text(json.dumps({"sync": shards(synced), "async": shards(written)}))
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +160,14 @@ def gpu_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-runs")
     proc = launch(1, ["worker", str(out)], script=__file__, timeout=850, fresh=True)  # CUDA
     return out, proc
+
+
+@pytest.mark.timeout(900)
+def test_a_checkpoint_written_in_the_background_holds_the_state_it_was_started_with(gpu_runs):
+    out, proc = gpu_runs
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    got = json.loads((out / "async.json").read_text())
+    assert got["sync"] and got["async"] == got["sync"]
 
 
 @pytest.mark.timeout(900)

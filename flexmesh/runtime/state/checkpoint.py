@@ -327,6 +327,11 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1][:300]}" if lines else type(e).__name__
 
 
+def _stored_files(folder: Path) -> list[str]:
+    """The files of a checkpoint folder a manifest lists: all but the manifest, sorted."""
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+
+
 def _checksums(folder: Path, names: list[str] | None = None, hashed: dict[str, str] | None = None) -> dict[str, str]:
     """sha256 of the files in ``folder`` (default: all but the manifest), each rank hashing a share.
 
@@ -338,17 +343,15 @@ def _checksums(folder: Path, names: list[str] | None = None, hashed: dict[str, s
         tables: list = [None] * dist.get_world_size()
         dist.all_gather_object(tables, hashed, group=cpu_group())
         known = {k: v for t in tables for k, v in t.items()}
-        box = [sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in known)
-               if dist.get_rank() == 0 else None]
+        box = [[n for n in _stored_files(folder) if n not in known] if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0, group=cpu_group())
         rest = _checksums(folder, box[0]) if box[0] else {}
         return dict(sorted({**known, **rest}.items()))
     if not dist.is_initialized():  # one process (flexmesh export): hash everything here
-        names = names if names is not None else sorted(p.name for p in folder.iterdir()
-                                                       if p.is_file() and p.name != MANIFEST)
+        names = names if names is not None else _stored_files(folder)
         return hash_files(folder, names)
     if names is None and dist.get_rank() == 0:
-        names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+        names = _stored_files(folder)
     box = [names if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=cpu_group())
     rank, world = dist.get_rank(), dist.get_world_size()
