@@ -176,11 +176,15 @@ def _git(*args: str, cwd: Path) -> str:
 
 def commit(root: Path = RESULTS.parent) -> str:
     """HEAD's short hash, with ``-dirty`` when tracked files differ from it (the records themselves aside:
-    earlier benches of the same run rewrite them). A copy of the tree without its git folder (a device
-    machine's) reads the hash that ``bench/gpu_session.sh`` was handed, written where the tree was clean."""
+    earlier benches of the same run rewrite them). A device machine's copy of the tree reads the hash that
+    ``bench/gpu_session.sh`` was handed (``.commit``, written where the tree was clean): the git folder that
+    travels with such a copy can be older than the tree (seen on 2026-11-30: HEAD 023b5a7, tree a575626)."""
+    given = os.environ.get("FLEXMESH_BENCH_COMMIT")
+    if given:
+        return given
     sha = _git("rev-parse", "--short", "HEAD", cwd=root)
     if not sha:
-        return os.environ.get("FLEXMESH_BENCH_COMMIT", "unknown")
+        return "unknown"
     changed = _git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)bench/RESULTS.md",
                    ":(exclude,top)bench/records", cwd=root)
     return sha + ("-dirty" if changed else "")

@@ -110,7 +110,11 @@ def flexmesh_worker(a: argparse.Namespace) -> dict:
     predicted = {k: [s.predicted_step_time for s in schedules(spec, plan, steps_docs, case.doc_len, c)]
                  for k, c in costs.items()}
     steps = schedules(spec, plan, steps_docs, case.doc_len)
-    variant = a.mode[1].partition("-")[2] if "-" in a.mode[1] else ""  # flexmesh-eager, -liger, -flex
+    variant = a.mode[1].partition("-")[2] if "-" in a.mode[1] else ""  # flexmesh-eager, -liger, -flex, -gqa
+    if variant == "gqa":  # the varlen kernel given the key/value heads as they are (attention_kernels)
+        from flexmesh.runtime.model import attention_kernels as AK
+
+        AK.VARLEN_NATIVE_GQA = True
     if variant == "flex":  # FlexAttention ahead of the other kernels that serve the case (compiled, document mask)
         from flexmesh.runtime.model import attention_kernels as AK
 
@@ -127,7 +131,8 @@ def flexmesh_worker(a: argparse.Namespace) -> dict:
     for docs, schedule in zip(steps_docs, steps):
         m = trainer.step(docs, schedule)
         rows.append({"time_s": m.step_time_s, "tokens": m.tokens, "loss": m.loss, "microbatches": m.microbatches})
-    kernel = m.attention_kernel + (" + Liger norms/SwiGLU/loss" if variant == "liger" else "")
+    kernel = m.attention_kernel + (" + Liger norms/SwiGLU/loss" if variant == "liger" else "") + (
+        " (kv heads not repeated)" if variant == "gqa" and m.attention_kernel == "varlen" else "")
     out = {"setup_s": setup, "steps": rows, "kernel": kernel, "compiled": bool(trainer.config.compile),
            "predicted": predicted, "device": torch.cuda.get_device_name() if trainer.device.type == "cuda" else "CPU",
            "peak_gib": m.peak_memory_gib}
@@ -328,7 +333,8 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     p.add_argument("--systems", default=None, help="comma-separated systems for every case (default: transformers, "
-                   "flexmesh, and on a GPU torchtitan where installed; named only: flexmesh-eager, -liger, -flex)")
+                   "flexmesh, and on a GPU torchtitan where installed; named only: flexmesh-eager, -liger, -flex, "
+                   "-gqa)")
     p.add_argument("--results", metavar="FILE", help="append each run's summary to FILE (JSON lines) as it finishes")
     p.add_argument("--trace", action="store_true",
                    help="profile one more step of flexmesh and torchtitan: device time by kernel kind")

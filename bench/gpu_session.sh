@@ -32,7 +32,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >> "$LOG" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-[ -f .commit ] && export FLEXMESH_BENCH_COMMIT=$(cat .commit)  # the tree's commit, where no .git came along
+[ -f .commit ] && export FLEXMESH_BENCH_COMMIT=$(cat .commit)  # the tree's commit: the git folder that travels can be older
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   python3 -m pip list 2>/dev/null | grep -iE "^(torchtitan|liger-kernel|triton|flash)" ; df -h /tmp | tail -1; } >> "$LOG" 2>&1

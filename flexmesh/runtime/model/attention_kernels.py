@@ -217,6 +217,13 @@ def _varlen_serves(window: int | None, gqa: bool) -> bool:
     return causal and (window is None or "window_size" in params)
 
 
+# Without ``enable_gqa`` in varlen_attn's signature (torch 2.10-2.11), keys and values are repeated to the
+# query heads before the call: two copies a layer forward and their sums backward. Its flash kernel (FA2)
+# serves fewer key/value heads itself, as flash_attn_varlen_func does; True passes them as they are. A
+# measured choice: bench.gpu's flexmesh-gqa row against flexmesh, tests/test_cuda.py against the CPU.
+VARLEN_NATIVE_GQA = False
+
+
 def _varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                  max_q: int, max_k: int, window: int | None) -> torch.Tensor:
     """PyTorch's varlen kernel on [T, H, D] rows, causal (bottom-right aligned where a sequence has more
@@ -227,7 +234,7 @@ def _varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
     kwargs: dict = {}
     if k.shape[1] != q.shape[1] and "enable_gqa" in params:
         kwargs["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:
+    elif k.shape[1] != q.shape[1] and not VARLEN_NATIVE_GQA:
         k, v = repeat_kv(q, k, v)
     if "window_size" in params:  # torch >= 2.12: causality is a window of (-1, 0)
         kwargs["window_size"] = (-1, 0) if window is None else flash_window_size(window)
