@@ -286,13 +286,24 @@ def systems_of(case: Case, a: argparse.Namespace) -> list[str]:
     tokens/s against compiled blocks' 53,131 at 2048 on an H100 on 2026-11-27) and ``flexmesh-flex``
     (FlexAttention ahead of the varlen kernel: 60,425 against 59,908 at 2048 and 42,228 against 43,036 at
     8192 on an H200 at f10e0c6, with a first step of 49 s against 15 s), so compiled blocks over the varlen
-    kernel stay the default."""
+    kernel stay the default. ``flexmesh-gqa`` runs by default where it would differ (:func:`varlen_repeats_kv`)."""
     if a.systems:
         return a.systems.split(",")
     systems = ["transformers", "flexmesh"]
+    if not a.cpu and varlen_repeats_kv():  # a candidate until measured: flexmesh-gqa
+        systems.append("flexmesh-gqa")
     if not a.cpu and not case.mixed and importable("torchtitan"):
         systems.append("torchtitan")
     return systems
+
+
+def varlen_repeats_kv() -> bool:
+    """Whether the varlen kernel repeats keys and values to the query heads here (this torch's varlen_attn has
+    no ``enable_gqa`` and ``VARLEN_NATIVE_GQA`` is off): then ``flexmesh-gqa`` runs by default beside flexmesh."""
+    from flexmesh.runtime.model import attention_kernels as AK
+
+    found = AK._torch_varlen()
+    return found is not None and "enable_gqa" not in found[1] and not AK.VARLEN_NATIVE_GQA
 
 
 def summarise(spec, case: Case, result: dict, peak: float | None) -> dict:

@@ -41,7 +41,7 @@ fi
 timed() { local name=$1 s; shift; s=$(date +%s); "$@"; log "$name exit $? after $(( $(date +%s) - s )) s"; }
 
 part_bench() {
-  timeout "$(limit ${T_BENCH:-300})" python3 -m bench.gpu --steps ${STEPS:-7} --trace --timeout 100 \
+  timeout "$(limit ${T_BENCH:-420})" python3 -m bench.gpu --steps ${STEPS:-7} --trace --timeout 100 \
     --cases ${CASES:-2048,8192,mix} --results "$WORK/bench.jsonl" ${BENCH_ARGS:-} > "$WORK/bench.txt" 2>&1
 }
 
