@@ -76,7 +76,7 @@ def main() -> int:
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
     from flexmesh.profile.iteration import ProfiledIterationTiming
     from flexmesh.profile.streamed import streamed_profile, sweep
-    from flexmesh.serve.engine.external import fronting
+    from flexmesh.serve.engine.external import fronting, sharing_pids
     from flexmesh.serve.engine.processes import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
@@ -110,7 +110,7 @@ def main() -> int:
             print("profiling through streamed tokens ...", flush=True)
             its, firsts, host = await sweep([e.url for e in engines], str(folder), card["vocab_size"],
                                             base.max_batch_tokens, base.max_requests_per_batch, card["max_model_len"],
-                                            args.quick, pids=[e.proc.pid for e in engines])
+                                            args.quick, pids=sharing_pids(engines, cfgs))
             spec = parse_model(base.model).to_dict()
             prof = streamed_profile(its, firsts, {"kind": "vllm", **base.__dict__}, spec, len(cfgs), host)
             prof.save(out / "engine-vllm.json")

@@ -27,11 +27,12 @@ of theirs: every term is linear. Tokens that arrive in one chunk share its time 
 several at once); their gaps are zero and the medians ride over them.
 
 The engines' iterations share the host's cores with their API servers (which stream every token), flexmesh's router
-and the client: the sweep measures the CPU time of the API server processes and its own over each scenario, their
-idle background taken out, and :func:`flexmesh.profile.host.host_costs_from` splits it into ``host_request_s`` and
-``host_token_s`` on ``host_cores`` (the twin charges them to the engines while they fill every core, as for
-flexmesh's own engine). What this cannot see, and the profile leaves at 0: the first iteration after idling (inside
-the samples' times).
+and the client: the sweep measures the CPU time of the API server processes (those of engines not held to cores
+of their own: a pinned engine's API server runs on its cores, inside the gaps measured) and its own over each
+scenario, their idle background taken out, and :func:`flexmesh.profile.host.host_costs_from` splits it into
+``host_request_s`` and ``host_token_s`` on ``host_cores`` (the twin charges them to the engines while they fill every
+core, as for flexmesh's own engine). What this cannot see, and the profile leaves at 0: the first iteration after
+idling (inside the samples' times).
 """
 
 from __future__ import annotations
@@ -297,6 +298,7 @@ async def profile_external(cfgs, card: dict, model: str, base, quick: bool, log_
     import json
 
     from flexmesh.profile.format import produced_by, spec_hash
+    from flexmesh.serve.engine.external import sharing_pids
     from flexmesh.serve.engine.processes import start_engines, stop_engines
     from flexmesh.spec.model import parse_model
 
@@ -304,7 +306,7 @@ async def profile_external(cfgs, card: dict, model: str, base, quick: bool, log_
     try:
         its, firsts, host = await sweep([e.url for e in engines], model, card["vocab_size"], base.max_batch_tokens,
                                         base.max_requests_per_batch, card["max_model_len"], quick, progress,
-                                        pids=[e.proc.pid for e in engines])
+                                        pids=sharing_pids(engines, cfgs))
     finally:
         await stop_engines(engines)
     spec = parse_model(base.model).to_dict()

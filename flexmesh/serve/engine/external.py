@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ class ExternalEngine:
     max_running: int
     kv_tokens: int
     config: object = None  # the EngineConfig of its knobs where it was started from flags (the twin simulates it)
+    cores: tuple[int, ...] = ()  # the CPU cores all its processes run on (a CPU build: :func:`cpu_cores`); () any
 
 
 def engine_python(kind: str, given: str | None = None) -> str:
@@ -107,9 +109,12 @@ def externals(kind: str, launches, python: str, ports: list[int], extra: list[st
         argv[argv.index("--port") + 1] = str(port)
         argv[argv.index("--host") + 1] = "127.0.0.1"
         own = {**x.env, **env}
+        cores: tuple[int, ...] = ()
         if kind == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             own["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores(k, int(env.get("OMP_NUM_THREADS", "1")))
-        out.append(ExternalEngine(kind, tuple(argv + extra), own, port, x.max_running, kv, config))
+            if x.device == "cpu":
+                cores = tuple(int(c) for c in own["VLLM_CPU_OMP_THREADS_BIND"].split(","))
+        out.append(ExternalEngine(kind, tuple(argv + extra), own, port, x.max_running, kv, config, cores))
     return out
 
 
@@ -119,11 +124,24 @@ def cpu_cores(k: int, threads: int, cores: list[int] | None = None) -> str:
     engine of a machine to the same first cores, so that two engines side by side take turns on one core (seen here:
     first tokens of 0.5-1 s beside 25-50 ms). A GPU build reads no such variable.
 
+    The variable binds only the model's worker process. Its engine core (the scheduler) and API server float over
+    every core, and the worker spins between iterations (vLLM's shared-memory queue busy-loops for a second after
+    each read), so with two engines on two cores each scheduler waited for a core 3x as long as it ran (measured
+    here with ``/proc/PID/schedstat``) and TTFT p50 doubled. An engine started here on CPU therefore runs all its
+    processes on these cores (:attr:`ExternalEngine.cores`).
+
     >>> cpu_cores(0, 1, [0, 1]), cpu_cores(1, 1, [0, 1]), cpu_cores(2, 1, [0, 1]), cpu_cores(1, 2, [0, 1, 2, 3])
     ('0', '1', '0', '2,3')
     """
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     return ",".join(str(cores[(k * threads + i) % len(cores)]) for i in range(threads))
+
+
+def sharing_pids(engines, cfgs: Sequence[ExternalEngine]) -> list[int]:  # noqa: ANN001 - EngineProcesses
+    """The engines' processes that share every core with the router's (those not held to cores of their own): the
+    CPU a sweep counts as the host's (:func:`flexmesh.profile.streamed.sweep`). A pinned engine's API server runs on
+    its engine's cores, inside the iteration times the sweep measures."""
+    return [e.proc.pid for e, c in zip(engines, cfgs) if not c.cores]
 
 
 def model_card(folder: Path) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -52,11 +53,13 @@ class EngineProcess:
         return f"http://{HOST}:{self.port}"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(cores: Sequence[int] = ()) -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: engines are still stopped by stop_engines
         pass
+    if cores and hasattr(os, "sched_setaffinity"):  # every process it starts inherits them
+        os.sched_setaffinity(0, cores)
 
 
 def _child_env(cfg: EngineConfig) -> dict:
@@ -99,7 +102,8 @@ async def start_engines(cfg: EngineConfig | Sequence[EngineConfig | ExternalEngi
                 if isinstance(c, ExternalEngine):  # its own session: its workers stop with it (stop_engines)
                     proc = await asyncio.create_subprocess_exec(
                         *c.argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=asyncio.subprocess.STDOUT,
-                        env={**os.environ, **c.env}, preexec_fn=_die_with_parent, start_new_session=True)
+                        env={**os.environ, **c.env}, preexec_fn=functools.partial(_die_with_parent, c.cores),
+                        start_new_session=True)
                     engines.append(EngineProcess(k, proc, log, c.port, external=True))
                     continue
                 proc = await asyncio.create_subprocess_exec(
