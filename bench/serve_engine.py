@@ -349,7 +349,8 @@ def report(cfg, prof, win, context: int, passes: list[list[RateRun]], simulated,
           f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, the first iteration after idling "
           f"{prof.after_idle:+.0%}, admission (router -> the engine's batch, "
           f"added to every simulated arrival) {prof.admission_s * 1e3:.2f} ms, the router's and the client's process "
-          f"{prof.host_request_s * 1e3:.2f} ms CPU a request and {prof.host_token_s * 1e6:.1f} us a token carried on "
+          f"{prof.host_request_s * 1e3:.2f} ms CPU a request, {prof.host_token_s * 1e6:.1f} us a prompt token and "
+          f"{prof.host_output_s * 1e6:.1f} us an output token on "
           f"{prof.host_cores} cores (charged to the engines while they fill every core); in-sample error of the fit: "
           f"median "
           f"{fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",

@@ -75,8 +75,8 @@ def main() -> int:
     from flexmesh.commands.serve_run import external_engines
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window
     from flexmesh.profile.iteration import ProfiledIterationTiming
-    from flexmesh.profile.streamed import streamed_profile, sweep
-    from flexmesh.serve.engine.external import fronting, sharing_pids
+    from flexmesh.profile.streamed import streamed_profile, sweep_and_host
+    from flexmesh.serve.engine.external import fronting
     from flexmesh.serve.engine.processes import running_fleet
     from flexmesh.serve.engine.replay import replay_rates
     from flexmesh.serve.engine.twin import twin_fleet
@@ -108,9 +108,7 @@ def main() -> int:
         async with running_fleet(cfgs, len(cfgs), out / "logs", route="round-robin", request_timeout_s=WAIT_S,
                                  **opts) as (url, engines):
             print("profiling through streamed tokens ...", flush=True)
-            its, firsts, host = await sweep([e.url for e in engines], str(folder), card["vocab_size"],
-                                            base.max_batch_tokens, base.max_requests_per_batch, card["max_model_len"],
-                                            args.quick, pids=sharing_pids(engines, cfgs))
+            its, firsts, host = await sweep_and_host(url, engines, cfgs, str(folder), card, base, args.quick)
             spec = parse_model(base.model).to_dict()
             prof = streamed_profile(its, firsts, {"kind": "vllm", **base.__dict__}, spec, len(cfgs), host)
             prof.save(out / "engine-vllm.json")
@@ -178,10 +176,11 @@ def main() -> int:
           f"{prof.produced_by['sweep']['first_tokens']} first tokens of lone prompts, chunked past the budget, decode "
           f"batches and decodes joined by a prompt; no replay): "
           f"overhead c0 = {prof.fit['c0_s'] * 1e3:.2f} ms per iteration, per new token "
-          f"{prof.fit['per_token_s'] * 1e6:.1f} us, admission {prof.admission_s * 1e3:.1f} ms; the API servers' and "
-          f"the client's CPU {prof.host_request_s * 1e3:.2f} ms a request and {prof.host_token_s * 1e6:.1f} us a token "
-          f"carried on {prof.host_cores} cores; in-sample error of the fit median {fit['median']:.1%}, p90 "
-          f"{fit['p90']:.1%}.", "",
+          f"{prof.fit['per_token_s'] * 1e6:.1f} us, admission {prof.admission_s * 1e3:.1f} ms; the router's and the "
+          f"client's CPU (replays of short requests, long answers and long prompts through the router) "
+          f"{prof.host_request_s * 1e3:.2f} ms a request, {prof.host_token_s * 1e6:.1f} us a prompt token and "
+          f"{prof.host_output_s * 1e6:.1f} us an output token on {prof.host_cores} cores; in-sample error of the fit "
+          f"median {fit['median']:.1%}, p90 {fit['p90']:.1%}.", "",
           *markdown_table(["rate/s", "done", "failed", "TTFT p50 ms (measured / twin)", "TPOT p50", "TTFT p90",
                            "TPOT p90"], rows), "",
           f"- p50 TTFT and TPOT: worst |twin / measured - 1| = {worst:.0%} (bound {LATENCY_BOUND:.0%}): "

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from flexmesh.cost.inference.timing import SplitTiming, split_s
 from flexmesh.errors import ProfileError
 from flexmesh.profile.engine import SERVING, idle_admissions, refit, scenarios, serving_lengths
-from flexmesh.profile.host import host_costs_from
+from flexmesh.profile.host import HOST_REPLAYS, host_costs_from
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
     REQUEST_GROUP,
@@ -165,18 +165,19 @@ def test_request_costs_are_what_the_engines_other_threads_spend_per_request_take
                                                         for k in range(3)])
 
 
-def test_host_costs_split_the_router_process_cpu_into_a_request_and_its_tokens():
-    def replay(n, tokens, request_s=2.2e-3, token_s=1e-5):
-        return (n, tokens, n * request_s + tokens * token_s)
+def test_host_costs_split_the_router_process_cpu_into_a_request_its_prompt_tokens_and_its_output_tokens():
+    def replay(n, prompt, outputs, request_s=2.2e-3, token_s=1e-6, output_s=2e-4):
+        return (n, prompt, outputs, n * request_s + prompt * token_s + outputs * output_s)
 
-    # single one-token requests beside serving replays of longer outputs tell the two apart
-    assert host_costs_from([replay(12, 12), replay(60, 1000), replay(60, 1100)]) == pytest.approx((2.2e-3, 1e-5))
-    # every replay with one output length per request: the request's cost holds its tokens' too
-    assert host_costs_from([replay(20, 100), replay(40, 200)]) == pytest.approx((2.25e-3, 0.0))
+    # the host's replays (short requests, long answers, long prompts) beside serving replays tell the three apart
+    rows = [replay(16, 16 * p, 16 * o) for p, o in HOST_REPLAYS] + [replay(60, 6000, 1100)]
+    assert host_costs_from(rows) == pytest.approx((2.2e-3, 1e-6, 2e-4))
+    # every replay with one output length per request: the request's cost holds its output tokens' too
+    assert host_costs_from([replay(20, 100, 20), replay(40, 800, 40)]) == pytest.approx((2.4e-3, 1e-6, 0.0))
     # a replay that answered nothing says nothing; none at all: no cost; never below 0
-    assert host_costs_from([(0, 0, 0.1), replay(10, 10)]) == pytest.approx((2.21e-3, 0.0))
-    assert host_costs_from([]) == (0.0, 0.0)
-    assert min(host_costs_from([(10, 10, 0.03), (10, 500, 0.02)])) >= 0.0
+    assert host_costs_from([(0, 0, 0, 0.1), replay(10, 10, 10)]) == pytest.approx((2.401e-3, 0.0, 0.0))
+    assert host_costs_from([]) == (0.0, 0.0, 0.0)
+    assert min(host_costs_from([(10, 10, 10, 0.03), (10, 500, 10, 0.02), (10, 10, 300, 0.01)])) >= 0.0
 
 
 def test_price_runs_charges_the_router_process_only_where_the_engines_filled_the_hosts_cores():
@@ -341,8 +342,9 @@ def test_profile_engine_quick_writes_a_profile_that_prices_what_it_measured(tmp_
     assert sum(s.taken for s in its if s.phase == "serving") > 0 and sum(s.answered for s in its) > 0
     assert 0 <= prof.intake_s < 0.05 and 0 <= prof.answer_s < 0.05 and "per request taken in" in printed
     # the router's and the client's process: measured, a few ms a request at most, on this process's cores
-    assert prof.host_cores >= 1 and 0 < prof.host_request_s + 100 * prof.host_token_s < 0.05
-    assert "per token carried" in printed
+    assert prof.host_cores >= 1 and 0 < prof.host_request_s + 100 * prof.host_token_s + 10 * prof.host_output_s < 0.05
+    assert len(prof.produced_by["sweep"]["host"]) == len(prof.produced_by["sweep"]["serving"]) + len(HOST_REPLAYS)
+    assert "per output token" in printed
     first = prof.samples[0]
     # exact: a median is one sample or the same two samples' mean
     assert first[1] == statistics.median(s.cpu_s for s in its if sorted(s.batch) == sorted(first[0]))

@@ -107,23 +107,24 @@ def test_the_twin_takes_the_profiles_request_costs():
 
 
 class Hosted(Flat):
-    """10 ms, on a host of 2 cores whose router's process takes 3 ms a request and 0.1 ms a token carried."""
+    """10 ms, on a host of 2 cores whose router's process takes 3 ms a request, 0.1 ms a prompt token and 0.2 ms an
+    output token."""
 
-    host_cores, host_request_s, host_token_s = 2, 0.003, 0.0001
+    host_cores, host_request_s, host_token_s, host_output_s = 2, 0.003, 0.0001, 0.0002
 
 
 def test_the_router_process_takes_the_engines_cores_only_while_they_fill_every_core():
     # two engines, round robin: r0 on engine 0 and r1 on engine 1 decode 8 tokens each in 10 ms iterations; r2 reaches
     # engine 0 at 12 ms while both iterate (the host's 2 cores taken): its 3 ms and 16 prompt tokens' 1.6 ms lengthen
-    # engine 0's iteration from 20 ms; r2's 2 tokens answered at 44.6 ms while engine 1 still iterates: 0.2 ms on
-    # engine 0's next iteration
+    # engine 0's iteration from 20 ms; r2's 2 output tokens answered at 44.6 ms while engine 1 still iterates: 0.4 ms
+    # on engine 0's next iteration
     work = Workload((Request(0, 0.0, 16, 8), Request(1, 0.001, 16, 8), Request(2, 0.012, 16, 2)), "three")
     plain = twin_fleet(CFG, 2, Flat()).run(work).records
     hosted = twin_fleet(CFG, 2, Hosted()).run(work).records
     assert times(plain) == pytest.approx([0.01, 0.08, 0.011, 0.081, 0.03, 0.04])
     r0, r1, r2 = hosted
     assert (r2.first_token_s, r2.finish_s) == pytest.approx((0.0346, 0.0446))
-    assert r0.finish_s == pytest.approx(0.0848)
+    assert r0.finish_s == pytest.approx(0.0850)
     assert (r1.first_token_s, r1.finish_s) == pytest.approx((0.011, 0.081))  # its own requests met a free core
 
     class Roomy(Hosted):
@@ -139,9 +140,18 @@ def test_the_router_process_takes_the_engines_cores_only_while_they_fill_every_c
 def test_the_twin_takes_the_profiles_host():
     fit = dict(zip(TERMS, (1e-2, 0.0, 0.0, 0.0, 0.0, 0.0)))
     timing = ProfiledIterationTiming(EngineProfile({}, {}, fit, host_cores=2, host_request_s=0.003,
-                                                   host_token_s=0.0001))
+                                                   host_token_s=0.0001, host_output_s=0.0002))
     work = Workload((Request(0, 0.0, 16, 8), Request(1, 0.001, 16, 8), Request(2, 0.012, 16, 2)), "three")
     got = twin_fleet(CFG, 2, timing).run(work).records
     want = twin_fleet(CFG, 2, Hosted()).run(work).records
     assert times(got) == pytest.approx(times(want))
     assert got[2].first_token_s > twin_fleet(CFG, 2, Flat()).run(work).records[2].first_token_s
+
+
+def test_a_profile_from_before_output_tokens_were_told_apart_charges_them_its_one_token_cost():
+    fit = dict(zip(TERMS, (1e-2, 0.0, 0.0, 0.0, 0.0, 0.0)))
+    d = EngineProfile({}, {}, fit, host_cores=2, host_request_s=0.003, host_token_s=0.0001).to_dict()
+    del d["host_output_s"]
+    assert EngineProfile.from_dict(d).host_output_s == 0.0001
+    d["host_output_s"] = 0.0002
+    assert EngineProfile.from_dict(d).host_output_s == 0.0002

@@ -148,7 +148,7 @@ def test_an_unknown_engine_protocol_is_one_line():
 def test_a_streamed_sweep_fits_what_the_engine_spends_per_iteration():
     """flexmesh.profile.streamed on a stand-in whose every token takes 20 ms whatever the batch: the fit puts it in
     the per-iteration terms, the fit prices what was measured, and the request's way in comes out small."""
-    from flexmesh.profile.streamed import OUTPUT_TOKENS, REPEATS, chunks, fit_streamed, scenarios, sweep
+    from flexmesh.profile.streamed import REPEATS, chunks, fit_streamed, sweep
     from tests.test_serve_router import started
 
     app, _ = streaming_engine(per_token_s=0.02)
@@ -160,7 +160,7 @@ def test_a_streamed_sweep_fits_what_the_engine_spends_per_iteration():
         finally:
             await runner.cleanup()
 
-    its, firsts, host = asyncio.run(main())
+    its, firsts = asyncio.run(main())
     # lone prompts, the one past the budget in chunks of it
     assert [b for b, _ in firsts] == [chunks(p, 256) for p in [16, 64, 128, 256, 1024] * REPEATS]
     assert len(firsts[4][0]) == 4 and firsts[4][0][-1] == ((768, 256),)
@@ -172,6 +172,20 @@ def test_a_streamed_sweep_fits_what_the_engine_spends_per_iteration():
     assert statistics.median(abs(p / s - 1) for p, (_, s) in zip(priced, samples)) < 0.25
     # a sleep is never shorter than asked (a loaded machine makes it longer: no upper bound is asserted)
     assert fit["c0_s"] + fit["per_request_s"] >= 0.018 and 0 <= admission < 0.1
-    # one host row a scenario: its requests and the tokens they carried
-    assert len(host) == len(scenarios(256, 4, 2048, quick=True)) * REPEATS
-    assert host[0][:2] == (1, 16 + OUTPUT_TOKENS) and all(r > 0 and t > 0 for r, t, _ in host)
+
+
+def test_the_hosts_replays_through_the_router_count_requests_prompt_and_output_tokens():
+    """flexmesh.profile.host.host_rows in front of the stand-in: short requests, long answers and long prompts (cut
+    to the model's context), each the router's and the client's CPU seconds; long answers cost this process more."""
+    from flexmesh.profile.host import HOST_REPLAYS, HOST_REQUESTS, host_rows
+
+    app, _ = streaming_engine(per_token_s=0.002)
+
+    async def body(url, router):
+        return await host_rows(url, 50, 1, context=64)
+
+    rows = with_router([(app, {})], body, protocol="openai", model="m", card={"vocab_size": 50})
+    prompts = [min(p, 64 - o - 1) for p, o in HOST_REPLAYS]
+    assert [r[:3] for r in rows] == [(HOST_REQUESTS, HOST_REQUESTS * p, HOST_REQUESTS * o)
+                                     for p, (_, o) in zip(prompts, HOST_REPLAYS)]
+    assert rows[1][3] > rows[0][3] > 0  # 31 more tokens a request, each read and written again by the router

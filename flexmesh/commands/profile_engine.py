@@ -123,8 +123,9 @@ def _summary(prof, out: str) -> None:
               f"{prof.answer_s * 1e3:.2f} ms per request answered (the loop waits; the simulator charges each to the "
               "next iteration)", highlight=False)
     con.print(f"the router's and the client's process on the engines' {prof.host_cores} cores: "
-              f"{prof.host_request_s * 1e3:.2f} ms CPU per request and {prof.host_token_s * 1e6:.1f} us per token "
-              "carried (the simulator charges them to the engines while they fill every core)", highlight=False)
+              f"{prof.host_request_s * 1e3:.2f} ms CPU per request, {prof.host_token_s * 1e6:.1f} us per prompt token "
+              f"and {prof.host_output_s * 1e6:.1f} us per output token (the simulator charges them to the engines "
+              "while they fill every core)", highlight=False)
     e = prof.error
     con.print(f"in-sample error of the fit over the measured batches: median {e['median']:.1%}, p90 {e['p90']:.1%}, "
               f"max {e['max']:.1%}", highlight=False)

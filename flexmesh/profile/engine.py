@@ -73,7 +73,7 @@ from typing import TypedDict
 from flexmesh.errors import ProfileError
 from flexmesh.files import write_atomic
 from flexmesh.profile.format import produced_by, spec_hash
-from flexmesh.profile.host import host_cores, host_costs_from
+from flexmesh.profile.host import HOST_IDLE_S, carried, host_cores, host_costs_from, host_rows
 from flexmesh.profile.iteration import (
     IDLE_GAP_S,
     EngineProfile,
@@ -89,8 +89,6 @@ from flexmesh.serve.engine.replay import prompt_ids
 SCENARIO_TIMEOUT_S = 600.0  # the longest one scenario may take on one engine
 DECODE_TOKENS = 6  # decode iterations of a whole decode-scenario batch once every prompt is in
 ADMISSIONS = 6  # single requests per engine timed from the router into the engine's batch
-HOST_IDLE_S = 1.0  # the router idles this long before the serving phase: its background CPU per second
-HOST_SHORT, HOST_SHORT_GAP_S = 8, 0.05  # short requests per engine (8-token prompt, 1 output) replayed this far apart
 
 
 class Grid(TypedDict):
@@ -196,10 +194,11 @@ def profile_engine(cfg: EngineConfig, quick: bool = False, engines: int = 2,
     base = EngineProfile(model={**spec_dict, "hash": spec_hash(spec_dict)}, engine=_engine_dict(cfg), fit={},
                          produced_by=produced_by(engines, device_type="cpu"),
                          admission_s=statistics.median(admission), host_cores=host_cores())
-    base.host_request_s, base.host_token_s = host_costs_from(host)
+    base.host_request_s, base.host_token_s, base.host_output_s = host_costs_from(host)
     base.produced_by["sweep"] = {"quick": quick, "repeats": (QUICK if quick else FULL)["repeats"], "scenarios": plan,
                                  "serving": served, "admissions": len(admission),
-                                 "host": [{"requests": n, "tokens": t, "cpu_s": round(c, 6)} for n, t, c in host]}
+                                 "host": [{"requests": n, "prompt_tokens": t, "output_tokens": o, "cpu_s": round(c, 6)}
+                                          for n, t, o, c in host]}
     return refit(base, raw)
 
 
@@ -226,7 +225,8 @@ def refit(prof: EngineProfile, raw: Sequence[dict]) -> EngineProfile:
     out = EngineProfile(model=prof.model, engine=prof.engine, fit=fit_iterations(samples), samples=samples,
                         produced_by={**prof.produced_by, "sweep": dict(prof.produced_by.get("sweep", {}))},
                         name=prof.name, admission_s=prof.admission_s, host_cores=prof.host_cores,
-                        host_request_s=prof.host_request_s, host_token_s=prof.host_token_s)
+                        host_request_s=prof.host_request_s, host_token_s=prof.host_token_s,
+                        host_output_s=prof.host_output_s)
     out.after_idle = after_idle_from([[r for r in raw if r["engine"] == k] for k in engines],
                                      ProfiledIterationTiming(out))
     out.intake_s, out.answer_s = request_costs_from(raw)
@@ -305,7 +305,7 @@ async def _sweep(cfg: EngineConfig, quick: bool, engines: int, logs: Path, progr
 
 async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max_position: int,
                  timed: dict[tuple, list[float]], collect, progress, share: float,
-                 raw: list[dict]) -> tuple[list[dict], list[float], list[tuple[int, int, float]]]:
+                 raw: list[dict]) -> tuple[list[dict], list[float], list[tuple[int, int, int, float]]]:
     """The serving phase and the admissions (module doc), through flexmesh's router over the engines ``procs``,
     which had ``share`` of a core each in the sweep (the loads are of that): the serving phase's samples go into
     ``timed`` and ``raw`` (by ``collect(before, phase)``); returns each load's rate, the admissions' seconds
@@ -328,7 +328,8 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
     served: list[dict] = []
     waits: list[float] = []  # serving requests that reached an idle engine: router -> its iteration (idle_admissions)
     urls = [e.url for e in procs]
-    host: list[tuple[int, int, float]] = []  # the router's process: (requests, tokens carried, CPU seconds) per replay
+    host: list[tuple[int, int, int, float]] = []  # the router's process: (requests, prompt tokens, output tokens,
+    # CPU seconds) per replay
     async with router_on(urls, max_running=[cfg.max_requests_per_batch] * len(urls),
                          kv_tokens=[cfg.kv_tokens] * len(urls)) as url:
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -344,7 +345,7 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
             cpu = time.process_time() - cpu0 - background * (time.perf_counter() - wall0)
             if out.failed:
                 raise ProfileError(f"{len(out.failed)} serving requests failed, e.g. {next(iter(out.failed.values()))}")
-            host.append((len(out.records), sum(r.prompt_tokens + r.output_tokens for r in out.records), cpu))
+            host.append((*carried(out.records), cpu))
             await collect(before, {"phase": "serving", "load": load})
             served.append({"load": load, "rate": round(rate, 3), "requests": len(out.records),
                            "host_cpu_s": round(cpu, 6)})
@@ -354,13 +355,9 @@ async def _serve(cfg: EngineConfig, quick: bool, procs, session, vocab: int, max
         progress(len(SERVING[quick]["loads"]), "admissions")
         admission: list[float] = []
         prompt = prompt_ids(7, 16, vocab)
-        # short requests replayed as the serving loads were (the same client): the router's process's cost of a
-        # request apart from its tokens
-        short = [Request(i, HOST_SHORT_GAP_S * i, 8, 1) for i in range(HOST_SHORT * len(urls))]
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        out = await replay(url, short, vocab, request_timeout_s=SCENARIO_TIMEOUT_S, drain_timeout_s=SCENARIO_TIMEOUT_S)
-        host.append((len(out.records), sum(r.prompt_tokens + r.output_tokens for r in out.records),
-                     time.process_time() - cpu0 - background * (time.perf_counter() - wall0)))
+        # short requests, long answers and long prompts replayed as the serving loads were (the same client): the
+        # router's process's cost of a request apart from its tokens, and of each kind of token
+        host += await host_rows(url, vocab, len(urls), min(max_position, cfg.kv_tokens), background=background)
         for i in range(ADMISSIONS * len(urls)):
             before = [await iteration_count(session, u) for u in urls]
             async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1},

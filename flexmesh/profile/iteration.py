@@ -53,8 +53,9 @@ simulator charges each to the iteration its replica starts next (:mod:`flexmesh.
 reaches an idle engine costs its ``admission_s`` instead. 0 in a profile written before they were measured.
 
 And the host's cores, which the engines share with the router's and the client's process: ``host_cores``,
-``host_request_s`` and ``host_token_s`` (:mod:`flexmesh.profile.host`). 0 in a profile written before they were
-measured.
+``host_request_s``, ``host_token_s`` (per prompt token) and ``host_output_s`` (per output token)
+(:mod:`flexmesh.profile.host`). 0 in a profile written before they were measured; a profile written before output
+tokens were told apart has one cost per token carried, which ``host_output_s`` takes too.
 
 >>> true = dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))
 >>> def seconds(batch):
@@ -142,7 +143,8 @@ class EngineProfile:
     answer_s: float = 0.0  # the same per request it answers
     host_cores: int = 0  # CPU cores of the machine the engines share with the router's process (module doc)
     host_request_s: float = 0.0  # CPU seconds of the router's (and client's) process per request routed
-    host_token_s: float = 0.0  # the same per token carried (a prompt's sent, an answer's outputs)
+    host_token_s: float = 0.0  # the same per prompt token sent
+    host_output_s: float = 0.0  # the same per output token streamed back
 
     kind = KIND
 
@@ -156,7 +158,7 @@ class EngineProfile:
                 "engine": self.engine, "fit": self.fit, "error": self.error, "admission_s": self.admission_s,
                 "after_idle": self.after_idle, "intake_s": self.intake_s, "answer_s": self.answer_s,
                 "host_cores": self.host_cores, "host_request_s": self.host_request_s,
-                "host_token_s": self.host_token_s,
+                "host_token_s": self.host_token_s, "host_output_s": self.host_output_s,
                 "samples": [{"batch": [list(x) for x in b], "seconds": s} for b, s in self.samples]}
 
     def save(self, path: str | Path) -> None:
@@ -190,7 +192,8 @@ class EngineProfile:
         cores = bounded("host_cores", 4096, "the machine's CPU cores, a whole number from 0 to 4096", closed=True,
                         whole=True)
         host = {key: bounded(key, 1, "a number of seconds from 0 to 1 (the router's process's CPU time per request "
-                             "or token)") for key in ("host_request_s", "host_token_s")}
+                             "or token)") for key in ("host_request_s", "host_token_s", "host_output_s") if key in d}
+        host.setdefault("host_output_s", host.get("host_token_s", 0.0))  # written before the two were told apart
         try:
             samples = [([(int(c), int(q)) for c, q in s["batch"]], float(s["seconds"])) for s in d.get("samples", [])]
         except (KeyError, TypeError, ValueError) as e:
@@ -219,8 +222,8 @@ class ProfiledIterationTiming:
         self._c = tuple(profile.fit[t] for t in TERMS)
         self.source = f"profile:{profile.name or 'engine'}"
         # the host's cores and the router's process's CPU on them (flexmesh.profile.host)
-        self.host_cores, self.host_request_s, self.host_token_s = (profile.host_cores, profile.host_request_s,
-                                                                   profile.host_token_s)
+        self.host_cores, self.host_request_s = profile.host_cores, profile.host_request_s
+        self.host_token_s, self.host_output_s = profile.host_token_s, profile.host_output_s
 
     @property
     def overhead_s(self) -> float:

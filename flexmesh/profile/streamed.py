@@ -26,13 +26,14 @@ column: ``admission_s``. A first-token sample is a sequence of iterations (a chu
 of theirs: every term is linear. Tokens that arrive in one chunk share its time (an engine that falls behind sends
 several at once); their gaps are zero and the medians ride over them.
 
-The engines' iterations share the host's cores with their API servers (which stream every token), flexmesh's router
-and the client: the sweep measures the CPU time of the API server processes (those of engines not held to cores
-of their own: a pinned engine's API server runs on its cores, inside the gaps measured) and its own over each
-scenario, their idle background taken out, and :func:`flexmesh.profile.host.host_costs_from` splits it into
-``host_request_s`` and ``host_token_s`` on ``host_cores`` (the twin charges them to the engines while they fill every
-core, as for flexmesh's own engine). What this cannot see, and the profile leaves at 0: the first iteration after
-idling (inside the samples' times).
+The engines' iterations share the host's cores with flexmesh's router and the client, and, where an engine is not held
+to cores of its own, with its API server (which streams every token; a pinned engine's runs on its cores, inside the
+gaps measured): after the sweep, :func:`flexmesh.profile.host.host_rows` replays short requests, long answers and long
+prompts through the router and measures the CPU time of these processes over each, their idle background taken out,
+and :func:`flexmesh.profile.host.host_costs_from` splits it into ``host_request_s``, ``host_token_s`` and
+``host_output_s`` on ``host_cores`` (the twin charges them to the engines while they fill every core, as for
+flexmesh's own engine). What this cannot see, and the profile leaves at 0: the first iteration after idling (inside
+the samples' times).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from flexmesh.profile.iteration import TERMS, EngineProfile, iteration_features
 
 OUTPUT_TOKENS = 12  # tokens each sweep request generates: enough gaps to take a median of
 REPEATS = 3  # each sample's median over them: one slow first meeting of a batch shape does not move it
-IDLE_S = 1.0  # seconds the sweep first waits, measuring what the processes spend idle
 MIXED_CONTEXT = 32  # prompt tokens of the requests decoding when a mixed scenario's prompt arrives
 # A gap between two tokens below this fraction of the request's mean gap is no iteration: an engine (or its API
 # server) that fell behind sent the two together, microseconds apart, in separate chunks (the mean, not the median:
@@ -182,11 +182,8 @@ def cpu_s(pids: Sequence[int] = ()) -> float:
 
 
 async def sweep(urls: Sequence[str], model: str | None, vocab: int, budget: int, max_seqs: int, context: int,
-                quick: bool, progress: Callable[[int, int, str], None] | None = None, pids: Sequence[int] = ()):
-    """Every engine at ``urls`` runs the sweep at once: (iteration samples, first-token samples, host rows), raw.
-    A host row is a scenario's ``(requests, tokens carried, CPU seconds)`` of this process and the processes
-    ``pids`` (the engines' API servers: what shares the cores with their iterations), their idle background taken
-    out (:func:`flexmesh.profile.host.host_costs_from` reads them)."""
+                quick: bool, progress: Callable[[int, int, str], None] | None = None):
+    """Every engine at ``urls`` runs the sweep at once: (iteration samples, first-token samples), raw."""
     from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
     from flexmesh.serve.engine.http import KEEPALIVE_S
@@ -195,10 +192,6 @@ async def sweep(urls: Sequence[str], model: str | None, vocab: int, budget: int,
     rng = random.Random(0)
     its: list = []
     firsts: list = []
-    host: list[tuple[int, int, float]] = []
-    cpu0, wall0 = cpu_s(pids), time.perf_counter()
-    await asyncio.sleep(IDLE_S)  # what the processes spend idle (health checks, stats loggers)
-    background = (cpu_s(pids) - cpu0) / (time.perf_counter() - wall0)
     async with ClientSession(timeout=ClientTimeout(total=600),
                              connector=TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)) as s:
         for i, (kind, n, prompt) in enumerate(plan):
@@ -214,19 +207,14 @@ async def sweep(urls: Sequence[str], model: str | None, vocab: int, budget: int,
                     return await asyncio.gather(*(_stream(s, url, body(prompt)) for _ in range(n)))
                 return await _mixed(s, url, [body(MIXED_CONTEXT) for _ in range(n)], body(prompt))
 
-            cpu0, wall0 = cpu_s(pids), time.perf_counter()
             for runs in await asyncio.gather(*(one(u) for u in urls)):
                 a, b = samples_of(kind, prompt, runs, budget)
                 its += a
                 firsts += b
-            spent = cpu_s(pids) - cpu0 - background * (time.perf_counter() - wall0)
-            carried = (n * (MIXED_CONTEXT + OUTPUT_TOKENS) + prompt + OUTPUT_TOKENS if kind == "mixed"
-                       else n * (prompt + OUTPUT_TOKENS))
-            host.append(((n + (kind == "mixed")) * len(urls), carried * len(urls), spent))
             await asyncio.sleep(0.05)  # the engines idle between scenarios, as a lone request finds them
         if progress is not None:
             progress(len(plan), len(plan), "fitted")
-    return its, firsts, host
+    return its, firsts
 
 
 async def _mixed(session, url: str, decoding: Sequence[dict], joined: dict) -> list:  # noqa: ANN001
@@ -277,38 +265,51 @@ def fit_streamed(its: Sequence[tuple[tuple, float]], firsts: Sequence[tuple[tupl
 
 
 def streamed_profile(its, firsts, engine: dict, model: dict, engines: int,
-                     host: Sequence[tuple[int, int, float]] = ()) -> EngineProfile:
-    """The engine profile of a sweep (see the module doc; ``host``: its host rows)."""
+                     host: Sequence[tuple[int, int, int, float]] = ()) -> EngineProfile:
+    """The engine profile of a sweep (see the module doc; ``host``: the host's rows,
+    :func:`flexmesh.profile.host.host_rows`)."""
     from flexmesh.profile.host import host_cores, host_costs_from
 
     fit, admission, samples = fit_streamed(its, firsts)
-    request_s, token_s = host_costs_from(host)
+    request_s, token_s, output_s = host_costs_from(host)
     return EngineProfile(model=model, engine=engine, fit=fit, samples=samples, admission_s=admission,
                          host_cores=host_cores() if host else 0, host_request_s=request_s, host_token_s=token_s,
+                         host_output_s=output_s,
                          produced_by={"command": "flexmesh profile engine", "measured": "streamed tokens",
                                       "processes": engines,
                                       "sweep": {"iterations": len(its), "first_tokens": len(firsts),
                                                 "admissions": len(firsts), "host_rows": len(host)}})
 
 
+async def sweep_and_host(url: str, engines, cfgs, model: str | None, card: dict, base, quick: bool,  # noqa: ANN001
+                  progress: Callable[[int, int, str], None] | None = None):
+    """The sweep of the running production ``engines`` (started from ``cfgs``), then the host's replays through the
+    router at ``url`` in front of them (module doc): (iteration samples, first-token samples, host rows)."""
+    from flexmesh.profile.host import host_rows
+    from flexmesh.serve.engine.external import sharing_pids
+
+    its, firsts = await sweep([e.url for e in engines], model, card["vocab_size"], base.max_batch_tokens,
+                              base.max_requests_per_batch, card["max_model_len"], quick, progress)
+    pids = sharing_pids(engines, cfgs)
+    host = await host_rows(url, card["vocab_size"], len(engines), min(card["max_model_len"], base.kv_tokens),
+                           cpu=lambda: cpu_s(pids))
+    return its, firsts, host
+
+
 async def profile_external(cfgs, card: dict, model: str, base, quick: bool, log_dir,
                            progress: Callable[[int, int, str], None] | None = None) -> EngineProfile:
-    """Start the production engines ``cfgs`` (:class:`~flexmesh.serve.engine.external.ExternalEngine`), sweep them
-    all at once, stop them, and fit (see the module doc); ``base``: the EngineConfig of their knobs."""
+    """Start the production engines ``cfgs`` (:class:`~flexmesh.serve.engine.external.ExternalEngine`) behind
+    flexmesh's router, sweep them all at once, replay the host's requests, stop them, and fit (see the module doc);
+    ``base``: the EngineConfig of their knobs."""
     import json
 
     from flexmesh.profile.format import produced_by, spec_hash
-    from flexmesh.serve.engine.external import sharing_pids
-    from flexmesh.serve.engine.processes import start_engines, stop_engines
+    from flexmesh.serve.engine.external import fronting
+    from flexmesh.serve.engine.processes import running_fleet
     from flexmesh.spec.model import parse_model
 
-    engines = await start_engines(cfgs, len(cfgs), log_dir)
-    try:
-        its, firsts, host = await sweep([e.url for e in engines], model, card["vocab_size"], base.max_batch_tokens,
-                                        base.max_requests_per_batch, card["max_model_len"], quick, progress,
-                                        pids=sharing_pids(engines, cfgs))
-    finally:
-        await stop_engines(engines)
+    async with running_fleet(list(cfgs), len(cfgs), Path(log_dir), **fronting(card, Path(model))) as (url, engines):
+        its, firsts, host = await sweep_and_host(url, engines, cfgs, model, card, base, quick, progress)
     spec = parse_model(base.model).to_dict()
     prof = streamed_profile(its, firsts, {**json.loads(base.to_json()), "kind": cfgs[0].kind},
                             {**spec, "hash": spec_hash(spec)}, len(cfgs), host)

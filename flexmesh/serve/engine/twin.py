@@ -25,12 +25,12 @@ HTTP thread takes requests in and answers them beside its loop, which waits for 
 ``answer_s``, which the replicas charge per request reaching and leaving them while busy to their next iteration.
 
 The router and the client share the engines' cores (:class:`SharedHost`): the timing's ``host_cores``,
-``host_request_s`` and ``host_token_s`` (an engine profile's, :class:`HostCosts`). A request's ``host_request_s``
-and ``host_token_s`` per prompt token when it reaches its replica, and ``host_token_s`` per output token when it is
-answered, are added to that replica's next iteration whenever as many of the host's replicas are busy as it has
-cores (else a free core runs the process). The displaced time is charged whole to the replica whose request caused
-it; the engines share it alike on average. A GPU engine's iterations run on its GPU, not on the host's cores: its
-timing names no host.
+``host_request_s``, ``host_token_s`` and ``host_output_s`` (an engine profile's, :class:`HostCosts`). A request's
+``host_request_s`` and ``host_token_s`` per prompt token when it reaches its replica, and ``host_output_s`` per output
+token when it is answered, are added to that replica's next iteration whenever as many of the host's replicas are
+busy as it has cores (else a free core runs the process). The displaced time is charged whole to the replica whose
+request caused it; the engines share it alike on average. A GPU engine's iterations run on its GPU, not on the host's
+cores: its timing names no host.
 
 The engines run on this machine's cores, which the catalogue does not describe: the fleet's device is a
 placeholder named ``local-engine`` whose numbers nothing reads (the timing prices every iteration, the
@@ -72,6 +72,7 @@ class HostCosts(Protocol):
     host_cores: int
     host_request_s: float
     host_token_s: float
+    host_output_s: float
 
 
 class SharedHost:
@@ -81,13 +82,15 @@ class SharedHost:
     >>> class Rep:
     ...     def __init__(self, busy, ended):
     ...         self.busy, self.ended = busy, ended
-    >>> host = SharedHost(2, 0.003, 0.0001, [Rep(True, 0.0), Rep(False, 1.5)])  # the second idles from 1.5 s on
+    >>> host = SharedHost(2, 0.003, 0.0001, 0.0003, [Rep(True, 0.0), Rep(False, 1.5)])  # the second idles from 1.5 s
     >>> host.saturated(1.0), host.saturated(2.0), host.saturated(2.0, also=host.replicas[1])
     (True, False, True)
     """
 
-    def __init__(self, cores: int, request_s: float, token_s: float, replicas: Sequence[SimulatedReplica]):
-        self.cores, self.request_s, self.token_s, self.replicas = cores, request_s, token_s, replicas
+    def __init__(self, cores: int, request_s: float, token_s: float, output_s: float,
+                 replicas: Sequence[SimulatedReplica]):
+        self.cores, self.request_s, self.token_s, self.output_s = cores, request_s, token_s, output_s
+        self.replicas = replicas
 
     def saturated(self, now: float, also: object = None) -> bool:
         """Whether as many replicas as cores are busy at ``now`` (``also`` counted busy: the one asking, at work).
@@ -101,7 +104,7 @@ class SharedHost:
         return 0.0
 
     def answer_s(self, rep: SimulatedReplica, q: Req, now: float) -> float:
-        return self.token_s * q.outputs if self.saturated(now, rep) else 0.0
+        return self.output_s * q.outputs if self.saturated(now, rep) else 0.0
 
 
 def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: IterationTiming,
@@ -146,6 +149,7 @@ def twin_fleet(cfg: EngineConfig | list[EngineConfig], engines: int, timing: Ite
         raise SpecError(f"admission_s is the seconds from the router into an engine's batch, 0 to 60; got {delay}")
     host = timing if isinstance(timing, HostCosts) and timing.host_cores > 0 else None
     charges = (None if host is None else
-               lambda reps: SharedHost(host.host_cores, host.host_request_s, host.host_token_s, reps))
+               lambda reps: SharedHost(host.host_cores, host.host_request_s, host.host_token_s, host.host_output_s,
+                                       reps))
     return Fleet(model, cluster, replicas, knobs={0: knobs[0]}, timing=lambda r: timing, replica_knobs=knobs,
                  engine=engine, charges=charges, admission_s=delay)
