@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from bench.serve_engine import KNEE_FACTOR, WAIT_S, knee, median_spread, next_rate, twin_rates  # noqa: E402
 
 LATENCY_BOUND, KNEE_BOUND = 0.20, 0.15
-REPEATS = 2
+REPEATS = 3
 DEPENDS_ON = ("flexmesh/serve", "flexmesh/profile", "flexmesh/cost", "flexmesh/data", "flexmesh/spec",
               "flexmesh/commands/__init__.py", "flexmesh/commands/args.py", "flexmesh/commands/serve_run.py",
               "flexmesh/commands/engine_args.py", "flexmesh/layout/enums.py", "flexmesh/layout/stack.py",

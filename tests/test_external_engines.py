@@ -29,6 +29,12 @@ def test_cpu_engines_are_each_held_to_their_own_cores(monkeypatch):
     assert [e.cores for e in got] == [(0, 1), (2, 3)]
     assert [e.env["VLLM_CPU_OMP_THREADS_BIND"] for e in got] == ["0,1", "2,3"]
     assert [e.argv[e.argv.index("--port") + 1] for e in got] == ["9000", "9001"]
+    # one engine of one thread on 2 cores: its worker on core 0, its scheduler and API server free to use core 1
+    one = externals("vllm", _launches("cpu", 1), "/py", [9000], [], {"OMP_NUM_THREADS": "1"}, [64])
+    assert one[0].cores == () and one[0].env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    # two of one thread on 4 cores: each its worker's core and the two no worker is bound to
+    two = externals("vllm", _launches("cpu", 2), "/py", [9000, 9001], [], {"OMP_NUM_THREADS": "1"}, [64, 64])
+    assert [e.cores for e in two] == [(0, 2, 3), (1, 2, 3)]
 
 
 def test_gpu_engines_and_a_users_binding_are_left_where_they_are(monkeypatch):

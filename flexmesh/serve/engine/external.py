@@ -39,7 +39,7 @@ class ExternalEngine:
     max_running: int
     kv_tokens: int
     config: object = None  # the EngineConfig of its knobs where it was started from flags (the twin simulates it)
-    cores: tuple[int, ...] = ()  # the CPU cores all its processes run on (a CPU build: :func:`cpu_cores`); () any
+    cores: tuple[int, ...] = ()  # the CPU cores all its processes run on (a CPU build: :func:`engine_cores`); () any
 
 
 def engine_python(kind: str, given: str | None = None) -> str:
@@ -103,6 +103,9 @@ def externals(kind: str, launches, python: str, ports: list[int], extra: list[st
               kv_tokens: list[int], config=None) -> list[ExternalEngine]:
     """Each launch of the export started from ``python`` on its port here, with ``extra`` flags and ``env``
     (``config``: the EngineConfig their knobs came from, if any)."""
+    threads = int(env.get("OMP_NUM_THREADS", "1"))
+    binds = [cpu_cores(k, threads) for k in range(len(launches))]
+    held = engine_cores(binds, sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
     out = []
     for k, (x, port, kv) in enumerate(zip(launches, ports, kv_tokens)):
         argv = started_argv(kind, x.argv, python)
@@ -111,10 +114,34 @@ def externals(kind: str, launches, python: str, ports: list[int], extra: list[st
         own = {**x.env, **env}
         cores: tuple[int, ...] = ()
         if kind == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            own["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores(k, int(env.get("OMP_NUM_THREADS", "1")))
+            own["VLLM_CPU_OMP_THREADS_BIND"] = binds[k]
             if x.device == "cpu":
-                cores = tuple(int(c) for c in own["VLLM_CPU_OMP_THREADS_BIND"].split(","))
+                cores = held[k]
         out.append(ExternalEngine(kind, tuple(argv + extra), own, port, x.max_running, kv, config, cores))
+    return out
+
+
+def engine_cores(binds: Sequence[str], machine: Sequence[int]) -> list[tuple[int, ...]]:
+    """The cores each engine of a CPU build of vLLM runs all its processes on (its API server, its engine core, its
+    worker): those its worker is bound to (``binds``, :func:`cpu_cores`) and those no engine's worker is bound to;
+    ``()`` where that is every core of the ``machine`` (nothing to hold it to).
+
+    The bind holds only the model's worker process, and the worker spins between iterations (vLLM's shared-memory
+    queue busy-loops for a second after each read). An engine core (the scheduler) and API server left to float run
+    on other engines' cores: with two engines on two cores each scheduler waited for a core 3x as long as it ran
+    (``/proc/PID/schedstat``) and TTFT p50 at 3.55 req/s was 257 ms against 82 ms held to its own core. A spare core
+    is better still: one engine held to its worker's core alone served 1.82 req/s at TTFT p50 110 ms against 90 ms
+    with its scheduler and API server free to use the other.
+
+    >>> engine_cores(["0", "1"], [0, 1]), engine_cores(["0"], [0, 1]), engine_cores(["0", "1"], [0, 1, 2, 3])
+    ([(0,), (1,)], [()], [(0, 2, 3), (1, 2, 3)])
+    """
+    bound = [{int(c) for c in b.split(",")} for b in binds]
+    spare = set(machine) - set().union(*bound)
+    out = []
+    for b in bound:
+        mine = tuple(sorted(b | spare))
+        out.append(() if set(mine) >= set(machine) else mine)
     return out
 
 
@@ -124,11 +151,8 @@ def cpu_cores(k: int, threads: int, cores: list[int] | None = None) -> str:
     engine of a machine to the same first cores, so that two engines side by side take turns on one core (seen here:
     first tokens of 0.5-1 s beside 25-50 ms). A GPU build reads no such variable.
 
-    The variable binds only the model's worker process. Its engine core (the scheduler) and API server float over
-    every core, and the worker spins between iterations (vLLM's shared-memory queue busy-loops for a second after
-    each read), so with two engines on two cores each scheduler waited for a core 3x as long as it ran (measured
-    here with ``/proc/PID/schedstat``) and TTFT p50 doubled. An engine started here on CPU therefore runs all its
-    processes on these cores (:attr:`ExternalEngine.cores`).
+    The variable binds only the model's worker process; where the engine's other processes run:
+    :func:`engine_cores`.
 
     >>> cpu_cores(0, 1, [0, 1]), cpu_cores(1, 1, [0, 1]), cpu_cores(2, 1, [0, 1]), cpu_cores(1, 2, [0, 1, 2, 3])
     ('0', '1', '0', '2,3')
