@@ -134,6 +134,14 @@ def main() -> int:
             for k in range(1, repeats):
                 print(f"pass {k + 1} of {repeats}", flush=True)
                 passes.append(await replay_rates(url, [(r.rate, at_rate(win, r.rate)) for r in first], [], **limits))
+            # the first pass's knee is one replay's: where the passes' median has not crossed it, every pass goes on
+            while all(r.replay.records for p in passes for r in p) and (more := next_rate(
+                    [r.rate for r in first], [statistics.median(summarize(p[i].replay.records).ttft["p90"]
+                                                                for p in passes) for i in range(len(first))],
+                    len(rates))):
+                print(f"the passes' median knee is past {first[-1].rate:g}/s: measuring {more:g}/s", flush=True)
+                for p in passes:
+                    p += await replay_rates(url, [(more, at_rate(win, more))], [], **limits)
             return prof, passes, simulated
 
     prof, passes, simulated = asyncio.run(measure())

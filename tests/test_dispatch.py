@@ -25,7 +25,7 @@ def problems(draw):
     return costs, sizes, caps
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(problems(), st.booleans())
 def test_every_item_once_where_it_fits(problem, keep):
     costs, sizes, caps = problem
@@ -38,7 +38,7 @@ def test_every_item_once_where_it_fits(problem, keep):
         assert all(p.size for p in parts)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(problems())
 def test_each_item_goes_where_the_finish_grows_least(problem):
     """Replaying the placements in order, each item sat on a group whose finish was least with it."""
