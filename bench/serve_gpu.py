@@ -4,8 +4,10 @@ A run under ``bench/data/serve_gpu/<run>/`` (its README says what ran, where and
 engine served on a GPU and every request as it was served there. This bench replays those requests (their arrivals,
 prompt and output lengths, nothing scaled) through ``flexmesh serve simulate --plan`` under each engine description
 and sets the priced TTFT and TPOT beside the measured ones: the description of the engine that ran, and vLLM's for
-comparison. The figures move when the prices do (the measured side is fixed); no constant is fitted to these runs,
-so every priced figure is out of sample.
+comparison. The figures move when the prices do (the measured side is fixed). A description whose per-iteration
+overhead was fitted to a replay's logged iterations (its source names the file: ``transformers``' is the H200
+run's 4 req/s replay) is marked in-sample on that replay; the run's other replays are held out from it (the same
+engine, model and machine at another rate).
 
 Run: ``OMP_NUM_THREADS=1 python -m bench.serve_gpu [--no-record]``
 """
@@ -74,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                 sources[engine] = p["overhead"]
                 s = p["summary"]
                 r = (s["ttft"]["p50"] / m["ttft"]["p50"], s["tpot"]["p50"] / m["tpot"]["p50"])
-                ratios[engine].append(r)
-                cells.append(f"{s['ttft']['p50'] * 1e3:.1f} / {s['tpot']['p50'] * 1e3:.1f} ({r[0]:.2f}x / {r[1]:.2f}x)")
+                fitted = f"{run.name}/iterations-{rate:g}.json" in p["overhead"]
+                ratios[engine].append((*r, fitted))
+                cells.append(f"{s['ttft']['p50'] * 1e3:.1f} / {s['tpot']['p50'] * 1e3:.1f} ({r[0]:.2f}x / {r[1]:.2f}x"
+                             f"{', in-sample' if fitted else ''})")
             rows.append(cells)
     lines = markdown_table(["run", "rate/s", "requests", "measured TTFT / TPOT p50 ms",
                             *[f"{e} description: priced ms (priced / measured)" for e in ENGINES]], rows)
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     first = ENGINES[0]
     headline = (f"{first} description over measured, p50 TTFT / TPOT: "
-                + ", ".join(f"{t:.2f}x / {p:.2f}x" for t, p in ratios[first])
+                + ", ".join(f"{t:.2f}x / {p:.2f}x{' (in-sample)' if fitted else ''}" for t, p, fitted in ratios[first])
                 + f" ({len(ratios[first])} replays on GPUs)")
     if not args.no_record:
         record("serve_gpu", body, headline=headline)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from importlib import resources
+from pathlib import Path
 
 import pytest
+import tomllib
 
 from flexmesh.cost.device.hardware import Hardware, unmeasured, unmeasured_notes
+from flexmesh.cost.inference.overhead import decode_cpu_samples
 from flexmesh.data.requests import constant_lengths, with_arrivals
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.serve.export import EXAMPLE_PLAN, launches
@@ -123,6 +127,32 @@ def test_without_cuda_graphs_decode_pays_the_eager_calls():
     graphs = v1.iteration(MODEL, hw)
     assert eager.split_s(4, 4000, ()) > graphs.split_s(4, 4000, ())
     assert eager.split_s(0, 0, [(0, 1000)]) == pytest.approx(graphs.split_s(0, 0, [(0, 1000)]), rel=1e-12)
+
+
+def test_the_eager_engines_host_time_is_its_h200_profile_scaled_by_layers_and_hides_the_gpu():
+    # the preset's samples are what decode_cpu_samples makes of the iterations the engine logged on the H200
+    run = Path(__file__).resolve().parent.parent / "bench" / "data" / "serve_gpu" / "h200-2026-11-30"
+    logged = [it for replica in json.loads((run / "iterations-4.json").read_text()) for it in replica]
+    raw = tomllib.loads(resources.files("flexmesh.spec").joinpath("presets/engine_overhead.toml").read_text())
+    assert decode_cpu_samples(logged) == (raw["transformers"]["requests"], raw["transformers"]["ms"])
+    e = engine_spec("transformers")
+    assert e.cpu_overlap and not e.cuda_graphs and e.overhead.layers == 22
+    hw = Hardware(parse_cluster("1xH200"))
+    tiny, deep = parse_model("tinyllama-1.1b"), replace(parse_model("tinyllama-1.1b"), num_layers=44)
+    small, big = e.iteration(tiny, hw), e.iteration(deep, hw)
+    assert big.cpu_s(4) == pytest.approx(2 * small.cpu_s(4), rel=1e-12)  # the host's time per layer
+    # a small decode is the host's time (the GPU's kernels run under it); a long prefill the GPU's
+    assert small.split_s(2, 600, ()) == pytest.approx(small.cpu_s(2), rel=1e-12)
+    long = small.split_s(0, 0, [(0, 16384)])
+    assert long > 2 * small.cpu_s(1) and long == pytest.approx(
+        replace(e, cpu_overlap=False).iteration(tiny, hw).split_s(0, 0, [(0, 16384)]) - small.cpu_s(1), rel=1e-12)
+    # a description's own layers-scaled overhead round-trips; bad layers are refused in one line
+    mine = EngineSpec.from_dict({"base": "vllm", "name": "mine",
+                                 "overhead": {"fixed_ms": 10.0, "layers": 16, "source": "my profile"}})
+    assert mine.overhead.layers == 16 and EngineSpec.from_dict(mine.to_dict()) == mine
+    with pytest.raises(SpecError, match="layers .* is a whole number >= 0") as err:
+        EngineSpec.from_dict({"base": "vllm", "name": "bad", "overhead": {"fixed_ms": 1.0, "layers": -2}})
+    assert "\n" not in str(err.value)
 
 
 def test_tensor_parallel_pricing_is_monotone_in_link_speed():

@@ -4,15 +4,16 @@ and the client that sends them requests, and what that process costs them.
 The engines share the machine's cores (``host_cores``: those the profiling process may run on, :func:`host_cores`)
 with flexmesh's router and the client that sends the requests, one Python process whose CPU time neither the fit nor
 an engine's ``intake_s`` and ``answer_s`` hold. :mod:`flexmesh.profile.engine` measures that process's CPU time
-(``time.process_time``) over each serving load's replay and over a replay of short requests through the same client,
-its background (health checks, timed while idle) taken out, and :func:`host_costs_from` splits it into
-``host_request_s`` per request, ``host_token_s`` per prompt token sent and ``host_output_s`` per output token streamed
-back (an output token is an event the router reads and writes again and the client parses; a prompt token is a number
-in one request's body). A production engine's profile measures the same over replays through the router
-(:func:`flexmesh.profile.streamed.host_rows`). While as many engines iterate as the host has cores, that CPU
-comes out of theirs: the request simulator charges it to the replica the request is on
-(:class:`flexmesh.serve.engine.twin.SharedHost`). A GPU engine's iterations do not run on the host's cores: only an
-engine profile's timing names them. 0 in a profile written before they were measured.
+(``time.process_time``) over each serving load's replay and over the replays :data:`HOST_REPLAYS` (short prompts with
+one or 32 output tokens, long prompts with one) through the same client, its background (health checks, timed while
+idle) taken out, and :func:`host_costs_from` splits it into ``host_request_s`` per request, ``host_token_s`` per
+prompt token sent and ``host_output_s`` per output token streamed back (an output token is an event the router reads
+and writes again and the client parses; a prompt token is a number in one request's body). A production engine's
+profile measures the same replays through the router (:func:`host_rows`), with the CPU of the engines' processes that
+share the router's cores. While as many engines iterate as the host has cores, that CPU comes out of theirs: the
+request simulator charges it to the replica the request is on (:class:`flexmesh.serve.engine.twin.SharedHost`). A GPU
+engine's iterations do not run on the host's cores: only an engine profile's timing names them. 0 in a profile written
+before they were measured.
 
 :func:`saturated_starts` tells which logged iterations started with every core taken (the iteration figure of
 ``python -m bench.serve_engine`` prices them as the simulator does: :func:`flexmesh.profile.iteration.price_runs`).

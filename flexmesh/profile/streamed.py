@@ -282,7 +282,7 @@ def streamed_profile(its, firsts, engine: dict, model: dict, engines: int,
 
 
 async def sweep_and_host(url: str, engines, cfgs, model: str | None, card: dict, base, quick: bool,  # noqa: ANN001
-                  progress: Callable[[int, int, str], None] | None = None):
+                         progress: Callable[[int, int, str], None] | None = None):
     """The sweep of the running production ``engines`` (started from ``cfgs``), then the host's replays through the
     router at ``url`` in front of them (module doc): (iteration samples, first-token samples, host rows)."""
     from flexmesh.profile.host import host_rows

@@ -26,11 +26,13 @@ the ``tp`` devices:
 Then the final norm, the LM head over one row per request (vLLM computes logits at each request's last
 token only), gathered over tp; ``pp - 1`` sends of ``T x hidden`` between stages; the vocabulary-parallel
 embedding's all-reduce; and the engine overhead per iteration (:mod:`flexmesh.cost.inference.overhead`:
-a profile's, never zero; the framework term of serving; ``multi_gpu_s`` more on a replica of more than one GPU),
-added to the GPU's time, or, for an engine that overlaps its CPU work with the GPU (``overlap``), the larger of
-the two. An engine whose kernels are not the ones the tables
-timed is priced on ``EngineRates.on(hardware)`` (:mod:`flexmesh.cost.inference.engine_rates`: its own kernels'
-rates on the device layer's). Dense models only (a mixture of experts is refused in one line).
+a profile's, never zero; the framework term of serving; scaled by the model's layers where it was measured as
+an eager engine's host time; ``multi_gpu_s`` more on a replica of more than one GPU), added to the GPU's time,
+or, for an engine that overlaps its CPU work with the GPU (``overlap``: its scheduling with the previous
+iteration, or an eager engine's launches with its kernels), the larger of the two. An engine whose kernels are
+not the ones the tables timed is priced on ``EngineRates.on(hardware)``
+(:mod:`flexmesh.cost.inference.engine_rates`: its own kernels' rates on the device layer's). Dense models only (a
+mixture of experts is refused in one line).
 
 >>> from flexmesh.cost.device.hardware import Hardware
 >>> from flexmesh.spec import MODEL_PRESETS, parse_cluster
@@ -207,7 +209,7 @@ class AnalyticIteration:
 
     def cpu_s(self, requests: int) -> float:
         """The engine's own seconds in an iteration of ``requests`` requests (its overhead on this replica)."""
-        return self.overhead.seconds(requests, self.tp * self.pp)
+        return self.overhead.seconds(requests, self.tp * self.pp, self.layers)
 
     def terms(self, decodes: int, decode_context: int, chunks: Sequence[tuple[int, int]]) -> dict[str, float]:
         """The iteration's seconds by term (what :meth:`split_s` sums, or, with ``overlap``, adds the larger of

@@ -162,9 +162,9 @@ def cpu_cores(k: int, threads: int, cores: list[int] | None = None) -> str:
 
 
 def sharing_pids(engines, cfgs: Sequence[ExternalEngine]) -> list[int]:  # noqa: ANN001 - EngineProcesses
-    """The engines' processes that share every core with the router's (those not held to cores of their own): the
-    CPU a sweep counts as the host's (:func:`flexmesh.profile.streamed.sweep`). A pinned engine's API server runs on
-    its engine's cores, inside the iteration times the sweep measures."""
+    """The engines' processes that share every core with the router's (those not held to cores of their own): their
+    CPU counts as the host's in its replays (:func:`flexmesh.profile.host.host_rows`). A pinned engine's API server
+    runs on its engine's cores, inside the iteration times the sweep measures."""
     return [e.proc.pid for e, c in zip(engines, cfgs) if not c.cores]
 
 

@@ -130,7 +130,7 @@ class EngineSpec:
             "max_batched_tokens": self.max_batched_tokens, "max_seqs": self.max_seqs,
             "cuda_graphs": self.cuda_graphs, "cpu_overlap": self.cpu_overlap,
             "overhead": preset_name(o) or {"fixed_ms": o.fixed_s * 1e3, "per_request_ms": o.per_request_s * 1e3,
-                                           "source": o.source},
+                                           **({"layers": o.layers} if o.layers else {}), "source": o.source},
             "multi_gpu_ms": self.multi_gpu_ms}
         if not self.rates.unit:
             out["rates"] = {**self.rates.factors(), "source": self.rates.source}
@@ -190,13 +190,17 @@ def scheduler_for(prefill_first: bool, chunked: bool) -> str:
 
 
 def _overhead(raw: Any, where: str) -> EngineOverhead:
-    """A preset's overhead, or one given as a table of ``fixed_ms``, ``per_request_ms`` and its ``source``."""
+    """A preset's overhead, or one given as a table of ``fixed_ms``, ``per_request_ms``, ``layers`` (those of the
+    model it was measured on, for a cost that scales with layers) and its ``source``."""
     if isinstance(raw, str):
         return parse_overhead(raw)
-    if isinstance(raw, dict) and set(raw) <= {"fixed_ms", "per_request_ms", "source"} and "fixed_ms" in raw:
+    if isinstance(raw, dict) and set(raw) <= {"fixed_ms", "per_request_ms", "layers", "source"} and "fixed_ms" in raw:
         given = parse_overhead(f"{raw['fixed_ms']!r},{raw.get('per_request_ms', 0)!r}")
-        return replace(given, source=str(raw.get("source", given.source)))
-    raise SpecError(f"{where} is a preset name or a table of fixed_ms, per_request_ms and source, got {raw!r}")
+        try:
+            return replace(given, source=str(raw.get("source", given.source)), layers=raw.get("layers", 0))
+        except SpecError as err:
+            raise SpecError(f"{where}: {err}") from None
+    raise SpecError(f"{where} is a preset name or a table of fixed_ms, per_request_ms, layers and source, got {raw!r}")
 
 
 def _milliseconds(raw: Any, where: str) -> float:
