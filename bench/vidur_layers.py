@@ -71,6 +71,12 @@ scored (split three ways: every other row by kind, step tokens and context; each
 median context against those above; the same by step tokens), median error <= 15% for prefill and for decode
 under each split.
 
+A part flexmesh has no kernel tables of (priced from another part's, scaled to its datasheet, and named so in
+``serve simulate``'s output): Vidur also profiled the A40 (``bench/data/vidur_mlp_a40.csv``, Llama-2-7B and
+Llama-2-70B, each GPU's shard at tensor parallelism 1 to 8). Its layer outside attention is scored at the device
+layer alone (the borrowed A100 tables) and at sarathi-serve's rates fitted to the A100 and H100 rows; no A40 row
+enters any fit. Target: the device layer's median error <= 15%.
+
 Usage: ``python -m bench.vidur_layers [--no-record]``.
 """
 
@@ -85,7 +91,7 @@ from pathlib import Path
 import numpy as np
 
 from bench._results import markdown_table, record
-from flexmesh.cost.device.hardware import Hardware
+from flexmesh.cost.device.hardware import Hardware, unmeasured_notes
 from flexmesh.cost.device.kernels import HBM_EFFICIENCY
 from flexmesh.cost.device.layer_shapes import pointwise_elems
 from flexmesh.cost.inference.analytic import LAYER_POINTWISE_KERNELS, AnalyticIteration
@@ -95,8 +101,14 @@ from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.devices import DEVICE_PRESETS
 
 DEPENDS_ON = ("flexmesh/cost", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py",
-              "flexmesh/units.py", "bench/data/vidur_mlp_tp1.csv", "bench/data/vidur_attention_a100_llama2_7b_tp1.csv")
+              "flexmesh/units.py", "bench/data/vidur_mlp_tp1.csv", "bench/data/vidur_attention_a100_llama2_7b_tp1.csv",
+              "bench/data/vidur_mlp_a40.csv")
 DATA = Path(__file__).parent / "data" / "vidur_mlp_tp1.csv"
+# Vidur's profiles of a part flexmesh has no kernel tables of (priced from another part's, scaled to its datasheet):
+# held out from every fit here, each model at tensor parallelism 1, 2, 4 and 8
+BORROWED_DATA = Path(__file__).parent / "data" / "vidur_mlp_a40.csv"
+BORROWED = {"a40": "A40"}
+BORROWED_MODELS = {"meta-llama/Llama-2-7b-hf": "llama2-7b", "meta-llama/Llama-2-70b-hf": "llama2-70b"}
 ATTENTION_DATA = Path(__file__).parent / "data" / "vidur_attention_a100_llama2_7b_tp1.csv"
 BOUND = 0.15
 # Vidur's profiling machines (its paper: DGX A100 80GB and DGX H100) and models, as flexmesh names them
@@ -140,15 +152,15 @@ def operator_elems(model: str) -> dict[str, int]:
 
 
 @cache
-def _device_layer(model: str, part: str) -> AnalyticIteration:
-    return AnalyticIteration(MODEL_PRESETS[model], Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[part])))
+def _device_layer(model: str, part: str, tp: int = 1) -> AnalyticIteration:
+    return AnalyticIteration(MODEL_PRESETS[model], Hardware(ClusterSpec(1, tp, DEVICE_PRESETS[part])), tp)
 
 
-def iteration(model: str, part: str, rates: EngineRates | None = None) -> AnalyticIteration:
-    """``model``'s iteration priced on one ``part`` (tp 1): at the device layer's kernels, or at an engine's
-    ``rates`` on them (``EngineRates.on``)."""
-    it = _device_layer(model, part)
-    return it if rates is None else AnalyticIteration(MODEL_PRESETS[model], rates.on(it.hw))
+def iteration(model: str, part: str, rates: EngineRates | None = None, tp: int = 1) -> AnalyticIteration:
+    """``model``'s iteration priced on ``tp`` of ``part`` (each GPU's shard): at the device layer's kernels, or at an
+    engine's ``rates`` on them (``EngineRates.on``)."""
+    it = _device_layer(model, part, tp)
+    return it if rates is None else AnalyticIteration(MODEL_PRESETS[model], rates.on(it.hw), tp)
 
 
 def predicted_operators(model: str, part: str, tokens: np.ndarray,
@@ -238,14 +250,46 @@ def operator_rows() -> tuple[list[list[str]], bool]:
 
 
 def predicted(model: str, part: str, tokens: np.ndarray, training: bool = False,
-              rates: EngineRates | None = None) -> np.ndarray:
+              rates: EngineRates | None = None, tp: int = 1) -> np.ndarray:
     """flexmesh's seconds of one layer outside attention at ``tokens`` (``training``: at a training step's
     kernels, what serving priced with before the device layer's; ``rates``: at an engine's rates on the device
-    layer's kernels)."""
-    it = iteration(model, part, rates)
+    layer's kernels; ``tp``: one GPU's shard at that tensor parallelism, its all-reduces left out as Vidur's
+    operator profile leaves them)."""
+    it = iteration(model, part, rates, tp)
     k = it.hw.kernels if training else it.kernels
     t = sum(k.gemm(tokens, n, red) for n, red in it.shapes)
     return t + k.memory_bound(tokens * it.pointwise_bytes, LAYER_POINTWISE_KERNELS)
+
+
+def borrowed_measured() -> dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]]:
+    """(gpu, model, tp) of :data:`BORROWED_DATA` -> token counts and the shard's measured seconds outside
+    attention."""
+    rows: dict[tuple[str, str, int], list[dict[str, str]]] = {}
+    with BORROWED_DATA.open() as f:
+        for r in csv.DictReader(line for line in f if not line.startswith("#")):
+            rows.setdefault((r["gpu"], r["model"], int(r["tp"])), []).append(r)
+    return {k: (np.array([float(r["num_tokens"]) for r in v]),
+                np.array([sum(float(r[f"{op}_ms"]) for op in OPERATORS) * 1e-3 for r in v])) for k, v in rows.items()}
+
+
+def borrowed_rows() -> tuple[list[list[str]], dict[str, tuple[float, float]]]:
+    """Per (part, model, tp) of the parts priced from another part's tables: the median error of the layer outside
+    attention at the device layer alone and at sarathi-serve's rates fitted to every A100 and H100 row (signed at
+    <= 256 / >= 2048 tokens); and per part, the two medians over all its rows."""
+    sarathi = fit_layer_rates(tuple(sorted(measured_operators())))
+    rows, errs = [], {}
+    for (gpu, model, tp), (tokens, secs) in sorted(borrowed_measured().items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                                              kv[0][2])):
+        part, name = BORROWED[gpu], BORROWED_MODELS[model]
+        cells = [part, name, f"tp{tp}", str(len(tokens))]
+        for i, rates in enumerate((None, sarathi)):
+            err = predicted(name, part, tokens, rates=rates, tp=tp) / secs - 1.0
+            errs.setdefault(part, ([], []))[i].append(err)
+            cells.append(f"{np.median(np.abs(err)):.1%} ({np.median(err[tokens <= 256]):+.1%} / "
+                         f"{np.median(err[tokens >= 2048]):+.1%})")
+        rows.append(cells)
+    return rows, {part: (float(np.median(np.abs(np.concatenate(a)))), float(np.median(np.abs(np.concatenate(b)))))
+                  for part, (a, b) in errs.items()}
 
 
 # ---- whole iterations ------------------------------------------------------------------------------------
@@ -587,6 +631,20 @@ def main(argv: list[str] | None = None) -> int:
            "Per GPU type, held out: " + "; ".join(verdicts) + ". In sample: " + ", ".join(
                f"{part} {e:.1%}" for part, e in sorted(layer_medians["in sample"].items())) + ".", "",
            *markdown_table(["fit", "rows fitted", "rows scored", "gemm", "pointwise"], layer_fit_rows)]
+    b_rows, b_medians = borrowed_rows()
+    b_verdicts = [f"{p} {alone:.1%} {'PASS' if alone <= BOUND else 'FAIL'}" for p, (alone, _) in b_medians.items()]
+    md += ["", "A part no kernel table measured (as `serve simulate` says: "
+           + "; ".join(unmeasured_notes([DEVICE_PRESETS[p] for p in b_medians]))
+           + "), against Vidur's profile of it (bench/data/vidur_mlp_a40.csv: each GPU's shard of Llama-2-7B and "
+           "Llama-2-70B at tensor parallelism 1, 2, 4 and 8, the layer outside attention without its all-reduces, "
+           "every token count). Held out from every fit: the device layer alone, and at sarathi-serve's rates fitted "
+           "to every A100 and H100 row above (the `vllm-v0` engine's). Each cell: median error (signed median at "
+           f"<= 256 / >= 2048 tokens). Target: the device layer's median error <= {BOUND:.0%} per part.", "",
+           *markdown_table(["part", "model", "tp", "token counts", "device layer alone",
+                            "at sarathi-serve's rates (A100, H100 fit)"], b_rows), "",
+           "Per part, every row: " + "; ".join(f"{p}: device layer alone {a:.1%} "
+                                               f"{'PASS' if a <= BOUND else 'FAIL'}, at sarathi-serve's rates {r:.1%}"
+                                               for p, (a, r) in b_medians.items()) + "."]
     it_rows, it_medians = iteration_rows()
     part, name = PARTS[ITERATION[0]], MODELS[ITERATION[1]]
     md += ["", f"Whole iterations, {part} {name} tensor parallelism 1: every sampled row of Vidur's attention profile "
@@ -640,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
                     + (" PASS" if all(by_kind[kind] <= BOUND for by_kind in rate_medians.values()) else " FAIL")
                     for kind in ("prefill", "decode"))
                 + "; the device layer alone: layer " + ", ".join(alone) + ", iterations " + ", ".join(
-                    f"{kind} {m:.1%}" for kind, m in it_medians.items()))
+                    f"{kind} {m:.1%}" for kind, m in it_medians.items())
+                + "; a part priced from another's tables, layer (tp 1-8, held out): " + ", ".join(b_verdicts))
     print(headline)
     if not args.no_record:
         record("vidur_layers", "\n".join(md), headline=headline)
