@@ -237,3 +237,27 @@ def test_the_layer_table_judges_each_gpu_type_held_out():
     for scheme, fitted, scored, *_ in fit_rows:
         if scheme != "in sample":
             assert not set(fitted.split(", ")) & set(scored.split(", "))
+
+
+def test_a_part_priced_from_borrowed_tables_is_scored_on_shards_no_fit_saw(monkeypatch, fresh_fits):
+    from flexmesh.cost.device.hardware import unmeasured_notes
+    from flexmesh.spec.devices import DEVICE_PRESETS
+
+    borrowed = vl.borrowed_measured()
+    assert {tp for _, _, tp in borrowed} == {1, 2, 4, 8} and {g for g, _, _ in borrowed} == set(vl.BORROWED)
+    for part in vl.BORROWED.values():  # the part has no tables of its own, and serve simulate says so
+        assert any(n.startswith(f"{part}: no kernel tables") for n in unmeasured_notes([DEVICE_PRESETS[part]]))
+    tokens = np.array([1.0, 4096.0])
+    # each GPU's shard: half the heads and MLP width at tp 2 cost less than the whole at tp 1
+    one, two = (vl.predicted("llama2-70b", "A40", tokens, tp=tp) for tp in (1, 2))
+    assert np.all(two < one) and two[-1] == pytest.approx(one[-1] / 2, rel=0.1)
+    rows, medians = vl.borrowed_rows()
+    assert len(rows) == len(borrowed) and set(medians) == set(vl.BORROWED.values())
+    # its rows enter no fit: the sarathi rates it is priced at are the A100 and H100 rows' alone
+    fit = vl.fit_layer_rates(tuple(sorted(vl.measured_operators())))
+    assert all(g in vl.PARTS for g, _ in vl.measured_operators())
+    corrupt = {k: (t, 10.0 * s) for k, (t, s) in borrowed.items()}
+    monkeypatch.setattr(vl, "borrowed_measured", lambda: corrupt)
+    vl.fit_layer_rates.cache_clear()
+    assert vl.fit_layer_rates(tuple(sorted(vl.measured_operators()))) == fit  # exact: the same fit of the same rows
+    assert vl.borrowed_rows()[1] != medians  # yet the scores are of its rows
