@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from flexmesh.cost.device.hardware import Hardware, unmeasured, unmeasured_notes
+from flexmesh.cost.device.hardware import GroupShape, Hardware, unmeasured, unmeasured_notes
 from flexmesh.cost.inference.overhead import decode_cpu_samples
 from flexmesh.data.requests import constant_lengths, with_arrivals
 from flexmesh.errors import PlanError, SpecError
@@ -155,6 +155,53 @@ def test_the_eager_engines_host_time_is_its_h200_profile_scaled_by_layers_and_hi
     assert "\n" not in str(err.value)
 
 
+def test_each_engine_all_reduces_as_its_own_kernels_were_timed_inside_it():
+    assert {n: e.all_reduce for n, e in presets().items()} == {
+        "vllm": "vllm", "vllm-v0": "nccl", "sglang": "sglang", "trtllm": "trtllm", "transformers": "nccl"}
+    hw = Hardware(parse_cluster("2x8xH100"))
+    tp4, small, large = GroupShape(4, 4), 8 * 4096 * 2.0, 4096 * 4096 * 2.0
+    nccl = hw.collective_time("all_reduce", small, tp4)
+    graphed, eager = (hw.engine_all_reduce("vllm", g, small, tp4) for g in (True, False))
+    # vLLM's custom kernel replayed in a graph beats NCCL on a decode's message; called eagerly it pays the host
+    assert graphed < 0.6 * nccl and eager > 2 * graphed
+    # TensorRT-LLM's op has one timing; NCCL's is NCCL's; across nodes every engine falls back to NCCL
+    # exact: both read the one curve it has
+    assert hw.engine_all_reduce("trtllm", False, small, tp4) == hw.engine_all_reduce("trtllm", True, small, tp4)
+    assert hw.engine_all_reduce("nccl", True, small, tp4) == nccl  # exact: the same call
+    across = GroupShape(16, 8)
+    # exact: the same call
+    assert hw.engine_all_reduce("vllm", True, small, across) == hw.collective_time("all_reduce", small, across)
+    # large messages: the engine's own dispatch hands them to NCCL, within the tables' noise of NCCL's time
+    assert hw.engine_all_reduce("vllm", True, large, tp4) == pytest.approx(
+        hw.collective_time("all_reduce", large, tp4), rel=0.15)
+    # which timing an iteration pays: vLLM graphs up to 512 tokens, decode or mixed; SGLang decode batches only;
+    # an engine run eagerly never
+    v1 = engine_spec("vllm")
+    engines = {"vllm": v1, "sglang": engine_spec("sglang"), "eager": replace(v1, cuda_graphs=False),
+               "nccl": replace(v1, all_reduce="nccl")}
+    its = {name: e.iteration(MODEL, hw, tp=4) for name, e in engines.items()}
+    for tokens, decode_only in ((64, True), (64, False), (2048, False)):
+        dense = {name: it.dense_s(tokens, decode_only) for name, it in its.items()}
+        act = tokens * its["vllm"].hidden_bytes
+        per_layer = {g: hw.engine_all_reduce("vllm", g, act, tp4) for g in (True, False)}
+        expect_graphed = tokens <= 512
+        # exact: the same terms but the all-reduces (two per layer and the embedding's)
+        assert dense["vllm"] - dense["eager"] == pytest.approx(
+            (2 * MODEL.num_layers + 1) * (per_layer[expect_graphed] - per_layer[False]), rel=1e-9, abs=1e-12)
+        assert (dense["vllm"] < dense["nccl"]) == expect_graphed
+    # SGLang replays decode batches of up to 160 requests only
+    sglang = its["sglang"]
+    assert sglang.dense_s(64, True) < sglang.dense_s(64, False)
+    assert sglang.dense_s(400, True) == sglang.dense_s(400, False)  # exact: both eager, the same terms
+    # a part whose node has no engine table (L40S) prices NCCL's, whatever the engine
+    l40s = Hardware(parse_cluster("1x8xL40S"))
+    # exact: the same NCCL times summed in the same order
+    assert v1.iteration(MODEL, l40s, tp=4).split_s(8, 8000, ()) == replace(v1, all_reduce="nccl").iteration(
+        MODEL, l40s, tp=4).split_s(8, 8000, ())
+    with pytest.raises(SpecError, match="all_reduce is one of"):
+        EngineSpec.from_dict({"base": "vllm", "name": "x", "all_reduce": "gloo"})
+
+
 def test_tensor_parallel_pricing_is_monotone_in_link_speed():
     base = parse_cluster("1x8xA100-80GB")
     times = []
@@ -205,6 +252,10 @@ def test_a_plan_carries_its_engine_and_export_writes_its_flags():
     assert all("--enable-mixed-chunk" not in a and "--disable-overlap-schedule" not in a for a in sg)
     sg_v1 = [c.argv for c in launches("sglang", plan, "/m")]  # SGLang made to batch as the plan was priced
     assert all("--enable-mixed-chunk" in a and "--disable-overlap-schedule" in a for a in sg_v1)
+    # an engine priced with NCCL's all-reduce is started without its own
+    assert all("--disable-custom-all-reduce" in a for a in vllm)
+    assert not any("--disable-custom-all-reduce" in c.argv for c in launches("vllm", plan, "/m"))
+    assert all("--disable-custom-all-reduce" not in a for a in sg)
     bad = {**json.loads(EXAMPLE_PLAN), "engine": {"base": "vllm", "max_seqs": -3}}
     with pytest.raises(PlanError, match="plan: engine: .*max_seqs"):
         ServingPlan.from_dict(bad)

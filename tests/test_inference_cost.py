@@ -91,16 +91,17 @@ def test_a_pipeline_runs_its_stages_one_after_another_plus_sends():
 
 @pytest.mark.parametrize("device", ["H100", "A100-40GB", "L40S", "L4"])
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (4, 1), (8, 2), (8, 4)])
-def test_count_terms_priced_by_blocks_are_the_ones_priced_one_by_one(device, tp, pp):
+@pytest.mark.parametrize("all_reduce", ["nccl", "vllm"])
+def test_count_terms_priced_by_blocks_are_the_ones_priced_one_by_one(device, tp, pp, all_reduce):
     hw = Hardware(parse_cluster(f"4x8x{device}"))
     model = MODEL_PRESETS["llama3-8b"]
-    one, blocks = AnalyticIteration(model, hw, tp, pp), AnalyticIteration(model, hw, tp, pp, block=64)
-    tokens = [1, 2, 63, 64, 65, 127, 128, 1000, 4097, 8192, 9001]
-    # exact: the same numpy ufuncs element by element on arrays and scalars
-    assert [blocks.dense_s(t) for t in tokens] == [one.dense_s(t) for t in tokens]
+    one, blocks = (AnalyticIteration(model, hw, tp, pp, block=b, all_reduce=all_reduce) for b in (0, 64))
+    tokens = [1, 2, 63, 64, 65, 127, 128, 511, 512, 513, 1000, 4097, 8192, 9001]
+    for decodes in (False, True):  # exact: the same numpy ufuncs element by element on arrays and scalars
+        assert [blocks.dense_s(t, decodes) for t in tokens] == [one.dense_s(t, decodes) for t in tokens]
     # exact: the same numpy ufuncs element by element on arrays and scalars
     assert [blocks.head_s(n) for n in tokens] == [one.head_s(n) for n in tokens]
-    assert len(blocks._dense) > len(tokens) and len(blocks._head) > len(tokens)  # the blocks around them too
+    assert len(blocks._dense[False]) > len(tokens) and len(blocks._head) > len(tokens)  # the blocks around them too
     batch = [(900, 1)] * 20 + [(0, 700), (30, 33)]
     # exact: the same terms, by blocks or one by one (the ufuncs above)
     assert blocks.iteration_s(batch) == one.iteration_s(batch)

@@ -135,6 +135,8 @@ def _vllm_flags(e: EngineSpec) -> list[str]:
     out = [] if e.chunked_prefill else ["--no-enable-chunked-prefill"]
     if not e.cuda_graphs:
         out.append("--enforce-eager")
+    if e.all_reduce == "nccl":
+        out.append("--disable-custom-all-reduce")
     if e.cpu_overlap:
         out.append("--async-scheduling")
     return out
@@ -146,6 +148,8 @@ def _sglang_flags(e: EngineSpec) -> list[str]:
         out.append("--enable-mixed-chunk")
     if not e.cuda_graphs:
         out.append("--disable-cuda-graph")
+    if e.all_reduce == "nccl":
+        out.append("--disable-custom-all-reduce")
     if not e.cpu_overlap:
         out.append("--disable-overlap-schedule")
     return out

@@ -311,6 +311,19 @@ class Hardware:
         """
         return comm - self.overlap * np.minimum(comm, window)
 
+    def engine_all_reduce(self, engine: str, graphed: bool, nbytes, shape: GroupShape):
+        """Seconds of one all-reduce as ``engine`` runs it (``nbytes`` may be an array): its own kernels' time where
+        the node's measured table timed them inside it (presets/collectives.toml's ``<engine>_graph``, replayed in a
+        CUDA graph, or ``<engine>_eager``, called eagerly: the engine's dispatch, its kernel for small messages and
+        NCCL for large ones), else NCCL's (:meth:`collective_time`): an ``engine`` of "nccl", a group across
+        nodes, a part without the table."""
+        table = self.comm.table if self.comm is not None else None
+        if engine != "nccl" and table is not None and shape.nodes == 1 and shape.size > 1:
+            for op in (f"{engine}_{'graph' if graphed else 'eager'}", f"{engine}_graph"):
+                if table.covers(op):
+                    return table.time(op, shape.size, nbytes)
+        return self.collective_time("all_reduce", nbytes, shape)
+
     def collective_time(self, kind: str, nbytes, shape: GroupShape):
         """Seconds for one collective; ``nbytes`` may be a numpy array.
 

@@ -21,7 +21,9 @@ the ``tp`` devices:
   cost (see :data:`DECODE_GRAPHED`): a decode-only iteration of an engine that replays CUDA graphs (``graphs``)
   pays one kernel's launch cost, one that runs eagerly and an iteration with a prefill chunk the kernel's
   measured fixed cost;
-- two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs).
+- two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs), as the engine runs
+  them (``all_reduce``, :data:`GRAPHED_TOKENS`): NCCL's measured times, or the engine's own all-reduce timed inside
+  it, replayed in a CUDA graph or called eagerly.
 
 Then the final norm, the LM head over one row per request (vLLM computes logits at each request's last
 token only), gathered over tp; ``pp - 1`` sends of ``T x hidden`` between stages; the vocabulary-parallel
@@ -73,6 +75,16 @@ FUSED_RESIDUAL_ELEMS = 4
 # pays the prefill call's measured fixed cost as the tables have it. An engine without CUDA graphs (``graphs``
 # False: vLLM's --enforce-eager, transformers) pays the tables' fixed cost on decode-only iterations too.
 DECODE_GRAPHED = True
+# The tensor-parallel all-reduce an engine runs (its description's ``all_reduce``): "nccl" (nccl-tests' times), or
+# an engine whose own all-reduce aiconfigurator-core timed inside it (presets/collectives.toml ``<engine>_graph``
+# and ``<engine>_eager``: the engine's dispatch, its custom kernel below a size and NCCL above), where the part's
+# node has that table (else NCCL's: Hardware.engine_all_reduce). Which of the two an iteration pays: replayed in a
+# CUDA graph when the engine graphs it (``graphs``) and its new tokens are at most (decode-only, mixed) here, else
+# eager (the call's host work: 20-45 us where the graphed kernel takes 3-8). vLLM V1 replays iterations of up to
+# 512 tokens, decodes as full graphs and mixed batches as piecewise ones with the all-reduces inside
+# (vllm/config/vllm.py _set_cudagraph_sizes: 512 below data-center Blackwell); SGLang replays decode batches
+# only (ServerArgs.cuda_graph_max_bs: 160 on GPUs of 25 GB or more); TensorRT-LLM's op has one timing.
+GRAPHED_TOKENS = {"vllm": (512, 512), "sglang": (160, 0), "trtllm": (2**62, 2**62), "nccl": (0, 0)}
 
 
 class AnalyticIteration:
@@ -87,7 +99,7 @@ class AnalyticIteration:
 
     def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, pp: int = 1,
                  overhead: EngineOverhead | None = None, block: int = 0, graphs: bool = DECODE_GRAPHED,
-                 overlap: bool = False):
+                 overlap: bool = False, all_reduce: str = "nccl"):
         if model.is_moe:
             raise SpecError(f"{model.name} is a mixture of experts; serving is priced for dense models only so far")
         check_tp(model, tp, pp)
@@ -97,6 +109,10 @@ class AnalyticIteration:
         self.model, self.hw, self.tp, self.pp = model, hardware, tp, pp
         self.overhead = overhead or preset_overhead()
         self.graphs, self.overlap = graphs, overlap
+        if all_reduce not in GRAPHED_TOKENS:
+            raise SpecError(f"all_reduce {all_reduce!r} is not one of {', '.join(GRAPHED_TOKENS)}")
+        self.all_reduce = all_reduce
+        self.graphed_tokens = GRAPHED_TOKENS[all_reduce] if graphs else (0, 0)
         # the device layer's kernels; a hardware without them (profiled) keeps its measured rates
         self.kernels: Kernels = getattr(hardware, "device_kernels", None) or getattr(hardware, "kernels", None) \
             or Kernels(mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops,
@@ -115,7 +131,7 @@ class AnalyticIteration:
         per_node = hardware.cluster.devices_per_node
         self.send_shapes = [GroupShape(2, 1 if crosses else 2)
                             for crosses in pipeline_crossings(tp * pp, per_node, pp)[:pp - 1]] if pp > 1 else []
-        self._dense: dict[int, float] = {}
+        self._dense: dict[bool, dict[int, float]] = {False: {}, True: {}}  # by decode-only
         self.block = block
         self._head: dict[int, float] = {}
         # Decode-only iterations cost ``fixed(B) + per_key x keys`` (every term is affine in the KV read):
@@ -134,26 +150,39 @@ class AnalyticIteration:
         t = self.hw.collective_time(kind, nbytes, self.tp_shape)
         return t if isinstance(t, np.ndarray) else float(t)
 
-    def _dense_terms(self, tokens):  # noqa: ANN001, ANN202 - an int or an array of them
+    def _all_reduce_s(self, nbytes, graphed):  # noqa: ANN001, ANN202 - floats or arrays of them
+        """One tp all-reduce of ``nbytes`` as the engine runs it, in a CUDA graph where ``graphed``."""
+        if self.tp <= 1:
+            return 0.0
+        if self.all_reduce == "nccl":
+            return self._collective("all_reduce", nbytes)
+        g, e = (self.hw.engine_all_reduce(self.all_reduce, mode, nbytes, self.tp_shape) for mode in (True, False))
+        t = np.where(graphed, g, e)
+        return t if isinstance(nbytes, np.ndarray) else float(t)
+
+    def _dense_terms(self, tokens, decode_only: bool = False):  # noqa: ANN001, ANN202 - an int or an array of them
         k = self.kernels
+        act = tokens * self.hidden_bytes
+        graphed = np.asarray(tokens) <= self.graphed_tokens[0 if decode_only else 1]
         layer = sum(k.gemm(tokens, n, red) for n, red in self.shapes)
         layer += k.memory_bound(tokens * self.pointwise_bytes, LAYER_POINTWISE_KERNELS)
-        layer += 2 * self._collective("all_reduce", tokens * self.hidden_bytes)
-        act = tokens * self.hidden_bytes
-        t = self.layers * layer + k.memory_bound(2 * act) + self._collective("all_reduce", act)
+        layer += 2 * self._all_reduce_s(act, graphed)
+        t = self.layers * layer + k.memory_bound(2 * act) + self._all_reduce_s(act, graphed)
         sends = [self.hw.collective_time("send_recv", act, s) for s in self.send_shapes]
         return t + sum(x if isinstance(x, np.ndarray) else float(x) for x in sends)
 
-    def dense_s(self, tokens: int) -> float:
+    def dense_s(self, tokens: int, decode_only: bool = False) -> float:
         """Everything of an iteration of ``tokens`` new tokens that does not depend on the requests' contexts
         or count: every layer's matmuls, pointwise operators and all-reduces, the final norm, the embedding's
-        all-reduce, and the sends between stages."""
-        t = self._dense.get(tokens)
+        all-reduce, and the sends between stages (``decode_only``: an iteration of decodes alone, which an
+        engine may replay as a CUDA graph where it does not a mixed one: :data:`GRAPHED_TOKENS`)."""
+        memo = self._dense[decode_only]
+        t = memo.get(tokens)
         if t is None:
             if self.block > 1 and tokens > 0:
-                self._by_block(self._dense, self._dense_terms, tokens)
-                return self._dense[tokens]
-            self._dense[tokens] = t = float(self._dense_terms(tokens))
+                self._by_block(memo, lambda counts: self._dense_terms(counts, decode_only), tokens)
+                return memo[tokens]
+            memo[tokens] = t = float(self._dense_terms(tokens, decode_only))
         return t
 
     def _head_terms(self, requests):  # noqa: ANN001, ANN202 - an int or an array of them
@@ -216,7 +245,8 @@ class AnalyticIteration:
         the overhead and the rest)."""
         tokens = decodes + sum(n for _, n in chunks)
         requests = decodes + len(chunks)
-        return {"dense": self.dense_s(tokens), "attention": self.attention_s(decodes, decode_context, chunks),
+        return {"dense": self.dense_s(tokens, not chunks),
+                "attention": self.attention_s(decodes, decode_context, chunks),
                 "head": self.head_s(requests), "overhead": self.cpu_s(requests)}
 
     # ---- the interface ---------------------------------------------------------------------------
@@ -228,7 +258,7 @@ class AnalyticIteration:
                 return 0.0
             fixed = self._decode_fixed.get(decodes)
             if fixed is None:
-                fixed = (self.dense_s(decodes) + self.attention_s(decodes, 0, ()) - self.per_key_s * decodes
+                fixed = (self.dense_s(decodes, True) + self.attention_s(decodes, 0, ()) - self.per_key_s * decodes
                          + self.head_s(decodes) + (0.0 if self.overlap else self.cpu_s(decodes)))
                 self._decode_fixed[decodes] = fixed
             gpu = fixed + self.per_key_s * (decode_context + decodes)

@@ -2,12 +2,13 @@
 
 :class:`EngineSpec` says how an engine schedules its iterations (prompts mixed with decodes or first, chunked or whole:
 one of the replica schedulers of :mod:`flexmesh.serve.schedulers`, or a registered one by name), its default token
-budget and batch cap, whether decode runs as CUDA graphs, what its CPU costs per iteration and whether that overlaps
-the GPU, what a replica of more than one GPU adds (the workers' RPC), and its kernels' rates on the device layer's
-(:class:`~flexmesh.cost.inference.engine_rates.EngineRates`). Presets (``flexmesh/spec/presets/engines.toml``) describe
-what users run, each value with its source; the default is current vLLM. A file of the same fields (TOML or JSON, a
-``base`` preset to start from) describes one's own (docs/engines.md). Every serving plan carries its description
-(``engine`` in the plan file), so a plan is simulated and exported as it was planned.
+budget and batch cap, whether decode runs as CUDA graphs, the tensor-parallel all-reduce it runs, what its CPU costs per
+iteration and whether that overlaps the GPU, what a replica of more than one GPU adds (the workers' RPC), and its
+kernels' rates on the device layer's (:class:`~flexmesh.cost.inference.engine_rates.EngineRates`). Presets
+(``flexmesh/spec/presets/engines.toml``) describe what users run, each value with its source; the default is current
+vLLM. A file of the same fields (TOML or JSON, a ``base`` preset to start from) describes one's own (docs/engines.md).
+Every serving plan carries its description (``engine`` in the plan file), so a plan is simulated and exported as it was
+planned.
 
 >>> e = engine_spec("vllm-v0")
 >>> e.scheduler_name, e.chunked_prefill, e.prefill_first, e.multi_gpu_ms
@@ -31,6 +32,7 @@ from typing import Any
 
 import tomllib
 
+from flexmesh.cost.inference.analytic import GRAPHED_TOKENS
 from flexmesh.cost.inference.engine_rates import TERMS, EngineRates
 from flexmesh.cost.inference.overhead import EngineOverhead, parse_overhead, preset_name
 from flexmesh.errors import SpecError
@@ -44,7 +46,7 @@ DEVICE, CONTEXT = "device", "context"
 MIN_WHOLE_BUDGET = 2048
 _FLAGS = ("prefill_first", "chunked_prefill", "cuda_graphs", "cpu_overlap")
 _FIELDS = ("name", "base", "title", "kind", "version", *_FLAGS, "scheduler", "max_batched_tokens", "max_seqs",
-           "overhead", "multi_gpu_ms", "rates", "sources")
+           "all_reduce", "overhead", "multi_gpu_ms", "rates", "sources")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class EngineSpec:
     max_seqs: int | str = DEVICE
     cuda_graphs: bool = True
     cpu_overlap: bool = False
+    all_reduce: str = "nccl"  # the tensor-parallel all-reduce it runs (flexmesh.cost.inference.analytic.GRAPHED_TOKENS)
     overhead: EngineOverhead = field(default_factory=lambda: parse_overhead("vllm"))
     multi_gpu_ms: float = 0.0
     rates: EngineRates = EngineRates()
@@ -73,6 +76,9 @@ class EngineSpec:
             if not ((isinstance(v, int) and not isinstance(v, bool) and v >= 1) or v in allowed):
                 raise SpecError(f"engine {self.name!r}: {name} is a whole number >= 1 or "
                                 f"{' or '.join(repr(a) for a in allowed)}, got {v!r}")
+        if self.all_reduce not in GRAPHED_TOKENS:
+            raise SpecError(f"engine {self.name!r}: all_reduce is one of {', '.join(GRAPHED_TOKENS)} (NCCL's, or the "
+                            f"engine whose own all-reduce it runs), got {self.all_reduce!r}")
         if not (isinstance(self.multi_gpu_ms, (int, float)) and self.multi_gpu_ms >= 0):
             raise SpecError(f"engine {self.name!r}: multi_gpu_ms is >= 0, got {self.multi_gpu_ms!r}")
 
@@ -93,7 +99,7 @@ class EngineSpec:
         from flexmesh.cost.inference.analytic import AnalyticIteration
 
         return AnalyticIteration(model, self.rates.on(hardware), tp, pp, self.costs, block=block,
-                                 graphs=self.cuda_graphs, overlap=self.cpu_overlap)
+                                 graphs=self.cuda_graphs, overlap=self.cpu_overlap, all_reduce=self.all_reduce)
 
     def knobs(self, dev: DeviceSpec, context: int = 0, **given: Any) -> EngineKnobs:
         """Its default knobs on ``dev`` (``context``: the model's, for a budget of the whole context), replaced by
@@ -117,6 +123,7 @@ class EngineSpec:
         graphs = "CUDA graphs" if self.cuda_graphs else "eager decode"
         overlap = ", CPU work overlapped" if self.cpu_overlap else ""
         multi = f", {self.multi_gpu_ms:g} ms per iteration on more than one GPU" if self.multi_gpu_ms else ""
+        multi += f", {self.all_reduce}'s own all-reduce" if self.all_reduce != "nccl" else ""
         version = f" {self.version}" if self.version else ""
         what = ", ".join(x for x in (mix, chunk, graphs) if x)
         return f"{self.name} ({self.title}{version}: {what}{overlap}{multi})"
@@ -128,7 +135,7 @@ class EngineSpec:
             "prefill_first": self.prefill_first, "chunked_prefill": self.chunked_prefill,
             **({"scheduler": self.scheduler} if self.scheduler else {}),
             "max_batched_tokens": self.max_batched_tokens, "max_seqs": self.max_seqs,
-            "cuda_graphs": self.cuda_graphs, "cpu_overlap": self.cpu_overlap,
+            "cuda_graphs": self.cuda_graphs, "cpu_overlap": self.cpu_overlap, "all_reduce": self.all_reduce,
             "overhead": preset_name(o) or {"fixed_ms": o.fixed_s * 1e3, "per_request_ms": o.per_request_s * 1e3,
                                            **({"layers": o.layers} if o.layers else {}), "source": o.source},
             "multi_gpu_ms": self.multi_gpu_ms}
@@ -153,7 +160,7 @@ class EngineSpec:
         kw: dict[str, Any] = {} if base is None else {f.name: getattr(base, f.name) for f in fields(cls)}
         kw.update(name=name, title=str(d.get("title", kw.get("title", name))),
                   kind=str(d.get("kind", kw.get("kind", name))))
-        for key in ("version", "scheduler", "max_batched_tokens", "max_seqs"):  # checked by the class
+        for key in ("version", "scheduler", "max_batched_tokens", "max_seqs", "all_reduce"):  # checked by the class
             if key in d:
                 kw[key] = d[key]
         for key in _FLAGS:
