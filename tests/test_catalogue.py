@@ -243,8 +243,27 @@ def test_nccl_tables_are_read_as_bytes_and_median_seconds(tmp_path):
     got = curves(path)
     # fp16 only (2 bytes an element), all-to-all left to its fitted efficiency, the median of repeats (ms -> s)
     assert got == {"all_reduce": {8: ([2048, 8192], [pytest.approx(20e-6), pytest.approx(40e-6)])}}
-    back = tomllib.loads(to_toml({"x_sxm": ("t", got)}))
+    # an engine's own all-reduce: its graphed and eager rows apart, another framework's kernel left out, each curve
+    # made non-decreasing by the least-squares fit in log time (a slow single timing pooled with the next)
+    from flexmesh.cost.device.comm_tables import engine_tables
+
+    engine = [("vllm_graph", 2, 128, 0.004), ("vllm_graph", 2, 256, 0.016), ("vllm_graph", 2, 512, 0.004),
+              ("vllm_eager", 2, 128, 0.020), ("vllm_eager", 2, 256, 0.021), ("TRTLLM", 2, 128, 0.001)]
+    folder = tmp_path / "data" / "x_sxm" / "comm" / "vllm" / "0.24.0"
+    folder.mkdir(parents=True)
+    cols = list(zip(*engine))
+    pq.write_table(pa.table({"kernel_source": list(cols[0]), "allreduce_dtype": ["bfloat16"] * len(engine),
+                             "num_gpus": list(cols[1]), "message_size": list(cols[2]), "latency": list(cols[3])}),
+                   folder / "custom_allreduce_perf.parquet")
+    tables = engine_tables(tmp_path, "x_sxm")
+    assert set(tables) == {"vllm"} and tables["vllm"][0].endswith("vllm/0.24.0/custom_allreduce_perf.parquet")
+    vllm = tables["vllm"][1]
+    assert set(vllm) == {"vllm_graph", "vllm_eager"} and vllm["vllm_graph"][2][0] == [256, 512, 1024]
+    # 4, 16, 4 us: the slow middle timing pooled with the next, at their geometric mean
+    assert vllm["vllm_graph"][2][1] == pytest.approx([4e-6, 8e-6, 8e-6], rel=1e-9)
+    back = tomllib.loads(to_toml({"x_sxm": ("t", got)}, {"x_sxm": tables}))
     assert back["x_sxm"]["all_reduce"]["8"] == {"bytes": [2048, 8192], "us": [20.0, 40.0]}
+    assert back["x_sxm"]["vllm_table"] == tables["vllm"][0] and back["x_sxm"]["vllm_eager"]["2"]["us"] == [20.0, 21.0]
 
 
 def test_recorded_nccl_tables_match_the_installed_ones():
