@@ -13,6 +13,7 @@ import pytest
 import tomllib
 
 from flexmesh.cost.device.hardware import GroupShape, Hardware, unmeasured, unmeasured_notes
+from flexmesh.cost.inference.analytic import AnalyticIteration
 from flexmesh.cost.inference.overhead import decode_cpu_samples
 from flexmesh.data.requests import constant_lengths, with_arrivals
 from flexmesh.errors import PlanError, SpecError
@@ -198,6 +199,18 @@ def test_each_engine_all_reduces_as_its_own_kernels_were_timed_inside_it():
     # exact: the same NCCL times summed in the same order
     assert v1.iteration(MODEL, l40s, tp=4).split_s(8, 8000, ()) == replace(v1, all_reduce="nccl").iteration(
         MODEL, l40s, tp=4).split_s(8, 8000, ())
+    # a profiled machine's own all-reduce measurement prices it, whatever the engine
+    from flexmesh.profile.format import CollectiveFit, HardwareProfile
+    from flexmesh.profile.timing import ProfiledHardware
+    from flexmesh.spec.cluster import ClusterSpec
+
+    fits = [CollectiveFit(k, 2, "intra", 1e-5, 1e-11) for k in ("all_reduce", "all_gather")]
+    prof = HardwareProfile(device={"type": "cuda", "name": "x", "nodes": 1, "devices_per_node": 2,
+                                   "memory_bytes": 2**36}, dtype="bf16", matmul_flops_per_s={"bf16": 1e14},
+                           memory_bytes_per_s=1e12, attention={"bf16": {"flops_per_s": 5e13}}, collectives=fits)
+    mine = ProfiledHardware(ClusterSpec(1, 2, device("A100-80GB")), prof, "bf16")
+    assert AnalyticIteration(MODEL, mine, 2, all_reduce="vllm").split_s(8, 8000, ()) == AnalyticIteration(
+        MODEL, mine, 2).split_s(8, 8000, ())  # exact: the same measured curve, summed in the same order
     with pytest.raises(SpecError, match="all_reduce is one of"):
         EngineSpec.from_dict({"base": "vllm", "name": "x", "all_reduce": "gloo"})
 

@@ -317,7 +317,8 @@ class Hardware:
         CUDA graph, or ``<engine>_eager``, called eagerly: the engine's dispatch, its kernel for small messages and
         NCCL for large ones), else NCCL's (:meth:`collective_time`): an ``engine`` of "nccl", a group across
         nodes, a part without the table."""
-        table = self.comm.table if self.comm is not None else None
+        comm = getattr(self, "comm", None)  # a profiled hardware has its own collectives, no tables
+        table = comm.table if comm is not None else None
         if engine != "nccl" and table is not None and shape.nodes == 1 and shape.size > 1:
             for op in (f"{engine}_{'graph' if graphed else 'eager'}", f"{engine}_graph"):
                 if table.covers(op):
