@@ -145,11 +145,11 @@ def cases() -> list[dict]:
                 if step is None or tokens not in measured_ops()[gpu, model, 1]:
                     continue
                 m1, mt = (measured_layer(gpu, node, model, t, tokens) for t in (1, tp))
-                (p1, _), (pt, par) = (predicted_layer(gpu, kind, model, t, tokens) for t in (1, tp))
-                (e1, _), (et, ear) = (predicted_layer(gpu, kind, model, t, tokens, eager=True) for t in (1, tp))
+                p1, _ = predicted_layer(gpu, kind, model, 1, tokens)  # no all-reduce at tp 1, eager or not
+                (pt, par), (et, ear) = (predicted_layer(gpu, kind, model, tp, tokens, eager=e) for e in (False, True))
                 mar = measured_allreduces(node, model, tp, tokens)
                 out.append({"gpu": gpu, "node": kind, "model": model, "tp": tp, "tokens": tokens, "kind": step,
-                            "measured": m1 / mt, "predicted": p1 / pt, "eager": e1 / et, "layer_error": et / mt - 1,
+                            "measured": m1 / mt, "predicted": p1 / pt, "eager": p1 / et, "layer_error": et / mt - 1,
                             "allreduce_error": ear / mar - 1, "kernel_allreduce_error": par / mar - 1,
                             "measured_ar_us": mar * 1e6, "predicted_ar_us": par * 1e6, "eager_ar_us": ear * 1e6})
     return out
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows, verdicts, kernel_verdicts, worst = [], [], [], 0.0
     groups: dict[tuple[str, str, str, int, str], list[dict]] = {}
-    for c in cases():
+    every = cases()
+    for c in every:
         groups.setdefault((c["gpu"], c["node"], c["model"], c["tp"], c["kind"]), []).append(c)
     for (gpu, node, model, tp, kind), cs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "nvswitch",
                                                                                    *kv[0][2:])):
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
           *markdown_table(["part", "node", "model", "tp", "steps", "token counts", "measured speedup",
                            "predicted, eager calls", "speedup error", "layer error at tp", "all-reduce error",
                            "predicted, kernel time (error)", "kernel all-reduce error"], rows)]
-    small = [c for c in cases() if c["kind"] == "decode" and c["node"] == "nvswitch"]
+    small = [c for c in every if c["kind"] == "decode" and c["node"] == "nvswitch"]
     pairs = sorted({(c["gpu"], c["tp"]) for c in small})
     md += ["", "Decode-sized all-reduces on NVSwitch (the two per layer, 8 to 64 tokens): measured "
            + ", ".join(f"{PARTS[g]} tp{t} {_median(small, g, t, 'measured_ar_us'):.0f} us" for g, t in pairs)

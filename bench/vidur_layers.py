@@ -127,15 +127,20 @@ SHORT_CHUNK, LONG_CHUNK = 512, 1024  # a prefill chunk's tokens
 SHORT_CONTEXT, LONG_CONTEXT = 1024, 2048  # cached tokens (per request) before the step
 
 
-def measured_operators() -> dict[tuple[str, str], tuple[np.ndarray, dict[str, np.ndarray]]]:
-    """(gpu, model) -> token counts and each operator's measured seconds (Vidur's median)."""
-    rows: dict[tuple[str, str], list[dict[str, str]]] = {}
-    with DATA.open() as f:
+def _operator_rows(path: Path, *keys: str) -> dict[tuple, tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """A file of Vidur's operator medians by its ``keys`` columns: token counts and each operator's seconds."""
+    rows: dict[tuple, list[dict[str, str]]] = {}
+    with path.open() as f:
         for r in csv.DictReader(line for line in f if not line.startswith("#")):
-            rows.setdefault((r["gpu"], r["model"]), []).append(r)
+            rows.setdefault(tuple(int(r[k]) if k == "tp" else r[k] for k in keys), []).append(r)
     return {k: (np.array([float(r["num_tokens"]) for r in v]),
                 {op: np.array([float(r[f"{op}_ms"]) * 1e-3 for r in v]) for op in OPERATORS})
             for k, v in rows.items()}
+
+
+def measured_operators() -> dict[tuple[str, str], tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """(gpu, model) -> token counts and each operator's measured seconds (Vidur's median)."""
+    return _operator_rows(DATA, "gpu", "model")
 
 
 def measured() -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
@@ -264,12 +269,8 @@ def predicted(model: str, part: str, tokens: np.ndarray, training: bool = False,
 def borrowed_measured() -> dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]]:
     """(gpu, model, tp) of :data:`BORROWED_DATA` -> token counts and the shard's measured seconds outside
     attention."""
-    rows: dict[tuple[str, str, int], list[dict[str, str]]] = {}
-    with BORROWED_DATA.open() as f:
-        for r in csv.DictReader(line for line in f if not line.startswith("#")):
-            rows.setdefault((r["gpu"], r["model"], int(r["tp"])), []).append(r)
-    return {k: (np.array([float(r["num_tokens"]) for r in v]),
-                np.array([sum(float(r[f"{op}_ms"]) for op in OPERATORS) * 1e-3 for r in v])) for k, v in rows.items()}
+    return {k: (tokens, sum(ops.values(), np.zeros_like(tokens)))
+            for k, (tokens, ops) in _operator_rows(BORROWED_DATA, "gpu", "model", "tp").items()}
 
 
 def borrowed_rows() -> tuple[list[list[str]], dict[str, tuple[float, float]]]:
@@ -278,8 +279,7 @@ def borrowed_rows() -> tuple[list[list[str]], dict[str, tuple[float, float]]]:
     <= 256 / >= 2048 tokens); and per part, the two medians over all its rows."""
     sarathi = fit_layer_rates(tuple(sorted(measured_operators())))
     rows, errs = [], {}
-    for (gpu, model, tp), (tokens, secs) in sorted(borrowed_measured().items(), key=lambda kv: (kv[0][0], kv[0][1],
-                                                                                              kv[0][2])):
+    for (gpu, model, tp), (tokens, secs) in sorted(borrowed_measured().items(), key=lambda kv: kv[0]):
         part, name = BORROWED[gpu], BORROWED_MODELS[model]
         cells = [part, name, f"tp{tp}", str(len(tokens))]
         for i, rates in enumerate((None, sarathi)):
