@@ -379,10 +379,17 @@ def test_train_dispatches_each_step_over_replica_groups_and_replans_for_a_stragg
     assert all(r["policy"] == "balanced" and r["predicted_step_time_s"] > 0 and r["loss"] > 0 for r in rows)
     events = [(r["step"], e) for r in rows for e in r["events"]]
     detected = [step for step, e in events if e["event"] == "straggler_detected" and e["ranks"] == [1]]
-    replanned = [step for step, e in events if e["event"] == "replanned"]
+    replanned = [(step, e["speeds"]) for step, e in events if e["event"] == "replanned"]
     assert detected and replanned, events
-    after = [r for r in rows if r["step"] > replanned[0]]
-    assert after and all(r["assumed_speed"][1] < 0.75 * r["assumed_speed"][0] for r in after), after
+    # the first re-plan is made for rank 1 measured slow; every step after a re-plan runs on the speeds it chose (a
+    # later re-plan may move them: under load rank 0 is slowed too, and the measured ratio with it)
+    first_step, first_speeds = replanned[0]
+    assert first_speeds[1] < 0.75 * first_speeds[0], replanned
+    after = [r for r in rows if r["step"] > first_step]
+    assert after, replanned
+    for r in after:
+        chosen = [speeds for step, speeds in replanned if step < r["step"]][-1]
+        assert r["assumed_speed"] == pytest.approx(chosen, rel=1e-3), (r["step"], r["assumed_speed"], replanned)
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
