@@ -12,8 +12,8 @@ none at tp 1), the all-reduce interpolated log-log between the sizes measured. f
 :class:`~flexmesh.cost.inference.analytic.AnalyticIteration`'s per-layer dense term on a node of the part (its GEMMs
 at the per-GPU shape through the measured GEMM form, the pointwise operators of which norms do not shrink with tp,
 and the two all-reduces over the node's links as the device layer prices them): the SXM part in a DGX, or the same
-part with the links of the catalogue's PCIe part (NVLink bridges between pairs, PCIe beyond; no measured NCCL table)
-for the bridged node. The speedup of tp ``t`` is the layer at tp 1 over the layer at tp ``t``, per token count;
+part with the links of the catalogue's PCIe part (NVLink bridges between pairs, PCIe beyond; no measured NCCL table,
+so NCCL's own tuning model's latencies: ``flexmesh.cost.device.hardware.nccl_ring_time``) for the bridged node. The speedup of tp ``t`` is the layer at tp 1 over the layer at tp ``t``, per token count;
 decode-sized steps are 8 to 64 tokens, prefill-sized 1024 to 4096. No constant was fitted to these rows.
 
 Vidur timed each all-reduce as one eager ``torch.distributed`` call, back to back (``vidur/profiling/collectives``:

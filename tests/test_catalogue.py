@@ -90,8 +90,32 @@ def test_bridged_pairs_run_over_nvlink_and_larger_groups_over_pcie():
     slow = bridged.collective_time("all_reduce", gib, four) / switched.collective_time("all_reduce", gib, four)
     assert slow == pytest.approx(300.0 / 32.0, rel=0.01)
     pcie = Hardware(parse_cluster("8xL40S"))
+    # a large message: NCCL's Simple protocol, its base latency and one PCIe hop (NVIDIA/nccl's tuning model)
     assert pcie.collective_time("all_gather", gib, pair) == pytest.approx(
-        gib / 2 / (32e9 * pcie.comm.ring_intra_eff) + pcie.comm.intra_latency_s)
+        gib / 2 / (32e9 * pcie.comm.ring_intra_eff) + (8.4 + 5.7) * 1e-6)
+
+
+def test_small_collectives_without_a_table_cost_nccls_latency_per_ring_step():
+    """A part without a measured table prices a small message's ring as NCCL's tuner does: its LL protocol's base
+    latency plus one hop per ring step, a PCIe hop dearer than an NVLink one; large messages take the Simple protocol
+    at the full bandwidth."""
+    pcie = Hardware(parse_cluster("8xL40S"))
+    bridged = Hardware(parse_cluster("8xA100-PCIe-80GB"))
+    tiny = 64.0  # bytes: latency alone
+    for k in (2, 4, 8):  # 2 (k - 1) steps of an all-reduce over PCIe, 1.0 us each, after LL's 6.6 us
+        assert pcie.collective_time("all_reduce", tiny, GroupShape(k, k)) == pytest.approx(
+            (6.6 + 2 * (k - 1) * 1.0) * 1e-6, rel=0.01)
+    # the bridged pair runs its ring over NVLink (0.6 us a hop), four of those GPUs over PCIe
+    assert bridged.collective_time("all_reduce", tiny, GroupShape(2, 2)) == pytest.approx((6.6 + 2 * 0.6) * 1e-6,
+                                                                                          rel=0.01)
+    assert bridged.collective_time("all_reduce", tiny, GroupShape(4, 4)) == pytest.approx((6.6 + 6 * 1.0) * 1e-6,
+                                                                                          rel=0.01)
+    # time grows with the message and never falls; LL's quarter bandwidth gives way to Simple's at large sizes
+    sizes = np.geomspace(64, 2**30, 40)
+    times = pcie.collective_time("all_reduce", sizes, GroupShape(4, 4))
+    assert np.all(np.diff(times) > 0)
+    bw = pcie.comm.intra_bytes_per_s(4) * pcie.comm.ring_intra_eff
+    assert times[-1] == pytest.approx(1.5 * 2**30 / bw + (8.4 + 6 * 5.7) * 1e-6, rel=1e-6)
 
 
 def test_tensor_parallel_plans_prefer_the_bridge():

@@ -111,7 +111,7 @@ def explain(out: Console, ev: Evaluation, cost: CostModel) -> None:
         links = (f"measured NCCL times of a {d.comm_table} node by message size (aiconfigurator-core, "
                  "flexmesh.cost.device.comm_tables)" if d.comm_table else
                  f"{d.intra_node_gbps(cost.hw.cluster.devices_per_node):g} GB/s x {d.intra_efficiency:g} "
-                 f"+ {d.intra_latency_us:g} us per step (no measured table of this part)")
+                 "+ NCCL's tuning model's latency per ring step (no measured table of this part)")
         out.print(f"collectives inside a node: {links}; across nodes: {d.node_net_gbps:g} GB/s per node x "
                   f"{d.inter_efficiency:g} + {d.inter_latency_us:g} us per step; all-to-all at FlexSP's fitted "
                   f"efficiencies", highlight=False)

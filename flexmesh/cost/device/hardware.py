@@ -6,7 +6,8 @@ by the NICs of the group's ranks (one NIC per GPU on DGX-class nodes), each part
 of the datasheet bandwidth (see ``flexmesh.cost.training.calibrate``).
 
 Worked example (a part without a measured table, 1 GiB all-reduce over the 8 GPUs of one node at
-300 GB/s): ``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus ``2 * 7 * 10 us`` latency. Inside a
+300 GB/s): ``2 * 7/8 * 2**30 B / (300 GB/s * 0.69) = 9.1 ms`` plus NCCL's latency of the protocol it picks
+for that size (Simple, ``8.4 + 2 * 7 * 3.4 us``; :func:`nccl_ring_time`, NCCL's own tuning model). Inside a
 node, a group runs over NVLink when its GPUs of that node lie within one NVLink domain (all 8 behind an
 NVSwitch; a bridged pair of PCIe cards) and over PCIe otherwise (``DeviceSpec.nvlink_domain``).
 
@@ -57,6 +58,33 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # its time is really saved.
 OVERLAP_SLOWDOWN = 1.13
 PRESET_OVERLAP = 2.0 - OVERLAP_SLOWDOWN
+# NCCL's own model of a ring collective, which its tuner prices each protocol by and runs the fastest of (NVIDIA/nccl,
+# src/graph/tuning.cc, 2.18 to 2.2x: baseLat and hwLat of the Ring algorithm; LL moves a quarter of the bus bandwidth,
+# LL128 92% of it and only where NVLink joins the ring): protocol -> (base latency us, latency per ring step us over
+# NVLink, over PCIe (None: not run there), share of the bus bandwidth).
+NCCL_RING_PROTOCOLS = {"LL": (6.6, 0.6, 1.0, 0.25), "LL128": (14.0, 1.9, None, 0.92), "Simple": (8.4, 3.4, 5.7, 1.0)}
+
+
+def nccl_ring_time(steps: int, volume, bus_bytes_per_s: float, nvlink: bool):
+    """Seconds of a ring collective of ``steps`` steps moving ``volume`` bytes per rank (``2 (k-1)/k`` of the buffer
+    for an all-reduce over ``k`` GPUs, ``(k-1)/k`` for an all-gather or reduce-scatter; may be an array) at
+    ``bus_bytes_per_s``, as NCCL's tuner prices it: the fastest of its protocols, each its base latency plus one hop's
+    per step. Where no measured table exists this is what sets a small message's time: one hop of an LL ring costs
+    0.6 us over NVLink and 1.0 over PCIe, against a Simple ring's 3.4 and 5.7 (NCCL's figures).
+
+    >>> round(float(nccl_ring_time(6, 3 / 4 * 2 ** 17, 48e9, nvlink=False)) * 1e6, 1)  # 128 KiB over 4 GPUs on PCIe: LL
+    20.8
+    >>> round(float(nccl_ring_time(6, 3 / 4 * 2 ** 26, 48e9, nvlink=False)) * 1e3, 3)  # 64 MiB: Simple
+    1.091
+    """
+    best = None
+    for base, nvl, pci, share in NCCL_RING_PROTOCOLS.values():
+        hop = nvl if nvlink else pci
+        if hop is None:
+            continue
+        t = (base + steps * hop) * 1e-6 + volume / (bus_bytes_per_s * share)
+        best = t if best is None else np.minimum(best, t)
+    return best
 
 
 @dataclass(frozen=True)
@@ -200,6 +228,10 @@ class CollectiveParams:
     pcie_gbps: float = 0.0  # per GPU per direction
     table: CommTable | None = None  # measured ring collectives inside a node, where the part has them
     pcie_eff: float = 0.0  # achieved fraction of pcie_gbps by collectives over PCIe; 0: ring_intra_eff's
+    # Ring collectives inside a node without a table priced by NCCL's tuning model (nccl_ring_time); False: at
+    # intra_latency_s per ring step (a profile's fit, a test's ideal links)
+    nccl_latency: bool = False
+    nvlink: bool = True  # NVLink joins the node's GPUs (DeviceSpec.intra_link other than "pcie")
 
     def intra_bytes_per_s(self, per_node: int) -> float:
         """Bandwidth of a group with ``per_node`` members on each node: NVLink within the NVLink domain
@@ -208,6 +240,10 @@ class CollectiveParams:
         if self.nvlink_domain and per_node > self.nvlink_domain:
             return self.pcie_gbps * 1e9 * (self.pcie_eff / self.ring_intra_eff if self.pcie_eff else 1.0)
         return self.intra_gbps * 1e9
+
+    def over_nvlink(self, per_node: int) -> bool:
+        """Whether a ring of ``per_node`` GPUs of a node runs over NVLink (else over PCIe)."""
+        return self.nvlink and not (self.nvlink_domain and per_node > self.nvlink_domain)
 
 
 class Hardware:
@@ -256,6 +292,8 @@ class Hardware:
             pcie_gbps=d.pcie_gbps,
             table=_comm_table(d.comm_table),
             pcie_eff=d.pcie_efficiency,
+            nccl_latency=True,
+            nvlink=d.intra_link != "pcie",
         )
 
     def power_cap(self) -> float:
@@ -355,6 +393,10 @@ class Hardware:
         t_inter = factor * (m - 1) / m * nbytes / (k * nic_bw * c.ring_inter_eff) if m > 1 else 0.0
         if c.table is not None and c.table.covers(kind):  # measured, latency included
             t_intra = c.table.time(kind, k, nbytes)
+            lat = factor * (m - 1) * c.inter_latency_s
+        elif c.nccl_latency:  # NCCL's own model of its ring inside the node, latency included
+            t_intra = nccl_ring_time(int(factor) * (k - 1), factor * (k - 1) / k * nbytes, intra_bw * c.ring_intra_eff,
+                                     c.over_nvlink(k)) if k > 1 else 0.0
             lat = factor * (m - 1) * c.inter_latency_s
         else:
             t_intra = factor * (k - 1) / k * nbytes / (intra_bw * c.ring_intra_eff)
