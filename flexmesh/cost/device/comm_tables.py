@@ -59,12 +59,23 @@ def curves(path: Path) -> Curves:
     for op, n, dt, size, ms in zip(d["op_name"], d["num_gpus"], d["nccl_dtype"], d["message_size"], d["latency"]):
         if dt == "half" and op in OPS and ms > 0:
             samples.setdefault((op, int(n), 2 * int(size)), []).append(ms * 1e-3)
+    return _medians(samples)
+
+
+def _medians(samples: dict[tuple[str, int, int], list[float]]) -> Curves:
+    """(op, GPU count, bytes) -> seconds timed, as curves: per op and GPU count, (bytes, median seconds), sizes
+    ascending."""
     out: Curves = {}
     for (op, n, nbytes), times in sorted(samples.items()):
         b, t = out.setdefault(op, {}).setdefault(n, ([], []))
         b.append(nbytes)
         t.append(float(np.median(times)))
     return out
+
+
+def _with_engines(nccl: Curves, engines: dict[str, tuple[str, Curves]]) -> Curves:
+    """A system's NCCL curves and its engines' own all-reduce curves, as one set of ops."""
+    return {**nccl, **{op: by_n for _, cs in engines.values() for op, by_n in cs.items()}}
 
 
 def _engine_op(framework: str, mode: str) -> str | None:
@@ -93,11 +104,7 @@ def engine_curves(path: Path, framework: str) -> Curves:
         op = _engine_op(framework, str(mode))
         if op and dt == "bfloat16" and ms > 0:
             samples.setdefault((op, int(n), 2 * int(size)), []).append(ms * 1e-3)
-    out: Curves = {}
-    for (op, n, nbytes), times in sorted(samples.items()):
-        b, t = out.setdefault(op, {}).setdefault(n, ([], []))
-        b.append(nbytes)
-        t.append(float(np.median(times)))
+    out = _medians(samples)
     for by_n in out.values():
         for n, (b, t) in by_n.items():
             by_n[n] = (b, [float(x) for x in np.exp(isotonic_regression(np.log(t)).x)])
@@ -134,8 +141,7 @@ def to_toml(tables: dict[str, tuple[str, Curves]], engines: dict[str, dict[str, 
     for system, (table, nccl) in tables.items():
         lines += ["", f"[{system}]", f'table = "{table}"']
         lines += [f'{fw}_table = "{path}"' for fw, (path, _) in engines.get(system, {}).items()]
-        cs = {**nccl, **{op: by_n for _, curves in engines.get(system, {}).values() for op, by_n in curves.items()}}
-        for op, by_n in cs.items():
+        for op, by_n in _with_engines(nccl, engines.get(system, {})).items():
             for n, (b, t) in by_n.items():
                 lines += [f"[{system}.{op}.{n}]", f"bytes = [{', '.join(str(x) for x in b)}]",
                           f"us = [{', '.join(f'{x * 1e6:.4g}' for x in t)}]"]
@@ -162,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0.0
     print(f"{'system':<10} {'op':<15} {'GPUs':>4} {'sizes':>5} {'least us':>9} {'busbw at largest GB/s':>22}")
     for s, (_, nccl) in tables.items():
-        cs = {**nccl, **{op: by_n for _, curves in engines[s].values() for op, by_n in curves.items()}}
-        for op, by_n in cs.items():
+        for op, by_n in _with_engines(nccl, engines[s]).items():
             for n, (b, t) in by_n.items():
                 rb, rt = COMM_TABLES[s].get(op, {}).get(n, ((), ()))  # as read: made non-decreasing in bytes
                 same = list(rb) == b
