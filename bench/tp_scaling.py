@@ -13,18 +13,20 @@ none at tp 1), the all-reduce interpolated log-log between the sizes measured. f
 at the per-GPU shape through the measured GEMM form, the pointwise operators of which norms do not shrink with tp,
 and the two all-reduces over the node's links as the device layer prices them): the SXM part in a DGX, or the same
 part with the links of the catalogue's PCIe part (NVLink bridges between pairs, PCIe beyond; no measured NCCL table,
-so NCCL's own tuning model's latencies: ``flexmesh.cost.device.hardware.nccl_ring_time``) for the bridged node. The speedup of tp ``t`` is the layer at tp 1 over the layer at tp ``t``, per token count;
-decode-sized steps are 8 to 64 tokens, prefill-sized 1024 to 4096. No constant was fitted to these rows.
+so NCCL's own tuning model's latencies: ``flexmesh.cost.device.hardware.nccl_ring_time``) for the bridged node. The
+speedup of tp ``t`` is the layer at tp 1 over the layer at tp ``t``, per token count; decode-sized steps are 8 to 64
+tokens, prefill-sized 1024 to 4096. No constant was fitted to these rows.
 
 Vidur timed each all-reduce as one eager ``torch.distributed`` call, back to back (``vidur/profiling/collectives``:
 eleven calls, CUDA graphs off, each NCCL kernel's time by the PyTorch profiler): a host-bound loop, where each rank's
 kernel starts when its host launches it and waits for the slowest rank's (NCCL's maintainers on such timings,
 NVIDIA/nccl#701), so a decode-sized all-reduce measured 40-60 us where nccl-tests' back-to-back kernels take 10-20.
 Each row is therefore priced two ways: with the device layer's all-reduce (nccl-tests' kernel time; what a CUDA
-graph replays), and as an eager call: that kernel time, but at least the floor aiconfigurator-core measured for an
-all-reduce called eagerly on the same node (vLLM's, ``vllm_eager`` in presets/collectives.toml, its smallest
-message's time: the host's work per call, 45 us on the A100 node and 23 us on the H100 one, measured with another
-kernel than Vidur's NCCL; nodes without that table keep the kernel time). The verdict is on the eager pricing, the
+graph replays), and as the device layer prices NCCL called eagerly (``Hardware.engine_all_reduce``): that kernel
+time, but at least the node's measured host work per call (``Hardware.eager_floor``: aiconfigurator-core's all-reduce
+called eagerly inside vLLM, ``vllm_eager`` in presets/collectives.toml, its smallest message's time, 45 us on the
+A100 node and 23 us on the H100 one, measured with another kernel than Vidur's NCCL; nodes without that table keep
+the kernel time). The verdict is on the eager pricing, the
 way Vidur's all-reduces ran; the kernel pricing is beside it. Attention
 (its heads split evenly by tp on both sides) and the engine's per-iteration CPU time are left out: the first scales
 by tp alone, the second is the engine description's (``multi_gpu_ms``), not the device layer's.
@@ -115,20 +117,14 @@ def _iteration(model: str, gpu: str, kind: str, tp: int) -> AnalyticIteration:
     return AnalyticIteration(MODEL_PRESETS[model], Hardware(ClusterSpec(1, 4, d)), tp)
 
 
-EAGER_CALL = "vllm"  # the engine whose eagerly called all-reduce the tables timed (the eager pricing's floor)
-
-
 def predicted_layer(gpu: str, kind: str, model: str, tp: int, tokens: int, eager: bool = False) -> tuple[float, float]:
-    """flexmesh's seconds of the layer outside attention, and of its two all-reduces: at the device layer's
-    all-reduce (nccl-tests' kernel time), or ``eager``, each at least an eager call's floor where the node's table
-    timed one (an all-reduce called eagerly, its smallest message's time: the host's work per call)."""
+    """flexmesh's seconds of the layer outside attention, and of its two all-reduces: NCCL's as a CUDA graph replays
+    it (nccl-tests' kernel time), or ``eager``, called eagerly (at least the node's measured host work per call,
+    ``Hardware.eager_floor``)."""
     it = _iteration(MODELS[model], gpu, kind, tp)
     k = it.kernels
     nbytes = tokens * it.hidden_bytes
-    one = float(it._collective("all_reduce", nbytes))
-    if eager and tp > 1:  # at least an eager call's floor: the table's time of its smallest message
-        one = max(one, float(it.hw.engine_all_reduce(EAGER_CALL, False, 1.0, it.tp_shape)))
-    ar = 2 * one
+    ar = 2 * float(it.hw.engine_all_reduce("nccl", not eager, nbytes, it.tp_shape)) if tp > 1 else 0.0
     return float(sum(k.gemm(tokens, n, red) for n, red in it.shapes)
                  + k.memory_bound(tokens * it.pointwise_bytes, LAYER_POINTWISE_KERNELS) + ar), ar
 

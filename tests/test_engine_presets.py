@@ -169,6 +169,14 @@ def test_each_engine_all_reduces_as_its_own_kernels_were_timed_inside_it():
     # exact: both read the one curve it has
     assert hw.engine_all_reduce("trtllm", False, small, tp4) == hw.engine_all_reduce("trtllm", True, small, tp4)
     assert hw.engine_all_reduce("nccl", True, small, tp4) == nccl  # exact: the same call
+    # NCCL called eagerly pays at least the node's measured host work per call (vLLM's eager call of its smallest
+    # message), which a large message's kernel time exceeds; nodes and groups nothing measured it on keep NCCL's
+    floor = hw.eager_floor(tp4)
+    assert 10e-6 < floor < 60e-6 and floor > 1.5 * nccl
+    assert hw.engine_all_reduce("nccl", False, small, tp4) == floor  # exact: the floor itself
+    # exact: the same call, the floor below it
+    assert hw.engine_all_reduce("nccl", False, large, tp4) == hw.collective_time("all_reduce", large, tp4)
+    assert hw.eager_floor(GroupShape(16, 8)) == 0.0 == Hardware(parse_cluster("1x8xL40S")).eager_floor(tp4)
     across = GroupShape(16, 8)
     # exact: the same call
     assert hw.engine_all_reduce("vllm", True, small, across) == hw.collective_time("all_reduce", small, across)

@@ -58,6 +58,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # its time is really saved.
 OVERLAP_SLOWDOWN = 1.13
 PRESET_OVERLAP = 2.0 - OVERLAP_SLOWDOWN
+EAGER_FLOOR_OP = "vllm_eager"  # the measured eagerly called all-reduce whose smallest message sets Hardware.eager_floor
 # NCCL's own model of a ring collective, which its tuner prices each protocol by and runs the fastest of (NVIDIA/nccl,
 # src/graph/tuning.cc, 2.18 to 2.2x: baseLat and hwLat of the Ring algorithm; LL moves a quarter of the bus bandwidth,
 # LL128 92% of it and only where NVLink joins the ring): protocol -> (base latency us, latency per ring step us over
@@ -354,14 +355,31 @@ class Hardware:
         the node's measured table timed them inside it (presets/collectives.toml's ``<engine>_graph``, replayed in a
         CUDA graph, or ``<engine>_eager``, called eagerly: the engine's dispatch, its kernel for small messages and
         NCCL for large ones), else NCCL's (:meth:`collective_time`): an ``engine`` of "nccl", a group across
-        nodes, a part without the table."""
+        nodes, a part without the table. NCCL called eagerly (not ``graphed``) takes at least
+        :meth:`eager_floor`."""
         comm = getattr(self, "comm", None)  # a profiled hardware has its own collectives, no tables
         table = comm.table if comm is not None else None
         if engine != "nccl" and table is not None and shape.nodes == 1 and shape.size > 1:
             for op in (f"{engine}_{'graph' if graphed else 'eager'}", f"{engine}_graph"):
                 if table.covers(op):
                     return table.time(op, shape.size, nbytes)
-        return self.collective_time("all_reduce", nbytes, shape)
+        t = self.collective_time("all_reduce", nbytes, shape)
+        return t if graphed else np.maximum(t, self.eager_floor(shape)) if isinstance(t, np.ndarray) else \
+            max(t, self.eager_floor(shape))
+
+    def eager_floor(self, shape: GroupShape) -> float:
+        """The least an all-reduce called eagerly takes on this node, whatever its size: the host's work per call
+        (launch, the ranks' launches meeting), which a CUDA graph's replay does not pay and nccl-tests' back-to-back
+        kernels hide. Measured where the node's table timed an all-reduce called eagerly inside an engine
+        (aiconfigurator-core's ``vllm_eager``, its smallest message: 45 us on an A100 node, 23 us on an H100 one;
+        vLLM's own kernel, the nearest measurement of a call's host work); 0 elsewhere (no measurement: NCCL's
+        kernel time alone). Vidur's eagerly called NCCL all-reduces on DGX A100 and H100 nodes measured 40-60 us
+        at a decode's message (bench/tp_scaling.py)."""
+        comm = getattr(self, "comm", None)
+        table = comm.table if comm is not None else None
+        if table is None or shape.nodes != 1 or shape.size <= 1 or not table.covers(EAGER_FLOOR_OP):
+            return 0.0
+        return float(table.time(EAGER_FLOOR_OP, shape.size, 1.0))
 
     def collective_time(self, kind: str, nbytes, shape: GroupShape):
         """Seconds for one collective; ``nbytes`` may be a numpy array.

@@ -22,8 +22,8 @@ the ``tp`` devices:
   pays one kernel's launch cost, one that runs eagerly and an iteration with a prefill chunk the kernel's
   measured fixed cost;
 - two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs), as the engine runs
-  them (``all_reduce``, :data:`GRAPHED_TOKENS`): NCCL's measured times, or the engine's own all-reduce timed inside
-  it, replayed in a CUDA graph or called eagerly.
+  them (``all_reduce``, :data:`GRAPHED_TOKENS`): NCCL's measured times (called eagerly, at least the node's host
+  work per call), or the engine's own all-reduce timed inside it, replayed in a CUDA graph or called eagerly.
 
 Then the final norm, the LM head over one row per request (vLLM computes logits at each request's last
 token only), gathered over tp; ``pp - 1`` sends of ``T x hidden`` between stages; the vocabulary-parallel
@@ -83,8 +83,11 @@ DECODE_GRAPHED = True
 # eager (the call's host work: 20-45 us where the graphed kernel takes 3-8). vLLM V1 replays iterations of up to
 # 512 tokens, decodes as full graphs and mixed batches as piecewise ones with the all-reduces inside
 # (vllm/config/vllm.py _set_cudagraph_sizes: 512 below data-center Blackwell); SGLang replays decode batches
-# only (ServerArgs.cuda_graph_max_bs: 160 on GPUs of 25 GB or more); TensorRT-LLM's op has one timing.
-GRAPHED_TOKENS = {"vllm": (512, 512), "sglang": (160, 0), "trtllm": (2**62, 2**62), "nccl": (0, 0)}
+# only (ServerArgs.cuda_graph_max_bs: 160 on GPUs of 25 GB or more); TensorRT-LLM's op has one timing. NCCL's
+# all-reduce called eagerly pays at least the node's measured host work per call (Hardware.eager_floor), inside a
+# graph its kernel time: an engine that all-reduces through NCCL and graphs is taken as vLLM V0, which captured
+# decode batches of up to 256 sequences (vllm/worker/model_runner.py _BATCH_SIZES_TO_CAPTURE, v0.2.6 to v0.5).
+GRAPHED_TOKENS = {"vllm": (512, 512), "sglang": (160, 0), "trtllm": (2**62, 2**62), "nccl": (256, 0)}
 
 
 class AnalyticIteration:
@@ -154,8 +157,6 @@ class AnalyticIteration:
         """One tp all-reduce of ``nbytes`` as the engine runs it, in a CUDA graph where ``graphed``."""
         if self.tp <= 1:
             return 0.0
-        if self.all_reduce == "nccl":
-            return self._collective("all_reduce", nbytes)
         g, e = (self.hw.engine_all_reduce(self.all_reduce, mode, nbytes, self.tp_shape) for mode in (True, False))
         t = np.where(graphed, g, e)
         return t if isinstance(nbytes, np.ndarray) else float(t)
