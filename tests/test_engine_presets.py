@@ -303,6 +303,18 @@ def test_serve_simulate_and_plan_name_the_engine_and_unmeasured_parts(capsys):
                "--no-simulate", "--engine", "vllm-v0"])
     out = capsys.readouterr().out
     assert rc == 0 and "engine vllm-v0 (vLLM V0" in out and "note: L4: no kernel tables of its own" in out
+    # tensor-parallel replicas on a node no table measured: their all-reduces' pricing named, in the summary too;
+    # tp 1 replicas of such a part, and tp replicas of a measured node, have none
+    for replicas, named in (("2xtp2", True), ("4xtp1", False)):
+        rc = main(["serve", "simulate", "--cluster", "4xL40S", "--replicas", replicas, "--trace", "const:500:50",
+                   "--requests", "20", "--rate", "2", "--json"])
+        doc = json.loads(capsys.readouterr().out)
+        tp_notes = [n for n in doc["unmeasured"] if "all-reduces priced by NCCL's tuning model" in n]
+        assert rc == 0 and len(tp_notes) == named, doc["unmeasured"]
+        assert not named or "vllm's own all-reduce, not timed there" in tp_notes[0]
+    rc = main(["serve", "simulate", "--cluster", "4xH100", "--replicas", "2xtp2", "--trace", "const:500:50",
+               "--requests", "20", "--rate", "2", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["unmeasured"] == []
 
 
 def test_a_part_without_bf16_serves_in_fp16_and_its_launch_says_so():

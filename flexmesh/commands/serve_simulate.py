@@ -31,7 +31,7 @@ from flexmesh.commands.args import (
     positive_int,
 )
 from flexmesh.console import plain_console
-from flexmesh.cost.device.hardware import unmeasured_notes
+from flexmesh.cost.device.hardware import tensor_parallel_notes, unmeasured_notes
 from flexmesh.cost.inference.overhead import EngineOverhead, parse_overhead
 from flexmesh.data.requests import Workload, at_rate, constant_lengths, load_trace, scale_to_context, window
 from flexmesh.data.requests import with_arrivals as synthetic
@@ -394,6 +394,12 @@ def _summary_json(s: Summary) -> dict:
     return {k: v for k, v in s.to_json().items() if k != "extra"}
 
 
+def _unmeasured(job: SimulateJob) -> list[str]:
+    """What the simulation prices from another part's measurements or none: kernels, tensor-parallel all-reduces."""
+    return unmeasured_notes(g.device for g in job.cluster.groups) + tensor_parallel_notes(
+        ((r.device, r.spec.tp) for r in job.fleet.replicas), job.fleet.engine.all_reduce)
+
+
 def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None) -> dict:
     g = good
     return {
@@ -403,7 +409,7 @@ def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: 
         "engine": job.fleet.engine.to_dict(),
         "engine_overhead": {"fixed_s": job.overhead.fixed_s, "per_request_s": job.overhead.per_request_s,
                             "source": job.overhead.source},
-        "unmeasured": unmeasured_notes(g.device for g in job.cluster.groups),
+        "unmeasured": _unmeasured(job),
         "replicas": [{"index": r.index, "replica": r.label, "device": r.device, "group": r.group, "role": r.role,
                       "kv_blocks": r.kv_blocks, "kv_tokens": r.kv_tokens, "kv_capacity": r.kv_explain,
                       "iterations": r.iterations, "busy_fraction": r.busy_fraction, "preemptions": r.preemptions,
@@ -440,7 +446,7 @@ def _print(console: Console, job: SimulateJob, main: SimResult, points: list[Rat
                   f"router {job.router}, queue {job.queue}")
     console.print(f"engine {job.fleet.engine.label()}; overhead {job.overhead.fixed_s * 1e3:.3g} ms + "
                   f"{job.overhead.per_request_s * 1e3:.3g} ms per request ({job.overhead.source})")
-    for note in unmeasured_notes(g.device for g in job.cluster.groups):
+    for note in _unmeasured(job):
         console.print(f"note: {note}")
     t = Table(title="replicas", title_justify="left")
     for c in ("#", "replica", "device", "KV tokens", "busy", "iterations", "preempted", "prefix hit"):

@@ -481,6 +481,23 @@ def unmeasured_notes(devices) -> list[str]:  # noqa: ANN001 - DeviceSpecs
     return out
 
 
+def tensor_parallel_notes(replicas, all_reduce: str = "nccl") -> list[str]:  # noqa: ANN001 - (DeviceSpec, tp) pairs
+    """What a tensor-parallel replica's all-reduces are priced from where no measurement of its node exists, one line
+    per part among ``replicas`` (``(device, tp)`` pairs; tp 1 has none): a part whose node has no measured table
+    (NCCL's tuning model over its datasheet links; an engine's own all-reduce, ``all_reduce`` other than "nccl", as
+    NCCL's). Every measured node has each engine's timings too (presets/collectives.toml)."""
+    out: list[str] = []
+    for d, tp in replicas:
+        if tp <= 1 or d.comm_table in COMM_TABLES:
+            continue
+        own = "" if all_reduce == "nccl" else f" ({all_reduce}'s own all-reduce, not timed there, as NCCL's)"
+        note = (f"{d.name}: no measured NCCL table of its node; tp all-reduces priced by NCCL's tuning model over its "
+                f"datasheet links ({d.intra_link}){own}")
+        if note not in out:
+            out.append(note)
+    return out
+
+
 def _cache(fit: dict[str, float], own: bool) -> dict[str, float]:
     """A kernel fit's cache constants (``flexmesh.cost.device.kernels.cached_memory``) on its own part; none on
     another."""
