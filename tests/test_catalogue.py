@@ -323,7 +323,8 @@ def test_explain_says_where_the_devices_numbers_come_from(capsys):
     assert "measured GEMMs of l40s / a100_sxm" in out and "NVIDIA L40S datasheet" in out
     assert "measured attention of l40s / a100_sxm" in out
     assert "layers priced as another stack runs them: unfused attention" in out
-    assert "collectives inside a node: 32 GB/s x 0.69 + 10 us per step (no measured table" in out
+    assert ("collectives inside a node: 32 GB/s x 0.69 + NCCL's tuning model's latency per ring step (no measured "
+            "table") in out
     assert main(["plan", "--model", "tiny", "--cluster", "8xH100", "--seq-len", "1024", "--global-batch", "16",
                  "--top", "1", "--explain"]) == 0
     out = " ".join(capsys.readouterr().out.split())

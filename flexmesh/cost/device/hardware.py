@@ -357,15 +357,14 @@ class Hardware:
         NCCL for large ones), else NCCL's (:meth:`collective_time`): an ``engine`` of "nccl", a group across
         nodes, a part without the table. NCCL called eagerly (not ``graphed``) takes at least
         :meth:`eager_floor`."""
-        comm = getattr(self, "comm", None)  # a profiled hardware has its own collectives, no tables
-        table = comm.table if comm is not None else None
-        if engine != "nccl" and table is not None and shape.nodes == 1 and shape.size > 1:
+        table = self._node_table(shape)
+        if engine != "nccl" and table is not None:
             for op in (f"{engine}_{'graph' if graphed else 'eager'}", f"{engine}_graph"):
                 if table.covers(op):
                     return table.time(op, shape.size, nbytes)
         t = self.collective_time("all_reduce", nbytes, shape)
-        return t if graphed else np.maximum(t, self.eager_floor(shape)) if isinstance(t, np.ndarray) else \
-            max(t, self.eager_floor(shape))
+        floor = 0.0 if graphed else self.eager_floor(shape)
+        return np.maximum(t, floor) if isinstance(t, np.ndarray) else max(t, floor)
 
     def eager_floor(self, shape: GroupShape) -> float:
         """The least an all-reduce called eagerly takes on this node, whatever its size: the host's work per call
@@ -375,11 +374,17 @@ class Hardware:
         vLLM's own kernel, the nearest measurement of a call's host work); 0 elsewhere (no measurement: NCCL's
         kernel time alone). Vidur's eagerly called NCCL all-reduces on DGX A100 and H100 nodes measured 40-60 us
         at a decode's message (bench/tp_scaling.py)."""
-        comm = getattr(self, "comm", None)
-        table = comm.table if comm is not None else None
-        if table is None or shape.nodes != 1 or shape.size <= 1 or not table.covers(EAGER_FLOOR_OP):
+        table = self._node_table(shape)
+        if table is None or not table.covers(EAGER_FLOOR_OP):
             return 0.0
         return float(table.time(EAGER_FLOOR_OP, shape.size, 1.0))
+
+    def _node_table(self, shape: GroupShape) -> CommTable | None:
+        """The measured table that times a group of ``shape`` (inside one node, more than one GPU), if any."""
+        comm = getattr(self, "comm", None)  # a profiled hardware has its own collectives, no tables
+        if comm is None or comm.table is None or shape.nodes != 1 or shape.size <= 1:
+            return None
+        return comm.table
 
     def collective_time(self, kind: str, nbytes, shape: GroupShape):
         """Seconds for one collective; ``nbytes`` may be a numpy array.
