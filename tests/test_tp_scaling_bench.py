@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import bench.tp_scaling as tps
+from flexmesh.cost.device.hardware import EAGER_FLOOR_OP
 from flexmesh.spec.devices import COMM_TABLES
 
 
@@ -19,7 +20,7 @@ def test_an_eager_call_costs_at_least_the_nodes_measured_floor(gpu, kind):
             if not system:  # no table of an eager call on the bridged nodes: the kernel time
                 assert eager_ar == ar  # exact: the same call
                 continue
-            floor = COMM_TABLES[system][f"{tps.EAGER_CALL}_eager"][tp][1][0]  # its smallest message's seconds
+            floor = COMM_TABLES[system][EAGER_FLOOR_OP][tp][1][0]  # its smallest message's seconds
             assert eager_ar == pytest.approx(2 * max(ar / 2, floor), rel=1e-12)
     # decode-sized messages on an NVSwitch node sit under the floor; a long prefill's above it
     if system:
