@@ -26,7 +26,7 @@ from rich.table import Table
 from flexmesh.commands.args import DEFAULT_CLUSTER, DefaultsHelpFormatter, folder, fraction, nonempty, positive_float
 from flexmesh.commands.args import positive_int as whole_positive
 from flexmesh.console import plain_console
-from flexmesh.cost.device.hardware import tensor_parallel_notes, unmeasured_notes
+from flexmesh.cost.device.hardware import unmeasured_notes
 from flexmesh.cost.inference.memory import kv_capacity
 from flexmesh.cost.inference.overhead import parse_overhead
 from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window, with_arrivals
@@ -443,8 +443,7 @@ def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[B
                   f"for {i.attainment:.0%} of requests; {objective}")
     console.print(f"engine {p.engine.label()}")
     tp = ((r.device, r.spec.tp) for r in p.placement().replicas)
-    for note in unmeasured_notes(g.device for g in p.mixed_cluster().groups) + tensor_parallel_notes(
-            tp, p.engine.all_reduce):
+    for note in unmeasured_notes((g.device for g in p.mixed_cluster().groups), tp, p.engine.all_reduce):
         console.print(f"note: {note}")
     if cascade is not None:
         console.print(f"cascade: {cascade.escalated:.1%} of requests escalated (the least reaching quality "

@@ -31,7 +31,7 @@ from flexmesh.commands.args import (
     positive_int,
 )
 from flexmesh.console import plain_console
-from flexmesh.cost.device.hardware import tensor_parallel_notes, unmeasured_notes
+from flexmesh.cost.device.hardware import unmeasured_notes
 from flexmesh.cost.inference.overhead import EngineOverhead, parse_overhead
 from flexmesh.data.requests import Workload, at_rate, constant_lengths, load_trace, scale_to_context, window
 from flexmesh.data.requests import with_arrivals as synthetic
@@ -396,8 +396,8 @@ def _summary_json(s: Summary) -> dict:
 
 def _unmeasured(job: SimulateJob) -> list[str]:
     """What the simulation prices from another part's measurements or none: kernels, tensor-parallel all-reduces."""
-    return unmeasured_notes(g.device for g in job.cluster.groups) + tensor_parallel_notes(
-        ((r.device, r.spec.tp) for r in job.fleet.replicas), job.fleet.engine.all_reduce)
+    return unmeasured_notes((g.device for g in job.cluster.groups), ((r.device, r.spec.tp) for r in job.fleet.replicas),
+                            job.fleet.engine.all_reduce)
 
 
 def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None) -> dict:

@@ -229,9 +229,6 @@ class CollectiveParams:
     pcie_gbps: float = 0.0  # per GPU per direction
     table: CommTable | None = None  # measured ring collectives inside a node, where the part has them
     pcie_eff: float = 0.0  # achieved fraction of pcie_gbps by collectives over PCIe; 0: ring_intra_eff's
-    # Ring collectives inside a node without a table priced by NCCL's tuning model (nccl_ring_time); False: at
-    # intra_latency_s per ring step (a profile's fit, a test's ideal links)
-    nccl_latency: bool = False
     nvlink: bool = True  # NVLink joins the node's GPUs (DeviceSpec.intra_link other than "pcie")
 
     def intra_bytes_per_s(self, per_node: int) -> float:
@@ -293,7 +290,6 @@ class Hardware:
             pcie_gbps=d.pcie_gbps,
             table=_comm_table(d.comm_table),
             pcie_eff=d.pcie_efficiency,
-            nccl_latency=True,
             nvlink=d.intra_link != "pcie",
         )
 
@@ -417,13 +413,10 @@ class Hardware:
         if c.table is not None and c.table.covers(kind):  # measured, latency included
             t_intra = c.table.time(kind, k, nbytes)
             lat = factor * (m - 1) * c.inter_latency_s
-        elif c.nccl_latency:  # NCCL's own model of its ring inside the node, latency included
+        else:  # NCCL's own model of its ring inside the node, latency included
             t_intra = nccl_ring_time(int(factor) * (k - 1), factor * (k - 1) / k * nbytes, intra_bw * c.ring_intra_eff,
                                      c.over_nvlink(k)) if k > 1 else 0.0
             lat = factor * (m - 1) * c.inter_latency_s
-        else:
-            t_intra = factor * (k - 1) / k * nbytes / (intra_bw * c.ring_intra_eff)
-            lat = factor * ((k - 1) * c.intra_latency_s + (m - 1) * c.inter_latency_s)
         if isinstance(nbytes, np.ndarray):
             return np.maximum(t_intra, t_inter) + lat
         return max(t_intra, t_inter) + lat
@@ -476,14 +469,15 @@ def unmeasured(d: DeviceSpec) -> str | None:
             "architecture) scaled to its datasheet")
 
 
-def unmeasured_notes(devices) -> list[str]:  # noqa: ANN001 - DeviceSpecs
-    """:func:`unmeasured`'s line for each distinct part of ``devices`` priced from another's measurements."""
+def unmeasured_notes(devices, replicas=(), all_reduce: str = "nccl") -> list[str]:  # noqa: ANN001 - DeviceSpecs
+    """:func:`unmeasured`'s line for each distinct part of ``devices`` priced from another's measurements, then
+    :func:`tensor_parallel_notes`' for the ``(device, tp)`` pairs of ``replicas`` (an engine's ``all_reduce``)."""
     out: list[str] = []
     for d in devices:
         note = unmeasured(d)
         if note is not None and note not in out:
             out.append(note)
-    return out
+    return out + tensor_parallel_notes(replicas, all_reduce)
 
 
 def tensor_parallel_notes(replicas, all_reduce: str = "nccl") -> list[str]:  # noqa: ANN001 - (DeviceSpec, tp) pairs
