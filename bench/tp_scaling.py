@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from bench._results import markdown_table, record
+from bench.vidur_layers import operator_sums
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import LAYER_POINTWISE_KERNELS, AnalyticIteration
 from flexmesh.spec import MODEL_PRESETS
@@ -52,7 +53,8 @@ from flexmesh.spec.cluster import ClusterSpec
 from flexmesh.spec.devices import DEVICE_PRESETS
 
 DEPENDS_ON = ("flexmesh/cost", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py", "flexmesh/inputs.py",
-              "flexmesh/units.py", "bench/data/vidur_mlp_tp.csv", "bench/data/vidur_allreduce.csv")
+              "flexmesh/units.py", "bench/vidur_layers.py", "bench/data/vidur_mlp_tp.csv",
+              "bench/data/vidur_allreduce.csv")
 DATA = Path(__file__).parent / "data"
 BOUND = 0.15
 PARTS = {"a100": "A100-80GB", "h100": "H100-80GB"}  # Vidur's DGX A100 80GB and DGX H100
@@ -62,8 +64,6 @@ NODES = {("a100", "nvswitch"): ("a100_dgx", "A100-80GB"), ("h100", "nvswitch"): 
          ("h100", "bridged pairs"): ("h100_pairwise_nvlink", "H100-PCIe")}
 LINK_FIELDS = ("intra_link", "nvlink_gbps", "nvlink_domain", "pcie_gbps", "intra_latency_us")
 MODELS = {"Llama-2-70b-hf": "llama2-70b", "Meta-Llama-3-70B": "llama3-70b"}
-OPERATORS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
-             "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
 DEGREES = (2, 4)
 DECODE, PREFILL = (8, 64), (1024, 4096)  # token counts of each kind of step
 
@@ -76,11 +76,8 @@ def _rows(name: str) -> list[dict[str, str]]:
 @cache
 def measured_ops() -> dict[tuple[str, str, int], dict[int, float]]:
     """(gpu, model, tp) -> token count -> the operators' summed seconds (Vidur's medians)."""
-    out: dict[tuple[str, str, int], dict[int, float]] = {}
-    for r in _rows("vidur_mlp_tp.csv"):
-        out.setdefault((r["gpu"], r["model"], int(r["tp"])), {})[int(r["num_tokens"])] = \
-            sum(float(r[f"{op}_ms"]) for op in OPERATORS) * 1e-3
-    return out
+    return {k: dict(zip(tokens.astype(int).tolist(), secs.tolist()))
+            for k, (tokens, secs) in operator_sums(DATA / "vidur_mlp_tp.csv", "gpu", "model", "tp").items()}
 
 
 @cache

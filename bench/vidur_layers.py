@@ -138,6 +138,13 @@ def _operator_rows(path: Path, *keys: str) -> dict[tuple, tuple[np.ndarray, dict
             for k, v in rows.items()}
 
 
+def operator_sums(path: Path, *keys: str) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+    """:func:`_operator_rows`' files by ``keys`` -> token counts and the operators' summed seconds (the layer
+    outside attention)."""
+    return {k: (tokens, sum(ops.values(), np.zeros_like(tokens)))
+            for k, (tokens, ops) in _operator_rows(path, *keys).items()}
+
+
 def measured_operators() -> dict[tuple[str, str], tuple[np.ndarray, dict[str, np.ndarray]]]:
     """(gpu, model) -> token counts and each operator's measured seconds (Vidur's median)."""
     return _operator_rows(DATA, "gpu", "model")
@@ -145,7 +152,7 @@ def measured_operators() -> dict[tuple[str, str], tuple[np.ndarray, dict[str, np
 
 def measured() -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
     """(gpu, model) -> token counts and the layer's measured seconds outside attention."""
-    return {k: (tokens, sum(ops.values(), np.zeros_like(tokens))) for k, (tokens, ops) in measured_operators().items()}
+    return operator_sums(DATA, "gpu", "model")
 
 
 def operator_elems(model: str) -> dict[str, int]:
@@ -269,8 +276,7 @@ def predicted(model: str, part: str, tokens: np.ndarray, training: bool = False,
 def borrowed_measured() -> dict[tuple[str, str, int], tuple[np.ndarray, np.ndarray]]:
     """(gpu, model, tp) of :data:`BORROWED_DATA` -> token counts and the shard's measured seconds outside
     attention."""
-    return {k: (tokens, sum(ops.values(), np.zeros_like(tokens)))
-            for k, (tokens, ops) in _operator_rows(BORROWED_DATA, "gpu", "model", "tp").items()}
+    return operator_sums(BORROWED_DATA, "gpu", "model", "tp")
 
 
 def borrowed_rows() -> tuple[list[list[str]], dict[str, tuple[float, float]]]:
