@@ -130,6 +130,27 @@ def test_without_cuda_graphs_decode_pays_the_eager_calls():
     assert eager.split_s(0, 0, [(0, 1000)]) == pytest.approx(graphs.split_s(0, 0, [(0, 1000)]), rel=1e-12)
 
 
+def test_only_iterations_within_the_graph_sizes_are_priced_as_replayed():
+    hw = Hardware(parse_cluster("1x8xH100"))
+    v1 = engine_spec("vllm")
+    eager = replace(v1, cuda_graphs=False).iteration(MODEL, hw, tp=2)
+    small = replace(v1, graph_batch=64, graph_tokens=0).iteration(MODEL, hw, tp=2)
+    # a decode batch up to the size: attention's launch and the graphed all-reduce; one past it: the eager calls
+    assert small.attention_s(64, 64_000, ()) < eager.attention_s(64, 64_000, ())
+    assert small.dense_s(64, True) < eager.dense_s(64, True)
+    # exact: the same terms summed in the same order
+    assert small.attention_s(65, 65_000, ()) == eager.attention_s(65, 65_000, ())
+    assert small.dense_s(65, True) == eager.dense_s(65, True)  # exact: the same terms
+    # graph_tokens 0: an iteration with a prompt chunk runs eagerly; vLLM's 512 replays it piecewise
+    assert small.dense_s(256, False) == eager.dense_s(256, False)  # exact: the same terms
+    assert v1.iteration(MODEL, hw, tp=2).dense_s(256, False) < eager.dense_s(256, False)
+    # each preset's sizes, as its sources give them
+    assert {n: e.graphs for n, e in presets().items()} == {
+        "vllm": (512, 512), "vllm-v0": (256, 0), "sglang": (160, 0), "trtllm": (128, 0), "transformers": (0, 0)}
+    with pytest.raises(SpecError, match="graph_batch is a whole number >= 0"):
+        EngineSpec.from_dict({"base": "vllm", "name": "x", "graph_batch": -1})
+
+
 def test_the_eager_engines_host_time_is_its_h200_profile_scaled_by_layers_and_hides_the_gpu():
     # the preset's samples are what decode_cpu_samples makes of the iterations the engine logged on the H200
     run = Path(__file__).resolve().parent.parent / "bench" / "data" / "serve_gpu" / "h200-2026-11-30"
@@ -277,6 +298,16 @@ def test_a_plan_carries_its_engine_and_export_writes_its_flags():
     assert all("--disable-custom-all-reduce" in a for a in vllm)
     assert not any("--disable-custom-all-reduce" in c.argv for c in launches("vllm", plan, "/m"))
     assert all("--disable-custom-all-reduce" not in a for a in sg)
+    # the CUDA graph sizes it was priced with: vLLM's one capture size, SGLang's decode batch; none at the defaults
+    assert all(a[a.index("--max-cudagraph-capture-size") + 1] == "256" for a in vllm)
+    assert not any("--max-cudagraph-capture-size" in c.argv for c in launches("vllm", plan, "/m"))
+    assert all("--cuda-graph-max-bs" not in a for a in sg)
+    assert all(a[a.index("--cuda-graph-max-bs") + 1] == "512" for a in sg_v1)
+    # a plan file from before the sizes were fields prices its preset's
+    old = v0.to_dict()
+    for k in ("graph_batch", "graph_tokens"):
+        del old["engine"][k]
+    assert ServingPlan.from_dict(json.loads(json.dumps(old))).engine.graphs == (256, 0)
     bad = {**json.loads(EXAMPLE_PLAN), "engine": {"base": "vllm", "max_seqs": -3}}
     with pytest.raises(PlanError, match="plan: engine: .*max_seqs"):
         ServingPlan.from_dict(bad)

@@ -131,10 +131,17 @@ def _sglang(k: EngineKnobs, tp: int, pp: int, role: Role, model: str, host: str,
     return argv
 
 
+# The engines' own default CUDA graph sizes (engines.toml's vllm and sglang presets' sources): export writes a flag
+# only where a description's differs.
+VLLM_CAPTURE, SGLANG_GRAPH_BATCH = 512, 160
+
+
 def _vllm_flags(e: EngineSpec) -> list[str]:
     out = [] if e.chunked_prefill else ["--no-enable-chunked-prefill"]
     if not e.cuda_graphs:
         out.append("--enforce-eager")
+    elif max(e.graphs) != VLLM_CAPTURE:  # one capture size, decode-only and mixed batches alike
+        out += ["--max-cudagraph-capture-size", str(max(e.graphs))]
     if e.all_reduce == "nccl":
         out.append("--disable-custom-all-reduce")
     if e.cpu_overlap:
@@ -148,6 +155,8 @@ def _sglang_flags(e: EngineSpec) -> list[str]:
         out.append("--enable-mixed-chunk")
     if not e.cuda_graphs:
         out.append("--disable-cuda-graph")
+    elif e.graph_batch != SGLANG_GRAPH_BATCH:
+        out += ["--cuda-graph-max-bs", str(e.graph_batch)]
     if e.all_reduce == "nccl":
         out.append("--disable-custom-all-reduce")
     if not e.cpu_overlap:

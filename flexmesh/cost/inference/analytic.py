@@ -18,11 +18,11 @@ the ``tp`` devices:
   attention rate and their bytes at the HBM rate); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2``
   query-key pairs at the attention rate for blocks of ``c + n`` keys plus the per-key cost of a call, or reads
   its KV if that is slower; plus writing the new tokens' keys and values into the cache. The call's fixed
-  cost (see :data:`DECODE_GRAPHED`): a decode-only iteration of an engine that replays CUDA graphs (``graphs``)
-  pays one kernel's launch cost, one that runs eagerly and an iteration with a prefill chunk the kernel's
-  measured fixed cost;
+  cost (see :data:`VLLM_GRAPHS`): a decode-only iteration the engine replays as a CUDA graph (``graphs``) pays
+  one kernel's launch cost, one it runs eagerly and an iteration with a prefill chunk the kernel's measured fixed
+  cost;
 - two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs), as the engine runs
-  them (``all_reduce``, :data:`GRAPHED_TOKENS`): NCCL's measured times (called eagerly, at least the node's host
+  them (``all_reduce``, :data:`VLLM_GRAPHS`): NCCL's measured times (called eagerly, at least the node's host
   work per call), or the engine's own all-reduce timed inside it, replayed in a CUDA graph or called eagerly.
 
 Then the final norm, the LM head over one row per request (vLLM computes logits at each request's last
@@ -53,6 +53,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from flexmesh.cost.device.comm_tables import ENGINE_ALL_REDUCE
 from flexmesh.cost.device.hardware import GroupShape, Hardware, group_shape, pipeline_crossings
 from flexmesh.cost.device.kernels import Kernels
 from flexmesh.cost.device.layer_shapes import linear_shapes, pointwise_elems
@@ -65,29 +66,28 @@ from flexmesh.spec.model import ModelSpec
 LAYER_POINTWISE_KERNELS = 4
 # The residual's elements a fused add + norm moves besides the norm's own (read and write h, twice a layer).
 FUSED_RESIDUAL_ELEMS = 4
-# Whether a decode-only iteration's attention call pays the measured tables' fixed cost a call. The tables time
-# one eager call of vLLM's attention backend: its floor (9-18 us for decode, 8-13 us for prefill, against
-# 2-4 us for a GEMM timed the same way) is mostly the backend's host-side work per call (metadata, launches).
-# vLLM V1 runs decode-only batches as full CUDA graphs, which replay the kernels without that host work, and the
-# engine's own host time is the per-iteration overhead term: so a decode-only iteration's attention pays one
-# kernel's launch cost (Kernels.launch_s, the GPU-side fixed cost of a kernel) in place of the tables' fixed
-# cost. An iteration with a prefill chunk runs piecewise graphs, attention left out of them and run eagerly: it
-# pays the prefill call's measured fixed cost as the tables have it. An engine without CUDA graphs (``graphs``
-# False: vLLM's --enforce-eager, transformers) pays the tables' fixed cost on decode-only iterations too.
-DECODE_GRAPHED = True
-# The tensor-parallel all-reduce an engine runs (its description's ``all_reduce``): "nccl" (nccl-tests' times), or
-# an engine whose own all-reduce aiconfigurator-core timed inside it (presets/collectives.toml ``<engine>_graph``
-# and ``<engine>_eager``: the engine's dispatch, its custom kernel below a size and NCCL above), where the part's
-# node has that table (else NCCL's: Hardware.engine_all_reduce). Which of the two an iteration pays: replayed in a
-# CUDA graph when the engine graphs it (``graphs``) and its new tokens are at most (decode-only, mixed) here, else
-# eager (the call's host work: 20-45 us where the graphed kernel takes 3-8). vLLM V1 replays iterations of up to
-# 512 tokens, decodes as full graphs and mixed batches as piecewise ones with the all-reduces inside
-# (vllm/config/vllm.py _set_cudagraph_sizes: 512 below data-center Blackwell); SGLang replays decode batches
-# only (ServerArgs.cuda_graph_max_bs: 160 on GPUs of 25 GB or more); TensorRT-LLM's op has one timing. NCCL's
-# all-reduce called eagerly pays at least the node's measured host work per call (Hardware.eager_floor), inside a
-# graph its kernel time: an engine that all-reduces through NCCL and graphs is taken as vLLM V0, which captured
-# decode batches of up to 256 sequences (vllm/worker/model_runner.py _BATCH_SIZES_TO_CAPTURE, v0.2.6 to v0.5).
-GRAPHED_TOKENS = {"vllm": (512, 512), "sglang": (160, 0), "trtllm": (2**62, 2**62), "nccl": (256, 0)}
+# Which iterations an engine replays as CUDA graphs (its description's ``graph_batch`` and ``graph_tokens``, the
+# ``graphs`` pair here): decode-only ones of at most ``graphs[0]`` requests, and ones with prompt tokens of at most
+# ``graphs[1]`` new tokens (piecewise graphs: the GEMMs, pointwise kernels and all-reduces inside, attention run
+# eagerly between them). The default is vLLM V1's: iterations of up to 512 tokens, decodes as full graphs and mixed
+# batches as piecewise ones (vllm/config/vllm.py _set_cudagraph_sizes: max_cudagraph_capture_size 512 below
+# data-center Blackwell); (0, 0): an engine run eagerly (vLLM's --enforce-eager, transformers).
+# What a replay saves, as the device layer's tables time it:
+# - attention: the tables time one eager call of vLLM's attention backend, whose floor (9-18 us for decode, 8-13 us
+#   for prefill, against 2-4 us for a GEMM timed the same way) is mostly the backend's host-side work per call
+#   (metadata, launches). A decode-only iteration replayed as a full graph pays one kernel's launch cost
+#   (Kernels.launch_s, the GPU-side fixed cost of a kernel) in place of it, the engine's own host time being the
+#   per-iteration overhead term; a decode-only iteration run eagerly, and any iteration with a prefill chunk
+#   (attention outside the piecewise graphs), pays the tables' fixed cost.
+# - the tensor-parallel all-reduce (the description's ``all_reduce``: "nccl", nccl-tests' times, or an engine whose
+#   own all-reduce aiconfigurator-core timed inside it, presets/collectives.toml ``<engine>_graph`` and
+#   ``<engine>_eager``: its dispatch, its custom kernel below a size and NCCL above, where the part's node has that
+#   table, else NCCL's: Hardware.engine_all_reduce): replayed, the graphed timing; called eagerly, the eager one (the
+#   call's host work: 20-45 us where the graphed kernel takes 3-8); NCCL called eagerly at least the node's measured
+#   host work per call (Hardware.eager_floor), inside a graph its kernel time.
+VLLM_GRAPHS = (512, 512)
+# The tensor-parallel all-reduces an engine description may name: NCCL's, or an engine's own
+ALL_REDUCES = ("nccl", *ENGINE_ALL_REDUCE)
 
 
 class AnalyticIteration:
@@ -101,7 +101,7 @@ class AnalyticIteration:
     """
 
     def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, pp: int = 1,
-                 overhead: EngineOverhead | None = None, block: int = 0, graphs: bool = DECODE_GRAPHED,
+                 overhead: EngineOverhead | None = None, block: int = 0, graphs: tuple[int, int] = VLLM_GRAPHS,
                  overlap: bool = False, all_reduce: str = "nccl"):
         if model.is_moe:
             raise SpecError(f"{model.name} is a mixture of experts; serving is priced for dense models only so far")
@@ -112,10 +112,9 @@ class AnalyticIteration:
         self.model, self.hw, self.tp, self.pp = model, hardware, tp, pp
         self.overhead = overhead or preset_overhead()
         self.graphs, self.overlap = graphs, overlap
-        if all_reduce not in GRAPHED_TOKENS:
-            raise SpecError(f"all_reduce {all_reduce!r} is not one of {', '.join(GRAPHED_TOKENS)}")
+        if all_reduce not in ALL_REDUCES:
+            raise SpecError(f"all_reduce {all_reduce!r} is not one of {', '.join(ALL_REDUCES)}")
         self.all_reduce = all_reduce
-        self.graphed_tokens = GRAPHED_TOKENS[all_reduce] if graphs else (0, 0)
         # the device layer's kernels; a hardware without them (profiled) keeps its measured rates
         self.kernels: Kernels = getattr(hardware, "device_kernels", None) or getattr(hardware, "kernels", None) \
             or Kernels(mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops,
@@ -164,7 +163,7 @@ class AnalyticIteration:
     def _dense_terms(self, tokens, decode_only: bool = False):  # noqa: ANN001, ANN202 - an int or an array of them
         k = self.kernels
         act = tokens * self.hidden_bytes
-        graphed = np.asarray(tokens) <= self.graphed_tokens[0 if decode_only else 1]
+        graphed = np.asarray(tokens) <= self.graphs[0 if decode_only else 1]
         layer = sum(k.gemm(tokens, n, red) for n, red in self.shapes)
         layer += k.memory_bound(tokens * self.pointwise_bytes, LAYER_POINTWISE_KERNELS)
         layer += 2 * self._all_reduce_s(act, graphed)
@@ -176,7 +175,7 @@ class AnalyticIteration:
         """Everything of an iteration of ``tokens`` new tokens that does not depend on the requests' contexts
         or count: every layer's matmuls, pointwise operators and all-reduces, the final norm, the embedding's
         all-reduce, and the sends between stages (``decode_only``: an iteration of decodes alone, which an
-        engine may replay as a CUDA graph where it does not a mixed one: :data:`GRAPHED_TOKENS`)."""
+        engine may replay as a CUDA graph where it does not a mixed one: :data:`VLLM_GRAPHS`)."""
         memo = self._dense[decode_only]
         t = memo.get(tokens)
         if t is None:
@@ -229,8 +228,8 @@ class AnalyticIteration:
                 last = chunk
             t += term
         if chunks and a is not None:
-            fixed = a.fixed_s  # eager, as the tables time it (DECODE_GRAPHED)
-        elif decodes and not chunks and not self.graphs and k.decode_measured is not None:
+            fixed = a.fixed_s  # eager, as the tables time it (VLLM_GRAPHS)
+        elif decodes and not chunks and decodes > self.graphs[0] and k.decode_measured is not None:
             fixed = k.decode_measured.fixed_s
         else:
             fixed = k.launch_s

@@ -32,7 +32,7 @@ from typing import Any
 
 import tomllib
 
-from flexmesh.cost.inference.analytic import GRAPHED_TOKENS
+from flexmesh.cost.inference.analytic import ALL_REDUCES, VLLM_GRAPHS
 from flexmesh.cost.inference.engine_rates import TERMS, EngineRates
 from flexmesh.cost.inference.overhead import EngineOverhead, parse_overhead, preset_name
 from flexmesh.errors import SpecError
@@ -45,8 +45,9 @@ DEVICE, CONTEXT = "device", "context"
 # vLLM V0's floor on the budget without chunked prefill: max(max_model_len, 2048) (vllm/config.py SchedulerConfig)
 MIN_WHOLE_BUDGET = 2048
 _FLAGS = ("prefill_first", "chunked_prefill", "cuda_graphs", "cpu_overlap")
+_GRAPH_SIZES = ("graph_batch", "graph_tokens")
 _FIELDS = ("name", "base", "title", "kind", "version", *_FLAGS, "scheduler", "max_batched_tokens", "max_seqs",
-           "all_reduce", "overhead", "multi_gpu_ms", "rates", "sources")
+           *_GRAPH_SIZES, "all_reduce", "overhead", "multi_gpu_ms", "rates", "sources")
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,12 @@ class EngineSpec:
     max_batched_tokens: int | str = DEVICE
     max_seqs: int | str = DEVICE
     cuda_graphs: bool = True
+    # with cuda_graphs, the largest decode-only batch (requests) and iteration with prompt tokens (new tokens; 0: none)
+    # it replays as CUDA graphs (flexmesh.cost.inference.analytic.VLLM_GRAPHS)
+    graph_batch: int = VLLM_GRAPHS[0]
+    graph_tokens: int = VLLM_GRAPHS[1]
     cpu_overlap: bool = False
-    all_reduce: str = "nccl"  # the tensor-parallel all-reduce it runs (flexmesh.cost.inference.analytic.GRAPHED_TOKENS)
+    all_reduce: str = "nccl"  # the tensor-parallel all-reduce it runs (flexmesh.cost.inference.analytic.ALL_REDUCES)
     overhead: EngineOverhead = field(default_factory=lambda: parse_overhead("vllm"))
     multi_gpu_ms: float = 0.0
     rates: EngineRates = EngineRates()
@@ -76,11 +81,20 @@ class EngineSpec:
             if not ((isinstance(v, int) and not isinstance(v, bool) and v >= 1) or v in allowed):
                 raise SpecError(f"engine {self.name!r}: {name} is a whole number >= 1 or "
                                 f"{' or '.join(repr(a) for a in allowed)}, got {v!r}")
-        if self.all_reduce not in GRAPHED_TOKENS:
-            raise SpecError(f"engine {self.name!r}: all_reduce is one of {', '.join(GRAPHED_TOKENS)} (NCCL's, or the "
+        for name in _GRAPH_SIZES:
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise SpecError(f"engine {self.name!r}: {name} is a whole number >= 0, got {v!r}")
+        if self.all_reduce not in ALL_REDUCES:
+            raise SpecError(f"engine {self.name!r}: all_reduce is one of {', '.join(ALL_REDUCES)} (NCCL's, or the "
                             f"engine whose own all-reduce it runs), got {self.all_reduce!r}")
         if not (isinstance(self.multi_gpu_ms, (int, float)) and self.multi_gpu_ms >= 0):
             raise SpecError(f"engine {self.name!r}: multi_gpu_ms is >= 0, got {self.multi_gpu_ms!r}")
+
+    @property
+    def graphs(self) -> tuple[int, int]:
+        """The largest decode-only batch and iteration with prompt tokens it replays as CUDA graphs; (0, 0): none."""
+        return (self.graph_batch, self.graph_tokens) if self.cuda_graphs else (0, 0)
 
     @property
     def scheduler_name(self) -> str:
@@ -99,7 +113,7 @@ class EngineSpec:
         from flexmesh.cost.inference.analytic import AnalyticIteration
 
         return AnalyticIteration(model, self.rates.on(hardware), tp, pp, self.costs, block=block,
-                                 graphs=self.cuda_graphs, overlap=self.cpu_overlap, all_reduce=self.all_reduce)
+                                 graphs=self.graphs, overlap=self.cpu_overlap, all_reduce=self.all_reduce)
 
     def knobs(self, dev: DeviceSpec, context: int = 0, **given: Any) -> EngineKnobs:
         """Its default knobs on ``dev`` (``context``: the model's, for a budget of the whole context), replaced by
@@ -120,7 +134,10 @@ class EngineSpec:
         chunk = "chunked prefill" if self.chunked_prefill else "whole prompts"
         if self.scheduler:
             mix, chunk = f"scheduler {self.scheduler}", ""
-        graphs = "CUDA graphs" if self.cuda_graphs else "eager decode"
+        graphs = "no CUDA graphs"
+        if self.cuda_graphs:
+            mixed = f", mixed up to {self.graph_tokens} tokens" if self.graph_tokens else ", mixed eagerly"
+            graphs = f"CUDA graphs (decode up to {self.graph_batch}{mixed})"
         overlap = ", CPU work overlapped" if self.cpu_overlap else ""
         multi = f", {self.multi_gpu_ms:g} ms per iteration on more than one GPU" if self.multi_gpu_ms else ""
         multi += f", {self.all_reduce}'s own all-reduce" if self.all_reduce != "nccl" else ""
@@ -135,7 +152,8 @@ class EngineSpec:
             "prefill_first": self.prefill_first, "chunked_prefill": self.chunked_prefill,
             **({"scheduler": self.scheduler} if self.scheduler else {}),
             "max_batched_tokens": self.max_batched_tokens, "max_seqs": self.max_seqs,
-            "cuda_graphs": self.cuda_graphs, "cpu_overlap": self.cpu_overlap, "all_reduce": self.all_reduce,
+            "cuda_graphs": self.cuda_graphs, "graph_batch": self.graph_batch, "graph_tokens": self.graph_tokens,
+            "cpu_overlap": self.cpu_overlap, "all_reduce": self.all_reduce,
             "overhead": preset_name(o) or {"fixed_ms": o.fixed_s * 1e3, "per_request_ms": o.per_request_s * 1e3,
                                            **({"layers": o.layers} if o.layers else {}), "source": o.source},
             "multi_gpu_ms": self.multi_gpu_ms}
@@ -160,7 +178,7 @@ class EngineSpec:
         kw: dict[str, Any] = {} if base is None else {f.name: getattr(base, f.name) for f in fields(cls)}
         kw.update(name=name, title=str(d.get("title", kw.get("title", name))),
                   kind=str(d.get("kind", kw.get("kind", name))))
-        for key in ("version", "scheduler", "max_batched_tokens", "max_seqs", "all_reduce"):  # checked by the class
+        for key in ("version", "scheduler", "max_batched_tokens", "max_seqs", *_GRAPH_SIZES, "all_reduce"):  # checked
             if key in d:
                 kw[key] = d[key]
         for key in _FLAGS:
@@ -189,6 +207,14 @@ class EngineSpec:
             return cls(**kw)
         except (TypeError, SpecError) as err:
             raise SpecError(f"{where}: {err}") from None
+
+
+def planned_engine(d: Any, where: str = "engine") -> EngineSpec:
+    """The description a plan file carries; one written before the CUDA graph sizes were fields (none given, no
+    base) takes its preset's where it names one, as it was planned."""
+    if isinstance(d, dict) and "base" not in d and not set(_GRAPH_SIZES) & set(d) and d.get("name") in presets():
+        d = {**d, **{k: getattr(presets()[d["name"]], k) for k in _GRAPH_SIZES}}
+    return EngineSpec.from_dict(d, where)
 
 
 def scheduler_for(prefill_first: bool, chunked: bool) -> str:

@@ -61,7 +61,7 @@ from flexmesh.files import read_json, write_atomic
 from flexmesh.layout.enums import choices
 from flexmesh.serve.layout.buckets import Bucket, RequestBuckets
 from flexmesh.serve.layout.classes import LengthClasses
-from flexmesh.serve.layout.engine import EngineSpec, engine_spec
+from flexmesh.serve.layout.engine import EngineSpec, engine_spec, planned_engine
 from flexmesh.serve.layout.knobs import EngineKnobs
 from flexmesh.serve.layout.quality import QualityCurve
 from flexmesh.serve.layout.replicas import PlacedReplica, ReplicaSpec, place
@@ -320,7 +320,7 @@ class ServingPlan:
             if len(models) != 2:
                 raise PlanError(f"{where}: a cascade has two models in order, got {len(models)}")
         try:
-            engine = EngineSpec.from_dict(d["engine"], f"{where}: engine") if "engine" in d else engine_spec()
+            engine = planned_engine(d["engine"], f"{where}: engine") if "engine" in d else engine_spec()
         except SpecError as err:
             raise PlanError(str(err)) from None
         plan = cls(models, cluster, buckets, SLO(**bounds), attainment, groups, routing, prices, tuple(links), cascade,
