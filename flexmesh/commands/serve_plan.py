@@ -27,6 +27,7 @@ from flexmesh.commands.args import DEFAULT_CLUSTER, DefaultsHelpFormatter, folde
 from flexmesh.commands.args import positive_int as whole_positive
 from flexmesh.console import plain_console
 from flexmesh.cost.device.hardware import unmeasured_notes
+from flexmesh.cost.inference.band import Band, part_bands
 from flexmesh.cost.inference.memory import kv_capacity
 from flexmesh.cost.inference.overhead import parse_overhead
 from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window, with_arrivals
@@ -43,7 +44,7 @@ from flexmesh.serve.plan.capacity import Pricing, ReplicaConfig
 from flexmesh.serve.plan.cascade import plan_cascade, single_models
 from flexmesh.serve.plan.check import check_plan
 from flexmesh.serve.plan.planner import PlanInputs, PlanResult
-from flexmesh.serve.plan.score import Score
+from flexmesh.serve.plan.score import Score, band_scores
 from flexmesh.serve.plan.search import REPAIR_ROUNDS, plan
 from flexmesh.serve.plan.why import why_mix
 from flexmesh.serve.plan.workload import bucket_workload, buckets_from_trace, parse_buckets
@@ -250,7 +251,12 @@ def _planned(args: argparse.Namespace, job: PlanJob, say: Callable[[str], None])
         say("planning and scoring the baselines")
         baselines = all_baselines(result.planner, result.plan, result.score, job.workload_at, result.candidates,
                                   progress=say)
-    doc = _document(job, result, baselines, cascade, single)
+    band = None
+    if job.workload_at is not None and result.score is not None:
+        say("scoring the plan at its parts' price bands")
+        band = band_scores(result.plan, job.workload_at, result.score,
+                           result.planner.overhead if result.planner is not None else None)
+    doc = _document(job, result, baselines, cascade, single, band)
     if args.out:
         _write(Path(args.out), job, result, baselines, single, doc)
     if args.json:
@@ -259,7 +265,7 @@ def _planned(args: argparse.Namespace, job: PlanJob, say: Callable[[str], None])
     out = plain_console()
     if not out.is_terminal and "COLUMNS" not in os.environ:
         out.width = max(out.width, 132)
-    _print(out, job, result, baselines, cascade, single, args.explain)
+    _print(out, job, result, baselines, cascade, single, args.explain, band)
     return 0
 
 
@@ -316,8 +322,17 @@ def _score_json(s) -> dict | None:  # noqa: ANN001
             "goodput_per_dollar": s.per_dollar, "rates": [p.rate for p in s.points]}
 
 
-def _document(job: PlanJob, result: PlanResult, baselines: list[Baseline], cascade, single) -> dict:  # noqa: ANN001
+def _bands(p: ServingPlan) -> dict[str, Band]:
+    """Each of the plan's parts' price band on its first model (flexmesh.cost.inference.band)."""
+    return part_bands(p.model_specs()[0], (g.device for g in p.mixed_cluster().groups))
+
+
+def _document(job: PlanJob, result: PlanResult, baselines: list[Baseline], cascade, single,  # noqa: ANN001
+              band: dict[str, Score] | None = None) -> dict:
     d = {"plan": result.plan.to_dict(), "score": _score_json(result.score),
+         "band": None if band is None else {
+             "parts": {n: {"low": b.low, "high": b.high, "why": b.why} for n, b in _bands(result.plan).items()},
+             **{end: _score_json(sc) for end, sc in band.items()}},
          "candidates": [{"name": c.name, "layout": c.plan.layout, "milp_rate": c.solution.rate if c.solution else None,
                          "milp_gap": c.solution.gap if c.solution else None, "score": _score_json(c.score)}
                         for c in result.candidates],
@@ -434,7 +449,7 @@ def _print_baselines(console: Console, job: PlanJob, result: PlanResult, baselin
 
 
 def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[Baseline], cascade, single,  # noqa: ANN001
-           explain: bool) -> None:
+           explain: bool, band: dict[str, Score] | None = None) -> None:
     i, p = job.inputs, result.plan
     objective = f"the most goodput{' per $/h' if i.per_dollar else ''} within ${i.budget:,.2f}/h" \
         if i.budget is not None else \
@@ -474,6 +489,10 @@ def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[B
         console.print(f"goodput {'at least ' if not s.bounded else ''}{s.goodput:.4g} req/s at "
                       f"${s.dollars_per_hour:,.2f}/h ({s.per_dollar:.4g} req/s per $/h); planned from {result.configs} "
                       f"configurations, {result.plan_s:.2f} s; scored in {result.simulate_s:.1f} s")
+        if band is not None:
+            parts = ", ".join(f"{n} {b.label()}" for n, b in _bands(p).items())
+            console.print(f"price band ({parts}): goodput {band['high'].goodput:.4g} to {band['low'].goodput:.4g} "
+                          "req/s")
         if not s.bounded:
             console.print("note: every rate tried met the SLO: the workload is served within it even arriving all "
                           "at once, so its goodput is not found; give more requests (--requests) to find the knee")

@@ -32,6 +32,7 @@ from flexmesh.commands.args import (
 )
 from flexmesh.console import plain_console
 from flexmesh.cost.device.hardware import unmeasured_notes
+from flexmesh.cost.inference.band import ENDS
 from flexmesh.cost.inference.overhead import EngineOverhead, parse_overhead
 from flexmesh.data.requests import Workload, at_rate, constant_lengths, load_trace, scale_to_context, window
 from flexmesh.data.requests import with_arrivals as synthetic
@@ -314,7 +315,7 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
 def run(args: argparse.Namespace) -> int:
     job = resolve(args)
     console = plain_console(stderr=True)
-    runs = 1 + len(job.rates) + (GOODPUT_RUNS if job.goodput else 0)
+    runs = 1 + len(ENDS) + len(job.rates) + (GOODPUT_RUNS if job.goodput else 0)
     total = len(job.workload) * runs
     if total >= LONG_RUN_REQUESTS:
         console.print(f"simulating {len(job.workload):,} requests x {runs if not job.goodput else f'up to {runs}'} "
@@ -324,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
                       predictor=job.predictor)
     with _progress(console, total >= LONG_RUN_REQUESTS) as tick:
         main = job.fleet.run(job.workload, opts, tick)
+        band = {end: summarize(job.fleet.at_band(end).run(job.workload, opts, tick).records, job.slo,
+                               job.dollars_per_hour) for end in ENDS}
         points = [RatePoint(job.rate, summarize(main.records, job.slo, job.dollars_per_hour))]
         points += [pt for pt, _ in sweep(job.fleet, job.workload_at, job.rates, job.slo, job.dollars_per_hour, tick,
                                          opts)]
@@ -337,13 +340,13 @@ def run(args: argparse.Namespace) -> int:
     for p in points:
         first.setdefault(p.rate, p)
     points = list(first.values())
-    doc = _document(job, main, points, good)
+    doc = _document(job, main, points, good, band)
     if args.out:
         _write(Path(args.out), job, main, points, good, doc)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        _print(plain_console(), job, main, points, good)
+        _print(plain_console(), job, main, points, good, band)
     return 0
 
 
@@ -400,7 +403,8 @@ def _unmeasured(job: SimulateJob) -> list[str]:
                             job.fleet.engine.all_reduce)
 
 
-def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None) -> dict:
+def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None,
+              band: dict[str, Summary]) -> dict:
     g = good
     return {
         "model": job.model.name, "models": [m.name for m in job.fleet.models], "cluster": job.cluster.label,
@@ -410,6 +414,8 @@ def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: 
         "engine_overhead": {"fixed_s": job.overhead.fixed_s, "per_request_s": job.overhead.per_request_s,
                             "source": job.overhead.source},
         "unmeasured": _unmeasured(job),
+        "band": {"parts": {d: {"low": b.low, "high": b.high, "why": b.why} for d, b in job.fleet.bands().items()},
+                 **{end: _summary_json(s) for end, s in band.items()}},
         "replicas": [{"index": r.index, "replica": r.label, "device": r.device, "group": r.group, "role": r.role,
                       "kv_blocks": r.kv_blocks, "kv_tokens": r.kv_tokens, "kv_capacity": r.kv_explain,
                       "iterations": r.iterations, "busy_fraction": r.busy_fraction, "preemptions": r.preemptions,
@@ -440,7 +446,17 @@ def _ms(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
 
 
-def _print(console: Console, job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None) -> None:
+def _band_line(job: SimulateJob, band: dict[str, Summary]) -> str:
+    """The main run's figures at the fast and slow ends of its parts' price bands (docs/serving.md)."""
+    lo, hi = band["low"], band["high"]
+    met = f"SLO met {hi.attainment:.1%} to {lo.attainment:.1%}, " if job.slo is not None else ""
+    parts = ", ".join(f"{d} {b.label()}" for d, b in job.fleet.bands().items())
+    return (f"price band ({parts}): {met}TTFT p50 {_ms(lo.ttft['p50'])} to {_ms(hi.ttft['p50'])} ms, TPOT p50 "
+            f"{_ms(lo.tpot['p50'])} to {_ms(hi.tpot['p50'])} ms")
+
+
+def _print(console: Console, job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None,
+           band: dict[str, Summary]) -> None:
     console.print(f"{', '.join(m.name for m in job.fleet.models)} on {job.cluster.label}; {job.workload.name} "
                   f"({len(job.workload):,} requests); "
                   f"router {job.router}, queue {job.queue}")
@@ -471,6 +487,7 @@ def _print(console: Console, job: SimulateJob, main: SimResult, points: list[Rat
                 "-" if s.dollars_per_m_tokens is None else f"{s.dollars_per_m_tokens:.3g}"]
         t.add_row(*row)
     console.print(t)
+    console.print(_band_line(job, band))
     usd = "-" if job.dollars_per_hour is None else f"${job.dollars_per_hour:,.2f}/h"
     console.print(f"fleet: {', '.join(f'{n} {d}' for d, n in main.gpus.items())}, {usd}; {job.price_note}")
     if job.slo is not None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from flexmesh.cost.device.hardware import Hardware
+from flexmesh.cost.inference.band import Band, part_bands
 from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity, served_dtype
 from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.cost.inference.timing import (
@@ -161,7 +162,8 @@ class Fleet:
     default knobs and prices); ``overhead``: its per-iteration CPU cost in place of the engine's;
     ``charges``: work outside the engines that their iterations pay (made for each run's replicas: a local fleet's
     host, :mod:`flexmesh.serve.engine.twin`); ``admission_s``: every request reaches its replica that long after it
-    reached the router (the hop; its record keeps the router's arrival)."""
+    reached the router (the hop; its record keeps the router's arrival); ``scale``: a factor on the device layer's
+    prices per device name (an end of each part's price band: :meth:`at_band`)."""
 
     def __init__(self, model: ModelSpec | Sequence[ModelSpec], cluster: MixedCluster,
                  replicas: tuple[PlacedReplica, ...], knobs: dict[int, EngineKnobs] | None = None,
@@ -169,7 +171,8 @@ class Fleet:
                  timing: Callable[[PlacedReplica], IterationTiming] | None = None,
                  replica_knobs: Sequence[EngineKnobs] | None = None, cascade: bool = False,
                  engine: str | EngineSpec | None = None,
-                 charges: Callable[[Sequence[SimulatedReplica]], Charges] | None = None, admission_s: float = 0.0):
+                 charges: Callable[[Sequence[SimulatedReplica]], Charges] | None = None, admission_s: float = 0.0,
+                 scale: dict[str, float] | None = None):
         if len(replicas) > MAX_REPLICAS:
             raise SpecError(f"a fleet of {len(replicas):,} replicas is more than the {MAX_REPLICAS:,} one simulation "
                             "holds (building it alone takes minutes); simulate a part of it: replicas of a group "
@@ -189,6 +192,7 @@ class Fleet:
             self.engine = replace(self.engine, overhead=overhead)
         make_scheduler(self.engine.scheduler_name)  # one not registered refused here, not at the first run
         self.charges, self.admission_s = charges, admission_s
+        self.scale, self._timing = dict(scale or {}), timing
         context = min(m.max_position for m in self.models)
         self.knobs = {g: (knobs or {}).get(g) or self.engine.knobs(c.device, context)
                       for g, c in enumerate(cluster.groups)}
@@ -211,7 +215,7 @@ class Fleet:
                     if hw is None:
                         g = cluster.groups[s.group]
                         hw = hardware[s.tier, s.group] = Hardware(g, served_dtype(m.dtype, g.device))
-                    built[key] = self.engine.iteration(m, hw, s.tp, s.pp)
+                    built[key] = self.engine.iteration(m, hw, s.tp, s.pp, scale=self.scale.get(r.device.name, 1.0))
                 t = built[key]
             self.timings.append(replica_timing(t))
             cap = kv_capacity(m, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs, k.block_tokens,
@@ -227,6 +231,19 @@ class Fleet:
         fleet = cls(plan.model_specs(), placed.cluster, placed.replicas, overhead=overhead, replica_knobs=placed.knobs,
                     cascade=plan.cascade is not None, engine=plan.engine)
         return fleet, placed.table
+
+    def bands(self) -> dict[str, Band]:
+        """Each of its parts' price band on the first model it serves (flexmesh.cost.inference.band)."""
+        return part_bands(self.model, (r.device for r in self.replicas))
+
+    def at_band(self, end: str) -> Fleet:
+        """The same fleet with every part's device-layer prices at the ``low`` (fast) or ``high`` (slow) end of its
+        price band (refused where its timings are not the device layer's: a profile's, a measured engine's)."""
+        if self._timing is not None:
+            raise SpecError("a fleet priced by its own timings (a profile) has no price band")
+        scale = {name: getattr(b, end) for name, b in self.bands().items()}
+        return Fleet(self.models, self.cluster, self.replicas, replica_knobs=self.replica_knobs, cascade=self.cascade,
+                     engine=self.engine, charges=self.charges, admission_s=self.admission_s, scale=scale)
 
     @property
     def gpus(self) -> dict[str, int]:

@@ -102,7 +102,7 @@ class AnalyticIteration:
 
     def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, pp: int = 1,
                  overhead: EngineOverhead | None = None, block: int = 0, graphs: tuple[int, int] = VLLM_GRAPHS,
-                 overlap: bool = False, all_reduce: str = "nccl"):
+                 overlap: bool = False, all_reduce: str = "nccl", scale: float = 1.0):
         if model.is_moe:
             raise SpecError(f"{model.name} is a mixture of experts; serving is priced for dense models only so far")
         check_tp(model, tp, pp)
@@ -115,6 +115,9 @@ class AnalyticIteration:
         if all_reduce not in ALL_REDUCES:
             raise SpecError(f"all_reduce {all_reduce!r} is not one of {', '.join(ALL_REDUCES)}")
         self.all_reduce = all_reduce
+        # a factor on every price of the device layer (kernels, collectives; not the engine's CPU time): 1, or an
+        # end of the part's price band (flexmesh.cost.inference.band)
+        self.scale = scale
         # the device layer's kernels; a hardware without them (profiled) keeps its measured rates
         self.kernels: Kernels = getattr(hardware, "device_kernels", None) or getattr(hardware, "kernels", None) \
             or Kernels(mm_flops=hardware.matmul_flops, attn_flops=hardware.attn_flops,
@@ -143,6 +146,7 @@ class AnalyticIteration:
         self.per_key_s = self.layers * self.kv_token_bytes / self.decode_bytes_per_s
         if k.decode_measured is None:  # one measured rate per kind: the larger of the FLOPs' and the bytes' time
             self.per_key_s = self.layers * max(4.0 * self.q_dim / k.attn_flops, self.kv_token_bytes / k.hbm_bytes_per_s)
+        self.per_key_s *= scale
         self._decode_fixed: dict[int, float] = {}
 
     # ---- the terms -------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ class AnalyticIteration:
         layer += 2 * self._all_reduce_s(act, graphed)
         t = self.layers * layer + k.memory_bound(2 * act) + self._all_reduce_s(act, graphed)
         sends = [self.hw.collective_time("send_recv", act, s) for s in self.send_shapes]
-        return t + sum(x if isinstance(x, np.ndarray) else float(x) for x in sends)
+        return self.scale * (t + sum(x if isinstance(x, np.ndarray) else float(x) for x in sends))
 
     def dense_s(self, tokens: int, decode_only: bool = False) -> float:
         """Everything of an iteration of ``tokens`` new tokens that does not depend on the requests' contexts
@@ -188,7 +192,7 @@ class AnalyticIteration:
     def _head_terms(self, requests):  # noqa: ANN001, ANN202 - an int or an array of them
         m = self.model
         t = self.kernels.gemm(requests, m.vocab / self.tp, m.hidden)
-        return t + self._collective("all_gather", requests * m.vocab * m.dtype_bytes)
+        return self.scale * (t + self._collective("all_gather", requests * m.vocab * m.dtype_bytes))
 
     def head_s(self, requests: int) -> float:
         """The LM head over one row per request (its last token), its logits gathered over tp."""
@@ -234,7 +238,7 @@ class AnalyticIteration:
         else:
             fixed = k.launch_s
         write = k.memory_bound(2.0 * new * self.kv_token_bytes)
-        return self.layers * (t + fixed + write)
+        return self.scale * self.layers * (t + fixed + write)
 
     def cpu_s(self, requests: int) -> float:
         """The engine's own seconds in an iteration of ``requests`` requests (its overhead on this replica)."""

@@ -107,13 +107,15 @@ class EngineSpec:
         """Its per-iteration CPU cost, the multi-GPU RPC included."""
         return replace(self.overhead, multi_gpu_s=self.multi_gpu_ms * 1e-3)
 
-    def iteration(self, model, hardware, tp: int = 1, pp: int = 1, block: int = 0):  # noqa: ANN001, ANN201
+    def iteration(self, model, hardware, tp: int = 1, pp: int = 1, block: int = 0,  # noqa: ANN001, ANN201
+                  scale: float = 1.0):
         """Its :class:`~flexmesh.cost.inference.analytic.AnalyticIteration` of ``model`` on a ``tp x pp`` replica
-        of ``hardware`` (at its kernels' rates)."""
+        of ``hardware`` (at its kernels' rates; ``scale``: a factor on the device layer's prices, an end of the
+        part's price band)."""
         from flexmesh.cost.inference.analytic import AnalyticIteration
 
         return AnalyticIteration(model, self.rates.on(hardware), tp, pp, self.costs, block=block,
-                                 graphs=self.graphs, overlap=self.cpu_overlap, all_reduce=self.all_reduce)
+                                 graphs=self.graphs, overlap=self.cpu_overlap, all_reduce=self.all_reduce, scale=scale)
 
     def knobs(self, dev: DeviceSpec, context: int = 0, **given: Any) -> EngineKnobs:
         """Its default knobs on ``dev`` (``context``: the model's, for a budget of the whole context), replaced by

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from flexmesh.cost.inference.band import ENDS
 from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.data.requests import Workload
 from flexmesh.serve.layout.plan import ServingPlan
@@ -77,13 +78,25 @@ def attainment_at(plan: ServingPlan, workload_at: Callable[[float], Workload], r
 
 
 def score(plan: ServingPlan, workload_at: Callable[[float], Workload], start_rate: float,
-          overhead: EngineOverhead | None = None, rel_tol: float = REL_TOL, router: str = "plan") -> Score:
+          overhead: EngineOverhead | None = None, rel_tol: float = REL_TOL, router: str = "plan",
+          band: str | None = None) -> Score:
     """The plan's goodput on ``workload_at`` (bisection from ``start_rate``); ``router``: the plan's own (by
-    bucket), or another of the simulator's (``round-robin``: its replicas in turn)."""
+    bucket), or another of the simulator's (``round-robin``: its replicas in turn); ``band``: with every part's
+    device-layer prices at the ``low`` or ``high`` end of its price band (flexmesh.cost.inference.band)."""
     t0 = time.perf_counter()
     fleet, table = Fleet.from_plan(plan, overhead)
+    if band is not None:
+        fleet = fleet.at_band(band)
     usd = plan.dollars_per_hour
     good, points = find_goodput(fleet, plan_workload(plan, workload_at), plan.slo, plan.attainment,
                                 max(start_rate, 1e-3), usd, rel_tol=rel_tol,
                                 options=RunOptions(router=router, routing=table if router == "plan" else None))
     return Score(good.rate, good.bounded, usd, tuple(points), time.perf_counter() - t0)
+
+
+def band_scores(plan: ServingPlan, workload_at: Callable[[float], Workload], scored: Score,
+                overhead: EngineOverhead | None = None) -> dict[str, Score]:
+    """The plan's goodput with its parts' prices at each end of their price bands (the search starting from its
+    goodput ``scored``): how far the simulator's answer may move with the device layer's prices."""
+    start = scored.goodput if scored.goodput > 0 else 1.0
+    return {end: score(plan, workload_at, start, overhead, band=end) for end in ENDS}
