@@ -27,7 +27,7 @@ from flexmesh.commands.args import DEFAULT_CLUSTER, DefaultsHelpFormatter, folde
 from flexmesh.commands.args import positive_int as whole_positive
 from flexmesh.console import plain_console
 from flexmesh.cost.device.hardware import unmeasured_notes
-from flexmesh.cost.inference.band import Band, part_bands
+from flexmesh.cost.inference.band import Band, bands_label, part_bands
 from flexmesh.cost.inference.memory import kv_capacity
 from flexmesh.cost.inference.overhead import parse_overhead
 from flexmesh.data.requests import Workload, at_rate, load_trace, scale_to_context, window, with_arrivals
@@ -331,7 +331,7 @@ def _document(job: PlanJob, result: PlanResult, baselines: list[Baseline], casca
               band: dict[str, Score] | None = None) -> dict:
     d = {"plan": result.plan.to_dict(), "score": _score_json(result.score),
          "band": None if band is None else {
-             "parts": {n: {"low": b.low, "high": b.high, "why": b.why} for n, b in _bands(result.plan).items()},
+             "parts": {n: b.to_dict() for n, b in _bands(result.plan).items()},
              **{end: _score_json(sc) for end, sc in band.items()}},
          "candidates": [{"name": c.name, "layout": c.plan.layout, "milp_rate": c.solution.rate if c.solution else None,
                          "milp_gap": c.solution.gap if c.solution else None, "score": _score_json(c.score)}
@@ -490,9 +490,8 @@ def _print(console: Console, job: PlanJob, result: PlanResult, baselines: list[B
                       f"${s.dollars_per_hour:,.2f}/h ({s.per_dollar:.4g} req/s per $/h); planned from {result.configs} "
                       f"configurations, {result.plan_s:.2f} s; scored in {result.simulate_s:.1f} s")
         if band is not None:
-            parts = ", ".join(f"{n} {b.label()}" for n, b in _bands(p).items())
-            console.print(f"price band ({parts}): goodput {band['high'].goodput:.4g} to {band['low'].goodput:.4g} "
-                          "req/s")
+            console.print(f"price band ({bands_label(_bands(p))}): goodput {band['high'].goodput:.4g} to "
+                          f"{band['low'].goodput:.4g} req/s")
         if not s.bounded:
             console.print("note: every rate tried met the SLO: the workload is served within it even arriving all "
                           "at once, so its goodput is not found; give more requests (--requests) to find the knee")

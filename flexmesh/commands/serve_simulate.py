@@ -32,7 +32,7 @@ from flexmesh.commands.args import (
 )
 from flexmesh.console import plain_console
 from flexmesh.cost.device.hardware import unmeasured_notes
-from flexmesh.cost.inference.band import ENDS
+from flexmesh.cost.inference.band import ENDS, bands_label
 from flexmesh.cost.inference.overhead import EngineOverhead, parse_overhead
 from flexmesh.data.requests import Workload, at_rate, constant_lengths, load_trace, scale_to_context, window
 from flexmesh.data.requests import with_arrivals as synthetic
@@ -414,7 +414,7 @@ def _document(job: SimulateJob, main: SimResult, points: list[RatePoint], good: 
         "engine_overhead": {"fixed_s": job.overhead.fixed_s, "per_request_s": job.overhead.per_request_s,
                             "source": job.overhead.source},
         "unmeasured": _unmeasured(job),
-        "band": {"parts": {d: {"low": b.low, "high": b.high, "why": b.why} for d, b in job.fleet.bands().items()},
+        "band": {"parts": {d: b.to_dict() for d, b in job.fleet.bands().items()},
                  **{end: _summary_json(s) for end, s in band.items()}},
         "replicas": [{"index": r.index, "replica": r.label, "device": r.device, "group": r.group, "role": r.role,
                       "kv_blocks": r.kv_blocks, "kv_tokens": r.kv_tokens, "kv_capacity": r.kv_explain,
@@ -450,9 +450,8 @@ def _band_line(job: SimulateJob, band: dict[str, Summary]) -> str:
     """The main run's figures at the fast and slow ends of its parts' price bands (docs/serving.md)."""
     lo, hi = band["low"], band["high"]
     met = f"SLO met {hi.attainment:.1%} to {lo.attainment:.1%}, " if job.slo is not None else ""
-    parts = ", ".join(f"{d} {b.label()}" for d, b in job.fleet.bands().items())
-    return (f"price band ({parts}): {met}TTFT p50 {_ms(lo.ttft['p50'])} to {_ms(hi.ttft['p50'])} ms, TPOT p50 "
-            f"{_ms(lo.tpot['p50'])} to {_ms(hi.tpot['p50'])} ms")
+    return (f"price band ({bands_label(job.fleet.bands())}): {met}TTFT p50 {_ms(lo.ttft['p50'])} to "
+            f"{_ms(hi.ttft['p50'])} ms, TPOT p50 {_ms(lo.tpot['p50'])} to {_ms(hi.tpot['p50'])} ms")
 
 
 def _print(console: Console, job: SimulateJob, main: SimResult, points: list[RatePoint], good: Goodput | None,

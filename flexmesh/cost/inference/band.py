@@ -57,6 +57,9 @@ class Band:
     def label(self) -> str:
         return f"x{self.low:.2f}-{self.high:.2f}" + (f" ({self.short})" if self.short else "")
 
+    def to_dict(self) -> dict:
+        return {"low": self.low, "high": self.high, "why": self.why}
+
 
 def _probes(model: ModelSpec, d: DeviceSpec) -> tuple[float, float]:
     from flexmesh.cost.inference.analytic import AnalyticIteration  # (analytic imports the device layer too)
@@ -97,3 +100,8 @@ def kernel_band(model: ModelSpec, d: DeviceSpec) -> Band:
 def part_bands(model: ModelSpec, devices) -> dict[str, Band]:  # noqa: ANN001 - DeviceSpecs
     """The band of each distinct part among ``devices`` on ``model``'s iterations, by name."""
     return {d.name: kernel_band(model, d) for d in devices}
+
+
+def bands_label(bands: dict[str, Band]) -> str:
+    """The parts' bands in one line, as the commands print them."""
+    return ", ".join(f"{n} {b.label()}" for n, b in bands.items())
