@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -96,6 +97,25 @@ def score(system: str, part: DeviceSpec, systems) -> dict:  # noqa: ANN001 - a P
     }
 
 
+def deepbench_rows() -> list[list[str]]:
+    """DeepBench's V100 and T4 GEMM tables (``gemm_tables.DEEPBENCH``) on their held-out rows: the part priced from the
+    A100's fit scaled to its datasheet (before its own table), from its own fit, and (a power-capped part) at the
+    rate its cap sustains."""
+    out = []
+    for system, (gpu, name) in gemm_tables.DEEPBENCH.items():
+        part = replace(DEVICE_PRESETS[name], sustained_tflops={})  # the table's short runs: no power cap
+        borrowed = replace(part, gemm_table="", kernel_mm_efficiency=GEMM_KERNELS[part.kernel_table]["efficiency"])
+        m, n, k, t = gemm_tables.deepbench_rows(gemm_tables.DEEPBENCH_CSV, gpu).T
+        held = ~gemm_tables.fitted_half(len(t))
+        error = {which: median_error(Hardware(ClusterSpec(1, 1, d), "fp16").device_kernels.gemm(
+            m[held], n[held], k[held]), t[held]) for which, d in (("before", borrowed), ("after", part),
+                                                                 ("capped", DEVICE_PRESETS[name]))}
+        out.append([system, name, f"{int((~held).sum())} / {int(held.sum())}",
+                    f"{error['before']:.1%} ({borrowed.kernel_table}'s)", verdict(error["after"], GEMM_BOUND),
+                    f"{error['capped']:.1%}" if DEVICE_PRESETS[name].sustained_tflops else "-"])
+    return out
+
+
 def verdict(error: float, bound: float) -> str:
     return f"{error:.1%} {'PASS' if error <= bound else 'FAIL'}"
 
@@ -150,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
                             "training attention", "framework attention"], terms)]
     if unmapped:
         md += ["", f"Systems with vLLM tables and no catalogue part (not scored): {', '.join(unmapped)}."]
+    md += ["", "Parts no aiconfigurator-core table timed, from DeepBench's fp16 GEMM tables (cuBLAS, CUDA 10.1; "
+           "`bench/data/deepbench_gemm_fp16.csv`, `flexmesh.cost.device.gemm_tables.DEEPBENCH`): the same form fitted "
+           "to the even rows, the odd rows held out. Before: the A100's fit scaled to the part's datasheet, as the "
+           "part was priced without its table. DeepBench times short runs: the T4's are faster than the rate its "
+           "70 W cap sustains, which the device layer prices at (last column).", "",
+           *markdown_table(["system", "part", "GEMM rows fitted / held out", "GEMM before", "GEMM after",
+                            "after, at the power cap's sustained rate"], deepbench_rows())]
     print("\n".join(md))
     worst_g = max(scored, key=lambda x: x[2]["gemm_after"])
     worst_a = max(scored, key=lambda x: x[2]["attn_after"])

@@ -315,7 +315,9 @@ def test_a_plan_carries_its_engine_and_export_writes_its_flags():
 
 def test_parts_priced_from_another_parts_tables_are_named():
     assert unmeasured(device("H100")) is None and unmeasured(device("A100-80GB")) is None
-    assert "no turing kernel tables" in unmeasured(device("T4"))
+    assert "no turing kernel tables" in unmeasured(device("RTX-2080Ti"))
+    # a part with a GEMM table of its own borrows only its attention, and says both
+    assert "no turing attention tables" in unmeasured(device("T4")) and "t4_deepbench" in unmeasured(device("T4"))
     assert "l40s" in unmeasured(device("L4"))
     notes = unmeasured_notes([device("T4"), device("T4"), device("H100")])
     assert len(notes) == 1 and notes[0].startswith("T4:")
@@ -328,7 +330,7 @@ def test_serve_simulate_and_plan_name_the_engine_and_unmeasured_parts(capsys):
                "--rate", "2", "--engine", "sglang"])
     out = capsys.readouterr().out
     notes = [line for line in out.splitlines() if line.startswith("note:")]
-    assert rc == 0 and "engine sglang (SGLang" in out and notes[0].startswith("note: T4: no turing kernel tables")
+    assert rc == 0 and "engine sglang (SGLang" in out and notes[0].startswith("note: T4: no turing attention tables")
     assert not any("H100" in line.split(":")[1] for line in notes)
     rc = main(["serve", "plan", "--cluster", "1xH100+2xL4", "--buckets", "500:50=1", "--budget", "20",
                "--no-simulate", "--engine", "vllm-v0"])

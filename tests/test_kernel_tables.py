@@ -6,6 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from flexmesh.cost.device import gemm_tables
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.device.kernels import Kernels, MeasuredGemm, cached_memory
 from flexmesh.spec.cluster import ClusterSpec, parse_cluster
@@ -27,14 +28,15 @@ def hardware(name: str) -> Hardware:
 
 
 def test_every_measured_system_has_kernel_constants_and_every_part_reads_its_tables():
-    assert set(GEMM_KERNELS) == set(GEMM_TABLES) == set(ATTENTION_KERNELS) == set(ATTENTION_TABLES) \
-        == set(DECODE_KERNELS)
+    assert set(GEMM_TABLES) == set(ATTENTION_KERNELS) == set(ATTENTION_TABLES) == set(DECODE_KERNELS)
+    assert set(GEMM_KERNELS) == set(GEMM_TABLES) | set(gemm_tables.DEEPBENCH)
     for d in DEVICE_PRESETS.values():
-        assert d.kernel_mm_efficiency == GEMM_KERNELS[d.kernel_table]["efficiency"]
+        gemm = d.gemm_table or d.kernel_table
+        assert d.kernel_mm_efficiency == GEMM_KERNELS[gemm]["efficiency"]
         assert d.kernel_attn_efficiency == ATTENTION_KERNELS[d.kernel_table]["efficiency"]
         dev = Hardware(ClusterSpec(1, 1, d), d.peak_tflops and next(iter(d.peak_tflops))).device_kernels
         assert dev.gemm_measured is not None and dev.attn_measured is not None
-        assert dev.gemm_measured.fixed_s == GEMM_KERNELS[d.kernel_table]["fixed_us"] * 1e-6  # exact: the same product
+        assert dev.gemm_measured.fixed_s == GEMM_KERNELS[gemm]["fixed_us"] * 1e-6  # exact: the same product
         assert dev.attn_overhead == ATTENTION_KERNELS[d.kernel_table]["overhead_keys"]
         dec = DECODE_KERNELS[d.kernel_table]
         assert dev.decode_measured is not None and dev.decode_measured.hbm_bytes_per_s == pytest.approx(
@@ -292,3 +294,19 @@ def test_recorded_kernel_constants_match_the_installed_tables():
                                   (decode_tables.fit_decode, GEMM_TABLES, DECODE_KERNELS)):
         got = fit(systems, "a100_sxm", tables["a100_sxm"])
         assert got.values == pytest.approx(recorded["a100_sxm"], rel=0.01)
+
+
+def test_deepbench_fits_redo_and_price_the_held_out_rows_better_than_a_borrowed_table():
+    """The V100's and T4's GEMM fits redone from DeepBench's table (no aiconfigurator-core needed), and on the rows
+    they were not fitted to, nearer DeepBench's timings than the A100's fit scaled to the part's datasheet."""
+    for system, (gpu, name) in gemm_tables.DEEPBENCH.items():
+        got = gemm_tables.fit_deepbench(gemm_tables.DEEPBENCH_CSV, system)
+        assert got.values == pytest.approx(GEMM_KERNELS[system], rel=0.01, abs=1e-6)
+        part = replace(DEVICE_PRESETS[name], sustained_tflops={})  # DeepBench's short runs
+        assert part.gemm_table == system
+        borrowed = replace(part, gemm_table="", kernel_mm_efficiency=GEMM_KERNELS[part.kernel_table]["efficiency"])
+        m, n, k, t = gemm_tables.deepbench_rows(gemm_tables.DEEPBENCH_CSV, gpu).T
+        held = ~gemm_tables.fitted_half(len(t))
+        own, other = (float(np.median(np.abs(Hardware(ClusterSpec(1, 1, d), "fp16").device_kernels.gemm(
+            m[held], n[held], k[held]) / t[held] - 1))) for d in (part, borrowed))
+        assert own <= 0.10 < other

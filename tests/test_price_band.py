@@ -4,6 +4,7 @@ serve plan reporting their figures at both ends."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -29,10 +30,13 @@ def test_a_part_with_its_own_tables_is_held_to_the_kernel_bound_and_a_borrowing_
     a10g = kernel_band(MODEL, device("A10G"))
     assert not a10g.own and "a100_sxm" in a10g.why
     assert (a10g.low, a10g.high) == pytest.approx((1 - KERNEL_BOUND, 1 + KERNEL_BOUND))
-    # a Turing part: no Turing table, so every architecture's, each scaled to the T4's datasheet
+    # a Turing part: no Turing table, so every architecture's, each scaled to the RTX 2080 Ti's datasheet
+    rtx = kernel_band(MODEL, device("RTX-2080Ti"))
+    assert not rtx.own and "no turing tables" in rtx.why
+    assert rtx.low <= 1 - KERNEL_BOUND and rtx.high >= 1 + KERNEL_BOUND and (rtx.low, rtx.high) != (own.low, own.high)
+    # the T4 has its own GEMM table (DeepBench's), so only its attention spans the tables: a narrower slow end
     t4 = kernel_band(MODEL, device("T4"))
-    assert not t4.own and "no turing tables" in t4.why
-    assert t4.low <= 1 - KERNEL_BOUND and t4.high >= 1 + KERNEL_BOUND and (t4.low, t4.high) != (own.low, own.high)
+    assert not t4.own and "no turing attention tables" in t4.why and t4.high < rtx.high
     # its fast end is a price some table gives it, less the bound: no table prices its prefill below that
     fp16 = parse_model("llama3.1-8b@fp16")
 
@@ -41,6 +45,21 @@ def test_a_part_with_its_own_tables_is_held_to_the_kernel_bound_and_a_borrowing_
 
     tables = [prefill(with_kernel_table(device("T4"), t)) for t in MEASURED_TABLES]
     assert min(tables) * (1 - KERNEL_BOUND) >= t4.low * prefill(device("T4")) * (1 - 1e-9)
+
+
+def test_a_power_capped_part_reaches_down_to_its_tables_short_runs():
+    # the T4's GEMM table timed short runs, faster than the rate its 70 W cap sustains: the fast end reaches them
+    t4, v100 = device("T4"), device("V100-32GB")
+    burst = replace(t4, sustained_tflops={})
+    fp16 = parse_model("llama3.1-8b@fp16")
+
+    def prefill(d):  # noqa: ANN001, ANN202
+        return engine_spec("vllm").iteration(fp16, Hardware(ClusterSpec(1, 1, d), "fp16")).dense_s(2048)
+
+    band = kernel_band(fp16, t4)
+    assert prefill(burst) < prefill(t4) * (1 - KERNEL_BOUND)  # the cap slows it by more than the bound
+    assert band.low * prefill(t4) <= prefill(burst) and "power cap" in band.short
+    assert "power cap" not in kernel_band(fp16, v100).short  # no cap: no such end
 
 
 def test_the_scale_multiplies_every_device_price_and_leaves_the_engines_cpu_time():

@@ -73,6 +73,9 @@ class DeviceSpec:
     # [attention_kernels] of the system ``kernel_table`` names): a single GEMM's and a single fused attention's
     # fraction of peak. None: no kernel fit (a cluster file's device table without a base): the fits above.
     kernel_table: str = ""
+    # The GEMM fit (devices.toml [gemm_kernels]) measured on this part itself where its kernel_table timed another
+    # part (DeepBench's V100 and T4 GEMM tables: flexmesh.cost.device.gemm_tables.DEEPBENCH); "": kernel_table's
+    gemm_table: str = ""
     kernel_mm_efficiency: float | None = None
     kernel_attn_efficiency: float | None = None
     # TFLOP/s per dtype of a large GEMM (4096^3) measured under sustained load on a part whose power cap holds its
@@ -226,7 +229,7 @@ FLASH2: dict[str, dict] = _CATALOGUE["flash_attention_2"]
 ATTENTION_FIT_FAMILY = "A100"
 _DATASHEET = ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps", "intra_latency_us", "inter_latency_us",
               "architecture", "sms", "intra_link", "nvlink_domain", "pcie_gbps", "source")
-_OPTIONAL = ("comm_table", "kernel_table", "pcie_efficiency")
+_OPTIONAL = ("comm_table", "kernel_table", "gemm_table", "pcie_efficiency")
 
 
 def _load_presets() -> dict[str, DeviceSpec]:
@@ -251,8 +254,8 @@ def _load_presets() -> dict[str, DeviceSpec]:
             fit += (f"; attention: {ATTENTION_FIT_FAMILY} fit x measured attention of {table} / "
                     f"{attn_fit['kernel_table']} (flexmesh.cost.device.attention_tables)")
         e["efficiency_source"] = fit
-        if table in GEMM_KERNELS:
-            e["kernel_mm_efficiency"] = GEMM_KERNELS[table]["efficiency"]
+        if d.get("gemm_table", table) in GEMM_KERNELS:
+            e["kernel_mm_efficiency"] = GEMM_KERNELS[d.get("gemm_table", table)]["efficiency"]
         if table in ATTENTION_KERNELS:
             e["kernel_attn_efficiency"] = ATTENTION_KERNELS[table]["efficiency"]
         out[name] = DeviceSpec(

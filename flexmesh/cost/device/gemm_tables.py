@@ -17,7 +17,9 @@ nine constants (five of the GEMM, three of the cache and the wave term's share) 
 the rows sorted by ``(m, n, k)``, the even ones fitted (least mean absolute log error, Nelder-Mead from each of
 the fixed :data:`GEMM_STARTS`, the least fitted loss kept), the odd ones held out to score it
 (``bench/kernel_tables.py``). ``devices.toml`` records them under ``[gemm_kernels]``. The fits of all five
-systems take about 40 s.
+systems take about 40 s. The V100 and T4, which no aiconfigurator-core table timed, have DeepBench's fp16 GEMM tables
+(:data:`DEEPBENCH`; ``bench/data/deepbench_gemm_fp16.csv``), fitted in the same form and the same way on their own
+datasheets; a part names such a fit as its ``gemm_table``.
 
 Run ``python -m flexmesh.cost.device.gemm_tables`` (optionally ``--systems DIR``, the package's ``systems``
 folder) to print the medians beside the recorded ones, ``--fit`` the fitted constants beside theirs; it exits 1
@@ -33,6 +35,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -40,6 +43,7 @@ from flexmesh.cost.device.kernels import TABLE_WEIGHTS, Kernels, MeasuredGemm
 from flexmesh.spec.devices import GEMM_KERNELS, GEMM_TABLES, KernelTable
 
 FRAMEWORK = "vllm"
+T = TypeVar("T")  # what a fit reads beside its rows: a KernelTable, or a DeepBench GPU and part
 MIN_DIM = 4096  # the GEMMs of a training step's layers: thousands of tokens by thousands of features
 
 
@@ -111,6 +115,14 @@ def medians(systems: Path, names: list[str]) -> list[TableMedian]:
                         float(np.median([rows[s][shape] for shape in common]))) for s in names]
 
 
+# DeepBench's GEMM results (github.com/baidu-research/DeepBench, Apache-2.0, bench/data/deepbench_LICENSE), the one
+# public kernel table found of the Volta and Turing parts: results/train/DeepBench_NV_<gpu>.xlsx, sheet "Results -
+# FP16 ip, Mixed math" (cuBLAS fp16 GEMMs accumulating in fp32, CUDA 10.1.243, driver 418.67; the V100 an SXM2 part of
+# a DGX-1), its 160 dense GEMM rows per GPU copied into DEEPBENCH_CSV. Each system: the GPU's rows, the catalogue part
+# whose datasheet (fp16 peak, bandwidth, SMs) they are fitted on.
+DEEPBENCH = {"v100_deepbench": ("V100", "V100-32GB"), "t4_deepbench": ("T4", "T4")}
+DEEPBENCH_CSV = Path(__file__).resolve().parents[3] / "bench" / "data" / "deepbench_gemm_fp16.csv"
+
 # efficiency, fixed us, HBM fraction, power, ns per K element, cached MB, cache speedup, cache steepness, wave tail:
 # Nelder-Mead from each start, the least loss on the fitted rows kept (the second start finds a lower one on H200)
 GEMM_STARTS = ((0.8, 2.5, 0.85, 3.0, 0.3, 32.0, 2.0, 4.0, 0.5), (0.6, 3.0, 0.9, 1.5, 0.5, 50.0, 1.5, 4.0, 0.8))
@@ -169,20 +181,57 @@ def least_log_error(loss: Callable[[dict[str, float]], float], fields: tuple[str
     return {f: float(f"{v:.4g}") for f, v in zip(fields, best.x)}
 
 
-def fit_gemm(systems: Path, system: str, table: KernelTable) -> Fit:
-    """The measured GEMM form's constants for ``system``, fitted to the even rows of its table (module doc)."""
-    path = newest_table(systems, system)
-    m, n, k, t = gemm_rows(path).T
+def bounded(v: dict[str, float]) -> dict[str, float]:
+    """``v`` with the wave term in [0, 1] and the time a K element adds at least 0: the fit prices a constant outside
+    at its bound (so it may wander there at no cost) and records it there."""
+    return {**v, "wave_tail": min(max(v["wave_tail"], 0.0), 1.0), "per_k_ns": max(v["per_k_ns"], 0.0)}
+
+
+def fit_rows(rows: np.ndarray, peak_tflops: float, hbm_gbps: float, sms: int | None) -> tuple[dict[str, float], int]:
+    """The measured GEMM form's constants fitted to the even rows of ``rows`` (``(m, n, k, seconds)``, sorted by
+    shape) on a part of that peak, bandwidth and SM count, and how many rows they were fitted to."""
+    m, n, k, t = rows.T
     fit = fitted_half(len(t))
 
     def loss(v: dict[str, float]) -> float:
-        pred = gemm_kernels(v, table.peak_tflops, table.hbm_gbps, table.sms).gemm(m[fit], n[fit], k[fit])
+        pred = gemm_kernels(bounded(v), peak_tflops, hbm_gbps, sms).gemm(m[fit], n[fit], k[fit])
         return float(np.mean(np.abs(np.log(np.maximum(pred, 1e-12) / t[fit]))))
 
-    values = least_log_error(loss, GEMM_FIELDS, *GEMM_STARTS)
-    # the form counts a wave term outside [0, 1] as its bound, so the fit may wander there at no cost: recorded at it
-    values["wave_tail"] = min(max(values["wave_tail"], 0.0), 1.0)
-    return Fit(system, str(path.relative_to(systems)), int(fit.sum()), int((~fit).sum()), values)
+    values = bounded(least_log_error(loss, GEMM_FIELDS, *GEMM_STARTS))
+    return values, int(fit.sum())
+
+
+def fit_gemm(systems: Path, system: str, table: KernelTable) -> Fit:
+    """The measured GEMM form's constants for ``system``, fitted to the even rows of its table (module doc)."""
+    path = newest_table(systems, system)
+    rows = gemm_rows(path)
+    values, fitted = fit_rows(rows, table.peak_tflops, table.hbm_gbps, table.sms)
+    return Fit(system, str(path.relative_to(systems)), fitted, len(rows) - fitted, values)
+
+
+def deepbench_rows(path: Path, gpu: str) -> np.ndarray:
+    """One GPU's rows of DeepBench's fp16 GEMM table (:data:`DEEPBENCH_CSV`) as ``(m, n, k, seconds)``, sorted by
+    shape and then by the transposes (a shape timed with two layouts keeps both rows)."""
+    import csv
+
+    with open(path, newline="") as fh:
+        rows = sorted((int(r["m"]), int(r["n"]), int(r["k"]), r["a_transpose"], r["b_transpose"], float(r["ms"]) * 1e-3)
+                      for r in csv.DictReader(fh) if r["gpu"] == gpu)
+    if not rows:
+        raise ValueError(f"{path} has no rows of {gpu}")
+    return np.array([(m, n, k, s) for m, n, k, _, _, s in rows], dtype=float)
+
+
+def fit_deepbench(path: Path, system: str) -> Fit:
+    """The measured GEMM form's constants for DeepBench's ``system`` (a key of :data:`DEEPBENCH`), fitted to the even
+    rows of its GPU's table on that GPU's datasheet."""
+    from flexmesh.spec.devices import device
+
+    gpu, part = DEEPBENCH[system]
+    d = device(part)
+    rows = deepbench_rows(path, gpu)
+    values, fitted = fit_rows(rows, d.peak_tflops["fp16"], d.hbm_gbps, d.sms)
+    return Fit(system, f"{path.name} ({gpu})", fitted, len(rows) - fitted, values)
 
 
 def _difference(fitted: float, recorded: float) -> float:
@@ -192,7 +241,7 @@ def _difference(fitted: float, recorded: float) -> float:
     return abs(fitted / recorded - 1.0)
 
 
-def redo_fits(systems: Path, fit: Callable[[Path, str, KernelTable], Fit], tables: dict[str, KernelTable],
+def redo_fits(systems: Path, fit: Callable[[Path, str, T], Fit], tables: dict[str, T],
               recorded: dict[str, dict[str, float]]) -> int:
     """Print each system's fitted constants beside the recorded ones; 1 when one differs by more than 1%."""
     worst = 0.0
@@ -231,9 +280,21 @@ def redo(prog: str, doc: str, argv: list[str] | None,
     return 0 if worst <= 0.005 else 1
 
 
+def redo_deepbench() -> int:
+    """Print DeepBench's fits (:data:`DEEPBENCH`) beside the recorded ones; 1 when one differs by more than 1%, 2
+    without the table (a flexmesh checkout's bench/data)."""
+    if not DEEPBENCH_CSV.exists():
+        print(f"DeepBench's table is not at {DEEPBENCH_CSV} (it ships in a flexmesh checkout's bench/data)")
+        return 2
+    return redo_fits(DEEPBENCH_CSV, lambda path, system, _: fit_deepbench(path, system), DEEPBENCH, GEMM_KERNELS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return redo("python -m flexmesh.cost.device.gemm_tables", __doc__ or "", argv, medians, GEMM_TABLES, fit_gemm,
-                GEMM_KERNELS)
+    rc = redo("python -m flexmesh.cost.device.gemm_tables", __doc__ or "", argv, medians, GEMM_TABLES, fit_gemm,
+              GEMM_KERNELS)
+    if "--fit" in (sys.argv[1:] if argv is None else argv):
+        rc = max(rc, redo_deepbench())
+    return rc
 
 
 if __name__ == "__main__":

@@ -434,39 +434,48 @@ def device_kernels(kernels: Kernels, d: DeviceSpec, peak_flops: float) -> Kernel
     >>> round(step / dev, 2), round(1 / hw.cluster.device.framework_mm, 2)  # large GEMMs: 1 / the framework term
     (1.31, 1.31)
     """
-    g, a = GEMM_KERNELS.get(d.kernel_table), ATTENTION_KERNELS.get(d.kernel_table)
+    g, a = GEMM_KERNELS.get(d.gemm_table or d.kernel_table), ATTENTION_KERNELS.get(d.kernel_table)
     if g is None or a is None or d.kernel_mm_efficiency is None or d.kernel_attn_efficiency is None:
         return kernels
     # The cache term is the measured part's own L2 (its size and speed beside that part's DRAM): a part that takes
     # another's table (its peak or bandwidth not the table's) keeps none.
-    t = GEMM_TABLES.get(d.kernel_table)
-    own = t is not None and d.peak_tflops.get("bf16") == t.peak_tflops and d.hbm_gbps == t.hbm_gbps
+    own = own_tables(d)
     dec = DECODE_KERNELS.get(d.kernel_table)
     decode = None if dec is None else MeasuredDecode(
         fixed_s=dec["fixed_us"] * 1e-6, hbm_bytes_per_s=dec["hbm_fraction"] * d.hbm_gbps * 1e9,
         per_pair_s=dec["per_pair_ns"] * 1e-9, **_cache(dec, own))
     gemm = MeasuredGemm(fixed_s=g["fixed_us"] * 1e-6, power=g["power"], per_k_s=g["per_k_ns"] * 1e-9,
                         hbm_bytes_per_s=g["hbm_fraction"] * d.hbm_gbps * 1e9, weights=TABLE_WEIGHTS,
-                        wave_tail=g["wave_tail"], **_cache(g, own))
+                        wave_tail=g["wave_tail"], **_cache(g, own or bool(d.gemm_table)))
     return replace(kernels, mm_flops=peak_flops * d.kernel_mm_efficiency,
                    attn_flops=peak_flops * d.kernel_attn_efficiency, attn_overhead=a["overhead_keys"],
                    gemm_measured=gemm, decode_measured=decode,
                    attn_measured=MeasuredAttention(fixed_s=a["fixed_us"] * 1e-6, per_key_s=a["per_key_ns"] * 1e-9))
 
 
+def own_tables(d: DeviceSpec) -> bool:
+    """Whether ``d``'s ``kernel_table`` timed ``d`` itself (the table's part has its peak and bandwidth)."""
+    t = GEMM_TABLES.get(d.kernel_table)
+    return t is not None and d.peak_tflops.get("bf16") == t.peak_tflops and d.hbm_gbps == t.hbm_gbps
+
+
 def unmeasured(d: DeviceSpec) -> str | None:
     """Why ``d``'s kernels are priced from another part's measurements (its ``kernel_table`` timed another part,
-    or none), or None where its own tables price them."""
+    or none), or None where its own tables price them. A part with a GEMM table of its own (``gemm_table``) borrows
+    only its attention."""
     t = GEMM_TABLES.get(d.kernel_table)
     if t is None or GEMM_KERNELS.get(d.kernel_table) is None:
         return f"{d.name}: no measured kernel table; its kernels are priced from fitted efficiencies of its datasheet"
-    if d.peak_tflops.get("bf16") == t.peak_tflops and d.hbm_gbps == t.hbm_gbps:
+    if own_tables(d):
         return None
+    what, of = ("its attention", "no attention tables of its own") if d.gemm_table else ("priced", "no kernel tables")
+    own = f" (its GEMMs from its own table, {d.gemm_table})" if d.gemm_table else ""
     if getattr(d, "architecture", t.architecture) != t.architecture:
-        return (f"{d.name}: no {d.architecture} kernel tables; priced from {d.kernel_table}'s ({t.architecture}) "
-                "scaled to its datasheet, another architecture's kernels: its prices are the least certain")
-    return (f"{d.name}: no kernel tables of its own; priced from {d.kernel_table}'s ({t.architecture}, the same "
-            "architecture) scaled to its datasheet")
+        return (f"{d.name}: no {d.architecture} {'attention' if d.gemm_table else 'kernel'} tables; {what} from "
+                f"{d.kernel_table}'s ({t.architecture}) scaled to its datasheet, another architecture's kernels{own}: "
+                "its prices are the least certain")
+    return (f"{d.name}: {of} of its own; {what} from {d.kernel_table}'s ({t.architecture}, the same architecture) "
+            f"scaled to its datasheet{own}")
 
 
 def unmeasured_notes(devices, replicas=(), all_reduce: str = "nccl") -> list[str]:  # noqa: ANN001 - DeviceSpecs

@@ -9,8 +9,11 @@ another's tables has no such check. Its band spans the prices that each measured
 borrowed table, and widens that spread by the same bound. The prices are taken at a decode step of
 :data:`DECODE_PROBE` requests and a prompt chunk of :data:`PREFILL_PROBE` tokens of the served model. Scaled within
 an architecture, a table has held: ``bench/vidur_layers.py`` prices an A40 from the A100's tables within 7% of
-Vidur's A40 profile. Across architectures nothing has checked it, so the band of a T4 (Turing; the tables timed
-Ampere, Hopper, Blackwell and Ada parts) is as wide as their kernels disagree on it.
+Vidur's A40 profile. Across architectures nothing has checked it, so the band of an RTX 2080 Ti (Turing; the tables
+timed Ampere, Hopper, Blackwell and Ada parts) is as wide as their kernels disagree on it. A part with a GEMM table of
+its own (``gemm_table``: DeepBench's V100 and T4) spans the attention tables only. A power-capped part
+(``sustained_tflops``: the T4) also reaches down to its tables' prices without the cap: DeepBench timed the T4's
+GEMMs in short runs, up to 46 TFLOP/s, where sustained load holds it to about 24.
 
 >>> from flexmesh.spec import parse_model
 >>> from flexmesh.spec.devices import device
@@ -19,7 +22,7 @@ Ampere, Hopper, Blackwell and Ada parts) is as wide as their kernels disagree on
 (0.88, 1.12, True)
 >>> t4 = kernel_band(parse_model("llama3-8b"), device("T4"))
 >>> t4.low < b.low, t4.short
-(True, 'no turing tables')
+(True, 'no turing attention tables, power cap')
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ def _probes(model: ModelSpec, d: DeviceSpec) -> tuple[float, float]:
 
 def with_kernel_table(d: DeviceSpec, table: str) -> DeviceSpec:
     """``d`` priced from ``table``'s kernel fits, scaled to its own datasheet (as the catalogue prices a part that
-    borrows a table)."""
-    return replace(d, kernel_table=table, kernel_mm_efficiency=GEMM_KERNELS[table]["efficiency"],
+    borrows a table); a part with a GEMM table of its own (``gemm_table``) keeps it."""
+    return replace(d, kernel_table=table, kernel_mm_efficiency=GEMM_KERNELS[d.gemm_table or table]["efficiency"],
                    kernel_attn_efficiency=ATTENTION_KERNELS[table]["efficiency"])
 
 
@@ -81,20 +84,30 @@ def with_kernel_table(d: DeviceSpec, table: str) -> DeviceSpec:
 def kernel_band(model: ModelSpec, d: DeviceSpec) -> Band:
     """``d``'s band on ``model``'s iterations (see the module doc)."""
     lo, hi = 1.0 - KERNEL_BOUND, 1.0 + KERNEL_BOUND
-    if unmeasured(d) is None:
+    others: list[DeviceSpec] = []  # the other prices the measurements give the part
+    whys, shorts = [], []
+    if unmeasured(d) is not None:
+        kin = [t for t in MEASURED_TABLES if GEMM_TABLES[t].architecture == d.architecture]
+        tables = kin or list(MEASURED_TABLES)
+        others += [with_kernel_table(d, t) for t in tables]
+        names = ", ".join(sorted({GEMM_TABLES[t].architecture for t in tables}))
+        what = "attention " if d.gemm_table else ""
+        whys.append(f"the spread of its architecture's {what}tables ({', '.join(tables)}) scaled to its datasheet"
+                    if kin else f"no {d.architecture} {what}tables: the spread of every measured architecture's "
+                    f"({names}), scaled to its datasheet")
+        shorts.append(f"{d.architecture} {what}tables" if kin else f"no {d.architecture} {what}tables")
+    if d.sustained_tflops:  # its table's short runs, at a clock the power cap holds it below under sustained load
+        others.append(replace(d, sustained_tflops={}))
+        whys.append(f"its kernel table's short runs, faster than the sustained rate of its power cap "
+                    f"({d.sustained_source})")
+        shorts.append("power cap")
+    if not others:
         return Band(lo, hi, True, f"its own kernel tables, held to {KERNEL_BOUND:.0%} on held-out rows "
                                   "(bench/kernel_tables.py)", "own tables")
-    kin = [t for t in MEASURED_TABLES if GEMM_TABLES[t].architecture == d.architecture]
-    tables = kin or list(MEASURED_TABLES)
     base = _probes(model, d)
-    ratios = [p / b for t in tables for p, b in zip(_probes(model, with_kernel_table(d, t)), base)]
-    names = ", ".join(sorted({GEMM_TABLES[t].architecture for t in tables}))
-    which = (f"the spread of its architecture's tables ({', '.join(tables)}) scaled to its datasheet" if kin else
-             f"no {d.architecture} tables: the spread of every measured architecture's ({names}), scaled to its "
-             "datasheet")
-    return Band(min(1.0, min(ratios)) * lo, max(1.0, max(ratios)) * hi, False,
-                f"{which}, each within {KERNEL_BOUND:.0%}",
-                f"{d.architecture} tables" if kin else f"no {d.architecture} tables")
+    ratios = [p / b for o in others for p, b in zip(_probes(model, o), base)]
+    return Band(min(1.0, min(ratios)) * lo, max(1.0, max(ratios)) * hi, unmeasured(d) is None,
+                f"{'; '.join(whys)}, each within {KERNEL_BOUND:.0%}", ", ".join(shorts))
 
 
 def part_bands(model: ModelSpec, devices) -> dict[str, Band]:  # noqa: ANN001 - DeviceSpecs
