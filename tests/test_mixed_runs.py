@@ -62,7 +62,7 @@ def test_the_t4_runs_its_tensor_cores_at_the_clock_its_power_cap_sustains():
     """NVIDIA's forum measurement (devices.toml): about 24 TFLOP/s on a 4096^3 fp16 GEMM, not the datasheet's 65."""
     hw = Hardware(parse_cluster("4xT4"), "fp16")
     assert 2 * 4096 ** 3 / hw.device_kernels.gemm(4096, 4096, 4096) / 1e12 == pytest.approx(24.0, rel=0.02)
-    assert 0.3 < hw.clock < 0.6
+    assert 0.3 < hw.clock < 0.7  # DeepBench's T4 table reaches 62% of peak in short runs: 24 TFLOP/s is 0.6 of that
     v100 = Hardware(parse_cluster("4xV100-16GB"), "fp16")
     assert v100.clock == 1.0 and v100.device_kernels.gemm(4096, 4096, 4096) < hw.device_kernels.gemm(4096, 4096, 4096)
 
