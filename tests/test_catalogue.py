@@ -24,7 +24,7 @@ from flexmesh.spec.cluster import (
     device,
     preset_of_gpu,
 )
-from flexmesh.spec.devices import COMM_TABLES
+from flexmesh.spec.devices import COMM_TABLES, GEMM_KERNELS
 
 # The plans these tests check, not the policy `plan` recommends for them (its simulated steps: tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("no_recommendation")
@@ -74,7 +74,13 @@ def test_kernel_efficiencies_are_fits_scaled_by_measured_tables():
     assert device("V100-32GB").attn_efficiency == a100.attn_efficiency  # no Volta table: assumed
     # the fitted parts keep their fit; parts of an architecture nobody measured say it is assumed
     assert device("A100-40GB").mm_efficiency == a100.mm_efficiency
-    assert "assumed" in device("V100-32GB").efficiency_source and "assumed" not in a100.efficiency_source
+    assert "assumed" in device("RTX-2080Ti").efficiency_source and "assumed" not in a100.efficiency_source
+    # a part with a GEMM table of its own (DeepBench's): the A100's framework term over its own kernels' rate
+    for name, gemm in (("V100-32GB", "v100_deepbench"), ("T4", "t4_deepbench")):
+        d = device(name)
+        ratio = GEMM_KERNELS[gemm]["efficiency"] / GEMM_KERNELS["a100_sxm"]["efficiency"]
+        assert d.mm_efficiency == pytest.approx(a100.mm_efficiency * ratio) and gemm in d.efficiency_source
+        assert d.framework_mm == pytest.approx(a100.framework_mm)
 
 
 def test_bridged_pairs_run_over_nvlink_and_larger_groups_over_pcie():

@@ -243,19 +243,23 @@ def _load_presets() -> dict[str, DeviceSpec]:
         e = {k: v for k, v in eff[d["family"]].items() if k != "kernel_table"}
         table, own = d["kernel_table"], eff[d["family"]]["kernel_table"]
         fit = f"{d['family']} fit (flexmesh.cost.training.calibrate)"
-        if GEMM_TABLES[table].architecture != d["architecture"]:
+        gemm = d.get("gemm_table", table)
+        if GEMM_TABLES[table].architecture != d["architecture"] and gemm == table:
             fit = f"assumed: no measured {d['architecture']} kernels, so the {fit} as it is"
         if table != own:
             e["mm_efficiency"] = catalogue_efficiency(e["mm_efficiency"], GEMM_TABLES[table], GEMM_TABLES[own])
             fit += f" x measured GEMMs of {table} / {own} (aiconfigurator-core, flexmesh.cost.device.gemm_tables)"
+        if gemm != table:  # its own GEMM table: the same framework term over its own kernels' rate
+            e["mm_efficiency"] *= GEMM_KERNELS[gemm]["efficiency"] / GEMM_KERNELS[table]["efficiency"]
+            fit += f" x its GEMM fit's efficiency / {table}'s ({gemm}, flexmesh.cost.device.gemm_tables.DEEPBENCH)"
         e["attn_efficiency"] = catalogue_efficiency(attn_fit["attn_efficiency"], ATTENTION_TABLES[table],
                                                     ATTENTION_TABLES[attn_fit["kernel_table"]])
         if table != attn_fit["kernel_table"]:
             fit += (f"; attention: {ATTENTION_FIT_FAMILY} fit x measured attention of {table} / "
                     f"{attn_fit['kernel_table']} (flexmesh.cost.device.attention_tables)")
         e["efficiency_source"] = fit
-        if d.get("gemm_table", table) in GEMM_KERNELS:
-            e["kernel_mm_efficiency"] = GEMM_KERNELS[d.get("gemm_table", table)]["efficiency"]
+        if gemm in GEMM_KERNELS:
+            e["kernel_mm_efficiency"] = GEMM_KERNELS[gemm]["efficiency"]
         if table in ATTENTION_KERNELS:
             e["kernel_attn_efficiency"] = ATTENTION_KERNELS[table]["efficiency"]
         out[name] = DeviceSpec(
