@@ -67,6 +67,16 @@ def test_the_t4_runs_its_tensor_cores_at_the_clock_its_power_cap_sustains():
     assert v100.clock == 1.0 and v100.device_kernels.gemm(4096, 4096, 4096) < hw.device_kernels.gemm(4096, 4096, 4096)
 
 
+def test_the_l4_runs_its_tensor_cores_at_the_rate_measured_on_one():
+    """torch.mm 4096^3 on an L4 (devices.toml's source): 54.9 TFLOP/s bf16 and 53.0 fp16, not the 77 the L40S's
+    table scaled to the L4's datasheet gives; the L40S itself keeps its table's rate."""
+    for dtype, rate in (("bf16", 54.9), ("fp16", 53.0)):
+        hw = Hardware(parse_cluster("4xL4"), dtype)
+        assert 2 * 4096 ** 3 / hw.device_kernels.gemm(4096, 4096, 4096) / 1e12 == pytest.approx(rate, rel=0.02)
+        assert hw.clock < 0.8
+    assert Hardware(parse_cluster("4xL40S")).clock == 1.0
+
+
 def test_collectives_over_pcie_alone_run_at_the_measured_share_of_the_link(tmp_path):
     """A GeForce node (no peer-to-peer over PCIe) all-reduces at its measured share of PCIe (devices.toml); a
     datacenter PCIe part keeps NVLink's share; a cluster file may give its own node's."""

@@ -79,8 +79,9 @@ class DeviceSpec:
     kernel_mm_efficiency: float | None = None
     kernel_attn_efficiency: float | None = None
     # TFLOP/s per dtype of a large GEMM (4096^3) measured under sustained load on a part whose power cap holds its
-    # clock below the boost clock the datasheet peak assumes (the T4 at 70 W); the device layer's matmul and attention
-    # rates are scaled down to it (flexmesh.cost.device.hardware.Hardware.power_cap). Empty: the peak holds.
+    # clock below the boost clock the datasheet peak assumes (the T4 at 70 W, the L4 at 72 W); the device layer's
+    # matmul and attention rates are scaled down to it (flexmesh.cost.device.hardware.Hardware.power_cap). Empty: the
+    # peak holds.
     sustained_tflops: dict = field(default_factory=dict, compare=False)
     sustained_source: str = ""
 
