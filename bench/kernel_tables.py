@@ -116,6 +116,37 @@ def deepbench_rows() -> list[list[str]]:
     return out
 
 
+TORCH_MM = "bench/data/torch_mm_tflops.csv"
+TORCH_MM_SIZES = (1024, 2048, 4096, 8192, 10240)  # the test's n: 30 torch.mm calls of n x n by n x n timed, after 6
+
+
+def torch_mm_rows() -> list[list[str]]:
+    """A second test of large GEMMs per part, independent of the tables (``TORCH_MM``: torch.mm n^3 rates published
+    by zzc0721/torch-performance-test-data's users), beside the device layer's price of the same GEMMs: at each n
+    the run gives, or its best n against the best price over the test's n."""
+    import csv
+    from collections import defaultdict
+
+    runs: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    sources: dict[tuple[str, str], str] = {}
+    with open(TORCH_MM, newline="") as fh:
+        for r in csv.DictReader(fh):
+            runs[(r["part"], r["dtype"])][r["n"]] = float(r["tflops"])
+            sources[(r["part"], r["dtype"])] = r["source"]
+    out = []
+    for (name, dtype), rates in runs.items():
+        kernels = Hardware(ClusterSpec(1, 1, DEVICE_PRESETS[name]), dtype).device_kernels
+        priced = {n: 2 * n ** 3 / float(kernels.gemm(n, n, n)) / 1e12 for n in TORCH_MM_SIZES}
+        if "best" in rates:
+            cells = f"best {rates['best']:.0f} / {max(priced.values()):.0f}"
+            error = max(priced.values()) / rates["best"] - 1
+        else:
+            cells = ", ".join(f"{n}: {rates[str(n)]:.0f} / {priced[n]:.0f}" for n in TORCH_MM_SIZES)
+            error = float(np.median([priced[n] / rates[str(n)] - 1 for n in TORCH_MM_SIZES if n >= 4096]))
+        out.append([name, dtype, cells, f"{error:+.0%}", sources[(name, dtype)]])
+    return out
+
+
 def verdict(error: float, bound: float) -> str:
     return f"{error:.1%} {'PASS' if error <= bound else 'FAIL'}"
 
@@ -176,7 +207,15 @@ def main(argv: list[str] | None = None) -> int:
            "part was priced without its table. DeepBench times short runs: the T4's are faster than the rate its "
            "70 W cap sustains, which the device layer prices at (last column).", "",
            *markdown_table(["system", "part", "GEMM rows fitted / held out", "GEMM before", "GEMM after",
-                            "after, at the power cap's sustained rate"], deepbench_rows())]
+                            "after, at the power cap's sustained rate"], deepbench_rows()),
+           "", "A second test of large GEMMs, independent of the tables: torch.mm of two n x n matrices, 30 calls "
+           "timed after 6 warm-ups, as users of zzc0721/torch-performance-test-data published it (`bench/data/"
+           "torch_mm_tflops.csv`; each n where the run gives them, else its best n against the best price over the "
+           "test's n), beside the device layer's price of the same GEMMs (power-capped parts at their sustained "
+           "rate; the L4's 4096^3 rates are its catalogue `sustained_tflops`, so in-sample, its other n not). Not a "
+           "target: one run each, on machines nobody describes.", "",
+           *markdown_table(["part", "dtype", "TFLOP/s measured / priced", "price over measured (n >= 4096, or "
+                            "best)", "run"], torch_mm_rows())]
     print("\n".join(md))
     worst_g = max(scored, key=lambda x: x[2]["gemm_after"])
     worst_a = max(scored, key=lambda x: x[2]["attn_after"])
