@@ -11,13 +11,15 @@ import pytest
 
 from flexmesh.data.requests import at_rate, load_trace, window
 from flexmesh.serve.layout.plan import ServingPlan
+from flexmesh.serve.layout.roles import Role
 from flexmesh.serve.layout.routing import RoutingPolicy
 from flexmesh.serve.layout.slo import SLO
 from flexmesh.serve.plan import milp
+from flexmesh.serve.plan.baselines import melange, single_type
 from flexmesh.serve.plan.capacity import CAPACITY_TOL
 from flexmesh.serve.plan.planner import PlanCandidate, PlanInputs, Planner
 from flexmesh.serve.plan.score import Score
-from flexmesh.serve.plan.search import _better, best_of, plan
+from flexmesh.serve.plan.search import _better, best_of, candidates, plan
 from flexmesh.serve.plan.workload import buckets_from_trace, parse_buckets
 from flexmesh.spec.prices import gpu_prices
 
@@ -67,6 +69,33 @@ def test_every_candidate_is_scored_with_both_routing_policies_and_the_best_is_ta
     assert all(policies == set(RoutingPolicy) for policies in by_plan.values())
     assert res.score is not None
     assert not any(_better(c.score, res.score, None) for c in res.candidates if c.score is not None)
+
+
+def test_the_melange_and_single_type_baselines_plan_as_priced_and_as_calibrated():
+    """A calibration that misleads the MILP (the H100s made to look 20x slower than priced) does not cost the
+    Mélange-style baseline the plan its profiles would give: it solves the MILP on both capacities, simulates
+    each plan and keeps the better. A device type's own plan, unchanged by a calibration that scales the whole
+    type, is simulated once."""
+    base = window(load_trace("azure-conv"), first=200)
+    inputs = PlanInputs(("llama3.1-8b",), "2xH100+4xL4", buckets_from_trace(base), SLO(ttft_s=1.0, tpot_s=0.1),
+                        PRICES, budget=20.0)
+    planner = Planner(inputs)
+    misled = planner.calibrated({0: 0.05})
+    assert misled.uncalibrated().capacity is planner.capacity and planner.uncalibrated().capacity is planner.capacity
+    aggregated = {"aggregated": (Role.AGGREGATED,)}
+    priced, calibrated = (candidates(p, aggregated)[0].plan.layout for p in (planner, misled))
+    assert priced != calibrated
+
+    def workload_at(r: float):  # noqa: ANN202
+        return at_rate(base, r)
+
+    b = melange(misled, workload_at)
+    assert b.best is not None and b.best.score is not None
+    assert {c.plan.layout for c in b.tried} == {priced, calibrated}
+    assert not any(_better(c.score, b.best.score, None) for c in b.tried if c.score is not None)
+    assert melange(planner, workload_at).tried[0].plan.layout == priced
+    one = single_type(misled, workload_at)
+    assert len(one.tried) == len(RoutingPolicy) * len(planner.cluster.groups)
 
 
 def _scored(name: str, goodput: float, usd: float) -> PlanCandidate:

@@ -2,7 +2,9 @@
 
 Each baseline is planned by the same MILP restricted to what that approach may do (so each gets the
 configurations, engine knobs and routing its own method would choose: its knobs swept, never set against it)
-and judged by the same simulator on the same workload, its best variant kept:
+and judged by the same simulator on the same workload, its best variant kept. The best single type's and the
+Mélange-style MILPs are solved on the capacities as priced and as calibrated against the simulator (the planner's
+own candidates, :mod:`.search`), the better plan kept: calibration can mislead a MILP as well as correct it.
 
 - **best single GPU type**: aggregated replicas of one device type (every tp and batched-token budget the
   type allows), the best type;
@@ -103,21 +105,32 @@ def _best(name: str, tried: list[PlanCandidate], planner: Planner, why: str) -> 
     return Baseline(name, best, tuple(tried), "" if best is not None else why)
 
 
+def _each(planner: Planner, name: str, cols: Sequence[int], workload_at: Callable[[float], Workload],
+          known: Known | None) -> list[PlanCandidate]:
+    """The MILP's plan over ``cols`` as priced and as calibrated against the simulator (a baseline planned from
+    profiles could plan with either), each distinct plan scored with every routing."""
+    tried: list[PlanCandidate] = []
+    seen: set[tuple] = set()
+    for p in (planner,) if planner.priced is planner.capacity else (planner.uncalibrated(), planner):
+        c = _solved(p, name, cols)
+        if c is not None and c.plan.groups not in seen:
+            seen.add(c.plan.groups)
+            tried += _routed(c, workload_at, planner, planner.inputs.rate, known)
+    return tried
+
+
 def single_type(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Aggregated replicas of one device type, the best type."""
     tried: list[PlanCandidate] = []
-    target = planner.inputs.rate
     for g, group in enumerate(planner.cluster.groups):
-        c = _solved(planner, f"{group.device.name} only", planner.columns((Role.AGGREGATED,), groups=[g]))
-        if c is not None:
-            tried += _routed(c, workload_at, planner, target, known)
+        tried += _each(planner, f"{group.device.name} only", planner.columns((Role.AGGREGATED,), groups=[g]),
+                       workload_at, known)
     return _best("best single GPU type", tried, planner, "no single device type serves the workload")
 
 
 def melange(planner: Planner, workload_at: Callable[[float], Workload], known: Known | None = None) -> Baseline:
     """Device types mixed per bucket, aggregated replicas only."""
-    c = _solved(planner, "type mix per bucket", planner.columns((Role.AGGREGATED,)))
-    tried = _routed(c, workload_at, planner, planner.inputs.rate, known) if c is not None else []
+    tried = _each(planner, "type mix per bucket", planner.columns((Role.AGGREGATED,)), workload_at, known)
     return _best("Mélange-style", tried, planner, "no aggregated plan serves the workload")
 
 

@@ -132,6 +132,7 @@ class Planner:
         self._unbounded: dict[int, np.ndarray] = {}  # configuration -> its capacity per bucket with no SLO
         self.price = [i.prices[g.device.name] for g in self.cluster.groups]
         self.demand = np.array([[t * b.share for b in buckets] for t in i.tiers])
+        self.priced = self.capacity  # as priced, before any calibration (:meth:`uncalibrated`)
         self.scale = np.ones(len(self.configs))  # the calibration of each configuration's capacities
         self.dominated = self._dominated()
         self.decodes = np.array([[b.output_mean > 1.0 for b in buckets] for _ in i.tiers])
@@ -320,6 +321,12 @@ class Planner:
                           for c in self.configs])
         out.capacity = self.capacity * scale[:, None]
         out.scale = self.scale * scale
+        return out
+
+    def uncalibrated(self) -> Planner:
+        """This planner with its capacities as priced, before :meth:`calibrated` scaled them."""
+        out = copy.copy(self)
+        out.capacity, out.scale = self.priced, np.ones(len(self.configs))
         return out
 
     def counts_of(self, plan: ServingPlan) -> dict[int, int]:
