@@ -2,9 +2,9 @@
 
 Each baseline is planned by the same MILP restricted to what that approach may do (so each gets the
 configurations, engine knobs and routing its own method would choose: its knobs swept, never set against it)
-and judged by the same simulator on the same workload, its best variant kept. The best single type's and the
-Mélange-style MILPs are solved on the capacities as priced and as calibrated against the simulator (the planner's
-own candidates, :mod:`.search`), the better plan kept: calibration can mislead a MILP as well as correct it.
+and judged by the same simulator on the same workload, its best variant kept. The best single type's, the
+Mélange-style and the DistServe-style MILPs are solved on the capacities as priced and as calibrated against the
+simulator (:mod:`.search`), the better plan kept: calibration can mislead a MILP as well as correct it.
 
 - **best single GPU type**: aggregated replicas of one device type (every tp and batched-token budget the
   type allows), the best type;
@@ -138,10 +138,8 @@ def distserve(planner: Planner, workload_at: Callable[[float], Workload], known:
     """Prefill and decode replicas on one device type, each phase its own tp and knobs; the best type."""
     tried: list[PlanCandidate] = []
     for g, group in enumerate(planner.cluster.groups):
-        c = _solved(planner, f"{group.device.name} prefill + decode", planner.columns((Role.PREFILL, Role.DECODE),
-                                                                                       groups=[g]))
-        if c is not None:
-            tried += _routed(c, workload_at, planner, planner.inputs.rate, known)
+        tried += _each(planner, f"{group.device.name} prefill + decode",
+                       planner.columns((Role.PREFILL, Role.DECODE), groups=[g]), workload_at, known)
     return _best("DistServe-style", tried, planner, "no device type serves both phases")
 
 
