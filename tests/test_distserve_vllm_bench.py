@@ -1,0 +1,34 @@
+"""bench/distserve_vllm.py: DistServe's vLLM profile on its own grid against the vllm-v0 description."""
+
+from __future__ import annotations
+
+import bench.distserve_vllm as dv
+
+
+def test_the_grid_is_distserves_and_every_point_is_priced_both_ways():
+    for model, tp in dv.LIMITS:
+        points = dv.grid(model, tp)
+        assert points and all(b * ((n + 15) // 16 * 16) <= dv.LIMITS[model, tp] for b, n in points)
+        assert (1, 4) in points and all(b in dv.BATCHES and n in dv.LENGTHS for b, n in points)
+    cases = dv.cases()
+    assert len(cases) == 2 * sum(len(dv.grid(m, t)) for m, t in dv.LIMITS)
+    assert all(c["measured"] > 0 and all(c[name] > -1 for name in dv.ENGINES) for c in cases)
+
+
+def test_the_profile_switches_decode_fits_above_its_threshold_and_prefill_grows_with_tokens():
+    model, tp = "facebook/opt-13b", 1
+    threshold = dv.profile()[model, tp, "decode_small"][3]
+    a, b, c, _ = dv.profile()[model, tp, "decode_large"]
+    big = threshold + 1
+    assert dv.profile_s(model, tp, "decode", big, 512) * 1e3 == (a + b * big * 512 + c * big)  # exact: same sum
+    assert dv.profile_s(model, tp, "prefill", 1, 2020) > dv.profile_s(model, tp, "prefill", 1, 128)
+
+
+def test_the_eager_description_never_decodes_faster_and_prices_prompts_alike():
+    for model, tp in dv.LIMITS:
+        for batch in (1, 16, 128):
+            graphed, eager = (dv.priced_s(e, model, tp, "decode", batch, 512) for e in dv.ENGINES)
+            assert eager >= graphed
+        # prompts run eagerly in vLLM V0 either way (graph_tokens 0)
+        assert dv.priced_s(dv.ENGINES[0], model, tp, "prefill", 4, 512) == \
+            dv.priced_s(dv.ENGINES[1], model, tp, "prefill", 4, 512)  # exact: the same terms
