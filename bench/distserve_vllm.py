@@ -1,24 +1,30 @@
-"""flexmesh's iteration prices of vLLM V0 against DistServe's profile of its vLLM baseline on A100-80GB.
+"""flexmesh's iteration prices against DistServe's profiles of two engines on one A100-80GB node.
 
 DistServe (Zhong et al., OSDI 2024; github.com/LLMServe/DistServe, Apache-2.0, ``bench/data/distserve_LICENSE``)
-timed its vLLM baseline (a fork of vLLM 0.2, ``vllm.LLM`` with Ray workers, fp16; its
-``evaluation/0-test-single-forward-performance``) on one A100-80GB node over a grid of batches: 1 to 192 prompts of
-4 to 2020 tokens each, within a token limit per model and tp, each run prefilling the batch in one iteration and
-decoding 16 tokens. It fitted the times to ``a + b x + c y`` (``evaluation/1-fit-time-usage``: least squares on
-relative error; prefill ``x`` = tokens, ``y`` = sum of the prompts' squared lengths; decode ``x`` = the batch's
-context tokens, ``y`` = requests, one fit below 96 requests and one above) and ships the fits for its simulator
-(``simdistserve/estimators/profile_data/profiler-a100-80g.vllm.json``; ``bench/data/distserve_vllm_a100.csv``).
+timed two engines on one A100-80GB node over one grid of batches (``evaluation/0-test-single-forward-performance``):
+its vLLM baseline (a fork of vLLM 0.2, ``vllm.LLM`` with Ray workers) and its own engine (SwiftTransformer's C++
+kernels, its workers Ray actors), both fp16 with dummy weights, 1 to 192 prompts of 4 to 2020 tokens each within a
+token limit per model and tp, each run prefilling the batch in one iteration and decoding 16 tokens. It fitted the
+times to ``a + b x + c y`` (``evaluation/1-fit-time-usage``: least squares on relative error; prefill ``x`` =
+tokens, ``y`` = sum of the prompts' squared lengths; decode ``x`` = the batch's context tokens, ``y`` = requests,
+one fit below 96 requests and one above) and ships the fits for its simulator
+(``simdistserve/estimators/profile_data/profiler-a100-80g.{vllm,distserve}.json``; ``bench/data/distserve_a100.csv``).
 The raw times are not published, so the fits stand for them here, each within its own fit error (not published
 either).
 
-flexmesh prices the same iterations with the ``vllm-v0`` engine description (prompts first and whole, Ray
-workers; its kernel rates fitted to Vidur's profiles of sarathi-serve, another vLLM 0.2 fork, by
-``bench/vidur_layers.py``) on the catalogue's A100-80GB, OPT-13B and OPT-66B from their config.json's fields, at
-every grid point of DistServe's profiling script (OPT-13B at tp 1, 2, 4; OPT-66B at tp 2, 3, 4: the model and tp
-pairs whose grid the script lists). No constant was fitted to these rows: every figure is out of sample. Beside
-it, the same description with every iteration eager (``cuda_graphs = false``): vLLM before 0.2.6 had no CUDA
-graphs, and which version DistServe's fork is was not published. Per model and tp: the median and signed median
-relative error of prefill and decode iterations, then the tp speedups of OPT-13B each way.
+flexmesh prices the same iterations on the catalogue's A100-80GB, OPT-13B and OPT-66B from their config.json's
+fields, at every grid point of DistServe's profiling script (OPT-13B at tp 1, 2, 4; OPT-66B at tp 2, 3, 4: the
+model and tp pairs whose grid the script lists). DistServe's vLLM baseline is priced with the ``vllm-v0`` engine
+description (prompts first and whole, Ray workers; its kernel rates fitted to Vidur's profiles of sarathi-serve,
+another vLLM 0.2 fork, by ``bench/vidur_layers.py``), and beside it with every iteration eager
+(``cuda_graphs = false``): vLLM before 0.2.6 had no CUDA graphs, and which version DistServe's fork is was not
+published. DistServe's own engine has no preset: it is priced as the nearest description flexmesh can write
+without a profile of its kernels, ``distserve (described)``: ``vllm-v0``'s scheduler and CPU costs, every
+iteration eager (DistServe captures no CUDA graphs), no worker RPC beyond tp 1 (its workers are Ray actors at
+every tp) and the device layer's kernels at their own rates. No constant was fitted to these rows: every figure
+is out of sample. Per engine, model and tp: the median and signed median relative error of prefill and decode
+iterations; then each engine's large prefills (8 prompts of 1024 tokens), where the GEMMs' rate decides the time;
+then the tp speedups of OPT-13B each way.
 
 Usage: ``python -m bench.distserve_vllm [--no-record]``.
 """
@@ -35,14 +41,15 @@ import numpy as np
 
 from bench._results import markdown_table, record
 from flexmesh.cost.device.hardware import Hardware
+from flexmesh.cost.inference.engine_rates import EngineRates
 from flexmesh.serve.layout.engine import EngineSpec, engine_spec
 from flexmesh.spec.cluster import parse_cluster
 from flexmesh.spec.hf_priced import priced_from_hf_dict
 from flexmesh.spec.model import ModelSpec
 
 DEPENDS_ON = ("flexmesh/cost", "flexmesh/serve/layout", "flexmesh/spec", "flexmesh/errors.py", "flexmesh/files.py",
-              "flexmesh/inputs.py", "flexmesh/units.py", "bench/data/distserve_vllm_a100.csv")
-DATA = Path(__file__).parent / "data" / "distserve_vllm_a100.csv"
+              "flexmesh/inputs.py", "flexmesh/units.py", "bench/data/distserve_a100.csv")
+DATA = Path(__file__).parent / "data" / "distserve_a100.csv"
 BOUND = 0.15  # #75's bound on a per-layer profile's median error, held here by whole iterations
 # The models' config.json fields (facebook/opt-13b, facebook/opt-66b on the Hugging Face Hub)
 CONFIGS = {
@@ -61,26 +68,29 @@ OUTPUT = 16
 LIMITS = {("facebook/opt-13b", 1): 49152, ("facebook/opt-13b", 2): 98304, ("facebook/opt-13b", 4): 250000,
           ("facebook/opt-66b", 2): 8192, ("facebook/opt-66b", 3): 36864, ("facebook/opt-66b", 4): 65000}
 CLUSTER = "1x8xA100-80GB"
-ENGINES = ("vllm-v0", "vllm-v0, eager")
+# each profiled engine and the descriptions that price it, the first the one its verdicts are on
+PRICED_BY = {"vllm": ("vllm-v0", "vllm-v0, eager"), "distserve": ("distserve (described)",)}
+ENGINES = PRICED_BY["vllm"]
+LARGE = (8, 1024)  # a large prefill (prompts, tokens each) every model and tp's grid holds
 
 
 @cache
-def profile() -> dict[tuple[str, int, str], tuple[float, float, float, int]]:
-    """(model, tp, kind) -> DistServe's fit (a ms, b, c) and its decode threshold."""
+def profile() -> dict[tuple[str, str, int, str], tuple[float, float, float, int]]:
+    """(engine, model, tp, kind) -> DistServe's fit (a ms, b, c) and its decode threshold."""
     with open(DATA) as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    return {(r["model"], int(r["tp"]), r["kind"]): (float(r["a_ms"]), float(r["b"]), float(r["c"]),
-                                                    int(r["threshold"])) for r in rows}
+    return {(r["engine"], r["model"], int(r["tp"]), r["kind"]): (float(r["a_ms"]), float(r["b"]), float(r["c"]),
+                                                                 int(r["threshold"])) for r in rows}
 
 
-def profile_s(model: str, tp: int, kind: str, batch: int, length: int) -> float:
-    """DistServe's fitted seconds of one iteration: a prefill of ``batch`` prompts of ``length`` tokens, or a decode
-    step of ``batch`` requests of ``length`` context tokens each."""
+def profile_s(model: str, tp: int, kind: str, batch: int, length: int, engine: str = "vllm") -> float:
+    """DistServe's fitted seconds of one iteration of ``engine``: a prefill of ``batch`` prompts of ``length``
+    tokens, or a decode step of ``batch`` requests of ``length`` context tokens each."""
     if kind == "prefill":
-        a, b, c, _ = profile()[model, tp, "prefill"]
+        a, b, c, _ = profile()[engine, model, tp, "prefill"]
         return (a + b * batch * length + c * batch * length ** 2) * 1e-3
-    threshold = profile()[model, tp, "decode_small"][3]
-    a, b, c, _ = profile()[model, tp, "decode_small" if batch <= threshold else "decode_large"]
+    threshold = profile()[engine, model, tp, "decode_small"][3]
+    a, b, c, _ = profile()[engine, model, tp, "decode_small" if batch <= threshold else "decode_large"]
     return (a + b * batch * length + c * batch) * 1e-3
 
 
@@ -96,9 +106,17 @@ def model_spec(model: str) -> ModelSpec:
 
 
 def engine(name: str) -> EngineSpec:
-    """The ``vllm-v0`` description, or it with every iteration eager."""
+    """The ``vllm-v0`` description, it with every iteration eager, or DistServe's engine as described above."""
     base = engine_spec("vllm-v0")
-    return base if name == "vllm-v0" else replace(base, cuda_graphs=False, graph_batch=0, graph_tokens=0)
+    if name == "vllm-v0":
+        return base
+    eager = replace(base, cuda_graphs=False, graph_batch=0, graph_tokens=0)
+    if name == "vllm-v0, eager":
+        return eager
+    if name == "distserve (described)":
+        return replace(eager, name="distserve", title="DistServe (described from vllm-v0)", multi_gpu_ms=0.0,
+                       rates=EngineRates(source="the device layer's kernels (no profile of SwiftTransformer's)"))
+    raise ValueError(f"unknown description {name!r}; known: {', '.join(n for d in PRICED_BY.values() for n in d)}")
 
 
 @cache
@@ -116,29 +134,45 @@ def priced_s(name: str, model: str, tp: int, kind: str, batch: int, length: int)
 
 
 def cases() -> list[dict]:
+    """Every grid point of every profiled engine, with each description's relative error."""
     out = []
-    for model, tp in LIMITS:
-        for batch, length in grid(model, tp):
-            for kind in ("prefill", "decode"):
-                measured = profile_s(model, tp, kind, batch, length)
-                row = {"model": model, "tp": tp, "kind": kind, "batch": batch, "length": length,
-                       "measured": measured}
-                for name in ENGINES:
-                    row[name] = priced_s(name, model, tp, kind, batch, length) / measured - 1
-                out.append(row)
+    for eng, names in PRICED_BY.items():
+        for model, tp in LIMITS:
+            for batch, length in grid(model, tp):
+                for kind in ("prefill", "decode"):
+                    measured = profile_s(model, tp, kind, batch, length, eng)
+                    row = {"engine": eng, "model": model, "tp": tp, "kind": kind, "batch": batch, "length": length,
+                           "measured": measured}
+                    for name in names:
+                        row[name] = priced_s(name, model, tp, kind, batch, length) / measured - 1
+                    out.append(row)
     return out
 
 
-def speedups(name: str, kind: str, points: list[tuple[int, int]]) -> list[str]:
-    """OPT-13B's tp 2 and tp 4 over tp 1 at ``points`` (batch, length): DistServe's fits and flexmesh's prices."""
+def speedups(name: str, kind: str, points: list[tuple[int, int]], eng: str = "vllm") -> list[str]:
+    """OPT-13B's tp 2 and tp 4 over tp 1 at ``points`` (batch, length): DistServe's fits of ``eng`` and
+    flexmesh's prices by the description ``name``."""
     model = "facebook/opt-13b"
     out = []
     for batch, length in points:
-        fit = [profile_s(model, tp, kind, batch, length) for tp in (1, 2, 4)]
+        fit = [profile_s(model, tp, kind, batch, length, eng) for tp in (1, 2, 4)]
         ours = [priced_s(name, model, tp, kind, batch, length) for tp in (1, 2, 4)]
         cells = [f"{fit[0] / fit[k]:.2f}x / {ours[0] / ours[k]:.2f}x" for k in (1, 2)]
         out.append(f"{kind} {batch}x{length}: tp2 {cells[0]}, tp4 {cells[1]}")
     return out
+
+
+def large_prefills() -> list[list[str]]:
+    """Per model and tp, each engine's fitted time of the large prefill and the price of its description."""
+    rows = []
+    for model, tp in LIMITS:
+        cells = [model.split("/")[1], f"tp{tp}"]
+        for eng, names in PRICED_BY.items():
+            measured = profile_s(model, tp, "prefill", *LARGE, eng)
+            priced = priced_s(names[0], model, tp, "prefill", *LARGE)
+            cells += [f"{measured * 1e3:.1f}", f"{priced * 1e3:.1f}", f"{priced / measured - 1:+.1%}"]
+        rows.append(cells)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,28 +181,36 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     every = cases()
     rows, verdicts, worst = [], [], 0.0
-    for model, tp in LIMITS:
-        for kind in ("prefill", "decode"):
-            cs = [c for c in every if c["model"] == model and c["tp"] == tp and c["kind"] == kind]
-            cells = [model.split("/")[1], f"tp{tp}", kind, str(len(cs))]
-            for name in ENGINES:
-                e = np.array([c[name] for c in cs])
-                med = float(np.median(np.abs(e)))
-                ok = med <= BOUND
-                if name == ENGINES[0]:
-                    verdicts.append(ok)
-                    worst = max(worst, med)
-                cells += [f"{med:.1%}" + (f" {'PASS' if ok else 'FAIL'}" if name == ENGINES[0] else ""),
-                          f"{float(np.median(e)):+.1%}"]
-            rows.append(cells)
-    md = [(__doc__ or "").split("\n\n")[1].replace("\n", " "), "",
-          f"Median |priced / DistServe's fit - 1| per model, tp and kind (bound {BOUND:.0%}, on the `vllm-v0` "
-          "description), and the signed median (negative: priced faster):", "",
-          *markdown_table(["model", "tp", "iterations", "grid points", "vllm-v0 median error", "vllm-v0 signed",
-                           "eager median error", "eager signed"], rows), "",
-          "OPT-13B's tensor-parallel speedup over tp 1, DistServe's fit / flexmesh's `vllm-v0` price:", ""]
-    md += [f"- {s}" for s in speedups("vllm-v0", "prefill", [(1, 128), (1, 2020), (8, 1024)])
+    for eng, names in PRICED_BY.items():
+        for model, tp in LIMITS:
+            for kind in ("prefill", "decode"):
+                cs = [c for c in every if (c["engine"], c["model"], c["tp"], c["kind"]) == (eng, model, tp, kind)]
+                for name in names:
+                    e = np.array([c[name] for c in cs])
+                    med = float(np.median(np.abs(e)))
+                    verdict = ""
+                    if name == "vllm-v0":
+                        verdicts.append(med <= BOUND)
+                        worst = max(worst, med)
+                        verdict = f" {'PASS' if med <= BOUND else 'FAIL'}"
+                    rows.append([eng, name, model.split("/")[1], f"tp{tp}", kind, str(len(cs)), f"{med:.1%}{verdict}",
+                                 f"{float(np.median(e)):+.1%}"])
+    doc = (__doc__ or "").split("\n\n")
+    md = [doc[1].replace("\n", " "), "", doc[2].replace("\n", " "), "",
+          f"Median |priced / DistServe's fit - 1| per engine, description, model, tp and kind (bound {BOUND:.0%}, "
+          "held on the `vllm-v0` rows), and the signed median (negative: priced faster):", "",
+          *markdown_table(["engine", "priced as", "model", "tp", "iterations", "grid points", "median error",
+                           "signed"], rows), "",
+          f"Large prefills ({LARGE[0]} prompts of {LARGE[1]} tokens), DistServe's fit and flexmesh's price (ms): vLLM "
+          "by `vllm-v0`, DistServe by `distserve (described)`:", "",
+          *markdown_table(["model", "tp", "vLLM fit", "priced", "error", "DistServe fit", "priced", "error"],
+                          large_prefills()), "",
+          "OPT-13B's tensor-parallel speedup over tp 1, DistServe's fit / flexmesh's price:", ""]
+    md += [f"- vLLM, {s}" for s in speedups("vllm-v0", "prefill", [(1, 128), (1, 2020), (8, 1024)])
            + speedups("vllm-v0", "decode", [(1, 512), (16, 512), (128, 512)])]
+    md += [f"- DistServe, {s}" for s in
+           speedups("distserve (described)", "prefill", [(1, 128), (1, 2020), (8, 1024)], "distserve")
+           + speedups("distserve (described)", "decode", [(1, 512), (16, 512), (128, 512)], "distserve")]
     body = "\n".join(md)
     print(body)
     if not args.no_record:
