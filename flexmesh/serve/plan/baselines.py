@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from flexmesh.data.requests import Workload
-from flexmesh.errors import FlexmeshError, PlanError
+from flexmesh.errors import FlexmeshError
 from flexmesh.serve.layout.plan import ServingPlan
 from flexmesh.serve.layout.roles import Role
 from flexmesh.serve.layout.routing import RoutingPolicy
@@ -53,19 +53,6 @@ class Baseline:
     tried: tuple[PlanCandidate, ...]
     why: str = ""
     router: str = "plan"  # how its plan's requests are routed (round-robin: the plan's replicas, routed in turn)
-
-
-def _solved(planner: Planner, name: str, cols: Sequence[int]) -> PlanCandidate | None:
-    i = planner.inputs
-    if not cols:
-        return None
-    try:
-        s = planner.solve(cols, budget=i.budget, rate=i.rate)
-    except PlanError:
-        return None
-    if s.rate <= 0 or not s.counts.any():
-        return None
-    return PlanCandidate(name, planner.to_plan(cols, s), s)
 
 
 def _key(plan: ServingPlan) -> tuple:
@@ -112,7 +99,7 @@ def _each(planner: Planner, name: str, cols: Sequence[int], workload_at: Callabl
     tried: list[PlanCandidate] = []
     seen: set[tuple] = set()
     for p in (planner,) if planner.priced is planner.capacity else (planner.uncalibrated(), planner):
-        c = _solved(p, name, cols)
+        c = p.candidate(name, cols)
         if c is not None and c.plan.groups not in seen:
             seen.add(c.plan.groups)
             tried += _routed(c, workload_at, planner, planner.inputs.rate, known)
@@ -153,7 +140,7 @@ def type_per_phase(planner: Planner, workload_at: Callable[[float], Workload],
             if u == v or gu.device.name == gv.device.name:
                 continue
             cols = planner.columns((Role.PREFILL, Role.DECODE), prefill_groups=[u], decode_groups=[v])
-            c = _solved(planner, f"prefill {gu.device.name}, decode {gv.device.name}", cols)
+            c = planner.candidate(f"prefill {gu.device.name}, decode {gv.device.name}", cols)
             if c is not None and any(g.role == Role.PREFILL for g in c.plan.groups):
                 solved.append(c)
     target = planner.inputs.rate

@@ -276,6 +276,19 @@ class Planner:
             return solve(problem)
         return solve_fast(problem, self.inputs.time_limit_s)
 
+    def candidate(self, name: str, cols: Sequence[int]) -> PlanCandidate | None:
+        """The MILP's plan over ``cols`` at the inputs' budget and rate, named ``name``; None where there are no
+        columns, the MILP finds no plan, or the plan serves nothing."""
+        if not cols:
+            return None
+        try:
+            s = self.solve(cols, budget=self.inputs.budget, rate=self.inputs.rate)
+        except PlanError:
+            return None
+        if s.rate <= 0 or not s.counts.any():
+            return None
+        return PlanCandidate(name, self.to_plan(cols, s), s)
+
     # ---- plans ---------------------------------------------------------------------------------------
     def to_plan(self, cols: Sequence[int], s: Solution, routing: RoutingPolicy = RoutingPolicy.WEIGHTS) -> ServingPlan:
         """The solution as a serving plan: one replica group per configuration used, each bucket's shares."""

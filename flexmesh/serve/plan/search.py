@@ -254,16 +254,8 @@ def _calibration(planner: Planner, scored: list[PlanCandidate], workload_at: Cal
 
 def own_plan(planner: Planner, g: int) -> PlanCandidate | None:
     """Device group ``g``'s aggregated replicas alone, as the MILP plans them (None where they serve nothing)."""
-    cols = planner.columns((Role.AGGREGATED,), groups=[g])
-    if not cols:
-        return None
-    try:
-        s = planner.solve(cols, budget=planner.inputs.budget, rate=planner.inputs.rate)
-    except PlanError:
-        return None
-    if s.rate <= 0 or not s.counts.any():
-        return None
-    return PlanCandidate(f"{planner.cluster.groups[g].device.name} only", planner.to_plan(cols, s), s)
+    return planner.candidate(f"{planner.cluster.groups[g].device.name} only",
+                             planner.columns((Role.AGGREGATED,), groups=[g]))
 
 
 def _calibrated(planner: Planner, scored: list[PlanCandidate], workload_at: Callable[[float], Workload],
