@@ -78,3 +78,15 @@ def test_plan_refuses_slow_where_it_cannot_price_it(flags, words):
     proc = flexmesh_here(*PLAN, "--slow", "1=0.5", *flags)
     assert proc.returncode == 2 and proc.stderr.count("error:") == 1, proc.stderr
     assert words in " ".join(proc.stderr.split())
+
+
+def test_plan_recommends_a_policy_for_one_group_planned_over_unequal_devices(capsys):
+    from flexmesh.cli import main
+
+    # a mildly slow device: the mixed search keeps one layout over all eight, which the recommendation prices as
+    # `simulate --plan` does (it failed on a cost model only a one-type cluster has)
+    cluster = ["--cluster", "2x4xA100-80GB", "--slow", "3=0.7"]
+    assert main([*PLAN[:3], *cluster, *PLAN[5:], "--json", "--recommend"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["best"]["plan"]["groups"]) == 1
+    assert out["recommendation"]["policy"]

@@ -203,7 +203,8 @@ def plan_recommendation(plan: Plan, job: Job, batches: list[np.ndarray], seed: i
         assert job.costs is not None
         gctx = groups_context(plan, job.model, job.costs)
         return recommend_dispatch(gctx, batches, seed=seed, virtual_stages=[g.virtual_stages for g in plan.groups])
-    assert job.cost is not None
+    if job.cost is None:  # one group from a mixed cluster's search: priced as `simulate --plan` prices it
+        job = replace(job, cost=cost_model_for(job.model, plan.cluster).replace(parts=job.parts))
     layout = _Layout.of(None, plan)
     cfg = _with_plan(SimulationConfig(
         policies=tuple(DEFAULT_POLICIES.split(",")), context=job.seq_len, steps=len(batches), seed=seed,
