@@ -85,7 +85,10 @@ def test_cluster_nodes_must_be_a_whole_number(tmp_path, nodes):
 
 @pytest.mark.parametrize("key,value", [("hbm_gbps", math.nan), ("hbm_gbps", math.inf), ("nvlink_gbps", 0),
                                        ("node_net_gbps", -5.0), ("mm_efficiency", 0.0), ("mm_efficiency", 1.5),
-                                       ("intra_efficiency", "high"), ("memory_gib", None)])
+                                       ("intra_efficiency", "high"), ("memory_gib", None),
+                                       # finite but past any real part: they priced steps past a float's range
+                                       ("mm_efficiency", 1e-300), ("hbm_gbps", 1e308),
+                                       ("peak_tflops", {"bf16": 1e-300})])
 def test_device_numbers_must_be_finite_and_in_range(tmp_path, key, value):
     d = {"nodes": 1, "devices_per_node": 2, "device": {"base": "A100-80GB", key: value}}
     with pytest.raises(SpecError) as e:
@@ -93,7 +96,8 @@ def test_device_numbers_must_be_finite_and_in_range(tmp_path, key, value):
     assert key in _one_line(e) and "cluster.json" in str(e.value)
 
 
-@pytest.mark.parametrize("factors", [[1.0, math.nan], [1.0, -0.5], [1.0, 0.0], [1.0, "fast"], 0.5])
+@pytest.mark.parametrize("factors", [[1.0, math.nan], [1.0, -0.5], [1.0, 0.0], [1.0, "fast"], 0.5, [1.0, 1e308],
+                                     [1e-9, 1.0]])
 def test_speed_factors_must_be_positive_numbers(tmp_path, factors):
     d = {"nodes": 1, "devices_per_node": 2, "device": "H100", "speed_factors": factors}
     with pytest.raises(SpecError):
@@ -130,6 +134,8 @@ def _plan(**changes) -> dict:
     ({"pp": "1"}, "pp"), ({"seq_len": None}, "seq_len"), ({"model": 7}, "model"), ({"stages": "all"}, "stages"),
     ({"stages": [{"layers": [0, "4"], "strategies": ["tp1-dp2z1"] * 4}]}, "end layer"),
     ({"stages": [{"layers": [0, 4], "strategies": [1, 2, 3, 4]}]}, "stage 0"),
+    # a repeat count is refused before the list is built (10^11 copies would exhaust the memory)
+    ({"stages": [{"layers": [0, 4], "strategies": ["99999999999x tp1-dp2z1"]}]}, "more than the stage's 4"),
     ({"predicted": [1]}, "predicted"), ({"pipeline_schedule": ["1f1b"]}, "pipeline schedule"),
 ])
 def test_plan_values_of_the_wrong_type(changes, expect):

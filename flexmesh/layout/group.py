@@ -214,11 +214,14 @@ class ReplicaGroup:
         return group
 
 
-def _runs_of(item: object) -> list:
-    """``"NNx S"`` as NN copies of ``S``; anything else as itself (LayerStrategy.parse judges it)."""
+def _runs_of(item: object, most: int) -> list:
+    """``"NNx S"`` as NN copies of ``S`` (NN at most ``most``, the stage's layers); anything else as itself
+    (LayerStrategy.parse judges it)."""
     if isinstance(item, str) and "x " in item:
         count, _, strategy = item.partition("x ")
         if count.strip().isdigit() and int(count) >= 1:
+            if int(count) > most:
+                raise PlanError(f"{item!r} repeats {int(count)} layers, more than the stage's {most}")
             return [strategy.strip()] * int(count)
     return [item]
 
@@ -235,11 +238,14 @@ def parse_stages(value: object, where: str) -> tuple[StagePlan, ...]:
     for i, s in enumerate(sequence(value, f"{where} stages", PlanError)):
         try:
             start, end = s["layers"]
-            strategies = tuple(LayerStrategy.parse(x) for item in sequence(s["strategies"], "strategies", PlanError)
-                               for x in _runs_of(item))
-        except (KeyError, ValueError, TypeError, AttributeError, PlanError) as e:
-            raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...] "
-                            f"({str(e).strip() or type(e).__name__})") from None
-        stages.append(StagePlan(whole(start, f"stage {i} start layer", PlanError, minimum=0),
-                                whole(end, f"stage {i} end layer", PlanError, minimum=0), strategies))
+            items = sequence(s["strategies"], "strategies", PlanError)
+        except (KeyError, ValueError, TypeError, PlanError):
+            raise PlanError(f"stage {i}: needs 'layers': [start, end] and 'strategies': [...]") from None
+        start = whole(start, f"stage {i} start layer", PlanError, minimum=0)
+        end = whole(end, f"stage {i} end layer", PlanError, minimum=0)
+        try:
+            strategies = tuple(LayerStrategy.parse(x) for item in items for x in _runs_of(item, max(end - start, 1)))
+        except (ValueError, TypeError, AttributeError, PlanError) as e:
+            raise PlanError(f"stage {i} strategies: {str(e).strip() or type(e).__name__}") from None
+        stages.append(StagePlan(start, end, strategies))
     return tuple(stages)

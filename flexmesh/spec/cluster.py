@@ -25,7 +25,7 @@ from flexmesh.spec.devices import (  # noqa: F401
     device,
     preset_of_gpu,
 )
-from flexmesh.spec.limits import MAX_DEVICES, within
+from flexmesh.spec.limits import MAX_DEVICES, MAX_SPEED, MIN_FRACTION, within
 from flexmesh.spec.values import known_keys, mapping, number, sequence, whole
 from flexmesh.spec.values import text as nonempty_text
 
@@ -48,7 +48,7 @@ class ClusterSpec:
         if not isinstance(self.device, DeviceSpec):
             raise SpecError(f"cluster device must be a device preset or table, got {self.device!r}")
         for i, factor in enumerate(self.speed_factors):
-            number(factor, f"speed factor {i}", SpecError)
+            number(factor, f"speed factor {i}", SpecError, MIN_FRACTION, strict=False, maximum=MAX_SPEED)
         if self.speed_factors and len(self.speed_factors) != self.world_size:
             raise SpecError(
                 f"cluster has {self.world_size} devices but {len(self.speed_factors)} speed factors; "

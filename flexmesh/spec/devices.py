@@ -16,6 +16,7 @@ from importlib import resources
 import tomllib
 
 from flexmesh.errors import SpecError
+from flexmesh.spec.limits import MAX_RATE, MAX_SPEED, MIN_FRACTION, MIN_RATE
 from flexmesh.spec.values import number, whole
 from flexmesh.units import GIB
 
@@ -91,21 +92,22 @@ class DeviceSpec:
         if not isinstance(self.peak_tflops, dict) or not self.peak_tflops:
             raise SpecError(f"{where}: peak_tflops must be a table of dtype = TFLOP/s, e.g. {{bf16 = 312.0}}")
         for dtype, v in self.peak_tflops.items():
-            number(v, f"{where}: peak_tflops.{dtype}", SpecError)
+            number(v, f"{where}: peak_tflops.{dtype}", SpecError, MIN_RATE, strict=False, maximum=MAX_RATE)
         for f in ("memory_gib", "hbm_gbps", "nvlink_gbps", "node_net_gbps"):
-            number(getattr(self, f), f"{where}: {f}", SpecError)
+            number(getattr(self, f), f"{where}: {f}", SpecError, MIN_RATE, strict=False, maximum=MAX_RATE)
         for f in ("intra_latency_us", "inter_latency_us", "framework_reserve_gib"):
             number(getattr(self, f), f"{where}: {f}", SpecError, strict=False)
         # Fractions of a datasheet peak that NCCL and the matmul kernels achieve: in (0, 1].
         for f in ("mm_efficiency", "intra_efficiency", "inter_efficiency", "a2a_intra_efficiency",
                   "a2a_inter_efficiency"):
-            number(getattr(self, f), f"{where}: {f}", SpecError, maximum=1.0)
+            number(getattr(self, f), f"{where}: {f}", SpecError, MIN_FRACTION, strict=False, maximum=1.0)
         # Attention's achieved fraction of the matmul peak; a profiled device may run attention faster
         # than its measured matmuls, so only positive and finite.
-        number(self.attn_efficiency, f"{where}: attn_efficiency", SpecError)
+        number(self.attn_efficiency, f"{where}: attn_efficiency", SpecError, MIN_FRACTION, strict=False,
+               maximum=MAX_SPEED)
         for f in ("kernel_mm_efficiency", "kernel_attn_efficiency"):
             if getattr(self, f) is not None:
-                number(getattr(self, f), f"{where}: {f}", SpecError, maximum=1.0)
+                number(getattr(self, f), f"{where}: {f}", SpecError, MIN_FRACTION, strict=False, maximum=1.0)
         number(self.allocator_headroom, f"{where}: allocator_headroom", SpecError, strict=False, maximum=0.99)
         if self.sms is not None:
             whole(self.sms, f"{where}: sms", SpecError)
@@ -115,7 +117,7 @@ class DeviceSpec:
         if not isinstance(self.sustained_tflops, dict):
             raise SpecError(f"{where}: sustained_tflops must be a table of dtype = TFLOP/s, e.g. {{fp16 = 24.0}}")
         for dtype, v in self.sustained_tflops.items():
-            number(v, f"{where}: sustained_tflops.{dtype}", SpecError)
+            number(v, f"{where}: sustained_tflops.{dtype}", SpecError, MIN_RATE, strict=False, maximum=MAX_RATE)
         if self.intra_link not in INTRA_LINKS:
             raise SpecError(f"{where}: intra_link must be one of {', '.join(INTRA_LINKS)}, got {self.intra_link!r}")
         if self.comm_table and self.comm_table not in COMM_TABLES:

@@ -21,6 +21,11 @@ MAX_LAYERS = 1 << 14  # transformer layers (published: up to ~200)
 MAX_WIDTH = 1 << 20  # hidden, FFN width, heads (published hidden sizes: up to ~25K)
 MAX_VOCAB = 1 << 24  # vocabulary entries (published: up to ~260K)
 MAX_STEPS = 1 << 20  # simulated steps in one command
+# A device's numbers: a rate of 1 GFLOP/s or 1 MB/s, or a fraction of a peak below 0.1%, is a typo (and prices a
+# step past any float's range); the fastest parts reach ~10^4 TFLOP/s (fp4), ~10^4 GB/s of HBM and ~10^3 GiB.
+MIN_FRACTION = 1e-3  # an efficiency (a fraction of a datasheet peak) or a speed factor, at least
+MAX_SPEED = 1e3  # a speed factor (1: the device's nominal speed), at most
+MIN_RATE, MAX_RATE = 1e-3, 1e7  # TFLOP/s, GB/s and GiB of a device, at least and at most
 
 
 def within(value: int, bound: int, what: str, error: type[Exception] = SpecError) -> int:
