@@ -94,3 +94,17 @@ def test_a_cpu_build_of_torch_counts_no_gpu_without_importing_torch():
     assert imported == str(cpu_build != "True")  # imported only where the build may have CUDA
     # torch already imported (tests, ranks): its count, whatever the build says
     assert D.visible_gpus() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_train_refuses_a_plan_of_another_size_in_the_launcher_in_one_line(tmp_path):
+    """A plan of 2 ranks launched with --nproc 1 is refused before torchrun (each rank used to say it, then
+    torchrun's traceback followed), and nothing is written."""
+    from helpers import flexmesh_here, write_inputs
+
+    _, corpus, plan = write_inputs(tmp_path, world=2)
+    proc = flexmesh_here("train", "--plan", str(plan), "--corpus", str(corpus), "--max-steps", "1", "--out",
+                         str(tmp_path / "run"), "--nproc", "1", "--device", "cpu")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().endswith("is for 2 ranks but 1 were launched; use --nproc 2 (or torchrun "
+                                        "--nproc-per-node 2), or re-plan") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

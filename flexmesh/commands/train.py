@@ -163,6 +163,8 @@ def _preflight(args: argparse.Namespace, planned: Planned | None = None) -> None
     from flexmesh.runtime.train.groups import check_runnable
 
     plan = load_plan(args.plan) if planned is None else planned.plan
+    if args.nnodes is None:  # one node: the world is --nproc (several: their launchers' elastic rendezvous)
+        _check_size(args.plan, plan, args.nproc)
     spec = plan_model(plan, args.model, args.plan or args.model)  # a plan (or model) that cannot run fails here
     check_runnable(plan, spec)
     run_tasks(args.tasks, args.corpus or args.domains, spec)  # a bad job file, too
@@ -228,7 +230,10 @@ def _run_folder(out: str, no_resume: bool, overwrite: bool) -> Iterator[str]:
 def check_world(path: str, plan: Plan) -> None:
     """Refuse a launch of another size than plan ``path``'s, before joining (a wrong launch should not
     wait for peers)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_size(path, plan, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _check_size(path: str, plan: Plan, world: int) -> None:
     if world != plan.world_size:
         raise PlanError(f"plan {path} is for {plan.world_size} ranks but {world} were launched; use "
                         f"--nproc {plan.world_size} (or torchrun --nproc-per-node {plan.world_size}), or re-plan")
