@@ -105,6 +105,8 @@ def test_slow_device_lowers_throughput(capsys):
     (["--lengths", "no-such-dist"], "unknown lengths"),
     (["--policies", "nope"], "unknown scheduling policy"),
     (["--virtual-stages", "2"], "--pp > 1"),
+    # more pipeline chunks than the model has layers (priced as one layer each before)
+    (["--model", "gpt:1:256:8", "--pp", "2"], "2 pipeline chunks but gpt-1x256x8 has 1 layer;"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, extra, needle):
     assert main(BASE + ["--policies", "hdp"] + extra) == 2

@@ -233,6 +233,11 @@ def _prepare(args: argparse.Namespace,
     if world % (layout.tp * layout.pp):
         raise FlexmeshError(f"{world} devices are not divisible by tp {layout.tp} x pp {layout.pp}; change --tp or "
                             "--pp")
+    chunks, layers = layout.pp * layout.virtual_stages, job.model.num_layers
+    if plan is None and chunks > layers:  # flags' chunks take ceil(layers / chunks) each: one, where there is none
+        raise FlexmeshError(f"--pp {layout.pp} x --virtual-stages {layout.virtual_stages} = {chunks} pipeline chunks "
+                            f"but {job.model.name} has {layers} layer{'s' * (layers != 1)}; lower --pp or "
+                            "--virtual-stages")
     return (cfg, *simulation_context(job.cost, cfg))
 
 
