@@ -162,3 +162,15 @@ def test_a_plan_mixing_meshes_in_one_group_is_left_out_of_the_ranking():
 
     assert score_plan(plan(*["tp2-dp2z1"] * 4), model, costs, work) is not None
     assert score_plan(plan("tp2-dp2z1", "tp2-dp2z1", "tp1-dp4z2", "tp1-dp4z2"), model, costs, work) is None
+
+
+@pytest.mark.parametrize("flag", [["--global-batch", "999"], ["--seq-len", "4096"], ["--top", "3"]])
+def test_check_refuses_the_search_flags_it_would_ignore(capsys, tmp_path, flag):
+    plan = tmp_path / "plan.json"
+    base = ["plan", "--model", "tiny", "--cluster", "8xA100-80GB"]
+    assert main([*base, "--seq-len", "2048", "--global-batch", "16", "--no-recommend", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main([*base, "--check", str(plan)]) == 0
+    capsys.readouterr()
+    assert main([*base, "--check", str(plan), *flag]) == 2
+    assert f"{flag[0]} steers a new search: drop it" in _err(capsys)

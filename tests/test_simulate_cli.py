@@ -153,3 +153,13 @@ def test_simulate_plan_prices_each_stage_with_its_own_layers(tmp_path, capsys, s
                  "--policies", "hdp", "--json"]) == 0
     own = json.loads(capsys.readouterr().out)["setup"]["plan_step"]
     assert own["simulated_step_s"] == pytest.approx(best.evaluation.step_time, rel=0.01)
+
+
+@pytest.mark.parametrize("flag", [["--tp", "2"], ["--no-recompute"], ["--pp", "1"]])
+def test_a_layout_flag_beside_a_plan_is_refused_not_ignored(tmp_path, capsys, flag):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny", "--cluster", "8xH100", "--seq-len", "2048", "--global-batch", "16",
+                 "--no-recommend", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(plan), "--steps", "1", *flag]) == 2
+    assert "with --plan the plan's layout holds: drop it, or drop --plan" in capsys.readouterr().err

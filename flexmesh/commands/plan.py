@@ -158,10 +158,16 @@ def run(args: argparse.Namespace) -> int:
     """Check a plan file, or search: the flags resolved once into a Job (flexmesh.job), then the search
     request built from it; print or write the result."""
     args.started = time.perf_counter()
-    if args.check and (args.lengths or args.tokens_per_batch):
-        raise PlanError("--check validates a plan file as it is; --lengths and --tokens-per-batch plan a new one: "
-                        "drop them (flexmesh simulate --plan FILE --lengths ... scores a plan on lengths)")
     slowed = _slowed(args) if args.slow else None
+    if args.check:
+        given = {"--lengths": args.lengths, "--tokens-per-batch": args.tokens_per_batch,
+                 "--seq-len": args.seq_len != DEFAULT_SEQ_LEN, "--global-batch": args.global_batch is not None,
+                 "--top": args.top != 5, "--pick": args.pick != 1}
+        named = [flag for flag, on in given.items() if on]
+        if named:
+            raise PlanError(f"--check validates a plan file as it is (its own sequence cap and batch); {named[0]} "
+                            "steers a new search: drop it (flexmesh simulate --plan FILE --seq-len/--lengths ... "
+                            "scores a plan on other sequences)")
     if args.out:
         check_file_target(args.out)  # a device, fifo or symlink there: refused before searching
     loaded = load_plan(args.check) if args.check else None

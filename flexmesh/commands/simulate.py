@@ -13,7 +13,7 @@ import argparse
 import json
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -100,16 +100,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "wlb), which always run")
     p.add_argument("--steps", type=steps, default=20, help="global batches to draw and simulate")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the length draws and the policies")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel degree")
-    p.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel degree")
-    p.add_argument("--pipeline-schedule", "--schedule", dest="pipeline_schedule", default="1f1b",
-                   choices=PIPELINE_SCHEDULES, help="pipeline schedule (pp > 1); --schedule is the old name")
-    p.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per rank (interleaved)")
-    p.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3),
-                   help="ZeRO stage, sharded over all data ranks")
-    p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
-                   help="full activation recomputation")
-    p.add_argument("--cp-kind", default="ulysses", choices=("ulysses", "ring"), help="context-parallel kind")
+    # the layout simulated without --plan (None: not given, the default in LAYOUT_DEFAULTS; beside --plan, refused)
+    p.add_argument("--tp", type=positive_int, help="tensor parallel degree (default 1)")
+    p.add_argument("--pp", type=positive_int, help="pipeline parallel degree (default 1)")
+    p.add_argument("--pipeline-schedule", "--schedule", dest="pipeline_schedule", choices=PIPELINE_SCHEDULES,
+                   help="pipeline schedule (pp > 1; default 1f1b); --schedule is the old name")
+    p.add_argument("--virtual-stages", type=positive_int, help="model chunks per rank (interleaved; default 1)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
+                   help="ZeRO stage, sharded over all data ranks (default 3)")
+    p.add_argument("--recompute", action=argparse.BooleanOptionalAction,
+                   help="full activation recomputation (default on)")
+    p.add_argument("--cp-kind", choices=("ulysses", "ring"), help="context-parallel kind (default ulysses)")
     add_slow_arg(p, "slow", "--speed")  # the table then adds tokens/s with schedules made for nominal speed
     p.add_argument("--json", action="store_true", help="print plain JSON instead of a table")
     p.add_argument("--plots", metavar="DIR", default=None, type=folder,
@@ -124,9 +125,13 @@ def _slow(pairs: list[tuple[int, float]], world: int) -> tuple[float, ...]:
     return speeds_of(slow_devices(pairs, world), world)
 
 
+LAYOUT_DEFAULTS: dict[str, Any] = {"tp": 1, "pp": 1, "pipeline_schedule": "1f1b", "virtual_stages": 1, "zero": 3,
+                                   "recompute": True, "cp_kind": "ulysses"}
+
+
 @dataclass(frozen=True)
 class _Layout:
-    """The layout simulated: ``--plan``'s, else the layout flags'."""
+    """The layout simulated: ``--plan``'s, else the layout flags' (:data:`LAYOUT_DEFAULTS` where not given)."""
 
     tp: int
     pp: int
@@ -138,10 +143,14 @@ class _Layout:
 
     @classmethod
     def of(cls, args: argparse.Namespace | None, plan: Plan | None) -> _Layout:
+        given = {k: getattr(args, k, None) for k in LAYOUT_DEFAULTS}
         if plan is None:
-            assert args is not None
-            return cls(args.tp, args.pp, args.pipeline_schedule, args.virtual_stages, args.zero, args.recompute,
-                       args.cp_kind)
+            return cls(**{k: LAYOUT_DEFAULTS[k] if v is None else v for k, v in given.items()})
+        named = [k for k, v in given.items() if v is not None]
+        if named:
+            flag = "--[no-]recompute" if named[0] == "recompute" else f"--{named[0].replace('_', '-')}"
+            raise FlexmeshError(f"{flag} sets the layout simulated without --plan; with --plan the plan's layout "
+                                "holds: drop it, or drop --plan")
         s = plan.layer_strategies()[0]
         return cls(s.tp, plan.pp, str(plan.pipeline_schedule), plan.virtual_stages, s.zero, bool(s.recompute),
                    str(s.cp_kind) if s.cp > 1 else "ulysses")
@@ -205,6 +214,7 @@ def plan_recommendation(plan: Plan, job: Job, batches: list[np.ndarray], seed: i
         return recommend_dispatch(gctx, batches, seed=seed, virtual_stages=[g.virtual_stages for g in plan.groups])
     if job.cost is None:  # one group from a mixed cluster's search: priced as `simulate --plan` prices it
         job = replace(job, cost=cost_model_for(job.model, plan.cluster).replace(parts=job.parts))
+    assert job.cost is not None
     layout = _Layout.of(None, plan)
     cfg = _with_plan(SimulationConfig(
         policies=tuple(DEFAULT_POLICIES.split(",")), context=job.seq_len, steps=len(batches), seed=seed,
