@@ -276,8 +276,29 @@ def test_a_description_file_starts_from_a_base_and_errors_are_one_line(tmp_path)
         with pytest.raises(SpecError, match=re.escape(says)) as err:
             engine_spec(str(f))
         assert "\n" not in str(err.value)
-    with pytest.raises(SpecError, match="give a preset"):
+    with pytest.raises(SpecError, match=re.escape("(no such file): give a preset")):
         engine_spec(str(tmp_path / "missing.toml"))
+
+
+def test_a_base_file_is_found_beside_its_file_and_a_loop_or_a_wrong_type_is_one_line(tmp_path, monkeypatch):
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "mine.toml").write_text('base = "vllm"\ncuda_graphs = false\n')
+    (sub / "child.toml").write_text('base = "mine.toml"\nmax_seqs = 7\n')
+    monkeypatch.chdir(tmp_path)  # the base is named relative to child.toml's folder, not to this one
+    child = engine_spec("sub/child.toml")
+    assert (child.max_seqs, child.cuda_graphs) == (7, False)
+    (sub / "a.toml").write_text('base = "b.toml"\n')
+    (sub / "b.toml").write_text('base = "a.toml"\n')
+    (sub / "self.json").write_text(json.dumps({"base": "self.json"}))
+    (sub / "five.json").write_text(json.dumps({"base": 5}))
+    (sub / "list.toml").write_text('base = ["vllm"]\n')
+    for name, says in (("a.toml", "leads back to a file it is read through (a.toml -> b.toml -> a.toml)"),
+                       ("self.json", "(self.json -> self.json)"), ("five.json", "base names a preset"),
+                       ("list.toml", "got ['vllm']")):
+        with pytest.raises(SpecError, match=re.escape(says)) as err:
+            engine_spec(str(sub / name))
+        assert "\n" not in str(err.value)
 
 
 def test_a_plan_carries_its_engine_and_export_writes_its_flags():

@@ -166,14 +166,16 @@ class EngineSpec:
         return out
 
     @classmethod
-    def from_dict(cls, d: Any, where: str = "engine") -> EngineSpec:
-        """A description from its fields (a ``base`` preset's for those not given)."""
+    def from_dict(cls, d: Any, where: str = "engine", *, folder: Path | None = None,
+                  chain: tuple[Path, ...] = ()) -> EngineSpec:
+        """A description from its fields (a ``base`` preset's or file's for those not given; a file named
+        relative to ``folder``, the folder of the file ``d`` was read from, which ``chain`` ends with)."""
         if not isinstance(d, dict):
             raise SpecError(f"{where}: an engine description is a table of fields, got {type(d).__name__}")
         unknown = sorted(set(d) - set(_FIELDS))
         if unknown:
             raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; fields: {', '.join(_FIELDS)}")
-        base = engine_spec(d["base"]) if "base" in d else None
+        base = _base(d["base"], where, folder, chain) if "base" in d else None
         name = str(d.get("name") or (base.name if base else "")).strip()
         if not name:
             raise SpecError(f"{where}: an engine description needs a name (or a base preset)")
@@ -255,8 +257,26 @@ def presets() -> dict[str, EngineSpec]:
             for name, entry in raw.items()}
 
 
-def engine_spec(text: str | EngineSpec | None = None) -> EngineSpec:
-    """A preset by name, or a description file (TOML or JSON); None: the default (current vLLM)."""
+def _base(value: Any, where: str, folder: Path | None, chain: tuple[Path, ...]) -> EngineSpec:
+    """The description a ``base`` field names: a preset, or a file (relative to ``folder`` where one is there)
+    that is not one of ``chain``, the files this description is read through."""
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(f"{where}.base names a preset ({', '.join(presets())}) or a description file, got {value!r}")
+    if value not in presets() and folder is not None and (folder / value).is_file():
+        value = str(folder / value)
+    if value not in presets() and Path(value).resolve() in chain:
+        loop = " -> ".join(p.name for p in (*chain, Path(value).resolve()))
+        raise SpecError(f"{where}.base leads back to a file it is read through ({loop}); a base names a preset or "
+                        "another description file")
+    try:
+        return engine_spec(value, chain)
+    except SpecError as e:
+        raise SpecError(f"{where}.base: {e}") from None
+
+
+def engine_spec(text: str | EngineSpec | None = None, chain: tuple[Path, ...] = ()) -> EngineSpec:
+    """A preset by name, or a description file (TOML or JSON); None: the default (current vLLM). ``chain``: the
+    files whose ``base`` led here (one of them again is a loop, refused)."""
     if isinstance(text, EngineSpec):
         return text
     text = DEFAULT_ENGINE if text is None else text
@@ -265,8 +285,10 @@ def engine_spec(text: str | EngineSpec | None = None) -> EngineSpec:
         return found
     path = Path(text)
     if path.suffix.lower() not in (".toml", ".json") or not path.is_file():
-        raise SpecError(f"unknown engine {text!r}: give a preset ({', '.join(presets())}) or a .toml/.json "
-                        "description file (docs/engines.md)")
+        what = "no such file" if path.suffix.lower() in (".toml", ".json") and not path.exists() else (
+            "a folder" if path.is_dir() else "")
+        raise SpecError(f"unknown engine {text!r}{f' ({what})' if what else ''}: give a preset "
+                        f"({', '.join(presets())}) or a .toml/.json description file (docs/engines.md)")
     try:
         body = path.read_text(encoding="utf-8")
         data = tomllib.loads(body) if path.suffix.lower() == ".toml" else json.loads(body)
@@ -274,4 +296,4 @@ def engine_spec(text: str | EngineSpec | None = None) -> EngineSpec:
         raise SpecError(f"engine file {text}: {err}") from None
     if isinstance(data, dict) and "name" not in data:
         data = {**data, "name": path.stem}
-    return EngineSpec.from_dict(data, f"engine file {text}")
+    return EngineSpec.from_dict(data, f"engine file {text}", folder=path.parent, chain=(*chain, path.resolve()))
