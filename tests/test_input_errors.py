@@ -357,3 +357,28 @@ def test_model_profile_values(tmp_path, part, key, value):
     f.write_text(json.dumps(d))
     with pytest.raises(ProfileError, match=r"activations.layers\[0\].tp must be a whole number"):
         load_profile(f, "model")
+
+
+# ---- serving plans --------------------------------------------------------------------------------
+@pytest.mark.parametrize("section,key,value,expect", [
+    ("workload", "window", [5, 1], "workload.window must be a non-empty string"),
+    ("workload", "window", "5:1", "workload.window must be \"START:END\""),
+    ("workload", "trace", 5, "workload.trace must be a non-empty string"),
+    ("workload", "requests", -3, "workload.requests must be a whole number >= 1"),  # was a slice of the trace
+    ("workload", "fit_context", "yes", "workload.fit_context must be true or false"),
+    ("workload", "zzz", 1, "workload has unknown field(s) zzz"),
+    ("predicted", "goodput", -1, "predicted.goodput must be a finite number >= 0"),
+])
+def test_a_serving_plans_workload_and_predictions_are_checked_as_the_flags_that_wrote_them(section, key, value,
+                                                                                         expect):
+    from flexmesh.serve.export import EXAMPLE_PLAN
+    from flexmesh.serve.layout.plan import ServingPlan
+
+    d = json.loads(EXAMPLE_PLAN)
+    d[section] = {**d.get(section, {}), "trace": "azure-conv", key: value} if section == "workload" else {key: value}
+    with pytest.raises(PlanError) as e:
+        ServingPlan.from_dict(d)
+    assert expect in _one_line(e)
+    d[section] = {"trace": "azure-conv", "window": "0:600", "requests": 100, "fit_context": False}
+    if section == "workload":
+        assert ServingPlan.from_dict(d).workload["window"] == "0:600"

@@ -324,8 +324,8 @@ class ServingPlan:
         except SpecError as err:
             raise PlanError(str(err)) from None
         plan = cls(models, cluster, buckets, SLO(**bounds), attainment, groups, routing, prices, tuple(links), cascade,
-                   mapping(d.get("predicted", {}), f"{where}: predicted", PlanError),
-                   mapping(d.get("workload", {}), f"{where}: workload", PlanError),
+                   _predicted(d.get("predicted", {}), f"{where}: predicted"),
+                   _workload(d.get("workload", {}), f"{where}: workload"),
                    mapping(d.get("planner", {}), f"{where}: planner", PlanError), engine)
         plan._check_routing(where)
         return plan
@@ -451,3 +451,38 @@ def load_plan(path: str | Path) -> ServingPlan:
     cluster)."""
     d = read_json(path, PlanError, missing=f"{path}: no such plan file; write one with flexmesh serve plan --out")
     return ServingPlan.from_dict(d, str(path))
+
+
+_WORKLOAD_KEYS = ("trace", "window", "requests", "fit_context", "buckets")
+
+
+def _workload(value: Any, where: str) -> dict:
+    """A plan's ``workload``: what ``serve plan`` planned on and ``serve simulate --plan`` replays (a trace, its
+    window and request count, or the length buckets), each checked as the flags that wrote it are."""
+    w = mapping(value, where, PlanError)
+    known_keys(w, _WORKLOAD_KEYS, where, PlanError)
+    for key in ("trace", "buckets"):
+        if w.get(key) is not None:
+            text(w[key], f"{where}.{key}", PlanError)
+    if w.get("window") is not None:
+        start, sep, end = text(w["window"], f"{where}.window", PlanError).partition(":")
+        try:
+            ok = bool(sep) and float(start or 0) >= 0 and (not end or float(end) > float(start or 0))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise PlanError(f"{where}.window must be \"START:END\" in seconds (e.g. \"0:600\"), got {w['window']!r}")
+    if w.get("requests") is not None:
+        whole(w["requests"], f"{where}.requests", PlanError)
+    if "fit_context" in w:
+        flag(w["fit_context"], f"{where}.fit_context", PlanError)
+    return w
+
+
+def _predicted(value: Any, where: str) -> dict:
+    """A plan's ``predicted`` figures (rates, goodput, $/h, latencies): each a finite number >= 0."""
+    p = mapping(value, where, PlanError)
+    for key, v in p.items():
+        number(v, f"{where}.{key}", PlanError, strict=False)
+    return p
+
