@@ -382,3 +382,17 @@ def test_a_serving_plans_workload_and_predictions_are_checked_as_the_flags_that_
     d[section] = {"trace": "azure-conv", "window": "0:600", "requests": 100, "fit_context": False}
     if section == "workload":
         assert ServingPlan.from_dict(d).workload["window"] == "0:600"
+
+
+def test_arrival_times_past_a_floats_resolution_of_a_latency_are_refused(tmp_path):
+    from flexmesh.data.requests import constant_lengths, load_trace, with_arrivals
+
+    f = tmp_path / "epoch_ns.csv"  # epoch nanoseconds read as seconds: every latency rounded to 0 before
+    f.write_text("arrival_s,prompt_tokens,output_tokens\n1700000000000000000,100,20\n1700000000500000000,200,30\n")
+    with pytest.raises(DataError) as e:
+        load_trace(str(f))
+    assert "give arrival times in seconds" in _one_line(e)
+    f.write_text("arrival_s,prompt_tokens,output_tokens\n1700000000,100,20\n1700000000.5,200,30\n")  # epoch seconds
+    assert load_trace(str(f)).duration_s == pytest.approx(0.5)
+    with pytest.raises(DataError, match="or a higher rate"):
+        with_arrivals(constant_lengths(100, 10), 1e-300, n=3)

@@ -96,6 +96,11 @@ class Request:
         return self.branch_tokens or (self.output_tokens,) * self.branches
 
 
+# The latest arrival a workload may hold, in seconds: epoch seconds (~1.7e9) fit; epoch milliseconds or nanoseconds
+# read as seconds do not (at 1e18 s one float step is 128 s, and every latency rounds to 0).
+MAX_ARRIVAL_S = 1e10
+
+
 @dataclass(frozen=True)
 class Workload:
     """Requests in arrival order and what their reader says of them.
@@ -109,6 +114,13 @@ class Workload:
     source: str = ""  # the file or generator it came from
     timed: bool = True  # False: the file gave no arrival times (every request at 0): draw them at a rate
     notes: tuple[str, ...] = ()  # what its reader left out or assumed, to be said where it is used
+
+    def __post_init__(self) -> None:
+        last = self.requests[-1].arrival_s if self.requests else 0.0
+        if last > MAX_ARRIVAL_S:  # past it a float's resolution reaches a latency's size
+            raise DataError(f"{self.source or self.name}: a request arrives at {last:.4g} s, past {MAX_ARRIVAL_S:g} s "
+                            "(317 years): give arrival times in seconds from the trace's start (these look like ms or "
+                            "ns), or a higher rate")
 
     def __len__(self) -> int:
         return len(self.requests)
