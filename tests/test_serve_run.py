@@ -96,3 +96,29 @@ def test_the_engines_parsers_check_the_commands_or_say_they_did_not():
         assert said == f"not checked (sglang is not importable by {sys.executable})"
     bad = check_launches("vllm", launches("vllm", plan, "/m"), "/nonexistent/python")
     assert bad.startswith("not checked (/nonexistent/python")
+
+
+BENCH = ["bench", "--engines", "1", "--requests", "4", "--rate", "2"]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["run", "--engines", "1", "--host", ""], "host '' is empty"),
+    (["run", "--engines", "1", "--host", "no.such.host.invalid"], "give an address of this machine"),
+    ([*BENCH, "--engines", "2", "--route", "weights", "--weights", "1,2,3"], "one finite weight >= 0 per engine (2"),
+    ([*BENCH, "--profile", "no-such-profile.json"], "no-such-profile.json"),
+    ([*BENCH, "--context", "1"], "a context of 1 tokens"),
+])
+def test_what_a_fleet_cannot_be_is_refused_before_any_engine_starts(tmp_path, monkeypatch, argv, says):
+    pytest.importorskip("aiohttp")
+    from helpers import flexmesh_here
+
+    import flexmesh.serve.engine.processes as processes
+
+    def started(*a, **k):  # noqa: ANN002, ANN003
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(processes, "running_fleet", started)
+    monkeypatch.setattr(processes, "serve_fleet", started)
+    monkeypatch.chdir(tmp_path)
+    r = flexmesh_here("serve", *argv, "--model", "tiny")
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -5,6 +5,7 @@ flags of a fleet of them behind the router."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from flexmesh.commands.args import fraction, nonneg_int, positive_float, positive_int, seconds
 from flexmesh.errors import ServeError
@@ -116,6 +117,10 @@ def router_options(args: argparse.Namespace, model: str, engines: int) -> dict:
             opts["weights"] = tuple(float(x) for x in args.weights.split(","))
         except ValueError:
             raise ServeError(f"--weights {args.weights!r}: give numbers, one per engine (2,1,1)") from None
+        w = opts["weights"]
+        if len(w) != engines or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w):
+            raise ServeError(f"--weights {args.weights!r}: give one finite weight >= 0 per engine ({engines} here), "
+                             "not all 0 (e.g. " + ",".join(["1"] * engines) + ")")
     elif args.route == "weights":
         raise ServeError("--route weights needs --weights, one per engine (e.g. 2,1,1)")
     if args.max_running:

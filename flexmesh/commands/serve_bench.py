@@ -71,6 +71,7 @@ def _branches(text: str | None) -> tuple[int, int] | None:
 def bench(args: argparse.Namespace) -> int:
     from flexmesh.commands.serve_run import fleet_model, resolve_fleet
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window, with_arrivals, with_branches
+    from flexmesh.profile.iteration import load_engine_profile
     from flexmesh.serve.engine.replay import model_card, replay_rates
 
     need_aiohttp()
@@ -78,6 +79,10 @@ def bench(args: argparse.Namespace) -> int:
     branches = _branches(args.branches)
     cfgs, route, opts, notes = resolve_fleet(args)
     trace = load_trace(args.trace)
+    # refused before any engine starts: a profile that cannot be read, a context that holds no request
+    profile = load_engine_profile(args.profile) if args.profile else None
+    if args.context:
+        scale_to_context(trace, args.context)
     arrivals = args.arrivals if trace.timed else "poisson"  # a trace without arrival times: drawn at each rate
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -130,15 +135,15 @@ def bench(args: argparse.Namespace) -> int:
             return await replays(url, [e.url for e in engines if not e.external])  # vLLM keeps no iteration log
 
     runs = asyncio.run(main())
-    predicted = _predict(args, cfgs, route, opts, runs, loads)
+    predicted = _predict(args, cfgs, route, opts, runs, loads, profile)
     _report(runs, predicted, out)
     return 0 if all(not r.replay.failed for r in runs) else 1
 
 
-def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
+def _predict(args, cfgs, route, opts, runs, loads, profile=None) -> list | None:  # noqa: ANN001
     """The simulator's summary of each replay (None when no timing is to be had: a --url run without
-    --profile)."""
-    from flexmesh.profile.iteration import ProfiledIterationTiming, load_engine_profile, replay_profile
+    ``profile``, --profile's)."""
+    from flexmesh.profile.iteration import ProfiledIterationTiming, replay_profile
     from flexmesh.serve.engine.config import EngineConfig
     from flexmesh.serve.engine.twin import twin_fleet
     from flexmesh.serve.metrics import summarize
@@ -146,11 +151,11 @@ def _predict(args, cfgs, route, opts, runs, loads) -> list | None:
     kind = "transformers"
     if not all(isinstance(c, EngineConfig) for c in cfgs):  # vLLM / SGLang: the knobs they were started with
         configs = [getattr(c, "config", None) for c in cfgs]
-        if not args.profile or not all(isinstance(c, EngineConfig) for c in configs):
+        if profile is None or not all(isinstance(c, EngineConfig) for c in configs):
             return None  # they log no iterations to fit, and a plan's replicas are sized by their engine
         cfgs, kind = configs, cfgs[0].kind
-    if args.profile:
-        timing = ProfiledIterationTiming(load_engine_profile(args.profile))
+    if profile is not None:
+        timing = ProfiledIterationTiming(profile)
     else:
         its = runs[0].iterations if runs else []
         if sum(len(per) for per in its) < 20:

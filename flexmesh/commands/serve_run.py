@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
     need_aiohttp()
     cfgs, route, opts, notes = resolve_fleet(args)
-    check_port(args.port, "the router")  # a port in use: one line now, not after minutes of starting engines
+    check_port(args.port, "the router", args.host)  # one line now, not after minutes of starting engines
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="flexmesh-serve-"))
     for n in notes:
         print(n, file=sys.stderr)

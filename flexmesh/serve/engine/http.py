@@ -116,19 +116,23 @@ def announce_ready(port: int, **extra: Any) -> None:
     print(READY, json.dumps({"port": port, **extra}), flush=True)
 
 
-def check_port(port: int, what: str) -> None:
-    """ServeError (one line) when 127.0.0.1:``port`` cannot be bound now (0 always can)."""
+def check_port(port: int, what: str, host: str = HOST) -> None:
+    """ServeError (one line) when ``host``:``port`` cannot be bound now (port 0, any free one: only the host)."""
     if not 0 <= port <= 65535:
         raise ServeError(f"{what}'s port must be from 0 to 65535, got {port}")
-    if port == 0:
-        return
+    if not host or not host.isprintable():
+        raise ServeError(f"{what}'s host {host!r} is empty or holds a control character; give an address of this "
+                         "machine (127.0.0.1, or 0.0.0.0 for every interface)")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((HOST, port))
+            s.bind((host, port))
+        except socket.gaierror as e:
+            raise ServeError(f"{what} cannot listen on {host!r} ({e.strerror or e}); give an address of this machine "
+                             "(127.0.0.1, or 0.0.0.0 for every interface)") from None
         except OSError as e:
-            raise ServeError(f"{what} cannot listen on {HOST}:{port} ({e.strerror or e}); choose another port "
-                             "(0 picks a free one)") from None
+            fix = "choose another port (0 picks a free one)" if port else "give an address of this machine"
+            raise ServeError(f"{what} cannot listen on {host}:{port} ({e.strerror or e}); {fix}") from None
 
 
 async def serve_until_signal(app, port: int, what: str, on_started=None) -> None:
