@@ -107,6 +107,7 @@ BENCH = ["bench", "--engines", "1", "--requests", "4", "--rate", "2"]
     ([*BENCH, "--engines", "2", "--route", "weights", "--weights", "1,2,3"], "one finite weight >= 0 per engine (2"),
     ([*BENCH, "--profile", "no-such-profile.json"], "no-such-profile.json"),
     ([*BENCH, "--context", "1"], "a context of 1 tokens"),
+    ([*BENCH, "--backend", "http://127.0.0.1:1"], "no engine answers at http://127.0.0.1:1"),
 ])
 def test_what_a_fleet_cannot_be_is_refused_before_any_engine_starts(tmp_path, monkeypatch, argv, says):
     pytest.importorskip("aiohttp")
@@ -122,3 +123,17 @@ def test_what_a_fleet_cannot_be_is_refused_before_any_engine_starts(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     r = flexmesh_here("serve", *argv, "--model", "tiny")
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_router_config_still_holding_the_export_placeholder_is_one_line(tmp_path):
+    from flexmesh.cli import build_parser
+    from flexmesh.commands.serve_run import resolve_fleet
+
+    config = {"kind": "flexmesh router", "version": 1, "model": "tiny", "route": "plan", "queue": "fcfs",
+              "engines": [{"url": "http://HOST-OF-NODE-0:8100", "replica": 0, "node": 0, "device": "H100-80GB",
+                           "role": "aggregated", "max_running": 64}],
+              "table": {"prompt_edges": [], "output_edges": [], "entry": [[1.0]], "decode": [], "policy": "weights"}}
+    (tmp_path / "router.json").write_text(json.dumps(config))  # as serve export writes it, before it is filled in
+    args = build_parser().parse_args(["serve", "run", "--router-config", str(tmp_path / "router.json")])
+    with pytest.raises(ServeError, match="replace HOST-OF-NODE-N with that node's address"):
+        resolve_fleet(args)

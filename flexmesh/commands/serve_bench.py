@@ -69,7 +69,7 @@ def _branches(text: str | None) -> tuple[int, int] | None:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from flexmesh.commands.serve_run import fleet_model, resolve_fleet
+    from flexmesh.commands.serve_run import fleet_model, resolve_fleet, silent_engines
     from flexmesh.data.requests import at_rate, load_trace, scale_to_context, window, with_arrivals, with_branches
     from flexmesh.profile.iteration import load_engine_profile
     from flexmesh.serve.engine.replay import model_card, replay_rates
@@ -78,6 +78,10 @@ def bench(args: argparse.Namespace) -> int:
     rates = _rates(args.rate)
     branches = _branches(args.branches)
     cfgs, route, opts, notes = resolve_fleet(args)
+    if isinstance(cfgs[0], str):  # engines running elsewhere: a replay needs them now
+        silent = silent_engines(cfgs)
+        if silent:
+            raise ServeError(f"no engine answers at {silent[0]}; start it, or fix the URL")
     trace = load_trace(args.trace)
     # refused before any engine starts: a profile that cannot be read, a context that holds no request
     profile = load_engine_profile(args.profile) if args.profile else None

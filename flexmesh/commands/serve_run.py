@@ -155,11 +155,33 @@ def _router_config(args):
         raise ServeError(f"{args.router_config}: not a router configuration of serve export ({type(e).__name__}: "
                          f"{e})") from None
     urls, route = opts.pop("urls"), opts.pop("route")
+    placeholder = [u for u in urls if "HOST-OF-NODE-" in u]
+    if placeholder:
+        raise ServeError(f"{args.router_config}: {placeholder[0]} still holds serve export's placeholder host; replace "
+                         "HOST-OF-NODE-N with that node's address")
     if args.queue != "fcfs":  # the flag over the file's
         opts["queue"] = args.queue
     opts.update(protocol=config.get("protocol", "openai"), health_interval_s=args.health_interval,
                 health_timeout_s=args.health_timeout)
     return urls, args.route or route, opts, [f"fronting the {len(urls)} engine(s) of {args.router_config}"]
+
+
+def silent_engines(urls: list[str]) -> list[str]:
+    """Of engine ``urls``, ``"URL (why)"`` for each that does not answer ``GET /v1/models`` now (vLLM, SGLang and
+    flexmesh's engines all serve it): a replay refuses them, a router starts and lets its health checks add them."""
+    import urllib.error
+    import urllib.request
+
+    out = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10):  # noqa: S310 - http(s) URLs, checked
+                pass
+        except urllib.error.HTTPError:
+            continue  # it answers, if not with a model card: the router's own checks say more
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            out.append(f"{url} ({getattr(e, 'reason', e)})")
+    return out
 
 
 def _backends(args, base):
@@ -194,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
     need_aiohttp()
     cfgs, route, opts, notes = resolve_fleet(args)
     check_port(args.port, "the router", args.host)  # one line now, not after minutes of starting engines
+    if isinstance(cfgs[0], str):  # engines running elsewhere: the router's health checks add them as they answer
+        notes += [f"note: no engine answers at {u} yet; the router adds it when it does" for u in silent_engines(cfgs)]
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="flexmesh-serve-"))
     for n in notes:
         print(n, file=sys.stderr)
