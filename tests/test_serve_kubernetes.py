@@ -99,3 +99,21 @@ def test_the_cli_writes_yaml_that_reads_back_and_the_router_fronts_its_config(tm
     assert urls[0] == "http://flexmesh-g0-0.flexmesh-g0:8000" and len(urls) == 9 and route == "plan"
     assert opts["protocol"] == "openai" and opts["max_running"] == [256] * 2 + [128] * 4 + [64] + [32] * 2
     assert to_yaml([{"a": 1}], "x\ny") == "# x\n# y\na: 1\n"
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--target", "kubernetes", "--image", "UPPER CASE:bad tag"], "is not a container image reference"),
+    (["--target", "kubernetes", "--router-image", "flexmesh:"], "--router-image 'flexmesh:' is not a container"),
+    (["--base-port", "70000"], "from 70000 to 70001, past 65535; give a --base-port of at most 65534"),
+    (["--vllm-python", "/no/such/python"], "is not a Python here"),
+    (["--model-path", ""], "--model-path is empty"),
+])
+def test_export_refuses_what_would_write_a_launch_that_cannot_start(tmp_path, flags, says):
+    from helpers import flexmesh_here
+
+    from flexmesh.serve.export import EXAMPLE_PLAN
+
+    (tmp_path / "plan.json").write_text(EXAMPLE_PLAN)
+    r = flexmesh_here("serve", "export", "--plan", str(tmp_path / "plan.json"), *flags, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "o" / "router.json").exists()

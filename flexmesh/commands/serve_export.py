@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
 from flexmesh.commands.args import folder, nonneg_int
+from flexmesh.errors import SpecError
 from flexmesh.serve.engines import exported
 from flexmesh.serve.queues import QUEUES
 
@@ -53,6 +55,14 @@ def run(args: argparse.Namespace) -> int:
     from flexmesh.serve.layout.plan import load_plan
     from flexmesh.serve.plan.check import check_plan
 
+    for flag, value in (("--model-path", args.model_path), ("--image", args.image),
+                        ("--router-image", args.router_image)):
+        if value is not None and not value.strip():
+            raise SpecError(f"{flag} is empty; give a value, or leave the flag out for its default")
+    for flag, python in (("--vllm-python", args.vllm_python), ("--sglang-python", args.sglang_python)):
+        if python is not None and not shutil.which(python):
+            raise SpecError(f"{flag} {python!r} is not a Python here; give the interpreter of the engine's "
+                            "environment (e.g. .venvs/vllm/bin/python), or leave the flag out")
     plan = load_plan(args.plan)
     check_plan(plan)
     model = args.model_path or plan.models[0]

@@ -92,9 +92,14 @@ def launches(name: str, plan, model_path: str, base_port: int = BASE_PORT, host:
         raise SpecError(f"flexmesh does not export {e.title} launch commands; engines it exports: vllm, sglang")
     if len(plan.models) > 1:
         raise SpecError("the plan serves several models; export one model's plan at a time")
+    placed = _placed(plan)
+    last = base_port + max((r.index for r, *_ in placed), default=0)
+    if last > 65535:
+        raise SpecError(f"replica ports run from {base_port} to {last}, past 65535; give a --base-port of at most "
+                        f"{65535 - (last - base_port)}")
     out = []
     specs = plan.model_specs()
-    for r, k, node, local, note in _placed(plan):
+    for r, k, node, local, note in placed:
         port = base_port + r.index
         argv = e.argv(k, r.spec.tp, r.spec.pp, r.spec.role, model_path, host, port)
         if e.flags is not None:  # what the plan's engine description does that the engine's defaults do not

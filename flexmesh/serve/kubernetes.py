@@ -39,6 +39,7 @@ importable; else it says the manifests were not checked.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
@@ -63,6 +64,29 @@ def _router_meta() -> dict[str, Any]:
     return {"name": "flexmesh-router", "labels": _labels(None)}  # a new dict each: YAML writes no aliases
 
 
+# A container image reference as container runtimes parse it (the distribution project's reference grammar, its
+# common form): [registry[:port]/]path[:tag][@sha256:digest], the path's components lowercase. Kubernetes' schemas
+# take any string here; the kubelet fails the pod on a reference it cannot pull.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_REFERENCE = re.compile(rf"(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*"
+                             r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?")
+
+
+def check_image(ref: str, flag: str) -> str:
+    """``ref`` when it is a container image reference (:data:`IMAGE_REFERENCE`); else a one-line SpecError.
+
+    >>> check_image("vllm/vllm-openai:v0.8.5", "--image")
+    'vllm/vllm-openai:v0.8.5'
+    >>> check_image("UPPER CASE:bad tag", "--image")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    flexmesh.errors.SpecError: --image 'UPPER CASE:bad tag' is not a container image reference ...
+    """
+    if not IMAGE_REFERENCE.fullmatch(ref):
+        raise SpecError(f"{flag} {ref!r} is not a container image reference ([registry/]path[:tag], the path "
+                        "lowercase); e.g. vllm/vllm-openai:latest")
+    return ref
+
+
 def manifests(plan, engine: str, model_path: str, image: str | None = None, router_image: str = ROUTER_IMAGE,
               queue: str = "fcfs") -> list[dict[str, Any]]:
     """The Kubernetes objects of ``plan`` served by ``engine`` (see the module doc), in apply order."""
@@ -70,6 +94,8 @@ def manifests(plan, engine: str, model_path: str, image: str | None = None, rout
 
     if engine not in IMAGES:
         raise SpecError(f"flexmesh writes Kubernetes manifests for {' and '.join(IMAGES)}, not {engine!r}")
+    check_image(image or IMAGES[engine], "--image")
+    check_image(router_image, "--router-image")
     # every pod its own address: one port for all (base_port + replica, as the scripts say, would split the groups)
     runs = [replace(x, argv=tuple(str(ENGINE_PORT) if i and x.argv[i - 1] == "--port" else a
                                   for i, a in enumerate(x.argv)), port=ENGINE_PORT)
