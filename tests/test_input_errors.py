@@ -396,3 +396,40 @@ def test_arrival_times_past_a_floats_resolution_of_a_latency_are_refused(tmp_pat
     assert load_trace(str(f)).duration_s == pytest.approx(0.5)
     with pytest.raises(DataError, match="or a higher rate"):
         with_arrivals(constant_lengths(100, 10), 1e-300, n=3)
+
+
+@pytest.mark.parametrize("text,says", [("ttft=2s,ttft=3s", "names ttft twice"), ("e2e=1e400s", "a finite time")])
+def test_an_slo_naming_a_metric_twice_or_an_infinite_bound_is_refused(text, says):
+    from flexmesh.errors import FlexmeshError
+    from flexmesh.serve.layout.slo import parse_slo
+
+    with pytest.raises(FlexmeshError, match=says):  # the last value won, or the bound was inf
+        parse_slo(text)
+
+
+@pytest.mark.parametrize("name,content,says", [
+    ("dup.csv", "arrival_s,prompt_tokens,prompt_tokens,output_tokens\n0,10,20,5\n", "names 'prompt_tokens' twice"),
+    ("b0.jsonl", '{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5, "branches": 0}\n', "'branches' is 0"),
+    ("n0.csv", "arrival_s,prompt_tokens,output_tokens,needed\n0,10,5,0\n", "'needed' is 0"),
+])
+def test_a_trace_column_given_twice_or_a_zero_count_is_refused_not_defaulted(tmp_path, name, content, says):
+    from flexmesh.data.requests import load_trace
+
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError) as e:
+        load_trace(str(tmp_path / name))
+    assert says in _one_line(e)
+    (tmp_path / "blank.csv").write_text("arrival_s,prompt_tokens,output_tokens,branches\n0,10,5,\n")
+    assert load_trace(str(tmp_path / "blank.csv")).requests[0].branches == 1  # an empty cell: the default
+
+
+def test_a_serving_plan_without_a_devices_price_takes_the_presets_or_says_so():
+    from flexmesh.serve.export import EXAMPLE_PLAN
+    from flexmesh.serve.layout.plan import ServingPlan
+    from flexmesh.spec.prices import gpu_prices
+
+    d = json.loads(EXAMPLE_PLAN)
+    d["prices"] = {}  # priced $nan/h before
+    plan = ServingPlan.from_dict(d)
+    assert plan.dollars_per_hour == pytest.approx(sum(gpu_prices()[k].usd_per_hour * n
+                                                      for k, n in plan.devices.items()))

@@ -228,6 +228,9 @@ def _csv_rows(path: Path, text: str) -> tuple[list[str], Iterator[tuple[int, dic
     reader = csv.DictReader(io.StringIO(text))
     header = [h.strip() for h in (reader.fieldnames or [])]
     reader.fieldnames = header
+    twice = sorted({h for h in header if header.count(h) > 1})
+    if twice:
+        raise DataError(f"{path}: the header names {', '.join(map(repr, twice))} twice; give each column once")
 
     def rows() -> Iterator[tuple[int, dict[str, str]]]:
         for i, row in enumerate(reader, start=2):  # row 1 is the header
@@ -304,6 +307,12 @@ def read_mooncake_jsonl(path: str | Path, name: str | None = None) -> Workload:
     return _ordered(requests, name or path.name, MOONCAKE_BLOCK_TOKENS, str(path))
 
 
+def _given(rec: dict, field: str, default: int) -> Any:
+    """``rec``'s ``field``, or ``default`` where it is absent or an empty CSV cell (0 is a value, and judged)."""
+    v = rec.get(field)
+    return default if v is None or v == "" else v
+
+
 def _plain_request(rec: dict, where: str, index: int) -> Request:
     r = Request(
         id=_count(rec["id"], where, "id", minimum=0) if rec.get("id") not in (None, "") else index,
@@ -311,9 +320,9 @@ def _plain_request(rec: dict, where: str, index: int) -> Request:
         prompt_tokens=_count(_field(rec, "prompt_tokens", where), where, "prompt_tokens"),
         output_tokens=_count(_field(rec, "output_tokens", where), where, "output_tokens"),
         prefix_blocks=_ids(rec["prefix_blocks"], where, "prefix_blocks") if rec.get("prefix_blocks") else (),
-        tier=_count(rec.get("tier") or 0, where, "tier", minimum=0),
-        branches=_count(rec.get("branches") or 1, where, "branches"),
-        needed=_count(rec.get("needed") or 1, where, "needed"),
+        tier=_count(_given(rec, "tier", 0), where, "tier", minimum=0),
+        branches=_count(_given(rec, "branches", 1), where, "branches"),
+        needed=_count(_given(rec, "needed", 1), where, "needed"),
         branch_tokens=_ids(rec["branch_tokens"], where, "branch_tokens") if rec.get("branch_tokens") else (),
     )
     if r.needed > r.branches:

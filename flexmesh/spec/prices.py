@@ -13,6 +13,7 @@ overrides (``--price H100=2.49``). Devices are named as the catalogue names them
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -60,7 +61,7 @@ def parse_price_overrides(text: str) -> dict[str, float]:
             usd = float(value)
         except ValueError:
             usd = -1.0
-        if not eq or not usd >= 0:
+        if not eq or not (usd >= 0 and math.isfinite(usd)):
             raise SpecError(f"price {part!r} is not DEVICE=USD_PER_GPU_HOUR (e.g. H100=2.49)")
         out[device(name.strip()).name] = usd
     return out

@@ -304,6 +304,16 @@ class ServingPlan:
             raise PlanError(f"{where}: groups lists none; a plan has at least one replica group")
         prices = {str(k): number(v, f"{where}: prices.{k}", PlanError, strict=False)
                   for k, v in mapping(d.get("prices", {}), f"{where}: prices", PlanError).items()}
+        unpriced = sorted({g.device for g in groups} - set(prices))
+        if unpriced:  # priced as the presets price them; a part they do not price needs its price here
+            from flexmesh.spec.prices import gpu_prices
+
+            preset = gpu_prices()
+            missing = [name for name in unpriced if name not in preset]
+            if missing:
+                raise PlanError(f"{where}: prices has no price for {', '.join(missing)}; give each device's USD per "
+                                "GPU-hour (e.g. \"prices\": {\"" + missing[0] + "\": 2.49})")
+            prices.update({name: preset[name].usd_per_hour for name in unpriced})
         cascade = None
         if d.get("cascade") is not None:
             c = mapping(d["cascade"], f"{where}: cascade", PlanError)

@@ -17,6 +17,7 @@ flexmesh.errors.FlexmeshError: SLO 'tpot=100' gives no unit: write tpot=100ms or
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -57,10 +58,11 @@ def parse_slo(text: str) -> SLO:
             raise FlexmeshError(f"SLO {part!r} gives no unit: write {key}={m.group(1)}ms or {key}={m.group(1)}s "
                                 "(vLLM's --goodput reads a bare number as milliseconds)")
         seconds = float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
-        if not seconds > 0:
-            raise FlexmeshError(f"SLO {part!r}: a bound must be above 0")
-        if key in bounds:
-            raise FlexmeshError(f"SLO names {key} twice")
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise FlexmeshError(f"SLO {part!r}: a bound must be a finite time above 0 (leave a metric out to bound "
+                                "nothing)")
+        if f"{key}_s" in bounds:
+            raise FlexmeshError(f"SLO names {key} twice ({text!r}); give each metric once")
         bounds[f"{key}_s"] = seconds
     if not bounds:
         raise FlexmeshError(f"SLO {text!r} names no bound; write e.g. ttft=500ms,tpot=50ms")
