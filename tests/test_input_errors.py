@@ -433,3 +433,26 @@ def test_a_serving_plan_without_a_devices_price_takes_the_presets_or_says_so():
     plan = ServingPlan.from_dict(d)
     assert plan.dollars_per_hour == pytest.approx(sum(gpu_prices()[k].usd_per_hour * n
                                                       for k, n in plan.devices.items()))
+
+
+@pytest.mark.parametrize("name,content,says", [
+    ("nb.toml", 'nodes = 1\ndevices_per_node = 2\n[device]\nmemory_gib = 80\n',
+     "a device table without base needs every field of a device (15 missing: name,"),
+    ("c.yaml", 'nodes = 1\ndevices_per_node = 2\ndevice = "H100"\n', "give a .json or .toml file"),
+])
+def test_a_cluster_file_error_names_what_to_give_not_pythons_internals(tmp_path, name, content, says):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(SpecError) as e:
+        parse_cluster(str(tmp_path / name))
+    assert says in _one_line(e) and "__init__" not in str(e.value)
+    with pytest.raises(SpecError, match="no such file"):
+        parse_cluster(str(tmp_path / "missing.toml"))
+
+
+@pytest.mark.parametrize("flag", ["--attainment=0", "--attainment=1.5"])
+def test_an_attainment_target_is_in_zero_one(flag):
+    from flexmesh.cli import build_parser
+
+    for command in (["serve", "simulate"], ["serve", "plan", "--rate", "5"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, flag])

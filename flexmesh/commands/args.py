@@ -87,6 +87,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def positive_fraction(text: str) -> float:
+    """A number in (0, 1]: a share that must be some of a whole, such as an SLO's attainment target."""
+    value = fraction(text)
+    if value <= 0.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
 def chunk_counts(text: str) -> tuple[int, ...]:
     """Comma-separated chunks per pipeline rank for the interleaved schedule, each >= 2.
 

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from flexmesh.commands.args import DEFAULT_CLUSTER, DefaultsHelpFormatter, folder, fraction, nonempty, positive_float
+from flexmesh.commands.args import (
+    DEFAULT_CLUSTER,
+    DefaultsHelpFormatter,
+    folder,
+    nonempty,
+    positive_float,
+    positive_fraction,
+)
 from flexmesh.commands.args import positive_int as whole_positive
 from flexmesh.console import plain_console
 from flexmesh.cost.device.hardware import unmeasured_notes
@@ -95,7 +102,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "(whole replicas leave some plans a few dollars unspent) rather than the most goodput")
     s = p.add_argument_group("SLO, prices, engine")
     s.add_argument("--slo", default="ttft=2s,tpot=100ms", help="bounds each request should meet (ttft, tpot, e2e)")
-    s.add_argument("--attainment", type=fraction, default=0.9, help="fraction of requests meeting the SLO")
+    s.add_argument("--attainment", type=positive_fraction, default=0.9, help="fraction of requests meeting the SLO")
     s.add_argument("--prices", metavar="FILE", help="GPU prices (TOML/JSON, as flexmesh/spec/presets/prices.toml)")
     s.add_argument("--price", metavar="DEVICE=USD,...", help="GPU prices per GPU-hour, overriding the presets")
     s.add_argument("--engine", metavar="NAME|FILE", help="the engine the replicas run: a preset (" +

@@ -28,6 +28,7 @@ from flexmesh.commands.args import (
     nonempty,
     nonneg_int,
     positive_float,
+    positive_fraction,
     positive_int,
 )
 from flexmesh.console import plain_console
@@ -135,8 +136,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s = p.add_argument_group("SLOs, rates, cost")
     s.add_argument("--slo", help="bounds every request should meet: ttft=TIME,tpot=TIME,e2e=TIME (s or ms) "
                    "(default: none, or the plan's)")
-    s.add_argument("--attainment", type=fraction, help="fraction of requests that must meet the SLO (goodput's "
-                   "target; default: 0.9, or the plan's)")
+    s.add_argument("--attainment", type=positive_fraction,
+                   help="fraction of requests that must meet the SLO (goodput's target; default: 0.9, or the plan's)")
     s.add_argument("--rates", help="also simulate at these rates (req/s, comma-separated): the knee")
     s.add_argument("--goodput", action="store_true", help="find the highest rate meeting --slo at --attainment "
                    "(bisection)")

@@ -421,8 +421,9 @@ def load_trace(name_or_path: str, block_tokens: int = 0) -> Workload:
         return _shipped(name_or_path)
     path = Path(name_or_path)
     if not path.exists():
-        raise DataError(f"unknown trace {name_or_path!r}: give one of {', '.join(SHIPPED)} or the path of a CSV or "
-                        "JSONL file")
+        what = "no such file" if path.suffix or path.parent != Path(".") else "no shipped trace or file of that name"
+        raise DataError(f"unknown trace {name_or_path!r} ({what}): give one of {', '.join(SHIPPED)} or the path of a "
+                        "CSV or JSONL file")
     base = path.name.removesuffix(".gz")
     if base.endswith((".jsonl", ".json")):
         if _text(path).lstrip().startswith("["):  # one JSON list: ShareGPT's conversations

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, replace
+from dataclasses import fields as fields_of
 from pathlib import Path
 
 from flexmesh.errors import SpecError
@@ -296,9 +297,12 @@ def _group_from_mapping(d: dict, where: str) -> tuple[ClusterSpec, tuple[float, 
             fields["comm_table"] = ""  # the measured node is not this one: price it from the fields given
         try:
             dev = replace(base, **fields) if base is not None else DeviceSpec(**fields)
-        except TypeError as e:
-            raise SpecError(f"{where}: device table is incomplete ({e}); "
-                            "or give base = \"A100-80GB\" and override fields") from e
+        except TypeError:
+            needed = [f.name for f in fields_of(DeviceSpec) if f.default is MISSING and f.default_factory is MISSING]
+            lacking = [k for k in needed if k not in dev]
+            raise SpecError(f"{where}: a device table without base needs every field of a device ({len(lacking)} "
+                            f"missing: {', '.join(lacking[:4])}{', ...' if len(lacking) > 4 else ''}); give base = "
+                            "\"A100-80GB\" (a preset) and override fields") from None
         except SpecError as e:
             raise SpecError(f"{where}: {e}") from None
     else:
@@ -436,6 +440,8 @@ def mixed_cluster_from_mapping(d: object, where: str) -> MixedCluster:
 
 
 def _read_cluster_file(p: Path) -> object:
+    if p.suffix and p.suffix.lower() not in (".json", ".toml"):
+        raise SpecError(f"cluster file {p}: give a .json or .toml file (it is read by its extension)")
     return load_config(p, SpecError, invalid="cannot parse cluster file")
 
 
@@ -468,6 +474,8 @@ def parse_mixed_cluster(text: str) -> MixedCluster:
     p = Path(text)
     if p.exists():
         return _mixed_from_mapping(_read_cluster_file(p), str(p))
+    if p.suffix.lower() in (".json", ".toml"):
+        raise SpecError(f"cluster file {text!r}: no such file")
     if "+" in text:
         groups = []
         for i, part in enumerate(text.split("+")):
