@@ -165,6 +165,13 @@ def test_bf16_export_and_errors(runs, tmp_path):
 
     with pytest.raises(CheckpointError, match="already holds an export.*--overwrite"):
         export_checkpoint(run, tmp_path / "bf16", spec)
+    # the run's own folder or its checkpoints would take files no manifest lists: refused; RUN/hf beside them is fine
+    latest = sorted((run / "checkpoints").glob("step_*"))[-1]
+    for inside in (run, run / "checkpoints", latest):
+        with pytest.raises(CheckpointError, match="is the run's folder or inside its checkpoints"):
+            export_checkpoint(run, inside, spec)
+    with pytest.raises(CheckpointError, match="is a file, not a run or checkpoint folder"):
+        export_checkpoint(latest / "manifest.json", tmp_path / "x", spec)
     rep = export_checkpoint(run, tmp_path / "bf16", spec, max_shard_bytes=200_000, overwrite=True)
     assert sorted(p.name for p in (tmp_path / "bf16").glob("*.safetensors")) == list(rep.files)  # old shard gone
     # --overwrite touches only what an export left: a downloaded model's folder, or a shard changed since, is kept

@@ -272,7 +272,8 @@ def test_truncated_or_corrupt_weights(tmp_path):
         load_hf_safetensors(model, index)
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe{", b"[1, 2]", b"{\"step\": \"x\", \"plan_hash\": \"h\"}", b"{"])
+@pytest.mark.parametrize("content", [b"\xff\xfe{", b"[1, 2]", b"{\"step\": \"x\", \"plan_hash\": \"h\"}", b"{",
+                                     b"{\"step\": -1, \"plan_hash\": \"h\"}", b"{\"step\": 2.5, \"plan_hash\": \"h\"}"])
 def test_corrupt_checkpoint_manifest(tmp_path, content):
     from flexmesh.runtime.state.checkpoint import latest_checkpoint, read_manifest
 
@@ -456,3 +457,16 @@ def test_an_attainment_target_is_in_zero_one(flag):
     for command in (["serve", "simulate"], ["serve", "plan", "--rate", "5"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args([*command, flag])
+
+
+def test_a_sha256_table_that_lists_no_file_checks_nothing_and_is_refused(tmp_path):
+    from flexmesh.runtime.state.checkpoint import _verify
+
+    step = tmp_path / "step_000001"
+    step.mkdir()
+    (step / ".metadata").write_bytes(b"m")
+    (step / "__0_0.distcp").write_bytes(b"s")
+    for sums, says in (({}, "does not list .metadata"), ({".metadata": "0" * 64}, "does not list __0_0.distcp")):
+        with pytest.raises(CheckpointError, match=says) as e:
+            _verify(step, {"step": 1, "sha256": sums})
+        _one_line(e)

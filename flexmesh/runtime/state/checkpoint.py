@@ -383,6 +383,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def manifest_step(manifest: dict) -> int:
+    """The manifest's step: a whole number >= 0 (ValueError otherwise, the caller's "corrupt")."""
+    step = manifest["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step {step!r} is not a whole number >= 0")
+    return step
+
+
 def read_manifest(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_dir():
@@ -393,7 +401,7 @@ def read_manifest(path: str | Path) -> dict:
                               "not a flexmesh checkpoint; delete it or resume from an earlier one")
     try:
         manifest = load_json(f, CheckpointError)
-        int(manifest["step"]), manifest["plan_hash"]
+        manifest_step(manifest), manifest["plan_hash"]
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
         why = str(e).removeprefix(f"{f}: ")
         raise CheckpointError(f"{f} is corrupt ({why}); delete the checkpoint or resume from an earlier one") from None
@@ -563,6 +571,12 @@ def _verify(path: Path, manifest: dict) -> None:
     if odd:  # names are of files inside the folder, never paths
         raise CheckpointError(f"{path / MANIFEST} names {odd[0]!r}, not a file of the checkpoint; it is corrupt or "
                               "was tampered with: delete it or resume from an earlier one")
+    # every checkpoint hashes DCP's .metadata and each shard it wrote: a table without them checks nothing
+    unlisted = [".metadata"] * (".metadata" not in sums) + sorted(
+        p.name for p in path.glob("*.distcp") if p.name not in sums)
+    if unlisted:
+        raise CheckpointError(f"{path / MANIFEST}'s sha256 table does not list {unlisted[0]}; the checkpoint is "
+                              "corrupt or was tampered with: delete it or resume from an earlier one")
     found = _checksums(path, sorted(sums))
     bad = [n for n in sorted(sums) if found.get(n) != sums[n]]
     if bad:

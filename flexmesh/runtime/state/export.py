@@ -64,6 +64,7 @@ from flexmesh.runtime.state.checkpoint import (
     MANIFEST,
     STEP_DIR,
     latest_checkpoint,
+    manifest_step,
     manifest_tasks,
     plan_hash,
     read_metadata,
@@ -120,6 +121,8 @@ def find_checkpoint(path: str | Path) -> Path:
     """The finished checkpoint folder ``path`` names: a ``step_NNNNNN`` folder, or a run folder (or its
     ``checkpoints/``), meaning its latest checkpoint. CheckpointError, saying what to pass, otherwise."""
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a file, not a run or checkpoint folder; {_PASS}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist; {_PASS}")
     if (path / MANIFEST).is_file():
@@ -135,10 +138,21 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} holds no finished flexmesh checkpoint (no {MANIFEST}); {_PASS}")
 
 
+def _apart(out: Path, path: Path) -> None:
+    """Refuse an export folder that is the run's own folder, or inside its checkpoints (files a checkpoint's
+    manifest does not list); a folder inside the run beside them (``RUN/hf``) is fine."""
+    out, ckpt = out.resolve(), path.resolve()
+    checkpoints = ckpt.parent if STEP_DIR.fullmatch(ckpt.name) else ckpt
+    run = checkpoints.parent if checkpoints.name == "checkpoints" else None
+    if out == run or out == checkpoints or checkpoints in out.parents:
+        raise CheckpointError(f"--out {out} is the run's folder or inside its checkpoints; export to another folder "
+                              f"(e.g. {(run or checkpoints.parent) / 'hf'})")
+
+
 def _manifest(path: Path) -> dict:
     try:
         manifest = load_json(path / MANIFEST, CheckpointError)
-        int(manifest["step"])
+        manifest_step(manifest)
     except (CheckpointError, KeyError, TypeError, ValueError) as e:
         why = str(e).removeprefix(f"{path / MANIFEST}: ")
         raise CheckpointError(f"{path / MANIFEST} is corrupt ({why}); export an earlier checkpoint") from None
@@ -418,6 +432,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, spec: ModelSpec, 
     for name in ("config.json", INDEX):  # replaced or removed below: only a regular file is
         check_file_target(out / name)
     path = find_checkpoint(checkpoint)
+    _apart(out, path)
     manifest = _manifest(path)
     layout = (expert_layout or manifest.get("expert_layout") or FUSED) if spec.is_moe else None
     if layout is not None and layout not in LAYOUTS:
