@@ -182,6 +182,8 @@ def test_check_refuses_a_plan_for_another_model_with_as_many_layers(tmp_path):
     ("l.json", "[5, null]", "null"),
     ("l.json", "[5, \"7\"]", "str"),
     ("l.json", f"[5, {2**40}]", "2\\*\\*31 - 1"),
+    ("l.json", "[100, 1e12]", "length 1000000000000 is above"),  # a whole number written as a float: its size
+    ("l.json", "{\"a\": 1}", "expected a JSON list of lengths \\(e.g."),  # was read as lines of text
     ("l.txt", f"5\n{10**25}\n", "2\\*\\*31 - 1"),
     ("l.txt", "5\n0\n", ">= 1 token"),
     ("l.json", "[5, -3]", ">= 1 token"),

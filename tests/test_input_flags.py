@@ -212,3 +212,13 @@ def test_stray_launch_variables_are_one_line(tmp_path, capsys, monkeypatch, sing
                str(tmp_path / "run")])
     said = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and "a process torchrun did not start, with variables left from another launch?" in said, said
+
+
+@pytest.mark.parametrize("command", [["plan"], ["simulate"], ["serve", "simulate"], ["serve", "plan", "--rate", "1"],
+                                     ["export", "--checkpoint", "c", "--out", "o"]])
+def test_an_empty_model_is_refused_not_taken_for_the_default(command, capsys):
+    from flexmesh.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--model", ""])
+    assert "--model: must not be empty" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from flexmesh.commands.args import fraction, nonneg_int, positive_float, positive_int, seconds
+from flexmesh.commands.args import fraction, nonempty, nonneg_int, positive_float, positive_int, seconds
 from flexmesh.errors import ServeError
 from flexmesh.serve.engine.config import SCHEDULERS, EngineConfig
 from flexmesh.serve.engines import ENGINES
@@ -30,7 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "--model's seeded random weights, written to a temporary folder; prompts are then token ids)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
                    help="vLLM / SGLang: one more word of each engine's command (repeat: --engine-arg=--enforce-eager)")
-    g.add_argument("--model", default=None,
+    g.add_argument("--model", type=nonempty, default=None,
                    help=f"preset, gpt:L:H:A or a config.json; random weights seeded by --seed (nothing downloads) "
                    f"(default: {_DEFAULTS.model}, or a plan's model)")
     g.add_argument("--seed", type=nonneg_int, default=_DEFAULTS.seed, help="seed of the model's weights")

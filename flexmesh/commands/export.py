@@ -12,7 +12,7 @@ import argparse
 import re
 import sys
 
-from flexmesh.commands.args import folder
+from flexmesh.commands.args import folder, nonempty
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -41,8 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--checkpoint", required=True,
                    help="a checkpoint folder RUN/checkpoints/step_NNNNNN, or a run folder RUN for its latest")
     p.add_argument("--out", required=True, type=folder, help="folder to write the Hugging Face model into")
-    p.add_argument("--model", help="model preset or config.json the run trained (default: the --plan's model, "
-                                   "else the one the checkpoint's manifest records)")
+    p.add_argument("--model", type=nonempty,
+                   help="model preset or config.json the run trained (default: the --plan's model, "
+                   "else the one the checkpoint's manifest records)")
     p.add_argument("--plan", help="the plan.json the run trained with; its model is the default --model")
     p.add_argument("--tokenizer", help="the tokenizer.json (or a folder holding one) to write beside the model "
                                        "(default: the one the run recorded in RUN/tokenizer/)")

@@ -83,8 +83,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="search the fastest parallel layout that fits, or --check a plan file",
         description="Search per-layer strategies, pipeline split, schedule and micro-batches; print the best plans.")
-    p.add_argument("--model", help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path or a folder "
-                                   f"holding one (default {DEFAULT_MODEL}; with --check, the plan's model)")
+    p.add_argument("--model", type=nonempty,
+                   help="preset name, gpt:LAYERS:HIDDEN:HEADS[:VOCAB], or a config.json path or a folder "
+                   f"holding one (default {DEFAULT_MODEL}; with --check, the plan's model)")
     p.add_argument("--cluster", default=None, type=nonempty,
                    help="e.g. 8xH100, 8x8xA100-40GB, device groups joined by '+' (1x8xH100+2x8xA100-40GB: a "
                         "mixed cluster, planned as replica groups), a JSON/TOML cluster file, or NxLOCAL (N devices "

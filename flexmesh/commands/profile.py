@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from flexmesh.commands.args import new_file, positive_int
+from flexmesh.commands.args import new_file, nonempty, positive_int
 from flexmesh.errors import OutputError, ProfileError
 from flexmesh.files import check_file_target, make_folder
 from flexmesh.profile.format import HardwareProfile, ModelProfile
@@ -33,7 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mdl = kinds.add_parser("model", help="per-layer time fits, activation bytes per tp/cp degree, states",
                            description="Time the runtime's layers over packed rows, measure saved activations per "
                                        "tp/cp degree and recomputation, and write a model profile.")
-    mdl.add_argument("--model", help="preset, gpt:L:H:A or a config.json (default: --for-plan's model, else tiny)")
+    mdl.add_argument("--model", type=nonempty,
+                     help="preset, gpt:L:H:A or a config.json (default: --for-plan's model, else tiny)")
     mdl.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                      help="dtype to measure in (default fp32, the dtype the runtime trains in)")
     mdl.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

@@ -73,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan the cheapest deployment that meets an SLO on the GPUs one can get",
                        description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--check", metavar="PLAN", help="validate a serving plan file (one line per error) and exit")
-    p.add_argument("--model", default=SERVE_MODEL, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
+    p.add_argument("--model", type=nonempty,
+                   default=SERVE_MODEL, help="model preset, gpt:L:H:A, or a Hugging Face config.json")
     c = p.add_argument_group("cascade (two models in order; the quality curve is yours)")
     c.add_argument("--cascade", metavar="M1,M2", help="plan a cascade of these two models instead of --model")
     c.add_argument("--quality", metavar="F:Q,...", help="the cascade's quality against the escalated fraction, e.g. "

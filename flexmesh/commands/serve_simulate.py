@@ -80,7 +80,8 @@ ARRIVALS = ("trace", "poisson", "gamma")
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate requests over time on a fleet of replicas",
                        description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", help=f"model preset, gpt:L:H:A, or a Hugging Face config.json (default: {SERVE_MODEL})")
+    p.add_argument("--model", type=nonempty,
+                   help=f"model preset, gpt:L:H:A, or a Hugging Face config.json (default: {SERVE_MODEL})")
     p.add_argument("--cluster", type=nonempty, help="NODESxPERNODExDEVICE, groups joined by '+' "
                    f"(1x8xH100+2x8xA100-40GB), or a cluster file (default: {DEFAULT_CLUSTER})")
     p.add_argument("--plan", metavar="PLAN", help="simulate a serving plan file (flexmesh serve plan --out): its "

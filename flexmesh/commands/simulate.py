@@ -79,8 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="PLAN", help="simulate the layout of this plan file (any version; default "
                    "model and cluster: the plan's); a plan of several replica groups compares its fixed shares "
                    "with each step dispatched over its groups, and the layout flags (--tp ... --cp-kind) do not apply")
-    p.add_argument("--model", help="model preset, gpt:L:H:A, or a Hugging Face config.json (default: the plan's, "
-                                   f"else {DEFAULT_MODEL})")
+    p.add_argument("--model", type=nonempty,
+                   help="model preset, gpt:L:H:A, or a Hugging Face config.json (default: the plan's, "
+                   f"else {DEFAULT_MODEL})")
     p.add_argument("--cluster", type=nonempty, help="NODESxPERNODExDEVICE (e.g. 8x8xA100-40GB) or a file (default: "
                                      f"the plan's, else the hardware profile's node, else {DEFAULT_CLUSTER})")
     p.add_argument("--hardware-profile", metavar="PATH", help="a `flexmesh profile hardware` file to price with")

@@ -9,6 +9,7 @@ from flexmesh.commands.args import (
     folder,
     fraction,
     learning_rate,
+    nonempty,
     nonneg_float,
     nonneg_int,
     old_names,
@@ -66,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=positive_int, required=True,
                    help="optimizer steps to run (in total, across resumes)")
     p.add_argument("--out", required=True, type=folder, help="output folder: metrics.jsonl and checkpoints/")
-    p.add_argument("--model", help="model preset or config.json (default: the plan's model: the config.json it "
-                                   "records, else its preset)")
+    p.add_argument("--model", type=nonempty,
+                   help="model preset or config.json (default: the plan's model: the config.json it "
+                   "records, else its preset)")
     p.add_argument("--tokenizer", help="a tokenizer.json; default: with --weights the tokenizer.json beside them, else "
                                        "train a byte-level BPE of the model's vocab, cached (either way recorded in "
                                        "--out/tokenizer/ for `flexmesh export`)")

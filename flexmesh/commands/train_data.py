@@ -219,6 +219,11 @@ def tokenizer_of_weights(weights: str | None) -> str | None:
     the one the weights learnt."""
     if not weights:
         return None
+    if not Path(weights).exists():
+        from flexmesh.errors import DataError
+
+        raise DataError(f"--weights {weights}: no such file or folder; give a .safetensors file, its index, or a "
+                        "Hugging Face model folder")
     folder = Path(weights) if Path(weights).is_dir() else Path(weights).parent
     found = folder / "tokenizer.json"
     if not found.is_file():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import math
 import zlib
 from functools import lru_cache
 from importlib import resources
@@ -50,10 +51,13 @@ def _parse(text: str, where: str) -> np.ndarray:
     if not text:
         raise DataError(f"{where}: the file is empty; give one length (a whole number of tokens) per line or a "
                         "JSON list")
-    if text.startswith("["):
+    if text.startswith(("[", "{")):
         values = parse_json(text, DataError, where, invalid="not a valid JSON list of lengths")
         if not isinstance(values, list):
-            raise DataError(f"{where}: expected a JSON list of lengths")
+            raise DataError(f"{where}: expected a JSON list of lengths (e.g. [512, 2048]), got a JSON "
+                            f"{type(values).__name__}")
+        # a whole number written as a float (1e12, 512.0) is that number; the bounds below judge its size
+        values = [int(v) if isinstance(v, float) and math.isfinite(v) and v.is_integer() else v for v in values]
     else:
         try:  # every word a whole number: read at once (a million lengths in a fraction of a second)
             ints = list(map(int, text.split()))
@@ -73,8 +77,8 @@ def _parse(text: str, where: str) -> np.ndarray:
     if bad is not _NONE:
         i = values.index(bad)
         what = "a fraction" if isinstance(bad, float) else ("null" if bad is None else type(bad).__name__)
-        raise DataError(f"{where}: length {i} is {bad!r} ({what}), not a whole number of tokens; lengths are token "
-                        "counts (rounding them is left to you)")
+        raise DataError(f"{where}: entry {i + 1} is {bad!r} ({what}), not a whole number of tokens; lengths are "
+                        "token counts (rounding them is left to you)")
     return _checked(values, where)
 
 
