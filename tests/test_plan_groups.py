@@ -57,7 +57,8 @@ def test_a_version_3_file_reads_as_groups_and_saves_as_version_5(tmp_path):
     (lambda d: d["replicas"][0].update(batch=4), "add up to 8"),
     (lambda d: d.update(unused=[]), r"not placed: \[4\]"),
     (lambda d: d.update(unused=[4, 5]), r"beyond the world: \[5\]"),
-    (lambda d: d["replicas"][1]["stages"][1].update(devices=[0]), "rank 0 is in replica group 1 and in replica"),
+    (lambda d: d["replicas"][1]["stages"][1].update(devices=[0]), "rank 0 is in replica group 0 pipeline rank 0 "
+                                                                   "and in replica group 1 pipeline rank 1"),
     (lambda d: d["replicas"][1]["stages"][1].update(layers=[2, 4]), "not contiguous"),
     (lambda d: d["replicas"][1]["stages"][1].update(layers=[1, 3]), "different numbers of layers"),
     (lambda d: d["replicas"][0].update(num_microbatches=3), "not divisible into 3"),
@@ -169,7 +170,7 @@ def test_direct_construction_validates():
         StagePlan(2, 1, ())
     with pytest.raises(PlanError, match="not divisible into 2"):
         ReplicaGroup(((0,),), st, 2, 3)
-    with pytest.raises(PlanError, match="rank 0 is in replica group 1"):
+    with pytest.raises(PlanError, match="rank 0 is in replica group 0 pipeline rank 0 and in replica group 1"):
         Plan("tiny", "cpu", 1, 64, 2, "1f1b", (ReplicaGroup(((0,),), st, 1, 1), ReplicaGroup(((0,),), st, 1, 1)))
 
 
@@ -273,3 +274,13 @@ def test_check_takes_a_group_whose_data_parallel_ranks_span_nodes():
                   (group(range(8), "tp1-dp8z1"), group([*range(8, 15), *range(16, 23), 15, 23], "tp2-dp8z2")))
     with pytest.raises(PlanError, match=r"TP group on devices \[14, 16\] spans nodes \[1, 2\]"):
         check_groups(across, model, cluster)
+
+
+def test_a_rank_named_twice_in_one_stage_and_a_bad_share_are_said_once():
+    st = (StagePlan(0, 2, (LayerStrategy(dp=2),) * 2),)
+    with pytest.raises(PlanError, match="rank 0 is twice in replica group 0 pipeline rank 0"):
+        Plan("tiny", "cpu", 2, 64, 2, "1f1b", (ReplicaGroup(((0, 0),), st, 1, 2),))
+    with pytest.raises(PlanError) as e:  # the group's name once, not "replica group 0: replica group 0 share"
+        ReplicaGroup.from_dict({"ranks": [[0]], "share": 0,
+                                "stages": [{"layers": [0, 2], "strategies": ["tp1-dp1z1"] * 2}]}, "replica group 0", 64)
+    assert str(e.value).count("replica group 0") == 1, e.value

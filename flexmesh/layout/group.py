@@ -204,7 +204,7 @@ class ReplicaGroup:
                         whole(d["share"], f"{where} share", PlanError),
                         whole(d.get("virtual_stages", 1), f"{where} virtual_stages", PlanError))
         except PlanError as e:
-            raise PlanError(f"{where}: {e}") from None
+            raise PlanError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
         budget = group.microbatch_tokens(seq_len)
         if d.get("microbatch_tokens", budget) != budget:
             raise PlanError(f"{where}: microbatch_tokens {d['microbatch_tokens']!r} is not the budget its fields give: "

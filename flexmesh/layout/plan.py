@@ -124,10 +124,13 @@ class Plan:
             return  # each rank once: the common case, checked at C speed; the loop below names what is wrong
         seen: dict[int, str] = {}
         for i, g in enumerate(self.groups):
-            for r in g.ranks:
-                if r in seen:
-                    raise PlanError(f"rank {r} is in replica group {i} and in {seen[r]}; a rank runs one stage")
-                seen[r] = f"replica group {i}"
+            for s, block in enumerate(g.blocks):
+                for r in block:
+                    here = f"replica group {i} pipeline rank {s}"
+                    if r in seen:
+                        twice = "twice in " + here if seen[r] == here else f"in {seen[r]} and in {here}"
+                        raise PlanError(f"rank {r} is {twice}; a rank runs one pipeline rank of one group")
+                    seen[r] = here
         for r in self.unused:
             whole(r, "unused rank", PlanError, minimum=0)
             if r in seen:
