@@ -74,6 +74,7 @@ def test_goodput_and_disaggregation(capsys):
     (["--max-seqs", "512", "--max-batched-tokens", "256"], "must be at least max-seqs"),
     (["--price", "H100"], "is not DEVICE=USD_PER_GPU_HOUR"),
     (["--engine-overhead", "slow"], "is not FIXED_MS[,PER_REQUEST_MS]"),
+    (["--weights", "1,1"], "--weights weighs the weights router; the router here is round-robin"),  # was ignored
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, says):
     assert main(SMALL + extra) == 2
@@ -146,3 +147,22 @@ def test_a_fleet_too_large_to_simulate_is_one_line(capsys):
     assert main(["serve", "simulate", "--cluster", f"{MAX_REPLICAS // 8 + 1}x8xH100", "--requests", "10"]) == 2
     err = capsys.readouterr().err
     assert f"more than the {MAX_REPLICAS:,} one simulation holds" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["serve", "plan", "--rate", "5", "--buckets", "512:128=1", "--trace", "azure-code"], "--trace shapes a trace's"),
+    (["serve", "plan", "--rate", "5", "--buckets", "512:128=1", "--output-edges", "128"], "--output-edges shapes"),
+])
+def test_flags_that_would_be_ignored_beside_buckets_are_refused(capsys, argv, says):
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_serve_plan_check_refuses_an_objective(tmp_path, capsys):
+    from flexmesh.serve.export import EXAMPLE_PLAN
+
+    (tmp_path / "p.json").write_text(EXAMPLE_PLAN)
+    assert main(["serve", "plan", "--check", str(tmp_path / "p.json")]) == 0
+    capsys.readouterr()
+    assert main(["serve", "plan", "--check", str(tmp_path / "p.json"), "--rate", "5"]) == 2
+    assert "--check validates a plan file as it is; --rate asks for a new plan" in capsys.readouterr().err

@@ -121,6 +121,8 @@ def router_options(args: argparse.Namespace, model: str, engines: int) -> dict:
         if len(w) != engines or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w):
             raise ServeError(f"--weights {args.weights!r}: give one finite weight >= 0 per engine ({engines} here), "
                              "not all 0 (e.g. " + ",".join(["1"] * engines) + ")")
+        if args.route != "weights":
+            raise ServeError("--weights weighs the weights router; add --route weights, or drop --weights")
     elif args.route == "weights":
         raise ServeError("--route weights needs --weights, one per engine (e.g. 2,1,1)")
     if args.max_running:

@@ -173,6 +173,12 @@ def resolve(args: argparse.Namespace) -> PlanJob:
     workload: Workload | None
     record: dict
     if args.buckets:
+        given = {"--trace": args.trace != "azure-conv", "--window": args.window, "--fit-context": args.fit_context,
+                 "--prompt-edges": args.prompt_edges, "--output-edges": args.output_edges,
+                 "--block-tokens": args.block_tokens}
+        beside = [flag for flag, on in given.items() if on]
+        if beside:
+            raise SpecError(f"--buckets gives the lengths itself; {beside[0]} shapes a trace's: drop one of them")
         buckets = parse_buckets(args.buckets)
         rate = args.rate or 10.0
         workload = bucket_workload(buckets, rate, args.requests)
@@ -279,6 +285,12 @@ def _planned(args: argparse.Namespace, job: PlanJob, say: Callable[[str], None])
 
 # ---- --check ------------------------------------------------------------------------------------------------
 def _check(args: argparse.Namespace) -> int:
+    given = {"--rate": args.rate, "--budget": args.budget, "--buckets": args.buckets, "--cascade": args.cascade,
+             "--per-dollar": args.per_dollar, "--window": args.window}
+    named = [flag for flag, on in given.items() if on]
+    if named:
+        raise SpecError(f"--check validates a plan file as it is; {named[0]} asks for a new plan: drop it (serve "
+                        "simulate --plan FILE --rate R scores the plan at another rate)")
     plan_ = load_plan(args.check)
     notes = check_plan(plan_)
     out = plain_console()

@@ -294,6 +294,9 @@ def resolve(args: argparse.Namespace) -> SimulateJob:
     weights = _floats(args.weights, "--weights") if args.weights else None
     if router == "weights" and weights is None:
         raise SpecError("--router weights needs --weights, one per replica taking new requests (e.g. 2,1,1)")
+    if weights is not None and router != "weights":
+        raise SpecError(f"--weights weighs the weights router; the router here is {router}: add --router weights, or "
+                        "drop --weights")
     overrides = {**(plan.prices if plan is not None else {}),
                  **(parse_price_overrides(args.price) if args.price else {})}
     prices = gpu_prices(args.prices, overrides or None)
