@@ -150,7 +150,12 @@ def test_devices_without_bf16_plan_in_fp16_and_say_how(capsys, tmp_path):
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "gpt:8:1024:16@fp16", "--cluster", "8xV100-32GB", "--seq-len", "1024",
                  "--global-batch", "32", "--top", "1", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["predicted"]["step_time_s"] > 0
+    written = json.loads(out.read_text())
+    assert written["predicted"]["step_time_s"] > 0
+    # the plan records the precision it was planned in: --check and simulate read it back without --model
+    assert written["model"] == "gpt:8:1024:16@fp16"
+    capsys.readouterr()
+    assert main(["plan", "--check", str(out)]) == 0 and "valid" in capsys.readouterr().out
     assert main(["plan", "--model", "gpt:8:1024:16@fp16", "--cluster", "2x4xT4", "--seq-len", "512",
                  "--global-batch", "16", "--top", "1"]) == 0
 

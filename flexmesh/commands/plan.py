@@ -67,7 +67,7 @@ from flexmesh.search.space import FULL_SPACE, SEARCH_MODES
 from flexmesh.sim.compare import Recommendation
 from flexmesh.sim.expected import Expected
 from flexmesh.spec.cluster import MixedCluster, parse_mixed_cluster
-from flexmesh.spec.model import ModelSpec, parse_model
+from flexmesh.spec.model import ModelSpec, parse_model, precision_suffix
 from flexmesh.spec.model_file import ModelFile
 from flexmesh.spec.speeds import slow_devices, speeds_of
 
@@ -357,9 +357,16 @@ def _cost(job: Job) -> CostModel:
 
 def recorded(plan: Plan, model: str | None) -> Plan:
     """``plan`` recording the config.json that ``--model`` names (its path and sha256), so that a command
-    run from another folder finds the model again (flexmesh.layout.plan_model); as it is for a preset."""
+    run from another folder finds the model again (flexmesh.layout.plan_model), a ``gpt:`` model's text, and the
+    precision ``--model`` asks for (``@fp16``: in the plan's model, which every command reads it from)."""
     found = ModelFile.of(model) if model else None
-    return plan if found is None else replace(plan, model_config=found)
+    out = plan if found is None else replace(plan, model_config=found)
+    if model and model.startswith("gpt:"):  # its name (gpt-LxHxA) drops the vocabulary: the text itself
+        return replace(out, model=model)
+    precision = precision_suffix(model) if model else None
+    if precision is not None and precision_suffix(out.model) is None:
+        out = replace(out, model=f"{out.model}@{precision}")
+    return out
 
 
 def _run_search(request: SearchRequest, quiet: bool) -> SearchResult:

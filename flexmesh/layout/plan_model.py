@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from flexmesh.errors import PlanError, SpecError
 from flexmesh.layout.plan import Plan
-from flexmesh.spec.model import ModelSpec, from_hf_config, parse_model
+from flexmesh.spec.model import ModelSpec, from_hf_config, parse_model, precision_suffix
 from flexmesh.spec.model_file import ModelFile
 
 
@@ -46,7 +46,9 @@ def recorded_model(plan: Plan) -> ModelSpec | None:
     try:
         if mf is None:
             return parse_model(plan.model)
-        return replace(from_hf_config(mf.path), name=plan.model) if mf.current() == mf.sha256 else None
+        spec = from_hf_config(mf.path)
+        precision = precision_suffix(plan.model)
+        return replace(spec, name=plan.model, dtype=precision or spec.dtype) if mf.current() == mf.sha256 else None
     except SpecError:
         return None
 
@@ -81,7 +83,9 @@ def plan_model(plan: Plan, model: str | None, where: str, recheck: bool = False)
                             "--model with that config.json (a copy of it anywhere)")
         if now != mf.sha256:
             raise _changed(mf, plan, where, now)
-        return replace(from_hf_config(mf.path), name=plan.model)
+        spec = from_hf_config(mf.path)
+        precision = precision_suffix(plan.model)
+        return replace(spec, name=plan.model, dtype=precision or spec.dtype)
     spec = parse_model(model)
     if mf is None:
         return spec  # check_model compares it with the plan's preset (or config path)

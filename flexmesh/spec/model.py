@@ -153,3 +153,13 @@ def parse_model(text: str) -> ModelSpec:
 
 def with_dtype(model: ModelSpec, dtype: str) -> ModelSpec:
     return replace(model, dtype=dtype)
+
+
+def precision_suffix(text: str) -> str | None:
+    """The precision model text ``text`` asks for with ``@bf16``, ``@fp16`` or ``@fp32``; None without one.
+
+    >>> precision_suffix("tiny@fp16"), precision_suffix("tiny")
+    ('fp16', None)
+    """
+    suffixed = _DTYPE_SUFFIX.match(text)
+    return suffixed.group(2) if suffixed and not Path(text).expanduser().exists() else None
