@@ -13,18 +13,17 @@ The raw times are not published, so the fits stand for them here, each within it
 either).
 
 flexmesh prices the same iterations on the catalogue's A100-80GB, OPT-13B and OPT-66B from their config.json's
-fields, at every grid point of DistServe's profiling script (OPT-13B at tp 1, 2, 4; OPT-66B at tp 2, 3, 4: the
-model and tp pairs whose grid the script lists). DistServe's vLLM baseline is priced with the ``vllm-v0`` engine
+fields, at every grid point of DistServe's profiling script (OPT-13B at tp 1, 2, 4; OPT-66B at tp 2, 3, 4: the model
+and tp pairs whose grid the script lists). DistServe's vLLM baseline is priced with the ``vllm-v0`` engine
 description (prompts first and whole, Ray workers; its kernel rates fitted to Vidur's profiles of sarathi-serve,
-another vLLM 0.2 fork, by ``bench/vidur_layers.py``), and beside it with every iteration eager
-(``cuda_graphs = false``): vLLM before 0.2.6 had no CUDA graphs, and which version DistServe's fork is was not
-published. DistServe's own engine has no preset: it is priced as the nearest description flexmesh can write
-without a profile of its kernels, ``distserve (described)``: ``vllm-v0``'s scheduler and CPU costs, every
-iteration eager (DistServe captures no CUDA graphs), no worker RPC beyond tp 1 (its workers are Ray actors at
-every tp) and the device layer's kernels at their own rates. No constant was fitted to these rows: every figure
-is out of sample. Per engine, model and tp: the median and signed median relative error of prefill and decode
-iterations; then each engine's large prefills (8 prompts of 1024 tokens), where the GEMMs' rate decides the time;
-then the tp speedups of OPT-13B each way.
+another vLLM 0.2 fork, by ``bench/vidur_layers.py``), and beside it with every iteration eager (``cuda_graphs =
+false``): vLLM before 0.2.6 had no CUDA graphs, and which version DistServe's fork is was not published. DistServe's
+own engine is priced with the ``distserve`` preset, written from DistServe's repository without a profile of its
+kernels: prompts first and whole, every iteration eager (DistServe captures no CUDA graphs), vLLM's CPU costs, no
+worker RPC beyond tp 1 (its workers are Ray actors at every tp) and the device layer's kernels at their own rates.
+No constant was fitted to these rows: every figure is out of sample. Per engine, model and tp: the median and signed
+median relative error of prefill and decode iterations; then each engine's large prefills (8 prompts of 1024
+tokens), where the GEMMs' rate decides the time; then the tp speedups of OPT-13B each way.
 
 Usage: ``python -m bench.distserve_vllm [--no-record]``.
 """
@@ -41,7 +40,6 @@ import numpy as np
 
 from bench._results import markdown_table, record
 from flexmesh.cost.device.hardware import Hardware
-from flexmesh.cost.inference.engine_rates import EngineRates
 from flexmesh.serve.layout.engine import EngineSpec, engine_spec
 from flexmesh.spec.cluster import parse_cluster
 from flexmesh.spec.hf_priced import priced_from_hf_dict
@@ -69,7 +67,7 @@ LIMITS = {("facebook/opt-13b", 1): 49152, ("facebook/opt-13b", 2): 98304, ("face
           ("facebook/opt-66b", 2): 8192, ("facebook/opt-66b", 3): 36864, ("facebook/opt-66b", 4): 65000}
 CLUSTER = "1x8xA100-80GB"
 # each profiled engine and the descriptions that price it, the first the one its verdicts are on
-PRICED_BY = {"vllm": ("vllm-v0", "vllm-v0, eager"), "distserve": ("distserve (described)",)}
+PRICED_BY = {"vllm": ("vllm-v0", "vllm-v0, eager"), "distserve": ("distserve",)}
 ENGINES = PRICED_BY["vllm"]
 LARGE = (8, 1024)  # a large prefill (prompts, tokens each) every model and tp's grid holds
 
@@ -106,16 +104,11 @@ def model_spec(model: str) -> ModelSpec:
 
 
 def engine(name: str) -> EngineSpec:
-    """The ``vllm-v0`` description, it with every iteration eager, or DistServe's engine as described above."""
-    base = engine_spec("vllm-v0")
-    if name == "vllm-v0":
-        return base
-    eager = replace(base, cuda_graphs=False, graph_batch=0, graph_tokens=0)
+    """A preset (``vllm-v0``, ``distserve``), or ``vllm-v0`` with every iteration eager."""
+    if name in ("vllm-v0", "distserve"):
+        return engine_spec(name)
     if name == "vllm-v0, eager":
-        return eager
-    if name == "distserve (described)":
-        return replace(eager, name="distserve", title="DistServe (described from vllm-v0)", multi_gpu_ms=0.0,
-                       rates=EngineRates(source="the device layer's kernels (no profile of SwiftTransformer's)"))
+        return replace(engine_spec("vllm-v0"), cuda_graphs=False, graph_batch=0, graph_tokens=0)
     raise ValueError(f"unknown description {name!r}; known: {', '.join(n for d in PRICED_BY.values() for n in d)}")
 
 
@@ -202,15 +195,15 @@ def main(argv: list[str] | None = None) -> int:
           *markdown_table(["engine", "priced as", "model", "tp", "iterations", "grid points", "median error",
                            "signed"], rows), "",
           f"Large prefills ({LARGE[0]} prompts of {LARGE[1]} tokens), DistServe's fit and flexmesh's price (ms): vLLM "
-          "by `vllm-v0`, DistServe by `distserve (described)`:", "",
+          "by `vllm-v0`, DistServe by `distserve`:", "",
           *markdown_table(["model", "tp", "vLLM fit", "priced", "error", "DistServe fit", "priced", "error"],
                           large_prefills()), "",
           "OPT-13B's tensor-parallel speedup over tp 1, DistServe's fit / flexmesh's price:", ""]
     md += [f"- vLLM, {s}" for s in speedups("vllm-v0", "prefill", [(1, 128), (1, 2020), (8, 1024)])
            + speedups("vllm-v0", "decode", [(1, 512), (16, 512), (128, 512)])]
     md += [f"- DistServe, {s}" for s in
-           speedups("distserve (described)", "prefill", [(1, 128), (1, 2020), (8, 1024)], "distserve")
-           + speedups("distserve (described)", "decode", [(1, 512), (16, 512), (128, 512)], "distserve")]
+           speedups("distserve", "prefill", [(1, 128), (1, 2020), (8, 1024)], "distserve")
+           + speedups("distserve", "decode", [(1, 512), (16, 512), (128, 512)], "distserve")]
     body = "\n".join(md)
     print(body)
     if not args.no_record:

@@ -41,9 +41,9 @@ def test_the_two_engines_profiles_differ_and_distserves_description_drops_the_wo
     # DistServe's own engine prefills faster than its vLLM baseline on the same node (its published fits)
     assert dv.profile_s(model, 1, "prefill", 8, 1024, "distserve") < dv.profile_s(model, 1, "prefill", 8, 1024, "vllm")
     # same kernels at tp 1; beyond it vllm-v0 pays its Ray workers' RPC each iteration, the DistServe description not
-    ds, eager = dv.engine("distserve (described)"), dv.engine("vllm-v0, eager")
+    ds, eager = dv.engine("distserve"), dv.engine("vllm-v0, eager")
     assert ds.multi_gpu_ms == 0 < eager.multi_gpu_ms and ds.rates.unit and not ds.cuda_graphs
-    assert dv.priced_s("distserve (described)", model, 2, "decode", 16, 512) < \
+    assert dv.priced_s("distserve", model, 2, "decode", 16, 512) < \
         dv.priced_s("vllm-v0, eager", model, 2, "decode", 16, 512)
     with pytest.raises(ValueError, match="known: vllm-v0"):
         dv.engine("sarathi")

@@ -63,7 +63,7 @@ def _split(batches, prompt: int) -> int:
 
 
 def test_a_prefill_first_engine_never_mixes_a_prompt_into_a_decode_batch():
-    for name in ("vllm-v0", "sglang"):
+    for name in ("vllm-v0", "sglang", "distserve"):
         batches, _ = _run(name)
         assert engine_spec(name).prefill_first
         assert _mixed(batches) == 0, name
@@ -74,7 +74,7 @@ def test_a_prefill_first_engine_never_mixes_a_prompt_into_a_decode_batch():
 
 def test_an_engine_without_chunked_prefill_never_splits_a_prompt():
     # prompts of 1500 tokens against a budget of 2048: a second one does not fit beside the first
-    for name in ("vllm-v0", "trtllm"):
+    for name in ("vllm-v0", "trtllm", "distserve"):
         batches, _ = _run(name)
         assert not engine_spec(name).chunked_prefill
         assert _split(batches, 1500) == 0, name
@@ -146,7 +146,8 @@ def test_only_iterations_within_the_graph_sizes_are_priced_as_replayed():
     assert v1.iteration(MODEL, hw, tp=2).dense_s(256, False) < eager.dense_s(256, False)
     # each preset's sizes, as its sources give them
     assert {n: e.graphs for n, e in presets().items()} == {
-        "vllm": (512, 512), "vllm-v0": (256, 0), "sglang": (160, 0), "trtllm": (128, 0), "transformers": (0, 0)}
+        "vllm": (512, 512), "vllm-v0": (256, 0), "sglang": (160, 0), "trtllm": (128, 0), "distserve": (0, 0),
+        "transformers": (0, 0)}
     with pytest.raises(SpecError, match="graph_batch is a whole number >= 0"):
         EngineSpec.from_dict({"base": "vllm", "name": "x", "graph_batch": -1})
 
@@ -179,7 +180,8 @@ def test_the_eager_engines_host_time_is_its_h200_profile_scaled_by_layers_and_hi
 
 def test_each_engine_all_reduces_as_its_own_kernels_were_timed_inside_it():
     assert {n: e.all_reduce for n, e in presets().items()} == {
-        "vllm": "vllm", "vllm-v0": "nccl", "sglang": "sglang", "trtllm": "trtllm", "transformers": "nccl"}
+        "vllm": "vllm", "vllm-v0": "nccl", "sglang": "sglang", "trtllm": "trtllm", "distserve": "nccl",
+        "transformers": "nccl"}
     hw = Hardware(parse_cluster("2x8xH100"))
     tp4, small, large = GroupShape(4, 4), 8 * 4096 * 2.0, 4096 * 4096 * 2.0
     nccl = hw.collective_time("all_reduce", small, tp4)
@@ -398,3 +400,44 @@ def test_the_older_vllms_kernel_rates_are_the_fit_to_vidurs_profiles():
     hw = Hardware(parse_cluster("1xA100-80GB"))
     assert engine_spec("vllm-v0").iteration(MODEL, hw).split_s(0, 0, [(0, 2000)]) > \
         engine_spec("vllm").iteration(MODEL, hw).split_s(0, 0, [(0, 2000)]) * 1.1
+
+
+def test_serve_engines_lists_every_preset_and_shows_a_descriptions_fields_with_their_sources(capsys, tmp_path,
+                                                                                               monkeypatch):
+    from flexmesh.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")  # rows unwrapped, whatever the terminal
+
+    assert main(["serve", "engines"]) == 0
+    listed = capsys.readouterr().out
+    for name, e in presets().items():
+        assert re.search(rf"^. {re.escape(name)}\b.*{re.escape(e.title)}", listed, re.M), name
+    assert main(["serve", "engines", "distserve"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.splitlines()[0] == engine_spec("distserve").label()
+    row = next(line for line in shown.splitlines() if line.startswith("│ max_batched_tokens"))
+    assert "8192" in row and "--context-max-tokens-per-batch" in row
+    # a file on a preset: its own value shows, the preset's source stays beside the fields it kept
+    mine = tmp_path / "mine.toml"
+    mine.write_text('base = "vllm-v0"\ncuda_graphs = false\ngraph_batch = 0\n')
+    assert main(["serve", "engines", str(mine)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("mine (vLLM V0, Ray workers") and "no CUDA graphs" in shown.splitlines()[0]
+    assert re.search(r"^│ rates .*gemm 0\.843", shown, re.M)
+    assert main(["serve", "engines", "sarathi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown engine 'sarathi': give a preset (vllm, vllm-v0") and err.count("\n") == 1
+
+
+def test_a_description_file_keeps_its_bases_sources_only_for_the_fields_it_keeps(tmp_path):
+    e = EngineSpec.from_dict({"base": "vllm-v0", "name": "mine", "cuda_graphs": False, "prefill_first": False,
+                              "sources": {"cuda_graphs": "run with --enforce-eager"}})
+    cited = dict(e.sources)
+    assert cited["cuda_graphs"] == "run with --enforce-eager"
+    assert "scheduler" not in cited and "overhead" in cited  # the base's scheduler is not this one's
+    assert cited["overhead"] == dict(engine_spec("vllm-v0").sources)["overhead"]
+    for bad, said in (({"name": "x"}, "gives no field: set base = a preset"),
+                      ({"base": "vllm", "name": 5}, "name and title are text"),
+                      ({"base": "vllm", "sources": {"cuda_graph": "x"}}, "not fields: cuda_graph")):
+        with pytest.raises(SpecError, match=said):
+            EngineSpec.from_dict(bad, "engine file f.toml")

@@ -99,7 +99,7 @@ def test_unknown_engines_and_schedulers_are_one_line():
     from flexmesh.errors import SpecError
 
     with pytest.raises(SpecError, match="unknown engine 'nope': give a preset \\(vllm, vllm-v0, sglang, trtllm, "
-                       "transformers\\) or a .toml/.json description"):
+                       "distserve, transformers\\) or a .toml/.json description"):
         _fleet("nope")
     with pytest.raises(SpecError, match="unknown replica scheduler 'nope'"):
         _fleet(EngineSpec(name="x", title="X", kind="vllm", scheduler="nope"))

@@ -102,6 +102,15 @@ def _conserved(out, w: Workload) -> None:
         assert work == _tokens(out)
 
 
+def test_kv_blocks_beyond_what_the_device_holds_are_refused_in_one_line():
+    fits = _fleet("1xH100", "tp1").capacities[0].blocks
+    assert _fleet("1xH100", "tp1", kv_blocks=fits).capacities[0].blocks == fits
+    with pytest.raises(SpecError, match=f"kv-blocks {fits + 1:,} is more than H100-80GB holds .* give at most "
+                                        f"{fits:,}$") as err:
+        _fleet("1xH100", "tp1", kv_blocks=fits + 1)
+    assert "\n" not in str(err.value)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(), st.integers(40, 200), st.integers(1, 8), st.sampled_from([64, 128, 512]),
        st.sampled_from(["round-robin", "least-work", "least-kv"]), st.booleans())

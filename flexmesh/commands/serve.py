@@ -14,7 +14,7 @@ import importlib
 from flexmesh.commands.args import DefaultsHelpFormatter
 
 # Sub-commands in the order `flexmesh serve --help` lists them; each module defines add_parser(subparsers).
-SUBCOMMANDS = ("simulate", "plan", "run", "bench", "export")
+SUBCOMMANDS = ("simulate", "plan", "run", "bench", "export", "engines")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

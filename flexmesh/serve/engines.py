@@ -176,4 +176,5 @@ register(EngineKind("sglang", "SGLang", flags=_sglang_flags, half=("--dtype", "h
     "parser = argparse.ArgumentParser()\nServerArgs.add_cli_args(parser)\n"
     "import sglang\nversion = sglang.__version__\n", 3)))  # argv after 'python -m sglang.launch_server'
 register(EngineKind("trtllm", "TensorRT-LLM"))
+register(EngineKind("distserve", "DistServe"))
 register(EngineKind("transformers", "transformers' continuous batching", runs_here=True))

@@ -220,6 +220,9 @@ class Fleet:
             self.timings.append(replica_timing(t))
             cap = kv_capacity(m, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs, k.block_tokens,
                               k.memory_fraction)
+            if k.kv_blocks is not None and k.kv_blocks > cap.blocks:
+                raise SpecError(f"kv-blocks {k.kv_blocks:,} is more than {r.device.name} holds for {m.name} at tp "
+                                f"{s.tp}, pp {s.pp} ({cap.explain()}); give at most {cap.blocks:,}")
             self.capacities.append(cap if k.kv_blocks is None else replace(cap, blocks_given=k.kv_blocks))
         self._paths: dict[tuple[int, int], Path] = {}
 

@@ -175,6 +175,11 @@ class EngineSpec:
         unknown = sorted(set(d) - set(_FIELDS))
         if unknown:
             raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; fields: {', '.join(_FIELDS)}")
+        if not set(d) - {"name"}:
+            raise SpecError(f"{where} gives no field: set base = a preset ({', '.join(presets())}) and the fields "
+                            "that differ (docs/engines.md)")
+        if not isinstance(d.get("name", ""), str) or not isinstance(d.get("title", ""), str):
+            raise SpecError(f"{where}: name and title are text, got {d.get('name')!r}, {d.get('title')!r}")
         base = _base(d["base"], where, folder, chain) if "base" in d else None
         name = str(d.get("name") or (base.name if base else "")).strip()
         if not name:
@@ -203,10 +208,15 @@ class EngineSpec:
                                           source=str(rates.get("source", f"{where}.rates")))
             except (TypeError, ValueError, SpecError) as err:
                 raise SpecError(f"{where}.rates: {err}") from None
-        if "sources" in d:
-            if not isinstance(d["sources"], dict):
-                raise SpecError(f"{where}.sources is a table of field = source")
-            kw["sources"] = tuple((str(k), str(v)) for k, v in d["sources"].items())
+        own = d.get("sources", {})
+        if not isinstance(own, dict) or set(own) - set(_FIELDS):
+            extra = sorted(set(own) - set(_FIELDS)) if isinstance(own, dict) else []
+            raise SpecError(f"{where}.sources is a table of field = source" + (
+                f"; not fields: {', '.join(map(str, extra))}" if extra else ""))
+        # a base's sources stand for the fields this description keeps (its scheduler's for the two it is made of)
+        given = set(d) | ({"scheduler"} if {"prefill_first", "chunked_prefill"} & set(d) else set())
+        kept = {k: v for k, v in kw.get("sources", ()) if k not in given}
+        kw["sources"] = tuple({**kept, **{str(k): str(v) for k, v in own.items()}}.items())
         try:
             return cls(**kw)
         except (TypeError, SpecError) as err:
