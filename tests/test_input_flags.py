@@ -222,3 +222,18 @@ def test_an_empty_model_is_refused_not_taken_for_the_default(command, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([*command, "--model", ""])
     assert "--model: must not be empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["serve", "run"], ["serve", "bench", "--rate", "1"], ["profile", "engine"]])
+def test_an_engine_arg_for_the_transformers_engine_is_refused_not_ignored(command, capsys):
+    assert main([*command, "--engine-arg=--enforce-eager"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --engine-arg adds words to a vLLM or SGLang command") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("fleet", [["--backend", "http://127.0.0.1:9"], ["--router-config", "router.json"]])
+def test_engines_beside_a_fleet_given_otherwise_is_refused_not_ignored(fleet, capsys):
+    assert main(["serve", "run", *fleet, "--engines", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --engines starts that many engines of the flags' knobs; {fleet[0]} gives the fleet " \
+                  "itself: drop one of them\n"

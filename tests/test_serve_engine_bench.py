@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve_engine import MORE_RATES, RATE_STEP, knee, median_spread, next_rate
+from bench.serve_engine import MORE_RATES, RATE_STEP, TWIN_RATES, knee, median_spread, next_rate, twin_knee
 from flexmesh.cost.inference.timing import EngineLoop
 
 
@@ -33,6 +33,28 @@ def test_rates_grow_until_the_measured_knee_is_crossed_and_no_further(knee_at):
         assert crossed is not None and rates[-2] < knee_at <= rates[-1]
     else:  # bounded: the extra rates are spent, the knee is not a number
         assert crossed is None and len(rates) - len(planned) == MORE_RATES
+
+
+@pytest.mark.parametrize("knee_at", [12.0, 35.0, 60.0])
+def test_the_twins_knee_is_found_past_the_rates_measured(knee_at):
+    # the engine was measured at 4 to 14/s; the twin's knee is found wherever it lies within TWIN_RATES steps
+    planned = [4.0, 7.0, 10.0, 14.0]
+    asked = []
+
+    def p90_at(rate: float) -> float:
+        asked.append(rate)
+        return _curve(rate, knee_at)
+
+    found = twin_knee(planned, [_curve(r, knee_at) for r in planned], p90_at)
+    exact = knee(planned, [_curve(r, knee_at) for r in planned])
+    if exact is not None:  # crossed where measured: nothing more simulated, the same knee
+        assert asked == [] and found == exact
+    else:
+        ran = planned + asked  # the twin ran on until the step that crossed its knee, and no further
+        assert found is not None and 0 < len(asked) <= TWIN_RATES
+        assert ran[-2] < knee_at <= ran[-1] and ran[-2] < found <= ran[-1]
+        assert asked == [pytest.approx(ran[k - 1] * RATE_STEP, abs=0.01) for k in range(len(planned), len(ran))]
+    assert twin_knee(planned, [0.05] * 4, lambda r: 0.05) is None  # a twin that never queues: bounded, no knee
 
 
 def test_a_knee_crossed_by_the_planned_rates_adds_none():

@@ -53,6 +53,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from flexmesh.spec.hf import to_hf_config
     from flexmesh.spec.model import parse_model
 
+    if getattr(args, "engine", "transformers") == "transformers" and args.engine_arg:
+        raise ServeError(f"--engine-arg adds words to a vLLM or SGLang command (--engine vllm|sglang); the "
+                         f"transformers engine is sized by its own flags (--page-size, --kv-blocks, ...), got "
+                         f"{' '.join(args.engine_arg)}")
     model = args.model or _DEFAULTS.model
     to_hf_config(parse_model(model))
     return EngineConfig(model=model, seed=args.seed, page_size=args.page_size, num_blocks=args.kv_blocks,
@@ -67,9 +71,14 @@ def need_aiohttp() -> None:
         raise ServeError("serving needs aiohttp: pip install -e .[serve]") from None
 
 
-def add_fleet_args(p: argparse.ArgumentParser, engines_default: int | None) -> None:
-    p.add_argument("--engines", type=positive_int, default=engines_default,
-                   help="engine processes to start (one model each)")
+# engine processes serve run / serve bench start without --engines (and without a plan, backends or router.json)
+DEFAULT_ENGINES = 2
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", type=positive_int,
+                   help=f"engine processes to start (one model each; default {DEFAULT_ENGINES}); not with --plan, "
+                        "--backend or --router-config, which give the fleet")
     p.add_argument("--backend", metavar="URL,...", help="front engines already running at these URLs instead of "
                    "starting any (vLLM / SGLang servers with --engine vllm|sglang; flexmesh's own otherwise)")
     p.add_argument("--router-config", metavar="FILE", help="front the engines a router.json lists, with its routing "

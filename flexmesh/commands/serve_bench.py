@@ -41,7 +41,7 @@ def add_parser(kinds) -> argparse.ArgumentParser:
     p.add_argument("--out", type=folder, help="folder for requests-<rate>.jsonl, iterations and summary.json")
     p.add_argument("--plan", metavar="PLAN", help="start a serving plan's replicas (as serve run --plan)")
     p.add_argument("--map-to-cpu", action="store_true", help="as serve run: a plan's GPUs as CPU engines here")
-    add_fleet_args(p, engines_default=2)
+    add_fleet_args(p)
     add_engine_args(p)
     p.set_defaults(func=bench)
     return p

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flexmesh.commands.args import folder, new_file, nonneg_float, nonneg_int
 from flexmesh.commands.engine_args import (
+    DEFAULT_ENGINES,
     add_engine_args,
     add_fleet_args,
     engine_config,
@@ -32,7 +33,7 @@ def add_parser(kinds) -> argparse.ArgumentParser:
     p.add_argument("--map-to-cpu", action="store_true",
                    help="run a plan made for GPUs this machine lacks as CPU engines here (timings are then this "
                    "machine's, not the GPUs')")
-    add_fleet_args(p, engines_default=2)
+    add_fleet_args(p)
     p.add_argument("--port", type=nonneg_int, default=8000, help="the router's port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="the address the router listens on (0.0.0.0 in a container "
                    "others reach it in; the loopback by default)")
@@ -54,6 +55,12 @@ def resolve_fleet(args: argparse.Namespace):
     from flexmesh.serve.plan.check import check_plan
 
     base = engine_config(args)
+    fleet = next((flag for flag, on in (("--plan", args.plan), ("--backend", args.backend),
+                                        ("--router-config", getattr(args, "router_config", None))) if on), None)
+    if fleet and args.engines is not None:
+        raise ServeError(f"--engines starts that many engines of the flags' knobs; {fleet} gives the fleet itself: "
+                         "drop one of them")
+    args.engines = args.engines or DEFAULT_ENGINES
     if getattr(args, "router_config", None):
         return _router_config(args)
     if args.backend:

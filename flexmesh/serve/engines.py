@@ -5,6 +5,8 @@ checks the command) and by ``serve run`` (whether flexmesh starts it on this mac
 - ``vllm``: ``vllm serve``;
 - ``sglang``: ``python -m sglang.launch_server``;
 - ``trtllm``: TensorRT-LLM, simulated (the ``trtllm`` engine description) but not exported;
+- ``distserve``: DistServe's own engine, simulated (the ``distserve`` description) but not exported (a plan for
+  it exports as vLLM or SGLang commands with the flags matching its description);
 - ``transformers``: transformers' continuous batching, flexmesh's own engine (:mod:`flexmesh.serve.engine`); not
   exported.
 
@@ -37,7 +39,7 @@ CPU work overlapped        --async-scheduling                  (SGLang: default;
 =========================  ==================================  =========================================
 
 >>> sorted(ENGINES), [e.name for e in exported()]
-(['sglang', 'transformers', 'trtllm', 'vllm'], ['vllm', 'sglang'])
+(['distserve', 'sglang', 'transformers', 'trtllm', 'vllm'], ['vllm', 'sglang'])
 >>> from flexmesh.serve.layout.knobs import EngineKnobs
 >>> " ".join(engine("vllm").argv(EngineKnobs(64, 1024), 1, 1, Role.AGGREGATED, "/m", "127.0.0.1", 8100)[:6])
 'vllm serve /m --tensor-parallel-size 1 --pipeline-parallel-size'
