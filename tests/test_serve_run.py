@@ -107,7 +107,7 @@ BENCH = ["bench", "--engines", "1", "--requests", "4", "--rate", "2"]
     ([*BENCH, "--engines", "2", "--route", "weights", "--weights", "1,2,3"], "one finite weight >= 0 per engine (2"),
     ([*BENCH, "--profile", "no-such-profile.json"], "no-such-profile.json"),
     ([*BENCH, "--context", "1"], "a context of 1 tokens"),
-    ([*BENCH, "--backend", "http://127.0.0.1:1"], "no engine answers at http://127.0.0.1:1"),
+    (["bench", "--requests", "4", "--rate", "2", "--backend", "http://127.0.0.1:1"], "no engine answers at http://127.0.0.1:1"),
 ])
 def test_what_a_fleet_cannot_be_is_refused_before_any_engine_starts(tmp_path, monkeypatch, argv, says):
     pytest.importorskip("aiohttp")

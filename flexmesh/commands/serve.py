@@ -3,7 +3,8 @@
 Sub-commands: simulate (requests over time on any GPU mix, simulated), plan (the cheapest deployment that meets an
 SLO on the GPUs one can get; docs/serve-plan.md), run (real engine processes on this machine behind flexmesh's
 router) and bench (a trace window replayed against them at given rates, measured beside predicted;
-docs/serving-engines.md), export (a plan as vLLM / SGLang launch commands and a router config); docs/cli-serve.md.
+docs/serving-engines.md), export (a plan as vLLM / SGLang launch commands and a router config), engines (the engine
+presets serving is priced by, or one description's fields with their sources; docs/engines.md); docs/cli-serve.md.
 """
 
 from __future__ import annotations
