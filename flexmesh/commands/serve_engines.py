@@ -1,5 +1,5 @@
-"""``flexmesh serve engines [NAME|FILE]``: the engine descriptions serving is priced by (docs/engines.md): every
-preset in one row, or one description's fields, each with its value and the source the description gives for it.
+"""``flexmesh serve engines [NAME|FILE]``: Lists the engine presets serving is priced by, one row each, or shows
+one description's fields, each with its value and the source the description gives for it (docs/engines.md).
 One picks the preset whose engine and version are the ones that run, or writes a file on one as its ``base``."""
 
 from __future__ import annotations
