@@ -47,3 +47,19 @@ def test_the_two_engines_profiles_differ_and_distserves_description_drops_the_wo
         dv.priced_s("vllm-v0, eager", model, 2, "decode", 16, 512)
     with pytest.raises(ValueError, match="known: vllm-v0"):
         dv.engine("sarathi")
+
+
+def test_the_distserve_preset_is_nearer_distserves_profile_than_vllm_v0_on_most_rows():
+    # DistServe's engine, per model, tp and kind: the median |priced / its fit - 1| of each description
+    nearer, worst = 0, {"distserve": 0.0, "vllm-v0": 0.0}
+    for model, tp in dv.LIMITS:
+        for kind in ("prefill", "decode"):
+            med = {}
+            for name in worst:
+                errs = sorted(abs(dv.priced_s(name, model, tp, kind, b, n) / dv.profile_s(model, tp, kind, b, n,
+                                                                                          "distserve") - 1)
+                              for b, n in dv.grid(model, tp))
+                med[name] = errs[len(errs) // 2]
+                worst[name] = max(worst[name], med[name])
+            nearer += med["distserve"] < med["vllm-v0"]
+    assert nearer > len(dv.LIMITS) and worst["distserve"] < 0.25 < worst["vllm-v0"]
