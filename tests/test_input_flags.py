@@ -237,3 +237,13 @@ def test_engines_beside_a_fleet_given_otherwise_is_refused_not_ignored(fleet, ca
     err = capsys.readouterr().err
     assert err == f"error: --engines starts that many engines of the flags' knobs; {fleet[0]} gives the fleet " \
                   "itself: drop one of them\n"
+
+
+@pytest.mark.parametrize("fleet", [["--backend", "http://127.0.0.1:9"], ["--router-config", "router.json"]])
+@pytest.mark.parametrize("start", [["--engine-arg=--enforce-eager"], ["--engine-python", "/usr/bin/python3"]])
+def test_engine_start_flags_beside_running_engines_are_refused_not_ignored(fleet, start, capsys):
+    assert main(["serve", "run", "--engine", "vllm", *fleet, *start]) == 2
+    err = capsys.readouterr().err
+    flag = start[0].split("=")[0]
+    assert err == f"error: {flag} shapes the engines flexmesh starts; {fleet[0]} fronts engines already running: " \
+                  f"drop {flag} (give those flags to the engines where they start)\n"

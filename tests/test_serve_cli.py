@@ -56,6 +56,8 @@ def test_goodput_and_disaggregation(capsys):
     (["--trace", "no-such-trace"], "unknown trace 'no-such-trace'"),
     (["--cluster", "2xH1000"], "unknown device 'H1000'"),
     (["--cluster", "banana"], "unknown cluster 'banana'"),
+    (["--cluster", "1x8x"], "unknown cluster '1x8x': write NODESxPERNODExDEVICE"),  # not a device named '8x'
+    (["--cluster", "2x8x8"], "unknown cluster '2x8x8': write NODESxPERNODExDEVICE"),
     (["--slo", "ttft=fast"], "SLO 'ttft=fast' is not METRIC=TIME"),
     (["--slo", "latency=2s"], "is not METRIC=TIME"),
     (["--slo", "ttft=2,tpot=100ms"], "SLO 'ttft=2' gives no unit: write ttft=2ms or ttft=2s"),

@@ -61,6 +61,12 @@ def resolve_fleet(args: argparse.Namespace):
         raise ServeError(f"--engines starts that many engines of the flags' knobs; {fleet} gives the fleet itself: "
                          "drop one of them")
     args.engines = args.engines or DEFAULT_ENGINES
+    running = fleet if fleet in ("--backend", "--router-config") else None
+    starts = next((flag for flag, on in (("--engine-arg", args.engine_arg), ("--engine-python", args.engine_python))
+                   if on), None)
+    if running and starts:
+        raise ServeError(f"{starts} shapes the engines flexmesh starts; {running} fronts engines already running: "
+                         f"drop {starts} (give those flags to the engines where they start)")
     if getattr(args, "router_config", None):
         return _router_config(args)
     if args.backend:

@@ -259,7 +259,7 @@ class MixedCluster:
                 "links": {f"{a}-{b}": {"gbps": link.gbps, "latency_us": link.latency_us} for a, b, link in self.links}}
 
 
-_CLUSTER_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9\-]+)$", re.IGNORECASE)
+_CLUSTER_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z][A-Za-z0-9\-]*)$", re.IGNORECASE)
 
 _CLUSTER_KEYS = ("nodes", "devices_per_node", "device", "speed_factors", "nic_gbps")
 _DEVICE_KEYS = ("base", *DeviceSpec.__dataclass_fields__)
