@@ -1,5 +1,6 @@
-"""Families engines serve and flexmesh's runtime does not build (OPT, GPT-NeoX, Falcon, Gemma): read from their
-config.json for their shapes, priced by serving, refused by the runtime in one line."""
+"""Families engines serve and flexmesh's runtime does not build (OPT, GPT-NeoX, Falcon, Gemma, Gemma 2, GPT-2,
+GPT-BigCode, GPT-J, Phi, Phi-3, StarCoder2): read from their config.json for their shapes, priced by serving, refused
+by the runtime in one line."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from flexmesh.errors import SpecError
 from flexmesh.spec import parse_model
+from flexmesh.spec.hf_priced import PRICED_FAMILIES, priced_from_hf_dict
 
 # The published configs' shape fields (Hugging Face: facebook/opt-13b, EleutherAI/pythia-12b, tiiuae/falcon-7b,
 # tiiuae/falcon-40b, google/gemma-7b) and their models' published parameter counts
@@ -62,7 +64,7 @@ def test_what_changes_the_shapes_and_is_not_read_is_refused(tmp_path):
         parse_model(_write(tmp_path, "alibi", {**CONFIGS["falcon-7b"][0], "alibi": True}))
     with pytest.raises(SpecError, match="missing num_hidden_layers"):
         parse_model(_write(tmp_path, "short", {"model_type": "opt", "hidden_size": 64}))
-    with pytest.raises(SpecError, match="priced for serving only, opt, gpt_neox, falcon, gemma"):
+    with pytest.raises(SpecError, match="priced for serving only, opt, gpt_neox, falcon, gemma, gemma2, gpt2, "):
         parse_model(_write(tmp_path, "bloom", {"model_type": "bloom"}))
 
 
@@ -77,3 +79,36 @@ def test_the_runtime_refuses_to_build_one_and_serving_prices_it(tmp_path, capsys
                "--requests", "20", "--rate", "2", "--engine", "vllm-v0", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["model"] == "opt-13b" and doc["runs"][0]["requests"] == 20
+
+
+@pytest.mark.parametrize("family", PRICED_FAMILIES)
+def test_each_family_has_the_parameters_transformers_builds_from_its_default_config(family):
+    """Every field a family's config class defaults is read as that class reads it: the shapes give the parameter
+    count of the model transformers builds from the same config (on the meta device, no memory)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(family)
+    spec = priced_from_hf_dict(config.to_dict(), family)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    # within a family's biases priced where it has none (GPT-J's attention, Falcon's dense), under 0.02%
+    assert spec.total_params == pytest.approx(sum(p.numel() for p in model.parameters()), rel=2e-4)
+
+
+def test_sliding_windows_are_read_where_the_family_has_them():
+    gemma2 = priced_from_hf_dict({"model_type": "gemma2", "num_hidden_layers": 4, "hidden_size": 256,
+                                  "num_attention_heads": 4, "vocab_size": 1000})
+    assert gemma2.sliding_window == 4096 and gemma2.window_layers == (True, False, True, False)
+    typed = priced_from_hf_dict({"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 256,
+                                 "num_attention_heads": 4, "vocab_size": 1000, "sliding_window": 512,
+                                 "layer_types": ["full_attention", "sliding_attention"]})
+    assert (typed.sliding_window, typed.window_layers) == (512, (False, True))
+    phi3 = priced_from_hf_dict({"model_type": "phi3", "num_hidden_layers": 2, "hidden_size": 256,
+                                "num_attention_heads": 4, "vocab_size": 1000, "sliding_window": 2047})
+    assert (phi3.sliding_window, phi3.window_layers, phi3.attention_windows) == (2047, None, (2047, 2047))
+    plain = priced_from_hf_dict({"model_type": "starcoder2", "num_hidden_layers": 2, "hidden_size": 256,
+                                 "num_attention_heads": 4, "vocab_size": 1000, "sliding_window": None})
+    assert plain.sliding_window is None and plain.num_kv_heads == 2
+    with pytest.raises(SpecError, match="layer_types must list one type per layer"):
+        priced_from_hf_dict({"model_type": "gemma2", "num_hidden_layers": 3, "hidden_size": 256,
+                             "num_attention_heads": 4, "vocab_size": 1000, "layer_types": ["full_attention"]})

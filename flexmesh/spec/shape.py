@@ -112,7 +112,7 @@ class ModelSpec:
     qk_norm_scope: str = "head"
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]
     moe: MoESpec | None = None  # mixture-of-experts layers (flexmesh.spec.moe); None: dense
-    # A family read for its shapes only (flexmesh.spec.hf_priced: OPT, GPT-NeoX, Falcon, Gemma): priced, never built
+    # A family read for its shapes only (flexmesh.spec.hf_priced: OPT, Falcon, Gemma, ...): priced, never built
     priced_only: str = ""
 
     def __post_init__(self) -> None:
