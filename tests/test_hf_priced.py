@@ -1,6 +1,6 @@
 """Families engines serve and flexmesh's runtime does not build (OPT, GPT-NeoX, Falcon, Gemma, Gemma 2, GPT-2,
-GPT-BigCode, GPT-J, Phi, Phi-3, StarCoder2): read from their config.json for their shapes, priced by serving, refused
-by the runtime in one line."""
+GPT-BigCode, GPT-J, Phi, Phi-3, StarCoder2, MPT, BLOOM): read from their config.json for their shapes, priced by
+serving, refused by the runtime in one line."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ CONFIGS = {
     "gemma-7b": ({"model_type": "gemma", "num_hidden_layers": 28, "hidden_size": 3072, "num_attention_heads": 16,
                   "num_key_value_heads": 16, "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000,
                   "max_position_embeddings": 8192}, 8.54e9),
+    # mosaicml/mpt-7b (6.7B) and bigscience/bloom-7b1 (7,069,016,064 parameters, its model card)
+    "mpt-7b": ({"model_type": "mpt", "n_layers": 32, "d_model": 4096, "n_heads": 32, "expansion_ratio": 4,
+                "max_seq_len": 2048, "vocab_size": 50432, "no_bias": True, "attn_config": {"alibi": True}}, 6.65e9),
+    "bloom-7b1": ({"model_type": "bloom", "n_layer": 30, "hidden_size": 4096, "n_head": 32, "vocab_size": 250880},
+                  7.069e9),
 }
 
 
@@ -65,7 +70,7 @@ def test_what_changes_the_shapes_and_is_not_read_is_refused(tmp_path):
     with pytest.raises(SpecError, match="missing num_hidden_layers"):
         parse_model(_write(tmp_path, "short", {"model_type": "opt", "hidden_size": 64}))
     with pytest.raises(SpecError, match="priced for serving only, opt, gpt_neox, falcon, gemma, gemma2, gpt2, "):
-        parse_model(_write(tmp_path, "bloom", {"model_type": "bloom"}))
+        parse_model(_write(tmp_path, "t5", {"model_type": "t5"}))
 
 
 def test_the_runtime_refuses_to_build_one_and_serving_prices_it(tmp_path, capsys):

@@ -1,17 +1,16 @@
 """Hugging Face ``config.json`` of families serving engines run but flexmesh's runtime does not build: their shapes,
 for pricing (serve simulate, serve plan, plan), never for training.
 
-vLLM serves OPT, GPT-NeoX (Pythia), Falcon, Gemma and Gemma 2, GPT-2, GPT-BigCode (StarCoder), GPT-J, Phi, Phi-3
-and StarCoder2; a serving plan prices a model by its shapes alone (its GEMMs, its attention heads and KV heads, its
-vocabulary, its context; sliding windows are read, but serving prices every layer's attention and KV over the whole
-context). :func:`priced_from_hf_dict` reads those from each family's config as
-its transformers config class defines them (a missing field takes that class's default) and gives a
-:class:`~flexmesh.spec.shape.ModelSpec` marked ``priced_only`` with its family: ``build_model`` refuses it in one
-line. What changes the math but not the shapes (OPT's ReLU, partial rotary, parallel attention and MLP, Gemma's
-scaled embedding, soft-capping and GeGLU's tanh, which linears of a family carry biases) is not modelled; a
-non-gated MLP is priced as two matrices (``activation`` gelu), a gated one as three (swiglu). What changes the shapes
-and is not read here is refused: OPT's ``word_embed_proj_dim`` other than ``hidden_size`` (its projections in and
-out), Falcon's ALiBi.
+vLLM serves OPT, GPT-NeoX (Pythia), Falcon, Gemma and Gemma 2, GPT-2, GPT-BigCode (StarCoder), GPT-J, Phi, Phi-3,
+StarCoder2, MPT and BLOOM; a serving plan prices a model by its shapes alone (its GEMMs, its attention heads and KV
+heads, its vocabulary, its context; sliding windows are read, but serving prices every layer's attention and KV over
+the whole context). :func:`priced_from_hf_dict` reads those from each family's config as its transformers config
+class defines them (a missing field takes that class's default) and gives a :class:`~flexmesh.spec.shape.ModelSpec`
+marked ``priced_only`` with its family: ``build_model`` refuses it in one line. What changes the math but not the
+shapes (OPT's ReLU, partial rotary, ALiBi, parallel attention and MLP, Gemma's scaled embedding, soft-capping and
+GeGLU's tanh, which linears of a family carry biases) is not modelled; a non-gated MLP is priced as two matrices
+(``activation`` gelu), a gated one as three (swiglu). What changes the shapes and is not read here is refused: OPT's
+``word_embed_proj_dim`` other than ``hidden_size`` (its projections in and out), Falcon's ALiBi.
 
 >>> spec = priced_from_hf_dict({"model_type": "opt", "num_hidden_layers": 40, "hidden_size": 5120,
 ...                             "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272}, "opt-13b")
@@ -27,7 +26,7 @@ from flexmesh.errors import SpecError
 from flexmesh.spec.shape import ModelSpec
 
 PRICED_FAMILIES = ("opt", "gpt_neox", "falcon", "gemma", "gemma2", "gpt2", "gpt_bigcode", "gptj", "phi", "phi3",
-                   "starcoder2")
+                   "starcoder2", "mpt", "bloom")
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -70,9 +69,9 @@ def priced_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config
     family = cfg.get("model_type")
     if family not in PRICED_FAMILIES:
         raise SpecError(f"{where}: model_type {family!r} is not one of {', '.join(PRICED_FAMILIES)}")
-    layers = _int(cfg, where, "num_hidden_layers", "n_layer")
-    hidden = _int(cfg, where, "hidden_size", "n_embd")
-    heads = _int(cfg, where, "num_attention_heads", "n_head")
+    layers = _int(cfg, where, "num_hidden_layers", "n_layer", "n_layers")
+    hidden = _int(cfg, where, "hidden_size", "n_embd", "d_model")
+    heads = _int(cfg, where, "num_attention_heads", "n_head", "n_heads")
     vocab = _int(cfg, where, "vocab_size")
     kw: dict[str, Any] = {"norm": "layernorm", "activation": "gelu", "kv": heads, "tie": False, "bias": True,
                           "position": "rope", "head_dim": None, "window": (None, None)}
@@ -100,6 +99,18 @@ def priced_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config
         ctx = _int(cfg, where, "max_position_embeddings", default=4096)
         kw.update(kv=_int(cfg, where, "num_key_value_heads", default=2), bias=bool(cfg.get("use_bias", True)),
                   tie=bool(cfg.get("tie_word_embeddings", True)), window=_windows(cfg, where, layers))
+    elif family == "mpt":  # ALiBi (no position weights), expansion_ratio x d_model MLP, tied
+        attn = cfg.get("attn_config") or {}
+        if not isinstance(attn, dict):
+            raise SpecError(f"{where}: attn_config must be an object, got {attn!r}")
+        ffn = int(_int(cfg, where, "expansion_ratio", default=4) * hidden)
+        ctx = _int(cfg, where, "max_seq_len", default=2048)
+        kw.update(kv=_int(attn, where, "kv_n_heads", default=heads), bias=not cfg.get("no_bias", True),
+                  tie=bool(cfg.get("tie_word_embeddings", True)))
+    elif family == "bloom":  # ALiBi, a 4 x hidden MLP, tied; context: ALiBi sets none, priced at the 2048 it trained
+        ffn = 4 * hidden
+        ctx = _int(cfg, where, "seq_length", "max_position_embeddings", default=2048)
+        kw.update(tie=bool(cfg.get("tie_word_embeddings", True)))
     elif family == "opt":
         if cfg.get("word_embed_proj_dim", hidden) != hidden:
             raise SpecError(f"{where}: an OPT word_embed_proj_dim ({cfg['word_embed_proj_dim']}) other than "
