@@ -88,7 +88,7 @@ def test_spec_dict_round_trip_keeps_new_fields():
     ({"attention_dropout": 0.1}, "attention_dropout 0.1"),
     ({"dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"model_type": "bloom"}, "llama, mistral, qwen2, qwen3"),
+    ({"model_type": "t5"}, "llama, mistral, qwen2, qwen3"),
 ])
 def test_unsupported_fields_are_one_line_errors(tmp_path, cfg, words):
     with pytest.raises(SpecError) as e:

@@ -51,7 +51,7 @@ def test_hf_config_missing_field_is_named(tmp_path):
 
 def test_hf_config_unsupported_family(tmp_path):
     with pytest.raises(SpecError, match="llama, mistral, qwen2"):
-        from_hf_config(_write_cfg(tmp_path, model_type="gpt2"))
+        from_hf_config(_write_cfg(tmp_path, model_type="t5"))
 
 
 def test_cluster_strings():
