@@ -117,3 +117,7 @@ def test_sliding_windows_are_read_where_the_family_has_them():
     with pytest.raises(SpecError, match="layer_types must list one type per layer"):
         priced_from_hf_dict({"model_type": "gemma2", "num_hidden_layers": 3, "hidden_size": 256,
                              "num_attention_heads": 4, "vocab_size": 1000, "layer_types": ["full_attention"]})
+    with pytest.raises(SpecError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        priced_from_hf_dict({"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 256,
+                             "num_attention_heads": 4, "vocab_size": 1000,
+                             "layer_types": ["sliding_attention", "chunked_attention"]})

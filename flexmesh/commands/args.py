@@ -155,6 +155,16 @@ SLOW_HELP = ("devices slower than the rest: RANK=FACTOR runs device (rank) RANK 
              "(compute stretched, communication not); train EMULATES it, for testing on one machine")
 
 
+def given_flags(flags: dict[str, object]) -> list[str]:
+    """The flags of ``{flag: value}`` that were given (a truthy value), in their order: for refusing flags that
+    cannot go together, naming the first.
+
+    >>> given_flags({"--rate": None, "--budget": 3.0, "--cascade": False, "--window": "1h"})
+    ['--budget', '--window']
+    """
+    return [flag for flag, value in flags.items() if value]
+
+
 def add_slow_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, dest: str = "slow", *old: str) -> None:
     """``--slow RANK=FACTOR,...`` (:func:`rank_factors`, a list of pairs in ``dest``; ``old``: former
     spellings kept working). Checked against the run's devices by flexmesh.spec.speeds.slow_devices.

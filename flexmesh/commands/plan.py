@@ -20,6 +20,7 @@ from flexmesh.commands.args import (
     add_slow_arg,
     add_stack_args,
     chunk_counts,
+    given_flags,
     new_file,
     nonempty,
     positive_int,
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         given = {"--lengths": args.lengths, "--tokens-per-batch": args.tokens_per_batch,
                  "--seq-len": args.seq_len != DEFAULT_SEQ_LEN, "--global-batch": args.global_batch is not None,
                  "--top": args.top != 5, "--pick": args.pick != 1}
-        named = [flag for flag, on in given.items() if on]
+        named = given_flags(given)
         if named:
             raise PlanError(f"--check validates a plan file as it is (its own sequence cap and batch); {named[0]} "
                             "steers a new search: drop it (flexmesh simulate --plan FILE --seq-len/--lengths ... "
@@ -430,7 +431,7 @@ def _uniform_only(args: argparse.Namespace) -> list[str]:
     given = {"--top": args.top != 5, "--same-mesh": args.same_mesh, "--no-recompute": args.no_recompute,
              "--mode": args.mode != "auto",
              "--pipeline-schedules": args.pipeline_schedules != ",".join(PIPELINE_SCHEDULES)}
-    return [flag for flag, on in given.items() if on]
+    return given_flags(given)
 
 
 def run_mixed(args: argparse.Namespace, cluster: MixedCluster) -> int:

@@ -27,6 +27,7 @@ from flexmesh.commands.args import (
     DEFAULT_CLUSTER,
     DefaultsHelpFormatter,
     folder,
+    given_flags,
     nonempty,
     positive_float,
     positive_fraction,
@@ -176,7 +177,7 @@ def resolve(args: argparse.Namespace) -> PlanJob:
         given = {"--trace": args.trace != "azure-conv", "--window": args.window, "--fit-context": args.fit_context,
                  "--prompt-edges": args.prompt_edges, "--output-edges": args.output_edges,
                  "--block-tokens": args.block_tokens}
-        beside = [flag for flag, on in given.items() if on]
+        beside = given_flags(given)
         if beside:
             raise SpecError(f"--buckets gives the lengths itself; {beside[0]} shapes a trace's: drop one of them")
         buckets = parse_buckets(args.buckets)
@@ -287,7 +288,7 @@ def _planned(args: argparse.Namespace, job: PlanJob, say: Callable[[str], None])
 def _check(args: argparse.Namespace) -> int:
     given = {"--rate": args.rate, "--budget": args.budget, "--buckets": args.buckets, "--cascade": args.cascade,
              "--per-dollar": args.per_dollar, "--window": args.window}
-    named = [flag for flag, on in given.items() if on]
+    named = given_flags(given)
     if named:
         raise SpecError(f"--check validates a plan file as it is; {named[0]} asks for a new plan: drop it (serve "
                         "simulate --plan FILE --rate R scores the plan at another rate)")

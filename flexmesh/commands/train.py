@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from flexmesh.commands.args import given_flags
 from flexmesh.commands.train_args import add_arguments, run_dtype
 from flexmesh.commands.train_data import (
     check_evaluation,
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     planned = _planned(args)
     launcher_only = {"--max-restarts": args.max_restarts, "--nnodes": args.nnodes, "--node-rank": args.node_rank,
                      "--rdzv-endpoint": args.rdzv_endpoint, "--rdzv-id": args.rdzv_id, "--rdzv-wait": args.rdzv_wait}
-    given = [flag for flag, value in launcher_only.items() if value is not None]
+    given = given_flags({flag: value is not None for flag, value in launcher_only.items()})
     if given:
         raise PlanError(f"{given[0]} is a flag of the launcher: add --nproc N (under torchrun, use torchrun's own "
                         "--max-restarts, --nnodes and --rdzv-* flags)")

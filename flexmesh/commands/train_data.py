@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from flexmesh.commands.args import given_flags
 from flexmesh.commands.train_domains import domain_evals, mixture_loader
 from flexmesh.commands.train_job import scheduler
 from flexmesh.errors import PlanError
@@ -129,9 +130,9 @@ def check_evaluation(args: argparse.Namespace, plan: Plan, spec) -> None:  # noq
     """Refuse ``--eval-corpus`` (or the domains' eval corpora) and ``--reweight`` where their forwards outside
     the step do not run (flexmesh.runtime.train.trainer.Trainer.forward_only): a pipeline, LoRA tasks,
     experts."""
-    flags = [flag for flag, on in (("--eval-corpus", args.eval_corpus is not None),
-                                   ("the domains' eval corpora", args.eval_corpus is None and domain_evaluation(args)),
-                                   ("--reweight", getattr(args, "reweight", None) is not None)) if on]
+    flags = given_flags({"--eval-corpus": args.eval_corpus is not None,
+                         "the domains' eval corpora": args.eval_corpus is None and domain_evaluation(args),
+                         "--reweight": getattr(args, "reweight", None) is not None})
     if not flags:
         return
     why = ("--tasks trains adapters, each with its own loss" if args.tasks else

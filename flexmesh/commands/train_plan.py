@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from flexmesh.commands.args import given_flags
 from flexmesh.errors import PlanError
 from flexmesh.layout.plan import Plan
 from flexmesh.runtime.state.rundir import PLAN_FILE
@@ -45,7 +46,7 @@ def check_flags(args: argparse.Namespace) -> None:
     """Flags that constrain planning make no sense beside ``--plan`` (the plan fixes them): one line."""
     if args.plan is None:
         return
-    given = [f"--{n}" for n in ("tp", "pp", "zero", "cluster") if getattr(args, n, None) is not None]
+    given = given_flags({f"--{n}": getattr(args, n, None) is not None for n in ("tp", "pp", "zero", "cluster")})
     if given:
         raise PlanError(f"{given[0]} constrains the plan a run makes without --plan; with --plan the plan's layout "
                         "and cluster hold: drop it, or drop --plan")

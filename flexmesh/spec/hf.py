@@ -21,7 +21,7 @@ from typing import Any
 from flexmesh.errors import SpecError
 from flexmesh.files import read_json
 from flexmesh.spec.hf_moe import MOE_FAMILIES, moe_family, moe_from_hf, moe_to_hf
-from flexmesh.spec.hf_priced import PRICED_FAMILIES, priced_from_hf_dict
+from flexmesh.spec.hf_priced import PRICED_FAMILIES, layer_slides, priced_from_hf_dict, window_pair
 from flexmesh.spec.shape import ModelSpec, RopeScaling
 from flexmesh.spec.values import flag, number, whole
 
@@ -101,7 +101,7 @@ def spec_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config.j
     if float(cfg.get("attention_dropout") or 0.0) != 0.0:
         raise SpecError(f"{where}: attention_dropout {cfg['attention_dropout']} is not supported "
                         "(the flexmesh runtime has no dropout); set it to 0.0")
-    _check_layer_types(cfg, where)
+    layer_slides(cfg, where, cfg["num_hidden_layers"])
     heads = cfg["num_attention_heads"]
     # An explicit null means "as many as query heads" in every family; an absent key is the default.
     kv_heads = cfg.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads
@@ -164,10 +164,8 @@ def hf_sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, .
     if family == "qwen2":
         if not cfg.get("use_sliding_window", False):
             window = None
-        types = cfg.get("layer_types")
-        if types is not None:
-            slides = tuple(t == "sliding_attention" for t in types)
-        else:
+        slides = layer_slides(cfg, "config.json", layers)
+        if slides is None:
             start = cfg.get("max_window_layers", 28)  # Qwen2Config's default
             slides = tuple(i >= start for i in range(layers))
     elif family == "mistral":
@@ -175,9 +173,7 @@ def hf_sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, .
     else:
         window = None
         slides = (False,) * layers
-    if window is None or not any(slides):
-        return None, None
-    return int(window), None if all(slides) else slides
+    return window_pair(window, slides)
 
 
 def _window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, ...] | None]:
@@ -245,17 +241,6 @@ def _dtype(cfg: dict, where: str) -> str:
     if not isinstance(raw, str) or raw not in _DTYPES:
         raise SpecError(f"{where}: dtype {raw!r} is not supported; use one of {', '.join(_DTYPES)}")
     return _DTYPES[raw]
-
-
-def _check_layer_types(cfg: dict, where: str) -> None:
-    types = cfg.get("layer_types")
-    if types is None:
-        return
-    if not isinstance(types, list) or len(types) != cfg["num_hidden_layers"]:
-        raise SpecError(f"{where}: layer_types must list one type per layer ({cfg['num_hidden_layers']})")
-    odd = sorted({str(t) for t in types if t not in ("full_attention", "sliding_attention")})
-    if odd:
-        raise SpecError(f"{where}: layer_types {odd} are not supported; only full_attention and sliding_attention")
 
 
 def _rope(cfg: dict, max_position: int, where: str) -> tuple[float, RopeScaling | None]:

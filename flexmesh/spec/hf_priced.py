@@ -43,25 +43,39 @@ def _int(cfg: dict, where: str, *keys: str, default: Any = None) -> int:
     return int(default)
 
 
+def layer_slides(cfg: dict, where: str, layers: int) -> tuple[bool, ...] | None:
+    """Which layers the config's ``layer_types`` marks ``"sliding_attention"`` (None without that list); a list
+    of another length, or a type other than full or sliding attention, is refused."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != layers:
+        raise SpecError(f"{where}: layer_types must list one type per layer ({layers}), got {types!r}")
+    odd = sorted({str(t) for t in types if t not in ("full_attention", "sliding_attention")})
+    if odd:
+        raise SpecError(f"{where}: layer_types {odd} are not supported; only full_attention and sliding_attention")
+    return tuple(t == "sliding_attention" for t in types)
+
+
+def window_pair(window: int | None, slides: tuple[bool, ...]) -> tuple[int | None, tuple[bool, ...] | None]:
+    """``(sliding_window, window_layers)`` as a :class:`~flexmesh.spec.shape.ModelSpec` holds them: None where no
+    layer slides, window_layers None where every layer does."""
+    if window is None or not any(slides):
+        return None, None
+    return int(window), None if all(slides) else slides
+
+
 def _windows(cfg: dict, where: str, layers: int, default: Any = None,
              sliding: Any = None) -> tuple[int | None, tuple[bool, ...] | None]:
-    """``(sliding_window, window_layers)``: the config's ``sliding_window`` (else ``default``) on the layers its
-    ``layer_types`` marks ``"sliding_attention"``, else on those ``sliding(i)`` says (else every layer); None where
-    no layer slides, window_layers None where every layer does."""
+    """The config's ``sliding_window`` (else ``default``) on the layers its ``layer_types`` marks sliding, else on
+    those ``sliding(i)`` says (else every layer), as :func:`window_pair` gives them."""
     window = cfg.get("sliding_window", default)
-    if window is None:
-        return None, None
-    window = _int({"sliding_window": window}, where, "sliding_window")
-    types = cfg.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != layers:
-            raise SpecError(f"{where}: layer_types must list one type per layer ({layers}), got {types!r}")
-        slides = tuple(t == "sliding_attention" for t in types)
-    else:
+    if window is not None:
+        window = _int({"sliding_window": window}, where, "sliding_window")
+    slides = layer_slides(cfg, where, layers)
+    if slides is None:
         slides = tuple(sliding(i) if sliding else True for i in range(layers))
-    if not any(slides):
-        return None, None
-    return window, None if all(slides) else slides
+    return window_pair(window, slides)
 
 
 def priced_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config.json") -> ModelSpec:
