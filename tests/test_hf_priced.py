@@ -65,8 +65,6 @@ def test_what_changes_the_shapes_and_is_not_read_is_refused(tmp_path):
     opt350 = {**CONFIGS["opt-13b"][0], "word_embed_proj_dim": 512}
     with pytest.raises(SpecError, match="word_embed_proj_dim"):
         parse_model(_write(tmp_path, "opt350", opt350))
-    with pytest.raises(SpecError, match="ALiBi"):
-        parse_model(_write(tmp_path, "alibi", {**CONFIGS["falcon-7b"][0], "alibi": True}))
     with pytest.raises(SpecError, match="missing num_hidden_layers"):
         parse_model(_write(tmp_path, "short", {"model_type": "opt", "hidden_size": 64}))
     with pytest.raises(SpecError, match="priced for serving only, opt, gpt_neox, falcon, gemma, gemma2, gpt2, "):
@@ -97,6 +95,20 @@ def test_each_family_has_the_parameters_transformers_builds_from_its_default_con
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     # within a family's biases priced where it has none (GPT-J's attention, Falcon's dense), under 0.02%
+    assert spec.total_params == pytest.approx(sum(p.numel() for p in model.parameters()), rel=2e-4)
+
+
+def test_an_alibi_falcon_reads_to_the_size_transformers_builds():
+    """Falcon-RW-1B's shapes (ALiBi, no rotary; vLLM's FalconAttention serves it with ALiBi slopes): ALiBi has no
+    weights, so the count matches the model transformers builds as the rotary ones do."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconConfig(alibi=True, num_hidden_layers=24, hidden_size=2048, num_attention_heads=32,
+                                       multi_query=False, parallel_attn=False, bias=True, vocab_size=50304)
+    spec = priced_from_hf_dict(config.to_dict(), "falcon-rw-1b")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert spec.num_kv_heads == 32
     assert spec.total_params == pytest.approx(sum(p.numel() for p in model.parameters()), rel=2e-4)
 
 

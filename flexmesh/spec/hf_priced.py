@@ -10,7 +10,7 @@ marked ``priced_only`` with its family: ``build_model`` refuses it in one line. 
 shapes (OPT's ReLU, partial rotary, ALiBi, parallel attention and MLP, Gemma's scaled embedding, soft-capping and
 GeGLU's tanh, which linears of a family carry biases) is not modelled; a non-gated MLP is priced as two matrices
 (``activation`` gelu), a gated one as three (swiglu). What changes the shapes and is not read here is refused: OPT's
-``word_embed_proj_dim`` other than ``hidden_size`` (its projections in and out), Falcon's ALiBi.
+``word_embed_proj_dim`` other than ``hidden_size`` (its projections in and out).
 
 >>> spec = priced_from_hf_dict({"model_type": "opt", "num_hidden_layers": 40, "hidden_size": 5120,
 ...                             "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272}, "opt-13b")
@@ -137,8 +137,6 @@ def priced_from_hf_dict(cfg: dict, name: str | None = None, where: str = "config
         ctx = _int(cfg, where, "max_position_embeddings", default=2048)
         kw.update(tie=bool(cfg.get("tie_word_embeddings", False)))
     elif family == "falcon":
-        if cfg.get("alibi"):
-            raise SpecError(f"{where}: Falcon with ALiBi positions is not read; vLLM's Falcon models use rotary")
         if cfg.get("new_decoder_architecture"):
             kv = _int(cfg, where, "num_kv_heads", default=heads)
         else:
