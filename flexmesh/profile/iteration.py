@@ -260,9 +260,9 @@ class ProfiledIterationTiming:
         own = decode_context + decodes + sum(q * (c + q) for c, q in chunks)
         return float(sum(c * f for c, f in zip(self._c, (1.0, n, t, k, t * k, own))))
 
-    def decode_run_s(self, decodes: int, decode_context: int, steps: int) -> float:
-        """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``decodes``
-        tokens to it), in closed form: each iteration is affine in the context, which grows by ``decodes``.
+    def decode_run_s(self, decodes: int, decode_context: int, steps: int, growth: float | None = None) -> float:
+        """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``growth``
+        tokens to it, ``decodes`` when not given), in closed form: each iteration is affine in the context.
 
         >>> t = ProfiledIterationTiming(EngineProfile({}, {}, dict(zip(TERMS, (1e-3, 1e-4, 2e-5, 1e-7, 1e-8, 2e-8)))))
         >>> one_by_one = sum(t.split_s(4, 400 + 4 * j, ()) for j in range(7))
@@ -272,7 +272,7 @@ class ProfiledIterationTiming:
         first = self.split_s(decodes, decode_context, ())
         c0, c_req, c_tok, c_kv, c_batch, c_own = self._c
         per_context = c_kv + c_batch * decodes + c_own  # d(seconds) / d(decode_context) at fixed decodes
-        return steps * first + per_context * decodes * (steps * (steps - 1) / 2)
+        return steps * first + per_context * (decodes if growth is None else growth) * (steps * (steps - 1) / 2)
 
 
 def price_runs(runs: Sequence[Sequence[dict]], timing: ProfiledIterationTiming) -> list[float]:

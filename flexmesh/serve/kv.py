@@ -30,14 +30,17 @@ from flexmesh.errors import SpecError
 class KVBlocks:
     """Block counts of one replica's KV cache (one device's: every device of a replica holds the same blocks)."""
 
-    def __init__(self, total: int, block_tokens: int, prefix_tokens: int = 0, cap_blocks: int | None = None):
+    def __init__(self, total: int, block_tokens: int, prefix_tokens: int = 0, cap_blocks: int | None = None,
+                 entry_groups: int = 1):
         if prefix_tokens and prefix_tokens % block_tokens:
             raise SpecError(f"prefix blocks of {prefix_tokens} tokens are not whole KV blocks of {block_tokens}; give "
                             "a KV block size that divides them (--block-tokens) or turn prefix caching off")
         self.total = total
         self.block_tokens = block_tokens
         self.prefix_tokens = prefix_tokens  # 0: no prefix cache
-        self.entry_blocks = prefix_tokens // block_tokens if prefix_tokens else 0
+        # blocks of one prefix entry: a block per ``block_tokens`` in each of the ``entry_groups`` KV groups that
+        # keep a whole prefix (with sliding layers, the full-attention ones: flexmesh.serve.replica's module doc)
+        self.entry_blocks = prefix_tokens // block_tokens * entry_groups if prefix_tokens else 0
         self.cap_blocks = cap_blocks
         self.own = 0  # blocks requests hold outside the prefix cache
         self.refs: dict[int, int] = {}  # cached ids and the requests referring to them

@@ -26,6 +26,14 @@ Decoding requests are kept summed (their count, their contexts' sum, their next 
 iteration modulo the block size, their finishing iterations in a heap), so an iteration costs the
 simulator constant time in them: what makes a million requests a minute possible on one core.
 
+A model whose layers slide (:class:`~flexmesh.cost.inference.memory.KVGroups`: vLLM's hybrid KV cache) is
+counted in group blocks: a request holds blocks for its whole context in the full-attention groups and for at
+most the window in the sliding ones (a chunk's transient ``window - 1 + chunk`` tokens are not modelled), and its
+decodes read that much. The decoding requests still short of the window are summed apart (their count, their
+contexts, their block boundaries), each leaving that set in the iteration its context reaches the window (a
+second heap), so the iteration's price gets the KV its decodes read (a mean over the layers) and its block
+count what they take, still in constant time.
+
 Roles: an ``aggregated`` replica serves a request start to end; a ``prefill`` replica stops after the first
 token and holds the KV until a decode replica has fetched it (:meth:`release_held`); a ``decode`` replica
 admits a handed-off request once it has room for its KV, then waits for the transfer before decoding it.
@@ -33,12 +41,14 @@ admits a handed-off request once it has room for its KV, then waits for the tran
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from flexmesh.cost.inference.memory import FULL_ATTENTION, KVGroups
 from flexmesh.cost.inference.timing import EngineLoop
 from flexmesh.data.requests import Request
 from flexmesh.serve.kv import KVBlocks
@@ -47,15 +57,15 @@ from flexmesh.serve.layout.roles import Role
 from flexmesh.serve.queues import QueuePolicy
 
 Price = Callable[[int, int, Sequence[tuple[int, int]]], float]
-RunPrice = Callable[[int, int, int], float]
+RunPrice = Callable[..., float]  # (decodes, decode_context, steps[, growth])
 
 
 @dataclass(frozen=True)
 class ReplicaTiming:
     """What a replica's iterations cost: ``price(decodes, decode_context, chunks)`` of one iteration
-    (:func:`flexmesh.cost.inference.timing.split_s`'s form), ``run_price(decodes, decode_context, steps)`` of that
-    many decode-only iterations in a row where the timing prices them at once (None: one by one), and its engine's
-    loop costs (none for a price of GPU kernels)."""
+    (:func:`flexmesh.cost.inference.timing.split_s`'s form), ``run_price(decodes, decode_context, steps, growth)`` of
+    that many decode-only iterations in a row where the timing prices them at once (None: one by one; ``growth`` the
+    context each adds, ``decodes`` when not given), and its engine's loop costs (none for a price of GPU kernels)."""
 
     price: Price
     run_price: RunPrice | None = None
@@ -84,7 +94,7 @@ class Req:
 
     __slots__ = ("r", "tokens", "computed", "outputs", "target", "ids", "shared", "own", "remote", "first_token_s",
                  "replica", "decode_replica", "preemptions", "cached", "j", "c0", "o0", "key", "gen", "src",
-                 "handed_s", "stage", "uid", "group", "branch", "cancelled")
+                 "handed_s", "stage", "uid", "group", "branch", "cancelled", "low")
 
     def __init__(self, r: Request, target: int, ids: tuple[int, ...]):
         self.r = r
@@ -109,6 +119,7 @@ class Req:
         self.group: object = None  # test-time scaling: the branches of its request (the simulator's)
         self.branch = 0
         self.cancelled = False  # dropped: no longer wanted
+        self.low = False  # decoding with a context short of the model's sliding window (module doc)
 
 
 class SimulatedReplica:
@@ -116,8 +127,13 @@ class SimulatedReplica:
 
     def __init__(self, index: int, role: Role, timing: ReplicaTiming, kv: KVBlocks, knobs: EngineKnobs,
                  queue: QueuePolicy, scheduler: ReplicaScheduler, rates: tuple[float, float],
-                 sample_every_s: float = float("inf"), charges: Charges | None = None):
+                 sample_every_s: float = float("inf"), charges: Charges | None = None,
+                 groups: KVGroups | None = None):
         self.index, self.role, self.price, self.kv = index, role, timing.price, kv
+        # the model's KV groups (module doc); ``win`` None: no layer slides, every count as without groups
+        self.groups = groups or FULL_ATTENTION
+        self.win = self.groups.window if self.groups.windowed else None
+        self.n_full, self.n_slide, self.units = self.groups.full, self.groups.sliding, self.groups.groups
         self.run_price = timing.run_price  # decode-only iterations in a row, where the timing prices them at once
         loop = timing.loop
         self.after_idle, self.idle_gap_s = loop.after_idle, loop.idle_gap_s  # the first iteration after idling
@@ -139,6 +155,10 @@ class SimulatedReplica:
         self.held: dict[int, tuple[int, int]] = {}  # prefill role: (own blocks, shared ids) until fetched
         self.dec_n = self.dec_ctx = 0
         self.bucket = [0] * self.bs  # decoding requests by the iteration (mod bs) they need a new block in
+        # of them, those short of the sliding window (module doc): count, contexts' sum, blocks, leaving iterations
+        self.low_n = self.low_ctx = 0
+        self.bucket_low = [0] * self.bs
+        self.crossings: list[tuple[int, int, int, Req]] = []  # (iteration its context reaches the window, seq, gen, q)
         self.ends: list[tuple[int, int, int, Req]] = []  # (finishing iteration, seq, gen, request)
         self.sched: list[tuple[Req, int]] = []
         self.iteration = 0
@@ -179,7 +199,7 @@ class SimulatedReplica:
         return prompt_tokens * self.s_prefill + output_tokens * self.s_decode
 
     def kv_load(self) -> float:
-        return (self.kv.used + self.waiting_prompt / self.bs) / self.kv.total
+        return (self.kv.used + self.waiting_prompt * self.units / self.bs) / self.kv.total
 
     # ---- requests in ----------------------------------------------------------------------------------
     def push(self, q: Req, now: float = 0.0) -> None:
@@ -207,8 +227,34 @@ class SimulatedReplica:
 
     # ---- one iteration --------------------------------------------------------------------------------
     def blocks_for(self, q: Req, computed: int) -> int:
-        """Own blocks ``q`` needs to hold ``computed`` tokens (its prefix entries hold the shared ones)."""
-        return -(-(computed - q.shared * self.prefix_tokens) // self.bs)
+        """Own blocks ``q`` needs to hold ``computed`` tokens (its prefix entries hold the shared ones; with
+        sliding layers, the full groups' share, the sliding groups' blocks being its own: module doc)."""
+        own = -(-(computed - q.shared * self.prefix_tokens) // self.bs)
+        if self.win is None:
+            return own
+        return self.n_full * own + self.n_slide * -(-min(computed, self.win) // self.bs)
+
+    def held_context(self) -> int:
+        """The KV tokens the decoding requests read, over every layer on average (their contexts' sum when no
+        layer slides)."""
+        if self.win is None:
+            return self.dec_ctx
+        held = self.low_ctx + self.win * (self.dec_n - self.low_n)
+        return round((self.n_full * self.dec_ctx + self.n_slide * held) / self.units)
+
+    def _cross(self, i: int) -> None:
+        """The decoding requests whose context reaches the window by iteration ``i`` leave the set short of it."""
+        crossings = self.crossings
+        while crossings and crossings[0][0] <= i:
+            _, _, gen, q = heapq.heappop(crossings)
+            if gen == q.gen and q.low:
+                self._leave_low(q, q.c0 + i - q.j)
+
+    def _leave_low(self, q: Req, computed: int) -> None:
+        q.low = False
+        self.low_n -= 1
+        self.low_ctx -= computed
+        self.bucket_low[q.key] -= 1
 
     def _join(self, q: Req, j: int) -> None:
         """``q`` decodes from iteration ``j``: summed with the others."""
@@ -220,6 +266,12 @@ class SimulatedReplica:
         self.dec_ctx += q.computed
         self._seq += 1
         heapq.heappush(self.ends, (j + q.target - q.outputs - 1, self._seq, q.gen, q))
+        if self.win is not None and q.computed < self.win:
+            q.low = True
+            self.low_n += 1
+            self.low_ctx += q.computed
+            self.bucket_low[q.key] += 1
+            heapq.heappush(self.crossings, (j + self.win - q.computed, self._seq, q.gen, q))
         self.running[q.uid] = q
 
     def _leave_decoding(self, q: Req, computed: int) -> None:
@@ -227,6 +279,8 @@ class SimulatedReplica:
         self.dec_n -= 1
         self.dec_ctx -= computed
         self.bucket[q.key] -= 1
+        if q.low:
+            self._leave_low(q, computed)
         q.gen += 1
         q.outputs = q.o0 + computed - q.c0
         q.computed = computed
@@ -258,6 +312,8 @@ class SimulatedReplica:
             for q in self.ready:
                 self._join(q, i)
             self.ready.clear()
+        if self.crossings:
+            self._cross(i)
         self.sched.clear()
         chunks: list[tuple[int, int]] = []
         self.paused = False
@@ -269,18 +325,18 @@ class SimulatedReplica:
             decodes = context = 0
         else:
             # 1. the decoding requests' new blocks
-            need = self.bucket[i % bs]
+            need = self.bucket[i % bs] if self.win is None else self._need(i % bs)
             if need:
                 kv = self.kv
                 while need and not kv.can_allocate(need):
                     self.preempt(next(reversed(self.running.values())))
-                    need = self.bucket[i % bs]
+                    need = self.bucket[i % bs] if self.win is None else self._need(i % bs)
                 if need:
                     kv.allocate(need)
             tokens = self.dec_n
             if not self.prefill_first and (self.prefilling or len(self.waiting)):
                 tokens = self.max_tokens - self.scheduler.fill(self, self.max_tokens - self.dec_n, chunks, now)
-            decodes, context = self.dec_n, self.dec_ctx
+            decodes, context = self.dec_n, self.dec_ctx if self.win is None else self.held_context()
         if now >= self._next_sample or (tokens == 0 and self.samples and self.samples[-1][3] != 0):
             self._sample(now, tokens)
         if tokens == 0:
@@ -298,6 +354,10 @@ class SimulatedReplica:
             self.owed = 0.0
         return now + took
 
+    def _need(self, key: int) -> int:
+        """Group blocks the decodes of an iteration at ``key`` (mod bs) take, when layers slide."""
+        return self.n_full * self.bucket[key] + self.n_slide * self.bucket_low[key]
+
     def coast(self, now: float, limit: float) -> float:
         """Run, at once, the decode-only iterations that end before ``limit`` (the next event elsewhere) and
         finish no request: nothing else can happen meanwhile, so only their sums change. The time they end
@@ -310,11 +370,20 @@ class SimulatedReplica:
             heapq.heappop(ends)
         i, b = self.iteration, self.dec_n
         steps = ends[0][0] - i if ends else 0  # iterations before one finishes a request
+        run: RunPrice = self.run_price
+        ctx = self.dec_ctx
+        if self.win is not None:  # no request may reach the window meanwhile; the KV read grows by the decodes'
+            crossings = self.crossings  # mean over the layers
+            while crossings and (crossings[0][2] != crossings[0][3].gen or not crossings[0][3].low):
+                heapq.heappop(crossings)
+            if crossings:
+                steps = min(steps, crossings[0][0] - i)
+            ctx = self.held_context()
+            run = functools.partial(run, growth=(self.n_full * b + self.n_slide * self.low_n) / self.units)
         limit = min(limit, self._next_sample)
         if steps < 2 or limit <= now:
             return now
-        run = self.run_price
-        first, two = run(b, self.dec_ctx, 1), run(b, self.dec_ctx, 2)
+        first, two = run(b, ctx, 1), run(b, ctx, 2)
         slope = two - 2 * first  # each iteration's time grows by this much (its context grows by b)
         room = limit - now
         if slope > 0:
@@ -322,19 +391,24 @@ class SimulatedReplica:
         else:
             k = int(room / first)
         k = min(k, steps)
-        while k > 0 and not now + run(b, self.dec_ctx, k) < limit:
+        while k > 0 and not now + run(b, ctx, k) < limit:
             k -= 1
         if k < 2:
             return now
         bs, bucket = self.bs, self.bucket
         cycles, rest = divmod(k, bs)
         need = cycles * b + sum(bucket[(i + m) % bs] for m in range(rest))  # a block each per bs iterations
+        if self.win is not None:
+            low = self.bucket_low
+            need = self.n_full * need + self.n_slide * (cycles * self.low_n + sum(low[(i + m) % bs]
+                                                                                 for m in range(rest)))
         if need and not self.kv.can_allocate(need):
             return now
         if need:
             self.kv.allocate(need)
-        took = run(b, self.dec_ctx, k)
+        took = run(b, ctx, k)
         self.dec_ctx += b * k
+        self.low_ctx += self.low_n * k
         self.pending_outputs -= b * k
         self.iteration += k
         self.iterations += k
@@ -376,7 +450,7 @@ class SimulatedReplica:
         kv = self.kv
         if q.remote:  # a handed-off request: room for the KV it will receive
             assert now >= q.handed_s, "a decode replica admitted a request before it was handed off"
-            blocks = -(-q.computed // self.bs)
+            blocks = self.groups.blocks(q.computed, self.bs)
             if not kv.can_allocate(blocks):
                 return False
             self.waiting.pop()
@@ -392,6 +466,8 @@ class SimulatedReplica:
         computed = hit * self.prefix_tokens
         n = min(q.tokens - computed, budget)
         blocks = -(-n // self.bs)
+        if self.win is not None:
+            blocks = self.n_full * blocks + self.n_slide * -(-min(computed + n, self.win) // self.bs)
         idle_hits = sum(1 for i in q.ids[:hit] if kv.refs[i] == 0)
         if not kv.can_allocate(blocks + idle_hits * kv.entry_blocks):
             return False
@@ -425,6 +501,7 @@ class SimulatedReplica:
         paused = self.paused
         if not paused:
             self.dec_ctx += self.dec_n
+            self.low_ctx += self.low_n
             self.pending_outputs -= self.dec_n
         ends = self.ends
         while not paused and ends and ends[0][0] <= i:

@@ -47,7 +47,7 @@ from typing import Any
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.band import Band, part_bands
-from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity, served_dtype
+from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_capacity, kv_groups, served_dtype
 from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.cost.inference.timing import (
     EngineLoop,
@@ -292,13 +292,16 @@ class Fleet:
             serving = [rep for rep in self.replicas if rep.spec.tier == t]
             if not any(rep.spec.role != Role.DECODE for rep in serving):
                 raise FlexmeshError(f"request {r.id} needs model {t} ({m.name}); no replica of the fleet serves it")
+            groups = kv_groups(m)
+            needs = f"{total:,}" if not groups.windowed else \
+                f"{total:,} ({groups.held(total):,.0f} of every layer's, its sliding layers holding {groups.window:,})"
             for rep, cap in zip(self.replicas, self.capacities):
                 decode = rep.spec.role == Role.DECODE
                 if rep.spec.tier != t or (routing is not None and not routing.weighs(k, rep.index, decode)):
                     continue
-                if cap.tokens < total:
+                if groups.blocks(total, cap.block_tokens) > cap.blocks * groups.groups:
                     raise FlexmeshError(f"replica {rep.index} ({rep.spec.label} on {rep.device.name}) holds "
-                                        f"{cap.tokens:,} KV tokens, fewer than request {r.id}'s {total:,}; raise its "
+                                        f"{cap.tokens:,} KV tokens, fewer than request {r.id}'s {needs}; raise its "
                                         "tp or pp, or scale the lengths (--fit-context)")
 
     def run(self, workload: Workload, options: RunOptions | None = None,
@@ -362,19 +365,28 @@ class FleetRun:
                    / 2) / len(workload)
         reps = []
         for r, t, cap, k in zip(fleet.replicas, fleet.timings, fleet.capacities, fleet.replica_knobs):
+            model = fleet.models[r.spec.tier]
+            groups = kv_groups(model)
             caching = k.prefix_caching and prefix_tokens > 0
             if caching and prefix_tokens % k.block_tokens:
                 self.notes.append(f"replica {r.index}: prefix blocks of {prefix_tokens} tokens are not whole KV blocks "
                                   f"of {k.block_tokens}; prefix caching off")
                 caching = False
+            if caching and groups.windowed and not groups.full:
+                self.notes.append(f"replica {r.index}: every layer of {model.name} slides; a prefix cache of its "
+                                  "window's blocks is not simulated, prefix caching off")
+                caching = False
             batch = min(k.max_seqs, ROUTER_DECODE_BATCH)
             rates = (t.price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
-                     t.price(batch, int(batch * typical), []) / batch)
-            queue = make_queue(opts.queue, opts.predictor, k.max_seqs, fleet.models[r.spec.tier].max_position)
-            kv = KVBlocks(cap.blocks, k.block_tokens, prefix_tokens if caching else 0, k.prefix_cache_blocks)
+                     t.price(batch, int(batch * groups.held(typical)), []) / batch)
+            queue = make_queue(opts.queue, opts.predictor, k.max_seqs, model.max_position)
+            # with sliding layers the pool is of group blocks (G blocks of every layer's: flexmesh.serve.replica)
+            g = groups.groups
+            kv = KVBlocks(cap.blocks * g, k.block_tokens, prefix_tokens if caching else 0,
+                          None if k.prefix_cache_blocks is None else k.prefix_cache_blocks * g, groups.full)
             scheduler = make_scheduler(fleet.engine.scheduler_name)
             reps.append(SimulatedReplica(r.index, r.spec.role, t, kv, k, queue, scheduler, rates,
-                                         span / max(opts.timeline_points, 1)))
+                                         span / max(opts.timeline_points, 1), groups=groups))
         return reps
 
     def _routers(self) -> tuple[list[Router[SimulatedReplica] | None], list[Router[SimulatedReplica] | None]]:
@@ -494,7 +506,8 @@ class FleetRun:
     def on_fetch(self, q: Req, now: float) -> None:
         """A decode replica admitted ``q``: its KV crosses the link between the two replicas."""
         assert q.src is not None and q.decode_replica is not None
-        nbytes = q.r.prompt_tokens * kv_bytes_per_token(self.fleet.model)
+        model = self.fleet.model
+        nbytes = kv_groups(model).held(q.r.prompt_tokens) * kv_bytes_per_token(model)
         self.push(now + self.fleet.path(q.src.index, q.decode_replica).seconds(nbytes), self.on_transfer_done, q)
 
     # ---- helpers -----------------------------------------------------------------------------------------
@@ -573,7 +586,8 @@ class FleetRun:
         start = min(rec.arrival_s for rec in records)
         reports = tuple(
             ReplicaReport(r.index, r.spec.label, r.device.name, r.spec.group, r.spec.role, cap.blocks, cap.tokens,
-                          cap.explain(), p.iterations, p.tokens, p.busy_s / max(end - start, 1e-12), p.preemptions,
+                          cap.explain() + p.groups.explain(), p.iterations, p.tokens,
+                          p.busy_s / max(end - start, 1e-12), p.preemptions,
                           p.kv.hits / p.kv.lookups if p.kv.lookups else None, tuple(p.samples))
             for r, cap, p in zip(fleet.replicas, fleet.capacities, self.reps))
         return SimResult(tuple(records), reports, fleet.gpus, self.count, 0.0, tuple(self.notes))

@@ -3,14 +3,14 @@ for pricing (serve simulate, serve plan, plan), never for training.
 
 vLLM serves OPT, GPT-NeoX (Pythia), Falcon, Gemma and Gemma 2, GPT-2, GPT-BigCode (StarCoder), GPT-J, Phi, Phi-3,
 StarCoder2, MPT and BLOOM; a serving plan prices a model by its shapes alone (its GEMMs, its attention heads and KV
-heads, its vocabulary, its context; sliding windows are read, but serving prices every layer's attention and KV over
-the whole context). :func:`priced_from_hf_dict` reads those from each family's config as its transformers config
-class defines them (a missing field takes that class's default) and gives a :class:`~flexmesh.spec.shape.ModelSpec`
-marked ``priced_only`` with its family: ``build_model`` refuses it in one line. What changes the math but not the
-shapes (OPT's ReLU, partial rotary, ALiBi, parallel attention and MLP, Gemma's scaled embedding, soft-capping and
-GeGLU's tanh, which linears of a family carry biases) is not modelled; a non-gated MLP is priced as two matrices
-(``activation`` gelu), a gated one as three (swiglu). What changes the shapes and is not read here is refused: OPT's
-``word_embed_proj_dim`` other than ``hidden_size`` (its projections in and out).
+heads, its vocabulary, its context, its sliding windows: a sliding layer holds and reads at most its window,
+flexmesh.cost.inference.memory.KVGroups). :func:`priced_from_hf_dict` reads those from each family's config as its
+transformers config class defines them (a missing field takes that class's default) and gives a
+:class:`~flexmesh.spec.shape.ModelSpec` marked ``priced_only`` with its family: ``build_model`` refuses it in one line.
+What changes the math but not the shapes (OPT's ReLU, partial rotary, ALiBi, parallel attention and MLP, Gemma's scaled
+embedding, soft-capping and GeGLU's tanh, which linears of a family carry biases) is not modelled; a non-gated MLP is
+priced as two matrices (``activation`` gelu), a gated one as three (swiglu). What changes the shapes and is not read
+here is refused: OPT's ``word_embed_proj_dim`` other than ``hidden_size`` (its projections in and out).
 
 >>> spec = priced_from_hf_dict({"model_type": "opt", "num_hidden_layers": 40, "hidden_size": 5120,
 ...                             "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272}, "opt-13b")

@@ -12,15 +12,16 @@ the ``tp`` devices:
   each is bound by reading its weights, so the weights are read once per iteration whatever the batch;
 - the pointwise operators: two norms fused with the residual add (vLLM's ``fused_add_rms_norm`` reads and
   writes the residual too) on every tp device, rotary and the activation split by tp;
-- attention, one kernel for the batch: the decodes, one query each, read their whole KV, memory-bound
-  (:meth:`~flexmesh.cost.device.kernels.Kernels.decode_attention`: the KV bytes at the decode kernel's
-  achieved bandwidth and a cost per (request, KV head); on a profiled machine the larger of their FLOPs at the
-  attention rate and their bytes at the HBM rate); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2``
-  query-key pairs at the attention rate for blocks of ``c + n`` keys plus the per-key cost of a call, or reads
-  its KV if that is slower; plus writing the new tokens' keys and values into the cache. The call's fixed
-  cost (see :data:`VLLM_GRAPHS`): a decode-only iteration the engine replays as a CUDA graph (``graphs``) pays
-  one kernel's launch cost, one it runs eagerly and an iteration with a prefill chunk the kernel's measured fixed
-  cost;
+- attention, one kernel for the batch: the decodes, one query each, read their whole KV (``decode_context``: the tokens
+  their KV holds, at most the window in a sliding layer, a mean over the layers: KVGroups.held), memory-bound
+  (:meth:`~flexmesh.cost.device.kernels.Kernels.decode_attention`: the KV bytes at the decode kernel's achieved
+  bandwidth and a cost per (request, KV head); on a profiled machine the larger of their FLOPs at the attention rate and
+  their bytes at the HBM rate); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2`` query-key pairs at the attention
+  rate for blocks of ``c + n`` keys plus the per-key cost of a call, or reads its KV if that is slower (in a sliding
+  layer query ``i`` sees ``min(i + 1, window)`` keys: :func:`flexmesh.cost.training.work.attention_sq`, the training
+  cost's own count); plus writing the new tokens' keys and values into the cache. The call's fixed cost (see
+  :data:`VLLM_GRAPHS`): a decode-only iteration the engine replays as a CUDA graph (``graphs``) pays one kernel's launch
+  cost, one it runs eagerly and an iteration with a prefill chunk the kernel's measured fixed cost;
 - two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs), as the engine runs
   them (``all_reduce``, :data:`VLLM_GRAPHS`): NCCL's measured times (called eagerly, at least the node's host
   work per call), or the engine's own all-reduce timed inside it, replayed in a CUDA graph or called eagerly.
@@ -57,8 +58,9 @@ from flexmesh.cost.device.comm_tables import ENGINE_ALL_REDUCE
 from flexmesh.cost.device.hardware import GroupShape, Hardware, group_shape, pipeline_crossings
 from flexmesh.cost.device.kernels import Kernels
 from flexmesh.cost.device.layer_shapes import linear_shapes, pointwise_elems
-from flexmesh.cost.inference.memory import check_tp, kv_heads_per_device
+from flexmesh.cost.inference.memory import check_tp, kv_groups, kv_heads_per_device
 from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
+from flexmesh.cost.training.work import attention_sq
 from flexmesh.errors import SpecError
 from flexmesh.spec.model import ModelSpec
 
@@ -131,6 +133,9 @@ class AnalyticIteration:
         self.q_dim = model.q_dim / tp  # per device
         self.kv_heads = kv_heads_per_device(model, tp)
         self.kv_token_bytes = 2 * self.kv_heads * model.head_dim * b  # one layer, one token
+        # sliding layers: what a chunk's queries see and what its KV holds, a mean over the layers
+        self.groups = kv_groups(model)
+        self.windows = model.attention_windows if self.groups.windowed else ()
         self.hidden_bytes = h * b
         self.tp_shape = group_shape(tp, 1, hardware.cluster)
         per_node = hardware.cluster.devices_per_node
@@ -226,9 +231,13 @@ class AnalyticIteration:
             ctx, n = chunk
             new += n
             if chunk != last:  # (a batch of equal prompts is priced once)
-                flops = 4.0 * self.q_dim * (n * ctx + n * (n + 1) / 2)
-                term = max(k.attention(flops, ctx + n, fixed=False),  # one varlen call's fixed cost: below
-                           (ctx + n) * self.kv_token_bytes / self.decode_bytes_per_s)
+                if self.windows:  # query i sees min(i + 1, window) keys in a sliding layer
+                    pairs, seen = (attention_sq(ctx, ctx + n, self.windows) + n) / 2, self.groups.held(ctx + n)
+                else:
+                    pairs, seen = n * ctx + n * (n + 1) / 2, float(ctx + n)
+                flops = 4.0 * self.q_dim * pairs
+                term = max(k.attention(flops, seen, fixed=False),  # one varlen call's fixed cost: below
+                           seen * self.kv_token_bytes / self.decode_bytes_per_s)
                 last = chunk
             t += term
         if chunks and a is not None:
@@ -273,11 +282,12 @@ class AnalyticIteration:
         gpu = self.dense_s(tokens) + self.attention_s(decodes, decode_context, chunks) + self.head_s(requests)
         return max(gpu, self.cpu_s(requests)) if self.overlap else gpu + self.cpu_s(requests)
 
-    def decode_run_s(self, decodes: int, decode_context: int, steps: int) -> float:
-        """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``decodes``
-        tokens to it): the sum in closed form, every term being affine in the context (with ``overlap``, the
-        iterations whose GPU time is below the engine's own cost that cost, the rest their GPU time)."""
-        slope = self.per_key_s * decodes
+    def decode_run_s(self, decodes: int, decode_context: int, steps: int, growth: float | None = None) -> float:
+        """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``growth`` to it,
+        ``decodes`` when not given: less where layers slide past their window): the sum in closed form, every term
+        being affine in the context (with ``overlap``, the iterations whose GPU time is below the engine's own cost
+        that cost, the rest their GPU time)."""
+        slope = self.per_key_s * (decodes if growth is None else growth)
         if not self.overlap:
             first = self.split_s(decodes, decode_context, ())
             return steps * first + slope * (steps * (steps - 1) / 2)
@@ -289,7 +299,8 @@ class AnalyticIteration:
         return below * cpu + rest * first + slope * ((steps * (steps - 1) - below * (below - 1)) / 2)
 
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
-        """Seconds of one iteration over ``batch``: ``(context, new tokens)`` per request."""
+        """Seconds of one iteration over ``batch``: ``(context, new tokens)`` per request (a decode reads the KV its
+        context holds: at most the window in a sliding layer)."""
         decodes = context = 0
         chunks = []
         for ctx, n in batch:
@@ -298,4 +309,6 @@ class AnalyticIteration:
                 context += ctx
             elif n > 1:
                 chunks.append((ctx, n))
+        if self.windows and decodes:
+            context = round(sum(self.groups.held(ctx) for ctx, n in batch if n == 1))
         return self.split_s(decodes, context, chunks)

@@ -4,6 +4,8 @@
   (:func:`kv_bytes_per_token`: what a replica holds of a request, and what moves when a prefill replica hands
   it to a decode replica). On a device of a ``tp x pp`` replica: its stage's layers and its share of the KV
   heads; with ``tp`` above the KV heads each device keeps one head, replicated as vLLM replicates them.
+- Sliding layers (:class:`KVGroups`, as vLLM's hybrid KV cache manager): a request holds blocks for its whole
+  context in a full-attention layer and for at most the window in a sliding one.
 - Capacity (:func:`kv_capacity`), as vLLM sizes its cache (``gpu_memory_utilization``, default
   :data:`VLLM_MEMORY_FRACTION` 0.9; ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``): the
   device memory x the engine's memory fraction, less the memory outside PyTorch's allocator (the CUDA context:
@@ -53,6 +55,73 @@ def check_tp(model: ModelSpec, tp: int, pp: int = 1) -> None:
                         f"tp that divides {kv} or a multiple of it")
     if pp > model.num_layers:
         raise SpecError(f"pp {pp} is more stages than {model.name}'s {model.num_layers} layers")
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """How an engine's paged KV cache holds a model whose layers slide (vLLM's hybrid KV cache manager,
+    vllm/v1/core/kv_cache_utils.py ``_get_kv_cache_groups_uniform_page_size``): the layers fall into groups of
+    equal size, ``full`` groups of full-attention layers and ``sliding`` groups of layers with a ``window``; a
+    block is ``block_tokens`` tokens of one group, and all groups draw from one pool. A request holds a block per
+    ``block_tokens`` of its context in each full group, and in each sliding group only those of its last
+    ``window`` tokens (older ones are freed as it moves on). Here the groups are the layer counts over their
+    greatest common divisor (vLLM pads the larger type to a multiple of the smaller one: not modelled). A model
+    without a window is one full group: its blocks are the blocks of every layer, as before.
+
+    >>> g = KVGroups(full=1, sliding=1, window=4096)  # Gemma 2: every other layer slides
+    >>> g.groups, g.held(1000), g.held(10_000), g.blocks(10_000, 16)
+    (2, 1000.0, 7048.0, 881)
+    """
+
+    full: int = 1
+    sliding: int = 0
+    window: int | None = None
+
+    @property
+    def groups(self) -> int:
+        return self.full + self.sliding
+
+    @property
+    def windowed(self) -> bool:
+        return self.sliding > 0
+
+    def held(self, context: float) -> float:
+        """Tokens of every layer's KV a request of ``context`` tokens holds (and its decode reads), on average
+        over the layers: its context in the full layers, at most the window in the sliding ones."""
+        if not self.sliding:
+            return float(context)
+        assert self.window is not None
+        return (self.full * context + self.sliding * min(context, self.window)) / self.groups
+
+    def explain(self) -> str:
+        """What the groups change, for a report beside :meth:`KVCapacity.explain` (nothing without a window)."""
+        if not self.sliding:
+            return ""
+        return (f"; {self.sliding} of {self.groups} KV groups slide, a request holding at most {self.window:,} tokens "
+                "of theirs")
+
+    def blocks(self, tokens: int, block_tokens: int) -> int:
+        """Group blocks a request holding ``tokens`` tokens takes (none shared)."""
+        whole = -(-tokens // block_tokens)
+        if not self.sliding:
+            return whole
+        assert self.window is not None
+        return self.full * whole + self.sliding * -(-min(tokens, self.window) // block_tokens)
+
+
+# Every layer attending to the whole context: one group, blocks of every layer's KV.
+FULL_ATTENTION = KVGroups()
+
+
+def kv_groups(model: ModelSpec) -> KVGroups:
+    """:class:`KVGroups` of ``model``: its full-attention and sliding layers over their greatest common divisor."""
+    windows = model.attention_windows if model.sliding_window is not None else ()
+    sliding = sum(w is not None for w in windows)
+    if not sliding:
+        return FULL_ATTENTION
+    full = model.num_layers - sliding
+    g = math.gcd(full, sliding)
+    return KVGroups(full // g, sliding // g, model.sliding_window)
 
 
 def kv_heads_per_device(model: ModelSpec, tp: int) -> int:

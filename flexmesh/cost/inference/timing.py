@@ -47,9 +47,10 @@ class SplitTiming(Protocol):
 
 @runtime_checkable
 class RunTiming(Protocol):
-    """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``decodes`` to it)."""
+    """Seconds of ``steps`` decode-only iterations in a row from ``decode_context`` (each adds ``growth`` to it,
+    ``decodes`` when not given)."""
 
-    def decode_run_s(self, decodes: int, decode_context: int, steps: int) -> float: ...
+    def decode_run_s(self, decodes: int, decode_context: int, steps: int, growth: float | None = None) -> float: ...
 
 
 @dataclass(frozen=True)

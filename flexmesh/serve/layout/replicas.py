@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from flexmesh.cost.inference.memory import check_tp, kv_capacity
+from flexmesh.cost.inference.memory import check_tp, kv_capacity, kv_groups
 from flexmesh.cost.inference.transfer import Span
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.serve.layout.knobs import EngineKnobs
@@ -148,7 +148,7 @@ def auto_replicas(model: ModelSpec, cluster: MixedCluster, knobs: dict[int, Engi
                 k = knobs[g]
                 cap = kv_capacity(model, group.device, tp, 1, k.max_batched_tokens, k.max_seqs, k.block_tokens,
                                   k.memory_fraction)
-                if cap.tokens >= longest_tokens:
+                if cap.tokens >= kv_groups(model).held(longest_tokens):  # a sliding layer holds at most its window
                     out += [ReplicaSpec(g, tp)] * (group.world_size // tp)
                     break
                 reasons.append(f"{group.device.name} tp {tp} holds {cap.tokens:,} KV tokens")

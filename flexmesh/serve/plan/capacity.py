@@ -58,7 +58,7 @@ from typing import Protocol
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
-from flexmesh.cost.inference.memory import check_tp, kv_capacity, served_dtype
+from flexmesh.cost.inference.memory import FULL_ATTENTION, KVGroups, check_tp, kv_capacity, kv_groups, served_dtype
 from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.errors import FlexmeshError
 from flexmesh.serve.layout.buckets import Bucket
@@ -236,7 +236,7 @@ class Pricing:
             it = self._iterations.get(c.shape)
             if it is None:
                 it = self._iterations[c.shape] = _Iterations(self.timing(c))
-            got = self._memo[key] = capacity(it, c, b, slo, self.quantile)
+            got = self._memo[key] = capacity(it, c, b, slo, self.quantile, kv_groups(self.models[c.model]))
         return got
 
     def table(self, configs: Sequence[ReplicaConfig], buckets: Sequence[Bucket], slo: SLO) -> list[list[Capacity]]:
@@ -285,12 +285,13 @@ def _prompt_s(t: _SplitTiming, prompt: int, room: int, decodes: int, context: in
     return whole + (1 if rest else 0), secs
 
 
-def capacity(t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float = 0.9) -> Capacity:
+def capacity(t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float = 0.9,
+             groups: KVGroups = FULL_ATTENTION) -> Capacity:
     """One replica of ``c`` serving bucket ``b`` within ``slo`` at the attainment ``quantile`` (see the module
-    doc), priced by ``t``."""
-    if b.share <= 0 or b.longest > c.kv_tokens:
+    doc), priced by ``t``; a model whose layers slide (``groups``) holds and reads at most its window of them."""
+    if b.share <= 0 or groups.held(b.longest) > c.kv_tokens:
         return NONE
-    judge = _Judge(t, c, b, slo, quantile)
+    judge = _Judge(t, c, b, slo, quantile, groups)
     if c.role == Role.PREFILL or (c.role == Role.AGGREGATED and judge.s < 1e-9):
         return judge.prefill_capacity()
     if c.role == Role.DECODE:
@@ -303,12 +304,17 @@ class _Judge:
     its role) within the SLO at the quantile, and what bound binds first (module doc); the figures of the last
     ``record``ed rate kept (its iteration, rate, TTFT, TPOT)."""
 
-    def __init__(self, t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float):
+    def __init__(self, t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: float,
+                 groups: KVGroups = FULL_ATTENTION):
         k = c.knobs
         self.t = t
         self.p, self.p_hi = max(1.0, b.prompt_mean), max(1, b.prompt_high)
         self.s, self.s_hi = max(0.0, b.output_mean - 1), max(0, b.output_high - 1)
-        self.ctx, self.spread = b.context, b.context_spread
+        # the KV a request holds and its decodes read: its context, at most the window in sliding layers (the
+        # spread scaled alike); the prompts' KV likewise
+        self.ctx = groups.held(b.context)
+        self.spread = b.context_spread * (self.ctx / b.context if b.context > 0 else 1.0)
+        self.kv_p, self.kv_p_hi = groups.held(self.p), groups.held(self.p_hi)
         self.budget, self.seqs, self.kv = k.max_batched_tokens, k.max_seqs, c.kv_tokens
         self.ttft_bound = slo.ttft_s if slo.ttft_s is not None else math.inf
         self.tpot_bound = slo.tpot_s if slo.tpot_s is not None else math.inf
@@ -339,7 +345,7 @@ class _Judge:
     def prefill(self, n: float, record: bool = False) -> bool:
         t, p, p_hi, budget, q = self.t, self.p, self.p_hi, self.budget, self.quantile
         n_hi = self.hi(n)
-        if n_hi > self.seqs or (n_hi - 1) * p + p_hi > self.kv:
+        if n_hi > self.seqs or (n_hi - 1) * self.kv_p + self.kv_p_hi > self.kv:
             return self.fail("max-seqs" if n_hi > self.seqs else "kv")
         if p > budget:
             if n_hi > 1:
@@ -382,7 +388,7 @@ class _Judge:
     def decode(self, n: float, record: bool = False) -> bool:
         t, ctx = self.t, self.ctx
         n_hi = self.hi(n)
-        if n_hi > self.seqs or self.kv_hi(n) + self.p_hi > self.kv:
+        if n_hi > self.seqs or self.kv_hi(n) + self.kv_p_hi > self.kv:
             return self.fail("max-seqs" if n_hi > self.seqs else "kv")
         tpot = t.split_s(max(1, round(n_hi)), round(n_hi * ctx), [])
         if record:
@@ -408,7 +414,7 @@ class _Judge:
         t, p, ctx, budget = self.t, self.p, self.ctx, self.budget
         n_hi, a = self.hi(n), n / self.s  # decoding requests; requests arriving per iteration
         a_hi = self.hi(a)
-        if n_hi > self.seqs or self.kv_hi(n) + self.p_hi > self.kv:
+        if n_hi > self.seqs or self.kv_hi(n) + self.kv_p_hi > self.kv:
             return self.fail("max-seqs" if n_hi > self.seqs else "kv")
         if n + a * p > budget:  # the prefill that keeps the batch full fits the budget on average
             return self.fail("budget")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flexmesh.cost.inference.memory import check_tp, kv_capacity
+from flexmesh.cost.inference.memory import check_tp, kv_capacity, kv_groups
 from flexmesh.errors import FlexmeshError, PlanError
 from flexmesh.serve.layout.plan import ServingPlan
 from flexmesh.serve.layout.roles import Role
@@ -54,7 +54,7 @@ def check_plan(plan: ServingPlan) -> list[str]:
         routed = [b for b, s in enumerate(shares) if s > 0 and plan.buckets.buckets[b].share > 0]
         for b in routed:
             longest = plan.buckets.buckets[b].longest
-            if longest > tokens:
+            if kv_groups(m).held(longest) > tokens:  # a sliding layer holds at most its window
                 raise PlanError(f"{where}: its KV cache holds {tokens:,} tokens, fewer than bucket {b}'s longest "
                                 f"request ({longest:,}); route that bucket elsewhere or raise tp")
         if not routed:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from flexmesh.cost.inference.memory import kv_bytes_per_token
+from flexmesh.cost.inference.memory import kv_bytes_per_token, kv_groups
 from flexmesh.cost.inference.overhead import EngineOverhead
 from flexmesh.cost.inference.transfer import Span, kv_path
 from flexmesh.errors import PlanError
@@ -136,7 +136,8 @@ class Planner:
         self.scale = np.ones(len(self.configs))  # the calibration of each configuration's capacities
         self.dominated = self._dominated()
         self.decodes = np.array([[b.output_mean > 1.0 for b in buckets] for _ in i.tiers])
-        self.kv_bytes = np.array([[b.prompt_mean * kv_bytes_per_token(m) for b in buckets] for m in self.models])
+        self.kv_bytes = np.array([[kv_groups(m).held(b.prompt_mean) * kv_bytes_per_token(m) for b in buckets]
+                                  for m in self.models])
         ng = len(self.cluster.groups)
         self.links = np.full((ng, ng), math.inf)
         for g in range(ng):
