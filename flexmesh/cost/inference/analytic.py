@@ -18,8 +18,8 @@ the ``tp`` devices:
   bandwidth and a cost per (request, KV head); on a profiled machine the larger of their FLOPs at the attention rate and
   their bytes at the HBM rate); a prefill chunk ``(c, n)`` does ``n c + n (n + 1) / 2`` query-key pairs at the attention
   rate for blocks of ``c + n`` keys plus the per-key cost of a call, or reads its KV if that is slower (in a sliding
-  layer query ``i`` sees ``min(i + 1, window)`` keys: :func:`flexmesh.cost.training.work.attention_sq`, the training
-  cost's own count); plus writing the new tokens' keys and values into the cache. The call's fixed cost (see
+  layer query ``i`` sees ``min(i + 1, window)`` keys: :func:`flexmesh.cost.device.layer_shapes.attention_sq`, the
+  training cost's own count); plus writing the new tokens' keys and values into the cache. The call's fixed cost (see
   :data:`VLLM_GRAPHS`): a decode-only iteration the engine replays as a CUDA graph (``graphs``) pays one kernel's launch
   cost, one it runs eagerly and an iteration with a prefill chunk the kernel's measured fixed cost;
 - two all-reduces of ``T x hidden`` over the tp group (Megatron-style row-parallel outputs), as the engine runs
@@ -57,10 +57,9 @@ import numpy as np
 from flexmesh.cost.device.comm_tables import ENGINE_ALL_REDUCE
 from flexmesh.cost.device.hardware import GroupShape, Hardware, group_shape, pipeline_crossings
 from flexmesh.cost.device.kernels import Kernels
-from flexmesh.cost.device.layer_shapes import linear_shapes, pointwise_elems
+from flexmesh.cost.device.layer_shapes import attention_sq, linear_shapes, pointwise_elems
 from flexmesh.cost.inference.memory import check_tp, kv_groups, kv_heads_per_device
 from flexmesh.cost.inference.overhead import EngineOverhead, preset_overhead
-from flexmesh.cost.training.work import attention_sq
 from flexmesh.errors import SpecError
 from flexmesh.spec.model import ModelSpec
 

@@ -19,46 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexmesh.cost.device.layer_shapes import NO_WINDOW, attention_sq
+
 # Seconds or bytes: a float, or a numpy array when many micro-batches are priced at once.
 Amount = float | np.ndarray
-
-NO_WINDOW: tuple[int | None, ...] = (None,)
-
-
-def attention_sq(start, end, windows: Sequence[int | None] = NO_WINDOW):  # noqa: ANN001, ANN201 - floats or arrays
-    """Causal attention work of queries ``[start, end)`` of one sequence, in squared tokens.
-
-    Squared tokens count ``2 x (query-key pairs) - queries``. Without a window query ``i`` sees
-    ``i + 1`` keys, so queries ``[a, b)`` give exactly ``b^2 - a^2`` (``s^2`` for a whole sequence, the
-    statistic the attention FLOPs of 2 x q_dim per squared token are written for, 2104.04473). With a
-    window ``w`` query ``i`` sees ``min(i + 1, w)`` keys (transformers' sliding window; FLOPs of a
-    windowed kernel: each token attends to at most w tokens, Mistral 7B, 2310.06825, section 2): with
-    ``m = clip(w, a, b)`` that is ``m^2 - a^2 + (2w - 1)(b - m)``.
-
-    ``windows`` holds one window per layer (None: plain causal); the result is their mean, the work of
-    an average layer (exact when all layers share one window). With no window anywhere the result is
-    ``end * end - start * start``, bit for bit the statistic used before windows existed.
-    Floats or numpy arrays (elementwise).
-
-    >>> attention_sq(0, 10), attention_sq(0, 10, (4,)), attention_sq(6, 10, (4,)), attention_sq(0, 3, (4,))
-    (100, 58.0, 28.0, 9.0)
-    >>> attention_sq(0, 10, (4, None))  # half the layers slide
-    79.0
-    """
-    if all(w is None for w in windows):  # the common case, asked millions of times: no Counter built
-        return end * end - start * start
-    counts = Counter(windows)
-    parts = []
-    for w, n in counts.items():
-        if w is None:
-            parts.append((n, end * end - start * start))
-        else:
-            m = np.clip(w, start, end)
-            parts.append((n, m * m - start * start + (2 * w - 1) * (end - m)))
-    # one window on every layer: its statistic as is, not a mean that could round differently
-    total = parts[0][1] if len(parts) == 1 else sum(n * p for n, p in parts) / len(windows)
-    return total if np.ndim(total) else float(total)
-
 
 def ring_hops(cp: int, block_tokens, windows: Sequence[int | None] = NO_WINDOW):  # noqa: ANN001, ANN201
     """K/V hops of ring attention per pass with blocks of ``block_tokens``, mean over layers.
