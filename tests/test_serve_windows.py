@@ -49,7 +49,8 @@ def test_the_kv_groups_are_the_layer_counts_over_their_common_divisor():
     qwen = replace(FULL, num_layers=28, sliding_window=512, window_layers=tuple(i >= 7 for i in range(28)))
     assert kv_groups(qwen) == KVGroups(1, 3, 512)
     g = kv_groups(windowed(256, every=2))
-    assert g.held(100) == 100 and g.held(1256) == 756  # the full layers' 1256 and the sliding ones' 256, averaged
+    # exact: whole numbers over 2; the full layers' 1256 and the sliding ones' 256, averaged
+    assert g.held(100) == 100 and g.held(1256) == 756
     assert g.blocks(1256, 16) == 79 + 16 and FULL_ATTENTION.blocks(1256, 16) == 79
 
 
