@@ -165,6 +165,15 @@ def given_flags(flags: dict[str, object]) -> list[str]:
     return [flag for flag, value in flags.items() if value]
 
 
+def first_given(flags: dict[str, object]) -> str | None:
+    """The first of :func:`given_flags`, or None where none was given.
+
+    >>> first_given({"--plan": None, "--backend": ["a:8000"]}), first_given({"--plan": None})
+    ('--backend', None)
+    """
+    return next(iter(given_flags(flags)), None)
+
+
 def add_slow_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, dest: str = "slow", *old: str) -> None:
     """``--slow RANK=FACTOR,...`` (:func:`rank_factors`, a list of pairs in ``dest``; ``old``: former
     spellings kept working). Checked against the run's devices by flexmesh.spec.speeds.slow_devices.

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flexmesh.commands.args import folder, given_flags, new_file, nonneg_float, nonneg_int
+from flexmesh.commands.args import first_given, folder, new_file, nonneg_float, nonneg_int
 from flexmesh.commands.engine_args import (
     DEFAULT_ENGINES,
     add_engine_args,
@@ -55,14 +55,14 @@ def resolve_fleet(args: argparse.Namespace):
     from flexmesh.serve.plan.check import check_plan
 
     base = engine_config(args)
-    fleet = next(iter(given_flags({"--plan": args.plan, "--backend": args.backend,
-                                   "--router-config": getattr(args, "router_config", None)})), None)
+    fleet = first_given({"--plan": args.plan, "--backend": args.backend,
+                         "--router-config": getattr(args, "router_config", None)})
     if fleet and args.engines is not None:
         raise ServeError(f"--engines starts that many engines of the flags' knobs; {fleet} gives the fleet itself: "
                          "drop one of them")
     args.engines = args.engines or DEFAULT_ENGINES
     running = fleet if fleet in ("--backend", "--router-config") else None
-    starts = next(iter(given_flags({"--engine-arg": args.engine_arg, "--engine-python": args.engine_python})), None)
+    starts = first_given({"--engine-arg": args.engine_arg, "--engine-python": args.engine_python})
     if running and starts:
         raise ServeError(f"{starts} shapes the engines flexmesh starts; {running} fronts engines already running: "
                          f"drop {starts} (give those flags to the engines where they start)")

@@ -227,20 +227,13 @@ class SimulatedReplica:
 
     # ---- one iteration --------------------------------------------------------------------------------
     def blocks_for(self, q: Req, computed: int) -> int:
-        """Own blocks ``q`` needs to hold ``computed`` tokens (its prefix entries hold the shared ones; with
-        sliding layers, the full groups' share, the sliding groups' blocks being its own: module doc)."""
-        own = -(-(computed - q.shared * self.prefix_tokens) // self.bs)
-        if self.win is None:
-            return own
-        return self.n_full * own + self.n_slide * -(-min(computed, self.win) // self.bs)
+        """Own blocks ``q`` needs to hold ``computed`` tokens (its prefix entries hold the shared ones)."""
+        return self.groups.blocks(computed, self.bs, q.shared * self.prefix_tokens)
 
     def held_context(self) -> int:
         """The KV tokens the decoding requests read, over every layer on average (their contexts' sum when no
         layer slides)."""
-        if self.win is None:
-            return self.dec_ctx
-        held = self.low_ctx + self.win * (self.dec_n - self.low_n)
-        return round((self.n_full * self.dec_ctx + self.n_slide * held) / self.units)
+        return self.groups.held_sum(self.dec_ctx, self.low_n, self.low_ctx, self.dec_n)
 
     def _cross(self, i: int) -> None:
         """The decoding requests whose context reaches the window by iteration ``i`` leave the set short of it."""
@@ -336,7 +329,7 @@ class SimulatedReplica:
             tokens = self.dec_n
             if not self.prefill_first and (self.prefilling or len(self.waiting)):
                 tokens = self.max_tokens - self.scheduler.fill(self, self.max_tokens - self.dec_n, chunks, now)
-            decodes, context = self.dec_n, self.dec_ctx if self.win is None else self.held_context()
+            decodes, context = self.dec_n, self.held_context()
         if now >= self._next_sample or (tokens == 0 and self.samples and self.samples[-1][3] != 0):
             self._sample(now, tokens)
         if tokens == 0:
@@ -465,9 +458,7 @@ class SimulatedReplica:
             hit = min(kv.lookup(q.ids), (q.tokens - 1) // self.prefix_tokens)
         computed = hit * self.prefix_tokens
         n = min(q.tokens - computed, budget)
-        blocks = -(-n // self.bs)
-        if self.win is not None:
-            blocks = self.n_full * blocks + self.n_slide * -(-min(computed + n, self.win) // self.bs)
+        blocks = self.groups.blocks(computed + n, self.bs, computed)
         idle_hits = sum(1 for i in q.ids[:hit] if kv.refs[i] == 0)
         if not kv.can_allocate(blocks + idle_hits * kv.entry_blocks):
             return False

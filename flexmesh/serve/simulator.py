@@ -299,7 +299,7 @@ class Fleet:
                 decode = rep.spec.role == Role.DECODE
                 if rep.spec.tier != t or (routing is not None and not routing.weighs(k, rep.index, decode)):
                     continue
-                if groups.blocks(total, cap.block_tokens) > cap.blocks * groups.groups:
+                if not groups.fits(total, cap.blocks, cap.block_tokens):
                     raise FlexmeshError(f"replica {rep.index} ({rep.spec.label} on {rep.device.name}) holds "
                                         f"{cap.tokens:,} KV tokens, fewer than request {r.id}'s {needs}; raise its "
                                         "tp or pp, or scale the lengths (--fit-context)")

@@ -300,14 +300,12 @@ class AnalyticIteration:
     def iteration_s(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds of one iteration over ``batch``: ``(context, new tokens)`` per request (a decode reads the KV its
         context holds: at most the window in a sliding layer)."""
-        decodes = context = 0
-        chunks = []
+        decodes, context, chunks = 0, 0.0, []
+        held = self.groups.held
         for ctx, n in batch:
             if n == 1:
                 decodes += 1
-                context += ctx
+                context += held(ctx)
             elif n > 1:
                 chunks.append((ctx, n))
-        if self.windows and decodes:
-            context = round(sum(self.groups.held(ctx) for ctx, n in batch if n == 1))
-        return self.split_s(decodes, context, chunks)
+        return self.split_s(decodes, round(context), chunks)

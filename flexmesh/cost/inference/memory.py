@@ -88,25 +88,40 @@ class KVGroups:
     def held(self, context: float) -> float:
         """Tokens of every layer's KV a request of ``context`` tokens holds (and its decode reads), on average
         over the layers: its context in the full layers, at most the window in the sliding ones."""
-        if not self.sliding:
+        if not self.windowed:
             return float(context)
         assert self.window is not None
         return (self.full * context + self.sliding * min(context, self.window)) / self.groups
 
+    def held_sum(self, contexts: int, short: int, short_contexts: int, n: int) -> int:
+        """:meth:`held` summed over ``n`` requests whose contexts sum to ``contexts``, ``short`` of them (their
+        contexts summing to ``short_contexts``) short of the window, the others holding all of it."""
+        if not self.windowed:
+            return contexts
+        assert self.window is not None
+        held = short_contexts + self.window * (n - short)
+        return round((self.full * contexts + self.sliding * held) / self.groups)
+
     def explain(self) -> str:
         """What the groups change, for a report beside :meth:`KVCapacity.explain` (nothing without a window)."""
-        if not self.sliding:
+        if not self.windowed:
             return ""
         return (f"; {self.sliding} of {self.groups} KV groups slide, a request holding at most {self.window:,} tokens "
                 "of theirs")
 
-    def blocks(self, tokens: int, block_tokens: int) -> int:
-        """Group blocks a request holding ``tokens`` tokens takes (none shared)."""
-        whole = -(-tokens // block_tokens)
-        if not self.sliding:
-            return whole
+    def blocks(self, tokens: int, block_tokens: int, shared: int = 0) -> int:
+        """Group blocks a request holding ``tokens`` tokens takes, the first ``shared`` of them held by prefix
+        cache entries (a full group's blocks; a sliding group's are its own, as it frees them moving on)."""
+        own = -(-(tokens - shared) // block_tokens)
+        if not self.windowed:
+            return own
         assert self.window is not None
-        return self.full * whole + self.sliding * -(-min(tokens, self.window) // block_tokens)
+        return self.full * own + self.sliding * -(-min(tokens, self.window) // block_tokens)
+
+    def fits(self, tokens: int, blocks: int, block_tokens: int) -> bool:
+        """Whether a KV cache of ``blocks`` blocks of every layer (``blocks`` per group) holds a request of
+        ``tokens`` tokens alone."""
+        return self.blocks(tokens, block_tokens) <= blocks * self.groups
 
 
 # Every layer attending to the whole context: one group, blocks of every layer's KV.

@@ -49,14 +49,14 @@ def check_plan(plan: ServingPlan) -> list[str]:
         if g.tp > node:
             raise PlanError(f"{where}: tp {g.tp} is wider than a node of {node} devices; lower tp (raise pp)")
         used[g.group] += g.devices
-        tokens = (g.knobs.kv_blocks or cap.blocks) * g.knobs.block_tokens
+        blocks, block_tokens = g.knobs.kv_blocks or cap.blocks, g.knobs.block_tokens
         shares = g.decode if g.role is Role.DECODE else g.entry
         routed = [b for b, s in enumerate(shares) if s > 0 and plan.buckets.buckets[b].share > 0]
         for b in routed:
             longest = plan.buckets.buckets[b].longest
-            if kv_groups(m).held(longest) > tokens:  # a sliding layer holds at most its window
-                raise PlanError(f"{where}: its KV cache holds {tokens:,} tokens, fewer than bucket {b}'s longest "
-                                f"request ({longest:,}); route that bucket elsewhere or raise tp")
+            if not kv_groups(m).fits(longest, blocks, block_tokens):  # sliding layers hold their window
+                raise PlanError(f"{where}: its KV cache holds {blocks * block_tokens:,} tokens, fewer than bucket "
+                                f"{b}'s longest request ({longest:,}); route that bucket elsewhere or raise tp")
         if not routed:
             notes.append(f"group {i} ({g.label}) is routed no requests")
     for gi, n in enumerate(used):
