@@ -12,7 +12,7 @@ from test_serve_sim import _conserved, _run, workloads
 
 from flexmesh.cost.device.hardware import Hardware
 from flexmesh.cost.inference.analytic import AnalyticIteration
-from flexmesh.cost.inference.memory import FULL_ATTENTION, KVGroups, kv_groups
+from flexmesh.cost.inference.memory import FULL_ATTENTION, KVGroups, kv_capacity, kv_groups
 from flexmesh.data.requests import constant_lengths, load_trace, window, with_arrivals
 from flexmesh.errors import FlexmeshError
 from flexmesh.serve.layout.knobs import default_knobs
@@ -42,16 +42,38 @@ def _fleet(model, cluster: str = "1xH100", replicas: str = "tp1", timing=None, *
     return Fleet(model, c, place(parse_replicas(replicas, c), c), k, timing=timing)
 
 
-def test_the_kv_groups_are_the_layer_counts_over_their_common_divisor():
-    assert kv_groups(FULL) is FULL_ATTENTION
-    assert kv_groups(windowed(4096)) == KVGroups(0, 1, 4096)
-    assert kv_groups(windowed(4096, every=2)) == KVGroups(1, 1, 4096)  # Gemma 2's alternation
+def _counts(g: KVGroups) -> tuple[int, int, int]:
+    return g.size, g.full, g.sliding
+
+
+def test_the_kv_groups_are_vllms():
+    """Layers per group and groups of each type as vLLM 0.32's _get_kv_cache_groups_uniform_page_size makes them
+    (tests/test_vllm_kv_groups.py asks vLLM itself for these)."""
+    assert kv_groups(FULL) is FULL_ATTENTION and _counts(FULL_ATTENTION) == (1, 1, 0)
+    assert kv_groups(windowed(4096)) == KVGroups(0, 32, 4096) and _counts(kv_groups(windowed(4096))) == (32, 0, 1)
+    assert _counts(kv_groups(windowed(4096, every=2))) == (16, 1, 1)  # Gemma 2's alternation
     qwen = replace(FULL, num_layers=28, sliding_window=512, window_layers=tuple(i >= 7 for i in range(28)))
-    assert kv_groups(qwen) == KVGroups(1, 3, 512)
+    assert kv_groups(qwen) == KVGroups(7, 21, 512) and _counts(kv_groups(qwen)) == (7, 1, 3)
+    assert _counts(KVGroups(4, 22, 512)) == (4, 1, 6)  # Gemma 3 1B: 2 padding layers
+    assert _counts(KVGroups(13, 12, 128)) == (13, 1, 1)  # within 1.5x: the larger count, one group each
+    assert _counts(KVGroups(10, 18, 64)) == (10, 1, 2)
     g = kv_groups(windowed(256, every=2))
     # exact: whole numbers over 2; the full layers' 1256 and the sliding ones' 256, averaged
     assert g.held(100) == 100 and g.held(1256) == 756
     assert g.blocks(1256, 16) == 79 + 16 and FULL_ATTENTION.blocks(1256, 16) == 79
+    assert g.blocks(1256, 16, shared=256) == 63 + 16  # the prefix entries hold the full group's first 16
+
+
+def test_padding_layers_hold_memory_but_are_not_read():
+    g = KVGroups(4, 22, 512)  # groups of 4 layers: 1 full, 6 sliding, 2 of those layers padding
+    cap = kv_capacity(FULL, parse_mixed_cluster("1xH100").groups[0].device, 1, 1, 2048, 64)
+    # the pool is the memory over a group's block of 4 layers; as given, it is what vLLM was told
+    assert g.pool(cap) == cap.blocks * 26 // 4 and g.pool(replace(cap, blocks_given=500)) == 500
+    assert g.blocks(5000, 16) == 313 + 6 * 32
+    # exact: whole numbers over 26 layers, reads of the 26 real ones only
+    assert g.held(5000) == (4 * 5000 + 22 * 512) / 26
+    assert g.room(2600) < 2600 == FULL_ATTENTION.room(2600)  # exact: 2600 x 1 / 1
+    assert g.fits(int(cap.tokens * 0.9), cap) and not g.fits(g.pool(cap) * 16 + 16, cap)
 
 
 def test_a_window_as_long_as_the_context_prices_as_none_and_a_shorter_one_less():
@@ -74,7 +96,7 @@ def test_windowed_replicas_finish_every_request_once_within_their_kv(w, blocks, 
     fleet = _fleet(model, "2xH100", "2xtp1", kv_blocks=blocks, max_seqs=seqs, max_batched_tokens=max(budget, seqs),
                    prefix_caching=caching)
     g = kv_groups(model)
-    if max(g.blocks(r.prompt_tokens + r.output_tokens, 16) for r in w.requests) > blocks * g.groups:
+    if max(g.blocks(r.prompt_tokens + r.output_tokens, 16) for r in w.requests) > blocks:
         with pytest.raises(FlexmeshError, match="KV tokens, fewer than request .* its sliding layers holding"):
             fleet.run(w)
         return
@@ -130,8 +152,9 @@ def test_a_window_holds_more_long_requests_at_once_and_serves_them_sooner():
     full = _fleet(FULL, kv_blocks=3000).run(w)
     short = _fleet(windowed(512), kv_blocks=3000).run(w)
     assert full.replicas[0].preemptions > 0 and short.replicas[0].preemptions == 0
-    assert short.replicas[0].kv_explain.endswith("; 1 of 1 KV groups slide, a request holding at most 512 tokens of "
-                                                 "theirs") and "slide" not in full.replicas[0].kv_explain
+    assert short.replicas[0].kv_explain.endswith(
+        "; 1 of 1 KV groups of 32 layers slide, a request holding at most 512 tokens of theirs")
+    assert "slide" not in full.replicas[0].kv_explain
     assert max(s[2] for s in short.replicas[0].samples) > 2 * max(s[2] for s in full.replicas[0].samples)
     # more at once, each reading less: the same requests served sooner and started sooner
     assert max(r.finish_s for r in short.records) < max(r.finish_s for r in full.records)

@@ -372,7 +372,7 @@ class SimulatedReplica:
             if crossings:
                 steps = min(steps, crossings[0][0] - i)
             ctx = self.held_context()
-            run = functools.partial(run, growth=(self.n_full * b + self.n_slide * self.low_n) / self.units)
+            run = functools.partial(run, growth=self.groups.held_step(b, self.low_n))
         limit = min(limit, self._next_sample)
         if steps < 2 or limit <= now:
             return now

@@ -220,9 +220,10 @@ class Fleet:
             self.timings.append(replica_timing(t))
             cap = kv_capacity(m, r.device, s.tp, s.pp, k.max_batched_tokens, k.max_seqs, k.block_tokens,
                               k.memory_fraction)
-            if k.kv_blocks is not None and k.kv_blocks > cap.blocks:
+            most = kv_groups(m).pool(cap)
+            if k.kv_blocks is not None and k.kv_blocks > most:
                 raise SpecError(f"kv-blocks {k.kv_blocks:,} is more than {r.device.name} holds for {m.name} at tp "
-                                f"{s.tp}, pp {s.pp} ({cap.explain()}); give at most {cap.blocks:,}")
+                                f"{s.tp}, pp {s.pp} ({cap.explain()}{kv_groups(m).explain()}); give at most {most:,}")
             self.capacities.append(cap if k.kv_blocks is None else replace(cap, blocks_given=k.kv_blocks))
         self._paths: dict[tuple[int, int], Path] = {}
 
@@ -299,7 +300,7 @@ class Fleet:
                 decode = rep.spec.role == Role.DECODE
                 if rep.spec.tier != t or (routing is not None and not routing.weighs(k, rep.index, decode)):
                     continue
-                if not groups.fits(total, cap.blocks, cap.block_tokens):
+                if not groups.fits(total, cap):
                     raise FlexmeshError(f"replica {rep.index} ({rep.spec.label} on {rep.device.name}) holds "
                                         f"{cap.tokens:,} KV tokens, fewer than request {r.id}'s {needs}; raise its "
                                         "tp or pp, or scale the lengths (--fit-context)")
@@ -380,10 +381,9 @@ class FleetRun:
             rates = (t.price(0, 0, [(0, k.max_batched_tokens)]) / k.max_batched_tokens,
                      t.price(batch, int(batch * groups.held(typical)), []) / batch)
             queue = make_queue(opts.queue, opts.predictor, k.max_seqs, model.max_position)
-            # with sliding layers the pool is of group blocks (G blocks of every layer's: flexmesh.serve.replica)
-            g = groups.groups
-            kv = KVBlocks(cap.blocks * g, k.block_tokens, prefix_tokens if caching else 0,
-                          None if k.prefix_cache_blocks is None else k.prefix_cache_blocks * g, groups.full)
+            # with sliding layers the pool is of group blocks (flexmesh.serve.replica's module doc)
+            kv = KVBlocks(groups.pool(cap), k.block_tokens, prefix_tokens if caching else 0, k.prefix_cache_blocks,
+                          groups.full)
             scheduler = make_scheduler(fleet.engine.scheduler_name)
             reps.append(SimulatedReplica(r.index, r.spec.role, t, kv, k, queue, scheduler, rates,
                                          span / max(opts.timeline_points, 1), groups=groups))

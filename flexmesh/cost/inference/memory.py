@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from flexmesh.errors import SpecError
 from flexmesh.spec.devices import DeviceSpec
@@ -60,38 +61,62 @@ def check_tp(model: ModelSpec, tp: int, pp: int = 1) -> None:
 @dataclass(frozen=True)
 class KVGroups:
     """How an engine's paged KV cache holds a model whose layers slide (vLLM's hybrid KV cache manager,
-    vllm/v1/core/kv_cache_utils.py ``_get_kv_cache_groups_uniform_page_size``): the layers fall into groups of
-    equal size, ``full`` groups of full-attention layers and ``sliding`` groups of layers with a ``window``; a
-    block is ``block_tokens`` tokens of one group, and all groups draw from one pool. A request holds a block per
-    ``block_tokens`` of its context in each full group, and in each sliding group only those of its last
-    ``window`` tokens (older ones are freed as it moves on). Here the groups are the layer counts over their
-    greatest common divisor (vLLM pads the larger type to a multiple of the smaller one: not modelled). A model
+    vllm/v1/core/kv_cache_utils.py ``_get_kv_cache_groups_uniform_page_size``): the model's ``full_layers``
+    full-attention layers and ``sliding_layers`` layers with a ``window`` fall into groups of :attr:`size` layers
+    each (vLLM's rule: the fewer type's layer count, or the more numerous one's where that is under 1.5 times it;
+    a type's last group padded to the size), :attr:`full` groups of full-attention layers and :attr:`sliding`
+    groups of sliding ones. A block is ``block_tokens`` tokens of one group, and all groups draw from one pool. A
+    request holds a block per ``block_tokens`` of its context in each full group, and in each sliding group only
+    those of its last ``window`` tokens (older ones are freed as it moves on); its decodes read its context in the
+    full layers and at most the window in the sliding ones (padding layers hold memory and are never read). A model
     without a window is one full group: its blocks are the blocks of every layer, as before.
 
-    >>> g = KVGroups(full=1, sliding=1, window=4096)  # Gemma 2: every other layer slides
+    >>> g = KVGroups(13, 13, window=4096)  # Gemma 2 2B: every other layer slides
     >>> g.groups, g.held(1000), g.held(10_000), g.blocks(10_000, 16)
     (2, 1000.0, 7048.0, 881)
+    >>> g = KVGroups(4, 22, window=512)  # Gemma 3 1B: groups of 4 layers, 1 full, 6 sliding (2 padding layers)
+    >>> g.size, g.full, g.sliding, g.blocks(10_000, 16)
+    (4, 1, 6, 817)
     """
 
-    full: int = 1
-    sliding: int = 0
+    full_layers: int = 1
+    sliding_layers: int = 0
     window: int | None = None
+
+    @cached_property
+    def size(self) -> int:
+        """Layers per group, as vLLM sizes them."""
+        counts = [n for n in (self.full_layers, self.sliding_layers) if n]
+        low, high = min(counts), max(counts)
+        return high if high < 1.5 * low else low
+
+    @cached_property
+    def full(self) -> int:
+        return -(-self.full_layers // self.size)
+
+    @cached_property
+    def sliding(self) -> int:
+        return -(-self.sliding_layers // self.size)
 
     @property
     def groups(self) -> int:
         return self.full + self.sliding
 
     @property
+    def layers(self) -> int:
+        return self.full_layers + self.sliding_layers
+
+    @property
     def windowed(self) -> bool:
-        return self.sliding > 0
+        return self.sliding_layers > 0
 
     def held(self, context: float) -> float:
-        """Tokens of every layer's KV a request of ``context`` tokens holds (and its decode reads), on average
-        over the layers: its context in the full layers, at most the window in the sliding ones."""
+        """Tokens of every layer's KV a request of ``context`` tokens reads, on average over the layers: its
+        context in the full layers, at most the window in the sliding ones."""
         if not self.windowed:
             return float(context)
         assert self.window is not None
-        return (self.full * context + self.sliding * min(context, self.window)) / self.groups
+        return (self.full_layers * context + self.sliding_layers * min(context, self.window)) / self.layers
 
     def held_sum(self, contexts: int, short: int, short_contexts: int, n: int) -> int:
         """:meth:`held` summed over ``n`` requests whose contexts sum to ``contexts``, ``short`` of them (their
@@ -100,14 +125,22 @@ class KVGroups:
             return contexts
         assert self.window is not None
         held = short_contexts + self.window * (n - short)
-        return round((self.full * contexts + self.sliding * held) / self.groups)
+        return round((self.full_layers * contexts + self.sliding_layers * held) / self.layers)
+
+    def held_step(self, decodes: int, short: int) -> float:
+        """How much :meth:`held_sum` grows in an iteration where ``decodes`` requests each add a token, ``short`` of
+        them short of the window (so growing in the sliding layers too)."""
+        if not self.windowed:
+            return float(decodes)
+        return (self.full_layers * decodes + self.sliding_layers * short) / self.layers
 
     def explain(self) -> str:
         """What the groups change, for a report beside :meth:`KVCapacity.explain` (nothing without a window)."""
         if not self.windowed:
             return ""
-        return (f"; {self.sliding} of {self.groups} KV groups slide, a request holding at most {self.window:,} tokens "
-                "of theirs")
+        pad = self.groups * self.size - self.layers
+        return (f"; {self.sliding} of {self.groups} KV groups of {self.size} layers slide, a request holding at most "
+                f"{self.window:,} tokens of theirs" + (f" ({pad} padding layers)" if pad else ""))
 
     def blocks(self, tokens: int, block_tokens: int, shared: int = 0) -> int:
         """Group blocks a request holding ``tokens`` tokens takes, the first ``shared`` of them held by prefix
@@ -118,10 +151,21 @@ class KVGroups:
         assert self.window is not None
         return self.full * own + self.sliding * -(-min(tokens, self.window) // block_tokens)
 
-    def fits(self, tokens: int, blocks: int, block_tokens: int) -> bool:
-        """Whether a KV cache of ``blocks`` blocks of every layer (``blocks`` per group) holds a request of
-        ``tokens`` tokens alone."""
-        return self.blocks(tokens, block_tokens) <= blocks * self.groups
+    def pool(self, cap: KVCapacity) -> int:
+        """Group blocks in the KV cache ``cap``: as given (vLLM's ``num_gpu_blocks_override`` counts them), or its
+        memory over a group's block (``cap``'s blocks are of every layer)."""
+        if cap.blocks_given is not None:
+            return cap.blocks_given
+        return cap.blocks * self.layers // self.size
+
+    def room(self, tokens: float) -> float:
+        """Tokens a cache of ``tokens`` tokens of every layer holds in :meth:`held`'s terms: the padding layers'
+        share taken off (the planner's approximation; the simulator counts blocks)."""
+        return tokens * self.layers / (self.groups * self.size)
+
+    def fits(self, tokens: int, cap: KVCapacity) -> bool:
+        """Whether the KV cache ``cap`` holds a request of ``tokens`` tokens alone."""
+        return self.blocks(tokens, cap.block_tokens) <= self.pool(cap)
 
 
 # Every layer attending to the whole context: one group, blocks of every layer's KV.
@@ -129,14 +173,13 @@ FULL_ATTENTION = KVGroups()
 
 
 def kv_groups(model: ModelSpec) -> KVGroups:
-    """:class:`KVGroups` of ``model``: its full-attention and sliding layers over their greatest common divisor."""
+    """:class:`KVGroups` of ``model``: its full-attention and sliding layers (:data:`FULL_ATTENTION` where none
+    slides)."""
     windows = model.attention_windows if model.sliding_window is not None else ()
     sliding = sum(w is not None for w in windows)
     if not sliding:
         return FULL_ATTENTION
-    full = model.num_layers - sliding
-    g = math.gcd(full, sliding)
-    return KVGroups(full // g, sliding // g, model.sliding_window)
+    return KVGroups(model.num_layers - sliding, sliding, model.sliding_window)
 
 
 def kv_heads_per_device(model: ModelSpec, tp: int) -> int:

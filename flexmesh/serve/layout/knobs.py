@@ -30,6 +30,7 @@ class EngineKnobs:
     block_tokens: int = VLLM_BLOCK_TOKENS
     memory_fraction: float = VLLM_MEMORY_FRACTION
     prefix_caching: bool = True
+    # blocks of the engine's pool (where layers slide, blocks of one KV group: flexmesh.cost.inference.memory.KVGroups)
     prefix_cache_blocks: int | None = None  # idle cached blocks kept at most (None: as KV memory allows)
     kv_blocks: int | None = None  # KV blocks as given, not sized from memory (vLLM's num_gpu_blocks_override)
 

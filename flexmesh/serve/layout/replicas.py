@@ -148,7 +148,7 @@ def auto_replicas(model: ModelSpec, cluster: MixedCluster, knobs: dict[int, Engi
                 k = knobs[g]
                 cap = kv_capacity(model, group.device, tp, 1, k.max_batched_tokens, k.max_seqs, k.block_tokens,
                                   k.memory_fraction)
-                if kv_groups(model).fits(longest_tokens, cap.blocks, k.block_tokens):  # sliding layers: their window
+                if kv_groups(model).fits(longest_tokens, cap):  # sliding layers hold their window
                     out += [ReplicaSpec(g, tp)] * (group.world_size // tp)
                     break
                 reasons.append(f"{group.device.name} tp {tp} holds {cap.tokens:,} KV tokens")

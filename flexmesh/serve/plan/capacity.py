@@ -289,7 +289,7 @@ def capacity(t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: f
              groups: KVGroups = FULL_ATTENTION) -> Capacity:
     """One replica of ``c`` serving bucket ``b`` within ``slo`` at the attainment ``quantile`` (see the module
     doc), priced by ``t``; a model whose layers slide (``groups``) holds and reads at most its window of them."""
-    if b.share <= 0 or groups.held(b.longest) > c.kv_tokens:
+    if b.share <= 0 or groups.held(b.longest) > groups.room(c.kv_tokens):
         return NONE
     judge = _Judge(t, c, b, slo, quantile, groups)
     if c.role == Role.PREFILL or (c.role == Role.AGGREGATED and judge.s < 1e-9):
@@ -315,7 +315,7 @@ class _Judge:
         self.ctx = groups.held(b.context)
         self.spread = b.context_spread * (self.ctx / b.context if b.context > 0 else 1.0)
         self.kv_p, self.kv_p_hi = groups.held(self.p), groups.held(self.p_hi)
-        self.budget, self.seqs, self.kv = k.max_batched_tokens, k.max_seqs, c.kv_tokens
+        self.budget, self.seqs, self.kv = k.max_batched_tokens, k.max_seqs, groups.room(c.kv_tokens)
         self.ttft_bound = slo.ttft_s if slo.ttft_s is not None else math.inf
         self.tpot_bound = slo.tpot_s if slo.tpot_s is not None else math.inf
         self.e2e_bound = slo.e2e_s if slo.e2e_s is not None else math.inf

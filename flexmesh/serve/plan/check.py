@@ -11,6 +11,7 @@ cannot tell alone (devices, degrees, memory, the longest request each group is r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from flexmesh.cost.inference.memory import check_tp, kv_capacity, kv_groups
 from flexmesh.errors import FlexmeshError, PlanError
@@ -49,13 +50,14 @@ def check_plan(plan: ServingPlan) -> list[str]:
         if g.tp > node:
             raise PlanError(f"{where}: tp {g.tp} is wider than a node of {node} devices; lower tp (raise pp)")
         used[g.group] += g.devices
-        blocks, block_tokens = g.knobs.kv_blocks or cap.blocks, g.knobs.block_tokens
+        if g.knobs.kv_blocks is not None:
+            cap = replace(cap, blocks_given=g.knobs.kv_blocks)
         shares = g.decode if g.role is Role.DECODE else g.entry
         routed = [b for b, s in enumerate(shares) if s > 0 and plan.buckets.buckets[b].share > 0]
         for b in routed:
             longest = plan.buckets.buckets[b].longest
-            if not kv_groups(m).fits(longest, blocks, block_tokens):  # sliding layers hold their window
-                raise PlanError(f"{where}: its KV cache holds {blocks * block_tokens:,} tokens, fewer than bucket "
+            if not kv_groups(m).fits(longest, cap):  # sliding layers hold their window
+                raise PlanError(f"{where}: its KV cache holds {cap.tokens:,} tokens, fewer than bucket "
                                 f"{b}'s longest request ({longest:,}); route that bucket elsewhere or raise tp")
         if not routed:
             notes.append(f"group {i} ({g.label}) is routed no requests")
