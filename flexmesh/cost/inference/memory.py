@@ -158,10 +158,10 @@ class KVGroups:
             return cap.blocks_given
         return cap.blocks * self.layers // self.size
 
-    def room(self, tokens: float) -> float:
-        """Tokens a cache of ``tokens`` tokens of every layer holds in :meth:`held`'s terms: the padding layers'
-        share taken off (the planner's approximation; the simulator counts blocks)."""
-        return tokens * self.layers / (self.groups * self.size)
+    def room(self, cap: KVCapacity) -> int:
+        """Tokens of :meth:`held` the KV cache ``cap`` holds: its pool shared evenly over the groups (the
+        planner's approximation; the simulator counts blocks). Without a window, ``cap``'s tokens."""
+        return self.pool(cap) * cap.block_tokens // self.groups
 
     def fits(self, tokens: int, cap: KVCapacity) -> bool:
         """Whether the KV cache ``cap`` holds a request of ``tokens`` tokens alone."""

@@ -96,7 +96,7 @@ class ReplicaConfig:
     pp: int
     role: Role
     knobs: EngineKnobs
-    kv_tokens: int
+    kv_tokens: int  # what its KV cache holds in KVGroups.held's tokens (its tokens where no layer slides)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a role's name given is the role
@@ -181,8 +181,9 @@ def configurations(models: Sequence[ModelSpec], cluster: MixedCluster, longest: 
                                                   kk.block_tokens, kk.memory_fraction)
                             except FlexmeshError:
                                 continue
-                            tokens = (kk.kv_blocks or cap.blocks) * kk.block_tokens
-                            out.append(ReplicaConfig(m, g, tp, pp, role, kk, tokens))
+                            if kk.kv_blocks is not None:
+                                cap = replace(cap, blocks_given=kk.kv_blocks)
+                            out.append(ReplicaConfig(m, g, tp, pp, role, kk, kv_groups(model).room(cap)))
     return out
 
 
@@ -289,7 +290,7 @@ def capacity(t: _SplitTiming, c: ReplicaConfig, b: Bucket, slo: SLO, quantile: f
              groups: KVGroups = FULL_ATTENTION) -> Capacity:
     """One replica of ``c`` serving bucket ``b`` within ``slo`` at the attainment ``quantile`` (see the module
     doc), priced by ``t``; a model whose layers slide (``groups``) holds and reads at most its window of them."""
-    if b.share <= 0 or groups.held(b.longest) > groups.room(c.kv_tokens):
+    if b.share <= 0 or groups.held(b.longest) > c.kv_tokens:
         return NONE
     judge = _Judge(t, c, b, slo, quantile, groups)
     if c.role == Role.PREFILL or (c.role == Role.AGGREGATED and judge.s < 1e-9):
@@ -315,7 +316,7 @@ class _Judge:
         self.ctx = groups.held(b.context)
         self.spread = b.context_spread * (self.ctx / b.context if b.context > 0 else 1.0)
         self.kv_p, self.kv_p_hi = groups.held(self.p), groups.held(self.p_hi)
-        self.budget, self.seqs, self.kv = k.max_batched_tokens, k.max_seqs, groups.room(c.kv_tokens)
+        self.budget, self.seqs, self.kv = k.max_batched_tokens, k.max_seqs, c.kv_tokens
         self.ttft_bound = slo.ttft_s if slo.ttft_s is not None else math.inf
         self.tpot_bound = slo.tpot_s if slo.tpot_s is not None else math.inf
         self.e2e_bound = slo.e2e_s if slo.e2e_s is not None else math.inf
