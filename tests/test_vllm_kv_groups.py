@@ -1,7 +1,8 @@
 """flexmesh's KV groups for models whose layers slide are vLLM's own: for layer counts of both types, vLLM's
 ``_get_kv_cache_groups_uniform_page_size`` and ``get_kv_cache_config_from_groups`` (run in the vLLM environment, as
 tests/test_vllm_export.py says; optional: marker ``vllm``) give the layers per group, the groups of each type and
-the pool's blocks :class:`flexmesh.cost.inference.memory.KVGroups` prices."""
+the pool's blocks :class:`flexmesh.cost.inference.memory.KVGroups` prices, and ``SlidingWindowSpec`` the blocks a
+request reserves in a sliding group at admission."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ for full, sliding, blocks in json.loads(sys.argv[1]):
     pool = get_kv_cache_config_from_groups(config, groups, page * (full + sliding) * blocks).num_blocks
     out.append([max(len(g.layer_names) for g in groups), kinds.count("FullAttentionSpec"),
                 kinds.count("SlidingWindowSpec"), pool])
-print(json.dumps(out))
+caps = [SlidingWindowSpec(**shape, sliding_window=w).max_admission_blocks_per_request(f, 10**7)
+        for w, f in json.loads(sys.argv[2])]
+print(json.dumps([out, caps]))
 """
 
 
@@ -53,10 +56,14 @@ def test_the_kv_groups_and_pool_are_vllms():
     cases = [(13, 13), (4, 22), (10, 52), (12, 13), (13, 12), (10, 18), (21, 7), (5, 4), (1, 3), (3, 1)]
     cases += [(rng.randint(1, 48), rng.randint(1, 48)) for _ in range(30)]
     asked = [(full, sliding, rng.randint(10, 5000)) for full, sliding in cases]
-    run = subprocess.run([VLLM_PYTHON, "-c", ASK_VLLM, json.dumps(asked)], capture_output=True, text=True,
-                         timeout=500)
+    windows = [(rng.choice([16, 100, 512, 4096]), rng.choice([1, 512, 2048, 8192])) for _ in range(12)]
+    run = subprocess.run([VLLM_PYTHON, "-c", ASK_VLLM, json.dumps(asked), json.dumps(windows)], capture_output=True,
+                         text=True, timeout=500)
     assert run.returncode == 0, run.stderr[-3000:]
-    vllm = json.loads(run.stdout.strip().splitlines()[-1])
+    vllm, caps = json.loads(run.stdout.strip().splitlines()[-1])
+    # the blocks a sliding layer's request is admitted against: at most its window less one and the tokens in flight
+    for (window, in_flight), cap in zip(windows, caps, strict=True):
+        assert KVGroups(0, 1, window).reserve(10**7, 16, 0, in_flight) == cap, (window, in_flight)
     for (full, sliding, blocks), (size, n_full, n_sliding, pool) in zip(asked, vllm, strict=True):
         g = KVGroups(full, sliding, 256)
         per_token = 2 * g.layers * 64 * 2  # every layer's keys and values, as vLLM's page above

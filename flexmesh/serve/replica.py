@@ -12,7 +12,9 @@ some of its uncomputed tokens, and a request whose tokens are all computed sampl
    budget left: chunks for the requests in prefill, admissions from the queue. The replica does what it asks
    (:meth:`SimulatedReplica.grow`, :meth:`~SimulatedReplica.admit`, :meth:`~SimulatedReplica.take`): KV blocks
    allocated, preempting where the cache has no room; a prefix-cache hit skips the whole cached blocks of a
-   prompt (the last token always computed).
+   prompt (the last token always computed). An engine that reserves a request's whole prompt (``admit_whole``:
+   vLLM's default since 2026) admits one only where the free blocks hold all its known tokens, not just the chunk
+   it computes first, so a long prompt waits instead of being admitted, then preempted part-way.
 
 The batch is priced by the replica's declared timing (:class:`ReplicaTiming`: its iteration price, decode-only
 runs at once where the price offers them, its engine's loop costs) as a whole; an iteration that starts after the
@@ -128,12 +130,13 @@ class SimulatedReplica:
     def __init__(self, index: int, role: Role, timing: ReplicaTiming, kv: KVBlocks, knobs: EngineKnobs,
                  queue: QueuePolicy, scheduler: ReplicaScheduler, rates: tuple[float, float],
                  sample_every_s: float = float("inf"), charges: Charges | None = None,
-                 groups: KVGroups | None = None):
+                 groups: KVGroups | None = None, admit_whole: bool = False):
         self.index, self.role, self.price, self.kv = index, role, timing.price, kv
         # the model's KV groups (module doc); ``win`` None: no layer slides, every count as without groups
         self.groups = groups or FULL_ATTENTION
         self.win = self.groups.window if self.groups.windowed else None
         self.n_full, self.n_slide, self.units = self.groups.full, self.groups.sliding, self.groups.groups
+        self.admit_whole = admit_whole  # admissions wait until all of a request's known tokens fit (the engine's)
         self.run_price = timing.run_price  # decode-only iterations in a row, where the timing prices them at once
         loop = timing.loop
         self.after_idle, self.idle_gap_s = loop.after_idle, loop.idle_gap_s  # the first iteration after idling
@@ -439,7 +442,8 @@ class SimulatedReplica:
         self.sched.append((q, n))
 
     def admit(self, q: Req, budget: int, now: float) -> bool:
-        """Admit the queue's head if the KV cache has room for what it computes now (False: it waits)."""
+        """Admit the queue's head if the KV cache has room for what it computes now, or with ``admit_whole`` for
+        all its known tokens (vLLM's reservation: :meth:`KVGroups.reserve`; False: it waits)."""
         kv = self.kv
         if q.remote:  # a handed-off request: room for the KV it will receive
             assert now >= q.handed_s, "a decode replica admitted a request before it was handed off"
@@ -459,8 +463,11 @@ class SimulatedReplica:
         computed = hit * self.prefix_tokens
         n = min(q.tokens - computed, budget)
         blocks = self.groups.blocks(computed + n, self.bs, computed)
+        need = blocks
+        if self.admit_whole:
+            need = max(blocks, self.groups.reserve(q.tokens, self.bs, computed, self.max_tokens))
         idle_hits = sum(1 for i in q.ids[:hit] if kv.refs[i] == 0)
-        if not kv.can_allocate(blocks + idle_hits * kv.entry_blocks):
+        if not kv.can_allocate(need + idle_hits * kv.entry_blocks):
             return False
         self.waiting.pop()
         self.waiting_prompt -= q.tokens

@@ -386,7 +386,8 @@ class FleetRun:
                           groups.full)
             scheduler = make_scheduler(fleet.engine.scheduler_name)
             reps.append(SimulatedReplica(r.index, r.spec.role, t, kv, k, queue, scheduler, rates,
-                                         span / max(opts.timeline_points, 1), groups=groups))
+                                         span / max(opts.timeline_points, 1), groups=groups,
+                                         admit_whole=fleet.engine.admit_whole))
         return reps
 
     def _routers(self) -> tuple[list[Router[SimulatedReplica] | None], list[Router[SimulatedReplica] | None]]:

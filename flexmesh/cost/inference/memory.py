@@ -151,6 +151,19 @@ class KVGroups:
         assert self.window is not None
         return self.full * own + self.sliding * -(-min(tokens, self.window) // block_tokens)
 
+    def reserve(self, tokens: int, block_tokens: int, shared: int, in_flight: int) -> int:
+        """Group blocks vLLM asks to be free before it admits a request of ``tokens`` known tokens whose first
+        ``shared`` a prefix cache holds (``scheduler_reserve_full_isl``: ``KVCacheManager.allocate_slots`` with
+        ``full_sequence_must_fit``): :meth:`blocks` of them all, a sliding group's at most those of ``window - 1``
+        tokens and the ``in_flight`` ones an iteration computes, and one more for a window that starts mid-block
+        (``SlidingWindowSpec.max_admission_blocks_per_request``)."""
+        own = -(-(tokens - shared) // block_tokens)
+        if not self.windowed:
+            return own
+        assert self.window is not None
+        cap = -(-(self.window - 1 + in_flight) // block_tokens) + 1
+        return self.full * own + self.sliding * min(-(-tokens // block_tokens), cap)
+
     def pool(self, cap: KVCapacity) -> int:
         """Group blocks in the KV cache ``cap``: as given (vLLM's ``num_gpu_blocks_override`` counts them), or its
         memory over a group's block (``cap``'s blocks are of every layer)."""

@@ -44,7 +44,7 @@ DEFAULT_ENGINE = "vllm"
 DEVICE, CONTEXT = "device", "context"
 # vLLM V0's floor on the budget without chunked prefill: max(max_model_len, 2048) (vllm/config.py SchedulerConfig)
 MIN_WHOLE_BUDGET = 2048
-_FLAGS = ("prefill_first", "chunked_prefill", "cuda_graphs", "cpu_overlap")
+_FLAGS = ("prefill_first", "chunked_prefill", "admit_whole", "cuda_graphs", "cpu_overlap")
 _GRAPH_SIZES = ("graph_batch", "graph_tokens")
 _FIELDS = ("name", "base", "title", "kind", "version", *_FLAGS, "scheduler", "max_batched_tokens", "max_seqs",
            *_GRAPH_SIZES, "all_reduce", "overhead", "multi_gpu_ms", "rates", "sources")
@@ -60,6 +60,8 @@ class EngineSpec:
     version: str = ""
     prefill_first: bool = False
     chunked_prefill: bool = True
+    # a waiting request admitted only where the free KV holds all its known tokens, not its first chunk alone
+    admit_whole: bool = False
     scheduler: str = ""  # a registered replica scheduler in place of the two above (flexmesh.serve.schedulers)
     max_batched_tokens: int | str = DEVICE
     max_seqs: int | str = DEVICE
@@ -134,6 +136,8 @@ class EngineSpec:
         """One line: what it is and does."""
         mix = "prompts first" if self.prefill_first else "prompts mixed with decodes"
         chunk = "chunked prefill" if self.chunked_prefill else "whole prompts"
+        if self.chunked_prefill and self.admit_whole:
+            chunk += " (admitted where the whole prompt fits)"
         if self.scheduler:
             mix, chunk = f"scheduler {self.scheduler}", ""
         graphs = "no CUDA graphs"
@@ -152,7 +156,7 @@ class EngineSpec:
         out: dict[str, Any] = {
             "name": self.name, "title": self.title, "kind": self.kind, "version": self.version,
             "prefill_first": self.prefill_first, "chunked_prefill": self.chunked_prefill,
-            **({"scheduler": self.scheduler} if self.scheduler else {}),
+            "admit_whole": self.admit_whole, **({"scheduler": self.scheduler} if self.scheduler else {}),
             "max_batched_tokens": self.max_batched_tokens, "max_seqs": self.max_seqs,
             "cuda_graphs": self.cuda_graphs, "graph_batch": self.graph_batch, "graph_tokens": self.graph_tokens,
             "cpu_overlap": self.cpu_overlap, "all_reduce": self.all_reduce,
