@@ -35,7 +35,7 @@ role prefill / decode      --kv-transfer-config (NIXL,         --disaggregation-
 no chunked prefill          --no-enable-chunked-prefill         --chunked-prefill-size -1
 prompts mixed with decodes  (V1: always)                       --enable-mixed-chunk
 no CUDA graphs             --enforce-eager                     --disable-cuda-graph
-CPU work overlapped        --async-scheduling                  (SGLang: default; off: --disable-overlap-schedule)
+CPU work overlapped        (default; off: --no-async-scheduling) (default; off: --disable-overlap-schedule)
 =========================  ==================================  =========================================
 
 >>> sorted(ENGINES), [e.name for e in exported()]
@@ -146,8 +146,8 @@ def _vllm_flags(e: EngineSpec) -> list[str]:
         out += ["--max-cudagraph-capture-size", str(max(e.graphs))]
     if e.all_reduce == "nccl":
         out.append("--disable-custom-all-reduce")
-    if e.cpu_overlap:
-        out.append("--async-scheduling")
+    if not e.cpu_overlap:  # async scheduling is vLLM's default
+        out.append("--no-async-scheduling")
     return out
 
 
