@@ -110,8 +110,8 @@ def test_a_replica_of_more_than_one_gpu_pays_the_engines_rpc_and_overlap_takes_t
     # the RPC makes tp2 decode barely faster than tp1 on the older engine, about 1.6x on current vLLM
     assert one / two < 1.2 < v1.iteration(MODEL, hw, tp=1).split_s(8, 8000, ()) / v1.iteration(
         MODEL, hw, tp=2).split_s(8, 8000, ())
-    over = replace(v1, cpu_overlap=True).iteration(MODEL, hw)
-    plain = v1.iteration(MODEL, hw)
+    over = v1.iteration(MODEL, hw)  # current vLLM schedules the next iteration while the GPU runs this one
+    plain = replace(v1, cpu_overlap=False).iteration(MODEL, hw)
     gpu, cpu = plain.split_s(8, 8000, ()) - plain.cpu_s(8), plain.cpu_s(8)
     assert over.split_s(8, 8000, ()) == pytest.approx(max(gpu, cpu), rel=1e-12)
     # decode runs in closed form agree with the iterations one by one, overlap or not
@@ -316,11 +316,15 @@ def test_a_plan_carries_its_engine_and_export_writes_its_flags():
     sg = [c.argv for c in launches("sglang", replace(plan, engine=engine_spec("sglang")), "/m")]
     assert all("--enable-mixed-chunk" not in a and "--disable-overlap-schedule" not in a for a in sg)
     sg_v1 = [c.argv for c in launches("sglang", plan, "/m")]  # SGLang made to batch as the plan was priced
-    assert all("--enable-mixed-chunk" in a and "--disable-overlap-schedule" in a for a in sg_v1)
+    assert all("--enable-mixed-chunk" in a and "--disable-overlap-schedule" not in a for a in sg_v1)
     # an engine priced with NCCL's all-reduce is started without its own
     assert all("--disable-custom-all-reduce" in a for a in vllm)
     assert not any("--disable-custom-all-reduce" in c.argv for c in launches("vllm", plan, "/m"))
     assert all("--disable-custom-all-reduce" not in a for a in sg)
+    # vLLM overlaps its CPU work by default (async scheduling): an engine priced without it is started without it
+    assert all("--no-async-scheduling" in a for a in vllm)
+    assert not any("--no-async-scheduling" in c.argv or "--async-scheduling" in c.argv
+                   for c in launches("vllm", plan, "/m"))
     # the CUDA graph sizes it was priced with: vLLM's one capture size, SGLang's decode batch; none at the defaults
     assert all(a[a.index("--max-cudagraph-capture-size") + 1] == "256" for a in vllm)
     assert not any("--max-cudagraph-capture-size" in c.argv for c in launches("vllm", plan, "/m"))

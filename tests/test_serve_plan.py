@@ -329,13 +329,17 @@ def test_transition_matches_old_replicas_to_new_at_least_cost():
     planner, p = _small_plan()
     same = transition(p, p)
     assert {m.what for m in same.moves} == {"kept"} and same.weight_bytes == 0 and same.seconds == 0
-    wider = replace(p, groups=tuple(replace(g, tp=g.tp * 2, replicas=max(1, g.replicas // 2)) if g.device == "L4"
-                                    else g for g in p.groups))
+    # the first L4 group of two or more replicas, half as many twice as wide (the same devices)
+    widen = next(i for i, g in enumerate(p.groups) if g.device == "L4" and g.replicas >= 2)
+    wider = replace(p, groups=tuple(replace(g, tp=g.tp * 2, replicas=g.replicas // 2) if i == widen else g
+                                    for i, g in enumerate(p.groups)))
     t = transition(p, wider)
     assert t.weight_bytes > 0 and t.seconds > 0 and t.dollars > 0
     assert any(m.what == "reloaded" for m in t.moves)
-    h100 = [m for m in t.moves if m.old is not None and m.new is not None and m.weight_bytes == 0]
-    assert len(h100) == sum(g.replicas for g in p.groups if g.device == "H100-80GB")  # untouched: kept in place
+    kept = [m for m in t.moves if m.what == "kept"]
+    assert all(m.weight_bytes == 0 and m.old is not None and m.new is not None for m in kept)
+    # the H100 replicas are untouched: kept in place (an L4 replica of the same tp may be re-roled instead)
+    assert len(kept) >= sum(g.replicas for g in p.groups if g.device == "H100-80GB")
 
 
 # ---- the simulator's tiers and the length router --------------------------------------------------------------

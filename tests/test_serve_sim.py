@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import flexmesh.serve.simulator as simulator
 from flexmesh.cost.device.hardware import Hardware
-from flexmesh.cost.inference.analytic import AnalyticIteration
 from flexmesh.data.requests import Request, Workload, constant_lengths, load_trace, window, with_arrivals
 from flexmesh.errors import FlexmeshError, SpecError
 from flexmesh.serve.kv import KVBlocks
+from flexmesh.serve.layout.engine import engine_spec
 from flexmesh.serve.layout.knobs import default_knobs
 from flexmesh.serve.layout.replicas import parse_replicas, place
 from flexmesh.serve.metrics import summarize
@@ -158,7 +158,7 @@ def test_same_inputs_give_the_same_records_and_coasting_changes_nothing_but_roun
 
     class Stepwise:  # the same prices, without the closed form for decode-only runs
         def __init__(self, rep):
-            self.inner = AnalyticIteration(MODEL, Hardware(c.groups[rep.spec.group]), rep.spec.tp, rep.spec.pp)
+            self.inner = engine_spec().iteration(MODEL, Hardware(c.groups[rep.spec.group]), rep.spec.tp, rep.spec.pp)
 
         def split_s(self, d, ctx, chunks):
             return self.inner.split_s(d, ctx, chunks)

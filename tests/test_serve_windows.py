@@ -15,6 +15,7 @@ from flexmesh.cost.inference.analytic import AnalyticIteration
 from flexmesh.cost.inference.memory import FULL_ATTENTION, KVGroups, kv_capacity, kv_groups
 from flexmesh.data.requests import constant_lengths, load_trace, window, with_arrivals
 from flexmesh.errors import FlexmeshError
+from flexmesh.serve.layout.engine import engine_spec
 from flexmesh.serve.layout.knobs import default_knobs
 from flexmesh.serve.layout.replicas import parse_replicas, place
 from flexmesh.serve.layout.roles import Role
@@ -134,7 +135,7 @@ def test_coasting_through_the_window_changes_nothing_but_rounding():
 
     class Stepwise:  # the same prices, without the closed form for decode-only runs
         def __init__(self, rep):  # noqa: ANN001
-            self.inner = AnalyticIteration(model, Hardware(c.groups[rep.spec.group]), rep.spec.tp, rep.spec.pp)
+            self.inner = engine_spec().iteration(model, Hardware(c.groups[rep.spec.group]), rep.spec.tp, rep.spec.pp)
 
         def split_s(self, d, ctx, chunks):  # noqa: ANN001, ANN202
             return self.inner.split_s(d, ctx, chunks)
@@ -152,7 +153,7 @@ def test_a_window_holds_more_long_requests_at_once_and_serves_them_sooner():
     w = with_arrivals(constant_lengths(6000, 200), rate=20.0, n=40)
     full = _fleet(FULL, kv_blocks=3000).run(w)
     short = _fleet(windowed(512), kv_blocks=3000).run(w)
-    assert full.replicas[0].preemptions > 0 and short.replicas[0].preemptions == 0
+    assert short.replicas[0].preemptions == 0  # (the full model's long prompts wait for room: vLLM admits whole ones)
     assert short.replicas[0].kv_explain.endswith(
         "; 1 of 1 KV groups of 32 layers slide, a request holding at most 512 tokens of theirs")
     assert "slide" not in full.replicas[0].kv_explain
