@@ -65,12 +65,16 @@ def test_a_power_capped_part_reaches_down_to_its_tables_short_runs():
 
 def test_the_scale_multiplies_every_device_price_and_leaves_the_engines_cpu_time():
     hw = Hardware(parse_cluster("1x8xH100"))
-    one, slow = (engine_spec("vllm").iteration(MODEL, hw, tp=2, scale=f) for f in (1.0, 1.25))
+    after = replace(engine_spec("vllm"), cpu_overlap=False)  # the CPU's time after the GPU's, not overlapped
+    one, slow = (after.iteration(MODEL, hw, tp=2, scale=f) for f in (1.0, 1.25))
+    over_slow = engine_spec("vllm").iteration(MODEL, hw, tp=2, scale=1.25)
     for decodes, context, chunks in ((16, 16_000, ()), (4, 4_000, [(0, 900)]), (0, 0, [(512, 2048)])):
         requests = decodes + len(chunks)
         cpu = one.cpu_s(requests)
-        assert slow.split_s(decodes, context, chunks) - cpu == pytest.approx(
-            1.25 * (one.split_s(decodes, context, chunks) - cpu), rel=1e-12)
+        gpu = one.split_s(decodes, context, chunks) - cpu
+        assert slow.split_s(decodes, context, chunks) - cpu == pytest.approx(1.25 * gpu, rel=1e-12)
+        # overlapped, the larger of the two
+        assert over_slow.split_s(decodes, context, chunks) == pytest.approx(max(1.25 * gpu, cpu), rel=1e-12)
     assert slow.decode_run_s(8, 8_000, 50) > one.decode_run_s(8, 8_000, 50)
 
 
