@@ -45,7 +45,7 @@ estimates: the simulator judges the plans (:mod:`flexmesh.serve.plan.search`).
 >>> cap = Pricing((parse_model("llama3.1-8b"),), parse_mixed_cluster("8xH100")).capacity(agg, b.buckets[0],
 ...                                                                                       SLO(ttft_s=1, tpot_s=0.05))
 >>> round(cap.rate, 1), cap.bound, cap.tpot_s <= 0.05
-(16.9, 'tpot', True)
+(26.8, 'budget', True)
 """
 
 from __future__ import annotations
